@@ -1,0 +1,78 @@
+"""Every session of the project: tests, lint, typecheck, bench, demo, fuzz.
+
+``python3 -m nox -s tests`` is the test command (CI runs exactly it); ``python3 -m nox -s demo``
+is the README's main job.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+PYTHON = "3.11"
+# The CPU build of torch this machine kind ships; a range admitting newer releases would pull a
+# multi-GB CUDA build on a CPU-only machine.
+TORCH = "torch==2.13.0"
+
+
+def _local_distributions() -> list[str]:
+    """Every plugin and contrib distribution in the repository (each has a pyproject.toml)."""
+    dirs = sorted(ROOT.glob("plugins/*/pyproject.toml")) + sorted(ROOT.glob("contrib/*/pyproject.toml"))
+    return [str(p.parent.relative_to(ROOT)) for p in dirs]
+
+
+def _install_project(session: nox.Session, *extras: str) -> None:
+    session.install(TORCH)
+    spec = f".[{','.join(extras)}]" if extras else "."
+    args = ["-e", spec]
+    for dist in _local_distributions():
+        args += ["-e", dist]
+    session.install(*args)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite: core, every plugin, cross-plugin integration (CI runs this)."""
+    _install_project(session, "test")
+    # A plugin distribution kept under tests/, found through real entry-point discovery.
+    session.install("-e", "tests/plugins/relax-testplugin")
+    session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff>=0.6,<1")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy on the core."""
+    session.install("mypy>=1.11,<3")
+    _install_project(session, "test")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Every benchmark (``relax bench NAME --json``); pass names to run only some."""
+    _install_project(session, "test")
+    names = session.posargs or sorted(
+        p.stem for p in (ROOT / "relax_core" / "bench").glob("*.py") if not p.stem.startswith("_")
+    )
+    for name in names:
+        session.run("relax", "bench", name, "--json")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The README's main job: all three roles on tiny hf models on CPU, through the gateways."""
+    _install_project(session)
+    session.run("relax", "demo", *session.posargs)

@@ -1,0 +1,38 @@
+"""The core's own plugin: built-in weight sources, routing policies and placement modes.
+
+Registered by :meth:`relax_core.plugins.PluginManager.create` under the name ``relax-core``.
+Each hook implementation lives beside the code it registers and is re-exported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from relax_core.hookspecs import hookimpl
+from relax_core.records import WeightSource
+
+STATIC = WeightSource(
+    name="STATIC",
+    update_paths=frozenset(),
+    publishes_version=False,
+    description="Fixed checkpoint: every update path, LoRA and seed sync are refused.",
+)
+ACTOR = WeightSource(
+    name="ACTOR",
+    update_paths={"tensor", "distributed", "disk", "lora", "seed_sync"},
+    publishes_version=True,
+    description="Weights pushed by the trainer every step; weight_version is published.",
+)
+DCS = WeightSource(
+    name="DCS",
+    update_paths={"disk"},
+    publishes_version=True,
+    description="Versioned checkpoints pulled from a checkpoint directory (version-N/).",
+)
+
+
+@hookimpl
+def relax_register_weight_sources(register: Callable[[WeightSource], None]) -> None:
+    """Register STATIC, ACTOR and DCS."""
+    for source in (STATIC, ACTOR, DCS):
+        register(source)

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``relax`` CLI, one module each (see :mod:`relax_core.cli`)."""

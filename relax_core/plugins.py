@@ -1,0 +1,292 @@
+"""Loading plugins and collecting the records they register.
+
+:class:`PluginManager` wraps pluggy: it registers the core's built-in plugin, loads the
+``relax`` entry points (honouring ``RELAX_LOAD_PLUGINS`` and ``RELAX_DISABLE_PLUGINS``), calls
+every registration hook with keyword arguments and keeps the records by kind and name, each with
+the distribution that registered it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
+from typing import Any, Generic, TypeVar
+
+import attrs
+import pluggy
+
+from relax_core import hookspecs
+from relax_core.errors import PluginError
+from relax_core.records import (
+    EngineBackend,
+    PlacementMode,
+    RewardSpec,
+    RoleSpec,
+    RoutingPolicy,
+    WeightSource,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KINDS",
+    "PluginManager",
+    "Registered",
+    "get_plugin_manager",
+]
+
+ENTRY_POINT_GROUP = "relax"
+CORE_PLUGIN_NAME = "relax-core"
+
+R = TypeVar("R")
+
+#: kind -> (hook name, record type)
+KINDS: Mapping[str, tuple[str, type[Any]]] = {
+    "roles": ("relax_register_roles", RoleSpec),
+    "engine_backends": ("relax_register_engine_backends", EngineBackend),
+    "weight_sources": ("relax_register_weight_sources", WeightSource),
+    "reward_adapters": ("relax_register_reward_adapters", RewardSpec),
+    "routing_policies": ("relax_register_routing_policies", RoutingPolicy),
+    "placement_modes": ("relax_register_placement_modes", PlacementMode),
+}
+
+
+@attrs.frozen
+class Registered(Generic[R]):
+    """A record with the plugin (entry-point name) and distribution that registered it."""
+
+    record: R
+    plugin: str
+    distribution: str
+
+
+def _env_list(name: str) -> frozenset[str] | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+class PluginManager:
+    """A typed wrapper around pluggy for the ``relax`` project.
+
+    Build one with :meth:`PluginManager.create`. Records are collected once, on first access,
+    and cached; :meth:`reload` recollects them. Not thread-safe while loading; read-only after.
+    """
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager("relax")
+        self._pm.add_hookspecs(hookspecs)
+        self._dists: dict[str, str] = {}
+        self._records: dict[str, dict[str, Registered[Any]]] | None = None
+        self._lock = threading.Lock()
+
+    # -- building ------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        entry_points: bool = True,
+        builtins: bool = True,
+        plugins: Iterable[tuple[str, object]] = (),
+    ) -> PluginManager:
+        """A plugin manager with the core's built-ins, the installed entry points and ``plugins``.
+
+        :param entry_points: load the ``relax`` entry-point group.
+        :param builtins: register the core's own records (weight sources, routing policies, …).
+        :param plugins: extra ``(name, module_or_object)`` pairs, registered after the rest.
+        :raises PluginError: a plugin failed to import, or an allow/block list names nothing.
+        """
+        pm = cls()
+        if builtins:
+            from relax_core import builtins as core_builtins
+
+            pm.register(core_builtins, name=CORE_PLUGIN_NAME, distribution=CORE_PLUGIN_NAME)
+        if entry_points:
+            pm.load_entry_points()
+        for name, plugin in plugins:
+            pm.register(plugin, name=name)
+        return pm
+
+    def register(self, plugin: object, *, name: str, distribution: str | None = None) -> None:
+        """Register one plugin object under ``name`` and check its hooks are all known."""
+        if self._pm.has_plugin(name):
+            raise PluginError(
+                f"two plugins are named {name!r} (distributions {self._dists.get(name)!r} and "
+                f"{distribution!r}); uninstall one or disable it with RELAX_DISABLE_PLUGINS"
+            )
+        try:
+            self._pm.register(plugin, name=name)
+        except (ValueError, pluggy.PluginValidationError) as exc:
+            raise PluginError(f"plugin {name!r} cannot be registered: {exc}") from exc
+        self._dists[name] = distribution or name
+        self._check_pending(name)
+        self._records = None
+
+    def _check_pending(self, name: str) -> None:
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            self._pm.unregister(name=name)
+            raise PluginError(
+                f"plugin {name!r} implements a hook Relax does not define: {exc}; "
+                "hooks are listed in relax_core.hookspecs"
+            ) from exc
+
+    def load_entry_points(self) -> list[str]:
+        """Load every ``relax`` entry point allowed by the environment; return their names.
+
+        ``RELAX_LOAD_PLUGINS`` (comma-separated entry-point names) is an allow-list;
+        ``RELAX_DISABLE_PLUGINS`` a block-list. A plugin that fails to import raises
+        :class:`PluginError` naming it and its distribution.
+        """
+        allow = _env_list("RELAX_LOAD_PLUGINS")
+        block = _env_list("RELAX_DISABLE_PLUGINS") or frozenset()
+        found = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        names = {ep.name for ep in found}
+        for var, listed in (("RELAX_LOAD_PLUGINS", allow), ("RELAX_DISABLE_PLUGINS", block)):
+            unknown = (listed or frozenset()) - names
+            if unknown:
+                raise PluginError(
+                    f"{var} names plugins that are not installed: {sorted(unknown)}; "
+                    f"installed: {sorted(names)}"
+                )
+        loaded: list[str] = []
+        for ep in found:
+            if ep.name in block or (allow is not None and ep.name not in allow):
+                continue
+            dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {ep.name!r} (distribution {dist!r}, entry point {ep.value!r}) failed "
+                    f"to load: {type(exc).__name__}: {exc}. Fix or uninstall it, or set "
+                    f"RELAX_DISABLE_PLUGINS={ep.name}"
+                ) from exc
+            self.register(plugin, name=ep.name, distribution=dist)
+            loaded.append(ep.name)
+        return loaded
+
+    # -- records -------------------------------------------------------------------------
+
+    def _collect(self) -> dict[str, dict[str, Registered[Any]]]:
+        with self._lock:
+            if self._records is not None:
+                return self._records
+            records: dict[str, dict[str, Registered[Any]]] = {}
+            for kind, (hook_name, record_type) in KINDS.items():
+                records[kind] = self._collect_kind(kind, hook_name, record_type)
+            self._records = records
+            return records
+
+    def _collect_kind(
+        self, kind: str, hook_name: str, record_type: type[Any]
+    ) -> dict[str, Registered[Any]]:
+        out: dict[str, Registered[Any]] = {}
+        hook = getattr(self._pm.hook, hook_name)
+        for impl in hook.get_hookimpls():
+            plugin_name = self._pm.get_name(impl.plugin) or repr(impl.plugin)
+
+            def register(record: object, _plugin: str = plugin_name) -> None:
+                if not isinstance(record, record_type):
+                    raise PluginError(
+                        f"plugin {_plugin!r} passed {type(record).__name__} to the {kind} "
+                        f"register callback; expected {record_type.__name__}"
+                    )
+                name = record.name  # type: ignore[attr-defined]
+                if name in out:
+                    first = out[name]
+                    raise PluginError(
+                        f"{kind} name {name!r} is registered twice: by plugin {first.plugin!r} "
+                        f"(distribution {first.distribution!r}) and by plugin {_plugin!r} "
+                        f"(distribution {self._dists.get(_plugin, _plugin)!r})"
+                    )
+                out[name] = Registered(record, _plugin, self._dists.get(_plugin, _plugin))
+
+            try:
+                impl.function(**{arg: register for arg in impl.argnames})
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {plugin_name!r} failed in {hook_name}: {type(exc).__name__}: {exc}"
+                ) from exc
+        return out
+
+    def registered(self, kind: str) -> Mapping[str, Registered[Any]]:
+        """Every record of ``kind`` (a key of :data:`KINDS`) with its owner, by name."""
+        if kind not in KINDS:
+            raise KeyError(f"unknown record kind {kind!r}; known: {sorted(KINDS)}")
+        return self._collect()[kind]
+
+    def _get(self, kind: str, name: str) -> Any:
+        table = self.registered(kind)
+        try:
+            return table[name].record
+        except KeyError:
+            raise PluginError(
+                f"no {kind[:-1].replace('_', ' ')} named {name!r} is registered; known: "
+                f"{sorted(table)}. Is the plugin that provides it installed and enabled?"
+            ) from None
+
+    def role(self, name: str) -> RoleSpec:
+        """The role named ``name``; :class:`PluginError` if none is registered."""
+        return self._get("roles", name)  # type: ignore[no-any-return]
+
+    def engine_backend(self, name: str) -> EngineBackend:
+        """The engine backend named ``name``."""
+        return self._get("engine_backends", name)  # type: ignore[no-any-return]
+
+    def weight_source(self, name: str) -> WeightSource:
+        """The weight source named ``name``."""
+        return self._get("weight_sources", name)  # type: ignore[no-any-return]
+
+    def reward_adapter(self, name: str) -> RewardSpec:
+        """The reward adapter named ``name``."""
+        return self._get("reward_adapters", name)  # type: ignore[no-any-return]
+
+    def routing_policy(self, name: str) -> RoutingPolicy:
+        """The routing policy named ``name``."""
+        return self._get("routing_policies", name)  # type: ignore[no-any-return]
+
+    def placement_mode(self, name: str) -> PlacementMode:
+        """The placement mode named ``name``."""
+        return self._get("placement_modes", name)  # type: ignore[no-any-return]
+
+    def plugin_names(self) -> list[str]:
+        """Names of every registered plugin, the core's first."""
+        return [name for name, _ in self._pm.list_name_plugin()]
+
+    def distribution_of(self, plugin: str) -> str:
+        """The distribution that provided ``plugin``."""
+        return self._dists[plugin]
+
+    @property
+    def pluggy(self) -> pluggy.PluginManager:
+        """The wrapped pluggy manager (for tests and advanced use)."""
+        return self._pm
+
+
+_default: PluginManager | None = None
+_default_lock = threading.Lock()
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager (built on first use). Tests build their own instead."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PluginManager.create()
+        return _default
+
+
+def module_plugin(name: str, **hooks: Callable[..., None]) -> ModuleType:
+    """Build a plugin module from keyword hook functions (handy in tests and notebooks)."""
+    mod = ModuleType(name)
+    for hook_name, fn in hooks.items():
+        setattr(mod, hook_name, hookspecs.hookimpl(fn))
+    return mod
