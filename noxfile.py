@@ -22,7 +22,9 @@ TORCH = "torch==2.13.0"
 
 def _local_distributions() -> list[str]:
     """Every plugin and contrib distribution in the repository (each has a pyproject.toml)."""
-    dirs = sorted(ROOT.glob("plugins/*/pyproject.toml")) + sorted(ROOT.glob("contrib/*/pyproject.toml"))
+    dirs = sorted(ROOT.glob("plugins/*/pyproject.toml")) + sorted(
+        ROOT.glob("contrib/*/pyproject.toml")
+    )
     return [str(p.parent.relative_to(ROOT)) for p in dirs]
 
 

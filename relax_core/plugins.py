@@ -145,7 +145,9 @@ class PluginManager:
         """
         allow = _env_list("RELAX_LOAD_PLUGINS")
         block = _env_list("RELAX_DISABLE_PLUGINS") or frozenset()
-        found = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        found = sorted(
+            importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
+        )
         names = {ep.name for ep in found}
         for var, listed in (("RELAX_LOAD_PLUGINS", allow), ("RELAX_DISABLE_PLUGINS", block)):
             unknown = (listed or frozenset()) - names

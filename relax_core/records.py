@@ -159,7 +159,9 @@ class WeightSource:
     description: str = ""
 
     @update_paths.validator
-    def _check_paths(self, attribute: attrs.Attribute[frozenset[str]], value: frozenset[str]) -> None:
+    def _check_paths(
+        self, attribute: attrs.Attribute[frozenset[str]], value: frozenset[str]
+    ) -> None:
         unknown = value - UPDATE_PATHS
         if unknown:
             raise ValueError(

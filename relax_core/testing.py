@@ -40,8 +40,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.02) -> None:
-    """Poll ``predicate`` until it is true; raise ``TimeoutError`` naming ``what`` after ``timeout``."""
+def wait_for(
+    predicate: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.02
+) -> None:
+    """Poll ``predicate`` until true; raise ``TimeoutError`` naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -50,7 +52,9 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str, interv
 
 
 @contextlib.contextmanager
-def serve_app(app: Any, *, host: str = "127.0.0.1", timeout: float = 20.0, **config: Any) -> Iterator[str]:
+def serve_app(
+    app: Any, *, host: str = "127.0.0.1", timeout: float = 20.0, **config: Any
+) -> Iterator[str]:
     """Serve an ASGI app with a real uvicorn server in a thread; yield its base URL.
 
     The server is stopped (and its thread joined) when the block ends.
@@ -63,7 +67,11 @@ def serve_app(app: Any, *, host: str = "127.0.0.1", timeout: float = 20.0, **con
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     try:
-        wait_for(lambda: server.started or not thread.is_alive(), timeout=timeout, what=f"uvicorn on {port}")
+        wait_for(
+            lambda: server.started or not thread.is_alive(),
+            timeout=timeout,
+            what=f"uvicorn on {port}",
+        )
         if not server.started:
             raise RuntimeError(f"uvicorn on {host}:{port} exited before it started")
         yield f"http://{host}:{port}"

@@ -14,7 +14,9 @@ HELP = "Run a benchmark (client, placement, manager, gateway, …) and print its
 
 
 def _names() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+    return sorted(
+        m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_")
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,5 +31,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(module.format_result(result) if hasattr(module, "format_result") else json.dumps(result, indent=2))
+        print(
+            module.format_result(result)
+            if hasattr(module, "format_result")
+            else json.dumps(result, indent=2)
+        )
     return 0

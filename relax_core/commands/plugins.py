@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     widths = [max([len(h)] + [len(r[h]) for r in rows]) for h in ("kind", "name", "distribution")]
     header = ("kind", "name", "distribution")
-    print("  ".join(h.upper().ljust(w) for h, w in zip(header, widths, strict=True)) + "  DESCRIPTION")
+    print(
+        "  ".join(h.upper().ljust(w) for h, w in zip(header, widths, strict=True)) + "  DESCRIPTION"
+    )
     for r in rows:
         cells = [r[h].ljust(w) for h, w in zip(header, widths, strict=True)]
         print("  ".join(cells) + "  " + r["description"])
