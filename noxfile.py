@@ -57,8 +57,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy on the core."""
-    session.install("mypy>=1.11,<3")
-    _install_project(session, "test")
+    session.install("mypy>=1.11,<3", "-e", ".[test]")
     session.run("mypy")
 
 
