@@ -1,0 +1,252 @@
+"""Role adapters: how a role's gateway turns a caller's request into an engine request.
+
+A role plugin registers a :class:`~relax_core.records.RoleSpec` whose ``gateway_adapter`` is a
+zero-argument factory returning a :class:`RoleAdapter`. The gateway validates the common shape of
+a request (see :func:`check_generate_payload`), resolves the model, then asks the adapter for the
+payload to forward (:meth:`RoleAdapter.adapt_generate`). Adapters never touch the network; they
+may load a tokenizer from the selected model's local ``model_path``.
+
+This module is deliberately light (no aiohttp, no Starlette) so a role plugin can import it
+without pulling in the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from relax_core.errors import RelaxError
+
+__all__ = [
+    "AdaptContext",
+    "Adapted",
+    "InvalidRequestError",
+    "RoleAdapter",
+    "check_chat_payload",
+    "check_generate_payload",
+    "check_messages",
+]
+
+
+class InvalidRequestError(RelaxError):
+    """A request body is malformed; the gateway answers 400 with ``message``.
+
+    ``field`` names the offending JSON field (``sampling_params.max_new_tokens``), if any.
+    """
+
+    status = 400
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.message = message
+        self.field = field
+        super().__init__(message)
+
+
+@attrs.frozen
+class AdaptContext:
+    """What an adapter knows about the request once the model is chosen.
+
+    ``model``: the logical model id the request resolved to. ``model_path``: the model's local
+    checkpoint directory (``None`` when the gateway does not know it). ``served_model_name``:
+    the name the engine serves the model under. ``stream``: whether the caller asked to stream.
+    """
+
+    role: str
+    model: str
+    model_path: str | None
+    served_model_name: str | None
+    stream: bool
+
+
+@attrs.frozen
+class Adapted:
+    """An adapter's answer.
+
+    ``payload``: the JSON object to forward instead of the caller's (``None``: forward the
+    caller's payload, after the gateway's usual stripping). ``response``: a function that turns
+    the engine's JSON answer into the caller's (``None``: relay the engine's bytes unchanged).
+    A ``response`` function is only used for non-streamed answers.
+    """
+
+    payload: dict[str, Any] | None = None
+    response: Callable[[Any], Any] | None = None
+
+
+PASS_THROUGH = Adapted()
+
+_GENERATE_INPUTS = ("text", "input_ids")
+
+
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+
+
+def check_generate_payload(
+    payload: object, *, extra_inputs: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Check the common shape of a ``/generate`` body and return it as a dict.
+
+    A body is a JSON object with exactly one input among ``text``, ``input_ids`` and
+    ``extra_inputs`` (genrm adds ``messages``), an optional ``sampling_params`` object, optional
+    boolean ``stream`` and optional string ``model`` / ``route_key``.
+
+    :raises InvalidRequestError: naming the field and what to send instead.
+    """
+    if not isinstance(payload, dict):
+        raise InvalidRequestError(
+            f"the request body must be a JSON object, got {type(payload).__name__}; "
+            'send e.g. {"text": "Hello", "sampling_params": {"max_new_tokens": 8}}'
+        )
+    inputs = [k for k in (*_GENERATE_INPUTS, *extra_inputs) if payload.get(k) is not None]
+    allowed = ", ".join(repr(k) for k in (*_GENERATE_INPUTS, *extra_inputs))
+    if len(inputs) != 1:
+        raise InvalidRequestError(
+            f"send exactly one input field among {allowed}; got "
+            f"{', '.join(repr(k) for k in inputs) if inputs else 'none'}",
+            field=inputs[1] if len(inputs) > 1 else None,
+        )
+    text = payload.get("text")
+    if text is not None and not (isinstance(text, str) and text):
+        raise InvalidRequestError("'text' must be a non-empty string", field="text")
+    ids = payload.get("input_ids")
+    if ids is not None and not (_is_int_list(ids) and ids and all(0 <= v < 2**31 for v in ids)):
+        raise InvalidRequestError(
+            "'input_ids' must be a non-empty list of non-negative token ids (integers)",
+            field="input_ids",
+        )
+    _check_common(payload)
+    sp = payload.get("sampling_params")
+    if sp is not None:
+        _check_sampling_params(sp)
+    for key in ("return_logprob",):
+        if key in payload and not isinstance(payload[key], bool):
+            raise InvalidRequestError(f"'{key}' must be true or false", field=key)
+    for key in ("logprob_start_len", "top_logprobs_num"):
+        value = payload.get(key)
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and -1 <= value < 2**31
+        ):
+            raise InvalidRequestError(f"'{key}' must be an integer >= -1", field=key)
+    return payload
+
+
+def check_chat_payload(payload: object) -> dict[str, Any]:
+    """Check the common shape of a chat-completions body and return it as a dict.
+
+    ``messages`` must be a non-empty list of objects each with a string ``role``.
+
+    :raises InvalidRequestError: naming the field.
+    """
+    if not isinstance(payload, dict):
+        raise InvalidRequestError(
+            f"the request body must be a JSON object with 'messages', got {type(payload).__name__}"
+        )
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(
+            '\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects',
+            field="messages",
+        )
+    check_messages(messages)
+    _check_common(payload)
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        value = payload.get(key)
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+        ):
+            raise InvalidRequestError(f"'{key}' must be a non-negative integer", field=key)
+    for key in ("temperature", "top_p"):
+        value = payload.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise InvalidRequestError(f"'{key}' must be a number", field=key)
+    return payload
+
+
+def check_messages(messages: object, *, field: str = "messages") -> list[dict[str, Any]]:
+    """Check a chat ``messages`` list: objects with a string ``role`` and string/list content."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(
+            f'\'{field}\' must be a non-empty list of {{"role": ..., "content": ...}} objects',
+            field=field,
+        )
+    for i, message in enumerate(messages):
+        where = f"{field}[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"'{where}' must be an object", field=where)
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise InvalidRequestError(
+                f"'{where}.role' must be a non-empty string (system, user, assistant)",
+                field=f"{where}.role",
+            )
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise InvalidRequestError(
+                f"'{where}.content' must be a string or a list of content parts",
+                field=f"{where}.content",
+            )
+    return messages
+
+
+def _check_common(payload: Mapping[str, Any]) -> None:
+    for key in ("model", "route_key"):
+        value = payload.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"'{key}' must be a string", field=key)
+    if "stream" in payload and not isinstance(payload["stream"], bool):
+        raise InvalidRequestError("'stream' must be true or false", field="stream")
+
+
+def _check_sampling_params(sp: object) -> None:
+    if not isinstance(sp, dict):
+        raise InvalidRequestError("'sampling_params' must be an object", field="sampling_params")
+    for key in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+        value = sp.get(key)
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and -1 <= value < 2**31
+        ):
+            raise InvalidRequestError(
+                f"'sampling_params.{key}' must be an integer", field=f"sampling_params.{key}"
+            )
+    for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
+        value = sp.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise InvalidRequestError(
+                f"'sampling_params.{key}' must be a number", field=f"sampling_params.{key}"
+            )
+    stop = sp.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise InvalidRequestError(
+            "'sampling_params.stop' must be a string or a list of strings",
+            field="sampling_params.stop",
+        )
+
+
+class RoleAdapter:
+    """The default adapter: raw ``/generate`` and chat pass through unchanged.
+
+    Subclass it in a role plugin and override what the role changes. ``generate_inputs`` lists
+    extra input fields (besides ``text`` and ``input_ids``) the role's ``/generate`` accepts.
+    Methods raise :class:`InvalidRequestError` for a bad request; they must not block on I/O
+    except to load a tokenizer from local files (cache it).
+    """
+
+    #: Extra ``/generate`` input fields this role accepts (genrm: ``("messages",)``).
+    generate_inputs: tuple[str, ...] = ()
+
+    def check_generate(self, payload: object) -> dict[str, Any]:
+        """Validate a ``/generate`` body before routing (shape only; no model is known yet)."""
+        return check_generate_payload(payload, extra_inputs=self.generate_inputs)
+
+    def adapt_generate(self, payload: dict[str, Any], ctx: AdaptContext) -> Adapted:
+        """The engine request for a validated ``/generate`` body, once the model is chosen."""
+        return PASS_THROUGH
+
+    def check_chat(self, payload: object) -> dict[str, Any]:
+        """Validate a chat-completions body before routing."""
+        return check_chat_payload(payload)
