@@ -1,0 +1,468 @@
+"""The HTTP data path under :class:`~relax_core.client.InferenceClient` and the role gateways.
+
+One pooled :class:`aiohttp.ClientSession` per client (aiohttp, not httpx: on a small machine
+httpx's ``AsyncClient`` pool is about ten times slower at concurrency 32; ``relax bench client``
+measures this data path against bare aiohttp). This module knows nothing about discovery or
+routing: it sends a :class:`PreparedRequest` and classifies every failure by whether the request
+may have reached the upstream:
+
+- :class:`UpstreamUnreachableError` — the connection could not be opened, so nothing was sent;
+  trying again (on a fresh snapshot) is safe.
+- :class:`~relax_core.errors.RequestNotReplayedError` — the request was (or may have been) sent
+  and then the exchange failed (reset, disconnect, deadline, truncated body). It is never sent
+  again: the upstream may have executed it.
+- :class:`UpstreamStatusError` — the upstream answered with an HTTP error status.
+
+Headers: :func:`forward_headers` drops hop-by-hop headers (RFC 9110 section 7.6.1) and the ones
+aiohttp recomputes, and keeps everything else, including ``X-Request-ID`` and
+``X-SMG-Routing-Key``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import attrs
+import orjson
+
+from relax_core.errors import RequestNotReplayedError, UpstreamError
+
+if TYPE_CHECKING:
+    from relax_core.routing import RouteTarget
+
+__all__ = [
+    "HOP_BY_HOP_HEADERS",
+    "REQUEST_ID_HEADER",
+    "ROUTING_KEY_HEADER",
+    "PreparedRequest",
+    "Transport",
+    "UpstreamResponse",
+    "UpstreamStatusError",
+    "UpstreamUnreachableError",
+    "forward_headers",
+]
+
+#: The header carrying a request's id end to end (kept by every hop).
+REQUEST_ID_HEADER = "X-Request-ID"
+#: The affinity header sglang-router / smg hash on (``consistent_hashing``); kept by every hop.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+#: Headers that describe one connection, not the message; a proxy never forwards them.
+HOP_BY_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Recomputed by aiohttp for the new message (or, for accept-encoding, left out so that an
+# upstream answers uncompressed bytes that can be forwarded as they are).
+_RECOMPUTED_REQUEST_HEADERS = frozenset({"host", "content-length", "accept-encoding"})
+_RECOMPUTED_RESPONSE_HEADERS = frozenset({"content-length"})
+
+
+def forward_headers(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]], *, response: bool = False
+) -> dict[str, str]:
+    """Copy ``headers`` without hop-by-hop headers (and those named by ``Connection``).
+
+    For a request (``response=False``) ``Host``, ``Content-Length`` and ``Accept-Encoding`` go
+    too: the new message recomputes them. For a response ``Content-Length`` goes: the body is
+    re-framed by the server that forwards it (bytes are never decoded, so ``Content-Encoding``
+    stays true). Names keep
+    their case; lookups elsewhere are case-insensitive.
+    """
+    items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+    dropped = set(HOP_BY_HOP_HEADERS)
+    dropped |= _RECOMPUTED_RESPONSE_HEADERS if response else _RECOMPUTED_REQUEST_HEADERS
+    for name, value in items:
+        if name.lower() == "connection":
+            dropped.update(token.strip().lower() for token in value.split(",") if token.strip())
+    return {name: value for name, value in items if name.lower() not in dropped}
+
+
+class UpstreamUnreachableError(UpstreamError):
+    """No connection to the upstream could be opened: nothing was sent, a retry is safe.
+
+    ``status`` is 502 (refused, reset while connecting, name not resolved) or 504 (the
+    connect deadline passed).
+    """
+
+
+class UpstreamStatusError(UpstreamError):
+    """The upstream answered with an HTTP error status (4xx or 5xx).
+
+    ``status`` is the upstream's own status, ``body`` its body (bytes, as received),
+    ``retry_after`` its ``Retry-After`` in seconds when it sent one, ``url`` where the request
+    went. The request reached the upstream and is never replayed.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        body: bytes,
+        url: str,
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, message, request_id=request_id)
+        self.body = body
+        self.url = url
+        self.retry_after = retry_after
+
+    def json(self) -> Any:
+        """The body decoded as JSON (raises ``orjson.JSONDecodeError`` when it is not JSON)."""
+        return orjson.loads(self.body)
+
+
+@attrs.frozen
+class PreparedRequest:
+    """A routed request, ready to send: exactly the bytes and headers that go on the wire.
+
+    ``target`` is the resolver's decision (``None`` only for requests built by hand);
+    ``request_id`` is also in ``headers`` under :data:`REQUEST_ID_HEADER`.
+    """
+
+    url: str
+    body: bytes
+    headers: Mapping[str, str]
+    request_id: str
+    target: RouteTarget | None = None
+    method: str = "POST"
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (delta-seconds form only), or ``None``."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _where(prepared: PreparedRequest) -> str:
+    target = prepared.target
+    if target is None:
+        return prepared.url
+    engine = f" engine {target.engine_id}" if target.engine_id else ""
+    return f"{prepared.url} (model {target.model_id!r}{engine})"
+
+
+def _classify(
+    exc: BaseException, prepared: PreparedRequest, deadline: float | None
+) -> UpstreamError:
+    """Map an aiohttp/OS failure to the error that says whether the request may have been sent."""
+    where = _where(prepared)
+    rid = prepared.request_id
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return UpstreamUnreachableError(
+            504, f"connecting to {where} timed out; nothing was sent", request_id=rid
+        )
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamUnreachableError(
+            502, f"could not connect to {where}: {exc.os_error}; nothing was sent", request_id=rid
+        )
+    if isinstance(exc, TimeoutError):
+        limit = f" within {deadline:g}s" if deadline is not None else ""
+        return RequestNotReplayedError(
+            504,
+            f"{prepared.method} {where} got no complete answer{limit}; it was sent and is not "
+            f"replayed (request id {rid})",
+            request_id=rid,
+        )
+    return RequestNotReplayedError(
+        502,
+        f"{prepared.method} {where} failed after it was sent: {type(exc).__name__}: {exc}; "
+        f"it is not replayed (request id {rid})",
+        request_id=rid,
+    )
+
+
+class UpstreamResponse:
+    """An upstream's answer whose headers have arrived; the body is read on demand.
+
+    Read it once, with :meth:`read`, :meth:`json`, :meth:`iter_chunks` or :meth:`iter_sse`,
+    then :meth:`aclose` it (``async with`` does). A failure while reading raises
+    :class:`~relax_core.errors.RequestNotReplayedError`. The status is not checked here: a
+    gateway forwards an upstream's 4xx/5xx as it is; :meth:`raise_for_status` raises
+    :class:`UpstreamStatusError` for callers that want an exception.
+    """
+
+    __slots__ = ("_closed", "_on_close", "_on_failure", "_resp", "prepared")
+
+    def __init__(
+        self,
+        resp: aiohttp.ClientResponse,
+        prepared: PreparedRequest,
+        *,
+        on_close: Any = None,
+        on_failure: Any = None,
+    ) -> None:
+        self._resp = resp
+        self.prepared = prepared
+        self._on_close = on_close
+        self._on_failure = on_failure
+        self._closed = False
+
+    @property
+    def status(self) -> int:
+        """The upstream's HTTP status."""
+        return self._resp.status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The upstream's response headers (case-insensitive, as received)."""
+        return self._resp.headers
+
+    @property
+    def request_id(self) -> str:
+        """The id this request travelled with."""
+        return self.prepared.request_id
+
+    @property
+    def target(self) -> RouteTarget | None:
+        """Where the resolver sent this request."""
+        return self.prepared.target
+
+    def forward_headers(self) -> dict[str, str]:
+        """The response headers a gateway forwards (see :func:`forward_headers`)."""
+        return forward_headers(self._resp.headers.items(), response=True)
+
+    def _fail(self, exc: BaseException) -> UpstreamError:
+        err = _classify(exc, self.prepared, None)
+        if self._on_failure is not None:
+            self._on_failure()
+        return err
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        try:
+            return await self._resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise self._fail(exc) from exc
+        finally:
+            await self.aclose()
+
+    async def json(self) -> Any:
+        """The whole body decoded as JSON; an upstream error status raises first."""
+        body = await self.read()
+        self.raise_for_status(body)
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(
+                502,
+                f"{_where(self.prepared)} answered {self.status} with a body that is not JSON "
+                f"({body[:120]!r})",
+                request_id=self.request_id,
+            ) from exc
+
+    def raise_for_status(self, body: bytes = b"") -> None:
+        """Raise :class:`UpstreamStatusError` if the status is 400 or above."""
+        if self.status >= 400:
+            raise status_error(self.status, body, self._resp.headers, self.prepared)
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive, unparsed (for byte-level forwarding)."""
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise self._fail(exc) from exc
+        finally:
+            await self.aclose()
+
+    async def iter_sse(self) -> AsyncIterator[bytes]:
+        """Whole server-sent events as they arrive (each without its blank-line terminator)."""
+        buf = b""
+        async for chunk in self.iter_chunks():
+            buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+            while True:
+                cut = buf.find(b"\n\n")
+                if cut < 0:
+                    break
+                event, buf = buf[:cut], buf[cut + 2 :]
+                if event:
+                    yield event
+        if buf.strip():
+            yield buf.rstrip(b"\n")
+
+    async def iter_events(self) -> AsyncIterator[Any]:
+        """The JSON objects of an SGLang/OpenAI event stream's ``data:`` lines, up to ``[DONE]``."""
+        async for event in self.iter_sse():
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                try:
+                    yield orjson.loads(data)
+                except orjson.JSONDecodeError as exc:
+                    raise UpstreamError(
+                        502,
+                        f"{_where(self.prepared)} sent an event that is not JSON ({data[:120]!r})",
+                        request_id=self.request_id,
+                    ) from exc
+
+    async def aclose(self) -> None:
+        """Release the connection (idempotent). An unread body closes it instead."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._resp.content.at_eof():
+            self._resp.release()
+        else:
+            # An unread or half-read body: the connection cannot be reused.
+            self._resp.close()
+        if self._on_close is not None:
+            self._on_close()
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def status_error(
+    status: int, body: bytes, headers: Mapping[str, str], prepared: PreparedRequest
+) -> UpstreamStatusError:
+    """The :class:`UpstreamStatusError` for an error answer."""
+    snippet = body[:200].decode("utf-8", "replace")
+    return UpstreamStatusError(
+        status,
+        f"{_where(prepared)} answered {status}: {snippet}",
+        body=body,
+        url=prepared.url,
+        request_id=prepared.request_id,
+        retry_after=parse_retry_after(headers.get("Retry-After")),
+    )
+
+
+class Transport:
+    """A pooled aiohttp session with Relax's failure classification.
+
+    ``session``: use this one (it is never closed here) instead of creating one lazily on the
+    first request. The session belongs to the event loop it was created on.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float | None = 300.0,
+        connect_timeout: float = 10.0,
+        max_connections: int = 256,
+        keepalive_timeout: float = 4.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: give a positive number of seconds or None")
+        if not connect_timeout > 0:
+            raise ValueError(f"connect_timeout={connect_timeout!r}: give a positive number")
+        if max_connections < 1:
+            raise ValueError(f"max_connections={max_connections!r}: give at least 1")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        self._max_connections = max_connections
+        # Below the 5 s keep-alive of uvicorn (SGLang's server): a connection the server is
+        # about to close is never picked for a POST, which could then not be retried.
+        self._keepalive_timeout = keepalive_timeout
+        self._session = session
+        self._owns_session = session is None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The session (created on first use, inside the running event loop)."""
+        session = self._session
+        if session is None or session.closed:
+            if session is not None and not self._owns_session:
+                raise RuntimeError("the aiohttp session given to this client was closed")
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections,
+                limit_per_host=0,
+                keepalive_timeout=self._keepalive_timeout,
+                ttl_dns_cache=300,
+            )
+            session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=self._client_timeout,
+                skip_auto_headers=("Accept-Encoding",),
+                auto_decompress=False,
+            )
+            self._session = session
+        return session
+
+    def client_timeout(self, timeout: float | None) -> aiohttp.ClientTimeout:
+        """The aiohttp timeout for one request (``None``: the transport's default)."""
+        if timeout is None:
+            return self._client_timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
+        return aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+
+    async def open(
+        self, prepared: PreparedRequest, timeout: float | None = None
+    ) -> aiohttp.ClientResponse:
+        """Send ``prepared``; return the response once its headers arrived.
+
+        Raises :class:`UpstreamUnreachableError` (nothing sent) or
+        :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed). Cancellation
+        propagates as it is (the connection is dropped, not reused).
+        """
+        try:
+            return await self.session.request(
+                prepared.method,
+                prepared.url,
+                data=prepared.body,
+                headers=prepared.headers,
+                timeout=self.client_timeout(timeout),
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _classify(exc, prepared, self.timeout if timeout is None else timeout) from exc
+
+    async def exchange(
+        self, prepared: PreparedRequest, timeout: float | None = None
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        """Send ``prepared`` and read the whole answer: ``(status, headers, body)``.
+
+        Raises like :meth:`open`; a failure while reading the body raises
+        :class:`~relax_core.errors.RequestNotReplayedError`.
+        """
+        resp = await self.open(prepared, timeout)
+        try:
+            body = await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _classify(exc, prepared, self.timeout if timeout is None else timeout) from exc
+        finally:
+            resp.release()
+        return resp.status, resp.headers, body
+
+    async def get_json(self, url: str, *, timeout: float) -> tuple[int, bytes]:
+        """``GET url``: ``(status, body)``; aiohttp errors and timeouts propagate as they are."""
+        async with self.session.get(
+            url, timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False
+        ) as resp:
+            return resp.status, await resp.read()
+
+    async def aclose(self) -> None:
+        """Close the session if this transport created it (idempotent)."""
+        session, self._session = self._session, None
+        if session is not None and self._owns_session and not session.closed:
+            await session.close()
