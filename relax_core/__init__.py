@@ -25,6 +25,17 @@ from relax_core.records import (
     RoutingPolicy,
     WeightSource,
 )
+from relax_core.registry import RegistryPublisher
+from relax_core.routing import RouteResolver, RouteTarget
+from relax_core.schema import (
+    EngineState,
+    EngineView,
+    ModelState,
+    ModelView,
+    RoleSnapshot,
+    RouteMode,
+    RoutingSpec,
+)
 
 __version__ = "0.1.0"
 
@@ -34,18 +45,28 @@ __all__ = [
     "EngineBackend",
     "EngineLaunchSpec",
     "EngineProcess",
+    "EngineState",
+    "EngineView",
     "InferenceRecoveryRequired",
     "LifecycleError",
+    "ModelState",
+    "ModelView",
     "PlacementError",
     "PlacementMode",
     "PluginError",
     "PluginManager",
+    "RegistryPublisher",
     "RelaxError",
     "RequestNotReplayedError",
     "RewardSpec",
+    "RoleSnapshot",
     "RoleSpec",
+    "RouteMode",
+    "RouteResolver",
+    "RouteTarget",
     "RoutingError",
     "RoutingPolicy",
+    "RoutingSpec",
     "SnapshotError",
     "UpstreamError",
     "WeightSource",
