@@ -48,13 +48,15 @@ class InvalidRequestError(RelaxError):
 class AdaptContext:
     """What an adapter knows about the request once the model is chosen.
 
-    ``model``: the logical model id the request resolved to. ``model_path``: the model's local
-    checkpoint directory (``None`` when the gateway does not know it). ``served_model_name``:
-    the name the engine serves the model under. ``stream``: whether the caller asked to stream.
+    ``model``: the logical model id the request resolved to (``None`` unless the adapter's
+    :meth:`RoleAdapter.needs_model` asked for it: resolving first costs a routing decision).
+    ``model_path``: the model's local checkpoint directory (``None`` when unknown).
+    ``served_model_name``: the name the engine serves the model under. ``stream``: whether the
+    caller asked to stream.
     """
 
     role: str
-    model: str
+    model: str | None
     model_path: str | None
     served_model_name: str | None
     stream: bool
@@ -243,8 +245,12 @@ class RoleAdapter:
         """Validate a ``/generate`` body before routing (shape only; no model is known yet)."""
         return check_generate_payload(payload, extra_inputs=self.generate_inputs)
 
+    def needs_model(self, payload: dict[str, Any]) -> bool:
+        """Whether :meth:`adapt_generate` needs the resolved model (e.g. to load its tokenizer)."""
+        return False
+
     def adapt_generate(self, payload: dict[str, Any], ctx: AdaptContext) -> Adapted:
-        """The engine request for a validated ``/generate`` body, once the model is chosen."""
+        """The engine request for a validated ``/generate`` body (after :meth:`needs_model`)."""
         return PASS_THROUGH
 
     def check_chat(self, payload: object) -> dict[str, Any]:

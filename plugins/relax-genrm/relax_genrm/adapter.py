@@ -98,6 +98,9 @@ class GenRMAdapter(RoleAdapter):
             raise InvalidRequestError("'messages' rendered to no tokens", field="messages")
         return [int(i) for i in ids]
 
+    def needs_model(self, payload: dict[str, Any]) -> bool:
+        return payload.get("messages") is not None
+
     def adapt_generate(self, payload: dict[str, Any], ctx: AdaptContext) -> Adapted:
         messages = payload.get("messages")
         if messages is None:

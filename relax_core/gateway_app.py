@@ -1,0 +1,322 @@
+"""The Starlette app of a role gateway, and running it with uvicorn.
+
+Routes of ``create_gateway_app(handler)`` for role ``R`` (no public lifecycle routes):
+
+=======  ==========================  =========================================================
+POST     /R/generate                 raw SGLang generation (streamed with ``"stream": true``)
+POST     /R/chat/completions         chat alias of /R/v1/chat/completions
+POST     /R/v1/chat/completions      OpenAI chat completions proxy (streamed or not)
+GET      /R/v1/models                the role's logical models
+GET      /R/engines?schema=2|1       the schema-2 snapshot (default) or the schema-1 view
+GET      /R/health?schema=2|1        readiness; genrm defaults to schema 1, others to 2
+GET      /R/openapi.json             this gateway's OpenAPI document
+GET      /metrics                    Prometheus metrics
+=======  ==========================  =========================================================
+
+The forwarding routes are plain ASGI callables (no Request/Response objects on the hot path);
+they watch for the caller going away and then cancel the exchange, which closes the upstream
+response. Server-sent events are relayed chunk by chunk as received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from relax_core.gateway import (
+    GatewayAnswer,
+    GatewayError,
+    InferenceGatewayHandler,
+    gateway_error,
+)
+from relax_core.gateway_metrics import CONTENT_TYPE_LATEST
+
+__all__ = ["create_gateway_app", "default_health_schema", "uvicorn_config"]
+
+log = logging.getLogger("relax.gateway")
+
+#: Roles whose ``/health`` answers the legacy schema-1 shape unless ``?schema=2`` is asked.
+LEGACY_HEALTH_ROLES = frozenset({"genrm"})
+
+
+def default_health_schema(role: str) -> int:
+    """The schema ``/{role}/health`` answers without ``?schema=``: 1 for genrm, 2 otherwise."""
+    return 1 if role in LEGACY_HEALTH_ROLES else 2
+
+
+class _Cancelled:
+    __slots__ = ("disconnected", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.disconnected = False
+
+
+async def _read_body(receive: Receive, headers: Mapping[str, str], limit: int) -> bytes:
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(
+            413,
+            f"the request body ({declared} bytes) is over this gateway's limit of {limit} "
+            "bytes; send a smaller request or raise max_body_bytes",
+        )
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise asyncio.CancelledError  # the caller went away before sending its body
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise GatewayError(
+                    413,
+                    f"the request body is over this gateway's limit of {limit} bytes; "
+                    "send a smaller request or raise max_body_bytes",
+                )
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _send_answer(send: Send, answer: GatewayAnswer) -> None:
+    headers = answer.headers
+    headers.append((b"content-length", str(len(answer.body)).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body, "more_body": False})
+
+
+class _StreamAborted(RuntimeError):
+    """The upstream stream failed after bytes were relayed: the caller's connection is closed."""
+
+
+class ForwardRoute:
+    """An ASGI endpoint forwarding one kind of request through the handler."""
+
+    def __init__(
+        self,
+        handler: InferenceGatewayHandler,
+        fn: Callable[[bytes, Mapping[str, str]], Awaitable[GatewayAnswer]],
+        route: str,
+    ) -> None:
+        self.handler = handler
+        self.fn = fn
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self.handler
+        metrics = handler.metrics
+        started = time.perf_counter()
+        metrics.started()
+        status = 500
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        task = asyncio.current_task()
+        flag = _Cancelled()
+        watcher: asyncio.Future[Any] | None = None
+        try:
+            handler.check_token(headers.get("authorization"))
+            body = await _read_body(receive, headers, handler.max_body_bytes)
+
+            def on_message(fut: asyncio.Future[Any]) -> None:
+                if flag.done or fut.cancelled() or fut.exception() is not None:
+                    return
+                if fut.result().get("type") == "http.disconnect" and task is not None:
+                    flag.disconnected = True
+                    task.cancel()
+
+            watcher = asyncio.ensure_future(receive())
+            watcher.add_done_callback(on_message)
+            answer = await self.fn(body, headers)
+            status = answer.status
+            if answer.stream is None:
+                await _send_answer(send, answer)
+            else:
+                await _relay(send, answer, handler)
+        except asyncio.CancelledError:
+            if not flag.disconnected:
+                raise
+            status = 499  # the caller closed the connection (nginx's convention)
+            if task is not None:
+                task.uncancel()
+        except _StreamAborted:
+            status = 502
+            raise
+        except Exception as exc:
+            err = gateway_error(exc)
+            if err is None:
+                log.exception("gateway %s: unexpected error on %s", handler.role, self.route)
+                err = GatewayError(
+                    500,
+                    f"the gateway failed unexpectedly: {type(exc).__name__}: {exc}; this is "
+                    "a bug in Relax, please report it with the gateway log",
+                )
+            status = err.status
+            await _send_answer(send, err.answer())
+        finally:
+            flag.done = True
+            if watcher is not None:
+                watcher.cancel()
+            metrics.finished(self.route, status, time.perf_counter() - started)
+
+
+async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHandler) -> None:
+    """Relay an upstream event stream byte for byte; always close the upstream response."""
+    resp = answer.stream
+    assert resp is not None
+    chunks: AsyncIterator[bytes] = resp.iter_chunks()
+    relayed = 0
+    try:
+        await send(
+            {"type": "http.response.start", "status": answer.status, "headers": answer.headers}
+        )
+        try:
+            async for chunk in chunks:
+                relayed += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except GatewayError:
+            raise
+        except Exception as exc:
+            handler.metrics.upstream_error("stream_aborted")
+            raise _StreamAborted(
+                f"gateway {handler.role}: the upstream stream of request {resp.request_id} failed "
+                f"after {relayed} bytes ({type(exc).__name__}: {exc}); the caller's connection is "
+                "closed so it sees a truncated stream, and the request is not replayed"
+            ) from exc
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        with contextlib.suppress(Exception):
+            await chunks.aclose()  # type: ignore[attr-defined]
+        await resp.aclose()
+
+
+def _json(status: int, body: Any, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+def _error(err: GatewayError) -> Response:
+    answer = err.answer()
+    return Response(
+        answer.body,
+        status_code=answer.status,
+        headers={k.decode(): v.decode() for k, v in answer.headers if k != b"content-type"},
+        media_type="application/json",
+    )
+
+
+def _schema(request: Request, default: int) -> int:
+    raw = request.query_params.get("schema")
+    if raw is None:
+        return default
+    if raw not in ("1", "2"):
+        raise GatewayError(400, f"schema must be 1 or 2, got {raw!r}", field="schema")
+    return int(raw)
+
+
+def create_gateway_app(
+    handler: InferenceGatewayHandler, *, openapi: Mapping[str, Any] | None = None
+) -> Starlette:
+    """The Starlette app serving ``handler``'s role under ``/{role}/``.
+
+    ``openapi``: the document served at ``/{role}/openapi.json`` (default: generated by
+    :func:`relax_core.gateway_openapi.openapi_document`). The handler's client is closed when
+    the app shuts down.
+    """
+    role = handler.role
+    health_default = default_health_schema(role)
+    if openapi is None:
+        from relax_core.gateway_openapi import openapi_document
+
+        openapi = openapi_document(role)
+    document = orjson.dumps(openapi)
+
+    def guarded(fn: Callable[[Request], Awaitable[Response]], auth: bool = True) -> Any:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    handler.check_token(request.headers.get("authorization"))
+                return await fn(request)
+            except GatewayError as err:
+                return _error(err)
+
+        endpoint.__name__ = fn.__name__
+        return endpoint
+
+    async def engines(request: Request) -> Response:
+        return _json(200, await handler.engines(_schema(request, 2)))
+
+    async def models(request: Request) -> Response:
+        return _json(200, await handler.models())
+
+    async def health(request: Request) -> Response:
+        status, body = await handler.health(_schema(request, health_default))
+        return _json(status, body, {"Retry-After": "1"} if status == 503 else None)
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(document, media_type="application/json")
+
+    async def metrics(request: Request) -> Response:
+        return Response(handler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        message = {
+            404: f"no such route; this is the {role} gateway, see GET /{role}/openapi.json",
+            405: f"method not allowed on {request.url.path}; see GET /{role}/openapi.json",
+        }.get(status, str(getattr(exc, "detail", exc)))
+        return _error(GatewayError(status, message))
+
+    chat = ForwardRoute(handler, handler.chat, "chat")
+    routes = [
+        Route(
+            f"/{role}/generate",
+            ForwardRoute(handler, handler.generate, "generate"),
+            methods=["POST"],
+        ),
+        Route(f"/{role}/chat/completions", chat, methods=["POST"]),
+        Route(f"/{role}/v1/chat/completions", chat, methods=["POST"]),
+        Route(f"/{role}/v1/models", guarded(models), methods=["GET"]),
+        Route(f"/{role}/engines", guarded(engines), methods=["GET"]),
+        Route(f"/{role}/health", guarded(health, auth=False), methods=["GET"]),
+        Route(f"/{role}/openapi.json", guarded(openapi_json, auth=False), methods=["GET"]),
+        Route("/metrics", guarded(metrics, auth=False), methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await handler.client.aclose()
+
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.handler = handler
+    return app
+
+
+def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
+    """A uvicorn config for a gateway: uvloop and httptools when installed, quiet access log."""
+    import uvicorn
+
+    options.setdefault("log_level", "warning")
+    options.setdefault("access_log", False)
+    options.setdefault("timeout_keep_alive", 30)
+    return uvicorn.Config(app, host=host, port=port, loop="auto", http="auto", **options)

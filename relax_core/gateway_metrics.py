@@ -1,0 +1,126 @@
+"""Prometheus metrics of one role gateway, on a registry of its own.
+
+Each gateway gets its own :class:`prometheus_client.CollectorRegistry`, so several gateways (and
+tests) can live in one process without colliding on the global registry. Served as
+``GET /metrics`` in the Prometheus text format.
+
+Metrics (``role`` label on all):
+
+- ``relax_gateway_requests_total{route, status}``: finished requests by route and HTTP status;
+- ``relax_gateway_request_seconds{route}``: latency histogram (to the last byte);
+- ``relax_gateway_inflight``: requests being served now;
+- ``relax_gateway_upstream_errors_total{error}``: upstream failures by class: ``unreachable``,
+  ``connect_timeout``, ``transport``, ``deadline``, ``status`` (an upstream 5xx), ``bad_json``,
+  ``stream_aborted`` (a failure after the first byte was relayed).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "UPSTREAM_ERROR_CLASSES", "GatewayMetrics"]
+
+#: Every value of the ``error`` label of ``relax_gateway_upstream_errors_total``.
+UPSTREAM_ERROR_CLASSES = (
+    "unreachable",
+    "connect_timeout",
+    "transport",
+    "deadline",
+    "status",
+    "bad_json",
+    "stream_aborted",
+)
+
+_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+)
+
+
+class GatewayMetrics:
+    """Counters, histograms and gauges of one gateway. Cheap to update from the event loop."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter(
+            "relax_gateway_requests",
+            "Requests answered by the role gateway, by route and HTTP status.",
+            ("role", "route", "status"),
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "relax_gateway_request_seconds",
+            "Time from request to last response byte, by route.",
+            ("role", "route"),
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self._inflight = Gauge(
+            "relax_gateway_inflight",
+            "Requests the gateway is serving now.",
+            ("role",),
+            registry=self.registry,
+        ).labels(role)
+        self._upstream = Counter(
+            "relax_gateway_upstream_errors",
+            "Upstream failures seen by the gateway, by class.",
+            ("role", "error"),
+            registry=self.registry,
+        )
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, int], Counter] = {}
+        self._histos: dict[str, Histogram] = {}
+        for error in UPSTREAM_ERROR_CLASSES:
+            self._upstream.labels(role, error)
+
+    def started(self) -> None:
+        """A request began."""
+        self._inflight.inc()
+
+    def finished(self, route: str, status: int, seconds: float) -> None:
+        """A request ended with ``status`` after ``seconds``."""
+        self._inflight.dec()
+        key = (route, status)
+        child = self._children.get(key)
+        if child is None:
+            with self._lock:
+                child = self._requests.labels(self.role, route, str(status))
+                self._children[key] = child
+        child.inc()
+        histo = self._histos.get(route)
+        if histo is None:
+            with self._lock:
+                histo = self._latency.labels(self.role, route)
+                self._histos[route] = histo
+        histo.observe(seconds)
+
+    def upstream_error(self, error: str) -> None:
+        """Count one upstream failure of class ``error`` (one of :data:`UPSTREAM_ERROR_CLASSES`)."""
+        if error not in UPSTREAM_ERROR_CLASSES:
+            raise ValueError(
+                f"unknown upstream error class {error!r}; known: {UPSTREAM_ERROR_CLASSES}"
+            )
+        self._upstream.labels(self.role, error).inc()
+
+    def render(self) -> bytes:
+        """The metrics in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
