@@ -21,7 +21,6 @@ A request that reached an engine is never replayed; a connection that could not 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
