@@ -215,10 +215,14 @@ class RoutingPolicy:
 class PlacementMode:
     """A placement mode (decoupled, split, defer, …).
 
-    ``assign`` is called by the planner with the parsed config and returns the mode's slices;
-    its exact signature is documented in :mod:`relax_core.placement`.
+    ``assign(ctx: relax_core.placement.ModeContext) -> relax_core.placement.ModeResult`` picks
+    each GPU model's pool, phase and first bundle; the planner checks every generic rule.
+    ``shares_training_pool``: inference lives inside the actor pool (training must colocate
+    and offload). ``supports_defer``: roles may be listed in ``placement.defer_roles``.
     """
 
     name: str = attrs.field(validator=_check_name)
     assign: Callable[..., Any]
+    shares_training_pool: bool = False
+    supports_defer: bool = False
     description: str = ""

@@ -1,0 +1,53 @@
+"""``relax plan CONFIG [--json]``: the placement preflight of a job file, without starting anything.
+
+Prints the bundle map of every pool and the memory budget per GPU and exits 0; a rejected
+config prints every violation on stderr (``key.path: [rule] message``) and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from relax_core.config import STANDARD_ROLES, ConfigValidationError, load_config
+from relax_core.placement import preflight, render_plan
+from relax_core.plugins import get_plugin_manager
+
+NAME = "plan"
+HELP = "Check a job file's GPU placement and memory budget and print the plan (starts nothing)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="the job's TOML file")
+    parser.add_argument(
+        "--json", action="store_true", help="print the plan (or the violations) as JSON"
+    )
+
+
+def _reject(lines: list[str], rows: list[dict[str, str]], as_json: bool) -> int:
+    print(f"relax plan: rejected: {len(lines)} problem(s)", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"ok": False, "violations": rows}, indent=2))
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    pm = get_plugin_manager()
+    roles = dict.fromkeys([*STANDARD_ROLES, *pm.registered("roles")])
+    try:
+        config = load_config(args.config, role_names=roles)
+    except ConfigValidationError as exc:
+        rows = [{"path": p.path, "rule": p.rule, "message": p.message} for p in exc.problems]
+        return _reject([str(p) for p in exc.problems], rows, args.json)
+    result = preflight(config, pm)
+    if result.plan is None:
+        rows = [{"path": v.path, "rule": v.rule, "message": v.message} for v in result.violations]
+        return _reject([str(v) for v in result.violations], rows, args.json)
+    if args.json:
+        print(json.dumps({"ok": True, **result.plan.to_dict()}))
+    else:
+        print(render_plan(result.plan))
+    return 0

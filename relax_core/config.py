@@ -1,0 +1,667 @@
+"""The job configuration file: one TOML document → frozen attrs models.
+
+A job file describes the cluster, the training roles, the placement mode and, per inference role
+(``rollout``, ``genrm``, ``teacher`` or a plugin's role), a table of models::
+
+    [cluster]
+    num_nodes = 1
+    gpus_per_node = 8
+    gpu_memory_gib = 80
+
+    [training]
+    actor_gpus = 8
+    colocate = true
+    offload = true
+
+    [placement]
+    mode = "split"
+
+    [roles.genrm.models.judge]
+    backend = "sglang"
+    model_path = "/models/judge"
+    num_gpus = 2
+    tp = 2
+
+Parsing checks types, ranges, choices and references inside one role, and reports *every*
+problem at once (:class:`ConfigValidationError`), each with its key path
+(``roles.genrm.models.judge.tp``) and a rule name. Unknown keys are errors, with a
+"did you mean" hint when a known key is close. The cross-role rules (GPU budgets, slices,
+phases, memory) belong to :func:`relax_core.placement.plan_inference_placement`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+
+from relax_core.errors import ConfigError
+
+__all__ = [
+    "STANDARD_ROLES",
+    "ClusterConfig",
+    "ConfigProblem",
+    "ConfigValidationError",
+    "GatewayConfig",
+    "JobConfig",
+    "ModelConfig",
+    "PlacementConfig",
+    "RoleConfig",
+    "TrainingConfig",
+    "load_config",
+    "loads_config",
+    "parse_config",
+]
+
+#: The roles Relax ships (their plugins register them); other names need ``role_names``.
+STANDARD_ROLES: tuple[str, ...] = ("rollout", "genrm", "teacher")
+
+ROUTE_MODES = ("DIRECT", "SGLANG_ROUTER")
+DEVICES = ("cuda", "cpu")
+PG_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DTYPES = (
+    "auto",
+    "bfloat16",
+    "bf16",
+    "float16",
+    "fp16",
+    "half",
+    "float32",
+    "fp32",
+    "fp8",
+    "float8_e4m3fn",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+    "int4",
+)
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class ConfigProblem:
+    """One problem in a config: the key path, a short rule name and what to do."""
+
+    path: str
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: [{self.rule}] {self.message}"
+
+
+class ConfigValidationError(ConfigError):
+    """A config has one or more problems; ``problems`` holds every one, in file order.
+
+    ``path`` is the first problem's key path; ``str()`` lists them all.
+    """
+
+    def __init__(self, problems: Sequence[ConfigProblem], source: str | None = None) -> None:
+        self.problems = tuple(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            self.problems[0].path if self.problems else "",
+            f"{len(self.problems)} config problem(s){where}:\n{lines}",
+        )
+
+
+# -- the models --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ClusterConfig:
+    """The machines: ``num_nodes`` nodes of ``gpus_per_node`` GPUs each.
+
+    ``gpu_memory_gib`` / ``host_memory_gib`` enable the GPU / host memory budgets (``None``
+    skips that budget). ``cpus_per_bundle`` is the CPU share of each placement-group bundle.
+    """
+
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    gpu_memory_gib: float | None = None
+    host_memory_gib: float | None = None
+    cpus_per_bundle: float = 1.0
+
+    @property
+    def total_gpus(self) -> int:
+        """Every GPU of the cluster."""
+        return self.num_nodes * self.gpus_per_node
+
+
+@attrs.frozen
+class TrainingConfig:
+    """The training roles and how they share GPUs with inference.
+
+    Each ``*_gpus`` count is a pool of its own (0: the role is absent). ``colocate`` says the
+    inference roles live inside the actor pool (``None``: follow the placement mode);
+    ``offload`` says training moves its GPU state off the GPUs between phases, keeping
+    ``offload_resident_gib`` per GPU resident (CUDA context, NCCL buffers) and
+    ``offload_host_gib`` per GPU in host memory. ``ray_gpu_fraction`` is the Ray GPU share
+    each training actor reserves on its bundle (default: 0.4 in a shared pool, else 1.0).
+    """
+
+    actor_gpus: int = 0
+    critic_gpus: int = 0
+    reference_gpus: int = 0
+    actor_forward_gpus: int = 0
+    colocate: bool | None = None
+    offload: bool = False
+    offload_resident_gib: float = 1.0
+    offload_host_gib: float = 0.0
+    ray_gpu_fraction: float | None = None
+
+    def pools(self) -> tuple[tuple[str, int], ...]:
+        """``(pool name, GPUs)`` of each present training role, actor first."""
+        counts = (
+            ("actor", self.actor_gpus),
+            ("critic", self.critic_gpus),
+            ("reference", self.reference_gpus),
+            ("actor_forward", self.actor_forward_gpus),
+        )
+        return tuple((name, n) for name, n in counts if n > 0)
+
+
+@attrs.frozen
+class PlacementConfig:
+    """How inference is laid out: ``mode`` (a registered placement mode; ``None`` means
+    ``split`` when training colocates, else ``decoupled``), the roles run in deferred phases,
+    and the Ray placement-group strategy."""
+
+    mode: str | None = None
+    defer_roles: tuple[str, ...] = ()
+    pg_strategy: str = "PACK"
+
+    def resolved_mode(self, training: TrainingConfig) -> str:
+        """The mode name in effect."""
+        if self.mode is not None:
+            return self.mode
+        return "split" if training.colocate else "decoupled"
+
+
+@attrs.frozen
+class ModelConfig:
+    """One model of a role: how it is served, placed and budgeted.
+
+    ``num_gpus`` GPUs hold ``num_gpus / gpus_per_engine`` engines (logical replicas), each of
+    ``tp x pp`` GPUs. A ``cpu`` model holds ``num_engines`` engines and no GPU.
+    ``path`` is the key path of its table (``roles.genrm.models.judge``).
+    """
+
+    role: str
+    name: str
+    path: str
+    backend: str
+    model_path: str
+    device: str = "cuda"
+    num_gpus: int = 1
+    gpus_per_engine: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    dp_attention: bool = False
+    num_engines: int = 1
+    bundle_start: int | None = None
+    aliases: tuple[str, ...] = ()
+    route_keys: tuple[str, ...] = ()
+    route_mode: str | None = None
+    weight_source: str | None = None
+    served_model_name: str | None = None
+    weights_cpu_backup: bool | None = None
+    seed: int | None = None
+    ray_gpu_fraction: float | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    mem_fraction_static: float | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    cuda_graph_gib: float = 1.0
+    num_parameters: int | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class GatewayConfig:
+    """The role gateway's listen address (``port`` ``None``: pick a free one)."""
+
+    host: str = "127.0.0.1"
+    port: int | None = None
+
+
+@attrs.frozen
+class RoleConfig:
+    """An inference role and its models (in file order)."""
+
+    name: str
+    models: tuple[ModelConfig, ...]
+    default_model: str | None = None
+    policy: str | None = None
+    num_gpus: int | None = None
+    gateway: GatewayConfig = GatewayConfig()
+
+    def model(self, name: str) -> ModelConfig:
+        """The model called ``name``; :class:`KeyError` naming the known ones otherwise."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(f"role {self.name!r} has no model {name!r}; models: {self.model_names}")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Model names in file order."""
+        return tuple(m.name for m in self.models)
+
+
+@attrs.frozen
+class JobConfig:
+    """A whole job file. ``source`` is where it was read from (for messages)."""
+
+    cluster: ClusterConfig = ClusterConfig()
+    training: TrainingConfig = TrainingConfig()
+    placement: PlacementConfig = PlacementConfig()
+    roles: tuple[RoleConfig, ...] = ()
+    source: str | None = None
+
+    def role(self, name: str) -> RoleConfig:
+        """The role called ``name``; :class:`KeyError` naming the configured ones otherwise."""
+        for r in self.roles:
+            if r.name == name:
+                return r
+        raise KeyError(f"role {name!r} is not configured; roles: {self.role_names}")
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        """Configured role names in file order."""
+        return tuple(r.name for r in self.roles)
+
+    def models(self) -> tuple[ModelConfig, ...]:
+        """Every model of every role, roles in file order."""
+        return tuple(m for r in self.roles for m in r.models)
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def _hint(key: str, known: Collection[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class _Reader:
+    """Reads typed values out of nested dicts, collecting problems instead of stopping."""
+
+    def __init__(self) -> None:
+        self.problems: list[ConfigProblem] = []
+
+    def problem(self, path: str, rule: str, message: str) -> None:
+        self.problems.append(ConfigProblem(path, rule, message))
+
+    def table(
+        self, value: object, path: str, known: Collection[str], *, what: str = "key", tip: str = ""
+    ) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.problem(path, "type", f"must be a table, got {type(value).__name__}")
+            return {}
+        for key in value:
+            if key not in known:
+                self.problem(
+                    f"{path}.{key}" if path else key,
+                    f"unknown-{what}",
+                    f"unknown {what}{_hint(key, known)} (known: {', '.join(sorted(known))}){tip}",
+                )
+        return value
+
+    def value(
+        self,
+        table: Mapping[str, Any],
+        path: str,
+        key: str,
+        kind: type[T] | tuple[type, ...],
+        default: Any = None,
+        *,
+        required: bool = False,
+        check: Callable[[Any], str | None] | None = None,
+    ) -> Any:
+        full = f"{path}.{key}" if path else key
+        if key not in table:
+            if required:
+                self.problem(full, "required", "is required")
+            return default
+        raw = table[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        accepted = (*kinds, int) if float in kinds else kinds
+        ok = isinstance(raw, accepted) and not (isinstance(raw, bool) and bool not in kinds)
+        if not ok:
+            names = " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
+            self.problem(full, "type", f"must be {names}, got {raw!r}")
+            return default
+        if isinstance(raw, int) and float in kinds and not isinstance(raw, bool):
+            raw = float(raw)
+        if check is not None:
+            msg = check(raw)
+            if msg:
+                self.problem(
+                    full, "range" if not msg.startswith("must be one of") else "choice", msg
+                )
+                return default
+        return raw
+
+    def str_list(self, table: Mapping[str, Any], path: str, key: str) -> tuple[str, ...]:
+        full = f"{path}.{key}"
+        raw = table.get(key, [])
+        if not isinstance(raw, list):
+            self.problem(full, "type", f"must be a list of strings, got {raw!r}")
+            return ()
+        out: list[str] = []
+        for i, item in enumerate(raw):
+            if not isinstance(item, str) or not item:
+                self.problem(f"{full}[{i}]", "type", f"must be a non-empty string, got {item!r}")
+            elif item in out:
+                self.problem(f"{full}[{i}]", "duplicate", f"{item!r} is listed twice")
+            else:
+                out.append(item)
+        return tuple(out)
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _at_least(low: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be >= {low:g}, got {v!r}"
+
+
+def _fraction(open_high: bool) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if v <= 0 or v > 1 or (open_high and v >= 1):
+            return f"must be in (0, 1{')' if open_high else ']'}, got {v!r}"
+        return None
+
+    return check
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if v in choices:
+            return None
+        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{_hint(v, choices)}"
+
+    return check
+
+
+def _port(v: Any) -> str | None:
+    return None if 0 <= v <= 65535 else f"must be a TCP port in 0..65535, got {v!r}"
+
+
+_TOP = ("cluster", "training", "placement", "roles")
+_CLUSTER = ("num_nodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "cpus_per_bundle")
+_TRAINING = tuple(f.name for f in attrs.fields(TrainingConfig))
+_PLACEMENT = ("mode", "defer_roles", "pg_strategy")
+_ROLE = ("models", "default_model", "policy", "num_gpus", "gateway")
+_GATEWAY = ("host", "port")
+_MODEL = tuple(f.name for f in attrs.fields(ModelConfig) if f.name not in ("role", "name", "path"))
+
+
+def _cluster(r: _Reader, data: Mapping[str, Any]) -> ClusterConfig:
+    t = r.table(data.get("cluster", {}), "cluster", _CLUSTER)
+    return ClusterConfig(
+        num_nodes=r.value(t, "cluster", "num_nodes", int, 1, check=_at_least(1)),
+        gpus_per_node=r.value(t, "cluster", "gpus_per_node", int, 0, check=_at_least(0)),
+        gpu_memory_gib=r.value(t, "cluster", "gpu_memory_gib", float, None, check=_positive),
+        host_memory_gib=r.value(t, "cluster", "host_memory_gib", float, None, check=_positive),
+        cpus_per_bundle=r.value(t, "cluster", "cpus_per_bundle", float, 1.0, check=_at_least(0)),
+    )
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v!r}"
+
+
+def _training(r: _Reader, data: Mapping[str, Any]) -> TrainingConfig:
+    p = "training"
+    t = r.table(data.get(p, {}), p, _TRAINING)
+    counts = {
+        k: r.value(t, p, k, int, 0, check=_at_least(0))
+        for k in ("actor_gpus", "critic_gpus", "reference_gpus", "actor_forward_gpus")
+    }
+    return TrainingConfig(
+        **counts,
+        colocate=r.value(t, p, "colocate", bool, None),
+        offload=r.value(t, p, "offload", bool, False),
+        offload_resident_gib=r.value(t, p, "offload_resident_gib", float, 1.0, check=_at_least(0)),
+        offload_host_gib=r.value(t, p, "offload_host_gib", float, 0.0, check=_at_least(0)),
+        ray_gpu_fraction=r.value(t, p, "ray_gpu_fraction", float, None, check=_fraction(False)),
+    )
+
+
+def _placement(r: _Reader, data: Mapping[str, Any]) -> PlacementConfig:
+    p = "placement"
+    t = r.table(data.get(p, {}), p, _PLACEMENT)
+    return PlacementConfig(
+        mode=r.value(t, p, "mode", str, None),
+        defer_roles=r.str_list(t, p, "defer_roles"),
+        pg_strategy=r.value(t, p, "pg_strategy", str, "PACK", check=_one_of(PG_STRATEGIES)),
+    )
+
+
+def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
+    p = f"roles.{role}.models.{name}"
+    before = len(r.problems)
+    t = r.table(raw, p, _MODEL)
+    v = r.value
+    device = v(t, p, "device", str, "cuda", check=_one_of(DEVICES))
+    pp = v(t, p, "pp", int, 1, check=_at_least(1))
+    given_tp = v(t, p, "tp", int, None, check=_at_least(1))
+    if device == "cpu":
+        for key in ("num_gpus", "gpus_per_engine", "bundle_start"):
+            if t.get(key) not in (None, 0):
+                r.problem(
+                    f"{p}.{key}", "device", "a device = 'cpu' model uses no GPU; drop this key"
+                )
+        num_engines = v(t, p, "num_engines", int, 1, check=_at_least(1))
+        gpe, num_gpus, tp = 0, 0, given_tp or 1
+    else:
+        gpe_default = given_tp * pp if given_tp else None
+        gpe = v(t, p, "gpus_per_engine", int, gpe_default, check=_at_least(1))
+        tp = given_tp if given_tp else (gpe // pp if gpe and gpe % pp == 0 else 1)
+        gpe = gpe or tp * pp
+        given_engines = v(t, p, "num_engines", int, None, check=_at_least(1))
+        num_gpus = v(t, p, "num_gpus", int, (given_engines or 1) * gpe, check=_at_least(1))
+        if given_engines is not None and "num_gpus" in t and given_engines * gpe != num_gpus:
+            r.problem(
+                f"{p}.num_engines",
+                "consistency",
+                f"{given_engines} engines x gpus_per_engine {gpe} = {given_engines * gpe} GPUs, "
+                f"but num_gpus = {num_gpus}; give only one of num_engines and num_gpus",
+            )
+        num_engines = num_gpus // gpe if gpe else 0
+    env = t.get("env", {})
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(x, str) for k, x in env.items()
+    ):
+        r.problem(f"{p}.env", "type", "must be a table of string values")
+        env = {}
+    model = ModelConfig(
+        role=role,
+        name=name,
+        path=p,
+        backend=v(t, p, "backend", str, "", required=True),
+        model_path=v(t, p, "model_path", str, "", required=True),
+        device=device,
+        num_gpus=num_gpus,
+        gpus_per_engine=gpe,
+        tp=tp,
+        pp=pp,
+        dp=v(t, p, "dp", int, 1, check=_at_least(1)),
+        dp_attention=v(t, p, "dp_attention", bool, False),
+        num_engines=num_engines,
+        bundle_start=v(t, p, "bundle_start", int, None, check=_at_least(0)),
+        aliases=r.str_list(t, p, "aliases"),
+        route_keys=r.str_list(t, p, "route_keys"),
+        route_mode=v(t, p, "route_mode", str, None, check=_one_of(ROUTE_MODES)),
+        weight_source=v(t, p, "weight_source", str, None),
+        served_model_name=v(t, p, "served_model_name", str, None),
+        weights_cpu_backup=v(t, p, "weights_cpu_backup", bool, None),
+        seed=v(t, p, "seed", int, None),
+        ray_gpu_fraction=v(t, p, "ray_gpu_fraction", float, None, check=_fraction(False)),
+        dtype=v(t, p, "dtype", str, "auto", check=_one_of(DTYPES)),
+        kv_cache_dtype=v(t, p, "kv_cache_dtype", str, "auto", check=_one_of(DTYPES)),
+        mem_fraction_static=v(t, p, "mem_fraction_static", float, None, check=_fraction(True)),
+        context_length=v(t, p, "context_length", int, None, check=_at_least(1)),
+        max_running_requests=v(t, p, "max_running_requests", int, None, check=_at_least(1)),
+        cuda_graph_gib=v(t, p, "cuda_graph_gib", float, 1.0, check=_at_least(0)),
+        num_parameters=v(t, p, "num_parameters", int, None, check=_at_least(1)),
+        extra_args=r.str_list(t, p, "extra_args"),
+        env=dict(env),
+    )
+    return model if len(r.problems) == before else None
+
+
+def _role(r: _Reader, name: str, raw: object) -> RoleConfig | None:
+    p = f"roles.{name}"
+    before = len(r.problems)
+    t = r.table(raw, p, _ROLE)
+    models_raw = t.get("models")
+    models: list[ModelConfig] = []
+    if models_raw is None:
+        r.problem(f"{p}.models", "required", f"add at least one [{p}.models.NAME] table")
+    elif not isinstance(models_raw, dict) or not models_raw:
+        r.problem(f"{p}.models", "type", f"must hold at least one [{p}.models.NAME] table")
+    else:
+        for model_name, model_raw in models_raw.items():
+            model = _model(r, name, model_name, model_raw)
+            if model is not None:
+                models.append(model)
+    gw_raw = r.table(t.get("gateway", {}), f"{p}.gateway", _GATEWAY)
+    gateway = GatewayConfig(
+        host=r.value(gw_raw, f"{p}.gateway", "host", str, "127.0.0.1"),
+        port=r.value(gw_raw, f"{p}.gateway", "port", int, None, check=_port),
+    )
+    role = RoleConfig(
+        name=name,
+        models=tuple(models),
+        default_model=r.value(t, p, "default_model", str, None),
+        policy=r.value(t, p, "policy", str, None),
+        num_gpus=r.value(t, p, "num_gpus", int, None, check=_at_least(0)),
+        gateway=gateway,
+    )
+    _check_role_names(r, role)
+    return role if len(r.problems) == before else None
+
+
+def _check_role_names(r: _Reader, role: RoleConfig) -> None:
+    """Model names, aliases and route keys of one role must resolve to exactly one model."""
+    owner: dict[str, str] = {m.name: m.name for m in role.models}
+    for m in role.models:
+        for i, alias in enumerate(m.aliases):
+            if alias in owner:
+                r.problem(
+                    f"{m.path}.aliases[{i}]",
+                    "duplicate",
+                    f"alias {alias!r} already names model {owner[alias]!r} of role "
+                    f"{role.name!r}; an alias must resolve to one model",
+                )
+            else:
+                owner[alias] = m.name
+    keys: dict[str, str] = {}
+    for m in role.models:
+        for i, key in enumerate(m.route_keys):
+            if key in keys:
+                r.problem(
+                    f"{m.path}.route_keys[{i}]",
+                    "duplicate",
+                    f"route key {key!r} is already mapped to model {keys[key]!r}",
+                )
+            else:
+                keys[key] = m.name
+    if role.default_model is not None and role.default_model not in owner:
+        r.problem(
+            f"roles.{role.name}.default_model",
+            "reference",
+            f"{role.default_model!r} is not a model or alias of role {role.name!r}"
+            f"{_hint(role.default_model, owner)} (models: {', '.join(role.model_names)})",
+        )
+
+
+def parse_config(
+    data: Mapping[str, Any],
+    *,
+    source: str | None = None,
+    role_names: Collection[str] | None = None,
+) -> JobConfig:
+    """Build a :class:`JobConfig` from a parsed TOML document (or any nested dict).
+
+    :param source: where ``data`` came from, for messages.
+    :param role_names: role names accepted under ``[roles]`` (default :data:`STANDARD_ROLES`;
+        pass the registered roles of a plugin manager to accept third-party roles).
+    :raises ConfigValidationError: with every problem found.
+    """
+    known_roles = tuple(role_names) if role_names is not None else STANDARD_ROLES
+    r = _Reader()
+    top = r.table(dict(data), "", _TOP)
+    cluster = _cluster(r, top)
+    training = _training(r, top)
+    placement = _placement(r, top)
+    roles: list[RoleConfig] = []
+    roles_raw = r.table(
+        top.get("roles", {}),
+        "roles",
+        known_roles,
+        what="role",
+        tip="; a third-party role needs its plugin installed",
+    )
+    for name, raw in roles_raw.items():
+        if name not in known_roles:
+            continue  # reported by table() as an unknown key
+        role = _role(r, name, raw)
+        if role is not None:
+            roles.append(role)
+    configured = {name for name in roles_raw if name in known_roles}
+    for i, name in enumerate(placement.defer_roles):
+        if name not in configured:
+            r.problem(
+                f"placement.defer_roles[{i}]",
+                "reference",
+                f"role {name!r} is not configured under [roles]{_hint(name, configured)} "
+                f"(configured: {', '.join(sorted(configured)) or 'none'})",
+            )
+    if r.problems:
+        raise ConfigValidationError(r.problems, source)
+    return JobConfig(cluster, training, placement, tuple(roles), source)
+
+
+def loads_config(
+    text: str, *, source: str | None = None, role_names: Collection[str] | None = None
+) -> JobConfig:
+    """Parse TOML text into a :class:`JobConfig` (see :func:`parse_config`).
+
+    :raises ConfigValidationError: bad TOML syntax (rule ``toml``) or bad values.
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigValidationError(
+            [ConfigProblem("", "toml", f"not valid TOML: {exc}")], source
+        ) from exc
+    return parse_config(data, source=source, role_names=role_names)
+
+
+def load_config(path: str | Path, *, role_names: Collection[str] | None = None) -> JobConfig:
+    """Read and parse a job file.
+
+    :raises ConfigValidationError: the file is unreadable, not TOML, or has bad values.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigValidationError(
+            [ConfigProblem("", "file", f"cannot read {p}: {exc.strerror or exc}")], str(p)
+        ) from exc
+    return loads_config(text, source=str(p), role_names=role_names)

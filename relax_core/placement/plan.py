@@ -1,0 +1,289 @@
+"""The placement plan: immutable, serialisable records the planner returns.
+
+:class:`InferencePlacementPlan` is what the InferenceManager and the binding step consume: the
+pools (one Ray placement group each) with their bundle specs, and per role/model a
+:class:`ModelPlacement` with the bundle indices of every logical replica and its per-node
+worker groups. ``to_dict()`` / ``from_dict()`` round-trip through JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "PHASE_RESIDENT",
+    "HostMemoryBudget",
+    "InferencePlacementPlan",
+    "MemoryBudget",
+    "MemoryItem",
+    "ModelPlacement",
+    "Pool",
+    "Violation",
+]
+
+#: The phase of a placement that stays resident through every inference phase.
+PHASE_RESIDENT = "resident"
+
+_GIB = 1024**3
+
+
+@attrs.frozen
+class Violation:
+    """One broken placement rule: the key path it concerns, the rule name and the numbers."""
+
+    path: str
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: [{self.rule}] {self.message}"
+
+
+def phases_conflict(a: str, b: str) -> bool:
+    """Whether placements in phases ``a`` and ``b`` are on their GPUs at the same time."""
+    return a == b or PHASE_RESIDENT in (a, b)
+
+
+@attrs.frozen
+class Pool:
+    """A set of GPU bundles that becomes one Ray placement group.
+
+    Bundle ``i`` sits on pool-local node ``i // gpus_per_node``; ``nodes[k]`` is the cluster
+    node (a logical index, 0-based) the planner packed pool-local node ``k`` onto.
+    ``training`` names the training roles that live in the pool (inference shares it when
+    ``inference`` is true); each training actor reserves ``training_ray_gpu_fraction`` of its
+    bundle's GPU.
+    """
+
+    name: str
+    size: int
+    gpus_per_node: int
+    training: tuple[str, ...] = ()
+    inference: bool = True
+    nodes: tuple[int, ...] = ()
+    cpus_per_bundle: float = 1.0
+    strategy: str = "PACK"
+    training_ray_gpu_fraction: float = 0.0
+
+    @property
+    def shared(self) -> bool:
+        """Training and inference both use this pool."""
+        return bool(self.training) and self.inference
+
+    def bundle_specs(self) -> tuple[dict[str, float], ...]:
+        """The Ray placement-group bundles: one GPU (and ``cpus_per_bundle`` CPUs) each."""
+        spec = {"GPU": 1.0, "CPU": float(self.cpus_per_bundle)}
+        return tuple(dict(spec) for _ in range(self.size))
+
+    def local_node(self, bundle: int) -> int:
+        """The pool-local node of ``bundle``."""
+        return bundle // self.gpus_per_node if self.gpus_per_node else 0
+
+
+@attrs.frozen
+class ModelPlacement:
+    """Where one model of one role runs.
+
+    ``replicas[i]`` are the bundle indices (in ``pool``) of logical replica ``i`` — one engine
+    of ``gpus_per_engine`` GPUs. ``workers[i]`` splits that replica by pool-local node: one
+    engine worker (Ray actor) per group, head first; a worker is scheduled on the first bundle
+    of its group and reserves ``ray_gpu_fraction`` of that GPU. A ``cpu`` model has no pool,
+    and ``replicas`` holds one empty tuple per engine.
+    """
+
+    role: str
+    model: str
+    path: str
+    pool: str | None
+    bundle_start: int | None
+    num_gpus: int
+    gpus_per_engine: int
+    tp: int
+    pp: int
+    phase: str
+    device: str = "cuda"
+    ray_gpu_fraction: float = 0.0
+    replicas: tuple[tuple[int, ...], ...] = ()
+    workers: tuple[tuple[tuple[int, ...], ...], ...] = ()
+
+    @property
+    def bundle_end(self) -> int:
+        """One past the last bundle of the slice."""
+        return (self.bundle_start or 0) + self.num_gpus
+
+    @property
+    def num_engines(self) -> int:
+        """Logical replicas."""
+        return len(self.replicas)
+
+    @property
+    def nodes_per_engine(self) -> int:
+        """Pool-local nodes each replica spans (1 unless the engine is cross-node)."""
+        return len(self.workers[0]) if self.workers else 0
+
+    @property
+    def key(self) -> str:
+        """``role.model``."""
+        return f"{self.role}.{self.model}"
+
+
+@attrs.frozen
+class MemoryItem:
+    """One user of memory in a budget line: what (and whose) and how many GiB."""
+
+    label: str
+    gib: float
+
+
+@attrs.frozen
+class MemoryBudget:
+    """The per-GPU memory budget of one placement.
+
+    ``status`` is ``ok``, ``over`` (a violation was reported) or ``skipped`` (``note`` says
+    why). ``bundles`` is the ``(start, end)`` slice of ``pool`` the numbers hold for.
+    """
+
+    role: str
+    model: str
+    pool: str | None
+    phase: str
+    bundles: tuple[int, int]
+    status: str
+    capacity_gib: float | None = None
+    items: tuple[MemoryItem, ...] = ()
+    note: str = ""
+
+    @property
+    def total_gib(self) -> float:
+        """The sum of every item."""
+        return sum(i.gib for i in self.items)
+
+
+@attrs.frozen
+class HostMemoryBudget:
+    """Host memory of one or more cluster nodes that carry the same load."""
+
+    nodes: tuple[int, ...]
+    status: str
+    capacity_gib: float | None = None
+    items: tuple[MemoryItem, ...] = ()
+    note: str = ""
+
+    @property
+    def total_gib(self) -> float:
+        """The sum of every item (per node)."""
+        return sum(i.gib for i in self.items)
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], nested: Mapping[str, type[Any]]) -> Any:
+    names = {f.name for f in attrs.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            continue
+        if key in nested:
+            kwargs[key] = tuple(_build(nested[key], v, {}) for v in value)
+        else:
+            kwargs[key] = _tuples(value)
+    return cls(**kwargs)
+
+
+@attrs.frozen
+class InferencePlacementPlan:
+    """The whole placement of a job, computed before any actor, router or engine exists.
+
+    Query it with :meth:`model_placement`, :meth:`pool` and :meth:`bundle_specs`; serialise
+    it with :meth:`to_dict` / :meth:`to_json` and rebuild it with :meth:`from_dict`.
+    """
+
+    mode: str
+    num_nodes: int
+    gpus_per_node: int
+    pools: tuple[Pool, ...]
+    placements: tuple[ModelPlacement, ...]
+    phases: tuple[str, ...] = (PHASE_RESIDENT,)
+    memory: tuple[MemoryBudget, ...] = ()
+    host_memory: tuple[HostMemoryBudget, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs the job reserves: the bundles of every pool."""
+        return sum(p.size for p in self.pools)
+
+    @property
+    def cluster_gpus(self) -> int:
+        """GPUs the cluster has."""
+        return self.num_nodes * self.gpus_per_node
+
+    def model_placement(self, role: str, model: str) -> ModelPlacement:
+        """The placement of ``model`` of ``role``; :class:`KeyError` naming the known ones."""
+        for p in self.placements:
+            if p.role == role and p.model == model:
+                return p
+        known = ", ".join(p.key for p in self.placements)
+        raise KeyError(f"the plan has no model {role}.{model}; it has: {known}")
+
+    def pool(self, name: str) -> Pool:
+        """The pool called ``name``; :class:`KeyError` naming the known ones."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"the plan has no pool {name!r}; pools: {[p.name for p in self.pools]}")
+
+    def bundle_specs(self, pool: str) -> tuple[dict[str, float], ...]:
+        """The placement-group bundle specs of ``pool``."""
+        return self.pool(pool).bundle_specs()
+
+    def placements_in(self, pool: str) -> tuple[ModelPlacement, ...]:
+        """The placements whose slices lie in ``pool``, by bundle start."""
+        found = [p for p in self.placements if p.pool == pool]
+        return tuple(sorted(found, key=lambda p: (p.bundle_start or 0, p.role, p.model)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``total_gpus`` and ``cluster_gpus`` included for readers)."""
+        out: dict[str, Any] = json.loads(json.dumps(attrs.asdict(self)))
+        out["total_gpus"] = self.total_gpus
+        out["cluster_gpus"] = self.cluster_gpus
+        out["placements"] = [
+            {**d, "bundle_end": p.bundle_end, "num_engines": p.num_engines}
+            for d, p in zip(out["placements"], self.placements, strict=True)
+        ]
+        return out
+
+    def to_json(self, **kwargs: Any) -> str:
+        """:meth:`to_dict` as JSON text."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> InferencePlacementPlan:
+        """Rebuild a plan from :meth:`to_dict` output (derived keys are ignored)."""
+        memory = [
+            {**m, "items": tuple(MemoryItem(**i) for i in m.get("items", ()))}
+            for m in data.get("memory", ())
+        ]
+        host = [
+            {**h, "items": tuple(MemoryItem(**i) for i in h.get("items", ()))}
+            for h in data.get("host_memory", ())
+        ]
+        plan: InferencePlacementPlan = _build(
+            cls,
+            {**data, "memory": memory, "host_memory": host},
+            {
+                "pools": Pool,
+                "placements": ModelPlacement,
+                "memory": MemoryBudget,
+                "host_memory": HostMemoryBudget,
+            },
+        )
+        return plan

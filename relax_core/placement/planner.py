@@ -1,0 +1,616 @@
+"""The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out.
+
+:func:`plan_inference_placement` runs before any Ray actor, router or engine exists. It reads
+nothing but model ``config.json`` files (for the memory budget) and never touches Ray. The
+placement mode (a plugin) decides pools, phases and offsets; the planner checks every rule:
+
+==================  ==========================================================================
+rule                what is rejected
+==================  ==========================================================================
+unknown-mode        ``placement.mode`` names no registered mode
+tp-pp               ``tp x pp`` differs from ``gpus_per_engine``
+divisibility        ``num_gpus`` is not a multiple of ``gpus_per_engine``
+dp-attention        ``dp > 1`` without ``dp_attention``, or ``tp`` not divisible by ``dp``
+whole-nodes         a cross-node engine that is not a whole number of nodes
+node-boundary       an engine that straddles a node, or a cross-node engine off a node boundary
+role-budget         a role's ``num_gpus`` differs from the sum over its models
+colocate-mode       ``training.colocate`` contradicts the mode
+offload-required    a mode that shares the actor pool without ``training.offload``
+actor-pool          a shared mode without actor GPUs
+defer-mode          ``defer_roles`` with a mode that does not defer
+defer-role          a deferred role that may not be deferred (only genrm/teacher)
+defer-roles         ``defer`` mode with no deferred role
+no-room             the mode found no free run of bundles for a model
+pool-bounds         a slice outside its pool (split/defer slices outside the actor pool)
+co-residence        two slices share a bundle in the same phase
+ray-gpu-fraction    the Ray GPU reservations on one bundle add up to more than 1
+gpu-budget          the pools need more GPUs than the cluster has
+node-fit            the pools cannot be packed onto the cluster's nodes
+weight-source       a weight source that is unknown or not allowed for the role
+policy              a routing policy nobody registered
+memory-static       the weight shard does not fit in ``mem_fraction_static``
+memory-gpu          an engine GPU's memory users exceed ``cluster.gpu_memory_gib``
+memory-host         a node's CPU weight backups and offloaded state exceed its RAM
+mode-error          a placement mode plugin misbehaved
+==================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from relax_core.config import STANDARD_ROLES, JobConfig, ModelConfig
+from relax_core.errors import PlacementError
+from relax_core.placement.memory import budget_memory
+from relax_core.placement.modes import Demand, ModeContext, ModeResult, engine_straddles
+from relax_core.placement.plan import (
+    PHASE_RESIDENT,
+    InferencePlacementPlan,
+    ModelPlacement,
+    Pool,
+    Violation,
+    phases_conflict,
+)
+from relax_core.plugins import PluginManager, get_plugin_manager
+from relax_core.records import PlacementMode, RoleSpec
+
+__all__ = ["Preflight", "plan_inference_placement", "preflight"]
+
+#: Used when a role's plugin is not installed: which roles may be deferred, default weights.
+_FALLBACK_DEFERRABLE = frozenset({"genrm", "teacher"})
+_FALLBACK_WEIGHT_SOURCE = {"rollout": "ACTOR"}
+#: Default Ray GPU share per bundle: training actor and engine worker in a shared pool.
+SHARED_TRAINING_FRACTION = 0.4
+SHARED_ENGINE_FRACTION = 0.2
+_EPS = 1e-6
+
+
+@attrs.frozen
+class Preflight:
+    """The outcome of a preflight: a plan (``None`` when rejected), every violation, notes."""
+
+    plan: InferencePlacementPlan | None
+    violations: tuple[Violation, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """No violation."""
+        return not self.violations
+
+
+def plan_inference_placement(
+    config: JobConfig, plugin_manager: PluginManager | None = None
+) -> InferencePlacementPlan:
+    """Plan every inference model of ``config``; pure apart from reading model ``config.json``.
+
+    :param plugin_manager: where placement modes, roles and weight sources come from (default:
+        the process-wide :func:`~relax_core.plugins.get_plugin_manager`).
+    :raises PlacementError: with every violation (``path: [rule] message``), not just the first.
+    """
+    result = preflight(config, plugin_manager)
+    if result.plan is None:
+        raise PlacementError([str(v) for v in result.violations])
+    return result.plan
+
+
+class _Planner:
+    def __init__(self, config: JobConfig, pm: PluginManager) -> None:
+        self.config = config
+        self.pm = pm
+        self.gpn = config.cluster.gpus_per_node
+        self.violations: list[Violation] = []
+        self.notes: list[str] = []
+        self.role_specs: dict[str, RoleSpec] = {
+            name: reg.record for name, reg in pm.registered("roles").items()
+        }
+
+    def violation(self, path: str, rule: str, message: str) -> None:
+        self.violations.append(Violation(path, rule, message))
+
+    # -- per model and per role ------------------------------------------------------------
+
+    def deferrable(self, role: str) -> bool:
+        spec = self.role_specs.get(role)
+        return spec.deferrable if spec is not None else role in _FALLBACK_DEFERRABLE
+
+    def weight_source(self, m: ModelConfig) -> str:
+        if m.weight_source is not None:
+            return m.weight_source
+        spec = self.role_specs.get(m.role)
+        if spec is not None:
+            return spec.default_weight_source
+        return _FALLBACK_WEIGHT_SOURCE.get(m.role, "STATIC")
+
+    def check_model(self, m: ModelConfig) -> bool:
+        """Per-model rules; ``True`` when the model can be sliced."""
+        p = m.path
+        sources = self.pm.registered("weight_sources")
+        if m.weight_source is not None and m.weight_source not in sources:
+            self.violation(
+                f"{p}.weight_source",
+                "weight-source",
+                f"{m.weight_source!r} is not a registered weight source (known: "
+                f"{', '.join(sorted(sources))}); install the plugin that provides it",
+            )
+        spec = self.role_specs.get(m.role)
+        if spec is not None and self.weight_source(m) not in spec.allowed_weight_sources:
+            self.violation(
+                f"{p}.weight_source",
+                "weight-source",
+                f"role {m.role!r} allows weight sources {sorted(spec.allowed_weight_sources)}, "
+                f"not {self.weight_source(m)!r}",
+            )
+        if m.device != "cuda":
+            return False
+        sliceable = True
+        if m.tp * m.pp != m.gpus_per_engine:
+            self.violation(
+                f"{p}.tp",
+                "tp-pp",
+                f"tp {m.tp} x pp {m.pp} = {m.tp * m.pp}, but gpus_per_engine = "
+                f"{m.gpus_per_engine}; an engine's GPUs are exactly its tp x pp ranks",
+            )
+        if m.num_gpus % m.gpus_per_engine:
+            sliceable = False
+            self.violation(
+                f"{p}.num_gpus",
+                "divisibility",
+                f"num_gpus {m.num_gpus} is not a multiple of gpus_per_engine "
+                f"{m.gpus_per_engine}; the model would get "
+                f"{m.num_gpus / m.gpus_per_engine:g} engines",
+            )
+        if m.dp > 1 and not m.dp_attention:
+            self.violation(
+                f"{p}.dp",
+                "dp-attention",
+                f"dp = {m.dp} needs dp_attention = true; for more replicas raise num_gpus",
+            )
+        elif m.dp_attention and m.dp < 2:
+            self.violation(f"{p}.dp", "dp-attention", "dp_attention = true needs dp >= 2")
+        elif m.dp_attention and m.tp % m.dp:
+            self.violation(
+                f"{p}.dp",
+                "dp-attention",
+                f"with dp_attention, tp {m.tp} must be divisible by dp {m.dp}",
+            )
+        if self.gpn > 0 and m.gpus_per_engine > self.gpn and m.gpus_per_engine % self.gpn:
+            sliceable = False
+            self.violation(
+                f"{p}.gpus_per_engine",
+                "whole-nodes",
+                f"an engine of {m.gpus_per_engine} GPUs spans nodes of {self.gpn} GPUs "
+                f"(cluster.gpus_per_node); a cross-node engine must use whole nodes, "
+                f"a multiple of {self.gpn} GPUs",
+            )
+        return sliceable
+
+    def check_roles(self) -> None:
+        policies = self.pm.registered("routing_policies")
+        for role in self.config.roles:
+            gpu_models = [m for m in role.models if m.device == "cuda"]
+            used = sum(m.num_gpus for m in gpu_models)
+            if role.num_gpus is not None and used != role.num_gpus:
+                parts = " + ".join(f"{m.name} {m.num_gpus}" for m in gpu_models) or "none"
+                self.violation(
+                    f"roles.{role.name}.num_gpus",
+                    "role-budget",
+                    f"role {role.name!r} has a budget of {role.num_gpus} GPUs but its models use "
+                    f"{used} ({parts}); make them add up",
+                )
+            if role.policy is not None and role.policy not in policies:
+                self.violation(
+                    f"roles.{role.name}.policy",
+                    "policy",
+                    f"{role.policy!r} is not a registered routing policy (known: "
+                    f"{', '.join(sorted(policies)) or 'none'})",
+                )
+            if role.name not in self.role_specs:
+                self.notes.append(
+                    f"role {role.name!r} is not registered by an installed plugin; "
+                    "using built-in defaults for it"
+                )
+
+    def check_mode(self, mode: PlacementMode) -> None:
+        t, placement = self.config.training, self.config.placement
+        if t.colocate is not None and t.colocate != mode.shares_training_pool:
+            want = "true" if mode.shares_training_pool else "false"
+            self.violation(
+                "training.colocate",
+                "colocate-mode",
+                f"placement.mode = {mode.name!r} "
+                + (
+                    "places inference inside"
+                    if mode.shares_training_pool
+                    else "keeps inference out of"
+                )
+                + f" the actor pool; set training.colocate = {want} or pick another mode",
+            )
+        if mode.shares_training_pool and not t.offload:
+            self.violation(
+                "training.offload",
+                "offload-required",
+                f"placement.mode = {mode.name!r} shares the actor pool's GPUs with inference, "
+                "so training must offload between phases; set training.offload = true",
+            )
+        if placement.defer_roles and not mode.supports_defer:
+            self.violation(
+                "placement.defer_roles",
+                "defer-mode",
+                f"placement.mode = {mode.name!r} does not run deferred phases; use mode = "
+                "'defer' or drop defer_roles",
+            )
+        for i, role in enumerate(placement.defer_roles):
+            if not self.deferrable(role):
+                self.violation(
+                    f"placement.defer_roles[{i}]",
+                    "defer-role",
+                    f"role {role!r} cannot be deferred; only roles that may run in a deferred "
+                    "phase (genrm, teacher) can be listed",
+                )
+
+    # -- slices ----------------------------------------------------------------------------
+
+    def demands(self, sliceable: dict[str, bool]) -> tuple[Demand, ...]:
+        order = {name: i for i, name in enumerate(STANDARD_ROLES)}
+        roles = sorted(self.config.roles, key=lambda r: order.get(r.name, len(order)))
+        deferred = set(self.config.placement.defer_roles)
+        return tuple(
+            Demand(
+                m.role,
+                m.name,
+                m.path,
+                m.num_gpus,
+                m.gpus_per_engine,
+                m.bundle_start,
+                deferred=m.role in deferred,
+            )
+            for r in roles
+            for m in r.models
+            if sliceable.get(m.path)
+        )
+
+    def pools(self, mode: PlacementMode, result: ModeResult) -> dict[str, Pool]:
+        t, c = self.config.training, self.config.cluster
+        pools: dict[str, Pool] = {}
+        for name, size in t.pools():
+            shared = name == "actor" and mode.shares_training_pool
+            default = SHARED_TRAINING_FRACTION if shared else 1.0
+            pools[name] = Pool(
+                name,
+                size,
+                self.gpn,
+                training=(name,),
+                inference=shared,
+                cpus_per_bundle=c.cpus_per_bundle,
+                strategy=self.config.placement.pg_strategy,
+                training_ray_gpu_fraction=t.ray_gpu_fraction or default,
+            )
+        for req in result.pools:
+            if req.name in pools:
+                self.violation(
+                    "placement.mode",
+                    "mode-error",
+                    f"mode {mode.name!r} created pool {req.name!r} twice or over a training pool",
+                )
+                continue
+            if req.size > 0:
+                pools[req.name] = Pool(
+                    req.name,
+                    req.size,
+                    self.gpn,
+                    cpus_per_bundle=c.cpus_per_bundle,
+                    strategy=self.config.placement.pg_strategy,
+                )
+        return pools
+
+    def placement(self, m: ModelConfig, pool: Pool, start: int, phase: str) -> ModelPlacement:
+        gpe = m.gpus_per_engine
+        replicas = tuple(tuple(range(s, s + gpe)) for s in range(start, start + m.num_gpus, gpe))
+        workers = tuple(_split_by_node(r, self.gpn) for r in replicas)
+        fraction = m.ray_gpu_fraction or (SHARED_ENGINE_FRACTION if pool.shared else 1.0)
+        return ModelPlacement(
+            m.role,
+            m.name,
+            m.path,
+            pool.name,
+            start,
+            m.num_gpus,
+            gpe,
+            m.tp,
+            m.pp,
+            phase,
+            device=m.device,
+            ray_gpu_fraction=fraction,
+            replicas=replicas,
+            workers=workers,
+        )
+
+    def check_slices(self, placements: Sequence[ModelPlacement], pools: dict[str, Pool]) -> None:
+        t = self.config.training
+        by_pool: dict[str, list[ModelPlacement]] = {}
+        for p in placements:
+            if p.pool is not None:
+                by_pool.setdefault(p.pool, []).append(p)
+        for name, group in by_pool.items():
+            pool = pools[name]
+            for p in group:
+                start = p.bundle_start or 0
+                if p.bundle_end > pool.size:
+                    where = "bundle_start" if self._explicit(p) else "num_gpus"
+                    owner = (
+                        f"the actor pool's {pool.size} bundles (training.actor_gpus = "
+                        f"{t.actor_gpus}); split and defer slices must lie inside the actor pool"
+                        if pool.training
+                        else f"pool {name!r} ({pool.size} bundles)"
+                    )
+                    self.violation(
+                        f"{p.path}.{where}",
+                        "pool-bounds",
+                        f"slice {start}-{p.bundle_end - 1} ends past {owner}",
+                    )
+                if engine_straddles(start, p.num_gpus, p.gpus_per_engine, self.gpn):
+                    self.violation(
+                        f"{p.path}.bundle_start",
+                        "node-boundary",
+                        f"slice {start}-{p.bundle_end - 1} puts an engine of "
+                        f"{p.gpus_per_engine} GPUs across a node boundary (nodes of {self.gpn} "
+                        "bundles); an engine must sit inside one node, or start on a node "
+                        "boundary and cover whole nodes",
+                    )
+            self._check_overlap(name, group)
+            self._check_fractions(pool, group)
+
+    def _explicit(self, p: ModelPlacement) -> bool:
+        return self.config.role(p.role).model(p.model).bundle_start is not None
+
+    def _check_overlap(self, pool: str, group: list[ModelPlacement]) -> None:
+        ordered = sorted(group, key=lambda p: p.bundle_start or 0)
+        for i, a in enumerate(ordered):
+            for b in ordered[i + 1 :]:
+                if (b.bundle_start or 0) >= a.bundle_end:
+                    break
+                if not phases_conflict(a.phase, b.phase):
+                    continue
+                lo, hi = b.bundle_start or 0, min(a.bundle_end, b.bundle_end)
+                phase = a.phase if a.phase != PHASE_RESIDENT else b.phase
+                hint = (
+                    "give them disjoint bundles (drop or change bundle_start); to time-share "
+                    "GPUs list genrm/teacher in placement.defer_roles with mode = 'defer'"
+                )
+                self.violation(
+                    f"{b.path}.bundle_start",
+                    "co-residence",
+                    f"bundles {lo}-{hi - 1} of pool {pool!r} are used by both {a.path} "
+                    f"({a.bundle_start}-{a.bundle_end - 1}) and {b.path} ({b.bundle_start}-"
+                    f"{b.bundle_end - 1}) in phase {phase!r}; same-phase co-residence is "
+                    f"not allowed: {hint}",
+                )
+
+    def _check_fractions(self, pool: Pool, group: list[ModelPlacement]) -> None:
+        heads: dict[int, list[ModelPlacement]] = {}
+        for p in group:
+            for replica in p.workers:
+                for worker in replica:
+                    heads.setdefault(worker[0], []).append(p)
+        base = pool.training_ray_gpu_fraction * len(pool.training)
+        seen: set[tuple[str, ...]] = set()
+        for bundle in sorted(heads):
+            users = heads[bundle]
+            total = base + sum(p.ray_gpu_fraction for p in users)
+            if total <= 1 + _EPS:
+                continue
+            key = tuple(p.key for p in users)
+            if key in seen:
+                continue
+            seen.add(key)
+            parts = [f"training {r} {pool.training_ray_gpu_fraction:g}" for r in pool.training]
+            parts += [f"{p.path} {p.ray_gpu_fraction:g}" for p in users]
+            self.violation(
+                f"{users[-1].path}.ray_gpu_fraction",
+                "ray-gpu-fraction",
+                f"bundle {bundle} of pool {pool.name!r} would reserve {total:g} Ray GPUs "
+                f"({' + '.join(parts)}) but a bundle holds 1 GPU; lower ray_gpu_fraction "
+                "(training.ray_gpu_fraction for the actor)",
+            )
+
+    # -- the cluster -----------------------------------------------------------------------
+
+    def pack(self, pools: dict[str, Pool]) -> dict[str, Pool]:
+        """Check the GPU budget and pack each pool's nodes onto cluster nodes."""
+        c = self.config.cluster
+        total = sum(p.size for p in pools.values())
+        if not pools:
+            return pools
+        if total > c.total_gpus:
+            parts = ", ".join(f"{p.name} {p.size}" for p in pools.values())
+            self.violation(
+                "cluster",
+                "gpu-budget",
+                f"the job needs {total} GPUs (pools: {parts}) but the cluster has "
+                f"{c.total_gpus} (cluster.num_nodes {c.num_nodes} x cluster.gpus_per_node "
+                f"{c.gpus_per_node}); add nodes or lower num_gpus",
+            )
+            return pools
+        free = [self.gpn] * c.num_nodes
+        nodes: dict[str, list[int]] = {}
+        cursor = 0
+        for p in pools.values():
+            nodes[p.name] = []
+            for _ in range(p.size // self.gpn):
+                while free[cursor] != self.gpn:
+                    cursor += 1
+                free[cursor] = 0
+                nodes[p.name].append(cursor)
+        pieces = sorted(
+            ((p.size % self.gpn, p.name) for p in pools.values() if p.size % self.gpn),
+            key=lambda x: -x[0],
+        )
+        for size, name in pieces:
+            node = next((i for i, f in enumerate(free) if f >= size), None)
+            if node is None:
+                need = ", ".join(f"{n} {s}" for s, n in pieces)
+                self.violation(
+                    "cluster",
+                    "node-fit",
+                    f"the pools cannot be laid out on {c.num_nodes} nodes of {self.gpn} GPUs: "
+                    f"no node has {size} free GPUs left for the rest of pool {name!r} (partial "
+                    f"nodes needed: {need}); a pool's partial node stays on one node. Resize "
+                    "the pools to whole nodes or add a node",
+                )
+                return pools
+            free[node] -= size
+            nodes[name].append(node)
+        return {n: attrs.evolve(p, nodes=tuple(nodes[n])) for n, p in pools.items()}
+
+    # -- the whole run ---------------------------------------------------------------------
+
+    def run(self) -> Preflight:
+        cfg = self.config
+        modes = self.pm.registered("placement_modes")
+        mode_name = cfg.placement.resolved_mode(cfg.training)
+        mode: PlacementMode | None = modes[mode_name].record if mode_name in modes else None
+        if mode is None:
+            import difflib
+
+            close = difflib.get_close_matches(mode_name, sorted(modes), n=1)
+            self.violation(
+                "placement.mode",
+                "unknown-mode",
+                f"{mode_name!r} is not a registered placement mode"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + f" (known: {', '.join(sorted(modes))})",
+            )
+        sliceable = {m.path: self.check_model(m) for m in cfg.models()}
+        if self.gpn == 0 and any(m.device == "cuda" for m in cfg.models()):
+            self.violation(
+                "cluster.gpus_per_node",
+                "gpu-budget",
+                "GPU models are configured but cluster.gpus_per_node is 0; set it, or use "
+                "device = 'cpu' models",
+            )
+            sliceable = {}
+        self.check_roles()
+        if mode is None:
+            return Preflight(None, tuple(self.violations), tuple(self.notes))
+        self.check_mode(mode)
+        demands = self.demands(sliceable)
+        ctx = ModeContext(
+            cfg,
+            demands,
+            self.gpn,
+            "actor" if cfg.training.actor_gpus > 0 else None,
+            cfg.training.actor_gpus,
+        )
+        result = self._assign(mode, ctx)
+        self.violations += result.violations
+        pools = self.pools(mode, result)
+        placements = self._placements(mode, result, demands, pools)
+        self.check_slices(placements, pools)
+        pools = self.pack(pools)
+        memory, host, mem_violations, mem_notes = budget_memory(
+            cfg,
+            placements,
+            pools,
+            {f"{m.role}.{m.name}": self.weight_source(m) for m in cfg.models()},
+        )
+        self.violations += mem_violations
+        self.notes += mem_notes
+        if self.violations:
+            return Preflight(None, tuple(self.violations), tuple(self.notes))
+        plan = InferencePlacementPlan(
+            mode=mode.name,
+            num_nodes=cfg.cluster.num_nodes,
+            gpus_per_node=self.gpn,
+            pools=tuple(pools.values()),
+            placements=tuple(placements),
+            phases=tuple(result.phases),
+            memory=tuple(memory),
+            host_memory=tuple(host),
+            notes=tuple(self.notes),
+        )
+        return Preflight(plan, (), tuple(self.notes))
+
+    def _assign(self, mode: PlacementMode, ctx: ModeContext) -> ModeResult:
+        try:
+            result = mode.assign(ctx)
+        except Exception as exc:  # a third-party mode's bug must not look like a config error
+            self.violation(
+                "placement.mode",
+                "mode-error",
+                f"placement mode {mode.name!r} failed: {type(exc).__name__}: {exc}",
+            )
+            return ModeResult()
+        if not isinstance(result, ModeResult):
+            self.violation(
+                "placement.mode",
+                "mode-error",
+                f"placement mode {mode.name!r} returned {type(result).__name__}, not ModeResult",
+            )
+            return ModeResult()
+        return result
+
+    def _placements(
+        self,
+        mode: PlacementMode,
+        result: ModeResult,
+        demands: Sequence[Demand],
+        pools: dict[str, Pool],
+    ) -> list[ModelPlacement]:
+        cfg = self.config
+        by_key = {(s.role, s.model): s for s in result.slices}
+        out: list[ModelPlacement] = []
+        for d in demands:
+            s = by_key.get((d.role, d.model))
+            if s is None or s.pool not in pools:
+                if not result.violations:
+                    self.violation(
+                        d.path,
+                        "mode-error",
+                        f"placement mode {mode.name!r} gave no valid slice for this model",
+                    )
+                continue
+            out.append(
+                self.placement(
+                    cfg.role(d.role).model(d.model), pools[s.pool], s.bundle_start, s.phase
+                )
+            )
+        for m in cfg.models():
+            if m.device != "cuda":
+                out.append(
+                    ModelPlacement(
+                        m.role,
+                        m.name,
+                        m.path,
+                        None,
+                        None,
+                        0,
+                        0,
+                        m.tp,
+                        m.pp,
+                        PHASE_RESIDENT,
+                        device=m.device,
+                        replicas=((),) * m.num_engines,
+                        workers=((),) * m.num_engines,
+                    )
+                )
+        return out
+
+
+def _split_by_node(bundles: tuple[int, ...], gpn: int) -> tuple[tuple[int, ...], ...]:
+    if gpn <= 0:
+        return (bundles,)
+    groups: list[list[int]] = []
+    for b in bundles:
+        if groups and groups[-1][-1] // gpn == b // gpn:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return tuple(tuple(g) for g in groups)
+
+
+def preflight(config: JobConfig, plugin_manager: PluginManager | None = None) -> Preflight:
+    """Like :func:`plan_inference_placement`, but returns the violations instead of raising."""
+    return _Planner(config, plugin_manager or get_plugin_manager()).run()

@@ -1,0 +1,102 @@
+"""A human-readable view of a plan: bundle maps per pool and the memory budget per GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from relax_core.placement.plan import InferencePlacementPlan, ModelPlacement, Pool
+
+__all__ = ["render_plan"]
+
+_TITLES = {"rollout": "Rollout", "genrm": "GenRM", "teacher": "Teacher"}
+#: Pools wider than this are shown as bundle ranges instead of one column per bundle.
+MAX_MAP_WIDTH = 64
+
+
+def _title(p: ModelPlacement, one_model: bool, multi_phase: bool) -> str:
+    label = _TITLES.get(p.role, p.role.capitalize())
+    if not one_model:
+        label += f"/{p.model}"
+    if multi_phase:
+        label += f" ({p.phase})"
+    return label + ":"
+
+
+def _pool_lines(plan: InferencePlacementPlan, pool: Pool) -> list[str]:
+    placed = plan.placements_in(pool.name)
+    shared = f", shared with training {', '.join(pool.training)}" if pool.training else ""
+    nodes = f"; cluster node(s) {', '.join(map(str, pool.nodes))}" if pool.nodes else ""
+    lines = [f"pool {pool.name}: {pool.size} bundles{shared}{nodes}"]
+    if not placed:
+        return lines
+    per_role: dict[str, int] = {}
+    for p in placed:
+        per_role[p.role] = per_role.get(p.role, 0) + 1
+    multi_phase = len({p.phase for p in placed}) > 1
+    rows = [(_title(p, per_role[p.role] == 1, multi_phase), p) for p in placed]
+    width = max(len("bundle:"), *(len(t) for t, _ in rows)) + 1
+    if pool.size <= MAX_MAP_WIDTH:
+        lines.append("bundle:".ljust(width) + " ".join(str(i) for i in range(pool.size)))
+        for title, p in rows:
+            letter = _TITLES.get(p.role, p.role)[0].upper()
+            cells = []
+            for i in range(pool.size):
+                mark = letter if (p.bundle_start or 0) <= i < p.bundle_end else "."
+                cells.append(mark.rjust(len(str(i))))
+            lines.append(title.ljust(width) + " ".join(cells))
+    else:
+        for title, p in rows:
+            lines.append(
+                title.ljust(width)
+                + f"bundles {p.bundle_start}-{p.bundle_end - 1} ({p.num_engines} engines of "
+                f"{p.gpus_per_engine} GPUs)"
+            )
+    return lines
+
+
+def _memory_lines(plan: InferencePlacementPlan) -> list[str]:
+    if not plan.memory:
+        return []
+    lines = ["", "memory per GPU (GiB):"]
+    for m in plan.memory:
+        head = f"  {m.role}.{m.model} [{m.pool} {m.bundles[0]}-{m.bundles[1] - 1}, {m.phase}]"
+        if m.status == "skipped":
+            lines.append(f"{head}: skipped: {m.note}")
+            continue
+        users = " + ".join(f"{i.label} {i.gib:.1f}" for i in m.items)
+        lines.append(f"{head}: {m.total_gib:.1f} of {m.capacity_gib:g} ({m.status}) = {users}")
+    return lines
+
+
+def _host_lines(plan: InferencePlacementPlan) -> list[str]:
+    if not plan.host_memory:
+        return []
+    lines = ["", "host memory per node (GiB):"]
+    for h in plan.host_memory:
+        nodes = ", ".join(map(str, h.nodes[:8])) + (" …" if len(h.nodes) > 8 else "")
+        users = " + ".join(f"{i.label} {i.gib:.1f}" for i in h.items)
+        cap = f" of {h.capacity_gib:g}" if h.capacity_gib is not None else ""
+        lines.append(f"  node(s) {nodes}: {h.total_gib:.1f}{cap} ({h.status}) = {users}")
+    return lines
+
+
+def render_plan(plan: InferencePlacementPlan, notes: Sequence[str] = ()) -> str:
+    """The plan as text: a header, a bundle map per pool, CPU models, memory and notes."""
+    lines = [
+        f"mode: {plan.mode}   cluster: {plan.num_nodes} node(s) x {plan.gpus_per_node} GPUs   "
+        f"job uses {plan.total_gpus} of {plan.cluster_gpus} GPUs   phases: "
+        + " -> ".join(plan.phases)
+    ]
+    for pool in plan.pools:
+        lines.append("")
+        lines += _pool_lines(plan, pool)
+    cpu = [p for p in plan.placements if p.pool is None]
+    if cpu:
+        lines.append("")
+        lines += [f"{p.role}.{p.model}: {p.num_engines} engine(s) on {p.device}" for p in cpu]
+    lines += _memory_lines(plan)
+    lines += _host_lines(plan)
+    all_notes = list(dict.fromkeys([*plan.notes, *notes]))
+    if all_notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in all_notes]
+    return "\n".join(lines)
