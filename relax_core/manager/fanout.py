@@ -1,0 +1,90 @@
+"""Parallel fan-out of actor calls with one deadline, and what each outcome means.
+
+The manager issues every call of a step at once (one Ray RPC per replica or worker) and waits
+for all of them with a single deadline, so N replicas take as long as the slowest one. Each
+call ends in exactly one :class:`CallOutcome`: a value, an error, or "no answer by the deadline".
+
+An error that is a *terminal actor death* (:class:`ray.exceptions.RayActorError`, except
+:class:`ray.exceptions.ActorUnavailableError`) means the actor process is gone while its engine
+process may still run: the manager must fence it, never count it as cleaned up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Mapping
+from typing import Any, TypeVar
+
+import attrs
+
+__all__ = ["CallOutcome", "gather", "is_terminal_actor_death"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+def is_terminal_actor_death(error: BaseException | None) -> bool:
+    """True for a confirmed actor death (not for a temporarily unavailable actor)."""
+    if error is None:
+        return False
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError)
+
+
+@attrs.frozen
+class CallOutcome:
+    """How one remote call ended: ``value``, ``error``, or ``timed_out``."""
+
+    value: Any = None
+    error: BaseException | None = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The call returned normally."""
+        return self.error is None and not self.timed_out
+
+    @property
+    def actor_died(self) -> bool:
+        """The actor is confirmed dead (its engine process is NOT confirmed dead)."""
+        return is_terminal_actor_death(self.error)
+
+    def describe(self) -> str:
+        """A short human description (for results and error messages)."""
+        if self.timed_out:
+            return "no answer before the deadline"
+        if self.error is not None:
+            cause = getattr(self.error, "cause", None) or self.error
+            text = str(cause).strip().splitlines()
+            return f"{type(cause).__name__}: {text[-1] if text else ''}"
+        return "ok"
+
+
+def gather(refs: Mapping[K, Any], timeout: float) -> dict[K, CallOutcome]:
+    """Wait for every object ref of ``refs`` until ``timeout`` seconds; one outcome per key.
+
+    Never raises for a failed call: its error is in its outcome. Calls still running at the
+    deadline are reported as ``timed_out`` (they are not cancelled).
+    """
+    import ray
+
+    if not refs:
+        return {}
+    keys = list(refs)
+    by_ref = {refs[k]: k for k in keys}
+    deadline = time.monotonic() + max(0.0, timeout)
+    pending = list(by_ref)
+    out: dict[K, CallOutcome] = {}
+    while pending:
+        remaining = max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=remaining)
+        for ref in ready:
+            try:
+                out[by_ref[ref]] = CallOutcome(value=ray.get(ref))
+            except Exception as exc:
+                out[by_ref[ref]] = CallOutcome(error=exc)
+        if time.monotonic() >= deadline:
+            break
+    for ref in pending:
+        out[by_ref[ref]] = CallOutcome(timed_out=True)
+    return {k: out[k] for k in keys}

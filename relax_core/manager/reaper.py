@@ -1,0 +1,92 @@
+"""Kill an engine's process group when the worker actor that started it dies.
+
+Run as a script with only the standard library (``python -I -S reaper.py WORKER_PID ENGINE_PID``)
+by :class:`~relax_core.manager.worker.EngineWorker` right after it launches an engine. It
+detaches (double fork) so that it is nobody's child — Ray cleaning up a killed actor's children
+cannot take it down first — prints its own pid, and then polls every ``INTERVAL`` seconds:
+
+- the worker is gone (its pid disappeared or was reused) → SIGKILL the engine's process group
+  (the engine runs in its own session, so its group id is its pid) and exit;
+- the engine is gone (exited, reaped, or its pid reused) → exit.
+
+Both pids are identified by their start time, so a reused pid is never signalled. The worker
+SIGTERMs the reaper when it shuts the engine down itself.
+
+This is best effort by nature: the manager still treats an engine whose actor died as *not*
+confirmed dead (fence + ``InferenceRecoveryRequired``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+INTERVAL = 0.1
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # Fields after the command name (which may hold spaces and parentheses).
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def start_time(pid: int) -> str | None:
+    """The start time of ``pid`` (``/proc/PID/stat`` field 22); ``None`` if gone or a zombie."""
+    fields = _stat(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _kill_engine(engine: int, engine_start: str) -> None:
+    fields = _stat(engine)
+    if fields is None or fields[19] != engine_start:
+        return
+    pgid = int(fields[2])
+    try:
+        if pgid == engine:
+            os.killpg(engine, signal.SIGKILL)
+        else:
+            os.kill(engine, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def watch(worker: int, worker_start: str, engine: int, engine_start: str) -> None:
+    """Poll until the worker or the engine is gone; kill the engine if the worker went first."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    while True:
+        if start_time(engine) != engine_start:
+            return
+        if start_time(worker) != worker_start:
+            _kill_engine(engine, engine_start)
+            return
+        time.sleep(INTERVAL)
+
+
+def main(argv: list[str]) -> int:
+    worker, engine = int(argv[0]), int(argv[1])
+    worker_start, engine_start = start_time(worker), start_time(engine)
+    if worker_start is None or engine_start is None:
+        print(0, flush=True)
+        return 0
+    if os.fork() > 0:
+        # The intermediate process exits at once; the grandchild is re-parented away from Ray.
+        os._exit(0)
+    os.setsid()
+    print(os.getpid(), flush=True)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    watch(worker, worker_start, engine, engine_start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

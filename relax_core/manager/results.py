@@ -1,0 +1,108 @@
+"""What lifecycle calls return: one result per logical replica, never one flag for all."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import attrs
+
+from relax_core.errors import LifecycleError
+
+__all__ = ["HealthReport", "LifecycleResult", "Outcome", "ReplicaHealth", "ReplicaResult"]
+
+
+class Outcome(enum.StrEnum):
+    """How one replica came out of a lifecycle call."""
+
+    DONE = "done"  #: the step ran and was confirmed
+    NOOP = "noop"  #: nothing to do (already in the asked-for state)
+    FAILED = "failed"  #: not confirmed: the replica is FAILED (memory NOT known to be free)
+    SKIPPED = "skipped"  #: the call does not apply to the replica's state
+
+
+@attrs.frozen
+class ReplicaResult:
+    """One replica's outcome: its state afterwards, the tags acted on, the error if any."""
+
+    engine_id: str
+    outcome: Outcome
+    state: str
+    tags: tuple[str, ...] = ()
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@attrs.frozen
+class LifecycleResult:
+    """The per-replica results of one manager call (``start``, ``offload``, ``onload``, …)."""
+
+    operation: str
+    model_id: str
+    replicas: tuple[ReplicaResult, ...]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when no replica FAILED (a shared GPU may be handed on only then)."""
+        return not self.failed
+
+    @property
+    def failed(self) -> tuple[ReplicaResult, ...]:
+        """The replicas whose step was not confirmed."""
+        return tuple(r for r in self.replicas if r.outcome is Outcome.FAILED)
+
+    @property
+    def states(self) -> Mapping[str, str]:
+        """Engine id -> state after the call."""
+        return {r.engine_id: r.state for r in self.replicas}
+
+    @property
+    def outcomes(self) -> Mapping[str, Outcome]:
+        """Engine id -> outcome."""
+        return {r.engine_id: r.outcome for r in self.replicas}
+
+    def raise_for_failures(self) -> LifecycleResult:
+        """Return ``self``, or raise :class:`LifecycleError` naming every failed replica."""
+        if self.failed:
+            lines = "; ".join(f"{r.engine_id}: {r.error}" for r in self.failed)
+            raise LifecycleError(
+                f"{self.operation} of model {self.model_id!r}: {len(self.failed)} of "
+                f"{len(self.replicas)} replica(s) not confirmed ({lines}); they are FAILED and "
+                "their memory is not known to be free: call recover() or shutdown()"
+            )
+        return self
+
+
+@attrs.frozen
+class ReplicaHealth:
+    """One replica's health-check verdict.
+
+    ``action``: ``none`` (healthy), ``failed`` (marked FAILED, not cleaned), ``cleaned``
+    (whole replica shut down, confirmed), ``rebuilt``, ``pending`` (a cleanup step was not
+    confirmed; retry), ``fenced`` (an actor died without confirmed cleanup).
+    """
+
+    engine_id: str
+    healthy: bool
+    state: str
+    action: str
+    problems: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class HealthReport:
+    """The result of :meth:`InferenceManager.health_check` over every worker of every replica."""
+
+    model_id: str
+    replicas: tuple[ReplicaHealth, ...]
+
+    @property
+    def healthy(self) -> bool:
+        """True when every replica was healthy."""
+        return all(r.healthy for r in self.replicas)
+
+    @property
+    def by_engine(self) -> Mapping[str, ReplicaHealth]:
+        """Engine id -> verdict."""
+        return {r.engine_id: r for r in self.replicas}

@@ -1,0 +1,238 @@
+"""Replica states, resident tags and their transitions — pure, no Ray, no I/O.
+
+A logical replica is READY only when every resident tag (weights, KV cache, CUDA graph) is
+resident, its weights are valid and its admission is open. The manager changes a replica's
+state only through :meth:`Replica.advance`, which refuses transitions the state machine does not
+have (a bug, never a user error), and decides what a lifecycle call must do through the pure
+``plan_*`` functions here, so "repeated onload/offload are no-ops" and "onload restores only
+what is missing" are properties of this module, tested without any engine.
+
+::
+
+    STARTING  -> READY | FAILED | STOPPING
+    READY     -> DRAINING | FAILED | STOPPING
+    DRAINING  -> SLEEPING | READY (a weight-update fence reopening) | FAILED | STOPPING
+    SLEEPING  -> ONLOADING | DRAINING (releasing more tags) | FAILED | STOPPING
+    ONLOADING -> READY | SLEEPING (a partial onload) | FAILED | STOPPING
+    FAILED    -> STOPPING
+    STOPPING  -> STARTING (rebuilt after confirmed cleanup) | STOPPING (cleanup retried)
+
+FAILED means "not routable", never "memory released": only a confirmed offload (SLEEPING) or a
+confirmed shutdown frees the GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import attrs
+
+from relax_core.errors import LifecycleError
+
+__all__ = [
+    "ALL_TAGS",
+    "TAG_ORDER",
+    "OffloadPlan",
+    "OnloadPlan",
+    "Replica",
+    "ReplicaState",
+    "ResidentTag",
+    "normalize_tags",
+    "plan_offload",
+    "plan_onload",
+]
+
+
+class ReplicaState(enum.StrEnum):
+    """The state of one logical replica (schema 2 publishes it as a string)."""
+
+    STARTING = "STARTING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    SLEEPING = "SLEEPING"
+    ONLOADING = "ONLOADING"
+    FAILED = "FAILED"
+    STOPPING = "STOPPING"
+
+
+class ResidentTag(enum.StrEnum):
+    """A piece of engine memory that can be released and resumed on its own."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    CUDA_GRAPH = "cuda_graph"
+
+
+#: Resume order: weights first, then KV cache, then CUDA graphs (SGLang's rule).
+TAG_ORDER: tuple[str, ...] = (ResidentTag.WEIGHTS, ResidentTag.KV_CACHE, ResidentTag.CUDA_GRAPH)
+ALL_TAGS: frozenset[str] = frozenset(TAG_ORDER)
+
+_S = ReplicaState
+_TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    _S.STARTING: frozenset({_S.READY, _S.FAILED, _S.STOPPING}),
+    _S.READY: frozenset({_S.DRAINING, _S.FAILED, _S.STOPPING}),
+    _S.DRAINING: frozenset({_S.SLEEPING, _S.READY, _S.FAILED, _S.STOPPING}),
+    _S.SLEEPING: frozenset({_S.ONLOADING, _S.DRAINING, _S.FAILED, _S.STOPPING}),
+    _S.ONLOADING: frozenset({_S.READY, _S.SLEEPING, _S.FAILED, _S.STOPPING}),
+    _S.FAILED: frozenset({_S.STOPPING}),
+    _S.STOPPING: frozenset({_S.STARTING, _S.STOPPING}),
+}
+
+
+def normalize_tags(tags: Iterable[str] | None, *, where: str = "tags") -> frozenset[str]:
+    """``None`` means every tag; otherwise check each name.
+
+    :raises ValueError: an unknown tag (the message lists the known ones).
+    """
+    if tags is None:
+        return ALL_TAGS
+    if isinstance(tags, str):
+        tags = (tags,)
+    out = frozenset(str(t) for t in tags)
+    unknown = out - ALL_TAGS
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown resident tags {sorted(unknown)}; known: {list(TAG_ORDER)}"
+        )
+    if not out:
+        raise ValueError(f"{where}: give at least one tag, or None for all of {list(TAG_ORDER)}")
+    return out
+
+
+def ordered(tags: Iterable[str]) -> tuple[str, ...]:
+    """``tags`` in resume order."""
+    wanted = set(tags)
+    return tuple(t for t in TAG_ORDER if t in wanted)
+
+
+@attrs.define
+class Replica:
+    """The manager's record of one logical replica (mutable; owned by one manager).
+
+    ``base_url`` is the head's public (admission) URL; it is kept after the head is gone so a
+    partially cleaned replica can still be found by the URL it was published under.
+    """
+
+    index: int
+    engine_id: str
+    state: ReplicaState = ReplicaState.STARTING
+    resident: frozenset[str] = frozenset()
+    weights_valid: bool = False
+    admission_open: bool = False
+    base_url: str | None = None
+    generation: int = 0
+    weight_version: str | None = None
+    error: str | None = None
+    history: list[tuple[ReplicaState, ReplicaState]] = attrs.field(factory=list, repr=False)
+
+    def advance(self, to: ReplicaState, *, error: str | None = None) -> None:
+        """Move to ``to``; :class:`LifecycleError` if the state machine has no such edge."""
+        if to not in _TRANSITIONS[self.state]:
+            raise LifecycleError(
+                f"replica {self.engine_id}: no transition {self.state} -> {to}; allowed from "
+                f"{self.state}: {sorted(_TRANSITIONS[self.state])}"
+            )
+        self.history.append((self.state, to))
+        self.state = to
+        if to is ReplicaState.FAILED:
+            # Not routable any more; the memory is *not* known to be free.
+            self.admission_open = False
+            self.error = error or self.error
+        elif error is not None:
+            self.error = error
+
+    @property
+    def is_ready(self) -> bool:
+        """READY with every tag resident, valid weights and open admission."""
+        return (
+            self.state is ReplicaState.READY
+            and self.resident == ALL_TAGS
+            and self.weights_valid
+            and self.admission_open
+        )
+
+    @property
+    def direct_eligible(self) -> bool:
+        """Whether a DIRECT client may send this replica requests (FAILED/SLEEPING never)."""
+        return self.is_ready and self.base_url is not None
+
+    def became_ready(self) -> None:
+        """Record that every tag is resident, weights are valid and admission reopened."""
+        if self.resident != ALL_TAGS or not self.weights_valid:
+            raise LifecycleError(
+                f"replica {self.engine_id}: cannot be READY with resident tags "
+                f"{list(ordered(self.resident))} and weights_valid={self.weights_valid}; "
+                f"READY needs {list(TAG_ORDER)} and valid weights"
+            )
+        self.admission_open = True
+        self.advance(ReplicaState.READY)
+
+
+@attrs.frozen
+class OffloadPlan:
+    """What an offload must do to one replica: release ``tags`` (empty: nothing to do)."""
+
+    tags: tuple[str, ...]
+    reason: str = ""
+
+    @property
+    def noop(self) -> bool:
+        """True when every requested tag is already released."""
+        return not self.tags
+
+
+@attrs.frozen
+class OnloadPlan:
+    """What an onload must do to one replica: resume ``tags`` in order; ``reopen`` admission."""
+
+    tags: tuple[str, ...]
+    reopen: bool
+    reason: str = ""
+
+    @property
+    def noop(self) -> bool:
+        """True when nothing is missing and admission is already as it should be."""
+        return not self.tags and not self.reopen
+
+
+class NotApplicable(LifecycleError):
+    """A lifecycle call does not apply to a replica in its current state (it is skipped)."""
+
+
+def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:
+    """Which tags an offload must release from ``replica``.
+
+    Only resident tags are released, so a repeated offload is a no-op.
+
+    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
+    """
+    wanted = normalize_tags(tags)
+    if replica.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
+        raise NotApplicable(
+            f"replica {replica.engine_id} is {replica.state}; offload applies to READY or "
+            "SLEEPING replicas (recover or shut down a FAILED one)"
+        )
+    release = ordered(wanted & replica.resident)
+    return OffloadPlan(release, "already released" if not release else "")
+
+
+def plan_onload(replica: Replica, tags: Iterable[str] | None) -> OnloadPlan:
+    """Which tags an onload must resume on ``replica``, and whether admission reopens.
+
+    Only missing tags are resumed; admission reopens when every tag will be resident. A
+    repeated onload of a READY replica is a no-op.
+
+    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
+    """
+    wanted = normalize_tags(tags)
+    if replica.state is ReplicaState.READY:
+        return OnloadPlan((), False, "already READY")
+    if replica.state is not ReplicaState.SLEEPING:
+        raise NotApplicable(
+            f"replica {replica.engine_id} is {replica.state}; onload applies to SLEEPING "
+            "replicas (recover or shut down a FAILED one)"
+        )
+    resume = ordered(wanted - replica.resident)
+    will_be = replica.resident | frozenset(resume)
+    return OnloadPlan(resume, will_be == ALL_TAGS and replica.weights_valid)

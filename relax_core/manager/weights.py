@@ -1,0 +1,83 @@
+"""Versioned checkpoint directories for the DCS weight source.
+
+A publisher (a trainer, a checkpoint service) writes each version into ``ROOT/version-N/``
+atomically — it fills ``ROOT/.version-N.tmp-*/`` and renames it, so an engine never sees half a
+checkpoint. The manager of a DCS model loads the newest version through the engines'
+update-from-disk path when told a new version exists
+(:meth:`~relax_core.manager.InferenceManager.load_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+
+__all__ = ["CheckpointDirectory"]
+
+_VERSION_DIR = re.compile(r"^version-(\d+)$")
+
+
+class CheckpointDirectory:
+    """A directory of ``version-N/`` checkpoints (N a non-negative integer).
+
+    Reading is safe while a publisher writes: only complete (renamed) versions are listed.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.fspath(root)
+
+    def path(self, version: int) -> str:
+        """The directory of ``version`` (it may not exist)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"checkpoint version {version!r}: use an integer >= 0")
+        return os.path.join(self.root, f"version-{version}")
+
+    def versions(self) -> list[int]:
+        """Every complete version, ascending (empty when the root does not exist)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            match = _VERSION_DIR.match(name)
+            if match and os.path.isdir(os.path.join(self.root, name)):
+                out.append(int(match.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        """The newest complete version, or ``None``."""
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def publish(self, version: int, write: Callable[[str], None]) -> str:
+        """Publish ``version``: ``write(tmp_dir)`` fills a temporary directory, then it is renamed.
+
+        :raises FileExistsError: ``version`` is already published (versions are immutable).
+        """
+        target = self.path(version)
+        if os.path.exists(target):
+            raise FileExistsError(
+                f"checkpoint {target} already exists; versions are immutable, publish "
+                f"version {(self.latest() or 0) + 1} instead"
+            )
+        os.makedirs(self.root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".version-{version}.tmp-", dir=self.root)
+        try:
+            write(tmp)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    def publish_copy(self, version: int, source: str | os.PathLike[str]) -> str:
+        """Publish ``version`` as a copy of the checkpoint directory ``source``."""
+
+        def write(tmp: str) -> None:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
+
+        return self.publish(version, write)

@@ -1,0 +1,396 @@
+"""The engine worker: a Ray actor per node of a logical replica, owning one engine process.
+
+Node rank 0 is the replica's *head*: it serves HTTP, owns the admission server (the public
+port) and is the only worker the manager drives lifecycle and weight calls through. Followers
+(node rank > 0) run an engine process that joins the head's ``dist_init_addr``; they only report
+whether their process is alive.
+
+The worker is an *async* actor: its methods and the admission proxy share the actor's event
+loop, and anything that blocks (starting, waiting for and stopping the engine process) runs in
+a thread. The engine process is started through the engine backend's ``launch`` (hf, sglang, …;
+nothing here is backend-specific) in its own process group, watched by a detached reaper that
+kills the group if this actor dies (see :mod:`relax_core.manager.reaper`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from relax_core.admission import AdmissionServer
+from relax_core.engine_spec import InferenceEngineSpec
+from relax_core.errors import CapabilityError, LifecycleError, RelaxError
+from relax_core.manager.state import ordered
+from relax_core.records import EngineBackend, EngineLaunchSpec, EngineProcess
+
+__all__ = ["UPDATE_METHODS", "EngineWorker", "ProbeResult", "StartResult"]
+
+#: Control-client methods a weight update may call, with the update path each belongs to.
+UPDATE_METHODS: dict[str, str] = {
+    "update_weights_from_tensor": "tensor",
+    "update_weights_from_disk": "disk",
+    "update_weights_from_distributed": "distributed",
+    "init_weights_update_group": "distributed",
+    "destroy_weights_update_group": "distributed",
+    "load_lora_adapter": "lora",
+    "unload_lora_adapter": "lora",
+}
+_RAW_LORA_PATHS = {
+    "load_lora_adapter": "/load_lora_adapter",
+    "unload_lora_adapter": "/unload_lora_adapter",
+}
+log = logging.getLogger(__name__)
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+
+
+def free_port(host: str) -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@attrs.frozen
+class StartResult:
+    """What a started worker reports: engine pid, private engine URL, public (admission) URL."""
+
+    engine_id: str
+    node_rank: int
+    pid: int
+    engine_url: str | None
+    public_url: str | None
+    node_ip: str
+    weight_version: str | None = None
+
+
+@attrs.frozen
+class ProbeResult:
+    """One worker's health: its process, and for a head, one real generation."""
+
+    engine_id: str
+    node_rank: int
+    pid: int | None
+    alive: bool
+    exit_code: int | None
+    generate_ok: bool | None
+    error: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Process alive, and (for a head asked to generate) the generation succeeded."""
+        return self.alive and self.generate_ok is not False
+
+
+class EngineWorker:
+    """One node of a logical replica (create it with ``ray.remote(EngineWorker).options(...)``).
+
+    :param engine_id: the replica's engine id (``model/replica-0``).
+    :param node_rank: 0 for the head, 1.. for followers.
+    :param backend: the engine backend record (``plugin_manager.engine_backend("hf")``).
+    :param spec: the model's :class:`InferenceEngineSpec`; checked again here, at the engine.
+    :param public_host: the host the admission server binds and publishes (head only).
+    :param retry_after: seconds the admission server sends in ``Retry-After`` while closed.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        node_rank: int,
+        backend: EngineBackend,
+        spec: InferenceEngineSpec,
+        public_host: str | None = None,
+        retry_after: float = 1.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.node_rank = node_rank
+        self.backend = backend
+        self.spec = spec
+        self.node_ip = _node_ip()
+        self.public_host = public_host or self.node_ip
+        self.retry_after = retry_after
+        self.process: EngineProcess | None = None
+        self.admission: AdmissionServer | None = None
+        self.control: Any = None
+        self.reaper_pid: int | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def _name(self) -> str:
+        return f"{self.engine_id} node {self.node_rank}"
+
+    # -- start -----------------------------------------------------------------------------
+
+    async def rendezvous_address(self) -> str:
+        """``ip:port`` on this node where the head's distributed group will listen."""
+        return f"{self.node_ip}:{free_port(self.node_ip)}"
+
+    async def actor_pid(self) -> int:
+        """This actor's process id."""
+        return os.getpid()
+
+    async def start(self, launch: EngineLaunchSpec, ready_timeout: float) -> StartResult:
+        """Launch the engine process, wait until it is ready; a head also starts its admission.
+
+        Admission stays closed: the manager opens it once the replica is confirmed READY.
+
+        :raises LifecycleError: the process could not start or was not ready in time (it is
+            stopped again before this raises).
+        """
+        async with self._lock:
+            if self.process is not None:
+                raise LifecycleError(f"{self._name}: already started (pid {self.process.pid})")
+            if launch.node_rank == 0 and launch.port == 0:
+                launch = attrs.evolve(launch, port=free_port(launch.host))
+            self.process = await asyncio.to_thread(self.backend.launch, launch)
+            self.reaper_pid = await asyncio.to_thread(self._start_reaper, self.process.pid)
+            try:
+                await asyncio.to_thread(self.process.wait_ready, ready_timeout)
+                version = None
+                if launch.node_rank == 0:
+                    engine_url = self.process.base_url or f"http://{launch.host}:{launch.port}"
+                    self.control = self.backend.control_client(engine_url)
+                    version = await self.control.weight_version(timeout=ready_timeout)
+                    self.admission = AdmissionServer(
+                        engine_url,
+                        engine_id=self.engine_id,
+                        spec=self.spec,
+                        host=self.public_host,
+                        retry_after=self.retry_after,
+                    )
+                    await self.admission.start()
+            except BaseException:
+                await self._stop_process(timeout=10.0)
+                raise
+            return StartResult(
+                engine_id=self.engine_id,
+                node_rank=self.node_rank,
+                pid=self.process.pid,
+                engine_url=self.process.base_url,
+                public_url=self.admission.base_url if self.admission else None,
+                node_ip=self.node_ip,
+                weight_version=version,
+            )
+
+    def _start_reaper(self, engine_pid: int) -> int | None:
+        reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", _REAPER, str(os.getpid()), str(engine_pid)],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        assert reaper.stdout is not None
+        line = reaper.stdout.readline()
+        reaper.wait(timeout=10)
+        reaper.stdout.close()
+        pid = int(line.strip() or 0)
+        return pid or None
+
+    # -- health ----------------------------------------------------------------------------
+
+    async def probe(self, *, generate: bool, timeout: float) -> ProbeResult:
+        """Is the engine process alive; for a head with ``generate``, does it generate a token."""
+        process = self.process
+        if process is None:
+            return ProbeResult(
+                self.engine_id, self.node_rank, None, False, None, None, "not started"
+            )
+        code = process.poll()
+        if code is not None:
+            return ProbeResult(
+                self.engine_id, self.node_rank, process.pid, False, code, None,
+                f"engine process {process.pid} exited with code {code}",
+            )  # fmt: skip
+        if not generate or self.control is None:
+            return ProbeResult(self.engine_id, self.node_rank, process.pid, True, None, None)
+        try:
+            await self.control.health_generate(timeout=timeout)
+        except RelaxError as exc:
+            return ProbeResult(
+                self.engine_id, self.node_rank, process.pid, process.poll() is None,
+                process.poll(), False, str(exc),
+            )  # fmt: skip
+        return ProbeResult(self.engine_id, self.node_rank, process.pid, True, None, True)
+
+    async def engine_pid(self) -> int | None:
+        """The engine process id (``None`` before start)."""
+        return self.process.pid if self.process else None
+
+    async def admission_state(self) -> dict[str, Any]:
+        """``{"open": bool, "inflight": int}`` of the head's admission server."""
+        if self.admission is None:
+            return {"open": False, "inflight": 0}
+        return {"open": self.admission.is_open, "inflight": self.admission.inflight}
+
+    # -- lifecycle (head only) -------------------------------------------------------------
+
+    def _head(self) -> tuple[Any, AdmissionServer]:
+        if self.control is None or self.admission is None:
+            raise LifecycleError(f"{self._name}: not a started head; lifecycle calls go to node 0")
+        return self.control, self.admission
+
+    async def _drain(self, *, strict: bool, drain_timeout: float, timeout: float) -> None:
+        control, admission = self._head()
+        admission.close("DRAINING")
+        drained = strict and await admission.wait_idle(drain_timeout)
+        if not drained:
+            # Not strict, or the deadline passed: abort what is still running.
+            await control.abort(timeout=timeout)
+            if not await admission.wait_idle(min(timeout, 10.0)):
+                raise LifecycleError(
+                    f"{self._name}: {admission.inflight} request(s) still in flight after abort; "
+                    "the engine did not drain"
+                )
+
+    async def offload(
+        self, tags: Sequence[str], *, strict: bool, drain_timeout: float, timeout: float
+    ) -> float:
+        """Close admission, drain, flush and release ``tags``; return the seconds it took.
+
+        :raises LifecycleError: a step was refused or did not finish within ``timeout``; the
+            memory is then *not* known to be free.
+        """
+        self.spec.check("offload", engine_id=self.engine_id)
+        start = time.monotonic()
+        async with self._lock:
+            control, _ = self._head()
+            await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
+            if "kv_cache" in tags:
+                await control.flush_cache(wait=timeout, timeout=timeout)
+            await control.release_memory(ordered(tags), timeout=timeout)
+        return time.monotonic() - start
+
+    async def onload(self, tags: Sequence[str], *, reopen: bool, timeout: float) -> float:
+        """Resume ``tags`` (weights first); with ``reopen``, check one generation, then open.
+
+        :raises LifecycleError: a resume was refused or the check failed; admission stays closed.
+        """
+        self.spec.check("onload", engine_id=self.engine_id)
+        start = time.monotonic()
+        async with self._lock:
+            control, admission = self._head()
+            for tag in ordered(tags):
+                await control.resume_memory([tag], timeout=timeout)
+            if reopen:
+                await control.health_generate(timeout=timeout)
+                admission.open()
+        return time.monotonic() - start
+
+    async def drain(self, *, strict: bool, drain_timeout: float, timeout: float) -> None:
+        """Close admission and drain in-flight requests (before a scale-in shutdown)."""
+        if self.control is None or self.admission is None or self.process is None:
+            return
+        if self.process.poll() is not None:
+            return
+        async with self._lock:
+            await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
+
+    async def open_admission(self, *, check: bool, timeout: float) -> None:
+        """Open admission (after a generation check when ``check``)."""
+        control, admission = self._head()
+        if check:
+            await control.health_generate(timeout=timeout)
+        admission.open()
+
+    async def close_admission(self, reason: str = "DRAINING") -> None:
+        """Close admission (503 + Retry-After to new generation requests)."""
+        if self.admission is not None:
+            self.admission.close(reason)
+
+    async def update_weights(
+        self,
+        method: str,
+        kwargs: dict[str, Any],
+        *,
+        fence: bool,
+        reopen: bool,
+        drain_timeout: float,
+        timeout: float,
+    ) -> dict[str, Any]:
+        """Apply one weight-update call to the engine behind a fence.
+
+        With ``fence``: close admission and wait for in-flight requests (abort them when the
+        drain deadline passes) before the update, so no request reaches the engine mid-update;
+        with ``reopen``: check one generation and reopen admission afterwards.
+
+        :raises CapabilityError: the engine's spec does not allow the update path.
+        :raises LifecycleError: the engine refused or failed the update (admission stays closed).
+        """
+        operation = UPDATE_METHODS.get(method)
+        if operation is None:
+            raise CapabilityError(
+                f"{self._name}: {method!r} is not a weight-update call; "
+                f"known: {sorted(UPDATE_METHODS)}"
+            )
+        self.spec.check(operation, engine_id=self.engine_id)
+        async with self._lock:
+            control, admission = self._head()
+            if fence:
+                admission.close("UPDATING")
+                await self._drain(strict=True, drain_timeout=drain_timeout, timeout=timeout)
+            if method in _RAW_LORA_PATHS:
+                result = await control._operate(
+                    method, "POST", _RAW_LORA_PATHS[method], kwargs, timeout=timeout
+                )
+            else:
+                result = await getattr(control, method)(**kwargs, timeout=timeout)
+            if reopen:
+                await control.health_generate(timeout=timeout)
+                admission.open()
+            version = await control.weight_version(timeout=timeout)
+        return {"result": result, "weight_version": version}
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def _stop_process(self, timeout: float) -> int | None:
+        process = self.process
+        if process is None:
+            return None
+        code = await asyncio.to_thread(process.terminate, timeout)
+        self._stop_reaper()
+        return code
+
+    def _stop_reaper(self) -> None:
+        pid, self.reaper_pid = self.reaper_pid, None
+        if pid:
+            try:
+                os.kill(pid, 15)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    async def shutdown(self, timeout: float) -> dict[str, Any]:
+        """Stop admission and the engine process (SIGTERM, SIGKILL after ``timeout``).
+
+        Returns ``{"pid", "exit_code"}`` once the process is confirmed gone. Idempotent.
+        """
+        if self.admission is not None:
+            self.admission.close("STOPPING")
+        if self.control is not None:
+            try:
+                await self.control.close()
+            except (OSError, RuntimeError) as exc:
+                # Closing the control client must not stop the engine's shutdown.
+                log.warning("%s: closing the control client failed: %s", self._name, exc)
+        code = await self._stop_process(timeout)
+        if self.admission is not None:
+            await self.admission.stop()
+        pid = self.process.pid if self.process else None
+        return {"pid": pid, "exit_code": code}
+
+
+def _node_ip() -> str:
+    try:
+        import ray.util
+
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except Exception:  # outside a Ray worker: loopback
+        return "127.0.0.1"
