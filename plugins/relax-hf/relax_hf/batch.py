@@ -1,0 +1,358 @@
+"""Continuous batching on the compute thread: prefill, decode, sampling, log-probs, stops.
+
+A :class:`Batch` holds the running sequences, their left-padded attention mask and one
+transformers ``DynamicCache``. :meth:`Batch.step` either prefills newly admitted sequences
+(and merges them into the running batch) or runs one decode step for every running sequence.
+Finished and aborted sequences leave the batch at once.
+
+Sampling uses one ``torch.Generator`` per sequence, drawn from once per generated token, so a
+seeded request's tokens do not depend on what else is in the batch. Log-probs follow SGLang's
+shapes: ``[logprob, token_id, text_or_None]`` entries; the first input position is ``None``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from relax_hf.protocol import LogprobParams, SamplingParams
+from relax_hf.runner import ModelRunner
+
+__all__ = ["Batch", "Sequence"]
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """One generation request as the compute thread sees it."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    logprob: LogprobParams
+    generator: torch.Generator | None
+    stream: bool = False
+    created: float = attrs.field(factory=time.time)
+    output_ids: list[int] = attrs.field(factory=list)
+    text: str = ""
+    finish_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+    input_token_logprobs: list[Any] | None = None
+    input_top_logprobs: list[Any] | None = None
+    input_token_ids_logprobs: list[Any] | None = None
+    output_token_logprobs: list[Any] = attrs.field(factory=list)
+    output_top_logprobs: list[Any] = attrs.field(factory=list)
+    output_token_ids_logprobs: list[Any] = attrs.field(factory=list)
+    position: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether a finish reason is set."""
+        return self.finish_reason is not None
+
+    @property
+    def start(self) -> int:
+        """``logprob_start_len`` resolved as SGLang does (-1 means the last prompt token)."""
+        s = self.logprob.logprob_start_len
+        return len(self.prompt_ids) - 1 if s < 0 else s
+
+
+class Batch:
+    """The running batch: sequences, attention mask, KV cache (compute thread only)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.seqs: list[Sequence] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+        self.tokens_generated = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # -- public --------------------------------------------------------------------------
+
+    def step(self, new: list[Sequence]) -> list[Sequence]:
+        """Run one unit of work; return every sequence that changed (new token or finished)."""
+        changed = self._drop_aborted()
+        if new:
+            self._prefill(new)
+            changed += new
+        elif self.seqs:
+            changed += self._decode()
+        return changed
+
+    def drop_aborted(self) -> list[Sequence]:
+        """Finish and remove the sequences whose abort was requested (no forward pass)."""
+        return self._drop_aborted()
+
+    def abort_all(self, message: str) -> list[Sequence]:
+        """Finish every running sequence with an abort reason and empty the batch."""
+        for s in self.seqs:
+            s.abort_message = s.abort_message or message
+        return self._drop_aborted()
+
+    def clear(self) -> None:
+        """Drop the KV cache of an empty batch."""
+        assert not self.seqs
+        self.cache = self.mask = self.last = None
+
+    # -- text ----------------------------------------------------------------------------
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Detokenize, skipping ids the tokenizer does not know (padded vocabularies)."""
+        n = len(self.runner.tokenizer)
+        return str(
+            self.runner.tokenizer.decode(
+                [i for i in ids if i < n], skip_special_tokens=skip_special_tokens
+            )
+        )
+
+    def _token_text(self, tid: int, want: bool) -> str | None:
+        return self.decode([tid], skip_special_tokens=False) if want else None
+
+    def refresh_text(self, s: Sequence) -> None:
+        """Recompute ``s.text`` from its output ids (trimming a matched stop, as SGLang does)."""
+        ids = s.output_ids
+        matched = (s.finish_reason or {}).get("matched")
+        if isinstance(matched, int) and not s.sampling.no_stop_trim and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = self.decode(ids, s.sampling.skip_special_tokens)
+        if isinstance(matched, str) and not s.sampling.no_stop_trim:
+            idx = text.find(matched)
+            if idx >= 0:
+                text = text[:idx]
+        s.text = text
+
+    # -- batch surgery -------------------------------------------------------------------
+
+    def _drop_aborted(self) -> list[Sequence]:
+        gone = [s for s in self.seqs if s.abort_message is not None]
+        for s in gone:
+            s.finish_reason = {"type": "abort", "message": s.abort_message}
+            self.refresh_text(s)
+        if gone:
+            self._keep([i for i, s in enumerate(self.seqs) if s.abort_message is None])
+        return gone
+
+    def _keep(self, rows: list[int]) -> None:
+        if len(rows) != len(self.seqs):
+            self.seqs = [self.seqs[i] for i in rows]
+            if not rows:
+                self.clear()
+                return
+            assert self.mask is not None and self.last is not None
+            idx = torch.tensor(rows, device=self.mask.device)
+            self.mask = self.mask[idx]
+            self.last = self.last[idx]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[idx]
+                layer.values = layer.values[idx]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Cut the leading columns that are padding in every row."""
+        if self.mask is None or not self.seqs:
+            return
+        cols = int(torch.nonzero(self.mask.any(0))[0, 0])
+        if cols:
+            self.mask = self.mask[:, cols:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, cols:, :]
+                layer.values = layer.values[:, :, cols:, :]
+
+    def _merge(
+        self, seqs: list[Sequence], cache: Any, mask: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        if not self.seqs:
+            self.seqs, self.cache, self.mask, self.last = list(seqs), cache, mask, last
+            return
+        assert self.mask is not None and self.last is not None
+        length = max(self.mask.shape[1], mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = length - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)], dim=0)
+            mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)], dim=0)
+        self.mask = torch.cat([pad(self.mask, 1), pad(mask, 1)], dim=0)
+        self.last = torch.cat([self.last, last], dim=0)
+        self.seqs += seqs
+
+    # -- prefill and decode --------------------------------------------------------------
+
+    def _prefill(self, new: list[Sequence]) -> None:
+        runner = self.runner
+        device = runner.device
+        length = max(len(s.prompt_ids) for s in new)
+        ids = torch.full((len(new), length), runner.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(new), length), dtype=torch.long)
+        for i, s in enumerate(new):
+            n = len(s.prompt_ids)
+            ids[i, length - n :] = torch.tensor(s.prompt_ids, dtype=torch.long)
+            mask[i, length - n :] = 1
+            s.position = n
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        full = any(s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1 for s in new)
+        cache = runner.new_cache()
+        logits = runner.forward(ids, mask, positions, cache, logits_to_keep=0 if full else 1)
+        for i, s in enumerate(new):
+            if s.logprob.return_logprob:
+                self._input_logprobs(s, logits[i], length - len(s.prompt_ids) if full else None)
+        tokens = self._sample(logits[:, -1, :], new)
+        keep = []
+        for i, s in enumerate(new):
+            if s.sampling.max_new_tokens == 0:
+                s.finish_reason = {"type": "length", "length": 0}
+                self.refresh_text(s)
+                continue
+            self._append(s, tokens[i])
+            if not s.finished:
+                keep.append(i)
+        if keep:
+            idx = torch.tensor(keep, device=device)
+            for layer in cache.layers:
+                layer.keys = layer.keys[idx]
+                layer.values = layer.values[idx]
+            last = torch.tensor(
+                [[new[i].output_ids[-1]] for i in keep], dtype=torch.long, device=device
+            )
+            self._merge([new[i] for i in keep], cache, mask[idx], last)
+            self._trim()
+
+    def _decode(self) -> list[Sequence]:
+        assert self.mask is not None and self.last is not None
+        device = self.runner.device
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.seqs), 1))], dim=1)
+        positions = torch.tensor([[s.position] for s in self.seqs], dtype=torch.long, device=device)
+        logits = self.runner.forward(self.last, self.mask, positions, self.cache)
+        tokens = self._sample(logits[:, -1, :], self.seqs)
+        seqs = list(self.seqs)
+        for s, tok in zip(seqs, tokens, strict=True):
+            s.position += 1
+            self._append(s, tok)
+        self.last = torch.tensor(
+            [[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=device
+        )
+        self._keep([i for i, s in enumerate(seqs) if not s.finished])
+        return seqs
+
+    # -- sampling and log-probs ----------------------------------------------------------
+
+    def _scaled(self, z: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+        return z if sp.greedy else z / sp.temperature
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        out: list[tuple[int, torch.Tensor | None]] = []
+        for row, s in zip(logits, seqs, strict=True):
+            sp = s.sampling
+            z = row
+            if sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens:
+                banned = set(sp.stop_token_ids) | (
+                    set() if sp.ignore_eos else set(self.runner.eos_ids)
+                )
+                if banned:
+                    z = z.clone()
+                    z[torch.tensor(sorted(banned), device=z.device)] = float("-inf")
+            scaled = self._scaled(z, sp)
+            lp = torch.log_softmax(scaled, dim=-1) if s.logprob.return_logprob else None
+            if sp.greedy:
+                tok = int(torch.argmax(z))
+            else:
+                filt = scaled
+                if sp.top_k > 0 and sp.top_k < filt.numel():
+                    kth = torch.topk(filt, sp.top_k).values[-1]
+                    filt = filt.masked_fill(filt < kth, float("-inf"))
+                probs = torch.softmax(filt, dim=-1)
+                if sp.top_p < 1.0:
+                    sorted_p, order = torch.sort(probs, descending=True)
+                    drop = (sorted_p.cumsum(0) - sorted_p) > sp.top_p
+                    probs = probs.scatter(0, order[drop], 0.0)
+                if sp.min_p > 0.0:
+                    probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+                tok = int(torch.multinomial(probs, 1, generator=s.generator))
+            out.append((tok, lp))
+        return out
+
+    def _entries(self, lp: torch.Tensor, ids: list[int], want_text: bool) -> list[list[Any]]:
+        vals = lp[torch.tensor(ids, device=lp.device)].tolist()
+        return [[v, t, self._token_text(t, want_text)] for v, t in zip(vals, ids, strict=True)]
+
+    def _top(self, lp: torch.Tensor, k: int, want_text: bool) -> list[list[Any]]:
+        vals, idx = torch.topk(lp, k)
+        return [
+            [v, t, self._token_text(t, want_text)]
+            for v, t in zip(vals.tolist(), idx.tolist(), strict=True)
+        ]
+
+    def _input_logprobs(self, s: Sequence, logits: torch.Tensor, offset: int | None) -> None:
+        lpp: LogprobParams = s.logprob
+        want = lpp.return_text_in_logprobs
+        prompt = s.prompt_ids
+        start, n = s.start, len(prompt)
+        first = [None, prompt[start], self._token_text(prompt[start], want)]
+        tokens: list[list[Any]] = [first]
+        tops: list[Any] = [None]
+        by_id: list[Any] = [None]
+        if start < n - 1:
+            assert offset is not None
+            rows = self._scaled(logits[offset + start : offset + n - 1], s.sampling)
+            lp = torch.log_softmax(rows, dim=-1)
+            targets = torch.tensor(prompt[start + 1 :], device=lp.device)
+            vals = lp.gather(1, targets[:, None])[:, 0].tolist()
+            for v, t in zip(vals, prompt[start + 1 :], strict=True):
+                tokens.append([v, t, self._token_text(t, want)])
+            for r in range(lp.shape[0]):
+                if lpp.top_logprobs_num:
+                    tops.append(self._top(lp[r], lpp.top_logprobs_num, want))
+                if lpp.token_ids_logprob is not None:
+                    by_id.append(self._entries(lp[r], list(lpp.token_ids_logprob), want))
+        s.input_token_logprobs = tokens
+        s.input_top_logprobs = tops if lpp.top_logprobs_num else None
+        s.input_token_ids_logprobs = by_id if lpp.token_ids_logprob is not None else None
+
+    def _append(self, s: Sequence, sampled: tuple[int, torch.Tensor | None]) -> None:
+        tok, lp = sampled
+        s.output_ids.append(tok)
+        self.tokens_generated += 1
+        lpp = s.logprob
+        if lp is not None:
+            want = lpp.return_text_in_logprobs
+            s.output_token_logprobs.append([float(lp[tok]), tok, self._token_text(tok, want)])
+            if lpp.top_logprobs_num:
+                s.output_top_logprobs.append(self._top(lp, lpp.top_logprobs_num, want))
+            if lpp.token_ids_logprob is not None:
+                s.output_token_ids_logprobs.append(
+                    self._entries(lp, list(lpp.token_ids_logprob), want)
+                )
+        self._check_finish(s, tok)
+        if s.finished or s.stream:
+            self.refresh_text(s)
+
+    def _check_finish(self, s: Sequence, tok: int) -> None:
+        sp = s.sampling
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.runner.eos_ids):
+            s.finish_reason = {"type": "stop", "matched": tok}
+            return
+        if sp.stop:
+            text = self.decode(s.output_ids, sp.skip_special_tokens)
+            hits = [(text.find(stop), stop) for stop in sp.stop if stop in text]
+            if hits:
+                s.finish_reason = {"type": "stop", "matched": min(hits)[1]}
+                return
+        if len(s.output_ids) >= sp.max_new_tokens:
+            s.finish_reason = {"type": "length", "length": sp.max_new_tokens}
+        elif len(s.prompt_ids) + len(s.output_ids) >= self.runner.max_len:
+            s.finish_reason = {"type": "length", "length": len(s.output_ids)}

@@ -1,0 +1,151 @@
+"""The ``relax-hf`` command line: serve, make-tiny-model, bench, gpu-bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import torch
+    import uvicorn
+
+    from relax_hf.server import ServerConfig, build_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    config = ServerConfig(
+        model_path=args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        weights_cpu_backup=args.weights_cpu_backup,
+        served_model_name=args.served_model_name,
+        weight_version=args.weight_version,
+        max_running_requests=args.max_running_requests,
+        attn_implementation=args.attn_implementation,
+    )
+    print(
+        f"relax-hf: serving {args.model} on {args.device} at http://{args.host}:{args.port}",
+        flush=True,
+    )
+    uvicorn.run(
+        build_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from relax_hf.tiny import make_tiny_model
+
+    hf_logging.disable_progress_bar()
+    out = make_tiny_model(args.directory, seed=args.seed, size=args.size, dtype=args.dtype)
+    print(out)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from relax_hf.bench import format_result, run
+
+    result = run(quick=args.quick)
+    print(json.dumps(result) if args.json else format_result(result))
+    return 0 if result.get("ok", True) else 1
+
+
+def _gpu_bench(args: argparse.Namespace) -> int:
+    from relax_hf.gpu_bench import format_result, run
+
+    result = run(device=args.device, quick=args.quick, size=args.size)
+    print(json.dumps(result) if args.json else format_result(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``relax-hf`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="relax-hf", description="Hugging Face engine for Relax (SGLang protocol)."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("serve", help="run one engine server in the foreground")
+    p.add_argument(
+        "--model", "--model-path", dest="model", required=True, help="checkpoint directory"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
+    p.add_argument(
+        "--weights-cpu-backup",
+        "--enable-weights-cpu-backup",
+        dest="weights_cpu_backup",
+        action="store_true",
+        help="keep released weights in (pinned) host memory instead of reloading the checkpoint",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id in /v1/models (default: the model path)"
+    )
+    p.add_argument("--weight-version", default="default", help="initial weight_version")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(_run=_serve)
+
+    p = sub.add_parser(
+        "make-tiny-model", help="write a tiny random-initialised model with a local tokenizer"
+    )
+    p.add_argument("directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="tiny", choices=["tiny", "micro"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(_run=_make_tiny)
+
+    p = sub.add_parser("bench", help="CPU throughput at concurrency 1 and 16 (batching speed-up)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quick", action="store_true", help="shorter run")
+    p.set_defaults(_run=_bench)
+
+    p = sub.add_parser(
+        "gpu-bench", help="~1B model on CUDA: memory release, resume speed, update throughput"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
+    p.add_argument(
+        "--size",
+        default=None,
+        choices=["1b", "tiny"],
+        help="model size (default: 1b on cuda, tiny on cpu)",
+    )
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(_run=_gpu_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``relax-hf`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args))
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as exc:
+        print(f"relax-hf {args.command}: error: {exc}", file=sys.stderr)
+        return 2

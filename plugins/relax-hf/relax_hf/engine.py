@@ -1,0 +1,464 @@
+"""The asyncio side of the engine: admission, the scheduler loop, lifecycle and weight operations.
+
+:class:`Engine` owns one :class:`~relax_hf.runner.ModelRunner` and one
+:class:`~relax_hf.batch.Batch`. Every piece of model compute (prefill/decode steps, memory
+release/resume, weight loads) runs on one single-thread executor, so the event loop stays free
+for health checks, aborts and streaming, and weight operations happen between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from relax_hf.batch import Batch, Sequence
+from relax_hf.protocol import MEMORY_TAGS, LogprobParams, SamplingParams
+from relax_hf.runner import ModelRunner, WeightsError
+from relax_hf.weights import WeightsGroup, decode_named_tensors, parse_dtype
+
+__all__ = ["Conflict", "Engine", "NotResident"]
+
+T = TypeVar("T")
+
+
+class NotResident(RuntimeError):
+    """Memory is released: generation is refused with 503 until it is resumed."""
+
+
+class Conflict(RuntimeError):
+    """An operation is refused in the engine's current state (a 400 with this message)."""
+
+
+class Engine:
+    """Scheduler, lifecycle state and control operations of one engine server."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        served_model_name: str,
+        weight_version: str = "default",
+        max_running_requests: int = 64,
+        seed: int = 0,
+        dist_timeout_s: float = 600.0,
+    ) -> None:
+        self.runner = runner
+        self.batch = Batch(runner)
+        self.served_model_name = served_model_name
+        self.weight_version = weight_version
+        self.checkpoint_version = weight_version
+        self.max_running_requests = max_running_requests
+        self.resident = dict.fromkeys(MEMORY_TAGS, True)
+        self.paused = False
+        self.group = WeightsGroup()
+        self.dist_timeout_s = dist_timeout_s
+        self.started = time.time()
+        self.last_resume: dict[str, Any] = {}
+        self.last_release: dict[str, Any] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="relax-hf-compute")
+        self._pending: deque[Sequence] = deque()
+        self._live: dict[str, Sequence] = {}
+        self._sinks: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._rng = random.Random(seed)
+        self._ops = asyncio.Lock()
+        self.requests_total = 0
+
+    # -- lifecycle of the loop -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler loop on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="relax-hf-scheduler")
+
+    async def stop(self) -> None:
+        """Abort everything, stop the loop and the compute thread."""
+        self.abort_all("Engine is shutting down")
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def compute(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the compute thread (between two scheduler steps)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def not_resident(self) -> list[str]:
+        """The memory tags that are released now."""
+        return [t for t, on in self.resident.items() if not on]
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch."""
+        return len(self.batch)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences admitted but not yet prefilled."""
+        return len(self._pending)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        logprob: LogprobParams,
+        *,
+        rid: str | None = None,
+        stream: bool = False,
+    ) -> tuple[Sequence, asyncio.Queue[dict[str, Any]]]:
+        """Admit one request; its snapshots arrive on the returned queue.
+
+        :raises NotResident: memory is released. :raises Conflict: ``rid`` is in use.
+        """
+        released = self.not_resident()
+        if released:
+            raise NotResident(
+                f"memory {released} is released; call resume_memory_occupation before generating"
+            )
+        rid = rid or uuid.uuid4().hex
+        if rid in self._live:
+            raise Conflict(f"rid: request id {rid!r} is already in flight")
+        if len(prompt_ids) >= self.runner.max_len:
+            raise Conflict(
+                f"input: {len(prompt_ids)} prompt tokens exceed the context length "
+                f"{self.runner.max_len}"
+            )
+        seed = sampling.seed if sampling.seed is not None else self._rng.randrange(1 << 62)
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=self.runner.device)
+            gen.manual_seed(seed)
+        seq = Sequence(
+            rid=rid,
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            logprob=logprob,
+            generator=gen,
+            stream=stream,
+        )
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._live[rid] = seq
+        self._sinks[rid] = queue
+        self._pending.append(seq)
+        self.requests_total += 1
+        self._wake.set()
+        return seq, queue
+
+    def abort(self, rid: str, message: str = "Abort by user request") -> bool:
+        """Abort one request (pending or running); ``False`` if no such request is in flight."""
+        seq = self._live.get(rid)
+        if seq is None:
+            return False
+        self._abort(seq, message)
+        return True
+
+    def abort_all(self, message: str = "Abort by user request") -> int:
+        """Abort every request in flight; returns how many."""
+        seqs = list(self._live.values())
+        for seq in seqs:
+            self._abort(seq, message)
+        return len(seqs)
+
+    def _abort(self, seq: Sequence, message: str) -> None:
+        if seq in self._pending:
+            self._pending.remove(seq)
+            seq.finish_reason = {"type": "abort", "message": message}
+            self._deliver([seq])
+        else:
+            seq.abort_message = message  # the compute thread finishes it before the next step
+            self._wake.set()
+
+    # -- the scheduler loop -----------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            aborting = any(s.abort_message is not None for s in self.batch.seqs)
+            if self.paused or self.not_resident():
+                if aborting:
+                    self._deliver(await self.compute(self.batch.drop_aborted))
+                continue
+            new: list[Sequence] = []
+            while self._pending and len(self.batch) + len(new) < self.max_running_requests:
+                new.append(self._pending.popleft())
+            if not new and not len(self.batch):
+                continue
+            try:
+                changed = await self.compute(self.batch.step, new)
+            except Exception as exc:  # a failed step must not kill the server; fail its requests
+                changed = await self.compute(
+                    self._fail_step, new, f"engine error: {type(exc).__name__}: {exc}"
+                )
+            self._deliver(changed)
+            if len(self.batch) or self._pending:
+                self._wake.set()
+
+    def _fail_step(self, new: list[Sequence], message: str) -> list[Sequence]:
+        failed = self.batch.abort_all(message)
+        for s in new:
+            if not s.finished:
+                s.finish_reason = {"type": "abort", "message": message}
+                failed.append(s)
+        return failed
+
+    def snapshot(self, s: Sequence) -> dict[str, Any]:
+        """The SGLang ``/generate`` answer object for ``s`` as of now (cumulative)."""
+        meta: dict[str, Any] = {
+            "id": s.rid,
+            "finish_reason": s.finish_reason,
+            "prompt_tokens": len(s.prompt_ids),
+            "completion_tokens": len(s.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.time() - s.created,
+        }
+        lp = s.logprob
+        if lp.return_logprob:
+            meta["input_token_logprobs"] = s.input_token_logprobs or []
+            meta["output_token_logprobs"] = list(s.output_token_logprobs)
+            if lp.top_logprobs_num:
+                meta["input_top_logprobs"] = s.input_top_logprobs or []
+                meta["output_top_logprobs"] = list(s.output_top_logprobs)
+            if lp.token_ids_logprob is not None:
+                meta["input_token_ids_logprobs"] = s.input_token_ids_logprobs or []
+                meta["output_token_ids_logprobs"] = list(s.output_token_ids_logprobs)
+        return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
+
+    def _deliver(self, changed: list[Sequence]) -> None:
+        for s in changed:
+            sink = self._sinks.get(s.rid)
+            if sink is None or self._live.get(s.rid) is not s:
+                continue
+            if s.finished or s.stream:
+                sink.put_nowait(self.snapshot(s))
+            if s.finished:
+                del self._live[s.rid]
+                del self._sinks[s.rid]
+
+    # -- generation helpers -----------------------------------------------------------------
+
+    async def generate_one(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        logprob: LogprobParams,
+        rid: str | None = None,
+    ) -> dict[str, Any]:
+        """Submit and wait for the final snapshot (aborted if the caller is cancelled)."""
+        seq, queue = self.submit(prompt_ids, sampling, logprob, rid=rid)
+        try:
+            while True:
+                snap = await queue.get()
+                if snap["meta_info"]["finish_reason"] is not None:
+                    return snap
+        except asyncio.CancelledError:
+            self.abort(seq.rid, "Abort: the client went away")
+            raise
+
+    # -- control operations -----------------------------------------------------------------
+
+    def _in_flight(self) -> int:
+        return len(self._live)
+
+    async def pause(self, mode: str) -> str:
+        """``pause_generation``: ``abort`` aborts everything in flight; ``in_place`` keeps it."""
+        if mode not in ("abort", "in_place"):
+            raise Conflict(
+                f"mode: {mode!r} is not supported by the hf engine; use 'abort' or 'in_place'"
+            )
+        self.paused = True
+        if mode == "abort":
+            n = self.abort_all("Abort by pause_generation")
+            self._deliver(await self.compute(self.batch.drop_aborted))
+            return f"Generation paused; {n} request(s) aborted."
+        await self.compute(lambda: None)  # wait for the step in progress
+        return f"Generation paused in place; {self._in_flight()} request(s) kept."
+
+    def resume_generation(self) -> str:
+        """``continue_generation``."""
+        self.paused = False
+        self._wake.set()
+        return "Generation continued."
+
+    async def flush_cache(self) -> str:
+        """Refused (``Conflict``) while any request is pending or running."""
+        if self._in_flight():
+            raise Conflict(
+                f"Cache not flushed: {self._in_flight()} request(s) are pending or running; "
+                "abort them or wait"
+            )
+        await self.compute(self.runner.free_cached_memory)
+        return "Cache flushed."
+
+    async def release(self, tags: tuple[str, ...]) -> dict[str, Any]:
+        """Release ``tags``; refused while sequences are running. Idempotent."""
+        async with self._ops:
+            if len(self.batch) or (self._pending and not self.paused):
+                raise Conflict(
+                    f"cannot release memory while {self._in_flight()} request(s) are in flight; "
+                    "pause_generation (mode 'abort') first"
+                )
+            detail: dict[str, Any] = {}
+            if "weights" in tags and self.resident["weights"]:
+                detail["weights"] = await self.compute(self.runner.release_weights)
+            for tag in tags:
+                self.resident[tag] = False
+            if "kv_cache" in tags:
+                await self.compute(self._drop_kv)
+            self.last_release = detail
+            return detail
+
+    def _drop_kv(self) -> None:
+        if not len(self.batch):
+            self.batch.clear()
+        self.runner.free_cached_memory()
+
+    async def resume(self, tags: tuple[str, ...]) -> dict[str, Any]:
+        """Resume ``tags``, weights first. Idempotent."""
+        async with self._ops:
+            detail: dict[str, Any] = {}
+            if "weights" in tags and not self.resident["weights"]:
+                info = await self.compute(self.runner.resume_weights)
+                if info.get("updates_lost"):
+                    info["message"] = (
+                        f"weights reloaded from {self.runner.checkpoint_path}; updates since "
+                        f"(version {self.weight_version}) were lost: push weights again"
+                    )
+                    self.weight_version = self.checkpoint_version
+                detail["weights"] = info
+            for tag in sorted(tags, key=lambda t: t != "weights"):
+                self.resident[tag] = True
+            self.last_resume = detail
+            self._wake.set()
+            return detail
+
+    # -- weight updates ---------------------------------------------------------------------
+
+    def _next_version(self, requested: Any) -> str:
+        if requested is not None:
+            return str(requested)
+        current = self.weight_version
+        return str(int(current) + 1) if current.isdigit() else f"{current}+1"
+
+    def _prepare_update(self, abort_all_requests: bool) -> None:
+        if not self.resident["weights"]:
+            raise Conflict(
+                "weights are released; resume_memory_occupation(['weights']) before updating them"
+            )
+        if abort_all_requests:
+            self.abort_all("Abort by a weight update")
+
+    async def update_from_tensor(
+        self, payloads: Any, load_format: Any, *, abort_all_requests: bool, weight_version: Any
+    ) -> dict[str, Any]:
+        """Decode the payload (off the compute thread), then load it between two steps."""
+        if not isinstance(payloads, list) or not payloads:
+            raise WeightsError(
+                "serialized_named_tensors: must be a non-empty list (one payload per TP rank)"
+            )
+        if load_format is not None and not isinstance(load_format, str):
+            raise WeightsError("load_format: must be null or a string")
+        async with self._ops:
+            self._prepare_update(abort_all_requests)
+            start = time.perf_counter()
+            named = await asyncio.to_thread(
+                decode_named_tensors, payloads[0], load_format, "serialized_named_tensors[0]"
+            )
+            decoded = time.perf_counter()
+            nbytes = await self.compute(
+                self.runner.load_named_tensors, named, "serialized_named_tensors[0]"
+            )
+            self.weight_version = self._next_version(weight_version)
+            end = time.perf_counter()
+            return {
+                "bytes": nbytes,
+                "tensors": len(named),
+                "decode_seconds": decoded - start,
+                "load_seconds": end - decoded,
+            }
+
+    async def update_from_disk(
+        self, model_path: Any, *, abort_all_requests: bool, weight_version: Any
+    ) -> dict[str, Any]:
+        """Load a checkpoint directory between two steps."""
+        if not isinstance(model_path, str) or not model_path:
+            raise WeightsError("model_path: must be a non-empty string")
+        async with self._ops:
+            self._prepare_update(abort_all_requests)
+            start = time.perf_counter()
+            nbytes = await self.compute(self.runner.load_from_disk, model_path)
+            self.weight_version = self._next_version(weight_version)
+            self.checkpoint_version = self.weight_version
+            return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    async def init_group(self, body: dict[str, Any]) -> None:
+        """Join the trainer's broadcast group (blocks a worker thread, not the loop)."""
+
+        def req(key: str, kind: type) -> Any:
+            value = body.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise WeightsError(f"{key}: required, a {kind.__name__}")
+            return value
+
+        kwargs = {
+            "master_address": req("master_address", str),
+            "master_port": req("master_port", int),
+            "rank_offset": req("rank_offset", int),
+            "world_size": req("world_size", int),
+            "group_name": body.get("group_name") or "weight_update_group",
+            "backend": body.get("backend")
+            or ("nccl" if self.runner.device.type == "cuda" else "gloo"),
+        }
+        await asyncio.to_thread(
+            lambda: self.group.init(
+                **kwargs, device=self.runner.device, timeout_s=self.dist_timeout_s
+            )
+        )
+
+    async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Receive every tensor by broadcast, then load them all (all-or-nothing)."""
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not names:
+            raise WeightsError("names: must be a non-empty list of parameter names")
+        if not isinstance(dtypes, list) or len(dtypes) != len(names):
+            raise WeightsError(f"dtypes: must be a list of {len(names)} dtypes (one per name)")
+        if (
+            not isinstance(shapes, list)
+            or len(shapes) != len(names)
+            or not all(
+                isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
+                for s in shapes
+            )
+        ):
+            raise WeightsError(f"shapes: must be a list of {len(names)} shapes (lists of ints)")
+        parsed = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes)]
+        self.group.check(body.get("group_name") or "weight_update_group")
+        async with self._ops:
+            self._prepare_update(bool(body.get("abort_all_requests")))
+            start = time.perf_counter()
+
+            def receive_and_load() -> int:
+                # Receive everything first so the trainer's broadcasts never hang on a bad name.
+                named = self.group.receive(names, parsed, shapes, self.runner.device)
+                return self.runner.load_named_tensors(named, "names")
+
+            nbytes = await self.compute(receive_and_load)
+            self.weight_version = self._next_version(body.get("weight_version"))
+            return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    async def destroy_group(self, group_name: str) -> None:
+        """Leave the broadcast group."""
+        await asyncio.to_thread(self.group.destroy, group_name)

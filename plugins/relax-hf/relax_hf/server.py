@@ -1,0 +1,478 @@
+"""The HTTP face of the engine: SGLang's native routes on Starlette.
+
+:func:`build_app` wires an :class:`~relax_hf.engine.Engine` (built at start-up from a
+:class:`ServerConfig`) into a Starlette app. Bad input answers 400 naming the field; released
+memory answers 503 with ``Retry-After``; a refused lifecycle operation answers 400 with
+``{"success": false, "message": …}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import attrs
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import relax_hf
+from relax_hf.engine import Conflict, Engine, NotResident
+from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_generate, parse_tags
+from relax_hf.runner import ModelRunner, WeightsError
+
+__all__ = ["ServerConfig", "build_app", "error_response", "read_json"]
+
+
+@attrs.frozen
+class ServerConfig:
+    """What ``relax-hf serve`` starts: one model on one device."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+    weights_cpu_backup: bool = False
+    served_model_name: str | None = None
+    weight_version: str = "default"
+    max_running_requests: int = 64
+    attn_implementation: str = "sdpa"
+
+
+def error_response(
+    status: int, message: str, *, field: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """SGLang's error shape, plus ``success``/``message`` for control clients."""
+    body: dict[str, Any] = {
+        "error": {"message": message, "code": status, **({"field": field} if field else {})},
+        "success": False,
+        "message": message,
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def read_json(request: Request, *, optional: bool = False) -> Any:
+    """The parsed JSON body. :raises BadRequest: malformed JSON (or a missing required body)."""
+    raw = await request.body()
+    if not raw.strip():
+        if optional:
+            return None
+        raise BadRequest("body", "a JSON object is required")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest("body", f"malformed JSON: {exc}") from exc
+
+
+def _not_resident(exc: Exception) -> JSONResponse:
+    return error_response(503, str(exc), headers={"Retry-After": "1"})
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _guard(fn: Handler) -> Handler:
+    """Map the engine's errors to HTTP answers (never a 500 for the caller's mistake)."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except BadRequest as exc:
+            return error_response(400, str(exc), field=exc.field)
+        except (WeightsError, Conflict) as exc:
+            return error_response(400, str(exc))
+        except NotResident as exc:
+            return _not_resident(exc)
+
+    return wrapped
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine  # type: ignore[no-any-return]
+
+
+def encode_prompt(engine: Engine, prompt: str | tuple[int, ...]) -> list[int]:
+    """Token ids of a text prompt (no special tokens added, as SGLang does for raw text)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("text", "must not be empty")
+        return list(engine.runner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return list(prompt)
+
+
+def sse(obj: Any) -> bytes:
+    """One SSE event as SGLang writes it."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+async def generate(request: Request) -> Response:
+    engine = _engine(request)
+    req = parse_generate(await read_json(request), vocab_size=engine.runner.vocab_size)
+    prompts = [encode_prompt(engine, p) for p in req.prompts]
+    for i, ids in enumerate(prompts):
+        if req.logprob.return_logprob and req.logprob.logprob_start_len >= len(ids):
+            raise BadRequest(
+                "logprob_start_len",
+                f"must be < the prompt length ({len(ids)} tokens of prompt {i})",
+            )
+    if req.stream:
+        seq, queue = engine.submit(
+            prompts[0], req.sampling, req.logprob, rid=req.rids[0], stream=True
+        )
+        return StreamingResponse(_stream(engine, seq.rid, queue), media_type="text/event-stream")
+    results = await asyncio.gather(
+        *(
+            engine.generate_one(ids, req.sampling, req.logprob, rid)
+            for ids, rid in zip(prompts, req.rids, strict=True)
+        )
+    )
+    return JSONResponse(results if req.batch else results[0])
+
+
+async def _stream(
+    engine: Engine, rid: str, queue: asyncio.Queue[dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        while not finished:
+            snap = await queue.get()
+            finished = snap["meta_info"]["finish_reason"] is not None
+            yield sse(snap)
+        yield SSE_DONE
+    finally:
+        if not finished:
+            engine.abort(rid, "Abort: the client went away")
+
+
+async def health(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def health_generate(request: Request) -> Response:
+    engine = _engine(request)
+    if engine.paused:
+        return error_response(503, "generation is paused", headers={"Retry-After": "1"})
+    prompt = [engine.runner.pad_id if engine.runner.pad_id < engine.runner.vocab_size else 0]
+    try:
+        out = await asyncio.wait_for(
+            engine.generate_one(
+                prompt,
+                SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True),
+                LogprobParams(),
+            ),
+            timeout=60.0,
+        )
+    except NotResident as exc:
+        return _not_resident(exc)
+    except TimeoutError:
+        return error_response(503, "health generation timed out after 60s")
+    if out["meta_info"]["completion_tokens"] != 1:
+        return error_response(
+            503, f"health generation did not finish: {out['meta_info']['finish_reason']}"
+        )
+    return Response(status_code=200)
+
+
+# -- info -----------------------------------------------------------------------------------
+
+
+def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
+    """Server args plus internal state (what routers and managers read)."""
+    runner = engine.runner
+    return {
+        **attrs.asdict(config),
+        "model_path": config.model_path,
+        "tokenizer_path": config.model_path,
+        "served_model_name": engine.served_model_name,
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "random_seed": config.seed,
+        "enable_weights_cpu_backup": config.weights_cpu_backup,
+        "context_length": runner.max_len,
+        "version": relax_hf.__version__,
+        "engine": "relax-hf",
+        "weight_version": engine.weight_version,
+        "resident": dict(engine.resident),
+        "paused": engine.paused,
+        "num_running_reqs": engine.num_running,
+        "num_waiting_reqs": engine.num_waiting,
+        "memory": runner.memory_report(),
+        "last_release": engine.last_release,
+        "last_resume": engine.last_resume,
+        "weights_update_group": engine.group.name,
+        "pid": os.getpid(),
+        "internal_states": [
+            {"num_running_reqs": engine.num_running, "weight_version": engine.weight_version}
+        ],
+    }
+
+
+async def server_info(request: Request) -> Response:
+    engine = _engine(request)
+    info = await engine.compute(server_info_dict, engine, request.app.state.config)
+    return JSONResponse(info)
+
+
+async def model_info(request: Request) -> Response:
+    engine = _engine(request)
+    runner = engine.runner
+    return JSONResponse(
+        {
+            "model_path": runner.model_path,
+            "tokenizer_path": runner.model_path,
+            "served_model_name": engine.served_model_name,
+            "is_generation": True,
+            "weight_version": engine.weight_version,
+            "model_type": getattr(runner.config, "model_type", None),
+            "architectures": getattr(runner.config, "architectures", None),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+    )
+
+
+async def models(request: Request) -> Response:
+    engine = _engine(request)
+    card = {
+        "id": engine.served_model_name,
+        "object": "model",
+        "created": int(engine.started),
+        "owned_by": "relax-hf",
+        "root": engine.runner.model_path,
+        "max_model_len": engine.runner.max_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": relax_hf.__version__, "engine": "relax-hf"})
+
+
+async def loads(request: Request) -> Response:
+    engine = _engine(request)
+    load = {
+        "dp_rank": 0,
+        "num_reqs": engine.num_running + engine.num_waiting,
+        "num_running_reqs": engine.num_running,
+        "num_waiting_reqs": engine.num_waiting,
+        "num_tokens": 0,
+    }
+    return JSONResponse(
+        {"timestamp": time.time(), "loads": [load]} if request.url.path == "/loads" else [load]
+    )
+
+
+async def metrics(request: Request) -> Response:
+    engine = _engine(request)
+    name = engine.served_model_name.replace('"', "")
+    lines = [
+        "# TYPE sglang:num_running_reqs gauge",
+        f'sglang:num_running_reqs{{model_name="{name}"}} {engine.num_running}',
+        "# TYPE sglang:num_queue_reqs gauge",
+        f'sglang:num_queue_reqs{{model_name="{name}"}} {engine.num_waiting}',
+        "# TYPE sglang:generation_tokens_total counter",
+        f'sglang:generation_tokens_total{{model_name="{name}"}} {engine.batch.tokens_generated}',
+        "# TYPE sglang:num_requests_total counter",
+        f'sglang:num_requests_total{{model_name="{name}"}} {engine.requests_total}',
+    ]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+# -- control --------------------------------------------------------------------------------
+
+
+def ok(message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message, **extra})
+
+
+async def abort_request(request: Request) -> Response:
+    engine = _engine(request)
+    body = await read_json(request, optional=True) or {}
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    if body.get("abort_all"):
+        return ok(f"Aborted {engine.abort_all()} request(s).")
+    rid = body.get("rid")
+    if not isinstance(rid, str) or not rid:
+        raise BadRequest("rid", "a non-empty request id (or abort_all: true) is required")
+    found = engine.abort(rid)
+    return ok("Aborted." if found else f"No request {rid!r} in flight.", found=found)
+
+
+async def flush_cache(request: Request) -> Response:
+    return ok(await _engine(request).flush_cache())
+
+
+async def pause_generation(request: Request) -> Response:
+    body = await read_json(request, optional=True) or {}
+    mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+    return ok(await _engine(request).pause(mode))
+
+
+async def continue_generation(request: Request) -> Response:
+    return ok(_engine(request).resume_generation())
+
+
+async def release_memory(request: Request) -> Response:
+    tags = parse_tags(await read_json(request, optional=True))
+    detail = await _engine(request).release(tags)
+    return ok(f"Released {list(tags)}.", tags=list(tags), detail=detail)
+
+
+async def resume_memory(request: Request) -> Response:
+    tags = parse_tags(await read_json(request, optional=True))
+    engine = _engine(request)
+    detail = await engine.resume(tags)
+    message = detail.get("weights", {}).get("message") or f"Resumed {list(tags)}."
+    return ok(message, tags=list(tags), detail=detail, weight_version=engine.weight_version)
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(key, f"must be true or false, got {value!r}")
+    return value
+
+
+async def _body_object(request: Request) -> dict[str, Any]:
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+async def update_weights_from_tensor(request: Request) -> Response:
+    engine = _engine(request)
+    body = await _body_object(request)
+    detail = await engine.update_from_tensor(
+        body.get("serialized_named_tensors"),
+        body.get("load_format"),
+        abort_all_requests=_flag(body, "abort_all_requests", False),
+        weight_version=body.get("weight_version"),
+    )
+    return ok(
+        "Succeeded to update model weights.", weight_version=engine.weight_version, detail=detail
+    )
+
+
+async def update_weights_from_disk(request: Request) -> Response:
+    engine = _engine(request)
+    body = await _body_object(request)
+    detail = await engine.update_from_disk(
+        body.get("model_path"),
+        abort_all_requests=_flag(body, "abort_all_requests", False),
+        weight_version=body.get("weight_version"),
+    )
+    return ok(
+        "Succeeded to update model weights.", weight_version=engine.weight_version, detail=detail
+    )
+
+
+async def init_weights_update_group(request: Request) -> Response:
+    body = await _body_object(request)
+    await _engine(request).init_group(body)
+    return ok("Succeeded to initialize custom process group.")
+
+
+async def update_weights_from_distributed(request: Request) -> Response:
+    engine = _engine(request)
+    body = await _body_object(request)
+    detail = await engine.update_from_distributed(body)
+    return ok(
+        "Succeeded to update parameter online from distributed.",
+        weight_version=engine.weight_version,
+        detail=detail,
+    )
+
+
+async def destroy_weights_update_group(request: Request) -> Response:
+    body = await read_json(request, optional=True) or {}
+    name = body.get("group_name") if isinstance(body, dict) else None
+    await _engine(request).destroy_group(name or "weight_update_group")
+    return ok("Succeeded to destroy custom process group.")
+
+
+# -- the app --------------------------------------------------------------------------------
+
+
+def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlette:
+    """The Starlette app; the model loads in the lifespan start-up (before the port opens)."""
+    from relax_hf import openai_api
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        eng = engine
+        if eng is None:
+            runner = await asyncio.to_thread(
+                ModelRunner,
+                config.model_path,
+                device=config.device,
+                dtype=config.dtype,
+                weights_cpu_backup=config.weights_cpu_backup,
+                attn_implementation=config.attn_implementation,
+            )
+            eng = Engine(
+                runner,
+                served_model_name=config.served_model_name or config.model_path,
+                weight_version=config.weight_version,
+                max_running_requests=config.max_running_requests,
+                seed=config.seed,
+            )
+        app.state.engine = eng
+        app.state.config = config
+        eng.start()
+        try:
+            yield
+        finally:
+            await eng.stop()
+
+    get, post, both = ["GET"], ["POST"], ["GET", "POST"]
+    routes = [
+        Route("/health", health, methods=get),
+        Route("/health_generate", _guard(health_generate), methods=get),
+        Route("/server_info", server_info, methods=get),
+        Route("/get_server_info", server_info, methods=get),
+        Route("/model_info", model_info, methods=get),
+        Route("/get_model_info", model_info, methods=get),
+        Route("/v1/models", models, methods=get),
+        Route("/version", version, methods=get),
+        Route("/get_load", loads, methods=get),
+        Route("/loads", loads, methods=get),
+        Route("/metrics", metrics, methods=get),
+        Route("/generate", _guard(generate), methods=post),
+        Route("/abort_request", _guard(abort_request), methods=post),
+        Route("/flush_cache", _guard(flush_cache), methods=both),
+        Route("/pause_generation", _guard(pause_generation), methods=post),
+        Route("/continue_generation", _guard(continue_generation), methods=post),
+        Route("/release_memory_occupation", _guard(release_memory), methods=post),
+        Route("/resume_memory_occupation", _guard(resume_memory), methods=post),
+        Route("/update_weights_from_tensor", _guard(update_weights_from_tensor), methods=post),
+        Route("/update_weights_from_disk", _guard(update_weights_from_disk), methods=post),
+        Route("/init_weights_update_group", _guard(init_weights_update_group), methods=post),
+        Route(
+            "/update_weights_from_distributed",
+            _guard(update_weights_from_distributed),
+            methods=post,
+        ),
+        Route("/destroy_weights_update_group", _guard(destroy_weights_update_group), methods=post),
+        Route("/v1/chat/completions", _guard(openai_api.chat_completions), methods=post),
+        Route("/v1/completions", _guard(openai_api.completions), methods=post),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,415 @@
+"""The SGLang-protocol control client: one async client for every engine backend.
+
+An engine head (SGLang, the ``hf`` engine, a third party's) speaks SGLang's HTTP control
+protocol; :class:`ControlClient` is how the InferenceManager drives it: health, info, memory
+release/resume, pause/continue, flush, abort and every weight-update path.
+
+Errors:
+
+- the server could not be reached, or answered something that is not JSON →
+  :class:`~relax_core.errors.UpstreamError` (``status`` 502; 504 for a deadline);
+- a health or info probe answered non-2xx → :class:`~relax_core.errors.UpstreamError` (502);
+- a lifecycle or weight operation was refused (non-2xx, or ``success: false``) →
+  :class:`~relax_core.errors.LifecycleError`.
+
+Every message names the URL and quotes the server's own message. Every call has a timeout
+(the client's default, or the call's ``timeout=``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from relax_core.errors import LifecycleError, UpstreamError
+
+__all__ = ["MEMORY_TAGS", "ControlClient", "serialize_named_tensors"]
+
+#: The memory tags an engine releases and resumes (``None`` in a call means all of them).
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+_JSON = Mapping[str, Any]
+
+
+def serialize_named_tensors(
+    named_tensors: Iterable[tuple[str, Any]], *, load_format: str | None = None
+) -> str:
+    """Encode ``(name, tensor)`` pairs for ``/update_weights_from_tensor``.
+
+    ``load_format=None`` is SGLang's own format: a ``torch.multiprocessing`` pickle, base64.
+    CUDA tensors travel as IPC handles (the engine must be on the same host and GPU, and the
+    caller must keep the tensors alive until the call returns); CPU tensors travel as shared
+    memory and need ``torch.multiprocessing.set_sharing_strategy("file_system")`` in the sender.
+    ``load_format="safetensors"`` copies the bytes (any host, any device; understood by the
+    ``hf`` engine, not by SGLang).
+
+    :raises ValueError: an unknown ``load_format``.
+    """
+    pairs = list(named_tensors)
+    if load_format == "safetensors":
+        from safetensors.torch import save
+
+        data = save({name: t.detach().contiguous().cpu() for name, t in pairs})
+        return base64.b64encode(data).decode("ascii")
+    if load_format is None:
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's reductions
+
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(pairs)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+    raise ValueError(f"load_format={load_format!r}: use None (SGLang's format) or 'safetensors'")
+
+
+class ControlClient:
+    """Async client for one engine head's SGLang control API.
+
+    ``ControlClient("http://127.0.0.1:30000", timeout=30)``; use it as an async context manager
+    (or call :meth:`close`). Not bound to one event loop until the first call. Safe to share
+    between tasks of one loop.
+    """
+
+    def __init__(
+        self, base_url: str, *, timeout: float = 30.0, session: aiohttp.ClientSession | None = None
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = float(timeout)
+        self._session = session
+        self._owns_session = session is None
+
+    async def __aenter__(self) -> ControlClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session this client opened (idempotent)."""
+        if self._session is not None and self._owns_session and not self._session.closed:
+            await self._session.close()
+        if self._owns_session:
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+            self._owns_session = True
+        return self._session
+
+    # -- transport -------------------------------------------------------------------------
+
+    async def _request(
+        self, method: str, path: str, body: _JSON | None = None, *, timeout: float | None = None
+    ) -> tuple[int, Any, str]:
+        """One HTTP call; returns (status, parsed JSON or None, raw text)."""
+        url = self.base_url + path
+        limit = self.timeout if timeout is None else float(timeout)
+        try:
+            async with self._get_session().request(
+                method, url, json=body, timeout=aiohttp.ClientTimeout(total=limit)
+            ) as resp:
+                text = await resp.text()
+                status = resp.status
+        except TimeoutError as exc:
+            raise UpstreamError(504, f"{method} {url}: no answer within {limit:.1f}s") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(502, f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            data = None
+        return status, data, text
+
+    @staticmethod
+    def _message(data: Any, text: str) -> str:
+        if isinstance(data, dict):
+            for key in ("message", "error", "detail", "error_msg"):
+                value = data.get(key)
+                if isinstance(value, dict):
+                    value = value.get("message", value)
+                if value:
+                    return str(value)
+        return text.strip()[:500] or "<empty body>"
+
+    async def _probe(self, path: str, *, timeout: float | None) -> Any:
+        status, data, text = await self._request("GET", path, timeout=timeout)
+        if not 200 <= status < 300:
+            raise UpstreamError(
+                502, f"GET {self.base_url}{path} answered {status}: {self._message(data, text)}"
+            )
+        return data
+
+    async def _info(self, paths: Sequence[str], *, timeout: float | None) -> dict[str, Any]:
+        last = ""
+        for path in paths:
+            status, data, text = await self._request("GET", path, timeout=timeout)
+            if 200 <= status < 300 and isinstance(data, dict):
+                return data
+            last = f"GET {self.base_url}{path} answered {status}: {self._message(data, text)}"
+            if status != 404:
+                break
+        raise UpstreamError(502, last)
+
+    async def _operate(
+        self, what: str, method: str, path: str, body: _JSON | None = None, *, timeout: float | None
+    ) -> dict[str, Any]:
+        status, data, text = await self._request(method, path, body, timeout=timeout)
+        url = f"{self.base_url}{path}"
+        if not 200 <= status < 300:
+            raise LifecycleError(f"{what} refused by {url} ({status}): {self._message(data, text)}")
+        if isinstance(data, dict):
+            if data.get("success") is False:
+                raise LifecycleError(f"{what} failed at {url}: {self._message(data, text)}")
+            return data
+        return {"success": True, "message": text}
+
+    # -- probes and info ---------------------------------------------------------------------
+
+    async def health(self, *, timeout: float | None = None) -> None:
+        """``GET /health``; returns when the server answers 2xx.
+
+        :raises UpstreamError: unreachable (502), deadline (504) or a non-2xx answer (502).
+        """
+        await self._probe("/health", timeout=timeout)
+
+    async def is_healthy(self, *, timeout: float | None = None) -> bool:
+        """``True`` when ``GET /health`` answers 2xx; never raises for a down server."""
+        try:
+            await self.health(timeout=timeout)
+        except UpstreamError:
+            return False
+        return True
+
+    async def health_generate(self, *, timeout: float | None = None) -> None:
+        """``GET /health_generate``: returns once the engine produced a real token.
+
+        :raises UpstreamError: as :meth:`health`.
+        """
+        await self._probe("/health_generate", timeout=timeout)
+
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``GET /server_info`` (falls back to ``/get_server_info`` on 404)."""
+        return await self._info(("/server_info", "/get_server_info"), timeout=timeout)
+
+    async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``GET /model_info`` (``/get_model_info`` on 404); it holds ``weight_version``."""
+        return await self._info(("/model_info", "/get_model_info"), timeout=timeout)
+
+    async def weight_version(self, *, timeout: float | None = None) -> str | None:
+        """The engine's current ``weight_version`` (from :meth:`model_info`)."""
+        version = (await self.model_info(timeout=timeout)).get("weight_version")
+        return None if version is None else str(version)
+
+    # -- memory and scheduling ---------------------------------------------------------------
+
+    @staticmethod
+    def _tags(tags: Iterable[str] | None) -> list[str] | None:
+        if tags is None:
+            return None
+        out = [str(t) for t in tags]
+        unknown = sorted(set(out) - set(MEMORY_TAGS))
+        if unknown:
+            raise ValueError(f"tags: unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+        return out
+
+    async def release_memory(
+        self, tags: Iterable[str] | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /release_memory_occupation``: free ``tags`` (``None`` = all) on the device.
+
+        Idempotent on the engine side. :raises LifecycleError: refused (requests in flight,
+        unknown tag, …). :raises ValueError: an unknown tag (checked before any I/O).
+        """
+        body = {"tags": self._tags(tags)}
+        return await self._operate(
+            "release_memory_occupation", "POST", "/release_memory_occupation", body, timeout=timeout
+        )
+
+    async def resume_memory(
+        self, tags: Iterable[str] | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /resume_memory_occupation``: bring ``tags`` (``None`` = all) back."""
+        body = {"tags": self._tags(tags)}
+        return await self._operate(
+            "resume_memory_occupation", "POST", "/resume_memory_occupation", body, timeout=timeout
+        )
+
+    async def pause_generation(
+        self, mode: str = "abort", *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /pause_generation``; ``mode`` is SGLang's: ``abort`` (default) or ``in_place``."""
+        return await self._operate(
+            "pause_generation", "POST", "/pause_generation", {"mode": mode}, timeout=timeout
+        )
+
+    async def continue_generation(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``POST /continue_generation``: undo :meth:`pause_generation`."""
+        return await self._operate(
+            "continue_generation", "POST", "/continue_generation", {}, timeout=timeout
+        )
+
+    async def flush_cache(
+        self, *, wait: float = 0.0, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /flush_cache``. The engine answers 400 while requests are pending.
+
+        :param wait: keep retrying a 400 for up to this many seconds (drain: pause, abort,
+            then flush with a ``wait``).
+        :raises LifecycleError: still refused when ``wait`` ran out.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        delay = 0.02
+        while True:
+            try:
+                return await self._operate(
+                    "flush_cache", "POST", "/flush_cache", None, timeout=timeout
+                )
+            except LifecycleError:
+                if loop.time() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def abort(
+        self, rid: str | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /abort_request``: abort request ``rid``, or every request when ``rid`` is None."""
+        body: dict[str, Any] = {"rid": rid} if rid is not None else {"rid": "", "abort_all": True}
+        return await self._operate("abort_request", "POST", "/abort_request", body, timeout=timeout)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """``POST /update_weights_from_tensor`` (one serialized payload per TP rank).
+
+        Build each payload with :func:`serialize_named_tensors`.
+        """
+        body = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+        }
+        return await self._operate(
+            "update_weights_from_tensor",
+            "POST",
+            "/update_weights_from_tensor",
+            body,
+            timeout=timeout,
+        )
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """``POST /update_weights_from_disk``: load a checkpoint directory (same architecture)."""
+        body = {
+            "model_path": model_path,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+        }
+        return await self._operate(
+            "update_weights_from_disk", "POST", "/update_weights_from_disk", body, timeout=timeout
+        )
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """``POST /init_weights_update_group``: join the trainer's broadcast group.
+
+        The trainer is rank 0 and must join the same ``tcp://master_address:master_port``
+        rendezvous concurrently; the engine's ranks start at ``rank_offset``.
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._operate(
+            "init_weights_update_group", "POST", "/init_weights_update_group", body, timeout=timeout
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """``POST /update_weights_from_distributed``: receive tensors broadcast by rank 0.
+
+        The trainer broadcasts each tensor, in this order, while this call is in flight.
+        """
+        body = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+        }
+        return await self._operate(
+            "update_weights_from_distributed",
+            "POST",
+            "/update_weights_from_distributed",
+            body,
+            timeout=timeout,
+        )
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group", *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /destroy_weights_update_group``: leave the broadcast group."""
+        return await self._operate(
+            "destroy_weights_update_group",
+            "POST",
+            "/destroy_weights_update_group",
+            {"group_name": group_name},
+            timeout=timeout,
+        )
+
+    def __repr__(self) -> str:
+        return f"ControlClient({self.base_url!r}, timeout={self.timeout})"

@@ -1,0 +1,248 @@
+"""A generic engine server running as a child process: start, wait until ready, stop.
+
+Every engine backend whose server is a local command (``hf``, ``sglang``, a third party's) can
+return a :class:`SubprocessEngineProcess` from its ``launch``: it implements the
+:class:`~relax_core.records.EngineProcess` protocol the InferenceManager relies on.
+
+The child runs in its own process group (its own session), so :meth:`terminate` and
+:meth:`kill` reach every process it started (tokenizer workers, schedulers, …), not only the
+leader. Its stdout and stderr go to a log file whose tail is quoted in every start-up error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+
+from relax_core.errors import LifecycleError
+
+__all__ = ["SubprocessEngineProcess", "log_tail"]
+
+_TAIL_BYTES = 4000
+
+
+def log_tail(path: str | None, max_bytes: int = _TAIL_BYTES) -> str:
+    """The last ``max_bytes`` of the file at ``path`` as text ("" if it cannot be read)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+class SubprocessEngineProcess:
+    """An engine server process started from a command line (implements ``EngineProcess``).
+
+    Build one with :meth:`start`; it returns at once. :meth:`wait_ready` blocks until the server
+    answers ``GET /health`` with 200, the process exits, or the deadline passes.
+    :meth:`terminate` and :meth:`kill` are idempotent and always reap the process.
+    """
+
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        *,
+        base_url: str | None,
+        engine_id: str,
+        log_path: str,
+        health_path: str = "/health",
+    ) -> None:
+        self._popen = popen
+        self._base_url = base_url
+        self._engine_id = engine_id
+        self._log_path = log_path
+        self._health_path = health_path
+        self._returncode: int | None = None
+
+    @classmethod
+    def start(
+        cls,
+        argv: Sequence[str],
+        *,
+        base_url: str | None,
+        engine_id: str,
+        env: Mapping[str, str] | None = None,
+        log_path: str | None = None,
+        cwd: str | None = None,
+        health_path: str = "/health",
+    ) -> SubprocessEngineProcess:
+        """Start ``argv`` in a new process group and return without waiting.
+
+        :param base_url: ``http://host:port`` the server will answer on (``None`` for a
+            follower that serves no HTTP; :meth:`wait_ready` then only checks it is alive).
+        :param engine_id: names the engine in every error message.
+        :param env: variables added to (and overriding) this process's environment.
+        :param log_path: where stdout and stderr go (appended); a temporary file if ``None``.
+        :raises LifecycleError: the command cannot be started (not found, not executable).
+        """
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"relax-engine-{engine_id}-", suffix=".log")
+            os.close(fd)
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        try:
+            with open(log_path, "ab") as log:
+                popen = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=full_env,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            raise LifecycleError(
+                f"engine {engine_id}: cannot start {argv[0]!r}: {exc}; check the command and "
+                "that its interpreter is installed"
+            ) from exc
+        return cls(
+            popen,
+            base_url=base_url,
+            engine_id=engine_id,
+            log_path=log_path,
+            health_path=health_path,
+        )
+
+    # -- EngineProcess -------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        """The process id of the server (the leader of its process group)."""
+        return self._popen.pid
+
+    @property
+    def base_url(self) -> str | None:
+        """``http://host:port`` of the server; ``None`` for a follower."""
+        return self._base_url
+
+    @property
+    def engine_id(self) -> str:
+        """The engine id given at start (used in error messages)."""
+        return self._engine_id
+
+    @property
+    def log_path(self) -> str:
+        """The file that receives the server's stdout and stderr."""
+        return self._log_path
+
+    def log_tail(self, max_bytes: int = _TAIL_BYTES) -> str:
+        """The last ``max_bytes`` of the server's log."""
+        return log_tail(self._log_path, max_bytes)
+
+    def poll(self) -> int | None:
+        """The exit code, or ``None`` while the process runs (never blocks).
+
+        When the leader has exited, whatever is left of its process group is killed before the
+        leader is reaped (so its pid, and the group id, cannot be reused in between).
+        """
+        if self._returncode is None and self._leader_exited():
+            self._reap()
+        return self._returncode
+
+    def _leader_exited(self) -> bool:
+        if self._popen.returncode is not None:
+            return True
+        try:
+            info = os.waitid(os.P_PID, self._popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        return info is not None
+
+    def _reap(self) -> int:
+        self._signal_group(signal.SIGKILL)
+        self._returncode = self._popen.wait()
+        return self._returncode
+
+    def _health_once(self, timeout: float) -> bool:
+        assert self._base_url is not None
+        try:
+            with urllib.request.urlopen(
+                self._base_url + self._health_path, timeout=timeout
+            ) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout: float, *, interval: float = 0.1) -> None:
+        """Block until ``GET {base_url}/health`` answers 200.
+
+        :raises LifecycleError: the process exited first (its exit code and log tail are in
+            the message), or ``timeout`` seconds passed (the process is left running: call
+            :meth:`terminate`).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                raise LifecycleError(
+                    f"engine {self._engine_id}: server process {self.pid} exited with code {code} "
+                    f"before it was ready{self._where()}; log tail ({self._log_path}):\n"
+                    f"{self.log_tail()}"
+                )
+            remaining = deadline - time.monotonic()
+            if self._base_url is None:
+                # A follower serves no HTTP: being alive at the deadline is all we can check.
+                if remaining <= 0:
+                    return
+                time.sleep(min(interval, remaining))
+                continue
+            if self._health_once(timeout=max(0.05, min(2.0, remaining))):
+                return
+            if time.monotonic() >= deadline:
+                raise LifecycleError(
+                    f"engine {self._engine_id}: {self._base_url}{self._health_path} did not answer "
+                    f"200 within {timeout:.1f}s (process {self.pid} still running); raise the "
+                    f"start-up timeout or read the log ({self._log_path}):\n{self.log_tail()}"
+                )
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+    def terminate(self, timeout: float = 10.0) -> int:
+        """SIGTERM the process group, SIGKILL it after ``timeout`` seconds; reap; return the code.
+
+        Idempotent: on an exited process it only returns the exit code. Whatever the leader
+        does, every process left in its group is killed before this returns.
+        """
+        if self.poll() is not None:
+            assert self._returncode is not None
+            return self._returncode
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while not self._leader_exited() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # Children that outlived the leader (or ignored SIGTERM) die with the group.
+        return self._reap()
+
+    def kill(self) -> int:
+        """SIGKILL the whole process group at once, reap, and return the exit code."""
+        if self._returncode is not None:
+            return self._returncode
+        return self._reap()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self._popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _where(self) -> str:
+        return f" (serving {self._base_url})" if self._base_url else ""
+
+    def __repr__(self) -> str:
+        state = "running" if self.poll() is None else f"exited {self._returncode}"
+        where = self._base_url or "follower"
+        return f"SubprocessEngineProcess({self._engine_id!r}, pid={self.pid}, {where}, {state})"
