@@ -1,5 +1,6 @@
 """Relax: the inference side of LLM RL post-training — one core for rollout, genrm and teacher."""
 
+from relax_core.client import InferenceClient, close_clients, get_client
 from relax_core.errors import (
     CapabilityError,
     ConfigError,
@@ -36,6 +37,7 @@ from relax_core.schema import (
     RouteMode,
     RoutingSpec,
 )
+from relax_core.transport import UpstreamStatusError, UpstreamUnreachableError
 
 __version__ = "0.1.0"
 
@@ -47,6 +49,7 @@ __all__ = [
     "EngineProcess",
     "EngineState",
     "EngineView",
+    "InferenceClient",
     "InferenceRecoveryRequired",
     "LifecycleError",
     "ModelState",
@@ -69,8 +72,12 @@ __all__ = [
     "RoutingSpec",
     "SnapshotError",
     "UpstreamError",
+    "UpstreamStatusError",
+    "UpstreamUnreachableError",
     "WeightSource",
     "__version__",
+    "close_clients",
+    "get_client",
     "get_plugin_manager",
     "hookimpl",
 ]

@@ -43,6 +43,8 @@ __all__ = [
     "UpstreamStatusError",
     "UpstreamUnreachableError",
     "forward_headers",
+    "parse_retry_after",
+    "status_error",
 ]
 
 #: The header carrying a request's id end to end (kept by every hop).

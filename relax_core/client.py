@@ -1,0 +1,645 @@
+"""The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange.
+
+:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.prepare`
+and :meth:`InferenceClient.send`, the role gateways) uses to talk to a role's engines::
+
+    async with InferenceClient("http://gateway:8000/teacher") as client:
+        out = await client.generate({"input_ids": ids, "sampling_params": {...}},
+                                    route_key="math-data", affinity_key=group_id)
+
+Contract (see docs/client.md):
+
+- Discovery: ``GET {base_url}/engines?schema=2`` or any ``snapshot_provider`` callable (sync or
+  async) returning a :class:`~relax_core.schema.RoleSnapshot` or a schema-2 dict; cached for
+  ``ttl`` seconds; concurrent refreshes share one fetch. A discovery failure raises
+  ``RoutingError(503, "registry unavailable: …")``.
+- Resolution: :class:`~relax_core.routing.RouteResolver` with the client's in-flight count per
+  engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
+  connection that cannot be opened (nothing sent) likewise gets one refresh and one retry.
+- A request that was sent is never sent again: a failure after sending raises
+  :class:`~relax_core.errors.RequestNotReplayedError` (502, or 504 on the deadline) carrying the
+  request id. Every transport failure, timeout, cancellation and upstream 502/503/504
+  invalidates the cached snapshot.
+- Payloads: ``/generate`` loses ``model`` and ``route_key``; chat and completion payloads get
+  ``model`` rewritten to the target's ``served_model_name`` (and lose ``route_key``). The
+  affinity key travels as ``X-SMG-Routing-Key``; the request id as ``X-Request-ID``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import os
+import time
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from relax_core.errors import RoutingError, SnapshotError, UpstreamError
+from relax_core.routing import RouteResolver, RouteTarget
+from relax_core.schema import RoleSnapshot
+from relax_core.transport import (
+    REQUEST_ID_HEADER,
+    ROUTING_KEY_HEADER,
+    PreparedRequest,
+    Transport,
+    UpstreamResponse,
+    UpstreamUnreachableError,
+    forward_headers,
+    status_error,
+)
+
+__all__ = [
+    "InferenceClient",
+    "SnapshotProvider",
+    "close_clients",
+    "get_client",
+]
+
+#: A callable returning the role's snapshot (or its schema-2 dict), directly or awaitably.
+SnapshotProvider = Callable[
+    [], "RoleSnapshot | Mapping[str, Any] | Awaitable[RoleSnapshot | Mapping[str, Any]]"
+]
+
+#: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
+GENERATE_PATHS = frozenset({"/generate"})
+#: OpenAI-style paths: ``model`` becomes the backend's served model name.
+OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
+_ROUTING_FIELDS = ("model", "route_key")
+_UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_REGISTRY_RETRY_AFTER = 1.0
+
+
+class InferenceClient:
+    """Routes requests for one role to its engines, using the role's schema-2 snapshot.
+
+    Give exactly one of ``base_url`` (a role gateway or registry serving ``/engines?schema=2``)
+    and ``snapshot_provider``. ``role``: when set, a snapshot of another role is rejected.
+    ``ttl``: seconds a snapshot is reused (0: fetch before every request). ``timeout``: the
+    default deadline of one request in seconds (``None``: none), overridable per call.
+    ``session``: an aiohttp session to use (not closed by the client). ``resolver``: a
+    :class:`~relax_core.routing.RouteResolver` (default: a fresh one, so round-robin state is
+    per client).
+
+    A client belongs to the event loop it is first used on. Not thread-safe. Close it with
+    :meth:`aclose` or ``async with``; :func:`get_client` hands out one shared client per loop.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        snapshot_provider: SnapshotProvider | None = None,
+        role: str | None = None,
+        ttl: float = 1.0,
+        timeout: float | None = 300.0,
+        connect_timeout: float = 10.0,
+        discovery_timeout: float = 10.0,
+        max_connections: int = 256,
+        session: aiohttp.ClientSession | None = None,
+        resolver: RouteResolver | None = None,
+    ) -> None:
+        if (base_url is None) == (snapshot_provider is None):
+            raise ValueError("InferenceClient: give exactly one of base_url and snapshot_provider")
+        if base_url is not None and not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url={base_url!r}: give an http:// or https:// URL")
+        if not ttl >= 0:
+            raise ValueError(f"ttl={ttl!r}: give a number of seconds >= 0")
+        if not discovery_timeout > 0:
+            raise ValueError(f"discovery_timeout={discovery_timeout!r}: give a positive number")
+        self.base_url = base_url.rstrip("/") if base_url is not None else None
+        self.role = role
+        self.ttl = ttl
+        self.discovery_timeout = discovery_timeout
+        self._provider = snapshot_provider
+        self._transport = Transport(
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            session=session,
+        )
+        self._resolver = resolver if resolver is not None else RouteResolver()
+        self._snapshot: RoleSnapshot | None = None
+        self._expires = 0.0
+        self._fetches = 0  # completed fetches; lets waiters on the lock reuse a fresh one
+        self._lock: asyncio.Lock | None = None
+        self._inflight: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(6).hex()
+        self._closed = False
+
+    # -- discovery -------------------------------------------------------------------------
+
+    @property
+    def inflight(self) -> Mapping[str, int]:
+        """Requests of this client now in flight, per engine id (DIRECT targets only)."""
+        return self._inflight
+
+    def invalidate(self) -> None:
+        """Forget the cached snapshot: the next request fetches a fresh one."""
+        self._expires = 0.0
+
+    async def snapshot(self, force: bool = False) -> RoleSnapshot:
+        """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
+
+        Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly.
+        """
+        if not force:
+            snap = self._snapshot
+            if snap is not None and time.monotonic() < self._expires:
+                return snap
+        return await self._refresh(force)
+
+    async def _refresh(self, force: bool) -> RoleSnapshot:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        seen = self._fetches
+        async with self._lock:
+            snap = self._snapshot
+            if snap is not None and (
+                self._fetches != seen or (not force and time.monotonic() < self._expires)
+            ):
+                # Another caller fetched while this one waited for the lock.
+                return snap
+            fresh = await self._fetch()
+            if snap is not None and fresh == snap:
+                fresh = snap  # keep the resolver's per-snapshot indexes warm
+            self._snapshot = fresh
+            self._fetches += 1
+            self._expires = time.monotonic() + self.ttl
+            return fresh
+
+    async def _fetch(self) -> RoleSnapshot:
+        source = self.base_url or "snapshot provider"
+        try:
+            if self._provider is not None:
+                raw: Any = self._provider()
+                if inspect.isawaitable(raw):
+                    raw = await raw
+            else:
+                raw = await self._get_discovery()
+            snap = raw if isinstance(raw, RoleSnapshot) else RoleSnapshot.from_json(raw)
+        except RoutingError:
+            raise
+        except SnapshotError as exc:
+            raise RoutingError(
+                503,
+                f"registry unavailable: {source} gave an invalid schema-2 snapshot: {exc}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise RoutingError(
+                503,
+                f"registry unavailable: {source} failed: {type(exc).__name__}: {exc}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc
+        if self.role is not None and snap.role != self.role:
+            raise RoutingError(
+                503,
+                f"registry unavailable: {source} serves role {snap.role!r}, this client is for "
+                f"role {self.role!r}; point it at the {self.role} registry",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            )
+        return snap
+
+    async def _get_discovery(self) -> Any:
+        url = f"{self.base_url}/engines?schema=2"
+        try:
+            status, body = await self._transport.get_json(url, timeout=self.discovery_timeout)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc}"
+            raise RoutingError(
+                503,
+                f"registry unavailable: GET {url} {reason}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc
+        if status != 200:
+            raise RoutingError(
+                503,
+                f"registry unavailable: GET {url} answered {status}: "
+                f"{body[:200].decode('utf-8', 'replace')}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            )
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise RoutingError(
+                503,
+                f"registry unavailable: GET {url} answered a body that is not JSON "
+                f"({body[:120]!r})",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc
+
+    # -- routing and preparation -----------------------------------------------------------
+
+    async def resolve(
+        self,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+    ) -> RouteTarget:
+        """Where a request would go now (with the 503 → refresh → retry rule)."""
+        snap = self._snapshot
+        if snap is None or time.monotonic() >= self._expires:
+            snap = await self._refresh(False)
+        kwargs = {"model": model, "route_key": route_key, "affinity_key": affinity_key}
+        try:
+            return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
+        except RoutingError as exc:
+            if exc.status != 503:
+                raise
+        snap = await self._refresh(True)
+        return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
+
+    async def prepare(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> PreparedRequest:
+        """Resolve and build the request to send: URL, headers and body bytes.
+
+        ``payload`` is a JSON object, as a mapping or as its encoded bytes (bytes are sent as
+        they are when no field must change). ``model``/``route_key`` default to the payload's
+        fields of those names. ``headers`` are a caller's incoming headers (a gateway's):
+        hop-by-hop headers are dropped; ``X-Request-ID`` and ``X-SMG-Routing-Key`` are used when
+        ``request_id``/``affinity_key`` are not given. Raises ``RoutingError`` (400: bad
+        payload, unknown model or route key; 503: nothing READY after one refresh).
+        """
+        if isinstance(payload, bytes | bytearray | memoryview):
+            raw = bytes(payload)
+            try:
+                body: Any = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise RoutingError(400, f"request body is not valid JSON: {exc}") from exc
+        else:
+            raw = None
+            body = payload
+        if not isinstance(body, Mapping):
+            raise RoutingError(
+                400, f"request body must be a JSON object, got {type(body).__name__}"
+            )
+        if model is None:
+            model = _str_field(body, "model")
+        if route_key is None:
+            route_key = _str_field(body, "route_key")
+
+        if headers:
+            out = forward_headers(headers)
+            lower = {k.lower(): k for k in out}
+            if request_id is None and "x-request-id" in lower:
+                request_id = out[lower["x-request-id"]]
+            if affinity_key is None and "x-smg-routing-key" in lower:
+                affinity_key = out[lower["x-smg-routing-key"]]
+            for name in ("x-request-id", "x-smg-routing-key", "content-type"):
+                if name in lower:
+                    del out[lower[name]]
+            out["Content-Type"] = "application/json"
+        else:
+            out = _JSON_HEADERS.copy()
+        if request_id is None:
+            request_id = f"{self._id_prefix}-{next(self._ids):x}"
+        out[REQUEST_ID_HEADER] = request_id
+        if affinity_key is not None:
+            out[ROUTING_KEY_HEADER] = affinity_key
+
+        target = await self.resolve(model=model, route_key=route_key, affinity_key=affinity_key)
+        if path in GENERATE_PATHS:
+            if "model" in body or "route_key" in body:
+                raw = orjson.dumps({k: v for k, v in body.items() if k not in _ROUTING_FIELDS})
+        elif path in OPENAI_PATHS:
+            served = target.served_model_name or target.model_id
+            if body.get("model") != served or "route_key" in body:
+                rewritten = {k: v for k, v in body.items() if k != "route_key"}
+                rewritten["model"] = served
+                raw = orjson.dumps(rewritten)
+        if raw is None:
+            raw = orjson.dumps(body)
+        return PreparedRequest(
+            url=target.url.rstrip("/") + path,
+            body=raw,
+            headers=out,
+            request_id=request_id,
+            target=target,
+        )
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _track(self, prepared: PreparedRequest) -> str | None:
+        target = prepared.target
+        engine_id = target.engine_id if target is not None else None
+        if engine_id is not None:
+            self._inflight[engine_id] = self._inflight.get(engine_id, 0) + 1
+        return engine_id
+
+    def _untrack(self, engine_id: str | None) -> None:
+        if engine_id is not None:
+            left = self._inflight.get(engine_id, 1) - 1
+            if left > 0:
+                self._inflight[engine_id] = left
+            else:
+                self._inflight.pop(engine_id, None)
+
+    async def send(
+        self, prepared: PreparedRequest, *, timeout: float | None = None
+    ) -> UpstreamResponse:
+        """Send a prepared request once; return the response when its headers arrived.
+
+        The low-level primitive a gateway streams through: the body is not read and the status
+        is not checked (an upstream 502/503/504 still invalidates the snapshot). Close the
+        response (``async with``). Raises :class:`~relax_core.transport.UpstreamUnreachableError`
+        (nothing sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed);
+        both, and cancellation, invalidate the snapshot.
+        """
+        engine_id = self._track(prepared)
+        try:
+            resp = await self._transport.open(prepared, timeout)
+        except BaseException:
+            self._untrack(engine_id)
+            self.invalidate()
+            raise
+        if resp.status in _UPSTREAM_UNAVAILABLE:
+            self.invalidate()
+        return UpstreamResponse(
+            resp,
+            prepared,
+            on_close=lambda: self._untrack(engine_id),
+            on_failure=self.invalidate,
+        )
+
+    async def _exchange(
+        self, prepared: PreparedRequest, timeout: float | None
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        engine_id = self._track(prepared)
+        try:
+            status, headers, body = await self._transport.exchange(prepared, timeout)
+        except BaseException:
+            self.invalidate()
+            raise
+        finally:
+            self._untrack(engine_id)
+        if status in _UPSTREAM_UNAVAILABLE:
+            self.invalidate()
+        return status, headers, body
+
+    async def post(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
+
+        Raises ``RoutingError`` (400/503) before sending;
+        :class:`~relax_core.transport.UpstreamStatusError` when the upstream answers 4xx/5xx
+        (its status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504,
+        with the request id) when the exchange failed after sending;
+        :class:`~relax_core.transport.UpstreamUnreachableError` when no connection could be
+        opened even after one refresh and retry.
+        """
+        prepared = await self.prepare(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            headers=headers,
+        )
+        try:
+            status, resp_headers, body = await self._exchange(prepared, timeout)
+        except UpstreamUnreachableError:
+            prepared = await self.prepare(
+                path,
+                payload,
+                model=model,
+                route_key=route_key,
+                affinity_key=affinity_key,
+                request_id=prepared.request_id,
+                headers=headers,
+            )
+            status, resp_headers, body = await self._exchange(prepared, timeout)
+        if status >= 400:
+            raise status_error(status, body, resp_headers, prepared)
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(
+                502,
+                f"{prepared.url} answered {status} with a body that is not JSON ({body[:120]!r})",
+                request_id=prepared.request_id,
+            ) from exc
+
+    async def generate(
+        self,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``."""
+        return await self.post(
+            "/generate",
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            timeout=timeout,
+        )
+
+    async def chat(
+        self,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """POST an OpenAI chat payload to ``/v1/chat/completions`` (``model`` → served name)."""
+        return await self.post(
+            "/v1/chat/completions",
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            timeout=timeout,
+        )
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[UpstreamResponse]:
+        """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
+
+        An upstream error status raises :class:`~relax_core.transport.UpstreamStatusError`
+        before the block runs. The deadline covers the whole stream. A failure mid-stream
+        raises :class:`~relax_core.errors.RequestNotReplayedError`; nothing is replayed.
+        """
+        prepared = await self.prepare(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            headers=headers,
+        )
+        try:
+            resp = await self.send(prepared, timeout=timeout)
+        except UpstreamUnreachableError:
+            prepared = await self.prepare(
+                path,
+                payload,
+                model=model,
+                route_key=route_key,
+                affinity_key=affinity_key,
+                request_id=prepared.request_id,
+                headers=headers,
+            )
+            resp = await self.send(prepared, timeout=timeout)
+        async with resp:
+            if resp.status >= 400:
+                resp.raise_for_status(await resp.read())
+            yield resp
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the HTTP session the client created (idempotent)."""
+        self._closed = True
+        await self._transport.aclose()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        source = self.base_url or repr(self._provider)
+        return f"InferenceClient({source}, role={self.role!r}, ttl={self.ttl})"
+
+
+def _str_field(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise RoutingError(400, f"request field {name!r} must be a string, got {type(value).__name__}")
+
+
+# -- one shared client per event loop ------------------------------------------------------
+
+
+class _LoopClients:
+    """The shared clients of one event loop, closed when the loop shuts down its async gens."""
+
+    def __init__(self) -> None:
+        self.clients: dict[tuple[Any, ...], InferenceClient] = {}
+        self.closer: Any = None
+
+    async def aclose(self) -> None:
+        clients, self.clients = list(self.clients.values()), {}
+        for client in clients:
+            await client.aclose()
+
+
+_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClients] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _close_at_shutdown(pool: _LoopClients) -> AsyncGenerator[None, None]:
+    # An async generator parked at its first yield: ``loop.shutdown_asyncgens()`` (which
+    # ``asyncio.run`` calls before closing the loop) finalises it, closing the pool's clients
+    # inside the loop that owns their sessions.
+    try:
+        yield
+    finally:
+        await pool.aclose()
+
+
+def get_client(
+    base_url: str | None = None,
+    *,
+    snapshot_provider: SnapshotProvider | None = None,
+    role: str | None = None,
+    **options: Any,
+) -> InferenceClient:
+    """The shared :class:`InferenceClient` of the running event loop for this source.
+
+    One client (one connection pool, one snapshot cache) per event loop and per
+    ``(base_url or snapshot_provider, role, options)``, for callers that do not manage a
+    client. It is closed when the loop is shut down by ``asyncio.run`` (or ``uvloop.run``), or
+    by :func:`close_clients`. Must be called inside a running event loop.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "get_client() needs a running event loop: call it from a coroutine"
+        ) from None
+    pool = _LOOPS.get(loop)
+    if pool is None:
+        pool = _LoopClients()
+        _LOOPS[loop] = pool
+        closer = _close_at_shutdown(pool)
+        # Advance it to its first yield now, so the loop's async-gen hooks register it.
+        with contextlib.suppress(StopIteration):
+            closer.asend(None).send(None)
+        pool.closer = closer
+    key = (base_url, snapshot_provider, role, tuple(sorted(options.items())))
+    client = pool.clients.get(key)
+    if client is None or client.closed:
+        client = InferenceClient(
+            base_url, snapshot_provider=snapshot_provider, role=role, **options
+        )
+        pool.clients[key] = client
+    return client
+
+
+async def close_clients() -> None:
+    """Close every shared client of the running event loop (idempotent)."""
+    pool = _LOOPS.get(asyncio.get_running_loop())
+    if pool is not None:
+        await pool.aclose()
