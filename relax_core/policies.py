@@ -152,14 +152,14 @@ class _Tables:
     """Score tables by candidate tuple identity (fast) and by (role, model, ids) (shared)."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[tuple[Any, ...], _Table]] = {}
+        self._by_id: dict[int, tuple[tuple[Any, ...], str, str, _Table]] = {}
         self._by_key: dict[tuple[str, str, tuple[str, ...]], _Table] = {}
         self._lock = threading.Lock()
 
     def get(self, role: str, model: str, candidates: tuple[Any, ...]) -> _Table:
         entry = self._by_id.get(id(candidates))
-        if entry is not None and entry[0] is candidates:
-            return entry[1]
+        if entry is not None and entry[0] is candidates and entry[1] == role and entry[2] == model:
+            return entry[3]
         ids = tuple(c.engine_id for c in candidates)
         if list(ids) != sorted(ids):
             raise ValueError("rendezvous candidates must be sorted by engine_id")
@@ -172,7 +172,7 @@ class _Tables:
                 table = self._by_key[key] = _Table(role, model, ids)
             if len(self._by_id) >= _MAX_CACHED_SETS:
                 self._by_id.clear()
-            self._by_id[id(candidates)] = (candidates, table)
+            self._by_id[id(candidates)] = (candidates, role, model, table)
         return table
 
 

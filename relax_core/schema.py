@@ -163,10 +163,10 @@ def _check_url(field: str, value: object) -> None:
         raise SnapshotError(field, f"{value!r} has port 0; publish the bound port")
 
 
-def _check_str(field: str, value: object, *, empty: bool = False) -> str:
+def _check_str(field: str, value: object) -> str:
     if not isinstance(value, str):
         raise SnapshotError(field, f"must be a string, got {type(value).__name__}")
-    if not empty and not value:
+    if not value:
         raise SnapshotError(field, "must not be empty")
     return value
 
@@ -223,8 +223,7 @@ def _v_bool(field: str) -> Validator:
 
 
 def _frozen_map(value: object) -> Mapping[str, Any]:
-    if isinstance(value, types.MappingProxyType):
-        return value
+    # Always copy: a caller's dict (or a proxy over one) must not change a frozen record.
     if not isinstance(value, Mapping):
         # The validator reports the field; keep the bad value for it to name.
         return value  # type: ignore[return-value]

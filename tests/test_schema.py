@@ -542,3 +542,10 @@ def test_any_valid_snapshot_survives_a_json_round_trip(doc: dict[str, Any]) -> N
     wire = json.loads(json.dumps(snap.to_json()))
     assert wire == doc
     assert RoleSnapshot.from_json(wire) == snap
+
+
+def test_routing_spec_keeps_its_own_copy_of_the_maps() -> None:
+    aliases = {"old": "math"}
+    spec = RoutingSpec(default_model="math", aliases=aliases)
+    aliases["new"] = "math"
+    assert dict(spec.aliases) == {"old": "math"}
