@@ -1,0 +1,121 @@
+"""Test helpers for the hf engine: a blocking JSON client and engine servers on loopback.
+
+Used by this plugin's tests and by integration tests that need real hf engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from relax_core.engine_process import SubprocessEngineProcess
+from relax_core.records import EngineLaunchSpec
+from relax_hf.plugin import launch
+
+__all__ = ["START_TIMEOUT", "EngineServer", "Http", "start_engine"]
+
+START_TIMEOUT = 120.0
+
+
+class Http:
+    """A small blocking JSON client (each call has a timeout)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        timeout: float = 60.0,
+    ) -> tuple[int, Any, dict[str, str]]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                text = resp.read().decode()
+                status, headers = resp.status, dict(resp.headers)
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode()
+            status, headers = exc.code, dict(exc.headers)
+        try:
+            parsed = json.loads(text) if text else None
+        except ValueError:
+            parsed = text
+        return status, parsed, headers
+
+    def get(self, path: str, **kw: Any) -> tuple[int, Any]:
+        status, body, _ = self.request("GET", path, **kw)
+        return status, body
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
+        status, body, _ = self.request("POST", path, body, **kw)
+        return status, body
+
+    def ok(self, path: str, body: Any = None, **kw: Any) -> Any:
+        """POST (GET without a body) and assert 200; return the JSON answer."""
+        method = (
+            "GET"
+            if body is None and path in ("/server_info", "/model_info", "/v1/models")
+            else "POST"
+        )
+        status, out, _ = self.request(method, path, body, **kw)
+        assert status == 200, f"{method} {path} -> {status}: {out}"
+        return out
+
+    def generate(self, text: str = "Hello", **kw: Any) -> dict[str, Any]:
+        body = {"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+        body.update(kw)
+        return self.ok("/generate", body)  # type: ignore[no-any-return]
+
+    def stream(self, path: str, body: Any, *, timeout: float = 60.0) -> list[bytes]:
+        """POST and return the raw SSE events (each ending in a blank line)."""
+        req = urllib.request.Request(
+            self.base_url + path, data=json.dumps(body).encode(), method="POST"
+        )
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            assert resp.status == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            raw = resp.read()
+        return [chunk + b"\n\n" for chunk in raw.split(b"\n\n") if chunk]
+
+
+class EngineServer:
+    """A running hf engine process and an HTTP helper for it."""
+
+    def __init__(self, process: SubprocessEngineProcess) -> None:
+        self.process = process
+        assert process.base_url is not None
+        self.url = process.base_url
+        self.http = Http(self.url)
+
+
+def start_engine(
+    model: Path | str, log_dir: Path | str, engine_id: str, **spec: Any
+) -> EngineServer:
+    """Launch an hf engine through the backend and wait until it answers ``/health``."""
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    process = launch(
+        EngineLaunchSpec(
+            engine_id=engine_id,
+            model_path=str(model),
+            log_path=str(Path(log_dir) / f"{engine_id}.log"),
+            env=env,
+            **spec,
+        )
+    )
+    try:
+        process.wait_ready(START_TIMEOUT)
+    except BaseException:
+        process.terminate(5)
+        raise
+    return EngineServer(process)
