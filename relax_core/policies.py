@@ -90,6 +90,25 @@ def _slot(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=2).digest(), "little")
 
 
+class _SlotCache:
+    """key -> slot for recently seen keys (group keys repeat once per sample of a group)."""
+
+    __slots__ = ("_slots",)
+    _MAX = 1 << 16
+
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
+
+    def __call__(self, key: str | None) -> int:
+        key = key or ""
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= self._MAX:
+                self._slots.clear()
+            slot = self._slots[key] = _slot(key)
+        return slot
+
+
 class _Table:
     """Rendezvous scores for one (role, model, candidate set), with the slot -> winner cache."""
 
@@ -196,6 +215,7 @@ class RendezvousSelector:
 
     def __init__(self) -> None:
         self._tables = _Tables()
+        self._slot = _SlotCache()
 
     def select(
         self,
@@ -209,7 +229,7 @@ class RendezvousSelector:
     ) -> Any:
         """The highest-scoring candidate for ``affinity_key``."""
         table = self._tables.get(role, model, candidates)
-        return candidates[table.winner(_slot(affinity_key or ""))]
+        return candidates[table.winner(self._slot(affinity_key))]
 
 
 class BoundedRendezvousSelector:
@@ -231,6 +251,7 @@ class BoundedRendezvousSelector:
             raise ValueError(f"bounded_rendezvous: c must be a finite number >= 1, got {c!r}")
         self.c = float(c)
         self._tables = _Tables()
+        self._slot = _SlotCache()
 
     def bound(self, total: int, n: int) -> int:
         """The most in-flight requests a head may hold after taking one more."""
@@ -248,7 +269,7 @@ class BoundedRendezvousSelector:
     ) -> Any:
         """The best-scoring candidate that stays within the load bound."""
         table = self._tables.get(role, model, candidates)
-        slot = _slot(affinity_key or "")
+        slot = self._slot(affinity_key)
         best = candidates[table.winner(slot)]
         if not inflight:
             return best

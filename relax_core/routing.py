@@ -192,15 +192,16 @@ class RouteResolver:
         return self._pm
 
     def _policy(self, name: str, role: str) -> RoutingPolicy:
+        pm = self._plugin_manager()
         try:
-            return self._plugin_manager().routing_policy(name)
-        except PluginError as exc:
+            return pm.routing_policy(name)
+        except PluginError:
+            known = ", ".join(sorted(pm.registered("routing_policies"))) or "(none)"
             raise RoutingError(
                 503,
                 f'role "{role}" routes DIRECT requests with policy "{name}", which no installed '
-                f"plugin registers ({exc}). Install and enable the plugin that provides it, or "
-                "set routing.policy to a registered policy (round_robin, rendezvous, "
-                "bounded_rendezvous)",
+                "plugin registers. Install and enable the plugin that provides it, or set "
+                f"routing.policy to a registered policy ({known})",
                 retry_after=None,
             ) from None
 

@@ -288,6 +288,8 @@ def test_unregistered_policy_is_503_naming_the_policy_and_the_fix(
     assert err.status == 503
     assert 'policy "least_loaded"' in err.message
     assert "Install and enable the plugin that provides it" in err.message
+    assert "(bounded_rendezvous, rendezvous, round_robin)" in err.message
+    assert err.retry_after is None
     # Router-mode models do not use a DIRECT policy and keep working.
     assert resolver.resolve(snap, model="code").url == "http://router:8080"
 
