@@ -413,6 +413,19 @@ class RoutingSpec:
         if not _ROLE_NAME.match(name):
             raise SnapshotError("policy", f"{name!r} is not a routing-policy name")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Mapping proxies do not pickle; rebuild (and re-validate) from plain dicts.
+        return (
+            RoutingSpec,
+            (
+                self.default_model,
+                dict(self.route_key_map),
+                dict(self.aliases),
+                self.policy,
+                self.policy_revision,
+            ),
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The routing spec as a JSON object."""
         return {
@@ -583,6 +596,20 @@ class RoleSnapshot:
                     f"known models: {known}",
                 )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Mapping proxies do not pickle; the derived cache is not worth sending.
+        return (
+            _rebuild_snapshot,
+            (
+                self.schema_version,
+                self.role,
+                self.registry_epoch,
+                self.topology_revision,
+                self.routing,
+                dict(self.models),
+            ),
+        )
+
     # -- derived values ------------------------------------------------------------------
 
     def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
@@ -670,6 +697,24 @@ class RoleSnapshot:
             )
         ]
         return {"engines": engines}
+
+
+def _rebuild_snapshot(
+    schema_version: int,
+    role: str,
+    registry_epoch: str,
+    topology_revision: int,
+    routing: RoutingSpec,
+    models: dict[str, ModelView],
+) -> RoleSnapshot:
+    return RoleSnapshot(
+        schema_version=schema_version,
+        role=role,
+        registry_epoch=registry_epoch,
+        topology_revision=topology_revision,
+        routing=routing,
+        models=models,
+    )
 
 
 # -- parsing ---------------------------------------------------------------------------------

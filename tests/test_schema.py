@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -549,3 +550,10 @@ def test_routing_spec_keeps_its_own_copy_of_the_maps() -> None:
     spec = RoutingSpec(default_model="math", aliases=aliases)
     aliases["new"] = "math"
     assert dict(spec.aliases) == {"old": "math"}
+
+
+def test_snapshot_pickles_for_other_processes() -> None:
+    snap = RoleSnapshot.from_json(reference_doc())
+    copy_ = pickle.loads(pickle.dumps(snap))
+    assert copy_ == snap
+    assert copy_.to_json() == snap.to_json()
