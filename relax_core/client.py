@@ -70,9 +70,7 @@ SnapshotProvider = Callable[
 GENERATE_PATHS = frozenset({"/generate"})
 #: OpenAI-style paths: ``model`` becomes the backend's served model name.
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
-_ROUTING_FIELDS = ("model", "route_key")
 _UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
-_JSON_HEADERS = {"Content-Type": "application/json"}
 _REGISTRY_RETRY_AFTER = 1.0
 
 
@@ -127,7 +125,10 @@ class InferenceClient:
         self._resolver = resolver if resolver is not None else RouteResolver()
         self._snapshot: RoleSnapshot | None = None
         self._expires = 0.0
-        self._fetches = 0  # completed fetches; lets waiters on the lock reuse a fresh one
+        # Number of completed fetches: a caller that saw fetch N and needs a newer snapshot
+        # reuses one fetched after N by someone else instead of fetching again.
+        self._fetches = 0
+        self._invalidations = 0
         self._lock: asyncio.Lock | None = None
         self._inflight: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -142,8 +143,12 @@ class InferenceClient:
         return self._inflight
 
     def invalidate(self) -> None:
-        """Forget the cached snapshot: the next request fetches a fresh one."""
+        """Forget the cached snapshot: the next request fetches a fresh one.
+
+        A fetch already under way when this is called does not count as fresh.
+        """
         self._expires = 0.0
+        self._invalidations += 1
 
     async def snapshot(self, force: bool = False) -> RoleSnapshot:
         """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
@@ -154,12 +159,12 @@ class InferenceClient:
             snap = self._snapshot
             if snap is not None and time.monotonic() < self._expires:
                 return snap
-        return await self._refresh(force)
+        return await self._refresh(self._fetches, force)
 
-    async def _refresh(self, force: bool) -> RoleSnapshot:
+    async def _refresh(self, seen: int, force: bool) -> RoleSnapshot:
+        """A snapshot newer than fetch number ``seen`` (``force``) or fresh; fetch if needed."""
         if self._lock is None:
             self._lock = asyncio.Lock()
-        seen = self._fetches
         async with self._lock:
             snap = self._snapshot
             if snap is not None and (
@@ -167,12 +172,14 @@ class InferenceClient:
             ):
                 # Another caller fetched while this one waited for the lock.
                 return snap
+            invalidations = self._invalidations
             fresh = await self._fetch()
             if snap is not None and fresh == snap:
                 fresh = snap  # keep the resolver's per-snapshot indexes warm
             self._snapshot = fresh
             self._fetches += 1
-            self._expires = time.monotonic() + self.ttl
+            if invalidations == self._invalidations:
+                self._expires = time.monotonic() + self.ttl
             return fresh
 
     async def _fetch(self) -> RoleSnapshot:
@@ -248,16 +255,17 @@ class InferenceClient:
         affinity_key: str | None = None,
     ) -> RouteTarget:
         """Where a request would go now (with the 503 → refresh → retry rule)."""
-        snap = self._snapshot
+        snap, seen = self._snapshot, self._fetches
         if snap is None or time.monotonic() >= self._expires:
-            snap = await self._refresh(False)
+            snap, seen = await self._refresh(seen, False), self._fetches
         kwargs = {"model": model, "route_key": route_key, "affinity_key": affinity_key}
         try:
             return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
         except RoutingError as exc:
             if exc.status != 503:
                 raise
-        snap = await self._refresh(True)
+        # One refresh and one retry; a second 503 reaches the caller (with retry_after).
+        snap = await self._refresh(seen, True)
         return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
 
     async def prepare(
@@ -280,23 +288,33 @@ class InferenceClient:
         ``request_id``/``affinity_key`` are not given. Raises ``RoutingError`` (400: bad
         payload, unknown model or route key; 503: nothing READY after one refresh).
         """
-        if isinstance(payload, bytes | bytearray | memoryview):
+        raw: bytes | None = None
+        if type(payload) is dict:
+            body: Any = payload
+        elif isinstance(payload, bytes | bytearray | memoryview):
             raw = bytes(payload)
             try:
-                body: Any = orjson.loads(raw)
+                body = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
                 raise RoutingError(400, f"request body is not valid JSON: {exc}") from exc
+            if type(body) is not dict:
+                raise RoutingError(
+                    400, f"request body must be a JSON object, got {type(body).__name__}"
+                )
+        elif isinstance(payload, Mapping):
+            body = dict(payload)
         else:
-            raw = None
-            body = payload
-        if not isinstance(body, Mapping):
             raise RoutingError(
-                400, f"request body must be a JSON object, got {type(body).__name__}"
+                400, f"request body must be a JSON object, got {type(payload).__name__}"
             )
         if model is None:
-            model = _str_field(body, "model")
+            model = body.get("model")
+            if model is not None and type(model) is not str:
+                raise _not_a_string("model", model)
         if route_key is None:
-            route_key = _str_field(body, "route_key")
+            route_key = body.get("route_key")
+            if route_key is not None and type(route_key) is not str:
+                raise _not_a_string("route_key", route_key)
 
         if headers:
             out = forward_headers(headers)
@@ -310,32 +328,56 @@ class InferenceClient:
                     del out[lower[name]]
             out["Content-Type"] = "application/json"
         else:
-            out = _JSON_HEADERS.copy()
+            out = {"Content-Type": "application/json"}
         if request_id is None:
             request_id = f"{self._id_prefix}-{next(self._ids):x}"
         out[REQUEST_ID_HEADER] = request_id
         if affinity_key is not None:
             out[ROUTING_KEY_HEADER] = affinity_key
 
-        target = await self.resolve(model=model, route_key=route_key, affinity_key=affinity_key)
+        # Resolution, inlined for the hot path (cached snapshot, READY model): see resolve().
+        snap, seen = self._snapshot, self._fetches
+        if snap is None or time.monotonic() >= self._expires:
+            snap, seen = await self._refresh(seen, False), self._fetches
+        try:
+            target = self._resolver.resolve(
+                snap,
+                model=model,
+                route_key=route_key,
+                affinity_key=affinity_key,
+                inflight=self._inflight,
+            )
+        except RoutingError as exc:
+            if exc.status != 503:
+                raise
+            snap = await self._refresh(seen, True)
+            target = self._resolver.resolve(
+                snap,
+                model=model,
+                route_key=route_key,
+                affinity_key=affinity_key,
+                inflight=self._inflight,
+            )
+
         if path in GENERATE_PATHS:
             if "model" in body or "route_key" in body:
-                raw = orjson.dumps({k: v for k, v in body.items() if k not in _ROUTING_FIELDS})
+                body = body.copy()
+                body.pop("model", None)
+                body.pop("route_key", None)
+                raw = None
         elif path in OPENAI_PATHS:
-            served = target.served_model_name or target.model_id
+            served = target.served_model_name
             if body.get("model") != served or "route_key" in body:
-                rewritten = {k: v for k, v in body.items() if k != "route_key"}
-                rewritten["model"] = served
-                raw = orjson.dumps(rewritten)
+                body = body.copy()
+                body.pop("route_key", None)
+                body["model"] = served
+                raw = None
         if raw is None:
-            raw = orjson.dumps(body)
-        return PreparedRequest(
-            url=target.url.rstrip("/") + path,
-            body=raw,
-            headers=out,
-            request_id=request_id,
-            target=target,
-        )
+            try:
+                raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+            except TypeError as exc:
+                raise RoutingError(400, f"request body cannot be encoded as JSON: {exc}") from exc
+        return PreparedRequest(target.url.rstrip("/") + path, raw, out, request_id, target)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -561,11 +603,8 @@ class InferenceClient:
         return f"InferenceClient({source}, role={self.role!r}, ttl={self.ttl})"
 
 
-def _str_field(body: Mapping[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is None or isinstance(value, str):
-        return value
-    raise RoutingError(400, f"request field {name!r} must be a string, got {type(value).__name__}")
+def _not_a_string(name: str, value: object) -> RoutingError:
+    return RoutingError(400, f"request field {name!r} must be a string, got {type(value).__name__}")
 
 
 # -- one shared client per event loop ------------------------------------------------------

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
-import attrs
 import orjson
 
 from relax_core.errors import RequestNotReplayedError, UpstreamError
@@ -129,12 +128,12 @@ class UpstreamStatusError(UpstreamError):
         return orjson.loads(self.body)
 
 
-@attrs.frozen
-class PreparedRequest:
+class PreparedRequest(NamedTuple):
     """A routed request, ready to send: exactly the bytes and headers that go on the wire.
 
     ``target`` is the resolver's decision (``None`` only for requests built by hand);
-    ``request_id`` is also in ``headers`` under :data:`REQUEST_ID_HEADER`.
+    ``request_id`` is also in ``headers`` under :data:`REQUEST_ID_HEADER`. Immutable (a named
+    tuple rather than an attrs class: one is built per request on the hot path).
     """
 
     url: str

@@ -266,6 +266,25 @@ def test_async_provider_may_return_a_role_snapshot(engine: tuple[Engine, str]) -
     assert eng.count == 1
 
 
+def test_concurrent_requests_share_one_discovery_fetch(engine: tuple[Engine, str]) -> None:
+    eng, url = engine
+    calls = 0
+
+    async def provide() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.05)  # a slow registry: every request arrives while it answers
+        return snapshot([url])
+
+    async def scenario() -> None:
+        async with InferenceClient(snapshot_provider=provide, ttl=60) as client:
+            await asyncio.gather(*(client.generate({"text": str(i)}) for i in range(20)))
+
+    run(scenario)
+    assert calls == 1
+    assert eng.count == 20
+
+
 def test_unreachable_registry_is_503_registry_unavailable() -> None:
     base = f"http://127.0.0.1:{free_port()}"
 
@@ -493,6 +512,18 @@ def test_generate_payload_loses_model_and_route_key(engine: tuple[Engine, str]) 
     run(scenario)
     assert json.loads(eng.requests[0]["raw"]) == {"input_ids": [1, 2], "rid": "r"}
     assert eng.requests[0]["path"] == "/generate"
+
+
+def test_numpy_arrays_in_a_payload_are_sent_as_json_lists(engine: tuple[Engine, str]) -> None:
+    np = pytest.importorskip("numpy")
+    eng, url = engine
+
+    async def scenario() -> None:
+        async with InferenceClient(snapshot_provider=lambda: snapshot([url])) as client:
+            await client.generate({"input_ids": np.arange(4, dtype=np.int64)})
+
+    run(scenario)
+    assert json.loads(eng.requests[0]["raw"]) == {"input_ids": [0, 1, 2, 3]}
 
 
 def test_route_key_selects_the_model(engine: tuple[Engine, str]) -> None:

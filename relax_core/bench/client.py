@@ -9,8 +9,11 @@ Two measurements, each against a baseline or a target taken in the same run:
   null upstream running in its own process (64 loopback ports, one per replica), through
   :meth:`InferenceClient.generate` and through a bare aiohttp session doing the same requests
   (same bodies on the wire, same URLs in the same round-robin order, orjson both ways, one
-  pooled session each). Rounds alternate raw/client; each figure is the median of its rounds.
-  ``client_vs_raw`` = ``client_rps / raw_rps``.
+  pooled session each). Rounds alternate raw/client, back to back; ``client_rps`` and
+  ``raw_rps`` are medians over rounds, ``client_vs_raw`` the median of the per-round ratios
+  (so drift in a shared machine's load cancels out). ``*_cpu_us_per_request`` is this
+  process's CPU time per request (the upstream runs in its own process), a load-independent
+  view of the same comparison.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import attrs
 import orjson
 
 from relax_core.bench._null_upstream import spawn
@@ -30,7 +34,14 @@ from relax_core.client import InferenceClient
 from relax_core.routing import RouteResolver
 from relax_core.schema import RoleSnapshot
 
-__all__ = ["format_result", "run", "snapshot_dict"]
+__all__ = [
+    "Throughput",
+    "bench_resolver",
+    "bench_throughput",
+    "format_result",
+    "run",
+    "snapshot_dict",
+]
 
 REPLICAS = 64
 CONCURRENCY = 64
@@ -122,8 +133,10 @@ def bench_resolver(seconds: float, rounds: int) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(affinity)
 
 
-async def _drive(call: Callable[[], Awaitable[None]], requests: int, concurrency: int) -> float:
-    """Run ``requests`` calls with ``concurrency`` workers; return requests per second."""
+async def _drive(
+    call: Callable[[], Awaitable[None]], requests: int, concurrency: int
+) -> tuple[float, float]:
+    """Run ``requests`` calls with ``concurrency`` workers: (requests/s, CPU µs per request)."""
     left = requests
 
     async def worker() -> None:
@@ -132,13 +145,30 @@ async def _drive(call: Callable[[], Awaitable[None]], requests: int, concurrency
             left -= 1
             await call()
 
+    cpu = time.process_time()
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return requests / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return requests / wall, (time.process_time() - cpu) / requests * 1e6
 
 
-async def bench_throughput(urls: list[str], *, requests: int, rounds: int) -> tuple[float, float]:
-    """(client, raw) requests per second against the null upstream at ``urls``: medians."""
+@attrs.frozen
+class Throughput:
+    """Per-round measurements of both sides (round i of each ran back to back)."""
+
+    client_rps: tuple[float, ...]
+    raw_rps: tuple[float, ...]
+    client_cpu_us: tuple[float, ...]
+    raw_cpu_us: tuple[float, ...]
+
+    @property
+    def ratio(self) -> float:
+        """Median over rounds of client/raw throughput (drift in machine load cancels out)."""
+        return statistics.median(c / r for c, r in zip(self.client_rps, self.raw_rps, strict=True))
+
+
+async def bench_throughput(urls: list[str], *, requests: int, rounds: int) -> Throughput:
+    """Client and raw aiohttp against the null upstream at ``urls``, in alternating rounds."""
     snapshot = RoleSnapshot.from_json(snapshot_dict(urls))
     client = InferenceClient(snapshot_provider=lambda: snapshot)
 
@@ -165,38 +195,42 @@ async def bench_throughput(urls: list[str], *, requests: int, rounds: int) -> tu
     async def client_call() -> None:
         await client.generate(PAYLOAD)
 
-    client_rates: list[float] = []
-    raw_rates: list[float] = []
+    sides: dict[str, list[tuple[float, float]]] = {"raw": [], "client": []}
+    calls = {"raw": raw_call, "client": client_call}
     try:
-        warm = max(CONCURRENCY * 4, requests // 5)
-        await _drive(raw_call, warm, CONCURRENCY)
-        await _drive(client_call, warm, CONCURRENCY)
+        warm = max(CONCURRENCY * 4, requests // 2)
+        for name in ("raw", "client"):
+            await _drive(calls[name], warm, CONCURRENCY)
         for i in range(rounds):
             # Alternate which side goes first so drift in machine load favours neither.
-            order = [(raw_call, raw_rates), (client_call, client_rates)]
-            for call, rates in order if i % 2 == 0 else reversed(order):
-                rates.append(await _drive(call, requests, CONCURRENCY))
+            for name in ("raw", "client") if i % 2 == 0 else ("client", "raw"):
+                sides[name].append(await _drive(calls[name], requests, CONCURRENCY))
     finally:
         await client.aclose()
         await raw_session.close()
-    return statistics.median(client_rates), statistics.median(raw_rates)
+    return Throughput(
+        client_rps=tuple(r for r, _ in sides["client"]),
+        raw_rps=tuple(r for r, _ in sides["raw"]),
+        client_cpu_us=tuple(c for _, c in sides["client"]),
+        raw_cpu_us=tuple(c for _, c in sides["raw"]),
+    )
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run both measurements; ``quick`` makes it short (a smoke test, not a measurement)."""
     seconds, resolver_rounds = (0.05, 1) if quick else (1.0, 5)
-    requests, rounds = (200, 1) if quick else (5000, 7)
+    requests, rounds = (200, 1) if quick else (3000, 15)
     resolver_per_s, resolver_affinity_per_s = bench_resolver(seconds, resolver_rounds)
     with spawn(REPLICAS) as upstream:
-        client_rps, raw_rps = asyncio.run(
-            bench_throughput(upstream.urls, requests=requests, rounds=rounds)
-        )
+        result = asyncio.run(bench_throughput(upstream.urls, requests=requests, rounds=rounds))
     return {
         "resolver_per_s": round(resolver_per_s, 1),
         "resolver_affinity_per_s": round(resolver_affinity_per_s, 1),
-        "client_rps": round(client_rps, 1),
-        "raw_rps": round(raw_rps, 1),
-        "client_vs_raw": round(client_rps / raw_rps, 3),
+        "client_rps": round(statistics.median(result.client_rps), 1),
+        "raw_rps": round(statistics.median(result.raw_rps), 1),
+        "client_vs_raw": round(result.ratio, 3),
+        "client_cpu_us_per_request": round(statistics.median(result.client_cpu_us), 1),
+        "raw_cpu_us_per_request": round(statistics.median(result.raw_cpu_us), 1),
         "replicas": REPLICAS,
         "concurrency": CONCURRENCY,
         "rounds": rounds,
@@ -213,5 +247,7 @@ def format_result(result: dict[str, Any]) -> str:
             f"InferenceClient: {result['client_rps']:,.0f} req/s   raw aiohttp: "
             f"{result['raw_rps']:,.0f} req/s   ratio {result['client_vs_raw']:.3f}"
             f"   (concurrency {result['concurrency']}, median of {result['rounds']} rounds)",
+            f"CPU per request: client {result['client_cpu_us_per_request']:.1f} µs, raw "
+            f"{result['raw_cpu_us_per_request']:.1f} µs",
         ]
     )
