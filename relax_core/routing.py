@@ -39,7 +39,7 @@ from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import ReplicaSelector, RoutingPolicy
 from relax_core.schema import EngineState, ModelState, RoleSnapshot, RouteMode
 
-__all__ = ["DEFAULT_RETRY_AFTER", "RouteResolver", "RouteTarget"]
+__all__ = ["DEFAULT_RETRY_AFTER", "NO_REPLICA_RETRY_AFTER", "RouteResolver", "RouteTarget"]
 
 #: Seconds a client should wait before retrying a model in each non-READY state.
 DEFAULT_RETRY_AFTER: Mapping[ModelState, float] = types.MappingProxyType(
@@ -168,7 +168,8 @@ class RouteResolver:
     :param retry_after: seconds per non-READY model state; default :data:`DEFAULT_RETRY_AFTER`.
 
     Selectors are built once per resolver and keep process-local state (round-robin cursors).
-    Thread-safe; ``resolve`` never blocks and does no I/O.
+    Thread-safe. ``resolve`` does no I/O, except that the first call of a resolver built
+    without a plugin manager loads the process-wide one (entry points).
     """
 
     def __init__(
