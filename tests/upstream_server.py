@@ -71,11 +71,24 @@ async def _fault(mode: str) -> Response | None:
     return None
 
 
+class _HangStream(Response):
+    """Sends one event, then waits for the client to go away (and counts that it did)."""
+
+    def __init__(self, first: bytes) -> None:
+        super().__init__(media_type="text/event-stream")
+        self.first = first
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        STATE["streams_closed_early"] += 1
+
+
 async def _stream(events: list[bytes], mode: str) -> AsyncIterator[bytes]:
     try:
-        if mode == "hang-stream":
-            yield events[0]
-            await asyncio.sleep(3600)
         for i, event in enumerate(events):
             if mode.startswith("die-after:") and i == int(mode[10:]):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -105,10 +118,12 @@ async def generate(request: Request) -> Response:
     fault = await _fault(mode)
     if fault is not None:
         return fault
-    n = int((body.get("sampling_params") or {}).get("max_new_tokens", 3) or 0)
+    n = min(int((body.get("sampling_params") or {}).get("max_new_tokens", 3) or 0), 20000)
     if body.get("stream"):
         events = [_sse(_generate_answer(body, i, n)) for i in range(max(n, 1))]
         events.append(b"data: [DONE]\n\n")
+        if mode == "hang-stream":
+            return _HangStream(events[0])
         return StreamingResponse(_stream(events, mode), media_type="text/event-stream")
     return JSONResponse(_generate_answer(body, max(n, 1) - 1, n))
 
@@ -119,7 +134,7 @@ async def chat(request: Request) -> Response:
     if fault is not None:
         return fault
     model = body.get("model", "unknown")
-    n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 3)
+    n = min(int(body.get("max_tokens") or body.get("max_completion_tokens") or 3), 20000)
     created = int(time.time())
     if body.get("stream"):
         events = []

@@ -1,0 +1,213 @@
+"""Streaming through the gateway, role adapters from the installed plugins, the openai client.
+
+Real uvicorn gateways in front of real upstream server processes on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from relax_core import PluginManager
+from relax_core.gateway import adapter_for_role
+from relax_core.testing import wait_for
+
+_spec = importlib.util.spec_from_file_location(
+    "gateway_support", Path(__file__).with_name("gateway_support.py")
+)
+assert _spec is not None and _spec.loader is not None
+gs: Any = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gs)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with gs.upstream("math-0") as a:
+        yield a
+
+
+@pytest.fixture
+def gw(engine: Any) -> Iterator[str]:
+    registry = gs.Registry(gs.snapshot("rollout", {"policy": {"urls": [engine.url]}}))
+    with gs.gateway("rollout", registry) as url:
+        yield url
+
+
+def raw_post(url: str, body: dict[str, Any]) -> bytes:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        return bytes(resp.read())
+
+
+def test_sse_relay_is_byte_identical_to_the_direct_stream(gw: str, engine: Any) -> None:
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 200}}
+    direct = raw_post(f"{engine.url}/generate", body)
+    relayed = raw_post(f"{gw}/rollout/generate", body)
+    assert relayed == direct
+    assert direct.count(b"\n\n") == 201 and direct.endswith(b"data: [DONE]\n\n")
+
+
+def test_client_disconnect_closes_the_upstream_stream(gw: str, engine: Any) -> None:
+    before = engine.stats()["streams_closed_early"]
+    host, port = gw.removeprefix("http://").split(":")
+    payload = json.dumps({"text": "hi", "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /rollout/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Test-Mode: hang-stream\r\nContent-Length: "
+            + str(len(payload)).encode()
+            + b"\r\n\r\n"
+            + payload
+        )
+        received = b""
+        while b"data: " not in received:
+            chunk = sock.recv(4096)
+            assert chunk, f"the gateway closed the stream early: {received!r}"
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+    wait_for(
+        lambda: engine.stats()["streams_closed_early"] == before + 1,
+        timeout=10,
+        what="the upstream to see its stream closed",
+    )
+    metrics = urllib.request.urlopen(f"{gw}/metrics", timeout=10).read().decode()
+    assert 'route="generate",status="499"} 1.0' in metrics
+
+
+def test_engine_killed_mid_stream_truncates_without_switching_replica() -> None:
+    with gs.upstream("a") as a, gs.upstream("b") as b:
+        registry = gs.Registry(gs.snapshot("rollout", {"policy": {"urls": [a.url, b.url]}}))
+        with gs.gateway("rollout", registry) as url:
+
+            async def go() -> tuple[bytes, BaseException | None]:
+                got = b""
+                async with aiohttp.ClientSession() as session:
+                    try:
+                        async with session.post(
+                            f"{url}/rollout/generate",
+                            json={
+                                "text": "x",
+                                "stream": True,
+                                "sampling_params": {"max_new_tokens": 50},
+                            },
+                            headers={"X-Test-Mode": "die-after:2"},
+                        ) as resp:
+                            assert resp.status == 200
+                            async for chunk in resp.content.iter_any():
+                                got += chunk
+                    except aiohttp.ClientPayloadError as exc:
+                        return got, exc
+                return got, None
+
+            got, error = asyncio.run(go())
+            metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        assert error is not None, "a stream cut by a dead engine must not end cleanly"
+        assert got.count(b"data: ") == 2 and b"[DONE]" not in got
+        states = [u.proc.poll() for u in (a, b)]
+        assert sorted(s is None for s in states) == [False, True], "exactly one engine died"
+        survivor = a if states[0] is None else b
+        assert survivor.stats()["requests"] == 0, "the request must not be replayed elsewhere"
+        assert (
+            'relax_gateway_upstream_errors_total{error="stream_aborted",role="rollout"} 1.0'
+            in metrics
+        )
+
+
+def test_openai_client_works_streaming_and_not(engine: Any) -> None:
+    import openai
+
+    registry = gs.Registry(
+        gs.snapshot("rollout", {"policy": {"urls": [engine.url], "served": "Org/Policy-1"}})
+    )
+    with gs.gateway("rollout", registry, token="tok") as url:
+        client = openai.OpenAI(base_url=f"{url}/rollout/v1", api_key="tok", max_retries=0)
+        out = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert out.choices[0].message.content == "math-0: tok0 tok1 tok2 tok3"
+        assert out.model == "Org/Policy-1"
+        pieces = [
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                stream=True,
+            )
+        ]
+        assert "".join(pieces) == "tok0 tok1 tok2 "
+        models = client.models.list()
+        assert [m.id for m in models.data] == ["policy"]
+        bad = openai.OpenAI(base_url=f"{url}/rollout/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "hi"}]
+            )
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(gs.make_tokenizer(tmp_path_factory.mktemp("judge-tok")))
+
+
+def test_genrm_messages_are_rendered_forwarded_as_input_ids_and_answered_as_response(
+    engine: Any, tokenizer_dir: Path, plugin_manager: PluginManager
+) -> None:
+    from transformers import AutoTokenizer
+
+    registry = gs.Registry(
+        gs.snapshot("genrm", {"judge": {"urls": [engine.url]}}, route_key_map={"k": "judge"})
+    )
+    adapter = adapter_for_role(plugin_manager, "genrm")
+    with gs.gateway(
+        "genrm", registry, adapter=adapter, model_paths={"judge": str(tokenizer_dir)}
+    ) as url:
+        messages = [{"role": "user", "content": "is 4 correct?"}]
+        status, _, body = gs.post(f"{url}/genrm/generate", {"messages": messages, "route_key": "k"})
+        assert status == 200, body
+        assert json.loads(body) == {"response": "math-0:token2"}
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert engine.last()["body"] == {
+            "input_ids": tok.encode(rendered, add_special_tokens=False)
+        }
+        raw = gs.post(f"{url}/genrm/generate", {"input_ids": [5, 6]})
+        assert raw[0] == 200 and json.loads(raw[2])["text"] == "math-0:token2"
+        status, _, body = gs.post(f"{url}/genrm/generate", {"messages": messages, "stream": True})
+        assert status == 400 and json.loads(body)["error"]["param"] == "stream"
+
+
+def test_teacher_gateway_uses_the_teacher_plugins_prefill_checks(
+    engine: Any, plugin_manager: PluginManager
+) -> None:
+    registry = gs.Registry(gs.snapshot("teacher", {"math": {"urls": [engine.url]}}))
+    before = engine.stats()["requests"]
+    adapter = adapter_for_role(plugin_manager, "teacher")
+    with gs.gateway("teacher", registry, adapter=adapter) as url:
+        status, _, body = gs.post(
+            f"{url}/teacher/generate", {"input_ids": [1, 2], "top_logprobs_num": 3}
+        )
+        assert status == 400 and "return_logprob" in body.decode()
+        assert engine.stats()["requests"] == before
+        status, _, _ = gs.post(
+            f"{url}/teacher/generate",
+            {
+                "input_ids": [1, 2, 3],
+                "return_logprob": True,
+                "logprob_start_len": 1,
+                "top_logprobs_num": 2,
+            },
+        )
+        assert status == 200
