@@ -696,6 +696,60 @@ def test_stream_yields_sse_events_as_they_arrive(engine: tuple[Engine, str]) -> 
     assert parsed == [{"text": "t0"}, {"text": "t1"}, {"text": "t2"}]
 
 
+def test_stream_failing_mid_body_is_not_replayed_and_invalidates_discovery(
+    engine: tuple[Engine, str],
+) -> None:
+    eng, url = engine
+    eng.mode = "truncate"
+    provider = Provider(snapshot([url]))
+
+    async def scenario() -> None:
+        async with InferenceClient(snapshot_provider=provider, ttl=60) as client:
+            received = b""
+            with pytest.raises(RequestNotReplayedError) as info:
+                async with client.stream("/generate", {"text": "a"}, request_id="s-1") as resp:
+                    async for chunk in resp.iter_chunks():
+                        received += chunk
+            assert received.startswith(b'{"text": "partial')
+            assert info.value.request_id == "s-1"
+            assert client.inflight == {}
+            eng.mode = "ok"
+            await client.generate({"text": "b"})
+            assert provider.calls == 2
+
+    run(scenario)
+    assert eng.count == 2
+
+
+def test_router_mode_model_is_sent_to_its_router_with_the_affinity_header(
+    engine: tuple[Engine, str],
+) -> None:
+    eng, router_url = engine
+    snap = snapshot([])
+    snap["role"] = "rollout"
+    snap["models"][MODEL].update(
+        route_mode="SGLANG_ROUTER",
+        router_url=router_url,
+        weight_source="ACTOR",
+        weight_version="step-3",
+    )
+
+    async def scenario() -> None:
+        async with InferenceClient(snapshot_provider=lambda: snap) as client:
+            target = await client.resolve(model=MODEL)
+            assert (target.url, target.engine_id, target.weight_version) == (
+                router_url,
+                None,
+                "step-3",
+            )
+            await client.generate({"model": MODEL, "text": "a"}, affinity_key="group-1")
+            assert client.inflight == {}
+
+    run(scenario)
+    assert json.loads(eng.requests[0]["raw"]) == {"text": "a"}
+    assert eng.requests[0]["headers"]["x-smg-routing-key"] == "group-1"
+
+
 def test_inflight_counts_requests_per_engine_while_they_run(engine: tuple[Engine, str]) -> None:
     eng, url = engine
     eng.mode = "slow"
