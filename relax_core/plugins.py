@@ -53,6 +53,16 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
 }
 
 
+_SINGULAR = {
+    "roles": "role",
+    "engine_backends": "engine backend",
+    "weight_sources": "weight source",
+    "reward_adapters": "reward adapter",
+    "routing_policies": "routing policy",
+    "placement_modes": "placement mode",
+}
+
+
 @attrs.frozen
 class Registered(Generic[R]):
     """A record with the plugin (entry-point name) and distribution that registered it."""
@@ -231,7 +241,7 @@ class PluginManager:
             return table[name].record
         except KeyError:
             raise PluginError(
-                f"no {kind[:-1].replace('_', ' ')} named {name!r} is registered; known: "
+                f"no {_SINGULAR[kind]} named {name!r} is registered; known: "
                 f"{sorted(table)}. Is the plugin that provides it installed and enabled?"
             ) from None
 
