@@ -19,7 +19,6 @@ confirms the node is clean (:meth:`InferenceManager.confirm_external_cleanup`).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -57,8 +56,6 @@ from relax_core.manager.worker import EngineWorker
 from relax_core.records import EngineBackend, EngineLaunchSpec
 
 __all__ = ["ManagerBase", "with_result"]
-
-log = logging.getLogger(__name__)
 
 _S = ReplicaState
 # Model state from replica states: the first state in this order that any replica is in.
@@ -138,6 +135,8 @@ class ManagerBase:
         self._groups: dict[str, tuple[Any, bool]] = {}
         self._pending_groups: dict[str, str] = {}
         self._closed = False
+        # Engine id -> the generation last published for it.
+        self._published: dict[str, int] = {}
         self._add_slots(placement.workers, placement.placement_group, owned=placement.owned)
 
     # -- queries -------------------------------------------------------------------------
@@ -179,11 +178,13 @@ class ManagerBase:
             for slot in self._ordered():
                 rep = slot.replica
                 states.add(rep.state)
-                published = rep.state not in (_S.FAILED, _S.STOPPING)
+                if rep.base_url is None:
+                    continue
                 engines.append(
                     EngineView(
                         engine_id=rep.engine_id,
-                        base_url=rep.base_url if published else None,
+                        # A FAILED head never publishes its URL.
+                        base_url=None if rep.state is _S.FAILED else rep.base_url,
                         state=str(rep.state),
                         direct_eligible=rep.direct_eligible,
                         generation=rep.generation,
@@ -206,6 +207,13 @@ class ManagerBase:
 
     def _ordered(self) -> list[ReplicaSlot]:
         return [self._slots[i] for i in sorted(self._slots)]
+
+    def _select(self, engine_ids: Iterable[str] | None) -> list[ReplicaSlot]:
+        if engine_ids is None:
+            return self._ordered()
+        if isinstance(engine_ids, str):
+            engine_ids = (engine_ids,)
+        return [self._slot(e) for e in dict.fromkeys(engine_ids)]
 
     def _slot(self, engine_id: str) -> ReplicaSlot:
         for slot in self._slots.values():
@@ -303,14 +311,43 @@ class ManagerBase:
     # -- publishing and fences -------------------------------------------------------------
 
     def _publish(self) -> None:
+        """Publish the model and its replica heads to the registry publisher (if any).
+
+        A head is published once it has had a URL; its generation moves in the registry when
+        its URL changes or its workers were replaced; removed replicas are unpublished.
+        """
         if self.publisher is None:
             return
         view = self.model_view()
-        try:
-            self.publisher.set_model(self.model_id, view)
-        except Exception:
-            log.exception("model %s: publishing its snapshot failed", self.model_id)
-            raise
+        publisher = self.publisher
+        publisher.set_model(
+            self.model_id,
+            state=view.state,
+            route_mode=view.route_mode,
+            weight_source=view.weight_source,
+            served_model_name=view.served_model_name,
+            router_url=view.router_url,
+            weight_version=view.weight_version,
+        )
+        current = set()
+        for slot in self._ordered():
+            rep = slot.replica
+            if rep.base_url is None:
+                continue
+            current.add(rep.engine_id)
+            last = self._published.get(rep.engine_id)
+            publisher.set_engine(
+                self.model_id,
+                rep.engine_id,
+                base_url=rep.base_url,
+                state=str(rep.state),
+                direct_eligible=rep.direct_eligible,
+                replaced=last is not None and last != rep.generation,
+            )
+            self._published[rep.engine_id] = rep.generation
+        for gone in set(self._published) - current:
+            publisher.remove_engine(self.model_id, gone)
+            del self._published[gone]
 
     def _fenced_workers(self) -> list[str]:
         return [self._worker_name(s, w) for s in self._ordered() for w in s.workers if w.fenced]
@@ -465,9 +502,12 @@ class ManagerBase:
 
     # -- memory lifecycle ------------------------------------------------------------------
 
-    def offload(self, tags: Iterable[str] | None = None) -> LifecycleResult:
+    def offload(
+        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
+    ) -> LifecycleResult:
         """Release ``tags`` (default: all) on every replica; per-replica results.
 
+        ``engine_ids`` limits the call to those replicas (default: all).
         Each replica: close admission (DRAINING, no longer direct-eligible), drain in-flight
         requests (strict: wait up to the drain deadline, then abort), release, confirm →
         SLEEPING. A replica whose release is not confirmed is FAILED: its memory is NOT known
@@ -479,10 +519,11 @@ class ManagerBase:
         with self._lock:
             self._refuse_if_closed("offload()")
             self._refuse_if_fenced("offload()")
+            slots = self._select(engine_ids)
             begin = time.monotonic()
             results: dict[str, ReplicaResult] = {}
             todo: dict[int, tuple[str, ...]] = {}
-            for slot in self._ordered():
+            for slot in slots:
                 rep = slot.replica
                 early = self._not_applicable(slot)
                 if early is not None:
@@ -537,9 +578,12 @@ class ManagerBase:
                 raise with_result(self._recovery_error("offload()"), result)
             return result
 
-    def onload(self, tags: Iterable[str] | None = None) -> LifecycleResult:
+    def onload(
+        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
+    ) -> LifecycleResult:
         """Resume the missing ``tags`` (default: all) on every SLEEPING replica.
 
+        ``engine_ids`` limits the call to those replicas (default: all).
         Each replica: ONLOADING, resume only what is missing (weights first), and — once every
         tag is resident — check one generation and reopen admission → READY; with a subset of
         tags it stays SLEEPING. READY replicas are a no-op. A replica whose resume is not
@@ -551,10 +595,11 @@ class ManagerBase:
         with self._lock:
             self._refuse_if_closed("onload()")
             self._refuse_if_fenced("onload()")
+            slots = self._select(engine_ids)
             begin = time.monotonic()
             results: dict[str, ReplicaResult] = {}
             todo: dict[int, tuple[tuple[str, ...], bool]] = {}
-            for slot in self._ordered():
+            for slot in slots:
                 rep = slot.replica
                 early = self._not_applicable(slot)
                 if early is not None:

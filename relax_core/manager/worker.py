@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -151,6 +152,8 @@ class EngineWorker:
                 raise LifecycleError(f"{self._name}: already started (pid {self.process.pid})")
             if launch.node_rank == 0 and launch.port == 0:
                 launch = attrs.evolve(launch, port=free_port(launch.host))
+            if launch.log_path is None:
+                launch = attrs.evolve(launch, log_path=_log_path(launch.engine_id))
             self.process = await asyncio.to_thread(self.backend.launch, launch)
             self.reaper_pid = await asyncio.to_thread(self._start_reaper, self.process.pid)
             try:
@@ -261,7 +264,7 @@ class EngineWorker:
         """
         self.spec.check("offload", engine_id=self.engine_id)
         start = time.monotonic()
-        async with self._lock:
+        async with self._lock, asyncio.timeout(drain_timeout + timeout):
             control, _ = self._head()
             await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
             if "kv_cache" in tags:
@@ -276,7 +279,7 @@ class EngineWorker:
         """
         self.spec.check("onload", engine_id=self.engine_id)
         start = time.monotonic()
-        async with self._lock:
+        async with self._lock, asyncio.timeout(2 * timeout):
             control, admission = self._head()
             for tag in ordered(tags):
                 await control.resume_memory([tag], timeout=timeout)
@@ -385,6 +388,16 @@ class EngineWorker:
             await self.admission.stop()
         pid = self.process.pid if self.process else None
         return {"pid": pid, "exit_code": code}
+
+
+def _log_path(engine_id: str) -> str:
+    """A fresh log file for ``engine_id`` in this node's temporary directory."""
+    directory = os.path.join(tempfile.gettempdir(), "relax-engines")
+    os.makedirs(directory, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)
+    fd, path = tempfile.mkstemp(prefix=f"{safe}-", suffix=".log", dir=directory)
+    os.close(fd)
+    return path
 
 
 def _node_ip() -> str:
