@@ -229,7 +229,8 @@ def _engine_items(
                 f"{DEFAULT_MEM_FRACTION_STATIC}; set mem_fraction_static or max_running_requests"
             )
         static = fraction * capacity
-        items = [MemoryItem(f"static pool: weights {weights:.1f} + KV cache", static)]
+        label = f"static pool (mem_fraction_static {fraction:g}; weights {weights:.1f} of it)"
+        items = [MemoryItem(label, static)]
         if weights > static:
             return items, Violation(
                 f"{model.path}.mem_fraction_static",
@@ -243,7 +244,8 @@ def _engine_items(
     return items, None
 
 
-def _ranges(nodes: Sequence[int]) -> str:
+def node_ranges(nodes: Sequence[int]) -> str:
+    """``0-3, 7``: sorted indices as ranges."""
     out: list[str] = []
     start = prev = nodes[0]
     for n in [*nodes[1:], None]:
@@ -399,9 +401,9 @@ def _budget_host(
                 Violation(
                     "cluster.host_memory_gib",
                     "memory-host",
-                    f"node(s) {_ranges(nodes)} each need {total:.1f} GiB of host memory but have "
-                    f"{capacity:g} GiB: {users}. Set weights_cpu_backup = false on some models, "
-                    "or spread them over more nodes",
+                    f"node(s) {node_ranges(nodes)} each need {total:.1f} GiB of host memory but "
+                    f"have {capacity:g} GiB: {users}. Set weights_cpu_backup = false on some "
+                    "models, or spread them over more nodes",
                 )
             )
     return out, violations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from relax_core.placement.memory import node_ranges
 from relax_core.placement.plan import InferencePlacementPlan, ModelPlacement, Pool
 
 __all__ = ["render_plan"]
@@ -22,19 +23,25 @@ def _title(p: ModelPlacement, one_model: bool, multi_phase: bool) -> str:
     return label + ":"
 
 
-def _pool_lines(plan: InferencePlacementPlan, pool: Pool) -> list[str]:
+def _rows(plan: InferencePlacementPlan, pool: Pool) -> list[tuple[str, ModelPlacement]]:
     placed = plan.placements_in(pool.name)
-    shared = f", shared with training {', '.join(pool.training)}" if pool.training else ""
-    nodes = f"; cluster node(s) {', '.join(map(str, pool.nodes))}" if pool.nodes else ""
-    lines = [f"pool {pool.name}: {pool.size} bundles{shared}{nodes}"]
-    if not placed:
-        return lines
     per_role: dict[str, int] = {}
     for p in placed:
         per_role[p.role] = per_role.get(p.role, 0) + 1
     multi_phase = len({p.phase for p in placed}) > 1
-    rows = [(_title(p, per_role[p.role] == 1, multi_phase), p) for p in placed]
-    width = max(len("bundle:"), *(len(t) for t, _ in rows)) + 1
+    return [(_title(p, per_role[p.role] == 1, multi_phase), p) for p in placed]
+
+
+def _pool_lines(plan: InferencePlacementPlan, pool: Pool, width: int) -> list[str]:
+    rows = _rows(plan, pool)
+    owners = ", ".join(pool.training)
+    shared = ""
+    if pool.training:
+        shared = f", shared with training {owners}" if pool.inference else f", training {owners}"
+    nodes = f"; cluster node(s) {node_ranges(pool.nodes)}" if pool.nodes else ""
+    lines = [f"pool {pool.name}: {pool.size} bundles{shared}{nodes}"]
+    if not rows:
+        return lines
     if pool.size <= MAX_MAP_WIDTH:
         lines.append("bundle:".ljust(width) + " ".join(str(i) for i in range(pool.size)))
         for title, p in rows:
@@ -73,7 +80,7 @@ def _host_lines(plan: InferencePlacementPlan) -> list[str]:
         return []
     lines = ["", "host memory per node (GiB):"]
     for h in plan.host_memory:
-        nodes = ", ".join(map(str, h.nodes[:8])) + (" …" if len(h.nodes) > 8 else "")
+        nodes = node_ranges(h.nodes)
         users = " + ".join(f"{i.label} {i.gib:.1f}" for i in h.items)
         cap = f" of {h.capacity_gib:g}" if h.capacity_gib is not None else ""
         lines.append(f"  node(s) {nodes}: {h.total_gib:.1f}{cap} ({h.status}) = {users}")
@@ -87,9 +94,11 @@ def render_plan(plan: InferencePlacementPlan, notes: Sequence[str] = ()) -> str:
         f"job uses {plan.total_gpus} of {plan.cluster_gpus} GPUs   phases: "
         + " -> ".join(plan.phases)
     ]
+    titles = [t for pool in plan.pools for t, _ in _rows(plan, pool)]
+    width = max([len("bundle:"), *(len(t) for t in titles)]) + 1
     for pool in plan.pools:
         lines.append("")
-        lines += _pool_lines(plan, pool)
+        lines += _pool_lines(plan, pool, width)
     cpu = [p for p in plan.placements if p.pool is None]
     if cpu:
         lines.append("")

@@ -1,0 +1,314 @@
+"""The job file: TOML in, frozen attrs models out; every problem named by key path and rule."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from relax_core.config import (
+    ConfigValidationError,
+    JobConfig,
+    load_config,
+    loads_config,
+    parse_config,
+)
+
+SKETCH = """
+[cluster]
+num_nodes = 1
+gpus_per_node = 8
+gpu_memory_gib = 80
+
+[training]
+actor_gpus = 8
+colocate = true
+offload = true
+
+[placement]
+mode = "split"
+
+[roles.rollout.models.policy]
+backend = "sglang"
+model_path = "/models/policy"
+num_gpus = 4
+gpus_per_engine = 2
+tp = 2
+
+[roles.genrm.models.judge]
+backend = "sglang"
+model_path = "/models/judge"
+num_gpus = 2
+gpus_per_engine = 2
+tp = 2
+
+[roles.teacher.models.math]
+backend = "sglang"
+model_path = "/models/teacher"
+num_gpus = 2
+gpus_per_engine = 2
+tp = 2
+aliases = ["teacher-checkpoint"]
+route_keys = ["math-data"]
+"""
+
+MODEL = {"backend": "sglang", "model_path": "/models/judge", "num_gpus": 2, "tp": 2}
+
+
+def doc(**models: dict[str, Any]) -> dict[str, Any]:
+    """A minimal document with a genrm role holding ``models`` (default: one judge)."""
+    return {
+        "cluster": {"num_nodes": 1, "gpus_per_node": 8},
+        "roles": {"genrm": {"models": models or {"judge": dict(MODEL)}}},
+    }
+
+
+def problems(data: dict[str, Any], **kwargs: Any) -> list[tuple[str, str, str]]:
+    with pytest.raises(ConfigValidationError) as info:
+        parse_config(data, **kwargs)
+    err = info.value
+    for p in err.problems:  # every problem is in the message, with its path and rule
+        assert f"{p.path}: [{p.rule}]" in str(err)
+    return [(p.path, p.rule, p.message) for p in err.problems]
+
+
+def only(data: dict[str, Any], **kwargs: Any) -> tuple[str, str, str]:
+    found = problems(data, **kwargs)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_the_issue_sketch_parses_into_frozen_models() -> None:
+    cfg = loads_config(SKETCH, source="job.toml")
+    assert cfg.source == "job.toml"
+    assert cfg.cluster.total_gpus == 8 and cfg.cluster.gpu_memory_gib == 80.0
+    assert cfg.training.actor_gpus == 8 and cfg.training.colocate and cfg.training.offload
+    assert cfg.placement.mode == "split"
+    assert cfg.role_names == ("rollout", "genrm", "teacher")
+    math = cfg.role("teacher").model("math")
+    assert (math.num_gpus, math.gpus_per_engine, math.tp, math.pp, math.num_engines) == (
+        2,
+        2,
+        2,
+        1,
+        1,
+    )
+    assert math.aliases == ("teacher-checkpoint",) and math.route_keys == ("math-data",)
+    assert math.path == "roles.teacher.models.math"
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        math.tp = 4  # type: ignore[misc]
+
+
+def test_load_config_reads_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(SKETCH)
+    assert load_config(path) == attrs.evolve(loads_config(SKETCH), source=str(path))
+
+
+def test_optional_serving_keys_are_accepted_and_typed() -> None:
+    data = doc(
+        judge={
+            **MODEL,
+            "route_mode": "DIRECT",
+            "device": "cuda",
+            "weight_source": "STATIC",
+            "served_model_name": "Qwen/Qwen3-0.6B",
+            "weights_cpu_backup": True,
+            "seed": 7,
+            "mem_fraction_static": 0.6,
+            "extra_args": ["--enable-metrics"],
+            "env": {"NCCL_DEBUG": "WARN"},
+        }
+    )
+    data["roles"]["genrm"].update(
+        default_model="judge", policy="round_robin", gateway={"port": 18000}
+    )
+    role = parse_config(data).role("genrm")
+    judge = role.model("judge")
+    assert (judge.route_mode, judge.weight_source, judge.served_model_name) == (
+        "DIRECT",
+        "STATIC",
+        "Qwen/Qwen3-0.6B",
+    )
+    assert judge.weights_cpu_backup is True and judge.seed == 7 and judge.mem_fraction_static == 0.6
+    assert judge.extra_args == ("--enable-metrics",) and judge.env == {"NCCL_DEBUG": "WARN"}
+    assert (role.default_model, role.policy, role.gateway.port) == ("judge", "round_robin", 18000)
+
+
+def test_engine_shape_defaults_follow_tp_and_pp() -> None:
+    cfg = parse_config(
+        doc(
+            a={"backend": "sglang", "model_path": "/m", "tp": 2, "pp": 2},
+            b={"backend": "sglang", "model_path": "/m", "gpus_per_engine": 4, "num_engines": 3},
+        )
+    )
+    a, b = cfg.role("genrm").models
+    assert (a.gpus_per_engine, a.num_gpus, a.num_engines) == (4, 4, 1)
+    assert (b.tp, b.num_gpus, b.num_engines) == (4, 12, 3)
+
+
+def test_unknown_model_key_names_its_path_and_suggests_the_close_key() -> None:
+    path, rule, message = only(doc(judge={**MODEL, "tpp": 2}))
+    assert (path, rule) == ("roles.genrm.models.judge.tpp", "unknown-key")
+    assert "did you mean 'tp'?" in message
+
+
+def test_unknown_top_level_table_is_an_error_with_a_hint() -> None:
+    path, rule, message = only({**doc(), "clustr": {}})
+    assert (path, rule) == ("clustr", "unknown-key")
+    assert "did you mean 'cluster'?" in message
+
+
+def test_unknown_role_suggests_the_close_role_and_names_the_plugin_rule() -> None:
+    data = doc()
+    data["roles"]["genrn"] = {"models": {"j": dict(MODEL)}}
+    path, rule, message = only(data)
+    assert (path, rule) == ("roles.genrn", "unknown-role")
+    assert "did you mean 'genrm'?" in message and "plugin" in message
+
+
+def test_a_third_party_role_is_accepted_when_its_name_is_known() -> None:
+    data = doc()
+    data["roles"]["critic-llm"] = {"models": {"j": dict(MODEL)}}
+    cfg = parse_config(data, role_names=("genrm", "critic-llm"))
+    assert cfg.role("critic-llm").model("j").path == "roles.critic-llm.models.j"
+
+
+def test_a_wrongly_typed_value_names_its_path() -> None:
+    path, rule, message = only(doc(judge={**MODEL, "tp": "2"}))
+    assert (path, rule) == ("roles.genrm.models.judge.tp", "type")
+    assert "integer" in message and "'2'" in message
+
+
+def test_a_boolean_is_not_accepted_as_a_count() -> None:
+    path, rule, _ = only(doc(judge={**MODEL, "num_gpus": True}))
+    assert (path, rule) == ("roles.genrm.models.judge.num_gpus", "type")
+
+
+def test_backend_and_model_path_are_required() -> None:
+    found = problems(doc(judge={"num_gpus": 2}))
+    assert {(p, r) for p, r, _ in found} == {
+        ("roles.genrm.models.judge.backend", "required"),
+        ("roles.genrm.models.judge.model_path", "required"),
+    }
+
+
+def test_a_role_without_models_is_an_error() -> None:
+    data = doc()
+    data["roles"]["genrm"] = {"default_model": "judge"}
+    path, rule, _ = problems(data)[0]
+    assert (path, rule) == ("roles.genrm.models", "required")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("route_mode", "DIRECTT"), ("device", "tpu"), ("dtype", "bfloat17")],
+)
+def test_enumerated_values_list_the_choices(key: str, value: str) -> None:
+    path, rule, message = only(doc(judge={**MODEL, key: value}))
+    assert (path, rule) == (f"roles.genrm.models.judge.{key}", "choice")
+    assert "must be one of" in message and "did you mean" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("weights_cpu_backup", "yes"), ("seed", 1.5), ("served_model_name", 3), ("weight_source", 1)],
+)
+def test_optional_serving_keys_are_type_checked(key: str, value: Any) -> None:
+    path, rule, _ = only(doc(judge={**MODEL, key: value}))
+    assert (path, rule) == (f"roles.genrm.models.judge.{key}", "type")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("mem_fraction_static", 1.5), ("tp", 0), ("ray_gpu_fraction", 0), ("bundle_start", -1)],
+)
+def test_out_of_range_values_are_rejected(key: str, value: Any) -> None:
+    path, rule, _ = only(doc(judge={**MODEL, key: value}))
+    assert (path, rule) == (f"roles.genrm.models.judge.{key}", "range")
+
+
+def test_gateway_port_must_be_a_tcp_port() -> None:
+    data = doc()
+    data["roles"]["genrm"]["gateway"] = {"port": 70000}
+    path, rule, _ = only(data)
+    assert (path, rule) == ("roles.genrm.gateway.port", "range")
+
+
+def test_a_cpu_model_uses_no_gpus() -> None:
+    path, rule, _ = only(doc(judge={**MODEL, "device": "cpu"}))
+    assert (path, rule) == ("roles.genrm.models.judge.num_gpus", "device")
+    cfg = parse_config(
+        doc(judge={"backend": "hf", "model_path": "/m", "device": "cpu", "num_engines": 2})
+    )
+    judge = cfg.role("genrm").model("judge")
+    assert (judge.num_gpus, judge.num_engines) == (0, 2)
+
+
+def test_num_engines_and_num_gpus_must_agree() -> None:
+    path, rule, message = only(doc(judge={**MODEL, "num_engines": 3}))
+    assert (path, rule) == ("roles.genrm.models.judge.num_engines", "consistency")
+    assert "3 engines" in message and "num_gpus = 2" in message
+
+
+def test_default_model_must_name_a_model_or_alias() -> None:
+    data = doc(judge={**MODEL, "aliases": ["j"]})
+    data["roles"]["genrm"]["default_model"] = "j"
+    assert parse_config(data).role("genrm").default_model == "j"
+    data["roles"]["genrm"]["default_model"] = "judg"
+    path, rule, message = only(data)
+    assert (path, rule) == ("roles.genrm.default_model", "reference")
+    assert "did you mean 'judge'?" in message
+
+
+def test_an_alias_may_not_shadow_another_model() -> None:
+    data = doc(judge=dict(MODEL), small={**MODEL, "aliases": ["judge"]})
+    path, rule, _ = only(data)
+    assert (path, rule) == ("roles.genrm.models.small.aliases[0]", "duplicate")
+
+
+def test_a_route_key_maps_to_one_model_only() -> None:
+    data = doc(judge={**MODEL, "route_keys": ["math"]}, small={**MODEL, "route_keys": ["math"]})
+    path, rule, message = only(data)
+    assert (path, rule) == ("roles.genrm.models.small.route_keys[0]", "duplicate")
+    assert "'judge'" in message
+
+
+def test_defer_roles_must_name_configured_roles() -> None:
+    data = doc()
+    data["placement"] = {"mode": "defer", "defer_roles": ["genrn"]}
+    path, rule, message = only(data)
+    assert (path, rule) == ("placement.defer_roles[0]", "reference")
+    assert "did you mean 'genrm'?" in message
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = copy.deepcopy(doc(judge={**MODEL, "tp": "x", "tpp": 1}))
+    data["cluster"]["num_nodes"] = 0
+    data["placement"] = {"pg_strategy": "PAKC"}
+    found = {(p, r) for p, r, _ in problems(data)}
+    assert found == {
+        ("roles.genrm.models.judge.tp", "type"),
+        ("roles.genrm.models.judge.tpp", "unknown-key"),
+        ("cluster.num_nodes", "range"),
+        ("placement.pg_strategy", "choice"),
+    }
+
+
+def test_bad_toml_syntax_is_a_config_error() -> None:
+    with pytest.raises(ConfigValidationError) as info:
+        loads_config("[cluster\nnum_nodes = 1", source="broken.toml")
+    assert info.value.problems[0].rule == "toml" and "broken.toml" in str(info.value)
+
+
+def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigValidationError) as info:
+        load_config(tmp_path / "nope.toml")
+    assert info.value.problems[0].rule == "file" and "nope.toml" in str(info.value)
+
+
+def test_an_empty_document_is_a_valid_empty_job() -> None:
+    assert parse_config({}) == JobConfig()
