@@ -16,8 +16,10 @@ import ctypes
 import gc
 import inspect
 import json
+import mmap
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -90,11 +92,12 @@ class ModelRunner:
         names = inspect.signature(params).parameters if params is not None else {}
         self._cache_kw = "cache" if "cache" in names else "past_key_values"
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
-        self._layout: dict[str, tuple[int, int]] = {}
+        # name -> (byte offset, byte count, shape, dtype); shapes are kept for released params.
+        self._layout: dict[str, tuple[int, int, tuple[int, ...], torch.dtype]] = {}
         offset = 0
         for name, p in self.params.items():
             nbytes = p.numel() * p.element_size()
-            self._layout[name] = (offset, nbytes)
+            self._layout[name] = (offset, nbytes, tuple(p.shape), p.dtype)
             offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.param_bytes = offset
         self._backup: torch.Tensor | None = None
@@ -134,11 +137,25 @@ class ModelRunner:
 
     def _views(self, flat: torch.Tensor) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         for name, p in self.params.items():
-            off, nbytes = self._layout[name]
-            yield name, p, flat[off : off + nbytes].view(p.dtype).view(p.shape)
+            off, nbytes, shape, dtype = self._layout[name]
+            yield name, p, flat[off : off + nbytes].view(dtype).view(shape)
+
+    def _alloc_flat(self) -> torch.Tensor:
+        """A flat byte buffer for every weight on the device.
+
+        On CPU it is an anonymous memory mapping of its own, so dropping it unmaps the pages at
+        once (no allocator caching): released weights really leave the process.
+        """
+        if self.device.type != "cpu":
+            return torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot resize
+            return torch.frombuffer(mmap.mmap(-1, max(self.param_bytes, 1)), dtype=torch.uint8)[
+                : self.param_bytes
+            ]
 
     def _to_flat_from_params(self) -> torch.Tensor:
-        flat = torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
+        flat = self._alloc_flat()
         for _, p, view in self._views(flat):
             view.copy_(p.data)
         return flat
@@ -210,7 +227,7 @@ class ModelRunner:
         if self.weights_resident:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
-        flat = torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
+        flat = self._alloc_flat()
         if self._backup is not None:
             flat.copy_(self._backup, non_blocking=True)
             self._sync()
@@ -305,9 +322,10 @@ class ModelRunner:
             if p is None:
                 known = ", ".join(list(self.params)[:4])
                 raise WeightsError(f"{field}[{i}]: unknown parameter {name!r} (known: {known}, …)")
-            if tuple(shape) != tuple(p.shape):
+            expected = self._layout[name][2]
+            if tuple(shape) != expected:
                 raise WeightsError(
-                    f"{field}[{i}]: parameter {name!r} has shape {list(p.shape)}, got {list(shape)}"
+                    f"{field}[{i}]: parameter {name!r} has shape {list(expected)}, got {list(shape)}"
                 )
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], field: str) -> int:
@@ -329,7 +347,7 @@ class ModelRunner:
         """Load a checkpoint directory of the same architecture into the weights."""
         if not self.weights_resident:
             raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
-        flat = torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
+        flat = self._alloc_flat()
         self._load_checkpoint_into(flat, path)
         self._pack(flat)
         self.free_cached_memory()

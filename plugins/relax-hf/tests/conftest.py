@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from relax_hf.testing import EngineServer, start_engine
 from relax_hf.tiny import make_tiny_model
 

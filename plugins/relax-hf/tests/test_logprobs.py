@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from relax_hf.testing import EngineServer
 
 TOP_K = 5

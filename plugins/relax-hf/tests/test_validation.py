@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from relax_hf.testing import EngineServer
 
 OK = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
