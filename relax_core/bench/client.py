@@ -12,8 +12,9 @@ Two measurements, each against a baseline or a target taken in the same run:
   pooled session each). Rounds alternate raw/client, back to back; ``client_rps`` and
   ``raw_rps`` are medians over rounds, ``client_vs_raw`` the median of the per-round ratios
   (so drift in a shared machine's load cancels out). ``*_cpu_us_per_request`` is this
-  process's CPU time per request (the upstream runs in its own process), a load-independent
-  view of the same comparison.
+  process's CPU time per request (the upstream runs in its own process) and
+  ``client_vs_raw_cpu`` the median per-round ``raw_cpu / client_cpu``: a view of the same
+  comparison that other load on the machine disturbs less.
 """
 
 from __future__ import annotations
@@ -231,6 +232,12 @@ def run(quick: bool = False) -> dict[str, Any]:
         "client_vs_raw": round(result.ratio, 3),
         "client_cpu_us_per_request": round(statistics.median(result.client_cpu_us), 1),
         "raw_cpu_us_per_request": round(statistics.median(result.raw_cpu_us), 1),
+        "client_vs_raw_cpu": round(
+            statistics.median(
+                r / c for c, r in zip(result.client_cpu_us, result.raw_cpu_us, strict=True)
+            ),
+            3,
+        ),
         "replicas": REPLICAS,
         "concurrency": CONCURRENCY,
         "rounds": rounds,
@@ -248,6 +255,6 @@ def format_result(result: dict[str, Any]) -> str:
             f"{result['raw_rps']:,.0f} req/s   ratio {result['client_vs_raw']:.3f}"
             f"   (concurrency {result['concurrency']}, median of {result['rounds']} rounds)",
             f"CPU per request: client {result['client_cpu_us_per_request']:.1f} µs, raw "
-            f"{result['raw_cpu_us_per_request']:.1f} µs",
+            f"{result['raw_cpu_us_per_request']:.1f} µs (ratio {result['client_vs_raw_cpu']:.3f})",
         ]
     )
