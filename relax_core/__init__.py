@@ -1,6 +1,7 @@
 """Relax: the inference side of LLM RL post-training — one core for rollout, genrm and teacher."""
 
-from relax_core.client import InferenceClient, close_clients, get_client
+from relax_core.client import InferenceClient
+from relax_core.client_pool import close_clients, get_client
 from relax_core.errors import (
     CapabilityError,
     ConfigError,

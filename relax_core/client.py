@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import itertools
 import os
 import time
-import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -54,12 +54,7 @@ from relax_core.transport import (
     status_error,
 )
 
-__all__ = [
-    "InferenceClient",
-    "SnapshotProvider",
-    "close_clients",
-    "get_client",
-]
+__all__ = ["GENERATE_PATHS", "OPENAI_PATHS", "InferenceClient", "SnapshotProvider"]
 
 #: A callable returning the role's snapshot (or its schema-2 dict), directly or awaitably.
 SnapshotProvider = Callable[
@@ -86,7 +81,8 @@ class InferenceClient:
     per client).
 
     A client belongs to the event loop it is first used on. Not thread-safe. Close it with
-    :meth:`aclose` or ``async with``; :func:`get_client` hands out one shared client per loop.
+    :meth:`aclose` or ``async with``; :func:`relax_core.client_pool.get_client` hands out one
+    shared client per event loop.
     """
 
     def __init__(
@@ -459,27 +455,21 @@ class InferenceClient:
         :class:`~relax_core.transport.UpstreamUnreachableError` when no connection could be
         opened even after one refresh and retry.
         """
-        prepared = await self.prepare(
+        prepare = functools.partial(
+            self.prepare,
             path,
             payload,
             model=model,
             route_key=route_key,
             affinity_key=affinity_key,
-            request_id=request_id,
             headers=headers,
         )
+        prepared = await prepare(request_id=request_id)
         try:
             status, resp_headers, body = await self._exchange(prepared, timeout)
         except UpstreamUnreachableError:
-            prepared = await self.prepare(
-                path,
-                payload,
-                model=model,
-                route_key=route_key,
-                affinity_key=affinity_key,
-                request_id=prepared.request_id,
-                headers=headers,
-            )
+            # Nothing was sent; the failure invalidated the snapshot: route again, once.
+            prepared = await prepare(request_id=prepared.request_id)
             status, resp_headers, body = await self._exchange(prepared, timeout)
         if status >= 400:
             raise status_error(status, body, resp_headers, prepared)
@@ -553,27 +543,20 @@ class InferenceClient:
         before the block runs. The deadline covers the whole stream. A failure mid-stream
         raises :class:`~relax_core.errors.RequestNotReplayedError`; nothing is replayed.
         """
-        prepared = await self.prepare(
+        prepare = functools.partial(
+            self.prepare,
             path,
             payload,
             model=model,
             route_key=route_key,
             affinity_key=affinity_key,
-            request_id=request_id,
             headers=headers,
         )
+        prepared = await prepare(request_id=request_id)
         try:
             resp = await self.send(prepared, timeout=timeout)
         except UpstreamUnreachableError:
-            prepared = await self.prepare(
-                path,
-                payload,
-                model=model,
-                route_key=route_key,
-                affinity_key=affinity_key,
-                request_id=prepared.request_id,
-                headers=headers,
-            )
+            prepared = await prepare(request_id=prepared.request_id)
             resp = await self.send(prepared, timeout=timeout)
         async with resp:
             if resp.status >= 400:
@@ -605,80 +588,3 @@ class InferenceClient:
 
 def _not_a_string(name: str, value: object) -> RoutingError:
     return RoutingError(400, f"request field {name!r} must be a string, got {type(value).__name__}")
-
-
-# -- one shared client per event loop ------------------------------------------------------
-
-
-class _LoopClients:
-    """The shared clients of one event loop, closed when the loop shuts down its async gens."""
-
-    def __init__(self) -> None:
-        self.clients: dict[tuple[Any, ...], InferenceClient] = {}
-        self.closer: Any = None
-
-    async def aclose(self) -> None:
-        clients, self.clients = list(self.clients.values()), {}
-        for client in clients:
-            await client.aclose()
-
-
-_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClients] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-async def _close_at_shutdown(pool: _LoopClients) -> AsyncGenerator[None, None]:
-    # An async generator parked at its first yield: ``loop.shutdown_asyncgens()`` (which
-    # ``asyncio.run`` calls before closing the loop) finalises it, closing the pool's clients
-    # inside the loop that owns their sessions.
-    try:
-        yield
-    finally:
-        await pool.aclose()
-
-
-def get_client(
-    base_url: str | None = None,
-    *,
-    snapshot_provider: SnapshotProvider | None = None,
-    role: str | None = None,
-    **options: Any,
-) -> InferenceClient:
-    """The shared :class:`InferenceClient` of the running event loop for this source.
-
-    One client (one connection pool, one snapshot cache) per event loop and per
-    ``(base_url or snapshot_provider, role, options)``, for callers that do not manage a
-    client. It is closed when the loop is shut down by ``asyncio.run`` (or ``uvloop.run``), or
-    by :func:`close_clients`. Must be called inside a running event loop.
-    """
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        raise RuntimeError(
-            "get_client() needs a running event loop: call it from a coroutine"
-        ) from None
-    pool = _LOOPS.get(loop)
-    if pool is None:
-        pool = _LoopClients()
-        _LOOPS[loop] = pool
-        closer = _close_at_shutdown(pool)
-        # Advance it to its first yield now, so the loop's async-gen hooks register it.
-        with contextlib.suppress(StopIteration):
-            closer.asend(None).send(None)
-        pool.closer = closer
-    key = (base_url, snapshot_provider, role, tuple(sorted(options.items())))
-    client = pool.clients.get(key)
-    if client is None or client.closed:
-        client = InferenceClient(
-            base_url, snapshot_provider=snapshot_provider, role=role, **options
-        )
-        pool.clients[key] = client
-    return client
-
-
-async def close_clients() -> None:
-    """Close every shared client of the running event loop (idempotent)."""
-    pool = _LOOPS.get(asyncio.get_running_loop())
-    if pool is not None:
-        await pool.aclose()

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from relax_core.client import InferenceClient, close_clients, get_client
+from relax_core.client import InferenceClient
+from relax_core.client_pool import close_clients, get_client
 from relax_core.errors import RequestNotReplayedError, RoutingError
 from relax_core.schema import RoleSnapshot
 from relax_core.testing import free_port, serve_app
