@@ -77,3 +77,11 @@ def demo(session: nox.Session) -> None:
     """The README's main job: all three roles on tiny hf models on CPU, through the gateways."""
     _install_project(session)
     session.run("relax", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """schemathesis against each role gateway's OpenAPI document: no undocumented 5xx."""
+    _install_project(session, "test")
+    session.install("schemathesis>=4.0,<5")
+    session.run("python", "tests/fuzz_gateways.py", *session.posargs)

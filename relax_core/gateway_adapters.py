@@ -127,12 +127,11 @@ def check_generate_payload(
     for key in ("return_logprob",):
         if key in payload and not isinstance(payload[key], bool):
             raise InvalidRequestError(f"'{key}' must be true or false", field=key)
-    for key in ("logprob_start_len", "top_logprobs_num"):
-        value = payload.get(key)
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and -1 <= value < 2**31
-        ):
-            raise InvalidRequestError(f"'{key}' must be an integer >= -1", field=key)
+    _check_int(payload.get("logprob_start_len"), "logprob_start_len", -1)
+    _check_int(payload.get("top_logprobs_num"), "top_logprobs_num", 0)
+    rid = payload.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidRequestError("'rid' must be a string", field="rid")
     return payload
 
 
@@ -156,15 +155,9 @@ def check_chat_payload(payload: object) -> dict[str, Any]:
     check_messages(messages)
     _check_common(payload)
     for key in ("max_tokens", "max_completion_tokens", "n"):
-        value = payload.get(key)
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
-        ):
-            raise InvalidRequestError(f"'{key}' must be a non-negative integer", field=key)
-    for key in ("temperature", "top_p"):
-        value = payload.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise InvalidRequestError(f"'{key}' must be a number", field=key)
+        _check_int(payload.get(key), key, 0)
+    _check_number(payload.get("temperature"), "temperature", low=0)
+    _check_number(payload.get("top_p"), "top_p", low=0, high=1)
     return payload
 
 
@@ -202,23 +195,38 @@ def _check_common(payload: Mapping[str, Any]) -> None:
         raise InvalidRequestError("'stream' must be true or false", field="stream")
 
 
+def _check_int(value: object, field: str, low: int) -> None:
+    if value is not None and not (
+        isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**31
+    ):
+        raise InvalidRequestError(
+            f"'{field}' must be an integer from {low} to {2**31 - 1}", field=field
+        )
+
+
+def _check_number(value: object, field: str, *, low: float, high: float | None = None) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if ok and field.endswith("top_p"):
+        ok = value > 0
+    if not ok:
+        bound = f"in (0, {high}]" if field.endswith("top_p") else f">= {low}"
+        raise InvalidRequestError(f"'{field}' must be a number {bound}", field=field)
+
+
 def _check_sampling_params(sp: object) -> None:
     if not isinstance(sp, dict):
         raise InvalidRequestError("'sampling_params' must be an object", field="sampling_params")
-    for key in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
-        value = sp.get(key)
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and -1 <= value < 2**31
-        ):
-            raise InvalidRequestError(
-                f"'sampling_params.{key}' must be an integer", field=f"sampling_params.{key}"
-            )
-    for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
-        value = sp.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise InvalidRequestError(
-                f"'sampling_params.{key}' must be a number", field=f"sampling_params.{key}"
-            )
+    for key in ("max_new_tokens", "min_new_tokens", "n"):
+        _check_int(sp.get(key), f"sampling_params.{key}", 0)
+    _check_int(sp.get("top_k"), "sampling_params.top_k", -1)
+    _check_number(sp.get("temperature"), "sampling_params.temperature", low=0)
+    _check_number(sp.get("top_p"), "sampling_params.top_p", low=0, high=1)
+    for key in ("min_p", "frequency_penalty", "presence_penalty"):
+        _check_number(sp.get(key), f"sampling_params.{key}", low=-float("inf"))
     stop = sp.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
@@ -226,6 +234,12 @@ def _check_sampling_params(sp: object) -> None:
         raise InvalidRequestError(
             "'sampling_params.stop' must be a string or a list of strings",
             field="sampling_params.stop",
+        )
+    skip = sp.get("skip_special_tokens")
+    if skip is not None and not isinstance(skip, bool):
+        raise InvalidRequestError(
+            "'sampling_params.skip_special_tokens' must be true or false",
+            field="sampling_params.skip_special_tokens",
         )
 
 

@@ -34,18 +34,27 @@ _ERROR = {
     },
 }
 
+_INT_MAX = 2**31 - 1
+_COUNT = {"type": "integer", "minimum": 0, "maximum": _INT_MAX}
+
 _SAMPLING = {
     "type": "object",
     "description": "SGLang sampling parameters; unknown keys are forwarded to the engine.",
     "properties": {
-        "max_new_tokens": {"type": "integer", "minimum": 0},
-        "min_new_tokens": {"type": "integer", "minimum": 0},
+        "max_new_tokens": _COUNT,
+        "min_new_tokens": _COUNT,
         "temperature": {"type": "number", "minimum": 0},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": -1},
+        "top_k": {"type": "integer", "minimum": -1, "maximum": _INT_MAX},
         "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "skip_special_tokens": {"type": "boolean"},
     },
+}
+
+_SSE_EVENT = {
+    "description": "One server-sent event as relayed from the engine; data is JSON or [DONE].",
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
 }
 
 _ROUTING_FIELDS = {
@@ -53,7 +62,8 @@ _ROUTING_FIELDS = {
     "route_key": {"type": "string", "description": "Picks the model through the route-key map."},
 }
 
-_INPUT_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": _INT_MAX}
+_INPUT_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
 
 
 def _generate_request(role: str) -> dict[str, Any]:
@@ -62,14 +72,24 @@ def _generate_request(role: str) -> dict[str, Any]:
         "sampling_params": _SAMPLING,
         "stream": {"type": "boolean", "description": "Relay the engine's SSE stream."},
         "return_logprob": {"type": "boolean"},
-        "logprob_start_len": {"type": "integer", "minimum": -1},
-        "top_logprobs_num": {"type": "integer", "minimum": 0},
+        "logprob_start_len": {"type": "integer", "minimum": -1, "maximum": _INT_MAX},
+        "top_logprobs_num": _COUNT,
         "rid": {"type": "string"},
     }
     inputs: list[dict[str, Any]] = [
         {"required": ["text"], "properties": {"text": {"type": "string", "minLength": 1}}},
         {"required": ["input_ids"], "properties": {"input_ids": _INPUT_IDS}},
     ]
+    if role == "rollout":  # rollout also sends batches: a list of prompts
+        inputs[0]["properties"]["text"] = {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            ]
+        }
+        inputs[1]["properties"]["input_ids"] = {
+            "oneOf": [_INPUT_IDS, {"type": "array", "minItems": 1, "items": _INPUT_IDS}]
+        }
     if role == "genrm":
         inputs.append(
             {
@@ -81,7 +101,7 @@ def _generate_request(role: str) -> dict[str, Any]:
             }
         )
     if role == "teacher":
-        common["token_ids_logprob"] = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+        common["token_ids_logprob"] = {"type": "array", "items": _TOKEN_ID}
     return {"type": "object", "properties": common, "oneOf": inputs}
 
 
@@ -90,10 +110,10 @@ _MESSAGES = {
     "minItems": 1,
     "items": {
         "type": "object",
-        "required": ["role", "content"],
+        "required": ["role"],
         "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-            "content": {"type": "string"},
+            "role": {"type": "string", "minLength": 1, "description": "system, user, assistant"},
+            "content": {"type": ["string", "array", "null"]},
         },
     },
 }
@@ -105,7 +125,9 @@ _CHAT_REQUEST = {
         **_ROUTING_FIELDS,
         "messages": _MESSAGES,
         "stream": {"type": "boolean"},
-        "max_tokens": {"type": "integer", "minimum": 0},
+        "max_tokens": _COUNT,
+        "max_completion_tokens": _COUNT,
+        "n": _COUNT,
         "temperature": {"type": "number", "minimum": 0},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     },
@@ -151,7 +173,7 @@ def _generate_ok(role: str) -> dict[str, Any]:
         "description": "The engine's answer (an SSE stream with stream: true).",
         "content": {
             "application/json": {"schema": schema},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"schema": _SSE_EVENT},
         },
     }
 
@@ -160,7 +182,7 @@ _CHAT_OK = {
     "description": "An OpenAI chat completion (an SSE stream of chunks with stream: true).",
     "content": {
         "application/json": {"schema": {"type": "object"}},
-        "text/event-stream": {"schema": {"type": "string"}},
+        "text/event-stream": {"schema": _SSE_EVENT},
     },
 }
 

@@ -35,7 +35,7 @@ class TeacherAdapter(RoleAdapter):
             )
         if ids is not None and not (
             isinstance(ids, list)
-            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids)
         ):
             raise InvalidRequestError(
                 "'token_ids_logprob' must be a list of token ids", field="token_ids_logprob"

@@ -1,0 +1,90 @@
+"""Fuzz each role gateway against its OpenAPI document with schemathesis (``nox -s fuzz``).
+
+Starts a real upstream server process and the three role gateways (with the installed role
+plugins' adapters) on loopback, then runs ``schemathesis run`` on each gateway's
+``/{role}/openapi.json``. The checks: every status and content type is documented (so no 5xx
+other than the documented 502/503/504), responses match their schemas, and data the document
+calls invalid is rejected with a 4xx. Exits non-zero on any failure.
+
+Usage: ``python tests/fuzz_gateways.py [--max-examples N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_spec = importlib.util.spec_from_file_location(
+    "gateway_support", Path(__file__).with_name("gateway_support.py")
+)
+assert _spec is not None and _spec.loader is not None
+gs: Any = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gs)
+
+CHECKS = ",".join(
+    [
+        "not_a_server_error",
+        "status_code_conformance",
+        "content_type_conformance",
+        "response_schema_conformance",
+        "negative_data_rejection",
+    ]
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-examples", type=int, default=60)
+    args = parser.parse_args()
+    from relax_core import PluginManager
+    from relax_core.gateway import adapter_for_role
+
+    pm = PluginManager.create()
+    failed = []
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        engine = stack.enter_context(gs.upstream("fuzz-engine"))
+        tok = gs.make_tokenizer(Path(tmp))
+        for role, model in (("rollout", "policy"), ("genrm", "judge"), ("teacher", "math")):
+            registry = gs.Registry(gs.snapshot(role, {model: {"urls": [engine.url]}}))
+            url = stack.enter_context(
+                gs.gateway(
+                    role,
+                    registry,
+                    adapter=adapter_for_role(pm, role),
+                    model_paths={model: str(tok)},
+                    timeout=30.0,
+                )
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "schemathesis.cli",
+                "run",
+                f"{url}/{role}/openapi.json",
+                "--checks",
+                CHECKS,
+                "--max-examples",
+                str(args.max_examples),
+                "--workers",
+                "1",
+                "--suppress-health-check",
+                "all",
+            ]
+            print(f"== fuzzing the {role} gateway at {url}", flush=True)
+            if subprocess.run(cmd, check=False).returncode != 0:
+                failed.append(role)
+    if failed:
+        print(f"fuzz: failures in the {', '.join(failed)} gateway(s)", file=sys.stderr)
+        return 1
+    print("fuzz: every role gateway passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
