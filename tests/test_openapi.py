@@ -19,7 +19,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "openapi"
 def test_committed_document_matches_the_generator(role: str) -> None:
     committed = json.loads((DOCS / f"{role}.json").read_text())
     assert committed == openapi_document(role), (
-        f"docs/openapi/{role}.json is stale: run `python -m relax_core.gateway_openapi docs/openapi`"
+        f"docs/openapi/{role}.json is stale: regenerate it with "
+        "`python -m relax_core.gateway_openapi docs/openapi`"
     )
 
 
