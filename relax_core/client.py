@@ -41,8 +41,9 @@ import aiohttp
 import orjson
 
 from relax_core.errors import RoutingError, SnapshotError, UpstreamError
+from relax_core.plugins import get_plugin_manager
 from relax_core.routing import RouteResolver, RouteTarget
-from relax_core.schema import RoleSnapshot
+from relax_core.schema import RoleSnapshot, WeightSources
 from relax_core.transport import (
     REQUEST_ID_HEADER,
     ROUTING_KEY_HEADER,
@@ -78,7 +79,8 @@ class InferenceClient:
     default deadline of one request in seconds (``None``: none), overridable per call.
     ``session``: an aiohttp session to use (not closed by the client). ``resolver``: a
     :class:`~relax_core.routing.RouteResolver` (default: a fresh one, so round-robin state is
-    per client).
+    per client). ``weight_sources``: what a fetched snapshot's weight sources are checked
+    against (names, records or a plugin manager; default the process-wide plugin manager).
 
     A client belongs to the event loop it is first used on. Not thread-safe. Close it with
     :meth:`aclose` or ``async with``; :func:`relax_core.client_pool.get_client` hands out one
@@ -98,6 +100,7 @@ class InferenceClient:
         max_connections: int = 256,
         session: aiohttp.ClientSession | None = None,
         resolver: RouteResolver | None = None,
+        weight_sources: WeightSources | None = None,
     ) -> None:
         if (base_url is None) == (snapshot_provider is None):
             raise ValueError("InferenceClient: give exactly one of base_url and snapshot_provider")
@@ -119,6 +122,7 @@ class InferenceClient:
             session=session,
         )
         self._resolver = resolver if resolver is not None else RouteResolver()
+        self._weight_sources = weight_sources
         self._snapshot: RoleSnapshot | None = None
         self._expires = 0.0
         # Number of completed fetches: a caller that saw fetch N and needs a newer snapshot
@@ -187,7 +191,12 @@ class InferenceClient:
                     raw = await raw
             else:
                 raw = await self._get_discovery()
-            snap = raw if isinstance(raw, RoleSnapshot) else RoleSnapshot.from_json(raw)
+            if isinstance(raw, RoleSnapshot):
+                snap = raw
+            else:
+                if self._weight_sources is None:
+                    self._weight_sources = get_plugin_manager()
+                snap = RoleSnapshot.from_json(raw, weight_sources=self._weight_sources)
         except RoutingError:
             raise
         except SnapshotError as exc:

@@ -316,6 +316,25 @@ def test_invalid_snapshot_is_503_naming_the_bad_field(engine: tuple[Engine, str]
     assert "models.math.engines[0].base_url" in info.value.message
 
 
+def test_weight_sources_of_plugins_are_accepted_only_when_known(
+    engine: tuple[Engine, str],
+) -> None:
+    eng, url = engine
+    snap = snapshot([url], role="rollout")
+    snap["models"][MODEL]["weight_source"] = "CUSTOM_STORE"
+
+    async def scenario(**kwargs: Any) -> None:
+        async with InferenceClient(snapshot_provider=lambda: snap, **kwargs) as client:
+            await client.generate({"text": "a"})
+
+    with pytest.raises(RoutingError) as info:
+        asyncio.run(scenario())
+    assert info.value.status == 503
+    assert "models.math.weight_source" in info.value.message
+    asyncio.run(scenario(weight_sources={"STATIC", "ACTOR", "CUSTOM_STORE"}))
+    assert eng.count == 1
+
+
 def test_snapshot_of_another_role_is_rejected(engine: tuple[Engine, str]) -> None:
     eng, url = engine
 
