@@ -207,11 +207,11 @@ def _check_int(value: object, field: str, low: int) -> None:
 def _check_number(value: object, field: str, *, low: float, high: float | None = None) -> None:
     if value is None:
         return
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= low
-    if ok and high is not None:
-        ok = value <= high
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    number = float(value) if ok else 0.0  # type: ignore[arg-type]
+    ok = ok and number >= low and (high is None or number <= high)
     if ok and field.endswith("top_p"):
-        ok = value > 0
+        ok = number > 0
     if not ok:
         bound = f"in (0, {high}]" if field.endswith("top_p") else f">= {low}"
         raise InvalidRequestError(f"'{field}' must be a number {bound}", field=field)
