@@ -77,7 +77,7 @@ def main() -> int:
                 "all",
             ]
             print(f"== fuzzing the {role} gateway at {url}", flush=True)
-            if subprocess.run(cmd, check=False).returncode != 0:
+            if subprocess.run(cmd, check=False, cwd=tmp).returncode != 0:
                 failed.append(role)
     if failed:
         print(f"fuzz: failures in the {', '.join(failed)} gateway(s)", file=sys.stderr)
