@@ -9,6 +9,7 @@ the job's TOML text into a ``JobConfig``.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import tempfile
@@ -128,7 +129,7 @@ def run(quick: bool) -> dict[str, Any]:
             result = preflight(config, pm)
             if result.plan is None:
                 raise RuntimeError(f"benchmark job ({mode}) rejected: {result.violations[:3]}")
-            plan_ms[mode] = _median_ms(lambda c=config: preflight(c, pm), repeats)
+            plan_ms[mode] = _median_ms(functools.partial(preflight, config, pm), repeats)
     worst = max(plan_ms.values())
     return {
         "nodes": NODES,

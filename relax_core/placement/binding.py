@@ -285,7 +285,7 @@ def _probe() -> tuple[str, str, list[str]]:
 
 
 def probe_placement_group(
-    pg: Any, bundle_count: int, *, timeout_s: float = 60.0
+    pg: Any, bundle_count: int, *, timeout_s: float = 60.0, pool: str = ""
 ) -> tuple[BundleProbe, ...]:
     """Run one probe task on every bundle of ``pg``; blocks up to ``timeout_s``.
 
@@ -309,7 +309,7 @@ def probe_placement_group(
         late = [i for i, ref in enumerate(refs) if ref in set(pending)]
         raise PlacementError(
             [
-                f"placement_group: [probe-timeout] probes of bundle(s) {late} did not run "
+                f"placement_group[{pool}]: [probe-timeout] probes of bundle(s) {late} did not run "
                 f"within {timeout_s:g}s; is each bundle's GPU already fully reserved?"
             ]
         )
@@ -318,7 +318,9 @@ def probe_placement_group(
         try:
             node_id, node_ip, gpu_ids = ray.get(ref)
         except ray.exceptions.RayError as exc:
-            raise PlacementError([f"placement_group.bundle[{i}]: [probe-failed] {exc}"]) from exc
+            raise PlacementError(
+                [f"placement_group[{pool}].bundle[{i}]: [probe-failed] {exc}"]
+            ) from exc
         gpu = int(gpu_ids[0]) if gpu_ids and str(gpu_ids[0]).isdigit() else None
         probes.append(BundleProbe(i, node_id, node_ip, gpu))
     return tuple(probes)
@@ -379,7 +381,7 @@ def bind_placement_group(
                 ]
             )
         count = pg.bundle_count
-        probes = probe_placement_group(pg, count, timeout_s=probe_timeout_s)
+        probes = probe_placement_group(pg, count, timeout_s=probe_timeout_s, pool=pool)
         if order == "sorted":
             phys: Sequence[int] | None = bundle_order(probes)
         elif order == "identity":
