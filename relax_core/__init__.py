@@ -2,6 +2,7 @@
 
 from relax_core.client import InferenceClient
 from relax_core.client_pool import close_clients, get_client
+from relax_core.config import JobConfig, load_config
 from relax_core.errors import (
     CapabilityError,
     ConfigError,
@@ -16,6 +17,12 @@ from relax_core.errors import (
     UpstreamError,
 )
 from relax_core.hookspecs import hookimpl
+from relax_core.placement import (
+    InferencePlacementPlan,
+    ModelPlacement,
+    plan_inference_placement,
+    validate_bound_placement,
+)
 from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import (
     EngineBackend,
@@ -51,8 +58,11 @@ __all__ = [
     "EngineState",
     "EngineView",
     "InferenceClient",
+    "InferencePlacementPlan",
     "InferenceRecoveryRequired",
+    "JobConfig",
     "LifecycleError",
+    "ModelPlacement",
     "ModelState",
     "ModelView",
     "PlacementError",
@@ -81,4 +91,7 @@ __all__ = [
     "get_client",
     "get_plugin_manager",
     "hookimpl",
+    "load_config",
+    "plan_inference_placement",
+    "validate_bound_placement",
 ]

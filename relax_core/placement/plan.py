@@ -246,9 +246,12 @@ class InferencePlacementPlan:
         return self.pool(pool).bundle_specs()
 
     def placements_in(self, pool: str) -> tuple[ModelPlacement, ...]:
-        """The placements whose slices lie in ``pool``, by bundle start."""
+        """The placements whose slices lie in ``pool``, by phase (in run order), then start."""
+        rank = {phase: i for i, phase in enumerate(self.phases)}
         found = [p for p in self.placements if p.pool == pool]
-        return tuple(sorted(found, key=lambda p: (p.bundle_start or 0, p.role, p.model)))
+        return tuple(
+            sorted(found, key=lambda p: (rank.get(p.phase, 0), p.bundle_start or 0, p.role))
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``total_gpus`` and ``cluster_gpus`` included for readers)."""
