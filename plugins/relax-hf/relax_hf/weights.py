@@ -60,7 +60,9 @@ def decode_named_tensors(
             return list(load(raw).items())
         except Exception as exc:  # safetensors raises its own SafetensorError
             raise WeightsError(f"{field}: not a safetensors payload ({exc})") from exc
-    from torch.multiprocessing.reductions import ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing
 
     try:
         obj = ForkingPickler.loads(raw)

@@ -1,0 +1,161 @@
+"""Weight updates from other processes: tensors (two formats), gloo broadcast, disk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from relax_hf.testing import EngineServer
+
+from relax_core.control import ControlClient, serialize_named_tensors
+from relax_core.errors import LifecycleError
+from relax_core.testing import free_port
+
+TRAINER = Path(__file__).with_name("trainer_process.py")
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(start_server: Any) -> EngineServer:
+    return start_server("hf-weights")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def fresh(engine: EngineServer, tiny_model: Path) -> EngineServer:
+    """The module's engine with the checkpoint's weights loaded back before each test."""
+    engine.http.ok(
+        "/update_weights_from_disk", {"model_path": str(tiny_model), "weight_version": "ckpt"}
+    )
+    return engine
+
+
+def _shape(server: EngineServer) -> tuple[int, int]:
+    info = server.http.ok("/server_info")
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(info["model_path"])
+    return cfg.vocab_size, cfg.hidden_size
+
+
+def _trainer(server: EngineServer, mode: str, *extra: str) -> dict[str, Any]:
+    rows, cols = _shape(server)
+    # Output goes to a file, not a pipe: torch's shared-memory manager (a daemon the
+    # "sglang" mode starts) inherits the trainer's stdout and would hold a pipe open.
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(TRAINER), server.url, mode, str(rows), str(cols), *extra],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        text = out.read()
+    assert code == 0, text[-3000:]
+    return json.loads(text.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _assert_zero_head(server: EngineServer, version: str) -> None:
+    # lm_head = 0 makes every logit 0: greedy picks id 0, every log-prob is -log(vocab).
+    out = server.http.generate("Hello", sampling_params=GREEDY, return_logprob=True)
+    vocab = _shape(server)[0]
+    assert out["output_ids"] == [0] * GREEDY["max_new_tokens"]
+    for lp, _, _ in out["meta_info"]["output_token_logprobs"]:
+        assert lp == pytest.approx(-math.log(vocab), abs=1e-4)
+    assert out["meta_info"]["weight_version"] == version
+    assert server.http.ok("/model_info")["weight_version"] == version
+
+
+@pytest.mark.parametrize(("mode", "version"), [("safetensors", "st-1"), ("sglang", "sgl-1")])
+def test_tensor_update_from_another_process_changes_outputs_and_version(
+    fresh: EngineServer, mode: str, version: str
+) -> None:
+    before = fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+    assert before != [0] * GREEDY["max_new_tokens"]
+    answer = _trainer(fresh, mode)
+    assert answer["success"] is True and answer["weight_version"] == version
+    _assert_zero_head(fresh, version)
+
+
+def test_distributed_update_over_gloo_from_a_trainer_process(fresh: EngineServer) -> None:
+    answer = _trainer(fresh, "distributed", str(free_port()))
+    assert answer["success"] is True and answer["weight_version"] == "dist-1"
+    _assert_zero_head(fresh, "dist-1")
+    assert fresh.http.ok("/server_info")["weights_update_group"] is None  # destroyed
+
+
+def test_update_from_disk_restores_the_checkpoint(fresh: EngineServer, tiny_model: Path) -> None:
+    before = fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+    _trainer(fresh, "safetensors")
+    out = fresh.http.ok(
+        "/update_weights_from_disk", {"model_path": str(tiny_model), "weight_version": "ckpt-2"}
+    )
+    assert out["weight_version"] == "ckpt-2"
+    assert fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
+
+
+def test_versions_count_up_when_the_caller_gives_none(
+    fresh: EngineServer, tiny_model: Path
+) -> None:
+    fresh.http.ok(
+        "/update_weights_from_disk", {"model_path": str(tiny_model), "weight_version": "7"}
+    )
+    out = fresh.http.ok("/update_weights_from_disk", {"model_path": str(tiny_model)})
+    assert out["weight_version"] == "8"
+
+
+def test_a_bad_update_is_refused_and_changes_nothing(fresh: EngineServer) -> None:
+    import torch
+
+    before = fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+    rows, cols = _shape(fresh)
+    good = ("lm_head.weight", torch.zeros(rows, cols))
+    for named, needle in [
+        ([good, ("no.such.weight", torch.zeros(2))], "unknown parameter 'no.such.weight'"),
+        ([good, ("model.norm.weight", torch.zeros(3))], "has shape"),
+    ]:
+        payload = serialize_named_tensors(named, load_format="safetensors")
+        status, body = fresh.http.post(
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload], "load_format": "safetensors"},
+        )
+        assert status == 400 and needle in body["message"]
+    assert fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
+    assert fresh.http.ok("/model_info")["weight_version"] == "ckpt"
+
+
+def test_control_client_raises_lifecycle_error_with_the_servers_message(
+    fresh: EngineServer,
+) -> None:
+    async def go() -> None:
+        async with ControlClient(fresh.url, timeout=30) as c:
+            with pytest.raises(
+                LifecycleError, match="update_weights_from_disk refused by .*is not a directory"
+            ):
+                await c.update_weights_from_disk("/nonexistent/checkpoint")
+            assert await c.weight_version() == "ckpt"
+
+    asyncio.run(go())
+
+
+def test_resume_without_backup_after_an_update_reloads_the_checkpoint(fresh: EngineServer) -> None:
+    before = fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+    _trainer(fresh, "safetensors")
+    fresh.http.ok("/release_memory_occupation", {"tags": ["weights"]})
+    status, body = fresh.http.post("/update_weights_from_disk", {"model_path": "/x"})
+    assert status == 400 and "resume" in body["message"]
+    out = fresh.http.ok("/resume_memory_occupation", {"tags": ["weights"]})
+    assert "were lost" in out["message"] and out["weight_version"] == "ckpt"
+    assert fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
