@@ -1,26 +1,8 @@
 """The job configuration file: one TOML document → frozen attrs models.
 
 A job file describes the cluster, the training roles, the placement mode and, per inference role
-(``rollout``, ``genrm``, ``teacher`` or a plugin's role), a table of models::
-
-    [cluster]
-    num_nodes = 1
-    gpus_per_node = 8
-    gpu_memory_gib = 80
-
-    [training]
-    actor_gpus = 8
-    colocate = true
-    offload = true
-
-    [placement]
-    mode = "split"
-
-    [roles.genrm.models.judge]
-    backend = "sglang"
-    model_path = "/models/judge"
-    num_gpus = 2
-    tp = 2
+(``rollout``, ``genrm``, ``teacher`` or a plugin's role), a table of models
+(``[roles.genrm.models.judge]``); docs/configuration.md lists every key.
 
 Parsing checks types, ranges, choices and references inside one role, and reports *every*
 problem at once (:class:`ConfigValidationError`), each with its key path
@@ -63,22 +45,8 @@ STANDARD_ROLES: tuple[str, ...] = ("rollout", "genrm", "teacher")
 ROUTE_MODES = ("DIRECT", "SGLANG_ROUTER")
 DEVICES = ("cuda", "cpu")
 PG_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-DTYPES = (
-    "auto",
-    "bfloat16",
-    "bf16",
-    "float16",
-    "fp16",
-    "half",
-    "float32",
-    "fp32",
-    "fp8",
-    "float8_e4m3fn",
-    "fp8_e4m3",
-    "fp8_e5m2",
-    "int8",
-    "int4",
-)
+_FLOAT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32")
+DTYPES = (*_FLOAT_DTYPES, "fp8", "float8_e4m3fn", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 T = TypeVar("T")
 
@@ -110,6 +78,9 @@ class ConfigValidationError(ConfigError):
             self.problems[0].path if self.problems else "",
             f"{len(self.problems)} config problem(s){where}:\n{lines}",
         )
+
+    def __str__(self) -> str:
+        return self.message
 
 
 # -- the models --------------------------------------------------------------------------------
