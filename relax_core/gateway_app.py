@@ -343,3 +343,50 @@ def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
     options.setdefault("timeout_keep_alive", 30)
     options.setdefault("proxy_headers", False)  # a gateway on loopback/cluster network
     return uvicorn.Config(app, host=host, port=port, loop="auto", http="auto", **options)
+
+
+class GatewayServer:
+    """A role gateway served by uvicorn on its own thread and event loop (standalone mode).
+
+    :meth:`start` blocks until it accepts connections (or raises); :meth:`stop` is idempotent.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
+        import uvicorn
+
+        from relax_core.testing import free_port
+
+        self.host = host
+        self.port = port or free_port(host)
+        self._server = uvicorn.Server(uvicorn_config(app, host, self.port))
+        self._thread: Any = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> GatewayServer:
+        """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
+        import threading
+
+        self._thread = threading.Thread(
+            target=self._server.run, name=f"gateway-{self.port}", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the gateway on {self.host}:{self.port} did not start (is the port free?)"
+                )
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop serving and wait for the server thread."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            self._thread = None
