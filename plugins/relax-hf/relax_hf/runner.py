@@ -325,7 +325,8 @@ class ModelRunner:
             expected = self._layout[name][2]
             if tuple(shape) != expected:
                 raise WeightsError(
-                    f"{field}[{i}]: parameter {name!r} has shape {list(expected)}, got {list(shape)}"
+                    f"{field}[{i}]: parameter {name!r} has shape {list(expected)}, "
+                    f"got {list(shape)}"
                 )
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], field: str) -> int:

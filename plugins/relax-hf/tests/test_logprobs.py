@@ -82,7 +82,7 @@ def test_token_ids_logprob_scores_the_given_ids_at_every_position(
         "token_ids_logprob": wanted,
     }
     meta = shared_server.http.ok("/generate", body)["meta_info"]
-    ref = reference(ids + [])
+    ref = reference(ids)
     per_pos = meta["input_token_ids_logprobs"]
     assert len(per_pos) == len(ids) and per_pos[0] is None
     for j, entries in enumerate(per_pos[1:], start=1):

@@ -19,8 +19,11 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 
 def _argv(kind: str, port: int, worker: str, prometheus_port: int) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker, "--policy", "round_robin",
-              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]  # fmt: skip
+    common = [
+        "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker,
+        "--policy", "round_robin",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
+    ]  # fmt: skip
     if kind == "sglang-router":
         return [sys.executable, "-m", "sglang_router.launch_router", *common]
     return [str(Path(sys.executable).with_name("smg")), "launch", *common]
@@ -72,8 +75,12 @@ def test_router_routes_generate_to_the_hf_engine(router: Http, shared_server: En
 
 
 def test_router_routes_chat_completions(router: Http, shared_server: EngineServer) -> None:
-    body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                            "temperature": 0}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "temperature": 0,
+    }
     direct = shared_server.http.ok("/v1/chat/completions", body)
     status, routed = router.post("/v1/chat/completions", body)
     assert status == 200, routed

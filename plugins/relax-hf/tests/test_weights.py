@@ -142,7 +142,7 @@ def test_control_client_raises_lifecycle_error_with_the_servers_message(
     async def go() -> None:
         async with ControlClient(fresh.url, timeout=30) as c:
             with pytest.raises(
-                LifecycleError, match="update_weights_from_disk refused by .*is not a directory"
+                LifecycleError, match=r"update_weights_from_disk refused by .*is not a directory"
             ):
                 await c.update_weights_from_disk("/nonexistent/checkpoint")
             assert await c.weight_version() == "ckpt"

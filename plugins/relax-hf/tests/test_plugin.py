@@ -1,0 +1,146 @@
+"""The hf backend as the core sees it: entry point, launch, control client, CLI, tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_core.control import ControlClient
+from relax_core.engine_process import SubprocessEngineProcess
+from relax_core.errors import ConfigError, LifecycleError
+from relax_core.plugins import PluginManager
+from relax_core.records import EngineLaunchSpec, EngineProcess
+from relax_hf.plugin import HF_BACKEND, serve_argv
+
+
+def test_hf_backend_is_found_through_the_relax_entry_point(plugin_manager: PluginManager) -> None:
+    backend = plugin_manager.engine_backend("hf")
+    assert backend is HF_BACKEND
+    assert backend.devices == frozenset({"cpu", "cuda"}) and backend.multi_node is False
+    reg = plugin_manager.registered("engine_backends")["hf"]
+    assert reg.distribution == "relax-hf"
+    assert backend.control_client("http://127.0.0.1:1").base_url == "http://127.0.0.1:1"
+
+
+@pytest.mark.parametrize("field", ["tp", "pp", "nnodes"])
+def test_launch_refuses_parallel_engines_naming_the_field(field: str, tiny_model: Path) -> None:
+    spec = EngineLaunchSpec(engine_id="e1", model_path=str(tiny_model), **{field: 2})
+    with pytest.raises(ConfigError) as info:
+        HF_BACKEND.launch(spec)
+    assert info.value.path == f"engines.e1.{field}"
+
+
+def test_serve_argv_runs_the_module_with_this_interpreter() -> None:
+    spec = EngineLaunchSpec(
+        engine_id="e", model_path="/m", port=5, seed=3, weights_cpu_backup=True, served_model_name="n",
+        weight_version="v7", extra_args=("--threads", "1"),
+    )  # fmt: skip
+    argv = serve_argv(spec, 5)
+    assert argv[:4] == [sys.executable, "-m", "relax_hf", "serve"]
+    for pair in (
+        ["--port", "5"],
+        ["--seed", "3"],
+        ["--served-model-name", "n"],
+        ["--weight-version", "v7"],
+    ):
+        i = argv.index(pair[0])
+        assert argv[i : i + 2] == pair
+    assert "--weights-cpu-backup" in argv and argv[-2:] == ["--threads", "1"]
+
+
+def test_launch_and_control_client_drive_an_engine_end_to_end(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    spec = EngineLaunchSpec(
+        engine_id="e2e",
+        model_path=str(tiny_model),
+        weight_version="w0",
+        log_path=str(tmp_path / "e.log"),
+    )
+    proc = HF_BACKEND.launch(spec)
+    try:
+        assert isinstance(proc, EngineProcess) and isinstance(proc, SubprocessEngineProcess)
+        proc.wait_ready(120)
+        assert proc.poll() is None
+
+        async def drive() -> dict[str, Any]:
+            async with HF_BACKEND.control_client(proc.base_url) as c:
+                assert isinstance(c, ControlClient)
+                await c.health()
+                await c.health_generate()
+                assert await c.weight_version() == "w0"
+                assert (await c.server_info())["model_path"] == str(tiny_model)
+                await c.pause_generation("in_place")
+                await c.continue_generation()
+                await c.flush_cache(wait=5)
+                assert (await c.abort("nobody"))["found"] is False
+                await c.abort()
+                await c.release_memory(["kv_cache", "weights"])
+                with pytest.raises(LifecycleError, match="resume"):
+                    await c.update_weights_from_disk(str(tiny_model))
+                await c.resume_memory(None)
+                await c.health_generate()
+                return await c.update_weights_from_disk(str(tiny_model), weight_version="w1")
+
+        out = asyncio.run(drive())
+        assert out["weight_version"] == "w1"
+    finally:
+        code = proc.terminate(10)
+    assert proc.poll() == code
+    assert "serving" in proc.log_tail()
+
+
+def test_python_m_relax_hf_lists_its_commands() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_hf", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    for cmd in ("serve", "make-tiny-model", "bench", "gpu-bench"):
+        assert cmd in out.stdout
+
+
+def test_make_tiny_model_is_deterministic_per_seed(tmp_path: Path) -> None:
+    def run(name: str, seed: int) -> dict[str, str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "relax_hf",
+            "make-tiny-model",
+            str(tmp_path / name),
+            "--seed",
+            str(seed),
+            "--size",
+            "micro",
+        ]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        return {
+            f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted((tmp_path / name).iterdir())
+        }
+
+    a, b, c = run("a", 1), run("b", 1), run("c", 2)
+    assert a == b
+    assert a["model.safetensors"] != c["model.safetensors"]
+    assert a["tokenizer.json"] == c["tokenizer.json"]  # the tokenizer does not depend on the seed
+    assert {"config.json", "generation_config.json", "tokenizer.json", "model.safetensors"} <= set(
+        a
+    )
+
+
+def test_the_tiny_tokenizer_round_trips_text_and_has_a_chat_template(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    text = "Hello, café 你好 123"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>"
