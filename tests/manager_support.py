@@ -116,8 +116,18 @@ def all_pids(manager: InferenceManager) -> list[int]:
     return [p for pids in manager.engine_pids().values() for p in pids if p]
 
 
-def alive_worker_actors() -> list[dict[str, Any]]:
-    """Every live EngineWorker actor in the cluster.
+def actor_ids(manager: InferenceManager) -> set[str]:
+    """The ids of the worker actors the manager holds now."""
+    return {
+        w.actor._actor_id.hex()
+        for engine_id in manager.states()
+        for w in manager.workers(engine_id)
+        if w.actor is not None
+    }
+
+
+def alive_worker_actors(ids: set[str] | None = None) -> list[dict[str, Any]]:
+    """Live EngineWorker actors (of ``ids`` only, when given).
 
     The public ``ray.util.state`` API needs the dashboard, which the test Ray runs without;
     the GCS view below is the same data.
@@ -127,7 +137,9 @@ def alive_worker_actors() -> list[dict[str, Any]]:
     return [
         a
         for a in ray_state.actors().values()
-        if a.get("ActorClassName") == "EngineWorker" and a.get("State") != "DEAD"
+        if a.get("ActorClassName") == "EngineWorker"
+        and a.get("State") != "DEAD"
+        and (ids is None or a.get("ActorID") in ids)
     ]
 
 
@@ -138,10 +150,10 @@ def group_state(group: Any) -> str:
     return str(ray.util.placement_group_table(group)["state"])
 
 
-def assert_nothing_left(pids: list[int], groups: list[Any]) -> None:
+def assert_nothing_left(pids: list[int], actors: set[str], groups: list[Any]) -> None:
     """No engine process, worker actor or placement group of a test is left behind."""
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=20, what=f"engines {pids} gone")
-    wait_for(lambda: not alive_worker_actors(), timeout=20, what="worker actors dead")
+    wait_for(lambda: not alive_worker_actors(actors), timeout=20, what="worker actors dead")
     for group in groups:
         wait_for(lambda g=group: group_state(g) == "REMOVED", timeout=20, what="group removed")
 
@@ -206,12 +218,14 @@ class Run:
     def __init__(self, manager: InferenceManager) -> None:
         self.manager = manager
         self.pids: set[int] = set()
+        self.actors: set[str] = set()
         self.groups = [g for g, owned in manager._groups.values() if owned]
 
     def track(self) -> list[int]:
         """Record the manager's current engine pids; return them."""
         current = all_pids(self.manager)
         self.pids.update(current)
+        self.actors.update(actor_ids(self.manager))
         return current
 
 
@@ -227,7 +241,7 @@ def managed(manager: InferenceManager, *, start: bool = True) -> Iterator[Run]:
     finally:
         run.track()
         force_cleanup(manager, sorted(run.pids))
-        assert_nothing_left(sorted(run.pids), run.groups)
+        assert_nothing_left(sorted(run.pids), run.actors, run.groups)
 
 
 def admission_inflight(manager: InferenceManager, engine_id: str) -> int:

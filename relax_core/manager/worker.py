@@ -207,22 +207,22 @@ class EngineWorker:
             return ProbeResult(
                 self.engine_id, self.node_rank, None, False, None, None, "not started"
             )
+        error = None
+        if process.poll() is None and generate and self.control is not None:
+            try:
+                await self.control.health_generate(timeout=timeout)
+            except RelaxError as exc:
+                error = str(exc)
+        # Polled after the generation too: a killed engine's port closes a moment before the
+        # kernel lets its parent reap it.
         code = process.poll()
         if code is not None:
             return ProbeResult(
                 self.engine_id, self.node_rank, process.pid, False, code, None,
                 f"engine process {process.pid} exited with code {code}",
             )  # fmt: skip
-        if not generate or self.control is None:
-            return ProbeResult(self.engine_id, self.node_rank, process.pid, True, None, None)
-        try:
-            await self.control.health_generate(timeout=timeout)
-        except RelaxError as exc:
-            return ProbeResult(
-                self.engine_id, self.node_rank, process.pid, process.poll() is None,
-                process.poll(), False, str(exc),
-            )  # fmt: skip
-        return ProbeResult(self.engine_id, self.node_rank, process.pid, True, None, True)
+        ok = None if not (generate and self.control is not None) else error is None
+        return ProbeResult(self.engine_id, self.node_rank, process.pid, True, None, ok, error)
 
     async def engine_pid(self) -> int | None:
         """The engine process id (``None`` before start)."""
