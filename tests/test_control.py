@@ -135,7 +135,7 @@ def test_flush_cache_retries_a_busy_engine_until_wait_runs_out(engine: tuple[Eng
     async def go() -> Any:
         async with ControlClient(engine[1]) as c:
             with pytest.raises(
-                LifecycleError, match="flush_cache refused .*400.*2 requests pending"
+                LifecycleError, match=r"flush_cache refused .*400.*2 requests pending"
             ):
                 await c.flush_cache()
             return await c.flush_cache(wait=10)

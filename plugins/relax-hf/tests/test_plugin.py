@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_hf.plugin import HF_BACKEND, serve_argv
 
 from relax_core.control import ControlClient
 from relax_core.engine_process import SubprocessEngineProcess
 from relax_core.errors import ConfigError, LifecycleError
 from relax_core.plugins import PluginManager
 from relax_core.records import EngineLaunchSpec, EngineProcess
-from relax_hf.plugin import HF_BACKEND, serve_argv
 
 
 def test_hf_backend_is_found_through_the_relax_entry_point(plugin_manager: PluginManager) -> None:
@@ -38,9 +38,15 @@ def test_launch_refuses_parallel_engines_naming_the_field(field: str, tiny_model
 
 def test_serve_argv_runs_the_module_with_this_interpreter() -> None:
     spec = EngineLaunchSpec(
-        engine_id="e", model_path="/m", port=5, seed=3, weights_cpu_backup=True, served_model_name="n",
-        weight_version="v7", extra_args=("--threads", "1"),
-    )  # fmt: skip
+        engine_id="e",
+        model_path="/m",
+        port=5,
+        seed=3,
+        weights_cpu_backup=True,
+        served_model_name="n",
+        weight_version="v7",
+        extra_args=("--threads", "1"),
+    )
     argv = serve_argv(spec, 5)
     assert argv[:4] == [sys.executable, "-m", "relax_hf", "serve"]
     for pair in (
