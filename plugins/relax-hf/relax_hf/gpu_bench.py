@@ -1,0 +1,287 @@
+"""``relax-hf gpu-bench``: a ~1B-parameter random model on CUDA, measured end to end.
+
+What it measures, all in one run against a real engine process:
+
+- device memory held before and after releasing ``weights`` + ``kv_cache`` (torch's reserved
+  bytes and the device-level used bytes; at least 90% of what the engine holds should go);
+- time to resume the weights from the pinned CPU backup, against a pinned host-to-device copy
+  of the same number of bytes measured in this process (ratio >= 0.5 expected);
+- ``/update_weights_from_tensor`` throughput in GB/s (CUDA IPC handles, SGLang's format);
+- decode throughput at concurrency 1 and 16.
+
+The model is made from a config (Llama architecture, random bf16 weights, no download).
+``--device cpu`` runs the same steps on a tiny model as a smoke test (no pinned memory there:
+the baseline is then a host memcpy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SIZES", "format_result", "make_random_model", "run"]
+
+#: Llama shapes by name; ``1b`` has about 1.14B parameters.
+SIZES: Mapping[str, Mapping[str, int]] = {
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+    },
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+    },
+}
+
+
+def make_random_model(directory: Path, size: str, dtype: str, seed: int = 0) -> dict[str, Any]:
+    """Write a random Llama checkpoint of ``size`` (config only, no download) with the tiny tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from relax_hf.tiny import make_tiny_model
+
+    make_tiny_model(
+        directory, seed=seed, size="micro"
+    )  # tokenizer, chat template, generation config
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    shape = dict(SIZES[size])
+    config = LlamaConfig(
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        pad_token_id=3,
+        **shape,
+    )
+    with torch.device("meta"):
+        names = {n: (tuple(p.shape)) for n, p in LlamaForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+    tensors = {}
+    for name, shp in names.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shp, dtype=torch_dtype)
+        else:
+            tensors[name] = (torch.randn(shp, generator=gen) * 0.02).to(torch_dtype)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(directory)
+    params = sum(t.numel() for t in tensors.values())
+    return {
+        "parameters": params,
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
+
+
+def _h2d_baseline(nbytes: int, device: str, repeats: int = 3) -> float:
+    """Seconds for one pinned host-to-device copy of ``nbytes`` (median of ``repeats``)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(times[1:])
+
+
+async def _update_throughput(
+    url: str, model_dir: Path, device: str, bucket_bytes: int
+) -> dict[str, Any]:
+    """Push every weight (random values) through /update_weights_from_tensor in buckets."""
+    import torch
+    from safetensors import safe_open
+
+    from relax_core.control import ControlClient, serialize_named_tensors
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        specs = [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]  # noqa: SIM118
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    where = device if device.startswith("cuda") else "cpu"
+    load_format = None if where != "cpu" else "safetensors"
+    total, wall, server_load = 0, 0.0, 0.0
+    async with ControlClient(url, timeout=600) as client:
+        bucket: list[tuple[str, Any]] = []
+        size = 0
+        for i, (name, shape, dt) in enumerate(specs):
+            t = torch.randn(shape, dtype=torch.float32, device=where).to(dtypes[dt]) * 0.02
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size < bucket_bytes and i < len(specs) - 1:
+                continue
+            if where != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            payload = serialize_named_tensors(bucket, load_format=load_format)
+            answer = await client.update_weights_from_tensor(
+                [payload], load_format=load_format, flush_cache=False
+            )
+            wall += time.perf_counter() - t0
+            server_load += float(answer["detail"]["load_seconds"])
+            total += size
+            bucket, size = [], 0
+    return {"bytes": total, "seconds": wall, "gb_per_s": total / wall / 1e9, "server_load_seconds": server_load,
+            "format": "torch IPC (SGLang default)" if load_format is None else "safetensors"}  # fmt: skip
+
+
+def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> dict[str, Any]:
+    """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
+    from transformers.utils import logging as hf_logging
+
+    from relax_core.control import ControlClient
+    from relax_core.records import EngineLaunchSpec
+    from relax_hf.bench import measure_throughput
+    from relax_hf.plugin import launch
+
+    hf_logging.disable_progress_bar()
+    cuda = device.startswith("cuda")
+    size = size or ("1b" if cuda else "tiny")
+    dtype = "bfloat16" if cuda else "float32"
+    result: dict[str, Any] = {
+        "benchmark": "hf-engine-gpu",
+        "device": device,
+        "size": size,
+        "dtype": dtype,
+    }
+    with tempfile.TemporaryDirectory(prefix="relax-hf-gpu-bench-") as tmp:
+        model_dir = Path(tmp) / "model"
+        t0 = time.perf_counter()
+        result["model"] = make_random_model(model_dir, size, dtype)
+        result["model"]["make_seconds"] = time.perf_counter() - t0
+        log = Path(tmp) / "engine.log"
+        spec = EngineLaunchSpec(engine_id="gpu-bench", model_path=str(model_dir), device=device, dtype=dtype,
+                                weights_cpu_backup=True, log_path=str(log))  # fmt: skip
+        t0 = time.perf_counter()
+        proc = launch(spec)
+        try:
+            proc.wait_ready(900)
+            result["engine_start_seconds"] = time.perf_counter() - t0
+            url = proc.base_url or ""
+            result.update(
+                asyncio.run(
+                    _measure(url, model_dir, device, quick, ControlClient, measure_throughput)
+                )
+            )
+            result["h2d_baseline_seconds"] = _h2d_baseline(result["memory"]["param_bytes"], device)
+            result["resume_vs_pinned_h2d_ratio"] = (
+                result["h2d_baseline_seconds"] / result["resume_weights_seconds"]
+            )
+            result["h2d_baseline_gb_per_s"] = (
+                result["memory"]["param_bytes"] / result["h2d_baseline_seconds"] / 1e9
+            )
+        except BaseException:
+            result["engine_log_tail"] = proc.log_tail()
+            raise
+        finally:
+            proc.terminate(30)
+    mem = result["memory"]
+    result["checks"] = {
+        "freed_fraction_reserved>=0.9": mem["freed_fraction_reserved"] >= 0.9,
+        "resume_vs_pinned_h2d_ratio>=0.5": result["resume_vs_pinned_h2d_ratio"] >= 0.5,
+    }
+    return result
+
+
+async def _measure(
+    url: str, model_dir: Path, device: str, quick: bool, client_cls: Any, throughput: Any
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tokens = 32 if quick else 64
+    await throughput(
+        url, concurrency=4, requests_per_client=1, max_new_tokens=16
+    )  # warm-up, fills KV blocks
+    c1 = await throughput(
+        url, concurrency=1, requests_per_client=2 if quick else 4, max_new_tokens=tokens
+    )
+    c16 = await throughput(url, concurrency=16, requests_per_client=1, max_new_tokens=tokens)
+    out["decode"] = {"c1_tokens_per_s": c1["tokens_per_s"], "c16_tokens_per_s": c16["tokens_per_s"],
+                     "ratio": c16["tokens_per_s"] / c1["tokens_per_s"]}  # fmt: skip
+    async with client_cls(url, timeout=600) as c:
+        before = (await c.server_info())["memory"]
+        await c.release_memory(["weights", "kv_cache"])
+        after = (await c.server_info())["memory"]
+        resumes, walls = [], []
+        for i in range(2 if quick else 3):
+            if i:
+                await c.release_memory(["weights", "kv_cache"])
+            t0 = time.perf_counter()
+            answer = await c.resume_memory(["weights", "kv_cache"])
+            walls.append(time.perf_counter() - t0)
+            resumes.append(float(answer["detail"]["weights"]["seconds"]))
+        resumed = (await c.server_info())["memory"]
+    mem: dict[str, Any] = {
+        "param_bytes": before["param_bytes"],
+        "before": before,
+        "after_release": after,
+        "after_resume": resumed,
+    }
+    if "cuda_memory_reserved" in before:
+        mem["freed_fraction_reserved"] = 1 - after["cuda_memory_reserved"] / max(
+            1, before["cuda_memory_reserved"]
+        )
+        used_before = before["cuda_device_total"] - before["cuda_device_free"]
+        used_after = after["cuda_device_total"] - after["cuda_device_free"]
+        mem["device_used_before"], mem["device_used_after"] = used_before, used_after
+        mem["device_freed_bytes"] = used_before - used_after
+        mem["device_freed_over_param_bytes"] = (used_before - used_after) / before["param_bytes"]
+    else:
+        mem["freed_fraction_reserved"] = 1 - after["resident_param_bytes"] / max(
+            1, before["resident_param_bytes"]
+        )
+        mem["rss_freed_bytes"] = before["process_rss_bytes"] - after["process_rss_bytes"]
+    out["memory"] = mem
+    out["resume_weights_seconds"] = statistics.median(resumes)
+    out["resume_weights_all_seconds"] = resumes
+    out["resume_http_round_trip_seconds"] = statistics.median(walls)
+    out["resume_gb_per_s"] = before["param_bytes"] / out["resume_weights_seconds"] / 1e9
+    out["tensor_update"] = await _update_throughput(
+        url, model_dir, device, bucket_bytes=(256 if quick else 1024) << 20
+    )
+    return out
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """A human-readable summary of :func:`run`'s result."""
+    mem = result["memory"]
+    lines = [
+        f"hf engine on {result['device']}: {result['size']} model, {result['model']['parameters'] / 1e9:.2f}B params, "
+        f"{mem['param_bytes'] / 2**30:.2f} GiB of weights ({result['dtype']})",
+        f"  release weights+kv_cache: freed {mem['freed_fraction_reserved'] * 100:.1f}% of what the engine reserved",
+        f"  resume weights: {result['resume_weights_seconds'] * 1e3:.1f} ms ({result['resume_gb_per_s']:.1f} GB/s); "
+        f"pinned H2D of the same bytes: {result['h2d_baseline_seconds'] * 1e3:.1f} ms; "
+        f"ratio {result['resume_vs_pinned_h2d_ratio']:.2f}",
+        f"  tensor update: {result['tensor_update']['gb_per_s']:.2f} GB/s ({result['tensor_update']['format']})",
+        f"  decode: c1 {result['decode']['c1_tokens_per_s']:.0f} tok/s, c16 {result['decode']['c16_tokens_per_s']:.0f} tok/s",
+        f"  checks: {json.dumps(result['checks'])}",
+    ]
+    return "\n".join(lines)
