@@ -173,6 +173,6 @@ def _launch(model: ModelConfig, log_dir: str | None, nodes: int) -> ModelLaunch:
         dtype=model.dtype,
         seed=model.seed,
         log_dir=log_dir,
-        extra_args=model.extra_args,
+        extra_args=model.extra_args,  # type: ignore[arg-type]  # attrs converter=tuple
         env=dict(model.env),
     )
