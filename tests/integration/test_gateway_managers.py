@@ -97,7 +97,7 @@ def test_deadline_is_504(served: tuple[RoleService, str, Any]) -> None:
 def test_registry_unavailable_is_503_and_the_gateway_stays_alive(
     served: tuple[RoleService, str, Any],
 ) -> None:
-    _, url, _ = served
+    _, _url, _ = served
     # A second gateway that discovers through the first one's /teacher/engines.
     registry = GatewayServer(
         create_gateway_app(InferenceGatewayHandler("teacher", snapshot_provider=served[0].snapshot))
@@ -137,7 +137,7 @@ def test_sleeping_model_is_503_with_retry_after_until_onloaded(
 def test_engine_killed_mid_stream_truncates_and_is_not_replayed(
     served: tuple[RoleService, str, Any],
 ) -> None:
-    service, url, run = served
+    _service, url, run = served
     pid = run.track()[0]
 
     async def go() -> tuple[bytes, bool]:
