@@ -139,18 +139,20 @@ class Batch:
         return gone
 
     def _keep(self, rows: list[int]) -> None:
-        if len(rows) != len(self.seqs):
-            self.seqs = [self.seqs[i] for i in rows]
-            if not rows:
-                self.clear()
-                return
-            assert self.mask is not None and self.last is not None
-            idx = torch.tensor(rows, device=self.mask.device)
-            self.mask = self.mask[idx]
-            self.last = self.last[idx]
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[idx]
-                layer.values = layer.values[idx]
+        """Keep only ``rows`` of the batch (a no-op when every row stays)."""
+        if len(rows) == len(self.seqs):
+            return
+        self.seqs = [self.seqs[i] for i in rows]
+        if not rows:
+            self.clear()
+            return
+        assert self.mask is not None and self.last is not None
+        idx = torch.tensor(rows, device=self.mask.device)
+        self.mask = self.mask[idx]
+        self.last = self.last[idx]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx]
+            layer.values = layer.values[idx]
         self._trim()
 
     def _trim(self) -> None:
@@ -241,9 +243,7 @@ class Batch:
         for s, tok in zip(seqs, tokens, strict=True):
             s.position += 1
             self._append(s, tok)
-        self.last = torch.tensor(
-            [[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=device
-        )
+        self.last = torch.tensor([[t for t, _ in tokens]], dtype=torch.long).T.to(device)
         self._keep([i for i, s in enumerate(seqs) if not s.finished])
         return seqs
 
@@ -255,36 +255,79 @@ class Batch:
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> list[tuple[int, torch.Tensor | None]]:
-        out: list[tuple[int, torch.Tensor | None]] = []
-        for row, s in zip(logits, seqs, strict=True):
-            sp = s.sampling
-            z = row
-            if sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens:
-                banned = set(sp.stop_token_ids) | (
-                    set() if sp.ignore_eos else set(self.runner.eos_ids)
+        """Pick one token per row; returns (token, log-prob row or None) per sequence.
+
+        Batched: temperature, top-k, top-p and min-p are applied to all rows at once and the
+        draw is an exponential race (``argmax p / E`` with ``E ~ Exp(1)``), which samples
+        exactly from ``p``. Each row's noise comes from its own generator, so a seeded row's
+        token does not depend on the other rows. One device sync per step.
+        """
+        device = logits.device
+        z = logits
+        banned_rows = [
+            (i, s)
+            for i, s in enumerate(seqs)
+            if s.sampling.min_new_tokens and len(s.output_ids) < s.sampling.min_new_tokens
+        ]
+        if banned_rows:
+            z = z.clone()
+            for i, s in banned_rows:
+                banned = set(s.sampling.stop_token_ids) | (
+                    set() if s.sampling.ignore_eos else set(self.runner.eos_ids)
                 )
                 if banned:
-                    z = z.clone()
-                    z[torch.tensor(sorted(banned), device=z.device)] = float("-inf")
-            scaled = self._scaled(z, sp)
-            lp = torch.log_softmax(scaled, dim=-1) if s.logprob.return_logprob else None
-            if sp.greedy:
-                tok = int(torch.argmax(z))
-            else:
-                filt = scaled
-                if sp.top_k > 0 and sp.top_k < filt.numel():
-                    kth = torch.topk(filt, sp.top_k).values[-1]
-                    filt = filt.masked_fill(filt < kth, float("-inf"))
-                probs = torch.softmax(filt, dim=-1)
-                if sp.top_p < 1.0:
-                    sorted_p, order = torch.sort(probs, descending=True)
-                    drop = (sorted_p.cumsum(0) - sorted_p) > sp.top_p
-                    probs = probs.scatter(0, order[drop], 0.0)
-                if sp.min_p > 0.0:
-                    probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
-                tok = int(torch.multinomial(probs, 1, generator=s.generator))
-            out.append((tok, lp))
-        return out
+                    z[i, torch.tensor(sorted(banned), device=device)] = float("-inf")
+        temps = torch.tensor(
+            [1.0 if s.sampling.greedy else s.sampling.temperature for s in seqs], device=device
+        )
+        scaled = z / temps[:, None]
+        want_lp = any(s.logprob.return_logprob for s in seqs)
+        lp = torch.log_softmax(scaled, dim=-1) if want_lp else None
+        tokens = torch.argmax(z, dim=-1)
+        rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        if rows:
+            sub = [seqs[i] for i in rows]
+            idx = torch.tensor(rows, device=device)
+            filt = scaled[idx]
+            ks = [s.sampling.top_k if 0 < s.sampling.top_k < filt.shape[-1] else 0 for s in sub]
+            if any(ks):
+                kmax = max(ks)
+                top = torch.topk(filt, kmax, dim=-1).values
+                k_idx = torch.tensor([max(k, 1) - 1 for k in ks], device=device)
+                kth = top.gather(1, k_idx[:, None])
+                kth = torch.where(
+                    torch.tensor(ks, device=device)[:, None] > 0,
+                    kth,
+                    torch.full_like(kth, float("-inf")),
+                )
+                filt = filt.masked_fill(filt < kth, float("-inf"))
+            probs = torch.softmax(filt, dim=-1)
+            top_ps = [s.sampling.top_p for s in sub]
+            if any(p < 1.0 for p in top_ps):
+                sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+                drop = (sorted_p.cumsum(-1) - sorted_p) > torch.tensor(top_ps, device=device)[
+                    :, None
+                ]
+                probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+            min_ps = [s.sampling.min_p for s in sub]
+            if any(min_ps):
+                floor = (
+                    torch.tensor(min_ps, device=device)[:, None]
+                    * probs.max(dim=-1, keepdim=True).values
+                )
+                probs = probs.masked_fill(probs < floor, 0.0)
+            noise = torch.stack(
+                [
+                    torch.empty(probs.shape[-1], device=device).exponential_(generator=s.generator)
+                    for s in sub
+                ]
+            )
+            tokens[idx] = torch.argmax(probs / noise, dim=-1)
+        picked = tokens.tolist()
+        return [
+            (tok, None if lp is None or not s.logprob.return_logprob else lp[i])
+            for i, (tok, s) in enumerate(zip(picked, seqs, strict=True))
+        ]
 
     def _entries(self, lp: torch.Tensor, ids: list[int], want_text: bool) -> list[list[Any]]:
         vals = lp[torch.tensor(ids, device=lp.device)].tolist()

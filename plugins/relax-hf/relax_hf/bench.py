@@ -23,7 +23,7 @@ GOAL_RATIO = 3.0
 async def measure_throughput(
     url: str, *, concurrency: int, requests_per_client: int, max_new_tokens: int
 ) -> dict[str, Any]:
-    """Run ``concurrency`` clients, each sending requests back to back; tokens/s over the wall time."""
+    """``concurrency`` clients sending requests back to back; output tokens/s over the wall time."""
 
     async def client(session: aiohttp.ClientSession, cid: int) -> int:
         tokens = 0
@@ -48,8 +48,13 @@ async def measure_throughput(
         counts = await asyncio.gather(*(client(session, c) for c in range(concurrency)))
         elapsed = time.perf_counter() - start
     total = sum(counts)
-    return {"concurrency": concurrency, "requests": concurrency * requests_per_client, "output_tokens": total,
-            "seconds": elapsed, "tokens_per_s": total / elapsed}  # fmt: skip
+    return {
+        "concurrency": concurrency,
+        "requests": concurrency * requests_per_client,
+        "output_tokens": total,
+        "seconds": elapsed,
+        "tokens_per_s": total / elapsed,
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -117,5 +122,6 @@ def format_result(result: dict[str, Any]) -> str:
         f"hf engine on CPU, {result['model']}, {result['max_new_tokens']} new tokens per request\n"
         f"  concurrency  1: {result['c1_tokens_per_s']:8.1f} output tokens/s\n"
         f"  concurrency 16: {result['c16_tokens_per_s']:8.1f} output tokens/s\n"
-        f"  ratio: {result['ratio_c16_over_c1']:.2f}x (goal >= {result['goal_ratio']:.0f}x): {verdict}"
+        f"  ratio: {result['ratio_c16_over_c1']:.2f}x "
+        f"(goal >= {result['goal_ratio']:.0f}x): {verdict}"
     )

@@ -49,7 +49,7 @@ SIZES: Mapping[str, Mapping[str, int]] = {
 
 
 def make_random_model(directory: Path, size: str, dtype: str, seed: int = 0) -> dict[str, Any]:
-    """Write a random Llama checkpoint of ``size`` (config only, no download) with the tiny tokenizer."""
+    """Write a random Llama checkpoint of ``size`` (from a config) with the tiny tokenizer."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -150,8 +150,13 @@ async def _update_throughput(
             server_load += float(answer["detail"]["load_seconds"])
             total += size
             bucket, size = [], 0
-    return {"bytes": total, "seconds": wall, "gb_per_s": total / wall / 1e9, "server_load_seconds": server_load,
-            "format": "torch IPC (SGLang default)" if load_format is None else "safetensors"}  # fmt: skip
+    return {
+        "bytes": total,
+        "seconds": wall,
+        "gb_per_s": total / wall / 1e9,
+        "server_load_seconds": server_load,
+        "format": "torch IPC (SGLang default)" if load_format is None else "safetensors",
+    }
 
 
 def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> dict[str, Any]:
@@ -179,8 +184,14 @@ def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> d
         result["model"] = make_random_model(model_dir, size, dtype)
         result["model"]["make_seconds"] = time.perf_counter() - t0
         log = Path(tmp) / "engine.log"
-        spec = EngineLaunchSpec(engine_id="gpu-bench", model_path=str(model_dir), device=device, dtype=dtype,
-                                weights_cpu_backup=True, log_path=str(log))  # fmt: skip
+        spec = EngineLaunchSpec(
+            engine_id="gpu-bench",
+            model_path=str(model_dir),
+            device=device,
+            dtype=dtype,
+            weights_cpu_backup=True,
+            log_path=str(log),
+        )
         t0 = time.perf_counter()
         proc = launch(spec)
         try:
@@ -272,16 +283,19 @@ async def _measure(
 
 def format_result(result: dict[str, Any]) -> str:
     """A human-readable summary of :func:`run`'s result."""
-    mem = result["memory"]
+    mem, upd, dec = result["memory"], result["tensor_update"], result["decode"]
+    params = result["model"]["parameters"] / 1e9
     lines = [
-        f"hf engine on {result['device']}: {result['size']} model, {result['model']['parameters'] / 1e9:.2f}B params, "
+        f"hf engine on {result['device']}: {result['size']} model, {params:.2f}B params, "
         f"{mem['param_bytes'] / 2**30:.2f} GiB of weights ({result['dtype']})",
-        f"  release weights+kv_cache: freed {mem['freed_fraction_reserved'] * 100:.1f}% of what the engine reserved",
-        f"  resume weights: {result['resume_weights_seconds'] * 1e3:.1f} ms ({result['resume_gb_per_s']:.1f} GB/s); "
-        f"pinned H2D of the same bytes: {result['h2d_baseline_seconds'] * 1e3:.1f} ms; "
+        f"  release weights+kv_cache: freed {mem['freed_fraction_reserved'] * 100:.1f}% "
+        "of what the engine reserved",
+        f"  resume weights: {result['resume_weights_seconds'] * 1e3:.1f} ms "
+        f"({result['resume_gb_per_s']:.1f} GB/s); pinned H2D of the same bytes: "
+        f"{result['h2d_baseline_seconds'] * 1e3:.1f} ms; "
         f"ratio {result['resume_vs_pinned_h2d_ratio']:.2f}",
-        f"  tensor update: {result['tensor_update']['gb_per_s']:.2f} GB/s ({result['tensor_update']['format']})",
-        f"  decode: c1 {result['decode']['c1_tokens_per_s']:.0f} tok/s, c16 {result['decode']['c16_tokens_per_s']:.0f} tok/s",
+        f"  tensor update: {upd['gb_per_s']:.2f} GB/s ({upd['format']})",
+        f"  decode: c1 {dec['c1_tokens_per_s']:.0f} tok/s, c16 {dec['c16_tokens_per_s']:.0f} tok/s",
         f"  checks: {json.dumps(result['checks'])}",
     ]
     return "\n".join(lines)
