@@ -91,9 +91,25 @@ def test_tensor_update_from_another_process_changes_outputs_and_version(
 
 def test_distributed_update_over_gloo_from_a_trainer_process(fresh: EngineServer) -> None:
     answer = _trainer(fresh, "distributed", str(free_port()))
-    assert answer["success"] is True and answer["weight_version"] == "dist-1"
-    _assert_zero_head(fresh, "dist-1")
+    assert answer["success"] is True and answer["weight_version"] == "gloo-1"
+    _assert_zero_head(fresh, "gloo-1")
     assert fresh.http.ok("/server_info")["weights_update_group"] is None  # destroyed
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(
+    _cuda_devices() < 2, reason="needs 2 CUDA GPUs: the engine on one, the trainer on the other"
+)
+def test_distributed_update_over_nccl_from_a_trainer_on_another_gpu(start_server: Any) -> None:
+    engine = start_server("hf-nccl", device="cuda:0", dtype="float32")
+    answer = _trainer(engine, "distributed-nccl", str(free_port()))
+    assert answer["success"] is True and answer["weight_version"] == "nccl-1"
+    _assert_zero_head(engine, "nccl-1")
 
 
 def test_update_from_disk_restores_the_checkpoint(fresh: EngineServer, tiny_model: Path) -> None:

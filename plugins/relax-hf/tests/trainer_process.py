@@ -2,7 +2,8 @@
 
 Usage: ``python trainer_process.py URL MODE ROWS COLS [PORT]`` with MODE one of ``safetensors``,
 ``sglang`` (SGLang's pickle format, CPU tensors through shared-memory files) or
-``distributed`` (a gloo broadcast group, this process is rank 0). Sets ``lm_head.weight`` to
+``distributed`` (a gloo broadcast group, this process is rank 0) or ``distributed-nccl`` (NCCL,
+this process on ``cuda:1``, the engine on another GPU). Sets ``lm_head.weight`` to
 zeros, so every logit is 0 afterwards. Prints the engine's answer as JSON.
 """
 
@@ -19,7 +20,11 @@ from relax_core.control import ControlClient, serialize_named_tensors
 
 
 async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:
-    weight = torch.zeros(rows, cols)
+    nccl = mode == "distributed-nccl"
+    backend = "nccl" if nccl else "gloo"
+    if nccl:
+        torch.cuda.set_device(1)
+    weight = torch.zeros(rows, cols, device="cuda:1" if nccl else "cpu")
     async with ControlClient(url, timeout=120) as client:
         if mode == "safetensors":
             payload = serialize_named_tensors(
@@ -34,7 +39,7 @@ async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:
             return await client.update_weights_from_tensor([payload], weight_version="sgl-1")
         init = asyncio.to_thread(
             dist.init_process_group,
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             world_size=2,
             rank=0,
@@ -45,7 +50,7 @@ async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:
             rank_offset=1,
             world_size=2,
             group_name="g1",
-            backend="gloo",
+            backend=backend,
         )
         await asyncio.gather(init, join)
         update = client.update_weights_from_distributed(
@@ -53,7 +58,7 @@ async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:
             ["float32"],
             [[rows, cols]],
             group_name="g1",
-            weight_version="dist-1",
+            weight_version=f"{backend}-1",
         )
         answer, _ = await asyncio.gather(update, asyncio.to_thread(dist.broadcast, weight, 0))
         await client.destroy_weights_update_group("g1")
