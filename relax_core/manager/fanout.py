@@ -78,7 +78,15 @@ def gather(refs: Mapping[K, Any], timeout: float) -> dict[K, CallOutcome]:
     while pending:
         remaining = max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=remaining)
-        for ref in ready:
+        try:
+            # The common case: every call returned; one get for all of them.
+            values = ray.get(ready)
+        except Exception:
+            values = None
+        for i, ref in enumerate(ready):
+            if values is not None:
+                out[by_ref[ref]] = CallOutcome(value=values[i])
+                continue
             try:
                 out[by_ref[ref]] = CallOutcome(value=ray.get(ref))
             except Exception as exc:

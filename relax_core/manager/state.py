@@ -69,6 +69,8 @@ TAG_ORDER: tuple[str, ...] = (ResidentTag.WEIGHTS, ResidentTag.KV_CACHE, Residen
 ALL_TAGS: frozenset[str] = frozenset(TAG_ORDER)
 
 _S = ReplicaState
+#: Transitions kept in ``Replica.history`` (the newest).
+_HISTORY = 64
 _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     _S.STARTING: frozenset({_S.READY, _S.FAILED, _S.STOPPING}),
     _S.READY: frozenset({_S.DRAINING, _S.FAILED, _S.STOPPING}),
@@ -101,9 +103,9 @@ def normalize_tags(tags: Iterable[str] | None, *, where: str = "tags") -> frozen
 
 
 def ordered(tags: Iterable[str]) -> tuple[str, ...]:
-    """``tags`` in resume order."""
-    wanted = set(tags)
-    return tuple(t for t in TAG_ORDER if t in wanted)
+    """``tags`` in resume order, as plain strings."""
+    wanted = {str(t) for t in tags}
+    return tuple(str(t) for t in TAG_ORDER if t in wanted)
 
 
 @attrs.define
@@ -124,6 +126,7 @@ class Replica:
     generation: int = 0
     weight_version: str | None = None
     error: str | None = None
+    #: the last transitions (oldest first), for diagnostics and tests
     history: list[tuple[ReplicaState, ReplicaState]] = attrs.field(factory=list, repr=False)
 
     def advance(self, to: ReplicaState, *, error: str | None = None) -> None:
@@ -134,6 +137,8 @@ class Replica:
                 f"{self.state}: {sorted(_TRANSITIONS[self.state])}"
             )
         self.history.append((self.state, to))
+        if len(self.history) > _HISTORY:
+            del self.history[: len(self.history) - _HISTORY]
         self.state = to
         if to is ReplicaState.FAILED:
             # Not routable any more; the memory is *not* known to be free.

@@ -1,0 +1,143 @@
+"""A lightweight SGLang-protocol engine server for the manager benchmark (run as a script).
+
+It speaks the control protocol the InferenceManager drives — ``/health``,
+``/health_generate``, ``/model_info``, ``/server_info``, ``/generate``, ``/flush_cache``,
+``/abort_request``, ``/release_memory_occupation``, ``/resume_memory_occupation`` — over real
+HTTP (aiohttp), and spends a fixed, per-tag time on each release and resume, as a GPU engine
+spends its time in device copies rather than on the host CPU. That keeps a 16-engine benchmark
+on a 2-core machine a measurement of the manager's fan-out, not of CPU contention between 16
+model processes. ``--jitter-ms`` adds a stable per-engine delay so the replicas differ.
+
+``python _sim_engine.py --host H --port P --engine-id ID [--release-ms weights=120,...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+
+from aiohttp import web
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def _costs(text: str) -> dict[str, float]:
+    out = dict.fromkeys(TAGS, 0.0)
+    for part in filter(None, text.split(",")):
+        tag, _, ms = part.partition("=")
+        if tag not in out:
+            raise SystemExit(f"unknown tag {tag!r} in {text!r}; known: {list(TAGS)}")
+        out[tag] = float(ms) / 1000.0
+    return out
+
+
+class SimEngine:
+    """Resident tags, a weight version and timed release/resume."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.release_s = _costs(args.release_ms)
+        self.resume_s = _costs(args.resume_ms)
+        digest = hashlib.sha256(args.engine_id.encode()).digest()
+        self.jitter_s = (int.from_bytes(digest[:4], "big") % max(1, args.jitter_ms)) / 1000.0
+        self.resident = dict.fromkeys(TAGS, True)
+        self.version = args.weight_version
+        self.lock = asyncio.Lock()
+
+    def ok(self, **extra: object) -> web.Response:
+        return web.json_response({"success": True, "message": "ok", **extra})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not all(self.resident.values()):
+            return web.json_response({"error": "memory released"}, status=503)
+        await asyncio.sleep(self.args.generate_ms / 1000.0)
+        return web.Response(text="")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": "sim", "is_generation": True, "weight_version": self.version}
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"engine_id": self.args.engine_id, "resident": self.resident})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        if not all(self.resident.values()):
+            return web.json_response({"error": "memory released"}, status=400)
+        await asyncio.sleep(self.args.generate_ms / 1000.0)
+        meta = {"finish_reason": {"type": "length"}, "weight_version": self.version}
+        return web.json_response({"text": "sim", "output_ids": [1], "meta_info": meta})
+
+    async def nothing(self, request: web.Request) -> web.Response:
+        return self.ok()
+
+    async def _tags(self, request: web.Request) -> list[str]:
+        body = json.loads(await request.read() or b"{}")
+        tags = body.get("tags")
+        return list(TAGS) if tags is None else [str(t) for t in tags]
+
+    async def release(self, request: web.Request) -> web.Response:
+        tags = await self._tags(request)
+        async with self.lock:
+            todo = [t for t in tags if self.resident[t]]
+            await asyncio.sleep(
+                sum(self.release_s[t] for t in todo) + (self.jitter_s if todo else 0)
+            )
+            for t in tags:
+                self.resident[t] = False
+        return self.ok(tags=tags)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        tags = await self._tags(request)
+        async with self.lock:
+            todo = [t for t in tags if not self.resident[t]]
+            await asyncio.sleep(
+                sum(self.resume_s[t] for t in todo) + (self.jitter_s if todo else 0)
+            )
+            for t in tags:
+                self.resident[t] = True
+        return self.ok(tags=tags)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        get_post = ("GET", "POST")
+        for path, handler, methods in (
+            ("/health", self.health, get_post),
+            ("/health_generate", self.health_generate, get_post),
+            ("/model_info", self.model_info, ("GET",)),
+            ("/get_model_info", self.model_info, ("GET",)),
+            ("/server_info", self.server_info, ("GET",)),
+            ("/generate", self.generate, ("POST",)),
+            ("/flush_cache", self.nothing, get_post),
+            ("/abort_request", self.nothing, ("POST",)),
+            ("/release_memory_occupation", self.release, ("POST",)),
+            ("/resume_memory_occupation", self.resume, ("POST",)),
+        ):
+            for method in methods:
+                app.router.add_route(method, path, handler)
+        return app
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--release-ms", default="weights=120,kv_cache=40,cuda_graph=10")
+    parser.add_argument("--resume-ms", default="weights=150,kv_cache=40,cuda_graph=30")
+    parser.add_argument("--generate-ms", type=float, default=10.0)
+    parser.add_argument("--jitter-ms", type=int, default=20)
+    parser.add_argument("--weight-version", default="sim-0")
+    args = parser.parse_args(argv)
+    web.run_app(SimEngine(args).app(), host=args.host, port=args.port, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

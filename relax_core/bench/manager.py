@@ -1,0 +1,180 @@
+"""``relax bench manager``: parallel fan-out and own overhead of the InferenceManager.
+
+16 logical replicas (one engine worker actor and one engine server process each, on a real
+local Ray with fake GPUs) are offloaded and onloaded:
+
+- ``slowest_single_s``: offload + onload of each replica alone, the slowest of them;
+- ``parallel_s``: offload + onload of all 16 at once (median of the repetitions);
+- ``fanout_vs_slowest`` = ``parallel_s / slowest_single_s`` (parallel fan-out: <= 1.25);
+- ``overhead_ms``: the manager's own time per operation — its wall time minus the slowest
+  replica's time inside its worker (Ray RPCs, bookkeeping, publishing), median (<= 20 ms);
+  ``ray_fanout_floor_ms`` is a no-op call fanned out to the same actors, for scale.
+
+Engines: by default the lightweight SGLang-protocol server of :mod:`._sim_engine` (real
+processes, real HTTP through the admission and control paths), whose release and resume take
+a fixed time per tag, as a GPU engine's do: 16 transformers processes on a 2-core machine would
+measure CPU contention, not the manager. ``RELAX_BENCH_MANAGER_ENGINE=hf`` with
+``RELAX_BENCH_MANAGER_MODEL=DIR`` uses the ``hf`` backend instead (for a machine with the cores
+or GPUs for it); ``RELAX_BENCH_MANAGER_REPLICAS`` changes the count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from relax_core.control import ControlClient
+from relax_core.engine_process import SubprocessEngineProcess
+from relax_core.records import EngineBackend, EngineLaunchSpec
+
+__all__ = ["SIM_BACKEND", "format_result", "launch_sim", "run"]
+
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sim_engine.py")
+
+
+def launch_sim(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
+    """Start one simulated engine server for ``spec`` (``port`` must be set)."""
+    argv = [sys.executable, _SCRIPT, "--host", spec.host, "--port", str(spec.port)]
+    argv += ["--engine-id", spec.engine_id, *spec.extra_args]
+    return SubprocessEngineProcess.start(
+        argv,
+        base_url=f"http://{spec.host}:{spec.port}",
+        engine_id=spec.engine_id,
+        log_path=spec.log_path,
+    )
+
+
+SIM_BACKEND = EngineBackend(
+    name="bench-sim",
+    launch=launch_sim,
+    control_client=ControlClient,
+    devices={"cpu"},
+    description="Benchmark engine: SGLang control protocol, timed release/resume, no model.",
+)
+
+
+def _backend() -> tuple[EngineBackend, str]:
+    engine = os.environ.get("RELAX_BENCH_MANAGER_ENGINE", "sim")
+    if engine == "sim":
+        return SIM_BACKEND, "sim"
+    from relax_core.plugins import PluginManager
+
+    model = os.environ.get("RELAX_BENCH_MANAGER_MODEL")
+    if not model:
+        raise SystemExit(
+            f"RELAX_BENCH_MANAGER_ENGINE={engine}: set RELAX_BENCH_MANAGER_MODEL to a checkpoint "
+            "directory (e.g. one made by `relax-hf make-tiny-model DIR`)"
+        )
+    return PluginManager.create().engine_backend(engine), model
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Start the replicas, measure, shut everything down; return the numbers."""
+    # Ray prints raylet warnings on stdout; keep stdout for the result alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(quick)
+
+
+def _floor(manager: Any) -> float:
+    """Seconds of one no-op call fanned out to every replica's head actor (Ray's own cost)."""
+    from relax_core.manager import gather
+
+    heads = [manager.workers(e)[0].actor for e in manager.states()]
+    begin = time.monotonic()
+    gather({i: a.admission_state.remote() for i, a in enumerate(heads)}, 30.0)
+    return time.monotonic() - begin
+
+
+def _run(quick: bool) -> dict[str, Any]:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from relax_core.builtins import STATIC
+    from relax_core.engine_spec import InferenceEngineSpec
+    from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
+
+    replicas = int(os.environ.get("RELAX_BENCH_MANAGER_REPLICAS", "16"))
+    repetitions = 3 if quick else 9
+    backend, model = _backend()
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(
+            num_cpus=4,
+            num_gpus=replicas,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    group = placement_group([{"GPU": 1.0, "CPU": 0.01}] * replicas, strategy="PACK")
+    ray.get(group.ready(), timeout=120)
+    manager = InferenceManager(
+        "bench",
+        spec=InferenceEngineSpec(role="genrm", weight_source=STATIC),
+        backend=backend,
+        launch=ModelLaunch(model_path=model, served_model_name="bench"),
+        placement=ReplicaPlacement(
+            group, [[[i]] for i in range(replicas)], ray_gpu_fraction=1.0, owned=True
+        ),
+        timeouts=ManagerTimeouts(start=300.0),
+    )
+    try:
+        start = time.monotonic()
+        manager.start().raise_for_failures()
+        start_s = time.monotonic() - start
+        manager.offload().raise_for_failures()  # warm every path once
+        manager.onload().raise_for_failures()
+        singles = []
+        for engine_id in manager.states():
+            begin = time.monotonic()
+            manager.offload(engine_ids=[engine_id]).raise_for_failures()
+            manager.onload(engine_ids=[engine_id]).raise_for_failures()
+            singles.append(time.monotonic() - begin)
+        floors = [_floor(manager) for _ in range(2 * repetitions)]
+        parallel, overheads, offloads, onloads = [], [], [], []
+        for _ in range(repetitions):
+            begin = time.monotonic()
+            off = manager.offload().raise_for_failures()
+            on = manager.onload().raise_for_failures()
+            parallel.append(time.monotonic() - begin)
+            offloads.append(off.seconds)
+            onloads.append(on.seconds)
+            for result in (off, on):
+                overheads.append(result.seconds - max(r.seconds for r in result.replicas))
+    finally:
+        manager.shutdown()
+        if started_ray:
+            ray.shutdown()
+    slowest = max(singles)
+    ratio = statistics.median(parallel) / slowest
+    overhead_ms = statistics.median(overheads) * 1000.0
+    return {
+        "replicas": replicas,
+        "fanout_vs_slowest": round(ratio, 3),
+        "overhead_ms": round(overhead_ms, 2),
+        "slowest_single_s": round(slowest, 4),
+        "parallel_s": round(statistics.median(parallel), 4),
+        "offload_s": round(statistics.median(offloads), 4),
+        "onload_s": round(statistics.median(onloads), 4),
+        "overhead_ms_max": round(max(overheads) * 1000.0, 2),
+        "ray_fanout_floor_ms": round(statistics.median(floors) * 1000.0, 2),
+        "start_s": round(start_s, 2),
+        "repetitions": repetitions,
+        "engine": "sim" if backend is SIM_BACKEND else backend.name,
+        "ok": ratio <= 1.25 and overhead_ms <= 20.0,
+    }
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """A short human summary."""
+    return (
+        f"{result['replicas']} replicas ({result['engine']} engines): offload+onload of all "
+        f"{result['parallel_s']:.3f}s vs slowest single {result['slowest_single_s']:.3f}s -> "
+        f"{result['fanout_vs_slowest']:.2f}x (limit 1.25); manager overhead "
+        f"{result['overhead_ms']:.1f} ms/op (max {result['overhead_ms_max']:.1f}, limit 20; a "
+        f"no-op Ray fan-out costs {result['ray_fanout_floor_ms']:.1f} ms); "
+        f"{'OK' if result['ok'] else 'OVER LIMIT'}"
+    )
