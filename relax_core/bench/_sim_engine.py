@@ -8,6 +8,11 @@ spends its time in device copies rather than on the host CPU. That keeps a 16-en
 on a 2-core machine a measurement of the manager's fan-out, not of CPU contention between 16
 model processes. ``--jitter-ms`` adds a stable per-engine delay so the replicas differ.
 
+Multi-node: with ``--nnodes N``, node rank 0 (the head) listens on ``--dist-init-addr`` and
+serves HTTP only once the N-1 followers (``--node-rank R``) have connected over TCP; a follower
+that loses its head exits, and a head that loses a follower stops generating (its
+``/health_generate`` answers 503), as a real multi-node engine's collective would fail.
+
 ``python _sim_engine.py --host H --port P --engine-id ID [--release-ms weights=120,...]``
 """
 
@@ -39,6 +44,7 @@ class SimEngine:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.broken: str | None = None
         self.release_s = _costs(args.release_ms)
         self.resume_s = _costs(args.resume_ms)
         digest = hashlib.sha256(args.engine_id.encode()).digest()
@@ -54,6 +60,8 @@ class SimEngine:
         return web.Response(text="")
 
     async def health_generate(self, request: web.Request) -> web.Response:
+        if self.broken:
+            return web.json_response({"error": self.broken}, status=503)
         if not all(self.resident.values()):
             return web.json_response({"error": "memory released"}, status=503)
         await asyncio.sleep(self.args.generate_ms / 1000.0)
@@ -68,6 +76,8 @@ class SimEngine:
         return web.json_response({"engine_id": self.args.engine_id, "resident": self.resident})
 
     async def generate(self, request: web.Request) -> web.Response:
+        if self.broken:
+            return web.json_response({"error": self.broken}, status=500)
         if not all(self.resident.values()):
             return web.json_response({"error": "memory released"}, status=400)
         await asyncio.sleep(self.args.generate_ms / 1000.0)
@@ -124,18 +134,73 @@ class SimEngine:
         return app
 
 
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+async def _serve_head(engine: SimEngine, args: argparse.Namespace) -> None:
+    """Wait for every follower, then serve HTTP; watch the followers' connections."""
+    joined: dict[int, asyncio.StreamReader] = {}
+    everyone = asyncio.Event()
+
+    async def follower(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        rank = int((await reader.readline()).decode().strip() or -1)
+        joined[rank] = reader
+        if len(joined) == args.nnodes - 1:
+            everyone.set()
+        await reader.read()  # EOF: the follower is gone
+        engine.broken = f"node rank {rank} left the group"
+        writer.close()
+
+    if args.nnodes > 1:
+        host, port = _split(args.dist_init_addr)
+        server = await asyncio.start_server(follower, host, port)
+        await everyone.wait()
+    runner = web.AppRunner(engine.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    await asyncio.Event().wait()
+    if args.nnodes > 1:
+        server.close()
+
+
+async def _follow(args: argparse.Namespace) -> int:
+    """Join the head's group; exit when the head goes away."""
+    host, port = _split(args.dist_init_addr)
+    for _ in range(600):
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    else:
+        return 2
+    writer.write(f"{args.node_rank}\n".encode())
+    await writer.drain()
+    await reader.read()
+    return 1
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--release-ms", default="weights=120,kv_cache=40,cuda_graph=10")
     parser.add_argument("--resume-ms", default="weights=150,kv_cache=40,cuda_graph=30")
     parser.add_argument("--generate-ms", type=float, default=10.0)
     parser.add_argument("--jitter-ms", type=int, default=20)
     parser.add_argument("--weight-version", default="sim-0")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--dist-init-addr", default=None)
     args = parser.parse_args(argv)
-    web.run_app(SimEngine(args).app(), host=args.host, port=args.port, print=None)
+    if args.nnodes > 1 and not args.dist_init_addr:
+        parser.error("--nnodes > 1 needs --dist-init-addr HOST:PORT")
+    if args.node_rank > 0:
+        return asyncio.run(_follow(args))
+    asyncio.run(_serve_head(SimEngine(args), args))
     return 0
 
 

@@ -37,12 +37,16 @@ _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sim_engine.
 
 
 def launch_sim(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
-    """Start one simulated engine server for ``spec`` (``port`` must be set)."""
+    """Start one simulated engine server (a head needs ``port``; a follower serves no HTTP)."""
     argv = [sys.executable, _SCRIPT, "--host", spec.host, "--port", str(spec.port)]
-    argv += ["--engine-id", spec.engine_id, *spec.extra_args]
+    argv += ["--engine-id", spec.engine_id, "--nnodes", str(spec.nnodes)]
+    argv += ["--node-rank", str(spec.node_rank)]
+    if spec.dist_init_addr:
+        argv += ["--dist-init-addr", spec.dist_init_addr]
+    head = spec.node_rank == 0
     return SubprocessEngineProcess.start(
-        argv,
-        base_url=f"http://{spec.host}:{spec.port}",
+        [*argv, *spec.extra_args],
+        base_url=f"http://{spec.host}:{spec.port}" if head else None,
         engine_id=spec.engine_id,
         log_path=spec.log_path,
     )
@@ -53,6 +57,7 @@ SIM_BACKEND = EngineBackend(
     launch=launch_sim,
     control_client=ControlClient,
     devices={"cpu"},
+    multi_node=True,
     description="Benchmark engine: SGLang control protocol, timed release/resume, no model.",
 )
 

@@ -457,6 +457,7 @@ class ManagerBase:
                 if out.ok:
                     worker.engine_pid = out.value.pid
                     worker.node_ip = out.value.node_ip
+                    worker.node_id = out.value.node_id
                 elif index not in failed:
                     failed[index] = self._fail(slot, worker, out, "start")
                 elif out.actor_died:

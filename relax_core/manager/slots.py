@@ -131,6 +131,7 @@ class WorkerSlot:
     actor: Any = None
     engine_pid: int | None = None
     node_ip: str | None = None
+    node_id: str | None = None
     fenced: bool = False
     pending: str | None = None
 

@@ -70,6 +70,7 @@ class StartResult:
     engine_url: str | None
     public_url: str | None
     node_ip: str
+    node_id: str | None = None
     weight_version: str | None = None
 
 
@@ -157,7 +158,10 @@ class EngineWorker:
             self.process = await asyncio.to_thread(self.backend.launch, launch)
             self.reaper_pid = await asyncio.to_thread(self._start_reaper, self.process.pid)
             try:
-                await asyncio.to_thread(self.process.wait_ready, ready_timeout)
+                # A follower serves no HTTP: its readiness is the head's (the head is ready
+                # once every node joined); here it only must not die at once.
+                wait = ready_timeout if launch.node_rank == 0 else min(ready_timeout, 1.0)
+                await asyncio.to_thread(self.process.wait_ready, wait)
                 version = None
                 if launch.node_rank == 0:
                     engine_url = self.process.base_url or f"http://{launch.host}:{launch.port}"
@@ -181,6 +185,7 @@ class EngineWorker:
                 engine_url=self.process.base_url,
                 public_url=self.admission.base_url if self.admission else None,
                 node_ip=self.node_ip,
+                node_id=_node_id(),
                 weight_version=version,
             )
 
@@ -398,6 +403,15 @@ def _log_path(engine_id: str) -> str:
     fd, path = tempfile.mkstemp(prefix=f"{safe}-", suffix=".log", dir=directory)
     os.close(fd)
     return path
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # outside a Ray worker: no node id
+        return None
 
 
 def _node_ip() -> str:
