@@ -118,6 +118,11 @@ class WeightsGroup:
             raise WeightsError(
                 f"rank_offset: must be in [1, world_size={world_size}), got {rank_offset}"
             )
+        extra: dict[str, Any] = {}
+        if backend == "nccl":
+            # Bind the group to the engine GPU (eager NCCL init; current device is per thread).
+            torch.cuda.set_device(device)
+            extra["device_id"] = device
         try:
             dist.init_process_group(
                 backend=backend,
@@ -125,6 +130,7 @@ class WeightsGroup:
                 world_size=world_size,
                 rank=rank_offset,
                 timeout=datetime.timedelta(seconds=timeout_s),
+                **extra,
             )
         except Exception as exc:  # rendezvous failures come as RuntimeError/DistStoreError/…
             raise WeightsError(
@@ -159,12 +165,17 @@ class WeightsGroup:
         """Receive each tensor by a broadcast from rank 0, in order."""
         import torch.distributed as dist
 
-        where = device if self.backend == "nccl" else torch.device("cpu")
+        nccl = self.backend == "nccl"
+        where = device if nccl else torch.device("cpu")
+        if nccl:
+            torch.cuda.set_device(device)
         out = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             buf = torch.empty(tuple(shape), dtype=dtype, device=where)
             dist.broadcast(buf, src=0)
             out.append((name, buf))
+        if nccl:
+            torch.cuda.synchronize(device)
         return out
 
     def destroy(self, group_name: str) -> None:

@@ -56,7 +56,9 @@ def _trainer(server: EngineServer, mode: str, *extra: str) -> dict[str, Any]:
             text=True,
         )
         try:
-            code = proc.wait(timeout=120)
+            code: int | None = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            code = None
         finally:
             if proc.poll() is None:
                 proc.kill()

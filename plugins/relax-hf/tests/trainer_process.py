@@ -10,6 +10,7 @@ zeros, so every logit is 0 afterwards. Prints the engine's answer as JSON.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import sys
 
@@ -43,6 +44,7 @@ async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:
             init_method=f"tcp://127.0.0.1:{port}",
             world_size=2,
             rank=0,
+            **({"device_id": torch.device("cuda:1")} if nccl else {}),
         )
         join = client.init_weights_update_group(
             master_address="127.0.0.1",
@@ -60,13 +62,22 @@ async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:
             group_name="g1",
             weight_version=f"{backend}-1",
         )
-        answer, _ = await asyncio.gather(update, asyncio.to_thread(dist.broadcast, weight, 0))
+
+        def broadcast() -> None:
+            if nccl:
+                torch.cuda.set_device(1)  # the current device is per thread
+            dist.broadcast(weight, 0)
+            if nccl:
+                torch.cuda.synchronize()
+
+        answer, _ = await asyncio.gather(update, asyncio.to_thread(broadcast))
         await client.destroy_weights_update_group("g1")
         dist.destroy_process_group()
         return answer
 
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang prints where it hangs
     url, mode, rows, cols = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     port = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     print(json.dumps(asyncio.run(main(url, mode, rows, cols, port))))
