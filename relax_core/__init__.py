@@ -1,8 +1,10 @@
 """Relax: the inference side of LLM RL post-training — one core for rollout, genrm and teacher."""
 
+from relax_core.admission import AdmissionServer
 from relax_core.client import InferenceClient
 from relax_core.client_pool import close_clients, get_client
 from relax_core.config import JobConfig, load_config
+from relax_core.engine_spec import InferenceEngineSpec
 from relax_core.errors import (
     CapabilityError,
     ConfigError,
@@ -17,6 +19,15 @@ from relax_core.errors import (
     UpstreamError,
 )
 from relax_core.hookspecs import hookimpl
+from relax_core.manager import (
+    InferenceManager,
+    LifecycleResult,
+    ManagerTimeouts,
+    ModelLaunch,
+    ReplicaPlacement,
+    ReplicaState,
+    ResidentTag,
+)
 from relax_core.placement import (
     InferencePlacementPlan,
     ModelPlacement,
@@ -50,6 +61,7 @@ from relax_core.transport import UpstreamStatusError, UpstreamUnreachableError
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionServer",
     "CapabilityError",
     "ConfigError",
     "EngineBackend",
@@ -58,10 +70,15 @@ __all__ = [
     "EngineState",
     "EngineView",
     "InferenceClient",
+    "InferenceEngineSpec",
+    "InferenceManager",
     "InferencePlacementPlan",
     "InferenceRecoveryRequired",
     "JobConfig",
     "LifecycleError",
+    "LifecycleResult",
+    "ManagerTimeouts",
+    "ModelLaunch",
     "ModelPlacement",
     "ModelState",
     "ModelView",
@@ -71,7 +88,10 @@ __all__ = [
     "PluginManager",
     "RegistryPublisher",
     "RelaxError",
+    "ReplicaPlacement",
+    "ReplicaState",
     "RequestNotReplayedError",
+    "ResidentTag",
     "RewardSpec",
     "RoleSnapshot",
     "RoleSpec",

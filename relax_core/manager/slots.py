@@ -112,6 +112,22 @@ class ReplicaPlacement:
         )
 
     @classmethod
+    def from_bound(
+        cls, pool: Any, role: str, model: str, *, ray_gpu_fraction: float = 1.0
+    ) -> ReplicaPlacement:
+        """From a validated ``BoundPool`` (``bind_placement_group``): each worker on its
+        physical bundles. The pool's group is *borrowed*: the pool's owner releases it
+        (``release_bound_pool``), never a manager.
+        """
+        bound = pool.model(role, model)
+        return cls(
+            placement_group=pool.placement_group,
+            workers=tuple(tuple(w.bundles for w in replica) for replica in bound.replicas),
+            ray_gpu_fraction=ray_gpu_fraction,
+            owned=False,
+        )
+
+    @classmethod
     def unplaced(cls, replicas: int, nodes_per_replica: int = 1) -> ReplicaPlacement:
         """CPU workers outside any placement group (``replicas`` times ``nodes_per_replica``)."""
         return cls(None, tuple(((),) * nodes_per_replica for _ in range(replicas)))
