@@ -41,6 +41,7 @@ __all__ = [
     "UpstreamResponse",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
+    "classify_failure",
     "forward_headers",
     "parse_retry_after",
     "status_error",
@@ -163,10 +164,14 @@ def _where(prepared: PreparedRequest) -> str:
     return f"{prepared.url} (model {target.model_id!r}{engine})"
 
 
-def _classify(
+def classify_failure(
     exc: BaseException, prepared: PreparedRequest, deadline: float | None
 ) -> UpstreamError:
-    """Map an aiohttp/OS failure to the error that says whether the request may have been sent."""
+    """The error for an aiohttp/OS failure of ``prepared``: was it (possibly) sent or not?
+
+    :class:`UpstreamUnreachableError` when the connection could not be opened (nothing sent),
+    else :class:`~relax_core.errors.RequestNotReplayedError` (504 for a deadline, else 502).
+    """
     where = _where(prepared)
     rid = prepared.request_id
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
@@ -244,7 +249,7 @@ class UpstreamResponse:
         return forward_headers(self._resp.headers.items(), response=True)
 
     def _fail(self, exc: BaseException) -> UpstreamError:
-        err = _classify(exc, self.prepared, None)
+        err = classify_failure(exc, self.prepared, None)
         if self._on_failure is not None:
             self._on_failure()
         return err
@@ -436,7 +441,9 @@ class Transport:
                 allow_redirects=False,
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise _classify(exc, prepared, self.timeout if timeout is None else timeout) from exc
+            raise classify_failure(
+                exc, prepared, self.timeout if timeout is None else timeout
+            ) from exc
 
     async def exchange(
         self, prepared: PreparedRequest, timeout: float | None = None
@@ -450,7 +457,9 @@ class Transport:
         try:
             body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise _classify(exc, prepared, self.timeout if timeout is None else timeout) from exc
+            raise classify_failure(
+                exc, prepared, self.timeout if timeout is None else timeout
+            ) from exc
         finally:
             resp.release()
         return resp.status, resp.headers, body
