@@ -11,13 +11,17 @@ __all__ = ["build_parser", "main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import faulthandler
     import logging
+    import signal
 
     import torch
     import uvicorn
 
     from relax_hf.server import ServerConfig, build_app
 
+    # ``kill -USR1 <pid>`` writes every thread's stack to the log (for diagnosing a hang).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -71,8 +71,10 @@ async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:
                 torch.cuda.synchronize()
 
         answer, _ = await asyncio.gather(update, asyncio.to_thread(broadcast))
-        await client.destroy_weights_update_group("g1")
-        dist.destroy_process_group()
+        # Both sides leave together: tearing NCCL down can wait for the peer.
+        await asyncio.gather(
+            client.destroy_weights_update_group("g1"), asyncio.to_thread(dist.destroy_process_group)
+        )
         return answer
 
 
