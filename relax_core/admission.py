@@ -154,7 +154,11 @@ class AdmissionServer:
         )
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its proxied request at once
+        # (closing the upstream connection aborts it at the engine), so drains never wait on it.
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
         await site.start()
@@ -276,6 +280,7 @@ class AdmissionServer:
             return self._refuse(503, f"admission server of {self.engine_id!r} is stopping")
         body = await request.read() if request.can_read_body else None
         url = f"{self.upstream_url}{request.rel_url}"
+        response: web.StreamResponse | None = None
         try:
             async with session.request(
                 request.method,
@@ -300,11 +305,19 @@ class AdmissionServer:
                 self.forwarded += 1
                 return response
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            if response is not None:
+                # Bytes already went out: the stream is cut, never replayed or replaced.
+                return response
             return self._refuse(
                 502,
                 f"engine {self.engine_id!r} could not be reached at its private port: "
                 f"{type(exc).__name__}: {exc}",
             )
+        except ConnectionResetError:
+            # The client went away mid-stream; leaving the block closed the upstream request.
+            if response is None:
+                raise
+            return response
 
 
 class AdmissionThread:

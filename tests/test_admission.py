@@ -7,7 +7,9 @@ server in front of real hf engines.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +43,7 @@ class Upstream:
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
+        self.streaming = threading.Event()
 
     def app(self) -> Starlette:
         async def generate(request: Request) -> Response:
@@ -56,6 +59,9 @@ class Upstream:
                 async def events() -> AsyncIterator[bytes]:
                     for i in range(3):
                         yield f'data: {{"text": "t{i}"}}\n\n'.encode()
+                        if payload.get("slow"):
+                            self.streaming.set()
+                            await asyncio.sleep(30)
                     yield b"data: [DONE]\n\n"
 
                 return StreamingResponse(events(), media_type="text/event-stream")
@@ -258,3 +264,23 @@ def test_stopped_admission_thread_frees_its_port(upstream: tuple[Upstream, str])
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+
+
+def test_client_leaving_mid_stream_ends_the_request_and_frees_the_drain(
+    upstream: tuple[Upstream, str],
+) -> None:
+    _, url = upstream
+    with _guard(url) as guard:
+        guard.open()
+        body = b'{"text": "hi", "stream": true, "slow": true}'
+        with socket.create_connection(("127.0.0.1", guard.server.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert b"data:" in sock.recv(4096)
+            assert guard.server.inflight == 1
+        # The client is gone: the proxied request ends at once (the upstream is closed, which
+        # aborts it there), so a drain does not wait the 30 s the engine would still take.
+        assert guard.wait_idle(10) is True

@@ -215,3 +215,30 @@ def test_unconfirmed_shutdown_stays_pending_and_is_retried(solo: Any) -> None:
     manager.shutdown()
     assert support.group_state(group) == "REMOVED"
     manager.shutdown()  # idempotent
+
+
+def test_unconfirmed_removal_of_an_owned_group_stays_pending_and_is_retried(
+    solo: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray.util
+
+    manager = solo.manager
+    group = solo.groups[0]
+    real = ray.util.remove_placement_group
+    calls = []
+
+    def gcs_down(pg: Any) -> None:
+        # A GCS that does not answer cannot be produced on one machine: this stand-in fails
+        # the first removal the way the real call raises when the GCS RPC fails.
+        calls.append(pg)
+        if len(calls) == 1:
+            raise ConnectionError("GCS unavailable")
+        real(pg)
+
+    monkeypatch.setattr(ray.util, "remove_placement_group", gcs_down)
+    with pytest.raises(LifecycleError, match=r"GCS unavailable.*call shutdown\(\) again"):
+        manager.shutdown()
+    assert support.group_state(group) == "CREATED"
+    assert support.all_pids(manager) == []  # the engines themselves were already stopped
+    manager.shutdown()
+    assert support.group_state(group) == "REMOVED" and len(calls) == 2

@@ -425,6 +425,8 @@ class RecoveryMixin(ManagerBase):
             self._publish()
 
     def _remove_owned_groups(self) -> None:
+        """Remove every owned placement group and confirm it is gone; borrowed ones stay."""
+        import ray
         from ray.util import remove_placement_group
 
         errors = []
@@ -433,7 +435,12 @@ class RecoveryMixin(ManagerBase):
                 continue
             try:
                 remove_placement_group(group)
-            except Exception as exc:
+                deadline = time.monotonic() + 10.0
+                while ray.util.placement_group_table(group).get("state", "REMOVED") != "REMOVED":
+                    if time.monotonic() > deadline:
+                        raise LifecycleError("still not REMOVED after 10s")
+                    time.sleep(0.05)
+            except Exception as exc:  # reported below and kept pending: shutdown() retries it
                 self._pending_groups[gid] = f"{type(exc).__name__}: {exc}"
                 errors.append(f"placement group {gid}: {type(exc).__name__}: {exc}")
                 continue
@@ -441,6 +448,6 @@ class RecoveryMixin(ManagerBase):
             del self._groups[gid]
         if errors:
             raise LifecycleError(
-                f"model {self.model_id!r}: owned placement group removal failed ({errors}); "
-                "it stays pending: call shutdown() again"
+                f"model {self.model_id!r}: removing its owned placement group(s) was not "
+                f"confirmed ({'; '.join(errors)}); they stay pending: call shutdown() again"
             )
