@@ -306,7 +306,10 @@ class AdmissionServer:
                 return response
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             if response is not None:
-                # Bytes already went out: the stream is cut, never replayed or replaced.
+                # Bytes already went out: cut the client's stream too (no final chunk, so the
+                # client sees a truncated response), never replay or replace it.
+                if request.transport is not None:
+                    request.transport.close()
                 return response
             return self._refuse(
                 502,

@@ -62,6 +62,10 @@ class Upstream:
                         if payload.get("slow"):
                             self.streaming.set()
                             await asyncio.sleep(30)
+                        if payload.get("die"):
+                            # uvicorn drops the connection without the final chunk, as the
+                            # connection of a killed engine ends.
+                            raise RuntimeError("engine died mid-stream")
                     yield b"data: [DONE]\n\n"
 
                 return StreamingResponse(events(), media_type="text/event-stream")
@@ -283,4 +287,26 @@ def test_client_leaving_mid_stream_ends_the_request_and_frees_the_drain(
             assert guard.server.inflight == 1
         # The client is gone: the proxied request ends at once (the upstream is closed, which
         # aborts it there), so a drain does not wait the 30 s the engine would still take.
+        assert guard.wait_idle(10) is True
+
+
+def test_engine_dying_mid_stream_truncates_the_clients_stream(
+    upstream: tuple[Upstream, str],
+) -> None:
+    _, url = upstream
+    with _guard(url) as guard:
+        guard.open()
+        body = b'{"text": "hi", "stream": true, "die": true}'
+        with socket.create_connection(("127.0.0.1", guard.server.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            received = b""
+            while chunk := sock.recv(4096):
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b'data: {"text": "t0"}' in received
+        # No terminating zero-length chunk: the client can tell the stream was cut.
+        assert not received.endswith(b"0\r\n\r\n")
         assert guard.wait_idle(10) is True
