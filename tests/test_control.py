@@ -51,7 +51,7 @@ class Engine:
             return JSONResponse({"success": True, "message": "ok"})
 
         async def slow(request: Request) -> Response:
-            await asyncio.sleep(5)
+            await asyncio.sleep(1.5)
             return Response()
 
         async def abort(request: Request) -> Response:

@@ -69,6 +69,7 @@ class Batch:
         self.mask: torch.Tensor | None = None
         self.last: torch.Tensor | None = None
         self.tokens_generated = 0
+        self.peak_running = 0  # the most sequences ever decoded together
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -171,6 +172,7 @@ class Batch:
     ) -> None:
         if not self.seqs:
             self.seqs, self.cache, self.mask, self.last = list(seqs), cache, mask, last
+            self.peak_running = max(self.peak_running, len(self.seqs))
             return
         assert self.mask is not None and self.last is not None
         length = max(self.mask.shape[1], mask.shape[1])
@@ -189,6 +191,7 @@ class Batch:
         self.mask = torch.cat([pad(self.mask, 1), pad(mask, 1)], dim=0)
         self.last = torch.cat([self.last, last], dim=0)
         self.seqs += seqs
+        self.peak_running = max(self.peak_running, len(self.seqs))
 
     # -- prefill and decode --------------------------------------------------------------
 

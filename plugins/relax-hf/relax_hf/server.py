@@ -211,6 +211,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "paused": engine.paused,
         "num_running_reqs": engine.num_running,
         "num_waiting_reqs": engine.num_waiting,
+        "peak_running_reqs": engine.batch.peak_running,
         "memory": runner.memory_report(),
         "last_release": engine.last_release,
         "last_resume": engine.last_resume,

@@ -39,6 +39,7 @@ def test_seeded_output_does_not_depend_on_the_rest_of_the_batch(
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(one, range(len(prompts))))
     assert results[-1] == alone
+    assert shared_server.http.ok("/server_info")["peak_running_reqs"] >= 2  # they were batched
 
 
 def test_greedy_generation_matches_a_direct_forward_pass(

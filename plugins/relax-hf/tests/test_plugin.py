@@ -102,6 +102,14 @@ def test_launch_and_control_client_drive_an_engine_end_to_end(
     assert "serving" in proc.log_tail()
 
 
+def test_the_public_api_is_what_it_should_be() -> None:
+    import relax_hf
+
+    assert relax_hf.__all__ == ["HF_BACKEND", "__version__", "launch", "make_tiny_model"]
+    for name in relax_hf.__all__:
+        assert getattr(relax_hf, name) is not None
+
+
 def test_python_m_relax_hf_lists_its_commands() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "relax_hf", "--help"], capture_output=True, text=True, timeout=60
@@ -112,25 +120,29 @@ def test_python_m_relax_hf_lists_its_commands() -> None:
 
 
 def test_make_tiny_model_is_deterministic_per_seed(tmp_path: Path) -> None:
-    def run(name: str, seed: int) -> dict[str, str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "relax_hf",
-            "make-tiny-model",
-            str(tmp_path / name),
-            "--seed",
-            str(seed),
-            "--size",
-            "micro",
-        ]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    from relax_hf.tiny import make_tiny_model
+
+    def digests(name: str) -> dict[str, str]:
         return {
             f.name: hashlib.sha256(f.read_bytes()).hexdigest()
             for f in sorted((tmp_path / name).iterdir())
         }
 
-    a, b, c = run("a", 1), run("b", 1), run("c", 2)
+    cmd = [
+        sys.executable,
+        "-m",
+        "relax_hf",
+        "make-tiny-model",
+        str(tmp_path / "a"),
+        "--seed",
+        "1",
+        "--size",
+        "micro",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    make_tiny_model(tmp_path / "b", seed=1, size="micro")
+    make_tiny_model(tmp_path / "c", seed=2, size="micro")
+    a, b, c = digests("a"), digests("b"), digests("c")
     assert a == b
     assert a["model.safetensors"] != c["model.safetensors"]
     assert a["tokenizer.json"] == c["tokenizer.json"]  # the tokenizer does not depend on the seed
