@@ -283,7 +283,11 @@ def test_client_leaving_mid_stream_ends_the_request_and_frees_the_drain(
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
-            assert b"data:" in sock.recv(4096)
+            received = b""
+            while b"data:" not in received:
+                chunk = sock.recv(4096)
+                assert chunk, received
+                received += chunk
             assert guard.server.inflight == 1
         # The client is gone: the proxied request ends at once (the upstream is closed, which
         # aborts it there), so a drain does not wait the 30 s the engine would still take.
