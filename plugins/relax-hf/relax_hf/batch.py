@@ -196,6 +196,17 @@ class Batch:
     # -- prefill and decode --------------------------------------------------------------
 
     def _prefill(self, new: list[Sequence]) -> None:
+        # Sequences that want input log-probs need logits at every position; the rest only at
+        # the last one, so they are prefilled apart (bounded logits memory).
+        full = [s for s in new if s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1]
+        rest = [
+            s for s in new if not (s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1)
+        ]
+        for group in (full, rest):
+            if group:
+                self._prefill_group(group, full=group is full)
+
+    def _prefill_group(self, new: list[Sequence], *, full: bool) -> None:
         runner = self.runner
         device = runner.device
         length = max(len(s.prompt_ids) for s in new)
@@ -208,13 +219,12 @@ class Batch:
             s.position = n
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        full = any(s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1 for s in new)
         cache = runner.new_cache()
         logits = runner.forward(ids, mask, positions, cache, logits_to_keep=0 if full else 1)
         for i, s in enumerate(new):
             if s.logprob.return_logprob:
                 self._input_logprobs(s, logits[i], length - len(s.prompt_ids) if full else None)
-        tokens = self._sample(logits[:, -1, :], new)
+        tokens = self._sample(logits[:, -1, :].float(), new)
         keep = []
         for i, s in enumerate(new):
             if s.sampling.max_new_tokens == 0:
@@ -241,7 +251,7 @@ class Batch:
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.seqs), 1))], dim=1)
         positions = torch.tensor([[s.position] for s in self.seqs], dtype=torch.long, device=device)
         logits = self.runner.forward(self.last, self.mask, positions, self.cache)
-        tokens = self._sample(logits[:, -1, :], self.seqs)
+        tokens = self._sample(logits[:, -1, :].float(), self.seqs)
         seqs = list(self.seqs)
         for s, tok in zip(seqs, tokens, strict=True):
             s.position += 1
@@ -354,7 +364,7 @@ class Batch:
         by_id: list[Any] = [None]
         if start < n - 1:
             assert offset is not None
-            rows = self._scaled(logits[offset + start : offset + n - 1], s.sampling)
+            rows = self._scaled(logits[offset + start : offset + n - 1].float(), s.sampling)
             lp = torch.log_softmax(rows, dim=-1)
             targets = torch.tensor(prompt[start + 1 :], device=lp.device)
             vals = lp.gather(1, targets[:, None])[:, 0].tolist()

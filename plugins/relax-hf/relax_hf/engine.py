@@ -306,18 +306,34 @@ class Engine:
     async def release(self, tags: tuple[str, ...]) -> dict[str, Any]:
         """Release ``tags``; refused while sequences are running. Idempotent."""
         async with self._ops:
+            refused = Conflict(
+                f"cannot release memory while {self._in_flight()} request(s) are in flight; "
+                "pause_generation (mode 'abort') first"
+            )
             if len(self.batch) or (self._pending and not self.paused):
-                raise Conflict(
-                    f"cannot release memory while {self._in_flight()} request(s) are in flight; "
-                    "pause_generation (mode 'abort') first"
-                )
-            detail: dict[str, Any] = {}
-            if "weights" in tags and self.resident["weights"]:
-                detail["weights"] = await self.compute(self.runner.release_weights)
+                raise refused
+            # Stop admission and scheduling first; then, on the compute thread (after any step
+            # already queued), check again that nothing runs before freeing anything.
+            before = dict(self.resident)
             for tag in tags:
                 self.resident[tag] = False
-            if "kv_cache" in tags:
-                await self.compute(self._drop_kv)
+
+            def release_on_compute_thread() -> dict[str, Any]:
+                if len(self.batch):
+                    raise refused
+                detail: dict[str, Any] = {}
+                if "weights" in tags and self.runner.weights_resident:
+                    detail["weights"] = self.runner.release_weights()
+                if "kv_cache" in tags:
+                    self._drop_kv()
+                return detail
+
+            try:
+                detail = await self.compute(release_on_compute_thread)
+            except BaseException:
+                self.resident.update(before)
+                self._wake.set()
+                raise
             self.last_release = detail
             return detail
 

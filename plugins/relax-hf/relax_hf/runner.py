@@ -189,7 +189,7 @@ class ModelRunner:
         cache: Any,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
-        """One forward pass with ``cache`` (updated in place); float32 logits ``[B, T, V]``."""
+        """One forward pass with ``cache`` (updated in place); logits ``[B, T, V]``, model dtype."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -198,7 +198,7 @@ class ModelRunner:
             logits_to_keep=logits_to_keep,
             **{self._cache_kw: cache},
         )
-        return out.logits.float()
+        return out.logits  # type: ignore[no-any-return]
 
     # -- residency -----------------------------------------------------------------------
 
