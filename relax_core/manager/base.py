@@ -1,4 +1,4 @@
-"""The core of InferenceManager: state, slots, publishing, start, onload and offload.
+"""The core of InferenceManager: state, slots, publishing, fences and start.
 
 One manager per model. It owns the model's engine slots (one Ray actor per node of each
 logical replica, on the placement plan's bundles), starts and initialises them in parallel,
@@ -44,12 +44,8 @@ from relax_core.manager.slots import (
 )
 from relax_core.manager.state import (
     ALL_TAGS,
-    NotApplicable,
     Replica,
     ReplicaState,
-    normalize_tags,
-    plan_offload,
-    plan_onload,
 )
 from relax_core.manager.weights import CheckpointDirectory
 from relax_core.manager.worker import EngineWorker
@@ -73,7 +69,7 @@ def _remote_worker() -> Any:
 
 
 class ManagerBase:
-    """State, start, onload and offload of :class:`~relax_core.manager.InferenceManager`.
+    """State, slots, publishing and start of :class:`~relax_core.manager.InferenceManager`.
 
     :param model_id: the model's id in its role (``math``, ``judge``); engine ids are
         ``{model_id}/replica-{i}``.
@@ -500,179 +496,6 @@ class ManagerBase:
             )
         self._publish()
         return results
-
-    # -- memory lifecycle ------------------------------------------------------------------
-
-    def offload(
-        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
-    ) -> LifecycleResult:
-        """Release ``tags`` (default: all) on every replica; per-replica results.
-
-        ``engine_ids`` limits the call to those replicas (default: all).
-        Each replica: close admission (DRAINING, no longer direct-eligible), drain in-flight
-        requests (strict: wait up to the drain deadline, then abort), release, confirm →
-        SLEEPING. A replica whose release is not confirmed is FAILED: its memory is NOT known
-        to be free. Tags already released are skipped, so a repeated offload is a no-op.
-
-        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
-        """
-        wanted = normalize_tags(tags, where="offload(tags)")
-        with self._lock:
-            self._refuse_if_closed("offload()")
-            self._refuse_if_fenced("offload()")
-            slots = self._select(engine_ids)
-            begin = time.monotonic()
-            results: dict[str, ReplicaResult] = {}
-            todo: dict[int, tuple[str, ...]] = {}
-            for slot in slots:
-                rep = slot.replica
-                early = self._not_applicable(slot)
-                if early is not None:
-                    results[slot.engine_id] = early
-                    continue
-                try:
-                    plan = plan_offload(rep, wanted)
-                except NotApplicable as exc:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.SKIPPED, str(rep.state), error=str(exc)
-                    )
-                    continue
-                if plan.noop:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.NOOP, str(rep.state)
-                    )
-                    continue
-                rep.admission_open = False
-                rep.advance(_S.DRAINING)
-                todo[rep.index] = plan.tags
-            if todo:
-                self._publish()
-                t = self.timeouts
-                outs = gather(
-                    {
-                        i: self._slots[i].head.actor.offload.remote(
-                            tags,
-                            strict=self.spec.strict_drain,
-                            drain_timeout=t.drain,
-                            timeout=t.offload,
-                        )
-                        for i, tags in todo.items()
-                    },
-                    t.drain + t.offload + t.rpc_margin,
-                )
-                for i, tags in todo.items():
-                    slot, out = self._slots[i], outs[i]
-                    if out.ok:
-                        slot.replica.resident -= frozenset(tags)
-                        slot.replica.advance(_S.SLEEPING)
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.DONE, str(_S.SLEEPING), tags, seconds=out.value
-                        )
-                    else:
-                        error = self._fail(slot, slot.head, out, "offload")
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.FAILED, str(_S.FAILED), tags, error=error
-                        )
-                self._publish()
-            result = self._result("offload", results, begin)
-            if self._fenced_workers():
-                raise with_result(self._recovery_error("offload()"), result)
-            return result
-
-    def onload(
-        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
-    ) -> LifecycleResult:
-        """Resume the missing ``tags`` (default: all) on every SLEEPING replica.
-
-        ``engine_ids`` limits the call to those replicas (default: all).
-        Each replica: ONLOADING, resume only what is missing (weights first), and — once every
-        tag is resident — check one generation and reopen admission → READY; with a subset of
-        tags it stays SLEEPING. READY replicas are a no-op. A replica whose resume is not
-        confirmed is FAILED.
-
-        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
-        """
-        wanted = normalize_tags(tags, where="onload(tags)")
-        with self._lock:
-            self._refuse_if_closed("onload()")
-            self._refuse_if_fenced("onload()")
-            slots = self._select(engine_ids)
-            begin = time.monotonic()
-            results: dict[str, ReplicaResult] = {}
-            todo: dict[int, tuple[tuple[str, ...], bool]] = {}
-            for slot in slots:
-                rep = slot.replica
-                early = self._not_applicable(slot)
-                if early is not None:
-                    results[slot.engine_id] = early
-                    continue
-                try:
-                    plan = plan_onload(rep, wanted)
-                except NotApplicable as exc:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.SKIPPED, str(rep.state), error=str(exc)
-                    )
-                    continue
-                if plan.noop:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.NOOP, str(rep.state)
-                    )
-                    continue
-                rep.advance(_S.ONLOADING)
-                todo[rep.index] = (plan.tags, plan.reopen)
-            if todo:
-                self._publish()
-                t = self.timeouts
-                outs = gather(
-                    {
-                        i: self._slots[i].head.actor.onload.remote(
-                            tags, reopen=reopen, timeout=t.onload
-                        )
-                        for i, (tags, reopen) in todo.items()
-                    },
-                    t.onload * 2 + t.rpc_margin,
-                )
-                for i, (tags, reopen) in todo.items():
-                    slot, out = self._slots[i], outs[i]
-                    rep = slot.replica
-                    if out.ok:
-                        rep.resident |= frozenset(tags)
-                        if reopen:
-                            rep.became_ready()
-                        else:
-                            rep.advance(_S.SLEEPING)
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.DONE, str(rep.state), tags, seconds=out.value
-                        )
-                    else:
-                        error = self._fail(slot, slot.head, out, "onload")
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.FAILED, str(_S.FAILED), tags, error=error
-                        )
-                self._publish()
-            result = self._result("onload", results, begin)
-            if self._fenced_workers():
-                raise with_result(self._recovery_error("onload()"), result)
-            return result
-
-    def _not_applicable(self, slot: ReplicaSlot) -> ReplicaResult | None:
-        rep = slot.replica
-        if rep.state is _S.FAILED:
-            return ReplicaResult(
-                slot.engine_id,
-                Outcome.FAILED,
-                str(rep.state),
-                error=f"replica is FAILED ({rep.error}); its memory is not known to be free: "
-                "recover() or shut it down",
-            )
-        if rep.state is _S.STOPPING:
-            if slot.cleaned:
-                return ReplicaResult(slot.engine_id, Outcome.NOOP, str(rep.state))
-            pending = [w.pending for w in slot.workers if w.pending]
-            return ReplicaResult(
-                slot.engine_id, Outcome.FAILED, str(rep.state), error=f"cleanup pending: {pending}"
-            )
-        return None
 
     def _result(
         self, operation: str, results: dict[str, ReplicaResult], begin: float

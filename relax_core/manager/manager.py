@@ -7,20 +7,21 @@ results, applies weight updates behind a fence, checks health, cleans up and reb
 replicas, scales out and in, publishes the model's schema-2 view (heads only), and shuts
 everything down in order (workers, then actors, then owned placement groups).
 
-The implementation is split by concern: :mod:`.base` (state, slots, publishing, start,
-onload, offload), :mod:`.recovery` (health, recovery, scaling, shutdown), :mod:`.updates`
-(weight updates and DCS checkpoints).
+The implementation is split by concern: :mod:`.base` (state, slots, publishing, start),
+:mod:`.memory` (onload, offload), :mod:`.recovery` (health, recovery, scaling, shutdown),
+:mod:`.updates` (weight updates and DCS checkpoints).
 """
 
 from __future__ import annotations
 
+from relax_core.manager.memory import MemoryMixin
 from relax_core.manager.recovery import RecoveryMixin
 from relax_core.manager.updates import WeightsMixin
 
 __all__ = ["InferenceManager"]
 
 
-class InferenceManager(RecoveryMixin, WeightsMixin):
+class InferenceManager(MemoryMixin, RecoveryMixin, WeightsMixin):
     """The lifecycle core of one model's engines.
 
     Build it with the model's :class:`~relax_core.engine_spec.InferenceEngineSpec`, its engine
