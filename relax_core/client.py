@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import inspect
 import itertools
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
@@ -78,6 +78,9 @@ class InferenceClient:
     and ``snapshot_provider``. ``role``: when set, a snapshot of another role is rejected.
     ``ttl``: seconds a snapshot is reused (0: fetch before every request). ``timeout``: the
     default deadline of one request in seconds (``None``: none), overridable per call.
+    ``stream_idle_timeout`` / ``stream_first_chunk_timeout``: how long a streamed answer may
+    stay silent once started (default 60 s) / before its first bytes (default ``None``: only
+    the deadline); see :class:`~relax_core.transport.Transport`. Overridable per call.
     ``session``: an aiohttp session to use (not closed by the client). ``resolver``: a
     :class:`~relax_core.routing.RouteResolver` (default: a fresh one, so round-robin state is
     per client). ``weight_sources``: what a fetched snapshot's weight sources are checked
@@ -99,6 +102,8 @@ class InferenceClient:
         connect_timeout: float = 10.0,
         discovery_timeout: float = 10.0,
         max_connections: int = 256,
+        stream_idle_timeout: float | None = 60.0,
+        stream_first_chunk_timeout: float | None = None,
         session: aiohttp.ClientSession | None = None,
         resolver: RouteResolver | None = None,
         weight_sources: WeightSources | None = None,
@@ -120,6 +125,8 @@ class InferenceClient:
             timeout=timeout,
             connect_timeout=connect_timeout,
             max_connections=max_connections,
+            stream_idle_timeout=stream_idle_timeout,
+            stream_first_chunk_timeout=stream_first_chunk_timeout,
             session=session,
         )
         self._resolver = resolver if resolver is not None else RouteResolver()
@@ -284,6 +291,7 @@ class InferenceClient:
         affinity_key: str | None = None,
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        target: RouteTarget | None = None,
     ) -> PreparedRequest:
         """Resolve and build the request to send: URL, headers and body bytes.
 
@@ -291,8 +299,11 @@ class InferenceClient:
         they are when no field must change). ``model``/``route_key`` default to the payload's
         fields of those names. ``headers`` are a caller's incoming headers (a gateway's):
         hop-by-hop headers are dropped; ``X-Request-ID`` and ``X-SMG-Routing-Key`` are used when
-        ``request_id``/``affinity_key`` are not given. Raises ``RoutingError`` (400: bad
-        payload, unknown model or route key; 503: nothing READY after one refresh).
+        ``request_id``/``affinity_key`` are not given. ``target``: a target :meth:`resolve`
+        already chose for this request (e.g. to build the body for its model first); it is
+        used as it is, without a second routing decision (which would, for instance, advance
+        round-robin twice); ``model``/``route_key`` are then ignored. Raises ``RoutingError``
+        (400: bad payload, unknown model or route key; 503: nothing READY after one refresh).
         """
         raw: bytes | None = None
         if type(payload) is dict:
@@ -313,14 +324,15 @@ class InferenceClient:
             raise RoutingError(
                 400, f"request body must be a JSON object, got {type(payload).__name__}"
             )
-        if model is None:
-            model = body.get("model")
-            if model is not None and type(model) is not str:
-                raise _not_a_string("model", model)
-        if route_key is None:
-            route_key = body.get("route_key")
-            if route_key is not None and type(route_key) is not str:
-                raise _not_a_string("route_key", route_key)
+        if target is None:
+            if model is None:
+                model = body.get("model")
+                if model is not None and type(model) is not str:
+                    raise _not_a_string("model", model)
+            if route_key is None:
+                route_key = body.get("route_key")
+                if route_key is not None and type(route_key) is not str:
+                    raise _not_a_string("route_key", route_key)
 
         if headers:
             out = forward_headers(headers)
@@ -341,29 +353,30 @@ class InferenceClient:
         if affinity_key is not None:
             out[ROUTING_KEY_HEADER] = affinity_key
 
-        # Resolution, inlined for the hot path (cached snapshot, READY model): see resolve().
-        snap, seen = self._snapshot, self._fetches
-        if snap is None or time.monotonic() >= self._expires:
-            snap, seen = await self._refresh(seen, False), self._fetches
-        try:
-            target = self._resolver.resolve(
-                snap,
-                model=model,
-                route_key=route_key,
-                affinity_key=affinity_key,
-                inflight=self._inflight,
-            )
-        except RoutingError as exc:
-            if exc.status != 503:
-                raise
-            snap = await self._refresh(seen, True)
-            target = self._resolver.resolve(
-                snap,
-                model=model,
-                route_key=route_key,
-                affinity_key=affinity_key,
-                inflight=self._inflight,
-            )
+        if target is None:
+            # Resolution, inlined for the hot path (cached snapshot, READY model): see resolve().
+            snap, seen = self._snapshot, self._fetches
+            if snap is None or time.monotonic() >= self._expires:
+                snap, seen = await self._refresh(seen, False), self._fetches
+            try:
+                target = self._resolver.resolve(
+                    snap,
+                    model=model,
+                    route_key=route_key,
+                    affinity_key=affinity_key,
+                    inflight=self._inflight,
+                )
+            except RoutingError as exc:
+                if exc.status != 503:
+                    raise
+                snap = await self._refresh(seen, True)
+                target = self._resolver.resolve(
+                    snap,
+                    model=model,
+                    route_key=route_key,
+                    affinity_key=affinity_key,
+                    inflight=self._inflight,
+                )
 
         if path in GENERATE_PATHS:
             if "model" in body or "route_key" in body:
@@ -406,16 +419,26 @@ class InferenceClient:
                 self._inflight.pop(engine_id, None)
 
     async def send(
-        self, prepared: PreparedRequest, *, timeout: float | None = None
+        self,
+        prepared: PreparedRequest,
+        *,
+        timeout: float | None = None,
+        stream_idle_timeout: float | None = None,
+        stream_first_chunk_timeout: float | None = None,
     ) -> UpstreamResponse:
         """Send a prepared request once; return the response when its headers arrived.
 
-        The low-level primitive a gateway streams through: the body is not read and the status
-        is not checked (an upstream 502/503/504 still invalidates the snapshot). Close the
-        response (``async with``). Raises :class:`~relax_core.transport.UpstreamUnreachableError`
+        The low-level primitive under :meth:`open`: the body is not read and the status is not
+        checked (an upstream 502/503/504 still invalidates the snapshot). Close the response
+        (``async with``). Raises :class:`~relax_core.transport.UpstreamUnreachableError`
         (nothing sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed);
-        both, and cancellation, invalidate the snapshot.
+        both, and cancellation, invalidate the snapshot. ``stream_idle_timeout`` /
+        ``stream_first_chunk_timeout``: this request's idle limits when its body is read piece
+        by piece (``None``: the client's; ``math.inf``: none).
         """
+        transport = self._transport
+        idle = _limit(stream_idle_timeout, transport.stream_idle_timeout)
+        first = _limit(stream_first_chunk_timeout, transport.stream_first_chunk_timeout)
         engine_id = self._track(prepared)
         try:
             resp = await self._transport.open(prepared, timeout)
@@ -430,6 +453,92 @@ class InferenceClient:
             prepared,
             on_close=lambda: self._untrack(engine_id),
             on_failure=self.invalidate,
+            idle_timeout=idle,
+            first_chunk_timeout=first,
+        )
+
+    async def open(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        target: RouteTarget | None = None,
+        timeout: float | None = None,
+        stream_idle_timeout: float | None = None,
+        stream_first_chunk_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Prepare and send once; return the raw response when its headers arrived.
+
+        What a gateway forwards through: :meth:`prepare` then :meth:`send`, with the one safe
+        retry: when no connection could be opened (nothing was sent), the request is routed
+        again on a fresh snapshot and sent once more (with the same request id; a given
+        ``target`` is re-resolved to another replica of the same model). The status is not
+        checked and the body is not read: relay it (``iter_chunks``) or read it, and close the
+        response (``async with``). Raises ``RoutingError`` before sending,
+        :class:`~relax_core.transport.UpstreamUnreachableError` when the retry could not
+        connect either, :class:`~relax_core.errors.RequestNotReplayedError` after sending.
+        Arguments as in :meth:`prepare` and :meth:`send`.
+        """
+        prepared = await self.prepare(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            headers=headers,
+            target=target,
+        )
+        try:
+            return await self.send(
+                prepared,
+                timeout=timeout,
+                stream_idle_timeout=stream_idle_timeout,
+                stream_first_chunk_timeout=stream_first_chunk_timeout,
+            )
+        except UpstreamUnreachableError:
+            prepared = await self._prepare_again(
+                path, payload, prepared, model, route_key, affinity_key, headers, target
+            )
+            return await self.send(
+                prepared,
+                timeout=timeout,
+                stream_idle_timeout=stream_idle_timeout,
+                stream_first_chunk_timeout=stream_first_chunk_timeout,
+            )
+
+    def _prepare_again(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        failed: PreparedRequest,
+        model: str | None,
+        route_key: str | None,
+        affinity_key: str | None,
+        headers: Mapping[str, str] | None,
+        target: RouteTarget | None,
+    ) -> Coroutine[Any, Any, PreparedRequest]:
+        """Route a request whose connection could not be opened again (nothing was sent).
+
+        The failure invalidated the snapshot, so this resolves on a fresh one. A caller-chosen
+        ``target`` pinned the model (its body may be built for it): keep the model, let the
+        resolver pick the replica.
+        """
+        if target is not None:
+            model, route_key = target.model_id, None
+        return self.prepare(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=failed.request_id,
+            headers=headers,
         )
 
     async def _exchange(
@@ -481,6 +590,7 @@ class InferenceClient:
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        target: RouteTarget | None = None,
     ) -> Any:
         """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
 
@@ -489,7 +599,7 @@ class InferenceClient:
         (its status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504,
         with the request id) when the exchange failed after sending;
         :class:`~relax_core.transport.UpstreamUnreachableError` when no connection could be
-        opened even after one refresh and retry.
+        opened even after one refresh and retry. ``target``: see :meth:`prepare`.
         """
         prepared = await self.prepare(
             path,
@@ -499,19 +609,14 @@ class InferenceClient:
             affinity_key=affinity_key,
             request_id=request_id,
             headers=headers,
+            target=target,
         )
         try:
             status, resp_headers, body = await self._exchange(prepared, timeout)
         except UpstreamUnreachableError:
             # Nothing was sent; the failure invalidated the snapshot: route again, once.
-            prepared = await self.prepare(
-                path,
-                payload,
-                model=model,
-                route_key=route_key,
-                affinity_key=affinity_key,
-                request_id=prepared.request_id,
-                headers=headers,
+            prepared = await self._prepare_again(
+                path, payload, prepared, model, route_key, affinity_key, headers, target
             )
             status, resp_headers, body = await self._exchange(prepared, timeout)
         if status >= 400:
@@ -583,28 +688,31 @@ class InferenceClient:
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        target: RouteTarget | None = None,
+        stream_idle_timeout: float | None = None,
+        stream_first_chunk_timeout: float | None = None,
     ) -> AsyncIterator[UpstreamResponse]:
         """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
 
         An upstream error status raises :class:`~relax_core.transport.UpstreamStatusError`
-        before the block runs. The deadline covers the whole stream. A failure mid-stream
-        raises :class:`~relax_core.errors.RequestNotReplayedError`; nothing is replayed.
+        before the block runs. The deadline covers the whole stream; a stream silent for
+        longer than ``stream_idle_timeout`` (``stream_first_chunk_timeout`` before its first
+        bytes) fails with a 504 at once. A failure mid-stream raises
+        :class:`~relax_core.errors.RequestNotReplayedError`; nothing is replayed.
         """
-        prepare = functools.partial(
-            self.prepare,
+        resp = await self.open(
             path,
             payload,
             model=model,
             route_key=route_key,
             affinity_key=affinity_key,
+            request_id=request_id,
             headers=headers,
+            target=target,
+            timeout=timeout,
+            stream_idle_timeout=stream_idle_timeout,
+            stream_first_chunk_timeout=stream_first_chunk_timeout,
         )
-        prepared = await prepare(request_id=request_id)
-        try:
-            resp = await self.send(prepared, timeout=timeout)
-        except UpstreamUnreachableError:
-            prepared = await prepare(request_id=prepared.request_id)
-            resp = await self.send(prepared, timeout=timeout)
         async with resp:
             if resp.status >= 400:
                 resp.raise_for_status(await resp.read())
@@ -631,6 +739,15 @@ class InferenceClient:
     def __repr__(self) -> str:
         source = self.base_url or repr(self._provider)
         return f"InferenceClient({source}, role={self.role!r}, ttl={self.ttl})"
+
+
+def _limit(value: float | None, default: float | None) -> float | None:
+    """A per-call idle limit: ``None`` takes ``default``, ``math.inf`` means none."""
+    if value is None:
+        return default
+    if not value > 0:
+        raise ValueError(f"idle timeout {value!r}: give a positive number of seconds or math.inf")
+    return None if value == math.inf else value
 
 
 def _not_a_string(name: str, value: object) -> RoutingError:

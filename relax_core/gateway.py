@@ -2,9 +2,8 @@
 
 The handler validates a request, lets the role's adapter shape it, and forwards it through the
 same data path as the direct :class:`~relax_core.client.InferenceClient`
-(:meth:`~relax_core.client.InferenceClient.prepare` then
-:meth:`~relax_core.client.InferenceClient.send`): one resolver, one set of strip/rewrite/header
-rules. Answers are relayed as bytes; server-sent events are never re-parsed.
+(:meth:`~relax_core.client.InferenceClient.open`): one resolver, one set of strip/rewrite/header
+rules, one retry rule. Answers are relayed as bytes; server-sent events are never re-parsed.
 
 Error mapping (every error body is ``{"error": {"message", "type", "code"}}``):
 
@@ -13,10 +12,10 @@ Error mapping (every error body is ``{"error": {"message", "type", "code"}}``):
 - 503 + ``Retry-After``: the model is not READY, nothing is routable, or the registry is
   unavailable (the gateway stays up; its ``/health`` says not ready);
 - 502: the upstream could not be reached, failed mid-exchange, answered a 5xx or a body that
-  is not JSON; 504: the request deadline passed.
+  is not JSON; 504: the request deadline passed, or a stream stayed silent past its idle limit.
 
 A request that reached an engine is never replayed; a connection that could not be opened
-(nothing sent) is retried once on a fresh snapshot, as the client does.
+(nothing sent) is retried once on a fresh snapshot (by the client's ``open``).
 """
 
 from __future__ import annotations
@@ -31,12 +30,9 @@ from relax_core.client import InferenceClient, SnapshotProvider
 from relax_core.errors import RequestNotReplayedError, RoutingError, UpstreamError
 from relax_core.gateway_adapters import AdaptContext, Adapted, InvalidRequestError, RoleAdapter
 from relax_core.gateway_metrics import GatewayMetrics
+from relax_core.routing import RouteTarget
 from relax_core.schema import ModelState, RoleSnapshot
-from relax_core.transport import (
-    PreparedRequest,
-    UpstreamResponse,
-    UpstreamUnreachableError,
-)
+from relax_core.transport import UpstreamResponse, UpstreamUnreachableError
 
 __all__ = [
     "DEADLINE_HEADER",
@@ -161,8 +157,13 @@ class InferenceGatewayHandler:
     :class:`~relax_core.schema.RoleSnapshot`, e.g. a role service's ``snapshot``).
     ``adapter``: the role's :class:`RoleAdapter` (see :func:`adapter_for_role`).
     ``model_paths``: local checkpoint directory per model id (for tokenizers).
-    ``timeout``: the deadline of one request in seconds. ``token``: a bearer token callers
-    must send (``None``: no auth). ``max_body_bytes``: the request body limit.
+    ``timeout``: the deadline of one request in seconds. ``stream_idle_timeout``: the longest
+    a relayed stream may stay silent once its first bytes arrived (default 60 s; ``None``: no
+    limit); ``stream_first_chunk_timeout``: the same before the first bytes (default ``None``:
+    only the deadline, since an engine sends its first event only after queueing and
+    prefill). Past either, the caller gets an error event with code 504 and a truncated
+    stream. ``token``: a bearer token callers must send (``None``: no auth).
+    ``max_body_bytes``: the request body limit.
 
     Belongs to one event loop (that of the server running it).
     """
@@ -179,6 +180,8 @@ class InferenceGatewayHandler:
         token: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         snapshot_ttl: float = 0.5,
+        stream_idle_timeout: float | None = 60.0,
+        stream_first_chunk_timeout: float | None = None,
     ) -> None:
         if (client is None) == (snapshot_provider is None):
             raise ValueError(
@@ -190,10 +193,22 @@ class InferenceGatewayHandler:
             raise ValueError(f"max_body_bytes={max_body_bytes!r}: give a positive number of bytes")
         if token is not None and not token:
             raise ValueError("token: give a non-empty bearer token, or None for no auth")
+        for name, value in (
+            ("stream_idle_timeout", stream_idle_timeout),
+            ("stream_first_chunk_timeout", stream_first_chunk_timeout),
+        ):
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value!r}: give a positive number of seconds or None")
         self.role = role
         self.client = client or InferenceClient(
             snapshot_provider=snapshot_provider, role=role, ttl=snapshot_ttl, timeout=timeout
         )
+        # Passed per request (math.inf: no limit), so a shared client's defaults do not apply.
+        inf = float("inf")
+        self.stream_idle_timeout = stream_idle_timeout
+        self.stream_first_chunk_timeout = stream_first_chunk_timeout
+        self._idle = inf if stream_idle_timeout is None else stream_idle_timeout
+        self._first = inf if stream_first_chunk_timeout is None else stream_first_chunk_timeout
         self.adapter = adapter or RoleAdapter()
         self.model_paths = dict(model_paths or {})
         self.timeout = timeout
@@ -328,13 +343,14 @@ class InferenceGatewayHandler:
         ctx = AdaptContext(
             role=self.role, model=None, model_path=None, served_model_name=None, stream=stream
         )
+        target: RouteTarget | None = None
         if self.adapter.needs_model(payload):
+            # One routing decision per request: the target chosen here is the one sent to.
             target = await self.client.resolve(
                 model=model,
                 route_key=payload.get("route_key"),
                 affinity_key=headers.get("x-smg-routing-key"),
             )
-            model = target.model_id
             ctx = attrs.evolve(
                 ctx,
                 model=target.model_id,
@@ -351,6 +367,7 @@ class InferenceGatewayHandler:
             route_key=payload.get("route_key"),
             stream=stream,
             adapted=adapted,
+            target=target,
         )
 
     async def chat(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
@@ -366,20 +383,6 @@ class InferenceGatewayHandler:
             adapted=None,
         )
 
-    async def _prepare(
-        self,
-        path: str,
-        payload: dict[str, Any] | bytes,
-        headers: Mapping[str, str],
-        model: str | None,
-        route_key: str | None,
-        request_id: str | None = None,
-    ) -> PreparedRequest:
-        fwd = {k: v for k, v in headers.items() if k != "authorization"} if self.token else headers
-        return await self.client.prepare(
-            path, payload, model=model, route_key=route_key, headers=fwd, request_id=request_id
-        )
-
     async def _forward(
         self,
         path: str,
@@ -390,20 +393,22 @@ class InferenceGatewayHandler:
         route_key: str | None,
         stream: bool,
         adapted: Adapted | None,
+        target: RouteTarget | None = None,
     ) -> GatewayAnswer:
         timeout = self.deadline(headers)
-        prepared = await self._prepare(path, payload, headers, model, route_key)
+        fwd = {k: v for k, v in headers.items() if k != "authorization"} if self.token else headers
         try:
-            resp = await self.client.send(prepared, timeout=timeout)
-        except UpstreamUnreachableError:
-            # Nothing was sent: one retry on a fresh snapshot (send invalidated it).
-            prepared = await self._prepare(
-                path, payload, headers, model, route_key, prepared.request_id
+            resp = await self.client.open(
+                path,
+                payload,
+                model=model,
+                route_key=route_key,
+                headers=fwd,
+                target=target,
+                timeout=timeout,
+                stream_idle_timeout=self._idle,
+                stream_first_chunk_timeout=self._first,
             )
-            try:
-                resp = await self.client.send(prepared, timeout=timeout)
-            except UpstreamError as exc:
-                raise _error_for_upstream(exc, self.metrics) from exc
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
         try:

@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from relax_core.errors import UpstreamError
 from relax_core.gateway import (
     GatewayAnswer,
     GatewayError,
@@ -42,6 +43,7 @@ from relax_core.gateway import (
     gateway_error,
 )
 from relax_core.gateway_metrics import CONTENT_TYPE_LATEST
+from relax_core.transport import StreamStalledError
 
 __all__ = ["create_gateway_app", "default_health_schema", "uvicorn_config"]
 
@@ -100,7 +102,12 @@ async def _send_answer(send: Send, answer: GatewayAnswer) -> None:
 
 
 class _StreamAborted(RuntimeError):
-    """The upstream stream failed after bytes were relayed: the caller's connection is closed."""
+    """The upstream stream failed after the headers were relayed: the caller's connection is
+    closed. ``status`` is what the request is counted as (502, or 504 for a stalled stream)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ForwardRoute:
@@ -151,8 +158,8 @@ class ForwardRoute:
             status = 499  # the caller closed the connection (nginx's convention)
             if task is not None:
                 task.uncancel()
-        except _StreamAborted:
-            status = 502
+        except _StreamAborted as exc:
+            status = exc.status
             raise
         except Exception as exc:
             err = gateway_error(exc)
@@ -173,11 +180,19 @@ class ForwardRoute:
 
 
 async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHandler) -> None:
-    """Relay an upstream event stream byte for byte; always close the upstream response."""
+    """Relay an upstream event stream byte for byte; always close the upstream response.
+
+    When the upstream fails mid-stream (it died, or stayed silent past the idle limit), the
+    caller gets, if the relayed bytes end on an event boundary, one last event
+    ``data: {"error": {"message", "type", "code"}}`` (the shape SGLang itself sends for a failed
+    stream; OpenAI clients raise it as an API error), and then a truncated stream: the
+    connection is closed without the final chunk, so no client can take it for a whole answer.
+    """
     resp = answer.stream
     assert resp is not None
     chunks: AsyncIterator[bytes] = resp.iter_chunks()
     relayed = 0
+    last = b"\n\n"
     try:
         await send(
             {"type": "http.response.start", "status": answer.status, "headers": answer.headers}
@@ -185,16 +200,34 @@ async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHan
         try:
             async for chunk in chunks:
                 relayed += len(chunk)
+                last = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except GatewayError:
             raise
         except Exception as exc:
-            handler.metrics.upstream_error("stream_aborted")
-            raise _StreamAborted(
-                f"gateway {handler.role}: the upstream stream of request {resp.request_id} failed "
-                f"after {relayed} bytes ({type(exc).__name__}: {exc}); the caller's connection is "
-                "closed so it sees a truncated stream, and the request is not replayed"
-            ) from exc
+            stalled = isinstance(exc.__cause__, StreamStalledError)
+            status = 504 if stalled else 502
+            handler.metrics.upstream_error("stream_stalled" if stalled else "stream_aborted")
+            detail = exc.message if isinstance(exc, UpstreamError) else f"{exc}"
+            message = (
+                f"gateway {handler.role}: the engine's stream of request {resp.request_id} "
+                f"failed after {relayed} bytes and is cut here: {detail}"
+            )
+            if last.endswith((b"\n\n", b"\r\n\r\n")):
+                error = {
+                    "message": message,
+                    "type": "gateway_timeout" if stalled else "bad_gateway",
+                    "code": status,
+                }
+                with contextlib.suppress(Exception):
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b"data: " + orjson.dumps({"error": error}) + b"\n\n",
+                            "more_body": True,
+                        }
+                    )
+            raise _StreamAborted(message, status) from exc
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         with contextlib.suppress(Exception):

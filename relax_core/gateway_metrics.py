@@ -11,7 +11,8 @@ Metrics (``role`` label on all):
 - ``relax_gateway_inflight``: requests being served now;
 - ``relax_gateway_upstream_errors_total{error}``: upstream failures by class: ``unreachable``,
   ``connect_timeout``, ``transport``, ``deadline``, ``status`` (an upstream 5xx), ``bad_json``,
-  ``stream_aborted`` (a failure after the first byte was relayed).
+  ``stream_aborted`` (a failure after the headers were relayed), ``stream_stalled`` (a relayed
+  stream silent past the gateway's idle limit).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ UPSTREAM_ERROR_CLASSES = (
     "status",
     "bad_json",
     "stream_aborted",
+    "stream_stalled",
 )
 
 _BUCKETS = (

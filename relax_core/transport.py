@@ -20,6 +20,7 @@ aiohttp recomputes, and keeps everything else, including ``X-Request-ID`` and
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -37,6 +38,7 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "ROUTING_KEY_HEADER",
     "PreparedRequest",
+    "StreamStalledError",
     "Transport",
     "UpstreamResponse",
     "UpstreamStatusError",
@@ -174,6 +176,16 @@ def classify_failure(
     """
     where = _where(prepared)
     rid = prepared.request_id
+    if isinstance(exc, StreamStalledError):
+        when = "in the middle of its streamed answer" if exc.started else "before its first chunk"
+        return RequestNotReplayedError(
+            504,
+            f"{prepared.method} {where} sent nothing for {exc.seconds:g}s {when}: the engine may "
+            f"be dead or stopped behind a proxy that keeps the connection open. It was sent and "
+            f"is not replayed (request id {rid}); raise {exc.setting} if the engine can "
+            "legitimately stay silent that long",
+            request_id=rid,
+        )
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return UpstreamUnreachableError(
             504, f"connecting to {where} timed out; nothing was sent", request_id=rid
@@ -198,17 +210,100 @@ def classify_failure(
     )
 
 
+class StreamStalledError(TimeoutError):
+    """A streamed body went silent for longer than its idle limit (see :class:`Transport`).
+
+    ``seconds`` is the limit that passed, ``started`` whether any body bytes had arrived
+    (the first chunk has its own limit), ``setting`` the option that sets that limit.
+    :func:`classify_failure` turns it into a 504
+    :class:`~relax_core.errors.RequestNotReplayedError`.
+    """
+
+    def __init__(self, seconds: float, started: bool) -> None:
+        self.seconds = seconds
+        self.started = started
+        self.setting = "stream_idle_timeout" if started else "stream_first_chunk_timeout"
+        super().__init__(f"no data for {seconds:g}s")
+
+
+class _IdleWatch:
+    """Fails a body read that waited longer than its limit for the next bytes.
+
+    One timer per limit period, not one per chunk: a read only records when it started
+    waiting; the timer, when it fires, either fails the stream (the read has waited the whole
+    limit) or re-arms itself for the current wait's end. Time the consumer spends elsewhere
+    (e.g. blocked on a slow downstream) does not count, because no read is waiting then.
+    """
+
+    __slots__ = ("_content", "_first", "_handle", "_idle", "_loop", "since", "started")
+
+    def __init__(
+        self,
+        content: aiohttp.StreamReader,
+        loop: asyncio.AbstractEventLoop,
+        idle: float | None,
+        first: float | None,
+    ) -> None:
+        self._content = content
+        self._loop = loop
+        self._idle = idle
+        self._first = first
+        self._handle: asyncio.TimerHandle | None = None
+        self.since: float | None = None
+        self.started = False
+
+    def waiting(self) -> None:
+        """A read starts waiting now."""
+        now = self.since = self._loop.time()
+        if self._handle is None:
+            limit = self._idle if self.started else self._first
+            if limit is not None:
+                self._handle = self._loop.call_at(now + limit, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        since = self.since
+        if since is None:
+            return  # no read is waiting; the next one re-arms the timer
+        limit = self._idle if self.started else self._first
+        if limit is None:
+            return
+        due = since + limit
+        if self._loop.time() >= due:
+            self._content.set_exception(StreamStalledError(limit, self.started))
+        else:
+            self._handle = self._loop.call_at(due, self._fire)
+
+    def cancel(self) -> None:
+        """Stop watching (idempotent)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class UpstreamResponse:
     """An upstream's answer whose headers have arrived; the body is read on demand.
 
     Read it once, with :meth:`read`, :meth:`json`, :meth:`iter_chunks` or :meth:`iter_sse`,
     then :meth:`aclose` it (``async with`` does). A failure while reading raises
+    :class:`~relax_core.errors.RequestNotReplayedError`. ``idle_timeout`` /
+    ``first_chunk_timeout`` (seconds, ``None``: no limit) bound how long a piece-by-piece read
+    (:meth:`iter_chunks` and what builds on it) waits for the next bytes once the body has
+    started / for its first bytes; past it the read raises a 504
     :class:`~relax_core.errors.RequestNotReplayedError`. The status is not checked here: a
     gateway forwards an upstream's 4xx/5xx as it is; :meth:`raise_for_status` raises
     :class:`UpstreamStatusError` for callers that want an exception.
     """
 
-    __slots__ = ("_closed", "_on_close", "_on_failure", "_resp", "prepared")
+    __slots__ = (
+        "_closed",
+        "_first_chunk_timeout",
+        "_idle_timeout",
+        "_on_close",
+        "_on_failure",
+        "_resp",
+        "prepared",
+    )
 
     def __init__(
         self,
@@ -217,11 +312,15 @@ class UpstreamResponse:
         *,
         on_close: Any = None,
         on_failure: Any = None,
+        idle_timeout: float | None = None,
+        first_chunk_timeout: float | None = None,
     ) -> None:
         self._resp = resp
         self.prepared = prepared
         self._on_close = on_close
         self._on_failure = on_failure
+        self._idle_timeout = idle_timeout
+        self._first_chunk_timeout = first_chunk_timeout
         self._closed = False
 
     @property
@@ -283,13 +382,39 @@ class UpstreamResponse:
             raise status_error(self.status, body, self._resp.headers, self.prepared)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive, unparsed (for byte-level forwarding)."""
+        """The body's bytes as they arrive, unparsed (for byte-level forwarding).
+
+        A wait for the next bytes longer than the idle limits raises a 504
+        :class:`~relax_core.errors.RequestNotReplayedError` (see the class docstring).
+        """
+        content = self._resp.content
+        watch = None
+        if self._idle_timeout is not None or self._first_chunk_timeout is not None:
+            watch = _IdleWatch(
+                content,
+                asyncio.get_running_loop(),
+                self._idle_timeout,
+                self._first_chunk_timeout,
+            )
         try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
+            if watch is None:
+                async for chunk in content.iter_any():
+                    yield chunk
+            else:
+                readany = content.readany
+                while True:
+                    watch.waiting()
+                    chunk = await readany()
+                    watch.since = None
+                    if not chunk:
+                        break
+                    watch.started = True
+                    yield chunk
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise self._fail(exc) from exc
         finally:
+            if watch is not None:
+                watch.cancel()
             await self.aclose()
 
     async def iter_sse(self) -> AsyncIterator[bytes]:
@@ -363,8 +488,16 @@ def status_error(
 class Transport:
     """A pooled aiohttp session with Relax's failure classification.
 
-    ``session``: use this one (it is never closed here) instead of creating one lazily on the
-    first request. The session belongs to the event loop it was created on.
+    ``timeout``: the default deadline of one exchange (connect, send, whole answer);
+    ``connect_timeout``: of opening a connection. ``stream_idle_timeout``: the longest a
+    streamed body (read piece by piece) may stay silent once its first bytes arrived (default
+    60 s; ``None``: no limit): it catches an engine that died or stopped behind a proxy that
+    keeps the connection open, long before the deadline. ``stream_first_chunk_timeout``: the
+    same for the wait before the first body bytes (default ``None``, only the deadline): an
+    SGLang stream sends its headers at once but its first event only after queueing and the
+    prefill, which takes long for long prompts on a busy engine. ``session``: use this one (it
+    is never closed here) instead of creating one lazily on the first request. The session
+    belongs to the event loop it was created on.
     """
 
     def __init__(
@@ -374,12 +507,22 @@ class Transport:
         connect_timeout: float = 10.0,
         max_connections: int = 256,
         keepalive_timeout: float = 4.0,
+        stream_idle_timeout: float | None = 60.0,
+        stream_first_chunk_timeout: float | None = None,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: give a positive number of seconds or None")
         if not connect_timeout > 0:
             raise ValueError(f"connect_timeout={connect_timeout!r}: give a positive number")
+        for name, value in (
+            ("stream_idle_timeout", stream_idle_timeout),
+            ("stream_first_chunk_timeout", stream_first_chunk_timeout),
+        ):
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name}={value!r}: give a positive number of seconds or None")
+        self.stream_idle_timeout = stream_idle_timeout
+        self.stream_first_chunk_timeout = stream_first_chunk_timeout
         if max_connections < 1:
             raise ValueError(f"max_connections={max_connections!r}: give at least 1")
         self.timeout = timeout

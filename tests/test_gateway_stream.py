@@ -114,7 +114,12 @@ def test_engine_killed_mid_stream_truncates_without_switching_replica() -> None:
             got, error = asyncio.run(go())
             metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
         assert error is not None, "a stream cut by a dead engine must not end cleanly"
-        assert got.count(b"data: ") == 2 and b"[DONE]" not in got
+        events = got.split(b"\n\n")
+        assert [e.startswith(b"data: {") for e in events[:3]] == [True] * 3, got
+        assert b"[DONE]" not in got
+        # The last event before the cut says why, in the shape SGLang uses for stream errors.
+        last = json.loads(events[2].removeprefix(b"data: "))["error"]
+        assert last["code"] == 502 and "failed after" in last["message"]
         states = [u.proc.poll() for u in (a, b)]
         assert sorted(s is None for s in states) == [False, True], "exactly one engine died"
         survivor = a if states[0] is None else b
@@ -211,3 +216,70 @@ def test_teacher_gateway_uses_the_teacher_plugins_prefill_checks(
             },
         )
         assert status == 200
+
+
+def test_genrm_request_makes_one_routing_decision(
+    tokenizer_dir: Path, plugin_manager: PluginManager
+) -> None:
+    # The genrm adapter needs the model before it builds the body; the replica chosen then is
+    # the one the request goes to, so round-robin advances once per request.
+    with gs.upstream("a") as a, gs.upstream("b") as b:
+        registry = gs.Registry(gs.snapshot("genrm", {"judge": {"urls": [a.url, b.url]}}))
+        adapter = adapter_for_role(plugin_manager, "genrm")
+        with gs.gateway(
+            "genrm",
+            registry,
+            adapter=adapter,
+            model_paths={"judge": str(tokenizer_dir)},
+            snapshot_ttl=60.0,
+        ) as url:
+            messages = [{"role": "user", "content": "is 4 correct?"}]
+            for _ in range(8):
+                status, _, body = gs.post(f"{url}/genrm/generate", {"messages": messages})
+                assert status == 200, body
+        assert (a.stats()["requests"], b.stats()["requests"]) == (4, 4)
+
+
+def test_stalled_stream_ends_with_a_504_error_event_and_a_cut_connection(engine: Any) -> None:
+    import signal
+
+    with gs.upstream("stall") as up:
+        registry = gs.Registry(gs.snapshot("rollout", {"policy": {"urls": [up.url]}}))
+        try:
+            with gs.gateway("rollout", registry, stream_idle_timeout=0.5, timeout=120) as url:
+
+                async def go() -> tuple[bytes, BaseException | None]:
+                    got = b""
+                    async with aiohttp.ClientSession() as session:
+                        try:
+                            async with session.post(
+                                f"{url}/rollout/generate",
+                                json={"text": "x", "stream": True},
+                                headers={"X-Test-Mode": "hang-stream"},
+                            ) as resp:
+                                assert resp.status == 200
+                                async for chunk in resp.content.iter_any():
+                                    if not got:
+                                        # The engine stops dead; its socket stays open.
+                                        up.proc.send_signal(signal.SIGSTOP)
+                                    got += chunk
+                        except aiohttp.ClientPayloadError as exc:
+                            return got, exc
+                    return got, None
+
+                got, error = asyncio.run(go())
+                metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        finally:
+            up.proc.send_signal(signal.SIGCONT)
+    assert error is not None, "a stalled stream must not end cleanly"
+    events = got.split(b"\n\n")
+    assert events[0].startswith(b"data: {") and b"[DONE]" not in got
+    last = json.loads(events[1].removeprefix(b"data: "))["error"]
+    assert last["code"] == 504 and last["type"] == "gateway_timeout"
+    assert "sent nothing for 0.5s in the middle of its streamed answer" in last["message"]
+    assert (
+        'relax_gateway_upstream_errors_total{error="stream_stalled",role="rollout"} 1.0' in metrics
+    )
+    assert (
+        'relax_gateway_requests_total{role="rollout",route="generate",status="504"} 1.0' in metrics
+    )

@@ -14,6 +14,8 @@ the gateway like any end-to-end header):
 - ``badjson``       answer 200 with a body that is not JSON;
 - ``status:N``      answer status N with a JSON error body;
 - ``hang-stream``   send one SSE event, then nothing until the client goes away;
+- ``first-event-after:S``  send the stream's headers at once and its first event S seconds
+                    later (an engine queueing and prefilling a long prompt);
 - ``die-after:N``   send N SSE events, then kill this process (SIGKILL) mid-stream.
 
 ``GET /_last`` returns the last POST's path, headers and body; ``GET /_stats`` counts requests
@@ -90,6 +92,8 @@ class _HangStream(Response):
 async def _stream(events: list[bytes], mode: str) -> AsyncIterator[bytes]:
     try:
         for i, event in enumerate(events):
+            if i == 0 and mode.startswith("first-event-after:"):
+                await asyncio.sleep(float(mode[18:]))
             if mode.startswith("die-after:") and i == int(mode[10:]):
                 os.kill(os.getpid(), signal.SIGKILL)
             yield event
