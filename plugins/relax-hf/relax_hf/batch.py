@@ -46,6 +46,7 @@ class Sequence:
     output_top_logprobs: list[Any] = attrs.field(factory=list)
     output_token_ids_logprobs: list[Any] = attrs.field(factory=list)
     position: int = 0
+    retracted: bool = False  # its KV cache was dropped; the next prefill feeds its output too
 
     @property
     def finished(self) -> bool:
@@ -85,6 +86,20 @@ class Batch:
         elif self.seqs:
             changed += self._decode()
         return changed
+
+    def retract(self) -> list[Sequence]:
+        """Take every running sequence out of the batch and drop the KV cache.
+
+        Aborted ones are finished; the others are marked ``retracted`` so that their next
+        prefill feeds the prompt and every generated token.
+        """
+        out = self._drop_aborted()
+        for s in self.seqs:
+            s.retracted = True
+        out += self.seqs
+        self.seqs = []
+        self.clear()
+        return out
 
     def drop_aborted(self) -> list[Sequence]:
         """Finish and remove the sequences whose abort was requested (no forward pass)."""
@@ -198,10 +213,11 @@ class Batch:
     def _prefill(self, new: list[Sequence]) -> None:
         # Sequences that want input log-probs need logits at every position; the rest only at
         # the last one, so they are prefilled apart (bounded logits memory).
-        full = [s for s in new if s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1]
-        rest = [
-            s for s in new if not (s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1)
-        ]
+        def wants_input_logprobs(s: Sequence) -> bool:
+            return not s.retracted and s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1
+
+        full = [s for s in new if wants_input_logprobs(s)]
+        rest = [s for s in new if not wants_input_logprobs(s)]
         for group in (full, rest):
             if group:
                 self._prefill_group(group, full=group is full)
@@ -209,12 +225,14 @@ class Batch:
     def _prefill_group(self, new: list[Sequence], *, full: bool) -> None:
         runner = self.runner
         device = runner.device
-        length = max(len(s.prompt_ids) for s in new)
+        # A retracted sequence is prefilled with its output so far and continues from there.
+        inputs = [s.prompt_ids + s.output_ids if s.retracted else s.prompt_ids for s in new]
+        length = max(len(x) for x in inputs)
         ids = torch.full((len(new), length), runner.pad_id, dtype=torch.long)
         mask = torch.zeros((len(new), length), dtype=torch.long)
-        for i, s in enumerate(new):
-            n = len(s.prompt_ids)
-            ids[i, length - n :] = torch.tensor(s.prompt_ids, dtype=torch.long)
+        for i, (s, x) in enumerate(zip(new, inputs, strict=True)):
+            n = len(x)
+            ids[i, length - n :] = torch.tensor(x, dtype=torch.long)
             mask[i, length - n :] = 1
             s.position = n
         ids, mask = ids.to(device), mask.to(device)
@@ -222,11 +240,12 @@ class Batch:
         cache = runner.new_cache()
         logits = runner.forward(ids, mask, positions, cache, logits_to_keep=0 if full else 1)
         for i, s in enumerate(new):
-            if s.logprob.return_logprob:
+            if s.logprob.return_logprob and not s.retracted:
                 self._input_logprobs(s, logits[i], length - len(s.prompt_ids) if full else None)
         tokens = self._sample(logits[:, -1, :].float(), new)
         keep = []
         for i, s in enumerate(new):
+            s.retracted = False
             if s.sampling.max_new_tokens == 0:
                 s.finish_reason = {"type": "length", "length": 0}
                 self.refresh_text(s)

@@ -175,6 +175,7 @@ class Engine:
         if seq in self._pending:
             self._pending.remove(seq)
             seq.finish_reason = {"type": "abort", "message": message}
+            self.batch.refresh_text(seq)  # a retracted request has output already
             self._deliver([seq])
         else:
             seq.abort_message = message  # the compute thread finishes it before the next step
@@ -274,16 +275,27 @@ class Engine:
         return len(self._live)
 
     async def pause(self, mode: str) -> str:
-        """``pause_generation``: ``abort`` aborts everything in flight; ``in_place`` keeps it."""
-        if mode not in ("abort", "in_place"):
+        """``pause_generation`` with SGLang's modes.
+
+        ``abort`` aborts everything in flight; ``in_place`` keeps the running batch and its KV
+        cache; ``retract`` moves running requests back to the queue and drops their KV cache
+        (memory can then be released and weights updated; on continue they are prefilled again
+        with their tokens so far and carry on).
+        """
+        if mode not in ("abort", "in_place", "retract"):
             raise Conflict(
-                f"mode: {mode!r} is not supported by the hf engine; use 'abort' or 'in_place'"
+                f"mode: {mode!r} is not a pause mode; use 'abort', 'in_place' or 'retract'"
             )
         self.paused = True
         if mode == "abort":
             n = self.abort_all("Abort by pause_generation")
             self._deliver(await self.compute(self.batch.drop_aborted))
             return f"Generation paused; {n} request(s) aborted."
+        if mode == "retract":
+            retracted = await self.compute(self.batch.retract)
+            self._deliver([s for s in retracted if s.finished])
+            self._pending.extendleft(reversed([s for s in retracted if not s.finished]))
+            return f"Generation paused; {len(retracted)} running request(s) retracted to the queue."
         await self.compute(lambda: None)  # wait for the step in progress
         return f"Generation paused in place; {self._in_flight()} request(s) kept."
 
@@ -294,8 +306,8 @@ class Engine:
         return "Generation continued."
 
     async def flush_cache(self) -> str:
-        """Refused (``Conflict``) while any request is pending or running."""
-        if self._in_flight():
+        """Refused (``Conflict``) while requests run or wait to run (retracted ones may wait)."""
+        if len(self.batch) or (self._pending and not self.paused):
             raise Conflict(
                 f"Cache not flushed: {self._in_flight()} request(s) are pending or running; "
                 "abort them or wait"

@@ -114,7 +114,7 @@ CASES: list[tuple[str, str, Any, str]] = [
         {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2},
         "master_port",
     ),
-    ("/pause_generation", "unsupported pause mode", {"mode": "retract"}, "mode"),
+    ("/pause_generation", "unknown pause mode", {"mode": "sleep"}, "mode"),
     ("/v1/chat/completions", "no messages", {"model": "tiny"}, "messages"),
     (
         "/v1/chat/completions",

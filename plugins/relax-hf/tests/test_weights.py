@@ -114,6 +114,36 @@ def test_distributed_update_over_nccl_from_a_trainer_on_another_gpu(start_server
     _assert_zero_head(engine, "nccl-1")
 
 
+def test_retracted_requests_continue_with_the_new_weights(fresh: EngineServer) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from relax_core.testing import wait_for
+
+    params = {"max_new_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(fresh.http.generate, "Hello", sampling_params=params)
+        wait_for(
+            lambda: fresh.http.ok("/server_info")["num_running_reqs"] == 1,
+            timeout=30,
+            what="a running request",
+        )
+        out = fresh.http.ok("/pause_generation", {"mode": "retract"})
+        assert "1 running request(s) retracted" in out["message"]
+        info = fresh.http.ok("/server_info")
+        assert (info["num_running_reqs"], info["num_waiting_reqs"]) == (0, 1)
+        assert fresh.http.post("/flush_cache")[0] == 200  # nothing holds KV while retracted
+        fresh.http.ok("/release_memory_occupation", {"tags": ["kv_cache"]})
+        fresh.http.ok("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        _trainer(fresh, "safetensors")  # lm_head = 0: every token from now on is id 0
+        fresh.http.ok("/continue_generation", {})
+        result = fut.result(timeout=60)
+    ids = result["output_ids"]
+    assert len(ids) == 1000 and result["meta_info"]["finish_reason"]["type"] == "length"
+    first_zero = next(i for i, t in enumerate(ids) if t == 0 and all(x == 0 for x in ids[i:]))
+    assert 0 < first_zero < 1000  # tokens before the update came from the old weights
+    assert result["meta_info"]["weight_version"] == "st-1"
+
+
 def test_update_from_disk_restores_the_checkpoint(fresh: EngineServer, tiny_model: Path) -> None:
     before = fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
     _trainer(fresh, "safetensors")
