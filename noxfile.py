@@ -70,6 +70,8 @@ def bench(session: nox.Session) -> None:
     )
     for name in names:
         session.run("relax", "bench", name, "--json")
+    if not session.posargs:
+        session.run("relax-hf", "bench", "--json")
 
 
 @nox.session(python=PYTHON)
