@@ -4,6 +4,11 @@ Every engine backend whose server is a local command (``hf``, ``sglang``, a thir
 return a :class:`SubprocessEngineProcess` from its ``launch``: it implements the
 :class:`~relax_core.records.EngineProcess` protocol the InferenceManager relies on.
 
+A follower of a multi-node engine serves no public HTTP: it may answer a private
+``ready_url`` (e.g. ``http://127.0.0.1:PORT/health`` on loopback) once it has joined its head;
+without one, :meth:`~SubprocessEngineProcess.wait_ready` only checks that it is still alive
+after a short grace period.
+
 The child runs in its own process group (its own session), so :meth:`terminate` and
 :meth:`kill` reach every process it started (tokenizer workers, schedulers, …), not only the
 leader. Its stdout and stderr go to a log file whose tail is quoted in every start-up error.
@@ -22,9 +27,17 @@ from collections.abc import Mapping, Sequence
 
 from relax_core.errors import LifecycleError
 
-__all__ = ["SubprocessEngineProcess", "log_tail"]
+__all__ = ["SubprocessEngineProcess", "log_tail", "safe_file_name"]
 
 _TAIL_BYTES = 4000
+#: How long a follower without a readiness URL must stay alive to count as started.
+FOLLOWER_GRACE_S = 1.0
+
+
+def safe_file_name(text: str) -> str:
+    """``text`` with every character but letters, digits, ``-``, ``_`` and ``.`` replaced by
+    ``_`` (an engine id such as ``judge/replica-0`` becomes ``judge_replica-0``)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "engine"
 
 
 def log_tail(path: str | None, max_bytes: int = _TAIL_BYTES) -> str:
@@ -45,7 +58,8 @@ class SubprocessEngineProcess:
     """An engine server process started from a command line (implements ``EngineProcess``).
 
     Build one with :meth:`start`; it returns at once. :meth:`wait_ready` blocks until the server
-    answers ``GET /health`` with 200, the process exits, or the deadline passes.
+    answers ``GET /health`` with 200 (a follower: its ``ready_url``), the process exits, or the
+    deadline passes.
     :meth:`terminate` and :meth:`kill` are idempotent and always reap the process.
     """
 
@@ -57,12 +71,14 @@ class SubprocessEngineProcess:
         engine_id: str,
         log_path: str,
         health_path: str = "/health",
+        ready_url: str | None = None,
     ) -> None:
         self._popen = popen
         self._base_url = base_url
         self._engine_id = engine_id
         self._log_path = log_path
         self._health_path = health_path
+        self._ready_url = ready_url
         self._returncode: int | None = None
 
     @classmethod
@@ -76,18 +92,25 @@ class SubprocessEngineProcess:
         log_path: str | None = None,
         cwd: str | None = None,
         health_path: str = "/health",
+        ready_url: str | None = None,
     ) -> SubprocessEngineProcess:
         """Start ``argv`` in a new process group and return without waiting.
 
         :param base_url: ``http://host:port`` the server will answer on (``None`` for a
-            follower that serves no HTTP; :meth:`wait_ready` then only checks it is alive).
-        :param engine_id: names the engine in every error message.
+            follower that serves no public HTTP).
+        :param engine_id: names the engine in every error message (and the default log file,
+            with any ``/`` or other unsafe character replaced by ``_``).
         :param env: variables added to (and overriding) this process's environment.
         :param log_path: where stdout and stderr go (appended); a temporary file if ``None``.
+        :param ready_url: for a follower (``base_url`` ``None``): a private URL that answers 200
+            once it is ready (has joined its head). Without it a follower counts as ready once
+            it has stayed alive for a short grace period.
         :raises LifecycleError: the command cannot be started (not found, not executable).
         """
         if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix=f"relax-engine-{engine_id}-", suffix=".log")
+            fd, log_path = tempfile.mkstemp(
+                prefix=f"relax-engine-{safe_file_name(engine_id)}-", suffix=".log"
+            )
             os.close(fd)
         full_env = dict(os.environ)
         if env:
@@ -114,6 +137,7 @@ class SubprocessEngineProcess:
             engine_id=engine_id,
             log_path=log_path,
             health_path=health_path,
+            ready_url=ready_url,
         )
 
     # -- EngineProcess -------------------------------------------------------------------
@@ -127,6 +151,14 @@ class SubprocessEngineProcess:
     def base_url(self) -> str | None:
         """``http://host:port`` of the server; ``None`` for a follower."""
         return self._base_url
+
+    @property
+    def ready_url(self) -> str | None:
+        """The URL :meth:`wait_ready` polls: ``{base_url}/health``, a follower's private
+        readiness URL, or ``None`` (a follower that only has to stay alive)."""
+        if self._base_url is not None:
+            return self._base_url + self._health_path
+        return self._ready_url
 
     @property
     def engine_id(self) -> str:
@@ -166,24 +198,28 @@ class SubprocessEngineProcess:
         self._returncode = self._popen.wait()
         return self._returncode
 
-    def _health_once(self, timeout: float) -> bool:
-        assert self._base_url is not None
+    def _health_once(self, url: str, timeout: float) -> bool:
         try:
-            with urllib.request.urlopen(
-                self._base_url + self._health_path, timeout=timeout
-            ) as resp:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
     def wait_ready(self, timeout: float, *, interval: float = 0.1) -> None:
-        """Block until ``GET {base_url}/health`` answers 200.
+        """Block until the server is ready.
+
+        A head (or single-node server) is ready when ``GET {base_url}/health`` answers 200; a
+        follower when its ``ready_url`` answers 200; a follower without one once it has stayed
+        alive for :data:`FOLLOWER_GRACE_S` seconds (or ``timeout``, if shorter).
 
         :raises LifecycleError: the process exited first (its exit code and log tail are in
             the message), or ``timeout`` seconds passed (the process is left running: call
             :meth:`terminate`).
         """
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        url = self.ready_url
+        grace_end = start + min(timeout, FOLLOWER_GRACE_S)
         while True:
             code = self.poll()
             if code is not None:
@@ -192,20 +228,20 @@ class SubprocessEngineProcess:
                     f"before it was ready{self._where()}; log tail ({self._log_path}):\n"
                     f"{self.log_tail()}"
                 )
-            remaining = deadline - time.monotonic()
-            if self._base_url is None:
-                # A follower serves no HTTP: being alive at the deadline is all we can check.
-                if remaining <= 0:
+            now = time.monotonic()
+            if url is None:
+                # A follower with nothing to ask: staying alive through the grace is all we check.
+                if now >= grace_end:
                     return
-                time.sleep(min(interval, remaining))
+                time.sleep(min(interval, grace_end - now))
                 continue
-            if self._health_once(timeout=max(0.05, min(2.0, remaining))):
+            if self._health_once(url, timeout=max(0.05, min(2.0, deadline - now))):
                 return
             if time.monotonic() >= deadline:
                 raise LifecycleError(
-                    f"engine {self._engine_id}: {self._base_url}{self._health_path} did not answer "
-                    f"200 within {timeout:.1f}s (process {self.pid} still running); raise the "
-                    f"start-up timeout or read the log ({self._log_path}):\n{self.log_tail()}"
+                    f"engine {self._engine_id}: {url} did not answer 200 within {timeout:.1f}s "
+                    f"(process {self.pid} still running); raise the start-up timeout or read "
+                    f"the log ({self._log_path}):\n{self.log_tail()}"
                 )
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
@@ -240,7 +276,9 @@ class SubprocessEngineProcess:
             pass
 
     def _where(self) -> str:
-        return f" (serving {self._base_url})" if self._base_url else ""
+        if self._base_url:
+            return f" (serving {self._base_url})"
+        return f" (follower, ready at {self._ready_url})" if self._ready_url else " (follower)"
 
     def __repr__(self) -> str:
         state = "running" if self.poll() is None else f"exited {self._returncode}"

@@ -101,14 +101,73 @@ def test_terminate_kills_children_that_ignore_sigterm(procs: list, tmp_path: Pat
     assert p.kill() == -signal.SIGKILL
 
 
-def test_a_follower_without_http_is_ready_while_alive(procs: list) -> None:
+def test_a_follower_without_a_ready_url_is_ready_once_alive_through_a_short_grace(
+    procs: list,
+) -> None:
     p = SubprocessEngineProcess.start(
         _py("import time; time.sleep(60)"), base_url=None, engine_id="follower"
     )
     procs.append(p)
-    p.wait_ready(0.3)
-    assert p.base_url is None
+    start = time.monotonic()
+    p.wait_ready(60)
+    # It returns after the grace, not at the 60 s deadline (the bound is loose on purpose).
+    assert time.monotonic() - start < 30
+    assert p.base_url is None and p.ready_url is None
     assert p.terminate(5) == -signal.SIGTERM
+
+
+def test_a_follower_is_ready_when_its_private_ready_url_answers(
+    procs: list, tmp_path: Path
+) -> None:
+    port = free_port()
+    # The "follower" opens its readiness port only after a marker file appears (it "joins").
+    marker = tmp_path / "joined"
+    code = f"""
+        import http.server, os, time
+        while not os.path.exists({str(marker)!r}):
+            time.sleep(0.02)
+        http.server.HTTPServer(("127.0.0.1", {port}), http.server.SimpleHTTPRequestHandler
+                               ).serve_forever()
+    """
+    url = f"http://127.0.0.1:{port}/"
+    p = SubprocessEngineProcess.start(
+        _py(code), base_url=None, engine_id="follower", ready_url=url, cwd=str(tmp_path)
+    )
+    procs.append(p)
+    assert p.ready_url == url and p.base_url is None
+    with pytest.raises(LifecycleError, match=f"{url} did not answer 200 within 0.5s"):
+        p.wait_ready(0.5)
+    marker.write_text("")
+    p.wait_ready(30)
+    assert p.poll() is None
+
+
+def test_a_follower_that_exits_before_joining_raises_with_its_log(procs: list) -> None:
+    p = SubprocessEngineProcess.start(
+        _py("print('cannot reach the head', flush=True); raise SystemExit(4)"),
+        base_url=None,
+        engine_id="judge/replica-0/node-1",
+        ready_url=f"http://127.0.0.1:{free_port()}/health",
+    )
+    procs.append(p)
+    with pytest.raises(LifecycleError) as info:
+        p.wait_ready(30)
+    msg = str(info.value)
+    assert "judge/replica-0/node-1" in msg and "exited with code 4" in msg
+    assert "cannot reach the head" in msg and "follower, ready at" in msg
+
+
+def test_the_default_log_file_of_an_engine_id_with_slashes_is_created(procs: list) -> None:
+    p = SubprocessEngineProcess.start(
+        _py("print('hello from the replica')"), base_url=None, engine_id="judge/replica-0"
+    )
+    procs.append(p)
+    wait_for(lambda: p.poll() is not None, timeout=30, what="the process to exit")
+    assert p.poll() == 0
+    name = os.path.basename(p.log_path)
+    assert name.startswith("relax-engine-judge_replica-0-") and name.endswith(".log")
+    assert "hello from the replica" in p.log_tail()
+    os.unlink(p.log_path)
 
 
 def test_a_missing_command_raises_lifecycle_error() -> None:

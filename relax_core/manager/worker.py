@@ -2,8 +2,9 @@
 
 Node rank 0 is the replica's *head*: it serves HTTP, owns the admission server (the public
 port) and is the only worker the manager drives lifecycle and weight calls through. Followers
-(node rank > 0) run an engine process that joins the head's ``dist_init_addr``; they only report
-whether their process is alive.
+(node rank > 0) run an engine process that joins the head's ``dist_init_addr``; a follower is
+started once its process reports ready (joined), and afterwards only reports whether its process
+is alive (the head notices a lost follower itself and stops generating).
 
 The worker is an *async* actor: its methods and the admission proxy share the actor's event
 loop, and anything that blocks (starting, waiting for and stopping the engine process) runs in
@@ -158,10 +159,10 @@ class EngineWorker:
             self.process = await asyncio.to_thread(self.backend.launch, launch)
             self.reaper_pid = await asyncio.to_thread(self._start_reaper, self.process.pid)
             try:
-                # A follower serves no HTTP: its readiness is the head's (the head is ready
-                # once every node joined); here it only must not die at once.
-                wait = ready_timeout if launch.node_rank == 0 else min(ready_timeout, 1.0)
-                await asyncio.to_thread(self.process.wait_ready, wait)
+                # A follower serves no public HTTP: its process says when it is ready (hf: a
+                # private readiness URL answering once it joined the head; a backend without
+                # one: alive after a short grace), so every node waits the same deadline.
+                await asyncio.to_thread(self.process.wait_ready, ready_timeout)
                 version = None
                 if launch.node_rank == 0:
                     engine_url = self.process.base_url or f"http://{launch.host}:{launch.port}"
