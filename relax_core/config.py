@@ -200,10 +200,13 @@ class ModelConfig:
 
 @attrs.frozen
 class GatewayConfig:
-    """The role gateway's listen address (``port`` ``None``: pick a free one)."""
+    """The role gateway's listen address (``port`` ``None``: pick a free one) and where it runs:
+    in a thread of the ``relax serve`` process, or (``in_ray_actor``) in a CPU-only Ray actor
+    of its own on the same node."""
 
     host: str = "127.0.0.1"
     port: int | None = None
+    in_ray_actor: bool = False
 
 
 @attrs.frozen
@@ -375,7 +378,7 @@ _CLUSTER = ("num_nodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "
 _TRAINING = tuple(f.name for f in attrs.fields(TrainingConfig))
 _PLACEMENT = ("mode", "defer_roles", "pg_strategy")
 _ROLE = ("models", "default_model", "policy", "num_gpus", "gateway")
-_GATEWAY = ("host", "port")
+_GATEWAY = ("host", "port", "in_ray_actor")
 _MODEL = tuple(f.name for f in attrs.fields(ModelConfig) if f.name not in ("role", "name", "path"))
 
 
@@ -513,6 +516,7 @@ def _role(r: _Reader, name: str, raw: object) -> RoleConfig | None:
     gateway = GatewayConfig(
         host=r.value(gw_raw, f"{p}.gateway", "host", str, "127.0.0.1"),
         port=r.value(gw_raw, f"{p}.gateway", "port", int, None, check=_port),
+        in_ray_actor=r.value(gw_raw, f"{p}.gateway", "in_ray_actor", bool, False),
     )
     role = RoleConfig(
         name=name,

@@ -4,7 +4,9 @@ A :class:`RoleService` holds ``dict[model_id, InferenceManager]`` and one
 :class:`~relax_core.registry.RegistryPublisher`; every manager publishes its model's schema-2
 view into that publisher, so :meth:`RoleService.snapshot` is the role's one aggregated snapshot
 (what the role gateway serves and routes by). :func:`build_role_service` builds one from a job
-config's role and the bound placement.
+config's role and the bound placement; :func:`servable_problems` says, before anything starts,
+what of a job ``relax serve`` cannot run. :meth:`RoleService.start_monitor` health-checks every
+replica periodically (a dead engine's replica is FAILED, so no longer routed to, and rebuilt).
 """
 
 from __future__ import annotations
@@ -13,15 +15,24 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from relax_core.config import ModelConfig, RoleConfig
+from relax_core.config import ConfigProblem, JobConfig, ModelConfig, RoleConfig
 from relax_core.engine_spec import InferenceEngineSpec
 from relax_core.errors import ConfigError, LifecycleError, RelaxError
-from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
+from relax_core.manager import (
+    HealthReport,
+    InferenceManager,
+    ManagerTimeouts,
+    ModelLaunch,
+    ReplicaPlacement,
+)
 from relax_core.plugins import PluginManager
 from relax_core.registry import RegistryPublisher
 from relax_core.schema import RoleSnapshot, RoutingSpec
 
-__all__ = ["RoleService", "build_role_service", "routing_spec"]
+__all__ = ["RoleService", "build_role_service", "routing_spec", "servable_problems"]
+
+#: ``on_report(model_id, report_or_error)`` of :meth:`RoleService.start_monitor`.
+MonitorCallback = Callable[[str, "HealthReport | BaseException"], None]
 
 
 def routing_spec(role: RoleConfig) -> RoutingSpec:
@@ -45,6 +56,8 @@ class RoleService:
         self.publisher = RegistryPublisher(role, routing, weight_sources=weight_sources)
         self.managers: dict[str, InferenceManager] = {}
         self.model_paths: dict[str, str] = {}
+        self._monitor: threading.Thread | None = None
+        self._monitor_stop = threading.Event()
 
     def add(
         self, model_id: str, manager: InferenceManager, *, model_path: str | None = None
@@ -104,8 +117,70 @@ class RoleService:
             )
         return results
 
+    def engine_pids(self) -> dict[str, list[int]]:
+        """Every live engine process id the managers know of, by engine id."""
+        out: dict[str, list[int]] = {}
+        for manager in self.managers.values():
+            for engine_id, pids in manager.engine_pids().items():
+                out[engine_id] = [p for p in pids if p]
+        return out
+
+    # -- health monitor --------------------------------------------------------------------
+
+    def start_monitor(
+        self, interval: float, *, recover: bool = True, on_report: MonitorCallback | None = None
+    ) -> None:
+        """Health-check every model every ``interval`` seconds, in a daemon thread.
+
+        Each round calls ``manager.health_check(recover=recover)`` model by model: a replica
+        whose engine died or stopped answering is marked FAILED (published without a URL, so
+        gateways stop routing to it) and, with ``recover``, cleaned and rebuilt.
+        ``on_report(model_id, report_or_error)`` is called for every round that found a
+        problem, and for every error of a round (a fenced model raises
+        ``InferenceRecoveryRequired``: an operator must confirm the cleanup). Idempotent.
+
+        :raises ValueError: ``interval`` is not a positive number of seconds.
+        """
+        if not interval > 0:
+            raise ValueError(f"interval={interval!r}: give a positive number of seconds")
+        if self._monitor is not None and self._monitor.is_alive():
+            return
+        self._monitor_stop.clear()
+        self._monitor = threading.Thread(
+            target=self._watch,
+            args=(interval, recover, on_report),
+            name=f"health-{self.role}",
+            daemon=True,
+        )
+        self._monitor.start()
+
+    def stop_monitor(self, timeout: float = 60.0) -> None:
+        """Stop the health monitor; wait up to ``timeout`` for a check in progress. Idempotent."""
+        self._monitor_stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout)
+            self._monitor = None
+
+    def _watch(self, interval: float, recover: bool, on_report: MonitorCallback | None) -> None:
+        while not self._monitor_stop.wait(interval):
+            for model_id, manager in list(self.managers.items()):
+                if self._monitor_stop.is_set():
+                    return
+                outcome: HealthReport | BaseException
+                try:
+                    outcome = manager.health_check(recover=recover)
+                except Exception as exc:  # reported, not swallowed: the monitor must go on
+                    outcome = exc
+                failed = isinstance(outcome, BaseException) or not all(
+                    r.healthy for r in outcome.replicas
+                )
+                if failed and on_report is not None and not self._monitor_stop.is_set():
+                    on_report(model_id, outcome)
+
     def shutdown(self) -> list[str]:
-        """Shut every manager down (all are tried); return the problems, empty when clean."""
+        """Stop the monitor, shut every manager down (all are tried); return the problems,
+        empty when clean."""
+        self.stop_monitor()
         problems = []
         for model_id, manager in self.managers.items():
             try:
@@ -113,6 +188,64 @@ class RoleService:
             except RelaxError as exc:
                 problems.append(f"{self.role}.{model_id}: {exc}")
         return problems
+
+
+def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[ConfigProblem]:
+    """What of ``config`` ``relax serve`` cannot run, found before anything starts.
+
+    The placement planner checks budgets and weight sources; this checks the rest a role
+    service needs: the role is registered, the engine backend is registered and runs on the
+    model's device, and the route mode is one ``relax serve`` can route (``DIRECT``; an
+    ``SGLANG_ROUTER`` model needs the router plugin).
+    """
+    problems: list[ConfigProblem] = []
+    roles = plugin_manager.registered("roles")
+    backends = plugin_manager.registered("engine_backends")
+    for role in config.roles:
+        if role.name not in roles:
+            problems.append(
+                ConfigProblem(
+                    f"roles.{role.name}",
+                    "plugin",
+                    f"no plugin registers the role {role.name!r} (registered: "
+                    f"{', '.join(sorted(roles)) or 'none'}); install its plugin",
+                )
+            )
+            continue
+        spec = roles[role.name].record
+        for model in role.models:
+            if model.backend not in backends:
+                problems.append(
+                    ConfigProblem(
+                        f"{model.path}.backend",
+                        "plugin",
+                        f"no engine backend {model.backend!r} is registered (registered: "
+                        f"{', '.join(sorted(backends)) or 'none'}); install its plugin",
+                    )
+                )
+            elif model.device not in backends[model.backend].record.devices:
+                problems.append(
+                    ConfigProblem(
+                        f"{model.path}.device",
+                        "device",
+                        f"engine backend {model.backend!r} runs on "
+                        f"{', '.join(sorted(backends[model.backend].record.devices))}, "
+                        f"not {model.device!r}",
+                    )
+                )
+            route_mode = model.route_mode or spec.default_route_mode
+            if route_mode != "DIRECT":
+                problems.append(
+                    ConfigProblem(
+                        f"{model.path}.route_mode",
+                        "route-mode",
+                        f"{route_mode} (the {role.name} role's default when not set) needs the "
+                        'SGLang router plugin, which is not installed; set route_mode = "DIRECT" '
+                        "to route this model like the static roles (its weight source stays "
+                        "as configured)",
+                    )
+                )
+    return problems
 
 
 def build_role_service(

@@ -312,3 +312,13 @@ def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 def test_an_empty_document_is_a_valid_empty_job() -> None:
     assert parse_config({}) == JobConfig()
+
+
+def test_gateway_in_ray_actor_is_a_boolean_defaulting_to_false() -> None:
+    assert parse_config(doc()).role("genrm").gateway.in_ray_actor is False
+    data = doc()
+    data["roles"]["genrm"]["gateway"] = {"in_ray_actor": True}
+    assert parse_config(data).role("genrm").gateway.in_ray_actor is True
+    data["roles"]["genrm"]["gateway"] = {"in_ray_actor": "yes"}
+    path, rule, _ = only(data)
+    assert (path, rule) == ("roles.genrm.gateway.in_ray_actor", "type")

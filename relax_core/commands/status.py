@@ -9,6 +9,7 @@ import argparse
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relax_core.schema import RoleSnapshot
@@ -31,8 +32,12 @@ def fetch_snapshot(url: str, *, token: str | None = None, timeout: float = 10.0)
         return RoleSnapshot.from_json(resp.read())
 
 
-def render_snapshot(snap: RoleSnapshot) -> str:
-    """A table: one line per model, one indented line per replica head."""
+def render_snapshot(snap: RoleSnapshot, *, pids: Mapping[str, Sequence[int]] | None = None) -> str:
+    """A table: one line per model, one indented line per replica head.
+
+    ``pids``: engine id → its engine process ids, shown per replica when given (``relax
+    serve`` knows them; a snapshot does not carry them).
+    """
     lines = [
         f"role {snap.role}  (epoch {snap.registry_epoch}, revision {snap.topology_revision}, "
         f"default model {snap.routing.default_model}, policy {snap.routing.policy})"
@@ -45,9 +50,12 @@ def render_snapshot(snap: RoleSnapshot) -> str:
             f"{version}  served as {m.served_model_name}  {ready}/{len(m.engines)} READY"
         )
         for e in m.engines:
+            pid = ""
+            if pids is not None and pids.get(e.engine_id):
+                pid = "  pid " + ",".join(str(p) for p in pids[e.engine_id])
             lines.append(
                 f"      {e.engine_id:22} {e.state.value:10} gen {e.generation:<3} "
-                f"{e.base_url or '-'}{'' if e.direct_eligible else '  (not routable)'}"
+                f"{e.base_url or '-'}{'' if e.direct_eligible else '  (not routable)'}{pid}"
             )
     keys = snap.routing.route_key_map
     if keys:

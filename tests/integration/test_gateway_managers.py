@@ -2,8 +2,12 @@
 
 Each failure-semantics row that reaches the gateway is produced for real: the model put to
 sleep by the manager (503 + Retry-After, nothing sent), the request deadline (504), the engine
-process killed with SIGKILL mid-stream (truncated, not replayed, counted), and the registry the
-gateway discovers through going away (503, gateway alive, not ready).
+process killed with SIGKILL mid-stream (cut, not replayed on the other replica, counted, and
+the replica FAILED by the role service's health monitor so it is no longer routed to), and the
+registry the gateway discovers through going away (503, gateway alive, not ready).
+
+One role service with two micro hf replicas and one gateway serve the whole module (engines
+start once); the test that kills an engine runs last.
 """
 
 from __future__ import annotations
@@ -11,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import re
 import signal
-import time
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import attrs
 import pytest
 
 from relax_core import PluginManager
@@ -27,6 +33,7 @@ from relax_core.gateway import InferenceGatewayHandler, adapter_for_role
 from relax_core.gateway_app import GatewayServer, create_gateway_app
 from relax_core.schema import RoutingSpec
 from relax_core.service import RoleService
+from relax_core.testing import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -43,11 +50,20 @@ ms = _load("manager_support")
 gs = _load("gateway_support")
 
 
+@attrs.frozen
+class Served:
+    service: RoleService
+    url: str
+    run: Any
+
+
 @pytest.fixture(scope="module")
-def served(ray_local: Any) -> Iterator[tuple[RoleService, str, Any]]:
-    """A teacher role service with one hf replica, and its gateway."""
+def served(ray_local: Any) -> Iterator[Served]:
+    """A teacher role service with two hf replicas of one model, and its gateway."""
     service = RoleService("teacher", RoutingSpec(default_model="math"))
-    manager = ms.make_manager(model_id="math", role="teacher", publisher=service.publisher)
+    manager = ms.make_manager(
+        model_id="math", role="teacher", publisher=service.publisher, replicas=2
+    )
     service.add("math", manager, model_path=ms.tiny_model())
     with ms.managed(manager) as run:
         handler = InferenceGatewayHandler(
@@ -59,17 +75,44 @@ def served(ray_local: Any) -> Iterator[tuple[RoleService, str, Any]]:
         )
         gateway = GatewayServer(create_gateway_app(handler)).start()
         try:
-            yield service, gateway.url, run
+            yield Served(service, gateway.url, run)
         finally:
             gateway.stop()
+            service.stop_monitor()
 
 
-def test_prefill_through_the_gateway_reaches_the_engine(
-    served: tuple[RoleService, str, Any],
-) -> None:
-    _, url, _ = served
+def _heads(service: RoleService) -> dict[str, str]:
+    """Engine id → the replica head's public (admission) URL."""
+    return {
+        e.engine_id: e.base_url
+        for e in service.snapshot().models["math"].engines
+        if e.base_url is not None
+    }
+
+
+def _requests_total(head_url: str) -> int:
+    """The engine's own count of generation requests it received (its /metrics)."""
+    text = urllib.request.urlopen(f"{head_url}/metrics", timeout=10).read().decode()
+    match = re.search(r"^sglang:num_requests_total\{[^}]*\} (\d+)", text, re.M)
+    assert match, text
+    return int(match.group(1))
+
+
+def _upstream_errors(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'^relax_gateway_upstream_errors_total\{error="([^"]+)",role="teacher"\} (\S+)',
+            text,
+            re.M,
+        )
+    }
+
+
+def test_prefill_through_the_gateway_reaches_the_engine(served: Served) -> None:
     status, _, body = gs.post(
-        f"{url}/teacher/generate",
+        f"{served.url}/teacher/generate",
         {
             "input_ids": [3, 4, 5, 6],
             "return_logprob": True,
@@ -83,10 +126,9 @@ def test_prefill_through_the_gateway_reaches_the_engine(
     assert len(meta["input_token_logprobs"]) == 3
 
 
-def test_deadline_is_504(served: tuple[RoleService, str, Any]) -> None:
-    _, url, _ = served
+def test_deadline_is_504(served: Served) -> None:
     status, _, body = gs.post(
-        f"{url}/teacher/generate",
+        f"{served.url}/teacher/generate",
         {"text": "hello", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}},
         {"X-Relax-Timeout": "0.2"},
     )
@@ -94,13 +136,12 @@ def test_deadline_is_504(served: tuple[RoleService, str, Any]) -> None:
     assert "deadline" in json.loads(body)["error"]["message"]
 
 
-def test_registry_unavailable_is_503_and_the_gateway_stays_alive(
-    served: tuple[RoleService, str, Any],
-) -> None:
-    _, _url, _ = served
+def test_registry_unavailable_is_503_and_the_gateway_stays_alive(served: Served) -> None:
     # A second gateway that discovers through the first one's /teacher/engines.
     registry = GatewayServer(
-        create_gateway_app(InferenceGatewayHandler("teacher", snapshot_provider=served[0].snapshot))
+        create_gateway_app(
+            InferenceGatewayHandler("teacher", snapshot_provider=served.service.snapshot)
+        )
     ).start()
     handler = InferenceGatewayHandler(
         "teacher", client=InferenceClient(f"{registry.url}/teacher", role="teacher", ttl=0.0)
@@ -119,59 +160,114 @@ def test_registry_unavailable_is_503_and_the_gateway_stays_alive(
         registry.stop()
 
 
-def test_sleeping_model_is_503_with_retry_after_until_onloaded(
-    served: tuple[RoleService, str, Any],
+def test_sleeping_model_is_503_with_retry_after_and_sends_nothing_until_onloaded(
+    served: Served,
 ) -> None:
-    service, url, _ = served
+    service, url = served.service, served.url
     manager = service.managers["math"]
+    heads = _heads(service)
     assert manager.offload().ok
     try:
+        before = {e: _requests_total(u) for e, u in heads.items()}
         status, headers, body = gs.post(f"{url}/teacher/generate", {"text": "hi"})
         assert status == 503 and int(headers["retry-after"]) >= 1, body
         assert service.snapshot().models["math"].state.value == "SLEEPING"
+        assert {e: _requests_total(u) for e, u in heads.items()} == before
     finally:
         assert manager.onload().ok
     assert gs.post(f"{url}/teacher/generate", {"text": "hi"})[0] == 200
 
 
-def test_engine_killed_mid_stream_truncates_and_is_not_replayed(
-    served: tuple[RoleService, str, Any],
+async def _stream_and_kill(url: str, heads: dict[str, str], pids: dict[str, int]) -> Any:
+    """Open a long stream; at its first bytes, SIGKILL the engine serving it; read to the end.
+
+    Returns ``(bytes received, truncated?, killed engine id, request counts before)``.
+    """
+    got = b""
+    killed = None
+    before = {e: _requests_total(u) for e, u in heads.items()}
+    # A client-side bound too: a regression that keeps the stream open fails, never hangs.
+    timeout = aiohttp.ClientTimeout(total=90)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        try:
+            async with session.post(
+                f"{url}/teacher/generate",
+                json={
+                    "text": "hi",
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+                },
+                headers={"X-Relax-Timeout": "60"},
+            ) as resp:
+                assert resp.status == 200
+                async for chunk in resp.content.iter_any():
+                    if killed is None:
+                        now = await asyncio.to_thread(
+                            lambda: {e: _requests_total(u) for e, u in heads.items()}
+                        )
+                        serving = [e for e in heads if now[e] == before[e] + 1]
+                        assert len(serving) == 1, (before, now)
+                        killed = serving[0]
+                        ms.signal_quietly(pids[killed], signal.SIGKILL)
+                    got += chunk
+        except aiohttp.ClientPayloadError:
+            return got, True, killed, before
+    return got, False, killed, before
+
+
+def test_engine_killed_mid_stream_is_cut_not_replayed_and_its_replica_leaves_routing(
+    served: Served,
 ) -> None:
-    _service, url, run = served
-    pid = run.track()[0]
+    service, url = served.service, served.url
+    heads = _heads(service)
+    assert len(heads) == 2
+    pids = {e: p[0] for e, p in service.engine_pids().items()}
+    served.run.track()
+    errors_before = _upstream_errors(url)
 
-    async def go() -> tuple[bytes, bool]:
-        got = b""
-        async with aiohttp.ClientSession() as session:
-            try:
-                async with session.post(
-                    f"{url}/teacher/generate",
-                    json={
-                        "text": "hi",
-                        "stream": True,
-                        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
-                    },
-                    # A bound: the admission proxy in front of the engine keeps the
-                    # connection open after the engine dies (see the report), so the
-                    # gateway deadline is what ends the relay here.
-                    headers={"X-Relax-Timeout": "20"},
-                ) as resp:
-                    assert resp.status == 200
-                    async for chunk in resp.content.iter_any():
-                        if not got:
-                            ms.signal_quietly(pid, signal.SIGKILL)
-                        got += chunk
-            except aiohttp.ClientPayloadError:
-                return got, True
-        return got, False
+    got, truncated, killed, before = asyncio.run(_stream_and_kill(url, heads, pids))
 
-    started = time.monotonic()
-    got, truncated = asyncio.run(go())
-    print(f"stream ended {time.monotonic() - started:.1f}s after the kill")
-    assert truncated and got.startswith(b"data: ") and b"[DONE]" not in got
-    metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    assert (
-        'relax_gateway_upstream_errors_total{error="stream_aborted",role="teacher"} 1.0' in metrics
-    )
-    status, _, _ = gs.post(f"{url}/teacher/generate", {"text": "hi"})
-    assert status in (502, 503)  # the dead head: unreachable, or already taken out of routing
+    # The stream is cut: no final chunk, no [DONE]; an error event (if any) says bad gateway.
+    assert truncated, got[-300:]
+    assert got.startswith(b"data: ") and b"[DONE]" not in got
+    events = [e for e in got.split(b"\n\n") if e.startswith(b"data: ")]
+    last = json.loads(events[-1][len(b"data: ") :])
+    if "error" in last:
+        assert last["error"]["code"] == 502, last
+    # Counted as an aborted stream (the engine died), not a stall or a deadline.
+    errors_after = _upstream_errors(url)
+    delta = {k: v - errors_before.get(k, 0.0) for k, v in errors_after.items()}
+    assert {k: v for k, v in delta.items() if v} == {"stream_aborted": 1.0}
+    # Not replayed: the surviving replica received nothing.
+    (survivor,) = [e for e in heads if e != killed]
+    assert _requests_total(heads[survivor]) == before[survivor]
+
+    # The role service's health monitor finds the dead engine: its replica is FAILED and no
+    # longer routable, and every request goes to the survivor.
+    reports: list[Any] = []
+    seen = threading.Event()
+
+    def on_report(model_id: str, outcome: Any) -> None:
+        reports.append((model_id, outcome))
+        seen.set()
+
+    service.start_monitor(0.2, recover=False, on_report=on_report)
+    try:
+
+        def failed() -> bool:
+            engines = {e.engine_id: e for e in service.snapshot().models["math"].engines}
+            return engines[killed].state.value == "FAILED" and not engines[killed].direct_eligible
+
+        wait_for(failed, timeout=30, what=f"{killed} FAILED in the snapshot")
+        assert seen.wait(10)
+    finally:
+        service.stop_monitor()
+    model_id, report = reports[0]
+    assert model_id == "math"
+    unhealthy = [r.engine_id for r in report.replicas if not r.healthy]
+    assert unhealthy == [killed]
+    assert service.snapshot().models["math"].state.value == "READY"  # the survivor serves
+    survivor_before = _requests_total(heads[survivor])  # the monitor's probes count too
+    for _ in range(3):
+        assert gs.post(f"{url}/teacher/generate", {"text": "hi"})[0] == 200
+    assert _requests_total(heads[survivor]) == survivor_before + 3
