@@ -33,7 +33,8 @@ def _install_project(session: nox.Session, *extras: str) -> None:
     spec = f".[{','.join(extras)}]" if extras else "."
     args = ["-e", spec]
     for dist in _local_distributions():
-        args += ["-e", dist]
+        # Each distribution's own test extra (e.g. relax-hf's routers) comes with it.
+        args += ["-e", f"{dist}[test]" if "test" in extras else dist]
     session.install(*args)
 
 
