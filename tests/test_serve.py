@@ -1,0 +1,339 @@
+"""``relax serve`` and ``relax status`` as a user runs them: real subprocesses, real Ray, real
+hf engines on CPU, real gateways; Ctrl-C sent to the process group as a terminal does.
+
+The serve test checks, besides the answers, that nothing outlives ``relax serve``: no process
+in its session (Ray's GCS, raylet, workers, the gateway actor) and no engine process (engines
+run in sessions of their own; they are found by the test's model directory on their command
+line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from relax_core.testing import wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def in_session(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (what ``relax serve`` started there, Ray included)."""
+    out = []
+    for pid in _pids():
+        fields = _stat(pid)
+        if fields is not None and fields[0] not in ("Z", "X") and int(fields[3]) == sid:
+            out.append(pid)
+    return out
+
+
+def mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    return [p for p in _pids() if text in _cmdline(p) and _alive(p) and p != os.getpid()]
+
+
+def listener_pid(port: int) -> int | None:
+    """The process holding the TCP socket listening on ``port`` (from /proc/net/tcp)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                    inodes.add(cols[9])
+    for pid in _pids():
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in inodes:
+                        return pid
+    return None
+
+
+class Lines:
+    """A subprocess's output, read on a thread; :meth:`wait_for` a line with a deadline."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        for line in self.lines:
+            if m := re.search(pattern, line):
+                return m
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no line matching {pattern!r} after {timeout}s:\n{self}")
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"output ended before {pattern!r}:\n{self}")
+            self.lines.append(line)
+            if m := re.search(pattern, line):
+                return m
+
+    def rest(self, timeout: float) -> str:
+        self._thread.join(timeout)
+        while not self._queue.empty():
+            line = self._queue.get()
+            if line is not None:
+                self.lines.append(line)
+        return str(self)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A micro hf model made the way a user makes one (``python -m relax_hf make-tiny-model``)."""
+    path = tmp_path_factory.mktemp("serve") / "model"
+    subprocess.run(
+        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(path), "--size", "micro"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return path
+
+
+@contextlib.contextmanager
+def serve(config: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], Lines, Path]]:
+    """``python -m relax_core serve CONFIG ARGS`` in a session of its own; on the way out,
+    whatever the test did, every process it left (its session, its engines) is killed."""
+    stderr = config.with_suffix(".stderr")
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relax_core", "serve", str(config), *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+    assert proc.stdout is not None
+    lines = Lines(proc.stdout)
+    try:
+        yield proc, lines, stderr
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        leftovers = in_session(proc.pid) + mentioning(str(config.parent))
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+        return dict(json.loads(resp.read()))
+
+
+def _relax(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relax_core", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+JOB = """\
+[roles.teacher.models.math]
+backend = "hf"
+device = "cpu"
+model_path = "{model}"
+
+[roles.genrm.models.judge]
+backend = "hf"
+device = "cpu"
+model_path = "{model}"
+route_keys = ["math"]
+
+[roles.genrm.gateway]
+in_ray_actor = true
+"""
+
+
+def test_serve_answers_through_both_gateway_modes_and_ctrl_c_leaves_nothing_running(
+    model_dir: Path,
+) -> None:
+    config = model_dir.parent / "job.toml"
+    config.write_text(JOB.format(model=model_dir))
+    logs = model_dir.parent / "logs"
+    with serve(config, "--log-dir", str(logs), "--refresh", "0.5") as (proc, out, stderr):
+        out.wait_for(r"relax serve: ready", timeout=240)
+        gateways = {
+            m.group(1): (m.group(2), int(m.group(3)), m.group(4), int(m.group(5)))
+            for m in (
+                re.search(
+                    r"^\s+(\w+)\s+gateway\s+(http://[\d.]+:(\d+))/\w+/\s+\(([\w-]+), pid (\d+)",
+                    line,
+                )
+                for line in out.lines
+            )
+            if m
+        }
+        assert set(gateways) == {"teacher", "genrm"}, str(out)
+        teacher_url, teacher_port, teacher_mode, teacher_pid = gateways["teacher"]
+        genrm_url, genrm_port, genrm_mode, genrm_pid = gateways["genrm"]
+
+        # The status table lists each engine with its process id.
+        out.wait_for(r"judge/replica-0\s+READY", timeout=30)
+        engine_pids = {int(p) for p in re.findall(r"replica-0\s+READY.*pid (\d+)", str(out))}
+        assert len(engine_pids) == 2 and all(_alive(p) for p in engine_pids), str(out)
+        assert set(mentioning(str(model_dir))) >= engine_pids
+
+        # A teacher prefill through the gateway in this process, a genrm judgement through
+        # the gateway in its Ray actor.
+        prefill = _post(
+            f"{teacher_url}/teacher/generate",
+            {
+                "input_ids": [5, 6, 7, 8],
+                "return_logprob": True,
+                "logprob_start_len": 1,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        )
+        assert len(prefill["meta_info"]["input_token_logprobs"]) == 3
+        judged = _post(
+            f"{genrm_url}/genrm/generate",
+            {
+                "messages": [{"role": "user", "content": "2+2=4. Correct?"}],
+                "route_key": "math",
+                "sampling_params": {"max_new_tokens": 3},
+            },
+        )
+        assert isinstance(judged["response"], str)
+
+        # Where each gateway really runs: a thread of relax serve, and a Ray worker process.
+        assert teacher_mode == "thread" and teacher_pid == proc.pid
+        assert listener_pid(teacher_port) == proc.pid
+        assert genrm_mode == "ray-actor" and listener_pid(genrm_port) == genrm_pid
+        assert genrm_pid != proc.pid and "GatewayActor" in _cmdline(genrm_pid)
+
+        status = _relax("status", f"{genrm_url}/genrm")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert re.search(r"role genrm .*default model judge", status.stdout)
+        assert re.search(r"judge\s+READY\s+DIRECT\s+STATIC .*1/1 READY", status.stdout)
+        assert re.search(r"judge/replica-0\s+READY\s+gen 1\s+http://", status.stdout)
+        assert "route keys: math→judge" in status.stdout
+
+        # Ctrl-C in a terminal signals the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, out.rest(10) + stderr.read_text()
+        text = out.rest(10)
+        assert "gateways stopped (2)" in text and "engines stopped (2 processes)" in text
+        assert "local Ray stopped" in text and text.endswith("nothing left running")
+
+        wait_for(lambda: not in_session(proc.pid), timeout=30, what="serve's processes gone")
+        wait_for(lambda: not mentioning(str(model_dir)), timeout=30, what="engines gone")
+        assert not any(_alive(p) for p in engine_pids)
+        assert listener_pid(genrm_port) is None and listener_pid(teacher_port) is None
+        assert (status := _relax("status", f"{genrm_url}/genrm")).returncode == 1
+        assert "is `relax serve` running?" in status.stdout
+
+
+def test_serve_rejects_a_job_the_planner_rejects_with_every_problem_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(
+        """\
+[cluster]
+gpus_per_node = 2
+
+[roles.rollout.models.policy]
+backend = "hf"
+model_path = "/models/policy"
+num_gpus = 2
+
+[roles.teacher.models.math]
+backend = "hf"
+model_path = "/models/teacher"
+num_gpus = 2
+weight_source = "ACTOR"
+"""
+    )
+    # Nothing listens at this address: touching Ray at all would fail differently.
+    done = _relax("serve", str(config), "--address", "127.0.0.1:9")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "rejected: 3 problem(s); nothing was started" in done.stderr
+    for path, rule in [
+        ("cluster", "gpu-budget"),
+        ("roles.teacher.models.math.weight_source", "weight-source"),
+        ("roles.rollout.models.policy.route_mode", "route-mode"),
+    ]:
+        assert f"  {path}: [{rule}]" in done.stderr, done.stderr
+    assert "starting on" not in done.stdout
+
+
+def test_serve_rejects_config_errors_with_their_key_paths(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text('[roles.genrm.models.judge]\nbackend = "hf"\ntp = "2"\n')
+    done = _relax("serve", str(config), "--address", "127.0.0.1:9")
+    assert done.returncode == 2
+    assert "roles.genrm.models.judge.model_path: [required]" in done.stderr
+    assert "roles.genrm.models.judge.tp: [type]" in done.stderr
