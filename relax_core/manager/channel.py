@@ -1,0 +1,304 @@
+"""The private control channel: the manager's lifecycle calls to engine heads over HTTP.
+
+A Ray actor call fanned out to many actors costs a Ray round trip per actor (task submission
+in the caller, the callee's core worker, object return), which on a busy host is most of a
+lifecycle operation's own time. Onload and offload therefore travel as one plain HTTP request
+per replica, sent together from one event loop, to a small *private control endpoint* that
+each head's engine worker serves on its own event loop; the Ray actor stays the owner of the
+process (start, health, shutdown, weight updates) and the witness of its death.
+
+The endpoint:
+
+- binds its **own port** (never the admission server's public port, whose allowlist refuses
+  ``/_relax/control/…`` with 403), is never published in discovery, and
+- accepts only ``POST /_relax/control/{method}`` carrying the head's random per-start token in
+  ``X-Relax-Control-Token`` (compared in constant time; missing or wrong: 401). The token
+  travels to the manager only in the worker's Ray ``start()`` result.
+- runs the worker's own coroutine (the same method a Ray call runs, under the same lock and
+  the same deadlines) and answers ``{"ok": true, "value": …}`` or ``{"ok": false, "type",
+  "message"}``. A caller that goes away does not cancel the call, as a Ray call is not
+  cancelled by its caller's deadline.
+
+Every call ends in exactly one :class:`~.fanout.CallOutcome`: a value, the worker's error (as
+the same exception class where it is a builtin or a :mod:`relax_core.errors` class), a
+:class:`ChannelError` when the HTTP exchange itself failed, or ``timed_out``. A channel error
+says nothing about the actor's death: the manager asks Ray (see
+:func:`~relax_core.manager.base.ManagerBase._call_heads`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import builtins
+import concurrent.futures
+import hmac
+import json
+import secrets
+import threading
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import Any, TypeVar
+
+import aiohttp
+import attrs
+from aiohttp import web
+
+from relax_core import errors
+from relax_core.errors import LifecycleError, RelaxError
+from relax_core.manager.fanout import CallOutcome
+
+__all__ = [
+    "CONTROL_PREFIX",
+    "TOKEN_HEADER",
+    "ChannelError",
+    "ControlAddress",
+    "ControlChannelServer",
+    "call_many",
+]
+
+#: Path prefix of every private control call (refused with 403 at the public port).
+CONTROL_PREFIX = "/_relax/control/"
+#: The header that carries the per-start token.
+TOKEN_HEADER = "X-Relax-Control-Token"
+
+K = TypeVar("K", bound=Hashable)
+Handler = Callable[..., Awaitable[Any]]
+
+
+class ChannelError(LifecycleError):
+    """The HTTP exchange with a head's control endpoint failed (no answer from the worker).
+
+    The worker's own failures are reported as its own exceptions, never as this.
+    """
+
+
+@attrs.frozen
+class ControlAddress:
+    """Where one head's private control endpoint listens, and its token (never logged)."""
+
+    url: str
+    token: str = attrs.field(repr=False)
+
+
+class ControlChannelServer:
+    """The private control endpoint of one engine head (runs on the worker's event loop).
+
+    :param handlers: method name -> coroutine function called with the JSON body's keys.
+    :param engine_id: named in every refusal.
+    :param host: the interface to bind (the one the manager reaches the node on).
+    """
+
+    def __init__(
+        self,
+        handlers: Mapping[str, Handler],
+        *,
+        engine_id: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.handlers = dict(handlers)
+        self.engine_id = engine_id
+        self.host = host
+        self.port = port
+        self._token = secrets.token_urlsafe(32)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def address(self) -> ControlAddress:
+        """The URL and token to hand to the manager (through Ray, never through discovery)."""
+        return ControlAddress(f"http://{self.host}:{self.port}", self._token)
+
+    async def start(self) -> ControlAddress:
+        """Bind the private port and serve; return the address."""
+        if self._runner is not None:
+            return self.address
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # No handler cancellation: a caller that stops waiting does not abort a release halfway.
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=False
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        self._runner = runner
+        if self.port == 0:
+            sockets: Any = getattr(site._server, "sockets", None) or ()
+            self.port = int(sockets[0].getsockname()[1])
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop serving. Idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    def _refuse(self, status: int, message: str) -> web.Response:
+        return web.json_response(
+            {"ok": False, "type": "ChannelError", "message": message, "engine_id": self.engine_id},
+            status=status,
+        )
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        given = request.headers.get(TOKEN_HEADER, "")
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            return self._refuse(
+                401,
+                f"the control endpoint of engine {self.engine_id!r} needs its manager's token in "
+                f"{TOKEN_HEADER}; it is private to the InferenceManager",
+            )
+        path = request.path
+        name = path[len(CONTROL_PREFIX) :] if path.startswith(CONTROL_PREFIX) else ""
+        handler = self.handlers.get(name)
+        if request.method != "POST" or handler is None:
+            return self._refuse(
+                404,
+                f"{request.method} {path}: engine {self.engine_id!r} serves POST "
+                f"{CONTROL_PREFIX}{{{', '.join(sorted(self.handlers))}}}",
+            )
+        try:
+            kwargs = json.loads(await request.read() or b"{}")
+        except ValueError as exc:
+            return self._refuse(400, f"{path}: the body is not JSON: {exc}")
+        if not isinstance(kwargs, dict):
+            return self._refuse(400, f"{path}: the body must be a JSON object of arguments")
+        try:
+            value = await handler(**kwargs)
+        except Exception as exc:
+            body: dict[str, Any] = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+            status = getattr(exc, "status", None)
+            if isinstance(status, int):
+                body["status"] = status
+            return web.json_response(body)
+        return web.json_response({"ok": True, "value": value})
+
+
+def _remote_error(body: Mapping[str, Any]) -> BaseException:
+    """The worker's exception, rebuilt as the same class where that is a known one."""
+    name, message = str(body.get("type", "")), str(body.get("message", ""))
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.UpstreamError):
+        return cls(int(body.get("status") or 502), message)
+    if isinstance(cls, type) and issubclass(cls, RelaxError) and cls.__init__ is Exception.__init__:
+        return cls(message)
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == "builtins":
+        try:
+            return cls(message)
+        except TypeError:
+            pass
+    return RelaxError(f"{name}: {message}" if name else message)
+
+
+class _Loop:
+    """One event loop thread and one HTTP session for every manager of this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._thread is None or not self._thread.is_alive():
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=loop.run_forever, name="relax-control-channel", daemon=True
+                )
+                thread.start()
+                self._loop, self._thread = loop, thread
+                atexit.register(self.close)
+            return self._loop
+
+    def session(self) -> aiohttp.ClientSession:
+        # Called on the loop thread only.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                json_serialize=json.dumps,
+            )
+        return self._session
+
+    def close(self) -> None:
+        """Close the session and stop the loop (at interpreter exit). Idempotent."""
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        session, self._session = self._session, None
+
+        async def _close() -> None:
+            if session is not None:
+                await session.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(_close(), loop).result(5.0)
+        except Exception:  # exiting anyway: a session that does not close must not block
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        if not thread.is_alive():
+            loop.close()
+
+
+_SHARED = _Loop()
+
+
+async def _call(
+    address: ControlAddress, method: str, kwargs: Mapping[str, Any], timeout: float
+) -> CallOutcome:
+    url = f"{address.url}{CONTROL_PREFIX}{method}"
+    try:
+        async with asyncio.timeout(timeout):
+            async with _SHARED.session().post(
+                url, json=dict(kwargs), headers={TOKEN_HEADER: address.token}
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+    except TimeoutError:
+        return CallOutcome(timed_out=True)
+    except (aiohttp.ClientError, OSError) as exc:
+        return CallOutcome(error=ChannelError(f"POST {url}: {type(exc).__name__}: {exc}"))
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or "ok" not in body:
+        text = raw.decode(errors="replace").strip()[:300]
+        return CallOutcome(error=ChannelError(f"POST {url} answered {status}: {text}"))
+    if status != 200:
+        return CallOutcome(
+            error=ChannelError(f"POST {url} answered {status}: {body.get('message')}")
+        )
+    if body["ok"]:
+        return CallOutcome(value=body.get("value"))
+    return CallOutcome(error=_remote_error(body))
+
+
+def call_many(
+    calls: Mapping[K, tuple[ControlAddress, str, Mapping[str, Any]]], timeout: float
+) -> dict[K, CallOutcome]:
+    """Send every call at once and wait for all of them until ``timeout`` seconds.
+
+    ``calls`` maps a key to ``(address, method, kwargs)``; one outcome per key. Never raises
+    for a failed call. Calls still running at the deadline are ``timed_out`` (the worker
+    finishes them; they are not cancelled there).
+    """
+    if not calls:
+        return {}
+    keys = list(calls)
+
+    async def _all() -> list[CallOutcome]:
+        return await asyncio.gather(
+            *(_call(calls[k][0], calls[k][1], calls[k][2], timeout) for k in keys)
+        )
+
+    future = asyncio.run_coroutine_threadsafe(_all(), _SHARED.loop())
+    try:
+        # Each call has its own deadline; the margin only covers the hop back to this thread.
+        outcomes = future.result(timeout + 5.0)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return dict.fromkeys(keys, CallOutcome(timed_out=True))
+    return dict(zip(keys, outcomes, strict=True))
