@@ -31,6 +31,7 @@ import attrs
 from relax_core.admission import AdmissionServer
 from relax_core.engine_spec import InferenceEngineSpec
 from relax_core.errors import CapabilityError, LifecycleError, RelaxError
+from relax_core.manager.channel import ControlAddress, ControlChannelServer
 from relax_core.manager.state import ordered
 from relax_core.records import EngineBackend, EngineLaunchSpec, EngineProcess
 
@@ -73,6 +74,8 @@ class StartResult:
     node_ip: str
     node_id: str | None = None
     weight_version: str | None = None
+    #: the head's private control endpoint (onload/offload over HTTP); never published
+    control: ControlAddress | None = None
 
 
 @attrs.frozen
@@ -123,6 +126,7 @@ class EngineWorker:
         self.retry_after = retry_after
         self.process: EngineProcess | None = None
         self.admission: AdmissionServer | None = None
+        self.channel: ControlChannelServer | None = None
         self.control: Any = None
         self.reaper_pid: int | None = None
         self._lock = asyncio.Lock()
@@ -176,7 +180,19 @@ class EngineWorker:
                         retry_after=self.retry_after,
                     )
                     await self.admission.start()
+                    self.channel = ControlChannelServer(
+                        {
+                            "offload": self.offload,
+                            "onload": self.onload,
+                            "admission_state": self.admission_state,
+                        },
+                        engine_id=self.engine_id,
+                        host=self.public_host,
+                    )
+                    await self.channel.start()
             except BaseException:
+                if self.channel is not None:
+                    await self.channel.stop()
                 await self._stop_process(timeout=10.0)
                 raise
             return StartResult(
@@ -188,6 +204,7 @@ class EngineWorker:
                 node_ip=self.node_ip,
                 node_id=_node_id(),
                 weight_version=version,
+                control=self.channel.address if self.channel else None,
             )
 
     def _start_reaper(self, engine_pid: int) -> int | None:
@@ -389,6 +406,8 @@ class EngineWorker:
             except (OSError, RuntimeError) as exc:
                 # Closing the control client must not stop the engine's shutdown.
                 log.warning("%s: closing the control client failed: %s", self._name, exc)
+        if self.channel is not None:
+            await self.channel.stop()
         code = await self._stop_process(timeout)
         if self.admission is not None:
             await self.admission.stop()
