@@ -29,6 +29,7 @@ import attrs
 
 from relax_core.engine_spec import InferenceEngineSpec
 from relax_core.errors import InferenceRecoveryRequired, LifecycleError
+from relax_core.manager.channel import ChannelError, ControlAddress, call_many
 from relax_core.manager.fanout import CallOutcome, gather
 from relax_core.manager.results import (
     LifecycleResult,
@@ -133,6 +134,9 @@ class ManagerBase:
         self._closed = False
         # Engine id -> the generation last published for it.
         self._published: dict[str, int] = {}
+        # Replica index -> (head actor, its private control endpoint); used only while that
+        # actor is still the replica's head.
+        self._control: dict[int, tuple[Any, ControlAddress]] = {}
         self._add_slots(placement.workers, placement.placement_group, owned=placement.owned)
 
     # -- queries -------------------------------------------------------------------------
@@ -475,6 +479,11 @@ class ManagerBase:
                 failed[index] = self._fail(slot, slot.head, out, "first generation")
                 continue
             head = starts[(index, 0)].value
+            control = getattr(head, "control", None)
+            if control is not None:
+                self._control[index] = (slot.head.actor, control)
+            else:
+                self._control.pop(index, None)
             rep.base_url = head.public_url
             rep.generation += 1
             rep.resident = ALL_TAGS
@@ -496,6 +505,44 @@ class ManagerBase:
             )
         self._publish()
         return results
+
+    # -- calls to replica heads ---------------------------------------------------------------
+
+    def _call_heads(
+        self, method: str, calls: dict[int, dict[str, Any]], timeout: float
+    ) -> dict[int, CallOutcome]:
+        """Call ``method(**kwargs)`` on the head worker of every replica in ``calls`` at once.
+
+        Over each head's private control endpoint (one HTTP request each, sent together from
+        one event loop) when it has one, else as a Ray actor call; one deadline for all. An
+        HTTP exchange that failed or got no answer is no proof of anything: Ray is asked
+        whether the actor died (then the outcome is Ray's ``RayActorError`` and the caller
+        fences the worker); otherwise the channel's outcome stands (a failure, never a success).
+        """
+        over_http: dict[int, tuple[ControlAddress, str, dict[str, Any]]] = {}
+        over_ray: dict[int, Any] = {}
+        for i, kwargs in calls.items():
+            head = self._slots[i].head
+            known = self._control.get(i)
+            if known is not None and known[0] is head.actor:
+                over_http[i] = (known[1], method, kwargs)
+            else:
+                over_ray[i] = getattr(head.actor, method).remote(**kwargs)
+        outs = call_many(over_http, timeout)
+        if over_ray:
+            outs.update(gather(over_ray, timeout))
+        unsure = [
+            i for i in over_http if outs[i].timed_out or isinstance(outs[i].error, ChannelError)
+        ]
+        if unsure:
+            probes = gather(
+                {i: self._slots[i].head.actor.actor_pid.remote() for i in unsure},
+                self.timeouts.rpc_margin,
+            )
+            for i in unsure:
+                if probes[i].actor_died:
+                    outs[i] = probes[i]
+        return {i: outs[i] for i in calls}
 
     def _result(
         self, operation: str, results: dict[str, ReplicaResult], begin: float

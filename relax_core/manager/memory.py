@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterable
 
 from relax_core.manager.base import ManagerBase, with_result
-from relax_core.manager.fanout import gather
 from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
 from relax_core.manager.slots import ReplicaSlot
 from relax_core.manager.state import (
@@ -75,14 +74,15 @@ class MemoryMixin(ManagerBase):
             if todo:
                 self._publish()
                 t = self.timeouts
-                outs = gather(
+                outs = self._call_heads(
+                    "offload",
                     {
-                        i: self._slots[i].head.actor.offload.remote(
-                            tags,
-                            strict=self.spec.strict_drain,
-                            drain_timeout=t.drain,
-                            timeout=t.offload,
-                        )
+                        i: {
+                            "tags": list(tags),
+                            "strict": self.spec.strict_drain,
+                            "drain_timeout": t.drain,
+                            "timeout": t.offload,
+                        }
                         for i, tags in todo.items()
                     },
                     t.drain + t.offload + t.rpc_margin,
@@ -150,11 +150,10 @@ class MemoryMixin(ManagerBase):
             if todo:
                 self._publish()
                 t = self.timeouts
-                outs = gather(
+                outs = self._call_heads(
+                    "onload",
                     {
-                        i: self._slots[i].head.actor.onload.remote(
-                            tags, reopen=reopen, timeout=t.onload
-                        )
+                        i: {"tags": list(tags), "reopen": reopen, "timeout": t.onload}
                         for i, (tags, reopen) in todo.items()
                     },
                     t.onload * 2 + t.rpc_margin,
