@@ -6,13 +6,19 @@ transformers ``DynamicCache``. :meth:`Batch.step` either prefills newly admitted
 Finished and aborted sequences leave the batch at once.
 
 Sampling uses one ``torch.Generator`` per sequence, drawn from once per generated token, so a
-seeded request's tokens do not depend on what else is in the batch. Log-probs follow SGLang's
+seeded request's tokens do not depend on what else is in the batch.
+
+A multi-node replica runs the same batch on every node: the head hands its followers each
+step's new sequences (:meth:`Sequence.to_wire`) and the aborts it applies (``aborted``), and
+every node calls :attr:`Batch.sync_tokens` with the tokens it sampled, after which all nodes
+continue with the head's tokens (see :mod:`relax_hf.nodes`). Log-probs follow SGLang's
 shapes: ``[logprob, token_id, text_or_None]`` entries; the first input position is ``None``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -47,6 +53,7 @@ class Sequence:
     output_token_ids_logprobs: list[Any] = attrs.field(factory=list)
     position: int = 0
     retracted: bool = False  # its KV cache was dropped; the next prefill feeds its output too
+    seed: int | None = None  # the sampling generator's seed (None: greedy, no generator)
 
     @property
     def finished(self) -> bool:
@@ -58,6 +65,49 @@ class Sequence:
         """``logprob_start_len`` resolved as SGLang does (-1 means the last prompt token)."""
         s = self.logprob.logprob_start_len
         return len(self.prompt_ids) - 1 if s < 0 else s
+
+    def to_wire(self) -> dict[str, Any]:
+        """What a follower needs to run this sequence exactly as the head does (JSON-able)."""
+        return {
+            "rid": self.rid,
+            "prompt_ids": self.prompt_ids,
+            "sampling": attrs.asdict(self.sampling),
+            "logprob": attrs.asdict(self.logprob),
+            "seed": self.seed,
+            "stream": self.stream,
+            "retracted": self.retracted,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any], device: torch.device) -> Sequence:
+        """The sequence :meth:`to_wire` described, with a fresh generator of the same seed."""
+        sp = dict(wire["sampling"])
+        sp["stop"] = tuple(sp["stop"])
+        sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
+        lp = dict(wire["logprob"])
+        if lp["token_ids_logprob"] is not None:
+            lp["token_ids_logprob"] = tuple(lp["token_ids_logprob"])
+        seed = wire["seed"]
+        return cls(
+            rid=wire["rid"],
+            prompt_ids=list(wire["prompt_ids"]),
+            sampling=SamplingParams(**sp),
+            logprob=LogprobParams(**lp),
+            generator=None if seed is None else seeded_generator(seed, device),
+            stream=bool(wire["stream"]),
+            seed=seed,
+        )
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A sampling generator on ``device`` seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+#: ``{rid: abort message}`` of running sequences whose abort is applied at a step.
+Aborts = Mapping[str, str]
 
 
 class Batch:
@@ -71,15 +121,25 @@ class Batch:
         self.last: torch.Tensor | None = None
         self.tokens_generated = 0
         self.peak_running = 0  # the most sequences ever decoded together
+        #: Called with the tokens each sampling picked (one per row); returns the tokens the
+        #: batch continues with (a multi-node replica's head tokens). ``None``: no sync.
+        self.sync_tokens: Callable[[list[int]], list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     # -- public --------------------------------------------------------------------------
 
-    def step(self, new: list[Sequence]) -> list[Sequence]:
-        """Run one unit of work; return every sequence that changed (new token or finished)."""
-        changed = self._drop_aborted()
+    def aborting(self) -> dict[str, str]:
+        """``{rid: message}`` of the running sequences whose abort was requested (a snapshot)."""
+        return {s.rid: s.abort_message for s in self.seqs if s.abort_message is not None}
+
+    def step(self, new: list[Sequence], aborted: Aborts | None = None) -> list[Sequence]:
+        """Run one unit of work; return every sequence that changed (new token or finished).
+
+        ``aborted`` (default: :meth:`aborting` now) are finished and removed first.
+        """
+        changed = self._drop_aborted(aborted)
         if new:
             self._prefill(new)
             changed += new
@@ -87,13 +147,13 @@ class Batch:
             changed += self._decode()
         return changed
 
-    def retract(self) -> list[Sequence]:
+    def retract(self, aborted: Aborts | None = None) -> list[Sequence]:
         """Take every running sequence out of the batch and drop the KV cache.
 
         Aborted ones are finished; the others are marked ``retracted`` so that their next
         prefill feeds the prompt and every generated token.
         """
-        out = self._drop_aborted()
+        out = self._drop_aborted(aborted)
         for s in self.seqs:
             s.retracted = True
         out += self.seqs
@@ -101,9 +161,9 @@ class Batch:
         self.clear()
         return out
 
-    def drop_aborted(self) -> list[Sequence]:
+    def drop_aborted(self, aborted: Aborts | None = None) -> list[Sequence]:
         """Finish and remove the sequences whose abort was requested (no forward pass)."""
-        return self._drop_aborted()
+        return self._drop_aborted(aborted)
 
     def abort_all(self, message: str) -> list[Sequence]:
         """Finish every running sequence with an abort reason and empty the batch."""
@@ -145,13 +205,17 @@ class Batch:
 
     # -- batch surgery -------------------------------------------------------------------
 
-    def _drop_aborted(self) -> list[Sequence]:
-        gone = [s for s in self.seqs if s.abort_message is not None]
+    def _drop_aborted(self, aborted: Aborts | None = None) -> list[Sequence]:
+        # One snapshot decides: an abort requested while this runs waits for the next step (so
+        # the head and its followers drop exactly the same sequences).
+        if aborted is None:
+            aborted = self.aborting()
+        gone = [s for s in self.seqs if s.rid in aborted]
         for s in gone:
-            s.finish_reason = {"type": "abort", "message": s.abort_message}
+            s.finish_reason = {"type": "abort", "message": aborted[s.rid]}
             self.refresh_text(s)
         if gone:
-            self._keep([i for i, s in enumerate(self.seqs) if s.abort_message is None])
+            self._keep([i for i, s in enumerate(self.seqs) if s.rid not in aborted])
         return gone
 
     def _keep(self, rows: list[int]) -> None:
@@ -356,6 +420,8 @@ class Batch:
             )
             tokens[idx] = torch.argmax(probs / noise, dim=-1)
         picked = tokens.tolist()
+        if self.sync_tokens is not None:
+            picked = self.sync_tokens(picked)
         return [
             (tok, None if lp is None or not s.logprob.return_logprob else lp[i])
             for i, (tok, s) in enumerate(zip(picked, seqs, strict=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,8 +19,15 @@ def _serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from relax_hf.protocol import parse_dist_addr
     from relax_hf.server import ServerConfig, build_app
 
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes: must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank: must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1:
+        parse_dist_addr(args.dist_init_addr, "--dist-init-addr")
     # ``kill -USR1 <pid>`` writes every thread's stack to the log (for diagnosing a hang).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.threads:
@@ -38,7 +46,23 @@ def _serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         max_running_requests=args.max_running_requests,
         attn_implementation=args.attn_implementation,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        dist_timeout=args.dist_timeout,
     )
+    if args.node_rank > 0:
+        from relax_hf.follower import run_follower
+
+        print(
+            f"relax-hf: follower node {args.node_rank}/{args.nnodes} of the replica at "
+            f"{args.dist_init_addr}; readiness at http://127.0.0.1:{args.port}/health",
+            flush=True,
+        )
+        code = run_follower(config)
+        sys.stdout.flush()
+        # Skip interpreter teardown: a gloo group whose head is gone must not delay the exit.
+        os._exit(code)
     print(
         f"relax-hf: serving {args.model} on {args.device} at http://{args.host}:{args.port}",
         flush=True,
@@ -110,6 +134,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="nodes of this replica (each mirrors the head)"
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="0: the head (serves HTTP); >0: a follower (no public HTTP; --port is its private "
+        "readiness port on 127.0.0.1)",
+    )
+    p.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="host:port the head hosts the node group at (required with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the nodes to join, and for one collective",
+    )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)
 

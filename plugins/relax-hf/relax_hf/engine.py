@@ -4,6 +4,10 @@
 :class:`~relax_hf.batch.Batch`. Every piece of model compute (prefill/decode steps, memory
 release/resume, weight loads) runs on one single-thread executor, so the event loop stays free
 for health checks, aborts and streaming, and weight operations happen between two steps.
+
+In a multi-node replica (``nodes`` given) the engine is the head: every operation on the compute
+thread that changes the batch, the memory or the weights is first sent to the followers (see
+:mod:`relax_hf.nodes`), and once a follower is lost the engine refuses to generate (503).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from relax_hf.batch import Batch, Sequence
+from relax_hf.batch import Batch, Sequence, seeded_generator
+from relax_hf.nodes import HeadNodes, NodeLost
 from relax_hf.protocol import MEMORY_TAGS, LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner, WeightsError
 from relax_hf.weights import WeightsGroup, decode_named_tensors, parse_dtype
 
-__all__ = ["Conflict", "Engine", "NotResident"]
+__all__ = ["Conflict", "Engine", "NotResident", "Unavailable"]
 
 T = TypeVar("T")
 
@@ -34,6 +39,10 @@ class NotResident(RuntimeError):
 
 class Conflict(RuntimeError):
     """An operation is refused in the engine's current state (a 400 with this message)."""
+
+
+class Unavailable(RuntimeError):
+    """The engine cannot serve: a node of its multi-node replica is lost (a 503)."""
 
 
 class Engine:
@@ -48,9 +57,13 @@ class Engine:
         max_running_requests: int = 64,
         seed: int = 0,
         dist_timeout_s: float = 600.0,
+        nodes: HeadNodes | None = None,
     ) -> None:
         self.runner = runner
         self.batch = Batch(runner)
+        self.nodes = nodes
+        if nodes is not None:
+            self.batch.sync_tokens = nodes.sync_tokens
         self.served_model_name = served_model_name
         self.weight_version = weight_version
         self.checkpoint_version = weight_version
@@ -70,13 +83,29 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._rng = random.Random(seed)
         self._ops = asyncio.Lock()
+        self._forget: deque[str] = deque()  # retracted rids aborted while queued (followers)
         self.requests_total = 0
 
     # -- lifecycle of the loop -------------------------------------------------------------
 
     def start(self) -> None:
         """Start the scheduler loop on the running event loop."""
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="relax-hf-scheduler")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="relax-hf-scheduler")
+        if self.nodes is not None:
+
+            def on_lost(reason: str) -> None:
+                try:
+                    loop.call_soon_threadsafe(self._wake.set)
+                except RuntimeError:  # the loop is closed: the server is stopping
+                    pass
+
+            self.nodes.on_lost = on_lost
+
+    @property
+    def broken(self) -> str | None:
+        """Why this multi-node replica cannot serve (a lost follower); ``None`` while healthy."""
+        return self.nodes.lost if self.nodes is not None else None
 
     async def stop(self) -> None:
         """Abort everything, stop the loop and the compute thread."""
@@ -87,6 +116,8 @@ class Engine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self.nodes is not None:
+            await self.compute(self.nodes.close)
         self._executor.shutdown(wait=True)
 
     async def compute(self, fn: Any, *args: Any) -> Any:
@@ -121,7 +152,12 @@ class Engine:
         """Admit one request; its snapshots arrive on the returned queue.
 
         :raises NotResident: memory is released. :raises Conflict: ``rid`` is in use.
+        :raises Unavailable: a node of this multi-node replica is lost.
         """
+        if self.broken:
+            raise Unavailable(
+                f"this multi-node replica cannot generate: {self.broken}; restart the replica"
+            )
         released = self.not_resident()
         if released:
             raise NotResident(
@@ -136,10 +172,7 @@ class Engine:
                 f"{self.runner.max_len}"
             )
         seed = sampling.seed if sampling.seed is not None else self._rng.randrange(1 << 62)
-        gen = None
-        if not sampling.greedy:
-            gen = torch.Generator(device=self.runner.device)
-            gen.manual_seed(seed)
+        gen = None if sampling.greedy else seeded_generator(seed, self.runner.device)
         seq = Sequence(
             rid=rid,
             prompt_ids=list(prompt_ids),
@@ -147,6 +180,7 @@ class Engine:
             logprob=logprob,
             generator=gen,
             stream=stream,
+            seed=None if sampling.greedy else seed,
         )
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._live[rid] = seq
@@ -174,6 +208,8 @@ class Engine:
     def _abort(self, seq: Sequence, message: str) -> None:
         if seq in self._pending:
             self._pending.remove(seq)
+            if seq.retracted and self.nodes is not None:
+                self._forget.append(seq.rid)  # the followers hold it since the retract
             seq.finish_reason = {"type": "abort", "message": message}
             self.batch.refresh_text(seq)  # a retracted request has output already
             self._deliver([seq])
@@ -187,10 +223,12 @@ class Engine:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self.broken and self._live:
+                self.abort_all(f"this multi-node replica cannot generate: {self.broken}")
             aborting = any(s.abort_message is not None for s in self.batch.seqs)
-            if self.paused or self.not_resident():
+            if self.paused or self.not_resident() or self.broken:
                 if aborting:
-                    self._deliver(await self.compute(self.batch.drop_aborted))
+                    self._deliver(await self.compute(self._drop_aborted))
                 continue
             new: list[Sequence] = []
             while self._pending and len(self.batch) + len(new) < self.max_running_requests:
@@ -198,7 +236,7 @@ class Engine:
             if not new and not len(self.batch):
                 continue
             try:
-                changed = await self.compute(self.batch.step, new)
+                changed = await self.compute(self._step, new)
             except Exception as exc:  # a failed step must not kill the server; fail its requests
                 changed = await self.compute(
                     self._fail_step, new, f"engine error: {type(exc).__name__}: {exc}"
@@ -206,6 +244,63 @@ class Engine:
             self._deliver(changed)
             if len(self.batch) or self._pending:
                 self._wake.set()
+
+    # -- compute-thread operations that the followers mirror --------------------------------
+
+    def _tell(self, op: str, **fields: Any) -> None:
+        """Send ``op`` to the followers first (compute thread; a no-op on a single node)."""
+        if self.nodes is not None:
+            forget = []
+            while self._forget:
+                forget.append(self._forget.popleft())
+            self.nodes.send(op, forget=forget, **fields)
+
+    def _step(self, new: list[Sequence]) -> list[Sequence]:
+        aborted = self.batch.aborting()
+        self._tell("step", aborted=aborted, new=[s.to_wire() for s in new])
+        try:
+            return self.batch.step(new, aborted)
+        except NodeLost:
+            raise
+        except Exception as exc:
+            if self.nodes is not None:  # the followers ran (part of) it: they may be out of step
+                self.nodes.fail(f"a step failed on the head: {type(exc).__name__}: {exc}")
+            raise
+
+    def _drop_aborted(self) -> list[Sequence]:
+        aborted = self.batch.aborting()
+        if not self.broken:
+            self._tell("drop", aborted=aborted)
+        return self.batch.drop_aborted(aborted)
+
+    def _retract(self) -> list[Sequence]:
+        aborted = self.batch.aborting()
+        self._tell("retract", aborted=aborted)
+        return self.batch.retract(aborted)
+
+    def _flush(self) -> None:
+        self._tell("flush")
+        self.runner.free_cached_memory()
+
+    def _resume_weights(self) -> dict[str, Any]:
+        self._tell("resume_weights")  # idempotent on a follower whose weights are back already
+        return self.runner.resume_weights()
+
+    def _load_named(self, named: list[tuple[str, torch.Tensor]], field: str) -> int:
+        if self.nodes is not None:
+            # Refuse here what the load would refuse, before any follower receives a byte.
+            if not self.runner.weights_resident:
+                raise WeightsError(
+                    "weights are released; resume_memory_occupation(['weights']) first"
+                )
+            self.runner.check_named(((n, tuple(t.shape)) for n, t in named), field)
+            self.nodes.send_tensors(named)
+        return self.runner.load_named_tensors(named, field)
+
+    def _load_disk(self, path: str) -> int:
+        nbytes = self.runner.load_from_disk(path)  # a bad path fails here, followers untouched
+        self._tell("load_disk", path=path)
+        return nbytes
 
     def _fail_step(self, new: list[Sequence], message: str) -> list[Sequence]:
         failed = self.batch.abort_all(message)
@@ -289,10 +384,10 @@ class Engine:
         self.paused = True
         if mode == "abort":
             n = self.abort_all("Abort by pause_generation")
-            self._deliver(await self.compute(self.batch.drop_aborted))
+            self._deliver(await self.compute(self._drop_aborted))
             return f"Generation paused; {n} request(s) aborted."
         if mode == "retract":
-            retracted = await self.compute(self.batch.retract)
+            retracted = await self.compute(self._retract)
             self._deliver([s for s in retracted if s.finished])
             self._pending.extendleft(reversed([s for s in retracted if not s.finished]))
             return f"Generation paused; {len(retracted)} running request(s) retracted to the queue."
@@ -312,7 +407,7 @@ class Engine:
                 f"Cache not flushed: {self._in_flight()} request(s) are pending or running; "
                 "abort them or wait"
             )
-        await self.compute(self.runner.free_cached_memory)
+        await self.compute(self._flush)
         return "Cache flushed."
 
     async def release(self, tags: tuple[str, ...]) -> dict[str, Any]:
@@ -333,6 +428,7 @@ class Engine:
             def release_on_compute_thread() -> dict[str, Any]:
                 if len(self.batch):
                     raise refused
+                self._tell("release", tags=list(tags))
                 detail: dict[str, Any] = {}
                 if "weights" in tags and self.runner.weights_resident:
                     detail["weights"] = self.runner.release_weights()
@@ -359,7 +455,7 @@ class Engine:
         async with self._ops:
             detail: dict[str, Any] = {}
             if "weights" in tags and not self.resident["weights"]:
-                info = await self.compute(self.runner.resume_weights)
+                info = await self.compute(self._resume_weights)
                 if info.get("updates_lost"):
                     info["message"] = (
                         f"weights reloaded from {self.runner.checkpoint_path}; updates since "
@@ -406,9 +502,7 @@ class Engine:
                 decode_named_tensors, payloads[0], load_format, "serialized_named_tensors[0]"
             )
             decoded = time.perf_counter()
-            nbytes = await self.compute(
-                self.runner.load_named_tensors, named, "serialized_named_tensors[0]"
-            )
+            nbytes = await self.compute(self._load_named, named, "serialized_named_tensors[0]")
             self.weight_version = self._next_version(weight_version)
             end = time.perf_counter()
             return {
@@ -427,7 +521,7 @@ class Engine:
         async with self._ops:
             self._prepare_update(abort_all_requests)
             start = time.perf_counter()
-            nbytes = await self.compute(self.runner.load_from_disk, model_path)
+            nbytes = await self.compute(self._load_disk, model_path)
             self.weight_version = self._next_version(weight_version)
             self.checkpoint_version = self.weight_version
             return {"bytes": nbytes, "seconds": time.perf_counter() - start}
@@ -481,7 +575,7 @@ class Engine:
             def receive_and_load() -> int:
                 # Receive everything first so the trainer's broadcasts never hang on a bad name.
                 named = self.group.receive(names, parsed, shapes, self.runner.device)
-                return self.runner.load_named_tensors(named, "names")
+                return self._load_named(named, "names")
 
             nbytes = await self.compute(receive_and_load)
             self.weight_version = self._next_version(body.get("weight_version"))

@@ -11,6 +11,7 @@ from relax_core.engine_process import SubprocessEngineProcess
 from relax_core.errors import ConfigError
 from relax_core.hookspecs import hookimpl
 from relax_core.records import EngineBackend, EngineLaunchSpec
+from relax_hf.protocol import parse_dist_addr
 
 __all__ = ["HF_BACKEND", "launch", "relax_register_engine_backends", "serve_argv"]
 
@@ -47,32 +48,63 @@ def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
         argv += ["--served-model-name", spec.served_model_name]
     if spec.weight_version:
         argv += ["--weight-version", spec.weight_version]
+    if spec.nnodes > 1:
+        argv += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
+        argv += ["--dist-init-addr", str(spec.dist_init_addr)]
     return argv + list(spec.extra_args)
 
 
-def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
-    """Start one ``hf`` engine server for ``spec`` and return at once (call ``wait_ready``).
-
-    ``port`` 0 picks a free port. The server binds ``spec.host``; ``base_url`` uses
-    127.0.0.1 when the host is a wildcard address.
-
-    :raises ConfigError: tp, pp or nnodes other than 1 (the hf engine is one process).
-    """
-    for key in ("tp", "pp", "nnodes"):
+def _check(spec: EngineLaunchSpec) -> None:
+    where = f"engines.{spec.engine_id}"
+    for key in ("tp", "pp"):
         if getattr(spec, key) != 1:
             raise ConfigError(
-                f"engines.{spec.engine_id}.{key}",
-                f"the hf engine runs one process on one device; got {key}={getattr(spec, key)} "
-                "(use the sglang backend for tensor/pipeline parallel or multi-node engines)",
+                f"{where}.{key}",
+                f"the hf engine does not shard a model; got {key}={getattr(spec, key)} "
+                "(use the sglang backend for tensor/pipeline parallel engines)",
             )
-    if spec.device not in ("cpu", "cuda") and not spec.device.startswith("cuda:"):
+    if spec.nnodes < 1:
+        raise ConfigError(f"{where}.nnodes", f"must be >= 1, got {spec.nnodes}")
+    if not 0 <= spec.node_rank < spec.nnodes:
         raise ConfigError(
-            f"engines.{spec.engine_id}.device", f"{spec.device!r}: use cpu, cuda or cuda:N"
+            f"{where}.node_rank", f"must be in [0, nnodes={spec.nnodes}), got {spec.node_rank}"
+        )
+    if spec.nnodes > 1:
+        try:
+            parse_dist_addr(spec.dist_init_addr)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.dist_init_addr", str(exc).split(": ", 1)[1]) from exc
+    if spec.device not in ("cpu", "cuda") and not spec.device.startswith("cuda:"):
+        raise ConfigError(f"{where}.device", f"{spec.device!r}: use cpu, cuda or cuda:N")
+
+
+def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
+    """Start one ``hf`` engine server (one node of a replica) for ``spec``; return at once.
+
+    Call ``wait_ready`` on the result. ``port`` 0 picks a free port. A head (node rank 0)
+    binds ``spec.host`` and ``base_url`` uses 127.0.0.1 when the host is a wildcard address.
+    With ``nnodes`` > 1 every node loads the same model and the followers (node rank > 0) mirror
+    the head (no sharding): a follower has no public HTTP; ``port`` is its private readiness
+    port on 127.0.0.1, which answers 200 once it has joined the head at ``dist_init_addr``.
+
+    :raises ConfigError: tp or pp other than 1, a node rank outside ``[0, nnodes)``, a missing
+        or malformed ``dist_init_addr`` with ``nnodes`` > 1, or an unknown device.
+    """
+    _check(spec)
+    env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **dict(spec.env)}
+    if spec.node_rank > 0:
+        port = spec.port or _free_port("127.0.0.1")
+        return SubprocessEngineProcess.start(
+            serve_argv(spec, port),
+            base_url=None,
+            ready_url=f"http://127.0.0.1:{port}/health",
+            engine_id=spec.engine_id,
+            env=env,
+            log_path=spec.log_path,
         )
     host = spec.host
     url_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     port = spec.port or _free_port(url_host)
-    env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **dict(spec.env)}
     return SubprocessEngineProcess.start(
         serve_argv(spec, port),
         base_url=f"http://{url_host}:{port}",
@@ -87,10 +119,10 @@ HF_BACKEND = EngineBackend(
     launch=launch,
     control_client=ControlClient,
     devices={"cpu", "cuda"},
-    multi_node=False,
+    multi_node=True,
     description=(
-        "Hugging Face transformers engine speaking SGLang's HTTP protocol (CPU or CUDA, one "
-        "process)."
+        "Hugging Face transformers engine speaking SGLang's HTTP protocol (CPU or CUDA; a "
+        "multi-node replica's followers mirror the head over gloo, no sharding)."
     ),
 )
 

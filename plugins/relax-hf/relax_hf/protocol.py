@@ -19,6 +19,7 @@ __all__ = [
     "GenerateInput",
     "LogprobParams",
     "SamplingParams",
+    "parse_dist_addr",
     "parse_generate",
     "parse_sampling_params",
     "parse_tags",
@@ -307,3 +308,14 @@ def parse_tags(body: Any) -> tuple[str, ...]:
     if unknown:
         raise BadRequest("tags", f"unknown memory tag(s) {unknown}; known: {list(MEMORY_TAGS)}")
     return tuple(dict.fromkeys(tags))
+
+
+def parse_dist_addr(addr: str | None, field: str = "dist_init_addr") -> tuple[str, int]:
+    """``"host:port"`` → ``(host, port)``. :raises ValueError: naming ``field``."""
+    host, sep, port = (addr or "").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{field}: {addr!r} is not host:port (e.g. 10.0.0.1:29500); a multi-node engine "
+            "needs the address its head hosts the node group at"
+        )
+    return host.strip("[]"), int(port)

@@ -200,6 +200,19 @@ class ModelRunner:
         )
         return out.logits  # type: ignore[no-any-return]
 
+    def weights_digest(self) -> str:
+        """SHA-256 of the weight bytes as loaded now (``""`` while released)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        flat = self._flat
+        if flat is not None:
+            step = 64 << 20
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step].cpu().contiguous()
+                digest.update(memoryview(chunk.numpy()))
+        return digest.hexdigest() if flat is not None else ""
+
     # -- residency -----------------------------------------------------------------------
 
     def release_weights(self) -> dict[str, Any]:

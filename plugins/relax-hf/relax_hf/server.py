@@ -4,6 +4,11 @@
 :class:`ServerConfig`) into a Starlette app. Bad input answers 400 naming the field; released
 memory answers 503 with ``Retry-After``; a refused lifecycle operation answers 400 with
 ``{"success": false, "message": …}``.
+
+With ``nnodes`` > 1 this is the head of a multi-node replica: before the port opens it hosts the
+node group at ``dist_init_addr`` and waits until every follower joined (:mod:`relax_hf.nodes`).
+Once a follower is lost, ``/health`` and ``/health_generate`` answer 503 naming it, and
+generation and lifecycle calls answer 503.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 import relax_hf
-from relax_hf.engine import Conflict, Engine, NotResident
+from relax_hf.engine import Conflict, Engine, NotResident, Unavailable
+from relax_hf.nodes import HeadNodes, NodeLost, fingerprint
 from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_generate, parse_tags
 from relax_hf.runner import ModelRunner, WeightsError
 
@@ -32,7 +38,7 @@ __all__ = ["ServerConfig", "build_app", "error_response", "read_json"]
 
 @attrs.frozen
 class ServerConfig:
-    """What ``relax-hf serve`` starts: one model on one device."""
+    """What ``relax-hf serve`` starts: one model on one device (one node of a replica)."""
 
     model_path: str
     host: str = "127.0.0.1"
@@ -45,6 +51,10 @@ class ServerConfig:
     weight_version: str = "default"
     max_running_requests: int = 64
     attn_implementation: str = "sdpa"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 300.0
 
 
 def error_response(
@@ -91,6 +101,8 @@ def _guard(fn: Handler) -> Handler:
             return error_response(400, str(exc))
         except NotResident as exc:
             return _not_resident(exc)
+        except (Unavailable, NodeLost) as exc:
+            return error_response(503, str(exc))
 
     return wrapped
 
@@ -159,11 +171,16 @@ async def _stream(
 
 
 async def health(request: Request) -> Response:
+    broken = _engine(request).broken
+    if broken:
+        return error_response(503, f"this multi-node replica is unhealthy: {broken}")
     return Response(status_code=200)
 
 
 async def health_generate(request: Request) -> Response:
     engine = _engine(request)
+    if engine.broken:
+        return error_response(503, f"this multi-node replica is unhealthy: {engine.broken}")
     if engine.paused:
         return error_response(503, "generation is paused", headers={"Retry-After": "1"})
     prompt = [engine.runner.pad_id if engine.runner.pad_id < engine.runner.vocab_size else 0]
@@ -201,6 +218,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "tp_size": 1,
         "dp_size": 1,
         "pp_size": 1,
+        "nodes": engine.nodes.status() if engine.nodes is not None else None,
         "random_seed": config.seed,
         "enable_weights_cpu_backup": config.weights_cpu_backup,
         "context_length": runner.max_len,
@@ -421,20 +439,34 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         eng = engine
         if eng is None:
-            runner = await asyncio.to_thread(
-                ModelRunner,
-                config.model_path,
-                device=config.device,
-                dtype=config.dtype,
-                weights_cpu_backup=config.weights_cpu_backup,
-                attn_implementation=config.attn_implementation,
-            )
+            nodes = None
+            if config.nnodes > 1:
+                # Host the rendezvous first, so followers can connect while the model loads.
+                nodes = await asyncio.to_thread(
+                    HeadNodes.listen, config.dist_init_addr, config.nnodes, config.dist_timeout
+                )
+            try:
+                runner = await asyncio.to_thread(
+                    ModelRunner,
+                    config.model_path,
+                    device=config.device,
+                    dtype=config.dtype,
+                    weights_cpu_backup=config.weights_cpu_backup,
+                    attn_implementation=config.attn_implementation,
+                )
+                if nodes is not None:
+                    await asyncio.to_thread(nodes.join, fingerprint(runner))
+            except BaseException:
+                if nodes is not None:
+                    nodes.close()
+                raise
             eng = Engine(
                 runner,
                 served_model_name=config.served_model_name or config.model_path,
                 weight_version=config.weight_version,
                 max_running_requests=config.max_running_requests,
                 seed=config.seed,
+                nodes=nodes,
             )
         app.state.engine = eng
         app.state.config = config

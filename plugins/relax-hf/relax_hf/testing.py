@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,7 +17,14 @@ from relax_core.engine_process import SubprocessEngineProcess
 from relax_core.records import EngineLaunchSpec
 from relax_hf.plugin import launch
 
-__all__ = ["START_TIMEOUT", "EngineServer", "Http", "start_engine"]
+__all__ = [
+    "START_TIMEOUT",
+    "EngineServer",
+    "Http",
+    "ReplicaServers",
+    "start_engine",
+    "start_replica",
+]
 
 START_TIMEOUT = 120.0
 
@@ -119,3 +127,77 @@ def start_engine(
         process.terminate(5)
         raise
     return EngineServer(process)
+
+
+class ReplicaServers:
+    """A running multi-node hf replica on one machine: the head's server and its followers."""
+
+    def __init__(
+        self, head: SubprocessEngineProcess, followers: list[SubprocessEngineProcess]
+    ) -> None:
+        self.head = EngineServer(head)
+        self.followers = followers
+        self.http = self.head.http
+
+    @property
+    def processes(self) -> list[SubprocessEngineProcess]:
+        """The head's process first, then each follower's."""
+        return [self.head.process, *self.followers]
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        """Stop every node (idempotent)."""
+        for process in self.processes:
+            process.terminate(timeout)
+
+
+def _loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_replica(
+    model: Path | str,
+    log_dir: Path | str,
+    engine_id: str,
+    *,
+    nnodes: int = 2,
+    follower_model: Path | str | None = None,
+    wait: bool = True,
+    **spec: Any,
+) -> ReplicaServers:
+    """Launch a head and ``nnodes - 1`` followers on loopback; wait until all are ready.
+
+    ``follower_model`` loads another checkpoint on the followers (to test the head's check).
+    With ``wait`` false it returns at once (the caller waits, or watches them fail).
+    """
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    addr = f"127.0.0.1:{_loopback_port()}"
+
+    def node(rank: int, path: Path | str) -> SubprocessEngineProcess:
+        name = engine_id if rank == 0 else f"{engine_id}-node-{rank}"
+        return launch(
+            EngineLaunchSpec(
+                engine_id=name,
+                model_path=str(path),
+                nnodes=nnodes,
+                node_rank=rank,
+                dist_init_addr=addr,
+                log_path=str(Path(log_dir) / f"{name}.log"),
+                env=env,
+                **spec,
+            )
+        )
+
+    processes = [node(0, model)]
+    try:
+        processes += [node(r, follower_model or model) for r in range(1, nnodes)]
+        replica = ReplicaServers(processes[0], processes[1:])
+        if wait:
+            for process in reversed(processes):
+                process.wait_ready(START_TIMEOUT)
+    except BaseException:
+        for process in processes:
+            process.terminate(5)
+        raise
+    return replica

@@ -22,18 +22,40 @@ from relax_core.records import EngineLaunchSpec, EngineProcess
 def test_hf_backend_is_found_through_the_relax_entry_point(plugin_manager: PluginManager) -> None:
     backend = plugin_manager.engine_backend("hf")
     assert backend is HF_BACKEND
-    assert backend.devices == frozenset({"cpu", "cuda"}) and backend.multi_node is False
+    assert backend.devices == frozenset({"cpu", "cuda"}) and backend.multi_node is True
     reg = plugin_manager.registered("engine_backends")["hf"]
     assert reg.distribution == "relax-hf"
     assert backend.control_client("http://127.0.0.1:1").base_url == "http://127.0.0.1:1"
 
 
-@pytest.mark.parametrize("field", ["tp", "pp", "nnodes"])
-def test_launch_refuses_parallel_engines_naming_the_field(field: str, tiny_model: Path) -> None:
+@pytest.mark.parametrize("field", ["tp", "pp"])
+def test_launch_refuses_sharded_engines_naming_the_field(field: str, tiny_model: Path) -> None:
     spec = EngineLaunchSpec(engine_id="e1", model_path=str(tiny_model), **{field: 2})
     with pytest.raises(ConfigError) as info:
         HF_BACKEND.launch(spec)
     assert info.value.path == f"engines.e1.{field}"
+
+
+@pytest.mark.parametrize(
+    ("fields", "path", "needle"),
+    [
+        ({"nnodes": 0}, "nnodes", "must be >= 1"),
+        (
+            {"nnodes": 2, "node_rank": 2, "dist_init_addr": "127.0.0.1:1"},
+            "node_rank",
+            "[0, nnodes=2)",
+        ),
+        ({"nnodes": 2, "node_rank": 1}, "dist_init_addr", "not host:port"),
+        ({"nnodes": 2, "dist_init_addr": "10.0.0.1"}, "dist_init_addr", "not host:port"),
+    ],
+)
+def test_launch_refuses_a_bad_multi_node_spec_naming_the_field(
+    fields: dict[str, Any], path: str, needle: str, tiny_model: Path
+) -> None:
+    spec = EngineLaunchSpec(engine_id="m/replica-0", model_path=str(tiny_model), **fields)
+    with pytest.raises(ConfigError) as info:
+        HF_BACKEND.launch(spec)
+    assert info.value.path == f"engines.m/replica-0.{path}" and needle in str(info.value)
 
 
 def test_serve_argv_runs_the_module_with_this_interpreter() -> None:
@@ -58,6 +80,21 @@ def test_serve_argv_runs_the_module_with_this_interpreter() -> None:
         i = argv.index(pair[0])
         assert argv[i : i + 2] == pair
     assert "--weights-cpu-backup" in argv and argv[-2:] == ["--threads", "1"]
+    assert "--nnodes" not in argv
+
+
+def test_serve_argv_of_a_follower_names_its_rank_and_the_heads_address() -> None:
+    spec = EngineLaunchSpec(
+        engine_id="m/replica-0/node-1",
+        model_path="/m",
+        nnodes=3,
+        node_rank=1,
+        dist_init_addr="10.0.0.1:29500",
+    )
+    argv = serve_argv(spec, 7)
+    for pair in (["--nnodes", "3"], ["--node-rank", "1"], ["--dist-init-addr", "10.0.0.1:29500"]):
+        i = argv.index(pair[0])
+        assert argv[i : i + 2] == pair
 
 
 def test_launch_and_control_client_drive_an_engine_end_to_end(
