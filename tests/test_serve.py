@@ -10,19 +10,17 @@ line).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
@@ -31,112 +29,18 @@ from relax_core.testing import wait_for
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-# -- processes -------------------------------------------------------------------------------
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return raw.rsplit(")", 1)[1].split()
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def in_session(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (what ``relax serve`` started there, Ray included)."""
-    out = []
-    for pid in _pids():
-        fields = _stat(pid)
-        if fields is not None and fields[0] not in ("Z", "X") and int(fields[3]) == sid:
-            out.append(pid)
-    return out
-
-
-def mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains ``text``."""
-    return [p for p in _pids() if text in _cmdline(p) and _alive(p) and p != os.getpid()]
-
-
-def listener_pid(port: int) -> int | None:
-    """The process holding the TCP socket listening on ``port`` (from /proc/net/tcp)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
-                    inodes.add(cols[9])
-    for pid in _pids():
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if link.startswith("socket:[") and link[8:-1] in inodes:
-                        return pid
-    return None
-
-
-class Lines:
-    """A subprocess's output, read on a thread; :meth:`wait_for` a line with a deadline."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        for line in self.lines:
-            if m := re.search(pattern, line):
-                return m
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no line matching {pattern!r} after {timeout}s:\n{self}")
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise AssertionError(f"output ended before {pattern!r}:\n{self}")
-            self.lines.append(line)
-            if m := re.search(pattern, line):
-                return m
-
-    def rest(self, timeout: float) -> str:
-        self._thread.join(timeout)
-        while not self._queue.empty():
-            line = self._queue.get()
-            if line is not None:
-                self.lines.append(line)
-        return str(self)
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines)
+support = _load("serve_support")
+Lines = support.Lines
+in_session, mentioning, listener_pid = support.in_session, support.mentioning, support.listener_pid
+_alive, _cmdline = support.alive, support.cmdline
 
 
 # -- fixtures --------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from relax_core.service import RoleService, build_role_service, servable_problem
 NAME = "serve"
 HELP = "Bring a job's inference roles up on Ray and serve their gateways until Ctrl-C."
 
-__all__ = ["ServedJob", "check_job", "ray_session", "serve_job"]
+__all__ = ["ServedJob", "ShutdownSignals", "check_job", "describe_job", "ray_session", "serve_job"]
 
 
 class ServedJob:
@@ -109,7 +109,8 @@ def _placements(config: JobConfig, pm: PluginManager, job: ServedJob) -> dict[st
     return out
 
 
-def _describe(config: JobConfig, pm: PluginManager) -> list[str]:
+def describe_job(config: JobConfig, pm: PluginManager) -> list[str]:
+    """One line per model: backend, device, engines, weight source, route mode, gateway mode."""
     lines = []
     for role in config.roles:
         spec = pm.role(role.name)
@@ -421,7 +422,7 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
                 print("  local Ray stopped", file=out, flush=True)
 
 
-class _Signals:
+class ShutdownSignals:
     """Ctrl-C and SIGTERM interrupt serving (KeyboardInterrupt); during shutdown they are
     held, because an interrupted shutdown would leave engines running."""
 
@@ -461,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
     problems = check_job(config, pm)
     if problems:
         return _reject(problems)
-    signals = _Signals(out)
+    signals = ShutdownSignals(out)
     signals.install()
 
     def stopping() -> None:
@@ -473,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with ray_session(args.address, config, out) as where:
             print(f"relax serve: starting on {where}; engine logs in {log_dir}", flush=True)
-            print("\n".join(_describe(config, pm)), flush=True)
+            print("\n".join(describe_job(config, pm)), flush=True)
             with serve_job(
                 config,
                 plugin_manager=pm,

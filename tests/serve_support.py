@@ -1,0 +1,119 @@
+"""Process helpers of the ``relax serve`` / ``relax demo`` subprocess tests (loaded by path:
+the tests directory is not a package): processes by session and command line, the process
+listening on a port, and a subprocess's output read line by line with deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import threading
+import time
+from typing import IO
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def in_session(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (what ``relax serve`` started there, Ray included)."""
+    out = []
+    for pid in _pids():
+        fields = _stat(pid)
+        if fields is not None and fields[0] not in ("Z", "X") and int(fields[3]) == sid:
+            out.append(pid)
+    return out
+
+
+def mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    return [p for p in _pids() if text in cmdline(p) and alive(p) and p != os.getpid()]
+
+
+def listener_pid(port: int) -> int | None:
+    """The process holding the TCP socket listening on ``port`` (from /proc/net/tcp)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                    inodes.add(cols[9])
+    for pid in _pids():
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in inodes:
+                        return pid
+    return None
+
+
+class Lines:
+    """A subprocess's output, read on a thread; :meth:`wait_for` a line with a deadline."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        for line in self.lines:
+            if m := re.search(pattern, line):
+                return m
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no line matching {pattern!r} after {timeout}s:\n{self}")
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"output ended before {pattern!r}:\n{self}")
+            self.lines.append(line)
+            if m := re.search(pattern, line):
+                return m
+
+    def rest(self, timeout: float) -> str:
+        self._thread.join(timeout)
+        while not self._queue.empty():
+            line = self._queue.get()
+            if line is not None:
+                self.lines.append(line)
+        return str(self)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
