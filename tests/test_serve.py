@@ -241,3 +241,41 @@ def test_serve_rejects_config_errors_with_their_key_paths(tmp_path: Path) -> Non
     assert done.returncode == 2
     assert "roles.genrm.models.judge.model_path: [required]" in done.stderr
     assert "roles.genrm.models.judge.tp: [type]" in done.stderr
+
+
+def test_check_job_names_what_serve_cannot_run_by_key_path() -> None:
+    from relax_core.commands.serve import check_job
+    from relax_core.config import loads_config
+    from relax_core.plugins import PluginManager, module_plugin
+    from relax_core.records import EngineBackend
+
+    def backends(register: Any) -> None:
+        # A backend record only: nothing is launched by this test.
+        register(EngineBackend(name="gpuonly", launch=print, control_client=print))
+
+    pm = PluginManager.create(
+        plugins=[("gpuonly", module_plugin("gpuonly", relax_register_engine_backends=backends))]
+    )
+    config = loads_config(
+        """\
+[roles.genrm.models.judge]
+backend = "gpuonly"
+device = "cpu"
+model_path = "/models/judge"
+
+[roles.teacher.models.math]
+backend = "nosuch"
+device = "cpu"
+model_path = "/models/math"
+route_mode = "SGLANG_ROUTER"
+"""
+    )
+    problems = check_job(config, pm)
+    assert problems[0].startswith(
+        "roles.genrm.models.judge.device: [device] engine backend 'gpuonly' runs on cuda"
+    )
+    assert problems[1].startswith(
+        "roles.teacher.models.math.backend: [plugin] no engine backend 'nosuch' is registered"
+    )
+    assert problems[2].startswith("roles.teacher.models.math.route_mode: [route-mode]")
+    assert len(problems) == 3
