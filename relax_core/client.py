@@ -51,8 +51,8 @@ from relax_core.transport import (
     Transport,
     UpstreamResponse,
     UpstreamUnreachableError,
+    caller_headers,
     classify_failure,
-    forward_headers,
     status_error,
 )
 
@@ -335,15 +335,11 @@ class InferenceClient:
                     raise _not_a_string("route_key", route_key)
 
         if headers:
-            out = forward_headers(headers)
-            lower = {k.lower(): k for k in out}
-            if request_id is None and "x-request-id" in lower:
-                request_id = out[lower["x-request-id"]]
-            if affinity_key is None and "x-smg-routing-key" in lower:
-                affinity_key = out[lower["x-smg-routing-key"]]
-            for name in ("x-request-id", "x-smg-routing-key", "content-type"):
-                if name in lower:
-                    del out[lower[name]]
+            out, caller_rid, caller_key = caller_headers(headers)
+            if request_id is None:
+                request_id = caller_rid
+            if affinity_key is None:
+                affinity_key = caller_key
             out["Content-Type"] = "application/json"
         else:
             out = {"Content-Type": "application/json"}
@@ -552,23 +548,15 @@ class InferenceClient:
             inflight[engine_id] = inflight.get(engine_id, 0) + 1
         transport = self._transport
         try:
-            resp = await transport.session.request(
-                prepared.method,
-                prepared.url,
-                data=prepared.body,
-                headers=prepared.headers,
-                timeout=transport.client_timeout(timeout),
-                allow_redirects=False,
-            )
+            resp = await transport.open(prepared, timeout)
             try:
                 body = await resp.read()
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                deadline = transport.timeout if timeout is None else timeout
+                raise classify_failure(exc, prepared, deadline) from exc
             finally:
                 resp.release()
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            self.invalidate()
-            deadline = transport.timeout if timeout is None else timeout
-            raise classify_failure(exc, prepared, deadline) from exc
-        except BaseException:  # cancellation: the request may be in flight; never replayed
+        except BaseException:  # a failure or cancellation: the request is never replayed
             self.invalidate()
             raise
         finally:

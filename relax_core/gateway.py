@@ -48,8 +48,8 @@ DEADLINE_HEADER = "X-Relax-Timeout"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 _JSON = b"application/json"
-# Headers of an upstream answer the gateway's own server sets itself.
-_SERVER_SET = frozenset({"date", "server"})
+# Headers of an upstream answer the gateway sets itself (its server, or the request id).
+_NOT_RELAYED = frozenset({b"date", b"server", b"x-request-id"})
 _UPSTREAM_5XX_RELAYED = frozenset({503, 504})
 _DEFAULT_RETRY_AFTER = 1.0
 _ERROR_TYPES = {
@@ -215,6 +215,13 @@ class InferenceGatewayHandler:
         self.token = token
         self.max_body_bytes = max_body_bytes
         self.metrics = GatewayMetrics(role)
+        # The context of a request before its model is known (frozen: shared by requests).
+        self._plain_ctx, self._stream_ctx = (
+            AdaptContext(
+                role=role, model=None, model_path=None, served_model_name=None, stream=stream
+            )
+            for stream in (False, True)
+        )
 
     # -- discovery views -------------------------------------------------------------------
 
@@ -340,9 +347,7 @@ class InferenceGatewayHandler:
         payload = self.adapter.check_generate(_decode(body))
         stream = payload.get("stream") is True
         model = payload.get("model")
-        ctx = AdaptContext(
-            role=self.role, model=None, model_path=None, served_model_name=None, stream=stream
-        )
+        ctx = self._stream_ctx if stream else self._plain_ctx
         target: RouteTarget | None = None
         if self.adapter.needs_model(payload):
             # One routing decision per request: the target chosen here is the one sent to.
@@ -423,11 +428,7 @@ class InferenceGatewayHandler:
         rid = resp.request_id
         if resp.status >= 400:
             return await self._upstream_error_answer(resp)
-        headers = [
-            (k.lower().encode("latin-1"), v.encode("latin-1"))
-            for k, v in resp.forward_headers().items()
-            if k.lower() not in _SERVER_SET and k.lower() != "x-request-id"
-        ]
+        headers = resp.asgi_headers(_NOT_RELAYED)
         headers.append((b"x-request-id", rid.encode("latin-1", "replace")))
         content_type = resp.headers.get("Content-Type", "")
         if stream and content_type.startswith("text/event-stream"):

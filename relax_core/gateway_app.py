@@ -58,12 +58,51 @@ def default_health_schema(role: str) -> int:
     return 1 if role in LEGACY_HEALTH_ROLES else 2
 
 
-class _Cancelled:
-    __slots__ = ("disconnected", "done")
+#: How long a forwarded request runs before the gateway starts watching for its caller leaving.
+#: Watching costs a task per request; answers faster than this (most, on a null engine) never
+#: pay it, and a caller that leaves a long generation cancels it at most this much later.
+WATCH_AFTER_S = 0.02
 
-    def __init__(self) -> None:
+
+class _DisconnectWatch:
+    """Cancels a request's task when its caller disconnects, once armed (see WATCH_AFTER_S)."""
+
+    __slots__ = ("_fut", "_handle", "_receive", "_task", "disconnected", "done")
+
+    def __init__(self, receive: Receive, task: asyncio.Task[Any] | None) -> None:
+        self._receive = receive
+        self._task = task
+        self._fut: asyncio.Future[Any] | None = None
+        self._handle: asyncio.TimerHandle | None = None
         self.done = False
         self.disconnected = False
+
+    def arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start watching in WATCH_AFTER_S seconds (the body has been read by then)."""
+        self._handle = loop.call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._handle = None
+        if not self.done:
+            self._fut = asyncio.ensure_future(self._receive())
+            self._fut.add_done_callback(self._on_message)
+
+    def _on_message(self, fut: asyncio.Future[Any]) -> None:
+        if self.done or fut.cancelled() or fut.exception() is not None:
+            return
+        if fut.result().get("type") == "http.disconnect" and self._task is not None:
+            self.disconnected = True
+            self._task.cancel()
+
+    def close(self) -> None:
+        """Stop watching (idempotent)."""
+        self.done = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self._fut is not None:
+            self._fut.cancel()
+            self._fut = None
 
 
 async def _read_body(receive: Receive, headers: Mapping[str, str], limit: int) -> bytes:
@@ -131,21 +170,11 @@ class ForwardRoute:
         status = 500
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         task = asyncio.current_task()
-        flag = _Cancelled()
-        watcher: asyncio.Future[Any] | None = None
+        watch = _DisconnectWatch(receive, task)
         try:
             handler.check_token(headers.get("authorization"))
             body = await _read_body(receive, headers, handler.max_body_bytes)
-
-            def on_message(fut: asyncio.Future[Any]) -> None:
-                if flag.done or fut.cancelled() or fut.exception() is not None:
-                    return
-                if fut.result().get("type") == "http.disconnect" and task is not None:
-                    flag.disconnected = True
-                    task.cancel()
-
-            watcher = asyncio.ensure_future(receive())
-            watcher.add_done_callback(on_message)
+            watch.arm(asyncio.get_running_loop())
             answer = await self.fn(body, headers)
             status = answer.status
             if answer.stream is None:
@@ -153,7 +182,7 @@ class ForwardRoute:
             else:
                 await _relay(send, answer, handler)
         except asyncio.CancelledError:
-            if not flag.disconnected:
+            if not watch.disconnected:
                 raise
             status = 499  # the caller closed the connection (nginx's convention)
             if task is not None:
@@ -173,9 +202,7 @@ class ForwardRoute:
             status = err.status
             await _send_answer(send, err.answer())
         finally:
-            flag.done = True
-            if watcher is not None:
-                watcher.cancel()
+            watch.close()
             metrics.finished(self.route, status, time.perf_counter() - started)
 
 
@@ -379,30 +406,74 @@ def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
 
 
 class GatewayServer:
-    """A role gateway served by uvicorn on its own thread and event loop (standalone mode).
+    """A role gateway served by uvicorn: on a thread of this process, or by worker processes.
 
-    :meth:`start` blocks until it accepts connections (or raises); :meth:`stop` is idempotent.
+    ``workers=1`` (the default): ``app`` (or ``app_factory()``) is served on its own thread and
+    event loop in this process. ``workers=N > 1``: N processes each serve ``app_factory()`` on
+    the same port (``SO_REUSEPORT``, see :mod:`relax_core.gateway_workers`), so the gateway
+    forwards with up to N cores; ``app_factory`` must be picklable and each worker has its own
+    client and snapshot cache. :meth:`start` blocks until it accepts connections (or raises);
+    :meth:`stop` is idempotent.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
-        import uvicorn
-
-        from relax_core.testing import free_port
-
+    def __init__(
+        self,
+        app: Any = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        workers: int = 1,
+        app_factory: Any = None,
+    ) -> None:
+        if (app is None) == (app_factory is None):
+            raise ValueError("GatewayServer: give exactly one of app and app_factory")
+        if workers < 1:
+            raise ValueError(f"workers={workers!r}: give at least 1")
+        if workers > 1 and app_factory is None:
+            raise ValueError(
+                f"workers={workers}: each worker process builds its own app, so give "
+                "app_factory= (a picklable callable returning the app, e.g. functools.partial("
+                "relax_core.gateway_workers.registry_gateway_app, role, registry_url)) instead "
+                "of an app object"
+            )
         self.host = host
-        self.port = port or free_port(host)
-        self._server = uvicorn.Server(uvicorn_config(app, host, self.port))
+        self.workers = workers
+        self._pool: Any = None
+        self._server: Any = None
         self._thread: Any = None
+        if workers > 1:
+            from relax_core.gateway_workers import WorkerPool
+
+            self._pool = WorkerPool(app_factory, host, port, workers=workers)
+            self.port: int = self._pool.port
+        else:
+            import uvicorn
+
+            from relax_core.testing import free_port
+
+            self.port = port or free_port(host)
+            served = app if app is not None else app_factory()
+            self._server = uvicorn.Server(uvicorn_config(served, host, self.port))
 
     @property
     def url(self) -> str:
         """``http://host:port``."""
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def pids(self) -> list[int]:
+        """The processes serving the gateway (this one, or the workers)."""
+        import os
+
+        return self._pool.pids if self._pool is not None else [os.getpid()]
+
     def start(self, timeout: float = 30.0) -> GatewayServer:
         """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
         import threading
 
+        if self._pool is not None:
+            self._pool.start(timeout=max(timeout, 60.0))
+            return self
         self._thread = threading.Thread(
             target=self._server.run, name=f"gateway-{self.port}", daemon=True
         )
@@ -418,7 +489,10 @@ class GatewayServer:
         return self
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Stop serving and wait for the server thread."""
+        """Stop serving and wait for the server thread (or the worker processes)."""
+        if self._pool is not None:
+            self._pool.stop(timeout=timeout)
+            return
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=timeout)

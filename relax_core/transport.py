@@ -29,6 +29,7 @@ import aiohttp
 import orjson
 
 from relax_core.errors import RequestNotReplayedError, UpstreamError
+from relax_core.http1 import ConnectError, ConnectTimeout, Http1Client
 
 if TYPE_CHECKING:
     from relax_core.routing import RouteTarget
@@ -43,6 +44,7 @@ __all__ = [
     "UpstreamResponse",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
+    "caller_headers",
     "classify_failure",
     "forward_headers",
     "parse_retry_after",
@@ -75,6 +77,11 @@ _RECOMPUTED_REQUEST_HEADERS = frozenset({"host", "content-length", "accept-encod
 _RECOMPUTED_RESPONSE_HEADERS = frozenset({"content-length"})
 
 
+_DROP_REQUEST = HOP_BY_HOP_HEADERS | _RECOMPUTED_REQUEST_HEADERS
+_DROP_RESPONSE = HOP_BY_HOP_HEADERS | _RECOMPUTED_RESPONSE_HEADERS
+_DROP_RESPONSE_RAW = frozenset(name.encode() for name in _DROP_RESPONSE)
+
+
 def forward_headers(
     headers: Mapping[str, str] | Iterable[tuple[str, str]], *, response: bool = False
 ) -> dict[str, str]:
@@ -83,16 +90,59 @@ def forward_headers(
     For a request (``response=False``) ``Host``, ``Content-Length`` and ``Accept-Encoding`` go
     too: the new message recomputes them. For a response ``Content-Length`` goes: the body is
     re-framed by the server that forwards it (bytes are never decoded, so ``Content-Encoding``
-    stays true). Names keep
-    their case; lookups elsewhere are case-insensitive.
+    stays true). Names keep their case; lookups elsewhere are case-insensitive.
     """
-    items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
-    dropped = set(HOP_BY_HOP_HEADERS)
-    dropped |= _RECOMPUTED_RESPONSE_HEADERS if response else _RECOMPUTED_REQUEST_HEADERS
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    dropped = _DROP_RESPONSE if response else _DROP_REQUEST
+    out: dict[str, str] = {}
+    named: set[str] | None = None
     for name, value in items:
-        if name.lower() == "connection":
-            dropped.update(token.strip().lower() for token in value.split(",") if token.strip())
-    return {name: value for name, value in items if name.lower() not in dropped}
+        low = name.lower()
+        if low in dropped:
+            if low == "connection":
+                named = (named or set()) | {t.strip().lower() for t in value.split(",")}
+            continue
+        out[name] = value
+    if named:
+        out = {k: v for k, v in out.items() if k.lower() not in named}
+    return out
+
+
+_TAKEN_FROM_CALLER = _DROP_REQUEST | {"x-request-id", "x-smg-routing-key", "content-type"}
+
+
+def caller_headers(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]],
+) -> tuple[dict[str, str], str | None, str | None]:
+    """Split a gateway caller's request headers: ``(forwarded, request_id, routing_key)``.
+
+    ``forwarded`` is :func:`forward_headers` of them without ``X-Request-ID``,
+    ``X-SMG-Routing-Key`` and ``Content-Type`` (the client sets those itself); the two ids are
+    the caller's values of those headers (``None`` when absent or named by ``Connection``).
+    One pass: this runs for every request a gateway forwards.
+    """
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    out: dict[str, str] = {}
+    request_id = routing_key = None
+    named: set[str] | None = None
+    for name, value in items:
+        low = name.lower()
+        if low in _TAKEN_FROM_CALLER:
+            if low == "x-request-id":
+                request_id = value
+            elif low == "x-smg-routing-key":
+                routing_key = value
+            elif low == "connection":
+                named = (named or set()) | {t.strip().lower() for t in value.split(",")}
+            continue
+        out[name] = value
+    if named:
+        out = {k: v for k, v in out.items() if k.lower() not in named}
+        if "x-request-id" in named:
+            request_id = None
+        if "x-smg-routing-key" in named:
+            routing_key = None
+    return out, request_id, routing_key
 
 
 class UpstreamUnreachableError(UpstreamError):
@@ -186,11 +236,11 @@ def classify_failure(
             "legitimately stay silent that long",
             request_id=rid,
         )
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError | ConnectTimeout):
         return UpstreamUnreachableError(
             504, f"connecting to {where} timed out; nothing was sent", request_id=rid
         )
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectError):
         return UpstreamUnreachableError(
             502, f"could not connect to {where}: {exc.os_error}; nothing was sent", request_id=rid
         )
@@ -239,7 +289,7 @@ class _IdleWatch:
 
     def __init__(
         self,
-        content: aiohttp.StreamReader,
+        content: Any,
         loop: asyncio.AbstractEventLoop,
         idle: float | None,
         first: float | None,
@@ -307,7 +357,7 @@ class UpstreamResponse:
 
     def __init__(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: Any,
         prepared: PreparedRequest,
         *,
         on_close: Any = None,
@@ -326,12 +376,14 @@ class UpstreamResponse:
     @property
     def status(self) -> int:
         """The upstream's HTTP status."""
-        return self._resp.status
+        status: int = self._resp.status
+        return status
 
     @property
     def headers(self) -> Mapping[str, str]:
         """The upstream's response headers (case-insensitive, as received)."""
-        return self._resp.headers
+        headers: Mapping[str, str] = self._resp.headers
+        return headers
 
     @property
     def request_id(self) -> str:
@@ -347,6 +399,25 @@ class UpstreamResponse:
         """The response headers a gateway forwards (see :func:`forward_headers`)."""
         return forward_headers(self._resp.headers.items(), response=True)
 
+    def asgi_headers(self, skip: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+        """The response headers a gateway forwards, as ASGI pairs with lower-case names.
+
+        The rule of :func:`forward_headers` (``response=True``), applied to the raw bytes as
+        received (nothing decoded); names in ``skip`` (lower-case bytes) are left out too.
+        """
+        out: list[tuple[bytes, bytes]] = []
+        named: set[bytes] | None = None
+        for name, value in self._resp.raw_headers:
+            low = name.lower()
+            if low in _DROP_RESPONSE_RAW or low in skip:
+                if low == b"connection":
+                    named = (named or set()) | {t.strip().lower() for t in value.split(b",")}
+                continue
+            out.append((low, value))
+        if named:
+            out = [(k, v) for k, v in out if k not in named]
+        return out
+
     def _fail(self, exc: BaseException) -> UpstreamError:
         err = classify_failure(exc, self.prepared, None)
         if self._on_failure is not None:
@@ -356,11 +427,12 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         """The whole body."""
         try:
-            return await self._resp.read()
+            body: bytes = await self._resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise self._fail(exc) from exc
         finally:
             await self.aclose()
+        return body
 
     async def json(self) -> Any:
         """The whole body decoded as JSON; an upstream error status raises first."""
@@ -534,6 +606,20 @@ class Transport:
         self._keepalive_timeout = keepalive_timeout
         self._session = session
         self._owns_session = session is None
+        # http:// requests go through the lean client, unless the caller gave its own session.
+        self._http1: Http1Client | None = None
+
+    @property
+    def http1(self) -> Http1Client:
+        """The lean HTTP/1.1 client for ``http://`` upstreams (created on first use)."""
+        client = self._http1
+        if client is None:
+            client = self._http1 = Http1Client(
+                max_connections=self._max_connections,
+                keepalive_timeout=self._keepalive_timeout,
+                connect_timeout=self.connect_timeout,
+            )
+        return client
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -553,6 +639,9 @@ class Transport:
                 timeout=self._client_timeout,
                 skip_auto_headers=("Accept-Encoding",),
                 auto_decompress=False,
+                # No cookie jar: an engine's Set-Cookie must not travel with other callers'
+                # requests (a gateway forwards many callers over one session).
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
             self._session = session
         return session
@@ -565,16 +654,28 @@ class Transport:
             raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
         return aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
 
-    async def open(
-        self, prepared: PreparedRequest, timeout: float | None = None
-    ) -> aiohttp.ClientResponse:
+    async def open(self, prepared: PreparedRequest, timeout: float | None = None) -> Any:
         """Send ``prepared``; return the response once its headers arrived.
 
-        Raises :class:`UpstreamUnreachableError` (nothing sent) or
-        :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed). Cancellation
-        propagates as it is (the connection is dropped, not reused).
+        The response is an :class:`~relax_core.http1.Http1Response` (``http://`` through the
+        lean client) or an :class:`aiohttp.ClientResponse` (``https://``, or a session of the
+        caller's); both have ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``,
+        ``release()`` and ``close()``. Raises :class:`UpstreamUnreachableError` (nothing sent)
+        or :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed).
+        Cancellation propagates as it is (the connection is dropped, not reused).
         """
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
+        deadline = self.timeout if timeout is None else timeout
         try:
+            if self._owns_session and prepared.url.startswith("http://"):
+                return await self.http1.request(
+                    prepared.method,
+                    prepared.url,
+                    prepared.headers,
+                    prepared.body,
+                    timeout=deadline,
+                )
             return await self.session.request(
                 prepared.method,
                 prepared.url,
@@ -584,9 +685,7 @@ class Transport:
                 allow_redirects=False,
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise classify_failure(
-                exc, prepared, self.timeout if timeout is None else timeout
-            ) from exc
+            raise classify_failure(exc, prepared, deadline) from exc
 
     async def exchange(
         self, prepared: PreparedRequest, timeout: float | None = None
@@ -615,7 +714,10 @@ class Transport:
             return resp.status, await resp.read()
 
     async def aclose(self) -> None:
-        """Close the session if this transport created it (idempotent)."""
+        """Close the session and connections if this transport created them (idempotent)."""
+        http1, self._http1 = self._http1, None
+        if http1 is not None:
+            await http1.aclose()
         session, self._session = self._session, None
         if session is not None and self._owns_session and not session.closed:
             await session.close()

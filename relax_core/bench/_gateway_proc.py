@@ -1,22 +1,22 @@
 """A role gateway in its own process, for ``relax bench gateway``.
 
-``python -m relax_core.bench._gateway_proc --upstream URL`` serves the rollout gateway on a free
-loopback port with a fixed schema-2 snapshot whose one DIRECT head is ``URL``; it prints
-``{"port": P}`` once it accepts connections and stops when its stdin closes.
+``python -m relax_core.bench._gateway_proc --upstream URL [--workers N]`` serves the rollout
+gateway on a free loopback port with a fixed schema-2 snapshot whose one DIRECT head is
+``URL`` (with N > 1: N worker processes sharing the port); it prints ``{"port": P, "pids": [...]}``
+once it accepts connections and stops when its stdin closes.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import functools
 import json
 import sys
-import threading
+from typing import Any
 
 from relax_core.gateway import InferenceGatewayHandler
-from relax_core.gateway_app import create_gateway_app, uvicorn_config
+from relax_core.gateway_app import GatewayServer, create_gateway_app
 from relax_core.schema import RoleSnapshot
-from relax_core.testing import free_port
 
 
 def bench_snapshot(upstream: str) -> RoleSnapshot:
@@ -57,35 +57,29 @@ def bench_snapshot(upstream: str) -> RoleSnapshot:
     )
 
 
+def bench_app(upstream: str) -> Any:
+    """The rollout gateway app in front of ``upstream`` (one per worker process)."""
+    snap = bench_snapshot(upstream)
+    handler = InferenceGatewayHandler("rollout", snapshot_provider=lambda: snap, snapshot_ttl=5.0)
+    return create_gateway_app(handler)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--upstream", required=True)
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
     args = parser.parse_args()
-    import uvicorn
+    # By module name, so that worker processes can unpickle it (this file runs as __main__).
+    from relax_core.bench._gateway_proc import bench_app as factory
 
-    snap = bench_snapshot(args.upstream)
-    handler = InferenceGatewayHandler("rollout", snapshot_provider=lambda: snap, snapshot_ttl=5.0)
-    port = free_port()
-    server = uvicorn.Server(uvicorn_config(create_gateway_app(handler), "127.0.0.1", port))
-
-    def stop_on_eof() -> None:
-        sys.stdin.buffer.read()
-        server.should_exit = True
-
-    async def serve() -> None:
-        task = asyncio.ensure_future(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.01)
-        print(json.dumps({"port": port}), flush=True)
-        await task
-
-    threading.Thread(target=stop_on_eof, daemon=True).start()
+    server = GatewayServer(
+        app_factory=functools.partial(factory, args.upstream), workers=args.workers
+    ).start()
     try:
-        import uvloop
-
-        uvloop.run(serve())
-    except ImportError:
-        asyncio.run(serve())
+        print(json.dumps({"port": server.port, "pids": server.pids}), flush=True)
+        sys.stdin.buffer.read()  # serve until the parent closes our stdin
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":
