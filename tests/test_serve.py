@@ -279,3 +279,64 @@ route_mode = "SGLANG_ROUTER"
     )
     assert problems[2].startswith("roles.teacher.models.math.route_mode: [route-mode]")
     assert len(problems) == 3
+
+
+def test_placements_bind_gpu_models_to_their_bundles_and_teardown_removes_the_groups(
+    ray_local: Any,
+) -> None:
+    import io
+
+    from relax_core.commands.serve import ServedJob, _placements, _teardown
+    from relax_core.config import loads_config
+    from relax_core.plugins import PluginManager
+
+    config = loads_config(
+        """\
+[cluster]
+gpus_per_node = 8
+
+[roles.genrm.models.judge]
+backend = "hf"
+model_path = "/models/judge"
+num_gpus = 2
+
+[roles.teacher.models.math]
+backend = "hf"
+model_path = "/models/math"
+num_gpus = 2
+tp = 2
+
+[roles.teacher.models.small]
+backend = "hf"
+device = "cpu"
+model_path = "/models/small"
+num_engines = 2
+"""
+    )
+    job = ServedJob()
+    try:
+        placements = _placements(config, PluginManager.create(), job)
+        judge, math, small = (
+            placements["genrm"]["judge"],
+            placements["teacher"]["math"],
+            placements["teacher"]["small"],
+        )
+        groups = {b.pool: b for b in job.bound}
+        assert len(groups) == 2 and all(b.owned for b in groups.values())
+        # Two one-GPU replicas; one two-GPU replica; both borrowed from the job's pools.
+        assert len(judge.workers) == 2 and all(
+            len(r) == 1 and len(r[0]) == 1 for r in judge.workers
+        )
+        assert len(math.workers) == 1 and len(math.workers[0][0]) == 2
+        assert not judge.owned and not math.owned
+        assert {id(judge.placement_group), id(math.placement_group)} == {
+            id(b.placement_group) for b in groups.values()
+        }
+        assert small.placement_group is None and len(small.workers) == 2
+    finally:
+        out = io.StringIO()
+        assert _teardown(job, out) == []
+    assert "placement groups removed (2)" in out.getvalue()
+    for bound in job.bound:
+        state = ray_local.util.placement_group_table(bound.placement_group)["state"]
+        assert state == "REMOVED"
