@@ -38,6 +38,7 @@ __all__ = [
     "GENERATE_PATHS",
     "HEALTH_PATHS",
     "METADATA_PATHS",
+    "PRIVATE_PREFIX",
     "PROBE_PATHS",
     "AdmissionServer",
     "AdmissionThread",
@@ -58,6 +59,10 @@ HEALTH_PATHS = frozenset({"/health", "/health_generate"})
 #: What sglang-router and smg probe when they register or watch a worker.
 PROBE_PATHS = frozenset({"/version", "/loads", "/get_load", "/metrics"})
 ADMISSION_ALLOWLIST = GENERATE_PATHS | CANCEL_PATHS | METADATA_PATHS | HEALTH_PATHS | PROBE_PATHS
+
+#: Paths under this prefix belong to the engine worker's private control endpoint (its own
+#: port, token-protected); the public port refuses them.
+PRIVATE_PREFIX = "/_relax/"
 
 _UPDATE_PATH_OF = {path: name for name, paths in UPDATE_ENDPOINTS.items() for path in paths}
 _CONTROL_PATHS = frozenset(
@@ -249,7 +254,7 @@ class AdmissionServer:
                     "updates only from its InferenceManager, never through its public port"
                 )
             return self._refuse(403, message, path=path, operation=operation)
-        if path in _CONTROL_PATHS:
+        if path in _CONTROL_PATHS or path.startswith(PRIVATE_PREFIX):
             return self._refuse(
                 403,
                 f"{path} is an engine control path; it is driven by the InferenceManager of "

@@ -26,6 +26,7 @@ from relax_core.admission import (
     CANCEL_PATHS,
     GENERATE_PATHS,
     METADATA_PATHS,
+    PRIVATE_PREFIX,
     PROBE_PATHS,
     AdmissionServer,
     AdmissionThread,
@@ -221,6 +222,26 @@ def test_control_paths_are_403_and_unknown_paths_404(
         unknown = http.request("GET", guard.server.base_url + "/secret")
     assert release.status == 403 and "control path" in release.json()["error"]
     assert unknown.status == 404 and "allowlist" in unknown.json()["error"]
+    assert up.paths() == []
+
+
+def test_private_control_paths_are_403_at_the_public_port_even_with_a_token(
+    upstream: tuple[Upstream, str], http: urllib3.PoolManager
+) -> None:
+    up, url = upstream
+    with _guard(url) as guard:
+        guard.open()
+        responses = [
+            http.request(
+                method,
+                guard.server.base_url + PRIVATE_PREFIX + path,
+                json={"tags": None},
+                headers={"X-Relax-Control-Token": "any"},
+            )
+            for method, path in (("POST", "control/offload"), ("GET", "control/admission_state"))
+        ]
+    for r in responses:
+        assert r.status == 403 and "never through its public port" in r.json()["error"]
     assert up.paths() == []
 
 

@@ -198,6 +198,27 @@ def test_killed_worker_actor_is_fenced_and_nothing_is_rebuilt(solo: Any) -> None
     assert support.group_state(group) == "REMOVED"
 
 
+def test_worker_actor_killed_before_an_offload_is_fenced_not_just_failed(solo: Any) -> None:
+    import ray
+
+    manager = solo.manager
+    solo.track()
+    pid = manager.engine_pids()["judge/replica-0"][0]
+    ray.kill(manager.workers("judge/replica-0")[0].actor, no_restart=True)
+    support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine killed")
+    # The offload's HTTP request finds nobody at the private control endpoint; that alone
+    # proves nothing, so the manager asks Ray, which confirms the actor's death: fenced.
+    with pytest.raises(InferenceRecoveryRequired, match="judge/replica-0") as info:
+        manager.offload()
+    result = info.value.result
+    assert result.outcomes == {"judge/replica-0": Outcome.FAILED}
+    assert "fenced" in result.replicas[0].error
+    assert manager.states() == {"judge/replica-0": "FAILED"}
+    assert manager.workers("judge/replica-0")[0].fenced
+    with pytest.raises(InferenceRecoveryRequired):
+        manager.onload()
+
+
 def test_unconfirmed_shutdown_stays_pending_and_is_retried(solo: Any) -> None:
     import ray
 

@@ -8,8 +8,11 @@ worker actor or placement group is left behind.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,3 +215,47 @@ def test_health_check_of_healthy_replicas_changes_nothing(
     assert report.healthy
     assert {r.action for r in report.replicas} == {"none"}
     assert publisher.snapshot().topology_revision == revision
+
+
+def test_onload_and_offload_go_over_a_private_channel_that_refuses_strangers(
+    manager: Any, publisher: RegistryPublisher
+) -> None:
+    engine = heads(publisher)[0]
+    # The manager's record of the head's endpoint (it came back in the worker's Ray start()).
+    actor, address = manager._control[0]
+    assert actor is manager.workers(engine.engine_id)[0].actor
+    assert address.url.rsplit(":", 1)[1] != engine.base_url.rsplit(":", 1)[1]
+    snapshot = json.dumps(publisher.snapshot().to_json())
+    assert address.token not in snapshot and address.url not in snapshot
+    url = address.url + "/_relax/control/offload"
+    body = {"tags": ["kv_cache"], "strict": False, "drain_timeout": 1.0, "timeout": 5.0}
+    for headers in ({}, {"X-Relax-Control-Token": "guessed"}):
+        req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=10)
+        assert info.value.code == 401
+    # The public port refuses the private paths even with the right token.
+    public = urllib.request.Request(
+        engine.base_url + "/_relax/control/offload",
+        json.dumps(body).encode(),
+        {"X-Relax-Control-Token": address.token},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(public, timeout=10)
+    assert info.value.code == 403
+    assert manager.states()[engine.engine_id] == "READY"
+    assert support.generate(engine.base_url)[0] == 200
+    assert manager.admission_states() == {
+        e: {"open": True, "inflight": 0} for e in manager.states()
+    }
+    # The same lifecycle as Ray actor calls (control_channel=False) ends in the same states.
+    manager.control_channel = False
+    try:
+        assert manager.offload().ok and set(manager.states().values()) == {"SLEEPING"}
+        assert manager.admission_states() == {
+            e: {"open": False, "inflight": 0} for e in manager.states()
+        }
+        assert manager.onload().ok and set(manager.states().values()) == {"READY"}
+    finally:
+        manager.control_channel = True

@@ -7,8 +7,12 @@ local Ray with fake GPUs) are offloaded and onloaded:
 - ``parallel_s``: offload + onload of all 16 at once (median of the repetitions);
 - ``fanout_vs_slowest`` = ``parallel_s / slowest_single_s`` (parallel fan-out: <= 1.25);
 - ``overhead_ms``: the manager's own time per operation — its wall time minus the slowest
-  replica's time inside its worker (Ray RPCs, bookkeeping, publishing), median (<= 20 ms);
-  ``ray_fanout_floor_ms`` is a no-op call fanned out to the same actors, for scale.
+  replica's time inside its worker (transport, bookkeeping, publishing), median (<= 20 ms);
+  the operations go over each head's private control channel (HTTP), and
+  ``transport_floor_ms`` is a no-op (``admission_states()``) over the same channel;
+- ``ray_overhead_ms`` / ``ray_fanout_floor_ms``: the same operations and the same no-op sent as
+  Ray actor calls instead (``control_channel=False``), interleaved with the channel's in the
+  same run, for comparison.
 
 Engines: by default the lightweight SGLang-protocol server of :mod:`._sim_engine` (real
 processes, real HTTP through the admission and control paths), whose release and resume take
@@ -85,13 +89,24 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def _floor(manager: Any) -> float:
-    """Seconds of one no-op call fanned out to every replica's head actor (Ray's own cost)."""
-    from relax_core.manager import gather
-
-    heads = [manager.workers(e)[0].actor for e in manager.states()]
+    """Seconds of one no-op call fanned out to every replica's head (the transport's cost)."""
     begin = time.monotonic()
-    gather({i: a.admission_state.remote() for i, a in enumerate(heads)}, 30.0)
-    return time.monotonic() - begin
+    states = manager.admission_states()
+    took = time.monotonic() - begin
+    bad = {e: s for e, s in states.items() if "error" in s}
+    if bad:
+        raise RuntimeError(f"no-op fan-out failed: {bad}")
+    return took
+
+
+def _cycle(manager: Any) -> tuple[float, list[float], float, float]:
+    """One offload + onload of every replica: wall seconds, the two overheads, the two times."""
+    begin = time.monotonic()
+    off = manager.offload().raise_for_failures()
+    on = manager.onload().raise_for_failures()
+    wall = time.monotonic() - begin
+    overheads = [r.seconds - max(x.seconds for x in r.replicas) for r in (off, on)]
+    return wall, overheads, off.seconds, on.seconds
 
 
 def _run(quick: bool) -> dict[str, Any]:
@@ -138,17 +153,22 @@ def _run(quick: bool) -> dict[str, Any]:
             manager.offload(engine_ids=[engine_id]).raise_for_failures()
             manager.onload(engine_ids=[engine_id]).raise_for_failures()
             singles.append(time.monotonic() - begin)
-        floors = [_floor(manager) for _ in range(2 * repetitions)]
         parallel, overheads, offloads, onloads = [], [], [], []
+        floors, ray_floors, ray_overheads = [], [], []
+        # The channel and the Ray transport take turns, so both see the same machine load.
         for _ in range(repetitions):
-            begin = time.monotonic()
-            off = manager.offload().raise_for_failures()
-            on = manager.onload().raise_for_failures()
-            parallel.append(time.monotonic() - begin)
-            offloads.append(off.seconds)
-            onloads.append(on.seconds)
-            for result in (off, on):
-                overheads.append(result.seconds - max(r.seconds for r in result.replicas))
+            manager.control_channel = True
+            floors += [_floor(manager), _floor(manager)]
+            wall, over, off_s, on_s = _cycle(manager)
+            parallel.append(wall)
+            overheads += over
+            offloads.append(off_s)
+            onloads.append(on_s)
+            manager.control_channel = False
+            ray_floors += [_floor(manager), _floor(manager)]
+            ray_overheads += _cycle(manager)[1]
+        manager.control_channel = True
+        load = os.getloadavg()[0]
     finally:
         manager.shutdown()
         if started_ray:
@@ -165,7 +185,11 @@ def _run(quick: bool) -> dict[str, Any]:
         "offload_s": round(statistics.median(offloads), 4),
         "onload_s": round(statistics.median(onloads), 4),
         "overhead_ms_max": round(max(overheads) * 1000.0, 2),
-        "ray_fanout_floor_ms": round(statistics.median(floors) * 1000.0, 2),
+        "transport_floor_ms": round(statistics.median(floors) * 1000.0, 2),
+        "ray_overhead_ms": round(statistics.median(ray_overheads) * 1000.0, 2),
+        "ray_fanout_floor_ms": round(statistics.median(ray_floors) * 1000.0, 2),
+        "transport": "http",
+        "load_avg_1m": round(load, 2),
         "start_s": round(start_s, 2),
         "repetitions": repetitions,
         "engine": "sim" if backend is SIM_BACKEND else backend.name,
@@ -180,6 +204,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"{result['parallel_s']:.3f}s vs slowest single {result['slowest_single_s']:.3f}s -> "
         f"{result['fanout_vs_slowest']:.2f}x (limit 1.25); manager overhead "
         f"{result['overhead_ms']:.1f} ms/op (max {result['overhead_ms_max']:.1f}, limit 20; a "
-        f"no-op Ray fan-out costs {result['ray_fanout_floor_ms']:.1f} ms); "
+        f"no-op over the control channel costs {result['transport_floor_ms']:.1f} ms); as Ray "
+        f"actor calls {result['ray_overhead_ms']:.1f} ms/op (no-op "
+        f"{result['ray_fanout_floor_ms']:.1f} ms); load {result['load_avg_1m']:.1f}; "
         f"{'OK' if result['ok'] else 'OVER LIMIT'}"
     )

@@ -81,6 +81,9 @@ class ManagerBase:
     :param publisher: where the model's schema-2 view goes (a
         :class:`~relax_core.registry.RegistryPublisher`); ``None`` publishes nothing.
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
+    :param control_channel: send onload/offload to each head's private control endpoint over
+        HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
+        networks where the manager cannot reach the worker nodes' ports).
     :raises ValueError: the inputs disagree (nodes per replica, device, multi-node support).
     """
 
@@ -97,6 +100,7 @@ class ManagerBase:
         router_url: str | None = None,
         timeouts: ManagerTimeouts | None = None,
         retry_after: float = 1.0,
+        control_channel: bool = True,
     ) -> None:
         if launch.nodes_per_replica != placement.nodes_per_replica:
             raise ValueError(
@@ -124,6 +128,7 @@ class ManagerBase:
         self.router_url = router_url
         self.timeouts = timeouts or ManagerTimeouts()
         self.retry_after = retry_after
+        self.control_channel = control_channel
         self._lock = threading.RLock()
         self._slots: dict[int, ReplicaSlot] = {}
         self._next_index = 0
@@ -167,6 +172,24 @@ class ManagerBase:
         """Engine id -> the engine process id of each worker (head first)."""
         with self._lock:
             return {s.engine_id: [w.engine_pid for w in s.workers] for s in self._ordered()}
+
+    def admission_states(self) -> dict[str, dict[str, Any]]:
+        """Engine id -> ``{"open": bool, "inflight": int}`` of each started replica's head.
+
+        Asked of every head at once, over the same transport as onload/offload; a head that
+        did not answer maps to ``{"error": "..."}``.
+        """
+        with self._lock:
+            heads: dict[int, dict[str, Any]] = {
+                s.replica.index: {}
+                for s in self._ordered()
+                if s.head.actor is not None and not s.head.fenced
+            }
+            outs = self._call_heads("admission_state", heads, self.timeouts.health)
+            return {
+                self._slots[i].engine_id: dict(out.value) if out.ok else {"error": out.describe()}
+                for i, out in outs.items()
+            }
 
     def model_view(self) -> Any:
         """The model's schema-2 :class:`~relax_core.schema.ModelView` (heads only)."""
@@ -524,7 +547,7 @@ class ManagerBase:
         for i, kwargs in calls.items():
             head = self._slots[i].head
             known = self._control.get(i)
-            if known is not None and known[0] is head.actor:
+            if self.control_channel and known is not None and known[0] is head.actor:
                 over_http[i] = (known[1], method, kwargs)
             else:
                 over_ray[i] = getattr(head.actor, method).remote(**kwargs)

@@ -44,6 +44,7 @@ import attrs
 from aiohttp import web
 
 from relax_core import errors
+from relax_core.admission import PRIVATE_PREFIX
 from relax_core.errors import LifecycleError, RelaxError
 from relax_core.manager.fanout import CallOutcome
 
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 #: Path prefix of every private control call (refused with 403 at the public port).
-CONTROL_PREFIX = "/_relax/control/"
+CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
 #: The header that carries the per-start token.
 TOKEN_HEADER = "X-Relax-Control-Token"
 
@@ -259,7 +260,13 @@ async def _call(
     except TimeoutError:
         return CallOutcome(timed_out=True)
     except (aiohttp.ClientError, OSError) as exc:
-        return CallOutcome(error=ChannelError(f"POST {url}: {type(exc).__name__}: {exc}"))
+        return CallOutcome(
+            error=ChannelError(
+                f"POST {url}: {type(exc).__name__}: {exc} (the head's private control endpoint "
+                "did not answer; if the manager cannot reach the worker nodes' ports, build it "
+                "with control_channel=False)"
+            )
+        )
     try:
         body = json.loads(raw)
     except ValueError:
