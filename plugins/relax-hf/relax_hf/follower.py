@@ -172,11 +172,21 @@ def run_follower(config: Any) -> int:
             attn_implementation=config.attn_implementation,
         )
         readiness.set("joining the head's node group")
-        node.join(fingerprint(runner))
+        try:
+            node.join(fingerprint(runner))
+        except NodeLost:
+            raise
+        except (RuntimeError, OSError) as exc:  # gloo's rendezvous errors, a refused connection
+            raise NodeLost(
+                f"joining the head at {config.dist_init_addr} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     except NodeLost as exc:
         print(f"relax-hf follower node {config.node_rank}: {exc}", flush=True)
         readiness.close()
         return EXIT_HEAD_LOST
+    except BaseException:
+        readiness.close()
+        raise
     readiness.set("ready", ready=True)
     print(
         f"relax-hf follower node {config.node_rank}/{config.nnodes}: joined the head at "

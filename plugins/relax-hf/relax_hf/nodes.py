@@ -108,7 +108,7 @@ class _Group:
     def _make_group(self, local_ip: str) -> None:
         import torch.distributed as dist
 
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
         options._timeout = self.timeout
         self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.nnodes, options)
@@ -172,7 +172,7 @@ class HeadNodes(_Group):
 
         host, port = parse_dist_addr(dist_init_addr)
         head = cls(host, port, nnodes, timeout_s)
-        head.store = dist.TCPStore(
+        head.store = dist.TCPStore(  # type: ignore[attr-defined]
             host, port, nnodes, True, timeout=head.timeout, wait_for_workers=False
         )
         listener = socket.create_server((host, 0), backlog=nnodes)
@@ -372,7 +372,9 @@ class FollowerNode(_Group):
         host, port = parse_dist_addr(dist_init_addr)
         node = cls(host, port, nnodes, rank, timeout_s)
         try:
-            node.store = dist.TCPStore(host, port, nnodes, False, timeout=node.timeout)
+            node.store = dist.TCPStore(  # type: ignore[attr-defined]
+                host, port, nnodes, False, timeout=node.timeout
+            )
         except Exception as exc:  # DistStoreError, RuntimeError, TimeoutError …
             raise NodeLost(
                 f"dist_init_addr: no head answered at {host}:{port} within {timeout_s:.0f}s "

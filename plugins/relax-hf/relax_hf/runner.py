@@ -210,7 +210,7 @@ class ModelRunner:
             step = 64 << 20
             for start in range(0, flat.numel(), step):
                 chunk = flat[start : start + step].cpu().contiguous()
-                digest.update(memoryview(chunk.numpy()))
+                digest.update(chunk.numpy().data)
         return digest.hexdigest() if flat is not None else ""
 
     # -- residency -----------------------------------------------------------------------
