@@ -152,13 +152,16 @@ class WorkerPool:
                 if not ready and (not proc.is_alive() or left <= 0):
                     break
             if not ready:
+                proc.join(min(5.0, max(deadline - time.monotonic(), 0.5)))
                 code = proc.exitcode
                 self.stop()
-                raise RuntimeError(
-                    f"gateway worker {i} of {self.workers} on {self.host}:{self.port} did not "
-                    f"start within {timeout:.0f}s"
-                    + (f" (it exited with code {code}; see its log)" if code is not None else "")
-                )
+                where = f"gateway worker {i} of {self.workers} on {self.host}:{self.port}"
+                if code is not None:
+                    raise RuntimeError(
+                        f"{where} exited with code {code} before it accepted connections; its "
+                        "error is in the log above (a failing app_factory, or the port is taken)"
+                    )
+                raise RuntimeError(f"{where} did not start within {timeout:.0f}s")
         return self
 
     def stop(self, timeout: float = 15.0) -> None:

@@ -1,15 +1,22 @@
 """``relax bench gateway``: the role gateway against the upstream direct and against sglang-router.
 
-Every party runs in its own process on loopback: a null engine
+Every party runs in its own process(es) on loopback: a null engine
 (:mod:`relax_core.bench._gateway_upstream`), the rollout gateway in front of it
 (:mod:`relax_core.bench._gateway_proc`, uvicorn on uvloop + httptools), the real sglang-router
 binary in front of it (``python -m sglang_router.launch_router --worker-urls <null engine>``),
-and the load generator (``wrk`` when installed, else :mod:`relax_core.bench._loadgen`).
+and the load generator (``wrk`` when installed, else :mod:`relax_core.bench._loadgen`, a
+multi-process httptools client that costs about 10 µs of CPU per request).
+
+What is compared (stated under ``fairness`` in the result): the router runs with its default
+runtime, one worker thread per core (tokio), and the gateway with as many worker processes as
+there are cores (``GatewayServer(workers=N)``, SO_REUSEPORT), both on the same cores, one after
+the other. ``gateway_1w`` is the gateway with one worker (one core at most), for scale. Set
+``RELAX_BENCH_GATEWAY_WORKERS`` to change N.
 
 Measured, in interleaved rounds (median of rounds), in one run:
 
 - ``c1``: p50 latency of ``POST /generate`` at concurrency 1: direct, gateway, router;
-- ``c32``: requests/s at concurrency 32: direct, gateway, router;
+- ``c32``: requests/s at concurrency 32: direct, gateway, gateway_1w, router;
 - ``stream``: seconds to receive a streamed answer of 10,000 SSE events: direct, gateway.
 
 Targets (reported under ``targets``): gateway c32 throughput >= 0.6x the router's; added p50 at
@@ -159,7 +166,7 @@ def _wrk(url: str, concurrency: int, seconds: float, script: str) -> dict[str, f
     return {"rps": rps, "p50_ms": float(p50.group(1)) * _UNITS[p50.group(2)]}
 
 
-def _aiohttp(url: str, concurrency: int, seconds: float) -> dict[str, float]:
+def _python_loadgen(url: str, concurrency: int, seconds: float) -> dict[str, float]:
     out = subprocess.run(
         [
             sys.executable,
@@ -197,14 +204,36 @@ def _stream(url: str, repeat: int) -> list[float]:
     return list(result["seconds"])
 
 
+def _threads(name: str) -> dict[str, int]:
+    """Thread names and counts of the process named ``name`` (Linux ``/proc``; else empty)."""
+    import glob
+
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                if f.read().strip() != name:
+                    continue
+            names: dict[str, int] = {}
+            for task in glob.glob(comm.replace("/comm", "/task/*/comm")):
+                with open(task) as f:
+                    thread = f.read().strip()
+                names[thread] = names.get(thread, 0) + 1
+            return names
+        except OSError:
+            continue
+    return {}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark once (``quick``: shorter phases); return the numbers and targets."""
     rounds = 1 if quick else 3
     c1_seconds, c32_seconds = (1.0, 1.0) if quick else (2.0, 3.0)
     use_wrk = shutil.which("wrk") is not None and not os.environ.get("RELAX_BENCH_NO_WRK")
+    cores = os.cpu_count() or 1
+    workers = int(os.environ.get("RELAX_BENCH_GATEWAY_WORKERS") or cores)
     samples: dict[str, dict[str, list[float]]] = {
         "c1": {"direct": [], "gateway": [], "router": []},
-        "c32": {"direct": [], "gateway": [], "router": []},
+        "c32": {"direct": [], "gateway": [], "gateway_1w": [], "router": []},
         "stream": {"direct": [], "gateway": []},
     }
     with contextlib.ExitStack() as stack:
@@ -221,26 +250,42 @@ def run(quick: bool = False) -> dict[str, Any]:
         )
         engine = f"http://127.0.0.1:{upstream['port']}"
         gw = stack.enter_context(
+            _process(
+                [
+                    "relax_core.bench._gateway_proc",
+                    "--upstream",
+                    engine,
+                    "--workers",
+                    str(workers),
+                ],
+                "the gateway",
+                timeout=90.0,
+            )
+        )
+        gw1 = stack.enter_context(
             _process(["relax_core.bench._gateway_proc", "--upstream", engine], "the gateway")
         )
+        router = stack.enter_context(_router(engine))
         targets = {
             "direct": f"{engine}/generate",
             "gateway": f"http://127.0.0.1:{gw['port']}/rollout/generate",
-            "router": stack.enter_context(_router(engine)) + "/generate",
+            "gateway_1w": f"http://127.0.0.1:{gw1['port']}/rollout/generate",
+            "router": router + "/generate",
         }
 
         def load(url: str, concurrency: int, seconds: float) -> dict[str, float]:
             if use_wrk:
                 return _wrk(url, concurrency, seconds, script)
-            return _aiohttp(url, concurrency, seconds)
+            return _python_loadgen(url, concurrency, seconds)
 
         for url in targets.values():  # warm every path (connections, caches)
             load(url, 4, 1.0)
+        router_threads = _threads("sglang::router")
         for _ in range(rounds):
-            for name, url in targets.items():
-                samples["c1"][name].append(load(url, 1, c1_seconds)["p50_ms"])
-            for name, url in targets.items():
-                samples["c32"][name].append(load(url, 32, c32_seconds)["rps"])
+            for name in samples["c1"]:
+                samples["c1"][name].append(load(targets[name], 1, c1_seconds)["p50_ms"])
+            for name in samples["c32"]:
+                samples["c32"][name].append(load(targets[name], 32, c32_seconds)["rps"])
         for name in ("direct", "gateway"):
             _stream(targets[name].replace("/generate", "/generate"), 1)  # warm-up
         for _ in range(rounds):
@@ -252,8 +297,16 @@ def run(quick: bool = False) -> dict[str, Any]:
         "c1": {f"{n}_p50_ms": round(v, 4) for n, v in c1.items()},
         "c32": {f"{n}_rps": round(v, 1) for n, v in c32.items()},
         "stream": {f"{n}_s": round(v, 4) for n, v in st.items()},
-        "load_generator": "wrk" if use_wrk else "aiohttp",
+        "load_generator": "wrk (2 threads)" if use_wrk else f"python-httptools ({cores} processes)",
         "rounds": rounds,
+        "fairness": {
+            "cores": cores,
+            "gateway_workers": workers,
+            "router_threads": router_threads,
+            "compared": f"sglang-router with its default runtime (one tokio worker thread per "
+            f"core) vs the gateway with {workers} worker process(es), on the same {cores} "
+            "core(s), one after the other; gateway_1w: one gateway process, for scale",
+        },
     }
     result["targets"] = {
         "gateway_vs_router_rps": round(c32["gateway"] / c32["router"], 3),
@@ -271,11 +324,12 @@ def format_result(result: dict[str, Any]) -> str:
     c1, c32, st, t = result["c1"], result["c32"], result["stream"], result["targets"]
     lines = [
         f"load generator: {result['load_generator']}, {result['rounds']} round(s), medians",
+        f"compared: {result['fairness']['compared']}",
         f"{'':10}{'direct':>12}{'gateway':>12}{'router':>12}",
         f"{'c1 p50 ms':10}{c1['direct_p50_ms']:>12.3f}{c1['gateway_p50_ms']:>12.3f}"
         f"{c1['router_p50_ms']:>12.3f}",
         f"{'c32 rps':10}{c32['direct_rps']:>12.0f}{c32['gateway_rps']:>12.0f}"
-        f"{c32['router_rps']:>12.0f}",
+        f"{c32['router_rps']:>12.0f}   (gateway with 1 worker: {c32['gateway_1w_rps']:.0f})",
         f"{'stream s':10}{st['direct_s']:>12.3f}{st['gateway_s']:>12.3f}",
         f"gateway/router rps {t['gateway_vs_router_rps']:.2f} (target >= 0.6: "
         f"{'met' if t['gateway_vs_router_rps_ok'] else 'MISSED'})",
