@@ -27,23 +27,21 @@ Contract (see docs/client.md):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import inspect
 import itertools
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any
 
 import aiohttp
 import orjson
 
-from relax_core.errors import RoutingError, SnapshotError, UpstreamError
-from relax_core.plugins import get_plugin_manager
+from relax_core.discovery import SnapshotCache, SnapshotProvider
+from relax_core.errors import RoutingError, UpstreamError
 from relax_core.routing import RouteResolver, RouteTarget
-from relax_core.schema import RoleSnapshot, WeightSources
+from relax_core.schema import WeightSources
 from relax_core.transport import (
     REQUEST_ID_HEADER,
     ROUTING_KEY_HEADER,
@@ -58,20 +56,14 @@ from relax_core.transport import (
 
 __all__ = ["GENERATE_PATHS", "OPENAI_PATHS", "InferenceClient", "SnapshotProvider"]
 
-#: A callable returning the role's snapshot (or its schema-2 dict), directly or awaitably.
-SnapshotProvider = Callable[
-    [], "RoleSnapshot | Mapping[str, Any] | Awaitable[RoleSnapshot | Mapping[str, Any]]"
-]
-
 #: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
 GENERATE_PATHS = frozenset({"/generate"})
 #: OpenAI-style paths: ``model`` becomes the backend's served model name.
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 _UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
-_REGISTRY_RETRY_AFTER = 1.0
 
 
-class InferenceClient:
+class InferenceClient(SnapshotCache):
     """Routes requests for one role to its engines, using the role's schema-2 snapshot.
 
     Give exactly one of ``base_url`` (a role gateway or registry serving ``/engines?schema=2``)
@@ -116,12 +108,7 @@ class InferenceClient:
             raise ValueError(f"ttl={ttl!r}: give a number of seconds >= 0")
         if not discovery_timeout > 0:
             raise ValueError(f"discovery_timeout={discovery_timeout!r}: give a positive number")
-        self.base_url = base_url.rstrip("/") if base_url is not None else None
-        self.role = role
-        self.ttl = ttl
-        self.discovery_timeout = discovery_timeout
-        self._provider = snapshot_provider
-        self._transport = Transport(
+        transport = Transport(
             timeout=timeout,
             connect_timeout=connect_timeout,
             max_connections=max_connections,
@@ -129,134 +116,25 @@ class InferenceClient:
             stream_first_chunk_timeout=stream_first_chunk_timeout,
             session=session,
         )
+        super().__init__(
+            base_url.rstrip("/") if base_url is not None else None,
+            snapshot_provider,
+            role=role,
+            ttl=ttl,
+            discovery_timeout=discovery_timeout,
+            transport=transport,
+            weight_sources=weight_sources,
+        )
         self._resolver = resolver if resolver is not None else RouteResolver()
-        self._weight_sources = weight_sources
-        self._snapshot: RoleSnapshot | None = None
-        self._expires = 0.0
-        # Number of completed fetches: a caller that saw fetch N and needs a newer snapshot
-        # reuses one fetched after N by someone else instead of fetching again.
-        self._fetches = 0
-        self._invalidations = 0
-        self._lock: asyncio.Lock | None = None
         self._inflight: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex() + "-"
         self._closed = False
 
-    # -- discovery -------------------------------------------------------------------------
-
     @property
     def inflight(self) -> Mapping[str, int]:
         """Requests of this client now in flight, per engine id (DIRECT targets only)."""
         return self._inflight
-
-    def invalidate(self) -> None:
-        """Forget the cached snapshot: the next request fetches a fresh one.
-
-        A fetch already under way when this is called does not count as fresh.
-        """
-        self._expires = 0.0
-        self._invalidations += 1
-
-    async def snapshot(self, force: bool = False) -> RoleSnapshot:
-        """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
-
-        Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly.
-        """
-        if not force:
-            snap = self._snapshot
-            if snap is not None and time.monotonic() < self._expires:
-                return snap
-        return await self._refresh(self._fetches, force)
-
-    async def _refresh(self, seen: int, force: bool) -> RoleSnapshot:
-        """A snapshot newer than fetch number ``seen`` (``force``) or fresh; fetch if needed."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            snap = self._snapshot
-            if snap is not None and (
-                self._fetches != seen or (not force and time.monotonic() < self._expires)
-            ):
-                # Another caller fetched while this one waited for the lock.
-                return snap
-            invalidations = self._invalidations
-            fresh = await self._fetch()
-            if snap is not None and fresh == snap:
-                fresh = snap  # keep the resolver's per-snapshot indexes warm
-            self._snapshot = fresh
-            self._fetches += 1
-            if invalidations == self._invalidations:
-                self._expires = time.monotonic() + self.ttl
-            return fresh
-
-    async def _fetch(self) -> RoleSnapshot:
-        source = self.base_url or "snapshot provider"
-        try:
-            if self._provider is not None:
-                raw: Any = self._provider()
-                if inspect.isawaitable(raw):
-                    raw = await raw
-            else:
-                raw = await self._get_discovery()
-            if isinstance(raw, RoleSnapshot):
-                snap = raw
-            else:
-                if self._weight_sources is None:
-                    self._weight_sources = get_plugin_manager()
-                snap = RoleSnapshot.from_json(raw, weight_sources=self._weight_sources)
-        except RoutingError:
-            raise
-        except SnapshotError as exc:
-            raise RoutingError(
-                503,
-                f"registry unavailable: {source} gave an invalid schema-2 snapshot: {exc}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            ) from exc
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise RoutingError(
-                503,
-                f"registry unavailable: {source} failed: {type(exc).__name__}: {exc}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            ) from exc
-        if self.role is not None and snap.role != self.role:
-            raise RoutingError(
-                503,
-                f"registry unavailable: {source} serves role {snap.role!r}, this client is for "
-                f"role {self.role!r}; point it at the {self.role} registry",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            )
-        return snap
-
-    async def _get_discovery(self) -> Any:
-        url = f"{self.base_url}/engines?schema=2"
-        try:
-            status, body = await self._transport.get_json(url, timeout=self.discovery_timeout)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc}"
-            raise RoutingError(
-                503,
-                f"registry unavailable: GET {url} {reason}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            ) from exc
-        if status != 200:
-            raise RoutingError(
-                503,
-                f"registry unavailable: GET {url} answered {status}: "
-                f"{body[:200].decode('utf-8', 'replace')}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            )
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise RoutingError(
-                503,
-                f"registry unavailable: GET {url} answered a body that is not JSON "
-                f"({body[:120]!r})",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            ) from exc
 
     # -- routing and preparation -----------------------------------------------------------
 
