@@ -121,13 +121,14 @@ in_ray_actor = true
 """
 
 
-def test_serve_answers_through_both_gateway_modes_and_ctrl_c_leaves_nothing_running(
+def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_clean(
     model_dir: Path,
 ) -> None:
     config = model_dir.parent / "job.toml"
     config.write_text(JOB.format(model=model_dir))
     logs = model_dir.parent / "logs"
-    with serve(config, "--log-dir", str(logs), "--refresh", "0.5") as (proc, out, stderr):
+    args = ("--log-dir", str(logs), "--refresh", "0.5", "--health-interval", "1")
+    with serve(config, *args) as (proc, out, stderr):
         out.wait_for(r"relax serve: ready", timeout=240)
         gateways = {
             m.group(1): (m.group(2), int(m.group(3)), m.group(4), int(m.group(5)))
@@ -146,7 +147,11 @@ def test_serve_answers_through_both_gateway_modes_and_ctrl_c_leaves_nothing_runn
 
         # The status table lists each engine with its process id.
         out.wait_for(r"judge/replica-0\s+READY", timeout=30)
-        engine_pids = {int(p) for p in re.findall(r"replica-0\s+READY.*pid (\d+)", str(out))}
+        engines = {
+            m.group(1): int(m.group(2))
+            for m in re.finditer(r"(\w+)/replica-0\s+READY\s+gen 1 .*pid (\d+)", str(out))
+        }
+        engine_pids = set(engines.values())
         assert len(engine_pids) == 2 and all(_alive(p) for p in engine_pids), str(out)
         assert set(mentioning(str(model_dir))) >= engine_pids
 
@@ -185,11 +190,20 @@ def test_serve_answers_through_both_gateway_modes_and_ctrl_c_leaves_nothing_runn
         assert re.search(r"judge/replica-0\s+READY\s+gen 1\s+http://", status.stdout)
         assert "route keys: math→judge" in status.stdout
 
+        # An engine killed: the health monitor fails its replica and rebuilds it (a new
+        # process, generation 2), and the gateway serves again.
+        os.kill(engines["math"], signal.SIGKILL)
+        out.wait_for(r"health math/replica-0 \(teacher\): .* → rebuilt, now READY", timeout=120)
+        rebuilt = out.wait_for(r"math/replica-0\s+READY\s+gen 2 .*pid (\d+)", timeout=120)
+        engine_pids.add(int(rebuilt.group(1)))
+        assert int(rebuilt.group(1)) != engines["math"] and _alive(int(rebuilt.group(1)))
+        assert _post(f"{teacher_url}/teacher/generate", {"text": "hi"})["text"] is not None
+
         # Ctrl-C in a terminal signals the whole foreground process group.
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, out.rest(10) + stderr.read_text()
         text = out.rest(10)
-        assert "gateways stopped (2)" in text and "engines stopped (2 processes)" in text
+        assert "gateways stopped (2)" in text and "engines stopped (3 processes)" in text
         assert "local Ray stopped" in text and text.endswith("nothing left running")
 
         wait_for(lambda: not in_session(proc.pid), timeout=30, what="serve's processes gone")

@@ -171,8 +171,8 @@ def _health_event(role: str, out: TextIO) -> Callable[[str, Any], None]:
         for r in outcome.replicas:
             if not r.healthy:
                 print(
-                    f"{stamp} health {r.engine_id} ({role}): {r.state}, {r.action}: "
-                    f"{'; '.join(r.problems)}",
+                    f"{stamp} health {r.engine_id} ({role}): {'; '.join(r.problems)} → "
+                    f"{r.action}, now {r.state}",
                     file=out,
                     flush=True,
                 )
