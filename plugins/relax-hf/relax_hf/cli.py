@@ -1,4 +1,4 @@
-"""The ``relax-hf`` command line: serve, make-tiny-model, bench, gpu-bench."""
+"""The ``relax-hf`` command line: serve, make-tiny-model, bench, gpu-bench, multinode-bench."""
 
 from __future__ import annotations
 
@@ -104,6 +104,14 @@ def _gpu_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _multinode_bench(args: argparse.Namespace) -> int:
+    from relax_hf.multinode_bench import format_result, run
+
+    result = run(device=args.device, quick=args.quick)
+    print(json.dumps(result) if args.json else format_result(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``relax-hf`` argument parser."""
     parser = argparse.ArgumentParser(
@@ -185,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(_run=_gpu_bench)
+
+    p = sub.add_parser(
+        "multinode-bench",
+        help="a two-node replica (head cuda:0, follower cuda:1) against one engine: speed, "
+        "updates, failure detection",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test")
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(_run=_multinode_bench)
     return parser
 
 
