@@ -214,6 +214,63 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
         assert "is `relax serve` running?" in status.stdout
 
 
+def _alive_actors() -> dict[str, str]:
+    """Actor id → class name of every live actor of the connected Ray (the GCS view; the
+    public state API needs the dashboard, which the test Ray runs without)."""
+    import ray._private.state as ray_state
+
+    return {
+        a["ActorID"]: a.get("ActorClassName", "")
+        for a in ray_state.actors().values()
+        if a.get("State") != "DEAD"
+    }
+
+
+def test_serve_on_an_existing_cluster_leaves_no_actor_there_and_the_cluster_running(
+    model_dir: Path, ray_local: Any
+) -> None:
+    config = model_dir.parent / "cluster-job.toml"
+    config.write_text(
+        f"""\
+[roles.teacher.models.math]
+backend = "hf"
+device = "cpu"
+model_path = "{model_dir}"
+
+[roles.teacher.gateway]
+in_ray_actor = true
+"""
+    )
+    address = ray_local.get_runtime_context().gcs_address
+    before = _alive_actors()
+    with serve(config, "--address", address, "--log-dir", str(model_dir.parent / "logs2")) as (
+        proc,
+        out,
+        stderr,
+    ):
+        out.wait_for(r"relax serve: ready", timeout=240)
+        assert f"starting on the Ray cluster at {address}" in str(out)
+        started = {k: v for k, v in _alive_actors().items() if k not in before}
+        assert sorted(started.values()) == ["EngineWorker", "GatewayActor"], started
+        url = out.wait_for(r"teacher\s+gateway\s+(http://[\d.:]+)/teacher/", timeout=5).group(1)
+        assert _post(f"{url}/teacher/generate", {"text": "hi"})["text"] is not None
+        engine = int(out.wait_for(r"math/replica-0\s+READY .*pid (\d+)", timeout=30).group(1))
+
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, out.rest(10) + stderr.read_text()
+        text = out.rest(10)
+        assert text.endswith("nothing left running") and "local Ray stopped" not in text
+
+        wait_for(
+            lambda: not set(started) & set(_alive_actors()),
+            timeout=30,
+            what="serve's actors dead in the cluster",
+        )
+        assert not _alive(engine)
+        # The cluster itself is untouched and still runs work.
+        assert ray_local.get(ray_local.put(7)) == 7
+
+
 def test_serve_rejects_a_job_the_planner_rejects_with_every_problem_before_starting_anything(
     tmp_path: Path,
 ) -> None:
