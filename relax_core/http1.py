@@ -39,6 +39,8 @@ __all__ = [
 # A body buffered beyond this, unread, pauses reading from the socket until it is drained.
 _HIGH_WATER = 1 << 20
 _URL_CACHE_SIZE = 4096
+# Headers the client writes itself (the body is always sent with its length).
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
 
 
 class ConnectError(ConnectionError):
@@ -488,7 +490,9 @@ class Http1Client:
     ) -> Http1Response:
         """Send one request; return the answer once its head arrived.
 
-        ``timeout`` bounds the whole exchange (connect, send, head and body). Raises
+        ``timeout`` bounds the whole exchange (connect, send, head and body). ``Host``,
+        ``Content-Length`` and ``Transfer-Encoding`` in ``headers`` are ignored (the client
+        frames the message). Raises
         :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
         :class:`ServerDisconnectedError` (sent, no answer), :class:`TimeoutError`, or
         ``ValueError`` for a header with a line break. Cancellation closes the connection.
@@ -499,6 +503,8 @@ class Http1Client:
         for name, value in items:
             if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
                 raise ValueError(f"header {name!r}: a line break in a header is not allowed")
+            if name.lower() in _FRAMING:
+                continue  # this client frames the message itself
             parts.append(f"{name}: {value}\r\n".encode("latin-1"))
         parts.append(b"Content-Length: %d\r\n\r\n" % len(body))
         parts.append(body)
