@@ -3,7 +3,8 @@
 16 logical replicas (one engine worker actor and one engine server process each, on a real
 local Ray with fake GPUs) are offloaded and onloaded:
 
-- ``slowest_single_s``: offload + onload of each replica alone, the slowest of them;
+- ``slowest_single_s``: offload + onload of each replica alone (the better of two), the
+  slowest of them;
 - ``parallel_s``: offload + onload of all 16 at once (median of the repetitions);
 - ``fanout_vs_slowest`` = ``parallel_s / slowest_single_s`` (parallel fan-out: <= 1.25);
 - ``overhead_ms``: the manager's own time per operation — its wall time minus the slowest
@@ -149,10 +150,15 @@ def _run(quick: bool) -> dict[str, Any]:
         manager.onload().raise_for_failures()
         singles = []
         for engine_id in manager.states():
-            begin = time.monotonic()
-            manager.offload(engine_ids=[engine_id]).raise_for_failures()
-            manager.onload(engine_ids=[engine_id]).raise_for_failures()
-            singles.append(time.monotonic() - begin)
+            # Each replica's own time: the better of two, so one scheduling hiccup of a busy
+            # host does not become "the slowest replica" (the parallel time is a median).
+            alone = []
+            for _ in range(2):
+                begin = time.monotonic()
+                manager.offload(engine_ids=[engine_id]).raise_for_failures()
+                manager.onload(engine_ids=[engine_id]).raise_for_failures()
+                alone.append(time.monotonic() - begin)
+            singles.append(min(alone))
         parallel, overheads, offloads, onloads = [], [], [], []
         floors, ray_floors, ray_overheads = [], [], []
         # The channel and the Ray transport take turns, so both see the same machine load.

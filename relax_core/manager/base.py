@@ -338,7 +338,15 @@ class ManagerBase:
 
         A head is published once it has had a URL; its generation moves in the registry when
         its URL changes or its workers were replaced; removed replicas are unpublished.
+        Control endpoints of heads that were removed or replaced are forgotten here too.
         """
+        stale = [
+            i
+            for i, (actor, _) in self._control.items()
+            if i not in self._slots or self._slots[i].head.actor is not actor
+        ]
+        for i in stale:
+            del self._control[i]
         if self.publisher is None:
             return
         view = self.model_view()

@@ -62,6 +62,10 @@ CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
 #: The header that carries the per-start token.
 TOKEN_HEADER = "X-Relax-Control-Token"
 
+# Idle keep-alive seconds: the client's must stay well below the endpoint's.
+_CLIENT_KEEPALIVE = 15.0
+_SERVER_KEEPALIVE = 120.0
+
 K = TypeVar("K", bound=Hashable)
 Handler = Callable[..., Awaitable[Any]]
 
@@ -117,7 +121,11 @@ class ControlChannelServer:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # No handler cancellation: a caller that stops waiting does not abort a release halfway.
         runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, handler_cancellation=False
+            app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=False,
+            keepalive_timeout=_SERVER_KEEPALIVE,
         )
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
@@ -199,6 +207,7 @@ class _Loop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._exit_hook = False
 
     def loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -208,15 +217,20 @@ class _Loop:
                     target=loop.run_forever, name="relax-control-channel", daemon=True
                 )
                 thread.start()
-                self._loop, self._thread = loop, thread
-                atexit.register(self.close)
+                # A session belongs to the loop it was made on (after a fork, a new loop).
+                self._loop, self._thread, self._session = loop, thread, None
+                if not self._exit_hook:
+                    atexit.register(self.close)
+                    self._exit_hook = True
             return self._loop
 
     def session(self) -> aiohttp.ClientSession:
         # Called on the loop thread only.
         if self._session is None or self._session.closed:
+            # Idle connections are dropped here well before the endpoint drops them, so a
+            # call never goes out on a connection the endpoint is closing.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_CLIENT_KEEPALIVE),
                 json_serialize=json.dumps,
             )
         return self._session
