@@ -449,7 +449,7 @@ class GatewayServer:
         else:
             import uvicorn
 
-            from relax_core.testing import free_port
+            from relax_core.net import free_port
 
             self.port = port or free_port(host)
             served = app if app is not None else app_factory()

@@ -13,7 +13,6 @@ Helpers: :func:`free_port`, :func:`serve_app` (a real uvicorn server on a free l
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from relax_core.net import free_port
 from relax_core.plugins import PluginManager
 
 __all__ = [
@@ -31,13 +31,6 @@ __all__ = [
     "serve_app",
     "wait_for",
 ]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(
@@ -99,6 +92,8 @@ def ray_local() -> Iterator[Any]:
 
     if not ray.is_initialized():
         ray.init(
+            # A new local Ray: a bare init would attach to any cluster another process started.
+            address="local",
             num_cpus=8,
             num_gpus=8,
             include_dashboard=False,

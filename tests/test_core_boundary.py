@@ -74,3 +74,25 @@ def test_importing_every_core_module_loads_no_plugin_package() -> None:
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert "relax_core" in loaded
     assert loaded & _plugin_packages() == set()
+
+
+def test_runtime_modules_do_not_need_test_dependencies() -> None:
+    # `relax demo` and `relax serve` run where pytest and hypothesis are not installed.
+    script = (
+        "import importlib, pkgutil, sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'pytest', 'hypothesis', '_pytest'}:\n"
+        "            raise ImportError(f'{name} is a test dependency')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import relax_core\n"
+        "for m in pkgutil.walk_packages(relax_core.__path__, 'relax_core.'):\n"
+        "    if m.name.endswith(('__main__', '.testing')):\n"
+        "        continue\n"
+        "    importlib.import_module(m.name)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -39,7 +39,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from relax_core.testing import free_port
+from relax_core.net import free_port
 
 __all__ = ["format_result", "run"]
 
