@@ -188,8 +188,11 @@ class ForwardRoute:
             if task is not None:
                 task.uncancel()
         except _StreamAborted as exc:
+            # Returning with the response incomplete makes the server close the connection
+            # without the final chunk (uvicorn logs one line); re-raising would also do it, but
+            # with a traceback for what is an expected, already-explained event.
             status = exc.status
-            raise
+            log.warning("%s", exc)
         except Exception as exc:
             err = gateway_error(exc)
             if err is None:
