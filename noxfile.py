@@ -50,7 +50,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
-    session.install("ruff>=0.6,<1")
+    session.install("ruff>=0.17,<0.18")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
