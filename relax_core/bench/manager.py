@@ -123,7 +123,9 @@ def _run(quick: bool) -> dict[str, Any]:
     backend, model = _backend()
     started_ray = not ray.is_initialized()
     if started_ray:
+        # A new local Ray, never a cluster someone started on this machine (``ray start``).
         ray.init(
+            address="local",
             num_cpus=4,
             num_gpus=replicas,
             include_dashboard=False,
