@@ -38,8 +38,10 @@ _INT_MAX = 2**31 - 1
 _COUNT = {"type": "integer", "minimum": 0, "maximum": _INT_MAX}
 
 _SAMPLING = {
-    "type": "object",
-    "description": "SGLang sampling parameters; unknown keys are forwarded to the engine.",
+    # null means the engine's defaults, as in SGLang.
+    "type": ["object", "null"],
+    "description": "SGLang sampling parameters (null: the engine's defaults); unknown keys are "
+    "forwarded to the engine.",
     "properties": {
         "max_new_tokens": _COUNT,
         "min_new_tokens": _COUNT,
@@ -57,13 +59,47 @@ _SSE_EVENT = {
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
 }
 
+# null is taken as absent (as the gateway does), so clients that always send the keys work.
 _ROUTING_FIELDS = {
-    "model": {"type": "string", "description": "Logical model id or alias (default: the role's)."},
-    "route_key": {"type": "string", "description": "Picks the model through the route-key map."},
+    "model": {
+        "type": ["string", "null"],
+        "description": "Logical model id or alias (absent or null: the role's default).",
+    },
+    "route_key": {
+        "type": ["string", "null"],
+        "description": "Picks the model through the route-key map (absent or null: none).",
+    },
 }
 
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": _INT_MAX}
 _INPUT_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an object schema whose optional properties also accept null.
+
+    The gateway (like SGLang, whose request fields are optional) takes a null optional field as
+    absent; the documents say so, so a client that always sends every key stays valid.
+    """
+    out = dict(schema)
+    required = set(schema.get("required", ()))
+    props: dict[str, Any] = {}
+    for name, prop in schema.get("properties", {}).items():
+        prop = dict(prop)
+        if prop.get("type") == "object" or prop.get("type") == ["object", "null"]:
+            prop = _nullable(prop)
+        if name not in required and "const" not in prop:
+            kind = prop.get("type")
+            if isinstance(kind, str):
+                prop["type"] = [kind, "null"]
+            elif isinstance(kind, list) and "null" not in kind:
+                prop["type"] = [*kind, "null"]
+            elif "oneOf" in prop and {"type": "null"} not in prop["oneOf"]:
+                prop["oneOf"] = [*prop["oneOf"], {"type": "null"}]
+        props[name] = prop
+    if props:
+        out["properties"] = props
+    return out
 
 
 def _generate_request(role: str) -> dict[str, Any]:
@@ -102,7 +138,7 @@ def _generate_request(role: str) -> dict[str, Any]:
         )
     if role == "teacher":
         common["token_ids_logprob"] = {"type": "array", "items": _TOKEN_ID}
-    return {"type": "object", "properties": common, "oneOf": inputs}
+    return _nullable({"type": "object", "properties": common, "oneOf": inputs})
 
 
 _MESSAGES = {
@@ -118,20 +154,22 @@ _MESSAGES = {
     },
 }
 
-_CHAT_REQUEST = {
-    "type": "object",
-    "required": ["messages"],
-    "properties": {
-        **_ROUTING_FIELDS,
-        "messages": _MESSAGES,
-        "stream": {"type": "boolean"},
-        "max_tokens": _COUNT,
-        "max_completion_tokens": _COUNT,
-        "n": _COUNT,
-        "temperature": {"type": "number", "minimum": 0},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    },
-}
+_CHAT_REQUEST = _nullable(
+    {
+        "type": "object",
+        "required": ["messages"],
+        "properties": {
+            **_ROUTING_FIELDS,
+            "messages": _MESSAGES,
+            "stream": {"type": "boolean"},
+            "max_tokens": _COUNT,
+            "max_completion_tokens": _COUNT,
+            "n": _COUNT,
+            "temperature": {"type": "number", "minimum": 0},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        },
+    }
+)
 
 
 def _responses(ok: dict[str, Any], *codes: int) -> dict[str, Any]:
