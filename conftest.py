@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Every Ray a test starts on this machine (local, or simulated nodes of ray.cluster_utils.Cluster)
+# keeps its services, engines and admission servers on loopback; set before anything imports Ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

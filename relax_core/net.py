@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "keep_local_ray_on_loopback"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -12,3 +12,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def keep_local_ray_on_loopback() -> None:
+    """Make a Ray started by this process (and its workers) use 127.0.0.1 as its node address.
+
+    Ray otherwise publishes the machine's outward address, so engines, admission servers and
+    Ray's own services of a one-machine job would listen on, and talk over, a non-loopback
+    interface. Call before ``ray.init`` of a new local Ray; never for a real cluster.
+    """
+    import os
+    import sys
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray at import
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # Ray already imported: its constant was read from the old env
+        constants.ENABLE_RAY_CLUSTER = False

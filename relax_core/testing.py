@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from relax_core.net import free_port
+from relax_core.net import free_port, keep_local_ray_on_loopback
 from relax_core.plugins import PluginManager
 
 __all__ = [
@@ -88,6 +88,7 @@ def core_plugin_manager() -> PluginManager:
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[Any]:
     """One local Ray per test session, 8 fake GPUs declared; shut down at session end."""
+    keep_local_ray_on_loopback()
     import ray
 
     if not ray.is_initialized():

@@ -123,6 +123,9 @@ def _run(quick: bool) -> dict[str, Any]:
     backend, model = _backend()
     started_ray = not ray.is_initialized()
     if started_ray:
+        from relax_core.net import keep_local_ray_on_loopback
+
+        keep_local_ray_on_loopback()
         # A new local Ray, never a cluster someone started on this machine (``ray start``).
         ray.init(
             address="local",

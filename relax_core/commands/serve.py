@@ -404,6 +404,9 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         started, what = True, f"the Ray cluster at {address}"
     else:
+        from relax_core.net import keep_local_ray_on_loopback
+
+        keep_local_ray_on_loopback()
         gpus = config.cluster.total_gpus
         ray.init(
             address="local",
