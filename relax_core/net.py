@@ -27,4 +27,4 @@ def keep_local_ray_on_loopback() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray at import
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # Ray already imported: its constant was read from the old env
-        constants.ENABLE_RAY_CLUSTER = False
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010
