@@ -8,13 +8,15 @@ its own (partial success: confirmed ones SLEEPING/READY, unconfirmed ones FAILED
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
 from relax_core.manager.base import ManagerBase, with_result
 from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
 from relax_core.manager.slots import ReplicaSlot
 from relax_core.manager.state import (
     NotApplicable,
+    Replica,
     ReplicaState,
     normalize_tags,
     plan_offload,
@@ -24,6 +26,14 @@ from relax_core.manager.state import (
 __all__ = ["MemoryMixin"]
 
 _S = ReplicaState
+
+
+class _Plan(Protocol):
+    @property
+    def noop(self) -> bool: ...
+
+
+_P = TypeVar("_P", bound=_Plan)
 
 
 class MemoryMixin(ManagerBase):
@@ -52,22 +62,11 @@ class MemoryMixin(ManagerBase):
             todo: dict[int, tuple[str, ...]] = {}
             for slot in slots:
                 rep = slot.replica
-                early = self._not_applicable(slot)
+                early, plan = self._triage(slot, plan_offload, wanted)
                 if early is not None:
                     results[slot.engine_id] = early
                     continue
-                try:
-                    plan = plan_offload(rep, wanted)
-                except NotApplicable as exc:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.SKIPPED, str(rep.state), error=str(exc)
-                    )
-                    continue
-                if plan.noop:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.NOOP, str(rep.state)
-                    )
-                    continue
+                assert plan is not None
                 rep.admission_open = False
                 rep.advance(_S.DRAINING)
                 todo[rep.index] = plan.tags
@@ -129,22 +128,11 @@ class MemoryMixin(ManagerBase):
             todo: dict[int, tuple[tuple[str, ...], bool]] = {}
             for slot in slots:
                 rep = slot.replica
-                early = self._not_applicable(slot)
+                early, plan = self._triage(slot, plan_onload, wanted)
                 if early is not None:
                     results[slot.engine_id] = early
                     continue
-                try:
-                    plan = plan_onload(rep, wanted)
-                except NotApplicable as exc:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.SKIPPED, str(rep.state), error=str(exc)
-                    )
-                    continue
-                if plan.noop:
-                    results[slot.engine_id] = ReplicaResult(
-                        slot.engine_id, Outcome.NOOP, str(rep.state)
-                    )
-                    continue
+                assert plan is not None
                 rep.advance(_S.ONLOADING)
                 todo[rep.index] = (plan.tags, plan.reopen)
             if todo:
@@ -180,6 +168,27 @@ class MemoryMixin(ManagerBase):
             if self._fenced_workers():
                 raise with_result(self._recovery_error("onload()"), result)
             return result
+
+    def _triage(
+        self,
+        slot: ReplicaSlot,
+        planner: Callable[[Replica, frozenset[str]], _P],
+        wanted: frozenset[str],
+    ) -> tuple[ReplicaResult | None, _P | None]:
+        """The replica's plan, or the result that settles it without a call (FAILED, cleaned,
+        SKIPPED when the plan does not apply, NOOP when nothing is to do)."""
+        early = self._not_applicable(slot)
+        if early is not None:
+            return early, None
+        rep = slot.replica
+        try:
+            plan = planner(rep, wanted)
+        except NotApplicable as exc:
+            skipped = ReplicaResult(slot.engine_id, Outcome.SKIPPED, str(rep.state), error=str(exc))
+            return skipped, None
+        if plan.noop:
+            return ReplicaResult(slot.engine_id, Outcome.NOOP, str(rep.state)), None
+        return None, plan
 
     def _not_applicable(self, slot: ReplicaSlot) -> ReplicaResult | None:
         rep = slot.replica
