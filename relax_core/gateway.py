@@ -46,6 +46,9 @@ __all__ = [
 #: A caller may shorten (never lengthen) the gateway's deadline with this header (seconds).
 DEADLINE_HEADER = "X-Relax-Timeout"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: How long a relayed stream's bytes may be held back to be relayed together (see
+#: :class:`InferenceGatewayHandler`'s ``stream_coalesce``).
+DEFAULT_STREAM_COALESCE_S = 0.001
 
 _JSON = b"application/json"
 # Headers of an upstream answer the gateway sets itself (its server, or the request id).
@@ -162,8 +165,12 @@ class InferenceGatewayHandler:
     limit); ``stream_first_chunk_timeout``: the same before the first bytes (default ``None``:
     only the deadline, since an engine sends its first event only after queueing and
     prefill). Past either, the caller gets an error event with code 504 and a truncated
-    stream. ``token``: a bearer token callers must send (``None``: no auth).
-    ``max_body_bytes``: the request body limit.
+    stream. ``stream_coalesce``: when a relayed stream's bytes arrive faster than one read per
+    this many seconds (default 1 ms), they are read and relayed together once per period
+    instead of one receive and one send per event (an event is then delayed by at most this
+    much; a stream slower than that, as any real token stream is, is never delayed); ``0``
+    relays every read at once. ``token``: a bearer token callers must send (``None``: no
+    auth). ``max_body_bytes``: the request body limit.
 
     Belongs to one event loop (that of the server running it).
     """
@@ -182,6 +189,7 @@ class InferenceGatewayHandler:
         snapshot_ttl: float = 0.5,
         stream_idle_timeout: float | None = 60.0,
         stream_first_chunk_timeout: float | None = None,
+        stream_coalesce: float = DEFAULT_STREAM_COALESCE_S,
     ) -> None:
         if (client is None) == (snapshot_provider is None):
             raise ValueError(
@@ -199,6 +207,11 @@ class InferenceGatewayHandler:
         ):
             if value is not None and not 0 < value < float("inf"):
                 raise ValueError(f"{name}={value!r}: give a positive number of seconds or None")
+        if not 0.0 <= stream_coalesce <= 0.1:
+            raise ValueError(
+                f"stream_coalesce={stream_coalesce!r}: give seconds between 0 (relay every read "
+                "at once) and 0.1"
+            )
         self.role = role
         self.client = client or InferenceClient(
             snapshot_provider=snapshot_provider, role=role, ttl=snapshot_ttl, timeout=timeout
@@ -207,6 +220,7 @@ class InferenceGatewayHandler:
         inf = float("inf")
         self.stream_idle_timeout = stream_idle_timeout
         self.stream_first_chunk_timeout = stream_first_chunk_timeout
+        self.stream_coalesce = stream_coalesce
         self._idle = inf if stream_idle_timeout is None else stream_idle_timeout
         self._first = inf if stream_first_chunk_timeout is None else stream_first_chunk_timeout
         self.adapter = adapter or RoleAdapter()

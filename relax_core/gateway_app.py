@@ -220,7 +220,7 @@ async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHan
     """
     resp = answer.stream
     assert resp is not None
-    chunks: AsyncIterator[bytes] = resp.iter_chunks()
+    chunks: AsyncIterator[bytes] = resp.iter_chunks(handler.stream_coalesce)
     relayed = 0
     last = b"\n\n"
     try:

@@ -191,6 +191,7 @@ def registry_gateway_app(
     model_paths: Mapping[str, str] | None = None,
     stream_idle_timeout: float | None = 60.0,
     stream_first_chunk_timeout: float | None = None,
+    stream_coalesce: float | None = None,
     max_body_bytes: int | None = None,
 ) -> Any:
     """The app of ``role``'s gateway reading the role's snapshot from ``registry_url``.
@@ -203,7 +204,12 @@ def registry_gateway_app(
                       port=8100, workers=2)
     """
     from relax_core.client import InferenceClient
-    from relax_core.gateway import DEFAULT_MAX_BODY_BYTES, InferenceGatewayHandler, adapter_for_role
+    from relax_core.gateway import (
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_STREAM_COALESCE_S,
+        InferenceGatewayHandler,
+        adapter_for_role,
+    )
     from relax_core.gateway_app import create_gateway_app
     from relax_core.plugins import PluginManager
 
@@ -218,5 +224,6 @@ def registry_gateway_app(
         max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         stream_idle_timeout=stream_idle_timeout,
         stream_first_chunk_timeout=stream_first_chunk_timeout,
+        stream_coalesce=DEFAULT_STREAM_COALESCE_S if stream_coalesce is None else stream_coalesce,
     )
     return create_gateway_app(handler)

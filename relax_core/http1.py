@@ -30,6 +30,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 __all__ = [
     "ConnectError",
     "ConnectTimeout",
+    "Http1Body",
     "Http1Client",
     "Http1Response",
     "PayloadError",
@@ -63,14 +64,15 @@ class PayloadError(ConnectionError):
     """The connection closed or the bytes were not HTTP in the middle of the answer."""
 
 
-class _Body:
+class Http1Body:
     """The body of an answer as it arrives: ``readany`` returns what is there (or waits)."""
 
-    __slots__ = ("_buf", "_conn", "_eof", "_exc", "_size", "_waiter")
+    __slots__ = ("_buf", "_conn", "_eof", "_exc", "_last", "_size", "_waiter")
 
     def __init__(self, conn: _Connection) -> None:
         self._buf: collections.deque[bytes] = collections.deque()
         self._size = 0
+        self._last = -1e9  # loop time of the last read that returned bytes
         self._eof = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -109,8 +111,25 @@ class _Body:
         """Whether the whole body was received and read."""
         return self._eof and not self._buf
 
-    async def readany(self) -> bytes:
-        """The bytes received since the last read (waits for some); ``b""`` at the end."""
+    async def readany(self, coalesce: float = 0.0) -> bytes:
+        """The bytes received since the last read (waits for some); ``b""`` at the end.
+
+        ``coalesce`` (seconds): when the previous read returned bytes less than this long ago,
+        stop reading from the socket for this long first, so that what the upstream writes in
+        the meantime arrives as one read (one receive here, one send by whoever relays it)
+        instead of one per write. A body that arrives more slowly than that is never held back;
+        a fast one is delayed by at most ``coalesce``.
+        """
+        conn = self._conn
+        if coalesce > 0.0 and conn is not None and not self._eof:
+            loop = asyncio.get_running_loop()
+            if loop.time() - self._last < coalesce:
+                conn.hold(True)
+                try:
+                    await asyncio.sleep(coalesce)
+                finally:
+                    if self._conn is conn:  # (else the answer ended and the hold with it)
+                        conn.hold(False)
         while not self._buf and not self._eof:
             if self._exc is not None:
                 raise self._exc
@@ -124,6 +143,8 @@ class _Body:
         if self._size > _HIGH_WATER and self._conn is not None:
             self._conn.resume()
         self._size = 0
+        if coalesce > 0.0:
+            self._last = asyncio.get_running_loop().time()
         return data
 
     async def iter_any(self) -> AsyncIterator[bytes]:
@@ -149,7 +170,7 @@ class Http1Response:
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self._headers: CIMultiDictProxy[str] | None = None
-        self.content = _Body(conn)
+        self.content = Http1Body(conn)
         self.complete = False
         self._deadline: asyncio.TimerHandle | None = None
 
@@ -198,7 +219,8 @@ class _Connection(asyncio.Protocol):
         self._eof_body = False
         self.closed = False
         self.idle_since = 0.0
-        self._paused = False
+        self._paused = False  # the unread body is over the high-water mark
+        self._held = False  # the reader is coalescing (see Http1Body.readany)
         # The client whose connection limit this connection counts against while busy.
         self.slot: Http1Client | None = None
 
@@ -246,14 +268,24 @@ class _Connection(asyncio.Protocol):
         self._free_slot()
 
     def pause(self) -> None:
-        if not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        self._set_reading(paused=True, held=self._held)
 
     def resume(self) -> None:
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self._set_reading(paused=False, held=self._held)
+
+    def hold(self, held: bool) -> None:
+        self._set_reading(paused=self._paused, held=held)
+
+    def _set_reading(self, paused: bool, held: bool) -> None:
+        was = self._paused or self._held
+        self._paused, self._held = paused, held
+        now = paused or held
+        transport = self.transport
+        if now != was and transport is not None and not transport.is_closing():
+            if now:
+                transport.pause_reading()
+            else:
+                transport.resume_reading()
 
     # -- httptools callbacks ---------------------------------------------------------------
 
@@ -301,8 +333,7 @@ class _Connection(asyncio.Protocol):
             resp._deadline.cancel()
             resp._deadline = None
         resp.content.feed_eof()
-        if self._paused:
-            self.resume()
+        self._set_reading(paused=False, held=False)  # a body reader's hold ends with the body
         if self.closed or not self._parser.should_keep_alive():  # (close frees the slot)
             self.close()
         else:

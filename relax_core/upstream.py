@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
@@ -21,7 +22,7 @@ import orjson
 
 from relax_core.errors import RequestNotReplayedError, UpstreamError
 from relax_core.headers import _DROP_RESPONSE_RAW, forward_headers
-from relax_core.http1 import ConnectError, ConnectTimeout
+from relax_core.http1 import ConnectError, ConnectTimeout, Http1Body
 
 if TYPE_CHECKING:
     from relax_core.routing import RouteTarget
@@ -346,13 +347,21 @@ class UpstreamResponse:
         if self.status >= 400:
             raise status_error(self.status, body, self._resp.headers, self.prepared)
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
+    async def iter_chunks(self, coalesce: float = 0.0) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive, unparsed (for byte-level forwarding).
 
         A wait for the next bytes longer than the idle limits raises a 504
         :class:`~relax_core.errors.RequestNotReplayedError` (see the class docstring).
+
+        ``coalesce`` (seconds, ``http://`` upstreams): when bytes arrive faster than one read
+        per ``coalesce``, hold reading for that long so that what arrives meanwhile comes as
+        one chunk; a body arriving more slowly is never delayed (see
+        :meth:`relax_core.http1.Http1Body.readany`).
         """
         content = self._resp.content
+        read: Callable[[], Awaitable[bytes]] = content.readany
+        if coalesce > 0.0 and isinstance(content, Http1Body):
+            read = functools.partial(content.readany, coalesce)
         watch = None
         if self._idle_timeout is not None or self._first_chunk_timeout is not None:
             watch = _IdleWatch(
@@ -363,13 +372,12 @@ class UpstreamResponse:
             )
         try:
             if watch is None:
-                async for chunk in content.iter_any():
+                while chunk := await read():
                     yield chunk
             else:
-                readany = content.readany
                 while True:
                     watch.waiting()
-                    chunk = await readany()
+                    chunk = await read()
                     watch.since = None
                     if not chunk:
                         break

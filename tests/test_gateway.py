@@ -274,3 +274,19 @@ def test_metrics_count_requests_latency_and_upstream_errors(gw: str) -> None:
     assert 'relax_gateway_upstream_errors_total{error="bad_json",role="teacher"} 1.0' in text
     assert 'relax_gateway_request_seconds_count{role="teacher",route="generate"} 2.0' in text
     assert 'relax_gateway_inflight{role="teacher"} 0.0' in text
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "needle"),
+    [
+        ("stream_coalesce", -0.001, "stream_coalesce=-0.001: give seconds between 0"),
+        ("stream_coalesce", 1.0, "stream_coalesce=1.0: give seconds between 0"),
+        ("stream_idle_timeout", 0, "stream_idle_timeout=0: give a positive number"),
+        ("max_body_bytes", 0, "max_body_bytes=0: give a positive number of bytes"),
+    ],
+)
+def test_bad_handler_options_are_refused_by_name(option: str, value: Any, needle: str) -> None:
+    from relax_core.gateway import InferenceGatewayHandler
+
+    with pytest.raises(ValueError, match=needle):
+        InferenceGatewayHandler("rollout", snapshot_provider=lambda: None, **{option: value})

@@ -347,3 +347,46 @@ def test_a_refused_connection_is_unreachable_and_nothing_was_sent() -> None:
         await transport.aclose()
 
     run(scenario())
+
+
+def test_coalescing_holds_a_fast_body_but_never_the_first_read(serve: Any) -> None:
+    events = [b"data: %d\n\n" % i for i in range(50)]
+    written = threading.Event()
+
+    def fire_hose(conn: socket.socket, server: RawServer) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        server.read_request(conn)
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(events[0]), events[0])
+        )
+        server.release.wait(10)
+        for event in events[1:]:  # one segment per event, as an engine writes them
+            conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+        conn.sendall(b"0\r\n\r\n")
+        written.set()
+        server.read_request(conn)
+
+    server = serve(fire_hose)
+
+    async def scenario() -> list[bytes]:
+        client = Http1Client()
+        resp = await client.request("POST", server.url + "/x", {}, b"{}", timeout=30)
+        # A read with nothing read before is never held, however long the window.
+        first = await asyncio.wait_for(resp.content.readany(coalesce=60.0), 10)
+        # The next one, right after, holds the socket for its window: what the upstream
+        # writes meanwhile (49 separate writes) stays in the kernel and comes as one read.
+        holding = asyncio.ensure_future(resp.content.readany(coalesce=2.0))
+        await asyncio.sleep(0)
+        transport = resp._conn.transport  # type: ignore[attr-defined]
+        assert not transport.is_reading()
+        server.release.set()
+        assert await asyncio.to_thread(written.wait, 10)
+        assert not transport.is_reading()
+        rest = await asyncio.wait_for(holding, 10)
+        assert await resp.content.readany(coalesce=2.0) == b""  # the end is not held
+        resp.release()
+        await client.aclose()
+        return [first, rest]
+
+    assert run(scenario()) == [events[0], b"".join(events[1:])]

@@ -1,8 +1,9 @@
 """A role gateway in its own process, for ``relax bench gateway``.
 
-``python -m relax_core.bench._gateway_proc --upstream URL [--workers N]`` serves the rollout
-gateway on a free loopback port with a fixed schema-2 snapshot whose one DIRECT head is
-``URL`` (with N > 1: N worker processes sharing the port); it prints ``{"port": P, "pids": [...]}``
+``python -m relax_core.bench._gateway_proc --upstream URL [--workers N] [--stream-coalesce S]``
+serves the rollout gateway on a free loopback port with a fixed schema-2 snapshot whose one
+DIRECT head is ``URL`` (with N > 1: N worker processes sharing the port; ``S``: the handler's
+``stream_coalesce``, default the gateway's default); it prints ``{"port": P, "pids": [...]}``
 once it accepts connections and stops when its stdin closes.
 """
 
@@ -14,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from relax_core.gateway import InferenceGatewayHandler
+from relax_core.gateway import DEFAULT_STREAM_COALESCE_S, InferenceGatewayHandler
 from relax_core.gateway_app import GatewayServer, create_gateway_app
 from relax_core.schema import RoleSnapshot
 
@@ -57,10 +58,15 @@ def bench_snapshot(upstream: str) -> RoleSnapshot:
     )
 
 
-def bench_app(upstream: str) -> Any:
+def bench_app(upstream: str, stream_coalesce: float = DEFAULT_STREAM_COALESCE_S) -> Any:
     """The rollout gateway app in front of ``upstream`` (one per worker process)."""
     snap = bench_snapshot(upstream)
-    handler = InferenceGatewayHandler("rollout", snapshot_provider=lambda: snap, snapshot_ttl=5.0)
+    handler = InferenceGatewayHandler(
+        "rollout",
+        snapshot_provider=lambda: snap,
+        snapshot_ttl=5.0,
+        stream_coalesce=stream_coalesce,
+    )
     return create_gateway_app(handler)
 
 
@@ -68,12 +74,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
+    parser.add_argument(
+        "--stream-coalesce",
+        type=float,
+        default=DEFAULT_STREAM_COALESCE_S,
+        help="seconds a fast stream's bytes may be held to be relayed together (0: never)",
+    )
     args = parser.parse_args()
     # By module name, so that worker processes can unpickle it (this file runs as __main__).
     from relax_core.bench._gateway_proc import bench_app as factory
 
     server = GatewayServer(
-        app_factory=functools.partial(factory, args.upstream), workers=args.workers
+        app_factory=functools.partial(factory, args.upstream, args.stream_coalesce),
+        workers=args.workers,
     ).start()
     try:
         print(json.dumps({"port": server.port, "pids": server.pids}), flush=True)

@@ -17,7 +17,15 @@ Measured, in interleaved rounds (median of rounds), in one run:
 
 - ``c1``: p50 latency of ``POST /generate`` at concurrency 1: direct, gateway, router;
 - ``c32``: requests/s at concurrency 32: direct, gateway, gateway_1w, router;
-- ``stream``: seconds to receive a streamed answer of 10,000 SSE events: direct, gateway.
+- ``stream``: seconds to receive a streamed answer of 10,000 SSE events: direct, gateway, and
+  ``gateway_uncoalesced`` (the one-worker gateway with ``stream_coalesce=0``: every upstream
+  read relayed at once, for comparison).
+
+The null engine writes its events as fast as its loop turns (about 6 µs apart), far faster
+than any engine emits tokens. The gateway reads such a fire hose once per
+``stream_coalesce`` (1 ms by default) instead of once per event (see
+:class:`~relax_core.gateway.InferenceGatewayHandler`), which costs each event at most 1 ms of
+delay; a stream slower than one event per millisecond is relayed read by read.
 
 Targets (reported under ``targets``): gateway c32 throughput >= 0.6x the router's; added p50 at
 c1 <= 0.5 ms over direct; the stream <= 1.1x its direct time.
@@ -39,6 +47,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from relax_core.gateway import DEFAULT_STREAM_COALESCE_S
 from relax_core.net import free_port
 
 __all__ = ["format_result", "run"]
@@ -234,7 +243,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {
         "c1": {"direct": [], "gateway": [], "router": []},
         "c32": {"direct": [], "gateway": [], "gateway_1w": [], "router": []},
-        "stream": {"direct": [], "gateway": []},
+        "stream": {"direct": [], "gateway": [], "gateway_uncoalesced": []},
     }
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -263,7 +272,16 @@ def run(quick: bool = False) -> dict[str, Any]:
             )
         )
         gw1 = stack.enter_context(
-            _process(["relax_core.bench._gateway_proc", "--upstream", engine], "the gateway")
+            _process(
+                [
+                    "relax_core.bench._gateway_proc",
+                    "--upstream",
+                    engine,
+                    "--stream-coalesce",
+                    "0",
+                ],
+                "the gateway",
+            )
         )
         router = stack.enter_context(_router(engine))
         targets = {
@@ -286,11 +304,16 @@ def run(quick: bool = False) -> dict[str, Any]:
                 samples["c1"][name].append(load(targets[name], 1, c1_seconds)["p50_ms"])
             for name in samples["c32"]:
                 samples["c32"][name].append(load(targets[name], 32, c32_seconds)["rps"])
-        for name in ("direct", "gateway"):
-            _stream(targets[name].replace("/generate", "/generate"), 1)  # warm-up
+        streams = {
+            "direct": targets["direct"],
+            "gateway": targets["gateway"],
+            "gateway_uncoalesced": targets["gateway_1w"],
+        }
+        for url in streams.values():
+            _stream(url, 1)  # warm-up
         for _ in range(rounds):
-            for name in ("direct", "gateway"):
-                samples["stream"][name].extend(_stream(targets[name], 1))
+            for name, url in streams.items():
+                samples["stream"][name].extend(_stream(url, 1))
     med = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in samples.items()}
     c1, c32, st = med["c1"], med["c32"], med["stream"]
     result: dict[str, Any] = {
@@ -305,7 +328,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             "router_threads": router_threads,
             "compared": f"sglang-router with its default runtime (one tokio worker thread per "
             f"core) vs the gateway with {workers} worker process(es), on the same {cores} "
-            "core(s), one after the other; gateway_1w: one gateway process, for scale",
+            "core(s), one after the other; gateway_1w: one gateway process, for scale (it "
+            "relays streams with stream_coalesce=0: stream.gateway_uncoalesced_s)",
+            "stream_coalesce_s": DEFAULT_STREAM_COALESCE_S,
         },
     }
     result["targets"] = {
@@ -330,7 +355,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"{c1['router_p50_ms']:>12.3f}",
         f"{'c32 rps':10}{c32['direct_rps']:>12.0f}{c32['gateway_rps']:>12.0f}"
         f"{c32['router_rps']:>12.0f}   (gateway with 1 worker: {c32['gateway_1w_rps']:.0f})",
-        f"{'stream s':10}{st['direct_s']:>12.3f}{st['gateway_s']:>12.3f}",
+        f"{'stream s':10}{st['direct_s']:>12.3f}{st['gateway_s']:>12.3f}"
+        f"{'':12}   (gateway relaying every read at once: {st['gateway_uncoalesced_s']:.3f})",
         f"gateway/router rps {t['gateway_vs_router_rps']:.2f} (target >= 0.6: "
         f"{'met' if t['gateway_vs_router_rps_ok'] else 'MISSED'})",
         f"added p50 {t['added_p50_ms']:.3f} ms (target <= 0.5: "
