@@ -4,7 +4,8 @@ Each failure-semantics row that reaches the gateway is produced for real: the mo
 sleep by the manager (503 + Retry-After, nothing sent), the request deadline (504), the engine
 process killed with SIGKILL mid-stream (cut, not replayed on the other replica, counted, and
 the replica FAILED by the role service's health monitor so it is no longer routed to), and the
-registry the gateway discovers through going away (503, gateway alive, not ready).
+registry the gateway discovers through going away (503, gateway alive, not ready). A real hf
+token stream reaches the caller byte for byte as the engine sent it.
 
 One role service with two micro hf replicas and one gateway serve the whole module (engines
 start once); the test that kills an engine runs last.
@@ -124,6 +125,78 @@ def test_prefill_through_the_gateway_reaches_the_engine(served: Served) -> None:
     assert status == 200, body
     meta = json.loads(body)["meta_info"]
     assert len(meta["input_token_logprobs"]) == 3
+
+
+class _UpstreamTap:
+    """The raw bytes each of the gateway's upstream connections receives, as it receives them.
+
+    It wraps the gateway's own socket reads (the gateway runs in this process): the bytes are
+    what the real engine sent for the request, recorded on their way in; nothing is replaced.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from relax_core import http1
+
+        self.received: dict[int, bytearray] = {}
+        original = http1._Connection.data_received
+
+        def data_received(conn: Any, data: bytes) -> None:
+            self.received.setdefault(id(conn), bytearray()).extend(data)
+            original(conn, data)
+
+        monkeypatch.setattr(http1._Connection, "data_received", data_received)
+
+    def event_stream_bodies(self) -> list[bytes]:
+        """The (de-chunked) bodies of the ``text/event-stream`` answers received."""
+        import httptools
+
+        bodies: list[bytes] = []
+
+        class Answers:
+            def __init__(self) -> None:
+                self.sse, self.body = False, bytearray()
+
+            def on_header(self, name: bytes, value: bytes) -> None:
+                if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
+                    self.sse = True
+
+            def on_body(self, body: bytes) -> None:
+                self.body += body
+
+            def on_message_complete(self) -> None:
+                if self.sse:
+                    bodies.append(bytes(self.body))
+                self.sse, self.body = False, bytearray()
+
+        for raw in self.received.values():
+            httptools.HttpResponseParser(Answers()).feed_data(bytes(raw))
+        return bodies
+
+
+def test_a_stream_is_relayed_byte_for_byte_as_the_engine_sent_it(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tap = _UpstreamTap(monkeypatch)
+    req = urllib.request.Request(
+        f"{served.url}/teacher/generate",
+        data=json.dumps(
+            {
+                "text": "hi",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True},
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        relayed = resp.read()
+    monkeypatch.undo()
+    (sent,) = tap.event_stream_bodies()
+    assert relayed == sent
+    # A real token stream: one event per token (each with its own timing), then [DONE].
+    events = relayed.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 64 + 2, relayed[-300:]
 
 
 def test_deadline_is_504(served: Served) -> None:
