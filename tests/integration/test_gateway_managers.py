@@ -5,7 +5,8 @@ sleep by the manager (503 + Retry-After, nothing sent), the request deadline (50
 process killed with SIGKILL mid-stream (cut, not replayed on the other replica, counted, and
 the replica FAILED by the role service's health monitor so it is no longer routed to), and the
 registry the gateway discovers through going away (503, gateway alive, not ready). A real hf
-token stream reaches the caller byte for byte as the engine sent it.
+token stream reaches the caller byte for byte as the engine sent it, and a caller leaving a
+stream stops its generation on the engine.
 
 One role service with two micro hf replicas and one gateway serve the whole module (engines
 start once); the test that kills an engine runs last.
@@ -18,6 +19,7 @@ import importlib.util
 import json
 import re
 import signal
+import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -197,6 +199,50 @@ def test_a_stream_is_relayed_byte_for_byte_as_the_engine_sent_it(
     # A real token stream: one event per token (each with its own timing), then [DONE].
     events = relayed.split(b"\n\n")
     assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 64 + 2, relayed[-300:]
+
+
+def _engine_gauges(head_url: str) -> tuple[int, int]:
+    """The engine's (running requests, tokens generated so far), from its /metrics."""
+    text = urllib.request.urlopen(f"{head_url}/metrics", timeout=10).read().decode()
+    running = re.search(r"^sglang:num_running_reqs\{[^}]*\} (\d+)", text, re.M)
+    tokens = re.search(r"^sglang:generation_tokens_total\{[^}]*\} (\d+)", text, re.M)
+    assert running and tokens, text
+    return int(running.group(1)), int(tokens.group(1))
+
+
+def test_a_caller_leaving_a_stream_stops_the_generation_on_the_engine(served: Served) -> None:
+    heads = _heads(served.service)
+    tokens_before = sum(_engine_gauges(u)[1] for u in heads.values())
+    host, port = served.url.removeprefix("http://").split(":")
+    payload = json.dumps(
+        {
+            "text": "hi",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+        }
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /teacher/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
+        received = b""
+        while b"data: " not in received:
+            chunk = sock.recv(4096)
+            assert chunk, f"the gateway closed the stream early: {received!r}"
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+    # The gateway closes its upstream; the engine aborts the request long before its 4,000
+    # tokens (a few hundred tokens a second on this model and CPU).
+    wait_for(
+        lambda: all(_engine_gauges(u)[0] == 0 for u in heads.values()),
+        timeout=30,
+        what="the engines to have no running request",
+    )
+    generated = sum(_engine_gauges(u)[1] for u in heads.values()) - tokens_before
+    assert 0 < generated < 4000
+    metrics = urllib.request.urlopen(f"{served.url}/metrics", timeout=10).read().decode()
+    assert re.search(r'route="generate",status="499"\} [1-9]', metrics), metrics
 
 
 def test_deadline_is_504(served: Served) -> None:
