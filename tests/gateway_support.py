@@ -3,7 +3,8 @@
 - :func:`upstream`: a real engine-protocol server process (``tests/upstream_server.py``);
 - :func:`snapshot`: a schema-2 role snapshot with DIRECT heads;
 - :class:`Registry`: a mutable snapshot source the tests can change or take down;
-- :func:`gateway`: a real uvicorn gateway for a role in front of a :class:`Registry`.
+- :func:`gateway`: a real uvicorn gateway for a role in front of a :class:`Registry`;
+- :func:`leave_a_stream`: start a streamed request and hang up after its first event.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -178,6 +180,29 @@ def post(
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+
+
+def leave_a_stream(url: str, body: Any, headers: Mapping[str, str] | None = None) -> None:
+    """POST a streamed request to ``url`` over a raw socket, read up to its first event (the
+    answer must be a 200), then close the connection: a caller that goes away mid-stream."""
+    scheme, _, rest = url.partition("://")
+    assert scheme == "http", url
+    where, _, path = rest.partition("/")
+    host, _, port = where.partition(":")
+    payload = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /{path} HTTP/1.1\r\nHost: {where}\r\nContent-Type: application/json\r\n"
+            f"{extra}Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        received = b""
+        while b"data: " not in received:
+            chunk = sock.recv(4096)
+            assert chunk, f"the gateway closed the stream early: {received!r}"
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200"), received[:200]
 
 
 def get(url: str, headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
