@@ -16,15 +16,30 @@ from __future__ import annotations
 import enum
 import json
 import re
-import types
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
-from urllib.parse import urlsplit
 
 import attrs
 
 from relax_core.errors import SnapshotError
 from relax_core.records import WeightSource
+from relax_core.schema_fields import (
+    Validator,
+    build_at,
+    check_id,
+    check_str,
+    child_path,
+    frozen_map,
+    join_path,
+    object_fields,
+    segment,
+    to_enum,
+    to_tuple,
+    v_bool,
+    v_int,
+    v_str,
+    v_url,
+)
 
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
@@ -54,12 +69,8 @@ BUILTIN_WEIGHT_SOURCES: frozenset[str] = frozenset({"STATIC", "ACTOR", "DCS"})
 STATIC_ROLES: frozenset[str] = frozenset({"genrm", "teacher"})
 
 _ROLE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
-# Model and engine ids: no whitespace, no control characters ("math/replica-0" is fine).
-_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/@+-]{0,255}$")
-_PLAIN_SEGMENT = re.compile(r"^[A-Za-z0-9_-]+$")
 
 T = TypeVar("T")
-E = TypeVar("E", bound=enum.Enum)
 
 
 class ModelState(enum.StrEnum):
@@ -96,146 +107,19 @@ class RouteMode(enum.StrEnum):
     SGLANG_ROUTER = "SGLANG_ROUTER"
 
 
-# -- field helpers ---------------------------------------------------------------------------
-
-
-def _seg(key: str) -> str:
-    """One path segment for a mapping key: ``.math`` or ``["odd key"]``."""
-    return f".{key}" if _PLAIN_SEGMENT.match(key) else f"[{json.dumps(key)}]"
-
-
-def join_path(prefix: str, path: str) -> str:
-    """Join a path prefix and a relative path (``models.m`` + ``engines[0].x``)."""
-    if not prefix:
-        return path
-    if not path:
-        return prefix
-    return prefix + path if path.startswith("[") else f"{prefix}.{path}"
-
-
-def _to_enum(kind: type[E], field: str, value: object) -> E:
-    if isinstance(value, kind):
-        return value
-    if isinstance(value, str):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    raise SnapshotError(
-        field,
-        f"unknown {field} {value!r}; expected one of {', '.join(m.value for m in kind)}",
-    )
+# -- field converters ------------------------------------------------------------------
 
 
 def _engine_state(value: object) -> EngineState:
-    return _to_enum(EngineState, "state", value)
+    return to_enum(EngineState, "state", value)
 
 
 def _model_state(value: object) -> ModelState:
-    return _to_enum(ModelState, "state", value)
+    return to_enum(ModelState, "state", value)
 
 
 def _route_mode(value: object) -> RouteMode:
-    return _to_enum(RouteMode, "route_mode", value)
-
-
-def _check_url(field: str, value: object) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str):
-        raise SnapshotError(field, f"must be a URL string or null, got {type(value).__name__}")
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError as exc:
-        raise SnapshotError(field, f"{value!r} is not a valid URL ({exc})") from None
-    if parts.scheme not in ("http", "https"):
-        raise SnapshotError(
-            field, f"{value!r} must be an http:// or https:// URL (scheme {parts.scheme!r})"
-        )
-    if not parts.hostname:
-        raise SnapshotError(field, f"{value!r} has no host; publish http://host:port")
-    if parts.username is not None or parts.password is not None:
-        raise SnapshotError(field, f"{value!r} must not carry credentials")
-    if parts.query or parts.fragment:
-        raise SnapshotError(field, f"{value!r} must not carry a query or fragment")
-    if port is not None and port == 0:
-        raise SnapshotError(field, f"{value!r} has port 0; publish the bound port")
-
-
-def _check_str(field: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise SnapshotError(field, f"must be a string, got {type(value).__name__}")
-    if not value:
-        raise SnapshotError(field, "must not be empty")
-    return value
-
-
-def _check_id(field: str, value: object, what: str) -> str:
-    text = _check_str(field, value)
-    if not _ID.match(text):
-        raise SnapshotError(
-            field,
-            f"{what} {text!r} is not valid: up to 256 characters, starting with a letter, digit "
-            "or '_', then letters, digits and _ . : / @ + -",
-        )
-    return text
-
-
-def _check_int(field: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SnapshotError(field, f"must be an integer, got {type(value).__name__}")
-    if value < 0:
-        raise SnapshotError(field, f"must be >= 0, got {value}")
-    return value
-
-
-Validator = Callable[[Any, Any, Any], None]
-
-
-def _v_url(field: str) -> Validator:
-    def check(_i: Any, _a: Any, value: Any) -> None:
-        _check_url(field, value)
-
-    return check
-
-
-def _v_int(field: str) -> Validator:
-    def check(_i: Any, _a: Any, value: Any) -> None:
-        _check_int(field, value)
-
-    return check
-
-
-def _v_str(field: str) -> Validator:
-    def check(_i: Any, _a: Any, value: Any) -> None:
-        _check_str(field, value)
-
-    return check
-
-
-def _v_bool(field: str) -> Validator:
-    def check(_i: Any, _a: Any, value: Any) -> None:
-        if not isinstance(value, bool):
-            raise SnapshotError(field, f"must be true or false, got {value!r}")
-
-    return check
-
-
-def _frozen_map(value: object) -> Mapping[str, Any]:
-    # Always copy: a caller's dict (or a proxy over one) must not change a frozen record.
-    if not isinstance(value, Mapping):
-        # The validator reports the field; keep the bad value for it to name.
-        return value  # type: ignore[return-value]
-    return types.MappingProxyType(dict(value))
-
-
-def _to_tuple(value: object) -> tuple[Any, ...]:
-    if isinstance(value, tuple):
-        return value
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise SnapshotError("engines", f"must be a list of engines, got {type(value).__name__}")
-    return tuple(value)
+    return to_enum(RouteMode, "route_mode", value)
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -251,14 +135,14 @@ class EngineView:
     """
 
     engine_id: str = attrs.field()
-    base_url: str | None = attrs.field(validator=_v_url("base_url"))
+    base_url: str | None = attrs.field(validator=v_url("base_url"))
     state: EngineState = attrs.field(converter=_engine_state)
-    direct_eligible: bool = attrs.field(validator=_v_bool("direct_eligible"))
-    generation: int = attrs.field(validator=_v_int("generation"))
+    direct_eligible: bool = attrs.field(validator=v_bool("direct_eligible"))
+    generation: int = attrs.field(validator=v_int("generation"))
 
     @engine_id.validator
     def _check_engine_id(self, _a: Any, value: Any) -> None:
-        _check_id("engine_id", value, "engine id")
+        check_id("engine_id", value, "engine id")
 
     def __attrs_post_init__(self) -> None:
         if self.direct_eligible and self.state is not EngineState.READY:
@@ -317,24 +201,24 @@ class ModelView:
 
     state: ModelState = attrs.field(converter=_model_state)
     route_mode: RouteMode = attrs.field(converter=_route_mode)
-    router_url: str | None = attrs.field(validator=_v_url("router_url"))
+    router_url: str | None = attrs.field(validator=v_url("router_url"))
     weight_source: str = attrs.field()
     weight_version: str | None = attrs.field()
-    served_model_name: str = attrs.field(validator=_v_str("served_model_name"))
+    served_model_name: str = attrs.field(validator=v_str("served_model_name"))
     engines: tuple[EngineView, ...] = attrs.field(
-        default=(), converter=_to_tuple, validator=_check_engines
+        default=(), converter=to_tuple, validator=_check_engines
     )
 
     @weight_source.validator
     def _check_source(self, _a: Any, value: object) -> None:
-        name = _check_str("weight_source", value)
+        name = check_str("weight_source", value)
         if not _ROLE_NAME.match(name):
             raise SnapshotError("weight_source", f"{name!r} is not a weight-source name")
 
     @weight_version.validator
     def _check_version(self, _a: Any, value: object) -> None:
         if value is not None:
-            _check_str("weight_version", value)
+            check_str("weight_version", value)
 
     def __attrs_post_init__(self) -> None:
         if self.weight_source == "STATIC" and self.weight_version is not None:
@@ -378,7 +262,7 @@ def _check_str_map(field: str) -> Validator:
         for key, target in value.items():
             if not isinstance(key, str) or not key:
                 raise SnapshotError(field, f"keys must be non-empty strings, got {key!r}")
-            _check_str(field + _seg(key), target)
+            check_str(field + segment(key), target)
 
     return check
 
@@ -394,22 +278,22 @@ class RoutingSpec:
 
     default_model: str | None = attrs.field(default=None)
     route_key_map: Mapping[str, str] = attrs.field(
-        factory=dict, converter=_frozen_map, validator=_check_str_map("route_key_map")
+        factory=dict, converter=frozen_map, validator=_check_str_map("route_key_map")
     )
     aliases: Mapping[str, str] = attrs.field(
-        factory=dict, converter=_frozen_map, validator=_check_str_map("aliases")
+        factory=dict, converter=frozen_map, validator=_check_str_map("aliases")
     )
     policy: str = attrs.field(default="round_robin")
-    policy_revision: int = attrs.field(default=0, validator=_v_int("policy_revision"))
+    policy_revision: int = attrs.field(default=0, validator=v_int("policy_revision"))
 
     @default_model.validator
     def _check_default(self, _a: Any, value: Any) -> None:
         if value is not None:
-            _check_str("default_model", value)
+            check_str("default_model", value)
 
     @policy.validator
     def _check_policy(self, _a: Any, value: object) -> None:
-        name = _check_str("policy", value)
+        name = check_str("policy", value)
         if not _ROLE_NAME.match(name):
             raise SnapshotError("policy", f"{name!r} is not a routing-policy name")
 
@@ -512,21 +396,21 @@ def check_model_sources(
     """
     names, records = _source_records(weight_sources)
     statics = STATIC_ROLES if static_roles is None else frozenset(static_roles)
-    _check_model_sources(role, "models" + _seg(model_id), model, names, records, statics)
+    _check_model_sources(role, "models" + segment(model_id), model, names, records, statics)
 
 
 def _check_models(_i: Any, _a: Any, value: Any) -> None:
     if not isinstance(value, Mapping):
         raise SnapshotError("models", f"must be an object, got {type(value).__name__}")
     for model_id, model in value.items():
-        path = "models" + _seg(model_id) if isinstance(model_id, str) else "models"
-        _check_id(path, model_id, "model id")
+        path = "models" + segment(model_id) if isinstance(model_id, str) else "models"
+        check_id(path, model_id, "model id")
         if not isinstance(model, ModelView):
             raise SnapshotError(path, f"must be a ModelView, got {type(model).__name__}")
 
 
 def _check_role(_i: Any, _a: Any, value: Any) -> None:
-    name = _check_str("role", value)
+    name = check_str("role", value)
     if not _ROLE_NAME.match(name):
         raise SnapshotError("role", f"{name!r} is not a role name")
 
@@ -544,10 +428,10 @@ class RoleSnapshot:
 
     schema_version: int = attrs.field(default=SCHEMA_VERSION)
     role: str = attrs.field(validator=_check_role)
-    registry_epoch: str = attrs.field(validator=_v_str("registry_epoch"))
-    topology_revision: int = attrs.field(validator=_v_int("topology_revision"))
+    registry_epoch: str = attrs.field(validator=v_str("registry_epoch"))
+    topology_revision: int = attrs.field(validator=v_int("topology_revision"))
     routing: RoutingSpec = attrs.field()
-    models: Mapping[str, ModelView] = attrs.field(converter=_frozen_map, validator=_check_models)
+    models: Mapping[str, ModelView] = attrs.field(converter=frozen_map, validator=_check_models)
     # Values derived from this immutable snapshot (routing indexes); not part of its value.
     _derived: dict[str, Any] = attrs.field(
         init=False, factory=dict, eq=False, repr=False, hash=False
@@ -579,19 +463,19 @@ class RoleSnapshot:
         for key, target in routing.route_key_map.items():
             if target not in self.models:
                 raise SnapshotError(
-                    "routing.route_key_map" + _seg(key),
+                    "routing.route_key_map" + segment(key),
                     f"route key {key!r} maps to {target!r}, which is not a model; "
                     f"known models: {known}",
                 )
         for alias, target in routing.aliases.items():
             if alias in self.models:
                 raise SnapshotError(
-                    "routing.aliases" + _seg(alias),
+                    "routing.aliases" + segment(alias),
                     f"alias {alias!r} shadows a model id; rename the alias",
                 )
             if target not in self.models:
                 raise SnapshotError(
-                    "routing.aliases" + _seg(alias),
+                    "routing.aliases" + segment(alias),
                     f"alias {alias!r} points to {target!r}, which is not a model; "
                     f"known models: {known}",
                 )
@@ -643,7 +527,7 @@ class RoleSnapshot:
         statics = STATIC_ROLES if static_roles is None else frozenset(static_roles)
         for model_id, model in self.models.items():
             _check_model_sources(
-                self.role, "models" + _seg(model_id), model, names, records, statics
+                self.role, "models" + segment(model_id), model, names, records, statics
             )
 
     # -- JSON ------------------------------------------------------------------------------
@@ -733,35 +617,8 @@ _MODEL_FIELDS = (
 _ENGINE_FIELDS = ("engine_id", "base_url", "state", "direct_eligible", "generation")
 
 
-def _child(prefix: str, key: str) -> str:
-    seg = _seg(key)
-    return seg[1:] if not prefix and seg.startswith(".") else prefix + seg
-
-
-def _fields(data: object, path: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise SnapshotError(path, f"must be a JSON object, got {type(data).__name__}")
-    for key in data:
-        if key not in names:
-            raise SnapshotError(
-                _child(path, str(key)),
-                f"unknown field {key!r}; schema 2 allows here: {', '.join(names)}",
-            )
-    for name in names:
-        if name not in data:
-            raise SnapshotError(_child(path, name), "required field is missing")
-    return data
-
-
-def _build(path: str, factory: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    try:
-        return factory(*args, **kwargs)
-    except SnapshotError as exc:
-        raise SnapshotError(join_path(path, exc.path), exc.message) from None
-
-
 def _parse_model(path: str, data: object) -> ModelView:
-    fields = _fields(data, path, _MODEL_FIELDS)
+    fields = object_fields(data, path, _MODEL_FIELDS)
     raw_engines = fields["engines"]
     if not isinstance(raw_engines, (list, tuple)):
         raise SnapshotError(
@@ -770,11 +627,11 @@ def _parse_model(path: str, data: object) -> ModelView:
     engines = []
     for index, raw in enumerate(raw_engines):
         engine_path = f"{path}.engines[{index}]"
-        engine = _fields(raw, engine_path, _ENGINE_FIELDS)
-        engines.append(_build(engine_path, EngineView, **engine))
+        engine = object_fields(raw, engine_path, _ENGINE_FIELDS)
+        engines.append(build_at(engine_path, EngineView, **engine))
     model = dict(fields)
     model["engines"] = tuple(engines)
-    return _build(path, ModelView, **model)
+    return build_at(path, ModelView, **model)
 
 
 def _parse(data: object) -> RoleSnapshot:
@@ -786,17 +643,19 @@ def _parse(data: object) -> RoleSnapshot:
                 f"expected {SCHEMA_VERSION}, got {version!r}; this reader understands schema 2 "
                 "only (ask for /engines?schema=2)",
             )
-    top = _fields(data, "", _TOP_FIELDS)
-    routing = _build("routing", RoutingSpec, **_fields(top["routing"], "routing", _ROUTING_FIELDS))
+    top = object_fields(data, "", _TOP_FIELDS)
+    routing = build_at(
+        "routing", RoutingSpec, **object_fields(top["routing"], "routing", _ROUTING_FIELDS)
+    )
     raw_models = top["models"]
     if not isinstance(raw_models, Mapping):
         raise SnapshotError("models", f"must be a JSON object, got {type(raw_models).__name__}")
     models = {}
     for model_id, raw in raw_models.items():
-        path = _child("models", str(model_id))
-        _check_id(path, model_id, "model id")
+        path = child_path("models", str(model_id))
+        check_id(path, model_id, "model id")
         models[model_id] = _parse_model(path, raw)
     values = dict(top)
     values["routing"] = routing
     values["models"] = models
-    return _build("", RoleSnapshot, **values)
+    return build_at("", RoleSnapshot, **values)
