@@ -375,16 +375,17 @@ def test_coalescing_holds_a_fast_body_but_never_the_first_read(serve: Any) -> No
         # A read with nothing read before is never held, however long the window.
         first = await asyncio.wait_for(resp.content.readany(coalesce=60.0), 10)
         # The next one, right after, holds the socket for its window: what the upstream
-        # writes meanwhile (49 separate writes) stays in the kernel and comes as one read.
-        holding = asyncio.ensure_future(resp.content.readany(coalesce=2.0))
+        # writes meanwhile (49 separate writes) stays in the kernel and comes as one read (the
+        # window leaves the server thread seconds for writes that take microseconds).
+        holding = asyncio.ensure_future(resp.content.readany(coalesce=5.0))
         await asyncio.sleep(0)
         transport = resp._conn.transport  # type: ignore[attr-defined]
         assert not transport.is_reading()
         server.release.set()
         assert await asyncio.to_thread(written.wait, 10)
         assert not transport.is_reading()
-        rest = await asyncio.wait_for(holding, 10)
-        assert await resp.content.readany(coalesce=2.0) == b""  # the end is not held
+        rest = await asyncio.wait_for(holding, 15)
+        assert await resp.content.readany(coalesce=5.0) == b""  # the end is not held
         resp.release()
         await client.aclose()
         return [first, rest]
