@@ -20,25 +20,14 @@ import json
 import sys
 from typing import Any
 
+# The same ~300-byte /generate answer as the client bench's null engine.
+from relax_core.bench._null_upstream import ANSWER
+
 __all__ = ["STREAM_CHUNKS", "main"]
 
 #: Events in a streamed answer.
 STREAM_CHUNKS = 10_000
 
-_ANSWER = json.dumps(
-    {
-        "text": " The answer is 42, and the reasoning is short enough to fit in one line.",
-        "output_ids": [576, 4226, 374, 220, 19, 17, 11, 323, 279, 32711, 374, 2805],
-        "meta_info": {
-            "id": "0" * 32,
-            "prompt_tokens": 17,
-            "completion_tokens": 12,
-            "finish_reason": {"type": "stop", "matched": 151645},
-            "weight_version": "default",
-        },
-    },
-    separators=(",", ":"),
-).encode()
 
 _INFO: dict[bytes, bytes] = {
     b"/health": b"{}",
@@ -75,9 +64,9 @@ def _response(
     )
 
 
-_GENERATE = _response(_ANSWER)
+_GENERATE = _response(ANSWER)
 _NOT_FOUND = _response(b'{"error":"not found"}', status=b"404 Not Found")
-_EVENT = b"data: " + _ANSWER + b"\n\n"
+_EVENT = b"data: " + ANSWER + b"\n\n"
 _CHUNK = f"{len(_EVENT):x}\r\n".encode() + _EVENT + b"\r\n"
 _DONE = b"data: [DONE]\n\n"
 _STREAM_HEAD = (
