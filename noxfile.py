@@ -87,4 +87,4 @@ def fuzz(session: nox.Session) -> None:
     """schemathesis against each role gateway's OpenAPI document: no undocumented 5xx."""
     _install_project(session, "test")
     session.install("schemathesis>=4.0,<5")
-    session.run("python", "tests/fuzz_gateways.py", *session.posargs)
+    session.run("python", "-m", "tests.fuzz_gateways", *session.posargs)

@@ -1,10 +1,22 @@
 """Relax: the inference side of LLM RL post-training — one core for rollout, genrm and teacher."""
 
-from relax_core.admission import AdmissionServer
-from relax_core.client import InferenceClient
-from relax_core.client_pool import close_clients, get_client
+from relax_core._http.upstream import UpstreamStatusError, UpstreamUnreachableError
+from relax_core.client.client import InferenceClient
+from relax_core.client.pool import close_clients, get_client
 from relax_core.config import JobConfig, load_config
-from relax_core.engine_spec import InferenceEngineSpec
+from relax_core.discovery.publisher import RegistryPublisher
+from relax_core.discovery.routing import RouteResolver, RouteTarget
+from relax_core.discovery.schema import (
+    EngineState,
+    EngineView,
+    ModelState,
+    ModelView,
+    RoleSnapshot,
+    RouteMode,
+    RoutingSpec,
+)
+from relax_core.engine.admission import AdmissionServer
+from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import (
     CapabilityError,
     ConfigError,
@@ -45,18 +57,6 @@ from relax_core.records import (
     RoutingPolicy,
     WeightSource,
 )
-from relax_core.registry import RegistryPublisher
-from relax_core.routing import RouteResolver, RouteTarget
-from relax_core.schema import (
-    EngineState,
-    EngineView,
-    ModelState,
-    ModelView,
-    RoleSnapshot,
-    RouteMode,
-    RoutingSpec,
-)
-from relax_core.transport import UpstreamStatusError, UpstreamUnreachableError
 
 __version__ = "0.1.0"
 

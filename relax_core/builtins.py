@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from relax_core.discovery.policies import relax_register_routing_policies  # noqa: F401
 from relax_core.hookspecs import hookimpl
 from relax_core.placement.modes import relax_register_placement_modes  # noqa: F401
-from relax_core.policies import relax_register_routing_policies  # noqa: F401
 from relax_core.records import WeightSource
 
 STATIC = WeightSource(

@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-_spec = importlib.util.spec_from_file_location(
-    "gateway_support", Path(__file__).with_name("gateway_support.py")
-)
-assert _spec is not None and _spec.loader is not None
-gs: Any = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gs)
+from tests.support import gateway as gs
 
 CHECKS = ",".join(
     [
@@ -43,7 +36,7 @@ def main() -> int:
     parser.add_argument("--max-examples", type=int, default=60)
     args = parser.parse_args()
     from relax_core import PluginManager
-    from relax_core.gateway import adapter_for_role
+    from relax_core.gateway.handler import adapter_for_role
 
     pm = PluginManager.create()
     failed = []

@@ -15,9 +15,10 @@ import json
 import sys
 from typing import Any
 
-from relax_core.gateway import DEFAULT_STREAM_COALESCE_S, InferenceGatewayHandler
-from relax_core.gateway_app import GatewayServer, create_gateway_app
-from relax_core.schema import RoleSnapshot
+from relax_core.discovery.schema import RoleSnapshot
+from relax_core.gateway.app import create_gateway_app
+from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S, InferenceGatewayHandler
+from relax_core.gateway.serving import GatewayServer
 
 
 def bench_snapshot(upstream: str) -> RoleSnapshot:

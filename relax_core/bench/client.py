@@ -31,9 +31,9 @@ import attrs
 import orjson
 
 from relax_core.bench._null_upstream import spawn
-from relax_core.client import InferenceClient
-from relax_core.routing import RouteResolver
-from relax_core.schema import RoleSnapshot
+from relax_core.client.client import InferenceClient
+from relax_core.discovery.routing import RouteResolver
+from relax_core.discovery.schema import RoleSnapshot
 
 __all__ = [
     "Throughput",

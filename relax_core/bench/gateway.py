@@ -24,8 +24,8 @@ Measured, in interleaved rounds (median of rounds), in one run:
 The null engine writes its events as fast as its loop turns (about 6 µs apart), far faster
 than any engine emits tokens. The gateway reads such a fire hose once per
 ``stream_coalesce`` (1 ms by default) instead of once per event (see
-:class:`~relax_core.gateway.InferenceGatewayHandler`), which costs each event at most 1 ms of
-delay; a stream slower than one event per millisecond is relayed read by read.
+:class:`~relax_core.gateway.handler.InferenceGatewayHandler`), which costs each event at most 1 ms
+of delay; a stream slower than one event per millisecond is relayed read by read.
 
 Targets (reported under ``targets``): gateway c32 throughput >= 0.6x the router's; added p50 at
 c1 <= 0.5 ms over direct; the stream <= 1.1x its direct time.
@@ -47,7 +47,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from relax_core.gateway import DEFAULT_STREAM_COALESCE_S
+from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S
 from relax_core.net import free_port
 
 __all__ = ["format_result", "run"]

@@ -32,8 +32,8 @@ import sys
 import time
 from typing import Any
 
-from relax_core.control import ControlClient
-from relax_core.engine_process import SubprocessEngineProcess
+from relax_core.engine.control import ControlClient
+from relax_core.engine.process import SubprocessEngineProcess
 from relax_core.records import EngineBackend, EngineLaunchSpec
 
 __all__ = ["SIM_BACKEND", "format_result", "launch_sim", "run"]
@@ -115,7 +115,7 @@ def _run(quick: bool) -> dict[str, Any]:
     from ray.util.placement_group import placement_group
 
     from relax_core.builtins import STATIC
-    from relax_core.engine_spec import InferenceEngineSpec
+    from relax_core.engine.spec import InferenceEngineSpec
     from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
 
     replicas = int(os.environ.get("RELAX_BENCH_MANAGER_REPLICAS", "16"))

@@ -176,8 +176,8 @@ def _ask(urls: dict[str, str], out: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relax_core.commands.serve import ShutdownSignals, describe_job, ray_session, serve_job
     from relax_core.plugins import PluginManager
+    from relax_core.service import ShutdownSignals, describe_job, ray_session, serve_job
 
     out = sys.stdout
     clock = _Clock()

@@ -9,60 +9,12 @@ import argparse
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-from relax_core.schema import RoleSnapshot
+from relax_core.discovery.status import fetch_snapshot, render_snapshot
 
 NAME = "status"
 HELP = "Show a role's models, states and replicas from its gateway (schema 2)."
-
-__all__ = ["fetch_snapshot", "render_snapshot"]
-
-
-def fetch_snapshot(url: str, *, token: str | None = None, timeout: float = 10.0) -> RoleSnapshot:
-    """The snapshot served at ``url`` (a role base URL or its ``/engines`` URL)."""
-    base = url.rstrip("/")
-    if not base.endswith("/engines"):
-        base += "/engines"
-    req = urllib.request.Request(base + "?schema=2")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return RoleSnapshot.from_json(resp.read())
-
-
-def render_snapshot(snap: RoleSnapshot, *, pids: Mapping[str, Sequence[int]] | None = None) -> str:
-    """A table: one line per model, one indented line per replica head.
-
-    ``pids``: engine id → its engine process ids, shown per replica when given (``relax
-    serve`` knows them; a snapshot does not carry them).
-    """
-    lines = [
-        f"role {snap.role}  (epoch {snap.registry_epoch}, revision {snap.topology_revision}, "
-        f"default model {snap.routing.default_model}, policy {snap.routing.policy})"
-    ]
-    for model_id, m in snap.models.items():
-        ready = sum(1 for e in m.engines if e.state.value == "READY")
-        version = f" version {m.weight_version}" if m.weight_version else ""
-        lines.append(
-            f"  {model_id:12} {m.state.value:10} {m.route_mode.value:13} {m.weight_source}"
-            f"{version}  served as {m.served_model_name}  {ready}/{len(m.engines)} READY"
-        )
-        for e in m.engines:
-            pid = ""
-            if pids is not None and pids.get(e.engine_id):
-                pid = "  pid " + ",".join(str(p) for p in pids[e.engine_id])
-            lines.append(
-                f"      {e.engine_id:22} {e.state.value:10} gen {e.generation:<3} "
-                f"{e.base_url or '-'}{'' if e.direct_eligible else '  (not routable)'}{pid}"
-            )
-    keys = snap.routing.route_key_map
-    if keys:
-        lines.append("  route keys: " + ", ".join(f"{k}→{v}" for k, v in keys.items()))
-    if snap.routing.aliases:
-        lines.append("  aliases: " + ", ".join(f"{k}→{v}" for k, v in snap.routing.aliases.items()))
-    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.engine_spec import InferenceEngineSpec
+from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import InferenceRecoveryRequired, LifecycleError
 from relax_core.manager.channel import ChannelError, ControlAddress, call_many
 from relax_core.manager.fanout import CallOutcome, gather
@@ -79,7 +79,7 @@ class ManagerBase:
     :param launch: how to launch the engines.
     :param placement: the placement group and bundles of every replica's workers.
     :param publisher: where the model's schema-2 view goes (a
-        :class:`~relax_core.registry.RegistryPublisher`); ``None`` publishes nothing.
+        :class:`~relax_core.discovery.publisher.RegistryPublisher`); ``None`` publishes nothing.
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
     :param control_channel: send onload/offload to each head's private control endpoint over
         HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
@@ -192,8 +192,8 @@ class ManagerBase:
             }
 
     def model_view(self) -> Any:
-        """The model's schema-2 :class:`~relax_core.schema.ModelView` (heads only)."""
-        from relax_core.schema import EngineView, ModelState, ModelView
+        """The model's schema-2 :class:`~relax_core.discovery.schema.ModelView` (heads only)."""
+        from relax_core.discovery.schema import EngineView, ModelState, ModelView
 
         with self._lock:
             engines = []

@@ -4,7 +4,7 @@ A Ray actor call fanned out to many actors costs a Ray round trip per actor (tas
 in the caller, the callee's core worker, object return), which on a busy host is most of a
 lifecycle operation's own time. Onload and offload therefore travel as one plain HTTP request
 per replica, sent together from one event loop with the core's lean HTTP/1.1 client
-(:class:`~relax_core.http1.Http1Client`; about 2 ms less client CPU per 16-way fan-out than
+(:class:`~relax_core._http.http1.Http1Client`; about 2 ms less client CPU per 16-way fan-out than
 aiohttp), to a small *private control endpoint* that
 each head's engine worker serves on its own event loop; the Ray actor stays the owner of the
 process (start, health, shutdown, weight updates) and the witness of its death.
@@ -45,9 +45,10 @@ import attrs
 from aiohttp import web
 
 from relax_core import errors
-from relax_core.admission import PRIVATE_PREFIX
+from relax_core._http.http1 import Http1Client
+from relax_core._http.server import serve_app
+from relax_core.engine.admission import PRIVATE_PREFIX
 from relax_core.errors import LifecycleError, RelaxError
-from relax_core.http1 import Http1Client
 from relax_core.manager.fanout import CallOutcome
 
 __all__ = [
@@ -122,20 +123,13 @@ class ControlChannelServer:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # No handler cancellation: a caller that stops waiting does not abort a release halfway.
-        runner = web.AppRunner(
+        self._runner, self.port = await serve_app(
             app,
-            access_log=None,
-            handle_signals=False,
+            self.host,
+            self.port,
             handler_cancellation=False,
             keepalive_timeout=_SERVER_KEEPALIVE,
         )
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        self._runner = runner
-        if self.port == 0:
-            sockets: Any = getattr(site._server, "sockets", None) or ()
-            self.port = int(sockets[0].getsockname()[1])
         return self.address
 
     async def stop(self) -> None:

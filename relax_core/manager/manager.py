@@ -24,7 +24,7 @@ __all__ = ["InferenceManager"]
 class InferenceManager(MemoryMixin, RecoveryMixin, WeightsMixin):
     """The lifecycle core of one model's engines.
 
-    Build it with the model's :class:`~relax_core.engine_spec.InferenceEngineSpec`, its engine
+    Build it with the model's :class:`~relax_core.engine.spec.InferenceEngineSpec`, its engine
     backend record, a :class:`~relax_core.manager.ModelLaunch` and a
     :class:`~relax_core.manager.ReplicaPlacement`; then :meth:`start`. Every method blocks and
     takes the manager's lock; every lifecycle call fans out to all replicas in parallel and

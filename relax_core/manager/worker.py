@@ -28,8 +28,8 @@ from typing import Any
 
 import attrs
 
-from relax_core.admission import AdmissionServer
-from relax_core.engine_spec import InferenceEngineSpec
+from relax_core.engine.admission import AdmissionServer
+from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import CapabilityError, LifecycleError, RelaxError
 from relax_core.manager.channel import ControlAddress, ControlChannelServer
 from relax_core.manager.state import ordered

@@ -21,7 +21,7 @@ from relax_core.placement.binding import (
     release_bound_pool,
     validate_bound_placement,
 )
-from relax_core.placement.memory import ModelFacts, count_parameters, kv_bytes_per_token
+from relax_core.placement.budget import ModelFacts, count_parameters, kv_bytes_per_token
 from relax_core.placement.modes import (
     GENERATION_PHASE,
     Demand,

@@ -43,7 +43,7 @@ import attrs
 
 from relax_core.config import STANDARD_ROLES, JobConfig, ModelConfig
 from relax_core.errors import PlacementError
-from relax_core.placement.memory import budget_memory
+from relax_core.placement.budget import budget_memory
 from relax_core.placement.modes import Demand, ModeContext, ModeResult, engine_straddles
 from relax_core.placement.plan import (
     PHASE_RESIDENT,

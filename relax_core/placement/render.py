@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relax_core.placement.memory import node_ranges
+from relax_core.placement.budget import node_ranges
 from relax_core.placement.plan import InferencePlacementPlan, ModelPlacement, Pool
 
 __all__ = ["render_plan"]

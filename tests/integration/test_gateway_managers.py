@@ -15,14 +15,12 @@ start once); the test that kills an engine runs last.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import re
 import signal
 import threading
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,26 +28,17 @@ import attrs
 import pytest
 
 from relax_core import PluginManager
-from relax_core.client import InferenceClient
-from relax_core.gateway import InferenceGatewayHandler, adapter_for_role
-from relax_core.gateway_app import GatewayServer, create_gateway_app
-from relax_core.schema import RoutingSpec
+from relax_core.client.client import InferenceClient
+from relax_core.discovery.schema import RoutingSpec
+from relax_core.gateway.app import create_gateway_app
+from relax_core.gateway.handler import InferenceGatewayHandler, adapter_for_role
+from relax_core.gateway.serving import GatewayServer
 from relax_core.service import RoleService
 from relax_core.testing import wait_for
+from tests.support import gateway as gs
+from tests.support import manager as ms
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ms = _load("manager_support")
-gs = _load("gateway_support")
 
 
 @attrs.frozen
@@ -136,7 +125,7 @@ class _UpstreamTap:
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from relax_core import http1
+        from relax_core._http import http1
 
         self.received: dict[int, bytearray] = {}
         original = http1._Connection.data_received

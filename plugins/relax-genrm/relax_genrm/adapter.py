@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from relax_core.gateway_adapters import (
+from relax_core.gateway.adapters import (
     AdaptContext,
     Adapted,
     InvalidRequestError,

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from relax_core import PluginManager, UpstreamError
-from relax_core.gateway_adapters import AdaptContext, InvalidRequestError
+from relax_core.gateway.adapters import AdaptContext, InvalidRequestError
 from relax_core.testing import serve_app
 
 CHAT_TEMPLATE = (

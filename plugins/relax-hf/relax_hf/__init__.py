@@ -2,7 +2,7 @@
 
 The ``hf`` engine backend of Relax: ``relax-hf serve`` runs one engine server; the plugin
 (:mod:`relax_hf.plugin`) registers the backend through the ``relax`` entry point so the
-InferenceManager can launch it and drive it with :class:`relax_core.control.ControlClient`.
+InferenceManager can launch it and drive it with :class:`relax_core.engine.control.ControlClient`.
 """
 
 from relax_hf.plugin import HF_BACKEND, launch

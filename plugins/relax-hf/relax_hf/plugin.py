@@ -6,8 +6,8 @@ import socket
 import sys
 from collections.abc import Callable
 
-from relax_core.control import ControlClient
-from relax_core.engine_process import SubprocessEngineProcess
+from relax_core.engine.control import ControlClient
+from relax_core.engine.process import SubprocessEngineProcess
 from relax_core.errors import ConfigError
 from relax_core.hookspecs import hookimpl
 from relax_core.records import EngineBackend, EngineLaunchSpec

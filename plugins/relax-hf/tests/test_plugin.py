@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from relax_hf.plugin import HF_BACKEND, serve_argv
 
-from relax_core.control import ControlClient
-from relax_core.engine_process import SubprocessEngineProcess
+from relax_core.engine.control import ControlClient
+from relax_core.engine.process import SubprocessEngineProcess
 from relax_core.errors import ConfigError, LifecycleError
 from relax_core.plugins import PluginManager
 from relax_core.records import EngineLaunchSpec, EngineProcess

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from relax_hf.testing import EngineServer
 
-from relax_core.control import ControlClient, serialize_named_tensors
+from relax_core.engine.control import ControlClient, serialize_named_tensors
 from relax_core.errors import LifecycleError
 from relax_core.testing import free_port
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.gateway_adapters import InvalidRequestError, RoleAdapter, check_generate_payload
+from relax_core.gateway.adapters import InvalidRequestError, RoleAdapter, check_generate_payload
 
 __all__ = ["RolloutAdapter"]
 

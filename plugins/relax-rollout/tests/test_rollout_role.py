@@ -6,7 +6,7 @@ import pytest
 from relax_rollout import RolloutAdapter
 
 from relax_core import PluginManager
-from relax_core.gateway_adapters import AdaptContext, InvalidRequestError
+from relax_core.gateway.adapters import AdaptContext, InvalidRequestError
 
 
 def test_installed_plugin_registers_rollout_role(plugin_manager: PluginManager) -> None:

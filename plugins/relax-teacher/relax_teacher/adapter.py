@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.gateway_adapters import AdaptContext, Adapted, InvalidRequestError, RoleAdapter
+from relax_core.gateway.adapters import AdaptContext, Adapted, InvalidRequestError, RoleAdapter
 
 __all__ = ["TeacherAdapter"]
 

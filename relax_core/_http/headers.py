@@ -1,0 +1,113 @@
+"""Which headers a hop forwards: the hop-by-hop rule of RFC 9110 section 7.6.1.
+
+:func:`forward_headers` drops hop-by-hop headers (and every name ``Connection`` lists) and the
+ones the next message recomputes, and keeps everything else, including ``X-Request-ID`` and
+``X-SMG-Routing-Key``; :func:`caller_headers` is the same rule for a gateway's incoming request,
+in one pass, also taking out the request id and the routing key. Re-exported by
+:mod:`relax_core._http.transport`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = [
+    "HOP_BY_HOP_HEADERS",
+    "REQUEST_ID_HEADER",
+    "ROUTING_KEY_HEADER",
+    "caller_headers",
+    "forward_headers",
+]
+
+#: The header carrying a request's id end to end (kept by every hop).
+REQUEST_ID_HEADER = "X-Request-ID"
+#: The affinity header sglang-router / smg hash on (``consistent_hashing``); kept by every hop.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+#: Headers that describe one connection, not the message; a proxy never forwards them.
+HOP_BY_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Recomputed by aiohttp for the new message (or, for accept-encoding, left out so that an
+# upstream answers uncompressed bytes that can be forwarded as they are).
+_RECOMPUTED_REQUEST_HEADERS = frozenset({"host", "content-length", "accept-encoding"})
+_RECOMPUTED_RESPONSE_HEADERS = frozenset({"content-length"})
+
+
+_DROP_REQUEST = HOP_BY_HOP_HEADERS | _RECOMPUTED_REQUEST_HEADERS
+_DROP_RESPONSE = HOP_BY_HOP_HEADERS | _RECOMPUTED_RESPONSE_HEADERS
+_DROP_RESPONSE_RAW = frozenset(name.encode() for name in _DROP_RESPONSE)
+
+
+def forward_headers(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]], *, response: bool = False
+) -> dict[str, str]:
+    """Copy ``headers`` without hop-by-hop headers (and those named by ``Connection``).
+
+    For a request (``response=False``) ``Host``, ``Content-Length`` and ``Accept-Encoding`` go
+    too: the new message recomputes them. For a response ``Content-Length`` goes: the body is
+    re-framed by the server that forwards it (bytes are never decoded, so ``Content-Encoding``
+    stays true). Names keep their case; lookups elsewhere are case-insensitive.
+    """
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    dropped = _DROP_RESPONSE if response else _DROP_REQUEST
+    out: dict[str, str] = {}
+    named: set[str] | None = None
+    for name, value in items:
+        low = name.lower()
+        if low in dropped:
+            if low == "connection":
+                named = (named or set()) | {t.strip().lower() for t in value.split(",")}
+            continue
+        out[name] = value
+    if named:
+        out = {k: v for k, v in out.items() if k.lower() not in named}
+    return out
+
+
+_TAKEN_FROM_CALLER = _DROP_REQUEST | {"x-request-id", "x-smg-routing-key", "content-type"}
+
+
+def caller_headers(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]],
+) -> tuple[dict[str, str], str | None, str | None]:
+    """Split a gateway caller's request headers: ``(forwarded, request_id, routing_key)``.
+
+    ``forwarded`` is :func:`forward_headers` of them without ``X-Request-ID``,
+    ``X-SMG-Routing-Key`` and ``Content-Type`` (the client sets those itself); the two ids are
+    the caller's values of those headers (``None`` when absent or named by ``Connection``).
+    One pass: this runs for every request a gateway forwards.
+    """
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    out: dict[str, str] = {}
+    request_id = routing_key = None
+    named: set[str] | None = None
+    for name, value in items:
+        low = name.lower()
+        if low in _TAKEN_FROM_CALLER:
+            if low == "x-request-id":
+                request_id = value
+            elif low == "x-smg-routing-key":
+                routing_key = value
+            elif low == "connection":
+                named = (named or set()) | {t.strip().lower() for t in value.split(",")}
+            continue
+        out[name] = value
+    if named:
+        out = {k: v for k, v in out.items() if k.lower() not in named}
+        if "x-request-id" in named:
+            request_id = None
+        if "x-smg-routing-key" in named:
+            routing_key = None
+    return out, request_id, routing_key

@@ -1,0 +1,458 @@
+"""An upstream exchange's request, answer and failures.
+
+- :class:`PreparedRequest`: exactly the bytes and headers that go on the wire;
+- :class:`UpstreamResponse`: an answer whose head has arrived, read whole or piece by piece
+  (with the idle limits of a streamed body);
+- the failures, classified by whether the request may have reached the upstream
+  (:func:`classify_failure`): :class:`UpstreamUnreachableError` (nothing sent),
+  :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed; 504 for a deadline or
+  a stalled stream), :class:`UpstreamStatusError` (an HTTP error status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import aiohttp
+import orjson
+
+from relax_core._http.headers import _DROP_RESPONSE_RAW, forward_headers
+from relax_core._http.http1 import ConnectError, ConnectTimeout, Http1Body
+from relax_core.errors import RequestNotReplayedError, UpstreamError
+
+if TYPE_CHECKING:
+    from relax_core.discovery.routing import RouteTarget
+
+__all__ = [
+    "PreparedRequest",
+    "StreamStalledError",
+    "UpstreamResponse",
+    "UpstreamStatusError",
+    "UpstreamUnreachableError",
+    "classify_failure",
+    "parse_retry_after",
+    "status_error",
+]
+
+
+class UpstreamUnreachableError(UpstreamError):
+    """No connection to the upstream could be opened: nothing was sent, a retry is safe.
+
+    ``status`` is 502 (refused, reset while connecting, name not resolved) or 504 (the
+    connect deadline passed).
+    """
+
+
+class UpstreamStatusError(UpstreamError):
+    """The upstream answered with an HTTP error status (4xx or 5xx).
+
+    ``status`` is the upstream's own status, ``body`` its body (bytes, as received),
+    ``retry_after`` its ``Retry-After`` in seconds when it sent one, ``url`` where the request
+    went. The request reached the upstream and is never replayed.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        body: bytes,
+        url: str,
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, message, request_id=request_id)
+        self.body = body
+        self.url = url
+        self.retry_after = retry_after
+
+    def json(self) -> Any:
+        """The body decoded as JSON (raises ``orjson.JSONDecodeError`` when it is not JSON)."""
+        return orjson.loads(self.body)
+
+
+class PreparedRequest(NamedTuple):
+    """A routed request, ready to send: exactly the bytes and headers that go on the wire.
+
+    ``target`` is the resolver's decision (``None`` only for requests built by hand);
+    ``request_id`` is also in ``headers`` under :data:`REQUEST_ID_HEADER`. Immutable (a named
+    tuple rather than an attrs class: one is built per request on the hot path).
+    """
+
+    url: str
+    body: bytes
+    headers: Mapping[str, str]
+    request_id: str
+    target: RouteTarget | None = None
+    method: str = "POST"
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (delta-seconds form only), or ``None``."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _where(prepared: PreparedRequest) -> str:
+    target = prepared.target
+    if target is None:
+        return prepared.url
+    engine = f" engine {target.engine_id}" if target.engine_id else ""
+    return f"{prepared.url} (model {target.model_id!r}{engine})"
+
+
+def classify_failure(
+    exc: BaseException, prepared: PreparedRequest, deadline: float | None
+) -> UpstreamError:
+    """The error for an aiohttp/OS failure of ``prepared``: was it (possibly) sent or not?
+
+    :class:`UpstreamUnreachableError` when the connection could not be opened (nothing sent),
+    else :class:`~relax_core.errors.RequestNotReplayedError` (504 for a deadline, else 502).
+    """
+    where = _where(prepared)
+    rid = prepared.request_id
+    if isinstance(exc, StreamStalledError):
+        when = "in the middle of its streamed answer" if exc.started else "before its first chunk"
+        return RequestNotReplayedError(
+            504,
+            f"{prepared.method} {where} sent nothing for {exc.seconds:g}s {when}: the engine may "
+            f"be dead or stopped behind a proxy that keeps the connection open. It was sent and "
+            f"is not replayed (request id {rid}); raise {exc.setting} if the engine can "
+            "legitimately stay silent that long",
+            request_id=rid,
+        )
+    if isinstance(exc, aiohttp.ConnectionTimeoutError | ConnectTimeout):
+        return UpstreamUnreachableError(
+            504, f"connecting to {where} timed out; nothing was sent", request_id=rid
+        )
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectError):
+        return UpstreamUnreachableError(
+            502, f"could not connect to {where}: {exc.os_error}; nothing was sent", request_id=rid
+        )
+    if isinstance(exc, TimeoutError):
+        limit = f" within {deadline:g}s" if deadline is not None else ""
+        return RequestNotReplayedError(
+            504,
+            f"{prepared.method} {where} got no complete answer{limit}; it was sent and is not "
+            f"replayed (request id {rid})",
+            request_id=rid,
+        )
+    return RequestNotReplayedError(
+        502,
+        f"{prepared.method} {where} failed after it was sent: {type(exc).__name__}: {exc}; "
+        f"it is not replayed (request id {rid})",
+        request_id=rid,
+    )
+
+
+class StreamStalledError(TimeoutError):
+    """A streamed body went silent for longer than its idle limit (see :class:`Transport`).
+
+    ``seconds`` is the limit that passed, ``started`` whether any body bytes had arrived
+    (the first chunk has its own limit), ``setting`` the option that sets that limit.
+    :func:`classify_failure` turns it into a 504
+    :class:`~relax_core.errors.RequestNotReplayedError`.
+    """
+
+    def __init__(self, seconds: float, started: bool) -> None:
+        self.seconds = seconds
+        self.started = started
+        self.setting = "stream_idle_timeout" if started else "stream_first_chunk_timeout"
+        super().__init__(f"no data for {seconds:g}s")
+
+
+class _IdleWatch:
+    """Fails a body read that waited longer than its limit for the next bytes.
+
+    One timer per limit period, not one per chunk: a read only records when it started
+    waiting; the timer, when it fires, either fails the stream (the read has waited the whole
+    limit) or re-arms itself for the current wait's end. Time the consumer spends elsewhere
+    (e.g. blocked on a slow downstream) does not count, because no read is waiting then.
+    """
+
+    __slots__ = ("_content", "_first", "_handle", "_idle", "_loop", "since", "started")
+
+    def __init__(
+        self,
+        content: Any,
+        loop: asyncio.AbstractEventLoop,
+        idle: float | None,
+        first: float | None,
+    ) -> None:
+        self._content = content
+        self._loop = loop
+        self._idle = idle
+        self._first = first
+        self._handle: asyncio.TimerHandle | None = None
+        self.since: float | None = None
+        self.started = False
+
+    def waiting(self) -> None:
+        """A read starts waiting now."""
+        now = self.since = self._loop.time()
+        if self._handle is None:
+            limit = self._idle if self.started else self._first
+            if limit is not None:
+                self._handle = self._loop.call_at(now + limit, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        since = self.since
+        if since is None:
+            return  # no read is waiting; the next one re-arms the timer
+        limit = self._idle if self.started else self._first
+        if limit is None:
+            return
+        due = since + limit
+        if self._loop.time() >= due:
+            self._content.set_exception(StreamStalledError(limit, self.started))
+        else:
+            self._handle = self._loop.call_at(due, self._fire)
+
+    def cancel(self) -> None:
+        """Stop watching (idempotent)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+class UpstreamResponse:
+    """An upstream's answer whose headers have arrived; the body is read on demand.
+
+    Read it once, with :meth:`read`, :meth:`json`, :meth:`iter_chunks` or :meth:`iter_sse`,
+    then :meth:`aclose` it (``async with`` does). A failure while reading raises
+    :class:`~relax_core.errors.RequestNotReplayedError`. ``idle_timeout`` /
+    ``first_chunk_timeout`` (seconds, ``None``: no limit) bound how long a piece-by-piece read
+    (:meth:`iter_chunks` and what builds on it) waits for the next bytes once the body has
+    started / for its first bytes; past it the read raises a 504
+    :class:`~relax_core.errors.RequestNotReplayedError`. The status is not checked here: a
+    gateway forwards an upstream's 4xx/5xx as it is; :meth:`raise_for_status` raises
+    :class:`UpstreamStatusError` for callers that want an exception.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_first_chunk_timeout",
+        "_idle_timeout",
+        "_on_close",
+        "_on_failure",
+        "_resp",
+        "prepared",
+    )
+
+    def __init__(
+        self,
+        resp: Any,
+        prepared: PreparedRequest,
+        *,
+        on_close: Any = None,
+        on_failure: Any = None,
+        idle_timeout: float | None = None,
+        first_chunk_timeout: float | None = None,
+    ) -> None:
+        self._resp = resp
+        self.prepared = prepared
+        self._on_close = on_close
+        self._on_failure = on_failure
+        self._idle_timeout = idle_timeout
+        self._first_chunk_timeout = first_chunk_timeout
+        self._closed = False
+
+    @property
+    def status(self) -> int:
+        """The upstream's HTTP status."""
+        status: int = self._resp.status
+        return status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The upstream's response headers (case-insensitive, as received)."""
+        headers: Mapping[str, str] = self._resp.headers
+        return headers
+
+    @property
+    def request_id(self) -> str:
+        """The id this request travelled with."""
+        return self.prepared.request_id
+
+    @property
+    def target(self) -> RouteTarget | None:
+        """Where the resolver sent this request."""
+        return self.prepared.target
+
+    def forward_headers(self) -> dict[str, str]:
+        """The response headers a gateway forwards (see :func:`forward_headers`)."""
+        return forward_headers(self._resp.headers.items(), response=True)
+
+    def asgi_headers(self, skip: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+        """The response headers a gateway forwards, as ASGI pairs with lower-case names.
+
+        The rule of :func:`forward_headers` (``response=True``), applied to the raw bytes as
+        received (nothing decoded); names in ``skip`` (lower-case bytes) are left out too.
+        """
+        out: list[tuple[bytes, bytes]] = []
+        named: set[bytes] | None = None
+        for name, value in self._resp.raw_headers:
+            low = name.lower()
+            if low in _DROP_RESPONSE_RAW or low in skip:
+                if low == b"connection":
+                    named = (named or set()) | {t.strip().lower() for t in value.split(b",")}
+                continue
+            out.append((low, value))
+        if named:
+            out = [(k, v) for k, v in out if k not in named]
+        return out
+
+    def _fail(self, exc: BaseException) -> UpstreamError:
+        err = classify_failure(exc, self.prepared, None)
+        if self._on_failure is not None:
+            self._on_failure()
+        return err
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        try:
+            body: bytes = await self._resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise self._fail(exc) from exc
+        finally:
+            await self.aclose()
+        return body
+
+    async def json(self) -> Any:
+        """The whole body decoded as JSON; an upstream error status raises first."""
+        body = await self.read()
+        self.raise_for_status(body)
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(
+                502,
+                f"{_where(self.prepared)} answered {self.status} with a body that is not JSON "
+                f"({body[:120]!r})",
+                request_id=self.request_id,
+            ) from exc
+
+    def raise_for_status(self, body: bytes = b"") -> None:
+        """Raise :class:`UpstreamStatusError` if the status is 400 or above."""
+        if self.status >= 400:
+            raise status_error(self.status, body, self._resp.headers, self.prepared)
+
+    async def iter_chunks(self, coalesce: float = 0.0) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive, unparsed (for byte-level forwarding).
+
+        A wait for the next bytes longer than the idle limits raises a 504
+        :class:`~relax_core.errors.RequestNotReplayedError` (see the class docstring).
+
+        ``coalesce`` (seconds, ``http://`` upstreams): when bytes arrive faster than one read
+        per ``coalesce``, hold reading for that long so that what arrives meanwhile comes as
+        one chunk; a body arriving more slowly is never delayed (see
+        :meth:`relax_core._http.http1.Http1Body.readany`).
+        """
+        content = self._resp.content
+        read: Callable[[], Awaitable[bytes]] = content.readany
+        if coalesce > 0.0 and isinstance(content, Http1Body):
+            read = functools.partial(content.readany, coalesce)
+        watch = None
+        if self._idle_timeout is not None or self._first_chunk_timeout is not None:
+            watch = _IdleWatch(
+                content,
+                asyncio.get_running_loop(),
+                self._idle_timeout,
+                self._first_chunk_timeout,
+            )
+        try:
+            if watch is None:
+                while chunk := await read():
+                    yield chunk
+            else:
+                while True:
+                    watch.waiting()
+                    chunk = await read()
+                    watch.since = None
+                    if not chunk:
+                        break
+                    watch.started = True
+                    yield chunk
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise self._fail(exc) from exc
+        finally:
+            if watch is not None:
+                watch.cancel()
+            await self.aclose()
+
+    async def iter_sse(self) -> AsyncIterator[bytes]:
+        """Whole server-sent events as they arrive (each without its blank-line terminator)."""
+        buf = b""
+        async for chunk in self.iter_chunks():
+            buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+            while True:
+                cut = buf.find(b"\n\n")
+                if cut < 0:
+                    break
+                event, buf = buf[:cut], buf[cut + 2 :]
+                if event:
+                    yield event
+        if buf.strip():
+            yield buf.rstrip(b"\n")
+
+    async def iter_events(self) -> AsyncIterator[Any]:
+        """The JSON objects of an SGLang/OpenAI event stream's ``data:`` lines, up to ``[DONE]``."""
+        async for event in self.iter_sse():
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                try:
+                    yield orjson.loads(data)
+                except orjson.JSONDecodeError as exc:
+                    raise UpstreamError(
+                        502,
+                        f"{_where(self.prepared)} sent an event that is not JSON ({data[:120]!r})",
+                        request_id=self.request_id,
+                    ) from exc
+
+    async def aclose(self) -> None:
+        """Release the connection (idempotent). An unread body closes it instead."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._resp.content.at_eof():
+            self._resp.release()
+        else:
+            # An unread or half-read body: the connection cannot be reused.
+            self._resp.close()
+        if self._on_close is not None:
+            self._on_close()
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def status_error(
+    status: int, body: bytes, headers: Mapping[str, str], prepared: PreparedRequest
+) -> UpstreamStatusError:
+    """The :class:`UpstreamStatusError` for an error answer."""
+    snippet = body[:200].decode("utf-8", "replace")
+    return UpstreamStatusError(
+        status,
+        f"{_where(prepared)} answered {status}: {snippet}",
+        body=body,
+        url=prepared.url,
+        request_id=prepared.request_id,
+        retry_after=parse_retry_after(headers.get("Retry-After")),
+    )

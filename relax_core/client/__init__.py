@@ -1,0 +1,7 @@
+"""The discovery-aware client: :class:`InferenceClient`, its snapshot cache and the per-loop
+pool."""
+
+from relax_core.client.client import InferenceClient
+from relax_core.client.pool import close_clients, get_client
+
+__all__ = ["InferenceClient", "close_clients", "get_client"]

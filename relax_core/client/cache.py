@@ -1,0 +1,178 @@
+"""Discovery for :class:`~relax_core.client.client.InferenceClient`: the cached schema-2 snapshot.
+
+:class:`SnapshotCache` is the client's base class: ``GET {base_url}/engines?schema=2`` or a
+``snapshot_provider`` callable (sync or async), cached for ``ttl`` seconds, concurrent refreshes
+sharing one fetch, and every way discovery can fail turned into
+``RoutingError(503, "registry unavailable: …", retry_after=1.0)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from relax_core._http.transport import Transport
+from relax_core.discovery.schema import RoleSnapshot, WeightSources
+from relax_core.errors import RoutingError, SnapshotError
+from relax_core.plugins import get_plugin_manager
+
+__all__ = ["SnapshotCache", "SnapshotProvider"]
+
+#: A callable returning the role's snapshot (or its schema-2 dict), directly or awaitably.
+SnapshotProvider = Callable[
+    [], "RoleSnapshot | Mapping[str, Any] | Awaitable[RoleSnapshot | Mapping[str, Any]]"
+]
+
+_REGISTRY_RETRY_AFTER = 1.0
+
+
+class SnapshotCache:
+    """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
+
+    The client's hot path reads ``_snapshot``, ``_expires`` and ``_fetches`` directly.
+    """
+
+    base_url: str | None
+    role: str | None
+    ttl: float
+    discovery_timeout: float
+
+    def __init__(
+        self,
+        base_url: str | None,
+        provider: SnapshotProvider | None,
+        *,
+        role: str | None,
+        ttl: float,
+        discovery_timeout: float,
+        transport: Transport,
+        weight_sources: WeightSources | None,
+    ) -> None:
+        self.base_url = base_url
+        self.role = role
+        self.ttl = ttl
+        self.discovery_timeout = discovery_timeout
+        self._provider = provider
+        self._transport = transport
+        self._weight_sources = weight_sources
+        self._snapshot: RoleSnapshot | None = None
+        self._expires = 0.0
+        # Number of completed fetches: a caller that saw fetch N and needs a newer snapshot
+        # reuses one fetched after N by someone else instead of fetching again.
+        self._fetches = 0
+        self._invalidations = 0
+        self._lock: asyncio.Lock | None = None
+
+    def invalidate(self) -> None:
+        """Forget the cached snapshot: the next request fetches a fresh one.
+
+        A fetch already under way when this is called does not count as fresh.
+        """
+        self._expires = 0.0
+        self._invalidations += 1
+
+    async def snapshot(self, force: bool = False) -> RoleSnapshot:
+        """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
+
+        Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly.
+        """
+        if not force:
+            snap = self._snapshot
+            if snap is not None and time.monotonic() < self._expires:
+                return snap
+        return await self._refresh(self._fetches, force)
+
+    async def _refresh(self, seen: int, force: bool) -> RoleSnapshot:
+        """A snapshot newer than fetch number ``seen`` (``force``) or fresh; fetch if needed."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            snap = self._snapshot
+            if snap is not None and (
+                self._fetches != seen or (not force and time.monotonic() < self._expires)
+            ):
+                # Another caller fetched while this one waited for the lock.
+                return snap
+            invalidations = self._invalidations
+            fresh = await self._fetch()
+            if snap is not None and fresh == snap:
+                fresh = snap  # keep the resolver's per-snapshot indexes warm
+            self._snapshot = fresh
+            self._fetches += 1
+            if invalidations == self._invalidations:
+                self._expires = time.monotonic() + self.ttl
+            return fresh
+
+    async def _fetch(self) -> RoleSnapshot:
+        source = self.base_url or "snapshot provider"
+        try:
+            if self._provider is not None:
+                raw: Any = self._provider()
+                if inspect.isawaitable(raw):
+                    raw = await raw
+            else:
+                raw = await self._get_discovery()
+            if isinstance(raw, RoleSnapshot):
+                snap = raw
+            else:
+                if self._weight_sources is None:
+                    self._weight_sources = get_plugin_manager()
+                snap = RoleSnapshot.from_json(raw, weight_sources=self._weight_sources)
+        except RoutingError:
+            raise
+        except SnapshotError as exc:
+            raise RoutingError(
+                503,
+                f"registry unavailable: {source} gave an invalid schema-2 snapshot: {exc}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise RoutingError(
+                503,
+                f"registry unavailable: {source} failed: {type(exc).__name__}: {exc}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc
+        if self.role is not None and snap.role != self.role:
+            raise RoutingError(
+                503,
+                f"registry unavailable: {source} serves role {snap.role!r}, this client is for "
+                f"role {self.role!r}; point it at the {self.role} registry",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            )
+        return snap
+
+    async def _get_discovery(self) -> Any:
+        url = f"{self.base_url}/engines?schema=2"
+        try:
+            status, body = await self._transport.get_json(url, timeout=self.discovery_timeout)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc}"
+            raise RoutingError(
+                503,
+                f"registry unavailable: GET {url} {reason}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc
+        if status != 200:
+            raise RoutingError(
+                503,
+                f"registry unavailable: GET {url} answered {status}: "
+                f"{body[:200].decode('utf-8', 'replace')}",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            )
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise RoutingError(
+                503,
+                f"registry unavailable: GET {url} answered a body that is not JSON "
+                f"({body[:120]!r})",
+                retry_after=_REGISTRY_RETRY_AFTER,
+            ) from exc

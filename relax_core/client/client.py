@@ -1,0 +1,618 @@
+"""The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange.
+
+:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.prepare`
+and :meth:`InferenceClient.send`, the role gateways) uses to talk to a role's engines::
+
+    async with InferenceClient("http://gateway:8000/teacher") as client:
+        out = await client.generate({"input_ids": ids, "sampling_params": {...}},
+                                    route_key="math-data", affinity_key=group_id)
+
+Contract (see docs/client.md):
+
+- Discovery: ``GET {base_url}/engines?schema=2`` or any ``snapshot_provider`` callable (sync or
+  async) returning a :class:`~relax_core.discovery.schema.RoleSnapshot` or a schema-2 dict; cached
+  for ``ttl`` seconds; concurrent refreshes share one fetch. A discovery failure raises
+  ``RoutingError(503, "registry unavailable: …")``.
+- Resolution: :class:`~relax_core.discovery.routing.RouteResolver` with the client's in-flight count
+  per engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
+  connection that cannot be opened (nothing sent) likewise gets one refresh and one retry.
+- A request that was sent is never sent again: a failure after sending raises
+  :class:`~relax_core.errors.RequestNotReplayedError` (502, or 504 on the deadline) carrying the
+  request id. Every transport failure, timeout, cancellation and upstream 502/503/504
+  invalidates the cached snapshot.
+- Payloads: ``/generate`` loses ``model`` and ``route_key``; chat and completion payloads get
+  ``model`` rewritten to the target's ``served_model_name`` (and lose ``route_key``). The
+  affinity key travels as ``X-SMG-Routing-Key``; the request id as ``X-Request-ID``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from relax_core._http.headers import REQUEST_ID_HEADER, ROUTING_KEY_HEADER, caller_headers
+from relax_core._http.transport import Transport
+from relax_core._http.upstream import (
+    PreparedRequest,
+    UpstreamResponse,
+    UpstreamUnreachableError,
+    classify_failure,
+    status_error,
+)
+from relax_core.client.cache import SnapshotCache, SnapshotProvider
+from relax_core.discovery.routing import RouteResolver, RouteTarget
+from relax_core.discovery.schema import WeightSources
+from relax_core.errors import RoutingError, UpstreamError
+
+__all__ = ["GENERATE_PATHS", "OPENAI_PATHS", "InferenceClient", "SnapshotProvider"]
+
+#: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
+GENERATE_PATHS = frozenset({"/generate"})
+#: OpenAI-style paths: ``model`` becomes the backend's served model name.
+OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
+_UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
+
+
+class InferenceClient(SnapshotCache):
+    """Routes requests for one role to its engines, using the role's schema-2 snapshot.
+
+    Give exactly one of ``base_url`` (a role gateway or registry serving ``/engines?schema=2``)
+    and ``snapshot_provider``. ``role``: when set, a snapshot of another role is rejected.
+    ``ttl``: seconds a snapshot is reused (0: fetch before every request). ``timeout``: the
+    default deadline of one request in seconds (``None``: none), overridable per call.
+    ``stream_idle_timeout`` / ``stream_first_chunk_timeout``: how long a streamed answer may
+    stay silent once started (default 60 s) / before its first bytes (default ``None``: only
+    the deadline); see :class:`~relax_core._http.transport.Transport`. Overridable per call.
+    ``session``: an aiohttp session to use (not closed by the client). ``resolver``: a
+    :class:`~relax_core.discovery.routing.RouteResolver` (default: a fresh one, so round-robin state
+    is per client). ``weight_sources``: what a fetched snapshot's weight sources are checked
+    against (names, records or a plugin manager; default the process-wide plugin manager).
+
+    A client belongs to the event loop it is first used on. Not thread-safe. Close it with
+    :meth:`aclose` or ``async with``; :func:`relax_core.client.pool.get_client` hands out one
+    shared client per event loop.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        snapshot_provider: SnapshotProvider | None = None,
+        role: str | None = None,
+        ttl: float = 1.0,
+        timeout: float | None = 300.0,
+        connect_timeout: float = 10.0,
+        discovery_timeout: float = 10.0,
+        max_connections: int = 256,
+        stream_idle_timeout: float | None = 60.0,
+        stream_first_chunk_timeout: float | None = None,
+        session: aiohttp.ClientSession | None = None,
+        resolver: RouteResolver | None = None,
+        weight_sources: WeightSources | None = None,
+    ) -> None:
+        if (base_url is None) == (snapshot_provider is None):
+            raise ValueError("InferenceClient: give exactly one of base_url and snapshot_provider")
+        if base_url is not None and not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url={base_url!r}: give an http:// or https:// URL")
+        if not ttl >= 0:
+            raise ValueError(f"ttl={ttl!r}: give a number of seconds >= 0")
+        if not discovery_timeout > 0:
+            raise ValueError(f"discovery_timeout={discovery_timeout!r}: give a positive number")
+        transport = Transport(
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            stream_idle_timeout=stream_idle_timeout,
+            stream_first_chunk_timeout=stream_first_chunk_timeout,
+            session=session,
+        )
+        super().__init__(
+            base_url.rstrip("/") if base_url is not None else None,
+            snapshot_provider,
+            role=role,
+            ttl=ttl,
+            discovery_timeout=discovery_timeout,
+            transport=transport,
+            weight_sources=weight_sources,
+        )
+        self._resolver = resolver if resolver is not None else RouteResolver()
+        self._inflight: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(6).hex() + "-"
+        self._closed = False
+
+    @property
+    def inflight(self) -> Mapping[str, int]:
+        """Requests of this client now in flight, per engine id (DIRECT targets only)."""
+        return self._inflight
+
+    # -- routing and preparation -----------------------------------------------------------
+
+    async def resolve(
+        self,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+    ) -> RouteTarget:
+        """Where a request would go now (with the 503 → refresh → retry rule)."""
+        snap, seen = self._snapshot, self._fetches
+        if snap is None or time.monotonic() >= self._expires:
+            snap, seen = await self._refresh(seen, False), self._fetches
+        kwargs = {"model": model, "route_key": route_key, "affinity_key": affinity_key}
+        try:
+            return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
+        except RoutingError as exc:
+            if exc.status != 503:
+                raise
+        # One refresh and one retry; a second 503 reaches the caller (with retry_after).
+        snap = await self._refresh(seen, True)
+        return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
+
+    async def prepare(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        target: RouteTarget | None = None,
+    ) -> PreparedRequest:
+        """Resolve and build the request to send: URL, headers and body bytes.
+
+        ``payload`` is a JSON object, as a mapping or as its encoded bytes (bytes are sent as
+        they are when no field must change). ``model``/``route_key`` default to the payload's
+        fields of those names. ``headers`` are a caller's incoming headers (a gateway's):
+        hop-by-hop headers are dropped; ``X-Request-ID`` and ``X-SMG-Routing-Key`` are used when
+        ``request_id``/``affinity_key`` are not given. ``target``: a target :meth:`resolve`
+        already chose for this request (e.g. to build the body for its model first); it is
+        used as it is, without a second routing decision (which would, for instance, advance
+        round-robin twice); ``model``/``route_key`` are then ignored. Raises ``RoutingError``
+        (400: bad payload, unknown model or route key; 503: nothing READY after one refresh).
+        """
+        raw: bytes | None = None
+        if type(payload) is dict:
+            body: Any = payload
+        elif isinstance(payload, bytes | bytearray | memoryview):
+            raw = bytes(payload)
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise RoutingError(400, f"request body is not valid JSON: {exc}") from exc
+            if type(body) is not dict:
+                raise RoutingError(
+                    400, f"request body must be a JSON object, got {type(body).__name__}"
+                )
+        elif isinstance(payload, Mapping):
+            body = dict(payload)
+        else:
+            raise RoutingError(
+                400, f"request body must be a JSON object, got {type(payload).__name__}"
+            )
+        if target is None:
+            if model is None:
+                model = body.get("model")
+                if model is not None and type(model) is not str:
+                    raise _not_a_string("model", model)
+            if route_key is None:
+                route_key = body.get("route_key")
+                if route_key is not None and type(route_key) is not str:
+                    raise _not_a_string("route_key", route_key)
+
+        if headers:
+            out, caller_rid, caller_key = caller_headers(headers)
+            if request_id is None:
+                request_id = caller_rid
+            if affinity_key is None:
+                affinity_key = caller_key
+            out["Content-Type"] = "application/json"
+        else:
+            out = {"Content-Type": "application/json"}
+        if request_id is None:
+            request_id = self._id_prefix + str(next(self._ids))
+        out[REQUEST_ID_HEADER] = request_id
+        if affinity_key is not None:
+            out[ROUTING_KEY_HEADER] = affinity_key
+
+        if target is None:
+            # Resolution, inlined for the hot path (cached snapshot, READY model): see resolve().
+            snap, seen = self._snapshot, self._fetches
+            if snap is None or time.monotonic() >= self._expires:
+                snap, seen = await self._refresh(seen, False), self._fetches
+            try:
+                target = self._resolver.resolve(
+                    snap,
+                    model=model,
+                    route_key=route_key,
+                    affinity_key=affinity_key,
+                    inflight=self._inflight,
+                )
+            except RoutingError as exc:
+                if exc.status != 503:
+                    raise
+                snap = await self._refresh(seen, True)
+                target = self._resolver.resolve(
+                    snap,
+                    model=model,
+                    route_key=route_key,
+                    affinity_key=affinity_key,
+                    inflight=self._inflight,
+                )
+
+        if path in GENERATE_PATHS:
+            if "model" in body or "route_key" in body:
+                body = body.copy()
+                body.pop("model", None)
+                body.pop("route_key", None)
+                raw = None
+        elif path in OPENAI_PATHS:
+            served = target.served_model_name
+            if body.get("model") != served or "route_key" in body:
+                body = body.copy()
+                body.pop("route_key", None)
+                body["model"] = served
+                raw = None
+        if raw is None:
+            try:
+                raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+            except TypeError as exc:
+                raise RoutingError(400, f"request body cannot be encoded as JSON: {exc}") from exc
+        # tuple.__new__ skips the named tuple's Python-level __new__ (hot path).
+        return tuple.__new__(
+            PreparedRequest, (target.url.rstrip("/") + path, raw, out, request_id, target, "POST")
+        )
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _track(self, prepared: PreparedRequest) -> str | None:
+        target = prepared.target
+        engine_id = target.engine_id if target is not None else None
+        if engine_id is not None:
+            self._inflight[engine_id] = self._inflight.get(engine_id, 0) + 1
+        return engine_id
+
+    def _untrack(self, engine_id: str | None) -> None:
+        if engine_id is not None:
+            left = self._inflight.get(engine_id, 1) - 1
+            if left > 0:
+                self._inflight[engine_id] = left
+            else:
+                self._inflight.pop(engine_id, None)
+
+    async def send(
+        self,
+        prepared: PreparedRequest,
+        *,
+        timeout: float | None = None,
+        stream_idle_timeout: float | None = None,
+        stream_first_chunk_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Send a prepared request once; return the response when its headers arrived.
+
+        The low-level primitive under :meth:`open`: the body is not read and the status is not
+        checked (an upstream 502/503/504 still invalidates the snapshot). Close the response
+        (``async with``). Raises :class:`~relax_core._http.transport.UpstreamUnreachableError`
+        (nothing sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed);
+        both, and cancellation, invalidate the snapshot. ``stream_idle_timeout`` /
+        ``stream_first_chunk_timeout``: this request's idle limits when its body is read piece
+        by piece (``None``: the client's; ``math.inf``: none).
+        """
+        transport = self._transport
+        idle = _limit(stream_idle_timeout, transport.stream_idle_timeout)
+        first = _limit(stream_first_chunk_timeout, transport.stream_first_chunk_timeout)
+        engine_id = self._track(prepared)
+        try:
+            resp = await self._transport.open(prepared, timeout)
+        except BaseException:
+            self._untrack(engine_id)
+            self.invalidate()
+            raise
+        if resp.status in _UPSTREAM_UNAVAILABLE:
+            self.invalidate()
+        return UpstreamResponse(
+            resp,
+            prepared,
+            on_close=lambda: self._untrack(engine_id),
+            on_failure=self.invalidate,
+            idle_timeout=idle,
+            first_chunk_timeout=first,
+        )
+
+    async def open(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        target: RouteTarget | None = None,
+        timeout: float | None = None,
+        stream_idle_timeout: float | None = None,
+        stream_first_chunk_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Prepare and send once; return the raw response when its headers arrived.
+
+        What a gateway forwards through: :meth:`prepare` then :meth:`send`, with the one safe
+        retry: when no connection could be opened (nothing was sent), the request is routed
+        again on a fresh snapshot and sent once more (with the same request id; a given
+        ``target`` is re-resolved to another replica of the same model). The status is not
+        checked and the body is not read: relay it (``iter_chunks``) or read it, and close the
+        response (``async with``). Raises ``RoutingError`` before sending,
+        :class:`~relax_core._http.transport.UpstreamUnreachableError` when the retry could not
+        connect either, :class:`~relax_core.errors.RequestNotReplayedError` after sending.
+        Arguments as in :meth:`prepare` and :meth:`send`.
+        """
+        prepared = await self.prepare(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            headers=headers,
+            target=target,
+        )
+        try:
+            return await self.send(
+                prepared,
+                timeout=timeout,
+                stream_idle_timeout=stream_idle_timeout,
+                stream_first_chunk_timeout=stream_first_chunk_timeout,
+            )
+        except UpstreamUnreachableError:
+            prepared = await self._prepare_again(
+                path, payload, prepared, model, route_key, affinity_key, headers, target
+            )
+            return await self.send(
+                prepared,
+                timeout=timeout,
+                stream_idle_timeout=stream_idle_timeout,
+                stream_first_chunk_timeout=stream_first_chunk_timeout,
+            )
+
+    def _prepare_again(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        failed: PreparedRequest,
+        model: str | None,
+        route_key: str | None,
+        affinity_key: str | None,
+        headers: Mapping[str, str] | None,
+        target: RouteTarget | None,
+    ) -> Coroutine[Any, Any, PreparedRequest]:
+        """Route a request whose connection could not be opened again (nothing was sent).
+
+        The failure invalidated the snapshot, so this resolves on a fresh one. A caller-chosen
+        ``target`` pinned the model (its body may be built for it): keep the model, let the
+        resolver pick the replica.
+        """
+        if target is not None:
+            model, route_key = target.model_id, None
+        return self.prepare(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=failed.request_id,
+            headers=headers,
+        )
+
+    async def _exchange(
+        self, prepared: PreparedRequest, timeout: float | None
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        """Send once and read the whole answer (the JSON helpers' path, inlined for speed)."""
+        target = prepared.target
+        engine_id = target.engine_id if target is not None else None
+        inflight = self._inflight
+        if engine_id is not None:
+            inflight[engine_id] = inflight.get(engine_id, 0) + 1
+        transport = self._transport
+        try:
+            resp = await transport.open(prepared, timeout)
+            try:
+                body = await resp.read()
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                deadline = transport.timeout if timeout is None else timeout
+                raise classify_failure(exc, prepared, deadline) from exc
+            finally:
+                resp.release()
+        except BaseException:  # a failure or cancellation: the request is never replayed
+            self.invalidate()
+            raise
+        finally:
+            if engine_id is not None:
+                self._untrack(engine_id)
+        status = resp.status
+        if status in _UPSTREAM_UNAVAILABLE:
+            self.invalidate()
+        return status, resp.headers, body
+
+    async def post(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        target: RouteTarget | None = None,
+    ) -> Any:
+        """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
+
+        Raises ``RoutingError`` (400/503) before sending;
+        :class:`~relax_core._http.transport.UpstreamStatusError` when the upstream answers 4xx/5xx
+        (its status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504,
+        with the request id) when the exchange failed after sending;
+        :class:`~relax_core._http.transport.UpstreamUnreachableError` when no connection could be
+        opened even after one refresh and retry. ``target``: see :meth:`prepare`.
+        """
+        prepared = await self.prepare(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            headers=headers,
+            target=target,
+        )
+        try:
+            status, resp_headers, body = await self._exchange(prepared, timeout)
+        except UpstreamUnreachableError:
+            # Nothing was sent; the failure invalidated the snapshot: route again, once.
+            prepared = await self._prepare_again(
+                path, payload, prepared, model, route_key, affinity_key, headers, target
+            )
+            status, resp_headers, body = await self._exchange(prepared, timeout)
+        if status >= 400:
+            raise status_error(status, body, resp_headers, prepared)
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(
+                502,
+                f"{prepared.url} answered {status} with a body that is not JSON ({body[:120]!r})",
+                request_id=prepared.request_id,
+            ) from exc
+
+    def generate(
+        self,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Coroutine[Any, Any, Any]:
+        """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``.
+
+        Returns :meth:`post`'s coroutine (a plain function: one frame fewer on the hot path);
+        ``await client.generate(...)`` as usual.
+        """
+        return self.post(
+            "/generate",
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            timeout=timeout,
+        )
+
+    def chat(
+        self,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Coroutine[Any, Any, Any]:
+        """POST an OpenAI chat payload to ``/v1/chat/completions`` (``model`` → served name)."""
+        return self.post(
+            "/v1/chat/completions",
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            timeout=timeout,
+        )
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        path: str,
+        payload: Mapping[str, Any] | bytes,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        target: RouteTarget | None = None,
+        stream_idle_timeout: float | None = None,
+        stream_first_chunk_timeout: float | None = None,
+    ) -> AsyncIterator[UpstreamResponse]:
+        """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
+
+        An upstream error status raises :class:`~relax_core._http.transport.UpstreamStatusError`
+        before the block runs. The deadline covers the whole stream; a stream silent for
+        longer than ``stream_idle_timeout`` (``stream_first_chunk_timeout`` before its first
+        bytes) fails with a 504 at once. A failure mid-stream raises
+        :class:`~relax_core.errors.RequestNotReplayedError`; nothing is replayed.
+        """
+        resp = await self.open(
+            path,
+            payload,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            request_id=request_id,
+            headers=headers,
+            target=target,
+            timeout=timeout,
+            stream_idle_timeout=stream_idle_timeout,
+            stream_first_chunk_timeout=stream_first_chunk_timeout,
+        )
+        async with resp:
+            if resp.status >= 400:
+                resp.raise_for_status(await resp.read())
+            yield resp
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the HTTP session the client created (idempotent)."""
+        self._closed = True
+        await self._transport.aclose()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        source = self.base_url or repr(self._provider)
+        return f"InferenceClient({source}, role={self.role!r}, ttl={self.ttl})"
+
+
+def _limit(value: float | None, default: float | None) -> float | None:
+    """A per-call idle limit: ``None`` takes ``default``, ``math.inf`` means none."""
+    if value is None:
+        return default
+    if not value > 0:
+        raise ValueError(f"idle timeout {value!r}: give a positive number of seconds or math.inf")
+    return None if value == math.inf else value
+
+
+def _not_a_string(name: str, value: object) -> RoutingError:
+    return RoutingError(400, f"request field {name!r} must be a string, got {type(value).__name__}")

@@ -1,0 +1,93 @@
+"""One shared :class:`~relax_core.client.client.InferenceClient` per event loop.
+
+Code called once per sample (a reward function, a teacher prefill) should not build and close
+a client each time: that throws away the connection pool and the snapshot cache. It calls
+:func:`get_client` instead, which returns the running loop's client for that source, created
+on first use and closed when the loop shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from relax_core.client.client import InferenceClient, SnapshotProvider
+
+__all__ = ["close_clients", "get_client"]
+
+
+class _LoopClients:
+    """The shared clients of one event loop, closed when the loop shuts down its async gens."""
+
+    def __init__(self) -> None:
+        self.clients: dict[tuple[Any, ...], InferenceClient] = {}
+        self.closer: Any = None
+
+    async def aclose(self) -> None:
+        clients, self.clients = list(self.clients.values()), {}
+        for client in clients:
+            await client.aclose()
+
+
+_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClients] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _close_at_shutdown(pool: _LoopClients) -> AsyncGenerator[None, None]:
+    # An async generator parked at its first yield: ``loop.shutdown_asyncgens()`` (which
+    # ``asyncio.run`` calls before closing the loop) finalises it, closing the pool's clients
+    # inside the loop that owns their sessions.
+    try:
+        yield
+    finally:
+        await pool.aclose()
+
+
+def get_client(
+    base_url: str | None = None,
+    *,
+    snapshot_provider: SnapshotProvider | None = None,
+    role: str | None = None,
+    **options: Any,
+) -> InferenceClient:
+    """The shared :class:`InferenceClient` of the running event loop for this source.
+
+    One client (one connection pool, one snapshot cache) per event loop and per
+    ``(base_url or snapshot_provider, role, options)``, for callers that do not manage a
+    client. It is closed when the loop is shut down by ``asyncio.run`` (or ``uvloop.run``), or
+    by :func:`close_clients`. Must be called inside a running event loop.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "get_client() needs a running event loop: call it from a coroutine"
+        ) from None
+    pool = _LOOPS.get(loop)
+    if pool is None:
+        pool = _LoopClients()
+        _LOOPS[loop] = pool
+        closer = _close_at_shutdown(pool)
+        # Advance it to its first yield now, so the loop's async-gen hooks register it.
+        with contextlib.suppress(StopIteration):
+            closer.asend(None).send(None)
+        pool.closer = closer
+    key = (base_url, snapshot_provider, role, tuple(sorted(options.items())))
+    client = pool.clients.get(key)
+    if client is None or client.closed:
+        client = InferenceClient(
+            base_url, snapshot_provider=snapshot_provider, role=role, **options
+        )
+        pool.clients[key] = client
+    return client
+
+
+async def close_clients() -> None:
+    """Close every shared client of the running event loop (idempotent)."""
+    pool = _LOOPS.get(asyncio.get_running_loop())
+    if pool is not None:
+        await pool.aclose()

@@ -1,0 +1,29 @@
+"""Discovery: schema 2 (the routing snapshot of a role), its publisher, the registry server,
+the route resolver and the DIRECT routing policies."""
+
+from relax_core.discovery.publisher import RegistryPublisher
+from relax_core.discovery.routing import RouteResolver, RouteTarget
+from relax_core.discovery.schema import (
+    EngineState,
+    EngineView,
+    ModelState,
+    ModelView,
+    RoleSnapshot,
+    RouteMode,
+    RoutingSpec,
+)
+from relax_core.discovery.server import RegistryServer
+
+__all__ = [
+    "EngineState",
+    "EngineView",
+    "ModelState",
+    "ModelView",
+    "RegistryPublisher",
+    "RegistryServer",
+    "RoleSnapshot",
+    "RouteMode",
+    "RouteResolver",
+    "RouteTarget",
+    "RoutingSpec",
+]

@@ -1,0 +1,440 @@
+"""The registry publisher: the mutable side of a role's schema-2 snapshot.
+
+Managers tell a :class:`RegistryPublisher` what changed (a model's state, an engine's URL); it
+publishes immutable :class:`~relax_core.discovery.schema.RoleSnapshot` objects. Its rules:
+
+* ``registry_epoch`` names this publisher's incarnation (a fresh one per process start unless
+  given), so a reader can tell a restarted registry from an old one;
+* ``topology_revision`` moves only when the published content really changes (setting a value
+  to what it already is publishes nothing new);
+* an engine's ``generation`` starts at 1 and moves when its endpoint changes or its worker is
+  replaced (``replaced=True``);
+* a FAILED engine is published without a URL, and is never ``direct_eligible``;
+* :meth:`RegistryPublisher.invalidate` marks every model and engine UNKNOWN (nothing routable)
+  until the managers report again.
+
+Every change is validated where it enters, with the same rules as the schema, so the publisher
+cannot publish an invalid snapshot. Routing targets are checked when a snapshot is taken (models
+may be added after the routing spec); removing a model the routing still points to is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Collection
+from typing import Any
+
+import attrs
+
+from relax_core.discovery.schema import (
+    EngineState,
+    EngineView,
+    ModelState,
+    ModelView,
+    RoleSnapshot,
+    RouteMode,
+    RoutingSpec,
+    WeightSources,
+    check_model_sources,
+    join_path,
+)
+from relax_core.errors import SnapshotError
+
+__all__ = ["RegistryPublisher"]
+
+_UNSET: Any = object()
+
+
+@attrs.define
+class _Engine:
+    endpoint: str | None  # as the manager reported it; published only when not FAILED
+    state: EngineState
+    direct_eligible: bool | None  # None: READY and a URL
+    generation: int
+    view: EngineView
+
+
+@attrs.define
+class _Model:
+    view: ModelView  # engines are filled in when a snapshot is built
+    engines: dict[str, _Engine] = attrs.field(factory=dict)
+
+
+def _engine_view(
+    engine_id: str, endpoint: str | None, state: EngineState, eligible: bool | None, gen: int
+) -> EngineView:
+    url = None if state is EngineState.FAILED else endpoint
+    if eligible is None:
+        eligible = state is EngineState.READY and url is not None
+    return EngineView(engine_id, url, state, eligible, gen)
+
+
+class RegistryPublisher:
+    """Holds one role's models and publishes its schema-2 snapshots.
+
+    :param role: the role name.
+    :param routing: the role's routing spec (its targets must exist when a snapshot is taken).
+    :param epoch: the registry epoch; default a fresh ``<role>-<random hex>``.
+    :param weight_sources: names, records or a plugin manager (see
+        :meth:`RoleSnapshot.check_sources`); default the built-in STATIC, ACTOR, DCS.
+    :param static_roles: roles whose models must be STATIC; default genrm and teacher.
+
+    Thread-safe: every method takes one lock. :meth:`snapshot` is cheap when nothing changed
+    (it returns the cached object).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        routing: RoutingSpec,
+        *,
+        epoch: str | None = None,
+        weight_sources: WeightSources | None = None,
+        static_roles: Collection[str] | None = None,
+    ) -> None:
+        if not isinstance(routing, RoutingSpec):
+            raise SnapshotError("routing", f"must be a RoutingSpec, got {type(routing).__name__}")
+        self._role = role
+        self._routing = routing
+        self._epoch = epoch if epoch is not None else f"{role}-{uuid.uuid4().hex[:16]}"
+        self._weight_sources = weight_sources
+        self._static_roles = static_roles
+        self._models: dict[str, _Model] = {}
+        self._revision = 0
+        self._cached: RoleSnapshot | None = None
+        self._lock = threading.RLock()
+        # Validate role and epoch now, with an empty snapshot.
+        RoleSnapshot(
+            role=role,
+            registry_epoch=self._epoch,
+            topology_revision=0,
+            routing=RoutingSpec(policy=routing.policy),
+            models={},
+        )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @property
+    def role(self) -> str:
+        """The role this publisher serves."""
+        return self._role
+
+    @property
+    def epoch(self) -> str:
+        """The registry epoch (fixed for this publisher's life)."""
+        return self._epoch
+
+    @property
+    def topology_revision(self) -> int:
+        """The revision the next snapshot carries."""
+        with self._lock:
+            return self._revision
+
+    @property
+    def routing(self) -> RoutingSpec:
+        """The current routing spec."""
+        with self._lock:
+            return self._routing
+
+    def model_ids(self) -> list[str]:
+        """The published model ids, in publication order."""
+        with self._lock:
+            return list(self._models)
+
+    def snapshot(self) -> RoleSnapshot:
+        """The current snapshot: the cached object when nothing changed since the last call.
+
+        :raises SnapshotError: the routing spec points to a model that is not published.
+        """
+        with self._lock:
+            if self._cached is None:
+                models = {
+                    model_id: attrs.evolve(
+                        entry.view, engines=tuple(e.view for e in entry.engines.values())
+                    )
+                    for model_id, entry in self._models.items()
+                }
+                snapshot = RoleSnapshot(
+                    role=self._role,
+                    registry_epoch=self._epoch,
+                    topology_revision=self._revision,
+                    routing=self._routing,
+                    models=models,
+                )
+                snapshot.check_sources(
+                    weight_sources=self._weight_sources, static_roles=self._static_roles
+                )
+                self._cached = snapshot
+            return self._cached
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def set_routing(self, routing: RoutingSpec) -> None:
+        """Replace the routing spec (its targets are checked when the next snapshot is taken)."""
+        if not isinstance(routing, RoutingSpec):
+            raise SnapshotError("routing", f"must be a RoutingSpec, got {type(routing).__name__}")
+        with self._lock:
+            if routing != self._routing:
+                self._routing = routing
+                self._changed()
+
+    # -- models ----------------------------------------------------------------------------
+
+    def set_model(
+        self,
+        model_id: str,
+        *,
+        state: ModelState | str,
+        route_mode: RouteMode | str,
+        weight_source: str,
+        served_model_name: str,
+        router_url: str | None = None,
+        weight_version: str | None = None,
+    ) -> None:
+        """Publish a model, or replace its model-level fields (its engines are kept).
+
+        :raises SnapshotError: a field breaks a schema rule (path ``models.<id>.<field>``).
+        """
+        with self._lock:
+            self._put_model(
+                model_id,
+                state=state,
+                route_mode=route_mode,
+                router_url=router_url,
+                weight_source=weight_source,
+                weight_version=weight_version,
+                served_model_name=served_model_name,
+            )
+
+    def update_model(self, model_id: str, **changes: Any) -> None:
+        """Change some model-level fields (``state``, ``router_url``, ``weight_version``, …).
+
+        :raises KeyError: the model is not published.
+        :raises SnapshotError: the result breaks a schema rule.
+        """
+        with self._lock:
+            entry = self._model(model_id)
+            fields = attrs.asdict(entry.view, recurse=False)
+            del fields["engines"]
+            unknown = set(changes) - set(fields)
+            if unknown:
+                raise TypeError(
+                    f"update_model: unknown fields {sorted(unknown)}; model fields are "
+                    f"{sorted(fields)}"
+                )
+            fields.update(changes)
+            self._put_model(model_id, **fields)
+
+    def set_model_state(self, model_id: str, state: ModelState | str) -> None:
+        """Set a model's state (``KeyError`` if it is not published)."""
+        self.update_model(model_id, state=state)
+
+    def set_weight_version(self, model_id: str, weight_version: str | None) -> None:
+        """Publish a model's new weight version (refused for STATIC models)."""
+        self.update_model(model_id, weight_version=weight_version)
+
+    def remove_model(self, model_id: str) -> None:
+        """Stop publishing a model and its engines.
+
+        :raises KeyError: the model is not published.
+        :raises SnapshotError: the routing spec still points to it; change the routing first.
+        """
+        with self._lock:
+            self._model(model_id)
+            routing = self._routing
+            refs = []
+            if routing.default_model == model_id:
+                refs.append("routing.default_model")
+            refs += [
+                f"routing.route_key_map[{key!r}]"
+                for key, target in routing.route_key_map.items()
+                if target == model_id
+            ]
+            refs += [
+                f"routing.aliases[{key!r}]"
+                for key, target in routing.aliases.items()
+                if target == model_id
+            ]
+            if refs:
+                raise SnapshotError(
+                    f"models.{model_id}",
+                    f"cannot remove model {model_id!r}: {', '.join(refs)} still point to it; "
+                    "call set_routing() without it first",
+                )
+            del self._models[model_id]
+            self._changed()
+
+    # -- engines ---------------------------------------------------------------------------
+
+    def set_engine(
+        self,
+        model_id: str,
+        engine_id: str,
+        *,
+        base_url: str | None,
+        state: EngineState | str,
+        direct_eligible: bool | None = None,
+        replaced: bool = False,
+    ) -> int:
+        """Publish a replica head, or update it; return its generation.
+
+        A new head starts at generation 1; the generation moves when ``base_url`` differs from
+        the last one reported or ``replaced`` is true (a new worker behind the same URL).
+        ``direct_eligible`` defaults to "READY with a URL"; pass ``False`` to keep a READY head
+        out of DIRECT routing (admission closed, draining soon).
+
+        :raises KeyError: the model is not published.
+        :raises SnapshotError: the head breaks a schema rule
+            (path ``models.<id>.engines[<engine_id>].<field>``).
+        """
+        with self._lock:
+            entry = self._model(model_id)
+            old = entry.engines.get(engine_id)
+            if old is None:
+                generation = 1
+            elif replaced or old.endpoint != base_url:
+                generation = old.generation + 1
+            else:
+                generation = old.generation
+            return self._put_engine(
+                model_id, engine_id, base_url, state, direct_eligible, generation
+            )
+
+    def set_engine_state(
+        self,
+        model_id: str,
+        engine_id: str,
+        state: EngineState | str,
+        *,
+        direct_eligible: bool | None = None,
+    ) -> None:
+        """Change a head's state (and eligibility), keeping its URL and generation.
+
+        :raises KeyError: the model or engine is not published.
+        """
+        with self._lock:
+            old = self._engine(model_id, engine_id)
+            self._put_engine(
+                model_id, engine_id, old.endpoint, state, direct_eligible, old.generation
+            )
+
+    def remove_engine(self, model_id: str, engine_id: str) -> None:
+        """Stop publishing a replica head (``KeyError`` if it is not published)."""
+        with self._lock:
+            self._engine(model_id, engine_id)
+            del self._models[model_id].engines[engine_id]
+            self._changed()
+
+    # -- invalidation ----------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Mark every model and engine UNKNOWN: nothing is routable until managers report.
+
+        Use it when the publisher lost contact with its managers (a manager restarted, a
+        health round timed out). Idempotent: a second call publishes nothing new.
+        """
+        with self._lock:
+            changed = False
+            for entry in self._models.values():
+                if entry.view.state is not ModelState.UNKNOWN:
+                    entry.view = attrs.evolve(entry.view, state=ModelState.UNKNOWN)
+                    changed = True
+                for engine_id, engine in entry.engines.items():
+                    if engine.state is EngineState.UNKNOWN and engine.direct_eligible is None:
+                        continue
+                    engine.state = EngineState.UNKNOWN
+                    engine.direct_eligible = None
+                    engine.view = _engine_view(
+                        engine_id, engine.endpoint, engine.state, None, engine.generation
+                    )
+                    changed = True
+            if changed:
+                self._changed()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self._revision += 1
+        self._cached = None
+
+    def _model(self, model_id: str) -> _Model:
+        try:
+            return self._models[model_id]
+        except KeyError:
+            raise KeyError(
+                f"role {self._role!r} publishes no model {model_id!r}; published: "
+                f"{sorted(self._models)}. Call set_model() first"
+            ) from None
+
+    def _engine(self, model_id: str, engine_id: str) -> _Engine:
+        entry = self._model(model_id)
+        try:
+            return entry.engines[engine_id]
+        except KeyError:
+            raise KeyError(
+                f"model {model_id!r} of role {self._role!r} publishes no engine {engine_id!r}; "
+                f"published: {sorted(entry.engines)}"
+            ) from None
+
+    def _put_model(self, model_id: str, **fields: Any) -> None:
+        path = f"models.{model_id}"
+        try:
+            view = ModelView(**fields)
+            RoleSnapshot(
+                role=self._role,
+                registry_epoch=self._epoch,
+                topology_revision=0,
+                routing=RoutingSpec(),
+                models={model_id: view},
+            )
+        except SnapshotError as exc:
+            raise SnapshotError(join_path(path, exc.path), exc.message) from None
+        check_model_sources(
+            self._role,
+            model_id,
+            view,
+            weight_sources=self._weight_sources,
+            static_roles=self._static_roles,
+        )
+        entry = self._models.get(model_id)
+        if entry is None:
+            self._models[model_id] = _Model(view)
+            self._changed()
+        elif entry.view != view:
+            entry.view = view
+            self._changed()
+
+    def _put_engine(
+        self,
+        model_id: str,
+        engine_id: str,
+        endpoint: str | None,
+        state: EngineState | str,
+        direct_eligible: bool | None,
+        generation: int,
+    ) -> int:
+        path = f"models.{model_id}.engines[{engine_id}]"
+        try:
+            engine_state = EngineState(state)
+        except ValueError:
+            raise SnapshotError(
+                f"{path}.state",
+                f"unknown state {state!r}; expected one of "
+                f"{', '.join(s.value for s in EngineState)}",
+            ) from None
+        try:
+            view = _engine_view(engine_id, endpoint, engine_state, direct_eligible, generation)
+            if endpoint is not None and view.base_url is None:
+                # FAILED hides the URL; still check the one the manager reported.
+                EngineView(engine_id, endpoint, EngineState.UNKNOWN, False, generation)
+        except SnapshotError as exc:
+            raise SnapshotError(join_path(path, exc.path), exc.message) from None
+        entry = self._models[model_id]
+        old = entry.engines.get(engine_id)
+        entry.engines[engine_id] = _Engine(
+            endpoint, engine_state, direct_eligible, generation, view
+        )
+        if old is None or old.view != view:
+            self._changed()
+        return generation

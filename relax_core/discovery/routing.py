@@ -1,0 +1,338 @@
+"""Routing: from a schema-2 snapshot and a request's model / route key / affinity key to one
+:class:`RouteTarget`.
+
+The gateway and direct clients use the same :class:`RouteResolver`, so they choose the same
+target. The decision follows the reference flowchart branch by branch:
+
+1. an explicit ``model`` is matched against model ids, then aliases; else a ``route_key`` is
+   looked up in ``route_key_map``; else the role's ``default_model`` is used. Nothing found:
+   :class:`~relax_core.errors.RoutingError` 400.
+2. a model that is not READY gets 503 with ``retry_after`` (no request is sent; refresh
+   discovery before retrying).
+3. ``SGLANG_ROUTER``: the model's ``router_url``.
+4. ``DIRECT``: the READY, ``direct_eligible`` heads (in ``engine_id`` order); none: 503 with
+   ``retry_after``. One is picked by a routing policy:
+
+   * with an ``affinity_key``: the snapshot's ``routing.policy`` if that policy
+     ``uses_affinity``, else ``rendezvous``;
+   * without: ``routing.policy`` if it does not use affinity, else ``round_robin``.
+
+   A snapshot naming a policy no installed plugin registers is a configuration error: every
+   DIRECT request of that role gets 503 naming the policy until the plugin is installed or the
+   policy changed.
+
+Resolution is built for the hot path: the first resolve against a snapshot builds an index
+(name lookups, prebuilt targets, candidate tuples) cached on the snapshot; after that a resolve
+allocates nothing but what the policy needs.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from relax_core.discovery.schema import EngineState, ModelState, RoleSnapshot, RouteMode
+from relax_core.errors import PluginError, RoutingError
+from relax_core.plugins import PluginManager, get_plugin_manager
+from relax_core.records import ReplicaSelector, RoutingPolicy
+
+__all__ = ["DEFAULT_RETRY_AFTER", "NO_REPLICA_RETRY_AFTER", "RouteResolver", "RouteTarget"]
+
+#: Seconds a client should wait before retrying a model in each non-READY state.
+DEFAULT_RETRY_AFTER: Mapping[ModelState, float] = types.MappingProxyType(
+    {
+        ModelState.STARTING: 5.0,
+        ModelState.ONLOADING: 2.0,
+        ModelState.SLEEPING: 5.0,
+        ModelState.DRAINING: 5.0,
+        ModelState.FAILED: 30.0,
+        ModelState.STOPPING: 30.0,
+        ModelState.UNKNOWN: 1.0,
+    }
+)
+#: Seconds to wait when a READY DIRECT model has no eligible head.
+NO_REPLICA_RETRY_AFTER = 2.0
+
+_WHY = {
+    ModelState.STARTING: "its engines are still starting",
+    ModelState.ONLOADING: "its weights are being loaded back onto the GPUs",
+    ModelState.SLEEPING: "it is offloaded while another role uses the GPUs",
+    ModelState.DRAINING: "it is draining before an offload or update",
+    ModelState.FAILED: "its engines failed; see the manager's log",
+    ModelState.STOPPING: "it is shutting down",
+    ModelState.UNKNOWN: "discovery lost track of it (the registry was invalidated)",
+}
+
+
+@attrs.frozen
+class RouteTarget:
+    """Where one request goes.
+
+    ``url`` is the router URL (``route_mode`` SGLANG_ROUTER; ``engine_id`` and ``generation``
+    are ``None``) or the chosen head's base URL (DIRECT). ``registry_epoch`` and
+    ``topology_revision`` identify the snapshot it came from, so a caller can tell a stale
+    target after a refresh.
+    """
+
+    role: str
+    model_id: str
+    url: str
+    route_mode: RouteMode
+    engine_id: str | None
+    served_model_name: str
+    weight_version: str | None
+    generation: int | None
+    registry_epoch: str
+    topology_revision: int
+
+
+class _ModelIndex:
+    __slots__ = ("candidates", "model_id", "not_ready", "router_target", "summary")
+
+    def __init__(self, snapshot: RoleSnapshot, model_id: str) -> None:
+        model = snapshot.models[model_id]
+        self.model_id = model_id
+        self.not_ready: ModelState | None = None if model.state is ModelState.READY else model.state
+        self.router_target: RouteTarget | None = None
+        self.candidates: tuple[RouteTarget, ...] = ()
+        common: dict[str, Any] = {
+            "role": snapshot.role,
+            "model_id": model_id,
+            "served_model_name": model.served_model_name,
+            "weight_version": model.weight_version,
+            "registry_epoch": snapshot.registry_epoch,
+            "topology_revision": snapshot.topology_revision,
+        }
+        if model.route_mode is RouteMode.SGLANG_ROUTER:
+            if model.router_url is not None:
+                self.router_target = RouteTarget(
+                    url=model.router_url,
+                    route_mode=RouteMode.SGLANG_ROUTER,
+                    engine_id=None,
+                    generation=None,
+                    **common,
+                )
+        else:
+            eligible = sorted(
+                (e for e in model.engines if e.direct_eligible and e.state is EngineState.READY),
+                key=lambda e: e.engine_id,
+            )
+            self.candidates = tuple(
+                RouteTarget(
+                    url=e.base_url,
+                    route_mode=RouteMode.DIRECT,
+                    engine_id=e.engine_id,
+                    generation=e.generation,
+                    **common,
+                )
+                for e in eligible
+                if e.base_url is not None
+            )
+        counts: dict[str, int] = {}
+        for engine in model.engines:
+            counts[engine.state.value] = counts.get(engine.state.value, 0) + 1
+        self.summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
+
+
+class _SnapshotIndex:
+    __slots__ = ("aliases", "default", "epoch", "lookup", "models", "policy", "role", "route_keys")
+
+    def __init__(self, snapshot: RoleSnapshot) -> None:
+        routing = snapshot.routing
+        self.role = snapshot.role
+        self.epoch = snapshot.registry_epoch
+        self.policy = routing.policy
+        self.models = {model_id: _ModelIndex(snapshot, model_id) for model_id in snapshot.models}
+        self.lookup: dict[str, str] = {model_id: model_id for model_id in snapshot.models}
+        self.lookup.update(routing.aliases)
+        self.aliases = dict(routing.aliases)
+        self.route_keys = dict(routing.route_key_map)
+        self.default = routing.default_model
+
+
+def _index(snapshot: RoleSnapshot) -> _SnapshotIndex:
+    return _SnapshotIndex(snapshot)
+
+
+def _names(values: Any) -> str:
+    return ", ".join(f'"{v}"' for v in sorted(values)) or "(none)"
+
+
+class RouteResolver:
+    """Resolves requests against schema-2 snapshots (see the module docstring for the rules).
+
+    :param plugin_manager: where routing policies come from; default the process-wide one.
+    :param retry_after: seconds per non-READY model state; default :data:`DEFAULT_RETRY_AFTER`.
+
+    Selectors are built once per resolver and keep process-local state (round-robin cursors).
+    Thread-safe. ``resolve`` does no I/O, except that the first call of a resolver built
+    without a plugin manager loads the process-wide one (entry points).
+    """
+
+    def __init__(
+        self,
+        plugin_manager: PluginManager | None = None,
+        *,
+        retry_after: Mapping[ModelState, float] | None = None,
+    ) -> None:
+        self._pm = plugin_manager
+        self._retry_after = dict(DEFAULT_RETRY_AFTER if retry_after is None else retry_after)
+        self._last: tuple[RoleSnapshot | None, _SnapshotIndex | None] = (None, None)
+        # (policy name, has affinity key) -> selector to use
+        self._selectors: dict[tuple[str, bool], ReplicaSelector] = {}
+        self._instances: dict[str, ReplicaSelector] = {}
+
+    # -- policies --------------------------------------------------------------------------
+
+    def _plugin_manager(self) -> PluginManager:
+        if self._pm is None:
+            self._pm = get_plugin_manager()
+        return self._pm
+
+    def _policy(self, name: str, role: str) -> RoutingPolicy:
+        pm = self._plugin_manager()
+        try:
+            return pm.routing_policy(name)
+        except PluginError:
+            known = ", ".join(sorted(pm.registered("routing_policies"))) or "(none)"
+            raise RoutingError(
+                503,
+                f'role "{role}" routes DIRECT requests with policy "{name}", which no installed '
+                "plugin registers. Install and enable the plugin that provides it, or set "
+                f"routing.policy to a registered policy ({known})",
+                retry_after=None,
+            ) from None
+
+    def _instance(self, record: RoutingPolicy) -> ReplicaSelector:
+        selector = self._instances.get(record.name)
+        if selector is None:
+            selector = self._instances.setdefault(record.name, record.factory())
+        return selector
+
+    def selector(self, policy: str, *, affinity: bool, role: str = "?") -> ReplicaSelector:
+        """The selector a DIRECT request uses under snapshot policy ``policy``.
+
+        :raises RoutingError: 503 when ``policy`` (or the fallback it needs) is not registered.
+        """
+        found = self._selectors.get((policy, affinity))
+        if found is not None:
+            return found
+        record = self._policy(policy, role)
+        if record.uses_affinity != affinity:
+            record = self._policy("rendezvous" if affinity else "round_robin", role)
+        selector = self._instance(record)
+        self._selectors[(policy, affinity)] = selector
+        return selector
+
+    # -- resolving -------------------------------------------------------------------------
+
+    def resolve(
+        self,
+        snapshot: RoleSnapshot,
+        *,
+        model: str | None = None,
+        route_key: str | None = None,
+        affinity_key: str | None = None,
+        inflight: Mapping[str, int] | None = None,
+    ) -> RouteTarget:
+        """The target for one request.
+
+        :param model: a model id or alias; wins over ``route_key``.
+        :param route_key: looked up in ``routing.route_key_map`` when no model is given.
+        :param affinity_key: requests with the same key go to the same head (DIRECT).
+        :param inflight: in-flight requests per engine id, for load-aware policies.
+        :raises RoutingError: 400 for an unknown model, alias or route key, or no model at all;
+            503 (with ``retry_after``) when the model is not READY or has no eligible head, or
+            (without) when the snapshot's policy is not installed.
+        """
+        last = self._last
+        if last[0] is snapshot:
+            index: _SnapshotIndex = last[1]  # type: ignore[assignment]
+        else:
+            index = snapshot.derived("relax_core.discovery.routing", _index)
+            self._last = (snapshot, index)
+
+        if model is not None:
+            model_id = index.lookup.get(model)
+            if model_id is None:
+                raise self._unknown_model(index, model)
+        elif route_key is not None:
+            model_id = index.route_keys.get(route_key)
+            if model_id is None:
+                raise self._unknown_route_key(index, route_key)
+        else:
+            model_id = index.default
+            if model_id is None:
+                raise RoutingError(
+                    400,
+                    f'role "{index.role}" has no default_model and the request names no model '
+                    f"or route key; pass model= one of {_names(index.models)} "
+                    f"(aliases: {_names(index.aliases)})",
+                )
+
+        entry = index.models[model_id]
+        if entry.not_ready is not None:
+            raise self._not_ready(index, entry)
+        target = entry.router_target
+        if target is not None:
+            return target
+        candidates = entry.candidates
+        if not candidates:
+            raise RoutingError(
+                503,
+                f'model "{model_id}" of role "{index.role}" has no READY direct-eligible replica '
+                f"(engines: {entry.summary}); retry after {NO_REPLICA_RETRY_AFTER:g} s",
+                retry_after=NO_REPLICA_RETRY_AFTER,
+            )
+        affinity = affinity_key is not None
+        selector = self._selectors.get((index.policy, affinity))
+        if selector is None:
+            selector = self.selector(index.policy, affinity=affinity, role=index.role)
+        chosen = selector.select(
+            role=index.role,
+            epoch=index.epoch,
+            model=model_id,
+            candidates=candidates,
+            affinity_key=affinity_key,
+            inflight=inflight,
+        )
+        if chosen.__class__ is not RouteTarget:
+            raise RoutingError(
+                503,
+                f'routing policy "{index.policy}" returned {type(chosen).__name__}, not one of '
+                "the candidates it was given; fix or disable the plugin that provides it",
+            )
+        return chosen  # type: ignore[no-any-return]
+
+    # -- errors ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _unknown_model(index: _SnapshotIndex, model: str) -> RoutingError:
+        return RoutingError(
+            400,
+            f'unknown model "{model}" for role "{index.role}"; known models: '
+            f"{_names(index.models)}; aliases: {_names(index.aliases)}",
+        )
+
+    @staticmethod
+    def _unknown_route_key(index: _SnapshotIndex, route_key: str) -> RoutingError:
+        return RoutingError(
+            400,
+            f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
+            f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
+            "routing.route_key_map",
+        )
+
+    def _not_ready(self, index: _SnapshotIndex, entry: _ModelIndex) -> RoutingError:
+        state = entry.not_ready
+        assert state is not None
+        seconds = self._retry_after.get(state, 1.0)
+        return RoutingError(
+            503,
+            f'model "{entry.model_id}" of role "{index.role}" is {state.value} ({_WHY[state]}); '
+            f"no request was sent. Refresh discovery and retry after {seconds:g} s",
+            retry_after=seconds,
+        )

@@ -1,0 +1,661 @@
+"""Discovery schema 2: the canonical routing snapshot of one inference role.
+
+A :class:`RoleSnapshot` says, for one role, which models exist, their state, how to reach them
+(a router URL or logical replica heads) and the routing rules (:class:`RoutingSpec`). It is a
+frozen value: built in code its attrs validators enforce every rule, so a publisher cannot
+build an invalid one; parsed with :meth:`RoleSnapshot.from_json` unknown fields and values are
+rejected too. Every rule broken raises :class:`~relax_core.errors.SnapshotError` whose ``path``
+names the JSON field (``models.math.engines[0].base_url``).
+
+Only logical replica heads are published; TP/PP followers and PD workers never are.
+:meth:`RoleSnapshot.schema1` is the filtered diagnostic view for old consumers.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+
+import attrs
+
+from relax_core.discovery._fields import (
+    Validator,
+    build_at,
+    check_id,
+    check_str,
+    child_path,
+    frozen_map,
+    join_path,
+    object_fields,
+    segment,
+    to_enum,
+    to_tuple,
+    v_bool,
+    v_int,
+    v_str,
+    v_url,
+)
+from relax_core.errors import SnapshotError
+from relax_core.records import WeightSource
+
+if TYPE_CHECKING:
+    from relax_core.plugins import PluginManager
+
+__all__ = [
+    "BUILTIN_WEIGHT_SOURCES",
+    "SCHEMA_VERSION",
+    "STATIC_ROLES",
+    "EngineState",
+    "EngineView",
+    "ModelState",
+    "ModelView",
+    "RoleSnapshot",
+    "RouteMode",
+    "RoutingSpec",
+    "WeightSources",
+    "check_model_sources",
+    "join_path",
+]
+
+SCHEMA_VERSION = 2
+
+#: Weight-source names a snapshot may use when no plugin manager or set is given.
+BUILTIN_WEIGHT_SOURCES: frozenset[str] = frozenset({"STATIC", "ACTOR", "DCS"})
+
+#: Roles whose models must be STATIC unless the caller says otherwise.
+STATIC_ROLES: frozenset[str] = frozenset({"genrm", "teacher"})
+
+_ROLE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+
+T = TypeVar("T")
+
+
+class ModelState(enum.StrEnum):
+    """The state of a model as its manager publishes it. Only READY models receive requests."""
+
+    READY = "READY"
+    STARTING = "STARTING"
+    DRAINING = "DRAINING"
+    SLEEPING = "SLEEPING"
+    ONLOADING = "ONLOADING"
+    FAILED = "FAILED"
+    STOPPING = "STOPPING"
+    UNKNOWN = "UNKNOWN"
+
+
+class EngineState(enum.StrEnum):
+    """The state of one logical replica head. READY means weights, KV cache and CUDA graph are
+    resident, the weights are valid and admission is open."""
+
+    READY = "READY"
+    STARTING = "STARTING"
+    DRAINING = "DRAINING"
+    SLEEPING = "SLEEPING"
+    ONLOADING = "ONLOADING"
+    FAILED = "FAILED"
+    STOPPING = "STOPPING"
+    UNKNOWN = "UNKNOWN"
+
+
+class RouteMode(enum.StrEnum):
+    """How requests reach a model: straight to a replica head, or through its SGLang router."""
+
+    DIRECT = "DIRECT"
+    SGLANG_ROUTER = "SGLANG_ROUTER"
+
+
+# -- field converters ------------------------------------------------------------------
+
+
+def _engine_state(value: object) -> EngineState:
+    return to_enum(EngineState, "state", value)
+
+
+def _model_state(value: object) -> ModelState:
+    return to_enum(ModelState, "state", value)
+
+
+def _route_mode(value: object) -> RouteMode:
+    return to_enum(RouteMode, "route_mode", value)
+
+
+# -- records ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class EngineView:
+    """One logical replica head of a model.
+
+    ``base_url`` is the head's public (admission) URL, ``None`` while it has none; a FAILED
+    head never publishes one. ``direct_eligible`` may only be true for a READY head with a URL.
+    ``generation`` moves whenever the head's worker or endpoint is replaced.
+    """
+
+    engine_id: str = attrs.field()
+    base_url: str | None = attrs.field(validator=v_url("base_url"))
+    state: EngineState = attrs.field(converter=_engine_state)
+    direct_eligible: bool = attrs.field(validator=v_bool("direct_eligible"))
+    generation: int = attrs.field(validator=v_int("generation"))
+
+    @engine_id.validator
+    def _check_engine_id(self, _a: Any, value: Any) -> None:
+        check_id("engine_id", value, "engine id")
+
+    def __attrs_post_init__(self) -> None:
+        if self.direct_eligible and self.state is not EngineState.READY:
+            raise SnapshotError(
+                "direct_eligible",
+                f"engine {self.engine_id!r} is {self.state.value}; only a READY engine may be "
+                "direct_eligible",
+            )
+        if self.direct_eligible and self.base_url is None:
+            raise SnapshotError(
+                "direct_eligible",
+                f"engine {self.engine_id!r} has no base_url; only an engine with a URL may be "
+                "direct_eligible",
+            )
+        if self.state is EngineState.FAILED and self.base_url is not None:
+            raise SnapshotError(
+                "base_url",
+                f"engine {self.engine_id!r} is FAILED; a FAILED engine never publishes a URL "
+                "(publish null)",
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """The engine as a JSON object."""
+        return {
+            "engine_id": self.engine_id,
+            "base_url": self.base_url,
+            "state": self.state.value,
+            "direct_eligible": self.direct_eligible,
+            "generation": self.generation,
+        }
+
+
+def _check_engines(_i: Any, _a: Any, engines: Any) -> None:
+    seen: dict[str, int] = {}
+    for index, engine in enumerate(engines):
+        if not isinstance(engine, EngineView):
+            raise SnapshotError(
+                f"engines[{index}]", f"must be an EngineView, got {type(engine).__name__}"
+            )
+        if engine.engine_id in seen:
+            raise SnapshotError(
+                f"engines[{index}].engine_id",
+                f"engine id {engine.engine_id!r} is already used by "
+                f"engines[{seen[engine.engine_id]}]; engine ids are unique within a model",
+            )
+        seen[engine.engine_id] = index
+
+
+@attrs.frozen
+class ModelView:
+    """One model of a role: its state, route mode, weights and replica heads.
+
+    A READY ``SGLANG_ROUTER`` model has a ``router_url``; a ``DIRECT`` model has none. A STATIC
+    model carries no ``weight_version``.
+    """
+
+    state: ModelState = attrs.field(converter=_model_state)
+    route_mode: RouteMode = attrs.field(converter=_route_mode)
+    router_url: str | None = attrs.field(validator=v_url("router_url"))
+    weight_source: str = attrs.field()
+    weight_version: str | None = attrs.field()
+    served_model_name: str = attrs.field(validator=v_str("served_model_name"))
+    engines: tuple[EngineView, ...] = attrs.field(
+        default=(), converter=to_tuple, validator=_check_engines
+    )
+
+    @weight_source.validator
+    def _check_source(self, _a: Any, value: object) -> None:
+        name = check_str("weight_source", value)
+        if not _ROLE_NAME.match(name):
+            raise SnapshotError("weight_source", f"{name!r} is not a weight-source name")
+
+    @weight_version.validator
+    def _check_version(self, _a: Any, value: object) -> None:
+        if value is not None:
+            check_str("weight_version", value)
+
+    def __attrs_post_init__(self) -> None:
+        if self.weight_source == "STATIC" and self.weight_version is not None:
+            raise SnapshotError(
+                "weight_version",
+                f"a STATIC model never carries a weight_version (got {self.weight_version!r}); "
+                "publish null or use a versioned weight source (ACTOR, DCS)",
+            )
+        if self.route_mode is RouteMode.DIRECT and self.router_url is not None:
+            raise SnapshotError(
+                "router_url",
+                "a DIRECT model has no router_url; publish null or set route_mode SGLANG_ROUTER",
+            )
+        if (
+            self.route_mode is RouteMode.SGLANG_ROUTER
+            and self.state is ModelState.READY
+            and self.router_url is None
+        ):
+            raise SnapshotError(
+                "router_url",
+                "a READY SGLANG_ROUTER model must publish its router_url",
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """The model as a JSON object."""
+        return {
+            "state": self.state.value,
+            "route_mode": self.route_mode.value,
+            "router_url": self.router_url,
+            "weight_source": self.weight_source,
+            "weight_version": self.weight_version,
+            "served_model_name": self.served_model_name,
+            "engines": [engine.to_json() for engine in self.engines],
+        }
+
+
+def _check_str_map(field: str) -> Validator:
+    def check(_i: Any, _a: Any, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise SnapshotError(field, f"must be an object, got {type(value).__name__}")
+        for key, target in value.items():
+            if not isinstance(key, str) or not key:
+                raise SnapshotError(field, f"keys must be non-empty strings, got {key!r}")
+            check_str(field + segment(key), target)
+
+    return check
+
+
+@attrs.frozen
+class RoutingSpec:
+    """How a role picks a model: by explicit model id or alias, by route key, else the default.
+
+    ``policy`` names the DIRECT replica-selection policy (a registered
+    :class:`~relax_core.records.RoutingPolicy`); ``policy_revision`` moves when its settings do.
+    Every target must be a model id of the snapshot (checked by :class:`RoleSnapshot`).
+    """
+
+    default_model: str | None = attrs.field(default=None)
+    route_key_map: Mapping[str, str] = attrs.field(
+        factory=dict, converter=frozen_map, validator=_check_str_map("route_key_map")
+    )
+    aliases: Mapping[str, str] = attrs.field(
+        factory=dict, converter=frozen_map, validator=_check_str_map("aliases")
+    )
+    policy: str = attrs.field(default="round_robin")
+    policy_revision: int = attrs.field(default=0, validator=v_int("policy_revision"))
+
+    @default_model.validator
+    def _check_default(self, _a: Any, value: Any) -> None:
+        if value is not None:
+            check_str("default_model", value)
+
+    @policy.validator
+    def _check_policy(self, _a: Any, value: object) -> None:
+        name = check_str("policy", value)
+        if not _ROLE_NAME.match(name):
+            raise SnapshotError("policy", f"{name!r} is not a routing-policy name")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Mapping proxies do not pickle; rebuild (and re-validate) from plain dicts.
+        return (
+            RoutingSpec,
+            (
+                self.default_model,
+                dict(self.route_key_map),
+                dict(self.aliases),
+                self.policy,
+                self.policy_revision,
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The routing spec as a JSON object."""
+        return {
+            "default_model": self.default_model,
+            "route_key_map": dict(self.route_key_map),
+            "aliases": dict(self.aliases),
+            "policy": self.policy,
+            "policy_revision": self.policy_revision,
+        }
+
+
+#: What ``weight_sources=`` accepts: names, ``{name: WeightSource}`` or a plugin manager.
+WeightSources: TypeAlias = "Collection[str] | Mapping[str, WeightSource] | PluginManager"
+
+
+def _source_records(
+    weight_sources: WeightSources | None,
+) -> tuple[frozenset[str], Mapping[str, WeightSource]]:
+    if weight_sources is None:
+        return BUILTIN_WEIGHT_SOURCES, {}
+    registered = getattr(weight_sources, "registered", None)
+    if callable(registered):
+        records = {name: reg.record for name, reg in registered("weight_sources").items()}
+        return frozenset(records), records
+    if isinstance(weight_sources, Mapping):
+        records = {n: r for n, r in weight_sources.items() if isinstance(r, WeightSource)}
+        return frozenset(weight_sources), records
+    return frozenset(str(name) for name in weight_sources), {}  # type: ignore[union-attr]
+
+
+def _check_model_sources(
+    role: str,
+    path: str,
+    model: ModelView,
+    names: frozenset[str],
+    records: Mapping[str, WeightSource],
+    static_roles: frozenset[str],
+) -> None:
+    source = model.weight_source
+    if source not in names:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"unknown weight source {source!r}; known: {', '.join(sorted(names))}. Install the "
+            "plugin that registers it",
+        )
+    if role in static_roles and source != "STATIC":
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"a {role} model must be STATIC, got {source!r}; {role} weights are fixed checkpoints",
+        )
+    record = records.get(source)
+    if record is None:
+        return
+    if source == "STATIC" and record.update_paths:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"the registered STATIC weight source allows updates {sorted(record.update_paths)}; "
+            "STATIC must refuse every update path",
+        )
+    if role in static_roles and record.update_paths:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"a {role} model's weight source must not allow updates, {source!r} allows "
+            f"{sorted(record.update_paths)}",
+        )
+    if not record.publishes_version and model.weight_version is not None:
+        raise SnapshotError(
+            f"{path}.weight_version",
+            f"weight source {source!r} does not publish a version; publish null",
+        )
+
+
+def check_model_sources(
+    role: str,
+    model_id: str,
+    model: ModelView,
+    *,
+    weight_sources: WeightSources | None = None,
+    static_roles: Collection[str] | None = None,
+) -> None:
+    """Check one model's weight source as :meth:`RoleSnapshot.check_sources` does.
+
+    :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``.
+    """
+    names, records = _source_records(weight_sources)
+    statics = STATIC_ROLES if static_roles is None else frozenset(static_roles)
+    _check_model_sources(role, "models" + segment(model_id), model, names, records, statics)
+
+
+def _check_models(_i: Any, _a: Any, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise SnapshotError("models", f"must be an object, got {type(value).__name__}")
+    for model_id, model in value.items():
+        path = "models" + segment(model_id) if isinstance(model_id, str) else "models"
+        check_id(path, model_id, "model id")
+        if not isinstance(model, ModelView):
+            raise SnapshotError(path, f"must be a ModelView, got {type(model).__name__}")
+
+
+def _check_role(_i: Any, _a: Any, value: Any) -> None:
+    name = check_str("role", value)
+    if not _ROLE_NAME.match(name):
+        raise SnapshotError("role", f"{name!r} is not a role name")
+
+
+@attrs.frozen(kw_only=True)
+class RoleSnapshot:
+    """The schema-2 snapshot of one role (see the module docstring).
+
+    ``registry_epoch`` identifies the publishing registry's incarnation; ``topology_revision``
+    moves on every published change within an epoch. Build it in code (keyword arguments) or
+    parse it with :meth:`from_json`; both validate. Source rules that depend on installed
+    plugins (unknown weight sources, STATIC roles) are checked by :meth:`check_sources`, which
+    :meth:`from_json` and the registry always call.
+    """
+
+    schema_version: int = attrs.field(default=SCHEMA_VERSION)
+    role: str = attrs.field(validator=_check_role)
+    registry_epoch: str = attrs.field(validator=v_str("registry_epoch"))
+    topology_revision: int = attrs.field(validator=v_int("topology_revision"))
+    routing: RoutingSpec = attrs.field()
+    models: Mapping[str, ModelView] = attrs.field(converter=frozen_map, validator=_check_models)
+    # Values derived from this immutable snapshot (routing indexes); not part of its value.
+    _derived: dict[str, Any] = attrs.field(
+        init=False, factory=dict, eq=False, repr=False, hash=False
+    )
+
+    @schema_version.validator
+    def _check_version(self, _a: Any, value: object) -> None:
+        if value != SCHEMA_VERSION or isinstance(value, bool):
+            raise SnapshotError(
+                "schema_version",
+                f"expected {SCHEMA_VERSION}, got {value!r}; this reader understands schema 2 "
+                "only (ask for /engines?schema=2)",
+            )
+
+    @routing.validator
+    def _check_routing(self, _a: Any, value: object) -> None:
+        if not isinstance(value, RoutingSpec):
+            raise SnapshotError("routing", f"must be a RoutingSpec, got {type(value).__name__}")
+
+    def __attrs_post_init__(self) -> None:
+        known = ", ".join(sorted(self.models)) or "(none)"
+        routing = self.routing
+        if routing.default_model is not None and routing.default_model not in self.models:
+            raise SnapshotError(
+                "routing.default_model",
+                f"{routing.default_model!r} is not a model of role {self.role!r}; "
+                f"known models: {known}",
+            )
+        for key, target in routing.route_key_map.items():
+            if target not in self.models:
+                raise SnapshotError(
+                    "routing.route_key_map" + segment(key),
+                    f"route key {key!r} maps to {target!r}, which is not a model; "
+                    f"known models: {known}",
+                )
+        for alias, target in routing.aliases.items():
+            if alias in self.models:
+                raise SnapshotError(
+                    "routing.aliases" + segment(alias),
+                    f"alias {alias!r} shadows a model id; rename the alias",
+                )
+            if target not in self.models:
+                raise SnapshotError(
+                    "routing.aliases" + segment(alias),
+                    f"alias {alias!r} points to {target!r}, which is not a model; "
+                    f"known models: {known}",
+                )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Mapping proxies do not pickle; the derived cache is not worth sending.
+        return (
+            _rebuild_snapshot,
+            (
+                self.schema_version,
+                self.role,
+                self.registry_epoch,
+                self.topology_revision,
+                self.routing,
+                dict(self.models),
+            ),
+        )
+
+    # -- derived values ------------------------------------------------------------------
+
+    def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
+        """A value computed once from this snapshot and cached on it (e.g. a routing index).
+
+        ``build(self)`` runs on the first call for ``key``; safe to race (both results equal).
+        """
+        try:
+            return self._derived[key]  # type: ignore[no-any-return]
+        except KeyError:
+            value = build(self)
+            self._derived[key] = value
+            return value
+
+    def check_sources(
+        self,
+        *,
+        weight_sources: WeightSources | None = None,
+        static_roles: Collection[str] | None = None,
+    ) -> None:
+        """Check every model's weight source against the installed ones and the role's rules.
+
+        :param weight_sources: names, ``{name: WeightSource}`` records or a plugin manager;
+            default :data:`BUILTIN_WEIGHT_SOURCES`. With records, a source that does not
+            publish versions may not carry a ``weight_version``, and a STATIC role's source may
+            not allow any update path.
+        :param static_roles: roles whose models must be STATIC; default :data:`STATIC_ROLES`.
+        :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``.
+        """
+        names, records = _source_records(weight_sources)
+        statics = STATIC_ROLES if static_roles is None else frozenset(static_roles)
+        for model_id, model in self.models.items():
+            _check_model_sources(
+                self.role, "models" + segment(model_id), model, names, records, statics
+            )
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_json(
+        cls,
+        data: Mapping[str, Any] | str | bytes,
+        *,
+        weight_sources: WeightSources | None = None,
+        static_roles: Collection[str] | None = None,
+    ) -> RoleSnapshot:
+        """Parse and validate a schema-2 snapshot (a decoded JSON object, or JSON text).
+
+        Unknown or missing fields, unknown states/modes/weight sources, non-http(s) or
+        host-less URLs, routing targets that are not models, a STATIC model with a weight
+        version and a non-STATIC model in a STATIC role are all rejected.
+
+        :raises SnapshotError: ``path`` names the offending field, the message the rule.
+        """
+        if isinstance(data, (str, bytes)):
+            try:
+                data = json.loads(data)
+            except ValueError as exc:
+                raise SnapshotError("", f"snapshot is not valid JSON: {exc}") from None
+        snapshot = _parse(data)
+        snapshot.check_sources(weight_sources=weight_sources, static_roles=static_roles)
+        return snapshot
+
+    def to_json(self) -> dict[str, Any]:
+        """The snapshot as a JSON-ready dict; ``from_json(s.to_json()) == s``."""
+        return {
+            "schema_version": self.schema_version,
+            "role": self.role,
+            "registry_epoch": self.registry_epoch,
+            "topology_revision": self.topology_revision,
+            "routing": self.routing.to_json(),
+            "models": {model_id: model.to_json() for model_id, model in self.models.items()},
+        }
+
+    def schema1(self) -> dict[str, Any]:
+        """The schema-1 diagnostic view: rank, status and URL of every regular replica head.
+
+        Ranks count heads across models in publication order. Schema 1 never takes part in
+        routing; it exists for old consumers (autoscalers, dashboards).
+        """
+        engines = [
+            {"rank": rank, "status": engine.state.value, "url": engine.base_url}
+            for rank, engine in enumerate(
+                engine for model in self.models.values() for engine in model.engines
+            )
+        ]
+        return {"engines": engines}
+
+
+def _rebuild_snapshot(
+    schema_version: int,
+    role: str,
+    registry_epoch: str,
+    topology_revision: int,
+    routing: RoutingSpec,
+    models: dict[str, ModelView],
+) -> RoleSnapshot:
+    return RoleSnapshot(
+        schema_version=schema_version,
+        role=role,
+        registry_epoch=registry_epoch,
+        topology_revision=topology_revision,
+        routing=routing,
+        models=models,
+    )
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+_TOP_FIELDS = ("schema_version", "role", "registry_epoch", "topology_revision", "routing", "models")
+_ROUTING_FIELDS = ("default_model", "route_key_map", "aliases", "policy", "policy_revision")
+_MODEL_FIELDS = (
+    "state",
+    "route_mode",
+    "router_url",
+    "weight_source",
+    "weight_version",
+    "served_model_name",
+    "engines",
+)
+_ENGINE_FIELDS = ("engine_id", "base_url", "state", "direct_eligible", "generation")
+
+
+def _parse_model(path: str, data: object) -> ModelView:
+    fields = object_fields(data, path, _MODEL_FIELDS)
+    raw_engines = fields["engines"]
+    if not isinstance(raw_engines, (list, tuple)):
+        raise SnapshotError(
+            f"{path}.engines", f"must be a JSON array, got {type(raw_engines).__name__}"
+        )
+    engines = []
+    for index, raw in enumerate(raw_engines):
+        engine_path = f"{path}.engines[{index}]"
+        engine = object_fields(raw, engine_path, _ENGINE_FIELDS)
+        engines.append(build_at(engine_path, EngineView, **engine))
+    model = dict(fields)
+    model["engines"] = tuple(engines)
+    return build_at(path, ModelView, **model)
+
+
+def _parse(data: object) -> RoleSnapshot:
+    if isinstance(data, Mapping) and "schema_version" in data:
+        version = data["schema_version"]
+        if version != SCHEMA_VERSION or isinstance(version, bool):
+            raise SnapshotError(
+                "schema_version",
+                f"expected {SCHEMA_VERSION}, got {version!r}; this reader understands schema 2 "
+                "only (ask for /engines?schema=2)",
+            )
+    top = object_fields(data, "", _TOP_FIELDS)
+    routing = build_at(
+        "routing", RoutingSpec, **object_fields(top["routing"], "routing", _ROUTING_FIELDS)
+    )
+    raw_models = top["models"]
+    if not isinstance(raw_models, Mapping):
+        raise SnapshotError("models", f"must be a JSON object, got {type(raw_models).__name__}")
+    models = {}
+    for model_id, raw in raw_models.items():
+        path = child_path("models", str(model_id))
+        check_id(path, model_id, "model id")
+        models[model_id] = _parse_model(path, raw)
+    values = dict(top)
+    values["routing"] = routing
+    values["models"] = models
+    return build_at("", RoleSnapshot, **values)

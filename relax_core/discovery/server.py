@@ -1,0 +1,62 @@
+"""The registry server: every role's schema-2 snapshot over HTTP, on loopback.
+
+Gateways that run in another process (a CPU-only Ray actor, worker processes) discover their
+role here, at ``{url}/{role}/engines``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from relax_core.discovery.schema import RoleSnapshot
+
+__all__ = ["RegistryServer", "registry_app"]
+
+
+def registry_app(providers: Mapping[str, Callable[[], RoleSnapshot]]) -> Any:
+    """A Starlette app serving each role's snapshot at ``GET /{role}/engines`` (schema 2;
+    ``?schema=1`` for the filtered diagnostic view). Unknown roles are 404."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def engines(request: Request) -> Response:
+        role = request.path_params["role"]
+        provider = providers.get(role)
+        if provider is None:
+            return JSONResponse(
+                {"error": f"no role {role!r} here; roles: {sorted(providers)}"}, status_code=404
+            )
+        snap = provider()
+        schema1 = request.query_params.get("schema") == "1"
+        return JSONResponse(snap.schema1() if schema1 else snap.to_json())
+
+    return Starlette(routes=[Route("/{role}/engines", engines, methods=["GET"])])
+
+
+class RegistryServer:
+    """The serving process's registry: every role's snapshot over HTTP, on loopback.
+
+    Gateways in Ray actors discover their role here (``{url}/{role}``).
+    """
+
+    def __init__(self, providers: Mapping[str, Callable[[], RoleSnapshot]]) -> None:
+        from relax_core.gateway.serving import GatewayServer
+
+        self._server = GatewayServer(registry_app(providers), "127.0.0.1")
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:port``; a role's registry base URL is ``{url}/{role}``."""
+        return str(self._server.url)
+
+    def start(self) -> RegistryServer:
+        """Start serving; blocks until it accepts."""
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving. Idempotent."""
+        self._server.stop()

@@ -1,0 +1,15 @@
+"""Engines: what an engine may do (its spec), engine processes, the SGLang-protocol control
+client and the admission server in front of a strict engine head."""
+
+from relax_core.engine.admission import AdmissionServer
+from relax_core.engine.control import ControlClient, serialize_named_tensors
+from relax_core.engine.process import SubprocessEngineProcess
+from relax_core.engine.spec import InferenceEngineSpec
+
+__all__ = [
+    "AdmissionServer",
+    "ControlClient",
+    "InferenceEngineSpec",
+    "SubprocessEngineProcess",
+    "serialize_named_tensors",
+]

@@ -1,0 +1,383 @@
+"""The admission server: a CPU proxy that owns an engine head's public port.
+
+Every strict engine head gets one. Gateways, routers and direct clients only ever see its URL;
+the raw engine port stays private to the engine worker, which drives the engine's control paths
+(release/resume memory, weight updates) directly.
+
+What it does:
+
+- forwards only an allowlist of paths, bytes in and bytes out (SSE streams are streamed, never
+  parsed), with hop-by-hop headers stripped; the upstream client is aiohttp;
+- while admission is *closed* (a drain, a weight update, a sleeping engine) it answers generation
+  paths and ``/health_generate`` with ``503`` + ``Retry-After``, and sends nothing upstream;
+- counts in-flight generation requests so a drain can wait for them (:meth:`wait_idle`);
+- refuses every weight-update / LoRA path with ``403`` and a JSON message (for a STATIC engine
+  the message says STATIC engines never update), and every other control path with ``403``.
+
+Where it runs: inside the engine worker actor, on the actor's asyncio event loop (the worker is
+an async Ray actor, so its methods and the proxy share one loop and never block it). For other
+uses, :class:`AdmissionThread` runs one on a private loop in a daemon thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from relax_core._http.server import serve_app
+from relax_core.engine.spec import UPDATE_ENDPOINTS, InferenceEngineSpec
+
+__all__ = [
+    "ADMISSION_ALLOWLIST",
+    "CANCEL_PATHS",
+    "GENERATE_PATHS",
+    "HEALTH_PATHS",
+    "METADATA_PATHS",
+    "PRIVATE_PREFIX",
+    "PROBE_PATHS",
+    "AdmissionServer",
+    "AdmissionThread",
+]
+
+#: Generation paths: gated by admission and counted as in flight.
+GENERATE_PATHS = frozenset(
+    {"/generate", "/v1/chat/completions", "/chat/completions", "/v1/completions"}
+)
+#: Cancellation paths: always forwarded (a drain must be able to abort).
+CANCEL_PATHS = frozenset({"/abort_request", "/close_session"})
+#: Metadata paths: always forwarded.
+METADATA_PATHS = frozenset(
+    {"/v1/models", "/server_info", "/get_server_info", "/model_info", "/get_model_info"}
+)
+#: ``/health`` is always forwarded; ``/health_generate`` answers 503 while admission is closed.
+HEALTH_PATHS = frozenset({"/health", "/health_generate"})
+#: What sglang-router and smg probe when they register or watch a worker.
+PROBE_PATHS = frozenset({"/version", "/loads", "/get_load", "/metrics"})
+ADMISSION_ALLOWLIST = GENERATE_PATHS | CANCEL_PATHS | METADATA_PATHS | HEALTH_PATHS | PROBE_PATHS
+
+#: Paths under this prefix belong to the engine worker's private control endpoint (its own
+#: port, token-protected); the public port refuses them.
+PRIVATE_PREFIX = "/_relax/"
+
+_UPDATE_PATH_OF = {path: name for name, paths in UPDATE_ENDPOINTS.items() for path in paths}
+_CONTROL_PATHS = frozenset(
+    {
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/start_profile",
+        "/stop_profile",
+        "/shutdown",
+    }
+)
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+def _forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    # ``Connection: x-foo`` names further hop-by-hop headers of this hop.
+    named = {h.strip().lower() for h in headers.get("Connection", "").split(",") if h.strip()}
+    return {
+        k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() not in named
+    }
+
+
+class AdmissionServer:
+    """An admission proxy in front of one engine head.
+
+    Build it, ``await start()`` on the loop that will serve it, then :meth:`open` it once the
+    engine is ready. Admission starts closed. :meth:`open`, :meth:`close` and the properties
+    must be called on the serving loop (or from any thread when nothing else mutates it: they
+    only flip a flag).
+
+    :param upstream_url: the engine's raw ``http://host:port``.
+    :param engine_id: named in every refusal.
+    :param spec: the engine's capabilities; decides the wording of update-path refusals.
+    :param retry_after: seconds sent in ``Retry-After`` while closed.
+    """
+
+    def __init__(
+        self,
+        upstream_url: str,
+        *,
+        engine_id: str,
+        spec: InferenceEngineSpec | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        retry_after: float = 1.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.upstream_url = upstream_url.rstrip("/")
+        self.engine_id = engine_id
+        self.spec = spec
+        self.host = host
+        self.port = port
+        self.retry_after = retry_after
+        self._connect_timeout = connect_timeout
+        self._open = False
+        self._reason = "STARTING"
+        self._inflight = 0
+        self._idle: asyncio.Event | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.refused = 0
+        self.forwarded = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Bind the public port and serve; return the public base URL. Admission stays closed."""
+        if self._runner is not None:
+            return self.base_url
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+            auto_decompress=False,
+        )
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # handler_cancellation: a client that disconnects cancels its proxied request at once
+        # (closing the upstream connection aborts it at the engine), so drains never wait on it.
+        self._runner, self.port = await serve_app(
+            app, self.host, self.port, handler_cancellation=True
+        )
+        return self.base_url
+
+    async def stop(self) -> None:
+        """Stop serving and close the upstream client. Idempotent."""
+        self._open = False
+        self._reason = "STOPPED"
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    @property
+    def base_url(self) -> str:
+        """The public ``http://host:port`` (the one to publish)."""
+        return f"http://{self.host}:{self.port}"
+
+    # -- admission -------------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        """Whether generation requests are admitted."""
+        return self._open
+
+    @property
+    def inflight(self) -> int:
+        """Generation requests forwarded and not yet finished."""
+        return self._inflight
+
+    def open(self) -> None:
+        """Admit generation requests."""
+        self._open = True
+        self._reason = "READY"
+
+    def close(self, reason: str = "DRAINING") -> None:
+        """Refuse new generation requests (503 + Retry-After); in-flight ones continue."""
+        self._open = False
+        self._reason = reason
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation request is in flight; ``False`` if ``timeout`` passed first."""
+        assert self._idle is not None, "start() the admission server first"
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def _refuse(self, status: int, message: str, **extra: Any) -> web.Response:
+        self.refused += 1
+        headers = {}
+        if status == 503:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        body = {"error": message, "engine_id": self.engine_id, "status": status, **extra}
+        return web.json_response(body, status=status, headers=headers)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path in GENERATE_PATHS or path == "/health_generate":
+            if not self._open:
+                return self._refuse(
+                    503,
+                    f"engine {self.engine_id!r} is not admitting requests (state {self._reason}); "
+                    "retry after Retry-After seconds or pick another replica",
+                    state=self._reason,
+                )
+            return await self._forward_counted(request)
+        if path in ADMISSION_ALLOWLIST:
+            return await self._forward(request)
+        if path in _UPDATE_PATH_OF:
+            operation = _UPDATE_PATH_OF[path]
+            if self.spec is not None and not self.spec.allows(operation):
+                message = self.spec.refusal(operation, engine_id=self.engine_id)
+            else:
+                message = (
+                    f"{path} is a weight-update path; engine {self.engine_id!r} takes weight "
+                    "updates only from its InferenceManager, never through its public port"
+                )
+            return self._refuse(403, message, path=path, operation=operation)
+        if path in _CONTROL_PATHS or path.startswith(PRIVATE_PREFIX):
+            return self._refuse(
+                403,
+                f"{path} is an engine control path; it is driven by the InferenceManager of "
+                f"engine {self.engine_id!r}, never through its public port",
+                path=path,
+            )
+        return self._refuse(
+            404,
+            f"{path} is not on the admission allowlist of engine {self.engine_id!r}; allowed: "
+            f"{sorted(ADMISSION_ALLOWLIST)}",
+            path=path,
+        )
+
+    async def _forward_counted(self, request: web.Request) -> web.StreamResponse:
+        assert self._idle is not None
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            return await self._forward(request)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        session = self._session
+        if session is None:
+            return self._refuse(503, f"admission server of {self.engine_id!r} is stopping")
+        body = await request.read() if request.can_read_body else None
+        url = f"{self.upstream_url}{request.rel_url}"
+        response: web.StreamResponse | None = None
+        try:
+            async with session.request(
+                request.method,
+                url,
+                headers=_forward_headers(request.headers),
+                data=body,
+                allow_redirects=False,
+            ) as upstream:
+                headers = _forward_headers(upstream.headers)
+                streaming = upstream.content_length is None or upstream.headers.get(
+                    "Content-Type", ""
+                ).startswith("text/event-stream")
+                if not streaming:
+                    payload = await upstream.read()
+                    self.forwarded += 1
+                    return web.Response(status=upstream.status, headers=headers, body=payload)
+                response = web.StreamResponse(status=upstream.status, headers=headers)
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                self.forwarded += 1
+                return response
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            if response is not None:
+                # Bytes already went out: cut the client's stream too (no final chunk, so the
+                # client sees a truncated response), never replay or replace it.
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            return self._refuse(
+                502,
+                f"engine {self.engine_id!r} could not be reached at its private port: "
+                f"{type(exc).__name__}: {exc}",
+            )
+        except ConnectionResetError:
+            # The client went away mid-stream; leaving the block closed the upstream request.
+            if response is None:
+                raise
+            return response
+
+
+class AdmissionThread:
+    """Runs an :class:`AdmissionServer` on a private event loop in a daemon thread.
+
+    For callers without an event loop of their own (scripts, tests, a standalone guard in front
+    of an external engine). Every method is thread-safe and blocking.
+    """
+
+    def __init__(self, server: AdmissionServer) -> None:
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"admission-{server.engine_id}", daemon=True
+        )
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Start the loop and the server; return the public base URL."""
+        self._thread.start()
+        return str(self._call(self.server.start(), timeout))
+
+    def _call(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def open(self) -> None:
+        """Admit generation requests; blocks until the loop has applied it."""
+
+        async def _open() -> None:
+            self.server.open()
+
+        self._call(_open(), 5.0)
+
+    def close(self, reason: str = "DRAINING") -> None:
+        """Refuse new generation requests; blocks until the loop has applied it."""
+
+        async def _close() -> None:
+            self.server.close(reason)
+
+        self._call(_close(), 5.0)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is in flight; ``False`` on timeout."""
+        return bool(self._call(self.server.wait_idle(timeout), timeout + 5.0))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server and the loop and join the thread. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._call(self.server.stop(), timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> AdmissionThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

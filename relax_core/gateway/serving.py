@@ -1,0 +1,489 @@
+"""Serving a role gateway: uvicorn on a thread, SO_REUSEPORT worker processes, or a Ray actor.
+
+Every way of serving builds the same Starlette app
+(:func:`~relax_core.gateway.app.create_gateway_app`) over one
+:class:`~relax_core.gateway.handler.InferenceGatewayHandler`:
+
+- :class:`GatewayServer` serves an app with uvicorn on a thread of this process (``workers=1``)
+  or in N worker processes sharing one port (``workers=N``). A gateway is one Python event loop,
+  so it forwards with at most one core; with ``workers=N`` every worker binds its own listening
+  socket with ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker builds
+  its own app by calling the ``app_factory`` it is given (its own client, connection pool and
+  snapshot cache), so discovery must work from another process (a registry URL, see
+  :func:`registry_gateway_app`). The parent holds the port (bound, never listening) while the
+  workers run; a worker stops when the parent asks or when the parent goes away.
+- :func:`start_thread_gateway`: the handler reads the role service's snapshot in process.
+- :func:`start_actor_gateway`: uvicorn inside a CPU-only Ray actor (``num_gpus=0``,
+  ``num_cpus=0``, like Ray Serve's HTTP proxies) pinned to the serving process's node, so the
+  gateway's event loop never shares a GIL with the managers. Discovery is over HTTP from the
+  serving process's :class:`~relax_core.discovery.server.RegistryServer`. If the registry goes
+  away the gateway stays up and answers 503 ("registry unavailable"), as the failure table says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+
+from relax_core.discovery.schema import RoleSnapshot
+from relax_core.errors import LifecycleError
+
+__all__ = [
+    "AppFactory",
+    "GatewayActor",
+    "GatewayServer",
+    "RunningGateway",
+    "WorkerPool",
+    "registry_gateway_app",
+    "reuseport_socket",
+    "start_actor_gateway",
+    "start_thread_gateway",
+    "uvicorn_config",
+]
+
+#: A picklable callable (module-level function or ``functools.partial`` of one) returning the
+#: ASGI app a worker serves; it is called once in each worker process.
+AppFactory = Callable[[], Any]
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` with ``SO_REUSEADDR`` and ``SO_REUSEPORT`` set.
+
+    ``port`` 0 lets the kernel choose (read it with ``getsockname()``). Not listening yet.
+    :raises RuntimeError: this platform has no ``SO_REUSEPORT``.
+    """
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise RuntimeError(
+            "workers > 1 needs SO_REUSEPORT, which this platform lacks; run one worker"
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve_worker(
+    factory: AppFactory,
+    host: str,
+    port: int,
+    options: Mapping[str, Any],
+    conn: Connection,
+) -> None:
+    """A worker process: serve ``factory()`` on its own SO_REUSEPORT socket until told to stop."""
+    import asyncio
+
+    import uvicorn
+
+    sock = reuseport_socket(host, port)
+    sock.listen(int(options.get("backlog", 2048)))
+    server = uvicorn.Server(uvicorn_config(factory(), host, port, **options))
+
+    def watch_parent() -> None:
+        # Any message, or the parent going away (EOF), stops the worker.
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+        server.should_exit = True
+
+    async def serve() -> None:
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            conn.send("ready")
+            threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+        await task
+
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        runner.run(serve())
+
+
+class WorkerPool:
+    """``workers`` processes serving ``app_factory()`` on one port; see the module docstring.
+
+    ``port`` ``None`` or 0: a free port, chosen once for all workers. ``options``: passed to
+    :func:`~relax_core.gateway.app.uvicorn_config` in each worker. :meth:`start` blocks until
+    every worker accepts connections (or raises); :meth:`stop` is idempotent.
+    """
+
+    def __init__(
+        self,
+        app_factory: AppFactory,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        workers: int = 2,
+        **options: Any,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers!r}: give at least 1")
+        self.app_factory = app_factory
+        self.host = host
+        self.workers = workers
+        self.options = options
+        # Holding the port: bound with SO_REUSEPORT but never listening, so the kernel never
+        # hands it a connection, while no process outside the group can take the port.
+        self._holder = reuseport_socket(host, port or 0)
+        self.port: int = self._holder.getsockname()[1]
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def start(self, timeout: float = 60.0) -> WorkerPool:
+        """Start the workers; raise ``RuntimeError`` naming the one that failed to come up."""
+        ctx = multiprocessing.get_context("spawn")
+        for i in range(self.workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_serve_worker,
+                args=(self.app_factory, self.host, self.port, self.options, child),
+                name=f"gateway-{self.port}-worker-{i}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        deadline = time.monotonic() + timeout
+        for i, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True)):
+            ready = False
+            while not ready:
+                left = deadline - time.monotonic()
+                try:
+                    ready = conn.poll(min(max(left, 0.0), 0.2)) and conn.recv() == "ready"
+                except (EOFError, OSError):
+                    break
+                if not ready and (not proc.is_alive() or left <= 0):
+                    break
+            if not ready:
+                proc.join(min(5.0, max(deadline - time.monotonic(), 0.5)))
+                code = proc.exitcode
+                self.stop()
+                where = f"gateway worker {i} of {self.workers} on {self.host}:{self.port}"
+                if code is not None:
+                    raise RuntimeError(
+                        f"{where} exited with code {code} before it accepted connections; its "
+                        "error is in the log above (a failing app_factory, or the port is taken)"
+                    )
+                raise RuntimeError(f"{where} did not start within {timeout:.0f}s")
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Ask every worker to stop, wait for them (killing stragglers), free the port."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send("stop")
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        self._holder.close()
+
+
+def registry_gateway_app(
+    role: str,
+    registry_url: str,
+    *,
+    token: str | None = None,
+    timeout: float = 300.0,
+    snapshot_ttl: float = 0.5,
+    model_paths: Mapping[str, str] | None = None,
+    stream_idle_timeout: float | None = 60.0,
+    stream_first_chunk_timeout: float | None = None,
+    stream_coalesce: float | None = None,
+    max_body_bytes: int | None = None,
+) -> Any:
+    """The app of ``role``'s gateway reading the role's snapshot from ``registry_url``.
+
+    ``registry_url`` serves ``GET {registry_url}/engines?schema=2`` (a role gateway's
+    ``http://host:port/{role}``, or a registry server). The role's adapter comes from the
+    plugins installed in this process. Meant as an :data:`AppFactory` for workers::
+
+        GatewayServer(app_factory=functools.partial(registry_gateway_app, "genrm", url),
+                      port=8100, workers=2)
+    """
+    from relax_core.client.client import InferenceClient
+    from relax_core.gateway.app import create_gateway_app
+    from relax_core.gateway.handler import (
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_STREAM_COALESCE_S,
+        InferenceGatewayHandler,
+        adapter_for_role,
+    )
+    from relax_core.plugins import PluginManager
+
+    client = InferenceClient(registry_url, role=role, ttl=snapshot_ttl, timeout=timeout)
+    handler = InferenceGatewayHandler(
+        role,
+        client=client,
+        adapter=adapter_for_role(PluginManager.create(), role),
+        model_paths=model_paths,
+        timeout=timeout,
+        token=token,
+        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        stream_idle_timeout=stream_idle_timeout,
+        stream_first_chunk_timeout=stream_first_chunk_timeout,
+        stream_coalesce=DEFAULT_STREAM_COALESCE_S if stream_coalesce is None else stream_coalesce,
+    )
+    return create_gateway_app(handler)
+
+
+def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
+    """A uvicorn config for a gateway: uvloop and httptools when installed, quiet access log."""
+    import uvicorn
+
+    options.setdefault("log_level", "warning")
+    options.setdefault("access_log", False)
+    options.setdefault("timeout_keep_alive", 30)
+    options.setdefault("proxy_headers", False)  # a gateway on loopback/cluster network
+    return uvicorn.Config(app, host=host, port=port, loop="auto", http="auto", **options)
+
+
+class GatewayServer:
+    """A role gateway served by uvicorn: on a thread of this process, or by worker processes.
+
+    ``workers=1`` (the default): ``app`` (or ``app_factory()``) is served on its own thread and
+    event loop in this process. ``workers=N > 1``: N processes each serve ``app_factory()`` on
+    the same port (``SO_REUSEPORT``, see :mod:`relax_core.gateway.serving`), so the gateway
+    forwards with up to N cores; ``app_factory`` must be picklable and each worker has its own
+    client and snapshot cache. :meth:`start` blocks until it accepts connections (or raises);
+    :meth:`stop` is idempotent.
+    """
+
+    def __init__(
+        self,
+        app: Any = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        workers: int = 1,
+        app_factory: Any = None,
+    ) -> None:
+        if (app is None) == (app_factory is None):
+            raise ValueError("GatewayServer: give exactly one of app and app_factory")
+        if workers < 1:
+            raise ValueError(f"workers={workers!r}: give at least 1")
+        if workers > 1 and app_factory is None:
+            raise ValueError(
+                f"workers={workers}: each worker process builds its own app, so give "
+                "app_factory= (a picklable callable returning the app, e.g. functools.partial("
+                "relax_core.gateway.serving.registry_gateway_app, role, registry_url)) instead "
+                "of an app object"
+            )
+        self.host = host
+        self.workers = workers
+        self._pool: Any = None
+        self._server: Any = None
+        self._thread: Any = None
+        if workers > 1:
+            self._pool = WorkerPool(app_factory, host, port, workers=workers)
+            self.port: int = self._pool.port
+        else:
+            import uvicorn
+
+            from relax_core.net import free_port
+
+            self.port = port or free_port(host)
+            served = app if app is not None else app_factory()
+            self._server = uvicorn.Server(uvicorn_config(served, host, self.port))
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes serving the gateway (this one, or the workers)."""
+        import os
+
+        return self._pool.pids if self._pool is not None else [os.getpid()]
+
+    def start(self, timeout: float = 30.0) -> GatewayServer:
+        """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
+        import threading
+
+        if self._pool is not None:
+            self._pool.start(timeout=max(timeout, 60.0))
+            return self
+        self._thread = threading.Thread(
+            target=self._server.run, name=f"gateway-{self.port}", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the gateway on {self.host}:{self.port} did not start (is the port free?)"
+                )
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop serving and wait for the server thread (or the worker processes)."""
+        if self._pool is not None:
+            self._pool.stop(timeout=timeout)
+            return
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            self._thread = None
+
+
+@attrs.define
+class RunningGateway:
+    """A role gateway that is serving.
+
+    ``mode`` is ``thread`` or ``ray-actor``; ``pid`` the process that serves it.
+    """
+
+    role: str
+    url: str
+    mode: str
+    pid: int
+    _stop: Callable[[], None] = attrs.field(repr=False)
+    _stopped: bool = attrs.field(default=False, repr=False)
+
+    def stop(self) -> None:
+        """Stop serving (and end the actor, if any). Idempotent."""
+        if not self._stopped:
+            self._stopped = True
+            self._stop()
+
+
+def _handler(role: str, *, plugin_manager: Any, **options: Any) -> Any:
+    from relax_core.gateway.handler import InferenceGatewayHandler, adapter_for_role
+
+    return InferenceGatewayHandler(role, adapter=adapter_for_role(plugin_manager, role), **options)
+
+
+def start_thread_gateway(
+    role: str,
+    snapshot_provider: Callable[[], RoleSnapshot],
+    *,
+    plugin_manager: Any,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    model_paths: Mapping[str, str] | None = None,
+    token: str | None = None,
+) -> RunningGateway:
+    """Serve ``role``'s gateway on a thread of this process; blocks until it accepts.
+
+    :raises RuntimeError: uvicorn did not come up (the port is taken).
+    """
+    from relax_core.gateway.app import create_gateway_app
+
+    handler = _handler(
+        role,
+        plugin_manager=plugin_manager,
+        snapshot_provider=snapshot_provider,
+        model_paths=model_paths,
+        token=token,
+    )
+    server = GatewayServer(create_gateway_app(handler), host, port).start()
+    return RunningGateway(role, server.url, "thread", os.getpid(), server.stop)
+
+
+class GatewayActor:
+    """The body of the gateway actor: builds the handler and serves it with uvicorn.
+
+    Runs in its own Ray worker process; the plugins are loaded there (the role's adapter).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        registry_url: str,
+        host: str,
+        port: int | None,
+        model_paths: Mapping[str, str],
+        token: str | None,
+        snapshot_ttl: float,
+    ) -> None:
+        from relax_core.client.client import InferenceClient
+        from relax_core.gateway.app import create_gateway_app
+        from relax_core.plugins import PluginManager
+
+        pm = PluginManager.create()
+        client = InferenceClient(registry_url, role=role, ttl=snapshot_ttl, weight_sources=pm)
+        handler = _handler(
+            role, plugin_manager=pm, client=client, model_paths=model_paths, token=token
+        )
+        self._server = GatewayServer(create_gateway_app(handler), host, port).start()
+
+    def address(self) -> tuple[str, int]:
+        """``(url, pid)`` of the gateway this actor serves."""
+        return self._server.url, os.getpid()
+
+    def stop(self) -> None:
+        """Stop uvicorn (the actor is killed afterwards)."""
+        self._server.stop()
+
+
+def start_actor_gateway(
+    role: str,
+    registry_url: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    model_paths: Mapping[str, str] | None = None,
+    token: str | None = None,
+    snapshot_ttl: float = 0.5,
+    timeout: float = 120.0,
+) -> RunningGateway:
+    """Serve ``role``'s gateway in a CPU-only Ray actor on this node; blocks until it accepts.
+
+    ``registry_url`` is where the actor discovers the role (``{registry}/{role}``, serving
+    ``/engines?schema=2``). Needs a connected Ray.
+
+    :raises LifecycleError: the actor did not come up within ``timeout`` (its error says why).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    actor_class: Any = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0)(GatewayActor)
+    actor: Any = actor_class.options(
+        name=None,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+    ).remote(role, registry_url, host, port, dict(model_paths or {}), token, snapshot_ttl)
+    try:
+        url, pid = ray.get(actor.address.remote(), timeout=timeout)
+    except Exception as exc:
+        ray.kill(actor, no_restart=True)
+        raise LifecycleError(
+            f"the {role} gateway actor did not start within {timeout:.0f}s: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+    def stop() -> None:
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        finally:
+            ray.kill(actor, no_restart=True)
+
+    return RunningGateway(role, url, "ray-actor", int(pid), stop)

@@ -1,0 +1,404 @@
+"""``relax serve`` and ``relax status`` as a user runs them: real subprocesses, real Ray, real
+hf engines on CPU, real gateways; Ctrl-C sent to the process group as a terminal does.
+
+The serve test checks, besides the answers, that nothing outlives ``relax serve``: no process
+in its session (Ray's GCS, raylet, workers, the gateway actor) and no engine process (engines
+run in sessions of their own; they are found by the test's model directory on their command
+line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_core.testing import wait_for
+from tests.support import serve as support
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+Lines = support.Lines
+in_session, mentioning, listener_pid = support.in_session, support.mentioning, support.listener_pid
+_alive, _cmdline = support.alive, support.cmdline
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A micro hf model made the way a user makes one (``python -m relax_hf make-tiny-model``)."""
+    path = tmp_path_factory.mktemp("serve") / "model"
+    subprocess.run(
+        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(path), "--size", "micro"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return path
+
+
+@contextlib.contextmanager
+def serve(config: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], Lines, Path]]:
+    """``python -m relax_core serve CONFIG ARGS`` in a session of its own; on the way out,
+    whatever the test did, every process it left (its session, its engines) is killed."""
+    stderr = config.with_suffix(".stderr")
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relax_core", "serve", str(config), *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+    assert proc.stdout is not None
+    lines = Lines(proc.stdout)
+    try:
+        yield proc, lines, stderr
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        leftovers = in_session(proc.pid) + mentioning(str(config.parent))
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+        return dict(json.loads(resp.read()))
+
+
+def _relax(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relax_core", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+JOB = """\
+[roles.teacher.models.math]
+backend = "hf"
+device = "cpu"
+model_path = "{model}"
+
+[roles.genrm.models.judge]
+backend = "hf"
+device = "cpu"
+model_path = "{model}"
+route_keys = ["math"]
+
+[roles.genrm.gateway]
+in_ray_actor = true
+"""
+
+
+def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_clean(
+    model_dir: Path,
+) -> None:
+    config = model_dir.parent / "job.toml"
+    config.write_text(JOB.format(model=model_dir))
+    logs = model_dir.parent / "logs"
+    args = ("--log-dir", str(logs), "--refresh", "0.5", "--health-interval", "1")
+    with serve(config, *args) as (proc, out, stderr):
+        out.wait_for(r"relax serve: ready", timeout=240)
+        gateways = {
+            m.group(1): (m.group(2), int(m.group(3)), m.group(4), int(m.group(5)))
+            for m in (
+                re.search(
+                    r"^\s+(\w+)\s+gateway\s+(http://[\d.]+:(\d+))/\w+/\s+\(([\w-]+), pid (\d+)",
+                    line,
+                )
+                for line in out.lines
+            )
+            if m
+        }
+        assert set(gateways) == {"teacher", "genrm"}, str(out)
+        teacher_url, teacher_port, teacher_mode, teacher_pid = gateways["teacher"]
+        genrm_url, genrm_port, genrm_mode, genrm_pid = gateways["genrm"]
+
+        # The status table lists each engine with its process id.
+        out.wait_for(r"judge/replica-0\s+READY", timeout=30)
+        engines = {
+            m.group(1): int(m.group(2))
+            for m in re.finditer(r"(\w+)/replica-0\s+READY\s+gen 1 .*pid (\d+)", str(out))
+        }
+        engine_pids = set(engines.values())
+        assert len(engine_pids) == 2 and all(_alive(p) for p in engine_pids), str(out)
+        assert set(mentioning(str(model_dir))) >= engine_pids
+
+        # A teacher prefill through the gateway in this process, a genrm judgement through
+        # the gateway in its Ray actor.
+        prefill = _post(
+            f"{teacher_url}/teacher/generate",
+            {
+                "input_ids": [5, 6, 7, 8],
+                "return_logprob": True,
+                "logprob_start_len": 1,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        )
+        assert len(prefill["meta_info"]["input_token_logprobs"]) == 3
+        judged = _post(
+            f"{genrm_url}/genrm/generate",
+            {
+                "messages": [{"role": "user", "content": "2+2=4. Correct?"}],
+                "route_key": "math",
+                "sampling_params": {"max_new_tokens": 3},
+            },
+        )
+        assert isinstance(judged["response"], str)
+
+        # Where each gateway really runs: a thread of relax serve, and a Ray worker process.
+        assert teacher_mode == "thread" and teacher_pid == proc.pid
+        assert listener_pid(teacher_port) == proc.pid
+        assert genrm_mode == "ray-actor" and listener_pid(genrm_port) == genrm_pid
+        assert genrm_pid != proc.pid and "GatewayActor" in _cmdline(genrm_pid)
+
+        status = _relax("status", f"{genrm_url}/genrm")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert re.search(r"role genrm .*default model judge", status.stdout)
+        assert re.search(r"judge\s+READY\s+DIRECT\s+STATIC .*1/1 READY", status.stdout)
+        assert re.search(r"judge/replica-0\s+READY\s+gen 1\s+http://", status.stdout)
+        assert "route keys: math→judge" in status.stdout
+
+        # An engine killed: the health monitor fails its replica and rebuilds it (a new
+        # process, generation 2), and the gateway serves again.
+        os.kill(engines["math"], signal.SIGKILL)
+        out.wait_for(r"health math/replica-0 \(teacher\): .* → rebuilt, now READY", timeout=120)
+        rebuilt = out.wait_for(r"math/replica-0\s+READY\s+gen 2 .*pid (\d+)", timeout=120)
+        engine_pids.add(int(rebuilt.group(1)))
+        assert int(rebuilt.group(1)) != engines["math"] and _alive(int(rebuilt.group(1)))
+        assert _post(f"{teacher_url}/teacher/generate", {"text": "hi"})["text"] is not None
+
+        # Ctrl-C in a terminal signals the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, out.rest(10) + stderr.read_text()
+        text = out.rest(10)
+        assert "gateways stopped (2)" in text and "engines stopped (3 processes)" in text
+        assert "local Ray stopped" in text and text.endswith("nothing left running")
+
+        wait_for(lambda: not in_session(proc.pid), timeout=30, what="serve's processes gone")
+        wait_for(lambda: not mentioning(str(model_dir)), timeout=30, what="engines gone")
+        assert not any(_alive(p) for p in engine_pids)
+        assert listener_pid(genrm_port) is None and listener_pid(teacher_port) is None
+        assert (status := _relax("status", f"{genrm_url}/genrm")).returncode == 1
+        assert "is `relax serve` running?" in status.stdout
+
+
+def _alive_actors() -> dict[str, str]:
+    """Actor id → class name of every live actor of the connected Ray (the GCS view; the
+    public state API needs the dashboard, which the test Ray runs without)."""
+    import ray._private.state as ray_state
+
+    return {
+        a["ActorID"]: a.get("ActorClassName", "")
+        for a in ray_state.actors().values()
+        if a.get("State") != "DEAD"
+    }
+
+
+def test_serve_on_an_existing_cluster_leaves_no_actor_there_and_the_cluster_running(
+    model_dir: Path, ray_local: Any
+) -> None:
+    config = model_dir.parent / "cluster-job.toml"
+    config.write_text(
+        f"""\
+[roles.teacher.models.math]
+backend = "hf"
+device = "cpu"
+model_path = "{model_dir}"
+
+[roles.teacher.gateway]
+in_ray_actor = true
+"""
+    )
+    address = ray_local.get_runtime_context().gcs_address
+    before = _alive_actors()
+    with serve(config, "--address", address, "--log-dir", str(model_dir.parent / "logs2")) as (
+        proc,
+        out,
+        stderr,
+    ):
+        out.wait_for(r"relax serve: ready", timeout=240)
+        assert f"starting on the Ray cluster at {address}" in str(out)
+        started = {k: v for k, v in _alive_actors().items() if k not in before}
+        assert sorted(started.values()) == ["EngineWorker", "GatewayActor"], started
+        url = out.wait_for(r"teacher\s+gateway\s+(http://[\d.:]+)/teacher/", timeout=5).group(1)
+        assert _post(f"{url}/teacher/generate", {"text": "hi"})["text"] is not None
+        engine = int(out.wait_for(r"math/replica-0\s+READY .*pid (\d+)", timeout=30).group(1))
+
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, out.rest(10) + stderr.read_text()
+        text = out.rest(10)
+        assert text.endswith("nothing left running") and "local Ray stopped" not in text
+
+        wait_for(
+            lambda: not set(started) & set(_alive_actors()),
+            timeout=30,
+            what="serve's actors dead in the cluster",
+        )
+        assert not _alive(engine)
+        # The cluster itself is untouched and still runs work.
+        assert ray_local.get(ray_local.put(7)) == 7
+
+
+def test_serve_rejects_a_job_the_planner_rejects_with_every_problem_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(
+        """\
+[cluster]
+gpus_per_node = 2
+
+[roles.rollout.models.policy]
+backend = "hf"
+model_path = "/models/policy"
+num_gpus = 2
+
+[roles.teacher.models.math]
+backend = "hf"
+model_path = "/models/teacher"
+num_gpus = 2
+weight_source = "ACTOR"
+"""
+    )
+    # Nothing listens at this address: touching Ray at all would fail differently.
+    done = _relax("serve", str(config), "--address", "127.0.0.1:9")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "rejected: 3 problem(s); nothing was started" in done.stderr
+    for path, rule in [
+        ("cluster", "gpu-budget"),
+        ("roles.teacher.models.math.weight_source", "weight-source"),
+        ("roles.rollout.models.policy.route_mode", "route-mode"),
+    ]:
+        assert f"  {path}: [{rule}]" in done.stderr, done.stderr
+    assert "starting on" not in done.stdout
+
+
+def test_serve_rejects_config_errors_with_their_key_paths(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text('[roles.genrm.models.judge]\nbackend = "hf"\ntp = "2"\n')
+    done = _relax("serve", str(config), "--address", "127.0.0.1:9")
+    assert done.returncode == 2
+    assert "roles.genrm.models.judge.model_path: [required]" in done.stderr
+    assert "roles.genrm.models.judge.tp: [type]" in done.stderr
+
+
+def test_check_job_names_what_serve_cannot_run_by_key_path() -> None:
+    from relax_core.config import loads_config
+    from relax_core.plugins import PluginManager, module_plugin
+    from relax_core.records import EngineBackend
+    from relax_core.service import check_job
+
+    def backends(register: Any) -> None:
+        # A backend record only: nothing is launched by this test.
+        register(EngineBackend(name="gpuonly", launch=print, control_client=print))
+
+    pm = PluginManager.create(
+        plugins=[("gpuonly", module_plugin("gpuonly", relax_register_engine_backends=backends))]
+    )
+    config = loads_config(
+        """\
+[roles.genrm.models.judge]
+backend = "gpuonly"
+device = "cpu"
+model_path = "/models/judge"
+
+[roles.teacher.models.math]
+backend = "nosuch"
+device = "cpu"
+model_path = "/models/math"
+route_mode = "SGLANG_ROUTER"
+"""
+    )
+    problems = check_job(config, pm)
+    assert problems[0].startswith(
+        "roles.genrm.models.judge.device: [device] engine backend 'gpuonly' runs on cuda"
+    )
+    assert problems[1].startswith(
+        "roles.teacher.models.math.backend: [plugin] no engine backend 'nosuch' is registered"
+    )
+    assert problems[2].startswith("roles.teacher.models.math.route_mode: [route-mode]")
+    assert len(problems) == 3
+
+
+def test_placements_bind_gpu_models_to_their_bundles_and_teardown_removes_the_groups(
+    ray_local: Any,
+) -> None:
+    import io
+
+    from relax_core.config import loads_config
+    from relax_core.plugins import PluginManager
+    from relax_core.service import ServedJob, _placements, _teardown
+
+    config = loads_config(
+        """\
+[cluster]
+gpus_per_node = 8
+
+[roles.genrm.models.judge]
+backend = "hf"
+model_path = "/models/judge"
+num_gpus = 2
+
+[roles.teacher.models.math]
+backend = "hf"
+model_path = "/models/math"
+num_gpus = 2
+tp = 2
+
+[roles.teacher.models.small]
+backend = "hf"
+device = "cpu"
+model_path = "/models/small"
+num_engines = 2
+"""
+    )
+    job = ServedJob()
+    try:
+        placements = _placements(config, PluginManager.create(), job)
+        judge, math, small = (
+            placements["genrm"]["judge"],
+            placements["teacher"]["math"],
+            placements["teacher"]["small"],
+        )
+        groups = {b.pool: b for b in job.bound}
+        assert len(groups) == 2 and all(b.owned for b in groups.values())
+        # Two one-GPU replicas; one two-GPU replica; both borrowed from the job's pools.
+        assert len(judge.workers) == 2 and all(
+            len(r) == 1 and len(r[0]) == 1 for r in judge.workers
+        )
+        assert len(math.workers) == 1 and len(math.workers[0][0]) == 2
+        assert not judge.owned and not math.owned
+        assert {id(judge.placement_group), id(math.placement_group)} == {
+            id(b.placement_group) for b in groups.values()
+        }
+        assert small.placement_group is None and len(small.workers) == 2
+    finally:
+        out = io.StringIO()
+        assert _teardown(job, out) == []
+    assert "placement groups removed (2)" in out.getvalue()
+    for bound in job.bound:
+        state = ray_local.util.placement_group_table(bound.placement_group)["state"]
+        assert state == "REMOVED"

@@ -1,0 +1,252 @@
+"""Real faults against the InferenceManager: kill -9 and SIGSTOP of engine processes, killed
+worker actors, unconfirmed cleanups — on a real local Ray with real hf engines.
+
+Every test checks, through its fixtures, that no engine process, worker actor or placement
+group is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from relax_core.discovery.publisher import RegistryPublisher
+from relax_core.discovery.schema import RoutingSpec
+from relax_core.errors import InferenceRecoveryRequired, LifecycleError
+from relax_core.manager import ManagerTimeouts, Outcome
+from tests.support import manager as support
+
+pytestmark = pytest.mark.ray
+
+#: Offload deadlines short enough for a SIGSTOPped engine to time out quickly.
+QUICK = ManagerTimeouts(
+    start=120.0, offload=3.0, onload=20.0, drain=2.0, update=30.0, health=5.0, shutdown=5.0,
+    rpc_margin=3.0,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def publisher() -> RegistryPublisher:
+    return RegistryPublisher("genrm", RoutingSpec(default_model="judge"))
+
+
+@pytest.fixture(scope="module")
+def run(ray_local: Any, publisher: RegistryPublisher) -> Iterator[Any]:
+    manager = support.make_manager(replicas=2, publisher=publisher, timeouts=QUICK)
+    with support.managed(manager) as started:
+        yield started
+
+
+@pytest.fixture
+def manager(run: Any) -> Iterator[Any]:
+    """The shared two-replica manager, all READY at the start of each test."""
+    run.manager.recover()
+    run.manager.onload()
+    assert set(run.manager.states().values()) == {"READY"}
+    run.track()
+    yield run.manager
+    for pid in run.track():
+        support.signal_quietly(pid, signal.SIGCONT)
+
+
+def engine(publisher: RegistryPublisher, engine_id: str) -> Any:
+    model = publisher.snapshot().models["judge"]
+    return next(e for e in model.engines if e.engine_id == engine_id)
+
+
+def test_kill_9_during_generation_fails_the_replica_and_rebuilds_it_after_cleanup(
+    manager: Any, publisher: RegistryPublisher
+) -> None:
+    before = engine(publisher, "judge/replica-0")
+    pid = manager.engine_pids()["judge/replica-0"][0]
+    answer: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: answer.update(r=support.generate(before.base_url, tokens=2000))
+    )
+    thread.start()
+    support.wait_for(
+        lambda: support.admission_inflight(manager, "judge/replica-0") == 1,
+        timeout=20,
+        what="a generation in flight",
+    )
+    os.kill(pid, signal.SIGKILL)
+    thread.join(30)
+    assert answer["r"][0] == 502  # the admission server reports the lost engine
+
+    report = manager.health_check(recover=False)
+    assert not report.by_engine["judge/replica-0"].healthy
+    assert report.by_engine["judge/replica-1"].healthy
+    failed = engine(publisher, "judge/replica-0")
+    assert failed.state == "FAILED" and failed.base_url is None and not failed.direct_eligible
+    assert publisher.snapshot().models["judge"].state == "READY"  # replica-1 still serves
+
+    result = manager.recover()
+    assert result.outcomes == {"judge/replica-0": Outcome.DONE}
+    rebuilt = engine(publisher, "judge/replica-0")
+    assert rebuilt.state == "READY" and rebuilt.direct_eligible
+    assert rebuilt.generation == before.generation + 1
+    assert rebuilt.base_url != before.base_url
+    new_pid = manager.engine_pids()["judge/replica-0"][0]
+    assert new_pid != pid and support.pid_alive(new_pid) and not support.pid_alive(pid)
+    assert support.generate(rebuilt.base_url)[0] == 200
+
+
+def test_sigstopped_engine_during_offload_times_out_to_failed_never_sleeping(
+    manager: Any, publisher: RegistryPublisher
+) -> None:
+    pid = manager.engine_pids()["judge/replica-1"][0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        result = manager.offload()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert result.outcomes == {"judge/replica-0": Outcome.DONE, "judge/replica-1": Outcome.FAILED}
+    assert manager.states() == {"judge/replica-0": "SLEEPING", "judge/replica-1": "FAILED"}
+    stuck = engine(publisher, "judge/replica-1")
+    assert stuck.state == "FAILED" and not stuck.direct_eligible
+    assert not result.ok
+    with pytest.raises(LifecycleError, match=r"judge/replica-1.*not known to be free"):
+        result.raise_for_failures()
+    # A FAILED replica is not freed by a repeated offload either.
+    again = manager.offload()
+    assert again.outcomes["judge/replica-1"] is Outcome.FAILED
+
+
+def test_partially_failed_onload_keeps_the_confirmed_replica_ready(
+    manager: Any, publisher: RegistryPublisher
+) -> None:
+    manager.offload()
+    pid = manager.engine_pids()["judge/replica-0"][0]
+    os.kill(pid, signal.SIGKILL)
+    result = manager.onload()
+    assert result.outcomes == {"judge/replica-0": Outcome.FAILED, "judge/replica-1": Outcome.DONE}
+    assert manager.states() == {"judge/replica-0": "FAILED", "judge/replica-1": "READY"}
+    eligible = [
+        e.engine_id for e in publisher.snapshot().models["judge"].engines if e.direct_eligible
+    ]
+    assert eligible == ["judge/replica-1"]
+
+
+def test_health_check_rebuilds_a_dead_engine_in_one_call(
+    manager: Any, publisher: RegistryPublisher
+) -> None:
+    pid = manager.engine_pids()["judge/replica-1"][0]
+    os.kill(pid, signal.SIGKILL)
+    support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine dead")
+    report = manager.health_check()
+    verdict = report.by_engine["judge/replica-1"]
+    assert not verdict.healthy and verdict.action == "rebuilt" and verdict.state == "READY"
+    assert verdict.problems and all("judge/replica-1" in p for p in verdict.problems)
+    assert engine(publisher, "judge/replica-1").generation >= 2
+
+
+@pytest.fixture
+def solo(ray_local: Any) -> Iterator[Any]:
+    """A one-replica manager of its own (these tests break it beyond repair)."""
+    with support.managed(support.make_manager(replicas=1, timeouts=QUICK)) as started:
+        yield started
+
+
+def test_killed_worker_actor_is_fenced_and_nothing_is_rebuilt(solo: Any) -> None:
+    import ray
+
+    manager = solo.manager
+    solo.track()
+    pid = manager.engine_pids()["judge/replica-0"][0]
+    group = solo.groups[0]
+    ray.kill(manager.workers("judge/replica-0")[0].actor, no_restart=True)
+    # The engine dies with its actor (process group + reaper)...
+    support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine killed")
+    # ...but the manager cannot know that: it fences and refuses to go on.
+    with pytest.raises(InferenceRecoveryRequired, match="judge/replica-0") as info:
+        manager.health_check()
+    assert info.value.report.by_engine["judge/replica-0"].action == "fenced"
+    # Cleaned as far as it can be (nothing else to stop), but the fenced worker stays pending.
+    assert manager.states() == {"judge/replica-0": "STOPPING"}
+    fenced = manager.workers("judge/replica-0")[0]
+    assert fenced.fenced and "without confirmed cleanup" in fenced.pending
+    for call in (manager.offload, manager.onload, manager.recover, manager.health_check):
+        with pytest.raises(InferenceRecoveryRequired):
+            call()
+    # Nothing rebuilt: the manager holds only the dead actor, and no other is alive.
+    assert support.actor_ids(manager) <= solo.actors
+    assert support.alive_worker_actors(solo.actors | support.actor_ids(manager)) == []
+    with pytest.raises(InferenceRecoveryRequired):
+        manager.shutdown()
+    assert support.group_state(group) == "CREATED"  # the placement group stays fenced
+    # An operator confirms the node is clean; then the group can go.
+    assert manager.confirm_external_cleanup() == ["judge/replica-0"]
+    manager.shutdown()
+    assert support.group_state(group) == "REMOVED"
+
+
+def test_worker_actor_killed_before_an_offload_is_fenced_not_just_failed(solo: Any) -> None:
+    import ray
+
+    manager = solo.manager
+    solo.track()
+    pid = manager.engine_pids()["judge/replica-0"][0]
+    ray.kill(manager.workers("judge/replica-0")[0].actor, no_restart=True)
+    support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine killed")
+    # The offload's HTTP request finds nobody at the private control endpoint; that alone
+    # proves nothing, so the manager asks Ray, which confirms the actor's death: fenced.
+    with pytest.raises(InferenceRecoveryRequired, match="judge/replica-0") as info:
+        manager.offload()
+    result = info.value.result
+    assert result.outcomes == {"judge/replica-0": Outcome.FAILED}
+    assert "fenced" in result.replicas[0].error
+    assert manager.states() == {"judge/replica-0": "FAILED"}
+    assert manager.workers("judge/replica-0")[0].fenced
+    with pytest.raises(InferenceRecoveryRequired):
+        manager.onload()
+
+
+def test_unconfirmed_shutdown_stays_pending_and_is_retried(solo: Any) -> None:
+    import ray
+
+    manager = solo.manager
+    group = solo.groups[0]
+    actor_pid = ray.get(manager.workers("judge/replica-0")[0].actor.actor_pid.remote())
+    os.kill(actor_pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LifecycleError, match=r"judge/replica-0.*shutdown\(\) again"):
+            manager.shutdown()
+        assert support.group_state(group) == "CREATED"
+        assert manager.workers("judge/replica-0")[0].pending
+    finally:
+        os.kill(actor_pid, signal.SIGCONT)
+    manager.shutdown()
+    assert support.group_state(group) == "REMOVED"
+    manager.shutdown()  # idempotent
+
+
+def test_unconfirmed_removal_of_an_owned_group_stays_pending_and_is_retried(
+    solo: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray.util
+
+    manager = solo.manager
+    group = solo.groups[0]
+    real = ray.util.remove_placement_group
+    calls = []
+
+    def gcs_down(pg: Any) -> None:
+        # A GCS that does not answer cannot be produced on one machine: this stand-in fails
+        # the first removal the way the real call raises when the GCS RPC fails.
+        calls.append(pg)
+        if len(calls) == 1:
+            raise ConnectionError("GCS unavailable")
+        real(pg)
+
+    monkeypatch.setattr(ray.util, "remove_placement_group", gcs_down)
+    with pytest.raises(LifecycleError, match=r"GCS unavailable.*call shutdown\(\) again"):
+        manager.shutdown()
+    assert support.group_state(group) == "CREATED"
+    assert support.all_pids(manager) == []  # the engines themselves were already stopped
+    manager.shutdown()
+    assert support.group_state(group) == "REMOVED" and len(calls) == 2

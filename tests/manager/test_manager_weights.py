@@ -1,0 +1,226 @@
+"""Weight sources through the InferenceManager: ACTOR updates (tensor, distributed, disk) move
+the published version behind a fence; DCS loads new checkpoint versions; on real hf engines.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_core.discovery.publisher import RegistryPublisher
+from relax_core.discovery.schema import RoutingSpec
+from relax_core.engine.control import serialize_named_tensors
+from relax_core.errors import CapabilityError, LifecycleError
+from relax_core.manager import CheckpointDirectory, Outcome, ReplicaState
+from relax_core.testing import free_port
+from tests.support import manager as support
+
+pytestmark = pytest.mark.ray
+
+S = ReplicaState
+VOCAB, HIDDEN = 512, 64  # the micro model's lm_head shape
+
+# Rank 0 of the trainer's broadcast group, in its own process (torch.distributed keeps one
+# default group per process).
+TRAINER = textwrap.dedent(
+    """
+    import sys, datetime, torch, torch.distributed as dist
+    port, world = int(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.broadcast(torch.zeros(512, 64), 0)
+    dist.destroy_process_group()
+    print("broadcast done", flush=True)
+    """
+)
+
+
+def version_of(publisher: RegistryPublisher, model: str) -> str | None:
+    return publisher.snapshot().models[model].weight_version
+
+
+def engine_versions(publisher: RegistryPublisher, model: str) -> list[str]:
+    out = []
+    for engine in publisher.snapshot().models[model].engines:
+        status, body, _ = support.http("GET", engine.base_url + "/model_info")
+        assert status == 200
+        out.append(body["weight_version"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def publisher() -> RegistryPublisher:
+    return RegistryPublisher("rollout", RoutingSpec(default_model="policy"))
+
+
+@pytest.fixture(scope="module")
+def actor(ray_local: Any, publisher: RegistryPublisher) -> Iterator[Any]:
+    manager = support.make_manager(
+        model_id="policy", role="rollout", source="ACTOR", replicas=2, publisher=publisher
+    )
+    with support.managed(manager) as run:
+        yield run.manager
+
+
+def test_actor_model_publishes_the_engines_initial_version(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    assert publisher.snapshot().models["policy"].weight_source == "ACTOR"
+    assert version_of(publisher, "policy") == engine_versions(publisher, "policy")[0]
+
+
+def test_tensor_update_moves_the_published_version(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    import torch
+
+    payload = serialize_named_tensors(
+        [("lm_head.weight", torch.zeros(VOCAB, HIDDEN))], load_format="safetensors"
+    )
+    result = actor.update_weights_from_tensor(
+        [payload], load_format="safetensors", weight_version="tensor-1"
+    )
+    assert result.outcomes == {"policy/replica-0": Outcome.DONE, "policy/replica-1": Outcome.DONE}
+    assert version_of(publisher, "policy") == "tensor-1"
+    assert engine_versions(publisher, "policy") == ["tensor-1", "tensor-1"]
+    assert set(actor.states().values()) == {"READY"}
+    assert all(e.direct_eligible for e in publisher.snapshot().models["policy"].engines)
+
+
+def test_disk_update_is_fenced_behind_in_flight_requests(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    url = publisher.snapshot().models["policy"].engines[0].base_url
+    before = version_of(publisher, "policy")
+    answer: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: answer.update(r=support.generate(url, tokens=400)))
+    thread.start()
+    support.wait_for(
+        lambda: support.admission_inflight(actor, "policy/replica-0") == 1,
+        timeout=20,
+        what="a generation in flight",
+    )
+    result = actor.update_weights_from_disk(support.tiny_model(), weight_version="disk-7")
+    thread.join(60)
+    status, body, _ = answer["r"]
+    # The update waited for the generation: it finished whole, on the old weights.
+    assert status == 200 and body["meta_info"]["weight_version"] == before
+    assert result.ok and version_of(publisher, "policy") == "disk-7"
+    status, body, _ = support.generate(url)
+    assert status == 200 and body["meta_info"]["weight_version"] == "disk-7"
+    for rep in actor.replicas():
+        assert rep.history[-2:] == [(S.READY, S.DRAINING), (S.DRAINING, S.READY)]
+
+
+def test_distributed_update_receives_a_broadcast_from_the_trainer(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    port = free_port()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(port), "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        joined = actor.init_weights_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offsets=[1, 2],
+            world_size=3,
+            backend="gloo",
+        )
+        assert joined.ok, joined
+        result = actor.update_weights_from_distributed(
+            ["lm_head.weight"], ["float32"], [[VOCAB, HIDDEN]], weight_version="dist-1"
+        )
+        out, _ = trainer.communicate(timeout=60)
+        assert trainer.returncode == 0 and "broadcast done" in out, out
+        assert result.ok and version_of(publisher, "policy") == "dist-1"
+        assert engine_versions(publisher, "policy") == ["dist-1", "dist-1"]
+        assert actor.destroy_weights_update_group().ok
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+
+
+def test_update_of_a_sleeping_model_without_weights_is_refused_before_anything_moves(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    actor.offload()
+    revision = publisher.snapshot().topology_revision
+    try:
+        with pytest.raises(LifecycleError, match=r"onload\(\['weights'\]\) first"):
+            actor.update_weights_from_disk(support.tiny_model(), weight_version="never")
+        assert publisher.snapshot().topology_revision == revision
+        # With only the weights back, the update applies and the replicas stay asleep.
+        actor.onload(["weights"])
+        assert actor.update_weights_from_disk(support.tiny_model(), weight_version="w-2").ok
+        assert set(actor.states().values()) == {"SLEEPING"}
+        assert version_of(publisher, "policy") == "w-2"
+    finally:
+        actor.onload()
+    assert engine_versions(publisher, "policy") == ["w-2", "w-2"]
+
+
+def test_actor_model_refuses_a_checkpoint_load_it_has_no_directory_for(actor: Any) -> None:
+    with pytest.raises(LifecycleError, match="checkpoint_dir"):
+        actor.load_checkpoint()
+
+
+# -- DCS --------------------------------------------------------------------------------------
+
+
+def test_dcs_model_starts_on_the_newest_version_and_picks_up_a_new_one(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    checkpoints = CheckpointDirectory(tmp_path / "ckpt")
+    checkpoints.publish_copy(1, support.tiny_model())
+    publisher = RegistryPublisher("rollout", RoutingSpec(default_model="policy"))
+    manager = support.make_manager(
+        model_id="policy",
+        role="rollout",
+        source="DCS",
+        publisher=publisher,
+        checkpoint_dir=str(checkpoints.root),
+    )
+    with support.managed(manager):
+        assert version_of(publisher, "policy") == "1"
+        assert engine_versions(publisher, "policy") == ["1"]
+        assert manager.load_checkpoint().outcomes == {"policy/replica-0": Outcome.NOOP}
+
+        checkpoints.publish_copy(2, support.tiny_model())
+        result = manager.load_checkpoint()
+        assert result.outcomes == {"policy/replica-0": Outcome.DONE}
+        assert version_of(publisher, "policy") == "2"
+        assert engine_versions(publisher, "policy") == ["2"]
+        with pytest.raises(CapabilityError, match="DCS"):
+            manager.update_weights_from_tensor(["x"])
+
+
+def test_checkpoint_directory_lists_only_complete_versions(tmp_path: Path) -> None:
+    checkpoints = CheckpointDirectory(tmp_path)
+    assert checkpoints.latest() is None
+    (tmp_path / ".version-3.tmp-abc").mkdir()
+    (tmp_path / "version-x").mkdir()
+    checkpoints.publish(1, lambda d: Path(d, "config.json").write_text("{}"))
+    checkpoints.publish(10, lambda d: Path(d, "config.json").write_text("{}"))
+    assert checkpoints.versions() == [1, 10] and checkpoints.latest() == 10
+    with pytest.raises(FileExistsError, match="immutable"):
+        checkpoints.publish(10, lambda d: None)
+
+    def broken(directory: str) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        checkpoints.publish(11, broken)
+    assert checkpoints.versions() == [1, 10]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".version-11")] == []

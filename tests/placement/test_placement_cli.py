@@ -1,0 +1,146 @@
+"""``relax plan`` and ``relax bench placement``, run as real processes; the documented examples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_core.config import load_config
+from relax_core.placement import plan_inference_placement
+from relax_core.plugins import PluginManager
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "docs" / "examples").glob("placement-*.toml"))
+
+
+def relax(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relax_core", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+BAD = """
+[cluster]
+num_nodes = 1
+gpus_per_node = 8
+[training]
+actor_gpus = 8
+colocate = true
+[placement]
+mode = "split"
+[roles.rollout.models.policy]
+backend = "sglang"
+model_path = "/models/policy"
+num_gpus = 6
+gpus_per_engine = 4
+tp = 4
+[roles.genrm.models.judge]
+backend = "sglang"
+model_path = "/models/judge"
+num_gpus = 2
+tp = 3
+gpus_per_engine = 2
+bundle_start = 7
+"""
+
+
+def test_relax_plan_prints_the_bundle_map_and_exits_zero() -> None:
+    done = relax("plan", str(ROOT / "docs/examples/placement-split-8gpu.toml"))
+    assert done.returncode == 0, done.stderr
+    lines = [line.rstrip() for line in done.stdout.splitlines()]
+    assert "bundle:  0 1 2 3 4 5 6 7" in lines
+    assert "Rollout: R R R R . . . ." in lines
+    assert "GenRM:   . . . . G G . ." in lines
+    assert "Teacher: . . . . . . T T" in lines
+    assert "memory per GPU (GiB):" in lines
+    assert any(
+        line.startswith("  genrm.judge [actor 4-5, resident]: 51.0 of 80 (ok)") for line in lines
+    )
+
+
+def test_relax_plan_json_lists_placements_and_memory() -> None:
+    done = relax("plan", str(ROOT / "docs/examples/placement-defer-8gpu.toml"), "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert (out["mode"], out["total_gpus"]) == ("defer", 8)
+    rows = {(p["role"], p["model"]): p for p in out["placements"]}
+    assert {
+        k: (p["pool"], p["bundle_start"], p["num_gpus"], p["phase"]) for k, p in rows.items()
+    } == {
+        ("rollout", "policy"): ("actor", 0, 8, "generation"),
+        ("genrm", "judge"): ("actor", 0, 8, "genrm"),
+        ("teacher", "math"): ("actor", 0, 8, "teacher"),
+    }
+    assert rows["genrm", "judge"]["gpus_per_engine"] == 4
+    assert {m["status"] for m in out["memory"]} == {"skipped"}
+
+
+def test_relax_plan_prints_every_violation_on_stderr_and_exits_two(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(BAD)
+    done = relax("plan", str(path))
+    assert done.returncode == 2 and done.stdout == ""
+    assert "rejected: 5 problem(s)" in done.stderr
+    for expected in (
+        "roles.rollout.models.policy.num_gpus: [divisibility]",
+        "roles.genrm.models.judge.tp: [tp-pp]",
+        "training.offload: [offload-required]",
+        "roles.genrm.models.judge.bundle_start: [pool-bounds]",
+        "roles.genrm.models.judge.bundle_start: [node-boundary]",
+    ):
+        assert expected in done.stderr
+
+
+def test_relax_plan_reports_config_problems_with_their_key_paths(tmp_path: Path) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text(BAD.replace("tp = 3", "tpp = 3"))
+    done = relax("plan", str(path), "--json")
+    assert done.returncode == 2
+    assert "roles.genrm.models.judge.tpp: [unknown-key]" in done.stderr
+    assert json.loads(done.stdout)["violations"][0]["path"] == "roles.genrm.models.judge.tpp"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_documented_placement_example_is_accepted(example: Path) -> None:
+    plan = plan_inference_placement(load_config(example), PluginManager.create(entry_points=False))
+    assert plan.total_gpus <= plan.cluster_gpus
+
+
+def test_planning_never_imports_ray() -> None:
+    script = (
+        "import sys\n"
+        "from relax_core.config import load_config\n"
+        "from relax_core.placement import plan_inference_placement\n"
+        "from relax_core.plugins import PluginManager\n"
+        f"cfg = load_config({str(ROOT / 'docs/examples/placement-split-8gpu.toml')!r})\n"
+        "before = set(sys.modules)\n"
+        "plan_inference_placement(cfg, PluginManager.create(entry_points=False))\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'ray'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_relax_bench_placement_reports_time_budget_and_baseline_ratio() -> None:
+    done = relax("bench", "placement", "--json", "--quick")
+    assert done.returncode == 0, done.stderr
+    out: dict[str, Any] = json.loads(done.stdout)
+    assert (out["nodes"], out["gpus"], out["roles"], out["budget_ms"]) == (512, 4096, 3, 50.0)
+    assert set(out["plan_ms"]) == {"split", "defer", "decoupled"}
+    assert out["baseline_parse_ms"] > 0
+    assert out["ratio_plan_to_parse"] == pytest.approx(
+        out["plan_ms_worst"] / out["baseline_parse_ms"], rel=0.05
+    )
+    assert out["within_budget"] == (out["plan_ms_worst"] <= out["budget_ms"])

@@ -1,0 +1,1 @@
+"""Helpers shared by the core's tests: engine-protocol servers, gateways, managers, serve runs."""
