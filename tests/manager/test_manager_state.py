@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relax_core.errors import LifecycleError
+from relax_core.errors import LifecycleError, NotApplicable
 from relax_core.manager import (
     ALL_TAGS,
     TAG_ORDER,
@@ -19,7 +19,6 @@ from relax_core.manager import (
     plan_offload,
     plan_onload,
 )
-from relax_core.manager.state import NotApplicable
 
 S = ReplicaState
 
