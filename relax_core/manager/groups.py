@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
+
 from relax_core.errors import LifecycleError
 
 __all__ = ["PlacementGroups"]
@@ -18,13 +20,13 @@ __all__ = ["PlacementGroups"]
 _REMOVE_DEADLINE = 10.0
 
 
+@attrs.define
 class PlacementGroups:
     """The placement groups one model's workers use, by group id. Not thread-safe."""
 
-    def __init__(self, model_id: str) -> None:
-        self.model_id = model_id
-        # Group id -> (group, owned).
-        self._groups: dict[str, tuple[Any, bool]] = {}
+    model_id: str
+    #: group id -> (group, owned)
+    _groups: dict[str, tuple[Any, bool]] = attrs.field(factory=dict, init=False)
 
     def use(self, group: Any, *, owned: bool) -> None:
         """Record that workers go on ``group`` (``None``: no group); the first record stands."""

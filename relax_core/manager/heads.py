@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from relax_core.errors import ChannelError
 from relax_core.manager.channel import ControlAddress, call_many
 from relax_core.manager.fanout import CallOutcome, gather
@@ -23,19 +25,19 @@ from relax_core.manager.slots import SlotTable
 __all__ = ["HeadCalls"]
 
 
+@attrs.define
 class HeadCalls:
     """Call one worker method on the head of many replicas at once.
 
-    :param control_channel: use the heads' private control endpoints (``False``: Ray actor
-        calls only, for networks where the manager cannot reach the worker nodes' ports). May be
-        changed between calls.
-    :param probe_timeout: how long Ray is asked whether an actor died after a failed exchange.
+    ``control_channel``: use the heads' private control endpoints (``False``: Ray actor calls
+    only, for networks where the manager cannot reach the worker nodes' ports); it may change
+    between calls. ``probe_timeout``: how long Ray is asked whether an actor died after a failed
+    exchange.
     """
 
-    def __init__(self, slots: SlotTable, *, control_channel: bool, probe_timeout: float) -> None:
-        self.slots = slots
-        self.control_channel = control_channel
-        self.probe_timeout = probe_timeout
+    slots: SlotTable
+    control_channel: bool
+    probe_timeout: float
 
     def call(
         self, method: str, calls: Mapping[int, Mapping[str, Any]], timeout: float

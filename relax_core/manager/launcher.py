@@ -14,6 +14,8 @@ import os
 import time
 from typing import Any
 
+import attrs
+
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import ALL_TAGS
 from relax_core.manager.fanout import gather
@@ -39,31 +41,21 @@ def _remote_worker() -> Any:
     return _REMOTE_WORKER
 
 
+@attrs.define
 class Launcher:
     """Starts replicas of one model (see the module docstring). Not thread-safe.
 
-    :param ray_gpu_fraction: the GPU share each worker actor reserves on its bundle.
-    :param retry_after: what each head's admission server answers in ``Retry-After``.
+    ``ray_gpu_fraction``: the GPU share each worker actor reserves on its bundle;
+    ``retry_after``: what each head's admission server answers in ``Retry-After``.
     """
 
-    def __init__(
-        self,
-        publication: Publication,
-        *,
-        spec: InferenceEngineSpec,
-        backend: EngineBackend,
-        launch: ModelLaunch,
-        ray_gpu_fraction: float,
-        timeouts: ManagerTimeouts,
-        retry_after: float,
-    ) -> None:
-        self.publication = publication
-        self.spec = spec
-        self.backend = backend
-        self.launch = launch
-        self.ray_gpu_fraction = ray_gpu_fraction
-        self.timeouts = timeouts
-        self.retry_after = retry_after
+    publication: Publication
+    spec: InferenceEngineSpec
+    backend: EngineBackend
+    launch: ModelLaunch
+    ray_gpu_fraction: float
+    timeouts: ManagerTimeouts
+    retry_after: float
 
     def start(self, slots: list[ReplicaSlot]) -> dict[str, ReplicaResult]:
         """Start ``slots`` (STARTING replicas); one result per replica. Blocking.

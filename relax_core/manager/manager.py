@@ -44,14 +44,14 @@ import attrs
 from relax_core.discovery.schema import ModelView
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import normalize_tags
-from relax_core.errors import LifecycleError
+from relax_core.errors import InferenceRecoveryRequired, LifecycleError
 from relax_core.manager.groups import PlacementGroups
 from relax_core.manager.heads import HeadCalls
 from relax_core.manager.launcher import Launcher
 from relax_core.manager.memory import Memory
 from relax_core.manager.publication import Publication
 from relax_core.manager.recovery import Recovery
-from relax_core.manager.results import HealthReport, LifecycleResult, Outcome
+from relax_core.manager.results import HealthReport, LifecycleResult, Outcome, ReplicaResult
 from relax_core.manager.scaling import Scaling
 from relax_core.manager.slots import (
     ManagerTimeouts,
@@ -132,21 +132,19 @@ class InferenceManager:
         self._lock = threading.RLock()
         self._closed = False
         # The parts, each over the ones it needs (see the module docstring).
-        self._slots = SlotTable(model_id)
+        self._slots = slots = SlotTable(model_id)
         self._groups = PlacementGroups(model_id)
-        self._publication = Publication(
-            self._slots,
+        self._publication = published = Publication(
+            slots=slots,
             spec=spec,
             launch=launch,
             publisher=publisher,
             route_mode=route_mode,
             router_url=router_url,
         )
-        self._heads = HeadCalls(
-            self._slots, control_channel=control_channel, probe_timeout=t.rpc_margin
-        )
+        self._heads = HeadCalls(slots, control_channel=control_channel, probe_timeout=t.rpc_margin)
         self._launcher = Launcher(
-            self._publication,
+            publication=published,
             spec=spec,
             backend=backend,
             launch=launch,
@@ -155,20 +153,16 @@ class InferenceManager:
             retry_after=retry_after,
         )
         self._memory = Memory(
-            self._slots,
-            self._heads,
-            self._publication,
-            strict_drain=spec.strict_drain,
-            timeouts=t,
+            slots, self._heads, published, strict_drain=spec.strict_drain, timeouts=t
         )
-        self._weights = WeightUpdates(self._slots, self._publication, spec=spec, timeouts=t)
-        self._recovery = Recovery(self._slots, self._launcher, self._publication, timeouts=t)
+        self._weights = WeightUpdates(slots, published, spec=spec, timeouts=t)
+        self._recovery = Recovery(slots, self._launcher, published, timeouts=t)
         self._scaling = Scaling(
-            self._slots,
+            slots,
             self._groups,
             self._launcher,
             self._recovery,
-            self._publication,
+            published,
             nodes_per_replica=launch.nodes_per_replica,
             strict_drain=spec.strict_drain,
             timeouts=t,
@@ -251,13 +245,7 @@ class InferenceManager:
 
         :raises InferenceRecoveryRequired: a worker is fenced (nothing starts).
         """
-        with self._guard("start()"):
-            todo = [s for s in self._slots.ordered() if s.replica.state is ReplicaState.STARTING]
-            begin = time.monotonic()
-            results = self._launcher.start(todo)
-            for slot in self._slots.ordered():
-                results.setdefault(slot.engine_id, slot.result(Outcome.NOOP))
-            return self._slots.result("start", results, begin)
+        return self._run("start", self._start, settle=False)
 
     def offload(
         self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
@@ -274,11 +262,7 @@ class InferenceManager:
         :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
         """
         wanted = normalize_tags(tags, where="offload(tags)")
-        with self._guard("offload()"):
-            slots = self._slots.select(engine_ids)
-            begin = time.monotonic()
-            results = self._memory.offload(slots, wanted)
-            return self._slots.settle("offload()", self._slots.result("offload", results, begin))
+        return self._run("offload", lambda: self._memory.offload(engine_ids, wanted))
 
     def onload(
         self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
@@ -295,11 +279,7 @@ class InferenceManager:
         :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
         """
         wanted = normalize_tags(tags, where="onload(tags)")
-        with self._guard("onload()"):
-            slots = self._slots.select(engine_ids)
-            begin = time.monotonic()
-            results = self._memory.onload(slots, wanted)
-            return self._slots.settle("onload()", self._slots.result("onload", results, begin))
+        return self._run("onload", lambda: self._memory.onload(engine_ids, wanted))
 
     # -- health and recovery -----------------------------------------------------------------
 
@@ -317,7 +297,8 @@ class InferenceManager:
         with self._guard("health_check()", refuse_fenced=False):
             report = self._recovery.health_check(recover=recover)
             if self._slots.fenced_workers():
-                raise self._slots.recovery_error("health_check()", report=report)
+                message = self._slots.fence_message("health_check()")
+                raise InferenceRecoveryRequired(message, report=report)
             return report
 
     def recover(self) -> LifecycleResult:
@@ -326,10 +307,7 @@ class InferenceManager:
 
         :raises InferenceRecoveryRequired: a worker is fenced.
         """
-        with self._guard("recover()"):
-            begin = time.monotonic()
-            results = self._recovery.recover()
-            return self._slots.settle("recover()", self._slots.result("recover", results, begin))
+        return self._run("recover", self._recovery.recover)
 
     def confirm_external_cleanup(self, engine_ids: Iterable[str] | None = None) -> list[str]:
         """Lift the fence of dead worker actors whose engine processes an operator confirmed gone.
@@ -358,14 +336,13 @@ class InferenceManager:
         :raises ValueError: a new replica has the wrong number of nodes, or a bundle is taken.
         :raises InferenceRecoveryRequired: a worker is fenced (nothing is added).
         """
-        with self._guard("scale_out()"):
-            group = (
-                placement_group if placement_group is not None else self.placement.placement_group
-            )
+        group = placement_group if placement_group is not None else self.placement.placement_group
+
+        def add_and_start() -> dict[str, ReplicaResult]:
             new = self._scaling.check_new(workers, count, group)
-            begin = time.monotonic()
-            results = self._scaling.scale_out(new, group, owned=owned)
-            return self._slots.result("scale_out", results, begin)
+            return self._scaling.scale_out(new, group, owned=owned)
+
+        return self._run("scale_out", add_and_start, settle=False)
 
     def scale_in(
         self, *, count: int | None = None, urls: Sequence[str] | None = None
@@ -405,7 +382,7 @@ class InferenceManager:
         with self._lock:
             self._recovery.stop_all()
             if self._slots.fenced_workers():
-                raise self._slots.recovery_error("shutdown()")
+                raise InferenceRecoveryRequired(self._slots.fence_message("shutdown()"))
             self._groups.remove_owned()
             self._closed = True
             self._publication.publish()
@@ -560,22 +537,39 @@ class InferenceManager:
                 self._slots.refuse_if_fenced(what)
             yield
 
+    def _run(
+        self,
+        operation: str,
+        step: Callable[[], dict[str, ReplicaResult]],
+        *,
+        settle: bool = True,
+    ) -> LifecycleResult:
+        """One lifecycle call: guarded (see :meth:`_guard`), ``step`` gives one result per
+        replica; with ``settle``, a worker fenced by the call raises with the result on it."""
+        what = f"{operation}()"
+        with self._guard(what):
+            begin = time.monotonic()
+            result = self._slots.result(operation, step(), begin)
+            return self._slots.settle(what, result) if settle else result
+
+    def _start(self) -> dict[str, ReplicaResult]:
+        """Start the STARTING replicas; the others are NOOP."""
+        todo = [s for s in self._slots.ordered() if s.replica.state is ReplicaState.STARTING]
+        results = self._launcher.start(todo)
+        for slot in self._slots.ordered():
+            results.setdefault(slot.engine_id, slot.result(Outcome.NOOP))
+        return results
+
     def _update(self, method: str, kwargs: dict[str, Any]) -> LifecycleResult:
         """One weight update on every replica that holds weights, behind the fence."""
         self._weights.check(method)
-        with self._guard(f"{method}()"):
-            begin = time.monotonic()
-            results = self._weights.apply(method, kwargs)
-            return self._slots.settle(f"{method}()", self._slots.result(method, results, begin))
+        return self._run(method, lambda: self._weights.apply(method, kwargs))
 
     def _each_head(
         self, method: str, kwargs_of: Callable[[int], dict[str, Any]]
     ) -> LifecycleResult:
         """One call on every serving replica's head, with no fence (a weight-update group)."""
-        with self._guard(f"{method}()"):
-            begin = time.monotonic()
-            results = self._weights.each_head(method, kwargs_of)
-            return self._slots.result(method, results, begin)
+        return self._run(method, lambda: self._weights.each_head(method, kwargs_of), settle=False)
 
 
 def _check_inputs(

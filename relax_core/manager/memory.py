@@ -8,22 +8,17 @@ the replica heads through :class:`~.heads.HeadCalls` (the private control channe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
+
+import attrs
 
 from relax_core.errors import NotApplicable
 from relax_core.manager.heads import HeadCalls
 from relax_core.manager.publication import Publication
 from relax_core.manager.results import Outcome, ReplicaResult
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
-from relax_core.manager.state import (
-    OffloadPlan,
-    OnloadPlan,
-    Replica,
-    ReplicaState,
-    plan_offload,
-    plan_onload,
-)
+from relax_core.manager.state import Replica, ReplicaState, plan_offload, plan_onload
 
 __all__ = ["Memory"]
 
@@ -31,92 +26,68 @@ _S = ReplicaState
 
 
 class _Plan(Protocol):
+    """What :class:`~.state.OffloadPlan` and :class:`~.state.OnloadPlan` have in common."""
+
     @property
     def tags(self) -> tuple[str, ...]: ...
 
     @property
     def noop(self) -> bool: ...
 
+    def begin(self, replica: Replica) -> None: ...
+
+    def confirm(self, replica: Replica) -> None: ...
+
 
 _P = TypeVar("_P", bound=_Plan)
 
 
+@attrs.define
 class Memory:
     """Offload and onload of one model's replicas. Not thread-safe (the manager's lock is held).
 
-    :param strict_drain: an offload waits for in-flight requests (up to the drain deadline)
-        before aborting them; otherwise it aborts them at once.
+    ``strict_drain``: an offload waits for in-flight requests (up to the drain deadline) before
+    aborting them; otherwise it aborts them at once.
     """
 
-    def __init__(
-        self,
-        slots: SlotTable,
-        heads: HeadCalls,
-        publication: Publication,
-        *,
-        strict_drain: bool,
-        timeouts: ManagerTimeouts,
-    ) -> None:
-        self.slots = slots
-        self.heads = heads
-        self.publication = publication
-        self.strict_drain = strict_drain
-        self.timeouts = timeouts
+    slots: SlotTable
+    heads: HeadCalls
+    publication: Publication
+    strict_drain: bool
+    timeouts: ManagerTimeouts
 
-    def offload(self, slots: list[ReplicaSlot], wanted: frozenset[str]) -> dict[str, ReplicaResult]:
-        """Release ``wanted`` on ``slots``: close admission (DRAINING), drain, release, confirm
-        → SLEEPING; unconfirmed → FAILED. One result per replica. Blocking."""
+    def offload(
+        self, engine_ids: Iterable[str] | None, wanted: frozenset[str]
+    ) -> dict[str, ReplicaResult]:
+        """Release ``wanted`` on the replicas ``engine_ids`` (``None``: all): close admission
+        (DRAINING), drain, release, confirm → SLEEPING; unconfirmed → FAILED. One result per
+        replica. Blocking. :raises KeyError: an unknown engine id."""
         t = self.timeouts
-
-        def drain(rep: Replica, plan: OffloadPlan) -> dict[str, Any]:
-            rep.admission_open = False
-            rep.advance(_S.DRAINING)
-            return {
-                "tags": list(plan.tags),
-                "strict": self.strict_drain,
-                "drain_timeout": t.drain,
-                "timeout": t.offload,
-            }
-
-        def released(rep: Replica, plan: OffloadPlan) -> None:
-            rep.resident -= frozenset(plan.tags)
-            rep.advance(_S.SLEEPING)
-
+        drain = {"strict": self.strict_drain, "drain_timeout": t.drain, "timeout": t.offload}
         return self._run(
             "offload",
-            slots,
+            self.slots.select(engine_ids),
             plan_offload,
             wanted,
-            begin=drain,
-            confirm=released,
-            timeout=t.drain + t.offload + t.rpc_margin,
+            lambda plan: {"tags": list(plan.tags), **drain},
+            t.drain + t.offload + t.rpc_margin,
         )
 
-    def onload(self, slots: list[ReplicaSlot], wanted: frozenset[str]) -> dict[str, ReplicaResult]:
-        """Resume what is missing of ``wanted`` on the SLEEPING ``slots`` (ONLOADING); once
-        every tag is resident, check one generation and reopen → READY, else stay SLEEPING;
-        unconfirmed → FAILED. One result per replica. Blocking."""
+    def onload(
+        self, engine_ids: Iterable[str] | None, wanted: frozenset[str]
+    ) -> dict[str, ReplicaResult]:
+        """Resume what is missing of ``wanted`` on the SLEEPING replicas ``engine_ids``
+        (``None``: all; ONLOADING); once every tag is resident, check one generation and reopen
+        → READY, else stay SLEEPING; unconfirmed → FAILED. One result per replica. Blocking.
+        :raises KeyError: an unknown engine id."""
         t = self.timeouts
-
-        def resume(rep: Replica, plan: OnloadPlan) -> dict[str, Any]:
-            rep.advance(_S.ONLOADING)
-            return {"tags": list(plan.tags), "reopen": plan.reopen, "timeout": t.onload}
-
-        def resumed(rep: Replica, plan: OnloadPlan) -> None:
-            rep.resident |= frozenset(plan.tags)
-            if plan.reopen:
-                rep.became_ready()
-            else:
-                rep.advance(_S.SLEEPING)
-
         return self._run(
             "onload",
-            slots,
+            self.slots.select(engine_ids),
             plan_onload,
             wanted,
-            begin=resume,
-            confirm=resumed,
-            timeout=t.onload * 2 + t.rpc_margin,
+            lambda plan: {"tags": list(plan.tags), "reopen": plan.reopen, "timeout": t.onload},
+            t.onload * 2 + t.rpc_margin,
         )
 
     def _run(
@@ -125,31 +96,29 @@ class Memory:
         slots: list[ReplicaSlot],
         planner: Callable[[Replica, frozenset[str]], _P],
         wanted: frozenset[str],
-        *,
-        begin: Callable[[Replica, _P], Mapping[str, Any]],
-        confirm: Callable[[Replica, _P], None],
+        kwargs: Callable[[_P], Mapping[str, Any]],
         timeout: float,
     ) -> dict[str, ReplicaResult]:
-        """Plan each replica; ``begin`` moves it into its transitional state and gives the head
-        call's arguments; every head is called at once (published before and after); ``confirm``
-        records each confirmed step, and each unconfirmed one fails its replica."""
+        """Plan each replica and begin its step; call ``method(**kwargs(plan))`` on every head
+        at once (published before and after); confirm each confirmed step, fail the others."""
         results: dict[str, ReplicaResult] = {}
-        todo: dict[int, tuple[_P, Mapping[str, Any]]] = {}
+        todo: dict[int, _P] = {}
         for slot in slots:
             early, plan = _triage(slot, planner, wanted)
             if early is not None:
                 results[slot.engine_id] = early
                 continue
             assert plan is not None
-            todo[slot.replica.index] = (plan, begin(slot.replica, plan))
+            plan.begin(slot.replica)
+            todo[slot.replica.index] = plan
         if not todo:
             return results
         self.publication.publish()
-        outs = self.heads.call(method, {i: kwargs for i, (_, kwargs) in todo.items()}, timeout)
-        for i, (plan, _) in todo.items():
+        outs = self.heads.call(method, {i: kwargs(plan) for i, plan in todo.items()}, timeout)
+        for i, plan in todo.items():
             slot, out = self.slots.at(i), outs[i]
             if out.ok:
-                confirm(slot.replica, plan)
+                plan.confirm(slot.replica)
                 results[slot.engine_id] = slot.result(
                     Outcome.DONE, tags=plan.tags, seconds=out.value
                 )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from relax_core.discovery.schema import EngineView, ModelState, ModelView
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.manager.slots import ModelLaunch, SlotTable
@@ -22,35 +24,25 @@ _S = ReplicaState
 _MODEL_STATE_ORDER = (_S.READY, _S.ONLOADING, _S.DRAINING, _S.STARTING, _S.SLEEPING, _S.STOPPING)
 
 
+@attrs.define
 class Publication:
     """What one model publishes: its view (heads only) and its weight version.
 
-    :param publisher: a :class:`~relax_core.discovery.publisher.RegistryPublisher`, or ``None``
-        to publish nothing (the view is still built).
-
-    Not thread-safe: the manager calls it under its lock.
+    ``publisher``: a :class:`~relax_core.discovery.publisher.RegistryPublisher`, or ``None`` to
+    publish nothing (the view is still built). Not thread-safe: the manager calls it under its
+    lock.
     """
 
-    def __init__(
-        self,
-        slots: SlotTable,
-        *,
-        spec: InferenceEngineSpec,
-        launch: ModelLaunch,
-        publisher: Any,
-        route_mode: str,
-        router_url: str | None,
-    ) -> None:
-        self.slots = slots
-        self.spec = spec
-        self.launch = launch
-        self.publisher = publisher
-        self.route_mode = route_mode
-        self.router_url = router_url
-        #: the version of the weights the model serves (started on, or last updated to)
-        self.weight_version: str | None = None
-        # Engine id -> the generation last published for it.
-        self._published: dict[str, int] = {}
+    slots: SlotTable
+    spec: InferenceEngineSpec
+    launch: ModelLaunch
+    publisher: Any
+    route_mode: str
+    router_url: str | None
+    #: the version of the weights the model serves (started on, or last updated to)
+    weight_version: str | None = attrs.field(default=None, init=False)
+    #: engine id -> the generation last published for it
+    _published: dict[str, int] = attrs.field(factory=dict, init=False)
 
     @property
     def published_version(self) -> str | None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import attrs
+
 from relax_core.errors import LifecycleError
 from relax_core.manager.fanout import gather
 from relax_core.manager.launcher import Launcher
@@ -28,22 +30,15 @@ __all__ = ["Recovery"]
 _S = ReplicaState
 
 
+@attrs.define
 class Recovery:
     """Health, cleanup and rebuild of one model's replicas. Not thread-safe (the manager's
     lock is held)."""
 
-    def __init__(
-        self,
-        slots: SlotTable,
-        launcher: Launcher,
-        publication: Publication,
-        *,
-        timeouts: ManagerTimeouts,
-    ) -> None:
-        self.slots = slots
-        self.launcher = launcher
-        self.publication = publication
-        self.timeouts = timeouts
+    slots: SlotTable
+    launcher: Launcher
+    publication: Publication
+    timeouts: ManagerTimeouts
 
     # -- cleanup ---------------------------------------------------------------------------
 

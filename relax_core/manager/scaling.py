@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from relax_core.manager.fanout import gather
 from relax_core.manager.groups import PlacementGroups
 from relax_core.manager.launcher import Launcher
@@ -24,33 +26,22 @@ __all__ = ["Scaling"]
 _S = ReplicaState
 
 
+@attrs.define
 class Scaling:
     """Adding and removing replicas of one model. Not thread-safe (the manager's lock is held).
 
-    :param nodes_per_replica: the node count every new replica must have.
-    :param strict_drain: scale-in waits for in-flight requests before aborting them.
+    ``nodes_per_replica``: the node count every new replica must have; ``strict_drain``:
+    scale-in waits for in-flight requests before aborting them.
     """
 
-    def __init__(
-        self,
-        slots: SlotTable,
-        groups: PlacementGroups,
-        launcher: Launcher,
-        recovery: Recovery,
-        publication: Publication,
-        *,
-        nodes_per_replica: int,
-        strict_drain: bool,
-        timeouts: ManagerTimeouts,
-    ) -> None:
-        self.slots = slots
-        self.groups = groups
-        self.launcher = launcher
-        self.recovery = recovery
-        self.publication = publication
-        self.nodes_per_replica = nodes_per_replica
-        self.strict_drain = strict_drain
-        self.timeouts = timeouts
+    slots: SlotTable
+    groups: PlacementGroups
+    launcher: Launcher
+    recovery: Recovery
+    publication: Publication
+    nodes_per_replica: int
+    strict_drain: bool
+    timeouts: ManagerTimeouts
 
     def add(
         self, workers: Sequence[Sequence[Sequence[int]]], group: Any, *, owned: bool

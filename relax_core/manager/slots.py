@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from relax_core.errors import InferenceRecoveryRequired
-from relax_core.manager.results import HealthReport, LifecycleResult, Outcome, ReplicaResult
+from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
 from relax_core.manager.state import Replica, ReplicaState
 
 if TYPE_CHECKING:
@@ -286,6 +286,7 @@ class ReplicaSlot:
             self.live_head.close_admission.remote("FAILED")
 
 
+@attrs.define
 class SlotTable:
     """The replica slots of one model, by index, and the fences among them.
 
@@ -293,10 +294,9 @@ class SlotTable:
     the manager calls it under its lock.
     """
 
-    def __init__(self, model_id: str) -> None:
-        self.model_id = model_id
-        self._slots: dict[int, ReplicaSlot] = {}
-        self._next_index = 0
+    model_id: str
+    _slots: dict[int, ReplicaSlot] = attrs.field(factory=dict, init=False)
+    _next_index: int = attrs.field(default=0, init=False)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -368,28 +368,20 @@ class SlotTable:
         """The names of every fenced worker (see :class:`WorkerSlot`)."""
         return [s.worker_name(w) for s in self.ordered() for w in s.workers if w.fenced]
 
-    def recovery_error(
-        self,
-        what: str,
-        *,
-        result: LifecycleResult | None = None,
-        report: HealthReport | None = None,
-    ) -> InferenceRecoveryRequired:
-        """The error naming every fenced worker and what an operator must do."""
-        return InferenceRecoveryRequired(
+    def fence_message(self, what: str) -> str:
+        """What an :class:`InferenceRecoveryRequired` says: every fenced worker, what to do."""
+        return (
             f"model {self.model_id!r}: {what}: engine worker actor(s) {self.fenced_workers()} "
             "died without confirmed cleanup of their engine processes; their slots, pending "
             "records and placement group are kept and nothing is rebuilt. Confirm on the node "
             "(or container) that the engine processes are gone, then call "
-            "confirm_external_cleanup(), or start a new job",
-            result=result,
-            report=report,
+            "confirm_external_cleanup(), or start a new job"
         )
 
     def refuse_if_fenced(self, what: str) -> None:
         """:raises InferenceRecoveryRequired: a worker is fenced, so ``what`` is refused."""
         if self.fenced_workers():
-            raise self.recovery_error(f"{what} refused")
+            raise InferenceRecoveryRequired(self.fence_message(f"{what} refused"))
 
     def settle(self, what: str, result: LifecycleResult) -> LifecycleResult:
         """``result``, unless the call left a worker fenced.
@@ -397,7 +389,7 @@ class SlotTable:
         :raises InferenceRecoveryRequired: a worker is fenced; ``result`` is on the error.
         """
         if self.fenced_workers():
-            raise self.recovery_error(what, result=result)
+            raise InferenceRecoveryRequired(self.fence_message(what), result=result)
         return result
 
     def result(

@@ -139,6 +139,16 @@ class OffloadPlan:
         """True when every requested tag is already released."""
         return not self.tags
 
+    def begin(self, replica: Replica) -> None:
+        """The release starts: admission closes, the replica drains (DRAINING)."""
+        replica.admission_open = False
+        replica.advance(ReplicaState.DRAINING)
+
+    def confirm(self, replica: Replica) -> None:
+        """The release is confirmed: the tags are gone (SLEEPING)."""
+        replica.resident -= frozenset(self.tags)
+        replica.advance(ReplicaState.SLEEPING)
+
 
 @attrs.frozen
 class OnloadPlan:
@@ -152,6 +162,18 @@ class OnloadPlan:
     def noop(self) -> bool:
         """True when nothing is missing and admission is already as it should be."""
         return not self.tags and not self.reopen
+
+    def begin(self, replica: Replica) -> None:
+        """The resume starts (ONLOADING)."""
+        replica.advance(ReplicaState.ONLOADING)
+
+    def confirm(self, replica: Replica) -> None:
+        """The resume is confirmed: READY when admission reopened, else still SLEEPING."""
+        replica.resident |= frozenset(self.tags)
+        if self.reopen:
+            replica.became_ready()
+        else:
+            replica.advance(ReplicaState.SLEEPING)
 
 
 def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:

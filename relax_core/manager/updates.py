@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import ResidentTag
 from relax_core.errors import LifecycleError
@@ -33,21 +35,14 @@ __all__ = ["WeightUpdates"]
 _S = ReplicaState
 
 
+@attrs.define
 class WeightUpdates:
     """Weight updates of one model's replicas. Not thread-safe (the manager's lock is held)."""
 
-    def __init__(
-        self,
-        slots: SlotTable,
-        publication: Publication,
-        *,
-        spec: InferenceEngineSpec,
-        timeouts: ManagerTimeouts,
-    ) -> None:
-        self.slots = slots
-        self.publication = publication
-        self.spec = spec
-        self.timeouts = timeouts
+    slots: SlotTable
+    publication: Publication
+    spec: InferenceEngineSpec
+    timeouts: ManagerTimeouts
 
     def check(self, method: str) -> None:
         """:raises CapabilityError: the weight source does not allow ``method``'s update path."""
