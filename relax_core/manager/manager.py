@@ -223,9 +223,9 @@ class InferenceManager:
                 "admission_state", {s.replica.index: {} for s in live}, self.timeouts.health
             )
             return {
-                self._slots.at(i).engine_id: dict(out.value)
-                if out.ok
-                else {"error": out.describe()}
+                self._slots.at(i).engine_id: (
+                    dict(out.value) if out.ok else {"error": out.describe()}
+                )
                 for i, out in outs.items()
             }
 
