@@ -7,6 +7,10 @@ a bundle index) and, where there is one, what to do about it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from relax_core.manager.results import HealthReport, LifecycleResult
 
 __all__ = [
     "CapabilityError",
@@ -108,4 +112,37 @@ class InferenceRecoveryRequired(LifecycleError):
 
     Its slot, pending record and placement-group fence are kept; nothing is rebuilt
     automatically. Confirm the node or container is clean, then start a new job.
+
+    ``result`` is the per-replica :class:`~relax_core.manager.LifecycleResult` of the call that
+    found the fence while it ran (``None`` when the call was refused before anything ran);
+    ``report`` is the :class:`~relax_core.manager.HealthReport` of a ``health_check()`` that
+    found one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        result: LifecycleResult | None = None,
+        report: HealthReport | None = None,
+    ) -> None:
+        self.result = result
+        self.report = report
+        super().__init__(message)
+
+
+# -- the InferenceManager's own errors -----------------------------------------------------------
+
+__all__ += ["ChannelError", "NotApplicable"]
+
+
+class NotApplicable(LifecycleError):
+    """A lifecycle call does not apply to a replica in its current state (it is skipped)."""
+
+
+class ChannelError(LifecycleError):
+    """The HTTP exchange with a head's private control endpoint failed (no answer from the worker).
+
+    The worker's own failures are reported as its own exceptions, never as this; a channel
+    error says nothing about whether the worker actor died (the manager asks Ray).
     """

@@ -27,12 +27,10 @@ from typing import Any
 
 import aiohttp
 
+from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 
-__all__ = ["MEMORY_TAGS", "ControlClient", "serialize_named_tensors"]
-
-#: The memory tags an engine releases and resumes (``None`` in a call means all of them).
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+__all__ = ["ControlClient", "serialize_named_tensors"]
 
 _JSON = Mapping[str, Any]
 
@@ -214,9 +212,10 @@ class ControlClient:
         if tags is None:
             return None
         out = [str(t) for t in tags]
-        unknown = sorted(set(out) - set(MEMORY_TAGS))
+        # The engine's own names (``None`` in a call means all of them).
+        unknown = sorted(set(out) - set(TAG_ORDER))
         if unknown:
-            raise ValueError(f"tags: unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+            raise ValueError(f"tags: unknown memory tags {unknown}; known: {list(TAG_ORDER)}")
         return out
 
     async def release_memory(

@@ -3,6 +3,7 @@
 See :class:`InferenceManager` and ``docs/manager.md``.
 """
 
+from relax_core.engine.tags import ALL_TAGS, TAG_ORDER, ResidentTag, normalize_tags
 from relax_core.manager.fanout import CallOutcome, gather, is_terminal_actor_death
 from relax_core.manager.manager import InferenceManager
 from relax_core.manager.results import (
@@ -20,14 +21,10 @@ from relax_core.manager.slots import (
     WorkerSlot,
 )
 from relax_core.manager.state import (
-    ALL_TAGS,
-    TAG_ORDER,
     OffloadPlan,
     OnloadPlan,
     Replica,
     ReplicaState,
-    ResidentTag,
-    normalize_tags,
     plan_offload,
     plan_onload,
 )

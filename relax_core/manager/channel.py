@@ -23,9 +23,9 @@ The endpoint:
 
 Every call ends in exactly one :class:`~.fanout.CallOutcome`: a value, the worker's error (as
 the same exception class where it is a builtin or a :mod:`relax_core.errors` class), a
-:class:`ChannelError` when the HTTP exchange itself failed, or ``timed_out``. A channel error
-says nothing about the actor's death: the manager asks Ray (see
-:func:`~relax_core.manager.base.ManagerBase._call_heads`).
+:class:`~relax_core.errors.ChannelError` when the HTTP exchange itself failed, or
+``timed_out``. A channel error says nothing about the actor's death: the manager asks Ray (see
+:class:`~relax_core.manager.heads.HeadCalls`).
 """
 
 from __future__ import annotations
@@ -48,17 +48,10 @@ from relax_core import errors
 from relax_core._http.http1 import Http1Client
 from relax_core._http.server import serve_app
 from relax_core.engine.admission import PRIVATE_PREFIX
-from relax_core.errors import LifecycleError, RelaxError
+from relax_core.errors import ChannelError, RelaxError
 from relax_core.manager.fanout import CallOutcome
 
-__all__ = [
-    "CONTROL_PREFIX",
-    "TOKEN_HEADER",
-    "ChannelError",
-    "ControlAddress",
-    "ControlChannelServer",
-    "call_many",
-]
+__all__ = ["CONTROL_PREFIX", "TOKEN_HEADER", "ControlAddress", "ControlChannelServer", "call_many"]
 
 #: Path prefix of every private control call (refused with 403 at the public port).
 CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
@@ -71,13 +64,6 @@ _SERVER_KEEPALIVE = 120.0
 
 K = TypeVar("K", bound=Hashable)
 Handler = Callable[..., Awaitable[Any]]
-
-
-class ChannelError(LifecycleError):
-    """The HTTP exchange with a head's control endpoint failed (no answer from the worker).
-
-    The worker's own failures are reported as its own exceptions, never as this.
-    """
 
 
 @attrs.frozen

@@ -7,21 +7,67 @@ results, applies weight updates behind a fence, checks health, cleans up and reb
 replicas, scales out and in, publishes the model's schema-2 view (heads only), and shuts
 everything down in order (workers, then actors, then owned placement groups).
 
-The implementation is split by concern: :mod:`.base` (state, slots, publishing, start),
-:mod:`.memory` (onload, offload), :mod:`.recovery` (health, recovery, scaling, shutdown),
-:mod:`.updates` (weight updates and DCS checkpoints).
+Read it top-down: each public method of :class:`InferenceManager` takes the lock, refuses what
+must be refused, and hands the work to one named part, each of which talks to the others only
+through their public methods:
+
+- :class:`~.slots.SlotTable`: the replica slots, the fences among them, per-call results;
+- :class:`~.publication.Publication`: the model's schema-2 view, its weight version, publishing;
+- :class:`~.launcher.Launcher`: worker actors created, engines launched, admission opened;
+- :class:`~.heads.HeadCalls`: one method on many replica heads (control channel or Ray);
+- :class:`~.memory.Memory`: offload and onload;
+- :class:`~.updates.WeightUpdates`: weight updates behind the fence, DCS checkpoints;
+- :class:`~.recovery.Recovery`: health checks, cleanup and rebuild, stopping every worker;
+- :class:`~.scaling.Scaling`: scale-out and scale-in;
+- :class:`~.groups.PlacementGroups`: the placement groups used, removing the owned ones.
+
+Threading: every public method is blocking and takes the manager's lock, so lifecycle calls
+never interleave (the parts are not thread-safe on their own). Each step fans out to all
+replicas at once (:func:`~.fanout.gather`), so N replicas take as long as the slowest one.
+
+Fail-stop: a worker actor that died without confirmed cleanup of its engine process is
+*fenced*: its slot, pending record and placement group are kept, nothing is rebuilt, and every
+lifecycle call raises :class:`~relax_core.errors.InferenceRecoveryRequired` until an operator
+confirms the node is clean (:meth:`InferenceManager.confirm_external_cleanup`).
 """
 
 from __future__ import annotations
 
-from relax_core.manager.memory import MemoryMixin
-from relax_core.manager.recovery import RecoveryMixin
-from relax_core.manager.updates import WeightsMixin
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from relax_core.discovery.schema import ModelView
+from relax_core.engine.spec import InferenceEngineSpec
+from relax_core.engine.tags import normalize_tags
+from relax_core.errors import InferenceRecoveryRequired, LifecycleError
+from relax_core.manager.groups import PlacementGroups
+from relax_core.manager.heads import HeadCalls
+from relax_core.manager.launcher import Launcher
+from relax_core.manager.memory import Memory
+from relax_core.manager.publication import Publication
+from relax_core.manager.recovery import Recovery
+from relax_core.manager.results import HealthReport, LifecycleResult, Outcome, ReplicaResult
+from relax_core.manager.scaling import Scaling
+from relax_core.manager.slots import (
+    ManagerTimeouts,
+    ModelLaunch,
+    ReplicaPlacement,
+    SlotTable,
+    WorkerSlot,
+)
+from relax_core.manager.state import Replica, ReplicaState
+from relax_core.manager.updates import WeightUpdates
+from relax_core.records import EngineBackend
 
 __all__ = ["InferenceManager"]
 
 
-class InferenceManager(MemoryMixin, RecoveryMixin, WeightsMixin):
+class InferenceManager:
     """The lifecycle core of one model's engines.
 
     Build it with the model's :class:`~relax_core.engine.spec.InferenceEngineSpec`, its engine
@@ -40,5 +86,509 @@ class InferenceManager(MemoryMixin, RecoveryMixin, WeightsMixin):
     node is clean (:meth:`confirm_external_cleanup`).
 
     A manager can itself run as a Ray actor (``ray.remote(InferenceManager)``): every
-    constructor argument is serialisable.
+    constructor argument is serialisable, and so is every result.
+
+    :param model_id: the model's id in its role (``math``, ``judge``); engine ids are
+        ``{model_id}/replica-{i}``.
+    :param spec: what the engines may do (role, weight source, operations, strict drain).
+    :param backend: the engine backend record (``plugin_manager.engine_backend("hf")``).
+    :param launch: how to launch the engines.
+    :param placement: the placement group and bundles of every replica's workers.
+    :param publisher: where the model's schema-2 view goes (a
+        :class:`~relax_core.discovery.publisher.RegistryPublisher`); ``None`` publishes nothing.
+    :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
+    :param control_channel: send onload/offload to each head's private control endpoint over
+        HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
+        networks where the manager cannot reach the worker nodes' ports).
+    :raises ValueError: the inputs disagree (nodes per replica, device, multi-node support).
     """
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        spec: InferenceEngineSpec,
+        backend: EngineBackend,
+        launch: ModelLaunch,
+        placement: ReplicaPlacement,
+        publisher: Any = None,
+        route_mode: str = "DIRECT",
+        router_url: str | None = None,
+        timeouts: ManagerTimeouts | None = None,
+        retry_after: float = 1.0,
+        control_channel: bool = True,
+    ) -> None:
+        _check_inputs(model_id, backend, launch, placement)
+        self.model_id = model_id
+        self.spec = spec
+        self.backend = backend
+        self.launch = launch
+        self.placement = placement
+        self.publisher = publisher
+        self.route_mode = route_mode
+        self.router_url = router_url
+        self.timeouts = t = timeouts or ManagerTimeouts()
+        self.retry_after = retry_after
+        self._lock = threading.RLock()
+        self._closed = False
+        # The parts, each over the ones it needs (see the module docstring).
+        self._slots = slots = SlotTable(model_id)
+        self._groups = PlacementGroups(model_id)
+        self._publication = published = Publication(
+            slots=slots,
+            spec=spec,
+            launch=launch,
+            publisher=publisher,
+            route_mode=route_mode,
+            router_url=router_url,
+        )
+        self._heads = HeadCalls(slots, control_channel=control_channel, probe_timeout=t.rpc_margin)
+        self._launcher = Launcher(
+            publication=published,
+            spec=spec,
+            backend=backend,
+            launch=launch,
+            ray_gpu_fraction=placement.ray_gpu_fraction,
+            timeouts=t,
+            retry_after=retry_after,
+        )
+        self._memory = Memory(
+            slots, self._heads, published, strict_drain=spec.strict_drain, timeouts=t
+        )
+        self._weights = WeightUpdates(slots, published, spec=spec, timeouts=t)
+        self._recovery = Recovery(slots, self._launcher, published, timeouts=t)
+        self._scaling = Scaling(
+            slots,
+            self._groups,
+            self._launcher,
+            self._recovery,
+            published,
+            nodes_per_replica=launch.nodes_per_replica,
+            strict_drain=spec.strict_drain,
+            timeouts=t,
+        )
+        self._scaling.add(placement.workers, placement.placement_group, owned=placement.owned)
+
+    @property
+    def control_channel(self) -> bool:
+        """Whether onload/offload go over the heads' control channel (settable between calls)."""
+        return self._heads.control_channel
+
+    @control_channel.setter
+    def control_channel(self, value: bool) -> None:
+        self._heads.control_channel = value
+
+    # -- queries -----------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str | None:
+        """The published weight version (``None`` for sources that publish none)."""
+        return self._publication.published_version
+
+    def replicas(self) -> list[Replica]:
+        """The replica records, by index (copies; mutate nothing)."""
+        with self._lock:
+            return [
+                attrs.evolve(s.replica, history=list(s.replica.history))
+                for s in self._slots.ordered()
+            ]
+
+    def states(self) -> dict[str, str]:
+        """Engine id -> replica state."""
+        with self._lock:
+            return {s.engine_id: str(s.replica.state) for s in self._slots.ordered()}
+
+    def workers(self, engine_id: str) -> list[WorkerSlot]:
+        """The worker slots of one replica (head first).
+
+        :raises KeyError: no such replica.
+        """
+        with self._lock:
+            return list(self._slots.get(engine_id).workers)
+
+    def engine_pids(self) -> dict[str, list[int | None]]:
+        """Engine id -> the engine process id of each worker (head first)."""
+        with self._lock:
+            return {s.engine_id: [w.engine_pid for w in s.workers] for s in self._slots.ordered()}
+
+    def admission_states(self) -> dict[str, dict[str, Any]]:
+        """Engine id -> ``{"open": bool, "inflight": int}`` of each started replica's head.
+
+        Asked of every head at once, over the same transport as onload/offload; a head that
+        did not answer maps to ``{"error": "..."}``.
+        """
+        with self._lock:
+            live = [s for s in self._slots.ordered() if s.live_head is not None]
+            outs = self._heads.call(
+                "admission_state", {s.replica.index: {} for s in live}, self.timeouts.health
+            )
+            return {
+                self._slots.at(i).engine_id: (
+                    dict(out.value) if out.ok else {"error": out.describe()}
+                )
+                for i, out in outs.items()
+            }
+
+    def model_view(self) -> ModelView:
+        """The model's schema-2 :class:`~relax_core.discovery.schema.ModelView` (heads only)."""
+        with self._lock:
+            return self._publication.view()
+
+    # -- start, memory -----------------------------------------------------------------------
+
+    def start(self) -> LifecycleResult:
+        """Create every worker actor, launch every engine and open admission — all in parallel.
+
+        A replica whose workers all start and whose head generates one token becomes READY;
+        any other is FAILED (call :meth:`recover` or :meth:`shutdown`). Idempotent: replicas
+        already started are reported NOOP.
+
+        :raises InferenceRecoveryRequired: a worker is fenced (nothing starts).
+        """
+        return self._run("start", self._start, settle=False)
+
+    def offload(
+        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
+    ) -> LifecycleResult:
+        """Release ``tags`` (default: all) on every replica; per-replica results.
+
+        ``engine_ids`` limits the call to those replicas (default: all).
+        Each replica: close admission (DRAINING, no longer direct-eligible), drain in-flight
+        requests (strict: wait up to the drain deadline, then abort), release, confirm →
+        SLEEPING. A replica whose release is not confirmed is FAILED: its memory is NOT known
+        to be free. Tags already released are skipped, so a repeated offload is a no-op.
+
+        :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
+        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
+        """
+        wanted = normalize_tags(tags, where="offload(tags)")
+        return self._run("offload", lambda: self._memory.offload(engine_ids, wanted))
+
+    def onload(
+        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
+    ) -> LifecycleResult:
+        """Resume the missing ``tags`` (default: all) on every SLEEPING replica.
+
+        ``engine_ids`` limits the call to those replicas (default: all).
+        Each replica: ONLOADING, resume only what is missing (weights first), and — once every
+        tag is resident — check one generation and reopen admission → READY; with a subset of
+        tags it stays SLEEPING. READY replicas are a no-op. A replica whose resume is not
+        confirmed is FAILED.
+
+        :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
+        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
+        """
+        wanted = normalize_tags(tags, where="onload(tags)")
+        return self._run("onload", lambda: self._memory.onload(engine_ids, wanted))
+
+    # -- health and recovery -----------------------------------------------------------------
+
+    def health_check(self, *, recover: bool = True) -> HealthReport:
+        """Probe every worker of every replica; fail, clean and (with ``recover``) rebuild.
+
+        A head of a READY replica must generate one token; every worker's engine process must
+        be alive. An unhealthy or already FAILED replica is FAILED (no longer published as
+        routable); with ``recover`` it is cleaned as a whole and rebuilt once its cleanup is
+        confirmed.
+
+        :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup (its
+            fence is kept and nothing is rebuilt); the report is on the error's ``report``.
+        """
+        with self._guard("health_check()", refuse_fenced=False):
+            report = self._recovery.health_check(recover=recover)
+            if self._slots.fenced_workers():
+                message = self._slots.fence_message("health_check()")
+                raise InferenceRecoveryRequired(message, report=report)
+            return report
+
+    def recover(self) -> LifecycleResult:
+        """Clean every FAILED replica (and retry pending cleanups) as a whole; rebuild those
+        whose cleanup is confirmed. Per-replica results.
+
+        :raises InferenceRecoveryRequired: a worker is fenced.
+        """
+        return self._run("recover", self._recovery.recover)
+
+    def confirm_external_cleanup(self, engine_ids: Iterable[str] | None = None) -> list[str]:
+        """Lift the fence of dead worker actors whose engine processes an operator confirmed gone.
+
+        Only call this after checking the node or container (the manager cannot: the actor
+        that owned the process is dead). Afterwards :meth:`recover` may rebuild the replicas
+        and :meth:`shutdown` may release the placement group. Returns the workers unfenced.
+        """
+        with self._lock:
+            return self._recovery.confirm_external_cleanup(engine_ids)
+
+    # -- scaling and shutdown ----------------------------------------------------------------
+
+    def scale_out(
+        self,
+        workers: Sequence[Sequence[Sequence[int]]] | None = None,
+        *,
+        count: int | None = None,
+        placement_group: Any = None,
+        owned: bool = False,
+    ) -> LifecycleResult:
+        """Add replicas and start them: ``workers[replica][node]`` are bundle indices (one node
+        group per node of a replica — every node gets its slot), or ``count`` unplaced CPU
+        replicas. ``placement_group`` defaults to the manager's own.
+
+        :raises ValueError: a new replica has the wrong number of nodes, or a bundle is taken.
+        :raises InferenceRecoveryRequired: a worker is fenced (nothing is added).
+        """
+        group = placement_group if placement_group is not None else self.placement.placement_group
+
+        def add_and_start() -> dict[str, ReplicaResult]:
+            new = self._scaling.check_new(workers, count, group)
+            return self._scaling.scale_out(new, group, owned=owned)
+
+        return self._run("scale_out", add_and_start, settle=False)
+
+    def scale_in(
+        self, *, count: int | None = None, urls: Sequence[str] | None = None
+    ) -> LifecycleResult:
+        """Remove replicas: ``count`` of them (partially cleaned ones first, then FAILED, then
+        the newest), or the ones published under ``urls`` — a replica keeps its current URL
+        while partially cleaned, so a failed scale-in can be retried by the same URL.
+
+        Each chosen replica is drained, every worker shut down, confirmed actors killed; a
+        fully cleaned replica is removed (DONE), one with an unconfirmed worker stays STOPPING
+        (FAILED result, retry).
+
+        :raises ValueError: an unknown URL or a bad count.
+        :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup.
+        """
+        with self._guard("scale_in()", refuse_fenced=False):
+            if (count is None) == (urls is None):
+                raise ValueError("scale_in: give either count or urls, not both")
+            chosen = self._scaling.choose(count, urls)
+            begin = time.monotonic()
+            results = self._scaling.scale_in(chosen)
+            # In the order chosen: the removed replicas are no longer in the slot table.
+            result = LifecycleResult(
+                "scale_in", self.model_id, tuple(results.values()), time.monotonic() - begin
+            )
+            return self._slots.settle("scale_in()", result)
+
+    def shutdown(self) -> None:
+        """Stop everything: every worker's shutdown (waited for), then the actors, then the
+        placement groups this manager owns (borrowed ones are never removed). Idempotent.
+
+        :raises LifecycleError: a step was not confirmed; it stays pending and the next
+            ``shutdown()`` retries it (owned placement groups are kept until then).
+        :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup;
+            its placement group is kept (fence) until :meth:`confirm_external_cleanup`.
+        """
+        with self._lock:
+            self._recovery.stop_all()
+            if self._slots.fenced_workers():
+                raise InferenceRecoveryRequired(self._slots.fence_message("shutdown()"))
+            self._groups.remove_owned()
+            self._closed = True
+            self._publication.publish()
+
+    # -- weight updates ----------------------------------------------------------------------
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> LifecycleResult:
+        """Push tensors to every replica (``tensor`` path; ACTOR). Per-replica results.
+
+        :raises CapabilityError: the weight source does not allow ``tensor`` updates.
+        """
+        return self._update(
+            "update_weights_from_tensor",
+            {
+                "serialized_named_tensors": list(serialized_named_tensors),
+                "load_format": load_format,
+                "weight_version": weight_version,
+                "flush_cache": flush_cache,
+            },
+        )
+
+    def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | None = None, load_format: str | None = None
+    ) -> LifecycleResult:
+        """Load a checkpoint directory on every replica (``disk`` path; ACTOR, DCS).
+
+        :raises CapabilityError: the weight source does not allow ``disk`` updates.
+        """
+        return self._update(
+            "update_weights_from_disk",
+            {
+                "model_path": model_path,
+                "weight_version": weight_version,
+                "load_format": load_format,
+            },
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+    ) -> LifecycleResult:
+        """Receive tensors broadcast by the trainer (``distributed`` path; ACTOR).
+
+        The trainer must broadcast concurrently (from another thread or process).
+        """
+        return self._update(
+            "update_weights_from_distributed",
+            {
+                "names": list(names),
+                "dtypes": list(dtypes),
+                "shapes": [list(s) for s in shapes],
+                "group_name": group_name,
+                "weight_version": weight_version,
+            },
+        )
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offsets: Sequence[int],
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> LifecycleResult:
+        """Join every replica head to the trainer's broadcast group (``distributed`` path).
+
+        ``rank_offsets[i]`` is replica ``i``'s first rank. No fence: admission stays as it is.
+
+        :raises ValueError: not one rank offset per replica.
+        """
+        self._weights.check("init_weights_update_group")
+        with self._lock:
+            slots = self._slots.ordered()
+            if len(rank_offsets) != len(slots):
+                raise ValueError(
+                    f"init_weights_update_group: {len(rank_offsets)} rank offsets for "
+                    f"{len(slots)} replicas of model {self.model_id!r}"
+                )
+            offsets = {s.replica.index: int(o) for s, o in zip(slots, rank_offsets, strict=True)}
+        return self._each_head(
+            "init_weights_update_group",
+            lambda index: {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": offsets[index],
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> LifecycleResult:
+        """Leave the trainer's broadcast group on every replica head."""
+        self._weights.check("destroy_weights_update_group")
+        return self._each_head(
+            "destroy_weights_update_group", lambda _i: {"group_name": group_name}
+        )
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LifecycleResult:
+        """Load a LoRA adapter on every replica (``lora`` path; refused for STATIC models)."""
+        return self._update("load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora_adapter(self, lora_name: str) -> LifecycleResult:
+        """Unload a LoRA adapter from every replica."""
+        return self._update("unload_lora_adapter", {"lora_name": lora_name})
+
+    def load_checkpoint(self, version: int | None = None) -> LifecycleResult:
+        """DCS: load checkpoint ``version`` (default: the newest) on every replica, if newer.
+
+        A version equal to the published one is a no-op.
+
+        :raises CapabilityError: the weight source has no ``disk`` path.
+        :raises LifecycleError: the model has no checkpoint directory, or it holds no version.
+        """
+        self._weights.check("update_weights_from_disk")
+        wanted, path = self._weights.checkpoint(version)
+        if self._publication.weight_version == str(wanted):
+            with self._lock:
+                results = {s.engine_id: s.result(Outcome.NOOP) for s in self._slots.ordered()}
+                return self._slots.result("load_checkpoint", results, time.monotonic())
+        return self._update(
+            "update_weights_from_disk",
+            {"model_path": path, "weight_version": str(wanted), "load_format": None},
+        )
+
+    # -- the shared steps of every call ------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _guard(self, what: str, *, refuse_fenced: bool = True) -> Iterator[None]:
+        """Hold the lock; refuse ``what`` after shutdown and (``refuse_fenced``) while a worker
+        is fenced."""
+        with self._lock:
+            if self._closed:
+                raise LifecycleError(f"model {self.model_id!r}: {what} after shutdown()")
+            if refuse_fenced:
+                self._slots.refuse_if_fenced(what)
+            yield
+
+    def _run(
+        self,
+        operation: str,
+        step: Callable[[], dict[str, ReplicaResult]],
+        *,
+        settle: bool = True,
+    ) -> LifecycleResult:
+        """One lifecycle call: guarded (see :meth:`_guard`), ``step`` gives one result per
+        replica; with ``settle``, a worker fenced by the call raises with the result on it."""
+        what = f"{operation}()"
+        with self._guard(what):
+            begin = time.monotonic()
+            result = self._slots.result(operation, step(), begin)
+            return self._slots.settle(what, result) if settle else result
+
+    def _start(self) -> dict[str, ReplicaResult]:
+        """Start the STARTING replicas; the others are NOOP."""
+        todo = [s for s in self._slots.ordered() if s.replica.state is ReplicaState.STARTING]
+        results = self._launcher.start(todo)
+        for slot in self._slots.ordered():
+            results.setdefault(slot.engine_id, slot.result(Outcome.NOOP))
+        return results
+
+    def _update(self, method: str, kwargs: dict[str, Any]) -> LifecycleResult:
+        """One weight update on every replica that holds weights, behind the fence."""
+        self._weights.check(method)
+        return self._run(method, lambda: self._weights.apply(method, kwargs))
+
+    def _each_head(
+        self, method: str, kwargs_of: Callable[[int], dict[str, Any]]
+    ) -> LifecycleResult:
+        """One call on every serving replica's head, with no fence (a weight-update group)."""
+        return self._run(method, lambda: self._weights.each_head(method, kwargs_of), settle=False)
+
+
+def _check_inputs(
+    model_id: str, backend: EngineBackend, launch: ModelLaunch, placement: ReplicaPlacement
+) -> None:
+    """:raises ValueError: the launch, the placement and the backend disagree."""
+    if launch.nodes_per_replica != placement.nodes_per_replica:
+        raise ValueError(
+            f"model {model_id!r}: launch.nodes_per_replica={launch.nodes_per_replica} but the "
+            f"placement gives each replica {placement.nodes_per_replica} worker group(s); "
+            "they must agree"
+        )
+    if launch.nodes_per_replica > 1 and not backend.multi_node:
+        raise ValueError(
+            f"model {model_id!r}: engine backend {backend.name!r} does not support multi-node "
+            f"replicas (nodes_per_replica={launch.nodes_per_replica})"
+        )
+    if launch.device not in backend.devices:
+        raise ValueError(
+            f"model {model_id!r}: launch.device={launch.device!r}; engine backend "
+            f"{backend.name!r} runs on {sorted(backend.devices)}"
+        )

@@ -2,209 +2,154 @@
 
 Each replica's plan comes from the pure functions of :mod:`.state` (only resident tags are
 released, only missing ones resumed), so repeated calls are no-ops; each replica's outcome is
-its own (partial success: confirmed ones SLEEPING/READY, unconfirmed ones FAILED).
+its own (partial success: confirmed ones SLEEPING/READY, unconfirmed ones FAILED). Both go to
+the replica heads through :class:`~.heads.HeadCalls` (the private control channel by default).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, TypeVar
 
-from relax_core.manager.base import ManagerBase, with_result
-from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
-from relax_core.manager.slots import ReplicaSlot
-from relax_core.manager.state import (
-    NotApplicable,
-    Replica,
-    ReplicaState,
-    normalize_tags,
-    plan_offload,
-    plan_onload,
-)
+import attrs
 
-__all__ = ["MemoryMixin"]
+from relax_core.errors import NotApplicable
+from relax_core.manager.heads import HeadCalls
+from relax_core.manager.publication import Publication
+from relax_core.manager.results import Outcome, ReplicaResult
+from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
+from relax_core.manager.state import Replica, ReplicaState, plan_offload, plan_onload
+
+__all__ = ["Memory"]
 
 _S = ReplicaState
 
 
 class _Plan(Protocol):
+    """What :class:`~.state.OffloadPlan` and :class:`~.state.OnloadPlan` have in common."""
+
+    @property
+    def tags(self) -> tuple[str, ...]: ...
+
     @property
     def noop(self) -> bool: ...
+
+    def begin(self, replica: Replica) -> None: ...
+
+    def confirm(self, replica: Replica) -> None: ...
 
 
 _P = TypeVar("_P", bound=_Plan)
 
 
-class MemoryMixin(ManagerBase):
-    """Onload and offload of :class:`~relax_core.manager.InferenceManager`."""
+@attrs.define
+class Memory:
+    """Offload and onload of one model's replicas. Not thread-safe (the manager's lock is held).
+
+    ``strict_drain``: an offload waits for in-flight requests (up to the drain deadline) before
+    aborting them; otherwise it aborts them at once.
+    """
+
+    slots: SlotTable
+    heads: HeadCalls
+    publication: Publication
+    strict_drain: bool
+    timeouts: ManagerTimeouts
 
     def offload(
-        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
-    ) -> LifecycleResult:
-        """Release ``tags`` (default: all) on every replica; per-replica results.
-
-        ``engine_ids`` limits the call to those replicas (default: all).
-        Each replica: close admission (DRAINING, no longer direct-eligible), drain in-flight
-        requests (strict: wait up to the drain deadline, then abort), release, confirm →
-        SLEEPING. A replica whose release is not confirmed is FAILED: its memory is NOT known
-        to be free. Tags already released are skipped, so a repeated offload is a no-op.
-
-        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
-        """
-        wanted = normalize_tags(tags, where="offload(tags)")
-        with self._lock:
-            self._refuse_if_closed("offload()")
-            self._refuse_if_fenced("offload()")
-            slots = self._select(engine_ids)
-            begin = time.monotonic()
-            results: dict[str, ReplicaResult] = {}
-            todo: dict[int, tuple[str, ...]] = {}
-            for slot in slots:
-                rep = slot.replica
-                early, plan = self._triage(slot, plan_offload, wanted)
-                if early is not None:
-                    results[slot.engine_id] = early
-                    continue
-                assert plan is not None
-                rep.admission_open = False
-                rep.advance(_S.DRAINING)
-                todo[rep.index] = plan.tags
-            if todo:
-                self._publish()
-                t = self.timeouts
-                outs = self._call_heads(
-                    "offload",
-                    {
-                        i: {
-                            "tags": list(tags),
-                            "strict": self.spec.strict_drain,
-                            "drain_timeout": t.drain,
-                            "timeout": t.offload,
-                        }
-                        for i, tags in todo.items()
-                    },
-                    t.drain + t.offload + t.rpc_margin,
-                )
-                for i, tags in todo.items():
-                    slot, out = self._slots[i], outs[i]
-                    if out.ok:
-                        slot.replica.resident -= frozenset(tags)
-                        slot.replica.advance(_S.SLEEPING)
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.DONE, str(_S.SLEEPING), tags, seconds=out.value
-                        )
-                    else:
-                        error = self._fail(slot, slot.head, out, "offload")
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.FAILED, str(_S.FAILED), tags, error=error
-                        )
-                self._publish()
-            result = self._result("offload", results, begin)
-            if self._fenced_workers():
-                raise with_result(self._recovery_error("offload()"), result)
-            return result
+        self, engine_ids: Iterable[str] | None, wanted: frozenset[str]
+    ) -> dict[str, ReplicaResult]:
+        """Release ``wanted`` on the replicas ``engine_ids`` (``None``: all): close admission
+        (DRAINING), drain, release, confirm → SLEEPING; unconfirmed → FAILED. One result per
+        replica. Blocking. :raises KeyError: an unknown engine id."""
+        t = self.timeouts
+        drain = {"strict": self.strict_drain, "drain_timeout": t.drain, "timeout": t.offload}
+        return self._run(
+            "offload",
+            self.slots.select(engine_ids),
+            plan_offload,
+            wanted,
+            lambda plan: {"tags": list(plan.tags), **drain},
+            t.drain + t.offload + t.rpc_margin,
+        )
 
     def onload(
-        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
-    ) -> LifecycleResult:
-        """Resume the missing ``tags`` (default: all) on every SLEEPING replica.
+        self, engine_ids: Iterable[str] | None, wanted: frozenset[str]
+    ) -> dict[str, ReplicaResult]:
+        """Resume what is missing of ``wanted`` on the SLEEPING replicas ``engine_ids``
+        (``None``: all; ONLOADING); once every tag is resident, check one generation and reopen
+        → READY, else stay SLEEPING; unconfirmed → FAILED. One result per replica. Blocking.
+        :raises KeyError: an unknown engine id."""
+        t = self.timeouts
+        return self._run(
+            "onload",
+            self.slots.select(engine_ids),
+            plan_onload,
+            wanted,
+            lambda plan: {"tags": list(plan.tags), "reopen": plan.reopen, "timeout": t.onload},
+            t.onload * 2 + t.rpc_margin,
+        )
 
-        ``engine_ids`` limits the call to those replicas (default: all).
-        Each replica: ONLOADING, resume only what is missing (weights first), and — once every
-        tag is resident — check one generation and reopen admission → READY; with a subset of
-        tags it stays SLEEPING. READY replicas are a no-op. A replica whose resume is not
-        confirmed is FAILED.
-
-        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
-        """
-        wanted = normalize_tags(tags, where="onload(tags)")
-        with self._lock:
-            self._refuse_if_closed("onload()")
-            self._refuse_if_fenced("onload()")
-            slots = self._select(engine_ids)
-            begin = time.monotonic()
-            results: dict[str, ReplicaResult] = {}
-            todo: dict[int, tuple[tuple[str, ...], bool]] = {}
-            for slot in slots:
-                rep = slot.replica
-                early, plan = self._triage(slot, plan_onload, wanted)
-                if early is not None:
-                    results[slot.engine_id] = early
-                    continue
-                assert plan is not None
-                rep.advance(_S.ONLOADING)
-                todo[rep.index] = (plan.tags, plan.reopen)
-            if todo:
-                self._publish()
-                t = self.timeouts
-                outs = self._call_heads(
-                    "onload",
-                    {
-                        i: {"tags": list(tags), "reopen": reopen, "timeout": t.onload}
-                        for i, (tags, reopen) in todo.items()
-                    },
-                    t.onload * 2 + t.rpc_margin,
-                )
-                for i, (tags, reopen) in todo.items():
-                    slot, out = self._slots[i], outs[i]
-                    rep = slot.replica
-                    if out.ok:
-                        rep.resident |= frozenset(tags)
-                        if reopen:
-                            rep.became_ready()
-                        else:
-                            rep.advance(_S.SLEEPING)
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.DONE, str(rep.state), tags, seconds=out.value
-                        )
-                    else:
-                        error = self._fail(slot, slot.head, out, "onload")
-                        results[slot.engine_id] = ReplicaResult(
-                            slot.engine_id, Outcome.FAILED, str(_S.FAILED), tags, error=error
-                        )
-                self._publish()
-            result = self._result("onload", results, begin)
-            if self._fenced_workers():
-                raise with_result(self._recovery_error("onload()"), result)
-            return result
-
-    def _triage(
+    def _run(
         self,
-        slot: ReplicaSlot,
+        method: str,
+        slots: list[ReplicaSlot],
         planner: Callable[[Replica, frozenset[str]], _P],
         wanted: frozenset[str],
-    ) -> tuple[ReplicaResult | None, _P | None]:
-        """The replica's plan, or the result that settles it without a call (FAILED, cleaned,
-        SKIPPED when the plan does not apply, NOOP when nothing is to do)."""
-        early = self._not_applicable(slot)
-        if early is not None:
-            return early, None
-        rep = slot.replica
-        try:
-            plan = planner(rep, wanted)
-        except NotApplicable as exc:
-            skipped = ReplicaResult(slot.engine_id, Outcome.SKIPPED, str(rep.state), error=str(exc))
-            return skipped, None
-        if plan.noop:
-            return ReplicaResult(slot.engine_id, Outcome.NOOP, str(rep.state)), None
-        return None, plan
+        kwargs: Callable[[_P], Mapping[str, Any]],
+        timeout: float,
+    ) -> dict[str, ReplicaResult]:
+        """Plan each replica and begin its step; call ``method(**kwargs(plan))`` on every head
+        at once (published before and after); confirm each confirmed step, fail the others."""
+        results: dict[str, ReplicaResult] = {}
+        todo: dict[int, _P] = {}
+        for slot in slots:
+            early, plan = _triage(slot, planner, wanted)
+            if early is not None:
+                results[slot.engine_id] = early
+                continue
+            assert plan is not None
+            plan.begin(slot.replica)
+            todo[slot.replica.index] = plan
+        if not todo:
+            return results
+        self.publication.publish()
+        outs = self.heads.call(method, {i: kwargs(plan) for i, plan in todo.items()}, timeout)
+        for i, plan in todo.items():
+            slot, out = self.slots.at(i), outs[i]
+            if out.ok:
+                plan.confirm(slot.replica)
+                results[slot.engine_id] = slot.result(
+                    Outcome.DONE, tags=plan.tags, seconds=out.value
+                )
+            else:
+                # FAILED now (it was DRAINING or ONLOADING).
+                error = slot.fail(slot.head, out, method)
+                results[slot.engine_id] = slot.result(Outcome.FAILED, tags=plan.tags, error=error)
+        self.publication.publish()
+        return results
 
-    def _not_applicable(self, slot: ReplicaSlot) -> ReplicaResult | None:
-        rep = slot.replica
-        if rep.state is _S.FAILED:
-            return ReplicaResult(
-                slot.engine_id,
-                Outcome.FAILED,
-                str(rep.state),
-                error=f"replica is FAILED ({rep.error}); its memory is not known to be free: "
-                "recover() or shut it down",
-            )
-        if rep.state is _S.STOPPING:
-            if slot.cleaned:
-                return ReplicaResult(slot.engine_id, Outcome.NOOP, str(rep.state))
-            pending = [w.pending for w in slot.workers if w.pending]
-            return ReplicaResult(
-                slot.engine_id, Outcome.FAILED, str(rep.state), error=f"cleanup pending: {pending}"
-            )
-        return None
+
+def _triage(
+    slot: ReplicaSlot, planner: Callable[[Replica, frozenset[str]], _P], wanted: frozenset[str]
+) -> tuple[ReplicaResult | None, _P | None]:
+    """The replica's plan, or the result that settles it without a call (FAILED, cleaned,
+    SKIPPED when the plan does not apply, NOOP when nothing is to do)."""
+    rep = slot.replica
+    if rep.state is _S.FAILED:
+        error = (
+            f"replica is FAILED ({rep.error}); its memory is not known to be free: "
+            "recover() or shut it down"
+        )
+        return slot.result(Outcome.FAILED, error=error), None
+    if rep.state is _S.STOPPING:
+        if slot.cleaned:
+            return slot.result(Outcome.NOOP), None
+        return slot.result(Outcome.FAILED, error=f"cleanup pending: {slot.pending}"), None
+    try:
+        plan = planner(rep, wanted)
+    except NotApplicable as exc:
+        return slot.result(Outcome.SKIPPED, error=str(exc)), None
+    if plan.noop:
+        return slot.result(Outcome.NOOP), None
+    return None, plan

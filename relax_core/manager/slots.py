@@ -3,19 +3,35 @@
 An *engine slot* is one worker of one logical replica: a Ray actor on one placement-group
 bundle, or nothing once its shutdown is confirmed. A replica has as many slots as it spans
 nodes — scale-out creates all of them, and cleanup tracks each one, so a partially cleaned
-replica keeps exactly the slots that still hold something.
+replica keeps exactly the slots that still hold something. A :class:`SlotTable` holds one
+model's replica slots; every part of the manager reads and changes replicas through it, and it
+knows which workers are *fenced* (their actor died without confirmed cleanup).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from relax_core.manager.state import Replica
+from relax_core.errors import InferenceRecoveryRequired
+from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
+from relax_core.manager.state import Replica, ReplicaState
 
-__all__ = ["ManagerTimeouts", "ModelLaunch", "ReplicaPlacement", "ReplicaSlot", "WorkerSlot"]
+if TYPE_CHECKING:
+    from relax_core.manager.channel import ControlAddress
+    from relax_core.manager.fanout import CallOutcome
+
+__all__ = [
+    "ManagerTimeouts",
+    "ModelLaunch",
+    "ReplicaPlacement",
+    "ReplicaSlot",
+    "SlotTable",
+    "WorkerSlot",
+]
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -133,6 +149,10 @@ class ReplicaPlacement:
         return cls(None, tuple(((),) * nodes_per_replica for _ in range(replicas)))
 
 
+#: Why a fenced worker's slot is kept.
+_DIED = "actor died without confirmed cleanup of its engine process"
+
+
 @attrs.define
 class WorkerSlot:
     """One worker of a replica. ``actor`` is ``None`` once its cleanup is confirmed.
@@ -140,6 +160,8 @@ class WorkerSlot:
     ``fenced``: the actor died without confirmed cleanup of its engine process; the slot, its
     pending record and the placement group stay until an operator confirms the node is clean.
     ``pending``: why the last cleanup step is not confirmed (retry it).
+    ``control``: a started head's private control endpoint (onload/offload over HTTP); it
+    belongs to ``actor`` and is forgotten with it.
     """
 
     node_rank: int
@@ -150,6 +172,7 @@ class WorkerSlot:
     node_id: str | None = None
     fenced: bool = False
     pending: str | None = None
+    control: ControlAddress | None = None
 
     @property
     def bundle(self) -> int | None:
@@ -160,6 +183,23 @@ class WorkerSlot:
     def holds_resources(self) -> bool:
         """Whether anything may still run for this slot."""
         return self.actor is not None or self.fenced
+
+    def attach(self, actor: Any) -> None:
+        """A new worker actor takes the slot; nothing of the previous one is kept."""
+        self.actor = actor
+        self.engine_pid = None
+        self.pending = None
+        self.control = None
+
+    def detach(self) -> None:
+        """The actor is gone and its engine process confirmed gone: the slot is empty again."""
+        self.attach(None)
+        self.fenced = False
+
+    def fence(self) -> None:
+        """The actor died without confirmed cleanup of its engine process: keep everything."""
+        self.fenced = True
+        self.pending = _DIED
 
 
 @attrs.define
@@ -191,3 +231,178 @@ class ReplicaSlot:
     def cleaned(self) -> bool:
         """Every worker's cleanup confirmed (nothing of the replica runs any more)."""
         return not any(w.holds_resources for w in self.workers)
+
+    @property
+    def pending(self) -> list[str]:
+        """Why each worker's last cleanup step is not confirmed (head first)."""
+        return [w.pending for w in self.workers if w.pending]
+
+    @property
+    def live_head(self) -> Any:
+        """The head's actor when one runs and is not fenced, else ``None``."""
+        head = self.head
+        return head.actor if head.actor is not None and not head.fenced else None
+
+    def result(
+        self,
+        outcome: Outcome,
+        *,
+        tags: tuple[str, ...] = (),
+        error: str | None = None,
+        seconds: float = 0.0,
+    ) -> ReplicaResult:
+        """This replica's result of a call, with the state it is in now."""
+        return ReplicaResult(self.engine_id, outcome, str(self.replica.state), tags, error, seconds)
+
+    def worker_name(self, worker: WorkerSlot) -> str:
+        """``model/replica-i`` for the head, ``model/replica-i/node-r`` for a follower."""
+        if worker.node_rank == 0:
+            return self.engine_id
+        return f"{self.engine_id}/node-{worker.node_rank}"
+
+    def fail(self, worker: WorkerSlot, outcome: CallOutcome, during: str) -> str:
+        """Record a step of ``worker`` that was not confirmed; return the message.
+
+        A dead actor is fenced; the replica is FAILED (see :meth:`mark_failed`).
+        """
+        message = f"{during} of {self.worker_name(worker)}: {outcome.describe()}"
+        if outcome.actor_died:
+            worker.fence()
+            message += " (actor died; engine process not confirmed gone: fenced)"
+        self.mark_failed(message)
+        return message
+
+    def mark_failed(self, message: str) -> None:
+        """FAILED (unless already FAILED or STOPPING), so no longer routable or valid.
+
+        The head is also told to stop admitting at its door (best effort, not waited for:
+        route eligibility is already gone with the state).
+        """
+        rep = self.replica
+        if rep.state is not ReplicaState.FAILED and rep.state is not ReplicaState.STOPPING:
+            rep.advance(ReplicaState.FAILED, error=message)
+        rep.weights_valid = rep.weights_valid and rep.state is not ReplicaState.FAILED
+        if self.live_head is not None:
+            self.live_head.close_admission.remote("FAILED")
+
+
+@attrs.define
+class SlotTable:
+    """The replica slots of one model, by index, and the fences among them.
+
+    Every part of the manager reads and changes replicas through this table. Not thread-safe:
+    the manager calls it under its lock.
+    """
+
+    model_id: str
+    _slots: dict[int, ReplicaSlot] = attrs.field(factory=dict, init=False)
+    _next_index: int = attrs.field(default=0, init=False)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def ordered(self) -> list[ReplicaSlot]:
+        """Every slot, by replica index."""
+        return [self._slots[i] for i in sorted(self._slots)]
+
+    def at(self, index: int) -> ReplicaSlot:
+        """The slot of replica ``index``."""
+        return self._slots[index]
+
+    def get(self, engine_id: str) -> ReplicaSlot:
+        """The slot of ``engine_id``.
+
+        :raises KeyError: no such replica (the message lists the model's replicas).
+        """
+        for slot in self._slots.values():
+            if slot.engine_id == engine_id:
+                return slot
+        raise KeyError(
+            f"model {self.model_id!r} has no replica {engine_id!r}; it has "
+            f"{[s.engine_id for s in self.ordered()]}"
+        )
+
+    def select(self, engine_ids: Iterable[str] | None) -> list[ReplicaSlot]:
+        """The slots of ``engine_ids`` (each once, in the order given); ``None``: every slot.
+
+        :raises KeyError: an unknown engine id.
+        """
+        if engine_ids is None:
+            return self.ordered()
+        if isinstance(engine_ids, str):
+            engine_ids = (engine_ids,)
+        return [self.get(e) for e in dict.fromkeys(engine_ids)]
+
+    def add(self, workers: Sequence[Sequence[Sequence[int]]], group: Any) -> list[ReplicaSlot]:
+        """New replicas, one slot per node: ``workers[replica][node]`` are bundle indices."""
+        added = []
+        for nodes in workers:
+            index = self._next_index
+            self._next_index += 1
+            replica = Replica(index=index, engine_id=f"{self.model_id}/replica-{index}")
+            slot = ReplicaSlot(
+                replica=replica,
+                workers=[WorkerSlot(node_rank=r, bundles=tuple(b)) for r, b in enumerate(nodes)],
+                placement_group=group,
+            )
+            self._slots[index] = slot
+            added.append(slot)
+        return added
+
+    def remove(self, slot: ReplicaSlot) -> None:
+        """Forget a replica whose cleanup is confirmed (scale-in)."""
+        del self._slots[slot.replica.index]
+
+    def bundle_users(self) -> dict[tuple[str | None, int], str]:
+        """``(placement group id, bundle)`` -> the engine id of the replica using it."""
+        return {
+            (_group_id(s.placement_group), b): s.engine_id
+            for s in self._slots.values()
+            for w in s.workers
+            for b in w.bundles
+        }
+
+    # -- fences ------------------------------------------------------------------------------
+
+    def fenced_workers(self) -> list[str]:
+        """The names of every fenced worker (see :class:`WorkerSlot`)."""
+        return [s.worker_name(w) for s in self.ordered() for w in s.workers if w.fenced]
+
+    def fence_message(self, what: str) -> str:
+        """What an :class:`InferenceRecoveryRequired` says: every fenced worker, what to do."""
+        return (
+            f"model {self.model_id!r}: {what}: engine worker actor(s) {self.fenced_workers()} "
+            "died without confirmed cleanup of their engine processes; their slots, pending "
+            "records and placement group are kept and nothing is rebuilt. Confirm on the node "
+            "(or container) that the engine processes are gone, then call "
+            "confirm_external_cleanup(), or start a new job"
+        )
+
+    def refuse_if_fenced(self, what: str) -> None:
+        """:raises InferenceRecoveryRequired: a worker is fenced, so ``what`` is refused."""
+        if self.fenced_workers():
+            raise InferenceRecoveryRequired(self.fence_message(f"{what} refused"))
+
+    def settle(self, what: str, result: LifecycleResult) -> LifecycleResult:
+        """``result``, unless the call left a worker fenced.
+
+        :raises InferenceRecoveryRequired: a worker is fenced; ``result`` is on the error.
+        """
+        if self.fenced_workers():
+            raise InferenceRecoveryRequired(self.fence_message(what), result=result)
+        return result
+
+    def result(
+        self, operation: str, results: Mapping[str, ReplicaResult], begin: float
+    ) -> LifecycleResult:
+        """The call's :class:`LifecycleResult`: replicas by index, then any no longer here."""
+        order = [s.engine_id for s in self.ordered()]
+        ordered_results = [results[e] for e in order if e in results]
+        ordered_results += [r for e, r in results.items() if e not in order]
+        return LifecycleResult(
+            operation, self.model_id, tuple(ordered_results), time.monotonic() - begin
+        )
+
+
+def _group_id(group: Any) -> str | None:
+    return group.id.hex() if group is not None else None

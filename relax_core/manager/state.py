@@ -1,4 +1,4 @@
-"""Replica states, resident tags and their transitions — pure, no Ray, no I/O.
+"""Replica states, their transitions and onload/offload plans — pure, no Ray, no I/O.
 
 A logical replica is READY only when every resident tag (weights, KV cache, CUDA graph) is
 resident, its weights are valid and its admission is open. The manager changes a replica's
@@ -18,7 +18,8 @@ what is missing" are properties of this module, tested without any engine.
     STOPPING  -> STARTING (rebuilt after confirmed cleanup) | STOPPING (cleanup retried)
 
 FAILED means "not routable", never "memory released": only a confirmed offload (SLEEPING) or a
-confirmed shutdown frees the GPU.
+confirmed shutdown frees the GPU. The resident tags themselves are defined once, for the engine
+and the manager, in :mod:`relax_core.engine.tags`.
 """
 
 from __future__ import annotations
@@ -28,20 +29,10 @@ from collections.abc import Iterable
 
 import attrs
 
-from relax_core.errors import LifecycleError
+from relax_core.engine.tags import ALL_TAGS, TAG_ORDER, normalize_tags, ordered
+from relax_core.errors import LifecycleError, NotApplicable
 
-__all__ = [
-    "ALL_TAGS",
-    "TAG_ORDER",
-    "OffloadPlan",
-    "OnloadPlan",
-    "Replica",
-    "ReplicaState",
-    "ResidentTag",
-    "normalize_tags",
-    "plan_offload",
-    "plan_onload",
-]
+__all__ = ["OffloadPlan", "OnloadPlan", "Replica", "ReplicaState", "plan_offload", "plan_onload"]
 
 
 class ReplicaState(enum.StrEnum):
@@ -56,18 +47,6 @@ class ReplicaState(enum.StrEnum):
     STOPPING = "STOPPING"
 
 
-class ResidentTag(enum.StrEnum):
-    """A piece of engine memory that can be released and resumed on its own."""
-
-    WEIGHTS = "weights"
-    KV_CACHE = "kv_cache"
-    CUDA_GRAPH = "cuda_graph"
-
-
-#: Resume order: weights first, then KV cache, then CUDA graphs (SGLang's rule).
-TAG_ORDER: tuple[str, ...] = (ResidentTag.WEIGHTS, ResidentTag.KV_CACHE, ResidentTag.CUDA_GRAPH)
-ALL_TAGS: frozenset[str] = frozenset(TAG_ORDER)
-
 _S = ReplicaState
 #: Transitions kept in ``Replica.history`` (the newest).
 _HISTORY = 64
@@ -80,32 +59,6 @@ _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     _S.FAILED: frozenset({_S.STOPPING}),
     _S.STOPPING: frozenset({_S.STARTING, _S.STOPPING}),
 }
-
-
-def normalize_tags(tags: Iterable[str] | None, *, where: str = "tags") -> frozenset[str]:
-    """``None`` means every tag; otherwise check each name.
-
-    :raises ValueError: an unknown tag (the message lists the known ones).
-    """
-    if tags is None:
-        return ALL_TAGS
-    if isinstance(tags, str):
-        tags = (tags,)
-    out = frozenset(str(t) for t in tags)
-    unknown = out - ALL_TAGS
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown resident tags {sorted(unknown)}; known: {list(TAG_ORDER)}"
-        )
-    if not out:
-        raise ValueError(f"{where}: give at least one tag, or None for all of {list(TAG_ORDER)}")
-    return out
-
-
-def ordered(tags: Iterable[str]) -> tuple[str, ...]:
-    """``tags`` in resume order, as plain strings."""
-    wanted = {str(t) for t in tags}
-    return tuple(str(t) for t in TAG_ORDER if t in wanted)
 
 
 @attrs.define
@@ -186,6 +139,16 @@ class OffloadPlan:
         """True when every requested tag is already released."""
         return not self.tags
 
+    def begin(self, replica: Replica) -> None:
+        """The release starts: admission closes, the replica drains (DRAINING)."""
+        replica.admission_open = False
+        replica.advance(ReplicaState.DRAINING)
+
+    def confirm(self, replica: Replica) -> None:
+        """The release is confirmed: the tags are gone (SLEEPING)."""
+        replica.resident -= frozenset(self.tags)
+        replica.advance(ReplicaState.SLEEPING)
+
 
 @attrs.frozen
 class OnloadPlan:
@@ -200,9 +163,17 @@ class OnloadPlan:
         """True when nothing is missing and admission is already as it should be."""
         return not self.tags and not self.reopen
 
+    def begin(self, replica: Replica) -> None:
+        """The resume starts (ONLOADING)."""
+        replica.advance(ReplicaState.ONLOADING)
 
-class NotApplicable(LifecycleError):
-    """A lifecycle call does not apply to a replica in its current state (it is skipped)."""
+    def confirm(self, replica: Replica) -> None:
+        """The resume is confirmed: READY when admission reopened, else still SLEEPING."""
+        replica.resident |= frozenset(self.tags)
+        if self.reopen:
+            replica.became_ready()
+        else:
+            replica.advance(ReplicaState.SLEEPING)
 
 
 def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:

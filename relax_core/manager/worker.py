@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,9 +29,10 @@ import attrs
 
 from relax_core.engine.admission import AdmissionServer
 from relax_core.engine.spec import InferenceEngineSpec
+from relax_core.engine.tags import ResidentTag, ordered
 from relax_core.errors import CapabilityError, LifecycleError, RelaxError
 from relax_core.manager.channel import ControlAddress, ControlChannelServer
-from relax_core.manager.state import ordered
+from relax_core.net import free_port
 from relax_core.records import EngineBackend, EngineLaunchSpec, EngineProcess
 
 __all__ = ["UPDATE_METHODS", "EngineWorker", "ProbeResult", "StartResult"]
@@ -53,13 +53,6 @@ _RAW_LORA_PATHS = {
 }
 log = logging.getLogger(__name__)
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
-
-
-def free_port(host: str) -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @attrs.frozen
@@ -290,7 +283,7 @@ class EngineWorker:
         async with self._lock, asyncio.timeout(drain_timeout + timeout):
             control, _ = self._head()
             await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
-            if "kv_cache" in tags:
+            if ResidentTag.KV_CACHE in tags:
                 await control.flush_cache(wait=timeout, timeout=timeout)
             await control.release_memory(ordered(tags), timeout=timeout)
         return time.monotonic() - start

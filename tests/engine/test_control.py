@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from relax_core.engine.control import MEMORY_TAGS, ControlClient, serialize_named_tensors
+from relax_core.engine.control import ControlClient, serialize_named_tensors
+from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 from relax_core.testing import free_port, serve_app
 
@@ -128,7 +129,7 @@ def test_none_tags_mean_all_and_unknown_tags_fail_before_any_request(
 
     run(go())
     assert engine[0].bodies["resume"] == {"tags": None}
-    assert MEMORY_TAGS == ("weights", "kv_cache", "cuda_graph")
+    assert TAG_ORDER == ("weights", "kv_cache", "cuda_graph")
 
 
 def test_flush_cache_retries_a_busy_engine_until_wait_runs_out(engine: tuple[Engine, str]) -> None:

@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 import urllib3
 
-from relax_core.errors import CapabilityError, LifecycleError, UpstreamError
+from relax_core.errors import CapabilityError, ChannelError, LifecycleError, UpstreamError
 from relax_core.manager.channel import (
     CONTROL_PREFIX,
     TOKEN_HEADER,
-    ChannelError,
     ControlAddress,
     ControlChannelServer,
     call_many,

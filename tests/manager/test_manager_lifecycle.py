@@ -206,9 +206,11 @@ def test_onload_and_offload_go_over_a_private_channel_that_refuses_strangers(
     manager: Any, publisher: RegistryPublisher
 ) -> None:
     engine = heads(publisher)[0]
-    # The manager's record of the head's endpoint (it came back in the worker's Ray start()).
-    actor, address = manager._control[0]
-    assert actor is manager.workers(engine.engine_id)[0].actor
+    # The manager's record of the head's endpoint (it came back in the worker's Ray start()),
+    # kept on the head's worker slot next to the actor it belongs to.
+    head = manager.workers(engine.engine_id)[0]
+    address = head.control
+    assert address is not None and head.actor is not None
     assert address.url.rsplit(":", 1)[1] != engine.base_url.rsplit(":", 1)[1]
     snapshot = json.dumps(publisher.snapshot().to_json())
     assert address.token not in snapshot and address.url not in snapshot

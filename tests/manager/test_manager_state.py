@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relax_core.errors import LifecycleError
+from relax_core.errors import InferenceRecoveryRequired, LifecycleError, NotApplicable
 from relax_core.manager import (
     ALL_TAGS,
     TAG_ORDER,
+    HealthReport,
     LifecycleResult,
     Outcome,
     Replica,
+    ReplicaHealth,
     ReplicaResult,
     ReplicaState,
     normalize_tags,
     plan_offload,
     plan_onload,
 )
-from relax_core.manager.state import NotApplicable
 
 S = ReplicaState
 
@@ -206,3 +209,19 @@ def test_lifecycle_result_names_every_failed_replica() -> None:
     assert result.states == {"judge/replica-0": "SLEEPING", "judge/replica-1": "FAILED"}
     with pytest.raises(LifecycleError, match=r"1 of 2 .*judge/replica-1: timeout.*not known"):
         result.raise_for_failures()
+
+
+def test_a_fence_error_keeps_its_result_and_report_across_a_pickle() -> None:
+    # Ray pickles an exception raised in an actor: a manager running as one must not lose the
+    # per-replica results a caller needs to decide what to do.
+    result = LifecycleResult(
+        "offload", "judge", (ReplicaResult("judge/replica-0", Outcome.FAILED, "FAILED"),)
+    )
+    report = HealthReport(
+        "judge", (ReplicaHealth("judge/replica-0", healthy=False, state="FAILED", action="fenced"),)
+    )
+    error = InferenceRecoveryRequired("model 'judge': fenced", result=result, report=report)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is InferenceRecoveryRequired and str(again) == str(error)
+    assert again.result == result and again.report == report
+    assert InferenceRecoveryRequired("refused").result is None

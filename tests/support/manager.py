@@ -219,7 +219,7 @@ class Run:
         self.manager = manager
         self.pids: set[int] = set()
         self.actors: set[str] = set()
-        self.groups = [g for g, owned in manager._groups.values() if owned]
+        self.groups = manager._groups.owned()
 
     def track(self) -> list[int]:
         """Record the manager's current engine pids; return them."""

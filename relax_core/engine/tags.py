@@ -1,0 +1,54 @@
+"""The memory tags an engine releases and resumes: one definition for the engine and the manager.
+
+SGLang's memory-occupation protocol names three pieces of engine memory that can be released
+and resumed on their own. The control client sends them to the engine; the manager tracks which
+ones each replica holds (a replica is READY only with all of them) and plans onload and offload
+from them. Resuming goes weights first, then KV cache, then CUDA graphs (SGLang's rule).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+__all__ = ["ALL_TAGS", "TAG_ORDER", "ResidentTag", "normalize_tags", "ordered"]
+
+
+class ResidentTag(enum.StrEnum):
+    """A piece of engine memory that can be released and resumed on its own."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    CUDA_GRAPH = "cuda_graph"
+
+
+#: Every tag in resume order (weights, KV cache, CUDA graphs), as the plain strings the engine
+#: protocol carries (so messages list ``'weights'``, not the enum member).
+TAG_ORDER: tuple[str, ...] = tuple(str(t) for t in ResidentTag)
+ALL_TAGS: frozenset[str] = frozenset(TAG_ORDER)
+
+
+def normalize_tags(tags: Iterable[str] | None, *, where: str = "tags") -> frozenset[str]:
+    """``None`` means every tag; otherwise check each name.
+
+    :raises ValueError: an unknown tag (the message lists the known ones), or no tag at all.
+    """
+    if tags is None:
+        return ALL_TAGS
+    if isinstance(tags, str):
+        tags = (tags,)
+    out = frozenset(str(t) for t in tags)
+    unknown = out - ALL_TAGS
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown resident tags {sorted(unknown)}; known: {list(TAG_ORDER)}"
+        )
+    if not out:
+        raise ValueError(f"{where}: give at least one tag, or None for all of {list(TAG_ORDER)}")
+    return out
+
+
+def ordered(tags: Iterable[str]) -> tuple[str, ...]:
+    """``tags`` in resume order, as plain strings (unknown names are dropped)."""
+    wanted = {str(t) for t in tags}
+    return tuple(str(t) for t in TAG_ORDER if t in wanted)

@@ -1,0 +1,72 @@
+"""Calls to the replica heads: over each head's private control channel, or as Ray actor calls.
+
+Onload, offload and ``admission_states()`` go to each head's private control endpoint (one HTTP
+request each, sent together from one event loop: see :mod:`.channel`) when the head has one and
+the channel is on; otherwise, and for a head without an endpoint, they are Ray actor calls. One
+deadline for all of them either way.
+
+An HTTP exchange that failed or got no answer is no proof of anything: Ray is asked whether the
+actor died (then the outcome is Ray's ``RayActorError`` and the caller fences the worker);
+otherwise the channel's outcome stands (a failure, never a success).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from relax_core.errors import ChannelError
+from relax_core.manager.channel import ControlAddress, call_many
+from relax_core.manager.fanout import CallOutcome, gather
+from relax_core.manager.slots import SlotTable
+
+__all__ = ["HeadCalls"]
+
+
+@attrs.define
+class HeadCalls:
+    """Call one worker method on the head of many replicas at once.
+
+    ``control_channel``: use the heads' private control endpoints (``False``: Ray actor calls
+    only, for networks where the manager cannot reach the worker nodes' ports); it may change
+    between calls. ``probe_timeout``: how long Ray is asked whether an actor died after a failed
+    exchange.
+    """
+
+    slots: SlotTable
+    control_channel: bool
+    probe_timeout: float
+
+    def call(
+        self, method: str, calls: Mapping[int, Mapping[str, Any]], timeout: float
+    ) -> dict[int, CallOutcome]:
+        """``method(**kwargs)`` on the head of replica ``index`` for every ``index: kwargs``.
+
+        Blocks until every call ended or ``timeout`` passed; never raises for a failed call
+        (its outcome says why). One outcome per replica index.
+        """
+        over_http: dict[int, tuple[ControlAddress, str, Mapping[str, Any]]] = {}
+        over_ray: dict[int, Any] = {}
+        for i, kwargs in calls.items():
+            head = self.slots.at(i).head
+            if self.control_channel and head.control is not None:
+                over_http[i] = (head.control, method, kwargs)
+            else:
+                over_ray[i] = getattr(head.actor, method).remote(**kwargs)
+        outs = call_many(over_http, timeout)
+        if over_ray:
+            outs.update(gather(over_ray, timeout))
+        unsure = [
+            i for i in over_http if outs[i].timed_out or isinstance(outs[i].error, ChannelError)
+        ]
+        if unsure:
+            probes = gather(
+                {i: self.slots.at(i).head.actor.actor_pid.remote() for i in unsure},
+                self.probe_timeout,
+            )
+            for i in unsure:
+                if probes[i].actor_died:
+                    outs[i] = probes[i]
+        return {i: outs[i] for i in calls}

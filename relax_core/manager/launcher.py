@@ -1,0 +1,209 @@
+"""Starting replicas: worker actors created, engines launched and admission opened, in parallel.
+
+The same path starts a model, rebuilds a cleaned replica and starts the replicas scale-out adds.
+Every worker actor of every replica is created at once, on its placement-group bundle; a
+multi-node replica's head first picks a rendezvous address for its followers; then every engine
+is launched and waited for with one deadline, and each replica whose workers all started opens
+admission at its head after one real generation. A replica is READY only then; any other is
+FAILED (a dead actor is fenced).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import attrs
+
+from relax_core.engine.spec import InferenceEngineSpec
+from relax_core.engine.tags import ALL_TAGS
+from relax_core.manager.fanout import gather
+from relax_core.manager.publication import Publication
+from relax_core.manager.results import Outcome, ReplicaResult
+from relax_core.manager.slots import ManagerTimeouts, ModelLaunch, ReplicaSlot, WorkerSlot
+from relax_core.manager.state import ReplicaState
+from relax_core.manager.weights import CheckpointDirectory
+from relax_core.manager.worker import EngineWorker
+from relax_core.records import EngineBackend, EngineLaunchSpec
+
+__all__ = ["Launcher"]
+
+_REMOTE_WORKER: Any = None
+
+
+def _remote_worker() -> Any:
+    global _REMOTE_WORKER
+    if _REMOTE_WORKER is None:
+        import ray
+
+        _REMOTE_WORKER = ray.remote(EngineWorker)
+    return _REMOTE_WORKER
+
+
+@attrs.define
+class Launcher:
+    """Starts replicas of one model (see the module docstring). Not thread-safe.
+
+    ``ray_gpu_fraction``: the GPU share each worker actor reserves on its bundle;
+    ``retry_after``: what each head's admission server answers in ``Retry-After``.
+    """
+
+    publication: Publication
+    spec: InferenceEngineSpec
+    backend: EngineBackend
+    launch: ModelLaunch
+    ray_gpu_fraction: float
+    timeouts: ManagerTimeouts
+    retry_after: float
+
+    def start(self, slots: list[ReplicaSlot]) -> dict[str, ReplicaResult]:
+        """Start ``slots`` (STARTING replicas); one result per replica. Blocking.
+
+        Publishes once the actors exist and again at the end; records the model's weight
+        version from the first head that reports one.
+        """
+        if not slots:
+            return {}
+        t = self.timeouts
+        begin = time.monotonic()
+        for slot in slots:
+            for worker in slot.workers:
+                if worker.actor is None:
+                    self._create_actor(slot, worker)
+        self.publication.publish()
+        dist: dict[int, str] = {}
+        failed: dict[int, str] = {}
+        if self.launch.nodes_per_replica > 1:
+            outs = gather(
+                {s.replica.index: s.head.actor.rendezvous_address.remote() for s in slots},
+                t.start + t.rpc_margin,
+            )
+            for slot in slots:
+                out = outs[slot.replica.index]
+                if out.ok:
+                    dist[slot.replica.index] = str(out.value)
+                else:
+                    failed[slot.replica.index] = slot.fail(slot.head, out, "rendezvous")
+        refs = {
+            (s.replica.index, w.node_rank): w.actor.start.remote(
+                self._launch_spec(s, w, dist.get(s.replica.index)), t.start
+            )
+            for s in slots
+            if s.replica.index not in failed
+            for w in s.workers
+        }
+        remaining = t.start + t.rpc_margin - (time.monotonic() - begin)
+        starts = gather(refs, max(remaining, t.rpc_margin))
+        started: list[ReplicaSlot] = []
+        for slot in slots:
+            index = slot.replica.index
+            if index in failed:
+                continue
+            for worker in slot.workers:
+                out = starts[(index, worker.node_rank)]
+                if out.ok:
+                    worker.engine_pid = out.value.pid
+                    worker.node_ip = out.value.node_ip
+                    worker.node_id = out.value.node_id
+                elif index not in failed:
+                    failed[index] = slot.fail(worker, out, "start")
+                elif out.actor_died:
+                    slot.fail(worker, out, "start")
+            if index not in failed:
+                started.append(slot)
+        opens = gather(
+            {
+                s.replica.index: s.head.actor.open_admission.remote(check=True, timeout=t.health)
+                for s in started
+            },
+            t.health + t.rpc_margin,
+        )
+        for slot in started:
+            index, rep = slot.replica.index, slot.replica
+            out = opens[index]
+            if not out.ok:
+                failed[index] = slot.fail(slot.head, out, "first generation")
+                continue
+            head = starts[(index, 0)].value
+            slot.head.control = getattr(head, "control", None)
+            rep.base_url = head.public_url
+            rep.generation += 1
+            rep.resident = ALL_TAGS
+            rep.weights_valid = True
+            rep.weight_version = head.weight_version
+            rep.error = None
+            rep.became_ready()
+            if self.publication.weight_version is None and head.weight_version is not None:
+                self.publication.weight_version = head.weight_version
+        results: dict[str, ReplicaResult] = {}
+        for slot in slots:
+            rep = slot.replica
+            outcome = Outcome.FAILED if rep.state is ReplicaState.FAILED else Outcome.DONE
+            results[slot.engine_id] = ReplicaResult(
+                slot.engine_id,
+                outcome,
+                str(rep.state),
+                error=failed.get(rep.index),
+                seconds=time.monotonic() - begin,
+            )
+        self.publication.publish()
+        return results
+
+    def _create_actor(self, slot: ReplicaSlot, worker: WorkerSlot) -> None:
+        options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+        if slot.placement_group is not None and worker.bundle is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["num_gpus"] = self.ray_gpu_fraction
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=slot.placement_group,
+                placement_group_bundle_index=worker.bundle,
+                placement_group_capture_child_tasks=False,
+            )
+        worker.attach(
+            _remote_worker()
+            .options(**options)
+            .remote(
+                engine_id=slot.engine_id,
+                node_rank=worker.node_rank,
+                backend=self.backend,
+                spec=self.spec,
+                public_host=self.launch.public_host,
+                retry_after=self.retry_after,
+            )
+        )
+
+    def _launch_spec(
+        self, slot: ReplicaSlot, worker: WorkerSlot, dist: str | None
+    ) -> EngineLaunchSpec:
+        launch = self.launch
+        model_path, version = launch.model_path, self.publication.weight_version
+        if self.spec.needs_checkpoint_dir:
+            ckpt = CheckpointDirectory(self.spec.checkpoint_dir or "")
+            latest = ckpt.latest()
+            if latest is not None:
+                model_path, version = ckpt.path(latest), str(latest)
+        log_path = None
+        if launch.log_dir:
+            safe = slot.worker_name(worker).replace("/", "_")
+            log_path = os.path.join(launch.log_dir, f"{safe}-gen{slot.replica.generation + 1}.log")
+        return EngineLaunchSpec(
+            engine_id=slot.worker_name(worker),
+            model_path=model_path,
+            host=launch.engine_host,
+            device=launch.device,
+            dtype=launch.dtype,
+            seed=launch.seed,
+            tp=launch.tp,
+            pp=launch.pp,
+            nnodes=launch.nodes_per_replica,
+            node_rank=worker.node_rank,
+            dist_init_addr=dist,
+            weights_cpu_backup=self.spec.weights_cpu_backup,
+            served_model_name=launch.served_model_name,
+            weight_version=version if self.spec.publishes_version else None,
+            log_path=log_path,
+            extra_args=launch.extra_args,
+            env=dict(launch.env),
+        )

@@ -1,0 +1,118 @@
+"""The model's schema-2 view, and its publication to the role's registry.
+
+Only replica heads are published (followers never). A head is published once it has had a URL;
+its generation moves in the registry when its URL changes or its workers were replaced; removed
+replicas are unpublished. FAILED heads publish no URL. The model's state is the most active
+state among its replicas (READY if any replica is READY).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from relax_core.discovery.schema import EngineView, ModelState, ModelView
+from relax_core.engine.spec import InferenceEngineSpec
+from relax_core.manager.slots import ModelLaunch, SlotTable
+from relax_core.manager.state import ReplicaState
+
+__all__ = ["Publication"]
+
+_S = ReplicaState
+# Model state from replica states: the first state in this order that any replica is in.
+_MODEL_STATE_ORDER = (_S.READY, _S.ONLOADING, _S.DRAINING, _S.STARTING, _S.SLEEPING, _S.STOPPING)
+
+
+@attrs.define
+class Publication:
+    """What one model publishes: its view (heads only) and its weight version.
+
+    ``publisher``: a :class:`~relax_core.discovery.publisher.RegistryPublisher`, or ``None`` to
+    publish nothing (the view is still built). Not thread-safe: the manager calls it under its
+    lock.
+    """
+
+    slots: SlotTable
+    spec: InferenceEngineSpec
+    launch: ModelLaunch
+    publisher: Any
+    route_mode: str
+    router_url: str | None
+    #: the version of the weights the model serves (started on, or last updated to)
+    weight_version: str | None = attrs.field(default=None, init=False)
+    #: engine id -> the generation last published for it
+    _published: dict[str, int] = attrs.field(factory=dict, init=False)
+
+    @property
+    def published_version(self) -> str | None:
+        """The weight version the model publishes (``None`` for sources that publish none)."""
+        return self.weight_version if self.spec.publishes_version else None
+
+    def view(self) -> ModelView:
+        """The model's :class:`~relax_core.discovery.schema.ModelView`."""
+        engines = []
+        states = set()
+        for slot in self.slots.ordered():
+            rep = slot.replica
+            states.add(rep.state)
+            if rep.base_url is None:
+                continue
+            engines.append(
+                EngineView(
+                    engine_id=rep.engine_id,
+                    # A FAILED head never publishes its URL.
+                    base_url=None if rep.state is _S.FAILED else rep.base_url,
+                    state=str(rep.state),
+                    direct_eligible=rep.direct_eligible,
+                    generation=rep.generation,
+                )
+            )
+        state = next((str(s) for s in _MODEL_STATE_ORDER if s in states), None)
+        if state is None:
+            state = str(ModelState.FAILED if states else ModelState.STOPPING)
+        return ModelView(
+            state=state,
+            route_mode=self.route_mode,
+            router_url=self.router_url,
+            weight_source=self.spec.weight_source.name,
+            weight_version=self.published_version,
+            served_model_name=self.launch.served_model_name or self.launch.model_path,
+            engines=tuple(engines),
+        )
+
+    def publish(self) -> None:
+        """Publish the model and its replica heads (nothing without a publisher)."""
+        if self.publisher is None:
+            return
+        model_id = self.slots.model_id
+        view = self.view()
+        publisher = self.publisher
+        publisher.set_model(
+            model_id,
+            state=view.state,
+            route_mode=view.route_mode,
+            weight_source=view.weight_source,
+            served_model_name=view.served_model_name,
+            router_url=view.router_url,
+            weight_version=view.weight_version,
+        )
+        current = set()
+        for slot in self.slots.ordered():
+            rep = slot.replica
+            if rep.base_url is None:
+                continue
+            current.add(rep.engine_id)
+            last = self._published.get(rep.engine_id)
+            publisher.set_engine(
+                model_id,
+                rep.engine_id,
+                base_url=rep.base_url,
+                state=str(rep.state),
+                direct_eligible=rep.direct_eligible,
+                replaced=last is not None and last != rep.generation,
+            )
+            self._published[rep.engine_id] = rep.generation
+        for gone in set(self._published) - current:
+            publisher.remove_engine(model_id, gone)
+            del self._published[gone]
