@@ -32,7 +32,7 @@ from relax_core.placement import (
     release_bound_pool,
     validate_bound_placement,
 )
-from relax_core.plugins import PluginManager
+from tests.support.roles import builtin_roles
 
 
 def make_plan(
@@ -58,7 +58,7 @@ def make_plan(
             },
         }
     )
-    return plan_inference_placement(cfg, PluginManager.create(entry_points=False))
+    return plan_inference_placement(cfg, builtin_roles())
 
 
 def probes(
@@ -222,7 +222,7 @@ def test_an_owned_group_binds_the_split_plan_and_is_removed_on_release(ray_local
             },
         }
     )
-    plan = plan_inference_placement(cfg, PluginManager.create(entry_points=False))
+    plan = plan_inference_placement(cfg, builtin_roles())
     bound = bind_placement_group(plan, "actor", ready_timeout_s=30, probe_timeout_s=60)
     try:
         assert bound.owned and bound.placement_group is not None
