@@ -165,3 +165,9 @@ def test_the_writer_names_a_role_no_plugin_registers(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "critic" in done.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_the_app_refuses_the_record_of_another_role() -> None:
+    handler = InferenceGatewayHandler("prm", snapshot_provider=lambda: {})
+    with pytest.raises(ValueError, match=r"spec is the record of role 'genrm'.*serves 'prm'"):
+        create_gateway_app(handler, spec=PM.role("genrm"))

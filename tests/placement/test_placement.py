@@ -511,6 +511,104 @@ def test_rejects_an_unregistered_routing_policy(roles_plugin_manager: PluginMana
     rejects(job(roles__genrm__policy="nope"), roles_plugin_manager, "roles.genrm.policy", "policy")
 
 
+# -- roles are known only from their records ---------------------------------------------------
+
+
+def _roles_pm(*specs: RoleSpec) -> PluginManager:
+    def register(register: Callable[[RoleSpec], None]) -> None:
+        for spec in specs:
+            register(spec)
+
+    plugin = module_plugin("roles", relax_register_roles=register)
+    return PluginManager.create(entry_points=False, plugins=[("roles", plugin)])
+
+
+def test_rejects_a_role_no_plugin_registers_suggesting_the_close_one(
+    roles_plugin_manager: PluginManager,
+) -> None:
+    data = copy.deepcopy(SPLIT_8)
+    data["roles"]["genrn"] = data["roles"].pop("genrm")
+    msg = rejects(parse_config(data), roles_plugin_manager, "roles.genrn", "unknown-role")
+    assert "did you mean 'genrm'?" in msg and "registered: genrm, rollout, teacher" in msg
+
+
+def test_without_role_plugins_no_role_is_known(core_plugin_manager: PluginManager) -> None:
+    result = preflight(job(), core_plugin_manager)
+    assert result.plan is None
+    assert {(v.path, v.rule) for v in result.violations} == {
+        (f"roles.{name}", "unknown-role") for name in ("rollout", "genrm", "teacher")
+    }
+
+
+def test_defer_phases_follow_the_role_records_not_their_names() -> None:
+    # Third-party roles: "sampler" generates the batch, "critic" and "judge" may be deferred.
+    pm = _roles_pm(
+        RoleSpec(
+            name="sampler",
+            allowed_weight_sources={"ACTOR"},
+            default_route_mode="DIRECT",
+            default_weight_source="ACTOR",
+            generation_phase=True,
+        ),
+        RoleSpec(name="critic", allowed_weight_sources={"STATIC"}, default_route_mode="DIRECT"),
+        RoleSpec(
+            name="judge",
+            allowed_weight_sources={"STATIC"},
+            default_route_mode="DIRECT",
+            deferrable=True,
+        ),
+    )
+    data = {
+        **copy.deepcopy(DEFER_8),
+        "placement": {"mode": "defer", "defer_roles": ["judge"]},
+        "roles": {
+            "sampler": {"models": {"s": model(4, 2)}},
+            "critic": {"models": {"c": model(4, 2)}},
+            "judge": {"models": {"j": model(4, 2)}},
+        },
+    }
+    plan = plan_inference_placement(parse_config(data), pm)
+    got = {(p.role, p.bundle_start, p.phase) for p in plan.placements}
+    assert got == {("sampler", 0, "generation"), ("judge", 0, "judge"), ("critic", 4, "resident")}
+    # The critic's record does not make it deferrable.
+    data["placement"]["defer_roles"] = ["judge", "critic"]
+    msg = rejects(parse_config(data), pm, "placement.defer_roles[1]", "defer-role")
+    assert "'critic' cannot be deferred" in msg and "(installed: judge)" in msg
+
+
+def test_slices_follow_the_roles_in_file_order(roles_plugin_manager: PluginManager) -> None:
+    data = copy.deepcopy(SPLIT_8)
+    data["roles"] = {name: data["roles"][name] for name in ("teacher", "genrm", "rollout")}
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
+    got = {p.role: (p.bundle_start, p.num_gpus) for p in plan.placements}
+    assert got == {"teacher": (0, 2), "genrm": (2, 2), "rollout": (4, 4)}
+
+
+def test_the_bundle_map_names_each_role_by_its_records_title() -> None:
+    pm = _roles_pm(
+        RoleSpec(
+            name="prm-v2",
+            allowed_weight_sources={"STATIC"},
+            default_route_mode="DIRECT",
+            title="Step scorer",
+        ),
+        RoleSpec(name="critic", allowed_weight_sources={"STATIC"}, default_route_mode="DIRECT"),
+    )
+    data = {
+        **copy.deepcopy(SPLIT_8),
+        "roles": {
+            "prm-v2": {"models": {"m": model(4, 2)}},
+            "critic": {"models": {"c": model(4, 2)}},
+        },
+    }
+    plan = plan_inference_placement(parse_config(data), pm)
+    text = rows(render_plan(plan, titles=role_titles(pm)))
+    assert "Step scorer: S S S S . . . ." in text
+    assert "Critic:      . . . . C C C C" in text
+    # Without titles each role is shown by its name, capitalised.
+    assert "Prm-v2: P P P P . . . ." in rows(render_plan(plan))
+
+
 # -- placement modes are plugins ---------------------------------------------------------------
 
 
