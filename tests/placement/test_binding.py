@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -313,8 +314,10 @@ def test_a_borrowed_group_is_kept_on_release(ray_local: Any) -> None:
 
 @pytest.fixture
 def cluster_run() -> Iterator[subprocess.Popen[str]]:
+    # As a module from the repository root, so that it imports tests.support like the tests do.
     proc = subprocess.Popen(
-        [sys.executable, __file__, "cluster"],
+        [sys.executable, "-m", "tests.placement.test_binding", "cluster"],
+        cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
