@@ -79,7 +79,11 @@ def _json_copy(what: str, value: object) -> Any:
 
 
 def _json_inputs(value: object) -> tuple[dict[str, Any], ...]:
-    return tuple(_json_copy("generate_inputs", list(value)))  # type: ignore[call-overload]
+    if not isinstance(value, list | tuple):
+        raise ValueError(
+            f"OpenAPINotes.generate_inputs: give a sequence of input schemas, got {value!r}"
+        )
+    return tuple(_json_copy("generate_inputs", list(value)))
 
 
 def _json_fields(value: object) -> Any:
@@ -178,6 +182,11 @@ def _default_title(spec: RoleSpec) -> str:
 _BOOL = attrs.validators.instance_of(bool)
 
 
+def _check_health_schema(_i: object, _a: object, value: object) -> None:
+    if isinstance(value, bool) or value not in (1, 2):
+        raise ValueError(f"RoleSpec.health_schema={value!r}: must be 1 or 2")
+
+
 @attrs.frozen
 class RoleSpec:
     """An inference role: everything the core knows about it (the core names no role).
@@ -209,9 +218,7 @@ class RoleSpec:
     gateway_adapter: Callable[..., Any] | None = None
     description: str = ""
     generation_phase: bool = attrs.field(default=False, validator=_BOOL, kw_only=True)
-    health_schema: int = attrs.field(
-        default=2, validator=attrs.validators.in_((1, 2)), kw_only=True
-    )
+    health_schema: int = attrs.field(default=2, validator=_check_health_schema, kw_only=True)
     title: str = attrs.field(
         default=attrs.Factory(_default_title, takes_self=True),
         validator=attrs.validators.instance_of(str),

@@ -48,7 +48,8 @@ def test_a_role_record_survives_pickling() -> None:
     ("changes", "message"),
     [
         ({"default_route_mode": "PD"}, r"default_route_mode='PD': must be one of DIRECT"),
-        ({"health_schema": 3}, r"'health_schema' must be in \(1, 2\)"),
+        ({"health_schema": 3}, r"RoleSpec.health_schema=3: must be 1 or 2"),
+        ({"health_schema": True}, r"RoleSpec.health_schema=True: must be 1 or 2"),
         ({"deferrable": "yes"}, r"'deferrable' must be <class 'bool'>"),
         ({"deferrable": True, "generation_phase": True}, r"cannot be deferrable as well"),
         ({"default_weight_source": "ACTOR"}, r"default_weight_source 'ACTOR' is not among"),
@@ -83,6 +84,7 @@ def test_openapi_notes_copy_their_json_and_name_each_extra_input() -> None:
         ({"generate_fields": {"x": 1}}, r"generate_fields: give \{field name: JSON Schema"),
         ({"generate_fields": {"x": {"default": object()}}}, r"generate_fields: not a JSON value"),
         ({"generate_answer": ["object"]}, r"generate_answer: give a JSON Schema object"),
+        ({"generate_inputs": {"required": ["x"]}}, r"generate_inputs: give a sequence"),
     ],
 )
 def test_bad_openapi_notes_are_refused_naming_the_field(
