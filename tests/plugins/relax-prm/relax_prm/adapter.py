@@ -27,7 +27,8 @@ STEPS_INPUT = {
             "items": {"type": "string", "minLength": 1},
             "description": "The solution's steps, in order; each is scored.",
         },
-        "question": {"type": "string", "description": "The problem the steps solve."},
+        # null is taken as absent, as the gateway does for every optional field.
+        "question": {"type": ["string", "null"], "description": "The problem the steps solve."},
         "stream": {"const": False, "description": "steps cannot be streamed"},
     },
 }
