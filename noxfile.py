@@ -42,8 +42,9 @@ def _install_project(session: nox.Session, *extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite: core, every plugin, cross-plugin integration (CI runs this)."""
     _install_project(session, "test")
-    # A plugin distribution kept under tests/, found through real entry-point discovery.
-    session.install("-e", "tests/plugins/relax-testplugin")
+    # Plugin distributions kept under tests/, found through real entry-point discovery: a
+    # reward adapter and policy, and a fourth role (prm) added with no core change.
+    session.install("-e", "tests/plugins/relax-testplugin", "-e", "tests/plugins/relax-prm")
     session.run("pytest", *(session.posargs or ["-q"]))
 
 

@@ -1,4 +1,4 @@
-"""Relax: the inference side of LLM RL post-training — one core for rollout, genrm and teacher."""
+"""Relax: the inference side of LLM RL post-training — one core for every inference role."""
 
 from relax_core._http.upstream import UpstreamStatusError, UpstreamUnreachableError
 from relax_core.client.client import InferenceClient
@@ -51,6 +51,7 @@ from relax_core.records import (
     EngineBackend,
     EngineLaunchSpec,
     EngineProcess,
+    OpenAPINotes,
     PlacementMode,
     RewardSpec,
     RoleSpec,
@@ -82,6 +83,7 @@ __all__ = [
     "ModelPlacement",
     "ModelState",
     "ModelView",
+    "OpenAPINotes",
     "PlacementError",
     "PlacementMode",
     "PluginError",

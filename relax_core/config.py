@@ -1,8 +1,8 @@
 """The job configuration file: one TOML document → frozen attrs models.
 
 A job file describes the cluster, the training roles, the placement mode and, per inference role
-(``rollout``, ``genrm``, ``teacher`` or a plugin's role), a table of models
-(``[roles.genrm.models.judge]``); docs/configuration.md lists every key.
+(any role a plugin registers), a table of models (``[roles.genrm.models.judge]``);
+docs/configuration.md lists every key.
 
 Parsing checks types, ranges, choices and references inside one role, and reports *every*
 problem at once (:class:`ConfigValidationError`), each with its key path
@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import attrs
 
 from relax_core.errors import ConfigError
+from relax_core.records import NAME_PATTERN, ROUTE_MODES
 
 __all__ = [
-    "STANDARD_ROLES",
     "ClusterConfig",
     "ConfigProblem",
     "ConfigValidationError",
@@ -39,10 +39,6 @@ __all__ = [
     "parse_config",
 ]
 
-#: The roles Relax ships (their plugins register them); other names need ``role_names``.
-STANDARD_ROLES: tuple[str, ...] = ("rollout", "genrm", "teacher")
-
-ROUTE_MODES = ("DIRECT", "SGLANG_ROUTER")
 DEVICES = ("cuda", "cpu")
 PG_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _FLOAT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32")
@@ -564,6 +560,18 @@ def _check_role_names(r: _Reader, role: RoleConfig) -> None:
         )
 
 
+def _role_name_ok(r: _Reader, name: object) -> bool:
+    if isinstance(name, str) and NAME_PATTERN.match(name):
+        return True
+    r.problem(
+        f"roles.{name}",
+        "role-name",
+        f"{name!r} is not a role name: a role name starts with a letter and holds only "
+        "letters, digits, '_', '.' and '-'",
+    )
+    return False
+
+
 def parse_config(
     data: Mapping[str, Any],
     *,
@@ -573,27 +581,34 @@ def parse_config(
     """Build a :class:`JobConfig` from a parsed TOML document (or any nested dict).
 
     :param source: where ``data`` came from, for messages.
-    :param role_names: role names accepted under ``[roles]`` (default :data:`STANDARD_ROLES`;
-        pass the registered roles of a plugin manager to accept third-party roles).
+    :param role_names: the role names accepted under ``[roles]``; pass the registered roles of
+        a plugin manager (``plugin_manager.registered("roles")``) to get an ``unknown-role``
+        problem, with a hint, for any other name. Default ``None``: any well-formed role name
+        (the placement planner then rejects a role no installed plugin registers).
     :raises ConfigValidationError: with every problem found.
     """
-    known_roles = tuple(role_names) if role_names is not None else STANDARD_ROLES
     r = _Reader()
     top = r.table(dict(data), "", _TOP)
     cluster = _cluster(r, top)
     training = _training(r, top)
     placement = _placement(r, top)
     roles: list[RoleConfig] = []
-    roles_raw = r.table(
-        top.get("roles", {}),
-        "roles",
-        known_roles,
-        what="role",
-        tip="; a third-party role needs its plugin installed",
-    )
+    raw_roles = top.get("roles", {})
+    if role_names is None:
+        roles_raw = r.table(raw_roles, "roles", raw_roles if isinstance(raw_roles, dict) else ())
+        known_roles: Collection[str] = [n for n in roles_raw if _role_name_ok(r, n)]
+    else:
+        known_roles = tuple(role_names)
+        roles_raw = r.table(
+            raw_roles,
+            "roles",
+            known_roles,
+            what="role",
+            tip="; a third-party role needs its plugin installed",
+        )
     for name, raw in roles_raw.items():
         if name not in known_roles:
-            continue  # reported by table() as an unknown key
+            continue  # reported above, as an unknown or malformed role name
         role = _role(r, name, raw)
         if role is not None:
             roles.append(role)

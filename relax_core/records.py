@@ -2,10 +2,16 @@
 
 A record is a value: a name, a description and the callables or flags the core needs. Records
 are validated where they are built, so a plugin with a bad record fails at load time.
+
+This is the lowest layer of the core (it imports nothing from it), so the constants every layer
+shares are defined here once: :data:`NAME_PATTERN` (record, role and policy names),
+:class:`RouteMode` / :data:`ROUTE_MODES` and :data:`UPDATE_PATHS`.
 """
 
 from __future__ import annotations
 
+import enum
+import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -13,28 +19,43 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 __all__ = [
+    "NAME_PATTERN",
+    "ROUTE_MODES",
     "UPDATE_PATHS",
     "EngineBackend",
     "EngineLaunchSpec",
     "EngineProcess",
+    "OpenAPINotes",
     "PlacementMode",
     "ReplicaSelector",
     "RewardSpec",
     "RoleSpec",
+    "RouteMode",
     "RoutingPolicy",
     "WeightSource",
 ]
 
-_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+#: A record name (role, engine backend, weight source, policy, mode …): a letter first, then
+#: letters, digits, ``_``, ``.`` and ``-``. Role names are also URL path segments and config keys.
+NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
 #: Every weight-update path an engine can expose.
 UPDATE_PATHS = frozenset({"tensor", "distributed", "disk", "lora", "seed_sync"})
 
-ROUTE_MODES = frozenset({"DIRECT", "SGLANG_ROUTER"})
+
+class RouteMode(enum.StrEnum):
+    """How requests reach a model: straight to a replica head, or through its SGLang router."""
+
+    DIRECT = "DIRECT"
+    SGLANG_ROUTER = "SGLANG_ROUTER"
+
+
+#: The route-mode names, in declaration order (config choices, record validation).
+ROUTE_MODES: tuple[str, ...] = tuple(mode.value for mode in RouteMode)
 
 
 def _check_name(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}={value!r}: a name starts with a letter "
             "and holds only letters, digits, '_', '.' and '-'"
@@ -49,23 +70,165 @@ def _tuple_of_str(value: object) -> tuple[str, ...]:
     return tuple(str(v) for v in value)  # type: ignore[attr-defined]
 
 
+def _json_copy(what: str, value: object) -> Any:
+    """A private copy of a JSON value; ``ValueError`` naming ``OpenAPINotes.<what>`` if not."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"OpenAPINotes.{what}: not a JSON value ({exc})") from None
+
+
+def _json_inputs(value: object) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(
+            f"OpenAPINotes.generate_inputs: give a sequence of input schemas, got {value!r}"
+        )
+    return tuple(_json_copy("generate_inputs", list(value)))
+
+
+def _json_fields(value: object) -> Any:
+    return _json_copy("generate_fields", value)
+
+
+def _json_answer(value: object) -> Any:
+    return _json_copy("generate_answer", value)
+
+
+@attrs.frozen
+class OpenAPINotes:
+    """What a role's OpenAPI document says beyond the common one every role gateway shares.
+
+    The common document (``relax_core.gateway.openapi``) describes SGLang's ``/generate`` with
+    one of ``text`` or ``input_ids``, chat completions, models, engines, health and metrics.
+    A role whose adapter accepts more on ``/generate`` says so here, as plain JSON Schema:
+
+    ``generate_summary``: words appended to the ``/generate`` summary
+    (``" (or the messages judge protocol)"``).
+    ``batched_generate``: ``text`` and ``input_ids`` may also be lists (a batch of prompts).
+    ``generate_inputs``: extra alternatives to ``text`` / ``input_ids``, each an object schema
+    with ``required`` (the input field, first) and ``properties``; they must match the role
+    adapter's ``generate_inputs``.
+    ``generate_fields``: extra optional request fields, ``{name: JSON Schema}``.
+    ``generate_answer``: the JSON Schema of a non-streamed ``200`` answer (``None``: the
+    engine's own SGLang answer, an object or an array).
+
+    Every value is copied on construction; :raises ValueError: a value is not JSON, or an input
+    schema has no ``required`` field it also describes in ``properties``.
+    """
+
+    generate_summary: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    batched_generate: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool)
+    )
+    generate_inputs: tuple[dict[str, Any], ...] = attrs.field(
+        default=(), converter=_json_inputs, hash=False
+    )
+    generate_fields: dict[str, Any] = attrs.field(factory=dict, converter=_json_fields, hash=False)
+    generate_answer: dict[str, Any] | None = attrs.field(
+        default=None, converter=_json_answer, hash=False
+    )
+
+    @generate_inputs.validator
+    def _check_inputs(self, _a: object, value: tuple[Any, ...]) -> None:
+        for i, branch in enumerate(value):
+            where = f"OpenAPINotes.generate_inputs[{i}]"
+            required = branch.get("required") if isinstance(branch, dict) else None
+            props = branch.get("properties") if isinstance(branch, dict) else None
+            if not (
+                isinstance(required, list)
+                and required
+                and all(isinstance(r, str) for r in required)
+                and isinstance(props, dict)
+                and all(r in props for r in required)
+            ):
+                raise ValueError(
+                    f"{where}: an input is an object schema whose 'required' lists its input "
+                    "field (and any other required field), each described in 'properties', "
+                    'e.g. {"required": ["messages"], "properties": {"messages": {...}}}'
+                )
+
+    @generate_fields.validator
+    def _check_fields(self, _a: object, value: object) -> None:
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise ValueError(
+                "OpenAPINotes.generate_fields: give {field name: JSON Schema object}, e.g. "
+                '{"token_ids_logprob": {"type": "array", "items": {"type": "integer"}}}'
+            )
+
+    @generate_answer.validator
+    def _check_answer(self, _a: object, value: object) -> None:
+        if value is not None and not isinstance(value, dict):
+            raise ValueError("OpenAPINotes.generate_answer: give a JSON Schema object or None")
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The input field of each extra ``/generate`` input (the first of its ``required``)."""
+        return tuple(branch["required"][0] for branch in self.generate_inputs)
+
+
+def _route_mode(value: object) -> RouteMode:
+    try:
+        return RouteMode(str(value))
+    except ValueError:
+        raise ValueError(
+            f"RoleSpec.default_route_mode={value!r}: must be one of {', '.join(ROUTE_MODES)}"
+        ) from None
+
+
+def _default_title(spec: RoleSpec) -> str:
+    return spec.name.capitalize() if isinstance(spec.name, str) else ""
+
+
+_BOOL = attrs.validators.instance_of(bool)
+
+
+def _check_health_schema(_i: object, _a: object, value: object) -> None:
+    if isinstance(value, bool) or value not in (1, 2):
+        raise ValueError(f"RoleSpec.health_schema={value!r}: must be 1 or 2")
+
+
 @attrs.frozen
 class RoleSpec:
-    """An inference role (rollout, genrm, teacher, or a third party's).
+    """An inference role: everything the core knows about it (the core names no role).
 
-    ``allowed_weight_sources``: weight-source names a model of this role may use.
-    ``default_route_mode``: ``DIRECT`` or ``SGLANG_ROUTER``.
-    ``deferrable``: whether the role may run in a deferred phase on shared GPUs.
-    ``gateway_adapter``: optional factory the gateway calls to build the role's request adapter.
+    ``allowed_weight_sources``: weight-source names a model of this role may use;
+    ``default_weight_source`` (one of them) is used when a model does not name one.
+    ``default_route_mode``: :class:`RouteMode` of a model that does not set ``route_mode``.
+    ``deferrable``: the role may be listed in ``placement.defer_roles`` and then runs in a
+    deferred phase of its own on GPUs it time-shares (a scorer: a reward model, a teacher).
+    ``generation_phase``: the role generates the training batch (the policy's samples): under a
+    deferring placement mode its models run in the generation phase, whose bundles the deferred
+    roles reuse afterwards. Not deferrable at the same time.
+    ``health_schema``: the schema ``GET /{role}/health`` answers without ``?schema=``: 2 (the
+    unified readiness body) or 1 (the legacy ``{status, healthy_engines, total_engines}`` body,
+    for roles whose old consumers read it).
+    ``title``: how plans and listings name the role (default: the name, capitalised).
+    ``openapi``: what the role's OpenAPI document adds to the common one (:class:`OpenAPINotes`).
+    ``gateway_adapter``: zero-argument factory of the role's ``RoleAdapter`` (``None``: requests
+    pass through unchanged).
+
+    :raises ValueError: a field is invalid; the message names the field.
     """
 
     name: str = attrs.field(validator=_check_name)
     allowed_weight_sources: frozenset[str] = attrs.field(converter=_frozenset_of_str)
-    default_route_mode: str = attrs.field(validator=attrs.validators.in_(ROUTE_MODES))
+    default_route_mode: RouteMode = attrs.field(converter=_route_mode)
     default_weight_source: str = "STATIC"
-    deferrable: bool = False
+    deferrable: bool = attrs.field(default=False, validator=_BOOL)
     gateway_adapter: Callable[..., Any] | None = None
     description: str = ""
+    generation_phase: bool = attrs.field(default=False, validator=_BOOL, kw_only=True)
+    health_schema: int = attrs.field(default=2, validator=_check_health_schema, kw_only=True)
+    title: str = attrs.field(
+        default=attrs.Factory(_default_title, takes_self=True),
+        validator=attrs.validators.instance_of(str),
+        kw_only=True,
+    )
+    openapi: OpenAPINotes = attrs.field(
+        factory=OpenAPINotes,
+        validator=attrs.validators.instance_of(OpenAPINotes),
+        kw_only=True,
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.default_weight_source not in self.allowed_weight_sources:
@@ -73,6 +236,18 @@ class RoleSpec:
                 f"RoleSpec {self.name!r}: default_weight_source {self.default_weight_source!r} "
                 f"is not among allowed_weight_sources {sorted(self.allowed_weight_sources)}"
             )
+        if self.deferrable and self.generation_phase:
+            raise ValueError(
+                f"RoleSpec {self.name!r}: a role that generates the batch (generation_phase) "
+                "runs before the deferred phases; it cannot be deferrable as well"
+            )
+        if not self.title.strip():
+            raise ValueError(f"RoleSpec {self.name!r}: title must not be empty")
+
+    @property
+    def static_weights(self) -> bool:
+        """Whether the role's models always have fixed weights (STATIC is its only source)."""
+        return self.allowed_weight_sources == frozenset({"STATIC"})
 
 
 @attrs.frozen

@@ -1,4 +1,4 @@
-"""The role service: one per inference role, the same shape for rollout, genrm and teacher.
+"""The role service: one per inference role, the same shape for every role.
 
 A :class:`RoleService` holds ``dict[model_id, InferenceManager]`` and one
 :class:`~relax_core.discovery.publisher.RegistryPublisher`; every manager publishes its model's
@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, TextIO
 
 from relax_core.config import ConfigProblem, JobConfig, ModelConfig, RoleConfig
@@ -66,12 +66,22 @@ def routing_spec(role: RoleConfig) -> RoutingSpec:
 class RoleService:
     """The managers of one role's models and the role's registry.
 
+    ``weight_sources`` and ``static_roles`` go to the role's :class:`RegistryPublisher`.
     Thread-safe: :meth:`snapshot` may be called from gateway threads while managers start.
     """
 
-    def __init__(self, role: str, routing: RoutingSpec, *, weight_sources: Any = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        routing: RoutingSpec,
+        *,
+        weight_sources: Any = None,
+        static_roles: Collection[str] | None = None,
+    ) -> None:
         self.role = role
-        self.publisher = RegistryPublisher(role, routing, weight_sources=weight_sources)
+        self.publisher = RegistryPublisher(
+            role, routing, weight_sources=weight_sources, static_roles=static_roles
+        )
         self.managers: dict[str, InferenceManager] = {}
         self.model_paths: dict[str, str] = {}
         self._monitor: threading.Thread | None = None
@@ -211,9 +221,9 @@ class RoleService:
 def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[ConfigProblem]:
     """What of ``config`` ``relax serve`` cannot run, found before anything starts.
 
-    The placement planner checks budgets and weight sources; this checks the rest a role
-    service needs: the role is registered, the engine backend is registered and runs on the
-    model's device, and the route mode is one ``relax serve`` can route (``DIRECT``; an
+    The placement planner checks that every role is registered, budgets and weight sources;
+    this checks the rest a role service needs: the engine backend is registered and runs on
+    the model's device, and the route mode is one ``relax serve`` can route (``DIRECT``; an
     ``SGLANG_ROUTER`` model needs the router plugin).
     """
     problems: list[ConfigProblem] = []
@@ -221,15 +231,7 @@ def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[
     backends = plugin_manager.registered("engine_backends")
     for role in config.roles:
         if role.name not in roles:
-            problems.append(
-                ConfigProblem(
-                    f"roles.{role.name}",
-                    "plugin",
-                    f"no plugin registers the role {role.name!r} (registered: "
-                    f"{', '.join(sorted(roles)) or 'none'}); install its plugin",
-                )
-            )
-            continue
+            continue  # the planner's unknown-role violation
         spec = roles[role.name].record
         for model in role.models:
             if model.backend not in backends:
@@ -281,7 +283,11 @@ def build_role_service(
     """
     spec = plugin_manager.role(role.name)
     service = RoleService(
-        role.name, routing_spec(role), weight_sources=plugin_manager.registered("weight_sources")
+        role.name,
+        routing_spec(role),
+        weight_sources=plugin_manager.registered("weight_sources"),
+        # The publisher re-checks what the role's record says about its weights.
+        static_roles=(role.name,) if spec.static_weights else (),
     )
     for model in role.models:
         route_mode = model.route_mode or spec.default_route_mode

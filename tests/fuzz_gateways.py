@@ -1,7 +1,7 @@
 """Fuzz each role gateway against its OpenAPI document with schemathesis (``nox -s fuzz``).
 
-Starts a real upstream server process and the three role gateways (with the installed role
-plugins' adapters) on loopback, then runs ``schemathesis run`` on each gateway's
+Starts a real upstream server process and a gateway for every installed role (with its
+plugin's adapter and record) on loopback, then runs ``schemathesis run`` on each gateway's
 ``/{role}/openapi.json``. The checks: every status and content type is documented (so no 5xx
 other than the documented 502/503/504), responses match their schemas, and data the document
 calls invalid is rejected with a 4xx. Exits non-zero on any failure.
@@ -43,13 +43,15 @@ def main() -> int:
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         engine = stack.enter_context(gs.upstream("fuzz-engine"))
         tok = gs.make_tokenizer(Path(tmp))
-        for role, model in (("rollout", "policy"), ("genrm", "judge"), ("teacher", "math")):
+        for role in sorted(pm.registered("roles")):
+            model = "m"
             registry = gs.Registry(gs.snapshot(role, {model: {"urls": [engine.url]}}))
             url = stack.enter_context(
                 gs.gateway(
                     role,
                     registry,
                     adapter=adapter_for_role(pm, role),
+                    spec=pm.role(role),
                     model_paths={model: str(tok)},
                     timeout=30.0,
                 )

@@ -165,9 +165,24 @@ def test_unknown_top_level_table_is_an_error_with_a_hint() -> None:
 def test_unknown_role_suggests_the_close_role_and_names_the_plugin_rule() -> None:
     data = doc()
     data["roles"]["genrn"] = {"models": {"j": dict(MODEL)}}
-    path, rule, message = only(data)
+    path, rule, message = only(data, role_names=("rollout", "genrm", "teacher"))
     assert (path, rule) == ("roles.genrn", "unknown-role")
     assert "did you mean 'genrm'?" in message and "plugin" in message
+
+
+def test_without_role_names_any_well_formed_role_name_is_read() -> None:
+    # The config knows no role: the planner checks the names against the registered records.
+    data = doc()
+    data["roles"]["prm"] = {"models": {"j": dict(MODEL)}}
+    assert parse_config(data).role_names == ("genrm", "prm")
+
+
+def test_a_malformed_role_name_is_a_problem_naming_it() -> None:
+    data = doc()
+    data["roles"]["bad role"] = {"models": {"j": dict(MODEL)}}
+    path, rule, message = only(data)
+    assert (path, rule) == ("roles.bad role", "role-name")
+    assert "starts with a letter" in message
 
 
 def test_a_third_party_role_is_accepted_when_its_name_is_known() -> None:

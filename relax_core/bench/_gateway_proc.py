@@ -1,7 +1,7 @@
 """A role gateway in its own process, for ``relax bench gateway``.
 
 ``python -m relax_core.bench._gateway_proc --upstream URL [--workers N] [--stream-coalesce S]``
-serves the rollout gateway on a free loopback port with a fixed schema-2 snapshot whose one
+serves the ``bench`` role's gateway on a free loopback port with a fixed schema-2 snapshot whose one
 DIRECT head is ``URL`` (with N > 1: N worker processes sharing the port; ``S``: the handler's
 ``stream_coalesce``, default the gateway's default); it prints ``{"port": P, "pids": [...]}``
 once it accepts connections and stops when its stdin closes.
@@ -20,13 +20,16 @@ from relax_core.gateway.app import create_gateway_app
 from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S, InferenceGatewayHandler
 from relax_core.gateway.serving import GatewayServer
 
+#: The benchmark's role: any name does, the gateway's data path is the same for every role.
+ROLE = "bench"
+
 
 def bench_snapshot(upstream: str) -> RoleSnapshot:
-    """A rollout snapshot with one READY DIRECT head at ``upstream``."""
+    """A snapshot of the benchmark role with one READY DIRECT head at ``upstream``."""
     return RoleSnapshot.from_json(
         {
             "schema_version": 2,
-            "role": "rollout",
+            "role": ROLE,
             "registry_epoch": "bench",
             "topology_revision": 1,
             "routing": {
@@ -60,10 +63,10 @@ def bench_snapshot(upstream: str) -> RoleSnapshot:
 
 
 def bench_app(upstream: str, stream_coalesce: float = DEFAULT_STREAM_COALESCE_S) -> Any:
-    """The rollout gateway app in front of ``upstream`` (one per worker process)."""
+    """The benchmark role's gateway app in front of ``upstream`` (one per worker process)."""
     snap = bench_snapshot(upstream)
     handler = InferenceGatewayHandler(
-        "rollout",
+        ROLE,
         snapshot_provider=lambda: snap,
         snapshot_ttl=5.0,
         stream_coalesce=stream_coalesce,

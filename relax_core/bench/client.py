@@ -59,7 +59,7 @@ PAYLOAD: dict[str, Any] = {
 }
 
 
-def snapshot_dict(urls: list[str], *, role: str = "teacher") -> dict[str, Any]:
+def snapshot_dict(urls: list[str], *, role: str = "bench") -> dict[str, Any]:
     """A schema-2 snapshot of one READY DIRECT model whose replicas are ``urls``."""
     return {
         "schema_version": 2,

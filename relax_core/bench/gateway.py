@@ -1,7 +1,7 @@
 """``relax bench gateway``: the role gateway against the upstream direct and against sglang-router.
 
 Every party runs in its own process(es) on loopback: a null engine
-(:mod:`relax_core.bench._gateway_upstream`), the rollout gateway in front of it
+(:mod:`relax_core.bench._gateway_upstream`), the gateway of the benchmark's role in front of it
 (:mod:`relax_core.bench._gateway_proc`, uvicorn on uvloop + httptools), the real sglang-router
 binary in front of it (``python -m sglang_router.launch_router --worker-urls <null engine>``),
 and the load generator (``wrk`` when installed, else :mod:`relax_core.bench._loadgen`, a
@@ -47,6 +47,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from relax_core.bench._gateway_proc import ROLE
 from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S
 from relax_core.net import free_port
 
@@ -286,8 +287,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         router = stack.enter_context(_router(engine))
         targets = {
             "direct": f"{engine}/generate",
-            "gateway": f"http://127.0.0.1:{gw['port']}/rollout/generate",
-            "gateway_1w": f"http://127.0.0.1:{gw1['port']}/rollout/generate",
+            "gateway": f"http://127.0.0.1:{gw['port']}/{ROLE}/generate",
+            "gateway_1w": f"http://127.0.0.1:{gw1['port']}/{ROLE}/generate",
             "router": router + "/generate",
         }
 

@@ -139,7 +139,7 @@ def _run(quick: bool) -> dict[str, Any]:
     ray.get(group.ready(), timeout=120)
     manager = InferenceManager(
         "bench",
-        spec=InferenceEngineSpec(role="genrm", weight_source=STATIC),
+        spec=InferenceEngineSpec(role="bench", weight_source=STATIC),
         backend=backend,
         launch=ModelLaunch(model_path=model, served_model_name="bench"),
         placement=ReplicaPlacement(

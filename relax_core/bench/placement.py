@@ -2,7 +2,9 @@
 
 The job has three roles and six models (one of them cross-node, one with a KV-cache budget)
 whose ``config.json`` files are written to a temporary directory and read by the planner, as
-in real use. Each mode (split, defer, decoupled) is planned ``repeats`` times; the median is
+in real use. The roles are the benchmark's own records (a batch generator and two deferrable
+scorers, shaped like a policy, a reward model and a teacher), so it needs no role plugin.
+Each mode (split, defer, decoupled) is planned ``repeats`` times; the median is
 compared with the budget and, as a ratio, with a baseline measured in the same run: parsing
 the job's TOML text into a ``JobConfig``.
 """
@@ -20,7 +22,8 @@ from typing import Any
 
 from relax_core.config import loads_config
 from relax_core.placement import preflight
-from relax_core.plugins import PluginManager
+from relax_core.plugins import PluginManager, module_plugin
+from relax_core.records import RoleSpec
 
 NODES = 512
 GPUS_PER_NODE = 8
@@ -50,15 +53,38 @@ _SHAPES = {
     },
 }
 
+#: The benchmark's roles: what a policy, a generative reward model and a teacher declare.
+ROLES = (
+    RoleSpec(
+        name="generator",
+        allowed_weight_sources={"ACTOR", "DCS"},
+        default_route_mode="SGLANG_ROUTER",
+        default_weight_source="ACTOR",
+        generation_phase=True,
+    ),
+    RoleSpec(
+        name="scorer",
+        allowed_weight_sources={"STATIC"},
+        default_route_mode="DIRECT",
+        deferrable=True,
+    ),
+    RoleSpec(
+        name="distiller",
+        allowed_weight_sources={"STATIC"},
+        default_route_mode="DIRECT",
+        deferrable=True,
+    ),
+)
+
 # (role, model, shape, GPUs in shared modes, gpus_per_engine, tp, pp, extra TOML lines)
 _MODELS = (
-    ("rollout", "policy", "qwen2-7b", 2048, 8, 8, 1, "mem_fraction_static = 0.7"),
-    ("rollout", "draft", "qwen2-7b", 512, 4, 4, 1, "mem_fraction_static = 0.7"),
-    ("genrm", "judge", "llama3-70b", 512, 16, 8, 2, "mem_fraction_static = 0.8"),
-    ("genrm", "judge-small", "qwen2-7b", 256, 2, 2, 1, "mem_fraction_static = 0.7"),
-    ("teacher", "math", "llama3-70b", 512, 8, 8, 1, "mem_fraction_static = 0.85"),
+    ("generator", "policy", "qwen2-7b", 2048, 8, 8, 1, "mem_fraction_static = 0.7"),
+    ("generator", "draft", "qwen2-7b", 512, 4, 4, 1, "mem_fraction_static = 0.7"),
+    ("scorer", "judge", "llama3-70b", 512, 16, 8, 2, "mem_fraction_static = 0.8"),
+    ("scorer", "judge-small", "qwen2-7b", 256, 2, 2, 1, "mem_fraction_static = 0.7"),
+    ("distiller", "math", "llama3-70b", 512, 8, 8, 1, "mem_fraction_static = 0.85"),
     (
-        "teacher",
+        "distiller",
         "code",
         "qwen2-7b",
         256,
@@ -88,7 +114,7 @@ def job_toml(models_dir: Path, mode: str) -> str:
         f'mode = "{mode}"',
     ]
     if mode == "defer":
-        lines.append('defer_roles = ["genrm", "teacher"]')
+        lines.append('defer_roles = ["scorer", "distiller"]')
     for role, name, shape, gpus, gpe, tp, pp, extra in _MODELS:
         lines += [
             f'[roles.{role}.models."{name}"]',
@@ -103,6 +129,17 @@ def job_toml(models_dir: Path, mode: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plugin_manager() -> PluginManager:
+    """The core's built-ins and the benchmark's :data:`ROLES` (no entry points)."""
+
+    def register(register: Callable[[RoleSpec], None]) -> None:
+        for spec in ROLES:
+            register(spec)
+
+    plugin = module_plugin("bench-roles", relax_register_roles=register)
+    return PluginManager.create(entry_points=False, plugins=[("bench-roles", plugin)])
+
+
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -115,7 +152,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
 def run(quick: bool) -> dict[str, Any]:
     """Plan the job in every built-in mode; report medians, the budget and the ratios."""
     repeats = 5 if quick else 30
-    pm = PluginManager.create(entry_points=False)
+    pm = plugin_manager()
     plan_ms: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         models_dir = Path(tmp)
@@ -134,7 +171,7 @@ def run(quick: bool) -> dict[str, Any]:
     return {
         "nodes": NODES,
         "gpus": NODES * GPUS_PER_NODE,
-        "roles": 3,
+        "roles": len(ROLES),
         "models": len(_MODELS),
         "repeats": repeats,
         "budget_ms": BUDGET_MS,

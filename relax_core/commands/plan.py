@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from relax_core.config import STANDARD_ROLES, ConfigValidationError, load_config
-from relax_core.placement import preflight, render_plan
+from relax_core.config import ConfigValidationError, load_config
+from relax_core.placement import preflight, render_plan, role_titles
 from relax_core.plugins import get_plugin_manager
 
 NAME = "plan"
@@ -36,9 +36,8 @@ def _reject(lines: list[str], rows: list[dict[str, str]], as_json: bool) -> int:
 
 def run(args: argparse.Namespace) -> int:
     pm = get_plugin_manager()
-    roles = dict.fromkeys([*STANDARD_ROLES, *pm.registered("roles")])
     try:
-        config = load_config(args.config, role_names=roles)
+        config = load_config(args.config, role_names=pm.registered("roles"))
     except ConfigValidationError as exc:
         rows = [{"path": p.path, "rule": p.rule, "message": p.message} for p in exc.problems]
         return _reject([str(p) for p in exc.problems], rows, args.json)
@@ -49,5 +48,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": True, **result.plan.to_dict()}))
     else:
-        print(render_plan(result.plan))
+        print(render_plan(result.plan, titles=role_titles(pm)))
     return 0

@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import TextIO
 
-from relax_core.config import STANDARD_ROLES, ConfigValidationError, load_config
+from relax_core.config import ConfigValidationError, load_config
 from relax_core.errors import LifecycleError
 from relax_core.plugins import PluginManager
 from relax_core.service import (
@@ -61,9 +61,8 @@ def _reject(lines: list[str]) -> int:
 def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     pm = PluginManager.create()
-    roles = dict.fromkeys([*STANDARD_ROLES, *pm.registered("roles")])
     try:
-        config = load_config(args.config, role_names=roles)
+        config = load_config(args.config, role_names=pm.registered("roles"))
     except ConfigValidationError as exc:
         return _reject([str(p) for p in exc.problems])
     problems = check_job(config, pm)

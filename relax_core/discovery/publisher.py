@@ -78,7 +78,8 @@ class RegistryPublisher:
     :param epoch: the registry epoch; default a fresh ``<role>-<random hex>``.
     :param weight_sources: names, records or a plugin manager (see
         :meth:`RoleSnapshot.check_sources`); default the built-in STATIC, ACTOR, DCS.
-    :param static_roles: roles whose models must be STATIC; default genrm and teacher.
+    :param static_roles: roles whose models must be STATIC (default: see
+        :meth:`RoleSnapshot.check_sources`).
 
     Thread-safe: every method takes one lock. :meth:`snapshot` is cheap when nothing changed
     (it returns the cached object).

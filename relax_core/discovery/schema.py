@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
@@ -39,7 +38,7 @@ from relax_core.discovery._fields import (
     v_url,
 )
 from relax_core.errors import SnapshotError
-from relax_core.records import WeightSource
+from relax_core.records import NAME_PATTERN, RouteMode, WeightSource
 
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN_WEIGHT_SOURCES",
     "SCHEMA_VERSION",
-    "STATIC_ROLES",
     "EngineState",
     "EngineView",
     "ModelState",
@@ -64,11 +62,6 @@ SCHEMA_VERSION = 2
 
 #: Weight-source names a snapshot may use when no plugin manager or set is given.
 BUILTIN_WEIGHT_SOURCES: frozenset[str] = frozenset({"STATIC", "ACTOR", "DCS"})
-
-#: Roles whose models must be STATIC unless the caller says otherwise.
-STATIC_ROLES: frozenset[str] = frozenset({"genrm", "teacher"})
-
-_ROLE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
 T = TypeVar("T")
 
@@ -98,13 +91,6 @@ class EngineState(enum.StrEnum):
     FAILED = "FAILED"
     STOPPING = "STOPPING"
     UNKNOWN = "UNKNOWN"
-
-
-class RouteMode(enum.StrEnum):
-    """How requests reach a model: straight to a replica head, or through its SGLang router."""
-
-    DIRECT = "DIRECT"
-    SGLANG_ROUTER = "SGLANG_ROUTER"
 
 
 # -- field converters ------------------------------------------------------------------
@@ -212,7 +198,7 @@ class ModelView:
     @weight_source.validator
     def _check_source(self, _a: Any, value: object) -> None:
         name = check_str("weight_source", value)
-        if not _ROLE_NAME.match(name):
+        if not NAME_PATTERN.match(name):
             raise SnapshotError("weight_source", f"{name!r} is not a weight-source name")
 
     @weight_version.validator
@@ -294,7 +280,7 @@ class RoutingSpec:
     @policy.validator
     def _check_policy(self, _a: Any, value: object) -> None:
         name = check_str("policy", value)
-        if not _ROLE_NAME.match(name):
+        if not NAME_PATTERN.match(name):
             raise SnapshotError("policy", f"{name!r} is not a routing-policy name")
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -338,6 +324,19 @@ def _source_records(
         records = {n: r for n, r in weight_sources.items() if isinstance(r, WeightSource)}
         return frozenset(weight_sources), records
     return frozenset(str(name) for name in weight_sources), {}  # type: ignore[union-attr]
+
+
+def _static_roles(
+    static_roles: Collection[str] | None, weight_sources: WeightSources | None
+) -> frozenset[str]:
+    """The roles whose models must be STATIC: as given, else those a plugin manager's role
+    records declare STATIC-only (``RoleSpec.static_weights``), else none."""
+    if static_roles is not None:
+        return frozenset(static_roles)
+    registered = getattr(weight_sources, "registered", None)
+    if not callable(registered):
+        return frozenset()
+    return frozenset(name for name, reg in registered("roles").items() if reg.record.static_weights)
 
 
 def _check_model_sources(
@@ -395,7 +394,7 @@ def check_model_sources(
     :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``.
     """
     names, records = _source_records(weight_sources)
-    statics = STATIC_ROLES if static_roles is None else frozenset(static_roles)
+    statics = _static_roles(static_roles, weight_sources)
     _check_model_sources(role, "models" + segment(model_id), model, names, records, statics)
 
 
@@ -411,7 +410,7 @@ def _check_models(_i: Any, _a: Any, value: Any) -> None:
 
 def _check_role(_i: Any, _a: Any, value: Any) -> None:
     name = check_str("role", value)
-    if not _ROLE_NAME.match(name):
+    if not NAME_PATTERN.match(name):
         raise SnapshotError("role", f"{name!r} is not a role name")
 
 
@@ -520,11 +519,12 @@ class RoleSnapshot:
             default :data:`BUILTIN_WEIGHT_SOURCES`. With records, a source that does not
             publish versions may not carry a ``weight_version``, and a STATIC role's source may
             not allow any update path.
-        :param static_roles: roles whose models must be STATIC; default :data:`STATIC_ROLES`.
+        :param static_roles: roles whose models must be STATIC; default: the STATIC-only roles
+            of ``weight_sources`` when it is a plugin manager, else none.
         :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``.
         """
         names, records = _source_records(weight_sources)
-        statics = STATIC_ROLES if static_roles is None else frozenset(static_roles)
+        statics = _static_roles(static_roles, weight_sources)
         for model_id, model in self.models.items():
             _check_model_sources(
                 self.role, "models" + segment(model_id), model, names, records, statics

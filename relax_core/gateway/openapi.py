@@ -1,21 +1,27 @@
 """The OpenAPI 3.1 document of a role gateway (``docs/openapi/{role}.json`` is generated from it).
 
-``python -m relax_core.gateway.openapi docs/openapi`` writes one document per role; a test checks
-that the committed documents match this generator and that every route of the app is in its
-document (and nothing else is).
+Every role gateway serves the same routes; what a role adds to its ``/generate`` (more inputs,
+batches, fields, another answer) and which health schema it answers by default come from its
+:class:`~relax_core.records.RoleSpec` (``openapi`` and ``health_schema``), never from its name.
+
+``python -m relax_core.gateway.openapi DIR [ROLE ...]`` writes ``DIR/{role}.json`` for each
+``ROLE`` registered by the installed plugins; without ``ROLE`` it regenerates the documents
+already in ``DIR``. A test checks that every committed document matches this generator and
+that every route of the app is in its document (and nothing else is).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROLES", "openapi_document", "write_documents"]
+from relax_core.records import OpenAPINotes, RoleSpec
 
-#: The roles whose documents are committed under ``docs/openapi/``.
-ROLES = ("rollout", "genrm", "teacher")
+__all__ = ["openapi_document", "write_documents"]
 
 _ERROR = {
     "type": "object",
@@ -102,8 +108,8 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _generate_request(role: str) -> dict[str, Any]:
-    common = {
+def _generate_request(notes: OpenAPINotes) -> dict[str, Any]:
+    common: dict[str, Any] = {
         **_ROUTING_FIELDS,
         "sampling_params": _SAMPLING,
         "stream": {"type": "boolean", "description": "Relay the engine's SSE stream."},
@@ -116,7 +122,7 @@ def _generate_request(role: str) -> dict[str, Any]:
         {"required": ["text"], "properties": {"text": {"type": "string", "minLength": 1}}},
         {"required": ["input_ids"], "properties": {"input_ids": _INPUT_IDS}},
     ]
-    if role == "rollout":  # rollout also sends batches: a list of prompts
+    if notes.batched_generate:  # a batch: a list of prompts
         inputs[0]["properties"]["text"] = {
             "oneOf": [
                 {"type": "string", "minLength": 1},
@@ -126,18 +132,20 @@ def _generate_request(role: str) -> dict[str, Any]:
         inputs[1]["properties"]["input_ids"] = {
             "oneOf": [_INPUT_IDS, {"type": "array", "minItems": 1, "items": _INPUT_IDS}]
         }
-    if role == "genrm":
-        inputs.append(
-            {
-                "required": ["messages"],
-                "properties": {
-                    "messages": _MESSAGES,
-                    "stream": {"const": False, "description": "messages cannot be streamed"},
-                },
-            }
-        )
-    if role == "teacher":
-        common["token_ids_logprob"] = {"type": "array", "items": _TOKEN_ID}
+    taken = {name for branch in inputs for name in branch["required"]}
+    for name in notes.input_names:
+        if name in taken or name in common:
+            raise ValueError(
+                f"OpenAPINotes.generate_inputs: {name!r} is already a common /generate field"
+            )
+    inputs += copy.deepcopy(list(notes.generate_inputs))
+    for name, schema in notes.generate_fields.items():
+        if name in common or name in taken:
+            raise ValueError(
+                f"OpenAPINotes.generate_fields: {name!r} is already a common /generate field; "
+                "list only the fields the role adds"
+            )
+        common[name] = copy.deepcopy(schema)
     return _nullable({"type": "object", "properties": common, "oneOf": inputs})
 
 
@@ -196,17 +204,12 @@ def _responses(ok: dict[str, Any], *codes: int) -> dict[str, Any]:
 _FORWARD_ERRORS = (400, 401, 413, 502, 503, 504)
 
 
-def _generate_ok(role: str) -> dict[str, Any]:
-    if role == "genrm":
-        schema: dict[str, Any] = {
-            "description": "{response: text} for messages; the engine's answer for raw input.",
-            "type": "object",
-        }
-    else:
-        schema = {
-            "description": "The engine's SGLang /generate answer.",
-            "type": ["object", "array"],
-        }
+def _generate_ok(notes: OpenAPINotes) -> dict[str, Any]:
+    schema: dict[str, Any] = (
+        copy.deepcopy(notes.generate_answer)
+        if notes.generate_answer is not None
+        else {"description": "The engine's SGLang /generate answer.", "type": ["object", "array"]}
+    )
     return {
         "description": "The engine's answer (an SSE stream with stream: true).",
         "content": {
@@ -234,10 +237,19 @@ def _schema_param() -> dict[str, Any]:
     }
 
 
-def openapi_document(role: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of ``role``'s gateway."""
-    p = f"/{role}"
-    health_default = 1 if role == "genrm" else 2
+def openapi_document(role: RoleSpec | str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of a role's gateway.
+
+    :param role: the role's record (its ``openapi`` notes and ``health_schema`` shape the
+        document), or a bare role name for a role without a record: the common document,
+        health schema 2.
+    :raises ValueError: the role's notes redefine a common ``/generate`` field.
+    """
+    spec = role if isinstance(role, RoleSpec) else None
+    notes = spec.openapi if spec is not None else OpenAPINotes()
+    name = spec.name if spec is not None else str(role)
+    p = f"/{name}"
+    health_default = spec.health_schema if spec is not None else 2
     json_ok = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
     chat_op = {
         "summary": "OpenAI chat completions, forwarded to the selected model",
@@ -252,8 +264,7 @@ def openapi_document(role: str) -> dict[str, Any]:
     paths: dict[str, Any] = {
         f"{p}/generate": {
             "post": {
-                "summary": f"Raw SGLang generation for the {role} role"
-                + (" (or the messages judge protocol)" if role == "genrm" else ""),
+                "summary": f"Raw SGLang generation for the {name} role" + notes.generate_summary,
                 "requestBody": {
                     "required": True,
                     "content": {
@@ -262,7 +273,7 @@ def openapi_document(role: str) -> dict[str, Any]:
                         }
                     },
                 },
-                "responses": _responses(_generate_ok(role), *_FORWARD_ERRORS),
+                "responses": _responses(_generate_ok(notes), *_FORWARD_ERRORS),
             }
         },
         f"{p}/chat/completions": {"post": {**chat_op, "summary": "Alias of v1/chat/completions"}},
@@ -303,10 +314,10 @@ def openapi_document(role: str) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {
-            "title": f"Relax {role} gateway",
+            "title": f"Relax {name} gateway",
             "version": "1",
             "description": (
-                f"The {role} role gateway: validates, selects the model through the role's "
+                f"The {name} role gateway: validates, selects the model through the role's "
                 "schema-2 snapshot and forwards to a router or a READY replica head. Errors are "
                 "JSON {error: {message, type, code}}."
             ),
@@ -315,7 +326,7 @@ def openapi_document(role: str) -> dict[str, Any]:
         "components": {
             "schemas": {
                 "Error": _ERROR,
-                "GenerateRequest": _generate_request(role),
+                "GenerateRequest": _generate_request(notes),
                 "ChatRequest": _CHAT_REQUEST,
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -323,17 +334,43 @@ def openapi_document(role: str) -> dict[str, Any]:
     }
 
 
-def write_documents(directory: Path) -> list[Path]:
-    """Write ``{role}.json`` for every role of :data:`ROLES` into ``directory``."""
+def write_documents(directory: Path, roles: Iterable[RoleSpec]) -> list[Path]:
+    """Write ``{role}.json`` for every role of ``roles`` into ``directory``; return the paths."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for role in ROLES:
-        path = directory / f"{role}.json"
-        path.write_text(json.dumps(openapi_document(role), indent=2, sort_keys=True) + "\n")
+    for spec in roles:
+        path = directory / f"{spec.name}.json"
+        path.write_text(json.dumps(openapi_document(spec), indent=2, sort_keys=True) + "\n")
         written.append(path)
     return written
 
 
+def main(argv: list[str]) -> int:
+    """``python -m relax_core.gateway.openapi DIR [ROLE ...]`` (see the module docstring)."""
+    from relax_core.errors import PluginError
+    from relax_core.plugins import PluginManager
+
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m relax_core.gateway.openapi DIR [ROLE ...]", file=sys.stderr)
+        return 2
+    directory = Path(argv[0])
+    names = argv[1:] or sorted(p.stem for p in directory.glob("*.json"))
+    if not names:
+        print(
+            f"{directory} holds no {{role}}.json to regenerate; name the roles to write",
+            file=sys.stderr,
+        )
+        return 2
+    pm = PluginManager.create()
+    try:
+        specs = [pm.role(name) for name in names]
+    except PluginError as exc:
+        print(f"relax openapi: {exc}", file=sys.stderr)
+        return 2
+    for path in write_documents(directory, specs):
+        print(path)
+    return 0
+
+
 if __name__ == "__main__":
-    for written_path in write_documents(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/openapi")):
-        print(written_path)
+    sys.exit(main(sys.argv[1:]))

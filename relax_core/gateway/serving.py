@@ -235,11 +235,12 @@ def registry_gateway_app(
     )
     from relax_core.plugins import PluginManager
 
+    pm = PluginManager.create()
     client = InferenceClient(registry_url, role=role, ttl=snapshot_ttl, timeout=timeout)
     handler = InferenceGatewayHandler(
         role,
         client=client,
-        adapter=adapter_for_role(PluginManager.create(), role),
+        adapter=adapter_for_role(pm, role),
         model_paths=model_paths,
         timeout=timeout,
         token=token,
@@ -248,7 +249,7 @@ def registry_gateway_app(
         stream_first_chunk_timeout=stream_first_chunk_timeout,
         stream_coalesce=DEFAULT_STREAM_COALESCE_S if stream_coalesce is None else stream_coalesce,
     )
-    return create_gateway_app(handler)
+    return create_gateway_app(handler, spec=pm.role(role))
 
 
 def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
@@ -404,7 +405,8 @@ def start_thread_gateway(
         model_paths=model_paths,
         token=token,
     )
-    server = GatewayServer(create_gateway_app(handler), host, port).start()
+    app = create_gateway_app(handler, spec=plugin_manager.role(role))
+    server = GatewayServer(app, host, port).start()
     return RunningGateway(role, server.url, "thread", os.getpid(), server.stop)
 
 
@@ -433,7 +435,8 @@ class GatewayActor:
         handler = _handler(
             role, plugin_manager=pm, client=client, model_paths=model_paths, token=token
         )
-        self._server = GatewayServer(create_gateway_app(handler), host, port).start()
+        app = create_gateway_app(handler, spec=pm.role(role))
+        self._server = GatewayServer(app, host, port).start()
 
     def address(self) -> tuple[str, int]:
         """``(url, pid)`` of the gateway this actor serves."""

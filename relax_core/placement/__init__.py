@@ -43,7 +43,7 @@ from relax_core.placement.plan import (
     Violation,
 )
 from relax_core.placement.planner import Preflight, plan_inference_placement, preflight
-from relax_core.placement.render import render_plan
+from relax_core.placement.render import render_plan, role_titles
 
 __all__ = [
     "GENERATION_PHASE",
@@ -77,5 +77,6 @@ __all__ = [
     "relax_register_placement_modes",
     "release_bound_pool",
     "render_plan",
+    "role_titles",
     "validate_bound_placement",
 ]

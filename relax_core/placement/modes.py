@@ -33,7 +33,8 @@ __all__ = [
     "relax_register_placement_modes",
 ]
 
-#: The phase rollout runs in under ``defer``; each deferred role gets a phase named after it.
+#: The phase the batch-generating roles (``RoleSpec.generation_phase``) run in under ``defer``;
+#: each deferred role gets a phase named after it.
 GENERATION_PHASE = "generation"
 
 
@@ -42,7 +43,9 @@ class Demand:
     """What one GPU model asks for: ``num_gpus`` bundles in engines of ``gpus_per_engine``.
 
     ``bundle_start`` is set when the config fixed it; ``deferred`` when its role is listed in
-    ``placement.defer_roles``; ``path`` is its config key path.
+    ``placement.defer_roles``; ``generation_phase`` when its role's record says the role
+    generates the training batch (``RoleSpec.generation_phase``); ``path`` is its config key
+    path.
     """
 
     role: str
@@ -52,13 +55,14 @@ class Demand:
     gpus_per_engine: int
     bundle_start: int | None = None
     deferred: bool = False
+    generation_phase: bool = False
 
 
 @attrs.frozen
 class ModeContext:
     """Everything a mode's ``assign`` gets.
 
-    ``demands`` are in role order (rollout, genrm, teacher, then others) and file order within
+    ``demands`` are in the config's order: roles in file order, models in file order within
     a role. ``training_pool`` is ``"actor"`` when the job has an actor pool (``None`` when not)
     and ``training_pool_size`` its bundles.
     """
@@ -245,8 +249,8 @@ def assign_split(ctx: ModeContext) -> ModeResult:
 
 
 def assign_defer(ctx: ModeContext) -> ModeResult:
-    """Rollout in the generation phase, each deferred role in a phase of its own, all from
-    bundle 0 of the actor pool; roles that are not deferred stay resident on bundles no phase
+    """The batch-generating roles in the generation phase, each deferred role in a phase of its
+    own, all from bundle 0 of the actor pool; the other roles stay resident on bundles no phase
     uses."""
     missing = _need_actor_pool(ctx, "defer")
     if missing is not None or ctx.training_pool is None:
@@ -259,8 +263,9 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
             Violation(
                 "placement.defer_roles",
                 "defer-roles",
-                "mode = 'defer' needs at least one deferred role (genrm and/or teacher); "
-                "list them in placement.defer_roles, or use mode = 'split'",
+                "mode = 'defer' needs at least one deferred role; list the deferrable roles "
+                "to time-share the generation phase's GPUs in placement.defer_roles, or use "
+                "mode = 'split'",
             )
         )
     groups: dict[str, list[Demand]] = {GENERATION_PHASE: []}
@@ -269,7 +274,7 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
     for d in ctx.demands:
         if d.deferred and d.role in groups:
             groups[d.role].append(d)
-        elif d.role == "rollout":
+        elif d.generation_phase:
             groups[GENERATION_PHASE].append(d)
         else:
             resident.append(d)
@@ -310,7 +315,7 @@ DEFER = PlacementMode(
     assign=assign_defer,
     shares_training_pool=True,
     supports_defer=True,
-    description="Deferred genrm/teacher reuse rollout's actor-pool bundles in later phases.",
+    description="Deferred roles reuse the generation phase's actor-pool bundles in later phases.",
 )
 
 

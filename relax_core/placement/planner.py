@@ -8,6 +8,7 @@ placement mode (a plugin) decides pools, phases and offsets; the planner checks 
 rule                what is rejected
 ==================  ==========================================================================
 unknown-mode        ``placement.mode`` names no registered mode
+unknown-role        a role no installed plugin registers (roles are known only from their records)
 tp-pp               ``tp x pp`` differs from ``gpus_per_engine``
 divisibility        ``num_gpus`` is not a multiple of ``gpus_per_engine``
 dp-attention        ``dp > 1`` without ``dp_attention``, or ``tp`` not divisible by ``dp``
@@ -18,7 +19,7 @@ colocate-mode       ``training.colocate`` contradicts the mode
 offload-required    a mode that shares the actor pool without ``training.offload``
 actor-pool          a shared mode without actor GPUs
 defer-mode          ``defer_roles`` with a mode that does not defer
-defer-role          a deferred role that may not be deferred (only genrm/teacher)
+defer-role          a deferred role whose record does not make it ``deferrable``
 defer-roles         ``defer`` mode with no deferred role
 no-room             the mode found no free run of bundles for a model
 pool-bounds         a slice outside its pool (split/defer slices outside the actor pool)
@@ -37,11 +38,12 @@ mode-error          a placement mode plugin misbehaved
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 
 import attrs
 
-from relax_core.config import STANDARD_ROLES, JobConfig, ModelConfig
+from relax_core.config import JobConfig, ModelConfig
 from relax_core.errors import PlacementError
 from relax_core.placement.budget import budget_memory
 from relax_core.placement.modes import Demand, ModeContext, ModeResult, engine_straddles
@@ -58,9 +60,6 @@ from relax_core.records import PlacementMode, RoleSpec
 
 __all__ = ["Preflight", "plan_inference_placement", "preflight"]
 
-#: Used when a role's plugin is not installed: which roles may be deferred, default weights.
-_FALLBACK_DEFERRABLE = frozenset({"genrm", "teacher"})
-_FALLBACK_WEIGHT_SOURCE = {"rollout": "ACTOR"}
 #: Default Ray GPU share per bundle: training actor and engine worker in a shared pool.
 SHARED_TRAINING_FRACTION = 0.4
 SHARED_ENGINE_FRACTION = 0.2
@@ -112,17 +111,13 @@ class _Planner:
 
     # -- per model and per role ------------------------------------------------------------
 
-    def deferrable(self, role: str) -> bool:
-        spec = self.role_specs.get(role)
-        return spec.deferrable if spec is not None else role in _FALLBACK_DEFERRABLE
-
     def weight_source(self, m: ModelConfig) -> str:
         if m.weight_source is not None:
             return m.weight_source
         spec = self.role_specs.get(m.role)
-        if spec is not None:
-            return spec.default_weight_source
-        return _FALLBACK_WEIGHT_SOURCE.get(m.role, "STATIC")
+        # An unregistered role is an unknown-role violation, so no plan comes out; STATIC only
+        # lets the remaining checks (memory budgets) run so every violation is reported.
+        return spec.default_weight_source if spec is not None else "STATIC"
 
     def check_model(self, m: ModelConfig) -> bool:
         """Per-model rules; ``True`` when the model can be sliced."""
@@ -208,9 +203,15 @@ class _Planner:
                     f"{', '.join(sorted(policies)) or 'none'})",
                 )
             if role.name not in self.role_specs:
-                self.notes.append(
-                    f"role {role.name!r} is not registered by an installed plugin; "
-                    "using built-in defaults for it"
+                known = sorted(self.role_specs)
+                close = difflib.get_close_matches(role.name, known, n=1)
+                self.violation(
+                    f"roles.{role.name}",
+                    "unknown-role",
+                    f"no installed plugin registers the role {role.name!r}"
+                    + (f"; did you mean {close[0]!r}?" if close else "")
+                    + f" (registered: {', '.join(known) or 'none'}); install the role's plugin "
+                    "or check RELAX_LOAD_PLUGINS / RELAX_DISABLE_PLUGINS",
                 )
 
     def check_mode(self, mode: PlacementMode) -> None:
@@ -242,21 +243,22 @@ class _Planner:
                 f"placement.mode = {mode.name!r} does not run deferred phases; use mode = "
                 "'defer' or drop defer_roles",
             )
+        deferrable = sorted(name for name, spec in self.role_specs.items() if spec.deferrable)
         for i, role in enumerate(placement.defer_roles):
-            if not self.deferrable(role):
+            spec = self.role_specs.get(role)
+            if spec is not None and not spec.deferrable:  # unregistered: unknown-role says it
                 self.violation(
                     f"placement.defer_roles[{i}]",
                     "defer-role",
-                    f"role {role!r} cannot be deferred; only roles that may run in a deferred "
-                    "phase (genrm, teacher) can be listed",
+                    f"role {role!r} cannot be deferred; only roles whose plugin makes them "
+                    f"deferrable can be listed (installed: {', '.join(deferrable) or 'none'})",
                 )
 
     # -- slices ----------------------------------------------------------------------------
 
     def demands(self, sliceable: dict[str, bool]) -> tuple[Demand, ...]:
-        order = {name: i for i, name in enumerate(STANDARD_ROLES)}
-        roles = sorted(self.config.roles, key=lambda r: order.get(r.name, len(order)))
         deferred = set(self.config.placement.defer_roles)
+        generation = {name for name, spec in self.role_specs.items() if spec.generation_phase}
         return tuple(
             Demand(
                 m.role,
@@ -266,9 +268,9 @@ class _Planner:
                 m.gpus_per_engine,
                 m.bundle_start,
                 deferred=m.role in deferred,
+                generation_phase=m.role in generation,
             )
-            for r in roles
-            for m in r.models
+            for m in self.config.models()
             if sliceable.get(m.path)
         )
 
@@ -378,7 +380,7 @@ class _Planner:
                 phase = a.phase if a.phase != PHASE_RESIDENT else b.phase
                 hint = (
                     "give them disjoint bundles (drop or change bundle_start); to time-share "
-                    "GPUs list genrm/teacher in placement.defer_roles with mode = 'defer'"
+                    "GPUs list deferrable roles in placement.defer_roles with mode = 'defer'"
                 )
                 self.violation(
                     f"{b.path}.bundle_start",
@@ -473,8 +475,6 @@ class _Planner:
         mode_name = cfg.placement.resolved_mode(cfg.training)
         mode: PlacementMode | None = modes[mode_name].record if mode_name in modes else None
         if mode is None:
-            import difflib
-
             close = difflib.get_close_matches(mode_name, sorted(modes), n=1)
             self.violation(
                 "placement.mode",

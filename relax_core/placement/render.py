@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from relax_core.placement.budget import node_ranges
 from relax_core.placement.plan import InferencePlacementPlan, ModelPlacement, Pool
+from relax_core.plugins import PluginManager
 
-__all__ = ["render_plan"]
+__all__ = ["render_plan", "role_titles"]
 
-_TITLES = {"rollout": "Rollout", "genrm": "GenRM", "teacher": "Teacher"}
+
+def role_titles(plugin_manager: PluginManager) -> dict[str, str]:
+    """``{role: RoleSpec.title}`` of every role ``plugin_manager`` has registered."""
+    return {name: reg.record.title for name, reg in plugin_manager.registered("roles").items()}
+
+
 #: Pools wider than this are shown as bundle ranges instead of one column per bundle.
 MAX_MAP_WIDTH = 64
 
 
-def _title(p: ModelPlacement, one_model: bool, multi_phase: bool) -> str:
-    label = _TITLES.get(p.role, p.role.capitalize())
+def _role_title(role: str, titles: Mapping[str, str]) -> str:
+    return titles.get(role) or role.capitalize()
+
+
+def _title(p: ModelPlacement, one_model: bool, multi_phase: bool, titles: Mapping[str, str]) -> str:
+    label = _role_title(p.role, titles)
     if not one_model:
         label += f"/{p.model}"
     if multi_phase:
@@ -23,17 +33,21 @@ def _title(p: ModelPlacement, one_model: bool, multi_phase: bool) -> str:
     return label + ":"
 
 
-def _rows(plan: InferencePlacementPlan, pool: Pool) -> list[tuple[str, ModelPlacement]]:
+def _rows(
+    plan: InferencePlacementPlan, pool: Pool, titles: Mapping[str, str]
+) -> list[tuple[str, ModelPlacement]]:
     placed = plan.placements_in(pool.name)
     per_role: dict[str, int] = {}
     for p in placed:
         per_role[p.role] = per_role.get(p.role, 0) + 1
     multi_phase = len({p.phase for p in placed}) > 1
-    return [(_title(p, per_role[p.role] == 1, multi_phase), p) for p in placed]
+    return [(_title(p, per_role[p.role] == 1, multi_phase, titles), p) for p in placed]
 
 
-def _pool_lines(plan: InferencePlacementPlan, pool: Pool, width: int) -> list[str]:
-    rows = _rows(plan, pool)
+def _pool_lines(
+    plan: InferencePlacementPlan, pool: Pool, width: int, titles: Mapping[str, str]
+) -> list[str]:
+    rows = _rows(plan, pool, titles)
     owners = ", ".join(pool.training)
     shared = ""
     if pool.training:
@@ -45,7 +59,7 @@ def _pool_lines(plan: InferencePlacementPlan, pool: Pool, width: int) -> list[st
     if pool.size <= MAX_MAP_WIDTH:
         lines.append("bundle:".ljust(width) + " ".join(str(i) for i in range(pool.size)))
         for title, p in rows:
-            letter = _TITLES.get(p.role, p.role)[0].upper()
+            letter = _role_title(p.role, titles)[0].upper()
             cells = []
             for i in range(pool.size):
                 mark = letter if (p.bundle_start or 0) <= i < p.bundle_end else "."
@@ -87,18 +101,29 @@ def _host_lines(plan: InferencePlacementPlan) -> list[str]:
     return lines
 
 
-def render_plan(plan: InferencePlacementPlan, notes: Sequence[str] = ()) -> str:
-    """The plan as text: a header, a bundle map per pool, CPU models, memory and notes."""
+def render_plan(
+    plan: InferencePlacementPlan,
+    notes: Sequence[str] = (),
+    *,
+    titles: Mapping[str, str] | None = None,
+) -> str:
+    """The plan as text: a header, a bundle map per pool, CPU models, memory and notes.
+
+    ``titles``: how to name each role (``RoleSpec.title`` of the registered roles, see
+    :func:`role_titles`); a role without one is shown by its name, capitalised. Each role's
+    bundles are marked with the first letter of its title.
+    """
+    titles = titles or {}
     lines = [
         f"mode: {plan.mode}   cluster: {plan.num_nodes} node(s) x {plan.gpus_per_node} GPUs   "
         f"job uses {plan.total_gpus} of {plan.cluster_gpus} GPUs   phases: "
         + " -> ".join(plan.phases)
     ]
-    titles = [t for pool in plan.pools for t, _ in _rows(plan, pool)]
-    width = max([len("bundle:"), *(len(t) for t in titles)]) + 1
+    labels = [t for pool in plan.pools for t, _ in _rows(plan, pool, titles)]
+    width = max([len("bundle:"), *(len(t) for t in labels)]) + 1
     for pool in plan.pools:
         lines.append("")
-        lines += _pool_lines(plan, pool, width)
+        lines += _pool_lines(plan, pool, width, titles)
     cpu = [p for p in plan.placements if p.pool is None]
     if cpu:
         lines.append("")

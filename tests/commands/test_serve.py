@@ -9,7 +9,6 @@ line).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,42 +38,10 @@ _alive, _cmdline = support.alive, support.cmdline
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A micro hf model made the way a user makes one (``python -m relax_hf make-tiny-model``)."""
-    path = tmp_path_factory.mktemp("serve") / "model"
-    subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(path), "--size", "micro"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return path
+    return support.make_tiny_model(tmp_path_factory.mktemp("serve") / "model")
 
 
-@contextlib.contextmanager
-def serve(config: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], Lines, Path]]:
-    """``python -m relax_core serve CONFIG ARGS`` in a session of its own; on the way out,
-    whatever the test did, every process it left (its session, its engines) is killed."""
-    stderr = config.with_suffix(".stderr")
-    with open(stderr, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "relax_core", "serve", str(config), *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
-        )
-    assert proc.stdout is not None
-    lines = Lines(proc.stdout)
-    try:
-        yield proc, lines, stderr
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        leftovers = in_session(proc.pid) + mentioning(str(config.parent))
-        for pid in leftovers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.stdout.close()
+serve = support.serve
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:

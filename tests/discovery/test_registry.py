@@ -11,6 +11,7 @@ from relax_core.discovery.routing import RouteResolver
 from relax_core.discovery.schema import EngineState, ModelState, RoleSnapshot, RoutingSpec
 from relax_core.errors import RoutingError, SnapshotError
 from relax_core.plugins import PluginManager
+from tests.support.roles import builtin_roles
 
 
 def publisher(role: str = "teacher", **kwargs: object) -> RegistryPublisher:
@@ -172,8 +173,15 @@ def test_static_model_refuses_a_weight_version() -> None:
     assert reg.snapshot().models["math"].weight_version is None
 
 
-def test_genrm_model_must_be_static() -> None:
-    reg = RegistryPublisher("genrm", RoutingSpec())
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param({"static_roles": {"genrm"}}, id="static-roles-given"),
+        pytest.param({"weight_sources": builtin_roles()}, id="from-the-role-records"),
+    ],
+)
+def test_a_static_roles_model_must_be_static(how: dict[str, object]) -> None:
+    reg = RegistryPublisher("genrm", RoutingSpec(), **how)
     with pytest.raises(SnapshotError) as info:
         reg.set_model(
             "judge",
@@ -183,6 +191,14 @@ def test_genrm_model_must_be_static() -> None:
             served_model_name="j",
         )
     assert info.value.path == "models.judge.weight_source"
+
+
+def test_a_role_whose_record_allows_updates_may_publish_actor_models() -> None:
+    reg = RegistryPublisher("rollout", RoutingSpec(), weight_sources=builtin_roles())
+    reg.set_model(
+        "policy", state="READY", route_mode="DIRECT", weight_source="ACTOR", served_model_name="p"
+    )
+    assert reg.snapshot().models["policy"].weight_source == "ACTOR"
 
 
 def test_rollout_model_publishes_weight_versions() -> None:

@@ -24,6 +24,7 @@ from relax_core.discovery.schema import (
 from relax_core.errors import SnapshotError
 from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import WeightSource
+from tests.support.roles import builtin_roles
 
 
 def reference_doc() -> dict[str, Any]:
@@ -212,7 +213,6 @@ MALFORMED: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
         "models.math.weight_version",
         "STATIC model never carries a weight_version",
     ),
-    ("static-role-not-static", _as_genrm_actor, "models.math.weight_source", "must be STATIC"),
     (
         "direct-with-router-url",
         _math("router_url", "http://router:1"),
@@ -437,6 +437,16 @@ def test_static_role_model_whose_source_allows_updates_is_rejected() -> None:
         RoleSnapshot.from_json(reference_doc(), weight_sources=records)
     assert info.value.path == "models.math.weight_source"
     assert "refuse every update path" in info.value.message
+
+
+def test_a_model_of_a_static_only_role_must_be_static_by_its_record() -> None:
+    doc = reference_doc()
+    _as_genrm_actor(doc)
+    RoleSnapshot.from_json(doc)  # without role records nothing says genrm is STATIC-only
+    with pytest.raises(SnapshotError) as info:
+        RoleSnapshot.from_json(doc, weight_sources=builtin_roles())
+    assert info.value.path == "models.math.weight_source"
+    assert "a genrm model must be STATIC" in info.value.message
 
 
 def test_static_roles_can_be_chosen_by_the_caller() -> None:

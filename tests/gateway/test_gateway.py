@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support import gateway as gs
+from tests.support.roles import builtin_roles
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +244,10 @@ def test_discovery_routes(gw: str, engines: tuple[Any, Any]) -> None:
 
 
 def test_genrm_health_defaults_to_schema_1(registry: Any, engines: tuple[Any, Any]) -> None:
+    # The default comes from the genrm role's record (health_schema = 1), not from its name.
+    spec = builtin_roles().role("genrm")
     registry.value = gs.snapshot("genrm", {"judge": {"urls": [engines[0].url]}})
-    with gs.gateway("genrm", registry) as url:
+    with gs.gateway("genrm", registry, spec=spec) as url:
         legacy = json.loads(gs.get(f"{url}/genrm/health")[2])
         unified = json.loads(gs.get(f"{url}/genrm/health?schema=2")[2])
     assert legacy == {"status": "healthy", "healthy_engines": 1, "total_engines": 1}

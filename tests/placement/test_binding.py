@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ from relax_core.placement import (
     release_bound_pool,
     validate_bound_placement,
 )
-from relax_core.plugins import PluginManager
+from tests.support.roles import builtin_roles
 
 
 def make_plan(
@@ -58,7 +59,7 @@ def make_plan(
             },
         }
     )
-    return plan_inference_placement(cfg, PluginManager.create(entry_points=False))
+    return plan_inference_placement(cfg, builtin_roles())
 
 
 def probes(
@@ -222,7 +223,7 @@ def test_an_owned_group_binds_the_split_plan_and_is_removed_on_release(ray_local
             },
         }
     )
-    plan = plan_inference_placement(cfg, PluginManager.create(entry_points=False))
+    plan = plan_inference_placement(cfg, builtin_roles())
     bound = bind_placement_group(plan, "actor", ready_timeout_s=30, probe_timeout_s=60)
     try:
         assert bound.owned and bound.placement_group is not None
@@ -313,8 +314,10 @@ def test_a_borrowed_group_is_kept_on_release(ray_local: Any) -> None:
 
 @pytest.fixture
 def cluster_run() -> Iterator[subprocess.Popen[str]]:
+    # As a module from the repository root, so that it imports tests.support like the tests do.
     proc = subprocess.Popen(
-        [sys.executable, __file__, "cluster"],
+        [sys.executable, "-m", "tests.placement.test_binding", "cluster"],
+        cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -23,9 +23,11 @@ from relax_core.placement import (
     plan_inference_placement,
     preflight,
     render_plan,
+    role_titles,
 )
 from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import PlacementMode, RoleSpec
+from tests.support.roles import builtin_roles
 
 DROP = object()
 
@@ -87,9 +89,9 @@ def rows(text: str) -> list[str]:
 
 
 def test_split_puts_rollout_genrm_and_teacher_in_disjoint_actor_slices(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
-    plan = plan_inference_placement(job(), core_plugin_manager)
+    plan = plan_inference_placement(job(), roles_plugin_manager)
     assert plan.mode == "split" and plan.total_gpus == 8
     assert [p.name for p in plan.pools] == ["actor"]
     got = {(p.role, p.bundle_start, p.num_gpus, p.phase) for p in plan.placements}
@@ -99,7 +101,7 @@ def test_split_puts_rollout_genrm_and_teacher_in_disjoint_actor_slices(
         ("teacher", 6, 2, "resident"),
     }
     assert plan.model_placement("rollout", "policy").replicas == ((0, 1), (2, 3))
-    text = rows(render_plan(plan))
+    text = rows(render_plan(plan, titles=role_titles(roles_plugin_manager)))
     assert "bundle:  0 1 2 3 4 5 6 7" in text
     assert "Rollout: R R R R . . . ." in text
     assert "GenRM:   . . . . G G . ." in text
@@ -115,8 +117,10 @@ DEFER_8["roles"] = {
 }
 
 
-def test_defer_reuses_all_eight_bundles_in_three_phases(core_plugin_manager: PluginManager) -> None:
-    plan = plan_inference_placement(job(DEFER_8), core_plugin_manager)
+def test_defer_reuses_all_eight_bundles_in_three_phases(
+    roles_plugin_manager: PluginManager,
+) -> None:
+    plan = plan_inference_placement(job(DEFER_8), roles_plugin_manager)
     assert plan.phases == ("generation", "genrm", "teacher")
     got = {(p.role, p.pool, p.bundle_start, p.num_gpus, p.phase) for p in plan.placements}
     assert got == {
@@ -124,14 +128,14 @@ def test_defer_reuses_all_eight_bundles_in_three_phases(core_plugin_manager: Plu
         ("genrm", "actor", 0, 8, "genrm"),
         ("teacher", "actor", 0, 8, "teacher"),
     }
-    text = rows(render_plan(plan))
+    text = rows(render_plan(plan, titles=role_titles(roles_plugin_manager)))
     assert "Rollout (generation): R R R R R R R R" in text
     assert "GenRM (genrm):        G G G G G G G G" in text
     assert "Teacher (teacher):    T T T T T T T T" in text
 
 
 def test_defer_keeps_a_role_that_is_not_deferred_resident_beside_the_phases(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(
         DEFER_8,
@@ -140,7 +144,7 @@ def test_defer_keeps_a_role_that_is_not_deferred_resident_beside_the_phases(
         roles__genrm__models__judge=model(4, 2),
         roles__teacher__models__math=model(4, 2),
     )
-    plan = plan_inference_placement(cfg, core_plugin_manager)
+    plan = plan_inference_placement(cfg, roles_plugin_manager)
     assert plan.phases == ("generation", "genrm", "resident")
     assert plan.model_placement("teacher", "math").bundle_start == 4
     assert plan.model_placement("genrm", "judge").bundle_start == 0
@@ -153,9 +157,9 @@ DECOUPLED_16["placement"] = {"mode": "decoupled"}
 
 
 def test_decoupled_gives_each_role_its_own_pool_from_bundle_zero(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
-    plan = plan_inference_placement(job(DECOUPLED_16), core_plugin_manager)
+    plan = plan_inference_placement(job(DECOUPLED_16), roles_plugin_manager)
     sizes = {p.name: (p.size, p.inference, p.nodes) for p in plan.pools}
     assert sizes == {
         "actor": (8, False, (0,)),
@@ -166,12 +170,12 @@ def test_decoupled_gives_each_role_its_own_pool_from_bundle_zero(
     for p in plan.placements:
         assert (p.pool, p.bundle_start) == (p.role, 0)
     assert plan.total_gpus == 16
-    text = rows(render_plan(plan))
+    text = rows(render_plan(plan, titles=role_titles(roles_plugin_manager)))
     assert "Rollout: R R R R" in text and "GenRM:   G G" in text
 
 
 def test_a_sixteen_gpu_replica_spans_two_whole_eight_gpu_nodes(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = parse_config(
         {
@@ -180,7 +184,7 @@ def test_a_sixteen_gpu_replica_spans_two_whole_eight_gpu_nodes(
             "roles": {"rollout": {"models": {"big": model(32, 16, tp=8, pp=2)}}},
         }
     )
-    plan = plan_inference_placement(cfg, core_plugin_manager)
+    plan = plan_inference_placement(cfg, roles_plugin_manager)
     big = plan.model_placement("rollout", "big")
     assert big.replicas == (tuple(range(16)), tuple(range(16, 32)))
     assert big.workers == (
@@ -193,7 +197,7 @@ def test_a_sixteen_gpu_replica_spans_two_whole_eight_gpu_nodes(
     assert plan.bundle_specs("rollout")[0] == {"GPU": 1.0, "CPU": 1.0}
 
 
-def test_cpu_models_are_planned_without_a_pool(core_plugin_manager: PluginManager) -> None:
+def test_cpu_models_are_planned_without_a_pool(roles_plugin_manager: PluginManager) -> None:
     cfg = parse_config(
         {
             "roles": {
@@ -210,13 +214,13 @@ def test_cpu_models_are_planned_without_a_pool(core_plugin_manager: PluginManage
             }
         }
     )
-    plan = plan_inference_placement(cfg, core_plugin_manager)
+    plan = plan_inference_placement(cfg, roles_plugin_manager)
     j = plan.model_placement("genrm", "j")
     assert (j.pool, j.device, j.num_engines, plan.total_gpus) == (None, "cpu", 2, 0)
 
 
-def test_a_plan_round_trips_through_json(core_plugin_manager: PluginManager) -> None:
-    plan = plan_inference_placement(job(DEFER_8), core_plugin_manager)
+def test_a_plan_round_trips_through_json(roles_plugin_manager: PluginManager) -> None:
+    plan = plan_inference_placement(job(DEFER_8), roles_plugin_manager)
     again = InferencePlacementPlan.from_dict(json.loads(plan.to_json()))
     assert again == plan
     data = plan.to_dict()
@@ -232,29 +236,31 @@ def test_a_plan_round_trips_through_json(core_plugin_manager: PluginManager) -> 
     }
 
 
-def test_unknown_plan_lookups_name_what_exists(core_plugin_manager: PluginManager) -> None:
-    plan = plan_inference_placement(job(), core_plugin_manager)
+def test_unknown_plan_lookups_name_what_exists(roles_plugin_manager: PluginManager) -> None:
+    plan = plan_inference_placement(job(), roles_plugin_manager)
     with pytest.raises(KeyError, match=r"rollout\.policy"):
         plan.model_placement("rollout", "nope")
     with pytest.raises(KeyError, match="actor"):
         plan.pool("nope")
 
 
-def test_auto_placement_fills_around_an_explicit_slice(core_plugin_manager: PluginManager) -> None:
+def test_auto_placement_fills_around_an_explicit_slice(roles_plugin_manager: PluginManager) -> None:
     plan = plan_inference_placement(
-        job(roles__genrm__models__judge=model(2, 2, bundle_start=0)), core_plugin_manager
+        job(roles__genrm__models__judge=model(2, 2, bundle_start=0)), roles_plugin_manager
     )
     starts = {p.role: p.bundle_start for p in plan.placements}
     assert starts == {"genrm": 0, "rollout": 2, "teacher": 6}
 
 
-def test_every_violation_is_reported_not_just_the_first(core_plugin_manager: PluginManager) -> None:
+def test_every_violation_is_reported_not_just_the_first(
+    roles_plugin_manager: PluginManager,
+) -> None:
     cfg = job(
         roles__genrm__models__judge=model(2, 2, tp=3),
         roles__rollout__models__policy=model(3, 2),
         training__offload=False,
     )
-    result = preflight(cfg, core_plugin_manager)
+    result = preflight(cfg, roles_plugin_manager)
     rules = {v.rule for v in result.violations}
     assert {"tp-pp", "divisibility", "offload-required"} <= rules
 
@@ -263,42 +269,42 @@ def test_every_violation_is_reported_not_just_the_first(core_plugin_manager: Plu
 
 
 def test_rejects_tp_times_pp_different_from_gpus_per_engine(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     msg = rejects(
         job(roles__genrm__models__judge=model(2, 2, tp=3)),
-        core_plugin_manager,
+        roles_plugin_manager,
         "roles.genrm.models.judge.tp",
         "tp-pp",
     )
     assert "tp 3 x pp 1 = 3" in msg and "gpus_per_engine = 2" in msg
 
 
-def test_rejects_num_gpus_not_divisible_by_engine_size(core_plugin_manager: PluginManager) -> None:
+def test_rejects_num_gpus_not_divisible_by_engine_size(roles_plugin_manager: PluginManager) -> None:
     msg = rejects(
         job(roles__rollout__models__policy=model(3, 2)),
-        core_plugin_manager,
+        roles_plugin_manager,
         "roles.rollout.models.policy.num_gpus",
         "divisibility",
     )
     assert "1.5 engines" in msg
 
 
-def test_rejects_dp_without_dp_attention(core_plugin_manager: PluginManager) -> None:
+def test_rejects_dp_without_dp_attention(roles_plugin_manager: PluginManager) -> None:
     rejects(
         job(roles__genrm__models__judge=model(2, 2, dp=2)),
-        core_plugin_manager,
+        roles_plugin_manager,
         "roles.genrm.models.judge.dp",
         "dp-attention",
     )
 
 
 def test_rejects_dp_attention_when_tp_is_not_divisible_by_dp(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     msg = rejects(
         job(roles__genrm__models__judge=model(2, 2, dp=3, dp_attention=True)),
-        core_plugin_manager,
+        roles_plugin_manager,
         "roles.genrm.models.judge.dp",
         "dp-attention",
     )
@@ -306,7 +312,7 @@ def test_rejects_dp_attention_when_tp_is_not_divisible_by_dp(
 
 
 def test_rejects_a_cross_node_engine_that_is_not_whole_nodes(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(
         DECOUPLED_16,
@@ -314,13 +320,13 @@ def test_rejects_a_cross_node_engine_that_is_not_whole_nodes(
         roles__rollout__models__policy=model(12, 12),
     )
     msg = rejects(
-        cfg, core_plugin_manager, "roles.rollout.models.policy.gpus_per_engine", "whole-nodes"
+        cfg, roles_plugin_manager, "roles.rollout.models.policy.gpus_per_engine", "whole-nodes"
     )
     assert "12 GPUs" in msg and "multiple of 8" in msg
 
 
 def test_rejects_an_engine_that_straddles_a_node_boundary(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(
         cluster__num_nodes=2,
@@ -328,13 +334,13 @@ def test_rejects_an_engine_that_straddles_a_node_boundary(
         roles__rollout__models__policy=model(2, 2, bundle_start=3),
     )
     msg = rejects(
-        cfg, core_plugin_manager, "roles.rollout.models.policy.bundle_start", "node-boundary"
+        cfg, roles_plugin_manager, "roles.rollout.models.policy.bundle_start", "node-boundary"
     )
     assert "slice 3-4" in msg
 
 
 def test_rejects_a_cross_node_engine_that_does_not_start_on_a_node(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(
         cluster__num_nodes=4,
@@ -342,114 +348,118 @@ def test_rejects_a_cross_node_engine_that_does_not_start_on_a_node(
         training__actor_gpus=16,
         roles__rollout__models__policy=model(8, 8, bundle_start=2),
     )
-    rejects(cfg, core_plugin_manager, "roles.rollout.models.policy.bundle_start", "node-boundary")
+    rejects(cfg, roles_plugin_manager, "roles.rollout.models.policy.bundle_start", "node-boundary")
 
 
 def test_rejects_a_role_budget_its_models_do_not_add_up_to(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(roles__genrm__num_gpus=4)
-    msg = rejects(cfg, core_plugin_manager, "roles.genrm.num_gpus", "role-budget")
+    msg = rejects(cfg, roles_plugin_manager, "roles.genrm.num_gpus", "role-budget")
     assert "budget of 4" in msg and "judge 2" in msg
 
 
 def test_rejects_colocate_with_a_mode_that_keeps_inference_apart(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(DECOUPLED_16, training__colocate=True)
-    rejects(cfg, core_plugin_manager, "training.colocate", "colocate-mode")
+    rejects(cfg, roles_plugin_manager, "training.colocate", "colocate-mode")
 
 
 def test_rejects_a_shared_placement_without_training_offload(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     msg = rejects(
-        job(training__offload=False), core_plugin_manager, "training.offload", "offload-required"
+        job(training__offload=False), roles_plugin_manager, "training.offload", "offload-required"
     )
     assert "training.offload = true" in msg
 
 
-def test_rejects_a_shared_mode_without_an_actor_pool(core_plugin_manager: PluginManager) -> None:
+def test_rejects_a_shared_mode_without_an_actor_pool(roles_plugin_manager: PluginManager) -> None:
     cfg = job(training__actor_gpus=0, training__colocate=DROP)
-    rejects(cfg, core_plugin_manager, "training.actor_gpus", "actor-pool")
+    rejects(cfg, roles_plugin_manager, "training.actor_gpus", "actor-pool")
 
 
 def test_rejects_defer_roles_in_a_mode_that_does_not_defer(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(placement__defer_roles=["genrm"])
-    rejects(cfg, core_plugin_manager, "placement.defer_roles", "defer-mode")
+    rejects(cfg, roles_plugin_manager, "placement.defer_roles", "defer-mode")
 
 
-def test_rejects_deferring_rollout(core_plugin_manager: PluginManager) -> None:
+def test_rejects_deferring_rollout(roles_plugin_manager: PluginManager) -> None:
     cfg = job(DEFER_8, placement__defer_roles=["genrm", "rollout"])
-    msg = rejects(cfg, core_plugin_manager, "placement.defer_roles[1]", "defer-role")
+    msg = rejects(cfg, roles_plugin_manager, "placement.defer_roles[1]", "defer-role")
     assert "'rollout' cannot be deferred" in msg
 
 
-def test_rejects_defer_mode_with_nothing_deferred(core_plugin_manager: PluginManager) -> None:
+def test_rejects_defer_mode_with_nothing_deferred(roles_plugin_manager: PluginManager) -> None:
     cfg = job(DEFER_8, placement__defer_roles=[])
-    rejects(cfg, core_plugin_manager, "placement.defer_roles", "defer-roles")
+    rejects(cfg, roles_plugin_manager, "placement.defer_roles", "defer-roles")
 
 
 def test_rejects_split_slices_that_do_not_fit_in_the_actor_pool(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(roles__rollout__models__policy=model(8, 2))
-    msg = rejects(cfg, core_plugin_manager, "roles.genrm.models.judge", "no-room")
+    msg = rejects(cfg, roles_plugin_manager, "roles.genrm.models.judge", "no-room")
     assert "pool 'actor' (8 bundles)" in msg
 
 
 def test_rejects_an_explicit_split_slice_outside_the_actor_pool(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(roles__genrm__models__judge=model(2, 2, bundle_start=8))
-    msg = rejects(cfg, core_plugin_manager, "roles.genrm.models.judge.bundle_start", "pool-bounds")
+    msg = rejects(cfg, roles_plugin_manager, "roles.genrm.models.judge.bundle_start", "pool-bounds")
     assert "slice 8-9" in msg and "training.actor_gpus = 8" in msg
 
 
 def test_rejects_overlapping_split_slices_as_same_phase_co_residence(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(
         roles__rollout__models__policy=model(4, 2, bundle_start=0),
         roles__genrm__models__judge=model(2, 2, bundle_start=2),
     )
-    msg = rejects(cfg, core_plugin_manager, "roles.genrm.models.judge.bundle_start", "co-residence")
+    msg = rejects(
+        cfg, roles_plugin_manager, "roles.genrm.models.judge.bundle_start", "co-residence"
+    )
     assert "bundles 2-3" in msg and "roles.rollout.models.policy" in msg
     assert "defer_roles" in msg
 
 
 def test_rejects_two_models_of_one_deferred_phase_on_the_same_bundles(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(
         DEFER_8,
         roles__genrm__models={"a": model(4, 2, bundle_start=0), "b": model(4, 2, bundle_start=2)},
     )
-    msg = rejects(cfg, core_plugin_manager, "roles.genrm.models.b.bundle_start", "co-residence")
+    msg = rejects(cfg, roles_plugin_manager, "roles.genrm.models.b.bundle_start", "co-residence")
     assert "phase 'genrm'" in msg
 
 
 def test_rejects_ray_gpu_reservations_above_one_gpu_per_bundle(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(DEFER_8, roles__teacher__models__math=model(8, 2, ray_gpu_fraction=0.5))
     msg = rejects(
-        cfg, core_plugin_manager, "roles.teacher.models.math.ray_gpu_fraction", "ray-gpu-fraction"
+        cfg, roles_plugin_manager, "roles.teacher.models.math.ray_gpu_fraction", "ray-gpu-fraction"
     )
     assert "1.3 Ray GPUs" in msg and "training actor 0.4" in msg
 
 
 def test_rejects_pools_that_need_more_gpus_than_the_cluster_has(
-    core_plugin_manager: PluginManager,
+    roles_plugin_manager: PluginManager,
 ) -> None:
     cfg = job(DECOUPLED_16, cluster__num_nodes=1)
-    msg = rejects(cfg, core_plugin_manager, "cluster", "gpu-budget")
+    msg = rejects(cfg, roles_plugin_manager, "cluster", "gpu-budget")
     assert "needs 16 GPUs" in msg and "has 8" in msg
 
 
-def test_rejects_pools_that_cannot_be_packed_onto_nodes(core_plugin_manager: PluginManager) -> None:
+def test_rejects_pools_that_cannot_be_packed_onto_nodes(
+    roles_plugin_manager: PluginManager,
+) -> None:
     cfg = job(
         DECOUPLED_16,
         training=DROP,
@@ -457,25 +467,25 @@ def test_rejects_pools_that_cannot_be_packed_onto_nodes(core_plugin_manager: Plu
         roles__genrm__models__judge=model(6, 2),
         roles__teacher__models__math=model(4, 2),
     )
-    msg = rejects(cfg, core_plugin_manager, "cluster", "node-fit")
+    msg = rejects(cfg, roles_plugin_manager, "cluster", "node-fit")
     assert "no node has 4 free GPUs" in msg
 
 
-def test_rejects_gpu_models_on_a_cluster_without_gpus(core_plugin_manager: PluginManager) -> None:
+def test_rejects_gpu_models_on_a_cluster_without_gpus(roles_plugin_manager: PluginManager) -> None:
     cfg = job(cluster__gpus_per_node=0)
-    rejects(cfg, core_plugin_manager, "cluster.gpus_per_node", "gpu-budget")
+    rejects(cfg, roles_plugin_manager, "cluster.gpus_per_node", "gpu-budget")
 
 
-def test_rejects_an_unknown_mode_with_a_hint(core_plugin_manager: PluginManager) -> None:
+def test_rejects_an_unknown_mode_with_a_hint(roles_plugin_manager: PluginManager) -> None:
     msg = rejects(
-        job(placement__mode="splt"), core_plugin_manager, "placement.mode", "unknown-mode"
+        job(placement__mode="splt"), roles_plugin_manager, "placement.mode", "unknown-mode"
     )
     assert "did you mean 'split'?" in msg
 
 
-def test_rejects_an_unknown_weight_source(core_plugin_manager: PluginManager) -> None:
+def test_rejects_an_unknown_weight_source(roles_plugin_manager: PluginManager) -> None:
     cfg = job(roles__genrm__models__judge=model(2, 2, weight_source="S3"))
-    rejects(cfg, core_plugin_manager, "roles.genrm.models.judge.weight_source", "weight-source")
+    rejects(cfg, roles_plugin_manager, "roles.genrm.models.judge.weight_source", "weight-source")
 
 
 def test_rejects_a_weight_source_the_role_does_not_allow() -> None:
@@ -497,8 +507,106 @@ def test_rejects_a_weight_source_the_role_does_not_allow() -> None:
     assert "'ACTOR'" in msg
 
 
-def test_rejects_an_unregistered_routing_policy(core_plugin_manager: PluginManager) -> None:
-    rejects(job(roles__genrm__policy="nope"), core_plugin_manager, "roles.genrm.policy", "policy")
+def test_rejects_an_unregistered_routing_policy(roles_plugin_manager: PluginManager) -> None:
+    rejects(job(roles__genrm__policy="nope"), roles_plugin_manager, "roles.genrm.policy", "policy")
+
+
+# -- roles are known only from their records ---------------------------------------------------
+
+
+def _roles_pm(*specs: RoleSpec) -> PluginManager:
+    def register(register: Callable[[RoleSpec], None]) -> None:
+        for spec in specs:
+            register(spec)
+
+    plugin = module_plugin("roles", relax_register_roles=register)
+    return PluginManager.create(entry_points=False, plugins=[("roles", plugin)])
+
+
+def test_rejects_a_role_no_plugin_registers_suggesting_the_close_one(
+    roles_plugin_manager: PluginManager,
+) -> None:
+    data = copy.deepcopy(SPLIT_8)
+    data["roles"]["genrn"] = data["roles"].pop("genrm")
+    msg = rejects(parse_config(data), roles_plugin_manager, "roles.genrn", "unknown-role")
+    assert "did you mean 'genrm'?" in msg and "registered: genrm, rollout, teacher" in msg
+
+
+def test_without_role_plugins_no_role_is_known(core_plugin_manager: PluginManager) -> None:
+    result = preflight(job(), core_plugin_manager)
+    assert result.plan is None
+    assert {(v.path, v.rule) for v in result.violations} == {
+        (f"roles.{name}", "unknown-role") for name in ("rollout", "genrm", "teacher")
+    }
+
+
+def test_defer_phases_follow_the_role_records_not_their_names() -> None:
+    # Third-party roles: "sampler" generates the batch, "critic" and "judge" may be deferred.
+    pm = _roles_pm(
+        RoleSpec(
+            name="sampler",
+            allowed_weight_sources={"ACTOR"},
+            default_route_mode="DIRECT",
+            default_weight_source="ACTOR",
+            generation_phase=True,
+        ),
+        RoleSpec(name="critic", allowed_weight_sources={"STATIC"}, default_route_mode="DIRECT"),
+        RoleSpec(
+            name="judge",
+            allowed_weight_sources={"STATIC"},
+            default_route_mode="DIRECT",
+            deferrable=True,
+        ),
+    )
+    data = {
+        **copy.deepcopy(DEFER_8),
+        "placement": {"mode": "defer", "defer_roles": ["judge"]},
+        "roles": {
+            "sampler": {"models": {"s": model(4, 2)}},
+            "critic": {"models": {"c": model(4, 2)}},
+            "judge": {"models": {"j": model(4, 2)}},
+        },
+    }
+    plan = plan_inference_placement(parse_config(data), pm)
+    got = {(p.role, p.bundle_start, p.phase) for p in plan.placements}
+    assert got == {("sampler", 0, "generation"), ("judge", 0, "judge"), ("critic", 4, "resident")}
+    # The critic's record does not make it deferrable.
+    data["placement"]["defer_roles"] = ["judge", "critic"]
+    msg = rejects(parse_config(data), pm, "placement.defer_roles[1]", "defer-role")
+    assert "'critic' cannot be deferred" in msg and "(installed: judge)" in msg
+
+
+def test_slices_follow_the_roles_in_file_order(roles_plugin_manager: PluginManager) -> None:
+    data = copy.deepcopy(SPLIT_8)
+    data["roles"] = {name: data["roles"][name] for name in ("teacher", "genrm", "rollout")}
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
+    got = {p.role: (p.bundle_start, p.num_gpus) for p in plan.placements}
+    assert got == {"teacher": (0, 2), "genrm": (2, 2), "rollout": (4, 4)}
+
+
+def test_the_bundle_map_names_each_role_by_its_records_title() -> None:
+    pm = _roles_pm(
+        RoleSpec(
+            name="prm-v2",
+            allowed_weight_sources={"STATIC"},
+            default_route_mode="DIRECT",
+            title="Step scorer",
+        ),
+        RoleSpec(name="critic", allowed_weight_sources={"STATIC"}, default_route_mode="DIRECT"),
+    )
+    data = {
+        **copy.deepcopy(SPLIT_8),
+        "roles": {
+            "prm-v2": {"models": {"m": model(4, 2)}},
+            "critic": {"models": {"c": model(4, 2)}},
+        },
+    }
+    plan = plan_inference_placement(parse_config(data), pm)
+    text = rows(render_plan(plan, titles=role_titles(pm)))
+    assert "Step scorer: S S S S . . . ." in text
+    assert "Critic:      . . . . C C C C" in text
+    # Without titles each role is shown by its name, capitalised.
+    assert "Prm-v2: P P P P . . . ." in rows(render_plan(plan))
 
 
 # -- placement modes are plugins ---------------------------------------------------------------
@@ -520,7 +628,7 @@ def _mode_pm(mode: PlacementMode) -> PluginManager:
         register(mode)
 
     plugin = module_plugin("modes", relax_register_placement_modes=register)
-    return PluginManager.create(entry_points=False, plugins=[("modes", plugin)])
+    return builtin_roles(("modes", plugin))
 
 
 def test_a_third_party_placement_mode_is_used_through_the_plugin_manager() -> None:

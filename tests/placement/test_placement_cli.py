@@ -12,7 +12,7 @@ import pytest
 
 from relax_core.config import load_config
 from relax_core.placement import plan_inference_placement
-from relax_core.plugins import PluginManager
+from tests.support.roles import builtin_roles
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("placement-*.toml"))
@@ -111,7 +111,7 @@ def test_relax_plan_reports_config_problems_with_their_key_paths(tmp_path: Path)
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_documented_placement_example_is_accepted(example: Path) -> None:
-    plan = plan_inference_placement(load_config(example), PluginManager.create(entry_points=False))
+    plan = plan_inference_placement(load_config(example), builtin_roles())
     assert plan.total_gpus <= plan.cluster_gpus
 
 
@@ -121,9 +121,12 @@ def test_planning_never_imports_ray() -> None:
         "from relax_core.config import load_config\n"
         "from relax_core.placement import plan_inference_placement\n"
         "from relax_core.plugins import PluginManager\n"
+        "import relax_genrm, relax_rollout, relax_teacher\n"
         f"cfg = load_config({str(ROOT / 'docs/examples/placement-split-8gpu.toml')!r})\n"
+        "roles = [('rollout', relax_rollout), ('genrm', relax_genrm), ('teacher', relax_teacher)]\n"
+        "pm = PluginManager.create(entry_points=False, plugins=roles)\n"
         "before = set(sys.modules)\n"
-        "plan_inference_placement(cfg, PluginManager.create(entry_points=False))\n"
+        "plan_inference_placement(cfg, pm)\n"
         "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'ray'))\n"
     )
     done = subprocess.run(

@@ -119,9 +119,9 @@ def violation(data: dict[str, Any], pm: PluginManager, path: str, rule: str) -> 
 
 
 def test_an_accepted_plan_carries_the_budget_per_gpu(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
-    plan = plan_inference_placement(parse_config(split_job(models)), core_plugin_manager)
+    plan = plan_inference_placement(parse_config(split_job(models)), roles_plugin_manager)
     budget = {(m.role, m.model): m for m in plan.memory}
     policy = budget["rollout", "policy"]
     assert policy.status == "ok" and policy.capacity_gib == 80 and policy.bundles == (0, 4)
@@ -136,63 +136,63 @@ def test_an_accepted_plan_carries_the_budget_per_gpu(
 
 
 def test_rejects_an_engine_whose_gpu_memory_users_exceed_the_gpu(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = split_job(models)
     math = data["roles"]["teacher"]["models"]["math"]
     # KV: 2 x 28 layers x 2 heads/GPU x 128 x 2 B = 28 KiB/token; x 32768 x 64 = 56 GiB: fits.
     math.update(max_running_requests=64, context_length=32768)
-    plan = plan_inference_placement(parse_config(data), core_plugin_manager)
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
     entry = next(m for m in plan.memory if m.role == "teacher")
     assert entry.total_gib == pytest.approx(7_615_616_512 / GIB + 56 + 1 + 2.5)
     math.update(max_running_requests=128)  # 112 GiB of KV cache: does not
-    msg = violation(data, core_plugin_manager, "roles.teacher.models.math", "memory-gpu")
+    msg = violation(data, roles_plugin_manager, "roles.teacher.models.math", "memory-gpu")
     assert "needs 122.6 GiB per GPU on bundles 6-7 of pool 'actor'" in msg
     assert "KV cache (128 requests x 32768 tokens) 112.0" in msg
     assert "training actor (offloaded, resident) 2.5" in msg and "has 80 GiB" in msg
 
 
 def test_rejects_a_static_fraction_too_small_for_the_weights(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = split_job(models)
     data["roles"]["genrm"]["models"]["judge"].update(mem_fraction_static=0.05)
     msg = violation(
-        data, core_plugin_manager, "roles.genrm.models.judge.mem_fraction_static", "memory-static"
+        data, roles_plugin_manager, "roles.genrm.models.judge.mem_fraction_static", "memory-static"
     )
     assert "7.1 GiB" in msg and "0.05 x 80 GiB = 4.0 GiB" in msg
 
 
 def test_rejects_cpu_weight_backups_beyond_node_ram(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = split_job(models)
     data["cluster"]["host_memory_gib"] = 20
-    msg = violation(data, core_plugin_manager, "cluster.host_memory_gib", "memory-host")
+    msg = violation(data, roles_plugin_manager, "cluster.host_memory_gib", "memory-host")
     # genrm and teacher are STATIC: each keeps a CPU copy of its 2 x 7.1 GiB shards.
     assert "node(s) 0 each need 28.4 GiB" in msg
     assert "roles.genrm.models.judge CPU weight backup 14.2" in msg
     assert "roles.teacher.models.math CPU weight backup 14.2" in msg
     data["roles"]["teacher"]["models"]["math"]["weights_cpu_backup"] = False
-    plan = plan_inference_placement(parse_config(data), core_plugin_manager)
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
     assert [h.total_gib for h in plan.host_memory] == pytest.approx([7_615_616_512 * 2 / GIB])
 
 
 def test_offloaded_training_state_counts_against_host_memory(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = split_job(models)
     data["training"]["offload_host_gib"] = 70.0  # per GPU: 8 x 70 = 560 > 512
-    msg = violation(data, core_plugin_manager, "cluster.host_memory_gib", "memory-host")
+    msg = violation(data, roles_plugin_manager, "cluster.host_memory_gib", "memory-host")
     assert "training actor offloaded state 560.0" in msg
 
 
 def test_the_budget_is_skipped_with_the_reason_when_config_json_is_missing(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = split_job(models)
     data["roles"]["rollout"]["models"]["policy"]["model_path"] = str(models / "absent")
-    plan = plan_inference_placement(parse_config(data), core_plugin_manager)
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
     entry = next(m for m in plan.memory if m.role == "rollout")
     assert entry.status == "skipped"
     assert f"no config.json at {models / 'absent' / 'config.json'}" in entry.note
@@ -200,13 +200,13 @@ def test_the_budget_is_skipped_with_the_reason_when_config_json_is_missing(
 
 
 def test_num_parameters_budgets_the_weights_without_a_config(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = split_job(models, num_parameters=70_000_000_000)
     data["roles"]["rollout"]["models"]["policy"]["model_path"] = str(models / "absent")
     msg = violation(
         data,
-        core_plugin_manager,
+        roles_plugin_manager,
         "roles.rollout.models.policy.mem_fraction_static",
         "memory-static",
     )
@@ -214,30 +214,30 @@ def test_num_parameters_budgets_the_weights_without_a_config(
 
 
 def test_a_kv_budget_needs_the_model_shape(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = split_job(models)
     math = data["roles"]["teacher"]["models"]["math"]
     math.update(model_path=str(models / "absent"), num_parameters=7_000_000_000)
-    plan = plan_inference_placement(parse_config(data), core_plugin_manager)
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
     entry = next(m for m in plan.memory if m.role == "teacher")
     assert entry.status == "skipped" and "set mem_fraction_static" in entry.note
 
 
 def test_the_gpu_budget_is_skipped_without_gpu_memory(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     data = copy.deepcopy(split_job(models))
     del data["cluster"]["gpu_memory_gib"]
-    plan = plan_inference_placement(parse_config(data), core_plugin_manager)
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
     assert {m.status for m in plan.memory} == {"skipped"}
     assert {m.note for m in plan.memory} == {"cluster.gpu_memory_gib is not set"}
 
 
 def test_an_unreadable_config_json_is_reported(
-    models: Path, core_plugin_manager: PluginManager
+    models: Path, roles_plugin_manager: PluginManager
 ) -> None:
     (models / "qwen" / "config.json").write_text("{not json")
-    plan = plan_inference_placement(parse_config(split_job(models)), core_plugin_manager)
+    plan = plan_inference_placement(parse_config(split_job(models)), roles_plugin_manager)
     notes = {m.note for m in plan.memory}
     assert any("cannot read" in n and "config.json" in n for n in notes)

@@ -7,10 +7,14 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relax_core.config import STANDARD_ROLES, parse_config
+from relax_core.config import parse_config
 from relax_core.placement import InferencePlacementPlan, preflight
 from relax_core.placement.plan import phases_conflict
-from relax_core.plugins import PluginManager
+from tests.support.roles import builtin_roles
+
+#: The roles jobs are drawn from, and which of them may be deferred: from their records.
+PM = builtin_roles()
+ROLES = {name: reg.record for name, reg in PM.registered("roles").items()}
 
 
 @st.composite
@@ -23,7 +27,7 @@ def jobs(draw: st.DrawFn) -> dict[str, Any]:
     actor = draw(st.integers(1 if shared else 0, total))
     roles: dict[str, Any] = {}
     for role in draw(
-        st.lists(st.sampled_from(STANDARD_ROLES), min_size=1, max_size=3, unique=True)
+        st.lists(st.sampled_from(sorted(ROLES)), min_size=1, max_size=len(ROLES), unique=True)
     ):
         models: dict[str, Any] = {}
         for i in range(draw(st.integers(1, 2))):
@@ -48,7 +52,7 @@ def jobs(draw: st.DrawFn) -> dict[str, Any]:
         roles[role] = {"models": models}
     placement: dict[str, Any] = {"mode": mode}
     if mode == "defer":
-        placement["defer_roles"] = [r for r in ("genrm", "teacher") if r in roles]
+        placement["defer_roles"] = [r for r in roles if ROLES[r].deferrable]
     return {
         "cluster": {"num_nodes": nodes, "gpus_per_node": gpn, "gpu_memory_gib": 80},
         "training": {"actor_gpus": actor, "colocate": shared, "offload": True},
@@ -96,7 +100,7 @@ def check_invariants(plan: InferencePlacementPlan) -> None:
 
 
 def test_accepted_plans_never_share_a_bundle_within_a_phase_and_keep_engines_on_nodes() -> None:
-    pm = PluginManager.create(entry_points=False)
+    pm = PM
     outcomes = {"accepted": 0, "rejected": 0}
 
     @settings(

@@ -27,6 +27,7 @@ from relax_core.discovery.schema import RoleSnapshot
 from relax_core.gateway.adapters import RoleAdapter
 from relax_core.gateway.app import create_gateway_app
 from relax_core.gateway.handler import InferenceGatewayHandler
+from relax_core.records import RoleSpec
 from relax_core.testing import free_port, serve_app
 
 UPSTREAM_SCRIPT = Path(__file__).with_name("upstream_server.py")
@@ -155,12 +156,16 @@ def gateway(
     registry: Registry,
     *,
     adapter: RoleAdapter | None = None,
+    spec: RoleSpec | None = None,
     **options: Any,
 ) -> Iterator[str]:
-    """A real uvicorn server running ``role``'s gateway app; yields its base URL."""
+    """A real uvicorn server running ``role``'s gateway app; yields its base URL.
+
+    ``spec``: the role's record (health default, OpenAPI notes); none: the common defaults.
+    """
     options.setdefault("snapshot_ttl", 0.0)
     handler = InferenceGatewayHandler(role, snapshot_provider=registry, adapter=adapter, **options)
-    with serve_app(create_gateway_app(handler)) as url:
+    with serve_app(create_gateway_app(handler, spec=spec)) as url:
         yield url
 
 

@@ -1,6 +1,6 @@
-"""Process helpers of the ``relax serve`` / ``relax demo`` subprocess tests (loaded by path:
-the tests directory is not a package): processes by session and command line, the process
-listening on a port, and a subprocess's output read line by line with deadlines.
+"""Process helpers of the ``relax serve`` / ``relax demo`` subprocess tests: processes by
+session and command line, the process listening on a port, a subprocess's output read line by
+line with deadlines, a micro hf model, and ``relax serve`` run as a user runs it.
 """
 
 from __future__ import annotations
@@ -9,8 +9,13 @@ import contextlib
 import os
 import queue
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 
@@ -117,3 +122,42 @@ class Lines:
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
+
+
+def make_tiny_model(path: Path) -> Path:
+    """A micro hf model made the way a user makes one (``python -m relax_hf make-tiny-model``)."""
+    subprocess.run(
+        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(path), "--size", "micro"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return path
+
+
+@contextlib.contextmanager
+def serve(config: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], Lines, Path]]:
+    """``python -m relax_core serve CONFIG ARGS`` in a session of its own; on the way out,
+    whatever the test did, every process it left (its session, its engines) is killed."""
+    stderr = config.with_suffix(".stderr")
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relax_core", "serve", str(config), *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+    assert proc.stdout is not None
+    lines = Lines(proc.stdout)
+    try:
+        yield proc, lines, stderr
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        leftovers = in_session(proc.pid) + mentioning(str(config.parent))
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()

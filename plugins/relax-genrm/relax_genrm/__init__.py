@@ -1,7 +1,8 @@
 """The genrm role: a generative reward model that judges responses, text in, text out.
 
 Registers the ``genrm`` :class:`~relax_core.RoleSpec` (STATIC weights, DIRECT routing,
-deferrable), its gateway adapter (the messages protocol) and the ``genrm-judge`` reward adapter
+deferrable, ``/genrm/health`` in the legacy schema 1 by default), its gateway adapter (the
+messages protocol, described in the role's OpenAPI document) and the ``genrm-judge`` reward adapter
 (supports deferred scoring).
 """
 
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from relax_core import RewardSpec, RoleSpec, hookimpl
-from relax_genrm.adapter import GenRMAdapter, TokenizerCache
+from relax_core import OpenAPINotes, RewardSpec, RoleSpec, hookimpl
+from relax_genrm.adapter import MESSAGES_INPUT, GenRMAdapter, TokenizerCache
 from relax_genrm.judge import JudgeClient, judge_reward, parse_verdict, render_judge_messages
 
 __all__ = [
@@ -32,6 +33,17 @@ GENRM_ROLE = RoleSpec(
     deferrable=True,
     gateway_adapter=GenRMAdapter,
     description="Generative reward model: messages in, {'response': text} out; STATIC weights.",
+    # Its old consumers read the legacy {status, healthy_engines, total_engines} body.
+    health_schema=1,
+    title="GenRM",
+    openapi=OpenAPINotes(
+        generate_summary=" (or the messages judge protocol)",
+        generate_inputs=(MESSAGES_INPUT,),
+        generate_answer={
+            "description": "{response: text} for messages; the engine's answer for raw input.",
+            "type": "object",
+        },
+    ),
 )
 
 JUDGE_REWARD = RewardSpec(

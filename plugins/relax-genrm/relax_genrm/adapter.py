@@ -18,10 +18,35 @@ from relax_core.gateway.adapters import (
     check_messages,
 )
 
-__all__ = ["GenRMAdapter", "TokenizerCache"]
+__all__ = ["MESSAGES_INPUT", "GenRMAdapter", "TokenizerCache"]
 
 #: Fields of a messages request that are not forwarded to the engine as-is.
 _MESSAGE_ONLY = frozenset({"messages", "model", "route_key", "chat_template_kwargs"})
+
+#: The messages input of ``/genrm/generate`` as JSON Schema (the role's OpenAPI document): a
+#: chat conversation, never streamed (the judge answers one ``{"response": text}``).
+MESSAGES_INPUT = {
+    "required": ["messages"],
+    "properties": {
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role"],
+                "properties": {
+                    "role": {
+                        "type": "string",
+                        "minLength": 1,
+                        "description": "system, user, assistant",
+                    },
+                    "content": {"type": ["string", "array", "null"]},
+                },
+            },
+        },
+        "stream": {"const": False, "description": "messages cannot be streamed"},
+    },
+}
 
 
 class TokenizerCache:

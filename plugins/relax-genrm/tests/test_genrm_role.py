@@ -72,6 +72,17 @@ def test_installed_plugin_registers_genrm_role_and_deferred_judge(
     assert plugin_manager.registered("roles")["genrm"].distribution == "relax-genrm"
 
 
+def test_genrm_record_says_what_the_core_needs_to_know(plugin_manager: PluginManager) -> None:
+    role = plugin_manager.role("genrm")
+    # Its old consumers read the legacy health body: /genrm/health answers schema 1.
+    assert role.health_schema == 1
+    assert role.static_weights is True and role.generation_phase is False
+    assert role.title == "GenRM"
+    # The messages input is documented exactly as the adapter accepts it.
+    assert role.openapi.input_names == GenRMAdapter.generate_inputs == ("messages",)
+    assert role.openapi.generate_answer is not None
+
+
 def test_messages_are_rendered_with_the_models_chat_template(tokenizer_dir: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -1,15 +1,16 @@
 """The rollout role: generates samples from the policy being trained.
 
 Registers the ``rollout`` :class:`~relax_core.RoleSpec` (ACTOR or DCS weights, routed through
-sglang-router by default) and its gateway adapter: raw ``/generate`` and chat completions,
-streamed or not, forwarded unchanged apart from the gateway's model/route-key handling.
+sglang-router by default, the generation phase under ``defer``) and its gateway adapter: raw
+``/generate`` (single or batched) and chat completions, streamed or not, forwarded unchanged
+apart from the gateway's model/route-key handling.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from relax_core import RoleSpec, hookimpl
+from relax_core import OpenAPINotes, RoleSpec, hookimpl
 from relax_rollout.adapter import RolloutAdapter
 
 __all__ = ["ROLLOUT_ROLE", "RolloutAdapter"]
@@ -22,6 +23,11 @@ ROLLOUT_ROLE = RoleSpec(
     deferrable=False,
     gateway_adapter=RolloutAdapter,
     description="Policy generation: raw /generate and chat, streamed or not; ACTOR weights.",
+    # It generates the batch the deferred roles score: under mode = "defer" it runs in the
+    # generation phase and hands its bundles to them afterwards.
+    generation_phase=True,
+    health_schema=2,
+    openapi=OpenAPINotes(batched_generate=True),  # RolloutAdapter accepts a list of prompts
 )
 
 

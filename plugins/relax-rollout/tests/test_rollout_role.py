@@ -18,6 +18,16 @@ def test_installed_plugin_registers_rollout_role(plugin_manager: PluginManager) 
     assert plugin_manager.registered("roles")["rollout"].distribution == "relax-rollout"
 
 
+def test_rollout_record_says_what_the_core_needs_to_know(plugin_manager: PluginManager) -> None:
+    role = plugin_manager.role("rollout")
+    # It generates the batch: under mode = "defer" it runs in the generation phase.
+    assert role.generation_phase is True and role.static_weights is False
+    assert (role.health_schema, role.title) == (2, "Rollout")
+    # Its OpenAPI document describes the batches its adapter accepts.
+    assert role.openapi.batched_generate is True
+    assert role.openapi.input_names == RolloutAdapter.generate_inputs == ()
+
+
 def test_single_and_batched_generate_bodies_pass_through() -> None:
     adapter = RolloutAdapter()
     ctx = AdaptContext(

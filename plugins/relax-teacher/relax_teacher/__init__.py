@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from relax_core import RoleSpec, hookimpl
+from relax_core import OpenAPINotes, RoleSpec, hookimpl
 from relax_teacher.adapter import TeacherAdapter
 from relax_teacher.prefill import PrefillResult, parse_prefill, prefill_payload
 
@@ -24,6 +24,16 @@ TEACHER_ROLE = RoleSpec(
     deferrable=True,
     gateway_adapter=TeacherAdapter,
     description="Distillation teacher: raw prefill with input log-probs and top-k; STATIC weights.",
+    health_schema=2,
+    openapi=OpenAPINotes(
+        # The OPD prefill asks for the log-probs of these token ids at every position.
+        generate_fields={
+            "token_ids_logprob": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+            }
+        }
+    ),
 )
 
 

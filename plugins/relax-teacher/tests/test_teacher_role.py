@@ -21,6 +21,15 @@ def test_installed_plugin_registers_teacher_role(plugin_manager: PluginManager) 
     assert plugin_manager.registered("roles")["teacher"].distribution == "relax-teacher"
 
 
+def test_teacher_record_says_what_the_core_needs_to_know(plugin_manager: PluginManager) -> None:
+    role = plugin_manager.role("teacher")
+    assert role.static_weights is True and role.generation_phase is False
+    assert (role.health_schema, role.title) == (2, "Teacher")
+    # The prefill's extra field is documented in the teacher's OpenAPI document.
+    assert set(role.openapi.generate_fields) == {"token_ids_logprob"}
+    assert role.openapi.input_names == TeacherAdapter.generate_inputs == ()
+
+
 def test_prefill_payload_scores_every_response_token() -> None:
     body = prefill_payload([5, 6, 7], [8, 9], top_k=4)
     assert body["input_ids"] == [5, 6, 7, 8, 9]
