@@ -22,11 +22,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from relax_core._http.headers import forward_headers
-from relax_core._http.upstream import UpstreamStatusError
 from relax_core.client.client import InferenceClient
 from relax_core.client.pool import close_clients, get_client
 from relax_core.discovery.schema import RoleSnapshot
-from relax_core.errors import RequestNotReplayedError, RoutingError
+from relax_core.errors import RequestNotReplayedError, RoutingError, UpstreamStatusError
 from relax_core.testing import free_port, serve_app
 
 MODEL = "math"

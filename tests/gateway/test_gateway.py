@@ -281,8 +281,8 @@ def test_metrics_count_requests_latency_and_upstream_errors(gw: str) -> None:
         ("max_body_bytes", 0, "max_body_bytes=0: give a positive number of bytes"),
     ],
 )
-def test_bad_handler_options_are_refused_by_name(option: str, value: Any, needle: str) -> None:
-    from relax_core.gateway.handler import InferenceGatewayHandler
+def test_bad_gateway_options_are_refused_by_name(option: str, value: Any, needle: str) -> None:
+    from relax_core.gateway.handler import GatewayOptions
 
     with pytest.raises(ValueError, match=needle):
-        InferenceGatewayHandler("rollout", snapshot_provider=lambda: None, **{option: value})
+        GatewayOptions(**{option: value})

@@ -1,9 +1,10 @@
-"""Shared helpers of the gateway tests (loaded by path: the tests directory is not a package).
+"""Shared helpers of the gateway tests.
 
 - :func:`upstream`: a real engine-protocol server process (``tests/upstream_server.py``);
 - :func:`snapshot`: a schema-2 role snapshot with DIRECT heads;
 - :class:`Registry`: a mutable snapshot source the tests can change or take down;
 - :func:`gateway`: a real uvicorn gateway for a role in front of a :class:`Registry`;
+- :func:`role_plugin_manager`: a plugin manager registering one role with a given adapter;
 - :func:`leave_a_stream`: start a streamed request and hang up after its first event.
 """
 
@@ -25,8 +26,9 @@ import attrs
 
 from relax_core.discovery.schema import RoleSnapshot
 from relax_core.gateway.adapters import RoleAdapter
-from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import InferenceGatewayHandler
+from relax_core.gateway.handler import GatewayOptions
+from relax_core.gateway.serving import gateway_app
+from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import RoleSpec
 from relax_core.testing import free_port, serve_app
 
@@ -157,16 +159,49 @@ def gateway(
     *,
     adapter: RoleAdapter | None = None,
     spec: RoleSpec | None = None,
+    plugin_manager: PluginManager | None = None,
     **options: Any,
 ) -> Iterator[str]:
     """A real uvicorn server running ``role``'s gateway app; yields its base URL.
 
-    ``spec``: the role's record (health default, OpenAPI notes); none: the common defaults.
+    Built as every gateway is (``gateway_app``) over ``plugin_manager`` (e.g. the installed
+    plugins', for a role plugin's adapter and record), by default :func:`role_plugin_manager`
+    with ``adapter`` and ``spec`` (the role's record: health default, OpenAPI notes; none: the
+    common defaults); ``options`` are :class:`GatewayOptions` fields (``snapshot_ttl`` defaults
+    to 0 here).
     """
     options.setdefault("snapshot_ttl", 0.0)
-    handler = InferenceGatewayHandler(role, snapshot_provider=registry, adapter=adapter, **options)
-    with serve_app(create_gateway_app(handler, spec=spec)) as url:
+    if plugin_manager is None:
+        plugin_manager = role_plugin_manager(role, adapter, spec=spec)
+    elif adapter is not None or spec is not None:
+        raise ValueError("give adapter= and spec=, or plugin_manager=, not both")
+    app = gateway_app(
+        role, registry, plugin_manager=plugin_manager, options=GatewayOptions(**options)
+    )
+    with serve_app(app) as url:
         yield url
+
+
+def role_plugin_manager(
+    role: str, adapter: RoleAdapter | None = None, *, spec: RoleSpec | None = None
+) -> PluginManager:
+    """The core's built-ins plus one plugin registering ``role``, so a gateway test exercises
+    the core's gateway, not a role plugin's: its record is ``spec`` (default: a plain record
+    with the pass-through adapter), with ``adapter`` as its adapter when given."""
+    if spec is None:
+        spec = RoleSpec(
+            name=role,
+            allowed_weight_sources={"STATIC", "ACTOR", "DCS"},
+            default_route_mode="DIRECT",
+        )
+    record = spec if adapter is None else attrs.evolve(spec, gateway_adapter=lambda: adapter)
+
+    def relax_register_roles(register: Any) -> None:
+        register(record)
+
+    name = f"test-role-{role}"
+    plugin = module_plugin(name, relax_register_roles=relax_register_roles)
+    return PluginManager.create(entry_points=False, plugins=[(name, plugin)])
 
 
 def post(
