@@ -285,7 +285,7 @@ class UpstreamResponse:
         """The whole body decoded as JSON; an upstream error status raises first."""
         body = await self.read()
         self.raise_for_status(body)
-        return decode_answer(body, self.status, self.prepared)
+        return decode_answer(body, self.prepared, f"answered {self.status} with a body")
 
     def raise_for_status(self, body: bytes = b"") -> None:
         """Raise :class:`UpstreamStatusError` if the status is 400 or above."""
@@ -359,14 +359,7 @@ class UpstreamResponse:
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     return
-                try:
-                    yield orjson.loads(data)
-                except orjson.JSONDecodeError as exc:
-                    raise UpstreamError(
-                        502,
-                        f"{_where(self.prepared)} sent an event that is not JSON ({data[:120]!r})",
-                        request_id=self.request_id,
-                    ) from exc
+                yield decode_answer(data, self.prepared, "sent an event")
 
     async def aclose(self) -> None:
         """Release the connection (idempotent). An unread body closes it instead."""
@@ -388,17 +381,20 @@ class UpstreamResponse:
         await self.aclose()
 
 
-def decode_answer(body: bytes, status: int, prepared: PreparedRequest) -> Any:
-    """An upstream's answer to ``prepared`` decoded as JSON.
+def decode_answer(data: bytes, prepared: PreparedRequest, what: str) -> Any:
+    """``data``, which the upstream of ``prepared`` sent, decoded as JSON.
 
-    :raises UpstreamError: 502, the body is not JSON (the message quotes its start).
+    ``what`` says what ``data`` is, for the error (``"answered 200 with a body"``,
+    ``"sent an event"``).
+
+    :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start).
     """
     try:
-        return orjson.loads(body)
+        return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise UpstreamError(
             502,
-            f"{_where(prepared)} answered {status} with a body that is not JSON ({body[:120]!r})",
+            f"{_where(prepared)} {what} that is not JSON ({data[:120]!r})",
             request_id=prepared.request_id,
         ) from exc
 

@@ -33,7 +33,7 @@ import itertools
 import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import aiohttp
 import orjson
@@ -56,6 +56,8 @@ __all__ = [
     "GENERATE_PATHS",
     "OPENAI_PATHS",
     "InferenceClient",
+    "OpenOptions",
+    "RouteOptions",
     "SnapshotProvider",
     "decode_json_body",
 ]
@@ -66,6 +68,28 @@ GENERATE_PATHS = frozenset({"/generate"})
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 _UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
 T = TypeVar("T")
+
+
+class RouteOptions(TypedDict, total=False):
+    """How a request is routed and identified: the keyword arguments of
+    :meth:`InferenceClient.prepare`, also taken by ``open``, ``post``, ``stream``, ``generate``
+    and ``chat`` (see ``prepare`` for each)."""
+
+    model: str | None
+    route_key: str | None
+    affinity_key: str | None
+    request_id: str | None
+    headers: Mapping[str, str] | None
+    target: RouteTarget | None
+
+
+class OpenOptions(RouteOptions, total=False):
+    """The keyword arguments of :meth:`InferenceClient.open` (and ``stream``): the routing
+    ones and this request's deadline and stream idle limits (see ``send``)."""
+
+    timeout: float | None
+    stream_idle_timeout: float | None
+    stream_first_chunk_timeout: float | None
 
 
 class InferenceClient:
@@ -182,26 +206,20 @@ class InferenceClient:
         if snap is None:
             snap = await cache.snapshot()
         seen = cache.fetches
-        try:
-            return self._resolver.resolve(
-                snap,
-                model=model,
-                route_key=route_key,
-                affinity_key=affinity_key,
-                inflight=self._inflight,
-            )
-        except RoutingError as exc:
-            if exc.status != 503:
-                raise
-        # One refresh and one retry; a second 503 reaches the caller (with retry_after).
-        snap = await cache.refetch(seen)
-        return self._resolver.resolve(
-            snap,
+        resolve = functools.partial(
+            self._resolver.resolve,
             model=model,
             route_key=route_key,
             affinity_key=affinity_key,
             inflight=self._inflight,
         )
+        try:
+            return resolve(snap)
+        except RoutingError as exc:
+            if exc.status != 503:
+                raise
+        # One refresh and one retry; a second 503 reaches the caller (with retry_after).
+        return resolve(await cache.refetch(seen))
 
     async def prepare(
         self,
@@ -332,12 +350,7 @@ class InferenceClient:
         attempt: Callable[[PreparedRequest], Awaitable[T]],
         path: str,
         payload: Mapping[str, Any] | bytes,
-        model: str | None,
-        route_key: str | None,
-        affinity_key: str | None,
-        request_id: str | None,
-        headers: Mapping[str, str] | None,
-        target: RouteTarget | None,
+        routing: RouteOptions,
     ) -> T:
         """Prepare, then ``attempt`` the request, with the one safe retry.
 
@@ -346,46 +359,19 @@ class InferenceClient:
         same request id. A caller-chosen ``target`` pinned the model (its body may be built for
         it): the retry keeps the model and lets the resolver pick the replica.
         """
-        prepared = await self.prepare(
-            path,
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            headers=headers,
-            target=target,
-        )
+        prepared = await self.prepare(path, payload, **routing)
         try:
             return await attempt(prepared)
         except UpstreamUnreachableError:
+            again: RouteOptions = {**routing, "request_id": prepared.request_id, "target": None}
+            target = routing.get("target")
             if target is not None:
-                model, route_key = target.model_id, None
-            prepared = await self.prepare(
-                path,
-                payload,
-                model=model,
-                route_key=route_key,
-                affinity_key=affinity_key,
-                request_id=prepared.request_id,
-                headers=headers,
-            )
+                again["model"], again["route_key"] = target.model_id, None
+            prepared = await self.prepare(path, payload, **again)
             return await attempt(prepared)
 
     def open(
-        self,
-        path: str,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        target: RouteTarget | None = None,
-        timeout: float | None = None,
-        stream_idle_timeout: float | None = None,
-        stream_first_chunk_timeout: float | None = None,
+        self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[OpenOptions]
     ) -> Coroutine[Any, Any, UpstreamResponse]:
         """Prepare and send once; return the raw response when its headers arrived.
 
@@ -396,141 +382,82 @@ class InferenceClient:
         checked and the body is not read: relay it (``iter_chunks``) or read it, and close the
         response (``async with``). Raises ``RoutingError`` before sending,
         :class:`~relax_core.errors.UpstreamUnreachableError` when the retry could not connect
-        either, :class:`~relax_core.errors.RequestNotReplayedError` after sending. Arguments as
-        in :meth:`prepare` and :meth:`send`. Returns a coroutine (``await client.open(...)``).
+        either, :class:`~relax_core.errors.RequestNotReplayedError` after sending. ``options``:
+        :class:`OpenOptions`, the routing ones as in :meth:`prepare`, the timeouts as in
+        :meth:`send`. Returns a coroutine (``await client.open(...)``).
         """
         attempt = functools.partial(
             self.send,
-            timeout=timeout,
-            stream_idle_timeout=stream_idle_timeout,
-            stream_first_chunk_timeout=stream_first_chunk_timeout,
+            timeout=options.pop("timeout", None),
+            stream_idle_timeout=options.pop("stream_idle_timeout", None),
+            stream_first_chunk_timeout=options.pop("stream_first_chunk_timeout", None),
         )
-        return self._routed(
-            attempt, path, payload, model, route_key, affinity_key, request_id, headers, target
-        )
+        # What is left are the routing options.
+        return self._routed(attempt, path, payload, options)
 
     async def post(
         self,
         path: str,
         payload: Mapping[str, Any] | bytes,
         *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
-        target: RouteTarget | None = None,
+        **routing: Unpack[RouteOptions],
     ) -> Any:
         """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
 
-        Raises ``RoutingError`` (400/503) before sending;
+        ``routing``: :class:`RouteOptions` (as in :meth:`prepare`); ``timeout``: this request's
+        deadline (``None``: the client's). Raises ``RoutingError`` (400/503) before sending;
         :class:`~relax_core.errors.UpstreamStatusError` when the upstream answers 4xx/5xx (its
         status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504, with the
         request id) when the exchange failed after sending;
         :class:`~relax_core.errors.UpstreamUnreachableError` when no connection could be opened
         even after one refresh and retry; ``UpstreamError(502)`` for a 2xx body that is not
-        JSON. ``target``: see :meth:`prepare`.
+        JSON.
         """
-        status, resp_headers, body, prepared = await self._routed(
-            functools.partial(self._exchange, timeout=timeout),
-            path,
-            payload,
-            model,
-            route_key,
-            affinity_key,
-            request_id,
-            headers,
-            target,
-        )
+        attempt = functools.partial(self._exchange, timeout=timeout)
+        status, headers, body, prepared = await self._routed(attempt, path, payload, routing)
         if status >= 400:
-            raise status_error(status, body, resp_headers, prepared)
-        return decode_answer(body, status, prepared)
+            raise status_error(status, body, headers, prepared)
+        return decode_answer(body, prepared, f"answered {status} with a body")
 
     def generate(
         self,
         payload: Mapping[str, Any] | bytes,
         *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
         timeout: float | None = None,
+        **routing: Unpack[RouteOptions],
     ) -> Coroutine[Any, Any, Any]:
         """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``.
 
         Returns :meth:`post`'s coroutine (a plain function: one frame fewer on the hot path);
         ``await client.generate(...)`` as usual.
         """
-        return self.post(
-            "/generate",
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            timeout=timeout,
-        )
+        return self.post("/generate", payload, timeout=timeout, **routing)
 
     def chat(
         self,
         payload: Mapping[str, Any] | bytes,
         *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
         timeout: float | None = None,
+        **routing: Unpack[RouteOptions],
     ) -> Coroutine[Any, Any, Any]:
         """POST an OpenAI chat payload to ``/v1/chat/completions`` (``model`` → served name)."""
-        return self.post(
-            "/v1/chat/completions",
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            timeout=timeout,
-        )
+        return self.post("/v1/chat/completions", payload, timeout=timeout, **routing)
 
     @contextlib.asynccontextmanager
     async def stream(
-        self,
-        path: str,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        target: RouteTarget | None = None,
-        stream_idle_timeout: float | None = None,
-        stream_first_chunk_timeout: float | None = None,
+        self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[OpenOptions]
     ) -> AsyncIterator[UpstreamResponse]:
         """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
 
-        An upstream error status raises :class:`~relax_core._http.transport.UpstreamStatusError`
-        before the block runs. The deadline covers the whole stream; a stream silent for
-        longer than ``stream_idle_timeout`` (``stream_first_chunk_timeout`` before its first
-        bytes) fails with a 504 at once. A failure mid-stream raises
-        :class:`~relax_core.errors.RequestNotReplayedError`; nothing is replayed.
+        ``options``: those of :meth:`open`. An upstream error status raises
+        :class:`~relax_core.errors.UpstreamStatusError` before the block runs. The deadline
+        covers the whole stream; a stream silent for longer than ``stream_idle_timeout``
+        (``stream_first_chunk_timeout`` before its first bytes) fails with a 504 at once. A
+        failure mid-stream raises :class:`~relax_core.errors.RequestNotReplayedError`; nothing
+        is replayed.
         """
-        resp = await self.open(
-            path,
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            headers=headers,
-            target=target,
-            timeout=timeout,
-            stream_idle_timeout=stream_idle_timeout,
-            stream_first_chunk_timeout=stream_first_chunk_timeout,
-        )
-        async with resp:
+        async with await self.open(path, payload, **options) as resp:
             if resp.status >= 400:
                 resp.raise_for_status(await resp.read())
             yield resp
