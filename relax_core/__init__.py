@@ -17,12 +17,14 @@ from relax_core.engine.admission import AdmissionServer
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import (
     CapabilityError,
+    ChannelError,
     ConfigError,
     ConfigValidationError,
     GatewayError,
     InferenceRecoveryRequired,
     InvalidRequestError,
     LifecycleError,
+    NotApplicable,
     PlacementError,
     PluginError,
     RelaxError,
@@ -69,6 +71,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdmissionServer",
     "CapabilityError",
+    "ChannelError",
     "ConfigError",
     "ConfigValidationError",
     "EngineBackend",
@@ -90,6 +93,7 @@ __all__ = [
     "ModelPlacement",
     "ModelState",
     "ModelView",
+    "NotApplicable",
     "OpenAPINotes",
     "PlacementError",
     "PlacementMode",

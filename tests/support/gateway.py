@@ -18,7 +18,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from relax_core.gateway.adapters import RoleAdapter
 from relax_core.gateway.handler import GatewayOptions
 from relax_core.gateway.serving import gateway_app
 from relax_core.plugins import PluginManager, module_plugin
-from relax_core.records import RoleSpec
+from relax_core.records import RoleSpec, RoutingPolicy
 from relax_core.testing import free_port, serve_app
 
 UPSTREAM_SCRIPT = Path(__file__).with_name("upstream_server.py")
@@ -93,9 +93,10 @@ def snapshot(
     route_key_map: Mapping[str, str] | None = None,
     aliases: Mapping[str, str] | None = None,
     revision: int = 1,
+    policy: str = "round_robin",
 ) -> RoleSnapshot:
     """A schema-2 snapshot: ``models[id]`` has ``urls`` (DIRECT heads), optional ``state``,
-    ``served`` (served model name) and ``weight_source``."""
+    ``served`` (served model name) and ``weight_source``; DIRECT requests use ``policy``."""
     out: dict[str, Any] = {}
     for model_id, spec in models.items():
         state = spec.get("state", "READY")
@@ -129,7 +130,7 @@ def snapshot(
                 "default_model": default_model or next(iter(models)),
                 "route_key_map": dict(route_key_map or {}),
                 "aliases": dict(aliases or {}),
-                "policy": "round_robin",
+                "policy": policy,
                 "policy_revision": 0,
             },
             "models": out,
@@ -183,11 +184,16 @@ def gateway(
 
 
 def role_plugin_manager(
-    role: str, adapter: RoleAdapter | None = None, *, spec: RoleSpec | None = None
+    role: str,
+    adapter: RoleAdapter | None = None,
+    *,
+    spec: RoleSpec | None = None,
+    policies: Sequence[RoutingPolicy] = (),
 ) -> PluginManager:
-    """The core's built-ins plus one plugin registering ``role``, so a gateway test exercises
-    the core's gateway, not a role plugin's: its record is ``spec`` (default: a plain record
-    with the pass-through adapter), with ``adapter`` as its adapter when given."""
+    """The core's built-ins plus one plugin registering ``role`` and the routing ``policies``,
+    so a gateway test exercises the core's gateway, not a role plugin's: the role's record is
+    ``spec`` (default: a plain record with the pass-through adapter), with ``adapter`` as its
+    adapter when given."""
     if spec is None:
         spec = RoleSpec(
             name=role,
@@ -199,8 +205,16 @@ def role_plugin_manager(
     def relax_register_roles(register: Any) -> None:
         register(record)
 
+    def relax_register_routing_policies(register: Any) -> None:
+        for policy in policies:
+            register(policy)
+
     name = f"test-role-{role}"
-    plugin = module_plugin(name, relax_register_roles=relax_register_roles)
+    plugin = module_plugin(
+        name,
+        relax_register_roles=relax_register_roles,
+        relax_register_routing_policies=relax_register_routing_policies,
+    )
     return PluginManager.create(entry_points=False, plugins=[(name, plugin)])
 
 
