@@ -1,7 +1,7 @@
 """The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange.
 
-:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.prepare`
-and :meth:`InferenceClient.send`, the role gateways) uses to talk to a role's engines::
+:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.open`, the
+role gateways) uses to talk to a role's engines::
 
     async with InferenceClient("http://gateway:8000/teacher") as client:
         out = await client.generate({"input_ids": ids, "sampling_params": {...}},
@@ -13,6 +13,9 @@ Contract (see docs/client.md):
   async) returning a :class:`~relax_core.discovery.schema.RoleSnapshot` or a schema-2 dict; cached
   for ``ttl`` seconds; concurrent refreshes share one fetch. A discovery failure raises
   ``RoutingError(503, "registry unavailable: …")``.
+- A body that is empty, not JSON or not a JSON object, or a ``model``/``route_key`` that is not a
+  string, raises :class:`~relax_core.errors.InvalidRequestError` (400), the error a role gateway
+  answers a bad body with (:func:`decode_json_body` is the one check).
 - Resolution: :class:`~relax_core.discovery.routing.RouteResolver` with the client's in-flight count
   per engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
   connection that cannot be opened (nothing sent) likewise gets one refresh and one retry.
