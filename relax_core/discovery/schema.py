@@ -468,17 +468,9 @@ class RoleSnapshot:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; the derived cache is not worth sending.
-        return (
-            _rebuild_snapshot,
-            (
-                self.schema_version,
-                self.role,
-                self.registry_epoch,
-                self.topology_revision,
-                self.routing,
-                dict(self.models),
-            ),
-        )
+        fields = {f.name: getattr(self, f.name) for f in attrs.fields(RoleSnapshot) if f.init}
+        fields["models"] = dict(self.models)
+        return (_rebuild_snapshot, (fields,))
 
     # -- derived values ------------------------------------------------------------------
 
@@ -570,22 +562,9 @@ class RoleSnapshot:
         return {"engines": engines}
 
 
-def _rebuild_snapshot(
-    schema_version: int,
-    role: str,
-    registry_epoch: str,
-    topology_revision: int,
-    routing: RoutingSpec,
-    models: dict[str, ModelView],
-) -> RoleSnapshot:
-    return RoleSnapshot(
-        schema_version=schema_version,
-        role=role,
-        registry_epoch=registry_epoch,
-        topology_revision=topology_revision,
-        routing=routing,
-        models=models,
-    )
+def _rebuild_snapshot(fields: dict[str, Any]) -> RoleSnapshot:
+    """Unpickle a :class:`RoleSnapshot` (see its ``__reduce__``)."""
+    return RoleSnapshot(**fields)
 
 
 # -- parsing ---------------------------------------------------------------------------------
