@@ -1,13 +1,11 @@
 """Relax: the inference side of LLM RL post-training — one core for every inference role."""
 
-from relax_core._http.upstream import UpstreamStatusError, UpstreamUnreachableError
 from relax_core.client.client import InferenceClient
 from relax_core.client.pool import close_clients, get_client
 from relax_core.config import JobConfig, load_config
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.routing import RouteResolver, RouteTarget
 from relax_core.discovery.schema import (
-    EngineState,
     EngineView,
     ModelState,
     ModelView,
@@ -19,16 +17,24 @@ from relax_core.engine.admission import AdmissionServer
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import (
     CapabilityError,
+    ChannelError,
     ConfigError,
+    ConfigValidationError,
+    GatewayError,
     InferenceRecoveryRequired,
+    InvalidRequestError,
     LifecycleError,
+    NotApplicable,
     PlacementError,
     PluginError,
     RelaxError,
     RequestNotReplayedError,
     RoutingError,
     SnapshotError,
+    StreamStalledError,
     UpstreamError,
+    UpstreamStatusError,
+    UpstreamUnreachableError,
 )
 from relax_core.hookspecs import hookimpl
 from relax_core.manager import (
@@ -40,6 +46,7 @@ from relax_core.manager import (
     ReplicaState,
     ResidentTag,
 )
+from relax_core.net import free_port
 from relax_core.placement import (
     InferencePlacementPlan,
     ModelPlacement,
@@ -64,17 +71,20 @@ __version__ = "0.1.0"
 __all__ = [
     "AdmissionServer",
     "CapabilityError",
+    "ChannelError",
     "ConfigError",
+    "ConfigValidationError",
     "EngineBackend",
     "EngineLaunchSpec",
     "EngineProcess",
-    "EngineState",
     "EngineView",
+    "GatewayError",
     "InferenceClient",
     "InferenceEngineSpec",
     "InferenceManager",
     "InferencePlacementPlan",
     "InferenceRecoveryRequired",
+    "InvalidRequestError",
     "JobConfig",
     "LifecycleError",
     "LifecycleResult",
@@ -83,6 +93,7 @@ __all__ = [
     "ModelPlacement",
     "ModelState",
     "ModelView",
+    "NotApplicable",
     "OpenAPINotes",
     "PlacementError",
     "PlacementMode",
@@ -104,12 +115,14 @@ __all__ = [
     "RoutingPolicy",
     "RoutingSpec",
     "SnapshotError",
+    "StreamStalledError",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
     "WeightSource",
     "__version__",
     "close_clients",
+    "free_port",
     "get_client",
     "get_plugin_manager",
     "hookimpl",

@@ -5,7 +5,7 @@ A job file describes the cluster, the training roles, the placement mode and, pe
 docs/configuration.md lists every key.
 
 Parsing checks types, ranges, choices and references inside one role, and reports *every*
-problem at once (:class:`ConfigValidationError`), each with its key path
+problem at once (:class:`~relax_core.errors.ConfigValidationError`), each with its key path
 (``roles.genrm.models.judge.tp``) and a rule name. Unknown keys are errors, with a
 "did you mean" hint when a known key is close. The cross-role rules (GPU budgets, slices,
 phases, memory) belong to :func:`relax_core.placement.plan_inference_placement`.
@@ -21,13 +21,12 @@ from typing import Any, TypeVar
 
 import attrs
 
-from relax_core.errors import ConfigError
+from relax_core.errors import ConfigValidationError
 from relax_core.records import NAME_PATTERN, ROUTE_MODES
 
 __all__ = [
     "ClusterConfig",
     "ConfigProblem",
-    "ConfigValidationError",
     "GatewayConfig",
     "JobConfig",
     "ModelConfig",
@@ -57,26 +56,6 @@ class ConfigProblem:
 
     def __str__(self) -> str:
         return f"{self.path}: [{self.rule}] {self.message}"
-
-
-class ConfigValidationError(ConfigError):
-    """A config has one or more problems; ``problems`` holds every one, in file order.
-
-    ``path`` is the first problem's key path; ``str()`` lists them all.
-    """
-
-    def __init__(self, problems: Sequence[ConfigProblem], source: str | None = None) -> None:
-        self.problems = tuple(problems)
-        self.source = source
-        where = f" in {source}" if source else ""
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(
-            self.problems[0].path if self.problems else "",
-            f"{len(self.problems)} config problem(s){where}:\n{lines}",
-        )
-
-    def __str__(self) -> str:
-        return self.message
 
 
 # -- the models --------------------------------------------------------------------------------

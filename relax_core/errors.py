@@ -1,29 +1,60 @@
-"""The error hierarchy of Relax.
+"""The error hierarchy of Relax: every error class the core raises on purpose, in one place.
 
 Every error says what was wrong, where (a config key path, a snapshot field path, an engine id,
-a bundle index) and, where there is one, what to do about it.
+a bundle index, a request field) and, where there is one, what to do about it. The tree::
+
+    RelaxError
+    ├── PluginError
+    ├── ConfigError (path)
+    │   ├── ConfigValidationError (problems)
+    │   └── SnapshotError
+    ├── PlacementError (violations)
+    ├── RoutingError (status, retry_after)
+    │   └── InvalidRequestError (field; status 400)
+    ├── UpstreamError (status, request_id)
+    │   ├── UpstreamUnreachableError
+    │   ├── UpstreamStatusError (body, url, retry_after)
+    │   └── RequestNotReplayedError
+    ├── StreamStalledError (also a TimeoutError; seconds, started, setting)
+    ├── GatewayError (status, field, retry_after, request_id)
+    ├── CapabilityError
+    └── LifecycleError
+        ├── InferenceRecoveryRequired (result, report)
+        ├── NotApplicable
+        └── ChannelError
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import orjson
 
 if TYPE_CHECKING:
+    from relax_core.config import ConfigProblem
     from relax_core.manager.results import HealthReport, LifecycleResult
 
 __all__ = [
     "CapabilityError",
+    "ChannelError",
     "ConfigError",
+    "ConfigValidationError",
+    "GatewayError",
     "InferenceRecoveryRequired",
+    "InvalidRequestError",
     "LifecycleError",
+    "NotApplicable",
     "PlacementError",
     "PluginError",
     "RelaxError",
     "RequestNotReplayedError",
     "RoutingError",
     "SnapshotError",
+    "StreamStalledError",
     "UpstreamError",
+    "UpstreamStatusError",
+    "UpstreamUnreachableError",
 ]
 
 
@@ -38,8 +69,12 @@ class PluginError(RelaxError):
 class ConfigError(RelaxError):
     """A configuration value is invalid.
 
-    ``path`` is the dotted key path of the offending value (``roles.genrm.models.judge.tp``).
+    ``path`` is the dotted key path of the offending value (``roles.genrm.models.judge.tp``),
+    ``message`` what is wrong with it and what to do.
     """
+
+    path: str
+    message: str
 
     def __init__(self, path: str, message: str) -> None:
         self.path = path
@@ -47,8 +82,38 @@ class ConfigError(RelaxError):
         super().__init__(f"{path}: {message}" if path else message)
 
 
+class ConfigValidationError(ConfigError):
+    """A job config has one or more problems (raised by :func:`relax_core.config.load_config`).
+
+    ``problems`` holds every :class:`~relax_core.config.ConfigProblem` found, in file order (each
+    with its key path, rule and what to do), so a user fixes them all in one pass; ``source``
+    names the file (``None`` for a config given as a dict). ``path`` is the first problem's key
+    path; ``str()`` lists them all.
+    """
+
+    problems: tuple[ConfigProblem, ...]
+    source: str | None
+
+    def __init__(self, problems: Sequence[ConfigProblem], source: str | None = None) -> None:
+        self.problems = tuple(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            self.problems[0].path if self.problems else "",
+            f"{len(self.problems)} config problem(s){where}:\n{lines}",
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class SnapshotError(ConfigError):
-    """A discovery snapshot does not follow schema 2 (``path`` names the field)."""
+    """A discovery snapshot does not follow schema 2 (``path`` names the field).
+
+    Raised by :meth:`~relax_core.discovery.schema.RoleSnapshot.from_json` and the snapshot's
+    validators; a client that fetches such a snapshot answers ``RoutingError(503)`` instead.
+    """
 
 
 class PlacementError(RelaxError):
@@ -57,6 +122,8 @@ class PlacementError(RelaxError):
     ``violations`` holds every violation found, not just the first.
     """
 
+    violations: tuple[str, ...]
+
     def __init__(self, violations: Sequence[str]) -> None:
         self.violations = tuple(violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
@@ -64,11 +131,16 @@ class PlacementError(RelaxError):
 
 
 class RoutingError(RelaxError):
-    """A request could not be routed.
+    """A request could not be routed; nothing was sent.
 
-    ``status`` is the HTTP status a gateway answers with (400 or 503); ``retry_after`` is set
-    (seconds) when trying again later can succeed.
+    ``status`` is the HTTP status a gateway answers with: 400 (unknown model, alias or route key;
+    fix the request) or 503 (the model is not READY, no replica is eligible, the registry is
+    unavailable; try again). ``retry_after`` is set (seconds) when trying again later can succeed.
     """
+
+    status: int
+    message: str
+    retry_after: float | None
 
     def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
         self.status = status
@@ -77,12 +149,34 @@ class RoutingError(RelaxError):
         super().__init__(message)
 
 
+class InvalidRequestError(RoutingError):
+    """A request body is malformed: not JSON, not an object, or a field of the wrong shape.
+
+    Always a 400 and nothing was sent: fix the request. The one error for a bad body everywhere:
+    :class:`~relax_core.client.client.InferenceClient` raises it before routing, a role
+    gateway's payload checks and role adapters raise it, and the gateway answers it as a 400
+    whose ``param`` is ``field``. ``field`` names the offending JSON field
+    (``sampling_params.max_new_tokens``), ``None`` for the body as a whole.
+    """
+
+    field: str | None
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(400, message)
+        self.field = field
+
+
 class UpstreamError(RelaxError):
     """An engine or router could not be reached or answered badly.
 
     ``status`` is the HTTP status a gateway answers with (502 transport or bad answer,
-    504 deadline).
+    504 deadline); ``request_id`` the id the request travelled with (``X-Request-ID``), when it
+    was built.
     """
+
+    status: int
+    message: str
+    request_id: str | None
 
     def __init__(self, status: int, message: str, *, request_id: str | None = None) -> None:
         self.status = status
@@ -91,12 +185,111 @@ class UpstreamError(RelaxError):
         super().__init__(message)
 
 
+class UpstreamUnreachableError(UpstreamError):
+    """No connection to the upstream could be opened: nothing was sent, a retry is safe.
+
+    ``status`` is 502 (refused, reset while connecting, name not resolved) or 504 (the
+    connect deadline passed). The client retries once on a fresh snapshot before raising it;
+    when it reaches a caller, the engine is down or its address is stale: check ``relax status``.
+    """
+
+
+class UpstreamStatusError(UpstreamError):
+    """The upstream answered with an HTTP error status (4xx or 5xx).
+
+    ``status`` is the upstream's own status, ``body`` its body (bytes, as received),
+    ``retry_after`` its ``Retry-After`` in seconds when it sent one, ``url`` where the request
+    went. The request reached the upstream and is never replayed; the message quotes the start
+    of the body, which says what the engine objected to.
+    """
+
+    body: bytes
+    url: str
+    retry_after: float | None
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        body: bytes,
+        url: str,
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, message, request_id=request_id)
+        self.body = body
+        self.url = url
+        self.retry_after = retry_after
+
+    def json(self) -> Any:
+        """The body decoded as JSON (raises ``orjson.JSONDecodeError`` when it is not JSON)."""
+        return orjson.loads(self.body)
+
+
 class RequestNotReplayedError(UpstreamError):
     """A POST reached the wire and then failed; it was not replayed.
 
     The upstream may or may not have executed it. ``request_id`` identifies it so the caller can
-    deduplicate or abort it.
+    deduplicate or abort it. ``status`` is 504 when the deadline passed or a stream stayed
+    silent past its idle limit (then ``__cause__`` is a :class:`StreamStalledError`), else 502.
     """
+
+
+class StreamStalledError(RelaxError, TimeoutError):
+    """A streamed body went silent for longer than its idle limit.
+
+    Raised inside the data path while a body is read piece by piece (it is a ``TimeoutError``,
+    so it travels as the read's failure) and turned into a 504
+    :class:`RequestNotReplayedError` whose ``__cause__`` it is. ``seconds`` is the limit that
+    passed, ``started`` whether any body bytes had arrived (the first chunk has its own limit),
+    ``setting`` the option that sets that limit (``stream_idle_timeout`` or
+    ``stream_first_chunk_timeout``): raise it if the engine can legitimately stay silent longer.
+    """
+
+    seconds: float
+    started: bool
+    setting: str
+
+    def __init__(self, seconds: float, started: bool) -> None:
+        self.seconds = seconds
+        self.started = started
+        self.setting = "stream_idle_timeout" if started else "stream_first_chunk_timeout"
+        super().__init__(f"no data for {seconds:g}s")
+
+
+class GatewayError(RelaxError):
+    """An answer a role gateway gives instead of forwarding: ``status`` and a JSON error body.
+
+    Raised by :class:`~relax_core.gateway.handler.InferenceGatewayHandler` (401 bad token,
+    413 body too large, 4xx/5xx the engine's failure, 503 registry unavailable) and built from
+    the other errors by :func:`~relax_core.gateway.handler.gateway_error`. The body is
+    ``{"error": {"message", "type", "code", "param"}}``: ``message`` says what to do,
+    ``field`` (``param``) names the offending request field, ``retry_after`` (seconds) is sent as
+    ``Retry-After`` and ``request_id`` as ``X-Request-ID``.
+    """
+
+    status: int
+    message: str
+    retry_after: float | None
+    field: str | None
+    request_id: str | None
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        field: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+        self.field = field
+        self.request_id = request_id
 
 
 class CapabilityError(RelaxError):
@@ -119,6 +312,9 @@ class InferenceRecoveryRequired(LifecycleError):
     found one.
     """
 
+    result: LifecycleResult | None
+    report: HealthReport | None
+
     def __init__(
         self,
         message: str,
@@ -132,8 +328,6 @@ class InferenceRecoveryRequired(LifecycleError):
 
 
 # -- the InferenceManager's own errors -----------------------------------------------------------
-
-__all__ += ["ChannelError", "NotApplicable"]
 
 
 class NotApplicable(LifecycleError):

@@ -26,6 +26,7 @@ from relax_core.discovery.server import RegistryServer
 from relax_core.discovery.status import render_snapshot
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import ConfigError, LifecycleError, RelaxError, SnapshotError
+from relax_core.gateway.handler import GatewayOptions
 from relax_core.gateway.serving import RunningGateway, start_actor_gateway, start_thread_gateway
 from relax_core.manager import (
     HealthReport,
@@ -586,25 +587,21 @@ def _start_gateways(
         ).start()
     for role in config.roles:
         service = job.services[role.name]
+        # The same options whichever way the gateway runs.
+        options = GatewayOptions(model_paths=service.model_paths, token=token)
+        host, port = role.gateway.host, role.gateway.port
         if role.gateway.in_ray_actor:
             assert job.registry is not None
-            gateway = start_actor_gateway(
-                role.name,
-                f"{job.registry.url}/{role.name}",
-                host=role.gateway.host,
-                port=role.gateway.port,
-                model_paths=service.model_paths,
-                token=token,
-            )
+            url = f"{job.registry.url}/{role.name}"
+            gateway = start_actor_gateway(role.name, url, host=host, port=port, options=options)
         else:
             gateway = start_thread_gateway(
                 role.name,
                 service.snapshot,
                 plugin_manager=pm,
-                host=role.gateway.host,
-                port=role.gateway.port,
-                model_paths=service.model_paths,
-                token=token,
+                host=host,
+                port=port,
+                options=options,
             )
         job.gateways[role.name] = gateway
 

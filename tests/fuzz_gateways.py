@@ -36,8 +36,8 @@ def main() -> int:
     parser.add_argument("--max-examples", type=int, default=60)
     args = parser.parse_args()
     from relax_core import PluginManager
-    from relax_core.gateway.handler import adapter_for_role
 
+    # The installed role plugins, as in a served gateway.
     pm = PluginManager.create()
     failed = []
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
@@ -50,8 +50,7 @@ def main() -> int:
                 gs.gateway(
                     role,
                     registry,
-                    adapter=adapter_for_role(pm, role),
-                    spec=pm.role(role),
+                    plugin_manager=pm,
                     model_paths={model: str(tok)},
                     timeout=30.0,
                 )

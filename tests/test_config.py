@@ -9,13 +9,8 @@ from typing import Any
 import attrs
 import pytest
 
-from relax_core.config import (
-    ConfigValidationError,
-    JobConfig,
-    load_config,
-    loads_config,
-    parse_config,
-)
+from relax_core.config import JobConfig, load_config, loads_config, parse_config
+from relax_core.errors import ConfigValidationError
 
 SKETCH = """
 [cluster]

@@ -3,8 +3,9 @@
 :func:`forward_headers` drops hop-by-hop headers (and every name ``Connection`` lists) and the
 ones the next message recomputes, and keeps everything else, including ``X-Request-ID`` and
 ``X-SMG-Routing-Key``; :func:`caller_headers` is the same rule for a gateway's incoming request,
-in one pass, also taking out the request id and the routing key. Re-exported by
-:mod:`relax_core._http.transport`.
+in one pass, also taking out the request id and the routing key. The one rule of every hop:
+the client and the gateways (:mod:`relax_core.client.client`) and the engines' admission
+servers (:mod:`relax_core.engine.admission`).
 """
 
 from __future__ import annotations

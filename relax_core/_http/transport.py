@@ -13,12 +13,13 @@ This module knows nothing about discovery or routing: it sends a :class:`Prepare
 classifies every failure by whether the request may have reached the upstream
 (:mod:`relax_core._http.upstream`):
 
-- :class:`UpstreamUnreachableError` — the connection could not be opened, so nothing was sent;
-  trying again (on a fresh snapshot) is safe.
+- :class:`~relax_core.errors.UpstreamUnreachableError` — the connection could not be opened,
+  so nothing was sent; trying again (on a fresh snapshot) is safe.
 - :class:`~relax_core.errors.RequestNotReplayedError` — the request was (or may have been) sent
   and then the exchange failed (reset, disconnect, deadline, truncated body, a stream silent
   past its idle limit). It is never sent again: the upstream may have executed it.
-- :class:`UpstreamStatusError` — the upstream answered with an HTTP error status.
+- :class:`~relax_core.errors.UpstreamStatusError` — the upstream answered with an HTTP error
+  status.
 
 Headers (:mod:`relax_core._http.headers`): ``forward_headers`` drops hop-by-hop headers (RFC
 9110 section 7.6.1) and the ones the next message recomputes, and keeps everything else, including
@@ -145,7 +146,8 @@ class Transport:
         The response is an :class:`~relax_core._http.http1.Http1Response` (``http://`` through the
         lean client) or an :class:`aiohttp.ClientResponse` (``https://``, or a session of the
         caller's); both have ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``,
-        ``release()`` and ``close()``. Raises :class:`UpstreamUnreachableError` (nothing sent)
+        ``release()`` and ``close()``. Raises
+        :class:`~relax_core.errors.UpstreamUnreachableError` (nothing sent)
         or :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed).
         Cancellation propagates as it is (the connection is dropped, not reused).
         """

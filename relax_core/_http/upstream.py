@@ -4,9 +4,10 @@
 - :class:`UpstreamResponse`: an answer whose head has arrived, read whole or piece by piece
   (with the idle limits of a streamed body);
 - the failures, classified by whether the request may have reached the upstream
-  (:func:`classify_failure`): :class:`UpstreamUnreachableError` (nothing sent),
+  (:func:`classify_failure`), as the errors of :mod:`relax_core.errors`:
+  :class:`~relax_core.errors.UpstreamUnreachableError` (nothing sent),
   :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed; 504 for a deadline or
-  a stalled stream), :class:`UpstreamStatusError` (an HTTP error status).
+  a stalled stream), :class:`~relax_core.errors.UpstreamStatusError` (an HTTP error status).
 """
 
 from __future__ import annotations
@@ -22,57 +23,25 @@ import orjson
 
 from relax_core._http.headers import _DROP_RESPONSE_RAW, forward_headers
 from relax_core._http.http1 import ConnectError, ConnectTimeout, Http1Body
-from relax_core.errors import RequestNotReplayedError, UpstreamError
+from relax_core.errors import (
+    RequestNotReplayedError,
+    StreamStalledError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamUnreachableError,
+)
 
 if TYPE_CHECKING:
     from relax_core.discovery.routing import RouteTarget
 
 __all__ = [
     "PreparedRequest",
-    "StreamStalledError",
     "UpstreamResponse",
-    "UpstreamStatusError",
-    "UpstreamUnreachableError",
     "classify_failure",
+    "decode_answer",
     "parse_retry_after",
     "status_error",
 ]
-
-
-class UpstreamUnreachableError(UpstreamError):
-    """No connection to the upstream could be opened: nothing was sent, a retry is safe.
-
-    ``status`` is 502 (refused, reset while connecting, name not resolved) or 504 (the
-    connect deadline passed).
-    """
-
-
-class UpstreamStatusError(UpstreamError):
-    """The upstream answered with an HTTP error status (4xx or 5xx).
-
-    ``status`` is the upstream's own status, ``body`` its body (bytes, as received),
-    ``retry_after`` its ``Retry-After`` in seconds when it sent one, ``url`` where the request
-    went. The request reached the upstream and is never replayed.
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        body: bytes,
-        url: str,
-        request_id: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(status, message, request_id=request_id)
-        self.body = body
-        self.url = url
-        self.retry_after = retry_after
-
-    def json(self) -> Any:
-        """The body decoded as JSON (raises ``orjson.JSONDecodeError`` when it is not JSON)."""
-        return orjson.loads(self.body)
 
 
 class PreparedRequest(NamedTuple):
@@ -152,22 +121,6 @@ def classify_failure(
         f"it is not replayed (request id {rid})",
         request_id=rid,
     )
-
-
-class StreamStalledError(TimeoutError):
-    """A streamed body went silent for longer than its idle limit (see :class:`Transport`).
-
-    ``seconds`` is the limit that passed, ``started`` whether any body bytes had arrived
-    (the first chunk has its own limit), ``setting`` the option that sets that limit.
-    :func:`classify_failure` turns it into a 504
-    :class:`~relax_core.errors.RequestNotReplayedError`.
-    """
-
-    def __init__(self, seconds: float, started: bool) -> None:
-        self.seconds = seconds
-        self.started = started
-        self.setting = "stream_idle_timeout" if started else "stream_first_chunk_timeout"
-        super().__init__(f"no data for {seconds:g}s")
 
 
 class _IdleWatch:
@@ -332,15 +285,7 @@ class UpstreamResponse:
         """The whole body decoded as JSON; an upstream error status raises first."""
         body = await self.read()
         self.raise_for_status(body)
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamError(
-                502,
-                f"{_where(self.prepared)} answered {self.status} with a body that is not JSON "
-                f"({body[:120]!r})",
-                request_id=self.request_id,
-            ) from exc
+        return decode_answer(body, self.prepared, f"answered {self.status} with a body")
 
     def raise_for_status(self, body: bytes = b"") -> None:
         """Raise :class:`UpstreamStatusError` if the status is 400 or above."""
@@ -414,14 +359,7 @@ class UpstreamResponse:
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     return
-                try:
-                    yield orjson.loads(data)
-                except orjson.JSONDecodeError as exc:
-                    raise UpstreamError(
-                        502,
-                        f"{_where(self.prepared)} sent an event that is not JSON ({data[:120]!r})",
-                        request_id=self.request_id,
-                    ) from exc
+                yield decode_answer(data, self.prepared, "sent an event")
 
     async def aclose(self) -> None:
         """Release the connection (idempotent). An unread body closes it instead."""
@@ -441,6 +379,24 @@ class UpstreamResponse:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def decode_answer(data: bytes, prepared: PreparedRequest, what: str) -> Any:
+    """``data``, which the upstream of ``prepared`` sent, decoded as JSON.
+
+    ``what`` says what ``data`` is, for the error (``"answered 200 with a body"``,
+    ``"sent an event"``).
+
+    :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start).
+    """
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamError(
+            502,
+            f"{_where(prepared)} {what} that is not JSON ({data[:120]!r})",
+            request_id=prepared.request_id,
+        ) from exc
 
 
 def status_error(

@@ -13,12 +13,15 @@ import argparse
 import functools
 import json
 import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from relax_core.discovery.schema import RoleSnapshot
-from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S, InferenceGatewayHandler
-from relax_core.gateway.serving import GatewayServer
+from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S, GatewayOptions
+from relax_core.gateway.serving import GatewayServer, gateway_app
+from relax_core.plugins import PluginManager, module_plugin
+from relax_core.records import RoleSpec
 
 #: The benchmark's role: any name does, the gateway's data path is the same for every role.
 ROLE = "bench"
@@ -63,15 +66,35 @@ def bench_snapshot(upstream: str) -> RoleSnapshot:
 
 
 def bench_app(upstream: str, stream_coalesce: float = DEFAULT_STREAM_COALESCE_S) -> Any:
-    """The benchmark role's gateway app in front of ``upstream`` (one per worker process)."""
+    """The benchmark role's gateway app in front of ``upstream`` (one per worker process).
+
+    Built as a served gateway is (:func:`~relax_core.gateway.serving.gateway_app`), over a
+    plugin manager of the core's built-ins and :func:`bench_role_plugin` only: the bench
+    measures the core's gateway, whatever role plugins are installed.
+    """
     snap = bench_snapshot(upstream)
-    handler = InferenceGatewayHandler(
+    pm = PluginManager.create(entry_points=False, plugins=[("relax-bench", bench_role_plugin())])
+    return gateway_app(
         ROLE,
-        snapshot_provider=lambda: snap,
-        snapshot_ttl=5.0,
-        stream_coalesce=stream_coalesce,
+        lambda: snap,
+        plugin_manager=pm,
+        options=GatewayOptions(snapshot_ttl=5.0, stream_coalesce=stream_coalesce),
     )
-    return create_gateway_app(handler)
+
+
+def bench_role_plugin() -> ModuleType:
+    """A plugin registering the benchmark role with the pass-through adapter."""
+    spec = RoleSpec(
+        name=ROLE,
+        allowed_weight_sources={"ACTOR"},
+        default_route_mode="DIRECT",
+        default_weight_source="ACTOR",
+    )
+
+    def relax_register_roles(register: Callable[[RoleSpec], None]) -> None:
+        register(spec)
+
+    return module_plugin("relax-bench", relax_register_roles=relax_register_roles)
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 """Discovery for :class:`~relax_core.client.client.InferenceClient`: the cached schema-2 snapshot.
 
-:class:`SnapshotCache` is the client's base class: ``GET {base_url}/engines?schema=2`` or a
-``snapshot_provider`` callable (sync or async), cached for ``ttl`` seconds, concurrent refreshes
-sharing one fetch, and every way discovery can fail turned into
-``RoutingError(503, "registry unavailable: …", retry_after=1.0)``.
+:class:`SnapshotCache` is the part of a client that knows the role's snapshot:
+``GET {base_url}/engines?schema=2`` or a ``snapshot_provider`` callable (sync or async), cached
+for ``ttl`` seconds, concurrent refreshes sharing one fetch, and every way discovery can fail
+turned into ``RoutingError(503, "registry unavailable: …", retry_after=1.0)``. The client holds
+one and uses only its public methods.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ _REGISTRY_RETRY_AFTER = 1.0
 class SnapshotCache:
     """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
 
-    The client's hot path reads ``_snapshot``, ``_expires`` and ``_fetches`` directly.
+    Give exactly one of ``base_url`` (serving ``/engines?schema=2``; fetched with
+    ``transport`` within ``discovery_timeout`` seconds) and ``provider``. ``role``: a snapshot
+    of another role is rejected. ``weight_sources``: what a parsed snapshot's weight sources
+    are checked against (default: the process-wide plugin manager, loaded on the first fetch).
+
+    Fetches are counted (:attr:`fetches`) so that a caller that found a snapshot wanting can
+    ask for a newer one (:meth:`refetch`) without fetching again when another caller already
+    did. Belongs to one event loop; not thread-safe.
     """
 
     base_url: str | None
@@ -69,6 +77,23 @@ class SnapshotCache:
         self._invalidations = 0
         self._lock: asyncio.Lock | None = None
 
+    @property
+    def source(self) -> str:
+        """Where snapshots come from: the base URL, or the provider's ``repr``."""
+        return self.base_url or repr(self._provider)
+
+    @property
+    def fetches(self) -> int:
+        """How many fetches have completed: the age of the cached snapshot, for :meth:`refetch`."""
+        return self._fetches
+
+    def fresh(self) -> RoleSnapshot | None:
+        """The cached snapshot while it is fresh, else ``None`` (no I/O: the hot path)."""
+        snap = self._snapshot
+        if snap is not None and time.monotonic() < self._expires:
+            return snap
+        return None
+
     def invalidate(self) -> None:
         """Forget the cached snapshot: the next request fetches a fresh one.
 
@@ -83,10 +108,19 @@ class SnapshotCache:
         Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly.
         """
         if not force:
-            snap = self._snapshot
-            if snap is not None and time.monotonic() < self._expires:
+            snap = self.fresh()
+            if snap is not None:
                 return snap
         return await self._refresh(self._fetches, force)
+
+    async def refetch(self, seen: int) -> RoleSnapshot:
+        """A snapshot fetched after fetch number ``seen`` (see :attr:`fetches`).
+
+        The one another caller fetched meanwhile if there is one, else a new fetch (even when the
+        cached snapshot is still fresh): for a caller that found the snapshot it saw wanting (a
+        model not READY) and retries once on a newer one. Raises like :meth:`snapshot`.
+        """
+        return await self._refresh(seen, True)
 
     async def _refresh(self, seen: int, force: bool) -> RoleSnapshot:
         """A snapshot newer than fetch number ``seen`` (``force``) or fresh; fetch if needed."""

@@ -1,7 +1,7 @@
 """The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange.
 
-:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.prepare`
-and :meth:`InferenceClient.send`, the role gateways) uses to talk to a role's engines::
+:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.open`, the
+role gateways) uses to talk to a role's engines::
 
     async with InferenceClient("http://gateway:8000/teacher") as client:
         out = await client.generate({"input_ids": ids, "sampling_params": {...}},
@@ -13,6 +13,9 @@ Contract (see docs/client.md):
   async) returning a :class:`~relax_core.discovery.schema.RoleSnapshot` or a schema-2 dict; cached
   for ``ttl`` seconds; concurrent refreshes share one fetch. A discovery failure raises
   ``RoutingError(503, "registry unavailable: …")``.
+- A body that is empty, not JSON or not a JSON object, or a ``model``/``route_key`` that is not a
+  string, raises :class:`~relax_core.errors.InvalidRequestError` (400), the error a role gateway
+  answers a bad body with (:func:`decode_json_body` is the one check).
 - Resolution: :class:`~relax_core.discovery.routing.RouteResolver` with the client's in-flight count
   per engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
   connection that cannot be opened (nothing sent) likewise gets one refresh and one retry.
@@ -28,12 +31,12 @@ Contract (see docs/client.md):
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
-import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import aiohttp
 import orjson
@@ -43,25 +46,56 @@ from relax_core._http.transport import Transport
 from relax_core._http.upstream import (
     PreparedRequest,
     UpstreamResponse,
-    UpstreamUnreachableError,
-    classify_failure,
+    decode_answer,
     status_error,
 )
 from relax_core.client.cache import SnapshotCache, SnapshotProvider
 from relax_core.discovery.routing import RouteResolver, RouteTarget
-from relax_core.discovery.schema import WeightSources
-from relax_core.errors import RoutingError, UpstreamError
+from relax_core.discovery.schema import RoleSnapshot, WeightSources
+from relax_core.errors import InvalidRequestError, RoutingError, UpstreamUnreachableError
+from relax_core.plugins import PluginManager
 
-__all__ = ["GENERATE_PATHS", "OPENAI_PATHS", "InferenceClient", "SnapshotProvider"]
+__all__ = [
+    "GENERATE_PATHS",
+    "OPENAI_PATHS",
+    "InferenceClient",
+    "OpenOptions",
+    "RouteOptions",
+    "SnapshotProvider",
+    "decode_json_body",
+]
 
 #: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
 GENERATE_PATHS = frozenset({"/generate"})
 #: OpenAI-style paths: ``model`` becomes the backend's served model name.
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 _UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
+T = TypeVar("T")
 
 
-class InferenceClient(SnapshotCache):
+class RouteOptions(TypedDict, total=False):
+    """How a request is routed and identified: the keyword arguments of
+    :meth:`InferenceClient.prepare`, also taken by ``open``, ``post``, ``stream``, ``generate``
+    and ``chat`` (see ``prepare`` for each)."""
+
+    model: str | None
+    route_key: str | None
+    affinity_key: str | None
+    request_id: str | None
+    headers: Mapping[str, str] | None
+    target: RouteTarget | None
+
+
+class OpenOptions(RouteOptions, total=False):
+    """The keyword arguments of :meth:`InferenceClient.open` (and ``stream``): the routing
+    ones and this request's deadline and stream idle limits (see ``send``)."""
+
+    timeout: float | None
+    stream_idle_timeout: float | None
+    stream_first_chunk_timeout: float | None
+
+
+class InferenceClient:
     """Routes requests for one role to its engines, using the role's schema-2 snapshot.
 
     Give exactly one of ``base_url`` (a role gateway or registry serving ``/engines?schema=2``)
@@ -71,10 +105,16 @@ class InferenceClient(SnapshotCache):
     ``stream_idle_timeout`` / ``stream_first_chunk_timeout``: how long a streamed answer may
     stay silent once started (default 60 s) / before its first bytes (default ``None``: only
     the deadline); see :class:`~relax_core._http.transport.Transport`. Overridable per call.
-    ``session``: an aiohttp session to use (not closed by the client). ``resolver``: a
-    :class:`~relax_core.discovery.routing.RouteResolver` (default: a fresh one, so round-robin state
-    is per client). ``weight_sources``: what a fetched snapshot's weight sources are checked
-    against (names, records or a plugin manager; default the process-wide plugin manager).
+    ``session``: an aiohttp session to use (not closed by the client). ``plugin_manager``: where
+    the routing policies and the weight sources a fetched snapshot is checked against come
+    from (default: the process-wide one, loaded on first need); a role gateway always passes
+    its own. ``weight_sources``: check snapshots against these instead (names, records or a
+    plugin manager). Round-robin and other policy state is per client.
+
+    The parts: a :class:`~relax_core.client.cache.SnapshotCache` (discovery), a
+    :class:`~relax_core.discovery.routing.RouteResolver` (routing) and a
+    :class:`~relax_core._http.transport.Transport` (the wire); the client counts its in-flight
+    requests per engine for load-aware policies.
 
     A client belongs to the event loop it is first used on. Not thread-safe. Close it with
     :meth:`aclose` or ``async with``; :func:`relax_core.client.pool.get_client` hands out one
@@ -95,7 +135,7 @@ class InferenceClient(SnapshotCache):
         stream_idle_timeout: float | None = 60.0,
         stream_first_chunk_timeout: float | None = None,
         session: aiohttp.ClientSession | None = None,
-        resolver: RouteResolver | None = None,
+        plugin_manager: PluginManager | None = None,
         weight_sources: WeightSources | None = None,
     ) -> None:
         if (base_url is None) == (snapshot_provider is None):
@@ -106,7 +146,9 @@ class InferenceClient(SnapshotCache):
             raise ValueError(f"ttl={ttl!r}: give a number of seconds >= 0")
         if not discovery_timeout > 0:
             raise ValueError(f"discovery_timeout={discovery_timeout!r}: give a positive number")
-        transport = Transport(
+        self.base_url = base_url.rstrip("/") if base_url is not None else None
+        self.role = role
+        self._transport = Transport(
             timeout=timeout,
             connect_timeout=connect_timeout,
             max_connections=max_connections,
@@ -114,16 +156,16 @@ class InferenceClient(SnapshotCache):
             stream_first_chunk_timeout=stream_first_chunk_timeout,
             session=session,
         )
-        super().__init__(
-            base_url.rstrip("/") if base_url is not None else None,
+        self._cache = SnapshotCache(
+            self.base_url,
             snapshot_provider,
             role=role,
             ttl=ttl,
             discovery_timeout=discovery_timeout,
-            transport=transport,
-            weight_sources=weight_sources,
+            transport=self._transport,
+            weight_sources=weight_sources if weight_sources is not None else plugin_manager,
         )
-        self._resolver = resolver if resolver is not None else RouteResolver()
+        self._resolver = RouteResolver(plugin_manager)
         self._inflight: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex() + "-"
@@ -134,6 +176,19 @@ class InferenceClient(SnapshotCache):
         """Requests of this client now in flight, per engine id (DIRECT targets only)."""
         return self._inflight
 
+    # -- discovery -------------------------------------------------------------------------
+
+    def snapshot(self, force: bool = False) -> Awaitable[RoleSnapshot]:
+        """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
+
+        Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly.
+        """
+        return self._cache.snapshot(force)
+
+    def invalidate(self) -> None:
+        """Forget the cached snapshot: the next request fetches a fresh one."""
+        self._cache.invalidate()
+
     # -- routing and preparation -----------------------------------------------------------
 
     async def resolve(
@@ -143,19 +198,31 @@ class InferenceClient(SnapshotCache):
         route_key: str | None = None,
         affinity_key: str | None = None,
     ) -> RouteTarget:
-        """Where a request would go now (with the 503 → refresh → retry rule)."""
-        snap, seen = self._snapshot, self._fetches
-        if snap is None or time.monotonic() >= self._expires:
-            snap, seen = await self._refresh(seen, False), self._fetches
-        kwargs = {"model": model, "route_key": route_key, "affinity_key": affinity_key}
+        """Where a request would go now: a routing decision (round-robin advances).
+
+        A 503 (the model is not READY, no replica is eligible) gets one refresh of the
+        snapshot and one retry; a second 503 reaches the caller with its ``retry_after``.
+        Raises ``RoutingError`` (400: unknown model or route key; 503).
+        """
+        cache = self._cache
+        snap = cache.fresh()
+        if snap is None:
+            snap = await cache.snapshot()
+        seen = cache.fetches
+        resolve = functools.partial(
+            self._resolver.resolve,
+            model=model,
+            route_key=route_key,
+            affinity_key=affinity_key,
+            inflight=self._inflight,
+        )
         try:
-            return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
+            return resolve(snap)
         except RoutingError as exc:
             if exc.status != 503:
                 raise
         # One refresh and one retry; a second 503 reaches the caller (with retry_after).
-        snap = await self._refresh(seen, True)
-        return self._resolver.resolve(snap, inflight=self._inflight, **kwargs)
+        return resolve(await cache.refetch(seen))
 
     async def prepare(
         self,
@@ -178,96 +245,32 @@ class InferenceClient(SnapshotCache):
         ``request_id``/``affinity_key`` are not given. ``target``: a target :meth:`resolve`
         already chose for this request (e.g. to build the body for its model first); it is
         used as it is, without a second routing decision (which would, for instance, advance
-        round-robin twice); ``model``/``route_key`` are then ignored. Raises ``RoutingError``
-        (400: bad payload, unknown model or route key; 503: nothing READY after one refresh).
-        """
-        raw: bytes | None = None
-        if type(payload) is dict:
-            body: Any = payload
-        elif isinstance(payload, bytes | bytearray | memoryview):
-            raw = bytes(payload)
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise RoutingError(400, f"request body is not valid JSON: {exc}") from exc
-            if type(body) is not dict:
-                raise RoutingError(
-                    400, f"request body must be a JSON object, got {type(body).__name__}"
-                )
-        elif isinstance(payload, Mapping):
-            body = dict(payload)
-        else:
-            raise RoutingError(
-                400, f"request body must be a JSON object, got {type(payload).__name__}"
-            )
-        if target is None:
-            if model is None:
-                model = body.get("model")
-                if model is not None and type(model) is not str:
-                    raise _not_a_string("model", model)
-            if route_key is None:
-                route_key = body.get("route_key")
-                if route_key is not None and type(route_key) is not str:
-                    raise _not_a_string("route_key", route_key)
+        round-robin twice); ``model``/``route_key`` are then ignored.
 
+        Raises :class:`~relax_core.errors.InvalidRequestError` (400: the payload is not a JSON
+        object, ``model``/``route_key`` are not strings) and ``RoutingError`` (see
+        :meth:`resolve`). Nothing is sent.
+        """
+        body, raw = _json_object(payload)
         if headers:
             out, caller_rid, caller_key = caller_headers(headers)
-            if request_id is None:
-                request_id = caller_rid
-            if affinity_key is None:
-                affinity_key = caller_key
-            out["Content-Type"] = "application/json"
+            request_id = caller_rid if request_id is None else request_id
+            affinity_key = caller_key if affinity_key is None else affinity_key
         else:
-            out = {"Content-Type": "application/json"}
+            out = {}
+        out["Content-Type"] = "application/json"
         if request_id is None:
             request_id = self._id_prefix + str(next(self._ids))
         out[REQUEST_ID_HEADER] = request_id
         if affinity_key is not None:
             out[ROUTING_KEY_HEADER] = affinity_key
-
         if target is None:
-            # Resolution, inlined for the hot path (cached snapshot, READY model): see resolve().
-            snap, seen = self._snapshot, self._fetches
-            if snap is None or time.monotonic() >= self._expires:
-                snap, seen = await self._refresh(seen, False), self._fetches
-            try:
-                target = self._resolver.resolve(
-                    snap,
-                    model=model,
-                    route_key=route_key,
-                    affinity_key=affinity_key,
-                    inflight=self._inflight,
-                )
-            except RoutingError as exc:
-                if exc.status != 503:
-                    raise
-                snap = await self._refresh(seen, True)
-                target = self._resolver.resolve(
-                    snap,
-                    model=model,
-                    route_key=route_key,
-                    affinity_key=affinity_key,
-                    inflight=self._inflight,
-                )
-
-        if path in GENERATE_PATHS:
-            if "model" in body or "route_key" in body:
-                body = body.copy()
-                body.pop("model", None)
-                body.pop("route_key", None)
-                raw = None
-        elif path in OPENAI_PATHS:
-            served = target.served_model_name
-            if body.get("model") != served or "route_key" in body:
-                body = body.copy()
-                body.pop("route_key", None)
-                body["model"] = served
-                raw = None
-        if raw is None:
-            try:
-                raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-            except TypeError as exc:
-                raise RoutingError(400, f"request body cannot be encoded as JSON: {exc}") from exc
+            target = await self.resolve(
+                model=_string_field(body, "model") if model is None else model,
+                route_key=_string_field(body, "route_key") if route_key is None else route_key,
+                affinity_key=affinity_key,
+            )
+        raw = _body_for(path, body, raw, target.served_model_name)
         # tuple.__new__ skips the named tuple's Python-level __new__ (hot path).
         return tuple.__new__(
             PreparedRequest, (target.url.rstrip("/") + path, raw, out, request_id, target, "POST")
@@ -302,9 +305,9 @@ class InferenceClient(SnapshotCache):
 
         The low-level primitive under :meth:`open`: the body is not read and the status is not
         checked (an upstream 502/503/504 still invalidates the snapshot). Close the response
-        (``async with``). Raises :class:`~relax_core._http.transport.UpstreamUnreachableError`
-        (nothing sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed);
-        both, and cancellation, invalidate the snapshot. ``stream_idle_timeout`` /
+        (``async with``). Raises :class:`~relax_core.errors.UpstreamUnreachableError` (nothing
+        sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed); both, and
+        cancellation, invalidate the snapshot. ``stream_idle_timeout`` /
         ``stream_first_chunk_timeout``: this request's idle limits when its body is read piece
         by piece (``None``: the client's; ``math.inf``: none).
         """
@@ -313,37 +316,66 @@ class InferenceClient(SnapshotCache):
         first = _limit(stream_first_chunk_timeout, transport.stream_first_chunk_timeout)
         engine_id = self._track(prepared)
         try:
-            resp = await self._transport.open(prepared, timeout)
+            resp = await transport.open(prepared, timeout)
         except BaseException:
             self._untrack(engine_id)
-            self.invalidate()
+            self._cache.invalidate()
             raise
         if resp.status in _UPSTREAM_UNAVAILABLE:
-            self.invalidate()
+            self._cache.invalidate()
         return UpstreamResponse(
             resp,
             prepared,
             on_close=lambda: self._untrack(engine_id),
-            on_failure=self.invalidate,
+            on_failure=self._cache.invalidate,
             idle_timeout=idle,
             first_chunk_timeout=first,
         )
 
-    async def open(
+    async def _exchange(
+        self, prepared: PreparedRequest, timeout: float | None
+    ) -> tuple[int, Mapping[str, str], bytes, PreparedRequest]:
+        """Send once and read the whole answer (what :meth:`post` decodes)."""
+        engine_id = self._track(prepared)
+        try:
+            status, headers, body = await self._transport.exchange(prepared, timeout)
+        except BaseException:  # a failure or cancellation: the request is never replayed
+            self._cache.invalidate()
+            raise
+        finally:
+            self._untrack(engine_id)
+        if status in _UPSTREAM_UNAVAILABLE:
+            self._cache.invalidate()
+        return status, headers, body, prepared
+
+    async def _routed(
         self,
+        attempt: Callable[[PreparedRequest], Awaitable[T]],
         path: str,
         payload: Mapping[str, Any] | bytes,
-        *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        target: RouteTarget | None = None,
-        timeout: float | None = None,
-        stream_idle_timeout: float | None = None,
-        stream_first_chunk_timeout: float | None = None,
-    ) -> UpstreamResponse:
+        routing: RouteOptions,
+    ) -> T:
+        """Prepare, then ``attempt`` the request, with the one safe retry.
+
+        When no connection could be opened (nothing was sent), the failure invalidated the
+        snapshot: the request is routed again on a fresh one and attempted once more, with the
+        same request id. A caller-chosen ``target`` pinned the model (its body may be built for
+        it): the retry keeps the model and lets the resolver pick the replica.
+        """
+        prepared = await self.prepare(path, payload, **routing)
+        try:
+            return await attempt(prepared)
+        except UpstreamUnreachableError:
+            again: RouteOptions = {**routing, "request_id": prepared.request_id, "target": None}
+            target = routing.get("target")
+            if target is not None:
+                again["model"], again["route_key"] = target.model_id, None
+            prepared = await self.prepare(path, payload, **again)
+            return await attempt(prepared)
+
+    def open(
+        self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[OpenOptions]
+    ) -> Coroutine[Any, Any, UpstreamResponse]:
         """Prepare and send once; return the raw response when its headers arrived.
 
         What a gateway forwards through: :meth:`prepare` then :meth:`send`, with the one safe
@@ -352,232 +384,83 @@ class InferenceClient(SnapshotCache):
         ``target`` is re-resolved to another replica of the same model). The status is not
         checked and the body is not read: relay it (``iter_chunks``) or read it, and close the
         response (``async with``). Raises ``RoutingError`` before sending,
-        :class:`~relax_core._http.transport.UpstreamUnreachableError` when the retry could not
-        connect either, :class:`~relax_core.errors.RequestNotReplayedError` after sending.
-        Arguments as in :meth:`prepare` and :meth:`send`.
+        :class:`~relax_core.errors.UpstreamUnreachableError` when the retry could not connect
+        either, :class:`~relax_core.errors.RequestNotReplayedError` after sending. ``options``:
+        :class:`OpenOptions`, the routing ones as in :meth:`prepare`, the timeouts as in
+        :meth:`send`. Returns a coroutine (``await client.open(...)``).
         """
-        prepared = await self.prepare(
-            path,
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            headers=headers,
-            target=target,
+        attempt = functools.partial(
+            self.send,
+            timeout=options.pop("timeout", None),
+            stream_idle_timeout=options.pop("stream_idle_timeout", None),
+            stream_first_chunk_timeout=options.pop("stream_first_chunk_timeout", None),
         )
-        try:
-            return await self.send(
-                prepared,
-                timeout=timeout,
-                stream_idle_timeout=stream_idle_timeout,
-                stream_first_chunk_timeout=stream_first_chunk_timeout,
-            )
-        except UpstreamUnreachableError:
-            prepared = await self._prepare_again(
-                path, payload, prepared, model, route_key, affinity_key, headers, target
-            )
-            return await self.send(
-                prepared,
-                timeout=timeout,
-                stream_idle_timeout=stream_idle_timeout,
-                stream_first_chunk_timeout=stream_first_chunk_timeout,
-            )
-
-    def _prepare_again(
-        self,
-        path: str,
-        payload: Mapping[str, Any] | bytes,
-        failed: PreparedRequest,
-        model: str | None,
-        route_key: str | None,
-        affinity_key: str | None,
-        headers: Mapping[str, str] | None,
-        target: RouteTarget | None,
-    ) -> Coroutine[Any, Any, PreparedRequest]:
-        """Route a request whose connection could not be opened again (nothing was sent).
-
-        The failure invalidated the snapshot, so this resolves on a fresh one. A caller-chosen
-        ``target`` pinned the model (its body may be built for it): keep the model, let the
-        resolver pick the replica.
-        """
-        if target is not None:
-            model, route_key = target.model_id, None
-        return self.prepare(
-            path,
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=failed.request_id,
-            headers=headers,
-        )
-
-    async def _exchange(
-        self, prepared: PreparedRequest, timeout: float | None
-    ) -> tuple[int, Mapping[str, str], bytes]:
-        """Send once and read the whole answer (the JSON helpers' path, inlined for speed)."""
-        target = prepared.target
-        engine_id = target.engine_id if target is not None else None
-        inflight = self._inflight
-        if engine_id is not None:
-            inflight[engine_id] = inflight.get(engine_id, 0) + 1
-        transport = self._transport
-        try:
-            resp = await transport.open(prepared, timeout)
-            try:
-                body = await resp.read()
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                deadline = transport.timeout if timeout is None else timeout
-                raise classify_failure(exc, prepared, deadline) from exc
-            finally:
-                resp.release()
-        except BaseException:  # a failure or cancellation: the request is never replayed
-            self.invalidate()
-            raise
-        finally:
-            if engine_id is not None:
-                self._untrack(engine_id)
-        status = resp.status
-        if status in _UPSTREAM_UNAVAILABLE:
-            self.invalidate()
-        return status, resp.headers, body
+        # What is left are the routing options.
+        return self._routed(attempt, path, payload, options)
 
     async def post(
         self,
         path: str,
         payload: Mapping[str, Any] | bytes,
         *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
-        target: RouteTarget | None = None,
+        **routing: Unpack[RouteOptions],
     ) -> Any:
         """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
 
-        Raises ``RoutingError`` (400/503) before sending;
-        :class:`~relax_core._http.transport.UpstreamStatusError` when the upstream answers 4xx/5xx
-        (its status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504,
-        with the request id) when the exchange failed after sending;
-        :class:`~relax_core._http.transport.UpstreamUnreachableError` when no connection could be
-        opened even after one refresh and retry. ``target``: see :meth:`prepare`.
+        ``routing``: :class:`RouteOptions` (as in :meth:`prepare`); ``timeout``: this request's
+        deadline (``None``: the client's). Raises ``RoutingError`` (400/503) before sending;
+        :class:`~relax_core.errors.UpstreamStatusError` when the upstream answers 4xx/5xx (its
+        status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504, with the
+        request id) when the exchange failed after sending;
+        :class:`~relax_core.errors.UpstreamUnreachableError` when no connection could be opened
+        even after one refresh and retry; ``UpstreamError(502)`` for a 2xx body that is not
+        JSON.
         """
-        prepared = await self.prepare(
-            path,
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            headers=headers,
-            target=target,
-        )
-        try:
-            status, resp_headers, body = await self._exchange(prepared, timeout)
-        except UpstreamUnreachableError:
-            # Nothing was sent; the failure invalidated the snapshot: route again, once.
-            prepared = await self._prepare_again(
-                path, payload, prepared, model, route_key, affinity_key, headers, target
-            )
-            status, resp_headers, body = await self._exchange(prepared, timeout)
+        attempt = functools.partial(self._exchange, timeout=timeout)
+        status, headers, body, prepared = await self._routed(attempt, path, payload, routing)
         if status >= 400:
-            raise status_error(status, body, resp_headers, prepared)
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamError(
-                502,
-                f"{prepared.url} answered {status} with a body that is not JSON ({body[:120]!r})",
-                request_id=prepared.request_id,
-            ) from exc
+            raise status_error(status, body, headers, prepared)
+        return decode_answer(body, prepared, f"answered {status} with a body")
 
     def generate(
         self,
         payload: Mapping[str, Any] | bytes,
         *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
         timeout: float | None = None,
+        **routing: Unpack[RouteOptions],
     ) -> Coroutine[Any, Any, Any]:
         """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``.
 
         Returns :meth:`post`'s coroutine (a plain function: one frame fewer on the hot path);
         ``await client.generate(...)`` as usual.
         """
-        return self.post(
-            "/generate",
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            timeout=timeout,
-        )
+        return self.post("/generate", payload, timeout=timeout, **routing)
 
     def chat(
         self,
         payload: Mapping[str, Any] | bytes,
         *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
         timeout: float | None = None,
+        **routing: Unpack[RouteOptions],
     ) -> Coroutine[Any, Any, Any]:
         """POST an OpenAI chat payload to ``/v1/chat/completions`` (``model`` → served name)."""
-        return self.post(
-            "/v1/chat/completions",
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            timeout=timeout,
-        )
+        return self.post("/v1/chat/completions", payload, timeout=timeout, **routing)
 
     @contextlib.asynccontextmanager
     async def stream(
-        self,
-        path: str,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        model: str | None = None,
-        route_key: str | None = None,
-        affinity_key: str | None = None,
-        request_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        target: RouteTarget | None = None,
-        stream_idle_timeout: float | None = None,
-        stream_first_chunk_timeout: float | None = None,
+        self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[OpenOptions]
     ) -> AsyncIterator[UpstreamResponse]:
         """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
 
-        An upstream error status raises :class:`~relax_core._http.transport.UpstreamStatusError`
-        before the block runs. The deadline covers the whole stream; a stream silent for
-        longer than ``stream_idle_timeout`` (``stream_first_chunk_timeout`` before its first
-        bytes) fails with a 504 at once. A failure mid-stream raises
-        :class:`~relax_core.errors.RequestNotReplayedError`; nothing is replayed.
+        ``options``: those of :meth:`open`. An upstream error status raises
+        :class:`~relax_core.errors.UpstreamStatusError` before the block runs. The deadline
+        covers the whole stream; a stream silent for longer than ``stream_idle_timeout``
+        (``stream_first_chunk_timeout`` before its first bytes) fails with a 504 at once. A
+        failure mid-stream raises :class:`~relax_core.errors.RequestNotReplayedError`; nothing
+        is replayed.
         """
-        resp = await self.open(
-            path,
-            payload,
-            model=model,
-            route_key=route_key,
-            affinity_key=affinity_key,
-            request_id=request_id,
-            headers=headers,
-            target=target,
-            timeout=timeout,
-            stream_idle_timeout=stream_idle_timeout,
-            stream_first_chunk_timeout=stream_first_chunk_timeout,
-        )
-        async with resp:
+        async with await self.open(path, payload, **options) as resp:
             if resp.status >= 400:
                 resp.raise_for_status(await resp.read())
             yield resp
@@ -601,8 +484,8 @@ class InferenceClient(SnapshotCache):
         await self.aclose()
 
     def __repr__(self) -> str:
-        source = self.base_url or repr(self._provider)
-        return f"InferenceClient({source}, role={self.role!r}, ttl={self.ttl})"
+        cache = self._cache
+        return f"InferenceClient({cache.source}, role={self.role!r}, ttl={cache.ttl})"
 
 
 def _limit(value: float | None, default: float | None) -> float | None:
@@ -614,5 +497,67 @@ def _limit(value: float | None, default: float | None) -> float | None:
     return None if value == math.inf else value
 
 
-def _not_a_string(name: str, value: object) -> RoutingError:
-    return RoutingError(400, f"request field {name!r} must be a string, got {type(value).__name__}")
+def decode_json_body(raw: bytes) -> Any:
+    """A request body decoded as JSON: the one check for a body that is not JSON.
+
+    Used by the client (:meth:`InferenceClient.prepare`) and by the role gateways, so a bad
+    body is the same error whichever way a request comes in.
+
+    :raises InvalidRequestError: the body is empty or not valid JSON.
+    """
+    if not raw:
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _json_object(payload: object) -> tuple[dict[str, Any], bytes | None]:
+    """``(body, raw)``: the payload as a dict, and its bytes when it came encoded."""
+    if type(payload) is dict:
+        return payload, None
+    if isinstance(payload, bytes | bytearray | memoryview):
+        raw = bytes(payload)
+        body = decode_json_body(raw)
+        if type(body) is not dict:
+            raise InvalidRequestError(
+                f"the request body must be a JSON object, got {type(body).__name__}"
+            )
+        return body, raw
+    if isinstance(payload, Mapping):
+        return dict(payload), None
+    raise InvalidRequestError(
+        f"the request body must be a JSON object, got {type(payload).__name__}"
+    )
+
+
+def _string_field(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and type(value) is not str:
+        raise InvalidRequestError(
+            f"request field {name!r} must be a string, got {type(value).__name__}", field=name
+        )
+    return value
+
+
+def _body_for(path: str, body: dict[str, Any], raw: bytes | None, served: str) -> bytes:
+    """The bytes sent to ``path``: ``raw`` when no field changes, else ``body`` rewritten.
+
+    ``/generate`` loses the logical ``model`` and ``route_key``; an OpenAI path gets ``model``
+    set to the target's served name and loses ``route_key``; other paths are sent unchanged.
+    """
+    if path in GENERATE_PATHS:
+        if "model" in body or "route_key" in body:
+            body = {k: v for k, v in body.items() if k != "model" and k != "route_key"}
+            raw = None
+    elif path in OPENAI_PATHS and (body.get("model") != served or "route_key" in body):
+        body = {k: v for k, v in body.items() if k != "route_key"}
+        body["model"] = served
+        raw = None
+    if raw is not None:
+        return raw
+    try:
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:
+        raise InvalidRequestError(f"the request body cannot be encoded as JSON: {exc}") from None

@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from relax_core.config import ConfigValidationError, load_config
+from relax_core.config import load_config
+from relax_core.errors import ConfigValidationError
 from relax_core.placement import preflight, render_plan, role_titles
 from relax_core.plugins import get_plugin_manager
 

@@ -19,8 +19,8 @@ import tempfile
 import time
 from typing import TextIO
 
-from relax_core.config import ConfigValidationError, load_config
-from relax_core.errors import LifecycleError
+from relax_core.config import load_config
+from relax_core.errors import ConfigValidationError, LifecycleError
 from relax_core.plugins import PluginManager
 from relax_core.service import (
     ServedJob,

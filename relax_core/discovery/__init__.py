@@ -4,7 +4,6 @@ the route resolver and the DIRECT routing policies."""
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.routing import RouteResolver, RouteTarget
 from relax_core.discovery.schema import (
-    EngineState,
     EngineView,
     ModelState,
     ModelView,
@@ -15,7 +14,6 @@ from relax_core.discovery.schema import (
 from relax_core.discovery.server import RegistryServer
 
 __all__ = [
-    "EngineState",
     "EngineView",
     "ModelState",
     "ModelView",

@@ -28,7 +28,6 @@ from typing import Any
 import attrs
 
 from relax_core.discovery.schema import (
-    EngineState,
     EngineView,
     ModelState,
     ModelView,
@@ -49,7 +48,7 @@ _UNSET: Any = object()
 @attrs.define
 class _Engine:
     endpoint: str | None  # as the manager reported it; published only when not FAILED
-    state: EngineState
+    state: ModelState
     direct_eligible: bool | None  # None: READY and a URL
     generation: int
     view: EngineView
@@ -62,11 +61,11 @@ class _Model:
 
 
 def _engine_view(
-    engine_id: str, endpoint: str | None, state: EngineState, eligible: bool | None, gen: int
+    engine_id: str, endpoint: str | None, state: ModelState, eligible: bool | None, gen: int
 ) -> EngineView:
-    url = None if state is EngineState.FAILED else endpoint
+    url = None if state is ModelState.FAILED else endpoint
     if eligible is None:
-        eligible = state is EngineState.READY and url is not None
+        eligible = state is ModelState.READY and url is not None
     return EngineView(engine_id, url, state, eligible, gen)
 
 
@@ -274,7 +273,7 @@ class RegistryPublisher:
         engine_id: str,
         *,
         base_url: str | None,
-        state: EngineState | str,
+        state: ModelState | str,
         direct_eligible: bool | None = None,
         replaced: bool = False,
     ) -> int:
@@ -306,7 +305,7 @@ class RegistryPublisher:
         self,
         model_id: str,
         engine_id: str,
-        state: EngineState | str,
+        state: ModelState | str,
         *,
         direct_eligible: bool | None = None,
     ) -> None:
@@ -342,9 +341,9 @@ class RegistryPublisher:
                     entry.view = attrs.evolve(entry.view, state=ModelState.UNKNOWN)
                     changed = True
                 for engine_id, engine in entry.engines.items():
-                    if engine.state is EngineState.UNKNOWN and engine.direct_eligible is None:
+                    if engine.state is ModelState.UNKNOWN and engine.direct_eligible is None:
                         continue
-                    engine.state = EngineState.UNKNOWN
+                    engine.state = ModelState.UNKNOWN
                     engine.direct_eligible = None
                     engine.view = _engine_view(
                         engine_id, engine.endpoint, engine.state, None, engine.generation
@@ -411,24 +410,24 @@ class RegistryPublisher:
         model_id: str,
         engine_id: str,
         endpoint: str | None,
-        state: EngineState | str,
+        state: ModelState | str,
         direct_eligible: bool | None,
         generation: int,
     ) -> int:
         path = f"models.{model_id}.engines[{engine_id}]"
         try:
-            engine_state = EngineState(state)
+            engine_state = ModelState(state)
         except ValueError:
             raise SnapshotError(
                 f"{path}.state",
                 f"unknown state {state!r}; expected one of "
-                f"{', '.join(s.value for s in EngineState)}",
+                f"{', '.join(s.value for s in ModelState)}",
             ) from None
         try:
             view = _engine_view(engine_id, endpoint, engine_state, direct_eligible, generation)
             if endpoint is not None and view.base_url is None:
                 # FAILED hides the URL; still check the one the manager reported.
-                EngineView(engine_id, endpoint, EngineState.UNKNOWN, False, generation)
+                EngineView(engine_id, endpoint, ModelState.UNKNOWN, False, generation)
         except SnapshotError as exc:
             raise SnapshotError(join_path(path, exc.path), exc.message) from None
         entry = self._models[model_id]

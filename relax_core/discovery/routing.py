@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.discovery.schema import EngineState, ModelState, RoleSnapshot, RouteMode
+from relax_core.discovery.schema import ModelState, RoleSnapshot, RouteMode
 from relax_core.errors import PluginError, RoutingError
 from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import ReplicaSelector, RoutingPolicy
@@ -117,7 +117,7 @@ class _ModelIndex:
                 )
         else:
             eligible = sorted(
-                (e for e in model.engines if e.direct_eligible and e.state is EngineState.READY),
+                (e for e in model.engines if e.direct_eligible and e.state is ModelState.READY),
                 key=lambda e: e.engine_id,
             )
             self.candidates = tuple(

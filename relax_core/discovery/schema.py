@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN_WEIGHT_SOURCES",
     "SCHEMA_VERSION",
-    "EngineState",
     "EngineView",
     "ModelState",
     "ModelView",
@@ -67,21 +66,13 @@ T = TypeVar("T")
 
 
 class ModelState(enum.StrEnum):
-    """The state of a model as its manager publishes it. Only READY models receive requests."""
+    """The state of a model, and of each of its logical replica heads, as the manager publishes it.
 
-    READY = "READY"
-    STARTING = "STARTING"
-    DRAINING = "DRAINING"
-    SLEEPING = "SLEEPING"
-    ONLOADING = "ONLOADING"
-    FAILED = "FAILED"
-    STOPPING = "STOPPING"
-    UNKNOWN = "UNKNOWN"
-
-
-class EngineState(enum.StrEnum):
-    """The state of one logical replica head. READY means weights, KV cache and CUDA graph are
-    resident, the weights are valid and admission is open."""
+    One vocabulary for both, because a model moves through the same states as its heads (a
+    model is SLEEPING while its heads are offloaded, ONLOADING while they load back). Only a
+    READY model receives requests, and only on its READY heads: READY means weights, KV cache
+    and CUDA graph are resident, the weights are valid and admission is open.
+    """
 
     READY = "READY"
     STARTING = "STARTING"
@@ -94,10 +85,6 @@ class EngineState(enum.StrEnum):
 
 
 # -- field converters ------------------------------------------------------------------
-
-
-def _engine_state(value: object) -> EngineState:
-    return to_enum(EngineState, "state", value)
 
 
 def _model_state(value: object) -> ModelState:
@@ -122,7 +109,7 @@ class EngineView:
 
     engine_id: str = attrs.field()
     base_url: str | None = attrs.field(validator=v_url("base_url"))
-    state: EngineState = attrs.field(converter=_engine_state)
+    state: ModelState = attrs.field(converter=_model_state)
     direct_eligible: bool = attrs.field(validator=v_bool("direct_eligible"))
     generation: int = attrs.field(validator=v_int("generation"))
 
@@ -131,7 +118,7 @@ class EngineView:
         check_id("engine_id", value, "engine id")
 
     def __attrs_post_init__(self) -> None:
-        if self.direct_eligible and self.state is not EngineState.READY:
+        if self.direct_eligible and self.state is not ModelState.READY:
             raise SnapshotError(
                 "direct_eligible",
                 f"engine {self.engine_id!r} is {self.state.value}; only a READY engine may be "
@@ -143,7 +130,7 @@ class EngineView:
                 f"engine {self.engine_id!r} has no base_url; only an engine with a URL may be "
                 "direct_eligible",
             )
-        if self.state is EngineState.FAILED and self.base_url is not None:
+        if self.state is ModelState.FAILED and self.base_url is not None:
             raise SnapshotError(
                 "base_url",
                 f"engine {self.engine_id!r} is FAILED; a FAILED engine never publishes a URL "
@@ -481,17 +468,9 @@ class RoleSnapshot:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; the derived cache is not worth sending.
-        return (
-            _rebuild_snapshot,
-            (
-                self.schema_version,
-                self.role,
-                self.registry_epoch,
-                self.topology_revision,
-                self.routing,
-                dict(self.models),
-            ),
-        )
+        fields = {f.name: getattr(self, f.name) for f in attrs.fields(RoleSnapshot) if f.init}
+        fields["models"] = dict(self.models)
+        return (_rebuild_snapshot, (fields,))
 
     # -- derived values ------------------------------------------------------------------
 
@@ -583,22 +562,9 @@ class RoleSnapshot:
         return {"engines": engines}
 
 
-def _rebuild_snapshot(
-    schema_version: int,
-    role: str,
-    registry_epoch: str,
-    topology_revision: int,
-    routing: RoutingSpec,
-    models: dict[str, ModelView],
-) -> RoleSnapshot:
-    return RoleSnapshot(
-        schema_version=schema_version,
-        role=role,
-        registry_epoch=registry_epoch,
-        topology_revision=topology_revision,
-        routing=routing,
-        models=models,
-    )
+def _rebuild_snapshot(fields: dict[str, Any]) -> RoleSnapshot:
+    """Unpickle a :class:`RoleSnapshot` (see its ``__reduce__``)."""
+    return RoleSnapshot(**fields)
 
 
 # -- parsing ---------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ the raw engine port stays private to the engine worker, which drives the engine'
 What it does:
 
 - forwards only an allowlist of paths, bytes in and bytes out (SSE streams are streamed, never
-  parsed), with hop-by-hop headers stripped; the upstream client is aiohttp;
+  parsed), with headers forwarded by the one hop-by-hop rule of the data path
+  (:func:`relax_core._http.headers.forward_headers`); the upstream client is aiohttp;
 - while admission is *closed* (a drain, a weight update, a sleeping engine) it answers generation
   paths and ``/health_generate`` with ``503`` + ``Retry-After``, and sends nothing upstream;
 - counts in-flight generation requests so a drain can wait for them (:meth:`wait_idle`);
@@ -24,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from relax_core._http.headers import forward_headers
 from relax_core._http.server import serve_app
 from relax_core.engine.spec import UPDATE_ENDPOINTS, InferenceEngineSpec
 
@@ -78,30 +79,6 @@ _CONTROL_PATHS = frozenset(
         "/shutdown",
     }
 )
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-
-
-def _forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    # ``Connection: x-foo`` names further hop-by-hop headers of this hop.
-    named = {h.strip().lower() for h in headers.get("Connection", "").split(",") if h.strip()}
-    return {
-        k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() not in named
-    }
 
 
 class AdmissionServer:
@@ -156,6 +133,9 @@ class AdmissionServer:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+            # Bytes are relayed as they are: the engine is asked for uncompressed ones (the
+            # caller's Accept-Encoding is not forwarded, see forward_headers).
+            skip_auto_headers=("Accept-Encoding",),
             auto_decompress=False,
         )
         app = web.Application(client_max_size=1 << 30)
@@ -283,11 +263,11 @@ class AdmissionServer:
             async with session.request(
                 request.method,
                 url,
-                headers=_forward_headers(request.headers),
+                headers=forward_headers(request.headers),
                 data=body,
                 allow_redirects=False,
             ) as upstream:
-                headers = _forward_headers(upstream.headers)
+                headers = forward_headers(upstream.headers, response=True)
                 streaming = upstream.content_length is None or upstream.headers.get(
                     "Content-Type", ""
                 ).startswith("text/event-stream")

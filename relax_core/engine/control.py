@@ -22,15 +22,15 @@ import asyncio
 import base64
 import io
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import Any, TypedDict, Unpack
 
 import aiohttp
 
 from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 
-__all__ = ["ControlClient", "serialize_named_tensors"]
+__all__ = ["ControlClient", "WeightUpdate", "serialize_named_tensors"]
 
 _JSON = Mapping[str, Any]
 
@@ -64,6 +64,35 @@ def serialize_named_tensors(
         ForkingPickler(buf).dump(pairs)
         return base64.b64encode(buf.getvalue()).decode("ascii")
     raise ValueError(f"load_format={load_format!r}: use None (SGLang's format) or 'safetensors'")
+
+
+class WeightUpdate(TypedDict, total=False):
+    """What every weight update takes besides its payload (SGLang's fields of the same names).
+
+    ``flush_cache`` (default ``True``): flush the KV cache once the weights changed.
+    ``abort_all_requests`` (default ``False``): abort the requests in flight first.
+    ``weight_version`` (default ``None``): the version the engine reports afterwards.
+    """
+
+    flush_cache: bool
+    abort_all_requests: bool
+    weight_version: str | None
+
+
+def _update_fields(update: WeightUpdate) -> dict[str, Any]:
+    """The :class:`WeightUpdate` fields of a request body, defaults filled in.
+
+    :raises TypeError: a keyword that is not one of them (never dropped silently).
+    """
+    known = WeightUpdate.__annotations__
+    unknown = sorted(set(update) - set(known))
+    if unknown:
+        raise TypeError(f"unknown weight-update options {unknown}; known: {sorted(known)}")
+    return {
+        "flush_cache": update.get("flush_cache", True),
+        "abort_all_requests": update.get("abort_all_requests", False),
+        "weight_version": update.get("weight_version"),
+    }
 
 
 class ControlClient:
@@ -168,6 +197,19 @@ class ControlClient:
             return data
         return {"success": True, "message": text}
 
+    def operate(
+        self, operation: str, body: _JSON | None = None, *, timeout: float | None = None
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        """``POST /{operation}``: an SGLang control operation whose path is its name.
+
+        What every method below sends through; also for operations this client has no method
+        for (``load_lora_adapter``, a backend's own). Returns the engine's JSON answer.
+
+        :raises LifecycleError: refused (non-2xx, or ``success: false``), quoting the engine.
+        :raises UpstreamError: unreachable (502) or no answer in time (504).
+        """
+        return self._operate(operation, "POST", "/" + operation, body, timeout=timeout)
+
     # -- probes and info ---------------------------------------------------------------------
 
     async def health(self, *, timeout: float | None = None) -> None:
@@ -227,32 +269,24 @@ class ControlClient:
         unknown tag, …). :raises ValueError: an unknown tag (checked before any I/O).
         """
         body = {"tags": self._tags(tags)}
-        return await self._operate(
-            "release_memory_occupation", "POST", "/release_memory_occupation", body, timeout=timeout
-        )
+        return await self.operate("release_memory_occupation", body, timeout=timeout)
 
     async def resume_memory(
         self, tags: Iterable[str] | None = None, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """``POST /resume_memory_occupation``: bring ``tags`` (``None`` = all) back."""
         body = {"tags": self._tags(tags)}
-        return await self._operate(
-            "resume_memory_occupation", "POST", "/resume_memory_occupation", body, timeout=timeout
-        )
+        return await self.operate("resume_memory_occupation", body, timeout=timeout)
 
     async def pause_generation(
         self, mode: str = "abort", *, timeout: float | None = None
     ) -> dict[str, Any]:
         """``POST /pause_generation``; ``mode`` is SGLang's: ``abort`` (default) or ``in_place``."""
-        return await self._operate(
-            "pause_generation", "POST", "/pause_generation", {"mode": mode}, timeout=timeout
-        )
+        return await self.operate("pause_generation", {"mode": mode}, timeout=timeout)
 
     async def continue_generation(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``POST /continue_generation``: undo :meth:`pause_generation`."""
-        return await self._operate(
-            "continue_generation", "POST", "/continue_generation", {}, timeout=timeout
-        )
+        return await self.operate("continue_generation", {}, timeout=timeout)
 
     async def flush_cache(
         self, *, wait: float = 0.0, timeout: float | None = None
@@ -268,9 +302,7 @@ class ControlClient:
         delay = 0.02
         while True:
             try:
-                return await self._operate(
-                    "flush_cache", "POST", "/flush_cache", None, timeout=timeout
-                )
+                return await self.operate("flush_cache", None, timeout=timeout)
             except LifecycleError:
                 if loop.time() + delay > deadline:
                     raise
@@ -282,7 +314,7 @@ class ControlClient:
     ) -> dict[str, Any]:
         """``POST /abort_request``: abort request ``rid``, or every request when ``rid`` is None."""
         body: dict[str, Any] = {"rid": rid} if rid is not None else {"rid": "", "abort_all": True}
-        return await self._operate("abort_request", "POST", "/abort_request", body, timeout=timeout)
+        return await self.operate("abort_request", body, timeout=timeout)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -291,51 +323,35 @@ class ControlClient:
         serialized_named_tensors: Sequence[str],
         *,
         load_format: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        weight_version: str | None = None,
         timeout: float | None = None,
+        **update: Unpack[WeightUpdate],
     ) -> dict[str, Any]:
         """``POST /update_weights_from_tensor`` (one serialized payload per TP rank).
 
-        Build each payload with :func:`serialize_named_tensors`.
+        Build each payload with :func:`serialize_named_tensors`; ``update``: see
+        :class:`WeightUpdate`.
         """
         body = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": load_format,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-            "weight_version": weight_version,
+            **_update_fields(update),
         }
-        return await self._operate(
-            "update_weights_from_tensor",
-            "POST",
-            "/update_weights_from_tensor",
-            body,
-            timeout=timeout,
-        )
+        return await self.operate("update_weights_from_tensor", body, timeout=timeout)
 
     async def update_weights_from_disk(
         self,
         model_path: str,
         *,
         load_format: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        weight_version: str | None = None,
         timeout: float | None = None,
+        **update: Unpack[WeightUpdate],
     ) -> dict[str, Any]:
-        """``POST /update_weights_from_disk``: load a checkpoint directory (same architecture)."""
-        body = {
-            "model_path": model_path,
-            "load_format": load_format,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-            "weight_version": weight_version,
-        }
-        return await self._operate(
-            "update_weights_from_disk", "POST", "/update_weights_from_disk", body, timeout=timeout
-        )
+        """``POST /update_weights_from_disk``: load a checkpoint directory (same architecture).
+
+        ``update``: see :class:`WeightUpdate`.
+        """
+        body = {"model_path": model_path, "load_format": load_format, **_update_fields(update)}
+        return await self.operate("update_weights_from_disk", body, timeout=timeout)
 
     async def init_weights_update_group(
         self,
@@ -361,9 +377,7 @@ class ControlClient:
             "group_name": group_name,
             "backend": backend,
         }
-        return await self._operate(
-            "init_weights_update_group", "POST", "/init_weights_update_group", body, timeout=timeout
-        )
+        return await self.operate("init_weights_update_group", body, timeout=timeout)
 
     async def update_weights_from_distributed(
         self,
@@ -372,43 +386,29 @@ class ControlClient:
         shapes: Sequence[Sequence[int]],
         *,
         group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        weight_version: str | None = None,
         timeout: float | None = None,
+        **update: Unpack[WeightUpdate],
     ) -> dict[str, Any]:
         """``POST /update_weights_from_distributed``: receive tensors broadcast by rank 0.
 
-        The trainer broadcasts each tensor, in this order, while this call is in flight.
+        The trainer broadcasts each tensor, in this order, while this call is in flight;
+        ``update``: see :class:`WeightUpdate`.
         """
         body = {
             "names": list(names),
             "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(map(int, s)) for s in shapes],
             "group_name": group_name,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-            "weight_version": weight_version,
+            **_update_fields(update),
         }
-        return await self._operate(
-            "update_weights_from_distributed",
-            "POST",
-            "/update_weights_from_distributed",
-            body,
-            timeout=timeout,
-        )
+        return await self.operate("update_weights_from_distributed", body, timeout=timeout)
 
     async def destroy_weights_update_group(
         self, group_name: str = "weight_update_group", *, timeout: float | None = None
     ) -> dict[str, Any]:
         """``POST /destroy_weights_update_group``: leave the broadcast group."""
-        return await self._operate(
-            "destroy_weights_update_group",
-            "POST",
-            "/destroy_weights_update_group",
-            {"group_name": group_name},
-            timeout=timeout,
-        )
+        body = {"group_name": group_name}
+        return await self.operate("destroy_weights_update_group", body, timeout=timeout)
 
     def __repr__(self) -> str:
         return f"ControlClient({self.base_url!r}, timeout={self.timeout})"

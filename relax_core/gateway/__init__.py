@@ -1,17 +1,23 @@
 """The role gateway: request handling, the Starlette app, serving it, role adapters, OpenAPI
 and metrics."""
 
-from relax_core.gateway.adapters import AdaptContext, Adapted, InvalidRequestError, RoleAdapter
+from relax_core.gateway.adapters import AdaptContext, Adapted, RoleAdapter
 from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import InferenceGatewayHandler
-from relax_core.gateway.serving import GatewayServer
+from relax_core.gateway.handler import (
+    GatewayOptions,
+    InferenceGatewayHandler,
+    build_gateway_handler,
+)
+from relax_core.gateway.serving import GatewayServer, gateway_app
 
 __all__ = [
     "AdaptContext",
     "Adapted",
+    "GatewayOptions",
     "GatewayServer",
     "InferenceGatewayHandler",
-    "InvalidRequestError",
     "RoleAdapter",
+    "build_gateway_handler",
     "create_gateway_app",
+    "gateway_app",
 ]

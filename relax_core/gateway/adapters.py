@@ -17,31 +17,16 @@ from typing import Any
 
 import attrs
 
-from relax_core.errors import RelaxError
+from relax_core.errors import InvalidRequestError
 
 __all__ = [
     "AdaptContext",
     "Adapted",
-    "InvalidRequestError",
     "RoleAdapter",
     "check_chat_payload",
     "check_generate_payload",
     "check_messages",
 ]
-
-
-class InvalidRequestError(RelaxError):
-    """A request body is malformed; the gateway answers 400 with ``message``.
-
-    ``field`` names the offending JSON field (``sampling_params.max_new_tokens``), if any.
-    """
-
-    status = 400
-
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        self.message = message
-        self.field = field
-        super().__init__(message)
 
 
 @attrs.frozen

@@ -35,12 +35,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from relax_core._http.upstream import StreamStalledError
-from relax_core.errors import UpstreamError
+from relax_core.errors import GatewayError, StreamStalledError, UpstreamError
 from relax_core.gateway.handler import (
     GatewayAnswer,
-    GatewayError,
     InferenceGatewayHandler,
+    error_answer,
     gateway_error,
 )
 from relax_core.gateway.metrics import CONTENT_TYPE_LATEST
@@ -196,7 +195,7 @@ class ForwardRoute:
                     "a bug in Relax, please report it with the gateway log",
                 )
             status = err.status
-            await _send_answer(send, err.answer())
+            await _send_answer(send, error_answer(err))
         finally:
             watch.close()
             metrics.finished(self.route, status, time.perf_counter() - started)
@@ -265,7 +264,7 @@ def _json(status: int, body: Any, headers: Mapping[str, str] | None = None) -> R
 
 
 def _error(err: GatewayError) -> Response:
-    answer = err.answer()
+    answer = error_answer(err)
     return Response(
         answer.body,
         status_code=answer.status,

@@ -21,27 +21,38 @@ A request that reached an engine is never replayed; a connection that could not 
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
 import orjson
 
-from relax_core._http.upstream import UpstreamResponse, UpstreamUnreachableError
-from relax_core.client.client import InferenceClient, SnapshotProvider
+from relax_core._http.upstream import UpstreamResponse, parse_retry_after
+from relax_core.client.client import InferenceClient, SnapshotProvider, decode_json_body
 from relax_core.discovery.routing import RouteTarget
 from relax_core.discovery.schema import ModelState, RoleSnapshot
-from relax_core.errors import RequestNotReplayedError, RoutingError, UpstreamError
-from relax_core.gateway.adapters import AdaptContext, Adapted, InvalidRequestError, RoleAdapter
+from relax_core.errors import (
+    GatewayError,
+    InvalidRequestError,
+    RoutingError,
+    UpstreamError,
+    UpstreamUnreachableError,
+)
+from relax_core.gateway.adapters import AdaptContext, Adapted, RoleAdapter
 from relax_core.gateway.metrics import GatewayMetrics
+from relax_core.plugins import PluginManager
 
 __all__ = [
     "DEADLINE_HEADER",
     "DEFAULT_MAX_BODY_BYTES",
     "GatewayAnswer",
-    "GatewayError",
+    "GatewayOptions",
     "InferenceGatewayHandler",
     "adapter_for_role",
+    "build_gateway_handler",
+    "error_answer",
+    "gateway_error",
 ]
 
 #: A caller may shorten (never lengthen) the gateway's deadline with this header (seconds).
@@ -68,44 +79,6 @@ _ERROR_TYPES = {
 }
 
 
-class GatewayError(Exception):
-    """An answer the gateway gives instead of forwarding: ``status`` and a JSON error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        retry_after: float | None = None,
-        field: str | None = None,
-        request_id: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-        self.field = field
-        self.request_id = request_id
-
-    def answer(self) -> GatewayAnswer:
-        """The JSON error answer."""
-        error: dict[str, Any] = {
-            "message": self.message,
-            "type": _ERROR_TYPES.get(self.status, "error"),
-            "code": self.status,
-        }
-        if self.field is not None:
-            error["param"] = self.field
-        headers = [(b"content-type", _JSON)]
-        if self.retry_after is not None:
-            headers.append((b"retry-after", str(max(1, round(self.retry_after))).encode()))
-        if self.request_id is not None:
-            headers.append((b"x-request-id", self.request_id.encode("latin-1", "replace")))
-        if self.status == 401:
-            headers.append((b"www-authenticate", b'Bearer realm="relax"'))
-        return GatewayAnswer(self.status, headers, orjson.dumps({"error": error}))
-
-
 @attrs.define
 class GatewayAnswer:
     """What to send back: status, headers (ASGI byte pairs) and a body or an upstream stream.
@@ -120,7 +93,29 @@ class GatewayAnswer:
     stream: UpstreamResponse | None = None
 
 
-def adapter_for_role(plugin_manager: Any, role: str) -> RoleAdapter:
+def error_answer(err: GatewayError) -> GatewayAnswer:
+    """The JSON answer for ``err``: ``{"error": {"message", "type", "code"[, "param"]}}``.
+
+    ``Retry-After``, ``X-Request-ID`` and (for a 401) ``WWW-Authenticate`` go in the headers.
+    """
+    error: dict[str, Any] = {
+        "message": err.message,
+        "type": _ERROR_TYPES.get(err.status, "error"),
+        "code": err.status,
+    }
+    if err.field is not None:
+        error["param"] = err.field
+    headers = [(b"content-type", _JSON)]
+    if err.retry_after is not None:
+        headers.append((b"retry-after", str(max(1, round(err.retry_after))).encode()))
+    if err.request_id is not None:
+        headers.append((b"x-request-id", err.request_id.encode("latin-1", "replace")))
+    if err.status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="relax"'))
+    return GatewayAnswer(err.status, headers, orjson.dumps({"error": error}))
+
+
+def adapter_for_role(plugin_manager: PluginManager, role: str) -> RoleAdapter:
     """The gateway adapter the plugin of ``role`` registered (the pass-through one if none).
 
     :raises PluginError: no plugin registers ``role``.
@@ -135,6 +130,42 @@ def adapter_for_role(plugin_manager: Any, role: str) -> RoleAdapter:
             "relax_core.gateway.adapters.RoleAdapter"
         )
     return adapter
+
+
+def build_gateway_handler(
+    role: str,
+    discovery: str | SnapshotProvider,
+    *,
+    plugin_manager: PluginManager,
+    options: GatewayOptions | None = None,
+) -> InferenceGatewayHandler:
+    """The handler of ``role``'s gateway: the one way every gateway is built.
+
+    ``discovery``: where the role's snapshot comes from, a registry URL serving
+    ``/engines?schema=2`` (a role gateway's ``http://host:port/{role}``, or a registry server)
+    or a callable returning the snapshot (a role service's ``snapshot``). ``plugin_manager``:
+    where the role's adapter, the routing policies and the weight sources snapshots are
+    checked against all come from (never the process-wide one behind the caller's back).
+    ``options``: :class:`GatewayOptions` (default: the defaults). A gateway on a thread, in
+    worker processes and in a Ray actor is built by this same call
+    (:mod:`relax_core.gateway.serving`).
+
+    :raises PluginError: no plugin registers ``role``.
+    :raises ValueError: ``discovery`` is a URL that is not ``http(s)://``.
+    """
+    options = GatewayOptions() if options is None else options
+    adapter = adapter_for_role(plugin_manager, role)
+    common: dict[str, Any] = {
+        "role": role,
+        "ttl": options.snapshot_ttl,
+        "timeout": options.timeout,
+        "plugin_manager": plugin_manager,
+    }
+    if isinstance(discovery, str):
+        client = InferenceClient(discovery, **common)
+    else:
+        client = InferenceClient(snapshot_provider=discovery, **common)
+    return InferenceGatewayHandler(role, client, adapter, options)
 
 
 def _error_for_upstream(exc: UpstreamError, metrics: GatewayMetrics) -> GatewayError:
@@ -153,25 +184,73 @@ def _error_for_upstream(exc: UpstreamError, metrics: GatewayMetrics) -> GatewayE
     return GatewayError(exc.status, f"{what}: {exc.message}", request_id=exc.request_id)
 
 
+def _str_map(value: Mapping[str, str]) -> dict[str, str]:
+    return dict(value)
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    # None passes: the options whose type allows it read it as "no limit".
+    if value is not None and not 0 < value < float("inf"):
+        unit = "bytes" if attribute.name.endswith("_bytes") else "seconds"
+        none = " or None" if "None" in str(attribute.type) else ""
+        raise ValueError(f"{attribute.name}={value!r}: give a positive number of {unit}{none}")
+
+
+def _check_token(_: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None and not value:
+        raise ValueError("token: give a non-empty bearer token, or None for no auth")
+
+
+def _check_coalesce(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 <= value <= 0.1:
+        raise ValueError(
+            f"stream_coalesce={value!r}: give seconds between 0 (relay every read at once) and 0.1"
+        )
+
+
+@attrs.frozen
+class GatewayOptions:
+    """How a role gateway handles requests: the same record whichever way it is served.
+
+    ``model_paths``: local checkpoint directory per model id (for tokenizers).
+    ``timeout``: the deadline of one request in seconds. ``token``: a bearer token callers must
+    send (``None``: no auth). ``max_body_bytes``: the request body limit. ``snapshot_ttl``:
+    seconds the role's snapshot is reused. ``stream_idle_timeout``: the longest a relayed
+    stream may stay silent once its first bytes arrived (default 60 s; ``None``: no limit);
+    ``stream_first_chunk_timeout``: the same before the first bytes (default ``None``: only the
+    deadline, since an engine sends its first event only after queueing and prefill). Past
+    either, the caller gets an error event with code 504 and a truncated stream.
+    ``stream_coalesce``: when a relayed stream's bytes arrive faster than one read per this
+    many seconds (default 1 ms), they are read and relayed together once per period instead of
+    one receive and one send per event (an event is then delayed by at most this much; a
+    stream slower than that, as any real token stream is, is never delayed); ``0`` relays
+    every read at once.
+
+    :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``).
+
+    Frozen and picklable: it travels to worker processes and to the Ray gateway actor as it is.
+    """
+
+    model_paths: dict[str, str] = attrs.field(factory=dict, converter=_str_map)
+    timeout: float = attrs.field(default=300.0, validator=_positive)
+    token: str | None = attrs.field(default=None, validator=_check_token, repr=False)
+    max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
+    snapshot_ttl: float = attrs.field(default=0.5, validator=attrs.validators.ge(0.0))
+    stream_idle_timeout: float | None = attrs.field(default=60.0, validator=_positive)
+    stream_first_chunk_timeout: float | None = attrs.field(default=None, validator=_positive)
+    stream_coalesce: float = attrs.field(
+        default=DEFAULT_STREAM_COALESCE_S, validator=_check_coalesce
+    )
+
+
 class InferenceGatewayHandler:
     """Request handling of one role's gateway (the Starlette app is a thin layer over it).
 
-    Give exactly one of ``client`` (an :class:`InferenceClient` for the role, e.g. on a
-    registry URL) and ``snapshot_provider`` (a callable returning the role's
-    :class:`~relax_core.discovery.schema.RoleSnapshot`, e.g. a role service's ``snapshot``).
-    ``adapter``: the role's :class:`RoleAdapter` (see :func:`adapter_for_role`).
-    ``model_paths``: local checkpoint directory per model id (for tokenizers).
-    ``timeout``: the deadline of one request in seconds. ``stream_idle_timeout``: the longest
-    a relayed stream may stay silent once its first bytes arrived (default 60 s; ``None``: no
-    limit); ``stream_first_chunk_timeout``: the same before the first bytes (default ``None``:
-    only the deadline, since an engine sends its first event only after queueing and
-    prefill). Past either, the caller gets an error event with code 504 and a truncated
-    stream. ``stream_coalesce``: when a relayed stream's bytes arrive faster than one read per
-    this many seconds (default 1 ms), they are read and relayed together once per period
-    instead of one receive and one send per event (an event is then delayed by at most this
-    much; a stream slower than that, as any real token stream is, is never delayed); ``0``
-    relays every read at once. ``token``: a bearer token callers must send (``None``: no
-    auth). ``max_body_bytes``: the request body limit.
+    Build it with :func:`build_gateway_handler`, which takes the client, its routing policies
+    and the role's adapter from one plugin manager. ``client``: the
+    :class:`InferenceClient` the role's requests go through (the handler closes it when its
+    app shuts down). ``adapter``: the role's :class:`RoleAdapter` (see
+    :func:`adapter_for_role`). ``options``: see :class:`GatewayOptions`.
 
     Belongs to one event loop (that of the server running it).
     """
@@ -179,56 +258,23 @@ class InferenceGatewayHandler:
     def __init__(
         self,
         role: str,
-        *,
-        client: InferenceClient | None = None,
-        snapshot_provider: SnapshotProvider | None = None,
-        adapter: RoleAdapter | None = None,
-        model_paths: Mapping[str, str] | None = None,
-        timeout: float = 300.0,
-        token: str | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        snapshot_ttl: float = 0.5,
-        stream_idle_timeout: float | None = 60.0,
-        stream_first_chunk_timeout: float | None = None,
-        stream_coalesce: float = DEFAULT_STREAM_COALESCE_S,
+        client: InferenceClient,
+        adapter: RoleAdapter,
+        options: GatewayOptions | None = None,
     ) -> None:
-        if (client is None) == (snapshot_provider is None):
-            raise ValueError(
-                "InferenceGatewayHandler: give exactly one of client and snapshot_provider"
-            )
-        if not timeout > 0:
-            raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
-        if max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes={max_body_bytes!r}: give a positive number of bytes")
-        if token is not None and not token:
-            raise ValueError("token: give a non-empty bearer token, or None for no auth")
-        for name, value in (
-            ("stream_idle_timeout", stream_idle_timeout),
-            ("stream_first_chunk_timeout", stream_first_chunk_timeout),
-        ):
-            if value is not None and not 0 < value < float("inf"):
-                raise ValueError(f"{name}={value!r}: give a positive number of seconds or None")
-        if not 0.0 <= stream_coalesce <= 0.1:
-            raise ValueError(
-                f"stream_coalesce={stream_coalesce!r}: give seconds between 0 (relay every read "
-                "at once) and 0.1"
-            )
+        options = GatewayOptions() if options is None else options
         self.role = role
-        self.client = client or InferenceClient(
-            snapshot_provider=snapshot_provider, role=role, ttl=snapshot_ttl, timeout=timeout
-        )
+        self.client = client
+        self.adapter = adapter
+        self.options = options
+        # Read for every request by the app (attributes rather than options.* lookups).
+        self.max_body_bytes = options.max_body_bytes
+        self.stream_coalesce = options.stream_coalesce
         # Passed per request (math.inf: no limit), so a shared client's defaults do not apply.
         inf = float("inf")
-        self.stream_idle_timeout = stream_idle_timeout
-        self.stream_first_chunk_timeout = stream_first_chunk_timeout
-        self.stream_coalesce = stream_coalesce
-        self._idle = inf if stream_idle_timeout is None else stream_idle_timeout
-        self._first = inf if stream_first_chunk_timeout is None else stream_first_chunk_timeout
-        self.adapter = adapter or RoleAdapter()
-        self.model_paths = dict(model_paths or {})
-        self.timeout = timeout
-        self.token = token
-        self.max_body_bytes = max_body_bytes
+        idle, first = options.stream_idle_timeout, options.stream_first_chunk_timeout
+        self._idle = inf if idle is None else idle
+        self._first = inf if first is None else first
         self.metrics = GatewayMetrics(role)
         # The context of a request before its model is known (frozen: shared by requests).
         self._plain_ctx, self._stream_ctx = (
@@ -295,7 +341,7 @@ class InferenceGatewayHandler:
         ready = any(m.state is ModelState.READY for m in snap.models.values())
         if schema == 1:
             engines = [e for m in snap.models.values() for e in m.engines]
-            healthy = sum(1 for e in engines if e.state.value == "READY")
+            healthy = sum(1 for e in engines if e.state is ModelState.READY)
             return (200 if ready else 503), {
                 "status": "healthy" if ready else "unhealthy",
                 "healthy_engines": healthy,
@@ -305,7 +351,7 @@ class InferenceGatewayHandler:
             model_id: {
                 "state": model.state.value,
                 "route_mode": model.route_mode.value,
-                "ready_engines": sum(1 for e in model.engines if e.state.value == "READY"),
+                "ready_engines": sum(1 for e in model.engines if e.state is ModelState.READY),
                 "engines": len(model.engines),
             }
             for model_id, model in snap.models.items()
@@ -326,11 +372,10 @@ class InferenceGatewayHandler:
 
     def check_token(self, authorization: str | None) -> None:
         """Raise ``GatewayError(401)`` unless ``authorization`` carries the gateway's token."""
-        if self.token is None:
+        token = self.options.token
+        if token is None:
             return
-        import hmac
-
-        expected = f"Bearer {self.token}"
+        expected = f"Bearer {token}"
         if authorization is None or not hmac.compare_digest(
             authorization.encode(), expected.encode()
         ):
@@ -344,7 +389,7 @@ class InferenceGatewayHandler:
         """The request's deadline: the gateway's, shortened by :data:`DEADLINE_HEADER`."""
         raw = headers.get(DEADLINE_HEADER.lower())
         if raw is None:
-            return self.timeout
+            return self.options.timeout
         try:
             value = float(raw)
         except ValueError:
@@ -355,11 +400,11 @@ class InferenceGatewayHandler:
                 f"{DEADLINE_HEADER} must be a positive number of seconds, got {raw!r}",
                 field=DEADLINE_HEADER,
             )
-        return min(value, self.timeout)
+        return min(value, self.options.timeout)
 
     async def generate(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
         """``POST /{role}/generate``: validate, adapt, forward to the engine's ``/generate``."""
-        payload = self.adapter.check_generate(_decode(body))
+        payload = self.adapter.check_generate(decode_json_body(body))
         stream = payload.get("stream") is True
         model = payload.get("model")
         ctx = self._stream_ctx if stream else self._plain_ctx
@@ -374,7 +419,7 @@ class InferenceGatewayHandler:
             ctx = attrs.evolve(
                 ctx,
                 model=target.model_id,
-                model_path=self.model_paths.get(target.model_id),
+                model_path=self.options.model_paths.get(target.model_id),
                 served_model_name=target.served_model_name,
             )
         adapted = self.adapter.adapt_generate(payload, ctx)
@@ -392,7 +437,7 @@ class InferenceGatewayHandler:
 
     async def chat(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
         """``POST /{role}/chat/completions``: validate, forward to ``/v1/chat/completions``."""
-        payload = self.adapter.check_chat(_decode(body))
+        payload = self.adapter.check_chat(decode_json_body(body))
         return await self._forward(
             "/v1/chat/completions",
             body,
@@ -416,7 +461,11 @@ class InferenceGatewayHandler:
         target: RouteTarget | None = None,
     ) -> GatewayAnswer:
         timeout = self.deadline(headers)
-        fwd = {k: v for k, v in headers.items() if k != "authorization"} if self.token else headers
+        fwd = (
+            {k: v for k, v in headers.items() if k != "authorization"}
+            if self.options.token is not None
+            else headers
+        )
         try:
             resp = await self.client.open(
                 path,
@@ -500,8 +549,6 @@ class InferenceGatewayHandler:
             )
         self.metrics.upstream_error("status")
         if status in _UPSTREAM_5XX_RELAYED:
-            from relax_core._http.upstream import parse_retry_after
-
             retry = parse_retry_after(resp.headers.get("Retry-After"))
             what = (
                 "the engine is not accepting requests now (draining or asleep); try again later"
@@ -521,15 +568,6 @@ class InferenceGatewayHandler:
         )
 
 
-def _decode(body: bytes) -> Any:
-    if not body:
-        raise InvalidRequestError("the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-
-
 def gateway_error(exc: BaseException) -> GatewayError | None:
     """The :class:`GatewayError` for an exception the handler raises, or ``None`` if unknown."""
     if isinstance(exc, GatewayError):
@@ -541,7 +579,7 @@ def gateway_error(exc: BaseException) -> GatewayError | None:
         if exc.status == 503 and retry is None:
             retry = _DEFAULT_RETRY_AFTER
         return GatewayError(exc.status, exc.message, retry_after=retry)
-    if isinstance(exc, RequestNotReplayedError | UpstreamError):
+    if isinstance(exc, UpstreamError):
         return GatewayError(exc.status, exc.message, request_id=exc.request_id)
     return None
 

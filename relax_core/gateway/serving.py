@@ -2,22 +2,29 @@
 
 Every way of serving builds the same Starlette app
 (:func:`~relax_core.gateway.app.create_gateway_app`) over one
-:class:`~relax_core.gateway.handler.InferenceGatewayHandler`:
+:class:`~relax_core.gateway.handler.InferenceGatewayHandler` built by one call,
+:func:`~relax_core.gateway.handler.build_gateway_handler`, from one
+:class:`~relax_core.gateway.handler.GatewayOptions` record and one explicit plugin manager (the
+role's adapter and the routing policies come from it); :func:`gateway_app` is that call plus
+the app:
 
+- :func:`start_thread_gateway`: on a thread of this process, the handler reading the role
+  service's snapshot in process, with the serving process's plugin manager.
 - :class:`GatewayServer` serves an app with uvicorn on a thread of this process (``workers=1``)
   or in N worker processes sharing one port (``workers=N``). A gateway is one Python event loop,
   so it forwards with at most one core; with ``workers=N`` every worker binds its own listening
   socket with ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker builds
   its own app by calling the ``app_factory`` it is given (its own client, connection pool and
-  snapshot cache), so discovery must work from another process (a registry URL, see
-  :func:`registry_gateway_app`). The parent holds the port (bound, never listening) while the
-  workers run; a worker stops when the parent asks or when the parent goes away.
-- :func:`start_thread_gateway`: the handler reads the role service's snapshot in process.
+  snapshot cache), so discovery must work from another process: :func:`registry_gateway_app`
+  (a registry URL; the worker loads its own plugin manager). The parent holds the port (bound,
+  never listening) while the workers run; a worker stops when the parent asks or when the
+  parent goes away.
 - :func:`start_actor_gateway`: uvicorn inside a CPU-only Ray actor (``num_gpus=0``,
   ``num_cpus=0``, like Ray Serve's HTTP proxies) pinned to the serving process's node, so the
-  gateway's event loop never shares a GIL with the managers. Discovery is over HTTP from the
-  serving process's :class:`~relax_core.discovery.server.RegistryServer`. If the registry goes
-  away the gateway stays up and answers 503 ("registry unavailable"), as the failure table says.
+  gateway's event loop never shares a GIL with the managers. The actor builds its app with
+  :func:`registry_gateway_app`, discovering over HTTP from the serving process's
+  :class:`~relax_core.discovery.server.RegistryServer`. If the registry goes away the gateway
+  stays up and answers 503 ("registry unavailable"), as the failure table says.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ import attrs
 
 from relax_core.discovery.schema import RoleSnapshot
 from relax_core.errors import LifecycleError
+from relax_core.gateway.app import create_gateway_app
+from relax_core.gateway.handler import GatewayOptions, build_gateway_handler
+from relax_core.net import free_port
+from relax_core.plugins import PluginManager
 
 __all__ = [
     "AppFactory",
@@ -43,6 +54,7 @@ __all__ = [
     "GatewayServer",
     "RunningGateway",
     "WorkerPool",
+    "gateway_app",
     "registry_gateway_app",
     "reuseport_socket",
     "start_actor_gateway",
@@ -203,53 +215,37 @@ class WorkerPool:
         self._holder.close()
 
 
-def registry_gateway_app(
+def gateway_app(
     role: str,
-    registry_url: str,
+    discovery: str | Callable[[], RoleSnapshot],
     *,
-    token: str | None = None,
-    timeout: float = 300.0,
-    snapshot_ttl: float = 0.5,
-    model_paths: Mapping[str, str] | None = None,
-    stream_idle_timeout: float | None = 60.0,
-    stream_first_chunk_timeout: float | None = None,
-    stream_coalesce: float | None = None,
-    max_body_bytes: int | None = None,
+    plugin_manager: PluginManager,
+    options: GatewayOptions | None = None,
+) -> Any:
+    """The Starlette app of ``role``'s gateway, built by
+    :func:`~relax_core.gateway.handler.build_gateway_handler` (see there for the arguments),
+    serving the role's record from the same plugin manager (its health schema and OpenAPI
+    notes)."""
+    handler = build_gateway_handler(role, discovery, plugin_manager=plugin_manager, options=options)
+    return create_gateway_app(handler, spec=plugin_manager.role(role))
+
+
+def registry_gateway_app(
+    role: str, registry_url: str, options: GatewayOptions | None = None
 ) -> Any:
     """The app of ``role``'s gateway reading the role's snapshot from ``registry_url``.
 
-    ``registry_url`` serves ``GET {registry_url}/engines?schema=2`` (a role gateway's
-    ``http://host:port/{role}``, or a registry server). The role's adapter comes from the
-    plugins installed in this process. Meant as an :data:`AppFactory` for workers::
+    Meant as an :data:`AppFactory` for another process (a worker, the Ray actor): it loads a
+    plugin manager of its own there (``PluginManager.create()``: the entry points installed
+    in that process, under the same allow and block lists of the environment), from which the
+    role's adapter and the routing policies come. ``registry_url`` serves
+    ``GET {registry_url}/engines?schema=2`` (a role gateway's ``http://host:port/{role}``, or a
+    registry server). ::
 
-        GatewayServer(app_factory=functools.partial(registry_gateway_app, "genrm", url),
+        GatewayServer(app_factory=functools.partial(registry_gateway_app, "genrm", url, options),
                       port=8100, workers=2)
     """
-    from relax_core.client.client import InferenceClient
-    from relax_core.gateway.app import create_gateway_app
-    from relax_core.gateway.handler import (
-        DEFAULT_MAX_BODY_BYTES,
-        DEFAULT_STREAM_COALESCE_S,
-        InferenceGatewayHandler,
-        adapter_for_role,
-    )
-    from relax_core.plugins import PluginManager
-
-    pm = PluginManager.create()
-    client = InferenceClient(registry_url, role=role, ttl=snapshot_ttl, timeout=timeout)
-    handler = InferenceGatewayHandler(
-        role,
-        client=client,
-        adapter=adapter_for_role(pm, role),
-        model_paths=model_paths,
-        timeout=timeout,
-        token=token,
-        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-        stream_idle_timeout=stream_idle_timeout,
-        stream_first_chunk_timeout=stream_first_chunk_timeout,
-        stream_coalesce=DEFAULT_STREAM_COALESCE_S if stream_coalesce is None else stream_coalesce,
-    )
-    return create_gateway_app(handler, spec=pm.role(role))
+    return gateway_app(role, registry_url, plugin_manager=PluginManager.create(), options=options)
 
 
 def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
@@ -305,8 +301,6 @@ class GatewayServer:
         else:
             import uvicorn
 
-            from relax_core.net import free_port
-
             self.port = port or free_port(host)
             served = app if app is not None else app_factory()
             self._server = uvicorn.Server(uvicorn_config(served, host, self.port))
@@ -319,14 +313,10 @@ class GatewayServer:
     @property
     def pids(self) -> list[int]:
         """The processes serving the gateway (this one, or the workers)."""
-        import os
-
         return self._pool.pids if self._pool is not None else [os.getpid()]
 
     def start(self, timeout: float = 30.0) -> GatewayServer:
         """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
-        import threading
-
         if self._pool is not None:
             self._pool.start(timeout=max(timeout, 60.0))
             return self
@@ -376,44 +366,31 @@ class RunningGateway:
             self._stop()
 
 
-def _handler(role: str, *, plugin_manager: Any, **options: Any) -> Any:
-    from relax_core.gateway.handler import InferenceGatewayHandler, adapter_for_role
-
-    return InferenceGatewayHandler(role, adapter=adapter_for_role(plugin_manager, role), **options)
-
-
 def start_thread_gateway(
     role: str,
     snapshot_provider: Callable[[], RoleSnapshot],
     *,
-    plugin_manager: Any,
+    plugin_manager: PluginManager,
     host: str = "127.0.0.1",
     port: int | None = None,
-    model_paths: Mapping[str, str] | None = None,
-    token: str | None = None,
+    options: GatewayOptions | None = None,
 ) -> RunningGateway:
     """Serve ``role``'s gateway on a thread of this process; blocks until it accepts.
 
+    The handler reads the role service's snapshot in process (``snapshot_provider``).
+
     :raises RuntimeError: uvicorn did not come up (the port is taken).
     """
-    from relax_core.gateway.app import create_gateway_app
-
-    handler = _handler(
-        role,
-        plugin_manager=plugin_manager,
-        snapshot_provider=snapshot_provider,
-        model_paths=model_paths,
-        token=token,
-    )
-    app = create_gateway_app(handler, spec=plugin_manager.role(role))
+    app = gateway_app(role, snapshot_provider, plugin_manager=plugin_manager, options=options)
     server = GatewayServer(app, host, port).start()
     return RunningGateway(role, server.url, "thread", os.getpid(), server.stop)
 
 
 class GatewayActor:
-    """The body of the gateway actor: builds the handler and serves it with uvicorn.
+    """The body of the gateway actor: builds the app and serves it with uvicorn.
 
-    Runs in its own Ray worker process; the plugins are loaded there (the role's adapter).
+    Runs in its own Ray worker process; the plugins are loaded there
+    (:func:`registry_gateway_app`).
     """
 
     def __init__(
@@ -422,20 +399,9 @@ class GatewayActor:
         registry_url: str,
         host: str,
         port: int | None,
-        model_paths: Mapping[str, str],
-        token: str | None,
-        snapshot_ttl: float,
+        options: GatewayOptions,
     ) -> None:
-        from relax_core.client.client import InferenceClient
-        from relax_core.gateway.app import create_gateway_app
-        from relax_core.plugins import PluginManager
-
-        pm = PluginManager.create()
-        client = InferenceClient(registry_url, role=role, ttl=snapshot_ttl, weight_sources=pm)
-        handler = _handler(
-            role, plugin_manager=pm, client=client, model_paths=model_paths, token=token
-        )
-        app = create_gateway_app(handler, spec=pm.role(role))
+        app = registry_gateway_app(role, registry_url, options)
         self._server = GatewayServer(app, host, port).start()
 
     def address(self) -> tuple[str, int]:
@@ -453,9 +419,7 @@ def start_actor_gateway(
     *,
     host: str = "127.0.0.1",
     port: int | None = None,
-    model_paths: Mapping[str, str] | None = None,
-    token: str | None = None,
-    snapshot_ttl: float = 0.5,
+    options: GatewayOptions | None = None,
     timeout: float = 120.0,
 ) -> RunningGateway:
     """Serve ``role``'s gateway in a CPU-only Ray actor on this node; blocks until it accepts.
@@ -473,7 +437,7 @@ def start_actor_gateway(
     actor: Any = actor_class.options(
         name=None,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-    ).remote(role, registry_url, host, port, dict(model_paths or {}), token, snapshot_ttl)
+    ).remote(role, registry_url, host, port, options or GatewayOptions())
     try:
         url, pid = ray.get(actor.address.remote(), timeout=timeout)
     except Exception as exc:

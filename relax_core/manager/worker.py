@@ -47,10 +47,8 @@ UPDATE_METHODS: dict[str, str] = {
     "load_lora_adapter": "lora",
     "unload_lora_adapter": "lora",
 }
-_RAW_LORA_PATHS = {
-    "load_lora_adapter": "/load_lora_adapter",
-    "unload_lora_adapter": "/unload_lora_adapter",
-}
+#: Update calls the control client has no method for: sent as they are (``POST /{name}``).
+_RAW_UPDATES = frozenset({"load_lora_adapter", "unload_lora_adapter"})
 log = logging.getLogger(__name__)
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 
@@ -356,10 +354,8 @@ class EngineWorker:
             if fence:
                 admission.close("UPDATING")
                 await self._drain(strict=True, drain_timeout=drain_timeout, timeout=timeout)
-            if method in _RAW_LORA_PATHS:
-                result = await control._operate(
-                    method, "POST", _RAW_LORA_PATHS[method], kwargs, timeout=timeout
-                )
+            if method in _RAW_UPDATES:
+                result = await control.operate(method, kwargs, timeout=timeout)
             else:
                 result = await getattr(control, method)(**kwargs, timeout=timeout)
             if reopen:

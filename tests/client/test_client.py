@@ -22,11 +22,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from relax_core._http.headers import forward_headers
-from relax_core._http.upstream import UpstreamStatusError
 from relax_core.client.client import InferenceClient
 from relax_core.client.pool import close_clients, get_client
 from relax_core.discovery.schema import RoleSnapshot
-from relax_core.errors import RequestNotReplayedError, RoutingError
+from relax_core.errors import (
+    InvalidRequestError,
+    RequestNotReplayedError,
+    RoutingError,
+    UpstreamStatusError,
+)
 from relax_core.testing import free_port, serve_app
 
 MODEL = "math"
@@ -410,6 +414,31 @@ def test_non_object_payload_is_400(engine: tuple[Engine, str]) -> None:
     with pytest.raises(RoutingError) as info:
         run(scenario)
     assert info.value.status == 400
+    assert isinstance(info.value, InvalidRequestError)
+    assert eng.count == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"{not json", "the request body is not valid JSON: "),
+        (b"", "the request body is empty; send a JSON object"),
+        ({"text": "a", "model": 7}, "request field 'model' must be a string, got int"),
+    ],
+)
+def test_bad_body_is_the_400_invalid_request_error_a_gateway_answers_with(
+    engine: tuple[Engine, str], body: Any, needle: str
+) -> None:
+    eng, url = engine
+
+    async def scenario() -> None:
+        async with InferenceClient(snapshot_provider=lambda: snapshot([url])) as client:
+            await client.generate(body)
+
+    with pytest.raises(InvalidRequestError) as info:
+        run(scenario)
+    assert info.value.status == 400 and info.value.message.startswith(needle)
+    assert info.value.field == ("model" if isinstance(body, dict) else None)
     assert eng.count == 0
 
 

@@ -19,9 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from relax_core._http.upstream import UpstreamUnreachableError
 from relax_core.client.client import InferenceClient
-from relax_core.errors import RequestNotReplayedError
+from relax_core.errors import RequestNotReplayedError, UpstreamUnreachableError
 from relax_core.testing import free_port, serve_app
 from tests.support import gateway as gs
 

@@ -14,8 +14,9 @@ from relax_core.cli import main
 from relax_core.commands.status import render_snapshot
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
-from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import InferenceGatewayHandler
+from relax_core.gateway.handler import GatewayOptions
+from relax_core.gateway.serving import gateway_app
+from relax_core.plugins import PluginManager
 from relax_core.testing import free_port, serve_app
 
 
@@ -39,8 +40,13 @@ def _publisher() -> RegistryPublisher:
 @pytest.fixture
 def gateway() -> Iterator[tuple[str, RoleSnapshot]]:
     pub = _publisher()
-    handler = InferenceGatewayHandler("genrm", snapshot_provider=pub.snapshot, token="s3cret")
-    with serve_app(create_gateway_app(handler)) as url:
+    app = gateway_app(
+        "genrm",
+        pub.snapshot,
+        plugin_manager=PluginManager.create(),
+        options=GatewayOptions(token="s3cret"),
+    )
+    with serve_app(app) as url:
         yield url, pub.snapshot()
 
 

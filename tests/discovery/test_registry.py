@@ -8,7 +8,7 @@ import pytest
 
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.routing import RouteResolver
-from relax_core.discovery.schema import EngineState, ModelState, RoleSnapshot, RoutingSpec
+from relax_core.discovery.schema import ModelState, RoleSnapshot, RoutingSpec
 from relax_core.errors import RoutingError, SnapshotError
 from relax_core.plugins import PluginManager
 from tests.support.roles import builtin_roles
@@ -112,7 +112,7 @@ def test_failed_engine_is_published_without_url_and_not_eligible() -> None:
     reg.set_engine("math", "e0", base_url="http://h:1", state="READY")
     reg.set_engine_state("math", "e0", "FAILED")
     view = reg.snapshot().models["math"].engines[0]
-    assert (view.state, view.base_url, view.direct_eligible) == (EngineState.FAILED, None, False)
+    assert (view.state, view.base_url, view.direct_eligible) == (ModelState.FAILED, None, False)
     # Recovered on the same endpoint: the URL comes back, the generation is unchanged.
     reg.set_engine_state("math", "e0", "READY")
     view = reg.snapshot().models["math"].engines[0]
@@ -283,7 +283,7 @@ def test_invalidate_marks_everything_unknown_and_nothing_routable(
     assert snap.topology_revision == before + 1
     assert snap.models["math"].state is ModelState.UNKNOWN
     engine = snap.models["math"].engines[0]
-    assert (engine.state, engine.direct_eligible) == (EngineState.UNKNOWN, False)
+    assert (engine.state, engine.direct_eligible) == (ModelState.UNKNOWN, False)
     with pytest.raises(RoutingError) as info:
         resolver.resolve(snap)
     assert info.value.status == 503 and "UNKNOWN" in info.value.message
@@ -305,7 +305,7 @@ def test_managers_reporting_again_restore_routing_after_invalidate() -> None:
     reg.set_model_state("math", "READY")
     reg.set_engine_state("math", "e0", "READY")
     engine = reg.snapshot().models["math"].engines[0]
-    assert (engine.state, engine.direct_eligible, engine.generation) == (EngineState.READY, True, 1)
+    assert (engine.state, engine.direct_eligible, engine.generation) == (ModelState.READY, True, 1)
 
 
 # -- concurrency -----------------------------------------------------------------------------

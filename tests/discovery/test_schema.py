@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relax_core.discovery.schema import (
-    EngineState,
     EngineView,
     ModelState,
     ModelView,
@@ -84,7 +83,7 @@ def test_reference_snapshot_parses_and_round_trips() -> None:
     snap = RoleSnapshot.from_json(doc)
     assert snap.role == "teacher"
     assert snap.models["math"].state is ModelState.READY
-    assert snap.models["math"].engines[0].state is EngineState.READY
+    assert snap.models["math"].engines[0].state is ModelState.READY
     assert snap.models["code"].route_mode is RouteMode.SGLANG_ROUTER
     assert snap.to_json() == doc
     assert RoleSnapshot.from_json(snap.to_json()) == snap
@@ -352,7 +351,7 @@ def test_snapshot_that_is_not_an_object_is_rejected() -> None:
 
 def test_engine_built_in_code_cannot_be_direct_eligible_unless_ready() -> None:
     with pytest.raises(SnapshotError) as info:
-        EngineView("e0", "http://h:1", EngineState.DRAINING, True, 1)
+        EngineView("e0", "http://h:1", ModelState.DRAINING, True, 1)
     assert info.value.path == "direct_eligible"
 
 
@@ -493,9 +492,9 @@ _urls = st.builds(
 def _engines(draw: st.DrawFn) -> list[dict[str, Any]]:
     out = []
     for index in range(draw(st.integers(0, 5))):
-        state = draw(st.sampled_from(list(EngineState)))
-        url = None if state is EngineState.FAILED else draw(st.none() | _urls)
-        eligible = state is EngineState.READY and url is not None and draw(st.booleans())
+        state = draw(st.sampled_from(list(ModelState)))
+        url = None if state is ModelState.FAILED else draw(st.none() | _urls)
+        eligible = state is ModelState.READY and url is not None and draw(st.booleans())
         out.append(
             {
                 "engine_id": f"e-{index}",

@@ -144,6 +144,33 @@ def test_open_admission_forwards_generate_bytes_status_and_end_to_end_headers(
     assert headers["x-request-id"] == "r-1"
 
 
+def test_forwarded_headers_follow_the_data_paths_one_hop_by_hop_rule(
+    upstream: tuple[Upstream, str], http: urllib3.PoolManager
+) -> None:
+    up, url = upstream
+    with _guard(url) as guard:
+        guard.open()
+        r = http.request(
+            "POST",
+            guard.server.base_url + "/generate",
+            body=b'{"text": "hi"}',
+            headers={
+                "Content-Type": "application/json",
+                "Connection": "keep-alive, X-Hop",
+                "X-Hop": "this hop only",
+                "TE": "trailers",
+                "Accept-Encoding": "gzip",
+                "Authorization": "Bearer caller",
+            },
+        )
+    assert r.status == 200
+    headers = up.calls[0][3]
+    # Hop-by-hop headers, those Connection names, and Accept-Encoding (the engine answers
+    # uncompressed bytes that are relayed as they are) do not reach the engine.
+    assert not {"x-hop", "te", "accept-encoding"} & set(headers)
+    assert headers["authorization"] == "Bearer caller"
+
+
 def test_sse_stream_is_forwarded_byte_for_byte(
     upstream: tuple[Upstream, str], http: urllib3.PoolManager
 ) -> None:

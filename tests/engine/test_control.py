@@ -59,6 +59,10 @@ class Engine:
             self.bodies["abort"] = await request.json()
             return JSONResponse({"success": True})
 
+        async def from_disk(request: Request) -> Response:
+            self.bodies["disk"] = await request.json()
+            return JSONResponse({"success": True, "message": "loaded"})
+
         return Starlette(
             routes=[
                 Route("/get_model_info", get_model_info),
@@ -68,6 +72,7 @@ class Engine:
                 Route("/release_memory_occupation", release, methods=["POST"]),
                 Route("/resume_memory_occupation", resume, methods=["POST"]),
                 Route("/abort_request", abort, methods=["POST"]),
+                Route("/update_weights_from_disk", from_disk, methods=["POST"]),
             ]
         )
 
@@ -152,6 +157,25 @@ def test_abort_without_rid_aborts_everything(engine: tuple[Engine, str]) -> None
 
     run(go())
     assert engine[0].bodies["abort"] == {"rid": "", "abort_all": True}
+
+
+def test_weight_update_sends_sglangs_fields_with_defaults_and_refuses_unknown_options(
+    engine: tuple[Engine, str],
+) -> None:
+    async def go() -> None:
+        async with ControlClient(engine[1]) as c:
+            assert (await c.update_weights_from_disk("/ckpt", weight_version="v9"))["success"]
+            with pytest.raises(TypeError, match=r"unknown weight-update options \['flush_cach'\]"):
+                await c.update_weights_from_disk("/ckpt", flush_cach=False)  # type: ignore[call-arg]
+
+    run(go())
+    assert engine[0].bodies["disk"] == {
+        "model_path": "/ckpt",
+        "load_format": None,
+        "flush_cache": True,
+        "abort_all_requests": False,
+        "weight_version": "v9",
+    }
 
 
 def test_a_deadline_raises_504_and_an_unreachable_engine_502(engine: tuple[Engine, str]) -> None:

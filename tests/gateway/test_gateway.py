@@ -125,6 +125,30 @@ def test_chat_rewrites_model_to_the_served_model_name(gw: str, engines: tuple[An
         assert last["path"] == "/v1/chat/completions" and last["body"]["model"] == "Qwen/Math"
 
 
+def test_a_gateway_routes_with_the_policies_of_the_plugin_manager_it_was_built_with(
+    engines: tuple[Any, Any],
+) -> None:
+    from relax_core.plugins import get_plugin_manager
+    from relax_core.records import RoutingPolicy
+
+    class LastHead:
+        def select(self, *, candidates: tuple[Any, ...], **_: Any) -> Any:
+            return candidates[-1]
+
+    # Registered with the gateway's plugin manager only, not with the process-wide one.
+    policy = RoutingPolicy(name="last-head", factory=LastHead)
+    assert "last-head" not in get_plugin_manager().registered("routing_policies")
+    pm = gs.role_plugin_manager("teacher", policies=[policy])
+    a, b = engines
+    registry = gs.Registry(
+        gs.snapshot("teacher", {"math": {"urls": [a.url, b.url]}}, policy="last-head")
+    )
+    with gs.gateway("teacher", registry, plugin_manager=pm) as url:
+        answers = [gs.post(f"{url}/teacher/generate", {"text": "x"}) for _ in range(4)]
+    assert [status for status, _, _ in answers] == [200] * 4, answers
+    assert {json.loads(body)["text"].split(":")[0] for _, _, body in answers} == {"code-0"}
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -281,8 +305,8 @@ def test_metrics_count_requests_latency_and_upstream_errors(gw: str) -> None:
         ("max_body_bytes", 0, "max_body_bytes=0: give a positive number of bytes"),
     ],
 )
-def test_bad_handler_options_are_refused_by_name(option: str, value: Any, needle: str) -> None:
-    from relax_core.gateway.handler import InferenceGatewayHandler
+def test_bad_gateway_options_are_refused_by_name(option: str, value: Any, needle: str) -> None:
+    from relax_core.gateway.handler import GatewayOptions
 
     with pytest.raises(ValueError, match=needle):
-        InferenceGatewayHandler("rollout", snapshot_provider=lambda: None, **{option: value})
+        GatewayOptions(**{option: value})

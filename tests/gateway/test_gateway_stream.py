@@ -16,7 +16,6 @@ import aiohttp
 import pytest
 
 from relax_core import PluginManager
-from relax_core.gateway.handler import adapter_for_role
 from relax_core.testing import wait_for
 from tests.support import gateway as gs
 
@@ -156,9 +155,8 @@ def test_genrm_messages_are_rendered_forwarded_as_input_ids_and_answered_as_resp
     registry = gs.Registry(
         gs.snapshot("genrm", {"judge": {"urls": [engine.url]}}, route_key_map={"k": "judge"})
     )
-    adapter = adapter_for_role(plugin_manager, "genrm")
     with gs.gateway(
-        "genrm", registry, adapter=adapter, model_paths={"judge": str(tokenizer_dir)}
+        "genrm", registry, plugin_manager=plugin_manager, model_paths={"judge": str(tokenizer_dir)}
     ) as url:
         messages = [{"role": "user", "content": "is 4 correct?"}]
         status, _, body = gs.post(f"{url}/genrm/generate", {"messages": messages, "route_key": "k"})
@@ -180,8 +178,7 @@ def test_teacher_gateway_uses_the_teacher_plugins_prefill_checks(
 ) -> None:
     registry = gs.Registry(gs.snapshot("teacher", {"math": {"urls": [engine.url]}}))
     before = engine.stats()["requests"]
-    adapter = adapter_for_role(plugin_manager, "teacher")
-    with gs.gateway("teacher", registry, adapter=adapter) as url:
+    with gs.gateway("teacher", registry, plugin_manager=plugin_manager) as url:
         status, _, body = gs.post(
             f"{url}/teacher/generate", {"input_ids": [1, 2], "top_logprobs_num": 3}
         )
@@ -206,11 +203,10 @@ def test_genrm_request_makes_one_routing_decision(
     # the one the request goes to, so round-robin advances once per request.
     with gs.upstream("a") as a, gs.upstream("b") as b:
         registry = gs.Registry(gs.snapshot("genrm", {"judge": {"urls": [a.url, b.url]}}))
-        adapter = adapter_for_role(plugin_manager, "genrm")
         with gs.gateway(
             "genrm",
             registry,
-            adapter=adapter,
+            plugin_manager=plugin_manager,
             model_paths={"judge": str(tokenizer_dir)},
             snapshot_ttl=60.0,
         ) as url:

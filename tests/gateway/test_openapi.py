@@ -18,8 +18,9 @@ import pytest
 from starlette.routing import Route
 
 from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import InferenceGatewayHandler, adapter_for_role
+from relax_core.gateway.handler import adapter_for_role, build_gateway_handler
 from relax_core.gateway.openapi import openapi_document
+from relax_core.gateway.serving import gateway_app
 from relax_core.plugins import PluginManager
 from relax_core.records import OpenAPINotes, RoleSpec
 
@@ -75,8 +76,7 @@ def test_every_role_a_distribution_of_this_repository_registers_has_a_committed_
 @pytest.mark.parametrize("role", ROLES)
 def test_every_app_route_is_documented_and_nothing_else(role: str) -> None:
     spec = PM.role(role)
-    handler = InferenceGatewayHandler(role, snapshot_provider=lambda: {})
-    app = create_gateway_app(handler, spec=spec)
+    app = gateway_app(role, lambda: {}, plugin_manager=PM)
     served = {
         (route.path, method.lower())
         for route in app.routes
@@ -168,6 +168,6 @@ def test_the_writer_names_a_role_no_plugin_registers(tmp_path: Path) -> None:
 
 
 def test_the_app_refuses_the_record_of_another_role() -> None:
-    handler = InferenceGatewayHandler("prm", snapshot_provider=lambda: {})
+    handler = build_gateway_handler("prm", lambda: {}, plugin_manager=PM)
     with pytest.raises(ValueError, match=r"spec is the record of role 'genrm'.*serves 'prm'"):
         create_gateway_app(handler, spec=PM.role("genrm"))

@@ -339,7 +339,7 @@ def test_a_refused_connection_is_unreachable_and_nothing_was_sent() -> None:
     sock.close()
 
     async def scenario() -> None:
-        from relax_core._http.upstream import UpstreamUnreachableError
+        from relax_core.errors import UpstreamUnreachableError
 
         transport = Transport()
         with pytest.raises(UpstreamUnreachableError) as info:

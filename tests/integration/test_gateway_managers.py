@@ -28,11 +28,9 @@ import attrs
 import pytest
 
 from relax_core import PluginManager
-from relax_core.client.client import InferenceClient
 from relax_core.discovery.schema import RoutingSpec
-from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import InferenceGatewayHandler, adapter_for_role
-from relax_core.gateway.serving import GatewayServer
+from relax_core.gateway.handler import GatewayOptions
+from relax_core.gateway.serving import GatewayServer, gateway_app
 from relax_core.service import RoleService
 from relax_core.testing import wait_for
 from tests.support import gateway as gs
@@ -57,14 +55,13 @@ def served(ray_local: Any) -> Iterator[Served]:
     )
     service.add("math", manager, model_path=ms.tiny_model())
     with ms.managed(manager) as run:
-        handler = InferenceGatewayHandler(
+        app = gateway_app(
             "teacher",
-            snapshot_provider=service.snapshot,
-            adapter=adapter_for_role(PluginManager.create(), "teacher"),
-            model_paths=service.model_paths,
-            snapshot_ttl=0.0,
+            service.snapshot,
+            plugin_manager=PluginManager.create(),
+            options=GatewayOptions(model_paths=service.model_paths, snapshot_ttl=0.0),
         )
-        gateway = GatewayServer(create_gateway_app(handler)).start()
+        gateway = GatewayServer(app).start()
         try:
             yield Served(service, gateway.url, run)
         finally:
@@ -234,15 +231,18 @@ def test_deadline_is_504(served: Served) -> None:
 
 def test_registry_unavailable_is_503_and_the_gateway_stays_alive(served: Served) -> None:
     # A second gateway that discovers through the first one's /teacher/engines.
+    pm = PluginManager.create()
     registry = GatewayServer(
-        create_gateway_app(
-            InferenceGatewayHandler("teacher", snapshot_provider=served.service.snapshot)
+        gateway_app("teacher", served.service.snapshot, plugin_manager=pm)
+    ).start()
+    front = GatewayServer(
+        gateway_app(
+            "teacher",
+            f"{registry.url}/teacher",
+            plugin_manager=pm,
+            options=GatewayOptions(snapshot_ttl=0.0),
         )
     ).start()
-    handler = InferenceGatewayHandler(
-        "teacher", client=InferenceClient(f"{registry.url}/teacher", role="teacher", ttl=0.0)
-    )
-    front = GatewayServer(create_gateway_app(handler)).start()
     try:
         assert gs.post(f"{front.url}/teacher/generate", {"text": "hi"})[0] == 200
         registry.stop()

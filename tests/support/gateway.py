@@ -1,9 +1,10 @@
-"""Shared helpers of the gateway tests (loaded by path: the tests directory is not a package).
+"""Shared helpers of the gateway tests.
 
 - :func:`upstream`: a real engine-protocol server process (``tests/upstream_server.py``);
 - :func:`snapshot`: a schema-2 role snapshot with DIRECT heads;
 - :class:`Registry`: a mutable snapshot source the tests can change or take down;
 - :func:`gateway`: a real uvicorn gateway for a role in front of a :class:`Registry`;
+- :func:`role_plugin_manager`: a plugin manager registering one role with a given adapter;
 - :func:`leave_a_stream`: start a streamed request and hang up after its first event.
 """
 
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ import attrs
 
 from relax_core.discovery.schema import RoleSnapshot
 from relax_core.gateway.adapters import RoleAdapter
-from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import InferenceGatewayHandler
-from relax_core.records import RoleSpec
+from relax_core.gateway.handler import GatewayOptions
+from relax_core.gateway.serving import gateway_app
+from relax_core.plugins import PluginManager, module_plugin
+from relax_core.records import RoleSpec, RoutingPolicy
 from relax_core.testing import free_port, serve_app
 
 UPSTREAM_SCRIPT = Path(__file__).with_name("upstream_server.py")
@@ -91,9 +93,10 @@ def snapshot(
     route_key_map: Mapping[str, str] | None = None,
     aliases: Mapping[str, str] | None = None,
     revision: int = 1,
+    policy: str = "round_robin",
 ) -> RoleSnapshot:
     """A schema-2 snapshot: ``models[id]`` has ``urls`` (DIRECT heads), optional ``state``,
-    ``served`` (served model name) and ``weight_source``."""
+    ``served`` (served model name) and ``weight_source``; DIRECT requests use ``policy``."""
     out: dict[str, Any] = {}
     for model_id, spec in models.items():
         state = spec.get("state", "READY")
@@ -127,7 +130,7 @@ def snapshot(
                 "default_model": default_model or next(iter(models)),
                 "route_key_map": dict(route_key_map or {}),
                 "aliases": dict(aliases or {}),
-                "policy": "round_robin",
+                "policy": policy,
                 "policy_revision": 0,
             },
             "models": out,
@@ -157,16 +160,62 @@ def gateway(
     *,
     adapter: RoleAdapter | None = None,
     spec: RoleSpec | None = None,
+    plugin_manager: PluginManager | None = None,
     **options: Any,
 ) -> Iterator[str]:
     """A real uvicorn server running ``role``'s gateway app; yields its base URL.
 
-    ``spec``: the role's record (health default, OpenAPI notes); none: the common defaults.
+    Built as every gateway is (``gateway_app``) over ``plugin_manager`` (e.g. the installed
+    plugins', for a role plugin's adapter and record), by default :func:`role_plugin_manager`
+    with ``adapter`` and ``spec`` (the role's record: health default, OpenAPI notes; none: the
+    common defaults); ``options`` are :class:`GatewayOptions` fields (``snapshot_ttl`` defaults
+    to 0 here).
     """
     options.setdefault("snapshot_ttl", 0.0)
-    handler = InferenceGatewayHandler(role, snapshot_provider=registry, adapter=adapter, **options)
-    with serve_app(create_gateway_app(handler, spec=spec)) as url:
+    if plugin_manager is None:
+        plugin_manager = role_plugin_manager(role, adapter, spec=spec)
+    elif adapter is not None or spec is not None:
+        raise ValueError("give adapter= and spec=, or plugin_manager=, not both")
+    app = gateway_app(
+        role, registry, plugin_manager=plugin_manager, options=GatewayOptions(**options)
+    )
+    with serve_app(app) as url:
         yield url
+
+
+def role_plugin_manager(
+    role: str,
+    adapter: RoleAdapter | None = None,
+    *,
+    spec: RoleSpec | None = None,
+    policies: Sequence[RoutingPolicy] = (),
+) -> PluginManager:
+    """The core's built-ins plus one plugin registering ``role`` and the routing ``policies``,
+    so a gateway test exercises the core's gateway, not a role plugin's: the role's record is
+    ``spec`` (default: a plain record with the pass-through adapter), with ``adapter`` as its
+    adapter when given."""
+    if spec is None:
+        spec = RoleSpec(
+            name=role,
+            allowed_weight_sources={"STATIC", "ACTOR", "DCS"},
+            default_route_mode="DIRECT",
+        )
+    record = spec if adapter is None else attrs.evolve(spec, gateway_adapter=lambda: adapter)
+
+    def relax_register_roles(register: Any) -> None:
+        register(record)
+
+    def relax_register_routing_policies(register: Any) -> None:
+        for policy in policies:
+            register(policy)
+
+    name = f"test-role-{role}"
+    plugin = module_plugin(
+        name,
+        relax_register_roles=relax_register_roles,
+        relax_register_routing_policies=relax_register_routing_policies,
+    )
+    return PluginManager.create(entry_points=False, plugins=[(name, plugin)])
 
 
 def post(

@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from relax_core import PluginManager, UpstreamError
-from relax_core.gateway.adapters import AdaptContext, InvalidRequestError
+from relax_core import InvalidRequestError, PluginManager, UpstreamError
+from relax_core.gateway.adapters import AdaptContext
 from relax_core.testing import serve_app
 
 CHAT_TEMPLATE = (

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Callable
 
+from relax_core import free_port
 from relax_core.engine.control import ControlClient
 from relax_core.engine.process import SubprocessEngineProcess
 from relax_core.errors import ConfigError
@@ -14,12 +14,6 @@ from relax_core.records import EngineBackend, EngineLaunchSpec
 from relax_hf.protocol import parse_dist_addr
 
 __all__ = ["HF_BACKEND", "launch", "relax_register_engine_backends", "serve_argv"]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
@@ -93,7 +87,7 @@ def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     _check(spec)
     env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **dict(spec.env)}
     if spec.node_rank > 0:
-        port = spec.port or _free_port("127.0.0.1")
+        port = spec.port or free_port("127.0.0.1")
         return SubprocessEngineProcess.start(
             serve_argv(spec, port),
             base_url=None,
@@ -104,7 +98,7 @@ def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
         )
     host = spec.host
     url_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-    port = spec.port or _free_port(url_host)
+    port = spec.port or free_port(url_host)
     return SubprocessEngineProcess.start(
         serve_argv(spec, port),
         base_url=f"http://{url_host}:{port}",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.gateway.adapters import AdaptContext, Adapted, InvalidRequestError, RoleAdapter
+from relax_core import InvalidRequestError
+from relax_core.gateway.adapters import AdaptContext, Adapted, RoleAdapter
 
 __all__ = ["TeacherAdapter"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from relax_teacher import TeacherAdapter, parse_prefill, prefill_payload
 
-from relax_core import PluginManager, UpstreamError
-from relax_core.gateway.adapters import AdaptContext, InvalidRequestError
+from relax_core import InvalidRequestError, PluginManager, UpstreamError
+from relax_core.gateway.adapters import AdaptContext
 
 CTX = AdaptContext(
     role="teacher", model="math", model_path=None, served_model_name=None, stream=False

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from relax_prm import PRM_ROLE, STEP_TAG, PRMAdapter, render_steps
 
-from relax_core import PluginManager
-from relax_core.gateway.adapters import AdaptContext, InvalidRequestError
+from relax_core import InvalidRequestError, PluginManager
+from relax_core.gateway.adapters import AdaptContext
 
 
 def ctx(*, stream: bool = False) -> AdaptContext:
