@@ -1,20 +1,31 @@
-"""Relax: the inference side of LLM RL post-training — one core for every inference role."""
+"""Relax: the inference side of LLM RL post-training — one core for rollout, genrm and teacher.
 
-from relax_core.client.client import InferenceClient
-from relax_core.client.pool import close_clients, get_client
+This module is the public API: everything a caller or a plugin needs is exported here (and
+``relax_core.testing`` holds the pytest fixtures and helpers for plugins' tests). The packages
+below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.manager``,
+``.placement``) export more for readers of the core; modules not exported are private.
+"""
+
+from relax_core._exports import claim as _claim
+from relax_core.client import InferenceClient, close_clients, get_client
 from relax_core.config import JobConfig, load_config
-from relax_core.discovery.publisher import RegistryPublisher
-from relax_core.discovery.routing import RouteResolver, RouteTarget
-from relax_core.discovery.schema import (
+from relax_core.discovery import (
     EngineView,
     ModelState,
     ModelView,
+    RegistryPublisher,
     RoleSnapshot,
-    RouteMode,
+    RouteResolver,
+    RouteTarget,
     RoutingSpec,
 )
-from relax_core.engine.admission import AdmissionServer
-from relax_core.engine.spec import InferenceEngineSpec
+from relax_core.engine import (
+    AdmissionServer,
+    ControlClient,
+    InferenceEngineSpec,
+    SubprocessEngineProcess,
+    serialize_named_tensors,
+)
 from relax_core.errors import (
     CapabilityError,
     ChannelError,
@@ -35,6 +46,16 @@ from relax_core.errors import (
     UpstreamError,
     UpstreamStatusError,
     UpstreamUnreachableError,
+)
+from relax_core.gateway import (
+    AdaptContext,
+    Adapted,
+    GatewayOptions,
+    InferenceGatewayHandler,
+    RoleAdapter,
+    check_chat_payload,
+    check_generate_payload,
+    check_messages,
 )
 from relax_core.hookspecs import hookimpl
 from relax_core.manager import (
@@ -62,6 +83,7 @@ from relax_core.records import (
     PlacementMode,
     RewardSpec,
     RoleSpec,
+    RouteMode,
     RoutingPolicy,
     WeightSource,
 )
@@ -69,18 +91,23 @@ from relax_core.records import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptContext",
+    "Adapted",
     "AdmissionServer",
     "CapabilityError",
     "ChannelError",
     "ConfigError",
     "ConfigValidationError",
+    "ControlClient",
     "EngineBackend",
     "EngineLaunchSpec",
     "EngineProcess",
     "EngineView",
     "GatewayError",
+    "GatewayOptions",
     "InferenceClient",
     "InferenceEngineSpec",
+    "InferenceGatewayHandler",
     "InferenceManager",
     "InferencePlacementPlan",
     "InferenceRecoveryRequired",
@@ -106,6 +133,7 @@ __all__ = [
     "RequestNotReplayedError",
     "ResidentTag",
     "RewardSpec",
+    "RoleAdapter",
     "RoleSnapshot",
     "RoleSpec",
     "RouteMode",
@@ -116,11 +144,15 @@ __all__ = [
     "RoutingSpec",
     "SnapshotError",
     "StreamStalledError",
+    "SubprocessEngineProcess",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
     "WeightSource",
     "__version__",
+    "check_chat_payload",
+    "check_generate_payload",
+    "check_messages",
     "close_clients",
     "free_port",
     "get_client",
@@ -128,5 +160,8 @@ __all__ = [
     "hookimpl",
     "load_config",
     "plan_inference_placement",
+    "serialize_named_tensors",
     "validate_bound_placement",
 ]
+
+_claim(__name__, globals(), __all__)

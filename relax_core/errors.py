@@ -59,7 +59,21 @@ __all__ = [
 
 
 class RelaxError(Exception):
-    """Base class of every error Relax raises on purpose."""
+    """Base class of every error Relax raises on purpose.
+
+    Every Relax error pickles with its declared attributes (it crosses Ray actor boundaries),
+    whatever its constructor takes.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_error(cls: type[RelaxError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class PluginError(RelaxError):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,13 @@ def _core_modules() -> list[str]:
     return names
 
 
+def _defined_classes(path: str | None) -> set[str]:
+    if path is None:
+        return set()
+    tree = ast.parse(Path(path).read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+
 def _error_classes_outside_errors() -> set[str]:
     found = set()
     for name in _core_modules():
@@ -31,7 +40,8 @@ def _error_classes_outside_errors() -> set[str]:
             if (
                 inspect.isclass(value)
                 and issubclass(value, BaseException)
-                and value.__module__ == name
+                # Defined in this module's source (exported classes report their package).
+                and attr in _defined_classes(module.__file__)
                 and not attr.startswith("_")
                 and name != errors.__name__
             ):

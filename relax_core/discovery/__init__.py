@@ -1,6 +1,7 @@
 """Discovery: schema 2 (the routing snapshot of a role), its publisher, the registry server,
 the route resolver and the DIRECT routing policies."""
 
+from relax_core._exports import claim as _claim
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.routing import RouteResolver, RouteTarget
 from relax_core.discovery.schema import (
@@ -25,3 +26,5 @@ __all__ = [
     "RouteTarget",
     "RoutingSpec",
 ]
+
+_claim(__name__, globals(), __all__)

@@ -1,6 +1,7 @@
 """Engines: what an engine may do (its spec), engine processes, the SGLang-protocol control
 client and the admission server in front of a strict engine head."""
 
+from relax_core._exports import claim as _claim
 from relax_core.engine.admission import AdmissionServer
 from relax_core.engine.control import ControlClient, serialize_named_tensors
 from relax_core.engine.process import SubprocessEngineProcess
@@ -13,3 +14,5 @@ __all__ = [
     "SubprocessEngineProcess",
     "serialize_named_tensors",
 ]
+
+_claim(__name__, globals(), __all__)

@@ -3,6 +3,7 @@
 See :class:`InferenceManager` and ``docs/manager.md``.
 """
 
+from relax_core._exports import claim as _claim
 from relax_core.engine.tags import ALL_TAGS, TAG_ORDER, ResidentTag, normalize_tags
 from relax_core.manager.fanout import CallOutcome, gather, is_terminal_actor_death
 from relax_core.manager.manager import InferenceManager
@@ -61,3 +62,5 @@ __all__ = [
     "plan_offload",
     "plan_onload",
 ]
+
+_claim(__name__, globals(), __all__)

@@ -10,6 +10,7 @@
   validates, and removes the group on failure only when it owns it.
 """
 
+from relax_core._exports import claim as _claim
 from relax_core.placement.binding import (
     BoundModel,
     BoundPool,
@@ -80,3 +81,5 @@ __all__ = [
     "role_titles",
     "validate_bound_placement",
 ]
+
+_claim(__name__, globals(), __all__)

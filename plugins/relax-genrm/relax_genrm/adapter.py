@@ -10,8 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from relax_core import InvalidRequestError
-from relax_core.gateway.adapters import AdaptContext, Adapted, RoleAdapter, check_messages
+from relax_core import AdaptContext, Adapted, InvalidRequestError, RoleAdapter, check_messages
 
 __all__ = ["MESSAGES_INPUT", "GenRMAdapter", "TokenizerCache"]
 

@@ -13,8 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from relax_core import InvalidRequestError, PluginManager, UpstreamError
-from relax_core.gateway.adapters import AdaptContext
+from relax_core import AdaptContext, InvalidRequestError, PluginManager, UpstreamError
 from relax_core.testing import serve_app
 
 CHAT_TEMPLATE = (

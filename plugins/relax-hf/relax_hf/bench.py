@@ -61,7 +61,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     """Start a tiny CPU engine, measure concurrency 1 and 16, stop it; return the numbers."""
     from transformers.utils import logging as hf_logging
 
-    from relax_core.records import EngineLaunchSpec
+    from relax_core import EngineLaunchSpec
     from relax_hf.plugin import launch
     from relax_hf.tiny import make_tiny_model
 

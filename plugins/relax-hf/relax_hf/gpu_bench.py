@@ -122,7 +122,7 @@ async def _update_throughput(
     import torch
     from safetensors import safe_open
 
-    from relax_core.engine.control import ControlClient, serialize_named_tensors
+    from relax_core import ControlClient, serialize_named_tensors
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         specs = [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]  # noqa: SIM118
@@ -163,8 +163,7 @@ def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> d
     """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
     from transformers.utils import logging as hf_logging
 
-    from relax_core.engine.control import ControlClient
-    from relax_core.records import EngineLaunchSpec
+    from relax_core import ControlClient, EngineLaunchSpec
     from relax_hf.bench import measure_throughput
     from relax_hf.plugin import launch
 

@@ -54,9 +54,7 @@ def run(*, device: str = "cuda", quick: bool = False) -> dict[str, Any]:
     """
     import torch
 
-    from relax_core.engine.control import serialize_named_tensors
-    from relax_core.engine.process import SubprocessEngineProcess
-    from relax_core.records import EngineLaunchSpec
+    from relax_core import EngineLaunchSpec, SubprocessEngineProcess, serialize_named_tensors
     from relax_hf.gpu_bench import SIZES, make_random_model
     from relax_hf.plugin import launch
     from relax_hf.testing import Http

@@ -5,12 +5,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from relax_core import free_port
-from relax_core.engine.control import ControlClient
-from relax_core.engine.process import SubprocessEngineProcess
-from relax_core.errors import ConfigError
-from relax_core.hookspecs import hookimpl
-from relax_core.records import EngineBackend, EngineLaunchSpec
+from relax_core import (
+    ConfigError,
+    ControlClient,
+    EngineBackend,
+    EngineLaunchSpec,
+    SubprocessEngineProcess,
+    free_port,
+    hookimpl,
+)
 from relax_hf.protocol import parse_dist_addr
 
 __all__ = ["HF_BACKEND", "launch", "relax_register_engine_backends", "serve_argv"]

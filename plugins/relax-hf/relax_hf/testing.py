@@ -13,8 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from relax_core.engine.process import SubprocessEngineProcess
-from relax_core.records import EngineLaunchSpec
+from relax_core import EngineLaunchSpec, SubprocessEngineProcess
 from relax_hf.plugin import launch
 
 __all__ = [

@@ -19,8 +19,7 @@ import pytest
 from relax_hf.plugin import launch
 from relax_hf.testing import EngineServer, ReplicaServers, start_replica
 
-from relax_core.errors import LifecycleError
-from relax_core.records import EngineLaunchSpec
+from relax_core import EngineLaunchSpec, LifecycleError
 from relax_core.testing import free_port, wait_for
 
 TRAINER = Path(__file__).with_name("trainer_process.py")

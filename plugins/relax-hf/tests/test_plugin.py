@@ -12,11 +12,15 @@ from typing import Any
 import pytest
 from relax_hf.plugin import HF_BACKEND, serve_argv
 
-from relax_core.engine.control import ControlClient
-from relax_core.engine.process import SubprocessEngineProcess
-from relax_core.errors import ConfigError, LifecycleError
-from relax_core.plugins import PluginManager
-from relax_core.records import EngineLaunchSpec, EngineProcess
+from relax_core import (
+    ConfigError,
+    ControlClient,
+    EngineLaunchSpec,
+    EngineProcess,
+    LifecycleError,
+    PluginManager,
+    SubprocessEngineProcess,
+)
 
 
 def test_hf_backend_is_found_through_the_relax_entry_point(plugin_manager: PluginManager) -> None:

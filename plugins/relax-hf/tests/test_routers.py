@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from relax_hf.testing import EngineServer, Http
 
-from relax_core.engine.process import SubprocessEngineProcess
+from relax_core import SubprocessEngineProcess
 from relax_core.testing import free_port
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from relax_hf.testing import EngineServer
 
-from relax_core.engine.control import ControlClient, serialize_named_tensors
-from relax_core.errors import LifecycleError
+from relax_core import ControlClient, LifecycleError, serialize_named_tensors
 from relax_core.testing import free_port
 
 TRAINER = Path(__file__).with_name("trainer_process.py")

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from relax_core.engine.control import ControlClient, serialize_named_tensors
+from relax_core import ControlClient, serialize_named_tensors
 
 
 async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core import InvalidRequestError
-from relax_core.gateway.adapters import RoleAdapter, check_generate_payload
+from relax_core import InvalidRequestError, RoleAdapter, check_generate_payload
 
 __all__ = ["RolloutAdapter"]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from relax_rollout import RolloutAdapter
 
-from relax_core import InvalidRequestError, PluginManager
-from relax_core.gateway.adapters import AdaptContext
+from relax_core import AdaptContext, InvalidRequestError, PluginManager
 
 
 def test_installed_plugin_registers_rollout_role(plugin_manager: PluginManager) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from relax_teacher import TeacherAdapter, parse_prefill, prefill_payload
 
-from relax_core import InvalidRequestError, PluginManager, UpstreamError
-from relax_core.gateway.adapters import AdaptContext
+from relax_core import AdaptContext, InvalidRequestError, PluginManager, UpstreamError
 
 CTX = AdaptContext(
     role="teacher", model="math", model_path=None, served_model_name=None, stream=False

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core import InvalidRequestError
-from relax_core.gateway.adapters import AdaptContext, Adapted, RoleAdapter
+from relax_core import AdaptContext, Adapted, InvalidRequestError, RoleAdapter
 
 __all__ = ["STEPS_INPUT", "STEP_TAG", "PRMAdapter", "render_steps"]
 

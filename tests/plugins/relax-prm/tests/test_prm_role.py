@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 from relax_prm import PRM_ROLE, STEP_TAG, PRMAdapter, render_steps
 
-from relax_core import InvalidRequestError, PluginManager
-from relax_core.gateway.adapters import AdaptContext
+from relax_core import AdaptContext, InvalidRequestError, PluginManager
 
 
 def ctx(*, stream: bool = False) -> AdaptContext:
