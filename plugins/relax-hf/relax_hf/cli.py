@@ -50,6 +50,13 @@ def _serve(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout,
+        mem_fraction_static=args.mem_fraction_static,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
+        constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -162,6 +169,49 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help="seconds to wait for the nodes to join, and for one collective",
+    )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="fraction of the device's memory for the weights and the KV cache pool together, "
+        "taken at start (SGLang's meaning; default 0.85 on CUDA; on CPU the default is a pool "
+        "of 32768 tokens)",
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV cache pool size in tokens (overrides --mem-fraction-static)",
+    )
+    p.add_argument(
+        "--context-length", type=int, default=None, help="default: the model's max positions"
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        "--disable-decode-cuda-graph",
+        dest="disable_cuda_graph",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        "--cuda-graph-max-bs-decode",
+        dest="cuda_graph_max_bs",
+        type=int,
+        default=None,
+        help="largest decode batch captured as a CUDA graph (default: --max-running-requests)",
+    )
+    p.add_argument(
+        "--constrained-json-disable-any-whitespace",
+        action="store_true",
+        help="JSON-schema output without free whitespace (compact)",
+    )
+    p.add_argument(
+        "--constrained-json-max-whitespace-cnt",
+        type=int,
+        default=None,
+        help="most consecutive whitespace characters in JSON-schema output (default: unbounded)",
     )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)

@@ -80,7 +80,7 @@ def _trainer(replica: ReplicaServers, mode: str, *extra: str) -> None:
 def test_a_two_node_replica_generates_what_a_single_node_engine_generates(
     replica: ReplicaServers, shared_server: EngineServer
 ) -> None:
-    sampled = {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7}
+    sampled = {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 7}
     for body in (
         {"text": "Hello", "sampling_params": GREEDY},
         {"text": ["The quick", "Question: what", "def add"], "sampling_params": sampled},
@@ -125,7 +125,7 @@ def test_aborted_and_retracted_requests_keep_the_follower_in_step(
     replica: ReplicaServers,
 ) -> None:
     http = replica.http
-    long = {"max_new_tokens": 300, "temperature": 0.7, "seed": 1, "ignore_eos": True}
+    long = {"max_new_tokens": 300, "temperature": 0.7, "sampling_seed": 1, "ignore_eos": True}
     rid = uuid.uuid4().hex
     with ThreadPoolExecutor(2) as pool:
         kept = pool.submit(http.generate, "Hello", sampling_params=long)
