@@ -106,7 +106,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _gpu_bench(args: argparse.Namespace) -> int:
     from relax_hf.gpu_bench import format_result, run
 
-    result = run(device=args.device, quick=args.quick, size=args.size)
+    result = run(
+        device=args.device, quick=args.quick, size=args.size, mem_fraction=args.mem_fraction_static
+    )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
 
@@ -240,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["1b", "tiny"],
         help="model size (default: 1b on cuda, tiny on cpu)",
+    )
+    p.add_argument(
+        "--mem-fraction-static", type=float, default=0.85, help="the engine's (CUDA only)"
     )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(_run=_gpu_bench)

@@ -331,6 +331,15 @@ class DecodeGraphs:
             self.captured_shapes.append(shape)
         self.capture_seconds += time.perf_counter() - start
 
+    def warm_up(self, *, max_ctx: int = 256) -> int:
+        """Capture every batch size for the context buckets up to ``max_ctx`` (start-up), so
+        that short requests never wait for a capture; longer contexts are captured on first
+        use."""
+        for ctx in [c for c in self.ctx_buckets if c <= max_ctx] or self.ctx_buckets[:1]:
+            for bs in sorted(self.batch_sizes, reverse=True):
+                self.capture((bs, ctx))
+        return len(self._graphs)
+
     def recapture(self) -> int:
         """Capture again every shape captured before the last :meth:`drop`."""
         for shape in sorted(self.captured_shapes, reverse=True):

@@ -228,6 +228,8 @@ class ModelRunner:
                 self.pool,
                 max_bs=min(cuda_graph_max_bs or max_running_requests, max_running_requests),
             )
+        if self.graphs is not None:
+            self.graphs.warm_up()
         self.grammar = GrammarBackend(
             self.tokenizer,
             self.vocab_size,
