@@ -128,6 +128,16 @@ def reservation(sampling: SamplingParams, fed: int, done: int, context_len: int)
     return room if mnt is None else min(max(mnt - done, 0), room)
 
 
+def _simple(s: Sequence) -> bool:
+    """Whether the forward pass's own sampling is this sequence's (no processor, no filter)."""
+    sp = s.sampling
+    if s.logprob.return_logprob or s.bias is not None or s.counts is not None:
+        return False
+    if s.grammar is not None or (sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens):
+        return False
+    return sp.greedy or (sp.top_k == -1 and sp.top_p == 1.0 and sp.min_p == 0.0)
+
+
 #: ``{rid: abort message}`` of running sequences whose abort is applied at a step.
 Aborts = Mapping[str, str]
 
@@ -411,13 +421,29 @@ class Batch:
         positions = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]
         packed = torch.from_numpy(
             np.array(
-                [[s.output_ids[-1] for s in seqs], positions, [s.row for s in seqs]],
+                [
+                    [s.output_ids[-1] for s in seqs],
+                    positions,
+                    [s.row for s in seqs],
+                    [s.seed for s in seqs],
+                    [len(s.output_ids) for s in seqs],
+                ],
                 dtype=np.int64,
             )
         )
-        logits = self.runner.decode(packed, max(positions) + 1)
+        temps = torch.tensor(
+            [0.0 if s.sampling.greedy else s.sampling.temperature for s in seqs],
+            dtype=torch.float32,
+        )
+        logits, tokens = self.runner.decode(packed, temps, max(positions) + 1)
         self.decode_steps += 1
-        picked = self._sample(logits, seqs)
+        if all(_simple(s) for s in seqs):
+            # The forward pass sampled them (in the CUDA graph): the same draw as below.
+            picked: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in tokens.tolist()]
+            if self.sync_tokens is not None:
+                picked = [(t, None) for t in self.sync_tokens([t for t, _ in picked])]
+        else:
+            picked = self._sample(logits, seqs)
         for s, tok in zip(seqs, picked, strict=True):
             self._append(s, tok)
         self.seqs = [s for s in seqs if not s.finished]

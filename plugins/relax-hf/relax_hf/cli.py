@@ -57,6 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
         constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
+        enable_torch_compile=args.enable_torch_compile,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -107,7 +108,11 @@ def _gpu_bench(args: argparse.Namespace) -> int:
     from relax_hf.gpu_bench import format_result, run
 
     result = run(
-        device=args.device, quick=args.quick, size=args.size, mem_fraction=args.mem_fraction_static
+        device=args.device,
+        quick=args.quick,
+        size=args.size,
+        mem_fraction=args.mem_fraction_static,
+        torch_compile=args.torch_compile,
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
@@ -215,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="most consecutive whitespace characters in JSON-schema output (default: unbounded)",
     )
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="fuse the element-wise parts of the forward pass with torch.compile (CUDA)",
+    )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)
 
@@ -245,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mem-fraction-static", type=float, default=0.85, help="the engine's (CUDA only)"
+    )
+    p.add_argument(
+        "--torch-compile", action="store_true", help="start the engine with --enable-torch-compile"
     )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(_run=_gpu_bench)

@@ -193,7 +193,11 @@ async def _update_throughput(
 
 
 def run(
-    device: str = "cuda", quick: bool = False, size: str | None = None, mem_fraction: float = 0.85
+    device: str = "cuda",
+    quick: bool = False,
+    size: str | None = None,
+    mem_fraction: float = 0.85,
+    torch_compile: bool = False,
 ) -> dict[str, Any]:
     """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
     from transformers.utils import logging as hf_logging
@@ -212,6 +216,7 @@ def run(
         "device": device,
         "size": size,
         "dtype": dtype,
+        "torch_compile": torch_compile,
     }
     with tempfile.TemporaryDirectory(prefix="relax-hf-gpu-bench-") as tmp:
         model_dir = Path(tmp) / "model"
@@ -226,7 +231,10 @@ def run(
             dtype=dtype,
             weights_cpu_backup=True,
             log_path=str(log),
-            extra_args=("--mem-fraction-static", str(mem_fraction)) if cuda else (),
+            extra_args=(
+                (("--mem-fraction-static", str(mem_fraction)) if cuda else ())
+                + (("--enable-torch-compile",) if torch_compile else ())
+            ),
         )
         t0 = time.perf_counter()
         proc = launch(spec)
@@ -292,7 +300,7 @@ async def _measure(
         before = (await c.server_info())["memory"]
         await c.release_memory(["weights", "kv_cache"])
         after = (await c.server_info())["memory"]
-        resumes, walls = [], []
+        resumes, walls, allocs = [], [], []
         for i in range(2 if quick else 3):
             if i:
                 await c.release_memory(["weights", "kv_cache"])
@@ -300,6 +308,7 @@ async def _measure(
             answer = await c.resume_memory(["weights", "kv_cache"])
             walls.append(time.perf_counter() - t0)
             resumes.append(float(answer["detail"]["weights"]["seconds"]))
+            allocs.append(float(answer["detail"]["weights"].get("alloc_seconds", 0.0)))
         resumed = (await c.server_info())["memory"]
     mem: dict[str, Any] = {
         "param_bytes": before["param_bytes"],
@@ -324,6 +333,7 @@ async def _measure(
     out["memory"] = mem
     out["resume_weights_seconds"] = statistics.median(resumes)
     out["resume_weights_all_seconds"] = resumes
+    out["resume_alloc_seconds"] = allocs
     out["resume_http_round_trip_seconds"] = statistics.median(walls)
     out["resume_gb_per_s"] = before["param_bytes"] / out["resume_weights_seconds"] / 1e9
     out["tensor_update"] = await _update_throughput(

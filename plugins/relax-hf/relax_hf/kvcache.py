@@ -1,7 +1,7 @@
 """The KV cache pool: preallocated token slots and the request-to-token table (SGLang's design).
 
 One buffer holds, for every layer, the key and value of ``num_slots`` token positions
-(``[layers, 2, kv_heads, num_slots, head_dim]``); slot 0 is a scratch slot that padding rows of
+(``[layers, 2, num_slots, kv_heads, head_dim]``); slot 0 is a scratch slot that padding rows of
 a CUDA-graph batch write into. A running sequence owns a *row* of ``req_to_token``
 (``[max_rows + 1, context_len]``, row 0 is the padding row's): entry ``t`` is the slot of its
 position ``t``. Slots are reference-counted, so the ``n`` samples of one request share the
@@ -83,7 +83,7 @@ class KVPool:
         else:
             raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.kv = raw.view(self.dtype).view(
-            self.num_layers, 2, self.kv_heads, self.num_slots, self.head_dim
+            self.num_layers, 2, self.num_slots, self.kv_heads, self.head_dim
         )
         self.req_to_token = torch.zeros(
             (self.max_rows + 1, self.context_len), dtype=torch.int64, device=self.device
@@ -163,6 +163,6 @@ class KVPool:
             self.req_to_token[row, start : start + len(slots)] = src
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s keys and values, ``[kv_heads, num_slots, head_dim]`` each."""
+        """Layer ``i``'s keys and values, ``[num_slots, kv_heads, head_dim]`` each."""
         assert self.kv is not None
         return self.kv[i, 0], self.kv[i, 1]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from relax_hf.kvcache import KVPool
+from relax_hf.sampling import gumbel_noise
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecodeGraphs", "NativeModel", "UnsupportedModel"]
 
@@ -40,13 +41,31 @@ class UnsupportedModel(ValueError):
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """transformers' RMSNorm: normalise in float32, cast back, scale."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` over the last dim; cos/sin broadcast over heads."""
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * c, torch.cat((-x2, x1), dim=-1), s)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def sample_simple(
+    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """Greedy rows (``temps <= 0``) take the argmax, the others the Gumbel-max of
+    ``logits / temperature`` with :func:`~relax_hf.sampling.gumbel_noise` (what
+    :func:`~relax_hf.sampling.draw` does for a row without filters). Graph-capturable."""
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    noisy = scaled + gumbel_noise(seeds, steps, logits.shape[-1])
+    return torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
 
 
 def _fused(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -88,22 +107,22 @@ class _Layer:
         self.bg, self.bu, self.bd = mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias
         self.wgu = _fused([self.wg, self.wu]) if self.bg is None else None
 
-    def qkv(self, h: torch.Tensor, nq: int, nkv: int) -> tuple[torch.Tensor, ...]:
+    def qkv(self, h: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[torch.Tensor, ...]:
+        """``qk [..., heads + kv_heads, d]`` (q's heads then k's) and ``v [..., kv_heads, d]``."""
         if self.wqkv is not None and (self.bq is None or self.bqkv is not None):
-            out = F.linear(h, self.wqkv, self.bqkv)
-            return tuple(out.split([nq, nkv, nkv], dim=-1))
-        return (
-            F.linear(h, self.wq, self.bq),
-            F.linear(h, self.wk, self.bk),
-            F.linear(h, self.wv, self.bv),
-        )
+            out = F.linear(h, self.wqkv, self.bqkv).unflatten(-1, (heads + 2 * kv_heads, d))
+            return out[..., : heads + kv_heads, :], out[..., heads + kv_heads :, :]
+        q = F.linear(h, self.wq, self.bq).unflatten(-1, (heads, d))
+        k = F.linear(h, self.wk, self.bk).unflatten(-1, (kv_heads, d))
+        v = F.linear(h, self.wv, self.bv).unflatten(-1, (kv_heads, d))
+        return torch.cat((q, k), dim=-2), v
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, act: Any) -> torch.Tensor:
         if self.wgu is not None:
             gate, up = F.linear(h, self.wgu).chunk(2, dim=-1)
         else:
             gate, up = F.linear(h, self.wg, self.bg), F.linear(h, self.wu, self.bu)
-        return F.linear(F.silu(gate) * up, self.wd, self.bd)
+        return F.linear(act(gate, up), self.wd, self.bd)
 
 
 class NativeModel:
@@ -144,7 +163,19 @@ class NativeModel:
         self.inv_freq = rotary.inv_freq
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.layers: list[_Layer] = []
+        self._norm_fn: Any = _rms
+        self._rope_fn: Any = _rope
+        self._act_fn: Any = _silu_mul
+        self.compiled = False
         self.bind()
+
+    def compile(self) -> None:
+        """Fuse the element-wise pieces (norms, rotary, SiLU gate) with ``torch.compile``
+        (``--enable-torch-compile``; CUDA, needs triton)."""
+        self._norm_fn = torch.compile(_rms, dynamic=True, fullgraph=True)
+        self._rope_fn = torch.compile(_rope, dynamic=True, fullgraph=True)
+        self._act_fn = torch.compile(_silu_mul, dynamic=True, fullgraph=True)
+        self.compiled = True
 
     @property
     def num_layers(self) -> int:
@@ -177,23 +208,21 @@ class NativeModel:
         self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[..., H, d]``, k and v ``[..., Hkv, d]`` with norms and rotary applied."""
-        d = self.head_dim
-        q, k, v = layer.qkv(h, self.num_heads * d, self.num_kv_heads * d)
-        q = q.unflatten(-1, (self.num_heads, d))
-        k = k.unflatten(-1, (self.num_kv_heads, d))
-        v = v.unflatten(-1, (self.num_kv_heads, d))
-        if layer.qn is not None:
-            q = _rms(q, layer.qn, self.eps)
-        if layer.kn is not None:
-            k = _rms(k, layer.kn, self.eps)
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
-        return q, k, v
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qk, v = layer.qkv(h, heads, kv_heads, self.head_dim)
+        if layer.qn is not None or layer.kn is not None:
+            q, k = qk[..., :heads, :], qk[..., heads:, :]
+            if layer.qn is not None:
+                q = self._norm_fn(q, layer.qn, self.eps)
+            if layer.kn is not None:
+                k = self._norm_fn(k, layer.kn, self.eps)
+            qk = torch.cat((q, k), dim=-2)
+        qk = self._rope_fn(qk, cos, sin)  # q and k together: one pass
+        return qk[..., :heads, :], qk[..., heads:, :], v
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and the LM head: float32 logits."""
-        return F.linear(_rms(hidden, self.norm, self.eps), self.lm_head).float()
+        return F.linear(self._norm_fn(hidden, self.norm, self.eps), self.lm_head).float()
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -213,28 +242,34 @@ class NativeModel:
         x = F.embedding(ids, self.embed)
         cos, sin = self._rope(pos, x.dtype)
         rep = self.groups
+        norm, act = self._norm_fn, self._act_fn
         for i, layer in enumerate(self.layers):
-            h = _rms(x, layer.ln1, self.eps)
+            h = norm(x, layer.ln1, self.eps)
             q, k, v = self._heads(layer, h, cos, sin)
             kc, vc = pool.layer(i)
-            kc.index_copy_(1, slots, k.reshape(b * t, self.num_kv_heads, -1).transpose(0, 1))
-            vc.index_copy_(1, slots, v.reshape(b * t, self.num_kv_heads, -1).transpose(0, 1))
+            kc.index_copy_(0, slots, k.reshape(b * t, self.num_kv_heads, -1))
+            vc.index_copy_(0, slots, v.reshape(b * t, self.num_kv_heads, -1))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
-            x = x + layer.mlp(_rms(x, layer.ln2, self.eps))
+            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
         return x
 
     # -- decode ------------------------------------------------------------------------------
 
-    def decode_step(self, pool: KVPool, packed: torch.Tensor, ctx: int) -> torch.Tensor:
-        """One token per row: ``packed`` is ``[3, B]`` (tokens, positions, rows); float32 logits.
+    def decode_step(
+        self, pool: KVPool, packed: torch.Tensor, temps: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row; returns float32 logits ``[B, V]`` and sampled tokens ``[B]``.
 
-        ``ctx`` is at least the longest row's context (``position + 1``); shorter rows are
-        masked. Graph-capturable: no host synchronisation, static shapes.
+        ``packed`` is int64 ``[5, B]``: tokens, positions, rows, sampling seeds, sampling
+        steps; ``temps`` float32 ``[B]`` (``<= 0``: greedy). The tokens are those of
+        :func:`sample_simple` (right for rows without logit processors or filters). ``ctx`` is
+        at least the longest row's context (``position + 1``); shorter rows are masked.
+        Graph-capturable: no host synchronisation, static shapes.
         """
         assert pool.req_to_token is not None
         tokens, positions, rows = packed[0], packed[1], packed[2]
@@ -244,26 +279,29 @@ class NativeModel:
         write = table.gather(1, positions[:, None]).squeeze(1)
         flat = table.reshape(-1)
         keep = torch.arange(ctx, device=tokens.device)[None, :] <= positions[:, None]
-        bias = torch.zeros((b, ctx), dtype=torch.float32, device=tokens.device)
-        bias = bias.masked_fill(~keep, float("-inf"))[None, :, None, :]  # [1, B, 1, ctx]
+        mask = keep[:, None, None, :]  # [B, 1, 1, ctx]: over kv heads and grouped queries
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope(positions, x.dtype)
+        norm, act = self._norm_fn, self._act_fn
         for i, layer in enumerate(self.layers):
-            h = _rms(x, layer.ln1, self.eps)
+            h = norm(x, layer.ln1, self.eps)
             q, k, v = self._heads(layer, h, cos, sin)  # q [B, H, d], k/v [B, Hkv, d]
-            kc, vc = pool.layer(i)
-            kc.index_copy_(1, write, k.transpose(0, 1))
-            vc.index_copy_(1, write, v.transpose(0, 1))
-            keys = kc.index_select(1, flat).view(hkv * b, ctx, d)
-            values = vc.index_select(1, flat).view(hkv * b, ctx, d)
-            qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)
-            scores = torch.bmm(qh, keys.transpose(1, 2)).float() * self.scale
-            scores = scores.view(hkv, b, g, ctx) + bias
-            probs = torch.softmax(scores, dim=-1).to(values.dtype).view(hkv * b, g, ctx)
-            o = torch.bmm(probs, values).view(hkv, b, g * d).transpose(0, 1).reshape(b, -1)
-            x = x + F.linear(o, layer.wo, layer.bo)
-            x = x + layer.mlp(_rms(x, layer.ln2, self.eps))
-        return self.logits(x)
+            kv = pool.kv[i]  # type: ignore[index]
+            kv[0].index_copy_(0, write, k)
+            kv[1].index_copy_(0, write, v)
+            ctx_kv = kv.index_select(1, flat).view(2, b, ctx, hkv, d)  # one gather for K and V
+            # The g query heads that share a kv head are that head's g "query positions".
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, hkv, g, d),
+                ctx_kv[0].transpose(1, 2),
+                ctx_kv[1].transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            x = x + F.linear(o.reshape(b, -1), layer.wo, layer.bo)
+            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
+        logits = self.logits(x)
+        return logits, sample_simple(logits, temps, packed[3], packed[4])
 
 
 def _buckets(context_len: int, smallest: int = 128) -> list[int]:
@@ -284,9 +322,9 @@ class DecodeGraphs:
         sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
         self.batch_sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
         self.ctx_buckets = _buckets(pool.context_len)
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._mempool: Any = None
-        self._staging: dict[int, torch.Tensor] = {}
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.captured_shapes: list[tuple[int, int]] = []  # what to capture again on resume
         self.capture_seconds = 0.0
         self.replays = 0
@@ -314,19 +352,20 @@ class DecodeGraphs:
         start = time.perf_counter()
         bs, ctx = shape
         device = self.pool.device
-        packed = torch.zeros((3, bs), dtype=torch.int64, device=device)  # scratch row 0
+        packed = torch.zeros((5, bs), dtype=torch.int64, device=device)  # scratch row 0
+        temps = torch.zeros(bs, dtype=torch.float32, device=device)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):  # warm up (cuBLAS handles, allocator) outside the capture
-                self.model.decode_step(self.pool, packed, ctx)
+                self.model.decode_step(self.pool, packed, temps, ctx)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._mempool):
-            out = self.model.decode_step(self.pool, packed, ctx)
-        self._graphs[shape] = (graph, packed, out)
+            out = self.model.decode_step(self.pool, packed, temps, ctx)
+        self._graphs[shape] = (graph, packed, temps, out)
         if shape not in self.captured_shapes:
             self.captured_shapes.append(shape)
         self.capture_seconds += time.perf_counter() - start
@@ -346,23 +385,34 @@ class DecodeGraphs:
             self.capture(shape)
         return len(self._graphs)
 
-    def run(self, host_packed: torch.Tensor, ctx: int) -> torch.Tensor | None:
-        """Replay the graph for ``host_packed [3, b]`` (CPU); ``None`` when no shape fits."""
+    def run(
+        self, host_packed: torch.Tensor, host_temps: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay the graph for ``b`` rows (CPU inputs as for :meth:`NativeModel.decode_step`);
+        ``None`` when no captured shape fits. The outputs are the graph's own buffers: valid
+        until the next replay."""
         b = host_packed.shape[1]
         shape = self.bucket(b, ctx)
         if shape is None:
             return None
         if shape not in self._graphs:
             self.capture(shape)
-        graph, packed, out = self._graphs[shape]
+        graph, packed, temps, (logits, tokens) = self._graphs[shape]
         bs = shape[0]
         staging = self._staging.get(bs)
         if staging is None:
-            staging = torch.zeros((3, bs), dtype=torch.int64).pin_memory()
+            staging = (
+                torch.zeros((5, bs), dtype=torch.int64).pin_memory(),
+                torch.zeros(bs, dtype=torch.float32).pin_memory(),
+            )
             self._staging[bs] = staging
-        staging.zero_()
-        staging[:, :b] = host_packed
-        packed.copy_(staging, non_blocking=True)
+        ints, floats = staging
+        ints.zero_()
+        floats.zero_()
+        ints[:, :b] = host_packed
+        floats[:b] = host_temps
+        packed.copy_(ints, non_blocking=True)
+        temps.copy_(floats, non_blocking=True)
         graph.replay()
         self.replays += 1
-        return out[:b].clone()
+        return logits[:b], tokens[:b]

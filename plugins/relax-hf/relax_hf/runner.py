@@ -154,6 +154,7 @@ class ModelRunner:
         cuda_graph_max_bs: int | None = None,
         json_any_whitespace: bool = True,
         json_max_whitespace_cnt: int | None = None,
+        torch_compile: bool = False,
     ) -> None:
         """Load the model and its tokenizer, pack the weights, take the KV cache pool.
 
@@ -228,6 +229,8 @@ class ModelRunner:
                 self.pool,
                 max_bs=min(cuda_graph_max_bs or max_running_requests, max_running_requests),
             )
+        if torch_compile and self.device.type == "cuda":
+            self.native.compile()
         if self.graphs is not None:
             self.graphs.warm_up()
         self.grammar = GrammarBackend(
@@ -260,6 +263,7 @@ class ModelRunner:
             cuda_graph_max_bs=config.cuda_graph_max_bs,
             json_any_whitespace=not config.constrained_json_disable_any_whitespace,
             json_max_whitespace_cnt=config.constrained_json_max_whitespace_cnt,
+            torch_compile=config.enable_torch_compile,
         )
 
     # -- setup ---------------------------------------------------------------------------
@@ -336,17 +340,20 @@ class ModelRunner:
         return self.native.logits(hidden)
 
     @torch.inference_mode()
-    def decode(self, host_packed: torch.Tensor, ctx: int) -> torch.Tensor:
-        """One decode step for ``host_packed [3, B]`` (CPU: tokens, positions, rows); logits.
+    def decode(
+        self, host_packed: torch.Tensor, host_temps: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step (CPU inputs, see :meth:`NativeModel.decode_step`): logits, tokens.
 
         Replays a CUDA graph when one fits (capturing it on first use), else runs eagerly.
         """
         if self.graphs is not None:
-            out = self.graphs.run(host_packed, ctx)
+            out = self.graphs.run(host_packed, host_temps, ctx)
             if out is not None:
                 return out
         packed = host_packed.to(self.device, non_blocking=True)
-        return self.native.decode_step(self.pool, packed, ctx)
+        temps = host_temps.to(self.device, non_blocking=True)
+        return self.native.decode_step(self.pool, packed, temps, ctx)
 
     def weights_digest(self) -> str:
         """SHA-256 of the weight bytes as loaded now (``""`` while released)."""
@@ -392,6 +399,8 @@ class ModelRunner:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
         flat = self._alloc_flat()
+        self._sync()
+        allocated = time.perf_counter()
         if self._backup is not None:
             flat.copy_(self._backup, non_blocking=True)
             self._sync()
@@ -404,7 +413,12 @@ class ModelRunner:
         self.weights_resident = True
         lost = self.weights_dirty and self._backup is None
         self.weights_dirty = self.weights_dirty and not lost
-        return {"source": source, "seconds": copy_seconds, "updates_lost": lost}
+        return {
+            "source": source,
+            "seconds": copy_seconds,
+            "alloc_seconds": allocated - start,
+            "updates_lost": lost,
+        }
 
     @property
     def kv_resident(self) -> bool:

@@ -62,6 +62,7 @@ class ServerConfig:
     cuda_graph_max_bs: int | None = None
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
+    enable_torch_compile: bool = False
 
 
 def error_response(
