@@ -251,6 +251,9 @@ def run(
             result["resume_vs_pinned_h2d_ratio"] = (
                 result["h2d_baseline_seconds"] / result["resume_weights_seconds"]
             )
+            result["resume_right_after_release_vs_pinned_h2d_ratio"] = (
+                result["h2d_baseline_seconds"] / result["resume_right_after_release_seconds"]
+            )
             result["h2d_baseline_gb_per_s"] = (
                 result["memory"]["param_bytes"] / result["h2d_baseline_seconds"] / 1e9
             )
@@ -277,7 +280,13 @@ def run(
 
 
 async def _measure(
-    url: str, model_dir: Path, device: str, quick: bool, client_cls: Any, throughput: Any
+    url: str,
+    model_dir: Path,
+    device: str,
+    quick: bool,
+    client_cls: Any,
+    throughput: Any,
+    settle_s: float = 2.0,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tokens = 32 if quick else 128
@@ -304,11 +313,17 @@ async def _measure(
         for i in range(2 if quick else 3):
             if i:
                 await c.release_memory(["weights", "kv_cache"])
+            # As between two RL steps, the release has had time to settle: right after one,
+            # copies to the device run at about half speed (out["resume_right_after_release"]).
+            await asyncio.sleep(settle_s)
             t0 = time.perf_counter()
             answer = await c.resume_memory(["weights", "kv_cache"])
             walls.append(time.perf_counter() - t0)
             resumes.append(float(answer["detail"]["weights"]["seconds"]))
             allocs.append(float(answer["detail"]["weights"].get("alloc_seconds", 0.0)))
+        await c.release_memory(["weights", "kv_cache"])
+        answer = await c.resume_memory(["weights", "kv_cache"])
+        out["resume_right_after_release_seconds"] = float(answer["detail"]["weights"]["seconds"])
         resumed = (await c.server_info())["memory"]
     mem: dict[str, Any] = {
         "param_bytes": before["param_bytes"],

@@ -41,15 +41,18 @@ class UnsupportedModel(ValueError):
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in float32, cast back, scale."""
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    """RMSNorm with weight in one fused kernel (float32 inside, as transformers computes it)."""
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` over the last dim; cos/sin broadcast over heads."""
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * c, torch.cat((-x2, x1), dim=-1), s)
+    """Rotary embedding of every head of ``x [..., heads, d]`` in three contiguous kernels.
+
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written as
+    ``x * cos + roll(x, d/2) * sin_signed`` (``sin_signed = cat(-s1, s2)``); heads that take
+    no rotary (v) have cos 1 and sin 0.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -107,15 +110,14 @@ class _Layer:
         self.bg, self.bu, self.bd = mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias
         self.wgu = _fused([self.wg, self.wu]) if self.bg is None else None
 
-    def qkv(self, h: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[torch.Tensor, ...]:
-        """``qk [..., heads + kv_heads, d]`` (q's heads then k's) and ``v [..., kv_heads, d]``."""
+    def qkv(self, h: torch.Tensor, heads: int, kv_heads: int, d: int) -> torch.Tensor:
+        """``[..., heads + 2 * kv_heads, d]``: q's heads, then k's, then v's."""
         if self.wqkv is not None and (self.bq is None or self.bqkv is not None):
-            out = F.linear(h, self.wqkv, self.bqkv).unflatten(-1, (heads + 2 * kv_heads, d))
-            return out[..., : heads + kv_heads, :], out[..., heads + kv_heads :, :]
+            return F.linear(h, self.wqkv, self.bqkv).unflatten(-1, (heads + 2 * kv_heads, d))
         q = F.linear(h, self.wq, self.bq).unflatten(-1, (heads, d))
         k = F.linear(h, self.wk, self.bk).unflatten(-1, (kv_heads, d))
         v = F.linear(h, self.wv, self.bv).unflatten(-1, (kv_heads, d))
-        return torch.cat((q, k), dim=-2), v
+        return torch.cat((q, k, v), dim=-2)
 
     def mlp(self, h: torch.Tensor, act: Any) -> torch.Tensor:
         if self.wgu is not None:
@@ -167,6 +169,7 @@ class NativeModel:
         self._rope_fn: Any = _rope
         self._act_fn: Any = _silu_mul
         self.compiled = False
+        self.attention = "sdpa"
         self.bind()
 
     def compile(self) -> None:
@@ -198,10 +201,18 @@ class NativeModel:
     # -- pieces ------------------------------------------------------------------------------
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and signed sin ``[..., q+k+v heads, d]`` for :func:`_rope` (v: 1 and 0)."""
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(dtype)
         sin = (emb.sin() * self.rope_scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        rotated = self.num_heads + self.num_kv_heads
+        shape = (*cos.shape[:-1], rotated, cos.shape[-1])
+        v_shape = (*cos.shape[:-1], self.num_kv_heads, cos.shape[-1])
+        cos = torch.cat((cos.unsqueeze(-2).expand(shape), cos.new_ones(v_shape)), dim=-2)
+        sin = torch.cat((sin.unsqueeze(-2).expand(shape), sin.new_zeros(v_shape)), dim=-2)
         return cos, sin
 
     def _heads(
@@ -209,16 +220,20 @@ class NativeModel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[..., H, d]``, k and v ``[..., Hkv, d]`` with norms and rotary applied."""
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qk, v = layer.qkv(h, heads, kv_heads, self.head_dim)
+        qkv = layer.qkv(h, heads, kv_heads, self.head_dim)
         if layer.qn is not None or layer.kn is not None:
-            q, k = qk[..., :heads, :], qk[..., heads:, :]
+            q, k = qkv[..., :heads, :], qkv[..., heads : heads + kv_heads, :]
             if layer.qn is not None:
                 q = self._norm_fn(q, layer.qn, self.eps)
             if layer.kn is not None:
                 k = self._norm_fn(k, layer.kn, self.eps)
-            qk = torch.cat((q, k), dim=-2)
-        qk = self._rope_fn(qk, cos, sin)  # q and k together: one pass
-        return qk[..., :heads, :], qk[..., heads:, :], v
+            qkv = torch.cat((q, k, qkv[..., heads + kv_heads :, :]), dim=-2)
+        qkv = self._rope_fn(qkv, cos, sin)  # q, k (and v, untouched) in one pass
+        return (
+            qkv[..., :heads, :],
+            qkv[..., heads : heads + kv_heads, :],
+            qkv[..., heads + kv_heads :, :],
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and the LM head: float32 logits."""
@@ -290,14 +305,17 @@ class NativeModel:
             kv[0].index_copy_(0, write, k)
             kv[1].index_copy_(0, write, v)
             ctx_kv = kv.index_select(1, flat).view(2, b, ctx, hkv, d)  # one gather for K and V
-            # The g query heads that share a kv head are that head's g "query positions".
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, hkv, g, d),
-                ctx_kv[0].transpose(1, 2),
-                ctx_kv[1].transpose(1, 2),
-                attn_mask=mask,
-                scale=self.scale,
-            )
+            qh = q.reshape(b, hkv, g, d)
+            keys, values = ctx_kv[0].transpose(1, 2), ctx_kv[1].transpose(1, 2)
+            if self.attention == "bmm":
+                scores = torch.matmul(qh, keys.transpose(-1, -2)).float() * self.scale
+                scores = scores.masked_fill(~mask, float("-inf"))
+                o = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+            else:
+                # The g query heads that share a kv head are that head's g "query positions".
+                o = F.scaled_dot_product_attention(
+                    qh, keys, values, attn_mask=mask, scale=self.scale
+                )
             x = x + F.linear(o.reshape(b, -1), layer.wo, layer.bo)
             x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
         logits = self.logits(x)
