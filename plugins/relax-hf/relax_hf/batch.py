@@ -602,7 +602,7 @@ def _regex_max_chars(pattern: str) -> int:
             elif name == "BRANCH":
                 total += max(walk(b) for b in value[1])
             elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-                lo, hi, inner = value
+                _lo, hi, inner = value
                 total += (1 << 30) if hi == sre_parse.MAXREPEAT else hi * walk(inner)
             elif name in ("AT",):
                 continue

@@ -198,8 +198,7 @@ class Engine:
         runner = self.runner
         if len(prompt_ids) >= runner.max_len:
             raise Conflict(
-                f"input: {len(prompt_ids)} prompt tokens exceed the context length "
-                f"{runner.max_len}"
+                f"input: {len(prompt_ids)} prompt tokens exceed the context length {runner.max_len}"
             )
         if n > self.max_running_requests:
             raise BadRequest(
@@ -547,7 +546,9 @@ class Engine:
         """Resume ``tags``, weights first. Idempotent."""
         async with self._ops:
             graphs = "cuda_graph" in tags or self.resident["cuda_graph"]
-            detail: dict[str, Any] = await self.compute(self._resume_on_compute_thread, tags, graphs)
+            detail: dict[str, Any] = await self.compute(
+                self._resume_on_compute_thread, tags, graphs
+            )
             info = detail.get("weights", {})
             if info.get("updates_lost"):
                 info["message"] = (

@@ -12,7 +12,7 @@ it), grouped-query attention, SiLU MLP, optional q/k/v biases (Qwen2) and per-he
   writes each real token's K and V into its slot (``req_to_token`` of the row).
 - **Decode** runs one token per row: K/V of the new token are written into its slot, the row's
   context is gathered from the pool by ``req_to_token`` and attended with two batched matrix
-  products (the batch is ``kv_heads × rows``, so no copy is needed for the transposes).
+  products (the batch is ``kv_heads x rows``, so no copy is needed for the transposes).
 
 :class:`DecodeGraphs` captures decode steps as CUDA graphs per (batch size, context bucket) on
 first use and replays them; the batch is padded to the captured size with the scratch row 0.
@@ -337,7 +337,7 @@ class DecodeGraphs:
     def __init__(self, model: NativeModel, pool: KVPool, *, max_bs: int) -> None:
         self.model = model
         self.pool = pool
-        sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
+        sizes = [1, 2, 4, 8, *range(16, max_bs + 1, 8)]
         self.batch_sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
         self.ctx_buckets = _buckets(pool.context_len)
         self._graphs: dict[tuple[int, int], tuple[Any, ...]] = {}

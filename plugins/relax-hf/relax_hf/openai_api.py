@@ -240,7 +240,9 @@ async def chat_completions(request: Request) -> Response:
     sampling = _sampling(engine, body, None)
     logprobs = _flag(body, "logprobs")
     top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20
+    ):
         raise BadRequest("top_logprobs", f"must be an integer in [0, 20], got {top!r}")
     if top and not logprobs:
         raise BadRequest("top_logprobs", "needs logprobs: true")
@@ -334,8 +336,10 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
     vocab = engine.runner.vocab_size
 
     def ids_of(value: Any, field: str) -> list[int] | None:
-        if isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
         ):
             if any(t < 0 or t >= vocab for t in value):
                 raise BadRequest(field, f"token ids must be in [0, {vocab})")
@@ -373,9 +377,9 @@ def _completion_logprobs(
     entries = (meta.get("input_token_logprobs") or []) if echo else []
     tops = (meta.get("input_top_logprobs") or [None] * len(entries)) if echo else []
     entries = entries + meta["output_token_logprobs"]
-    tops = list(tops) + list(meta.get("output_top_logprobs") or [None] * len(
-        meta["output_token_logprobs"]
-    ))
+    tops = list(tops) + list(
+        meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"])
+    )
     tokens = [t or "" for _v, _i, t in entries]
     offsets, pos = [], 0
     for t in tokens:

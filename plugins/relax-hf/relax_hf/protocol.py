@@ -200,9 +200,7 @@ def _int(value: Any, field: str, *, minimum: int | None = None) -> int:
     return int(value)
 
 
-def _float(
-    value: Any, field: str, *, lo: float, hi: float, lo_open: bool = False
-) -> float:
+def _float(value: Any, field: str, *, lo: float, hi: float, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise BadRequest(field, f"must be a finite number, got {value!r}")
     v = float(value)
@@ -257,7 +255,7 @@ _SAMPLING_HINTS = {
 }
 
 
-def parse_sampling_params(  # noqa: C901 - one branch per SGLang field, in its order
+def parse_sampling_params(
     raw: Any, *, vocab_size: int, field: str = "sampling_params"
 ) -> SamplingParams:
     """Validate SGLang sampling parameters (``SamplingParams.verify``'s rules).
@@ -279,9 +277,7 @@ def parse_sampling_params(  # noqa: C901 - one branch per SGLang field, in its o
             raise BadRequest(f, "unknown sampling parameter" + (f"; {hint}" if hint else ""))
         if value is None:
             continue
-        if key == "max_new_tokens":
-            kw[key] = _int(value, f, minimum=0)
-        elif key == "min_new_tokens":
+        if key in ("max_new_tokens", "min_new_tokens"):
             kw[key] = _int(value, f, minimum=0)
         elif key == "stop":
             kw[key] = _strings(value, f, MAX_STOP_COUNT)
@@ -383,8 +379,7 @@ def parse_sampling_params(  # noqa: C901 - one branch per SGLang field, in its o
     if params.max_new_tokens is not None and params.min_new_tokens > params.max_new_tokens:
         raise BadRequest(
             f"{prefix}min_new_tokens",
-            f"must be in [0, max_new_tokens({params.max_new_tokens})], got "
-            f"{params.min_new_tokens}",
+            f"must be in [0, max_new_tokens({params.max_new_tokens})], got {params.min_new_tokens}",
         )
     return params
 

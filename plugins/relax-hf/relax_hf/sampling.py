@@ -2,7 +2,7 @@
 
 :func:`process_logits` applies, row by row but in batched tensor ops, what a request's
 sampling parameters ask for: ``logit_bias`` (added), the penalties on the tokens generated so
-far (``frequency_penalty`` × count and ``presence_penalty`` subtracted, ``repetition_penalty``
+far (``frequency_penalty`` x count and ``presence_penalty`` subtracted, ``repetition_penalty``
 dividing positive and multiplying negative logits, as SGLang's penalizers do; prompt tokens are
 not counted, as in SGLang), ``min_new_tokens`` (stop tokens banned until then) and the grammar
 mask. :func:`draw` then picks one token per row: argmax for greedy rows; otherwise temperature,
@@ -176,9 +176,10 @@ def draw(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         return tokens
     sub_rows = [rows[i] for i in sampled]
     idx = torch.tensor(sampled, device=device)
-    filt = z.index_select(0, idx) / torch.tensor(
-        [r.sampling.temperature for r in sub_rows], device=device
-    )[:, None]
+    filt = (
+        z.index_select(0, idx)
+        / torch.tensor([r.sampling.temperature for r in sub_rows], device=device)[:, None]
+    )
     vocab = filt.shape[-1]
     ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in sub_rows]
     if any(ks):

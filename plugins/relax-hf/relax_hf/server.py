@@ -149,7 +149,9 @@ async def generate(request: Request) -> Response:
                 "logprob_start_len",
                 f"must be < the prompt length ({len(ids)} tokens of prompt {i})",
             )
-    fields = [f"sampling_params[{i}]" if req.batch else "sampling_params" for i in range(len(prompts))]
+    fields = [
+        f"sampling_params[{i}]" if req.batch else "sampling_params" for i in range(len(prompts))
+    ]
     for sp, field in zip(req.sampling, fields, strict=True):
         await engine.check_grammar(sp, field)
     listed = req.batch or req.n > 1  # SGLang answers a list for a batch or n > 1
@@ -347,8 +349,7 @@ async def metrics(request: Request) -> Response:
         "# TYPE relax_hf:prefill_tokens_total counter",
         f'relax_hf:prefill_tokens_total{{model_name="{name}"}} {engine.batch.prefill_tokens}',
         "# TYPE relax_hf:prefill_sequences_total counter",
-        f'relax_hf:prefill_sequences_total{{model_name="{name}"}} '
-        f"{engine.batch.prefill_sequences}",
+        f'relax_hf:prefill_sequences_total{{model_name="{name}"}} {engine.batch.prefill_sequences}',
         "# TYPE sglang:token_usage gauge",
         f'sglang:token_usage{{model_name="{name}"}} {engine.token_usage():.6f}',
     ]

@@ -15,7 +15,9 @@ def test_seeded_generation_is_reproducible(shared_server: EngineServer) -> None:
     b = shared_server.http.generate("Once upon a time", sampling_params=SEEDED)
     assert a["output_ids"] == b["output_ids"]
     assert a["text"] == b["text"]
-    other = shared_server.http.generate("Once upon a time", sampling_params={**SEEDED, "sampling_seed": 99})
+    other = shared_server.http.generate(
+        "Once upon a time", sampling_params={**SEEDED, "sampling_seed": 99}
+    )
     assert other["output_ids"] != a["output_ids"]
 
 

@@ -39,9 +39,9 @@ def test_seeded_samples_reproduce_and_match_a_single_request(shared_server: Engi
     a = [o["output_ids"] for o in shared_server.http.ok("/generate", body)]
     b = [o["output_ids"] for o in shared_server.http.ok("/generate", body)]
     assert a == b
-    alone = shared_server.http.generate(
-        "Hello", sampling_params={**SAMPLED, "sampling_seed": 11}
-    )["output_ids"]
+    alone = shared_server.http.generate("Hello", sampling_params={**SAMPLED, "sampling_seed": 11})[
+        "output_ids"
+    ]
     assert a[0] == alone  # sample 0 keeps the request's seed
 
 

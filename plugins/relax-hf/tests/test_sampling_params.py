@@ -32,9 +32,7 @@ def _sglang_sampling_fields() -> tuple[list[str], list[str]]:
     path = Path(next(iter(spec.submodule_search_locations))) / "srt/sampling/sampling_params.py"
     source = path.read_text()
     tree = ast.parse(source)
-    cls = next(
-        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SamplingParams"
-    )
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SamplingParams")
     lines = source.splitlines()
     internal_from = next(
         i + 1
@@ -173,7 +171,9 @@ def test_min_new_tokens_holds_back_stop_tokens(shared_server: EngineServer) -> N
 
 def test_ignore_eos_also_ignores_stop_token_ids_as_in_sglang(shared_server: EngineServer) -> None:
     t0 = _first_token(shared_server)
-    out = gen(shared_server, max_new_tokens=4, temperature=0.0, stop_token_ids=[t0], ignore_eos=True)
+    out = gen(
+        shared_server, max_new_tokens=4, temperature=0.0, stop_token_ids=[t0], ignore_eos=True
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
