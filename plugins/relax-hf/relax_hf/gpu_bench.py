@@ -374,7 +374,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"  decode: c1 {dec['c1_tokens_per_s']:.0f} tok/s, c16 {dec['c16_tokens_per_s']:.0f} "
         f"tok/s, c64 {dec['c64_tokens_per_s']:.0f} tok/s; roofline "
         f"{dec['roofline_steps_per_s']:.0f} steps/s "
-        f"(D2D copy {dec['d2d_copy_gb_per_s']:.0f} GB/s); c1 at {dec['c1_over_roofline'] * 100:.1f}% of it",
+        f"(D2D copy {dec['d2d_copy_gb_per_s']:.0f} GB/s); "
+        f"c1 at {dec['c1_over_roofline'] * 100:.1f}% of it",
         f"  checks: {json.dumps(result['checks'])}",
     ]
     return "\n".join(lines)
