@@ -22,12 +22,9 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Any) -> EngineServer:
-    # At most one whitespace character in a row: a random model would otherwise wander in
-    # whitespace (SGLang's --constrained-json-max-whitespace-cnt).
-    return start_server(  # type: ignore[no-any-return]
-        "hf-grammar", extra_args=("--constrained-json-max-whitespace-cnt", "1")
-    )
+def server(shared_server: EngineServer) -> EngineServer:
+    # The shared engine bounds free whitespace in JSON output (see conftest.py).
+    return shared_server
 
 
 def parse(text: str) -> Any:

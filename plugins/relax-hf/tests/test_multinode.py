@@ -84,6 +84,8 @@ def test_a_two_node_replica_generates_what_a_single_node_engine_generates(
     for body in (
         {"text": "Hello", "sampling_params": GREEDY},
         {"text": ["The quick", "Question: what", "def add"], "sampling_params": sampled},
+        # n samples share one prefill; a grammar runs on both nodes (the follower compiles it).
+        {"text": "x", "sampling_params": {**sampled, "n": 3, "regex": "[a-z]{2,6}"}},
     ):
         two_nodes = replica.http.ok("/generate", body)
         one_node = shared_server.http.ok("/generate", body)
@@ -95,7 +97,7 @@ def test_a_two_node_replica_generates_what_a_single_node_engine_generates(
     assert nodes["healthy"] and nodes["nnodes"] == 2
     assert [f["pid"] for f in nodes["followers"]] == [replica.followers[0].pid]
     # The follower computed every token itself and agreed with the head on each one.
-    assert nodes["tokens_synced"] >= 8 + 3 * 12 and nodes["diverged_tokens"] == 0
+    assert nodes["tokens_synced"] >= 8 + 3 * 12 + 3 * 2 and nodes["diverged_tokens"] == 0
 
 
 def test_every_weight_update_and_memory_operation_reaches_the_follower(

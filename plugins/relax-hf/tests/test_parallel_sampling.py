@@ -18,9 +18,9 @@ def _prefills(server: EngineServer) -> tuple[int, int]:
 
 
 def test_n_samples_answer_a_list_and_prefill_the_prompt_once(
-    start_server: Any,
+    shared_server: EngineServer,
 ) -> None:
-    server = start_server("hf-n")  # its own engine: the prefill counters see only this test
+    server = shared_server  # tests run one at a time: the counters move for this request only
     body = {"input_ids": [5, 6, 7, 8, 9, 10, 11], "sampling_params": {**SAMPLED, "n": 4}}
     before = _prefills(server)
     out = server.http.ok("/generate", body)
