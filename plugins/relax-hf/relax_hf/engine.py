@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from relax_hf.batch import Batch, Sequence, reservation
+from relax_hf.kvcache import PoolUnavailable
 from relax_hf.nodes import HeadNodes, NodeLost
 from relax_hf.protocol import MEMORY_TAGS, BadRequest, LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner, WeightsError
@@ -546,9 +547,12 @@ class Engine:
         """Resume ``tags``, weights first. Idempotent."""
         async with self._ops:
             graphs = "cuda_graph" in tags or self.resident["cuda_graph"]
-            detail: dict[str, Any] = await self.compute(
-                self._resume_on_compute_thread, tags, graphs
-            )
+            try:
+                detail: dict[str, Any] = await self.compute(
+                    self._resume_on_compute_thread, tags, graphs
+                )
+            except PoolUnavailable as exc:  # the tags stay released; the caller can retry
+                raise Conflict(f"kv_cache: {exc}") from exc
             info = detail.get("weights", {})
             if info.get("updates_lost"):
                 info["message"] = (

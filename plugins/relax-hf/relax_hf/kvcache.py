@@ -20,11 +20,15 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["KVPool", "PoolFull"]
+__all__ = ["KVPool", "PoolFull", "PoolUnavailable"]
 
 
 class PoolFull(RuntimeError):
     """Not enough free slots or rows for what was asked (the scheduler waits)."""
+
+
+class PoolUnavailable(RuntimeError):
+    """The device has not the free memory the pool needs (another process holds it)."""
 
 
 class KVPool:
@@ -81,6 +85,14 @@ class KVPool:
                 warnings.simplefilter("ignore")  # frombuffer warns about non-resizable buffers
                 raw = torch.frombuffer(mmap.mmap(-1, self.nbytes), dtype=torch.uint8)
         else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            if self.nbytes > free:
+                raise PoolUnavailable(
+                    f"the KV cache pool needs {self.nbytes / 2**30:.1f} GiB on {self.device}, "
+                    f"{free / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB are free (another "
+                    "process holds the rest); release that memory first, or start the engine "
+                    "with a smaller --mem-fraction-static / --max-total-tokens"
+                )
             raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.kv = raw.view(self.dtype).view(
             self.num_layers, 2, self.num_slots, self.kv_heads, self.head_dim

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relax_core.records import EngineLaunchSpec
 from relax_hf.plugin import launch
 from relax_hf.testing import EngineServer
+
+from relax_core.records import EngineLaunchSpec
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
