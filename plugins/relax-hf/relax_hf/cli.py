@@ -113,6 +113,7 @@ def _gpu_bench(args: argparse.Namespace) -> int:
         size=args.size,
         mem_fraction=args.mem_fraction_static,
         torch_compile=args.torch_compile,
+        settle_s=args.settle_seconds,
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
@@ -258,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--torch-compile", action="store_true", help="start the engine with --enable-torch-compile"
+    )
+    p.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=2.0,
+        help="wait between a release and the resume that is timed (as between two RL steps)",
     )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(_run=_gpu_bench)

@@ -198,6 +198,7 @@ def run(
     size: str | None = None,
     mem_fraction: float = 0.85,
     torch_compile: bool = False,
+    settle_s: float = 2.0,
 ) -> dict[str, Any]:
     """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
     from transformers.utils import logging as hf_logging
@@ -217,6 +218,7 @@ def run(
         "size": size,
         "dtype": dtype,
         "torch_compile": torch_compile,
+        "resume_settle_seconds": settle_s,
     }
     with tempfile.TemporaryDirectory(prefix="relax-hf-gpu-bench-") as tmp:
         model_dir = Path(tmp) / "model"
@@ -244,7 +246,15 @@ def run(
             url = proc.base_url or ""
             result.update(
                 asyncio.run(
-                    _measure(url, model_dir, device, quick, ControlClient, measure_throughput)
+                    _measure(
+                        url,
+                        model_dir,
+                        device,
+                        quick,
+                        ControlClient,
+                        measure_throughput,
+                        settle_s=settle_s,
+                    )
                 )
             )
             result["h2d_baseline_seconds"] = _h2d_baseline(result["memory"]["param_bytes"], device)
