@@ -187,13 +187,6 @@ class Batch:
         ctx = self.runner.max_len
         return fed + sum(reservation(s.sampling, fed, done, ctx) for s in unit)
 
-    def fits(self, units: list[list[Sequence]]) -> bool:
-        """Whether the pool has the rows and slots for ``units`` now."""
-        rows = sum(len(u) for u in units)
-        slots = sum(self.slots_needed(u) for u in units)
-        free_rows = self.pool.max_rows - self.pool.rows_in_use
-        return rows <= free_rows and slots <= self.pool.free_slots
-
     # -- public --------------------------------------------------------------------------
 
     def aborting(self) -> dict[str, str]:

@@ -169,7 +169,6 @@ class NativeModel:
         self._rope_fn: Any = _rope
         self._act_fn: Any = _silu_mul
         self.compiled = False
-        self.attention = "sdpa"
         self.bind()
 
     def compile(self) -> None:
@@ -305,17 +304,15 @@ class NativeModel:
             kv[0].index_copy_(0, write, k)
             kv[1].index_copy_(0, write, v)
             ctx_kv = kv.index_select(1, flat).view(2, b, ctx, hkv, d)  # one gather for K and V
-            qh = q.reshape(b, hkv, g, d)
-            keys, values = ctx_kv[0].transpose(1, 2), ctx_kv[1].transpose(1, 2)
-            if self.attention == "bmm":
-                scores = torch.matmul(qh, keys.transpose(-1, -2)).float() * self.scale
-                scores = scores.masked_fill(~mask, float("-inf"))
-                o = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-            else:
-                # The g query heads that share a kv head are that head's g "query positions".
-                o = F.scaled_dot_product_attention(
-                    qh, keys, values, attn_mask=mask, scale=self.scale
-                )
+            # The g query heads that share a kv head are that head's g "query positions".
+            # (Measured on an H200: faster than two batched matrix products and a softmax.)
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, hkv, g, d),
+                ctx_kv[0].transpose(1, 2),
+                ctx_kv[1].transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+            )
             x = x + F.linear(o.reshape(b, -1), layer.wo, layer.bo)
             x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
         logits = self.logits(x)
