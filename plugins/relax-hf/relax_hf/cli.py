@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="fraction of the device's memory for the weights and the KV cache pool together, "
-        "taken at start (SGLang's meaning; default 0.85 on CUDA; on CPU the default is a pool "
+        "taken at start (SGLang's meaning; default 0.88 on CUDA; on CPU the default is a pool "
         "of 32768 tokens)",
     )
     p.add_argument(
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="model size (default: 1b on cuda, tiny on cpu)",
     )
     p.add_argument(
-        "--mem-fraction-static", type=float, default=0.85, help="the engine's (CUDA only)"
+        "--mem-fraction-static", type=float, default=0.85, help="the engine's (CUDA only; 0.85)"
     )
     p.add_argument(
         "--torch-compile", action="store_true", help="start the engine with --enable-torch-compile"

@@ -92,8 +92,9 @@ def _kv_bytes_per_token(native: NativeModel, dtype: torch.dtype) -> int:
 
 #: KV cache slots on CPU when neither --max-total-tokens nor --mem-fraction-static is given.
 CPU_DEFAULT_TOKENS = 32768
-#: --mem-fraction-static on CUDA when none is given (SGLang's choice on large GPUs is ~0.85-0.9).
-CUDA_DEFAULT_MEM_FRACTION = 0.85
+#: --mem-fraction-static on CUDA when none is given: SGLang's usual choice on large GPUs (and what
+#: the core's placement budget assumes for a model that gives none).
+CUDA_DEFAULT_MEM_FRACTION = 0.88
 
 
 def pool_slots(
