@@ -42,10 +42,25 @@ def _install_project(session: nox.Session, *extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite: core, every plugin, cross-plugin integration (CI runs this)."""
     _install_project(session, "test")
+    _install_sglang_sources(session)
     # Plugin distributions kept under tests/, found through real entry-point discovery: a
     # reward adapter and policy, and a fourth role (prm) added with no core change.
     session.install("-e", "tests/plugins/relax-testplugin", "-e", "tests/plugins/relax-prm")
     session.run("pytest", *(session.posargs or ["-q"]))
+
+
+#: relax-hf's constrained decoding (its ``grammar`` extra) and the SGLang release whose protocol
+#: it mirrors, both installed WITHOUT their GPU stacks: xgrammar's and sglang's requirements pull
+#: triton, CUDA kernels and another torch, none of which the tests import.
+SGLANG_NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2", "sglang==0.5.23")
+#: The pure-Python packages that xgrammar and SGLang's frontend language (``sglang.lang``,
+#: which the hf engine's client tests run) import.
+SGLANG_FRONTEND_DEPS = ("pydantic", "numpy", "msgspec", "pybase64", "requests", "tqdm", "ipython")
+
+
+def _install_sglang_sources(session: nox.Session) -> None:
+    session.install("--no-deps", *SGLANG_NO_DEPS)
+    session.install(*SGLANG_FRONTEND_DEPS)
 
 
 @nox.session(python=PYTHON)

@@ -1,12 +1,15 @@
 """Continuous batching on the compute thread: prefill, decode, sampling, log-probs, stops.
 
-A :class:`Batch` holds the running sequences, their left-padded attention mask and one
-transformers ``DynamicCache``. :meth:`Batch.step` either prefills newly admitted sequences
-(and merges them into the running batch) or runs one decode step for every running sequence.
-Finished and aborted sequences leave the batch at once.
+A :class:`Batch` holds the running sequences. :meth:`Batch.step` either prefills newly
+admitted sequences (and adds them to the running batch) or runs one decode step for every
+running sequence. Each sequence owns a row of the KV cache pool and the slots of its positions
+(reserved when it is prefilled: its prompt plus ``max_new_tokens``, within the context); the
+``n`` samples of one request share the prompt's slots, so the prompt is prefilled once and each
+sample then draws its own first token from the same logits. Finished and aborted sequences give
+their row and slots back at once.
 
-Sampling uses one ``torch.Generator`` per sequence, drawn from once per generated token, so a
-seeded request's tokens do not depend on what else is in the batch.
+Sampling (:mod:`relax_hf.sampling`) draws each row's noise from a hash of its seed and the
+token's index, so a seeded request's tokens do not depend on what else is in the batch.
 
 A multi-node replica runs the same batch on every node: the head hands its followers each
 step's new sequences (:meth:`Sequence.to_wire`) and the aborts it applies (``aborted``), and
@@ -17,29 +20,38 @@ shapes: ``[logprob, token_id, text_or_None]`` entries; the first input position 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
+from relax_hf.grammar import Constraint
 from relax_hf.protocol import LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
+from relax_hf.sampling import draw, process_logits, scaled_logprobs
 
-__all__ = ["Batch", "Sequence"]
+__all__ = ["Batch", "Sequence", "reservation"]
+
+#: Padded tokens a prefill forward pass may hold (longer prompts run alone).
+PREFILL_TOKEN_BUDGET = 8192
 
 
 @attrs.define(eq=False)
 class Sequence:
-    """One generation request as the compute thread sees it."""
+    """One generation (one sample of a request) as the compute thread sees it."""
 
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
     logprob: LogprobParams
-    generator: torch.Generator | None
+    seed: int = 0
     stream: bool = False
+    group: str | None = None  # n > 1: shared by the samples of one prompt (one prefill)
+    index: int = 0  # the sample's index in its group
     created: float = attrs.field(factory=time.time)
     output_ids: list[int] = attrs.field(factory=list)
     text: str = ""
@@ -51,9 +63,16 @@ class Sequence:
     output_token_logprobs: list[Any] = attrs.field(factory=list)
     output_top_logprobs: list[Any] = attrs.field(factory=list)
     output_token_ids_logprobs: list[Any] = attrs.field(factory=list)
-    position: int = 0
-    retracted: bool = False  # its KV cache was dropped; the next prefill feeds its output too
-    seed: int | None = None  # the sampling generator's seed (None: greedy, no generator)
+    retracted: bool = False  # its KV was dropped; the next prefill feeds its output too
+    cached_tokens: int = 0  # prompt tokens whose KV another sample of its group computed
+    delivered: int = 0  # output tokens at the last streamed snapshot
+    # -- compute-thread state --
+    row: int | None = None
+    slots: list[np.ndarray] = attrs.field(factory=list)
+    counts: torch.Tensor | None = None  # output token counts (penalties)
+    bias: torch.Tensor | None = None  # dense logit bias
+    grammar: Constraint | None = None
+    prepared: bool = False
 
     @property
     def finished(self) -> bool:
@@ -71,62 +90,102 @@ class Sequence:
         return {
             "rid": self.rid,
             "prompt_ids": self.prompt_ids,
-            "sampling": attrs.asdict(self.sampling),
+            "sampling": self.sampling.to_wire(),
             "logprob": attrs.asdict(self.logprob),
             "seed": self.seed,
             "stream": self.stream,
+            "group": self.group,
+            "index": self.index,
             "retracted": self.retracted,
         }
 
     @classmethod
-    def from_wire(cls, wire: Mapping[str, Any], device: torch.device) -> Sequence:
-        """The sequence :meth:`to_wire` described, with a fresh generator of the same seed."""
-        sp = dict(wire["sampling"])
-        sp["stop"] = tuple(sp["stop"])
-        sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
+    def from_wire(cls, wire: Mapping[str, Any]) -> Sequence:
+        """The sequence :meth:`to_wire` described."""
         lp = dict(wire["logprob"])
         if lp["token_ids_logprob"] is not None:
             lp["token_ids_logprob"] = tuple(lp["token_ids_logprob"])
-        seed = wire["seed"]
         return cls(
             rid=wire["rid"],
             prompt_ids=list(wire["prompt_ids"]),
-            sampling=SamplingParams(**sp),
+            sampling=SamplingParams.from_wire(wire["sampling"]),
             logprob=LogprobParams(**lp),
-            generator=None if seed is None else seeded_generator(seed, device),
+            seed=int(wire["seed"]),
             stream=bool(wire["stream"]),
-            seed=seed,
+            group=wire["group"],
+            index=int(wire["index"]),
         )
 
 
-def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A sampling generator on ``device`` seeded with ``seed``."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+def reservation(sampling: SamplingParams, fed: int, done: int, context_len: int) -> int:
+    """KV slots one sample reserves beyond the ``fed`` tokens it is prefilled with.
+
+    ``max_new_tokens`` less the ``done`` tokens it already has (a retracted sequence), within
+    the context; ``None`` reserves up to the context length.
+    """
+    room = max(context_len - fed, 0)
+    mnt = sampling.max_new_tokens
+    return room if mnt is None else min(max(mnt - done, 0), room)
+
+
+def _simple(s: Sequence) -> bool:
+    """Whether the forward pass's own sampling is this sequence's (no processor, no filter)."""
+    sp = s.sampling
+    if s.logprob.return_logprob or s.bias is not None or s.counts is not None:
+        return False
+    if s.grammar is not None or (sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens):
+        return False
+    return sp.greedy or (sp.top_k == -1 and sp.top_p == 1.0 and sp.min_p == 0.0)
 
 
 #: ``{rid: abort message}`` of running sequences whose abort is applied at a step.
 Aborts = Mapping[str, str]
 
 
+def _units(new: list[Sequence]) -> list[list[Sequence]]:
+    """Prefill units: the samples of one group together, every other sequence alone."""
+    units: list[list[Sequence]] = []
+    by_group: dict[str, list[Sequence]] = {}
+    for s in new:
+        if s.group is not None and not s.retracted:
+            unit = by_group.get(s.group)
+            if unit is None:
+                unit = by_group[s.group] = []
+                units.append(unit)
+            unit.append(s)
+        else:
+            units.append([s])
+    return units
+
+
 class Batch:
-    """The running batch: sequences, attention mask, KV cache (compute thread only)."""
+    """The running batch: sequences and their share of the KV cache pool (compute thread)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.pool = runner.pool
         self.seqs: list[Sequence] = []
-        self.cache: Any = None
-        self.mask: torch.Tensor | None = None
-        self.last: torch.Tensor | None = None
         self.tokens_generated = 0
         self.peak_running = 0  # the most sequences ever decoded together
+        self.prefill_tokens = 0  # tokens run through prefill forward passes
+        self.prefill_sequences = 0  # prompts (prefill units) prefilled
+        self.decode_steps = 0
         #: Called with the tokens each sampling picked (one per row); returns the tokens the
         #: batch continues with (a multi-node replica's head tokens). ``None``: no sync.
         self.sync_tokens: Callable[[list[int]], list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def slots_needed(self, unit: list[Sequence]) -> int:
+        """KV slots a prefill unit takes (its input once, then each sample's reservation)."""
+        first = unit[0]
+        done = len(first.output_ids) if first.retracted else 0
+        fed = len(first.prompt_ids) + done
+        ctx = self.runner.max_len
+        return fed + sum(reservation(s.sampling, fed, done, ctx) for s in unit)
 
     # -- public --------------------------------------------------------------------------
 
@@ -148,7 +207,7 @@ class Batch:
         return changed
 
     def retract(self, aborted: Aborts | None = None) -> list[Sequence]:
-        """Take every running sequence out of the batch and drop the KV cache.
+        """Take every running sequence out of the batch and give its KV cache back.
 
         Aborted ones are finished; the others are marked ``retracted`` so that their next
         prefill feeds the prompt and every generated token.
@@ -156,9 +215,9 @@ class Batch:
         out = self._drop_aborted(aborted)
         for s in self.seqs:
             s.retracted = True
+            self._free(s)
         out += self.seqs
         self.seqs = []
-        self.clear()
         return out
 
     def drop_aborted(self, aborted: Aborts | None = None) -> list[Sequence]:
@@ -172,38 +231,51 @@ class Batch:
         return self._drop_aborted()
 
     def clear(self) -> None:
-        """Drop the KV cache of an empty batch."""
+        """Check that the batch is empty (its KV cache is then all free)."""
         assert not self.seqs
-        self.cache = self.mask = self.last = None
 
     # -- text ----------------------------------------------------------------------------
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, spaces_between: bool = True
+    ) -> str:
         """Detokenize, skipping ids the tokenizer does not know (padded vocabularies)."""
         n = len(self.runner.tokenizer)
-        return str(
-            self.runner.tokenizer.decode(
-                [i for i in ids if i < n], skip_special_tokens=skip_special_tokens
-            )
-        )
+        kw: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between:
+            kw["spaces_between_special_tokens"] = False
+        return str(self.runner.tokenizer.decode([i for i in ids if i < n], **kw))
 
     def _token_text(self, tid: int, want: bool) -> str | None:
         return self.decode([tid], skip_special_tokens=False) if want else None
 
     def refresh_text(self, s: Sequence) -> None:
-        """Recompute ``s.text`` from its output ids (trimming a matched stop, as SGLang does)."""
+        """Recompute ``s.text`` from its output ids, trimming a matched stop as SGLang does."""
+        sp = s.sampling
         ids = s.output_ids
         matched = (s.finish_reason or {}).get("matched")
-        if isinstance(matched, int) and not s.sampling.no_stop_trim and ids and ids[-1] == matched:
+        if isinstance(matched, int) and not sp.no_stop_trim and ids and ids[-1] == matched:
             ids = ids[:-1]
-        text = self.decode(ids, s.sampling.skip_special_tokens)
-        if isinstance(matched, str) and not s.sampling.no_stop_trim:
+        text = self.decode(ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+        if isinstance(matched, str):
             idx = text.find(matched)
             if idx >= 0:
-                text = text[:idx]
+                text = text[: idx + len(matched)] if sp.no_stop_trim else text[:idx]
         s.text = text
 
-    # -- batch surgery -------------------------------------------------------------------
+    # -- pool bookkeeping ----------------------------------------------------------------
+
+    def _free(self, s: Sequence) -> None:
+        for slots in s.slots:
+            self.pool.free_slots_of(slots)
+        s.slots = []
+        if s.row is not None:
+            self.pool.free_row(s.row)
+            s.row = None
+
+    def _finish(self, s: Sequence) -> None:
+        self._free(s)
+        self.refresh_text(s)
 
     def _drop_aborted(self, aborted: Aborts | None = None) -> list[Sequence]:
         # One snapshot decides: an abort requested while this runs waits for the next step (so
@@ -213,213 +285,173 @@ class Batch:
         gone = [s for s in self.seqs if s.rid in aborted]
         for s in gone:
             s.finish_reason = {"type": "abort", "message": aborted[s.rid]}
-            self.refresh_text(s)
+            self._finish(s)
         if gone:
-            self._keep([i for i, s in enumerate(self.seqs) if s.rid not in aborted])
+            self.seqs = [s for s in self.seqs if s.rid not in aborted]
         return gone
 
-    def _keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` of the batch (a no-op when every row stays)."""
-        if len(rows) == len(self.seqs):
+    def _prepare(self, s: Sequence) -> None:
+        """Sampling state: dense logit bias, penalty counts, the grammar matcher."""
+        if s.prepared:
             return
-        self.seqs = [self.seqs[i] for i in rows]
-        if not rows:
-            self.clear()
-            return
-        assert self.mask is not None and self.last is not None
-        idx = torch.tensor(rows, device=self.mask.device)
-        self.mask = self.mask[idx]
-        self.last = self.last[idx]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[idx]
-            layer.values = layer.values[idx]
-        self._trim()
+        sp, device, vocab = s.sampling, self.runner.device, self.runner.vocab_size
+        if sp.logit_bias:
+            bias = torch.zeros(vocab, dtype=torch.float32)
+            for tid, b in sp.logit_bias:
+                bias[tid] = b
+            s.bias = bias.to(device)
+        if sp.penalized:
+            s.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        grammar = sp.grammar
+        if grammar is not None:
+            kind, source = grammar
+            compiled = self.runner.grammar.compile(kind, source, f"sampling_params.{kind}")
+            s.grammar = self.runner.grammar.constraint(compiled)
+        s.prepared = True
 
-    def _trim(self) -> None:
-        """Cut the leading columns that are padding in every row."""
-        if self.mask is None or not self.seqs:
-            return
-        cols = int(torch.nonzero(self.mask.any(0))[0, 0])
-        if cols:
-            self.mask = self.mask[:, cols:]
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, cols:, :]
-                layer.values = layer.values[:, :, cols:, :]
+    # -- prefill -------------------------------------------------------------------------
 
-    def _merge(
-        self, seqs: list[Sequence], cache: Any, mask: torch.Tensor, last: torch.Tensor
-    ) -> None:
-        if not self.seqs:
-            self.seqs, self.cache, self.mask, self.last = list(seqs), cache, mask, last
-            self.peak_running = max(self.peak_running, len(self.seqs))
-            return
-        assert self.mask is not None and self.last is not None
-        length = max(self.mask.shape[1], mask.shape[1])
-
-        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = length - t.shape[dim]
-            if missing == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = missing
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)], dim=0)
-            mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)], dim=0)
-        self.mask = torch.cat([pad(self.mask, 1), pad(mask, 1)], dim=0)
-        self.last = torch.cat([self.last, last], dim=0)
-        self.seqs += seqs
-        self.peak_running = max(self.peak_running, len(self.seqs))
-
-    # -- prefill and decode --------------------------------------------------------------
+    def _place(self, unit: list[Sequence]) -> list[int]:
+        """Rows and slots for a unit; returns the input ids it is prefilled with."""
+        first = unit[0]
+        fed = first.prompt_ids + first.output_ids if first.retracted else list(first.prompt_ids)
+        done = len(first.output_ids) if first.retracted else 0
+        shared = self.pool.alloc_slots(len(fed))
+        if len(unit) > 1:
+            self.pool.share(shared, len(unit) - 1)
+        ctx = self.runner.max_len
+        for i, s in enumerate(unit):
+            s.row = self.pool.alloc_row()
+            mine = self.pool.alloc_slots(reservation(s.sampling, len(fed), done, ctx))
+            s.slots = [shared, mine]
+            self.pool.write_row(s.row, 0, shared)
+            self.pool.write_row(s.row, len(fed), mine)
+            s.cached_tokens = len(first.prompt_ids) if i else 0
+        return fed
 
     def _prefill(self, new: list[Sequence]) -> None:
-        # Sequences that want input log-probs need logits at every position; the rest only at
-        # the last one, so they are prefilled apart (bounded logits memory).
-        def wants_input_logprobs(s: Sequence) -> bool:
+        for s in new:
+            self._prepare(s)
+        units = _units(new)
+        inputs = [self._place(u) for u in units]
+
+        def wants_input_logprobs(u: list[Sequence]) -> bool:
+            s = u[0]
             return not s.retracted and s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1
 
-        full = [s for s in new if wants_input_logprobs(s)]
-        rest = [s for s in new if not wants_input_logprobs(s)]
-        for group in (full, rest):
-            if group:
-                self._prefill_group(group, full=group is full)
+        # Sequences that want input log-probs need logits at every position; the rest only at
+        # the last one. Within each kind, similar lengths share a padded forward pass.
+        last: dict[int, torch.Tensor] = {}
+        order = sorted(
+            range(len(units)), key=lambda i: (wants_input_logprobs(units[i]), -len(inputs[i]))
+        )
+        chunk: list[int] = []
+        for i in order:
+            if chunk:
+                width = len(inputs[chunk[0]])
+                same_kind = wants_input_logprobs(units[i]) == wants_input_logprobs(units[chunk[0]])
+                if not same_kind or width * (len(chunk) + 1) > PREFILL_TOKEN_BUDGET:
+                    last.update(self._forward(chunk, units, inputs))
+                    chunk = []
+            chunk.append(i)
+        if chunk:
+            last.update(self._forward(chunk, units, inputs))
 
-    def _prefill_group(self, new: list[Sequence], *, full: bool) -> None:
-        runner = self.runner
-        device = runner.device
-        # A retracted sequence is prefilled with its output so far and continues from there.
-        inputs = [s.prompt_ids + s.output_ids if s.retracted else s.prompt_ids for s in new]
-        length = max(len(x) for x in inputs)
-        ids = torch.full((len(new), length), runner.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(new), length), dtype=torch.long)
-        for i, (s, x) in enumerate(zip(new, inputs, strict=True)):
-            n = len(x)
-            ids[i, length - n :] = torch.tensor(x, dtype=torch.long)
-            mask[i, length - n :] = 1
-            s.position = n
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = runner.new_cache()
-        logits = runner.forward(ids, mask, positions, cache, logits_to_keep=0 if full else 1)
-        for i, s in enumerate(new):
-            if s.logprob.return_logprob and not s.retracted:
-                self._input_logprobs(s, logits[i], length - len(s.prompt_ids) if full else None)
-        tokens = self._sample(logits[:, -1, :].float(), new)
-        keep = []
-        for i, s in enumerate(new):
+        # Every sample draws its first token from its unit's last-position logits.
+        members = [s for u in units for s in u]
+        where = [i for i, u in enumerate(units) for _ in u]
+        logits = torch.stack([last[i] for i in where])
+        picked = self._sample(logits, members)
+        keep: list[Sequence] = []
+        for s, tok in zip(members, picked, strict=True):
             s.retracted = False
             if s.sampling.max_new_tokens == 0:
                 s.finish_reason = {"type": "length", "length": 0}
-                self.refresh_text(s)
+                self._finish(s)
                 continue
-            self._append(s, tokens[i])
+            self._append(s, tok)
             if not s.finished:
-                keep.append(i)
-        if keep:
-            idx = torch.tensor(keep, device=device)
-            for layer in cache.layers:
-                layer.keys = layer.keys[idx]
-                layer.values = layer.values[idx]
-            last = torch.tensor(
-                [[new[i].output_ids[-1]] for i in keep], dtype=torch.long, device=device
-            )
-            self._merge([new[i] for i in keep], cache, mask[idx], last)
-            self._trim()
+                keep.append(s)
+        self.seqs += keep
+        self.peak_running = max(self.peak_running, len(self.seqs))
+
+    def _forward(
+        self, chunk: list[int], units: list[list[Sequence]], inputs: list[list[int]]
+    ) -> dict[int, torch.Tensor]:
+        runner = self.runner
+        device = runner.device
+        width = max(len(inputs[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), runner.pad_id, dtype=torch.long)
+        for r, i in enumerate(chunk):
+            ids[r, : len(inputs[i])] = torch.tensor(inputs[i], dtype=torch.long)
+        lens = torch.tensor([len(inputs[i]) for i in chunk], dtype=torch.long)
+        rows = torch.tensor([units[i][0].row for i in chunk], dtype=torch.long)
+        hidden = runner.prefill(ids.to(device), lens.to(device), rows.to(device))
+        self.prefill_tokens += int(lens.sum())
+        self.prefill_sequences += len(chunk)
+        ends = (lens - 1).to(device)
+        last_logits = runner.logits(hidden[torch.arange(len(chunk), device=device), ends])
+        out: dict[int, torch.Tensor] = {}
+        for r, i in enumerate(chunk):
+            out[i] = last_logits[r]
+            head = units[i][0]
+            if head.logprob.return_logprob and not head.retracted:
+                n = len(inputs[i])
+                full = None
+                if head.start < n - 1:
+                    full = runner.logits(hidden[r, head.start : n - 1])
+                self._input_logprobs(head, full)
+                for other in units[i][1:]:
+                    other.input_token_logprobs = head.input_token_logprobs
+                    other.input_top_logprobs = head.input_top_logprobs
+                    other.input_token_ids_logprobs = head.input_token_ids_logprobs
+        return out
+
+    # -- decode --------------------------------------------------------------------------
 
     def _decode(self) -> list[Sequence]:
-        assert self.mask is not None and self.last is not None
-        device = self.runner.device
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.seqs), 1))], dim=1)
-        positions = torch.tensor([[s.position] for s in self.seqs], dtype=torch.long, device=device)
-        logits = self.runner.forward(self.last, self.mask, positions, self.cache)
-        tokens = self._sample(logits[:, -1, :].float(), self.seqs)
         seqs = list(self.seqs)
-        for s, tok in zip(seqs, tokens, strict=True):
-            s.position += 1
+        positions = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]
+        packed = torch.from_numpy(
+            np.array(
+                [
+                    [s.output_ids[-1] for s in seqs],
+                    positions,
+                    [s.row for s in seqs],
+                    [s.seed for s in seqs],
+                    [len(s.output_ids) for s in seqs],
+                ],
+                dtype=np.int64,
+            )
+        )
+        temps = torch.tensor(
+            [0.0 if s.sampling.greedy else s.sampling.temperature for s in seqs],
+            dtype=torch.float32,
+        )
+        logits, tokens = self.runner.decode(packed, temps, max(positions) + 1)
+        self.decode_steps += 1
+        if all(_simple(s) for s in seqs):
+            # The forward pass sampled them (in the CUDA graph): the same draw as below.
+            picked: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in tokens.tolist()]
+            if self.sync_tokens is not None:
+                picked = [(t, None) for t in self.sync_tokens([t for t, _ in picked])]
+        else:
+            picked = self._sample(logits, seqs)
+        for s, tok in zip(seqs, picked, strict=True):
             self._append(s, tok)
-        self.last = torch.tensor([[t for t, _ in tokens]], dtype=torch.long).T.to(device)
-        self._keep([i for i, s in enumerate(seqs) if not s.finished])
+        self.seqs = [s for s in seqs if not s.finished]
         return seqs
 
     # -- sampling and log-probs ----------------------------------------------------------
 
-    def _scaled(self, z: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-        return z if sp.greedy else z / sp.temperature
-
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> list[tuple[int, torch.Tensor | None]]:
-        """Pick one token per row; returns (token, log-prob row or None) per sequence.
-
-        Batched: temperature, top-k, top-p and min-p are applied to all rows at once and the
-        draw is an exponential race (``argmax p / E`` with ``E ~ Exp(1)``), which samples
-        exactly from ``p``. Each row's noise comes from its own generator, so a seeded row's
-        token does not depend on the other rows. One device sync per step.
-        """
-        device = logits.device
-        z = logits
-        banned_rows = [
-            (i, s)
-            for i, s in enumerate(seqs)
-            if s.sampling.min_new_tokens and len(s.output_ids) < s.sampling.min_new_tokens
-        ]
-        if banned_rows:
-            z = z.clone()
-            for i, s in banned_rows:
-                banned = set(s.sampling.stop_token_ids) | (
-                    set() if s.sampling.ignore_eos else set(self.runner.eos_ids)
-                )
-                if banned:
-                    z[i, torch.tensor(sorted(banned), device=device)] = float("-inf")
-        temps = torch.tensor(
-            [1.0 if s.sampling.greedy else s.sampling.temperature for s in seqs], device=device
-        )
-        scaled = z / temps[:, None]
+        """Pick one token per row; returns (token, log-prob row or None) per sequence."""
+        z = process_logits(logits, seqs, self.runner.eos_ids)
         want_lp = any(s.logprob.return_logprob for s in seqs)
-        lp = torch.log_softmax(scaled, dim=-1) if want_lp else None
-        tokens = torch.argmax(z, dim=-1)
-        rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
-        if rows:
-            sub = [seqs[i] for i in rows]
-            idx = torch.tensor(rows, device=device)
-            filt = scaled[idx]
-            ks = [s.sampling.top_k if 0 < s.sampling.top_k < filt.shape[-1] else 0 for s in sub]
-            if any(ks):
-                kmax = max(ks)
-                top = torch.topk(filt, kmax, dim=-1).values
-                k_idx = torch.tensor([max(k, 1) - 1 for k in ks], device=device)
-                kth = top.gather(1, k_idx[:, None])
-                kth = torch.where(
-                    torch.tensor(ks, device=device)[:, None] > 0,
-                    kth,
-                    torch.full_like(kth, float("-inf")),
-                )
-                filt = filt.masked_fill(filt < kth, float("-inf"))
-            probs = torch.softmax(filt, dim=-1)
-            top_ps = [s.sampling.top_p for s in sub]
-            if any(p < 1.0 for p in top_ps):
-                sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-                drop = (sorted_p.cumsum(-1) - sorted_p) > torch.tensor(top_ps, device=device)[
-                    :, None
-                ]
-                probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-            min_ps = [s.sampling.min_p for s in sub]
-            if any(min_ps):
-                floor = (
-                    torch.tensor(min_ps, device=device)[:, None]
-                    * probs.max(dim=-1, keepdim=True).values
-                )
-                probs = probs.masked_fill(probs < floor, 0.0)
-            noise = torch.stack(
-                [
-                    torch.empty(probs.shape[-1], device=device).exponential_(generator=s.generator)
-                    for s in sub
-                ]
-            )
-            tokens[idx] = torch.argmax(probs / noise, dim=-1)
-        picked = tokens.tolist()
+        lp = scaled_logprobs(z, seqs) if want_lp else None
+        picked = draw(z, seqs).tolist()
         if self.sync_tokens is not None:
             picked = self.sync_tokens(picked)
         return [
@@ -427,32 +459,38 @@ class Batch:
             for i, (tok, s) in enumerate(zip(picked, seqs, strict=True))
         ]
 
+    @staticmethod
+    def _finite(values: list[float]) -> list[float]:
+        # Banned tokens (grammar, min_new_tokens, logit_bias -inf) have -inf log-probs: JSON
+        # has no such number, so they are clamped to float32's lowest, as SGLang does.
+        low = -3.4028234663852886e38
+        return [v if v > low else low for v in values]
+
     def _entries(self, lp: torch.Tensor, ids: list[int], want_text: bool) -> list[list[Any]]:
-        vals = lp[torch.tensor(ids, device=lp.device)].tolist()
+        vals = self._finite(lp[torch.tensor(ids, device=lp.device)].tolist())
         return [[v, t, self._token_text(t, want_text)] for v, t in zip(vals, ids, strict=True)]
 
     def _top(self, lp: torch.Tensor, k: int, want_text: bool) -> list[list[Any]]:
         vals, idx = torch.topk(lp, k)
         return [
             [v, t, self._token_text(t, want_text)]
-            for v, t in zip(vals.tolist(), idx.tolist(), strict=True)
+            for v, t in zip(self._finite(vals.tolist()), idx.tolist(), strict=True)
         ]
 
-    def _input_logprobs(self, s: Sequence, logits: torch.Tensor, offset: int | None) -> None:
+    def _input_logprobs(self, s: Sequence, logits: torch.Tensor | None) -> None:
+        """``logits`` are those of positions ``start … n-2`` (predicting ``start+1 … n-1``)."""
         lpp: LogprobParams = s.logprob
         want = lpp.return_text_in_logprobs
         prompt = s.prompt_ids
-        start, n = s.start, len(prompt)
-        first = [None, prompt[start], self._token_text(prompt[start], want)]
-        tokens: list[list[Any]] = [first]
+        start = s.start
+        tokens: list[list[Any]] = [[None, prompt[start], self._token_text(prompt[start], want)]]
         tops: list[Any] = [None]
         by_id: list[Any] = [None]
-        if start < n - 1:
-            assert offset is not None
-            rows = self._scaled(logits[offset + start : offset + n - 1].float(), s.sampling)
-            lp = torch.log_softmax(rows, dim=-1)
+        if logits is not None:
+            temp = 1.0 if s.sampling.greedy else s.sampling.temperature
+            lp = torch.log_softmax(logits / temp, dim=-1)
             targets = torch.tensor(prompt[start + 1 :], device=lp.device)
-            vals = lp.gather(1, targets[:, None])[:, 0].tolist()
+            vals = self._finite(lp.gather(1, targets[:, None])[:, 0].tolist())
             for v, t in zip(vals, prompt[start + 1 :], strict=True):
                 tokens.append([v, t, self._token_text(t, want)])
             for r in range(lp.shape[0]):
@@ -468,32 +506,101 @@ class Batch:
         tok, lp = sampled
         s.output_ids.append(tok)
         self.tokens_generated += 1
+        if s.counts is not None:
+            s.counts[tok] += 1
         lpp = s.logprob
         if lp is not None:
             want = lpp.return_text_in_logprobs
-            s.output_token_logprobs.append([float(lp[tok]), tok, self._token_text(tok, want)])
+            value = self._finite([float(lp[tok])])[0]
+            s.output_token_logprobs.append([value, tok, self._token_text(tok, want)])
             if lpp.top_logprobs_num:
                 s.output_top_logprobs.append(self._top(lp, lpp.top_logprobs_num, want))
             if lpp.token_ids_logprob is not None:
                 s.output_token_ids_logprobs.append(
                     self._entries(lp, list(lpp.token_ids_logprob), want)
                 )
-        self._check_finish(s, tok)
-        if s.finished or s.stream:
+        rejected = s.grammar is not None and not s.grammar.accept(tok)
+        if rejected:
+            s.finish_reason = {
+                "type": "abort",
+                "message": f"token {tok} is not allowed by the request's grammar",
+            }
+        else:
+            self._check_finish(s, tok)
+        if s.finished:
+            self._finish(s)
+        elif s.stream:
             self.refresh_text(s)
 
-    def _check_finish(self, s: Sequence, tok: int) -> None:
+    def _tail_text(self, s: Sequence, tokens: int) -> str:
         sp = s.sampling
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.runner.eos_ids):
+        ids = s.output_ids[-tokens:] if tokens < len(s.output_ids) else s.output_ids
+        return self.decode(ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+
+    def _check_finish(self, s: Sequence, tok: int) -> None:
+        """SGLang's order: stop strings and regexes, stop tokens, length, grammar end."""
+        sp = s.sampling
+        if sp.stop or sp.stop_regex:
+            # Decoding a tail long enough for any stop (SGLang decodes a bounded tail too).
+            text = self._tail_text(s, _stop_window(sp))
+            for stop in sp.stop:
+                if stop in text:
+                    s.finish_reason = {"type": "stop", "matched": stop}
+                    return
+            for pattern in sp.stop_regex:
+                if re.search(pattern, text):
+                    s.finish_reason = {"type": "stop", "matched": pattern}
+                    return
+        if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.runner.eos_ids):
             s.finish_reason = {"type": "stop", "matched": tok}
             return
-        if sp.stop:
-            text = self.decode(s.output_ids, sp.skip_special_tokens)
-            hits = [(text.find(stop), stop) for stop in sp.stop if stop in text]
-            if hits:
-                s.finish_reason = {"type": "stop", "matched": min(hits)[1]}
-                return
-        if len(s.output_ids) >= sp.max_new_tokens:
-            s.finish_reason = {"type": "length", "length": sp.max_new_tokens}
+        mnt = sp.max_new_tokens
+        if mnt is not None and len(s.output_ids) >= mnt:
+            s.finish_reason = {"type": "length", "length": mnt}
         elif len(s.prompt_ids) + len(s.output_ids) >= self.runner.max_len:
             s.finish_reason = {"type": "length", "length": len(s.output_ids)}
+        elif s.grammar is not None and s.grammar.terminated:
+            s.finish_reason = {"type": "stop", "matched": tok}
+
+
+_WINDOWS: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
+
+
+def _stop_window(sp: SamplingParams) -> int:
+    """Output tokens to decode for stop matching: enough for the longest stop (1 char ≥ 1 token
+    in the worst case), or everything when a regex is unbounded."""
+    key = (sp.stop, sp.stop_regex)
+    hit = _WINDOWS.get(key)
+    if hit is None:
+        longest = max((len(st) for st in sp.stop), default=0)
+        for pattern in sp.stop_regex:
+            longest = max(longest, _regex_max_chars(pattern))
+        hit = min(longest, 1 << 30) + 2
+        _WINDOWS[key] = hit
+    return hit
+
+
+def _regex_max_chars(pattern: str) -> int:
+    """An upper bound of the characters a match of ``pattern`` spans (huge when unbounded)."""
+    import re._parser as sre_parse  # Python >= 3.11
+
+    def walk(sub: Any) -> int:
+        total = 0
+        for op, value in sub:
+            name = str(op)
+            if name in ("LITERAL", "NOT_LITERAL", "IN", "ANY", "CATEGORY"):
+                total += 1
+            elif name == "SUBPATTERN":
+                total += walk(value[-1])
+            elif name == "BRANCH":
+                total += max(walk(b) for b in value[1])
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                _lo, hi, inner = value
+                total += (1 << 30) if hi == sre_parse.MAXREPEAT else hi * walk(inner)
+            elif name in ("AT",):
+                continue
+            else:
+                total += 1 << 30
+        return total
+
+    return walk(sre_parse.parse(pattern))

@@ -33,7 +33,7 @@ async def measure_throughput(
                 "sampling_params": {
                     "max_new_tokens": max_new_tokens,
                     "temperature": 1.0,
-                    "seed": cid * 1000 + i,
+                    "sampling_seed": cid * 1000 + i,
                     "ignore_eos": True,
                 },
             }

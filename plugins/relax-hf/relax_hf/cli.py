@@ -50,6 +50,14 @@ def _serve(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout,
+        mem_fraction_static=args.mem_fraction_static,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
+        constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
+        enable_torch_compile=args.enable_torch_compile,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -99,7 +107,14 @@ def _bench(args: argparse.Namespace) -> int:
 def _gpu_bench(args: argparse.Namespace) -> int:
     from relax_hf.gpu_bench import format_result, run
 
-    result = run(device=args.device, quick=args.quick, size=args.size)
+    result = run(
+        device=args.device,
+        quick=args.quick,
+        size=args.size,
+        mem_fraction=args.mem_fraction_static,
+        torch_compile=args.torch_compile,
+        settle_s=args.settle_seconds,
+    )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
 
@@ -163,6 +178,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds to wait for the nodes to join, and for one collective",
     )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="fraction of the device's memory for the weights and the KV cache pool together, "
+        "taken at start (SGLang's meaning; default 0.88 on CUDA; on CPU the default is a pool "
+        "of 32768 tokens)",
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV cache pool size in tokens (overrides --mem-fraction-static)",
+    )
+    p.add_argument(
+        "--context-length", type=int, default=None, help="default: the model's max positions"
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        "--disable-decode-cuda-graph",
+        dest="disable_cuda_graph",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        "--cuda-graph-max-bs-decode",
+        dest="cuda_graph_max_bs",
+        type=int,
+        default=None,
+        help="largest decode batch captured as a CUDA graph (default: --max-running-requests)",
+    )
+    p.add_argument(
+        "--constrained-json-disable-any-whitespace",
+        action="store_true",
+        help="JSON-schema output without free whitespace (compact)",
+    )
+    p.add_argument(
+        "--constrained-json-max-whitespace-cnt",
+        type=int,
+        default=None,
+        help="most consecutive whitespace characters in JSON-schema output (default: unbounded)",
+    )
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="fuse the element-wise parts of the forward pass with torch.compile (CUDA)",
+    )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)
 
@@ -190,6 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["1b", "tiny"],
         help="model size (default: 1b on cuda, tiny on cpu)",
+    )
+    p.add_argument(
+        "--mem-fraction-static", type=float, default=0.85, help="the engine's (CUDA only; 0.85)"
+    )
+    p.add_argument(
+        "--torch-compile", action="store_true", help="start the engine with --enable-torch-compile"
+    )
+    p.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=2.0,
+        help="wait between a release and the resume that is timed (as between two RL steps)",
     )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(_run=_gpu_bench)

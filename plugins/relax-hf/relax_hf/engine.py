@@ -22,10 +22,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from relax_hf.batch import Batch, Sequence, seeded_generator
+from relax_hf.batch import Batch, Sequence, reservation
+from relax_hf.kvcache import PoolUnavailable
 from relax_hf.nodes import HeadNodes, NodeLost
-from relax_hf.protocol import MEMORY_TAGS, LogprobParams, SamplingParams
+from relax_hf.protocol import MEMORY_TAGS, BadRequest, LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner, WeightsError
+from relax_hf.sampling import derive_seed
 from relax_hf.weights import WeightsGroup, decode_named_tensors, parse_dtype
 
 __all__ = ["Conflict", "Engine", "NotResident", "Unavailable"]
@@ -83,8 +85,10 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._rng = random.Random(seed)
         self._ops = asyncio.Lock()
+        self._groups: dict[str, list[str]] = {}  # rid of an n > 1 request -> its samples' rids
         self._forget: deque[str] = deque()  # retracted rids aborted while queued (followers)
         self.requests_total = 0
+        self.prompt_tokens_total = 0
 
     # -- lifecycle of the loop -------------------------------------------------------------
 
@@ -130,6 +134,13 @@ class Engine:
         """The memory tags that are released now."""
         return [t for t, on in self.resident.items() if not on]
 
+    def token_usage(self) -> float:
+        """The fraction of the KV cache pool's slots held by sequences."""
+        pool = self.runner.pool
+        if not pool.resident:
+            return 0.0
+        return 1.0 - pool.free_slots / pool.capacity
+
     @property
     def num_running(self) -> int:
         """Sequences in the running batch."""
@@ -140,6 +151,17 @@ class Engine:
         """Sequences admitted but not yet prefilled."""
         return len(self._pending)
 
+    async def check_grammar(self, sampling: SamplingParams, field: str) -> None:
+        """Compile the request's grammar off the event loop (cached for the compute thread).
+
+        :raises BadRequest: the grammar does not compile (naming ``field``).
+        """
+        grammar = sampling.grammar
+        if grammar is not None:
+            kind, source = grammar
+            where = f"{field}.{kind}" if field else kind
+            await asyncio.to_thread(self.runner.grammar.compile, kind, source, where)
+
     def submit(
         self,
         prompt_ids: list[int],
@@ -148,10 +170,15 @@ class Engine:
         *,
         rid: str | None = None,
         stream: bool = False,
-    ) -> tuple[Sequence, asyncio.Queue[dict[str, Any]]]:
-        """Admit one request; its snapshots arrive on the returned queue.
+        field: str = "sampling_params",
+        queue: asyncio.Queue[dict[str, Any]] | None = None,
+    ) -> list[tuple[Sequence, asyncio.Queue[dict[str, Any]]]]:
+        """Admit one prompt with its ``n`` samples; each sample's snapshots arrive on its queue.
 
-        :raises NotResident: memory is released. :raises Conflict: ``rid`` is in use.
+        The samples of one prompt (rids ``{rid}-{i}`` when ``n`` > 1) are prefilled together,
+        once. ``queue`` (default: one per sample) receives every sample's snapshots.
+        :raises NotResident: memory is released. :raises Conflict: ``rid`` is in use, the
+        prompt exceeds the context, or the request can never fit the KV cache pool.
         :raises Unavailable: a node of this multi-node replica is lost.
         """
         if self.broken:
@@ -164,39 +191,65 @@ class Engine:
                 f"memory {released} is released; call resume_memory_occupation before generating"
             )
         rid = rid or uuid.uuid4().hex
-        if rid in self._live:
-            raise Conflict(f"rid: request id {rid!r} is already in flight")
-        if len(prompt_ids) >= self.runner.max_len:
+        n = sampling.n
+        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        busy = [r for r in [rid, *rids] if r in self._live or r in self._groups]
+        if busy:
+            raise Conflict(f"rid: request id {busy[0]!r} is already in flight")
+        runner = self.runner
+        if len(prompt_ids) >= runner.max_len:
             raise Conflict(
-                f"input: {len(prompt_ids)} prompt tokens exceed the context length "
-                f"{self.runner.max_len}"
+                f"input: {len(prompt_ids)} prompt tokens exceed the context length {runner.max_len}"
             )
-        seed = sampling.seed if sampling.seed is not None else self._rng.randrange(1 << 62)
-        gen = None if sampling.greedy else seeded_generator(seed, self.runner.device)
-        seq = Sequence(
-            rid=rid,
-            prompt_ids=list(prompt_ids),
-            sampling=sampling,
-            logprob=logprob,
-            generator=gen,
-            stream=stream,
-            seed=None if sampling.greedy else seed,
-        )
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._live[rid] = seq
-        self._sinks[rid] = queue
-        self._pending.append(seq)
+        if n > self.max_running_requests:
+            raise BadRequest(
+                f"{field}.n",
+                f"must be <= --max-running-requests ({self.max_running_requests}): the samples "
+                "of one prompt run together",
+            )
+        need = len(prompt_ids) + n * reservation(sampling, len(prompt_ids), 0, runner.max_len)
+        if need > runner.pool.capacity:
+            raise BadRequest(
+                f"{field}.max_new_tokens",
+                f"{n} sample(s) of this prompt need {need} KV cache slots, the pool has "
+                f"{runner.pool.capacity}; lower max_new_tokens or n, or start the engine with "
+                "a larger --mem-fraction-static / --max-total-tokens",
+            )
+        base = sampling.sampling_seed
+        if base is None:
+            base = self._rng.randrange(-(1 << 63), 1 << 63)
+        out = []
+        for i, r in enumerate(rids):
+            seq = Sequence(
+                rid=r,
+                prompt_ids=list(prompt_ids),
+                sampling=sampling,
+                logprob=logprob,
+                seed=0 if sampling.greedy else derive_seed(base, i),
+                stream=stream,
+                group=rid if n > 1 else None,
+                index=i,
+            )
+            sink: asyncio.Queue[dict[str, Any]] = queue if queue is not None else asyncio.Queue()
+            self._live[r] = seq
+            self._sinks[r] = sink
+            self._pending.append(seq)
+            out.append((seq, sink))
+        if n > 1:
+            self._groups[rid] = rids
         self.requests_total += 1
+        self.prompt_tokens_total += len(prompt_ids)
         self._wake.set()
-        return seq, queue
+        return out
 
     def abort(self, rid: str, message: str = "Abort by user request") -> bool:
-        """Abort one request (pending or running); ``False`` if no such request is in flight."""
-        seq = self._live.get(rid)
-        if seq is None:
-            return False
-        self._abort(seq, message)
-        return True
+        """Abort one request (pending or running; a request of ``n`` samples by its rid or a
+        sample's); ``False`` if no such request is in flight."""
+        rids = self._groups.get(rid, [rid])
+        seqs = [self._live[r] for r in rids if r in self._live]
+        for seq in seqs:
+            self._abort(seq, message)
+        return bool(seqs)
 
     def abort_all(self, message: str = "Abort by user request") -> int:
         """Abort every request in flight; returns how many."""
@@ -230,9 +283,7 @@ class Engine:
                 if aborting:
                     self._deliver(await self.compute(self._drop_aborted))
                 continue
-            new: list[Sequence] = []
-            while self._pending and len(self.batch) + len(new) < self.max_running_requests:
-                new.append(self._pending.popleft())
+            new = self._admit()
             if not new and not len(self.batch):
                 continue
             try:
@@ -244,6 +295,34 @@ class Engine:
             self._deliver(changed)
             if len(self.batch) or self._pending:
                 self._wake.set()
+
+    def _admit(self) -> list[Sequence]:
+        """Take pending sequences, first come first served, while rows and KV slots last.
+
+        The samples of one prompt are taken together or not at all.
+        """
+        new: list[Sequence] = []
+        units: list[list[Sequence]] = []
+        rows = len(self.batch)
+        pool = self.runner.pool
+        free_slots = pool.free_slots
+        while self._pending:
+            head = self._pending[0]
+            unit = [head]
+            if head.group is not None and not head.retracted:
+                for seq in list(self._pending)[1:]:
+                    if seq.group != head.group or seq.retracted:
+                        break
+                    unit.append(seq)
+            need = self.batch.slots_needed(unit)
+            if rows + len(unit) > self.max_running_requests or need > free_slots:
+                break
+            for _ in unit:
+                new.append(self._pending.popleft())
+            units.append(unit)
+            rows += len(unit)
+            free_slots -= need
+        return new
 
     # -- compute-thread operations that the followers mirror --------------------------------
 
@@ -282,9 +361,9 @@ class Engine:
         self._tell("flush")
         self.runner.free_cached_memory()
 
-    def _resume_weights(self) -> dict[str, Any]:
-        self._tell("resume_weights")  # idempotent on a follower whose weights are back already
-        return self.runner.resume_weights()
+    def _resume_on_compute_thread(self, tags: tuple[str, ...], graphs: bool) -> dict[str, Any]:
+        self._tell("resume", tags=list(tags), graphs=graphs)  # idempotent on a follower
+        return self.runner.resume(tags, graphs=graphs)
 
     def _load_named(self, named: list[tuple[str, torch.Tensor]], field: str) -> int:
         if self.nodes is not None:
@@ -317,7 +396,7 @@ class Engine:
             "finish_reason": s.finish_reason,
             "prompt_tokens": len(s.prompt_ids),
             "completion_tokens": len(s.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": s.cached_tokens,
             "weight_version": self.weight_version,
             "e2e_latency": time.time() - s.created,
         }
@@ -338,13 +417,45 @@ class Engine:
             sink = self._sinks.get(s.rid)
             if sink is None or self._live.get(s.rid) is not s:
                 continue
-            if s.finished or s.stream:
+            interval = s.sampling.stream_interval or 1
+            if s.finished or (s.stream and len(s.output_ids) - s.delivered >= interval):
+                s.delivered = len(s.output_ids)
                 sink.put_nowait(self.snapshot(s))
             if s.finished:
                 del self._live[s.rid]
                 del self._sinks[s.rid]
+                if s.group is not None:
+                    rids = self._groups.get(s.group, [])
+                    if not any(r in self._live for r in rids):
+                        self._groups.pop(s.group, None)
 
     # -- generation helpers -----------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        logprob: LogprobParams,
+        rid: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Submit one prompt and wait for the final snapshot of each of its ``n`` samples.
+
+        Every sample is aborted if the caller is cancelled.
+        """
+        subs = self.submit(prompt_ids, sampling, logprob, rid=rid)
+        try:
+            out = []
+            for _seq, queue in subs:
+                while True:
+                    snap = await queue.get()
+                    if snap["meta_info"]["finish_reason"] is not None:
+                        out.append(snap)
+                        break
+            return out
+        except asyncio.CancelledError:
+            for seq, _ in subs:
+                self.abort(seq.rid, "Abort: the client went away")
+            raise
 
     async def generate_one(
         self,
@@ -353,16 +464,8 @@ class Engine:
         logprob: LogprobParams,
         rid: str | None = None,
     ) -> dict[str, Any]:
-        """Submit and wait for the final snapshot (aborted if the caller is cancelled)."""
-        seq, queue = self.submit(prompt_ids, sampling, logprob, rid=rid)
-        try:
-            while True:
-                snap = await queue.get()
-                if snap["meta_info"]["finish_reason"] is not None:
-                    return snap
-        except asyncio.CancelledError:
-            self.abort(seq.rid, "Abort: the client went away")
-            raise
+        """:meth:`generate` of a single sample (``n`` must be 1)."""
+        return (await self.generate(prompt_ids, sampling, logprob, rid))[0]
 
     # -- control operations -----------------------------------------------------------------
 
@@ -429,12 +532,7 @@ class Engine:
                 if len(self.batch):
                     raise refused
                 self._tell("release", tags=list(tags))
-                detail: dict[str, Any] = {}
-                if "weights" in tags and self.runner.weights_resident:
-                    detail["weights"] = self.runner.release_weights()
-                if "kv_cache" in tags:
-                    self._drop_kv()
-                return detail
+                return self.runner.release(tags)
 
             try:
                 detail = await self.compute(release_on_compute_thread)
@@ -445,24 +543,23 @@ class Engine:
             self.last_release = detail
             return detail
 
-    def _drop_kv(self) -> None:
-        if not len(self.batch):
-            self.batch.clear()
-        self.runner.free_cached_memory()
-
     async def resume(self, tags: tuple[str, ...]) -> dict[str, Any]:
         """Resume ``tags``, weights first. Idempotent."""
         async with self._ops:
-            detail: dict[str, Any] = {}
-            if "weights" in tags and not self.resident["weights"]:
-                info = await self.compute(self._resume_weights)
-                if info.get("updates_lost"):
-                    info["message"] = (
-                        f"weights reloaded from {self.runner.checkpoint_path}; updates since "
-                        f"(version {self.weight_version}) were lost: push weights again"
-                    )
-                    self.weight_version = self.checkpoint_version
-                detail["weights"] = info
+            graphs = "cuda_graph" in tags or self.resident["cuda_graph"]
+            try:
+                detail: dict[str, Any] = await self.compute(
+                    self._resume_on_compute_thread, tags, graphs
+                )
+            except PoolUnavailable as exc:  # the tags stay released; the caller can retry
+                raise Conflict(f"kv_cache: {exc}") from exc
+            info = detail.get("weights", {})
+            if info.get("updates_lost"):
+                info["message"] = (
+                    f"weights reloaded from {self.runner.checkpoint_path}; updates since "
+                    f"(version {self.weight_version}) were lost: push weights again"
+                )
+                self.weight_version = self.checkpoint_version
             for tag in sorted(tags, key=lambda t: t != "weights"):
                 self.resident[tag] = True
             self.last_resume = detail

@@ -114,7 +114,7 @@ class Follower:
                 if seq is None:
                     raise NodeLost(f"the head resumed request {wire['rid']!r} this node never ran")
             else:
-                seq = Sequence.from_wire(wire, self.runner.device)
+                seq = Sequence.from_wire(wire)
             seqs.append(seq)
         return seqs
 
@@ -132,15 +132,10 @@ class Follower:
                 if not seq.finished:
                     self.parked[seq.rid] = seq
         elif op == "release":
-            tags = cmd["tags"]
-            if "weights" in tags and self.runner.weights_resident:
-                self.runner.release_weights()
-            if "kv_cache" in tags:
-                if not len(self.batch):
-                    self.batch.clear()
-                self.runner.free_cached_memory()
-        elif op == "resume_weights":
-            self.runner.resume_weights()
+            self.batch.clear()
+            self.runner.release(cmd["tags"])
+        elif op == "resume":
+            self.runner.resume(cmd["tags"], graphs=cmd["graphs"])
         elif op == "flush":
             self.runner.free_cached_memory()
         elif op == "load_tensors":
@@ -164,13 +159,7 @@ def run_follower(config: Any) -> int:
             config.dist_init_addr, config.nnodes, config.node_rank, config.dist_timeout
         )
         readiness.set("loading the model")
-        runner = ModelRunner(
-            config.model_path,
-            device=config.device,
-            dtype=config.dtype,
-            weights_cpu_backup=config.weights_cpu_backup,
-            attn_implementation=config.attn_implementation,
-        )
+        runner = ModelRunner.from_config(config)
         readiness.set("joining the head's node group")
         try:
             node.join(fingerprint(runner))

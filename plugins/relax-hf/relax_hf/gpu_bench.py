@@ -7,7 +7,11 @@ What it measures, all in one run against a real engine process:
 - time to resume the weights from the pinned CPU backup, against a pinned host-to-device copy
   of the same number of bytes measured in this process (ratio >= 0.5 expected);
 - ``/update_weights_from_tensor`` throughput in GB/s (CUDA IPC handles, SGLang's format);
-- decode throughput at concurrency 1 and 16.
+- decode throughput (output tokens/s over HTTP, 128 new tokens per request) at concurrency 1,
+  16 and 64, against the memory-bandwidth roofline of one decode step: the weight bytes over
+  the device-to-device copy bandwidth measured in this run (bytes read plus bytes written, as
+  a copy moves them), i.e. the steps/s a forward pass that only read the weights once could
+  make. ``decode.c1_over_roofline`` is concurrency 1 against that limit.
 
 The model is made from a config (Llama architecture, random bf16 weights, no download).
 ``--device cpu`` runs the same steps on a tiny model as a smoke test (no pinned memory there:
@@ -88,6 +92,35 @@ def make_random_model(directory: Path, size: str, dtype: str, seed: int = 0) -> 
     }
 
 
+def _d2d_bandwidth(device: str, nbytes: int = 1 << 31, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read plus write), median of ``repeats``."""
+    import torch
+
+    if not device.startswith("cuda"):
+        nbytes = min(nbytes, 1 << 28)
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return 2 * nbytes / statistics.median(times[1:])
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats + 2):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times[2:])
+
+
 def _h2d_baseline(nbytes: int, device: str, repeats: int = 3) -> float:
     """Seconds for one pinned host-to-device copy of ``nbytes`` (median of ``repeats``)."""
     import torch
@@ -159,7 +192,14 @@ async def _update_throughput(
     }
 
 
-def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> dict[str, Any]:
+def run(
+    device: str = "cuda",
+    quick: bool = False,
+    size: str | None = None,
+    mem_fraction: float = 0.85,
+    torch_compile: bool = False,
+    settle_s: float = 2.0,
+) -> dict[str, Any]:
     """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
     from transformers.utils import logging as hf_logging
 
@@ -176,6 +216,8 @@ def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> d
         "device": device,
         "size": size,
         "dtype": dtype,
+        "torch_compile": torch_compile,
+        "resume_settle_seconds": settle_s,
     }
     with tempfile.TemporaryDirectory(prefix="relax-hf-gpu-bench-") as tmp:
         model_dir = Path(tmp) / "model"
@@ -190,6 +232,10 @@ def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> d
             dtype=dtype,
             weights_cpu_backup=True,
             log_path=str(log),
+            extra_args=(
+                (("--mem-fraction-static", str(mem_fraction)) if cuda else ())
+                + (("--enable-torch-compile",) if torch_compile else ())
+            ),
         )
         t0 = time.perf_counter()
         proc = launch(spec)
@@ -199,55 +245,94 @@ def run(device: str = "cuda", quick: bool = False, size: str | None = None) -> d
             url = proc.base_url or ""
             result.update(
                 asyncio.run(
-                    _measure(url, model_dir, device, quick, ControlClient, measure_throughput)
+                    _measure(
+                        url,
+                        model_dir,
+                        device,
+                        quick,
+                        ControlClient,
+                        measure_throughput,
+                        settle_s=settle_s,
+                    )
                 )
             )
             result["h2d_baseline_seconds"] = _h2d_baseline(result["memory"]["param_bytes"], device)
             result["resume_vs_pinned_h2d_ratio"] = (
                 result["h2d_baseline_seconds"] / result["resume_weights_seconds"]
             )
+            result["resume_right_after_release_vs_pinned_h2d_ratio"] = (
+                result["h2d_baseline_seconds"] / result["resume_right_after_release_seconds"]
+            )
             result["h2d_baseline_gb_per_s"] = (
                 result["memory"]["param_bytes"] / result["h2d_baseline_seconds"] / 1e9
             )
+            bandwidth = _d2d_bandwidth(device)
+            dec = result["decode"]
+            dec["d2d_copy_gb_per_s"] = bandwidth / 1e9
+            dec["weight_bytes"] = result["memory"]["param_bytes"]
+            dec["roofline_steps_per_s"] = bandwidth / result["memory"]["param_bytes"]
+            dec["c1_over_roofline"] = dec["c1_tokens_per_s"] / dec["roofline_steps_per_s"]
         except BaseException:
             result["engine_log_tail"] = proc.log_tail()
             raise
         finally:
             proc.terminate(30)
     mem = result["memory"]
+    dec = result["decode"]
     result["checks"] = {
         "freed_fraction_reserved>=0.9": mem["freed_fraction_reserved"] >= 0.9,
-        "resume_vs_pinned_h2d_ratio>=0.5": result["resume_vs_pinned_h2d_ratio"] >= 0.5,
+        "resume_vs_pinned_h2d_ratio>=0.9": result["resume_vs_pinned_h2d_ratio"] >= 0.9,
+        "c1_over_roofline>=0.2": dec["c1_over_roofline"] >= 0.2,
+        "c64_tokens_per_s>=10000": dec["c64_tokens_per_s"] >= 10_000,
     }
     return result
 
 
 async def _measure(
-    url: str, model_dir: Path, device: str, quick: bool, client_cls: Any, throughput: Any
+    url: str,
+    model_dir: Path,
+    device: str,
+    quick: bool,
+    client_cls: Any,
+    throughput: Any,
+    settle_s: float = 2.0,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    tokens = 32 if quick else 64
-    await throughput(
-        url, concurrency=4, requests_per_client=1, max_new_tokens=16
-    )  # warm-up, fills KV blocks
-    c1 = await throughput(
-        url, concurrency=1, requests_per_client=2 if quick else 4, max_new_tokens=tokens
-    )
-    c16 = await throughput(url, concurrency=16, requests_per_client=1, max_new_tokens=tokens)
-    out["decode"] = {"c1_tokens_per_s": c1["tokens_per_s"], "c16_tokens_per_s": c16["tokens_per_s"],
-                     "ratio": c16["tokens_per_s"] / c1["tokens_per_s"]}  # fmt: skip
+    tokens = 32 if quick else 128
+    await throughput(url, concurrency=8, requests_per_client=1, max_new_tokens=16)  # warm-up
+    decode: dict[str, Any] = {"max_new_tokens": tokens}
+    for c, per_client in ((1, 2 if quick else 4), (16, 1 if quick else 2), (64, 1 if quick else 2)):
+        r = await throughput(
+            url, concurrency=c, requests_per_client=per_client, max_new_tokens=tokens
+        )
+        decode[f"c{c}_tokens_per_s"] = r["tokens_per_s"]
+        decode[f"c{c}"] = r
+    decode["c16_over_c1"] = decode["c16_tokens_per_s"] / decode["c1_tokens_per_s"]
+    decode["c64_over_c1"] = decode["c64_tokens_per_s"] / decode["c1_tokens_per_s"]
+    async with client_cls(url, timeout=600) as c:
+        info = await c.server_info()
+        decode["cuda_graphs"] = info["memory"]["cuda_graphs"]
+        decode["kv_cache"] = info["memory"]["kv_cache"]
+    out["decode"] = decode
     async with client_cls(url, timeout=600) as c:
         before = (await c.server_info())["memory"]
         await c.release_memory(["weights", "kv_cache"])
         after = (await c.server_info())["memory"]
-        resumes, walls = [], []
+        resumes, walls, allocs = [], [], []
         for i in range(2 if quick else 3):
             if i:
                 await c.release_memory(["weights", "kv_cache"])
+            # As between two RL steps, the release has had time to settle: right after one,
+            # copies to the device run at about half speed (out["resume_right_after_release"]).
+            await asyncio.sleep(settle_s)
             t0 = time.perf_counter()
             answer = await c.resume_memory(["weights", "kv_cache"])
             walls.append(time.perf_counter() - t0)
             resumes.append(float(answer["detail"]["weights"]["seconds"]))
+            allocs.append(float(answer["detail"]["weights"].get("alloc_seconds", 0.0)))
+        await c.release_memory(["weights", "kv_cache"])
+        answer = await c.resume_memory(["weights", "kv_cache"])
+        out["resume_right_after_release_seconds"] = float(answer["detail"]["weights"]["seconds"])
         resumed = (await c.server_info())["memory"]
     mem: dict[str, Any] = {
         "param_bytes": before["param_bytes"],
@@ -272,6 +357,7 @@ async def _measure(
     out["memory"] = mem
     out["resume_weights_seconds"] = statistics.median(resumes)
     out["resume_weights_all_seconds"] = resumes
+    out["resume_alloc_seconds"] = allocs
     out["resume_http_round_trip_seconds"] = statistics.median(walls)
     out["resume_gb_per_s"] = before["param_bytes"] / out["resume_weights_seconds"] / 1e9
     out["tensor_update"] = await _update_throughput(
@@ -294,7 +380,11 @@ def format_result(result: dict[str, Any]) -> str:
         f"{result['h2d_baseline_seconds'] * 1e3:.1f} ms; "
         f"ratio {result['resume_vs_pinned_h2d_ratio']:.2f}",
         f"  tensor update: {upd['gb_per_s']:.2f} GB/s ({upd['format']})",
-        f"  decode: c1 {dec['c1_tokens_per_s']:.0f} tok/s, c16 {dec['c16_tokens_per_s']:.0f} tok/s",
+        f"  decode: c1 {dec['c1_tokens_per_s']:.0f} tok/s, c16 {dec['c16_tokens_per_s']:.0f} "
+        f"tok/s, c64 {dec['c64_tokens_per_s']:.0f} tok/s; roofline "
+        f"{dec['roofline_steps_per_s']:.0f} steps/s "
+        f"(D2D copy {dec['d2d_copy_gb_per_s']:.0f} GB/s); "
+        f"c1 at {dec['c1_over_roofline'] * 100:.1f}% of it",
         f"  checks: {json.dumps(result['checks'])}",
     ]
     return "\n".join(lines)

@@ -107,7 +107,7 @@ def run(*, device: str = "cuda", quick: bool = False) -> dict[str, Any]:
         def sampled(http: Http) -> list[list[int]]:
             req = {
                 "text": ["The quick", "Question: what", "def add"],
-                "sampling_params": {"max_new_tokens": 32, "temperature": 0.8, "seed": 5},
+                "sampling_params": {"max_new_tokens": 32, "temperature": 0.8, "sampling_seed": 5},
             }
             return [o["output_ids"] for o in http.ok("/generate", req, timeout=600)]
 

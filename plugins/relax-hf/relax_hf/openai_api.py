@@ -1,14 +1,22 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` on the same scheduler.
 
-Chat prompts are built with the tokenizer's chat template. ``stream: true`` answers OpenAI's
-SSE chunks (text deltas) ending with ``data: [DONE]``. SGLang's extensions ``top_k``,
-``min_p``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and ``no_stop_trim`` are
-accepted; ``n`` must be 1.
+The request fields map to SGLang sampling parameters as SGLang's own OpenAI server maps them
+(``max_tokens``/``max_completion_tokens`` → ``max_new_tokens``, ``min_tokens`` →
+``min_new_tokens``, ``seed`` → ``sampling_seed``, ``response_format`` → ``json_schema`` /
+``structural_tag``; SGLang's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``stop_regex``, ``regex``, ``ebnf``, ``json_schema``, ``ignore_eos``,
+``skip_special_tokens``, ``no_stop_trim``, ``custom_params`` pass through). ``n`` samples of a
+prompt share one prefill; ``/v1/completions`` also takes a list of prompts (the choices are
+numbered prompt by prompt) and ``echo`` (the prompt, with its log-probs when ``logprobs`` is
+set: the way to score given continuations). Chat prompts are built with the tokenizer's chat
+template. ``stream: true`` answers OpenAI's SSE chunks (text deltas per choice) ending with
+``data: [DONE]``. Fields OpenAI clients add that change nothing here (``user``, …) are ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,11 +26,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from relax_hf.engine import Engine
-from relax_hf.protocol import BadRequest, LogprobParams, parse_sampling_params
+from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_sampling_params
 from relax_hf.server import SSE_DONE, _engine, encode_prompt, read_json, sse
 
 __all__ = ["chat_completions", "completions"]
 
+#: OpenAI field -> SGLang sampling parameter.
 _SAMPLING_KEYS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -30,7 +39,9 @@ _SAMPLING_KEYS = {
     "min_p": "min_p",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
-    "seed": "seed",
+    "stop_regex": "stop_regex",
+    "seed": "sampling_seed",
+    "n": "n",
     "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim",
@@ -38,7 +49,14 @@ _SAMPLING_KEYS = {
     "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty",
     "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "json_schema": "json_schema",
+    "custom_params": "custom_params",
+    "watermark": "watermark",
 }
+_OPENAI_NAME = {v: k for k, v in _SAMPLING_KEYS.items()}
 
 
 def _finish(reason: dict[str, Any] | None) -> str | None:
@@ -47,39 +65,121 @@ def _finish(reason: dict[str, Any] | None) -> str | None:
     return {"stop": "stop", "length": "length"}.get(reason.get("type", ""), "abort")
 
 
-def _common(engine: Engine, body: Any) -> tuple[Any, LogprobParams, bool, int]:
-    if not isinstance(body, dict):
-        raise BadRequest("body", "must be a JSON object")
+def _response_format(body: dict[str, Any], raw: dict[str, Any]) -> None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") not in (
+        "text",
+        "json_object",
+        "json_schema",
+        "structural_tag",
+    ):
+        raise BadRequest(
+            "response_format.type", "must be text, json_object, json_schema or structural_tag"
+        )
+    kind = fmt["type"]
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadRequest(
+                "response_format.json_schema.schema",
+                "is required: an object holding the JSON schema",
+            )
+        raw["json_schema"] = json.dumps(spec["schema"])
+    elif kind == "json_object":
+        raw["json_schema"] = '{"type": "object"}'
+    elif kind == "structural_tag":
+        raw["structural_tag"] = json.dumps(fmt)
+
+
+def _sampling(engine: Engine, body: dict[str, Any], default_max: int | None) -> SamplingParams:
     raw: dict[str, Any] = {}
     for key, target in _SAMPLING_KEYS.items():
         if body.get(key) is not None:
             raw[target] = body[key]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        raw["max_new_tokens"] = max_tokens
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadRequest("n", "only n=1 is supported by the hf engine")
-    sampling = parse_sampling_params(raw, vocab_size=engine.runner.vocab_size, field="body")
-    logprobs = body.get("logprobs")
-    top = body.get("top_logprobs")
-    want = bool(logprobs)
-    if logprobs is not None and not isinstance(logprobs, bool | int):
-        raise BadRequest("logprobs", "must be a boolean (chat) or an integer (completions)")
-    k = int(
-        top or (logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else 0)
-    )
-    if k < 0 or k > 20:
-        raise BadRequest("top_logprobs", f"must be in [0, 20], got {k}")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream", "must be true or false")
-    return (
-        sampling,
-        LogprobParams(return_logprob=want, top_logprobs_num=k, return_text_in_logprobs=want),
-        stream,
-        k,
-    )
+    raw["max_new_tokens"] = default_max if max_tokens is None else max_tokens
+    _response_format(body, raw)
+    grammars = [k for k in ("regex", "ebnf", "json_schema", "structural_tag") if k in raw]
+    if len(grammars) > 1:
+        raise BadRequest("response_format", f"cannot be combined with {grammars[0]}")
+    try:
+        return parse_sampling_params(raw, vocab_size=engine.runner.vocab_size, field="")
+    except BadRequest as exc:
+        name = exc.field.split(".", 1)[0]
+        field = exc.field.replace(name, _OPENAI_NAME.get(name, name), 1)
+        if name == "max_new_tokens":
+            field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if name in ("json_schema", "structural_tag") and "response_format" in body:
+            field = "response_format"
+        raise BadRequest(field, exc.message) from exc
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(key, "must be true or false")
+    return value
+
+
+def _usage(metas: list[dict[str, Any]], n: int) -> dict[str, int]:
+    # The n samples of a prompt read it once: it is counted once, as SGLang does.
+    p = sum(m["prompt_tokens"] for i, m in enumerate(metas) if i % n == 0)
+    c = sum(m["completion_tokens"] for m in metas)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def _submit_stream(
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    logprob: LogprobParams,
+    field: str,
+) -> tuple[list[str], asyncio.Queue[dict[str, Any]]]:
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    rids: list[str] = []
+    try:
+        for ids in prompts:
+            subs = engine.submit(ids, sampling, logprob, stream=True, field=field, queue=queue)
+            rids += [seq.rid for seq, _ in subs]
+    except BaseException:
+        for r in rids:
+            engine.abort(r, "Abort: another prompt of the request was refused")
+        raise
+    return rids, queue
+
+
+async def _deltas(
+    engine: Engine, rids: list[str], queue: asyncio.Queue[dict[str, Any]]
+) -> AsyncIterator[tuple[int, str, dict[str, Any]]]:
+    """``(choice index, text delta, snapshot)`` as the samples produce them."""
+    index = {rid: i for i, rid in enumerate(rids)}
+    sent = dict.fromkeys(rids, "")
+    open_ = set(rids)
+    try:
+        while open_:
+            snap = await queue.get()
+            rid = snap["meta_info"]["id"]
+            finished = snap["meta_info"]["finish_reason"] is not None
+            if finished:
+                open_.discard(rid)
+            text = snap["text"]
+            # Hold back an incomplete UTF-8 character until the next token completes it.
+            if not finished and text.endswith("\ufffd"):
+                continue
+            before = sent[rid]
+            delta = text[len(before) :] if text.startswith(before) else text
+            sent[rid] = text
+            yield index[rid], delta, snap
+    finally:
+        for rid in open_:
+            engine.abort(rid, "Abort: the client went away")
+
+
+# -- chat -------------------------------------------------------------------------------------
 
 
 def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -102,20 +202,18 @@ def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
     return {"content": content}
 
 
-def _usage(meta: dict[str, Any]) -> dict[str, int]:
-    p, c = meta["prompt_tokens"], meta["completion_tokens"]
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-async def chat_completions(request: Request) -> Response:
-    """``POST /v1/chat/completions``."""
-    engine = _engine(request)
-    body = await read_json(request)
-    sampling, logprob, stream, _ = _common(engine, body)
+def _chat_prompt(engine: Engine, body: dict[str, Any]) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
     for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # OpenAI's content parts: text parts only
+            parts = [p.get("text") if isinstance(p, dict) else None for p in content]
+            if not all(isinstance(p, str) for p in parts):
+                raise BadRequest(f"messages[{i}].content", "only text parts are supported")
+            m = {**m, "content": "".join(parts)}  # type: ignore[arg-type]
+            messages[i] = m
         if (
             not isinstance(m, dict)
             or not isinstance(m.get("role"), str)
@@ -130,63 +228,76 @@ async def chat_completions(request: Request) -> Response:
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
-    ids = list(ids)
+    return list(ids)
+
+
+async def chat_completions(request: Request) -> Response:
+    """``POST /v1/chat/completions``."""
+    engine = _engine(request)
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    sampling = _sampling(engine, body, None)
+    logprobs = _flag(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20
+    ):
+        raise BadRequest("top_logprobs", f"must be an integer in [0, 20], got {top!r}")
+    if top and not logprobs:
+        raise BadRequest("top_logprobs", "needs logprobs: true")
+    logprob = LogprobParams(
+        return_logprob=logprobs, top_logprobs_num=top or 0, return_text_in_logprobs=logprobs
+    )
+    stream = _flag(body, "stream")
+    ids = _chat_prompt(engine, body)
+    await engine.check_grammar(sampling, "response_format" if body.get("response_format") else "")
     model = engine.served_model_name
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
-        seq, queue = engine.submit(ids, sampling, logprob, stream=True)
+        rids, queue = await _submit_stream(engine, [ids], sampling, logprob, "")
         return StreamingResponse(
-            _chat_stream(engine, seq.rid, queue, cid, created, model),
+            _chat_stream(engine, rids, queue, cid, created, model, sampling.n),
             media_type="text/event-stream",
         )
-    out = await engine.generate_one(ids, sampling, logprob)
-    meta = out["meta_info"]
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": out["text"]},
-        "logprobs": _chat_logprobs(meta),
-        "finish_reason": _finish(meta["finish_reason"]),
-        "matched_stop": meta["finish_reason"].get("matched"),
-    }
+    outs = await engine.generate(ids, sampling, logprob)
+    choices = []
+    for i, out in enumerate(outs):
+        meta = out["meta_info"]
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": out["text"]},
+                "logprobs": _chat_logprobs(meta),
+                "finish_reason": _finish(meta["finish_reason"]),
+                "matched_stop": meta["finish_reason"].get("matched"),
+            }
+        )
+    metas = [o["meta_info"] for o in outs]
     return JSONResponse(
         {
             "id": cid,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [choice],
-            "usage": _usage(meta),
-            "weight_version": meta["weight_version"],
+            "choices": choices,
+            "usage": _usage(metas, sampling.n),
+            "weight_version": metas[0]["weight_version"],
         }
     )
 
 
-async def _deltas(
-    engine: Engine, rid: str, queue: asyncio.Queue[dict[str, Any]]
-) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    sent = ""
-    finished = False
-    try:
-        while not finished:
-            snap = await queue.get()
-            finished = snap["meta_info"]["finish_reason"] is not None
-            text = snap["text"]
-            # Hold back an incomplete UTF-8 character until the next token completes it.
-            if not finished and text.endswith("\ufffd"):
-                continue
-            delta = text[len(sent) :] if text.startswith(sent) else text
-            sent = text
-            yield delta, snap
-    finally:
-        if not finished:
-            engine.abort(rid, "Abort: the client went away")
-
-
 async def _chat_stream(
-    engine: Engine, rid: str, queue: Any, cid: str, created: int, model: str
+    engine: Engine,
+    rids: list[str],
+    queue: asyncio.Queue[dict[str, Any]],
+    cid: str,
+    created: int,
+    model: str,
+    n: int,
 ) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None, **extra: Any) -> bytes:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, **extra: Any) -> bytes:
         return sse(
             {
                 "id": cid,
@@ -194,86 +305,183 @@ async def _chat_stream(
                 "created": created,
                 "model": model,
                 "choices": [
-                    {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
                 ],
                 **extra,
             }
         )
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    async for delta, snap in _deltas(engine, rid, queue):
+    for i in range(len(rids)):
+        yield chunk(i, {"role": "assistant", "content": ""}, None)
+    metas: dict[int, dict[str, Any]] = {}
+    async for index, delta, snap in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
         finish = _finish(meta["finish_reason"])
         if delta:
-            yield chunk({"content": delta}, None)
+            yield chunk(index, {"content": delta}, None)
         if finish is not None:
-            yield chunk({}, finish, usage=_usage(meta))
+            metas[index] = meta
+            extra = {}
+            if len(metas) == len(rids):
+                extra["usage"] = _usage([metas[i] for i in range(len(rids))], n)
+            yield chunk(index, {}, finish, **extra)
     yield SSE_DONE
+
+
+# -- completions ------------------------------------------------------------------------------
+
+
+def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]:
+    prompt = body.get("prompt")
+    vocab = engine.runner.vocab_size
+
+    def ids_of(value: Any, field: str) -> list[int] | None:
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        ):
+            if any(t < 0 or t >= vocab for t in value):
+                raise BadRequest(field, f"token ids must be in [0, {vocab})")
+            return list(value)
+        return None
+
+    if isinstance(prompt, str) and prompt:
+        return [encode_prompt(engine, prompt)]
+    single = ids_of(prompt, "prompt")
+    if single is not None:
+        return [single]
+    if isinstance(prompt, list) and prompt:
+        out = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str) and p:
+                out.append(encode_prompt(engine, p))
+                continue
+            ids = ids_of(p, f"prompt[{i}]")
+            if ids is None:
+                raise BadRequest(
+                    f"prompt[{i}]", "must be a non-empty string or a list of token ids"
+                )
+            out.append(ids)
+        return out
+    raise BadRequest(
+        "prompt", "must be a non-empty string, a list of strings, or (lists of) token ids"
+    )
+
+
+def _completion_logprobs(
+    engine: Engine, meta: dict[str, Any], echo: bool, k: int
+) -> dict[str, Any] | None:
+    if "output_token_logprobs" not in meta:
+        return None
+    entries = (meta.get("input_token_logprobs") or []) if echo else []
+    tops = (meta.get("input_top_logprobs") or [None] * len(entries)) if echo else []
+    entries = entries + meta["output_token_logprobs"]
+    tops = list(tops) + list(
+        meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"])
+    )
+    tokens = [t or "" for _v, _i, t in entries]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [v for v, _i, _t in entries],
+        "top_logprobs": [
+            None if top is None else {(t or ""): v for v, _i, t in top} for top in tops
+        ]
+        if k
+        else None,
+        "text_offset": offsets,
+    }
 
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
     engine = _engine(request)
     body = await read_json(request)
-    sampling, logprob, stream, _ = _common(engine, body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
-        ids = encode_prompt(engine, prompt)
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    sampling = _sampling(engine, body, 16)  # OpenAI's default max_tokens for completions
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20
     ):
-        if any(t < 0 or t >= engine.runner.vocab_size for t in prompt):
-            raise BadRequest("prompt", f"token ids must be in [0, {engine.runner.vocab_size})")
-        ids = list(prompt)
-    else:
-        raise BadRequest("prompt", "must be a non-empty string or a list of token ids")
+        raise BadRequest("logprobs", f"must be an integer in [0, 20], got {logprobs!r}")
+    echo = _flag(body, "echo")
+    stream = _flag(body, "stream")
+    if echo and stream:
+        raise BadRequest("echo", "is not supported with stream: true")
+    want = logprobs is not None
+    logprob = LogprobParams(
+        return_logprob=want,
+        logprob_start_len=0 if echo else -1,
+        top_logprobs_num=logprobs or 0,
+        return_text_in_logprobs=want,
+    )
+    prompts = _completion_prompts(engine, body)
+    await engine.check_grammar(sampling, "response_format" if body.get("response_format") else "")
     model = engine.served_model_name
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
-        seq, queue = engine.submit(ids, sampling, logprob, stream=True)
+        rids, queue = await _submit_stream(engine, prompts, sampling, logprob, "")
         return StreamingResponse(
-            _completion_stream(engine, seq.rid, queue, cid, created, model),
+            _completion_stream(engine, rids, queue, cid, created, model, sampling.n),
             media_type="text/event-stream",
         )
-    out = await engine.generate_one(ids, sampling, logprob)
-    meta = out["meta_info"]
-    lp = None
-    if "output_token_logprobs" in meta:
-        lp = {
-            "tokens": [t or "" for _v, _i, t in meta["output_token_logprobs"]],
-            "token_logprobs": [v for v, _i, _t in meta["output_token_logprobs"]],
-        }
-    choice = {
-        "index": 0,
-        "text": out["text"],
-        "logprobs": lp,
-        "finish_reason": _finish(meta["finish_reason"]),
-        "matched_stop": meta["finish_reason"].get("matched"),
-    }
+    results = await asyncio.gather(*(engine.generate(ids, sampling, logprob) for ids in prompts))
+    outs = [o for res in results for o in res]
+    choices = []
+    for i, out in enumerate(outs):
+        meta = out["meta_info"]
+        text = out["text"]
+        if echo:
+            prompt_ids = prompts[i // sampling.n]
+            text = engine.runner.tokenizer.decode(prompt_ids) + text
+        choices.append(
+            {
+                "index": i,
+                "text": text,
+                "logprobs": _completion_logprobs(engine, meta, echo, logprobs or 0),
+                "finish_reason": _finish(meta["finish_reason"]),
+                "matched_stop": meta["finish_reason"].get("matched"),
+            }
+        )
+    metas = [o["meta_info"] for o in outs]
     return JSONResponse(
         {
             "id": cid,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [choice],
-            "usage": _usage(meta),
-            "weight_version": meta["weight_version"],
+            "choices": choices,
+            "usage": _usage(metas, sampling.n),
+            "weight_version": metas[0]["weight_version"],
         }
     )
 
 
 async def _completion_stream(
-    engine: Engine, rid: str, queue: Any, cid: str, created: int, model: str
+    engine: Engine,
+    rids: list[str],
+    queue: asyncio.Queue[dict[str, Any]],
+    cid: str,
+    created: int,
+    model: str,
+    n: int,
 ) -> AsyncIterator[bytes]:
-    async for delta, snap in _deltas(engine, rid, queue):
+    metas: dict[int, dict[str, Any]] = {}
+    async for index, delta, snap in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
         finish = _finish(meta["finish_reason"])
         if delta or finish is not None:
-            extra = {"usage": _usage(meta)} if finish is not None else {}
+            extra = {}
+            if finish is not None:
+                metas[index] = meta
+                if len(metas) == len(rids):
+                    extra["usage"] = _usage([metas[i] for i in range(len(rids))], n)
             yield sse(
                 {
                     "id": cid,
@@ -281,7 +489,7 @@ async def _completion_stream(
                     "created": created,
                     "model": model,
                     "choices": [
-                        {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+                        {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
                     ],
                     **extra,
                 }

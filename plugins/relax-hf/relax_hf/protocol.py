@@ -4,17 +4,27 @@ Every parser raises :class:`BadRequest` naming the offending field (``sampling_p
 and what is allowed; the server turns it into a 400. Unknown top-level fields of ``/generate``
 are ignored (routers add their own, e.g. ``log_metrics``); unknown sampling parameters are
 rejected, as SGLang does.
+
+:class:`SamplingParams` has every API field of the pinned SGLang version's
+``sglang.srt.sampling.sampling_params.SamplingParams`` (``SGLANG_VERSION``), with SGLang's
+names, defaults and ``verify()`` rules; ``tests/test_sampling_params.py`` compares the list with
+the installed SGLang source so that a version bump shows the difference.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 __all__ = [
+    "MEMORY_TAGS",
+    "SGLANG_INTERNAL_SAMPLING_FIELDS",
+    "SGLANG_VERSION",
     "BadRequest",
     "GenerateInput",
     "LogprobParams",
@@ -23,9 +33,31 @@ __all__ = [
     "parse_generate",
     "parse_sampling_params",
     "parse_tags",
+    "sampling_param_names",
 ]
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+#: The SGLang release whose ``SamplingParams`` this module mirrors.
+SGLANG_VERSION = "0.5.23"
+
+#: Fields of SGLang's ``SamplingParams`` that its own code fills in (``normalize()``); callers do
+#: not send them, and this engine refuses them as unknown.
+SGLANG_INTERNAL_SAMPLING_FIELDS = (
+    "stop_strs",
+    "stop_regex_strs",
+    "stop_str_max_len",
+    "stop_regex_max_len",
+    "is_normalized",
+    "ebnf_full_assistant",
+)
+
+# SGLang's limits (sampling_params.py).
+MAX_STOP_COUNT = 32
+MAX_STOP_REGEX_COUNT = 32
+MAX_STOP_REGEX_LEN = 256
+_SAMPLING_EPS = 1e-6
+_GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class BadRequest(ValueError):
@@ -39,25 +71,81 @@ class BadRequest(ValueError):
 
 @attrs.frozen
 class SamplingParams:
-    """Per-request sampling parameters (SGLang's names and defaults)."""
+    """Per-request sampling parameters: SGLang's API fields, names and defaults.
 
+    ``top_k`` keeps SGLang's wire meaning (-1: the whole vocabulary); ``logit_bias`` is stored
+    as ``((token_id, bias), …)``; ``stop``/``stop_regex`` as tuples. ``beam_width`` and an
+    enabled ``watermark`` are refused by the parser (see ``docs/hf-engine.md``).
+    """
+
+    max_new_tokens: int | None = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_regex: tuple[str, ...] = ()
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    max_new_tokens: int = 128
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     min_new_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    beam_width: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    seed: int | None = None
+    stream_interval: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    sampling_seed: int | None = None
+    custom_params: Mapping[str, Any] | None = None
+    watermark: Mapping[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 (or top_k 1) means argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax decoding: temperature below 1e-6 or ``top_k`` 1 (SGLang's rule)."""
+        return self.temperature < _SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(field, source)`` of the constraint (at most one of the four is set)."""
+        for name in _GRAMMARS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is away from its neutral value."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """A JSON-able dict that :meth:`from_wire` turns back into the same params."""
+        out = attrs.asdict(self, recurse=False)
+        out["logit_bias"] = [list(p) for p in self.logit_bias]
+        return out
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> SamplingParams:
+        """The params :meth:`to_wire` described."""
+        kw = dict(wire)
+        for key in ("stop", "stop_token_ids", "stop_regex"):
+            kw[key] = tuple(kw[key])
+        kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"])
+        return cls(**kw)
+
+
+def sampling_param_names() -> tuple[str, ...]:
+    """The sampling parameter names ``/generate`` accepts (SGLang's API fields)."""
+    return tuple(f.name for f in attrs.fields(SamplingParams))
 
 
 @attrs.frozen
@@ -73,14 +161,23 @@ class LogprobParams:
 
 @attrs.frozen
 class GenerateInput:
-    """One parsed ``/generate`` request (``prompts`` has one entry unless the body was a batch)."""
+    """One parsed ``/generate`` request.
+
+    ``prompts`` has one entry unless the body was a batch; ``sampling`` has one entry per
+    prompt. Every prompt runs ``n`` samples (SGLang requires the same ``n`` for all).
+    """
 
     prompts: tuple[str | tuple[int, ...], ...]
     batch: bool
-    sampling: SamplingParams
+    sampling: tuple[SamplingParams, ...]
     logprob: LogprobParams
     stream: bool
     rids: tuple[str | None, ...]
+
+    @property
+    def n(self) -> int:
+        """Samples per prompt."""
+        return self.sampling[0].n
 
 
 # -- scalar checks ---------------------------------------------------------------------------
@@ -127,34 +224,78 @@ def _token_ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _strings(value: Any, field: str, limit: int) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise BadRequest(field, "must be a non-empty string or a list of non-empty strings")
+    if len(items) > limit:
+        raise BadRequest(field, f"at most {limit} are allowed, got {len(items)}")
+    return tuple(items)
+
+
+def _json_safe(value: Any, field: str, depth: int = 0) -> Any:
+    scalar = (type(None), bool, int, float, str)
+    if isinstance(value, scalar):
+        return value
+    if depth == 0 and isinstance(value, Mapping):
+        return {str(k): _json_safe(v, f"{field}.{k}", 1) for k, v in value.items()}
+    if depth == 1 and isinstance(value, list | Mapping):
+        items = value.values() if isinstance(value, Mapping) else value
+        if all(isinstance(v, scalar) for v in items):
+            return value
+    raise BadRequest(field, "must hold JSON scalars, or lists / objects of scalars")
+
+
 # -- sampling params -------------------------------------------------------------------------
 
-_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1}
-_IGNORED = {
-    "spaces_between_special_tokens",
-    "regex",
-    "json_schema",
-    "ebnf",
-    "custom_params",
-    "stream_interval",
+_SAMPLING_HINTS = {
+    "seed": "SGLang's name is sampling_seed (the OpenAI endpoints take seed)",
+    "max_tokens": "SGLang's name is max_new_tokens",
+    "min_tokens": "SGLang's name is min_new_tokens",
 }
 
 
 def parse_sampling_params(
     raw: Any, *, vocab_size: int, field: str = "sampling_params"
 ) -> SamplingParams:
-    """Validate SGLang sampling parameters. :raises BadRequest: naming the field."""
+    """Validate SGLang sampling parameters (``SamplingParams.verify``'s rules).
+
+    ``null`` for a field means its default, as in SGLang. :raises BadRequest: naming the field.
+    """
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raise BadRequest(field, f"must be an object, got {type(raw).__name__}")
+    known = set(sampling_param_names())
     kw: dict[str, Any] = {}
     for key, value in raw.items():
-        f = f"{field}.{key}"
+        f = f"{field}.{key}" if field else str(key)
+        if key not in known:
+            if key in SGLANG_INTERNAL_SAMPLING_FIELDS:
+                raise BadRequest(f, "is internal to SGLang, not a sampling parameter")
+            hint = _SAMPLING_HINTS.get(key)
+            raise BadRequest(f, "unknown sampling parameter" + (f"; {hint}" if hint else ""))
         if value is None:
             continue
-        if key == "temperature":
-            kw[key] = _float(value, f, lo=0.0, hi=100.0)
+        if key in ("max_new_tokens", "min_new_tokens"):
+            kw[key] = _int(value, f, minimum=0)
+        elif key == "stop":
+            kw[key] = _strings(value, f, MAX_STOP_COUNT)
+        elif key == "stop_regex":
+            patterns = _strings(value, f, MAX_STOP_REGEX_COUNT)
+            for i, p in enumerate(patterns):
+                where = f if isinstance(value, str) else f"{f}[{i}]"
+                if len(p.encode()) > MAX_STOP_REGEX_LEN:
+                    raise BadRequest(where, f"is over the {MAX_STOP_REGEX_LEN}-byte limit")
+                try:
+                    re.compile(p)
+                except re.error as exc:
+                    raise BadRequest(where, f"is not a valid regular expression: {exc}") from exc
+            kw[key] = patterns
+        elif key == "stop_token_ids":
+            kw[key] = tuple(sorted(set(_token_ids(value, f, vocab_size))))
+        elif key == "temperature":
+            kw[key] = _float(value, f, lo=0.0, hi=math.inf)
         elif key == "top_p":
             kw[key] = _float(value, f, lo=0.0, hi=1.0, lo_open=True)
         elif key == "min_p":
@@ -162,33 +303,83 @@ def parse_sampling_params(
         elif key == "top_k":
             k = _int(value, f)
             if k == 0 or k < -1:
-                raise BadRequest(f, f"must be -1 (no limit) or >= 1, got {k}")
+                raise BadRequest(f, f"must be -1 (disable) or at least 1, got {k}")
             kw[key] = k
-        elif key in ("max_new_tokens", "min_new_tokens"):
-            kw[key] = _int(value, f, minimum=0)
-        elif key == "stop":
-            stops = [value] if isinstance(value, str) else value
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-                raise BadRequest(f, "must be a non-empty string or a list of non-empty strings")
-            kw[key] = tuple(stops)
-        elif key == "stop_token_ids":
-            kw[key] = _token_ids(value, f, vocab_size)
-        elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        elif key in ("frequency_penalty", "presence_penalty"):
+            kw[key] = _float(value, f, lo=-2.0, hi=2.0)
+        elif key == "repetition_penalty":
+            kw[key] = _float(value, f, lo=0.0, hi=2.0, lo_open=True)
+        elif key == "n":
+            kw[key] = _int(value, f, minimum=1)
+        elif key == "beam_width":
+            _int(value, f, minimum=1)
+            raise BadRequest(
+                f, "beam search is not supported by the hf engine; use n samples instead"
+            )
+        elif key in _GRAMMARS:
+            if not isinstance(value, str):
+                raise BadRequest(f, f"must be a string, got {type(value).__name__}")
+            if value:  # SGLang: an empty constraint means unset
+                kw[key] = value
+        elif key in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "no_stop_trim",
+        ):
             kw[key] = _bool(value, f)
-        elif key in ("seed", "sampling_seed"):
-            kw["seed"] = _int(value, f, minimum=0)
-        elif key in _NEUTRAL:
-            if value != _NEUTRAL[key]:
-                raise BadRequest(f, f"is not supported by the hf engine (only {_NEUTRAL[key]!r})")
-        elif key in _IGNORED:
-            if key in ("regex", "json_schema", "ebnf"):
-                raise BadRequest(f, "constrained decoding is not supported by the hf engine")
-        else:
-            raise BadRequest(f, "unknown sampling parameter")
-    params = SamplingParams(**kw)
-    if params.min_new_tokens > params.max_new_tokens:
+        elif key == "stream_interval":
+            kw[key] = _int(value, f, minimum=1)
+        elif key == "logit_bias":
+            if not isinstance(value, Mapping):
+                raise BadRequest(f, "must be an object {token_id: bias}")
+            bias: dict[int, float] = {}
+            for tid, b in value.items():
+                try:
+                    t = int(tid)
+                except (TypeError, ValueError):
+                    raise BadRequest(f, f"key {tid!r} is not a token id") from None
+                if not 0 <= t < vocab_size:
+                    raise BadRequest(f, f"keys must be in [0, {vocab_size - 1}], got {tid!r}")
+                bias[t] = _float(b, f"{f}.{tid}", lo=-math.inf, hi=math.inf)
+            kw[key] = tuple(sorted(bias.items()))
+        elif key == "sampling_seed":
+            seed = _int(value, f)
+            if not -(2**63) <= seed <= 2**63 - 1:
+                raise BadRequest(f, f"must be in [-2**63, 2**63 - 1], got {seed}")
+            kw[key] = seed
+        elif key == "custom_params":
+            if not isinstance(value, Mapping):
+                raise BadRequest(f, "must be an object")
+            kw[key] = _json_safe(value, f)
+        elif key == "watermark":
+            if not isinstance(value, Mapping):
+                raise BadRequest(f, "must be an object")
+            unknown = set(value) - {"enabled", "key", "context_window"}
+            if unknown:
+                raise BadRequest(f, f"unknown fields {sorted(unknown)}")
+            if value.get("enabled") is not False:
+                raise BadRequest(
+                    f, "watermarking needs a server watermark key; the hf engine has none"
+                )
+            kw[key] = dict(value)
+    prefix = f"{field}." if field else ""
+    grammars = [g for g in _GRAMMARS if g in kw]
+    if len(grammars) > 1:
         raise BadRequest(
-            f"{field}.min_new_tokens", f"must be <= max_new_tokens ({params.max_new_tokens})"
+            f"{prefix}{grammars[1]}",
+            "only one of json_schema, regex, ebnf or structural_tag can be set",
+        )
+    if "json_schema" in kw and kw["json_schema"] != "$$ANY$$":
+        try:
+            json.loads(kw["json_schema"])
+        except ValueError as exc:
+            raise BadRequest(f"{prefix}json_schema", f"is not valid JSON: {exc}") from exc
+    params = SamplingParams(**kw)
+    if params.max_new_tokens is not None and params.min_new_tokens > params.max_new_tokens:
+        raise BadRequest(
+            f"{prefix}min_new_tokens",
+            f"must be in [0, max_new_tokens({params.max_new_tokens})], got {params.min_new_tokens}",
         )
     return params
 
@@ -231,11 +422,21 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
         raise BadRequest("", f"the body must be a JSON object, got {type(body).__name__}")
     prompts, batch = _prompt_list(body, vocab_size)
     sp_raw = body.get("sampling_params")
-    if batch and isinstance(sp_raw, list):
-        raise BadRequest(
-            "sampling_params", "per-prompt sampling params are not supported; give one object"
+    if isinstance(sp_raw, list):
+        if not batch or len(sp_raw) != len(prompts):
+            raise BadRequest(
+                "sampling_params",
+                f"a list needs a batch of prompts and one object per prompt ({len(prompts)})",
+            )
+        sampling = tuple(
+            parse_sampling_params(sp, vocab_size=vocab_size, field=f"sampling_params[{i}]")
+            for i, sp in enumerate(sp_raw)
         )
-    sampling = parse_sampling_params(sp_raw, vocab_size=vocab_size)
+        if len({s.n for s in sampling}) > 1:
+            raise BadRequest("sampling_params", "n must be the same for every prompt")
+    else:
+        one = parse_sampling_params(sp_raw, vocab_size=vocab_size)
+        sampling = (one,) * len(prompts)
 
     rl = body.get("return_logprob")
     return_logprob = False if rl is None else _bool(rl, "return_logprob")
@@ -264,10 +465,6 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
 
     st = body.get("stream")
     stream = False if st is None else _bool(st, "stream")
-    if stream and batch:
-        raise BadRequest(
-            "stream", "streaming a batch of prompts is not supported; send one prompt per request"
-        )
 
     rid = body.get("rid")
     if rid is None:
@@ -286,10 +483,16 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
         if not isinstance(rid, str) or not rid:
             raise BadRequest("rid", "must be a non-empty string")
         rids = (rid,)
-    if body.get("image_data") is not None:
-        raise BadRequest("image_data", "the hf engine serves text-only models")
-    if body.get("lora_path") is not None:
-        raise BadRequest("lora_path", "LoRA adapters are not supported by the hf engine")
+    for name, what in (
+        ("image_data", "the hf engine serves text-only models"),
+        ("video_data", "the hf engine serves text-only models"),
+        ("audio_data", "the hf engine serves text-only models"),
+        ("input_embeds", "the hf engine takes text or input_ids"),
+        ("lora_path", "LoRA adapters are not supported by the hf engine"),
+        ("custom_logit_processor", "custom logit processors are not supported by the hf engine"),
+    ):
+        if body.get(name) is not None:
+            raise BadRequest(name, what)
     return GenerateInput(prompts, batch, sampling, logprob, stream, rids)
 
 

@@ -8,13 +8,18 @@ drops the buffer (and, on CUDA, returns the cached blocks to the driver), so the
 leave the device. With ``weights_cpu_backup`` the bytes are first copied into one flat host
 buffer (pinned on CUDA) and resumed with a single non-blocking host-to-device copy; without it
 resuming reloads the checkpoint from disk.
+
+The runner also owns what the forward pass needs besides the weights: the
+:class:`~relax_hf.modeling.NativeModel` that runs them, the preallocated KV cache pool
+(:class:`~relax_hf.kvcache.KVPool`, sized by ``mem_fraction_static`` or ``max_total_tokens``;
+the ``kv_cache`` memory tag), the CUDA graphs of the decode steps (``cuda_graph``), and the
+grammar compiler for constrained decoding.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import inspect
 import json
 import mmap
 import os
@@ -27,7 +32,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelRunner", "WeightsError"]
+from relax_hf.grammar import GrammarBackend
+from relax_hf.kvcache import KVPool
+from relax_hf.modeling import DecodeGraphs, NativeModel
+
+__all__ = ["ModelRunner", "WeightsError", "pool_slots"]
 
 _ALIGN = 512
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +63,79 @@ def process_rss_bytes() -> int:
         return 0
 
 
+def _fusion_order(named: dict[str, Any]) -> list[str]:
+    """Parameter names with q/k/v and gate/up weights (and biases) next to each other."""
+    groups = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    order: list[str] = []
+    placed: set[str] = set()
+    for name in named:
+        if name in placed:
+            continue
+        for group in groups:
+            head, sep, tail = name.rpartition(f".{group[0]}.")
+            if sep:
+                members = [f"{head}.{g}.{tail}" for g in group]
+                if all(m in named for m in members):
+                    order += members
+                    placed.update(members)
+                break
+        if name not in placed:
+            order.append(name)
+            placed.add(name)
+    return order
+
+
+def _kv_bytes_per_token(native: NativeModel, dtype: torch.dtype) -> int:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return native.num_layers * 2 * native.num_kv_heads * native.head_dim * elem
+
+
+#: KV cache slots on CPU when neither --max-total-tokens nor --mem-fraction-static is given.
+CPU_DEFAULT_TOKENS = 32768
+#: --mem-fraction-static on CUDA when none is given: SGLang's usual choice on large GPUs (and what
+#: the core's placement budget assumes for a model that gives none).
+CUDA_DEFAULT_MEM_FRACTION = 0.88
+
+
+def pool_slots(
+    *,
+    device: torch.device,
+    bytes_per_token: int,
+    param_bytes: int,
+    mem_fraction_static: float | None,
+    max_total_tokens: int | None,
+) -> int:
+    """How many token slots the KV cache pool gets (plus the scratch slot).
+
+    ``max_total_tokens`` wins; otherwise ``mem_fraction_static`` of the device's memory (CUDA:
+    the GPU's total; CPU: physical RAM) is for the weights and the pool together, as in SGLang.
+    :raises ValueError: naming the flag, when that leaves no room for a pool.
+    """
+    if max_total_tokens is not None:
+        if max_total_tokens < 1:
+            raise ValueError(f"--max-total-tokens: must be >= 1, got {max_total_tokens}")
+        return max_total_tokens + 1
+    fraction = mem_fraction_static
+    if fraction is None:
+        if device.type != "cuda":
+            return CPU_DEFAULT_TOKENS + 1
+        fraction = CUDA_DEFAULT_MEM_FRACTION
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"--mem-fraction-static: must be in (0, 1), got {fraction}")
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    budget = int(total * fraction) - param_bytes
+    slots = budget // bytes_per_token
+    if slots < 2:
+        raise ValueError(
+            f"--mem-fraction-static: {fraction} of {total / 2**30:.1f} GiB leaves no room for a "
+            f"KV cache pool after {param_bytes / 2**30:.2f} GiB of weights; raise it"
+        )
+    return int(min(slots, (1 << 31) - 1))
+
+
 class ModelRunner:
     """A transformers causal LM on one device, with releasable weights."""
 
@@ -65,7 +147,21 @@ class ModelRunner:
         dtype: str = "auto",
         weights_cpu_backup: bool = False,
         attn_implementation: str = "sdpa",
+        mem_fraction_static: float | None = None,
+        max_total_tokens: int | None = None,
+        max_running_requests: int = 64,
+        context_length: int | None = None,
+        cuda_graph: bool = True,
+        cuda_graph_max_bs: int | None = None,
+        json_any_whitespace: bool = True,
+        json_max_whitespace_cnt: int | None = None,
+        torch_compile: bool = False,
     ) -> None:
+        """Load the model and its tokenizer, pack the weights, take the KV cache pool.
+
+        :raises ValueError: an unknown dtype, an unsupported architecture, or a KV cache pool
+            that ``mem_fraction_static`` / ``max_total_tokens`` leave no room for.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(model_path)
@@ -85,13 +181,14 @@ class ModelRunner:
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = int(self.config.vocab_size)
-        self.max_len = int(getattr(self.config, "max_position_embeddings", 1 << 20))
+        model_len = int(getattr(self.config, "max_position_embeddings", 4096))
+        self.max_len = int(context_length or model_len)
         self.eos_ids = self._eos_ids()
         self.pad_id = self._pad_id()
-        params = self.model.forward if hasattr(self.model, "forward") else None
-        names = inspect.signature(params).parameters if params is not None else {}
-        self._cache_kw = "cache" if "cache" in names else "past_key_values"
-        self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+        self.native = NativeModel(self.model)
+        # Fusable projections (q, k, v; gate, up) are laid out back to back in the flat buffer.
+        named = dict(self.model.named_parameters())
+        self.params: dict[str, torch.nn.Parameter] = {n: named[n] for n in _fusion_order(named)}
         # name -> (byte offset, byte count, shape, dtype); shapes are kept for released params.
         self._layout: dict[str, tuple[int, int, tuple[int, ...], torch.dtype]] = {}
         offset = 0
@@ -107,11 +204,68 @@ class ModelRunner:
         self.weights_dirty = False  # changed since loaded from ``checkpoint_path``
         self.checkpoint_path = self.model_path
         self._pack(self._to_flat_from_params())
+        self.max_running_requests = max_running_requests
+        num_slots = pool_slots(
+            device=self.device,
+            bytes_per_token=_kv_bytes_per_token(self.native, self.dtype),
+            param_bytes=self.param_bytes,
+            mem_fraction_static=mem_fraction_static,
+            max_total_tokens=max_total_tokens,
+        )
+        self.mem_fraction_static = mem_fraction_static
+        self.pool = KVPool(
+            num_layers=self.native.num_layers,
+            kv_heads=self.native.num_kv_heads,
+            head_dim=self.native.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            num_slots=num_slots,
+            max_rows=max_running_requests,
+            context_len=self.max_len,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                self.native,
+                self.pool,
+                max_bs=min(cuda_graph_max_bs or max_running_requests, max_running_requests),
+            )
+        if torch_compile and self.device.type == "cuda":
+            self.native.compile()
+        if self.graphs is not None:
+            self.graphs.warm_up()
+        self.grammar = GrammarBackend(
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_ids,
+            any_whitespace=json_any_whitespace,
+            max_whitespace_cnt=json_max_whitespace_cnt,
+        )
         if weights_cpu_backup:
             # Allocated up front (pinned on CUDA) so a release costs one device-to-host copy.
             pin = self.device.type == "cuda"
             self._backup = torch.empty(self.param_bytes, dtype=torch.uint8, pin_memory=pin)
         _malloc_trim()
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelRunner:
+        """The runner a :class:`~relax_hf.server.ServerConfig` describes (blocking: loads)."""
+        return cls(
+            config.model_path,
+            device=config.device,
+            dtype=config.dtype,
+            weights_cpu_backup=config.weights_cpu_backup,
+            attn_implementation=config.attn_implementation,
+            mem_fraction_static=config.mem_fraction_static,
+            max_total_tokens=config.max_total_tokens,
+            max_running_requests=config.max_running_requests,
+            context_length=config.context_length,
+            cuda_graph=not config.disable_cuda_graph,
+            cuda_graph_max_bs=config.cuda_graph_max_bs,
+            json_any_whitespace=not config.constrained_json_disable_any_whitespace,
+            json_max_whitespace_cnt=config.constrained_json_max_whitespace_cnt,
+            torch_compile=config.enable_torch_compile,
+        )
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -165,6 +319,10 @@ class ModelRunner:
         for _, p, view in self._views(flat):
             p.data = view
         self._flat = flat
+        if hasattr(self, "native"):
+            self.native.bind()
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.drop()  # type: ignore[union-attr]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -172,33 +330,31 @@ class ModelRunner:
 
     # -- forward -------------------------------------------------------------------------
 
-    def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=self.config)
-        except TypeError:
-            return DynamicCache()
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Prefill right-padded ``ids [B, T]`` into the pool rows; hidden states ``[B, T, H]``."""
+        return self.native.prefill(self.pool, ids, lens, rows)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Any,
-        logits_to_keep: int = 0,
-    ) -> torch.Tensor:
-        """One forward pass with ``cache`` (updated in place); logits ``[B, T, V]``, model dtype."""
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **{self._cache_kw: cache},
-        )
-        return out.logits  # type: ignore[no-any-return]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states."""
+        return self.native.logits(hidden)
+
+    @torch.inference_mode()
+    def decode(
+        self, host_packed: torch.Tensor, host_temps: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step (CPU inputs, see :meth:`NativeModel.decode_step`): logits, tokens.
+
+        Replays a CUDA graph when one fits (capturing it on first use), else runs eagerly.
+        """
+        if self.graphs is not None:
+            out = self.graphs.run(host_packed, host_temps, ctx)
+            if out is not None:
+                return out
+        packed = host_packed.to(self.device, non_blocking=True)
+        temps = host_temps.to(self.device, non_blocking=True)
+        return self.native.decode_step(self.pool, packed, temps, ctx)
 
     def weights_digest(self) -> str:
         """SHA-256 of the weight bytes as loaded now (``""`` while released)."""
@@ -229,6 +385,9 @@ class ModelRunner:
             self._sync()
         self._released = [weakref.ref(self._flat.untyped_storage())]
         self._flat = None
+        self.native.unbind()  # its views would keep the buffer alive
+        if self.graphs is not None:
+            self.graphs.drop()  # they point into the buffer
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.weights_resident = False
@@ -241,6 +400,8 @@ class ModelRunner:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
         flat = self._alloc_flat()
+        self._sync()
+        allocated = time.perf_counter()
         if self._backup is not None:
             flat.copy_(self._backup, non_blocking=True)
             self._sync()
@@ -253,7 +414,76 @@ class ModelRunner:
         self.weights_resident = True
         lost = self.weights_dirty and self._backup is None
         self.weights_dirty = self.weights_dirty and not lost
-        return {"source": source, "seconds": copy_seconds, "updates_lost": lost}
+        return {
+            "source": source,
+            "seconds": copy_seconds,
+            "alloc_seconds": allocated - start,
+            "updates_lost": lost,
+        }
+
+    @property
+    def kv_resident(self) -> bool:
+        """Whether the KV cache pool is held."""
+        return self.pool.resident
+
+    def release_kv_cache(self) -> dict[str, Any]:
+        """Drop the KV cache pool (refused while a sequence holds a row). Idempotent."""
+        if not self.pool.resident:
+            return {"released_bytes": 0}
+        if self.graphs is not None:
+            self.graphs.drop()  # they read the pool's addresses
+        self.pool.release()
+        self.free_cached_memory()
+        return {"released_bytes": self.pool.nbytes}
+
+    def resume_kv_cache(self) -> dict[str, Any]:
+        """Take the KV cache pool again (every slot free). Idempotent."""
+        if self.pool.resident:
+            return {"source": "resident", "seconds": 0.0}
+        start = time.perf_counter()
+        self.pool.allocate()
+        self._sync()
+        return {"bytes": self.pool.nbytes, "seconds": time.perf_counter() - start}
+
+    def release_cuda_graphs(self) -> dict[str, Any]:
+        """Drop every captured decode graph and its memory pool. Idempotent."""
+        n = self.graphs.captured if self.graphs is not None else 0
+        if self.graphs is not None:
+            self.graphs.drop()
+            self.free_cached_memory()
+        return {"graphs": n}
+
+    def capture_cuda_graphs(self) -> dict[str, Any]:
+        """Capture again the decode graphs captured before (needs weights and pool)."""
+        if self.graphs is None or not (self.weights_resident and self.pool.resident):
+            return {"graphs": 0, "seconds": 0.0}
+        start = time.perf_counter()
+        n = self.graphs.recapture()
+        self._sync()
+        return {"graphs": n, "seconds": time.perf_counter() - start}
+
+    def release(self, tags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+        """Release the memory of ``tags`` (weights, kv_cache, cuda_graph). Idempotent."""
+        detail: dict[str, Any] = {}
+        if "cuda_graph" in tags:
+            detail["cuda_graph"] = self.release_cuda_graphs()
+        if "weights" in tags and self.weights_resident:
+            detail["weights"] = self.release_weights()
+        if "kv_cache" in tags:
+            detail["kv_cache"] = self.release_kv_cache()
+        return detail
+
+    def resume(self, tags: tuple[str, ...] | list[str], *, graphs: bool) -> dict[str, Any]:
+        """Resume ``tags``, weights first; then, when ``graphs`` (the ``cuda_graph`` tag is
+        resident) and weights and pool are both back, capture the decode graphs again."""
+        detail: dict[str, Any] = {}
+        if "weights" in tags and not self.weights_resident:
+            detail["weights"] = self.resume_weights()
+        if "kv_cache" in tags and not self.pool.resident:
+            detail["kv_cache"] = self.resume_kv_cache()
+        if graphs and self.graphs is not None and self.graphs.captured == 0:
+            detail["cuda_graph"] = self.capture_cuda_graphs()
+        return detail
 
     def free_cached_memory(self) -> None:
         """Return freed memory to the device driver / the OS."""
@@ -279,6 +509,22 @@ class ModelRunner:
             "cpu_backup_bytes": 0 if self._backup is None else self._backup.numel(),
             "cpu_backup_pinned": bool(self._backup is not None and self._backup.is_pinned()),
             "process_rss_bytes": process_rss_bytes(),
+            "kv_cache": {
+                "resident": self.pool.resident,
+                "bytes": self.pool.nbytes if self.pool.resident else 0,
+                "pool_bytes": self.pool.nbytes,
+                "num_slots": self.pool.num_slots,
+                "bytes_per_token": self.pool.bytes_per_token,
+                "free_slots": self.pool.free_slots if self.pool.resident else 0,
+                "rows_in_use": self.pool.rows_in_use,
+                "mem_fraction_static": self.mem_fraction_static,
+            },
+            "cuda_graphs": {
+                "enabled": self.graphs is not None,
+                "captured": self.graphs.captured if self.graphs is not None else 0,
+                "capture_seconds": self.graphs.capture_seconds if self.graphs is not None else 0,
+                "replays": self.graphs.replays if self.graphs is not None else 0,
+            },
         }
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -363,8 +609,11 @@ class ModelRunner:
             raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
         flat = self._alloc_flat()
         self._load_checkpoint_into(flat, path)
-        self._pack(flat)
+        had_graphs = self.graphs is not None and self.graphs.captured > 0
+        self._pack(flat)  # new addresses: the graphs are dropped
         self.free_cached_memory()
+        if had_graphs:
+            self.capture_cuda_graphs()
         self.checkpoint_path = path
         self.weights_dirty = False
         return self.param_bytes

@@ -55,6 +55,14 @@ class ServerConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 300.0
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    constrained_json_disable_any_whitespace: bool = False
+    constrained_json_max_whitespace_cnt: int | None = None
+    enable_torch_compile: bool = False
 
 
 def error_response(
@@ -141,32 +149,55 @@ async def generate(request: Request) -> Response:
                 "logprob_start_len",
                 f"must be < the prompt length ({len(ids)} tokens of prompt {i})",
             )
+    fields = [
+        f"sampling_params[{i}]" if req.batch else "sampling_params" for i in range(len(prompts))
+    ]
+    for sp, field in zip(req.sampling, fields, strict=True):
+        await engine.check_grammar(sp, field)
+    listed = req.batch or req.n > 1  # SGLang answers a list for a batch or n > 1
     if req.stream:
-        seq, queue = engine.submit(
-            prompts[0], req.sampling, req.logprob, rid=req.rids[0], stream=True
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        rids: list[str] = []
+        try:
+            for ids, sp, rid, field in zip(prompts, req.sampling, req.rids, fields, strict=True):
+                subs = engine.submit(
+                    ids, sp, req.logprob, rid=rid, stream=True, field=field, queue=queue
+                )
+                rids += [seq.rid for seq, _ in subs]
+        except BaseException:
+            for r in rids:
+                engine.abort(r, "Abort: another prompt of the batch was refused")
+            raise
+        return StreamingResponse(
+            _stream(engine, rids, queue, indexed=listed), media_type="text/event-stream"
         )
-        return StreamingResponse(_stream(engine, seq.rid, queue), media_type="text/event-stream")
     results = await asyncio.gather(
         *(
-            engine.generate_one(ids, req.sampling, req.logprob, rid)
-            for ids, rid in zip(prompts, req.rids, strict=True)
+            engine.generate(ids, sp, req.logprob, rid)
+            for ids, sp, rid in zip(prompts, req.sampling, req.rids, strict=True)
         )
     )
-    return JSONResponse(results if req.batch else results[0])
+    flat = [r for res in results for r in res]
+    return JSONResponse(flat if listed else flat[0])
 
 
 async def _stream(
-    engine: Engine, rid: str, queue: asyncio.Queue[dict[str, Any]]
+    engine: Engine, rids: list[str], queue: asyncio.Queue[dict[str, Any]], *, indexed: bool
 ) -> AsyncIterator[bytes]:
-    finished = False
+    index = {rid: i for i, rid in enumerate(rids)}
+    open_ = set(rids)
     try:
-        while not finished:
+        while open_:
             snap = await queue.get()
-            finished = snap["meta_info"]["finish_reason"] is not None
+            rid = snap["meta_info"]["id"]
+            if snap["meta_info"]["finish_reason"] is not None:
+                open_.discard(rid)
+            if indexed:
+                snap["index"] = index[rid]
             yield sse(snap)
         yield SSE_DONE
     finally:
-        if not finished:
+        for rid in open_:
             engine.abort(rid, "Abort: the client went away")
 
 
@@ -230,6 +261,11 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "num_running_reqs": engine.num_running,
         "num_waiting_reqs": engine.num_waiting,
         "peak_running_reqs": engine.batch.peak_running,
+        "max_total_num_tokens": runner.pool.capacity,
+        "prefill_tokens_total": engine.batch.prefill_tokens,
+        "prefill_sequences_total": engine.batch.prefill_sequences,
+        "decode_steps_total": engine.batch.decode_steps,
+        "generation_tokens_total": engine.batch.tokens_generated,
         "memory": runner.memory_report(),
         "last_release": engine.last_release,
         "last_resume": engine.last_resume,
@@ -308,6 +344,14 @@ async def metrics(request: Request) -> Response:
         f'sglang:generation_tokens_total{{model_name="{name}"}} {engine.batch.tokens_generated}',
         "# TYPE sglang:num_requests_total counter",
         f'sglang:num_requests_total{{model_name="{name}"}} {engine.requests_total}',
+        "# TYPE sglang:prompt_tokens_total counter",
+        f'sglang:prompt_tokens_total{{model_name="{name}"}} {engine.prompt_tokens_total}',
+        "# TYPE relax_hf:prefill_tokens_total counter",
+        f'relax_hf:prefill_tokens_total{{model_name="{name}"}} {engine.batch.prefill_tokens}',
+        "# TYPE relax_hf:prefill_sequences_total counter",
+        f'relax_hf:prefill_sequences_total{{model_name="{name}"}} {engine.batch.prefill_sequences}',
+        "# TYPE sglang:token_usage gauge",
+        f'sglang:token_usage{{model_name="{name}"}} {engine.token_usage():.6f}',
     ]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
@@ -446,14 +490,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
                     HeadNodes.listen, config.dist_init_addr, config.nnodes, config.dist_timeout
                 )
             try:
-                runner = await asyncio.to_thread(
-                    ModelRunner,
-                    config.model_path,
-                    device=config.device,
-                    dtype=config.dtype,
-                    weights_cpu_backup=config.weights_cpu_backup,
-                    attn_implementation=config.attn_implementation,
-                )
+                runner = await asyncio.to_thread(ModelRunner.from_config, config)
                 if nodes is not None:
                     await asyncio.to_thread(nodes.join, fingerprint(runner))
             except BaseException:

@@ -49,6 +49,15 @@ def shared_server(
 ) -> Iterator[EngineServer]:
     """One engine for tests that do not change its state (weights, memory, pause)."""
     log_dir = tmp_path_factory.mktemp("shared-engine")
-    server = start_engine(tiny_model, log_dir, "hf-shared", served_model_name="tiny", seed=0)
+    # At most one whitespace character in a row in JSON-schema output: a random model would
+    # otherwise wander in whitespace (SGLang's --constrained-json-max-whitespace-cnt).
+    server = start_engine(
+        tiny_model,
+        log_dir,
+        "hf-shared",
+        served_model_name="tiny",
+        seed=0,
+        extra_args=("--constrained-json-max-whitespace-cnt", "1"),
+    )
     yield server
     server.process.terminate(10)

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from relax_hf.testing import EngineServer
 
-SEEDED = {"max_new_tokens": 12, "temperature": 1.0, "seed": 1234}
+SEEDED = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 1234}
 
 
 def test_seeded_generation_is_reproducible(shared_server: EngineServer) -> None:
@@ -15,7 +15,9 @@ def test_seeded_generation_is_reproducible(shared_server: EngineServer) -> None:
     b = shared_server.http.generate("Once upon a time", sampling_params=SEEDED)
     assert a["output_ids"] == b["output_ids"]
     assert a["text"] == b["text"]
-    other = shared_server.http.generate("Once upon a time", sampling_params={**SEEDED, "seed": 99})
+    other = shared_server.http.generate(
+        "Once upon a time", sampling_params={**SEEDED, "sampling_seed": 99}
+    )
     assert other["output_ids"] != a["output_ids"]
 
 

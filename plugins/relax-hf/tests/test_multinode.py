@@ -79,10 +79,12 @@ def _trainer(replica: ReplicaServers, mode: str, *extra: str) -> None:
 def test_a_two_node_replica_generates_what_a_single_node_engine_generates(
     replica: ReplicaServers, shared_server: EngineServer
 ) -> None:
-    sampled = {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7}
+    sampled = {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 7}
     for body in (
         {"text": "Hello", "sampling_params": GREEDY},
         {"text": ["The quick", "Question: what", "def add"], "sampling_params": sampled},
+        # n samples share one prefill; a grammar runs on both nodes (the follower compiles it).
+        {"text": "x", "sampling_params": {**sampled, "n": 3, "regex": "[a-z]{2,6}"}},
     ):
         two_nodes = replica.http.ok("/generate", body)
         one_node = shared_server.http.ok("/generate", body)
@@ -94,7 +96,7 @@ def test_a_two_node_replica_generates_what_a_single_node_engine_generates(
     assert nodes["healthy"] and nodes["nnodes"] == 2
     assert [f["pid"] for f in nodes["followers"]] == [replica.followers[0].pid]
     # The follower computed every token itself and agreed with the head on each one.
-    assert nodes["tokens_synced"] >= 8 + 3 * 12 and nodes["diverged_tokens"] == 0
+    assert nodes["tokens_synced"] >= 8 + 3 * 12 + 3 * 2 and nodes["diverged_tokens"] == 0
 
 
 def test_every_weight_update_and_memory_operation_reaches_the_follower(
@@ -124,7 +126,7 @@ def test_aborted_and_retracted_requests_keep_the_follower_in_step(
     replica: ReplicaServers,
 ) -> None:
     http = replica.http
-    long = {"max_new_tokens": 300, "temperature": 0.7, "seed": 1, "ignore_eos": True}
+    long = {"max_new_tokens": 300, "temperature": 0.7, "sampling_seed": 1, "ignore_eos": True}
     rid = uuid.uuid4().hex
     with ThreadPoolExecutor(2) as pool:
         kept = pool.submit(http.generate, "Hello", sampling_params=long)

@@ -1,0 +1,180 @@
+"""The KV cache pool: preallocated token slots and the request-to-token table (SGLang's design).
+
+One buffer holds, for every layer, the key and value of ``num_slots`` token positions
+(``[layers, 2, num_slots, kv_heads, head_dim]``); slot 0 is a scratch slot that padding rows of
+a CUDA-graph batch write into. A running sequence owns a *row* of ``req_to_token``
+(``[max_rows + 1, context_len]``, row 0 is the padding row's): entry ``t`` is the slot of its
+position ``t``. Slots are reference-counted, so the ``n`` samples of one request share the
+prompt's slots (its KV is computed once) and own only the slots of their own tokens.
+
+The pool is sized once at start-up (``--mem-fraction-static`` / ``--max-total-tokens``) and
+held until ``kv_cache`` is released: :meth:`KVPool.release` drops the buffer (the memory goes
+back to the driver or the OS), :meth:`KVPool.allocate` takes it again. Compute thread only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+
+import numpy as np
+import torch
+
+__all__ = ["KVPool", "PoolFull", "PoolUnavailable"]
+
+
+class PoolFull(RuntimeError):
+    """Not enough free slots or rows for what was asked (the scheduler waits)."""
+
+
+class PoolUnavailable(RuntimeError):
+    """The device has not the free memory the pool needs (another process holds it)."""
+
+
+class KVPool:
+    """Token slots for every layer's K and V, with reference counts and request rows."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_slots: int,
+        max_rows: int,
+        context_len: int,
+    ) -> None:
+        if num_slots < 2:
+            raise ValueError(f"the KV cache pool needs at least 2 slots, got {num_slots}")
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.num_slots = num_slots
+        self.max_rows = max_rows
+        self.context_len = context_len
+        elem = torch.empty(0, dtype=dtype).element_size()
+        self.bytes_per_token = num_layers * 2 * kv_heads * head_dim * elem
+        self.nbytes = self.bytes_per_token * num_slots
+        self.kv: torch.Tensor | None = None
+        self.req_to_token: torch.Tensor | None = None
+        self._stack = np.empty(0, dtype=np.int64)
+        self._top = 0
+        self._refs = np.zeros(0, dtype=np.int32)
+        self._rows: list[int] = []
+        self.allocate()
+
+    # -- residency -------------------------------------------------------------------------
+
+    @property
+    def resident(self) -> bool:
+        """Whether the buffer is held."""
+        return self.kv is not None
+
+    def allocate(self) -> None:
+        """Take the buffer (every slot free). Idempotent."""
+        if self.kv is not None:
+            return
+        if self.device.type == "cpu":
+            # An anonymous mapping of its own: pages are committed when written and unmapped at
+            # once on release (no allocator keeps them).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # frombuffer warns about non-resizable buffers
+                raw = torch.frombuffer(mmap.mmap(-1, self.nbytes), dtype=torch.uint8)
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            if self.nbytes > free:
+                raise PoolUnavailable(
+                    f"the KV cache pool needs {self.nbytes / 2**30:.1f} GiB on {self.device}, "
+                    f"{free / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB are free (another "
+                    "process holds the rest); release that memory first, or start the engine "
+                    "with a smaller --mem-fraction-static / --max-total-tokens"
+                )
+            raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.kv = raw.view(self.dtype).view(
+            self.num_layers, 2, self.num_slots, self.kv_heads, self.head_dim
+        )
+        self.req_to_token = torch.zeros(
+            (self.max_rows + 1, self.context_len), dtype=torch.int64, device=self.device
+        )
+        self._stack = np.arange(self.num_slots - 1, 0, -1, dtype=np.int64)
+        self._top = len(self._stack)
+        self._refs = np.zeros(self.num_slots, dtype=np.int32)
+        self._rows = list(range(self.max_rows, 0, -1))
+
+    def release(self) -> None:
+        """Drop the buffer; refused (``RuntimeError``) while a row is in use. Idempotent."""
+        if self.kv is None:
+            return
+        if self.rows_in_use:
+            raise RuntimeError(f"{self.rows_in_use} sequence(s) still hold KV cache rows")
+        self.kv = None
+        self.req_to_token = None
+
+    # -- accounting ------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        """Slots nobody holds."""
+        return self._top
+
+    @property
+    def rows_in_use(self) -> int:
+        """Rows held by running sequences."""
+        return self.max_rows - len(self._rows) if self.kv is not None else 0
+
+    @property
+    def capacity(self) -> int:
+        """Slots a sequence can hold at most (all but the scratch slot)."""
+        return self.num_slots - 1
+
+    # -- slots and rows --------------------------------------------------------------------
+
+    def alloc_slots(self, n: int) -> np.ndarray:
+        """``n`` free slots, each with one reference. :raises PoolFull: fewer are free."""
+        if n > self._top:
+            raise PoolFull(f"{n} KV slots wanted, {self._top} free")
+        out = self._stack[self._top - n : self._top].copy()
+        self._top -= n
+        self._refs[out] = 1
+        return out
+
+    def share(self, slots: np.ndarray, times: int = 1) -> None:
+        """Add ``times`` references to each of ``slots`` (another sequence reads them too)."""
+        self._refs[slots] += times
+
+    def free_slots_of(self, slots: np.ndarray) -> None:
+        """Drop one reference from each of ``slots`` (unique); free those left with none."""
+        if not len(slots) or self.kv is None:
+            return
+        self._refs[slots] -= 1
+        gone = slots[self._refs[slots] <= 0]
+        self._refs[gone] = 0
+        self._stack[self._top : self._top + len(gone)] = gone
+        self._top += len(gone)
+
+    def alloc_row(self) -> int:
+        """A free ``req_to_token`` row. :raises PoolFull: every row is in use."""
+        if not self._rows:
+            raise PoolFull("every KV cache row is in use")
+        return self._rows.pop()
+
+    def free_row(self, row: int) -> None:
+        """Give ``row`` back."""
+        if self.kv is not None:
+            self._rows.append(row)
+
+    def write_row(self, row: int, start: int, slots: np.ndarray) -> None:
+        """Map positions ``start…`` of ``row`` to ``slots``."""
+        assert self.req_to_token is not None
+        if len(slots):
+            src = torch.from_numpy(slots).to(self.device, non_blocking=False)
+            self.req_to_token[row, start : start + len(slots)] = src
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values, ``[num_slots, kv_heads, head_dim]`` each."""
+        assert self.kv is not None
+        return self.kv[i, 0], self.kv[i, 1]

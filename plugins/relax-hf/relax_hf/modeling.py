@@ -1,0 +1,433 @@
+"""The forward pass of Llama-family models over the KV cache pool, and CUDA-graph decode steps.
+
+:class:`NativeModel` runs the transformers model's own weights (the parameters of the loaded
+``*ForCausalLM``; they live in the runner's flat buffer) with its own code: RMSNorm, rotary
+embeddings taken from the model's ``rotary_emb`` (so Llama 3 / linear / YaRN scaling come with
+it), grouped-query attention, SiLU MLP, optional q/k/v biases (Qwen2) and per-head q/k norms
+(Qwen3). Projections whose weights are adjacent in the flat buffer run as one matrix product
+(q, k and v; gate and up).
+
+- **Prefill** runs a right-padded batch ``[B, T]`` with torch's fused attention
+  (``scaled_dot_product_attention``, causal: real tokens never see the padding after them) and
+  writes each real token's K and V into its slot (``req_to_token`` of the row).
+- **Decode** runs one token per row: K/V of the new token are written into its slot, the row's
+  context is gathered from the pool by ``req_to_token`` and attended with two batched matrix
+  products (the batch is ``kv_heads x rows``, so no copy is needed for the transposes).
+
+:class:`DecodeGraphs` captures decode steps as CUDA graphs per (batch size, context bucket) on
+first use and replays them; the batch is padded to the captured size with the scratch row 0.
+Graphs bake in the addresses of the weights and of the pool, so they are dropped whenever
+either is reallocated (release/resume, a disk update) and captured again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from relax_hf.kvcache import KVPool
+from relax_hf.sampling import gumbel_noise
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecodeGraphs", "NativeModel", "UnsupportedModel"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture is not one the native forward implements."""
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with weight in one fused kernel (float32 inside, as transformers computes it)."""
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of every head of ``x [..., heads, d]`` in three contiguous kernels.
+
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written as
+    ``x * cos + roll(x, d/2) * sin_signed`` (``sin_signed = cat(-s1, s2)``); heads that take
+    no rotary (v) have cos 1 and sin 0.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def sample_simple(
+    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """Greedy rows (``temps <= 0``) take the argmax, the others the Gumbel-max of
+    ``logits / temperature`` with :func:`~relax_hf.sampling.gumbel_noise` (what
+    :func:`~relax_hf.sampling.draw` does for a row without filters). Graph-capturable."""
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    noisy = scaled + gumbel_noise(seeds, steps, logits.shape[-1])
+    return torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
+
+
+def _fused(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One view over tensors that lie back to back in one storage (else ``None``)."""
+    if any(t is None for t in tensors):
+        return None
+    ts = [t for t in tensors if t is not None]
+    first = ts[0]
+    trailing = first.shape[1:]
+    offset = first.storage_offset()
+    for t in ts:
+        if t.shape[1:] != trailing or not t.is_contiguous() or t.storage_offset() != offset:
+            return None
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    shape = (rows, *trailing)
+    return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
+class _Layer:
+    """One decoder layer's weights as views (re-bound after every weight reallocation)."""
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ln1 = layer.input_layernorm.weight
+        self.ln2 = layer.post_attention_layernorm.weight
+        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        self.wq, self.wk, self.wv = q.weight, k.weight, v.weight
+        self.bq, self.bk, self.bv = q.bias, k.bias, v.bias
+        self.wqkv = _fused([self.wq, self.wk, self.wv])
+        self.bqkv = _fused([self.bq, self.bk, self.bv]) if self.bq is not None else None
+        self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.qn = qn.weight if qn is not None else None
+        self.kn = kn.weight if kn is not None else None
+        self.wg, self.wu, self.wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        self.bg, self.bu, self.bd = mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias
+        self.wgu = _fused([self.wg, self.wu]) if self.bg is None else None
+
+    def qkv(self, h: torch.Tensor, heads: int, kv_heads: int, d: int) -> torch.Tensor:
+        """``[..., heads + 2 * kv_heads, d]``: q's heads, then k's, then v's."""
+        if self.wqkv is not None and (self.bq is None or self.bqkv is not None):
+            return F.linear(h, self.wqkv, self.bqkv).unflatten(-1, (heads + 2 * kv_heads, d))
+        q = F.linear(h, self.wq, self.bq).unflatten(-1, (heads, d))
+        k = F.linear(h, self.wk, self.bk).unflatten(-1, (kv_heads, d))
+        v = F.linear(h, self.wv, self.bv).unflatten(-1, (kv_heads, d))
+        return torch.cat((q, k, v), dim=-2)
+
+    def mlp(self, h: torch.Tensor, act: Any) -> torch.Tensor:
+        if self.wgu is not None:
+            gate, up = F.linear(h, self.wgu).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(h, self.wg, self.bg), F.linear(h, self.wu, self.bu)
+        return F.linear(act(gate, up), self.wd, self.bd)
+
+
+class NativeModel:
+    """Prefill and decode of a Llama-family ``*ForCausalLM`` over a :class:`KVPool`."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"model_type {model_type!r} is not supported by the hf engine's forward pass "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
+        window = getattr(config, "sliding_window", None)
+        use_window = getattr(config, "use_sliding_window", window is not None)
+        if window is not None and use_window and window < config.max_position_embeddings:
+            raise UnsupportedModel(
+                f"sliding_window {window} shorter than the context is not supported"
+            )
+        rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+        rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+        if rope_type == "dynamic":
+            raise UnsupportedModel("dynamic rotary scaling is not supported")
+        self.model = model
+        self.config = config
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        )
+        self.groups = self.num_heads // self.num_kv_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        rotary = model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.layers: list[_Layer] = []
+        self._norm_fn: Any = _rms
+        self._rope_fn: Any = _rope
+        self._act_fn: Any = _silu_mul
+        self.compiled = False
+        self.bind()
+
+    def compile(self) -> None:
+        """Fuse the element-wise pieces (norms, rotary, SiLU gate) with ``torch.compile``
+        (``--enable-torch-compile``; CUDA, needs triton)."""
+        self._norm_fn = torch.compile(_rms, dynamic=True, fullgraph=True)
+        self._rope_fn = torch.compile(_rope, dynamic=True, fullgraph=True)
+        self._act_fn = torch.compile(_silu_mul, dynamic=True, fullgraph=True)
+        self.compiled = True
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return len(self.model.model.layers)
+
+    def bind(self) -> None:
+        """Take the current weight views (after the runner repacked or resumed the weights)."""
+        self.inv_freq = self.model.model.rotary_emb.inv_freq
+        self.layers = [_Layer(layer) for layer in self.model.model.layers]
+        self.embed = self.model.model.embed_tokens.weight
+        self.norm = self.model.model.norm.weight
+        self.lm_head = self.model.lm_head.weight
+
+    def unbind(self) -> None:
+        """Drop every weight view (the weights are being released)."""
+        self.layers = []
+        self.embed = self.norm = self.lm_head = None  # type: ignore[assignment]
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and signed sin ``[..., q+k+v heads, d]`` for :func:`_rope` (v: 1 and 0)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(dtype)
+        sin = (emb.sin() * self.rope_scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        rotated = self.num_heads + self.num_kv_heads
+        shape = (*cos.shape[:-1], rotated, cos.shape[-1])
+        v_shape = (*cos.shape[:-1], self.num_kv_heads, cos.shape[-1])
+        cos = torch.cat((cos.unsqueeze(-2).expand(shape), cos.new_ones(v_shape)), dim=-2)
+        sin = torch.cat((sin.unsqueeze(-2).expand(shape), sin.new_zeros(v_shape)), dim=-2)
+        return cos, sin
+
+    def _heads(
+        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[..., H, d]``, k and v ``[..., Hkv, d]`` with norms and rotary applied."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = layer.qkv(h, heads, kv_heads, self.head_dim)
+        if layer.qn is not None or layer.kn is not None:
+            q, k = qkv[..., :heads, :], qkv[..., heads : heads + kv_heads, :]
+            if layer.qn is not None:
+                q = self._norm_fn(q, layer.qn, self.eps)
+            if layer.kn is not None:
+                k = self._norm_fn(k, layer.kn, self.eps)
+            qkv = torch.cat((q, k, qkv[..., heads + kv_heads :, :]), dim=-2)
+        qkv = self._rope_fn(qkv, cos, sin)  # q, k (and v, untouched) in one pass
+        return (
+            qkv[..., :heads, :],
+            qkv[..., heads : heads + kv_heads, :],
+            qkv[..., heads + kv_heads :, :],
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and the LM head: float32 logits."""
+        return F.linear(self._norm_fn(hidden, self.norm, self.eps), self.lm_head).float()
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(
+        self, pool: KVPool, ids: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Run right-padded ``ids [B, T]`` (``lens`` real tokens each); return hidden states.
+
+        Writes K/V of every real token into the slots ``req_to_token[rows, :lens]``.
+        """
+        assert pool.req_to_token is not None
+        b, t = ids.shape
+        pos = torch.arange(t, device=ids.device)
+        real = pos[None, :] < lens[:, None]
+        slots = torch.where(real, pool.req_to_token[rows, :t], 0).reshape(-1)
+        x = F.embedding(ids, self.embed)
+        cos, sin = self._rope(pos, x.dtype)
+        rep = self.groups
+        norm, act = self._norm_fn, self._act_fn
+        for i, layer in enumerate(self.layers):
+            h = norm(x, layer.ln1, self.eps)
+            q, k, v = self._heads(layer, h, cos, sin)
+            kc, vc = pool.layer(i)
+            kc.index_copy_(0, slots, k.reshape(b * t, self.num_kv_heads, -1))
+            vc.index_copy_(0, slots, v.reshape(b * t, self.num_kv_heads, -1))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
+            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
+        return x
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def decode_step(
+        self, pool: KVPool, packed: torch.Tensor, temps: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row; returns float32 logits ``[B, V]`` and sampled tokens ``[B]``.
+
+        ``packed`` is int64 ``[5, B]``: tokens, positions, rows, sampling seeds, sampling
+        steps; ``temps`` float32 ``[B]`` (``<= 0``: greedy). The tokens are those of
+        :func:`sample_simple` (right for rows without logit processors or filters). ``ctx`` is
+        at least the longest row's context (``position + 1``); shorter rows are masked.
+        Graph-capturable: no host synchronisation, static shapes.
+        """
+        assert pool.req_to_token is not None
+        tokens, positions, rows = packed[0], packed[1], packed[2]
+        b = tokens.shape[0]
+        hkv, d, g = self.num_kv_heads, self.head_dim, self.groups
+        table = pool.req_to_token.index_select(0, rows)[:, :ctx]
+        write = table.gather(1, positions[:, None]).squeeze(1)
+        flat = table.reshape(-1)
+        keep = torch.arange(ctx, device=tokens.device)[None, :] <= positions[:, None]
+        mask = keep[:, None, None, :]  # [B, 1, 1, ctx]: over kv heads and grouped queries
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self._rope(positions, x.dtype)
+        norm, act = self._norm_fn, self._act_fn
+        for i, layer in enumerate(self.layers):
+            h = norm(x, layer.ln1, self.eps)
+            q, k, v = self._heads(layer, h, cos, sin)  # q [B, H, d], k/v [B, Hkv, d]
+            kv = pool.kv[i]  # type: ignore[index]
+            kv[0].index_copy_(0, write, k)
+            kv[1].index_copy_(0, write, v)
+            ctx_kv = kv.index_select(1, flat).view(2, b, ctx, hkv, d)  # one gather for K and V
+            # The g query heads that share a kv head are that head's g "query positions".
+            # (Measured on an H200: faster than two batched matrix products and a softmax.)
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, hkv, g, d),
+                ctx_kv[0].transpose(1, 2),
+                ctx_kv[1].transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            x = x + F.linear(o.reshape(b, -1), layer.wo, layer.bo)
+            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
+        logits = self.logits(x)
+        return logits, sample_simple(logits, temps, packed[3], packed[4])
+
+
+def _buckets(context_len: int, smallest: int = 128) -> list[int]:
+    out, b = [], smallest
+    while b < context_len:
+        out.append(b)
+        b *= 2
+    out.append(context_len)
+    return out
+
+
+class DecodeGraphs:
+    """CUDA graphs of :meth:`NativeModel.decode_step` per (batch size, context bucket)."""
+
+    def __init__(self, model: NativeModel, pool: KVPool, *, max_bs: int) -> None:
+        self.model = model
+        self.pool = pool
+        sizes = [1, 2, 4, 8, *range(16, max_bs + 1, 8)]
+        self.batch_sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
+        self.ctx_buckets = _buckets(pool.context_len)
+        self._graphs: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._mempool: Any = None
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.captured_shapes: list[tuple[int, int]] = []  # what to capture again on resume
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    @property
+    def captured(self) -> int:
+        """Graphs held now."""
+        return len(self._graphs)
+
+    def bucket(self, b: int, ctx: int) -> tuple[int, int] | None:
+        """The captured shape for ``b`` rows of context ``ctx`` (``None``: too large)."""
+        bs = next((s for s in self.batch_sizes if s >= b), None)
+        cb = next((c for c in self.ctx_buckets if c >= ctx), None)
+        return None if bs is None or cb is None else (bs, cb)
+
+    def drop(self) -> None:
+        """Forget every graph and its memory (weights or pool moved, or ``cuda_graph`` freed)."""
+        self._graphs.clear()
+        self._mempool = None
+
+    def capture(self, shape: tuple[int, int]) -> None:
+        """Capture the graph of ``shape`` (idempotent)."""
+        if shape in self._graphs:
+            return
+        start = time.perf_counter()
+        bs, ctx = shape
+        device = self.pool.device
+        packed = torch.zeros((5, bs), dtype=torch.int64, device=device)  # scratch row 0
+        temps = torch.zeros(bs, dtype=torch.float32, device=device)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):  # warm up (cuBLAS handles, allocator) outside the capture
+                self.model.decode_step(self.pool, packed, temps, ctx)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._mempool):
+            out = self.model.decode_step(self.pool, packed, temps, ctx)
+        self._graphs[shape] = (graph, packed, temps, out)
+        if shape not in self.captured_shapes:
+            self.captured_shapes.append(shape)
+        self.capture_seconds += time.perf_counter() - start
+
+    def warm_up(self, *, max_ctx: int = 256) -> int:
+        """Capture every batch size for the context buckets up to ``max_ctx`` (start-up), so
+        that short requests never wait for a capture; longer contexts are captured on first
+        use."""
+        for ctx in [c for c in self.ctx_buckets if c <= max_ctx] or self.ctx_buckets[:1]:
+            for bs in sorted(self.batch_sizes, reverse=True):
+                self.capture((bs, ctx))
+        return len(self._graphs)
+
+    def recapture(self) -> int:
+        """Capture again every shape captured before the last :meth:`drop`."""
+        for shape in sorted(self.captured_shapes, reverse=True):
+            self.capture(shape)
+        return len(self._graphs)
+
+    def run(
+        self, host_packed: torch.Tensor, host_temps: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay the graph for ``b`` rows (CPU inputs as for :meth:`NativeModel.decode_step`);
+        ``None`` when no captured shape fits. The outputs are the graph's own buffers: valid
+        until the next replay."""
+        b = host_packed.shape[1]
+        shape = self.bucket(b, ctx)
+        if shape is None:
+            return None
+        if shape not in self._graphs:
+            self.capture(shape)
+        graph, packed, temps, (logits, tokens) = self._graphs[shape]
+        bs = shape[0]
+        staging = self._staging.get(bs)
+        if staging is None:
+            staging = (
+                torch.zeros((5, bs), dtype=torch.int64).pin_memory(),
+                torch.zeros(bs, dtype=torch.float32).pin_memory(),
+            )
+            self._staging[bs] = staging
+        ints, floats = staging
+        ints.zero_()
+        floats.zero_()
+        ints[:, :b] = host_packed
+        floats[:b] = host_temps
+        packed.copy_(ints, non_blocking=True)
+        temps.copy_(floats, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return logits[:b], tokens[:b]

@@ -1,0 +1,208 @@
+"""Batched sampling: logit processors (SGLang's order and meaning), then one draw per row.
+
+:func:`process_logits` applies, row by row but in batched tensor ops, what a request's
+sampling parameters ask for: ``logit_bias`` (added), the penalties on the tokens generated so
+far (``frequency_penalty`` x count and ``presence_penalty`` subtracted, ``repetition_penalty``
+dividing positive and multiplying negative logits, as SGLang's penalizers do; prompt tokens are
+not counted, as in SGLang), ``min_new_tokens`` (stop tokens banned until then) and the grammar
+mask. :func:`draw` then picks one token per row: argmax for greedy rows; otherwise temperature,
+top-k, top-p and min-p, and the Gumbel-max trick with noise from a counter-based hash
+(murmur3 of the row's seed, the index of the token being sampled and the vocabulary id, the
+construction SGLang uses for ``sampling_seed``). The noise of a row depends on nothing but that
+row, so a seeded request's tokens do not depend on the rest of the batch, on the device kind or
+on a retraction; there is no generator state to carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from relax_hf.protocol import SamplingParams
+
+__all__ = ["SampleRow", "derive_seed", "draw", "gumbel_noise", "process_logits"]
+
+_M32 = 0xFFFFFFFF
+
+
+class SampleRow(Protocol):
+    """What the sampler reads from a sequence (see :class:`relax_hf.batch.Sequence`)."""
+
+    sampling: SamplingParams
+    seed: int
+    output_ids: list[int]
+    counts: torch.Tensor | None
+    bias: torch.Tensor | None
+    grammar: Any
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """``a * c mod 2**32`` for ``a`` in [0, 2**32) without int64 overflow (16-bit halves)."""
+    lo = a & 0xFFFF
+    hi = a >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _mix_key(k: torch.Tensor) -> torch.Tensor:
+    return _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+
+
+def _mix(h: torch.Tensor, k_mixed: torch.Tensor) -> torch.Tensor:
+    h = _rotl32(h ^ k_mixed, 13)
+    return (_mul32(h, 5) + 0xE6546B64) & _M32
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+_COL_KEYS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _col_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    key = (str(device), vocab)
+    cached = _COL_KEYS.get(key)
+    if cached is None:
+        cached = _mix_key(torch.arange(vocab, dtype=torch.int64, device=device))[None, :]
+        _COL_KEYS[key] = cached
+    return cached
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[rows, vocab]`` (float32), a pure function of (seed, step, column).
+
+    ``seeds`` and ``steps`` are int64 ``[rows]`` on the target device; the hash is murmur3 over
+    the seed's two 32-bit halves, the step and the column, exact in integer arithmetic on any
+    device.
+    """
+    h = torch.zeros_like(seeds)
+    h = _mix(h, _mix_key(seeds & _M32))
+    h = _mix(h, _mix_key((seeds >> 32) & _M32))
+    h = _mix(h, _mix_key(steps & _M32))
+    h = _mix(h[:, None], _col_keys(vocab, seeds.device))
+    h = _fmix(h ^ 16)
+    u = (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+    u = u.clamp_(max=1.0 - 2.0**-24)
+    return -torch.log(-torch.log(u))
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed`` (``n`` > 1).
+
+    Sample 0 keeps the request's seed; the others get a splitmix64 mix of (seed, index), so the
+    samples differ from each other and from requests seeded with ``seed + 1``.
+    """
+    if index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    z = (seed + index * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int]
+) -> torch.Tensor:
+    """Apply logit bias, penalties, ``min_new_tokens`` and grammar masks (float32, new tensor)."""
+    z = logits.float()
+    device = z.device
+    biased = [i for i, r in enumerate(rows) if r.bias is not None]
+    if biased:
+        z = z.clone() if z is logits else z
+        idx = torch.tensor(biased, device=device)
+        z.index_add_(0, idx, torch.stack([rows[i].bias for i in biased]))  # type: ignore[misc]
+    penal = [i for i, r in enumerate(rows) if r.counts is not None and r.sampling.penalized]
+    if penal:
+        z = z.clone() if z is logits else z
+        idx = torch.tensor(penal, device=device)
+        counts = torch.stack([rows[i].counts for i in penal])  # type: ignore[misc]
+        sub = z.index_select(0, idx)
+        rep = torch.tensor([rows[i].sampling.repetition_penalty for i in penal], device=device)
+        seen = counts > 0
+        scaled = torch.where(sub < 0, sub * rep[:, None], sub / rep[:, None])
+        sub = torch.where(seen, scaled, sub)
+        freq = torch.tensor([rows[i].sampling.frequency_penalty for i in penal], device=device)
+        pres = torch.tensor([rows[i].sampling.presence_penalty for i in penal], device=device)
+        sub = sub - freq[:, None] * counts - pres[:, None] * seen.float()
+        z.index_copy_(0, idx, sub)
+    banned: list[tuple[int, int]] = []
+    for i, r in enumerate(rows):
+        sp = r.sampling
+        if sp.min_new_tokens and len(r.output_ids) < sp.min_new_tokens:
+            ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
+            banned += [(i, t) for t in ids if t < z.shape[-1]]
+    if banned:
+        z = z.clone() if z is logits else z
+        bi = torch.tensor(banned, device=device)
+        z[bi[:, 0], bi[:, 1]] = float("-inf")
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained:
+        z = z.clone() if z is logits else z
+        allowed = torch.stack([rows[i].grammar.allowed() for i in constrained]).to(device)
+        idx = torch.tensor(constrained, device=device)
+        z.index_copy_(0, idx, z.index_select(0, idx).masked_fill(~allowed, float("-inf")))
+    return z
+
+
+def _temperatures(rows: Sequence[SampleRow], device: torch.device) -> torch.Tensor:
+    return torch.tensor(
+        [1.0 if r.sampling.greedy else r.sampling.temperature for r in rows], device=device
+    )
+
+
+def scaled_logprobs(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """``log_softmax(z / temperature)`` per row (raw logits for greedy rows), as SGLang returns."""
+    return torch.log_softmax(z / _temperatures(rows, z.device)[:, None], dim=-1)
+
+
+def draw(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """One token id per row (int64 tensor on ``z``'s device) from processed logits ``z``."""
+    device = z.device
+    tokens = torch.argmax(z, dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+    if not sampled:
+        return tokens
+    sub_rows = [rows[i] for i in sampled]
+    idx = torch.tensor(sampled, device=device)
+    filt = (
+        z.index_select(0, idx)
+        / torch.tensor([r.sampling.temperature for r in sub_rows], device=device)[:, None]
+    )
+    vocab = filt.shape[-1]
+    ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in sub_rows]
+    if any(ks):
+        top = torch.topk(filt, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None])
+        kth = torch.where(
+            torch.tensor(ks, device=device)[:, None] > 0, kth, torch.full_like(kth, -torch.inf)
+        )
+        filt = filt.masked_fill(filt < kth, -torch.inf)
+    top_ps = [r.sampling.top_p for r in sub_rows]
+    min_ps = [r.sampling.min_p for r in sub_rows]
+    if any(p < 1.0 for p in top_ps) or any(min_ps):
+        probs = torch.softmax(filt, dim=-1)
+        if any(p < 1.0 for p in top_ps):
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p) > torch.tensor(top_ps, device=device)[:, None]
+            probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        if any(min_ps):
+            floor = torch.tensor(min_ps, device=device)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        filt = torch.log(probs)
+    seeds = torch.tensor([r.seed for r in sub_rows], dtype=torch.int64, device=device)
+    steps = torch.tensor([len(r.output_ids) for r in sub_rows], dtype=torch.int64, device=device)
+    picked = torch.argmax(filt + gumbel_noise(seeds, steps, vocab), dim=-1)
+    tokens[idx] = picked
+    return tokens

@@ -1,0 +1,97 @@
+"""The native forward pass against transformers' own, for each supported architecture.
+
+In-process (no server): the runner and the batch on small random models of each family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from relax_hf.batch import Batch, Sequence
+from relax_hf.modeling import UnsupportedModel
+from relax_hf.protocol import LogprobParams, SamplingParams
+from relax_hf.runner import ModelRunner
+
+PROMPTS = ["The quick brown fox", "Question: what is two plus two?", "Hello"]
+
+
+def _save(tmp: Path, tiny_model: Path, family: str, **extra: Any) -> Path:
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForCausalLM")
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        **extra,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_cls(config)
+        with torch.no_grad():  # larger weights than the default: peaked next-token choices
+            for name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.08)
+                elif name.endswith("bias"):
+                    p.normal_(0.0, 0.1)
+    out = tmp / family
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("Llama", {"tie_word_embeddings": False}),
+        ("Qwen2", {"tie_word_embeddings": True}),  # q/k/v biases, tied embeddings
+        ("Qwen3", {"tie_word_embeddings": False}),  # per-head q/k norms
+        ("Mistral", {"sliding_window": None}),
+    ],
+)
+def test_greedy_outputs_equal_transformers_forward(
+    tmp_path: Path, tiny_model: Path, family: str, extra: dict[str, Any]
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _save(tmp_path, tiny_model, family, **extra)
+    tok = AutoTokenizer.from_pretrained(path)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    batch = Batch(ModelRunner(str(path), max_total_tokens=1024))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    seqs = [
+        Sequence(
+            rid=str(i),
+            prompt_ids=tok(p, add_special_tokens=False)["input_ids"],
+            sampling=greedy,
+            logprob=LogprobParams(),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    batch.step(seqs)  # one prefill for the three prompts of different lengths
+    while len(batch):
+        batch.step([])
+    for s in seqs:
+        ids = list(s.prompt_ids)
+        with torch.no_grad():
+            for _ in range(8):
+                ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert s.output_ids == ids[len(s.prompt_ids) :], (family, s.rid)
+    assert batch.pool.free_slots == batch.pool.capacity  # every slot given back
+
+
+def test_an_unsupported_architecture_is_refused_naming_it(tmp_path: Path, tiny_model: Path) -> None:
+    path = _save(tmp_path, tiny_model, "Mistral", sliding_window=16)
+    with pytest.raises(UnsupportedModel, match="sliding_window 16"):
+        ModelRunner(str(path), max_total_tokens=64)
