@@ -209,7 +209,11 @@ class LifecycleCoordinator:
         """The run's first permanent failure, if any."""
         return self._failure
 
-    def describe(self) -> CoordinatorStatus:
+    async def describe(self) -> CoordinatorStatus:
+        """:meth:`status`, as a coroutine (the same API as the remote coordinator's)."""
+        return self.status()
+
+    def status(self) -> CoordinatorStatus:
         """Leases, slices, blocked roles with their reasons, the current batch, the failure."""
         batch = self._batches.get(self._current) if self._current is not None else None
         return CoordinatorStatus(

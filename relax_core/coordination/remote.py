@@ -97,7 +97,7 @@ class CoordinatorActor:
         return await self._core.reset_blocked(role, confirm_clean=confirm_clean)
 
     async def describe(self) -> CoordinatorStatus:
-        return self._core.describe()
+        return self._core.status()
 
 
 class RemoteCoordinator:

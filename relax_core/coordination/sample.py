@@ -34,7 +34,9 @@ def _floats(value: Any) -> tuple[float, ...]:
     return value if type(value) is tuple else tuple(float(v) for v in value)
 
 
-@attrs.define(eq=False)
+# Assignment runs no converter: stages assign tuples, and validation checks what they wrote
+# (an on_setattr pipeline would cost more than the rest of a batch's bookkeeping).
+@attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)
 class Sample:
     """One response of one prompt; samples of one prompt share ``group_id``.
 
@@ -68,7 +70,9 @@ class Sample:
 
     def staged_copy(self) -> Sample:
         """A copy for CPU staging: stages write into it, never into the original."""
-        copy = attrs.evolve(self)
+        copy = object.__new__(Sample)
+        for name in _FIELDS:
+            setattr(copy, name, getattr(self, name))
         copy.metadata = dict(self.metadata)
         copy.rewards = dict(self.rewards)
         return copy
@@ -83,3 +87,6 @@ class Sample:
         for name in SCORED_FIELDS:
             value = getattr(staged, name)
             setattr(self, name, dict(value) if isinstance(value, Mapping) else value)
+
+
+_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(Sample))
