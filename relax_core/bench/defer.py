@@ -27,6 +27,7 @@ from relax_core.coordination import (
     LifecycleCoordinator,
     MemoryBatchSink,
     Sample,
+    Stage,
     StageContext,
     StageReport,
     Timeline,
@@ -115,7 +116,8 @@ async def _measure(repeats: int) -> dict[str, list[float]]:
     )
     sink = MemoryBatchSink()
     timeline = Timeline(registry=CollectorRegistry())
-    stages = [_RewardStage(), _TeacherStage()]
+    reward, distill = _RewardStage(), _TeacherStage()
+    stages: list[Stage] = [reward, distill]
     batches: list[float] = []
     floors: list[float] = []
     warmup = max(2, repeats // 10)
@@ -125,10 +127,12 @@ async def _measure(repeats: int) -> dict[str, list[float]]:
         flat = [s.staged_copy() for g in groups for s in g]
         begin = time.perf_counter()
         await rollout.offload()
-        for handle, stage in ((genrm, stages[0]), (teacher, stages[1])):
-            await handle.onload()
-            await stage.run(flat, None)
-            await handle.offload()
+        await genrm.onload()
+        await reward.run(flat, None)
+        await genrm.offload()
+        await teacher.onload()
+        await distill.run(flat, None)
+        await teacher.offload()
         await sink.put(f"floor_{n}", flat, is_last=True)
         floor = time.perf_counter() - begin
         await sink.delete(f"floor_{n}")

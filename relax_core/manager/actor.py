@@ -134,6 +134,6 @@ def start_manager_actor(
     }
     if name is not None:
         options.update(name=name, namespace=namespace)
-    actor = ray.remote(ManagerActor).options(**options).remote(model_id, **kwargs)
+    actor: Any = ray.remote(ManagerActor).options(**options).remote(model_id, **kwargs)
     ray.get(actor.states.remote(), timeout=60)
     return actor
