@@ -243,24 +243,23 @@ class Step:
                 prompt = [5 + g, 17, 42 + g, 9]
                 group = []
                 for i in range(n):
+                    sampling = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
                     out = await c.generate(
-                        {
-                            "input_ids": prompt,
-                            "sampling_params": {
-                                "max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True,
-                            },
-                            "return_logprob": True,
-                        }  # fmt: skip
+                        {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
                     )
                     meta = out["meta_info"]
                     group.append(
                         Sample(
-                            f"b{batch_id}-g{g}-s{i}", f"b{batch_id}-g{g}", prompt,
-                            out["output_ids"], prompt=f"question {g}: {prompt}",
-                            response=out["text"], label="4" if g % 2 == 0 else None,
+                            f"b{batch_id}-g{g}-s{i}",
+                            f"b{batch_id}-g{g}",
+                            prompt,
+                            out["output_ids"],
+                            prompt=f"question {g}: {prompt}",
+                            response=out["text"],
+                            label="4" if g % 2 == 0 else None,
                             rollout_logprobs=[e[0] for e in meta["output_token_logprobs"]],
                             weight_version=meta.get("weight_version"),
-                        )  # fmt: skip
+                        )
                     )
                 collector.add(group)
         return collector
@@ -449,7 +448,8 @@ def test_a_scoring_or_validation_failure_fails_the_batch_and_writes_nothing_back
         return collector.samples
 
     originals = asyncio.run(go())
-    assert all(s.reward is None and s.rewards == {} and s.teacher_logprobs is None for s in originals)
+    for s in originals:
+        assert s.reward is None and s.rewards == {} and s.teacher_logprobs is None
     status = asyncio.run(step.coordinator.describe())
     assert status.batch_state == "FAILED" and set(status.leases.values()) == {"SLEEPING"}
     assert asyncio.run(step.sink.partitions()) == {}
@@ -461,7 +461,7 @@ def test_a_sink_put_failure_does_not_commit(step: Step) -> None:
         await step.coordinator.begin_batch(0)
         collector = await step.generate(0, groups=2)
         step.sink.stop()  # the store actor dies before the put
-        with pytest.raises(SinkError, match="train_0.*put failed"):
+        with pytest.raises(SinkError, match=r"train_0.*put failed"):
             await step.batch(0, collector.samples, [teacher_stage()]).run()
         with pytest.raises(BatchFailedError, match="SinkError"):
             await waiter
@@ -482,7 +482,7 @@ def test_a_finalizer_failing_after_the_put_deletes_the_partition_and_does_not_co
         await step.coordinator.begin_batch(0)
         collector = await step.generate(0, groups=2)
         batch = step.batch(0, collector.samples, [teacher_stage()], finalizer=save)
-        with pytest.raises(BatchFailedError, match="finalizer failed.*train_0' deleted"):
+        with pytest.raises(BatchFailedError, match=r"finalizer failed.*train_0' deleted"):
             await batch.run()
         with pytest.raises(BatchFailedError):
             await waiter

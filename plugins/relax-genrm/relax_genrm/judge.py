@@ -164,9 +164,7 @@ async def judge_sample(
     return parse_verdict(text)
 
 
-async def judge_reward(
-    response: str, label: str | None, *, context: RewardContext
-) -> RewardResult:
+async def judge_reward(response: str, label: str | None, *, context: RewardContext) -> RewardResult:
     """The ``genrm-judge`` adapter: the judge model's verdict on ``response``.
 
     Sends the judge conversation (question = the sample's prompt, reference = ``label``) to
