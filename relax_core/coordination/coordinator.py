@@ -565,7 +565,8 @@ class LifecycleCoordinator:
                 )
             except Exception as exc:
                 return f"{handle.name}: {method} raised {type(exc).__name__}: {exc}"
-            return unconfirmed(result, expected)
+            why = unconfirmed(result, expected)
+            return None if why is None else f"{handle.name}: {why}"
 
         reasons = [r for r in await asyncio.gather(*(one(h) for h in handles)) if r]
         return "; ".join(reasons) if reasons else None
