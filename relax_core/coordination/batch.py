@@ -191,11 +191,28 @@ class DeferredBatch:
             coordinator and nothing was committed.
         """
         try:
-            return await self._run()
+            result = await self._run()
         except BaseException as exc:
             if not self._committed:
                 await self._fail(exc)
+            self._flush(exc)
             raise
+        try:
+            self.timeline.flush()
+        except OSError as exc:
+            exc.add_note(
+                f"batch {self.batch_id} was committed; only its trace file could not be written"
+            )
+            raise
+        return result
+
+    def _flush(self, failure: BaseException) -> None:
+        """Write the trace of a failed batch too; a trace that cannot be written is noted on
+        the batch's own error (which is what the caller must see)."""
+        try:
+            self.timeline.flush()
+        except OSError as exc:
+            failure.add_note(f"the trace file could not be written either: {exc}")
 
     async def _run(self) -> BatchResult:
         n, tl = self.batch_id, self.timeline
@@ -233,7 +250,6 @@ class DeferredBatch:
                 original.write_back(staged)
         receipt = await self._publish()
         self._committed = True
-        tl.flush()
         return BatchResult(n, receipt, len(self.originals), tuple(reports), tl.phases(n))
 
     async def _leased(self, stage: Stage, ctx: StageContext) -> StageReport:

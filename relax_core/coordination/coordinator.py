@@ -383,7 +383,8 @@ class LifecycleCoordinator:
                 self._evict()
                 self._batches = {batch_id: _Batch()}
                 self._current = batch_id
-                self._last_begun = max(batch_id, self._last_begun or batch_id)
+                if self._last_begun is None or batch_id > self._last_begun:
+                    self._last_begun = batch_id
             cause = str(error)
             if release_unconfirmed:
                 cause += f" (release unconfirmed: the {gen} lease is kept BLOCKED)"

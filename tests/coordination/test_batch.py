@@ -358,3 +358,19 @@ def test_phase_durations_are_prometheus_histograms() -> None:
     text = generate_latest(registry).decode()
     assert 'relax_deferred_phase_seconds_count{phase="genrm.onload"} 1.0' in text
     assert 'relax_deferred_phase_seconds_count{phase="sink_put"} 1.0' in text
+
+
+def test_a_failed_batch_is_in_the_trace_with_its_failed_phase(tmp_path: Path) -> None:
+    step = Step()
+    trace = tmp_path / "run.trace.json"
+    stages = step.stages(genrm=ScoringError("genrm", "judge unreachable"))
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        with pytest.raises(ScoringError):
+            await step.batch(samples(), stages, timeline=Timeline(trace_path=str(trace))).run()
+
+    run(go())
+    events = {e["name"]: e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert events["genrm"]["args"] == {"batch": 0, "failed": True}
+    assert "genrm.offload" in events and "commit" not in events
