@@ -36,13 +36,16 @@ if TYPE_CHECKING:
     from relax_core.manager.results import HealthReport, LifecycleResult
 
 __all__ = [
+    "BatchFailedError",
     "CapabilityError",
     "ChannelError",
     "ConfigError",
     "ConfigValidationError",
+    "CoordinationError",
     "GatewayError",
     "InferenceRecoveryRequired",
     "InvalidRequestError",
+    "LeaseBlockedError",
     "LifecycleError",
     "NotApplicable",
     "PlacementError",
@@ -50,6 +53,8 @@ __all__ = [
     "RelaxError",
     "RequestNotReplayedError",
     "RoutingError",
+    "ScoringError",
+    "SinkError",
     "SnapshotError",
     "StreamStalledError",
     "UpstreamError",
@@ -354,3 +359,87 @@ class ChannelError(LifecycleError):
     The worker's own failures are reported as its own exceptions, never as this; a channel
     error says nothing about whether the worker actor died (the manager asks Ray).
     """
+
+
+# -- coordination ----------------------------------------------------------------------------
+# Errors of the LifecycleCoordinator, the DeferredBatch and the batch sinks. They cross Ray
+# (raised in the coordinator actor, re-raised in the caller), so each pickles with its fields.
+
+
+class CoordinationError(RelaxError):
+    """A coordinator call was refused: wrong order, unknown role, a reused operation id, a
+    batch that is not the pending one. Nothing changed."""
+
+
+class LeaseBlockedError(CoordinationError):
+    """A role's shared-GPU lease is BLOCKED: an onload or offload of it was not confirmed.
+
+    ``role`` is the role; ``reason`` what went unconfirmed. The coordinator grants no role on
+    the same defer slice a lease until an operator has confirmed that the role's GPUs are clean
+    and reset the lease (``relax coordinator reset``).
+    """
+
+    def __init__(self, role: str, reason: str) -> None:
+        self.role = role
+        self.reason = reason
+        super().__init__(
+            f"role {role!r} lease is BLOCKED: {reason}. No other role on its GPUs is activated. "
+            f"Confirm on the node that the {role} engines hold no GPU memory (stop them if "
+            f"needed), then run `relax coordinator reset --role {role} --confirm-clean`"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.role, self.reason))
+
+
+class BatchFailedError(CoordinationError):
+    """A batch will never be committed: ``batch_id`` and the ``cause`` (the first failure).
+
+    Raised to ``wait_committed`` waiters, to callers of the failed batch's operations and, for
+    later batches, when the run failed earlier (``failed_batch`` names that batch).
+    """
+
+    def __init__(self, batch_id: int, cause: str, *, failed_batch: int | None = None) -> None:
+        self.batch_id = batch_id
+        self.cause = cause
+        self.failed_batch = batch_id if failed_batch is None else failed_batch
+        if self.failed_batch == batch_id:
+            text = f"batch {batch_id} FAILED: {cause}"
+        else:
+            text = (
+                f"batch {batch_id} will not be committed: the run failed at batch "
+                f"{self.failed_batch}: {cause}"
+            )
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_batch_failed, (self.batch_id, self.cause, self.failed_batch))
+
+
+def _rebuild_batch_failed(batch_id: int, cause: str, failed_batch: int) -> BatchFailedError:
+    return BatchFailedError(batch_id, cause, failed_batch=failed_batch)
+
+
+class ScoringError(RelaxError):
+    """A deferred scoring stage or the validation of its fields failed; nothing was written
+    back. ``stage`` names the stage (``genrm``, ``teacher``, ``validation``)."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        self.stage = stage
+        self.message = message
+        super().__init__(f"{stage}: {message}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.stage, self.message))
+
+
+class SinkError(RelaxError):
+    """A batch-sink operation (put, get, delete) failed; ``partition`` names the partition."""
+
+    def __init__(self, partition: str, message: str) -> None:
+        self.partition = partition
+        self.message = message
+        super().__init__(f"partition {partition!r}: {message}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.partition, self.message))

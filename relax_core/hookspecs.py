@@ -89,11 +89,20 @@ def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> No
 
     :param register: call it once per :class:`~relax_core.records.RewardSpec`.
 
+    An adapter is called ``fn(response, label)`` (plus ``metadata=`` with
+    ``pass_metadata=True``; an ``async`` adapter also gets ``context=``, a
+    :class:`~relax_core.coordination.RewardContext` with the sample and the loop's client of
+    each role) and returns a number or a :class:`~relax_core.coordination.RewardResult`.
+    ``sync`` adapters run in Ray workers; ``label_matcher(label) -> bool`` limits the samples
+    an adapter scores; ``supports_deferred`` lets it score a staged batch in a deferred phase.
+
     Example::
 
         @hookimpl
         def relax_register_reward_adapters(register):
-            register(RewardSpec(name="exact-match", fn=exact_match, mode="sync"))
+            register(RewardSpec(name="exact-match", fn=exact_match, mode="sync",
+                                label_matcher=lambda label: label is not None,
+                                supports_deferred=True))
     """
 
 

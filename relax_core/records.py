@@ -345,19 +345,57 @@ class WeightSource:
             )
 
 
+def _optional_callable(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name}={value!r}: give a callable or None"
+        )
+
+
 @attrs.frozen
 class RewardSpec:
-    """A reward adapter: turns a judged sample into a reward.
+    """A reward adapter: turns a response (and its label) into a reward.
 
-    ``mode`` is ``sync`` or ``async``; ``supports_deferred`` says whether it can score a staged
-    batch in a deferred phase.
+    ``fn`` is called ``fn(response, label)`` — the response text and the sample's label (or
+    ``None``) — plus ``metadata=`` (the sample's metadata dict) when ``pass_metadata`` is true.
+    It returns a number, or a :class:`~relax_core.coordination.RewardResult` (a value and
+    whether the judge's answer could be parsed).
+
+    ``mode``: ``sync`` adapters are plain functions and run in Ray worker processes (remote
+    tasks); ``async`` adapters are coroutine functions run on the scoring event loop and get
+    ``context=`` (a :class:`~relax_core.coordination.RewardContext`: the prompt, the sample,
+    and the loop's shared client of each role, to call a judge model).
+    ``label_matcher``: ``label_matcher(label) -> bool``; the adapter scores only samples whose
+    label it accepts (``None``: every sample).
+    ``supports_deferred``: it may score a staged batch in a deferred phase (side-effect free
+    apart from its requests); the defer preflight refuses adapters without it.
     """
 
     name: str = attrs.field(validator=_check_name)
-    fn: Callable[..., Any]
+    fn: Callable[..., Any] = attrs.field(validator=attrs.validators.is_callable())
     mode: str = attrs.field(default="sync", validator=attrs.validators.in_({"sync", "async"}))
-    supports_deferred: bool = False
+    pass_metadata: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    label_matcher: Callable[[str | None], bool] | None = attrs.field(
+        default=None, validator=_optional_callable
+    )
+    supports_deferred: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool)
+    )
     description: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        import inspect
+
+        is_coroutine = inspect.iscoroutinefunction(self.fn)
+        if self.mode == "async" and not is_coroutine:
+            raise ValueError(
+                f"RewardSpec {self.name!r}: mode='async' needs a coroutine function (async def); "
+                f"{self.fn!r} is not one — use mode='sync'"
+            )
+        if self.mode == "sync" and is_coroutine:
+            raise ValueError(
+                f"RewardSpec {self.name!r}: fn is a coroutine function; give mode='async'"
+            )
 
 
 @runtime_checkable

@@ -48,6 +48,8 @@ __all__ = [
     "routing_spec",
     "servable_problems",
     "serve_job",
+    "serve_phase_problems",
+    "start_order",
 ]
 
 #: ``on_report(model_id, report_or_error)`` of :meth:`RoleService.start_monitor`.
@@ -347,6 +349,8 @@ class ServedJob:
         self.gateways: dict[str, RunningGateway] = {}
         self.bound: list[Any] = []
         self.registry: RegistryServer | None = None
+        #: The placement plan the job was bound from.
+        self.plan: Any = None
         #: Every engine pid seen (checked gone after shutdown).
         self.engine_pids: set[int] = set()
 
@@ -376,7 +380,82 @@ def check_job(config: JobConfig, plugin_manager: PluginManager) -> list[str]:
 
     result = preflight(config, plugin_manager)
     problems = [str(v) for v in result.violations] if result.plan is None else []
+    if result.plan is not None:
+        problems += [str(p) for p in serve_phase_problems(config, result.plan)]
     return problems + [str(p) for p in servable_problems(config, plugin_manager)]
+
+
+# -- phases: deferred roles start, then sleep; only the coordinator wakes them --------------
+
+
+def _deferred(config: JobConfig) -> list[str]:
+    names = {r.name for r in config.roles}
+    return [r for r in config.placement.defer_roles if r in names]
+
+
+def serve_phase_problems(config: JobConfig, plan: Any) -> list[ConfigProblem]:
+    """The phases of ``plan`` that ``relax serve`` cannot keep apart, by key path.
+
+    ``relax serve`` keeps every deferred role (``placement.defer_roles``) asleep after its
+    start and every other role awake, so two roles that are not deferred, placed in different
+    phases on overlapping bundles, would be resident at once: refused. Pure.
+    """
+    from relax_core.placement.plan import PHASE_RESIDENT
+
+    deferred = set(_deferred(config))
+    awake = [
+        p
+        for p in plan.placements
+        if p.pool is not None and p.phase != PHASE_RESIDENT and p.role not in deferred
+    ]
+    problems = []
+    for i, a in enumerate(awake):
+        for b in awake[i + 1 :]:
+            if (
+                a.phase != b.phase
+                and a.pool == b.pool
+                and (a.bundle_start or 0) < b.bundle_end
+                and (b.bundle_start or 0) < a.bundle_end
+            ):
+                problems.append(
+                    ConfigProblem(
+                        f"{b.path}",
+                        "serve-phases",
+                        f"{b.key} (phase {b.phase!r}) and {a.key} (phase {a.phase!r}) share "
+                        f"bundles {max(a.bundle_start or 0, b.bundle_start or 0)}-"
+                        f"{min(a.bundle_end, b.bundle_end) - 1} of pool {a.pool!r}, and neither "
+                        "role is deferred: relax serve keeps only deferred roles asleep, so both "
+                        "would be resident at once. List one in placement.defer_roles, or give "
+                        "it bundles of its own",
+                    )
+                )
+    return problems
+
+
+def start_order(config: JobConfig, plan: Any) -> list[tuple[tuple[str, ...], bool]]:
+    """The order ``relax serve`` starts roles in: ``(roles, sleep_after)`` steps.
+
+    Each phase of deferred roles (in the plan's run order) starts on its own and is put to
+    SLEEPING before the next one starts — phases sharing GPUs are never loaded together —, then
+    every other role starts, awake. Without deferred roles: one step, everything at once.
+    """
+    deferred = _deferred(config)
+    rank = {phase: i for i, phase in enumerate(plan.phases)}
+
+    def phase_of(role: str) -> int:
+        found = [rank.get(p.phase, len(rank)) for p in plan.placements if p.role == role]
+        return min(found, default=len(rank))
+
+    steps: list[tuple[tuple[str, ...], bool]] = []
+    for role in sorted(deferred, key=phase_of):
+        if steps and phase_of(steps[-1][0][0]) == phase_of(role):
+            steps[-1] = ((*steps[-1][0], role), True)
+        else:
+            steps.append(((role,), True))
+    awake = tuple(r.name for r in config.roles if r.name not in deferred)
+    if awake:
+        steps.append((awake, False))
+    return steps
 
 
 def _placements(config: JobConfig, pm: PluginManager, job: ServedJob) -> dict[str, dict[str, Any]]:
@@ -384,6 +463,7 @@ def _placements(config: JobConfig, pm: PluginManager, job: ServedJob) -> dict[st
     from relax_core.placement import bind_placement_group, plan_inference_placement
 
     plan = plan_inference_placement(config, pm)
+    job.plan = plan
     pools = sorted({p.pool for p in plan.placements if p.pool is not None})
     bound = {}
     for pool in pools:
@@ -541,6 +621,31 @@ def _start_engines(
         target=_progress, args=(job, config, out, stop, began), daemon=True, name="progress"
     )
     ticker.start()
+    steps = start_order(config, job.plan) if job.plan is not None else []
+    if not steps:
+        steps = [(tuple(job.services), False)]
+    try:
+        for roles, sleep in steps:
+            if len(steps) > 1:
+                names = ", ".join(f"{r}.{m}" for r in roles for m in job.services[r].managers)
+                what = "deferred, put to sleep once started" if sleep else "awake"
+                print(
+                    f"  [{time.monotonic() - began:5.1f}s] starting {names} ({what})",
+                    file=out,
+                    flush=True,
+                )
+            _start_services([job.services[r] for r in roles], out, hold, began)
+            if sleep:
+                for role in roles:
+                    _put_to_sleep(job.services[role], out, began)
+    finally:
+        stop.set()
+        ticker.join()
+
+
+def _start_services(
+    services: list[RoleService], out: TextIO, hold: Callable[[], None], began: float
+) -> None:
     errors: list[BaseException] = []
 
     def start(service: RoleService) -> None:
@@ -553,7 +658,7 @@ def _start_engines(
 
     starters = [
         threading.Thread(target=start, args=(s,), daemon=True, name=f"start-{s.role}")
-        for s in job.services.values()
+        for s in services
     ]
     for t in starters:
         t.start()
@@ -571,11 +676,28 @@ def _start_engines(
         for t in starters:
             t.join()
         raise
-    finally:
-        stop.set()
-        ticker.join()
     if errors:
         raise errors[0]
+
+
+def _put_to_sleep(service: RoleService, out: TextIO, began: float) -> None:
+    """Offload every tag of a deferred role's models; each replica must confirm SLEEPING."""
+    for model_id, manager in service.managers.items():
+        result = manager.offload()
+        wrong = {e: s for e, s in result.states.items() if s != "SLEEPING"}
+        if wrong:
+            raise LifecycleError(
+                f"{service.role}.{model_id} could not be put to sleep after its start "
+                f"({wrong}; {'; '.join(str(r.error) for r in result.failed)}); it shares GPUs "
+                "with later phases, so nothing more is started"
+            )
+        print(
+            f"  [{time.monotonic() - began:5.1f}s] {service.role}.{model_id}: SLEEPING "
+            "(deferred: engine memory released, weights kept on the CPU; only the coordinator "
+            "wakes it)",
+            file=out,
+            flush=True,
+        )
 
 
 def _start_gateways(

@@ -7,7 +7,18 @@ from fractions import Fraction
 
 from relax_core import RewardSpec, hookimpl
 
-__all__ = ["boxed_answer", "boxed_math", "exact_match", "relax_register_reward_adapters"]
+__all__ = [
+    "boxed_answer",
+    "boxed_math",
+    "exact_match",
+    "has_label",
+    "relax_register_reward_adapters",
+]
+
+
+def has_label(label: str | None) -> bool:
+    """The adapters' label matcher: they compare with a label, so they score labelled samples."""
+    return isinstance(label, str)
 
 
 def exact_match(response: str, label: str) -> float:
@@ -63,6 +74,7 @@ def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> No
             name="exact-match",
             fn=exact_match,
             mode="sync",
+            label_matcher=has_label,
             supports_deferred=True,
             description="1.0 when the trimmed response equals the label.",
         )
@@ -72,6 +84,7 @@ def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> No
             name="boxed-math",
             fn=boxed_math,
             mode="sync",
+            label_matcher=has_label,
             supports_deferred=True,
             description="1.0 when the last \\boxed{} answer equals the label (numerically).",
         )

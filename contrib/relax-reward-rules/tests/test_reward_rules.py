@@ -40,3 +40,9 @@ def test_exact_match_ignores_surrounding_whitespace(rewards: PluginManager) -> N
 )
 def test_boxed_math(rewards: PluginManager, response: str, label: str, reward: float) -> None:
     assert rewards.reward_adapter("boxed-math").fn(response, label) == reward
+
+
+def test_adapters_score_labelled_samples_only(rewards: PluginManager) -> None:
+    for name in ("exact-match", "boxed-math"):
+        matcher = rewards.reward_adapter(name).label_matcher
+        assert matcher is not None and matcher("42") and not matcher(None)

@@ -3,7 +3,7 @@
 Registers the ``genrm`` :class:`~relax_core.RoleSpec` (STATIC weights, DIRECT routing,
 deferrable, ``/genrm/health`` in the legacy schema 1 by default), its gateway adapter (the
 messages protocol, described in the role's OpenAPI document) and the ``genrm-judge`` reward adapter
-(supports deferred scoring).
+(async, supports deferred scoring: a judge's text becomes a reward, with a parse-failure count).
 """
 
 from __future__ import annotations
@@ -12,16 +12,27 @@ from collections.abc import Callable
 
 from relax_core import OpenAPINotes, RewardSpec, RoleSpec, hookimpl
 from relax_genrm.adapter import MESSAGES_INPUT, GenRMAdapter, TokenizerCache
-from relax_genrm.judge import JudgeClient, judge_reward, parse_verdict, render_judge_messages
+from relax_genrm.judge import (
+    JUDGE_ROLE,
+    JudgeClient,
+    judge_reward,
+    judge_sample,
+    parse_verdict,
+    read_verdict,
+    render_judge_messages,
+)
 
 __all__ = [
     "GENRM_ROLE",
     "JUDGE_REWARD",
+    "JUDGE_ROLE",
     "GenRMAdapter",
     "JudgeClient",
     "TokenizerCache",
     "judge_reward",
+    "judge_sample",
     "parse_verdict",
+    "read_verdict",
     "render_judge_messages",
 ]
 
@@ -51,7 +62,10 @@ JUDGE_REWARD = RewardSpec(
     fn=judge_reward,
     mode="async",
     supports_deferred=True,
-    description="Asks the genrm gateway to judge a response and parses its verdict into a reward.",
+    description=(
+        "Asks the genrm model to judge a response and turns its verdict into a reward (0.0 and "
+        "a parse failure when the answer holds none)."
+    ),
 )
 
 

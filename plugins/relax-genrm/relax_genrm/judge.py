@@ -1,9 +1,14 @@
-"""The ``genrm-judge`` reward adapter: ask the genrm gateway for a verdict, turn it into a reward.
+"""The ``genrm-judge`` reward adapter: ask a genrm model for a verdict, turn it into a reward.
 
-The judge is reached over HTTP through the genrm role gateway (``POST {url}/genrm/generate`` with
-``messages``), so it works the same from a trainer process, a deferred scoring stage or a
-notebook. The verdict parser reads the judge's last ``score: X`` (a number in [0, 1]) or, failing
-that, its last ``yes``/``no`` / ``correct``/``incorrect`` word.
+:func:`judge_reward` is the registered adapter (async, ``supports_deferred``): in a reward stage
+it sends the judge conversation to the genrm role's engines through the scoring loop's shared
+:class:`~relax_core.InferenceClient` (``context.client("genrm")``, OpenAI chat path, the
+sample's route key picking the judge model) and returns a
+:class:`~relax_core.coordination.RewardResult`; a judge answer without a verdict scores 0.0 and
+is counted as a parse failure. :class:`JudgeClient` and :func:`judge_sample` do the same through
+a genrm *gateway* over HTTP (``POST {url}/genrm/generate`` with ``messages``), for code outside
+a scoring stage. The verdict parser reads the judge's last ``score: X`` (a number in [0, 1]) or,
+failing that, its last ``yes``/``no`` / ``correct``/``incorrect`` word.
 """
 
 from __future__ import annotations
@@ -14,9 +19,22 @@ from typing import Any
 
 import aiohttp
 
-from relax_core import UpstreamError
+from relax_core import RewardContext, RewardResult, UpstreamError
 
-__all__ = ["JudgeClient", "judge_reward", "parse_verdict", "render_judge_messages"]
+__all__ = [
+    "JUDGE_ROLE",
+    "JudgeClient",
+    "judge_reward",
+    "judge_sample",
+    "parse_verdict",
+    "read_verdict",
+    "render_judge_messages",
+]
+
+#: The role the judge adapter calls.
+JUDGE_ROLE = "genrm"
+#: Sampling of a judge answer: greedy, short.
+JUDGE_SAMPLING = {"temperature": 0.0, "max_new_tokens": 64}
 
 _SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _WORD = re.compile(r"\b(yes|no|correct|incorrect|right|wrong)\b", re.IGNORECASE)
@@ -41,8 +59,8 @@ def render_judge_messages(
     ]
 
 
-def parse_verdict(text: str, *, default: float = 0.0) -> float:
-    """A reward in [0, 1] from a judge's text; ``default`` when it holds no verdict.
+def read_verdict(text: str) -> float | None:
+    """A reward in [0, 1] from a judge's text, or ``None`` when it holds no verdict.
 
     The last ``score: X`` wins (clamped to [0, 1]); otherwise the last yes/no-like word.
     """
@@ -52,7 +70,13 @@ def parse_verdict(text: str, *, default: float = 0.0) -> float:
     words = _WORD.findall(text)
     if words:
         return 1.0 if words[-1].lower() in _POSITIVE else 0.0
-    return default
+    return None
+
+
+def parse_verdict(text: str, *, default: float = 0.0) -> float:
+    """:func:`read_verdict`, with ``default`` when the text holds no verdict."""
+    verdict = read_verdict(text)
+    return default if verdict is None else verdict
 
 
 class JudgeClient:
@@ -86,7 +110,7 @@ class JudgeClient:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         body: dict[str, Any] = {
             "messages": messages,
-            "sampling_params": dict(sampling_params or {"temperature": 0.0, "max_new_tokens": 64}),
+            "sampling_params": dict(sampling_params or JUDGE_SAMPLING),
         }
         if model is not None:
             body["model"] = model
@@ -115,17 +139,18 @@ class JudgeClient:
         await self.close()
 
 
-async def judge_reward(
+async def judge_sample(
     sample: Mapping[str, Any],
     *,
     client: JudgeClient,
     model: str | None = None,
     route_key: str | None = None,
 ) -> float:
-    """The reward of one sample: ``sample`` has ``prompt``, ``response`` and optional ``label``.
+    """The reward of one sample through a genrm gateway: ``sample`` has ``prompt``,
+    ``response`` and optional ``label``. No verdict in the answer scores 0.0.
 
-    Async and side-effect free apart from the HTTP call, so a deferred scoring stage can run it
-    over a staged batch (``supports_deferred=True``).
+    :raises ValueError: ``prompt`` or ``response`` is not a string.
+    :raises UpstreamError: the gateway answered an error.
     """
     for key in ("prompt", "response"):
         if not isinstance(sample.get(key), str):
@@ -136,3 +161,38 @@ async def judge_reward(
     )
     text = await client.judge(messages, model=model, route_key=route_key)
     return parse_verdict(text)
+
+
+async def judge_reward(response: str, label: str | None, *, context: RewardContext) -> RewardResult:
+    """The ``genrm-judge`` adapter: the judge model's verdict on ``response``.
+
+    Sends the judge conversation (question = the sample's prompt, reference = ``label``) to
+    the genrm role through ``context.client("genrm")`` on ``/v1/chat/completions``, routed by
+    the sample's route key, its group as the affinity key. Side-effect free apart from that one
+    request, so a deferred stage can run it (``supports_deferred=True``).
+
+    :raises UpstreamError: the judge request failed (it is not retried: no POST is replayed).
+    :raises ValueError: the answer has no message text.
+    """
+    messages = render_judge_messages(context.prompt, response, label)
+    client = context.client(JUDGE_ROLE)
+    answer = await client.post(
+        "/v1/chat/completions",
+        {
+            "messages": messages,
+            "temperature": JUDGE_SAMPLING["temperature"],
+            "max_tokens": JUDGE_SAMPLING["max_new_tokens"],
+        },
+        route_key=context.route_key,
+        affinity_key=context.sample.group_id,
+    )
+    try:
+        text = answer["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"the judge answer has no choices[0].message.content: {exc!r}") from None
+    if not isinstance(text, str):
+        raise ValueError(f"the judge answer's message content is {type(text).__name__}")
+    verdict = read_verdict(text)
+    if verdict is None:
+        return RewardResult(0.0, parse_failed=True, detail=text[-200:])
+    return RewardResult(verdict, detail=text[-200:])

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from relax_genrm import GenRMAdapter, JudgeClient, judge_reward, parse_verdict
+from relax_genrm import GenRMAdapter, JudgeClient, judge_sample, parse_verdict
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -194,7 +194,7 @@ def judge_gateway() -> Iterator[tuple[str, list[dict[str, object]]]]:
         yield url, seen
 
 
-def test_judge_reward_asks_the_gateway_and_parses_the_verdict(
+def test_judge_sample_asks_the_gateway_and_parses_the_verdict(
     judge_gateway: tuple[str, list[dict[str, object]]],
 ) -> None:
     url, seen = judge_gateway
@@ -202,7 +202,7 @@ def test_judge_reward_asks_the_gateway_and_parses_the_verdict(
     async def go() -> float:
         async with JudgeClient(url, token="s3cret") as client:
             sample = {"prompt": "2+2?", "response": "4", "label": "4"}
-            return await judge_reward(sample, client=client, route_key="math")
+            return await judge_sample(sample, client=client, route_key="math")
 
     assert asyncio.run(go()) == 1.0
     body = seen[0]["body"]
@@ -222,3 +222,56 @@ def test_judge_error_carries_the_gateway_message(
 
     with pytest.raises(UpstreamError, match="unknown model"):
         asyncio.run(go())
+
+
+@pytest.fixture
+def judge_engine() -> Iterator[tuple[str, list[dict[str, object]]]]:
+    """A real HTTP server answering /v1/chat/completions like a genrm engine (a test upstream:
+    the judge's verdicts are scripted per question, which a tiny real model cannot be)."""
+    seen: list[dict[str, object]] = []
+
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        seen.append({"body": body, "key": request.headers.get("x-smg-routing-key")})
+        question = body["messages"][1]["content"]
+        text = "the response matches. score: 1" if "2+2" in question else "I cannot tell"
+        return JSONResponse({"choices": [{"message": {"role": "assistant", "content": text}}]})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    with serve_app(app) as url:
+        yield url, seen
+
+
+def test_judge_adapter_scores_a_reward_stage_and_counts_parse_failures(
+    plugin_manager: PluginManager, judge_engine: tuple[str, list[dict[str, object]]]
+) -> None:
+    from relax_core import (
+        RegistryPublisher,
+        RewardStage,
+        RoleClients,
+        RoutingSpec,
+        Sample,
+        StageContext,
+    )
+
+    url, seen = judge_engine
+    publisher = RegistryPublisher("genrm", RoutingSpec(default_model="judge"))
+    publisher.set_model(
+        "judge", state="READY", route_mode="DIRECT", weight_source="STATIC",
+        served_model_name="judge-v1",
+    )  # fmt: skip
+    publisher.set_engine("judge", "judge/replica-0", base_url=url, state="READY")
+    samples = [
+        Sample("a", "g0", [1], [2], prompt="2+2?", response="4", label="4"),
+        Sample("b", "g1", [1], [2], prompt="a riddle", response="?", label=None),
+    ]
+    stage = RewardStage([plugin_manager.reward_adapter("genrm-judge")], role="genrm")
+    clients = RoleClients({"genrm": publisher.snapshot})
+
+    report = asyncio.run(stage.run(samples, StageContext(0, clients)))
+    assert [s.reward for s in samples] == [1.0, 0.0]
+    assert report.counts == {"genrm-judge.scored": 2, "genrm-judge.parse_failures": 1}
+    asked = [str(s["body"]["messages"][1]["content"]) for s in seen]  # type: ignore[index]
+    assert any("2+2?" in q and "Reference answer:\n4" in q for q in asked)
+    assert {s["body"]["model"] for s in seen} == {"judge-v1"}  # type: ignore[index]
+    assert {s["key"] for s in seen} == {"g0", "g1"}  # the group is the affinity key

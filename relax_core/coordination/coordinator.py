@@ -1,0 +1,734 @@
+"""LifecycleCoordinator: shared-GPU leases, operation dedupe and the training-batch commit gate.
+
+In a defer layout the generation role (rollout) and the deferred roles (genrm, teacher) take
+turns on the same GPUs within one RL step. The coordinator is the one authority on who may hold
+them: it grants a role its lease only once every other role on the same *defer slice* is
+confirmed SLEEPING, and it commits a training batch only when every role sleeps and the batch
+sink acknowledged the write. It holds no samples, rewards, log-probs or partitions — those
+belong to the :class:`~relax_core.coordination.batch.DeferredBatch` and the sink.
+
+This module is the logic, a plain asyncio class (tested with real asyncio and fake manager
+handles). :mod:`relax_core.coordination.remote` runs it in a CPU-only Ray actor.
+
+State (the reference's fields): ``_operation_timeout`` (the deadline of one manager RPC),
+``_condition`` (guards the state, wakes commit waiters), ``_managers`` (role -> handles),
+``_roles`` (role -> lease state), ``_batches`` (the current batch only), ``_current``,
+``_failure`` (the run's first failure), ``_operations`` (operation id -> fingerprint and shared
+task, for the current batch and unfinished operations), ``_committed`` (the newest 1024 committed
+batch ids, with their sink receipts) and ``_retired`` (fingerprints of the newest 8192 evicted
+operations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from relax_core.coordination.handles import ManagerHandle, unconfirmed
+from relax_core.coordination.sink import SinkReceipt, partition_name
+from relax_core.coordination.states import BatchState, LeaseState, check_lease_transition
+from relax_core.errors import BatchFailedError, CoordinationError, LeaseBlockedError
+
+__all__ = [
+    "COMMITTED_HISTORY",
+    "DEFAULT_OPERATION_TIMEOUT",
+    "RETIRED_HISTORY",
+    "CoordinatorStatus",
+    "LateReply",
+    "LifecycleCoordinator",
+    "RunFailure",
+]
+
+#: The deadline of one manager onload/offload RPC, in seconds.
+DEFAULT_OPERATION_TIMEOUT = 180.0
+#: Committed batch ids remembered after eviction (late waiters and repeats still see COMMITTED).
+COMMITTED_HISTORY = 1024
+#: Fingerprints of evicted operations remembered (a reused id is still refused).
+RETIRED_HISTORY = 8192
+
+_L = LeaseState
+_B = BatchState
+Fingerprint = tuple[str, str, int]
+
+
+@attrs.define
+class _Batch:
+    """The coordinator's four control fields of the current batch."""
+
+    state: BatchState = BatchState.PENDING
+    error: str | None = None
+    rollout_released: bool = False
+    student_scoring_started: bool = False
+
+
+@attrs.define
+class _Operation:
+    fingerprint: Fingerprint
+    task: asyncio.Future[Any]
+
+
+@attrs.frozen
+class RunFailure:
+    """The run's first permanent failure: the batch it happened in and why."""
+
+    batch_id: int
+    cause: str
+
+
+@attrs.frozen
+class LateReply:
+    """A manager reply that arrived after its deadline (it changed nothing)."""
+
+    role: str
+    handle: str
+    method: str
+    outcome: str
+    at: float
+
+
+@attrs.frozen
+class CoordinatorStatus:
+    """A snapshot of the coordinator, for operators and tests (picklable)."""
+
+    generation_role: str
+    leases: Mapping[str, str]
+    slices: Mapping[str, str]
+    blocked: Mapping[str, str]
+    current: int | None
+    batch_state: str | None
+    batch_error: str | None
+    failure: RunFailure | None
+    committed: int
+    last_committed: int | None
+    late_replies: tuple[LateReply, ...]
+    operation_timeout: float
+
+    @property
+    def deferred_roles(self) -> tuple[str, ...]:
+        """The leased roles the coordinator drives remotely (all but the generation role)."""
+        return tuple(r for r in self.leases if r != self.generation_role)
+
+
+def _describe(fp: Fingerprint) -> str:
+    method, role, batch_id = fp
+    return f"{method}({role!r}, batch {batch_id})"
+
+
+class LifecycleCoordinator:
+    """Grants shared-GPU leases role by role, dedupes operations and gates batch commits.
+
+    :param slices: role -> defer slice id. Roles sharing a slice share GPUs: at most one of them
+        is ever not SLEEPING. Roles not listed are not leased (resident elsewhere).
+    :param managers: role -> the manager handles of its models
+        (:class:`~relax_core.coordination.handles.ManagerHandle`); every leased role but the
+        generation role needs at least one.
+    :param generation_role: the role that generates (rollout). It has no handles here: it
+        offloads itself and acknowledges (:meth:`acknowledge_rollout_offloaded`).
+    :param operation_timeout: the deadline of one manager RPC (default 180 s). A timeout, an
+        error or an unconfirmed result leaves the lease BLOCKED and fails the batch; a late
+        reply never releases it.
+    :raises ValueError: the inputs disagree (a role without handles, an unknown role).
+
+    Every method is a coroutine of the coordinator's event loop; none blocks the loop. All
+    state changes happen between awaits, so the invariants hold whatever the interleaving.
+    """
+
+    def __init__(
+        self,
+        *,
+        slices: Mapping[str, str],
+        managers: Mapping[str, Sequence[ManagerHandle]],
+        generation_role: str,
+        operation_timeout: float = DEFAULT_OPERATION_TIMEOUT,
+        committed_history: int = COMMITTED_HISTORY,
+        retired_history: int = RETIRED_HISTORY,
+    ) -> None:
+        if generation_role not in slices:
+            raise ValueError(
+                f"generation_role {generation_role!r} is not in slices ({sorted(slices)})"
+            )
+        unknown = set(managers) - set(slices)
+        if unknown:
+            raise ValueError(f"managers for roles not in slices: {sorted(unknown)}")
+        if managers.get(generation_role):
+            raise ValueError(
+                f"the generation role {generation_role!r} takes no manager handles: it offloads "
+                "itself and acknowledges"
+            )
+        missing = [r for r in slices if r != generation_role and not managers.get(r)]
+        if missing:
+            raise ValueError(f"leased roles without manager handles: {sorted(missing)}")
+        if not operation_timeout > 0:
+            raise ValueError(f"operation_timeout={operation_timeout!r}: give seconds > 0")
+        self.generation_role = generation_role
+        self._operation_timeout = float(operation_timeout)
+        self._condition = asyncio.Condition()
+        self._slices = dict(slices)
+        self._managers: dict[str, tuple[ManagerHandle, ...]] = {
+            r: tuple(h) for r, h in managers.items() if r != generation_role
+        }
+        self._roles: dict[str, LeaseState] = dict.fromkeys(slices, LeaseState.SLEEPING)
+        self._blocked: dict[str, str] = {}
+        self._slice_locks: dict[str, asyncio.Lock] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._current: int | None = None
+        self._last_begun: int | None = None
+        self._failure: RunFailure | None = None
+        self._operations: dict[str, _Operation] = {}
+        self._committed: collections.OrderedDict[int, SinkReceipt] = collections.OrderedDict()
+        self._committed_history = committed_history
+        self._retired: collections.OrderedDict[str, Fingerprint] = collections.OrderedDict()
+        self._retired_history = retired_history
+        self._late: collections.deque[LateReply] = collections.deque(maxlen=64)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def lease(self, role: str) -> LeaseState:
+        """The lease state of ``role``."""
+        self._check_role(role)
+        return self._roles[role]
+
+    def leases(self) -> dict[str, LeaseState]:
+        """Role -> lease state."""
+        return dict(self._roles)
+
+    def batch_state(self, batch_id: int) -> BatchState | None:
+        """COMMITTED (within the history), the current batch's state, or ``None``."""
+        if batch_id in self._committed:
+            return BatchState.COMMITTED
+        batch = self._batches.get(batch_id)
+        return batch.state if batch is not None else None
+
+    @property
+    def failure(self) -> RunFailure | None:
+        """The run's first permanent failure, if any."""
+        return self._failure
+
+    async def describe(self) -> CoordinatorStatus:
+        """:meth:`status`, as a coroutine (the same API as the remote coordinator's)."""
+        return self.status()
+
+    def status(self) -> CoordinatorStatus:
+        """Leases, slices, blocked roles with their reasons, the current batch, the failure."""
+        batch = self._batches.get(self._current) if self._current is not None else None
+        return CoordinatorStatus(
+            generation_role=self.generation_role,
+            leases={r: str(s) for r, s in self._roles.items()},
+            slices=dict(self._slices),
+            blocked=dict(self._blocked),
+            current=self._current,
+            batch_state=str(batch.state) if batch is not None else None,
+            batch_error=batch.error if batch is not None else None,
+            failure=self._failure,
+            committed=len(self._committed),
+            last_committed=next(reversed(self._committed)) if self._committed else None,
+            late_replies=tuple(self._late),
+            operation_timeout=self._operation_timeout,
+        )
+
+    # -- the generation role ---------------------------------------------------------------
+
+    async def begin_batch(self, batch_id: int) -> BatchState:
+        """Open batch ``batch_id`` and give the generation role its lease (no RPC: it is
+        resident or onloads itself).
+
+        Idempotent: the pending batch again returns PENDING; a committed batch (within the
+        history) returns COMMITTED. Batch ids increase.
+
+        :raises BatchFailedError: the run failed earlier.
+        :raises LeaseBlockedError: a role on the generation role's slice is BLOCKED.
+        :raises CoordinationError: another batch is pending, the id is older than the newest
+            one, or a role on the slice still holds the GPUs.
+        """
+        _check_batch_id(batch_id)
+        gen = self.generation_role
+        async with self._slice_lock(gen), self._condition:
+            if batch_id in self._committed:
+                return BatchState.COMMITTED
+            if self._failure is not None:
+                raise self._run_failed(batch_id)
+            current = self._batches.get(batch_id)
+            if current is not None and current.state is _B.PENDING:
+                return BatchState.PENDING
+            pending = self._pending_id()
+            if pending is not None:
+                raise CoordinationError(
+                    f"begin_batch({batch_id}): batch {pending} is still PENDING; commit or fail "
+                    "it first (one closed batch at a time)"
+                )
+            if self._last_begun is not None and batch_id <= self._last_begun:
+                raise CoordinationError(
+                    f"begin_batch({batch_id}): batch ids increase and batch {self._last_begun} "
+                    f"was already begun; batch {batch_id} is not in the newest "
+                    f"{self._committed_history} committed batches"
+                )
+            self._refuse_busy(gen, f"begin_batch({batch_id})", include_self=True)
+            self._evict()
+            self._batches = {batch_id: _Batch()}
+            self._current = batch_id
+            self._last_begun = batch_id
+            self._set(gen, _L.ACTIVE)
+            return BatchState.PENDING
+
+    async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
+        """The generation role says it offloaded itself; ``result`` is its manager's
+        :class:`~relax_core.manager.LifecycleResult`, which must show every replica SLEEPING.
+
+        Accepted for the current batch whether PENDING or FAILED (a failed producer still
+        releases). Idempotent once SLEEPING.
+
+        :raises LeaseBlockedError: the result does not confirm the release: the lease is now
+            BLOCKED and the batch FAILED ("release unconfirmed").
+        """
+        gen = self.generation_role
+        async with self._slice_lock(gen), self._condition:
+            batch = self._current_batch(batch_id, "acknowledge_rollout_offloaded")
+            state = self._roles[gen]
+            if state is _L.BLOCKED:
+                raise LeaseBlockedError(gen, self._blocked[gen])
+            reason = unconfirmed(result, "SLEEPING")
+            if reason is not None:
+                self._block(gen, f"release unconfirmed: {reason}")
+                self._fail(batch_id, f"{gen} release unconfirmed: {reason}")
+                raise LeaseBlockedError(gen, self._blocked[gen])
+            if state is _L.ACTIVE:
+                self._set(gen, _L.SLEEPING)
+            batch.rollout_released = True
+            return self._roles[gen]
+
+    async def begin_student_scoring(self, batch_id: int) -> LeaseState:
+        """Give the generation role its lease again, for student scoring (it onloads itself,
+        checks its weight version, prefills, offloads and acknowledges again).
+
+        Needs the pending batch, its generation release acknowledged, and every other role on
+        the slice SLEEPING. Idempotent while the student lease is held.
+
+        :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
+        """
+        gen = self.generation_role
+        async with self._slice_lock(gen), self._condition:
+            batch = self._pending(batch_id, "begin_student_scoring")
+            if batch.student_scoring_started and self._roles[gen] is _L.ACTIVE:
+                return _L.ACTIVE
+            if not batch.rollout_released:
+                raise CoordinationError(
+                    f"begin_student_scoring({batch_id}): the {gen} release was not acknowledged "
+                    "(acknowledge_rollout_offloaded first)"
+                )
+            self._refuse_busy(gen, f"begin_student_scoring({batch_id})", include_self=True)
+            batch.student_scoring_started = True
+            self._set(gen, _L.ACTIVE)
+            return _L.ACTIVE
+
+    # -- deferred roles ---------------------------------------------------------------------
+
+    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
+        """Onload ``role`` on its slice for the pending batch ``batch_id``.
+
+        Issued only when it changes something: an ACTIVE role is not onloaded again. Refused
+        (and the batch FAILED) while another role on the slice is not SLEEPING. Deduped by
+        ``operation_id``: the same id with the same request shares one execution and result;
+        with another request it is an error.
+
+        :raises LeaseBlockedError: the role is BLOCKED, or its onload was not confirmed within
+            the operation timeout (the lease is now BLOCKED and the batch FAILED).
+        :raises BatchFailedError: the batch failed.
+        """
+        self._handles(role)
+        return await self._dedupe(
+            operation_id, ("activate", role, batch_id), lambda: self._activate(role, batch_id)
+        )
+
+    async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
+        """Offload ``role``; accepted for the current batch whether PENDING or FAILED, so a
+        failed batch still releases its GPUs. A SLEEPING role is not offloaded again.
+
+        :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
+            within the operation timeout (the lease is now BLOCKED and the batch FAILED).
+        """
+        self._handles(role)
+        return await self._dedupe(
+            operation_id, ("deactivate", role, batch_id), lambda: self._deactivate(role, batch_id)
+        )
+
+    # -- batches ---------------------------------------------------------------------------
+
+    async def fail_batch(
+        self, batch_id: int, error: str, *, release_unconfirmed: bool = False
+    ) -> BatchState:
+        """Mark ``batch_id`` FAILED (the first cause is kept) and wake its waiters.
+
+        ``release_unconfirmed``: the generation role could not confirm its offload, so its lease
+        is kept, BLOCKED. A batch that was never begun is recorded as FAILED when no other
+        batch is pending (a producer that failed before ``begin_batch``). Idempotent.
+
+        :raises CoordinationError: the batch is committed, or another batch is pending.
+        """
+        _check_batch_id(batch_id)
+        gen = self.generation_role
+        async with self._condition:
+            if batch_id in self._committed:
+                raise CoordinationError(f"fail_batch({batch_id}): the batch is COMMITTED")
+            if batch_id not in self._batches:
+                pending = self._pending_id()
+                if pending is not None:
+                    raise CoordinationError(
+                        f"fail_batch({batch_id}): batch {pending} is the pending batch"
+                    )
+                self._evict()
+                self._batches = {batch_id: _Batch()}
+                self._current = batch_id
+                if self._last_begun is None or batch_id > self._last_begun:
+                    self._last_begun = batch_id
+            cause = str(error)
+            if release_unconfirmed:
+                cause += f" (release unconfirmed: the {gen} lease is kept BLOCKED)"
+                if self._roles[gen] is _L.ACTIVE:
+                    self._block(gen, f"release unconfirmed after a failure: {error}")
+            self._fail(batch_id, cause)
+            return BatchState.FAILED
+
+    async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState:
+        """Commit ``batch_id``: every role SLEEPING, the generation release acknowledged, and
+        ``receipt`` the :class:`~relax_core.coordination.sink.SinkReceipt` of a successful put
+        that closed partition ``train_{batch_id}``. Wakes every waiter.
+
+        Idempotent: a committed batch (within the history) returns COMMITTED.
+
+        :raises BatchFailedError: the batch failed.
+        :raises CoordinationError: a role is not SLEEPING, the release was not acknowledged, or
+            the receipt is missing, of another partition or did not close it (nothing changes).
+        """
+        _check_batch_id(batch_id)
+        async with self._condition:
+            if batch_id in self._committed:
+                return BatchState.COMMITTED
+            batch = self._current_batch(batch_id, "commit_batch")
+            if batch.state is _B.FAILED:
+                raise BatchFailedError(batch_id, batch.error or "failed")
+            where = f"commit_batch({batch_id})"
+            if not isinstance(receipt, SinkReceipt):
+                raise CoordinationError(
+                    f"{where}: needs the SinkReceipt of a successful sink put, got "
+                    f"{type(receipt).__name__}"
+                )
+            want = partition_name(batch_id)
+            if receipt.partition != want or not receipt.is_last:
+                raise CoordinationError(
+                    f"{where}: the receipt is for partition {receipt.partition!r} "
+                    f"(is_last={receipt.is_last}); it must close {want!r}"
+                )
+            awake = {r: str(s) for r, s in self._roles.items() if s is not _L.SLEEPING}
+            if awake:
+                raise CoordinationError(
+                    f"{where}: every role must be SLEEPING; not SLEEPING: {awake}"
+                )
+            if not batch.rollout_released:
+                raise CoordinationError(
+                    f"{where}: the {self.generation_role} release was not acknowledged"
+                )
+            batch.state = _B.COMMITTED
+            self._committed[batch_id] = receipt
+            while len(self._committed) > self._committed_history:
+                self._committed.popitem(last=False)
+            self._condition.notify_all()
+            return BatchState.COMMITTED
+
+    async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt:
+        """Wait until ``batch_id`` is committed; return its sink receipt (the partition to read).
+
+        Returns at once for a committed batch within the history. Wakes on commit and on
+        failure. A batch evicted beyond the history waits until ``timeout``.
+
+        :raises BatchFailedError: the batch failed, or the run failed at this or an earlier
+            batch (the message names the batch and the cause).
+        :raises TimeoutError: not committed within ``timeout`` seconds.
+        """
+        _check_batch_id(batch_id)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        async with self._condition:
+            while True:
+                receipt = self._commit_outcome(batch_id)
+                if receipt is not None:
+                    return receipt
+                if deadline is None:
+                    await self._condition.wait()
+                    continue
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"batch {batch_id} was not committed within {timeout}s "
+                        f"(current batch: {self._current})"
+                    )
+                try:
+                    await asyncio.wait_for(self._condition.wait(), left)
+                except TimeoutError:
+                    continue
+
+    # -- the operator -----------------------------------------------------------------------
+
+    async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState:
+        """Operator only: set a BLOCKED lease back to SLEEPING.
+
+        ``confirm_clean`` must be true: the operator states that the role's engines hold no GPU
+        memory (checked on the node: stopped, or offloaded and confirmed). The run's failure is
+        kept (start a new run to train again); the reset lets the GPUs be leased again.
+
+        :raises CoordinationError: not confirmed, or the lease is not BLOCKED.
+        """
+        self._check_role(role)
+        if confirm_clean is not True:
+            raise CoordinationError(
+                f"refusing to reset role {role!r}: confirm first that its GPUs are clean (its "
+                "engines stopped or confirmed offloaded on every node), then pass "
+                "confirm_clean=True (`relax coordinator reset --confirm-clean`)"
+            )
+        async with self._slice_lock(role), self._condition:
+            state = self._roles[role]
+            if state is not _L.BLOCKED:
+                raise CoordinationError(
+                    f"role {role!r} lease is {state}, not BLOCKED: nothing to reset"
+                )
+            self._set(role, _L.SLEEPING)
+            del self._blocked[role]
+            return _L.SLEEPING
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _activate(self, role: str, batch_id: int) -> LeaseState:
+        handles = self._handles(role)
+        async with self._slice_lock(role):
+            async with self._condition:
+                self._pending(batch_id, f"activate({role!r})")
+                state = self._roles[role]
+                if state is _L.BLOCKED:
+                    raise LeaseBlockedError(role, self._blocked[role])
+                if state is _L.ACTIVE:
+                    return _L.ACTIVE
+                try:
+                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
+                except CoordinationError as exc:
+                    self._fail(batch_id, str(exc))
+                    raise
+                self._set(role, _L.ONLOADING)
+            reason = await self._call_all(role, handles, "onload", "READY")
+            async with self._condition:
+                if reason is None:
+                    self._set(role, _L.ACTIVE)
+                    return _L.ACTIVE
+                self._block(role, reason)
+                self._fail(batch_id, f"activate {role}: {reason}")
+            raise LeaseBlockedError(role, reason)
+
+    async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
+        handles = self._handles(role)
+        async with self._slice_lock(role):
+            async with self._condition:
+                self._current_batch(batch_id, f"deactivate({role!r})")
+                state = self._roles[role]
+                if state is _L.BLOCKED:
+                    raise LeaseBlockedError(role, self._blocked[role])
+                if state is _L.SLEEPING:
+                    return _L.SLEEPING
+                self._set(role, _L.DRAINING)
+            reason = await self._call_all(role, handles, "offload", "SLEEPING")
+            async with self._condition:
+                if reason is None:
+                    self._set(role, _L.SLEEPING)
+                    return _L.SLEEPING
+                self._block(role, reason)
+                self._fail(batch_id, f"deactivate {role}: {reason}")
+            raise LeaseBlockedError(role, reason)
+
+    async def _call_all(
+        self, role: str, handles: tuple[ManagerHandle, ...], method: str, expected: str
+    ) -> str | None:
+        """Call ``method`` on every handle at once, each with the operation deadline; ``None``
+        when every result confirms ``expected``, else every reason."""
+        timeout = self._operation_timeout
+
+        async def one(handle: ManagerHandle) -> str | None:
+            call: Callable[[], Awaitable[Any]] = getattr(handle, method)
+            task = asyncio.ensure_future(call())
+            try:
+                result = await asyncio.wait_for(asyncio.shield(task), timeout)
+            except TimeoutError:
+                task.add_done_callback(lambda t: self._late_reply(role, handle, method, t))
+                return (
+                    f"{handle.name}: {method} not confirmed within {timeout:g}s (a late reply "
+                    "does not release the lease)"
+                )
+            except Exception as exc:
+                return f"{handle.name}: {method} raised {type(exc).__name__}: {exc}"
+            why = unconfirmed(result, expected)
+            return None if why is None else f"{handle.name}: {why}"
+
+        reasons = [r for r in await asyncio.gather(*(one(h) for h in handles)) if r]
+        return "; ".join(reasons) if reasons else None
+
+    def _late_reply(self, role: str, handle: ManagerHandle, method: str, task: Any) -> None:
+        # The reply is recorded for the operator (describe()), never acted on.
+        if task.cancelled():
+            outcome = "cancelled"
+        elif task.exception() is not None:
+            exc = task.exception()
+            outcome = f"raised {type(exc).__name__}: {exc}"
+        else:
+            why = unconfirmed(task.result(), "SLEEPING" if method == "offload" else "READY")
+            outcome = "confirmed" if why is None else f"unconfirmed: {why}"
+        self._late.append(LateReply(role, handle.name, method, outcome, time.time()))
+
+    async def _dedupe(
+        self, operation_id: str, fp: Fingerprint, run: Callable[[], Awaitable[LeaseState]]
+    ) -> LeaseState:
+        if not isinstance(operation_id, str) or not operation_id:
+            raise CoordinationError(f"{_describe(fp)}: give a non-empty operation id")
+        op = self._operations.get(operation_id)
+        if op is None:
+            retired = self._retired.get(operation_id)
+            if retired is not None:
+                if retired != fp:
+                    raise self._reused(operation_id, retired, fp)
+                raise CoordinationError(
+                    f"operation {operation_id!r} ({_describe(fp)}) already ran, for a batch that "
+                    "is no longer current; it is not run again"
+                )
+            task = asyncio.ensure_future(run())
+            task.add_done_callback(_retrieve)
+            op = _Operation(fp, task)
+            self._operations[operation_id] = op
+        elif op.fingerprint != fp:
+            raise self._reused(operation_id, op.fingerprint, fp)
+        result: LeaseState = await asyncio.shield(op.task)
+        return result
+
+    @staticmethod
+    def _reused(operation_id: str, old: Fingerprint, new: Fingerprint) -> CoordinationError:
+        return CoordinationError(
+            f"operation id {operation_id!r} was used for {_describe(old)}; this request is "
+            f"{_describe(new)}: give each operation its own id"
+        )
+
+    def _evict(self) -> None:
+        """Forget the previous batch; retire its finished operations' fingerprints."""
+        for op_id, op in list(self._operations.items()):
+            if op.task.done():
+                del self._operations[op_id]
+                self._retired[op_id] = op.fingerprint
+                self._retired.move_to_end(op_id)
+        while len(self._retired) > self._retired_history:
+            self._retired.popitem(last=False)
+
+    def _commit_outcome(self, batch_id: int) -> SinkReceipt | None:
+        receipt = self._committed.get(batch_id)
+        if receipt is not None:
+            return receipt
+        batch = self._batches.get(batch_id)
+        if batch is not None and batch.state is _B.FAILED:
+            raise BatchFailedError(batch_id, batch.error or "failed")
+        failure = self._failure
+        if failure is not None and batch_id >= failure.batch_id:
+            raise self._run_failed(batch_id)
+        return None
+
+    def _run_failed(self, batch_id: int) -> BatchFailedError:
+        assert self._failure is not None
+        return BatchFailedError(batch_id, self._failure.cause, failed_batch=self._failure.batch_id)
+
+    def _fail(self, batch_id: int, cause: str) -> None:
+        batch = self._batches.get(batch_id)
+        if batch is None or batch.state is not _B.PENDING:
+            return
+        batch.state = _B.FAILED
+        batch.error = cause
+        if self._failure is None:
+            self._failure = RunFailure(batch_id, cause)
+        self._condition.notify_all()
+
+    def _block(self, role: str, reason: str) -> None:
+        if self._roles[role] is not _L.BLOCKED:
+            self._set(role, _L.BLOCKED)
+            self._blocked[role] = reason
+
+    def _set(self, role: str, state: LeaseState) -> None:
+        check_lease_transition(role, self._roles[role], state)
+        self._roles[role] = state
+
+    def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
+        slice_id = self._slices[role]
+        busy = {
+            r: s
+            for r, s in self._roles.items()
+            if self._slices[r] == slice_id and s is not _L.SLEEPING and (include_self or r != role)
+        }
+        if not busy:
+            return
+        blocked = [r for r, s in busy.items() if s is _L.BLOCKED]
+        if blocked:
+            raise LeaseBlockedError(blocked[0], self._blocked[blocked[0]])
+        raise CoordinationError(
+            f"{where}: roles on defer slice {slice_id!r} still hold its GPUs: "
+            f"{ {r: str(s) for r, s in busy.items()} }; release them first"
+        )
+
+    def _pending_id(self) -> int | None:
+        for batch_id, batch in self._batches.items():
+            if batch.state is _B.PENDING:
+                return batch_id
+        return None
+
+    def _current_batch(self, batch_id: int, where: str) -> _Batch:
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise CoordinationError(
+                f"{where}: batch {batch_id} is not the current batch (current: {self._current})"
+            )
+        return batch
+
+    def _pending(self, batch_id: int, where: str) -> _Batch:
+        batch = self._current_batch(batch_id, where)
+        if batch.state is _B.FAILED:
+            raise BatchFailedError(batch_id, batch.error or "failed")
+        if batch.state is not _B.PENDING:
+            raise CoordinationError(f"{where}: batch {batch_id} is {batch.state}")
+        return batch
+
+    def _handles(self, role: str) -> tuple[ManagerHandle, ...]:
+        self._check_role(role)
+        if role == self.generation_role:
+            raise CoordinationError(
+                f"role {role!r} is the generation role: it offloads itself and calls "
+                "acknowledge_rollout_offloaded (and begin_student_scoring to come back)"
+            )
+        return self._managers[role]
+
+    def _check_role(self, role: str) -> None:
+        if role not in self._roles:
+            raise CoordinationError(
+                f"role {role!r} is not leased by this coordinator (leased: {sorted(self._roles)})"
+            )
+
+    def _slice_lock(self, role: str) -> asyncio.Lock:
+        slice_id = self._slices[role]
+        lock = self._slice_locks.get(slice_id)
+        if lock is None:
+            lock = self._slice_locks[slice_id] = asyncio.Lock()
+        return lock
+
+
+def _check_batch_id(batch_id: object) -> None:
+    if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
+        raise CoordinationError(f"batch id {batch_id!r}: give an int >= 0")
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # The outcome is delivered to every awaiting caller and recorded in the batch state; this
+    # only keeps asyncio from reporting an exception nobody awaited (a cancelled caller).
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,249 @@
+"""The reward stage: registered reward adapters (:class:`~relax_core.records.RewardSpec`) over a
+staged batch.
+
+Each adapter scores the samples its ``label_matcher`` accepts (every sample without one):
+
+- ``sync`` adapters are plain functions; they run in Ray worker processes, the samples split
+  into a few remote tasks (a slow rule never blocks the scoring loop, and CPU-heavy rules use
+  the cluster's cores);
+- ``async`` adapters are coroutines on the scoring loop, run concurrently (``concurrency``), and
+  get ``context=`` (:class:`RewardContext`) to reach a role's engines — the genrm judge.
+
+A sample's ``rewards[name]`` is each adapter's value and ``reward`` the weighted sum of the
+adapters that scored it; a sample no adapter scored is left without a reward, which validation
+refuses. An adapter that raises, or returns something that is not a number or a
+:class:`RewardResult`, fails the stage naming the adapter and the sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from relax_core.client.client import InferenceClient
+from relax_core.coordination.sample import Sample
+from relax_core.coordination.stages import RoleClients, StageContext, StageReport
+from relax_core.errors import ScoringError
+from relax_core.records import RewardSpec
+
+__all__ = ["RewardContext", "RewardResult", "RewardStage"]
+
+
+@attrs.frozen
+class RewardResult:
+    """An adapter's answer for one sample: the reward and whether its source could be parsed
+    (a judge's text without a verdict is scored ``value`` with ``parse_failed=True``)."""
+
+    value: float
+    parse_failed: bool = False
+    detail: str | None = None
+
+
+@attrs.frozen
+class RewardContext:
+    """What an async adapter gets besides ``(response, label)``: the staged sample (read it,
+    do not write it), the batch id and the loop's shared client of each role."""
+
+    sample: Sample
+    batch_id: int
+    clients: RoleClients
+
+    @property
+    def prompt(self) -> str:
+        """The prompt text."""
+        return self.sample.prompt
+
+    @property
+    def route_key(self) -> str | None:
+        """The sample's route key (``metadata["route_key"]``), if any."""
+        return self.sample.route_key
+
+    def client(self, role: str) -> InferenceClient:
+        """The running loop's client of ``role`` (one per loop, reused across samples)."""
+        return self.clients.client(role)
+
+
+def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return RewardResult(float(value))
+    raise ScoringError(
+        adapter,
+        f"returned {value!r} for sample {sample.id} (group {sample.group_id}); a reward adapter "
+        "returns a number or a RewardResult",
+    )
+
+
+def _score_chunk(fn: Any, pass_metadata: bool, items: list[tuple[Any, ...]]) -> list[Any]:
+    """Runs in a Ray worker: ``fn`` over ``(response, label, metadata)`` items. A failing item
+    becomes ``("error", text)`` so the stage can name the sample."""
+    out: list[Any] = []
+    for response, label, metadata in items:
+        try:
+            if pass_metadata:
+                out.append(fn(response, label, metadata=metadata))
+            else:
+                out.append(fn(response, label))
+        except Exception as exc:
+            out.append(("error", f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+_REMOTE: Any = None
+
+
+def _remote_scorer() -> Any:
+    global _REMOTE
+    if _REMOTE is None:
+        import ray
+
+        _REMOTE = ray.remote(num_cpus=1, max_retries=0)(_score_chunk)
+    return _REMOTE
+
+
+class RewardStage:
+    """Scores every staged sample with ``adapters`` (phase ``reward``).
+
+    :param adapters: :class:`~relax_core.records.RewardSpec` records, or ``(spec, weight)``
+        pairs (weight 1.0 by default); names must be unique.
+    :param name: the stage's name (timeline, errors).
+    :param role: the role the async adapters call (``genrm``); the batch takes its lease when
+        it is deferred. ``None``: CPU-only adapters.
+    :param concurrency: async adapter calls in flight at once.
+    :param sync_tasks: remote tasks a sync adapter's samples are split into.
+    :param timeout: deadline of one adapter's whole pass, in seconds.
+    :raises ValueError: no adapters, a duplicate name, a weight that is not finite.
+    """
+
+    phase = "reward"
+    writes = frozenset({"reward", "rewards"})
+    top_k = 0
+
+    def __init__(
+        self,
+        adapters: Sequence[RewardSpec | tuple[RewardSpec, float]],
+        *,
+        name: str = "rewards",
+        role: str | None = None,
+        concurrency: int = 64,
+        sync_tasks: int = 4,
+        timeout: float = 600.0,
+    ) -> None:
+        pairs = [a if isinstance(a, tuple) else (a, 1.0) for a in adapters]
+        if not pairs:
+            raise ValueError(f"reward stage {name!r}: give at least one reward adapter")
+        names = [spec.name for spec, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward stage {name!r}: adapter names repeat: {names}")
+        for spec, weight in pairs:
+            if not isinstance(spec, RewardSpec):
+                raise ValueError(f"reward stage {name!r}: {spec!r} is not a RewardSpec")
+            if not isinstance(weight, int | float) or not math.isfinite(weight):
+                raise ValueError(f"reward stage {name!r}: weight of {spec.name!r} is {weight!r}")
+        self.name = name
+        self.role = role
+        self.adapters: tuple[tuple[RewardSpec, float], ...] = tuple((s, float(w)) for s, w in pairs)
+        self.concurrency = concurrency
+        self.sync_tasks = sync_tasks
+        self.timeout = timeout
+
+    async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+        """Score ``samples`` in place; every adapter runs at once."""
+        plans = []
+        for spec, weight in self.adapters:
+            matcher = spec.label_matcher
+            chosen = [s for s in samples if matcher is None or matcher(s.label)]
+            plans.append((spec, weight, chosen))
+        passes = [self._pass(spec, chosen, ctx) for spec, _, chosen in plans]
+        outcomes = await asyncio.gather(*passes)
+        counts: dict[str, float] = {}
+        for (spec, weight, chosen), results in zip(plans, outcomes, strict=True):
+            failures = 0
+            for sample, result in zip(chosen, results, strict=True):
+                sample.rewards[spec.name] = result.value
+                sample.reward = (sample.reward or 0.0) + weight * result.value
+                failures += result.parse_failed
+            counts[f"{spec.name}.scored"] = len(chosen)
+            counts[f"{spec.name}.parse_failures"] = failures
+        return StageReport(self.name, counts)
+
+    async def _pass(
+        self, spec: RewardSpec, chosen: list[Sample], ctx: StageContext
+    ) -> list[RewardResult]:
+        if not chosen:
+            return []
+        try:
+            if spec.mode == "sync":
+                return await asyncio.wait_for(self._sync(spec, chosen), self.timeout)
+            return await asyncio.wait_for(self._async(spec, chosen, ctx), self.timeout)
+        except TimeoutError:
+            raise ScoringError(
+                spec.name, f"did not score {len(chosen)} samples within {self.timeout:g}s"
+            ) from None
+
+    async def _sync(self, spec: RewardSpec, chosen: list[Sample]) -> list[RewardResult]:
+        import ray
+
+        if not ray.is_initialized():
+            raise ScoringError(
+                spec.name, "sync reward adapters run in Ray workers: connect to Ray first"
+            )
+        items = [(s.response, s.label, s.metadata if spec.pass_metadata else None) for s in chosen]
+        tasks = max(1, min(self.sync_tasks, len(items)))
+        size = -(-len(items) // tasks)
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        scorer = _remote_scorer()
+        refs = [scorer.remote(spec.fn, spec.pass_metadata, chunk) for chunk in chunks]
+        try:
+            parts = await asyncio.gather(*refs)
+        except ray.exceptions.RayError as exc:
+            raise ScoringError(spec.name, f"its Ray task failed: {exc}") from exc
+        finally:
+            for ref in refs:
+                ray.cancel(ref)
+        values = [v for part in parts for v in part]
+        out = []
+        for sample, value in zip(chosen, values, strict=True):
+            if isinstance(value, tuple) and len(value) == 2 and value[0] == "error":
+                raise ScoringError(
+                    spec.name,
+                    f"raised for sample {sample.id} (group {sample.group_id}): {value[1]}",
+                )
+            out.append(_outcome(spec.name, sample, value))
+        return out
+
+    async def _async(
+        self, spec: RewardSpec, chosen: list[Sample], ctx: StageContext
+    ) -> list[RewardResult]:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(sample: Sample) -> RewardResult:
+            context = RewardContext(sample, ctx.batch_id, ctx.clients)
+            kwargs: dict[str, Any] = {"context": context}
+            if spec.pass_metadata:
+                kwargs["metadata"] = sample.metadata
+            async with gate:
+                try:
+                    value = await spec.fn(sample.response, sample.label, **kwargs)
+                except ScoringError:
+                    raise
+                except Exception as exc:
+                    raise ScoringError(
+                        spec.name,
+                        f"raised for sample {sample.id} (group {sample.group_id}): "
+                        f"{type(exc).__name__}: {exc}",
+                    ) from exc
+            return _outcome(spec.name, sample, value)
+
+        tasks = [asyncio.ensure_future(one(s)) for s in chosen]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

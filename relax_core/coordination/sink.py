@@ -1,0 +1,225 @@
+"""Batch sinks: where a deferred batch publishes its scored samples for training consumers.
+
+A sink is anything with three async methods (:class:`BatchSink`): ``put(partition, samples,
+is_last)`` returning a :class:`SinkReceipt`, ``get(partition)`` and ``delete(partition)``. A
+batch ``N`` goes to partition ``train_N`` (:func:`partition_name`); the coordinator commits it
+only with the receipt of a successful put, so "no commit without a successful sink write" is
+checked, not assumed. A real queue (TransferQueue, a KV store) plugs in by implementing the
+three methods.
+
+Built in:
+
+- :class:`RayBatchSink`: partitions held by a CPU-only Ray actor (the store), readable from any
+  process of the job; the handle is picklable, so a trainer actor can take it.
+- :class:`MemoryBatchSink`: the same store in this process (one-process jobs, benchmarks).
+
+Store rules: a put appends to its partition; ``is_last`` closes it (a later put is refused); a
+consumer's ``get`` is refused until the partition is closed; ``delete`` removes a partition and
+says whether there was one (idempotent). A put is all-or-nothing inside the store.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from relax_core.errors import SinkError
+
+__all__ = [
+    "BatchSink",
+    "MemoryBatchSink",
+    "RayBatchSink",
+    "SinkReceipt",
+    "partition_name",
+]
+
+_PARTITION = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+
+
+def partition_name(batch_id: int) -> str:
+    """The training partition of batch ``batch_id``: ``train_{batch_id}``."""
+    return f"train_{batch_id}"
+
+
+@attrs.frozen
+class SinkReceipt:
+    """What a successful put returns: the partition, how many samples it now holds, and whether
+    the put closed it. ``LifecycleCoordinator.commit_batch`` takes it."""
+
+    partition: str
+    count: int
+    is_last: bool
+
+
+@runtime_checkable
+class BatchSink(Protocol):
+    """Where committed training batches are read from."""
+
+    async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
+        """Append ``samples`` to ``partition`` (``is_last`` closes it); raise on failure."""
+        ...
+
+    async def get(self, partition: str) -> list[Any]:
+        """Every sample of a closed partition; raise if it is missing or still open."""
+        ...
+
+    async def delete(self, partition: str) -> bool:
+        """Remove ``partition``; whether it existed. Idempotent."""
+        ...
+
+
+class _Partitions:
+    """The store itself: partition name -> (samples, closed). Not thread-safe (one owner)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, tuple[list[Any], bool]] = {}
+
+    def put(self, partition: str, samples: Sequence[Any], is_last: bool) -> SinkReceipt:
+        if not isinstance(partition, str) or not _PARTITION.match(partition):
+            raise SinkError(str(partition), "a partition name starts with a letter")
+        items = list(samples)
+        held, closed = self._data.get(partition, ([], False))
+        if closed:
+            raise SinkError(
+                partition, "already closed by a put with is_last=True; delete it first to rewrite"
+            )
+        self._data[partition] = (held + items, bool(is_last))
+        return SinkReceipt(partition, len(held) + len(items), bool(is_last))
+
+    def get(self, partition: str) -> list[Any]:
+        entry = self._data.get(partition)
+        if entry is None:
+            raise SinkError(partition, f"no such partition (held: {sorted(self._data) or 'none'})")
+        if not entry[1]:
+            raise SinkError(partition, "still open: its last put (is_last=True) has not arrived")
+        return list(entry[0])
+
+    def delete(self, partition: str) -> bool:
+        return self._data.pop(partition, None) is not None
+
+    def partitions(self) -> dict[str, int]:
+        return {name: len(samples) for name, (samples, _) in self._data.items()}
+
+
+class MemoryBatchSink:
+    """A batch sink in this process (the store of :class:`RayBatchSink`, without the actor)."""
+
+    def __init__(self) -> None:
+        self._store = _Partitions()
+
+    async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
+        """Append to ``partition``; :class:`~relax_core.errors.SinkError` on a bad name or a
+        closed partition."""
+        return self._store.put(partition, samples, is_last)
+
+    async def get(self, partition: str) -> list[Any]:
+        """The samples of a closed partition (copies of the list, the same sample objects)."""
+        return self._store.get(partition)
+
+    async def delete(self, partition: str) -> bool:
+        """Remove ``partition``; whether it existed."""
+        return self._store.delete(partition)
+
+    def partitions(self) -> dict[str, int]:
+        """Partition name -> samples held."""
+        return self._store.partitions()
+
+
+class _StoreActor:
+    """The Ray actor behind :class:`RayBatchSink` (one method call at a time)."""
+
+    def __init__(self) -> None:
+        self._store = _Partitions()
+
+    def put(self, partition: str, samples: Sequence[Any], is_last: bool) -> SinkReceipt:
+        return self._store.put(partition, samples, is_last)
+
+    def get(self, partition: str) -> list[Any]:
+        return self._store.get(partition)
+
+    def delete(self, partition: str) -> bool:
+        return self._store.delete(partition)
+
+    def partitions(self) -> dict[str, int]:
+        return self._store.partitions()
+
+
+class RayBatchSink:
+    """The built-in batch sink: partitions held by a CPU-only Ray actor.
+
+    Build it with :meth:`start` (creates the store actor, optionally named so other processes
+    find it with :meth:`connect`). The object is picklable (it holds the actor handle). Every
+    failure — a refused put, a dead store actor — is a :class:`~relax_core.errors.SinkError`
+    naming the partition.
+    """
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    @classmethod
+    def start(cls, *, name: str | None = None, namespace: str | None = None) -> RayBatchSink:
+        """Create the store actor (no CPU, no GPU reserved) on the connected Ray."""
+        import ray
+
+        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0}
+        if name is not None:
+            options.update(name=name, namespace=namespace)
+        return cls(ray.remote(_StoreActor).options(**options).remote())
+
+    @classmethod
+    def connect(cls, name: str, *, namespace: str | None = None) -> RayBatchSink:
+        """The store actor called ``name``; :class:`SinkError` when there is none."""
+        import ray
+
+        try:
+            return cls(ray.get_actor(name, namespace=namespace))
+        except ValueError as exc:
+            raise SinkError(name, f"no batch-store actor of that name: {exc}") from None
+
+    async def _call(self, method: str, partition: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return await getattr(self.actor, method).remote(partition, *args)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, SinkError):
+                raise exc.cause from None
+            raise SinkError(partition, f"{method} failed in the store actor: {exc}") from exc
+        except ray.exceptions.RayError as exc:
+            raise SinkError(
+                partition, f"{method}: the store actor is unreachable ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
+        """Append ``samples`` to ``partition`` in the store (all or nothing)."""
+        receipt: SinkReceipt = await self._call("put", partition, list(samples), is_last)
+        return receipt
+
+    async def get(self, partition: str) -> list[Any]:
+        """The samples of a closed partition."""
+        samples: list[Any] = await self._call("get", partition)
+        return samples
+
+    async def delete(self, partition: str) -> bool:
+        """Remove ``partition``; whether it existed."""
+        existed: bool = await self._call("delete", partition)
+        return existed
+
+    async def partitions(self) -> dict[str, int]:
+        """Partition name -> samples held."""
+        import ray
+
+        try:
+            held: dict[str, int] = await self.actor.partitions.remote()
+        except ray.exceptions.RayError as exc:
+            raise SinkError("*", f"the store actor is unreachable: {exc}") from exc
+        return held
+
+    def stop(self) -> None:
+        """Kill the store actor (its partitions are lost). Idempotent."""
+        import ray
+
+        ray.kill(self.actor, no_restart=True)

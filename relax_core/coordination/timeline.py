@@ -1,0 +1,152 @@
+"""The timeline of deferred batches: every phase's duration as Prometheus histograms and as one
+Chrome-trace JSON file per run (opens in Perfetto, ``ui.perfetto.dev``, or ``chrome://tracing``).
+
+Phases are named ``generate``, ``<role>.offload`` / ``<role>.onload`` (each lease transition),
+``<stage>`` (each scoring stage), ``validate``, ``write_back``, ``sink_put``, ``finalize`` and
+``commit``. Each becomes one observation of the histogram ``relax_deferred_phase_seconds``
+(label ``phase``) and one complete event (``"ph": "X"``) on a lane (``tid``) of the trace, with
+the batch id in its ``args``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["PHASE_HISTOGRAM", "Timeline"]
+
+#: The Prometheus histogram every phase duration is observed in.
+PHASE_HISTOGRAM = "relax_deferred_phase_seconds"
+_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600)
+_HISTOGRAMS: dict[int, tuple[Any, Any]] = {}
+_HISTOGRAMS_LOCK = threading.Lock()
+
+
+def _histogram(registry: Any) -> Any:
+    """One histogram per registry (Prometheus refuses a metric name registered twice)."""
+    from prometheus_client import REGISTRY, Histogram
+
+    registry = REGISTRY if registry is None else registry
+    with _HISTOGRAMS_LOCK:
+        # Keyed by id(); the registry is kept alive next to its histogram so the id stays its.
+        entry = _HISTOGRAMS.get(id(registry))
+        if entry is None:
+            hist = Histogram(
+                PHASE_HISTOGRAM,
+                "Duration of each phase of a deferred batch (lease transitions, scoring stages, "
+                "validation, write-back, sink write, commit)",
+                ["phase"],
+                buckets=_BUCKETS,
+                registry=registry,
+            )
+            entry = _HISTOGRAMS[id(registry)] = (hist, registry)
+        return entry[0]
+
+
+class Timeline:
+    """Records phase durations of deferred batches.
+
+    :param trace_path: where the run's Chrome-trace JSON goes; rewritten (atomically) after
+        every :meth:`flush`, so a run that dies leaves the trace of its finished batches.
+    :param registry: the Prometheus ``CollectorRegistry`` (default: the process's).
+    :param run: the trace's process name.
+
+    Thread-safe.
+    """
+
+    def __init__(
+        self, *, trace_path: str | None = None, registry: Any = None, run: str = "relax"
+    ) -> None:
+        self.trace_path = trace_path
+        self.run = run
+        self._histogram = _histogram(registry)
+        self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self._lanes: dict[str, int] = {}
+        self._phases: dict[int, dict[str, float]] = {}
+        self._pid = os.getpid()
+
+    @contextlib.contextmanager
+    def phase(self, batch_id: int, name: str, *, lane: str = "batch") -> Iterator[None]:
+        """Time the block as phase ``name`` of batch ``batch_id`` (recorded even if it raises,
+        with ``"failed": true`` in the event's args)."""
+        start_wall = time.time_ns() // 1000
+        start = time.perf_counter()
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            self.record(
+                batch_id, name, time.perf_counter() - start, start_us=start_wall, lane=lane,
+                failed=failed,
+            )  # fmt: skip
+
+    def record(
+        self,
+        batch_id: int,
+        name: str,
+        seconds: float,
+        *,
+        start_us: int | None = None,
+        lane: str = "batch",
+        failed: bool = False,
+    ) -> None:
+        """Record a phase measured elsewhere (``generate``, timed by the producer)."""
+        if start_us is None:
+            start_us = time.time_ns() // 1000 - int(seconds * 1e6)
+        self._histogram.labels(phase=name).observe(seconds)
+        with self._lock:
+            tid = self._lanes.setdefault(lane, len(self._lanes) + 1)
+            args: dict[str, Any] = {"batch": batch_id}
+            if failed:
+                args["failed"] = True
+            self._events.append(
+                {
+                    "name": name,
+                    "cat": "deferred",
+                    "ph": "X",
+                    "ts": start_us,
+                    "dur": max(1, int(seconds * 1e6)),
+                    "pid": self._pid,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+            phases = self._phases.setdefault(batch_id, {})
+            phases[name] = phases.get(name, 0.0) + seconds
+
+    def phases(self, batch_id: int) -> dict[str, float]:
+        """Phase name -> seconds of batch ``batch_id`` (repeated phases add up)."""
+        with self._lock:
+            return dict(self._phases.get(batch_id, {}))
+
+    def trace(self) -> dict[str, Any]:
+        """The Chrome trace-event document of every recorded phase."""
+        with self._lock:
+            meta: list[dict[str, Any]] = [
+                {"name": "process_name", "ph": "M", "pid": self._pid, "tid": 0,
+                 "args": {"name": self.run}},
+            ]  # fmt: skip
+            meta += [
+                {"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid,
+                 "args": {"name": lane}}
+                for lane, tid in self._lanes.items()
+            ]  # fmt: skip
+            return {"traceEvents": meta + list(self._events), "displayTimeUnit": "ms"}
+
+    def flush(self) -> str | None:
+        """Write the trace to ``trace_path`` (atomically); return the path, or ``None``."""
+        if self.trace_path is None:
+            return None
+        doc = self.trace()
+        tmp = f"{self.trace_path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.trace_path)
+        return self.trace_path

@@ -1,0 +1,135 @@
+"""The teacher distillation stage: prefill requests routed by route key with one replica per
+group, one discovery fetch per batch, fields written per sample.
+
+The teachers are real HTTP servers on loopback speaking SGLang's prefill answer (log-probs
+derived from the token ids), so each test knows which server scored which sample — the routing,
+the client and the sockets are the real ones. The same stage against real hf engines is in
+test_deferred_real.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from relax_core.coordination import (
+    DistillationStage,
+    RoleClients,
+    Sample,
+    StageContext,
+    validate_samples,
+)
+from relax_core.discovery.publisher import RegistryPublisher
+from relax_core.discovery.schema import RoutingSpec
+from relax_core.errors import ScoringError
+from relax_core.testing import serve_app
+
+
+def teacher_app(name: str, seen: list[tuple[str, list[int]]], *, short: bool = False) -> Any:
+    async def generate(request: Request) -> JSONResponse:
+        body = await request.json()
+        ids = body["input_ids"]
+        start = body["logprob_start_len"]
+        k = body.get("top_logprobs_num") or 0
+        seen.append((name, ids))
+        positions = ids[start:] if not short else ids[start + 1 :]
+        lps = [[None if i == 0 else -0.1 * (i % 5 + 1), t, None] for i, t in enumerate(positions)]
+        tops = [
+            None if i == 0 else [[-0.05 * (j + 1), 100 + j, None] for j in range(k)]
+            for i in range(len(positions))
+        ]
+        meta = {"input_token_logprobs": lps, "input_top_logprobs": tops}
+        return JSONResponse({"text": "", "output_ids": [], "meta_info": meta})
+
+    return Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+
+
+@contextlib.contextmanager
+def teachers(short: bool = False) -> Iterator[tuple[Any, list[tuple[str, list[int]]], list[int]]]:
+    seen: list[tuple[str, list[int]]] = []
+    fetches: list[int] = []
+    publisher = RegistryPublisher(
+        "teacher",
+        RoutingSpec(default_model="math", route_key_map={"math": "math", "code": "code"}),
+    )
+    with contextlib.ExitStack() as stack:
+        for model, replicas in (("math", 2), ("code", 1)):
+            publisher.set_model(
+                model, state="READY", route_mode="DIRECT", weight_source="STATIC",
+                served_model_name=model,
+            )  # fmt: skip
+            for i in range(replicas):
+                name = f"{model}/replica-{i}"
+                url = stack.enter_context(serve_app(teacher_app(name, seen, short=short)))
+                publisher.set_engine(model, name, base_url=url, state="READY")
+
+        def provider() -> Any:
+            fetches.append(1)
+            return publisher.snapshot()
+
+        yield provider, seen, fetches
+
+
+def batch(groups: int = 6, n: int = 3) -> list[Sample]:
+    def key(g: int) -> str:
+        return "code" if g % 3 == 2 else "math"
+
+    return [
+        Sample(
+            f"g{g}-s{i}", f"g{g}", [1, 2, 3], [10 + g, 20 + i, 30], metadata={"route_key": key(g)}
+        )
+        for g in range(groups)
+        for i in range(n)
+    ]
+
+
+def test_prefills_follow_the_route_key_and_keep_each_group_on_one_replica() -> None:
+    with teachers() as (provider, seen, fetches):
+        samples = batch()
+        stage = DistillationStage("teacher", top_k=3)
+        clients = RoleClients({"teacher": provider}, ttl=600.0)
+        report = asyncio.run(stage.run(samples, StageContext(0, clients)))
+
+    by_ids = {tuple(ids): server for server, ids in seen}
+    assert len(seen) == len(samples)  # one request per sample, none replayed
+    for group in {s.group_id for s in samples}:
+        members = [s for s in samples if s.group_id == group]
+        servers = {by_ids[(*s.prompt_ids, *s.response_ids)] for s in members}
+        assert len(servers) == 1, (group, servers)  # one replica per group
+        model = members[0].metadata["route_key"]
+        assert servers.pop().startswith(f"{model}/")  # the route key picked the model
+    engines = report.details["group_engines"]
+    assert set(engines.values()) == {"math/replica-0", "math/replica-1", "code/replica-0"}
+    assert fetches == [1]  # one discovery fetch for 18 prefills
+    assert validate_samples(samples, stage.writes, 3) == []
+    s = samples[0]
+    assert s.teacher_logprobs == pytest.approx((-0.2, -0.3, -0.4))
+    assert s.teacher_topk_ids == ((100, 101, 102),) * 3
+    assert report.counts == {"requests": 18, "groups": 6}
+
+
+def test_a_prefill_answer_with_the_wrong_number_of_logprobs_fails_the_stage_naming_the_sample() -> (
+    None
+):
+    with teachers(short=True) as (provider, _, _):
+        stage = DistillationStage("teacher")
+        clients = RoleClients({"teacher": provider})
+        with pytest.raises(ScoringError, match=r"prefill of sample g0-s0 \(group g0\).*expected"):
+            asyncio.run(stage.run(batch(1, 1), StageContext(0, clients)))
+
+
+def test_a_student_stage_writes_student_logprobs_only() -> None:
+    with teachers() as (provider, _, _):
+        samples = batch(2, 1)
+        stage = DistillationStage("teacher", student=True)
+        asyncio.run(stage.run(samples, StageContext(0, RoleClients({"teacher": provider}))))
+    assert (stage.phase, stage.writes) == ("student", frozenset({"student_logprobs"}))
+    assert all(len(s.student_logprobs or ()) == 3 and s.teacher_logprobs is None for s in samples)

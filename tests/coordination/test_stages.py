@@ -1,0 +1,156 @@
+"""The reward stage over registered adapters (sync ones in Ray workers), and the sinks' rules."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+from relax_core.coordination import (
+    MemoryBatchSink,
+    RayBatchSink,
+    RewardContext,
+    RewardResult,
+    RewardStage,
+    RoleClients,
+    Sample,
+    StageContext,
+    validate_samples,
+)
+from relax_core.errors import ScoringError, SinkError
+from relax_core.records import RewardSpec
+
+CTX = StageContext(7, RoleClients({}))
+
+
+def samples() -> list[Sample]:
+    return [
+        Sample("a", "g0", [1], [2], prompt="2+2?", response="4", label="4",
+               metadata={"route_key": "math", "lang": "en"}),
+        Sample("b", "g0", [1], [2], prompt="2+2?", response="5", label="4",
+               metadata={"route_key": "math", "lang": "fr"}),
+        Sample("c", "g1", [1], [2], prompt="hi", response="hello", label=None),
+    ]  # fmt: skip
+
+
+@pytest.mark.ray
+def test_sync_adapters_run_in_ray_workers_on_the_samples_their_label_matcher_accepts(
+    ray_local: Any,
+) -> None:
+    where = RewardSpec(
+        name="where", fn=lambda response, label: float(os.getpid()), label_matcher=bool
+    )
+    exact = RewardSpec(name="exact", fn=lambda response, label: float(response == label))
+    batch = samples()
+    report = asyncio.run(RewardStage([where, (exact, 2.0)], sync_tasks=2).run(batch, CTX))
+    pids = {s.rewards["where"] for s in batch[:2]}
+    assert os.getpid() not in pids and all(p > 0 for p in pids)
+    assert "where" not in batch[2].rewards  # no label: the matcher declined it
+    assert [s.rewards["exact"] for s in batch] == [1.0, 0.0, 0.0]
+    assert batch[0].reward == batch[0].rewards["where"] + 2.0
+    assert batch[2].reward == 0.0
+    assert report.counts["where.scored"] == 2 and report.counts["exact.scored"] == 3
+
+
+@pytest.mark.ray
+def test_pass_metadata_hands_the_sample_metadata_to_the_adapter(ray_local: Any) -> None:
+    lang = RewardSpec(
+        name="lang",
+        fn=lambda response, label, metadata: 1.0 if metadata["lang"] == "en" else 0.0,
+        pass_metadata=True,
+        label_matcher=lambda label: label is not None,
+    )
+    batch = samples()
+    asyncio.run(RewardStage([lang]).run(batch, CTX))
+    assert [s.reward for s in batch] == [1.0, 0.0, None]
+    problems = validate_samples(batch, {"reward"}, 0)
+    assert problems == [
+        "sample c (group g1): reward is missing (no reward adapter matched its label)"
+    ]
+
+
+@pytest.mark.ray
+def test_a_sync_adapter_that_raises_names_the_adapter_and_the_sample(ray_local: Any) -> None:
+    strict = RewardSpec(name="strict", fn=lambda response, label: float(label))
+    with pytest.raises(ScoringError, match=r"strict: raised for sample c \(group g1\): TypeError"):
+        asyncio.run(RewardStage([strict]).run(samples(), CTX))
+
+
+def test_async_adapters_get_the_context_and_may_report_parse_failures() -> None:
+    seen: list[tuple[str, str | None, int]] = []
+
+    async def judge(response: str, label: str | None, *, context: RewardContext) -> Any:
+        seen.append((context.prompt, context.route_key, context.batch_id))
+        await asyncio.sleep(0)
+        if label is None:
+            return RewardResult(0.0, parse_failed=True)
+        return 1.0 if response == label else 0.0
+
+    batch = samples()
+    spec = RewardSpec(name="judge", fn=judge, mode="async", supports_deferred=True)
+    report = asyncio.run(RewardStage([spec]).run(batch, CTX))
+    assert [s.reward for s in batch] == [1.0, 0.0, 0.0]
+    assert report.counts == {"judge.scored": 3, "judge.parse_failures": 1}
+    assert sorted(seen) == [("2+2?", "math", 7), ("2+2?", "math", 7), ("hi", None, 7)]
+
+
+def test_an_adapter_returning_something_else_than_a_number_fails_the_stage() -> None:
+    async def wrong(response: str, label: str | None, *, context: RewardContext) -> Any:
+        return "yes"
+
+    spec = RewardSpec(name="wrong", fn=wrong, mode="async")
+    with pytest.raises(ScoringError, match="wrong: returned 'yes' for sample a"):
+        asyncio.run(RewardStage([spec]).run(samples(), CTX))
+
+
+def test_reward_stage_refuses_bad_adapter_lists() -> None:
+    spec = RewardSpec(name="x", fn=lambda response, label: 0.0)
+    with pytest.raises(ValueError, match="names repeat"):
+        RewardStage([spec, spec])
+    with pytest.raises(ValueError, match="at least one"):
+        RewardStage([])
+    with pytest.raises(ValueError, match="weight of 'x' is inf"):
+        RewardStage([(spec, float("inf"))])
+
+
+def test_the_memory_sink_closes_a_partition_once_and_serves_only_closed_ones() -> None:
+    sink = MemoryBatchSink()
+
+    async def go() -> None:
+        first = await sink.put("train_1", samples()[:2], is_last=False)
+        assert (first.count, first.is_last) == (2, False)
+        with pytest.raises(SinkError, match="still open"):
+            await sink.get("train_1")
+        last = await sink.put("train_1", samples()[2:], is_last=True)
+        assert (last.partition, last.count, last.is_last) == ("train_1", 3, True)
+        assert [s.id for s in await sink.get("train_1")] == ["a", "b", "c"]
+        with pytest.raises(SinkError, match="already closed"):
+            await sink.put("train_1", samples(), is_last=True)
+        assert await sink.delete("train_1") and not await sink.delete("train_1")
+        with pytest.raises(SinkError, match="no such partition"):
+            await sink.get("train_1")
+
+    asyncio.run(go())
+
+
+@pytest.mark.ray
+def test_the_ray_sink_keeps_partitions_in_its_actor_and_reports_a_dead_store(
+    ray_local: Any,
+) -> None:
+    sink = RayBatchSink.start(name="test-batch-store", namespace="relax-test")
+
+    async def go() -> None:
+        receipt = await sink.put("train_0", samples(), is_last=True)
+        assert receipt.count == 3
+        other = RayBatchSink.connect("test-batch-store", namespace="relax-test")
+        got = await other.get("train_0")
+        assert [s.id for s in got] == ["a", "b", "c"] and got[0].metadata["lang"] == "en"
+        with pytest.raises(SinkError, match="already closed"):
+            await other.put("train_0", samples(), is_last=True)
+        sink.stop()
+        with pytest.raises(SinkError, match="store actor is unreachable"):
+            await other.get("train_0")
+
+    asyncio.run(go())
