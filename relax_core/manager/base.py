@@ -50,13 +50,16 @@ from relax_core.manager.state import (
 )
 from relax_core.manager.weights import CheckpointDirectory
 from relax_core.manager.worker import EngineWorker
-from relax_core.records import EngineBackend, EngineLaunchSpec
+from relax_core.records import EngineBackend, EngineLaunchSpec, RouterMembership
 
 __all__ = ["ManagerBase", "with_result"]
 
 _S = ReplicaState
 # Model state from replica states: the first state in this order that any replica is in.
 _MODEL_STATE_ORDER = (_S.READY, _S.ONLOADING, _S.DRAINING, _S.STARTING, _S.SLEEPING, _S.STOPPING)
+# Replica states whose head stays registered with the model's router (admission answers 503
+# while it is not READY); STARTING, STOPPING and FAILED heads are never routed to.
+_ROUTED = frozenset({_S.READY, _S.DRAINING, _S.SLEEPING, _S.ONLOADING})
 _REMOTE_WORKER: Any = None
 
 
@@ -81,6 +84,9 @@ class ManagerBase:
     :param publisher: where the model's schema-2 view goes (a
         :class:`~relax_core.discovery.publisher.RegistryPublisher`); ``None`` publishes nothing.
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
+    :param router: the router in front of the heads (``SGLANG_ROUTER``): every publish tells it
+        the heads to route to (:class:`~relax_core.records.RouterMembership`), so a head is
+        registered once READY and removed before its engine stops or its replica is FAILED.
     :param control_channel: send onload/offload to each head's private control endpoint over
         HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
         networks where the manager cannot reach the worker nodes' ports).
@@ -98,6 +104,7 @@ class ManagerBase:
         publisher: Any = None,
         route_mode: str = "DIRECT",
         router_url: str | None = None,
+        router: RouterMembership | None = None,
         timeouts: ManagerTimeouts | None = None,
         retry_after: float = 1.0,
         control_channel: bool = True,
@@ -126,6 +133,7 @@ class ManagerBase:
         self.publisher = publisher
         self.route_mode = route_mode
         self.router_url = router_url
+        self.router = router
         self.timeouts = timeouts or ManagerTimeouts()
         self.retry_after = retry_after
         self.control_channel = control_channel
@@ -172,6 +180,20 @@ class ManagerBase:
         """Engine id -> the engine process id of each worker (head first)."""
         with self._lock:
             return {s.engine_id: [w.engine_pid for w in s.workers] for s in self._ordered()}
+
+    def launch_specs(self, *, dist_init_addr: str = "192.0.2.1:29500") -> dict[str, list[Any]]:
+        """Engine id -> the ``EngineLaunchSpec`` of each of its workers (head first), as
+        :meth:`start` would give them now; starts nothing (for dry runs and checks).
+
+        A multi-node replica's workers join ``dist_init_addr``: at start it is the head
+        worker's own address, known only then.
+        """
+        dist = dist_init_addr if self.launch.nodes_per_replica > 1 else None
+        with self._lock:
+            return {
+                s.engine_id: [self._launch_spec(s, w, dist) for w in s.workers]
+                for s in self._ordered()
+            }
 
     def admission_states(self) -> dict[str, dict[str, Any]]:
         """Engine id -> ``{"open": bool, "inflight": int}`` of each started replica's head.
@@ -329,6 +351,10 @@ class ManagerBase:
             log_path=log_path,
             extra_args=launch.extra_args,
             env=dict(launch.env),
+            role=self.spec.role,
+            static=self.spec.is_static,
+            replica_index=slot.replica.index,
+            options=dict(launch.options),
         )
 
     # -- publishing and fences -------------------------------------------------------------
@@ -347,6 +373,18 @@ class ManagerBase:
         ]
         for i in stale:
             del self._control[i]
+        if self.router is not None:
+            # Before the publisher: a head is routable through the router before it is
+            # published READY, and out of it before anything stops it.
+            self.router.sync(
+                {
+                    s.engine_id: s.replica.base_url
+                    for s in self._ordered()
+                    if s.replica.base_url is not None
+                    and s.replica.state in _ROUTED
+                    and not s.retiring
+                }
+            )
         if self.publisher is None:
             return
         view = self.model_view()

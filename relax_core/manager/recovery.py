@@ -333,6 +333,7 @@ class RecoveryMixin(ManagerBase):
             }
             for slot in chosen:
                 slot.retiring = True
+            self._publish()  # out of the router before the drain
             gather(draining, t.drain + t.offload + t.rpc_margin)
             self._cleanup(chosen, during="scale-in")
             results: dict[str, ReplicaResult] = {}
