@@ -32,6 +32,8 @@ GENRM_ROLE = RoleSpec(
     deferrable=True,
     gateway_adapter=GenRMAdapter,
     description="Generative reward model: messages in, {'response': text} out; STATIC weights.",
+    # A verdict must not depend on what else was in the batch.
+    deterministic_inference=True,
 )
 
 JUDGE_REWARD = RewardSpec(
