@@ -266,11 +266,16 @@ class RouterLaunchSpec:
     the router dropping; any other dropped field refuses the router at start.
     ``health_check_interval``: seconds between the router's own health checks of its workers.
     ``extra_args`` are appended to the router's command line; retries and the circuit breaker
-    stay disabled whatever they say.
+    stay disabled whatever they say. ``served_model_name`` and ``model_path`` are what the
+    model's heads report (``/model_info``): a router's own probe workers report the same, so the
+    router never sees a second model (smg 1.13 handles requests differently, dropping some
+    sampling parameters, while it knows more than one model).
     """
 
     router_id: str
     policy: str
+    served_model_name: str | None = None
+    model_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0

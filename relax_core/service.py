@@ -268,8 +268,9 @@ class RoleService:
         self.stop_routers()
         return problems
 
-    def stop_routers(self, timeout: float = 10.0) -> None:
-        """Stop every router (idempotent)."""
+    def stop_routers(self, timeout: float = 3.0) -> None:
+        """Stop every router (idempotent). They are stopped last, when no traffic is left, so
+        a short grace is enough (smg would otherwise linger for its drain settle time)."""
         for router in self.routers.values():
             router.terminate(timeout)
 
@@ -432,6 +433,8 @@ def _start_router(model: ModelConfig, record: RouterBackend, log_dir: str | None
         RouterLaunchSpec(
             router_id=model.path,
             policy=model.router_policy or record.default_policy,
+            served_model_name=model.served_model_name or model.name,
+            model_path=model.model_path or None,
             pd=model.pd_prefill_engines is not None,
             allow_dropped_fields=model.router_allow_dropped_fields,
             extra_args=model.router_args,
@@ -503,7 +506,8 @@ def _manager(
     timeouts: ManagerTimeouts | None,
     log_dir: str | None,
 ) -> InferenceManager:
-    """The manager of one model (and, given a ``service``, its router, launched)."""
+    """The manager of one model; given a ``service``, it publishes there and an
+    ``SGLANG_ROUTER`` model's router is launched (without one, for dry runs, it is not)."""
     spec = pm.role(model.role)
     route_mode = model.route_mode or spec.default_route_mode
     source = pm.weight_source(model.weight_source or spec.default_weight_source)
@@ -515,13 +519,11 @@ def _manager(
         raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
     router: RouterProcess | None = None
     publisher: Any = service.publisher if service is not None else None
-    if route_mode != "DIRECT":
-        record = router_record(model, spec, pm)
-        if service is not None:
-            router = _start_router(model, record, log_dir)
-            service.routers[model.name] = router
-        if model.pd_prefill_engines is not None and publisher is not None:
-            publisher = _EnginesHidden(publisher)
+    if route_mode != "DIRECT" and service is not None:
+        router = _start_router(model, router_record(model, spec, pm), log_dir)
+        service.routers[model.name] = router
+        if model.pd_prefill_engines is not None:
+            publisher = _EnginesHidden(service.publisher)
     return InferenceManager(
         model.name,
         spec=engine_spec,

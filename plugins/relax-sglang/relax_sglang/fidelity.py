@@ -145,13 +145,25 @@ class ProbeServer:
     """Workers that record every generation request a router forwards to them.
 
     ``ProbeServer(modes=("regular",))`` serves one worker; ``modes=("prefill", "decode")`` two
-    (a PD router needs one of each; the prefill one announces ``bootstrap_port``). Use as a
-    context manager, or :meth:`start` / :meth:`stop`. Blocking, thread-safe.
+    (a PD router needs one of each; the prefill one announces ``bootstrap_port``); they report
+    ``served_model_name`` and ``model_path`` as the model's heads do. Use as a context manager,
+    or :meth:`start` / :meth:`stop`. Blocking, thread-safe.
     """
 
-    def __init__(self, modes: Sequence[str] = ("regular",), *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        modes: Sequence[str] = ("regular",),
+        *,
+        host: str = "127.0.0.1",
+        served_model_name: str | None = None,
+        model_path: str | None = None,
+    ) -> None:
         self.modes = tuple(modes)
         self.host = host
+        # Report the heads' own identity: a router that saw a second model would treat every
+        # request differently (smg 1.13 then drops some sampling parameters).
+        self.served_model_name = served_model_name or model_path or "relax-field-probe"
+        self.model_path = model_path or self.served_model_name
         self.urls: list[str] = []
         self.bootstrap_port = 1
         self._received: dict[str, list[dict[str, Any]]] = {}
@@ -200,8 +212,9 @@ class ProbeServer:
 
     async def _serve(self, mode: str) -> str:
         info = {
-            "model_path": "relax-field-probe",
-            "served_model_name": "relax-field-probe",
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name,
             "is_generation": True,
             "disaggregation_mode": "null" if mode == "regular" else mode,
             "disaggregation_bootstrap_port": self.bootstrap_port,
@@ -215,7 +228,7 @@ class ProbeServer:
                 return web.json_response(info)
             if path == "/v1/models":
                 return web.json_response(
-                    {"object": "list", "data": [{"id": info["model_path"], "object": "model"}]}
+                    {"object": "list", "data": [{"id": self.served_model_name, "object": "model"}]}
                 )
             if path in ("/loads", "/get_load"):
                 return web.json_response([])

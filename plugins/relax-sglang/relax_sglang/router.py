@@ -148,7 +148,9 @@ def _free_port(host: str, *, avoid: int = 0) -> int:
             return port
 
 
-def router_argv(kind: RouterKind, spec: RouterLaunchSpec, port: int, metrics_port: int) -> list[str]:
+def router_argv(
+    kind: RouterKind, spec: RouterLaunchSpec, port: int, metrics_port: int
+) -> list[str]:
     """The router's command line (current interpreter, no PATH lookup).
 
     :raises ConfigError: ``router_args`` sets a flag this plugin owns, or the policy is not
@@ -162,7 +164,10 @@ def router_argv(kind: RouterKind, spec: RouterLaunchSpec, port: int, metrics_por
         )
     for arg in spec.extra_args:
         flag = arg.split("=", 1)[0]
-        if any(flag == own or (own.endswith("-") and flag.startswith(own)) for own in OWNED_ROUTER_FLAGS):
+        if any(
+            flag == own or (own.endswith("-") and flag.startswith(own))
+            for own in OWNED_ROUTER_FLAGS
+        ):
             raise ConfigError(
                 f"{spec.router_id}.router_args",
                 f"{flag} is set by the router plugin (ports, policy, PD mode, and retries and "
@@ -193,9 +198,7 @@ def router_argv(kind: RouterKind, spec: RouterLaunchSpec, port: int, metrics_por
     return [*argv, *spec.extra_args, "--disable-retries", "--disable-circuit-breaker"]
 
 
-def _http(
-    method: str, url: str, body: Any = None, *, timeout: float
-) -> tuple[int, Any]:
+def _http(method: str, url: str, body: Any = None, *, timeout: float) -> tuple[int, Any]:
     """One HTTP exchange: ``(status, parsed JSON or text)``; status 0 when nothing answered."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
@@ -458,8 +461,10 @@ class RouterServer:
             status, answer = self._call("GET", f"/workers/{worker_id}")
             if status == 404:
                 return None
-            if status == 200 and isinstance(answer, dict) and (
-                answer.get("is_healthy") is False or answer.get("status") == "draining"
+            if (
+                status == 200
+                and isinstance(answer, dict)
+                and (answer.get("is_healthy") is False or answer.get("status") == "draining")
             ):
                 return None  # still listed while it drains, but never routed to again
             if time.monotonic() > deadline:
@@ -490,7 +495,9 @@ class RouterServer:
     def _probe_fields(self, deadline: float) -> None:
         modes = ("prefill", "decode") if self.spec.pd else ("regular",)
         dropped: dict[str, str] = {}
-        with ProbeServer(modes) as probe:
+        with ProbeServer(
+            modes, served_model_name=self.spec.served_model_name, model_path=self.spec.model_path
+        ) as probe:
             registered = []
             try:
                 for url in probe.urls:
