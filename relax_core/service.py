@@ -621,6 +621,8 @@ class ServedJob:
         self.registry: RegistryServer | None = None
         #: Every engine pid seen (checked gone after shutdown).
         self.engine_pids: set[int] = set()
+        #: Every router pid seen (checked gone after shutdown).
+        self.router_pids: set[int] = set()
 
     @property
     def urls(self) -> dict[str, str]:
@@ -631,9 +633,12 @@ class ServedJob:
         """Engine id → engine process ids, over every role (recorded in :attr:`engine_pids`)."""
         out: dict[str, list[int]] = {}
         for service in self.services.values():
-            out.update(service.engine_pids())
-            out.update(service.router_pids())
-        self.engine_pids.update(p for pids in out.values() for p in pids)
+            engines = service.engine_pids()
+            routers = service.router_pids()
+            self.engine_pids.update(p for pids in engines.values() for p in pids)
+            self.router_pids.update(p for pids in routers.values() for p in pids)
+            out.update(engines)
+            out.update(routers)
         return out
 
     def status(self) -> str:
@@ -909,11 +914,15 @@ def _teardown(job: ServedJob, out: TextIO) -> list[str]:
         print(f"  gateways stopped ({len(job.gateways)})", file=out, flush=True)
     for service in job.services.values():
         problems += service.shutdown()
-    left = _wait_gone(job.engine_pids, timeout=15.0)
-    if left:
-        problems.append(f"engine processes still running: {sorted(left)}")
+    left = _wait_gone(job.engine_pids | job.router_pids, timeout=15.0)
+    if left & job.engine_pids:
+        problems.append(f"engine processes still running: {sorted(left & job.engine_pids)}")
+    if left & job.router_pids:
+        problems.append(f"router processes still running: {sorted(left & job.router_pids)}")
     if job.services:
         print(f"  engines stopped ({len(job.engine_pids)} processes)", file=out, flush=True)
+    if job.router_pids:
+        print(f"  routers stopped ({len(job.router_pids)})", file=out, flush=True)
     released = 0
     for bound in job.bound:
         try:
