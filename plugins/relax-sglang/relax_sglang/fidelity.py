@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 import socket
+import struct
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -112,9 +113,22 @@ def _get(body: Mapping[str, Any], path: str) -> tuple[bool, Any]:
     return True, node
 
 
+def _f32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+def _same(want: Any, got: Any) -> bool:
+    # sglang-router 0.3.2 in PD mode re-serialises floats as float32 (0.1 arrives as
+    # 0.10000000149011612); SGLang samples in float32, so that is the same value to it.
+    if isinstance(want, float) and isinstance(got, float):
+        return want == got or _f32(want) == _f32(got)
+    return bool(want == got)
+
+
 def compare(sent: Mapping[str, Any], received: Mapping[str, Any] | None) -> dict[str, str]:
     """Each field of ``sent`` that did not arrive as sent → ``"dropped"`` or
-    ``"changed to <value>"`` (fields a router adds are ignored)."""
+    ``"changed to <value>"`` (fields a router adds are ignored; a float equal at float32
+    precision, the precision SGLang samples with, counts as the same)."""
     if received is None:
         return {path: "dropped" for path in field_paths(sent)}
     out = {}
@@ -123,7 +137,7 @@ def compare(sent: Mapping[str, Any], received: Mapping[str, Any] | None) -> dict
         found, got = _get(received, path)
         if not found:
             out[path] = "dropped"
-        elif got != want:
+        elif not _same(want, got):
             out[path] = f"changed to {json.dumps(got)[:80]}"
     return out
 

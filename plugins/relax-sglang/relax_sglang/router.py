@@ -532,8 +532,9 @@ class RouterServer:
             raise ConfigError(
                 f"{self.spec.router_id}.router",
                 f"router {self.name} does not forward request fields the roles send: {fields}. "
-                "Use a router that keeps them (smg keeps every field), or, if no caller of this "
-                "model ever sends them, list them in router_allow_dropped_fields.",
+                "Use a router that keeps them (smg 1.13 keeps every field outside prefill/decode "
+                "mode), or, if no caller of this model ever sends them, list them in "
+                "router_allow_dropped_fields.",
             )
 
 
