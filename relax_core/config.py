@@ -447,7 +447,10 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
     t = r.table(raw, p, _MODEL)
     v = r.value
     external_urls = _urls(r, t, p, "external_urls")
-    if external_urls:
+    is_external = "external_urls" in t
+    if is_external and not t.get("external_urls"):
+        r.problem(f"{p}.external_urls", "required", "give at least one engine head's URL")
+    if is_external:
         for key in ("num_gpus", "gpus_per_engine", "num_engines", "bundle_start", "tp", "pp"):
             if key in t:
                 r.problem(
@@ -458,7 +461,7 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
                 )
         if t.get("device", "cpu") != "cpu":
             r.problem(f"{p}.device", "external", "external engines use no GPU of this job")
-        t = {**t, "device": "cpu", "num_engines": len(external_urls)}
+        t = {**t, "device": "cpu", "num_engines": max(1, len(external_urls))}
     device = v(t, p, "device", str, "cuda", check=_one_of(DEVICES))
     pp = v(t, p, "pp", int, 1, check=_at_least(1))
     given_tp = v(t, p, "tp", int, None, check=_at_least(1))
@@ -499,7 +502,7 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
             f"{pd_prefill} prefill engines leave no decode engine of the model's {num_engines}; "
             "give fewer prefill engines or more engines",
         )
-    if pd_prefill is not None and external_urls:
+    if pd_prefill is not None and is_external:
         r.problem(
             f"{p}.pd_prefill_engines",
             "external",
@@ -509,8 +512,8 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
         role=role,
         name=name,
         path=p,
-        backend=v(t, p, "backend", str, "", required=not external_urls),
-        model_path=v(t, p, "model_path", str, "", required=not external_urls),
+        backend=v(t, p, "backend", str, "", required=not is_external),
+        model_path=v(t, p, "model_path", str, "", required=not is_external),
         device=device,
         num_gpus=num_gpus,
         gpus_per_engine=gpe,

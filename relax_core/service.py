@@ -39,6 +39,7 @@ from relax_core.manager import (
     ModelLaunch,
     ReplicaPlacement,
 )
+from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
 from relax_core.records import RouterBackend, RouterLaunchSpec, RouterProcess
 
@@ -80,7 +81,7 @@ class RoleService:
     def __init__(self, role: str, routing: RoutingSpec, *, weight_sources: Any = None) -> None:
         self.role = role
         self.publisher = RegistryPublisher(role, routing, weight_sources=weight_sources)
-        self.managers: dict[str, InferenceManager] = {}
+        self.managers: dict[str, InferenceManager | ExternalEngines] = {}
         #: model id -> the router in front of its heads (SGLANG_ROUTER models)
         self.routers: dict[str, RouterProcess] = {}
         self.model_paths: dict[str, str] = {}
@@ -89,7 +90,11 @@ class RoleService:
         self._monitor_stop = threading.Event()
 
     def add(
-        self, model_id: str, manager: InferenceManager, *, model_path: str | None = None
+        self,
+        model_id: str,
+        manager: InferenceManager | ExternalEngines,
+        *,
+        model_path: str | None = None,
     ) -> None:
         """Add a model's manager (built with ``publisher=self.publisher``)."""
         if model_id in self.managers:
@@ -119,7 +124,7 @@ class RoleService:
         results: dict[str, Any] = {}
         lock = threading.Lock()
 
-        def one(model_id: str, manager: InferenceManager) -> None:
+        def one(model_id: str, manager: InferenceManager | ExternalEngines) -> None:
             try:
                 outcome: Any = manager.start()
             except Exception as exc:
@@ -505,9 +510,10 @@ def _manager(
     placement: ReplicaPlacement,
     timeouts: ManagerTimeouts | None,
     log_dir: str | None,
-) -> InferenceManager:
-    """The manager of one model; given a ``service``, it publishes there and an
-    ``SGLANG_ROUTER`` model's router is launched (without one, for dry runs, it is not)."""
+) -> InferenceManager | ExternalEngines:
+    """The manager of one model (:class:`ExternalEngines` for one served by external
+    engines); given a ``service``, it publishes there and an ``SGLANG_ROUTER`` model's router
+    is launched (without one, for dry runs, it is not)."""
     spec = pm.role(model.role)
     route_mode = model.route_mode or spec.default_route_mode
     source = pm.weight_source(model.weight_source or spec.default_weight_source)
@@ -524,6 +530,17 @@ def _manager(
         service.routers[model.name] = router
         if model.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
+    if model.external:
+        return ExternalEngines(
+            model.name,
+            urls=model.external_urls,
+            spec=engine_spec,
+            served_model_name=model.served_model_name or model.name,
+            publisher=publisher,
+            route_mode=route_mode,
+            router_url=router.url if router is not None else None,
+            router=router,
+        )
     return InferenceManager(
         model.name,
         spec=engine_spec,
@@ -567,6 +584,7 @@ def engine_launch_specs(
             timeouts=None,
             log_dir=None,
         )
+        assert isinstance(manager, InferenceManager)  # external models were skipped
         out[model.path] = manager.launch_specs(dist_init_addr=dist_init_addr)
     return out
 
