@@ -30,6 +30,8 @@ def test_core_exports_the_contracts_plugins_build_on() -> None:
         "RewardSpec",
         "RoutingPolicy",
         "PlacementMode",
+        "RouterBackend",
+        "RouterProcess",
         "RelaxError",
         "RoutingError",
         "InferenceRecoveryRequired",

@@ -87,6 +87,7 @@ class ManagerBase:
     :param router: the router in front of the heads (``SGLANG_ROUTER``): every publish tells it
         the heads to route to (:class:`~relax_core.records.RouterMembership`), so a head is
         registered once READY and removed before its engine stops or its replica is FAILED.
+        A router process is not serialisable: a manager with one lives where the router runs.
     :param control_channel: send onload/offload to each head's private control endpoint over
         HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
         networks where the manager cannot reach the worker nodes' ports).
