@@ -128,7 +128,7 @@ def routed(
         yield routed
     finally:
         force_cleanup(manager, routed.stopped)
-        router.terminate(5)
+        router.terminate(2)
 
 
 def _heads(routed: Routed) -> dict[str, str]:
