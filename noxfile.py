@@ -1,4 +1,4 @@
-"""Every session of the project: tests, lint, typecheck, bench, demo, fuzz.
+"""Every session of the project: tests, lint, typecheck, bench, demo, fuzz, sglang.
 
 ``python3 -m nox -s tests`` is the test command (CI runs exactly it); ``python3 -m nox -s demo``
 is the README's main job.
@@ -18,6 +18,27 @@ PYTHON = "3.11"
 # The CPU build of torch this machine kind ships; a range admitting newer releases would pull a
 # multi-GB CUDA build on a CPU-only machine.
 TORCH = "torch==2.13.0"
+# The SGLang version the sglang backend's command lines are checked against (nox -s sglang).
+SGLANG = "sglang==0.5.23"
+# What sglang.srt.server_args imports besides torch: pure-Python or CPU packages (SGLang itself
+# is installed without its dependencies, so none of its GPU stack, nor another torch, comes in).
+SGLANG_IMPORTS = [
+    "numpy",
+    "msgspec",
+    "orjson",
+    "psutil",
+    "pybase64",
+    "requests",
+    "triton",
+    "packaging",
+    "pillow",
+    "starlette",
+    "pydantic",
+    "pyzmq>=25.1.2",
+    "tqdm",
+    "ipython",
+    "aiohttp",
+]
 
 
 def _local_distributions() -> list[str]:
@@ -104,3 +125,34 @@ def fuzz(session: nox.Session) -> None:
     _install_project(session, "test")
     session.install("schemathesis>=4.0,<5")
     session.run("python", "-m", "tests.fuzz_gateways", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def sglang(session: nox.Session) -> None:
+    """Every command line the sglang backend builds, for every example job, parsed by SGLang's
+    own ``prepare_server_args`` at the pinned version (CI runs this)."""
+    session.install(TORCH)
+    session.install("--no-deps", SGLANG)
+    # The core and the plugins the examples need, without their heavy dependencies (Ray, the
+    # routers): building a command line starts nothing.
+    session.install(
+        *SGLANG_IMPORTS,
+        "attrs",
+        "pluggy",
+        "httptools",
+        "prometheus-client",
+        "uvicorn",
+        "pytest>=8.2,<10",
+        "pytest-timeout>=2.3,<3",
+    )
+    local = [".", "plugins/relax-sglang"] + [
+        f"plugins/relax-{role}" for role in ("rollout", "genrm", "teacher")
+    ]
+    session.install("--no-deps", *(arg for path in local for arg in ("-e", path)))
+    session.run(
+        "pytest",
+        "-q",
+        "plugins/relax-sglang/tests/test_sglang_parser.py",
+        *session.posargs,
+        env={"RELAX_REQUIRE_SGLANG": "1"},
+    )

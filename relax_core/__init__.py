@@ -8,7 +8,7 @@ below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.m
 
 from relax_core._exports import claim as _claim
 from relax_core.client import InferenceClient, close_clients, get_client
-from relax_core.config import JobConfig, load_config
+from relax_core.config import JobConfig, load_config, loads_config
 from relax_core.coordination import (
     BatchSink,
     DeferredBatch,
@@ -109,9 +109,14 @@ from relax_core.records import (
     RewardSpec,
     RoleSpec,
     RouteMode,
+    RouterBackend,
+    RouterLaunchSpec,
+    RouterMembership,
+    RouterProcess,
     RoutingPolicy,
     WeightSource,
 )
+from relax_core.service import engine_launch_specs
 
 __version__ = "0.1.0"
 
@@ -178,6 +183,10 @@ __all__ = [
     "RouteMode",
     "RouteResolver",
     "RouteTarget",
+    "RouterBackend",
+    "RouterLaunchSpec",
+    "RouterMembership",
+    "RouterProcess",
     "RoutingError",
     "RoutingPolicy",
     "RoutingSpec",
@@ -199,11 +208,13 @@ __all__ = [
     "check_messages",
     "close_clients",
     "connect_coordinator",
+    "engine_launch_specs",
     "free_port",
     "get_client",
     "get_plugin_manager",
     "hookimpl",
     "load_config",
+    "loads_config",
     "parse_prefill",
     "plan_inference_placement",
     "prefill_payload",

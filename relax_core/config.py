@@ -138,6 +138,11 @@ class ModelConfig:
     ``num_gpus`` GPUs hold ``num_gpus / gpus_per_engine`` engines (logical replicas), each of
     ``tp x pp`` GPUs. A ``cpu`` model holds ``num_engines`` engines and no GPU.
     ``path`` is the key path of its table (``roles.genrm.models.judge``).
+    The ``router*`` keys choose and configure the router of an ``SGLANG_ROUTER`` model;
+    ``pd_prefill_engines`` makes the first that many replicas prefill workers and the rest
+    decode workers (prefill/decode disaggregation, reachable only through the router);
+    ``external_urls`` serves the model from engines Relax does not start (then no engine is
+    placed and ``backend`` is not used).
     """
 
     role: str
@@ -171,6 +176,18 @@ class ModelConfig:
     num_parameters: int | None = None
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = attrs.field(factory=dict)
+    deterministic_inference: bool | None = None
+    router: str | None = None
+    router_policy: str | None = None
+    router_allow_dropped_fields: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    pd_prefill_engines: int | None = None
+    external_urls: tuple[str, ...] = ()
+
+    @property
+    def external(self) -> bool:
+        """Served by engines Relax does not start (``external_urls``)."""
+        return bool(self.external_urls)
 
 
 @attrs.frozen
@@ -404,6 +421,22 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
     before = len(r.problems)
     t = r.table(raw, p, _MODEL)
     v = r.value
+    external_urls = _urls(r, t, p, "external_urls")
+    is_external = "external_urls" in t
+    if is_external and not t.get("external_urls"):
+        r.problem(f"{p}.external_urls", "required", "give at least one engine head's URL")
+    if is_external:
+        for key in ("num_gpus", "gpus_per_engine", "num_engines", "bundle_start", "tp", "pp"):
+            if key in t:
+                r.problem(
+                    f"{p}.{key}",
+                    "external",
+                    "a model served by external_urls starts no engine and uses no GPU; drop "
+                    "this key",
+                )
+        if t.get("device", "cpu") != "cpu":
+            r.problem(f"{p}.device", "external", "external engines use no GPU of this job")
+        t = {**t, "device": "cpu", "num_engines": max(1, len(external_urls))}
     device = v(t, p, "device", str, "cuda", check=_one_of(DEVICES))
     pp = v(t, p, "pp", int, 1, check=_at_least(1))
     given_tp = v(t, p, "tp", int, None, check=_at_least(1))
@@ -436,12 +469,26 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
     ):
         r.problem(f"{p}.env", "type", "must be a table of string values")
         env = {}
+    pd_prefill = v(t, p, "pd_prefill_engines", int, None, check=_at_least(1))
+    if pd_prefill is not None and num_engines and pd_prefill >= num_engines:
+        r.problem(
+            f"{p}.pd_prefill_engines",
+            "range",
+            f"{pd_prefill} prefill engines leave no decode engine of the model's {num_engines}; "
+            "give fewer prefill engines or more engines",
+        )
+    if pd_prefill is not None and is_external:
+        r.problem(
+            f"{p}.pd_prefill_engines",
+            "external",
+            "external engines are not started here: prefill/decode workers must be managed",
+        )
     model = ModelConfig(
         role=role,
         name=name,
         path=p,
-        backend=v(t, p, "backend", str, "", required=True),
-        model_path=v(t, p, "model_path", str, "", required=True),
+        backend=v(t, p, "backend", str, "", required=not is_external),
+        model_path=v(t, p, "model_path", str, "", required=not is_external),
         device=device,
         num_gpus=num_gpus,
         gpus_per_engine=gpe,
@@ -468,8 +515,39 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
         num_parameters=v(t, p, "num_parameters", int, None, check=_at_least(1)),
         extra_args=r.str_list(t, p, "extra_args"),
         env=dict(env),
+        deterministic_inference=v(t, p, "deterministic_inference", bool, None),
+        router=v(t, p, "router", str, None),
+        router_policy=v(t, p, "router_policy", str, None),
+        router_allow_dropped_fields=r.str_list(t, p, "router_allow_dropped_fields"),
+        router_args=r.str_list(t, p, "router_args"),
+        pd_prefill_engines=pd_prefill,
+        external_urls=external_urls,
     )
     return model if len(r.problems) == before else None
+
+
+def _urls(r: _Reader, t: Mapping[str, Any], p: str, key: str) -> tuple[str, ...]:
+    """A list of distinct ``http(s)://host:port`` URLs (trailing ``/`` dropped)."""
+    from urllib.parse import urlsplit
+
+    out = []
+    for i, url in enumerate(r.str_list(t, p, key)):
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+            r.problem(
+                f"{p}.{key}[{i}]",
+                "url",
+                f"{url!r} is not an http://host:port URL of an engine head",
+            )
+        elif parts.path.strip("/") or parts.query:
+            r.problem(f"{p}.{key}[{i}]", "url", f"{url!r}: give the head's base URL, no path")
+        else:
+            out.append(url.rstrip("/"))
+    return tuple(out)
 
 
 def _role(r: _Reader, name: str, raw: object) -> RoleConfig | None:

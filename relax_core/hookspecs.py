@@ -17,6 +17,7 @@ from relax_core.records import (
     PlacementMode,
     RewardSpec,
     RoleSpec,
+    RouterBackend,
     RoutingPolicy,
     WeightSource,
 )
@@ -60,6 +61,25 @@ def relax_register_engine_backends(register: Callable[[EngineBackend], None]) ->
         def relax_register_engine_backends(register):
             register(EngineBackend(name="hf", launch=launch_hf, control_client=ControlClient,
                                    devices={"cpu", "cuda"}))
+    """
+
+
+# -- routers ---------------------------------------------------------------------------------
+
+
+@hookspec
+def relax_register_routers(register: Callable[[RouterBackend], None]) -> None:
+    """Register routers that front a model's replica heads (``route_mode = "SGLANG_ROUTER"``).
+
+    :param register: call it once per :class:`~relax_core.records.RouterBackend`.
+
+    Example::
+
+        @hookimpl
+        def relax_register_routers(register):
+            register(RouterBackend(name="smg", launch=launch_smg,
+                                   policies={"round_robin", "consistent_hashing"},
+                                   default_policy="consistent_hashing", version="1.13.0"))
     """
 
 

@@ -25,6 +25,7 @@ from relax_core.records import (
     PlacementMode,
     RewardSpec,
     RoleSpec,
+    RouterBackend,
     RoutingPolicy,
     WeightSource,
 )
@@ -50,6 +51,7 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
     "reward_adapters": ("relax_register_reward_adapters", RewardSpec),
     "routing_policies": ("relax_register_routing_policies", RoutingPolicy),
     "placement_modes": ("relax_register_placement_modes", PlacementMode),
+    "routers": ("relax_register_routers", RouterBackend),
 }
 
 
@@ -60,6 +62,7 @@ _SINGULAR = {
     "reward_adapters": "reward adapter",
     "routing_policies": "routing policy",
     "placement_modes": "placement mode",
+    "routers": "router",
 }
 
 
@@ -268,6 +271,10 @@ class PluginManager:
     def placement_mode(self, name: str) -> PlacementMode:
         """The placement mode named ``name``."""
         return self._get("placement_modes", name)  # type: ignore[no-any-return]
+
+    def router(self, name: str) -> RouterBackend:
+        """The router named ``name``."""
+        return self._get("routers", name)  # type: ignore[no-any-return]
 
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""

@@ -31,6 +31,10 @@ __all__ = [
     "RewardSpec",
     "RoleSpec",
     "RouteMode",
+    "RouterBackend",
+    "RouterLaunchSpec",
+    "RouterMembership",
+    "RouterProcess",
     "RoutingPolicy",
     "WeightSource",
 ]
@@ -206,6 +210,9 @@ class RoleSpec:
     ``openapi``: what the role's OpenAPI document adds to the common one (:class:`OpenAPINotes`).
     ``gateway_adapter``: zero-argument factory of the role's ``RoleAdapter`` (``None``: requests
     pass through unchanged).
+    ``deterministic_inference``: engines of this role run batch-invariant, deterministic
+    inference by default (a judge's verdict must not depend on what else is in the batch); a
+    model's ``deterministic_inference`` key overrides it.
 
     :raises ValueError: a field is invalid; the message names the field.
     """
@@ -229,6 +236,7 @@ class RoleSpec:
         validator=attrs.validators.instance_of(OpenAPINotes),
         kw_only=True,
     )
+    deterministic_inference: bool = attrs.field(default=False, validator=_BOOL, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if self.default_weight_source not in self.allowed_weight_sources:
@@ -256,6 +264,14 @@ class EngineLaunchSpec:
 
     A multi-node replica has one launch per node: ``node_rank`` 0 is the head (it serves HTTP on
     ``host:port``), the others are followers that join ``dist_init_addr``.
+
+    ``role`` and ``static`` say whose engine it is (``static``: the weight source allows no
+    update path, so the backend must keep a CPU weight backup and refuse LoRA and dummy
+    weights); ``replica_index`` is the logical replica's index in its model (stable across
+    rebuilds); ``options`` are the model's settings only some backends read
+    (``mem_fraction_static``, ``context_length``, ``max_running_requests``, ``kv_cache_dtype``,
+    ``dp``, ``dp_attention``, ``deterministic_inference``, ``pd_prefill_engines``; see
+    docs/configuration.md), absent keys meaning the backend's default.
     """
 
     engine_id: str
@@ -276,6 +292,10 @@ class EngineLaunchSpec:
     log_path: str | None = None
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
     env: Mapping[str, str] = attrs.field(factory=dict)
+    role: str | None = None
+    static: bool = False
+    replica_index: int = 0
+    options: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 @runtime_checkable
@@ -439,3 +459,123 @@ class PlacementMode:
     shares_training_pool: bool = False
     supports_defer: bool = False
     description: str = ""
+
+
+# -- routers -----------------------------------------------------------------------------------
+
+#: The runtime worker APIs a router can speak: ``workers`` is ``POST /workers {"url"}`` →
+#: ``worker_id``, ``GET /workers``, ``DELETE /workers/{worker_id}``.
+ROUTER_WORKER_APIS = frozenset({"workers"})
+
+
+@attrs.frozen
+class RouterLaunchSpec:
+    """Everything a router backend needs to start the router in front of one model's heads.
+
+    ``router_id`` names the router in logs and errors (``rollout/policy``). ``port`` and
+    ``metrics_port`` 0 pick free ports (two routers on one host never share a metrics port).
+    ``pd``: prefill/decode disaggregation (heads register as prefill or decode workers).
+    ``allow_dropped_fields``: request fields (``sampling_params.logit_bias``) the caller accepts
+    the router dropping; any other dropped field refuses the router at start.
+    ``health_check_interval``: seconds between the router's own health checks of its workers.
+    ``extra_args`` are appended to the router's command line; retries and the circuit breaker
+    stay disabled whatever they say. ``served_model_name`` and ``model_path`` are what the
+    model's heads report (``/model_info``): a router's own probe workers report the same, so the
+    router never sees a second model (smg 1.13 handles requests differently, dropping some
+    sampling parameters, while it knows more than one model).
+    """
+
+    router_id: str
+    policy: str
+    served_model_name: str | None = None
+    model_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    pd: bool = False
+    allow_dropped_fields: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+    health_check_interval: float = 10.0
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    log_path: str | None = None
+
+
+@runtime_checkable
+class RouterMembership(Protocol):
+    """Which replica heads a router sends traffic to; what an InferenceManager drives.
+
+    The manager calls :meth:`sync` every time it publishes: ``heads`` maps each engine id to
+    the public URL of a head that has been READY and is not stopping, failing or being scaled
+    in (READY, DRAINING, SLEEPING, ONLOADING). A head that became READY is registered (and
+    waited for until the router reports it healthy) before the manager publishes it READY; a
+    head that left ``heads`` is removed from the router before its engine is stopped.
+    """
+
+    def sync(self, heads: Mapping[str, str]) -> None:
+        """Register new heads, remove the ones gone. Blocking, idempotent; never raises: a
+        failed registration is kept and reported by the router's ``check()``."""
+        ...
+
+
+@runtime_checkable
+class RouterProcess(RouterMembership, Protocol):
+    """A running router, as returned by ``RouterBackend.launch`` (it returns at once)."""
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` callers send requests to (published as the model's
+        ``router_url``)."""
+        ...
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the router serves, speaks a known worker API and keeps every request
+        field; raise ``ConfigError`` (a field is dropped) or ``LifecycleError``."""
+        ...
+
+    def check(self) -> list[str]:
+        """Supervise: restart a router that died (re-registering its heads), retry failed
+        registrations; return what is wrong now (empty when all is well)."""
+        ...
+
+    def pids(self) -> list[int]:
+        """The router's process ids (empty once stopped)."""
+        ...
+
+    def terminate(self, timeout: float) -> None:
+        """Stop the router (SIGTERM, then SIGKILL after ``timeout``). Idempotent."""
+        ...
+
+
+@attrs.frozen
+class RouterBackend:
+    """A router that fronts a model's replica heads (``sglang-router``, ``smg``, …).
+
+    ``launch(spec) -> RouterProcess`` starts it and returns at once. ``policies``: the routing
+    policies it supports (a model's ``router_policy`` must be one); ``default_policy`` is used
+    when the model names none. ``worker_api``: the runtime membership API it speaks (one of
+    :data:`ROUTER_WORKER_APIS`). ``keeps_unknown_fields``: whether it forwards request fields
+    it does not know (its field probe checks the ones that matter either way). ``pd``: it can
+    route prefill/decode disaggregated workers. ``version``: the installed version, ``None``
+    when the router is not installed (the record is still listed, and refused at start).
+    ``default``: chosen for a model that names no router (at most one installed default).
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    launch: Callable[[RouterLaunchSpec], RouterProcess]
+    policies: frozenset[str] = attrs.field(converter=_frozenset_of_str)
+    default_policy: str
+    worker_api: str = attrs.field(
+        default="workers", validator=attrs.validators.in_(ROUTER_WORKER_APIS)
+    )
+    keeps_unknown_fields: bool = True
+    pd: bool = False
+    version: str | None = None
+    default: bool = False
+    description: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if self.default_policy not in self.policies:
+            raise ValueError(
+                f"RouterBackend {self.name!r}: default_policy {self.default_policy!r} is not "
+                f"among its policies {sorted(self.policies)}"
+            )

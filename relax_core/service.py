@@ -3,10 +3,15 @@
 A :class:`RoleService` holds ``dict[model_id, InferenceManager]`` and one
 :class:`~relax_core.discovery.publisher.RegistryPublisher`; every manager publishes its model's
 schema-2 view into that publisher, so :meth:`RoleService.snapshot` is the role's one aggregated
-snapshot (what the role gateway serves and routes by). :func:`build_role_service` builds one from a
-job config's role and the bound placement; :func:`servable_problems` says, before anything starts,
-what of a job ``relax serve`` cannot run. :meth:`RoleService.start_monitor` health-checks every
-replica periodically (a dead engine's replica is FAILED, so no longer routed to, and rebuilt).
+snapshot (what the role gateway serves and routes by). A model routed ``SGLANG_ROUTER`` also has
+a router (a plugin's :class:`~relax_core.records.RouterBackend`) in front of its heads: the
+service starts it before the engines, its manager keeps its membership, its URL is the model's
+published ``router_url``, and the service stops it after the engines.
+
+:func:`build_role_service` builds one from a job config's role and the bound placement;
+:func:`servable_problems` says, before anything starts, what of a job ``relax serve`` cannot
+run. :meth:`RoleService.start_monitor` health-checks every replica periodically (a dead engine's
+replica is FAILED, so no longer routed to, and rebuilt).
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from relax_core.manager import (
     ModelLaunch,
     ReplicaPlacement,
 )
+from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
+from relax_core.records import RouterBackend, RouterLaunchSpec, RouterProcess
 
 __all__ = [
     "RoleService",
@@ -44,7 +51,9 @@ __all__ = [
     "build_role_service",
     "check_job",
     "describe_job",
+    "engine_launch_specs",
     "ray_session",
+    "router_record",
     "routing_spec",
     "servable_problems",
     "serve_job",
@@ -85,13 +94,20 @@ class RoleService:
         self.publisher = RegistryPublisher(
             role, routing, weight_sources=weight_sources, static_roles=static_roles
         )
-        self.managers: dict[str, InferenceManager] = {}
+        self.managers: dict[str, InferenceManager | ExternalEngines] = {}
+        #: model id -> the router in front of its heads (SGLANG_ROUTER models)
+        self.routers: dict[str, RouterProcess] = {}
         self.model_paths: dict[str, str] = {}
+        self.router_timeout = 60.0
         self._monitor: threading.Thread | None = None
         self._monitor_stop = threading.Event()
 
     def add(
-        self, model_id: str, manager: InferenceManager, *, model_path: str | None = None
+        self,
+        model_id: str,
+        manager: InferenceManager | ExternalEngines,
+        *,
+        model_path: str | None = None,
     ) -> None:
         """Add a model's manager (built with ``publisher=self.publisher``)."""
         if model_id in self.managers:
@@ -109,13 +125,19 @@ class RoleService:
 
         ``on_done(model_id, result_or_error)`` is called as each model finishes.
 
-        :raises LifecycleError: some replica did not become READY (naming each), after every
-            model has finished starting.
+        Every router is made ready first (it serves, speaks its worker API, keeps every request
+        field), so engines start only behind a router that works; afterwards every router must
+        have taken its model's READY heads.
+
+        :raises ConfigError: a router drops a request field the roles send (nothing started).
+        :raises LifecycleError: a router did not start, or some replica did not become READY
+            (naming each), after every model has finished starting.
         """
+        self._ready_routers()
         results: dict[str, Any] = {}
         lock = threading.Lock()
 
-        def one(model_id: str, manager: InferenceManager) -> None:
+        def one(model_id: str, manager: InferenceManager | ExternalEngines) -> None:
             try:
                 outcome: Any = manager.start()
             except Exception as exc:
@@ -146,7 +168,39 @@ class RoleService:
                 + "\n  ".join(problems)
                 + "\nsee the engine logs; `relax serve` shuts everything down"
             )
+        for model_id, router in self.routers.items():
+            trouble = router.check()
+            if trouble:
+                raise LifecycleError(
+                    f"the router of {self.role}.{model_id} ({router.url}) did not take the "
+                    "model's heads:\n  " + "\n  ".join(trouble)
+                )
         return results
+
+    def _ready_routers(self) -> None:
+        """Wait for every router at once; raise the first failure once all have finished."""
+        errors: dict[str, BaseException] = {}
+
+        def one(model_id: str, router: RouterProcess) -> None:
+            try:
+                router.wait_ready(self.router_timeout)
+            except BaseException as exc:  # re-raised below, after every router has finished
+                errors[model_id] = exc
+
+        threads = [
+            threading.Thread(target=one, args=item, name=f"router-{self.role}-{item[0]}")
+            for item in self.routers.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for _model_id, exc in sorted(errors.items()):
+            raise exc
+
+    def router_pids(self) -> dict[str, list[int]]:
+        """``<model>/router`` -> the process ids of each model's router."""
+        return {f"{model_id}/router": r.pids() for model_id, r in self.routers.items()}
 
     def engine_pids(self) -> dict[str, list[int]]:
         """Every live engine process id the managers know of, by engine id."""
@@ -165,7 +219,9 @@ class RoleService:
 
         Each round calls ``manager.health_check(recover=recover)`` model by model: a replica
         whose engine died or stopped answering is marked FAILED (published without a URL, so
-        gateways stop routing to it) and, with ``recover``, cleaned and rebuilt.
+        gateways stop routing to it, and removed from its router) and, with ``recover``,
+        cleaned and rebuilt; then every router's ``check()`` (a router that exited is
+        restarted and its heads registered again).
         ``on_report(model_id, report_or_error)`` is called for every round that found a
         problem, and for every error of a round (a fenced model raises
         ``InferenceRecoveryRequired``: an operator must confirm the cleanup). Idempotent.
@@ -207,6 +263,14 @@ class RoleService:
                 )
                 if failed and on_report is not None and not self._monitor_stop.is_set():
                     on_report(model_id, outcome)
+            for model_id, router in list(self.routers.items()):
+                if self._monitor_stop.is_set():
+                    return
+                trouble = router.check()  # restarts a dead router, retries registrations
+                if trouble and on_report is not None:
+                    on_report(
+                        model_id, LifecycleError(f"router {router.url}: " + "; ".join(trouble))
+                    )
 
     def shutdown(self) -> list[str]:
         """Stop the monitor, shut every manager down (all are tried); return the problems,
@@ -218,16 +282,25 @@ class RoleService:
                 manager.shutdown()
             except RelaxError as exc:
                 problems.append(f"{self.role}.{model_id}: {exc}")
+        # After the engines: each manager's shutdown took its heads out of the router first.
+        self.stop_routers()
         return problems
+
+    def stop_routers(self, timeout: float = 3.0) -> None:
+        """Stop every router (idempotent). They are stopped last, when no traffic is left, so
+        a short grace is enough (smg would otherwise linger for its drain settle time)."""
+        for router in self.routers.values():
+            router.terminate(timeout)
 
 
 def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[ConfigProblem]:
     """What of ``config`` ``relax serve`` cannot run, found before anything starts.
 
     The placement planner checks that every role is registered, budgets and weight sources;
-    this checks the rest a role service needs: the engine backend is registered and runs on
-    the model's device, and the route mode is one ``relax serve`` can route (``DIRECT``; an
-    ``SGLANG_ROUTER`` model needs the router plugin).
+    this checks the rest a role service needs: the engine backend is registered and runs on the
+    model's device, and the route mode can be served: an ``SGLANG_ROUTER`` model needs an
+    installed router plugin (its policy one the router supports; never a STATIC model);
+    router and prefill/decode keys need ``SGLANG_ROUTER``.
     """
     problems: list[ConfigProblem] = []
     roles = plugin_manager.registered("roles")
@@ -237,7 +310,9 @@ def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[
             continue  # the planner's unknown-role violation
         spec = roles[role.name].record
         for model in role.models:
-            if model.backend not in backends:
+            if model.external:
+                pass  # no engine is started: the backend is not used
+            elif model.backend not in backends:
                 problems.append(
                     ConfigProblem(
                         f"{model.path}.backend",
@@ -256,19 +331,143 @@ def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[
                         f"not {model.device!r}",
                     )
                 )
-            route_mode = model.route_mode or spec.default_route_mode
-            if route_mode != "DIRECT":
-                problems.append(
+            problems += _route_problems(model, spec, plugin_manager)
+    return problems
+
+
+def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[ConfigProblem]:
+    route_mode = model.route_mode or role.default_route_mode
+    if route_mode == "DIRECT":
+        out = []
+        for key in ("router", "router_policy", "router_allow_dropped_fields", "router_args"):
+            if getattr(model, key):
+                out.append(
                     ConfigProblem(
-                        f"{model.path}.route_mode",
+                        f"{model.path}.{key}",
                         "route-mode",
-                        f"{route_mode} (the {role.name} role's default when not set) needs the "
-                        'SGLang router plugin, which is not installed; set route_mode = "DIRECT" '
-                        "to route this model like the static roles (its weight source stays "
-                        "as configured)",
+                        "a DIRECT model has no router; drop this key or set route_mode = "
+                        '"SGLANG_ROUTER"',
                     )
                 )
-    return problems
+        if model.pd_prefill_engines is not None:
+            out.append(
+                ConfigProblem(
+                    f"{model.path}.pd_prefill_engines",
+                    "route-mode",
+                    "prefill/decode workers are reachable only through a router; set "
+                    'route_mode = "SGLANG_ROUTER"',
+                )
+            )
+        return out
+    try:
+        router_record(model, role, pm)
+    except ConfigError as exc:
+        return [ConfigProblem(exc.path, "router", exc.message)]
+    return []
+
+
+def router_record(model: ModelConfig, role: Any, pm: PluginManager) -> RouterBackend:
+    """The router an ``SGLANG_ROUTER`` model uses: its ``router`` key, else the one installed
+    router registered as the default (or the only installed one).
+
+    :raises ConfigError: naming the key: no router plugin installed, an unknown or
+        uninstalled router, a policy it lacks, a STATIC model, PD on a router without it.
+    """
+    where = model.path
+    routers = pm.registered("routers")
+    installed = {name: r.record for name, r in routers.items() if r.record.version is not None}
+    mode_why = (
+        f"route_mode {model.route_mode}"
+        if model.route_mode
+        else f"route_mode SGLANG_ROUTER (the {role.name} role's default)"
+    )
+    if not routers:
+        raise ConfigError(
+            f"{where}.route_mode",
+            f"{mode_why} needs a router plugin, and none is installed; pip install relax-sglang "
+            '(sglang-router and smg), or set route_mode = "DIRECT" to route this model like the '
+            "static roles",
+        )
+    if model.router is not None:
+        if model.router not in routers:
+            raise ConfigError(
+                f"{where}.router",
+                f"no router {model.router!r} is registered (registered: "
+                f"{', '.join(sorted(routers))}); install its plugin",
+            )
+        record: RouterBackend = routers[model.router].record
+        if record.version is None:
+            raise ConfigError(
+                f"{where}.router",
+                f"router {model.router!r} (plugin {routers[model.router].distribution}) is not "
+                "installed; install it, or choose one of: "
+                f"{', '.join(sorted(installed)) or 'none'}",
+            )
+    else:
+        defaults = [r for r in installed.values() if r.default]
+        choice = defaults if len(defaults) == 1 else list(installed.values())
+        if len(choice) != 1:
+            raise ConfigError(
+                f"{where}.router",
+                f"{mode_why} needs a router: name one (installed: "
+                f"{', '.join(sorted(installed)) or 'none'})",
+            )
+        record = choice[0]
+    policy = model.router_policy or record.default_policy
+    if policy not in record.policies:
+        raise ConfigError(
+            f"{where}.router_policy",
+            f"router {record.name!r} has no policy {policy!r}; it supports "
+            f"{', '.join(sorted(record.policies))}",
+        )
+    source = pm.weight_source(model.weight_source or role.default_weight_source)
+    if not source.update_paths:
+        raise ConfigError(
+            f"{where}.route_mode",
+            f"a {source.name} model's engines are static and never registered with a router; "
+            'set route_mode = "DIRECT"',
+        )
+    if model.pd_prefill_engines is not None and not record.pd:
+        raise ConfigError(
+            f"{where}.pd_prefill_engines",
+            f"router {record.name!r} cannot route prefill/decode workers",
+        )
+    return record
+
+
+def _start_router(model: ModelConfig, record: RouterBackend, log_dir: str | None) -> RouterProcess:
+    log_path = None
+    if log_dir:
+        log_path = f"{log_dir}/{model.role}_{model.name}-router.log"
+    return record.launch(
+        RouterLaunchSpec(
+            router_id=model.path,
+            policy=model.router_policy or record.default_policy,
+            served_model_name=model.served_model_name or model.name,
+            model_path=model.model_path or None,
+            pd=model.pd_prefill_engines is not None,
+            allow_dropped_fields=model.router_allow_dropped_fields,
+            extra_args=model.router_args,
+            log_path=log_path,
+        )
+    )
+
+
+class _EnginesHidden:
+    """A publisher for a prefill/decode model: the model is published (state, router URL),
+    its engines never are (PD workers are reachable only through the router)."""
+
+    def __init__(self, publisher: RegistryPublisher) -> None:
+        self._publisher = publisher
+
+    def set_model(self, model_id: str, **fields: Any) -> None:
+        self._publisher.set_model(model_id, **fields)
+
+    def set_engine(self, model_id: str, engine_id: str, **fields: Any) -> None:
+        """Publishes nothing: see the class docstring."""
+
+    def remove_engine(self, model_id: str, engine_id: str) -> None:
+        """Nothing was published: see the class docstring."""
 
 
 def build_role_service(
@@ -281,8 +480,12 @@ def build_role_service(
 ) -> RoleService:
     """The role service of ``role``: one manager per model on ``placements[model]``.
 
-    :raises ConfigError: a model asks for something ``relax serve`` cannot run yet (an
-        ``SGLANG_ROUTER`` model without a router plugin), naming its key path.
+    An ``SGLANG_ROUTER`` model's router is launched here (its process starts; it is made
+    ready by :meth:`RoleService.start`), so its URL can be given to the manager.
+
+    :raises ConfigError: a model asks for something ``relax serve`` cannot run (no usable
+        router, a bad weight source), naming its key path; routers launched so far are
+        stopped.
     """
     spec = plugin_manager.role(role.name)
     service = RoleService(
@@ -292,37 +495,131 @@ def build_role_service(
         # The publisher re-checks what the role's record says about its weights.
         static_roles=(role.name,) if spec.static_weights else (),
     )
-    for model in role.models:
-        route_mode = model.route_mode or spec.default_route_mode
-        if route_mode != "DIRECT":
-            raise ConfigError(
-                f"{model.path}.route_mode",
-                f"{route_mode} needs the SGLang router plugin, which is not installed; set "
-                'route_mode = "DIRECT" to route this model like the static roles (its weight '
-                "source stays as configured)",
+    try:
+        for model in role.models:
+            manager = _manager(
+                model,
+                plugin_manager,
+                service,
+                placement=placements[model.name],
+                timeouts=timeouts,
+                log_dir=log_dir,
             )
-        source = plugin_manager.weight_source(model.weight_source or spec.default_weight_source)
-        try:
-            engine_spec = InferenceEngineSpec.for_role(
-                spec, source, weights_cpu_backup=bool(model.weights_cpu_backup)
-            )
-        except ValueError as exc:
-            raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
-        manager = InferenceManager(
-            model.name,
-            spec=engine_spec,
-            backend=plugin_manager.engine_backend(model.backend),
-            launch=_launch(model, log_dir, placements[model.name].nodes_per_replica),
-            placement=placements[model.name],
-            publisher=service.publisher,
-            route_mode="DIRECT",
-            timeouts=timeouts,
-        )
-        service.add(model.name, manager, model_path=model.model_path)
+            service.add(model.name, manager, model_path=model.model_path or None)
+    except BaseException:
+        service.stop_routers()
+        raise
     return service
 
 
-def _launch(model: ModelConfig, log_dir: str | None, nodes: int) -> ModelLaunch:
+def _manager(
+    model: ModelConfig,
+    pm: PluginManager,
+    service: RoleService | None,
+    *,
+    placement: ReplicaPlacement,
+    timeouts: ManagerTimeouts | None,
+    log_dir: str | None,
+) -> InferenceManager | ExternalEngines:
+    """The manager of one model (:class:`ExternalEngines` for one served by external
+    engines); given a ``service``, it publishes there and an ``SGLANG_ROUTER`` model's router
+    is launched (without one, for dry runs, it is not)."""
+    spec = pm.role(model.role)
+    route_mode = model.route_mode or spec.default_route_mode
+    source = pm.weight_source(model.weight_source or spec.default_weight_source)
+    try:
+        engine_spec = InferenceEngineSpec.for_role(
+            spec, source, weights_cpu_backup=bool(model.weights_cpu_backup)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
+    router: RouterProcess | None = None
+    publisher: Any = service.publisher if service is not None else None
+    if route_mode != "DIRECT" and service is not None:
+        router = _start_router(model, router_record(model, spec, pm), log_dir)
+        service.routers[model.name] = router
+        if model.pd_prefill_engines is not None:
+            publisher = _EnginesHidden(service.publisher)
+    if model.external:
+        return ExternalEngines(
+            model.name,
+            urls=model.external_urls,
+            spec=engine_spec,
+            served_model_name=model.served_model_name or model.name,
+            publisher=publisher,
+            route_mode=route_mode,
+            router_url=router.url if router is not None else None,
+            router=router,
+        )
+    return InferenceManager(
+        model.name,
+        spec=engine_spec,
+        backend=pm.engine_backend(model.backend),
+        launch=_launch(model, log_dir, placement.nodes_per_replica, spec.deterministic_inference),
+        placement=placement,
+        publisher=publisher,
+        route_mode=route_mode,
+        router_url=router.url if router is not None else None,
+        router=router,
+        timeouts=timeouts,
+    )
+
+
+def engine_launch_specs(
+    config: JobConfig, plugin_manager: PluginManager, *, dist_init_addr: str = "192.0.2.1:29500"
+) -> dict[str, dict[str, list[Any]]]:
+    """Model key path -> engine id -> the ``EngineLaunchSpec`` of each worker (head first):
+    what ``relax serve`` would ask each engine backend to launch. Pure: starts nothing (no
+    Ray, no router, no engine); for checks of the command lines a backend builds.
+
+    A multi-node replica's workers join ``dist_init_addr`` (at start: the head worker's own).
+
+    :raises PlacementError: the placement plan is invalid.
+    :raises ConfigError: a model cannot be served.
+    """
+    from relax_core.placement import plan_inference_placement
+
+    plan = plan_inference_placement(config, plugin_manager)
+    out: dict[str, dict[str, list[Any]]] = {}
+    for model in config.models():
+        if model.external:
+            continue
+        # A CPU model's placement lists no bundles: one worker per replica.
+        nodes = len(plan.model_placement(model.role, model.name).workers[0]) or 1
+        manager = _manager(
+            model,
+            plugin_manager,
+            None,
+            placement=ReplicaPlacement.unplaced(model.num_engines, nodes),
+            timeouts=None,
+            log_dir=None,
+        )
+        assert isinstance(manager, InferenceManager)  # external models were skipped
+        out[model.path] = manager.launch_specs(dist_init_addr=dist_init_addr)
+    return out
+
+
+def _launch(
+    model: ModelConfig, log_dir: str | None, nodes: int, deterministic: bool
+) -> ModelLaunch:
+    options: dict[str, Any] = {
+        "dp": model.dp,
+        "dp_attention": model.dp_attention,
+        "kv_cache_dtype": model.kv_cache_dtype,
+        "deterministic_inference": (
+            deterministic
+            if model.deterministic_inference is None
+            else model.deterministic_inference
+        ),
+    }
+    for key in (
+        "mem_fraction_static",
+        "context_length",
+        "max_running_requests",
+        "pd_prefill_engines",
+    ):
+        if getattr(model, key) is not None:
+            options[key] = getattr(model, key)
     return ModelLaunch(
         model_path=model.model_path,
         nodes_per_replica=nodes,
@@ -335,6 +632,7 @@ def _launch(model: ModelConfig, log_dir: str | None, nodes: int) -> ModelLaunch:
         log_dir=log_dir,
         extra_args=model.extra_args,  # type: ignore[arg-type]  # attrs converter=tuple
         env=dict(model.env),
+        options=options,
     )
 
 
@@ -353,6 +651,8 @@ class ServedJob:
         self.plan: Any = None
         #: Every engine pid seen (checked gone after shutdown).
         self.engine_pids: set[int] = set()
+        #: Every router pid seen (checked gone after shutdown).
+        self.router_pids: set[int] = set()
 
     @property
     def urls(self) -> dict[str, str]:
@@ -363,8 +663,12 @@ class ServedJob:
         """Engine id → engine process ids, over every role (recorded in :attr:`engine_pids`)."""
         out: dict[str, list[int]] = {}
         for service in self.services.values():
-            out.update(service.engine_pids())
-        self.engine_pids.update(p for pids in out.values() for p in pids)
+            engines = service.engine_pids()
+            routers = service.router_pids()
+            self.engine_pids.update(p for pids in engines.values() for p in pids)
+            self.router_pids.update(p for pids in routers.values() for p in pids)
+            out.update(engines)
+            out.update(routers)
         return out
 
     def status(self) -> str:
@@ -496,10 +800,18 @@ def describe_job(config: JobConfig, pm: PluginManager) -> list[str]:
             if m.device != "cpu":
                 size += f" x {m.gpus_per_engine} GPU"
             where = "Ray actor" if role.gateway.in_ray_actor else "thread"
+            route = m.route_mode or spec.default_route_mode
+            if route != "DIRECT":
+                try:
+                    record = router_record(m, spec, pm)
+                    route += f" ({record.name}, {m.router_policy or record.default_policy})"
+                except ConfigError as exc:
+                    route += f" (no usable router: {exc.message})"
+            what = f"{m.backend} on {m.device}" if not m.external else "external engines"
             lines.append(
-                f"  {role.name}.{m.name}: {m.backend} on {m.device}, {size}, weights "
-                f"{m.weight_source or spec.default_weight_source}, route "
-                f"{m.route_mode or spec.default_route_mode}, gateway in a {where}"
+                f"  {role.name}.{m.name}: {what}, {size}, weights "
+                f"{m.weight_source or spec.default_weight_source}, route {route}, gateway in "
+                f"a {where}"
             )
     return lines
 
@@ -746,11 +1058,15 @@ def _teardown(job: ServedJob, out: TextIO) -> list[str]:
         print(f"  gateways stopped ({len(job.gateways)})", file=out, flush=True)
     for service in job.services.values():
         problems += service.shutdown()
-    left = _wait_gone(job.engine_pids, timeout=15.0)
-    if left:
-        problems.append(f"engine processes still running: {sorted(left)}")
+    left = _wait_gone(job.engine_pids | job.router_pids, timeout=15.0)
+    if left & job.engine_pids:
+        problems.append(f"engine processes still running: {sorted(left & job.engine_pids)}")
+    if left & job.router_pids:
+        problems.append(f"router processes still running: {sorted(left & job.router_pids)}")
     if job.services:
         print(f"  engines stopped ({len(job.engine_pids)} processes)", file=out, flush=True)
+    if job.router_pids:
+        print(f"  routers stopped ({len(job.router_pids)})", file=out, flush=True)
     released = 0
     for bound in job.bound:
         try:

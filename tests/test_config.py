@@ -332,3 +332,43 @@ def test_gateway_in_ray_actor_is_a_boolean_defaulting_to_false() -> None:
     data["roles"]["genrm"]["gateway"] = {"in_ray_actor": "yes"}
     path, rule, _ = only(data)
     assert (path, rule) == ("roles.genrm.gateway.in_ray_actor", "type")
+
+
+def test_router_and_pd_keys_are_read_and_pd_leaves_at_least_one_decode_engine() -> None:
+    model = {
+        **MODEL,
+        "num_gpus": 4,
+        "router": "smg",
+        "router_policy": "consistent_hashing",
+        "router_allow_dropped_fields": ["sampling_params.logit_bias"],
+        "router_args": ["--log-dir", "/tmp/r"],
+        "pd_prefill_engines": 1,
+        "deterministic_inference": True,
+    }
+    judge = parse_config(doc(judge=model)).role("genrm").model("judge")
+    assert (judge.router, judge.router_policy, judge.pd_prefill_engines) == (
+        "smg",
+        "consistent_hashing",
+        1,
+    )
+    assert judge.router_allow_dropped_fields == ("sampling_params.logit_bias",)
+    assert judge.router_args == ("--log-dir", "/tmp/r") and judge.deterministic_inference
+    path, rule, message = only(doc(judge={**model, "pd_prefill_engines": 2}))
+    assert (path, rule) == ("roles.genrm.models.judge.pd_prefill_engines", "range")
+    assert "leave no decode engine" in message
+
+
+def test_an_external_model_names_its_heads_by_url_and_places_nothing() -> None:
+    external = {"external_urls": ["http://10.0.0.5:30000", "https://heads.example:443/"]}
+    judge = parse_config(doc(judge=external)).role("genrm").model("judge")
+    assert judge.external and judge.external_urls == (
+        "http://10.0.0.5:30000",
+        "https://heads.example:443",
+    )
+    assert (judge.device, judge.num_gpus, judge.num_engines, judge.backend) == ("cpu", 0, 2, "")
+    found = problems(doc(judge={"external_urls": ["10.0.0.5:30000", "http://h:1/v1"], "tp": 2}))
+    assert [(p, r) for p, r, _ in found] == [
+        ("roles.genrm.models.judge.external_urls[0]", "url"),
+        ("roles.genrm.models.judge.external_urls[1]", "url"),
+        ("roles.genrm.models.judge.tp", "external"),
+    ]

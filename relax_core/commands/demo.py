@@ -2,7 +2,8 @@
 
 Makes three tiny models in a temporary directory (``python -m relax_hf make-tiny-model``, in
 parallel: the core never imports the hf plugin), writes a job file, brings it up with the
-``relax serve`` machinery on a new local Ray, sends a rollout generation, a genrm judgement
+``relax serve`` machinery on a new local Ray (rollout behind its default router plugin), sends a
+rollout generation, a genrm judgement
 (messages protocol, chosen by route key) and a teacher prefill (log-probs and top-k, chosen by
 alias) through the role gateways, prints the answers and the time of each phase, and shuts
 everything down, checking that no engine process is left.
@@ -33,7 +34,7 @@ _MODELS = ("policy", "judge", "math")
 
 
 def demo_config(models: dict[str, Path]) -> str:
-    """The demo's job file: one CPU hf engine per role; rollout routed DIRECT (no router)."""
+    """The demo's job file: one CPU hf engine per role; rollout through its default router."""
     return f"""\
 [cluster]
 num_nodes = 1
@@ -43,7 +44,6 @@ gpus_per_node = 0
 backend = "hf"
 device = "cpu"
 model_path = "{models["policy"]}"
-route_mode = "DIRECT"
 weight_source = "ACTOR"
 
 [roles.genrm.models.judge]

@@ -35,9 +35,10 @@ def render_snapshot(snap: RoleSnapshot, *, pids: Mapping[str, Sequence[int]] | N
     for model_id, m in snap.models.items():
         ready = sum(1 for e in m.engines if e.state.value == "READY")
         version = f" version {m.weight_version}" if m.weight_version else ""
+        router = f"  router {m.router_url}" if m.router_url else ""
         lines.append(
             f"  {model_id:12} {m.state.value:10} {m.route_mode.value:13} {m.weight_source}"
-            f"{version}  served as {m.served_model_name}  {ready}/{len(m.engines)} READY"
+            f"{version}  served as {m.served_model_name}  {ready}/{len(m.engines)} READY{router}"
         )
         for e in m.engines:
             pid = ""

@@ -87,7 +87,7 @@ class Launcher:
                     failed[slot.replica.index] = slot.fail(slot.head, out, "rendezvous")
         refs = {
             (s.replica.index, w.node_rank): w.actor.start.remote(
-                self._launch_spec(s, w, dist.get(s.replica.index)), t.start
+                self.launch_spec(s, w, dist.get(s.replica.index)), t.start
             )
             for s in slots
             if s.replica.index not in failed
@@ -174,9 +174,11 @@ class Launcher:
             )
         )
 
-    def _launch_spec(
+    def launch_spec(
         self, slot: ReplicaSlot, worker: WorkerSlot, dist: str | None
     ) -> EngineLaunchSpec:
+        """The :class:`~relax_core.records.EngineLaunchSpec` ``worker`` of ``slot`` is started
+        with (``dist``: the replica's rendezvous address, multi-node replicas only)."""
         launch = self.launch
         model_path, version = launch.model_path, self.publication.weight_version
         if self.spec.needs_checkpoint_dir:
@@ -206,4 +208,8 @@ class Launcher:
             log_path=log_path,
             extra_args=launch.extra_args,
             env=dict(launch.env),
+            role=self.spec.role,
+            static=self.spec.is_static,
+            replica_index=slot.replica.index,
+            options=dict(launch.options),
         )

@@ -62,7 +62,7 @@ from relax_core.manager.slots import (
 )
 from relax_core.manager.state import Replica, ReplicaState
 from relax_core.manager.updates import WeightUpdates
-from relax_core.records import EngineBackend
+from relax_core.records import EngineBackend, RouterMembership
 
 __all__ = ["InferenceManager"]
 
@@ -97,6 +97,10 @@ class InferenceManager:
     :param publisher: where the model's schema-2 view goes (a
         :class:`~relax_core.discovery.publisher.RegistryPublisher`); ``None`` publishes nothing.
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
+    :param router: the router in front of the heads (``SGLANG_ROUTER``): every publish tells it
+        the heads to route to (:class:`~relax_core.records.RouterMembership`), so a head is
+        registered once READY and removed before its engine stops or its replica is FAILED.
+        A router process is not serialisable: a manager with one lives where the router runs.
     :param control_channel: send onload/offload to each head's private control endpoint over
         HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
         networks where the manager cannot reach the worker nodes' ports).
@@ -114,6 +118,7 @@ class InferenceManager:
         publisher: Any = None,
         route_mode: str = "DIRECT",
         router_url: str | None = None,
+        router: RouterMembership | None = None,
         timeouts: ManagerTimeouts | None = None,
         retry_after: float = 1.0,
         control_channel: bool = True,
@@ -127,6 +132,7 @@ class InferenceManager:
         self.publisher = publisher
         self.route_mode = route_mode
         self.router_url = router_url
+        self.router = router
         self.timeouts = t = timeouts or ManagerTimeouts()
         self.retry_after = retry_after
         self._lock = threading.RLock()
@@ -141,6 +147,7 @@ class InferenceManager:
             publisher=publisher,
             route_mode=route_mode,
             router_url=router_url,
+            router=router,
         )
         self._heads = HeadCalls(slots, control_channel=control_channel, probe_timeout=t.rpc_margin)
         self._launcher = Launcher(
@@ -210,6 +217,20 @@ class InferenceManager:
         """Engine id -> the engine process id of each worker (head first)."""
         with self._lock:
             return {s.engine_id: [w.engine_pid for w in s.workers] for s in self._slots.ordered()}
+
+    def launch_specs(self, *, dist_init_addr: str = "192.0.2.1:29500") -> dict[str, list[Any]]:
+        """Engine id -> the ``EngineLaunchSpec`` of each of its workers (head first), as
+        :meth:`start` would give them now; starts nothing (for dry runs and checks).
+
+        A multi-node replica's workers join ``dist_init_addr``: at start it is the head
+        worker's own address, known only then.
+        """
+        dist = dist_init_addr if self.launch.nodes_per_replica > 1 else None
+        with self._lock:
+            return {
+                s.engine_id: [self._launcher.launch_spec(s, w, dist) for w in s.workers]
+                for s in self._slots.ordered()
+            }
 
     def admission_states(self) -> dict[str, dict[str, Any]]:
         """Engine id -> ``{"open": bool, "inflight": int}`` of each started replica's head.

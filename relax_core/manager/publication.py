@@ -16,12 +16,16 @@ from relax_core.discovery.schema import EngineView, ModelState, ModelView
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.manager.slots import ModelLaunch, SlotTable
 from relax_core.manager.state import ReplicaState
+from relax_core.records import RouterMembership
 
 __all__ = ["Publication"]
 
 _S = ReplicaState
 # Model state from replica states: the first state in this order that any replica is in.
 _MODEL_STATE_ORDER = (_S.READY, _S.ONLOADING, _S.DRAINING, _S.STARTING, _S.SLEEPING, _S.STOPPING)
+# Replica states whose head stays registered with the model's router (admission answers 503
+# while it is not READY); STARTING, STOPPING and FAILED heads are never routed to.
+_ROUTED = frozenset({_S.READY, _S.DRAINING, _S.SLEEPING, _S.ONLOADING})
 
 
 @attrs.define
@@ -39,6 +43,8 @@ class Publication:
     publisher: Any
     route_mode: str
     router_url: str | None
+    #: the router in front of the heads (SGLANG_ROUTER), told the routable heads on every publish
+    router: RouterMembership | None = None
     #: the version of the weights the model serves (started on, or last updated to)
     weight_version: str | None = attrs.field(default=None, init=False)
     #: engine id -> the generation last published for it
@@ -82,7 +88,20 @@ class Publication:
         )
 
     def publish(self) -> None:
-        """Publish the model and its replica heads (nothing without a publisher)."""
+        """Tell the router (if any) the heads to route to, then publish the model and its
+        replica heads (nothing without a publisher)."""
+        if self.router is not None:
+            # Before the publisher: a head is routable through the router before it is
+            # published READY, and out of it before anything stops it.
+            self.router.sync(
+                {
+                    s.engine_id: s.replica.base_url
+                    for s in self.slots.ordered()
+                    if s.replica.base_url is not None
+                    and s.replica.state in _ROUTED
+                    and not s.retiring
+                }
+            )
         if self.publisher is None:
             return
         model_id = self.slots.model_id

@@ -140,6 +140,9 @@ class Scaling:
         """Drain ``chosen``, clean them and remove those whose cleanup is confirmed (DONE,
         state ``REMOVED``); the others stay STOPPING (FAILED: retry). Blocking."""
         t = self.timeouts
+        for slot in chosen:
+            slot.retiring = True
+        self.publication.publish()  # out of the router before the drain starts
         draining = {
             s.replica.index: s.head.actor.drain.remote(
                 strict=self.strict_drain, drain_timeout=t.drain, timeout=t.offload
@@ -147,8 +150,6 @@ class Scaling:
             for s in chosen
             if s.replica.state is not _S.STOPPING and s.live_head is not None
         }
-        for slot in chosen:
-            slot.retiring = True
         gather(draining, t.drain + t.offload + t.rpc_margin)
         self.recovery.cleanup(chosen, during="scale-in")
         results: dict[str, ReplicaResult] = {}

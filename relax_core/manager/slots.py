@@ -47,6 +47,8 @@ class ModelLaunch:
         exists; the newest ``version-N/`` is loaded).
     :param nodes_per_replica: workers per logical replica (head + followers).
     :param served_model_name: the name the engine answers with (default: ``model_path``).
+    :param options: the model's settings only some backends read, passed on as
+        ``EngineLaunchSpec.options``.
     """
 
     model_path: str
@@ -62,6 +64,7 @@ class ModelLaunch:
     log_dir: str | None = None
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     env: Mapping[str, str] = attrs.field(factory=dict)
+    options: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen

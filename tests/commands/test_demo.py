@@ -64,6 +64,12 @@ def test_demo_answers_once_per_role_and_leaves_nothing_running() -> None:
     engine_pids = _engine_pids(out)
     assert len(engine_pids) == 3, out
     assert "engines stopped (3 processes)" in out and "local Ray stopped" in out
+    # Rollout on its default route: through its router, stopped with the rest.
+    assert re.search(r"^  rollout\.policy: hf on cpu, .* route SGLANG_ROUTER \(", out, re.M), out
+    assert re.search(
+        r"policy\s+READY\s+SGLANG_ROUTER .* router http://127\.0\.0\.1:\d+$", out, re.M
+    )
+    assert "routers stopped (1)" in out
     assert re.search(r"relax demo: done in \d+s \(models .*\); nothing left running$", out)
     assert not any(support.alive(p) for p in engine_pids)
     wait_for(lambda: not support.in_session(proc.pid), timeout=30, what="demo's Ray gone")

@@ -62,6 +62,11 @@ def _relax(*args: str) -> subprocess.CompletedProcess[str]:
 # -- tests -----------------------------------------------------------------------------------
 
 JOB = """\
+[roles.rollout.models.policy]
+backend = "hf"
+device = "cpu"
+model_path = "{model}"
+
 [roles.teacher.models.math]
 backend = "hf"
 device = "cpu"
@@ -98,7 +103,7 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
             )
             if m
         }
-        assert set(gateways) == {"teacher", "genrm"}, str(out)
+        assert set(gateways) == {"teacher", "genrm", "rollout"}, str(out)
         teacher_url, teacher_port, teacher_mode, teacher_pid = gateways["teacher"]
         genrm_url, genrm_port, genrm_mode, genrm_pid = gateways["genrm"]
 
@@ -109,7 +114,7 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
             for m in re.finditer(r"(\w+)/replica-0\s+READY\s+gen 1 .*pid (\d+)", str(out))
         }
         engine_pids = set(engines.values())
-        assert len(engine_pids) == 2 and all(_alive(p) for p in engine_pids), str(out)
+        assert len(engine_pids) == 3 and all(_alive(p) for p in engine_pids), str(out)
         assert set(mentioning(str(model_dir))) >= engine_pids
 
         # A teacher prefill through the gateway in this process, a genrm judgement through
@@ -133,6 +138,25 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
             },
         )
         assert isinstance(judged["response"], str)
+
+        # Rollout on its default route mode: through its router (a process of its own), whose
+        # URL the status shows.
+        rollout_url = gateways["rollout"][0]
+        generated = _post(
+            f"{rollout_url}/rollout/generate",
+            {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
+        )
+        assert generated["meta_info"]["completion_tokens"] == 3
+        status = _relax("status", f"{rollout_url}/rollout")
+        assert status.returncode == 0, status.stdout + status.stderr
+        router = re.search(
+            r"policy\s+READY\s+SGLANG_ROUTER\s+ACTOR .*1/1 READY  router (http://[\d.]+:(\d+))$",
+            status.stdout,
+            re.M,
+        )
+        assert router, status.stdout
+        router_pid = listener_pid(int(router.group(2)))
+        assert router_pid is not None and router_pid not in (proc.pid, *engine_pids)
 
         # Where each gateway really runs: a thread of relax serve, and a Ray worker process.
         assert teacher_mode == "thread" and teacher_pid == proc.pid
@@ -160,14 +184,16 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, out.rest(10) + stderr.read_text()
         text = out.rest(10)
-        assert "gateways stopped (2)" in text and "engines stopped (3 processes)" in text
+        assert "gateways stopped (3)" in text and "engines stopped (4 processes)" in text
+        assert "routers stopped (1)" in text
         assert "local Ray stopped" in text and text.endswith("nothing left running")
 
         wait_for(lambda: not in_session(proc.pid), timeout=30, what="serve's processes gone")
         wait_for(lambda: not mentioning(str(model_dir)), timeout=30, what="engines gone")
-        assert not any(_alive(p) for p in engine_pids)
+        assert not any(_alive(p) for p in engine_pids) and not _alive(router_pid)
         assert listener_pid(genrm_port) is None and listener_pid(teacher_port) is None
-        assert (status := _relax("status", f"{genrm_url}/genrm")).returncode == 1
+        status = _relax("status", f"{genrm_url}/genrm")
+        assert status.returncode == 1
         assert "is `relax serve` running?" in status.stdout
 
 
@@ -252,11 +278,10 @@ weight_source = "ACTOR"
     # Nothing listens at this address: touching Ray at all would fail differently.
     done = _relax("serve", str(config), "--address", "127.0.0.1:9")
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "rejected: 3 problem(s); nothing was started" in done.stderr
+    assert "rejected: 2 problem(s); nothing was started" in done.stderr
     for path, rule in [
         ("cluster", "gpu-budget"),
         ("roles.teacher.models.math.weight_source", "weight-source"),
-        ("roles.rollout.models.policy.route_mode", "route-mode"),
     ]:
         assert f"  {path}: [{rule}]" in done.stderr, done.stderr
     assert "starting on" not in done.stdout
@@ -305,8 +330,35 @@ route_mode = "SGLANG_ROUTER"
     assert problems[1].startswith(
         "roles.teacher.models.math.backend: [plugin] no engine backend 'nosuch' is registered"
     )
-    assert problems[2].startswith("roles.teacher.models.math.route_mode: [route-mode]")
+    assert problems[2].startswith(
+        "roles.teacher.models.math.route_mode: [router] a STATIC model's engines are static and "
+        "never registered with a router"
+    )
     assert len(problems) == 3
+
+
+def test_a_router_model_is_refused_with_advice_when_no_router_plugin_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from relax_core.config import loads_config
+    from relax_core.plugins import PluginManager
+    from relax_core.service import check_job
+
+    monkeypatch.setenv("RELAX_DISABLE_PLUGINS", "sglang")  # the plugin registering the routers
+    config = loads_config(
+        '[roles.rollout.models.policy]\nbackend = "hf"\ndevice = "cpu"\nmodel_path = "/m"\n'
+    )
+    assert check_job(config, PluginManager.create()) == [
+        "roles.rollout.models.policy.route_mode: [router] route_mode SGLANG_ROUTER (the rollout "
+        "role's default) needs a router plugin, and none is installed; pip install relax-sglang "
+        '(sglang-router and smg), or set route_mode = "DIRECT" to route this model like the '
+        "static roles"
+    ]
+    direct = loads_config(
+        '[roles.rollout.models.policy]\nbackend = "hf"\ndevice = "cpu"\nmodel_path = "/m"\n'
+        'route_mode = "DIRECT"\n'
+    )
+    assert check_job(direct, PluginManager.create()) == []
 
 
 def test_placements_bind_gpu_models_to_their_bundles_and_teardown_removes_the_groups(

@@ -55,6 +55,8 @@ GENRM_ROLE = RoleSpec(
             "type": "object",
         },
     ),
+    # A verdict must not depend on what else was in the batch.
+    deterministic_inference=True,
 )
 
 JUDGE_REWARD = RewardSpec(

@@ -1,0 +1,325 @@
+"""External engines: a model served by engine heads Relax does not start, own or stop.
+
+A model whose config gives ``external_urls`` is served by heads someone else runs (a separate
+SGLang deployment, another team's servers). :class:`ExternalEngines` stands where an
+:class:`~relax_core.manager.InferenceManager` stands for it in a role service:
+
+- its health comes only from each head's ``GET /health_generate`` (a real one-token generation):
+  there is no local process, actor or placement group to check;
+- its heads are published in schema 2 with their state (READY, or FAILED without a URL while a
+  head does not answer; READY again, with a new generation, once it does), and registered with
+  the model's router in ``SGLANG_ROUTER`` mode exactly like managed heads;
+- onload, offload, every weight update, LoRA, scaling and recovery are refused with a
+  :class:`~relax_core.errors.CapabilityError` saying the engines are external;
+- :meth:`ExternalEngines.shutdown` only stops publishing them (and takes them out of the
+  router); the engines keep running.
+
+Engine ids are ``{model_id}/external-{i}`` in the order of ``external_urls``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from relax_core.engine.spec import InferenceEngineSpec
+from relax_core.errors import CapabilityError
+from relax_core.manager.results import (
+    HealthReport,
+    LifecycleResult,
+    Outcome,
+    ReplicaHealth,
+    ReplicaResult,
+)
+from relax_core.records import RouterMembership
+
+__all__ = ["ExternalEngines"]
+
+
+def _get(url: str, timeout: float) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            raw, status = resp.read(), int(resp.status)
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), int(exc.code)
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")[:200]
+
+
+class ExternalEngines:
+    """The engines of one model, given by URL and not managed here (see the module docstring).
+
+    :param model_id: the model's id in its role.
+    :param urls: each head's base URL (``http://host:port``).
+    :param spec: the model's engine spec (role, weight source: published as for managed heads).
+    :param served_model_name: the name the heads serve the model under.
+    :param publisher: where the model's schema-2 view goes (``None``: nowhere).
+    :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url`` and ``router``).
+    :param health_timeout: seconds each ``health_generate`` may take.
+
+    Every method blocks; one lock serialises them. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        urls: Sequence[str],
+        spec: InferenceEngineSpec,
+        served_model_name: str,
+        publisher: Any = None,
+        route_mode: str = "DIRECT",
+        router_url: str | None = None,
+        router: RouterMembership | None = None,
+        health_timeout: float = 15.0,
+    ) -> None:
+        if not urls:
+            raise ValueError(f"model {model_id!r}: give at least one external engine URL")
+        self.model_id = model_id
+        self.spec = spec
+        self.urls = {f"{model_id}/external-{i}": u.rstrip("/") for i, u in enumerate(urls)}
+        self.served_model_name = served_model_name
+        self.publisher = publisher
+        self.route_mode = route_mode
+        self.router_url = router_url
+        self.router = router
+        self.health_timeout = health_timeout
+        self._lock = threading.RLock()
+        self._states = dict.fromkeys(self.urls, "STARTING")
+        self._errors: dict[str, str] = {}
+        self._generation = dict.fromkeys(self.urls, 0)
+        # Engine id -> the generation last published (a head back from FAILED moves it).
+        self._published: dict[str, int] = {}
+        self._weight_version: str | None = None
+        self._closed = False
+
+    # -- queries -------------------------------------------------------------------------
+
+    def states(self) -> dict[str, str]:
+        """Engine id -> state (``STARTING``, ``READY``, ``FAILED``, ``STOPPING``)."""
+        with self._lock:
+            return dict(self._states)
+
+    def engine_pids(self) -> dict[str, list[int | None]]:
+        """Engine id -> ``[]``: an external engine has no process here."""
+        return {engine_id: [] for engine_id in self.urls}
+
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version the heads reported (``None`` for sources that publish none)."""
+        return self._weight_version if self.spec.publishes_version else None
+
+    def model_view(self) -> Any:
+        """The model's schema-2 :class:`~relax_core.discovery.schema.ModelView`."""
+        from relax_core.discovery.schema import EngineView, ModelView
+
+        with self._lock:
+            states = set(self._states.values())
+            state = next((s for s in ("READY", "STARTING", "STOPPING") if s in states), "FAILED")
+            return ModelView(
+                state=state,
+                route_mode=self.route_mode,
+                router_url=self.router_url,
+                weight_source=self.spec.weight_source.name,
+                weight_version=self.weight_version,
+                served_model_name=self.served_model_name,
+                engines=tuple(
+                    EngineView(
+                        engine_id=engine_id,
+                        base_url=url if self._states[engine_id] == "READY" else None,
+                        state=self._states[engine_id],
+                        direct_eligible=self._states[engine_id] == "READY",
+                        generation=max(1, self._generation[engine_id]),
+                    )
+                    for engine_id, url in self.urls.items()
+                ),
+            )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> LifecycleResult:
+        """Check every head's ``health_generate`` at once; publish each READY or FAILED."""
+        begin = time.monotonic()
+        with self._lock:
+            report = self._probe_all()
+            results = tuple(
+                ReplicaResult(
+                    engine_id,
+                    Outcome.DONE if self._states[engine_id] == "READY" else Outcome.FAILED,
+                    self._states[engine_id],
+                    error=report.get(engine_id),
+                    seconds=time.monotonic() - begin,
+                )
+                for engine_id in self.urls
+            )
+            return LifecycleResult("start", self.model_id, results, time.monotonic() - begin)
+
+    def health_check(self, *, recover: bool = True) -> HealthReport:
+        """Check every head's ``health_generate``: one that fails is FAILED (unpublished URL,
+        out of the router), one that answers again is READY (a new generation). ``recover``
+        changes nothing: an external engine is never rebuilt here."""
+        with self._lock:
+            if self._closed:
+                return HealthReport(self.model_id, ())
+            report = self._probe_all()
+            return HealthReport(
+                self.model_id,
+                tuple(
+                    ReplicaHealth(
+                        engine_id,
+                        healthy=engine_id not in report,
+                        state=self._states[engine_id],
+                        action="failed" if engine_id in report else "none",
+                        problems=(report[engine_id],) if engine_id in report else (),
+                    )
+                    for engine_id in self.urls
+                ),
+            )
+
+    def shutdown(self) -> None:
+        """Stop publishing the heads and take them out of the router; they keep running.
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._states = dict.fromkeys(self.urls, "STOPPING")
+            self._closed = True
+            self._publish()
+
+    # -- refused -----------------------------------------------------------------------------
+
+    def _refuse(self, operation: str) -> NoReturn:
+        raise CapabilityError(
+            f"model {self.model_id!r} is served by external engines "
+            f"({', '.join(self.urls.values())}) that Relax does not manage: {operation} is "
+            "refused. Drive those engines where they run, or serve the model with engines "
+            "started here (drop external_urls)"
+        )
+
+    def onload(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("onload")
+
+    def offload(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("offload")
+
+    def recover(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("recover")
+
+    def scale_out(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("scale_out")
+
+    def scale_in(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("scale_in")
+
+    def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("update_weights_from_tensor")
+
+    def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("update_weights_from_disk")
+
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("update_weights_from_distributed")
+
+    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("init_weights_update_group")
+
+    def destroy_weights_update_group(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("destroy_weights_update_group")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("load_checkpoint")
+
+    def load_lora_adapter(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("load_lora_adapter")
+
+    def unload_lora_adapter(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: external engines are not managed here."""
+        self._refuse("unload_lora_adapter")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _probe_all(self) -> dict[str, str]:
+        """Probe every head at once; update states; publish; engine id -> problem."""
+        answers: dict[str, tuple[int, Any]] = {}
+
+        def probe(engine_id: str, url: str) -> None:
+            answers[engine_id] = _get(url + "/health_generate", self.health_timeout)
+
+        threads = [
+            threading.Thread(target=probe, args=item, name=f"external-{item[0]}")
+            for item in self.urls.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        problems = {}
+        for engine_id, url in self.urls.items():
+            status, body = answers[engine_id]
+            if status == 200:
+                if self._states[engine_id] != "READY":
+                    self._generation[engine_id] += 1
+                self._states[engine_id] = "READY"
+                self._errors.pop(engine_id, None)
+            else:
+                why = f"{url}/health_generate answered {status or 'nothing'}: {str(body)[:200]}"
+                problems[engine_id] = why
+                self._states[engine_id] = "FAILED"
+                self._errors[engine_id] = why
+        if self.spec.publishes_version and self._weight_version is None:
+            for engine_id, url in self.urls.items():
+                if self._states[engine_id] == "READY":
+                    status, info = _get(url + "/model_info", self.health_timeout)
+                    if status == 200 and isinstance(info, dict) and info.get("weight_version"):
+                        self._weight_version = str(info["weight_version"])
+                        break
+        self._publish()
+        return problems
+
+    def _publish(self) -> None:
+        if self.router is not None:
+            self.router.sync({e: u for e, u in self.urls.items() if self._states[e] == "READY"})
+        if self.publisher is None:
+            return
+        view = self.model_view()
+        self.publisher.set_model(
+            self.model_id,
+            state=view.state,
+            route_mode=view.route_mode,
+            weight_source=view.weight_source,
+            served_model_name=view.served_model_name,
+            router_url=view.router_url,
+            weight_version=view.weight_version,
+        )
+        for engine in view.engines:
+            last = self._published.get(engine.engine_id)
+            self.publisher.set_engine(
+                self.model_id,
+                engine.engine_id,
+                base_url=self.urls[engine.engine_id],
+                state=engine.state,
+                direct_eligible=engine.direct_eligible,
+                replaced=last is not None and last != engine.generation,
+            )
+            self._published[engine.engine_id] = engine.generation
