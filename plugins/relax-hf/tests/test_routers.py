@@ -6,7 +6,6 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +25,8 @@ def _argv(kind: str, port: int, worker: str, prometheus_port: int) -> list[str]:
     ]  # fmt: skip
     if kind == "sglang-router":
         return [sys.executable, "-m", "sglang_router.launch_router", *common]
-    return [str(Path(sys.executable).with_name("smg")), "launch", *common]
+    # `python -m smg`: sglang-router installs a console script of the same name over smg's.
+    return [sys.executable, "-m", "smg", "launch", *common]
 
 
 @pytest.fixture(scope="module", params=["sglang-router", "smg"])
