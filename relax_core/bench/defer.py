@@ -1,6 +1,6 @@
 """``relax bench defer``: the coordinator's and the deferred batch's own time per batch.
 
-Three roles share one defer slice (rollout generating, genrm and teacher deferred); a batch is
+Three roles share one defer slice (a policy generating, a judge and a teacher deferred); a batch is
 64 groups x 8 samples (prompt 64 tokens, response 32). Manager handles answer at once and the
 stages only write precomputed fields (a reward per sample, a teacher log-prob per response
 token), so what is measured is the machinery: begin_batch, capturing the groups, staging
@@ -64,7 +64,7 @@ class _Handle:
 
 
 class _RewardStage:
-    name, phase, role, top_k = "genrm", "reward", "genrm", 0
+    name, phase, role, top_k = "judge", "reward", "judge", 0
     writes = frozenset({"reward", "rewards"})
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext | None) -> StageReport:
@@ -74,7 +74,7 @@ class _RewardStage:
 
 
 class _TeacherStage:
-    name, phase, role, top_k = "teacher", "teacher", "teacher", 0
+    name, phase, role, top_k = "distill", "teacher", "distill", 0
     writes = frozenset({"teacher_logprobs"})
     _lps = tuple(-0.5 for _ in range(RESPONSE_TOKENS))
 
@@ -108,16 +108,16 @@ def _samples(batch: int) -> list[list[Sample]]:
 async def _measure(repeats: int) -> dict[str, list[float]]:
     from prometheus_client import CollectorRegistry
 
-    rollout, genrm, teacher = _Handle("rollout"), _Handle("genrm"), _Handle("teacher")
+    policy, judge, distill = _Handle("policy"), _Handle("judge"), _Handle("distill")
     coordinator = LifecycleCoordinator(
-        slices={"rollout": "actor:0-7", "genrm": "actor:0-7", "teacher": "actor:0-7"},
-        managers={"genrm": [genrm], "teacher": [teacher]},
-        generation_role="rollout",
+        slices={"policy": "actor:0-7", "judge": "actor:0-7", "distill": "actor:0-7"},
+        managers={"judge": [judge], "distill": [distill]},
+        generation_role="policy",
     )
     sink = MemoryBatchSink()
     timeline = Timeline(registry=CollectorRegistry())
-    reward, distill = _RewardStage(), _TeacherStage()
-    stages: list[Stage] = [reward, distill]
+    reward, prefill = _RewardStage(), _TeacherStage()
+    stages: list[Stage] = [reward, prefill]
     batches: list[float] = []
     floors: list[float] = []
     warmup = max(2, repeats // 10)
@@ -126,13 +126,13 @@ async def _measure(repeats: int) -> dict[str, list[float]]:
         # The floor: the same stage bodies, handle calls and put, nothing around them.
         flat = [s.staged_copy() for g in groups for s in g]
         begin = time.perf_counter()
-        await rollout.offload()
-        await genrm.onload()
+        await policy.offload()
+        await judge.onload()
         await reward.run(flat, None)
-        await genrm.offload()
-        await teacher.onload()
-        await distill.run(flat, None)
-        await teacher.offload()
+        await judge.offload()
+        await distill.onload()
+        await prefill.run(flat, None)
+        await distill.offload()
         await sink.put(f"floor_{n}", flat, is_last=True)
         floor = time.perf_counter() - begin
         await sink.delete(f"floor_{n}")
@@ -144,7 +144,7 @@ async def _measure(repeats: int) -> dict[str, list[float]]:
         for group in groups:
             collector.add(group)
         batch = DeferredBatch(
-            n, collector.samples, coordinator=coordinator, rollout=rollout, stages=stages,
+            n, collector.samples, coordinator=coordinator, rollout=policy, stages=stages,
             sink=sink, timeline=timeline,
         )  # fmt: skip
         result = await batch.run()
