@@ -74,7 +74,7 @@ class _RewardStage:
 
 
 class _TeacherStage:
-    name, phase, role, top_k = "distill", "teacher", "distill", 0
+    name, phase, role, top_k = "distill", "distill", "distill", 0
     writes = frozenset({"teacher_logprobs"})
     _lps = tuple(-0.5 for _ in range(RESPONSE_TOKENS))
 

@@ -122,7 +122,7 @@ class DistillationStage:
             raise ValueError(f"top_k={top_k!r}: >= 0, and 0 for a student stage")
         self.role = role
         self.name = name or ("student" if student else role)
-        self.phase = "student" if student else "teacher"
+        self.phase = "student" if student else "distill"
         self.top_k = int(top_k)
         self.student = student
         self.concurrency = concurrency

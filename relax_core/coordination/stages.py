@@ -3,7 +3,7 @@
 A stage (:class:`Stage`) scores the staged copies of a batch's samples in place: a reward stage
 (reward adapters, possibly a genrm judge), a teacher stage (distillation prefill), a student
 stage (prefill on the policy itself). Stages run in the reference's order — every ``reward``
-stage, then ``teacher``, then ``student`` (:data:`PHASES`) — and a stage whose ``role`` is a
+stage, then ``distill``, then ``student`` (:data:`PHASES`) — and a stage whose ``role`` is a
 deferred role runs inside that role's lease. ``writes`` names the fields it fills; the batch
 validates exactly those before anything is written back.
 
@@ -27,7 +27,7 @@ from relax_core.coordination.sample import SCORED_FIELDS, Sample
 __all__ = ["PHASES", "RoleClients", "Stage", "StageContext", "StageReport"]
 
 #: The stage phases, in the order a batch runs them.
-PHASES: tuple[str, ...] = ("reward", "teacher", "student")
+PHASES: tuple[str, ...] = ("reward", "distill", "student")
 
 
 @attrs.frozen

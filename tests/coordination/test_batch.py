@@ -68,7 +68,7 @@ class Stage:
     ) -> None:
         self.name, self.phase, self.role, self.log, self.value = name, phase, role, log, value
         self.top_k = 0
-        fields = {"reward": "reward", "teacher": "teacher_logprobs", "student": "student_logprobs"}
+        fields = {"reward": "reward", "distill": "teacher_logprobs", "student": "student_logprobs"}
         self.writes = frozenset({fields[phase]})
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
@@ -78,7 +78,7 @@ class Stage:
                 if isinstance(self.value, Exception):
                     raise self.value
                 s.reward = self.value
-            elif self.phase == "teacher":
+            elif self.phase == "distill":
                 s.teacher_logprobs = tuple([self.value] * len(s.response_ids))
             else:
                 s.student_logprobs = tuple([self.value] * len(s.response_ids))
@@ -109,7 +109,7 @@ class Step:
     def stages(self, **values: Any) -> list[Stage]:
         return [
             Stage("genrm", "reward", "genrm", self.log, values.get("genrm", 0.75)),
-            Stage("teacher", "teacher", "teacher", self.log, values.get("teacher", -0.5)),
+            Stage("teacher", "distill", "teacher", self.log, values.get("teacher", -0.5)),
         ]
 
     def batch(self, originals: list[Sample], stages: list[Any], **kw: Any) -> DeferredBatch:
@@ -304,7 +304,7 @@ def test_a_student_stage_scores_with_the_restored_policy() -> None:
 
 def test_stages_out_of_the_reference_order_are_refused() -> None:
     step = Step()
-    with pytest.raises(ValueError, match="stages run in the order reward -> teacher -> student"):
+    with pytest.raises(ValueError, match="stages run in the order reward -> distill -> student"):
         step.batch(samples(), list(reversed(step.stages())))
 
 
