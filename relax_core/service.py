@@ -217,11 +217,12 @@ class RoleService:
     ) -> None:
         """Health-check every model every ``interval`` seconds, in a daemon thread.
 
-        Each round calls ``manager.health_check(recover=recover)`` model by model: a replica
-        whose engine died or stopped answering is marked FAILED (published without a URL, so
-        gateways stop routing to it, and removed from its router) and, with ``recover``,
-        cleaned and rebuilt; then every router's ``check()`` (a router that exited is
-        restarted and its heads registered again).
+        Each round calls ``manager.health_check(recover=recover)`` for every model at once: a
+        replica whose engine died, or stopped answering for the model's ``unhealthy_after``
+        rounds in a row, is marked FAILED (published without a URL, so gateways stop routing
+        to it, and removed from its router) and, with ``recover``, cleaned and rebuilt; then
+        every router's ``check()`` (a router that exited is restarted and its heads registered
+        again).
         ``on_report(model_id, report_or_error)`` is called for every round that found a
         problem, and for every error of a round (a fenced model raises
         ``InferenceRecoveryRequired``: an operator must confirm the cleanup). Idempotent.
@@ -250,19 +251,21 @@ class RoleService:
 
     def _watch(self, interval: float, recover: bool, on_report: MonitorCallback | None) -> None:
         while not self._monitor_stop.wait(interval):
-            for model_id, manager in list(self.managers.items()):
-                if self._monitor_stop.is_set():
-                    return
-                outcome: HealthReport | BaseException
-                try:
-                    outcome = manager.health_check(recover=recover)
-                except Exception as exc:  # reported, not swallowed: the monitor must go on
-                    outcome = exc
-                failed = isinstance(outcome, BaseException) or not all(
-                    r.healthy for r in outcome.replicas
+            # Every model at once: one model's slow probes (bounded by its health deadline)
+            # must not delay the others' round.
+            checks = [
+                threading.Thread(
+                    target=self._check_one,
+                    args=(model_id, manager, recover, on_report),
+                    name=f"health-{self.role}-{model_id}",
+                    daemon=True,
                 )
-                if failed and on_report is not None and not self._monitor_stop.is_set():
-                    on_report(model_id, outcome)
+                for model_id, manager in list(self.managers.items())
+            ]
+            for check in checks:
+                check.start()
+            for check in checks:
+                check.join()
             for model_id, router in list(self.routers.items()):
                 if self._monitor_stop.is_set():
                     return
@@ -271,6 +274,20 @@ class RoleService:
                     on_report(
                         model_id, LifecycleError(f"router {router.url}: " + "; ".join(trouble))
                     )
+
+    def _check_one(
+        self, model_id: str, manager: Any, recover: bool, on_report: MonitorCallback | None
+    ) -> None:
+        if self._monitor_stop.is_set():
+            return
+        outcome: HealthReport | BaseException
+        try:
+            outcome = manager.health_check(recover=recover)
+        except Exception as exc:  # reported, not swallowed: the monitor must go on
+            outcome = exc
+        failed = isinstance(outcome, BaseException) or not all(r.healthy for r in outcome.replicas)
+        if failed and on_report is not None and not self._monitor_stop.is_set():
+            on_report(model_id, outcome)
 
     def shutdown(self) -> list[str]:
         """Stop the monitor, shut every manager down (all are tried); return the problems,
@@ -562,6 +579,7 @@ def _manager(
         router_url=router.url if router is not None else None,
         router=router,
         timeouts=timeouts,
+        unhealthy_after=model.unhealthy_after,
     )
 
 

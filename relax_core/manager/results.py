@@ -78,9 +78,12 @@ class LifecycleResult:
 class ReplicaHealth:
     """One replica's health-check verdict.
 
-    ``action``: ``none`` (healthy), ``failed`` (marked FAILED, not cleaned), ``cleaned``
-    (whole replica shut down, confirmed), ``rebuilt``, ``pending`` (a cleanup step was not
-    confirmed; retry), ``fenced`` (an actor died without confirmed cleanup).
+    ``action``: ``none`` (healthy), ``suspect`` (a probe failed while the engine process
+    lives; the replica keeps its state and stays routable until ``failed_probes`` reaches the
+    manager's ``unhealthy_after``), ``failed`` (marked FAILED, not cleaned), ``cleaned`` (whole
+    replica shut down, confirmed), ``rebuilt``, ``pending`` (a cleanup step was not confirmed;
+    retry), ``fenced`` (an actor died without confirmed cleanup). ``failed_probes``: the
+    consecutive failed probes counted this round (0 when its probe passed or was not counted).
     """
 
     engine_id: str
@@ -88,6 +91,7 @@ class ReplicaHealth:
     state: str
     action: str
     problems: tuple[str, ...] = ()
+    failed_probes: int = 0
 
 
 @attrs.frozen

@@ -214,6 +214,8 @@ class ReplicaSlot:
     placement_group: Any = None
     #: chosen by scale-in: cleaned up and removed, never rebuilt
     retiring: bool = False
+    #: consecutive failed health probes of a live replica (reset by a healthy one, a rebuild)
+    failed_probes: int = 0
 
     @property
     def head(self) -> WorkerSlot:
