@@ -108,6 +108,9 @@ class ManagerActor:
     def workers(self, engine_id: str) -> list[Any]:
         return self._manager.workers(engine_id)
 
+    def unconfirmed_workers(self) -> list[Any]:
+        return self._manager.unconfirmed_workers()
+
 
 def start_manager_actor(
     model_id: str,

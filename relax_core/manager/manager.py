@@ -52,7 +52,13 @@ from relax_core.manager.launcher import Launcher
 from relax_core.manager.memory import Memory
 from relax_core.manager.publication import Publication
 from relax_core.manager.recovery import Recovery
-from relax_core.manager.results import HealthReport, LifecycleResult, Outcome, ReplicaResult
+from relax_core.manager.results import (
+    HealthReport,
+    LifecycleResult,
+    Outcome,
+    ReplicaResult,
+    UnconfirmedWorker,
+)
 from relax_core.manager.scaling import Scaling
 from relax_core.manager.slots import (
     ManagerTimeouts,
@@ -266,6 +272,13 @@ class InferenceManager:
                 )
                 for i, out in outs.items()
             }
+
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """The workers whose cleanup is not confirmed: fenced ones (their actor died) and ones
+        whose last shutdown is pending. Their placement groups must not be released: their
+        engine processes may still hold the GPUs. Empty after a clean :meth:`shutdown`."""
+        with self._lock:
+            return self._slots.unconfirmed()
 
     def model_view(self) -> ModelView:
         """The model's schema-2 :class:`~relax_core.discovery.schema.ModelView` (heads only)."""

@@ -420,3 +420,73 @@ num_engines = 2
     for bound in job.bound:
         state = ray_local.util.placement_group_table(bound.placement_group)["state"]
         assert state == "REMOVED"
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
+def _group_state(ray: Any, name: str) -> str | None:
+    """The state of the newest placement group called ``name`` (``None``: there is none)."""
+    found = [g for g in ray.util.placement_group_table().values() if g.get("name") == name]
+    return str(found[-1]["state"]) if found else None
+
+
+def test_serve_keeps_a_fenced_placement_group_at_shutdown_names_it_and_exits_1(
+    tmp_path: Path, ray_local: Any
+) -> None:
+    import ray.util
+    from ray.util.placement_group import PlacementGroup
+
+    engine = 0
+    config = tmp_path / "fence-job.toml"
+    # The test plugin's simulated engine (no model) on one of the session Ray's fake GPUs, so
+    # the model gets a placement group of its own.
+    config.write_text(
+        """\
+[cluster]
+gpus_per_node = 8
+
+[roles.genrm.models.judge]
+backend = "test-sim"
+model_path = "sim"
+num_gpus = 1
+num_parameters = 1000
+"""
+    )
+    address = ray_local.get_runtime_context().gcs_address
+    args = ("--address", address, "--health-interval", "1", "--refresh", "0.5")
+    try:
+        with serve(config, *args) as (proc, out, stderr):
+            out.wait_for(r"relax serve: ready", timeout=180)
+            assert _group_state(ray_local, "relax-genrm") == "CREATED"
+            engine = int(out.wait_for(r"judge/replica-0\s+READY .*pid (\d+)", timeout=30)[1])
+            # The worker actor dies without cleaning up its engine: the manager cannot know
+            # whether the engine still holds its GPU, so it fences the worker.
+            os.kill(_ppid(engine), signal.SIGKILL)
+            out.wait_for(r"health genrm\.judge: .*died without confirmed cleanup", timeout=60)
+
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=120) == 1, out.rest(10) + stderr.read_text()
+            text, err = out.rest(10), stderr.read_text()
+            assert "placement groups removed (0), 1 kept" in text, text
+            assert "nothing left running" not in text
+            assert "placement group 'relax-genrm' (pool 'genrm'" in err and "KEPT" in err, err
+            assert "judge/replica-0 (node 127.0.0.1" in err and "fenced" in err, err
+            assert "remove_placement_group" in err
+        # The group outlives relax serve: nothing may be scheduled onto its GPU until an
+        # operator confirms the engine is gone.
+        assert _group_state(ray_local, "relax-genrm") == "CREATED"
+    finally:
+        # The operator's part, once the engine is confirmed gone (it died with its actor).
+        wait_for(lambda: not _alive(engine), timeout=20, what="the fenced engine gone")
+        for group in ray_local.util.placement_group_table().values():
+            if group.get("name") == "relax-genrm" and group["state"] != "REMOVED":
+                pg_id = ray_local.PlacementGroupID(bytes.fromhex(group["placement_group_id"]))
+                ray.util.remove_placement_group(PlacementGroup(pg_id))
+        wait_for(
+            lambda: _group_state(ray_local, "relax-genrm") == "REMOVED",
+            timeout=20,
+            what="the kept group removed",
+        )
