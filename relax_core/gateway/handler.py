@@ -33,6 +33,7 @@ import attrs
 import orjson
 
 from relax_core._http.upstream import UpstreamResponse, parse_retry_after
+from relax_core.client.breaker import BreakerSettings
 from relax_core.client.client import (
     InferenceClient,
     SnapshotProvider,
@@ -171,6 +172,7 @@ def build_gateway_handler(
         "ttl": options.snapshot_ttl,
         "timeout": options.timeout,
         "plugin_manager": plugin_manager,
+        "breaker": options.breaker,
     }
     if isinstance(discovery, str):
         client = InferenceClient(discovery, **common)
@@ -231,6 +233,8 @@ class GatewayOptions:
     ``stream_first_chunk_timeout``: the same before the first bytes (default ``None``: only the
     deadline, since an engine sends its first event only after queueing and prefill). Past
     either, the caller gets an error event with code 504 and a truncated stream.
+    ``breaker``: when a replica head's circuit breaker opens and how it probes
+    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers).
     ``stream_coalesce``: when a relayed stream's bytes arrive faster than one read per this
     many seconds (default 1 ms), they are read and relayed together once per period instead of
     one receive and one send per event (an event is then delayed by at most this much; a
@@ -252,6 +256,7 @@ class GatewayOptions:
     stream_coalesce: float = attrs.field(
         default=DEFAULT_STREAM_COALESCE_S, validator=_check_coalesce
     )
+    breaker: BreakerSettings | None = attrs.field(factory=BreakerSettings)
 
 
 class InferenceGatewayHandler:

@@ -566,3 +566,28 @@ def test_snapshot_pickles_for_other_processes() -> None:
     copy_ = pickle.loads(pickle.dumps(snap))
     assert copy_ == snap
     assert copy_.to_json() == snap.to_json()
+
+
+def test_a_heads_weight_version_is_optional_and_omitted_when_null() -> None:
+    doc = reference_doc()
+    assert "weight_version" not in doc["models"]["math"]["engines"][0]
+    snap = RoleSnapshot.from_json(doc)
+    assert snap.models["math"].engines[0].weight_version is None
+    assert "weight_version" not in snap.to_json()["models"]["math"]["engines"][0]
+    model = doc["models"]["math"]
+    model.update(weight_source="ACTOR", weight_version="12")
+    model["engines"][0]["weight_version"] = "11"
+    versioned = RoleSnapshot.from_json(doc)
+    assert versioned.models["math"].engines[0].weight_version == "11"
+    assert RoleSnapshot.from_json(versioned.to_json()) == versioned
+
+
+def test_a_static_models_head_with_a_weight_version_is_rejected() -> None:
+    doc = reference_doc()
+    doc["models"]["math"]["engines"][0]["weight_version"] = "3"
+    with pytest.raises(SnapshotError) as info:
+        RoleSnapshot.from_json(doc)
+    assert info.value.path == "models.math.engines[0].weight_version"
+    doc["models"]["math"]["engines"][0]["weight_version"] = 3
+    with pytest.raises(SnapshotError, match="weight_version"):
+        RoleSnapshot.from_json(doc)
