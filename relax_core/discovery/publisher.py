@@ -342,15 +342,19 @@ class RegistryPublisher:
 
     # -- invalidation ----------------------------------------------------------------------
 
-    def invalidate(self) -> None:
-        """Mark every model and engine UNKNOWN: nothing is routable until managers report.
+    def invalidate(self, model_ids: Collection[str] | None = None) -> None:
+        """Mark every model (or those of ``model_ids``) and its engines UNKNOWN: nothing of them
+        is routable until their managers report again.
 
-        Use it when the publisher lost contact with its managers (a manager restarted, a
-        health round timed out). Idempotent: a second call publishes nothing new.
+        Use it when the publisher lost contact with a model's manager (its actor died, it
+        stopped answering: :class:`~relax_core.discovery.liveness.ManagerLiveness` does this).
+        Idempotent: a second call publishes nothing new. Unknown ids are ignored.
         """
         with self._lock:
             changed = False
-            for entry in self._models.values():
+            for model_id, entry in self._models.items():
+                if model_ids is not None and model_id not in model_ids:
+                    continue
                 if entry.view.state is not ModelState.UNKNOWN:
                     entry.view = attrs.evolve(entry.view, state=ModelState.UNKNOWN)
                     changed = True

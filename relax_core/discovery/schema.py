@@ -571,16 +571,32 @@ class RoleSnapshot:
     def schema1(self) -> dict[str, Any]:
         """The schema-1 diagnostic view: rank, status and URL of every regular replica head.
 
-        Ranks count heads across models in publication order. Schema 1 never takes part in
-        routing; it exists for old consumers (autoscalers, dashboards).
+        Ranks are stable: a head keeps its rank when another model's heads come and go. The
+        head numbered ``i`` (its engine id's trailing number, ``math/replica-3`` → 3; its
+        position among the model's heads when the ids are not numbered) of the model at
+        position ``p`` among the role's ``n`` models has rank ``i * n + p`` (one model: rank
+        ``i``). Schema 1 never takes part in routing; it exists for old consumers
+        (autoscalers, dashboards).
         """
-        engines = [
-            {"rank": rank, "status": engine.state.value, "url": engine.base_url}
-            for rank, engine in enumerate(
-                engine for model in self.models.values() for engine in model.engines
-            )
-        ]
+        models = list(self.models.values())
+        count = len(models)
+        ranked: list[tuple[int, EngineView]] = []
+        for position, model in enumerate(models):
+            found = [_trailing_number(e.engine_id) for e in model.engines]
+            numbers = [n for n in found if n is not None]
+            if len(numbers) != len(found) or len(set(numbers)) != len(numbers):
+                numbers = list(range(len(model.engines)))
+            ranked += [
+                (n * count + position, e) for n, e in zip(numbers, model.engines, strict=True)
+            ]
+        ranked.sort(key=lambda item: item[0])
+        engines = [{"rank": rank, "status": e.state.value, "url": e.base_url} for rank, e in ranked]
         return {"engines": engines}
+
+
+def _trailing_number(engine_id: str) -> int | None:
+    digits = len(engine_id) - len(engine_id.rstrip("0123456789"))
+    return int(engine_id[-digits:]) if digits else None
 
 
 def _rebuild_snapshot(fields: dict[str, Any]) -> RoleSnapshot:

@@ -280,6 +280,12 @@ class InferenceManager:
         with self._lock:
             return self._slots.unconfirmed()
 
+    def republish(self) -> None:
+        """Publish the model and its heads again (a registry that lost track of the manager
+        and marked them UNKNOWN gets their real state back). Idempotent."""
+        with self._lock:
+            self._publication.publish()
+
     def model_view(self) -> ModelView:
         """The model's schema-2 :class:`~relax_core.discovery.schema.ModelView` (heads only)."""
         with self._lock:

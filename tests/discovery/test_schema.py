@@ -472,9 +472,33 @@ def test_schema1_view_lists_rank_status_and_url_of_heads_only() -> None:
     assert view == {
         "engines": [
             {"rank": 0, "status": "READY", "url": "http://head:30000"},
-            {"rank": 1, "status": "FAILED", "url": None},
+            {"rank": 2, "status": "FAILED", "url": None},
         ]
     }
+
+
+def test_schema1_ranks_stay_when_another_models_heads_change() -> None:
+    doc = reference_doc()
+    doc["models"]["code"].update(route_mode="DIRECT", router_url=None, state="READY")
+    code = doc["models"]["code"]["engines"]
+    code.append(
+        {"engine_id": "code/replica-0", "base_url": "http://c0:1", "state": "READY",
+         "direct_eligible": True, "generation": 1}
+    )  # fmt: skip
+
+    def ranks() -> dict[str | None, int]:
+        view = RoleSnapshot.from_json(doc).schema1()["engines"]
+        return {e["url"]: e["rank"] for e in view if e["url"] is not None}
+
+    before = ranks()
+    code.append({**code[0], "engine_id": "code/replica-1", "base_url": "http://c1:1"})
+    code.append({**code[0], "engine_id": "code/replica-2", "base_url": "http://c2:1"})
+    after = ranks()
+    assert after["http://head:30000"] == before["http://head:30000"] == 0
+    assert after["http://c0:1"] == before["http://c0:1"] == 1
+    del code[0]  # scaled in: the others keep theirs
+    assert ranks() == {k: v for k, v in after.items() if k != "http://c0:1"}
+    assert len(set(after.values())) == len(after)
 
 
 # -- round trip property ---------------------------------------------------------------------
