@@ -187,6 +187,9 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
         assert "gateways stopped (3)" in text and "engines stopped (4 processes)" in text
         assert "routers stopped (1)" in text
         assert "local Ray stopped" in text and text.endswith("nothing left running")
+        # The local Ray runs with token authentication, set up explicitly: Ray has nothing to
+        # warn a newcomer about.
+        assert "Token authentication" not in text + stderr.read_text()
 
         wait_for(lambda: not in_session(proc.pid), timeout=30, what="serve's processes gone")
         wait_for(lambda: not mentioning(str(model_dir)), timeout=30, what="engines gone")
