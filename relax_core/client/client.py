@@ -51,7 +51,12 @@ import aiohttp
 import orjson
 
 from relax_core._http.failures import FailureClass, failure_class
-from relax_core._http.headers import REQUEST_ID_HEADER, ROUTING_KEY_HEADER, caller_headers
+from relax_core._http.headers import (
+    NOT_SENT_HEADER,
+    REQUEST_ID_HEADER,
+    ROUTING_KEY_HEADER,
+    caller_headers,
+)
 from relax_core._http.transport import Transport
 from relax_core._http.upstream import (
     PreparedRequest,
@@ -239,6 +244,20 @@ class InferenceClient:
             and target.route_mode is RouteMode.DIRECT
         ):
             self._breakers.connect_failed(target.url, target.engine_id)
+
+    def _not_sent(self, prepared: PreparedRequest) -> UpstreamUnreachableError:
+        """The error for an admission server's 502 saying its engine got nothing (counted as a
+        connect failure: the request may go to another replica)."""
+        target = prepared.target
+        engine = f" ({target.engine_id})" if target is not None and target.engine_id else ""
+        error = UpstreamUnreachableError(
+            502,
+            f"the replica at {_base(prepared)}{engine} could not reach its engine; nothing was "
+            "sent",
+            request_id=prepared.request_id,
+        )
+        self._failed(error, target)
+        return error
 
     def _response_failed(self, error: BaseException) -> None:
         """A response's body failed mid-way (``UpstreamResponse`` ``on_failure``)."""
@@ -457,11 +476,15 @@ class InferenceClient:
             self._cache.invalidate()
             self._failed(exc, prepared.target)
             raise
+        if resp.status in _UPSTREAM_UNAVAILABLE:
+            self._cache.invalidate()
+            if resp.status == 502 and resp.headers.get(NOT_SENT_HEADER):
+                resp.close()
+                self._untrack(engine_id)
+                raise self._not_sent(prepared)
         breakers = self._breakers
         if breakers is not None and engine_id is not None:
             breakers.reached(_base(prepared))
-        if resp.status in _UPSTREAM_UNAVAILABLE:
-            self._cache.invalidate()
         return UpstreamResponse(
             resp,
             prepared,
@@ -484,10 +507,12 @@ class InferenceClient:
             raise
         finally:
             self._untrack(engine_id)
-        if engine_id is not None and self._breakers is not None:
-            self._breakers.reached(_base(prepared))
         if status in _UPSTREAM_UNAVAILABLE:
             self._cache.invalidate()
+            if status == 502 and headers.get(NOT_SENT_HEADER):
+                raise self._not_sent(prepared)
+        if engine_id is not None and self._breakers is not None:
+            self._breakers.reached(_base(prepared))
         return status, headers, body, prepared
 
     async def _routed(

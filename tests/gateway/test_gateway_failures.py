@@ -134,3 +134,29 @@ def test_a_lone_replica_that_refuses_every_connection_is_still_tried() -> None:
         # sends nothing, and the caller learns the engine is unreachable (502), not "busy".
         assert breaker_events(url, "open") == 1
         assert failures(url, "connect") >= 4
+
+
+def test_a_replica_whose_engine_is_gone_behind_its_admission_server_is_routed_around(
+    live: gs.Upstream,
+) -> None:
+    from relax_core import AdmissionServer, InferenceEngineSpec
+    from relax_core.builtins import STATIC
+    from relax_core.engine.admission import AdmissionThread
+
+    # The replica's door is up, its engine is not (killed): the door answers 502 "nothing
+    # sent", and the gateway sends the request to the other replica instead.
+    dead_engine = f"http://127.0.0.1:{free_port()}"
+    door = AdmissionServer(
+        dead_engine,
+        engine_id="math/replica-1",
+        spec=InferenceEngineSpec(role="teacher", weight_source=STATIC),
+    )
+    with AdmissionThread(door) as guard:
+        guard.open()
+        urls = [live.url, door.base_url]
+        registry = gs.Registry(gs.snapshot("teacher", {"math": {"urls": urls}}))
+        with gs.gateway("teacher", registry, breaker=FAST_BREAKER) as url:
+            answers = [generate(url) for _ in range(6)]
+            assert [status for status, _, _ in answers] == [200] * 6
+            assert live.stats()["requests"] == 6
+            assert failures(url, "connect") >= 1 and door.forwarded == 0
