@@ -24,7 +24,8 @@ target. The decision follows the reference flowchart branch by branch:
 5. ``min_weight_version`` (a request that must not be served by older weights): a DIRECT
    model's heads on an older version (each head's ``weight_version``, else the model's) are
    not candidates, an ``SGLANG_ROUTER`` model must publish at least that version; nothing
-   left: 503 with ``retry_after`` (the update is being applied or not pushed yet). Versions
+   left: 503 with ``retry_after`` (the update is being applied or not pushed yet). A STATIC
+   model has no version: 400. Versions
    compare by :func:`weight_version_key` (``"9" < "10"``, ``"step-9" < "step-10"``).
 6. ``avoid``: base URLs a caller would rather not send this request to (a head whose
    connection just failed, or whose circuit breaker is open): they are left out, unless that
@@ -141,6 +142,7 @@ class _ModelIndex:
         "not_ready",
         "router_target",
         "summary",
+        "weight_source",
         "weight_version",
     )
 
@@ -151,6 +153,7 @@ class _ModelIndex:
         self.router_target: RouteTarget | None = None
         self.candidates: tuple[RouteTarget, ...] = ()
         self.weight_version = model.weight_version
+        self.weight_source = model.weight_source
         common: dict[str, Any] = {
             "role": snapshot.role,
             "model_id": model_id,
@@ -337,6 +340,13 @@ class RouteResolver:
         entry = index.models[model_id]
         if entry.not_ready is not None:
             raise self._not_ready(index, entry)
+        if min_weight_version is not None and entry.weight_source == "STATIC":
+            raise RoutingError(
+                400,
+                f'model "{model_id}" of role "{index.role}" has STATIC weights, which carry no '
+                f'version; min_weight_version "{min_weight_version}" can never be met. Drop it '
+                "(or the X-Relax-Min-Weight-Version header) for this model",
+            )
         target = entry.router_target
         if target is not None:
             if min_weight_version is not None and not weight_version_at_least(

@@ -451,3 +451,10 @@ def test_avoided_heads_are_left_out_unless_no_other_is_eligible() -> None:
     assert {resolver.resolve(snap, avoid=avoid).url for _ in range(4)} == {"http://10.0.0.2:30000"}
     both = avoid | {"http://10.0.0.2:30000"}
     assert len({resolver.resolve(snap, avoid=both).url for _ in range(4)}) == 2
+
+
+def test_a_weight_version_asked_of_a_static_model_is_a_400() -> None:
+    resolver = RouteResolver(PluginManager.create(entry_points=False))
+    with pytest.raises(RoutingError) as info:
+        resolver.resolve(snapshot(), model="math", min_weight_version="1")
+    assert info.value.status == 400 and "STATIC weights" in info.value.message
