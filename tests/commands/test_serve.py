@@ -430,10 +430,13 @@ def _ppid(pid: int) -> int:
         return int(f.read().rsplit(b")", 1)[1].split()[1])
 
 
-def _group_state(ray: Any, name: str) -> str | None:
-    """The state of the newest placement group called ``name`` (``None``: there is none)."""
-    found = [g for g in ray.util.placement_group_table().values() if g.get("name") == name]
-    return str(found[-1]["state"]) if found else None
+def _groups_named(ray: Any, name: str) -> dict[str, str]:
+    """Placement group id -> state, of every group called ``name`` the cluster knows."""
+    return {
+        gid: str(g["state"])
+        for gid, g in ray.util.placement_group_table().items()
+        if g.get("name") == name
+    }
 
 
 def test_serve_keeps_a_fenced_placement_group_at_shutdown_names_it_and_exits_1(
@@ -460,10 +463,16 @@ num_parameters = 1000
     )
     address = ray_local.get_runtime_context().gcs_address
     args = ("--address", address, "--health-interval", "1", "--refresh", "0.5")
+    before = set(_groups_named(ray_local, "relax-genrm"))  # other tests' groups of that name
+
+    def state() -> str:
+        (ours,) = set(_groups_named(ray_local, "relax-genrm")) - before
+        return _groups_named(ray_local, "relax-genrm")[ours]
+
     try:
         with serve(config, *args) as (proc, out, stderr):
             out.wait_for(r"relax serve: ready", timeout=180)
-            assert _group_state(ray_local, "relax-genrm") == "CREATED"
+            assert state() == "CREATED"
             engine = int(out.wait_for(r"judge/replica-0\s+READY .*pid (\d+)", timeout=30)[1])
             # The worker actor dies without cleaning up its engine: the manager cannot know
             # whether the engine still holds its GPU, so it fences the worker.
@@ -480,16 +489,16 @@ num_parameters = 1000
             assert "remove_placement_group" in err
         # The group outlives relax serve: nothing may be scheduled onto its GPU until an
         # operator confirms the engine is gone.
-        assert _group_state(ray_local, "relax-genrm") == "CREATED"
+        assert state() == "CREATED"
     finally:
         # The operator's part, once the engine is confirmed gone (it died with its actor).
         wait_for(lambda: not _alive(engine), timeout=20, what="the fenced engine gone")
-        for group in ray_local.util.placement_group_table().values():
-            if group.get("name") == "relax-genrm" and group["state"] != "REMOVED":
-                pg_id = ray_local.PlacementGroupID(bytes.fromhex(group["placement_group_id"]))
-                ray.util.remove_placement_group(PlacementGroup(pg_id))
+        ours = set(_groups_named(ray_local, "relax-genrm")) - before
+        for gid in ours:
+            pg_id = ray_local.PlacementGroupID(bytes.fromhex(gid))
+            ray.util.remove_placement_group(PlacementGroup(pg_id))
         wait_for(
-            lambda: _group_state(ray_local, "relax-genrm") == "REMOVED",
+            lambda: all(_groups_named(ray_local, "relax-genrm")[g] == "REMOVED" for g in ours),
             timeout=20,
             what="the kept group removed",
         )
