@@ -113,6 +113,15 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """The soak suite (not part of ``tests``): 20,000 requests at concurrency 512 through a role
+    gateway in front of real engines, 10% of callers leaving mid-stream, one engine killed and
+    rebuilt; fails on a replay, RSS growth >= 10%, file-descriptor growth or > 2% errors."""
+    _install_project(session, "test")
+    session.run("python", "-m", "tests.soak", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The README's main job: all three roles on tiny hf models on CPU, through the gateways."""
     _install_project(session)

@@ -183,6 +183,8 @@ class ModelConfig:
     router_args: tuple[str, ...] = ()
     pd_prefill_engines: int | None = None
     external_urls: tuple[str, ...] = ()
+    #: consecutive failed health probes before a live replica is FAILED (and rebuilt)
+    unhealthy_after: int = 3
 
     @property
     def external(self) -> bool:
@@ -522,6 +524,7 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
         router_args=r.str_list(t, p, "router_args"),
         pd_prefill_engines=pd_prefill,
         external_urls=external_urls,
+        unhealthy_after=v(t, p, "unhealthy_after", int, 3, check=_at_least(1)),
     )
     return model if len(r.problems) == before else None
 

@@ -252,7 +252,22 @@ class RequestNotReplayedError(UpstreamError):
     The upstream may or may not have executed it. ``request_id`` identifies it so the caller can
     deduplicate or abort it. ``status`` is 504 when the deadline passed or a stream stayed
     silent past its idle limit (then ``__cause__`` is a :class:`StreamStalledError`), else 502.
+    ``answer_started``: whether the answer's first bytes (its status line) had arrived — a
+    failure mid-answer or mid-stream — or not (sent, then nothing came back).
     """
+
+    answer_started: bool
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        request_id: str | None = None,
+        answer_started: bool = False,
+    ) -> None:
+        super().__init__(status, message, request_id=request_id)
+        self.answer_started = answer_started
 
 
 class StreamStalledError(RelaxError, TimeoutError):

@@ -15,15 +15,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def keep_local_ray_on_loopback() -> None:
-    """Make a Ray started by this process (and its workers) use 127.0.0.1 as its node address.
+    """Make a Ray started by this process (and its workers) use 127.0.0.1 as its node address,
+    with token authentication on.
 
     Ray otherwise publishes the machine's outward address, so engines, admission servers and
     Ray's own services of a one-machine job would listen on, and talk over, a non-loopback
-    interface. Call before ``ray.init`` of a new local Ray; never for a real cluster.
+    interface. Token authentication (``RAY_AUTH_MODE=token``, the token in
+    ``~/.ray/auth_token``, created by Ray when missing) is what a new local Ray turns on by
+    default anyway; asking for it explicitly keeps the default and spares a newcomer's terminal
+    Ray's warning about it on every start. An explicit ``RAY_AUTH_MODE`` in the environment is
+    kept. Call before ``ray.init`` of a new local Ray; never for a real cluster.
     """
     import os
     import sys
 
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        raylet = sys.modules.get("ray._raylet")
+        if raylet is not None:
+            # Ray already read its config from the old environment: refresh it, as Ray's own
+            # default (token auth for a new local cluster) does.
+            raylet.Config.initialize("")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray at import
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # Ray already imported: its constant was read from the old env

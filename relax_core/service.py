@@ -39,6 +39,7 @@ from relax_core.manager import (
     ManagerTimeouts,
     ModelLaunch,
     ReplicaPlacement,
+    UnconfirmedWorker,
 )
 from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
@@ -217,11 +218,12 @@ class RoleService:
     ) -> None:
         """Health-check every model every ``interval`` seconds, in a daemon thread.
 
-        Each round calls ``manager.health_check(recover=recover)`` model by model: a replica
-        whose engine died or stopped answering is marked FAILED (published without a URL, so
-        gateways stop routing to it, and removed from its router) and, with ``recover``,
-        cleaned and rebuilt; then every router's ``check()`` (a router that exited is
-        restarted and its heads registered again).
+        Each round calls ``manager.health_check(recover=recover)`` for every model at once: a
+        replica whose engine died, or stopped answering for the model's ``unhealthy_after``
+        rounds in a row, is marked FAILED (published without a URL, so gateways stop routing
+        to it, and removed from its router) and, with ``recover``, cleaned and rebuilt; then
+        every router's ``check()`` (a router that exited is restarted and its heads registered
+        again).
         ``on_report(model_id, report_or_error)`` is called for every round that found a
         problem, and for every error of a round (a fenced model raises
         ``InferenceRecoveryRequired``: an operator must confirm the cleanup). Idempotent.
@@ -250,19 +252,21 @@ class RoleService:
 
     def _watch(self, interval: float, recover: bool, on_report: MonitorCallback | None) -> None:
         while not self._monitor_stop.wait(interval):
-            for model_id, manager in list(self.managers.items()):
-                if self._monitor_stop.is_set():
-                    return
-                outcome: HealthReport | BaseException
-                try:
-                    outcome = manager.health_check(recover=recover)
-                except Exception as exc:  # reported, not swallowed: the monitor must go on
-                    outcome = exc
-                failed = isinstance(outcome, BaseException) or not all(
-                    r.healthy for r in outcome.replicas
+            # Every model at once: one model's slow probes (bounded by its health deadline)
+            # must not delay the others' round.
+            checks = [
+                threading.Thread(
+                    target=self._check_one,
+                    args=(model_id, manager, recover, on_report),
+                    name=f"health-{self.role}-{model_id}",
+                    daemon=True,
                 )
-                if failed and on_report is not None and not self._monitor_stop.is_set():
-                    on_report(model_id, outcome)
+                for model_id, manager in list(self.managers.items())
+            ]
+            for check in checks:
+                check.start()
+            for check in checks:
+                check.join()
             for model_id, router in list(self.routers.items()):
                 if self._monitor_stop.is_set():
                     return
@@ -272,9 +276,34 @@ class RoleService:
                         model_id, LifecycleError(f"router {router.url}: " + "; ".join(trouble))
                     )
 
+    def _check_one(
+        self, model_id: str, manager: Any, recover: bool, on_report: MonitorCallback | None
+    ) -> None:
+        if self._monitor_stop.is_set():
+            return
+        outcome: HealthReport | BaseException
+        try:
+            outcome = manager.health_check(recover=recover)
+        except Exception as exc:  # reported, not swallowed: the monitor must go on
+            outcome = exc
+        failed = isinstance(outcome, BaseException) or not all(r.healthy for r in outcome.replicas)
+        if failed and on_report is not None and not self._monitor_stop.is_set():
+            on_report(model_id, outcome)
+
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """Every worker of every model whose cleanup is not confirmed (fenced or pending):
+        their placement groups must not be released."""
+        return [
+            w
+            for manager in self.managers.values()
+            # External engines have no workers of ours.
+            for w in getattr(manager, "unconfirmed_workers", list)()
+        ]
+
     def shutdown(self) -> list[str]:
         """Stop the monitor, shut every manager down (all are tried); return the problems,
-        empty when clean."""
+        empty when clean. A fenced worker's or an unconfirmed shutdown's error is one of them;
+        :meth:`unconfirmed_workers` says which workers, on which placement groups."""
         self.stop_monitor()
         problems = []
         for model_id, manager in self.managers.items():
@@ -562,6 +591,7 @@ def _manager(
         router_url=router.url if router is not None else None,
         router=router,
         timeouts=timeouts,
+        unhealthy_after=model.unhealthy_after,
     )
 
 
@@ -653,6 +683,9 @@ class ServedJob:
         self.engine_pids: set[int] = set()
         #: Every router pid seen (checked gone after shutdown).
         self.router_pids: set[int] = set()
+        #: The placement groups teardown kept (name -> why), because a worker on them may
+        #: still hold its GPUs.
+        self.kept_groups: dict[str, str] = {}
 
     @property
     def urls(self) -> dict[str, str]:
@@ -762,8 +795,15 @@ def start_order(config: JobConfig, plan: Any) -> list[tuple[tuple[str, ...], boo
     return steps
 
 
-def _placements(config: JobConfig, pm: PluginManager, job: ServedJob) -> dict[str, dict[str, Any]]:
-    """Plan, create and bind placement groups; each model's ReplicaPlacement by role."""
+def _placements(
+    config: JobConfig, pm: PluginManager, job: ServedJob, *, detach_groups: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Plan, create and bind placement groups; each model's ReplicaPlacement by role.
+
+    ``detach_groups``: create them detached, so a group whose engines are not confirmed gone at
+    teardown outlives this process (on a cluster that outlives it); the teardown removes the
+    others.
+    """
     from relax_core.placement import bind_placement_group, plan_inference_placement
 
     plan = plan_inference_placement(config, pm)
@@ -771,7 +811,9 @@ def _placements(config: JobConfig, pm: PluginManager, job: ServedJob) -> dict[st
     pools = sorted({p.pool for p in plan.placements if p.pool is not None})
     bound = {}
     for pool in pools:
-        bound[pool] = bind_placement_group(plan, pool, name=f"relax-{pool}")
+        bound[pool] = bind_placement_group(
+            plan, pool, name=f"relax-{pool}", lifetime="detached" if detach_groups else None
+        )
         job.bound.append(bound[pool])
     out: dict[str, dict[str, Any]] = {}
     for role in config.roles:
@@ -879,11 +921,19 @@ def serve_job(
     log_dir: str | None = None,
     health_interval: float = 10.0,
     before_teardown: Callable[[], None] | None = None,
+    detach_groups: bool = False,
 ) -> Iterator[ServedJob]:
     """Bring ``config``'s inference side up on the connected Ray; tear it all down on exit.
 
     ``health_interval``: seconds between health checks of every replica (0: no monitor).
     ``before_teardown`` is called first thing when the block ends (e.g. to hold signals).
+    ``detach_groups``: create the placement groups detached (on a cluster that outlives this
+    process), so the ones teardown must keep survive it.
+
+    Teardown keeps every fence: a placement group with a worker whose cleanup is not confirmed
+    (its actor died without confirmed cleanup of its engine, or its shutdown was not
+    confirmed) is never released; the problems raised name it, the workers on it and what an
+    operator must check (:attr:`ServedJob.kept_groups`).
 
     :raises PlacementError: the plan or the binding is invalid (nothing was started).
     :raises LifecycleError: engines did not become READY (everything started is shut down).
@@ -897,7 +947,7 @@ def serve_job(
     hold = before_teardown or (lambda: None)
     failed = False
     try:
-        placements = _placements(config, pm, job)
+        placements = _placements(config, pm, job, detach_groups=detach_groups)
         for role in config.roles:
             job.services[role.name] = build_role_service(
                 role, plugin_manager=pm, placements=placements[role.name], log_dir=log_dir
@@ -1058,6 +1108,7 @@ def _teardown(job: ServedJob, out: TextIO) -> list[str]:
         print(f"  gateways stopped ({len(job.gateways)})", file=out, flush=True)
     for service in job.services.values():
         problems += service.shutdown()
+    unconfirmed = [w for service in job.services.values() for w in service.unconfirmed_workers()]
     left = _wait_gone(job.engine_pids | job.router_pids, timeout=15.0)
     if left & job.engine_pids:
         problems.append(f"engine processes still running: {sorted(left & job.engine_pids)}")
@@ -1069,13 +1120,42 @@ def _teardown(job: ServedJob, out: TextIO) -> list[str]:
         print(f"  routers stopped ({len(job.router_pids)})", file=out, flush=True)
     released = 0
     for bound in job.bound:
+        on_it = [w for w in unconfirmed if w.placement_group_id == _group_hex(bound)]
+        if on_it:
+            name = f"relax-{bound.pool}"
+            why = "; ".join(w.describe() for w in on_it)
+            job.kept_groups[name] = why
+            problems.append(_kept_message(name, bound, on_it))
+            continue
         try:
             released += release_bound_pool(bound)
         except RelaxError as exc:
             problems.append(str(exc))
     if job.bound:
-        print(f"  placement groups removed ({released})", file=out, flush=True)
+        kept = f", {len(job.kept_groups)} kept" if job.kept_groups else ""
+        print(f"  placement groups removed ({released}){kept}", file=out, flush=True)
     return problems
+
+
+def _group_hex(bound: Any) -> str | None:
+    group = bound.placement_group
+    return group.id.hex() if group is not None else None
+
+
+def _kept_message(name: str, bound: Any, workers: list[Any]) -> str:
+    """What an operator reads about a placement group teardown kept."""
+    pids = sorted({w.engine_pid for w in workers if w.engine_pid is not None})
+    nodes = sorted({w.node_ip for w in workers if w.node_ip})
+    check = f"engine process(es) {pids}" if pids else "the engine processes"
+    return (
+        f"placement group {name!r} (pool {bound.pool!r}, id {_group_hex(bound)}) was KEPT, not "
+        f"released: {'; '.join(w.describe() for w in workers)}. Its GPUs may still be held by a "
+        f"stray engine. Check on node(s) {', '.join(nodes) or '(unknown)'} that {check} and "
+        "their process groups are gone and the GPUs are free (nvidia-smi); then remove the "
+        f"group (ray.util.remove_placement_group(ray.util.get_placement_group({name!r}))), or "
+        "stop the Ray cluster. A local Ray that `relax serve` started stops with it, which "
+        "releases the group anyway: check before starting the next job on that machine"
+    )
 
 
 def _pid_alive(pid: int) -> bool:

@@ -21,6 +21,7 @@ PUBLIC = [
     "AdmissionServer",
     "BatchFailedError",
     "BatchSink",
+    "BreakerSettings",
     "CapabilityError",
     "ChannelError",
     "ConfigError",

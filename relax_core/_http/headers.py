@@ -22,6 +22,11 @@ __all__ = [
 
 #: The header carrying a request's id end to end (kept by every hop).
 REQUEST_ID_HEADER = "X-Request-ID"
+#: Set by an admission server on its 502 when the engine behind it could not be connected to:
+#: nothing reached the engine, so the caller may send the request to another replica.
+NOT_SENT_HEADER = "X-Relax-Not-Sent"
+#: A request may require weights of at least this version (see ``RouteResolver``).
+MIN_WEIGHT_VERSION_HEADER = "X-Relax-Min-Weight-Version"
 #: The affinity header sglang-router / smg hash on (``consistent_hashing``); kept by every hop.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
@@ -77,22 +82,29 @@ def forward_headers(
     return out
 
 
-_TAKEN_FROM_CALLER = _DROP_REQUEST | {"x-request-id", "x-smg-routing-key", "content-type"}
+_TAKEN_FROM_CALLER = _DROP_REQUEST | {
+    "x-request-id",
+    "x-smg-routing-key",
+    "content-type",
+    "x-relax-min-weight-version",
+}
 
 
 def caller_headers(
     headers: Mapping[str, str] | Iterable[tuple[str, str]],
-) -> tuple[dict[str, str], str | None, str | None]:
-    """Split a gateway caller's request headers: ``(forwarded, request_id, routing_key)``.
+) -> tuple[dict[str, str], str | None, str | None, str | None]:
+    """Split a gateway caller's request headers:
+    ``(forwarded, request_id, routing_key, min_weight_version)``.
 
     ``forwarded`` is :func:`forward_headers` of them without ``X-Request-ID``,
-    ``X-SMG-Routing-Key`` and ``Content-Type`` (the client sets those itself); the two ids are
-    the caller's values of those headers (``None`` when absent or named by ``Connection``).
-    One pass: this runs for every request a gateway forwards.
+    ``X-SMG-Routing-Key``, ``X-Relax-Min-Weight-Version`` and ``Content-Type`` (the client sets
+    or uses those itself); the other three are the caller's values of those headers (``None``
+    when absent or named by ``Connection``). One pass: this runs for every request a gateway
+    forwards.
     """
     items = headers.items() if isinstance(headers, Mapping) else headers
     out: dict[str, str] = {}
-    request_id = routing_key = None
+    request_id = routing_key = min_version = None
     named: set[str] | None = None
     for name, value in items:
         low = name.lower()
@@ -101,6 +113,8 @@ def caller_headers(
                 request_id = value
             elif low == "x-smg-routing-key":
                 routing_key = value
+            elif low == "x-relax-min-weight-version":
+                min_version = value
             elif low == "connection":
                 named = (named or set()) | {t.strip().lower() for t in value.split(",")}
             continue
@@ -111,4 +125,6 @@ def caller_headers(
             request_id = None
         if "x-smg-routing-key" in named:
             routing_key = None
-    return out, request_id, routing_key
+        if "x-relax-min-weight-version" in named:
+            min_version = None
+    return out, request_id, routing_key, min_version

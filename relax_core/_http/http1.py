@@ -337,8 +337,11 @@ class _Connection(asyncio.Protocol):
         if self.closed or not self._parser.should_keep_alive():  # (close frees the slot)
             self.close()
         else:
+            client = self.slot
             self._free_slot()
             self._pool.put(self)
+            if client is not None and client._sweep is None:
+                client._sweep_later()
 
     def _fail(self, exc: BaseException) -> None:
         head, self._head = self._head, None
@@ -403,7 +406,9 @@ class Http1Client:
 
     A connection idle for ``keepalive_timeout`` seconds is not reused (keep it below the
     servers' own keep-alive, 5 s for uvicorn and SGLang, so a request is never written to a
-    connection the server is closing). Belongs to one event loop.
+    connection the server is closing), and is closed by a sweep soon after, so a burst's
+    connections do not stay open (file descriptors held) until the next request to their host.
+    Belongs to one event loop.
     """
 
     def __init__(
@@ -421,6 +426,26 @@ class Http1Client:
         self._busy = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def _sweep_later(self) -> None:
+        self._sweep = asyncio.get_running_loop().call_later(
+            self.keepalive_timeout, self._sweep_idle
+        )
+
+    def _sweep_idle(self) -> None:
+        """Close the idle connections past the keep-alive; come back while any are idle."""
+        self._sweep = None
+        now = time.monotonic()
+        left = False
+        for pool in self._pools.values():
+            for conn in list(pool.idle):
+                if now - conn.idle_since >= self.keepalive_timeout or conn.closed:
+                    conn.close()
+                else:
+                    left = True
+        if left and not self._closed:
+            self._sweep_later()
 
     def _route(self, url: str) -> tuple[_HostPool, bytes]:
         """The pool of ``url``'s host and its request-line target, cached per URL."""
@@ -551,6 +576,9 @@ class Http1Client:
     async def aclose(self) -> None:
         """Close every pooled connection (idempotent); requests after this fail."""
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for pool in self._pools.values():
             for conn in list(pool.idle):
                 conn.close()

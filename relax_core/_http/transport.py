@@ -187,7 +187,7 @@ class Transport:
             body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise classify_failure(
-                exc, prepared, self.timeout if timeout is None else timeout
+                exc, prepared, self.timeout if timeout is None else timeout, answer_started=True
             ) from exc
         finally:
             resp.release()

@@ -80,12 +80,17 @@ def _where(prepared: PreparedRequest) -> str:
 
 
 def classify_failure(
-    exc: BaseException, prepared: PreparedRequest, deadline: float | None
+    exc: BaseException,
+    prepared: PreparedRequest,
+    deadline: float | None,
+    *,
+    answer_started: bool = False,
 ) -> UpstreamError:
     """The error for an aiohttp/OS failure of ``prepared``: was it (possibly) sent or not?
 
     :class:`UpstreamUnreachableError` when the connection could not be opened (nothing sent),
-    else :class:`~relax_core.errors.RequestNotReplayedError` (504 for a deadline, else 502).
+    else :class:`~relax_core.errors.RequestNotReplayedError` (504 for a deadline, else 502)
+    with ``answer_started`` (the answer's head had arrived: the failure came mid-answer).
     """
     where = _where(prepared)
     rid = prepared.request_id
@@ -98,6 +103,7 @@ def classify_failure(
             f"is not replayed (request id {rid}); raise {exc.setting} if the engine can "
             "legitimately stay silent that long",
             request_id=rid,
+            answer_started=True,
         )
     if isinstance(exc, aiohttp.ConnectionTimeoutError | ConnectTimeout):
         return UpstreamUnreachableError(
@@ -114,12 +120,14 @@ def classify_failure(
             f"{prepared.method} {where} got no complete answer{limit}; it was sent and is not "
             f"replayed (request id {rid})",
             request_id=rid,
+            answer_started=answer_started,
         )
     return RequestNotReplayedError(
         502,
         f"{prepared.method} {where} failed after it was sent: {type(exc).__name__}: {exc}; "
         f"it is not replayed (request id {rid})",
         request_id=rid,
+        answer_started=answer_started,
     )
 
 
@@ -183,8 +191,9 @@ class UpstreamResponse:
 
     Read it once, with :meth:`read`, :meth:`json`, :meth:`iter_chunks` or :meth:`iter_sse`,
     then :meth:`aclose` it (``async with`` does). A failure while reading raises
-    :class:`~relax_core.errors.RequestNotReplayedError`. ``idle_timeout`` /
-    ``first_chunk_timeout`` (seconds, ``None``: no limit) bound how long a piece-by-piece read
+    :class:`~relax_core.errors.RequestNotReplayedError` (and calls ``on_failure(error)``).
+    ``idle_timeout`` / ``first_chunk_timeout`` (seconds, ``None``: no limit) bound how long a
+    piece-by-piece read
     (:meth:`iter_chunks` and what builds on it) waits for the next bytes once the body has
     started / for its first bytes; past it the read raises a 504
     :class:`~relax_core.errors.RequestNotReplayedError`. The status is not checked here: a
@@ -266,9 +275,9 @@ class UpstreamResponse:
         return out
 
     def _fail(self, exc: BaseException) -> UpstreamError:
-        err = classify_failure(exc, self.prepared, None)
+        err = classify_failure(exc, self.prepared, None, answer_started=True)
         if self._on_failure is not None:
-            self._on_failure()
+            self._on_failure(err)
         return err
 
     async def read(self) -> bytes:

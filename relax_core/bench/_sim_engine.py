@@ -13,6 +13,11 @@ serves HTTP only once the N-1 followers (``--node-rank R``) have connected over 
 that loses its head exits, and a head that loses a follower stops generating (its
 ``/health_generate`` answers 503), as a real multi-node engine's collective would fail.
 
+``--request-log DIR`` appends the ``X-Request-ID`` of every ``/generate`` it receives to a file
+of its own in DIR (one ``os.write`` per request to an ``O_APPEND`` file, so the record survives a
+``kill -9``): the soak suite counts replays from them. ``/generate`` with ``"stream": true``
+answers ``max_new_tokens`` SSE events, ``--stream-gap-ms`` apart.
+
 ``python _sim_engine.py --host H --port P --engine-id ID [--release-ms weights=120,...]``
 """
 
@@ -22,6 +27,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import sys
 
 from aiohttp import web
@@ -52,6 +58,12 @@ class SimEngine:
         self.resident = dict.fromkeys(TAGS, True)
         self.version = args.weight_version
         self.lock = asyncio.Lock()
+        self.log_fd: int | None = None
+        if args.request_log:
+            os.makedirs(args.request_log, exist_ok=True)
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.engine_id)
+            path = os.path.join(args.request_log, f"{safe}-{os.getpid()}.log")
+            self.log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def ok(self, **extra: object) -> web.Response:
         return web.json_response({"success": True, "message": "ok", **extra})
@@ -75,14 +87,30 @@ class SimEngine:
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"engine_id": self.args.engine_id, "resident": self.resident})
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if self.log_fd is not None:
+            rid = request.headers.get("X-Request-ID", "-")
+            os.write(self.log_fd, rid.encode("ascii", "replace") + b"\n")
         if self.broken:
             return web.json_response({"error": self.broken}, status=500)
         if not all(self.resident.values()):
             return web.json_response({"error": "memory released"}, status=400)
+        body = json.loads(await request.read() or b"{}")
         await asyncio.sleep(self.args.generate_ms / 1000.0)
         meta = {"finish_reason": {"type": "length"}, "weight_version": self.version}
-        return web.json_response({"text": "sim", "output_ids": [1], "meta_info": meta})
+        if not body.get("stream"):
+            return web.json_response({"text": "sim", "output_ids": [1], "meta_info": meta})
+        n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 1)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(max(1, n)):
+            if i:
+                await asyncio.sleep(self.args.stream_gap_ms / 1000.0)
+            event = {"text": "sim" * (i + 1), "output_ids": list(range(i + 1)), "meta_info": meta}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def nothing(self, request: web.Request) -> web.Response:
         return self.ok()
@@ -192,6 +220,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--generate-ms", type=float, default=10.0)
     parser.add_argument("--jitter-ms", type=int, default=20)
     parser.add_argument("--weight-version", default="sim-0")
+    parser.add_argument("--request-log", default=None, help="append request ids to DIR/…")
+    parser.add_argument("--stream-gap-ms", type=float, default=5.0)
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--dist-init-addr", default=None)

@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from relax_core.bench._gateway_proc import ROLE
+from relax_core.errors import RelaxError
 from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S
 from relax_core.net import free_port
 
@@ -90,6 +91,11 @@ def _process(args: list[str], what: str, timeout: float = 30.0) -> Iterator[dict
 @contextlib.contextmanager
 def _router(worker: str, timeout: float = 60.0) -> Iterator[str]:
     """The real sglang-router in front of ``worker``; yields its URL once it forwards."""
+    with tempfile.TemporaryFile() as errors:
+        yield from _run_router(worker, timeout, errors)
+
+
+def _run_router(worker: str, timeout: float, errors: Any) -> Iterator[str]:
     port, prom = free_port(), free_port()
     proc = subprocess.Popen(
         [
@@ -112,14 +118,19 @@ def _router(worker: str, timeout: float = 60.0) -> Iterator[str]:
             "warn",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=errors,
     )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with code {proc.returncode}")
+                errors.seek(0)
+                said = errors.read()[-600:].decode("utf-8", "replace").strip()
+                raise RelaxError(
+                    f"sglang-router exited with code {proc.returncode} before it served: "
+                    f"{said or '(it printed nothing)'}"
+                )
             try:
                 req = urllib.request.Request(
                     url + "/generate",
@@ -234,8 +245,25 @@ def _threads(name: str) -> dict[str, int]:
     return {}
 
 
+def _check_router_installed() -> None:
+    """:raises RelaxError: the sglang-router package (the router binary) is not installed."""
+    try:
+        import sglang_router  # noqa: F401  (only whether it is there)
+    except ImportError:
+        raise RelaxError(
+            "this benchmark compares the gateway with the real sglang-router, which is not "
+            "installed in this Python environment. Install it: pip install "
+            "'sglang-router>=0.3.2,<0.4' (it also comes with relax-core's test extra: "
+            "pip install -e '.[test]')"
+        ) from None
+
+
 def run(quick: bool = False) -> dict[str, Any]:
-    """Run the benchmark once (``quick``: shorter phases); return the numbers and targets."""
+    """Run the benchmark once (``quick``: shorter phases); return the numbers and targets.
+
+    :raises RelaxError: the sglang-router package is not installed (nothing is started).
+    """
+    _check_router_installed()
     rounds = 1 if quick else 3
     c1_seconds, c32_seconds = (1.0, 1.0) if quick else (2.0, 3.0)
     use_wrk = shutil.which("wrk") is not None and not os.environ.get("RELAX_BENCH_NO_WRK")

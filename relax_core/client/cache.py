@@ -87,6 +87,11 @@ class SnapshotCache:
         """How many fetches have completed: the age of the cached snapshot, for :meth:`refetch`."""
         return self._fetches
 
+    @property
+    def latest(self) -> RoleSnapshot | None:
+        """The last snapshot fetched, fresh or not (``None`` before the first; no I/O)."""
+        return self._snapshot
+
     def fresh(self) -> RoleSnapshot | None:
         """The cached snapshot while it is fresh, else ``None`` (no I/O: the hot path)."""
         snap = self._snapshot

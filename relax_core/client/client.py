@@ -18,13 +18,22 @@ Contract (see docs/client.md):
   answers a bad body with (:func:`decode_json_body` is the one check).
 - Resolution: :class:`~relax_core.discovery.routing.RouteResolver` with the client's in-flight count
   per engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
-  connection that cannot be opened (nothing sent) likewise gets one refresh and one retry.
+  connection that cannot be opened (nothing sent) likewise gets one refresh and one retry, on
+  another replica when there is one (the one that failed is avoided). A request may require a
+  minimum weight version (``min_weight_version=``, the body field ``min_weight_version`` or the
+  header ``X-Relax-Min-Weight-Version``): only heads serving at least that version are
+  candidates (503 + ``retry_after`` until one does).
+- Circuit breakers (:mod:`relax_core.client.breaker`): a DIRECT head whose connections failed
+  ``breaker.failures`` times in a row is left out of routing until a ``GET /health_generate``
+  probe succeeds. Failures are counted by class (:attr:`InferenceClient.failure_counts`:
+  connect, before the first byte, mid-stream; :mod:`relax_core._http.failures`).
 - A request that was sent is never sent again: a failure after sending raises
   :class:`~relax_core.errors.RequestNotReplayedError` (502, or 504 on the deadline) carrying the
   request id. Every transport failure, timeout, cancellation and upstream 502/503/504
   invalidates the cached snapshot.
-- Payloads: ``/generate`` loses ``model`` and ``route_key``; chat and completion payloads get
-  ``model`` rewritten to the target's ``served_model_name`` (and lose ``route_key``). The
+- Payloads: ``/generate`` loses ``model``, ``route_key`` and ``min_weight_version``; chat and
+  completion payloads get ``model`` rewritten to the target's ``served_model_name`` (and lose
+  ``route_key`` and ``min_weight_version``). The
   affinity key travels as ``X-SMG-Routing-Key``; the request id as ``X-Request-ID``.
 """
 
@@ -35,13 +44,19 @@ import functools
 import itertools
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping
 from typing import Any, TypedDict, TypeVar, Unpack
 
 import aiohttp
 import orjson
 
-from relax_core._http.headers import REQUEST_ID_HEADER, ROUTING_KEY_HEADER, caller_headers
+from relax_core._http.failures import FailureClass, failure_class
+from relax_core._http.headers import (
+    NOT_SENT_HEADER,
+    REQUEST_ID_HEADER,
+    ROUTING_KEY_HEADER,
+    caller_headers,
+)
 from relax_core._http.transport import Transport
 from relax_core._http.upstream import (
     PreparedRequest,
@@ -49,20 +64,28 @@ from relax_core._http.upstream import (
     decode_answer,
     status_error,
 )
+from relax_core.client.breaker import BreakerSettings, ReplicaBreakers
 from relax_core.client.cache import SnapshotCache, SnapshotProvider
-from relax_core.discovery.routing import RouteResolver, RouteTarget
-from relax_core.discovery.schema import RoleSnapshot, WeightSources
-from relax_core.errors import InvalidRequestError, RoutingError, UpstreamUnreachableError
+from relax_core.discovery.routing import RouteResolver, RouteTarget, weight_version_at_least
+from relax_core.discovery.schema import RoleSnapshot, RouteMode, WeightSources
+from relax_core.errors import (
+    InvalidRequestError,
+    RequestNotReplayedError,
+    RoutingError,
+    UpstreamUnreachableError,
+)
 from relax_core.plugins import PluginManager
 
 __all__ = [
     "GENERATE_PATHS",
+    "MIN_WEIGHT_VERSION_FIELD",
     "OPENAI_PATHS",
     "InferenceClient",
     "OpenOptions",
     "RouteOptions",
     "SnapshotProvider",
     "decode_json_body",
+    "requested_weight_version",
 ]
 
 #: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
@@ -70,6 +93,10 @@ GENERATE_PATHS = frozenset({"/generate"})
 #: OpenAI-style paths: ``model`` becomes the backend's served model name.
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 _UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
+#: Body fields the client uses and never forwards to an engine's native or OpenAI paths.
+_ROUTING_FIELDS = ("model", "route_key", "min_weight_version")
+#: The body field and header a request requires a minimum weight version with.
+MIN_WEIGHT_VERSION_FIELD = "min_weight_version"
 T = TypeVar("T")
 
 
@@ -84,6 +111,8 @@ class RouteOptions(TypedDict, total=False):
     request_id: str | None
     headers: Mapping[str, str] | None
     target: RouteTarget | None
+    min_weight_version: str | None
+    avoid: Collection[str] | None
 
 
 class OpenOptions(RouteOptions, total=False):
@@ -109,7 +138,9 @@ class InferenceClient:
     the routing policies and the weight sources a fetched snapshot is checked against come
     from (default: the process-wide one, loaded on first need); a role gateway always passes
     its own. ``weight_sources``: check snapshots against these instead (names, records or a
-    plugin manager). Round-robin and other policy state is per client.
+    plugin manager). ``breaker``: when a DIRECT head's circuit breaker opens and how it probes
+    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers). Round-robin,
+    breaker and other policy state is per client.
 
     The parts: a :class:`~relax_core.client.cache.SnapshotCache` (discovery), a
     :class:`~relax_core.discovery.routing.RouteResolver` (routing) and a
@@ -137,6 +168,7 @@ class InferenceClient:
         session: aiohttp.ClientSession | None = None,
         plugin_manager: PluginManager | None = None,
         weight_sources: WeightSources | None = None,
+        breaker: BreakerSettings | None = BreakerSettings(),
     ) -> None:
         if (base_url is None) == (snapshot_provider is None):
             raise ValueError("InferenceClient: give exactly one of base_url and snapshot_provider")
@@ -166,6 +198,13 @@ class InferenceClient:
             weight_sources=weight_sources if weight_sources is not None else plugin_manager,
         )
         self._resolver = RouteResolver(plugin_manager)
+        self._breakers = (
+            None
+            if breaker is None
+            else ReplicaBreakers(breaker, self._probe, published=self._published)
+        )
+        #: Upstream failures of this client's requests, by class (``FailureClass`` values).
+        self.failure_counts: dict[str, int] = dict.fromkeys(FailureClass, 0)
         self._inflight: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex() + "-"
@@ -175,6 +214,56 @@ class InferenceClient:
     def inflight(self) -> Mapping[str, int]:
         """Requests of this client now in flight, per engine id (DIRECT targets only)."""
         return self._inflight
+
+    @property
+    def breakers(self) -> ReplicaBreakers | None:
+        """The circuit breakers of this client's DIRECT heads (``None`` when disabled)."""
+        return self._breakers
+
+    async def _probe(self, url: str, timeout: float) -> int:
+        status, _ = await self._transport.get_json(url, timeout=timeout)
+        return status
+
+    def _published(self, url: str) -> bool:
+        snap = self._cache.latest
+        if snap is None:
+            return True
+        return any(e.base_url == url for m in snap.models.values() for e in m.engines)
+
+    def _failed(self, error: BaseException, target: RouteTarget | None) -> None:
+        """Count a failed exchange by class; a connect failure also counts for the head's
+        circuit breaker."""
+        kind = failure_class(error)
+        if kind is None:
+            return
+        self.failure_counts[kind] += 1
+        if (
+            kind is FailureClass.CONNECT
+            and self._breakers is not None
+            and target is not None
+            and target.route_mode is RouteMode.DIRECT
+        ):
+            self._breakers.connect_failed(target.url, target.engine_id)
+
+    def _not_sent(self, prepared: PreparedRequest) -> UpstreamUnreachableError:
+        """The error for an admission server's 502 saying its engine got nothing (counted as a
+        connect failure: the request may go to another replica)."""
+        target = prepared.target
+        engine = f" ({target.engine_id})" if target is not None and target.engine_id else ""
+        error = UpstreamUnreachableError(
+            502,
+            f"the replica at {_base(prepared)}{engine} could not reach its engine; nothing was "
+            "sent",
+            request_id=prepared.request_id,
+        )
+        self._failed(error, target)
+        return error
+
+    def _response_failed(self, error: BaseException) -> None:
+        """A response's body failed mid-way (``UpstreamResponse`` ``on_failure``)."""
+        self._cache.invalidate()
+        if isinstance(error, RequestNotReplayedError):
+            self._failed(error, None)
 
     # -- discovery -------------------------------------------------------------------------
 
@@ -191,30 +280,83 @@ class InferenceClient:
 
     # -- routing and preparation -----------------------------------------------------------
 
+    async def recheck(
+        self,
+        target: RouteTarget,
+        *,
+        affinity_key: str | None = None,
+        min_weight_version: str | None = None,
+    ) -> RouteTarget:
+        """``target`` if the current snapshot still routes to it, else a new decision for its
+        model — for a request whose body took a while to build for ``target`` (a rendered
+        chat template), so it is not sent to a replica that went away meanwhile.
+
+        Still routes: the model is READY and, for a DIRECT target, the head is READY,
+        direct-eligible, at the same URL and generation (and, with ``min_weight_version``,
+        serves at least that version). The snapshot is the cached one while fresh.
+
+        :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`).
+        """
+        snap = await self._cache.snapshot()
+        model = snap.models.get(target.model_id)
+        if model is not None and model.state.value == "READY":
+            if target.route_mode is RouteMode.SGLANG_ROUTER:
+                if model.router_url == target.url and min_weight_version is None:
+                    return target
+            else:
+                for engine in model.engines:
+                    if (
+                        engine.engine_id == target.engine_id
+                        and engine.base_url == target.url
+                        and engine.generation == target.generation
+                        and engine.direct_eligible
+                        and engine.state.value == "READY"
+                        and (
+                            min_weight_version is None
+                            or weight_version_at_least(target.weight_version, min_weight_version)
+                        )
+                    ):
+                        return target
+        return await self.resolve(
+            model=target.model_id,
+            affinity_key=affinity_key,
+            min_weight_version=min_weight_version,
+        )
+
     async def resolve(
         self,
         *,
         model: str | None = None,
         route_key: str | None = None,
         affinity_key: str | None = None,
+        min_weight_version: str | None = None,
+        avoid: Collection[str] | None = None,
     ) -> RouteTarget:
         """Where a request would go now: a routing decision (round-robin advances).
 
-        A 503 (the model is not READY, no replica is eligible) gets one refresh of the
-        snapshot and one retry; a second 503 reaches the caller with its ``retry_after``.
-        Raises ``RoutingError`` (400: unknown model or route key; 503).
+        ``min_weight_version``: only heads serving at least that weight version qualify.
+        ``avoid``: base URLs to leave out unless no other head is eligible (heads whose circuit
+        breaker is open are avoided too). A 503 (the model is not READY, no replica is
+        eligible, none has the version) gets one refresh of the snapshot and one retry; a second
+        503 reaches the caller with its ``retry_after``. Raises ``RoutingError`` (400: unknown
+        model or route key; 503).
         """
         cache = self._cache
         snap = cache.fresh()
         if snap is None:
             snap = await cache.snapshot()
         seen = cache.fetches
+        breakers = self._breakers
+        if breakers is not None and breakers.open_urls:
+            avoid = breakers.open_urls | frozenset(avoid or ())
         resolve = functools.partial(
             self._resolver.resolve,
             model=model,
             route_key=route_key,
             affinity_key=affinity_key,
             inflight=self._inflight,
+            min_weight_version=min_weight_version,
+            avoid=avoid,
         )
         try:
             return resolve(snap)
@@ -235,6 +377,8 @@ class InferenceClient:
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
         target: RouteTarget | None = None,
+        min_weight_version: str | None = None,
+        avoid: Collection[str] | None = None,
     ) -> PreparedRequest:
         """Resolve and build the request to send: URL, headers and body bytes.
 
@@ -246,14 +390,18 @@ class InferenceClient:
         already chose for this request (e.g. to build the body for its model first); it is
         used as it is, without a second routing decision (which would, for instance, advance
         round-robin twice); ``model``/``route_key`` are then ignored.
+        ``min_weight_version`` defaults to the payload's ``min_weight_version`` field, then to
+        the caller's ``X-Relax-Min-Weight-Version`` header; ``avoid``: base URLs to leave out
+        (see :meth:`resolve`).
 
         Raises :class:`~relax_core.errors.InvalidRequestError` (400: the payload is not a JSON
-        object, ``model``/``route_key`` are not strings) and ``RoutingError`` (see
-        :meth:`resolve`). Nothing is sent.
+        object, ``model``/``route_key``/``min_weight_version`` are not strings) and
+        ``RoutingError`` (see :meth:`resolve`). Nothing is sent.
         """
         body, raw = _json_object(payload)
+        caller_min = None
         if headers:
-            out, caller_rid, caller_key = caller_headers(headers)
+            out, caller_rid, caller_key, caller_min = caller_headers(headers)
             request_id = caller_rid if request_id is None else request_id
             affinity_key = caller_key if affinity_key is None else affinity_key
         else:
@@ -264,11 +412,17 @@ class InferenceClient:
         out[REQUEST_ID_HEADER] = request_id
         if affinity_key is not None:
             out[ROUTING_KEY_HEADER] = affinity_key
+        if min_weight_version is None:
+            min_weight_version = _version_field(body)
+            if min_weight_version is None and caller_min is not None:
+                min_weight_version = _version_header(caller_min)
         if target is None:
             target = await self.resolve(
                 model=_string_field(body, "model") if model is None else model,
                 route_key=_string_field(body, "route_key") if route_key is None else route_key,
                 affinity_key=affinity_key,
+                min_weight_version=min_weight_version,
+                avoid=avoid,
             )
         raw = _body_for(path, body, raw, target.served_model_name)
         # tuple.__new__ skips the named tuple's Python-level __new__ (hot path).
@@ -317,17 +471,25 @@ class InferenceClient:
         engine_id = self._track(prepared)
         try:
             resp = await transport.open(prepared, timeout)
-        except BaseException:
+        except BaseException as exc:
             self._untrack(engine_id)
             self._cache.invalidate()
+            self._failed(exc, prepared.target)
             raise
         if resp.status in _UPSTREAM_UNAVAILABLE:
             self._cache.invalidate()
+            if resp.status == 502 and resp.headers.get(NOT_SENT_HEADER):
+                resp.close()
+                self._untrack(engine_id)
+                raise self._not_sent(prepared)
+        breakers = self._breakers
+        if breakers is not None and engine_id is not None:
+            breakers.reached(_base(prepared))
         return UpstreamResponse(
             resp,
             prepared,
             on_close=lambda: self._untrack(engine_id),
-            on_failure=self._cache.invalidate,
+            on_failure=self._response_failed,
             idle_timeout=idle,
             first_chunk_timeout=first,
         )
@@ -339,13 +501,18 @@ class InferenceClient:
         engine_id = self._track(prepared)
         try:
             status, headers, body = await self._transport.exchange(prepared, timeout)
-        except BaseException:  # a failure or cancellation: the request is never replayed
+        except BaseException as exc:  # a failure or cancellation: the request is never replayed
             self._cache.invalidate()
+            self._failed(exc, prepared.target)
             raise
         finally:
             self._untrack(engine_id)
         if status in _UPSTREAM_UNAVAILABLE:
             self._cache.invalidate()
+            if status == 502 and headers.get(NOT_SENT_HEADER):
+                raise self._not_sent(prepared)
+        if engine_id is not None and self._breakers is not None:
+            self._breakers.reached(_base(prepared))
         return status, headers, body, prepared
 
     async def _routed(
@@ -358,15 +525,20 @@ class InferenceClient:
         """Prepare, then ``attempt`` the request, with the one safe retry.
 
         When no connection could be opened (nothing was sent), the failure invalidated the
-        snapshot: the request is routed again on a fresh one and attempted once more, with the
-        same request id. A caller-chosen ``target`` pinned the model (its body may be built for
-        it): the retry keeps the model and lets the resolver pick the replica.
+        snapshot: the request is routed again on a fresh one, to another replica when there is
+        one (the one that failed is avoided), and attempted once more, with the same request
+        id. A caller-chosen ``target`` pinned the model (its body may be built for it): the
+        retry keeps the model and lets the resolver pick the replica. Nothing else is ever
+        retried.
         """
         prepared = await self.prepare(path, payload, **routing)
         try:
             return await attempt(prepared)
         except UpstreamUnreachableError:
             again: RouteOptions = {**routing, "request_id": prepared.request_id, "target": None}
+            failed = prepared.target
+            if failed is not None and failed.route_mode is RouteMode.DIRECT:
+                again["avoid"] = frozenset(routing.get("avoid") or ()) | {failed.url}
             target = routing.get("target")
             if target is not None:
                 again["model"], again["route_key"] = target.model_id, None
@@ -468,8 +640,11 @@ class InferenceClient:
     # -- lifetime --------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Close the HTTP session the client created (idempotent)."""
+        """Close the HTTP session the client created and stop its breakers' probes
+        (idempotent)."""
         self._closed = True
+        if self._breakers is not None:
+            await self._breakers.aclose()
         await self._transport.aclose()
 
     @property
@@ -532,6 +707,57 @@ def _json_object(payload: object) -> tuple[dict[str, Any], bytes | None]:
     )
 
 
+def requested_weight_version(
+    body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> str | None:
+    """The minimum weight version a request requires: its body's ``min_weight_version``
+    field, else its ``X-Relax-Min-Weight-Version`` header (``headers`` with lower-case names,
+    as a gateway has them), else ``None``.
+
+    :raises InvalidRequestError: the field is not a non-empty string or a non-negative
+        integer, or the header is empty.
+    """
+    version = _version_field(body)
+    if version is None and headers:
+        raw = headers.get("x-relax-min-weight-version")
+        if raw is not None:
+            version = _version_header(raw)
+    return version
+
+
+def _base(prepared: PreparedRequest) -> str:
+    """The base URL of the head a DIRECT request went to (what its breaker is keyed by)."""
+    target = prepared.target
+    return target.url if target is not None else prepared.url
+
+
+def _version_field(body: Mapping[str, Any]) -> str | None:
+    """The payload's ``min_weight_version`` as a string (an integer is taken as its digits)."""
+    value = body.get(MIN_WEIGHT_VERSION_FIELD)
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and value:
+        return value
+    raise InvalidRequestError(
+        f"request field {MIN_WEIGHT_VERSION_FIELD!r} must be a non-empty string or a "
+        f'non-negative integer (a weight version, e.g. "12"), got {value!r}',
+        field=MIN_WEIGHT_VERSION_FIELD,
+    )
+
+
+def _version_header(value: str) -> str:
+    value = value.strip()
+    if not value:
+        raise InvalidRequestError(
+            "header X-Relax-Min-Weight-Version is empty; give a weight version (e.g. 12) or "
+            "leave the header out",
+            field="X-Relax-Min-Weight-Version",
+        )
+    return value
+
+
 def _string_field(body: Mapping[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is not None and type(value) is not str:
@@ -544,15 +770,18 @@ def _string_field(body: Mapping[str, Any], name: str) -> str | None:
 def _body_for(path: str, body: dict[str, Any], raw: bytes | None, served: str) -> bytes:
     """The bytes sent to ``path``: ``raw`` when no field changes, else ``body`` rewritten.
 
-    ``/generate`` loses the logical ``model`` and ``route_key``; an OpenAI path gets ``model``
-    set to the target's served name and loses ``route_key``; other paths are sent unchanged.
+    ``/generate`` loses the logical ``model``, ``route_key`` and ``min_weight_version``; an
+    OpenAI path gets ``model`` set to the target's served name and loses ``route_key`` and
+    ``min_weight_version``; other paths are sent unchanged.
     """
     if path in GENERATE_PATHS:
-        if "model" in body or "route_key" in body:
-            body = {k: v for k, v in body.items() if k != "model" and k != "route_key"}
+        if "model" in body or "route_key" in body or MIN_WEIGHT_VERSION_FIELD in body:
+            body = {k: v for k, v in body.items() if k not in _ROUTING_FIELDS}
             raw = None
-    elif path in OPENAI_PATHS and (body.get("model") != served or "route_key" in body):
-        body = {k: v for k, v in body.items() if k != "route_key"}
+    elif path in OPENAI_PATHS and (
+        body.get("model") != served or "route_key" in body or MIN_WEIGHT_VERSION_FIELD in body
+    ):
+        body = {k: v for k, v in body.items() if k != "route_key" and k != MIN_WEIGHT_VERSION_FIELD}
         body["model"] = served
         raw = None
     if raw is not None:

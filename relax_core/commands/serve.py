@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
                 log_dir=log_dir,
                 health_interval=args.health_interval,
                 before_teardown=stopping,
+                # On a cluster that outlives this process, a group teardown must keep (an
+                # engine not confirmed gone) stays reserved after it.
+                detach_groups=args.address is not None,
             ) as job:
                 for role, gw in job.gateways.items():
                     print(

@@ -167,15 +167,18 @@ def child_path(prefix: str, key: str) -> str:
     return seg[1:] if not prefix and seg.startswith(".") else prefix + seg
 
 
-def object_fields(data: object, path: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    """``data`` as a JSON object with exactly the fields ``names`` (path-named errors)."""
+def object_fields(
+    data: object, path: str, names: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> Mapping[str, Any]:
+    """``data`` as a JSON object with exactly the fields ``names``, and maybe some of
+    ``optional`` (path-named errors)."""
     if not isinstance(data, Mapping):
         raise SnapshotError(path, f"must be a JSON object, got {type(data).__name__}")
     for key in data:
-        if key not in names:
+        if key not in names and key not in optional:
             raise SnapshotError(
                 child_path(path, str(key)),
-                f"unknown field {key!r}; schema 2 allows here: {', '.join(names)}",
+                f"unknown field {key!r}; schema 2 allows here: {', '.join(names + optional)}",
             )
     for name in names:
         if name not in data:

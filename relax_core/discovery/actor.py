@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from relax_core.discovery.liveness import ManagerLiveness, actor_ping, actor_republish
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
 from relax_core.errors import SnapshotError
@@ -32,10 +33,13 @@ class RegistryActor:
         routing: RoutingSpec,
         weight_sources: Collection[str] | None = None,
         epoch: str | None = None,
+        liveness_interval: float = 2.0,
     ) -> None:
         self._publisher = RegistryPublisher(
             role, routing, weight_sources=weight_sources, epoch=epoch
         )
+        self._liveness_interval = liveness_interval
+        self._liveness: ManagerLiveness | None = None
 
     def set_model(self, model_id: str, fields: dict[str, Any]) -> None:
         self._publisher.set_model(model_id, **fields)
@@ -46,8 +50,17 @@ class RegistryActor:
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         self._publisher.remove_engine(model_id, engine_id)
 
-    def invalidate(self) -> None:
-        self._publisher.invalidate()
+    def invalidate(self, model_ids: list[str] | None = None) -> None:
+        self._publisher.invalidate(model_ids)
+
+    def watch_manager(self, model_id: str, manager_actor: Any) -> None:
+        """Watch ``model_id``'s manager actor; its model goes UNKNOWN when it is gone."""
+        if self._liveness is None:
+            self._liveness = ManagerLiveness(self._publisher, interval=self._liveness_interval)
+            self._liveness.start()
+        self._liveness.watch(
+            model_id, actor_ping(manager_actor), republish=actor_republish(manager_actor)
+        )
 
     def snapshot(self) -> dict[str, Any]:
         return self._publisher.snapshot().to_json()
@@ -95,9 +108,16 @@ class RemotePublisher:
         """See :meth:`RegistryPublisher.remove_engine`."""
         self._call("remove_engine", model_id, engine_id)
 
-    def invalidate(self) -> None:
+    def invalidate(self, model_ids: Collection[str] | None = None) -> None:
         """See :meth:`RegistryPublisher.invalidate`."""
-        self._call("invalidate")
+        self._call("invalidate", None if model_ids is None else sorted(model_ids))
+
+    def watch_manager(self, model_id: str, manager_actor: Any) -> None:
+        """Have the registry watch ``model_id``'s manager actor: when the actor is gone (or
+        stops answering), the model and its engines are published UNKNOWN, so nothing is
+        routed to engines no manager looks after
+        (:class:`~relax_core.discovery.liveness.ManagerLiveness`)."""
+        self._call("watch_manager", model_id, manager_actor)
 
     def snapshot(self) -> RoleSnapshot:
         """The role's current snapshot (blocking)."""
@@ -123,16 +143,24 @@ def start_registry_actor(
     name: str | None = None,
     namespace: str | None = None,
     weight_sources: Collection[str] | None = None,
+    liveness_interval: float = 2.0,
 ) -> RemotePublisher:
     """Create ``role``'s registry actor on the connected Ray (no CPU, no GPU reserved); return
-    the publisher to hand to each of the role's managers."""
+    the publisher to hand to each of the role's managers. ``liveness_interval``: seconds
+    between the registry's pings of the manager actors it watches
+    (:meth:`RemotePublisher.watch_manager`; :func:`~relax_core.manager.actor.start_manager_actor`
+    registers each manager actor it starts with a ``RemotePublisher``)."""
     import ray
 
     options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0}
     if name is not None:
         options.update(name=name, namespace=namespace)
     sources = sorted(weight_sources) if weight_sources is not None else None
-    actor = ray.remote(RegistryActor).options(**options).remote(role, routing, sources)
+    actor = (
+        ray.remote(RegistryActor)
+        .options(**options)
+        .remote(role, routing, sources, liveness_interval=liveness_interval)
+    )
     publisher = RemotePublisher(actor, role)
     publisher._call("ping")  # constructed (a bad role or routing spec raises here)
     return publisher

@@ -52,6 +52,7 @@ class _Engine:
     direct_eligible: bool | None  # None: READY and a URL
     generation: int
     view: EngineView
+    weight_version: str | None = None
 
 
 @attrs.define
@@ -61,12 +62,17 @@ class _Model:
 
 
 def _engine_view(
-    engine_id: str, endpoint: str | None, state: ModelState, eligible: bool | None, gen: int
+    engine_id: str,
+    endpoint: str | None,
+    state: ModelState,
+    eligible: bool | None,
+    gen: int,
+    weight_version: str | None = None,
 ) -> EngineView:
     url = None if state is ModelState.FAILED else endpoint
     if eligible is None:
         eligible = state is ModelState.READY and url is not None
-    return EngineView(engine_id, url, state, eligible, gen)
+    return EngineView(engine_id, url, state, eligible, gen, weight_version)
 
 
 class RegistryPublisher:
@@ -276,13 +282,15 @@ class RegistryPublisher:
         state: ModelState | str,
         direct_eligible: bool | None = None,
         replaced: bool = False,
+        weight_version: str | None = None,
     ) -> int:
         """Publish a replica head, or update it; return its generation.
 
         A new head starts at generation 1; the generation moves when ``base_url`` differs from
         the last one reported or ``replaced`` is true (a new worker behind the same URL).
         ``direct_eligible`` defaults to "READY with a URL"; pass ``False`` to keep a READY head
-        out of DIRECT routing (admission closed, draining soon).
+        out of DIRECT routing (admission closed, draining soon). ``weight_version``: the version
+        the head serves (versioned weight sources only).
 
         :raises KeyError: the model is not published.
         :raises SnapshotError: the head breaks a schema rule
@@ -298,7 +306,7 @@ class RegistryPublisher:
             else:
                 generation = old.generation
             return self._put_engine(
-                model_id, engine_id, base_url, state, direct_eligible, generation
+                model_id, engine_id, base_url, state, direct_eligible, generation, weight_version
             )
 
     def set_engine_state(
@@ -316,7 +324,13 @@ class RegistryPublisher:
         with self._lock:
             old = self._engine(model_id, engine_id)
             self._put_engine(
-                model_id, engine_id, old.endpoint, state, direct_eligible, old.generation
+                model_id,
+                engine_id,
+                old.endpoint,
+                state,
+                direct_eligible,
+                old.generation,
+                old.weight_version,
             )
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
@@ -328,15 +342,19 @@ class RegistryPublisher:
 
     # -- invalidation ----------------------------------------------------------------------
 
-    def invalidate(self) -> None:
-        """Mark every model and engine UNKNOWN: nothing is routable until managers report.
+    def invalidate(self, model_ids: Collection[str] | None = None) -> None:
+        """Mark every model (or those of ``model_ids``) and its engines UNKNOWN: nothing of them
+        is routable until their managers report again.
 
-        Use it when the publisher lost contact with its managers (a manager restarted, a
-        health round timed out). Idempotent: a second call publishes nothing new.
+        Use it when the publisher lost contact with a model's manager (its actor died, it
+        stopped answering: :class:`~relax_core.discovery.liveness.ManagerLiveness` does this).
+        Idempotent: a second call publishes nothing new. Unknown ids are ignored.
         """
         with self._lock:
             changed = False
-            for entry in self._models.values():
+            for model_id, entry in self._models.items():
+                if model_ids is not None and model_id not in model_ids:
+                    continue
                 if entry.view.state is not ModelState.UNKNOWN:
                     entry.view = attrs.evolve(entry.view, state=ModelState.UNKNOWN)
                     changed = True
@@ -346,7 +364,12 @@ class RegistryPublisher:
                     engine.state = ModelState.UNKNOWN
                     engine.direct_eligible = None
                     engine.view = _engine_view(
-                        engine_id, engine.endpoint, engine.state, None, engine.generation
+                        engine_id,
+                        engine.endpoint,
+                        engine.state,
+                        None,
+                        engine.generation,
+                        engine.weight_version,
                     )
                     changed = True
             if changed:
@@ -413,6 +436,7 @@ class RegistryPublisher:
         state: ModelState | str,
         direct_eligible: bool | None,
         generation: int,
+        weight_version: str | None = None,
     ) -> int:
         path = f"models.{model_id}.engines[{engine_id}]"
         try:
@@ -424,7 +448,9 @@ class RegistryPublisher:
                 f"{', '.join(s.value for s in ModelState)}",
             ) from None
         try:
-            view = _engine_view(engine_id, endpoint, engine_state, direct_eligible, generation)
+            view = _engine_view(
+                engine_id, endpoint, engine_state, direct_eligible, generation, weight_version
+            )
             if endpoint is not None and view.base_url is None:
                 # FAILED hides the URL; still check the one the manager reported.
                 EngineView(engine_id, endpoint, ModelState.UNKNOWN, False, generation)
@@ -432,8 +458,14 @@ class RegistryPublisher:
             raise SnapshotError(join_path(path, exc.path), exc.message) from None
         entry = self._models[model_id]
         old = entry.engines.get(engine_id)
+        if entry.view.weight_source == "STATIC" and weight_version is not None:
+            raise SnapshotError(
+                f"{path}.weight_version",
+                f"engine {engine_id!r} of STATIC model {model_id!r} carries a weight_version "
+                f"({weight_version!r}); STATIC heads publish none",
+            )
         entry.engines[engine_id] = _Engine(
-            endpoint, engine_state, direct_eligible, generation, view
+            endpoint, engine_state, direct_eligible, generation, view, weight_version
         )
         if old is None or old.view != view:
             self._changed()

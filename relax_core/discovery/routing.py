@@ -21,6 +21,17 @@ target. The decision follows the reference flowchart branch by branch:
    DIRECT request of that role gets 503 naming the policy until the plugin is installed or the
    policy changed.
 
+5. ``min_weight_version`` (a request that must not be served by older weights): a DIRECT
+   model's heads on an older version (each head's ``weight_version``, else the model's) are
+   not candidates, an ``SGLANG_ROUTER`` model must publish at least that version; nothing
+   left: 503 with ``retry_after`` (the update is being applied or not pushed yet). A STATIC
+   model has no version: 400. Versions
+   compare by :func:`weight_version_key` (``"9" < "10"``, ``"step-9" < "step-10"``).
+6. ``avoid``: base URLs a caller would rather not send this request to (a head whose
+   connection just failed, or whose circuit breaker is open): they are left out, unless that
+   leaves no candidate (then a connect attempt is cheap and sends nothing: the candidates are
+   used as they are).
+
 Resolution is built for the hot path: the first resolve against a snapshot builds an index
 (name lookups, prebuilt targets, candidate tuples) cached on the snapshot; after that a resolve
 allocates nothing but what the policy needs.
@@ -28,8 +39,9 @@ allocates nothing but what the policy needs.
 
 from __future__ import annotations
 
+import re
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
@@ -39,7 +51,15 @@ from relax_core.errors import PluginError, RoutingError
 from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import ReplicaSelector, RoutingPolicy
 
-__all__ = ["DEFAULT_RETRY_AFTER", "NO_REPLICA_RETRY_AFTER", "RouteResolver", "RouteTarget"]
+__all__ = [
+    "DEFAULT_RETRY_AFTER",
+    "NO_REPLICA_RETRY_AFTER",
+    "WEIGHT_VERSION_RETRY_AFTER",
+    "RouteResolver",
+    "RouteTarget",
+    "weight_version_at_least",
+    "weight_version_key",
+]
 
 #: Seconds a client should wait before retrying a model in each non-READY state.
 DEFAULT_RETRY_AFTER: Mapping[ModelState, float] = types.MappingProxyType(
@@ -55,6 +75,31 @@ DEFAULT_RETRY_AFTER: Mapping[ModelState, float] = types.MappingProxyType(
 )
 #: Seconds to wait when a READY DIRECT model has no eligible head.
 NO_REPLICA_RETRY_AFTER = 2.0
+#: Seconds to wait when no replica serves the weight version a request requires yet.
+WEIGHT_VERSION_RETRY_AFTER = 1.0
+
+_VERSION_PART = re.compile(r"(\d+)")
+
+
+def weight_version_key(version: str) -> tuple[tuple[int, int | str], ...]:
+    """The sort key of a weight version: digit runs compare as numbers, the rest as text.
+
+    ``"9" < "10"``, ``"step-9" < "step-10"``, ``"v1.2" < "v1.10"``; equal strings are equal.
+    """
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part)
+        for part in _VERSION_PART.split(version)
+        if part
+    )
+
+
+def weight_version_at_least(have: str | None, want: str) -> bool:
+    """Whether weights of version ``have`` satisfy a request for at least ``want``
+    (``None``: an unversioned model, which never does)."""
+    return have is not None and (
+        have == want or weight_version_key(have) >= weight_version_key(want)
+    )
+
 
 _WHY = {
     ModelState.STARTING: "its engines are still starting",
@@ -72,7 +117,8 @@ class RouteTarget:
     """Where one request goes.
 
     ``url`` is the router URL (``route_mode`` SGLANG_ROUTER; ``engine_id`` and ``generation``
-    are ``None``) or the chosen head's base URL (DIRECT). ``registry_epoch`` and
+    are ``None``) or the chosen head's base URL (DIRECT). ``weight_version`` is the head's
+    (DIRECT, when it publishes one), else the model's. ``registry_epoch`` and
     ``topology_revision`` identify the snapshot it came from, so a caller can tell a stale
     target after a refresh.
     """
@@ -90,7 +136,15 @@ class RouteTarget:
 
 
 class _ModelIndex:
-    __slots__ = ("candidates", "model_id", "not_ready", "router_target", "summary")
+    __slots__ = (
+        "candidates",
+        "model_id",
+        "not_ready",
+        "router_target",
+        "summary",
+        "weight_source",
+        "weight_version",
+    )
 
     def __init__(self, snapshot: RoleSnapshot, model_id: str) -> None:
         model = snapshot.models[model_id]
@@ -98,11 +152,12 @@ class _ModelIndex:
         self.not_ready: ModelState | None = None if model.state is ModelState.READY else model.state
         self.router_target: RouteTarget | None = None
         self.candidates: tuple[RouteTarget, ...] = ()
+        self.weight_version = model.weight_version
+        self.weight_source = model.weight_source
         common: dict[str, Any] = {
             "role": snapshot.role,
             "model_id": model_id,
             "served_model_name": model.served_model_name,
-            "weight_version": model.weight_version,
             "registry_epoch": snapshot.registry_epoch,
             "topology_revision": snapshot.topology_revision,
         }
@@ -113,6 +168,7 @@ class _ModelIndex:
                     route_mode=RouteMode.SGLANG_ROUTER,
                     engine_id=None,
                     generation=None,
+                    weight_version=model.weight_version,
                     **common,
                 )
         else:
@@ -126,6 +182,9 @@ class _ModelIndex:
                     route_mode=RouteMode.DIRECT,
                     engine_id=e.engine_id,
                     generation=e.generation,
+                    weight_version=(
+                        e.weight_version if e.weight_version is not None else model.weight_version
+                    ),
                     **common,
                 )
                 for e in eligible
@@ -237,6 +296,8 @@ class RouteResolver:
         route_key: str | None = None,
         affinity_key: str | None = None,
         inflight: Mapping[str, int] | None = None,
+        min_weight_version: str | None = None,
+        avoid: Collection[str] | None = None,
     ) -> RouteTarget:
         """The target for one request.
 
@@ -244,9 +305,12 @@ class RouteResolver:
         :param route_key: looked up in ``routing.route_key_map`` when no model is given.
         :param affinity_key: requests with the same key go to the same head (DIRECT).
         :param inflight: in-flight requests per engine id, for load-aware policies.
+        :param min_weight_version: only weights of at least this version may serve the request.
+        :param avoid: base URLs of heads to leave out unless no other is eligible (DIRECT).
         :raises RoutingError: 400 for an unknown model, alias or route key, or no model at all;
-            503 (with ``retry_after``) when the model is not READY or has no eligible head, or
-            (without) when the snapshot's policy is not installed.
+            503 (with ``retry_after``) when the model is not READY, has no eligible head, or
+            none with ``min_weight_version``; 503 (without) when the snapshot's policy is not
+            installed.
         """
         last = self._last
         if last[0] is snapshot:
@@ -276,8 +340,19 @@ class RouteResolver:
         entry = index.models[model_id]
         if entry.not_ready is not None:
             raise self._not_ready(index, entry)
+        if min_weight_version is not None and entry.weight_source == "STATIC":
+            raise RoutingError(
+                400,
+                f'model "{model_id}" of role "{index.role}" has STATIC weights, which carry no '
+                f'version; min_weight_version "{min_weight_version}" can never be met. Drop it '
+                "(or the X-Relax-Min-Weight-Version header) for this model",
+            )
         target = entry.router_target
         if target is not None:
+            if min_weight_version is not None and not weight_version_at_least(
+                entry.weight_version, min_weight_version
+            ):
+                raise self._too_old(index, entry, min_weight_version, f"{entry.weight_version}")
             return target
         candidates = entry.candidates
         if not candidates:
@@ -287,6 +362,20 @@ class RouteResolver:
                 f"(engines: {entry.summary}); retry after {NO_REPLICA_RETRY_AFTER:g} s",
                 retry_after=NO_REPLICA_RETRY_AFTER,
             )
+        if min_weight_version is not None:
+            fresh = tuple(
+                c
+                for c in candidates
+                if weight_version_at_least(c.weight_version, min_weight_version)
+            )
+            if not fresh:
+                heads = ", ".join(f"{c.engine_id} on {c.weight_version}" for c in candidates)
+                raise self._too_old(index, entry, min_weight_version, heads)
+            candidates = fresh
+        if avoid:
+            kept = tuple(c for c in candidates if c.url not in avoid)
+            if kept:
+                candidates = kept
         affinity = affinity_key is not None
         selector = self._selectors.get((index.policy, affinity))
         if selector is None:
@@ -324,6 +413,17 @@ class RouteResolver:
             f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
             f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
             "routing.route_key_map",
+        )
+
+    @staticmethod
+    def _too_old(index: _SnapshotIndex, entry: _ModelIndex, wanted: str, have: str) -> RoutingError:
+        return RoutingError(
+            503,
+            f'model "{entry.model_id}" of role "{index.role}" has no READY replica with weight '
+            f'version >= "{wanted}" yet (serving: {have or "none"}); a weight update is being '
+            f"applied or not pushed yet. No request was sent; retry after "
+            f"{WEIGHT_VERSION_RETRY_AFTER:g} s",
+            retry_after=WEIGHT_VERSION_RETRY_AFTER,
         )
 
     def _not_ready(self, index: _SnapshotIndex, entry: _ModelIndex) -> RoutingError:

@@ -105,6 +105,10 @@ class EngineView:
     ``base_url`` is the head's public (admission) URL, ``None`` while it has none; a FAILED
     head never publishes one. ``direct_eligible`` may only be true for a READY head with a URL.
     ``generation`` moves whenever the head's worker or endpoint is replaced.
+    ``weight_version``: the version of the weights this head serves, for versioned weight
+    sources (ACTOR, DCS); optional (absent from the JSON when ``None``), never on a STATIC
+    model's heads. During a weight update heads may differ; a request can require a minimum
+    (see :class:`~relax_core.discovery.routing.RouteResolver`).
     """
 
     engine_id: str = attrs.field()
@@ -112,6 +116,12 @@ class EngineView:
     state: ModelState = attrs.field(converter=_model_state)
     direct_eligible: bool = attrs.field(validator=v_bool("direct_eligible"))
     generation: int = attrs.field(validator=v_int("generation"))
+    weight_version: str | None = attrs.field(default=None)
+
+    @weight_version.validator
+    def _check_weight_version(self, _a: Any, value: object) -> None:
+        if value is not None:
+            check_str("weight_version", value)
 
     @engine_id.validator
     def _check_engine_id(self, _a: Any, value: Any) -> None:
@@ -138,14 +148,17 @@ class EngineView:
             )
 
     def to_json(self) -> dict[str, Any]:
-        """The engine as a JSON object."""
-        return {
+        """The engine as a JSON object (``weight_version`` only when it has one)."""
+        out: dict[str, Any] = {
             "engine_id": self.engine_id,
             "base_url": self.base_url,
             "state": self.state.value,
             "direct_eligible": self.direct_eligible,
             "generation": self.generation,
         }
+        if self.weight_version is not None:
+            out["weight_version"] = self.weight_version
+        return out
 
 
 def _check_engines(_i: Any, _a: Any, engines: Any) -> None:
@@ -200,6 +213,14 @@ class ModelView:
                 f"a STATIC model never carries a weight_version (got {self.weight_version!r}); "
                 "publish null or use a versioned weight source (ACTOR, DCS)",
             )
+        if self.weight_source == "STATIC":
+            for index, engine in enumerate(self.engines):
+                if engine.weight_version is not None:
+                    raise SnapshotError(
+                        f"engines[{index}].weight_version",
+                        f"engine {engine.engine_id!r} of a STATIC model carries a weight_version "
+                        f"({engine.weight_version!r}); STATIC heads publish none (omit it)",
+                    )
         if self.route_mode is RouteMode.DIRECT and self.router_url is not None:
             raise SnapshotError(
                 "router_url",
@@ -550,16 +571,32 @@ class RoleSnapshot:
     def schema1(self) -> dict[str, Any]:
         """The schema-1 diagnostic view: rank, status and URL of every regular replica head.
 
-        Ranks count heads across models in publication order. Schema 1 never takes part in
-        routing; it exists for old consumers (autoscalers, dashboards).
+        Ranks are stable: a head keeps its rank when another model's heads come and go. The
+        head numbered ``i`` (its engine id's trailing number, ``math/replica-3`` → 3; its
+        position among the model's heads when the ids are not numbered) of the model at
+        position ``p`` among the role's ``n`` models has rank ``i * n + p`` (one model: rank
+        ``i``). Schema 1 never takes part in routing; it exists for old consumers
+        (autoscalers, dashboards).
         """
-        engines = [
-            {"rank": rank, "status": engine.state.value, "url": engine.base_url}
-            for rank, engine in enumerate(
-                engine for model in self.models.values() for engine in model.engines
-            )
-        ]
+        models = list(self.models.values())
+        count = len(models)
+        ranked: list[tuple[int, EngineView]] = []
+        for position, model in enumerate(models):
+            found = [_trailing_number(e.engine_id) for e in model.engines]
+            numbers = [n for n in found if n is not None]
+            if len(numbers) != len(found) or len(set(numbers)) != len(numbers):
+                numbers = list(range(len(model.engines)))
+            ranked += [
+                (n * count + position, e) for n, e in zip(numbers, model.engines, strict=True)
+            ]
+        ranked.sort(key=lambda item: item[0])
+        engines = [{"rank": rank, "status": e.state.value, "url": e.base_url} for rank, e in ranked]
         return {"engines": engines}
+
+
+def _trailing_number(engine_id: str) -> int | None:
+    digits = len(engine_id) - len(engine_id.rstrip("0123456789"))
+    return int(engine_id[-digits:]) if digits else None
 
 
 def _rebuild_snapshot(fields: dict[str, Any]) -> RoleSnapshot:
@@ -581,6 +618,8 @@ _MODEL_FIELDS = (
     "engines",
 )
 _ENGINE_FIELDS = ("engine_id", "base_url", "state", "direct_eligible", "generation")
+#: Engine fields a snapshot may leave out (added to schema 2 later; absent means null).
+_ENGINE_OPTIONAL = ("weight_version",)
 
 
 def _parse_model(path: str, data: object) -> ModelView:
@@ -593,7 +632,7 @@ def _parse_model(path: str, data: object) -> ModelView:
     engines = []
     for index, raw in enumerate(raw_engines):
         engine_path = f"{path}.engines[{index}]"
-        engine = object_fields(raw, engine_path, _ENGINE_FIELDS)
+        engine = object_fields(raw, engine_path, _ENGINE_FIELDS, _ENGINE_OPTIONAL)
         engines.append(build_at(engine_path, EngineView, **engine))
     model = dict(fields)
     model["engines"] = tuple(engines)

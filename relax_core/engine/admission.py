@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from relax_core._http.headers import forward_headers
+from relax_core._http.headers import NOT_SENT_HEADER, forward_headers
 from relax_core._http.server import serve_app
 from relax_core.engine.spec import UPDATE_ENDPOINTS, InferenceEngineSpec
 
@@ -196,11 +196,15 @@ class AdmissionServer:
 
     # -- serving ---------------------------------------------------------------------------
 
-    def _refuse(self, status: int, message: str, **extra: Any) -> web.Response:
+    def _refuse(
+        self, status: int, message: str, *, not_sent: bool = False, **extra: Any
+    ) -> web.Response:
         self.refused += 1
         headers = {}
         if status == 503:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        if not_sent:
+            headers[NOT_SENT_HEADER] = "engine-unreachable"
         body = {"error": message, "engine_id": self.engine_id, "status": status, **extra}
         return web.json_response(body, status=status, headers=headers)
 
@@ -289,10 +293,13 @@ class AdmissionServer:
                 if request.transport is not None:
                     request.transport.close()
                 return response
+            # A connection that never opened sent the engine nothing: say so, so the caller
+            # may send it to another replica (a request that reached the engine never is).
             return self._refuse(
                 502,
                 f"engine {self.engine_id!r} could not be reached at its private port: "
                 f"{type(exc).__name__}: {exc}",
+                not_sent=isinstance(exc, aiohttp.ClientConnectorError),
             )
         except ConnectionResetError:
             # The client went away mid-stream; leaving the block closed the upstream request.

@@ -234,11 +234,29 @@ class RoleAdapter:
     Subclass it in a role plugin and override what the role changes. ``generate_inputs`` lists
     extra input fields (besides ``text`` and ``input_ids``) the role's ``/generate`` accepts.
     Methods raise :class:`InvalidRequestError` for a bad request; they must not block on I/O
-    except to load a tokenizer from local files (cache it).
+    except to load a tokenizer from local files (cache it; :meth:`preload` loads it at start).
+
+    An adapter whose :meth:`adapt_generate` does real CPU work (rendering a chat template,
+    tokenizing) sets ``blocking = True``: the gateway then runs it in a thread pool, off its
+    event loop, so one render never stalls the other requests the gateway is serving; it must
+    then be thread-safe. After such a call the gateway checks that the replica it chose is
+    still routable (the snapshot may have moved while it rendered) and picks another of the
+    same model if not.
     """
 
     #: Extra ``/generate`` input fields this role accepts (genrm: ``("messages",)``).
     generate_inputs: tuple[str, ...] = ()
+    #: Whether :meth:`adapt_generate` (when :meth:`needs_model`) runs in a thread pool.
+    blocking: bool = False
+
+    def preload(self, model_paths: Mapping[str, str]) -> None:
+        """Load what :meth:`adapt_generate` needs for the models ``model_paths`` names (model id
+        -> local checkpoint directory), before the first request: tokenizers, chat templates.
+
+        Called once when the gateway starts, in a worker thread; the gateway's ``/health``
+        reports it loading until it returns (and the error, if it raised). Blocking. Default:
+        nothing to load.
+        """
 
     def check_generate(self, payload: object) -> dict[str, Any]:
         """Validate a ``/generate`` body before routing (shape only; no model is known yet)."""

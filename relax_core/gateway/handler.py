@@ -21,15 +21,25 @@ A request that reached an engine is never replayed; a connection that could not 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 import orjson
 
 from relax_core._http.upstream import UpstreamResponse, parse_retry_after
-from relax_core.client.client import InferenceClient, SnapshotProvider, decode_json_body
+from relax_core.client.breaker import BreakerSettings
+from relax_core.client.client import (
+    InferenceClient,
+    SnapshotProvider,
+    decode_json_body,
+    requested_weight_version,
+)
 from relax_core.discovery.routing import RouteTarget
 from relax_core.discovery.schema import ModelState, RoleSnapshot
 from relax_core.errors import (
@@ -61,6 +71,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 #: How long a relayed stream's bytes may be held back to be relayed together (see
 #: :class:`InferenceGatewayHandler`'s ``stream_coalesce``).
 DEFAULT_STREAM_COALESCE_S = 0.001
+
+log = logging.getLogger("relax.gateway")
 
 _JSON = b"application/json"
 # Headers of an upstream answer the gateway sets itself (its server, or the request id).
@@ -160,6 +172,7 @@ def build_gateway_handler(
         "ttl": options.snapshot_ttl,
         "timeout": options.timeout,
         "plugin_manager": plugin_manager,
+        "breaker": options.breaker,
     }
     if isinstance(discovery, str):
         client = InferenceClient(discovery, **common)
@@ -220,6 +233,8 @@ class GatewayOptions:
     ``stream_first_chunk_timeout``: the same before the first bytes (default ``None``: only the
     deadline, since an engine sends its first event only after queueing and prefill). Past
     either, the caller gets an error event with code 504 and a truncated stream.
+    ``breaker``: when a replica head's circuit breaker opens and how it probes
+    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers).
     ``stream_coalesce``: when a relayed stream's bytes arrive faster than one read per this
     many seconds (default 1 ms), they are read and relayed together once per period instead of
     one receive and one send per event (an event is then delayed by at most this much; a
@@ -241,6 +256,7 @@ class GatewayOptions:
     stream_coalesce: float = attrs.field(
         default=DEFAULT_STREAM_COALESCE_S, validator=_check_coalesce
     )
+    breaker: BreakerSettings | None = attrs.field(factory=BreakerSettings)
 
 
 class InferenceGatewayHandler:
@@ -252,7 +268,11 @@ class InferenceGatewayHandler:
     app shuts down). ``adapter``: the role's :class:`RoleAdapter` (see
     :func:`adapter_for_role`). ``options``: see :class:`GatewayOptions`.
 
-    Belongs to one event loop (that of the server running it).
+    Belongs to one event loop (that of the server running it). :meth:`startup` (the app's
+    startup) begins loading the adapter's tokenizers in the background (:meth:`RoleAdapter.
+    preload`); ``/health`` is not ready until that is done. A ``blocking`` adapter's renders
+    run in a small thread pool of the handler, never on the event loop. :meth:`shutdown`
+    closes the client and the pool.
     """
 
     def __init__(
@@ -276,6 +296,11 @@ class InferenceGatewayHandler:
         self._idle = inf if idle is None else idle
         self._first = inf if first is None else first
         self.metrics = GatewayMetrics(role)
+        self.metrics.watch_client(client)
+        self._pool: ThreadPoolExecutor | None = None
+        self._preload: asyncio.Future[None] | None = None
+        #: why the adapter's preload failed (``None``: it did not, or has not finished)
+        self.preload_error: str | None = None
         # The context of a request before its model is known (frozen: shared by requests).
         self._plain_ctx, self._stream_ctx = (
             AdaptContext(
@@ -283,6 +308,42 @@ class InferenceGatewayHandler:
             )
             for stream in (False, True)
         )
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix=f"{self.role}-adapt"
+            )
+        return self._pool
+
+    def startup(self) -> None:
+        """Start the adapter's preload in the background (call on the serving event loop).
+        Idempotent; nothing to do for an adapter that loads nothing."""
+        if self._preload is not None or type(self.adapter).preload is RoleAdapter.preload:
+            return
+        loop = asyncio.get_running_loop()
+        self._preload = loop.run_in_executor(self._executor(), self._run_preload)
+
+    def _run_preload(self) -> None:
+        try:
+            self.adapter.preload(self.options.model_paths)
+        except Exception as exc:  # reported by /health and the log; raw requests still work
+            self.preload_error = f"{type(exc).__name__}: {exc}"
+            log.error("gateway %s: the role adapter's preload failed: %s", self.role, exc)
+
+    @property
+    def preloading(self) -> bool:
+        """Whether the adapter is still loading its tokenizers (``/health`` is not ready)."""
+        return self._preload is not None and not self._preload.done()
+
+    async def shutdown(self) -> None:
+        """Close the client and the adapter's thread pool (idempotent)."""
+        await self.client.aclose()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- discovery views -------------------------------------------------------------------
 
@@ -339,6 +400,8 @@ class InferenceGatewayHandler:
                 "models": {},
             }
         ready = any(m.state is ModelState.READY for m in snap.models.values())
+        loading = self.preloading
+        ready = ready and not loading
         if schema == 1:
             engines = [e for m in snap.models.values() for e in m.engines]
             healthy = sum(1 for e in engines if e.state is ModelState.READY)
@@ -364,7 +427,15 @@ class InferenceGatewayHandler:
             "topology_revision": snap.topology_revision,
             "models": models,
         }
-        if not ready:
+        if self._preload is not None:
+            body["adapter"] = (
+                "loading"
+                if loading
+                else ("ok" if self.preload_error is None else f"failed: {self.preload_error}")
+            )
+        if loading:
+            body["message"] = "the role adapter is still loading its tokenizers; wait"
+        elif not ready:
             body["message"] = "no model of this role is READY; wait, or check `relax status`"
         return (200 if ready else 503), body
 
@@ -411,10 +482,13 @@ class InferenceGatewayHandler:
         target: RouteTarget | None = None
         if self.adapter.needs_model(payload):
             # One routing decision per request: the target chosen here is the one sent to.
+            min_version = requested_weight_version(payload, headers)
+            affinity = headers.get("x-smg-routing-key")
             target = await self.client.resolve(
                 model=model,
                 route_key=payload.get("route_key"),
-                affinity_key=headers.get("x-smg-routing-key"),
+                affinity_key=affinity,
+                min_weight_version=min_version,
             )
             ctx = attrs.evolve(
                 ctx,
@@ -422,7 +496,17 @@ class InferenceGatewayHandler:
                 model_path=self.options.model_paths.get(target.model_id),
                 served_model_name=target.served_model_name,
             )
-        adapted = self.adapter.adapt_generate(payload, ctx)
+            if self.adapter.blocking:
+                adapted = await self._adapt_off_loop(payload, ctx)
+                # The render took a while: the replica chosen before may be gone (the
+                # reference's GenRM flow rechecks readiness after rendering).
+                target = await self.client.recheck(
+                    target, affinity_key=affinity, min_weight_version=min_version
+                )
+            else:
+                adapted = self.adapter.adapt_generate(payload, ctx)
+        else:
+            adapted = self.adapter.adapt_generate(payload, ctx)
         forwarded: dict[str, Any] | bytes = body if adapted.payload is None else adapted.payload
         return await self._forward(
             "/generate",
@@ -433,6 +517,15 @@ class InferenceGatewayHandler:
             stream=stream,
             adapted=adapted,
             target=target,
+        )
+
+    async def _adapt_off_loop(self, payload: dict[str, Any], ctx: AdaptContext) -> Adapted:
+        """``adapter.adapt_generate`` in the handler's thread pool (after the preload)."""
+        if self._preload is not None and not self._preload.done():
+            await asyncio.shield(self._preload)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor(), self.adapter.adapt_generate, payload, ctx
         )
 
     async def chat(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:

@@ -9,18 +9,31 @@ Metrics (``role`` label on all):
 - ``relax_gateway_requests_total{route, status}``: finished requests by route and HTTP status;
 - ``relax_gateway_request_seconds{route}``: latency histogram (to the last byte);
 - ``relax_gateway_inflight``: requests being served now;
-- ``relax_gateway_upstream_errors_total{error}``: upstream failures by class: ``unreachable``,
-  ``connect_timeout``, ``transport``, ``deadline``, ``status`` (an upstream 5xx), ``bad_json``,
-  ``stream_aborted`` (a failure after the headers were relayed), ``stream_stalled`` (a relayed
-  stream silent past the gateway's idle limit).
+- ``relax_gateway_upstream_errors_total{error}``: upstream failures the gateway answered, by
+  kind: ``unreachable``, ``connect_timeout``, ``transport``, ``deadline``, ``status`` (an
+  upstream 5xx), ``bad_json``, ``stream_aborted`` (a failure after the headers were relayed),
+  ``stream_stalled`` (a relayed stream silent past the gateway's idle limit);
+- ``relax_gateway_upstream_failures_total{class}``: every failed upstream exchange by failure
+  class (:mod:`relax_core._http.failures`): ``connect`` (nothing sent; counted also when the
+  retry on another replica then succeeded), ``before_first_byte`` and ``mid_stream`` (sent,
+  never replayed);
+- ``relax_gateway_breakers_open``: replica heads whose circuit breaker is open now;
+- ``relax_gateway_breaker_transitions_total{to}``: breakers opened (``open``) and closed by a
+  successful probe (``closed``).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from relax_core._http.failures import FailureClass
 
 __all__ = ["CONTENT_TYPE_LATEST", "UPSTREAM_ERROR_CLASSES", "GatewayMetrics"]
 
@@ -115,6 +128,11 @@ class GatewayMetrics:
                 self._histos[route] = histo
         histo.observe(seconds)
 
+    def watch_client(self, client: Any) -> None:
+        """Export ``client``'s failure counts by class and its circuit breakers (read when
+        the metrics are rendered; the client counts them on its own loop)."""
+        self.registry.register(_ClientCollector(self.role, client))
+
     def upstream_error(self, error: str) -> None:
         """Count one upstream failure of class ``error`` (one of :data:`UPSTREAM_ERROR_CLASSES`)."""
         if error not in UPSTREAM_ERROR_CLASSES:
@@ -126,3 +144,39 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The metrics in the Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+
+class _ClientCollector(Collector):
+    """The data-path counters an :class:`~relax_core.client.client.InferenceClient` keeps."""
+
+    def __init__(self, role: str, client: Any) -> None:
+        self.role = role
+        self.client = client
+
+    def collect(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily(
+            "relax_gateway_upstream_failures",
+            "Failed upstream exchanges by failure class (connect: nothing sent; "
+            "before_first_byte, mid_stream: sent, never replayed).",
+            labels=("role", "class"),
+        )
+        counts = self.client.failure_counts
+        for kind in FailureClass:
+            failures.add_metric((self.role, kind.value), counts.get(kind, 0))
+        yield failures
+        breakers = self.client.breakers
+        open_now = GaugeMetricFamily(
+            "relax_gateway_breakers_open",
+            "Replica heads whose circuit breaker is open now.",
+            labels=("role",),
+        )
+        open_now.add_metric((self.role,), len(breakers.open_urls) if breakers else 0)
+        yield open_now
+        transitions = CounterMetricFamily(
+            "relax_gateway_breaker_transitions",
+            "Circuit breakers opened, and closed by a successful probe.",
+            labels=("role", "to"),
+        )
+        transitions.add_metric((self.role, "open"), breakers.opened if breakers else 0)
+        transitions.add_metric((self.role, "closed"), breakers.closed if breakers else 0)
+        yield transitions

@@ -75,6 +75,25 @@ _ROUTING_FIELDS = {
         "type": ["string", "null"],
         "description": "Picks the model through the route-key map (absent or null: none).",
     },
+    "min_weight_version": {
+        "oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "integer", "minimum": 0},
+            {"type": "null"},
+        ],
+        "description": "Serve only with weights of at least this version (digit runs compare "
+        "as numbers); until a replica has it: 503 + Retry-After, nothing sent. Not forwarded "
+        "to the engine. Same as the X-Relax-Min-Weight-Version header.",
+    },
+}
+
+_MIN_VERSION_HEADER = {
+    "name": "X-Relax-Min-Weight-Version",
+    "in": "header",
+    "required": False,
+    "description": "Serve only with weights of at least this version (as the body field "
+    "min_weight_version, which wins when both are given).",
+    "schema": {"type": "string", "minLength": 1},
 }
 
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": _INT_MAX}
@@ -259,12 +278,14 @@ def openapi_document(role: RoleSpec | str) -> dict[str, Any]:
                 "application/json": {"schema": {"$ref": "#/components/schemas/ChatRequest"}}
             },
         },
+        "parameters": [_MIN_VERSION_HEADER],
         "responses": _responses(_CHAT_OK, *_FORWARD_ERRORS),
     }
     paths: dict[str, Any] = {
         f"{p}/generate": {
             "post": {
                 "summary": f"Raw SGLang generation for the {name} role" + notes.generate_summary,
+                "parameters": [_MIN_VERSION_HEADER],
                 "requestBody": {
                     "required": True,
                     "content": {

@@ -13,6 +13,7 @@ from relax_core.manager.results import (
     Outcome,
     ReplicaHealth,
     ReplicaResult,
+    UnconfirmedWorker,
 )
 from relax_core.manager.slots import (
     ManagerTimeouts,
@@ -55,6 +56,7 @@ __all__ = [
     "ReplicaState",
     "ResidentTag",
     "StartResult",
+    "UnconfirmedWorker",
     "WorkerSlot",
     "gather",
     "is_terminal_actor_death",

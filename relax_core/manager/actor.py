@@ -90,6 +90,14 @@ class ManagerActor:
 
     # -- queries -----------------------------------------------------------------------------
 
+    def ping(self) -> str:
+        """The model id; takes no lock (the registry's liveness check)."""
+        return self._manager.model_id
+
+    def republish(self) -> None:
+        """Publish the model's state again (after the registry marked it UNKNOWN)."""
+        self._manager.republish()
+
     def weight_version(self) -> str | None:
         return self._manager.weight_version
 
@@ -108,6 +116,9 @@ class ManagerActor:
     def workers(self, engine_id: str) -> list[Any]:
         return self._manager.workers(engine_id)
 
+    def unconfirmed_workers(self) -> list[Any]:
+        return self._manager.unconfirmed_workers()
+
 
 def start_manager_actor(
     model_id: str,
@@ -122,7 +133,9 @@ def start_manager_actor(
     ``publisher``, ``timeouts``, …). The manager is not started: call ``start``.
 
     The actor reserves no CPU and no GPU. It is built before this returns, so bad arguments
-    raise here (as the ``RayActorError`` of its failed construction).
+    raise here (as the ``RayActorError`` of its failed construction). With a ``publisher`` of a
+    registry actor (:class:`~relax_core.discovery.actor.RemotePublisher`), the registry watches
+    the manager actor and publishes its model UNKNOWN once the actor is gone.
     """
     import ray
 
@@ -136,4 +149,8 @@ def start_manager_actor(
         options.update(name=name, namespace=namespace)
     actor: Any = ray.remote(ManagerActor).options(**options).remote(model_id, **kwargs)
     ray.get(actor.states.remote(), timeout=60)
+    watch = getattr(kwargs.get("publisher"), "watch_manager", None)
+    if watch is not None:
+        # The role's registry watches the actor: if it dies, its model is published UNKNOWN.
+        watch(model_id, actor)
     return actor

@@ -22,7 +22,8 @@ through their public methods:
 - :class:`~.groups.PlacementGroups`: the placement groups used, removing the owned ones.
 
 Threading: every public method is blocking and takes the manager's lock, so lifecycle calls
-never interleave (the parts are not thread-safe on their own). Each step fans out to all
+never interleave (the parts are not thread-safe on their own); a health check's probes run
+outside it (only planning and judging a round take it). Each step fans out to all
 replicas at once (:func:`~.fanout.gather`), so N replicas take as long as the slowest one.
 
 Fail-stop: a worker actor that died without confirmed cleanup of its engine process is
@@ -51,7 +52,13 @@ from relax_core.manager.launcher import Launcher
 from relax_core.manager.memory import Memory
 from relax_core.manager.publication import Publication
 from relax_core.manager.recovery import Recovery
-from relax_core.manager.results import HealthReport, LifecycleResult, Outcome, ReplicaResult
+from relax_core.manager.results import (
+    HealthReport,
+    LifecycleResult,
+    Outcome,
+    ReplicaResult,
+    UnconfirmedWorker,
+)
 from relax_core.manager.scaling import Scaling
 from relax_core.manager.slots import (
     ManagerTimeouts,
@@ -104,7 +111,10 @@ class InferenceManager:
     :param control_channel: send onload/offload to each head's private control endpoint over
         HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
         networks where the manager cannot reach the worker nodes' ports).
-    :raises ValueError: the inputs disagree (nodes per replica, device, multi-node support).
+    :param unhealthy_after: consecutive failed health probes of a live replica before it is
+        FAILED (default 3); a dead engine process or worker actor fails it at once.
+    :raises ValueError: the inputs disagree (nodes per replica, device, multi-node support),
+        or ``unhealthy_after`` is not a positive integer.
     """
 
     def __init__(
@@ -122,8 +132,16 @@ class InferenceManager:
         timeouts: ManagerTimeouts | None = None,
         retry_after: float = 1.0,
         control_channel: bool = True,
+        unhealthy_after: int = 3,
     ) -> None:
         _check_inputs(model_id, backend, launch, placement)
+        if isinstance(unhealthy_after, bool) or not (
+            isinstance(unhealthy_after, int) and unhealthy_after >= 1
+        ):
+            raise ValueError(
+                f"model {model_id!r}: unhealthy_after={unhealthy_after!r}; give the number of "
+                "consecutive failed health probes (>= 1) before a replica is FAILED"
+            )
         self.model_id = model_id
         self.spec = spec
         self.backend = backend
@@ -136,6 +154,9 @@ class InferenceManager:
         self.timeouts = t = timeouts or ManagerTimeouts()
         self.retry_after = retry_after
         self._lock = threading.RLock()
+        # Health rounds take turns among themselves, not with lifecycle calls: their probes
+        # run without the manager's lock.
+        self._health_lock = threading.Lock()
         self._closed = False
         # The parts, each over the ones it needs (see the module docstring).
         self._slots = slots = SlotTable(model_id)
@@ -163,7 +184,9 @@ class InferenceManager:
             slots, self._heads, published, strict_drain=spec.strict_drain, timeouts=t
         )
         self._weights = WeightUpdates(slots, published, spec=spec, timeouts=t)
-        self._recovery = Recovery(slots, self._launcher, published, timeouts=t)
+        self._recovery = Recovery(
+            slots, self._launcher, published, timeouts=t, unhealthy_after=unhealthy_after
+        )
         self._scaling = Scaling(
             slots,
             self._groups,
@@ -250,6 +273,19 @@ class InferenceManager:
                 for i, out in outs.items()
             }
 
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """The workers whose cleanup is not confirmed: fenced ones (their actor died) and ones
+        whose last shutdown is pending. Their placement groups must not be released: their
+        engine processes may still hold the GPUs. Empty after a clean :meth:`shutdown`."""
+        with self._lock:
+            return self._slots.unconfirmed()
+
+    def republish(self) -> None:
+        """Publish the model and its heads again (a registry that lost track of the manager
+        and marked them UNKNOWN gets their real state back). Idempotent."""
+        with self._lock:
+            self._publication.publish()
+
     def model_view(self) -> ModelView:
         """The model's schema-2 :class:`~relax_core.discovery.schema.ModelView` (heads only)."""
         with self._lock:
@@ -308,19 +344,31 @@ class InferenceManager:
         """Probe every worker of every replica; fail, clean and (with ``recover``) rebuild.
 
         A head of a READY replica must generate one token; every worker's engine process must
-        be alive. An unhealthy or already FAILED replica is FAILED (no longer published as
-        routable); with ``recover`` it is cleaned as a whole and rebuilt once its cleanup is
-        confirmed.
+        be alive. A replica whose engine process exited or whose worker actor died is FAILED
+        at once; one whose probe failed or timed out while its process lives is FAILED only
+        once ``unhealthy_after`` rounds in a row failed (until then it keeps its state and
+        stays routable: a GC pause or a long prefill is not a reason to reload it). A FAILED
+        replica is no longer published as routable; with ``recover`` it is cleaned as a whole
+        and rebuilt once its cleanup is confirmed.
+
+        The probes run without the manager's lock (each bounded by ``timeouts.health``, all
+        replicas at once), so lifecycle calls are not held up by a slow engine; the lock is
+        taken only to plan the round and to judge it. A probe that overlapped a lifecycle
+        change of its replica is ignored. Health rounds run one at a time.
 
         :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup (its
             fence is kept and nothing is rebuilt); the report is on the error's ``report``.
         """
-        with self._guard("health_check()", refuse_fenced=False):
-            report = self._recovery.health_check(recover=recover)
-            if self._slots.fenced_workers():
-                message = self._slots.fence_message("health_check()")
-                raise InferenceRecoveryRequired(message, report=report)
-            return report
+        with self._health_lock:
+            with self._guard("health_check()", refuse_fenced=False):
+                plan = self._recovery.plan_probes()
+            outs = self._recovery.probe(plan)
+            with self._guard("health_check()", refuse_fenced=False):
+                report = self._recovery.apply_probes(plan, outs, recover=recover)
+                if self._slots.fenced_workers():
+                    message = self._slots.fence_message("health_check()")
+                    raise InferenceRecoveryRequired(message, report=report)
+                return report
 
     def recover(self) -> LifecycleResult:
         """Clean every FAILED replica (and retry pending cleanups) as a whole; rebuild those

@@ -55,6 +55,10 @@ class Publication:
         """The weight version the model publishes (``None`` for sources that publish none)."""
         return self.weight_version if self.spec.publishes_version else None
 
+    def _head_version(self, version: str | None) -> str | None:
+        """What a head publishes as its weight version (nothing for unversioned sources)."""
+        return version if self.spec.publishes_version else None
+
     def view(self) -> ModelView:
         """The model's :class:`~relax_core.discovery.schema.ModelView`."""
         engines = []
@@ -72,6 +76,7 @@ class Publication:
                     state=str(rep.state),
                     direct_eligible=rep.direct_eligible,
                     generation=rep.generation,
+                    weight_version=self._head_version(rep.weight_version),
                 )
             )
         state = next((str(s) for s in _MODEL_STATE_ORDER if s in states), None)
@@ -130,6 +135,7 @@ class Publication:
                 state=str(rep.state),
                 direct_eligible=rep.direct_eligible,
                 replaced=last is not None and last != rep.generation,
+                weight_version=self._head_version(rep.weight_version),
             )
             self._published[rep.engine_id] = rep.generation
         for gone in set(self._published) - current:

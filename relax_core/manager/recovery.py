@@ -3,7 +3,10 @@
 Rules (the reference's failure table):
 
 - a health check probes every worker of every replica (head: one real generation; each worker:
-  its process alive); an unhealthy replica is FAILED and, when asked, cleaned as a whole;
+  its process alive), without the manager's lock; a replica whose engine process exited or
+  whose actor died is FAILED at once, one whose probes failed is FAILED only after
+  ``unhealthy_after`` failed rounds in a row; a FAILED replica is, when asked, cleaned as a
+  whole;
 - a replica is rebuilt only when the shutdown of every one of its workers is confirmed;
 - a worker actor that died without confirmed cleanup is fenced (slot, pending record and
   placement group kept, nothing rebuilt) and the call raises ``InferenceRecoveryRequired``;
@@ -13,19 +16,20 @@ Rules (the reference's failure table):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from relax_core.errors import LifecycleError
-from relax_core.manager.fanout import gather
+from relax_core.manager.fanout import CallOutcome, gather
 from relax_core.manager.launcher import Launcher
 from relax_core.manager.publication import Publication
 from relax_core.manager.results import HealthReport, Outcome, ReplicaHealth, ReplicaResult
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
 from relax_core.manager.state import ReplicaState
 
-__all__ = ["Recovery"]
+__all__ = ["ProbePlan", "Recovery"]
 
 _S = ReplicaState
 
@@ -39,6 +43,8 @@ class Recovery:
     launcher: Launcher
     publication: Publication
     timeouts: ManagerTimeouts
+    #: consecutive failed probes of a live replica before it is FAILED
+    unhealthy_after: int = 3
 
     # -- cleanup ---------------------------------------------------------------------------
 
@@ -90,6 +96,7 @@ class Recovery:
         fenced = bool(self.slots.fenced_workers())
         rebuild = [s for s in slots if s.cleaned and not fenced]
         for slot in rebuild:
+            slot.failed_probes = 0
             rep = slot.replica
             rep.resident = frozenset()
             rep.weights_valid = False
@@ -148,41 +155,96 @@ class Recovery:
 
     # -- health ----------------------------------------------------------------------------
 
-    def health_check(self, *, recover: bool) -> HealthReport:
-        """Probe every worker of every replica; fail the unhealthy ones; with ``recover``,
-        clean and rebuild every broken one. Blocking; the caller raises for a fence."""
+    def plan_probes(self) -> ProbePlan:
+        """What one health round probes: every live, unfenced worker of every replica that is
+        not STOPPING (a head of a READY replica also generates one token), with the actor and
+        the replica's transition count it is probed under. Cheap; the lock is held."""
+        targets = {}
+        for slot in self.slots.ordered():
+            rep = slot.replica
+            if rep.state is _S.STOPPING:
+                continue
+            for worker in slot.workers:
+                if worker.actor is not None and not worker.fenced:
+                    targets[(rep.index, worker.node_rank)] = _Probed(
+                        worker.actor,
+                        rep.transitions,
+                        generate=worker.node_rank == 0 and rep.state is _S.READY,
+                    )
+        return ProbePlan(targets)
+
+    def probe(self, plan: ProbePlan) -> dict[tuple[int, int], CallOutcome]:
+        """Run ``plan``'s probes, all at once, each bounded by the health deadline. Blocking;
+        needs no lock (it touches no slot)."""
         t = self.timeouts
-        probes = {
-            (s.replica.index, w.node_rank): w.actor.probe.remote(
-                generate=w.node_rank == 0 and s.replica.state is _S.READY, timeout=t.health
-            )
-            for s in self.slots.ordered()
-            if s.replica.state is not _S.STOPPING
-            for w in s.workers
-            if w.actor is not None and not w.fenced
+        refs = {
+            key: probed.actor.probe.remote(generate=probed.generate, timeout=t.health)
+            for key, probed in plan.targets.items()
         }
-        outs = gather(probes, t.health + t.rpc_margin)
+        return gather(refs, t.health + t.rpc_margin)
+
+    def apply_probes(
+        self, plan: ProbePlan, outs: Mapping[tuple[int, int], CallOutcome], *, recover: bool
+    ) -> HealthReport:
+        """Judge one round's probes; fail the replicas that are dead or failed
+        ``unhealthy_after`` probes in a row; with ``recover``, clean and rebuild every broken
+        one. Blocking (a rebuild); the caller holds the lock and raises for a fence.
+
+        A definite death — the engine process exited, or the worker actor died (fenced) — fails
+        its replica at once. A probe that failed or timed out while the process lives (a GC
+        pause, a long prefill, a stopped process) only counts: the replica stays as it is, and
+        routable, until ``unhealthy_after`` consecutive rounds failed. A probe that overlapped
+        a lifecycle change of its replica (or whose worker was replaced) says nothing about it
+        now and is ignored.
+        """
         problems: dict[str, list[str]] = {}
+        suspects: dict[str, int] = {}
         for slot in self.slots.ordered():
             rep = slot.replica
             found = problems.setdefault(slot.engine_id, [])
             if rep.state is _S.FAILED:
                 found.append(f"replica already FAILED: {rep.error}")
+            soft, definite, probed_any = [], False, False
             for worker in slot.workers:
                 name = slot.worker_name(worker)
                 if worker.fenced:
                     found.append(f"{name}: fenced ({worker.pending})")
                     continue
-                out = outs.get((rep.index, worker.node_rank))
-                if out is None:
-                    continue
-                if not out.ok:
+                key = (rep.index, worker.node_rank)
+                probed = plan.targets.get(key)
+                out = outs.get(key)
+                if probed is None or out is None or worker.actor is not probed.actor:
+                    continue  # not probed this round, or the worker was replaced since
+                if out.actor_died:
                     found.append(f"{name}: probe failed: {out.describe()}")
-                    if out.actor_died:
-                        slot.fail(worker, out, "health check")
-                elif not out.value.healthy:
+                    slot.fail(worker, out, "health check")
+                    definite = True
+                    continue
+                if rep.transitions != probed.transitions:
+                    continue  # the replica changed state while it was probed: stale
+                probed_any = True
+                if not out.ok:
+                    soft.append(f"{name}: probe failed: {out.describe()}")
+                elif not out.value.alive or out.value.pid is None:
                     found.append(f"{name}: {out.value.error}")
-            if found and rep.state is not _S.STOPPING:
+                    definite = True
+                elif not out.value.healthy:
+                    soft.append(f"{name}: {out.value.error}")
+            if soft and not definite and rep.state is not _S.FAILED:
+                slot.failed_probes += 1
+                suspects[slot.engine_id] = slot.failed_probes
+                if slot.failed_probes < self.unhealthy_after:
+                    found.extend(
+                        f"{p} (failed probe {slot.failed_probes} of {self.unhealthy_after} "
+                        "before FAILED)"
+                        for p in soft
+                    )
+                    continue
+                found.extend(f"{p} ({slot.failed_probes} probes failed in a row)" for p in soft)
+            elif probed_any and not soft and not definite:
+                slot.failed_probes = 0
+            failing = definite or soft or rep.state is _S.FAILED or slot.fenced
+            if found and failing and rep.state is not _S.STOPPING:
                 slot.mark_failed("; ".join(found))
         self.publication.publish()
         actions: dict[str, str] = {}
@@ -203,21 +265,43 @@ class Recovery:
                     actions[engine_id] = "cleaned"
                 else:
                     actions[engine_id] = "pending"
-        return HealthReport(
-            self.slots.model_id,
-            tuple(
+        verdicts = []
+        for s in self.slots.ordered():
+            found = problems.get(s.engine_id, [])
+            if s.engine_id in actions:
+                action = actions[s.engine_id]
+            elif s.fenced:
+                action = "fenced"
+            elif not found:
+                action = "none"
+            elif s.replica.state is _S.FAILED:
+                action = "failed"
+            else:
+                action = "suspect"
+            verdicts.append(
                 ReplicaHealth(
                     s.engine_id,
-                    healthy=not problems.get(s.engine_id),
+                    healthy=not found,
                     state=str(s.replica.state),
-                    action=actions.get(
-                        s.engine_id,
-                        "fenced"
-                        if s.fenced
-                        else ("failed" if problems.get(s.engine_id) else "none"),
-                    ),
-                    problems=tuple(problems.get(s.engine_id, ())),
+                    action=action,
+                    problems=tuple(found),
+                    failed_probes=suspects.get(s.engine_id, 0),
                 )
-                for s in self.slots.ordered()
-            ),
-        )
+            )
+        return HealthReport(self.slots.model_id, tuple(verdicts))
+
+
+@attrs.frozen
+class _Probed:
+    """One worker probed in a round: its actor and its replica's transition count then."""
+
+    actor: Any
+    transitions: int
+    generate: bool
+
+
+@attrs.frozen
+class ProbePlan:
+    """The workers one health round probes, by ``(replica index, node rank)``."""
+
+    targets: Mapping[tuple[int, int], _Probed]

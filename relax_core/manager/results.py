@@ -9,7 +9,14 @@ import attrs
 
 from relax_core.errors import LifecycleError
 
-__all__ = ["HealthReport", "LifecycleResult", "Outcome", "ReplicaHealth", "ReplicaResult"]
+__all__ = [
+    "HealthReport",
+    "LifecycleResult",
+    "Outcome",
+    "ReplicaHealth",
+    "ReplicaResult",
+    "UnconfirmedWorker",
+]
 
 
 class Outcome(enum.StrEnum):
@@ -78,9 +85,12 @@ class LifecycleResult:
 class ReplicaHealth:
     """One replica's health-check verdict.
 
-    ``action``: ``none`` (healthy), ``failed`` (marked FAILED, not cleaned), ``cleaned``
-    (whole replica shut down, confirmed), ``rebuilt``, ``pending`` (a cleanup step was not
-    confirmed; retry), ``fenced`` (an actor died without confirmed cleanup).
+    ``action``: ``none`` (healthy), ``suspect`` (a probe failed while the engine process
+    lives; the replica keeps its state and stays routable until ``failed_probes`` reaches the
+    manager's ``unhealthy_after``), ``failed`` (marked FAILED, not cleaned), ``cleaned`` (whole
+    replica shut down, confirmed), ``rebuilt``, ``pending`` (a cleanup step was not confirmed;
+    retry), ``fenced`` (an actor died without confirmed cleanup). ``failed_probes``: the
+    consecutive failed probes counted this round (0 when its probe passed or was not counted).
     """
 
     engine_id: str
@@ -88,6 +98,7 @@ class ReplicaHealth:
     state: str
     action: str
     problems: tuple[str, ...] = ()
+    failed_probes: int = 0
 
 
 @attrs.frozen
@@ -106,3 +117,36 @@ class HealthReport:
     def by_engine(self) -> Mapping[str, ReplicaHealth]:
         """Engine id -> verdict."""
         return {r.engine_id: r for r in self.replicas}
+
+
+@attrs.frozen
+class UnconfirmedWorker:
+    """A worker whose cleanup the manager could not confirm: what it may still hold, and where.
+
+    ``fenced``: its actor died without confirmed cleanup of its engine process (only an
+    operator can confirm the node is clean); otherwise its last shutdown was not confirmed
+    (``reason`` says why; ``shutdown()`` retries it). ``placement_group_id`` is the hex id of the
+    group whose bundles it was on (``None`` outside a group): that group must not be released
+    while the worker's engine process may run, or the next job is scheduled onto GPUs a stray
+    engine still holds.
+    """
+
+    model_id: str
+    worker: str
+    fenced: bool
+    reason: str
+    placement_group_id: str | None
+    bundles: tuple[int, ...]
+    node_ip: str | None
+    node_id: str | None
+    engine_pid: int | None
+
+    def describe(self) -> str:
+        """One line for an operator: the worker, where it ran, why it is not confirmed."""
+        where = f"node {self.node_ip or '?'}"
+        if self.engine_pid is not None:
+            where += f", engine pid {self.engine_pid}"
+        if self.bundles:
+            where += f", bundle {', '.join(str(b) for b in self.bundles)}"
+        kind = "fenced" if self.fenced else "shutdown not confirmed"
+        return f"{self.worker} ({where}): {kind}: {self.reason}"

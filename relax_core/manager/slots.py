@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from relax_core.errors import InferenceRecoveryRequired
-from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
+from relax_core.manager.results import (
+    LifecycleResult,
+    Outcome,
+    ReplicaResult,
+    UnconfirmedWorker,
+)
 from relax_core.manager.state import Replica, ReplicaState
 
 if TYPE_CHECKING:
@@ -214,6 +219,8 @@ class ReplicaSlot:
     placement_group: Any = None
     #: chosen by scale-in: cleaned up and removed, never rebuilt
     retiring: bool = False
+    #: consecutive failed health probes of a live replica (reset by a healthy one, a rebuild)
+    failed_probes: int = 0
 
     @property
     def head(self) -> WorkerSlot:
@@ -370,6 +377,25 @@ class SlotTable:
     def fenced_workers(self) -> list[str]:
         """The names of every fenced worker (see :class:`WorkerSlot`)."""
         return [s.worker_name(w) for s in self.ordered() for w in s.workers if w.fenced]
+
+    def unconfirmed(self) -> list[UnconfirmedWorker]:
+        """Every worker that may still hold something: fenced, or its shutdown pending."""
+        return [
+            UnconfirmedWorker(
+                model_id=self.model_id,
+                worker=s.worker_name(w),
+                fenced=w.fenced,
+                reason=w.pending or "cleanup not confirmed",
+                placement_group_id=_group_id(s.placement_group),
+                bundles=w.bundles,
+                node_ip=w.node_ip,
+                node_id=w.node_id,
+                engine_pid=w.engine_pid,
+            )
+            for s in self.ordered()
+            for w in s.workers
+            if w.fenced or (w.actor is not None and w.pending)
+        ]
 
     def fence_message(self, what: str) -> str:
         """What an :class:`InferenceRecoveryRequired` says: every fenced worker, what to do."""

@@ -79,6 +79,8 @@ class Replica:
     generation: int = 0
     weight_version: str | None = None
     error: str | None = None
+    #: how many transitions the replica has made (a health probe that overlapped one is stale)
+    transitions: int = 0
     #: the last transitions (oldest first), for diagnostics and tests
     history: list[tuple[ReplicaState, ReplicaState]] = attrs.field(factory=list, repr=False)
 
@@ -90,6 +92,7 @@ class Replica:
                 f"{self.state}: {sorted(_TRANSITIONS[self.state])}"
             )
         self.history.append((self.state, to))
+        self.transitions += 1
         if len(self.history) > _HISTORY:
             del self.history[: len(self.history) - _HISTORY]
         self.state = to

@@ -227,9 +227,13 @@ class EngineWorker:
                 await self.control.health_generate(timeout=timeout)
             except RelaxError as exc:
                 error = str(exc)
-        # Polled after the generation too: a killed engine's port closes a moment before the
-        # kernel lets its parent reap it.
+        # Polled after the generation too: a killed engine's port closes before the kernel has
+        # finished its exit (a large process takes a while to unmap), so after a failed
+        # generation it gets a moment to be reaped — a death must count as a death, not as one
+        # of the failed probes a live engine is allowed (the manager's unhealthy_after).
         code = process.poll()
+        if code is None and error is not None:
+            code = await _exit_code_within(process, _EXIT_GRACE_S)
         if code is not None:
             return ProbeResult(
                 self.engine_id, self.node_rank, process.pid, False, code, None,
@@ -402,6 +406,21 @@ class EngineWorker:
             await self.admission.stop()
         pid = self.process.pid if self.process else None
         return {"pid": pid, "exit_code": code}
+
+
+#: How long a probe whose generation failed waits for the engine process to be reaped.
+_EXIT_GRACE_S = 1.0
+
+
+async def _exit_code_within(process: EngineProcess, seconds: float) -> int | None:
+    """The process's exit code if it exits within ``seconds``, else ``None`` (it lives)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        code = process.poll()
+        if code is not None:
+            return code
+    return None
 
 
 def _log_path(engine_id: str) -> str:

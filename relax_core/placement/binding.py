@@ -347,8 +347,13 @@ def bind_placement_group(
     name: str = "",
     ready_timeout_s: float = 60.0,
     probe_timeout_s: float = 60.0,
+    lifetime: str | None = None,
 ) -> BoundPool:
     """Create (or borrow) ``pool``'s placement group, probe every bundle, validate the binding.
+
+    ``lifetime``: Ray's placement-group lifetime of a group created here (``None``: it ends with
+    this driver's job; ``"detached"``: it stays until removed, so it can outlive the driver when
+    its release is not confirmed).
 
     :param placement_group: a ready or pending group owned by someone else (e.g. the
         trainer's actor pool); it is never removed here. ``None``: create one from the plan's
@@ -365,7 +370,7 @@ def bind_placement_group(
     spec = plan.pool(pool)
     owned = placement_group is None
     pg = (
-        create(list(spec.bundle_specs()), strategy=spec.strategy, name=name)
+        create(list(spec.bundle_specs()), strategy=spec.strategy, name=name, lifetime=lifetime)
         if owned
         else placement_group
     )

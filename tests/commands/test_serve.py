@@ -187,6 +187,9 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
         assert "gateways stopped (3)" in text and "engines stopped (4 processes)" in text
         assert "routers stopped (1)" in text
         assert "local Ray stopped" in text and text.endswith("nothing left running")
+        # The local Ray runs with token authentication, set up explicitly: Ray has nothing to
+        # warn a newcomer about.
+        assert "Token authentication" not in text + stderr.read_text()
 
         wait_for(lambda: not in_session(proc.pid), timeout=30, what="serve's processes gone")
         wait_for(lambda: not mentioning(str(model_dir)), timeout=30, what="engines gone")
@@ -420,3 +423,82 @@ num_engines = 2
     for bound in job.bound:
         state = ray_local.util.placement_group_table(bound.placement_group)["state"]
         assert state == "REMOVED"
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
+def _groups_named(ray: Any, name: str) -> dict[str, str]:
+    """Placement group id -> state, of every group called ``name`` the cluster knows."""
+    return {
+        gid: str(g["state"])
+        for gid, g in ray.util.placement_group_table().items()
+        if g.get("name") == name
+    }
+
+
+def test_serve_keeps_a_fenced_placement_group_at_shutdown_names_it_and_exits_1(
+    tmp_path: Path, ray_local: Any
+) -> None:
+    import ray.util
+    from ray.util.placement_group import PlacementGroup
+
+    engine = 0
+    config = tmp_path / "fence-job.toml"
+    # The test plugin's simulated engine (no model) on one of the session Ray's fake GPUs, so
+    # the model gets a placement group of its own.
+    config.write_text(
+        """\
+[cluster]
+gpus_per_node = 8
+
+[roles.genrm.models.judge]
+backend = "test-sim"
+model_path = "sim"
+num_gpus = 1
+num_parameters = 1000
+"""
+    )
+    address = ray_local.get_runtime_context().gcs_address
+    args = ("--address", address, "--health-interval", "1", "--refresh", "0.5")
+    before = set(_groups_named(ray_local, "relax-genrm"))  # other tests' groups of that name
+
+    def state() -> str:
+        (ours,) = set(_groups_named(ray_local, "relax-genrm")) - before
+        return _groups_named(ray_local, "relax-genrm")[ours]
+
+    try:
+        with serve(config, *args) as (proc, out, stderr):
+            out.wait_for(r"relax serve: ready", timeout=180)
+            assert state() == "CREATED"
+            engine = int(out.wait_for(r"judge/replica-0\s+READY .*pid (\d+)", timeout=30)[1])
+            # The worker actor dies without cleaning up its engine: the manager cannot know
+            # whether the engine still holds its GPU, so it fences the worker.
+            os.kill(_ppid(engine), signal.SIGKILL)
+            out.wait_for(r"health genrm\.judge: .*died without confirmed cleanup", timeout=60)
+
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=120) == 1, out.rest(10) + stderr.read_text()
+            text, err = out.rest(10), stderr.read_text()
+            assert "placement groups removed (0), 1 kept" in text, text
+            assert "nothing left running" not in text
+            assert "placement group 'relax-genrm' (pool 'genrm'" in err and "KEPT" in err, err
+            assert "judge/replica-0 (node 127.0.0.1" in err and "fenced" in err, err
+            assert "remove_placement_group" in err
+        # The group outlives relax serve: nothing may be scheduled onto its GPU until an
+        # operator confirms the engine is gone.
+        assert state() == "CREATED"
+    finally:
+        # The operator's part, once the engine is confirmed gone (it died with its actor).
+        wait_for(lambda: not _alive(engine), timeout=20, what="the fenced engine gone")
+        ours = set(_groups_named(ray_local, "relax-genrm")) - before
+        for gid in ours:
+            pg_id = ray_local.PlacementGroupID(bytes.fromhex(gid))
+            ray.util.remove_placement_group(PlacementGroup(pg_id))
+        wait_for(
+            lambda: all(_groups_named(ray_local, "relax-genrm")[g] == "REMOVED" for g in ours),
+            timeout=20,
+            what="the kept group removed",
+        )

@@ -388,3 +388,73 @@ def test_inflight_accepts_any_mapping(resolver: RouteResolver) -> None:
     order = rendezvous_order("teacher", "math", ids, "k")
     loads = Loads({order[0]: 50})
     assert resolver.resolve(snap, affinity_key="k", inflight=loads).engine_id == order[1]
+
+
+# -- weight versions and avoided heads ----------------------------------------------------------
+
+
+def versioned(versions: list[str | None], model_version: str = "7") -> RoleSnapshot:
+    """The teacher snapshot with ``math`` as an ACTOR model whose heads serve ``versions``."""
+    data = snapshot().to_json()
+    math = data["models"]["math"]
+    math.update(weight_source="ACTOR", weight_version=model_version)
+    math["engines"] = []
+    for i, version in enumerate(versions):
+        head = engine(i)
+        if version is not None:
+            head["weight_version"] = version
+        math["engines"].append(head)
+    return RoleSnapshot.from_json(data)
+
+
+def test_weight_versions_compare_digit_runs_as_numbers() -> None:
+    from relax_core.discovery.routing import weight_version_at_least, weight_version_key
+
+    assert weight_version_key("9") < weight_version_key("10")
+    assert weight_version_key("step-9") < weight_version_key("step-10")
+    assert weight_version_key("v1.2") < weight_version_key("v1.10")
+    assert weight_version_at_least("12", "12") and weight_version_at_least("13", "12")
+    assert not weight_version_at_least("11", "12") and not weight_version_at_least(None, "1")
+
+
+def test_only_heads_with_the_required_weight_version_are_candidates() -> None:
+    resolver = RouteResolver(PluginManager.create(entry_points=False))
+    snap = versioned(["8", "7", None, "8"])
+    chosen = {resolver.resolve(snap, model="math", min_weight_version="8").engine_id for _ in "ab"}
+    assert chosen == {"math/replica-0", "math/replica-3"}
+    # A head without its own version serves the model's.
+    target = resolver.resolve(snap, model="math", min_weight_version="7", affinity_key="k")
+    assert target.weight_version in {"7", "8"}
+
+
+def test_a_weight_version_no_head_serves_yet_is_503_with_retry_after() -> None:
+    resolver = RouteResolver(PluginManager.create(entry_points=False))
+    with pytest.raises(RoutingError) as info:
+        resolver.resolve(versioned(["8", "8"]), model="math", min_weight_version="9")
+    assert info.value.status == 503 and info.value.retry_after == 1.0
+    assert 'weight version >= "9"' in info.value.message
+    assert (
+        "math/replica-0 on 8" in info.value.message and "No request was sent" in info.value.message
+    )
+    # A router model must publish the version itself.
+    data = snapshot().to_json()
+    data["models"]["code"].update(weight_source="ACTOR", weight_version="3")
+    with pytest.raises(RoutingError, match='>= "4"'):
+        resolver.resolve(RoleSnapshot.from_json(data), model="code", min_weight_version="4")
+    assert resolver.resolve(RoleSnapshot.from_json(data), model="code", min_weight_version="3")
+
+
+def test_avoided_heads_are_left_out_unless_no_other_is_eligible() -> None:
+    resolver = RouteResolver(PluginManager.create(entry_points=False))
+    snap = snapshot(engines=[engine(0), engine(1)])
+    avoid = {"http://10.0.0.1:30000"}
+    assert {resolver.resolve(snap, avoid=avoid).url for _ in range(4)} == {"http://10.0.0.2:30000"}
+    both = avoid | {"http://10.0.0.2:30000"}
+    assert len({resolver.resolve(snap, avoid=both).url for _ in range(4)}) == 2
+
+
+def test_a_weight_version_asked_of_a_static_model_is_a_400() -> None:
+    resolver = RouteResolver(PluginManager.create(entry_points=False))
+    with pytest.raises(RoutingError) as info:
+        resolver.resolve(snapshot(), model="math", min_weight_version="1")
+    assert info.value.status == 400 and "STATIC weights" in info.value.message

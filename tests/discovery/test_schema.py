@@ -472,9 +472,33 @@ def test_schema1_view_lists_rank_status_and_url_of_heads_only() -> None:
     assert view == {
         "engines": [
             {"rank": 0, "status": "READY", "url": "http://head:30000"},
-            {"rank": 1, "status": "FAILED", "url": None},
+            {"rank": 2, "status": "FAILED", "url": None},
         ]
     }
+
+
+def test_schema1_ranks_stay_when_another_models_heads_change() -> None:
+    doc = reference_doc()
+    doc["models"]["code"].update(route_mode="DIRECT", router_url=None, state="READY")
+    code = doc["models"]["code"]["engines"]
+    code.append(
+        {"engine_id": "code/replica-0", "base_url": "http://c0:1", "state": "READY",
+         "direct_eligible": True, "generation": 1}
+    )  # fmt: skip
+
+    def ranks() -> dict[str | None, int]:
+        view = RoleSnapshot.from_json(doc).schema1()["engines"]
+        return {e["url"]: e["rank"] for e in view if e["url"] is not None}
+
+    before = ranks()
+    code.append({**code[0], "engine_id": "code/replica-1", "base_url": "http://c1:1"})
+    code.append({**code[0], "engine_id": "code/replica-2", "base_url": "http://c2:1"})
+    after = ranks()
+    assert after["http://head:30000"] == before["http://head:30000"] == 0
+    assert after["http://c0:1"] == before["http://c0:1"] == 1
+    del code[0]  # scaled in: the others keep theirs
+    assert ranks() == {k: v for k, v in after.items() if k != "http://c0:1"}
+    assert len(set(after.values())) == len(after)
 
 
 # -- round trip property ---------------------------------------------------------------------
@@ -566,3 +590,28 @@ def test_snapshot_pickles_for_other_processes() -> None:
     copy_ = pickle.loads(pickle.dumps(snap))
     assert copy_ == snap
     assert copy_.to_json() == snap.to_json()
+
+
+def test_a_heads_weight_version_is_optional_and_omitted_when_null() -> None:
+    doc = reference_doc()
+    assert "weight_version" not in doc["models"]["math"]["engines"][0]
+    snap = RoleSnapshot.from_json(doc)
+    assert snap.models["math"].engines[0].weight_version is None
+    assert "weight_version" not in snap.to_json()["models"]["math"]["engines"][0]
+    model = doc["models"]["math"]
+    model.update(weight_source="ACTOR", weight_version="12")
+    model["engines"][0]["weight_version"] = "11"
+    versioned = RoleSnapshot.from_json(doc)
+    assert versioned.models["math"].engines[0].weight_version == "11"
+    assert RoleSnapshot.from_json(versioned.to_json()) == versioned
+
+
+def test_a_static_models_head_with_a_weight_version_is_rejected() -> None:
+    doc = reference_doc()
+    doc["models"]["math"]["engines"][0]["weight_version"] = "3"
+    with pytest.raises(SnapshotError) as info:
+        RoleSnapshot.from_json(doc)
+    assert info.value.path == "models.math.engines[0].weight_version"
+    doc["models"]["math"]["engines"][0]["weight_version"] = 3
+    with pytest.raises(SnapshotError, match="weight_version"):
+        RoleSnapshot.from_json(doc)

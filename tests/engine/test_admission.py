@@ -302,6 +302,8 @@ def test_unreachable_engine_answers_502_naming_the_engine(http: urllib3.PoolMana
         wait_for(lambda: guard.server.inflight == 0, timeout=5, what="in-flight to clear")
     assert r.status == 502
     assert "judge/replica-0" in r.json()["error"]
+    # Nothing reached the engine, and the answer says so: a caller may try another replica.
+    assert r.headers["X-Relax-Not-Sent"] == "engine-unreachable"
 
 
 def test_stopped_admission_thread_frees_its_port(upstream: tuple[Upstream, str]) -> None:

@@ -168,6 +168,30 @@ def test_a_connection_idle_past_the_keepalive_limit_is_not_reused(serve: Any) ->
     assert server.connections == 2
 
 
+def test_idle_connections_are_closed_after_the_keepalive_limit_without_another_request(
+    serve: Any,
+) -> None:
+    closed = threading.Event()
+
+    def keep_alive_then_report(conn: socket.socket, server: RawServer) -> None:
+        keep_alive(conn, server)
+        closed.set()  # the client closed its end: read_request saw EOF
+
+    server = serve(keep_alive_then_report)
+
+    async def scenario() -> None:
+        client = Http1Client(keepalive_timeout=0.1)
+        resp = await client.request("POST", server.url + "/x", {}, b"{}", timeout=10)
+        await resp.read()
+        resp.release()
+        # No further request: the sweep alone closes the idle connection (its descriptor).
+        await asyncio.to_thread(closed.wait, 10)
+        assert closed.is_set()
+        await client.aclose()
+
+    run(scenario())
+
+
 def test_a_body_without_length_ends_with_the_connection(serve: Any) -> None:
     def http10(conn: socket.socket, server: RawServer) -> None:
         server.read_request(conn)

@@ -54,6 +54,8 @@ TIMEOUTS = ManagerTimeouts(
     start=120.0, offload=20.0, onload=30.0, drain=10.0, health=4.0, shutdown=3.0
 )
 GREEDY = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+#: The manager's default: failed probes in a row before a live replica is FAILED.
+UNHEALTHY_AFTER = 3
 
 
 class Recording:
@@ -252,6 +254,12 @@ def test_a_failed_replica_leaves_the_router_before_its_engine_is_stopped(routed:
     os.kill(pid, signal.SIGSTOP)  # alive, but its health check times out
     routed.stopped.append(pid)
     removed = len(routed.recording.removed)
+    # A live engine is allowed a few failed probes: until then it stays READY and registered.
+    for _ in range(UNHEALTHY_AFTER - 1):
+        report = routed.manager.health_check(recover=True)
+        assert report.by_engine["policy/replica-0"].action == "suspect", report
+        assert routed.recording.removed[removed:] == []
+        assert "policy/replica-0" in routed.router.workers()
     report = routed.manager.health_check(recover=True)
     assert report.by_engine["policy/replica-0"].action == "rebuilt", report
     assert routed.recording.removed[removed:] == [("policy/replica-0", True)]

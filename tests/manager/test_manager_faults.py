@@ -35,9 +35,16 @@ def publisher() -> RegistryPublisher:
     return RegistryPublisher("genrm", RoutingSpec(default_model="judge"))
 
 
+#: Failed probes in a row before a live replica is FAILED (2 rather than the default 3: every
+#: probe of a stopped engine waits out the health deadline).
+UNHEALTHY_AFTER = 2
+
+
 @pytest.fixture(scope="module")
 def run(ray_local: Any, publisher: RegistryPublisher) -> Iterator[Any]:
-    manager = support.make_manager(replicas=2, publisher=publisher, timeouts=QUICK)
+    manager = support.make_manager(
+        replicas=2, publisher=publisher, timeouts=QUICK, unhealthy_after=UNHEALTHY_AFTER
+    )
     with support.managed(manager) as started:
         yield started
 
@@ -143,6 +150,74 @@ def test_health_check_rebuilds_a_dead_engine_in_one_call(
     assert not verdict.healthy and verdict.action == "rebuilt" and verdict.state == "READY"
     assert verdict.problems and all("judge/replica-1" in p for p in verdict.problems)
     assert engine(publisher, "judge/replica-1").generation >= 2
+
+
+def test_an_engine_stopped_for_fewer_probes_than_the_limit_stays_ready_and_is_not_rebuilt(
+    manager: Any, publisher: RegistryPublisher
+) -> None:
+    before = engine(publisher, "judge/replica-1")
+    pid = manager.engine_pids()["judge/replica-1"][0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        reports: list[Any] = []
+        probing = threading.Thread(target=lambda: reports.append(manager.health_check()))
+        probing.start()
+        # The probes run without the manager's lock: a lifecycle call of the other replica
+        # finishes while the stopped engine's probe is still waiting out its deadline.
+        support.wait_for(
+            lambda: manager._health_lock.locked(), timeout=10, what="a health round running"
+        )
+        off = manager.offload(engine_ids=["judge/replica-0"])
+        assert off.outcomes == {"judge/replica-0": Outcome.DONE}
+        assert probing.is_alive(), "the offload waited for the health probes"
+        probing.join(60)
+        (report,) = reports
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    verdict = report.by_engine["judge/replica-1"]
+    assert verdict.action == "suspect" and verdict.failed_probes == 1
+    assert not verdict.healthy and verdict.state == "READY"
+    assert "failed probe 1 of 2" in verdict.problems[0]
+    # The replica offloaded during the round: its probe overlapped that change and is not held
+    # against it.
+    assert report.by_engine["judge/replica-0"].healthy
+    # Still READY and routable, same process, same generation: nothing was rebuilt.
+    assert manager.states()["judge/replica-1"] == "READY"
+    assert engine(publisher, "judge/replica-1") == before
+    assert manager.engine_pids()["judge/replica-1"] == [pid]
+    assert support.generate(before.base_url)[0] == 200
+    # The next round passes and the count starts over.
+    manager.onload()
+    again = manager.health_check()
+    assert again.healthy and again.by_engine["judge/replica-1"].failed_probes == 0
+    assert manager.engine_pids()["judge/replica-1"] == [pid]
+
+
+def test_an_engine_stopped_for_the_probe_limit_becomes_failed_and_is_rebuilt(
+    manager: Any, publisher: RegistryPublisher
+) -> None:
+    before = engine(publisher, "judge/replica-1")
+    pid = manager.engine_pids()["judge/replica-1"][0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        first = manager.health_check(recover=False)
+        assert first.by_engine["judge/replica-1"].action == "suspect"
+        assert manager.states()["judge/replica-1"] == "READY"
+        second = manager.health_check(recover=False)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    verdict = second.by_engine["judge/replica-1"]
+    assert verdict.action == "failed" and verdict.state == "FAILED"
+    assert verdict.failed_probes == UNHEALTHY_AFTER
+    assert "2 probes failed in a row" in verdict.problems[0]
+    failed = engine(publisher, "judge/replica-1")
+    assert failed.state == "FAILED" and failed.base_url is None and not failed.direct_eligible
+    result = manager.recover()
+    assert result.outcomes == {"judge/replica-1": Outcome.DONE}
+    rebuilt = engine(publisher, "judge/replica-1")
+    assert rebuilt.state == "READY" and rebuilt.generation == before.generation + 1
+    assert manager.engine_pids()["judge/replica-1"] != [pid]
+    support.wait_for(lambda: not support.pid_alive(pid), timeout=20, what="stopped engine gone")
 
 
 @pytest.fixture

@@ -241,7 +241,7 @@ def test_a_two_node_hf_replica_on_a_real_multi_node_cluster() -> None:
     generated = out["generate"]
     assert generated["status"] == 200 and generated["completion_tokens"] == 6
     assert out["head_followers"] == [out["follower_pid"]] and out["diverged_tokens"] == 0
-    assert out["health"] == {"healthy": False, "state": "FAILED"}
+    assert out["health"] == {"healthy": False, "state": "FAILED"}, out.get("health_report")
     assert out["head_health_generate_after_death"] == 503
     assert out["published_after_death"] == [["math/replica-0", "FAILED", False]]
     assert out["recover"] == {"math/replica-0": "done"}

@@ -4,6 +4,7 @@ the published version behind a fence; DCS loads new checkpoint versions; on real
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -169,6 +170,34 @@ def test_update_of_a_sleeping_model_without_weights_is_refused_before_anything_m
     finally:
         actor.onload()
     assert engine_versions(publisher, "policy") == ["w-2", "w-2"]
+
+
+def test_a_request_for_a_weight_version_not_yet_published_gets_503_and_succeeds_after_it(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    from relax_core import PluginManager
+    from tests.support import gateway as gs
+
+    assert actor.update_weights_from_disk(support.tiny_model(), weight_version="100").ok
+    # Each head publishes the version it serves.
+    heads = publisher.snapshot().models["policy"].engines
+    assert [e.weight_version for e in heads] == ["100", "100"]
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
+    with gs.gateway("rollout", publisher.snapshot, plugin_manager=PluginManager.create()) as url:
+        wants_101 = {"X-Relax-Min-Weight-Version": "101"}
+        status, headers, raw = gs.post(f"{url}/rollout/generate", body, wants_101)
+        assert status == 503 and headers["retry-after"] == "1", raw
+        message = json.loads(raw)["error"]["message"]
+        assert 'weight version >= "101"' in message and "policy/replica-0 on 100" in message
+        # The body field says the same; an older requirement is met at once.
+        assert gs.post(f"{url}/rollout/generate", {**body, "min_weight_version": 101})[0] == 503
+        assert gs.post(f"{url}/rollout/generate", {**body, "min_weight_version": "99"})[0] == 200
+
+        assert actor.update_weights_from_disk(support.tiny_model(), weight_version="101").ok
+        status, _, raw = gs.post(f"{url}/rollout/generate", body, wants_101)
+        assert status == 200 and json.loads(raw)["meta_info"]["weight_version"] == "101"
+        status, _, raw = gs.post(f"{url}/rollout/generate", {**body, "min_weight_version": "101"})
+        assert status == 200
 
 
 def test_actor_model_refuses_a_checkpoint_load_it_has_no_directory_for(actor: Any) -> None:

@@ -60,9 +60,10 @@ class Upstream:
 
 
 @contextlib.contextmanager
-def upstream(name: str = "engine") -> Iterator[Upstream]:
-    """Start ``tests/upstream_server.py`` on a free port; kill it when the block ends."""
-    port = free_port()
+def upstream(name: str = "engine", port: int | None = None) -> Iterator[Upstream]:
+    """Start ``tests/upstream_server.py`` on ``port`` (default: a free one); kill it when the
+    block ends."""
+    port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, str(UPSTREAM_SCRIPT), "--port", str(port), "--name", name],
         stdout=subprocess.PIPE,

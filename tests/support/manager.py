@@ -71,6 +71,7 @@ def make_manager(
     owned: bool = True,
     group: Any = None,
     model_path: str | None = None,
+    unhealthy_after: int = 3,
     **spec: Any,
 ) -> InferenceManager:
     """A manager of ``replicas`` one-node hf replicas, each on its own fake-GPU bundle."""
@@ -86,6 +87,7 @@ def make_manager(
         ),
         publisher=publisher,
         timeouts=timeouts,
+        unhealthy_after=unhealthy_after,
     )
 
 

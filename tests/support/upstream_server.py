@@ -16,7 +16,8 @@ the gateway like any end-to-end header):
 - ``hang-stream``   send one SSE event, then nothing until the client goes away;
 - ``first-event-after:S``  send the stream's headers at once and its first event S seconds
                     later (an engine queueing and prefilling a long prompt);
-- ``die-after:N``   send N SSE events, then kill this process (SIGKILL) mid-stream.
+- ``die-after:N``   send N SSE events, then kill this process (SIGKILL) mid-stream;
+- ``reset-after:N`` send N SSE events, then drop the connection (the process lives on).
 
 ``GET /_last`` returns the last POST's path, headers and body; ``GET /_stats`` counts requests
 and streams that ended because the client went away.
@@ -96,6 +97,9 @@ async def _stream(events: list[bytes], mode: str) -> AsyncIterator[bytes]:
                 await asyncio.sleep(float(mode[18:]))
             if mode.startswith("die-after:") and i == int(mode[10:]):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if mode.startswith("reset-after:") and i == int(mode[12:]):
+                # uvicorn closes a connection whose streamed response raised: cut mid-stream.
+                raise ConnectionResetError("test upstream drops the connection mid-stream")
             yield event
     except (asyncio.CancelledError, GeneratorExit):
         STATE["streams_closed_early"] += 1

@@ -3,16 +3,24 @@
 A body with ``messages`` is rendered with the selected model's tokenizer and chat template,
 forwarded to the engine as ``input_ids`` and answered as ``{"response": text}``. A body with raw
 ``text`` or ``input_ids`` passes through unchanged (the engine's own answer is relayed).
+
+Tokenizers are loaded when the gateway starts (:meth:`GenRMAdapter.preload`, in the background;
+the gateway's health says so until they are), and rendering runs in the gateway's thread pool
+(``blocking = True``), never on its event loop.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from relax_core import AdaptContext, Adapted, InvalidRequestError, RoleAdapter, check_messages
 
 __all__ = ["MESSAGES_INPUT", "GenRMAdapter", "TokenizerCache"]
+
+log = logging.getLogger("relax.genrm")
 
 #: Fields of a messages request that are not forwarded to the engine as-is.
 _MESSAGE_ONLY = frozenset({"messages", "model", "route_key", "chat_template_kwargs"})
@@ -83,9 +91,36 @@ class GenRMAdapter(RoleAdapter):
     """
 
     generate_inputs = ("messages",)
+    blocking = True
 
     def __init__(self, tokenizers: TokenizerCache | None = None) -> None:
         self.tokenizers = tokenizers or TokenizerCache()
+
+    def preload(self, model_paths: Mapping[str, str]) -> None:
+        """Load every model's tokenizer and compile its chat template once.
+
+        :raises InvalidRequestError: a model's tokenizer cannot be loaded (naming every such
+            model; the others are loaded). Raw ``input_ids``/``text`` requests still work.
+        """
+        problems = []
+        for model, path in model_paths.items():
+            try:
+                tok = self.tokenizers.get(path)
+            except InvalidRequestError as exc:
+                problems.append(f"{model}: {exc.message}")
+                continue
+            if getattr(tok, "chat_template", None) is not None:
+                # The first render compiles the template: do it now, not on a caller's time.
+                try:
+                    tok.apply_chat_template(
+                        [{"role": "user", "content": "warm-up"}],
+                        tokenize=False,
+                        add_generation_prompt=True,
+                    )
+                except Exception as exc:  # a template that needs kwargs: compiled on use
+                    log.info("genrm model %s: chat template warm-up skipped: %s", model, exc)
+        if problems:
+            raise InvalidRequestError("cannot render 'messages' for " + "; ".join(problems))
 
     def render(
         self, messages: list[dict[str, Any]], ctx: AdaptContext, **template_kwargs: Any

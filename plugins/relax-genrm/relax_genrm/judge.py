@@ -13,13 +13,21 @@ failing that, its last ``yes``/``no`` / ``correct``/``incorrect`` word.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
-from relax_core import RewardContext, RewardResult, UpstreamError
+from relax_core import (
+    RewardContext,
+    RewardResult,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamUnreachableError,
+)
 
 __all__ = [
     "JUDGE_ROLE",
@@ -104,7 +112,13 @@ class JudgeClient:
     ) -> str:
         """The judge's text for ``messages``.
 
-        :raises UpstreamError: the gateway answered an error (its status and message are kept).
+        :raises UpstreamStatusError: the gateway answered an error: its own status (a 400 for a
+            bad conversation or an unknown model stays a 400; 503 with ``retry_after`` while
+            the judge model is not READY), its body, and the message of its
+            ``{"error": {"message": …}}`` body; a 200 without a ``response`` is a 502.
+        :raises UpstreamUnreachableError: the gateway could not be reached (nothing was sent).
+        :raises UpstreamError: the exchange failed after the request was sent (502; not
+            retried).
         """
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
@@ -116,15 +130,33 @@ class JudgeClient:
             body["model"] = model
         if route_key is not None:
             body["route_key"] = route_key
-        async with self._session.post(self.url, json=body, headers=self._headers) as resp:
-            payload = await resp.json(content_type=None)
-            if resp.status != 200 or not isinstance(payload, dict) or "response" not in payload:
-                message = payload.get("message") if isinstance(payload, dict) else payload
-                raise UpstreamError(
-                    resp.status if resp.status >= 500 else 502,
-                    f"genrm gateway {self.url} answered {resp.status}: {message}",
-                )
+        try:
+            async with self._session.post(self.url, json=body, headers=self._headers) as resp:
+                status, raw = resp.status, await resp.read()
+                retry_after = _retry_after(resp.headers.get("Retry-After"))
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamUnreachableError(
+                502, f"genrm gateway {self.url} could not be reached: {exc}; nothing was sent"
+            ) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(
+                502,
+                f"genrm gateway {self.url}: the exchange failed after the request was sent "
+                f"({type(exc).__name__}: {exc}); it is not retried",
+            ) from exc
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            payload = None
+        if status == 200 and isinstance(payload, dict) and "response" in payload:
             return str(payload["response"])
+        raise UpstreamStatusError(
+            status if status >= 400 else 502,
+            f"genrm gateway {self.url} answered {status}: {_error_message(payload, raw)}",
+            body=raw,
+            url=self.url,
+            retry_after=retry_after,
+        )
 
     async def close(self) -> None:
         """Close the HTTP session (idempotent)."""
@@ -137,6 +169,26 @@ class JudgeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _error_message(payload: Any, raw: bytes) -> str:
+    """The message of a gateway's ``{"error": {"message": …}}`` body, else the body itself."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(payload, dict) and "response" not in payload and payload:
+        return json.dumps(payload)[:300]
+    if isinstance(payload, dict):
+        return "the answer has no 'response' field"
+    return raw[:300].decode("utf-8", "replace") or "(empty body)"
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        seconds = float(value) if value else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
 
 
 async def judge_sample(

@@ -7,13 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from relax_genrm import GenRMAdapter, JudgeClient, judge_sample, parse_verdict
+from relax_genrm import GenRMAdapter, parse_verdict
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from relax_core import AdaptContext, InvalidRequestError, PluginManager, UpstreamError
+from relax_core import AdaptContext, InvalidRequestError, PluginManager
 from relax_core.testing import serve_app
 
 CHAT_TEMPLATE = (
@@ -173,55 +173,6 @@ def test_missing_tokenizer_directory_is_a_clear_error(tmp_path: Path) -> None:
 )
 def test_verdict_parser(text: str, reward: float) -> None:
     assert parse_verdict(text) == reward
-
-
-@pytest.fixture
-def judge_gateway() -> Iterator[tuple[str, list[dict[str, object]]]]:
-    """A real HTTP server answering /genrm/generate like a genrm gateway (a test upstream)."""
-    seen: list[dict[str, object]] = []
-
-    async def generate(request: Request) -> JSONResponse:
-        body = await request.json()
-        seen.append({"body": body, "auth": request.headers.get("authorization")})
-        if body.get("model") == "missing":
-            return JSONResponse(
-                {"error": "bad_request", "message": "unknown model"}, status_code=400
-            )
-        return JSONResponse({"response": "looks right. score: 1"})
-
-    app = Starlette(routes=[Route("/genrm/generate", generate, methods=["POST"])])
-    with serve_app(app) as url:
-        yield url, seen
-
-
-def test_judge_sample_asks_the_gateway_and_parses_the_verdict(
-    judge_gateway: tuple[str, list[dict[str, object]]],
-) -> None:
-    url, seen = judge_gateway
-
-    async def go() -> float:
-        async with JudgeClient(url, token="s3cret") as client:
-            sample = {"prompt": "2+2?", "response": "4", "label": "4"}
-            return await judge_sample(sample, client=client, route_key="math")
-
-    assert asyncio.run(go()) == 1.0
-    body = seen[0]["body"]
-    assert isinstance(body, dict) and body["route_key"] == "math"
-    assert "Reference answer:\n4" in body["messages"][1]["content"]
-    assert seen[0]["auth"] == "Bearer s3cret"
-
-
-def test_judge_error_carries_the_gateway_message(
-    judge_gateway: tuple[str, list[dict[str, object]]],
-) -> None:
-    url, _ = judge_gateway
-
-    async def go() -> None:
-        async with JudgeClient(url) as client:
-            await client.judge([{"role": "user", "content": "x"}], model="missing")
-
-    with pytest.raises(UpstreamError, match="unknown model"):
-        asyncio.run(go())
 
 
 @pytest.fixture

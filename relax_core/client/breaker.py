@@ -1,0 +1,186 @@
+"""Per-replica circuit breakers of an :class:`~relax_core.client.client.InferenceClient`.
+
+A replica head whose connections keep failing (refused, reset while connecting, the connect
+deadline) is taken out of routing before every request pays a failed connect for it:
+
+- each connect failure to a head's URL counts; ``BreakerSettings.failures`` of them in a row
+  **open** its breaker: the resolver leaves that head out (``avoid``) as long as another head
+  of the model is eligible (when none is, it is tried: a connect attempt sends nothing);
+- an open breaker **probes** the head with ``GET {url}/health_generate`` after ``cooldown``
+  seconds (doubling after each failed probe, up to ``max_cooldown``); a 200 **closes** it and
+  the head is routed to again; a head no longer in the role's snapshot (rebuilt elsewhere,
+  scaled in) is forgotten;
+- a request that connected resets its head's count.
+
+The breaker never replays a POST: it only ever acts on connect failures (nothing was sent;
+see :mod:`relax_core._http.failures`) and probes with a GET. DIRECT heads only: a router's URL
+is the model's only way in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+
+__all__ = ["BreakerSettings", "BreakerState", "ReplicaBreakers"]
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"BreakerSettings.{attribute.name}={value!r}: give a positive number")
+
+
+@attrs.frozen
+class BreakerSettings:
+    """When a replica's breaker opens and how it probes.
+
+    ``failures``: consecutive connect failures that open it (default 3). ``cooldown``: seconds
+    before the first probe (default 1), doubled after each failed probe up to ``max_cooldown``
+    (default 30). ``probe_timeout``: the deadline of one probe (default 5 s). ``probe_path``:
+    what the probe GETs (default ``/health_generate``: the engine generates one token).
+
+    :raises ValueError: a value out of range, naming it.
+    """
+
+    failures: int = attrs.field(default=3, validator=_positive)
+    cooldown: float = attrs.field(default=1.0, validator=_positive)
+    max_cooldown: float = attrs.field(default=30.0, validator=_positive)
+    probe_timeout: float = attrs.field(default=5.0, validator=_positive)
+    probe_path: str = "/health_generate"
+
+
+@attrs.frozen
+class BreakerState:
+    """One head's breaker as seen now: ``open``, the connect failures in a row, when it opened
+    (``time.monotonic()``), the probes it made while open."""
+
+    url: str
+    engine_id: str | None
+    open: bool
+    failures: int
+    opened_at: float | None
+    probes: int
+
+
+@attrs.define
+class _Breaker:
+    url: str
+    engine_id: str | None
+    failures: int = 0
+    open: bool = False
+    opened_at: float | None = None
+    probes: int = 0
+    task: asyncio.Task[None] | None = None
+
+
+#: ``probe(url, timeout)``: the HTTP status of ``GET url`` (raises when it could not be sent).
+Probe = Callable[[str, float], Awaitable[int]]
+
+
+class ReplicaBreakers:
+    """The breakers of one client's DIRECT heads, by base URL (see the module docstring).
+
+    ``probe`` sends a probe; ``published(url)`` says whether a head of that URL is still in the
+    role's snapshot (a breaker of a URL no longer published is forgotten). ``on_change(state)``
+    is called on every open and close. Belongs to one event loop; not thread-safe.
+    """
+
+    def __init__(
+        self,
+        settings: BreakerSettings,
+        probe: Probe,
+        *,
+        published: Callable[[str], bool] | None = None,
+        on_change: Callable[[BreakerState], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._probe = probe
+        self._published = published
+        self._on_change = on_change
+        self._breakers: dict[str, _Breaker] = {}
+        #: the URLs whose breaker is open now (read for every request: a frozenset, rebuilt on
+        #: every change)
+        self.open_urls: frozenset[str] = frozenset()
+        #: breakers opened / closed by a probe, since the client was made
+        self.opened = 0
+        self.closed = 0
+
+    def states(self) -> dict[str, BreakerState]:
+        """URL -> the state of every breaker that counts failures or is open."""
+        return {url: self._state(b) for url, b in self._breakers.items()}
+
+    def _state(self, b: _Breaker) -> BreakerState:
+        return BreakerState(b.url, b.engine_id, b.open, b.failures, b.opened_at, b.probes)
+
+    def connect_failed(self, url: str, engine_id: str | None) -> bool:
+        """Count a connect failure to ``url``; return whether its breaker is open now.
+
+        Opening it starts its probe on the running event loop.
+        """
+        b = self._breakers.get(url)
+        if b is None:
+            b = self._breakers[url] = _Breaker(url, engine_id)
+        b.failures += 1
+        if not b.open and b.failures >= self.settings.failures:
+            b.open = True
+            b.opened_at = time.monotonic()
+            self.opened += 1
+            self.open_urls = self.open_urls | {url}
+            b.task = asyncio.get_running_loop().create_task(self._probe_until_closed(b))
+            self._changed(b)
+        return b.open
+
+    def reached(self, url: str) -> None:
+        """A request to ``url`` connected: its count of failures in a row starts over."""
+        b = self._breakers.get(url)
+        if b is not None and not b.open:
+            del self._breakers[url]
+
+    async def _probe_until_closed(self, b: _Breaker) -> None:
+        s = self.settings
+        cooldown = s.cooldown
+        while True:
+            await asyncio.sleep(cooldown)
+            if self._published is not None and not self._published(b.url):
+                self._forget(b)
+                return
+            b.probes += 1
+            try:
+                status = await self._probe(b.url.rstrip("/") + s.probe_path, s.probe_timeout)
+            except Exception:  # any failure to get an answer: the head stays out of routing
+                status = 0
+            if status == 200:
+                self._close(b)
+                return
+            cooldown = min(cooldown * 2, s.max_cooldown)
+
+    def _close(self, b: _Breaker) -> None:
+        b.open = False
+        b.task = None
+        self.closed += 1
+        self._breakers.pop(b.url, None)
+        self.open_urls = self.open_urls - {b.url}
+        self._changed(attrs.evolve(b, failures=0))
+
+    def _forget(self, b: _Breaker) -> None:
+        b.task = None
+        self._breakers.pop(b.url, None)
+        self.open_urls = self.open_urls - {b.url}
+
+    def _changed(self, b: _Breaker) -> None:
+        if self._on_change is not None:
+            self._on_change(self._state(b))
+
+    async def aclose(self) -> None:
+        """Stop every probe (idempotent)."""
+        tasks = [b.task for b in self._breakers.values() if b.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
