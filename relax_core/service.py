@@ -1203,8 +1203,9 @@ class ShutdownSignals:
     """Ctrl-C and SIGTERM interrupt serving (KeyboardInterrupt); during shutdown they are
     held, because an interrupted shutdown would leave engines running."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, *, command: str = "relax serve") -> None:
         self.out = out
+        self.command = command
         self.holding = False
 
     def install(self) -> None:
@@ -1216,6 +1217,6 @@ class ShutdownSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.holding:
-            print("relax serve: still shutting down, please wait …", file=self.out, flush=True)
+            print(f"{self.command}: still shutting down, please wait …", file=self.out, flush=True)
             return
         raise KeyboardInterrupt

@@ -24,6 +24,7 @@ from relax_core.errors import ConfigValidationError
 __all__ = [
     "ARITHMETIC",
     "DEFAULT_TRAINER",
+    "PUSH_FORMATS",
     "TEACHER_MODES",
     "RewardWeight",
     "RunConfig",
@@ -34,6 +35,9 @@ __all__ = [
 ARITHMETIC = "arithmetic"
 #: ``teacher_mode`` values: the teacher's log-prob of each sampled token, or its top-k.
 TEACHER_MODES = ("sampled", "top-k")
+#: ``push_format`` values: the trainer's weights as safetensors bytes (any host, any device),
+#: or SGLang's own torch format (CUDA IPC handles: the engines must be on the trainer's GPU).
+PUSH_FORMATS = ("safetensors", "ipc")
 #: The trainer ``relax run`` uses unless ``trainer`` names another (``module:Class``).
 DEFAULT_TRAINER = "relax_core.run.trainer:PolicyTrainer"
 
@@ -75,6 +79,7 @@ class RunConfig:
     seed: int = 0
     trainer: str = DEFAULT_TRAINER
     trainer_device: str = "cpu"
+    push_format: str = "safetensors"
     operation_timeout: float = 180.0
     request_timeout: float = 300.0
     partial_rollout: bool = False
@@ -151,6 +156,7 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         seed=v(t, p, "seed", int, 0),
         trainer=v(t, p, "trainer", str, DEFAULT_TRAINER, check=_import_path),
         trainer_device=v(t, p, "trainer_device", str, "cpu", check=_device),
+        push_format=v(t, p, "push_format", str, "safetensors", check=_one_of(PUSH_FORMATS)),
         operation_timeout=v(t, p, "operation_timeout", float, 180.0, check=_positive),
         request_timeout=v(t, p, "request_timeout", float, 300.0, check=_positive),
         partial_rollout=v(t, p, "partial_rollout", bool, False),
@@ -158,6 +164,13 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         filter_hooks=r.str_list(t, p, "filter_hooks"),
         eval_dataset=eval_dataset,
     )
+    if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
+        r.problem(
+            f"{p}.push_format",
+            "push-format",
+            "ipc pushes CUDA IPC handles of the trainer's tensors: it needs trainer_device = "
+            "'cuda' on the engines' GPU; use 'safetensors'",
+        )
     if r.problems:
         raise ConfigValidationError(r.problems, job.source)
     return config
@@ -209,4 +222,3 @@ def _finite(v: Any) -> str | None:
     import math
 
     return None if math.isfinite(v) else f"must be a finite number, got {v!r}"
-

@@ -56,9 +56,9 @@ class PolicyShape:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(where, f"rope_type {rope_type!r}: only default rotary embeddings")
-        if config.get("sliding_window") and config.get("use_sliding_window", True):
-            if int(config["sliding_window"]) < int(config.get("max_position_embeddings", 0)):
-                raise ConfigError(where, "a sliding window is not implemented by this trainer")
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        if window and int(window) < int(config.get("max_position_embeddings", 0)):
+            raise ConfigError(where, "a sliding window is not implemented by this trainer")
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ConfigError(where, "attention or MLP biases are not implemented by this trainer")
         self.vocab_size = int(config["vocab_size"])
@@ -74,7 +74,7 @@ class PolicyShape:
         self.dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-class _Attention(nn.Module):
+class _Attention(nn.Module):  # type: ignore[misc]
     def __init__(self, s: PolicyShape) -> None:
         super().__init__()
         self.s = s
@@ -95,10 +95,11 @@ class _Attention(nn.Module):
             v = v.repeat_interleave(s.heads // s.kv_heads, dim=1)
         # Right padding: a real token never attends to the padding after it.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return projected
 
 
-class _MLP(nn.Module):
+class _MLP(nn.Module):  # type: ignore[misc]
     def __init__(self, s: PolicyShape) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
@@ -106,10 +107,11 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
 
 
-class _RMSNorm(nn.Module):
+class _RMSNorm(nn.Module):  # type: ignore[misc]
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -122,7 +124,7 @@ class _RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class _Layer(nn.Module):
+class _Layer(nn.Module):  # type: ignore[misc]
     def __init__(self, s: PolicyShape) -> None:
         super().__init__()
         self.input_layernorm = _RMSNorm(s.hidden, s.eps)
@@ -132,15 +134,21 @@ class _Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
-class _Body(nn.Module):
+class _Body(nn.Module):  # type: ignore[misc]
     def __init__(self, s: PolicyShape) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden)
         self.layers = nn.ModuleList(_Layer(s) for _ in range(s.layers))
         self.norm = _RMSNorm(s.hidden, s.eps)
+
+
+def _inv_freq(shape: PolicyShape, device: Any) -> torch.Tensor:
+    steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device=device)
+    return 1.0 / (shape.theta ** (steps / shape.head_dim))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -159,16 +167,14 @@ class Policy(nn.Module):  # type: ignore[misc]  # torch may be untyped where myp
         self.lm_head = nn.Linear(shape.hidden, shape.vocab_size, bias=False)
         if shape.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv = 1.0 / (
-            shape.theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
-        )
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", _inv_freq(shape, "cpu"), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of a right-padded batch ``input_ids [B, T]``."""
         t = input_ids.shape[1]
         positions = torch.arange(t, device=input_ids.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]
+        inv: torch.Tensor = self.inv_freq  # type: ignore[assignment]  # a registered buffer
+        freqs = positions[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(input_ids)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -239,10 +245,5 @@ def load_policy(model_path: str, *, device: str = "cpu") -> Policy:
     policy.load_state_dict({n: t.float() for n, t in state.items()}, strict=not shape.tied)
     if shape.tied:
         policy.lm_head.weight = policy.model.embed_tokens.weight
-    inv = 1.0 / (
-        shape.theta
-        ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device=device) / shape.head_dim)
-    )
-    policy.inv_freq = inv
+    policy.inv_freq = _inv_freq(shape, device)
     return policy
-
