@@ -344,13 +344,20 @@ class RunJob:
             kwargs.update(
                 router_backend=record, router_spec=router_launch_spec(model, record, self.log_dir)
             )
-        return start_manager_actor(
-            model.name,
-            name=manager_actor_name(self.name, model.role, model.name),
-            namespace=NAMESPACE,
-            publisher=self.registries[model.role],
-            **kwargs,
-        )
+        import ray
+
+        try:
+            return start_manager_actor(
+                model.name,
+                name=manager_actor_name(self.name, model.role, model.name),
+                namespace=NAMESPACE,
+                publisher=self.registries[model.role],
+                **kwargs,
+            )
+        except ray.exceptions.RayActorError as exc:
+            raise LifecycleError(
+                f"{model.path}: its manager actor did not start: {_last_line(exc)}"
+            ) from None
 
     def _start_trainer(self, bound: dict[str, Any], errors: list[BaseException]) -> None:
         from relax_core.run.trainer import TrainerContext, start_trainer
@@ -528,6 +535,12 @@ class RunJob:
             self._say(say, f"placement groups removed ({released})")
         self.bound = []
         return problems
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last line of a Ray error's text: the original error of a failed actor creation."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _cause(exc: BaseException) -> str:

@@ -135,7 +135,16 @@ def start_trainer(
     try:
         ray.get(actor.__ray_ready__.remote(), timeout=timeout)
     except ray.exceptions.RayActorError as exc:
-        raise LifecycleError(f"the trainer {trainer} did not start: {exc}") from None
+        # The creation task's own error is the text's last line.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise LifecycleError(
+            f"the trainer {trainer} did not start: {lines[-1] if lines else exc}"
+        ) from None
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(actor, no_restart=True)
+        raise LifecycleError(
+            f"the trainer {trainer} was not constructed within {timeout:g}s (loading its model)"
+        ) from None
     return actor
 
 
