@@ -125,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # during Ray's own start or stop
         status = 130
     if summary is not None:
-        printer.summary(summary.row())
+        row = summary.row()
+        # What was started, for whoever checks that it is gone (the shutdown did).
+        row["engine_pids"] = sorted(job.engine_pids)
+        row["router_pids"] = sorted(job.router_pids)
+        printer.summary(row)
         if summary.failure is not None:
             status = status or 1
     if left:

@@ -43,14 +43,14 @@ from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.rewards import RewardStage
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
-from relax_core.errors import LeaseBlockedError, LifecycleError
+from relax_core.errors import LifecycleError
 from relax_core.run.data import open_source
 from relax_core.run.generate import Generator, PromptTokenizer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
 from relax_core.run.progress import PhaseTimeline, Printer
 
-__all__ = ["FailedStep", "RunSummary", "build_stages", "run_loop"]
+__all__ = ["FailedStep", "RunSummary", "blocked_advice", "build_stages", "run_loop"]
 
 
 @attrs.frozen
@@ -304,8 +304,8 @@ class _Loop:
         notes = getattr(exc, "__notes__", None)
         if notes:
             text += " (" + "; ".join(notes) + ")"
-        if blocked and not isinstance(exc, LeaseBlockedError):
-            text += "; BLOCKED: " + "; ".join(f"{r}: {why}" for r, why in blocked.items())
+        if blocked:
+            text += "; " + blocked_advice(self.job.name, blocked)
         return FailedStep(
             step=n,
             error=text,
@@ -314,6 +314,19 @@ class _Loop:
             blocked=blocked,
             trainer=await _trainer_saw(failed.train, 30.0),
         )
+
+
+def blocked_advice(job: str, blocked: dict[str, str]) -> str:
+    """What a BLOCKED lease means for the operator (docs/coordination.md#blocked)."""
+    roles = "; ".join(f"{r}: {why}" for r, why in blocked.items())
+    first = next(iter(blocked))
+    return (
+        f"BLOCKED ({roles}): relax run shuts every engine down now, which frees their memory; "
+        "a job that went on would stay BLOCKED until an operator confirmed the role's engines "
+        "hold no GPU memory (nvidia-smi, the engine's /server_info) and ran `relax coordinator "
+        f"reset --address HEAD:6379 --job {job} --role {first} --confirm-clean` "
+        "(docs/coordination.md#blocked)"
+    )
 
 
 class _Failed(Exception):
