@@ -180,5 +180,6 @@ def test_sigstop_of_the_teacher_engine_during_its_offload_blocks_it_and_says_wha
     assert "offload not confirmed within 6s" in failed["blocked"]["teacher"], failed
     text = failed["error"]
     assert "BLOCKED" in text and "relax coordinator reset" in text and "--role teacher" in text
+    assert f"step 1 failed, nothing committed for it: {text}" in str(proc.err)
     # The stopped engine was killed by the shutdown, like every other.
     assert not any(os.path.exists(f"/proc/{p}") for p in stopped)
