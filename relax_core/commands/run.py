@@ -87,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
     signals.install()
     name = args.job or f"run-{os.getpid()}"
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="relax-run-logs-")
-    os.makedirs(log_dir, exist_ok=True)
     status = 0
     summary = None
     left: list[str] = []

@@ -301,6 +301,8 @@ class RunJob:
         from relax_core.service import bind_pools, replica_placements, routing_spec
 
         self.began = time.monotonic()
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
         self.plan = plan = plan_inference_placement(self.config, self.pm)
         bound = bind_pools(plan, out=self.bound)
         placements = replica_placements(self.config, plan, bound)

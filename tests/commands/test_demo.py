@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_embedded_job_is_the_cpu_example_file() -> None:
-    assert DEMO_JOB == (ROOT / "docs" / "examples" / "run-cpu.toml").read_text()
+    assert (ROOT / "docs" / "examples" / "run-cpu.toml").read_text() == DEMO_JOB
     out = subprocess.run(
         [sys.executable, "-m", "relax_core", "demo", "--print-job"],
         capture_output=True,
