@@ -143,7 +143,7 @@ def batch_loss(
         teacher = _per_token(samples, "teacher_logprobs", mask)
         gap = logp - teacher
         distill = (ratio * gap.detach()).mean()
-        kl = float(gap.mean())
+        kl = float(gap.detach().mean())
         teacher_mean = float(teacher.mean())
     elif teacher_mode == "top-k":
         ids = torch.tensor(
