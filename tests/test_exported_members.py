@@ -85,6 +85,7 @@ PUBLIC = [
     "RoutingError",
     "RoutingPolicy",
     "RoutingSpec",
+    "RunConfig",
     "Sample",
     "ScoringError",
     "SinkError",
@@ -93,6 +94,7 @@ PUBLIC = [
     "StageContext",
     "StreamStalledError",
     "SubprocessEngineProcess",
+    "TrainerContext",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
@@ -126,6 +128,7 @@ PACKAGES = [
     "relax_core.gateway",
     "relax_core.manager",
     "relax_core.placement",
+    "relax_core.run",
 ]
 
 #: What a plugin may import from the core.

@@ -13,3 +13,36 @@
 
 See ``docs/run.md``.
 """
+
+from relax_core._exports import claim as _claim
+from relax_core.run.config import RewardWeight, RunConfig, parse_run_config
+from relax_core.run.data import ArithmeticSource, JsonlSource, Prompt, PromptSource, open_source
+from relax_core.run.job import RunJob, run_problems
+from relax_core.run.loop import FailedStep, RunSummary, run_loop
+from relax_core.run.measure import SwitchProbe, switch_report
+from relax_core.run.progress import Printer
+from relax_core.run.trainer import PolicyTrainer, TrainerContext, start_trainer
+
+__all__ = [
+    "ArithmeticSource",
+    "FailedStep",
+    "JsonlSource",
+    "PolicyTrainer",
+    "Printer",
+    "Prompt",
+    "PromptSource",
+    "RewardWeight",
+    "RunConfig",
+    "RunJob",
+    "RunSummary",
+    "SwitchProbe",
+    "TrainerContext",
+    "open_source",
+    "parse_run_config",
+    "run_loop",
+    "run_problems",
+    "start_trainer",
+    "switch_report",
+]
+
+_claim(__name__, globals(), __all__)

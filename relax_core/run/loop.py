@@ -265,7 +265,7 @@ class _Loop:
             "weight_version": samples[0].weight_version if samples else None,
             "fields": {
                 "reward": sum(s.reward is not None for s in samples),
-                "teacher": sum(getattr(s, teacher) is not None for s in samples)
+                "distill": sum(getattr(s, teacher) is not None for s in samples)
                 if run.teacher_role
                 else None,
             },

@@ -61,7 +61,7 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
     assert [r["step"] for r in steps] == [0, 1, 2] and [r["batch_id"] for r in steps] == [0, 1, 2]
     for r in steps:
         assert r["samples"] == 16 and r["groups"] == 4 and r["partition"] == f"train_{r['step']}"
-        assert r["fields"] == {"reward": 16, "teacher": 16}
+        assert r["fields"] == {"reward": 16, "distill": 16}
         assert set(r["phases"]) >= {
             "generate", "rollout.offload", "genrm.onload", "genrm", "genrm.offload",
             "teacher.onload", "teacher", "teacher.offload", "sink_put", "commit", "train",
