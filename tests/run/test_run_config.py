@@ -175,3 +175,36 @@ def test_relax_run_rejects_a_bad_job_with_exit_2_and_starts_nothing(tmp_path: Pa
     assert out.returncode == 2
     assert "roles.rollout.models.policy.model_path: [model-dir] no config.json" in out.stderr
     assert "Ray" not in out.stdout
+
+
+def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_every_check(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from relax_hf.plugin import serve_argv
+    from relax_hf.tiny import TINY_SIZES
+    from transformers import LlamaConfig
+
+    from relax_core.service import engine_launch_specs
+
+    shape = LlamaConfig(vocab_size=512, **TINY_SIZES["small"]).to_dict()
+    for name in ("policy", "judge", "math"):
+        d = tmp_path / "small" / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({**shape, "dtype": "bfloat16"}))
+        (d / "tokenizer.json").write_text("{}")
+    job = tmp_path / "run-h200.toml"
+    job.write_text((ROOT / "docs" / "examples" / "run-h200.toml").read_text())
+    pm = PluginManager.create()
+    config = resolve_model_paths(load_config(job))
+    run = parse_run_config(config)
+    assert run_problems(config, run, pm) == []
+    assert (run.trainer_device, run.push_format) == ("cuda", "ipc")
+    fractions = {m.path: m.mem_fraction_static for m in config.models()}
+    assert set(fractions.values()) == {0.6}  # any two together would need 120% of the GPU
+    for path, engines in engine_launch_specs(config, pm).items():
+        argv = serve_argv(engines[f"{path.rsplit('.', 1)[1]}/replica-0"][0], 1)
+        i = argv.index("--mem-fraction-static")
+        assert argv[i + 1] == "0.6" and "--disable-cuda-graph" in argv
+        assert argv[argv.index("--device") + 1] == "cuda"
