@@ -1,7 +1,7 @@
-"""Every session of the project: tests, lint, typecheck, bench, demo, fuzz, sglang.
+"""Every session of the project: tests, lint, typecheck, bench, demo, learn, fuzz, sglang.
 
 ``python3 -m nox -s tests`` is the test command (CI runs exactly it); ``python3 -m nox -s demo``
-is the README's main job.
+is the README's main job; ``python3 -m nox -s learn`` shows the loop learn (not part of tests).
 """
 
 from __future__ import annotations
@@ -123,9 +123,18 @@ def soak(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The README's main job: all three roles on tiny hf models on CPU, through the gateways."""
+    """The README's main job: ``relax run`` on the embedded default job (three roles on tiny hf
+    models on CPU, a defer layout with a declared GPU, three steps)."""
     _install_project(session)
     session.run("relax", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def learn(session: nox.Session) -> None:
+    """30 steps of ``relax run`` on a rule reward: the tiny policy's mean reward must rise
+    clearly (the end-to-end proof that batches reach the trainer and weights reach rollout)."""
+    _install_project(session)
+    session.run("python", "-m", "tests.run.learn", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -116,6 +116,7 @@ from relax_core.records import (
     RoutingPolicy,
     WeightSource,
 )
+from relax_core.run import RunConfig, TrainerContext
 from relax_core.service import engine_launch_specs
 
 __version__ = "0.1.0"
@@ -191,6 +192,7 @@ __all__ = [
     "RoutingError",
     "RoutingPolicy",
     "RoutingSpec",
+    "RunConfig",
     "Sample",
     "ScoringError",
     "SinkError",
@@ -199,6 +201,7 @@ __all__ = [
     "StageContext",
     "StreamStalledError",
     "SubprocessEngineProcess",
+    "TrainerContext",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",

@@ -229,13 +229,19 @@ class RoleConfig:
 
 @attrs.frozen
 class JobConfig:
-    """A whole job file. ``source`` is where it was read from (for messages)."""
+    """A whole job file. ``source`` is where it was read from (for messages).
+
+    ``run`` is the file's ``[run]`` table as written: ``relax run`` reads it
+    (:func:`relax_core.run.config.parse_run_config`, which checks its keys); every other
+    command ignores it, so one file serves ``relax plan``, ``relax serve`` and ``relax run``.
+    """
 
     cluster: ClusterConfig = ClusterConfig()
     training: TrainingConfig = TrainingConfig()
     placement: PlacementConfig = PlacementConfig()
     roles: tuple[RoleConfig, ...] = ()
     source: str | None = None
+    run: Mapping[str, Any] = attrs.field(factory=dict)
 
     def role(self, name: str) -> RoleConfig:
         """The role called ``name``; :class:`KeyError` naming the configured ones otherwise."""
@@ -367,7 +373,7 @@ def _port(v: Any) -> str | None:
     return None if 0 <= v <= 65535 else f"must be a TCP port in 0..65535, got {v!r}"
 
 
-_TOP = ("cluster", "training", "placement", "roles")
+_TOP = ("cluster", "training", "placement", "roles", "run")
 _CLUSTER = ("num_nodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "cpus_per_bundle")
 _TRAINING = tuple(f.name for f in attrs.fields(TrainingConfig))
 _PLACEMENT = ("mode", "defer_roles", "pg_strategy")
@@ -681,9 +687,12 @@ def parse_config(
                 f"role {name!r} is not configured under [roles]{_hint(name, configured)} "
                 f"(configured: {', '.join(sorted(configured)) or 'none'})",
             )
+    run = top.get("run", {})
+    if not isinstance(run, dict):
+        r.problem("run", "type", f"must be a table, got {type(run).__name__}")
     if r.problems:
         raise ConfigValidationError(r.problems, source)
-    return JobConfig(cluster, training, placement, tuple(roles), source)
+    return JobConfig(cluster, training, placement, tuple(roles), source, run=run)
 
 
 def loads_config(

@@ -49,11 +49,15 @@ __all__ = [
     "RoleService",
     "ServedJob",
     "ShutdownSignals",
+    "bind_pools",
     "build_role_service",
     "check_job",
     "describe_job",
     "engine_launch_specs",
+    "manager_arguments",
     "ray_session",
+    "replica_placements",
+    "router_launch_spec",
     "router_record",
     "routing_spec",
     "servable_problems",
@@ -464,22 +468,27 @@ def router_record(model: ModelConfig, role: Any, pm: PluginManager) -> RouterBac
     return record
 
 
-def _start_router(model: ModelConfig, record: RouterBackend, log_dir: str | None) -> RouterProcess:
+def router_launch_spec(
+    model: ModelConfig, record: RouterBackend, log_dir: str | None
+) -> RouterLaunchSpec:
+    """What ``record.launch`` gets for ``model``'s router (its log under ``log_dir``)."""
     log_path = None
     if log_dir:
         log_path = f"{log_dir}/{model.role}_{model.name}-router.log"
-    return record.launch(
-        RouterLaunchSpec(
-            router_id=model.path,
-            policy=model.router_policy or record.default_policy,
-            served_model_name=model.served_model_name or model.name,
-            model_path=model.model_path or None,
-            pd=model.pd_prefill_engines is not None,
-            allow_dropped_fields=model.router_allow_dropped_fields,
-            extra_args=model.router_args,
-            log_path=log_path,
-        )
+    return RouterLaunchSpec(
+        router_id=model.path,
+        policy=model.router_policy or record.default_policy,
+        served_model_name=model.served_model_name or model.name,
+        model_path=model.model_path or None,
+        pd=model.pd_prefill_engines is not None,
+        allow_dropped_fields=model.router_allow_dropped_fields,
+        extra_args=model.router_args,
+        log_path=log_path,
     )
+
+
+def _start_router(model: ModelConfig, record: RouterBackend, log_dir: str | None) -> RouterProcess:
+    return record.launch(router_launch_spec(model, record, log_dir))
 
 
 class _EnginesHidden:
@@ -555,13 +564,7 @@ def _manager(
     is launched (without one, for dry runs, it is not)."""
     spec = pm.role(model.role)
     route_mode = model.route_mode or spec.default_route_mode
-    source = pm.weight_source(model.weight_source or spec.default_weight_source)
-    try:
-        engine_spec = InferenceEngineSpec.for_role(
-            spec, source, weights_cpu_backup=bool(model.weights_cpu_backup)
-        )
-    except ValueError as exc:
-        raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
+    engine_spec = _engine_spec(model, pm)
     router: RouterProcess | None = None
     publisher: Any = service.publisher if service is not None else None
     if route_mode != "DIRECT" and service is not None:
@@ -582,17 +585,51 @@ def _manager(
         )
     return InferenceManager(
         model.name,
-        spec=engine_spec,
-        backend=pm.engine_backend(model.backend),
-        launch=_launch(model, log_dir, placement.nodes_per_replica, spec.deterministic_inference),
-        placement=placement,
+        **manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir),
         publisher=publisher,
-        route_mode=route_mode,
         router_url=router.url if router is not None else None,
         router=router,
-        timeouts=timeouts,
-        unhealthy_after=model.unhealthy_after,
     )
+
+
+def _engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
+    spec = pm.role(model.role)
+    source = pm.weight_source(model.weight_source or spec.default_weight_source)
+    try:
+        return InferenceEngineSpec.for_role(
+            spec, source, weights_cpu_backup=bool(model.weights_cpu_backup)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
+
+
+def manager_arguments(
+    model: ModelConfig,
+    pm: PluginManager,
+    *,
+    placement: ReplicaPlacement,
+    timeouts: ManagerTimeouts | None = None,
+    log_dir: str | None = None,
+) -> dict[str, Any]:
+    """The :class:`~relax_core.manager.InferenceManager` arguments of ``model`` (``spec``,
+    ``backend``, ``launch``, ``placement``, ``route_mode``, ``timeouts``,
+    ``unhealthy_after``) — what ``relax serve`` builds its managers from, and ``relax run``
+    its manager actors; add ``publisher`` and, for a router, the router. Pure: starts nothing.
+
+    :raises ConfigError: the weight source does not suit the role, naming the key.
+    """
+    spec = pm.role(model.role)
+    return {
+        "spec": _engine_spec(model, pm),
+        "backend": pm.engine_backend(model.backend),
+        "launch": _launch(
+            model, log_dir, placement.nodes_per_replica, spec.deterministic_inference
+        ),
+        "placement": placement,
+        "route_mode": model.route_mode or spec.default_route_mode,
+        "timeouts": timeouts,
+        "unhealthy_after": model.unhealthy_after,
+    }
 
 
 def engine_launch_specs(
@@ -797,25 +834,46 @@ def start_order(config: JobConfig, plan: Any) -> list[tuple[tuple[str, ...], boo
 
 def _placements(
     config: JobConfig, pm: PluginManager, job: ServedJob, *, detach_groups: bool = False
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, dict[str, ReplicaPlacement]]:
     """Plan, create and bind placement groups; each model's ReplicaPlacement by role.
 
     ``detach_groups``: create them detached, so a group whose engines are not confirmed gone at
     teardown outlives this process (on a cluster that outlives it); the teardown removes the
     others.
     """
-    from relax_core.placement import bind_placement_group, plan_inference_placement
+    from relax_core.placement import plan_inference_placement
 
-    plan = plan_inference_placement(config, pm)
-    job.plan = plan
-    pools = sorted({p.pool for p in plan.placements if p.pool is not None})
+    job.plan = plan_inference_placement(config, pm)
+    bound = bind_pools(job.plan, out=job.bound, detach=detach_groups)
+    return replica_placements(config, job.plan, bound)
+
+
+def bind_pools(plan: Any, *, out: list[Any] | None = None, detach: bool = False) -> dict[str, Any]:
+    """Create and bind the placement group of every pool of ``plan`` (``relax-<pool>``);
+    pool name -> ``BoundPool``. Each bound pool is appended to ``out`` as soon as it exists,
+    so a caller can release what was made when a later one fails. ``detach``: the groups are
+    detached (they outlive this process on a cluster that outlives it).
+
+    :raises PlacementError: a pool's binding is invalid (its own group is removed).
+    """
+    from relax_core.placement import bind_placement_group
+
     bound = {}
-    for pool in pools:
+    for pool in sorted({p.pool for p in plan.placements if p.pool is not None}):
         bound[pool] = bind_placement_group(
-            plan, pool, name=f"relax-{pool}", lifetime="detached" if detach_groups else None
+            plan, pool, name=f"relax-{pool}", lifetime="detached" if detach else None
         )
-        job.bound.append(bound[pool])
-    out: dict[str, dict[str, Any]] = {}
+        if out is not None:
+            out.append(bound[pool])
+    return bound
+
+
+def replica_placements(
+    config: JobConfig, plan: Any, bound: Mapping[str, Any]
+) -> dict[str, dict[str, ReplicaPlacement]]:
+    """Role -> model -> the :class:`~relax_core.manager.ReplicaPlacement` of each model on the
+    bound pools (a CPU model's: unplaced). Pure."""
+    out: dict[str, dict[str, ReplicaPlacement]] = {}
     for role in config.roles:
         for model in role.models:
             mp = plan.model_placement(role.name, model.name)
@@ -1224,8 +1282,9 @@ class ShutdownSignals:
     """Ctrl-C and SIGTERM interrupt serving (KeyboardInterrupt); during shutdown they are
     held, because an interrupted shutdown would leave engines running."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, *, command: str = "relax serve") -> None:
         self.out = out
+        self.command = command
         self.holding = False
 
     def install(self) -> None:
@@ -1237,6 +1296,6 @@ class ShutdownSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.holding:
-            print("relax serve: still shutting down, please wait …", file=self.out, flush=True)
+            print(f"{self.command}: still shutting down, please wait …", file=self.out, flush=True)
             return
         raise KeyboardInterrupt

@@ -86,6 +86,7 @@ PUBLIC = [
     "RoutingError",
     "RoutingPolicy",
     "RoutingSpec",
+    "RunConfig",
     "Sample",
     "ScoringError",
     "SinkError",
@@ -94,6 +95,7 @@ PUBLIC = [
     "StageContext",
     "StreamStalledError",
     "SubprocessEngineProcess",
+    "TrainerContext",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
@@ -127,6 +129,7 @@ PACKAGES = [
     "relax_core.gateway",
     "relax_core.manager",
     "relax_core.placement",
+    "relax_core.run",
 ]
 
 #: What a plugin may import from the core.

@@ -1,80 +1,99 @@
-"""``relax demo``: all three roles on tiny hf models on CPU, one request each through the gateways.
+"""``relax demo``: the README's main job — ``relax run`` on the embedded default job.
 
-Makes three tiny models in a temporary directory (``python -m relax_hf make-tiny-model``, in
-parallel: the core never imports the hf plugin), writes a job file, brings it up with the
-``relax serve`` machinery on a new local Ray (rollout behind its default router plugin), sends a
-rollout generation, a genrm judgement
-(messages protocol, chosen by route key) and a teacher prefill (log-probs and top-k, chosen by
-alias) through the role gateways, prints the answers and the time of each phase, and shuts
-everything down, checking that no engine process is left.
+Makes three tiny random models (``python -m relax_hf make-tiny-model``, in parallel: the core
+never imports the hf plugin) next to a copy of the embedded job file (:data:`DEMO_JOB`, the
+same text as ``docs/examples/run-cpu.toml``), then runs it exactly as ``relax run JOB --steps
+3`` would: a new local Ray, rollout, genrm and teacher on CPU in a defer layout with one
+declared GPU, three steps of generate → deferred judge and teacher prefill → commit → train →
+weight push, then everything shut down with nothing left running.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-from relax_core.config import load_config
-from relax_core.errors import ConfigError, LifecycleError
+from relax_core.errors import ConfigError
 
 NAME = "demo"
-HELP = "Serve rollout, genrm and teacher on tiny CPU models and send one request to each."
+HELP = "Run three RL steps on tiny CPU models: relax run on the embedded default job."
 
-__all__ = ["demo_config"]
+__all__ = ["DEMO_JOB", "DEMO_MODELS"]
 
-_MODELS = ("policy", "judge", "math")
+#: The tiny models the job names (``tiny/<name>`` next to the job file) and their seeds.
+DEMO_MODELS = {"policy": 0, "judge": 1, "math": 2}
 
+#: The embedded default job (``docs/examples/run-cpu.toml`` holds the same text).
+DEMO_JOB = """\
+# relax run on one machine with no GPU: three tiny hf models on CPU in a defer layout with one
+# declared GPU (the planner places every role on it; each engine is told --device cpu).
+# Rollout generates through smg; genrm judges and teacher prefills in deferred phases on the
+# same GPU; a trainer actor trains the policy on each committed batch and pushes its weights
+# back. Make the models first (relative paths are relative to this file):
+#
+#   for m in policy:0 judge:1 math:2; do
+#     relax-hf make-tiny-model docs/examples/tiny/${m%:*} --seed ${m#*:}
+#   done
+#   relax run docs/examples/run-cpu.toml --steps 3
+#
+# docs/run.md explains every [run] key.
 
-def demo_config(models: dict[str, Path]) -> str:
-    """The demo's job file: one CPU hf engine per role; rollout through its default router."""
-    return f"""\
 [cluster]
 num_nodes = 1
-gpus_per_node = 0
+gpus_per_node = 1
+
+[training]
+actor_gpus = 1
+colocate = true
+offload = true
+
+[placement]
+mode = "defer"
+defer_roles = ["genrm", "teacher"]
 
 [roles.rollout.models.policy]
 backend = "hf"
-device = "cpu"
-model_path = "{models["policy"]}"
+model_path = "tiny/policy"
 weight_source = "ACTOR"
+weights_cpu_backup = true
+extra_args = ["--device", "cpu"]
 
 [roles.genrm.models.judge]
 backend = "hf"
-device = "cpu"
-model_path = "{models["judge"]}"
-route_keys = ["math"]
+model_path = "tiny/judge"
+extra_args = ["--device", "cpu"]
 
 [roles.teacher.models.math]
 backend = "hf"
-device = "cpu"
-model_path = "{models["math"]}"
-aliases = ["teacher-checkpoint"]
+model_path = "tiny/math"
+extra_args = ["--device", "cpu"]
+
+[run]
+steps = 3
+dataset = "arithmetic"
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 16
+rewards = [
+  { adapter = "genrm-judge", weight = 1.0 },
+  { adapter = "exact-match", weight = 0.5 },
+  { adapter = "digits", weight = 0.5 },
+]
+reward_role = "genrm"
+teacher_role = "teacher"
+teacher_mode = "top-k"
+top_k = 4
+distill_coef = 0.1
+learning_rate = 1e-4
+seed = 0
 """
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[Any, float]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    began = time.monotonic()
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read()), time.monotonic() - began
-    except urllib.error.HTTPError as err:
-        raise LifecycleError(
-            f"POST {url} answered {err.code}: {err.read().decode('utf-8', 'replace')[:400]}"
-        ) from None
-
-
-def _make_models(root: Path) -> dict[str, Path]:
+def _make_models(root: Path) -> None:
     procs = {
         name: subprocess.Popen(
             [
@@ -90,7 +109,7 @@ def _make_models(root: Path) -> dict[str, Path]:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for seed, name in enumerate(_MODELS)
+        for name, seed in DEMO_MODELS.items()
     }
     problems = []
     for name, proc in procs.items():
@@ -103,128 +122,53 @@ def _make_models(root: Path) -> dict[str, Path]:
             "making the tiny models failed (is relax-hf installed? `pip install -e "
             "plugins/relax-hf`):\n  " + "\n  ".join(problems),
         )
-    return {name: root / name for name in _MODELS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keep", action="store_true", help="keep serving until Ctrl-C")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.began = self.mark = time.monotonic()
-        self.phases: list[tuple[str, float]] = []
-
-    def stamp(self) -> str:
-        return f"[{time.monotonic() - self.began:5.1f}s]"
-
-    def lap(self, phase: str) -> None:
-        now = time.monotonic()
-        self.phases.append((phase, now - self.mark))
-        self.mark = now
-
-    def summary(self) -> str:
-        parts = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in self.phases)
-        return f"{time.monotonic() - self.began:.0f}s ({parts})"
-
-
-def _ask(urls: dict[str, str], out: Any) -> None:
-    print("\nanswers (the models are random: the words are noise, the plumbing is real):")
-    rollout, took = _post(
-        f"{urls['rollout']}/rollout/generate",
-        {
-            "text": "Once upon a time",
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
-        },
-    )
-    tokens = rollout["meta_info"].get("completion_tokens", "?")
-    print("  rollout  POST /rollout/generate  text 'Once upon a time', 8 new tokens, greedy")
-    print(f"           → {rollout['text']!r}  ({tokens} tokens, {took * 1000:.0f} ms)")
-    judge, took = _post(
-        f"{urls['genrm']}/genrm/generate",
-        {
-            "messages": [{"role": "user", "content": "Question: 2+2? Response: 4. Correct?"}],
-            "route_key": "math",
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
-        },
-    )
-    print("  genrm    POST /genrm/generate    chat messages, route_key 'math' → model judge")
-    print(f"           → response {judge['response']!r}  ({took * 1000:.0f} ms)")
-    prefill, took = _post(
-        f"{urls['teacher']}/teacher/generate",
-        {
-            "input_ids": [5, 6, 7, 8, 9],
-            "model": "teacher-checkpoint",
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-            "return_logprob": True,
-            "logprob_start_len": 1,
-            "top_logprobs_num": 2,
-        },
-    )
-    meta = prefill["meta_info"]
-    lps = [None if x[0] is None else round(x[0], 3) for x in meta["input_token_logprobs"]]
-    top = meta.get("input_top_logprobs") or []
-    first_top: list[Any] = next((t for t in top if t), [])
-    print(
-        "  teacher  POST /teacher/generate  5 input ids, prefill only, model alias "
-        "'teacher-checkpoint' → math"
-    )
-    print(
-        f"           → input log-probs {lps}; top-2 at the first scored position "
-        f"{[(t[1], round(t[0], 3)) for t in first_top]}  ({took * 1000:.0f} ms)"
+    parser.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
+    parser.add_argument("--json", action="store_true", help="JSON lines, as relax run --json")
+    parser.add_argument("--trace", metavar="FILE", help="write the Perfetto trace of the run")
+    parser.add_argument(
+        "--print-job", action="store_true", help="print the embedded job file and exit"
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from relax_core.plugins import PluginManager
-    from relax_core.service import ShutdownSignals, describe_job, ray_session, serve_job
+    from relax_core.commands import run as run_command
 
-    out = sys.stdout
-    clock = _Clock()
-    signals = ShutdownSignals(out)
-    signals.install()
-    print("relax demo: rollout, genrm and teacher on tiny CPU models (no GPU, no downloads)")
+    if args.print_job:
+        print(DEMO_JOB, end="")
+        return 0
+    began = time.monotonic()
+    out = sys.stderr if args.json else sys.stdout
+    print(
+        "relax demo: relax run on the embedded default job (docs/examples/run-cpu.toml): "
+        "rollout, genrm and teacher on tiny CPU models, no GPU, no downloads",
+        file=out,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="relax-demo-") as tmp:
         root = Path(tmp)
-        print(f"{clock.stamp()} making three tiny models: {', '.join(_MODELS)} …", flush=True)
-        models = _make_models(root)
-        clock.lap("models")
-        config_path = root / "job.toml"
-        config_path.write_text(demo_config(models))
-        config = load_config(config_path)
-        pm = PluginManager.create()
-
-        def stopping() -> None:
-            if not signals.holding:
-                signals.hold()
-                clock.lap("requests" if len(clock.phases) == 3 else "serving")
-                print(f"{clock.stamp()} shutting down …", flush=True)
-
-        try:
-            with ray_session(None, config, out) as where:
-                clock.lap("ray")
-                print(f"{clock.stamp()} started {where}; starting the engines:", flush=True)
-                print("\n".join(describe_job(config, pm)), flush=True)
-                with serve_job(
-                    config,
-                    plugin_manager=pm,
-                    out=out,
-                    log_dir=str(root / "logs"),
-                    health_interval=0,
-                    before_teardown=stopping,
-                ) as job:
-                    clock.lap("engines")
-                    print(f"{clock.stamp()} gateways:")
-                    for role, gw in job.gateways.items():
-                        print(f"  {role:8} {gw.url}/{role}/")
-                    print(job.status())
-                    _ask(job.urls, out)
-                    if args.keep:
-                        print("\nserving until Ctrl-C …", flush=True)
-                        while True:
-                            time.sleep(3600)
-        except KeyboardInterrupt:
-            print("relax demo: interrupted", flush=True)
-        clock.lap("shutdown")
-    print(f"relax demo: done in {clock.summary()}; nothing left running", flush=True)
-    return 0
+        print(f"  making three tiny models: {', '.join(DEMO_MODELS)} …", file=out, flush=True)
+        _make_models(root / "tiny")
+        job = root / "job.toml"
+        job.write_text(DEMO_JOB)
+        status = run_command.run(
+            argparse.Namespace(
+                config=str(job),
+                steps=args.steps,
+                json=args.json,
+                trace=args.trace,
+                measure=False,
+                dump_samples=None,
+                address=None,
+                job=None,
+                log_dir=str(root / "logs"),
+            )
+        )
+    print(
+        f"relax demo: done in {time.monotonic() - began:.0f}s (exit status {status})",
+        file=out,
+        flush=True,
+    )
+    return status

@@ -19,7 +19,7 @@ names its key path); :func:`deferred_workload_problems` lists every problem,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -28,6 +28,10 @@ from relax_core.config import ConfigProblem
 from relax_core.errors import ConfigValidationError
 
 __all__ = ["DeferredWorkload", "deferred_workload_problems", "validate_deferred_workload"]
+
+
+def _strs(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
@@ -46,14 +50,14 @@ class DeferredWorkload:
     :param paths: field name -> key path, where a field lives elsewhere.
     """
 
-    defer_roles: tuple[str, ...] = attrs.field(converter=tuple)
-    generation_models: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    reward_adapters: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    defer_roles: tuple[str, ...] = attrs.field(converter=_strs)
+    generation_models: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    reward_adapters: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     reward_role: str | None = None
-    reward_models: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    reward_models: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     partial_rollout: bool = False
     dynamic_batch: bool = False
-    filter_hooks: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    filter_hooks: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     eval_data: bool = False
     where: str = "run"
     paths: Mapping[str, str] = attrs.field(factory=dict)

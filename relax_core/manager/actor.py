@@ -10,6 +10,11 @@ exposes the same methods with the same per-replica results
 (``states``, ``model_view``) answer while an onload runs; lifecycle calls still take the
 manager's lock one at a time.
 
+A model routed through a router (``SGLANG_ROUTER``) keeps its router where its manager is: give
+``router_backend`` and ``router_spec`` and the actor launches the router itself (a router
+process is not serialisable), makes it ready before the engines start, publishes its URL as
+the model's ``router_url`` and stops it after the engines.
+
 Errors raised by the manager reach the caller as themselves (``LifecycleError``,
 ``InferenceRecoveryRequired`` with its ``result``), wrapped by Ray as its ``RayTaskError`` of
 that type; :class:`~relax_core.coordination.handles.RayManagerHandle` unwraps them.
@@ -19,8 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from relax_core.errors import LifecycleError
 from relax_core.manager.manager import InferenceManager
 from relax_core.manager.results import HealthReport, LifecycleResult
+from relax_core.records import RouterBackend, RouterLaunchSpec
 
 __all__ = ["ManagerActor", "manager_actor_name", "start_manager_actor"]
 
@@ -33,16 +40,58 @@ def manager_actor_name(job: str, role: str, model_id: str) -> str:
 class ManagerActor:
     """One model's InferenceManager inside a Ray actor; every method forwards to it.
 
-    Constructor arguments are :class:`~relax_core.manager.InferenceManager`'s.
+    Constructor arguments are :class:`~relax_core.manager.InferenceManager`'s, plus
+    ``router_backend`` / ``router_spec`` (the router of an ``SGLANG_ROUTER`` model, launched
+    here; ``router_timeout``: seconds :meth:`start` waits for it to be ready).
     """
 
-    def __init__(self, model_id: str, **kwargs: Any) -> None:
-        self._manager = InferenceManager(model_id, **kwargs)
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        router_backend: RouterBackend | None = None,
+        router_spec: RouterLaunchSpec | None = None,
+        router_timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
+        self._router: Any = None
+        self._router_timeout = router_timeout
+        if router_backend is not None:
+            if router_spec is None:
+                raise ValueError(f"model {model_id!r}: router_backend needs a router_spec")
+            self._router = router_backend.launch(router_spec)
+            kwargs.update(router=self._router, router_url=self._router.url)
+        try:
+            self._manager = InferenceManager(model_id, **kwargs)
+        except BaseException:
+            self._stop_router()
+            raise
+
+    def _stop_router(self) -> None:
+        if self._router is not None:
+            # Stopped last, when no traffic is left: a short grace is enough.
+            self._router.terminate(3.0)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> LifecycleResult:
-        return self._manager.start()
+        """Make the router ready (if any), then start every engine; the router must then hold
+        the model's READY heads.
+
+        :raises ConfigError: the router drops a request field the roles send (no engine
+            started). :raises LifecycleError: the router did not start or took no head.
+        """
+        if self._router is not None:
+            self._router.wait_ready(self._router_timeout)
+        result = self._manager.start()
+        if self._router is not None and result.ok:
+            trouble = self._router.check()
+            if trouble:
+                raise LifecycleError(
+                    f"the router of model {self._manager.model_id!r} ({self._router.url}) did "
+                    "not take the model's heads:\n  " + "\n  ".join(trouble)
+                )
+        return result
 
     def onload(self, tags: Any = None, *, engine_ids: Any = None) -> LifecycleResult:
         return self._manager.onload(tags, engine_ids=engine_ids)
@@ -66,7 +115,11 @@ class ManagerActor:
         return self._manager.scale_in(*args, **kwargs)
 
     def shutdown(self) -> None:
-        self._manager.shutdown()
+        """Shut the manager down, then stop its router (whatever the shutdown raised)."""
+        try:
+            self._manager.shutdown()
+        finally:
+            self._stop_router()
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -119,6 +172,14 @@ class ManagerActor:
     def unconfirmed_workers(self) -> list[Any]:
         return self._manager.unconfirmed_workers()
 
+    def router_url(self) -> str | None:
+        """The URL of the router this actor runs, if any."""
+        return None if self._router is None else str(self._router.url)
+
+    def router_pids(self) -> list[int]:
+        """The process ids of the router this actor runs (empty without one, or once stopped)."""
+        return [] if self._router is None else list(self._router.pids())
+
 
 def start_manager_actor(
     model_id: str,
@@ -130,7 +191,8 @@ def start_manager_actor(
 ) -> Any:
     """Create a :class:`ManagerActor` for ``model_id`` on the connected Ray; return its handle
     (``kwargs`` are the InferenceManager's: ``spec``, ``backend``, ``launch``, ``placement``,
-    ``publisher``, ``timeouts``, …). The manager is not started: call ``start``.
+    ``publisher``, ``timeouts``, …, and :class:`ManagerActor`'s ``router_backend`` /
+    ``router_spec``). The manager is not started: call ``start``.
 
     The actor reserves no CPU and no GPU. It is built before this returns, so bad arguments
     raise here (as the ``RayActorError`` of its failed construction). With a ``publisher`` of a

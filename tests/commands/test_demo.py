@@ -1,6 +1,11 @@
-"""``relax demo`` (the README's main job) run as a user runs it, end to end: three tiny hf
-models made on CPU, three roles served on a new local Ray, one answer per role through the
-gateways, a clean shutdown with nothing left running."""
+"""``relax demo`` (the README's main job: ``relax run`` on the embedded default job) as a user
+runs it — its tiny models made, the job up, steps committed and printed one line each with the
+progress of every phase before it — then Ctrl-C to its process group, as a terminal sends it:
+a clean stop with nothing left running.
+
+The embedded job is the CPU example file (checked here), so ``tests/run/test_run_cli.py``'s run
+of ``relax run docs/examples/run-cpu.toml`` covers the demo's steps to their end.
+"""
 
 from __future__ import annotations
 
@@ -10,66 +15,73 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from relax_core.commands.demo import DEMO_JOB
 from relax_core.testing import wait_for
 from tests.support import serve as support
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _engine_pids(out: str) -> list[int]:
-    """The engine pids in the demo's status table."""
-    return [int(p) for p in re.findall(r"replica-0\s+READY .* pid (\d+)$", out, re.M)]
+def test_the_embedded_job_is_the_cpu_example_file() -> None:
+    assert (ROOT / "docs" / "examples" / "run-cpu.toml").read_text() == DEMO_JOB
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_core", "demo", "--print-job"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout == DEMO_JOB
 
 
-def test_demo_answers_once_per_role_and_leaves_nothing_running() -> None:
+@pytest.mark.ray
+@pytest.mark.slow
+def test_demo_prints_each_step_then_ctrl_c_stops_it_with_nothing_left_running() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relax_core", "demo"],
+        [sys.executable, "-m", "relax_core", "demo", "--steps", "6"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
-    out = err = ""
+    assert proc.stdout is not None
+    out = support.Lines(proc.stdout)
+    root = ""
     try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
-        raise
+        root = out.wait_for(r"engine logs in (/\S+)/logs$", timeout=120).group(1)
+        step1 = out.wait_for(r"^step 1  train_1  16 samples  reward ", timeout=300)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it
+        code = proc.wait(timeout=180)
+        text = out.rest(30)
     finally:
-        # Whatever happened: its Ray (its session) and the engines it reported are ended.
-        engines = [p for p in _engine_pids(out) if "relax_hf" in support.cmdline(p)]
-        for pid in support.in_session(proc.pid) + engines:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        for pid in support.in_session(proc.pid) + (support.mentioning(root) if root else []):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 0, out + err
-
-    # What it started: a line per model, every engine READY, a gateway per role.
-    for model in ("rollout.policy", "genrm.judge", "teacher.math"):
-        assert re.search(rf"^  {model}: hf on cpu, 1 engine", out, re.M), out
-        assert re.search(rf"\] {model}: READY$", out, re.M), out
-    gateways = re.findall(r"^  (rollout|genrm|teacher)\s+http://127\.0\.0\.1:\d+/\1/$", out, re.M)
-    assert sorted(gateways) == ["genrm", "rollout", "teacher"], out
-    # The three answers, each through its gateway.
-    assert re.search(r"rollout  POST /rollout/generate .*\n\s+→ (['\"]).*\1  \(8 tokens", out), out
-    assert re.search(r"genrm    POST /genrm/generate .*→ model judge\n\s+→ response ['\"]", out), (
-        out
-    )
-    match = re.search(r"→ input log-probs \[([-\w., ]+)\]; top-2 at the first scored .*\[\(", out)
-    assert match and len(match.group(1).split(",")) == 4, out  # 5 ids from position 1
-    # A clean shutdown: every engine it reported stopped, nothing left.
-    engine_pids = _engine_pids(out)
-    assert len(engine_pids) == 3, out
-    assert "engines stopped (3 processes)" in out and "local Ray stopped" in out
-    # Rollout on its default route: through its router, stopped with the rest.
-    assert re.search(r"^  rollout\.policy: hf on cpu, .* route SGLANG_ROUTER \(", out, re.M), out
-    assert re.search(
-        r"policy\s+READY\s+SGLANG_ROUTER .* router http://127\.0\.0\.1:\d+$", out, re.M
-    )
-    assert "routers stopped (1)" in out
-    assert re.search(r"relax demo: done in \d+s \(models .*\); nothing left running$", out)
-    assert not any(support.alive(p) for p in engine_pids)
-    wait_for(lambda: not support.in_session(proc.pid), timeout=30, what="demo's Ray gone")
+    assert code == 130, text
+    # It made its models, started the job phase by phase, and printed each committed step in
+    # one line after the progress of its phases.
+    assert "making three tiny models: policy, judge, math" in text
+    for line in (
+        r"starting genrm\.judge \(deferred, put to sleep once started\)",
+        r"genrm\.judge: SLEEPING",
+        r"starting rollout\.policy \(awake\)",
+        r"trainer ready",
+    ):
+        assert re.search(line, text), (line, text)
+    step0 = text.index("\nstep 0  train_0  16 samples")
+    for phase in ("generate", "genrm.onload", "genrm", "teacher", "commit", "train"):
+        assert re.search(rf"\n  · step 0 {re.escape(phase)} [\d.]+s\n", text[: step0 + 1]), phase
+    assert re.search(r"weights 1 ", step1.string), step1.string
+    # Ctrl-C: a clean stop, nothing left (its Ray, its engines, its router).
+    assert "relax run: interrupted; shutting down" in text
+    assert re.search(r"engines stopped \(3 processes, 1 router\)", text), text
+    assert "relax run: stopped; nothing left running" in text
+    wait_for(lambda: not support.in_session(proc.pid), timeout=30, what="the demo's Ray gone")
+    assert support.mentioning(root) == []

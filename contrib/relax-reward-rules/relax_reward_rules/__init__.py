@@ -1,4 +1,4 @@
-"""Rule-based reward adapters: ``exact-match`` and ``boxed-math``."""
+"""Rule-based reward adapters: ``exact-match``, ``boxed-math`` and ``digits``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from relax_core import RewardSpec, hookimpl
 __all__ = [
     "boxed_answer",
     "boxed_math",
+    "digit_share",
     "exact_match",
     "has_label",
     "relax_register_reward_adapters",
@@ -66,9 +67,21 @@ def boxed_math(response: str, label: str) -> float:
     return 1.0 if answer == label.strip() else 0.0
 
 
+def digit_share(response: str, label: str | None) -> float:
+    """The share of ``response``'s non-space characters that are digits (0.0 for an empty one).
+
+    Partial credit for answering a numeric question with a number, whatever the number; the
+    label is not read. Dense enough for a small random policy to learn from in a few dozen
+    steps (``nox -s learn``).
+    """
+    chars = [c for c in response if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
 @hookimpl
 def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> None:
-    """Register ``exact-match`` and ``boxed-math`` (synchronous, usable in deferred scoring)."""
+    """Register ``exact-match``, ``boxed-math`` and ``digits`` (synchronous, usable in deferred
+    scoring)."""
     register(
         RewardSpec(
             name="exact-match",
@@ -87,5 +100,14 @@ def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> No
             label_matcher=has_label,
             supports_deferred=True,
             description="1.0 when the last \\boxed{} answer equals the label (numerically).",
+        )
+    )
+    register(
+        RewardSpec(
+            name="digits",
+            fn=digit_share,
+            mode="sync",
+            supports_deferred=True,
+            description="The share of the response's non-space characters that are digits.",
         )
     )

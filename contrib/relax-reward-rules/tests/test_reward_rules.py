@@ -16,6 +16,7 @@ def test_adapters_are_registered_by_this_distribution(rewards: PluginManager) ->
     table = rewards.registered("reward_adapters")
     assert table["exact-match"].distribution == "relax-reward-rules"
     assert table["boxed-math"].distribution == "relax-reward-rules"
+    assert table["digits"].distribution == "relax-reward-rules"
     assert rewards.reward_adapter("boxed-math").supports_deferred
 
 
@@ -46,3 +47,16 @@ def test_adapters_score_labelled_samples_only(rewards: PluginManager) -> None:
     for name in ("exact-match", "boxed-math"):
         matcher = rewards.reward_adapter(name).label_matcher
         assert matcher is not None and matcher("42") and not matcher(None)
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [("42", 1.0), (" 4 2 ", 1.0), ("a1", 0.5), ("no digits", 0.0), ("", 0.0), ("  ", 0.0)],
+)
+def test_digits_is_the_share_of_non_space_characters_that_are_digits(
+    rewards: PluginManager, response: str, reward: float
+) -> None:
+    spec = rewards.reward_adapter("digits")
+    assert spec.fn(response, None) == reward
+    # Every sample is scored, labelled or not: the rule reads no label.
+    assert spec.label_matcher is None and spec.supports_deferred

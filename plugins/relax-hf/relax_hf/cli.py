@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", default="tiny", choices=["tiny", "micro"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "micro", "small"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(_run=_make_tiny)
 

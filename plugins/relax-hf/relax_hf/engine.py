@@ -359,7 +359,8 @@ class Engine:
 
     def _flush(self) -> None:
         self._tell("flush")
-        self.runner.free_cached_memory()
+        # The allocator's caches only: no storage was dropped here, so no garbage collection.
+        self.runner.free_cached_memory([])
 
     def _resume_on_compute_thread(self, tags: tuple[str, ...], graphs: bool) -> dict[str, Any]:
         self._tell("resume", tags=list(tags), graphs=graphs)  # idempotent on a follower

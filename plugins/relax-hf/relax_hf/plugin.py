@@ -16,11 +16,25 @@ from relax_core import (
 )
 from relax_hf.protocol import parse_dist_addr
 
-__all__ = ["HF_BACKEND", "launch", "relax_register_engine_backends", "serve_argv"]
+__all__ = ["HF_BACKEND", "OPTION_FLAGS", "launch", "relax_register_engine_backends", "serve_argv"]
+
+
+#: The model options (``EngineLaunchSpec.options``, from the job file's model keys) the hf
+#: engine reads, and the flag each becomes; SGLang's names. Others (``dp``, ``kv_cache_dtype``,
+#: …) are the sglang backend's.
+OPTION_FLAGS = (
+    ("mem_fraction_static", "--mem-fraction-static"),
+    ("context_length", "--context-length"),
+    ("max_running_requests", "--max-running-requests"),
+)
 
 
 def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
-    """The ``python -m relax_hf serve …`` command line for ``spec`` (no PATH lookup)."""
+    """The ``python -m relax_hf serve …`` command line for ``spec`` (no PATH lookup).
+
+    The model's ``mem_fraction_static``, ``context_length`` and ``max_running_requests``
+    (``spec.options``) become their flags; ``spec.extra_args`` come last, so they win.
+    """
     argv = [
         sys.executable,
         "-m",
@@ -48,6 +62,10 @@ def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
     if spec.nnodes > 1:
         argv += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
         argv += ["--dist-init-addr", str(spec.dist_init_addr)]
+    for key, flag in OPTION_FLAGS:
+        value = spec.options.get(key)
+        if value is not None:
+            argv += [flag, str(value)]
     return argv + list(spec.extra_args)
 
 

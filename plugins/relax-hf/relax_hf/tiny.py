@@ -27,7 +27,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-#: Model shapes by name. ``tiny`` is what tests and the demo use (about 4M parameters).
+#: Model shapes by name. ``tiny`` is what tests and the demo use (about 4M parameters);
+#: ``small`` (about 0.5B) is for GPUs.
 TINY_SIZES: Mapping[str, Mapping[str, int]] = {
     "tiny": {
         "hidden_size": 256,
@@ -42,6 +43,16 @@ TINY_SIZES: Mapping[str, Mapping[str, int]] = {
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
+    },
+    # The shape of a 0.6B-class policy (Qwen3-0.6B's layers, this tokenizer's vocabulary):
+    # about 0.5B parameters, what relax run's GPU example measures phase switches with.
+    "small": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
     },
 }
 

@@ -101,6 +101,28 @@ def test_serve_argv_of_a_follower_names_its_rank_and_the_heads_address() -> None
         assert argv[i : i + 2] == pair
 
 
+def test_the_job_files_sizing_keys_reach_the_engines_command_line() -> None:
+    # mem_fraction_static, context_length and max_running_requests of a model table travel as
+    # EngineLaunchSpec.options; the hf engine takes them as SGLang's flags (extra_args win).
+    from relax_core import PluginManager, engine_launch_specs, loads_config
+
+    config = loads_config(
+        "[roles.rollout.models.policy]\n"
+        'backend = "hf"\ndevice = "cpu"\nmodel_path = "/m"\n'
+        "mem_fraction_static = 0.6\ncontext_length = 512\nmax_running_requests = 8\n"
+        'extra_args = ["--max-running-requests", "4"]\n'
+    )
+    specs = engine_launch_specs(config, PluginManager.create())
+    spec = specs["roles.rollout.models.policy"]["policy/replica-0"][0]
+    argv = serve_argv(spec, 9)
+    for pair in (["--mem-fraction-static", "0.6"], ["--context-length", "512"]):
+        i = argv.index(pair[0])
+        assert argv[i : i + 2] == pair
+    assert argv[-4:] == ["--max-running-requests", "8", "--max-running-requests", "4"]
+    bare = EngineLaunchSpec(engine_id="e", model_path="/m")
+    assert "--mem-fraction-static" not in serve_argv(bare, 9)
+
+
 def test_launch_and_control_client_drive_an_engine_end_to_end(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -109,6 +131,7 @@ def test_launch_and_control_client_drive_an_engine_end_to_end(
         model_path=str(tiny_model),
         weight_version="w0",
         log_path=str(tmp_path / "e.log"),
+        options={"mem_fraction_static": 0.02},
     )
     proc = HF_BACKEND.launch(spec)
     try:
@@ -122,7 +145,10 @@ def test_launch_and_control_client_drive_an_engine_end_to_end(
                 await c.health()
                 await c.health_generate()
                 assert await c.weight_version() == "w0"
-                assert (await c.server_info())["model_path"] == str(tiny_model)
+                info = await c.server_info()
+                assert info["model_path"] == str(tiny_model)
+                # The pool is sized by the fraction the spec's options gave (SGLang's flag).
+                assert info["memory"]["kv_cache"]["mem_fraction_static"] == 0.02
                 await c.pause_generation("in_place")
                 await c.continue_generation()
                 await c.flush_cache(wait=5)

@@ -1,0 +1,189 @@
+"""The producer of ``relax run``: each step's prompts become groups of samples, generated through
+the rollout role's route.
+
+One ``/generate`` request per prompt asks for ``samples_per_prompt`` samples (SGLang's ``n``:
+the engine prefills the prompt once), with the rollout's own log-probs of every sampled token;
+it goes through the role's route (``SGLANG_ROUTER``: the model's router; ``DIRECT``: a
+replica head) with the group id as affinity key. Each answer becomes a
+:class:`~relax_core.coordination.Sample` (prompt and response ids and text, the rollout
+log-probs, the label and metadata of its prompt, the weight version that generated it), and
+each completed group goes to the step's :class:`~relax_core.coordination.DeferredCollector`.
+
+Prompts are tokenized here with the generation model's ``tokenizer.json`` (the ``tokenizers``
+library, which comes with the ``hf`` engine), so the samples carry the exact ids the engine saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from relax_core.client.client import InferenceClient
+from relax_core.coordination.batch import DeferredCollector
+from relax_core.coordination.sample import Sample
+from relax_core.errors import ConfigError, UpstreamError
+from relax_core.run.data import Prompt
+
+__all__ = ["Generator", "PromptTokenizer"]
+
+
+class PromptTokenizer:
+    """The generation model's tokenizer (its ``tokenizer.json``).
+
+    :raises ConfigError: the model directory has no ``tokenizer.json`` (``path``: the model's
+        key path) or the ``tokenizers`` library is missing.
+    """
+
+    def __init__(self, model_path: str, *, where: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError(
+                where, "relax run tokenizes prompts with the tokenizers library: pip install it"
+            ) from None
+        path = Path(model_path) / "tokenizer.json"
+        if not path.exists():
+            raise ConfigError(
+                f"{where}.model_path",
+                f"no tokenizer.json in {model_path}: relax run tokenizes the prompts with the "
+                "generation model's own tokenizer",
+            )
+        self._tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text``, with the tokenizer's own special tokens (as the engine
+        would tokenize it)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+
+def _seed(seed: int, batch_id: int, index: int) -> int:
+    """A sampling seed per (run seed, step, prompt): reproducible, different for each."""
+    return zlib.crc32(f"{seed}:{batch_id}:{index}".encode()) & 0x7FFFFFFF
+
+
+class Generator:
+    """Generates one step's groups through the rollout route.
+
+    :param client: the rollout role's :class:`~relax_core.client.client.InferenceClient`.
+    :param tokenizer: the generation model's :class:`PromptTokenizer`.
+    :param model: the generation model's name (requests name it; the route resolves it).
+    :param concurrency: requests in flight at once.
+    """
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: PromptTokenizer,
+        *,
+        model: str,
+        samples_per_prompt: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        timeout: float,
+        concurrency: int = 64,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model = model
+        self.n = samples_per_prompt
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seed = seed
+        self.timeout = timeout
+        self._gate = asyncio.Semaphore(concurrency)
+
+    async def generate(
+        self,
+        batch_id: int,
+        prompts: Sequence[Prompt],
+        collector: DeferredCollector,
+        *,
+        on_group: Callable[[int], None] | None = None,
+    ) -> None:
+        """Generate every prompt's group and add each to ``collector`` as it completes.
+
+        ``on_group(groups_done)`` is called after each group (progress).
+
+        :raises UpstreamError: a request failed or its answer is not a sampled group (what the
+            engine answered is quoted); groups completed before it stay in ``collector``.
+        """
+        done = 0
+
+        async def one(index: int, prompt: Prompt) -> None:
+            nonlocal done
+            group = await self._group(batch_id, index, prompt)
+            collector.add(group)
+            done += 1
+            if on_group is not None:
+                on_group(done)
+
+        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _group(self, batch_id: int, index: int, prompt: Prompt) -> list[Sample]:
+        ids = self.tokenizer.encode(prompt.prompt)
+        group_id = f"b{batch_id}-p{index}"
+        body = {
+            "input_ids": ids,
+            "sampling_params": {
+                "n": self.n,
+                "max_new_tokens": self.max_new_tokens,
+                # an empty response has nothing to score, train on or distill
+                "min_new_tokens": 1,
+                "temperature": self.temperature,
+                "sampling_seed": _seed(self.seed, batch_id, index),
+            },
+            "return_logprob": True,
+            "model": self.model,
+        }
+        async with self._gate:
+            answer: Any = await self.client.generate(
+                body, timeout=self.timeout, affinity_key=group_id
+            )
+        answers = answer if isinstance(answer, list) else [answer]
+        if len(answers) != self.n:
+            raise UpstreamError(
+                502,
+                f"prompt {prompt.origin or index} asked for {self.n} samples and got "
+                f"{len(answers)}",
+            )
+        return [
+            _sample(f"{group_id}-s{j}", group_id, ids, prompt, a) for j, a in enumerate(answers)
+        ]
+
+
+def _sample(sample_id: str, group_id: str, ids: list[int], prompt: Prompt, answer: Any) -> Sample:
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    output_ids = answer.get("output_ids") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict) or not isinstance(output_ids, list):
+        raise UpstreamError(502, f"sample {sample_id}: not a /generate answer: {answer!r:.300}")
+    lps = meta.get("output_token_logprobs")
+    if not isinstance(lps, list) or len(lps) != len(output_ids):
+        got = len(lps) if isinstance(lps, list) else None
+        raise UpstreamError(
+            502,
+            f"sample {sample_id}: {got} output log-probs for {len(output_ids)} tokens; the "
+            "rollout route must keep return_logprob",
+        )
+    version = meta.get("weight_version")
+    return Sample(
+        sample_id,
+        group_id,
+        ids,
+        output_ids,
+        prompt=prompt.prompt,
+        response=str(answer.get("text", "")),
+        label=prompt.label,
+        rollout_logprobs=[float(e[0]) for e in lps],
+        metadata=dict(prompt.metadata),
+        weight_version=None if version is None else str(version),
+    )

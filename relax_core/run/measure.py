@@ -1,0 +1,232 @@
+"""``relax run --measure``: what each phase switch costs, against the copy of the bytes it moves.
+
+A *switch* is one role's offload (its engines release every tag, their weights copied to the
+host backup) or onload (weights copied back, KV cache pool taken again). :class:`SwitchProbe`
+wraps the coordinator's ``activate`` / ``deactivate`` (the deferred roles) and the generation
+model's handle (rollout's own offload and onload) and, around each, reads every engine head's
+``/server_info`` memory report: the weight bytes the switch copies, the KV cache bytes it frees
+or takes, what the role's engines hold, and the device's free memory (CUDA).
+
+:func:`switch_report` then sets each switch against the baseline measured in the same run —
+one pinned host→device (onload) or device→host (offload) copy of the same number of bytes, by
+the trainer on its device (``measure_copy``) — and the run's step time:
+
+- ``limit_seconds = 1.25 * copy + 0.05`` and ``within_limit`` per switch;
+- ``freed_fraction`` per offload: the device memory freed over what the role's engines held
+  (CUDA: device free memory after minus before, over torch's reserved bytes before; CPU: the
+  engines' own resident weight and KV cache bytes);
+- ``share_of_step``: the switches' seconds over the steps' seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "MeasuredCoordinator",
+    "MeasuredHandle",
+    "Switch",
+    "SwitchProbe",
+    "switch_report",
+]
+
+#: A switch may take this many times the copy of its bytes ...
+COPY_FACTOR = 1.25
+#: ... plus this many seconds.
+FIXED_SECONDS = 0.05
+
+
+@attrs.frozen
+class Switch:
+    """One measured switch. Byte counts sum over the role's engine heads; ``device_free_*``
+    is the device's free memory as the first head reports it (``None`` on CPU)."""
+
+    step: int
+    role: str
+    direction: str
+    seconds: float
+    weight_bytes: int
+    kv_cache_bytes: int
+    held_before: int
+    held_after: int
+    device_free_before: int | None
+    device_free_after: int | None
+    device_total: int | None
+
+    @property
+    def freed_bytes(self) -> int:
+        """Memory this switch gave back (negative for an onload, which takes memory)."""
+        if self.device_free_before is not None and self.device_free_after is not None:
+            return self.device_free_after - self.device_free_before
+        return self.held_before - self.held_after
+
+
+def _held(memory: Mapping[str, Any]) -> int:
+    if "cuda_memory_reserved" in memory:
+        return int(memory["cuda_memory_reserved"])
+    kv = memory.get("kv_cache") or {}
+    return int(memory.get("resident_param_bytes", 0)) + int(kv.get("bytes", 0))
+
+
+class SwitchProbe:
+    """Reads the memory reports of a role's engine heads around each switch.
+
+    :param heads: ``heads(role)`` → the base URLs of the role's engine heads (awaitable).
+    """
+
+    def __init__(self, heads: Callable[[str], Awaitable[list[str]]], *, timeout: float = 30.0):
+        self.heads = heads
+        self.timeout = timeout
+        self.switches: list[Switch] = []
+
+    async def _memory(self, role: str) -> list[dict[str, Any]]:
+        from relax_core.engine.control import ControlClient
+
+        async def one(url: str) -> dict[str, Any]:
+            async with ControlClient(url, timeout=self.timeout) as client:
+                info = await client.server_info()
+            memory: dict[str, Any] = info.get("memory") or {}
+            return memory
+
+        return list(await asyncio.gather(*(one(u) for u in await self.heads(role))))
+
+    async def around(
+        self, step: int, role: str, direction: str, call: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        """Run ``call()`` (the switch) and record it; its result is returned, its error raised
+        (a failed switch is not recorded: there is nothing to compare)."""
+        before = await self._memory(role)
+        began = time.perf_counter()
+        result = await call()
+        seconds = time.perf_counter() - began
+        after = await self._memory(role)
+        first = after[0] if after else {}
+        kv = sum(int((m.get("kv_cache") or {}).get("pool_bytes", 0)) for m in (after or before))
+        self.switches.append(
+            Switch(
+                step=step,
+                role=role,
+                direction=direction,
+                seconds=seconds,
+                weight_bytes=sum(int(m.get("param_bytes", 0)) for m in before),
+                kv_cache_bytes=kv,
+                held_before=sum(_held(m) for m in before),
+                held_after=sum(_held(m) for m in after),
+                device_free_before=before[0].get("cuda_device_free") if before else None,
+                device_free_after=first.get("cuda_device_free"),
+                device_total=first.get("cuda_device_total"),
+            )
+        )
+        return result
+
+
+class MeasuredCoordinator:
+    """A coordinator whose ``activate`` / ``deactivate`` are measured switches; every other
+    call goes to the coordinator unchanged."""
+
+    def __init__(self, inner: Any, probe: SwitchProbe) -> None:
+        self._inner = inner
+        self._probe = probe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> Any:
+        """The coordinator's ``activate``, measured as ``role``'s onload."""
+        return await self._probe.around(
+            batch_id,
+            role,
+            "onload",
+            lambda: self._inner.activate(role, operation_id, batch_id=batch_id),
+        )
+
+    async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> Any:
+        """The coordinator's ``deactivate``, measured as ``role``'s offload."""
+        return await self._probe.around(
+            batch_id,
+            role,
+            "offload",
+            lambda: self._inner.deactivate(role, operation_id, batch_id=batch_id),
+        )
+
+
+class MeasuredHandle:
+    """The generation model's manager handle with measured ``onload`` / ``offload``;
+    ``step`` is read at each call (the step in progress)."""
+
+    def __init__(self, inner: Any, probe: SwitchProbe, role: str, step: Callable[[], int]) -> None:
+        self._inner = inner
+        self._probe = probe
+        self._role = role
+        self._step = step
+
+    @property
+    def name(self) -> str:
+        """The handle's name."""
+        return str(self._inner.name)
+
+    async def onload(self) -> Any:
+        """The manager's onload, measured."""
+        return await self._probe.around(self._step(), self._role, "onload", self._inner.onload)
+
+    async def offload(self) -> Any:
+        """The manager's offload, measured."""
+        return await self._probe.around(self._step(), self._role, "offload", self._inner.offload)
+
+    async def weight_version(self) -> Any:
+        """The manager's published weight version."""
+        return await self._inner.weight_version()
+
+
+def switch_report(
+    switches: Sequence[Switch],
+    copies: Mapping[int, Mapping[str, float]],
+    step_seconds: float,
+) -> dict[str, Any]:
+    """Every switch against its copy baseline, and the totals (see the module docstring).
+
+    ``copies[bytes]`` holds ``h2d`` and ``d2h`` seconds of one copy of ``bytes``.
+    """
+    rows = []
+    for s in switches:
+        copy = copies.get(s.weight_bytes, {}).get("h2d" if s.direction == "onload" else "d2h")
+        limit = None if copy is None else COPY_FACTOR * copy + FIXED_SECONDS
+        row: dict[str, Any] = {
+            "step": s.step,
+            "role": s.role,
+            "direction": s.direction,
+            "seconds": s.seconds,
+            "weight_bytes": s.weight_bytes,
+            "kv_cache_bytes": s.kv_cache_bytes,
+            "copy_seconds": copy,
+            "copy_gb_per_s": None if not copy else s.weight_bytes / copy / 1e9,
+            "over_copy": None if not copy else s.seconds / copy,
+            "limit_seconds": limit,
+            "within_limit": None if limit is None else s.seconds <= limit,
+            "held_before": s.held_before,
+            "held_after": s.held_after,
+            "device_free_before": s.device_free_before,
+            "device_free_after": s.device_free_after,
+            "device_total": s.device_total,
+            "freed_bytes": s.freed_bytes,
+        }
+        if s.direction == "offload":
+            row["freed_fraction"] = s.freed_bytes / s.held_before if s.held_before else None
+        rows.append(row)
+    total = sum(s.seconds for s in switches)
+    offloads = [r["freed_fraction"] for r in rows if r.get("freed_fraction") is not None]
+    checks = [r["within_limit"] for r in rows if r["within_limit"] is not None]
+    return {
+        "switches": rows,
+        "switch_seconds": total,
+        "step_seconds": step_seconds,
+        "share_of_step": total / step_seconds if step_seconds > 0 else None,
+        "all_within_limit": all(checks) if checks else None,
+        "min_freed_fraction": min(offloads) if offloads else None,
+        "limit": f"{COPY_FACTOR} x copy + {FIXED_SECONDS} s",
+    }

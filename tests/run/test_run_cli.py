@@ -1,0 +1,185 @@
+"""``relax run`` as a user runs it, on the CPU example job: three committed steps, every field,
+the weight version moving, the trace, the switch measurement, nothing left running; and the
+faults that must end a run cleanly (kill -9 of the genrm engine mid-scoring, SIGSTOP of the
+teacher engine during its offload).
+
+Each test runs ``python -m relax_core run`` in a session of its own on a new local Ray with the
+example's tiny hf models (CPU engines placed on one declared GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import run as support
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return support.make_models(tmp_path_factory.mktemp("run-models"))
+
+
+@pytest.fixture
+def root(models: Path, tmp_path: Path) -> Path:
+    """A job directory of this test with the module's models beside it."""
+    (tmp_path / "tiny").symlink_to(models / "tiny", target_is_directory=True)
+    return tmp_path
+
+
+def _committed(directory: Path) -> dict[int, list[dict[str, Any]]]:
+    return {
+        int(p.stem.split("-")[1]): [json.loads(line) for line in p.read_text().splitlines()]
+        for p in sorted(directory.glob("batch-*.jsonl"))
+    }
+
+
+def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves_nothing(
+    root: Path,
+) -> None:
+    job = root / "job.toml"
+    job.write_text(support.EXAMPLE.read_text())
+    trace, dumps = root / "run.trace.json", root / "samples"
+    with support.relax_run(
+        job, "--steps", "3", "--json", "--trace", str(trace), "--dump-samples", str(dumps),
+        "--measure",
+    ) as run:  # fmt: skip
+        assert run.wait(timeout=400) == 0, f"{run.out}\n{run.err}"
+        rows = run.json_rows()
+        *steps, summary = rows
+        left = support.left_running(run, summary)
+    assert left == [], left
+
+    # One object per committed step with the fields a user reads, then the summary.
+    assert [r["step"] for r in steps] == [0, 1, 2] and [r["batch_id"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        assert r["samples"] == 16 and r["groups"] == 4 and r["partition"] == f"train_{r['step']}"
+        assert r["fields"] == {"reward": 16, "distill": 16}
+        assert set(r["phases"]) >= {
+            "generate", "rollout.offload", "genrm.onload", "genrm", "genrm.offload",
+            "teacher.onload", "teacher", "teacher.offload", "sink_put", "commit", "train",
+        }  # fmt: skip
+        assert r["train"]["samples"] == 16 and r["train"]["optimizer_steps"] == r["step"] + 1
+        # The trainer's policy is the engine's: its log-probs of the sampled tokens match.
+        assert abs(r["train"]["ratio_mean"] - 1.0) < 1e-3, r["train"]
+        assert r["teacher_kl"] is not None and r["parse_failures"] is not None
+    assert summary["summary"] is True and summary["steps_committed"] == 3
+    # Each step generated with the weights pushed after the one before it, and the last
+    # step's weights were pushed too: the rollout weight version moved three times.
+    assert summary["weight_versions"] == ["default", "1", "2", "3"]
+    assert [r["weight_version"] for r in steps] == ["default", "1", "2"]
+    assert all(r["pushed_before"]["weight_version"] == str(r["step"]) for r in steps[1:])
+
+    # Every committed sample, read back from the finalizer's dumps: its reward and teacher
+    # fields, in exactly one committed batch (counted by id).
+    batches = _committed(dumps)
+    assert sorted(batches) == [0, 1, 2]
+    ids = [s["id"] for samples in batches.values() for s in samples]
+    assert len(ids) == len(set(ids)) == 48
+    for n, samples in batches.items():
+        assert {s["weight_version"] for s in samples} == {steps[n]["weight_version"]}
+        for s in samples:
+            assert isinstance(s["reward"], float) and set(s["rewards"]) == {
+                "genrm-judge", "exact-match", "digits",
+            }  # fmt: skip
+            tokens = len(s["response_ids"])
+            assert tokens >= 1 and len(s["rollout_logprobs"]) == tokens
+            assert [len(row) for row in s["teacher_topk_ids"]] == [4] * tokens
+            assert len(s["teacher_logprobs"]) == tokens
+
+    # The Perfetto trace: every phase of every batch.
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["batch"] for e in events} == {0, 1, 2}
+    assert {e["name"] for e in events} >= {"generate", "weight_push", "genrm", "teacher", "commit"}
+
+    # --measure: each of the 6 switches of a step (3 roles in, 3 out; step 0's rollout starts
+    # awake) against a copy of its bytes measured in the same run; offloads free what they held.
+    switching = summary["switching"]
+    assert len(switching["switches"]) == 5 + 6 + 6
+    for s in switching["switches"]:
+        assert s["weight_bytes"] > 0 and s["copy_seconds"] > 0 and s["seconds"] > 0
+        if s["direction"] == "offload":
+            assert s["freed_fraction"] >= 0.9, s
+    assert 0 < switching["share_of_step"] < 1
+
+
+def _trigger_and_fail(
+    root: Path, phase_end: str, fault: Any, *, timeout: float = 300, **run: Any
+) -> tuple[support.RunProcess, list[dict[str, Any]], dict[str, Any]]:
+    """Run two steps; when step 1's ``phase_end`` progress line appears, ``fault()``; the run
+    must end with exit 1. Returns the run, its committed rows and the failed step's row."""
+    job = support.job_file(root, steps=2, **run)
+    dumps = root / "samples"
+    with support.relax_run(job, "--json", "--dump-samples", str(dumps)) as proc:
+        proc.err.wait_for(rf"^  · step 1 {phase_end} [\d.]+s$", timeout=timeout)
+        fault()
+        code = proc.wait(timeout=timeout)
+        rows = proc.json_rows()
+        summary = rows[-1]
+        left = support.left_running(proc, summary)
+    assert code == 1, f"{proc.out}\n{proc.err}"
+    assert left == [], left
+    assert "relax run: stopped; nothing left running" in str(proc.err)
+    committed = [r for r in rows if "reward_mean" in r]
+    failed = next(r for r in rows if r.get("failed"))
+    assert summary["steps_committed"] == 1 and summary["failed_step"] == 1
+    # Nothing committed for the failed step, nothing lost: every sample it generated is in its
+    # report (and its dump), every sample of step 0 in the committed batch, none in both.
+    assert [r["step"] for r in committed] == [0] and failed["step"] == 1
+    assert sorted(p.name for p in dumps.iterdir()) == ["batch-0.jsonl", "failed-1.jsonl"]
+    step0 = {s["id"] for s in _committed(dumps)[0]}
+    lost = [json.loads(line)["id"] for line in (dumps / "failed-1.jsonl").read_text().splitlines()]
+    assert len(step0) == 16 and sorted(lost) == sorted(failed["sample_ids"])
+    assert len(lost) == failed["samples_generated"] == 16 and not step0 & set(lost)
+    # The consumer never got the failed batch: its wait_committed raised.
+    assert failed["trainer"].startswith("BatchFailedError"), failed["trainer"]
+    return proc, committed, failed
+
+
+def test_kill_9_of_the_genrm_engine_mid_scoring_ends_the_run_with_nothing_committed_for_it(
+    root: Path,
+) -> None:
+    def kill() -> None:
+        os.kill(support.engine_pid(root, "judge"), signal.SIGKILL)
+
+    proc, _, failed = _trigger_and_fail(
+        root, "genrm.onload", kill, operation_timeout=10.0, request_timeout=20.0
+    )
+    assert failed["kind"] == "ScoringError" and "genrm-judge" in failed["error"], failed
+    assert "step 1 failed, nothing committed for it" in str(proc.err)
+
+
+def test_sigstop_of_the_teacher_engine_during_its_offload_blocks_it_and_says_what_to_do(
+    root: Path,
+) -> None:
+    stopped: list[int] = []
+
+    def stop() -> None:
+        # While it prefills: its requests hang, then its offload does (the engine cannot
+        # answer), and the coordinator's deadline leaves its lease BLOCKED.
+        stopped.append(support.engine_pid(root, "math"))
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    proc, _, failed = _trigger_and_fail(
+        root,
+        "teacher.onload",
+        stop,
+        operation_timeout=6.0,
+        request_timeout=5.0,
+        prompts_per_step=4,
+        max_new_tokens=48,
+    )
+    assert set(failed["blocked"]) == {"teacher"}, failed
+    assert "offload not confirmed within 6s" in failed["blocked"]["teacher"], failed
+    text = failed["error"]
+    assert "BLOCKED" in text and "relax coordinator reset" in text and "--role teacher" in text
+    assert f"step 1 failed, nothing committed for it: {text}" in str(proc.err)
+    # The stopped engine was killed by the shutdown, like every other.
+    assert not any(os.path.exists(f"/proc/{p}") for p in stopped)

@@ -1,0 +1,39 @@
+"""One step of ``relax run`` on a real two-node ``ray.cluster_utils.Cluster`` (in a subprocess:
+a Cluster cannot share a process with the suite's local Ray): rollout on one node, genrm and
+teacher deferred on the other node's declared GPU, the batch committed, trained on and the
+weights pushed back across the nodes, nothing left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_one_step_runs_with_rollout_on_one_node_and_the_deferred_roles_on_the_other() -> None:
+    script = Path(__file__).parents[1] / "support" / "run_cluster_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=280
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["problems"] == [] and "error" not in out, out
+    assert out["steps_committed"] == 1 and out["failure"] is None, out
+    assert out["samples"] == [4] and out["fields"] == [{"reward": 4, "distill": 4}]
+    # The first step's weights reached rollout on the other node: its version moved.
+    assert out["weight_versions"] == ["default", "1"]
+    nodes = out["worker_nodes"]
+    assert nodes == out["bundle_nodes"], out  # every engine ran where its bundle was bound
+    rollout, genrm, teacher = (nodes[k] for k in ("rollout.policy", "genrm.judge", "teacher.math"))
+    assert genrm == teacher and rollout != genrm, nodes
+    assert out["head"] not in {*rollout, *genrm}  # both on the GPU nodes, not the head
+    # genrm and teacher share one defer slice; rollout's GPU is its own.
+    slices = out["slices"]
+    assert slices["genrm"] == slices["teacher"] != slices["rollout"]
+    assert out["teardown_problems"] == [] and out["processes_left"] == []
+    assert out["processes"] == 4  # three engines and the rollout router

@@ -1,0 +1,153 @@
+"""Helpers of the ``relax run`` end-to-end tests: the CPU example job with its tiny models,
+``relax run`` started as a user starts it (a session of its own, stdout and stderr read line by
+line), and the check that nothing it started is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from tests.support import serve as support
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "docs" / "examples" / "run-cpu.toml"
+#: The example's models and their seeds (``tiny/<name>`` next to the job file).
+MODELS = {"policy": 0, "judge": 1, "math": 2}
+
+
+def make_models(directory: Path, size: str = "tiny") -> Path:
+    """The example's three models under ``directory/tiny``, made in parallel as a user would."""
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "relax_hf",
+                "make-tiny-model",
+                str(directory / "tiny" / name),
+                "--seed",
+                str(seed),
+                "--size",
+                size,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for name, seed in MODELS.items()
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    return directory
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    return "[" + ", ".join(_toml(v) for v in value) + "]"
+
+
+def job_file(directory: Path, name: str = "job.toml", **run: Any) -> Path:
+    """The example job in ``directory`` (its models beside it), its ``[run]`` keys replaced or
+    added from ``run``."""
+    text = EXAMPLE.read_text()
+    head, _, table = text.partition("\n[run]\n")
+    keys: dict[str, str] = {}
+    current = None
+    for line in table.splitlines():
+        if line and not line.startswith((" ", "]", "#")) and "=" in line:
+            current = line.split("=", 1)[0].strip()
+            keys[current] = line
+        elif current is not None:
+            keys[current] += "\n" + line
+    for key, value in run.items():
+        keys[key] = f"{key} = {_toml(value)}"
+    path = directory / name
+    path.write_text(head + "\n[run]\n" + "\n".join(keys.values()) + "\n")
+    return path
+
+
+class RunProcess:
+    """``python -m relax_core run CONFIG ARGS`` in a session of its own, both streams read."""
+
+    def __init__(self, config: Path, *args: str) -> None:
+        self.config = config
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relax_core", "run", str(config), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.out = support.Lines(self.proc.stdout)
+        self.err = support.Lines(self.proc.stderr)
+
+    def wait(self, timeout: float) -> int:
+        """The exit status (the streams read to their end)."""
+        code = self.proc.wait(timeout)
+        self.out.rest(30)
+        self.err.rest(30)
+        return code
+
+    def json_rows(self) -> list[dict[str, Any]]:
+        """Every JSON object it printed on stdout."""
+        return [json.loads(line) for line in self.out.lines if line.startswith("{")]
+
+    def interrupt(self) -> None:
+        """Ctrl-C, as a terminal sends it: SIGINT to the whole process group."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def kill_leftovers(self) -> None:
+        """Whatever the test did: the run's session and every process under its directory."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        for pid in support.in_session(self.proc.pid) + support.mentioning(str(self.config.parent)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def relax_run(config: Path, *args: str) -> Iterator[RunProcess]:
+    """A :class:`RunProcess`; on the way out every process it left is killed."""
+    run = RunProcess(config, *args)
+    try:
+        yield run
+    finally:
+        run.kill_leftovers()
+
+
+def engine_pid(directory: Path, model: str) -> int:
+    """The pid of the hf engine serving ``tiny/<model>`` under ``directory``."""
+    path = str(directory / "tiny" / model)
+    pids = [
+        p
+        for p in support.mentioning(path)
+        if "relax_hf" in support.cmdline(p) and " serve " in support.cmdline(p)
+    ]
+    assert len(pids) == 1, (model, pids)
+    return pids[0]
+
+
+def left_running(run: RunProcess, summary: Mapping[str, Any] | None) -> list[int]:
+    """Processes of the run still alive: its session (Ray), its engines and routers."""
+    pids = set(support.in_session(run.proc.pid)) | set(support.mentioning(str(run.config.parent)))
+    if summary is not None:
+        pids |= {p for p in summary["engine_pids"] + summary["router_pids"] if support.alive(p)}
+    return sorted(pids)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The H200 measurement of `relax run` (docs/run.md, "Measured on one H200"), on the GPU
+# machine, from the repository root, with .whl/ made by tools/h200-wheels.sh beside it:
+#
+#   bash tools/h200-run.sh
+#
+# Installs the wheels into /tmp/site, makes the three ~0.5B random models, runs
+# `relax run docs/examples/run-h200.toml --json --measure --trace …` and prints each step and
+# the switch report. Files go to $OUT (default /tmp/relax-h200): h200.jsonl (the JSON lines),
+# h200.log (progress and engine-independent messages), h200.trace.json (Perfetto), env.txt.
+# About 3-4 minutes; if the CUDA IPC weight push fails, it runs again pushing safetensors.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/relax-h200}
+mkdir -p "$OUT"
+began=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAY_USAGE_STATS_ENABLED=0
+{
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
+  python3 -c 'import sys, torch, transformers, ray; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0)); print("transformers", transformers.__version__, "ray", ray.__version__)'
+  nproc; free -g
+} 2>&1 | tee "$OUT/env.txt"
+for m in policy:0 judge:1 math:2; do
+  python3 -m relax_hf make-tiny-model "docs/examples/small/${m%:*}" --seed "${m#*:}" \
+    --size small --dtype bfloat16 >/dev/null &
+done
+wait
+echo "models made in $(( $(date +%s) - began ))s"
+
+run() {
+  python3 -m relax_core run "$1" --json --measure --trace "$OUT/h200.trace.json" \
+    --log-dir "$OUT/engine-logs" >"$OUT/h200.jsonl" 2>"$OUT/h200.log"
+}
+run docs/examples/run-h200.toml
+status=$?
+if [ $status -ne 0 ] && grep -q "weight push" "$OUT/h200.log"; then
+  echo "the CUDA IPC weight push failed; running again with push_format = safetensors"
+  cp "$OUT/h200.log" "$OUT/h200-ipc.log"
+  sed 's/^push_format = "ipc"/push_format = "safetensors"/' docs/examples/run-h200.toml \
+    >docs/examples/run-h200-safetensors.toml
+  run docs/examples/run-h200-safetensors.toml
+  status=$?
+fi
+grep -v '^  · ' "$OUT/h200.log" | tail -n 40
+python3 - "$OUT/h200.jsonl" <<'EOF'
+import json, sys
+from relax_core.run.progress import Printer
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+printer = Printer(tty=False)
+for row in rows:
+    if "reward_mean" in row:
+        printer.step(row)
+if rows and rows[-1].get("summary"):
+    summary = rows[-1]
+    printer.summary(summary)
+    s = summary.get("switching") or {}
+    print(json.dumps({k: s.get(k) for k in ("switch_seconds", "step_seconds", "share_of_step",
+                                            "all_within_limit", "min_freed_fraction")}))
+EOF
+echo "relax run exited $status; $(( $(date +%s) - began ))s in all; files in $OUT"
+exit $status
