@@ -202,6 +202,9 @@ class ModelRunner:
         self._released: list[weakref.ref[Any]] = []
         self.weights_resident = True
         self.weights_dirty = False  # changed since loaded from ``checkpoint_path``
+        # The host backup holds the weights as they are on the device now (an update since the
+        # last copy makes it stale): a release of unchanged weights copies nothing.
+        self._backup_current = False
         self.checkpoint_path = self.model_path
         self._pack(self._to_flat_from_params())
         self.max_running_requests = max_running_requests
@@ -377,12 +380,16 @@ class ModelRunner:
             return {"released_bytes": 0}
         start = time.perf_counter()
         assert self._flat is not None
-        if self.weights_cpu_backup:
+        copied = 0
+        if self.weights_cpu_backup and not self._backup_current:
             if self._backup is None:
                 pin = self.device.type == "cuda"
                 self._backup = torch.empty(self.param_bytes, dtype=torch.uint8, pin_memory=pin)
             self._backup.copy_(self._flat, non_blocking=True)
             self._sync()
+            self._backup_current = True
+            copied = self.param_bytes
+        copy_done = time.perf_counter()
         self._released = [weakref.ref(self._flat.untyped_storage())]
         self._flat = None
         self.native.unbind()  # its views would keep the buffer alive
@@ -391,8 +398,14 @@ class ModelRunner:
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.weights_resident = False
-        self.free_cached_memory(self._released)
-        return {"released_bytes": self.param_bytes, "seconds": time.perf_counter() - start}
+        freed = self.free_cached_memory(self._released)
+        return {
+            "released_bytes": self.param_bytes,
+            "backup_copied_bytes": copied,
+            "copy_seconds": copy_done - start,
+            **freed,
+            "seconds": time.perf_counter() - start,
+        }
 
     def resume_weights(self) -> dict[str, Any]:
         """Bring the weights back: from the host backup, or by reloading the checkpoint."""
@@ -402,7 +415,7 @@ class ModelRunner:
         flat = self._alloc_flat()
         self._sync()
         allocated = time.perf_counter()
-        if self._backup is not None:
+        if self._backup is not None and self._backup_current:
             flat.copy_(self._backup, non_blocking=True)
             self._sync()
             source = "cpu_backup"
@@ -412,7 +425,7 @@ class ModelRunner:
         copy_seconds = time.perf_counter() - start
         self._pack(flat)
         self.weights_resident = True
-        lost = self.weights_dirty and self._backup is None
+        lost = self.weights_dirty and not (self._backup is not None and self._backup_current)
         self.weights_dirty = self.weights_dirty and not lost
         return {
             "source": source,
@@ -433,10 +446,15 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.drop()  # they read the pool's addresses
         assert self.pool.kv is not None
+        start = time.perf_counter()
         buffer = [weakref.ref(self.pool.kv.untyped_storage())]
         self.pool.release()
-        self.free_cached_memory(buffer)
-        return {"released_bytes": self.pool.nbytes}
+        freed = self.free_cached_memory(buffer)
+        return {
+            "released_bytes": self.pool.nbytes,
+            **freed,
+            "seconds": time.perf_counter() - start,
+        }
 
     def resume_kv_cache(self) -> dict[str, Any]:
         """Take the KV cache pool again (every slot free). Idempotent."""
@@ -487,20 +505,27 @@ class ModelRunner:
             detail["cuda_graph"] = self.capture_cuda_graphs()
         return detail
 
-    def free_cached_memory(self, released: list[weakref.ref[Any]] | None = None) -> None:
-        """Return freed memory to the device driver / the OS.
+    def free_cached_memory(self, released: list[weakref.ref[Any]] | None = None) -> dict[str, Any]:
+        """Return freed memory to the device driver / the OS; what it took.
 
         With ``released`` (weak references to the storages just dropped), a garbage collection
         runs only if one of them is still alive (held by a reference cycle): a full collection
         costs ~0.1 s in a process that imported torch and transformers, which a release that
         freed its buffers at once need not pay. Without it, it always runs.
         """
-        if released is None or any(r() is not None for r in released):
+        start = time.perf_counter()
+        collected = released is None or any(r() is not None for r in released)
+        if collected:
             gc.collect()
+        collected_at = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         else:
             _malloc_trim()
+        return {
+            "gc_seconds": collected_at - start if collected else 0.0,
+            "free_seconds": time.perf_counter() - collected_at,
+        }
 
     def memory_report(self) -> dict[str, Any]:
         """Honest accounting of what is held: parameter storages on the device, RSS, CUDA."""
@@ -610,6 +635,7 @@ class ModelRunner:
                 total += p.numel() * p.element_size()
         self._sync()
         self.weights_dirty = True
+        self._backup_current = False
         return total
 
     def load_from_disk(self, path: str) -> int:
@@ -625,4 +651,5 @@ class ModelRunner:
             self.capture_cuda_graphs()
         self.checkpoint_path = path
         self.weights_dirty = False
+        self._backup_current = False
         return self.param_bytes
