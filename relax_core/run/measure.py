@@ -57,6 +57,17 @@ class Switch:
     device_free_before: int | None
     device_free_after: int | None
     device_total: int | None
+    #: The engines' own seconds for the switch's memory operations (the longest head's sum),
+    #: from their ``/server_info`` ``memory_log`` (``None`` for an engine that keeps none):
+    #: the rest of ``seconds`` is the coordinator, the manager, the drain and the check.
+    engine_seconds: float | None = None
+    #: The first head's operations during the switch: ``{"op", "detail"}`` each.
+    engine_ops: tuple[dict[str, Any], ...] = ()
+    #: The manager's own seconds for the call and its slowest replica worker's (drain, release
+    #: or resume, generation check), where the switch's result is the manager's
+    #: ``LifecycleResult`` (rollout's own switches; ``None`` through the coordinator).
+    manager_seconds: float | None = None
+    worker_seconds: float | None = None
 
     @property
     def freed_bytes(self) -> int:
@@ -73,6 +84,33 @@ def _held(memory: Mapping[str, Any]) -> int:
     return int(memory.get("resident_param_bytes", 0)) + int(kv.get("bytes", 0))
 
 
+def _ops_since(info: Mapping[str, Any], since: float) -> list[dict[str, Any]] | None:
+    """The head's memory operations that began after ``since`` (``None``: it logs none)."""
+    log = info.get("memory_log")
+    if not isinstance(log, list):
+        return None
+    return [
+        {"op": e.get("op"), "detail": e.get("detail") or {}}
+        for e in log
+        if isinstance(e, Mapping) and float(e.get("at", 0.0)) >= since
+    ]
+
+
+def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
+    """The longest head's sum of its operations' per-tag seconds."""
+    if not ops or any(o is None for o in ops):
+        return None
+    return max(
+        sum(
+            float(tag.get("seconds", 0.0))
+            for op in head or ()
+            for tag in op["detail"].values()
+            if isinstance(tag, Mapping)
+        )
+        for head in ops
+    )
+
+
 class SwitchProbe:
     """Reads the memory reports of a role's engine heads around each switch.
 
@@ -84,14 +122,13 @@ class SwitchProbe:
         self.timeout = timeout
         self.switches: list[Switch] = []
 
-    async def _memory(self, role: str) -> list[dict[str, Any]]:
+    async def _info(self, role: str) -> list[dict[str, Any]]:
+        """Each head's ``/server_info``."""
         from relax_core.engine.control import ControlClient
 
         async def one(url: str) -> dict[str, Any]:
             async with ControlClient(url, timeout=self.timeout) as client:
-                info = await client.server_info()
-            memory: dict[str, Any] = info.get("memory") or {}
-            return memory
+                return await client.server_info()
 
         return list(await asyncio.gather(*(one(u) for u in await self.heads(role))))
 
@@ -100,12 +137,18 @@ class SwitchProbe:
     ) -> Any:
         """Run ``call()`` (the switch) and record it; its result is returned, its error raised
         (a failed switch is not recorded: there is nothing to compare)."""
-        before = await self._memory(role)
+        before = [info.get("memory") or {} for info in await self._info(role)]
+        since = time.time()
         began = time.perf_counter()
         result = await call()
         seconds = time.perf_counter() - began
-        after = await self._memory(role)
+        infos = await self._info(role)
+        after = [info.get("memory") or {} for info in infos]
+        ops = [_ops_since(info, since) for info in infos]
         first = after[0] if after else {}
+        replicas = getattr(result, "replicas", None)
+        manager = float(result.seconds) if replicas is not None else None
+        worker = max((float(r.seconds) for r in replicas), default=None) if replicas else None
         kv = sum(int((m.get("kv_cache") or {}).get("pool_bytes", 0)) for m in (after or before))
         self.switches.append(
             Switch(
@@ -120,6 +163,10 @@ class SwitchProbe:
                 device_free_before=before[0].get("cuda_device_free") if before else None,
                 device_free_after=first.get("cuda_device_free"),
                 device_total=first.get("cuda_device_total"),
+                engine_seconds=_engine_seconds(ops),
+                engine_ops=tuple(ops[0]) if ops and ops[0] is not None else (),
+                manager_seconds=manager,
+                worker_seconds=worker,
             )
         )
         return result
@@ -136,23 +183,19 @@ class MeasuredCoordinator:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    async def _switch(self, method: str, direction: str, role: str, op: str, batch: int) -> Any:
+        call = getattr(self._inner, method)
+        return await self._probe.around(
+            batch, role, direction, lambda: call(role, op, batch_id=batch)
+        )
+
     async def activate(self, role: str, operation_id: str, *, batch_id: int) -> Any:
         """The coordinator's ``activate``, measured as ``role``'s onload."""
-        return await self._probe.around(
-            batch_id,
-            role,
-            "onload",
-            lambda: self._inner.activate(role, operation_id, batch_id=batch_id),
-        )
+        return await self._switch("activate", "onload", role, operation_id, batch_id)
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> Any:
         """The coordinator's ``deactivate``, measured as ``role``'s offload."""
-        return await self._probe.around(
-            batch_id,
-            role,
-            "offload",
-            lambda: self._inner.deactivate(role, operation_id, batch_id=batch_id),
-        )
+        return await self._switch("deactivate", "offload", role, operation_id, batch_id)
 
 
 class MeasuredHandle:
@@ -214,6 +257,10 @@ def switch_report(
             "device_free_after": s.device_free_after,
             "device_total": s.device_total,
             "freed_bytes": s.freed_bytes,
+            "engine_seconds": s.engine_seconds,
+            "manager_seconds": s.manager_seconds,
+            "worker_seconds": s.worker_seconds,
+            "engine_ops": list(s.engine_ops),
         }
         if s.direction == "offload":
             row["freed_fraction"] = s.freed_bytes / s.held_before if s.held_before else None

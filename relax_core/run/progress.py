@@ -185,7 +185,19 @@ class Printer:
                     f"    step {s['step']} {s['role']}.{s['direction']}: {s['seconds'] * 1e3:.1f} "
                     f"ms for {s['weight_bytes'] / 1e6:.1f} MB (copy "
                     f"{_fmt(s['copy_seconds'] and s['copy_seconds'] * 1e3, '.1f')} ms, limit "
-                    f"{_fmt(s['limit_seconds'] and s['limit_seconds'] * 1e3, '.1f')} ms)"
+                    f"{_fmt(s['limit_seconds'] and s['limit_seconds'] * 1e3, '.1f')} ms"
+                    + (
+                        f"; engine {s['engine_seconds'] * 1e3:.1f} ms"
+                        if s.get("engine_seconds") is not None
+                        else ""
+                    )
+                    + (
+                        f", worker {s['worker_seconds'] * 1e3:.1f} ms, manager "
+                        f"{s['manager_seconds'] * 1e3:.1f} ms"
+                        if s.get("worker_seconds") is not None
+                        else ""
+                    )
+                    + ")"
                     + (
                         f", freed {_fmt(s.get('freed_fraction'), '.1%')}"
                         if s["direction"] == "offload"

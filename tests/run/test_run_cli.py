@@ -107,6 +107,12 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
         assert s["weight_bytes"] > 0 and s["copy_seconds"] > 0 and s["seconds"] > 0
         if s["direction"] == "offload":
             assert s["freed_fraction"] >= 0.9, s
+        # The engines' own share, from their memory log: a release or a resume per switch.
+        ops = {op["op"] for op in s["engine_ops"]}
+        assert ops == ({"release"} if s["direction"] == "offload" else {"resume"}), s
+        assert 0 < s["engine_seconds"] <= s["seconds"], s
+        if s["role"] == "rollout":  # its own switches: the manager's and the worker's seconds
+            assert s["engine_seconds"] <= s["worker_seconds"] <= s["manager_seconds"], s
     assert 0 < switching["share_of_step"] < 1
 
 

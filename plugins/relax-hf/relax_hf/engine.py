@@ -77,6 +77,9 @@ class Engine:
         self.started = time.time()
         self.last_resume: dict[str, Any] = {}
         self.last_release: dict[str, Any] = {}
+        # The last memory operations, each {"op", "at" (epoch seconds), "detail"}: an onload of
+        # one tag at a time leaves one entry per tag (``/server_info`` ``memory_log``).
+        self.memory_log: deque[dict[str, Any]] = deque(maxlen=16)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="relax-hf-compute")
         self._pending: deque[Sequence] = deque()
         self._live: dict[str, Sequence] = {}
@@ -542,6 +545,7 @@ class Engine:
                 self._wake.set()
                 raise
             self.last_release = detail
+            self.memory_log.append({"op": "release", "at": time.time(), "detail": detail})
             return detail
 
     async def resume(self, tags: tuple[str, ...]) -> dict[str, Any]:
@@ -564,6 +568,7 @@ class Engine:
             for tag in sorted(tags, key=lambda t: t != "weights"):
                 self.resident[tag] = True
             self.last_resume = detail
+            self.memory_log.append({"op": "resume", "at": time.time(), "detail": detail})
             self._wake.set()
             return detail
 

@@ -269,6 +269,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "memory": runner.memory_report(),
         "last_release": engine.last_release,
         "last_resume": engine.last_resume,
+        "memory_log": list(engine.memory_log),
         "weights_update_group": engine.group.name,
         "pid": os.getpid(),
         "internal_states": [

@@ -206,3 +206,37 @@ def test_resume_without_backup_after_an_update_reloads_the_checkpoint(fresh: Eng
     out = fresh.http.ok("/resume_memory_occupation", {"tags": ["weights"]})
     assert "were lost" in out["message"] and out["weight_version"] == "ckpt"
     assert fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
+
+
+def test_a_release_copies_weights_to_the_backup_only_when_they_changed(start_server: Any) -> None:
+    import torch
+
+    engine = start_server("hf-backup-copies", weights_cpu_backup=True)
+    param_bytes = engine.http.ok("/server_info")["memory"]["param_bytes"]
+
+    def cycle() -> tuple[int, list[int]]:
+        out = engine.http.ok("/release_memory_occupation", {"tags": ["weights"]})
+        engine.http.ok("/resume_memory_occupation", {"tags": ["weights"]})
+        logged = engine.http.ok("/server_info")["memory_log"][-2:]
+        assert [e["op"] for e in logged] == ["release", "resume"]
+        assert logged[0]["detail"] == out["detail"]
+        copied = out["detail"]["weights"]["backup_copied_bytes"]
+        return copied, engine.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+
+    before = engine.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+    assert cycle() == (param_bytes, before)  # the first release fills the backup
+    assert cycle() == (0, before)  # unchanged weights: nothing copied, the same outputs
+
+    rows, cols = _shape(engine)
+    payload = serialize_named_tensors(
+        [("lm_head.weight", torch.zeros(rows, cols))], load_format="safetensors"
+    )
+    engine.http.ok(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [payload], "load_format": "safetensors"},
+    )
+    updated = engine.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+    assert updated != before
+    # An update makes the backup stale: the next release copies again, and the resume brings
+    # back the updated weights, not the old backup.
+    assert cycle() == (param_bytes, updated)
