@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from relax_core._threads import each_in_thread
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import CapabilityError
 from relax_core.manager.results import (
@@ -266,14 +267,7 @@ class ExternalEngines:
         def probe(engine_id: str, url: str) -> None:
             answers[engine_id] = _get(url + "/health_generate", self.health_timeout)
 
-        threads = [
-            threading.Thread(target=probe, args=item, name=f"external-{item[0]}")
-            for item in self.urls.items()
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        each_in_thread(probe, self.urls.items(), name="external")
         problems = {}
         for engine_id, url in self.urls.items():
             status, body = answers[engine_id]
