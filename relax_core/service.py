@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, TextIO
 
+from relax_core._threads import each_in_thread
 from relax_core.config import ConfigProblem, JobConfig, ModelConfig, RoleConfig
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
@@ -152,14 +153,7 @@ class RoleService:
             if on_done is not None:
                 on_done(model_id, outcome)
 
-        threads = [
-            threading.Thread(target=one, args=item, name=f"start-{self.role}-{item[0]}")
-            for item in self.managers.items()
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        each_in_thread(one, self.managers.items(), name=f"start-{self.role}")
         problems = []
         for model_id, outcome in results.items():
             if isinstance(outcome, BaseException):
@@ -192,14 +186,7 @@ class RoleService:
             except BaseException as exc:  # re-raised below, after every router has finished
                 errors[model_id] = exc
 
-        threads = [
-            threading.Thread(target=one, args=item, name=f"router-{self.role}-{item[0]}")
-            for item in self.routers.items()
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        each_in_thread(one, self.routers.items(), name=f"router-{self.role}")
         for _model_id, exc in sorted(errors.items()):
             raise exc
 
@@ -1152,9 +1139,9 @@ def _teardown(job: ServedJob, out: TextIO) -> list[str]:
     """Gateways, then engines and managers, then placement groups; return what was left."""
     from relax_core.placement import release_bound_pool
 
+    problems: list[str] = []
     with contextlib.suppress(RelaxError):
         job.pids()
-    problems = []
     for role, gw in job.gateways.items():
         try:
             gw.stop()
@@ -1167,11 +1154,7 @@ def _teardown(job: ServedJob, out: TextIO) -> list[str]:
     for service in job.services.values():
         problems += service.shutdown()
     unconfirmed = [w for service in job.services.values() for w in service.unconfirmed_workers()]
-    left = _wait_gone(job.engine_pids | job.router_pids, timeout=15.0)
-    if left & job.engine_pids:
-        problems.append(f"engine processes still running: {sorted(left & job.engine_pids)}")
-    if left & job.router_pids:
-        problems.append(f"router processes still running: {sorted(left & job.router_pids)}")
+    problems += _still_running(job.engine_pids, job.router_pids)
     if job.services:
         print(f"  engines stopped ({len(job.engine_pids)} processes)", file=out, flush=True)
     if job.router_pids:
@@ -1231,6 +1214,17 @@ def _pid_alive(pid: int) -> bool:
             return True
         return not sys.platform.startswith("linux")
     return state not in (b"Z", b"X")
+
+
+def _still_running(engine_pids: set[int], router_pids: set[int]) -> list[str]:
+    """Wait up to 15 s for these processes to end; a problem line for each kind still alive."""
+    left = _wait_gone(engine_pids | router_pids, timeout=15.0)
+    problems = []
+    if left & engine_pids:
+        problems.append(f"engine processes still running: {sorted(left & engine_pids)}")
+    if left & router_pids:
+        problems.append(f"router processes still running: {sorted(left & router_pids)}")
+    return problems
 
 
 def _wait_gone(pids: set[int], timeout: float) -> set[int]:

@@ -66,20 +66,31 @@ def forward_headers(
     re-framed by the server that forwards it (bytes are never decoded, so ``Content-Encoding``
     stays true). Names keep their case; lookups elsewhere are case-insensitive.
     """
+    return _split(headers, _DROP_RESPONSE if response else _DROP_REQUEST)[0]
+
+
+def _split(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]], dropped: frozenset[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """One pass over ``headers``: ``(kept, taken)``, the headers whose lower-case name is not in
+    ``dropped`` (names keep their case) and the others by lower-case name (a repeated one keeps
+    its last value). Headers named by ``Connection`` are left out of both."""
     items = headers.items() if isinstance(headers, Mapping) else headers
-    dropped = _DROP_RESPONSE if response else _DROP_REQUEST
-    out: dict[str, str] = {}
+    kept: dict[str, str] = {}
+    taken: dict[str, str] = {}
     named: set[str] | None = None
     for name, value in items:
         low = name.lower()
-        if low in dropped:
-            if low == "connection":
-                named = (named or set()) | {t.strip().lower() for t in value.split(",")}
-            continue
-        out[name] = value
+        if low not in dropped:
+            kept[name] = value
+        elif low == "connection":
+            named = (named or set()) | {t.strip().lower() for t in value.split(",")}
+        else:
+            taken[low] = value
     if named:
-        out = {k: v for k, v in out.items() if k.lower() not in named}
-    return out
+        kept = {k: v for k, v in kept.items() if k.lower() not in named}
+        taken = {k: v for k, v in taken.items() if k not in named}
+    return kept, taken
 
 
 _TAKEN_FROM_CALLER = _DROP_REQUEST | {
@@ -102,29 +113,10 @@ def caller_headers(
     when absent or named by ``Connection``). One pass: this runs for every request a gateway
     forwards.
     """
-    items = headers.items() if isinstance(headers, Mapping) else headers
-    out: dict[str, str] = {}
-    request_id = routing_key = min_version = None
-    named: set[str] | None = None
-    for name, value in items:
-        low = name.lower()
-        if low in _TAKEN_FROM_CALLER:
-            if low == "x-request-id":
-                request_id = value
-            elif low == "x-smg-routing-key":
-                routing_key = value
-            elif low == "x-relax-min-weight-version":
-                min_version = value
-            elif low == "connection":
-                named = (named or set()) | {t.strip().lower() for t in value.split(",")}
-            continue
-        out[name] = value
-    if named:
-        out = {k: v for k, v in out.items() if k.lower() not in named}
-        if "x-request-id" in named:
-            request_id = None
-        if "x-smg-routing-key" in named:
-            routing_key = None
-        if "x-relax-min-weight-version" in named:
-            min_version = None
-    return out, request_id, routing_key, min_version
+    out, taken = _split(headers, _TAKEN_FROM_CALLER)
+    return (
+        out,
+        taken.get("x-request-id"),
+        taken.get("x-smg-routing-key"),
+        taken.get("x-relax-min-weight-version"),
+    )

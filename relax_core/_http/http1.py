@@ -94,18 +94,19 @@ class Http1Body:
         """Fail the current and every later read (after what was buffered) with ``exc``."""
         if self._exc is None:
             self._exc = exc
-        waiter = self._waiter
+        waiter = self._take_waiter()
         if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_exception(exc)
+            waiter.set_exception(exc)
 
     def _wake(self) -> None:
-        waiter = self._waiter
+        waiter = self._take_waiter()
         if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+            waiter.set_result(None)
+
+    def _take_waiter(self) -> asyncio.Future[None] | None:
+        """The waiting read's future, if one still waits; cleared, so each is woken once."""
+        waiter, self._waiter = self._waiter, None
+        return None if waiter is None or waiter.done() else waiter
 
     def at_eof(self) -> bool:
         """Whether the whole body was received and read."""

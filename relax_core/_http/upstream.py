@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
+import attrs
 import orjson
 
 from relax_core._http.headers import _DROP_RESPONSE_RAW, forward_headers
@@ -186,6 +187,7 @@ class _IdleWatch:
             self._handle = None
 
 
+@attrs.define(eq=False)
 class UpstreamResponse:
     """An upstream's answer whose headers have arrived; the body is read on demand.
 
@@ -201,33 +203,13 @@ class UpstreamResponse:
     :class:`UpstreamStatusError` for callers that want an exception.
     """
 
-    __slots__ = (
-        "_closed",
-        "_first_chunk_timeout",
-        "_idle_timeout",
-        "_on_close",
-        "_on_failure",
-        "_resp",
-        "prepared",
-    )
-
-    def __init__(
-        self,
-        resp: Any,
-        prepared: PreparedRequest,
-        *,
-        on_close: Any = None,
-        on_failure: Any = None,
-        idle_timeout: float | None = None,
-        first_chunk_timeout: float | None = None,
-    ) -> None:
-        self._resp = resp
-        self.prepared = prepared
-        self._on_close = on_close
-        self._on_failure = on_failure
-        self._idle_timeout = idle_timeout
-        self._first_chunk_timeout = first_chunk_timeout
-        self._closed = False
+    _resp: Any
+    prepared: PreparedRequest
+    _on_close: Any = attrs.field(default=None, kw_only=True)
+    _on_failure: Any = attrs.field(default=None, kw_only=True)
+    _idle_timeout: float | None = attrs.field(default=None, kw_only=True)
+    _first_chunk_timeout: float | None = attrs.field(default=None, kw_only=True)
+    _closed: bool = attrs.field(default=False, init=False)
 
     @property
     def status(self) -> int:

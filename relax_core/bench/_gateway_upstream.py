@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 # The same ~300-byte /generate answer as the client bench's null engine.
-from relax_core.bench._null_upstream import ANSWER
+from relax_core.bench._null_upstream import ANSWER, take_request
 
 __all__ = ["STREAM_CHUNKS", "main"]
 
@@ -104,20 +104,10 @@ class _Protocol(asyncio.Protocol):
         buf += data
         out: list[bytes] = []
         while self._streaming is None:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
+            request = take_request(buf)
+            if request is None:
                 break
-            head = bytes(buf[:end])
-            length = 0
-            at = head.lower().find(b"\r\ncontent-length:")
-            if at >= 0:
-                stop = head.find(b"\r\n", at + 2)
-                length = int(head[at + 17 : stop if stop >= 0 else len(head)])
-            total = end + 4 + length
-            if len(buf) < total:
-                break
-            body = bytes(buf[end + 4 : total])
-            del buf[:total]
+            head, body = request
             method, _, rest = head.partition(b" ")
             path = rest.partition(b" ")[0].partition(b"?")[0]
             if method == b"POST" and path in (b"/generate", b"/v1/chat/completions"):

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ANSWER", "NullUpstream", "serve_forever", "spawn"]
+__all__ = ["ANSWER", "NullUpstream", "ready_line", "serve_forever", "spawn", "take_request"]
 
 #: The body every request gets: the shape of an SGLang ``/generate`` answer (~300 bytes).
 ANSWER = json.dumps(
@@ -67,20 +67,7 @@ class _NullProtocol(asyncio.Protocol):
         buf = self._buf
         buf += data
         answers = 0
-        while True:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                break
-            head = bytes(buf[:end]).lower()
-            length = 0
-            at = head.find(b"\r\ncontent-length:")
-            if at >= 0:
-                stop = head.find(b"\r\n", at + 2)
-                length = int(head[at + 17 : stop if stop >= 0 else len(head)])
-            total = end + 4 + length
-            if len(buf) < total:
-                break
-            del buf[:total]
+        while take_request(buf) is not None:
             answers += 1
         if answers and self._transport is not None:
             self._transport.write(_RESPONSE * answers)
@@ -132,27 +119,50 @@ def spawn(ports: int = 1, *, timeout: float = 20.0) -> Iterator[NullUpstream]:
     )
     upstream = NullUpstream(proc, [])
     try:
-        assert proc.stdout is not None
-        line = _readline(proc, timeout)
+        line = ready_line(proc, timeout, "the null upstream")
         upstream = NullUpstream(proc, list(json.loads(line)["ports"]))
         yield upstream
     finally:
         upstream.close()
 
 
-def _readline(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
-    """The first stdout line of ``proc``, or an error after ``timeout`` seconds."""
+def ready_line(proc: subprocess.Popen[bytes], timeout: float, what: str) -> bytes:
+    """The first stdout line of ``proc`` (its ready line), waiting at most ``timeout`` seconds.
+
+    :raises TimeoutError: no line came within ``timeout`` (``what`` names the process).
+    :raises RuntimeError: the process closed its stdout (exited) before printing one.
+    """
     import selectors
 
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
-            raise TimeoutError(f"null upstream did not report its ports within {timeout:.0f}s")
+            raise TimeoutError(f"{what} did not start within {timeout:.0f}s")
     line = proc.stdout.readline()
     if not line:
-        raise RuntimeError(f"null upstream exited (code {proc.poll()}) before it started")
+        raise RuntimeError(f"{what} exited (code {proc.poll()}) before it started")
     return line
+
+
+def take_request(buf: bytearray) -> tuple[bytes, bytes] | None:
+    """Remove the first complete request from ``buf``: its head (up to the blank line) and its
+    body (``Content-Length`` bytes); None, leaving ``buf`` alone, while it is incomplete."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = bytes(buf[:end])
+    length = 0
+    at = head.lower().find(b"\r\ncontent-length:")
+    if at >= 0:
+        stop = head.find(b"\r\n", at + 2)
+        length = int(head[at + 17 : stop if stop >= 0 else len(head)])
+    total = end + 4 + length
+    if len(buf) < total:
+        return None
+    body = bytes(buf[end + 4 : total])
+    del buf[:total]
+    return head, body
 
 
 def main(argv: list[str] | None = None) -> None:

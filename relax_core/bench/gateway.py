@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from relax_core.bench._gateway_proc import ROLE
+from relax_core.bench._null_upstream import ready_line
 from relax_core.errors import RelaxError
 from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S
 from relax_core.net import free_port
@@ -64,17 +65,7 @@ def _process(args: list[str], what: str, timeout: float = 30.0) -> Iterator[dict
         [sys.executable, "-m", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     try:
-        assert proc.stdout is not None
-        import selectors
-
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                raise RuntimeError(f"{what} did not start within {timeout:.0f}s")
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{what} exited with code {proc.wait()} before it started")
-        yield json.loads(line)
+        yield json.loads(ready_line(proc, timeout, what))
     finally:
         if proc.stdin is not None:
             with contextlib.suppress(OSError):

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
+import attrs
 import orjson
 
 from relax_core._http.transport import Transport
@@ -33,6 +34,7 @@ SnapshotProvider = Callable[
 _REGISTRY_RETRY_AFTER = 1.0
 
 
+@attrs.define(eq=False)
 class SnapshotCache:
     """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
 
@@ -47,35 +49,19 @@ class SnapshotCache:
     """
 
     base_url: str | None
-    role: str | None
-    ttl: float
-    discovery_timeout: float
-
-    def __init__(
-        self,
-        base_url: str | None,
-        provider: SnapshotProvider | None,
-        *,
-        role: str | None,
-        ttl: float,
-        discovery_timeout: float,
-        transport: Transport,
-        weight_sources: WeightSources | None,
-    ) -> None:
-        self.base_url = base_url
-        self.role = role
-        self.ttl = ttl
-        self.discovery_timeout = discovery_timeout
-        self._provider = provider
-        self._transport = transport
-        self._weight_sources = weight_sources
-        self._snapshot: RoleSnapshot | None = None
-        self._expires = 0.0
-        # Number of completed fetches: a caller that saw fetch N and needs a newer snapshot
-        # reuses one fetched after N by someone else instead of fetching again.
-        self._fetches = 0
-        self._invalidations = 0
-        self._lock: asyncio.Lock | None = None
+    _provider: SnapshotProvider | None
+    role: str | None = attrs.field(kw_only=True)
+    ttl: float = attrs.field(kw_only=True)
+    discovery_timeout: float = attrs.field(kw_only=True)
+    _transport: Transport = attrs.field(kw_only=True)
+    _weight_sources: WeightSources | None = attrs.field(kw_only=True)
+    _snapshot: RoleSnapshot | None = attrs.field(default=None, init=False)
+    _expires: float = attrs.field(default=0.0, init=False)
+    # Number of completed fetches: a caller that saw fetch N and needs a newer snapshot
+    # reuses one fetched after N by someone else instead of fetching again.
+    _fetches: int = attrs.field(default=0, init=False)
+    _invalidations: int = attrs.field(default=0, init=False)
+    _lock: asyncio.Lock | None = attrs.field(default=None, init=False)
 
     @property
     def source(self) -> str:

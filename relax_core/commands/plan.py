@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError
 from relax_core.placement import preflight, render_plan, role_titles
@@ -27,12 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reject(lines: list[str], rows: list[dict[str, str]], as_json: bool) -> int:
-    print(f"relax plan: rejected: {len(lines)} problem(s)", file=sys.stderr)
-    for line in lines:
-        print(f"  {line}", file=sys.stderr)
+    status = reject("plan", lines, nothing_started=False)
     if as_json:
         print(json.dumps({"ok": False, "violations": rows}, indent=2))
-    return 2
+    return status
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 
+from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, RelaxError
 from relax_core.plugins import PluginManager
@@ -53,13 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", help="where engine logs go (default: a new temp directory)")
 
 
-def _reject(lines: list[str]) -> int:
-    print(f"relax run: rejected: {len(lines)} problem(s); nothing was started", file=sys.stderr)
-    for line in lines:
-        print(f"  {line}", file=sys.stderr)
-    return 2
-
-
 def run(args: argparse.Namespace) -> int:
     import attrs
 
@@ -74,14 +68,14 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_model_paths(load_config(args.config, role_names=pm.registered("roles")))
         settings = parse_run_config(config)
     except ConfigValidationError as exc:
-        return _reject([str(p) for p in exc.problems])
+        return reject("run", [str(p) for p in exc.problems])
     if args.steps is not None:
         if args.steps < 1:
-            return _reject([f"--steps: must be >= 1, got {args.steps}"])
+            return reject("run", [f"--steps: must be >= 1, got {args.steps}"])
         settings = attrs.evolve(settings, steps=args.steps)
     problems = run_problems(config, settings, pm)
     if problems:
-        return _reject(problems)
+        return reject("run", problems)
     printer = Printer(json_lines=args.json)
     signals = ShutdownSignals(printer.progress_out, command="relax run")
     signals.install()

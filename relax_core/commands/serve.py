@@ -19,6 +19,7 @@ import tempfile
 import time
 from typing import TextIO
 
+from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, LifecycleError
 from relax_core.plugins import PluginManager
@@ -51,23 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", help="where engine logs go (default: a new temp directory)")
 
 
-def _reject(lines: list[str]) -> int:
-    print(f"relax serve: rejected: {len(lines)} problem(s); nothing was started", file=sys.stderr)
-    for line in lines:
-        print(f"  {line}", file=sys.stderr)
-    return 2
-
-
 def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     pm = PluginManager.create()
     try:
         config = load_config(args.config, role_names=pm.registered("roles"))
     except ConfigValidationError as exc:
-        return _reject([str(p) for p in exc.problems])
+        return reject("serve", [str(p) for p in exc.problems])
     problems = check_job(config, pm)
     if problems:
-        return _reject(problems)
+        return reject("serve", problems)
     signals = ShutdownSignals(out)
     signals.install()
 

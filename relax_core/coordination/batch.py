@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 
@@ -52,6 +52,8 @@ from relax_core.errors import (
     LifecycleError,
     SinkError,
 )
+
+T = TypeVar("T")
 
 __all__ = [
     "DEFAULT_MAX_SAMPLES",
@@ -240,8 +242,7 @@ class DeferredBatch:
             elif stage.role in deferred:
                 reports.append(await self._leased(stage, ctx))
             else:
-                with tl.phase(n, stage.name, lane=stage.name):
-                    reports.append(await stage.run(self.staged, ctx))
+                reports.append(await self._run_stage(stage, ctx))
         top_k = max((s.top_k for s in self.stages), default=0)
         with tl.phase(n, "validate"):
             check_samples(self.staged, writes, top_k)
@@ -259,48 +260,37 @@ class DeferredBatch:
         op = f"{n}:{stage.name}:{role}"
         with tl.phase(n, f"{role}.onload", lane="leases"):
             await self.coordinator.activate(role, f"{op}:activate", batch_id=n)
-        failure: BaseException | None = None
-        try:
-            with tl.phase(n, stage.name, lane=stage.name):
-                return await stage.run(self.staged, ctx)
-        except BaseException as exc:
-            failure = exc
-            raise
-        finally:
-            try:
-                with tl.phase(n, f"{role}.offload", lane="leases"):
-                    await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
-            except BaseException as exc:
-                if failure is None:
-                    raise
-                failure.add_note(f"then deactivating {role!r} failed too: {exc}")
+
+        async def deactivate() -> None:
+            with tl.phase(n, f"{role}.offload", lane="leases"):
+                await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
+
+        return await _then(self._run_stage(stage, ctx), deactivate, f"deactivating {role!r}")
 
     async def _student(self, stage: Stage, gen: str, ctx: StageContext) -> StageReport:
         """Restore the policy, check its weight version, prefill, release it again (finally)."""
         n, tl = self.batch_id, self.timeline
         await self.coordinator.begin_student_scoring(n)
-        failure: BaseException | None = None
-        try:
+
+        async def restore_and_run() -> StageReport:
             with tl.phase(n, f"{gen}.onload", lane="leases"):
                 result = await _deadline(self.rollout.onload(), self.release_timeout)
             reason = unconfirmed(result, "READY")
             if reason is not None:
                 raise LifecycleError(f"student restore of {gen!r}: {reason}")
             await self._check_weight_version(gen)
-            with tl.phase(n, stage.name, lane=stage.name):
-                return await stage.run(self.staged, ctx)
-        except BaseException as exc:
-            failure = exc
-            raise
-        finally:
-            try:
-                await release_generation(
-                    self.coordinator, n, self.rollout, gen, tl, timeout=self.release_timeout
-                )
-            except BaseException as exc:
-                if failure is None:
-                    raise
-                failure.add_note(f"then releasing {gen!r} failed too: {exc}")
+            return await self._run_stage(stage, ctx)
+
+        async def release() -> None:
+            await release_generation(
+                self.coordinator, n, self.rollout, gen, tl, timeout=self.release_timeout
+            )
+
+        return await _then(restore_and_run(), release, f"releasing {gen!r}")
+
+    async def _run_stage(self, stage: Stage, ctx: StageContext) -> StageReport:
+        with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
+            return await stage.run(self.staged, ctx)
 
     async def _check_weight_version(self, gen: str) -> None:
         versions = {s.weight_version for s in self.originals}
@@ -382,6 +372,21 @@ class DeferredBatch:
             pass  # already failed, with its first cause
         except Exception as fail_exc:
             exc.add_note(f"failing batch {self.batch_id} at the coordinator failed: {fail_exc}")
+
+
+async def _then(body: Awaitable[T], cleanup: Callable[[], Awaitable[None]], what: str) -> T:
+    """Await ``body``, then ``cleanup()`` whatever happened. When both fail, the body's error
+    is raised with a note saying ``what`` failed too; when only the cleanup fails, its error."""
+    try:
+        result = await body
+    except BaseException as exc:
+        try:
+            await cleanup()
+        except BaseException as second:
+            exc.add_note(f"then {what} failed too: {second}")
+        raise
+    await cleanup()
+    return result
 
 
 async def _deadline(call: Any, timeout: float) -> Any:

@@ -25,6 +25,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 
+import attrs
+
 from relax_core.errors import LifecycleError
 
 __all__ = ["SubprocessEngineProcess", "log_tail", "safe_file_name"]
@@ -54,6 +56,7 @@ def log_tail(path: str | None, max_bytes: int = _TAIL_BYTES) -> str:
         return ""
 
 
+@attrs.define(eq=False)
 class SubprocessEngineProcess:
     """An engine server process started from a command line (implements ``EngineProcess``).
 
@@ -63,23 +66,13 @@ class SubprocessEngineProcess:
     :meth:`terminate` and :meth:`kill` are idempotent and always reap the process.
     """
 
-    def __init__(
-        self,
-        popen: subprocess.Popen[bytes],
-        *,
-        base_url: str | None,
-        engine_id: str,
-        log_path: str,
-        health_path: str = "/health",
-        ready_url: str | None = None,
-    ) -> None:
-        self._popen = popen
-        self._base_url = base_url
-        self._engine_id = engine_id
-        self._log_path = log_path
-        self._health_path = health_path
-        self._ready_url = ready_url
-        self._returncode: int | None = None
+    _popen: subprocess.Popen[bytes]
+    _base_url: str | None = attrs.field(kw_only=True)
+    _engine_id: str = attrs.field(kw_only=True)
+    _log_path: str = attrs.field(kw_only=True)
+    _health_path: str = attrs.field(default="/health", kw_only=True)
+    _ready_url: str | None = attrs.field(default=None, kw_only=True)
+    _returncode: int | None = attrs.field(default=None, init=False)
 
     @classmethod
     def start(

@@ -27,8 +27,10 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from relax_core._threads import each_in_thread
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import CapabilityError
+from relax_core.manager.publication import publish_model
 from relax_core.manager.results import (
     HealthReport,
     LifecycleResult,
@@ -266,14 +268,7 @@ class ExternalEngines:
         def probe(engine_id: str, url: str) -> None:
             answers[engine_id] = _get(url + "/health_generate", self.health_timeout)
 
-        threads = [
-            threading.Thread(target=probe, args=item, name=f"external-{item[0]}")
-            for item in self.urls.items()
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        each_in_thread(probe, self.urls.items(), name="external")
         problems = {}
         for engine_id, url in self.urls.items():
             status, body = answers[engine_id]
@@ -303,15 +298,7 @@ class ExternalEngines:
         if self.publisher is None:
             return
         view = self.model_view()
-        self.publisher.set_model(
-            self.model_id,
-            state=view.state,
-            route_mode=view.route_mode,
-            weight_source=view.weight_source,
-            served_model_name=view.served_model_name,
-            router_url=view.router_url,
-            weight_version=view.weight_version,
-        )
+        publish_model(self.publisher, self.model_id, view)
         for engine in view.engines:
             last = self._published.get(engine.engine_id)
             self.publisher.set_engine(

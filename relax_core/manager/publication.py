@@ -18,7 +18,7 @@ from relax_core.manager.slots import ModelLaunch, SlotTable
 from relax_core.manager.state import ReplicaState
 from relax_core.records import RouterMembership
 
-__all__ = ["Publication"]
+__all__ = ["Publication", "publish_model"]
 
 _S = ReplicaState
 # Model state from replica states: the first state in this order that any replica is in.
@@ -112,15 +112,7 @@ class Publication:
         model_id = self.slots.model_id
         view = self.view()
         publisher = self.publisher
-        publisher.set_model(
-            model_id,
-            state=view.state,
-            route_mode=view.route_mode,
-            weight_source=view.weight_source,
-            served_model_name=view.served_model_name,
-            router_url=view.router_url,
-            weight_version=view.weight_version,
-        )
+        publish_model(publisher, model_id, view)
         current = set()
         for slot in self.slots.ordered():
             rep = slot.replica
@@ -141,3 +133,10 @@ class Publication:
         for gone in set(self._published) - current:
             publisher.remove_engine(model_id, gone)
             del self._published[gone]
+
+
+def publish_model(publisher: Any, model_id: str, view: ModelView) -> None:
+    """Publish the model-level fields of ``view`` as model ``model_id`` (its engines are kept;
+    callers publish them one by one). Errors are the publisher's ``set_model``'s."""
+    fields = attrs.asdict(view, recurse=False, filter=lambda a, _v: a.name != "engines")
+    publisher.set_model(model_id, **fields)

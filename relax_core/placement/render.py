@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from relax_core.placement.budget import node_ranges
-from relax_core.placement.plan import InferencePlacementPlan, ModelPlacement, Pool
+from relax_core.placement.plan import (
+    HostMemoryBudget,
+    InferencePlacementPlan,
+    MemoryBudget,
+    ModelPlacement,
+    Pool,
+)
 from relax_core.plugins import PluginManager
 
 __all__ = ["render_plan", "role_titles"]
@@ -75,30 +81,23 @@ def _pool_lines(
     return lines
 
 
-def _memory_lines(plan: InferencePlacementPlan) -> list[str]:
-    if not plan.memory:
-        return []
-    lines = ["", "memory per GPU (GiB):"]
-    for m in plan.memory:
-        head = f"  {m.role}.{m.model} [{m.pool} {m.bundles[0]}-{m.bundles[1] - 1}, {m.phase}]"
-        if m.status == "skipped":
-            lines.append(f"{head}: skipped: {m.note}")
-            continue
-        users = " + ".join(f"{i.label} {i.gib:.1f}" for i in m.items)
-        lines.append(f"{head}: {m.total_gib:.1f} of {m.capacity_gib:g} ({m.status}) = {users}")
-    return lines
+def _section(title: str, lines: list[str]) -> list[str]:
+    """``lines`` under ``title`` after a blank line; nothing at all when there are none."""
+    return ["", title, *lines] if lines else []
 
 
-def _host_lines(plan: InferencePlacementPlan) -> list[str]:
-    if not plan.host_memory:
-        return []
-    lines = ["", "host memory per node (GiB):"]
-    for h in plan.host_memory:
-        nodes = node_ranges(h.nodes)
-        users = " + ".join(f"{i.label} {i.gib:.1f}" for i in h.items)
-        cap = f" of {h.capacity_gib:g}" if h.capacity_gib is not None else ""
-        lines.append(f"  node(s) {nodes}: {h.total_gib:.1f}{cap} ({h.status}) = {users}")
-    return lines
+def _memory_line(m: MemoryBudget) -> str:
+    head = f"  {m.role}.{m.model} [{m.pool} {m.bundles[0]}-{m.bundles[1] - 1}, {m.phase}]"
+    if m.status == "skipped":
+        return f"{head}: skipped: {m.note}"
+    users = " + ".join(f"{i.label} {i.gib:.1f}" for i in m.items)
+    return f"{head}: {m.total_gib:.1f} of {m.capacity_gib:g} ({m.status}) = {users}"
+
+
+def _host_line(h: HostMemoryBudget) -> str:
+    users = " + ".join(f"{i.label} {i.gib:.1f}" for i in h.items)
+    cap = f" of {h.capacity_gib:g}" if h.capacity_gib is not None else ""
+    return f"  node(s) {node_ranges(h.nodes)}: {h.total_gib:.1f}{cap} ({h.status}) = {users}"
 
 
 def render_plan(
@@ -128,8 +127,8 @@ def render_plan(
     if cpu:
         lines.append("")
         lines += [f"{p.role}.{p.model}: {p.num_engines} engine(s) on {p.device}" for p in cpu]
-    lines += _memory_lines(plan)
-    lines += _host_lines(plan)
+    lines += _section("memory per GPU (GiB):", [_memory_line(m) for m in plan.memory])
+    lines += _section("host memory per node (GiB):", [_host_line(h) for h in plan.host_memory])
     all_notes = list(dict.fromkeys([*plan.notes, *notes]))
     if all_notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in all_notes]

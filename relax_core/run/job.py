@@ -485,7 +485,7 @@ class RunJob:
         import ray
 
         from relax_core.placement import release_bound_pool
-        from relax_core.service import _wait_gone
+        from relax_core.service import _still_running
 
         problems: list[str] = []
         if self.trainer is not None:
@@ -515,11 +515,7 @@ class RunJob:
         for registry in self.registries.values():
             registry.stop()
         self.registries = {}
-        left = _wait_gone(self.engine_pids | self.router_pids, timeout=15.0)
-        if left & self.engine_pids:
-            problems.append(f"engine processes still running: {sorted(left & self.engine_pids)}")
-        if left & self.router_pids:
-            problems.append(f"router processes still running: {sorted(left & self.router_pids)}")
+        problems += _still_running(self.engine_pids, self.router_pids)
         if self.engine_pids:
             self._say(
                 say,

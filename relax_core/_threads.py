@@ -1,0 +1,27 @@
+"""Run one call per item, each in its own thread, and wait for them all."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["each_in_thread"]
+
+
+def each_in_thread(
+    target: Callable[..., None], items: Iterable[tuple[Any, ...]], *, name: str
+) -> None:
+    """Call ``target(*item)`` for every item at once, one thread each, and wait for all.
+
+    Threads are named ``f"{name}-{item[0]}"`` (the item's key, for stack dumps). Blocks until
+    every call has returned; ``target`` must catch what it wants reported, since an exception
+    in a thread ends only that thread.
+    """
+    threads = [
+        threading.Thread(target=target, args=item, name=f"{name}-{item[0]}") for item in items
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
