@@ -502,48 +502,58 @@ class LifecycleCoordinator:
     # -- internals ---------------------------------------------------------------------------
 
     async def _activate(self, role: str, batch_id: int) -> LeaseState:
-        handles = self._handles(role)
-        async with self._slice_lock(role):
-            async with self._condition:
-                self._pending(batch_id, f"activate({role!r})")
-                state = self._roles[role]
-                if state is _L.BLOCKED:
-                    raise LeaseBlockedError(role, self._blocked[role])
-                if state is _L.ACTIVE:
-                    return _L.ACTIVE
-                try:
-                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
-                except CoordinationError as exc:
-                    self._fail(batch_id, str(exc))
-                    raise
-                self._set(role, _L.ONLOADING)
-            reason = await self._call_all(role, handles, "onload", "READY")
-            async with self._condition:
-                if reason is None:
-                    self._set(role, _L.ACTIVE)
-                    return _L.ACTIVE
-                self._block(role, reason)
-                self._fail(batch_id, f"activate {role}: {reason}")
-            raise LeaseBlockedError(role, reason)
+        def admit() -> None:
+            self._pending(batch_id, f"activate({role!r})")
+            if self._roles[role] in (_L.BLOCKED, _L.ACTIVE):
+                return  # answered by _switch
+            try:
+                self._refuse_busy(role, f"activate({role!r})", include_self=False)
+            except CoordinationError as exc:
+                self._fail(batch_id, str(exc))
+                raise
+
+        return await self._switch(
+            role, batch_id, "activate", admit, (_L.ONLOADING, "onload", "READY", _L.ACTIVE)
+        )
 
     async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
+        def admit() -> None:
+            self._current_batch(batch_id, f"deactivate({role!r})")
+
+        return await self._switch(
+            role, batch_id, "deactivate", admit, (_L.DRAINING, "offload", "SLEEPING", _L.SLEEPING)
+        )
+
+    async def _switch(
+        self,
+        role: str,
+        batch_id: int,
+        what: str,
+        admit: Callable[[], None],
+        steps: tuple[LeaseState, str, str, LeaseState],
+    ) -> LeaseState:
+        """One lease switch of ``role``: ``admit()`` (checks, under the condition), then —
+        unless the role is BLOCKED (raises) or already ``done`` — ``moving``, ``method`` on
+        every handle, and ``done`` once each confirms ``expected``; else the lease is BLOCKED
+        and the batch FAILED. ``steps`` is ``(moving, method, expected, done)``."""
+        moving, method, expected, done = steps
         handles = self._handles(role)
         async with self._slice_lock(role):
             async with self._condition:
-                self._current_batch(batch_id, f"deactivate({role!r})")
+                admit()
                 state = self._roles[role]
                 if state is _L.BLOCKED:
                     raise LeaseBlockedError(role, self._blocked[role])
-                if state is _L.SLEEPING:
-                    return _L.SLEEPING
-                self._set(role, _L.DRAINING)
-            reason = await self._call_all(role, handles, "offload", "SLEEPING")
+                if state is done:
+                    return done
+                self._set(role, moving)
+            reason = await self._call_all(role, handles, method, expected)
             async with self._condition:
                 if reason is None:
-                    self._set(role, _L.SLEEPING)
-                    return _L.SLEEPING
+                    self._set(role, done)
+                    return done
                 self._block(role, reason)
-                self._fail(batch_id, f"deactivate {role}: {reason}")
+                self._fail(batch_id, f"{what} {role}: {reason}")
             raise LeaseBlockedError(role, reason)
 
     async def _call_all(

@@ -120,6 +120,10 @@ class Timeline:
             )
             phases = self._phases.setdefault(batch_id, {})
             phases[name] = phases.get(name, 0.0) + seconds
+        self.recorded(batch_id, name, seconds, failed=failed)
+
+    def recorded(self, batch_id: int, name: str, seconds: float, *, failed: bool) -> None:
+        """Called after each phase is recorded (outside the lock); a subclass listens here."""
 
     def phases(self, batch_id: int) -> dict[str, float]:
         """Phase name -> seconds of batch ``batch_id`` (repeated phases add up)."""

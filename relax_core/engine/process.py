@@ -67,9 +67,12 @@ class SubprocessEngineProcess:
     """
 
     _popen: subprocess.Popen[bytes]
-    _base_url: str | None = attrs.field(kw_only=True)
-    _engine_id: str = attrs.field(kw_only=True)
-    _log_path: str = attrs.field(kw_only=True)
+    #: ``http://host:port`` of the server; ``None`` for a follower.
+    base_url: str | None = attrs.field(kw_only=True, on_setattr=attrs.setters.frozen)
+    #: The engine id given at start (used in error messages).
+    engine_id: str = attrs.field(kw_only=True, on_setattr=attrs.setters.frozen)
+    #: The file that receives the server's stdout and stderr.
+    log_path: str = attrs.field(kw_only=True, on_setattr=attrs.setters.frozen)
     _health_path: str = attrs.field(default="/health", kw_only=True)
     _ready_url: str | None = attrs.field(default=None, kw_only=True)
     _returncode: int | None = attrs.field(default=None, init=False)
@@ -141,31 +144,16 @@ class SubprocessEngineProcess:
         return self._popen.pid
 
     @property
-    def base_url(self) -> str | None:
-        """``http://host:port`` of the server; ``None`` for a follower."""
-        return self._base_url
-
-    @property
     def ready_url(self) -> str | None:
         """The URL :meth:`wait_ready` polls: ``{base_url}/health``, a follower's private
         readiness URL, or ``None`` (a follower that only has to stay alive)."""
-        if self._base_url is not None:
-            return self._base_url + self._health_path
+        if self.base_url is not None:
+            return self.base_url + self._health_path
         return self._ready_url
-
-    @property
-    def engine_id(self) -> str:
-        """The engine id given at start (used in error messages)."""
-        return self._engine_id
-
-    @property
-    def log_path(self) -> str:
-        """The file that receives the server's stdout and stderr."""
-        return self._log_path
 
     def log_tail(self, max_bytes: int = _TAIL_BYTES) -> str:
         """The last ``max_bytes`` of the server's log."""
-        return log_tail(self._log_path, max_bytes)
+        return log_tail(self.log_path, max_bytes)
 
     def poll(self) -> int | None:
         """The exit code, or ``None`` while the process runs (never blocks).
@@ -217,8 +205,8 @@ class SubprocessEngineProcess:
             code = self.poll()
             if code is not None:
                 raise LifecycleError(
-                    f"engine {self._engine_id}: server process {self.pid} exited with code {code} "
-                    f"before it was ready{self._where()}; log tail ({self._log_path}):\n"
+                    f"engine {self.engine_id}: server process {self.pid} exited with code {code} "
+                    f"before it was ready{self._where()}; log tail ({self.log_path}):\n"
                     f"{self.log_tail()}"
                 )
             now = time.monotonic()
@@ -232,9 +220,9 @@ class SubprocessEngineProcess:
                 return
             if time.monotonic() >= deadline:
                 raise LifecycleError(
-                    f"engine {self._engine_id}: {url} did not answer 200 within {timeout:.1f}s "
+                    f"engine {self.engine_id}: {url} did not answer 200 within {timeout:.1f}s "
                     f"(process {self.pid} still running); raise the start-up timeout or read "
-                    f"the log ({self._log_path}):\n{self.log_tail()}"
+                    f"the log ({self.log_path}):\n{self.log_tail()}"
                 )
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
@@ -269,11 +257,11 @@ class SubprocessEngineProcess:
             pass
 
     def _where(self) -> str:
-        if self._base_url:
-            return f" (serving {self._base_url})"
+        if self.base_url:
+            return f" (serving {self.base_url})"
         return f" (follower, ready at {self._ready_url})" if self._ready_url else " (follower)"
 
     def __repr__(self) -> str:
         state = "running" if self.poll() is None else f"exited {self._returncode}"
-        where = self._base_url or "follower"
-        return f"SubprocessEngineProcess({self._engine_id!r}, pid={self.pid}, {where}, {state})"
+        where = self.base_url or "follower"
+        return f"SubprocessEngineProcess({self.engine_id!r}, pid={self.pid}, {where}, {state})"

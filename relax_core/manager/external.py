@@ -24,13 +24,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, NoReturn
+
+import attrs
 
 from relax_core._threads import each_in_thread
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import CapabilityError
-from relax_core.manager.publication import publish_model
+from relax_core.manager.publication import model_view, publish_model
 from relax_core.manager.results import (
     HealthReport,
     LifecycleResult,
@@ -41,6 +43,10 @@ from relax_core.manager.results import (
 from relax_core.records import RouterMembership
 
 __all__ = ["ExternalEngines"]
+
+
+def _url_tuple(urls: Iterable[str]) -> tuple[str, ...]:
+    return tuple(urls)
 
 
 def _get(url: str, timeout: float) -> tuple[int, Any]:
@@ -57,6 +63,7 @@ def _get(url: str, timeout: float) -> tuple[int, Any]:
         return status, raw.decode("utf-8", "replace")[:200]
 
 
+@attrs.define(eq=False)
 class ExternalEngines:
     """The engines of one model, given by URL and not managed here (see the module docstring).
 
@@ -71,38 +78,34 @@ class ExternalEngines:
     Every method blocks; one lock serialises them. Thread-safe.
     """
 
-    def __init__(
-        self,
-        model_id: str,
-        *,
-        urls: Sequence[str],
-        spec: InferenceEngineSpec,
-        served_model_name: str,
-        publisher: Any = None,
-        route_mode: str = "DIRECT",
-        router_url: str | None = None,
-        router: RouterMembership | None = None,
-        health_timeout: float = 15.0,
-    ) -> None:
-        if not urls:
-            raise ValueError(f"model {model_id!r}: give at least one external engine URL")
-        self.model_id = model_id
-        self.spec = spec
-        self.urls = {f"{model_id}/external-{i}": u.rstrip("/") for i, u in enumerate(urls)}
-        self.served_model_name = served_model_name
-        self.publisher = publisher
-        self.route_mode = route_mode
-        self.router_url = router_url
-        self.router = router
-        self.health_timeout = health_timeout
-        self._lock = threading.RLock()
+    model_id: str
+    _given_urls: tuple[str, ...] = attrs.field(kw_only=True, alias="urls", converter=_url_tuple)
+    spec: InferenceEngineSpec = attrs.field(kw_only=True)
+    served_model_name: str = attrs.field(kw_only=True)
+    publisher: Any = attrs.field(default=None, kw_only=True)
+    route_mode: str = attrs.field(default="DIRECT", kw_only=True)
+    router_url: str | None = attrs.field(default=None, kw_only=True)
+    router: RouterMembership | None = attrs.field(default=None, kw_only=True)
+    health_timeout: float = attrs.field(default=15.0, kw_only=True)
+    #: Engine id -> the head's base URL.
+    urls: dict[str, str] = attrs.field(init=False)
+    _lock: threading.RLock = attrs.field(factory=threading.RLock, init=False)
+    _states: dict[str, str] = attrs.field(init=False)
+    _errors: dict[str, str] = attrs.field(factory=dict, init=False)
+    _generation: dict[str, int] = attrs.field(init=False)
+    # Engine id -> the generation last published (a head back from FAILED moves it).
+    _published: dict[str, int] = attrs.field(factory=dict, init=False)
+    _weight_version: str | None = attrs.field(default=None, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self._given_urls:
+            raise ValueError(f"model {self.model_id!r}: give at least one external engine URL")
+        self.urls = {
+            f"{self.model_id}/external-{i}": u.rstrip("/") for i, u in enumerate(self._given_urls)
+        }
         self._states = dict.fromkeys(self.urls, "STARTING")
-        self._errors: dict[str, str] = {}
         self._generation = dict.fromkeys(self.urls, 0)
-        # Engine id -> the generation last published (a head back from FAILED moves it).
-        self._published: dict[str, int] = {}
-        self._weight_version: str | None = None
-        self._closed = False
 
     # -- queries -------------------------------------------------------------------------
 
@@ -122,29 +125,22 @@ class ExternalEngines:
 
     def model_view(self) -> Any:
         """The model's schema-2 :class:`~relax_core.discovery.schema.ModelView`."""
-        from relax_core.discovery.schema import EngineView, ModelView
+        from relax_core.discovery.schema import EngineView
 
         with self._lock:
             states = set(self._states.values())
             state = next((s for s in ("READY", "STARTING", "STOPPING") if s in states), "FAILED")
-            return ModelView(
-                state=state,
-                route_mode=self.route_mode,
-                router_url=self.router_url,
-                weight_source=self.spec.weight_source.name,
-                weight_version=self.weight_version,
-                served_model_name=self.served_model_name,
-                engines=tuple(
-                    EngineView(
-                        engine_id=engine_id,
-                        base_url=url if self._states[engine_id] == "READY" else None,
-                        state=self._states[engine_id],
-                        direct_eligible=self._states[engine_id] == "READY",
-                        generation=max(1, self._generation[engine_id]),
-                    )
-                    for engine_id, url in self.urls.items()
-                ),
-            )
+            engines = [
+                EngineView(
+                    engine_id=engine_id,
+                    base_url=url if self._states[engine_id] == "READY" else None,
+                    state=self._states[engine_id],
+                    direct_eligible=self._states[engine_id] == "READY",
+                    generation=max(1, self._generation[engine_id]),
+                )
+                for engine_id, url in self.urls.items()
+            ]
+            return model_view(self, state, self.weight_version, self.served_model_name, engines)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ state among its replicas (READY if any replica is READY).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 
@@ -18,7 +19,7 @@ from relax_core.manager.slots import ModelLaunch, SlotTable
 from relax_core.manager.state import ReplicaState
 from relax_core.records import RouterMembership
 
-__all__ = ["Publication", "publish_model"]
+__all__ = ["Publication", "model_view", "publish_model"]
 
 _S = ReplicaState
 # Model state from replica states: the first state in this order that any replica is in.
@@ -26,6 +27,34 @@ _MODEL_STATE_ORDER = (_S.READY, _S.ONLOADING, _S.DRAINING, _S.STARTING, _S.SLEEP
 # Replica states whose head stays registered with the model's router (admission answers 503
 # while it is not READY); STARTING, STOPPING and FAILED heads are never routed to.
 _ROUTED = frozenset({_S.READY, _S.DRAINING, _S.SLEEPING, _S.ONLOADING})
+
+
+class _Published(Protocol):
+    """What a published model has in common, whoever runs its engines."""
+
+    spec: InferenceEngineSpec
+    route_mode: str
+    router_url: str | None
+
+
+def model_view(
+    model: _Published,
+    state: str,
+    weight_version: str | None,
+    served_model_name: str,
+    engines: Iterable[EngineView],
+) -> ModelView:
+    """The schema-2 view of ``model`` (its route mode, router URL and weight source) in
+    ``state``, with its published ``engines``."""
+    return ModelView(
+        state=state,
+        route_mode=model.route_mode,
+        router_url=model.router_url,
+        weight_source=model.spec.weight_source.name,
+        weight_version=weight_version,
+        served_model_name=served_model_name,
+        engines=tuple(engines),
+    )
 
 
 @attrs.define
@@ -82,15 +111,8 @@ class Publication:
         state = next((str(s) for s in _MODEL_STATE_ORDER if s in states), None)
         if state is None:
             state = str(ModelState.FAILED if states else ModelState.STOPPING)
-        return ModelView(
-            state=state,
-            route_mode=self.route_mode,
-            router_url=self.router_url,
-            weight_source=self.spec.weight_source.name,
-            weight_version=self.published_version,
-            served_model_name=self.launch.served_model_name or self.launch.model_path,
-            engines=tuple(engines),
-        )
+        served = self.launch.served_model_name or self.launch.model_path
+        return model_view(self, state, self.published_version, served, engines)
 
     def publish(self) -> None:
         """Tell the router (if any) the heads to route to, then publish the model and its

@@ -21,10 +21,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import DeferredCollector
 from relax_core.coordination.sample import Sample
 from relax_core.errors import ConfigError, UpstreamError
+from relax_core.run.config import RunConfig
 from relax_core.run.data import Prompt
 
 __all__ = ["Generator", "PromptTokenizer"]
@@ -64,37 +67,27 @@ def _seed(seed: int, batch_id: int, index: int) -> int:
     return zlib.crc32(f"{seed}:{batch_id}:{index}".encode()) & 0x7FFFFFFF
 
 
+@attrs.define
 class Generator:
     """Generates one step's groups through the rollout route.
 
     :param client: the rollout role's :class:`~relax_core.client.client.InferenceClient`.
     :param tokenizer: the generation model's :class:`PromptTokenizer`.
     :param model: the generation model's name (requests name it; the route resolves it).
+    :param settings: the ``[run]`` table: ``samples_per_prompt``, ``max_new_tokens``,
+        ``temperature``, ``seed`` and ``request_timeout`` are read.
     :param concurrency: requests in flight at once.
     """
 
-    def __init__(
-        self,
-        client: InferenceClient,
-        tokenizer: PromptTokenizer,
-        *,
-        model: str,
-        samples_per_prompt: int,
-        max_new_tokens: int,
-        temperature: float,
-        seed: int,
-        timeout: float,
-        concurrency: int = 64,
-    ) -> None:
-        self.client = client
-        self.tokenizer = tokenizer
-        self.model = model
-        self.n = samples_per_prompt
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.seed = seed
-        self.timeout = timeout
-        self._gate = asyncio.Semaphore(concurrency)
+    client: InferenceClient
+    tokenizer: PromptTokenizer
+    model: str
+    settings: RunConfig
+    concurrency: int = 64
+    _gate: asyncio.Semaphore = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._gate = asyncio.Semaphore(self.concurrency)
 
     async def generate(
         self,
@@ -132,29 +125,28 @@ class Generator:
     async def _group(self, batch_id: int, index: int, prompt: Prompt) -> list[Sample]:
         ids = self.tokenizer.encode(prompt.prompt)
         group_id = f"b{batch_id}-p{index}"
+        run, n = self.settings, self.settings.samples_per_prompt
         body = {
             "input_ids": ids,
             "sampling_params": {
-                "n": self.n,
-                "max_new_tokens": self.max_new_tokens,
+                "n": n,
+                "max_new_tokens": run.max_new_tokens,
                 # an empty response has nothing to score, train on or distill
                 "min_new_tokens": 1,
-                "temperature": self.temperature,
-                "sampling_seed": _seed(self.seed, batch_id, index),
+                "temperature": run.temperature,
+                "sampling_seed": _seed(run.seed, batch_id, index),
             },
             "return_logprob": True,
             "model": self.model,
         }
         async with self._gate:
             answer: Any = await self.client.generate(
-                body, timeout=self.timeout, affinity_key=group_id
+                body, timeout=run.request_timeout, affinity_key=group_id
             )
         answers = answer if isinstance(answer, list) else [answer]
-        if len(answers) != self.n:
+        if len(answers) != n:
             raise UpstreamError(
-                502,
-                f"prompt {prompt.origin or index} asked for {self.n} samples and got "
-                f"{len(answers)}",
+                502, f"prompt {prompt.origin or index} asked for {n} samples and got {len(answers)}"
             )
         return [
             _sample(f"{group_id}-s{j}", group_id, ids, prompt, a) for j, a in enumerate(answers)

@@ -239,41 +239,40 @@ def _timeouts(run: RunConfig) -> ManagerTimeouts:
     )
 
 
+@attrs.define(eq=False)
 class RunJob:
     """The actors, engines and placement groups of one ``relax run`` (see the module
-    docstring). ``name`` is the job's name (actor names, ``relax coordinator --job``)."""
+    docstring). ``name`` is the job's name (actor names, ``relax coordinator --job``).
 
-    def __init__(
-        self,
-        config: JobConfig,
-        run: RunConfig,
-        pm: PluginManager,
-        *,
-        name: str,
-        log_dir: str | None = None,
-    ) -> None:
-        self.config = config
-        self.run = run
-        self.pm = pm
-        self.name = name
-        self.log_dir = log_dir
-        gen = generation_role(config, pm)
+    :raises ValueError: the job has no generation role (:func:`run_problems` says so first).
+    """
+
+    config: JobConfig
+    run: RunConfig
+    pm: PluginManager
+    name: str = attrs.field(kw_only=True)
+    log_dir: str | None = attrs.field(default=None, kw_only=True)
+    generation_role: str = attrs.field(init=False)
+    generation_model: ModelConfig = attrs.field(init=False)
+    plan: Any = attrs.field(default=None, init=False)
+    bound: list[Any] = attrs.field(factory=list, init=False)
+    registries: dict[str, Any] = attrs.field(factory=dict, init=False)
+    #: role -> model -> manager actor
+    actors: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    coordinator: Any = attrs.field(default=None, init=False)
+    sink: Any = attrs.field(default=None, init=False)
+    trainer: Any = attrs.field(default=None, init=False)
+    slices: dict[str, str] = attrs.field(factory=dict, init=False)
+    engine_pids: set[int] = attrs.field(factory=set, init=False)
+    router_pids: set[int] = attrs.field(factory=set, init=False)
+    began: float = attrs.field(factory=time.monotonic, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        gen = generation_role(self.config, self.pm)
         if gen is None:
             raise ValueError("no generation role: run run_problems() first")
         self.generation_role = gen
-        self.generation_model = config.role(gen).models[0]
-        self.plan: Any = None
-        self.bound: list[Any] = []
-        self.registries: dict[str, Any] = {}
-        #: role -> model -> manager actor
-        self.actors: dict[str, dict[str, Any]] = {}
-        self.coordinator: Any = None
-        self.sink: Any = None
-        self.trainer: Any = None
-        self.slices: dict[str, str] = {}
-        self.engine_pids: set[int] = set()
-        self.router_pids: set[int] = set()
-        self.began = time.monotonic()
+        self.generation_model = self.config.role(gen).models[0]
 
     @property
     def rollout_actor(self) -> Any:

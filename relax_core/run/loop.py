@@ -373,16 +373,7 @@ async def run_loop(
         role=job.generation_role,
         timeout=run.request_timeout,
     ) as client:
-        generator = Generator(
-            client,
-            tokenizer,
-            model=model.name,
-            samples_per_prompt=run.samples_per_prompt,
-            max_new_tokens=run.max_new_tokens,
-            temperature=run.temperature,
-            seed=run.seed,
-            timeout=run.request_timeout,
-        )
+        generator = Generator(client, tokenizer, model.name, run)
         summary.weight_versions.append(await loop.rollout.weight_version())
         for n in range(steps):
             try:

@@ -55,18 +55,8 @@ class PhaseTimeline(Timeline):
         with super().phase(batch_id, name, lane=lane):
             yield
 
-    def record(
-        self,
-        batch_id: int,
-        name: str,
-        seconds: float,
-        *,
-        start_us: int | None = None,
-        lane: str = "batch",
-        failed: bool = False,
-    ) -> None:
-        """See :meth:`Timeline.record`; the listener hears the phase's end."""
-        super().record(batch_id, name, seconds, start_us=start_us, lane=lane, failed=failed)
+    def recorded(self, batch_id: int, name: str, seconds: float, *, failed: bool) -> None:
+        """The listener hears the phase's end."""
         self._on_event(PhaseEvent(batch_id, name, ended=True, seconds=seconds, failed=failed))
 
 
@@ -101,6 +91,13 @@ class Printer:
         self._clear()
         print(text, file=self.progress_out, flush=True)
 
+    def _row(self, row: dict[str, Any]) -> bool:
+        """Clear the status line; with ``--json``, print ``row`` as one object. Whether it did."""
+        self._clear()
+        if self.json:
+            print(json.dumps(row), file=self.out, flush=True)
+        return self.json
+
     def _clear(self) -> None:
         if self.tty and self._status:
             print("\r\033[K", end="", file=self.progress_out, flush=True)
@@ -122,9 +119,7 @@ class Printer:
 
     def step(self, row: dict[str, Any]) -> None:
         """A committed step: one line, or one JSON object."""
-        self._clear()
-        if self.json:
-            print(json.dumps(row), file=self.out, flush=True)
+        if self._row(row):
             return
         phases = row["phases"]
         switches = sum(v for k, v in phases.items() if k.endswith((".onload", ".offload")))
@@ -149,9 +144,7 @@ class Printer:
 
     def failed(self, row: dict[str, Any]) -> None:
         """The step that failed (and ended the run)."""
-        self._clear()
-        if self.json:
-            print(json.dumps(row), file=self.out, flush=True)
+        self._row(row)
         print(
             f"relax run: step {row['step']} failed, nothing committed for it: {row['error']}",
             file=sys.stderr,
@@ -160,9 +153,7 @@ class Printer:
 
     def summary(self, row: dict[str, Any]) -> None:
         """The run's summary."""
-        self._clear()
-        if self.json:
-            print(json.dumps(row), file=self.out, flush=True)
+        if self._row(row):
             return
         versions = " → ".join(str(v) for v in row["weight_versions"])
         print(
