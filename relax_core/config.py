@@ -17,7 +17,7 @@ import difflib
 import tomllib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -44,6 +44,14 @@ _FLOAT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32
 DTYPES = (*_FLOAT_DTYPES, "fp8", "float8_e4m3fn", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 T = TypeVar("T")
+
+
+class _HasName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+N = TypeVar("N", bound=_HasName)
 
 
 @attrs.frozen
@@ -203,6 +211,14 @@ class GatewayConfig:
     in_ray_actor: bool = False
 
 
+def _named(items: Sequence[N], name: str, missing: str) -> N:
+    """The item called ``name``, else :class:`KeyError` ``"<missing>: <every name>"``."""
+    for item in items:
+        if item.name == name:
+            return item
+    raise KeyError(f"{missing}: {tuple(item.name for item in items)}")
+
+
 @attrs.frozen
 class RoleConfig:
     """An inference role and its models (in file order)."""
@@ -216,10 +232,7 @@ class RoleConfig:
 
     def model(self, name: str) -> ModelConfig:
         """The model called ``name``; :class:`KeyError` naming the known ones otherwise."""
-        for m in self.models:
-            if m.name == name:
-                return m
-        raise KeyError(f"role {self.name!r} has no model {name!r}; models: {self.model_names}")
+        return _named(self.models, name, f"role {self.name!r} has no model {name!r}; models")
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -245,10 +258,7 @@ class JobConfig:
 
     def role(self, name: str) -> RoleConfig:
         """The role called ``name``; :class:`KeyError` naming the configured ones otherwise."""
-        for r in self.roles:
-            if r.name == name:
-                return r
-        raise KeyError(f"role {name!r} is not configured; roles: {self.role_names}")
+        return _named(self.roles, name, f"role {name!r} is not configured; roles")
 
     @property
     def role_names(self) -> tuple[str, ...]:
