@@ -602,31 +602,38 @@ def _role(r: _Reader, name: str, raw: object) -> RoleConfig | None:
     return role if len(r.problems) == before else None
 
 
+def _claim_names(
+    r: _Reader,
+    models: Sequence[ModelConfig],
+    field: str,
+    owner: dict[str, str],
+    taken: Callable[[str, str], str],
+) -> None:
+    """Give each name in the models' ``field`` to its model in ``owner`` (name -> model); a name
+    ``owner`` already holds is a ``duplicate`` problem whose message is ``taken(name, model)``."""
+    for m in models:
+        for i, name in enumerate(getattr(m, field)):
+            if name in owner:
+                r.problem(f"{m.path}.{field}[{i}]", "duplicate", taken(name, owner[name]))
+            else:
+                owner[name] = m.name
+
+
 def _check_role_names(r: _Reader, role: RoleConfig) -> None:
     """Model names, aliases and route keys of one role must resolve to exactly one model."""
     owner: dict[str, str] = {m.name: m.name for m in role.models}
-    for m in role.models:
-        for i, alias in enumerate(m.aliases):
-            if alias in owner:
-                r.problem(
-                    f"{m.path}.aliases[{i}]",
-                    "duplicate",
-                    f"alias {alias!r} already names model {owner[alias]!r} of role "
-                    f"{role.name!r}; an alias must resolve to one model",
-                )
-            else:
-                owner[alias] = m.name
-    keys: dict[str, str] = {}
-    for m in role.models:
-        for i, key in enumerate(m.route_keys):
-            if key in keys:
-                r.problem(
-                    f"{m.path}.route_keys[{i}]",
-                    "duplicate",
-                    f"route key {key!r} is already mapped to model {keys[key]!r}",
-                )
-            else:
-                keys[key] = m.name
+
+    def alias_taken(alias: str, model: str) -> str:
+        return (
+            f"alias {alias!r} already names model {model!r} of role {role.name!r}; "
+            "an alias must resolve to one model"
+        )
+
+    def key_taken(key: str, model: str) -> str:
+        return f"route key {key!r} is already mapped to model {model!r}"
+
+    _claim_names(r, role.models, "aliases", owner, alias_taken)
+    _claim_names(r, role.models, "route_keys", {}, key_taken)
     if role.default_model is not None and role.default_model not in owner:
         r.problem(
             f"roles.{role.name}.default_model",

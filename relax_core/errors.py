@@ -444,9 +444,6 @@ class ScoringError(RelaxError):
         self.message = message
         super().__init__(f"{stage}: {message}")
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.stage, self.message))
-
 
 class SinkError(RelaxError):
     """A batch-sink operation (put, get, delete) failed; ``partition`` names the partition."""
@@ -455,6 +452,3 @@ class SinkError(RelaxError):
         self.partition = partition
         self.message = message
         super().__init__(f"partition {partition!r}: {message}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.partition, self.message))
