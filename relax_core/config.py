@@ -17,7 +17,7 @@ import difflib
 import tomllib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -44,6 +44,14 @@ _FLOAT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32
 DTYPES = (*_FLOAT_DTYPES, "fp8", "float8_e4m3fn", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 T = TypeVar("T")
+
+
+class _HasName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+N = TypeVar("N", bound=_HasName)
 
 
 @attrs.frozen
@@ -203,6 +211,14 @@ class GatewayConfig:
     in_ray_actor: bool = False
 
 
+def _named(items: Sequence[N], name: str, missing: str) -> N:
+    """The item called ``name``, else :class:`KeyError` ``"<missing>: <every name>"``."""
+    for item in items:
+        if item.name == name:
+            return item
+    raise KeyError(f"{missing}: {tuple(item.name for item in items)}")
+
+
 @attrs.frozen
 class RoleConfig:
     """An inference role and its models (in file order)."""
@@ -216,10 +232,7 @@ class RoleConfig:
 
     def model(self, name: str) -> ModelConfig:
         """The model called ``name``; :class:`KeyError` naming the known ones otherwise."""
-        for m in self.models:
-            if m.name == name:
-                return m
-        raise KeyError(f"role {self.name!r} has no model {name!r}; models: {self.model_names}")
+        return _named(self.models, name, f"role {self.name!r} has no model {name!r}; models")
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -245,10 +258,7 @@ class JobConfig:
 
     def role(self, name: str) -> RoleConfig:
         """The role called ``name``; :class:`KeyError` naming the configured ones otherwise."""
-        for r in self.roles:
-            if r.name == name:
-                return r
-        raise KeyError(f"role {name!r} is not configured; roles: {self.role_names}")
+        return _named(self.roles, name, f"role {name!r} is not configured; roles")
 
     @property
     def role_names(self) -> tuple[str, ...]:
@@ -592,31 +602,38 @@ def _role(r: _Reader, name: str, raw: object) -> RoleConfig | None:
     return role if len(r.problems) == before else None
 
 
+def _claim_names(
+    r: _Reader,
+    models: Sequence[ModelConfig],
+    field: str,
+    owner: dict[str, str],
+    taken: Callable[[str, str], str],
+) -> None:
+    """Give each name in the models' ``field`` to its model in ``owner`` (name -> model); a name
+    ``owner`` already holds is a ``duplicate`` problem whose message is ``taken(name, model)``."""
+    for m in models:
+        for i, name in enumerate(getattr(m, field)):
+            if name in owner:
+                r.problem(f"{m.path}.{field}[{i}]", "duplicate", taken(name, owner[name]))
+            else:
+                owner[name] = m.name
+
+
 def _check_role_names(r: _Reader, role: RoleConfig) -> None:
     """Model names, aliases and route keys of one role must resolve to exactly one model."""
     owner: dict[str, str] = {m.name: m.name for m in role.models}
-    for m in role.models:
-        for i, alias in enumerate(m.aliases):
-            if alias in owner:
-                r.problem(
-                    f"{m.path}.aliases[{i}]",
-                    "duplicate",
-                    f"alias {alias!r} already names model {owner[alias]!r} of role "
-                    f"{role.name!r}; an alias must resolve to one model",
-                )
-            else:
-                owner[alias] = m.name
-    keys: dict[str, str] = {}
-    for m in role.models:
-        for i, key in enumerate(m.route_keys):
-            if key in keys:
-                r.problem(
-                    f"{m.path}.route_keys[{i}]",
-                    "duplicate",
-                    f"route key {key!r} is already mapped to model {keys[key]!r}",
-                )
-            else:
-                keys[key] = m.name
+
+    def alias_taken(alias: str, model: str) -> str:
+        return (
+            f"alias {alias!r} already names model {model!r} of role {role.name!r}; "
+            "an alias must resolve to one model"
+        )
+
+    def key_taken(key: str, model: str) -> str:
+        return f"route key {key!r} is already mapped to model {model!r}"
+
+    _claim_names(r, role.models, "aliases", owner, alias_taken)
+    _claim_names(r, role.models, "route_keys", {}, key_taken)
     if role.default_model is not None and role.default_model not in owner:
         r.problem(
             f"roles.{role.name}.default_model",

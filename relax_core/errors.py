@@ -149,7 +149,19 @@ class PlacementError(RelaxError):
         super().__init__(f"{len(self.violations)} placement violation(s):\n{lines}")
 
 
-class RoutingError(RelaxError):
+class _StatusError(RelaxError):
+    """An error a gateway answers with its HTTP ``status``; ``message`` says what to do."""
+
+    status: int
+    message: str
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+        super().__init__(message)
+
+
+class RoutingError(_StatusError):
     """A request could not be routed; nothing was sent.
 
     ``status`` is the HTTP status a gateway answers with: 400 (unknown model, alias or route key;
@@ -157,15 +169,11 @@ class RoutingError(RelaxError):
     unavailable; try again). ``retry_after`` is set (seconds) when trying again later can succeed.
     """
 
-    status: int
-    message: str
     retry_after: float | None
 
     def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
-        self.status = status
-        self.message = message
+        super().__init__(status, message)
         self.retry_after = retry_after
-        super().__init__(message)
 
 
 class InvalidRequestError(RoutingError):
@@ -185,7 +193,7 @@ class InvalidRequestError(RoutingError):
         self.field = field
 
 
-class UpstreamError(RelaxError):
+class UpstreamError(_StatusError):
     """An engine or router could not be reached or answered badly.
 
     ``status`` is the HTTP status a gateway answers with (502 transport or bad answer,
@@ -193,15 +201,11 @@ class UpstreamError(RelaxError):
     was built.
     """
 
-    status: int
-    message: str
     request_id: str | None
 
     def __init__(self, status: int, message: str, *, request_id: str | None = None) -> None:
-        self.status = status
-        self.message = message
+        super().__init__(status, message)
         self.request_id = request_id
-        super().__init__(message)
 
 
 class UpstreamUnreachableError(UpstreamError):
@@ -292,7 +296,7 @@ class StreamStalledError(RelaxError, TimeoutError):
         super().__init__(f"no data for {seconds:g}s")
 
 
-class GatewayError(RelaxError):
+class GatewayError(_StatusError):
     """An answer a role gateway gives instead of forwarding: ``status`` and a JSON error body.
 
     Raised by :class:`~relax_core.gateway.handler.InferenceGatewayHandler` (401 bad token,
@@ -303,8 +307,6 @@ class GatewayError(RelaxError):
     ``Retry-After`` and ``request_id`` as ``X-Request-ID``.
     """
 
-    status: int
-    message: str
     retry_after: float | None
     field: str | None
     request_id: str | None
@@ -318,9 +320,7 @@ class GatewayError(RelaxError):
         field: str | None = None,
         request_id: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(status, message)
         self.retry_after = retry_after
         self.field = field
         self.request_id = request_id
@@ -444,9 +444,6 @@ class ScoringError(RelaxError):
         self.message = message
         super().__init__(f"{stage}: {message}")
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.stage, self.message))
-
 
 class SinkError(RelaxError):
     """A batch-sink operation (put, get, delete) failed; ``partition`` names the partition."""
@@ -455,6 +452,3 @@ class SinkError(RelaxError):
         self.partition = partition
         self.message = message
         super().__init__(f"partition {partition!r}: {message}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.partition, self.message))

@@ -4,6 +4,16 @@ A plugin is a module (found through the ``relax`` entry-point group) with functi
 ``@relax_core.hookimpl``. Registration hooks hand the plugin a ``register`` callback; the plugin
 calls it with frozen records from :mod:`relax_core.records`. Two records of one kind with one
 name are rejected with both plugins named.
+
+Every hook here is a registration hook. A plugin implements it under the same name and calls
+``register`` once per record it adds; each hook below names its record and shows that call::
+
+    from relax_core import hookimpl
+    from relax_core.records import RoutingPolicy
+
+    @hookimpl
+    def relax_register_routing_policies(register):
+        register(RoutingPolicy(name="random", factory=RandomSelector))
 """
 
 from __future__ import annotations
@@ -12,15 +22,7 @@ from collections.abc import Callable
 
 import pluggy
 
-from relax_core.records import (
-    EngineBackend,
-    PlacementMode,
-    RewardSpec,
-    RoleSpec,
-    RouterBackend,
-    RoutingPolicy,
-    WeightSource,
-)
+from relax_core import records
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -32,17 +34,12 @@ hookimpl = pluggy.HookimplMarker("relax")
 
 
 @hookspec
-def relax_register_roles(register: Callable[[RoleSpec], None]) -> None:
+def relax_register_roles(register: Callable[[records.RoleSpec], None]) -> None:
     """Register inference roles.
 
-    :param register: call it once per :class:`~relax_core.records.RoleSpec`.
-
-    Example::
-
-        @hookimpl
-        def relax_register_roles(register):
-            register(RoleSpec(name="genrm", allowed_weight_sources={"STATIC"},
-                              default_route_mode="DIRECT", deferrable=True))
+    :param register: call it once per :class:`~relax_core.records.RoleSpec`, as in
+        ``register(RoleSpec(name="genrm", allowed_weight_sources={"STATIC"},
+        default_route_mode="DIRECT", deferrable=True))``.
     """
 
 
@@ -50,17 +47,12 @@ def relax_register_roles(register: Callable[[RoleSpec], None]) -> None:
 
 
 @hookspec
-def relax_register_engine_backends(register: Callable[[EngineBackend], None]) -> None:
+def relax_register_engine_backends(register: Callable[[records.EngineBackend], None]) -> None:
     """Register engine backends.
 
-    :param register: call it once per :class:`~relax_core.records.EngineBackend`.
-
-    Example::
-
-        @hookimpl
-        def relax_register_engine_backends(register):
-            register(EngineBackend(name="hf", launch=launch_hf, control_client=ControlClient,
-                                   devices={"cpu", "cuda"}))
+    :param register: call it once per :class:`~relax_core.records.EngineBackend`, as in
+        ``register(EngineBackend(name="hf", launch=launch_hf, control_client=ControlClient,
+        devices={"cpu", "cuda"}))``.
     """
 
 
@@ -68,18 +60,13 @@ def relax_register_engine_backends(register: Callable[[EngineBackend], None]) ->
 
 
 @hookspec
-def relax_register_routers(register: Callable[[RouterBackend], None]) -> None:
+def relax_register_routers(register: Callable[[records.RouterBackend], None]) -> None:
     """Register routers that front a model's replica heads (``route_mode = "SGLANG_ROUTER"``).
 
-    :param register: call it once per :class:`~relax_core.records.RouterBackend`.
-
-    Example::
-
-        @hookimpl
-        def relax_register_routers(register):
-            register(RouterBackend(name="smg", launch=launch_smg,
-                                   policies={"round_robin", "consistent_hashing"},
-                                   default_policy="consistent_hashing", version="1.13.0"))
+    :param register: call it once per :class:`~relax_core.records.RouterBackend`, as in
+        ``register(RouterBackend(name="smg", launch=launch_smg,
+        policies={"round_robin", "consistent_hashing"}, default_policy="consistent_hashing",
+        version="1.13.0"))``.
     """
 
 
@@ -87,16 +74,12 @@ def relax_register_routers(register: Callable[[RouterBackend], None]) -> None:
 
 
 @hookspec
-def relax_register_weight_sources(register: Callable[[WeightSource], None]) -> None:
+def relax_register_weight_sources(register: Callable[[records.WeightSource], None]) -> None:
     """Register weight sources (the core registers ``STATIC``, ``ACTOR`` and ``DCS``).
 
-    :param register: call it once per :class:`~relax_core.records.WeightSource`.
-
-    Example::
-
-        @hookimpl
-        def relax_register_weight_sources(register):
-            register(WeightSource(name="S3CKPT", update_paths={"disk"}, publishes_version=True))
+    :param register: call it once per :class:`~relax_core.records.WeightSource`, as in
+        ``register(WeightSource(name="S3CKPT", update_paths={"disk"},
+        publishes_version=True))``.
     """
 
 
@@ -104,10 +87,12 @@ def relax_register_weight_sources(register: Callable[[WeightSource], None]) -> N
 
 
 @hookspec
-def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> None:
+def relax_register_reward_adapters(register: Callable[[records.RewardSpec], None]) -> None:
     """Register reward adapters.
 
-    :param register: call it once per :class:`~relax_core.records.RewardSpec`.
+    :param register: call it once per :class:`~relax_core.records.RewardSpec`, as in
+        ``register(RewardSpec(name="exact-match", fn=exact_match, mode="sync",
+        label_matcher=lambda label: label is not None, supports_deferred=True))``.
 
     An adapter is called ``fn(response, label)`` (plus ``metadata=`` with
     ``pass_metadata=True``; an ``async`` adapter also gets ``context=``, a
@@ -115,14 +100,6 @@ def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> No
     each role) and returns a number or a :class:`~relax_core.coordination.RewardResult`.
     ``sync`` adapters run in Ray workers; ``label_matcher(label) -> bool`` limits the samples
     an adapter scores; ``supports_deferred`` lets it score a staged batch in a deferred phase.
-
-    Example::
-
-        @hookimpl
-        def relax_register_reward_adapters(register):
-            register(RewardSpec(name="exact-match", fn=exact_match, mode="sync",
-                                label_matcher=lambda label: label is not None,
-                                supports_deferred=True))
     """
 
 
@@ -130,16 +107,11 @@ def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> No
 
 
 @hookspec
-def relax_register_routing_policies(register: Callable[[RoutingPolicy], None]) -> None:
+def relax_register_routing_policies(register: Callable[[records.RoutingPolicy], None]) -> None:
     """Register DIRECT replica-selection policies.
 
-    :param register: call it once per :class:`~relax_core.records.RoutingPolicy`.
-
-    Example::
-
-        @hookimpl
-        def relax_register_routing_policies(register):
-            register(RoutingPolicy(name="random", factory=RandomSelector))
+    :param register: call it once per :class:`~relax_core.records.RoutingPolicy`, as in
+        ``register(RoutingPolicy(name="random", factory=RandomSelector))``.
     """
 
 
@@ -147,14 +119,9 @@ def relax_register_routing_policies(register: Callable[[RoutingPolicy], None]) -
 
 
 @hookspec
-def relax_register_placement_modes(register: Callable[[PlacementMode], None]) -> None:
+def relax_register_placement_modes(register: Callable[[records.PlacementMode], None]) -> None:
     """Register placement modes (the core registers ``decoupled``, ``split`` and ``defer``).
 
-    :param register: call it once per :class:`~relax_core.records.PlacementMode`.
-
-    Example::
-
-        @hookimpl
-        def relax_register_placement_modes(register):
-            register(PlacementMode(name="packed", assign=assign_packed))
+    :param register: call it once per :class:`~relax_core.records.PlacementMode`, as in
+        ``register(PlacementMode(name="packed", assign=assign_packed))``.
     """

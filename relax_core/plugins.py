@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import attrs
 import pluggy
@@ -64,6 +64,23 @@ _SINGULAR = {
     "placement_modes": "placement mode",
     "routers": "router",
 }
+
+
+def _lookup(kind: str, record: type[R]) -> Callable[[PluginManager, str], R]:
+    """The typed getter of one kind of :data:`KINDS` (a method of :class:`PluginManager`).
+
+    ``record`` is the kind's record type, which the getter returns.
+    """
+
+    def get(self: PluginManager, name: str) -> R:
+        return cast(R, self._get(kind, name))
+
+    get.__name__ = _SINGULAR[kind].replace(" ", "_")
+    get.__qualname__ = f"PluginManager.{get.__name__}"
+    get.__doc__ = (
+        f"The {_SINGULAR[kind]} named ``name``; :class:`PluginError` if none is registered."
+    )
+    return get
 
 
 @attrs.frozen
@@ -248,33 +265,15 @@ class PluginManager:
                 f"{sorted(table)}. Is the plugin that provides it installed and enabled?"
             ) from None
 
-    def role(self, name: str) -> RoleSpec:
-        """The role named ``name``; :class:`PluginError` if none is registered."""
-        return self._get("roles", name)  # type: ignore[no-any-return]
-
-    def engine_backend(self, name: str) -> EngineBackend:
-        """The engine backend named ``name``."""
-        return self._get("engine_backends", name)  # type: ignore[no-any-return]
-
-    def weight_source(self, name: str) -> WeightSource:
-        """The weight source named ``name``."""
-        return self._get("weight_sources", name)  # type: ignore[no-any-return]
-
-    def reward_adapter(self, name: str) -> RewardSpec:
-        """The reward adapter named ``name``."""
-        return self._get("reward_adapters", name)  # type: ignore[no-any-return]
-
-    def routing_policy(self, name: str) -> RoutingPolicy:
-        """The routing policy named ``name``."""
-        return self._get("routing_policies", name)  # type: ignore[no-any-return]
-
-    def placement_mode(self, name: str) -> PlacementMode:
-        """The placement mode named ``name``."""
-        return self._get("placement_modes", name)  # type: ignore[no-any-return]
-
-    def router(self, name: str) -> RouterBackend:
-        """The router named ``name``."""
-        return self._get("routers", name)  # type: ignore[no-any-return]
+    # One typed getter per kind: ``pm.role("genrm")`` is the role named ``genrm``;
+    # :class:`PluginError` (naming the known ones) if none is registered.
+    role = _lookup("roles", RoleSpec)
+    engine_backend = _lookup("engine_backends", EngineBackend)
+    weight_source = _lookup("weight_sources", WeightSource)
+    reward_adapter = _lookup("reward_adapters", RewardSpec)
+    routing_policy = _lookup("routing_policies", RoutingPolicy)
+    placement_mode = _lookup("placement_modes", PlacementMode)
+    router = _lookup("routers", RouterBackend)
 
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""

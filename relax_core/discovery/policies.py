@@ -66,16 +66,9 @@ class RoundRobinSelector:
         self._cursors: dict[tuple[str, str, str], itertools.count[int]] = {}
 
     def select(
-        self,
-        *,
-        role: str,
-        epoch: str,
-        model: str,
-        candidates: tuple[Any, ...],
-        affinity_key: str | None,
-        inflight: Mapping[str, int] | None,
+        self, *, role: str, epoch: str, model: str, candidates: tuple[Any, ...], **_: object
     ) -> Any:
-        """The next candidate after the one this cursor gave last."""
+        """The next candidate after the one this cursor gave last (key and load play no part)."""
         key = (role, epoch, model)
         cursor = self._cursors.get(key)
         if cursor is None:
@@ -84,6 +77,13 @@ class RoundRobinSelector:
                 self._cursors.clear()
             cursor = self._cursors.setdefault(key, itertools.count())
         return candidates[next(cursor) % len(candidates)]
+
+
+ROUND_ROBIN = RoutingPolicy(
+    name="round_robin",
+    factory=RoundRobinSelector,
+    description="Process-local round robin over READY, direct-eligible heads.",
+)
 
 
 def _slot(key: str) -> int:
@@ -227,12 +227,24 @@ class RendezvousSelector:
         affinity_key: str | None,
         inflight: Mapping[str, int] | None,
     ) -> Any:
-        """The highest-scoring candidate for ``affinity_key``."""
+        """The candidate :meth:`_rank` picks for ``affinity_key``'s slot."""
         table = self._tables.get(role, model, candidates)
-        return candidates[table.winner(self._slot(affinity_key))]
+        return candidates[self._rank(table, self._slot(affinity_key), inflight)]
+
+    def _rank(self, table: _Table, slot: int, inflight: Mapping[str, int] | None) -> int:
+        """The rank of the slot's highest-scoring candidate; plain rendezvous ignores the load."""
+        return table.winner(slot)
 
 
-class BoundedRendezvousSelector:
+RENDEZVOUS = RoutingPolicy(
+    name="rendezvous",
+    factory=RendezvousSelector,
+    uses_affinity=True,
+    description="Affinity: highest hash(role, model, key, engine_id) wins.",
+)
+
+
+class BoundedRendezvousSelector(RendezvousSelector):
     """Rendezvous with bounded load: hot keys cannot pile onto one head.
 
     With ``n`` candidates carrying ``total`` in-flight requests (from ``inflight``, by
@@ -249,31 +261,19 @@ class BoundedRendezvousSelector:
     def __init__(self, c: float = 1.25) -> None:
         if not isinstance(c, (int, float)) or not math.isfinite(c) or c < 1:
             raise ValueError(f"bounded_rendezvous: c must be a finite number >= 1, got {c!r}")
+        super().__init__()
         self.c = float(c)
-        self._tables = _Tables()
-        self._slot = _SlotCache()
 
     def bound(self, total: int, n: int) -> int:
         """The most in-flight requests a head may hold after taking one more."""
         return math.ceil(self.c * (total + 1) / n)
 
-    def select(
-        self,
-        *,
-        role: str,
-        epoch: str,
-        model: str,
-        candidates: tuple[Any, ...],
-        affinity_key: str | None,
-        inflight: Mapping[str, int] | None,
-    ) -> Any:
-        """The best-scoring candidate that stays within the load bound."""
-        table = self._tables.get(role, model, candidates)
-        slot = self._slot(affinity_key)
-        best = candidates[table.winner(slot)]
+    def _rank(self, table: _Table, slot: int, inflight: Mapping[str, int] | None) -> int:
+        """The rank of the best-scoring candidate that stays within the load bound."""
+        best = table.winner(slot)
         if not inflight:
             return best
-        load = inflight.get(best.engine_id, 0)
+        load = inflight.get(table.ids[best], 0)
         if load == 0:
             return best  # the bound is always >= 1
         loads = list(map(inflight.get, table.ids, table.zeros))
@@ -285,24 +285,12 @@ class BoundedRendezvousSelector:
         for _ in range(table.n):
             rank = max(scores) & _RANK_MASK
             if loads[rank] < limit:
-                return candidates[rank]
+                return rank
             scores[rank] = -1
         # Unreachable for c >= 1 (n * limit > total); keep affinity rather than fail.
         return best
 
 
-ROUND_ROBIN = RoutingPolicy(
-    name="round_robin",
-    factory=RoundRobinSelector,
-    uses_affinity=False,
-    description="Process-local round robin over READY, direct-eligible heads.",
-)
-RENDEZVOUS = RoutingPolicy(
-    name="rendezvous",
-    factory=RendezvousSelector,
-    uses_affinity=True,
-    description="Affinity: highest hash(role, model, key, engine_id) wins.",
-)
 BOUNDED_RENDEZVOUS = RoutingPolicy(
     name="bounded_rendezvous",
     factory=BoundedRendezvousSelector,

@@ -32,13 +32,13 @@ from relax_core.discovery.schema import (
     ModelState,
     ModelView,
     RoleSnapshot,
-    RouteMode,
     RoutingSpec,
     WeightSources,
     check_model_sources,
     join_path,
 )
 from relax_core.errors import SnapshotError
+from relax_core.records import RouteMode
 
 __all__ = ["RegistryPublisher"]
 

@@ -116,12 +116,9 @@ class EngineView:
     state: ModelState = attrs.field(converter=_model_state)
     direct_eligible: bool = attrs.field(validator=v_bool("direct_eligible"))
     generation: int = attrs.field(validator=v_int("generation"))
-    weight_version: str | None = attrs.field(default=None)
-
-    @weight_version.validator
-    def _check_weight_version(self, _a: Any, value: object) -> None:
-        if value is not None:
-            check_str("weight_version", value)
+    weight_version: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(v_str("weight_version"))
+    )
 
     @engine_id.validator
     def _check_engine_id(self, _a: Any, value: Any) -> None:
@@ -189,7 +186,9 @@ class ModelView:
     route_mode: RouteMode = attrs.field(converter=_route_mode)
     router_url: str | None = attrs.field(validator=v_url("router_url"))
     weight_source: str = attrs.field()
-    weight_version: str | None = attrs.field()
+    weight_version: str | None = attrs.field(
+        validator=attrs.validators.optional(v_str("weight_version"))
+    )
     served_model_name: str = attrs.field(validator=v_str("served_model_name"))
     engines: tuple[EngineView, ...] = attrs.field(
         default=(), converter=to_tuple, validator=_check_engines
@@ -200,11 +199,6 @@ class ModelView:
         name = check_str("weight_source", value)
         if not NAME_PATTERN.match(name):
             raise SnapshotError("weight_source", f"{name!r} is not a weight-source name")
-
-    @weight_version.validator
-    def _check_version(self, _a: Any, value: object) -> None:
-        if value is not None:
-            check_str("weight_version", value)
 
     def __attrs_post_init__(self) -> None:
         if self.weight_source == "STATIC" and self.weight_version is not None:
@@ -270,7 +264,9 @@ class RoutingSpec:
     Every target must be a model id of the snapshot (checked by :class:`RoleSnapshot`).
     """
 
-    default_model: str | None = attrs.field(default=None)
+    default_model: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(v_str("default_model"))
+    )
     route_key_map: Mapping[str, str] = attrs.field(
         factory=dict, converter=frozen_map, validator=_check_str_map("route_key_map")
     )
@@ -279,11 +275,6 @@ class RoutingSpec:
     )
     policy: str = attrs.field(default="round_robin")
     policy_revision: int = attrs.field(default=0, validator=v_int("policy_revision"))
-
-    @default_model.validator
-    def _check_default(self, _a: Any, value: Any) -> None:
-        if value is not None:
-            check_str("default_model", value)
 
     @policy.validator
     def _check_policy(self, _a: Any, value: object) -> None:

@@ -237,6 +237,13 @@ def assign_decoupled(ctx: ModeContext) -> ModeResult:
     return ModeResult(tuple(slices), tuple(pools), (PHASE_RESIDENT,), tuple(violations))
 
 
+DECOUPLED = PlacementMode(
+    name="decoupled",
+    assign=assign_decoupled,
+    description="Each inference role in its own pool (placement group), offsets from 0.",
+)
+
+
 def assign_split(ctx: ModeContext) -> ModeResult:
     """Every role in the actor pool, in contiguous slices that never overlap."""
     missing = _need_actor_pool(ctx, "split")
@@ -246,6 +253,14 @@ def assign_split(ctx: ModeContext) -> ModeResult:
     alloc = SliceAllocator(ctx.gpus_per_node, ctx.training_pool_size)
     violations = _place_group(ctx.demands, alloc, ctx.training_pool, PHASE_RESIDENT, slices)
     return ModeResult(tuple(slices), (), (PHASE_RESIDENT,), tuple(violations))
+
+
+SPLIT = PlacementMode(
+    name="split",
+    assign=assign_split,
+    shares_training_pool=True,
+    description="Inference roles in disjoint contiguous slices of the actor pool.",
+)
 
 
 def assign_defer(ctx: ModeContext) -> ModeResult:
@@ -292,24 +307,6 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
     return ModeResult(tuple(slices), (), phases, tuple(violations))
 
 
-def _demand(ctx: ModeContext, s: Slice) -> Demand:
-    return next(d for d in ctx.demands if d.role == s.role and d.model == s.model)
-
-
-DECOUPLED = PlacementMode(
-    name="decoupled",
-    assign=assign_decoupled,
-    shares_training_pool=False,
-    supports_defer=False,
-    description="Each inference role in its own pool (placement group), offsets from 0.",
-)
-SPLIT = PlacementMode(
-    name="split",
-    assign=assign_split,
-    shares_training_pool=True,
-    supports_defer=False,
-    description="Inference roles in disjoint contiguous slices of the actor pool.",
-)
 DEFER = PlacementMode(
     name="defer",
     assign=assign_defer,
@@ -317,6 +314,10 @@ DEFER = PlacementMode(
     supports_defer=True,
     description="Deferred roles reuse the generation phase's actor-pool bundles in later phases.",
 )
+
+
+def _demand(ctx: ModeContext, s: Slice) -> Demand:
+    return next(d for d in ctx.demands if d.role == s.role and d.model == s.model)
 
 
 @hookimpl

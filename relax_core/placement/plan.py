@@ -14,6 +14,8 @@ from typing import Any
 
 import attrs
 
+from relax_core.config import ConfigProblem
+
 __all__ = [
     "PHASE_RESIDENT",
     "HostMemoryBudget",
@@ -32,15 +34,12 @@ _GIB = 1024**3
 
 
 @attrs.frozen
-class Violation:
-    """One broken placement rule: the key path it concerns, the rule name and the numbers."""
+class Violation(ConfigProblem):
+    """One broken placement rule: the key path it concerns, the rule name and the numbers.
 
-    path: str
-    rule: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: [{self.rule}] {self.message}"
+    A config problem found by placement (the same fields and ``path: [rule] message`` text),
+    kept a type of its own so a caller can tell placement's findings from the parser's.
+    """
 
 
 def phases_conflict(a: str, b: str) -> bool:
@@ -139,8 +138,20 @@ class MemoryItem:
     gib: float
 
 
+class _ItemTotal:
+    """What both budgets add up: ``total_gib`` over their items."""
+
+    __slots__ = ()
+    items: tuple[MemoryItem, ...]
+
+    @property
+    def total_gib(self) -> float:
+        """The sum of every item (per GPU in a :class:`MemoryBudget`, per node in a host one)."""
+        return sum(i.gib for i in self.items)
+
+
 @attrs.frozen
-class MemoryBudget:
+class MemoryBudget(_ItemTotal):
     """The per-GPU memory budget of one placement.
 
     ``status`` is ``ok``, ``over`` (a violation was reported) or ``skipped`` (``note`` says
@@ -157,14 +168,9 @@ class MemoryBudget:
     items: tuple[MemoryItem, ...] = ()
     note: str = ""
 
-    @property
-    def total_gib(self) -> float:
-        """The sum of every item."""
-        return sum(i.gib for i in self.items)
-
 
 @attrs.frozen
-class HostMemoryBudget:
+class HostMemoryBudget(_ItemTotal):
     """Host memory of one or more cluster nodes that carry the same load."""
 
     nodes: tuple[int, ...]
@@ -172,11 +178,6 @@ class HostMemoryBudget:
     capacity_gib: float | None = None
     items: tuple[MemoryItem, ...] = ()
     note: str = ""
-
-    @property
-    def total_gib(self) -> float:
-        """The sum of every item (per node)."""
-        return sum(i.gib for i in self.items)
 
 
 def _tuples(value: Any) -> Any:
