@@ -163,7 +163,9 @@ def sglang(session: nox.Session) -> None:
         "pytest>=8.2,<10",
         "pytest-timeout>=2.3,<3",
     )
-    local = [".", "plugins/relax-sglang"] + [
+    # relax-hf too: the relax run examples' models are hf ones (only sglang models' command
+    # lines are checked, but every model of an example is planned).
+    local = [".", "plugins/relax-sglang", "plugins/relax-hf"] + [
         f"plugins/relax-{role}" for role in ("rollout", "genrm", "teacher")
     ]
     session.install("--no-deps", *(arg for path in local for arg in ("-e", path)))
