@@ -222,11 +222,21 @@ class EngineWorker:
                 self.engine_id, self.node_rank, None, False, None, None, "not started"
             )
         error = None
-        if process.poll() is None and generate and self.control is not None:
-            try:
-                await self.control.health_generate(timeout=timeout)
-            except RelaxError as exc:
-                error = str(exc)
+        checked = generate and self.control is not None
+        if process.poll() is None and checked and self._lock.locked():
+            # A lifecycle call (offload, onload, update) holds the engine: its generation
+            # would race the call (a release is refused while a request runs), and the call
+            # confirms the engine itself. The process is checked; the generation is not.
+            checked = False
+        elif process.poll() is None and checked:
+            assert self.control is not None
+            # Held so that a lifecycle call arriving now waits for this one short generation
+            # instead of finding it in flight.
+            async with self._lock:
+                try:
+                    await self.control.health_generate(timeout=timeout)
+                except RelaxError as exc:
+                    error = str(exc)
         # Polled after the generation too: a killed engine's port closes before the kernel has
         # finished its exit (a large process takes a while to unmap), so after a failed
         # generation it gets a moment to be reaped — a death must count as a death, not as one
@@ -239,7 +249,7 @@ class EngineWorker:
                 self.engine_id, self.node_rank, process.pid, False, code, None,
                 f"engine process {process.pid} exited with code {code}",
             )  # fmt: skip
-        ok = None if not (generate and self.control is not None) else error is None
+        ok = error is None if checked else None
         return ProbeResult(self.engine_id, self.node_rank, process.pid, True, None, ok, error)
 
     async def engine_pid(self) -> int | None:

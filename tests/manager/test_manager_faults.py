@@ -168,7 +168,7 @@ def test_an_engine_stopped_for_fewer_probes_than_the_limit_stays_ready_and_is_no
             lambda: manager._health_lock.locked(), timeout=10, what="a health round running"
         )
         off = manager.offload(engine_ids=["judge/replica-0"])
-        assert off.outcomes == {"judge/replica-0": Outcome.DONE}
+        assert off.outcomes == {"judge/replica-0": Outcome.DONE}, off
         assert probing.is_alive(), "the offload waited for the health probes"
         probing.join(60)
         (report,) = reports
