@@ -21,6 +21,7 @@ says whether there was one (idempotent). A put is all-or-nothing inside the stor
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -218,8 +219,23 @@ class RayBatchSink:
             raise SinkError("*", f"the store actor is unreachable: {exc}") from exc
         return held
 
-    def stop(self) -> None:
-        """Kill the store actor (its partitions are lost). Idempotent."""
+    def stop(self, *, timeout: float = 10.0) -> None:
+        """Kill the store actor (its partitions are lost) and wait, up to ``timeout`` seconds,
+        until it answers no more (Ray's kill is asynchronous: a call made just after it could
+        still be served). Idempotent. Blocking.
+
+        :raises SinkError: (partition ``*``) the actor still answered after ``timeout``.
+        """
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         ray.kill(self.actor, no_restart=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ray.get(
+                    self.actor.partitions.remote(), timeout=max(0.01, deadline - time.monotonic())
+                )
+            except (RayActorError, GetTimeoutError):
+                return
+        raise SinkError("*", f"the batch store actor still answers {timeout:g}s after its kill")
