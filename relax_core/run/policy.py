@@ -241,7 +241,7 @@ def load_policy(model_path: str, *, device: str = "cpu") -> Policy:
             f"the checkpoint does not match its config.json (missing {missing}, unexpected "
             f"{extra}, other shapes {wrong})",
         )
-    policy = policy.to_empty(device=device)
+    policy.to_empty(device=device)  # in place (it returns the module itself)
     policy.load_state_dict({n: t.float() for n, t in state.items()}, strict=not shape.tied)
     if shape.tied:
         policy.lm_head.weight = policy.model.embed_tokens.weight
