@@ -222,19 +222,18 @@ class EngineWorker:
                 self.engine_id, self.node_rank, None, False, None, None, "not started"
             )
         error = None
-        checked = generate and self.control is not None
-        if process.poll() is None and checked and self._lock.locked():
+        control = self.control if generate and process.poll() is None else None
+        if control is not None and self._lock.locked():
             # A lifecycle call (offload, onload, update) holds the engine: its generation
             # would race the call (a release is refused while a request runs), and the call
             # confirms the engine itself. The process is checked; the generation is not.
-            checked = False
-        elif process.poll() is None and checked:
-            assert self.control is not None
+            control = None
+        if control is not None:
             # Held so that a lifecycle call arriving now waits for this one short generation
             # instead of finding it in flight.
             async with self._lock:
                 try:
-                    await self.control.health_generate(timeout=timeout)
+                    await control.health_generate(timeout=timeout)
                 except RelaxError as exc:
                     error = str(exc)
         # Polled after the generation too: a killed engine's port closes before the kernel has
@@ -249,7 +248,7 @@ class EngineWorker:
                 self.engine_id, self.node_rank, process.pid, False, code, None,
                 f"engine process {process.pid} exited with code {code}",
             )  # fmt: skip
-        ok = error is None if checked else None
+        ok = error is None if control is not None else None
         return ProbeResult(self.engine_id, self.node_rank, process.pid, True, None, ok, error)
 
     async def engine_pid(self) -> int | None:

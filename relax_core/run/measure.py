@@ -84,15 +84,19 @@ def _held(memory: Mapping[str, Any]) -> int:
     return int(memory.get("resident_param_bytes", 0)) + int(kv.get("bytes", 0))
 
 
-def _ops_since(info: Mapping[str, Any], since: float) -> list[dict[str, Any]] | None:
-    """The head's memory operations that began after ``since`` (``None``: it logs none)."""
-    log = info.get("memory_log")
+def _ops_since(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The head's memory operations in its ``after`` log that its ``before`` log lacks (by
+    the engine's own clock, so another node's clock does not matter); ``None``: it logs none."""
+    log = after.get("memory_log")
     if not isinstance(log, list):
         return None
+    seen = {
+        (e.get("op"), e.get("at")) for e in before.get("memory_log") or () if isinstance(e, Mapping)
+    }
     return [
         {"op": e.get("op"), "detail": e.get("detail") or {}}
         for e in log
-        if isinstance(e, Mapping) and float(e.get("at", 0.0)) >= since
+        if isinstance(e, Mapping) and (e.get("op"), e.get("at")) not in seen
     ]
 
 
@@ -122,29 +126,30 @@ class SwitchProbe:
         self.timeout = timeout
         self.switches: list[Switch] = []
 
-    async def _info(self, role: str) -> list[dict[str, Any]]:
-        """Each head's ``/server_info``."""
+    async def _info(self, role: str) -> dict[str, dict[str, Any]]:
+        """Each head's ``/server_info``, by its URL (in the role's order)."""
         from relax_core.engine.control import ControlClient
 
         async def one(url: str) -> dict[str, Any]:
             async with ControlClient(url, timeout=self.timeout) as client:
                 return await client.server_info()
 
-        return list(await asyncio.gather(*(one(u) for u in await self.heads(role))))
+        urls = await self.heads(role)
+        return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
 
     async def around(
         self, step: int, role: str, direction: str, call: Callable[[], Awaitable[Any]]
     ) -> Any:
         """Run ``call()`` (the switch) and record it; its result is returned, its error raised
         (a failed switch is not recorded: there is nothing to compare)."""
-        before = [info.get("memory") or {} for info in await self._info(role)]
-        since = time.time()
+        infos_before = await self._info(role)
+        before = [info.get("memory") or {} for info in infos_before.values()]
         began = time.perf_counter()
         result = await call()
         seconds = time.perf_counter() - began
         infos = await self._info(role)
-        after = [info.get("memory") or {} for info in infos]
-        ops = [_ops_since(info, since) for info in infos]
+        after = [info.get("memory") or {} for info in infos.values()]
+        ops = [_ops_since(infos_before.get(url, {}), info) for url, info in infos.items()]
         first = after[0] if after else {}
         replicas = getattr(result, "replicas", None)
         manager = float(result.seconds) if replicas is not None else None

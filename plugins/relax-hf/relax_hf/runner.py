@@ -202,8 +202,8 @@ class ModelRunner:
         self._released: list[weakref.ref[Any]] = []
         self.weights_resident = True
         self.weights_dirty = False  # changed since loaded from ``checkpoint_path``
-        # The host backup holds the weights as they are on the device now (an update since the
-        # last copy makes it stale): a release of unchanged weights copies nothing.
+        # The host backup holds the weights as they are on the device now (set by a copy into
+        # it, cleared by an update): a release of unchanged weights copies nothing.
         self._backup_current = False
         self.checkpoint_path = self.model_path
         self._pack(self._to_flat_from_params())
@@ -415,7 +415,8 @@ class ModelRunner:
         flat = self._alloc_flat()
         self._sync()
         allocated = time.perf_counter()
-        if self._backup is not None and self._backup_current:
+        if self._backup_current:
+            assert self._backup is not None
             flat.copy_(self._backup, non_blocking=True)
             self._sync()
             source = "cpu_backup"
@@ -425,7 +426,7 @@ class ModelRunner:
         copy_seconds = time.perf_counter() - start
         self._pack(flat)
         self.weights_resident = True
-        lost = self.weights_dirty and not (self._backup is not None and self._backup_current)
+        lost = self.weights_dirty and not self._backup_current
         self.weights_dirty = self.weights_dirty and not lost
         return {
             "source": source,
