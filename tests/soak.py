@@ -39,15 +39,15 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from relax_core.bench.gateway import _process
 
 ROLE = "teacher"
 SIM_REPLICAS = 4
@@ -69,29 +69,10 @@ def serve_gateway(registry_url: str) -> None:
     server.stop()
 
 
-@contextlib.contextmanager
-def gateway_process(registry_url: str) -> Iterator[dict[str, Any]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.soak", "--serve-gateway", registry_url],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the gateway process exited with code {proc.wait()}")
-        yield json.loads(line)
-    finally:
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+def gateway_process(registry_url: str) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """The gateway process (:func:`serve_gateway`); yields its ready line once it serves."""
+    args = ["tests.soak", "--serve-gateway", registry_url]
+    return _process(args, "the soak's gateway process", 60.0, stop_timeout=30.0)
 
 
 def rss_mib(pid: int) -> float:

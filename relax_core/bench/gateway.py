@@ -59,8 +59,11 @@ _BODY = '{"text":"What is six times seven?","sampling_params":{"max_new_tokens":
 
 
 @contextlib.contextmanager
-def _process(args: list[str], what: str, timeout: float = 30.0) -> Iterator[dict[str, Any]]:
-    """Start ``python -m …`` that prints one JSON line when ready; stop it by closing stdin."""
+def _process(
+    args: list[str], what: str, timeout: float = 30.0, *, stop_timeout: float = 10.0
+) -> Iterator[dict[str, Any]]:
+    """Start ``python -m …`` that prints one JSON line when ready (within ``timeout``); stop
+    it by closing stdin, killing it if it has not exited ``stop_timeout`` seconds later."""
     proc = subprocess.Popen(
         [sys.executable, "-m", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
@@ -71,7 +74,7 @@ def _process(args: list[str], what: str, timeout: float = 30.0) -> Iterator[dict
             with contextlib.suppress(OSError):
                 proc.stdin.close()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=stop_timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)

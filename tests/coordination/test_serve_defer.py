@@ -154,14 +154,7 @@ class Residency:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("serve-defer") / "model"
-    subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(path), "--size", "micro"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return path
+    return support.make_tiny_model(tmp_path_factory.mktemp("serve-defer") / "model")
 
 
 @contextlib.contextmanager

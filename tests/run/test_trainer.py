@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,18 +16,12 @@ from relax_core.errors import ConfigError
 from relax_core.run.loss import batch_loss, group_advantages, pad_batch
 from relax_core.run.measure import Switch, switch_report
 from relax_core.run.policy import load_policy
+from tests.support.serve import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("trainer") / "policy"
-    subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(path), "--size", "micro"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return path
+    return make_tiny_model(tmp_path_factory.mktemp("trainer") / "policy")
 
 
 def test_the_policy_is_the_checkpoints_model_with_its_weight_names(tiny: Path) -> None:
