@@ -10,16 +10,22 @@ __all__ = ["each_in_thread"]
 
 
 def each_in_thread(
-    target: Callable[..., None], items: Iterable[tuple[Any, ...]], *, name: str
+    target: Callable[..., None],
+    items: Iterable[tuple[Any, ...]],
+    *,
+    name: str,
+    daemon: bool = False,
 ) -> None:
     """Call ``target(*item)`` for every item at once, one thread each, and wait for all.
 
     Threads are named ``f"{name}-{item[0]}"`` (the item's key, for stack dumps). Blocks until
     every call has returned; ``target`` must catch what it wants reported, since an exception
-    in a thread ends only that thread.
+    in a thread ends only that thread. ``daemon``: the threads do not keep the process alive
+    (a background monitor's).
     """
     threads = [
-        threading.Thread(target=target, args=item, name=f"{name}-{item[0]}") for item in items
+        threading.Thread(target=target, args=item, name=f"{name}-{item[0]}", daemon=daemon)
+        for item in items
     ]
     for t in threads:
         t.start()

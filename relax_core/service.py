@@ -245,19 +245,12 @@ class RoleService:
         while not self._monitor_stop.wait(interval):
             # Every model at once: one model's slow probes (bounded by its health deadline)
             # must not delay the others' round.
-            checks = [
-                threading.Thread(
-                    target=self._check_one,
-                    args=(model_id, manager, recover, on_report),
-                    name=f"health-{self.role}-{model_id}",
-                    daemon=True,
-                )
-                for model_id, manager in list(self.managers.items())
-            ]
-            for check in checks:
-                check.start()
-            for check in checks:
-                check.join()
+            each_in_thread(
+                self._check_one,
+                [(m, manager, recover, on_report) for m, manager in list(self.managers.items())],
+                name=f"health-{self.role}",
+                daemon=True,
+            )
             for model_id, router in list(self.routers.items()):
                 if self._monitor_stop.is_set():
                     return
@@ -551,7 +544,13 @@ def _manager(
     is launched (without one, for dry runs, it is not)."""
     spec = pm.role(model.role)
     route_mode = model.route_mode or spec.default_route_mode
-    engine_spec = _engine_spec(model, pm)
+    # Built (and so checked) before a router starts.
+    arguments = (
+        None
+        if model.external
+        else manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
+    )
+    engine_spec = _engine_spec(model, pm) if arguments is None else arguments["spec"]
     router: RouterProcess | None = None
     publisher: Any = service.publisher if service is not None else None
     if route_mode != "DIRECT" and service is not None:
@@ -559,7 +558,7 @@ def _manager(
         service.routers[model.name] = router
         if model.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
-    if model.external:
+    if arguments is None:
         return ExternalEngines(
             model.name,
             urls=model.external_urls,
@@ -572,7 +571,7 @@ def _manager(
         )
     return InferenceManager(
         model.name,
-        **manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir),
+        **arguments,
         publisher=publisher,
         router_url=router.url if router is not None else None,
         router=router,
