@@ -1136,8 +1136,6 @@ def _start_gateways(
 
 def _teardown(job: ServedJob, out: TextIO) -> list[str]:
     """Gateways, then engines and managers, then placement groups; return what was left."""
-    from relax_core.placement import release_bound_pool
-
     problems: list[str] = []
     with contextlib.suppress(RelaxError):
         job.pids()
@@ -1158,23 +1156,38 @@ def _teardown(job: ServedJob, out: TextIO) -> list[str]:
         print(f"  engines stopped ({len(job.engine_pids)} processes)", file=out, flush=True)
     if job.router_pids:
         print(f"  routers stopped ({len(job.router_pids)})", file=out, flush=True)
-    released = 0
-    for bound in job.bound:
-        on_it = [w for w in unconfirmed if w.placement_group_id == _group_hex(bound)]
-        if on_it:
-            name = f"relax-{bound.pool}"
-            why = "; ".join(w.describe() for w in on_it)
-            job.kept_groups[name] = why
-            problems.append(_kept_message(name, bound, on_it))
-            continue
-        try:
-            released += release_bound_pool(bound)
-        except RelaxError as exc:
-            problems.append(str(exc))
+    released = release_pools(job.bound, unconfirmed, kept=job.kept_groups, problems=problems)
     if job.bound:
         kept = f", {len(job.kept_groups)} kept" if job.kept_groups else ""
         print(f"  placement groups removed ({released}){kept}", file=out, flush=True)
     return problems
+
+
+def release_pools(
+    bound: list[Any],
+    unconfirmed: list[UnconfirmedWorker],
+    *,
+    kept: dict[str, str],
+    problems: list[str],
+) -> int:
+    """Release every bound pool but those an ``unconfirmed`` worker sits on (its engine may
+    still hold the GPUs): each kept one goes into ``kept`` (name -> why) and ``problems``
+    (what an operator checks), as does a release that failed. Returns the groups released."""
+    from relax_core.placement import release_bound_pool
+
+    released = 0
+    for pool in bound:
+        on_it = [w for w in unconfirmed if w.placement_group_id == _group_hex(pool)]
+        if on_it:
+            name = f"relax-{pool.pool}"
+            kept[name] = "; ".join(w.describe() for w in on_it)
+            problems.append(_kept_message(name, pool, on_it))
+            continue
+        try:
+            released += release_bound_pool(pool)
+        except RelaxError as exc:
+            problems.append(str(exc))
+    return released
 
 
 def _group_hex(bound: Any) -> str | None:

@@ -483,8 +483,7 @@ class RunJob:
         """
         import ray
 
-        from relax_core.placement import release_bound_pool
-        from relax_core.service import _still_running
+        from relax_core.service import _still_running, release_pools
 
         problems: list[str] = []
         if self.trainer is not None:
@@ -506,6 +505,13 @@ class RunJob:
                 ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
             except Exception as exc:
                 problems.append(f"{r}.{m}: shutdown: {_cause(exc)}")
+        # Workers whose cleanup is not confirmed keep their placement groups (as relax serve).
+        unconfirmed: list[Any] = []
+        for r, m, a in actors:
+            try:
+                unconfirmed += ray.get(a.unconfirmed_workers.remote(), timeout=30.0)
+            except Exception as exc:
+                problems.append(f"{r}.{m}: unconfirmed workers not known: {_cause(exc)}")
         for _, _, a in actors:
             ray.kill(a, no_restart=True)
         self.actors = {}
@@ -522,14 +528,11 @@ class RunJob:
                 + (f", {len(self.router_pids)} router" if self.router_pids else "")
                 + ")",
             )
-        released = 0
-        for bound in self.bound:
-            try:
-                released += release_bound_pool(bound)
-            except RelaxError as exc:
-                problems.append(str(exc))
+        kept: dict[str, str] = {}
+        released = release_pools(self.bound, unconfirmed, kept=kept, problems=problems)
         if self.bound:
-            self._say(say, f"placement groups removed ({released})")
+            note = f", {len(kept)} kept" if kept else ""
+            self._say(say, f"placement groups removed ({released}){note}")
         self.bound = []
         return problems
 
