@@ -308,8 +308,8 @@ class EngineWorker:
         start = time.monotonic()
         async with self._lock, asyncio.timeout(2 * timeout):
             control, admission = self._head()
-            for tag in ordered(tags):
-                await control.resume_memory([tag], timeout=timeout)
+            # One call: the engine resumes them in order (weights first), as SGLang does.
+            await control.resume_memory(ordered(tags), timeout=timeout)
             if reopen:
                 await control.health_generate(timeout=timeout)
                 admission.open()

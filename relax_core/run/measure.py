@@ -12,9 +12,11 @@ one pinned host→device (onload) or device→host (offload) copy of the same nu
 the trainer on its device (``measure_copy``) — and the run's step time:
 
 - ``limit_seconds = 1.25 * copy + 0.05`` and ``within_limit`` per switch;
-- ``freed_fraction`` per offload: the device memory freed over what the role's engines held
-  (CUDA: device free memory after minus before, over torch's reserved bytes before; CPU: the
-  engines' own resident weight and KV cache bytes);
+- ``freed_fraction`` per offload: the memory freed over what the role's engines held (CUDA:
+  device free memory after minus before, plus what the engines parked for the next engine on
+  the GPU to take over (an ``hf`` engine with ``--memory-handoff``, its ``memory_handoff``
+  report), over what they held before (``cuda_memory_held``: torch's reserved bytes and the
+  memory they map themselves); CPU: the engines' own resident weight and KV cache bytes);
 - ``share_of_step``: the switches' seconds over the steps' seconds.
 """
 
@@ -68,20 +70,36 @@ class Switch:
     #: ``LifecycleResult`` (rollout's own switches; ``None`` through the coordinator).
     manager_seconds: float | None = None
     worker_seconds: float | None = None
+    #: What the role's engines had parked for another engine to take, before and after.
+    parked_before: int = 0
+    parked_after: int = 0
+
+    @property
+    def handed_over_bytes(self) -> int:
+        """Memory the switch parked for the next engine on the GPU (still in use on the
+        device, no longer the role's)."""
+        return max(0, self.parked_after - self.parked_before)
 
     @property
     def freed_bytes(self) -> int:
-        """Memory this switch gave back (negative for an onload, which takes memory)."""
+        """Memory this switch gave back, to the device or handed over (negative for an
+        onload, which takes memory)."""
         if self.device_free_before is not None and self.device_free_after is not None:
-            return self.device_free_after - self.device_free_before
+            return self.device_free_after - self.device_free_before + self.handed_over_bytes
         return self.held_before - self.held_after
 
 
 def _held(memory: Mapping[str, Any]) -> int:
+    if "cuda_memory_held" in memory:
+        return int(memory["cuda_memory_held"])
     if "cuda_memory_reserved" in memory:
         return int(memory["cuda_memory_reserved"])
     kv = memory.get("kv_cache") or {}
     return int(memory.get("resident_param_bytes", 0)) + int(kv.get("bytes", 0))
+
+
+def _parked(memory: Mapping[str, Any]) -> int:
+    return int((memory.get("memory_handoff") or {}).get("parked_bytes", 0))
 
 
 def _ops_since(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -172,6 +190,8 @@ class SwitchProbe:
                 engine_ops=tuple(ops[0]) if ops and ops[0] is not None else (),
                 manager_seconds=manager,
                 worker_seconds=worker,
+                parked_before=sum(_parked(m) for m in before),
+                parked_after=sum(_parked(m) for m in after),
             )
         )
         return result
@@ -262,6 +282,7 @@ def switch_report(
             "device_free_after": s.device_free_after,
             "device_total": s.device_total,
             "freed_bytes": s.freed_bytes,
+            "handed_over_bytes": s.handed_over_bytes,
             "engine_seconds": s.engine_seconds,
             "manager_seconds": s.manager_seconds,
             "worker_seconds": s.worker_seconds,

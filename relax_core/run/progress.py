@@ -194,4 +194,9 @@ class Printer:
                         if s["direction"] == "offload"
                         else ""
                     )
+                    + (
+                        f" ({s['handed_over_bytes'] / 1e9:.1f} GB of it handed over)"
+                        if s.get("handed_over_bytes")
+                        else ""
+                    )
                 )

@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
         constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
         enable_torch_compile=args.enable_torch_compile,
+        memory_handoff=args.memory_handoff,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -201,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest="disable_cuda_graph",
         action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--memory-handoff",
+        action="store_true",
+        help="CUDA: a release parks the weights' and the KV cache pool's GPU memory for the next "
+        "engine on the same GPU to take over (instead of freeing it to the driver), and a "
+        "resume takes parked memory first; for engines that time-share a GPU (docs/hf-engine.md)",
     )
     p.add_argument(
         "--cuda-graph-max-bs",

@@ -125,6 +125,9 @@ class Engine:
                 pass
         if self.nodes is not None:
             await self.compute(self.nodes.close)
+        exchange = getattr(self.runner, "exchange", None)
+        if exchange is not None:
+            await self.compute(exchange.close)
         self._executor.shutdown(wait=True)
 
     async def compute(self, fn: Any, *args: Any) -> Any:

@@ -9,16 +9,22 @@ prompt's slots (its KV is computed once) and own only the slots of their own tok
 
 The pool is sized once at start-up (``--mem-fraction-static`` / ``--max-total-tokens``) and
 held until ``kv_cache`` is released: :meth:`KVPool.release` drops the buffer (the memory goes
-back to the driver or the OS), :meth:`KVPool.allocate` takes it again. Compute thread only.
+back to the driver or the OS), :meth:`KVPool.allocate` takes it again. With an
+:class:`~relax_hf.vmm.Exchange` (``--memory-handoff``) the buffer is a
+:class:`~relax_hf.vmm.Segment`: released, its memory is parked for the next engine on the GPU;
+allocated, it takes parked memory first. Compute thread only.
 """
 
 from __future__ import annotations
 
 import mmap
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
+
+from relax_hf.vmm import DriverError, Exchange, Segment
 
 __all__ = ["KVPool", "PoolFull", "PoolUnavailable"]
 
@@ -45,6 +51,7 @@ class KVPool:
         num_slots: int,
         max_rows: int,
         context_len: int,
+        exchange: Exchange | None = None,
     ) -> None:
         if num_slots < 2:
             raise ValueError(f"the KV cache pool needs at least 2 slots, got {num_slots}")
@@ -59,6 +66,18 @@ class KVPool:
         elem = torch.empty(0, dtype=dtype).element_size()
         self.bytes_per_token = num_layers * 2 * kv_heads * head_dim * elem
         self.nbytes = self.bytes_per_token * num_slots
+        # In a segment the request-to-token table follows the slots (its memory is handed over
+        # with theirs); otherwise torch allocates it.
+        self._table_offset = -(-self.nbytes // 512) * 512
+        table_bytes = (max_rows + 1) * context_len * 8
+        self.segment: Segment | None = None
+        if exchange is not None:
+            self.segment = Segment(
+                exchange.device,
+                self._table_offset + table_bytes,
+                exchange=exchange,
+                name="kv_cache",
+            )
         self.kv: torch.Tensor | None = None
         self.req_to_token: torch.Tensor | None = None
         self._stack = np.empty(0, dtype=np.int64)
@@ -74,11 +93,28 @@ class KVPool:
         """Whether the buffer is held."""
         return self.kv is not None
 
-    def allocate(self) -> None:
-        """Take the buffer (every slot free). Idempotent."""
+    def _unavailable(self, free: int, total: int) -> PoolUnavailable:
+        return PoolUnavailable(
+            f"the KV cache pool needs {self.nbytes / 2**30:.1f} GiB on {self.device}, "
+            f"{free / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB are free (another "
+            "process holds the rest); release that memory first, or start the engine "
+            "with a smaller --mem-fraction-static / --max-total-tokens"
+        )
+
+    def allocate(self) -> dict[str, Any]:
+        """Take the buffer (every slot free); what mapping a segment took. Idempotent."""
         if self.kv is not None:
-            return
-        if self.device.type == "cpu":
+            return {}
+        detail: dict[str, Any] = {}
+        if self.segment is not None:
+            try:
+                detail = self.segment.map()
+            except DriverError as exc:
+                if "OUT_OF_MEMORY" not in str(exc):
+                    raise
+                raise self._unavailable(*torch.cuda.mem_get_info(self.device)) from exc
+            raw = self.segment.tensor()
+        elif self.device.type == "cpu":
             # An anonymous mapping of its own: pages are committed when written and unmapped at
             # once on release (no allocator keeps them).
             with warnings.catch_warnings():
@@ -87,32 +123,41 @@ class KVPool:
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             if self.nbytes > free:
-                raise PoolUnavailable(
-                    f"the KV cache pool needs {self.nbytes / 2**30:.1f} GiB on {self.device}, "
-                    f"{free / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB are free (another "
-                    "process holds the rest); release that memory first, or start the engine "
-                    "with a smaller --mem-fraction-static / --max-total-tokens"
-                )
+                raise self._unavailable(free, total)
             raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        self.kv = raw.view(self.dtype).view(
-            self.num_layers, 2, self.num_slots, self.kv_heads, self.head_dim
+        self.kv = (
+            raw[: self.nbytes]
+            .view(self.dtype)
+            .view(self.num_layers, 2, self.num_slots, self.kv_heads, self.head_dim)
         )
-        self.req_to_token = torch.zeros(
-            (self.max_rows + 1, self.context_len), dtype=torch.int64, device=self.device
-        )
-        self._stack = np.arange(self.num_slots - 1, 0, -1, dtype=np.int64)
-        self._top = len(self._stack)
-        self._refs = np.zeros(self.num_slots, dtype=np.int32)
-        self._rows = list(range(self.max_rows, 0, -1))
+        if self.segment is not None:
+            table = raw[self._table_offset :].view(torch.int64)
+            self.req_to_token = table.view(self.max_rows + 1, self.context_len).zero_()
+        else:
+            self.req_to_token = torch.zeros(
+                (self.max_rows + 1, self.context_len), dtype=torch.int64, device=self.device
+            )
+        if len(self._stack) != self.num_slots - 1 or self._top != len(self._stack):
+            # The first allocation. A release leaves every slot on the free stack with a count
+            # of 0 and every row free: nothing to rebuild after one.
+            self._stack = np.arange(self.num_slots - 1, 0, -1, dtype=np.int64)
+            self._top = len(self._stack)
+            self._refs = np.zeros(self.num_slots, dtype=np.int32)
+            self._rows = list(range(self.max_rows, 0, -1))
+        return detail
 
-    def release(self) -> None:
-        """Drop the buffer; refused (``RuntimeError``) while a row is in use. Idempotent."""
+    def release(self) -> dict[str, Any]:
+        """Drop the buffer; refused (``RuntimeError``) while a row is in use; what unmapping a
+        segment took (the caller has synchronised the device). Idempotent."""
         if self.kv is None:
-            return
+            return {}
         if self.rows_in_use:
             raise RuntimeError(f"{self.rows_in_use} sequence(s) still hold KV cache rows")
         self.kv = None
         self.req_to_token = None
+        if self.segment is not None:
+            return self.segment.unmap(park=True)
+        return {}
 
     # -- accounting ------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ import torch
 from relax_hf.grammar import GrammarBackend
 from relax_hf.kvcache import KVPool
 from relax_hf.modeling import DecodeGraphs, NativeModel
+from relax_hf.vmm import Exchange, Segment, device_uuid
 
 __all__ = ["ModelRunner", "WeightsError", "pool_slots"]
 
@@ -156,11 +157,18 @@ class ModelRunner:
         json_any_whitespace: bool = True,
         json_max_whitespace_cnt: int | None = None,
         torch_compile: bool = False,
+        memory_handoff: bool = False,
     ) -> None:
         """Load the model and its tokenizer, pack the weights, take the KV cache pool.
 
-        :raises ValueError: an unknown dtype, an unsupported architecture, or a KV cache pool
-            that ``mem_fraction_static`` / ``max_total_tokens`` leave no room for.
+        With ``memory_handoff`` (CUDA only) the weight buffer and the pool are
+        :class:`~relax_hf.vmm.Segment` s: a release parks their physical memory for the next
+        engine on the GPU to take over (:mod:`relax_hf.vmm`), and a resume takes parked memory
+        first.
+
+        :raises ValueError: an unknown dtype, an unsupported architecture, a KV cache pool
+            that ``mem_fraction_static`` / ``max_total_tokens`` leave no room for, or
+            ``memory_handoff`` off CUDA.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,6 +178,14 @@ class ModelRunner:
             torch.cuda.set_device(self.device.index or 0)
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.weights_cpu_backup = weights_cpu_backup
+        self.exchange: Exchange | None = None
+        if memory_handoff:
+            if self.device.type != "cuda":
+                raise ValueError(
+                    f"--memory-handoff: hands CUDA memory between engines; device is {self.device}"
+                )
+            index = self.device.index or 0
+            self.exchange = Exchange(device_uuid(index), device=index)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         torch_dtype: Any = "auto" if dtype == "auto" else DTYPES.get(dtype)
         if torch_dtype is None:
@@ -197,6 +213,12 @@ class ModelRunner:
             self._layout[name] = (offset, nbytes, tuple(p.shape), p.dtype)
             offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.param_bytes = offset
+        self._wseg: Segment | None = None
+        if self.exchange is not None:
+            self._wseg = Segment(
+                self.exchange.device, self.param_bytes, exchange=self.exchange, name="weights"
+            )
+        self.last_map: dict[str, Any] = {}
         self._backup: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None
         self._released: list[weakref.ref[Any]] = []
@@ -225,6 +247,7 @@ class ModelRunner:
             num_slots=num_slots,
             max_rows=max_running_requests,
             context_len=self.max_len,
+            exchange=self.exchange,
         )
         self.graphs: DecodeGraphs | None = None
         if cuda_graph and self.device.type == "cuda":
@@ -268,6 +291,7 @@ class ModelRunner:
             json_any_whitespace=not config.constrained_json_disable_any_whitespace,
             json_max_whitespace_cnt=config.constrained_json_max_whitespace_cnt,
             torch_compile=config.enable_torch_compile,
+            memory_handoff=config.memory_handoff,
         )
 
     # -- setup ---------------------------------------------------------------------------
@@ -301,8 +325,12 @@ class ModelRunner:
         """A flat byte buffer for every weight on the device.
 
         On CPU it is an anonymous memory mapping of its own, so dropping it unmaps the pages at
-        once (no allocator caching): released weights really leave the process.
+        once (no allocator caching): released weights really leave the process. With memory
+        hand-over it is the weight segment, mapped (the same addresses every time).
         """
+        if self._wseg is not None:
+            self.last_map = self._wseg.map()
+            return self._wseg.tensor()
         if self.device.type != "cpu":
             return torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
         with warnings.catch_warnings():
@@ -398,17 +426,26 @@ class ModelRunner:
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.weights_resident = False
+        unmapped: dict[str, Any] = {}
+        if self._wseg is not None:
+            self._sync()  # nothing may still read the buffer when its memory is unmapped
+            unmapped = {f"segment_{k}": v for k, v in self._wseg.unmap(park=True).items()}
         freed = self.free_cached_memory(self._released)
         return {
             "released_bytes": self.param_bytes,
+            **unmapped,
             "backup_copied_bytes": copied,
             "copy_seconds": copy_done - start,
             **freed,
             "seconds": time.perf_counter() - start,
         }
 
-    def resume_weights(self) -> dict[str, Any]:
-        """Bring the weights back: from the host backup, or by reloading the checkpoint."""
+    def resume_weights(self, *, wait: bool = True) -> dict[str, Any]:
+        """Bring the weights back: from the host backup, or by reloading the checkpoint.
+
+        Without ``wait`` a copy from the host backup is only started (the device runs it in
+        stream order before anything queued after it); the caller synchronises.
+        """
         if self.weights_resident:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
@@ -418,7 +455,8 @@ class ModelRunner:
         if self._backup_current:
             assert self._backup is not None
             flat.copy_(self._backup, non_blocking=True)
-            self._sync()
+            if wait:
+                self._sync()
             source = "cpu_backup"
         else:
             self._load_checkpoint_into(flat, self.checkpoint_path)
@@ -428,10 +466,12 @@ class ModelRunner:
         self.weights_resident = True
         lost = self.weights_dirty and not self._backup_current
         self.weights_dirty = self.weights_dirty and not lost
+        mapped = {f"segment_{k}": v for k, v in self.last_map.items()} if self._wseg else {}
         return {
             "source": source,
             "seconds": copy_seconds,
             "alloc_seconds": allocated - start,
+            **mapped,
             "updates_lost": lost,
         }
 
@@ -449,10 +489,13 @@ class ModelRunner:
         assert self.pool.kv is not None
         start = time.perf_counter()
         buffer = [weakref.ref(self.pool.kv.untyped_storage())]
-        self.pool.release()
+        if self.pool.segment is not None:
+            self._sync()  # nothing may still read the pool when its memory is unmapped
+        unmapped = {f"segment_{k}": v for k, v in self.pool.release().items()}
         freed = self.free_cached_memory(buffer)
         return {
             "released_bytes": self.pool.nbytes,
+            **unmapped,
             **freed,
             "seconds": time.perf_counter() - start,
         }
@@ -462,9 +505,9 @@ class ModelRunner:
         if self.pool.resident:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
-        self.pool.allocate()
+        mapped = {f"segment_{k}": v for k, v in self.pool.allocate().items()}
         self._sync()
-        return {"bytes": self.pool.nbytes, "seconds": time.perf_counter() - start}
+        return {"bytes": self.pool.nbytes, **mapped, "seconds": time.perf_counter() - start}
 
     def release_cuda_graphs(self) -> dict[str, Any]:
         """Drop every captured decode graph and its memory pool. Idempotent."""
@@ -498,9 +541,15 @@ class ModelRunner:
         """Resume ``tags``, weights first; then, when ``graphs`` (the ``cuda_graph`` tag is
         resident) and weights and pool are both back, capture the decode graphs again."""
         detail: dict[str, Any] = {}
-        if "weights" in tags and not self.weights_resident:
-            detail["weights"] = self.resume_weights()
-        if "kv_cache" in tags and not self.pool.resident:
+        weights = "weights" in tags and not self.weights_resident
+        pool = "kv_cache" in tags and not self.pool.resident
+        if weights:
+            # With the pool to take as well, the weights' copy runs while the pool is mapped;
+            # the pool's resume ends by synchronising the device, after the copy too.
+            detail["weights"] = self.resume_weights(wait=not pool)
+            if pool:
+                detail["weights"]["copy_overlaps"] = "kv_cache"
+        if pool:
             detail["kv_cache"] = self.resume_kv_cache()
         if graphs and self.graphs is not None and self.graphs.captured == 0:
             detail["cuda_graph"] = self.capture_cuda_graphs()
@@ -563,12 +612,25 @@ class ModelRunner:
         }
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            mapped = sum(
+                seg.size for seg in (self._wseg, self.pool.segment) if seg and seg.resident
+            )
             report.update(
                 cuda_memory_allocated=torch.cuda.memory_allocated(self.device),
-                cuda_memory_reserved=torch.cuda.memory_reserved(self.device),
+                cuda_memory_reserved=reserved,
+                # What this engine holds: torch's allocator and the segments it maps itself.
+                cuda_memory_held=reserved + mapped,
                 cuda_device_free=free,
                 cuda_device_total=total,
             )
+            if self.exchange is not None:
+                report["memory_handoff"] = {
+                    "mapped_bytes": mapped,
+                    "parked_bytes": self.exchange.parked_bytes,
+                    "handed_out_bytes": self.exchange.handed_out_bytes,
+                    "handed_in_bytes": self.exchange.handed_in_bytes,
+                }
         return report
 
     # -- loading weights -----------------------------------------------------------------
@@ -643,6 +705,19 @@ class ModelRunner:
         """Load a checkpoint directory of the same architecture into the weights."""
         if not self.weights_resident:
             raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
+        if self._wseg is not None and self._flat is not None:
+            # Loaded aside first (a failed load leaves the weights as they were), then copied
+            # into the segment: the same addresses, so views and graphs stay valid.
+            staging = torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
+            self._load_checkpoint_into(staging, path)
+            self._flat.copy_(staging)
+            self._sync()
+            del staging
+            self.free_cached_memory()
+            self.checkpoint_path = path
+            self.weights_dirty = False
+            self._backup_current = False
+            return self.param_bytes
         flat = self._alloc_flat()
         self._load_checkpoint_into(flat, path)
         had_graphs = self.graphs is not None and self.graphs.captured > 0

@@ -63,6 +63,7 @@ class ServerConfig:
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
     enable_torch_compile: bool = False
+    memory_handoff: bool = False
 
 
 def error_response(

@@ -1,0 +1,65 @@
+"""``--memory-handoff``: GPU memory parked by one engine's release, taken over by another's.
+
+Skipped without a CUDA device (the hand-over is CUDA's virtual memory API); the H200 run of
+``relax run`` (docs/benchmarks.md) uses it between three roles on one GPU. The option's error
+off CUDA is tested on every machine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from relax_hf.testing import EngineServer
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPTS = ["Once upon a time", "def add(a, b):"]
+ARGS = ("--mem-fraction-static", "0.2", "--memory-handoff", "--disable-cuda-graph")
+
+
+def _greedy(server: EngineServer) -> list[list[int]]:
+    body = {"text": PROMPTS, "sampling_params": {"max_new_tokens": 16, "temperature": 0.0}}
+    return [o["output_ids"] for o in server.http.ok("/generate", body)]
+
+
+def _handoff(server: EngineServer) -> dict[str, Any]:
+    memory = server.http.ok("/server_info")["memory"]
+    return {**memory["memory_handoff"], "pool_bytes": memory["kv_cache"]["pool_bytes"]}
+
+
+@cuda
+def test_a_released_engines_memory_is_taken_over_by_the_next_and_back(start_server: Any) -> None:
+    a = start_server("hf-handoff-a", device="cuda", weights_cpu_backup=True, extra_args=ARGS)
+    expected = _greedy(a)
+    a.http.ok("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    parked = _handoff(a)
+    assert parked["mapped_bytes"] == 0
+    assert parked["parked_bytes"] >= parked["pool_bytes"]
+    # A new engine on the same GPU starts on A's parked memory instead of the driver's.
+    b = start_server("hf-handoff-b", device="cuda", extra_args=ARGS)
+    taken = _handoff(b)
+    assert taken["handed_in_bytes"] >= parked["pool_bytes"]
+    assert _handoff(a)["handed_out_bytes"] == taken["handed_in_bytes"]
+    assert _greedy(b) == expected  # the same tiny model: its weights and pool work
+    b.http.ok("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    a.http.ok("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    back = _handoff(a)
+    assert back["handed_in_bytes"] > 0 and back["mapped_bytes"] >= back["pool_bytes"]
+    # The weights came back from the host backup into memory B used: the same outputs.
+    assert _greedy(a) == expected
+    detail = a.http.ok("/server_info")["memory_log"][-1]["detail"]
+    assert detail["weights"]["copy_overlaps"] == "kv_cache"
+
+
+def test_memory_handoff_off_cuda_is_refused_naming_the_option(tiny_model: Any) -> None:
+    code = (
+        "from relax_hf.runner import ModelRunner\n"
+        f"ModelRunner({str(tiny_model)!r}, device='cpu', memory_handoff=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--memory-handoff" in out.stderr and "cuda" in out.stderr.lower()
