@@ -40,7 +40,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CHUNK_BYTES",
@@ -319,7 +322,7 @@ class Segment:
                 ctypes.c_size_t(len(self.chunks) * CHUNK_BYTES),
             )
 
-    def tensor(self) -> Any:
+    def tensor(self) -> torch.Tensor:
         """A ``uint8`` torch tensor of the segment's ``nbytes`` (mapped segments only)."""
         import torch
 

@@ -7,8 +7,11 @@ off CUDA is tested on every machine.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,3 +66,75 @@ def test_memory_handoff_off_cuda_is_refused_naming_the_option(tiny_model: Any) -
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--memory-handoff" in out.stderr and "cuda" in out.stderr.lower()
+
+
+# The exchange's protocol without a GPU: a mock of the three driver calls (import, release,
+# context), which this machine has no CUDA driver for; chunks are memfd descriptors, so what
+# travels between the two processes is a real kernel object, checked by its contents.
+FAKE_DRIVER = """
+import ctypes, os
+from relax_hf import vmm
+
+class FakeDriver:
+    def bind_context(self, device):
+        pass
+
+    def call(self, name, *args):
+        if name == "cuMemImportFromShareableHandle":
+            args[0]._obj.value = 1000 + args[1].value
+        elif name != "cuMemRelease":
+            raise AssertionError(name)
+
+vmm._driver = lambda: FakeDriver()
+
+def memfd_chunk(mark):
+    fd = os.memfd_create(f"chunk-{mark}")
+    os.write(fd, mark.encode())
+    return vmm.Chunk(handle=1, fd=fd, nbytes=vmm.CHUNK_BYTES)
+"""
+
+
+def _mark(chunk: Any) -> str:
+    return os.pread(chunk.fd, 16, 0).decode()
+
+
+def test_the_exchange_passes_parked_chunks_to_another_process_and_skips_a_gone_peer(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "exchange"
+    giver = FAKE_DRIVER + textwrap.dedent(f"""
+        import sys, pathlib
+        ex = vmm.Exchange("GPU-test", device=0, root=pathlib.Path({str(root)!r}))
+        ex.park([memfd_chunk(f"chunk-{{i}}") for i in range(3)])
+        print("parked", flush=True)
+        sys.stdin.readline()
+        n = vmm.CHUNK_BYTES
+        print(ex.parked_bytes // n, ex.handed_out_bytes // n, flush=True)
+        ex.close()
+    """)
+    child = subprocess.Popen(
+        [sys.executable, "-c", giver], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "parked"
+        namespace: dict[str, Any] = {}
+        exec(FAKE_DRIVER, namespace)  # this process takes, with the same mock
+        vmm = namespace["vmm"]
+        gone = root / "GPU-test" / "0.sock"  # sorted first
+        gone.touch()  # the socket file of an engine that died: nobody listens
+        ex = vmm.Exchange("GPU-test", device=0, root=root)
+        got = ex.take(2)
+        assert sorted(_mark(c) for c in got) == ["chunk-0", "chunk-1"]
+        assert not gone.exists()  # removed, and the live peer still served
+        assert ex.handed_in_bytes == 2 * vmm.CHUNK_BYTES
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().split() == ["1", "2"]  # one left, two handed out
+        assert child.wait(timeout=30) == 0
+        for c in got:
+            c.free()
+        assert oct((root / "GPU-test").stat().st_mode & 0o777) == "0o700"
+    finally:
+        child.kill()
+        child.communicate(timeout=30)
