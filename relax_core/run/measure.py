@@ -127,7 +127,9 @@ def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
             float(tag.get("seconds", 0.0))
             for op in head or ()
             for tag in op["detail"].values()
-            if isinstance(tag, Mapping)
+            # An ``overlapped`` tag ran inside another's seconds (hf: the pool mapped during
+            # the weights' copy).
+            if isinstance(tag, Mapping) and not tag.get("overlapped")
         )
         for head in ops
     )

@@ -128,6 +128,9 @@ class Engine:
         exchange = getattr(self.runner, "exchange", None)
         if exchange is not None:
             await self.compute(exchange.close)
+        warmer = getattr(self.runner, "warmer", None)
+        if warmer is not None:
+            warmer.stop()
         self._executor.shutdown(wait=True)
 
     async def compute(self, fn: Any, *args: Any) -> Any:

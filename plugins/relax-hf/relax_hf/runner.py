@@ -35,7 +35,7 @@ import torch
 from relax_hf.grammar import GrammarBackend
 from relax_hf.kvcache import KVPool
 from relax_hf.modeling import DecodeGraphs, NativeModel
-from relax_hf.vmm import Exchange, Segment, device_uuid
+from relax_hf.vmm import DriverWarmer, Exchange, Segment, device_uuid
 
 __all__ = ["ModelRunner", "WeightsError", "pool_slots"]
 
@@ -179,6 +179,11 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.weights_cpu_backup = weights_cpu_backup
         self.exchange: Exchange | None = None
+        # Pays the driver's deferred cost of the first allocation after a release, off the
+        # compute thread, so that a resume does not (relax_hf.vmm.DriverWarmer).
+        self.warmer: DriverWarmer | None = None
+        if self.device.type == "cuda":
+            self.warmer = DriverWarmer(self.device.index or 0)
         if memory_handoff:
             if self.device.type != "cuda":
                 raise ValueError(
@@ -543,14 +548,20 @@ class ModelRunner:
         detail: dict[str, Any] = {}
         weights = "weights" in tags and not self.weights_resident
         pool = "kv_cache" in tags and not self.pool.resident
+        # A pool that is a segment is only mapped (no device work): the weights' copy from the
+        # host backup runs meanwhile, and the pool's resume ends by synchronising the device,
+        # after the copy too. The weights' ``seconds`` then run until that synchronisation; the
+        # pool's (``overlapped``) are inside them.
+        overlap = weights and pool and self.pool.segment is not None and self._backup_current
+        began = time.perf_counter()
         if weights:
-            # With the pool to take as well, the weights' copy runs while the pool is mapped;
-            # the pool's resume ends by synchronising the device, after the copy too.
-            detail["weights"] = self.resume_weights(wait=not pool)
-            if pool:
-                detail["weights"]["copy_overlaps"] = "kv_cache"
+            detail["weights"] = self.resume_weights(wait=not overlap)
         if pool:
             detail["kv_cache"] = self.resume_kv_cache()
+        if overlap:
+            detail["weights"]["seconds"] = time.perf_counter() - began
+            detail["weights"]["copy_overlaps"] = "kv_cache"
+            detail["kv_cache"]["overlapped"] = True
         if graphs and self.graphs is not None and self.graphs.captured == 0:
             detail["cuda_graph"] = self.capture_cuda_graphs()
         return detail
@@ -570,6 +581,8 @@ class ModelRunner:
         collected_at = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+            if self.warmer is not None:
+                self.warmer.released()
         else:
             _malloc_trim()
         return {
@@ -624,6 +637,11 @@ class ModelRunner:
                 cuda_device_free=free,
                 cuda_device_total=total,
             )
+            if self.warmer is not None:
+                report["driver_warmup"] = {
+                    "log": [list(e) for e in self.warmer.log],
+                    "error": self.warmer.error,
+                }
             if self.exchange is not None:
                 report["memory_handoff"] = {
                     "mapped_bytes": mapped,

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +140,53 @@ def test_the_exchange_passes_parked_chunks_to_another_process_and_skips_a_gone_p
     finally:
         child.kill()
         child.communicate(timeout=30)
+
+
+def test_the_driver_warmer_allocates_on_its_schedule_after_each_release() -> None:
+    # The driver's allocation is mocked (no GPU here); what is tested is when it happens.
+    from relax_hf import vmm
+
+    calls: list[float] = []
+    two, enough = threading.Event(), threading.Event()
+    warmer = vmm.DriverWarmer(0, schedule=(0.0, 0.05))
+
+    def allocate_once() -> float:
+        calls.append(time.monotonic())
+        (two if len(calls) == 2 else enough if len(calls) == 4 else threading.Event()).set()
+        return 0.5
+
+    warmer._allocate_once = allocate_once  # type: ignore[method-assign]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vmm, "_driver", lambda: FakeContext())
+        began = time.monotonic()
+        warmer.released()
+        assert two.wait(30)
+        assert calls[1] - began >= 0.05  # both, the second at its time
+        warmer.released()  # a new release starts the schedule again
+        assert enough.wait(30)
+        warmer.stop()
+    assert [ms for _, ms in warmer.log] == [0.5] * 4 and warmer.error is None
+
+
+def test_the_driver_warmer_stops_at_a_driver_error_and_says_so() -> None:
+    from relax_hf import vmm
+
+    warmer = vmm.DriverWarmer(0, schedule=(0.0, 0.0))
+
+    def refuse() -> float:
+        raise vmm.DriverError("cuMemCreate failed: CUDA_ERROR_NOT_SUPPORTED (801)")
+
+    warmer._allocate_once = refuse  # type: ignore[method-assign]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vmm, "_driver", lambda: FakeContext())
+        warmer.released()
+        assert warmer._thread is not None
+        warmer._thread.join(30)
+        assert "NOT_SUPPORTED" in (warmer.error or "") and warmer.log == []
+        warmer.released()  # nothing starts again
+        warmer.stop()
+
+
+class FakeContext:
+    def bind_context(self, device: int) -> None:
+        pass
