@@ -150,8 +150,12 @@ def main() -> None:
     time.sleep(2)
     t0 = time.perf_counter()
     d = w.map()
-    say(op="weights map 2 s after the pool's free and a 2 MiB create+free right after it",
-        warm_s=warm, map_s=time.perf_counter() - t0, **d)
+    say(
+        op="weights map 2 s after the pool's free and a 2 MiB create+free right after it",
+        warm_s=warm,
+        map_s=time.perf_counter() - t0,
+        **d,
+    )
     w.unmap(park=False)
     p.map()
     w.map()
