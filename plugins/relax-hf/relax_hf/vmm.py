@@ -634,12 +634,21 @@ class Exchange:
             chunks: list[Chunk] = []
             try:
                 for fd in fds:
-                    chunks.append(Chunk.imported(fd, CHUNK_BYTES))
+                    try:
+                        chunks.append(Chunk.imported(fd, CHUNK_BYTES))
+                    except DriverError as exc:  # keep what was imported; the giver the rest
+                        self._log(f"importing GPU memory from {peer.name} failed: {exc!r}")
+                        break
             finally:
                 for fd in fds[len(chunks) :]:
                     os.close(fd)
+            try:
                 if count:
                     _send_line(conn, {"imported": len(chunks)})
+            except OSError:
+                for c in chunks:  # the giver, told nothing, keeps its references: drop ours
+                    c.free()
+                raise
             self.handed_in_bytes += len(chunks) * CHUNK_BYTES
             if count:
                 try:  # the giver has dropped its references (the chunks are ours either way)

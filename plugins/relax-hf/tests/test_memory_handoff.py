@@ -70,11 +70,12 @@ def test_memory_handoff_off_cuda_is_refused_naming_the_option(tiny_model: Any) -
     assert "--memory-handoff" in out.stderr and "cuda" in out.stderr.lower()
 
 
-# The exchange's protocol without a GPU: a mock of the three driver calls (import, release,
-# context), which this machine has no CUDA driver for; chunks are memfd descriptors, so what
-# travels between the two processes is a real kernel object, checked by its contents.
+# The exchange's protocol and the warm-up's schedule without a GPU: a mock of the driver calls
+# they make (import, release, context), which this machine has no CUDA driver for. Chunks are
+# memfd descriptors, so what travels between two processes is a real kernel object, checked by
+# its contents; one marked "bad" fails to import. The source runs in the giving process too.
 FAKE_DRIVER = """
-import ctypes, os
+import os
 from relax_hf import vmm
 
 class FakeDriver:
@@ -83,31 +84,34 @@ class FakeDriver:
 
     def call(self, name, *args):
         if name == "cuMemImportFromShareableHandle":
+            if os.pread(args[1].value, 3, 0) == b"bad":
+                raise vmm.DriverError("cuMemImportFromShareableHandle failed: (1)")
             args[0]._obj.value = 1000 + args[1].value
         elif name != "cuMemRelease":
             raise AssertionError(name)
-
-vmm._driver = lambda: FakeDriver()
 
 def memfd_chunk(mark):
     fd = os.memfd_create(f"chunk-{mark}")
     os.write(fd, mark.encode())
     return vmm.Chunk(handle=1, fd=fd, nbytes=vmm.CHUNK_BYTES)
 """
+_fake: dict[str, Any] = {}
+exec(FAKE_DRIVER, _fake)
+FakeDriver = _fake["FakeDriver"]
 
 
 def _mark(chunk: Any) -> str:
     return os.pread(chunk.fd, 16, 0).decode()
 
 
-def test_the_exchange_passes_parked_chunks_to_another_process_and_skips_a_gone_peer(
-    tmp_path: Path,
-) -> None:
-    root = tmp_path / "exchange"
-    giver = FAKE_DRIVER + textwrap.dedent(f"""
+def _giver(root: Path, marks: list[str]) -> subprocess.Popen[str]:
+    """A process that parks memfd chunks marked ``marks`` and, after a line on its stdin,
+    prints its parked and handed-out chunk counts; started once it has parked."""
+    code = FAKE_DRIVER + textwrap.dedent(f"""
         import sys, pathlib
+        vmm._driver = FakeDriver
         ex = vmm.Exchange("GPU-test", device=0, root=pathlib.Path({str(root)!r}))
-        ex.park([memfd_chunk(f"chunk-{{i}}") for i in range(3)])
+        ex.park([memfd_chunk(m) for m in {marks!r}])
         print("parked", flush=True)
         sys.stdin.readline()
         n = vmm.CHUNK_BYTES
@@ -115,14 +119,30 @@ def test_the_exchange_passes_parked_chunks_to_another_process_and_skips_a_gone_p
         ex.close()
     """)
     child = subprocess.Popen(
-        [sys.executable, "-c", giver], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    assert child.stdout is not None and child.stdout.readline().strip() == "parked"
+    return child
+
+
+def _counts(child: subprocess.Popen[str]) -> list[str]:
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write("\n")
+    child.stdin.flush()
+    counts = child.stdout.readline().split()
+    assert child.wait(timeout=30) == 0
+    return counts
+
+
+def test_the_exchange_passes_parked_chunks_to_another_process_and_skips_a_gone_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relax_hf import vmm
+
+    monkeypatch.setattr(vmm, "_driver", FakeDriver)  # this process takes, with the same mock
+    root = tmp_path / "exchange"
+    child = _giver(root, ["chunk-0", "chunk-1", "chunk-2"])
     try:
-        assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "parked"
-        namespace: dict[str, Any] = {}
-        exec(FAKE_DRIVER, namespace)  # this process takes, with the same mock
-        vmm = namespace["vmm"]
         gone = root / "GPU-test" / "0.sock"  # sorted first
         gone.touch()  # the socket file of an engine that died: nobody listens
         ex = vmm.Exchange("GPU-test", device=0, root=root)
@@ -130,13 +150,33 @@ def test_the_exchange_passes_parked_chunks_to_another_process_and_skips_a_gone_p
         assert sorted(_mark(c) for c in got) == ["chunk-0", "chunk-1"]
         assert not gone.exists()  # removed, and the live peer still served
         assert ex.handed_in_bytes == 2 * vmm.CHUNK_BYTES
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.stdout.readline().split() == ["1", "2"]  # one left, two handed out
-        assert child.wait(timeout=30) == 0
+        assert _counts(child) == ["1", "2"]  # one left, two handed out
         for c in got:
             c.free()
         assert oct((root / "GPU-test").stat().st_mode & 0o777) == "0o700"
+    finally:
+        child.kill()
+        child.communicate(timeout=30)
+
+
+def test_a_chunk_that_fails_to_import_stays_with_the_giver_and_the_imported_ones_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relax_hf import vmm
+
+    monkeypatch.setattr(vmm, "_driver", FakeDriver)
+    root = tmp_path / "exchange"
+    child = _giver(root, ["chunk-0", "bad", "chunk-2"])
+    try:
+        logged: list[str] = []
+        ex = vmm.Exchange("GPU-test", device=0, root=root, log=logged.append)
+        got = ex.take(3)
+        assert [_mark(c) for c in got] == ["chunk-0"]
+        assert ex.handed_in_bytes == vmm.CHUNK_BYTES
+        assert any("importing GPU memory" in m for m in logged), logged
+        assert _counts(child) == ["2", "1"]  # the bad one and the one after it: still parked
+        for c in got:
+            c.free()
     finally:
         child.kill()
         child.communicate(timeout=30)
@@ -157,7 +197,7 @@ def test_the_driver_warmer_allocates_on_its_schedule_after_each_release() -> Non
 
     warmer._allocate_once = allocate_once  # type: ignore[method-assign]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vmm, "_driver", lambda: FakeContext())
+        mp.setattr(vmm, "_driver", FakeDriver)
         began = time.monotonic()
         warmer.released()
         assert two.wait(30)
@@ -178,15 +218,10 @@ def test_the_driver_warmer_stops_at_a_driver_error_and_says_so() -> None:
 
     warmer._allocate_once = refuse  # type: ignore[method-assign]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vmm, "_driver", lambda: FakeContext())
+        mp.setattr(vmm, "_driver", FakeDriver)
         warmer.released()
         assert warmer._thread is not None
         warmer._thread.join(30)
         assert "NOT_SUPPORTED" in (warmer.error or "") and warmer.log == []
         warmer.released()  # nothing starts again
         warmer.stop()
-
-
-class FakeContext:
-    def bind_context(self, device: int) -> None:
-        pass
