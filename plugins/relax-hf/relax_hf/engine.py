@@ -125,12 +125,10 @@ class Engine:
                 pass
         if self.nodes is not None:
             await self.compute(self.nodes.close)
-        exchange = getattr(self.runner, "exchange", None)
-        if exchange is not None:
-            await self.compute(exchange.close)
-        warmer = getattr(self.runner, "warmer", None)
-        if warmer is not None:
-            warmer.stop()
+        if self.runner.exchange is not None:
+            await self.compute(self.runner.exchange.close)
+        if self.runner.warmer is not None:
+            self.runner.warmer.stop()
         self._executor.shutdown(wait=True)
 
     async def compute(self, fn: Any, *args: Any) -> Any:

@@ -47,6 +47,11 @@ class WeightsError(ValueError):
     """A weight operation cannot be done as asked (bad names, shapes, state); a 400."""
 
 
+def _prefixed(detail: dict[str, Any]) -> dict[str, Any]:
+    """A segment's map / unmap detail as fields of a tag's (``segment_…``)."""
+    return {f"segment_{k}": v for k, v in detail.items()}
+
+
 def _malloc_trim() -> None:
     # glibc keeps freed heap pages; trimming hands them back so RSS reflects what was freed.
     try:
@@ -223,7 +228,6 @@ class ModelRunner:
             self._wseg = Segment(
                 self.exchange.device, self.param_bytes, exchange=self.exchange, name="weights"
             )
-        self.last_map: dict[str, Any] = {}
         self._backup: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None
         self._released: list[weakref.ref[Any]] = []
@@ -326,26 +330,25 @@ class ModelRunner:
             off, nbytes, shape, dtype = self._layout[name]
             yield name, p, flat[off : off + nbytes].view(dtype).view(shape)
 
-    def _alloc_flat(self) -> torch.Tensor:
-        """A flat byte buffer for every weight on the device.
+    def _alloc_flat(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A flat byte buffer for every weight on the device, and what mapping it took.
 
         On CPU it is an anonymous memory mapping of its own, so dropping it unmaps the pages at
         once (no allocator caching): released weights really leave the process. With memory
         hand-over it is the weight segment, mapped (the same addresses every time).
         """
         if self._wseg is not None:
-            self.last_map = self._wseg.map()
-            return self._wseg.tensor()
+            mapped = _prefixed(self._wseg.map())
+            return self._wseg.tensor(), mapped
         if self.device.type != "cpu":
-            return torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
+            return torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device), {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot resize
-            return torch.frombuffer(mmap.mmap(-1, max(self.param_bytes, 1)), dtype=torch.uint8)[
-                : self.param_bytes
-            ]
+            raw = torch.frombuffer(mmap.mmap(-1, max(self.param_bytes, 1)), dtype=torch.uint8)
+        return raw[: self.param_bytes], {}
 
     def _to_flat_from_params(self) -> torch.Tensor:
-        flat = self._alloc_flat()
+        flat, _ = self._alloc_flat()
         for _, p, view in self._views(flat):
             view.copy_(p.data)
         return flat
@@ -434,7 +437,7 @@ class ModelRunner:
         unmapped: dict[str, Any] = {}
         if self._wseg is not None:
             self._sync()  # nothing may still read the buffer when its memory is unmapped
-            unmapped = {f"segment_{k}": v for k, v in self._wseg.unmap(park=True).items()}
+            unmapped = _prefixed(self._wseg.unmap(park=True))
         freed = self.free_cached_memory(self._released)
         return {
             "released_bytes": self.param_bytes,
@@ -454,7 +457,7 @@ class ModelRunner:
         if self.weights_resident:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
-        flat = self._alloc_flat()
+        flat, mapped = self._alloc_flat()
         self._sync()
         allocated = time.perf_counter()
         if self._backup_current:
@@ -471,7 +474,6 @@ class ModelRunner:
         self.weights_resident = True
         lost = self.weights_dirty and not self._backup_current
         self.weights_dirty = self.weights_dirty and not lost
-        mapped = {f"segment_{k}": v for k, v in self.last_map.items()} if self._wseg else {}
         return {
             "source": source,
             "seconds": copy_seconds,
@@ -496,7 +498,7 @@ class ModelRunner:
         buffer = [weakref.ref(self.pool.kv.untyped_storage())]
         if self.pool.segment is not None:
             self._sync()  # nothing may still read the pool when its memory is unmapped
-        unmapped = {f"segment_{k}": v for k, v in self.pool.release().items()}
+        unmapped = _prefixed(self.pool.release())
         freed = self.free_cached_memory(buffer)
         return {
             "released_bytes": self.pool.nbytes,
@@ -510,7 +512,7 @@ class ModelRunner:
         if self.pool.resident:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
-        mapped = {f"segment_{k}": v for k, v in self.pool.allocate().items()}
+        mapped = _prefixed(self.pool.allocate())
         self._sync()
         return {"bytes": self.pool.nbytes, **mapped, "seconds": time.perf_counter() - start}
 
@@ -731,15 +733,12 @@ class ModelRunner:
             self._flat.copy_(staging)
             self._sync()
             del staging
-            self.free_cached_memory()
-            self.checkpoint_path = path
-            self.weights_dirty = False
-            self._backup_current = False
-            return self.param_bytes
-        flat = self._alloc_flat()
-        self._load_checkpoint_into(flat, path)
-        had_graphs = self.graphs is not None and self.graphs.captured > 0
-        self._pack(flat)  # new addresses: the graphs are dropped
+            had_graphs = False
+        else:
+            flat, _ = self._alloc_flat()
+            self._load_checkpoint_into(flat, path)
+            had_graphs = self.graphs is not None and self.graphs.captured > 0
+            self._pack(flat)  # new addresses: the graphs are dropped
         self.free_cached_memory()
         if had_graphs:
             self.capture_cuda_graphs()

@@ -153,6 +153,16 @@ def device_uuid(device: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+def _create(device: int, nbytes: int, *, exportable: bool = True) -> ctypes.c_ulonglong:
+    """``cuMemCreate``: the handle of ``nbytes`` of new physical memory on ``device``."""
+    handle = ctypes.c_ulonglong()
+    prop = _prop(device, exportable=exportable)
+    _driver().call(
+        "cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(nbytes), ctypes.byref(prop), 0
+    )
+    return handle
+
+
 def _prop(device: int, *, exportable: bool = True) -> _AllocationProp:
     prop = _AllocationProp()
     prop.type = _TYPE_PINNED
@@ -179,9 +189,7 @@ class Chunk:
         to other processes."""
         nbytes = CHUNK_BYTES if nbytes is None else nbytes
         d = _driver()
-        handle = ctypes.c_ulonglong()
-        prop = _prop(device)
-        d.call("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(nbytes), ctypes.byref(prop), 0)
+        handle = _create(device, nbytes)
         fd = ctypes.c_int(-1)
         try:
             d.call(
@@ -401,21 +409,13 @@ class DriverWarmer:
 
     def _allocate_once(self) -> float:
         d = _driver()
-        prop = _prop(self.device, exportable=False)
         if not self._granularity:
             size = ctypes.c_size_t()
+            prop = _prop(self.device, exportable=False)
             d.call("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(prop), 0)
             self._granularity = size.value
         start = time.perf_counter()
-        handle = ctypes.c_ulonglong()
-        d.call(
-            "cuMemCreate",
-            ctypes.byref(handle),
-            ctypes.c_size_t(self._granularity),
-            ctypes.byref(prop),
-            0,
-        )
-        d.call("cuMemRelease", handle)
+        d.call("cuMemRelease", _create(self.device, self._granularity, exportable=False))
         return (time.perf_counter() - start) * 1e3
 
     def _run(self) -> None:
