@@ -14,6 +14,7 @@ phases, memory) belong to :func:`relax_core.placement.plan_inference_placement`.
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -198,6 +199,18 @@ class ModelConfig:
     def external(self) -> bool:
         """Served by engines Relax does not start (``external_urls``)."""
         return bool(self.external_urls)
+
+    @property
+    def engine_device(self) -> str:
+        """The device the engine computes on: an SGLang-style ``--device X`` in ``extra_args``
+        (e.g. an engine told ``--device cpu`` on a declared GPU bundle), else ``device``."""
+        args = self.extra_args
+        for i, arg in enumerate(args):
+            if arg == "--device" and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith("--device="):
+                return arg.split("=", 1)[1]
+        return self.device
 
 
 @attrs.frozen
@@ -722,10 +735,31 @@ def loads_config(
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigValidationError(
-            [ConfigProblem("", "toml", f"not valid TOML: {exc}")], source
-        ) from exc
+        raise ConfigValidationError([_toml_problem(exc, text, source)], source) from exc
     return parse_config(data, source=source, role_names=role_names)
+
+
+_TOML_AT = re.compile(r"\s*\(at line (\d+), column (\d+)\)$|\s*\(at end of document\)$")
+
+
+def _toml_problem(exc: tomllib.TOMLDecodeError, text: str, source: str | None) -> ConfigProblem:
+    """A TOML syntax error as ``FILE:LINE:COLUMN: [toml] what`` with the offending line."""
+    message = str(exc)
+    found = _TOML_AT.search(message)
+    lines = text.splitlines()
+    if found is not None and found.group(1):
+        line, column = int(found.group(1)), int(found.group(2))
+    else:  # at the end of the document
+        line = max(len(lines), 1)
+        column = len(lines[-1]) + 1 if lines else 1
+    what = message[: found.start()] if found is not None else message
+    shown = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    quoted = f": {shown!r}" if shown else ""
+    return ConfigProblem(
+        f"{source or '<config>'}:{line}:{column}",
+        "toml",
+        f"not valid TOML: {what} (line {line}{quoted})",
+    )
 
 
 def load_config(path: str | Path, *, role_names: Collection[str] | None = None) -> JobConfig:

@@ -329,7 +329,9 @@ class EngineBackend:
 
     ``launch(spec) -> EngineProcess`` starts one engine server process and returns at once.
     ``control_client(base_url)`` builds the SGLang-protocol control client for a head.
-    ``devices``: the devices it can run on (``cpu``, ``cuda``).
+    ``devices``: the devices it can run on (``cpu``, ``cuda``). ``model_hint``: how a user
+    makes a model directory this backend serves, shown by the job preflight when a
+    ``model_path`` is missing (e.g. a command that writes a tiny model for a try-out).
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -338,6 +340,7 @@ class EngineBackend:
     devices: frozenset[str] = attrs.field(default=frozenset({"cuda"}), converter=_frozenset_of_str)
     multi_node: bool = False
     description: str = ""
+    model_hint: str = ""
 
 
 @attrs.frozen

@@ -745,7 +745,7 @@ def check_job(config: JobConfig, plugin_manager: PluginManager) -> list[str]:
     return problems + [str(p) for p in servable_problems(config, plugin_manager)]
 
 
-# -- phases: deferred roles start, then sleep; only the coordinator wakes them --------------
+# -- phases: deferred roles start, then sleep; relax serve never wakes them -----------------
 
 
 def _deferred(config: JobConfig) -> list[str]:
@@ -893,7 +893,11 @@ def describe_job(config: JobConfig, pm: PluginManager) -> list[str]:
                     route += f" ({record.name}, {m.router_policy or record.default_policy})"
                 except ConfigError as exc:
                     route += f" (no usable router: {exc.message})"
-            what = f"{m.backend} on {m.device}" if not m.external else "external engines"
+            what = f"{m.backend} on {m.engine_device}"
+            if m.engine_device != m.device:
+                what += f" (placed as {m.device})"
+            if m.external:
+                what = "external engines"
             lines.append(
                 f"  {role.name}.{m.name}: {what}, {size}, weights "
                 f"{m.weight_source or spec.default_weight_source}, route {route}, gateway in "
@@ -1099,11 +1103,19 @@ def _put_to_sleep(service: RoleService, out: TextIO, began: float) -> None:
             )
         print(
             f"  [{time.monotonic() - began:5.1f}s] {service.role}.{model_id}: SLEEPING "
-            "(deferred: engine memory released, weights kept on the CPU; only the coordinator "
-            "wakes it)",
+            "(deferred: engine memory released, weights kept on the CPU; relax serve does not "
+            "wake it, and its gateway answers 503 saying so)",
             file=out,
             flush=True,
         )
+
+
+#: Why a deferred role's model sleeps under ``relax serve``, and what to do.
+_SLEEPING_NOTE = (
+    "relax serve started its role as deferred (placement.defer_roles) and keeps it asleep; "
+    "only a coordinator (relax run) wakes a deferred role, for its phase. To serve it from "
+    "relax serve, leave the role out of placement.defer_roles and give it GPUs of its own"
+)
 
 
 def _start_gateways(
@@ -1115,8 +1127,10 @@ def _start_gateways(
         ).start()
     for role in config.roles:
         service = job.services[role.name]
-        # The same options whichever way the gateway runs.
-        options = GatewayOptions(model_paths=service.model_paths, token=token)
+        # The same options whichever way the gateway runs. A deferred role sleeps for good
+        # under relax serve: its gateway must not promise a wake-up.
+        note = _SLEEPING_NOTE if role.name in _deferred(config) else None
+        options = GatewayOptions(model_paths=service.model_paths, token=token, sleeping_note=note)
         host, port = role.gateway.host, role.gateway.port
         if role.gateway.in_ray_actor:
             assert job.registry is not None
@@ -1254,19 +1268,29 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
     an existing local cluster); yield a description; stop the Ray this call started."""
     import logging
 
+    loaded = sys.modules.get("ray")
+    connected = loaded is not None and loaded.is_initialized()
+    gpus = config.cluster.total_gpus
+    # Said before Ray is imported: its import and start are a newcomer's first 10-15 s.
+    if not connected:
+        doing = (
+            f"connecting to the Ray cluster at {address}"
+            if address
+            else f"starting a new local Ray ({gpus} GPU{'s' if gpus != 1 else ''} declared)"
+        )
+        print(f"  {doing} …", file=out, flush=True)
     import ray
 
-    started = False
-    if ray.is_initialized():
+    started = not connected
+    if connected:
         what = "the Ray this process is connected to"
     elif address:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-        started, what = True, f"the Ray cluster at {address}"
+        what = f"the Ray cluster at {address}"
     else:
         from relax_core.net import keep_local_ray_on_loopback
 
         keep_local_ray_on_loopback()
-        gpus = config.cluster.total_gpus
         ray.init(
             address="local",
             num_gpus=gpus,
@@ -1274,7 +1298,7 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
-        started, what = True, f"a new local Ray ({gpus} GPUs declared)"
+        what = f"a new local Ray ({gpus} GPUs declared)"
     try:
         yield what
     finally:

@@ -139,8 +139,10 @@ class InferenceClient:
     from (default: the process-wide one, loaded on first need); a role gateway always passes
     its own. ``weight_sources``: check snapshots against these instead (names, records or a
     plugin manager). ``breaker``: when a DIRECT head's circuit breaker opens and how it probes
-    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers). Round-robin,
-    breaker and other policy state is per client.
+    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers).
+    ``sleeping_note``: set when nothing will wake the role's SLEEPING models (see
+    :class:`~relax_core.discovery.routing.RouteResolver`). Round-robin, breaker and other
+    policy state is per client.
 
     The parts: a :class:`~relax_core.client.cache.SnapshotCache` (discovery), a
     :class:`~relax_core.discovery.routing.RouteResolver` (routing) and a
@@ -169,6 +171,7 @@ class InferenceClient:
         plugin_manager: PluginManager | None = None,
         weight_sources: WeightSources | None = None,
         breaker: BreakerSettings | None = BreakerSettings(),
+        sleeping_note: str | None = None,
     ) -> None:
         if (base_url is None) == (snapshot_provider is None):
             raise ValueError("InferenceClient: give exactly one of base_url and snapshot_provider")
@@ -197,7 +200,7 @@ class InferenceClient:
             transport=self._transport,
             weight_sources=weight_sources if weight_sources is not None else plugin_manager,
         )
-        self._resolver = RouteResolver(plugin_manager)
+        self._resolver = RouteResolver(plugin_manager, sleeping_note=sleeping_note)
         self._breakers = (
             None
             if breaker is None

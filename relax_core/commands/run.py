@@ -57,15 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import attrs
 
-    from relax_core.run.config import parse_run_config
-    from relax_core.run.job import RunJob, resolve_model_paths, run_problems
+    from relax_core.jobs import job_preflight, resolve_model_paths
+    from relax_core.run.config import ARITHMETIC, parse_run_config
+    from relax_core.run.job import RunJob, run_problems
     from relax_core.run.loop import run_loop
     from relax_core.run.progress import Printer
     from relax_core.service import ShutdownSignals, ray_session
 
     pm = PluginManager.create()
     try:
-        config = resolve_model_paths(load_config(args.config, role_names=pm.registered("roles")))
+        loaded = load_config(args.config, role_names=pm.registered("roles"))
+        config = resolve_model_paths(loaded)
         settings = parse_run_config(config)
     except ConfigValidationError as exc:
         return reject("run", [str(p) for p in exc.problems])
@@ -73,9 +75,13 @@ def run(args: argparse.Namespace) -> int:
         if args.steps < 1:
             return reject("run", [f"--steps: must be >= 1, got {args.steps}"])
         settings = attrs.evolve(settings, steps=args.steps)
-    problems = run_problems(config, settings, pm)
+    datasets = [] if settings.dataset == ARITHMETIC else [("run.dataset", settings.dataset)]
+    found = job_preflight(loaded, pm, address=args.address, datasets=datasets)
+    problems = run_problems(config, settings, pm) + [str(p) for p in found.problems]
     if problems:
         return reject("run", problems)
+    for warning in found.warnings:
+        print(f"relax run: warning: {warning}", file=sys.stderr, flush=True)
     printer = Printer(json_lines=args.json)
     signals = ShutdownSignals(printer.progress_out, command="relax run")
     signals.install()

@@ -22,6 +22,7 @@ from typing import TextIO
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, LifecycleError
+from relax_core.jobs import job_preflight, resolve_model_paths
 from relax_core.plugins import PluginManager
 from relax_core.service import (
     ServedJob,
@@ -56,12 +57,17 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     pm = PluginManager.create()
     try:
-        config = load_config(args.config, role_names=pm.registered("roles"))
+        loaded = load_config(args.config, role_names=pm.registered("roles"))
     except ConfigValidationError as exc:
         return reject("serve", [str(p) for p in exc.problems])
-    problems = check_job(config, pm)
+    # Relative model paths are relative to the job file, as relax run reads them.
+    config = resolve_model_paths(loaded)
+    found = job_preflight(loaded, pm, address=args.address, gateways=True)
+    problems = check_job(config, pm) + [str(p) for p in found.problems]
     if problems:
         return reject("serve", problems)
+    for warning in found.warnings:
+        print(f"relax serve: warning: {warning}", file=sys.stderr, flush=True)
     signals = ShutdownSignals(out)
     signals.install()
 

@@ -26,7 +26,8 @@ target. The decision follows the reference flowchart branch by branch:
    not candidates, an ``SGLANG_ROUTER`` model must publish at least that version; nothing
    left: 503 with ``retry_after`` (the update is being applied or not pushed yet). A STATIC
    model has no version: 400. Versions
-   compare by :func:`weight_version_key` (``"9" < "10"``, ``"step-9" < "step-10"``).
+   compare by :func:`weight_version_key` (``"9" < "10"``, ``"step-9" < "step-10"``; the
+   engines' initial ``"default"`` below every pushed version).
 6. ``avoid``: base URLs a caller would rather not send this request to (a head whose
    connection just failed, or whose circuit breaker is open): they are left out, unless that
    leaves no candidate (then a connect attempt is cheap and sends nothing: the candidates are
@@ -53,6 +54,7 @@ from relax_core.records import ReplicaSelector, RoutingPolicy
 
 __all__ = [
     "DEFAULT_RETRY_AFTER",
+    "INITIAL_WEIGHT_VERSION",
     "NO_REPLICA_RETRY_AFTER",
     "WEIGHT_VERSION_RETRY_AFTER",
     "RouteResolver",
@@ -80,22 +82,34 @@ WEIGHT_VERSION_RETRY_AFTER = 1.0
 
 _VERSION_PART = re.compile(r"(\d+)")
 
+#: The weight version an SGLang engine (and the ``hf`` engine) reports before any update: the
+#: version of the weights it started with. It sorts below every version a trainer pushes.
+INITIAL_WEIGHT_VERSION = "default"
 
-def weight_version_key(version: str) -> tuple[tuple[int, int | str], ...]:
-    """The sort key of a weight version: digit runs compare as numbers, the rest as text.
 
-    ``"9" < "10"``, ``"step-9" < "step-10"``, ``"v1.2" < "v1.10"``; equal strings are equal.
+def weight_version_key(version: str) -> tuple[Any, ...]:
+    """The sort key of a weight version: the one total order of weight versions.
+
+    :data:`INITIAL_WEIGHT_VERSION` (the weights an engine started with) sorts below every
+    other version; the others compare digit runs as numbers and the rest as text (``"9" <
+    "10"``, ``"step-9" < "step-10"``, ``"v1.2" < "v1.10"``), and two spellings of one number
+    (``"7"`` and ``"07"``) by their text, so two versions have equal keys only when they are
+    equal strings.
     """
-    return tuple(
+    if version == INITIAL_WEIGHT_VERSION:
+        return (0,)
+    parts = tuple(
         (0, int(part)) if part.isdigit() else (1, part)
         for part in _VERSION_PART.split(version)
         if part
     )
+    return (1, parts, version)
 
 
 def weight_version_at_least(have: str | None, want: str) -> bool:
-    """Whether weights of version ``have`` satisfy a request for at least ``want``
-    (``None``: an unversioned model, which never does)."""
+    """Whether weights of version ``have`` satisfy a request for at least ``want`` in the order
+    of :func:`weight_version_key` (``None``: an unversioned model, which never does; the
+    initial weights meet no requirement but ``"default"`` itself)."""
     return have is not None and (
         have == want or weight_version_key(have) >= weight_version_key(want)
     )
@@ -225,6 +239,9 @@ class RouteResolver:
 
     :param plugin_manager: where routing policies come from; default the process-wide one.
     :param retry_after: seconds per non-READY model state; default :data:`DEFAULT_RETRY_AFTER`.
+    :param sleeping_note: set when nothing will wake a SLEEPING model of this role (``relax
+        serve`` keeps deferred roles asleep): why it sleeps and what to do. Its 503 then says
+        so and carries no ``retry_after`` (no promise of a wake-up).
 
     Selectors are built once per resolver and keep process-local state (round-robin cursors).
     Thread-safe. ``resolve`` does no I/O, except that the first call of a resolver built
@@ -236,8 +253,10 @@ class RouteResolver:
         plugin_manager: PluginManager | None = None,
         *,
         retry_after: Mapping[ModelState, float] | None = None,
+        sleeping_note: str | None = None,
     ) -> None:
         self._pm = plugin_manager
+        self._sleeping_note = sleeping_note
         self._retry_after = dict(DEFAULT_RETRY_AFTER if retry_after is None else retry_after)
         self._last: tuple[RoleSnapshot | None, _SnapshotIndex | None] = (None, None)
         # (policy name, has affinity key) -> selector to use
@@ -421,7 +440,7 @@ class RouteResolver:
             503,
             f'model "{entry.model_id}" of role "{index.role}" has no READY replica with weight '
             f'version >= "{wanted}" yet (serving: {have or "none"}); a weight update is being '
-            f"applied or not pushed yet. No request was sent; retry after "
+            f"applied or not pushed yet. Nothing sent; retry after "
             f"{WEIGHT_VERSION_RETRY_AFTER:g} s",
             retry_after=WEIGHT_VERSION_RETRY_AFTER,
         )
@@ -429,6 +448,13 @@ class RouteResolver:
     def _not_ready(self, index: _SnapshotIndex, entry: _ModelIndex) -> RoutingError:
         state = entry.not_ready
         assert state is not None
+        if state is ModelState.SLEEPING and self._sleeping_note is not None:
+            return RoutingError(
+                503,
+                f'model "{entry.model_id}" of role "{index.role}" is SLEEPING and nothing will '
+                f"wake it: {self._sleeping_note}. No request was sent",
+                retry_after=None,
+            )
         seconds = self._retry_after.get(state, 1.0)
         return RoutingError(
             503,

@@ -173,6 +173,7 @@ def build_gateway_handler(
         "timeout": options.timeout,
         "plugin_manager": plugin_manager,
         "breaker": options.breaker,
+        "sleeping_note": options.sleeping_note,
     }
     if isinstance(discovery, str):
         client = InferenceClient(discovery, **common)
@@ -239,7 +240,9 @@ class GatewayOptions:
     many seconds (default 1 ms), they are read and relayed together once per period instead of
     one receive and one send per event (an event is then delayed by at most this much; a
     stream slower than that, as any real token stream is, is never delayed); ``0`` relays
-    every read at once.
+    every read at once. ``sleeping_note``: set when nothing will wake this role's SLEEPING
+    models (``relax serve``'s deferred roles): a request to one gets 503 with this note and no
+    Retry-After (see :class:`~relax_core.discovery.routing.RouteResolver`).
 
     :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``).
 
@@ -257,6 +260,7 @@ class GatewayOptions:
         default=DEFAULT_STREAM_COALESCE_S, validator=_check_coalesce
     )
     breaker: BreakerSettings | None = attrs.field(factory=BreakerSettings)
+    sleeping_note: str | None = None
 
 
 class InferenceGatewayHandler:
@@ -352,9 +356,7 @@ class InferenceGatewayHandler:
         try:
             return await self.client.snapshot()
         except RoutingError as exc:
-            raise GatewayError(
-                503, exc.message, retry_after=exc.retry_after or _DEFAULT_RETRY_AFTER
-            ) from exc
+            raise GatewayError(503, exc.message, retry_after=exc.retry_after) from exc
 
     async def engines(self, schema: int) -> dict[str, Any]:
         """``/engines``: the schema-2 snapshot, or the filtered schema-1 view."""
@@ -668,9 +670,9 @@ def gateway_error(exc: BaseException) -> GatewayError | None:
     if isinstance(exc, InvalidRequestError):
         return GatewayError(400, exc.message, field=exc.field)
     if isinstance(exc, RoutingError):
+        # A routing 503 without retry_after is one that trying again will not fix (a model
+        # nothing wakes, a routing policy no plugin registers): no Retry-After promises it.
         retry = exc.retry_after if exc.status == 503 else None
-        if exc.status == 503 and retry is None:
-            retry = _DEFAULT_RETRY_AFTER
         return GatewayError(exc.status, exc.message, retry_after=retry)
     if isinstance(exc, UpstreamError):
         return GatewayError(exc.status, exc.message, request_id=exc.request_id)

@@ -8,7 +8,8 @@ Two sources, both deterministic:
 - :class:`JsonlSource` (``dataset = "path/to/file.jsonl"``): one JSON object per line,
   ``{"prompt": "...", "label": "...", "metadata": {...}}`` (``label`` and ``metadata``
   optional; ``metadata["route_key"]`` picks a role's model by its route key). Every line is
-  checked when the source is opened, and a bad one is refused naming the file and line. The
+  checked when the source is opened (and by the job preflight, before anything starts), and
+  the bad ones are refused naming the file and line of each. The
   file is read in order and starts again from its first line when it runs out.
 
 A source hands out :class:`Prompt` records, ``take(n)`` at a time.
@@ -24,9 +25,18 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from relax_core.errors import ConfigError
+from relax_core.config import ConfigProblem
+from relax_core.errors import ConfigValidationError
 
-__all__ = ["ArithmeticSource", "JsonlSource", "Prompt", "PromptSource", "open_source"]
+__all__ = [
+    "MAX_LINE_PROBLEMS",
+    "ArithmeticSource",
+    "JsonlSource",
+    "Prompt",
+    "PromptSource",
+    "open_source",
+    "read_jsonl",
+]
 
 
 @attrs.frozen
@@ -85,54 +95,17 @@ class ArithmeticSource:
 class JsonlSource:
     """Prompts from a JSONL file (see the module docstring).
 
-    :raises ConfigError: the file cannot be read, is empty, or a line is not a JSON object
-        with a non-empty string ``prompt``, a string (or null) ``label`` and an object
-        ``metadata`` — ``path`` names the file and line (``data.jsonl:12``).
+    :raises ConfigValidationError: the file cannot be read, is empty, or has bad lines (each
+        bad line a problem whose path names the file and line, ``data.jsonl:12``; see
+        :func:`read_jsonl`).
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(
-                "run.dataset", f"cannot read {self.path}: {getattr(exc, 'strerror', None) or exc}"
-            ) from None
-        self.prompts: list[Prompt] = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                self.prompts.append(self._parse(line, f"{self.path}:{number}"))
-        if not self.prompts:
-            raise ConfigError(
-                "run.dataset", f"{self.path} holds no prompt (one JSON object per line)"
-            )
+        self.prompts, problems = read_jsonl(self.path)
+        if problems:
+            raise ConfigValidationError(problems, str(self.path))
         self._next = 0
-
-    @staticmethod
-    def _parse(line: str, where: str) -> Prompt:
-        try:
-            item = json.loads(line)
-        except ValueError as exc:
-            raise ConfigError(where, f"not valid JSON: {exc}") from None
-        if not isinstance(item, dict):
-            raise ConfigError(where, f"must be a JSON object, got {type(item).__name__}")
-        unknown = sorted(set(item) - {"prompt", "label", "metadata"})
-        if unknown:
-            raise ConfigError(
-                where, f"unknown field(s) {unknown}; a line has prompt, label and metadata"
-            )
-        prompt = item.get("prompt")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ConfigError(f"{where}: prompt", f"must be a non-empty string, got {prompt!r}")
-        label = item.get("label")
-        if label is not None and not isinstance(label, str):
-            raise ConfigError(
-                f"{where}: label", f"must be a string or null, got {label!r} (quote numbers)"
-            )
-        metadata = item.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise ConfigError(f"{where}: metadata", f"must be an object, got {metadata!r}")
-        return Prompt(prompt, label, metadata, where)
 
     def take(self, n: int) -> list[Prompt]:
         """The next ``n`` prompts, from the first line again once the file runs out."""
@@ -143,10 +116,80 @@ class JsonlSource:
         return out
 
 
+#: Bad lines of a JSONL dataset named one by one; the rest are counted.
+MAX_LINE_PROBLEMS = 10
+
+
+def read_jsonl(
+    path: str | Path, *, key: str = "run.dataset", limit: int = MAX_LINE_PROBLEMS
+) -> tuple[list[Prompt], list[ConfigProblem]]:
+    """Every prompt of a JSONL dataset and every problem with it, reading the whole file.
+
+    A problem's path is ``key`` for the file as a whole (unreadable, empty) and ``FILE:LINE``
+    for a bad line (not JSON, not an object, an unknown field, an empty ``prompt``, a
+    ``label`` that is not a string, a ``metadata`` that is not an object); the first ``limit``
+    bad lines are named and one more problem counts the rest. Pure: reads the file only.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        return [], [ConfigProblem(key, "dataset", f"cannot read {p}: {why}")]
+    prompts: list[Prompt] = []
+    problems: list[ConfigProblem] = []
+    bad = 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{p}:{number}"
+        parsed = _parse_line(line, where)
+        if isinstance(parsed, Prompt):
+            prompts.append(parsed)
+            continue
+        bad += 1
+        if bad <= limit:
+            problems.append(ConfigProblem(where, "dataset-line", parsed))
+    if bad > limit:
+        problems.append(
+            ConfigProblem(
+                key, "dataset-line", f"{bad - limit} more bad line(s) in {p} ({bad} in all)"
+            )
+        )
+    if not prompts and not bad:
+        problems.append(
+            ConfigProblem(key, "dataset", f"{p} holds no prompt (one JSON object per line)")
+        )
+    return prompts, problems
+
+
+def _parse_line(line: str, where: str) -> Prompt | str:
+    """The prompt on one line, or what is wrong with it."""
+    try:
+        item = json.loads(line)
+    except ValueError as exc:
+        return f"not valid JSON: {exc}"
+    if not isinstance(item, dict):
+        return f"must be a JSON object, got {type(item).__name__}"
+    unknown = sorted(set(item) - {"prompt", "label", "metadata"})
+    if unknown:
+        return f"unknown field(s) {unknown}; a line has prompt, label and metadata"
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        return f"prompt must be a non-empty string, got {prompt!r}"
+    label = item.get("label")
+    if label is not None and not isinstance(label, str):
+        return f"label must be a string or null, got {label!r} (quote numbers)"
+    metadata = item.get("metadata", {})
+    if not isinstance(metadata, dict):
+        return f"metadata must be an object, got {metadata!r}"
+    return Prompt(prompt, label, metadata, where)
+
+
 def open_source(dataset: str, *, seed: int = 0) -> PromptSource:
     """The source ``dataset`` names: ``arithmetic`` or a JSONL file path.
 
-    :raises ConfigError: see :class:`JsonlSource`.
+    :raises ConfigValidationError: see :class:`JsonlSource`.
     """
     if dataset == "arithmetic":
         return ArithmeticSource(seed)

@@ -43,27 +43,9 @@ from relax_core.manager import ManagerTimeouts
 from relax_core.plugins import PluginManager
 from relax_core.run.config import RunConfig
 
-__all__ = ["RunJob", "generation_role", "resolve_model_paths", "run_problems"]
+__all__ = ["RunJob", "generation_role", "run_problems"]
 
 Say = Callable[[str], None]
-
-
-def resolve_model_paths(config: JobConfig) -> JobConfig:
-    """``config`` with every relative ``model_path`` that names a directory next to the job
-    file made absolute (relative to the job file); other paths (absolute ones, hub ids) are
-    left as they are."""
-    if config.source is None:
-        return config
-    base = Path(config.source).resolve().parent
-    roles = []
-    for role in config.roles:
-        models = []
-        for m in role.models:
-            if m.model_path and not os.path.isabs(m.model_path) and (base / m.model_path).is_dir():
-                m = attrs.evolve(m, model_path=str(base / m.model_path))
-            models.append(m)
-        roles.append(attrs.evolve(role, models=tuple(models)))
-    return attrs.evolve(config, roles=tuple(roles))
 
 
 def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
@@ -193,6 +175,8 @@ def _generation_problems(models: tuple[ModelConfig, ...], pm: PluginManager) -> 
                     "their manager",
                 )
             )
+        if not Path(m.model_path).is_dir():
+            continue  # the job preflight reports a missing model directory
         for name in ("config.json", "tokenizer.json"):
             if not (Path(m.model_path) / name).is_file():
                 out.append(

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,8 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
     model_dir: Path,
 ) -> None:
     config = model_dir.parent / "job.toml"
-    config.write_text(JOB.format(model=model_dir))
+    # A relative model_path is relative to the job file, as relax run reads it.
+    config.write_text(JOB.format(model=model_dir.name))
     logs = model_dir.parent / "logs"
     args = ("--log-dir", str(logs), "--refresh", "0.5", "--health-interval", "1")
     with serve(config, *args) as (proc, out, stderr):
@@ -147,6 +149,16 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
             {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
         )
         assert generated["meta_info"]["completion_tokens"] == 3
+        # Nothing was pushed: the engines' initial weights do not meet a minimum version.
+        req = urllib.request.Request(
+            f"{rollout_url}/rollout/generate",
+            data=json.dumps({"text": "hi", "min_weight_version": "12"}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 503
+        assert "Nothing sent" in refused.value.read().decode()
         status = _relax("status", f"{rollout_url}/rollout")
         assert status.returncode == 0, status.stdout + status.stderr
         router = re.search(

@@ -232,7 +232,9 @@ def test_serve_on_a_defer_layout_starts_phase_by_phase_and_reports_deferred_role
             else:
                 assert held == 0 and memory["cpu_backup_bytes"] == memory["param_bytes"]
 
-        # A request to a sleeping role is refused, and does not wake it.
+        # A request to a sleeping role is refused without a promise nothing would keep (relax
+        # serve wakes no deferred role: no Retry-After, and the answer says what to do), and
+        # does not wake it.
         genrm = out.wait_for(r"genrm\s+gateway\s+(http://[\d.:]+)/genrm/", timeout=5).group(1)
         req = urllib.request.Request(
             f"{genrm}/genrm/generate",
@@ -241,7 +243,10 @@ def test_serve_on_a_defer_layout_starts_phase_by_phase_and_reports_deferred_role
         )
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(req, timeout=30)
-        assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+        assert refused.value.code == 503 and refused.value.headers["Retry-After"] is None
+        message = json.loads(refused.value.read())["error"]["message"]
+        assert "SLEEPING and nothing will wake it" in message
+        assert "leave the role out of placement.defer_roles" in message
         assert _get(f"{engines['judge'][1]}/server_info")["resident"]["weights"] is False
 
         os.killpg(proc.pid, signal.SIGINT)

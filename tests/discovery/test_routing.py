@@ -170,6 +170,18 @@ def test_retry_after_can_be_configured(core_plugin_manager: PluginManager) -> No
     assert err.retry_after == 42.0
 
 
+def test_a_model_nothing_wakes_is_503_with_the_note_and_no_retry_after(
+    core_plugin_manager: PluginManager,
+) -> None:
+    resolver = RouteResolver(core_plugin_manager, sleeping_note="served asleep; wake it yourself")
+    err = status_of(lambda: resolver.resolve(snapshot(math_state="SLEEPING", engines=[])))
+    assert err.status == 503 and err.retry_after is None
+    assert "is SLEEPING and nothing will wake it: served asleep; wake it yourself" in err.message
+    # Other states still promise what they will do.
+    err = status_of(lambda: resolver.resolve(snapshot(math_state="ONLOADING", engines=[])))
+    assert err.retry_after == DEFAULT_RETRY_AFTER[ModelState.ONLOADING]
+
+
 # -- route mode ------------------------------------------------------------------------------
 
 
@@ -434,7 +446,7 @@ def test_a_weight_version_no_head_serves_yet_is_503_with_retry_after() -> None:
     assert info.value.status == 503 and info.value.retry_after == 1.0
     assert 'weight version >= "9"' in info.value.message
     assert (
-        "math/replica-0 on 8" in info.value.message and "No request was sent" in info.value.message
+        "math/replica-0 on 8" in info.value.message and "Nothing sent" in info.value.message
     )
     # A router model must publish the version itself.
     data = snapshot().to_json()

@@ -77,6 +77,35 @@ def test_actor_model_publishes_the_engines_initial_version(
     assert version_of(publisher, "policy") == engine_versions(publisher, "policy")[0]
 
 
+def test_before_the_first_push_a_minimum_version_is_not_met_by_the_initial_weights(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    """The engines start on version "default"; a stale-weights guard of 12 must wait for a
+    push of 12 (the initial version once sorted above every number)."""
+    from relax_core import PluginManager
+    from tests.support import gateway as gs
+
+    assert version_of(publisher, "policy") == "default"
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
+    with gs.gateway("rollout", publisher.snapshot, plugin_manager=PluginManager.create()) as url:
+        status, headers, raw = gs.post(
+            f"{url}/rollout/generate", body, {"X-Relax-Min-Weight-Version": "12"}
+        )
+        message = json.loads(raw)["error"]["message"]
+        assert status == 503 and headers["retry-after"] == "1", raw
+        assert "Nothing sent" in message and "policy/replica-0 on default" in message
+        status, _, raw = gs.post(f"{url}/rollout/generate", {**body, "min_weight_version": "12"})
+        assert status == 503 and "Nothing sent" in raw.decode()
+
+        assert actor.update_weights_from_disk(support.tiny_model(), weight_version="12").ok
+        status, _, raw = gs.post(
+            f"{url}/rollout/generate", body, {"X-Relax-Min-Weight-Version": "12"}
+        )
+        assert status == 200 and json.loads(raw)["meta_info"]["weight_version"] == "12"
+        status, _, raw = gs.post(f"{url}/rollout/generate", {**body, "min_weight_version": "12"})
+        assert status == 200 and json.loads(raw)["meta_info"]["weight_version"] == "12"
+
+
 def test_tensor_update_moves_the_published_version(
     actor: Any, publisher: RegistryPublisher
 ) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relax_core.errors import ConfigError
-from relax_core.run.data import ArithmeticSource, JsonlSource, Prompt, open_source
+from relax_core.run.data import ArithmeticSource, JsonlSource, Prompt, open_source, read_jsonl
 
 
 def test_arithmetic_questions_are_deterministic_and_labelled_with_their_answers() -> None:
@@ -46,9 +46,9 @@ def test_a_jsonl_file_gives_its_prompts_in_order_then_again_from_the_first(tmp_p
         ("not json", ":2", "not valid JSON"),
         ('["a list"]', ":2", "must be a JSON object"),
         ('{"text": "x"}', ":2", "unknown field(s) ['text']"),
-        ('{"prompt": ""}', ":2: prompt", "must be a non-empty string"),
-        ('{"prompt": "x", "label": 4}', ":2: label", "quote numbers"),
-        ('{"prompt": "x", "metadata": [1]}', ":2: metadata", "must be an object"),
+        ('{"prompt": ""}', ":2", "prompt must be a non-empty string"),
+        ('{"prompt": "x", "label": 4}', ":2", "quote numbers"),
+        ('{"prompt": "x", "metadata": [1]}', ":2", "metadata must be an object"),
     ],
 )
 def test_a_bad_line_is_refused_naming_the_file_and_line(
@@ -59,6 +59,17 @@ def test_a_bad_line_is_refused_naming_the_file_and_line(
     with pytest.raises(ConfigError) as info:
         JsonlSource(path)
     assert info.value.path == f"{path}{where}" and message in info.value.message
+
+
+def test_every_bad_line_is_named_and_past_the_cap_the_rest_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    bad = ["{broken", '{"prompt": 3}', "[]"] * 5  # 15 bad lines among good ones
+    path.write_text("\n".join(f'{{"prompt": "ok {i}"}}\n{b}' for i, b in enumerate(bad)) + "\n")
+    prompts, problems = read_jsonl(path, limit=4)
+    assert len(prompts) == 15
+    assert [p.path for p in problems[:4]] == [f"{path}:{n}" for n in (2, 4, 6, 8)]
+    assert problems[4].path == "run.dataset" and "11 more bad line(s)" in problems[4].message
+    assert "15 in all" in problems[4].message and len(problems) == 5
 
 
 def test_a_missing_or_empty_file_is_refused_at_run_dataset(tmp_path: Path) -> None:

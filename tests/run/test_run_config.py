@@ -12,9 +12,10 @@ import pytest
 
 from relax_core.config import load_config, loads_config
 from relax_core.errors import ConfigValidationError
+from relax_core.jobs import resolve_model_paths
 from relax_core.plugins import PluginManager
 from relax_core.run.config import DEFAULT_TRAINER, RewardWeight, RunConfig, parse_run_config
-from relax_core.run.job import resolve_model_paths, run_problems
+from relax_core.run.job import run_problems
 from relax_core.service import check_job
 from tests.support import run as support
 
@@ -87,10 +88,13 @@ def test_a_jsonl_dataset_and_model_paths_are_relative_to_the_job_file(tmp_path: 
     config = resolve_model_paths(load_config(job))
     assert config.role("rollout").models[0].model_path == str(tmp_path.resolve() / "tiny/policy")
     assert parse_run_config(config).dataset == str(tmp_path.resolve() / "data" / "train.jsonl")
-    # A path that names no directory next to the file (a hub id) is left as written.
+    # Every relative path is read so, whether or not it names a directory (the preflight
+    # refuses a missing one): a model directory is local, never a hub id.
     job.write_text(job.read_text().replace("tiny/policy", "Qwen/Qwen3-0.6B"))
     config = resolve_model_paths(load_config(job))
-    assert config.role("rollout").models[0].model_path == "Qwen/Qwen3-0.6B"
+    assert config.role("rollout").models[0].model_path == str(
+        tmp_path.resolve() / "Qwen/Qwen3-0.6B"
+    )
 
 
 def test_serve_and_plan_accept_a_job_file_with_a_run_table(tmp_path: Path) -> None:
@@ -173,7 +177,7 @@ def test_relax_run_rejects_a_bad_job_with_exit_2_and_starts_nothing(tmp_path: Pa
         timeout=120,
     )
     assert out.returncode == 2
-    assert "roles.rollout.models.policy.model_path: [model-dir] no config.json" in out.stderr
+    assert "roles.rollout.models.policy.model_path: [model-dir] no model directory" in out.stderr
     assert "Ray" not in out.stdout
 
 

@@ -139,6 +139,10 @@ HF_BACKEND = EngineBackend(
         "Hugging Face transformers engine speaking SGLang's HTTP protocol (CPU or CUDA; a "
         "multi-node replica's followers mirror the head over gloo, no sharding)."
     ),
+    model_hint=(
+        "for a try-out, `relax-hf make-tiny-model DIR` writes a tiny random model with a local "
+        "tokenizer (`relax demo` makes the demo job's three)"
+    ),
 )
 
 

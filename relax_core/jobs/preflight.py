@@ -1,0 +1,275 @@
+"""The job preflight: what ``relax serve`` and ``relax run`` check on this machine before Ray
+starts, reported all at once.
+
+The job file's own checks (types, references, the placement plan) are pure and run first
+(:func:`relax_core.config.load_config`, :func:`relax_core.placement.preflight`). This module
+checks what those cannot: the things outside the file that a job needs and that, missed, would
+only show 45-90 s later as an engine's failed start or a raw traceback.
+
+- **model directories** (:func:`model_dir_problems`): every managed model of every role, with
+  its ``model_path`` resolved relative to the job file (:func:`resolve_model_paths`, the same
+  for both commands), exists, is a directory, has a ``config.json``, and has a tokenizer
+  (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``) unless the engine is
+  told ``--skip-tokenizer-init``. A missing one is refused with the engine backend's
+  ``model_hint`` (how to make one). On a Ray cluster given by ``--address`` a missing
+  *absolute* path may exist on the engines' nodes only: it is a warning there, not a problem.
+- **the dataset** (``relax run``'s ``[run] dataset``): readable, and every JSONL line valid;
+  each bad line is named as ``file:line`` (the first ten, then a count).
+- **ports** (:func:`port_problems`): every fixed gateway port free on its host, and no two
+  gateways on one host and port, named by key path (``roles.genrm.gateway.port``).
+- **the Ray address** (:func:`ray_address_problem`): a ``--address`` of ``host:port`` (or
+  ``ray://host:port``) must accept a TCP connection within a few seconds.
+
+Nothing here starts anything: it reads files, binds and closes sockets, opens one connection.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import attrs
+
+from relax_core.config import ConfigProblem, JobConfig, ModelConfig
+from relax_core.errors import PluginError
+from relax_core.plugins import PluginManager
+
+__all__ = [
+    "ADDRESS_TIMEOUT",
+    "TOKENIZER_FILES",
+    "Preflight",
+    "job_preflight",
+    "model_dir_problems",
+    "port_problems",
+    "ray_address_problem",
+    "resolve_model_paths",
+]
+
+#: Any one of these files in a model directory is a tokenizer an engine can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: Seconds a ``--address`` has to accept a connection.
+ADDRESS_TIMEOUT = 3.0
+
+
+@attrs.frozen
+class Preflight:
+    """What the preflight found: ``problems`` refuse the job (exit 2, nothing started);
+    ``warnings`` are printed and the job goes on."""
+
+    problems: tuple[ConfigProblem, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """No problem: the job may start."""
+        return not self.problems
+
+
+def resolve_model_paths(config: JobConfig) -> JobConfig:
+    """``config`` with every relative ``model_path`` made absolute, relative to the directory
+    of the job file (``config.source``), as both ``relax serve`` and ``relax run`` read it.
+    A config with no source (built in code) is returned as it is."""
+    if config.source is None:
+        return config
+    base = Path(config.source).resolve().parent
+    roles = []
+    for role in config.roles:
+        models = tuple(
+            attrs.evolve(m, model_path=str(base / m.model_path))
+            if m.model_path and not m.external and not os.path.isabs(m.model_path)
+            else m
+            for m in role.models
+        )
+        roles.append(attrs.evolve(role, models=models))
+    return attrs.evolve(config, roles=tuple(roles))
+
+
+def _skips_tokenizer(model: ModelConfig) -> bool:
+    return "--skip-tokenizer-init" in model.extra_args
+
+
+def model_dir_problems(
+    config: JobConfig, pm: PluginManager, *, remote: bool = False
+) -> tuple[list[ConfigProblem], list[str]]:
+    """The problems (and, with ``remote``, warnings) of every managed model's directory, each
+    relative ``model_path`` of ``config`` (as loaded) taken relative to the job file.
+
+    ``remote``: the engines may run on other machines (a ``--address`` cluster), so a missing
+    path that the job file gives as absolute is a warning (it may exist on their nodes); a
+    relative one is still a problem (it names a place next to the job file, on this machine).
+    """
+    base = Path(config.source).resolve().parent if config.source is not None else Path.cwd()
+    problems: list[ConfigProblem] = []
+    warnings: list[str] = []
+    for role in config.roles:
+        for m in role.models:
+            if m.external or not m.model_path:
+                continue
+            key = f"{m.path}.model_path"
+            path = base / m.model_path  # an absolute model_path stays as it is
+            if not path.exists():
+                if remote and os.path.isabs(m.model_path):
+                    warnings.append(
+                        f"{key}: {path} is not on this machine; the engines' nodes must have it "
+                        "(their start fails otherwise)"
+                    )
+                else:
+                    problems.append(ConfigProblem(key, "model-dir", _missing(m, path, pm)))
+                continue
+            if not path.is_dir():
+                problems.append(
+                    ConfigProblem(key, "model-dir", f"{path} is a file, not a model directory")
+                )
+                continue
+            missing = []
+            if not (path / "config.json").is_file():
+                missing.append("config.json")
+            if not _skips_tokenizer(m) and not any((path / n).is_file() for n in TOKENIZER_FILES):
+                missing.append(f"tokenizer ({' / '.join(TOKENIZER_FILES)})")
+            if missing:
+                problems.append(
+                    ConfigProblem(
+                        key,
+                        "model-dir",
+                        f"{path} has no {' and no '.join(missing)}: the engine loads its model "
+                        "and tokenizer from this directory",
+                    )
+                )
+    return problems, warnings
+
+
+def _missing(model: ModelConfig, path: Path, pm: PluginManager) -> str:
+    message = f"no model directory {path}"
+    if not os.path.isabs(model.model_path):
+        message += f" ({model.model_path!r} is relative to the job file's directory)"
+    try:
+        hint = pm.engine_backend(model.backend).model_hint
+    except PluginError:
+        hint = ""  # an unknown backend is reported by the job's own checks
+    return f"{message}; {hint}" if hint else message
+
+
+def port_problems(config: JobConfig, *, local: bool = True) -> list[ConfigProblem]:
+    """Every fixed gateway port that is taken on its host, or given to two gateways.
+
+    ``local``: the job runs on a new local Ray, so a gateway in a Ray actor listens on this
+    machine too (on a cluster only the gateways in this process are checked).
+    """
+    problems: list[ConfigProblem] = []
+    seen: dict[tuple[str, int], str] = {}
+    for role in config.roles:
+        gw = role.gateway
+        if not gw.port:
+            continue
+        key = f"roles.{role.name}.gateway.port"
+        taken_by = seen.setdefault((gw.host, gw.port), key)
+        if taken_by != key:
+            problems.append(
+                ConfigProblem(
+                    key,
+                    "port",
+                    f"{gw.host}:{gw.port} is also {taken_by}; give each gateway a port of its "
+                    "own (or leave port out: a free one is picked)",
+                )
+            )
+            continue
+        if gw.in_ray_actor and not local:
+            continue
+        why = _bind_error(gw.host, gw.port)
+        if why is not None:
+            problems.append(
+                ConfigProblem(
+                    key,
+                    "port",
+                    f"cannot listen on {gw.host}:{gw.port} ({why}); stop what holds it, pick "
+                    "another port, or leave port out (a free one is picked)",
+                )
+            )
+    return problems
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"host {host!r} does not resolve: {exc.strerror or exc}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        # As the gateway's server does: a port left in TIME_WAIT is free to listen on.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def ray_address_problem(
+    address: str | None, *, timeout: float = ADDRESS_TIMEOUT
+) -> ConfigProblem | None:
+    """Whether the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``) accepts
+    a TCP connection within ``timeout`` seconds; ``None`` when it does, or when ``address`` is
+    ``None``, ``auto`` or ``local`` (Ray finds or starts those itself)."""
+    if address is None or address in ("auto", "local"):
+        return None
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or port is None:
+        return ConfigProblem(
+            "--address",
+            "ray-address",
+            f"{address!r} is not a Ray address; give HOST:PORT of the head's GCS (e.g. "
+            "10.0.0.1:6379), ray://HOST:PORT, or auto",
+        )
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        why = (
+            f"no answer within {timeout:g} s"
+            if isinstance(exc, TimeoutError)
+            else (exc.strerror or str(exc)).lower()
+        )
+        return ConfigProblem(
+            "--address",
+            "ray-address",
+            f"no Ray cluster answers at {host}:{port} ({why}); start it "
+            "(`ray start --head`) or fix the address; leave --address out for a new local Ray",
+        )
+
+
+def job_preflight(
+    config: JobConfig,
+    pm: PluginManager,
+    *,
+    address: str | None = None,
+    datasets: Sequence[tuple[str, str]] = (),
+    gateways: bool = False,
+) -> Preflight:
+    """Every problem of ``config`` (as loaded: relative model paths are taken relative to
+    the job file, as :func:`resolve_model_paths` does) that this machine can see before Ray
+    starts.
+
+    :param address: ``--address``, if given: checked for an answer; a cluster also makes a
+        missing absolute model path a warning.
+    :param datasets: ``(key path, file)`` of each JSONL dataset the command reads.
+    :param gateways: the command starts the role gateways: their ports are checked.
+    """
+    from relax_core.run.data import read_jsonl
+
+    remote = address not in (None, "local")
+    problems, warnings = model_dir_problems(config, pm, remote=remote)
+    for key, path in datasets:
+        problems += read_jsonl(path, key=key)[1]
+    if gateways:
+        problems += port_problems(config, local=not remote)
+    found = ray_address_problem(address)
+    if found is not None:
+        problems.append(found)
+    return Preflight(tuple(problems), tuple(warnings))
