@@ -11,7 +11,8 @@ after a short grace period.
 
 The child runs in its own process group (its own session), so :meth:`terminate` and
 :meth:`kill` reach every process it started (tokenizer workers, schedulers, …), not only the
-leader. Its stdout and stderr go to a log file whose tail is quoted in every start-up error.
+leader. Its stdout and stderr go to a log file; every start-up error names it and quotes why
+the process failed (the last traceback's last frames and exception, or the log's last lines).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from relax_core.engine._logtail import quote_log
 from relax_core.errors import LifecycleError
 
 __all__ = ["SubprocessEngineProcess", "log_tail", "safe_file_name"]
@@ -193,8 +195,9 @@ class SubprocessEngineProcess:
         follower when its ``ready_url`` answers 200; a follower without one once it has stayed
         alive for :data:`FOLLOWER_GRACE_S` seconds (or ``timeout``, if shorter).
 
-        :raises LifecycleError: the process exited first (its exit code and log tail are in
-            the message), or ``timeout`` seconds passed (the process is left running: call
+        :raises LifecycleError: the process exited first (the message has its exit code, the
+            log's path and the log's last error: the last traceback's last frames and
+            exception), or ``timeout`` seconds passed (the process is left running: call
             :meth:`terminate`).
         """
         start = time.monotonic()
@@ -206,8 +209,7 @@ class SubprocessEngineProcess:
             if code is not None:
                 raise LifecycleError(
                     f"engine {self.engine_id}: server process {self.pid} exited with code {code} "
-                    f"before it was ready{self._where()}; log tail ({self.log_path}):\n"
-                    f"{self.log_tail()}"
+                    f"before it was ready{self._where()}; {quote_log(self.log_path)}"
                 )
             now = time.monotonic()
             if url is None:
@@ -222,7 +224,7 @@ class SubprocessEngineProcess:
                 raise LifecycleError(
                     f"engine {self.engine_id}: {url} did not answer 200 within {timeout:.1f}s "
                     f"(process {self.pid} still running); raise the start-up timeout or read "
-                    f"the log ({self.log_path}):\n{self.log_tail()}"
+                    f"the whole log; {quote_log(self.log_path)}"
                 )
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 

@@ -7,6 +7,10 @@ call ends in exactly one :class:`CallOutcome`: a value, an error, or "no answer 
 An error that is a *terminal actor death* (:class:`ray.exceptions.RayActorError`, except
 :class:`ray.exceptions.ActorUnavailableError`) means the actor process is gone while its engine
 process may still run: the manager must fence it, never count it as cleaned up.
+
+An error's description keeps a Relax error's whole message (bounded): its first line says what
+failed and the lines after it why (an engine that failed to start quotes its log there); any
+other error — Ray's text of a remote traceback among them — is described by its last line.
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ from typing import Any, TypeVar
 
 import attrs
 
+from relax_core.errors import RelaxError
+
 __all__ = ["CallOutcome", "gather", "is_terminal_actor_death"]
 
 K = TypeVar("K", bound=Hashable)
+
+#: Lines of a Relax error's message a description keeps (its first ones and its last ones).
+_DESCRIBED_LINES = 12
 
 
 def is_terminal_actor_death(error: BaseException | None) -> bool:
@@ -50,14 +59,28 @@ class CallOutcome:
         return is_terminal_actor_death(self.error)
 
     def describe(self) -> str:
-        """A short human description (for results and error messages)."""
+        """A short human description (for results and error messages).
+
+        A :class:`~relax_core.errors.RelaxError` (also the cause of a Ray task error) keeps
+        its message, at most a dozen lines; any other error only its message's last line.
+        """
         if self.timed_out:
             return "no answer before the deadline"
         if self.error is not None:
             cause = getattr(self.error, "cause", None) or self.error
             text = str(cause).strip().splitlines()
+            if isinstance(cause, RelaxError):
+                return f"{type(cause).__name__}: {_bounded(text)}"
             return f"{type(cause).__name__}: {text[-1] if text else ''}"
         return "ok"
+
+
+def _bounded(lines: list[str]) -> str:
+    """``lines`` joined, or — beyond :data:`_DESCRIBED_LINES` — its first and last lines."""
+    if len(lines) > _DESCRIBED_LINES:
+        half = _DESCRIBED_LINES // 2
+        lines = [*lines[:half], f"… ({len(lines) - 2 * half} lines left out)", *lines[-half:]]
+    return "\n".join(lines)
 
 
 def gather(refs: Mapping[K, Any], timeout: float) -> dict[K, CallOutcome]:
