@@ -312,6 +312,15 @@ def test_bad_toml_syntax_is_a_config_error() -> None:
     with pytest.raises(ConfigValidationError) as info:
         loads_config("[cluster\nnum_nodes = 1", source="broken.toml")
     assert info.value.problems[0].rule == "toml" and "broken.toml" in str(info.value)
+    # The problem's path is the file, line and column; the message quotes the line.
+    assert info.value.problems[0].path == "broken.toml:1:9"
+    assert "(line 1: '[cluster')" in info.value.problems[0].message
+
+
+def test_a_toml_error_at_the_end_of_the_file_names_its_last_line() -> None:
+    with pytest.raises(ConfigValidationError) as info:
+        loads_config('[cluster]\nname = """never closed', source="job.toml")
+    assert info.value.problems[0].path.startswith("job.toml:2:")
 
 
 def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
