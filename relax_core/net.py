@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Collection
 
 __all__ = ["free_port", "keep_local_ray_on_loopback"]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (another process may take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> int:
+    """A TCP port that was free on ``host`` a moment ago (another process may take it), and is
+    none of ``avoid`` (ports already handed to a process that has not bound them yet)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 def keep_local_ray_on_loopback() -> None:

@@ -17,18 +17,12 @@ Run as ``python -m tests.support.pd_backend PORT MODE BOOTSTRAP`` (what ``launch
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from typing import Any
 
 from relax_core.engine.process import SubprocessEngineProcess
+from relax_core.net import free_port
 from relax_core.records import EngineLaunchSpec
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
@@ -36,7 +30,7 @@ def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     from relax_sglang.server_args import disaggregation_mode
 
     mode = disaggregation_mode(spec) or "null"
-    bootstrap = _free_port() if mode == "prefill" else 0
+    bootstrap = free_port() if mode == "prefill" else 0
     return SubprocessEngineProcess.start(
         [sys.executable, "-m", "tests.support.pd_backend", str(spec.port), mode, str(bootstrap)],
         base_url=f"http://127.0.0.1:{spec.port}",

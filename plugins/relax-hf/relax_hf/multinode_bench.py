@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,12 +29,6 @@ from typing import Any
 __all__ = ["format_result", "run"]
 
 _TOKENS = 128
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(predicate: Any, timeout: float) -> float:
@@ -54,7 +47,12 @@ def run(*, device: str = "cuda", quick: bool = False) -> dict[str, Any]:
     """
     import torch
 
-    from relax_core import EngineLaunchSpec, SubprocessEngineProcess, serialize_named_tensors
+    from relax_core import (
+        EngineLaunchSpec,
+        SubprocessEngineProcess,
+        free_port,
+        serialize_named_tensors,
+    )
     from relax_hf.gpu_bench import SIZES, make_random_model
     from relax_hf.plugin import launch
     from relax_hf.testing import Http
@@ -86,7 +84,7 @@ def run(*, device: str = "cuda", quick: bool = False) -> dict[str, Any]:
             return procs[-1]
 
         def replica(name: str) -> tuple[SubprocessEngineProcess, SubprocessEngineProcess]:
-            addr = f"127.0.0.1:{_port()}"
+            addr = f"127.0.0.1:{free_port()}"
             head = node(name, devices[0], nnodes=2, node_rank=0, dist_init_addr=addr)
             follower = node(f"{name}-node-1", devices[1], nnodes=2, node_rank=1,
                             dist_init_addr=addr)  # fmt: skip

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from relax_core import EngineLaunchSpec, SubprocessEngineProcess
+from relax_core import EngineLaunchSpec, SubprocessEngineProcess, free_port
 from relax_hf.plugin import launch
 
 __all__ = [
@@ -149,12 +148,6 @@ class ReplicaServers:
             process.terminate(timeout)
 
 
-def _loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_replica(
     model: Path | str,
     log_dir: Path | str,
@@ -171,7 +164,7 @@ def start_replica(
     With ``wait`` false it returns at once (the caller waits, or watches them fail).
     """
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    addr = f"127.0.0.1:{_loopback_port()}"
+    addr = f"127.0.0.1:{free_port()}"
 
     def node(rank: int, path: Path | str) -> SubprocessEngineProcess:
         name = engine_id if rank == 0 else f"{engine_id}-node-{rank}"

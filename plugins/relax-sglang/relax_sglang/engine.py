@@ -14,18 +14,10 @@ Everything after the start goes through the core's SGLang-protocol control clien
 
 from __future__ import annotations
 
-import socket
-
-from relax_core import EngineLaunchSpec, SubprocessEngineProcess
+from relax_core import EngineLaunchSpec, SubprocessEngineProcess, free_port
 from relax_sglang.server_args import disaggregation_mode, launch_server_argv
 
 __all__ = ["launch"]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
@@ -40,10 +32,10 @@ def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     """
     env = {"PYTHONUNBUFFERED": "1", **dict(spec.env)}
     url_host = "127.0.0.1" if spec.host in ("0.0.0.0", "", "::") else spec.host
-    port = spec.port or _free_port(url_host)
+    port = spec.port or free_port(url_host)
     bootstrap = None
     if disaggregation_mode(spec) == "prefill" and spec.node_rank == 0:
-        bootstrap = _free_port(url_host)
+        bootstrap = free_port(url_host)
     argv = launch_server_argv(spec, port=port, bootstrap_port=bootstrap)
     if spec.node_rank > 0:
         return SubprocessEngineProcess.start(

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
-import socket
 import sys
 import threading
 import time
@@ -47,6 +46,7 @@ from relax_core import (
     RouterBackend,
     RouterLaunchSpec,
     SubprocessEngineProcess,
+    free_port,
 )
 from relax_sglang.fidelity import PROBES, ProbeServer, compare
 
@@ -141,15 +141,6 @@ SMG = RouterKind(
         "fields; consistent_hashing is sticky on X-SMG-Routing-Key."
     ),
 )
-
-
-def _free_port(host: str, *, avoid: int = 0) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port != avoid:
-            return port
 
 
 def router_argv(
@@ -259,8 +250,8 @@ class RouterServer:
         self.remove_timeout = remove_timeout
         self.call_timeout = call_timeout
         url_host = "127.0.0.1" if spec.host in ("0.0.0.0", "", "::") else spec.host
-        self.port = spec.port or _free_port(url_host)
-        self.metrics_port = spec.metrics_port or _free_port(url_host, avoid=self.port)
+        self.port = spec.port or free_port(url_host)
+        self.metrics_port = spec.metrics_port or free_port(url_host, avoid=(self.port,))
         self._url = f"http://{url_host}:{self.port}"
         self.argv = router_argv(kind, spec, self.port, self.metrics_port)
         self._lock = threading.RLock()
