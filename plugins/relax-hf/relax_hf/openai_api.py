@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from relax_hf.engine import Engine
 from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_sampling_params
-from relax_hf.server import SSE_DONE, _engine, encode_prompt, read_json, sse
+from relax_hf.wire import SSE_DONE, encode_prompt, engine_of, read_json, sse
 
 __all__ = ["chat_completions", "completions"]
 
@@ -233,7 +233,7 @@ def _chat_prompt(engine: Engine, body: dict[str, Any]) -> list[int]:
 
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
-    engine = _engine(request)
+    engine = engine_of(request)
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
@@ -399,7 +399,7 @@ def _completion_logprobs(
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
-    engine = _engine(request)
+    engine = engine_of(request)
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -28,10 +27,21 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 import relax_hf
-from relax_hf.engine import Conflict, Engine, NotResident, Unavailable
-from relax_hf.nodes import HeadNodes, NodeLost, fingerprint
+from relax_hf import openai_api
+from relax_hf.engine import Engine, NotResident
+from relax_hf.nodes import HeadNodes, fingerprint
 from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_generate, parse_tags
-from relax_hf.runner import ModelRunner, WeightsError
+from relax_hf.runner import ModelRunner
+from relax_hf.wire import (
+    SSE_DONE,
+    encode_prompt,
+    engine_of,
+    error_response,
+    guard,
+    not_resident,
+    read_json,
+    sse,
+)
 
 __all__ = ["ServerConfig", "build_app", "error_response", "read_json"]
 
@@ -66,82 +76,11 @@ class ServerConfig:
     memory_handoff: bool = False
 
 
-def error_response(
-    status: int, message: str, *, field: str | None = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """SGLang's error shape, plus ``success``/``message`` for control clients."""
-    body: dict[str, Any] = {
-        "error": {"message": message, "code": status, **({"field": field} if field else {})},
-        "success": False,
-        "message": message,
-    }
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def read_json(request: Request, *, optional: bool = False) -> Any:
-    """The parsed JSON body. :raises BadRequest: malformed JSON (or a missing required body)."""
-    raw = await request.body()
-    if not raw.strip():
-        if optional:
-            return None
-        raise BadRequest("body", "a JSON object is required")
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest("body", f"malformed JSON: {exc}") from exc
-
-
-def _not_resident(exc: Exception) -> JSONResponse:
-    return error_response(503, str(exc), headers={"Retry-After": "1"})
-
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _guard(fn: Handler) -> Handler:
-    """Map the engine's errors to HTTP answers (never a 500 for the caller's mistake)."""
-
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await fn(request)
-        except BadRequest as exc:
-            return error_response(400, str(exc), field=exc.field)
-        except (WeightsError, Conflict) as exc:
-            return error_response(400, str(exc))
-        except NotResident as exc:
-            return _not_resident(exc)
-        except (Unavailable, NodeLost) as exc:
-            return error_response(503, str(exc))
-
-    return wrapped
-
-
-def _engine(request: Request) -> Engine:
-    return request.app.state.engine  # type: ignore[no-any-return]
-
-
-def encode_prompt(engine: Engine, prompt: str | tuple[int, ...]) -> list[int]:
-    """Token ids of a text prompt (no special tokens added, as SGLang does for raw text)."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("text", "must not be empty")
-        return list(engine.runner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    return list(prompt)
-
-
-def sse(obj: Any) -> bytes:
-    """One SSE event as SGLang writes it."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
 # -- generation -------------------------------------------------------------------------------
 
 
 async def generate(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     req = parse_generate(await read_json(request), vocab_size=engine.runner.vocab_size)
     prompts = [encode_prompt(engine, p) for p in req.prompts]
     for i, ids in enumerate(prompts):
@@ -203,14 +142,14 @@ async def _stream(
 
 
 async def health(request: Request) -> Response:
-    broken = _engine(request).broken
+    broken = engine_of(request).broken
     if broken:
         return error_response(503, f"this multi-node replica is unhealthy: {broken}")
     return Response(status_code=200)
 
 
 async def health_generate(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     if engine.broken:
         return error_response(503, f"this multi-node replica is unhealthy: {engine.broken}")
     if engine.paused:
@@ -226,7 +165,7 @@ async def health_generate(request: Request) -> Response:
             timeout=60.0,
         )
     except NotResident as exc:
-        return _not_resident(exc)
+        return not_resident(exc)
     except TimeoutError:
         return error_response(503, "health generation timed out after 60s")
     if out["meta_info"]["completion_tokens"] != 1:
@@ -280,13 +219,13 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
 
 
 async def server_info(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     info = await engine.compute(server_info_dict, engine, request.app.state.config)
     return JSONResponse(info)
 
 
 async def model_info(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     runner = engine.runner
     return JSONResponse(
         {
@@ -304,7 +243,7 @@ async def model_info(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     card = {
         "id": engine.served_model_name,
         "object": "model",
@@ -321,7 +260,7 @@ async def version(request: Request) -> Response:
 
 
 async def loads(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     load = {
         "dp_rank": 0,
         "num_reqs": engine.num_running + engine.num_waiting,
@@ -335,7 +274,7 @@ async def loads(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     name = engine.served_model_name.replace('"', "")
     lines = [
         "# TYPE sglang:num_running_reqs gauge",
@@ -366,7 +305,7 @@ def ok(message: str, **extra: Any) -> JSONResponse:
 
 
 async def abort_request(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     body = await read_json(request, optional=True) or {}
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
@@ -380,28 +319,28 @@ async def abort_request(request: Request) -> Response:
 
 
 async def flush_cache(request: Request) -> Response:
-    return ok(await _engine(request).flush_cache())
+    return ok(await engine_of(request).flush_cache())
 
 
 async def pause_generation(request: Request) -> Response:
     body = await read_json(request, optional=True) or {}
     mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-    return ok(await _engine(request).pause(mode))
+    return ok(await engine_of(request).pause(mode))
 
 
 async def continue_generation(request: Request) -> Response:
-    return ok(_engine(request).resume_generation())
+    return ok(engine_of(request).resume_generation())
 
 
 async def release_memory(request: Request) -> Response:
     tags = parse_tags(await read_json(request, optional=True))
-    detail = await _engine(request).release(tags)
+    detail = await engine_of(request).release(tags)
     return ok(f"Released {list(tags)}.", tags=list(tags), detail=detail)
 
 
 async def resume_memory(request: Request) -> Response:
     tags = parse_tags(await read_json(request, optional=True))
-    engine = _engine(request)
+    engine = engine_of(request)
     detail = await engine.resume(tags)
     message = detail.get("weights", {}).get("message") or f"Resumed {list(tags)}."
     return ok(message, tags=list(tags), detail=detail, weight_version=engine.weight_version)
@@ -424,7 +363,7 @@ async def _body_object(request: Request) -> dict[str, Any]:
 
 
 async def update_weights_from_tensor(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     body = await _body_object(request)
     detail = await engine.update_from_tensor(
         body.get("serialized_named_tensors"),
@@ -438,7 +377,7 @@ async def update_weights_from_tensor(request: Request) -> Response:
 
 
 async def update_weights_from_disk(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     body = await _body_object(request)
     detail = await engine.update_from_disk(
         body.get("model_path"),
@@ -452,12 +391,12 @@ async def update_weights_from_disk(request: Request) -> Response:
 
 async def init_weights_update_group(request: Request) -> Response:
     body = await _body_object(request)
-    await _engine(request).init_group(body)
+    await engine_of(request).init_group(body)
     return ok("Succeeded to initialize custom process group.")
 
 
 async def update_weights_from_distributed(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     body = await _body_object(request)
     detail = await engine.update_from_distributed(body)
     return ok(
@@ -470,7 +409,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
 async def destroy_weights_update_group(request: Request) -> Response:
     body = await read_json(request, optional=True) or {}
     name = body.get("group_name") if isinstance(body, dict) else None
-    await _engine(request).destroy_group(name or "weight_update_group")
+    await engine_of(request).destroy_group(name or "weight_update_group")
     return ok("Succeeded to destroy custom process group.")
 
 
@@ -479,7 +418,6 @@ async def destroy_weights_update_group(request: Request) -> Response:
 
 def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlette:
     """The Starlette app; the model loads in the lifespan start-up (before the port opens)."""
-    from relax_hf import openai_api
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -518,7 +456,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
     get, post, both = ["GET"], ["POST"], ["GET", "POST"]
     routes = [
         Route("/health", health, methods=get),
-        Route("/health_generate", _guard(health_generate), methods=get),
+        Route("/health_generate", guard(health_generate), methods=get),
         Route("/server_info", server_info, methods=get),
         Route("/get_server_info", server_info, methods=get),
         Route("/model_info", model_info, methods=get),
@@ -528,23 +466,23 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
         Route("/get_load", loads, methods=get),
         Route("/loads", loads, methods=get),
         Route("/metrics", metrics, methods=get),
-        Route("/generate", _guard(generate), methods=post),
-        Route("/abort_request", _guard(abort_request), methods=post),
-        Route("/flush_cache", _guard(flush_cache), methods=both),
-        Route("/pause_generation", _guard(pause_generation), methods=post),
-        Route("/continue_generation", _guard(continue_generation), methods=post),
-        Route("/release_memory_occupation", _guard(release_memory), methods=post),
-        Route("/resume_memory_occupation", _guard(resume_memory), methods=post),
-        Route("/update_weights_from_tensor", _guard(update_weights_from_tensor), methods=post),
-        Route("/update_weights_from_disk", _guard(update_weights_from_disk), methods=post),
-        Route("/init_weights_update_group", _guard(init_weights_update_group), methods=post),
+        Route("/generate", guard(generate), methods=post),
+        Route("/abort_request", guard(abort_request), methods=post),
+        Route("/flush_cache", guard(flush_cache), methods=both),
+        Route("/pause_generation", guard(pause_generation), methods=post),
+        Route("/continue_generation", guard(continue_generation), methods=post),
+        Route("/release_memory_occupation", guard(release_memory), methods=post),
+        Route("/resume_memory_occupation", guard(resume_memory), methods=post),
+        Route("/update_weights_from_tensor", guard(update_weights_from_tensor), methods=post),
+        Route("/update_weights_from_disk", guard(update_weights_from_disk), methods=post),
+        Route("/init_weights_update_group", guard(init_weights_update_group), methods=post),
         Route(
             "/update_weights_from_distributed",
-            _guard(update_weights_from_distributed),
+            guard(update_weights_from_distributed),
             methods=post,
         ),
-        Route("/destroy_weights_update_group", _guard(destroy_weights_update_group), methods=post),
-        Route("/v1/chat/completions", _guard(openai_api.chat_completions), methods=post),
-        Route("/v1/completions", _guard(openai_api.completions), methods=post),
+        Route("/destroy_weights_update_group", guard(destroy_weights_update_group), methods=post),
+        Route("/v1/chat/completions", guard(openai_api.chat_completions), methods=post),
+        Route("/v1/completions", guard(openai_api.completions), methods=post),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

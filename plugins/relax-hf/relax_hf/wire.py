@@ -1,0 +1,103 @@
+"""What the engine's two HTTP faces share (SGLang's native routes in :mod:`relax_hf.server`, the
+OpenAI-compatible ones in :mod:`relax_hf.openai_api`): SGLang's error shape and the guard that
+maps the engine's errors onto it, reading a JSON body, the engine behind a request, encoding a
+prompt, and SSE framing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from relax_hf.engine import Conflict, Engine, NotResident, Unavailable
+from relax_hf.nodes import NodeLost
+from relax_hf.protocol import BadRequest
+from relax_hf.runner import WeightsError
+
+__all__ = [
+    "SSE_DONE",
+    "Handler",
+    "encode_prompt",
+    "engine_of",
+    "error_response",
+    "guard",
+    "not_resident",
+    "read_json",
+    "sse",
+]
+
+
+def error_response(
+    status: int, message: str, *, field: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """SGLang's error shape, plus ``success``/``message`` for control clients."""
+    body: dict[str, Any] = {
+        "error": {"message": message, "code": status, **({"field": field} if field else {})},
+        "success": False,
+        "message": message,
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def read_json(request: Request, *, optional: bool = False) -> Any:
+    """The parsed JSON body. :raises BadRequest: malformed JSON (or a missing required body)."""
+    raw = await request.body()
+    if not raw.strip():
+        if optional:
+            return None
+        raise BadRequest("body", "a JSON object is required")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest("body", f"malformed JSON: {exc}") from exc
+
+
+def not_resident(exc: Exception) -> JSONResponse:
+    return error_response(503, str(exc), headers={"Retry-After": "1"})
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def guard(fn: Handler) -> Handler:
+    """Map the engine's errors to HTTP answers (never a 500 for the caller's mistake)."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except BadRequest as exc:
+            return error_response(400, str(exc), field=exc.field)
+        except (WeightsError, Conflict) as exc:
+            return error_response(400, str(exc))
+        except NotResident as exc:
+            return not_resident(exc)
+        except (Unavailable, NodeLost) as exc:
+            return error_response(503, str(exc))
+
+    return wrapped
+
+
+def engine_of(request: Request) -> Engine:
+    """The engine serving ``request`` (the app's state)."""
+    return request.app.state.engine  # type: ignore[no-any-return]
+
+
+def encode_prompt(engine: Engine, prompt: str | tuple[int, ...]) -> list[int]:
+    """Token ids of a text prompt (no special tokens added, as SGLang does for raw text)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("text", "must not be empty")
+        return list(engine.runner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return list(prompt)
+
+
+def sse(obj: Any) -> bytes:
+    """One SSE event as SGLang writes it."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
