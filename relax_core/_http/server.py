@@ -1,18 +1,80 @@
-"""Serving a small aiohttp app on a port of its own (the admission server, the control channel).
+"""Serving an app on a port of its own.
 
-:func:`serve_app` binds the listening socket itself, so the port the OS picked for port ``0`` is
-read from the socket (not from aiohttp's private server object), and returns the runner to
-clean up.
+- :func:`serve_app`: a small aiohttp app on the caller's event loop (the admission server, the
+  control channel). It binds the listening socket itself, so the port the OS picked for port
+  ``0`` is read from the socket (not from aiohttp's private server object), and returns the
+  runner to clean up.
+- :class:`ThreadServer`: an ASGI app (Starlette) served by uvicorn on a thread and event loop
+  of its own (a role gateway, the registry server), with :func:`uvicorn_config`'s settings.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from typing import Any
 
 from aiohttp import web
 
-__all__ = ["serve_app"]
+from relax_core.net import free_port
+
+__all__ = ["ThreadServer", "serve_app", "uvicorn_config"]
+
+
+def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
+    """A uvicorn config for a gateway: uvloop and httptools when installed, quiet access log."""
+    import uvicorn
+
+    options.setdefault("log_level", "warning")
+    options.setdefault("access_log", False)
+    options.setdefault("timeout_keep_alive", 30)
+    options.setdefault("proxy_headers", False)  # a gateway on loopback/cluster network
+    return uvicorn.Config(app, host=host, port=port, loop="auto", http="auto", **options)
+
+
+class ThreadServer:
+    """``app`` served by uvicorn on a thread of this process (``port`` ``None``: a free one).
+
+    :meth:`start` blocks until it accepts connections and raises ``RuntimeError`` when it does
+    not within its timeout; :meth:`stop` is idempotent.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
+        import uvicorn
+
+        self.host = host
+        self.port: int = port or free_port(host)
+        self._server = uvicorn.Server(uvicorn_config(app, host, self.port))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ThreadServer:
+        """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
+        self._thread = threading.Thread(
+            target=self._server.run, name=f"http-{self.port}", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the server on {self.host}:{self.port} did not start (is the port free?)"
+                )
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop serving and wait for the server thread. Idempotent."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            self._thread = None
 
 
 async def serve_app(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from relax_core._http.server import ThreadServer
 from relax_core.discovery.schema import RoleSnapshot
 
 __all__ = ["RegistryServer", "registry_app"]
@@ -43,9 +44,7 @@ class RegistryServer:
     """
 
     def __init__(self, providers: Mapping[str, Callable[[], RoleSnapshot]]) -> None:
-        from relax_core.gateway.serving import GatewayServer
-
-        self._server = GatewayServer(registry_app(providers), "127.0.0.1")
+        self._server = ThreadServer(registry_app(providers), "127.0.0.1")
 
     @property
     def url(self) -> str:

@@ -41,11 +41,11 @@ from typing import Any
 
 import attrs
 
+from relax_core._http.server import ThreadServer, uvicorn_config
 from relax_core.discovery.schema import RoleSnapshot
 from relax_core.errors import LifecycleError
 from relax_core.gateway.app import create_gateway_app
 from relax_core.gateway.handler import GatewayOptions, build_gateway_handler
-from relax_core.net import free_port
 from relax_core.plugins import PluginManager
 
 __all__ = [
@@ -248,17 +248,6 @@ def registry_gateway_app(
     return gateway_app(role, registry_url, plugin_manager=PluginManager.create(), options=options)
 
 
-def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
-    """A uvicorn config for a gateway: uvloop and httptools when installed, quiet access log."""
-    import uvicorn
-
-    options.setdefault("log_level", "warning")
-    options.setdefault("access_log", False)
-    options.setdefault("timeout_keep_alive", 30)
-    options.setdefault("proxy_headers", False)  # a gateway on loopback/cluster network
-    return uvicorn.Config(app, host=host, port=port, loop="auto", http="auto", **options)
-
-
 class GatewayServer:
     """A role gateway served by uvicorn: on a thread of this process, or by worker processes.
 
@@ -293,17 +282,14 @@ class GatewayServer:
         self.host = host
         self.workers = workers
         self._pool: Any = None
-        self._server: Any = None
-        self._thread: Any = None
+        self._thread_server: ThreadServer | None = None
         if workers > 1:
             self._pool = WorkerPool(app_factory, host, port, workers=workers)
             self.port: int = self._pool.port
         else:
-            import uvicorn
-
-            self.port = port or free_port(host)
             served = app if app is not None else app_factory()
-            self._server = uvicorn.Server(uvicorn_config(served, host, self.port))
+            self._thread_server = ThreadServer(served, host, port)
+            self.port = self._thread_server.port
 
     @property
     def url(self) -> str:
@@ -319,30 +305,17 @@ class GatewayServer:
         """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
         if self._pool is not None:
             self._pool.start(timeout=max(timeout, 60.0))
-            return self
-        self._thread = threading.Thread(
-            target=self._server.run, name=f"gateway-{self.port}", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"the gateway on {self.host}:{self.port} did not start (is the port free?)"
-                )
-            time.sleep(0.02)
+        else:
+            assert self._thread_server is not None
+            self._thread_server.start(timeout)
         return self
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop serving and wait for the server thread (or the worker processes)."""
         if self._pool is not None:
             self._pool.stop(timeout=timeout)
-            return
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
-            self._thread = None
+        elif self._thread_server is not None:
+            self._thread_server.stop(timeout)
 
 
 @attrs.define
