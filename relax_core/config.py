@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import attrs
 
-from relax_core.errors import ConfigValidationError
+from relax_core.errors import ConfigProblem, ConfigValidationError
 from relax_core.records import NAME_PATTERN, ROUTE_MODES
 
 __all__ = [
@@ -53,18 +53,6 @@ class _HasName(Protocol):
 
 
 N = TypeVar("N", bound=_HasName)
-
-
-@attrs.frozen
-class ConfigProblem:
-    """One problem in a config: the key path, a short rule name and what to do."""
-
-    path: str
-    rule: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: [{self.rule}] {self.message}"
 
 
 # -- the models --------------------------------------------------------------------------------

@@ -29,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import orjson
 
 if TYPE_CHECKING:
-    from relax_core.config import ConfigProblem
     from relax_core.manager.results import HealthReport, LifecycleResult
 
 __all__ = [
@@ -99,6 +99,19 @@ class ConfigError(RelaxError):
         self.path = path
         self.message = message
         super().__init__(f"{path}: {message}" if path else message)
+
+
+@attrs.frozen
+class ConfigProblem:
+    """One problem in a config: the key path, a short rule name and what to do (the items of
+    :class:`ConfigValidationError`; ``relax_core.config`` exports it too)."""
+
+    path: str
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: [{self.rule}] {self.message}"
 
 
 class ConfigValidationError(ConfigError):
