@@ -92,6 +92,23 @@ class Registered(Generic[R]):
     distribution: str
 
 
+def _duplicate_message(
+    kind: str, name: str, first: Registered[Any], plugin: str, distribution: str
+) -> str:
+    """Why a record name taken twice stops every command, and the two ways to get going again:
+    rename the record, or disable one of the plugins (the core cannot be disabled)."""
+    disable = " or ".join(
+        f"RELAX_DISABLE_PLUGINS={p}" for p in (first.plugin, plugin) if p != CORE_PLUGIN_NAME
+    )
+    what = _SINGULAR[kind]
+    return (
+        f"{what} name {name!r} is registered twice: by plugin {first.plugin!r} (distribution "
+        f"{first.distribution!r}) and by plugin {plugin!r} (distribution {distribution!r}); "
+        f"names are unique per kind, so Relax stops here. Rename the {what} in one of them, or "
+        f"disable one plugin by its entry-point name: {disable}"
+    )
+
+
 def _env_list(name: str) -> frozenset[str] | None:
     raw = os.environ.get(name)
     if raw is None:
@@ -231,11 +248,10 @@ class PluginManager:
                     )
                 name = record.name  # type: ignore[attr-defined]
                 if name in out:
-                    first = out[name]
                     raise PluginError(
-                        f"{kind} name {name!r} is registered twice: by plugin {first.plugin!r} "
-                        f"(distribution {first.distribution!r}) and by plugin {_plugin!r} "
-                        f"(distribution {self._dists.get(_plugin, _plugin)!r})"
+                        _duplicate_message(
+                            kind, name, out[name], _plugin, self._dists.get(_plugin, _plugin)
+                        )
                     )
                 out[name] = Registered(record, _plugin, self._dists.get(_plugin, _plugin))
 

@@ -101,9 +101,13 @@ def test_duplicate_record_names_name_both_plugins() -> None:
     )
     with pytest.raises(PluginError) as info:
         pm.registered("weight_sources")
-    assert "'S3CKPT'" in str(info.value)
-    assert "alpha-plugin" in str(info.value)
-    assert "beta-plugin" in str(info.value)
+    message = str(info.value)
+    assert "weight source name 'S3CKPT' is registered twice" in message
+    assert "alpha-plugin" in message
+    assert "beta-plugin" in message
+    # ... and how to get going again, as for a plugin that fails to import.
+    assert "Rename the weight source in one of them" in message
+    assert "RELAX_DISABLE_PLUGINS=alpha-plugin or RELAX_DISABLE_PLUGINS=beta-plugin" in message
 
 
 def test_a_plugin_cannot_shadow_a_builtin_record() -> None:
@@ -119,8 +123,10 @@ def test_a_plugin_cannot_shadow_a_builtin_record() -> None:
             )
         ],
     )
-    with pytest.raises(PluginError, match=r"relax-core.*shadow"):
+    with pytest.raises(PluginError, match=r"relax-core.*shadow") as info:
         pm.registered("weight_sources")
+    # The core cannot be disabled: only the shadowing plugin is offered.
+    assert str(info.value).endswith("by its entry-point name: RELAX_DISABLE_PLUGINS=shadow")
 
 
 def test_registering_the_wrong_record_type_is_an_error() -> None:
