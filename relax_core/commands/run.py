@@ -17,6 +17,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import time
 
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    began = time.monotonic()  # the summary's wall time counts from here
     import attrs
 
     from relax_core.jobs import job_preflight, resolve_model_paths
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return reject("run", problems)
     for warning in found.warnings:
         print(f"relax run: warning: {warning}", file=sys.stderr, flush=True)
-    printer = Printer(json_lines=args.json)
+    printer = Printer(json_lines=args.json, began=began)
     signals = ShutdownSignals(printer.progress_out, command="relax run")
     signals.install()
     name = args.job or f"run-{os.getpid()}"
@@ -110,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
                         measure=args.measure,
                     )
                 )
+                if summary.interrupted:  # the loop stopped its step in flight cleanly
+                    signals.hold()
+                    printer.say("relax run: interrupted; shutting down …")
+                    status = 130
             except KeyboardInterrupt:
                 signals.hold()
                 printer.say("relax run: interrupted; shutting down …")

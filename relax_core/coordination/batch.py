@@ -18,11 +18,14 @@ runs the reference's fixed sequence::
 Publication settles once: a failed put deletes what it may have written, a finalizer that fails
 after the put deletes the partition, a refused commit deletes it too — and none of them commits.
 Any failure fails the batch at the coordinator (waking ``wait_committed`` waiters) and is
-re-raised. A stage's role is deactivated whatever the stage did.
+re-raised; so does a cancellation (Ctrl-C), recorded as ``interrupted``. A stage's role is
+deactivated whatever the stage did; when the stage failed or was interrupted the batch is
+FAILED first, so the coordinator aborts the role's requests still in flight rather than
+waiting for them.
 
 If the producer fails after ``begin_batch``, :func:`abort_generation` releases the generation
-role locally and acknowledges only a confirmed release; otherwise the batch error says
-"release unconfirmed" and the lease stays BLOCKED.
+role locally (its requests in flight aborted) and acknowledges only a confirmed release;
+otherwise the batch error says "release unconfirmed" and the lease stays BLOCKED.
 """
 
 from __future__ import annotations
@@ -254,18 +257,32 @@ class DeferredBatch:
         return BatchResult(n, receipt, len(self.originals), tuple(reports), tl.phases(n))
 
     async def _leased(self, stage: Stage, ctx: StageContext) -> StageReport:
-        """Activate the stage's role, run it, deactivate the role whatever happened."""
+        """Activate the stage's role, run it, deactivate the role whatever happened.
+
+        A stage that failed or was interrupted fails the batch *before* the deactivation, so
+        the coordinator aborts the role's requests still in flight instead of waiting for
+        them. An activation that was interrupted goes on in the coordinator: the role is
+        deactivated after it too.
+        """
         n, tl, role = self.batch_id, self.timeline, stage.role
         assert role is not None
         op = f"{n}:{stage.name}:{role}"
-        with tl.phase(n, f"{role}.onload", lane="leases"):
-            await self.coordinator.activate(role, f"{op}:activate", batch_id=n)
 
-        async def deactivate() -> None:
+        async def deactivate(failure: BaseException | None) -> None:
+            if failure is not None:
+                await self._fail(failure)
             with tl.phase(n, f"{role}.offload", lane="leases"):
                 await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
 
-        return await _then(self._run_stage(stage, ctx), deactivate, f"deactivating {role!r}")
+        what = f"deactivating {role!r}"
+        try:
+            with tl.phase(n, f"{role}.onload", lane="leases"):
+                await self.coordinator.activate(role, f"{op}:activate", batch_id=n)
+        except BaseException as exc:
+            if interrupted(exc):
+                await _noting(deactivate(exc), exc, what)
+            raise
+        return await _then(self._run_stage(stage, ctx), deactivate, what)
 
     async def _student(self, stage: Stage, gen: str, ctx: StageContext) -> StageReport:
         """Restore the policy, check its weight version, prefill, release it again (finally)."""
@@ -281,9 +298,15 @@ class DeferredBatch:
             await self._check_weight_version(gen)
             return await self._run_stage(stage, ctx)
 
-        async def release() -> None:
+        async def release(failure: BaseException | None) -> None:
             await release_generation(
-                self.coordinator, n, self.rollout, gen, tl, timeout=self.release_timeout
+                self.coordinator,
+                n,
+                self.rollout,
+                gen,
+                tl,
+                timeout=self.release_timeout,
+                abort=failure is not None,
             )
 
         return await _then(restore_and_run(), release, f"releasing {gen!r}")
@@ -367,25 +390,46 @@ class DeferredBatch:
 
     async def _fail(self, exc: BaseException) -> None:
         try:
-            await self.coordinator.fail_batch(self.batch_id, f"{type(exc).__name__}: {exc}")
+            await self.coordinator.fail_batch(self.batch_id, describe_failure(exc))
         except BatchFailedError:
             pass  # already failed, with its first cause
         except Exception as fail_exc:
             exc.add_note(f"failing batch {self.batch_id} at the coordinator failed: {fail_exc}")
 
 
-async def _then(body: Awaitable[T], cleanup: Callable[[], Awaitable[None]], what: str) -> T:
-    """Await ``body``, then ``cleanup()`` whatever happened. When both fail, the body's error
-    is raised with a note saying ``what`` failed too; when only the cleanup fails, its error."""
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is an interruption (the task cancelled, Ctrl-C), not a failure."""
+    return isinstance(exc, asyncio.CancelledError | KeyboardInterrupt)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``Type: message`` of a failure; ``interrupted`` for an interruption."""
+    if interrupted(exc):
+        return "interrupted (its task was cancelled: Ctrl-C or a shutdown)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _noting(cleanup: Awaitable[None], exc: BaseException, what: str) -> None:
+    """Await ``cleanup`` while ``exc`` is being raised: its failure becomes a note on ``exc``
+    saying ``what`` failed too."""
+    try:
+        await cleanup
+    except BaseException as second:
+        exc.add_note(f"then {what} failed too: {type(second).__name__}: {second}")
+
+
+async def _then(
+    body: Awaitable[T], cleanup: Callable[[BaseException | None], Awaitable[None]], what: str
+) -> T:
+    """Await ``body``, then ``cleanup(failure)`` whatever happened (``failure``: the body's
+    error, or ``None``). When both fail, the body's error is raised with a note saying
+    ``what`` failed too; when only the cleanup fails, its error."""
     try:
         result = await body
     except BaseException as exc:
-        try:
-            await cleanup()
-        except BaseException as second:
-            exc.add_note(f"then {what} failed too: {second}")
+        await _noting(cleanup(exc), exc, what)
         raise
-    await cleanup()
+    await cleanup(None)
     return result
 
 
@@ -408,15 +452,20 @@ async def release_generation(
     timeline: Timeline,
     *,
     timeout: float,
+    abort: bool = False,
 ) -> None:
     """Offload the generation role locally and acknowledge it — only when confirmed.
+
+    ``abort``: its requests in flight are of no use (the batch failed or was interrupted):
+    abort them instead of draining them (``abort_and_offload()``, where the handle has it).
 
     :raises LifecycleError: the offload failed, timed out or was not confirmed: the batch is
         FAILED with "release unconfirmed" and the lease stays BLOCKED.
     """
+    offload = getattr(rollout, "abort_and_offload", None) if abort else None
     try:
         with timeline.phase(batch_id, f"{gen}.offload", lane="leases"):
-            result = await _deadline(rollout.offload(), timeout)
+            result = await _deadline((offload or rollout.offload)(), timeout)
     except BaseException as exc:
         what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, TimeoutError) else (
             f"not confirmed within {timeout:g}s"
@@ -446,16 +495,23 @@ async def abort_generation(
 ) -> BatchFailedError:
     """The producer failed after ``begin_batch``: release the generation role, fail the batch.
 
-    The generation role is offloaded locally; only a confirmed release is acknowledged (the
-    lease goes back to SLEEPING). Otherwise the lease stays BLOCKED and the error says
-    "release unconfirmed". Returns the error to raise (it names the batch and the cause).
+    The generation role is offloaded locally, its requests in flight aborted rather than
+    drained; only a confirmed release is acknowledged (the lease goes back to SLEEPING).
+    Otherwise the lease stays BLOCKED and the error says "release unconfirmed". Returns the
+    error to raise (it names the batch and the cause).
     """
     status = await coordinator.describe()
     gen = status.generation_role
-    cause = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    cause = error if isinstance(error, str) else describe_failure(error)
     try:
         await release_generation(
-            coordinator, batch_id, rollout, gen, timeline or Timeline(), timeout=timeout
+            coordinator,
+            batch_id,
+            rollout,
+            gen,
+            timeline or Timeline(),
+            timeout=timeout,
+            abort=True,
         )
     except LifecycleError as exc:
         await coordinator.fail_batch(batch_id, f"generation failed: {cause}")

@@ -53,6 +53,8 @@ RETIRED_HISTORY = 8192
 
 _L = LeaseState
 _B = BatchState
+#: The optional handle method that offloads without draining (a failed batch's release).
+_ABORT = "abort_and_offload"
 Fingerprint = tuple[str, str, int]
 
 
@@ -346,7 +348,9 @@ class LifecycleCoordinator:
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """Offload ``role``; accepted for the current batch whether PENDING or FAILED, so a
-        failed batch still releases its GPUs. A SLEEPING role is not offloaded again.
+        failed batch still releases its GPUs. A SLEEPING role is not offloaded again. For a
+        FAILED batch the role's requests still in flight are aborted rather than drained
+        (``abort_and_offload()`` of handles that have it): nothing they answer is used.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -517,8 +521,10 @@ class LifecycleCoordinator:
         )
 
     async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
-        def admit() -> None:
-            self._current_batch(batch_id, f"deactivate({role!r})")
+        def admit() -> str:
+            batch = self._current_batch(batch_id, f"deactivate({role!r})")
+            # A failed batch uses nothing its requests would answer: abort them, do not wait.
+            return _ABORT if batch.state is _B.FAILED else "offload"
 
         return await self._switch(
             role, batch_id, "deactivate", admit, (_L.DRAINING, "offload", "SLEEPING", _L.SLEEPING)
@@ -529,18 +535,19 @@ class LifecycleCoordinator:
         role: str,
         batch_id: int,
         what: str,
-        admit: Callable[[], None],
+        admit: Callable[[], str | None],
         steps: tuple[LeaseState, str, str, LeaseState],
     ) -> LeaseState:
-        """One lease switch of ``role``: ``admit()`` (checks, under the condition), then —
-        unless the role is BLOCKED (raises) or already ``done`` — ``moving``, ``method`` on
-        every handle, and ``done`` once each confirms ``expected``; else the lease is BLOCKED
-        and the batch FAILED. ``steps`` is ``(moving, method, expected, done)``."""
+        """One lease switch of ``role``: ``admit()`` (checks, under the condition; it may name
+        another method to call), then — unless the role is BLOCKED (raises) or already
+        ``done`` — ``moving``, ``method`` on every handle, and ``done`` once each confirms
+        ``expected``; else the lease is BLOCKED and the batch FAILED. ``steps`` is
+        ``(moving, method, expected, done)``."""
         moving, method, expected, done = steps
         handles = self._handles(role)
         async with self._slice_lock(role):
             async with self._condition:
-                admit()
+                method = admit() or method
                 state = self._roles[role]
                 if state is _L.BLOCKED:
                     raise LeaseBlockedError(role, self._blocked[role])
@@ -564,12 +571,13 @@ class LifecycleCoordinator:
         timeout = self._operation_timeout
 
         async def one(handle: ManagerHandle) -> str | None:
-            call: Callable[[], Awaitable[Any]] = getattr(handle, method)
+            name = method if hasattr(handle, method) or method != _ABORT else "offload"
+            call: Callable[[], Awaitable[Any]] = getattr(handle, name)
             task = asyncio.ensure_future(call())
             try:
                 result = await asyncio.wait_for(asyncio.shield(task), timeout)
             except TimeoutError:
-                task.add_done_callback(lambda t: self._late_reply(role, handle, method, t))
+                task.add_done_callback(lambda t: self._late_reply(role, handle, name, expected, t))
                 return (
                     f"{handle.name}: {method} not confirmed within {timeout:g}s (a late reply "
                     "does not release the lease)"
@@ -582,7 +590,9 @@ class LifecycleCoordinator:
         reasons = [r for r in await asyncio.gather(*(one(h) for h in handles)) if r]
         return "; ".join(reasons) if reasons else None
 
-    def _late_reply(self, role: str, handle: ManagerHandle, method: str, task: Any) -> None:
+    def _late_reply(
+        self, role: str, handle: ManagerHandle, method: str, expected: str, task: Any
+    ) -> None:
         # The reply is recorded for the operator (describe()), never acted on.
         if task.cancelled():
             outcome = "cancelled"
@@ -590,7 +600,7 @@ class LifecycleCoordinator:
             exc = task.exception()
             outcome = f"raised {type(exc).__name__}: {exc}"
         else:
-            why = unconfirmed(task.result(), "SLEEPING" if method == "offload" else "READY")
+            why = unconfirmed(task.result(), expected)
             outcome = "confirmed" if why is None else f"unconfirmed: {why}"
         self._late.append(LateReply(role, handle.name, method, outcome, time.time()))
 

@@ -1,7 +1,9 @@
 """Manager handles: how the coordinator and a deferred batch reach a model's InferenceManager.
 
 A handle is anything with ``async onload()`` and ``async offload()`` returning a
-:class:`~relax_core.manager.LifecycleResult` (one result per replica). Two adapters:
+:class:`~relax_core.manager.LifecycleResult` (one result per replica); one that also has
+``async abort_and_offload()`` lets a failed or interrupted batch release its role without
+waiting for requests nobody wants any more. Two adapters (both have it):
 
 - :class:`RayManagerHandle`: a manager living in a Ray actor
   (:mod:`relax_core.manager.actor`); the call is ``await actor.onload.remote()``. This is how
@@ -27,7 +29,13 @@ __all__ = ["LocalManagerHandle", "ManagerHandle", "RayManagerHandle", "unconfirm
 
 @runtime_checkable
 class ManagerHandle(Protocol):
-    """One model's manager, as the coordinator sees it. ``name`` is used in messages."""
+    """One model's manager, as the coordinator sees it. ``name`` is used in messages.
+
+    Optional: ``async abort_and_offload() -> LifecycleResult``, an offload that aborts the
+    requests in flight at once instead of draining them (the manager's ``offload(abort=True)``).
+    The coordinator uses it to release a role for a FAILED batch, and ``offload()`` on a handle
+    without it.
+    """
 
     @property
     def name(self) -> str: ...
@@ -88,6 +96,12 @@ class LocalManagerHandle:
         result: LifecycleResult = await asyncio.to_thread(self.manager.offload)
         return result
 
+    async def abort_and_offload(self) -> LifecycleResult:
+        """``manager.offload(abort=True)`` in a worker thread: the requests in flight are
+        aborted, not drained."""
+        result: LifecycleResult = await asyncio.to_thread(lambda: self.manager.offload(abort=True))
+        return result
+
     async def weight_version(self) -> str | None:
         """The manager's published weight version."""
         return await asyncio.to_thread(lambda: self.manager.weight_version)
@@ -109,11 +123,11 @@ class RayManagerHandle:
         """The name given (``role.model``)."""
         return self._name
 
-    async def _call(self, method: str) -> Any:
+    async def _call(self, method: str, **kwargs: Any) -> Any:
         import ray
 
         try:
-            return await getattr(self.actor, method).remote()
+            return await getattr(self.actor, method).remote(**kwargs)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause
             if isinstance(cause, BaseException):
@@ -132,6 +146,12 @@ class RayManagerHandle:
     async def offload(self) -> LifecycleResult:
         """``actor.offload.remote()``."""
         result: LifecycleResult = await self._call("offload")
+        return result
+
+    async def abort_and_offload(self) -> LifecycleResult:
+        """``actor.offload.remote(abort=True)``: the requests in flight are aborted, not
+        drained."""
+        result: LifecycleResult = await self._call("offload", abort=True)
         return result
 
     async def weight_version(self) -> str | None:

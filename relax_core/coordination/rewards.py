@@ -12,7 +12,8 @@ Each adapter scores the samples its ``label_matcher`` accepts (every sample with
 A sample's ``rewards[name]`` is each adapter's value and ``reward`` the weighted sum of the
 adapters that scored it; a sample no adapter scored is left without a reward, which validation
 refuses. An adapter that raises, or returns something that is not a number or a
-:class:`RewardResult`, fails the stage naming the adapter and the sample.
+:class:`RewardResult` or a value that is not finite (NaN, ±inf), fails the stage naming the
+adapter and the sample.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
@@ -67,16 +68,33 @@ class RewardContext:
         return self.clients.client(role)
 
 
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
+    """The adapter's answer for ``sample`` as a :class:`RewardResult`.
+
+    :raises ScoringError: naming the adapter and the sample: not a number or a
+        ``RewardResult``, or a value that is not finite (NaN, ±inf).
+    """
     if isinstance(value, RewardResult):
-        return value
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return RewardResult(float(value))
-    raise ScoringError(
-        adapter,
-        f"returned {value!r} for sample {sample.id} (group {sample.group_id}); a reward adapter "
-        "returns a number or a RewardResult",
-    )
+        result = value
+    elif _number(value):
+        result = RewardResult(float(value))
+    else:
+        raise ScoringError(
+            adapter,
+            f"returned {value!r} for sample {sample.id} (group {sample.group_id}); a reward "
+            "adapter returns a number or a RewardResult",
+        )
+    if not _number(result.value) or not math.isfinite(result.value):
+        raise ScoringError(
+            adapter,
+            f"returned {result.value!r} for sample {sample.id} (group {sample.group_id}); a "
+            "reward must be a finite number",
+        )
+    return result
 
 
 def _score_chunk(fn: Any, pass_metadata: bool, items: list[tuple[Any, ...]]) -> list[Any]:

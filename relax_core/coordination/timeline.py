@@ -5,11 +5,13 @@ Phases are named ``generate``, ``<role>.offload`` / ``<role>.onload`` (each leas
 ``<stage>`` (each scoring stage), ``validate``, ``write_back``, ``sink_put``, ``finalize`` and
 ``commit``. Each becomes one observation of the histogram ``relax_deferred_phase_seconds``
 (label ``phase``) and one complete event (``"ph": "X"``) on a lane (``tid``) of the trace, with
-the batch id in its ``args``.
+the batch id in its ``args`` (and ``"failed": true`` for a phase that raised, ``"interrupted":
+true`` for one that was cancelled).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -74,17 +76,21 @@ class Timeline:
     @contextlib.contextmanager
     def phase(self, batch_id: int, name: str, *, lane: str = "batch") -> Iterator[None]:
         """Time the block as phase ``name`` of batch ``batch_id`` (recorded even if it raises,
-        with ``"failed": true`` in the event's args)."""
+        with ``"failed": true`` in the event's args — ``"interrupted": true`` instead when it
+        was cancelled or interrupted, which is no failure of the phase)."""
         start_wall = time.time_ns() // 1000
         start = time.perf_counter()
-        failed = True
+        outcome = "failed"
         try:
             yield
-            failed = False
+            outcome = "ok"
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            outcome = "interrupted"
+            raise
         finally:
             self.record(
                 batch_id, name, time.perf_counter() - start, start_us=start_wall, lane=lane,
-                failed=failed,
+                failed=outcome == "failed", interrupted=outcome == "interrupted",
             )  # fmt: skip
 
     def record(
@@ -96,6 +102,7 @@ class Timeline:
         start_us: int | None = None,
         lane: str = "batch",
         failed: bool = False,
+        interrupted: bool = False,
     ) -> None:
         """Record a phase measured elsewhere (``generate``, timed by the producer)."""
         if start_us is None:
@@ -106,6 +113,8 @@ class Timeline:
             args: dict[str, Any] = {"batch": batch_id}
             if failed:
                 args["failed"] = True
+            if interrupted:
+                args["interrupted"] = True
             self._events.append(
                 {
                     "name": name,
@@ -120,9 +129,11 @@ class Timeline:
             )
             phases = self._phases.setdefault(batch_id, {})
             phases[name] = phases.get(name, 0.0) + seconds
-        self.recorded(batch_id, name, seconds, failed=failed)
+        self.recorded(batch_id, name, seconds, failed=failed, interrupted=interrupted)
 
-    def recorded(self, batch_id: int, name: str, seconds: float, *, failed: bool) -> None:
+    def recorded(
+        self, batch_id: int, name: str, seconds: float, *, failed: bool, interrupted: bool
+    ) -> None:
         """Called after each phase is recorded (outside the lock); a subclass listens here."""
 
     def phases(self, batch_id: int) -> dict[str, float]:

@@ -79,14 +79,15 @@ def _topk_problem(ids: object, lps: object, tokens: int, k: int) -> str | None:
 
 
 def _reward_problem(sample: Sample) -> str | None:
+    # Each adapter's value first: a non-finite sum names the adapter that made it so.
+    for name, value in sample.rewards.items():
+        if not isinstance(value, float | int) or not math.isfinite(value):
+            return f"rewards[{name!r}] = {value!r} is not a finite number (adapter {name!r})"
     reward = sample.reward
     if reward is None:
         return "reward is missing (no reward adapter matched its label)"
     if not isinstance(reward, float | int) or not math.isfinite(reward):
         return f"reward = {reward!r} is not a finite number"
-    for name, value in sample.rewards.items():
-        if not isinstance(value, float | int) or not math.isfinite(value):
-            return f"rewards[{name!r}] = {value!r} is not a finite number"
     return None
 
 

@@ -96,8 +96,10 @@ class ManagerActor:
     def onload(self, tags: Any = None, *, engine_ids: Any = None) -> LifecycleResult:
         return self._manager.onload(tags, engine_ids=engine_ids)
 
-    def offload(self, tags: Any = None, *, engine_ids: Any = None) -> LifecycleResult:
-        return self._manager.offload(tags, engine_ids=engine_ids)
+    def offload(
+        self, tags: Any = None, *, engine_ids: Any = None, abort: bool = False
+    ) -> LifecycleResult:
+        return self._manager.offload(tags, engine_ids=engine_ids, abort=abort)
 
     def health_check(self, *, recover: bool = True) -> HealthReport:
         return self._manager.health_check(recover=recover)

@@ -305,7 +305,11 @@ class InferenceManager:
         return self._run("start", self._start, settle=False)
 
     def offload(
-        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
+        self,
+        tags: Iterable[str] | None = None,
+        *,
+        engine_ids: Iterable[str] | None = None,
+        abort: bool = False,
     ) -> LifecycleResult:
         """Release ``tags`` (default: all) on every replica; per-replica results.
 
@@ -315,11 +319,16 @@ class InferenceManager:
         SLEEPING. A replica whose release is not confirmed is FAILED: its memory is NOT known
         to be free. Tags already released are skipped, so a repeated offload is a no-op.
 
+        ``abort``: nothing the requests in flight would answer is wanted (their batch failed
+        or was interrupted), so each head aborts them at once (``pause_generation``, mode
+        ``abort``) instead of draining them, and continues generation after its release (the
+        replica is left as any offload leaves it).
+
         :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
         :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
         """
         wanted = normalize_tags(tags, where="offload(tags)")
-        return self._run("offload", lambda: self._memory.offload(engine_ids, wanted))
+        return self._run("offload", lambda: self._memory.offload(engine_ids, wanted, abort=abort))
 
     def onload(
         self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None

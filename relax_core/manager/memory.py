@@ -57,13 +57,20 @@ class Memory:
     timeouts: ManagerTimeouts
 
     def offload(
-        self, engine_ids: Iterable[str] | None, wanted: frozenset[str]
+        self, engine_ids: Iterable[str] | None, wanted: frozenset[str], *, abort: bool = False
     ) -> dict[str, ReplicaResult]:
         """Release ``wanted`` on the replicas ``engine_ids`` (``None``: all): close admission
-        (DRAINING), drain, release, confirm → SLEEPING; unconfirmed → FAILED. One result per
-        replica. Blocking. :raises KeyError: an unknown engine id."""
+        (DRAINING), drain (``abort``: abort the requests in flight at once instead), release,
+        confirm → SLEEPING; unconfirmed → FAILED. One result per replica. Blocking.
+        :raises KeyError: an unknown engine id."""
         t = self.timeouts
-        drain = {"strict": self.strict_drain, "drain_timeout": t.drain, "timeout": t.offload}
+        drain: dict[str, Any] = {
+            "strict": self.strict_drain,
+            "drain_timeout": t.drain,
+            "timeout": t.offload,
+        }
+        if abort:
+            drain["abort"] = True
         return self._run(
             "offload",
             self.slots.select(engine_ids),

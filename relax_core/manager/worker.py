@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from relax_core.engine._logtail import quote_log
 from relax_core.engine.admission import AdmissionServer
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import ResidentTag, ordered
@@ -142,7 +143,8 @@ class EngineWorker:
         Admission stays closed: the manager opens it once the replica is confirmed READY.
 
         :raises LifecycleError: the process could not start or was not ready in time (it is
-            stopped again before this raises).
+            stopped again before this raises). When the process exited, the message names its
+            log and quotes the log's last error (whatever the backend's own error said).
         """
         async with self._lock:
             if self.process is not None:
@@ -181,10 +183,21 @@ class EngineWorker:
                         host=self.public_host,
                     )
                     await self.channel.start()
-            except BaseException:
+            except BaseException as exc:
+                exited = self.process.poll()
                 if self.channel is not None:
                     await self.channel.stop()
                 await self._stop_process(timeout=10.0)
+                log_path = launch.log_path
+                quoted = bool(log_path) and str(log_path) in str(exc)
+                if exited is not None and isinstance(exc, Exception) and not quoted:
+                    # The backend's error does not say why its process died (its own process
+                    # class, or a death after readiness): its log does.
+                    raise LifecycleError(
+                        f"{self._name}: engine process {self.process.pid} exited with code "
+                        f"{exited} during its start ({type(exc).__name__}: {exc}); "
+                        f"{quote_log(log_path)}"
+                    ) from exc
                 raise
             return StartResult(
                 engine_id=self.engine_id,
@@ -281,10 +294,35 @@ class EngineWorker:
                     "the engine did not drain"
                 )
 
+    async def _abort_all(self, *, timeout: float) -> None:
+        """Close admission and abort every request in the engine with ``pause_generation``
+        (mode ``abort``): unlike ``abort_request``, which an engine notices at its next step,
+        it also keeps the engine from scheduling anything until ``continue_generation``, so a
+        release that follows (after a flush that waits for the engine to be idle) cannot find
+        a request still running."""
+        control, admission = self._head()
+        admission.close("DRAINING")
+        await control.pause_generation("abort", timeout=timeout)
+        if not await admission.wait_idle(min(timeout, 10.0)):
+            raise LifecycleError(
+                f"{self._name}: {admission.inflight} request(s) still in flight after "
+                "pause_generation (abort); the engine did not drain"
+            )
+
     async def offload(
-        self, tags: Sequence[str], *, strict: bool, drain_timeout: float, timeout: float
+        self,
+        tags: Sequence[str],
+        *,
+        strict: bool,
+        drain_timeout: float,
+        timeout: float,
+        abort: bool = False,
     ) -> float:
         """Close admission, drain, flush and release ``tags``; return the seconds it took.
+
+        ``abort``: abort the requests in flight at once instead of draining them (nothing they
+        would answer is wanted: a failed or interrupted batch); the engine is paused for that
+        and continued again after its release, so it is left as any offload leaves it.
 
         :raises LifecycleError: a step was refused or did not finish within ``timeout``; the
             memory is then *not* known to be free.
@@ -293,11 +331,28 @@ class EngineWorker:
         start = time.monotonic()
         async with self._lock, asyncio.timeout(drain_timeout + timeout):
             control, _ = self._head()
-            await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
-            if ResidentTag.KV_CACHE in tags:
-                await control.flush_cache(wait=timeout, timeout=timeout)
-            await control.release_memory(ordered(tags), timeout=timeout)
+            if not abort:
+                await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
+                await self._release(tags, timeout=timeout)
+                return time.monotonic() - start
+            try:
+                await self._abort_all(timeout=timeout)
+                await self._release(tags, timeout=timeout)
+            except BaseException as exc:
+                # Whatever failed: a paused engine would never generate again.
+                try:
+                    await control.continue_generation(timeout=min(timeout, 5.0))
+                except Exception as second:
+                    exc.add_note(f"continue_generation failed too: {second}")
+                raise
+            await control.continue_generation(timeout=timeout)
         return time.monotonic() - start
+
+    async def _release(self, tags: Sequence[str], *, timeout: float) -> None:
+        control, _ = self._head()
+        if ResidentTag.KV_CACHE in tags:
+            await control.flush_cache(wait=timeout, timeout=timeout)
+        await control.release_memory(ordered(tags), timeout=timeout)
 
     async def onload(self, tags: Sequence[str], *, reopen: bool, timeout: float) -> float:
         """Resume ``tags`` (weights first); with ``reopen``, check one generation, then open.

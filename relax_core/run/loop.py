@@ -22,6 +22,10 @@ One step ``N`` (``docs/run.md`` draws it):
 After the last step rollout is onloaded once more and takes the last weights (the run ends
 with the trained policy served). The first failure ends the run: nothing is committed for the
 failed step, and its report lists the ids of the samples it generated.
+
+Ctrl-C (SIGINT) or SIGTERM while the steps run cancels the step in flight: its batch is failed
+at the coordinator, the role it was using is released with its requests in flight aborted
+(not drained), and the summary says ``interrupted``; later signals are held meanwhile.
 """
 
 from __future__ import annotations
@@ -29,15 +33,23 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from relax_core.client.client import InferenceClient
-from relax_core.coordination.batch import DeferredBatch, DeferredCollector, abort_generation
+from relax_core.coordination.batch import (
+    DeferredBatch,
+    DeferredCollector,
+    abort_generation,
+    describe_failure,
+    interrupted,
+)
 from relax_core.coordination.distill import DistillationStage
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.rewards import RewardStage
@@ -48,7 +60,7 @@ from relax_core.run.data import open_source
 from relax_core.run.generate import Generator, PromptTokenizer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
-from relax_core.run.progress import PhaseTimeline, Printer
+from relax_core.run.progress import PhaseEvent, PhaseTimeline, Printer
 
 __all__ = ["FailedStep", "RunSummary", "blocked_advice", "build_stages", "run_loop"]
 
@@ -56,7 +68,8 @@ __all__ = ["FailedStep", "RunSummary", "blocked_advice", "build_stages", "run_lo
 @attrs.frozen
 class FailedStep:
     """The step that ended the run: its error, the ids of the samples it had generated (none
-    of them committed), the leases left BLOCKED (role → why) and what the trainer saw."""
+    of them committed), the leases left BLOCKED (role → why) and what the trainer saw;
+    ``interrupted``: Ctrl-C (or SIGTERM) ended it, not a failure (``kind`` ``interrupted``)."""
 
     step: int
     error: str
@@ -64,12 +77,14 @@ class FailedStep:
     sample_ids: tuple[str, ...]
     blocked: dict[str, str]
     trainer: str
+    interrupted: bool = False
 
     def row(self) -> dict[str, Any]:
         """The JSON object of the failed step."""
         return {
             "step": self.step,
             "failed": True,
+            "interrupted": self.interrupted,
             "error": self.error,
             "kind": self.kind,
             "samples_generated": len(self.sample_ids),
@@ -82,7 +97,12 @@ class FailedStep:
 @attrs.define
 class RunSummary:
     """What a run did: each committed step's row, the failure (if any), every weight version
-    rollout published (first: the one it started with), the switch report (``--measure``)."""
+    rollout published (first: the one it started with), the switch report (``--measure``);
+    ``interrupted_step``: the step Ctrl-C (or SIGTERM) interrupted, if one did.
+
+    ``seconds`` is the steps' loop (the final push and ``--measure``'s copies included),
+    ``startup_seconds`` the command's time before it (from the printer's ``began``).
+    """
 
     job: str
     steps: int
@@ -92,7 +112,14 @@ class RunSummary:
     final_push: dict[str, Any] | None = None
     switching: dict[str, Any] | None = None
     seconds: float = 0.0
+    startup_seconds: float = 0.0
     trace: str | None = None
+    interrupted_step: int | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C (or SIGTERM) ended the run."""
+        return self.interrupted_step is not None
 
     def row(self) -> dict[str, Any]:
         """The summary JSON object."""
@@ -102,10 +129,14 @@ class RunSummary:
             "steps": self.steps,
             "steps_committed": len(self.committed),
             "failed_step": None if self.failure is None else self.failure.step,
+            "interrupted": self.interrupted,
+            "interrupted_step": self.interrupted_step,
             "weight_versions": self.weight_versions,
             "final_push": self.final_push,
             "reward_means": [r["reward_mean"] for r in self.committed],
             "seconds": self.seconds,
+            "startup_seconds": self.startup_seconds,
+            "step_seconds": sum(r["seconds"] for r in self.committed),
             "trace": self.trace,
             "switching": self.switching,
         }
@@ -166,12 +197,16 @@ class _Loop:
         self.run = job.run
         self.printer = printer
         self.dump_dir = dump_dir
-        self.timeline = PhaseTimeline(printer.event, trace_path=trace, run=f"relax run {job.name}")
+        self.timeline = PhaseTimeline(self._event, trace_path=trace, run=f"relax run {job.name}")
+        #: the phase an interruption stopped first (the innermost one), if one did
+        self.interrupted_phase: str | None = None
         self.step = 0
         gen, model = job.generation_role, job.generation_model
         self.rollout: Any = RayManagerHandle(job.rollout_actor, name=f"{gen}.{model.name}")
         self.coordinator: Any = job.coordinator
         self.probe: SwitchProbe | None = None
+        #: the trainer's ``train`` of the step in flight (awaited by the step or its report)
+        self.train: Any = None
         self.clients = RoleClients(
             {r: reg.fetch for r, reg in job.registries.items() if r != gen},
             timeout=self.run.request_timeout,
@@ -186,22 +221,35 @@ class _Loop:
             self.rollout, self.probe, self.job.generation_role, lambda: self.step
         )
 
+    def _event(self, e: PhaseEvent) -> None:
+        if e.interrupted and self.interrupted_phase is None:
+            self.interrupted_phase = e.name
+        self.printer.event(e)
+
     def _finalizer(self, batch_id: int, samples: Sequence[Sample]) -> None:
         if self.dump_dir is not None:
             _dump(self.dump_dir, f"batch-{batch_id}.jsonl", samples)
 
     async def one(self, n: int, generator: Generator, prompts: Any, push: bool) -> dict[str, Any]:
-        """Step ``n``; its row. :raises _Failed: the step failed (the run ends)."""
+        """Step ``n``; its row.
+
+        :raises _Failed: the step failed or was interrupted before its commit (the run ends);
+            its batch is FAILED and the role it was using released.
+        :raises asyncio.CancelledError: interrupted after the commit, while the trainer trains.
+        """
         job, run, tl = self.job, self.run, self.timeline
         gen = job.generation_role
         self.step = n
         began = time.perf_counter()
-        train = job.trainer.train.remote(n)
+        train = self.train = job.trainer.train.remote(n)
         collector = DeferredCollector(n)
         pushed = None
         try:
             await self.coordinator.begin_batch(n)
-        except Exception as exc:
+        except BaseException as exc:
+            if interrupted(exc):
+                # The call may have gone through: the trainer's wait must end either way.
+                await _fail_batch(self.coordinator, n, exc)
             raise _Failed(exc, collector, train) from exc
         try:
             if n > 0:
@@ -222,11 +270,11 @@ class _Loop:
                         f"  step {n}  generate {done}/{len(prompts)} groups"
                     ),
                 )
-        except Exception as exc:
+        except BaseException as exc:
             error = await abort_generation(
                 self.coordinator, n, self.rollout, exc, timeline=tl, timeout=run.operation_timeout
             )
-            raise _Failed(error, collector, train) from exc
+            raise _Failed(exc if interrupted(exc) else error, collector, train) from exc
         try:
             result = await DeferredBatch(
                 n,
@@ -240,10 +288,11 @@ class _Loop:
                 timeline=tl,
                 release_timeout=run.operation_timeout,
             ).run()
-        except Exception as exc:
+        except BaseException as exc:
             raise _Failed(exc, collector, train) from exc
         with tl.phase(n, "train"):
             trained = await train
+        self.train = None
         samples = collector.samples
         rewards = [float(s.reward or 0.0) for s in samples]
         failures = sum(
@@ -289,8 +338,9 @@ class _Loop:
         }
 
     async def failure(self, n: int, failed: _Failed) -> FailedStep:
-        """The report of the step that failed."""
+        """The report of the step that failed or was interrupted."""
         exc = failed.error
+        stopped = interrupted(exc)
         samples = failed.collector.samples
         if self.dump_dir is not None:
             _dump(self.dump_dir, f"failed-{n}.jsonl", samples)
@@ -300,19 +350,26 @@ class _Loop:
             blocked = dict(status.blocked)
         except Exception as err:  # the coordinator itself may be what failed
             blocked = {"?": f"the coordinator could not be asked: {err}"}
-        text = f"{type(exc).__name__}: {exc}"
+        if stopped:
+            text = f"interrupted during {self.interrupted_phase or 'the step'}"
+        else:
+            text = f"{type(exc).__name__}: {exc}"
         notes = getattr(exc, "__notes__", None)
         if notes:
             text += " (" + "; ".join(notes) + ")"
         if blocked:
             text += "; " + blocked_advice(self.job.name, blocked)
+        self.train = None
         return FailedStep(
             step=n,
             error=text,
-            kind=type(exc).__name__,
+            kind="interrupted" if stopped else type(exc).__name__,
             sample_ids=tuple(s.id for s in samples),
             blocked=blocked,
-            trainer=await _trainer_saw(failed.train, 30.0),
+            # The batch is FAILED: the trainer's wait ends at once (an interrupted run does
+            # not wait long for it either way).
+            trainer=await _trainer_saw(failed.train, 5.0 if stopped else 30.0),
+            interrupted=stopped,
         )
 
 
@@ -327,6 +384,63 @@ def blocked_advice(job: str, blocked: dict[str, str]) -> str:
         f"reset --address HEAD:6379 --job {job} --role {first} --confirm-clean` "
         "(docs/coordination.md#blocked)"
     )
+
+
+async def _fail_batch(coordinator: Any, batch_id: int, exc: BaseException) -> None:
+    """Fail ``batch_id`` at the coordinator because of ``exc`` (a note on ``exc`` if that
+    fails too: the coordinator may be what failed)."""
+    try:
+        await coordinator.fail_batch(batch_id, describe_failure(exc))
+    except Exception as err:
+        exc.add_note(f"failing batch {batch_id} at the coordinator failed: {err}")
+
+
+class _Interrupts:
+    """Ctrl-C (SIGINT) and SIGTERM while the steps run, on the running event loop: the first
+    cancels the loop's task — the step in flight fails its batch and releases its role, so
+    the cancellation reaches every await of it, never the middle of a callback as a
+    ``KeyboardInterrupt`` would; later ones are held (``say`` tells the user). Outside the
+    main thread nothing is installed."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.received = 0
+        self._task: asyncio.Task[Any] | None = None
+        self._previous: dict[int, Any] = {}
+        self._uncancelled = False
+
+    def install(self) -> None:
+        """Take SIGINT and SIGTERM over (the handlers before are kept for :meth:`remove`)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.getsignal(sig)
+            loop.add_signal_handler(sig, self._handle)
+
+    def remove(self) -> None:
+        """Give SIGINT and SIGTERM back to the handlers they had."""
+        loop = asyncio.get_running_loop()
+        for sig, previous in self._previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
+
+    def handled(self) -> None:
+        """The interruption was dealt with: the task's later awaits are not cancelled again
+        (``Task.uncancel``, so ``asyncio.timeout`` blocks of the report work as usual)."""
+        if self._task is not None and self.received and not self._uncancelled:
+            self._uncancelled = True
+            self._task.uncancel()
+
+    def _handle(self) -> None:
+        self.received += 1
+        if self.received == 1:
+            if self._task is not None:
+                self._task.cancel()
+            return
+        self.say("relax run: still stopping the step in flight, please wait …")
 
 
 class _Failed(Exception):
@@ -351,18 +465,52 @@ async def run_loop(
     """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run
     and is in ``summary.failure``; every committed step was printed as it committed).
 
+    Ctrl-C (SIGINT) or SIGTERM, in the main thread, stops the run too: the step in flight is
+    cancelled, its batch failed and its roles released (requests in flight aborted), and the
+    summary returned has ``interrupted_step``; the signals' handlers are given back on return.
+
     ``trace``: the Perfetto trace file (rewritten after every batch). ``dump_dir``: each
     committed batch's samples as ``batch-N.jsonl``, a failed step's as ``failed-N.jsonl``.
     ``measure``: time every phase switch and compare it with a copy of its bytes.
     """
-    run = job.run
     began = time.perf_counter()
+    summary = RunSummary(job.name, steps, trace=trace)
+    summary.startup_seconds = time.monotonic() - printer.began
+    printer.started(
+        {
+            "job": job.name,
+            "engine_pids": sorted(job.engine_pids),
+            "router_pids": sorted(job.router_pids),
+            "startup_seconds": summary.startup_seconds,
+        }
+    )
     loop = _Loop(job, printer, trace=trace, dump_dir=dump_dir)
     if measure:
         loop.measure()
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
-    summary = RunSummary(job.name, steps, trace=trace)
+    signals = _Interrupts(printer.say)
+    signals.install()
+    try:
+        await _steps(loop, summary, steps, signals)
+    except asyncio.CancelledError:
+        if not signals.received:
+            raise
+        # Interrupted between steps' own handling (after a commit, the final push): the step
+        # in flight, if any, is reported; its batch is committed or failed already.
+        signals.handled()
+        summary.interrupted_step = loop.step
+        if loop.train is not None:
+            await _trainer_saw(loop.train, 5.0)
+    finally:
+        signals.remove()
+    summary.seconds = time.perf_counter() - began
+    return summary
+
+
+async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interrupts) -> None:
+    """The steps, then ``--measure``'s copies and the final push, into ``summary``."""
+    job, run, printer = loop.job, loop.run, loop.printer
     source = open_source(run.dataset, seed=run.seed)
     model = job.generation_model
     tokenizer = PromptTokenizer(model.model_path, where=model.path)
@@ -379,6 +527,9 @@ async def run_loop(
             try:
                 row = await loop.one(n, generator, source.take(run.prompts_per_step), push=n > 0)
             except _Failed as failed:
+                if interrupted(failed.error):
+                    summary.interrupted_step = n
+                    signals.handled()
                 summary.failure = await loop.failure(n, failed)
                 printer.failed(summary.failure.row())
                 break
@@ -387,15 +538,13 @@ async def run_loop(
             step_seconds += row["seconds"]
             summary.committed.append(row)
             printer.step(row)
-    if loop.probe is not None:
+    if loop.probe is not None and not summary.interrupted:
         sizes = sorted({s.weight_bytes for s in loop.probe.switches})
         copies = await job.trainer.measure_copy.remote(sizes)
         summary.switching = switch_report(loop.probe.switches, copies, step_seconds)
     if summary.failure is None and summary.committed:
         summary.final_push = await _final_push(job, steps)
         summary.weight_versions.append(summary.final_push["weight_version"])
-    summary.seconds = time.perf_counter() - began
-    return summary
 
 
 async def _final_push(job: RunJob, steps: int) -> dict[str, Any]:

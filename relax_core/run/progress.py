@@ -4,13 +4,17 @@
 that also tells a listener when each phase begins and ends. :class:`Printer` turns those
 events and the step results into output:
 
-- **progress**: each phase as it ends (``  · step 1 genrm.onload 0.21s``), and while one runs
-  on a terminal a status line rewritten in place;
+- **progress**: each phase that took real time as it ends (``  · step 1 genrm 2.29s``: at
+  least :data:`PHASE_LINE_SECONDS`; a phase that failed or was interrupted always, marked
+  ``FAILED`` or ``interrupted``), and while one runs on a terminal a status line rewritten in
+  place;
 - **one line per step**: reward mean ± std, parse failures, teacher KL (or the teacher's
   log-prob mean), tokens generated, the weight version its samples were generated with, and
-  the step's phase times;
-- with ``json``: one JSON object per committed step on stdout (progress goes to stderr), and
-  a summary object at the end.
+  the step's phase times (the shorter phases counted, not named);
+- with ``json``: on stdout one JSON object per committed step and a summary at the end, and
+  progress events (``"event"``: the ``start`` of the steps with the pids of every engine and
+  router, each phase's ``begin`` and end, short ones included); the text progress goes to
+  stderr.
 """
 
 from __future__ import annotations
@@ -26,18 +30,33 @@ import attrs
 
 from relax_core.coordination.timeline import Timeline
 
-__all__ = ["PhaseEvent", "PhaseTimeline", "Printer"]
+__all__ = ["PHASE_LINE_SECONDS", "PhaseEvent", "PhaseTimeline", "Printer", "phase_times"]
+
+#: Phases shorter than this (seconds) print no progress line and are only counted in the
+#: step's line; ``--json`` has every one.
+PHASE_LINE_SECONDS = 0.05
+
+_SWITCHES = (".onload", ".offload", ".ack")
 
 
 @attrs.frozen
 class PhaseEvent:
-    """A phase of step ``step`` began (``seconds`` 0) or ended (``failed`` if it raised)."""
+    """A phase of step ``step`` began (``seconds`` 0) or ended (``failed`` if it raised,
+    ``interrupted`` if it was cancelled: Ctrl-C)."""
 
     step: int
     name: str
     ended: bool
     seconds: float = 0.0
     failed: bool = False
+    interrupted: bool = False
+
+    @property
+    def state(self) -> str:
+        """``begin``, ``end``, ``failed`` or ``interrupted``."""
+        if not self.ended:
+            return "begin"
+        return "interrupted" if self.interrupted else "failed" if self.failed else "end"
 
 
 class PhaseTimeline(Timeline):
@@ -55,20 +74,41 @@ class PhaseTimeline(Timeline):
         with super().phase(batch_id, name, lane=lane):
             yield
 
-    def recorded(self, batch_id: int, name: str, seconds: float, *, failed: bool) -> None:
+    def recorded(
+        self, batch_id: int, name: str, seconds: float, *, failed: bool, interrupted: bool
+    ) -> None:
         """The listener hears the phase's end."""
-        self._on_event(PhaseEvent(batch_id, name, ended=True, seconds=seconds, failed=failed))
+        self._on_event(
+            PhaseEvent(
+                batch_id, name, ended=True, seconds=seconds, failed=failed, interrupted=interrupted
+            )
+        )
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def phase_times(phases: dict[str, float]) -> str:
+    """A step's phase times for its line: the switches (onloads, offloads, acknowledgments)
+    summed, every other phase of at least :data:`PHASE_LINE_SECONDS` by name, the rest
+    counted (``switches 0.22, generate 0.21, genrm 2.29, + 5 phases < 0.05s``)."""
+    switches = sum(v for k, v in phases.items() if k.endswith(_SWITCHES))
+    others = {k: v for k, v in phases.items() if not k.endswith(_SWITCHES)}
+    shown = [f"{k} {v:.2f}" for k, v in others.items() if v >= PHASE_LINE_SECONDS]
+    short = len(others) - len(shown)
+    if short:
+        shown.append(f"+ {short} phase{'s' if short > 1 else ''} < {PHASE_LINE_SECONDS:g}s")
+    return ", ".join([f"switches {switches:.2f}", *shown])
+
+
 class Printer:
     """Prints a run's progress and results (see the module docstring).
 
     :param out: where lines (or JSON objects) go; :param err: where progress goes with
-        ``json``; :param tty: rewrite a status line in place (default: ``out`` is a terminal).
+        ``json``; :param tty: rewrite a status line in place (default: ``out`` is a terminal);
+        :param began: the command's start (``time.monotonic()``; default: now), from which
+        the summary's wall time is counted.
     """
 
     def __init__(
@@ -78,13 +118,15 @@ class Printer:
         out: TextIO | None = None,
         err: TextIO | None = None,
         tty: bool | None = None,
+        began: float | None = None,
     ) -> None:
         self.json = json_lines
         self.out = out or sys.stdout
-        self.progress_out = (err or sys.stderr) if json_lines else self.out
+        self.err = err or sys.stderr
+        self.progress_out = self.err if json_lines else self.out
         self.tty = self.progress_out.isatty() if tty is None else tty
+        self.began = time.monotonic() if began is None else began
         self._status = ""
-        self._began = time.monotonic()
 
     def say(self, text: str) -> None:
         """A line of progress (start-up, teardown, notes)."""
@@ -109,25 +151,32 @@ class Printer:
             self._status = text
             print(f"\r\033[K{text}", end="", file=self.progress_out, flush=True)
 
+    def started(self, row: dict[str, Any]) -> None:
+        """The steps begin: with ``--json`` the ``start`` event (the job, the pids of every
+        engine and router it started)."""
+        if self.json:
+            self._row({"event": "start", **row})
+
     def event(self, e: PhaseEvent) -> None:
         """A phase began or ended."""
+        if self.json:
+            row: dict[str, Any] = {"event": "phase", "step": e.step, "phase": e.name}
+            row["state"] = e.state
+            if e.ended:
+                row["seconds"] = e.seconds
+            self._row(row)
         if not e.ended:
             self.status(f"  step {e.step}  {e.name} …")
             return
-        mark = " FAILED" if e.failed else ""
+        if e.seconds < PHASE_LINE_SECONDS and e.state == "end":
+            return  # counted in the step's line
+        mark = {"end": "", "failed": " FAILED", "interrupted": " interrupted"}[e.state]
         self.say(f"  · step {e.step} {e.name} {e.seconds:.2f}s{mark}")
 
     def step(self, row: dict[str, Any]) -> None:
         """A committed step: one line, or one JSON object."""
         if self._row(row):
             return
-        phases = row["phases"]
-        switches = sum(v for k, v in phases.items() if k.endswith((".onload", ".offload")))
-        shown = ", ".join(
-            f"{k} {v:.2f}"
-            for k, v in phases.items()
-            if not k.endswith((".onload", ".offload", ".ack"))
-        )
         teacher = ""
         if row.get("teacher_kl") is not None:
             teacher = f"  teacher KL {row['teacher_kl']:.3f}"
@@ -137,28 +186,33 @@ class Printer:
             f"step {row['step']}  {row['partition']}  {row['samples']} samples  reward "
             f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f}{parse}{teacher}  tokens "
             f"{row['tokens']}  weights {row['weight_version']}"
-            f"  {row['seconds']:.1f}s (switches {switches:.2f}, {shown})",
+            f"  {row['seconds']:.1f}s ({phase_times(row['phases'])})",
             file=self.out,
             flush=True,
         )
 
     def failed(self, row: dict[str, Any]) -> None:
-        """The step that failed (and ended the run)."""
+        """The step that failed or was interrupted (and ended the run)."""
         self._row(row)
-        print(
-            f"relax run: step {row['step']} failed, nothing committed for it: {row['error']}",
-            file=sys.stderr,
-            flush=True,
-        )
+        if row.get("interrupted"):
+            text = f"relax run: step {row['step']} {row['error']}; nothing committed for it"
+        else:
+            text = f"relax run: step {row['step']} failed, nothing committed for it: {row['error']}"
+        print(text, file=self.err, flush=True)
 
     def summary(self, row: dict[str, Any]) -> None:
-        """The run's summary."""
+        """The run's summary; ``wall_seconds`` (since ``began``) is added to ``row``."""
+        row["wall_seconds"] = time.monotonic() - self.began
         if self._row(row):
             return
         versions = " → ".join(str(v) for v in row["weight_versions"])
+        stopped = ""
+        if row.get("interrupted"):
+            stopped = f", interrupted in step {row['interrupted_step']}"
         print(
-            f"relax run: {row['steps_committed']} of {row['steps']} steps committed in "
-            f"{row['seconds']:.1f}s; rollout weights {versions}",
+            f"relax run: {row['steps_committed']} of {row['steps']} steps committed{stopped}; "
+            f"{row['wall_seconds']:.1f}s in all (start-up {row['startup_seconds']:.1f}s, steps "
+            f"{row['step_seconds']:.1f}s); rollout weights {versions}",
             file=self.out,
             flush=True,
         )

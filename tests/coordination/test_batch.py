@@ -60,6 +60,22 @@ class Handle:
         return self.version
 
 
+class AbortingHandle(Handle):
+    """A handle that can also abort its requests in flight as it offloads; it records the
+    batch's state at the coordinator when that is asked of it."""
+
+    def __init__(self, name: str, log: list[str], coord: Any = None) -> None:
+        super().__init__(name, log)
+        self.coord = coord
+
+    async def abort_and_offload(self) -> LifecycleResult:
+        state = self.coord.batch_state(0) if self.coord is not None else None
+        self.log.append(f"{self.name}.abort_and_offload (batch {state})")
+        result = await self._do("offload")
+        self.log.pop()
+        return result
+
+
 class Stage:
     """A stage that writes one field and records when it ran."""
 
@@ -94,16 +110,20 @@ def samples(groups: int = 2, n: int = 2, version: str = "v1") -> list[Sample]:
 
 
 class Step:
-    def __init__(self, *, rollout_confirms: bool = True) -> None:
+    def __init__(self, *, rollout_confirms: bool = True, aborting: bool = False) -> None:
         self.log: list[str] = []
         self.rollout = Handle("rollout", self.log, confirm=rollout_confirms)
-        self.handles = {r: Handle(r, self.log) for r in ("genrm", "teacher")}
+        kind = AbortingHandle if aborting else Handle
+        self.handles = {r: kind(r, self.log) for r in ("genrm", "teacher")}
         self.coord = LifecycleCoordinator(
             slices={"rollout": "A", "genrm": "A", "teacher": "A"},
             managers={r: [h] for r, h in self.handles.items()},
             generation_role="rollout",
             operation_timeout=5,
         )
+        for h in self.handles.values():
+            if isinstance(h, AbortingHandle):
+                h.coord = self.coord
         self.sink = MemoryBatchSink()
 
     def stages(self, **values: Any) -> list[Stage]:
@@ -176,6 +196,98 @@ def test_a_scoring_failure_fails_the_batch_releases_the_role_and_writes_nothing_
     assert "genrm.offload" in step.log and "teacher.onload" not in step.log
     assert all(s.reward is None and s.teacher_logprobs is None for s in originals)
     assert step.sink.partitions() == {}
+    assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
+
+
+def test_a_failed_stage_fails_the_batch_first_so_its_role_is_released_by_aborting() -> None:
+    step = Step(aborting=True)
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        with pytest.raises(ScoringError, match="judge unreachable"):
+            await step.batch(
+                samples(), step.stages(genrm=ScoringError("genrm", "judge unreachable"))
+            ).run()
+
+    run(go())
+    # Nothing the role's requests answer is used: they are aborted, not waited for.
+    assert step.log == [
+        "rollout.offload", "genrm.onload", "genrm.run", "genrm.abort_and_offload (batch FAILED)",
+    ]  # fmt: skip
+    assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
+
+
+def test_a_role_that_judged_successfully_is_drained_not_aborted() -> None:
+    step = Step(aborting=True)
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        await step.batch(samples(), step.stages()).run()
+
+    run(go())
+    assert "genrm.offload" in step.log and "teacher.offload" in step.log
+    assert not any("abort" in line for line in step.log)
+
+
+def test_a_cancelled_stage_fails_the_batch_as_interrupted_and_aborts_its_role(
+    tmp_path: Path,
+) -> None:
+    step = Step(aborting=True)
+    trace = tmp_path / "run.trace.json"
+    started = asyncio.Event()
+
+    class Judging(Stage):
+        async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+            started.set()
+            await asyncio.Event().wait()  # a judge that answers only when cancelled
+            raise AssertionError("not cancelled")
+
+    async def go() -> BaseException:
+        waiter = asyncio.ensure_future(step.coord.wait_committed(0))
+        await step.coord.begin_batch(0)
+        stages = [Judging("genrm", "reward", "genrm", step.log)]
+        timeline = Timeline(trace_path=str(trace))
+        task = asyncio.ensure_future(step.batch(samples(), stages, timeline=timeline).run())
+        await started.wait()
+        task.cancel()  # what Ctrl-C does to the step in flight
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(BatchFailedError) as info:
+            await waiter
+        return info.value
+
+    error = run(go())
+    assert "interrupted" in str(error)
+    assert step.log[-1] == "genrm.abort_and_offload (batch FAILED)"
+    assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
+    events = {e["name"]: e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert events["genrm"]["args"] == {"batch": 0, "interrupted": True}
+    assert "failed" not in events["genrm.offload"]["args"]
+
+
+def test_an_interrupted_activation_is_followed_by_the_role_s_deactivation() -> None:
+    step = Step(aborting=True)
+    onloading = asyncio.Event()
+    genrm = step.handles["genrm"]
+
+    async def slow_onload() -> LifecycleResult:
+        onloading.set()
+        await asyncio.sleep(0.2)
+        return await genrm._do("onload")
+
+    genrm.onload = slow_onload  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        task = asyncio.ensure_future(step.batch(samples(), step.stages()).run())
+        await onloading.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())
+    # The activation went on in the coordinator; the role came down again after it.
+    assert step.log[-2:] == ["genrm.onload", "genrm.abort_and_offload (batch FAILED)"]
     assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
 
 

@@ -429,9 +429,14 @@ def test_an_offload_timeout_blocks_the_lease_and_the_teacher_is_never_activated(
             RewardSpec(name="numeric", fn=lambda response, label: float(label)),
             r"numeric: raised for sample .*TypeError: float\(\) argument",
         ),
-        (RewardSpec(name="nan", fn=lambda response, label: math.nan), "is not a finite number"),
+        # A non-finite reward fails the stage naming the adapter and the sample.
+        (
+            RewardSpec(name="nan", fn=lambda response, label: math.nan),
+            r"nan: returned nan for sample b0-g\d-s\d \(group b0-g\d\); a reward must be a "
+            "finite number",
+        ),
     ],
-    ids=["scoring", "validation"],
+    ids=["scoring", "non-finite"],
 )
 def test_a_scoring_or_validation_failure_fails_the_batch_and_writes_nothing_back(
     step: Step, adapter: RewardSpec, match: str
@@ -551,3 +556,63 @@ def test_a_student_restore_failure_releases_the_rollout_lease_in_finally(step: S
     assert step.lease("rollout") is LeaseState.SLEEPING
     assert set(step.job.states("rollout").values()) == {"SLEEPING"}
     assert asyncio.run(step.coordinator.describe()).batch_state == "FAILED"
+
+
+def test_a_batch_cancelled_while_genrm_judges_aborts_its_requests_and_genrm_serves_again(
+    step: Step,
+) -> None:
+    genrm = step.job.actors["genrm"]
+
+    async def judge_at_length(response: str, label: str | None, *, context: Any) -> float:
+        # Long enough that the cancellation finds it in the engine.
+        await context.client("genrm").generate(
+            {"input_ids": [5, 17, 42, 9], "sampling_params": {"max_new_tokens": 400,
+             "ignore_eos": True}}
+        )  # fmt: skip
+        return 1.0
+
+    slow = RewardSpec(name="slow-judge", fn=judge_at_length, mode="async", supports_deferred=True)
+
+    async def in_flight() -> int:
+        states = await genrm.admission_states.remote()
+        return sum(int(s.get("inflight", 0)) for s in states.values())
+
+    async def go() -> BaseException:
+        waiter = asyncio.ensure_future(step.coordinator.wait_committed(0, timeout=300))
+        await step.coordinator.begin_batch(0)
+        collector = await step.generate(0, groups=2)
+        stage = RewardStage([slow], name="genrm", role="genrm")
+        batch = asyncio.ensure_future(step.batch(0, collector.samples, [stage]).run())
+        deadline = asyncio.get_running_loop().time() + 60
+        while await in_flight() == 0:
+            assert asyncio.get_running_loop().time() < deadline, "no judge request in flight"
+            await asyncio.sleep(0.02)
+        batch.cancel()  # what Ctrl-C does to the step in flight
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        with pytest.raises(BatchFailedError) as info:
+            await waiter
+        return info.value
+
+    error = asyncio.run(go())
+    assert "interrupted" in str(error)
+    # Its requests aborted, genrm offloaded and confirmed: nothing BLOCKED, every role asleep.
+    status = asyncio.run(step.coordinator.describe())
+    assert status.blocked == {} and set(status.leases.values()) == {"SLEEPING"}, status
+    assert set(step.job.states("genrm").values()) == {"SLEEPING"}
+    assert asyncio.run(in_flight()) == 0
+
+    # The engine was continued after its release: the next run's judge stage is served.
+    step.job.rollout.onload().raise_for_failures()
+    again = Step(step.job)
+    try:
+
+        async def next_batch() -> Any:
+            await again.coordinator.begin_batch(0)
+            collector = await again.generate(0, groups=2)
+            return await again.batch(0, collector.samples, [reward_stage(step.job)]).run()
+
+        result = asyncio.run(next_batch())
+    finally:
+        again.close()
+    assert result.receipt.count == 4

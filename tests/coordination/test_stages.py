@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from typing import Any
 
@@ -103,6 +104,31 @@ def test_an_adapter_returning_something_else_than_a_number_fails_the_stage() -> 
     spec = RewardSpec(name="wrong", fn=wrong, mode="async")
     with pytest.raises(ScoringError, match="wrong: returned 'yes' for sample a"):
         asyncio.run(RewardStage([spec]).run(samples(), CTX))
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, RewardResult(-math.inf)])
+def test_a_non_finite_reward_fails_the_stage_naming_the_adapter_and_the_sample(value: Any) -> None:
+    async def broken(response: str, label: str | None, *, context: RewardContext) -> Any:
+        return value if context.sample.id == "b" else 1.0
+
+    async def good(response: str, label: str | None, *, context: RewardContext) -> Any:
+        return 1.0
+
+    spec = RewardSpec(name="broken", fn=broken, mode="async")
+    good_spec = RewardSpec(name="good", fn=good, mode="async")
+    with pytest.raises(
+        ScoringError, match=r"broken: returned -?(nan|inf) for sample b \(group g0\)"
+    ):
+        asyncio.run(RewardStage([spec, good_spec]).run(samples(), CTX))
+
+
+def test_validation_names_the_adapter_whose_value_made_the_reward_non_finite() -> None:
+    s = samples()[0]
+    s.rewards = {"exact-match": 1.0, "judge": math.nan}
+    s.reward = math.nan
+    assert validate_samples([s], {"reward", "rewards"}, 0) == [
+        "sample a (group g0): rewards['judge'] = nan is not a finite number (adapter 'judge')"
+    ]
 
 
 def test_reward_stage_refuses_bad_adapter_lists() -> None:

@@ -445,9 +445,7 @@ def test_a_weight_version_no_head_serves_yet_is_503_with_retry_after() -> None:
         resolver.resolve(versioned(["8", "8"]), model="math", min_weight_version="9")
     assert info.value.status == 503 and info.value.retry_after == 1.0
     assert 'weight version >= "9"' in info.value.message
-    assert (
-        "math/replica-0 on 8" in info.value.message and "Nothing sent" in info.value.message
-    )
+    assert "math/replica-0 on 8" in info.value.message and "Nothing sent" in info.value.message
     # A router model must publish the version itself.
     data = snapshot().to_json()
     data["models"]["code"].update(weight_source="ACTOR", weight_version="3")

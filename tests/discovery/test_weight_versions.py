@@ -15,7 +15,11 @@ from relax_core.discovery.routing import (
 #: Versions as trainers spell them: plain numbers, prefixed steps, dotted releases, any text.
 versions = st.one_of(
     st.integers(min_value=0, max_value=10**12).map(str),
-    st.builds(lambda p, n: f"{p}{n}", st.sampled_from(["step-", "v", "w-", "tensor-"]), st.integers(0, 10**6)),
+    st.builds(
+        lambda p, n: f"{p}{n}",
+        st.sampled_from(["step-", "v", "w-", "tensor-"]),
+        st.integers(0, 10**6),
+    ),
     st.builds(lambda a, b: f"v{a}.{b}", st.integers(0, 99), st.integers(0, 99)),
     st.text(alphabet="0123456789abcdefault-._", min_size=1, max_size=12),
     st.just(INITIAL_WEIGHT_VERSION),

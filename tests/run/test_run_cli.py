@@ -1,7 +1,7 @@
 """``relax run`` as a user runs it, on the CPU example job: three committed steps, every field,
-the weight version moving, the trace, the switch measurement, nothing left running; and the
-faults that must end a run cleanly (kill -9 of the genrm engine mid-scoring, SIGSTOP of the
-teacher engine during its offload).
+the weight version moving, the trace, the switch measurement, nothing left running; the faults
+that must end a run cleanly (kill -9 of the genrm engine mid-scoring, SIGSTOP of the teacher
+engine during its offload); and Ctrl-C while genrm judges, with its requests in flight.
 
 Each test runs ``python -m relax_core run`` in a session of its own on a new local Ray with the
 example's tiny hf models (CPU engines placed on one declared GPU).
@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from relax_core.testing import wait_for
 from tests.support import run as support
+from tests.support import serve as processes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -32,6 +36,20 @@ def root(models: Path, tmp_path: Path) -> Path:
     """A job directory of this test with the module's models beside it."""
     (tmp_path / "tiny").symlink_to(models / "tiny", target_is_directory=True)
     return tmp_path
+
+
+def _rows(run: support.RunProcess) -> list[dict[str, Any]]:
+    """Its JSON objects on stdout but the progress events: step rows, failed steps, summary."""
+    return [r for r in run.json_rows() if "event" not in r]
+
+
+def _phase(run: support.RunProcess, step: int, phase: str, state: str, timeout: float) -> None:
+    """Wait for ``--json``'s progress event of ``phase`` of ``step`` in ``state``."""
+    run.out.wait_for(
+        rf'^\{{"event": "phase", "step": {step}, "phase": "{re.escape(phase)}", '
+        rf'"state": "{state}"',
+        timeout=timeout,
+    )
 
 
 def _committed(directory: Path) -> dict[int, list[dict[str, Any]]]:
@@ -52,8 +70,7 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
         "--measure",
     ) as run:  # fmt: skip
         assert run.wait(timeout=400) == 0, f"{run.out}\n{run.err}"
-        rows = run.json_rows()
-        *steps, summary = rows
+        *steps, summary = _rows(run)
         left = support.left_running(run, summary)
     assert left == [], left
 
@@ -119,15 +136,16 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
 def _trigger_and_fail(
     root: Path, phase_end: str, fault: Any, *, timeout: float = 300, **run: Any
 ) -> tuple[support.RunProcess, list[dict[str, Any]], dict[str, Any]]:
-    """Run two steps; when step 1's ``phase_end`` progress line appears, ``fault()``; the run
-    must end with exit 1. Returns the run, its committed rows and the failed step's row."""
+    """Run two steps; when step 1's ``phase_end`` ends (its ``--json`` progress event),
+    ``fault()``; the run must end with exit 1. Returns the run, its committed rows and the
+    failed step's row."""
     job = support.job_file(root, steps=2, **run)
     dumps = root / "samples"
     with support.relax_run(job, "--json", "--dump-samples", str(dumps)) as proc:
-        proc.err.wait_for(rf"^  · step 1 {phase_end} [\d.]+s$", timeout=timeout)
+        _phase(proc, 1, phase_end, "end", timeout)
         fault()
         code = proc.wait(timeout=timeout)
-        rows = proc.json_rows()
+        rows = _rows(proc)
         summary = rows[-1]
         left = support.left_running(proc, summary)
     assert code == 1, f"{proc.out}\n{proc.err}"
@@ -189,3 +207,92 @@ def test_sigstop_of_the_teacher_engine_during_its_offload_blocks_it_and_says_wha
     assert f"step 1 failed, nothing committed for it: {text}" in str(proc.err)
     # The stopped engine was killed by the shutdown, like every other.
     assert not any(os.path.exists(f"/proc/{p}") for p in stopped)
+
+
+#: Rollout and a deferred genrm on the example's models (no teacher: a shorter start-up); the
+#: judge scores 32 samples of 64 tokens each, seconds on this machine, while rollout's 4-token
+#: answers take a fraction of that.
+INTERRUPTED_JOB = """\
+[cluster]
+num_nodes = 1
+gpus_per_node = 1
+
+[training]
+actor_gpus = 1
+colocate = true
+offload = true
+
+[placement]
+mode = "defer"
+defer_roles = ["genrm"]
+
+[roles.rollout.models.policy]
+backend = "hf"
+model_path = "tiny/policy"
+weight_source = "ACTOR"
+weights_cpu_backup = true
+extra_args = ["--device", "cpu"]
+
+[roles.genrm.models.judge]
+backend = "hf"
+model_path = "tiny/judge"
+extra_args = ["--device", "cpu"]
+
+[run]
+steps = 2
+prompts_per_step = 8
+samples_per_prompt = 4
+max_new_tokens = 4
+rewards = [{ adapter = "genrm-judge" }]
+reward_role = "genrm"
+"""
+
+#: What Ray prints of an error no one handled, or of a failed task or actor.
+RAY_ERROR_TEXT = ("Traceback", "Unhandled error", "RayTaskError", "RayActorError", "ray.exceptions")
+
+
+def _requests_in_flight(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/get_load", timeout=5) as answer:
+        return int(json.load(answer)[0]["num_reqs"])
+
+
+def test_ctrl_c_while_genrm_judges_aborts_its_requests_and_stops_cleanly_with_exit_130(
+    root: Path,
+) -> None:
+    job = root / "job.toml"
+    job.write_text(INTERRUPTED_JOB)
+    logs = root / "logs"
+    with support.relax_run(job, "--json", "--log-dir", str(logs)) as run:
+        start = json.loads(run.out.wait_for(r'^\{"event": "start", .*', timeout=240).group(0))
+        _phase(run, 0, "genrm", "begin", timeout=120)
+        # The judge engine's own port (its log's first line): the stage's requests have
+        # reached it, so Ctrl-C finds them in flight.
+        log = next(logs.glob("judge_*.log")).read_text()
+        engine = re.search(r"serving \S+ on cpu at (http://\S+)", log)
+        assert engine is not None, log
+        wait_for(lambda: _requests_in_flight(engine.group(1)) > 0, timeout=30, what="judging")
+        run.interrupt()  # Ctrl-C, as a terminal sends it: to the whole process group
+        code = run.wait(timeout=120)
+        *_, summary = _rows(run)
+        left = support.left_running(run, summary)
+    out, err = str(run.out), str(run.err)
+    assert code == 130, f"{out}\n{err}"
+    # The judge's requests were aborted, then genrm offloaded: its stage interrupted, its
+    # offload confirmed (no FAILED, no BLOCKED lease), and not a trace of Ray's errors.
+    assert re.search(r"^  · step 0 genrm [\d.]+s interrupted$", err, re.M), err
+    assert not re.search(r"FAILED$", err, re.M) and "BLOCKED" not in out + err, err
+    assert [t for t in RAY_ERROR_TEXT if t in out + err] == [], f"{out}\n{err}"
+    events = [r for r in run.json_rows() if r.get("event") == "phase" and r["step"] == 0]
+    states = {r["phase"]: r["state"] for r in events}
+    assert states["genrm"] == "interrupted" and states["genrm.offload"] == "end", states
+    failed = next(r for r in _rows(run) if r.get("failed"))
+    assert failed["interrupted"] and failed["error"] == "interrupted during genrm", failed
+    assert failed["blocked"] == {} and failed["trainer"].startswith("BatchFailedError"), failed
+    assert summary["interrupted_step"] == 0 and summary["steps_committed"] == 0
+    assert "relax run: interrupted; shutting down" in err
+    assert "relax run: stopped; nothing left running" in err
+    # Nothing it started is left: every engine and router it announced, its Ray.
+    assert sorted(summary["engine_pids"]) == start["engine_pids"] != []
+    assert start["router_pids"] != []
+    pids = start["engine_pids"] + start["router_pids"]
+    assert [p for p in pids if processes.alive(p)] == [] and left == [], left
