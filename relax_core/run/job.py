@@ -287,6 +287,13 @@ class RunJob:
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
         self.plan = plan = plan_inference_placement(self.config, self.pm)
+        pools = len({p.pool for p in plan.placements if p.pool is not None})
+        actors = sum(len(role.models) for role in self.config.roles)
+        self._say(
+            say,
+            f"placing: {pools} placement group(s), {len(self.config.roles)} registry and "
+            f"{actors} manager actor(s), the coordinator and the trainer …",
+        )
         bound = bind_pools(plan, out=self.bound)
         placements = replica_placements(self.config, plan, bound)
         sources = sorted(self.pm.registered("weight_sources"))
