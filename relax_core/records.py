@@ -332,6 +332,9 @@ class EngineBackend:
     ``devices``: the devices it can run on (``cpu``, ``cuda``). ``model_hint``: how a user
     makes a model directory this backend serves, shown by the job preflight when a
     ``model_path`` is missing (e.g. a command that writes a tiny model for a try-out).
+    ``loads_model_dir``: whether an engine loads its model from the directory ``model_path``
+    names (checked by the job preflight); ``False`` for a backend that serves no checkpoint (a
+    simulator), whose ``model_path`` is only a name.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -341,6 +344,7 @@ class EngineBackend:
     multi_node: bool = False
     description: str = ""
     model_hint: str = ""
+    loads_model_dir: bool = True
 
 
 @attrs.frozen

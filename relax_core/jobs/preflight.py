@@ -87,6 +87,13 @@ def resolve_model_paths(config: JobConfig) -> JobConfig:
     return attrs.evolve(config, roles=tuple(roles))
 
 
+def _loads_model_dir(model: ModelConfig, pm: PluginManager) -> bool:
+    try:
+        return pm.engine_backend(model.backend).loads_model_dir
+    except PluginError:
+        return True  # an unknown backend is reported by the job's own checks
+
+
 def _skips_tokenizer(model: ModelConfig) -> bool:
     return "--skip-tokenizer-init" in model.extra_args
 
@@ -106,7 +113,7 @@ def model_dir_problems(
     warnings: list[str] = []
     for role in config.roles:
         for m in role.models:
-            if m.external or not m.model_path:
+            if m.external or not m.model_path or not _loads_model_dir(m, pm):
                 continue
             key = f"{m.path}.model_path"
             path = base / m.model_path  # an absolute model_path stays as it is

@@ -293,7 +293,8 @@ weight_source = "ACTOR"
     # Nothing listens at this address: touching Ray at all would fail differently.
     done = _relax("serve", str(config), "--address", "127.0.0.1:9")
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "rejected: 2 problem(s); nothing was started" in done.stderr
+    assert "rejected: 3 problem(s); nothing was started" in done.stderr
+    assert "--address: [ray-address] no Ray cluster answers at 127.0.0.1:9" in done.stderr
     for path, rule in [
         ("cluster", "gpu-budget"),
         ("roles.teacher.models.math.weight_source", "weight-source"),

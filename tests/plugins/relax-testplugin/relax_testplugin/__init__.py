@@ -66,5 +66,6 @@ def relax_register_engine_backends(register: Callable[[EngineBackend], None]) ->
             devices={"cpu", "cuda"},
             multi_node=True,
             description="test plugin: the core's simulated SGLang-protocol engine, no model",
+            loads_model_dir=False,
         )
     )
