@@ -36,6 +36,7 @@ import attrs
 from relax_core.config import ConfigProblem, JobConfig, ModelConfig
 from relax_core.errors import PluginError
 from relax_core.plugins import PluginManager
+from relax_core.records import EngineBackend
 
 __all__ = [
     "ADDRESS_TIMEOUT",
@@ -87,11 +88,17 @@ def resolve_model_paths(config: JobConfig) -> JobConfig:
     return attrs.evolve(config, roles=tuple(roles))
 
 
-def _loads_model_dir(model: ModelConfig, pm: PluginManager) -> bool:
+def _backend(model: ModelConfig, pm: PluginManager) -> EngineBackend | None:
+    """The model's engine backend; ``None`` when unknown (the job's own checks report that)."""
     try:
-        return pm.engine_backend(model.backend).loads_model_dir
+        return pm.engine_backend(model.backend)
     except PluginError:
-        return True  # an unknown backend is reported by the job's own checks
+        return None
+
+
+def _loads_model_dir(model: ModelConfig, pm: PluginManager) -> bool:
+    backend = _backend(model, pm)
+    return backend is None or backend.loads_model_dir
 
 
 def _skips_tokenizer(model: ModelConfig) -> bool:
@@ -152,10 +159,8 @@ def _missing(model: ModelConfig, path: Path, pm: PluginManager) -> str:
     message = f"no model directory {path}"
     if not os.path.isabs(model.model_path):
         message += f" ({model.model_path!r} is relative to the job file's directory)"
-    try:
-        hint = pm.engine_backend(model.backend).model_hint
-    except PluginError:
-        hint = ""  # an unknown backend is reported by the job's own checks
+    backend = _backend(model, pm)
+    hint = backend.model_hint if backend is not None else ""
     return f"{message}; {hint}" if hint else message
 
 
