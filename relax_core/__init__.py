@@ -83,6 +83,7 @@ from relax_core.gateway import (
     check_messages,
 )
 from relax_core.hookspecs import hookimpl
+from relax_core.jobs.managers import engine_launch_specs
 from relax_core.manager import (
     InferenceManager,
     LifecycleResult,
@@ -114,10 +115,10 @@ from relax_core.records import (
     RouterMembership,
     RouterProcess,
     RoutingPolicy,
+    TrainerSpec,
     WeightSource,
 )
-from relax_core.run import RunConfig, TrainerContext
-from relax_core.service import engine_launch_specs
+from relax_core.run import RunConfig, Trainer, TrainerContext
 
 __version__ = "0.1.0"
 
@@ -201,7 +202,9 @@ __all__ = [
     "StageContext",
     "StreamStalledError",
     "SubprocessEngineProcess",
+    "Trainer",
     "TrainerContext",
+    "TrainerSpec",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",

@@ -125,3 +125,18 @@ def relax_register_placement_modes(register: Callable[[records.PlacementMode], N
     :param register: call it once per :class:`~relax_core.records.PlacementMode`, as in
         ``register(PlacementMode(name="packed", assign=assign_packed))``.
     """
+
+
+# -- trainers --------------------------------------------------------------------------------
+
+
+@hookspec
+def relax_register_trainers(register: Callable[[records.TrainerSpec], None]) -> None:
+    """Register trainers: the training consumers ``relax run`` starts in a Ray actor, each
+    named by ``[run] trainer`` (collected when a run's table is checked, before anything
+    starts).
+
+    :param register: call it once per :class:`~relax_core.records.TrainerSpec`, as in
+        ``register(TrainerSpec(name="grpo", trainer_class=PolicyTrainer,
+        description="GRPO and distillation on a torch Llama"))``.
+    """

@@ -27,6 +27,7 @@ from relax_core.records import (
     RoleSpec,
     RouterBackend,
     RoutingPolicy,
+    TrainerSpec,
     WeightSource,
 )
 
@@ -52,6 +53,7 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
     "routing_policies": ("relax_register_routing_policies", RoutingPolicy),
     "placement_modes": ("relax_register_placement_modes", PlacementMode),
     "routers": ("relax_register_routers", RouterBackend),
+    "trainers": ("relax_register_trainers", TrainerSpec),
 }
 
 
@@ -63,6 +65,7 @@ _SINGULAR = {
     "routing_policies": "routing policy",
     "placement_modes": "placement mode",
     "routers": "router",
+    "trainers": "trainer",
 }
 
 
@@ -290,6 +293,7 @@ class PluginManager:
     routing_policy = _lookup("routing_policies", RoutingPolicy)
     placement_mode = _lookup("placement_modes", PlacementMode)
     router = _lookup("routers", RouterBackend)
+    trainer = _lookup("trainers", TrainerSpec)
 
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""

@@ -36,6 +36,7 @@ __all__ = [
     "RouterMembership",
     "RouterProcess",
     "RoutingPolicy",
+    "TrainerSpec",
     "WeightSource",
 ]
 
@@ -586,3 +587,42 @@ class RouterBackend:
                 f"RouterBackend {self.name!r}: default_policy {self.default_policy!r} is not "
                 f"among its policies {sorted(self.policies)}"
             )
+
+
+# -- trainers ----------------------------------------------------------------------------------
+
+#: The methods every trainer class has (``relax_core.Trainer``, the Protocol ``relax run`` calls).
+TRAINER_METHODS = ("train", "push")
+
+
+def _check_trainer_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    missing = [m for m in TRAINER_METHODS if not callable(getattr(value, m, None))]
+    if not isinstance(value, type) or missing:
+        what = (
+            f"it has no {' and no '.join(missing)} method"
+            if isinstance(value, type)
+            else "it is not a class"
+        )
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name}={value!r}: {what}; give the trainer "
+            "class, built from a TrainerContext, with train(batch_id) and push(weight_version)"
+        )
+
+
+@attrs.frozen
+class TrainerSpec:
+    """A trainer ``relax run`` can start by name (``[run] trainer = "grpo"``).
+
+    ``trainer_class`` is built ``trainer_class(context)`` from a
+    :class:`~relax_core.TrainerContext` inside its own Ray actor (a class, because Ray makes
+    the actor of it) and implements :class:`~relax_core.Trainer`: ``train(batch_id) -> dict``
+    and ``push(weight_version) -> dict``. The module that defines it must be importable in
+    the actor's worker process (a module of an installed distribution), and should not import
+    torch or a training framework at module level: plugins load in every ``relax`` command.
+
+    :raises ValueError: a bad name, or ``trainer_class`` is not a class with both methods.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    trainer_class: type[Any] = attrs.field(validator=_check_trainer_class)
+    description: str = ""

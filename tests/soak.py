@@ -218,8 +218,8 @@ def run(total: int, concurrency: int) -> int:
     from relax_core.discovery.schema import RoutingSpec
     from relax_core.discovery.server import RegistryServer
     from relax_core.engine.spec import InferenceEngineSpec
+    from relax_core.jobs import RoleService
     from relax_core.net import keep_local_ray_on_loopback
-    from relax_core.service import RoleService
 
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="relax-soak-"))

@@ -8,7 +8,7 @@ import json
 from relax_core.plugins import KINDS, PluginManager
 
 NAME = "plugins"
-HELP = "List every registered role, backend, weight source, reward adapter, policy and mode."
+HELP = "List every registered record: roles, backends, reward adapters, trainers, policies, …"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

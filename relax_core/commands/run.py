@@ -59,12 +59,11 @@ def run(args: argparse.Namespace) -> int:
     began = time.monotonic()  # the summary's wall time counts from here
     import attrs
 
-    from relax_core.jobs import job_preflight, resolve_model_paths
+    from relax_core.jobs import ShutdownSignals, job_preflight, ray_session, resolve_model_paths
     from relax_core.run.config import ARITHMETIC, parse_run_config
     from relax_core.run.job import RunJob, run_problems
     from relax_core.run.loop import run_loop
     from relax_core.run.progress import Printer
-    from relax_core.service import ShutdownSignals, ray_session
 
     pm = PluginManager.create()
     try:
@@ -97,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             printer.say(f"relax run: job {name} on {where}; engine logs in {log_dir}")
             job = RunJob(config, settings, pm, name=name, log_dir=log_dir)
             try:
-                job.start(printer.say)
+                job.start(printer.say, on_interrupt=signals.hold)
                 printer.say(
                     f"relax run: {settings.steps} step(s) of {settings.prompts_per_step} "
                     f"prompts x {settings.samples_per_prompt} samples; Ctrl-C stops"

@@ -1,14 +1,15 @@
 """``relax serve CONFIG``: bring a job's inference side up on Ray and serve its role gateways.
 
 Before anything starts: the config is parsed, the placement is planned and what ``relax serve``
-cannot run is found (every problem is printed; exit status 2, no Ray, no engine). Then:
-placement groups → binding check → one role service (managers) per role → engines (progress
-is printed while they start) → one gateway per role (a thread of this process, or a CPU-only
-Ray actor with ``[roles.X.gateway] in_ray_actor = true``) → the gateway URLs and a status table
-that is printed again whenever it changes. A health monitor checks every replica every
-``--health-interval`` seconds: a dead engine's replica is FAILED (no longer routed to) and
-rebuilt. Ctrl-C (or SIGTERM) shuts everything down: gateways, engines, the managers' actors,
-placement groups and the local Ray this command started; it exits 0 when nothing is left.
+cannot run is found (every problem is printed; exit status 2, no Ray, no engine). Then, on the
+job runtime (``relax_core.jobs``): placement groups → binding check → one role service
+(managers) per role → engines, phase by phase (progress is printed while they start) → one
+gateway per role (a thread of this process, or a CPU-only Ray actor with ``[roles.X.gateway]
+in_ray_actor = true``) → the gateway URLs and a status table that is printed again whenever it
+changes. A health monitor checks every replica every ``--health-interval`` seconds: a dead
+engine's replica is FAILED (no longer routed to) and rebuilt. Ctrl-C (or SIGTERM) shuts
+everything down: gateways, engines, the managers' actors, placement groups and the local Ray
+this command started; it exits 0 when nothing is left.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from typing import TextIO
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, LifecycleError
-from relax_core.jobs import job_preflight, resolve_model_paths
-from relax_core.plugins import PluginManager
-from relax_core.service import (
+from relax_core.jobs import (
     ServedJob,
     ShutdownSignals,
     check_job,
     describe_job,
+    job_preflight,
     ray_session,
+    resolve_model_paths,
     serve_job,
 )
+from relax_core.plugins import PluginManager
 
 NAME = "serve"
 HELP = "Bring a job's inference roles up on Ray and serve their gateways until Ctrl-C."

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from relax_core.coordination.coordinator import Coordinator
 from relax_core.coordination.handles import ManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink, SinkReceipt, partition_name
@@ -141,8 +142,9 @@ class DeferredBatch:
     :param batch_id: the batch the producer began (``coordinator.begin_batch``).
     :param samples: the original samples (e.g. ``collector.samples``); they are only written
         to by the write-back, after every stage passed and validated.
-    :param coordinator: a :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` or
-        a :class:`~relax_core.coordination.remote.RemoteCoordinator`.
+    :param coordinator: a :class:`~relax_core.coordination.coordinator.Coordinator`: the
+        :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` or a
+        :class:`~relax_core.coordination.remote.RemoteCoordinator`.
     :param rollout: the generation role's manager handle in this process (a
         :class:`~relax_core.coordination.handles.LocalManagerHandle`; with student stages it
         needs ``weight_version()`` too).
@@ -161,7 +163,7 @@ class DeferredBatch:
         batch_id: int,
         samples: Sequence[Sample],
         *,
-        coordinator: Any,
+        coordinator: Coordinator,
         rollout: ManagerHandle,
         stages: Sequence[Stage],
         sink: BatchSink,
@@ -445,7 +447,7 @@ async def _deadline(call: Any, timeout: float) -> Any:
 
 
 async def release_generation(
-    coordinator: Any,
+    coordinator: Coordinator,
     batch_id: int,
     rollout: ManagerHandle,
     gen: str,
@@ -485,7 +487,7 @@ async def release_generation(
 
 
 async def abort_generation(
-    coordinator: Any,
+    coordinator: Coordinator,
     batch_id: int,
     rollout: ManagerHandle,
     error: BaseException | str,

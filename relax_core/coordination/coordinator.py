@@ -8,7 +8,9 @@ sink acknowledged the write. It holds no samples, rewards, log-probs or partitio
 belong to the :class:`~relax_core.coordination.batch.DeferredBatch` and the sink.
 
 This module is the logic, a plain asyncio class (tested with real asyncio and fake manager
-handles). :mod:`relax_core.coordination.remote` runs it in a CPU-only Ray actor.
+handles). :mod:`relax_core.coordination.remote` runs it in a CPU-only Ray actor and gives every
+other process a client with the same coroutine API: :class:`Coordinator` is that API, the
+contract both (and ``relax run --measure``'s measuring wrapper) are checked against.
 
 State (the reference's fields): ``_operation_timeout`` (the deadline of one manager RPC),
 ``_condition`` (guards the state, wakes commit waiters), ``_managers`` (role -> handles),
@@ -25,7 +27,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -38,6 +40,7 @@ __all__ = [
     "COMMITTED_HISTORY",
     "DEFAULT_OPERATION_TIMEOUT",
     "RETIRED_HISTORY",
+    "Coordinator",
     "CoordinatorStatus",
     "LateReply",
     "LifecycleCoordinator",
@@ -114,6 +117,39 @@ class CoordinatorStatus:
     def deferred_roles(self) -> tuple[str, ...]:
         """The leased roles the coordinator drives remotely (all but the generation role)."""
         return tuple(r for r in self.leases if r != self.generation_role)
+
+
+class Coordinator(Protocol):
+    """The coordinator's API, wherever it runs: the coroutines a producer, a
+    :class:`~relax_core.coordination.batch.DeferredBatch`, a trainer and an operator call.
+
+    Implemented by :class:`LifecycleCoordinator` (in this process; also what the Ray actor
+    runs) and :class:`~relax_core.coordination.remote.RemoteCoordinator` (its client in any
+    process of the job); see :class:`LifecycleCoordinator` for what each does. mypy checks
+    both against it, and a test compares every public method's signature.
+    """
+
+    async def begin_batch(self, batch_id: int) -> BatchState: ...
+
+    async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState: ...
+
+    async def begin_student_scoring(self, batch_id: int) -> LeaseState: ...
+
+    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState: ...
+
+    async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState: ...
+
+    async def fail_batch(
+        self, batch_id: int, error: str, *, release_unconfirmed: bool = False
+    ) -> BatchState: ...
+
+    async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState: ...
+
+    async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt: ...
+
+    async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState: ...
+
+    async def describe(self) -> CoordinatorStatus: ...
 
 
 def _describe(fp: Fingerprint) -> str:
@@ -752,3 +788,10 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
     # only keeps asyncio from reporting an exception nobody awaited (a cancelled caller).
     if not task.cancelled():
         task.exception()
+
+
+if TYPE_CHECKING:
+    # mypy checks the in-process coordinator against the contract.
+
+    def _in_process(coordinator: LifecycleCoordinator) -> Coordinator:
+        return coordinator

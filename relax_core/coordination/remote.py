@@ -3,10 +3,13 @@
 :func:`start_coordinator` creates the named async actor ``relax-coordinator-<job>`` (namespace
 ``relax``; no CPU, no GPU reserved) around a
 :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` whose deferred roles'
-managers are Ray actors (:mod:`relax_core.manager.actor`). :class:`RemoteCoordinator` has the
-coordinator's coroutine API and forwards each call (``await actor.method.remote(...)``); an
-error raised in the actor is re-raised as itself (a
-:class:`~relax_core.errors.BatchFailedError`, not a Ray wrapper). :func:`connect_coordinator`
+managers are Ray actors (:mod:`relax_core.manager.actor`): :class:`CoordinatorActor` *is* that
+coordinator (a subclass that only wraps the handles), so the actor's methods are never written
+out again. :class:`RemoteCoordinator` is the
+:class:`~relax_core.coordination.coordinator.Coordinator` of every other process: it forwards
+each call (``await actor.method.remote(...)``, the same arguments); an error raised in the
+actor is re-raised as itself (a :class:`~relax_core.errors.BatchFailedError`, not a Ray
+wrapper). :func:`connect_coordinator`
 finds a job's coordinator by name — that is how ``relax coordinator status|reset`` reaches it.
 
 Nothing here is an HTTP route: activate, deactivate, commit and reset are Ray calls only.
@@ -15,10 +18,11 @@ Nothing here is an HTTP route: activate, deactivate, commit and reset are Ray ca
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_core.coordination.coordinator import (
     DEFAULT_OPERATION_TIMEOUT,
+    Coordinator,
     CoordinatorStatus,
     LifecycleCoordinator,
 )
@@ -45,8 +49,10 @@ def coordinator_name(job: str) -> str:
     return f"relax-coordinator-{job}"
 
 
-class CoordinatorActor:
-    """The Ray actor hosting a coordinator (an async actor: every method runs on its loop).
+class CoordinatorActor(LifecycleCoordinator):
+    """The coordinator a Ray actor hosts (an async actor: every method runs on its loop): a
+    :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` whose deferred roles'
+    managers are manager actors.
 
     :param managers: role -> ``[(name, manager actor handle), …]``.
     """
@@ -59,7 +65,7 @@ class CoordinatorActor:
         generation_role: str,
         operation_timeout: float,
     ) -> None:
-        self._core = LifecycleCoordinator(
+        super().__init__(
             slices=slices,
             managers={
                 role: [RayManagerHandle(actor, name=name) for name, actor in handles]
@@ -69,48 +75,19 @@ class CoordinatorActor:
             operation_timeout=operation_timeout,
         )
 
-    async def begin_batch(self, batch_id: int) -> BatchState:
-        return await self._core.begin_batch(batch_id)
-
-    async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
-        return await self._core.acknowledge_rollout_offloaded(batch_id, result)
-
-    async def begin_student_scoring(self, batch_id: int) -> LeaseState:
-        return await self._core.begin_student_scoring(batch_id)
-
-    async def activate(self, role: str, operation_id: str, batch_id: int) -> LeaseState:
-        return await self._core.activate(role, operation_id, batch_id=batch_id)
-
-    async def deactivate(self, role: str, operation_id: str, batch_id: int) -> LeaseState:
-        return await self._core.deactivate(role, operation_id, batch_id=batch_id)
-
-    async def fail_batch(self, batch_id: int, error: str, release_unconfirmed: bool) -> BatchState:
-        return await self._core.fail_batch(batch_id, error, release_unconfirmed=release_unconfirmed)
-
-    async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState:
-        return await self._core.commit_batch(batch_id, receipt)
-
-    async def wait_committed(self, batch_id: int, timeout: float | None) -> SinkReceipt:
-        return await self._core.wait_committed(batch_id, timeout)
-
-    async def reset_blocked(self, role: str, confirm_clean: bool) -> LeaseState:
-        return await self._core.reset_blocked(role, confirm_clean=confirm_clean)
-
-    async def describe(self) -> CoordinatorStatus:
-        return self._core.status()
-
 
 class RemoteCoordinator:
-    """The coordinator's coroutine API over a :class:`CoordinatorActor` handle (picklable)."""
+    """The :class:`~relax_core.coordination.coordinator.Coordinator` over a
+    :class:`CoordinatorActor` handle (picklable): each call forwarded with its arguments."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         import ray
 
         try:
-            return await getattr(self.actor, method).remote(*args)
+            return await getattr(self.actor, method).remote(*args, **kwargs)
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, BaseException):
                 raise exc.cause from None
@@ -137,12 +114,12 @@ class RemoteCoordinator:
 
     async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """See :meth:`LifecycleCoordinator.activate`."""
-        state: LeaseState = await self._call("activate", role, operation_id, batch_id)
+        state: LeaseState = await self._call("activate", role, operation_id, batch_id=batch_id)
         return state
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """See :meth:`LifecycleCoordinator.deactivate`."""
-        state: LeaseState = await self._call("deactivate", role, operation_id, batch_id)
+        state: LeaseState = await self._call("deactivate", role, operation_id, batch_id=batch_id)
         return state
 
     async def fail_batch(
@@ -150,7 +127,7 @@ class RemoteCoordinator:
     ) -> BatchState:
         """See :meth:`LifecycleCoordinator.fail_batch`."""
         state: BatchState = await self._call(
-            "fail_batch", batch_id, str(error), release_unconfirmed
+            "fail_batch", batch_id, str(error), release_unconfirmed=release_unconfirmed
         )
         return state
 
@@ -166,7 +143,7 @@ class RemoteCoordinator:
 
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState:
         """See :meth:`LifecycleCoordinator.reset_blocked` (operators only)."""
-        state: LeaseState = await self._call("reset_blocked", role, confirm_clean)
+        state: LeaseState = await self._call("reset_blocked", role, confirm_clean=confirm_clean)
         return state
 
     async def describe(self) -> CoordinatorStatus:
@@ -244,3 +221,13 @@ def connect_coordinator(job: str) -> RemoteCoordinator:
             f"no coordinator {name!r} in Ray namespace {NAMESPACE!r} on this cluster; is job "
             f"{job!r} running (and is this its Ray address)?"
         ) from None
+
+
+if TYPE_CHECKING:
+    # mypy checks the client and the actor against the contract.
+
+    def _client(coordinator: RemoteCoordinator) -> Coordinator:
+        return coordinator
+
+    def _actor(actor: CoordinatorActor) -> Coordinator:
+        return actor

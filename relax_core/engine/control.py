@@ -47,6 +47,10 @@ def serialize_named_tensors(
     ``load_format="safetensors"`` copies the bytes (any host, any device; understood by the
     ``hf`` engine, not by SGLang).
 
+    The one place the core touches torch: its caller holds tensors, so torch (and safetensors,
+    for ``load_format="safetensors"``) are the caller's and are imported here, inside the call;
+    importing this module imports neither (``tests/test_core_imports_no_torch.py``).
+
     :raises ValueError: an unknown ``load_format``.
     """
     pairs = list(named_tensors)

@@ -1,10 +1,39 @@
-"""What ``relax serve`` and ``relax run`` share about a job: how its paths are read and what is
-checked on this machine before anything starts (:mod:`~relax_core.jobs.preflight`).
+"""The one job runtime behind ``relax serve`` and ``relax run``: how a job's paths are read and
+what is checked before anything starts, then placing it, building its managers, starting them
+phase by phase, health and teardown.
 
-See ``docs/jobs.md``.
+- :mod:`~relax_core.jobs.preflight`: what is checked on this machine before anything starts;
+- :mod:`~relax_core.jobs.checks`: what of a job cannot be run (placement, phases, plugins);
+- :mod:`~relax_core.jobs.session`: the Ray a job runs on, and the signals that stop it;
+- :mod:`~relax_core.jobs.pools`: placement groups, bound and released (keeping every fence);
+- :mod:`~relax_core.jobs.managers`: managers built from the config (in process or in actors);
+- :mod:`~relax_core.jobs.models`: :class:`ModelHandle`, a model as the runtime drives it, in
+  this process (:class:`LocalModel`) or in a manager actor (:class:`RayModel`);
+- :mod:`~relax_core.jobs.phases`: the start order, starting, putting deferred roles to sleep;
+- :mod:`~relax_core.jobs.teardown`: stopping the parts, the models, the pid checks;
+- :mod:`~relax_core.jobs.runtime`: :class:`JobRuntime`, the lifecycle both commands share;
+- :mod:`~relax_core.jobs.roles`: :class:`RoleService`, a role's managers and its health monitor;
+- :mod:`~relax_core.jobs.serving`: what ``relax serve`` runs on it (role services, gateways).
+
+``relax run``'s own parts (registries, the coordinator, the trainer) are in
+:mod:`relax_core.run.job`. See ``docs/jobs.md``.
 """
 
 from relax_core._exports import claim as _claim
+from relax_core.jobs.checks import check_job, servable_problems, serve_phase_problems
+from relax_core.jobs.managers import (
+    build_role_service,
+    describe_job,
+    engine_launch_specs,
+    manager_arguments,
+    router_launch_spec,
+    router_record,
+    routing_spec,
+    start_model_actor,
+)
+from relax_core.jobs.models import LocalModel, ModelHandle, RayModel
+from relax_core.jobs.phases import deferred_roles, put_to_sleep, start_models, start_order
+from relax_core.jobs.pools import bind_pools, release_pools, replica_placements
 from relax_core.jobs.preflight import (
     Preflight,
     job_preflight,
@@ -13,14 +42,51 @@ from relax_core.jobs.preflight import (
     ray_address_problem,
     resolve_model_paths,
 )
+from relax_core.jobs.roles import RoleService, health_printer
+from relax_core.jobs.runtime import JobRuntime
+from relax_core.jobs.serving import ServedJob, place_served_job, serve_job, teardown_served_job
+from relax_core.jobs.session import ShutdownSignals, ray_session
+from relax_core.jobs.teardown import Stop, still_running
 
 __all__ = [
+    "JobRuntime",
+    "LocalModel",
+    "ModelHandle",
     "Preflight",
+    "RayModel",
+    "RoleService",
+    "ServedJob",
+    "ShutdownSignals",
+    "Stop",
+    "bind_pools",
+    "build_role_service",
+    "check_job",
+    "deferred_roles",
+    "describe_job",
+    "engine_launch_specs",
+    "health_printer",
     "job_preflight",
+    "manager_arguments",
     "model_dir_problems",
+    "place_served_job",
     "port_problems",
+    "put_to_sleep",
     "ray_address_problem",
+    "ray_session",
+    "release_pools",
+    "replica_placements",
     "resolve_model_paths",
+    "router_launch_spec",
+    "router_record",
+    "routing_spec",
+    "servable_problems",
+    "serve_job",
+    "serve_phase_problems",
+    "start_model_actor",
+    "start_models",
+    "start_order",
+    "still_running",
+    "teardown_served_job",
 ]
 
 _claim(__name__, globals(), __all__)

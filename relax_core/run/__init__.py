@@ -6,8 +6,9 @@
 - :mod:`~relax_core.run.job`: what a run brings up on Ray (managers in actors, the trainer,
   the coordinator, the batch sink) and takes down;
 - :mod:`~relax_core.run.loop`: the step loop;
-- :mod:`~relax_core.run.trainer`: the trainer interface and the built-in trainer (its model in
-  :mod:`~relax_core.run.policy`, its loss in :mod:`~relax_core.run.loss`; both need torch);
+- :mod:`~relax_core.run.trainer`: the trainer interface (:class:`Trainer`), how ``[run]
+  trainer`` finds one (a registered name or a class path) and its Ray actor; no torch: the
+  reference trainer is the ``relax-torch-trainer`` plugin;
 - :mod:`~relax_core.run.measure`: ``--measure``, phase switches against a copy of their bytes;
 - :mod:`~relax_core.run.progress`: what is printed.
 
@@ -21,13 +22,12 @@ from relax_core.run.job import RunJob, run_problems
 from relax_core.run.loop import FailedStep, RunSummary, run_loop
 from relax_core.run.measure import SwitchProbe, switch_report
 from relax_core.run.progress import Printer
-from relax_core.run.trainer import PolicyTrainer, TrainerContext, start_trainer
+from relax_core.run.trainer import Trainer, TrainerContext, load_trainer_class, start_trainer
 
 __all__ = [
     "ArithmeticSource",
     "FailedStep",
     "JsonlSource",
-    "PolicyTrainer",
     "Printer",
     "Prompt",
     "PromptSource",
@@ -36,7 +36,9 @@ __all__ = [
     "RunJob",
     "RunSummary",
     "SwitchProbe",
+    "Trainer",
     "TrainerContext",
+    "load_trainer_class",
     "open_source",
     "parse_run_config",
     "run_loop",

@@ -20,6 +20,7 @@ import attrs
 
 from relax_core.config import JobConfig, _at_least, _one_of, _positive, _Reader
 from relax_core.errors import ConfigValidationError
+from relax_core.records import NAME_PATTERN
 
 __all__ = [
     "ARITHMETIC",
@@ -38,8 +39,10 @@ TEACHER_MODES = ("sampled", "top-k")
 #: ``push_format`` values: the trainer's weights as safetensors bytes (any host, any device),
 #: or SGLang's own torch format (CUDA IPC handles: the engines must be on the trainer's GPU).
 PUSH_FORMATS = ("safetensors", "ipc")
-#: The trainer ``relax run`` uses unless ``trainer`` names another (``module:Class``).
-DEFAULT_TRAINER = "relax_core.run.trainer:PolicyTrainer"
+#: The trainer ``relax run`` uses unless ``trainer`` names another: the registered name of the
+#: reference torch trainer (GRPO plus distillation), which the ``relax-torch-trainer``
+#: distribution registers.
+DEFAULT_TRAINER = "grpo"
 
 
 @attrs.frozen
@@ -103,11 +106,18 @@ def _device(v: Any) -> str | None:
     return f"must be cpu, cuda or cuda:N, got {v!r}"
 
 
-def _import_path(v: Any) -> str | None:
-    module, _, name = v.partition(":")
+def _trainer(v: Any) -> str | None:
+    """A registered trainer's name (whether one is registered is checked against the plugins,
+    by ``run_problems``) or a ``package.module:ClassName`` path."""
+    module, colon, name = v.partition(":")
+    if not colon and NAME_PATTERN.match(v):
+        return None
     if module and name and all(p.isidentifier() for p in (*module.split("."), name)):
         return None
-    return f"must be 'package.module:ClassName', got {v!r}"
+    return (
+        "must be 'package.module:ClassName' or a registered trainer's name (relax plugins "
+        f"lists them), got {v!r}"
+    )
 
 
 def parse_run_config(job: JobConfig) -> RunConfig:
@@ -154,7 +164,7 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         learning_rate=v(t, p, "learning_rate", float, 1e-5, check=_positive),
         clip=v(t, p, "clip", float, 0.2, check=_positive),
         seed=v(t, p, "seed", int, 0),
-        trainer=v(t, p, "trainer", str, DEFAULT_TRAINER, check=_import_path),
+        trainer=v(t, p, "trainer", str, DEFAULT_TRAINER, check=_trainer),
         trainer_device=v(t, p, "trainer_device", str, "cpu", check=_device),
         push_format=v(t, p, "push_format", str, "safetensors", check=_one_of(PUSH_FORMATS)),
         operation_timeout=v(t, p, "operation_timeout", float, 180.0, check=_positive),

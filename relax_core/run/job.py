@@ -4,23 +4,25 @@ Everything is checked before anything starts (:func:`run_problems`: the job as `
 checks it, the ``[run]`` table against the job, the defer preflight filled from the table).
 Then :class:`RunJob`:
 
-1. placement groups of the plan's pools, created and bound (as ``relax serve``);
+1. placement groups of the plan's pools, created and bound (the job runtime's,
+   :class:`~relax_core.jobs.JobRuntime`, as for ``relax serve``);
 2. one registry actor per role (:func:`~relax_core.discovery.actor.start_registry_actor`):
    every model of the role publishes into its one schema-2 snapshot;
-3. one manager actor per model (:func:`~relax_core.manager.actor.start_manager_actor`,
+3. one manager actor per model (:func:`~relax_core.jobs.managers.start_model_actor`,
    CPU-only, named ``relax-manager-<job>-<role>-<model>``), the router of an
-   ``SGLANG_ROUTER`` model inside its actor; engines start phase by phase as in ``relax
-   serve`` (each deferred phase started, then put to SLEEPING, before the next; then the
-   others, awake);
+   ``SGLANG_ROUTER`` model inside its actor, each the runtime's
+   :class:`~relax_core.jobs.RayModel`; engines start phase by phase
+   (:meth:`~relax_core.jobs.JobRuntime.start`: each deferred phase started, then put to
+   SLEEPING, before the next; then the others, awake);
 4. the trainer actor (:func:`~relax_core.run.trainer.start_trainer`, on the training share
    of the pool it shares with inference), built while the engines start;
 5. the coordinator actor (:func:`~relax_core.coordination.start_coordinator`: the defer
    slices of the plan, the deferred roles' manager actors) and the batch sink
    (:class:`~relax_core.coordination.RayBatchSink`, named ``relax-batches-<job>``).
 
-:meth:`RunJob.teardown` stops it all (trainer, coordinator, sink, managers — engines and
-routers with them —, registries, placement groups) and checks that every engine and router
-process it saw is gone.
+:meth:`RunJob.teardown` stops it all through the runtime's teardown (trainer, coordinator,
+sink, managers — engines and routers with them —, registries, placement groups) and checks
+that every engine and router process it saw is gone.
 """
 
 from __future__ import annotations
@@ -38,14 +40,17 @@ from relax_core.config import ConfigProblem, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.slices import defer_slices
-from relax_core.errors import LifecycleError, RelaxError
+from relax_core.errors import RelaxError
+from relax_core.jobs.runtime import JobRuntime, Say
+from relax_core.jobs.teardown import Stop
 from relax_core.manager import ManagerTimeouts
 from relax_core.plugins import PluginManager
 from relax_core.run.config import RunConfig
 
 __all__ = ["RunJob", "generation_role", "run_problems"]
 
-Say = Callable[[str], None]
+#: Who wakes a deferred model, in its ``SLEEPING`` line.
+_WAKES = "only the coordinator wakes it, for its phase"
 
 
 def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
@@ -59,14 +64,14 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
     """Every reason ``relax run`` cannot run ``config`` with ``run``, as ``key.path: [rule]
     message`` lines; empty when it can. Pure: starts nothing.
 
-    The job's own checks (:func:`relax_core.service.check_job`), then the ``[run]`` table
+    The job's own checks (:func:`relax_core.jobs.check_job`), then the ``[run]`` table
     against the job: one generation role with one local, updatable model; the reward and
     teacher roles configured; the reward adapters registered; the trainer importable; and, in
     a defer layout, :func:`~relax_core.coordination.deferred_workload_problems` filled from
     the table (the preflight's key paths are ``run.*``).
     """
+    from relax_core.jobs.checks import check_job
     from relax_core.run.trainer import load_trainer_class
-    from relax_core.service import check_job
 
     problems = list(check_job(config, pm))
     if problems:
@@ -147,7 +152,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
         out += deferred_workload_problems(workload, pm)
         out += _slice_problems(config, pm, defer)
     try:
-        load_trainer_class(run.trainer)
+        load_trainer_class(run.trainer, pm)
     except RelaxError as exc:
         out.append(ConfigProblem("run.trainer", "trainer", getattr(exc, "message", str(exc))))
     return [str(p) for p in out]
@@ -238,8 +243,8 @@ class RunJob:
     log_dir: str | None = attrs.field(default=None, kw_only=True)
     generation_role: str = attrs.field(init=False)
     generation_model: ModelConfig = attrs.field(init=False)
-    plan: Any = attrs.field(default=None, init=False)
-    bound: list[Any] = attrs.field(factory=list, init=False)
+    #: The placement, the models (manager actors), their pids: the one job runtime.
+    runtime: JobRuntime = attrs.field(factory=JobRuntime, init=False)
     registries: dict[str, Any] = attrs.field(factory=dict, init=False)
     #: role -> model -> manager actor
     actors: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
@@ -247,9 +252,6 @@ class RunJob:
     sink: Any = attrs.field(default=None, init=False)
     trainer: Any = attrs.field(default=None, init=False)
     slices: dict[str, str] = attrs.field(factory=dict, init=False)
-    engine_pids: set[int] = attrs.field(factory=set, init=False)
-    router_pids: set[int] = attrs.field(factory=set, init=False)
-    began: float = attrs.field(factory=time.monotonic, init=False)
 
     def __attrs_post_init__(self) -> None:
         gen = generation_role(self.config, self.pm)
@@ -268,34 +270,53 @@ class RunJob:
         """The roles the coordinator leases besides the generation role."""
         return tuple(r for r in self.slices if r != self.generation_role)
 
-    def _say(self, say: Say, text: str) -> None:
-        say(f"  [{time.monotonic() - self.began:5.1f}s] {text}")
+    @property
+    def plan(self) -> Any:
+        """The placement plan (once :meth:`start` made it)."""
+        return self.runtime.plan
+
+    @property
+    def bound(self) -> list[Any]:
+        """The bound placement groups."""
+        return self.runtime.bound
+
+    @property
+    def engine_pids(self) -> set[int]:
+        """Every engine pid seen (checked gone at teardown)."""
+        return self.runtime.engine_pids
+
+    @property
+    def router_pids(self) -> set[int]:
+        """Every router pid seen (checked gone at teardown)."""
+        return self.runtime.router_pids
 
     # -- start ---------------------------------------------------------------------------
 
-    def start(self, say: Say) -> None:
+    def start(self, say: Say, *, on_interrupt: Callable[[], None] | None = None) -> None:
         """Bring everything up (see the module docstring); ``say`` gets one line per event.
+        ``on_interrupt()`` is called when Ctrl-C interrupts the engines' start (the starts in
+        flight finish first).
 
         :raises PlacementError: the binding failed. :raises LifecycleError: an engine, router
             or the trainer did not start (call :meth:`teardown` in every case).
         """
         from relax_core.discovery.actor import start_registry_actor
-        from relax_core.placement import plan_inference_placement
-        from relax_core.service import bind_pools, replica_placements, routing_spec
+        from relax_core.jobs.managers import routing_spec, start_model_actor
+        from relax_core.jobs.models import RayModel
 
-        self.began = time.monotonic()
+        runtime = self.runtime
+        runtime.began = time.monotonic()
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
-        self.plan = plan = plan_inference_placement(self.config, self.pm)
+        plan = runtime.plan_for(self.config, self.pm)
         pools = len({p.pool for p in plan.placements if p.pool is not None})
         actors = sum(len(role.models) for role in self.config.roles)
-        self._say(
+        runtime.line(
             say,
             f"placing: {pools} placement group(s), {len(self.config.roles)} registry and "
             f"{actors} manager actor(s), the coordinator and the trainer …",
         )
-        bound = bind_pools(plan, out=self.bound)
-        placements = replica_placements(self.config, plan, bound)
+        placements = runtime.bind(self.config)
         sources = sorted(self.pm.registered("weight_sources"))
         for role in self.config.roles:
             self.registries[role.name] = start_registry_actor(
@@ -305,51 +326,47 @@ class RunJob:
                 namespace=NAMESPACE,
                 weight_sources=sources,
             )
+        timeouts = _timeouts(self.run)
         for role in self.config.roles:
             for model in role.models:
-                self.actors.setdefault(role.name, {})[model.name] = self._manager_actor(
-                    model, placements[role.name][model.name]
+                actor = start_model_actor(
+                    model,
+                    self.pm,
+                    job=self.name,
+                    placement=placements[role.name][model.name],
+                    publisher=self.registries[role.name],
+                    timeouts=timeouts,
+                    log_dir=self.log_dir,
+                )
+                self.actors.setdefault(role.name, {})[model.name] = actor
+                # A manager busy with a lifecycle call finishes it before its shutdown: its
+                # deadline follows operation_timeout, so the wait is bounded.
+                runtime.add(
+                    RayModel(
+                        role.name,
+                        model.name,
+                        actor,
+                        shutdown_timeout=2 * self.run.operation_timeout + 60.0,
+                    )
                 )
         self._start_coordination()
         trainer_error: list[BaseException] = []
         builder = threading.Thread(
-            target=self._start_trainer, args=(bound, trainer_error), name="trainer", daemon=True
+            target=self._start_trainer,
+            args=(runtime.pools, trainer_error),
+            name="trainer",
+            daemon=True,
         )
         builder.start()
         try:
-            self._start_engines(say)
+            runtime.start(
+                self.config, say, sleep_note=_WAKES, logs=self.log_dir, on_interrupt=on_interrupt
+            )
         finally:
             builder.join()
         if trainer_error:
             raise trainer_error[0]
-        self._say(say, f"trainer ready ({self.run.trainer}, on {self.run.trainer_device})")
-
-    def _manager_actor(self, model: ModelConfig, placement: Any) -> Any:
-        from relax_core.manager.actor import manager_actor_name, start_manager_actor
-        from relax_core.service import manager_arguments, router_launch_spec, router_record
-
-        kwargs = manager_arguments(
-            model, self.pm, placement=placement, timeouts=_timeouts(self.run), log_dir=self.log_dir
-        )
-        if kwargs["route_mode"] != "DIRECT":
-            record = router_record(model, self.pm.role(model.role), self.pm)
-            kwargs.update(
-                router_backend=record, router_spec=router_launch_spec(model, record, self.log_dir)
-            )
-        import ray
-
-        try:
-            return start_manager_actor(
-                model.name,
-                name=manager_actor_name(self.name, model.role, model.name),
-                namespace=NAMESPACE,
-                publisher=self.registries[model.role],
-                **kwargs,
-            )
-        except ray.exceptions.RayActorError as exc:
-            raise LifecycleError(
-                f"{model.path}: its manager actor did not start: {_last_line(exc)}"
-            ) from None
+        runtime.line(say, f"trainer ready ({self.run.trainer}, on {self.run.trainer_device})")
 
     def _start_trainer(self, bound: dict[str, Any], errors: list[BaseException]) -> None:
         from relax_core.run.trainer import TrainerContext, start_trainer
@@ -380,65 +397,13 @@ class RunJob:
             self.trainer = start_trainer(
                 context,
                 trainer=run.trainer,
+                pm=self.pm,
                 placement_group=group,
                 bundle_index=bundle,
                 num_gpus=gpus,
             )
         except BaseException as exc:  # re-raised by start(), after the engines' start ended
             errors.append(exc)
-
-    def _start_engines(self, say: Say) -> None:
-        import ray
-
-        from relax_core.service import start_order
-
-        steps = start_order(self.config, self.plan) or [(tuple(self.actors), False)]
-        for roles, sleep in steps:
-            names = [f"{r}.{m}" for r in roles for m in self.actors[r]]
-            what = "deferred, put to sleep once started" if sleep else "awake"
-            self._say(say, f"starting {', '.join(names)} ({what})")
-            refs = {
-                (r, m): actor.start.remote() for r in roles for m, actor in self.actors[r].items()
-            }
-            problems = []
-            for (r, m), ref in refs.items():
-                try:
-                    result = ray.get(ref)
-                except Exception as exc:
-                    problems.append(f"{r}.{m}: {_cause(exc)}")
-                    continue
-                self._track(r, m)
-                if not result.ok:
-                    problems += [f"{r}.{m} {f.engine_id}: {f.error}" for f in result.failed]
-                else:
-                    self._say(say, f"{r}.{m}: READY")
-            if problems:
-                raise LifecycleError(
-                    "engines did not become READY:\n  "
-                    + "\n  ".join(problems)
-                    + (f"\nsee the engine logs in {self.log_dir}" if self.log_dir else "")
-                )
-            if sleep:
-                for r in roles:
-                    for m, actor in self.actors[r].items():
-                        result = ray.get(actor.offload.remote())
-                        wrong = {e: s for e, s in result.states.items() if s != "SLEEPING"}
-                        if wrong:
-                            raise LifecycleError(
-                                f"{r}.{m} could not be put to sleep after its start ({wrong}); "
-                                "it shares GPUs with later phases, so nothing more is started"
-                            )
-                        self._say(
-                            say, f"{r}.{m}: SLEEPING (deferred; only the coordinator wakes it)"
-                        )
-
-    def _track(self, role: str, model: str) -> None:
-        import ray
-
-        actor = self.actors[role][model]
-        pids = ray.get(actor.engine_pids.remote(), timeout=60)
-        self.engine_pids.update(p for ps in pids.values() for p in ps if p)
-        self.router_pids.update(ray.get(actor.router_pids.remote(), timeout=60))
 
     def _start_coordination(self) -> None:
         from relax_core.coordination.remote import start_coordinator
@@ -466,76 +431,30 @@ class RunJob:
     # -- teardown ------------------------------------------------------------------------
 
     def teardown(self, say: Say) -> list[str]:
-        """Stop everything this job started; return what could not be confirmed (empty when
-        nothing is left). Idempotent; never raises for one part's failure (each is tried).
+        """Stop everything this job started (:meth:`~relax_core.jobs.JobRuntime.teardown`:
+        the trainer, the coordinator and the sink first, then the managers — engines and
+        routers with them —, the registries, the placement groups); return what could not be
+        confirmed (empty when nothing is left). Idempotent; never raises for one part's
+        failure (each is tried).
 
         A manager busy with a lifecycle call (an offload of a hung engine) finishes it first:
         its deadline follows ``operation_timeout``, so the wait is bounded.
         """
-        import ray
-
-        from relax_core.service import _still_running, release_pools
-
-        problems: list[str] = []
+        first = []
         if self.trainer is not None:
-            ray.kill(self.trainer, no_restart=True)
-        for part in (self.coordinator, self.sink):
-            if part is not None:
-                try:
-                    part.stop()
-                except Exception as exc:
-                    problems.append(f"{type(part).__name__}: {exc}")
+            trainer = self.trainer
+
+            def kill_trainer() -> None:
+                import ray
+
+                ray.kill(trainer, no_restart=True)
+
+            first.append(Stop("trainer", kill_trainer))
+        if self.coordinator is not None:
+            first.append(Stop("coordinator", self.coordinator.stop))
+        if self.sink is not None:
+            first.append(Stop("batch sink", self.sink.stop))
+        then = [Stop(f"{role} registry", r.stop) for role, r in self.registries.items()]
         self.trainer = self.coordinator = self.sink = None
-        actors = [(r, m, a) for r, models in self.actors.items() for m, a in models.items()]
-        # Every engine and router pid was recorded once each model started (asking now could
-        # wait behind a hung lifecycle call: the manager's queries take its lock).
-        refs = {(r, m): a.shutdown.remote() for r, m, a in actors}
-        deadline = time.monotonic() + 2 * self.run.operation_timeout + 60.0
-        for (r, m), ref in refs.items():
-            try:
-                ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
-            except Exception as exc:
-                problems.append(f"{r}.{m}: shutdown: {_cause(exc)}")
-        # Workers whose cleanup is not confirmed keep their placement groups (as relax serve).
-        unconfirmed: list[Any] = []
-        for r, m, a in actors:
-            try:
-                unconfirmed += ray.get(a.unconfirmed_workers.remote(), timeout=30.0)
-            except Exception as exc:
-                problems.append(f"{r}.{m}: unconfirmed workers not known: {_cause(exc)}")
-        for _, _, a in actors:
-            ray.kill(a, no_restart=True)
-        self.actors = {}
-        if actors:
-            self._say(say, f"managers stopped ({len(actors)})")
-        for registry in self.registries.values():
-            registry.stop()
-        self.registries = {}
-        problems += _still_running(self.engine_pids, self.router_pids)
-        if self.engine_pids:
-            self._say(
-                say,
-                f"engines stopped ({len(self.engine_pids)} processes"
-                + (f", {len(self.router_pids)} router" if self.router_pids else "")
-                + ")",
-            )
-        kept: dict[str, str] = {}
-        released = release_pools(self.bound, unconfirmed, kept=kept, problems=problems)
-        if self.bound:
-            note = f", {len(kept)} kept" if kept else ""
-            self._say(say, f"placement groups removed ({released}){note}")
-        self.bound = []
-        return problems
-
-
-def _last_line(exc: BaseException) -> str:
-    """The last line of a Ray error's text: the original error of a failed actor creation."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
-
-
-def _cause(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        exc = cause
-    return f"{type(exc).__name__}: {exc}"
+        self.actors, self.registries = {}, {}
+        return self.runtime.teardown(say, first=first, then=then)

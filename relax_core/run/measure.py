@@ -25,9 +25,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    from relax_core.coordination.coordinator import Coordinator
+    from relax_core.coordination.handles import ManagerHandle
+    from relax_core.coordination.states import LeaseState
+    from relax_core.manager import LifecycleResult
 
 __all__ = [
     "MeasuredCoordinator",
@@ -200,36 +206,45 @@ class SwitchProbe:
 
 
 class MeasuredCoordinator:
-    """A coordinator whose ``activate`` / ``deactivate`` are measured switches; every other
-    call goes to the coordinator unchanged."""
+    """A :class:`~relax_core.coordination.coordinator.Coordinator` whose ``activate`` /
+    ``deactivate`` are measured switches; every other call goes to ``inner`` unchanged (by
+    attribute lookup, so a method added to the contract is forwarded without a change here)."""
 
-    def __init__(self, inner: Any, probe: SwitchProbe) -> None:
+    def __init__(self, inner: Coordinator, probe: SwitchProbe) -> None:
         self._inner = inner
         self._probe = probe
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    async def _switch(self, method: str, direction: str, role: str, op: str, batch: int) -> Any:
-        call = getattr(self._inner, method)
-        return await self._probe.around(
-            batch, role, direction, lambda: call(role, op, batch_id=batch)
-        )
-
-    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> Any:
+    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """The coordinator's ``activate``, measured as ``role``'s onload."""
-        return await self._switch("activate", "onload", role, operation_id, batch_id)
+        state: LeaseState = await self._probe.around(
+            batch_id,
+            role,
+            "onload",
+            lambda: self._inner.activate(role, operation_id, batch_id=batch_id),
+        )
+        return state
 
-    async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> Any:
+    async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """The coordinator's ``deactivate``, measured as ``role``'s offload."""
-        return await self._switch("deactivate", "offload", role, operation_id, batch_id)
+        state: LeaseState = await self._probe.around(
+            batch_id,
+            role,
+            "offload",
+            lambda: self._inner.deactivate(role, operation_id, batch_id=batch_id),
+        )
+        return state
 
 
 class MeasuredHandle:
     """The generation model's manager handle with measured ``onload`` / ``offload``;
     ``step`` is read at each call (the step in progress)."""
 
-    def __init__(self, inner: Any, probe: SwitchProbe, role: str, step: Callable[[], int]) -> None:
+    def __init__(
+        self, inner: ManagerHandle, probe: SwitchProbe, role: str, step: Callable[[], int]
+    ) -> None:
         self._inner = inner
         self._probe = probe
         self._role = role
@@ -240,17 +255,25 @@ class MeasuredHandle:
         """The handle's name."""
         return str(self._inner.name)
 
-    async def onload(self) -> Any:
+    async def onload(self) -> LifecycleResult:
         """The manager's onload, measured."""
-        return await self._probe.around(self._step(), self._role, "onload", self._inner.onload)
+        result: LifecycleResult = await self._probe.around(
+            self._step(), self._role, "onload", self._inner.onload
+        )
+        return result
 
-    async def offload(self) -> Any:
+    async def offload(self) -> LifecycleResult:
         """The manager's offload, measured."""
-        return await self._probe.around(self._step(), self._role, "offload", self._inner.offload)
+        result: LifecycleResult = await self._probe.around(
+            self._step(), self._role, "offload", self._inner.offload
+        )
+        return result
 
-    async def weight_version(self) -> Any:
-        """The manager's published weight version."""
-        return await self._inner.weight_version()
+    async def weight_version(self) -> str | None:
+        """The manager's published weight version (the handle's ``weight_version()``)."""
+        inner: Any = self._inner  # a handle with weight_version(): the rollout's
+        version: str | None = await inner.weight_version()
+        return version
 
 
 def switch_report(
@@ -305,3 +328,13 @@ def switch_report(
         "min_freed_fraction": min(offloads) if offloads else None,
         "limit": f"{COPY_FACTOR} x copy + {FIXED_SECONDS} s",
     }
+
+
+if TYPE_CHECKING:
+    # mypy checks the measuring wrappers against the contracts they stand in for.
+
+    def _coordinator(measured: MeasuredCoordinator) -> Coordinator:
+        return measured
+
+    def _handle(measured: MeasuredHandle) -> ManagerHandle:
+        return measured

@@ -1,8 +1,8 @@
-"""The training consumer of ``relax run``: a trainer in a Ray actor, and the interface any
-trainer implements.
+"""The training consumer of ``relax run``: the interface a trainer implements, how one is
+found by name, and the Ray actor it runs in. No torch: trainers are plugins.
 
-A trainer is a class built from one :class:`TrainerContext` with two methods, run in its own
-Ray actor (:func:`start_trainer`):
+A trainer is a class built from one :class:`TrainerContext` that implements :class:`Trainer`,
+run in its own Ray actor (:func:`start_trainer`):
 
 - ``train(batch_id) -> dict``: wait until batch ``batch_id`` is committed
   (``context.coordinator.wait_committed``; a failed batch raises
@@ -16,32 +16,30 @@ Ray actor (:func:`start_trainer`):
 
 The two are called concurrently (the actor runs two calls at once): ``train(N)`` is asked for
 at the start of step ``N`` and waits for the commit, while ``push`` of the weights trained on
-batch ``N - 1`` runs before batch ``N`` is generated. A trainer guards its model accordingly
-(the built-in one holds a lock around each optimizer step and each push).
+batch ``N - 1`` runs before batch ``N`` is generated. A trainer guards its model accordingly.
 
-:class:`PolicyTrainer` is the built-in one: the policy of :mod:`relax_core.run.policy` (the
-checkpoint's own architecture, in float32) and the loss of :mod:`relax_core.run.loss`, with
-Adam. It stands in for Megatron or FSDP: a real trainer keeps the same two methods (and may
-push through ``update_weights_from_distributed`` instead); ``docs/run.md`` says how to plug
-one in (``[run] trainer = "package.module:Class"``).
+``[run] trainer`` names the class (:func:`load_trainer_class`): the name of a trainer a plugin
+registers through ``relax_register_trainers`` (a :class:`~relax_core.records.TrainerSpec`;
+the default, :data:`~relax_core.run.config.DEFAULT_TRAINER`, is the reference torch trainer of
+the ``relax-torch-trainer`` distribution), or ``package.module:Class`` for a class nobody
+registered. ``docs/run.md`` says how to write one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
-import statistics
-import threading
-import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import attrs
 
 from relax_core.errors import ConfigError, LifecycleError
-from relax_core.run.config import PUSH_FORMATS
+from relax_core.records import NAME_PATTERN, TRAINER_METHODS
+from relax_core.run.config import DEFAULT_TRAINER, PUSH_FORMATS
 
-__all__ = ["PolicyTrainer", "TrainerContext", "load_trainer_class", "start_trainer"]
+if TYPE_CHECKING:
+    from relax_core.plugins import PluginManager
+
+__all__ = ["Trainer", "TrainerContext", "load_trainer_class", "start_trainer"]
 
 
 @attrs.frozen
@@ -71,41 +69,99 @@ class TrainerContext:
     commit_timeout: float = 3600.0
 
 
-def load_trainer_class(path: str) -> Any:
-    """The class ``package.module:Class`` names.
+@runtime_checkable
+class Trainer(Protocol):
+    """What ``relax run`` calls on a trainer, in the trainer's Ray actor (see the module
+    docstring). The class is built ``cls(context)`` from a :class:`TrainerContext`; both
+    methods block, and the actor runs two calls at once (a ``train`` waiting for its commit
+    while a ``push`` runs), so a trainer guards its model between them.
 
-    :raises ConfigError: (``run.trainer``) the module cannot be imported or has no such
-        class, or it lacks ``train`` / ``push``.
+    ``relax run --measure`` also calls ``measure_copy(sizes)`` (the seconds of one host→device
+    and device→host copy of each byte count on the trainer's device: ``{bytes: {"h2d": s,
+    "d2h": s}}``); only a trainer that has it can run with ``--measure``.
     """
-    module_name, _, name = path.partition(":")
+
+    def train(self, batch_id: int) -> dict[str, Any]:
+        """Wait for batch ``batch_id``'s commit, train on it, delete its partition; return
+        what was measured. :raises BatchFailedError: the batch failed (train on nothing)."""
+        ...
+
+    def push(self, weight_version: str) -> dict[str, Any]:
+        """Send the weights to the rollout engines as ``weight_version``; return at least
+        ``{"weight_version": the version the manager published}``."""
+        ...
+
+
+def load_trainer_class(name: str, pm: PluginManager | None = None) -> type[Trainer]:
+    """The trainer class ``name`` says: a registered trainer's name (``grpo``), looked up in
+    ``pm`` (default: the process-wide plugin manager), or ``package.module:Class``.
+
+    Pure apart from importing the class's module (never torch: a registered trainer's module
+    is the plugin's, already imported; a dotted path's module is the caller's choice).
+
+    :raises ConfigError: (``run.trainer``) no trainer of that name is registered (the message
+        lists those that are), the module cannot be imported or has no such class, or the
+        class lacks ``train`` / ``push``.
+    """
+    if ":" not in name:
+        return _registered(name, pm)
+    module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError("run.trainer", f"cannot import {module_name!r}: {exc}") from None
-    cls = getattr(module, name, None)
+    cls = getattr(module, attr, None)
     if not isinstance(cls, type):
-        raise ConfigError("run.trainer", f"{module_name!r} has no class {name!r}")
-    missing = [m for m in ("train", "push") if not callable(getattr(cls, m, None))]
+        raise ConfigError("run.trainer", f"{module_name!r} has no class {attr!r}")
+    missing = [m for m in TRAINER_METHODS if not callable(getattr(cls, m, None))]
     if missing:
         raise ConfigError(
             "run.trainer",
-            f"{path} has no {' and no '.join(missing)} method; a trainer implements "
+            f"{name} has no {' and no '.join(missing)} method; a trainer implements "
             "train(batch_id) and push(weight_version) (docs/run.md#the-trainer)",
         )
-    return cls
+    return cast("type[Trainer]", cls)
+
+
+def _registered(name: str, pm: PluginManager | None) -> type[Trainer]:
+    if pm is None:
+        from relax_core.plugins import get_plugin_manager
+
+        pm = get_plugin_manager()
+    registered = pm.registered("trainers")
+    if name in registered:
+        return cast("type[Trainer]", registered[name].record.trainer_class)
+    if not NAME_PATTERN.match(name):
+        raise ConfigError(
+            "run.trainer",
+            f"{name!r} is neither a trainer's name nor 'package.module:ClassName'",
+        )
+    hint = (
+        " (the default trainer comes with the relax-torch-trainer distribution)"
+        if name == DEFAULT_TRAINER
+        else ""
+    )
+    raise ConfigError(
+        "run.trainer",
+        f"no trainer named {name!r} is registered (registered: "
+        f"{', '.join(sorted(registered)) or 'none'}); install the plugin that provides it"
+        f"{hint}, or give a class as 'package.module:ClassName'",
+    )
 
 
 def start_trainer(
     context: TrainerContext,
     *,
     trainer: str,
+    pm: PluginManager | None = None,
     placement_group: Any = None,
     bundle_index: int = 0,
     num_gpus: float = 0.0,
     timeout: float = 300.0,
 ) -> Any:
-    """Start the trainer class ``trainer`` (``package.module:Class``) in a Ray actor built from
-    ``context``; return its handle once it is constructed (its model loaded).
+    """Start the trainer ``trainer`` names (a registered trainer in ``pm``, default the
+    process-wide plugin manager, or ``package.module:Class``) in a Ray actor built from
+    ``context``; return its handle once it is constructed (its model loaded). Blocks.
 
     On a placement group the actor takes ``num_gpus`` of bundle ``bundle_index`` (the training
     share of a pool shared with inference), so it sees that bundle's GPU.
@@ -116,7 +172,7 @@ def start_trainer(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    cls = load_trainer_class(trainer)
+    cls = load_trainer_class(trainer, pm)
     if context.push_format not in PUSH_FORMATS:
         raise ConfigError("run.push_format", f"must be one of {PUSH_FORMATS}")
     # Two calls at once: train(N) waits for batch N's commit while push() of the weights of
@@ -131,7 +187,7 @@ def start_trainer(
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=bundle_index
         )
-    actor = ray.remote(cls).options(**options).remote(context)
+    actor: Any = ray.remote(cls).options(**options).remote(context)
     try:
         ray.get(actor.__ray_ready__.remote(), timeout=timeout)
     except ray.exceptions.RayActorError as exc:
@@ -146,192 +202,3 @@ def start_trainer(
             f"the trainer {trainer} was not constructed within {timeout:g}s (loading its model)"
         ) from None
     return actor
-
-
-def _run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-class PolicyTrainer:
-    """The built-in trainer (see the module docstring). Runs inside its Ray actor; every
-    method blocks."""
-
-    def __init__(self, context: TrainerContext) -> None:
-        import torch
-
-        from relax_core.run.policy import load_policy
-
-        self.context = context
-        torch.manual_seed(context.seed)
-        self.device = torch.device(context.device)
-        self.policy = load_policy(context.model_path, device=context.device)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=context.learning_rate)
-        self.steps = 0
-        self.parameters = sum(p.numel() for p in self.policy.parameters())
-        self._model_lock = threading.Lock()
-
-    def describe(self) -> dict[str, Any]:
-        """What the trainer holds: parameters, device, optimizer steps taken."""
-        return {"parameters": self.parameters, "device": str(self.device), "steps": self.steps}
-
-    def train(self, batch_id: int) -> dict[str, Any]:
-        """Wait for batch ``batch_id``'s commit, train on it, delete its partition.
-
-        :raises BatchFailedError: the batch failed (nothing was trained on).
-        :raises ValueError: a committed sample lacks a field the loss needs.
-        """
-        ctx = self.context
-        began = time.perf_counter()
-        receipt = _run(ctx.coordinator.wait_committed(batch_id, ctx.commit_timeout))
-        waited = time.perf_counter() - began
-        samples = _run(ctx.sink.get(receipt.partition))
-        with self._model_lock:
-            out = self._step(batch_id, samples)
-        out["partition"] = receipt.partition
-        out["wait_seconds"] = waited
-        _run(ctx.sink.delete(receipt.partition))
-        return out
-
-    def _step(self, batch_id: int, samples: Sequence[Any]) -> dict[str, Any]:
-        import torch
-
-        from relax_core.run.loss import batch_loss, group_advantages, pad_batch
-
-        ctx = self.context
-        started = time.perf_counter()
-        advantages = group_advantages(samples)
-        total_tokens = sum(len(s.response_ids) for s in samples)
-        self.policy.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        reports = []
-        for i in range(0, len(samples), ctx.micro_batch):
-            chunk = samples[i : i + ctx.micro_batch]
-            ids, mask, targets = pad_batch(chunk, self.device)
-            with torch.autocast(
-                device_type=self.device.type,
-                dtype=torch.bfloat16,
-                enabled=self.device.type == "cuda",
-            ):
-                logits = self.policy(ids)
-            loss, report = batch_loss(
-                logits,
-                chunk,
-                mask,
-                targets,
-                advantages=advantages[i : i + ctx.micro_batch],
-                clip=ctx.clip,
-                distill_coef=ctx.distill_coef,
-                teacher_mode=ctx.teacher_mode,
-            )
-            # Token-weighted: the step's loss is the mean over every response token.
-            (loss * (report.tokens / total_tokens)).backward()  # type: ignore[no-untyped-call]
-            reports.append(report)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0))
-        self.optimizer.step()
-        self.steps += 1
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the next phase's engine reserves most of the GPU
-        rewards = [float(s.reward or 0.0) for s in samples]
-        out: dict[str, Any] = {
-            "batch_id": batch_id,
-            "samples": len(samples),
-            "sample_ids": [s.id for s in samples],
-            "tokens": total_tokens,
-            "reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards),
-            "train_seconds": time.perf_counter() - started,
-            "grad_norm": grad_norm,
-            "optimizer_steps": self.steps,
-        }
-        out.update(_combine(reports))
-        return out
-
-    def push(self, weight_version: str) -> dict[str, Any]:
-        """Send every weight to the rollout engines (one fenced update); return the version
-        the manager published, the bytes and the seconds.
-
-        :raises LifecycleError: some replica did not take the update (its error quoted).
-        """
-        import ray
-        import torch
-
-        from relax_core.engine.control import serialize_named_tensors
-
-        began = time.perf_counter()
-        fmt = None if self.context.push_format == "ipc" else "safetensors"
-        with self._model_lock:
-            pairs = list(self.policy.named_weights())
-            nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
-            if fmt is None:
-                torch.cuda.synchronize()
-            payload = serialize_named_tensors(pairs, load_format=fmt)
-            result = ray.get(
-                self.context.rollout.update_weights_from_tensor.remote(
-                    [payload], load_format=fmt, weight_version=weight_version
-                )
-            )
-            del pairs  # kept alive until the engines copied them (IPC handles point at them)
-        if not result.ok:
-            raise LifecycleError(
-                f"the weight push (version {weight_version}) was not taken: "
-                + "; ".join(f"{r.engine_id}: {r.error}" for r in result.failed)
-            )
-        version = ray.get(self.context.rollout.weight_version.remote())
-        return {
-            "weight_version": version,
-            "bytes": nbytes,
-            "format": self.context.push_format,
-            "seconds": time.perf_counter() - began,
-        }
-
-    def measure_copy(self, sizes: Sequence[int], repeats: int = 3) -> dict[int, dict[str, float]]:
-        """Seconds of one pinned host-to-device and device-to-host copy of each byte count
-        (median of ``repeats``), on the trainer's device — the baseline a phase switch of
-        the same bytes is compared with. On a CPU device: a host memory copy each way."""
-        import torch
-
-        out: dict[int, dict[str, float]] = {}
-        cuda = self.device.type == "cuda"
-        for n in sorted(set(int(s) for s in sizes if s > 0)):
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
-            dev = torch.empty(n, dtype=torch.uint8, device=self.device)
-            times: dict[str, list[float]] = {"h2d": [], "d2h": []}
-            for _ in range(repeats + 1):
-                for name, (dst, src) in (("h2d", (dev, host)), ("d2h", (host, dev))):
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    dst.copy_(src, non_blocking=cuda)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    times[name].append(time.perf_counter() - t0)
-            out[n] = {k: statistics.median(v[1:]) for k, v in times.items()}
-            del host, dev
-            if cuda:
-                torch.cuda.empty_cache()
-        return out
-
-
-def _combine(reports: Sequence[Any]) -> dict[str, Any]:
-    """Token-weighted means of the micro-batches' loss reports."""
-    tokens = sum(r.tokens for r in reports) or 1
-
-    def mean(field: str) -> float | None:
-        values = [(getattr(r, field), r.tokens) for r in reports]
-        if any(v is None for v, _ in values):
-            return None
-        return float(sum(v * n for v, n in values) / tokens)
-
-    out: Mapping[str, Any] = {
-        name: mean(name)
-        for name in (
-            "loss",
-            "policy_loss",
-            "distill_loss",
-            "teacher_kl",
-            "teacher_logprob_mean",
-            "ratio_mean",
-            "clip_fraction",
-        )
-    }
-    return dict(out)

@@ -314,9 +314,9 @@ def test_serve_rejects_config_errors_with_their_key_paths(tmp_path: Path) -> Non
 
 def test_check_job_names_what_serve_cannot_run_by_key_path() -> None:
     from relax_core.config import loads_config
+    from relax_core.jobs import check_job
     from relax_core.plugins import PluginManager, module_plugin
     from relax_core.records import EngineBackend
-    from relax_core.service import check_job
 
     def backends(register: Any) -> None:
         # A backend record only: nothing is launched by this test.
@@ -357,8 +357,8 @@ def test_a_router_model_is_refused_with_advice_when_no_router_plugin_is_installe
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from relax_core.config import loads_config
+    from relax_core.jobs import check_job
     from relax_core.plugins import PluginManager
-    from relax_core.service import check_job
 
     monkeypatch.setenv("RELAX_DISABLE_PLUGINS", "sglang")  # the plugin registering the routers
     config = loads_config(
@@ -383,8 +383,10 @@ def test_placements_bind_gpu_models_to_their_bundles_and_teardown_removes_the_gr
     import io
 
     from relax_core.config import loads_config
+    from relax_core.jobs import ServedJob
+    from relax_core.jobs import place_served_job as _placements
+    from relax_core.jobs import teardown_served_job as _teardown
     from relax_core.plugins import PluginManager
-    from relax_core.service import ServedJob, _placements, _teardown
 
     config = loads_config(
         """\

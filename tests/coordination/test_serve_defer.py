@@ -30,10 +30,10 @@ from typing import Any
 import pytest
 
 from relax_core.config import loads_config
+from relax_core.jobs import check_job, start_order
 from relax_core.placement import ModeResult, Slice
 from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import PlacementMode
-from relax_core.service import check_job, start_order
 from relax_core.testing import wait_for
 from tests.support import serve as support
 

@@ -17,10 +17,10 @@ import pytest
 from relax_core.config import loads_config
 from relax_core.engine.process import SubprocessEngineProcess
 from relax_core.errors import CapabilityError
+from relax_core.jobs import RoleService, build_role_service, check_job
 from relax_core.manager import ReplicaPlacement
 from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
-from relax_core.service import RoleService, build_role_service, check_job
 from relax_core.testing import free_port
 from tests.support.manager import http
 

@@ -31,7 +31,7 @@ from relax_core import PluginManager
 from relax_core.discovery.schema import RoutingSpec
 from relax_core.gateway.handler import GatewayOptions
 from relax_core.gateway.serving import GatewayServer, gateway_app
-from relax_core.service import RoleService
+from relax_core.jobs import RoleService
 from relax_core.testing import wait_for
 from tests.support import gateway as gs
 from tests.support import manager as ms

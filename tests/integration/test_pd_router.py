@@ -17,10 +17,10 @@ import pytest
 
 from relax_core.config import loads_config
 from relax_core.engine.control import ControlClient
+from relax_core.jobs import RoleService, build_role_service
 from relax_core.manager import ReplicaPlacement
 from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import EngineBackend
-from relax_core.service import RoleService, build_role_service
 from tests.support import pd_backend
 from tests.support.manager import http
 

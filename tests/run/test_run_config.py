@@ -12,11 +12,10 @@ import pytest
 
 from relax_core.config import load_config, loads_config
 from relax_core.errors import ConfigValidationError
-from relax_core.jobs import resolve_model_paths
+from relax_core.jobs import check_job, resolve_model_paths
 from relax_core.plugins import PluginManager
 from relax_core.run.config import DEFAULT_TRAINER, RewardWeight, RunConfig, parse_run_config
 from relax_core.run.job import run_problems
-from relax_core.service import check_job
 from tests.support import run as support
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,7 +189,7 @@ def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_ever
     from relax_hf.tiny import TINY_SIZES
     from transformers import LlamaConfig
 
-    from relax_core.service import engine_launch_specs
+    from relax_core.jobs import engine_launch_specs
 
     shape = LlamaConfig(vocab_size=512, **TINY_SIZES["small"]).to_dict()
     for name in ("policy", "judge", "math"):

@@ -1,4 +1,4 @@
-"""The built-in trainer's policy: a Llama-family causal LM in plain torch, ours.
+"""The reference trainer's policy: a Llama-family causal LM in plain torch, ours.
 
 :class:`Policy` is the architecture the ``hf`` engine serves (``model_type`` llama or mistral:
 RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP), laid out so that its
@@ -7,8 +7,9 @@ what it loads from a model directory (``config.json`` + safetensors) is what it 
 to the engines, name for name and shape for shape, in the checkpoint's dtype
 (:meth:`Policy.named_weights`).
 
-It stands in for a Megatron or FSDP model: it needs torch and safetensors (both come with
-the ``hf`` engine), imported by this module, which only the trainer's Ray actor imports.
+It stands in for a Megatron or FSDP model: it needs torch and safetensors, imported by this
+module, which only the trainer's Ray actor imports (the plugin's ``__init__`` does not, so
+loading the plugin in a ``relax`` command imports no torch).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relax_core.errors import ConfigError
+from relax_core import ConfigError
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Policy", "PolicyShape", "load_policy"]
 
@@ -48,7 +49,7 @@ class PolicyShape:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 where,
-                f"model_type {model_type!r}: the built-in trainer implements "
+                f"model_type {model_type!r}: the reference trainer implements "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}; plug in a trainer of your own for others "
                 "(docs/run.md#the-trainer)",
             )
@@ -204,7 +205,7 @@ def _weight_files(directory: Path) -> list[Path]:
     raise ConfigError(
         str(directory),
         "no model.safetensors (or model.safetensors.index.json) in the model directory; the "
-        "built-in trainer loads safetensors checkpoints",
+        "reference trainer loads safetensors checkpoints",
     )
 
 

@@ -1,4 +1,4 @@
-"""The built-in trainer's objective: a GRPO-style policy loss plus a distillation term.
+"""The reference trainer's objective: a GRPO-style policy loss plus a distillation term.
 
 - **Advantages** are group-normalised (:func:`group_advantages`): each sample's reward minus
   its group's mean (the samples of one prompt), over the group's standard deviation; a group
@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 
-from relax_core.coordination.sample import Sample
+from relax_core import Sample
 
 __all__ = ["LossReport", "batch_loss", "group_advantages", "pad_batch"]
 

@@ -1,0 +1,151 @@
+"""The reference trainer's two methods on a micro checkpoint: ``train`` waits for the commit,
+takes one optimizer step over the batch and deletes its partition; ``push`` sends every weight,
+in the checkpoint's dtype and names, to the generation model's manager in one update."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from relax_torch_trainer import PolicyTrainer
+
+from relax_core import BatchFailedError, LifecycleError, Sample, TrainerContext
+
+
+class _Coordinator:
+    """Commits the batches it is told to; a failed batch raises as the real one does."""
+
+    def __init__(self, failed: Sequence[int] = ()) -> None:
+        self.failed = set(failed)
+        self.waited: list[tuple[int, float]] = []
+
+    async def wait_committed(self, batch_id: int, timeout: float) -> Any:
+        self.waited.append((batch_id, timeout))
+        if batch_id in self.failed:
+            raise BatchFailedError(batch_id, "the reward stage failed")
+        return SimpleNamespace(partition=f"train_{batch_id}")
+
+
+class _Sink:
+    def __init__(self, partitions: dict[str, list[Sample]]) -> None:
+        self.partitions = partitions
+
+    async def get(self, partition: str) -> list[Sample]:
+        return list(self.partitions[partition])
+
+    async def delete(self, partition: str) -> None:
+        del self.partitions[partition]
+
+
+def _samples(policy: Any) -> list[Sample]:
+    """Two groups of two on-policy samples (their rollout log-probs are the policy's own)."""
+    out = []
+    for i, (group, reward) in enumerate([("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 1.0)]):
+        prompt, response = [1, 2, 3 + i], [10 + i, 20 + i, 30 + i]
+        ids = torch.tensor([[*prompt, *response]])
+        with torch.no_grad():
+            lp = torch.log_softmax(policy(ids)[0, len(prompt) - 1 : -1], -1)
+        own = lp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+        out.append(
+            Sample(f"s{i}", group, prompt, response, reward=reward, rollout_logprobs=own.tolist())
+        )
+    return out
+
+
+def _trainer(tiny: Path, **context: Any) -> PolicyTrainer:
+    fields: dict[str, Any] = {"coordinator": _Coordinator(), "sink": _Sink({}), "rollout": None}
+    fields.update(context)
+    return PolicyTrainer(TrainerContext(job="t", model_path=str(tiny), **fields))
+
+
+def test_train_waits_for_the_commit_steps_once_and_deletes_the_partition(tiny: Path) -> None:
+    trainer = _trainer(tiny, learning_rate=1e-3, micro_batch=3)
+    samples = _samples(trainer.policy)
+    trainer.context.sink.partitions["train_0"] = samples
+    before = {n: t.clone() for n, t in trainer.policy.named_weights()}
+    out = trainer.train(0)
+    assert trainer.context.coordinator.waited == [(0, trainer.context.commit_timeout)]
+    assert trainer.context.sink.partitions == {}
+    assert out["partition"] == "train_0" and out["samples"] == 4 and out["tokens"] == 12
+    assert out["sample_ids"] == ["s0", "s1", "s2", "s3"] and out["optimizer_steps"] == 1
+    # On-policy, over two micro-batches: the ratio is 1 and nothing is clipped.
+    assert out["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and out["clip_fraction"] == 0.0
+    assert out["teacher_kl"] is None and out["grad_norm"] > 0
+    after = dict(trainer.policy.named_weights())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert trainer.describe()["steps"] == 1
+
+
+def test_a_failed_batch_is_raised_and_nothing_is_trained_on(tiny: Path) -> None:
+    trainer = _trainer(tiny, coordinator=_Coordinator(failed=[3]))
+    with pytest.raises(BatchFailedError, match="batch 3 FAILED: the reward stage failed"):
+        trainer.train(3)
+    assert trainer.steps == 0
+
+
+class _Rollout:
+    """The generation model's manager actor, as far as a push sees it."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+        self.version: str | None = None
+        self.payloads: list[tuple[list[str], str | None]] = []
+
+    def update_weights_from_tensor(
+        self, payloads: list[str], *, load_format: str | None, weight_version: str
+    ) -> Any:
+        self.payloads.append((payloads, load_format))
+        if not self.ok:
+            failed = [SimpleNamespace(engine_id="rollout-0", error="refused")]
+            return SimpleNamespace(ok=False, failed=failed)
+        self.version = weight_version
+        return SimpleNamespace(ok=True, failed=[])
+
+    def weight_version(self) -> str | None:
+        return self.version
+
+    def pushed(self) -> list[tuple[list[str], str | None]]:
+        return self.payloads
+
+
+@pytest.mark.ray
+def test_push_sends_every_weight_in_one_update_and_returns_the_published_version(
+    tiny: Path, ray_local: Any
+) -> None:
+    from ray import cloudpickle
+    from safetensors.torch import load
+
+    # The actor class is this file's, which Ray's workers cannot import by name.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    rollout = ray_local.remote(_Rollout).remote()
+    trainer = _trainer(tiny, rollout=rollout)
+    out = trainer.push("7")
+    assert out["weight_version"] == "7" and out["format"] == "safetensors"
+    ((payloads, load_format),) = ray_local.get(rollout.pushed.remote())
+    assert load_format == "safetensors" and len(payloads) == 1
+    sent = load(base64.b64decode(payloads[0]))
+    ours = dict(trainer.policy.named_weights())
+    assert set(sent) == set(ours) and all(torch.equal(sent[n], ours[n]) for n in ours)
+    assert out["bytes"] == sum(t.numel() * t.element_size() for t in ours.values())
+
+
+@pytest.mark.ray
+def test_a_push_some_replica_refused_is_an_error_quoting_it(tiny: Path, ray_local: Any) -> None:
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = _trainer(tiny, rollout=ray_local.remote(_Rollout).remote(ok=False))
+    with pytest.raises(LifecycleError, match="version 2\\) was not taken: rollout-0: refused"):
+        trainer.push("2")
+
+
+def test_measure_copy_times_each_size_both_ways_on_the_device(tiny: Path) -> None:
+    copies = _trainer(tiny).measure_copy([4096, 0, 4096, 1024], repeats=1)
+    assert sorted(copies) == [1024, 4096]
+    assert all(set(c) == {"h2d", "d2h"} and min(c.values()) >= 0 for c in copies.values())

@@ -1,0 +1,143 @@
+"""What of a job ``relax serve`` and ``relax run`` cannot run, found before anything starts.
+
+:func:`check_job` is the job's own check, the same for both commands: the placement plan's
+violations (:func:`~relax_core.placement.preflight`), the phases the runtime cannot keep apart
+(:func:`serve_phase_problems`) and what a model needs that is not installed or cannot be routed
+(:func:`servable_problems`). Each problem is ``key.path: [rule] message``. Pure: nothing starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_core.config import ConfigProblem, JobConfig, ModelConfig
+from relax_core.errors import ConfigError
+from relax_core.jobs.managers import router_record
+from relax_core.jobs.phases import deferred_roles
+from relax_core.plugins import PluginManager
+
+__all__ = ["check_job", "servable_problems", "serve_phase_problems"]
+
+
+def check_job(config: JobConfig, plugin_manager: PluginManager) -> list[str]:
+    """Every reason ``config`` cannot be served (placement violations and servability), each
+    as ``key.path: [rule] message``; empty when it can. Pure: starts nothing."""
+    from relax_core.placement import preflight
+
+    result = preflight(config, plugin_manager)
+    problems = [str(v) for v in result.violations] if result.plan is None else []
+    if result.plan is not None:
+        problems += [str(p) for p in serve_phase_problems(config, result.plan)]
+    return problems + [str(p) for p in servable_problems(config, plugin_manager)]
+
+
+def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[ConfigProblem]:
+    """What of ``config`` ``relax serve`` cannot run, found before anything starts.
+
+    The placement planner checks that every role is registered, budgets and weight sources;
+    this checks the rest a role service needs: the engine backend is registered and runs on the
+    model's device, and the route mode can be served: an ``SGLANG_ROUTER`` model needs an
+    installed router plugin (its policy one the router supports; never a STATIC model);
+    router and prefill/decode keys need ``SGLANG_ROUTER``.
+    """
+    problems: list[ConfigProblem] = []
+    roles = plugin_manager.registered("roles")
+    backends = plugin_manager.registered("engine_backends")
+    for role in config.roles:
+        if role.name not in roles:
+            continue  # the planner's unknown-role violation
+        spec = roles[role.name].record
+        for model in role.models:
+            if model.external:
+                pass  # no engine is started: the backend is not used
+            elif model.backend not in backends:
+                problems.append(
+                    ConfigProblem(
+                        f"{model.path}.backend",
+                        "plugin",
+                        f"no engine backend {model.backend!r} is registered (registered: "
+                        f"{', '.join(sorted(backends)) or 'none'}); install its plugin",
+                    )
+                )
+            elif model.device not in backends[model.backend].record.devices:
+                problems.append(
+                    ConfigProblem(
+                        f"{model.path}.device",
+                        "device",
+                        f"engine backend {model.backend!r} runs on "
+                        f"{', '.join(sorted(backends[model.backend].record.devices))}, "
+                        f"not {model.device!r}",
+                    )
+                )
+            problems += _route_problems(model, spec, plugin_manager)
+    return problems
+
+
+def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[ConfigProblem]:
+    route_mode = model.route_mode or role.default_route_mode
+    if route_mode == "DIRECT":
+        out = []
+        for key in ("router", "router_policy", "router_allow_dropped_fields", "router_args"):
+            if getattr(model, key):
+                out.append(
+                    ConfigProblem(
+                        f"{model.path}.{key}",
+                        "route-mode",
+                        "a DIRECT model has no router; drop this key or set route_mode = "
+                        '"SGLANG_ROUTER"',
+                    )
+                )
+        if model.pd_prefill_engines is not None:
+            out.append(
+                ConfigProblem(
+                    f"{model.path}.pd_prefill_engines",
+                    "route-mode",
+                    "prefill/decode workers are reachable only through a router; set "
+                    'route_mode = "SGLANG_ROUTER"',
+                )
+            )
+        return out
+    try:
+        router_record(model, role, pm)
+    except ConfigError as exc:
+        return [ConfigProblem(exc.path, "router", exc.message)]
+    return []
+
+
+def serve_phase_problems(config: JobConfig, plan: Any) -> list[ConfigProblem]:
+    """The phases of ``plan`` that ``relax serve`` cannot keep apart, by key path.
+
+    ``relax serve`` keeps every deferred role (``placement.defer_roles``) asleep after its
+    start and every other role awake, so two roles that are not deferred, placed in different
+    phases on overlapping bundles, would be resident at once: refused. Pure.
+    """
+    from relax_core.placement.plan import PHASE_RESIDENT
+
+    deferred = set(deferred_roles(config))
+    awake = [
+        p
+        for p in plan.placements
+        if p.pool is not None and p.phase != PHASE_RESIDENT and p.role not in deferred
+    ]
+    problems = []
+    for i, a in enumerate(awake):
+        for b in awake[i + 1 :]:
+            if (
+                a.phase != b.phase
+                and a.pool == b.pool
+                and (a.bundle_start or 0) < b.bundle_end
+                and (b.bundle_start or 0) < a.bundle_end
+            ):
+                problems.append(
+                    ConfigProblem(
+                        f"{b.path}",
+                        "serve-phases",
+                        f"{b.key} (phase {b.phase!r}) and {a.key} (phase {a.phase!r}) share "
+                        f"bundles {max(a.bundle_start or 0, b.bundle_start or 0)}-"
+                        f"{min(a.bundle_end, b.bundle_end) - 1} of pool {a.pool!r}, and neither "
+                        "role is deferred: relax serve keeps only deferred roles asleep, so both "
+                        "would be resident at once. List one in placement.defer_roles, or give "
+                        "it bundles of its own",
+                    )
+                )
+    return problems

@@ -1,0 +1,431 @@
+"""Building a job's managers from its config: the same arguments whether a manager runs in
+this process or in a Ray actor.
+
+:func:`manager_arguments` is what an :class:`~relax_core.manager.InferenceManager` of a model
+is built from (engine spec, backend, launch, placement, route mode, deadlines);
+:func:`build_role_service` builds a role's in-process managers into a
+:class:`~relax_core.jobs.roles.RoleService` (``relax serve``), :func:`start_model_actor` one
+model's manager actor (``relax run``). An ``SGLANG_ROUTER`` model's router is the one
+:func:`router_record` picks (a router plugin), launched from :func:`router_launch_spec` next to
+its manager. :func:`engine_launch_specs` says, starting nothing, what each engine backend would
+be asked to launch; :func:`describe_job` is one line per model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from relax_core.config import JobConfig, ModelConfig, RoleConfig
+from relax_core.discovery.publisher import RegistryPublisher
+from relax_core.discovery.schema import RoutingSpec
+from relax_core.engine.spec import InferenceEngineSpec
+from relax_core.errors import ConfigError, LifecycleError
+from relax_core.jobs.roles import RoleService
+from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
+from relax_core.manager.external import ExternalEngines
+from relax_core.plugins import PluginManager
+from relax_core.records import RouterBackend, RouterLaunchSpec, RouterProcess
+
+__all__ = [
+    "build_role_service",
+    "describe_job",
+    "engine_launch_specs",
+    "manager_arguments",
+    "router_launch_spec",
+    "router_record",
+    "routing_spec",
+    "start_model_actor",
+]
+
+
+def routing_spec(role: RoleConfig) -> RoutingSpec:
+    """The role's routing rules from its config: default model, route keys, aliases, policy."""
+    return RoutingSpec(
+        default_model=role.default_model or role.models[0].name,
+        route_key_map={key: m.name for m in role.models for key in m.route_keys},
+        aliases={alias: m.name for m in role.models for alias in m.aliases},
+        policy=role.policy or "round_robin",
+    )
+
+
+def router_record(model: ModelConfig, role: Any, pm: PluginManager) -> RouterBackend:
+    """The router an ``SGLANG_ROUTER`` model uses: its ``router`` key, else the one installed
+    router registered as the default (or the only installed one).
+
+    :raises ConfigError: naming the key: no router plugin installed, an unknown or
+        uninstalled router, a policy it lacks, a STATIC model, PD on a router without it.
+    """
+    where = model.path
+    routers = pm.registered("routers")
+    installed = {name: r.record for name, r in routers.items() if r.record.version is not None}
+    mode_why = (
+        f"route_mode {model.route_mode}"
+        if model.route_mode
+        else f"route_mode SGLANG_ROUTER (the {role.name} role's default)"
+    )
+    if not routers:
+        raise ConfigError(
+            f"{where}.route_mode",
+            f"{mode_why} needs a router plugin, and none is installed; pip install relax-sglang "
+            '(sglang-router and smg), or set route_mode = "DIRECT" to route this model like the '
+            "static roles",
+        )
+    if model.router is not None:
+        if model.router not in routers:
+            raise ConfigError(
+                f"{where}.router",
+                f"no router {model.router!r} is registered (registered: "
+                f"{', '.join(sorted(routers))}); install its plugin",
+            )
+        record: RouterBackend = routers[model.router].record
+        if record.version is None:
+            raise ConfigError(
+                f"{where}.router",
+                f"router {model.router!r} (plugin {routers[model.router].distribution}) is not "
+                "installed; install it, or choose one of: "
+                f"{', '.join(sorted(installed)) or 'none'}",
+            )
+    else:
+        defaults = [r for r in installed.values() if r.default]
+        choice = defaults if len(defaults) == 1 else list(installed.values())
+        if len(choice) != 1:
+            raise ConfigError(
+                f"{where}.router",
+                f"{mode_why} needs a router: name one (installed: "
+                f"{', '.join(sorted(installed)) or 'none'})",
+            )
+        record = choice[0]
+    policy = model.router_policy or record.default_policy
+    if policy not in record.policies:
+        raise ConfigError(
+            f"{where}.router_policy",
+            f"router {record.name!r} has no policy {policy!r}; it supports "
+            f"{', '.join(sorted(record.policies))}",
+        )
+    source = pm.weight_source(model.weight_source or role.default_weight_source)
+    if not source.update_paths:
+        raise ConfigError(
+            f"{where}.route_mode",
+            f"a {source.name} model's engines are static and never registered with a router; "
+            'set route_mode = "DIRECT"',
+        )
+    if model.pd_prefill_engines is not None and not record.pd:
+        raise ConfigError(
+            f"{where}.pd_prefill_engines",
+            f"router {record.name!r} cannot route prefill/decode workers",
+        )
+    return record
+
+
+def router_launch_spec(
+    model: ModelConfig, record: RouterBackend, log_dir: str | None
+) -> RouterLaunchSpec:
+    """What ``record.launch`` gets for ``model``'s router (its log under ``log_dir``)."""
+    log_path = None
+    if log_dir:
+        log_path = f"{log_dir}/{model.role}_{model.name}-router.log"
+    return RouterLaunchSpec(
+        router_id=model.path,
+        policy=model.router_policy or record.default_policy,
+        served_model_name=model.served_model_name or model.name,
+        model_path=model.model_path or None,
+        pd=model.pd_prefill_engines is not None,
+        allow_dropped_fields=model.router_allow_dropped_fields,
+        extra_args=model.router_args,
+        log_path=log_path,
+    )
+
+
+def _start_router(model: ModelConfig, record: RouterBackend, log_dir: str | None) -> RouterProcess:
+    return record.launch(router_launch_spec(model, record, log_dir))
+
+
+class _EnginesHidden:
+    """A publisher for a prefill/decode model: the model is published (state, router URL),
+    its engines never are (PD workers are reachable only through the router)."""
+
+    def __init__(self, publisher: RegistryPublisher) -> None:
+        self._publisher = publisher
+
+    def set_model(self, model_id: str, **fields: Any) -> None:
+        self._publisher.set_model(model_id, **fields)
+
+    def set_engine(self, model_id: str, engine_id: str, **fields: Any) -> None:
+        """Publishes nothing: see the class docstring."""
+
+    def remove_engine(self, model_id: str, engine_id: str) -> None:
+        """Nothing was published: see the class docstring."""
+
+
+def build_role_service(
+    role: RoleConfig,
+    *,
+    plugin_manager: PluginManager,
+    placements: Mapping[str, ReplicaPlacement],
+    timeouts: ManagerTimeouts | None = None,
+    log_dir: str | None = None,
+) -> RoleService:
+    """The role service of ``role``: one manager per model on ``placements[model]``.
+
+    An ``SGLANG_ROUTER`` model's router is launched here (its process starts; it is made
+    ready by :meth:`RoleService.start`), so its URL can be given to the manager.
+
+    :raises ConfigError: a model asks for something ``relax serve`` cannot run (no usable
+        router, a bad weight source), naming its key path; routers launched so far are
+        stopped.
+    """
+    spec = plugin_manager.role(role.name)
+    service = RoleService(
+        role.name,
+        routing_spec(role),
+        weight_sources=plugin_manager.registered("weight_sources"),
+        # The publisher re-checks what the role's record says about its weights.
+        static_roles=(role.name,) if spec.static_weights else (),
+    )
+    try:
+        for model in role.models:
+            manager = _manager(
+                model,
+                plugin_manager,
+                service,
+                placement=placements[model.name],
+                timeouts=timeouts,
+                log_dir=log_dir,
+            )
+            service.add(model.name, manager, model_path=model.model_path or None)
+    except BaseException:
+        service.stop_routers()
+        raise
+    return service
+
+
+def _manager(
+    model: ModelConfig,
+    pm: PluginManager,
+    service: RoleService | None,
+    *,
+    placement: ReplicaPlacement,
+    timeouts: ManagerTimeouts | None,
+    log_dir: str | None,
+) -> InferenceManager | ExternalEngines:
+    """The manager of one model (:class:`ExternalEngines` for one served by external
+    engines); given a ``service``, it publishes there and an ``SGLANG_ROUTER`` model's router
+    is launched (without one, for dry runs, it is not)."""
+    spec = pm.role(model.role)
+    route_mode = model.route_mode or spec.default_route_mode
+    # Built (and so checked) before a router starts.
+    arguments = (
+        None
+        if model.external
+        else manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
+    )
+    engine_spec = _engine_spec(model, pm) if arguments is None else arguments["spec"]
+    router: RouterProcess | None = None
+    publisher: Any = service.publisher if service is not None else None
+    if route_mode != "DIRECT" and service is not None:
+        router = _start_router(model, router_record(model, spec, pm), log_dir)
+        service.routers[model.name] = router
+        if model.pd_prefill_engines is not None:
+            publisher = _EnginesHidden(service.publisher)
+    if arguments is None:
+        return ExternalEngines(
+            model.name,
+            urls=model.external_urls,
+            spec=engine_spec,
+            served_model_name=model.served_model_name or model.name,
+            publisher=publisher,
+            route_mode=route_mode,
+            router_url=router.url if router is not None else None,
+            router=router,
+        )
+    return InferenceManager(
+        model.name,
+        **arguments,
+        publisher=publisher,
+        router_url=router.url if router is not None else None,
+        router=router,
+    )
+
+
+def _engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
+    spec = pm.role(model.role)
+    source = pm.weight_source(model.weight_source or spec.default_weight_source)
+    try:
+        return InferenceEngineSpec.for_role(
+            spec, source, weights_cpu_backup=bool(model.weights_cpu_backup)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
+
+
+def manager_arguments(
+    model: ModelConfig,
+    pm: PluginManager,
+    *,
+    placement: ReplicaPlacement,
+    timeouts: ManagerTimeouts | None = None,
+    log_dir: str | None = None,
+) -> dict[str, Any]:
+    """The :class:`~relax_core.manager.InferenceManager` arguments of ``model`` (``spec``,
+    ``backend``, ``launch``, ``placement``, ``route_mode``, ``timeouts``,
+    ``unhealthy_after``) — what ``relax serve`` builds its managers from, and ``relax run``
+    its manager actors; add ``publisher`` and, for a router, the router. Pure: starts nothing.
+
+    :raises ConfigError: the weight source does not suit the role, naming the key.
+    """
+    spec = pm.role(model.role)
+    return {
+        "spec": _engine_spec(model, pm),
+        "backend": pm.engine_backend(model.backend),
+        "launch": _launch(
+            model, log_dir, placement.nodes_per_replica, spec.deterministic_inference
+        ),
+        "placement": placement,
+        "route_mode": model.route_mode or spec.default_route_mode,
+        "timeouts": timeouts,
+        "unhealthy_after": model.unhealthy_after,
+    }
+
+
+def engine_launch_specs(
+    config: JobConfig, plugin_manager: PluginManager, *, dist_init_addr: str = "192.0.2.1:29500"
+) -> dict[str, dict[str, list[Any]]]:
+    """Model key path -> engine id -> the ``EngineLaunchSpec`` of each worker (head first):
+    what ``relax serve`` would ask each engine backend to launch. Pure: starts nothing (no
+    Ray, no router, no engine); for checks of the command lines a backend builds.
+
+    A multi-node replica's workers join ``dist_init_addr`` (at start: the head worker's own).
+
+    :raises PlacementError: the placement plan is invalid.
+    :raises ConfigError: a model cannot be served.
+    """
+    from relax_core.placement import plan_inference_placement
+
+    plan = plan_inference_placement(config, plugin_manager)
+    out: dict[str, dict[str, list[Any]]] = {}
+    for model in config.models():
+        if model.external:
+            continue
+        # A CPU model's placement lists no bundles: one worker per replica.
+        nodes = len(plan.model_placement(model.role, model.name).workers[0]) or 1
+        manager = _manager(
+            model,
+            plugin_manager,
+            None,
+            placement=ReplicaPlacement.unplaced(model.num_engines, nodes),
+            timeouts=None,
+            log_dir=None,
+        )
+        assert isinstance(manager, InferenceManager)  # external models were skipped
+        out[model.path] = manager.launch_specs(dist_init_addr=dist_init_addr)
+    return out
+
+
+def _launch(
+    model: ModelConfig, log_dir: str | None, nodes: int, deterministic: bool
+) -> ModelLaunch:
+    options: dict[str, Any] = {
+        "dp": model.dp,
+        "dp_attention": model.dp_attention,
+        "kv_cache_dtype": model.kv_cache_dtype,
+        "deterministic_inference": (
+            deterministic
+            if model.deterministic_inference is None
+            else model.deterministic_inference
+        ),
+    }
+    for key in (
+        "mem_fraction_static",
+        "context_length",
+        "max_running_requests",
+        "pd_prefill_engines",
+    ):
+        if getattr(model, key) is not None:
+            options[key] = getattr(model, key)
+    return ModelLaunch(
+        model_path=model.model_path,
+        nodes_per_replica=nodes,
+        served_model_name=model.served_model_name or model.name,
+        tp=model.tp,
+        pp=model.pp,
+        device=model.device,
+        dtype=model.dtype,
+        seed=model.seed,
+        log_dir=log_dir,
+        extra_args=model.extra_args,  # type: ignore[arg-type]  # attrs converter=tuple
+        env=dict(model.env),
+        options=options,
+    )
+
+
+def start_model_actor(
+    model: ModelConfig,
+    pm: PluginManager,
+    *,
+    job: str,
+    placement: ReplicaPlacement,
+    publisher: Any,
+    timeouts: ManagerTimeouts | None = None,
+    log_dir: str | None = None,
+) -> Any:
+    """Create ``model``'s manager actor for job ``job`` (named by
+    :func:`~relax_core.manager.actor.manager_actor_name`, in the coordinator's namespace),
+    publishing to ``publisher`` (its role's registry actor), with its router inside when it is
+    routed ``SGLANG_ROUTER``; return the actor handle. Its engines are not started.
+
+    :raises LifecycleError: the actor could not be built (the reason is its error's last line).
+    """
+    import ray
+
+    from relax_core.coordination.remote import NAMESPACE
+    from relax_core.manager.actor import manager_actor_name, start_manager_actor
+
+    kwargs = manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
+    if kwargs["route_mode"] != "DIRECT":
+        record = router_record(model, pm.role(model.role), pm)
+        kwargs.update(router_backend=record, router_spec=router_launch_spec(model, record, log_dir))
+    try:
+        return start_manager_actor(
+            model.name,
+            name=manager_actor_name(job, model.role, model.name),
+            namespace=NAMESPACE,
+            publisher=publisher,
+            **kwargs,
+        )
+    except ray.exceptions.RayActorError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise LifecycleError(
+            f"{model.path}: its manager actor did not start: "
+            f"{lines[-1] if lines else type(exc).__name__}"
+        ) from None
+
+
+def describe_job(config: JobConfig, pm: PluginManager) -> list[str]:
+    """One line per model: backend, device, engines, weight source, route mode, gateway mode."""
+    lines = []
+    for role in config.roles:
+        spec = pm.role(role.name)
+        for m in role.models:
+            size = f"{m.num_engines} engine{'s' if m.num_engines != 1 else ''}"
+            if m.device != "cpu":
+                size += f" x {m.gpus_per_engine} GPU"
+            where = "Ray actor" if role.gateway.in_ray_actor else "thread"
+            route = m.route_mode or spec.default_route_mode
+            if route != "DIRECT":
+                try:
+                    record = router_record(m, spec, pm)
+                    route += f" ({record.name}, {m.router_policy or record.default_policy})"
+                except ConfigError as exc:
+                    route += f" (no usable router: {exc.message})"
+            what = f"{m.backend} on {m.engine_device}"
+            if m.engine_device != m.device:
+                what += f" (placed as {m.device})"
+            if m.external:
+                what = "external engines"
+            lines.append(
+                f"  {role.name}.{m.name}: {what}, {size}, weights "
+                f"{m.weight_source or spec.default_weight_source}, route {route}, gateway in "
+                f"a {where}"
+            )
+    return lines

@@ -1,0 +1,239 @@
+"""A model of a job, as the job runtime drives it: :class:`ModelHandle`, and its two homes.
+
+The job runtime (phases, sleep, teardown) needs little of a model's manager: start it, put it
+to sleep, shut it down, the process ids it started, the workers whose cleanup is not confirmed
+and, at the end, let go of it. :class:`LocalModel` is a manager in this process (what
+``relax serve`` runs, in its :class:`~relax_core.jobs.roles.RoleService`); :class:`RayModel` is
+a manager hosted by a :class:`~relax_core.manager.actor.ManagerActor` (what ``relax run`` runs,
+so the coordinator and the trainer reach it). Every call blocks until the manager answered;
+errors are the manager's own (a Ray wrapper is unwrapped).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from relax_core.errors import LifecycleError
+from relax_core.manager import InferenceManager, LifecycleResult, UnconfirmedWorker
+from relax_core.manager.actor import shutdown_behind_router, start_behind_router
+from relax_core.manager.external import ExternalEngines
+from relax_core.records import RouterProcess
+
+__all__ = ["LocalModel", "ModelHandle", "RayModel"]
+
+
+class ModelHandle(Protocol):
+    """One model of a job: what starting in phases, putting to sleep and teardown need.
+
+    ``key`` is ``role.model`` (every line about the model names it so).
+    """
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
+
+    def start(self) -> LifecycleResult:
+        """Start the model's engines (behind its router, if any); per-replica results.
+
+        :raises RelaxError: the router did not start or take the heads, or the start failed.
+        """
+        ...
+
+    def offload(self) -> LifecycleResult:
+        """Release every tag of every replica (put the model to sleep); per-replica results."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engines and the worker actors, then the router.
+
+        :raises RelaxError: a step was not confirmed (a fenced worker, a pending shutdown).
+        """
+        ...
+
+    def engine_pids(self) -> dict[str, list[int | None]]:
+        """Engine id -> the engine process id of each worker (head first)."""
+        ...
+
+    def router_pids(self) -> list[int]:
+        """The process ids of the model's router (empty without one)."""
+        ...
+
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """The workers whose cleanup is not confirmed: their placement groups are kept."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the manager's host once shut down (its actor is killed). Idempotent."""
+        ...
+
+
+class LocalModel:
+    """A model whose manager runs in this process (an :class:`InferenceManager`, or
+    :class:`ExternalEngines` for engines started by someone else), and its router."""
+
+    def __init__(
+        self,
+        role: str,
+        model_id: str,
+        manager: InferenceManager | ExternalEngines,
+        *,
+        router: RouterProcess | None = None,
+        router_timeout: float = 60.0,
+    ) -> None:
+        self._role = role
+        self._model_id = model_id
+        self.manager = manager
+        self.router = router
+        self.router_timeout = router_timeout
+
+    @property
+    def role(self) -> str:
+        """The model's role."""
+        return self._role
+
+    @property
+    def model_id(self) -> str:
+        """The model's id in its role."""
+        return self._model_id
+
+    @property
+    def key(self) -> str:
+        """``role.model``."""
+        return f"{self._role}.{self._model_id}"
+
+    def start(self) -> LifecycleResult:
+        """See :func:`~relax_core.manager.actor.start_behind_router`."""
+        return start_behind_router(
+            self.manager, self.router, timeout=self.router_timeout, name=self.key
+        )
+
+    def offload(self) -> LifecycleResult:
+        """``manager.offload()``: every tag."""
+        return self.manager.offload()
+
+    def shutdown(self) -> None:
+        """See :func:`~relax_core.manager.actor.shutdown_behind_router`."""
+        shutdown_behind_router(self.manager, self.router)
+
+    def engine_pids(self) -> dict[str, list[int | None]]:
+        """``manager.engine_pids()`` (external engines: none of ours)."""
+        return self.manager.engine_pids()
+
+    def router_pids(self) -> list[int]:
+        """The router's process ids."""
+        return [] if self.router is None else list(self.router.pids())
+
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """``manager.unconfirmed_workers()`` (external engines have no workers of ours)."""
+        if isinstance(self.manager, InferenceManager):
+            return self.manager.unconfirmed_workers()
+        return []
+
+    def close(self) -> None:
+        """Nothing to let go of: the manager is an object of this process."""
+
+
+class RayModel:
+    """A model whose manager a :class:`~relax_core.manager.actor.ManagerActor` hosts.
+
+    ``shutdown_timeout`` bounds :meth:`shutdown` (a manager busy with a lifecycle call
+    finishes it first); queries wait up to ``query_timeout``; :meth:`start` and
+    :meth:`offload` wait for the manager's own deadlines.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        model_id: str,
+        actor: Any,
+        *,
+        shutdown_timeout: float = 120.0,
+        query_timeout: float = 60.0,
+    ) -> None:
+        self._role = role
+        self._model_id = model_id
+        self.actor = actor
+        self.shutdown_timeout = shutdown_timeout
+        self.query_timeout = query_timeout
+
+    @property
+    def role(self) -> str:
+        """The model's role."""
+        return self._role
+
+    @property
+    def model_id(self) -> str:
+        """The model's id in its role."""
+        return self._model_id
+
+    @property
+    def key(self) -> str:
+        """``role.model``."""
+        return f"{self._role}.{self._model_id}"
+
+    def _get(self, method: str, timeout: float | None = None) -> Any:
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(), timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, BaseException):
+                raise exc.cause from None
+            raise LifecycleError(f"{self.key}: {method}() failed in its actor: {exc}") from None
+        except ray.exceptions.RayActorError as exc:
+            raise LifecycleError(
+                f"{self.key}: its manager actor died during {method}(): {exc}"
+            ) from None
+        except ray.exceptions.GetTimeoutError:
+            raise LifecycleError(
+                f"{self.key}: {method}() not answered within {timeout:g}s"
+            ) from None
+
+    def start(self) -> LifecycleResult:
+        """``actor.start()``: the router made ready, then the engines."""
+        result: LifecycleResult = self._get("start")
+        return result
+
+    def offload(self) -> LifecycleResult:
+        """``actor.offload()``: every tag."""
+        result: LifecycleResult = self._get("offload")
+        return result
+
+    def shutdown(self) -> None:
+        """``actor.shutdown()``, waited for up to ``shutdown_timeout``."""
+        self._get("shutdown", self.shutdown_timeout)
+
+    def engine_pids(self) -> dict[str, list[int | None]]:
+        """``actor.engine_pids()``."""
+        pids: dict[str, list[int | None]] = self._get("engine_pids", self.query_timeout)
+        return pids
+
+    def router_pids(self) -> list[int]:
+        """``actor.router_pids()``."""
+        pids: list[int] = self._get("router_pids", self.query_timeout)
+        return pids
+
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """``actor.unconfirmed_workers()``."""
+        workers: list[UnconfirmedWorker] = self._get("unconfirmed_workers", self.query_timeout)
+        return workers
+
+    def close(self) -> None:
+        """Kill the manager actor. Idempotent."""
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+if TYPE_CHECKING:  # mypy checks both homes against the contract
+
+    def _local(model: LocalModel) -> ModelHandle:
+        return model
+
+    def _ray(model: RayModel) -> ModelHandle:
+        return model

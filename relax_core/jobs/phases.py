@@ -1,0 +1,135 @@
+"""The order a job's models start in, and starting them: one phase at a time.
+
+In a defer layout, roles that share GPUs in different phases must never be loaded together:
+each phase of deferred roles (``placement.defer_roles``, in the plan's run order) starts on its
+own and is put to SLEEPING — every tag released, the engine's GPU memory freed, the weights kept
+in the engine's CPU backup — before the next one starts; then every other role starts, awake
+(:func:`start_order`). :func:`start_models` starts one step's models at once and reports each;
+:func:`put_to_sleep` offloads a started deferred model and checks every replica confirmed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from relax_core.config import JobConfig
+from relax_core.errors import LifecycleError
+from relax_core.jobs.models import ModelHandle
+from relax_core.manager import LifecycleResult
+
+__all__ = ["deferred_roles", "put_to_sleep", "start_models", "start_order"]
+
+#: ``on_done(handle, result_or_error)`` of :func:`start_models`.
+OnDone = Callable[[ModelHandle, "LifecycleResult | BaseException"], None]
+
+
+def deferred_roles(config: JobConfig) -> list[str]:
+    """The configured roles of ``placement.defer_roles``, in its order."""
+    names = {r.name for r in config.roles}
+    return [r for r in config.placement.defer_roles if r in names]
+
+
+def start_order(config: JobConfig, plan: Any) -> list[tuple[tuple[str, ...], bool]]:
+    """The order a job starts its roles in: ``(roles, sleep_after)`` steps.
+
+    Each phase of deferred roles (in the plan's run order) starts on its own and is put to
+    SLEEPING before the next one starts — phases sharing GPUs are never loaded together —, then
+    every other role starts, awake. Without deferred roles: one step, everything at once. Pure.
+    """
+    deferred = deferred_roles(config)
+    rank = {phase: i for i, phase in enumerate(plan.phases)}
+
+    def phase_of(role: str) -> int:
+        found = [rank.get(p.phase, len(rank)) for p in plan.placements if p.role == role]
+        return min(found, default=len(rank))
+
+    steps: list[tuple[tuple[str, ...], bool]] = []
+    for role in sorted(deferred, key=phase_of):
+        if steps and phase_of(steps[-1][0][0]) == phase_of(role):
+            steps[-1] = ((*steps[-1][0], role), True)
+        else:
+            steps.append(((role,), True))
+    awake = tuple(r.name for r in config.roles if r.name not in deferred)
+    if awake:
+        steps.append((awake, False))
+    return steps
+
+
+def start_models(
+    models: Sequence[ModelHandle],
+    *,
+    on_done: OnDone | None = None,
+    on_interrupt: Callable[[], None] | None = None,
+    logs: str | None = None,
+) -> dict[str, LifecycleResult]:
+    """Start every model at once (one thread each); return ``key`` -> its result.
+
+    ``on_done(model, result_or_error)`` is called as each model finishes. Interrupted
+    (Ctrl-C) while they start, it calls ``on_interrupt()`` and lets every start finish before
+    re-raising: a manager's shutdown waits for its start anyway (one lock). Blocking.
+
+    :raises LifecycleError: some replica did not become READY, a model's start raised, or its
+        router did not take its heads — naming each, after every model has finished (``logs``:
+        where the engine logs are, for the message).
+    """
+    outcomes: dict[str, LifecycleResult | BaseException] = {}
+    lock = threading.Lock()
+
+    def one(model: ModelHandle) -> None:
+        outcome: LifecycleResult | BaseException
+        try:
+            outcome = model.start()
+        except Exception as exc:  # reported below with every other model's
+            outcome = exc
+        with lock:
+            outcomes[model.key] = outcome
+        if on_done is not None:
+            on_done(model, outcome)
+
+    starters = [
+        threading.Thread(target=one, args=(m,), daemon=True, name=f"start-{m.key}") for m in models
+    ]
+    for t in starters:
+        t.start()
+    try:
+        for t in starters:
+            t.join()
+    except KeyboardInterrupt:
+        if on_interrupt is not None:
+            on_interrupt()
+        for t in starters:
+            t.join()
+        raise
+    problems = []
+    for key, outcome in outcomes.items():
+        if isinstance(outcome, BaseException):
+            problems.append(f"{key}: {type(outcome).__name__}: {outcome}")
+        elif not outcome.ok:
+            problems += [f"{key} {failed.engine_id}: {failed.error}" for failed in outcome.failed]
+    if problems:
+        raise LifecycleError(
+            "engines did not become READY:\n  "
+            + "\n  ".join(problems)
+            + (f"\nsee the engine logs in {logs}" if logs else "\nsee the engine logs")
+        )
+    return {k: o for k, o in outcomes.items() if isinstance(o, LifecycleResult)}
+
+
+def put_to_sleep(model: ModelHandle) -> LifecycleResult:
+    """Offload every tag of a started deferred model; every replica must confirm SLEEPING.
+
+    :raises LifecycleError: a replica did not: the model shares GPUs with later phases, so
+        nothing more may start.
+    """
+    result = model.offload()
+    wrong = {e: s for e, s in result.states.items() if s != "SLEEPING"}
+    if wrong:
+        errors = "; ".join(str(r.error) for r in result.failed)
+        raise LifecycleError(
+            f"{model.key} could not be put to sleep after its start ({wrong}"
+            + (f"; {errors}" if errors else "")
+            + "); it shares GPUs with later phases, so nothing more is started"
+        )
+    return result

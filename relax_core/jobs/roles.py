@@ -1,0 +1,245 @@
+"""The role service: one per inference role, the same shape for every role.
+
+A :class:`RoleService` holds ``dict[model_id, manager]`` and one
+:class:`~relax_core.discovery.publisher.RegistryPublisher`; every manager publishes its model's
+schema-2 view into that publisher, so :meth:`RoleService.snapshot` is the role's one aggregated
+snapshot (what the role gateway serves and routes by). A model routed ``SGLANG_ROUTER`` also has
+a router (a plugin's :class:`~relax_core.records.RouterBackend`) in front of its heads: it is
+made ready before the model's engines start, its manager keeps its membership, its URL is the
+model's published ``router_url``, and it is stopped after the engines.
+
+:meth:`RoleService.start_monitor` health-checks every replica periodically (a dead engine's
+replica is FAILED, so no longer routed to, and rebuilt); :func:`health_printer` prints what it
+finds. Build one from a job's config with :func:`~relax_core.jobs.managers.build_role_service`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+from typing import Any, TextIO
+
+from relax_core._threads import each_in_thread
+from relax_core.discovery.publisher import RegistryPublisher
+from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
+from relax_core.errors import LifecycleError, RelaxError
+from relax_core.jobs.models import LocalModel
+from relax_core.jobs.phases import start_models
+from relax_core.manager import HealthReport, InferenceManager, UnconfirmedWorker
+from relax_core.manager.external import ExternalEngines
+from relax_core.records import RouterProcess
+
+__all__ = ["MonitorCallback", "RoleService", "health_printer"]
+
+#: ``on_report(model_id, report_or_error)`` of :meth:`RoleService.start_monitor`.
+MonitorCallback = Callable[[str, "HealthReport | BaseException"], None]
+
+
+class RoleService:
+    """The managers of one role's models and the role's registry.
+
+    ``weight_sources`` and ``static_roles`` go to the role's :class:`RegistryPublisher`.
+    Thread-safe: :meth:`snapshot` may be called from gateway threads while managers start.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        routing: RoutingSpec,
+        *,
+        weight_sources: Any = None,
+        static_roles: Collection[str] | None = None,
+    ) -> None:
+        self.role = role
+        self.publisher = RegistryPublisher(
+            role, routing, weight_sources=weight_sources, static_roles=static_roles
+        )
+        self.managers: dict[str, InferenceManager | ExternalEngines] = {}
+        #: model id -> the router in front of its heads (SGLANG_ROUTER models)
+        self.routers: dict[str, RouterProcess] = {}
+        self.model_paths: dict[str, str] = {}
+        self.router_timeout = 60.0
+        self._monitor: threading.Thread | None = None
+        self._monitor_stop = threading.Event()
+
+    def add(
+        self,
+        model_id: str,
+        manager: InferenceManager | ExternalEngines,
+        *,
+        model_path: str | None = None,
+    ) -> None:
+        """Add a model's manager (built with ``publisher=self.publisher``)."""
+        if model_id in self.managers:
+            raise ValueError(f"role {self.role!r} already has a model {model_id!r}")
+        self.managers[model_id] = manager
+        if model_path is not None:
+            self.model_paths[model_id] = model_path
+
+    def snapshot(self) -> RoleSnapshot:
+        """The role's schema-2 snapshot, aggregated over every model."""
+        return self.publisher.snapshot()
+
+    def start(self, *, on_done: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+        """Start every model's engines in parallel, each behind its router (made ready first,
+        then checked to hold the model's READY heads); return each model's
+        ``LifecycleResult``. ``on_done(model_id, result_or_error)`` is called as each model
+        finishes. Blocking.
+
+        :raises ConfigError: a router drops a request field the roles send (its model's
+            engines were not started).
+        :raises LifecycleError: a router did not start or take its heads, or some replica did
+            not become READY (naming each), after every model has finished starting.
+        """
+        models = self.models()
+        results = start_models(
+            models,
+            on_done=None if on_done is None else (lambda m, outcome: on_done(m.model_id, outcome)),
+        )
+        return {m.model_id: results[m.key] for m in models}
+
+    def models(self) -> list[LocalModel]:
+        """Every model as a :class:`~relax_core.jobs.models.LocalModel` (its manager and its
+        router), what the job runtime starts, puts to sleep and shuts down."""
+        return [
+            LocalModel(
+                self.role,
+                model_id,
+                manager,
+                router=self.routers.get(model_id),
+                router_timeout=self.router_timeout,
+            )
+            for model_id, manager in self.managers.items()
+        ]
+
+    def router_pids(self) -> dict[str, list[int]]:
+        """``<model>/router`` -> the process ids of each model's router."""
+        return {f"{model_id}/router": r.pids() for model_id, r in self.routers.items()}
+
+    def engine_pids(self) -> dict[str, list[int]]:
+        """Every live engine process id the managers know of, by engine id."""
+        out: dict[str, list[int]] = {}
+        for manager in self.managers.values():
+            for engine_id, pids in manager.engine_pids().items():
+                out[engine_id] = [p for p in pids if p]
+        return out
+
+    # -- health monitor --------------------------------------------------------------------
+
+    def start_monitor(
+        self, interval: float, *, recover: bool = True, on_report: MonitorCallback | None = None
+    ) -> None:
+        """Health-check every model every ``interval`` seconds, in a daemon thread.
+
+        Each round calls ``manager.health_check(recover=recover)`` for every model at once: a
+        replica whose engine died, or stopped answering for the model's ``unhealthy_after``
+        rounds in a row, is marked FAILED (published without a URL, so gateways stop routing
+        to it, and removed from its router) and, with ``recover``, cleaned and rebuilt; then
+        every router's ``check()`` (a router that exited is restarted and its heads registered
+        again).
+        ``on_report(model_id, report_or_error)`` is called for every round that found a
+        problem, and for every error of a round (a fenced model raises
+        ``InferenceRecoveryRequired``: an operator must confirm the cleanup). Idempotent.
+
+        :raises ValueError: ``interval`` is not a positive number of seconds.
+        """
+        if not interval > 0:
+            raise ValueError(f"interval={interval!r}: give a positive number of seconds")
+        if self._monitor is not None and self._monitor.is_alive():
+            return
+        self._monitor_stop.clear()
+        self._monitor = threading.Thread(
+            target=self._watch,
+            args=(interval, recover, on_report),
+            name=f"health-{self.role}",
+            daemon=True,
+        )
+        self._monitor.start()
+
+    def stop_monitor(self, timeout: float = 60.0) -> None:
+        """Stop the health monitor; wait up to ``timeout`` for a check in progress. Idempotent."""
+        self._monitor_stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout)
+            self._monitor = None
+
+    def _watch(self, interval: float, recover: bool, on_report: MonitorCallback | None) -> None:
+        while not self._monitor_stop.wait(interval):
+            # Every model at once: one model's slow probes (bounded by its health deadline)
+            # must not delay the others' round.
+            each_in_thread(
+                self._check_one,
+                [(m, manager, recover, on_report) for m, manager in list(self.managers.items())],
+                name=f"health-{self.role}",
+                daemon=True,
+            )
+            for model_id, router in list(self.routers.items()):
+                if self._monitor_stop.is_set():
+                    return
+                trouble = router.check()  # restarts a dead router, retries registrations
+                if trouble and on_report is not None:
+                    on_report(
+                        model_id, LifecycleError(f"router {router.url}: " + "; ".join(trouble))
+                    )
+
+    def _check_one(
+        self, model_id: str, manager: Any, recover: bool, on_report: MonitorCallback | None
+    ) -> None:
+        if self._monitor_stop.is_set():
+            return
+        outcome: HealthReport | BaseException
+        try:
+            outcome = manager.health_check(recover=recover)
+        except Exception as exc:  # reported, not swallowed: the monitor must go on
+            outcome = exc
+        failed = isinstance(outcome, BaseException) or not all(r.healthy for r in outcome.replicas)
+        if failed and on_report is not None and not self._monitor_stop.is_set():
+            on_report(model_id, outcome)
+
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """Every worker of every model whose cleanup is not confirmed (fenced or pending):
+        their placement groups must not be released."""
+        return [w for model in self.models() for w in model.unconfirmed_workers()]
+
+    def shutdown(self) -> list[str]:
+        """Stop the monitor, shut every model down (each tried: its manager, then its
+        router); return the problems, empty when clean. A fenced worker's or an unconfirmed
+        shutdown's error is one of them; :meth:`unconfirmed_workers` says which workers, on
+        which placement groups."""
+        self.stop_monitor()
+        problems = []
+        for model in self.models():
+            try:
+                model.shutdown()
+            except RelaxError as exc:
+                problems.append(f"{model.key}: {exc}")
+        return problems
+
+    def stop_routers(self, timeout: float = 3.0) -> None:
+        """Stop every router (idempotent). They are stopped last, when no traffic is left, so
+        a short grace is enough (smg would otherwise linger for its drain settle time)."""
+        for router in self.routers.values():
+            router.terminate(timeout)
+
+
+def health_printer(role: str, out: TextIO) -> MonitorCallback:
+    """An ``on_report`` for :meth:`RoleService.start_monitor` that prints one line per
+    problem to ``out`` (``HH:MM:SS health <engine> (<role>): <problems> → <action>, now
+    <state>``)."""
+
+    def report(model_id: str, outcome: Any) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        if isinstance(outcome, BaseException):
+            print(f"{stamp} health {role}.{model_id}: {outcome}", file=out, flush=True)
+            return
+        for r in outcome.replicas:
+            if not r.healthy:
+                print(
+                    f"{stamp} health {r.engine_id} ({role}): {'; '.join(r.problems)} → "
+                    f"{r.action}, now {r.state}",
+                    file=out,
+                    flush=True,
+                )
+
+    return report

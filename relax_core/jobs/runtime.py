@@ -1,0 +1,266 @@
+"""The one job runtime behind ``relax serve`` and ``relax run``.
+
+A :class:`JobRuntime` is what a job brought up on Ray, whichever command brought it: the
+placement plan, its bound placement groups, one :class:`~relax_core.jobs.models.ModelHandle`
+per model (in this process for ``relax serve``, in manager actors for ``relax run``), every
+engine and router process id seen, and the groups teardown had to keep. Its lifecycle is the
+same for both commands, and so is every line it prints (each stamped with the seconds since
+the job began):
+
+1. :meth:`JobRuntime.plan_for` and :meth:`JobRuntime.bind`: the plan, then one placement group
+   per pool, bound (each bundle's node and GPU checked) before any manager exists;
+2. the driver builds the models' managers (:mod:`~relax_core.jobs.managers`) and
+   :meth:`JobRuntime.add`\\ s them;
+3. :meth:`JobRuntime.start`: phase by phase (:func:`~relax_core.jobs.phases.start_order`):
+   ``starting X (deferred, put to sleep once started)``, ``X: READY``, ``X: SLEEPING (…)``,
+   then ``starting Y (awake)``;
+4. :meth:`JobRuntime.teardown`: the driver's own parts first (gateways; the trainer, the
+   coordinator, the batch sink), every model at once (engines, worker actors, routers), the
+   driver's last parts (registries), the check that every process seen is gone, then the
+   placement groups — all but those a worker whose cleanup is not confirmed sits on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from relax_core.config import JobConfig
+from relax_core.jobs.models import ModelHandle
+from relax_core.jobs.phases import put_to_sleep, start_models, start_order
+from relax_core.jobs.pools import bind_pools, release_pools, replica_placements
+from relax_core.jobs.teardown import Stop, shutdown_models, still_running, stop_parts
+from relax_core.manager import LifecycleResult, ReplicaPlacement
+from relax_core.plugins import PluginManager
+
+__all__ = ["JobRuntime", "Say"]
+
+#: Where a job's lines go (one line per call, without a newline).
+Say = Callable[[str], None]
+
+
+@attrs.define(eq=False)
+class JobRuntime:
+    """What one job brought up, and the one way to start it in phases and tear it down.
+
+    Not thread-safe: one driver calls it (the health monitor and the progress line only
+    read). See the module docstring for the order of things.
+    """
+
+    #: role -> model id -> its handle, in the order added.
+    models: dict[str, dict[str, ModelHandle]] = attrs.field(factory=dict)
+    #: The placement plan the job was bound from.
+    plan: Any = None
+    #: The bound placement groups (``BoundPool``), in the order created.
+    bound: list[Any] = attrs.field(factory=list)
+    #: Every engine pid seen (checked gone after shutdown).
+    engine_pids: set[int] = attrs.field(factory=set)
+    #: Every router pid seen (checked gone after shutdown).
+    router_pids: set[int] = attrs.field(factory=set)
+    #: The placement groups teardown kept (name -> why): a worker on them may still hold its
+    #: GPUs.
+    kept_groups: dict[str, str] = attrs.field(factory=dict)
+    #: When the job began (``time.monotonic()``): the lines' stamps count from it.
+    began: float = attrs.field(factory=time.monotonic)
+    released: bool = attrs.field(default=False, init=False)
+
+    def line(self, say: Say, text: str) -> None:
+        """``say`` one line of the job, stamped with the seconds since it began."""
+        say(f"  [{time.monotonic() - self.began:5.1f}s] {text}")
+
+    @property
+    def handles(self) -> list[ModelHandle]:
+        """Every model's handle, role by role."""
+        return [m for models in self.models.values() for m in models.values()]
+
+    @property
+    def pools(self) -> dict[str, Any]:
+        """Pool name -> its bound placement group."""
+        return {b.pool: b for b in self.bound}
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def plan_for(self, config: JobConfig, pm: PluginManager) -> Any:
+        """Plan ``config``'s placement (pure: starts nothing); kept as :attr:`plan`.
+
+        :raises PlacementError: the plan is invalid.
+        """
+        from relax_core.placement import plan_inference_placement
+
+        self.plan = plan_inference_placement(config, pm)
+        return self.plan
+
+    def bind(
+        self, config: JobConfig, *, detach: bool = False
+    ) -> dict[str, dict[str, ReplicaPlacement]]:
+        """Create and bind the placement group of every pool of :attr:`plan`; role -> model ->
+        where its replicas go. Each group is in :attr:`bound` as soon as it exists, so
+        teardown releases what was made when a later one fails. ``detach``: the groups
+        outlive this process on a cluster that outlives it (so a kept one stays reserved).
+
+        :raises PlacementError: a pool's binding is invalid.
+        """
+        if self.plan is None:
+            raise ValueError("bind() needs a plan: call plan_for() first")
+        bound = bind_pools(self.plan, out=self.bound, detach=detach)
+        return replica_placements(config, self.plan, bound)
+
+    # -- models ------------------------------------------------------------------------------
+
+    def add(self, model: ModelHandle) -> None:
+        """Add a model's handle (its manager built, not started).
+
+        :raises ValueError: the role already has that model.
+        """
+        models = self.models.setdefault(model.role, {})
+        if model.model_id in models:
+            raise ValueError(f"{model.key} was added twice")
+        models[model.model_id] = model
+
+    def track(self, model: ModelHandle) -> dict[str, list[int]]:
+        """Record the model's engine and router pids (checked gone at teardown); engine id
+        (and ``<model>/router``) -> its live pids."""
+        out = {e: [p for p in pids if p] for e, pids in model.engine_pids().items()}
+        routers = model.router_pids()
+        self.engine_pids.update(p for pids in out.values() for p in pids)
+        self.router_pids.update(routers)
+        if routers:
+            out[f"{model.model_id}/router"] = routers
+        return out
+
+    def pids(self) -> dict[str, list[int]]:
+        """:meth:`track` of every model: engine id (and ``<model>/router``) -> its pids."""
+        out: dict[str, list[int]] = {}
+        for model in self.handles:
+            out.update(self.track(model))
+        return out
+
+    # -- start -------------------------------------------------------------------------------
+
+    def start(
+        self,
+        config: JobConfig,
+        say: Say,
+        *,
+        sleep_note: str,
+        logs: str | None = None,
+        on_interrupt: Callable[[], None] | None = None,
+        progress: Callable[[], str] | None = None,
+    ) -> None:
+        """Start every model, phase by phase (:func:`~relax_core.jobs.phases.start_order`):
+        each deferred phase started, then put to SLEEPING (``sleep_note`` says, in its line,
+        who wakes it), before the next; then the others, awake. Every model's pids are
+        recorded once its start ended. ``progress()``, if given, is a line printed whenever it
+        changes (checked every second). Interrupted by Ctrl-C, ``on_interrupt()`` is called
+        and the starts in flight finish first. Blocking.
+
+        :raises LifecycleError: an engine did not become READY (``logs``: where their logs
+            are), or a deferred model could not be put to sleep; nothing more is started
+            (call :meth:`teardown` in every case).
+        """
+        steps = start_order(config, self.plan) if self.plan is not None else []
+        if not steps:
+            steps = [(tuple(self.models), False)]
+        stop = threading.Event()
+        ticker = None
+        if progress is not None:
+            ticker = threading.Thread(
+                target=self._progress, args=(progress, say, stop), daemon=True, name="progress"
+            )
+            ticker.start()
+
+        def done(model: ModelHandle, outcome: LifecycleResult | BaseException) -> None:
+            with contextlib.suppress(Exception):  # a dead actor: its start's error says so
+                self.track(model)
+            if isinstance(outcome, BaseException):
+                self.line(say, f"{model.key}: FAILED: {outcome}")
+            elif outcome.ok:
+                self.line(say, f"{model.key}: READY")
+            else:
+                errors = "; ".join(f"{r.engine_id}: {r.error}" for r in outcome.failed)
+                self.line(say, f"{model.key}: FAILED: {errors}")
+
+        def interrupted() -> None:
+            if on_interrupt is not None:
+                on_interrupt()
+            self.line(
+                say, "interrupted: waiting for the engines being started, then shutting down …"
+            )
+
+        try:
+            for roles, sleep in steps:
+                models = [m for r in roles for m in self.models.get(r, {}).values()]
+                what = "deferred, put to sleep once started" if sleep else "awake"
+                self.line(say, f"starting {', '.join(m.key for m in models)} ({what})")
+                start_models(models, on_done=done, on_interrupt=interrupted, logs=logs)
+                if sleep:
+                    for model in models:
+                        put_to_sleep(model)
+                        self.line(
+                            say,
+                            f"{model.key}: SLEEPING (deferred: engine memory released, weights "
+                            f"kept on the CPU; {sleep_note})",
+                        )
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+
+    def _progress(self, progress: Callable[[], str], say: Say, stop: threading.Event) -> None:
+        last = ""
+        while True:
+            line = progress()
+            if line != last:
+                self.line(say, line)
+                last = line
+            if stop.wait(1.0):
+                return
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def teardown(
+        self, say: Say, *, first: Sequence[Stop] = (), then: Sequence[Stop] = ()
+    ) -> list[str]:
+        """Take the job down; return what could not be confirmed (empty when nothing is
+        left). Never raises for one part's failure: each is tried. Idempotent.
+
+        In order: ``first`` (the driver's parts in front of the models: ``gateways stopped
+        (N)`` for those of kind ``gateways``), every model at once (``managers stopped
+        (N)``), ``then`` (parts the models published to: registries), the wait for every
+        engine and router process seen to end (``engines stopped (N processes)``,
+        ``routers stopped (N)``), then every placement group but those a worker whose
+        cleanup is not confirmed sits on (``placement groups removed (N), K kept``; each kept
+        group's message, in the problems, says what an operator checks).
+        """
+        problems, counts = stop_parts(first)
+        for kind, n in counts.items():
+            self.line(say, f"{kind} stopped ({n})")
+        models = self.handles
+        self.models = {}
+        found, unconfirmed = shutdown_models(models)
+        problems += found
+        if models:
+            self.line(say, f"managers stopped ({len(models)})")
+        more, counts = stop_parts(then)
+        problems += more
+        for kind, n in counts.items():
+            self.line(say, f"{kind} stopped ({n})")
+        problems += still_running(self.engine_pids, self.router_pids)
+        if models:
+            self.line(say, f"engines stopped ({len(self.engine_pids)} processes)")
+        if models and self.router_pids:
+            self.line(say, f"routers stopped ({len(self.router_pids)})")
+        if not self.released:
+            self.released = True
+            released = release_pools(
+                self.bound, unconfirmed, kept=self.kept_groups, problems=problems
+            )
+            if self.bound:
+                kept = f", {len(self.kept_groups)} kept" if self.kept_groups else ""
+                self.line(say, f"placement groups removed ({released}){kept}")
+        return problems

@@ -1,0 +1,225 @@
+"""What ``relax serve`` brings up on the job runtime: role services and their gateways.
+
+:func:`serve_job` (a context manager) places the job (:class:`~relax_core.jobs.runtime.
+JobRuntime`), builds one :class:`~relax_core.jobs.roles.RoleService` per role (its managers in
+this process), starts the engines phase by phase, starts every role's health monitor, then one
+gateway per role (a thread of this process, or a CPU-only Ray actor); on exit the runtime's
+teardown takes it all down, the gateways and monitors first. Deferred roles stay asleep:
+nothing in ``relax serve`` wakes them, and their gateways say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+from relax_core.config import JobConfig
+from relax_core.discovery.server import RegistryServer
+from relax_core.discovery.status import render_snapshot
+from relax_core.errors import LifecycleError, RelaxError, SnapshotError
+from relax_core.gateway.handler import GatewayOptions
+from relax_core.gateway.serving import RunningGateway, start_actor_gateway, start_thread_gateway
+from relax_core.jobs.managers import build_role_service
+from relax_core.jobs.phases import deferred_roles
+from relax_core.jobs.roles import RoleService, health_printer
+from relax_core.jobs.runtime import JobRuntime
+from relax_core.jobs.teardown import Stop
+from relax_core.manager import ReplicaPlacement
+from relax_core.plugins import PluginManager
+
+__all__ = ["ServedJob", "place_served_job", "serve_job", "teardown_served_job"]
+
+#: Why a deferred role's model sleeps under ``relax serve``, and what to do (its gateway's 503).
+_SLEEPING_NOTE = (
+    "relax serve started its role as deferred (placement.defer_roles) and keeps it asleep; "
+    "only a coordinator (relax run) wakes a deferred role, for its phase. To serve it from "
+    "relax serve, leave the role out of placement.defer_roles and give it GPUs of its own"
+)
+#: Who wakes a deferred model, in its ``SLEEPING`` line.
+_WAKES = "relax serve does not wake it, and its gateway answers 503 saying so"
+
+
+class ServedJob:
+    """What :func:`serve_job` brought up: the job runtime, role services, gateways."""
+
+    def __init__(self) -> None:
+        self.runtime = JobRuntime()
+        self.services: dict[str, RoleService] = {}
+        self.gateways: dict[str, RunningGateway] = {}
+        self.registry: RegistryServer | None = None
+
+    @property
+    def bound(self) -> list[Any]:
+        """The bound placement groups."""
+        return self.runtime.bound
+
+    @property
+    def kept_groups(self) -> dict[str, str]:
+        """The placement groups teardown kept (name -> why)."""
+        return self.runtime.kept_groups
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """Role → gateway base URL (requests go to ``{url}/{role}/…``)."""
+        return {role: gw.url for role, gw in self.gateways.items()}
+
+    def pids(self) -> dict[str, list[int]]:
+        """Engine id (and ``<model>/router``) → process ids, over every role (recorded for the
+        check at teardown)."""
+        return self.runtime.pids()
+
+    def status(self) -> str:
+        """A status table of every role, with engine pids."""
+        pids = self.pids()
+        return "\n".join(render_snapshot(s.snapshot(), pids=pids) for s in self.services.values())
+
+
+def place_served_job(
+    config: JobConfig, pm: PluginManager, job: ServedJob, *, detach_groups: bool = False
+) -> dict[str, dict[str, ReplicaPlacement]]:
+    """Plan, create and bind the job's placement groups; each model's placement by role.
+
+    ``detach_groups``: create them detached, so a group whose engines are not confirmed gone
+    at teardown outlives this process (on a cluster that outlives it).
+
+    :raises PlacementError: the plan or a binding is invalid.
+    """
+    job.runtime.plan_for(config, pm)
+    return job.runtime.bind(config, detach=detach_groups)
+
+
+def teardown_served_job(job: ServedJob, out: TextIO) -> list[str]:
+    """Take ``job`` down (:meth:`~relax_core.jobs.runtime.JobRuntime.teardown`): the health
+    monitors, the gateways and their registry first; return what was left."""
+    with contextlib.suppress(RelaxError):
+        job.pids()  # engines rebuilt by the health monitor since the last status table
+    first = [Stop(f"{role} health monitor", s.stop_monitor) for role, s in job.services.items()]
+    first += [
+        Stop(f"{role} gateway ({gw.mode})", gw.stop, kind="gateways")
+        for role, gw in job.gateways.items()
+    ]
+    if job.registry is not None:
+        first.append(Stop("registry server", job.registry.stop))
+    job.gateways, job.registry = {}, None
+    return job.runtime.teardown(lambda line: print(line, file=out, flush=True), first=first)
+
+
+@contextlib.contextmanager
+def serve_job(
+    config: JobConfig,
+    *,
+    plugin_manager: PluginManager | None = None,
+    token: str | None = None,
+    out: TextIO = sys.stdout,
+    log_dir: str | None = None,
+    health_interval: float = 10.0,
+    before_teardown: Callable[[], None] | None = None,
+    detach_groups: bool = False,
+) -> Iterator[ServedJob]:
+    """Bring ``config``'s inference side up on the connected Ray; tear it all down on exit.
+
+    ``health_interval``: seconds between health checks of every replica (0: no monitor).
+    ``before_teardown`` is called first thing when the block ends, and when Ctrl-C interrupts
+    the engines' start (e.g. to hold signals). ``detach_groups``: create the placement groups
+    detached (on a cluster that outlives this process), so the ones teardown must keep
+    survive it.
+
+    Teardown keeps every fence: a placement group with a worker whose cleanup is not confirmed
+    is never released; the problems raised name it, the workers on it and what an operator
+    must check (:attr:`ServedJob.kept_groups`).
+
+    :raises PlacementError: the plan or the binding is invalid (nothing was started).
+    :raises LifecycleError: engines did not become READY (everything started is shut down),
+        or the shutdown left problems.
+    """
+    pm = plugin_manager or PluginManager.create()
+    job = ServedJob()
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+    hold = before_teardown or (lambda: None)
+    failed = False
+    try:
+        placements = place_served_job(config, pm, job, detach_groups=detach_groups)
+        for role in config.roles:
+            service = build_role_service(
+                role, plugin_manager=pm, placements=placements[role.name], log_dir=log_dir
+            )
+            job.services[role.name] = service
+            for model in service.models():
+                job.runtime.add(model)
+        job.runtime.start(
+            config,
+            lambda line: print(line, file=out, flush=True),
+            sleep_note=_WAKES,
+            logs=log_dir,
+            on_interrupt=hold,
+            progress=lambda: _progress(job, config),
+        )
+        if health_interval > 0:
+            for name, service in job.services.items():
+                service.start_monitor(health_interval, on_report=health_printer(name, out))
+        _start_gateways(job, config, pm, token)
+        yield job
+    except KeyboardInterrupt:
+        raise  # an asked-for stop: a shutdown that leaves problems still raises below
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        hold()
+        problems = teardown_served_job(job, out)
+        if problems:
+            message = "shutdown left problems:\n  " + "\n  ".join(problems)
+            if not failed:
+                raise LifecycleError(message)
+            print(message, file=out, flush=True)
+
+
+def _start_gateways(
+    job: ServedJob, config: JobConfig, pm: PluginManager, token: str | None
+) -> None:
+    if any(role.gateway.in_ray_actor for role in config.roles):
+        job.registry = RegistryServer(
+            {name: service.snapshot for name, service in job.services.items()}
+        ).start()
+    deferred = deferred_roles(config)
+    for role in config.roles:
+        service = job.services[role.name]
+        # The same options whichever way the gateway runs. A deferred role sleeps for good
+        # under relax serve: its gateway must not promise a wake-up.
+        note = _SLEEPING_NOTE if role.name in deferred else None
+        options = GatewayOptions(model_paths=service.model_paths, token=token, sleeping_note=note)
+        host, port = role.gateway.host, role.gateway.port
+        if role.gateway.in_ray_actor:
+            assert job.registry is not None
+            url = f"{job.registry.url}/{role.name}"
+            gateway = start_actor_gateway(role.name, url, host=host, port=port, options=options)
+        else:
+            gateway = start_thread_gateway(
+                role.name,
+                service.snapshot,
+                plugin_manager=pm,
+                host=host,
+                port=port,
+                options=options,
+            )
+        job.gateways[role.name] = gateway
+
+
+def _progress(job: ServedJob, config: JobConfig) -> str:
+    """``role.model STATE ready/engines`` of every model, from the role snapshots."""
+    parts = []
+    for role in config.roles:
+        try:
+            models = job.services[role.name].snapshot().models
+        except SnapshotError:
+            models = {}  # no model has published yet
+        for model in role.models:
+            view = models.get(model.name)
+            ready = sum(1 for e in view.engines if e.state.value == "READY") if view else 0
+            state = view.state.value if view else "STARTING"
+            parts.append(f"{role.name}.{model.name} {state} {ready}/{model.num_engines}")
+    return ", ".join(parts)

@@ -1,0 +1,119 @@
+"""Taking a job down: the parts a command started besides its models, the models' shutdown,
+and the check that every engine and router process is gone.
+
+:class:`Stop` is one part a driver stopped around the models (a gateway, the registry, the
+trainer, the coordinator); :func:`stop_parts` stops them all, each tried whatever the others
+did. :func:`shutdown_models` shuts every model down at once. :func:`still_running` waits a
+bounded time for processes to end and names those that did not. The sequence itself, and the
+lines it prints, are :meth:`~relax_core.jobs.runtime.JobRuntime.teardown`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from relax_core._threads import each_in_thread
+from relax_core.jobs.models import ModelHandle
+from relax_core.manager import UnconfirmedWorker
+
+__all__ = ["Stop", "shutdown_models", "still_running", "stop_parts"]
+
+
+@attrs.frozen
+class Stop:
+    """One part a command started besides the models, and how to stop it.
+
+    ``name`` names it in a problem line; ``kind`` (e.g. ``"gateways"``) counts it in the line
+    ``{kind} stopped (N)``; a part without one is stopped silently.
+    """
+
+    name: str
+    stop: Callable[[], object]
+    kind: str | None = None
+
+
+def stop_parts(parts: Sequence[Stop]) -> tuple[list[str], dict[str, int]]:
+    """Stop every part in order (each tried); return the problems and kind -> parts stopped."""
+    problems: list[str] = []
+    counts: dict[str, int] = {}
+    for part in parts:
+        try:
+            part.stop()
+        except Exception as exc:  # every part is tried: named in the problems, never lost
+            problems.append(f"{part.name}: {type(exc).__name__}: {exc}")
+        if part.kind is not None:
+            counts[part.kind] = counts.get(part.kind, 0) + 1
+    return problems, counts
+
+
+def shutdown_models(models: Sequence[ModelHandle]) -> tuple[list[str], list[UnconfirmedWorker]]:
+    """Shut every model down at once, then ask each for its workers whose cleanup is not
+    confirmed (their placement groups must be kept); then let go of each (its actor). Returns
+    the problems (each model's, by key) and those workers. Never raises for one model."""
+    problems: dict[str, list[str]] = {}
+    unconfirmed: list[UnconfirmedWorker] = []
+    lock = threading.Lock()
+
+    def one(_key: str, model: ModelHandle) -> None:
+        found: list[str] = []
+        workers: list[UnconfirmedWorker] = []
+        try:
+            model.shutdown()
+        except Exception as exc:  # reported; the other models still shut down
+            found.append(f"{model.key}: shutdown: {type(exc).__name__}: {exc}")
+        try:
+            workers = model.unconfirmed_workers()
+        except Exception as exc:
+            found.append(f"{model.key}: unconfirmed workers not known: {type(exc).__name__}: {exc}")
+        try:
+            model.close()
+        except Exception as exc:
+            found.append(f"{model.key}: close: {type(exc).__name__}: {exc}")
+        with lock:
+            problems[model.key] = found
+            unconfirmed.extend(workers)
+
+    each_in_thread(one, [(m.key, m) for m in models], name="shutdown")
+    return [p for m in models for p in problems.get(m.key, [])], unconfirmed
+
+
+def still_running(engine_pids: set[int], router_pids: set[int]) -> list[str]:
+    """Wait up to 15 s for these processes to end; a problem line for each kind still alive."""
+    left = _wait_gone(engine_pids | router_pids, timeout=15.0)
+    problems = []
+    if left & engine_pids:
+        problems.append(f"engine processes still running: {sorted(left & engine_pids)}")
+    if left & router_pids:
+        problems.append(f"router processes still running: {sorted(left & router_pids)}")
+    return problems
+
+
+def _wait_gone(pids: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    left = {p for p in pids if _pid_alive(p)}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = {p for p in left if _pid_alive(p)}
+    return left
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not sys.platform.startswith("linux")
+    return state not in (b"Z", b"X")

@@ -1,0 +1,88 @@
+"""docs/plugins.md's "A trainer plugin" as written: its distribution's files are the ones shown,
+its hook registers ``grpo-sgd``, ``[run] trainer`` finds it by that name, and the trainer it
+names builds on a micro checkpoint with the optimizer it promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from relax_core import PluginManager, Trainer
+from relax_core.run.trainer import TrainerContext, load_trainer_class
+from tests.support.serve import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "plugins.md"
+
+
+def _section() -> str:
+    text = DOC.read_text()
+    start = text.index("\n## A trainer plugin\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```$", _section(), re.M | re.S)
+
+
+def _files() -> dict[str, str]:
+    """Every file the section shows: path (its block's ``# path`` first line) -> text."""
+    return {
+        block.splitlines()[0][2:]: block
+        for lang in ("toml", "python")
+        for block in _blocks(lang)
+        if re.fullmatch(r"# [\w./-]+\.(toml|py)", block.splitlines()[0])
+    }
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
+    """The section's package, written out and imported as its entry point names it."""
+    root = tmp_path_factory.mktemp("relax-grpo-sgd")
+    for path, text in _files().items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    (module_name,) = project["entry-points"]["relax"].values()
+    spec = importlib.util.spec_from_file_location(module_name, root / module_name / "__init__.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[module_name]
+
+
+def test_the_section_shows_a_distribution_with_its_entry_point() -> None:
+    files = _files()
+    assert set(files) == {"pyproject.toml", "relax_grpo_sgd/__init__.py"}
+    project = tomllib.loads(files["pyproject.toml"])["project"]
+    assert project["entry-points"]["relax"] == {"grpo-sgd": "relax_grpo_sgd"}
+    (run,) = [tomllib.loads(b)["run"] for b in _blocks("toml") if "[run]" in b]
+    assert run == {"trainer": "grpo-sgd"}
+
+
+def test_its_trainer_is_found_by_the_name_run_trainer_gives(plugin: ModuleType) -> None:
+    pm = PluginManager.create(plugins=[("grpo-sgd", plugin)])
+    cls = load_trainer_class("grpo-sgd", pm)
+    assert cls is plugin.SGDTrainer and issubclass(cls, Trainer)
+    assert pm.registered("trainers").keys() >= {"grpo", "grpo-sgd"}
+
+
+def test_its_trainer_builds_with_plain_sgd(plugin: ModuleType, tmp_path: Path) -> None:
+    import torch
+
+    model = make_tiny_model(tmp_path / "policy")
+    context = TrainerContext(
+        job="doc", model_path=str(model), coordinator=None, sink=None, rollout=None
+    )
+    trainer = plugin.SGDTrainer(context)
+    assert type(trainer.optimizer) is torch.optim.SGD
+    assert trainer.optimizer.defaults["lr"] == context.learning_rate
