@@ -27,13 +27,10 @@ a bundle index, a request field) and, where there is one, what to do about it. T
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import orjson
-
-if TYPE_CHECKING:
-    from relax_core.manager.results import HealthReport, LifecycleResult
 
 __all__ = [
     "BatchFailedError",
@@ -356,19 +353,14 @@ class InferenceRecoveryRequired(LifecycleError):
     ``result`` is the per-replica :class:`~relax_core.manager.LifecycleResult` of the call that
     found the fence while it ran (``None`` when the call was refused before anything ran);
     ``report`` is the :class:`~relax_core.manager.HealthReport` of a ``health_check()`` that
-    found one.
+    found one. (Both are typed ``Any`` here: this module is below the manager and imports none
+    of it, not even for types.)
     """
 
-    result: LifecycleResult | None
-    report: HealthReport | None
+    result: Any
+    report: Any
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        result: LifecycleResult | None = None,
-        report: HealthReport | None = None,
-    ) -> None:
+    def __init__(self, message: str, *, result: Any = None, report: Any = None) -> None:
         self.result = result
         self.report = report
         super().__init__(message)
