@@ -8,7 +8,7 @@ below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.m
 
 from relax_core._exports import claim as _claim
 from relax_core.client import BreakerSettings, InferenceClient, close_clients, get_client
-from relax_core.config import JobConfig, load_config, loads_config
+from relax_core.config import ConfigReader, JobConfig, load_config, loads_config
 from relax_core.coordination import (
     BatchSink,
     DeferredBatch,
@@ -132,6 +132,7 @@ __all__ = [
     "CapabilityError",
     "ChannelError",
     "ConfigError",
+    "ConfigReader",
     "ConfigValidationError",
     "ControlClient",
     "CoordinationError",

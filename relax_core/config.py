@@ -14,6 +14,7 @@ phases, memory) belong to :func:`relax_core.placement.plan_inference_placement`.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import tomllib
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -28,6 +29,7 @@ from relax_core.records import NAME_PATTERN, ROUTE_MODES
 __all__ = [
     "ClusterConfig",
     "ConfigProblem",
+    "ConfigReader",
     "GatewayConfig",
     "JobConfig",
     "ModelConfig",
@@ -279,18 +281,89 @@ def _hint(key: str, known: Collection[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-class _Reader:
-    """Reads typed values out of nested dicts, collecting problems instead of stopping."""
+Check = Callable[[Any], "str | None"]
+
+
+def _at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f"must be >= {low:g}, got {v!r}"
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v!r}"
+
+
+def _fraction(open_high: bool) -> Check:
+    def check(v: Any) -> str | None:
+        if v <= 0 or v > 1 or (open_high and v >= 1):
+            return f"must be in (0, 1{')' if open_high else ']'}, got {v!r}"
+        return None
+
+    return check
+
+
+def _one_of(choices: Sequence[str]) -> Check:
+    def check(v: Any) -> str | None:
+        if v in choices:
+            return None
+        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{_hint(v, choices)}"
+
+    return check
+
+
+def _finite(v: Any) -> str | None:
+    return None if math.isfinite(v) else f"must be a finite number, got {v!r}"
+
+
+def _non_empty(v: Any) -> str | None:
+    return None if v.strip() else "must not be empty"
+
+
+def _port(v: Any) -> str | None:
+    return None if 0 <= v <= 65535 else f"must be a TCP port in 0..65535, got {v!r}"
+
+
+class ConfigReader:
+    """Reads typed values out of a job file's tables with the job file's own rules, collecting
+    every problem (with its key path) instead of stopping at the first.
+
+    What the core reads its tables with, and what a plugin reads its own with (a stage's
+    ``[[run.stages]]`` table, an engine backend's options): types checked (an integer is
+    accepted where a number is asked for, a bool never is), ranges and choices checked by a
+    ``check`` (one of the checks below, or any ``value -> problem text or None``), unknown keys
+    refused with a "did you mean" hint. Call :meth:`raise_problems` when done::
+
+        r = ConfigReader()
+        t = r.table(raw, "run.stages[2]", ("stage", "k", "mode"))
+        k = r.value(t, "run.stages[2]", "k", int, 4, check=ConfigReader.at_least(1))
+        how = ConfigReader.one_of(("mean", "max"))
+        mode = r.value(t, "run.stages[2]", "mode", str, "mean", check=how)
+        r.raise_problems(source)
+
+    The checks: :meth:`at_least`, :meth:`one_of`, :meth:`fraction` (factories) and
+    :meth:`positive`, :meth:`finite`, :meth:`non_empty` (checks).
+    """
+
+    at_least = staticmethod(_at_least)
+    positive = staticmethod(_positive)
+    fraction = staticmethod(_fraction)
+    one_of = staticmethod(_one_of)
+    finite = staticmethod(_finite)
+    non_empty = staticmethod(_non_empty)
 
     def __init__(self) -> None:
         self.problems: list[ConfigProblem] = []
 
     def problem(self, path: str, rule: str, message: str) -> None:
+        """Record one problem: its key path, a rule name (``type``, ``range``, …), what is
+        wrong and what to do."""
         self.problems.append(ConfigProblem(path, rule, message))
 
     def table(
         self, value: object, path: str, known: Collection[str], *, what: str = "key", tip: str = ""
     ) -> dict[str, Any]:
+        """``value`` as a table whose keys are all in ``known`` (each other key is an
+        ``unknown-<what>`` problem, ``tip`` appended); ``{}`` and a problem if it is not a
+        table."""
         if not isinstance(value, dict):
             self.problem(path, "type", f"must be a table, got {type(value).__name__}")
             return {}
@@ -312,8 +385,10 @@ class _Reader:
         default: Any = None,
         *,
         required: bool = False,
-        check: Callable[[Any], str | None] | None = None,
+        check: Check | None = None,
     ) -> Any:
+        """``table[key]`` if it is of ``kind`` and passes ``check``; else ``default`` and a
+        problem at ``path.key`` (``required``: its absence is one too)."""
         full = f"{path}.{key}" if path else key
         if key not in table:
             if required:
@@ -339,6 +414,7 @@ class _Reader:
         return raw
 
     def str_list(self, table: Mapping[str, Any], path: str, key: str) -> tuple[str, ...]:
+        """``table[key]`` as distinct non-empty strings (absent: empty)."""
         full = f"{path}.{key}"
         raw = table.get(key, [])
         if not isinstance(raw, list):
@@ -354,34 +430,16 @@ class _Reader:
                 out.append(item)
         return tuple(out)
 
+    def raise_problems(self, source: str | None = None) -> None:
+        """Raise every problem recorded so far at once; return when there is none.
+
+        :raises ConfigValidationError: listing each problem (``source``: the job file).
+        """
+        if self.problems:
+            raise ConfigValidationError(self.problems, source)
+
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _at_least(low: float) -> Callable[[Any], str | None]:
-    return lambda v: None if v >= low else f"must be >= {low:g}, got {v!r}"
-
-
-def _fraction(open_high: bool) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if v <= 0 or v > 1 or (open_high and v >= 1):
-            return f"must be in (0, 1{')' if open_high else ']'}, got {v!r}"
-        return None
-
-    return check
-
-
-def _one_of(choices: Sequence[str]) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if v in choices:
-            return None
-        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{_hint(v, choices)}"
-
-    return check
-
-
-def _port(v: Any) -> str | None:
-    return None if 0 <= v <= 65535 else f"must be a TCP port in 0..65535, got {v!r}"
 
 
 _TOP = ("cluster", "training", "placement", "roles", "run")
@@ -393,7 +451,7 @@ _GATEWAY = ("host", "port", "in_ray_actor")
 _MODEL = tuple(f.name for f in attrs.fields(ModelConfig) if f.name not in ("role", "name", "path"))
 
 
-def _cluster(r: _Reader, data: Mapping[str, Any]) -> ClusterConfig:
+def _cluster(r: ConfigReader, data: Mapping[str, Any]) -> ClusterConfig:
     t = r.table(data.get("cluster", {}), "cluster", _CLUSTER)
     return ClusterConfig(
         num_nodes=r.value(t, "cluster", "num_nodes", int, 1, check=_at_least(1)),
@@ -404,11 +462,7 @@ def _cluster(r: _Reader, data: Mapping[str, Any]) -> ClusterConfig:
     )
 
 
-def _positive(v: Any) -> str | None:
-    return None if v > 0 else f"must be > 0, got {v!r}"
-
-
-def _training(r: _Reader, data: Mapping[str, Any]) -> TrainingConfig:
+def _training(r: ConfigReader, data: Mapping[str, Any]) -> TrainingConfig:
     p = "training"
     t = r.table(data.get(p, {}), p, _TRAINING)
     counts = {
@@ -425,7 +479,7 @@ def _training(r: _Reader, data: Mapping[str, Any]) -> TrainingConfig:
     )
 
 
-def _placement(r: _Reader, data: Mapping[str, Any]) -> PlacementConfig:
+def _placement(r: ConfigReader, data: Mapping[str, Any]) -> PlacementConfig:
     p = "placement"
     t = r.table(data.get(p, {}), p, _PLACEMENT)
     return PlacementConfig(
@@ -435,7 +489,7 @@ def _placement(r: _Reader, data: Mapping[str, Any]) -> PlacementConfig:
     )
 
 
-def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
+def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | None:
     p = f"roles.{role}.models.{name}"
     before = len(r.problems)
     t = r.table(raw, p, _MODEL)
@@ -546,7 +600,7 @@ def _model(r: _Reader, role: str, name: str, raw: object) -> ModelConfig | None:
     return model if len(r.problems) == before else None
 
 
-def _urls(r: _Reader, t: Mapping[str, Any], p: str, key: str) -> tuple[str, ...]:
+def _urls(r: ConfigReader, t: Mapping[str, Any], p: str, key: str) -> tuple[str, ...]:
     """A list of distinct ``http(s)://host:port`` URLs (trailing ``/`` dropped)."""
     from urllib.parse import urlsplit
 
@@ -570,7 +624,7 @@ def _urls(r: _Reader, t: Mapping[str, Any], p: str, key: str) -> tuple[str, ...]
     return tuple(out)
 
 
-def _role(r: _Reader, name: str, raw: object) -> RoleConfig | None:
+def _role(r: ConfigReader, name: str, raw: object) -> RoleConfig | None:
     p = f"roles.{name}"
     before = len(r.problems)
     t = r.table(raw, p, _ROLE)
@@ -604,7 +658,7 @@ def _role(r: _Reader, name: str, raw: object) -> RoleConfig | None:
 
 
 def _claim_names(
-    r: _Reader,
+    r: ConfigReader,
     models: Sequence[ModelConfig],
     field: str,
     owner: dict[str, str],
@@ -620,7 +674,7 @@ def _claim_names(
                 owner[name] = m.name
 
 
-def _check_role_names(r: _Reader, role: RoleConfig) -> None:
+def _check_role_names(r: ConfigReader, role: RoleConfig) -> None:
     """Model names, aliases and route keys of one role must resolve to exactly one model."""
     owner: dict[str, str] = {m.name: m.name for m in role.models}
 
@@ -644,7 +698,7 @@ def _check_role_names(r: _Reader, role: RoleConfig) -> None:
         )
 
 
-def _role_name_ok(r: _Reader, name: object) -> bool:
+def _role_name_ok(r: ConfigReader, name: object) -> bool:
     if isinstance(name, str) and NAME_PATTERN.match(name):
         return True
     r.problem(
@@ -671,7 +725,7 @@ def parse_config(
         (the placement planner then rejects a role no installed plugin registers).
     :raises ConfigValidationError: with every problem found.
     """
-    r = _Reader()
+    r = ConfigReader()
     top = r.table(dict(data), "", _TOP)
     cluster = _cluster(r, top)
     training = _training(r, top)
@@ -708,8 +762,7 @@ def parse_config(
     run = top.get("run", {})
     if not isinstance(run, dict):
         r.problem("run", "type", f"must be a table, got {type(run).__name__}")
-    if r.problems:
-        raise ConfigValidationError(r.problems, source)
+    r.raise_problems(source)
     return JobConfig(cluster, training, placement, tuple(roles), source, run=run)
 
 

@@ -381,3 +381,22 @@ def test_an_external_model_names_its_heads_by_url_and_places_nothing() -> None:
         ("roles.genrm.models.judge.external_urls[1]", "url"),
         ("roles.genrm.models.judge.tp", "external"),
     ]
+
+
+def test_a_plugin_reads_its_own_table_with_the_job_files_rules() -> None:
+    # relax_core.ConfigReader is what a stage or an engine backend reads its table with: every
+    # problem at once, each at its key path, an unknown key with a did-you-mean hint.
+    from relax_core import ConfigReader, ConfigValidationError
+
+    r = ConfigReader()
+    t = r.table({"k": 0, "mode": "maxx", "kk": 1}, "run.stages[2]", ("k", "mode"))
+    assert r.value(t, "run.stages[2]", "k", int, 4, check=ConfigReader.at_least(1)) == 4
+    mode = r.value(t, "run.stages[2]", "mode", str, "mean", check=ConfigReader.one_of(("max",)))
+    assert mode == "mean"
+    with pytest.raises(ConfigValidationError) as info:
+        r.raise_problems("job.toml")
+    text = str(info.value)
+    assert "run.stages[2].kk: [unknown-key] unknown key; did you mean 'k'?" in text
+    assert "run.stages[2].k: [range] must be >= 1, got 0" in text
+    assert "run.stages[2].mode: [choice] must be one of 'max', got 'maxx'" in text
+    ConfigReader().raise_problems()  # nothing recorded: nothing raised

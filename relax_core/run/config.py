@@ -18,8 +18,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.config import JobConfig, _at_least, _one_of, _positive, _Reader
-from relax_core.errors import ConfigValidationError
+from relax_core.config import ConfigReader, JobConfig
 from relax_core.records import NAME_PATTERN
 
 __all__ = [
@@ -128,16 +127,16 @@ def parse_run_config(job: JobConfig) -> RunConfig:
 
     :raises ConfigValidationError: every problem, each with its ``run.*`` key path.
     """
-    r = _Reader()
+    r = ConfigReader()
     p = "run"
     t = r.table(dict(job.run), p, _KEYS)
     v = r.value
     rewards = _rewards(r, t.get("rewards"))
-    dataset = v(t, p, "dataset", str, ARITHMETIC, check=_non_empty)
+    dataset = v(t, p, "dataset", str, ARITHMETIC, check=ConfigReader.non_empty)
     if dataset != ARITHMETIC:
         dataset = _resolve(dataset, job.source)
-    teacher_role = v(t, p, "teacher_role", str, None, check=_non_empty)
-    mode = v(t, p, "teacher_mode", str, "sampled", check=_one_of(TEACHER_MODES))
+    teacher_role = v(t, p, "teacher_role", str, None, check=ConfigReader.non_empty)
+    mode = v(t, p, "teacher_mode", str, "sampled", check=ConfigReader.one_of(TEACHER_MODES))
     if "top_k" in t and mode != "top-k":
         r.problem(f"{p}.top_k", "teacher-mode", "top_k applies to teacher_mode = 'top-k' only")
     for key in ("teacher_mode", "top_k", "distill_coef"):
@@ -147,28 +146,30 @@ def parse_run_config(job: JobConfig) -> RunConfig:
                 "teacher-role",
                 "there is no teacher stage without teacher_role; name the role to distill from",
             )
-    eval_dataset = v(t, p, "eval_dataset", str, None, check=_non_empty)
+    eval_dataset = v(t, p, "eval_dataset", str, None, check=ConfigReader.non_empty)
     config = RunConfig(
-        steps=v(t, p, "steps", int, 3, check=_at_least(1)),
+        steps=v(t, p, "steps", int, 3, check=ConfigReader.at_least(1)),
         dataset=dataset,
-        prompts_per_step=v(t, p, "prompts_per_step", int, 4, check=_at_least(1)),
-        samples_per_prompt=v(t, p, "samples_per_prompt", int, 4, check=_at_least(1)),
-        max_new_tokens=v(t, p, "max_new_tokens", int, 16, check=_at_least(1)),
-        temperature=v(t, p, "temperature", float, 1.0, check=_at_least(0)),
+        prompts_per_step=v(t, p, "prompts_per_step", int, 4, check=ConfigReader.at_least(1)),
+        samples_per_prompt=v(t, p, "samples_per_prompt", int, 4, check=ConfigReader.at_least(1)),
+        max_new_tokens=v(t, p, "max_new_tokens", int, 16, check=ConfigReader.at_least(1)),
+        temperature=v(t, p, "temperature", float, 1.0, check=ConfigReader.at_least(0)),
         rewards=rewards,
-        reward_role=v(t, p, "reward_role", str, None, check=_non_empty),
+        reward_role=v(t, p, "reward_role", str, None, check=ConfigReader.non_empty),
         teacher_role=teacher_role,
         teacher_mode=mode,
-        top_k=v(t, p, "top_k", int, 8, check=_at_least(1)),
-        distill_coef=v(t, p, "distill_coef", float, 1.0, check=_at_least(0)),
-        learning_rate=v(t, p, "learning_rate", float, 1e-5, check=_positive),
-        clip=v(t, p, "clip", float, 0.2, check=_positive),
+        top_k=v(t, p, "top_k", int, 8, check=ConfigReader.at_least(1)),
+        distill_coef=v(t, p, "distill_coef", float, 1.0, check=ConfigReader.at_least(0)),
+        learning_rate=v(t, p, "learning_rate", float, 1e-5, check=ConfigReader.positive),
+        clip=v(t, p, "clip", float, 0.2, check=ConfigReader.positive),
         seed=v(t, p, "seed", int, 0),
         trainer=v(t, p, "trainer", str, DEFAULT_TRAINER, check=_trainer),
         trainer_device=v(t, p, "trainer_device", str, "cpu", check=_device),
-        push_format=v(t, p, "push_format", str, "safetensors", check=_one_of(PUSH_FORMATS)),
-        operation_timeout=v(t, p, "operation_timeout", float, 180.0, check=_positive),
-        request_timeout=v(t, p, "request_timeout", float, 300.0, check=_positive),
+        push_format=v(
+            t, p, "push_format", str, "safetensors", check=ConfigReader.one_of(PUSH_FORMATS)
+        ),
+        operation_timeout=v(t, p, "operation_timeout", float, 180.0, check=ConfigReader.positive),
+        request_timeout=v(t, p, "request_timeout", float, 300.0, check=ConfigReader.positive),
         partial_rollout=v(t, p, "partial_rollout", bool, False),
         dynamic_batch=v(t, p, "dynamic_batch", bool, False),
         filter_hooks=r.str_list(t, p, "filter_hooks"),
@@ -181,13 +182,8 @@ def parse_run_config(job: JobConfig) -> RunConfig:
             "ipc pushes CUDA IPC handles of the trainer's tensors: it needs trainer_device = "
             "'cuda' on the engines' GPU; use 'safetensors'",
         )
-    if r.problems:
-        raise ConfigValidationError(r.problems, job.source)
+    r.raise_problems(job.source)
     return config
-
-
-def _non_empty(v: Any) -> str | None:
-    return None if v.strip() else "must not be empty"
 
 
 def _resolve(path: str, source: str | None) -> str:
@@ -196,7 +192,7 @@ def _resolve(path: str, source: str | None) -> str:
     return str((Path(source).resolve().parent / path).resolve())
 
 
-def _rewards(r: _Reader, raw: object) -> tuple[RewardWeight, ...]:
+def _rewards(r: ConfigReader, raw: object) -> tuple[RewardWeight, ...]:
     p = "run.rewards"
     if raw is None:
         r.problem(
@@ -216,8 +212,8 @@ def _rewards(r: _Reader, raw: object) -> tuple[RewardWeight, ...]:
             r.problem(where, "type", f"must be a table {{adapter, weight}}, got {entry!r}")
             continue
         t = r.table(dict(entry), where, _REWARD_KEYS)
-        name = r.value(t, where, "adapter", str, None, required=True, check=_non_empty)
-        weight = r.value(t, where, "weight", float, 1.0, check=_finite)
+        name = r.value(t, where, "adapter", str, None, required=True, check=ConfigReader.non_empty)
+        weight = r.value(t, where, "weight", float, 1.0, check=ConfigReader.finite)
         if name is None:
             continue
         if name in seen:
@@ -226,9 +222,3 @@ def _rewards(r: _Reader, raw: object) -> tuple[RewardWeight, ...]:
         seen.add(name)
         out.append(RewardWeight(name, weight))
     return tuple(out)
-
-
-def _finite(v: Any) -> str | None:
-    import math
-
-    return None if math.isfinite(v) else f"must be a finite number, got {v!r}"
