@@ -15,7 +15,7 @@ Contract (see docs/client.md):
   ``RoutingError(503, "registry unavailable: …")``.
 - A body that is empty, not JSON or not a JSON object, or a ``model``/``route_key`` that is not a
   string, raises :class:`~relax_core.errors.InvalidRequestError` (400), the error a role gateway
-  answers a bad body with (:func:`decode_json_body` is the one check).
+  answers a bad body with (:func:`relax_core._http.request.decode_json_body` is the one check).
 - Resolution: :class:`~relax_core.discovery.routing.RouteResolver` with the client's in-flight count
   per engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
   connection that cannot be opened (nothing sent) likewise gets one refresh and one retry, on
@@ -57,6 +57,12 @@ from relax_core._http.headers import (
     ROUTING_KEY_HEADER,
     caller_headers,
 )
+from relax_core._http.request import (
+    MIN_WEIGHT_VERSION_FIELD,
+    decode_json_body,
+    weight_version_field,
+    weight_version_header,
+)
 from relax_core._http.transport import Transport
 from relax_core._http.upstream import (
     PreparedRequest,
@@ -78,14 +84,11 @@ from relax_core.plugins import PluginManager
 
 __all__ = [
     "GENERATE_PATHS",
-    "MIN_WEIGHT_VERSION_FIELD",
     "OPENAI_PATHS",
     "InferenceClient",
     "OpenOptions",
     "RouteOptions",
     "SnapshotProvider",
-    "decode_json_body",
-    "requested_weight_version",
 ]
 
 #: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
@@ -95,8 +98,6 @@ OPENAI_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/comp
 _UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
 #: Body fields the client uses and never forwards to an engine's native or OpenAI paths.
 _ROUTING_FIELDS = ("model", "route_key", "min_weight_version")
-#: The body field and header a request requires a minimum weight version with.
-MIN_WEIGHT_VERSION_FIELD = "min_weight_version"
 T = TypeVar("T")
 
 
@@ -416,9 +417,9 @@ class InferenceClient:
         if affinity_key is not None:
             out[ROUTING_KEY_HEADER] = affinity_key
         if min_weight_version is None:
-            min_weight_version = _version_field(body)
+            min_weight_version = weight_version_field(body)
             if min_weight_version is None and caller_min is not None:
-                min_weight_version = _version_header(caller_min)
+                min_weight_version = weight_version_header(caller_min)
         if target is None:
             target = await self.resolve(
                 model=_string_field(body, "model") if model is None else model,
@@ -675,22 +676,6 @@ def _limit(value: float | None, default: float | None) -> float | None:
     return None if value == math.inf else value
 
 
-def decode_json_body(raw: bytes) -> Any:
-    """A request body decoded as JSON: the one check for a body that is not JSON.
-
-    Used by the client (:meth:`InferenceClient.prepare`) and by the role gateways, so a bad
-    body is the same error whichever way a request comes in.
-
-    :raises InvalidRequestError: the body is empty or not valid JSON.
-    """
-    if not raw:
-        raise InvalidRequestError("the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-
-
 def _json_object(payload: object) -> tuple[dict[str, Any], bytes | None]:
     """``(body, raw)``: the payload as a dict, and its bytes when it came encoded."""
     if type(payload) is dict:
@@ -710,55 +695,10 @@ def _json_object(payload: object) -> tuple[dict[str, Any], bytes | None]:
     )
 
 
-def requested_weight_version(
-    body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> str | None:
-    """The minimum weight version a request requires: its body's ``min_weight_version``
-    field, else its ``X-Relax-Min-Weight-Version`` header (``headers`` with lower-case names,
-    as a gateway has them), else ``None``.
-
-    :raises InvalidRequestError: the field is not a non-empty string or a non-negative
-        integer, or the header is empty.
-    """
-    version = _version_field(body)
-    if version is None and headers:
-        raw = headers.get("x-relax-min-weight-version")
-        if raw is not None:
-            version = _version_header(raw)
-    return version
-
-
 def _base(prepared: PreparedRequest) -> str:
     """The base URL of the head a DIRECT request went to (what its breaker is keyed by)."""
     target = prepared.target
     return target.url if target is not None else prepared.url
-
-
-def _version_field(body: Mapping[str, Any]) -> str | None:
-    """The payload's ``min_weight_version`` as a string (an integer is taken as its digits)."""
-    value = body.get(MIN_WEIGHT_VERSION_FIELD)
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return str(value)
-    if isinstance(value, str) and value:
-        return value
-    raise InvalidRequestError(
-        f"request field {MIN_WEIGHT_VERSION_FIELD!r} must be a non-empty string or a "
-        f'non-negative integer (a weight version, e.g. "12"), got {value!r}',
-        field=MIN_WEIGHT_VERSION_FIELD,
-    )
-
-
-def _version_header(value: str) -> str:
-    value = value.strip()
-    if not value:
-        raise InvalidRequestError(
-            "header X-Relax-Min-Weight-Version is empty; give a weight version (e.g. 12) or "
-            "leave the header out",
-            field="X-Relax-Min-Weight-Version",
-        )
-    return value
 
 
 def _string_field(body: Mapping[str, Any], name: str) -> str | None:

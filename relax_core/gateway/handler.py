@@ -32,14 +32,10 @@ from typing import Any
 import attrs
 import orjson
 
+from relax_core._http.request import decode_json_body, requested_weight_version
 from relax_core._http.upstream import UpstreamResponse, parse_retry_after
 from relax_core.client.breaker import BreakerSettings
-from relax_core.client.client import (
-    InferenceClient,
-    SnapshotProvider,
-    decode_json_body,
-    requested_weight_version,
-)
+from relax_core.client.client import InferenceClient, SnapshotProvider
 from relax_core.discovery.routing import RouteTarget
 from relax_core.discovery.schema import ModelState, RoleSnapshot
 from relax_core.errors import (

@@ -1,0 +1,88 @@
+"""What every request body a client or a gateway receives is read for, in one place: the body
+decoded as JSON, and the minimum weight version it asks for (its ``min_weight_version`` field,
+else its ``X-Relax-Min-Weight-Version`` header). The client (``InferenceClient.prepare``) and the
+role gateways both use it, so a bad body is the same error whichever way a request comes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from relax_core.errors import InvalidRequestError
+
+__all__ = [
+    "MIN_WEIGHT_VERSION_FIELD",
+    "decode_json_body",
+    "requested_weight_version",
+    "weight_version_field",
+    "weight_version_header",
+]
+
+#: The body field a request requires a minimum weight version with (the header is
+#: :data:`~relax_core._http.headers.MIN_WEIGHT_VERSION_HEADER`).
+MIN_WEIGHT_VERSION_FIELD = "min_weight_version"
+
+
+def decode_json_body(raw: bytes) -> Any:
+    """A request body decoded as JSON: the one check for a body that is not JSON.
+
+    :raises InvalidRequestError: the body is empty or not valid JSON.
+    """
+    if not raw:
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def requested_weight_version(
+    body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> str | None:
+    """The minimum weight version a request requires: its body's ``min_weight_version``
+    field, else its ``X-Relax-Min-Weight-Version`` header (``headers`` with lower-case names,
+    as a gateway has them), else ``None``.
+
+    :raises InvalidRequestError: the field is not a non-empty string or a non-negative
+        integer, or the header is empty.
+    """
+    version = weight_version_field(body)
+    if version is None and headers:
+        raw = headers.get("x-relax-min-weight-version")
+        if raw is not None:
+            version = weight_version_header(raw)
+    return version
+
+
+def weight_version_field(body: Mapping[str, Any]) -> str | None:
+    """The payload's ``min_weight_version`` as a string (an integer is taken as its digits)."""
+    value = body.get(MIN_WEIGHT_VERSION_FIELD)
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and value:
+        return value
+    raise InvalidRequestError(
+        f"request field {MIN_WEIGHT_VERSION_FIELD!r} must be a non-empty string or a "
+        f'non-negative integer (a weight version, e.g. "12"), got {value!r}',
+        field=MIN_WEIGHT_VERSION_FIELD,
+    )
+
+
+def weight_version_header(value: str) -> str:
+    """The header's weight version, stripped.
+
+    :raises InvalidRequestError: the header is empty.
+    """
+    value = value.strip()
+    if not value:
+        raise InvalidRequestError(
+            "header X-Relax-Min-Weight-Version is empty; give a weight version (e.g. 12) or "
+            "leave the header out",
+            field="X-Relax-Min-Weight-Version",
+        )
+    return value
