@@ -8,26 +8,28 @@ below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.m
 
 from relax_core._exports import claim as _claim
 from relax_core.client import BreakerSettings, InferenceClient, close_clients, get_client
-from relax_core.config import ConfigReader, JobConfig, load_config, loads_config
+from relax_core.config import ConfigProblem, ConfigReader, JobConfig, load_config, loads_config
 from relax_core.coordination import (
+    REWARD_FIELDS,
+    BatchControl,
     BatchSink,
     DeferredBatch,
     DeferredCollector,
     DeferredWorkload,
-    DistillationStage,
     LifecycleCoordinator,
-    PrefillResult,
     RewardContext,
     RewardResult,
     RewardStage,
     RoleClients,
     Sample,
+    SampleField,
     SinkReceipt,
+    Stage,
     StageContext,
+    StageReport,
     connect_coordinator,
-    parse_prefill,
-    prefill_payload,
     start_coordinator,
+    validate_samples,
 )
 from relax_core.discovery import (
     EngineView,
@@ -96,12 +98,17 @@ from relax_core.manager import (
 from relax_core.net import free_port
 from relax_core.placement import (
     InferencePlacementPlan,
+    ModeContext,
     ModelPlacement,
+    ModeResult,
+    PoolRequest,
+    Slice,
     plan_inference_placement,
     validate_bound_placement,
 )
 from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import (
+    DataSourceSpec,
     EngineBackend,
     EngineLaunchSpec,
     EngineProcess,
@@ -115,31 +122,46 @@ from relax_core.records import (
     RouterMembership,
     RouterProcess,
     RoutingPolicy,
+    StageSpec,
     TrainerSpec,
     WeightSource,
 )
-from relax_core.run import RunConfig, Trainer, TrainerContext
+from relax_core.run import (
+    Prompt,
+    PromptSource,
+    RunConfig,
+    SourceRequest,
+    StageConfig,
+    Trainer,
+    TrainerContext,
+    build_stages,
+    parse_run_config,
+    stage_problems,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "REWARD_FIELDS",
     "AdaptContext",
     "Adapted",
     "AdmissionServer",
+    "BatchControl",
     "BatchFailedError",
     "BatchSink",
     "BreakerSettings",
     "CapabilityError",
     "ChannelError",
     "ConfigError",
+    "ConfigProblem",
     "ConfigReader",
     "ConfigValidationError",
     "ControlClient",
     "CoordinationError",
+    "DataSourceSpec",
     "DeferredBatch",
     "DeferredCollector",
     "DeferredWorkload",
-    "DistillationStage",
     "EngineBackend",
     "EngineLaunchSpec",
     "EngineProcess",
@@ -159,6 +181,8 @@ __all__ = [
     "LifecycleError",
     "LifecycleResult",
     "ManagerTimeouts",
+    "ModeContext",
+    "ModeResult",
     "ModelLaunch",
     "ModelPlacement",
     "ModelState",
@@ -169,7 +193,9 @@ __all__ = [
     "PlacementMode",
     "PluginError",
     "PluginManager",
-    "PrefillResult",
+    "PoolRequest",
+    "Prompt",
+    "PromptSource",
     "RegistryPublisher",
     "RelaxError",
     "ReplicaPlacement",
@@ -196,11 +222,18 @@ __all__ = [
     "RoutingSpec",
     "RunConfig",
     "Sample",
+    "SampleField",
     "ScoringError",
     "SinkError",
     "SinkReceipt",
+    "Slice",
     "SnapshotError",
+    "SourceRequest",
+    "Stage",
+    "StageConfig",
     "StageContext",
+    "StageReport",
+    "StageSpec",
     "StreamStalledError",
     "SubprocessEngineProcess",
     "Trainer",
@@ -211,6 +244,7 @@ __all__ = [
     "UpstreamUnreachableError",
     "WeightSource",
     "__version__",
+    "build_stages",
     "check_chat_payload",
     "check_generate_payload",
     "check_messages",
@@ -223,12 +257,13 @@ __all__ = [
     "hookimpl",
     "load_config",
     "loads_config",
-    "parse_prefill",
+    "parse_run_config",
     "plan_inference_placement",
-    "prefill_payload",
     "serialize_named_tensors",
+    "stage_problems",
     "start_coordinator",
     "validate_bound_placement",
+    "validate_samples",
 ]
 
 _claim(__name__, globals(), __all__)

@@ -1,4 +1,5 @@
-"""The core's own plugin: built-in weight sources, routing policies and placement modes.
+"""The core's own plugin: built-in weight sources, routing policies, placement modes, prompt
+sources (``arithmetic``, ``jsonl``) and stage kinds (``reward``, ``eval``).
 
 Registered by :meth:`relax_core.plugins.PluginManager.create` under the name ``relax-core``.
 Each hook implementation lives beside the code it registers and is re-exported here.
@@ -12,6 +13,8 @@ from relax_core.discovery.policies import relax_register_routing_policies  # noq
 from relax_core.hookspecs import hookimpl
 from relax_core.placement.modes import relax_register_placement_modes  # noqa: F401
 from relax_core.records import WeightSource
+from relax_core.run.data import relax_register_data_sources  # noqa: F401
+from relax_core.run.stages import relax_register_stages  # noqa: F401
 
 STATIC = WeightSource(
     name="STATIC",

@@ -127,7 +127,37 @@ def relax_register_placement_modes(register: Callable[[records.PlacementMode], N
     """
 
 
-# -- trainers --------------------------------------------------------------------------------
+# -- the RL step (relax run): collected when a run's [run] table is checked, before anything
+# starts, in the order a step uses them: where prompts come from, what each step does to its
+# batch, who trains on it ----------------------------------------------------------------------
+
+
+@hookspec
+def relax_register_data_sources(register: Callable[[records.DataSourceSpec], None]) -> None:
+    """Register prompt sources (the core registers ``arithmetic`` and ``jsonl``).
+
+    ``[run] dataset`` names one (``dataset = "arithmetic"``) or a file whose suffix one claims
+    (``dataset = "train.jsonl"``); an eval stage's ``dataset`` is found the same way.
+
+    :param register: call it once per :class:`~relax_core.records.DataSourceSpec`, as in
+        ``register(DataSourceSpec(name="parquet", open=open_parquet, suffixes=(".parquet",),
+        check=check_parquet))``.
+    """
+
+
+@hookspec
+def relax_register_stages(register: Callable[[records.StageSpec], None]) -> None:
+    """Register kinds of step stages (the core registers ``reward`` and ``eval``;
+    relax-teacher ``distill`` and ``student``).
+
+    ``[[run.stages]]`` lists a step's stages in order, each by its kind (``stage =
+    "distill"``); each runs on the staged batch after generation, within its role's lease, and
+    declares the sample fields it writes. Built (``StageSpec.build``) when the run is checked.
+
+    :param register: call it once per :class:`~relax_core.records.StageSpec`, as in
+        ``register(StageSpec(name="length-penalty", build=LengthPenalty.from_config,
+        options=("per_token",)))``.
+    """
 
 
 @hookspec

@@ -8,6 +8,7 @@ the distribution that registered it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import threading
@@ -21,12 +22,14 @@ import pluggy
 from relax_core import hookspecs
 from relax_core.errors import PluginError
 from relax_core.records import (
+    DataSourceSpec,
     EngineBackend,
     PlacementMode,
     RewardSpec,
     RoleSpec,
     RouterBackend,
     RoutingPolicy,
+    StageSpec,
     TrainerSpec,
     WeightSource,
 )
@@ -41,6 +44,9 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "relax"
 CORE_PLUGIN_NAME = "relax-core"
+#: The module of the core's own plugin, loaded by name as pytest loads its default plugins: the
+#: registry depends on no implementation it collects records from (they depend on it).
+CORE_PLUGIN_MODULE = "relax_core.builtins"
 
 R = TypeVar("R")
 
@@ -53,6 +59,8 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
     "routing_policies": ("relax_register_routing_policies", RoutingPolicy),
     "placement_modes": ("relax_register_placement_modes", PlacementMode),
     "routers": ("relax_register_routers", RouterBackend),
+    "data_sources": ("relax_register_data_sources", DataSourceSpec),
+    "stages": ("relax_register_stages", StageSpec),
     "trainers": ("relax_register_trainers", TrainerSpec),
 }
 
@@ -65,6 +73,8 @@ _SINGULAR = {
     "routing_policies": "routing policy",
     "placement_modes": "placement mode",
     "routers": "router",
+    "data_sources": "data source",
+    "stages": "stage",
     "trainers": "trainer",
 }
 
@@ -152,9 +162,8 @@ class PluginManager:
         """
         pm = cls()
         if builtins:
-            from relax_core import builtins as core_builtins
-
-            pm.register(core_builtins, name=CORE_PLUGIN_NAME, distribution=CORE_PLUGIN_NAME)
+            core = importlib.import_module(CORE_PLUGIN_MODULE)
+            pm.register(core, name=CORE_PLUGIN_NAME, distribution=CORE_PLUGIN_NAME)
         if entry_points:
             pm.load_entry_points()
         for name, plugin in plugins:
@@ -293,6 +302,8 @@ class PluginManager:
     routing_policy = _lookup("routing_policies", RoutingPolicy)
     placement_mode = _lookup("placement_modes", PlacementMode)
     router = _lookup("routers", RouterBackend)
+    data_source = _lookup("data_sources", DataSourceSpec)
+    stage = _lookup("stages", StageSpec)
     trainer = _lookup("trainers", TrainerSpec)
 
     def plugin_names(self) -> list[str]:

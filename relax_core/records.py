@@ -22,11 +22,13 @@ __all__ = [
     "NAME_PATTERN",
     "ROUTE_MODES",
     "UPDATE_PATHS",
+    "DataSourceSpec",
     "EngineBackend",
     "EngineLaunchSpec",
     "EngineProcess",
     "OpenAPINotes",
     "PlacementMode",
+    "PluginLookup",
     "ReplicaSelector",
     "RewardSpec",
     "RoleSpec",
@@ -36,6 +38,7 @@ __all__ = [
     "RouterMembership",
     "RouterProcess",
     "RoutingPolicy",
+    "StageSpec",
     "TrainerSpec",
     "WeightSource",
 ]
@@ -625,4 +628,94 @@ class TrainerSpec:
 
     name: str = attrs.field(validator=_check_name)
     trainer_class: type[Any] = attrs.field(validator=_check_trainer_class)
+    description: str = ""
+
+
+# -- step stages -------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class PluginLookup(Protocol):
+    """Where a stage's or a source's builder looks records up: the job's plugin manager
+    (``registered("reward_adapters")["exact-match"].record``)."""
+
+    def registered(self, kind: str) -> Mapping[str, Any]: ...
+
+
+def _check_options(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    bad = [k for k in value if not isinstance(k, str) or not NAME_PATTERN.match(k)]
+    common = {"stage", "name", "role", "models"} & set(value)
+    if bad or common:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name}: option names are keys of the stage's "
+            f"table (not {sorted(map(str, bad)) or sorted(common)}; stage, name, role and "
+            "models are every stage's own)"
+        )
+
+
+def _optional_tuple_of_str(value: object) -> tuple[str, ...] | None:
+    return None if value is None else _tuple_of_str(value)
+
+
+@attrs.frozen
+class StageSpec:
+    """A kind of step stage that ``[[run.stages]]`` lists by name (``stage = "distill"``).
+
+    ``build(config) -> Stage`` builds one from its table: ``config`` is a
+    :class:`~relax_core.StageConfig` (its ``options``: the table's own keys; its ``name``,
+    ``role`` and ``models``; the run's settings; the plugin manager), read with
+    :class:`~relax_core.ConfigReader`; it raises :class:`~relax_core.ConfigValidationError`
+    naming each key path. Pure: ``relax run`` builds every stage before anything starts, to
+    check the job. The stage it returns implements :class:`~relax_core.Stage`.
+    ``options``: the keys the table may hold besides ``stage``, ``name``, ``role`` and
+    ``models`` (checked by the core, with a did-you-mean hint); ``None``: any, ``build`` checks.
+    ``needs_role``: the stage calls a role's engines, so ``role`` is required.
+
+    :raises ValueError: a bad name, an option named like a common key.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    build: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
+    options: tuple[str, ...] | None = attrs.field(
+        default=(), converter=_optional_tuple_of_str, validator=_check_options
+    )
+    needs_role: bool = attrs.field(default=False, validator=_BOOL)
+    description: str = ""
+
+
+# -- data sources ------------------------------------------------------------------------------
+
+
+def _check_suffixes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    bad = [s for s in value if not s.startswith(".") or len(s) < 2]
+    if bad:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name}: file suffixes start with a dot "
+            f"('.jsonl'), got {bad}"
+        )
+
+
+@attrs.frozen
+class DataSourceSpec:
+    """A prompt source ``relax run`` reads: named by ``dataset = "arithmetic"``, or chosen for a
+    file whose name ends in one of its ``suffixes`` (``dataset = "train.jsonl"``).
+
+    ``open(request) -> PromptSource``: ``request`` is a :class:`~relax_core.SourceRequest`
+    (the dataset as written, the file resolved against the job file, the seed, the key path);
+    the source hands out :class:`~relax_core.Prompt` records ``take(n)`` at a time.
+    ``check(request) -> list[ConfigProblem]``: every problem with the source's data, found
+    before anything starts (the JSONL source reads every line); ``None``: ``open`` is cheap
+    and raises :class:`~relax_core.ConfigValidationError` itself.
+
+    :raises ValueError: a bad name or suffix.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    open: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
+    suffixes: tuple[str, ...] = attrs.field(
+        default=(), converter=_tuple_of_str, validator=_check_suffixes
+    )
+    check: Callable[[Any], Any] | None = attrs.field(default=None, validator=_optional_callable)
     description: str = ""

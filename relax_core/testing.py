@@ -7,7 +7,9 @@ Loaded automatically as a pytest plugin (entry point ``pytest11``). Fixtures:
 - ``core_plugin_manager``: a fresh manager with the core's built-ins only.
 - ``ray_local``: one local Ray per test session with fake GPUs declared (``num_gpus=8``).
 
-Helpers: :func:`free_port`, :func:`serve_app` (a real uvicorn server on a free loopback port).
+Helpers: :func:`free_port`, :func:`serve_app` (a real uvicorn server on a free loopback port),
+:func:`wait_for`, and :func:`run_stages` (a stage plugin's stages on a real deferred batch, with
+in-process managers).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -28,6 +30,7 @@ __all__ = [
     "free_port",
     "plugin_manager",
     "ray_local",
+    "run_stages",
     "serve_app",
     "wait_for",
 ]
@@ -105,3 +108,85 @@ def ray_local() -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+# -- stages ----------------------------------------------------------------------------------
+
+
+class _ConfirmingManager:
+    """An in-process stand-in for a model's manager: every onload and offload is confirmed at
+    once for one replica, and recorded (stage logic is what is under test, not engines)."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+
+    async def _switch(self, operation: str, state: str) -> Any:
+        from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
+
+        self.log.append(f"{self.name}.{operation}")
+        replica = ReplicaResult(f"{self.name}/replica-0", Outcome.DONE, state)
+        return LifecycleResult(operation, self.name, (replica,))
+
+    async def onload(self) -> Any:
+        return await self._switch("onload", "READY")
+
+    async def offload(self) -> Any:
+        return await self._switch("offload", "SLEEPING")
+
+    async def weight_version(self) -> str | None:
+        return None
+
+
+async def run_stages(
+    samples: Sequence[Any],
+    stages: Sequence[Any],
+    *,
+    roles: Mapping[str, Sequence[str]] | None = None,
+    producer: Any = None,
+    target_groups: int | None = None,
+    clients: Any = None,
+    batch_id: int = 0,
+) -> tuple[Any, list[Any], list[str]]:
+    """Run ``stages`` on ``samples`` in a real :class:`~relax_core.DeferredBatch` under a real
+    :class:`~relax_core.LifecycleCoordinator` (every role on one shared slice, a ``rollout``
+    generation role) and an in-process batch sink, with in-process managers that confirm every
+    lease switch at once; return ``(BatchResult, the committed samples, the switches in order)``
+    — e.g. ``["rollout.offload", "genrm.judge.onload", "genrm.judge.offload"]``.
+
+    ``roles``: deferred role -> its model names (default: each stage's role, one model
+    ``model``); ``producer``: what more generation asks (a
+    :class:`~relax_core.coordination.batch.Producer`); ``clients``: the
+    :class:`~relax_core.RoleClients` stages call engines with. Raises what the batch raises.
+    """
+    from relax_core.coordination import DeferredBatch, LifecycleCoordinator, MemoryBatchSink
+
+    log: list[str] = []
+    wanted = dict(roles or {})
+    for stage in stages:
+        if stage.role is not None and stage.role not in wanted and stage.role != "rollout":
+            wanted[stage.role] = list(stage.models) or ["model"]
+    managers = {
+        role: [_ConfirmingManager(f"{role}.{m}", log) for m in models]
+        for role, models in wanted.items()
+    }
+    coordinator = LifecycleCoordinator(
+        slices={"rollout": "shared", **dict.fromkeys(managers, "shared")},
+        managers=managers,
+        generation_role="rollout",
+    )
+    sink = MemoryBatchSink()
+    await coordinator.begin_batch(batch_id)
+    batch = DeferredBatch(
+        batch_id,
+        samples,
+        coordinator=coordinator,
+        rollout=_ConfirmingManager("rollout", log),
+        stages=stages,
+        sink=sink,
+        clients=clients,
+        producer=producer,
+        target_groups=target_groups,
+    )
+    result = await batch.run()
+    return result, await sink.get(result.receipt.partition), log

@@ -16,17 +16,20 @@ the median batch time minus the median floor; the target is <= 30 ms.
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from relax_core.coordination import (
+    REWARD_FIELDS,
     DeferredBatch,
     DeferredCollector,
     LifecycleCoordinator,
     MemoryBatchSink,
     Sample,
+    SampleField,
     Stage,
     StageContext,
     StageReport,
@@ -64,23 +67,34 @@ class _Handle:
 
 
 class _RewardStage:
-    name, phase, role, top_k = "judge", "reward", "judge", 0
-    writes = frozenset({"reward", "rewards"})
+    name, role, models = "judge", "judge", ()
+    fields = REWARD_FIELDS
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext | None) -> StageReport:
         for s in samples:
-            s.reward = 1.0
+            s.fields["rewards"] = {"judge": 1.0}
+            s.fields["reward"] = 1.0
         return StageReport(self.name)
 
 
+def _per_token_logprobs(value: object, sample: Sample) -> str | None:
+    # The check a teacher's log-probs get (relax-teacher's): one finite log-prob <= 0 per
+    # response token, its fast path.
+    if not isinstance(value, tuple) or len(value) != len(sample.response_ids):
+        return "teacher_logprobs: not one per response token"
+    if value and not (max(value) <= 0 and math.isfinite(math.fsum(value))):
+        return "teacher_logprobs: not finite log-probs <= 0"
+    return None
+
+
 class _TeacherStage:
-    name, phase, role, top_k = "distill", "distill", "distill", 0
-    writes = frozenset({"teacher_logprobs"})
+    name, role, models = "distill", "distill", ()
+    fields = (SampleField("teacher_logprobs", _per_token_logprobs),)
     _lps = tuple(-0.5 for _ in range(RESPONSE_TOKENS))
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext | None) -> StageReport:
         for s in samples:
-            s.teacher_logprobs = self._lps
+            s.fields["teacher_logprobs"] = self._lps
         return StageReport(self.name)
 
 

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import attrs
 
     from relax_core.jobs import ShutdownSignals, job_preflight, ray_session, resolve_model_paths
-    from relax_core.run.config import ARITHMETIC, parse_run_config
+    from relax_core.run.config import parse_run_config
     from relax_core.run.job import RunJob, run_problems
     from relax_core.run.loop import run_loop
     from relax_core.run.progress import Printer
@@ -76,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
         if args.steps < 1:
             return reject("run", [f"--steps: must be >= 1, got {args.steps}"])
         settings = attrs.evolve(settings, steps=args.steps)
-    datasets = [] if settings.dataset == ARITHMETIC else [("run.dataset", settings.dataset)]
-    found = job_preflight(loaded, pm, address=args.address, datasets=datasets)
+    found = job_preflight(loaded, pm, address=args.address)
     problems = run_problems(config, settings, pm) + [str(p) for p in found.problems]
     if problems:
         return reject("run", problems)

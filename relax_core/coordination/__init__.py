@@ -1,5 +1,6 @@
-"""Deferred scoring on shared GPUs: the LifecycleCoordinator, DeferredBatch, batch sinks, the
-reward and distillation stages, the defer preflight and the batch timeline.
+"""A step's batch on shared GPUs: the LifecycleCoordinator, DeferredBatch, batch sinks, what a
+stage is (its fields, its context), the reward stage, the defer preflight and the batch
+timeline.
 
 See ``docs/coordination.md`` for the two state machines, the sequence of a step and every
 failure.
@@ -11,6 +12,8 @@ from relax_core.coordination.batch import (
     BatchResult,
     DeferredBatch,
     DeferredCollector,
+    Dropped,
+    Producer,
     abort_generation,
     release_generation,
 )
@@ -22,12 +25,6 @@ from relax_core.coordination.coordinator import (
     LateReply,
     LifecycleCoordinator,
     RunFailure,
-)
-from relax_core.coordination.distill import (
-    DistillationStage,
-    PrefillResult,
-    parse_prefill,
-    prefill_payload,
 )
 from relax_core.coordination.handles import (
     LocalManagerHandle,
@@ -48,8 +45,15 @@ from relax_core.coordination.remote import (
     coordinator_name,
     start_coordinator,
 )
-from relax_core.coordination.rewards import RewardContext, RewardResult, RewardStage
-from relax_core.coordination.sample import SCORED_FIELDS, Sample
+from relax_core.coordination.rewards import (
+    REWARD,
+    REWARD_FIELDS,
+    REWARDS,
+    RewardContext,
+    RewardResult,
+    RewardStage,
+)
+from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import (
     BatchSink,
     MemoryBatchSink,
@@ -59,12 +63,14 @@ from relax_core.coordination.sink import (
 )
 from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import (
-    PHASES,
+    BatchControl,
     RoleClients,
+    SampleField,
     Stage,
     StageContext,
     StageReport,
     check_stages,
+    stage_fields,
 )
 from relax_core.coordination.states import BatchState, LeaseState
 from relax_core.coordination.timeline import PHASE_HISTOGRAM, Timeline
@@ -75,10 +81,12 @@ __all__ = [
     "DEFAULT_MAX_SAMPLES",
     "DEFAULT_OPERATION_TIMEOUT",
     "NAMESPACE",
-    "PHASES",
     "PHASE_HISTOGRAM",
     "RETIRED_HISTORY",
-    "SCORED_FIELDS",
+    "REWARD",
+    "REWARDS",
+    "REWARD_FIELDS",
+    "BatchControl",
     "BatchResult",
     "BatchSink",
     "BatchState",
@@ -87,14 +95,14 @@ __all__ = [
     "DeferredBatch",
     "DeferredCollector",
     "DeferredWorkload",
-    "DistillationStage",
+    "Dropped",
     "LateReply",
     "LeaseState",
     "LifecycleCoordinator",
     "LocalManagerHandle",
     "ManagerHandle",
     "MemoryBatchSink",
-    "PrefillResult",
+    "Producer",
     "RayBatchSink",
     "RayManagerHandle",
     "RemoteCoordinator",
@@ -104,6 +112,7 @@ __all__ = [
     "RoleClients",
     "RunFailure",
     "Sample",
+    "SampleField",
     "SinkReceipt",
     "Stage",
     "StageContext",
@@ -116,10 +125,9 @@ __all__ = [
     "coordinator_name",
     "defer_slices",
     "deferred_workload_problems",
-    "parse_prefill",
     "partition_name",
-    "prefill_payload",
     "release_generation",
+    "stage_fields",
     "start_coordinator",
     "unconfirmed",
     "validate_deferred_workload",

@@ -1,19 +1,29 @@
-"""DeferredBatch: stage a closed batch on CPU, score it role by role on shared GPUs, validate,
-write back, publish to the batch sink and commit — or fail it, with nothing half-published.
+"""DeferredBatch: stage a closed batch on CPU, run the step's stages on it role by role on shared
+GPUs, validate, write back, publish to the batch sink and commit — or fail it, with nothing
+half-published.
 
 The producer (the rollout workload) calls ``begin_batch(N)``, generates, and hands every
 completed group to a :class:`DeferredCollector` instead of the sink. :class:`DeferredBatch` then
-runs the reference's fixed sequence::
+runs::
 
-    stage copies of the samples
+    stage copies of the samples (without the fields the stages write)
     -> generation role offload (local) + acknowledgment
-    -> each reward stage   (its role activated, scored, deactivated)
-    -> each teacher stage  (the same)
-    -> each student stage  (begin_student_scoring, local onload, weight-version check, prefill,
-                            local offload + acknowledgment — in ``finally``)
-    -> validate the staged fields
-    -> write them back to the original samples
+    -> each stage, in the order given:
+         on a deferred role: its lease (its models only) activated, the stage, deactivated
+         on the generation role (a student prefill): begin_student_scoring, local onload,
+             weight-version check, the stage, local offload + acknowledgment — in ``finally``
+         on no leased role: the stage
+    -> validate every field the stages declare, on every sample kept
+    -> write those fields back to the original samples
     -> sink put (train_N, is_last=True)  -> finalizer  -> commit_batch(N, receipt)
+
+A stage may reshape the batch through its context (:class:`~relax_core.coordination.stages.
+BatchControl`): drop groups (a filter; they are never committed, and the result counts them),
+have more groups generated (the generation role's lease taken back the way a student stage
+takes it, the policy onloaded, the groups generated through the batch's ``producer``, the
+role released and acknowledged again) and add them, and run another stage with its lease on
+samples (the stages before it, on the groups it added; an evaluation's reward stage on
+held-out samples that never join the batch).
 
 Publication settles once: a failed put deletes what it may have written, a finalizer that fails
 after the put deletes the partition, a refused commit deletes it too — and none of them commits.
@@ -32,8 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -47,6 +57,7 @@ from relax_core.coordination.stages import (
     StageContext,
     StageReport,
     check_stages,
+    stage_fields,
 )
 from relax_core.coordination.timeline import Timeline
 from relax_core.coordination.validation import check_samples
@@ -64,6 +75,8 @@ __all__ = [
     "BatchResult",
     "DeferredBatch",
     "DeferredCollector",
+    "Dropped",
+    "Producer",
     "abort_generation",
 ]
 
@@ -123,21 +136,52 @@ class DeferredCollector:
 
 
 @attrs.frozen
+class Dropped:
+    """A group a stage took out of the batch: never committed, reported with the stage's reason
+    (``samples``: the ids of its samples)."""
+
+    group_id: str
+    samples: tuple[str, ...]
+    stage: str
+    reason: str
+
+
+@attrs.frozen
 class BatchResult:
-    """A committed batch: its receipt, sample count, each stage's report and phase timings."""
+    """A committed batch: its receipt, sample count, each stage's report, phase timings, the
+    groups stages dropped and how many groups stages had generated in addition."""
 
     batch_id: int
     receipt: SinkReceipt
     samples: int
     reports: tuple[StageReport, ...]
     phases: dict[str, float]
+    dropped: tuple[Dropped, ...] = ()
+    generated_groups: int = 0
+
+
+class Producer(Protocol):
+    """Generates groups for a batch in flight (``relax run``'s producer over the rollout route):
+    ``groups`` more from the step's prompt source, or one per prompt of ``prompts``, with
+    ``samples_per_prompt`` / ``temperature`` overriding the step's. Sample and group ids are new
+    in the batch. Called with the generation role onloaded and its lease held."""
+
+    async def generate(
+        self,
+        batch_id: int,
+        *,
+        groups: int | None = None,
+        prompts: Sequence[Any] | None = None,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[Sample]]: ...
 
 
 Finalizer = Callable[[int, Sequence[Sample]], Any]
 
 
 class DeferredBatch:
-    """One closed batch's deferred scoring, from staging to commit.
+    """One closed batch's stages, from staging to commit.
 
     :param batch_id: the batch the producer began (``coordinator.begin_batch``).
     :param samples: the original samples (e.g. ``collector.samples``); they are only written
@@ -146,16 +190,21 @@ class DeferredBatch:
         :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` or a
         :class:`~relax_core.coordination.remote.RemoteCoordinator`.
     :param rollout: the generation role's manager handle in this process (a
-        :class:`~relax_core.coordination.handles.LocalManagerHandle`; with student stages it
+        :class:`~relax_core.coordination.handles.LocalManagerHandle`; with a student stage it
         needs ``weight_version()`` too).
-    :param stages: in the reference's order (reward, teacher, student); checked here.
+    :param stages: in the order they run; checked here (unique names, one declaration per
+        field).
     :param sink: where the batch is published (partition ``train_N``).
     :param clients: each role's discovery source, for stages that call engines.
     :param finalizer: ``finalizer(batch_id, samples)`` (sync or async) after the put and before
         the commit: debug dumps, metrics. If it raises, the partition is deleted.
     :param timeline: where phase durations go (default: a private one).
     :param release_timeout: deadline of the generation role's local offload and onload.
-    :raises ValueError: stages out of order or more samples than ``max_samples``.
+    :param producer: what generates more groups when a stage asks (none: a stage that asks
+        fails the batch, saying so).
+    :param target_groups: the groups the step wants committed (default: those of
+        ``samples``), what a filter fills the batch up to.
+    :raises ValueError: bad stages or more samples than ``max_samples``.
     """
 
     def __init__(
@@ -172,6 +221,8 @@ class DeferredBatch:
         timeline: Timeline | None = None,
         release_timeout: float = 180.0,
         max_samples: int = DEFAULT_MAX_SAMPLES,
+        producer: Producer | None = None,
+        target_groups: int | None = None,
     ) -> None:
         check_stages(stages)
         if len(samples) > max_samples:
@@ -186,7 +237,22 @@ class DeferredBatch:
         self.finalizer = finalizer
         self.timeline = timeline or Timeline()
         self.release_timeout = release_timeout
+        self.max_samples = max_samples
+        self.producer = producer
+        self.target_groups = (
+            target_groups if target_groups is not None else len({s.group_id for s in samples})
+        )
+        #: every field the stages declare, by name: cleared on the staged copies, validated,
+        #: written back
+        self.fields = stage_fields(self.stages)
         self.staged: list[Sample] = []
+        self.dropped: list[Dropped] = []
+        #: the original samples of the dropped groups (never committed)
+        self.dropped_samples: list[Sample] = []
+        self.generated_groups = 0
+        self._generation_role = ""
+        self._deferred: frozenset[str] = frozenset()
+        self._leases = 0
         self._committed = False
 
     async def run(self) -> BatchResult:
@@ -223,43 +289,127 @@ class DeferredBatch:
 
     async def _run(self) -> BatchResult:
         n, tl = self.batch_id, self.timeline
-        writes = frozenset().union(*(s.writes for s in self.stages))
         with tl.phase(n, "stage_copies"):
-            self.staged = [s.staged_copy() for s in self.originals]
-            for s in self.staged:
-                s.clear_scored(writes)
+            self.staged = [s.staged_copy(self.fields) for s in self.originals]
         status = await self.coordinator.describe()
         gen: str = status.generation_role
-        deferred = set(status.deferred_roles)
-        ctx = StageContext(n, self.clients)
+        self._generation_role = gen
+        self._deferred = frozenset(status.deferred_roles)
         await release_generation(
             self.coordinator, n, self.rollout, gen, tl, timeout=self.release_timeout
         )
         reports: list[StageReport] = []
-        for stage in self.stages:
-            if stage.phase == "student":
-                reports.append(await self._student(stage, gen, ctx))
-            elif stage.role == gen:
-                raise CoordinationError(
-                    f"stage {stage.name!r} ({stage.phase}) uses the generation role {gen!r}; only "
-                    "a student stage may (its weights are restored for it)"
-                )
-            elif stage.role in deferred:
-                reports.append(await self._leased(stage, ctx))
-            else:
-                reports.append(await self._run_stage(stage, ctx))
-        top_k = max((s.top_k for s in self.stages), default=0)
+        for index, stage in enumerate(self.stages):
+            ctx = StageContext(n, self.clients, _Control(self, index))
+            reports.append(await self._run_leased(stage, self.staged, ctx))
         with tl.phase(n, "validate"):
-            check_samples(self.staged, writes, top_k)
+            check_samples(self.staged, self.fields.values())
         with tl.phase(n, "write_back"):
             for original, staged in zip(self.originals, self.staged, strict=True):
-                original.write_back(staged)
+                original.write_back(staged, self.fields)
         receipt = await self._publish()
         self._committed = True
-        return BatchResult(n, receipt, len(self.originals), tuple(reports), tl.phases(n))
+        return BatchResult(
+            n,
+            receipt,
+            len(self.originals),
+            tuple(reports),
+            tl.phases(n),
+            tuple(self.dropped),
+            self.generated_groups,
+        )
 
-    async def _leased(self, stage: Stage, ctx: StageContext) -> StageReport:
-        """Activate the stage's role, run it, deactivate the role whatever happened.
+    async def _run_leased(
+        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
+    ) -> StageReport:
+        """Run ``stage`` on ``samples`` with what its role needs: the policy restored (the
+        generation role), the role's lease (a deferred role), or nothing."""
+        if stage.role is not None and stage.role == self._generation_role:
+            return await self._student(stage, samples, ctx)
+        if stage.role in self._deferred:
+            return await self._leased(stage, samples, ctx)
+        return await self._run_stage(stage, samples, ctx)
+
+    # -- what a stage may do to the batch (through its _Control) --------------------------
+
+    async def _generate(self, stage: str, **request: Any) -> list[Sample]:
+        """More groups through the producer, with the generation role's lease taken back for
+        them (``begin_student_scoring``), the policy onloaded, and released again (its
+        requests aborted if the generation failed)."""
+        n, tl, gen = self.batch_id, self.timeline, self._generation_role
+        if self.producer is None:
+            raise CoordinationError(
+                f"stage {stage!r} asks for more generation, but batch {n} has no producer; "
+                "give DeferredBatch(producer=...) (relax run does)"
+            )
+        producer = self.producer
+        await self.coordinator.begin_student_scoring(n)
+
+        async def onload_and_generate() -> list[Sample]:
+            with tl.phase(n, f"{gen}.onload", lane="leases"):
+                result = await _deadline(self.rollout.onload(), self.release_timeout)
+            reason = unconfirmed(result, "READY")
+            if reason is not None:
+                raise LifecycleError(f"{gen} onload for stage {stage!r}: {reason}")
+            with tl.phase(n, f"{stage}.generate", lane="generate"):
+                groups = await producer.generate(n, **request)
+            return [s for group in groups for s in group]
+
+        samples = await _then(onload_and_generate(), self._release, f"releasing {gen!r}")
+        self.generated_groups += len({s.group_id for s in samples})
+        return samples
+
+    def _add(self, samples: Sequence[Sample]) -> list[Sample]:
+        """Add whole new groups; their staged copies (in the batch from now on)."""
+        n = self.batch_id
+        ids = {s.id for s in self.originals}
+        groups = {s.group_id for s in self.originals}
+        if len(self.originals) + len(samples) > self.max_samples:
+            raise ValueError(f"batch {n}: adding {len(samples)} samples passes {self.max_samples}")
+        for s in samples:
+            if not isinstance(s, Sample):
+                raise ValueError(f"batch {n}: {type(s).__name__} is not a Sample")
+            if s.id in ids or s.group_id in groups:
+                raise ValueError(
+                    f"batch {n}: sample {s.id!r} (group {s.group_id!r}) is in the batch already"
+                )
+        staged = [s.staged_copy(self.fields) for s in samples]
+        self.originals.extend(samples)
+        self.staged.extend(staged)
+        return staged
+
+    def _drop(self, stage: str, group_ids: Iterable[str], reason: str) -> int:
+        """Take whole groups out of the batch; how many samples left."""
+        wanted = set(group_ids)
+        kept: list[tuple[Sample, Sample]] = []
+        gone: dict[str, list[Sample]] = {}
+        for original, staged in zip(self.originals, self.staged, strict=True):
+            if original.group_id in wanted:
+                gone.setdefault(original.group_id, []).append(original)
+            else:
+                kept.append((original, staged))
+        unknown = wanted - set(gone)
+        if unknown:
+            raise ValueError(
+                f"stage {stage!r} dropped group(s) {sorted(unknown)} that are not in batch "
+                f"{self.batch_id}"
+            )
+        self.originals = [o for o, _ in kept]
+        self.staged = [s for _, s in kept]
+        for gid, samples in gone.items():
+            self.dropped.append(Dropped(gid, tuple(s.id for s in samples), stage, reason))
+            self.dropped_samples.extend(samples)
+        return sum(len(samples) for samples in gone.values())
+
+    def generated_samples(self) -> list[Sample]:
+        """Every sample generated into the batch: those it holds and those stages dropped."""
+        return [*self.originals, *self.dropped_samples]
+
+    async def _leased(
+        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
+    ) -> StageReport:
+        """Activate the stage's role (its models), run it, deactivate the role whatever
+        happened.
 
         A stage that failed or was interrupted fails the batch *before* the deactivation, so
         the coordinator aborts the role's requests still in flight instead of waiting for
@@ -268,7 +418,7 @@ class DeferredBatch:
         """
         n, tl, role = self.batch_id, self.timeline, stage.role
         assert role is not None
-        op = f"{n}:{stage.name}:{role}"
+        op = f"{n}:{stage.name}:{role}:{self._lease_count()}"
 
         async def deactivate(failure: BaseException | None) -> None:
             if failure is not None:
@@ -279,16 +429,26 @@ class DeferredBatch:
         what = f"deactivating {role!r}"
         try:
             with tl.phase(n, f"{role}.onload", lane="leases"):
-                await self.coordinator.activate(role, f"{op}:activate", batch_id=n)
+                await self.coordinator.activate(
+                    role, f"{op}:activate", batch_id=n, models=stage.models
+                )
         except BaseException as exc:
             if interrupted(exc):
                 await _noting(deactivate(exc), exc, what)
             raise
-        return await _then(self._run_stage(stage, ctx), deactivate, what)
+        return await _then(self._run_stage(stage, samples, ctx), deactivate, what)
 
-    async def _student(self, stage: Stage, gen: str, ctx: StageContext) -> StageReport:
+    def _lease_count(self) -> int:
+        """A number new for each lease the batch takes (a stage's lease may be taken again:
+        the stages before a filter, for the groups it added)."""
+        self._leases += 1
+        return self._leases
+
+    async def _student(
+        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
+    ) -> StageReport:
         """Restore the policy, check its weight version, prefill, release it again (finally)."""
-        n, tl = self.batch_id, self.timeline
+        n, tl, gen = self.batch_id, self.timeline, self._generation_role
         await self.coordinator.begin_student_scoring(n)
 
         async def restore_and_run() -> StageReport:
@@ -298,24 +458,28 @@ class DeferredBatch:
             if reason is not None:
                 raise LifecycleError(f"student restore of {gen!r}: {reason}")
             await self._check_weight_version(gen)
-            return await self._run_stage(stage, ctx)
+            return await self._run_stage(stage, samples, ctx)
 
-        async def release(failure: BaseException | None) -> None:
-            await release_generation(
-                self.coordinator,
-                n,
-                self.rollout,
-                gen,
-                tl,
-                timeout=self.release_timeout,
-                abort=failure is not None,
-            )
+        return await _then(restore_and_run(), self._release, f"releasing {gen!r}")
 
-        return await _then(restore_and_run(), release, f"releasing {gen!r}")
+    async def _release(self, failure: BaseException | None) -> None:
+        """Give the generation role's lease back after it was taken for a stage: offload it
+        locally (aborting its requests if what it was taken for failed) and acknowledge."""
+        await release_generation(
+            self.coordinator,
+            self.batch_id,
+            self.rollout,
+            self._generation_role,
+            self.timeline,
+            timeout=self.release_timeout,
+            abort=failure is not None,
+        )
 
-    async def _run_stage(self, stage: Stage, ctx: StageContext) -> StageReport:
+    async def _run_stage(
+        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
+    ) -> StageReport:
         with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
-            return await stage.run(self.staged, ctx)
+            return await stage.run(samples, ctx)
 
     async def _check_weight_version(self, gen: str) -> None:
         versions = {s.weight_version for s in self.originals}
@@ -397,6 +561,53 @@ class DeferredBatch:
             pass  # already failed, with its first cause
         except Exception as fail_exc:
             exc.add_note(f"failing batch {self.batch_id} at the coordinator failed: {fail_exc}")
+
+
+class _Control:
+    """One stage's view of its batch (:class:`~relax_core.coordination.stages.BatchControl`):
+    the stages before it, and the batch's operations on its behalf."""
+
+    def __init__(self, batch: DeferredBatch, index: int) -> None:
+        self._batch = batch
+        self._index = index
+        self._stage = batch.stages[index].name
+
+    @property
+    def upstream(self) -> tuple[Stage, ...]:
+        return self._batch.stages[: self._index]
+
+    @property
+    def target_groups(self) -> int:
+        return self._batch.target_groups
+
+    async def generate(
+        self,
+        *,
+        groups: int | None = None,
+        prompts: Sequence[Any] | None = None,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[Sample]:
+        if (groups is None) == (prompts is None):
+            raise ValueError(f"stage {self._stage!r}: generate() takes groups or prompts")
+        return await self._batch._generate(
+            self._stage,
+            groups=groups,
+            prompts=prompts,
+            samples_per_prompt=samples_per_prompt,
+            temperature=temperature,
+        )
+
+    def add(self, samples: Sequence[Sample]) -> list[Sample]:
+        return self._batch._add(samples)
+
+    def drop(self, group_ids: Iterable[str], reason: str) -> int:
+        return self._batch._drop(self._stage, group_ids, reason)
+
+    async def run_stage(self, stage: Stage, samples: Sequence[Sample]) -> StageReport:
+        batch = self._batch
+        ctx = StageContext(batch.batch_id, batch.clients, self)
+        return await batch._run_leased(stage, samples, ctx)
 
 
 def interrupted(exc: BaseException) -> bool:

@@ -135,7 +135,9 @@ class Coordinator(Protocol):
 
     async def begin_student_scoring(self, batch_id: int) -> LeaseState: ...
 
-    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState: ...
+    async def activate(
+        self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
+    ) -> LeaseState: ...
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState: ...
 
@@ -211,6 +213,8 @@ class LifecycleCoordinator:
             r: tuple(h) for r, h in managers.items() if r != generation_role
         }
         self._roles: dict[str, LeaseState] = dict.fromkeys(slices, LeaseState.SLEEPING)
+        #: role -> the handles its last confirmed activation onloaded (offloaded next)
+        self._awake: dict[str, tuple[ManagerHandle, ...]] = {}
         self._blocked: dict[str, str] = {}
         self._slice_locks: dict[str, asyncio.Lock] = {}
         self._batches: dict[int, _Batch] = {}
@@ -365,28 +369,40 @@ class LifecycleCoordinator:
 
     # -- deferred roles ---------------------------------------------------------------------
 
-    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
-        """Onload ``role`` on its slice for the pending batch ``batch_id``.
+    async def activate(
+        self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
+    ) -> LeaseState:
+        """Onload ``role`` on its slice for the pending batch ``batch_id``: the handles of
+        ``models`` only (the handle of model ``m`` is named ``role.m``), or every one of the
+        role's handles when ``models`` is empty — two judges of one role can take turns on GPUs
+        that hold one of them at a time.
 
-        Issued only when it changes something: an ACTIVE role is not onloaded again. Refused
-        (and the batch FAILED) while another role on the slice is not SLEEPING. Deduped by
-        ``operation_id``: the same id with the same request shares one execution and result;
-        with another request it is an error.
+        Issued only when it changes something: an ACTIVE role whose awake models include
+        ``models`` is not onloaded again. Refused (and the batch FAILED) while another role on
+        the slice is not SLEEPING. Deduped by ``operation_id``: the same id with the same
+        request shares one execution and result; with another request it is an error.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its onload was not confirmed within
             the operation timeout (the lease is now BLOCKED and the batch FAILED).
         :raises BatchFailedError: the batch failed.
+        :raises CoordinationError: a model has no handle here, or the role is ACTIVE with other
+            models (deactivate it first).
         """
-        self._handles(role)
+        handles = self._chosen(role, models)
+        what = role if not models else f"{role}[{','.join(sorted(set(models)))}]"
         return await self._dedupe(
-            operation_id, ("activate", role, batch_id), lambda: self._activate(role, batch_id)
+            operation_id,
+            ("activate", what, batch_id),
+            lambda: self._activate(role, batch_id, handles),
         )
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """Offload ``role``; accepted for the current batch whether PENDING or FAILED, so a
         failed batch still releases its GPUs. A SLEEPING role is not offloaded again. For a
         FAILED batch the role's requests still in flight are aborted rather than drained
-        (``abort_and_offload()`` of handles that have it): nothing they answer is used.
+        (``abort_and_offload()`` of handles that have it): nothing they answer is used. The
+        handles offloaded are those the role's activation onloaded (every one after a failed
+        or unconfirmed switch: what is awake is not known then).
 
         :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -541,10 +557,21 @@ class LifecycleCoordinator:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _activate(self, role: str, batch_id: int) -> LeaseState:
+    async def _activate(
+        self, role: str, batch_id: int, handles: tuple[ManagerHandle, ...]
+    ) -> LeaseState:
         def admit() -> None:
             self._pending(batch_id, f"activate({role!r})")
-            if self._roles[role] in (_L.BLOCKED, _L.ACTIVE):
+            state = self._roles[role]
+            if state is _L.ACTIVE:
+                awake = self._awake.get(role, ())
+                other = [h.name for h in handles if h not in awake]
+                if other:
+                    raise CoordinationError(
+                        f"activate({role!r}): the role is ACTIVE with "
+                        f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
+                    )
+            if state in (_L.BLOCKED, _L.ACTIVE):
                 return  # answered by _switch
             try:
                 self._refuse_busy(role, f"activate({role!r})", include_self=False)
@@ -553,7 +580,12 @@ class LifecycleCoordinator:
                 raise
 
         return await self._switch(
-            role, batch_id, "activate", admit, (_L.ONLOADING, "onload", "READY", _L.ACTIVE)
+            role,
+            batch_id,
+            "activate",
+            admit,
+            (_L.ONLOADING, "onload", "READY", _L.ACTIVE),
+            handles,
         )
 
     async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
@@ -563,7 +595,12 @@ class LifecycleCoordinator:
             return _ABORT if batch.state is _B.FAILED else "offload"
 
         return await self._switch(
-            role, batch_id, "deactivate", admit, (_L.DRAINING, "offload", "SLEEPING", _L.SLEEPING)
+            role,
+            batch_id,
+            "deactivate",
+            admit,
+            (_L.DRAINING, "offload", "SLEEPING", _L.SLEEPING),
+            self._awake.get(role) or self._handles(role),
         )
 
     async def _switch(
@@ -573,14 +610,15 @@ class LifecycleCoordinator:
         what: str,
         admit: Callable[[], str | None],
         steps: tuple[LeaseState, str, str, LeaseState],
+        handles: tuple[ManagerHandle, ...],
     ) -> LeaseState:
         """One lease switch of ``role``: ``admit()`` (checks, under the condition; it may name
         another method to call), then — unless the role is BLOCKED (raises) or already
-        ``done`` — ``moving``, ``method`` on every handle, and ``done`` once each confirms
-        ``expected``; else the lease is BLOCKED and the batch FAILED. ``steps`` is
-        ``(moving, method, expected, done)``."""
+        ``done`` — ``moving``, ``method`` on each of ``handles``, and ``done`` once each
+        confirms ``expected``; else the lease is BLOCKED and the batch FAILED. ``steps`` is
+        ``(moving, method, expected, done)``. Which handles are awake is kept (every one of
+        the role's after a switch that failed)."""
         moving, method, expected, done = steps
-        handles = self._handles(role)
         async with self._slice_lock(role):
             async with self._condition:
                 method = admit() or method
@@ -594,7 +632,9 @@ class LifecycleCoordinator:
             async with self._condition:
                 if reason is None:
                     self._set(role, done)
+                    self._awake[role] = handles if done is _L.ACTIVE else ()
                     return done
+                self._awake[role] = self._managers[role]
                 self._block(role, reason)
                 self._fail(batch_id, f"{what} {role}: {reason}")
             raise LeaseBlockedError(role, reason)
@@ -754,6 +794,22 @@ class LifecycleCoordinator:
         if batch.state is not _B.PENDING:
             raise CoordinationError(f"{where}: batch {batch_id} is {batch.state}")
         return batch
+
+    def _chosen(self, role: str, models: Sequence[str]) -> tuple[ManagerHandle, ...]:
+        """The handles of ``role``'s ``models`` (every handle when ``models`` is empty)."""
+        handles = self._handles(role)
+        if not models:
+            return handles
+        if isinstance(models, str):
+            raise CoordinationError(f"activate({role!r}): give models as a sequence of names")
+        by_model = {h.name.partition(".")[2] or h.name: h for h in handles}
+        unknown = sorted(set(models) - set(by_model))
+        if unknown:
+            raise CoordinationError(
+                f"activate({role!r}): no handle of model(s) {unknown} (the role's models here: "
+                f"{sorted(by_model)})"
+            )
+        return tuple(h for m, h in by_model.items() if m in models)
 
     def _handles(self, role: str) -> tuple[ManagerHandle, ...]:
         self._check_role(role)

@@ -1,16 +1,15 @@
 """The defer preflight: what a deferred batch cannot stage, refused before anything starts.
 
 A deferred batch is a *closed* batch: every group is generated, then the shared GPUs go to the
-scoring roles one at a time, then the batch is committed. Workloads that need something else
-have no stage adapter yet and are refused with their key path (the reference's list):
+step's stages one role at a time, then the batch is committed. What the reference refused for
+want of a stage adapter is now a stage (``docs/run.md``): a filter with over-sampling (a stage
+may drop groups and have more generated, rollout's lease taken back for it), evaluation data (an
+``eval`` stage), several genrm models (one reward stage per model, each its own lease). A reward
+adapter without ``supports_deferred`` is refused by the reward stage that lists it. What is
+still refused, with its key path:
 
 - partial rollout (groups carried over between steps),
-- dynamic batch sizes (the batch is not closed when scoring starts),
-- custom filter hooks (they would drop or rewrite samples after staging),
-- evaluation data in a defer run (evaluation would need its own leases),
-- several models in one deferred reward stage (one judge per stage),
-- several rollout groups (one generation role, one model),
-- a reward adapter that is not registered, or does not declare ``supports_deferred``.
+- several rollout groups (one generation role, one model).
 
 :class:`DeferredWorkload` describes the run (``relax run`` fills it from its config; each field
 names its key path); :func:`deferred_workload_problems` lists every problem,
@@ -41,24 +40,14 @@ class DeferredWorkload:
     :param defer_roles: the roles in deferred phases (``placement.defer_roles``).
     :param generation_models: the generation role's models (more than one is several rollout
         groups).
-    :param reward_adapters: reward adapter names of the deferred reward stage, in config order.
-    :param reward_role: the role the reward stage's model-backed adapters call (a genrm role),
-        and ``reward_models`` its models.
-    :param partial_rollout, dynamic_batch, eval_data: run features with no stage adapter.
-    :param filter_hooks: custom sample-filter hooks configured for the run.
+    :param partial_rollout: groups carried over between steps (no stage for it yet).
     :param where: the config table the run's keys live in (key paths ``{where}.<field>``).
     :param paths: field name -> key path, where a field lives elsewhere.
     """
 
     defer_roles: tuple[str, ...] = attrs.field(converter=_strs)
     generation_models: tuple[str, ...] = attrs.field(default=(), converter=_strs)
-    reward_adapters: tuple[str, ...] = attrs.field(default=(), converter=_strs)
-    reward_role: str | None = None
-    reward_models: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     partial_rollout: bool = False
-    dynamic_batch: bool = False
-    filter_hooks: tuple[str, ...] = attrs.field(default=(), converter=_strs)
-    eval_data: bool = False
     where: str = "run"
     paths: Mapping[str, str] = attrs.field(factory=dict)
 
@@ -68,10 +57,11 @@ class DeferredWorkload:
 
 
 def deferred_workload_problems(
-    workload: DeferredWorkload, plugin_manager: Any
+    workload: DeferredWorkload, plugin_manager: Any = None
 ) -> list[ConfigProblem]:
     """Every reason ``workload`` cannot run deferred, each with its key path; empty when it
-    can. Pure: starts nothing."""
+    can. Pure: starts nothing. (``plugin_manager`` is not read: a stage checks its own
+    adapters.)"""
     w = workload
     out: list[ConfigProblem] = []
 
@@ -87,27 +77,6 @@ def deferred_workload_problems(
             "partial rollout carries groups over between steps, but a deferred batch stages "
             "closed groups only; turn it off for a defer layout",
         )
-    if w.dynamic_batch:
-        refuse(
-            "dynamic_batch",
-            "defer-unstageable",
-            "a dynamic batch size is not closed when scoring starts; use a fixed batch size in "
-            "a defer layout",
-        )
-    if w.filter_hooks:
-        refuse(
-            "filter_hooks",
-            "defer-unstageable",
-            f"custom filter hooks {list(w.filter_hooks)} would drop or rewrite samples after "
-            "staging; deferred scoring has no stage for them (remove them, or use split)",
-        )
-    if w.eval_data:
-        refuse(
-            "eval_data",
-            "defer-unstageable",
-            "evaluation data in a defer run needs leases of its own; evaluate in a separate "
-            "run, or use a split layout",
-        )
     if len(w.generation_models) > 1:
         refuse(
             "generation_models",
@@ -115,40 +84,10 @@ def deferred_workload_problems(
             f"{len(w.generation_models)} rollout groups ({', '.join(w.generation_models)}); a "
             "deferred batch has one generation group: keep one rollout model",
         )
-    if w.reward_role is not None and w.reward_role in w.defer_roles and len(w.reward_models) > 1:
-        refuse(
-            "reward_models",
-            "defer-unstageable",
-            f"the deferred reward stage would call {len(w.reward_models)} {w.reward_role} models "
-            f"({', '.join(w.reward_models)}); one deferred stage serves one model: keep one",
-        )
-    registered = plugin_manager.registered("reward_adapters")
-    for i, name in enumerate(w.reward_adapters):
-        path = f"{w.path('reward_adapters')}[{i}]"
-        entry = registered.get(name)
-        if entry is None:
-            out.append(
-                ConfigProblem(
-                    path,
-                    "plugin",
-                    f"no reward adapter {name!r} is registered (registered: "
-                    f"{', '.join(sorted(registered)) or 'none'}); install its plugin",
-                )
-            )
-        elif not entry.record.supports_deferred:
-            out.append(
-                ConfigProblem(
-                    path,
-                    "defer-adapter",
-                    f"reward adapter {name!r} (from {entry.distribution}) does not declare "
-                    "supports_deferred, so it cannot score a staged batch in a deferred phase; "
-                    "use an adapter that does, or a split layout",
-                )
-            )
     return out
 
 
-def validate_deferred_workload(workload: DeferredWorkload, plugin_manager: Any) -> None:
+def validate_deferred_workload(workload: DeferredWorkload, plugin_manager: Any = None) -> None:
     """Raise every problem of ``workload`` at once.
 
     :raises ConfigValidationError: listing each problem with its key path.

@@ -112,9 +112,13 @@ class RemoteCoordinator:
         state: LeaseState = await self._call("begin_student_scoring", batch_id)
         return state
 
-    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
+    async def activate(
+        self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
+    ) -> LeaseState:
         """See :meth:`LifecycleCoordinator.activate`."""
-        state: LeaseState = await self._call("activate", role, operation_id, batch_id=batch_id)
+        state: LeaseState = await self._call(
+            "activate", role, operation_id, batch_id=batch_id, models=tuple(models)
+        )
         return state
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:

@@ -9,29 +9,66 @@ Each adapter scores the samples its ``label_matcher`` accepts (every sample with
 - ``async`` adapters are coroutines on the scoring loop, run concurrently (``concurrency``), and
   get ``context=`` (:class:`RewardContext`) to reach a role's engines — the genrm judge.
 
-A sample's ``rewards[name]`` is each adapter's value and ``reward`` the weighted sum of the
-adapters that scored it; a sample no adapter scored is left without a reward, which validation
-refuses. An adapter that raises, or returns something that is not a number or a
-:class:`RewardResult` or a value that is not finite (NaN, ±inf), fails the stage naming the
-adapter and the sample.
+The stage writes two fields (:data:`REWARD_FIELDS`): ``fields["rewards"][key]``, each adapter's
+value under its key (the adapter's name unless the stage gives another: two judges of one
+role, each its own stage, keep both), and ``fields["reward"]``, the weighted sum of the adapters
+that scored the sample — over every reward stage of the step, so several reward stages add up.
+A sample no adapter scored is left without a reward, which validation refuses. An adapter that
+raises, or returns something that is not a number or a :class:`RewardResult` or a value that is
+not finite (NaN, ±inf), fails the stage naming the adapter and the sample.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
 import attrs
 
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.sample import Sample
-from relax_core.coordination.stages import RoleClients, StageContext, StageReport
+from relax_core.coordination.stages import RoleClients, SampleField, StageContext, StageReport
 from relax_core.errors import ScoringError
 from relax_core.records import RewardSpec
 
-__all__ = ["RewardContext", "RewardResult", "RewardStage"]
+__all__ = ["REWARD", "REWARDS", "REWARD_FIELDS", "RewardContext", "RewardResult", "RewardStage"]
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_reward(value: object, sample: Sample) -> str | None:
+    # Each adapter's value first: a non-finite sum names the adapter that made it so.
+    for key, part in sample.rewards.items():
+        if not _finite(part):
+            return f"rewards[{key!r}] = {part!r} is not a finite number (adapter {key!r})"
+    if not _finite(value):
+        return f"reward = {value!r} is not a finite number"
+    return None
+
+
+def _check_rewards(value: object, sample: Sample) -> str | None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        return f"rewards = {value!r} is not a table of adapter key -> value"
+    return None
+
+
+#: The weighted sum of the reward adapters that scored a sample (every reward stage adds to it).
+REWARD = SampleField(
+    "reward",
+    _check_reward,
+    "the weighted sum of every reward adapter that scored the sample",
+    missing="is missing (no reward adapter matched its label)",
+)
+#: Each reward adapter's value by its key (the adapter's name unless its stage gives another).
+REWARDS = SampleField(
+    "rewards", _check_rewards, "each reward adapter's value, by its key", required=False
+)
+#: What a reward stage writes.
+REWARD_FIELDS = (REWARD, REWARDS)
 
 
 @attrs.frozen
@@ -47,11 +84,15 @@ class RewardResult:
 @attrs.frozen
 class RewardContext:
     """What an async adapter gets besides ``(response, label)``: the staged sample (read it,
-    do not write it), the batch id and the loop's shared client of each role."""
+    do not write it), the batch id, the loop's shared client of each role, and the stage's
+    ``role`` and ``model`` (the one model of that role the stage uses, if it names one: a judge
+    adapter sends its request there)."""
 
     sample: Sample
     batch_id: int
     clients: RoleClients
+    role: str | None = None
+    model: str | None = None
 
     @property
     def prompt(self) -> str:
@@ -124,48 +165,60 @@ def _remote_scorer() -> Any:
     return _REMOTE
 
 
-class RewardStage:
-    """Scores every staged sample with ``adapters`` (phase ``reward``).
+#: One adapter of a reward stage: a spec, ``(spec, weight)`` or ``(spec, weight, key)``.
+AdapterEntry = RewardSpec | tuple[RewardSpec, float] | tuple[RewardSpec, float, str]
 
-    :param adapters: :class:`~relax_core.records.RewardSpec` records, or ``(spec, weight)``
-        pairs (weight 1.0 by default); names must be unique.
+
+class RewardStage:
+    """Scores every staged sample with ``adapters`` (fields :data:`REWARD_FIELDS`).
+
+    :param adapters: :class:`~relax_core.records.RewardSpec` records, ``(spec, weight)`` or
+        ``(spec, weight, key)`` (weight 1.0 and key the adapter's name by default); keys must
+        be unique.
     :param name: the stage's name (timeline, errors).
     :param role: the role the async adapters call (``genrm``); the batch takes its lease when
         it is deferred. ``None``: CPU-only adapters.
+    :param models: the role's models the adapters use (only those are onloaded for the stage;
+        with exactly one, adapters get it as ``context.model``). Empty: every model.
     :param concurrency: async adapter calls in flight at once.
     :param sync_tasks: remote tasks a sync adapter's samples are split into.
     :param timeout: deadline of one adapter's whole pass, in seconds.
-    :raises ValueError: no adapters, a duplicate name, a weight that is not finite.
+    :raises ValueError: no adapters, a duplicate key, a weight that is not finite.
     """
 
-    phase = "reward"
-    writes = frozenset({"reward", "rewards"})
-    top_k = 0
+    fields = REWARD_FIELDS
 
     def __init__(
         self,
-        adapters: Sequence[RewardSpec | tuple[RewardSpec, float]],
+        adapters: Sequence[AdapterEntry],
         *,
         name: str = "rewards",
         role: str | None = None,
+        models: Sequence[str] = (),
         concurrency: int = 64,
         sync_tasks: int = 4,
         timeout: float = 600.0,
     ) -> None:
-        pairs = [a if isinstance(a, tuple) else (a, 1.0) for a in adapters]
-        if not pairs:
-            raise ValueError(f"reward stage {name!r}: give at least one reward adapter")
-        names = [spec.name for spec, _ in pairs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"reward stage {name!r}: adapter names repeat: {names}")
-        for spec, weight in pairs:
+        entries: list[tuple[RewardSpec, float, str]] = []
+        for entry in adapters:
+            parts: tuple[Any, ...] = entry if isinstance(entry, tuple) else (entry,)
+            spec = parts[0]
+            weight = parts[1] if len(parts) > 1 else 1.0
+            key = parts[2] if len(parts) > 2 else None
             if not isinstance(spec, RewardSpec):
                 raise ValueError(f"reward stage {name!r}: {spec!r} is not a RewardSpec")
             if not isinstance(weight, int | float) or not math.isfinite(weight):
                 raise ValueError(f"reward stage {name!r}: weight of {spec.name!r} is {weight!r}")
+            entries.append((spec, float(weight), key or spec.name))
+        if not entries:
+            raise ValueError(f"reward stage {name!r}: give at least one reward adapter")
+        keys = [key for _, _, key in entries]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"reward stage {name!r}: adapter keys repeat: {keys}")
         self.name = name
         self.role = role
-        self.adapters: tuple[tuple[RewardSpec, float], ...] = tuple((s, float(w)) for s, w in pairs)
+        self.models = tuple(models)
+        self.adapters: tuple[tuple[RewardSpec, float, str], ...] = tuple(entries)
         self.concurrency = concurrency
         self.sync_tasks = sync_tasks
         self.timeout = timeout
@@ -173,21 +226,22 @@ class RewardStage:
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         """Score ``samples`` in place; every adapter runs at once."""
         plans = []
-        for spec, weight in self.adapters:
+        for spec, weight, key in self.adapters:
             matcher = spec.label_matcher
             chosen = [s for s in samples if matcher is None or matcher(s.label)]
-            plans.append((spec, weight, chosen))
-        passes = [self._pass(spec, chosen, ctx) for spec, _, chosen in plans]
+            plans.append((spec, weight, key, chosen))
+        passes = [self._pass(spec, chosen, ctx) for spec, _, _, chosen in plans]
         outcomes = await asyncio.gather(*passes)
         counts: dict[str, float] = {}
-        for (spec, weight, chosen), results in zip(plans, outcomes, strict=True):
+        for (_spec, weight, key, chosen), results in zip(plans, outcomes, strict=True):
             failures = 0
             for sample, result in zip(chosen, results, strict=True):
-                sample.rewards[spec.name] = result.value
-                sample.reward = (sample.reward or 0.0) + weight * result.value
+                fields = sample.fields
+                fields.setdefault("rewards", {})[key] = result.value
+                fields["reward"] = (fields.get("reward") or 0.0) + weight * result.value
                 failures += result.parse_failed
-            counts[f"{spec.name}.scored"] = len(chosen)
-            counts[f"{spec.name}.parse_failures"] = failures
+            counts[f"{key}.scored"] = len(chosen)
+            counts[f"{key}.parse_failures"] = failures
         return StageReport(self.name, counts)
 
     async def _pass(
@@ -240,8 +294,10 @@ class RewardStage:
     ) -> list[RewardResult]:
         gate = asyncio.Semaphore(self.concurrency)
 
+        model = self.models[0] if len(self.models) == 1 else None
+
         async def one(sample: Sample) -> RewardResult:
-            context = RewardContext(sample, ctx.batch_id, ctx.clients)
+            context = RewardContext(sample, ctx.batch_id, ctx.clients, self.role, model)
             kwargs: dict[str, Any] = {"context": context}
             if spec.pass_metadata:
                 kwargs["metadata"] = sample.metadata

@@ -1,29 +1,23 @@
-"""The Sample record: one generated response, the unit a deferred batch scores and commits.
+"""The Sample record: one generated response, the unit a step's stages score and a batch commits.
 
 Generation fills the inputs (prompt and response ids and text, rollout log-probs, group id,
-label, metadata, weight version); the deferred stages fill the scored fields (reward(s),
-teacher log-probs and top-k, student log-probs). Token sequences are tuples, so a staged copy
-(:meth:`Sample.staged_copy`) shares them and costs a few microseconds; only the dicts are copied.
+label, metadata, weight version). Everything a step's stages write goes into
+:attr:`Sample.fields`, by field name: the reward stage's ``reward`` and ``rewards``, the
+teacher's log-probs, a process reward model's step scores, a third party's own field. Each
+field is declared by the stage that writes it (a :class:`~relax_core.coordination.stages.
+SampleField`, with its check), so the core knows no field but the ones its own reward stage
+writes. Token sequences are tuples, so a staged copy (:meth:`Sample.staged_copy`) shares them
+and costs a few microseconds; only the dicts are copied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
 
-__all__ = ["SCORED_FIELDS", "Sample"]
-
-#: The fields deferred stages write; only these are copied back to the original samples.
-SCORED_FIELDS: tuple[str, ...] = (
-    "reward",
-    "rewards",
-    "teacher_logprobs",
-    "teacher_topk_ids",
-    "teacher_topk_logprobs",
-    "student_logprobs",
-)
+__all__ = ["Sample"]
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -34,15 +28,16 @@ def _floats(value: Any) -> tuple[float, ...]:
     return value if type(value) is tuple else tuple(float(v) for v in value)
 
 
-# Assignment runs no converter: stages assign tuples, and validation checks what they wrote
+# Assignment runs no converter: stages write fields, and validation checks what they wrote
 # (an on_setattr pipeline would cost more than the rest of a batch's bookkeeping).
 @attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)
 class Sample:
     """One response of one prompt; samples of one prompt share ``group_id``.
 
     ``metadata`` is free-form; ``metadata["route_key"]`` picks the model of a role that routes by
-    key (a teacher per data source). ``rewards`` holds each reward adapter's value by name and
-    ``reward`` their weighted sum. ``teacher_topk_*`` are ``[response tokens][k]``.
+    key (a teacher per data source). ``fields`` holds what the step's stages wrote, by field
+    name (``fields["reward"]``, ``fields["teacher_logprobs"]``, …); :attr:`reward` and
+    :attr:`rewards` read the reward stage's two.
     """
 
     id: str
@@ -55,12 +50,7 @@ class Sample:
     rollout_logprobs: tuple[float, ...] = attrs.field(default=(), converter=_floats)
     metadata: dict[str, Any] = attrs.field(factory=dict)
     weight_version: str | None = None
-    reward: float | None = None
-    rewards: dict[str, float] = attrs.field(factory=dict)
-    teacher_logprobs: tuple[float, ...] | None = None
-    teacher_topk_ids: tuple[tuple[int, ...], ...] | None = None
-    teacher_topk_logprobs: tuple[tuple[float, ...], ...] | None = None
-    student_logprobs: tuple[float, ...] | None = None
+    fields: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def route_key(self) -> str | None:
@@ -68,25 +58,44 @@ class Sample:
         key = self.metadata.get("route_key")
         return key if isinstance(key, str) else None
 
-    def staged_copy(self) -> Sample:
-        """A copy for CPU staging: stages write into it, never into the original."""
+    @property
+    def reward(self) -> float | None:
+        """``fields["reward"]``: the weighted sum of the reward adapters that scored it (``None``
+        before a reward stage ran)."""
+        value: float | None = self.fields.get("reward")
+        return value
+
+    @property
+    def rewards(self) -> Mapping[str, float]:
+        """``fields["rewards"]``: each reward adapter's value, by its key (empty before a reward
+        stage ran). Read-only here: a stage writes ``fields``."""
+        value: Mapping[str, float] = self.fields.get("rewards") or {}
+        return value
+
+    def staged_copy(self, cleared: Collection[str] = ()) -> Sample:
+        """A copy for CPU staging, without the fields named in ``cleared`` (those the step's
+        stages write): stages write into it, never into the original."""
         copy = object.__new__(Sample)
-        for name in _FIELDS:
+        for name in _SHARED:
             setattr(copy, name, getattr(self, name))
         copy.metadata = dict(self.metadata)
-        copy.rewards = dict(self.rewards)
+        copy.fields = {k: _copied(v) for k, v in self.fields.items() if k not in cleared}
         return copy
 
-    def clear_scored(self, fields: frozenset[str]) -> None:
-        """Empty the scored ``fields`` (a staged copy starts with no scores of its stages)."""
-        for name in fields:
-            setattr(self, name, {} if name == "rewards" else None)
-
-    def write_back(self, staged: Sample) -> None:
-        """Copy the scored fields of ``staged`` (its staged copy) into this sample."""
-        for name in SCORED_FIELDS:
-            value = getattr(staged, name)
-            setattr(self, name, dict(value) if isinstance(value, Mapping) else value)
+    def write_back(self, staged: Sample, names: Collection[str]) -> None:
+        """Copy the fields ``names`` of ``staged`` (its staged copy) into this sample."""
+        for name in names:
+            if name in staged.fields:
+                self.fields[name] = _copied(staged.fields[name])
+            else:
+                self.fields.pop(name, None)
 
 
-_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(Sample))
+def _copied(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+#: The fields a staged copy shares with its original (the dicts are copied).
+_SHARED: tuple[str, ...] = tuple(
+    f.name for f in attrs.fields(Sample) if f.name not in ("metadata", "fields")
+)

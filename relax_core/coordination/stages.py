@@ -1,39 +1,89 @@
-"""What a deferred scoring stage is, and what it gets to reach the roles' engines.
+"""What a step stage is: the fields it writes, the role whose lease it needs, and what it gets to
+reach the roles' engines and the batch it runs in.
 
-A stage (:class:`Stage`) scores the staged copies of a batch's samples in place: a reward stage
-(reward adapters, possibly a genrm judge), a teacher stage (distillation prefill), a student
-stage (prefill on the policy itself). Stages run in the reference's order — every ``reward``
-stage, then ``distill``, then ``student`` (:data:`PHASES`) — and a stage whose ``role`` is a
-deferred role runs inside that role's lease. ``writes`` names the fields it fills; the batch
-validates exactly those before anything is written back.
+A stage (:class:`Stage`) scores or reshapes the staged copies of a batch's samples: the reward
+stage (reward adapters, possibly a genrm judge), the teacher's distillation prefill, a process
+reward model, a filter that drops groups and has more generated, an evaluation on held-out
+prompts. A step runs its stages in the order the job file lists them. A stage whose ``role``
+is a deferred role runs inside that role's lease (its ``models`` only, when it names some); one
+whose role is the generation role runs with the policy restored (a student prefill).
 
-:class:`RoleClients` hands each stage the running event loop's one
-:class:`~relax_core.client.client.InferenceClient` per role
-(:func:`~relax_core.client.pool.get_client`), so a stage that sends one request per sample
-reuses one connection pool and one discovery snapshot.
+``fields`` declares what a stage writes on every sample it keeps (:class:`SampleField`: a name
+in :attr:`~relax_core.coordination.sample.Sample.fields` and its check); the batch checks
+exactly those before anything is written back (:mod:`~relax_core.coordination.validation`).
+Two stages may write one field only when they declare the same :class:`SampleField` (two
+reward stages both adding to ``reward``).
+
+:class:`StageContext` hands a stage the batch id, the loop's clients of each role
+(:class:`RoleClients`: one :class:`~relax_core.client.client.InferenceClient` per role and
+event loop, so a stage that sends one request per sample reuses one connection pool and one
+discovery snapshot) and, inside a :class:`~relax_core.coordination.batch.DeferredBatch`, the
+batch itself (:class:`BatchControl`): generate more groups, add them to the batch, drop groups,
+run another stage with its lease.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from relax_core.client.client import InferenceClient
 from relax_core.client.pool import get_client
-from relax_core.coordination.sample import SCORED_FIELDS, Sample
+from relax_core.coordination.sample import Sample
+from relax_core.errors import CoordinationError
+from relax_core.records import NAME_PATTERN
 
-__all__ = ["PHASES", "RoleClients", "Stage", "StageContext", "StageReport"]
+__all__ = [
+    "BatchControl",
+    "RoleClients",
+    "SampleField",
+    "Stage",
+    "StageContext",
+    "StageReport",
+    "check_stages",
+    "stage_fields",
+]
 
-#: The stage phases, in the order a batch runs them.
-PHASES: tuple[str, ...] = ("reward", "distill", "student")
+#: ``check(value, sample) -> problem or None``: what is wrong with one sample's value.
+FieldCheck = Callable[[Any, Sample], "str | None"]
+
+
+def _field_name(_i: object, _a: object, value: Any) -> None:
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        raise ValueError(
+            f"SampleField.name={value!r}: a field name starts with a letter and holds only "
+            "letters, digits, '_', '.' and '-'"
+        )
+
+
+@attrs.frozen
+class SampleField:
+    """A field a stage writes on every sample it keeps (``sample.fields[name]``), and how the
+    batch checks it before anything is written back.
+
+    ``check(value, sample)`` returns what is wrong (``"teacher_logprobs[3] = 0.5 is not a
+    log-prob"``) or ``None``; it is not called for a sample without the field. ``required``: a
+    sample without it is a problem (``f"{name} {missing}"``); ``False`` for a field a stage
+    writes on some samples only. ``description`` is what ``relax plugins`` and the docs show.
+
+    :raises ValueError: a bad name.
+    """
+
+    name: str = attrs.field(validator=_field_name)
+    check: FieldCheck | None = None
+    description: str = ""
+    required: bool = True
+    missing: str = "is missing"
 
 
 @attrs.frozen
 class StageReport:
-    """What a stage reports about its run: named counts (``parse_failures``, ``requests``) and
-    details (``group_engines``: which engine scored each group)."""
+    """What a stage reports about its run: named counts (``parse_failures``, ``requests``,
+    ``dropped_groups``) and details (``group_engines``: which engine scored each group).
+
+    A step's JSON line shows every stage's counts under ``stages``."""
 
     stage: str
     counts: Mapping[str, float] = attrs.field(factory=dict)
@@ -70,67 +120,173 @@ class RoleClients:
         return get_client(snapshot_provider=source, role=role, **self.options)
 
 
-@attrs.frozen
-class StageContext:
-    """What a stage gets besides the samples: the batch id and the role clients."""
-
-    batch_id: int
-    clients: RoleClients
-
-
 @runtime_checkable
 class Stage(Protocol):
-    """A deferred scoring stage.
+    """A step stage.
 
-    ``name``: shown in the timeline and in errors. ``phase``: one of :data:`PHASES`. ``role``:
-    the role whose engines it uses (``None``: CPU only); when that role is deferred the batch
-    activates it first and deactivates it afterwards, whatever happened. ``writes``: the
-    :data:`~relax_core.coordination.sample.SCORED_FIELDS` it fills. ``top_k``: the top-k width
-    it writes (0: none).
+    ``name``: unique in the step; shown in the timeline, the step's line and errors.
+    ``role``: the role whose engines it uses (``None``: CPU only); when that role is deferred
+    the batch activates it first and deactivates it afterwards, whatever happened.
+    ``models``: the role's models it uses (empty: every one); only those are onloaded for it.
+    ``fields``: the :class:`SampleField` records it writes.
     """
 
     @property
     def name(self) -> str: ...
 
     @property
-    def phase(self) -> str: ...
-
-    @property
     def role(self) -> str | None: ...
 
     @property
-    def writes(self) -> frozenset[str]: ...
+    def models(self) -> tuple[str, ...]: ...
 
     @property
-    def top_k(self) -> int: ...
+    def fields(self) -> tuple[SampleField, ...]: ...
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
-        """Fill ``writes`` on every staged sample; raise on any failure."""
+        """Write ``fields`` on every staged sample (or reshape the batch through ``ctx``);
+        raise on any failure (the batch then fails and nothing is committed)."""
         ...
 
 
-def check_stages(stages: Sequence[Stage]) -> None:
-    """Refuse stages out of the reference's order or writing unknown fields.
+class BatchControl(Protocol):
+    """What a stage may do to the batch it runs in (a
+    :class:`~relax_core.coordination.batch.DeferredBatch` gives each stage its own view).
 
-    :raises ValueError: naming the stage.
+    Every operation keeps the commit gate: more generation takes the generation role's lease
+    back (every other role on its slice sleeping), a stage run through :meth:`run_stage` takes
+    its own role's lease, and nothing is committed before every stage passed.
     """
-    rank = -1
+
+    @property
+    def upstream(self) -> tuple[Stage, ...]:
+        """The stages that ran before this one, in order (to score added samples with)."""
+        ...
+
+    @property
+    def target_groups(self) -> int:
+        """How many groups the step wants committed (``prompts_per_step``)."""
+        ...
+
+    async def generate(
+        self,
+        *,
+        groups: int | None = None,
+        prompts: Sequence[Any] | None = None,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[Sample]:
+        """Generate ``groups`` more groups from the step's prompt source, or one group per
+        prompt of ``prompts`` (``relax_core.run`` ``Prompt`` records), with the policy that
+        generated the batch; return their samples (new ids), not yet in the batch."""
+        ...
+
+    def add(self, samples: Sequence[Sample]) -> list[Sample]:
+        """Add generated ``samples`` (whole groups) to the batch; return their staged copies,
+        which the later stages see and which the caller scores (:meth:`run_stage`)."""
+        ...
+
+    def drop(self, group_ids: Iterable[str], reason: str) -> int:
+        """Take these groups out of the batch (never committed; counted in the step's report
+        with ``reason``); return how many samples left."""
+        ...
+
+    async def run_stage(self, stage: Stage, samples: Sequence[Sample]) -> StageReport:
+        """Run ``stage`` on ``samples`` (staged copies, or samples never in the batch) with
+        its role's lease, as the batch runs its own stages."""
+        ...
+
+
+@attrs.frozen
+class StageContext:
+    """What a stage gets besides the samples: the batch id, the role clients and, in a
+    deferred batch, the batch itself (``batch``; see :class:`BatchControl`, whose operations
+    are forwarded here).
+
+    :raises CoordinationError: (from the forwarded operations) the stage runs outside a batch.
+    """
+
+    batch_id: int
+    clients: RoleClients
+    batch: BatchControl | None = None
+
+    def _control(self, what: str) -> BatchControl:
+        if self.batch is None:
+            raise CoordinationError(
+                f"{what}: this stage reshapes its batch, so it runs inside a DeferredBatch "
+                "(relax run gives it one); here it got samples only"
+            )
+        return self.batch
+
+    @property
+    def upstream(self) -> tuple[Stage, ...]:
+        """:attr:`BatchControl.upstream`."""
+        return self._control("upstream").upstream
+
+    @property
+    def target_groups(self) -> int:
+        """:attr:`BatchControl.target_groups`."""
+        return self._control("target_groups").target_groups
+
+    async def generate(
+        self,
+        *,
+        groups: int | None = None,
+        prompts: Sequence[Any] | None = None,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[Sample]:
+        """:meth:`BatchControl.generate`."""
+        return await self._control("generate").generate(
+            groups=groups,
+            prompts=prompts,
+            samples_per_prompt=samples_per_prompt,
+            temperature=temperature,
+        )
+
+    def add(self, samples: Sequence[Sample]) -> list[Sample]:
+        """:meth:`BatchControl.add`."""
+        return self._control("add").add(samples)
+
+    def drop(self, group_ids: Iterable[str], reason: str) -> int:
+        """:meth:`BatchControl.drop`."""
+        return self._control("drop").drop(group_ids, reason)
+
+    async def run_stage(self, stage: Stage, samples: Sequence[Sample]) -> StageReport:
+        """:meth:`BatchControl.run_stage`."""
+        return await self._control("run_stage").run_stage(stage, samples)
+
+
+def stage_fields(stages: Iterable[Stage]) -> dict[str, SampleField]:
+    """Field name -> its declaration, over ``stages`` (checked by :func:`check_stages`)."""
+    return {f.name: f for stage in stages for f in stage.fields}
+
+
+def check_stages(stages: Sequence[Stage]) -> None:
+    """Refuse two stages of one name, a stage that declares no name or fields properly, and
+    one field declared differently by two stages.
+
+    :raises ValueError: naming the stage (and the other stage, for a field).
+    """
     names: set[str] = set()
+    declared: dict[str, tuple[str, SampleField]] = {}
     for stage in stages:
-        if stage.phase not in PHASES:
-            raise ValueError(f"stage {stage.name!r}: phase {stage.phase!r} is not one of {PHASES}")
-        if PHASES.index(stage.phase) < rank:
+        name = getattr(stage, "name", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"stage {stage!r} has no name")
+        if name in names:
+            raise ValueError(f"two stages are called {name!r}")
+        names.add(name)
+        fields = stage.fields
+        if not isinstance(fields, tuple) or not all(isinstance(f, SampleField) for f in fields):
             raise ValueError(
-                f"stage {stage.name!r} ({stage.phase}) comes after a later phase; stages run "
-                f"in the order {' -> '.join(PHASES)}"
+                f"stage {name!r}: fields must be a tuple of SampleField records, got {fields!r}"
             )
-        rank = PHASES.index(stage.phase)
-        unknown = set(stage.writes) - set(SCORED_FIELDS)
-        if unknown:
-            raise ValueError(
-                f"stage {stage.name!r} writes unknown fields {sorted(unknown)}; scored fields "
-                f"are {SCORED_FIELDS}"
-            )
-        if stage.name in names:
-            raise ValueError(f"two stages are called {stage.name!r}")
-        names.add(stage.name)
+        for field in fields:
+            seen = declared.get(field.name)
+            if seen is not None and seen[1] != field:
+                raise ValueError(
+                    f"stages {seen[0]!r} and {name!r} both write field {field.name!r} but "
+                    "declare it differently; rename one stage's field"
+                )
+            declared.setdefault(field.name, (name, field))

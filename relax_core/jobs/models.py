@@ -72,24 +72,12 @@ class ModelHandle(Protocol):
         ...
 
 
-class LocalModel:
-    """A model whose manager runs in this process (an :class:`InferenceManager`, or
-    :class:`ExternalEngines` for engines started by someone else), and its router."""
+class _Named:
+    """Which model of which role a handle drives (what both homes share)."""
 
-    def __init__(
-        self,
-        role: str,
-        model_id: str,
-        manager: InferenceManager | ExternalEngines,
-        *,
-        router: RouterProcess | None = None,
-        router_timeout: float = 60.0,
-    ) -> None:
+    def __init__(self, role: str, model_id: str) -> None:
         self._role = role
         self._model_id = model_id
-        self.manager = manager
-        self.router = router
-        self.router_timeout = router_timeout
 
     @property
     def role(self) -> str:
@@ -105,6 +93,25 @@ class LocalModel:
     def key(self) -> str:
         """``role.model``."""
         return f"{self._role}.{self._model_id}"
+
+
+class LocalModel(_Named):
+    """A model whose manager runs in this process (an :class:`InferenceManager`, or
+    :class:`ExternalEngines` for engines started by someone else), and its router."""
+
+    def __init__(
+        self,
+        role: str,
+        model_id: str,
+        manager: InferenceManager | ExternalEngines,
+        *,
+        router: RouterProcess | None = None,
+        router_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(role, model_id)
+        self.manager = manager
+        self.router = router
+        self.router_timeout = router_timeout
 
     def start(self) -> LifecycleResult:
         """See :func:`~relax_core.manager.actor.start_behind_router`."""
@@ -138,7 +145,7 @@ class LocalModel:
         """Nothing to let go of: the manager is an object of this process."""
 
 
-class RayModel:
+class RayModel(_Named):
     """A model whose manager a :class:`~relax_core.manager.actor.ManagerActor` hosts.
 
     ``shutdown_timeout`` bounds :meth:`shutdown` (a manager busy with a lifecycle call
@@ -155,26 +162,10 @@ class RayModel:
         shutdown_timeout: float = 120.0,
         query_timeout: float = 60.0,
     ) -> None:
-        self._role = role
-        self._model_id = model_id
+        super().__init__(role, model_id)
         self.actor = actor
         self.shutdown_timeout = shutdown_timeout
         self.query_timeout = query_timeout
-
-    @property
-    def role(self) -> str:
-        """The model's role."""
-        return self._role
-
-    @property
-    def model_id(self) -> str:
-        """The model's id in its role."""
-        return self._model_id
-
-    @property
-    def key(self) -> str:
-        """``role.model``."""
-        return f"{self._role}.{self._model_id}"
 
     def _get(self, method: str, timeout: float | None = None) -> Any:
         import ray

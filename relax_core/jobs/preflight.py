@@ -13,8 +13,9 @@ only show 45-90 s later as an engine's failed start or a raw traceback.
   told ``--skip-tokenizer-init``. A missing one is refused with the engine backend's
   ``model_hint`` (how to make one). On a Ray cluster given by ``--address`` a missing
   *absolute* path may exist on the engines' nodes only: it is a warning there, not a problem.
-- **the dataset** (``relax run``'s ``[run] dataset``): readable, and every JSONL line valid;
-  each bad line is named as ``file:line`` (the first ten, then a count).
+- (``relax run`` reports beside these, in the same pass, what its prompt sources find: a
+  JSONL dataset unreadable, or each bad line as ``file:line`` — :func:`relax_core.run.
+  source_problems`.)
 - **ports** (:func:`port_problems`): every fixed gateway port free on its host, and no two
   gateways on one host and port, named by key path (``roles.genrm.gateway.port``).
 - **the Ray address** (:func:`ray_address_problem`): a ``--address`` of ``host:port`` (or
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -261,7 +261,6 @@ def job_preflight(
     pm: PluginManager,
     *,
     address: str | None = None,
-    datasets: Sequence[tuple[str, str]] = (),
     gateways: bool = False,
 ) -> Preflight:
     """Every problem of ``config`` (as loaded: relative model paths are taken relative to
@@ -270,15 +269,10 @@ def job_preflight(
 
     :param address: ``--address``, if given: checked for an answer; a cluster also makes a
         missing absolute model path a warning.
-    :param datasets: ``(key path, file)`` of each JSONL dataset the command reads.
     :param gateways: the command starts the role gateways: their ports are checked.
     """
-    from relax_core.run.data import read_jsonl
-
     remote = address not in (None, "local")
     problems, warnings = model_dir_problems(config, pm, remote=remote)
-    for key, path in datasets:
-        problems += read_jsonl(path, key=key)[1]
     if gateways:
         problems += port_problems(config, local=not remote)
     found = ray_address_problem(address)

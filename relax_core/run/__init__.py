@@ -1,7 +1,10 @@
 """``relax run``: the inference side of RL steps closed into a loop with a trainer.
 
 - :mod:`~relax_core.run.config`: the job file's ``[run]`` table (:class:`RunConfig`);
-- :mod:`~relax_core.run.data`: the prompt sources (generated arithmetic, JSONL files);
+- :mod:`~relax_core.run.data`: prompt sources (registered; the core's: generated arithmetic,
+  JSONL files) and how ``dataset`` finds one;
+- :mod:`~relax_core.run.stages`: a step's stages built from its stage tables through the
+  registered stage kinds, and the core's two, ``reward`` and ``eval``;
 - :mod:`~relax_core.run.generate`: the producer (groups of samples through the rollout route);
 - :mod:`~relax_core.run.job`: what a run brings up on Ray (managers in actors, the trainer,
   the coordinator, the batch sink) and takes down;
@@ -16,16 +19,34 @@ See ``docs/run.md``.
 """
 
 from relax_core._exports import claim as _claim
-from relax_core.run.config import RewardWeight, RunConfig, parse_run_config
-from relax_core.run.data import ArithmeticSource, JsonlSource, Prompt, PromptSource, open_source
+from relax_core.run.config import RunConfig, StageTable, parse_run_config
+from relax_core.run.data import (
+    ArithmeticSource,
+    JsonlSource,
+    Prompt,
+    PromptSource,
+    SourceRequest,
+    find_source,
+    open_source,
+    source_problems,
+)
 from relax_core.run.job import RunJob, run_problems
 from relax_core.run.loop import FailedStep, RunSummary, run_loop
 from relax_core.run.measure import SwitchProbe, switch_report
 from relax_core.run.progress import Printer
+from relax_core.run.stages import (
+    EvalStage,
+    RewardWeight,
+    StageConfig,
+    build_stages,
+    read_rewards,
+    stage_problems,
+)
 from relax_core.run.trainer import Trainer, TrainerContext, load_trainer_class, start_trainer
 
 __all__ = [
     "ArithmeticSource",
+    "EvalStage",
     "FailedStep",
     "JsonlSource",
     "Printer",
@@ -35,14 +56,22 @@ __all__ = [
     "RunConfig",
     "RunJob",
     "RunSummary",
+    "SourceRequest",
+    "StageConfig",
+    "StageTable",
     "SwitchProbe",
     "Trainer",
     "TrainerContext",
+    "build_stages",
+    "find_source",
     "load_trainer_class",
     "open_source",
     "parse_run_config",
+    "read_rewards",
     "run_loop",
     "run_problems",
+    "source_problems",
+    "stage_problems",
     "start_trainer",
     "switch_report",
 ]

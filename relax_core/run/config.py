@@ -1,10 +1,17 @@
 """The ``[run]`` table of a job file: what ``relax run`` does each step.
 
-Parsed with the job file's own rules (:mod:`relax_core.config`): types, ranges and choices are
-checked, unknown keys are errors with a "did you mean" hint, and every problem is reported at
-once with its key path (``run.rewards[1].weight``). What the table says about the roles (that
-``reward_role`` is configured, that the generation role is updatable, the defer preflight) is
-checked against the whole job by :func:`relax_core.run.job.run_problems`.
+Parsed with the job file's own rules (:class:`~relax_core.config.ConfigReader`): types, ranges
+and choices are checked, unknown keys are errors with a "did you mean" hint, and every problem
+is reported at once with its key path (``run.stages[1].top_k``).
+
+A step's stages are listed in order as ``[[run.stages]]`` tables, each naming a registered kind
+of stage (``stage = "reward"``) with its own keys; only their common keys (``stage``,
+``name``, ``role``, ``models``) are read here, the rest by the stage's own builder
+(:mod:`relax_core.run.stages`). Without ``[[run.stages]]``, the shorthand keys describe
+today's step: ``rewards`` (and ``reward_role``) make the reward stage, ``teacher_role`` (and
+``teacher_mode``, ``top_k``) the distillation stage after it. What the table says about the
+roles (that a stage's role is configured, that the generation role is updatable) is checked
+against the whole job by :func:`relax_core.run.job.run_problems`.
 
 ``docs/run.md`` lists every key.
 """
@@ -22,17 +29,16 @@ from relax_core.config import ConfigReader, JobConfig
 from relax_core.records import NAME_PATTERN
 
 __all__ = [
-    "ARITHMETIC",
     "DEFAULT_TRAINER",
+    "DISTILL_STAGE",
     "PUSH_FORMATS",
+    "REWARD_STAGE",
     "TEACHER_MODES",
-    "RewardWeight",
     "RunConfig",
+    "StageTable",
     "parse_run_config",
 ]
 
-#: The built-in prompt source: generated arithmetic questions with known answers.
-ARITHMETIC = "arithmetic"
 #: ``teacher_mode`` values: the teacher's log-prob of each sampled token, or its top-k.
 TEACHER_MODES = ("sampled", "top-k")
 #: ``push_format`` values: the trainer's weights as safetensors bytes (any host, any device),
@@ -42,39 +48,64 @@ PUSH_FORMATS = ("safetensors", "ipc")
 #: reference torch trainer (GRPO plus distillation), which the ``relax-torch-trainer``
 #: distribution registers.
 DEFAULT_TRAINER = "grpo"
+#: The kind of stage the ``rewards`` shorthand makes (the core's own reward stage).
+REWARD_STAGE = "reward"
+#: The kind of stage the ``teacher_role`` shorthand makes: the distillation prefill the
+#: ``relax-teacher`` distribution registers.
+DISTILL_STAGE = "distill"
+
+#: Every stage table's own keys; the others are the stage kind's options.
+COMMON_STAGE_KEYS = ("stage", "name", "role", "models")
+#: Keys the table no longer has, and where what they did went.
+_MOVED = {
+    "eval_dataset": 'evaluation is a stage: [[run.stages]] stage = "eval" with its dataset',
+    "filter_hooks": "a filter is a stage: list it under [[run.stages]] (e.g. the "
+    'relax-dynamic-sampling plugin\'s stage = "dynamic-sampling")',
+    "dynamic_batch": "over-sampling to fill the batch is a stage: [[run.stages]] stage = "
+    '"dynamic-sampling" (the relax-dynamic-sampling plugin)',
+}
 
 
 @attrs.frozen
-class RewardWeight:
-    """One reward adapter of the reward stage and its weight in the sample's reward."""
+class StageTable:
+    """One stage of the step as the job file gives it: its kind (a registered
+    :class:`~relax_core.records.StageSpec`), its name in the step (default: its role, else its
+    kind), the role whose lease it takes, the models of that role it uses, the rest of its
+    table (``options``, read by the kind's builder) and the key path of the table
+    (``run.stages[2]``); ``keys`` maps a key of the table to where the job file has it when
+    that is elsewhere (the shorthand's ``role`` is ``run.teacher_role``)."""
 
-    adapter: str
-    weight: float = 1.0
+    kind: str
+    name: str
+    role: str | None = None
+    models: tuple[str, ...] = ()
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    path: str = "run"
+    keys: Mapping[str, str] = attrs.field(factory=dict)
+
+    def key(self, option: str) -> str:
+        """The key path of one of the table's keys (``run.stages[2].top_k``)."""
+        return self.keys.get(option, f"{self.path}.{option}")
 
 
 @attrs.frozen
 class RunConfig:
     """What each step of ``relax run`` does (the ``[run]`` table).
 
-    ``dataset`` is :data:`ARITHMETIC` or the path of a JSONL file (resolved against the job
-    file's directory). ``reward_role`` is the role the reward stage's model-backed adapters
-    call (its lease is taken for the stage when it is deferred); ``teacher_role`` the role
-    prefilled for distillation (none: no teacher stage). The features a deferred batch cannot
-    stage (``partial_rollout``, ``dynamic_batch``, ``filter_hooks``, ``eval_dataset``) are
-    accepted as keys only so the defer preflight can say why they are refused.
+    ``dataset`` names a registered prompt source or a file one reads (as written; resolved
+    against the job file's directory, ``base``, when opened). ``stages`` are the step's
+    stages in order (:class:`StageTable`). ``distill_coef`` and the learning settings are the
+    trainer's. ``partial_rollout`` is accepted only so the defer preflight can say why it is
+    refused.
     """
 
     steps: int = 3
-    dataset: str = ARITHMETIC
+    dataset: str = "arithmetic"
     prompts_per_step: int = 4
     samples_per_prompt: int = 4
     max_new_tokens: int = 16
     temperature: float = 1.0
-    rewards: tuple[RewardWeight, ...] = ()
-    reward_role: str | None = None
-    teacher_role: str | None = None
-    teacher_mode: str = "sampled"
-    top_k: int = 8
+    stages: tuple[StageTable, ...] = ()
     distill_coef: float = 1.0
     learning_rate: float = 1e-5
     clip: float = 0.2
@@ -85,18 +116,23 @@ class RunConfig:
     operation_timeout: float = 180.0
     request_timeout: float = 300.0
     partial_rollout: bool = False
-    dynamic_batch: bool = False
-    filter_hooks: tuple[str, ...] = ()
-    eval_dataset: str | None = None
+    base: str | None = None
 
-    @property
-    def teacher_top_k(self) -> int:
-        """The top-k width the teacher stage asks for (0 in sampled mode)."""
-        return self.top_k if self.teacher_mode == "top-k" else 0
+    def stage(self, name: str) -> StageTable:
+        """The stage called ``name``; :class:`KeyError` naming the step's stages otherwise."""
+        for table in self.stages:
+            if table.name == name:
+                return table
+        raise KeyError(f"no stage {name!r}; the step's stages: {[t.name for t in self.stages]}")
 
 
-_KEYS = tuple(f.name for f in attrs.fields(RunConfig))
-_REWARD_KEYS = ("adapter", "weight")
+_SHORTHAND = ("rewards", "reward_role", "teacher_role", "teacher_mode", "top_k")
+_KEYS = (
+    *[f.name for f in attrs.fields(RunConfig) if f.name not in ("stages", "base")],
+    "stages",
+    *_SHORTHAND,
+    *_MOVED,
+)
 
 
 def _device(v: Any) -> str | None:
@@ -122,43 +158,41 @@ def _trainer(v: Any) -> str | None:
 def parse_run_config(job: JobConfig) -> RunConfig:
     """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults).
 
-    A relative ``dataset`` path is resolved against the directory of the job file
-    (``job.source``; the working directory for a config given as text).
-
     :raises ConfigValidationError: every problem, each with its ``run.*`` key path.
     """
     r = ConfigReader()
     p = "run"
     t = r.table(dict(job.run), p, _KEYS)
     v = r.value
-    rewards = _rewards(r, t.get("rewards"))
-    dataset = v(t, p, "dataset", str, ARITHMETIC, check=ConfigReader.non_empty)
-    if dataset != ARITHMETIC:
-        dataset = _resolve(dataset, job.source)
-    teacher_role = v(t, p, "teacher_role", str, None, check=ConfigReader.non_empty)
-    mode = v(t, p, "teacher_mode", str, "sampled", check=ConfigReader.one_of(TEACHER_MODES))
-    if "top_k" in t and mode != "top-k":
-        r.problem(f"{p}.top_k", "teacher-mode", "top_k applies to teacher_mode = 'top-k' only")
-    for key in ("teacher_mode", "top_k", "distill_coef"):
-        if key in t and teacher_role is None:
+    for key, where in _MOVED.items():
+        if key in t:
+            r.problem(f"{p}.{key}", "moved", f"no longer a [run] key: {where} (docs/run.md)")
+    if "stages" in t:
+        given = [k for k in _SHORTHAND if k in t]
+        if given:
             r.problem(
-                f"{p}.{key}",
-                "teacher-role",
-                "there is no teacher stage without teacher_role; name the role to distill from",
+                f"{p}.{given[0]}",
+                "stages",
+                f"{', '.join(given)} describe the default stages; with [[run.stages]] give "
+                "every stage there instead (a reward stage lists its rewards in its own table)",
             )
-    eval_dataset = v(t, p, "eval_dataset", str, None, check=ConfigReader.non_empty)
+        stages = _stage_tables(r, t["stages"])
+    else:
+        stages = _shorthand(r, t)
+    if "distill_coef" in t and "stages" not in t and "teacher_role" not in t:
+        r.problem(
+            f"{p}.distill_coef",
+            "teacher-role",
+            "there is no teacher stage without teacher_role; name the role to distill from",
+        )
     config = RunConfig(
         steps=v(t, p, "steps", int, 3, check=ConfigReader.at_least(1)),
-        dataset=dataset,
+        dataset=v(t, p, "dataset", str, "arithmetic", check=ConfigReader.non_empty),
         prompts_per_step=v(t, p, "prompts_per_step", int, 4, check=ConfigReader.at_least(1)),
         samples_per_prompt=v(t, p, "samples_per_prompt", int, 4, check=ConfigReader.at_least(1)),
         max_new_tokens=v(t, p, "max_new_tokens", int, 16, check=ConfigReader.at_least(1)),
         temperature=v(t, p, "temperature", float, 1.0, check=ConfigReader.at_least(0)),
-        rewards=rewards,
-        reward_role=v(t, p, "reward_role", str, None, check=ConfigReader.non_empty),
-        teacher_role=teacher_role,
-        teacher_mode=mode,
-        top_k=v(t, p, "top_k", int, 8, check=ConfigReader.at_least(1)),
+        stages=stages,
         distill_coef=v(t, p, "distill_coef", float, 1.0, check=ConfigReader.at_least(0)),
         learning_rate=v(t, p, "learning_rate", float, 1e-5, check=ConfigReader.positive),
         clip=v(t, p, "clip", float, 0.2, check=ConfigReader.positive),
@@ -171,9 +205,7 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         operation_timeout=v(t, p, "operation_timeout", float, 180.0, check=ConfigReader.positive),
         request_timeout=v(t, p, "request_timeout", float, 300.0, check=ConfigReader.positive),
         partial_rollout=v(t, p, "partial_rollout", bool, False),
-        dynamic_batch=v(t, p, "dynamic_batch", bool, False),
-        filter_hooks=r.str_list(t, p, "filter_hooks"),
-        eval_dataset=eval_dataset,
+        base=_base(job.source),
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
         r.problem(
@@ -186,39 +218,103 @@ def parse_run_config(job: JobConfig) -> RunConfig:
     return config
 
 
-def _resolve(path: str, source: str | None) -> str:
-    if os.path.isabs(path) or source is None:
-        return os.path.abspath(path)
-    return str((Path(source).resolve().parent / path).resolve())
+def _base(source: str | None) -> str | None:
+    """The directory relative paths of the run are relative to: the job file's."""
+    if source is None:
+        return None
+    return str(Path(source).resolve().parent)
 
 
-def _rewards(r: ConfigReader, raw: object) -> tuple[RewardWeight, ...]:
-    p = "run.rewards"
-    if raw is None:
-        r.problem(
-            p,
-            "required",
-            'give at least one reward adapter: rewards = [{ adapter = "exact-match" }]',
-        )
-        return ()
+def resolve_path(path: str, base: str | None) -> str:
+    """``path`` made absolute against ``base`` (the job file's directory; the working
+    directory without one)."""
+    if os.path.isabs(path):
+        return path
+    return str((Path(base) if base else Path.cwd()).joinpath(path).resolve())
+
+
+def _stage_tables(r: ConfigReader, raw: object) -> tuple[StageTable, ...]:
+    """``[[run.stages]]``: each table's common keys checked, its name unique."""
+    p = "run.stages"
     if not isinstance(raw, list) or not raw:
-        r.problem(p, "type", f"must be a non-empty list of {{adapter, weight}} tables, got {raw!r}")
+        r.problem(p, "type", "must be a non-empty list of [[run.stages]] tables")
         return ()
-    out: list[RewardWeight] = []
-    seen: set[str] = set()
+    out: list[StageTable] = []
+    names: dict[str, str] = {}
     for i, entry in enumerate(raw):
         where = f"{p}[{i}]"
         if not isinstance(entry, Mapping):
-            r.problem(where, "type", f"must be a table {{adapter, weight}}, got {entry!r}")
+            r.problem(where, "type", f"must be a table, got {entry!r}")
             continue
-        t = r.table(dict(entry), where, _REWARD_KEYS)
-        name = r.value(t, where, "adapter", str, None, required=True, check=ConfigReader.non_empty)
-        weight = r.value(t, where, "weight", float, 1.0, check=ConfigReader.finite)
-        if name is None:
+        t = dict(entry)
+        kind = r.value(t, where, "stage", str, None, required=True, check=_stage_name)
+        role = r.value(t, where, "role", str, None, check=ConfigReader.non_empty)
+        name = r.value(t, where, "name", str, None, check=_stage_name)
+        models = r.str_list(t, where, "models")
+        if kind is None:
             continue
-        if name in seen:
-            r.problem(f"{where}.adapter", "duplicate", f"reward adapter {name!r} is listed twice")
+        name = name or role or kind
+        if name in names:
+            r.problem(
+                f"{where}.name",
+                "duplicate",
+                f"two stages are called {name!r} ({names[name]} and {where}); give each a "
+                'name = "..." of its own',
+            )
             continue
-        seen.add(name)
-        out.append(RewardWeight(name, weight))
+        names[name] = where
+        options = {k: val for k, val in t.items() if k not in COMMON_STAGE_KEYS}
+        out.append(StageTable(kind, name, role, models, options, where))
     return tuple(out)
+
+
+def _stage_name(v: Any) -> str | None:
+    if NAME_PATTERN.match(v):
+        return None
+    return "must start with a letter and hold only letters, digits, '_', '.' and '-'"
+
+
+def _shorthand(r: ConfigReader, t: Mapping[str, Any]) -> tuple[StageTable, ...]:
+    """The default stages from ``rewards`` / ``reward_role`` and ``teacher_role`` /
+    ``teacher_mode`` / ``top_k`` (key paths stay ``run.*``)."""
+    p = "run"
+    if "rewards" not in t:
+        r.problem(
+            f"{p}.rewards",
+            "required",
+            'give at least one reward adapter: rewards = [{ adapter = "exact-match" }] (or '
+            "list the step's stages as [[run.stages]])",
+        )
+    reward_role = r.value(t, p, "reward_role", str, None, check=ConfigReader.non_empty)
+    teacher_role = r.value(t, p, "teacher_role", str, None, check=ConfigReader.non_empty)
+    mode = r.value(t, p, "teacher_mode", str, "sampled", check=ConfigReader.one_of(TEACHER_MODES))
+    top_k = r.value(t, p, "top_k", int, 8, check=ConfigReader.at_least(1))
+    if "top_k" in t and mode != "top-k":
+        r.problem(f"{p}.top_k", "teacher-mode", "top_k applies to teacher_mode = 'top-k' only")
+    for key in ("teacher_mode", "top_k"):
+        if key in t and teacher_role is None:
+            r.problem(
+                f"{p}.{key}",
+                "teacher-role",
+                "there is no teacher stage without teacher_role; name the role to distill from",
+            )
+    stages = [
+        StageTable(
+            REWARD_STAGE,
+            reward_role or "rewards",
+            reward_role,
+            options={"rewards": t.get("rewards")} if "rewards" in t else {},
+            keys={"role": "run.reward_role", "stage": "run.rewards"},
+        )
+    ]
+    if teacher_role is not None:
+        options = {"mode": mode, "top_k": top_k} if mode == "top-k" else {"mode": mode}
+        keys = {
+            "role": "run.teacher_role",
+            "stage": "run.teacher_role",
+            "mode": "run.teacher_mode",
+        }
+        stages.append(
+            StageTable(DISTILL_STAGE, teacher_role, teacher_role, options=options, keys=keys)
+        )
+    return tuple(stages)

@@ -1,6 +1,10 @@
-"""Where ``relax run`` takes each step's prompts from.
+"""Where ``relax run`` takes each step's prompts from: prompt sources, registered through the
+``relax_register_data_sources`` hook (:class:`~relax_core.records.DataSourceSpec`).
 
-Two sources, both deterministic:
+``[run] dataset`` (and an eval stage's ``dataset``) names a registered source, or a file whose
+suffix a source claims; :func:`find_source` resolves it, :func:`open_source` opens it and
+:func:`source_problems` runs the source's own check (before anything starts). The core
+registers two sources, both deterministic:
 
 - :class:`ArithmeticSource` (``dataset = "arithmetic"``): generated questions with known
   answers (``What is 7 + 5?`` → label ``12``), so a rule reward can check them; needs no
@@ -27,15 +31,22 @@ import attrs
 
 from relax_core.config import ConfigProblem
 from relax_core.errors import ConfigValidationError
+from relax_core.hookspecs import hookimpl
+from relax_core.records import DataSourceSpec, PluginLookup
 
 __all__ = [
+    "ARITHMETIC",
+    "JSONL",
     "MAX_LINE_PROBLEMS",
     "ArithmeticSource",
     "JsonlSource",
     "Prompt",
     "PromptSource",
+    "SourceRequest",
+    "find_source",
     "open_source",
     "read_jsonl",
+    "source_problems",
 ]
 
 
@@ -186,11 +197,118 @@ def _parse_line(line: str, where: str) -> Prompt | str:
     return Prompt(prompt, label, metadata, where)
 
 
-def open_source(dataset: str, *, seed: int = 0) -> PromptSource:
-    """The source ``dataset`` names: ``arithmetic`` or a JSONL file path.
+@attrs.frozen
+class SourceRequest:
+    """What a source is opened with: ``dataset`` as the job file gives it, ``file`` the file it
+    names resolved against the job file (``None`` for a source named by its own name), the
+    run's ``seed``, and the key path problems are reported at (``run.dataset``)."""
 
-    :raises ConfigValidationError: see :class:`JsonlSource`.
+    dataset: str
+    file: str | None = None
+    seed: int = 0
+    key: str = "run.dataset"
+
+
+def find_source(
+    dataset: str,
+    lookup: PluginLookup,
+    *,
+    seed: int = 0,
+    key: str = "run.dataset",
+    base: str | None = None,
+) -> tuple[DataSourceSpec, SourceRequest] | ConfigProblem:
+    """The source ``dataset`` names and its request: a registered source's name, or a file
+    (relative to the directory ``base``, the job file's; the working directory without one)
+    whose suffix a source claims (the longest matching suffix wins); else the problem, at
+    ``key``, listing the registered sources. Pure: reads nothing."""
+    registered = lookup.registered("data_sources")
+    entry = registered.get(dataset)
+    if entry is not None:
+        return entry.record, SourceRequest(dataset, None, seed, key)
+    claims = sorted(
+        ((suffix, reg.record) for reg in registered.values() for suffix in reg.record.suffixes),
+        key=lambda pair: -len(pair[0]),
+    )
+    for suffix, spec in claims:
+        if dataset.endswith(suffix):
+            path = Path(dataset)
+            if not path.is_absolute():
+                path = (Path(base) if base else Path.cwd()) / path
+            return spec, SourceRequest(dataset, str(path.resolve()), seed, key)
+    known = ", ".join(
+        f"{name} ({', '.join(reg.record.suffixes)} files)" if reg.record.suffixes else name
+        for name, reg in sorted(registered.items())
+    )
+    return ConfigProblem(
+        key,
+        "dataset",
+        f"{dataset!r} is neither a registered prompt source nor a file one reads (sources: "
+        f"{known or 'none'}); install the plugin of the source you mean",
+    )
+
+
+def _found(
+    dataset: str, lookup: PluginLookup, **where: Any
+) -> tuple[DataSourceSpec, SourceRequest]:
+    found = find_source(dataset, lookup, **where)
+    if isinstance(found, ConfigProblem):
+        raise ConfigValidationError([found])
+    return found
+
+
+def open_source(dataset: str, lookup: PluginLookup, **where: Any) -> PromptSource:
+    """Open the source ``dataset`` names (see :func:`find_source` for ``where``: ``seed``,
+    ``key``, ``base``).
+
+    :raises ConfigValidationError: no source reads it, or the source refuses its data.
     """
-    if dataset == "arithmetic":
-        return ArithmeticSource(seed)
-    return JsonlSource(dataset)
+    spec, request = _found(dataset, lookup, **where)
+    source: PromptSource = spec.open(request)
+    return source
+
+
+def source_problems(dataset: str, lookup: PluginLookup, **where: Any) -> list[ConfigProblem]:
+    """Every problem with ``dataset`` found before anything starts: none reads it, or its
+    source's own check (the JSONL source reads every line). Reads the data."""
+    found = find_source(dataset, lookup, **where)
+    if isinstance(found, ConfigProblem):
+        return [found]
+    spec, request = found
+    return list(spec.check(request)) if spec.check is not None else []
+
+
+def _open_arithmetic(request: SourceRequest) -> ArithmeticSource:
+    return ArithmeticSource(request.seed)
+
+
+def _open_jsonl(request: SourceRequest) -> JsonlSource:
+    assert request.file is not None
+    return JsonlSource(request.file)
+
+
+def _check_jsonl(request: SourceRequest) -> list[ConfigProblem]:
+    assert request.file is not None
+    return read_jsonl(request.file, key=request.key)[1]
+
+
+#: Generated arithmetic questions with their answers as labels (``dataset = "arithmetic"``).
+ARITHMETIC = DataSourceSpec(
+    name="arithmetic",
+    open=_open_arithmetic,
+    description="Generated arithmetic questions (+, -, * of 0-20) with their answers as labels.",
+)
+#: Prompts from a JSONL file (``dataset = "train.jsonl"``), every line checked up front.
+JSONL = DataSourceSpec(
+    name="jsonl",
+    open=_open_jsonl,
+    suffixes=(".jsonl",),
+    check=_check_jsonl,
+    description="One JSON object per line: prompt, label, metadata; every line checked first.",
+)
+
+
+@hookimpl
+def relax_register_data_sources(register: Any) -> None:
+    """Register the core's prompt sources: ``arithmetic`` and ``jsonl``."""
+    register(ARITHMETIC)
+    register(JSONL)

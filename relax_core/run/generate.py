@@ -9,6 +9,11 @@ replica head) with the group id as affinity key. Each answer becomes a
 log-probs, the label and metadata of its prompt, the weight version that generated it), and
 each completed group goes to the step's :class:`~relax_core.coordination.DeferredCollector`.
 
+:class:`StepProducer` is what a step generates with: the step's first groups (its
+``prompts_per_step`` prompts from the data source), and more on a stage's request while the
+batch is in flight (a filter filling the batch up, an evaluation's held-out prompts), every
+group of a step with an index of its own (``b{step}-p{index}``).
+
 Prompts are tokenized here with the generation model's ``tokenizer.json`` (the ``tokenizers``
 library, which comes with the ``hf`` engine), so the samples carry the exact ids the engine saw.
 """
@@ -28,9 +33,9 @@ from relax_core.coordination.batch import DeferredCollector
 from relax_core.coordination.sample import Sample
 from relax_core.errors import ConfigError, UpstreamError
 from relax_core.run.config import RunConfig
-from relax_core.run.data import Prompt
+from relax_core.run.data import Prompt, PromptSource
 
-__all__ = ["Generator", "PromptTokenizer"]
+__all__ = ["Generator", "PromptTokenizer", "StepProducer"]
 
 
 class PromptTokenizer:
@@ -96,25 +101,63 @@ class Generator:
         collector: DeferredCollector,
         *,
         on_group: Callable[[int], None] | None = None,
+        first_index: int = 0,
     ) -> None:
         """Generate every prompt's group and add each to ``collector`` as it completes.
 
-        ``on_group(groups_done)`` is called after each group (progress).
+        ``on_group(groups_done)`` is called after each group (progress). Group ``i`` of
+        ``prompts`` is ``b{batch_id}-p{first_index + i}``.
 
         :raises UpstreamError: a request failed or its answer is not a sampled group (what the
             engine answered is quoted); groups completed before it stay in ``collector``.
         """
         done = 0
 
-        async def one(index: int, prompt: Prompt) -> None:
+        def add(_index: int, group: list[Sample]) -> None:
             nonlocal done
-            group = await self._group(batch_id, index, prompt)
             collector.add(group)
             done += 1
             if on_group is not None:
                 on_group(done)
 
-        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+        await self._each(batch_id, prompts, first_index, add)
+
+    async def groups(
+        self,
+        batch_id: int,
+        prompts: Sequence[Prompt],
+        *,
+        first_index: int = 0,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[Sample]]:
+        """Every prompt's group, in the order of ``prompts`` (``samples_per_prompt`` and
+        ``temperature`` override the run's).
+
+        :raises UpstreamError: as :meth:`generate`.
+        """
+        out: list[list[Sample] | None] = [None] * len(prompts)
+
+        def keep(index: int, group: list[Sample]) -> None:
+            out[index - first_index] = group
+
+        await self._each(batch_id, prompts, first_index, keep, samples_per_prompt, temperature)
+        return [g for g in out if g is not None]
+
+    async def _each(
+        self,
+        batch_id: int,
+        prompts: Sequence[Prompt],
+        first_index: int,
+        each: Callable[[int, list[Sample]], None],
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        async def one(index: int, prompt: Prompt) -> None:
+            group = await self._group(batch_id, index, prompt, samples_per_prompt, temperature)
+            each(index, group)
+
+        tasks = [asyncio.ensure_future(one(first_index + i, p)) for i, p in enumerate(prompts)]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -122,10 +165,18 @@ class Generator:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _group(self, batch_id: int, index: int, prompt: Prompt) -> list[Sample]:
+    async def _group(
+        self,
+        batch_id: int,
+        index: int,
+        prompt: Prompt,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[Sample]:
         ids = self.tokenizer.encode(prompt.prompt)
         group_id = f"b{batch_id}-p{index}"
-        run, n = self.settings, self.settings.samples_per_prompt
+        run = self.settings
+        n = samples_per_prompt or run.samples_per_prompt
         body = {
             "input_ids": ids,
             "sampling_params": {
@@ -133,7 +184,7 @@ class Generator:
                 "max_new_tokens": run.max_new_tokens,
                 # an empty response has nothing to score, train on or distill
                 "min_new_tokens": 1,
-                "temperature": run.temperature,
+                "temperature": run.temperature if temperature is None else temperature,
                 "sampling_seed": _seed(run.seed, batch_id, index),
             },
             "return_logprob": True,
@@ -151,6 +202,63 @@ class Generator:
         return [
             _sample(f"{group_id}-s{j}", group_id, ids, prompt, a) for j, a in enumerate(answers)
         ]
+
+
+class StepProducer:
+    """What each step generates with: ``generator`` over the run's prompt ``source``.
+
+    :meth:`first` generates a step's first groups; :meth:`generate` (a
+    :class:`~relax_core.coordination.batch.Producer`) more while its batch is in flight. Group
+    indexes go on across both within a step, so every group of a step has an id of its own.
+    """
+
+    def __init__(self, generator: Generator, source: PromptSource) -> None:
+        self.generator = generator
+        self.source = source
+        self._next: dict[int, int] = {}
+
+    def _indexes(self, batch_id: int, count: int) -> int:
+        """The first of ``count`` new group indexes of batch ``batch_id``."""
+        first = self._next.get(batch_id, 0)
+        self._next = {batch_id: first + count}  # earlier batches are done with
+        return first
+
+    async def first(
+        self,
+        batch_id: int,
+        collector: DeferredCollector,
+        *,
+        on_group: Callable[[int], None] | None = None,
+    ) -> None:
+        """The step's ``prompts_per_step`` prompts from the source, each group into
+        ``collector`` as it completes (see :meth:`Generator.generate`)."""
+        prompts = self.source.take(self.generator.settings.prompts_per_step)
+        first = self._indexes(batch_id, len(prompts))
+        await self.generator.generate(
+            batch_id, prompts, collector, on_group=on_group, first_index=first
+        )
+
+    async def generate(
+        self,
+        batch_id: int,
+        *,
+        groups: int | None = None,
+        prompts: Sequence[Any] | None = None,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[Sample]]:
+        """``groups`` more groups from the source, or one per prompt of ``prompts``."""
+        chosen: Sequence[Prompt] = (
+            list(prompts) if prompts is not None else self.source.take(groups or 0)
+        )
+        first = self._indexes(batch_id, len(chosen))
+        return await self.generator.groups(
+            batch_id,
+            chosen,
+            first_index=first,
+            samples_per_prompt=samples_per_prompt,
+            temperature=temperature,
+        )
 
 
 def _sample(sample_id: str, group_id: str, ids: list[int], prompt: Prompt, answer: Any) -> Sample:

@@ -40,6 +40,7 @@ from relax_core.config import ConfigProblem, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.slices import defer_slices
+from relax_core.coordination.stages import Stage, stage_fields
 from relax_core.errors import RelaxError
 from relax_core.jobs.runtime import JobRuntime, Say
 from relax_core.jobs.teardown import Stop
@@ -62,15 +63,20 @@ def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
 
 def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[str]:
     """Every reason ``relax run`` cannot run ``config`` with ``run``, as ``key.path: [rule]
-    message`` lines; empty when it can. Pure: starts nothing.
+    message`` lines; empty when it can. Pure: starts nothing (its data source's check reads
+    its data).
 
     The job's own checks (:func:`relax_core.jobs.check_job`), then the ``[run]`` table
-    against the job: one generation role with one local, updatable model; the reward and
-    teacher roles configured; the reward adapters registered; the trainer importable; and, in
-    a defer layout, :func:`~relax_core.coordination.deferred_workload_problems` filled from
-    the table (the preflight's key paths are ``run.*``).
+    against the job: one generation role with one local, updatable model; the prompt source;
+    every stage built by its kind (its role configured, its own keys checked, a reward
+    adapter registered — and in a defer layout declaring ``supports_deferred``); the trainer
+    importable; and, in a defer layout, :func:`~relax_core.coordination.
+    deferred_workload_problems` filled from the table (the preflight's key paths are
+    ``run.*``).
     """
     from relax_core.jobs.checks import check_job
+    from relax_core.run.data import source_problems
+    from relax_core.run.stages import stage_problems
     from relax_core.run.trainer import load_trainer_class
 
     problems = list(check_job(config, pm))
@@ -91,66 +97,27 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
         )
     else:
         out += _generation_problems(config.role(gen).models, pm)
-    for key in ("reward_role", "teacher_role"):
-        role = getattr(run, key)
-        if role is not None and role not in roles:
-            out.append(
-                ConfigProblem(
-                    f"run.{key}",
-                    "reference",
-                    f"role {role!r} is not configured under [roles] (configured: "
-                    f"{', '.join(sorted(roles))})",
-                )
-            )
-        elif role is not None and role == gen:
-            out.append(
-                ConfigProblem(
-                    f"run.{key}",
-                    "generation-role",
-                    f"{role!r} generates the batch; a scoring stage runs on another role",
-                )
-            )
     defer = tuple(r for r in config.placement.defer_roles if r in roles)
-    registered = pm.registered("reward_adapters")
-    if not defer:
-        for i, reward in enumerate(run.rewards):
-            if reward.adapter not in registered:
-                out.append(
-                    ConfigProblem(
-                        f"run.rewards[{i}]",
-                        "plugin",
-                        f"no reward adapter {reward.adapter!r} is registered (registered: "
-                        f"{', '.join(sorted(registered)) or 'none'}); install its plugin",
-                    )
-                )
-        for key in ("partial_rollout", "dynamic_batch", "filter_hooks", "eval_dataset"):
-            if getattr(run, key):
-                out.append(
-                    ConfigProblem(f"run.{key}", "unsupported", "relax run does not implement it")
-                )
-    else:
+    out += source_problems(run.dataset, pm, seed=run.seed, base=run.base)
+    out += stage_problems(
+        run, pm, roles=config.role_names, generation_role=gen, deferred_roles=defer
+    )
+    if defer:
         workload = DeferredWorkload(
             defer_roles=defer,
             generation_models=config.role(gen).model_names if gen else (),
-            reward_adapters=tuple(r.adapter for r in run.rewards),
-            reward_role=run.reward_role,
-            reward_models=config.role(run.reward_role).model_names
-            if run.reward_role in roles
-            else (),
             partial_rollout=run.partial_rollout,
-            dynamic_batch=run.dynamic_batch,
-            filter_hooks=run.filter_hooks,
-            eval_data=run.eval_dataset is not None,
             paths={
-                "reward_adapters": "run.rewards",
-                "eval_data": "run.eval_dataset",
                 "defer_roles": "placement.defer_roles",
                 "generation_models": f"roles.{gen}.models",
-                "reward_models": f"roles.{run.reward_role}.models",
             },
         )
         out += deferred_workload_problems(workload, pm)
         out += _slice_problems(config, pm, defer)
+    elif run.partial_rollout:
+        out.append(
+            ConfigProblem("run.partial_rollout", "unsupported", "relax run does not implement it")
+        )
     try:
         load_trainer_class(run.trainer, pm)
     except RelaxError as exc:
@@ -252,13 +219,24 @@ class RunJob:
     sink: Any = attrs.field(default=None, init=False)
     trainer: Any = attrs.field(default=None, init=False)
     slices: dict[str, str] = attrs.field(factory=dict, init=False)
+    #: The step's stages, in order (built from the run's stage tables).
+    stages: list[Stage] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
+        from relax_core.run.stages import build_stages
+
         gen = generation_role(self.config, self.pm)
         if gen is None:
             raise ValueError("no generation role: run run_problems() first")
         self.generation_role = gen
         self.generation_model = self.config.role(gen).models[0]
+        self.stages = build_stages(
+            self.run,
+            self.pm,
+            roles=self.config.role_names,
+            generation_role=gen,
+            deferred_roles=self.config.placement.defer_roles,
+        )
 
     @property
     def rollout_actor(self) -> Any:
@@ -388,8 +366,8 @@ class RunJob:
             device=run.trainer_device,
             learning_rate=run.learning_rate,
             clip=run.clip,
-            distill_coef=run.distill_coef if run.teacher_role else 0.0,
-            teacher_mode=run.teacher_mode if run.teacher_role else None,
+            distill_coef=run.distill_coef,
+            fields=tuple(stage_fields(self.stages)),
             seed=run.seed,
             push_format=run.push_format,
         )

@@ -12,10 +12,13 @@ One step ``N`` (``docs/run.md`` draws it):
    through the rollout route, each group into the :class:`~relax_core.coordination.
    DeferredCollector` — a failure here releases rollout (``abort_generation``) and fails the
    batch;
-4. the :class:`~relax_core.coordination.DeferredBatch`: rollout offloads itself, the reward
-   stage (reward adapters; the reward role's lease when deferred), the teacher stage (prefill
-   for the teacher's log-probs or top-k), validation, write-back, the sink put of
-   ``train_N``, the finalizer (``--dump-samples``), ``commit_batch(N)``;
+4. the :class:`~relax_core.coordination.DeferredBatch`: rollout offloads itself, then the
+   step's stages in the job file's order (:mod:`~relax_core.run.stages`; by default the reward
+   stage — reward adapters, the reward role's lease when deferred — and the teacher's
+   distillation prefill), each within its role's lease; a stage may drop groups and have more
+   generated (the producer, rollout's lease taken back for it); validation of every field the
+   stages declare, write-back, the sink put of ``train_N``, the finalizer (``--dump-samples``),
+   ``commit_batch(N)``;
 5. ``train``: the trainer's answer — it read ``train_N`` with every field, took an optimizer
    step and deleted the partition.
 
@@ -31,7 +34,9 @@ at the coordinator, the role it was using is released with its requests in fligh
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import math
 import os
 import signal
 import statistics
@@ -44,25 +49,24 @@ import attrs
 
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import (
+    BatchResult,
     DeferredBatch,
     DeferredCollector,
     abort_generation,
     describe_failure,
     interrupted,
 )
-from relax_core.coordination.distill import DistillationStage
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
-from relax_core.coordination.rewards import RewardStage
 from relax_core.coordination.sample import Sample
-from relax_core.coordination.stages import RoleClients, Stage
+from relax_core.coordination.stages import RoleClients
 from relax_core.errors import LifecycleError
 from relax_core.run.data import open_source
-from relax_core.run.generate import Generator, PromptTokenizer
+from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
 from relax_core.run.progress import PhaseEvent, PhaseTimeline, Printer
 
-__all__ = ["FailedStep", "RunSummary", "blocked_advice", "build_stages", "run_loop"]
+__all__ = ["FailedStep", "RunSummary", "blocked_advice", "run_loop"]
 
 
 @attrs.frozen
@@ -142,27 +146,6 @@ class RunSummary:
         }
 
 
-def build_stages(job: RunJob) -> list[Stage]:
-    """The deferred batch's stages: the reward stage, then the teacher stage if any."""
-    run = job.run
-    adapters = [(job.pm.reward_adapter(r.adapter), r.weight) for r in run.rewards]
-    stages: list[Stage] = [
-        RewardStage(
-            adapters,
-            name=run.reward_role or "rewards",
-            role=run.reward_role,
-            timeout=run.request_timeout,
-        )
-    ]
-    if run.teacher_role:
-        stages.append(
-            DistillationStage(
-                run.teacher_role, top_k=run.teacher_top_k, timeout=run.request_timeout
-            )
-        )
-    return stages
-
-
 async def _heads(registry: Any) -> list[str]:
     from relax_core.discovery.schema import RoleSnapshot
 
@@ -211,7 +194,7 @@ class _Loop:
             {r: reg.fetch for r, reg in job.registries.items() if r != gen},
             timeout=self.run.request_timeout,
         )
-        self.stages = build_stages(job)
+        self.stages = job.stages
 
     def measure(self) -> None:
         registries = self.job.registries
@@ -230,7 +213,7 @@ class _Loop:
         if self.dump_dir is not None:
             _dump(self.dump_dir, f"batch-{batch_id}.jsonl", samples)
 
-    async def one(self, n: int, generator: Generator, prompts: Any, push: bool) -> dict[str, Any]:
+    async def one(self, n: int, producer: StepProducer, push: bool) -> dict[str, Any]:
         """Step ``n``; its row.
 
         :raises _Failed: the step failed or was interrupted before its commit (the run ends);
@@ -262,12 +245,11 @@ class _Loop:
                 with tl.phase(n, "weight_push"):
                     pushed = await job.trainer.push.remote(str(n))
             with tl.phase(n, "generate"):
-                await generator.generate(
+                await producer.first(
                     n,
-                    prompts,
                     collector,
                     on_group=lambda done: self.printer.status(
-                        f"  step {n}  generate {done}/{len(prompts)} groups"
+                        f"  step {n}  generate {done}/{run.prompts_per_step} groups"
                     ),
                 )
         except BaseException as exc:
@@ -275,51 +257,75 @@ class _Loop:
                 self.coordinator, n, self.rollout, exc, timeline=tl, timeout=run.operation_timeout
             )
             raise _Failed(exc if interrupted(exc) else error, collector, train) from exc
+        batch = DeferredBatch(
+            n,
+            collector.samples,
+            coordinator=self.coordinator,
+            rollout=self.rollout,
+            stages=self.stages,
+            sink=job.sink,
+            clients=self.clients,
+            finalizer=self._finalizer,
+            timeline=tl,
+            release_timeout=run.operation_timeout,
+            producer=producer,
+            target_groups=run.prompts_per_step,
+        )
         try:
-            result = await DeferredBatch(
-                n,
-                collector.samples,
-                coordinator=self.coordinator,
-                rollout=self.rollout,
-                stages=self.stages,
-                sink=job.sink,
-                clients=self.clients,
-                finalizer=self._finalizer,
-                timeline=tl,
-                release_timeout=run.operation_timeout,
-            ).run()
+            result = await batch.run()
         except BaseException as exc:
-            raise _Failed(exc, collector, train) from exc
+            raise _Failed(exc, collector, train, batch) from exc
         with tl.phase(n, "train"):
             trained = await train
         self.train = None
-        samples = collector.samples
+        if self.dump_dir is not None and batch.dropped_samples:
+            _dump(self.dump_dir, f"dropped-{n}.jsonl", batch.dropped_samples)
+        return self._row(n, result, batch.originals, began, pushed, trained)
+
+    def _row(
+        self,
+        n: int,
+        result: BatchResult,
+        samples: Sequence[Sample],
+        began: float,
+        pushed: Any,
+        trained: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The committed step's JSON object."""
         rewards = [float(s.reward or 0.0) for s in samples]
-        failures = sum(
-            v for r in result.reports for k, v in r.counts.items() if k.endswith("parse_failures")
-        )
-        teacher = "teacher_topk_ids" if run.teacher_top_k else "teacher_logprobs"
+        failures = [
+            v
+            for stage, r in zip(self.stages, result.reports, strict=False)
+            if stage.role is not None
+            for k, v in r.counts.items()
+            if k.endswith("parse_failures")
+        ]
+        names = sorted({f for s in samples for f in s.fields})
         return {
             "step": n,
             "batch_id": n,
             "partition": result.receipt.partition,
             "samples": result.samples,
-            "groups": collector.groups,
-            "reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards),
-            "parse_failures": int(failures) if run.reward_role else None,
+            "groups": len({s.group_id for s in samples}),
+            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+            "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
+            "parse_failures": int(sum(failures)) if failures else None,
             "teacher_kl": trained.get("teacher_kl"),
             "teacher_logprob_mean": trained.get("teacher_logprob_mean"),
             "tokens": sum(len(s.response_ids) for s in samples),
             "weight_version": samples[0].weight_version if samples else None,
-            "fields": {
-                "reward": sum(s.reward is not None for s in samples),
-                "distill": sum(getattr(s, teacher) is not None for s in samples)
-                if run.teacher_role
-                else None,
+            "fields": {f: sum(f in s.fields for s in samples) for f in names},
+            "stages": {r.stage: dict(r.counts) for r in result.reports},
+            "dropped": {
+                "groups": len(result.dropped),
+                "samples": sum(len(d.samples) for d in result.dropped),
+                "reasons": dict(
+                    collections.Counter(f"{d.stage}: {d.reason}" for d in result.dropped)
+                ),
             },
+            "generated_groups": result.generated_groups,
             "seconds": time.perf_counter() - began,
-            "phases": tl.phases(n),
+            "phases": self.timeline.phases(n),
             "pushed_before": pushed,
             "train": {
                 k: trained.get(k)
@@ -333,6 +339,7 @@ class _Loop:
                     "grad_norm",
                     "train_seconds",
                     "optimizer_steps",
+                    "fields",
                 )
             },
         }
@@ -341,7 +348,7 @@ class _Loop:
         """The report of the step that failed or was interrupted."""
         exc = failed.error
         stopped = interrupted(exc)
-        samples = failed.collector.samples
+        samples = failed.samples
         if self.dump_dir is not None:
             _dump(self.dump_dir, f"failed-{n}.jsonl", samples)
         blocked: dict[str, str] = {}
@@ -444,13 +451,29 @@ class _Interrupts:
 
 
 class _Failed(Exception):
-    """A step failed: the error, the step's collector, the trainer's pending ``train``."""
+    """A step failed: the error, the step's collector (and batch, once it began), the
+    trainer's pending ``train``."""
 
-    def __init__(self, error: BaseException, collector: DeferredCollector, train: Any) -> None:
+    def __init__(
+        self,
+        error: BaseException,
+        collector: DeferredCollector,
+        train: Any,
+        batch: DeferredBatch | None = None,
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.collector = collector
         self.train = train
+        self.batch = batch
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample the step generated: the batch's (with what stages added and dropped)
+        once it began, else the collector's."""
+        if self.batch is None:
+            return self.collector.samples
+        return self.batch.generated_samples()
 
 
 async def run_loop(
@@ -511,7 +534,7 @@ async def run_loop(
 async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interrupts) -> None:
     """The steps, then ``--measure``'s copies and the final push, into ``summary``."""
     job, run, printer = loop.job, loop.run, loop.printer
-    source = open_source(run.dataset, seed=run.seed)
+    source = open_source(run.dataset, job.pm, seed=run.seed, base=run.base)
     model = job.generation_model
     tokenizer = PromptTokenizer(model.model_path, where=model.path)
     gen_registry = job.registries[job.generation_role]
@@ -521,11 +544,11 @@ async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interru
         role=job.generation_role,
         timeout=run.request_timeout,
     ) as client:
-        generator = Generator(client, tokenizer, model.name, run)
+        producer = StepProducer(Generator(client, tokenizer, model.name, run), source)
         summary.weight_versions.append(await loop.rollout.weight_version())
         for n in range(steps):
             try:
-                row = await loop.one(n, generator, source.take(run.prompts_per_step), push=n > 0)
+                row = await loop.one(n, producer, push=n > 0)
             except _Failed as failed:
                 if interrupted(failed.error):
                     summary.interrupted_step = n

@@ -217,13 +217,15 @@ class MeasuredCoordinator:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    async def activate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
+    async def activate(
+        self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
+    ) -> LeaseState:
         """The coordinator's ``activate``, measured as ``role``'s onload."""
         state: LeaseState = await self._probe.around(
             batch_id,
             role,
             "onload",
-            lambda: self._inner.activate(role, operation_id, batch_id=batch_id),
+            lambda: self._inner.activate(role, operation_id, batch_id=batch_id, models=models),
         )
         return state
 

@@ -48,9 +48,11 @@ class TrainerContext:
 
     ``coordinator`` is the job's :class:`~relax_core.coordination.RemoteCoordinator`,
     ``sink`` its :class:`~relax_core.coordination.RayBatchSink`, ``rollout`` the manager actor
-    of the generation model (weights are pushed through it). ``teacher_mode`` is ``sampled``,
-    ``top-k`` or ``None`` (no teacher stage); ``commit_timeout`` bounds one
-    ``wait_committed``.
+    of the generation model (weights are pushed through it). ``fields`` names every sample
+    field the step's stages write (``reward``, ``rewards``, ``teacher_logprobs``, a plugin's
+    own…): each committed sample carries them in ``sample.fields``; a trainer picks its terms
+    from them (the reference trainer distils on the teacher's top-k when
+    ``teacher_topk_logprobs`` is there). ``commit_timeout`` bounds one ``wait_committed``.
     """
 
     job: str
@@ -62,7 +64,7 @@ class TrainerContext:
     learning_rate: float = 1e-5
     clip: float = 0.2
     distill_coef: float = 0.0
-    teacher_mode: str | None = None
+    fields: tuple[str, ...] = ()
     seed: int = 0
     push_format: str = "safetensors"
     micro_batch: int = 64

@@ -2,9 +2,9 @@
 
 The walkthrough's own code blocks are extracted — the files it shows (each block starting with a
 ``# <path>`` comment), its ``pip install``, its console session of ``relax rewards try`` and its
-job file — and the package is built and installed into a directory of this test (``pip install
---target``, no build isolation, no index: the shared environment is never touched), which the
-``relax`` subprocesses find on ``PYTHONPATH`` through real entry-point discovery.
+job file — and the package is built and installed into a directory of this test
+(``tests.support.docs.install``), which the ``relax`` subprocesses find on ``PYTHONPATH`` through
+real entry-point discovery.
 """
 
 from __future__ import annotations
@@ -25,52 +25,35 @@ import pytest
 from relax_core.config import loads_config
 from relax_core.plugins import PluginManager
 from relax_core.records import RewardSpec
-from relax_core.run.config import RewardWeight, parse_run_config
+from relax_core.run.config import parse_run_config
+from tests.support import docs
 from tests.support import run as support
 
-ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "plugins.md"
 JOB = "job.toml"
-#: What the test adds to the walkthrough's ``pip install``: the distribution alone, built with
-#: this environment's setuptools, nothing fetched, installed into a directory of the test.
-ISOLATED = ("--no-deps", "--no-build-isolation", "--no-index", "--target")
 
 
 def _walkthrough() -> str:
-    text = DOC.read_text()
-    start = text.index("\n## Your first plugin: a reward adapter\n")
-    return text[start : text.index("\n## ", start + 1)]
+    return docs.section("plugins.md", "Your first plugin: a reward adapter")
 
 
 def _blocks(lang: str) -> list[str]:
     """The walkthrough's fenced blocks of language ``lang``, in order."""
-    return re.findall(rf"^```{lang}\n(.*?)^```$", _walkthrough(), re.M | re.S)
+    return docs.blocks(_walkthrough(), lang)
 
 
 def _files() -> dict[str, str]:
     """Every file the walkthrough shows: path (its block's ``# path`` first line) -> text."""
-    out: dict[str, str] = {}
-    for lang in ("toml", "python"):
-        for block in _blocks(lang):
-            first = block.splitlines()[0]
-            if re.fullmatch(r"# [\w./-]+\.(toml|py)", first):
-                out[first[2:]] = block
-    return out
+    return docs.files(_walkthrough())
 
 
 def _commands(program: str) -> list[list[str]]:
     """The walkthrough's ``bash`` lines that run ``program``, split as the shell splits them."""
-    return [
-        shlex.split(line, comments=True)
-        for block in _blocks("bash")
-        for line in block.splitlines()
-        if line.startswith(f"{program} ")
-    ]
+    return docs.commands(_walkthrough(), program)
 
 
 def _relax(*args: str, site: Path) -> subprocess.CompletedProcess[str]:
     """``relax ARGS`` (the console script's module) with ``site`` first on ``PYTHONPATH``."""
-    env = {**os.environ, "PYTHONPATH": _pythonpath(site)}
+    env = {**os.environ, "PYTHONPATH": docs.pythonpath(site)}
     return subprocess.run(
         [sys.executable, "-m", "relax_core", *args],
         capture_output=True,
@@ -80,30 +63,11 @@ def _relax(*args: str, site: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _pythonpath(site: Path) -> str:
-    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The walkthrough's distribution, written from the doc and installed as it says
     (``pip install ./DIR``) into a directory of its own."""
-    (install,) = [c for c in _commands("pip") if c[1] == "install"]
-    root = tmp_path_factory.mktemp("walkthrough")
-    source = root / install[-1]
-    for path, text in _files().items():
-        if path != JOB:
-            (source / path).parent.mkdir(parents=True, exist_ok=True)
-            (source / path).write_text(text)
-    target = root / "site"
-    pip = subprocess.run(
-        [sys.executable, "-m", "pip", *install[1:-1], *ISOLATED, str(target), str(source)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert pip.returncode == 0, pip.stdout + pip.stderr
-    return target
+    return docs.install(_walkthrough(), tmp_path_factory.mktemp("walkthrough"), skip=(JOB,))[1]
 
 
 def _project() -> dict[str, Any]:
@@ -174,12 +138,14 @@ def test_the_walkthrough_adapter_scores_a_prompt_without_a_label_as_it_says(site
 
 def test_the_walkthrough_job_lists_the_adapter_in_its_run_table() -> None:
     job = _files()[JOB]
-    rewards = parse_run_config(loads_config(job)).rewards
-    assert rewards == (RewardWeight(_adapter_name(), 1.0),)
+    (stage,) = parse_run_config(loads_config(job)).stages
+    rewards = stage.options["rewards"]
+    assert (stage.kind, rewards) == ("reward", [{"adapter": _adapter_name(), "weight": 1.0}])
     # The inline form the walkthrough gives as an equivalent says the same.
     (inline,) = re.findall(r"`(rewards = \[.*?\])` inside `\[run\]`", _walkthrough())
     head, _, tables = job.partition("\n[[run.rewards]]\n")
-    assert parse_run_config(loads_config(f"{head}{inline}\n")).rewards == rewards
+    (same,) = parse_run_config(loads_config(f"{head}{inline}\n")).stages
+    assert same.options["rewards"] == rewards
     assert "adapter" in tables
 
 
@@ -201,7 +167,7 @@ def test_the_walkthrough_job_runs_a_step_rewarded_by_the_adapter(
     (run_command,) = _commands("relax run")
     assert run_command == ["relax", "run", JOB]
     # relax run's driver, its Ray and the Ray workers that run the sync adapter all import it.
-    monkeypatch.setenv("PYTHONPATH", _pythonpath(site))
+    monkeypatch.setenv("PYTHONPATH", docs.pythonpath(site))
     dumps = tmp_path / "samples"
     job = tmp_path / JOB
     with support.relax_run(job, "--steps", "1", "--json", "--dump-samples", str(dumps)) as run:
@@ -215,4 +181,6 @@ def test_the_walkthrough_job_runs_a_step_rewarded_by_the_adapter(
     # Every sample was scored by the adapter, with what it returns for that response and label.
     fn = _adapter(site).fn
     for sample in samples:
-        assert sample["rewards"] == {_adapter_name(): fn(sample["response"], sample["label"])}
+        assert sample["fields"]["rewards"] == {
+            _adapter_name(): fn(sample["response"], sample["label"])
+        }

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from relax_core.coordination import (
+    REWARD_FIELDS,
     BatchState,
     DeferredBatch,
     DeferredCollector,
@@ -26,12 +27,19 @@ from relax_core.coordination import (
     LifecycleCoordinator,
     MemoryBatchSink,
     Sample,
+    SampleField,
     StageContext,
     StageReport,
     Timeline,
     abort_generation,
 )
-from relax_core.errors import BatchFailedError, LifecycleError, ScoringError, SinkError
+from relax_core.errors import (
+    BatchFailedError,
+    CoordinationError,
+    LifecycleError,
+    ScoringError,
+    SinkError,
+)
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult
 
 
@@ -76,28 +84,50 @@ class AbortingHandle(Handle):
         return result
 
 
+def _per_token(field: str) -> Any:
+    def check(values: Any, sample: Sample) -> str | None:
+        if len(values) != len(sample.response_ids):
+            return f"{field} has {len(values)} entries"
+        for i, v in enumerate(values):
+            if not math.isfinite(v) or v > 0:
+                return f"{field}[{i}] = {v!r} is not a finite log-prob <= 0"
+        return None
+
+    return check
+
+
+#: The fields the test stages write (a teacher's and a student's are declared here as a
+#: teacher plugin would: the batch knows no field but those its stages declare).
+FIELDS = {
+    "reward": REWARD_FIELDS,
+    "distill": (SampleField("teacher_logprobs", _per_token("teacher_logprobs")),),
+    "student": (SampleField("student_logprobs", _per_token("student_logprobs")),),
+}
+
+
 class Stage:
-    """A stage that writes one field and records when it ran."""
+    """A stage that writes one field (``reward``, ``teacher_logprobs`` or
+    ``student_logprobs``, by ``kind``) and records when it ran."""
+
+    models: tuple[str, ...] = ()
 
     def __init__(
-        self, name: str, phase: str, role: str | None, log: list[str], value: Any = -0.5
+        self, name: str, kind: str, role: str | None, log: list[str], value: Any = -0.5
     ) -> None:
-        self.name, self.phase, self.role, self.log, self.value = name, phase, role, log, value
-        self.top_k = 0
-        fields = {"reward": "reward", "distill": "teacher_logprobs", "student": "student_logprobs"}
-        self.writes = frozenset({fields[phase]})
+        self.name, self.kind, self.role, self.log, self.value = name, kind, role, log, value
+        self.fields = FIELDS[kind]
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         self.log.append(f"{self.name}.run")
         for s in samples:
-            if self.phase == "reward":
+            if self.kind == "reward":
                 if isinstance(self.value, Exception):
                     raise self.value
-                s.reward = self.value
-            elif self.phase == "distill":
-                s.teacher_logprobs = tuple([self.value] * len(s.response_ids))
+                s.fields["reward"] = self.value
+            elif self.kind == "distill":
+                s.fields["teacher_logprobs"] = tuple([self.value] * len(s.response_ids))
             else:
-                s.student_logprobs = tuple([self.value] * len(s.response_ids))
+                s.fields["student_logprobs"] = tuple([self.value] * len(s.response_ids))
         return StageReport(self.name, {"n": len(samples)})
 
 
@@ -159,7 +189,7 @@ def test_a_step_runs_in_the_reference_order_and_commits_after_the_sink_write() -
         "teacher.onload", "teacher.run", "teacher.offload",
     ]  # fmt: skip
     assert receipt == result.receipt and receipt.partition == "train_0" and receipt.count == 4
-    assert all(s.reward == 0.75 and s.teacher_logprobs == (-0.5, -0.5) for s in originals)
+    assert all(s.reward == 0.75 and s.fields["teacher_logprobs"] == (-0.5, -0.5) for s in originals)
     assert step.coord.batch_state(0) is BatchState.COMMITTED
     assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
     assert set(result.phases) >= {"rollout.offload", "genrm.onload", "genrm", "validate",
@@ -194,7 +224,7 @@ def test_a_scoring_failure_fails_the_batch_releases_the_role_and_writes_nothing_
 
     run(go())
     assert "genrm.offload" in step.log and "teacher.onload" not in step.log
-    assert all(s.reward is None and s.teacher_logprobs is None for s in originals)
+    assert all(s.fields == {} for s in originals)
     assert step.sink.partitions() == {}
     assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
 
@@ -311,7 +341,7 @@ def test_a_validation_failure_fails_the_batch_and_writes_nothing_back(
         assert info.value.stage == "validation" and "nothing was written back" in str(info.value)
 
     run(go())
-    assert all(s.reward is None and s.teacher_logprobs is None for s in originals)
+    assert all(s.fields == {} for s in originals)
     assert step.coord.batch_state(0) is BatchState.FAILED and step.sink.partitions() == {}
 
 
@@ -411,13 +441,53 @@ def test_a_student_stage_scores_with_the_restored_policy() -> None:
 
     run(go())
     assert step.log[-4:] == ["teacher.offload", "rollout.onload", "student.run", "rollout.offload"]
-    assert all(s.student_logprobs == (-1.0, -1.0) for s in originals)
+    assert all(s.fields["student_logprobs"] == (-1.0, -1.0) for s in originals)
 
 
-def test_stages_out_of_the_reference_order_are_refused() -> None:
+def test_stages_run_in_the_order_they_are_given() -> None:
     step = Step()
-    with pytest.raises(ValueError, match="stages run in the order reward -> distill -> student"):
-        step.batch(samples(), list(reversed(step.stages())))
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        await step.batch(samples(), list(reversed(step.stages()))).run()
+
+    run(go())
+    assert [line for line in step.log if line.endswith(".run")] == ["teacher.run", "genrm.run"]
+
+
+def test_two_stages_of_one_name_and_a_field_declared_two_ways_are_refused() -> None:
+    step = Step()
+    with pytest.raises(ValueError, match="two stages are called 'genrm'"):
+        step.batch(samples(), [*step.stages(), Stage("genrm", "reward", None, step.log)])
+    other = Stage("other", "reward", None, step.log)
+    other.fields = (SampleField("reward", None),)
+    with pytest.raises(ValueError, match="stages 'genrm' and 'other' both write field 'reward'"):
+        step.batch(samples(), [*step.stages(), other])
+
+
+def test_two_stages_of_one_field_declaration_both_add_to_it() -> None:
+    # Two reward stages (two judges of one role, each its own stage) share the reward fields.
+    step = Step()
+    originals = samples()
+
+    class Adding(Stage):
+        async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+            for s in samples:
+                s.fields.setdefault("rewards", {})[self.name] = self.value
+                s.fields["reward"] = (s.fields.get("reward") or 0.0) + self.value
+            return StageReport(self.name)
+
+    stages = [
+        Adding("a", "reward", "genrm", step.log, 0.5),
+        Adding("b", "reward", None, step.log, 2),
+    ]
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        await step.batch(originals, stages).run()
+
+    run(go())
+    assert all(s.reward == 2.5 and s.rewards == {"a": 0.5, "b": 2} for s in originals)
 
 
 def test_the_collector_refuses_mixed_and_repeated_groups() -> None:
@@ -486,3 +556,148 @@ def test_a_failed_batch_is_in_the_trace_with_its_failed_phase(tmp_path: Path) ->
     events = {e["name"]: e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
     assert events["genrm"]["args"] == {"batch": 0, "failed": True}
     assert "genrm.offload" in events and "commit" not in events
+
+
+# -- a stage reshaping its batch (filters, more generation, stages run on demand) --------------
+
+
+class Producer:
+    """Generates new groups of two samples each (ids b0-pN-sI, indexes after the batch's),
+    logging each call; the engines are not the point here."""
+
+    def __init__(self, log: list[str], start: int = 2) -> None:
+        self.log = log
+        self.next = start
+
+    async def generate(self, batch_id: int, **request: Any) -> list[list[Sample]]:
+        prompts = request["prompts"]
+        count = request["groups"] if prompts is None else len(prompts)
+        self.log.append(f"producer.generate({count})")
+        n = request["samples_per_prompt"] or 2
+        out = []
+        for _ in range(count):
+            g = f"g{self.next}"
+            self.next += 1
+            out.append(
+                [Sample(f"{g}-s{i}", g, [1, 2, 3], [4, 5], weight_version="v1") for i in range(n)]
+            )
+        return out
+
+
+class Refill:
+    """Drops the groups whose first sample's reward is below 1 and has the batch filled up
+    again, its upstream stages scoring what it added (a filter with over-sampling)."""
+
+    name, role, models, fields = "refill", None, (), ()
+
+    async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+        low = {s.group_id for s in samples if (s.reward or 0) < 1}
+        ctx.drop(low, "reward below 1")
+        kept = len({s.group_id for s in samples}) - len(low)
+        new = ctx.add(await ctx.generate(groups=ctx.target_groups - kept))
+        for stage in ctx.upstream:
+            await ctx.run_stage(stage, new)
+        return StageReport(self.name, {"dropped_groups": len(low), "added": len(new)})
+
+
+class Scores(Stage):
+    """Rewards 0.5 for the batch's first groups, 1.0 for any generated later."""
+
+    async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+        self.log.append(f"{self.name}.run({len(samples)})")
+        for s in samples:
+            s.fields["reward"] = 0.5 if s.group_id in ("g0", "g1") else 1.0
+        return StageReport(self.name)
+
+
+def test_a_filter_drops_groups_and_fills_the_batch_with_more_generation_under_the_leases() -> None:
+    step = Step()
+    originals = samples()
+    producer = Producer(step.log)
+    stages = [Scores("genrm", "reward", "genrm", step.log), Refill(),
+              Stage("teacher", "distill", "teacher", step.log)]  # fmt: skip
+
+    async def go() -> Any:
+        await step.coord.begin_batch(0)
+        batch = step.batch(originals, stages, producer=producer)
+        return batch, await batch.run()
+
+    batch, result = run(go())
+    assert step.log == [
+        "rollout.offload",
+        "genrm.onload", "genrm.run(4)", "genrm.offload",
+        # More generation: rollout's lease back, the policy onloaded, released again.
+        "rollout.onload", "producer.generate(2)", "rollout.offload",
+        # The stages before the filter score what it added, with their leases.
+        "genrm.onload", "genrm.run(4)", "genrm.offload",
+        "teacher.onload", "teacher.run", "teacher.offload",
+    ]  # fmt: skip
+    committed = run(step.sink.get("train_0"))
+    assert sorted({s.group_id for s in committed}) == ["g2", "g3"]
+    assert all(s.reward == 1.0 and "teacher_logprobs" in s.fields for s in committed)
+    assert result.samples == 4 and result.generated_groups == 2
+    assert [(d.group_id, d.stage, d.reason) for d in result.dropped] == [
+        ("g0", "refill", "reward below 1"), ("g1", "refill", "reward below 1"),
+    ]  # fmt: skip
+    assert {s.id for s in batch.dropped_samples} == {"g0-s0", "g0-s1", "g1-s0", "g1-s1"}
+    assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
+
+
+def test_a_stage_asking_for_generation_without_a_producer_fails_the_batch_naming_itself() -> None:
+    step = Step()
+    stages = [Scores("genrm", "reward", "genrm", step.log), Refill()]
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        with pytest.raises(CoordinationError, match="stage 'refill' asks for more generation"):
+            await step.batch(samples(), stages).run()
+
+    run(go())
+    assert step.coord.batch_state(0) is BatchState.FAILED
+
+
+def test_samples_a_stage_scores_outside_the_batch_never_join_it() -> None:
+    # An evaluation: held-out groups generated, scored by a stage with its lease, reported.
+    step = Step()
+    judge = Stage("judge", "reward", "genrm", step.log, 0.25)
+
+    class Evaluate:
+        name, role, models, fields = "eval", None, (), ()
+
+        async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+            held_out = await ctx.generate(prompts=["p"], samples_per_prompt=3)
+            await ctx.run_stage(judge, held_out)
+            return StageReport(self.name, {"reward_mean": held_out[0].reward or 0.0})
+
+    async def go() -> Any:
+        await step.coord.begin_batch(0)
+        return await step.batch(
+            samples(), [Evaluate(), *step.stages()], producer=Producer(step.log)
+        ).run()
+
+    result = run(go())
+    assert result.reports[0].counts == {"reward_mean": 0.25}
+    assert result.samples == 4 and result.generated_groups == 1
+    assert {s.group_id for s in run(step.sink.get("train_0"))} == {"g0", "g1"}
+    assert step.log[:6] == [
+        "rollout.offload", "rollout.onload", "producer.generate(1)", "rollout.offload",
+        "genrm.onload", "judge.run",
+    ]  # fmt: skip
+
+
+def test_a_stage_can_drop_only_groups_of_its_batch() -> None:
+    step = Step()
+
+    class Wrong:
+        name, role, models, fields = "wrong", None, (), ()
+
+        async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+            ctx.drop(["g9"], "no such group")
+            return StageReport(self.name)
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        with pytest.raises(ValueError, match=r"stage 'wrong' dropped group\(s\) \['g9'\]"):
+            await step.batch(samples(), [Wrong()]).run()
+
+    run(go())

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_teacher import DistillationStage
 
 from relax_core.client.client import InferenceClient
 from relax_core.coordination import (
     DeferredBatch,
     DeferredCollector,
-    DistillationStage,
     LeaseState,
     LocalManagerHandle,
     RayBatchSink,
@@ -337,10 +337,9 @@ def test_a_deferred_step_scores_distills_commits_and_leaves_every_role_sleeping(
         wanted = {"genrm-judge", "exact-match"} if s.label is not None else {"genrm-judge"}
         assert set(s.rewards) == wanted
         tokens = len(s.response_ids)
-        assert tokens == 4 and len(s.teacher_logprobs or ()) == tokens
-        assert s.teacher_topk_ids is not None and s.teacher_topk_logprobs is not None
-        assert [len(r) for r in s.teacher_topk_ids] == [2] * tokens
-        assert all(row[0] >= row[1] for row in s.teacher_topk_logprobs)
+        assert tokens == 4 and len(s.fields["teacher_logprobs"]) == tokens
+        assert [len(r) for r in s.fields["teacher_topk_ids"]] == [2] * tokens
+        assert all(row[0] >= row[1] for row in s.fields["teacher_topk_logprobs"])
     judge = next(r for r in result.reports if r.stage == "genrm")
     assert judge.counts["genrm-judge.scored"] == 8
     assert 0 <= judge.counts["genrm-judge.parse_failures"] <= 8  # a micro model rarely judges
@@ -454,7 +453,7 @@ def test_a_scoring_or_validation_failure_fails_the_batch_and_writes_nothing_back
 
     originals = asyncio.run(go())
     for s in originals:
-        assert s.reward is None and s.rewards == {} and s.teacher_logprobs is None
+        assert s.reward is None and s.rewards == {} and "teacher_logprobs" not in s.fields
     status = asyncio.run(step.coordinator.describe())
     assert status.batch_state == "FAILED" and set(status.leases.values()) == {"SLEEPING"}
     assert asyncio.run(step.sink.partitions()) == {}

@@ -21,64 +21,45 @@ async def _remote_rm(response: str, label: str | None, *, context: object) -> fl
     return 0.0
 
 
-def _plugins() -> PluginManager:
-    def adapters(register: object) -> None:
-        register(RewardSpec(name="remote-rm", fn=_remote_rm, mode="async"))  # type: ignore[operator]
-
-    return PluginManager.create(
-        plugins=[("remote", module_plugin("remote", relax_register_reward_adapters=adapters))]
-    )
-
-
 def test_a_stageable_workload_passes() -> None:
-    workload = DeferredWorkload(
-        defer_roles=("genrm", "teacher"),
-        generation_models=("policy",),
-        reward_adapters=("genrm-judge", "exact-match"),
-        reward_role="genrm",
-        reward_models=("judge",),
-    )
-    assert deferred_workload_problems(workload, PluginManager.create()) == []
-    validate_deferred_workload(workload, PluginManager.create())
+    workload = DeferredWorkload(defer_roles=("genrm", "teacher"), generation_models=("policy",))
+    assert deferred_workload_problems(workload) == []
+    validate_deferred_workload(workload)
 
 
-def test_every_unstageable_combination_is_refused_with_its_key_path() -> None:
+def test_what_still_has_no_stage_is_refused_with_its_key_path() -> None:
     workload = DeferredWorkload(
         defer_roles=("genrm",),
         generation_models=("policy", "draft"),
-        reward_adapters=("genrm-judge", "remote-rm", "no-such"),
-        reward_role="genrm",
-        reward_models=("judge", "judge-small"),
         partial_rollout=True,
-        dynamic_batch=True,
-        filter_hooks=("my_filter",),
-        eval_data=True,
-        paths={"reward_models": "roles.genrm.models"},
+        paths={"generation_models": "roles.rollout.models"},
     )
     with pytest.raises(ConfigValidationError) as info:
-        validate_deferred_workload(workload, _plugins())
+        validate_deferred_workload(workload)
     found = {(p.path, p.rule) for p in info.value.problems}
     assert found == {
         ("run.partial_rollout", "defer-unstageable"),
-        ("run.dynamic_batch", "defer-unstageable"),
-        ("run.filter_hooks", "defer-unstageable"),
-        ("run.eval_data", "defer-unstageable"),
-        ("run.generation_models", "defer-unstageable"),
-        ("roles.genrm.models", "defer-unstageable"),
-        ("run.reward_adapters[1]", "defer-adapter"),
-        ("run.reward_adapters[2]", "plugin"),
+        ("roles.rollout.models", "defer-unstageable"),
     }
-    text = str(info.value)
-    assert "'remote-rm' (from remote) does not declare supports_deferred" in text
-    assert "2 rollout groups (policy, draft)" in text
-    assert "2 genrm models (judge, judge-small)" in text
+    assert "2 rollout groups (policy, draft)" in str(info.value)
 
 
-def test_several_models_are_fine_when_the_reward_role_is_not_deferred() -> None:
-    workload = DeferredWorkload(
-        defer_roles=("teacher",), reward_role="genrm", reward_models=("a", "b")
+def test_a_reward_stage_in_a_defer_layout_refuses_an_adapter_without_supports_deferred() -> None:
+    from relax_core.run.config import RunConfig, StageTable
+    from relax_core.run.stages import stage_problems
+
+    def adapters(register: object) -> None:
+        register(RewardSpec(name="remote-rm", fn=_remote_rm, mode="async"))  # type: ignore[operator]
+
+    pm = PluginManager.create(
+        plugins=[("remote", module_plugin("remote", relax_register_reward_adapters=adapters))]
     )
-    assert deferred_workload_problems(workload, PluginManager.create()) == []
+    rewards = [{"adapter": "genrm-judge"}, {"adapter": "remote-rm"}]
+    run = RunConfig(stages=(StageTable("reward", "genrm", "genrm", (), {"rewards": rewards}),))
+    assert stage_problems(run, pm) == []  # no defer layout: any adapter
+    (problem,) = stage_problems(run, pm, deferred_roles=("genrm",))
+    assert (problem.path, problem.rule) == ("run.rewards[1]", "defer-adapter")
+    assert "'remote-rm' (from remote) does not declare supports_deferred" in problem.message
 
 
 def test_defer_slices_group_the_roles_sharing_bundles() -> None:

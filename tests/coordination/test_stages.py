@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from relax_core.coordination import (
+    REWARD_FIELDS,
     MemoryBatchSink,
     RayBatchSink,
     RewardContext,
@@ -66,7 +67,7 @@ def test_pass_metadata_hands_the_sample_metadata_to_the_adapter(ray_local: Any) 
     batch = samples()
     asyncio.run(RewardStage([lang]).run(batch, CTX))
     assert [s.reward for s in batch] == [1.0, 0.0, None]
-    problems = validate_samples(batch, {"reward"}, 0)
+    problems = validate_samples(batch, REWARD_FIELDS)
     assert problems == [
         "sample c (group g1): reward is missing (no reward adapter matched its label)"
     ]
@@ -124,16 +125,41 @@ def test_a_non_finite_reward_fails_the_stage_naming_the_adapter_and_the_sample(v
 
 def test_validation_names_the_adapter_whose_value_made_the_reward_non_finite() -> None:
     s = samples()[0]
-    s.rewards = {"exact-match": 1.0, "judge": math.nan}
-    s.reward = math.nan
-    assert validate_samples([s], {"reward", "rewards"}, 0) == [
+    s.fields["rewards"] = {"exact-match": 1.0, "judge": math.nan}
+    s.fields["reward"] = math.nan
+    assert validate_samples([s], REWARD_FIELDS) == [
         "sample a (group g0): rewards['judge'] = nan is not a finite number (adapter 'judge')"
     ]
 
 
+def test_each_adapter_of_a_stage_may_be_kept_under_a_key_of_its_own() -> None:
+    # Two judges' verdicts by the same adapter, one per key: both kept, both weighed.
+    batch = samples()
+    async_half = RewardSpec(name="ahalf", fn=_async_half, mode="async")
+    asyncio.run(RewardStage([(async_half, 1.0, "a"), (async_half, 2.0, "b")]).run(batch, CTX))
+    assert all(s.rewards == {"a": 0.5, "b": 0.5} and s.reward == 1.5 for s in batch)
+
+
+async def _async_half(response: str, label: str | None, *, context: RewardContext) -> float:
+    return 0.5
+
+
+def test_an_async_adapter_gets_its_stage_s_role_and_its_one_model() -> None:
+    seen: list[tuple[str | None, str | None]] = []
+
+    async def where(response: str, label: str | None, *, context: RewardContext) -> float:
+        seen.append((context.role, context.model))
+        return 0.0
+
+    spec = RewardSpec(name="where", fn=where, mode="async")
+    asyncio.run(RewardStage([spec], role="genrm", models=["judge-b"]).run(samples()[:1], CTX))
+    asyncio.run(RewardStage([spec], role="genrm").run(samples()[:1], CTX))
+    assert seen == [("genrm", "judge-b"), ("genrm", None)]
+
+
 def test_reward_stage_refuses_bad_adapter_lists() -> None:
     spec = RewardSpec(name="x", fn=lambda response, label: 0.0)
-    with pytest.raises(ValueError, match="names repeat"):
+    with pytest.raises(ValueError, match="keys repeat"):
         RewardStage([spec, spec])
     with pytest.raises(ValueError, match="at least one"):
         RewardStage([])

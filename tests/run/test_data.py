@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from relax_core.errors import ConfigError
+from relax_core.plugins import PluginManager
 from relax_core.run.data import ArithmeticSource, JsonlSource, Prompt, open_source, read_jsonl
 
 
@@ -32,7 +33,7 @@ def test_a_jsonl_file_gives_its_prompts_in_order_then_again_from_the_first(tmp_p
         {"prompt": "hello"},
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    source = open_source(str(path))
+    source = open_source(str(path), PluginManager.create())
     assert isinstance(source, JsonlSource)
     got = source.take(3)
     assert got[0] == Prompt("2+2?", "4", {"route_key": "math"}, f"{path}:1")

@@ -78,7 +78,11 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
     assert [r["step"] for r in steps] == [0, 1, 2] and [r["batch_id"] for r in steps] == [0, 1, 2]
     for r in steps:
         assert r["samples"] == 16 and r["groups"] == 4 and r["partition"] == f"train_{r['step']}"
-        assert r["fields"] == {"reward": 16, "distill": 16}
+        assert r["fields"] == dict.fromkeys(
+            ("reward", "rewards", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs"),
+            16,
+        )
+        assert set(r["stages"]) == {"genrm", "teacher"} and r["dropped"]["groups"] == 0
         assert set(r["phases"]) >= {
             "generate", "rollout.offload", "genrm.onload", "genrm", "genrm.offload",
             "teacher.onload", "teacher", "teacher.offload", "sink_put", "commit", "train",
@@ -103,13 +107,14 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
     for n, samples in batches.items():
         assert {s["weight_version"] for s in samples} == {steps[n]["weight_version"]}
         for s in samples:
-            assert isinstance(s["reward"], float) and set(s["rewards"]) == {
+            fields = s["fields"]
+            assert isinstance(fields["reward"], float) and set(fields["rewards"]) == {
                 "genrm-judge", "exact-match", "digits",
             }  # fmt: skip
             tokens = len(s["response_ids"])
             assert tokens >= 1 and len(s["rollout_logprobs"]) == tokens
-            assert [len(row) for row in s["teacher_topk_ids"]] == [4] * tokens
-            assert len(s["teacher_logprobs"]) == tokens
+            assert [len(row) for row in fields["teacher_topk_ids"]] == [4] * tokens
+            assert len(fields["teacher_logprobs"]) == tokens
 
     # The Perfetto trace: every phase of every batch.
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]

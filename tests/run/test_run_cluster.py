@@ -24,7 +24,9 @@ def test_one_step_runs_with_rollout_on_one_node_and_the_deferred_roles_on_the_ot
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["problems"] == [] and "error" not in out, out
     assert out["steps_committed"] == 1 and out["failure"] is None, out
-    assert out["samples"] == [4] and out["fields"] == [{"reward": 4, "distill": 4}]
+    assert out["samples"] == [4] and out["fields"] == [
+        dict.fromkeys(("reward", "rewards", "teacher_logprobs"), 4)
+    ]
     # The first step's weights reached rollout on the other node: its version moved.
     assert out["weight_versions"] == ["default", "1"]
     nodes = out["worker_nodes"]

@@ -14,8 +14,10 @@ from relax_core.config import load_config, loads_config
 from relax_core.errors import ConfigValidationError
 from relax_core.jobs import check_job, resolve_model_paths
 from relax_core.plugins import PluginManager
-from relax_core.run.config import DEFAULT_TRAINER, RewardWeight, RunConfig, parse_run_config
+from relax_core.run.config import DEFAULT_TRAINER, RunConfig, parse_run_config
+from relax_core.run.data import find_source
 from relax_core.run.job import run_problems
+from relax_core.run.stages import stage_problems
 from tests.support import run as support
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +34,68 @@ def _problems(text: str) -> list[str]:
 
 
 def test_the_run_table_is_read_with_its_defaults() -> None:
+    rewards = [{"adapter": "exact-match"}, {"adapter": "digits", "weight": 2}]
     run = _run('[run]\nrewards = [{ adapter = "exact-match" }, { adapter = "digits", weight = 2 }]')
-    assert run.rewards == (RewardWeight("exact-match", 1.0), RewardWeight("digits", 2.0))
+    # The shorthand makes the default step: one reward stage (no teacher stage).
+    assert [(t.kind, t.name, t.role, dict(t.options)) for t in run.stages] == [
+        ("reward", "rewards", None, {"rewards": rewards})
+    ]
     assert (run.steps, run.prompts_per_step, run.samples_per_prompt) == (3, 4, 4)
     assert run.dataset == "arithmetic" and run.trainer == DEFAULT_TRAINER
-    assert run.teacher_role is None and run.teacher_top_k == 0
+
+
+def test_the_teacher_shorthand_adds_the_distillation_stage_after_the_reward_stage() -> None:
+    run = _run(
+        '[run]\nrewards = [{ adapter = "digits" }]\nreward_role = "genrm"\n'
+        'teacher_role = "teacher"\nteacher_mode = "top-k"\ntop_k = 4\n'
+    )
+    assert [(t.kind, t.name, t.role, dict(t.options)) for t in run.stages] == [
+        ("reward", "genrm", "genrm", {"rewards": [{"adapter": "digits"}]}),
+        ("distill", "teacher", "teacher", {"mode": "top-k", "top_k": 4}),
+    ]
+    # Their problems are reported where the shorthand put them.
+    assert run.stages[1].key("role") == "run.teacher_role"
+
+
+def test_run_stages_lists_the_stages_in_order_with_their_own_keys() -> None:
+    run = _run(
+        '[[run.stages]]\nstage = "reward"\nrole = "genrm"\nmodels = ["judge-a"]\n'
+        'rewards = [{ adapter = "genrm-judge", key = "a" }]\n'
+        '[[run.stages]]\nstage = "reward"\nname = "judge-b"\nrole = "genrm"\n'
+        'models = ["judge-b"]\nrewards = [{ adapter = "genrm-judge", key = "b" }]\n'
+        '[[run.stages]]\nstage = "eval"\nevery = 5\ndataset = "held-out.jsonl"\n'
+    )
+    assert [(t.kind, t.name, t.role, t.models, t.path) for t in run.stages] == [
+        ("reward", "genrm", "genrm", ("judge-a",), "run.stages[0]"),
+        ("reward", "judge-b", "genrm", ("judge-b",), "run.stages[1]"),
+        ("eval", "eval", None, (), "run.stages[2]"),
+    ]
+    assert run.stage("eval").options == {"every": 5, "dataset": "held-out.jsonl"}
+
+
+def test_run_stages_refuses_the_shorthand_beside_it_and_two_stages_of_one_name() -> None:
+    joined = "\n".join(
+        _problems(
+            '[run]\nrewards = [{ adapter = "digits" }]\n'
+            '[[run.stages]]\nstage = "reward"\nrewards = []\n'
+            '[[run.stages]]\nstage = "reward"\n'
+            '[[run.stages]]\nname = "x"\n'
+        )
+    )
+    assert "run.rewards: [stages] rewards describe the default stages" in joined
+    assert "run.stages[1].name: [duplicate] two stages are called 'reward'" in joined
+    assert "run.stages[2].stage: [required]" in joined
+
+
+def test_keys_that_became_stages_say_where_they_went() -> None:
+    joined = "\n".join(
+        _problems(
+            '[run]\nrewards = [{ adapter = "digits" }]\neval_dataset = "e.jsonl"\n'
+            'filter_hooks = ["mine"]\ndynamic_batch = true\n'
+        )
+    )
+    assert "run.eval_dataset: [moved] no longer a [run] key: evaluation is a stage" in joined
+    assert "run.filter_hooks: [moved]" in joined and "run.dynamic_batch: [moved]" in joined
 
 
 def test_every_problem_of_the_table_is_reported_at_once_with_its_key_path() -> None:
@@ -46,7 +105,7 @@ def test_every_problem_of_the_table_is_reported_at_once_with_its_key_path() -> N
         "prompt_per_step = 4\n"
         'teacher_mode = "full"\n'
         'teacher_role = "teacher"\n'
-        'rewards = [{ adapter = "a", weight = 1 }, { adapter = "a" }, { weight = 1 }]\n'
+        'rewards = [{ adapter = "exact-match" }]\n'
         'trainer = "not an import path"\n'
         'push_format = "ipc"\n'
     )
@@ -54,10 +113,28 @@ def test_every_problem_of_the_table_is_reported_at_once_with_its_key_path() -> N
     assert "run.steps: [range] must be >= 1, got 0" in joined
     assert "run.prompt_per_step: [unknown-key]" in joined and "prompts_per_step" in joined
     assert "run.teacher_mode: [choice]" in joined
-    assert "run.rewards[1].adapter: [duplicate]" in joined
-    assert "run.rewards[2].adapter: [required]" in joined
     assert "run.trainer: [range] must be 'package.module:ClassName'" in joined
     assert "run.push_format: [push-format]" in joined and "trainer_device = 'cuda'" in joined
+
+
+def test_every_problem_of_a_stage_is_reported_at_once_with_its_key_path() -> None:
+    run = _run(
+        '[[run.stages]]\nstage = "reward"\nrewards = [{ adapter = "exact-match", weight = 1 },'
+        ' { adapter = "exact-match" }, { weight = 1 }, { adapter = "nope" }]\nconcurency = 2\n'
+        '[[run.stages]]\nstage = "distil"\nrole = "teacher"\n'
+        '[[run.stages]]\nstage = "distill"\ntop_k = 0\n'
+    )
+    joined = "\n".join(map(str, stage_problems(run, PluginManager.create())))
+    assert "run.stages[0].rewards[1].adapter: [duplicate]" in joined
+    assert "run.stages[0].rewards[2].adapter: [required]" in joined
+    assert "run.stages[0].rewards[3]: [plugin] no reward adapter 'nope' is registered" in joined
+    assert "run.stages[0].concurency: [unknown-key] unknown key; did you mean 'concurrency'?" in (
+        joined
+    )
+    assert "run.stages[1].stage: [plugin] no stage kind 'distil' is registered; did you mean" in (
+        joined
+    )
+    assert "run.stages[2].role: [required] stage kind 'distill' calls a role's engines" in joined
 
 
 def test_teacher_keys_need_a_teacher_role_and_top_k_needs_top_k_mode() -> None:
@@ -72,7 +149,7 @@ def test_teacher_keys_need_a_teacher_role_and_top_k_needs_top_k_mode() -> None:
 def test_the_rewards_are_required(tmp_path: Path) -> None:
     assert _problems("[run]\nsteps = 2\n") == [
         "run.rewards: [required] give at least one reward adapter: rewards = [{ adapter = "
-        '"exact-match" }]'
+        '"exact-match" }] (or list the step\'s stages as [[run.stages]])'
     ]
 
 
@@ -86,7 +163,12 @@ def test_a_jsonl_dataset_and_model_paths_are_relative_to_the_job_file(tmp_path: 
     )
     config = resolve_model_paths(load_config(job))
     assert config.role("rollout").models[0].model_path == str(tmp_path.resolve() / "tiny/policy")
-    assert parse_run_config(config).dataset == str(tmp_path.resolve() / "data" / "train.jsonl")
+    run = parse_run_config(config)
+    found = find_source(run.dataset, PluginManager.create(), base=run.base)
+    assert isinstance(found, tuple), found
+    spec, request = found
+    assert spec.name == "jsonl"
+    assert request.file == str(tmp_path.resolve() / "data" / "train.jsonl")
     # Every relative path is read so, whether or not it names a directory (the preflight
     # refuses a missing one): a model directory is local, never a hub id.
     job.write_text(job.read_text().replace("tiny/policy", "Qwen/Qwen3-0.6B"))
@@ -131,13 +213,11 @@ def test_the_defer_preflight_is_filled_from_the_run_table(tmp_path: Path) -> Non
         tmp_path,
         rewards=[{"adapter": "genrm-judge"}, {"adapter": "online-only"}, {"adapter": "nope"}],
         partial_rollout=True,
-        eval_dataset="eval.jsonl",
     )
     joined = "\n".join(run_problems(config, run, pm))  # type: ignore[arg-type]
     assert "run.rewards[1]: [defer-adapter] reward adapter 'online-only'" in joined
     assert "run.rewards[2]: [plugin] no reward adapter 'nope' is registered" in joined
     assert "run.partial_rollout: [defer-unstageable]" in joined
-    assert "run.eval_dataset: [defer-unstageable]" in joined
     assert "run.rewards[0]" not in joined
 
 

@@ -5,7 +5,6 @@ names builds on a micro checkpoint with the optimizer it promises."""
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 
 from relax_core import PluginManager, Trainer
 from relax_core.run.trainer import TrainerContext, load_trainer_class
+from tests.support import docs
 from tests.support.serve import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,23 +23,16 @@ DOC = ROOT / "docs" / "plugins.md"
 
 
 def _section() -> str:
-    text = DOC.read_text()
-    start = text.index("\n## A trainer plugin\n")
-    return text[start : text.index("\n## ", start + 1)]
+    return docs.section("plugins.md", "A trainer plugin")
 
 
 def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```$", _section(), re.M | re.S)
+    return docs.blocks(_section(), lang)
 
 
 def _files() -> dict[str, str]:
     """Every file the section shows: path (its block's ``# path`` first line) -> text."""
-    return {
-        block.splitlines()[0][2:]: block
-        for lang in ("toml", "python")
-        for block in _blocks(lang)
-        if re.fullmatch(r"# [\w./-]+\.(toml|py)", block.splitlines()[0])
-    }
+    return docs.files(_section())
 
 
 @pytest.fixture(scope="module")

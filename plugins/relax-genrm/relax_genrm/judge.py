@@ -219,23 +219,27 @@ async def judge_reward(response: str, label: str | None, *, context: RewardConte
     """The ``genrm-judge`` adapter: the judge model's verdict on ``response``.
 
     Sends the judge conversation (question = the sample's prompt, reference = ``label``) to
-    the genrm role through ``context.client("genrm")`` on ``/v1/chat/completions``, routed by
-    the sample's route key, its group as the affinity key. Side-effect free apart from that one
-    request, so a deferred stage can run it (``supports_deferred=True``).
+    the reward stage's role (``genrm`` unless the stage names another) through
+    ``context.client(role)`` on ``/v1/chat/completions``: to the stage's model when it names
+    one (``models = ["judge-a"]``: one judge per stage), else routed by the sample's route key;
+    its group as the affinity key. Side-effect free apart from that one request, so a deferred
+    stage can run it (``supports_deferred=True``).
 
     :raises UpstreamError: the judge request failed (it is not retried: no POST is replayed).
     :raises ValueError: the answer has no message text.
     """
     messages = render_judge_messages(context.prompt, response, label)
-    client = context.client(JUDGE_ROLE)
+    client = context.client(context.role or JUDGE_ROLE)
+    body: dict[str, Any] = {
+        "messages": messages,
+        "temperature": JUDGE_SAMPLING["temperature"],
+        "max_tokens": JUDGE_SAMPLING["max_new_tokens"],
+    }
     answer = await client.post(
         "/v1/chat/completions",
-        {
-            "messages": messages,
-            "temperature": JUDGE_SAMPLING["temperature"],
-            "max_tokens": JUDGE_SAMPLING["max_new_tokens"],
-        },
-        route_key=context.route_key,
+        body,
+        model=context.model,
+        route_key=None if context.model is not None else context.route_key,
         affinity_key=context.sample.group_id,
     )
     try:

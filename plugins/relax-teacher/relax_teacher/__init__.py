@@ -2,8 +2,10 @@
 
 Registers the ``teacher`` :class:`~relax_core.RoleSpec` (STATIC weights, DIRECT routing with
 group affinity, deferrable) and its gateway adapter, which checks a prefill request before any
-GPU sees it. :func:`prefill_payload` and :func:`parse_prefill` build and check the canonical OPD
-prefill request and answer.
+GPU sees it, and the step's distillation stages: ``distill`` (the teacher's prefill, its
+log-probs or top-k) and ``student`` (the policy's own), :mod:`relax_teacher.distill`.
+:func:`prefill_payload` and :func:`parse_prefill` build and check the canonical OPD prefill
+request and answer.
 """
 
 from __future__ import annotations
@@ -12,9 +14,26 @@ from collections.abc import Callable
 
 from relax_core import OpenAPINotes, RoleSpec, hookimpl
 from relax_teacher.adapter import TeacherAdapter
-from relax_teacher.prefill import PrefillResult, parse_prefill, prefill_payload
+from relax_teacher.distill import (
+    DISTILL,
+    STUDENT,
+    DistillationStage,
+    PrefillResult,
+    parse_prefill,
+    prefill_payload,
+    relax_register_stages,  # noqa: F401  (the plugin's hook)
+)
 
-__all__ = ["TEACHER_ROLE", "PrefillResult", "TeacherAdapter", "parse_prefill", "prefill_payload"]
+__all__ = [
+    "DISTILL",
+    "STUDENT",
+    "TEACHER_ROLE",
+    "DistillationStage",
+    "PrefillResult",
+    "TeacherAdapter",
+    "parse_prefill",
+    "prefill_payload",
+]
 
 TEACHER_ROLE = RoleSpec(
     name="teacher",

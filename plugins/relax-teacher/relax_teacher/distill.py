@@ -1,32 +1,146 @@
-"""The distillation stages: teacher prefill (phase ``teacher``) and student prefill (``student``).
+"""The distillation stages: teacher prefill (kind ``distill``) and student prefill (``student``).
 
 For every staged sample the stage sends SGLang's prefill request (:func:`prefill_payload`:
 ``input_ids`` = prompt + response, ``max_new_tokens`` 0, ``return_logprob`` from
 ``logprob_start_len = prompt_len - 1``, and ``top_logprobs_num = k`` in top-k mode), checks the
 answer (:func:`parse_prefill`: exactly response length + 1 input log-probs) and writes the
-fields: ``teacher_logprobs`` (and ``teacher_topk_ids`` / ``teacher_topk_logprobs``), or
-``student_logprobs`` for the student stage.
+fields it declares: ``teacher_logprobs`` (and ``teacher_topk_ids`` / ``teacher_topk_logprobs``
+with ``top_k``), or ``student_logprobs`` for the student stage, each validated by the batch
+before anything is written back (one finite log-prob <= 0 per response token; top-k rows of k
+ids and k sorted log-probs).
 
 Routing: the model comes from the sample's ``metadata["route_key"]`` (the role's route-key
 map); each group is pinned to one replica — resolved once per group with ``affinity_key`` =
 the group id, and every sample of the group sent there — so a group is scored by one teacher
 replica whatever the role's policy. One client per event loop, reused across samples
-(:class:`~relax_core.coordination.stages.RoleClients`).
+(:class:`~relax_core.RoleClients`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from relax_core.coordination.sample import Sample
-from relax_core.coordination.stages import StageContext, StageReport
-from relax_core.errors import RelaxError, ScoringError, UpstreamError
+from relax_core import (
+    ConfigReader,
+    RelaxError,
+    Sample,
+    SampleField,
+    ScoringError,
+    StageConfig,
+    StageContext,
+    StageReport,
+    StageSpec,
+    UpstreamError,
+    hookimpl,
+)
 
-__all__ = ["DistillationStage", "PrefillResult", "parse_prefill", "prefill_payload"]
+__all__ = [
+    "DISTILL",
+    "STUDENT",
+    "STUDENT_LOGPROBS",
+    "TEACHER_LOGPROBS",
+    "TEACHER_MODES",
+    "DistillationStage",
+    "PrefillResult",
+    "parse_prefill",
+    "prefill_payload",
+    "teacher_topk_fields",
+]
+
+#: ``mode`` values of a distill stage: the teacher's log-prob of each sampled token, or its
+#: top-k at each position.
+TEACHER_MODES = ("sampled", "top-k")
+
+
+def _fine(values: Any) -> bool:
+    """Fast path (C loops): every value a finite number <= 0. False means "look closer"."""
+    if not values:
+        return True
+    try:
+        return bool(max(values) <= 0 and math.isfinite(math.fsum(values)))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def _logprob_problem(values: object, tokens: int, field: str) -> str | None:
+    if not isinstance(values, tuple | list):
+        return f"{field} is missing ({type(values).__name__})"
+    if len(values) != tokens:
+        return f"{field} has {len(values)} entries for {tokens} response tokens (one per token)"
+    if _fine(values):
+        return None
+    for i, v in enumerate(values):
+        if not isinstance(v, float | int) or not math.isfinite(v) or v > 0:
+            return f"{field}[{i}] = {v!r} is not a finite log-prob <= 0"
+    return None
+
+
+def _topk_problem(ids: object, lps: object, tokens: int, k: int) -> str | None:
+    for name, rows in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
+        if not isinstance(rows, tuple | list):
+            return f"{name} is missing ({type(rows).__name__})"
+        if len(rows) != tokens:
+            return f"{name} has {len(rows)} rows for {tokens} response tokens"
+    assert isinstance(ids, tuple | list) and isinstance(lps, tuple | list)
+    for t, (id_row, lp_row) in enumerate(zip(ids, lps, strict=True)):
+        if not isinstance(id_row, tuple | list) or len(id_row) != k:
+            return f"teacher_topk_ids[{t}] is not {k} ids (shape [tokens, {k}])"
+        if not isinstance(lp_row, tuple | list) or len(lp_row) != k:
+            return f"teacher_topk_logprobs[{t}] is not {k} log-probs (shape [tokens, {k}])"
+        for j, i in enumerate(id_row):
+            if type(i) is not int or i < 0:
+                return f"teacher_topk_ids[{t}][{j}] = {i!r} is not a token id"
+        if _fine(lp_row) and list(lp_row) == sorted(lp_row, reverse=True):
+            continue
+        prev = math.inf
+        for j, v in enumerate(lp_row):
+            if not isinstance(v, float | int) or not math.isfinite(v) or v > 0:
+                return f"teacher_topk_logprobs[{t}][{j}] = {v!r} is not a finite log-prob <= 0"
+            if v > prev:
+                return f"teacher_topk_logprobs[{t}] is not sorted descending (at {j})"
+            prev = v
+    return None
+
+
+def _per_token(field: str) -> Callable[[Any, Sample], str | None]:
+    def check(value: Any, sample: Sample) -> str | None:
+        return _logprob_problem(value, len(sample.response_ids), field)
+
+    return check
+
+
+#: The teacher's log-prob of each sampled response token.
+TEACHER_LOGPROBS = SampleField(
+    "teacher_logprobs",
+    _per_token("teacher_logprobs"),
+    "the teacher's log-prob of each response token",
+)
+#: The policy's own log-prob of each response token, prefilled again (a student stage).
+STUDENT_LOGPROBS = SampleField(
+    "student_logprobs",
+    _per_token("student_logprobs"),
+    "the policy's log-prob of each response token, prefilled after generation",
+)
+
+
+@functools.cache
+def teacher_topk_fields(k: int) -> tuple[SampleField, SampleField]:
+    """The teacher's top-``k`` fields (``[response tokens][k]`` ids and log-probs); one pair
+    per ``k``, so two stages of one ``k`` declare the same fields."""
+
+    def check(lps: Any, sample: Sample) -> str | None:
+        ids = sample.fields.get("teacher_topk_ids")
+        return _topk_problem(ids, lps, len(sample.response_ids), k)
+
+    ids = SampleField("teacher_topk_ids", None, f"the teacher's top-{k} token ids per position")
+    lps = SampleField("teacher_topk_logprobs", check, "their log-probs, sorted descending")
+    return ids, lps
 
 
 def prefill_payload(
@@ -102,8 +216,9 @@ class DistillationStage:
 
     :param role: the role to prefill on (the teacher role; the generation role with
         ``student=True``).
+    :param models: the role's models it uses (only those are onloaded for it; empty: all).
     :param top_k: teacher top-k width (0: sampled-token log-probs only).
-    :param student: write ``student_logprobs`` (phase ``student``) instead of teacher fields.
+    :param student: write ``student_logprobs`` instead of teacher fields.
     :param concurrency: prefill requests in flight at once.
     :param timeout: deadline of one prefill request (``None``: the client's).
     """
@@ -113,6 +228,7 @@ class DistillationStage:
         role: str,
         *,
         name: str | None = None,
+        models: Sequence[str] = (),
         top_k: int = 0,
         student: bool = False,
         concurrency: int = 64,
@@ -121,24 +237,24 @@ class DistillationStage:
         if top_k < 0 or (student and top_k):
             raise ValueError(f"top_k={top_k!r}: >= 0, and 0 for a student stage")
         self.role = role
+        self.models = tuple(models)
         self.name = name or ("student" if student else role)
-        self.phase = "student" if student else "distill"
         self.top_k = int(top_k)
         self.student = student
         self.concurrency = concurrency
         self.timeout = timeout
+        self.fields: tuple[SampleField, ...]
         if student:
-            self.writes = frozenset({"student_logprobs"})
+            self.fields = (STUDENT_LOGPROBS,)
         elif top_k:
-            self.writes = frozenset(
-                {"teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs"}
-            )
+            self.fields = (TEACHER_LOGPROBS, *teacher_topk_fields(self.top_k))
         else:
-            self.writes = frozenset({"teacher_logprobs"})
+            self.fields = (TEACHER_LOGPROBS,)
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         """Prefill ``samples`` in place (concurrently); raise on the first failure."""
         client = ctx.clients.client(self.role)
+        model = self.models[0] if len(self.models) == 1 else None
         gate = asyncio.Semaphore(self.concurrency)
         targets: dict[tuple[str, str | None], asyncio.Future[Any]] = {}
 
@@ -148,7 +264,9 @@ class DistillationStage:
             fut = targets.get(key)
             if fut is None:
                 fut = targets[key] = asyncio.ensure_future(
-                    client.resolve(route_key=sample.route_key, affinity_key=sample.group_id)
+                    client.resolve(
+                        model=model, route_key=sample.route_key, affinity_key=sample.group_id
+                    )
                 )
             return fut
 
@@ -173,13 +291,14 @@ class DistillationStage:
                         f"prefill of sample {sample.id} (group {sample.group_id}) on role "
                         f"{self.role!r}: {type(exc).__name__}: {exc}",
                     ) from exc
+            fields = sample.fields
             if self.student:
-                sample.student_logprobs = result.logprobs
+                fields["student_logprobs"] = result.logprobs
                 return
-            sample.teacher_logprobs = result.logprobs
+            fields["teacher_logprobs"] = result.logprobs
             if self.top_k:
-                sample.teacher_topk_ids = result.top_ids
-                sample.teacher_topk_logprobs = result.top_logprobs
+                fields["teacher_topk_ids"] = result.top_ids
+                fields["teacher_topk_logprobs"] = result.top_logprobs
 
         tasks = [asyncio.ensure_future(one(s)) for s in samples]
         try:
@@ -194,3 +313,88 @@ class DistillationStage:
             {"requests": len(samples), "groups": len({s.group_id for s in samples})},
             {"group_engines": engines},
         )
+
+
+def build_distill(config: StageConfig) -> DistillationStage:
+    """The ``distill`` kind: the teacher's prefill on ``role`` (``mode`` ``sampled`` or
+    ``top-k``, ``top_k`` (8) in top-k mode, ``concurrency``).
+
+    :raises ConfigValidationError: every problem of its table.
+    """
+    r = ConfigReader()
+    o, p = config.options, config.path
+    mode = r.value(o, p, "mode", str, "sampled", check=ConfigReader.one_of(TEACHER_MODES))
+    top_k = r.value(o, p, "top_k", int, 8, check=ConfigReader.at_least(1))
+    if "top_k" in o and mode != "top-k":
+        r.problem(config.key("top_k"), "teacher-mode", "top_k applies to mode = 'top-k' only")
+    concurrency = r.value(o, p, "concurrency", int, 64, check=ConfigReader.at_least(1))
+    if config.role is not None and config.role == config.generation_role:
+        r.problem(
+            config.key("role"),
+            "generation-role",
+            f"{config.role!r} generates the batch; a teacher prefill runs on another role (a "
+            "prefill on the policy itself is stage = 'student')",
+        )
+    r.raise_problems()
+    assert config.role is not None
+    return DistillationStage(
+        config.role,
+        name=config.name,
+        models=config.models,
+        top_k=top_k if mode == "top-k" else 0,
+        concurrency=concurrency,
+        timeout=config.run.request_timeout,
+    )
+
+
+def build_student(config: StageConfig) -> DistillationStage:
+    """The ``student`` kind: the policy's own prefill (its role, the generation role, restored
+    for it), writing ``student_logprobs``; ``concurrency``.
+
+    :raises ConfigValidationError: its role is not the generation role.
+    """
+    r = ConfigReader()
+    concurrency = r.value(
+        config.options, config.path, "concurrency", int, 64, check=ConfigReader.at_least(1)
+    )
+    role = config.role or config.generation_role
+    if role is None or role != config.generation_role:
+        r.problem(
+            config.key("role"),
+            "generation-role",
+            f"a student prefill runs on the role that generates the batch "
+            f"({config.generation_role!r}), not {role!r}",
+        )
+    r.raise_problems()
+    assert role is not None
+    return DistillationStage(
+        role,
+        name=config.name,
+        student=True,
+        concurrency=concurrency,
+        timeout=config.run.request_timeout,
+    )
+
+
+#: The teacher's prefill for on-policy distillation.
+DISTILL = StageSpec(
+    name="distill",
+    build=build_distill,
+    options=("mode", "top_k", "concurrency"),
+    needs_role=True,
+    description="Teacher prefill: teacher_logprobs, or its top-k (teacher_topk_ids/_logprobs).",
+)
+#: The policy's own prefill after generation.
+STUDENT = StageSpec(
+    name="student",
+    build=build_student,
+    options=("concurrency",),
+    description="The policy's own prefill, its weights restored for it: student_logprobs.",
+)
+
+
+@hookimpl
+def relax_register_stages(register: Callable[[StageSpec], None]) -> None:
+    """Register the ``distill`` and ``student`` stage kinds."""
+    register(DISTILL)
+    register(STUDENT)

@@ -15,21 +15,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from relax_teacher import DistillationStage
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from relax_core.coordination import (
-    DistillationStage,
+from relax_core import (
+    RegistryPublisher,
     RoleClients,
+    RoutingSpec,
     Sample,
+    ScoringError,
     StageContext,
     validate_samples,
 )
-from relax_core.discovery.publisher import RegistryPublisher
-from relax_core.discovery.schema import RoutingSpec
-from relax_core.errors import ScoringError
 from relax_core.testing import serve_app
 
 
@@ -109,10 +109,10 @@ def test_prefills_follow_the_route_key_and_keep_each_group_on_one_replica() -> N
     engines = report.details["group_engines"]
     assert set(engines.values()) == {"math/replica-0", "math/replica-1", "code/replica-0"}
     assert fetches == [1]  # one discovery fetch for 18 prefills
-    assert validate_samples(samples, stage.writes, 3) == []
+    assert validate_samples(samples, stage.fields) == []
     s = samples[0]
-    assert s.teacher_logprobs == pytest.approx((-0.2, -0.3, -0.4))
-    assert s.teacher_topk_ids == ((100, 101, 102),) * 3
+    assert s.fields["teacher_logprobs"] == pytest.approx((-0.2, -0.3, -0.4))
+    assert s.fields["teacher_topk_ids"] == ((100, 101, 102),) * 3
     assert report.counts == {"requests": 18, "groups": 6}
 
 
@@ -131,5 +131,8 @@ def test_a_student_stage_writes_student_logprobs_only() -> None:
         samples = batch(2, 1)
         stage = DistillationStage("teacher", student=True)
         asyncio.run(stage.run(samples, StageContext(0, RoleClients({"teacher": provider}))))
-    assert (stage.phase, stage.writes) == ("student", frozenset({"student_logprobs"}))
-    assert all(len(s.student_logprobs or ()) == 3 and s.teacher_logprobs is None for s in samples)
+    assert [f.name for f in stage.fields] == ["student_logprobs"]
+    assert all(
+        len(s.fields["student_logprobs"]) == 3 and "teacher_logprobs" not in s.fields
+        for s in samples
+    )

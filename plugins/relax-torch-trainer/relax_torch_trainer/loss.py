@@ -23,7 +23,7 @@ imported by this module (only the trainer's actor imports it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import attrs
@@ -88,9 +88,23 @@ def pad_batch(
 
 
 def _per_token(samples: Sequence[Sample], field: str, mask: torch.Tensor) -> torch.Tensor:
-    """A per-response-token field of every sample, laid out on ``mask``'s True positions."""
-    flat = [float(v) for s in samples for v in getattr(s, field)]
+    """A per-response-token value of every sample (``rollout_logprobs``, or a field a stage
+    wrote), laid out on ``mask``'s True positions."""
+    flat = [
+        float(v)
+        for s in samples
+        for v in (s.rollout_logprobs if field == "rollout_logprobs" else s.fields[field])
+    ]
     return torch.tensor(flat, dtype=torch.float32, device=mask.device)
+
+
+def teacher_mode(fields: Collection[str]) -> str | None:
+    """The distillation term the step's fields allow: ``"top-k"`` when the teacher's top-k is
+    written (``teacher_topk_logprobs``), ``"sampled"`` for its log-prob of each sampled token
+    (``teacher_logprobs``) alone, ``None`` without a teacher stage."""
+    if "teacher_topk_logprobs" in fields:
+        return "top-k"
+    return "sampled" if "teacher_logprobs" in fields else None
 
 
 def batch_loss(
@@ -120,9 +134,9 @@ def batch_loss(
             raise ValueError(
                 f"sample {s.id}: {len(s.rollout_logprobs)} rollout log-probs for {n} tokens"
             )
-        if teacher_mode == "sampled" and len(s.teacher_logprobs or ()) != n:
+        if teacher_mode == "sampled" and len(s.fields.get("teacher_logprobs") or ()) != n:
             raise ValueError(f"sample {s.id}: no teacher log-prob for each of its {n} tokens")
-        if teacher_mode == "top-k" and len(s.teacher_topk_ids or ()) != n:
+        if teacher_mode == "top-k" and len(s.fields.get("teacher_topk_ids") or ()) != n:
             raise ValueError(f"sample {s.id}: no teacher top-k for each of its {n} tokens")
     logits = logits[:, :-1].float()
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -147,12 +161,12 @@ def batch_loss(
         teacher_mean = float(teacher.mean())
     elif teacher_mode == "top-k":
         ids = torch.tensor(
-            [row for s in samples for row in (s.teacher_topk_ids or ())],
+            [row for s in samples for row in s.fields["teacher_topk_ids"]],
             dtype=torch.long,
             device=logp.device,
         )
         t_lp = torch.tensor(
-            [row for s in samples for row in (s.teacher_topk_logprobs or ())],
+            [row for s in samples for row in s.fields["teacher_topk_logprobs"]],
             dtype=torch.float32,
             device=logp.device,
         )

@@ -79,7 +79,7 @@ class PolicyTrainer:
     def _step(self, batch_id: int, samples: Sequence[Any]) -> dict[str, Any]:
         import torch
 
-        from relax_torch_trainer.loss import batch_loss, group_advantages, pad_batch
+        from relax_torch_trainer.loss import batch_loss, group_advantages, pad_batch, teacher_mode
 
         ctx = self.context
         started = time.perf_counter()
@@ -105,7 +105,7 @@ class PolicyTrainer:
                 advantages=advantages[i : i + ctx.micro_batch],
                 clip=ctx.clip,
                 distill_coef=ctx.distill_coef,
-                teacher_mode=ctx.teacher_mode,
+                teacher_mode=teacher_mode(ctx.fields),
             )
             # Token-weighted: the step's loss is the mean over every response token.
             (loss * (report.tokens / total_tokens)).backward()  # type: ignore[no-untyped-call]
@@ -119,6 +119,7 @@ class PolicyTrainer:
         out: dict[str, Any] = {
             "batch_id": batch_id,
             "samples": len(samples),
+            "fields": sorted({name for s in samples for name in s.fields}),
             "sample_ids": [s.id for s in samples],
             "tokens": total_tokens,
             "reward_mean": statistics.fmean(rewards),

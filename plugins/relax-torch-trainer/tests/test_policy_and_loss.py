@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from relax_torch_trainer.loss import batch_loss, group_advantages, pad_batch
+from relax_torch_trainer.loss import batch_loss, group_advantages, pad_batch, teacher_mode
 from relax_torch_trainer.policy import load_policy
 
 from relax_core import ConfigError, Sample
@@ -48,9 +48,8 @@ def _sample(i: int, group: str, reward: float, n: int = 3, **fields: object) -> 
         group,
         [1, 2, 3 + i % 2],
         [4 + i, 5, 6][:n],
-        reward=reward,
         rollout_logprobs=[-1.0] * n,
-        **fields,  # type: ignore[arg-type]
+        fields={"reward": reward, **fields},
     )
 
 
@@ -85,8 +84,8 @@ def test_the_policy_gradient_raises_the_better_samples_log_probs(tiny: Path) -> 
         ids = torch.tensor([[1, 2, 3, *good], [1, 2, 3, *bad]])
         lp = torch.log_softmax(policy(ids)[:, 2:-1], -1).gather(-1, ids[:, 3:, None])[..., 0]
     samples = [
-        Sample("g", "p", [1, 2, 3], good, reward=1.0, rollout_logprobs=lp[0].tolist()),
-        Sample("b", "p", [1, 2, 3], bad, reward=0.0, rollout_logprobs=lp[1].tolist()),
+        Sample("g", "p", [1, 2, 3], good, rollout_logprobs=lp[0].tolist(), fields={"reward": 1.0}),
+        Sample("b", "p", [1, 2, 3], bad, rollout_logprobs=lp[1].tolist(), fields={"reward": 0.0}),
     ]
     batch, mask, targets = pad_batch(samples, "cpu")
     loss, report = batch_loss(
@@ -114,11 +113,12 @@ def test_distillation_terms_measure_the_gap_to_the_teacher(tiny: Path) -> None:
     top = logp_all.topk(4, dim=-1)
 
     def loss_of(**fields: object) -> object:
-        s = Sample("s", "g", [1, 2, 3], response, reward=0.0, rollout_logprobs=own.tolist())
-        for k, v in fields.items():
-            setattr(s, k, v)
+        s = Sample(
+            "s", "g", [1, 2, 3], response, rollout_logprobs=own.tolist(),
+            fields={"reward": 0.0, **fields},
+        )  # fmt: skip
         batch, mask, targets = pad_batch([s], "cpu")
-        mode = "top-k" if "teacher_topk_ids" in fields else "sampled"
+        mode = teacher_mode(fields)
         return batch_loss(
             policy(batch), [s], mask, targets, advantages=[0.0], clip=0.2, distill_coef=1.0,
             teacher_mode=mode,

@@ -53,7 +53,14 @@ def _samples(policy: Any) -> list[Sample]:
             lp = torch.log_softmax(policy(ids)[0, len(prompt) - 1 : -1], -1)
         own = lp.gather(-1, torch.tensor(response)[:, None])[:, 0]
         out.append(
-            Sample(f"s{i}", group, prompt, response, reward=reward, rollout_logprobs=own.tolist())
+            Sample(
+                f"s{i}",
+                group,
+                prompt,
+                response,
+                rollout_logprobs=own.tolist(),
+                fields={"reward": reward},
+            )
         )
     return out
 

@@ -1,0 +1,494 @@
+"""A step's stages: built from the job file's stage tables through the registered stage kinds,
+and the core's own two kinds, ``reward`` and ``eval``.
+
+:func:`build_stages` builds every stage of a :class:`~relax_core.run.config.RunConfig` (pure:
+nothing starts; ``relax run`` builds them to check the job, then again to run it): for each
+:class:`~relax_core.run.config.StageTable`, its kind's :class:`~relax_core.records.StageSpec`
+is looked up, the table's keys checked against the kind's ``options``, and the kind's
+``build`` called with a :class:`StageConfig`. Every problem of every stage is reported at once,
+each at its key path.
+
+The core's kinds (registered by :func:`relax_register_stages`, a built-in plugin):
+
+- ``reward``: reward adapters over the batch (:class:`~relax_core.coordination.RewardStage`);
+  ``rewards = [{ adapter, weight, key }]``, its ``role`` the role model-backed adapters call;
+- ``eval``: every ``every`` steps, generates on a held-out ``dataset`` with the policy that
+  generated the step, scores it with its own ``rewards`` and reports the reward in the step's
+  line; its samples never join the batch (nothing of them is trained on).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from relax_core.config import ConfigProblem, ConfigReader
+from relax_core.coordination.rewards import RewardStage
+from relax_core.coordination.sample import Sample
+from relax_core.coordination.stages import Stage, StageContext, StageReport, check_stages
+from relax_core.errors import ConfigError, ConfigValidationError
+from relax_core.hookspecs import hookimpl
+from relax_core.records import PluginLookup, StageSpec
+from relax_core.run.config import COMMON_STAGE_KEYS, RunConfig, StageTable
+from relax_core.run.data import PromptSource, open_source, source_problems
+
+__all__ = [
+    "EVAL",
+    "REWARD",
+    "EvalStage",
+    "RewardWeight",
+    "StageConfig",
+    "build_stages",
+    "read_rewards",
+    "stage_problems",
+]
+
+
+@attrs.frozen
+class StageConfig:
+    """What a stage kind's ``build`` gets: one stage table of the job file.
+
+    ``kind``, ``name``, ``role``, ``models``: the table's common keys (``name`` defaulted);
+    ``options``: the rest of the table, as written (read them with
+    :class:`~relax_core.ConfigReader`; a problem goes at :meth:`key`); ``path``: the table's key
+    path (``run.stages[2]``); ``run``: the run's settings (``request_timeout``,
+    ``samples_per_prompt``, …); ``plugins``: the job's plugin manager (``plugins.registered(
+    "reward_adapters")``); ``generation_role``: the role that generates the batch;
+    ``deferred_roles``: the roles a defer layout leases (a reward adapter of a stage on one must
+    declare ``supports_deferred``).
+    """
+
+    table: StageTable
+    run: RunConfig
+    plugins: PluginLookup
+    generation_role: str | None = None
+    deferred_roles: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """The stage's kind (its :class:`~relax_core.records.StageSpec`'s name)."""
+        return self.table.kind
+
+    @property
+    def name(self) -> str:
+        """The stage's name in the step: the stage built must take it."""
+        return self.table.name
+
+    @property
+    def role(self) -> str | None:
+        """The role whose lease the stage takes (``None``: none)."""
+        return self.table.role
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models of :attr:`role` the stage uses (empty: every one)."""
+        return self.table.models
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The table's own keys, as written."""
+        return self.table.options
+
+    @property
+    def path(self) -> str:
+        """The table's key path (``run.stages[2]``)."""
+        return self.table.path
+
+    def key(self, option: str) -> str:
+        """The key path of one of the table's keys (``run.stages[2].top_k``)."""
+        return self.table.key(option)
+
+    @property
+    def deferred(self) -> bool:
+        """The job is a defer layout: its stages score a staged batch in deferred phases."""
+        return bool(self.deferred_roles)
+
+
+def build_stages(
+    run: RunConfig,
+    plugins: PluginLookup,
+    *,
+    roles: Sequence[str] | None = None,
+    generation_role: str | None = None,
+    deferred_roles: Sequence[str] = (),
+) -> list[Stage]:
+    """Every stage of ``run``, in order, built by its kind.
+
+    ``roles``: the configured roles (a stage's ``role`` must be one); ``None`` skips that
+    check.
+
+    :raises ConfigValidationError: every problem of every stage, each at its key path.
+    """
+    stages, problems = _build(run, plugins, roles, generation_role, tuple(deferred_roles))
+    if problems:
+        raise ConfigValidationError(problems)
+    return stages
+
+
+def stage_problems(
+    run: RunConfig,
+    plugins: PluginLookup,
+    *,
+    roles: Sequence[str] | None = None,
+    generation_role: str | None = None,
+    deferred_roles: Sequence[str] = (),
+) -> list[ConfigProblem]:
+    """What :func:`build_stages` would raise, as a list (empty: every stage builds)."""
+    return _build(run, plugins, roles, generation_role, tuple(deferred_roles))[1]
+
+
+def _build(
+    run: RunConfig,
+    plugins: PluginLookup,
+    roles: Sequence[str] | None,
+    generation_role: str | None,
+    deferred_roles: tuple[str, ...],
+) -> tuple[list[Stage], list[ConfigProblem]]:
+    registered = plugins.registered("stages")
+    stages: list[Stage] = []
+    problems: list[ConfigProblem] = []
+    for table in run.stages:
+        entry = registered.get(table.kind)
+        if entry is None:
+            problems.append(_unknown_kind(table, sorted(registered)))
+            continue
+        spec: StageSpec = entry.record
+        if spec.options is not None:  # unknown keys: reported beside what the build finds
+            r = ConfigReader()
+            r.table(dict(table.options), table.path, (*COMMON_STAGE_KEYS, *spec.options))
+            problems += r.problems
+        found = _role_problems(table, spec, roles)
+        if found:
+            problems += found
+            continue
+        config = StageConfig(table, run, plugins, generation_role, deferred_roles)
+        try:
+            stage = spec.build(config)
+        except ConfigValidationError as exc:
+            problems += exc.problems
+            continue
+        except ConfigError as exc:
+            problems.append(ConfigProblem(exc.path or table.path, "stage", exc.message))
+            continue
+        except Exception as exc:
+            problems.append(
+                ConfigProblem(
+                    table.path,
+                    "stage",
+                    f"stage kind {table.kind!r} (from {entry.distribution}) failed to build: "
+                    f"{type(exc).__name__}: {exc}",
+                )
+            )
+            continue
+        problems += _built_problems(table, stage, entry.distribution)
+        stages.append(stage)
+    if not problems:
+        try:
+            check_stages(stages)
+        except ValueError as exc:
+            problems.append(ConfigProblem("run.stages", "stages", str(exc)))
+    return stages, problems
+
+
+def _unknown_kind(table: StageTable, known: list[str]) -> ConfigProblem:
+    import difflib
+
+    close = difflib.get_close_matches(table.kind, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigProblem(
+        table.key("stage"),
+        "plugin",
+        f"no stage kind {table.kind!r} is registered{hint} (registered: "
+        f"{', '.join(known) or 'none'}); install the plugin that provides it (relax plugins "
+        "lists them)",
+    )
+
+
+def _role_problems(
+    table: StageTable, spec: StageSpec, roles: Sequence[str] | None
+) -> list[ConfigProblem]:
+    r = ConfigReader()
+    if spec.needs_role and table.role is None:
+        r.problem(
+            table.key("role"),
+            "required",
+            f"stage kind {spec.name!r} calls a role's engines: name the role",
+        )
+    if table.role is not None and roles is not None and table.role not in roles:
+        r.problem(
+            table.key("role"),
+            "reference",
+            f"role {table.role!r} is not configured under [roles] (configured: "
+            f"{', '.join(sorted(roles))})",
+        )
+    return r.problems
+
+
+def _built_problems(table: StageTable, stage: object, dist: str) -> list[ConfigProblem]:
+    if not isinstance(stage, Stage):
+        return [
+            ConfigProblem(
+                table.path,
+                "stage",
+                f"stage kind {table.kind!r} (from {dist}) built {stage!r}, which is not a Stage "
+                "(name, role, models, fields and an async run(samples, ctx))",
+            )
+        ]
+    if stage.name != table.name:
+        return [
+            ConfigProblem(
+                table.path,
+                "stage",
+                f"stage kind {table.kind!r} (from {dist}) built a stage called {stage.name!r}; "
+                f"it must take the table's name, {table.name!r} (StageConfig.name)",
+            )
+        ]
+    return []
+
+
+# -- the reward stage ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RewardWeight:
+    """One reward adapter of a reward stage: its weight in the sample's reward and the key its
+    value has in ``rewards`` (the adapter's name unless given)."""
+
+    adapter: str
+    weight: float = 1.0
+    key: str | None = None
+
+
+def read_rewards(
+    r: ConfigReader, raw: object, path: str, plugins: PluginLookup, *, deferred: bool = False
+) -> list[tuple[Any, float, str]]:
+    """A ``rewards = [{ adapter, weight, key }]`` list as ``(RewardSpec, weight, key)``
+    entries; its problems into ``r`` at ``path[i]``: an empty list, an unregistered adapter,
+    a repeated key, a weight that is not finite, and (``deferred``) an adapter that does not
+    declare ``supports_deferred``."""
+    if raw is None:
+        r.problem(
+            path,
+            "required",
+            'give at least one reward adapter: rewards = [{ adapter = "exact-match" }]',
+        )
+        return []
+    if not isinstance(raw, list) or not raw:
+        r.problem(
+            path, "type", f"must be a non-empty list of {{adapter, weight}} tables, got {raw!r}"
+        )
+        return []
+    registered = plugins.registered("reward_adapters")
+    out: list[tuple[Any, float, str]] = []
+    keys: set[str] = set()
+    for i, item in enumerate(raw):
+        where = f"{path}[{i}]"
+        if not isinstance(item, Mapping):
+            r.problem(where, "type", f"must be a table {{adapter, weight}}, got {item!r}")
+            continue
+        t = r.table(dict(item), where, ("adapter", "weight", "key"))
+        name = r.value(t, where, "adapter", str, None, required=True, check=ConfigReader.non_empty)
+        weight = r.value(t, where, "weight", float, 1.0, check=ConfigReader.finite)
+        key = r.value(t, where, "key", str, None, check=ConfigReader.non_empty)
+        if name is None:
+            continue
+        key = key or name
+        if key in keys:
+            what = (
+                f"reward adapter {name!r} is listed twice"
+                if key == name
+                else f"key {key!r} repeats"
+            )
+            r.problem(
+                f"{where}.{'adapter' if key == name else 'key'}",
+                "duplicate",
+                f'{what}; give each a key = "..." of its own',
+            )
+            continue
+        keys.add(key)
+        entry = registered.get(name)
+        if entry is None:
+            r.problem(
+                where,
+                "plugin",
+                f"no reward adapter {name!r} is registered (registered: "
+                f"{', '.join(sorted(registered)) or 'none'}); install its plugin",
+            )
+            continue
+        if deferred and not entry.record.supports_deferred:
+            r.problem(
+                where,
+                "defer-adapter",
+                f"reward adapter {name!r} (from {entry.distribution}) does not declare "
+                "supports_deferred, so it cannot score a staged batch in a deferred phase; "
+                "use an adapter that does, or a split layout",
+            )
+            continue
+        out.append((entry.record, float(weight), key))
+    return out
+
+
+def _reward_stage(config: StageConfig, r: ConfigReader, *, name: str) -> RewardStage | None:
+    entries = read_rewards(
+        r, config.options.get("rewards"), config.key("rewards"), config.plugins,
+        deferred=config.deferred,
+    )  # fmt: skip
+    concurrency = r.value(
+        config.options, config.path, "concurrency", int, 64, check=ConfigReader.at_least(1)
+    )
+    if not entries:
+        return None
+    return RewardStage(
+        entries,
+        name=name,
+        role=config.role,
+        models=config.models,
+        concurrency=concurrency,
+        timeout=config.run.request_timeout,
+    )
+
+
+def build_reward_stage(config: StageConfig) -> RewardStage:
+    """The ``reward`` kind: a :class:`~relax_core.coordination.RewardStage` from ``rewards``
+    (and ``concurrency``) on ``role``'s ``models``.
+
+    :raises ConfigValidationError: every problem of its table.
+    """
+    r = ConfigReader()
+    stage = _reward_stage(config, r, name=config.name)
+    r.raise_problems()
+    assert stage is not None
+    return stage
+
+
+#: The core's reward stage kind.
+REWARD = StageSpec(
+    name="reward",
+    build=build_reward_stage,
+    options=("rewards", "concurrency"),
+    description="Reward adapters over the batch: fields reward (weighted sum) and rewards.",
+)
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+
+
+class EvalStage:
+    """Every ``every`` steps (steps 0, every, 2 x every, …), ``prompts`` held-out prompts from
+    ``source`` generated with the policy that generated the step (``samples_per_prompt`` each,
+    at ``temperature``), scored by ``scorer`` (a reward stage, with its role's lease), reported:
+    ``samples``, ``reward_mean``, ``reward_std`` and the scorer's counts. Writes nothing on the
+    batch's samples; its own samples never join the batch.
+    """
+
+    role: str | None = None
+    models: tuple[str, ...] = ()
+    fields = ()
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        source: Callable[[], PromptSource],
+        scorer: RewardStage,
+        every: int = 1,
+        prompts: int = 4,
+        samples_per_prompt: int = 1,
+        temperature: float = 0.0,
+    ) -> None:
+        self.name = name
+        self.scorer = scorer
+        self.every = every
+        self.prompts = prompts
+        self.samples_per_prompt = samples_per_prompt
+        self.temperature = temperature
+        self._open = source
+        self._source: PromptSource | None = None
+
+    async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+        """Evaluate on this step if it is one of every ``every``; else report ``skipped``."""
+        if ctx.batch_id % self.every:
+            return StageReport(self.name, {"skipped": 1})
+        if self._source is None:
+            self._source = self._open()
+        held_out = await ctx.generate(
+            prompts=self._source.take(self.prompts),
+            samples_per_prompt=self.samples_per_prompt,
+            temperature=self.temperature,
+        )
+        scored = await ctx.run_stage(self.scorer, held_out)
+        rewards = [float(s.reward) for s in held_out if s.reward is not None]
+        counts: dict[str, float] = {
+            "samples": len(held_out),
+            "scored": len(rewards),
+            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+            "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
+        }
+        counts.update({f"{self.scorer.name}.{k}": v for k, v in scored.counts.items()})
+        return StageReport(self.name, counts, {"sample_ids": [s.id for s in held_out]})
+
+
+def build_eval_stage(config: StageConfig) -> EvalStage:
+    """The ``eval`` kind: ``dataset`` (a prompt source, required), ``every`` (1),
+    ``prompts`` (the run's ``prompts_per_step``), ``samples_per_prompt`` (1),
+    ``temperature`` (0: greedy), ``rewards`` and ``concurrency`` (as the reward stage's; its
+    ``role`` and ``models`` are the scorer's).
+
+    :raises ConfigValidationError: every problem of its table (a dataset no source reads).
+    """
+    r = ConfigReader()
+    o, p = config.options, config.path
+    dataset = r.value(o, p, "dataset", str, None, required=True, check=ConfigReader.non_empty)
+    every = r.value(o, p, "every", int, 1, check=ConfigReader.at_least(1))
+    prompts = r.value(
+        o, p, "prompts", int, config.run.prompts_per_step, check=ConfigReader.at_least(1)
+    )
+    samples = r.value(o, p, "samples_per_prompt", int, 1, check=ConfigReader.at_least(1))
+    temperature = r.value(o, p, "temperature", float, 0.0, check=ConfigReader.at_least(0))
+    scorer = _reward_stage(config, r, name=f"{config.name}.rewards")
+    where: dict[str, Any] = {
+        "seed": config.run.seed,
+        "key": config.key("dataset"),
+        "base": config.run.base,
+    }
+    if dataset is not None:
+        r.problems.extend(source_problems(dataset, config.plugins, **where))
+    r.raise_problems()
+    assert scorer is not None and dataset is not None
+    return EvalStage(
+        config.name,
+        source=lambda: open_source(dataset, config.plugins, **where),
+        scorer=scorer,
+        every=every,
+        prompts=prompts,
+        samples_per_prompt=samples,
+        temperature=temperature,
+    )
+
+
+#: The core's evaluation stage kind.
+EVAL = StageSpec(
+    name="eval",
+    build=build_eval_stage,
+    options=(
+        "dataset",
+        "every",
+        "prompts",
+        "samples_per_prompt",
+        "temperature",
+        "rewards",
+        "concurrency",
+    ),
+    description="Every K steps: held-out prompts generated, scored and reported; never trained on.",
+)
+
+
+@hookimpl
+def relax_register_stages(register: Callable[[StageSpec], None]) -> None:
+    """Register the core's stage kinds: ``reward`` and ``eval``."""
+    register(REWARD)
+    register(EVAL)
