@@ -1,10 +1,12 @@
-"""A test plugin: one reward adapter, one routing policy and one engine backend (``test-sim``),
-found through the entry point."""
+"""A test plugin: reward adapters, one routing policy, one engine backend (``test-sim``) and one
+trainer (``record-fields``), found through the entry point."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from relax_core import (
@@ -14,12 +16,43 @@ from relax_core import (
     RewardSpec,
     RoutingPolicy,
     SubprocessEngineProcess,
+    TrainerContext,
+    TrainerSpec,
     hookimpl,
 )
 
 
 def exact_match(response: str, label: str) -> float:
     return 1.0 if response.strip() == label.strip() else 0.0
+
+
+def constant_or_checksum(response: str, label: str | None, metadata: Mapping[str, Any]) -> float:
+    """0.5 for every sample of a prompt whose metadata says ``constant`` (its group's rewards
+    do not vary), else a checksum of the response in [0, 1) (they do, unless two responses are
+    the same): groups a dynamic-sampling test knows in advance."""
+    if metadata.get("constant"):
+        return 0.5
+    return (zlib.crc32(response.encode()) % 1000) / 1000
+
+
+class RecordFields:
+    """A trainer that trains on nothing: it waits for each batch's commit, reads it, deletes it
+    and reports the sample fields and the samples it got (``fields``, ``samples``); ``push``
+    reports the version it was asked for without changing rollout's weights."""
+
+    def __init__(self, context: TrainerContext) -> None:
+        self.context = context
+
+    def train(self, batch_id: int) -> dict[str, Any]:
+        ctx = self.context
+        receipt = asyncio.run(ctx.coordinator.wait_committed(batch_id, ctx.commit_timeout))
+        samples = asyncio.run(ctx.sink.get(receipt.partition))
+        asyncio.run(ctx.sink.delete(receipt.partition))
+        fields = sorted({name for s in samples for name in s.fields})
+        return {"samples": len(samples), "fields": fields, "declared": list(ctx.fields)}
+
+    def push(self, weight_version: str) -> dict[str, Any]:
+        return {"weight_version": weight_version}
 
 
 class FirstSelector:
@@ -32,6 +65,26 @@ class FirstSelector:
 @hookimpl
 def relax_register_reward_adapters(register: Callable[[RewardSpec], None]) -> None:
     register(RewardSpec(name="test-exact-match", fn=exact_match, description="test plugin"))
+    register(
+        RewardSpec(
+            name="constant-or-checksum",
+            fn=constant_or_checksum,
+            pass_metadata=True,
+            supports_deferred=True,
+            description="test plugin: 0.5 for prompts marked constant, else a response checksum",
+        )
+    )
+
+
+@hookimpl
+def relax_register_trainers(register: Callable[[TrainerSpec], None]) -> None:
+    register(
+        TrainerSpec(
+            name="record-fields",
+            trainer_class=RecordFields,
+            description="test plugin: reads each batch and reports its fields; trains nothing",
+        )
+    )
 
 
 @hookimpl
