@@ -132,7 +132,9 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def learn(session: nox.Session) -> None:
     """30 steps of ``relax run`` on a rule reward: the tiny policy's mean reward must rise
-    clearly (the end-to-end proof that batches reach the trainer and weights reach rollout)."""
+    clearly (the end-to-end proof that batches reach the trainer and weights reach rollout);
+    then 30 steps of distillation alone (the reward weighted 0, a teacher's top-8): its KL to
+    the teacher must fall clearly (the distillation stage's fields reach the trainer)."""
     _install_project(session)
     session.run("python", "-m", "tests.run.learn", *session.posargs)
 
