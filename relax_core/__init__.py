@@ -104,6 +104,7 @@ from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import (
     EngineBackend,
     EngineLaunchSpec,
+    EngineOptions,
     EngineProcess,
     OpenAPINotes,
     PlacementMode,
@@ -142,6 +143,7 @@ __all__ = [
     "DistillationStage",
     "EngineBackend",
     "EngineLaunchSpec",
+    "EngineOptions",
     "EngineProcess",
     "EngineView",
     "GatewayError",

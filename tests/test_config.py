@@ -84,7 +84,8 @@ def test_the_issue_sketch_parses_into_frozen_models() -> None:
     assert cfg.placement.mode == "split"
     assert cfg.role_names == ("rollout", "genrm", "teacher")
     math = cfg.role("teacher").model("math")
-    assert (math.num_gpus, math.gpus_per_engine, math.tp, math.pp, math.num_engines) == (
+    size = math.placement
+    assert (size.num_gpus, size.gpus_per_engine, size.tp, size.pp, size.num_engines) == (
         2,
         2,
         2,
@@ -94,7 +95,7 @@ def test_the_issue_sketch_parses_into_frozen_models() -> None:
     assert math.aliases == ("teacher-checkpoint",) and math.route_keys == ("math-data",)
     assert math.path == "roles.teacher.models.math"
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        math.tp = 4  # type: ignore[misc]
+        math.placement.tp = 4  # type: ignore[misc]
 
 
 def test_load_config_reads_a_file(tmp_path: Path) -> None:
@@ -128,8 +129,10 @@ def test_optional_serving_keys_are_accepted_and_typed() -> None:
         "STATIC",
         "Qwen/Qwen3-0.6B",
     )
-    assert judge.weights_cpu_backup is True and judge.seed == 7 and judge.mem_fraction_static == 0.6
-    assert judge.extra_args == ("--enable-metrics",) and judge.env == {"NCCL_DEBUG": "WARN"}
+    engine = judge.engine
+    assert engine.weights_cpu_backup is True and judge.seed == 7
+    assert engine.mem_fraction_static == 0.6
+    assert engine.extra_args == ("--enable-metrics",) and engine.env == {"NCCL_DEBUG": "WARN"}
     assert (role.default_model, role.policy, role.gateway.port) == ("judge", "round_robin", 18000)
 
 
@@ -140,7 +143,7 @@ def test_engine_shape_defaults_follow_tp_and_pp() -> None:
             b={"backend": "sglang", "model_path": "/m", "gpus_per_engine": 4, "num_engines": 3},
         )
     )
-    a, b = cfg.role("genrm").models
+    a, b = (m.placement for m in cfg.role("genrm").models)
     assert (a.gpus_per_engine, a.num_gpus, a.num_engines) == (4, 4, 1)
     assert (b.tp, b.num_gpus, b.num_engines) == (4, 12, 3)
 
@@ -255,7 +258,7 @@ def test_a_cpu_model_uses_no_gpus() -> None:
         doc(judge={"backend": "hf", "model_path": "/m", "device": "cpu", "num_engines": 2})
     )
     judge = cfg.role("genrm").model("judge")
-    assert (judge.num_gpus, judge.num_engines) == (0, 2)
+    assert (judge.placement.num_gpus, judge.placement.num_engines) == (0, 2)
 
 
 def test_num_engines_and_num_gpus_must_agree() -> None:
@@ -355,13 +358,13 @@ def test_router_and_pd_keys_are_read_and_pd_leaves_at_least_one_decode_engine() 
         "deterministic_inference": True,
     }
     judge = parse_config(doc(judge=model)).role("genrm").model("judge")
-    assert (judge.router, judge.router_policy, judge.pd_prefill_engines) == (
+    assert (judge.router.name, judge.router.policy, judge.engine.pd_prefill_engines) == (
         "smg",
         "consistent_hashing",
         1,
     )
-    assert judge.router_allow_dropped_fields == ("sampling_params.logit_bias",)
-    assert judge.router_args == ("--log-dir", "/tmp/r") and judge.deterministic_inference
+    assert judge.router.allow_dropped_fields == ("sampling_params.logit_bias",)
+    assert judge.router.args == ("--log-dir", "/tmp/r") and judge.engine.deterministic_inference
     path, rule, message = only(doc(judge={**model, "pd_prefill_engines": 2}))
     assert (path, rule) == ("roles.genrm.models.judge.pd_prefill_engines", "range")
     assert "leave no decode engine" in message
@@ -374,7 +377,8 @@ def test_an_external_model_names_its_heads_by_url_and_places_nothing() -> None:
         "http://10.0.0.5:30000",
         "https://heads.example:443",
     )
-    assert (judge.device, judge.num_gpus, judge.num_engines, judge.backend) == ("cpu", 0, 2, "")
+    size = judge.placement
+    assert (judge.device, size.num_gpus, size.num_engines, judge.backend) == ("cpu", 0, 2, "")
     found = problems(doc(judge={"external_urls": ["10.0.0.5:30000", "http://h:1/v1"], "tp": 2}))
     assert [(p, r) for p, r, _ in found] == [
         ("roles.genrm.models.judge.external_urls[0]", "url"),

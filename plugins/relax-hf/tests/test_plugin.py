@@ -16,6 +16,7 @@ from relax_core import (
     ConfigError,
     ControlClient,
     EngineLaunchSpec,
+    EngineOptions,
     EngineProcess,
     LifecycleError,
     PluginManager,
@@ -68,10 +69,9 @@ def test_serve_argv_runs_the_module_with_this_interpreter() -> None:
         model_path="/m",
         port=5,
         seed=3,
-        weights_cpu_backup=True,
         served_model_name="n",
         weight_version="v7",
-        extra_args=("--threads", "1"),
+        options=EngineOptions(weights_cpu_backup=True, extra_args=("--threads", "1")),
     )
     argv = serve_argv(spec, 5)
     assert argv[:4] == [sys.executable, "-m", "relax_hf", "serve"]
@@ -131,7 +131,7 @@ def test_launch_and_control_client_drive_an_engine_end_to_end(
         model_path=str(tiny_model),
         weight_version="w0",
         log_path=str(tmp_path / "e.log"),
-        options={"mem_fraction_static": 0.02},
+        options=EngineOptions(mem_fraction_static=0.02),
     )
     proc = HF_BACKEND.launch(spec)
     try:
