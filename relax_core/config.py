@@ -692,22 +692,7 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
             "external",
             "external engines are not started here: prefill/decode workers must be managed",
         )
-    engine_table = t.get("engine", {})
-    if not isinstance(engine_table, dict):
-        r.problem(
-            f"{p}.engine",
-            "type",
-            f"must be a table of the {t.get('backend', 'engine')!r} backend's options, got "
-            f"{type(engine_table).__name__}",
-        )
-        engine_table = {}
-    elif engine_table and is_external:
-        r.problem(
-            f"{p}.engine",
-            "external",
-            "external engines are not started here, so no backend reads their options; drop "
-            "this table",
-        )
+    engine_table = _engine_table(r, t, p, is_external)
     backend = v(t, p, "backend", str, "", required=not is_external)
     model_path = v(t, p, "model_path", str, "", required=not is_external)
     dp = v(t, p, "dp", int, 1, check=_at_least(1))
@@ -771,9 +756,32 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
         health=HealthSettings(
             unhealthy_after=v(t, p, "unhealthy_after", int, 3, check=_at_least(1))
         ),
-        engine_table=dict(engine_table),
+        engine_table=engine_table,
     )
     return model if len(r.problems) == before else None
+
+
+def _engine_table(
+    r: ConfigReader, t: Mapping[str, Any], p: str, is_external: bool
+) -> dict[str, Any]:
+    """The model's ``engine`` table as written (its backend's record reads it, later)."""
+    table = t.get("engine", {})
+    if not isinstance(table, dict):
+        r.problem(
+            f"{p}.engine",
+            "type",
+            f"must be a table of the {t.get('backend', 'engine')!r} backend's options, got "
+            f"{type(table).__name__}",
+        )
+        return {}
+    if table and is_external:
+        r.problem(
+            f"{p}.engine",
+            "external",
+            "external engines are not started here, so no backend reads their options; drop "
+            "this table",
+        )
+    return dict(table)
 
 
 def _urls(r: ConfigReader, t: Mapping[str, Any], p: str, key: str) -> tuple[str, ...]:
