@@ -17,6 +17,8 @@ import difflib
 import math
 import re
 import tomllib
+import types
+import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -24,17 +26,20 @@ from typing import Any, Protocol, TypeVar
 import attrs
 
 from relax_core.errors import ConfigProblem, ConfigValidationError
-from relax_core.records import NAME_PATTERN, ROUTE_MODES
+from relax_core.records import NAME_PATTERN, ROUTE_MODES, EngineOptions
 
 __all__ = [
     "ClusterConfig",
     "ConfigProblem",
     "ConfigReader",
     "GatewayConfig",
+    "HealthSettings",
     "JobConfig",
     "ModelConfig",
     "PlacementConfig",
+    "PlacementSettings",
     "RoleConfig",
+    "RouterSettings",
     "TrainingConfig",
     "load_config",
     "loads_config",
@@ -47,6 +52,7 @@ _FLOAT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32
 DTYPES = (*_FLOAT_DTYPES, "fp8", "float8_e4m3fn", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class _HasName(Protocol):
@@ -131,17 +137,63 @@ class PlacementConfig:
 
 
 @attrs.frozen
-class ModelConfig:
-    """One model of a role: how it is served, placed and budgeted.
+class PlacementSettings:
+    """Where a model's engines go and what they cost: what the placement planner and its
+    memory budget read.
 
-    ``num_gpus`` GPUs hold ``num_gpus / gpus_per_engine`` engines (logical replicas), each of
-    ``tp x pp`` GPUs. A ``cpu`` model holds ``num_engines`` engines and no GPU.
-    ``path`` is the key path of its table (``roles.genrm.models.judge``).
-    The ``router*`` keys choose and configure the router of an ``SGLANG_ROUTER`` model;
-    ``pd_prefill_engines`` makes the first that many replicas prefill workers and the rest
-    decode workers (prefill/decode disaggregation, reachable only through the router);
-    ``external_urls`` serves the model from engines Relax does not start (then no engine is
-    placed and ``backend`` is not used).
+    ``num_gpus`` GPUs hold ``num_engines`` engines (logical replicas) of ``gpus_per_engine``
+    GPUs each, every one ``tp x pp`` GPUs; a ``cpu`` model holds ``num_engines`` engines and
+    no GPU (``num_gpus`` and ``gpus_per_engine`` 0). ``bundle_start``: the first bundle of the
+    model's slice in its pool (``None``: the placement mode picks). ``ray_gpu_fraction``: the
+    Ray GPU share each engine worker reserves (``None``: 0.2 in a shared pool, else 1.0).
+    ``cuda_graph_gib``: the CUDA-graph reserve per GPU; ``num_parameters``: overrides the
+    parameter count of ``config.json`` in the budget.
+    """
+
+    num_gpus: int = 1
+    gpus_per_engine: int = 1
+    tp: int = 1
+    pp: int = 1
+    num_engines: int = 1
+    bundle_start: int | None = None
+    ray_gpu_fraction: float | None = None
+    cuda_graph_gib: float = 1.0
+    num_parameters: int | None = None
+
+
+@attrs.frozen
+class RouterSettings:
+    """The router in front of an ``SGLANG_ROUTER`` model's heads (the job file's ``router*``
+    keys): ``name`` (key ``router``; ``None``: the installed default router), ``policy``
+    (``router_policy``; ``None``: the router's default), ``allow_dropped_fields``
+    (``router_allow_dropped_fields``: request fields the router may drop) and ``args``
+    (``router_args``: extra router flags)."""
+
+    name: str | None = None
+    policy: str | None = None
+    allow_dropped_fields: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class HealthSettings:
+    """How a model's live replicas are supervised: ``unhealthy_after`` consecutive failed
+    health probes make a live replica FAILED (and rebuilt)."""
+
+    unhealthy_after: int = 3
+
+
+@attrs.frozen
+class ModelConfig:
+    """One model of a role: its identity and routing, with how it is placed, what its engines
+    are told, its router and its health checks as records of their own.
+
+    ``path`` is the key path of its table (``roles.genrm.models.judge``). ``external_urls``
+    serves the model from engines Relax does not start (then no engine is placed and
+    ``backend`` is not used). ``engine_table`` is the model's ``engine`` table as written: the
+    options of its backend's own record (:attr:`~relax_core.records.EngineBackend.options`),
+    read and checked against that record by the job's checks
+    (:func:`relax_core.jobs.backend_options`), since parsing does not know the backends.
     """
 
     role: str
@@ -150,40 +202,18 @@ class ModelConfig:
     backend: str
     model_path: str
     device: str = "cuda"
-    num_gpus: int = 1
-    gpus_per_engine: int = 1
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    dp_attention: bool = False
-    num_engines: int = 1
-    bundle_start: int | None = None
     aliases: tuple[str, ...] = ()
     route_keys: tuple[str, ...] = ()
     route_mode: str | None = None
     weight_source: str | None = None
     served_model_name: str | None = None
-    weights_cpu_backup: bool | None = None
     seed: int | None = None
-    ray_gpu_fraction: float | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    mem_fraction_static: float | None = None
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    cuda_graph_gib: float = 1.0
-    num_parameters: int | None = None
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = attrs.field(factory=dict)
-    deterministic_inference: bool | None = None
-    router: str | None = None
-    router_policy: str | None = None
-    router_allow_dropped_fields: tuple[str, ...] = ()
-    router_args: tuple[str, ...] = ()
-    pd_prefill_engines: int | None = None
     external_urls: tuple[str, ...] = ()
-    #: consecutive failed health probes before a live replica is FAILED (and rebuilt)
-    unhealthy_after: int = 3
+    placement: PlacementSettings = attrs.field(factory=PlacementSettings)
+    engine: EngineOptions = attrs.field(factory=EngineOptions)
+    router: RouterSettings = attrs.field(factory=RouterSettings)
+    health: HealthSettings = attrs.field(factory=HealthSettings)
+    engine_table: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
     def external(self) -> bool:
@@ -194,7 +224,7 @@ class ModelConfig:
     def engine_device(self) -> str:
         """The device the engine computes on: an SGLang-style ``--device X`` in ``extra_args``
         (e.g. an engine told ``--device cpu`` on a declared GPU bundle), else ``device``."""
-        args = self.extra_args
+        args = self.engine.extra_args
         for i, arg in enumerate(args):
             if arg == "--device" and i + 1 < len(args):
                 return args[i + 1]
@@ -430,6 +460,44 @@ class ConfigReader:
                 out.append(item)
         return tuple(out)
 
+    def record(self, value: object, path: str, cls: type[R]) -> R | None:
+        """An instance of the attrs class ``cls`` read from the table ``value``, or ``None``
+        and a problem for each bad key (at ``path.key``).
+
+        The record's fields are the table's keys (any other key is an ``unknown-key`` problem,
+        with a hint), each read as its annotated type says: ``bool``, ``int``, ``float``,
+        ``str``, any of them ``| None``, ``tuple[str, ...]`` (a list of distinct strings) or a
+        ``typing.Literal`` of strings (a choice); an absent key takes the field's default.
+        A field's ``metadata={"check": ...}`` (:meth:`at_least`, :meth:`fraction`, …) checks
+        its value too, and a ``ValueError`` of the record's own validators is a problem at
+        ``path``. Every field must have a default::
+
+            @attrs.frozen
+            class Options:
+                memory_handoff: bool = False
+                threads: int = attrs.field(default=0, metadata={"check": ConfigReader.at_least(0)})
+
+            opts = r.record(raw.get("engine", {}), "roles.rollout.models.policy.engine", Options)
+
+        :raises TypeError: ``cls`` is not an attrs class, or a field has a type or no default
+            a job file cannot give (the record's author's mistake, not the file's).
+        """
+        if not (isinstance(cls, type) and attrs.has(cls)):
+            raise TypeError(f"ConfigReader.record: {cls!r} is not an attrs class")
+        hints = typing.get_type_hints(cls)
+        fields = [f for f in attrs.fields(cls) if f.init]
+        readers = {f.alias or f.name: _field_reader(cls, f, hints[f.name]) for f in fields}
+        before = len(self.problems)
+        table = self.table(value, path, tuple(readers))
+        kwargs = {key: read(self, table, path) for key, read in readers.items() if key in table}
+        if len(self.problems) != before:
+            return None
+        try:
+            return typing.cast(R, cls(**kwargs))
+        except (TypeError, ValueError) as exc:
+            self.problem(path, "value", str(exc))
+            return None
+
     def raise_problems(self, source: str | None = None) -> None:
         """Raise every problem recorded so far at once; return when there is none.
 
@@ -441,6 +509,52 @@ class ConfigReader:
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
+#: What :meth:`ConfigReader.record` reads one field with: ``(reader, table, path) -> value``.
+_FieldReader = Callable[[ConfigReader, Mapping[str, Any], str], Any]
+
+
+def _field_reader(cls: type, field: attrs.Attribute[Any], hint: Any) -> _FieldReader:
+    """How a job file gives ``cls``'s ``field`` (annotated ``hint``); :class:`TypeError` when it
+    cannot."""
+    where = f"{cls.__qualname__}.{field.name}"
+    if field.default is attrs.NOTHING:
+        raise TypeError(f"{where}: give it a default (a job file may leave its key out)")
+    key = field.alias or field.name
+    given: Check | None = field.metadata.get("check")
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in args:
+        rest = tuple(a for a in args if a is not type(None))
+        hint = rest[0] if len(rest) == 1 else hint
+        args = typing.get_args(hint)
+    if hint in (bool, int, float, str):
+        kind = hint
+
+        def read(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
+            got = r.value(t, p, key, kind, None, check=given)
+            return float(got) if kind is float and isinstance(got, int) else got
+
+        return read
+    if typing.get_origin(hint) is typing.Literal and args and all(isinstance(a, str) for a in args):
+        choices = _one_of(args)
+
+        def check(v: Any) -> str | None:
+            return choices(v) or (given(v) if given is not None else None)
+
+        def read_choice(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
+            return r.value(t, p, key, str, None, check=check)
+
+        return read_choice
+    if typing.get_origin(hint) is tuple and args in ((str, ...),):
+
+        def read_list(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
+            return r.str_list(t, p, key)
+
+        return read_list
+    raise TypeError(
+        f"{where}: a job file cannot give a {hint!r}; use bool, int, float, str (or None), "
+        "tuple[str, ...] or a Literal of strings"
+    )
+
 
 _TOP = ("cluster", "training", "placement", "roles", "run")
 _CLUSTER = ("num_nodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "cpus_per_bundle")
@@ -448,7 +562,29 @@ _TRAINING = tuple(f.name for f in attrs.fields(TrainingConfig))
 _PLACEMENT = ("mode", "defer_roles", "pg_strategy")
 _ROLE = ("models", "default_model", "policy", "num_gpus", "gateway")
 _GATEWAY = ("host", "port", "in_ray_actor")
-_MODEL = tuple(f.name for f in attrs.fields(ModelConfig) if f.name not in ("role", "name", "path"))
+#: The model table's keys: its own, then those of each of its records (every one flat in the
+#: table, under the record's field name; the ``router*`` keys map to :class:`RouterSettings`
+#: fields without the prefix), then the backend's ``engine`` table.
+_MODEL_OWN = tuple(
+    f.name
+    for f in attrs.fields(ModelConfig)
+    if f.name
+    not in ("role", "name", "path", "placement", "engine", "router", "health", "engine_table")
+)
+_ROUTER_KEYS = {
+    "router": "name",
+    "router_policy": "policy",
+    "router_allow_dropped_fields": "allow_dropped_fields",
+    "router_args": "args",
+}
+_MODEL = (
+    *_MODEL_OWN,
+    *(f.name for f in attrs.fields(PlacementSettings)),
+    *(f.name for f in attrs.fields(EngineOptions)),
+    *_ROUTER_KEYS,
+    *(f.name for f in attrs.fields(HealthSettings)),
+    "engine",
+)
 
 
 def _cluster(r: ConfigReader, data: Mapping[str, Any]) -> ClusterConfig:
@@ -556,48 +692,96 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
             "external",
             "external engines are not started here: prefill/decode workers must be managed",
         )
-    model = ModelConfig(
-        role=role,
-        name=name,
-        path=p,
-        backend=v(t, p, "backend", str, "", required=not is_external),
-        model_path=v(t, p, "model_path", str, "", required=not is_external),
-        device=device,
+    engine_table = _engine_table(r, t, p, is_external)
+    backend = v(t, p, "backend", str, "", required=not is_external)
+    model_path = v(t, p, "model_path", str, "", required=not is_external)
+    dp = v(t, p, "dp", int, 1, check=_at_least(1))
+    dp_attention = v(t, p, "dp_attention", bool, False)
+    bundle_start = v(t, p, "bundle_start", int, None, check=_at_least(0))
+    aliases = r.str_list(t, p, "aliases")
+    route_keys = r.str_list(t, p, "route_keys")
+    route_mode = v(t, p, "route_mode", str, None, check=_one_of(ROUTE_MODES))
+    weight_source = v(t, p, "weight_source", str, None)
+    served_model_name = v(t, p, "served_model_name", str, None)
+    weights_cpu_backup = v(t, p, "weights_cpu_backup", bool, None)
+    seed = v(t, p, "seed", int, None)
+    placement = PlacementSettings(
         num_gpus=num_gpus,
         gpus_per_engine=gpe,
         tp=tp,
         pp=pp,
-        dp=v(t, p, "dp", int, 1, check=_at_least(1)),
-        dp_attention=v(t, p, "dp_attention", bool, False),
         num_engines=num_engines,
-        bundle_start=v(t, p, "bundle_start", int, None, check=_at_least(0)),
-        aliases=r.str_list(t, p, "aliases"),
-        route_keys=r.str_list(t, p, "route_keys"),
-        route_mode=v(t, p, "route_mode", str, None, check=_one_of(ROUTE_MODES)),
-        weight_source=v(t, p, "weight_source", str, None),
-        served_model_name=v(t, p, "served_model_name", str, None),
-        weights_cpu_backup=v(t, p, "weights_cpu_backup", bool, None),
-        seed=v(t, p, "seed", int, None),
+        bundle_start=bundle_start,
         ray_gpu_fraction=v(t, p, "ray_gpu_fraction", float, None, check=_fraction(False)),
+        cuda_graph_gib=v(t, p, "cuda_graph_gib", float, 1.0, check=_at_least(0)),
+        num_parameters=v(t, p, "num_parameters", int, None, check=_at_least(1)),
+    )
+    engine = EngineOptions(
         dtype=v(t, p, "dtype", str, "auto", check=_one_of(DTYPES)),
         kv_cache_dtype=v(t, p, "kv_cache_dtype", str, "auto", check=_one_of(DTYPES)),
         mem_fraction_static=v(t, p, "mem_fraction_static", float, None, check=_fraction(True)),
         context_length=v(t, p, "context_length", int, None, check=_at_least(1)),
         max_running_requests=v(t, p, "max_running_requests", int, None, check=_at_least(1)),
-        cuda_graph_gib=v(t, p, "cuda_graph_gib", float, 1.0, check=_at_least(0)),
-        num_parameters=v(t, p, "num_parameters", int, None, check=_at_least(1)),
+        dp=dp,
+        dp_attention=dp_attention,
+        deterministic_inference=v(t, p, "deterministic_inference", bool, None),
+        weights_cpu_backup=weights_cpu_backup,
         extra_args=r.str_list(t, p, "extra_args"),
         env=dict(env),
-        deterministic_inference=v(t, p, "deterministic_inference", bool, None),
-        router=v(t, p, "router", str, None),
-        router_policy=v(t, p, "router_policy", str, None),
-        router_allow_dropped_fields=r.str_list(t, p, "router_allow_dropped_fields"),
-        router_args=r.str_list(t, p, "router_args"),
         pd_prefill_engines=pd_prefill,
+    )
+    router = RouterSettings(
+        name=v(t, p, "router", str, None),
+        policy=v(t, p, "router_policy", str, None),
+        allow_dropped_fields=r.str_list(t, p, "router_allow_dropped_fields"),
+        args=r.str_list(t, p, "router_args"),
+    )
+    model = ModelConfig(
+        role=role,
+        name=name,
+        path=p,
+        backend=backend,
+        model_path=model_path,
+        device=device,
+        aliases=aliases,
+        route_keys=route_keys,
+        route_mode=route_mode,
+        weight_source=weight_source,
+        served_model_name=served_model_name,
+        seed=seed,
         external_urls=external_urls,
-        unhealthy_after=v(t, p, "unhealthy_after", int, 3, check=_at_least(1)),
+        placement=placement,
+        engine=engine,
+        router=router,
+        health=HealthSettings(
+            unhealthy_after=v(t, p, "unhealthy_after", int, 3, check=_at_least(1))
+        ),
+        engine_table=engine_table,
     )
     return model if len(r.problems) == before else None
+
+
+def _engine_table(
+    r: ConfigReader, t: Mapping[str, Any], p: str, is_external: bool
+) -> dict[str, Any]:
+    """The model's ``engine`` table as written (its backend's record reads it, later)."""
+    table = t.get("engine", {})
+    if not isinstance(table, dict):
+        r.problem(
+            f"{p}.engine",
+            "type",
+            f"must be a table of the {t.get('backend', 'engine')!r} backend's options, got "
+            f"{type(table).__name__}",
+        )
+        return {}
+    if table and is_external:
+        r.problem(
+            f"{p}.engine",
+            "external",
+            "external engines are not started here, so no backend reads their options; drop "
+            "this table",
+        )
+    return dict(table)
 
 
 def _urls(r: ConfigReader, t: Mapping[str, Any], p: str, key: str) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ __all__ = [
     "DataSourceSpec",
     "EngineBackend",
     "EngineLaunchSpec",
+    "EngineOptions",
     "EngineProcess",
     "OpenAPINotes",
     "PlacementMode",
@@ -262,6 +263,46 @@ class RoleSpec:
         return self.allowed_weight_sources == frozenset({"STATIC"})
 
 
+def _env(value: object) -> dict[str, str]:
+    return {str(k): str(v) for k, v in dict(value).items()}  # type: ignore[call-overload]
+
+
+@attrs.frozen
+class EngineOptions:
+    """The engine options of a model that every engine backend may read: the job file's model
+    keys of the same names (docs/configuration.md), passed to each launch as
+    :attr:`EngineLaunchSpec.options`.
+
+    ``None`` means the backend's own default. ``dtype`` / ``kv_cache_dtype``: the weights' and
+    the KV cache's dtype (``auto``: the checkpoint's). ``mem_fraction_static``,
+    ``context_length``, ``max_running_requests``: the engine's memory pool and limits.
+    ``dp`` / ``dp_attention``: data-parallel attention inside one engine.
+    ``deterministic_inference``: batch-invariant inference (``None`` in a job file: the role's
+    default; a launch always carries the decision). ``weights_cpu_backup``: keep a CPU copy of
+    released weights (``None`` in a job file: the weight source decides; a launch always
+    carries the decision, which a STATIC engine's spec forces on). ``extra_args``: the
+    engine server's own flags, appended last. ``env``: extra environment of the engine
+    process. ``pd_prefill_engines``: the first that many replicas are prefill workers, the
+    rest decode workers (prefill/decode disaggregation).
+
+    The job file's values are checked where they are read (:mod:`relax_core.config`); the
+    options only one backend understands are its own record (:attr:`EngineBackend.options`).
+    """
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    mem_fraction_static: float | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    dp: int = 1
+    dp_attention: bool = False
+    deterministic_inference: bool | None = None
+    weights_cpu_backup: bool | None = None
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=_env)
+    pd_prefill_engines: int | None = None
+
+
 @attrs.frozen
 class EngineLaunchSpec:
     """Everything an engine backend needs to start one engine server process.
@@ -272,10 +313,12 @@ class EngineLaunchSpec:
     ``role`` and ``static`` say whose engine it is (``static``: the weight source allows no
     update path, so the backend must keep a CPU weight backup and refuse LoRA and dummy
     weights); ``replica_index`` is the logical replica's index in its model (stable across
-    rebuilds); ``options`` are the model's settings only some backends read
-    (``mem_fraction_static``, ``context_length``, ``max_running_requests``, ``kv_cache_dtype``,
-    ``dp``, ``dp_attention``, ``deterministic_inference``, ``pd_prefill_engines``; see
-    docs/configuration.md), absent keys meaning the backend's default.
+    rebuilds). ``options`` are the model's :class:`EngineOptions` (dtype, memory, extra
+    arguments, environment, …) with ``weights_cpu_backup`` and ``deterministic_inference``
+    decided; ``backend_options`` is an instance of the backend's own options record
+    (:attr:`EngineBackend.options`), read from the model's ``engine`` table, its defaults when
+    the table is absent; ``None`` for a backend that declares no record, or a spec built by
+    hand (the backend's defaults then).
     """
 
     engine_id: str
@@ -283,23 +326,22 @@ class EngineLaunchSpec:
     host: str = "127.0.0.1"
     port: int = 0
     device: str = "cpu"
-    dtype: str = "auto"
     seed: int | None = None
     tp: int = 1
     pp: int = 1
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
-    weights_cpu_backup: bool = False
     served_model_name: str | None = None
     weight_version: str | None = None
     log_path: str | None = None
-    extra_args: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
-    env: Mapping[str, str] = attrs.field(factory=dict)
     role: str | None = None
     static: bool = False
     replica_index: int = 0
-    options: Mapping[str, Any] = attrs.field(factory=dict)
+    options: EngineOptions = attrs.field(
+        factory=EngineOptions, validator=attrs.validators.instance_of(EngineOptions)
+    )
+    backend_options: object | None = None
 
 
 @runtime_checkable
@@ -327,6 +369,18 @@ class EngineProcess(Protocol):
         ...
 
 
+def _check_options_record(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    where = f"{type(instance).__name__}.{attribute.name}={value!r}"
+    if not (isinstance(value, type) and attrs.has(value)):
+        raise ValueError(f"{where}: give an attrs frozen class (the engine table's keys) or None")
+    # A model without an ``engine`` table gets the record's defaults.
+    missing = [f.name for f in attrs.fields(value) if f.default is attrs.NOTHING]
+    if missing:
+        raise ValueError(f"{where}: give every field a default; {', '.join(missing)} has none")
+
+
 @attrs.frozen
 class EngineBackend:
     """An engine backend (``hf``, ``sglang``, …).
@@ -339,6 +393,16 @@ class EngineBackend:
     ``loads_model_dir``: whether an engine loads its model from the directory ``model_path``
     names (checked by the job preflight); ``False`` for a backend that serves no checkpoint (a
     simulator), whose ``model_path`` is only a name.
+    ``options``: the backend's own options record, an ``attrs`` frozen class whose fields (each
+    with a default) are the keys of a model's ``engine`` table
+    (``[roles.R.models.M.engine]``): their names, types (``bool``, ``int``, ``float``, ``str``,
+    ``X | None``, ``tuple[str, ...]``, a ``Literal`` of strings) and defaults are what the job
+    file accepts, checked before anything starts, and each launch gets an instance as
+    :attr:`EngineLaunchSpec.backend_options`. ``None``: the backend reads no options of its
+    own, and a model of it may have no ``engine`` table.
+
+    :raises ValueError: a bad name, or ``options`` is not an attrs class whose every field has
+        a default.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -349,6 +413,7 @@ class EngineBackend:
     description: str = ""
     model_hint: str = ""
     loads_model_dir: bool = True
+    options: type[Any] | None = attrs.field(default=None, validator=_check_options_record)
 
 
 @attrs.frozen

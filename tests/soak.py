@@ -208,6 +208,7 @@ def run(total: int, concurrency: int) -> int:
     import ray
 
     from relax_core import (
+        EngineOptions,
         InferenceManager,
         ManagerTimeouts,
         ModelLaunch,
@@ -240,13 +241,15 @@ def run(total: int, concurrency: int) -> int:
         launch=ModelLaunch(
             model_path="sim",
             served_model_name="sim",
-            extra_args=(
-                "--request-log",
-                str(log_dir),
-                "--generate-ms",
-                "2",
-                "--stream-gap-ms",
-                "2",
+            options=EngineOptions(
+                extra_args=(
+                    "--request-log",
+                    str(log_dir),
+                    "--generate-ms",
+                    "2",
+                    "--stream-gap-ms",
+                    "2",
+                )
             ),
         ),
         placement=ReplicaPlacement.unplaced(SIM_REPLICAS),

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import pytest
 
-from relax_core.config import JobConfig, load_config, loads_config, parse_config
+from relax_core import ConfigReader, EngineOptions
+from relax_core.config import (
+    HealthSettings,
+    JobConfig,
+    PlacementSettings,
+    RouterSettings,
+    load_config,
+    loads_config,
+    parse_config,
+)
 from relax_core.errors import ConfigValidationError
 
 SKETCH = """
@@ -84,7 +93,8 @@ def test_the_issue_sketch_parses_into_frozen_models() -> None:
     assert cfg.placement.mode == "split"
     assert cfg.role_names == ("rollout", "genrm", "teacher")
     math = cfg.role("teacher").model("math")
-    assert (math.num_gpus, math.gpus_per_engine, math.tp, math.pp, math.num_engines) == (
+    size = math.placement
+    assert (size.num_gpus, size.gpus_per_engine, size.tp, size.pp, size.num_engines) == (
         2,
         2,
         2,
@@ -94,7 +104,7 @@ def test_the_issue_sketch_parses_into_frozen_models() -> None:
     assert math.aliases == ("teacher-checkpoint",) and math.route_keys == ("math-data",)
     assert math.path == "roles.teacher.models.math"
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        math.tp = 4  # type: ignore[misc]
+        math.placement.tp = 4  # type: ignore[misc]
 
 
 def test_load_config_reads_a_file(tmp_path: Path) -> None:
@@ -128,8 +138,10 @@ def test_optional_serving_keys_are_accepted_and_typed() -> None:
         "STATIC",
         "Qwen/Qwen3-0.6B",
     )
-    assert judge.weights_cpu_backup is True and judge.seed == 7 and judge.mem_fraction_static == 0.6
-    assert judge.extra_args == ("--enable-metrics",) and judge.env == {"NCCL_DEBUG": "WARN"}
+    engine = judge.engine
+    assert engine.weights_cpu_backup is True and judge.seed == 7
+    assert engine.mem_fraction_static == 0.6
+    assert engine.extra_args == ("--enable-metrics",) and engine.env == {"NCCL_DEBUG": "WARN"}
     assert (role.default_model, role.policy, role.gateway.port) == ("judge", "round_robin", 18000)
 
 
@@ -140,7 +152,7 @@ def test_engine_shape_defaults_follow_tp_and_pp() -> None:
             b={"backend": "sglang", "model_path": "/m", "gpus_per_engine": 4, "num_engines": 3},
         )
     )
-    a, b = cfg.role("genrm").models
+    a, b = (m.placement for m in cfg.role("genrm").models)
     assert (a.gpus_per_engine, a.num_gpus, a.num_engines) == (4, 4, 1)
     assert (b.tp, b.num_gpus, b.num_engines) == (4, 12, 3)
 
@@ -255,7 +267,7 @@ def test_a_cpu_model_uses_no_gpus() -> None:
         doc(judge={"backend": "hf", "model_path": "/m", "device": "cpu", "num_engines": 2})
     )
     judge = cfg.role("genrm").model("judge")
-    assert (judge.num_gpus, judge.num_engines) == (0, 2)
+    assert (judge.placement.num_gpus, judge.placement.num_engines) == (0, 2)
 
 
 def test_num_engines_and_num_gpus_must_agree() -> None:
@@ -355,13 +367,13 @@ def test_router_and_pd_keys_are_read_and_pd_leaves_at_least_one_decode_engine() 
         "deterministic_inference": True,
     }
     judge = parse_config(doc(judge=model)).role("genrm").model("judge")
-    assert (judge.router, judge.router_policy, judge.pd_prefill_engines) == (
+    assert (judge.router.name, judge.router.policy, judge.engine.pd_prefill_engines) == (
         "smg",
         "consistent_hashing",
         1,
     )
-    assert judge.router_allow_dropped_fields == ("sampling_params.logit_bias",)
-    assert judge.router_args == ("--log-dir", "/tmp/r") and judge.deterministic_inference
+    assert judge.router.allow_dropped_fields == ("sampling_params.logit_bias",)
+    assert judge.router.args == ("--log-dir", "/tmp/r") and judge.engine.deterministic_inference
     path, rule, message = only(doc(judge={**model, "pd_prefill_engines": 2}))
     assert (path, rule) == ("roles.genrm.models.judge.pd_prefill_engines", "range")
     assert "leave no decode engine" in message
@@ -374,7 +386,8 @@ def test_an_external_model_names_its_heads_by_url_and_places_nothing() -> None:
         "http://10.0.0.5:30000",
         "https://heads.example:443",
     )
-    assert (judge.device, judge.num_gpus, judge.num_engines, judge.backend) == ("cpu", 0, 2, "")
+    size = judge.placement
+    assert (judge.device, size.num_gpus, size.num_engines, judge.backend) == ("cpu", 0, 2, "")
     found = problems(doc(judge={"external_urls": ["10.0.0.5:30000", "http://h:1/v1"], "tp": 2}))
     assert [(p, r) for p, r, _ in found] == [
         ("roles.genrm.models.judge.external_urls[0]", "url"),
@@ -400,3 +413,160 @@ def test_a_plugin_reads_its_own_table_with_the_job_files_rules() -> None:
     assert "run.stages[2].k: [range] must be >= 1, got 0" in text
     assert "run.stages[2].mode: [choice] must be one of 'max', got 'maxx'" in text
     ConfigReader().raise_problems()  # nothing recorded: nothing raised
+
+
+def test_each_concern_of_a_model_table_is_a_record_of_its_own_with_the_same_key_names() -> None:
+    model = {
+        **MODEL,
+        "gpus_per_engine": 2,
+        "bundle_start": 2,
+        "ray_gpu_fraction": 0.5,
+        "cuda_graph_gib": 0.5,
+        "num_parameters": 600_000_000,
+        "dtype": "bf16",
+        "kv_cache_dtype": "fp8",
+        "context_length": 4096,
+        "max_running_requests": 32,
+        "dp": 2,
+        "dp_attention": True,
+        "weights_cpu_backup": False,
+        "extra_args": ["--enable-metrics"],
+        "env": {"NCCL_DEBUG": "WARN"},
+        "router_policy": "round_robin",
+        "unhealthy_after": 5,
+    }
+    judge = parse_config(doc(judge=model)).role("genrm").model("judge")
+    assert judge.placement == PlacementSettings(
+        num_gpus=2,
+        gpus_per_engine=2,
+        tp=2,
+        pp=1,
+        num_engines=1,
+        bundle_start=2,
+        ray_gpu_fraction=0.5,
+        cuda_graph_gib=0.5,
+        num_parameters=600_000_000,
+    )
+    assert judge.engine == EngineOptions(
+        dtype="bf16",
+        kv_cache_dtype="fp8",
+        context_length=4096,
+        max_running_requests=32,
+        dp=2,
+        dp_attention=True,
+        weights_cpu_backup=False,
+        extra_args=("--enable-metrics",),
+        env={"NCCL_DEBUG": "WARN"},
+    )
+    assert judge.router == RouterSettings(policy="round_robin")
+    assert judge.health == HealthSettings(unhealthy_after=5)
+    assert judge.engine_table == {}
+    # A bad value in a record is still named by its key in the model table.
+    path, rule, _ = only(doc(judge={**model, "unhealthy_after": 0}))
+    assert (path, rule) == ("roles.genrm.models.judge.unhealthy_after", "range")
+
+
+def test_a_models_engine_table_is_kept_as_written_for_its_backend_to_read() -> None:
+    # Parsing does not know the backends: the job's checks read the table into the backend's
+    # options record (tests/jobs/test_engine_options.py).
+    text = (
+        SKETCH.replace(
+            'aliases = ["teacher-checkpoint"]',
+            'aliases = ["teacher-checkpoint"]\nengine = { chunked = 4096, mode = "fast" }',
+        )
+        + "\n[roles.rollout.models.policy.engine]\nmemory_handoff = true\n"
+    )
+    cfg = loads_config(text)
+    assert cfg.role("rollout").model("policy").engine_table == {"memory_handoff": True}
+    assert cfg.role("teacher").model("math").engine_table == {"chunked": 4096, "mode": "fast"}
+    assert cfg.role("genrm").model("judge").engine_table == {}
+
+
+def test_an_engine_key_that_is_not_a_table_is_refused() -> None:
+    path, rule, message = only(doc(judge={**MODEL, "engine": "fast"}))
+    assert (path, rule) == ("roles.genrm.models.judge.engine", "type")
+    assert "must be a table of the 'sglang' backend's options" in message
+
+
+def test_an_external_model_takes_no_engine_table() -> None:
+    external = {"external_urls": ["http://10.0.0.5:30000"], "engine": {"memory_handoff": True}}
+    path, rule, _ = only(doc(judge=external))
+    assert (path, rule) == ("roles.genrm.models.judge.engine", "external")
+
+
+@attrs.frozen
+class _Options:
+    """A backend's options record, as a plugin would declare it."""
+
+    handoff: bool = False
+    threads: int = attrs.field(default=0, metadata={"check": ConfigReader.at_least(0)})
+    timeout: float = 30.0
+    pool_tokens: int | None = None
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    flags: tuple[str, ...] = ()
+    label: str = "x"
+
+
+def test_a_record_is_read_from_a_table_by_its_fields_names_types_and_defaults() -> None:
+    r = ConfigReader()
+    got = r.record(
+        {"handoff": True, "timeout": 5, "pool_tokens": 64, "attention": "eager", "flags": ["-a"]},
+        "roles.rollout.models.policy.engine",
+        _Options,
+    )
+    assert r.problems == []
+    assert got == _Options(
+        handoff=True, timeout=5.0, pool_tokens=64, attention="eager", flags=("-a",)
+    )
+    assert isinstance(got.timeout, float)  # an integer is accepted where a number is asked for
+    assert ConfigReader().record({}, "p", _Options) == _Options()
+
+
+def test_a_records_bad_keys_are_each_a_problem_at_their_key_path() -> None:
+    r = ConfigReader()
+    path = "roles.rollout.models.policy.engine"
+    raw = {"handof": True, "threads": -1, "timeout": True, "attention": "flash", "flags": "-a"}
+    assert r.record(raw, path, _Options) is None
+    assert [(p.path, p.rule) for p in r.problems] == [
+        (f"{path}.handof", "unknown-key"),
+        (f"{path}.threads", "range"),
+        (f"{path}.timeout", "type"),
+        (f"{path}.attention", "choice"),
+        (f"{path}.flags", "type"),
+    ]
+    assert "did you mean 'handoff'?" in r.problems[0].message
+    assert ConfigReader().record([1], path, _Options) is None
+
+
+def test_a_records_own_validator_is_a_problem_at_the_tables_path() -> None:
+    @attrs.frozen
+    class Checked:
+        low: int = 0
+        high: int = 1
+
+        def __attrs_post_init__(self) -> None:
+            if self.low > self.high:
+                raise ValueError(f"low {self.low} > high {self.high}")
+
+    r = ConfigReader()
+    assert r.record({"low": 3}, "x.engine", Checked) is None
+    assert [(p.path, p.rule, p.message) for p in r.problems] == [
+        ("x.engine", "value", "low 3 > high 1")
+    ]
+
+
+def test_a_record_a_job_file_cannot_give_is_the_records_authors_mistake() -> None:
+    @attrs.frozen
+    class NoDefault:
+        needed: int
+
+    @attrs.frozen
+    class Nested:
+        inner: dict[str, int] = attrs.field(factory=dict)
+
+    with pytest.raises(TypeError, match=r"NoDefault.needed: give it a default"):
+        ConfigReader().record({}, "x", NoDefault)
+    with pytest.raises(TypeError, match=r"Nested.inner: a job file cannot give"):
+        ConfigReader().record({}, "x", Nested)
+    with pytest.raises(TypeError, match="not an attrs class"):
+        ConfigReader().record({}, "x", dict)

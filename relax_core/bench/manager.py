@@ -50,7 +50,7 @@ def launch_sim(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
         argv += ["--dist-init-addr", spec.dist_init_addr]
     head = spec.node_rank == 0
     return SubprocessEngineProcess.start(
-        [*argv, *spec.extra_args],
+        [*argv, *spec.options.extra_args],
         base_url=f"http://{spec.host}:{spec.port}" if head else None,
         engine_id=spec.engine_id,
         log_path=spec.log_path,

@@ -22,6 +22,7 @@ phase by phase, health and teardown.
 from relax_core._exports import claim as _claim
 from relax_core.jobs.checks import check_job, servable_problems, serve_phase_problems
 from relax_core.jobs.managers import (
+    backend_options,
     build_role_service,
     describe_job,
     engine_launch_specs,
@@ -58,6 +59,7 @@ __all__ = [
     "ServedJob",
     "ShutdownSignals",
     "Stop",
+    "backend_options",
     "bind_pools",
     "build_role_service",
     "check_job",

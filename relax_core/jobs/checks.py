@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.config import ConfigProblem, JobConfig, ModelConfig
+from relax_core.config import ConfigProblem, ConfigReader, JobConfig, ModelConfig
 from relax_core.errors import ConfigError
-from relax_core.jobs.managers import router_record
+from relax_core.jobs.managers import backend_options, router_record
 from relax_core.jobs.phases import deferred_roles
 from relax_core.plugins import PluginManager
 
@@ -36,9 +36,10 @@ def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[
 
     The placement planner checks that every role is registered, budgets and weight sources;
     this checks the rest a role service needs: the engine backend is registered and runs on the
-    model's device, and the route mode can be served: an ``SGLANG_ROUTER`` model needs an
-    installed router plugin (its policy one the router supports; never a STATIC model);
-    router and prefill/decode keys need ``SGLANG_ROUTER``.
+    model's device, the model's ``engine`` table suits the backend's options record (each bad
+    key at its path, ``roles.R.models.M.engine.KEY``), and the route mode can be served: an
+    ``SGLANG_ROUTER`` model needs an installed router plugin (its policy one the router
+    supports; never a STATIC model); router and prefill/decode keys need ``SGLANG_ROUTER``.
     """
     problems: list[ConfigProblem] = []
     roles = plugin_manager.registered("roles")
@@ -59,16 +60,20 @@ def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[
                         f"{', '.join(sorted(backends)) or 'none'}); install its plugin",
                     )
                 )
-            elif model.device not in backends[model.backend].record.devices:
-                problems.append(
-                    ConfigProblem(
-                        f"{model.path}.device",
-                        "device",
-                        f"engine backend {model.backend!r} runs on "
-                        f"{', '.join(sorted(backends[model.backend].record.devices))}, "
-                        f"not {model.device!r}",
+            else:
+                backend = backends[model.backend].record
+                if model.device not in backend.devices:
+                    problems.append(
+                        ConfigProblem(
+                            f"{model.path}.device",
+                            "device",
+                            f"engine backend {model.backend!r} runs on "
+                            f"{', '.join(sorted(backend.devices))}, not {model.device!r}",
+                        )
                     )
-                )
+                reader = ConfigReader()
+                backend_options(model, backend, reader)
+                problems += reader.problems
             problems += _route_problems(model, spec, plugin_manager)
     return problems
 
@@ -77,8 +82,14 @@ def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[Co
     route_mode = model.route_mode or role.default_route_mode
     if route_mode == "DIRECT":
         out = []
-        for key in ("router", "router_policy", "router_allow_dropped_fields", "router_args"):
-            if getattr(model, key):
+        router = model.router
+        for key, value in (
+            ("router", router.name),
+            ("router_policy", router.policy),
+            ("router_allow_dropped_fields", router.allow_dropped_fields),
+            ("router_args", router.args),
+        ):
+            if value:
                 out.append(
                     ConfigProblem(
                         f"{model.path}.{key}",
@@ -87,7 +98,7 @@ def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[Co
                         '"SGLANG_ROUTER"',
                     )
                 )
-        if model.pd_prefill_engines is not None:
+        if model.engine.pd_prefill_engines is not None:
             out.append(
                 ConfigProblem(
                     f"{model.path}.pd_prefill_engines",

@@ -7,8 +7,10 @@ is built from (engine spec, backend, launch, placement, route mode, deadlines);
 :class:`~relax_core.jobs.roles.RoleService` (``relax serve``), :func:`start_model_actor` one
 model's manager actor (``relax run``). An ``SGLANG_ROUTER`` model's router is the one
 :func:`router_record` picks (a router plugin), launched from :func:`router_launch_spec` next to
-its manager. :func:`engine_launch_specs` says, starting nothing, what each engine backend would
-be asked to launch; :func:`describe_job` is one line per model.
+its manager. A model's engines are launched with its :class:`~relax_core.records.EngineOptions`
+and an instance of its backend's own options record, read from its ``engine`` table by
+:func:`backend_options`. :func:`engine_launch_specs` says, starting nothing, what each engine
+backend would be asked to launch; :func:`describe_job` is one line per model.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from relax_core.config import JobConfig, ModelConfig, RoleConfig
+import attrs
+
+from relax_core.config import ConfigReader, JobConfig, ModelConfig, RoleConfig
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoutingSpec
 from relax_core.engine.spec import InferenceEngineSpec
@@ -25,9 +29,10 @@ from relax_core.jobs.roles import RoleService
 from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
 from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
-from relax_core.records import RouterBackend, RouterLaunchSpec, RouterProcess
+from relax_core.records import EngineBackend, RouterBackend, RouterLaunchSpec, RouterProcess
 
 __all__ = [
+    "backend_options",
     "build_role_service",
     "describe_job",
     "engine_launch_specs",
@@ -71,18 +76,19 @@ def router_record(model: ModelConfig, role: Any, pm: PluginManager) -> RouterBac
             '(sglang-router and smg), or set route_mode = "DIRECT" to route this model like the '
             "static roles",
         )
-    if model.router is not None:
-        if model.router not in routers:
+    name = model.router.name
+    if name is not None:
+        if name not in routers:
             raise ConfigError(
                 f"{where}.router",
-                f"no router {model.router!r} is registered (registered: "
+                f"no router {name!r} is registered (registered: "
                 f"{', '.join(sorted(routers))}); install its plugin",
             )
-        record: RouterBackend = routers[model.router].record
+        record: RouterBackend = routers[name].record
         if record.version is None:
             raise ConfigError(
                 f"{where}.router",
-                f"router {model.router!r} (plugin {routers[model.router].distribution}) is not "
+                f"router {name!r} (plugin {routers[name].distribution}) is not "
                 "installed; install it, or choose one of: "
                 f"{', '.join(sorted(installed)) or 'none'}",
             )
@@ -96,7 +102,7 @@ def router_record(model: ModelConfig, role: Any, pm: PluginManager) -> RouterBac
                 f"{', '.join(sorted(installed)) or 'none'})",
             )
         record = choice[0]
-    policy = model.router_policy or record.default_policy
+    policy = model.router.policy or record.default_policy
     if policy not in record.policies:
         raise ConfigError(
             f"{where}.router_policy",
@@ -110,7 +116,7 @@ def router_record(model: ModelConfig, role: Any, pm: PluginManager) -> RouterBac
             f"a {source.name} model's engines are static and never registered with a router; "
             'set route_mode = "DIRECT"',
         )
-    if model.pd_prefill_engines is not None and not record.pd:
+    if model.engine.pd_prefill_engines is not None and not record.pd:
         raise ConfigError(
             f"{where}.pd_prefill_engines",
             f"router {record.name!r} cannot route prefill/decode workers",
@@ -127,12 +133,12 @@ def router_launch_spec(
         log_path = f"{log_dir}/{model.role}_{model.name}-router.log"
     return RouterLaunchSpec(
         router_id=model.path,
-        policy=model.router_policy or record.default_policy,
+        policy=model.router.policy or record.default_policy,
         served_model_name=model.served_model_name or model.name,
         model_path=model.model_path or None,
-        pd=model.pd_prefill_engines is not None,
-        allow_dropped_fields=model.router_allow_dropped_fields,
-        extra_args=model.router_args,
+        pd=model.engine.pd_prefill_engines is not None,
+        allow_dropped_fields=model.router.allow_dropped_fields,
+        extra_args=model.router.args,
         log_path=log_path,
     )
 
@@ -226,7 +232,7 @@ def _manager(
     if route_mode != "DIRECT" and service is not None:
         router = _start_router(model, router_record(model, spec, pm), log_dir)
         service.routers[model.name] = router
-        if model.pd_prefill_engines is not None:
+        if model.engine.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
     if arguments is None:
         return ExternalEngines(
@@ -253,7 +259,7 @@ def _engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
     source = pm.weight_source(model.weight_source or spec.default_weight_source)
     try:
         return InferenceEngineSpec.for_role(
-            spec, source, weights_cpu_backup=bool(model.weights_cpu_backup)
+            spec, source, weights_cpu_backup=bool(model.engine.weights_cpu_backup)
         )
     except ValueError as exc:
         raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
@@ -272,20 +278,51 @@ def manager_arguments(
     ``unhealthy_after``) — what ``relax serve`` builds its managers from, and ``relax run``
     its manager actors; add ``publisher`` and, for a router, the router. Pure: starts nothing.
 
-    :raises ConfigError: the weight source does not suit the role, naming the key.
+    :raises ConfigError: the weight source does not suit the role, or the model's ``engine``
+        table does not suit its backend's options record, naming the key.
     """
     spec = pm.role(model.role)
+    backend = pm.engine_backend(model.backend)
+    reader = ConfigReader()
+    options = backend_options(model, backend, reader)
+    reader.raise_problems()
     return {
         "spec": _engine_spec(model, pm),
-        "backend": pm.engine_backend(model.backend),
+        "backend": backend,
         "launch": _launch(
-            model, log_dir, placement.nodes_per_replica, spec.deterministic_inference
+            model,
+            log_dir,
+            placement.nodes_per_replica,
+            spec.deterministic_inference,
+            backend_options=options,
         ),
         "placement": placement,
         "route_mode": model.route_mode or spec.default_route_mode,
         "timeouts": timeouts,
-        "unhealthy_after": model.unhealthy_after,
+        "unhealthy_after": model.health.unhealthy_after,
     }
+
+
+def backend_options(
+    model: ModelConfig, backend: EngineBackend, reader: ConfigReader
+) -> object | None:
+    """An instance of ``backend``'s options record (:attr:`EngineBackend.options`) read from
+    ``model``'s ``engine`` table (its defaults when there is none); ``None`` for a backend
+    without a record. Each problem goes to ``reader`` at its key path
+    (``roles.rollout.models.policy.engine.memory_handoff``), and gives ``None``: a bad or
+    unknown key, or any ``engine`` table for a backend that declares no options."""
+    path = f"{model.path}.engine"
+    if backend.options is None:
+        if model.engine_table:
+            reader.problem(
+                path,
+                "engine-options",
+                f"engine backend {backend.name!r} declares no options of its own, so its models "
+                "take no engine table; drop the table (the engine server's own flags go in "
+                "extra_args)",
+            )
+        return None
+    return reader.record(model.engine_table, path, backend.options)
 
 
 def engine_launch_specs(
@@ -313,7 +350,7 @@ def engine_launch_specs(
             model,
             plugin_manager,
             None,
-            placement=ReplicaPlacement.unplaced(model.num_engines, nodes),
+            placement=ReplicaPlacement.unplaced(model.placement.num_engines, nodes),
             timeouts=None,
             log_dir=None,
         )
@@ -323,39 +360,27 @@ def engine_launch_specs(
 
 
 def _launch(
-    model: ModelConfig, log_dir: str | None, nodes: int, deterministic: bool
+    model: ModelConfig,
+    log_dir: str | None,
+    nodes: int,
+    deterministic: bool,
+    *,
+    backend_options: object | None,
 ) -> ModelLaunch:
-    options: dict[str, Any] = {
-        "dp": model.dp,
-        "dp_attention": model.dp_attention,
-        "kv_cache_dtype": model.kv_cache_dtype,
-        "deterministic_inference": (
-            deterministic
-            if model.deterministic_inference is None
-            else model.deterministic_inference
-        ),
-    }
-    for key in (
-        "mem_fraction_static",
-        "context_length",
-        "max_running_requests",
-        "pd_prefill_engines",
-    ):
-        if getattr(model, key) is not None:
-            options[key] = getattr(model, key)
+    engine = model.engine
+    if engine.deterministic_inference is None:
+        engine = attrs.evolve(engine, deterministic_inference=deterministic)
     return ModelLaunch(
         model_path=model.model_path,
         nodes_per_replica=nodes,
         served_model_name=model.served_model_name or model.name,
-        tp=model.tp,
-        pp=model.pp,
+        tp=model.placement.tp,
+        pp=model.placement.pp,
         device=model.device,
-        dtype=model.dtype,
         seed=model.seed,
         log_dir=log_dir,
-        extra_args=model.extra_args,  # type: ignore[arg-type]  # attrs converter=tuple
-        env=dict(model.env),
-        options=options,
+        options=engine,
+        backend_options=backend_options,
     )
 
 
@@ -407,15 +432,16 @@ def describe_job(config: JobConfig, pm: PluginManager) -> list[str]:
     for role in config.roles:
         spec = pm.role(role.name)
         for m in role.models:
-            size = f"{m.num_engines} engine{'s' if m.num_engines != 1 else ''}"
+            n = m.placement.num_engines
+            size = f"{n} engine{'s' if n != 1 else ''}"
             if m.device != "cpu":
-                size += f" x {m.gpus_per_engine} GPU"
+                size += f" x {m.placement.gpus_per_engine} GPU"
             where = "Ray actor" if role.gateway.in_ray_actor else "thread"
             route = m.route_mode or spec.default_route_mode
             if route != "DIRECT":
                 try:
                     record = router_record(m, spec, pm)
-                    route += f" ({record.name}, {m.router_policy or record.default_policy})"
+                    route += f" ({record.name}, {m.router.policy or record.default_policy})"
                 except ConfigError as exc:
                     route += f" (no usable router: {exc.message})"
             what = f"{m.backend} on {m.engine_device}"

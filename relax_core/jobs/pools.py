@@ -51,7 +51,7 @@ def replica_placements(
         for model in role.models:
             mp = plan.model_placement(role.name, model.name)
             if mp.pool is None:
-                placement = ReplicaPlacement.unplaced(model.num_engines)
+                placement = ReplicaPlacement.unplaced(model.placement.num_engines)
             else:
                 placement = ReplicaPlacement.from_bound(
                     bound[mp.pool],

@@ -102,7 +102,7 @@ def _loads_model_dir(model: ModelConfig, pm: PluginManager) -> bool:
 
 
 def _skips_tokenizer(model: ModelConfig) -> bool:
-    return "--skip-tokenizer-init" in model.extra_args
+    return "--skip-tokenizer-init" in model.engine.extra_args
 
 
 def model_dir_problems(

@@ -221,5 +221,5 @@ def _progress(job: ServedJob, config: JobConfig) -> str:
             view = models.get(model.name)
             ready = sum(1 for e in view.engines if e.state.value == "READY") if view else 0
             state = view.state.value if view else "STARTING"
-            parts.append(f"{role.name}.{model.name} {state} {ready}/{model.num_engines}")
+            parts.append(f"{role.name}.{model.name} {state} {ready}/{model.placement.num_engines}")
     return ", ".join(parts)

@@ -24,6 +24,7 @@ from relax_core.manager.results import (
     UnconfirmedWorker,
 )
 from relax_core.manager.state import Replica, ReplicaState
+from relax_core.records import EngineOptions
 
 if TYPE_CHECKING:
     from relax_core.manager.channel import ControlAddress
@@ -52,8 +53,12 @@ class ModelLaunch:
         exists; the newest ``version-N/`` is loaded).
     :param nodes_per_replica: workers per logical replica (head + followers).
     :param served_model_name: the name the engine answers with (default: ``model_path``).
-    :param options: the model's settings only some backends read, passed on as
-        ``EngineLaunchSpec.options``.
+    :param options: the model's engine options, passed on as ``EngineLaunchSpec.options``
+        with ``weights_cpu_backup`` set to what the engine spec decided (its own
+        ``weights_cpu_backup``, forced on for a STATIC engine).
+    :param backend_options: an instance of the backend's own options record, passed on as
+        ``EngineLaunchSpec.backend_options`` (``None``: the backend declares none, or its
+        defaults).
     """
 
     model_path: str
@@ -62,14 +67,14 @@ class ModelLaunch:
     tp: int = attrs.field(default=1, validator=_positive)
     pp: int = attrs.field(default=1, validator=_positive)
     device: str = "cpu"
-    dtype: str = "auto"
     seed: int | None = None
     engine_host: str = "127.0.0.1"
     public_host: str | None = None
     log_dir: str | None = None
-    extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    env: Mapping[str, str] = attrs.field(factory=dict)
-    options: Mapping[str, Any] = attrs.field(factory=dict)
+    options: EngineOptions = attrs.field(
+        factory=EngineOptions, validator=attrs.validators.instance_of(EngineOptions)
+    )
+    backend_options: object | None = None
 
 
 @attrs.frozen

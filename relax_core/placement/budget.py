@@ -154,13 +154,14 @@ def model_facts(model: ModelConfig, cache: dict[str, Any]) -> ModelFacts | str:
         if not isinstance(cache[key], (dict, str)):
             cache[key] = f"{path} does not hold a JSON object"
     cfg = cache[key]
+    given = model.placement.num_parameters
     if isinstance(cfg, str):
-        if model.num_parameters is None:
+        if given is None:
             return f"{cfg}; set num_parameters to budget the weights"
-        return ModelFacts(model.num_parameters, None, None, None, None, None, "num_parameters")
+        return ModelFacts(given, None, None, None, None, None, "num_parameters")
     c = _text_config(cfg)
     try:
-        params = model.num_parameters or count_parameters(cfg)
+        params = given or count_parameters(cfg)
     except (KeyError, TypeError, ZeroDivisionError) as exc:
         return f"{path} lacks {exc} needed to count parameters; set num_parameters"
     heads = c.get("num_attention_heads")
@@ -172,7 +173,7 @@ def model_facts(model: ModelConfig, cache: dict[str, Any]) -> ModelFacts | str:
         head_dim=hd,
         config_dtype_bytes=_config_dtype_bytes(cfg),
         max_position_embeddings=c.get("max_position_embeddings"),
-        source=key if model.num_parameters is None else f"{key} + num_parameters",
+        source=key if given is None else f"{key} + num_parameters",
     )
 
 
@@ -186,8 +187,8 @@ def kv_bytes_per_token(facts: ModelFacts, tp: int, pp: int, kv_bytes: float) -> 
 
 
 def _weight_bytes(model: ModelConfig, facts: ModelFacts) -> tuple[float, str]:
-    if model.dtype != "auto":
-        return dtype_bytes(model.dtype) or 2, model.dtype
+    if model.engine.dtype != "auto":
+        return dtype_bytes(model.engine.dtype) or 2, model.engine.dtype
     if facts.config_dtype_bytes is not None:
         return facts.config_dtype_bytes, "config dtype"
     return 2, "bfloat16 assumed"
@@ -196,7 +197,7 @@ def _weight_bytes(model: ModelConfig, facts: ModelFacts) -> tuple[float, str]:
 def weights_gib_per_gpu(model: ModelConfig, facts: ModelFacts) -> float:
     """The weight shard each GPU of an engine holds, in GiB."""
     per_param, _ = _weight_bytes(model, facts)
-    return facts.num_parameters * per_param / (model.tp * model.pp) / GIB
+    return facts.num_parameters * per_param / (model.placement.tp * model.placement.pp) / GIB
 
 
 def _engine_items(
@@ -204,22 +205,24 @@ def _engine_items(
 ) -> tuple[list[MemoryItem], Violation | None] | str:
     """Per-GPU memory users of one engine, or a sentence saying why it cannot be budgeted."""
     weights = weights_gib_per_gpu(model, facts)
-    wlabel = f"weights ({facts.num_parameters / 1e9:.2f}B params / tp{model.tp} x pp{model.pp})"
-    fraction = model.mem_fraction_static
-    if fraction is None and model.max_running_requests is not None:
+    size, engine = model.placement, model.engine
+    wlabel = f"weights ({facts.num_parameters / 1e9:.2f}B params / tp{size.tp} x pp{size.pp})"
+    fraction = engine.mem_fraction_static
+    requests = engine.max_running_requests
+    if fraction is None and requests is not None:
         per_param, _ = _weight_bytes(model, facts)
-        kv_b = dtype_bytes(model.kv_cache_dtype) if model.kv_cache_dtype != "auto" else per_param
-        per_token = kv_bytes_per_token(facts, model.tp, model.pp, kv_b or per_param)
-        context = model.context_length or facts.max_position_embeddings
+        kv_b = dtype_bytes(engine.kv_cache_dtype) if engine.kv_cache_dtype != "auto" else per_param
+        per_token = kv_bytes_per_token(facts, size.tp, size.pp, kv_b or per_param)
+        context = engine.context_length or facts.max_position_embeddings
         if per_token is None or context is None:
             return (
                 f"the KV cache needs num_hidden_layers, num_key_value_heads, head_dim and a "
                 f"context length, which {facts.source} does not give; set mem_fraction_static"
             )
-        kv = per_token * context * model.max_running_requests / GIB
+        kv = per_token * context * requests / GIB
         items = [
             MemoryItem(wlabel, weights),
-            MemoryItem(f"KV cache ({model.max_running_requests} requests x {context} tokens)", kv),
+            MemoryItem(f"KV cache ({requests} requests x {context} tokens)", kv),
         ]
     else:
         if fraction is None:
@@ -239,8 +242,8 @@ def _engine_items(
                 f"{fraction:g} x {capacity:g} GiB = {static:.1f} GiB leaves no KV cache; raise "
                 "mem_fraction_static, or spread the model over more GPUs (tp/pp)",
             )
-    if model.cuda_graph_gib:
-        items.append(MemoryItem("CUDA graphs", model.cuda_graph_gib))
+    if size.cuda_graph_gib:
+        items.append(MemoryItem("CUDA graphs", size.cuda_graph_gib))
     return items, None
 
 
@@ -290,7 +293,7 @@ def budget_memory(
                 MemoryBudget(p.role, p.model, p.pool, p.phase, span, "skipped", note=reason)
             )
 
-        backup = model.weights_cpu_backup
+        backup = model.engine.weights_cpu_backup
         if backup is None:
             backup = weight_sources.get(p.key) == "STATIC"
         if backup and not isinstance(facts, str):

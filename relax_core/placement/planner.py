@@ -141,42 +141,44 @@ class _Planner:
         if m.device != "cuda":
             return False
         sliceable = True
-        if m.tp * m.pp != m.gpus_per_engine:
+        size, engine = m.placement, m.engine
+        if size.tp * size.pp != size.gpus_per_engine:
             self.violation(
                 f"{p}.tp",
                 "tp-pp",
-                f"tp {m.tp} x pp {m.pp} = {m.tp * m.pp}, but gpus_per_engine = "
-                f"{m.gpus_per_engine}; an engine's GPUs are exactly its tp x pp ranks",
+                f"tp {size.tp} x pp {size.pp} = {size.tp * size.pp}, but gpus_per_engine = "
+                f"{size.gpus_per_engine}; an engine's GPUs are exactly its tp x pp ranks",
             )
-        if m.num_gpus % m.gpus_per_engine:
+        if size.num_gpus % size.gpus_per_engine:
             sliceable = False
             self.violation(
                 f"{p}.num_gpus",
                 "divisibility",
-                f"num_gpus {m.num_gpus} is not a multiple of gpus_per_engine "
-                f"{m.gpus_per_engine}; the model would get "
-                f"{m.num_gpus / m.gpus_per_engine:g} engines",
+                f"num_gpus {size.num_gpus} is not a multiple of gpus_per_engine "
+                f"{size.gpus_per_engine}; the model would get "
+                f"{size.num_gpus / size.gpus_per_engine:g} engines",
             )
-        if m.dp > 1 and not m.dp_attention:
+        if engine.dp > 1 and not engine.dp_attention:
             self.violation(
                 f"{p}.dp",
                 "dp-attention",
-                f"dp = {m.dp} needs dp_attention = true; for more replicas raise num_gpus",
+                f"dp = {engine.dp} needs dp_attention = true; for more replicas raise num_gpus",
             )
-        elif m.dp_attention and m.dp < 2:
+        elif engine.dp_attention and engine.dp < 2:
             self.violation(f"{p}.dp", "dp-attention", "dp_attention = true needs dp >= 2")
-        elif m.dp_attention and m.tp % m.dp:
+        elif engine.dp_attention and size.tp % engine.dp:
             self.violation(
                 f"{p}.dp",
                 "dp-attention",
-                f"with dp_attention, tp {m.tp} must be divisible by dp {m.dp}",
+                f"with dp_attention, tp {size.tp} must be divisible by dp {engine.dp}",
             )
-        if self.gpn > 0 and m.gpus_per_engine > self.gpn and m.gpus_per_engine % self.gpn:
+        gpe = size.gpus_per_engine
+        if self.gpn > 0 and gpe > self.gpn and gpe % self.gpn:
             sliceable = False
             self.violation(
                 f"{p}.gpus_per_engine",
                 "whole-nodes",
-                f"an engine of {m.gpus_per_engine} GPUs spans nodes of {self.gpn} GPUs "
+                f"an engine of {gpe} GPUs spans nodes of {self.gpn} GPUs "
                 f"(cluster.gpus_per_node); a cross-node engine must use whole nodes, "
                 f"a multiple of {self.gpn} GPUs",
             )
@@ -186,9 +188,9 @@ class _Planner:
         policies = self.pm.registered("routing_policies")
         for role in self.config.roles:
             gpu_models = [m for m in role.models if m.device == "cuda"]
-            used = sum(m.num_gpus for m in gpu_models)
+            used = sum(m.placement.num_gpus for m in gpu_models)
             if role.num_gpus is not None and used != role.num_gpus:
-                parts = " + ".join(f"{m.name} {m.num_gpus}" for m in gpu_models) or "none"
+                parts = " + ".join(f"{m.name} {m.placement.num_gpus}" for m in gpu_models) or "none"
                 self.violation(
                     f"roles.{role.name}.num_gpus",
                     "role-budget",
@@ -264,9 +266,9 @@ class _Planner:
                 m.role,
                 m.name,
                 m.path,
-                m.num_gpus,
-                m.gpus_per_engine,
-                m.bundle_start,
+                m.placement.num_gpus,
+                m.placement.gpus_per_engine,
+                m.placement.bundle_start,
                 deferred=m.role in deferred,
                 generation_phase=m.role in generation,
             )
@@ -309,20 +311,21 @@ class _Planner:
         return pools
 
     def placement(self, m: ModelConfig, pool: Pool, start: int, phase: str) -> ModelPlacement:
-        gpe = m.gpus_per_engine
-        replicas = tuple(tuple(range(s, s + gpe)) for s in range(start, start + m.num_gpus, gpe))
+        size = m.placement
+        gpe = size.gpus_per_engine
+        replicas = tuple(tuple(range(s, s + gpe)) for s in range(start, start + size.num_gpus, gpe))
         workers = tuple(_split_by_node(r, self.gpn) for r in replicas)
-        fraction = m.ray_gpu_fraction or (SHARED_ENGINE_FRACTION if pool.shared else 1.0)
+        fraction = size.ray_gpu_fraction or (SHARED_ENGINE_FRACTION if pool.shared else 1.0)
         return ModelPlacement(
             m.role,
             m.name,
             m.path,
             pool.name,
             start,
-            m.num_gpus,
+            m.placement.num_gpus,
             gpe,
-            m.tp,
-            m.pp,
+            m.placement.tp,
+            m.placement.pp,
             phase,
             device=m.device,
             ray_gpu_fraction=fraction,
@@ -366,7 +369,7 @@ class _Planner:
             self._check_fractions(pool, group)
 
     def _explicit(self, p: ModelPlacement) -> bool:
-        return self.config.role(p.role).model(p.model).bundle_start is not None
+        return self.config.role(p.role).model(p.model).placement.bundle_start is not None
 
     def _check_overlap(self, pool: str, group: list[ModelPlacement]) -> None:
         ordered = sorted(group, key=lambda p: p.bundle_start or 0)
@@ -588,12 +591,12 @@ class _Planner:
                         None,
                         0,
                         0,
-                        m.tp,
-                        m.pp,
+                        m.placement.tp,
+                        m.placement.pp,
                         PHASE_RESIDENT,
                         device=m.device,
-                        replicas=((),) * m.num_engines,
-                        workers=((),) * m.num_engines,
+                        replicas=((),) * m.placement.num_engines,
+                        workers=((),) * m.placement.num_engines,
                     )
                 )
         return out

@@ -36,6 +36,7 @@ from relax_core.manager import (
     Outcome,
     ReplicaPlacement,
 )
+from relax_core.records import EngineOptions
 from tests.support import manager as support
 
 pytestmark = pytest.mark.ray
@@ -55,7 +56,7 @@ def two_node_manager(publisher: RegistryPublisher, group: Any) -> InferenceManag
             model_path=support.tiny_model(),
             nodes_per_replica=2,
             served_model_name="math",
-            env={"OMP_NUM_THREADS": "1"},
+            options=EngineOptions(env={"OMP_NUM_THREADS": "1"}),
         ),
         placement=ReplicaPlacement(group, [[[0], [1]]], ray_gpu_fraction=1.0, owned=True),
         publisher=publisher,

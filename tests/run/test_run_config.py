@@ -284,7 +284,7 @@ def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_ever
     run = parse_run_config(config)
     assert run_problems(config, run, pm) == []
     assert (run.trainer_device, run.push_format) == ("cuda", "ipc")
-    fractions = {m.path: m.mem_fraction_static for m in config.models()}
+    fractions = {m.path: m.engine.mem_fraction_static for m in config.models()}
     assert set(fractions.values()) == {0.6}  # any two together would need 120% of the GPU
     for path, engines in engine_launch_specs(config, pm).items():
         argv = serve_argv(engines[f"{path.rsplit('.', 1)[1]}/replica-0"][0], 1)

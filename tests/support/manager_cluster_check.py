@@ -71,6 +71,7 @@ def main() -> int:
     from relax_core.engine.spec import InferenceEngineSpec
     from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
     from relax_core.plugins import PluginManager
+    from relax_core.records import EngineOptions
 
     root = tempfile.mkdtemp(prefix="relax-cluster-check-")
     model = str(make_tiny_model(os.path.join(root, "model"), size="micro"))
@@ -92,7 +93,7 @@ def main() -> int:
                 model_path=model,
                 nodes_per_replica=2,
                 served_model_name="math",
-                env={"OMP_NUM_THREADS": "1"},
+                options=EngineOptions(env={"OMP_NUM_THREADS": "1"}),
             ),
             placement=ReplicaPlacement(group, [[[0], [1]]], ray_gpu_fraction=1.0, owned=True),
             timeouts=ManagerTimeouts(start=120.0, health=10.0, shutdown=10.0, rpc_margin=3.0),

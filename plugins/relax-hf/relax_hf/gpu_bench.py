@@ -203,8 +203,9 @@ def run(
     """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
     from transformers.utils import logging as hf_logging
 
-    from relax_core import ControlClient, EngineLaunchSpec
+    from relax_core import ControlClient, EngineLaunchSpec, EngineOptions
     from relax_hf.bench import measure_throughput
+    from relax_hf.options import HFEngineOptions
     from relax_hf.plugin import launch
 
     hf_logging.disable_progress_bar()
@@ -229,13 +230,13 @@ def run(
             engine_id="gpu-bench",
             model_path=str(model_dir),
             device=device,
-            dtype=dtype,
-            weights_cpu_backup=True,
             log_path=str(log),
-            extra_args=(
-                (("--mem-fraction-static", str(mem_fraction)) if cuda else ())
-                + (("--enable-torch-compile",) if torch_compile else ())
+            options=EngineOptions(
+                dtype=dtype,
+                weights_cpu_backup=True,
+                mem_fraction_static=mem_fraction if cuda else None,
             ),
+            backend_options=HFEngineOptions(enable_torch_compile=torch_compile),
         )
         t0 = time.perf_counter()
         proc = launch(spec)

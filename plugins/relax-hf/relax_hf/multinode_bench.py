@@ -49,6 +49,7 @@ def run(*, device: str = "cuda", quick: bool = False) -> dict[str, Any]:
 
     from relax_core import (
         EngineLaunchSpec,
+        EngineOptions,
         SubprocessEngineProcess,
         free_port,
         serialize_named_tensors,
@@ -78,7 +79,8 @@ def run(*, device: str = "cuda", quick: bool = False) -> dict[str, Any]:
         env = {} if cuda else {"OMP_NUM_THREADS": "1"}
 
         def node(name: str, dev: str, **kw: Any) -> SubprocessEngineProcess:
-            spec = EngineLaunchSpec(engine_id=name, model_path=model, device=dev, seed=0, env=env,
+            spec = EngineLaunchSpec(engine_id=name, model_path=model, device=dev, seed=0,
+                                    options=EngineOptions(env=env),
                                     log_path=str(Path(tmp) / f"{name}.log"), **kw)  # fmt: skip
             procs.append(launch(spec))
             return procs[-1]

@@ -14,14 +14,15 @@ from relax_core import (
     free_port,
     hookimpl,
 )
+from relax_hf.options import HFEngineOptions, hf_options, options_argv
 from relax_hf.protocol import parse_dist_addr
 
 __all__ = ["HF_BACKEND", "OPTION_FLAGS", "launch", "relax_register_engine_backends", "serve_argv"]
 
 
-#: The model options (``EngineLaunchSpec.options``, from the job file's model keys) the hf
-#: engine reads, and the flag each becomes; SGLang's names. Others (``dp``, ``kv_cache_dtype``,
-#: …) are the sglang backend's.
+#: The core's engine options (``EngineLaunchSpec.options``, from the job file's model keys)
+#: the hf engine reads, and the flag each becomes; SGLang's names. Others (``dp``,
+#: ``kv_cache_dtype``, …) are the sglang backend's.
 OPTION_FLAGS = (
     ("mem_fraction_static", "--mem-fraction-static"),
     ("context_length", "--context-length"),
@@ -33,8 +34,11 @@ def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
     """The ``python -m relax_hf serve …`` command line for ``spec`` (no PATH lookup).
 
     The model's ``mem_fraction_static``, ``context_length`` and ``max_running_requests``
-    (``spec.options``) become their flags; ``spec.extra_args`` come last, so they win.
+    (``spec.options``) become their flags, then the hf options of its ``engine`` table
+    (``spec.backend_options``, :mod:`relax_hf.options`) theirs; the model's ``extra_args``
+    come last, so they win.
     """
+    options = spec.options
     argv = [
         sys.executable,
         "-m",
@@ -49,11 +53,11 @@ def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
         "--device",
         spec.device,
         "--dtype",
-        spec.dtype,
+        options.dtype,
     ]
     if spec.seed is not None:
         argv += ["--seed", str(spec.seed)]
-    if spec.weights_cpu_backup:
+    if options.weights_cpu_backup:
         argv.append("--weights-cpu-backup")
     if spec.served_model_name:
         argv += ["--served-model-name", spec.served_model_name]
@@ -63,10 +67,10 @@ def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
         argv += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
         argv += ["--dist-init-addr", str(spec.dist_init_addr)]
     for key, flag in OPTION_FLAGS:
-        value = spec.options.get(key)
+        value = getattr(options, key)
         if value is not None:
             argv += [flag, str(value)]
-    return argv + list(spec.extra_args)
+    return argv + options_argv(hf_options(spec)) + list(options.extra_args)
 
 
 def _check(spec: EngineLaunchSpec) -> None:
@@ -91,6 +95,7 @@ def _check(spec: EngineLaunchSpec) -> None:
             raise ConfigError(f"{where}.dist_init_addr", str(exc).split(": ", 1)[1]) from exc
     if spec.device not in ("cpu", "cuda") and not spec.device.startswith("cuda:"):
         raise ConfigError(f"{where}.device", f"{spec.device!r}: use cpu, cuda or cuda:N")
+    hf_options(spec)
 
 
 def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
@@ -103,10 +108,11 @@ def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     port on 127.0.0.1, which answers 200 once it has joined the head at ``dist_init_addr``.
 
     :raises ConfigError: tp or pp other than 1, a node rank outside ``[0, nnodes)``, a missing
-        or malformed ``dist_init_addr`` with ``nnodes`` > 1, or an unknown device.
+        or malformed ``dist_init_addr`` with ``nnodes`` > 1, an unknown device, or
+        ``backend_options`` that are not :class:`~relax_hf.options.HFEngineOptions`.
     """
     _check(spec)
-    env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **dict(spec.env)}
+    env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **dict(spec.options.env)}
     if spec.node_rank > 0:
         port = spec.port or free_port("127.0.0.1")
         return SubprocessEngineProcess.start(
@@ -143,6 +149,7 @@ HF_BACKEND = EngineBackend(
         "for a try-out, `relax-hf make-tiny-model DIR` writes a tiny random model with a local "
         "tokenizer (`relax demo` makes the demo job's three)"
     ),
+    options=HFEngineOptions,
 )
 
 

@@ -12,7 +12,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from relax_core import EngineLaunchSpec, SubprocessEngineProcess, free_port
+import attrs
+
+from relax_core import EngineLaunchSpec, EngineOptions, SubprocessEngineProcess, free_port
 from relax_hf.plugin import launch
 
 __all__ = [
@@ -105,17 +107,32 @@ class EngineServer:
         self.http = Http(self.url)
 
 
+_OPTION_FIELDS = frozenset(f.name for f in attrs.fields(EngineOptions))
+
+
+def _spec(env: dict[str, str], **fields: Any) -> EngineLaunchSpec:
+    """An ``EngineLaunchSpec`` of ``fields``: those naming an :class:`EngineOptions` field
+    (``extra_args``, ``dtype``, ``weights_cpu_backup``, …) go into its ``options``, with
+    ``env`` under the caller's own."""
+    options = {k: fields.pop(k) for k in list(fields) if k in _OPTION_FIELDS}
+    options["env"] = {**env, **options.get("env", {})}
+    return EngineLaunchSpec(**fields, options=EngineOptions(**options))
+
+
 def start_engine(
     model: Path | str, log_dir: Path | str, engine_id: str, **spec: Any
 ) -> EngineServer:
-    """Launch an hf engine through the backend and wait until it answers ``/health``."""
+    """Launch an hf engine through the backend and wait until it answers ``/health``.
+
+    ``spec``: ``EngineLaunchSpec`` fields, and ``EngineOptions`` fields for its ``options``.
+    """
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     process = launch(
-        EngineLaunchSpec(
+        _spec(
+            env,
             engine_id=engine_id,
             model_path=str(model),
             log_path=str(Path(log_dir) / f"{engine_id}.log"),
-            env=env,
             **spec,
         )
     )
@@ -169,14 +186,14 @@ def start_replica(
     def node(rank: int, path: Path | str) -> SubprocessEngineProcess:
         name = engine_id if rank == 0 else f"{engine_id}-node-{rank}"
         return launch(
-            EngineLaunchSpec(
+            _spec(
+                env,
                 engine_id=name,
                 model_path=str(path),
                 nnodes=nnodes,
                 node_rank=rank,
                 dist_init_addr=addr,
                 log_path=str(Path(log_dir) / f"{name}.log"),
-                env=env,
                 **spec,
             )
         )

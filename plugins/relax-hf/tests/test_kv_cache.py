@@ -12,7 +12,7 @@ import pytest
 from relax_hf.plugin import launch
 from relax_hf.testing import EngineServer
 
-from relax_core import EngineLaunchSpec
+from relax_core import EngineLaunchSpec, EngineOptions
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -71,8 +71,9 @@ def test_mem_fraction_static_takes_that_share_of_memory(tiny_model: Path, tmp_pa
             engine_id="hf-fraction",
             model_path=str(tiny_model),
             log_path=str(tmp_path / "engine.log"),
-            extra_args=("--mem-fraction-static", "0.02"),
-            env={"OMP_NUM_THREADS": "1"},
+            options=EngineOptions(
+                extra_args=("--mem-fraction-static", "0.02"), env={"OMP_NUM_THREADS": "1"}
+            ),
         )
     )
     try:
@@ -97,8 +98,9 @@ def test_a_fraction_too_small_for_any_pool_fails_at_start_naming_the_flag(
             engine_id="hf-no-room",
             model_path=str(tiny_model),
             log_path=str(tmp_path / "engine.log"),
-            extra_args=("--mem-fraction-static", "0.0000001"),
-            env={"OMP_NUM_THREADS": "1"},
+            options=EngineOptions(
+                extra_args=("--mem-fraction-static", "0.0000001"), env={"OMP_NUM_THREADS": "1"}
+            ),
         )
     )
     try:

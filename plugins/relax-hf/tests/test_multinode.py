@@ -19,7 +19,7 @@ import pytest
 from relax_hf.plugin import launch
 from relax_hf.testing import EngineServer, ReplicaServers, start_replica
 
-from relax_core import EngineLaunchSpec, LifecycleError
+from relax_core import EngineLaunchSpec, EngineOptions, LifecycleError
 from relax_core.testing import free_port, wait_for
 
 TRAINER = Path(__file__).with_name("trainer_process.py")
@@ -219,7 +219,7 @@ def test_a_follower_without_a_head_gives_up_after_the_dist_timeout(
             nnodes=2,
             node_rank=1,
             dist_init_addr=f"127.0.0.1:{free_port()}",
-            extra_args=("--dist-timeout", "2"),
+            options=EngineOptions(extra_args=("--dist-timeout", "2")),
             log_path=str(tmp_path / "follower.log"),
         )
     )

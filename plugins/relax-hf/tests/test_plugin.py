@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_hf.options import HFEngineOptions
 from relax_hf.plugin import HF_BACKEND, serve_argv
 
 from relax_core import (
     ConfigError,
     ControlClient,
     EngineLaunchSpec,
+    EngineOptions,
     EngineProcess,
     LifecycleError,
     PluginManager,
@@ -68,10 +70,9 @@ def test_serve_argv_runs_the_module_with_this_interpreter() -> None:
         model_path="/m",
         port=5,
         seed=3,
-        weights_cpu_backup=True,
         served_model_name="n",
         weight_version="v7",
-        extra_args=("--threads", "1"),
+        options=EngineOptions(weights_cpu_backup=True, extra_args=("--threads", "1")),
     )
     argv = serve_argv(spec, 5)
     assert argv[:4] == [sys.executable, "-m", "relax_hf", "serve"]
@@ -123,6 +124,95 @@ def test_the_job_files_sizing_keys_reach_the_engines_command_line() -> None:
     assert "--mem-fraction-static" not in serve_argv(bare, 9)
 
 
+def _policy(tiny_model: Path | str, engine: str) -> str:
+    return (
+        "[roles.rollout.models.policy]\n"
+        f'backend = "hf"\ndevice = "cpu"\nmodel_path = "{tiny_model}"\nroute_mode = "DIRECT"\n'
+        'extra_args = ["--threads", "1"]\n'
+        f"[roles.rollout.models.policy.engine]\n{engine}"
+    )
+
+
+def test_an_engine_table_is_typed_for_hf_and_its_options_become_serve_flags() -> None:
+    from relax_core import PluginManager, engine_launch_specs, loads_config
+
+    assert HF_BACKEND.options is HFEngineOptions
+    config = loads_config(
+        _policy(
+            "/m", 'memory_handoff = true\nmax_total_tokens = 64\nattn_implementation = "eager"\n'
+        )
+    )
+    specs = engine_launch_specs(config, PluginManager.create())
+    spec = specs["roles.rollout.models.policy"]["policy/replica-0"][0]
+    assert spec.backend_options == HFEngineOptions(
+        memory_handoff=True, max_total_tokens=64, attn_implementation="eager"
+    )
+    argv = serve_argv(spec, 9)
+    # Only the options that differ from their defaults, before the model's extra_args (which win).
+    assert argv[-7:] == [
+        "--memory-handoff",
+        "--max-total-tokens",
+        "64",
+        "--attn-implementation",
+        "eager",
+        "--threads",
+        "1",
+    ]
+    bare = engine_launch_specs(loads_config(_policy("/m", "")), PluginManager.create())
+    spec = bare["roles.rollout.models.policy"]["policy/replica-0"][0]
+    assert spec.backend_options == HFEngineOptions() and serve_argv(spec, 9)[-2:] == [
+        "--threads",
+        "1",
+    ]
+
+
+def test_an_unknown_hf_engine_option_is_refused_at_its_key_path_with_a_hint() -> None:
+    from relax_core import ConfigValidationError, PluginManager, engine_launch_specs, loads_config
+
+    config = loads_config(_policy("/m", "memory_handof = true\nthreads = -1\n"))
+    with pytest.raises(ConfigValidationError) as info:
+        engine_launch_specs(config, PluginManager.create())
+    assert [(p.path, p.rule) for p in info.value.problems] == [
+        ("roles.rollout.models.policy.engine.memory_handof", "unknown-key"),
+        ("roles.rollout.models.policy.engine.threads", "range"),
+    ]
+    assert "did you mean 'memory_handoff'?" in info.value.problems[0].message
+
+
+def test_the_typed_engine_options_reach_the_launched_hf_engine(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    # From the job file's engine table to the running engine: its /server_info echoes the
+    # serve flags it was started with.
+    import attrs
+
+    from relax_core import PluginManager, engine_launch_specs, loads_config
+
+    text = _policy(tiny_model, 'max_total_tokens = 48\nattn_implementation = "eager"\n')
+    specs = engine_launch_specs(loads_config(text), PluginManager.create())
+    spec = specs["roles.rollout.models.policy"]["policy/replica-0"][0]
+    proc = HF_BACKEND.launch(attrs.evolve(spec, log_path=str(tmp_path / "e.log")))
+    try:
+        proc.wait_ready(120)
+
+        async def info() -> dict[str, Any]:
+            async with HF_BACKEND.control_client(proc.base_url) as c:
+                return await c.server_info()  # type: ignore[no-any-return]
+
+        got = asyncio.run(info())
+        assert (got["max_total_tokens"], got["attn_implementation"]) == (48, "eager")
+        assert got["memory_handoff"] is False
+    finally:
+        proc.terminate(10)
+
+
+def test_launch_refuses_another_backends_options_record(tiny_model: Path) -> None:
+    spec = EngineLaunchSpec(engine_id="e", model_path=str(tiny_model), backend_options=object())
+    with pytest.raises(ConfigError) as info:
+        HF_BACKEND.launch(spec)
+    assert info.value.path == "engines.e.backend_options"
+
+
 def test_launch_and_control_client_drive_an_engine_end_to_end(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -131,7 +221,7 @@ def test_launch_and_control_client_drive_an_engine_end_to_end(
         model_path=str(tiny_model),
         weight_version="w0",
         log_path=str(tmp_path / "e.log"),
-        options={"mem_fraction_static": 0.02},
+        options=EngineOptions(mem_fraction_static=0.02),
     )
     proc = HF_BACKEND.launch(spec)
     try:

@@ -30,7 +30,7 @@ def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     :raises ConfigError: the spec breaks a rule of :func:`relax_sglang.server_args.check_launch`.
     :raises LifecycleError: the interpreter cannot be started.
     """
-    env = {"PYTHONUNBUFFERED": "1", **dict(spec.env)}
+    env = {"PYTHONUNBUFFERED": "1", **dict(spec.options.env)}
     url_host = "127.0.0.1" if spec.host in ("0.0.0.0", "", "::") else spec.host
     port = spec.port or free_port(url_host)
     bootstrap = None

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from relax_core import ConfigError, EngineLaunchSpec
 
@@ -91,18 +90,6 @@ _KV_DTYPES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
 }
-_OPTIONS = frozenset(
-    {
-        "mem_fraction_static",
-        "context_length",
-        "max_running_requests",
-        "kv_cache_dtype",
-        "dp",
-        "dp_attention",
-        "deterministic_inference",
-        "pd_prefill_engines",
-    }
-)
 
 
 def _flag(arg: str) -> str:
@@ -119,10 +106,10 @@ def disaggregation_mode(spec: EngineLaunchSpec) -> str | None:
     With ``pd_prefill_engines = P`` the replicas of index below ``P`` are prefill workers and
     every other one (including replicas added by a scale-out) a decode worker.
     """
-    prefill = spec.options.get("pd_prefill_engines")
+    prefill = spec.options.pd_prefill_engines
     if prefill is None:
         return None
-    return "prefill" if spec.replica_index < int(prefill) else "decode"
+    return "prefill" if spec.replica_index < prefill else "decode"
 
 
 def _load_formats(args: Sequence[str]) -> list[str]:
@@ -153,23 +140,17 @@ def check_launch(spec: EngineLaunchSpec) -> None:
             f"{where}.dist_init_addr",
             f"a replica of {spec.nnodes} nodes needs the head's address (host:port)",
         )
-    unknown = set(spec.options) - _OPTIONS
-    if unknown:
-        raise ConfigError(
-            f"{where}.options",
-            f"the sglang backend does not know option(s) {sorted(unknown)}; known: "
-            f"{sorted(_OPTIONS)}",
-        )
-    if spec.dtype != "auto" and spec.dtype not in _DTYPES and spec.dtype not in _QUANTIZED:
-        raise ConfigError(f"{where}.dtype", f"{spec.dtype!r} is not a dtype SGLang serves")
-    kv = spec.options.get("kv_cache_dtype", "auto")
+    opts = spec.options
+    if opts.dtype != "auto" and opts.dtype not in _DTYPES and opts.dtype not in _QUANTIZED:
+        raise ConfigError(f"{where}.dtype", f"{opts.dtype!r} is not a dtype SGLang serves")
+    kv = opts.kv_cache_dtype
     if kv != "auto" and kv not in _KV_DTYPES:
         raise ConfigError(
             f"{where}.kv_cache_dtype",
             f"{kv!r}: SGLang's KV cache holds auto (the model's dtype), "
             f"{', '.join(sorted(_KV_DTYPES))}",
         )
-    for arg in spec.extra_args:
+    for arg in opts.extra_args:
         owner = OWNED_FLAGS.get(_flag(arg))
         if owner is not None:
             raise ConfigError(
@@ -178,7 +159,7 @@ def check_launch(spec: EngineLaunchSpec) -> None:
                 "extra_args",
             )
     if spec.static:
-        dummy = [f for f in _load_formats(spec.extra_args) if f.startswith("dummy")]
+        dummy = [f for f in _load_formats(opts.extra_args) if f.startswith("dummy")]
         if dummy:
             raise ConfigError(
                 f"{where}.extra_args",
@@ -186,7 +167,7 @@ def check_launch(spec: EngineLaunchSpec) -> None:
                 "checkpoint and nobody ever pushes weights to it, so random dummy weights are "
                 "refused; remove the flag",
             )
-        lora = [a for a in spec.extra_args if _flag(a).startswith(_LORA_PREFIXES)]
+        lora = [a for a in opts.extra_args if _flag(a).startswith(_LORA_PREFIXES)]
         if lora:
             raise ConfigError(
                 f"{where}.extra_args",
@@ -206,7 +187,7 @@ def launch_server_argv(
     :raises ConfigError: see :func:`check_launch`; a prefill worker without ``bootstrap_port``.
     """
     check_launch(spec)
-    opts: Mapping[str, Any] = spec.options
+    opts = spec.options
     argv = [
         sys.executable,
         "-m",
@@ -222,33 +203,32 @@ def launch_server_argv(
         "--pp-size",
         str(spec.pp),
     ]
-    if int(opts.get("dp", 1)) != 1:
-        argv += ["--dp-size", str(int(opts["dp"]))]
-    if opts.get("dp_attention"):
+    if opts.dp != 1:
+        argv += ["--dp-size", str(opts.dp)]
+    if opts.dp_attention:
         argv.append("--enable-dp-attention")
     if spec.nnodes > 1:
         argv += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
         argv += ["--dist-init-addr", str(spec.dist_init_addr)]
-    if spec.dtype in _DTYPES:
-        argv += ["--dtype", _DTYPES[spec.dtype]]
-    kv = opts.get("kv_cache_dtype", "auto")
-    if kv != "auto":
-        argv += ["--kv-cache-dtype", _KV_DTYPES[kv]]
-    for key, flag in (
-        ("mem_fraction_static", "--mem-fraction-static"),
-        ("context_length", "--context-length"),
-        ("max_running_requests", "--max-running-requests"),
+    if opts.dtype in _DTYPES:
+        argv += ["--dtype", _DTYPES[opts.dtype]]
+    if opts.kv_cache_dtype != "auto":
+        argv += ["--kv-cache-dtype", _KV_DTYPES[opts.kv_cache_dtype]]
+    for flag, value in (
+        ("--mem-fraction-static", opts.mem_fraction_static),
+        ("--context-length", opts.context_length),
+        ("--max-running-requests", opts.max_running_requests),
     ):
-        if opts.get(key) is not None:
-            argv += [flag, str(opts[key])]
+        if value is not None:
+            argv += [flag, str(value)]
     # The manager releases and resumes memory occupation (offload/onload): SGLang needs the
     # memory saver for that, on every engine.
     argv.append("--enable-memory-saver")
-    if spec.weights_cpu_backup or spec.static:
+    if opts.weights_cpu_backup or spec.static:
         argv.append("--enable-weights-cpu-backup")
     if spec.seed is not None:
         argv += ["--random-seed", str(spec.seed)]
-    if opts.get("deterministic_inference"):
+    if opts.deterministic_inference:
         argv.append("--enable-deterministic-inference")
     if spec.served_model_name:
         argv += ["--served-model-name", spec.served_model_name]
@@ -264,4 +244,4 @@ def launch_server_argv(
                     "a prefill engine needs a bootstrap port (the launcher picks one)",
                 )
             argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    return argv + list(spec.extra_args)
+    return argv + list(opts.extra_args)

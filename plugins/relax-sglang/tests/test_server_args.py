@@ -8,20 +8,32 @@ from __future__ import annotations
 
 import sys
 
+import attrs
 import pytest
 from relax_sglang.server_args import launch_server_argv
 
 from relax_core import (
     ConfigError,
     EngineLaunchSpec,
+    EngineOptions,
     PluginManager,
     engine_launch_specs,
     loads_config,
 )
 
+_OPTION_FIELDS = frozenset(f.name for f in attrs.fields(EngineOptions))
+
 
 def _argv(**fields: object) -> list[str]:
-    spec = EngineLaunchSpec(engine_id="policy/replica-0", model_path="/m", **fields)  # type: ignore[arg-type]
+    """The command line of a spec of ``fields`` (those naming an ``EngineOptions`` field go
+    into its ``options``)."""
+    options = {k: fields.pop(k) for k in list(fields) if k in _OPTION_FIELDS}
+    spec = EngineLaunchSpec(
+        engine_id="policy/replica-0",
+        model_path="/m",
+        options=EngineOptions(**options),  # type: ignore[arg-type]
+        **fields,  # type: ignore[arg-type]
+    )
     return launch_server_argv(spec, port=30000, bootstrap_port=8998)
 
 
@@ -89,15 +101,13 @@ def test_the_models_settings_become_sglang_flags() -> None:
     flags = _flags(
         _argv(
             dtype="bf16",
-            options={
-                "mem_fraction_static": 0.55,
-                "context_length": 2048,
-                "max_running_requests": 64,
-                "kv_cache_dtype": "fp8",
-                "dp": 2,
-                "dp_attention": True,
-                "deterministic_inference": True,
-            },
+            mem_fraction_static=0.55,
+            context_length=2048,
+            max_running_requests=64,
+            kv_cache_dtype="fp8",
+            dp=2,
+            dp_attention=True,
+            deterministic_inference=True,
         )
     )
     assert flags["--dtype"] == "bfloat16" and flags["--kv-cache-dtype"] == "fp8_e4m3"
@@ -177,10 +187,10 @@ def test_genrm_runs_deterministic_inference_by_default_and_a_model_key_can_ask_f
 
 
 def test_pd_replicas_are_prefill_then_decode_and_a_prefill_head_gets_its_bootstrap_port() -> None:
-    options = {"pd_prefill_engines": 2}
+    options = EngineOptions(pd_prefill_engines=2)
     modes = []
     for index in range(4):
-        flags = _flags(_argv(replica_index=index, options=options))
+        flags = _flags(_argv(replica_index=index, pd_prefill_engines=2))
         modes.append(flags["--disaggregation-mode"])
         assert ("--disaggregation-bootstrap-port" in flags) == (index < 2)
     assert modes == ["prefill", "prefill", "decode", "decode"]
@@ -208,9 +218,10 @@ def test_extra_args_may_not_set_what_a_key_owns_and_the_error_names_the_key(
 
 def test_bad_values_are_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"kv_cache_dtype.*'float16'"):
-        _argv(options={"kv_cache_dtype": "float16"})
-    with pytest.raises(ConfigError, match=r"options.*'speculative'"):
-        _argv(options={"speculative": True})
+        _argv(kv_cache_dtype="float16")
+    # Options are a typed record: one the core does not define cannot be given at all.
+    with pytest.raises(TypeError, match=r"speculative"):
+        EngineOptions(speculative=True)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match=r"dist_init_addr"):
         _argv(nnodes=2, node_rank=1)
     with pytest.raises(ConfigError, match=r"node_rank"):

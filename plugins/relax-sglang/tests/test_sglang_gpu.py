@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from relax_core import (
+    EngineOptions,
     InferenceEngineSpec,
     InferenceManager,
     ManagerTimeouts,
@@ -107,9 +108,11 @@ def test_a_real_sglang_server_serves_offloads_onloads_and_updates_behind_smg(
             device="cuda",
             seed=0,
             log_dir=str(tmp_path),
-            options={"mem_fraction_static": 0.5},
-            # Outside a placement group Ray assigns no GPU: name the one to use.
-            env={"CUDA_VISIBLE_DEVICES": os.environ.get("RELAX_SGLANG_GPU", "0")},
+            options=EngineOptions(
+                mem_fraction_static=0.5,
+                # Outside a placement group Ray assigns no GPU: name the one to use.
+                env={"CUDA_VISIBLE_DEVICES": os.environ.get("RELAX_SGLANG_GPU", "0")},
+            ),
         ),
         placement=ReplicaPlacement.unplaced(1),
         publisher=publisher,

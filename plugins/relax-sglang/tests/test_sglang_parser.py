@@ -60,10 +60,10 @@ def _expected(spec: EngineLaunchSpec, port: int, bootstrap: int | None) -> dict[
         "nnodes": spec.nnodes,
         "node_rank": spec.node_rank,
         "enable_memory_saver": True,
-        "enable_weights_cpu_backup": spec.weights_cpu_backup or spec.static,
-        "enable_deterministic_inference": bool(opts.get("deterministic_inference")),
-        "dp_size": int(opts.get("dp", 1)),
-        "enable_dp_attention": bool(opts.get("dp_attention")),
+        "enable_weights_cpu_backup": bool(opts.weights_cpu_backup) or spec.static,
+        "enable_deterministic_inference": bool(opts.deterministic_inference),
+        "dp_size": opts.dp,
+        "enable_dp_attention": opts.dp_attention,
         "served_model_name": spec.served_model_name,
         "disaggregation_mode": disaggregation_mode(spec) or "null",
     }
@@ -73,17 +73,17 @@ def _expected(spec: EngineLaunchSpec, port: int, bootstrap: int | None) -> dict[
         want["random_seed"] = spec.seed
     if spec.weight_version:
         want["weight_version"] = spec.weight_version
-    if spec.dtype != "auto":
-        want["dtype"] = _DTYPE.get(spec.dtype, spec.dtype)
-    if opts.get("kv_cache_dtype", "auto") != "auto":
-        want["kv_cache_dtype"] = _KV.get(opts["kv_cache_dtype"], opts["kv_cache_dtype"])
+    if opts.dtype != "auto":
+        want["dtype"] = _DTYPE.get(opts.dtype, opts.dtype)
+    if opts.kv_cache_dtype != "auto":
+        want["kv_cache_dtype"] = _KV.get(opts.kv_cache_dtype, opts.kv_cache_dtype)
     for key in ("mem_fraction_static", "context_length", "max_running_requests"):
-        if opts.get(key) is not None:
-            want[key] = opts[key]
+        if getattr(opts, key) is not None:
+            want[key] = getattr(opts, key)
     if bootstrap is not None:
         want["disaggregation_bootstrap_port"] = bootstrap
     # The model's own overrides, --flag value or a bare --flag (true).
-    args = list(spec.extra_args)
+    args = list(opts.extra_args)
     for i, arg in enumerate(args):
         if arg.startswith("--"):
             value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else True

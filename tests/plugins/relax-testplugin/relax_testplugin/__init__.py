@@ -100,7 +100,7 @@ def _launch_sim(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     if spec.dist_init_addr:
         argv += ["--dist-init-addr", spec.dist_init_addr]
     return SubprocessEngineProcess.start(
-        [*argv, *spec.extra_args],
+        [*argv, *spec.options.extra_args],
         base_url=f"http://{spec.host}:{spec.port}" if spec.node_rank == 0 else None,
         engine_id=spec.engine_id,
         log_path=spec.log_path,

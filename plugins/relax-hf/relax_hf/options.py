@@ -1,0 +1,91 @@
+"""The hf engine's own options: a model's ``engine`` table, read into :class:`HFEngineOptions`.
+
+The options every engine backend may read (dtype, memory fraction, context length, …) are the
+core's :class:`~relax_core.EngineOptions`; these are the ``relax-hf serve`` flags only this
+engine has. The core reads a model's ``engine`` table into the record (unknown keys, wrong
+types and out-of-range values refused at their key path before anything starts), and each
+launch carries it as ``EngineLaunchSpec.backend_options``::
+
+    [roles.rollout.models.policy.engine]
+    memory_handoff = true
+    disable_cuda_graph = true
+
+Each option is the flag of its name (``memory_handoff`` → ``--memory-handoff``), given only
+when it differs from the default, so a model without the table starts the engine exactly as
+before. A model's ``extra_args`` still reach the command line after them (and win).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from relax_core import ConfigError, ConfigReader, EngineLaunchSpec
+
+__all__ = ["HFEngineOptions", "hf_options", "options_argv"]
+
+
+@attrs.frozen
+class HFEngineOptions:
+    """The ``relax-hf serve`` options a job file gives in a model's ``engine`` table.
+
+    ``memory_handoff`` (CUDA): a release parks the weights' and the KV cache pool's GPU memory
+    for the next engine on the GPU to take over (docs/hf-engine.md). ``disable_cuda_graph``:
+    decode steps run eagerly. ``cuda_graph_max_bs``: the largest decode batch captured as a
+    CUDA graph (default: ``max_running_requests``). ``enable_torch_compile`` (CUDA): fuse the
+    element-wise parts of the forward pass. ``max_total_tokens``: the KV cache pool in tokens
+    (overrides ``mem_fraction_static``). ``attn_implementation``: ``sdpa`` or ``eager``.
+    ``threads``: torch CPU threads (0: torch's default). ``dist_timeout``: seconds a
+    multi-node replica waits for its nodes and for one collective.
+    ``constrained_json_disable_any_whitespace`` / ``constrained_json_max_whitespace_cnt``:
+    JSON-schema output without free whitespace / with at most that many whitespace
+    characters in a row.
+    """
+
+    memory_handoff: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = attrs.field(
+        default=None, metadata={"check": ConfigReader.at_least(1)}
+    )
+    enable_torch_compile: bool = False
+    max_total_tokens: int | None = attrs.field(
+        default=None, metadata={"check": ConfigReader.at_least(1)}
+    )
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    threads: int = attrs.field(default=0, metadata={"check": ConfigReader.at_least(0)})
+    dist_timeout: float = attrs.field(default=300.0, metadata={"check": ConfigReader.positive})
+    constrained_json_disable_any_whitespace: bool = False
+    constrained_json_max_whitespace_cnt: int | None = attrs.field(
+        default=None, metadata={"check": ConfigReader.at_least(0)}
+    )
+
+
+def hf_options(spec: EngineLaunchSpec) -> HFEngineOptions:
+    """The hf options of ``spec``: its ``backend_options``, or the defaults for a spec built
+    without them.
+
+    :raises ConfigError: ``backend_options`` is another backend's record.
+    """
+    options = spec.backend_options
+    if options is None:
+        return HFEngineOptions()
+    if not isinstance(options, HFEngineOptions):
+        raise ConfigError(
+            f"engines.{spec.engine_id}.backend_options",
+            f"the hf engine reads HFEngineOptions, got {type(options).__name__}",
+        )
+    return options
+
+
+def options_argv(options: HFEngineOptions) -> list[str]:
+    """The ``relax-hf serve`` flags of every option that differs from its default (each
+    boolean option is off by default; its flag turns it on)."""
+    argv: list[str] = []
+    for field in attrs.fields(HFEngineOptions):
+        value = getattr(options, field.name)
+        if value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        argv += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return argv
