@@ -5,8 +5,18 @@ A plugin is a module (found through the ``relax`` entry-point group) with functi
 calls it with frozen records from :mod:`relax_core.records`. Two records of one kind with one
 name are rejected with both plugins named.
 
-Every hook here is a registration hook. A plugin implements it under the same name and calls
-``register`` once per record it adds; each hook below names its record and shows that call::
+Every hook here is a registration hook, collected once per plugin manager, when a command
+first needs the kind. They are grouped by the phase in which their records are used:
+
+- **a job's inference side** (every command that reads a job: ``relax plan``, ``serve``,
+  ``run``): roles, engine backends, routers, weight sources, reward adapters, routing policies,
+  placement modes — checked when the job file is read, used as its models start and serve;
+- **an RL step** (``relax run``): data sources (the step's prompts), stages (what the step does
+  to its batch, in order), trainers (who trains on the committed batch) — collected when the
+  ``[run]`` table is checked, before anything starts.
+
+A plugin implements a hook under the same name and calls ``register`` once per record it adds;
+each hook below names its record and shows that call::
 
     from relax_core import hookimpl
     from relax_core.records import RoutingPolicy
@@ -29,6 +39,8 @@ __all__ = ["hookimpl", "hookspec"]
 hookspec = pluggy.HookspecMarker("relax")
 hookimpl = pluggy.HookimplMarker("relax")
 
+
+# == a job's inference side ===================================================================
 
 # -- roles -----------------------------------------------------------------------------------
 
@@ -127,9 +139,8 @@ def relax_register_placement_modes(register: Callable[[records.PlacementMode], N
     """
 
 
-# -- the RL step (relax run): collected when a run's [run] table is checked, before anything
-# starts, in the order a step uses them: where prompts come from, what each step does to its
-# batch, who trains on it ----------------------------------------------------------------------
+# == an RL step (relax run): in the order a step uses them — where its prompts come from, what
+# it does to its batch, who trains on it ========================================================
 
 
 @hookspec

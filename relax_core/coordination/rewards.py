@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import attrs
@@ -37,6 +37,9 @@ __all__ = ["REWARD", "REWARDS", "REWARD_FIELDS", "RewardContext", "RewardResult"
 
 
 def _finite(value: object) -> bool:
+    kind = type(value)
+    if kind is float or kind is int:
+        return math.isfinite(value)  # type: ignore[arg-type]
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -51,7 +54,7 @@ def _check_reward(value: object, sample: Sample) -> str | None:
 
 
 def _check_rewards(value: object, sample: Sample) -> str | None:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+    if not isinstance(value, dict) or not all(type(k) is str for k in value):
         return f"rewards = {value!r} is not a table of adapter key -> value"
     return None
 

@@ -79,7 +79,10 @@ class Sample:
         for name in _SHARED:
             setattr(copy, name, getattr(self, name))
         copy.metadata = dict(self.metadata)
-        copy.fields = {k: _copied(v) for k, v in self.fields.items() if k not in cleared}
+        fields = self.fields
+        copy.fields = (
+            {k: _copied(v) for k, v in fields.items() if k not in cleared} if fields else {}
+        )
         return copy
 
     def write_back(self, staged: Sample, names: Collection[str]) -> None:
@@ -92,7 +95,8 @@ class Sample:
 
 
 def _copied(value: Any) -> Any:
-    return dict(value) if isinstance(value, Mapping) else value
+    # A stage's table (rewards by key) is copied; values are immutable otherwise (tuples).
+    return dict(value) if isinstance(value, dict) else value
 
 
 #: The fields a staged copy shares with its original (the dicts are copied).
