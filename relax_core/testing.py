@@ -147,33 +147,39 @@ async def run_stages(
     target_groups: int | None = None,
     clients: Any = None,
     batch_id: int = 0,
+    residency: Any = None,
+    generation_role: str = "generation",
 ) -> tuple[Any, list[Any], list[str]]:
     """Run ``stages`` on ``samples`` in a real :class:`~relax_core.DeferredBatch` under a real
-    :class:`~relax_core.LifecycleCoordinator` (every role on one shared slice, a ``rollout``
-    generation role) and an in-process batch sink, with in-process managers that confirm every
-    lease switch at once; return ``(BatchResult, the committed samples, the switches in order)``
-    — e.g. ``["rollout.offload", "genrm.judge.onload", "genrm.judge.offload"]``.
+    :class:`~relax_core.LifecycleCoordinator` (every role on one shared slice with the
+    generation role, named ``generation_role``) and an in-process batch sink, with in-process
+    managers that confirm every lease switch at once; return ``(BatchResult, the committed
+    samples, the switches in order)`` — e.g. ``["generation.offload", "judge.model.onload",
+    "judge.model.offload"]``.
 
     ``roles``: deferred role -> its model names (default: each stage's role, one model
     ``model``); ``producer``: what more generation asks (a
     :class:`~relax_core.coordination.batch.Producer`); ``clients``: the
-    :class:`~relax_core.RoleClients` stages call engines with. Raises what the batch raises.
+    :class:`~relax_core.RoleClients` stages call engines with; ``residency``: a
+    :class:`~relax_core.coordination.residency.ResidencyPlan` over the slice ``shared`` (default:
+    one role at a time). Raises what the batch raises.
     """
     from relax_core.coordination import DeferredBatch, LifecycleCoordinator, MemoryBatchSink
 
     log: list[str] = []
     wanted = dict(roles or {})
     for stage in stages:
-        if stage.role is not None and stage.role not in wanted and stage.role != "rollout":
+        if stage.role is not None and stage.role not in wanted and stage.role != generation_role:
             wanted[stage.role] = list(stage.models) or ["model"]
     managers = {
         role: [_ConfirmingManager(f"{role}.{m}", log) for m in models]
         for role, models in wanted.items()
     }
     coordinator = LifecycleCoordinator(
-        slices={"rollout": "shared", **dict.fromkeys(managers, "shared")},
+        slices={generation_role: "shared", **dict.fromkeys(managers, "shared")},
         managers=managers,
-        generation_role="rollout",
+        generation_role=generation_role,
+        residency=residency,
     )
     sink = MemoryBatchSink()
     await coordinator.begin_batch(batch_id)
@@ -181,7 +187,7 @@ async def run_stages(
         batch_id,
         samples,
         coordinator=coordinator,
-        rollout=_ConfirmingManager("rollout", log),
+        rollout=_ConfirmingManager(generation_role, log),
         stages=stages,
         sink=sink,
         clients=clients,
