@@ -123,11 +123,14 @@ class TrainingConfig:
 class PlacementConfig:
     """How inference is laid out: ``mode`` (a registered placement mode; ``None`` means
     ``split`` when training colocates, else ``decoupled``), the roles run in deferred phases,
-    and the Ray placement-group strategy."""
+    the Ray placement-group strategy, and ``residency``: whether roles sharing GPUs stay
+    resident together when the memory budget says they fit (``planned``) or take turns one at
+    a time (``exclusive``; see ``relax_core.coordination.residency``)."""
 
     mode: str | None = None
     defer_roles: tuple[str, ...] = ()
     pg_strategy: str = "PACK"
+    residency: str = "planned"
 
     def resolved_mode(self, training: TrainingConfig) -> str:
         """The mode name in effect."""
@@ -559,7 +562,11 @@ def _field_reader(cls: type, field: attrs.Attribute[Any], hint: Any) -> _FieldRe
 _TOP = ("cluster", "training", "placement", "roles", "run")
 _CLUSTER = ("num_nodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "cpus_per_bundle")
 _TRAINING = tuple(f.name for f in attrs.fields(TrainingConfig))
-_PLACEMENT = ("mode", "defer_roles", "pg_strategy")
+_PLACEMENT = ("mode", "defer_roles", "pg_strategy", "residency")
+#: ``placement.residency``: roles sharing GPUs stay resident together when the budget says they
+#: fit (``planned``), or take turns one at a time and switch every step (``exclusive``: the
+#: behaviour before residency). Read by ``relax_core.coordination.residency``.
+RESIDENCY_MODES = ("planned", "exclusive")
 _ROLE = ("models", "default_model", "policy", "num_gpus", "gateway")
 _GATEWAY = ("host", "port", "in_ray_actor")
 #: The model table's keys: its own, then those of each of its records (every one flat in the
@@ -622,6 +629,7 @@ def _placement(r: ConfigReader, data: Mapping[str, Any]) -> PlacementConfig:
         mode=r.value(t, p, "mode", str, None),
         defer_roles=r.str_list(t, p, "defer_roles"),
         pg_strategy=r.value(t, p, "pg_strategy", str, "PACK", check=_one_of(PG_STRATEGIES)),
+        residency=r.value(t, p, "residency", str, "planned", check=_one_of(RESIDENCY_MODES)),
     )
 
 

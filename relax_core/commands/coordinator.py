@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _status_dict(status: Any) -> dict[str, Any]:
     out: dict[str, Any] = attrs.asdict(status)
     out["deferred_roles"] = list(status.deferred_roles)
+    out["residency"] = status.residency.to_dict()
     return out
 
 
@@ -58,6 +59,7 @@ def _render(status: Any) -> str:
     for role, state in status.leases.items():
         why = f"  ({status.blocked[role]})" if role in status.blocked else ""
         lines.append(f"  {role:10} {state:9} slice {status.slices[role]}{why}")
+    lines += [f"  residency: {line}" for line in status.residency.describe()]
     batch = "none" if status.current is None else f"{status.current} {status.batch_state}"
     lines.append(f"current batch: {batch}; committed batches remembered: {status.committed}")
     if status.failure is not None:

@@ -1,7 +1,8 @@
 """``relax plan CONFIG [--json]``: the placement preflight of a job file, without starting anything.
 
-Prints the bundle map of every pool and the memory budget per GPU and exits 0; a rejected
-config prints every violation on stderr (``key.path: [rule] message``) and exits 2.
+Prints the bundle map of every pool, the memory budget per GPU and, for roles that share GPUs
+across phases, the residency plan (which of them may be resident together), and exits 0; a
+rejected config prints every violation on stderr (``key.path: [rule] message``) and exits 2.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
+from relax_core.coordination.residency import plan_residency
+from relax_core.coordination.slices import defer_slices
 from relax_core.errors import ConfigValidationError
 from relax_core.placement import preflight, render_plan, role_titles
 from relax_core.plugins import get_plugin_manager
@@ -44,8 +47,16 @@ def run(args: argparse.Namespace) -> int:
     if result.plan is None:
         rows = [{"path": v.path, "rule": v.rule, "message": v.message} for v in result.violations]
         return _reject([str(v) for v in result.violations], rows, args.json)
+    slices = defer_slices(result.plan)
+    residency = plan_residency(
+        result.plan, slices, mode=config.placement.residency, roles=tuple(slices)
+    )
     if args.json:
-        print(json.dumps({"ok": True, **result.plan.to_dict()}))
+        print(json.dumps({"ok": True, **result.plan.to_dict(), "residency": residency.to_dict()}))
     else:
         print(render_plan(result.plan, titles=role_titles(pm)))
+        if residency.slices:
+            print("Residency (placement.residency = " + repr(residency.mode) + "):")
+            for line in residency.describe():
+                print(f"  {line}")
     return 0

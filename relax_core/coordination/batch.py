@@ -49,6 +49,7 @@ import attrs
 
 from relax_core.coordination.coordinator import Coordinator
 from relax_core.coordination.handles import ManagerHandle, unconfirmed
+from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink, SinkReceipt, partition_name
 from relax_core.coordination.stages import (
@@ -252,6 +253,12 @@ class DeferredBatch:
         self.generated_groups = 0
         self._generation_role = ""
         self._deferred: frozenset[str] = frozenset()
+        self._slices: dict[str, str] = {}
+        self._residency = ResidencyPlan()
+        #: role -> the models of it awake for this batch (the generation role: ``()``)
+        self._awake: dict[str, tuple[str, ...]] = {}
+        #: role -> the operation id of its activation (its deactivation's is derived from it)
+        self._operation: dict[str, str] = {}
         self._leases = 0
         self._committed = False
 
@@ -295,13 +302,19 @@ class DeferredBatch:
         gen: str = status.generation_role
         self._generation_role = gen
         self._deferred = frozenset(status.deferred_roles)
-        await release_generation(
-            self.coordinator, n, self.rollout, gen, tl, timeout=self.release_timeout
-        )
+        self._slices = dict(status.slices)
+        self._residency = status.residency
+        if gen not in self._residency.free:
+            self._awake[gen] = ()  # the producer generated with it; it holds its lease
         reports: list[StageReport] = []
-        for index, stage in enumerate(self.stages):
-            ctx = StageContext(n, self.clients, _Control(self, index))
-            reports.append(await self._run_leased(stage, self.staged, ctx))
+        try:
+            for index, stage in enumerate(self.stages):
+                ctx = StageContext(n, self.clients, _Control(self, index))
+                reports.append(await self._run_leased(stage, self.staged, ctx))
+        except BaseException as exc:
+            await _noting(self._release_all(exc), exc, "releasing the roles it used")
+            raise
+        await self._release_all(None)
         with tl.phase(n, "validate"):
             check_samples(self.staged, self.fields.values())
         with tl.phase(n, "write_back"):
@@ -319,15 +332,98 @@ class DeferredBatch:
             self.generated_groups,
         )
 
+    # -- the leases a stage needs, issued only when the residency plan requires them ----------
+
+    async def _acquire(self, role: str, models: tuple[str, ...], *, student: bool = False) -> None:
+        """Make ``role`` (its ``models``) awake for a stage: free roles need nothing, an awake
+        role with those models stays; otherwise every awake role it does not fit beside (the
+        residency plan; all of them when roles are resident one at a time) is released first,
+        then ``role`` is activated — the generation role by taking its lease back and onloading
+        it (``student``: its weight version checked), a deferred role through the
+        coordinator."""
+        if role in self._residency.free:
+            return
+        held = self._awake.get(role)
+        if held is not None and (role == self._generation_role or held == models):
+            if student:
+                await self._check_weight_version(role)
+            return
+        if held is not None:
+            await self._release(role, None)
+        slice_id = self._slices.get(role, role)
+        keep: list[str] = []
+        for other in list(self._awake):
+            if self._slices.get(other, other) != slice_id:
+                continue
+            if self._residency.fits(slice_id, {*keep, other, role}):
+                keep.append(other)
+            else:
+                await self._release(other, None)
+        n, tl = self.batch_id, self.timeline
+        self._awake[role] = models  # from here on a failure releases it (activation in flight)
+        if role == self._generation_role:
+            await self.coordinator.begin_student_scoring(n)
+            with tl.phase(n, f"{role}.onload", lane="leases"):
+                result = await _deadline(self.rollout.onload(), self.release_timeout)
+            reason = unconfirmed(result, "READY")
+            if reason is not None:
+                what = "student restore" if student else "onload"
+                raise LifecycleError(f"{what} of {role!r}: {reason}")
+            if student:
+                await self._check_weight_version(role)
+            return
+        op = f"{n}:{role}:{self._lease_count()}"
+        self._operation[role] = op
+        with tl.phase(n, f"{role}.onload", lane="leases"):
+            await self.coordinator.activate(role, f"{op}:activate", batch_id=n, models=models)
+
+    async def _release(self, role: str, failure: BaseException | None) -> None:
+        """Give ``role``'s lease back: the generation role offloaded locally and acknowledged,
+        a deferred role deactivated through the coordinator. After ``failure`` the batch is
+        FAILED first, so the role's requests in flight are aborted rather than drained."""
+        self._awake.pop(role, None)
+        n, tl = self.batch_id, self.timeline
+        if role == self._generation_role:
+            await release_generation(
+                self.coordinator,
+                n,
+                self.rollout,
+                role,
+                tl,
+                timeout=self.release_timeout,
+                abort=failure is not None,
+            )
+            return
+        if failure is not None:
+            await self._fail(failure)
+        op = self._operation.pop(role, f"{n}:{role}:{self._lease_count()}")
+        with tl.phase(n, f"{role}.offload", lane="leases"):
+            await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
+
+    async def _release_all(self, failure: BaseException | None) -> None:
+        """Release every role still awake (before the commit; or after a failure, each tried
+        whatever the others did: the first error is raised, the rest noted on it)."""
+        errors: list[BaseException] = []
+        for role in list(self._awake):
+            try:
+                await self._release(role, failure)
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            for other in errors[1:]:
+                errors[0].add_note(f"releasing another role failed too: {other}")
+            raise errors[0]
+
     async def _run_leased(
         self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
     ) -> StageReport:
-        """Run ``stage`` on ``samples`` with what its role needs: the policy restored (the
-        generation role), the role's lease (a deferred role), or nothing."""
-        if stage.role is not None and stage.role == self._generation_role:
-            return await self._student(stage, samples, ctx)
-        if stage.role in self._deferred:
-            return await self._leased(stage, samples, ctx)
+        """Run ``stage`` on ``samples`` with what its role needs awake: the policy restored
+        (the generation role: a student stage), the role's lease (a deferred role), or
+        nothing. The role stays awake after the stage, until another role needs the memory or
+        the batch is done."""
+        role = stage.role
+        if role is not None and (role == self._generation_role or role in self._deferred):
+            await self._acquire(role, stage.models, student=role == self._generation_role)
         return await self._run_stage(stage, samples, ctx)
 
     # -- what a stage may do to the batch (through its _Control) --------------------------
@@ -343,19 +439,10 @@ class DeferredBatch:
                 "give DeferredBatch(producer=...) (relax run does)"
             )
         producer = self.producer
-        await self.coordinator.begin_student_scoring(n)
-
-        async def onload_and_generate() -> list[Sample]:
-            with tl.phase(n, f"{gen}.onload", lane="leases"):
-                result = await _deadline(self.rollout.onload(), self.release_timeout)
-            reason = unconfirmed(result, "READY")
-            if reason is not None:
-                raise LifecycleError(f"{gen} onload for stage {stage!r}: {reason}")
-            with tl.phase(n, f"{stage}.generate", lane="generate"):
-                groups = await producer.generate(n, **request)
-            return [s for group in groups for s in group]
-
-        samples = await _then(onload_and_generate(), self._release, f"releasing {gen!r}")
+        await self._acquire(gen, ())
+        with tl.phase(n, f"{stage}.generate", lane="generate"):
+            groups = await producer.generate(n, **request)
+        samples = [s for group in groups for s in group]
         self.generated_groups += len({s.group_id for s in samples})
         return samples
 
@@ -405,75 +492,11 @@ class DeferredBatch:
         """Every sample generated into the batch: those it holds and those stages dropped."""
         return [*self.originals, *self.dropped_samples]
 
-    async def _leased(
-        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
-    ) -> StageReport:
-        """Activate the stage's role (its models), run it, deactivate the role whatever
-        happened.
-
-        A stage that failed or was interrupted fails the batch *before* the deactivation, so
-        the coordinator aborts the role's requests still in flight instead of waiting for
-        them. An activation that was interrupted goes on in the coordinator: the role is
-        deactivated after it too.
-        """
-        n, tl, role = self.batch_id, self.timeline, stage.role
-        assert role is not None
-        op = f"{n}:{stage.name}:{role}:{self._lease_count()}"
-
-        async def deactivate(failure: BaseException | None) -> None:
-            if failure is not None:
-                await self._fail(failure)
-            with tl.phase(n, f"{role}.offload", lane="leases"):
-                await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
-
-        what = f"deactivating {role!r}"
-        try:
-            with tl.phase(n, f"{role}.onload", lane="leases"):
-                await self.coordinator.activate(
-                    role, f"{op}:activate", batch_id=n, models=stage.models
-                )
-        except BaseException as exc:
-            if interrupted(exc):
-                await _noting(deactivate(exc), exc, what)
-            raise
-        return await _then(self._run_stage(stage, samples, ctx), deactivate, what)
-
     def _lease_count(self) -> int:
         """A number new for each lease the batch takes (a stage's lease may be taken again:
         the stages before a filter, for the groups it added)."""
         self._leases += 1
         return self._leases
-
-    async def _student(
-        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
-    ) -> StageReport:
-        """Restore the policy, check its weight version, prefill, release it again (finally)."""
-        n, tl, gen = self.batch_id, self.timeline, self._generation_role
-        await self.coordinator.begin_student_scoring(n)
-
-        async def restore_and_run() -> StageReport:
-            with tl.phase(n, f"{gen}.onload", lane="leases"):
-                result = await _deadline(self.rollout.onload(), self.release_timeout)
-            reason = unconfirmed(result, "READY")
-            if reason is not None:
-                raise LifecycleError(f"student restore of {gen!r}: {reason}")
-            await self._check_weight_version(gen)
-            return await self._run_stage(stage, samples, ctx)
-
-        return await _then(restore_and_run(), self._release, f"releasing {gen!r}")
-
-    async def _release(self, failure: BaseException | None) -> None:
-        """Give the generation role's lease back after it was taken for a stage: offload it
-        locally (aborting its requests if what it was taken for failed) and acknowledge."""
-        await release_generation(
-            self.coordinator,
-            self.batch_id,
-            self.rollout,
-            self._generation_role,
-            self.timeline,
-            timeout=self.release_timeout,
-            abort=failure is not None,
-        )
 
     async def _run_stage(
         self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
@@ -629,21 +652,6 @@ async def _noting(cleanup: Awaitable[None], exc: BaseException, what: str) -> No
         await cleanup
     except BaseException as second:
         exc.add_note(f"then {what} failed too: {type(second).__name__}: {second}")
-
-
-async def _then(
-    body: Awaitable[T], cleanup: Callable[[BaseException | None], Awaitable[None]], what: str
-) -> T:
-    """Await ``body``, then ``cleanup(failure)`` whatever happened (``failure``: the body's
-    error, or ``None``). When both fail, the body's error is raised with a note saying
-    ``what`` failed too; when only the cleanup fails, its error."""
-    try:
-        result = await body
-    except BaseException as exc:
-        await _noting(cleanup(exc), exc, what)
-        raise
-    await cleanup(None)
-    return result
 
 
 async def _deadline(call: Any, timeout: float) -> Any:

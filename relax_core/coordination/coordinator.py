@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from relax_core.coordination.handles import ManagerHandle, unconfirmed
+from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.sink import SinkReceipt, partition_name
 from relax_core.coordination.states import BatchState, LeaseState, check_lease_transition
 from relax_core.errors import BatchFailedError, CoordinationError, LeaseBlockedError
@@ -112,6 +113,7 @@ class CoordinatorStatus:
     last_committed: int | None
     late_replies: tuple[LateReply, ...]
     operation_timeout: float
+    residency: ResidencyPlan = attrs.field(factory=ResidencyPlan)
 
     @property
     def deferred_roles(self) -> tuple[str, ...]:
@@ -172,6 +174,10 @@ class LifecycleCoordinator:
     :param operation_timeout: the deadline of one manager RPC (default 180 s). A timeout, an
         error or an unconfirmed result leaves the lease BLOCKED and fails the batch; a late
         reply never releases it.
+    :param residency: which roles of a slice may hold its GPUs at once
+        (:class:`~relax_core.coordination.residency.ResidencyPlan`); its free roles need no
+        lease to stay awake (a commit does not wait for them to sleep). Default: one role of a
+        slice at a time, every role leased (``exclusive``).
     :raises ValueError: the inputs disagree (a role without handles, an unknown role).
 
     Every method is a coroutine of the coordinator's event loop; none blocks the loop. All
@@ -187,6 +193,7 @@ class LifecycleCoordinator:
         operation_timeout: float = DEFAULT_OPERATION_TIMEOUT,
         committed_history: int = COMMITTED_HISTORY,
         retired_history: int = RETIRED_HISTORY,
+        residency: ResidencyPlan | None = None,
     ) -> None:
         if generation_role not in slices:
             raise ValueError(
@@ -206,6 +213,7 @@ class LifecycleCoordinator:
         if not operation_timeout > 0:
             raise ValueError(f"operation_timeout={operation_timeout!r}: give seconds > 0")
         self.generation_role = generation_role
+        self._residency = residency or ResidencyPlan()
         self._operation_timeout = float(operation_timeout)
         self._condition = asyncio.Condition()
         self._slices = dict(slices)
@@ -271,6 +279,7 @@ class LifecycleCoordinator:
             last_committed=next(reversed(self._committed)) if self._committed else None,
             late_replies=tuple(self._late),
             operation_timeout=self._operation_timeout,
+            residency=self._residency,
         )
 
     # -- the generation role ---------------------------------------------------------------
@@ -314,7 +323,8 @@ class LifecycleCoordinator:
             self._batches = {batch_id: _Batch()}
             self._current = batch_id
             self._last_begun = batch_id
-            self._set(gen, _L.ACTIVE)
+            if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
+                self._set(gen, _L.ACTIVE)
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
@@ -364,7 +374,8 @@ class LifecycleCoordinator:
                 )
             self._refuse_busy(gen, f"begin_student_scoring({batch_id})", include_self=True)
             batch.student_scoring_started = True
-            self._set(gen, _L.ACTIVE)
+            if self._roles[gen] is not _L.ACTIVE:
+                self._set(gen, _L.ACTIVE)
             return _L.ACTIVE
 
     # -- deferred roles ---------------------------------------------------------------------
@@ -479,12 +490,17 @@ class LifecycleCoordinator:
                     f"{where}: the receipt is for partition {receipt.partition!r} "
                     f"(is_last={receipt.is_last}); it must close {want!r}"
                 )
-            awake = {r: str(s) for r, s in self._roles.items() if s is not _L.SLEEPING}
+            free = self._residency.free
+            awake = {
+                r: str(s)
+                for r, s in self._roles.items()
+                if s is not _L.SLEEPING and not (r in free and s is _L.ACTIVE)
+            }
             if awake:
                 raise CoordinationError(
                     f"{where}: every role must be SLEEPING; not SLEEPING: {awake}"
                 )
-            if not batch.rollout_released:
+            if not batch.rollout_released and self.generation_role not in free:
                 raise CoordinationError(
                     f"{where}: the {self.generation_role} release was not acknowledged"
                 )
@@ -757,6 +773,9 @@ class LifecycleCoordinator:
         self._roles[role] = state
 
     def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
+        """Refuse ``role`` the slice while roles that hold it (``role`` too, with
+        ``include_self``) would not fit beside it: a BLOCKED one always (what it holds is not
+        known), an awake one unless the residency plan lets them share."""
         slice_id = self._slices[role]
         busy = {
             r: s
@@ -768,6 +787,9 @@ class LifecycleCoordinator:
         blocked = [r for r, s in busy.items() if s is _L.BLOCKED]
         if blocked:
             raise LeaseBlockedError(blocked[0], self._blocked[blocked[0]])
+        settled = all(s is _L.ACTIVE for r, s in busy.items() if r != role)
+        if settled and self._residency.fits(slice_id, {*busy, role}):
+            return
         raise CoordinationError(
             f"{where}: roles on defer slice {slice_id!r} still hold its GPUs: "
             f"{ {r: str(s) for r, s in busy.items()} }; release them first"

@@ -27,6 +27,7 @@ from relax_core.coordination.coordinator import (
     LifecycleCoordinator,
 )
 from relax_core.coordination.handles import RayManagerHandle
+from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.sink import SinkReceipt
 from relax_core.coordination.states import BatchState, LeaseState
 from relax_core.errors import CoordinationError
@@ -64,6 +65,7 @@ class CoordinatorActor(LifecycleCoordinator):
         managers: Mapping[str, Sequence[tuple[str, Any]]],
         generation_role: str,
         operation_timeout: float,
+        residency: ResidencyPlan | None = None,
     ) -> None:
         super().__init__(
             slices=slices,
@@ -73,6 +75,7 @@ class CoordinatorActor(LifecycleCoordinator):
             },
             generation_role=generation_role,
             operation_timeout=operation_timeout,
+            residency=residency,
         )
 
 
@@ -169,11 +172,13 @@ def start_coordinator(
     managers: Mapping[str, Sequence[tuple[str, Any]]],
     generation_role: str,
     operation_timeout: float = DEFAULT_OPERATION_TIMEOUT,
+    residency: ResidencyPlan | None = None,
 ) -> RemoteCoordinator:
     """Create job ``job``'s coordinator actor on the connected Ray (CPU-only, no GPU).
 
     :param managers: role -> ``[(name, manager actor), …]`` (see
         :func:`relax_core.manager.actor.start_manager_actor`).
+    :param residency: which roles of a slice may hold it at once (default: one at a time).
     :raises CoordinationError: a coordinator of that job already exists.
     """
     import ray
@@ -203,6 +208,7 @@ def start_coordinator(
             managers={role: list(h) for role, h in managers.items()},
             generation_role=generation_role,
             operation_timeout=operation_timeout,
+            residency=residency,
         )
     )
     coordinator = RemoteCoordinator(actor)

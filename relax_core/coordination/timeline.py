@@ -71,6 +71,8 @@ class Timeline:
         self._events: list[dict[str, Any]] = []
         self._lanes: dict[str, int] = {}
         self._phases: dict[int, dict[str, float]] = {}
+        self._switches: dict[int, int] = {}
+        self._metadata: dict[str, Any] = {}
         self._pid = os.getpid()
 
     @contextlib.contextmanager
@@ -129,6 +131,8 @@ class Timeline:
             )
             phases = self._phases.setdefault(batch_id, {})
             phases[name] = phases.get(name, 0.0) + seconds
+            if lane == "leases" and name.endswith((".onload", ".offload")):
+                self._switches[batch_id] = self._switches.get(batch_id, 0) + 1
         self.recorded(batch_id, name, seconds, failed=failed, interrupted=interrupted)
 
     def recorded(
@@ -140,6 +144,17 @@ class Timeline:
         """Phase name -> seconds of batch ``batch_id`` (repeated phases add up)."""
         with self._lock:
             return dict(self._phases.get(batch_id, {}))
+
+    def switches(self, batch_id: int) -> int:
+        """How many onloads and offloads batch ``batch_id`` issued (on the ``leases`` lane)."""
+        with self._lock:
+            return self._switches.get(batch_id, 0)
+
+    def describe(self, key: str, value: Any) -> None:
+        """Keep ``value`` (JSON data) in the trace document under ``otherData[key]`` (what the
+        run was: its residency plan)."""
+        with self._lock:
+            self._metadata[key] = value
 
     def trace(self) -> dict[str, Any]:
         """The Chrome trace-event document of every recorded phase."""
@@ -153,7 +168,13 @@ class Timeline:
                  "args": {"name": lane}}
                 for lane, tid in self._lanes.items()
             ]  # fmt: skip
-            return {"traceEvents": meta + list(self._events), "displayTimeUnit": "ms"}
+            doc: dict[str, Any] = {
+                "traceEvents": meta + list(self._events),
+                "displayTimeUnit": "ms",
+            }
+            if self._metadata:
+                doc["otherData"] = dict(self._metadata)
+            return doc
 
     def flush(self) -> str | None:
         """Write the trace to ``trace_path`` (atomically); return the path, or ``None``."""

@@ -315,7 +315,9 @@ def budget_memory(
             for role in pool.training:
                 items.append(
                     MemoryItem(
-                        f"training {role} (offloaded, resident)", training.offload_resident_gib
+                        f"training {role} (offloaded, resident)",
+                        training.offload_resident_gib,
+                        training=True,
                     )
                 )
         total = sum(i.gib for i in items)

@@ -132,10 +132,13 @@ class ModelPlacement:
 
 @attrs.frozen
 class MemoryItem:
-    """One user of memory in a budget line: what (and whose) and how many GiB."""
+    """One user of memory in a budget line: what (and whose) and how many GiB. ``training``:
+    what training keeps resident on the GPU whichever engine is awake (counted once per GPU when
+    engines share it: the residency plan)."""
 
     label: str
     gib: float
+    training: bool = False
 
 
 class _ItemTotal:

@@ -39,6 +39,7 @@ import attrs
 from relax_core.config import ConfigProblem, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
+from relax_core.coordination.residency import ResidencyPlan, plan_residency
 from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import Stage, stage_fields
 from relax_core.errors import RelaxError
@@ -219,6 +220,8 @@ class RunJob:
     sink: Any = attrs.field(default=None, init=False)
     trainer: Any = attrs.field(default=None, init=False)
     slices: dict[str, str] = attrs.field(factory=dict, init=False)
+    #: Which roles of a shared slice may be resident together; the roles that never switch.
+    residency: ResidencyPlan = attrs.field(factory=ResidencyPlan, init=False)
     #: The step's stages, in order (built from the run's stage tables).
     stages: list[Stage] = attrs.field(factory=list, init=False)
 
@@ -389,9 +392,13 @@ class RunJob:
 
         slices = dict(defer_slices(self.plan))
         gen = self.generation_role
-        # A generation role on no shared GPU (a CPU model) still takes its lease each step.
+        # A generation role on no shared GPU (a CPU model) has a slice of its own: free under a
+        # planned residency (it never switches), leased each step under an exclusive one.
         slices.setdefault(gen, f"{gen}:own")
         self.slices = slices
+        self.residency = plan_residency(
+            self.plan, slices, mode=self.config.placement.residency, roles=tuple(slices)
+        )
         managers = {
             role: [(f"{role}.{m}", actor) for m, actor in self.actors[role].items()]
             for role in slices
@@ -403,6 +410,7 @@ class RunJob:
             managers=managers,
             generation_role=gen,
             operation_timeout=self.run.operation_timeout,
+            residency=self.residency,
         )
         self.sink = RayBatchSink.start(name=f"relax-batches-{self.name}", namespace=NAMESPACE)
 

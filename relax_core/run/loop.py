@@ -5,7 +5,8 @@ One step ``N`` (``docs/run.md`` draws it):
 1. the trainer is asked for batch ``N`` first (``train(N)``): it waits on the coordinator's
    commit gate (``wait_committed``), as any training consumer does;
 2. ``begin_batch(N)``: rollout takes its lease; from the second step on it is onloaded
-   (``rollout.onload``: every role sleeps after a commit) and the previous step's weights are
+   (``rollout.onload``: every role sleeps after a commit, unless the residency plan frees it:
+   a rollout on no shared GPU never switches) and the previous step's weights are
    pushed (``weight_push``: the trainer's ``push``, the manager's fenced update; the weight
    version moves);
 3. ``generate``: the step's prompts from the data source, ``samples_per_prompt`` samples each,
@@ -181,6 +182,7 @@ class _Loop:
         self.printer = printer
         self.dump_dir = dump_dir
         self.timeline = PhaseTimeline(self._event, trace_path=trace, run=f"relax run {job.name}")
+        self.timeline.describe("residency", job.residency.to_dict())
         #: the phase an interruption stopped first (the innermost one), if one did
         self.interrupted_phase: str | None = None
         self.step = 0
@@ -235,7 +237,7 @@ class _Loop:
                 await _fail_batch(self.coordinator, n, exc)
             raise _Failed(exc, collector, train) from exc
         try:
-            if n > 0:
+            if n > 0 and gen not in job.residency.free:  # a free rollout never slept
                 with tl.phase(n, f"{gen}.onload", lane="leases"):
                     result = await asyncio.wait_for(self.rollout.onload(), run.operation_timeout)
                 reason = unconfirmed(result, "READY")
@@ -324,6 +326,7 @@ class _Loop:
                 ),
             },
             "generated_groups": result.generated_groups,
+            "switches": self.timeline.switches(n),
             "seconds": time.perf_counter() - began,
             "phases": self.timeline.phases(n),
             "pushed_before": pushed,
@@ -575,10 +578,11 @@ async def _final_push(job: RunJob, steps: int) -> dict[str, Any]:
     step's weights."""
     handle = RayManagerHandle(job.rollout_actor, name=job.generation_role)
     began = time.perf_counter()
-    result = await asyncio.wait_for(handle.onload(), job.run.operation_timeout)
-    reason = unconfirmed(result, "READY")
-    if reason is not None:
-        raise LifecycleError(f"the final weight push could not wake rollout: {reason}")
+    if job.generation_role not in job.residency.free:  # a free rollout is awake
+        result = await asyncio.wait_for(handle.onload(), job.run.operation_timeout)
+        reason = unconfirmed(result, "READY")
+        if reason is not None:
+            raise LifecycleError(f"the final weight push could not wake rollout: {reason}")
     pushed: dict[str, Any] = await job.trainer.push.remote(str(steps))
     pushed["seconds_with_onload"] = time.perf_counter() - began
     return pushed

@@ -679,10 +679,8 @@ def test_samples_a_stage_scores_outside_the_batch_never_join_it() -> None:
     assert result.reports[0].counts == {"reward_mean": 0.25}
     assert result.samples == 4 and result.generated_groups == 1
     assert {s.group_id for s in run(step.sink.get("train_0"))} == {"g0", "g1"}
-    assert step.log[:6] == [
-        "rollout.offload", "rollout.onload", "producer.generate(1)", "rollout.offload",
-        "genrm.onload", "judge.run",
-    ]  # fmt: skip
+    # Rollout is still awake from the step's generation: the held-out groups need no switch.
+    assert step.log[:4] == ["producer.generate(1)", "rollout.offload", "genrm.onload", "judge.run"]
 
 
 def test_a_stage_can_drop_only_groups_of_its_batch() -> None:

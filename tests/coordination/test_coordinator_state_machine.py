@@ -13,8 +13,10 @@ safety invariant is checked on what the GPUs would hold, not only on the lease t
 
 Invariants, after every step:
 
-- never two roles of one defer slice non-SLEEPING, and no role starts loading while another
-  role of its slice may still hold the GPUs (confirmed offloads only free them);
+- the roles of one defer slice that are not SLEEPING always fit beside each other (one at a time
+  under the default residency; genrm and teacher together under the residency plan of the second
+  machine, never rollout beside either), and no role starts loading while a role of its slice it
+  does not fit beside may still hold the GPUs (confirmed offloads only free them);
 - a BLOCKED lease is left only by the operator reset (never by a late reply);
 - a batch is committed only while every role is SLEEPING and with the receipt of a successful
   sink put of its partition;
@@ -40,6 +42,7 @@ from relax_core.coordination import (
     SinkReceipt,
     partition_name,
 )
+from relax_core.coordination.residency import ResidencyPlan, SliceResidency
 from relax_core.errors import BatchFailedError, CoordinationError
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult
 
@@ -61,13 +64,14 @@ def result(operation: str, role: str, ok: bool) -> LifecycleResult:
 class Gpu:
     """What the GPUs of each slice would hold, and every safety violation seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, residency: ResidencyPlan) -> None:
+        self.residency = residency
         self.resident: set[str] = set()
         self.violations: list[str] = []
 
     def load(self, role: str) -> None:
         others = {r for r in self.resident if r != role and SLICES[r] == SLICES[role]}
-        if others:
+        if others and not self.residency.fits(SLICES[role], {*others, role}):
             self.violations.append(f"{role} began loading while {others} may hold slice")
         self.resident.add(role)
 
@@ -108,16 +112,20 @@ class FakeHandle:
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
+    #: Which roles of a slice may be resident together (default: one at a time).
+    RESIDENCY = ResidencyPlan()
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.gpu = Gpu()
+        self.gpu = Gpu(self.RESIDENCY)
         self.handles = {r: FakeHandle(r, self.gpu) for r in DEFERRED}
         self.coord = LifecycleCoordinator(
             slices=SLICES,
             managers={r: [h] for r, h in self.handles.items()},
             generation_role=GEN,
             operation_timeout=DEADLINE,
+            residency=self.RESIDENCY,
         )
         self.next_batch = 0
         self.current: int | None = None
@@ -344,12 +352,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
     # -- invariants -------------------------------------------------------------------------
 
     @invariant()
-    def one_role_per_slice(self) -> None:
+    def the_awake_roles_of_a_slice_fit_beside_each_other(self) -> None:
         busy: dict[str, list[str]] = {}
         for role, state in self.coord.leases().items():
             if state is not LeaseState.SLEEPING:
                 busy.setdefault(SLICES[role], []).append(role)
-        assert all(len(roles) <= 1 for roles in busy.values()), busy
+        assert all(self.RESIDENCY.fits(sid, roles) for sid, roles in busy.items()), busy
         assert self.gpu.violations == []
 
     @invariant()
@@ -405,3 +413,30 @@ CoordinatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_coordinator_keeps_every_invariant_under_random_interleavings = CoordinatorMachine.TestCase
+
+
+class ResidentCoordinatorMachine(CoordinatorMachine):
+    """The same calls under a residency plan where genrm and teacher fit beside each other on
+    slice A and rollout fits beside neither."""
+
+    RESIDENCY = ResidencyPlan(
+        {
+            "A": SliceResidency(
+                "A",
+                ("genrm", "rollout", "teacher"),
+                80.0,
+                {"rollout": {0: 60.0}, "genrm": {0: 30.0}, "teacher": {0: 30.0}},
+            )
+        },
+        mode="planned",
+    )
+
+
+ResidentCoordinatorMachine.TestCase.settings = settings(
+    max_examples=500,
+    stateful_step_count=25,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_coordinator_under_a_residency_plan_keeps_every_invariant = ResidentCoordinatorMachine.TestCase

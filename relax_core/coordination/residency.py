@@ -1,0 +1,202 @@
+"""Residency: which roles of a defer slice may be resident together, from the placement's memory
+budget, so a role switches only when memory requires it.
+
+A defer slice (:func:`~relax_core.coordination.slices.defer_slices`) is a run of GPUs several
+roles take turns on. Taking turns costs a weights' copy per switch; it is needed only when the
+roles do not fit beside each other. :func:`plan_residency` reads the plan's per-GPU budget of
+every model (``placement/budget.py``: weights, KV cache or static pool, CUDA graphs, what
+training keeps resident) and says, per slice, the GiB each role needs on each bundle; a set of
+roles may be awake at once when, on every bundle of the slice, what they need together fits the
+GPU (``cluster.gpu_memory_gib``). A role whose need is unknown (no ``gpu_memory_gib``, a model
+whose shape cannot be read) never shares: it is resident alone, as every role was before
+residency. A role with no GPU bundle on a shared slice (a CPU model, a role placed on GPUs of
+its own) is *free*: it never switches.
+
+The coordinator enforces the plan (it refuses an activation that would not fit); the deferred
+batch plans a step's transitions from it and issues only those that are needed. ``relax plan``
+prints it and ``relax run`` records it in the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from relax_core.config import RESIDENCY_MODES
+
+__all__ = ["RESIDENCY_MODES", "ResidencyPlan", "SliceResidency", "plan_residency"]
+
+
+def _demand(value: Mapping[str, Mapping[int, float] | None]) -> dict[str, dict[int, float] | None]:
+    return {r: None if d is None else dict(d) for r, d in value.items()}
+
+
+@attrs.frozen
+class SliceResidency:
+    """One defer slice: its roles, the GiB each one's engines need on each bundle of it
+    (``None``: not known, so it is resident alone), what training keeps resident on each bundle
+    whoever is awake (counted once), and the GPU's capacity (``None``: not known)."""
+
+    slice: str
+    roles: tuple[str, ...]
+    capacity_gib: float | None = None
+    demand: Mapping[str, Mapping[int, float] | None] = attrs.field(factory=dict, converter=_demand)
+    training: Mapping[int, float] = attrs.field(factory=dict)
+    #: role -> why its need is not known (the budget's note), for people
+    unknown: Mapping[str, str] = attrs.field(factory=dict)
+
+    def fits(self, roles: Collection[str]) -> bool:
+        """Whether ``roles`` (of this slice) may be resident at once: one of them alone always
+        may; several when each one's need is known and, on every bundle, their sum fits."""
+        chosen = [r for r in roles if r in self.roles]
+        if len(chosen) <= 1:
+            return True
+        if self.capacity_gib is None:
+            return False
+        needs: list[Mapping[int, float]] = []
+        for role in chosen:
+            need = self.demand.get(role)
+            if need is None:
+                return False
+            needs.append(need)
+        capacity = self.capacity_gib
+        bundles = {b for need in needs for b in need}
+        return all(
+            sum(need.get(b, 0.0) for need in needs) + self.training.get(b, 0.0) <= capacity + 1e-9
+            for b in bundles
+        )
+
+    def groups(self) -> list[tuple[str, ...]]:
+        """The largest sets of the slice's roles that fit together (for people: ``relax
+        plan``), each sorted, largest first."""
+        roles = sorted(self.roles)
+        found: list[tuple[str, ...]] = []
+        for size in range(len(roles), 0, -1):
+            for combo in _combinations(roles, size):
+                if self.fits(combo) and not any(set(combo) <= set(g) for g in found):
+                    found.append(combo)
+        return found
+
+
+def _combinations(items: list[str], size: int) -> Iterable[tuple[str, ...]]:
+    import itertools
+
+    return itertools.combinations(items, size)
+
+
+@attrs.frozen
+class ResidencyPlan:
+    """Per defer slice, which of its roles may be resident together; the roles that never
+    switch (``free``). ``mode`` is ``planned`` or ``exclusive`` (no two roles of a slice at
+    once, every transition issued, as before residency). Picklable: the coordinator's actor
+    holds it and its status carries it."""
+
+    slices: Mapping[str, SliceResidency] = attrs.field(factory=dict)
+    free: frozenset[str] = frozenset()
+    mode: str = attrs.field(default="exclusive", validator=attrs.validators.in_(RESIDENCY_MODES))
+
+    def fits(self, slice_id: str, roles: Collection[str]) -> bool:
+        """Whether ``roles`` of slice ``slice_id`` may be resident at once (free roles need
+        nothing; in ``exclusive`` mode, one role at a time)."""
+        held = [r for r in roles if r not in self.free]
+        if len(held) <= 1:
+            return True
+        if self.mode == "exclusive":
+            return False
+        found = self.slices.get(slice_id)
+        return found is not None and found.fits(held)
+
+    def describe(self) -> list[str]:
+        """One line per slice and per free role, for ``relax plan`` and the trace."""
+        if self.mode == "exclusive":
+            lines = [
+                f'{s.slice}: {", ".join(s.roles)} resident one at a time (residency = "exclusive")'
+                for s in self.slices.values()
+            ]
+        else:
+            lines = []
+            for s in self.slices.values():
+                groups = s.groups()
+                why = ""
+                if s.unknown:
+                    reasons = "; ".join(f"{r}: {w}" for r, w in sorted(s.unknown.items()))
+                    why = f" (not budgeted, so alone: {reasons})"
+                if all(len(g) == 1 for g in groups):
+                    what = "one at a time: " + ", ".join(g[0] for g in groups)
+                else:
+                    what = "resident together: " + " | ".join(" + ".join(g) for g in groups)
+                lines.append(f"{s.slice}: {what}{why}")
+        lines += [f"{role}: never switches (no GPU it shares)" for role in sorted(self.free)]
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (the trace's record of it)."""
+        return {
+            "mode": self.mode,
+            "free": sorted(self.free),
+            "slices": {
+                sid: {
+                    "roles": list(s.roles),
+                    "capacity_gib": s.capacity_gib,
+                    "demand": {r: d if d is None else dict(d) for r, d in s.demand.items()},
+                    "groups": [list(g) for g in s.groups()],
+                    "unknown": dict(s.unknown),
+                }
+                for sid, s in self.slices.items()
+            },
+        }
+
+
+def plan_residency(
+    plan: Any,
+    slices: Mapping[str, str],
+    *,
+    mode: str = "planned",
+    roles: Collection[str] = (),
+) -> ResidencyPlan:
+    """The residency of ``plan`` (an :class:`~relax_core.placement.InferencePlacementPlan`)
+    over its defer ``slices`` (role -> slice id). ``roles``: every role the job leases; those
+    not on a shared slice (a slice of their own) are free. Pure.
+
+    :raises ValueError: an unknown ``mode``.
+    """
+    if mode not in RESIDENCY_MODES:
+        raise ValueError(f"residency {mode!r}: must be one of {RESIDENCY_MODES}")
+    members: dict[str, list[str]] = {}
+    for role, sid in slices.items():
+        members.setdefault(sid, []).append(role)
+    shared = {sid: rs for sid, rs in members.items() if len(rs) > 1}
+    free: frozenset[str] = frozenset()
+    if mode == "planned":
+        free = frozenset(r for r in roles if r not in slices or slices[r] not in shared)
+    budgets: dict[str, list[Any]] = {}
+    for budget in plan.memory:
+        budgets.setdefault(budget.role, []).append(budget)
+    out: dict[str, SliceResidency] = {}
+    for sid, rs in shared.items():
+        capacity = None
+        demand: dict[str, dict[int, float] | None] = {}
+        training: dict[int, float] = {}
+        unknown: dict[str, str] = {}
+        for role in rs:
+            per_bundle: dict[int, float] | None = {}
+            models = [p for p in plan.placements if p.role == role and p.pool is not None]
+            for p in models:
+                found = [b for b in budgets.get(role, []) if b.model == p.model]
+                if not found or found[0].status != "ok" or per_bundle is None:
+                    if found and found[0].status != "ok":
+                        unknown[role] = found[0].note or f"its budget is {found[0].status}"
+                    per_bundle = None
+                    continue
+                budget = found[0]
+                capacity = budget.capacity_gib
+                engine = sum(i.gib for i in budget.items if not i.training)
+                kept = sum(i.gib for i in budget.items if i.training)
+                for bundle in range(budget.bundles[0], budget.bundles[1]):
+                    per_bundle[bundle] = per_bundle.get(bundle, 0.0) + engine
+                    training[bundle] = max(training.get(bundle, 0.0), kept)
+            demand[role] = per_bundle if models else None
+        out[sid] = SliceResidency(sid, tuple(sorted(rs)), capacity, demand, training, unknown)
+    return ResidencyPlan(out, free, mode)
