@@ -74,6 +74,7 @@ class ServerConfig:
     constrained_json_max_whitespace_cnt: int | None = None
     enable_torch_compile: bool = False
     memory_handoff: bool = False
+    disable_radix_cache: bool = False
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -178,9 +179,27 @@ async def health_generate(request: Request) -> Response:
 # -- info -----------------------------------------------------------------------------------
 
 
+def prefix_cache_info(engine: Engine) -> dict[str, Any]:
+    """The prefix cache's state and hit counters (``/server_info`` ``prefix_cache``).
+
+    ``cached_tokens_total`` is the sum of the sequences' ``cached_tokens`` and
+    ``prompt_tokens_total`` the sum of their prompt lengths (each sample counts, at its first
+    prefill); ``hit_rate`` is their ratio (0 before any prompt).
+    """
+    batch = engine.batch
+    looked_up = batch.prompt_tokens_prefilled
+    return {
+        **engine.runner.prefix_cache.report(),
+        "cached_tokens_total": batch.cached_tokens_total,
+        "prompt_tokens_total": looked_up,
+        "hit_rate": batch.cached_tokens_total / looked_up if looked_up else 0.0,
+    }
+
+
 def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
     """Server args plus internal state (what routers and managers read)."""
     runner = engine.runner
+    cache = prefix_cache_info(engine)
     return {
         **attrs.asdict(config),
         "model_path": config.model_path,
@@ -206,15 +225,37 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "prefill_sequences_total": engine.batch.prefill_sequences,
         "decode_steps_total": engine.batch.decode_steps,
         "generation_tokens_total": engine.batch.tokens_generated,
+        "prefix_cache": cache,
         "memory": runner.memory_report(),
         "last_release": engine.last_release,
         "last_resume": engine.last_resume,
         "memory_log": list(engine.memory_log),
         "weights_update_group": engine.group.name,
         "pid": os.getpid(),
+        "startup_time": engine.startup_seconds,
         "internal_states": [
-            {"num_running_reqs": engine.num_running, "weight_version": engine.weight_version}
+            {
+                "num_running_reqs": engine.num_running,
+                "weight_version": engine.weight_version,
+                "startup_time": engine.startup_seconds,
+                "cache_hit_rate": cache["hit_rate"],
+                "memory_usage": memory_usage(engine),
+            }
         ],
+    }
+
+
+def memory_usage(engine: Engine) -> dict[str, Any]:
+    """SGLang's ``internal_states[].memory_usage``: weights, KV cache pool and graphs in GB
+    (resident now), and the pool's token capacity."""
+    runner = engine.runner
+    report = runner.memory_report()
+    gb = 1e9
+    return {
+        "weight": round(report["resident_param_bytes"] / gb, 3),
+        "kvcache": round(report["kv_cache"]["bytes"] / gb, 3),
+        "token_capacity": runner.pool.capacity,
+        "graph": {},
     }
 
 
@@ -275,6 +316,7 @@ async def loads(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     engine = engine_of(request)
+    cache = await engine.compute(prefix_cache_info, engine)
     name = engine.served_model_name.replace('"', "")
     lines = [
         "# TYPE sglang:num_running_reqs gauge",
@@ -293,6 +335,16 @@ async def metrics(request: Request) -> Response:
         f'relax_hf:prefill_sequences_total{{model_name="{name}"}} {engine.batch.prefill_sequences}',
         "# TYPE sglang:token_usage gauge",
         f'sglang:token_usage{{model_name="{name}"}} {engine.token_usage():.6f}',
+        "# TYPE sglang:cache_hit_rate gauge",
+        f'sglang:cache_hit_rate{{model_name="{name}"}} {cache["hit_rate"]:.6f}',
+        "# TYPE sglang:cached_tokens_total counter",
+        f'sglang:cached_tokens_total{{model_name="{name}",cache_source="device"}} '
+        f"{cache['cached_tokens_total']}",
+        "# TYPE relax_hf:prefix_cache_tokens gauge",
+        f'relax_hf:prefix_cache_tokens{{model_name="{name}"}} {cache["tokens"]}',
+        "# TYPE relax_hf:prefix_cache_evicted_tokens_total counter",
+        f'relax_hf:prefix_cache_evicted_tokens_total{{model_name="{name}"}} '
+        f"{cache['evicted_tokens_total']}",
     ]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
