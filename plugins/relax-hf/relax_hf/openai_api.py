@@ -347,7 +347,7 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
         return None
 
     if isinstance(prompt, str) and prompt:
-        return [encode_prompt(engine, prompt)]
+        return [encode_prompt(engine, prompt, "prompt")]
     single = ids_of(prompt, "prompt")
     if single is not None:
         return [single]
@@ -355,7 +355,7 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
         out = []
         for i, p in enumerate(prompt):
             if isinstance(p, str) and p:
-                out.append(encode_prompt(engine, p))
+                out.append(encode_prompt(engine, p, f"prompt[{i}]"))
                 continue
             ids = ids_of(p, f"prompt[{i}]")
             if ids is None:
@@ -395,6 +395,17 @@ def _completion_logprobs(
         else None,
         "text_offset": offsets,
     }
+
+
+def _echo_text(engine: Engine, body: dict[str, Any], prompts: list[list[int]], i: int) -> str:
+    """What ``echo`` prepends (SGLang's rule): the prompt as sent when it was text, else its
+    ids decoded without special tokens."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and isinstance(prompt[i] if prompt else None, str):
+        return str(prompt[i])
+    return str(engine.runner.tokenizer.decode(prompts[i], skip_special_tokens=True))
 
 
 async def completions(request: Request) -> Response:
@@ -438,8 +449,7 @@ async def completions(request: Request) -> Response:
         meta = out["meta_info"]
         text = out["text"]
         if echo:
-            prompt_ids = prompts[i // sampling.n]
-            text = engine.runner.tokenizer.decode(prompt_ids) + text
+            text = _echo_text(engine, body, prompts, i // sampling.n) + text
         choices.append(
             {
                 "index": i,

@@ -86,12 +86,15 @@ def engine_of(request: Request) -> Engine:
     return request.app.state.engine  # type: ignore[no-any-return]
 
 
-def encode_prompt(engine: Engine, prompt: str | tuple[int, ...]) -> list[int]:
-    """Token ids of a text prompt (no special tokens added, as SGLang does for raw text)."""
+def encode_prompt(engine: Engine, prompt: str | tuple[int, ...], field: str = "text") -> list[int]:
+    """Token ids of a prompt, by SGLang's rule for text: the tokenizer's own encoding, with the
+    special tokens it adds (a Llama-3 tokenizer's BOS), so the model sees what SGLang gives
+    it. Token ids are taken as they are. (Chat prompts come from the chat template, which
+    writes its own special tokens: see :mod:`relax_hf.openai_api`.)"""
     if isinstance(prompt, str):
         if not prompt:
-            raise BadRequest("text", "must not be empty")
-        return list(engine.runner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            raise BadRequest(field, "must not be empty")
+        return list(engine.runner.tokenizer(prompt)["input_ids"])
     return list(prompt)
 
 
