@@ -29,7 +29,7 @@ from relax_hf.engine import Engine
 from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_sampling_params
 from relax_hf.wire import SSE_DONE, encode_prompt, engine_of, read_json, sse
 
-__all__ = ["chat_completions", "completions"]
+__all__ = ["chat_completions", "chat_prompt_ids", "completions", "openai_sampling"]
 
 #: OpenAI field -> SGLang sampling parameter.
 _SAMPLING_KEYS = {
@@ -93,7 +93,11 @@ def _response_format(body: dict[str, Any], raw: dict[str, Any]) -> None:
         raw["structural_tag"] = json.dumps(fmt)
 
 
-def _sampling(engine: Engine, body: dict[str, Any], default_max: int | None) -> SamplingParams:
+def openai_sampling(
+    engine: Engine, body: dict[str, Any], default_max: int | None
+) -> SamplingParams:
+    """The sampling parameters of an OpenAI request body (SGLang's mapping). :raises
+    BadRequest: naming the OpenAI field."""
     raw: dict[str, Any] = {}
     for key, target in _SAMPLING_KEYS.items():
         if body.get(key) is not None:
@@ -202,7 +206,11 @@ def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
     return {"content": content}
 
 
-def _chat_prompt(engine: Engine, body: dict[str, Any]) -> list[int]:
+def chat_prompt_ids(
+    engine: Engine, body: dict[str, Any], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """The token ids of ``body["messages"]`` through the tokenizer's chat template (which
+    writes its own special tokens). :raises BadRequest: naming the message at fault."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
@@ -225,7 +233,9 @@ def _chat_prompt(engine: Engine, body: dict[str, Any]) -> list[int]:
         raise BadRequest(
             "messages", "the model's tokenizer has no chat template; use /v1/completions"
         )
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
@@ -237,7 +247,7 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
-    sampling = _sampling(engine, body, None)
+    sampling = openai_sampling(engine, body, None)
     logprobs = _flag(body, "logprobs")
     top = body.get("top_logprobs")
     if top is not None and (
@@ -250,7 +260,7 @@ async def chat_completions(request: Request) -> Response:
         return_logprob=logprobs, top_logprobs_num=top or 0, return_text_in_logprobs=logprobs
     )
     stream = _flag(body, "stream")
-    ids = _chat_prompt(engine, body)
+    ids = chat_prompt_ids(engine, body)
     await engine.check_grammar(sampling, "response_format" if body.get("response_format") else "")
     model = engine.served_model_name
     cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -414,7 +424,7 @@ async def completions(request: Request) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
-    sampling = _sampling(engine, body, 16)  # OpenAI's default max_tokens for completions
+    sampling = openai_sampling(engine, body, 16)  # OpenAI's default max_tokens for completions
     logprobs = body.get("logprobs")
     if logprobs is not None and (
         isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20

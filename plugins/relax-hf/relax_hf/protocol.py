@@ -28,6 +28,7 @@ __all__ = [
     "BadRequest",
     "GenerateInput",
     "LogprobParams",
+    "NotFound",
     "SamplingParams",
     "parse_dist_addr",
     "parse_generate",
@@ -58,6 +59,17 @@ MAX_STOP_REGEX_COUNT = 32
 MAX_STOP_REGEX_LEN = 256
 _SAMPLING_EPS = 1e-6
 _GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+class NotFound(LookupError):
+    """A request names something this engine does not have (a 404); ``param`` names the field
+    and ``code`` is the OpenAI error code (``model_not_found``)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        self.message = message
+        self.param = param
+        self.code = code
+        super().__init__(message)
 
 
 class BadRequest(ValueError):

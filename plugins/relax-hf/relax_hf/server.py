@@ -27,10 +27,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 import relax_hf
-from relax_hf import openai_api
+from relax_hf import openai_api, responses_api, scoring, tokenizer_api
 from relax_hf.engine import Engine, NotResident
 from relax_hf.nodes import HeadNodes, fingerprint
-from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_generate, parse_tags
+from relax_hf.protocol import (
+    BadRequest,
+    LogprobParams,
+    NotFound,
+    SamplingParams,
+    parse_generate,
+    parse_tags,
+)
 from relax_hf.runner import ModelRunner
 from relax_hf.wire import (
     SSE_DONE,
@@ -283,17 +290,30 @@ async def model_info(request: Request) -> Response:
     )
 
 
-async def models(request: Request) -> Response:
-    engine = engine_of(request)
-    card = {
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {
         "id": engine.served_model_name,
         "object": "model",
         "created": int(engine.started),
         "owned_by": "relax-hf",
         "root": engine.runner.model_path,
+        "parent": None,
         "max_model_len": engine.runner.max_len,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(engine_of(request))]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the served model's card; 404 (SGLang's
+    ``model_not_found``) for any other name."""
+    engine = engine_of(request)
+    name = request.path_params["model"]
+    if name != engine.served_model_name:
+        raise NotFound(f"The model '{name}' does not exist", param="model", code="model_not_found")
+    return JSONResponse(_model_card(engine))
 
 
 async def version(request: Request) -> Response:
@@ -514,6 +534,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
         Route("/model_info", model_info, methods=get),
         Route("/get_model_info", model_info, methods=get),
         Route("/v1/models", models, methods=get),
+        Route("/v1/models/{model:path}", guard(retrieve_model), methods=get),
         Route("/version", version, methods=get),
         Route("/get_load", loads, methods=get),
         Route("/loads", loads, methods=get),
@@ -536,5 +557,12 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
         Route("/destroy_weights_update_group", guard(destroy_weights_update_group), methods=post),
         Route("/v1/chat/completions", guard(openai_api.chat_completions), methods=post),
         Route("/v1/completions", guard(openai_api.completions), methods=post),
+        Route("/v1/responses", guard(responses_api.create_response), methods=post),
+        Route("/v1/responses/{response_id}", guard(responses_api.retrieve_response), methods=get),
+        Route("/v1/score", guard(scoring.score), methods=post),
+        Route("/tokenize", guard(tokenizer_api.tokenize), methods=post),
+        Route("/v1/tokenize", guard(tokenizer_api.tokenize), methods=post),
+        Route("/detokenize", guard(tokenizer_api.detokenize), methods=post),
+        Route("/v1/detokenize", guard(tokenizer_api.detokenize), methods=post),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from relax_hf.engine import Conflict, Engine, NotResident, Unavailable
 from relax_hf.nodes import NodeLost
-from relax_hf.protocol import BadRequest
+from relax_hf.protocol import BadRequest, NotFound
 from relax_hf.runner import WeightsError
 
 __all__ = [
@@ -31,14 +31,45 @@ __all__ = [
 ]
 
 
+#: The error ``type`` by status, as SGLang's OpenAI server names them.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
 def error_response(
-    status: int, message: str, *, field: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    *,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+    error_type: str | None = None,
+    code: int | str | None = None,
 ) -> JSONResponse:
-    """SGLang's error shape, plus ``success``/``message`` for control clients."""
-    body: dict[str, Any] = {
-        "error": {"message": message, "code": status, **({"field": field} if field else {})},
-        "success": False,
+    """SGLang's error shapes in one body: its OpenAI routes' top-level ``ErrorResponse``
+    (``object: "error"``, ``message``, ``type``, ``param``, ``code``), the nested ``error``
+    object of ``/generate`` and ``/v1/responses`` (the ``openai`` client reads that one), and
+    ``success: false`` for control clients. ``field`` (the offending field) is the ``param``."""
+    kind = error_type or _ERROR_TYPES.get(status, "Error")
+    error: dict[str, Any] = {
         "message": message,
+        "type": kind,
+        "param": field,
+        "code": status if code is None else code,
+    }
+    if field:
+        error["field"] = field
+    body: dict[str, Any] = {
+        "object": "error",
+        "message": message,
+        "type": kind,
+        "param": field,
+        "code": status,
+        "error": error,
+        "success": False,
     }
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -71,6 +102,10 @@ def guard(fn: Handler) -> Handler:
             return await fn(request)
         except BadRequest as exc:
             return error_response(400, str(exc), field=exc.field)
+        except NotFound as exc:
+            return error_response(
+                404, exc.message, field=exc.param, error_type="invalid_request_error", code=exc.code
+            )
         except (WeightsError, Conflict) as exc:
             return error_response(400, str(exc))
         except NotResident as exc:
