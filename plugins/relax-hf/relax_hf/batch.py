@@ -31,14 +31,16 @@ import torch
 
 from relax_hf.grammar import Constraint
 from relax_hf.prefixcache import CacheNode
-from relax_hf.protocol import LogprobParams, SamplingParams
+from relax_hf.protocol import SAMPLING_MASK_MAX_TOKENS, LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
-from relax_hf.sampling import draw, process_logits, scaled_logprobs
+from relax_hf.sampling import draw, process_logits, sampling_support, scaled_logprobs
 
 __all__ = ["Batch", "Sequence", "reservation"]
 
 #: Padded tokens a prefill forward pass may hold (longer prompts run alone).
 PREFILL_TOKEN_BUDGET = 8192
+#: Positions whose full-vocabulary logits input log-probs compute at a time.
+INPUT_LOGPROB_CHUNK = 512
 
 
 @attrs.define(eq=False)
@@ -64,6 +66,10 @@ class Sequence:
     output_token_logprobs: list[Any] = attrs.field(factory=list)
     output_top_logprobs: list[Any] = attrs.field(factory=list)
     output_token_ids_logprobs: list[Any] = attrs.field(factory=list)
+    # SGLang's sampling mask: each draw's support, and the drawn token's (selected) or every
+    # support token's (support) log-prob in the distribution it was drawn from.
+    output_token_sampling_mask: list[list[int]] = attrs.field(factory=list)
+    output_token_sampling_logprobs: list[Any] = attrs.field(factory=list)
     retracted: bool = False  # its KV was dropped; the next prefill feeds its output too
     # Prompt tokens it did not prefill itself: the prefix cache's match, or (samples 1…n-1 of
     # a group) the whole prompt, which sample 0 prefilled. Set once, at the first prefill.
@@ -137,7 +143,9 @@ def reservation(sampling: SamplingParams, fed: int, done: int, context_len: int)
 def _simple(s: Sequence) -> bool:
     """Whether the forward pass's own sampling is this sequence's (no processor, no filter)."""
     sp = s.sampling
-    if s.logprob.return_logprob or s.bias is not None or s.counts is not None:
+    if s.logprob.return_logprob or s.logprob.return_sampling_mask:
+        return False
+    if s.bias is not None or s.counts is not None:
         return False
     if s.grammar is not None or (sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens):
         return False
@@ -146,6 +154,10 @@ def _simple(s: Sequence) -> bool:
 
 #: ``{rid: abort message}`` of running sequences whose abort is applied at a step.
 Aborts = Mapping[str, str]
+
+#: A sampled token, its log-prob row (``return_logprob``) and its sampling support
+#: (``return_sampling_mask``: ids and their log-probs).
+Sampled = tuple[int, torch.Tensor | None, tuple[list[int], list[float]] | None]
 
 
 def _units(new: list[Sequence]) -> list[list[Sequence]]:
@@ -480,10 +492,10 @@ class Batch:
             head = units[i][0]
             if head.logprob.return_logprob and not head.retracted:
                 n, hit = len(inputs[i]), hits[i]
-                full = None
+                states = None
                 if head.start < n - 1:  # the match stops at logprob_start_len (hit <= start)
-                    full = runner.logits(hidden[r, head.start - hit : n - 1 - hit])
-                self._input_logprobs(head, full)
+                    states = hidden[r, head.start - hit : n - 1 - hit]
+                self._input_logprobs(head, states)
                 for other in units[i][1:]:
                     other.input_token_logprobs = head.input_token_logprobs
                     other.input_top_logprobs = head.input_top_logprobs
@@ -515,9 +527,9 @@ class Batch:
         self.decode_steps += 1
         if all(_simple(s) for s in seqs):
             # The forward pass sampled them (in the CUDA graph): the same draw as below.
-            picked: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in tokens.tolist()]
+            picked: list[Sampled] = [(t, None, None) for t in tokens.tolist()]
             if self.sync_tokens is not None:
-                picked = [(t, None) for t in self.sync_tokens([t for t, _ in picked])]
+                picked = [(t, None, None) for t in self.sync_tokens([t for t, _, _ in picked])]
         else:
             picked = self._sample(logits, seqs)
         for s, tok in zip(seqs, picked, strict=True):
@@ -527,18 +539,25 @@ class Batch:
 
     # -- sampling and log-probs ----------------------------------------------------------
 
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> list[tuple[int, torch.Tensor | None]]:
-        """Pick one token per row; returns (token, log-prob row or None) per sequence."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        """Pick one token per row; returns (token, log-prob row or None, sampling support or
+        None) per sequence."""
         z = process_logits(logits, seqs, self.runner.eos_ids)
         want_lp = any(s.logprob.return_logprob for s in seqs)
         lp = scaled_logprobs(z, seqs) if want_lp else None
         picked = draw(z, seqs).tolist()
         if self.sync_tokens is not None:
             picked = self.sync_tokens(picked)
+        masked = [i for i, s in enumerate(seqs) if s.logprob.return_sampling_mask]
+        support: dict[int, tuple[list[int], list[float]]] = {}
+        if masked:
+            rows = torch.tensor(masked, device=z.device)
+            found = sampling_support(
+                z.index_select(0, rows), [seqs[i] for i in masked], [picked[i] for i in masked]
+            )
+            support = dict(zip(masked, found, strict=True))
         return [
-            (tok, None if lp is None or not s.logprob.return_logprob else lp[i])
+            (tok, None if lp is None or not s.logprob.return_logprob else lp[i], support.get(i))
             for i, (tok, s) in enumerate(zip(picked, seqs, strict=True))
         ]
 
@@ -560,8 +579,10 @@ class Batch:
             for v, t in zip(self._finite(vals.tolist()), idx.tolist(), strict=True)
         ]
 
-    def _input_logprobs(self, s: Sequence, logits: torch.Tensor | None) -> None:
-        """``logits`` are those of positions ``start … n-2`` (predicting ``start+1 … n-1``)."""
+    def _input_logprobs(self, s: Sequence, hidden: torch.Tensor | None) -> None:
+        """``hidden`` are the states of positions ``start … n-2`` (predicting ``start+1 …
+        n-1``). Their logits are made :data:`INPUT_LOGPROB_CHUNK` positions at a time, so a
+        long prompt never holds a full-vocabulary row for every position."""
         lpp: LogprobParams = s.logprob
         want = lpp.return_text_in_logprobs
         prompt = s.prompt_ids
@@ -569,24 +590,46 @@ class Batch:
         tokens: list[list[Any]] = [[None, prompt[start], self._token_text(prompt[start], want)]]
         tops: list[Any] = [None]
         by_id: list[Any] = [None]
-        if logits is not None:
+        if hidden is not None:
             temp = 1.0 if s.sampling.greedy else s.sampling.temperature
-            lp = torch.log_softmax(logits / temp, dim=-1)
-            targets = torch.tensor(prompt[start + 1 :], device=lp.device)
-            vals = self._finite(lp.gather(1, targets[:, None])[:, 0].tolist())
-            for v, t in zip(vals, prompt[start + 1 :], strict=True):
-                tokens.append([v, t, self._token_text(t, want)])
-            for r in range(lp.shape[0]):
+            targets = torch.tensor(prompt[start + 1 :], device=hidden.device)
+            wanted = None
+            if lpp.token_ids_logprob is not None:
+                wanted = torch.tensor(list(lpp.token_ids_logprob), device=hidden.device)
+            for c in range(0, hidden.shape[0], INPUT_LOGPROB_CHUNK):
+                part = hidden[c : c + INPUT_LOGPROB_CHUNK]
+                lp = torch.log_softmax(self.runner.logits(part) / temp, dim=-1)
+                ids = prompt[start + 1 + c : start + 1 + c + part.shape[0]]
+                vals = self._finite(lp.gather(1, targets[c : c + len(ids), None])[:, 0].tolist())
+                for v, t in zip(vals, ids, strict=True):
+                    tokens.append([v, t, self._token_text(t, want)])
                 if lpp.top_logprobs_num:
-                    tops.append(self._top(lp[r], lpp.top_logprobs_num, want))
-                if lpp.token_ids_logprob is not None:
-                    by_id.append(self._entries(lp[r], list(lpp.token_ids_logprob), want))
+                    top_vals, top_ids = torch.topk(lp, lpp.top_logprobs_num, dim=-1)
+                    for vs, ts in zip(top_vals.tolist(), top_ids.tolist(), strict=True):
+                        tops.append(
+                            [
+                                [v, t, self._token_text(t, want)]
+                                for v, t in zip(self._finite(vs), ts, strict=True)
+                            ]
+                        )
+                if wanted is not None:
+                    picked = lp.index_select(1, wanted).tolist()
+                    for vs in picked:
+                        by_id.append(
+                            [
+                                [v, t, self._token_text(t, want)]
+                                for v, t in zip(
+                                    self._finite(vs), lpp.token_ids_logprob, strict=True
+                                )
+                            ]
+                        )
+                del lp
         s.input_token_logprobs = tokens
         s.input_top_logprobs = tops if lpp.top_logprobs_num else None
         s.input_token_ids_logprobs = by_id if lpp.token_ids_logprob is not None else None
 
-    def _append(self, s: Sequence, sampled: tuple[int, torch.Tensor | None]) -> None:
-        tok, lp = sampled
+    def _append(self, s: Sequence, sampled: Sampled) -> None:
+        tok, lp, support = sampled
         s.output_ids.append(tok)
         self.tokens_generated += 1
         if s.counts is not None:
@@ -602,8 +645,22 @@ class Batch:
                 s.output_token_ids_logprobs.append(
                     self._entries(lp, list(lpp.token_ids_logprob), want)
                 )
+        if support is not None:
+            ids, lps = support
+            s.output_token_sampling_mask.append(ids)
+            if s.logprob.sampling_logprobs_mode == "support":
+                s.output_token_sampling_logprobs.append(lps)
+            else:
+                s.output_token_sampling_logprobs.append(lps[ids.index(tok)] if tok in ids else None)
         rejected = s.grammar is not None and not s.grammar.accept(tok)
-        if rejected:
+        if support is not None and len(support[0]) > SAMPLING_MASK_MAX_TOKENS:
+            s.finish_reason = {
+                "type": "abort",
+                "message": "Sampling support exceeds --sampling-mask-max-tokens="
+                f"{SAMPLING_MASK_MAX_TOKENS}, commonly because of cutoff ties. Lower top_k to "
+                "leave more headroom or increase the server limit.",
+            }
+        elif rejected:
             s.finish_reason = {
                 "type": "abort",
                 "message": f"token {tok} is not allowed by the request's grammar",

@@ -195,7 +195,7 @@ class Engine:
 
         The samples of one prompt (rids ``{rid}-{i}`` when ``n`` > 1) are prefilled together,
         once. ``queue`` (default: one per sample) receives every sample's snapshots.
-        :raises NotResident: memory is released. :raises Conflict: ``rid`` is in use, the
+        :raises NotResident: memory is released. :raises BadRequest: ``rid`` is in use, the
         prompt exceeds the context, or the request can never fit the KV cache pool.
         :raises Unavailable: a node of this multi-node replica is lost.
         """
@@ -212,12 +212,14 @@ class Engine:
         n = sampling.n
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         busy = [r for r in [rid, *rids] if r in self._live or r in self._groups]
-        if busy:
-            raise Conflict(f"rid: request id {busy[0]!r} is already in flight")
+        if busy:  # SGLang's words (clients match on them)
+            raise BadRequest("rid", f"Duplicate request ID detected: {busy[0]}")
         runner = self.runner
         if len(prompt_ids) >= runner.max_len:
-            raise Conflict(
-                f"input: {len(prompt_ids)} prompt tokens exceed the context length {runner.max_len}"
+            raise BadRequest(
+                "input",
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context "
+                f"length ({runner.max_len} tokens).",
             )
         if n > self.max_running_requests:
             raise BadRequest(
@@ -442,6 +444,10 @@ class Engine:
             if lp.token_ids_logprob is not None:
                 meta["input_token_ids_logprobs"] = s.input_token_ids_logprobs or []
                 meta["output_token_ids_logprobs"] = list(s.output_token_ids_logprobs)
+        if lp.return_sampling_mask:
+            meta["output_token_sampling_mask"] = list(s.output_token_sampling_mask)
+            meta["output_token_sampling_logprobs"] = list(s.output_token_sampling_logprobs)
+            meta["output_token_sampling_mask_length"] = len(s.output_token_sampling_mask)
         return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
     def _deliver(self, changed: list[Sequence]) -> None:

@@ -26,8 +26,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from relax_hf.engine import Engine
-from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_sampling_params
-from relax_hf.wire import SSE_DONE, encode_prompt, engine_of, read_json, sse
+from relax_hf.protocol import (
+    CUSTOM_LOGIT_PROCESSOR_REFUSED,
+    BadRequest,
+    LogprobParams,
+    SamplingParams,
+    parse_sampling_params,
+)
+from relax_hf.wire import SSE_DONE, check_total_tokens, encode_prompt, engine_of, read_json, sse
 
 __all__ = ["chat_completions", "chat_prompt_ids", "completions", "openai_sampling"]
 
@@ -98,6 +104,8 @@ def openai_sampling(
 ) -> SamplingParams:
     """The sampling parameters of an OpenAI request body (SGLang's mapping). :raises
     BadRequest: naming the OpenAI field."""
+    if body.get("custom_logit_processor") is not None:
+        raise BadRequest("custom_logit_processor", CUSTOM_LOGIT_PROCESSOR_REFUSED)
     raw: dict[str, Any] = {}
     for key, target in _SAMPLING_KEYS.items():
         if body.get(key) is not None:
@@ -158,10 +166,12 @@ async def _submit_stream(
 
 async def _deltas(
     engine: Engine, rids: list[str], queue: asyncio.Queue[dict[str, Any]]
-) -> AsyncIterator[tuple[int, str, dict[str, Any]]]:
-    """``(choice index, text delta, snapshot)`` as the samples produce them."""
+) -> AsyncIterator[tuple[int, str, dict[str, Any], int]]:
+    """``(choice index, text delta, snapshot, first new token)`` as the samples produce
+    them: the delta covers the output tokens from ``first new token`` on."""
     index = {rid: i for i, rid in enumerate(rids)}
     sent = dict.fromkeys(rids, "")
+    tokens = dict.fromkeys(rids, 0)
     open_ = set(rids)
     try:
         while open_:
@@ -177,7 +187,8 @@ async def _deltas(
             before = sent[rid]
             delta = text[len(before) :] if text.startswith(before) else text
             sent[rid] = text
-            yield index[rid], delta, snap
+            first, tokens[rid] = tokens[rid], len(snap["output_ids"])
+            yield index[rid], delta, snap, first
     finally:
         for rid in open_:
             engine.abort(rid, "Abort: the client went away")
@@ -186,12 +197,14 @@ async def _deltas(
 # -- chat -------------------------------------------------------------------------------------
 
 
-def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
+def _chat_logprobs(meta: dict[str, Any], first: int = 0) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs`` of the output tokens from ``first`` on."""
     if "output_token_logprobs" not in meta:
         return None
-    tops = meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"])
+    entries = meta["output_token_logprobs"]
+    tops = meta.get("output_top_logprobs") or [None] * len(entries)
     content = []
-    for (lp, _tid, text), top in zip(meta["output_token_logprobs"], tops, strict=True):
+    for (lp, _tid, text), top in zip(entries[first:], tops[first:], strict=True):
         content.append(
             {
                 "token": text or "",
@@ -261,14 +274,28 @@ async def chat_completions(request: Request) -> Response:
     )
     stream = _flag(body, "stream")
     ids = chat_prompt_ids(engine, body)
+    given = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if body.get(given) is not None:
+        check_total_tokens(engine, len(ids), sampling.max_new_tokens, given)
     await engine.check_grammar(sampling, "response_format" if body.get("response_format") else "")
     model = engine.served_model_name
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
+        usage = _stream_options(body)
         rids, queue = await _submit_stream(engine, [ids], sampling, logprob, "")
         return StreamingResponse(
-            _chat_stream(engine, rids, queue, cid, created, model, sampling.n),
+            _chat_stream(
+                engine,
+                rids,
+                queue,
+                cid,
+                created,
+                model,
+                sampling.n,
+                include_usage=usage,
+                logprobs=logprobs,
+            ),
             media_type="text/event-stream",
         )
     outs = await engine.generate(ids, sampling, logprob)
@@ -306,36 +333,52 @@ async def _chat_stream(
     created: int,
     model: str,
     n: int,
+    *,
+    include_usage: bool,
+    logprobs: bool,
 ) -> AsyncIterator[bytes]:
-    def chunk(index: int, delta: dict[str, Any], finish: str | None, **extra: Any) -> bytes:
-        return sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                ],
-                **extra,
-            }
-        )
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+        return sse({**head, "choices": choices, **extra})
+
+    def choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
 
     for i in range(len(rids)):
-        yield chunk(i, {"role": "assistant", "content": ""}, None)
+        yield chunk([choice(i, {"role": "assistant", "content": ""})])
     metas: dict[int, dict[str, Any]] = {}
-    async for index, delta, snap in _deltas(engine, rids, queue):
+    async for index, delta, snap, first in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
         finish = _finish(meta["finish_reason"])
-        if delta:
-            yield chunk(index, {"content": delta}, None)
+        fresh = logprobs and len(snap["output_ids"]) > first
+        if delta or fresh:
+            lp = _chat_logprobs(meta, first) if fresh else None
+            yield chunk([choice(index, {"content": delta}, logprobs=lp)])
         if finish is not None:
             metas[index] = meta
-            extra = {}
-            if len(metas) == len(rids):
-                extra["usage"] = _usage([metas[i] for i in range(len(rids))], n)
-            yield chunk(index, {}, finish, **extra)
+            matched = meta["finish_reason"].get("matched")
+            yield chunk([choice(index, {}, finish_reason=finish, matched_stop=matched)])
+    if include_usage:  # OpenAI's and SGLang's: one last chunk with no choices
+        yield chunk([], usage=_usage([metas[i] for i in range(len(rids))], n))
     yield SSE_DONE
+
+
+def _stream_options(body: dict[str, Any]) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options", "must be an object")
+    if options.get("continuous_usage_stats"):
+        raise BadRequest(
+            "stream_options.continuous_usage_stats",
+            "usage on every chunk is not supported by the hf engine; use include_usage",
+        )
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BadRequest("stream_options.include_usage", "must be true or false")
+    return include
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -380,8 +423,10 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
 
 
 def _completion_logprobs(
-    engine: Engine, meta: dict[str, Any], echo: bool, k: int
+    engine: Engine, meta: dict[str, Any], echo: bool, k: int, first: int = 0
 ) -> dict[str, Any] | None:
+    """OpenAI's completion ``logprobs`` (with the prompt's when ``echo``); in a stream, of the
+    output tokens from ``first`` on (``text_offset`` still counts from the text's start)."""
     if "output_token_logprobs" not in meta:
         return None
     entries = (meta.get("input_token_logprobs") or []) if echo else []
@@ -396,14 +441,14 @@ def _completion_logprobs(
         offsets.append(pos)
         pos += len(t)
     return {
-        "tokens": tokens,
-        "token_logprobs": [v for v, _i, _t in entries],
+        "tokens": tokens[first:],
+        "token_logprobs": [v for v, _i, _t in entries[first:]],
         "top_logprobs": [
-            None if top is None else {(t or ""): v for v, _i, t in top} for top in tops
+            None if top is None else {(t or ""): v for v, _i, t in top} for top in tops[first:]
         ]
         if k
         else None,
-        "text_offset": offsets,
+        "text_offset": offsets[first:],
     }
 
 
@@ -442,14 +487,27 @@ async def completions(request: Request) -> Response:
         return_text_in_logprobs=want,
     )
     prompts = _completion_prompts(engine, body)
+    for ids in prompts:  # max_tokens always counts here (its default, 16, is SGLang's too)
+        check_total_tokens(engine, len(ids), sampling.max_new_tokens, "max_tokens")
     await engine.check_grammar(sampling, "response_format" if body.get("response_format") else "")
     model = engine.served_model_name
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
+        usage = _stream_options(body)
         rids, queue = await _submit_stream(engine, prompts, sampling, logprob, "")
         return StreamingResponse(
-            _completion_stream(engine, rids, queue, cid, created, model, sampling.n),
+            _completion_stream(
+                engine,
+                rids,
+                queue,
+                cid,
+                created,
+                model,
+                sampling.n,
+                include_usage=usage,
+                logprobs=logprobs,
+            ),
             media_type="text/event-stream",
         )
     results = await asyncio.gather(*(engine.generate(ids, sampling, logprob) for ids in prompts))
@@ -491,27 +549,31 @@ async def _completion_stream(
     created: int,
     model: str,
     n: int,
+    *,
+    include_usage: bool,
+    logprobs: int | None,
 ) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        head = {"id": cid, "object": "text_completion", "created": created, "model": model}
+        return sse({**head, "choices": choices, **extra})
+
     metas: dict[int, dict[str, Any]] = {}
-    async for index, delta, snap in _deltas(engine, rids, queue):
+    async for index, delta, snap, first in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
         finish = _finish(meta["finish_reason"])
-        if delta or finish is not None:
-            extra = {}
+        fresh = logprobs is not None and len(snap["output_ids"]) > first
+        if delta or fresh or finish is not None:
+            lp = _completion_logprobs(engine, meta, False, logprobs or 0, first) if fresh else None
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": delta,
+                "logprobs": lp,
+                "finish_reason": finish,
+            }
             if finish is not None:
                 metas[index] = meta
-                if len(metas) == len(rids):
-                    extra["usage"] = _usage([metas[i] for i in range(len(rids))], n)
-            yield sse(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
-                    ],
-                    **extra,
-                }
-            )
+                choice["matched_stop"] = meta["finish_reason"].get("matched")
+            yield chunk([choice])
+    if include_usage:  # OpenAI's and SGLang's: one last chunk with no choices
+        yield chunk([], usage=_usage([metas[i] for i in range(len(rids))], n))
     yield SSE_DONE

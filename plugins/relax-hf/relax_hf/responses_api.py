@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from relax_hf.engine import Engine
 from relax_hf.openai_api import chat_prompt_ids, openai_sampling
 from relax_hf.protocol import BadRequest, LogprobParams, NotFound, SamplingParams
-from relax_hf.wire import engine_of, read_json
+from relax_hf.wire import check_total_tokens, engine_of, read_json
 
 __all__ = ["STORE_LIMIT", "ResponseStore", "create_response", "retrieve_response"]
 
@@ -259,6 +259,8 @@ async def create_response(request: Request) -> Response:
     system = [{"role": "system", "content": instructions}] if instructions else []
     ids = chat_prompt_ids(engine, {"messages": system + conversation})
     sampling = _sampling(engine, body)
+    if body.get("max_output_tokens") is not None:
+        check_total_tokens(engine, len(ids), sampling.max_new_tokens, "max_output_tokens")
     if sampling.n != 1:
         raise BadRequest("n", "a response has one output")
     await engine.check_grammar(sampling, "text.format")

@@ -41,6 +41,8 @@ from relax_hf.protocol import (
 from relax_hf.runner import ModelRunner
 from relax_hf.wire import (
     SSE_DONE,
+    check_sampling_mask,
+    check_total_tokens,
     encode_prompt,
     engine_of,
     error_response,
@@ -91,8 +93,8 @@ async def generate(request: Request) -> Response:
     engine = engine_of(request)
     req = parse_generate(await read_json(request), vocab_size=engine.runner.vocab_size)
     prompts = [encode_prompt(engine, p) for p in req.prompts]
-    for i, ids in enumerate(prompts):
-        if req.logprob.return_logprob and req.logprob.logprob_start_len >= len(ids):
+    for i, (ids, lp) in enumerate(zip(prompts, req.logprobs, strict=True)):
+        if lp.return_logprob and lp.logprob_start_len >= len(ids):
             raise BadRequest(
                 "logprob_start_len",
                 f"must be < the prompt length ({len(ids)} tokens of prompt {i})",
@@ -100,17 +102,23 @@ async def generate(request: Request) -> Response:
     fields = [
         f"sampling_params[{i}]" if req.batch else "sampling_params" for i in range(len(prompts))
     ]
-    for sp, field in zip(req.sampling, fields, strict=True):
+    for ids, sp, field, explicit in zip(
+        prompts, req.sampling, fields, req.explicit_max, strict=True
+    ):
+        if explicit:
+            check_total_tokens(engine, len(ids), sp.max_new_tokens)
         await engine.check_grammar(sp, field)
+    for sp, lp, field in zip(req.sampling, req.logprobs, fields, strict=True):
+        check_sampling_mask(sp, lp, field)
     listed = req.batch or req.n > 1  # SGLang answers a list for a batch or n > 1
     if req.stream:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         rids: list[str] = []
         try:
-            for ids, sp, rid, field in zip(prompts, req.sampling, req.rids, fields, strict=True):
-                subs = engine.submit(
-                    ids, sp, req.logprob, rid=rid, stream=True, field=field, queue=queue
-                )
+            for ids, sp, lp, rid, field in zip(
+                prompts, req.sampling, req.logprobs, req.rids, fields, strict=True
+            ):
+                subs = engine.submit(ids, sp, lp, rid=rid, stream=True, field=field, queue=queue)
                 rids += [seq.rid for seq, _ in subs]
         except BaseException:
             for r in rids:
@@ -121,8 +129,8 @@ async def generate(request: Request) -> Response:
         )
     results = await asyncio.gather(
         *(
-            engine.generate(ids, sp, req.logprob, rid)
-            for ids, sp, rid in zip(prompts, req.sampling, req.rids, strict=True)
+            engine.generate(ids, sp, lp, rid)
+            for ids, sp, lp, rid in zip(prompts, req.sampling, req.logprobs, req.rids, strict=True)
         )
     )
     flat = [r for res in results for r in res]
@@ -277,7 +285,8 @@ async def model_info(request: Request) -> Response:
     runner = engine.runner
     return JSONResponse(
         {
-            "model_path": runner.model_path,
+            # SGLang's: the checkpoint loaded now (it follows update_weights_from_disk).
+            "model_path": runner.checkpoint_path,
             "tokenizer_path": runner.model_path,
             "served_model_name": engine.served_model_name,
             "is_generation": True,

@@ -15,12 +15,20 @@ from starlette.responses import JSONResponse, Response
 
 from relax_hf.engine import Conflict, Engine, NotResident, Unavailable
 from relax_hf.nodes import NodeLost
-from relax_hf.protocol import BadRequest, NotFound
+from relax_hf.protocol import (
+    SAMPLING_MASK_MAX_TOKENS,
+    BadRequest,
+    LogprobParams,
+    NotFound,
+    SamplingParams,
+)
 from relax_hf.runner import WeightsError
 
 __all__ = [
     "SSE_DONE",
     "Handler",
+    "check_sampling_mask",
+    "check_total_tokens",
     "encode_prompt",
     "engine_of",
     "error_response",
@@ -131,6 +139,38 @@ def encode_prompt(engine: Engine, prompt: str | tuple[int, ...], field: str = "t
             raise BadRequest(field, "must not be empty")
         return list(engine.runner.tokenizer(prompt)["input_ids"])
     return list(prompt)
+
+
+def check_total_tokens(
+    engine: Engine, input_tokens: int, max_new_tokens: int | None, field: str = "max_new_tokens"
+) -> None:
+    """SGLang's check of an explicit ``max_new_tokens`` (``max_tokens``): the prompt and it
+    must fit the context. :raises BadRequest: with SGLang's message, naming ``field``."""
+    context = engine.runner.max_len
+    if max_new_tokens is not None and input_tokens + max_new_tokens > context:
+        raise BadRequest(
+            field,
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {input_tokens + max_new_tokens} tokens: "
+            f"{input_tokens} tokens from the input messages and {max_new_tokens} tokens for "
+            "the completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit.",
+        )
+
+
+def check_sampling_mask(sampling: SamplingParams, logprob: LogprobParams, field: str) -> None:
+    """SGLang's bound on ``return_sampling_mask``: greedy, or a finite ``top_k`` of at most
+    :data:`~relax_hf.protocol.SAMPLING_MASK_MAX_TOKENS`. :raises BadRequest: otherwise."""
+    if not logprob.return_sampling_mask or sampling.greedy:
+        return
+    cap = SAMPLING_MASK_MAX_TOKENS
+    if not 1 < sampling.top_k <= cap:
+        raise BadRequest(
+            f"{field}.top_k" if field else "top_k",
+            f"return_sampling_mask requires top_k=1 for greedy sampling or finite "
+            f"1 < top_k <= {cap}; got top_k={sampling.top_k}. Lower top_k or increase "
+            "--sampling-mask-max-tokens.",
+        )
 
 
 def sse(obj: Any) -> bytes:
