@@ -594,8 +594,9 @@ class Batch:
             temp = 1.0 if s.sampling.greedy else s.sampling.temperature
             targets = torch.tensor(prompt[start + 1 :], device=hidden.device)
             wanted = None
+            by_ids = list(lpp.token_ids_logprob or ())
             if lpp.token_ids_logprob is not None:
-                wanted = torch.tensor(list(lpp.token_ids_logprob), device=hidden.device)
+                wanted = torch.tensor(by_ids, device=hidden.device)
             for c in range(0, hidden.shape[0], INPUT_LOGPROB_CHUNK):
                 part = hidden[c : c + INPUT_LOGPROB_CHUNK]
                 lp = torch.log_softmax(self.runner.logits(part) / temp, dim=-1)
@@ -618,9 +619,7 @@ class Batch:
                         by_id.append(
                             [
                                 [v, t, self._token_text(t, want)]
-                                for v, t in zip(
-                                    self._finite(vs), lpp.token_ids_logprob, strict=True
-                                )
+                                for v, t in zip(self._finite(vs), by_ids, strict=True)
                             ]
                         )
                 del lp

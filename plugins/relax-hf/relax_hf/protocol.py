@@ -488,8 +488,9 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
             raise BadRequest(
                 "rid", f"must be a list of {len(prompts)} non-empty strings for a batch"
             )
-        rids = tuple(rid)
-        duplicates = sorted({r for r in rids if rids.count(r) > 1})
+        named: tuple[str, ...] = tuple(rid)
+        rids = named
+        duplicates = sorted({r for r in named if named.count(r) > 1})
         if duplicates:
             raise BadRequest(
                 "rid", f"Duplicate request IDs detected within the request: {duplicates}"
@@ -519,8 +520,8 @@ def _per_prompt(body: Mapping[str, Any], key: str, count: int, batch: bool) -> l
         if len(value) != count:
             raise BadRequest(key, f"a list needs one value per prompt ({count})")
         return list(value)
-    nested = isinstance(value, list) and value and all(isinstance(v, list) for v in value)
-    if key == "token_ids_logprob" and nested:
+    nested = isinstance(value, list) and all(isinstance(v, list) for v in value)
+    if key == "token_ids_logprob" and isinstance(value, list) and value and nested:
         if not batch or len(value) != count:
             raise BadRequest(key, f"a list of lists needs a batch, one list per prompt ({count})")
         return list(value)

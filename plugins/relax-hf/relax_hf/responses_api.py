@@ -23,6 +23,7 @@ other than messages. Errors use the Responses API's nested ``error`` object.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -90,7 +91,8 @@ def store_of(request: Request) -> ResponseStore:
     store = getattr(state, "responses", None)
     if store is None:
         store = state.responses = ResponseStore()
-    return store  # type: ignore[no-any-return]
+    assert isinstance(store, ResponseStore)
+    return store
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -347,8 +349,6 @@ async def create_response(request: Request) -> Response:
 
 
 def _dumps(obj: Any) -> str:
-    import json
-
     return json.dumps(obj, ensure_ascii=False)
 
 
