@@ -30,14 +30,17 @@ import numpy as np
 import torch
 
 from relax_hf.grammar import Constraint
-from relax_hf.protocol import LogprobParams, SamplingParams
+from relax_hf.prefixcache import CacheNode
+from relax_hf.protocol import SAMPLING_MASK_MAX_TOKENS, LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
-from relax_hf.sampling import draw, process_logits, scaled_logprobs
+from relax_hf.sampling import draw, process_logits, sampling_support, scaled_logprobs
 
 __all__ = ["Batch", "Sequence", "reservation"]
 
 #: Padded tokens a prefill forward pass may hold (longer prompts run alone).
 PREFILL_TOKEN_BUDGET = 8192
+#: Positions whose full-vocabulary logits input log-probs compute at a time.
+INPUT_LOGPROB_CHUNK = 512
 
 
 @attrs.define(eq=False)
@@ -63,12 +66,21 @@ class Sequence:
     output_token_logprobs: list[Any] = attrs.field(factory=list)
     output_top_logprobs: list[Any] = attrs.field(factory=list)
     output_token_ids_logprobs: list[Any] = attrs.field(factory=list)
+    # SGLang's sampling mask: each draw's support, and the drawn token's (selected) or every
+    # support token's (support) log-prob in the distribution it was drawn from.
+    output_token_sampling_mask: list[list[int]] = attrs.field(factory=list)
+    output_token_sampling_logprobs: list[Any] = attrs.field(factory=list)
     retracted: bool = False  # its KV was dropped; the next prefill feeds its output too
-    cached_tokens: int = 0  # prompt tokens whose KV another sample of its group computed
+    # Prompt tokens it did not prefill itself: the prefix cache's match, or (samples 1…n-1 of
+    # a group) the whole prompt, which sample 0 prefilled. Set once, at the first prefill.
+    cached_tokens: int = 0
+    prefilled: bool = False  # its first prefill ran (cached_tokens is final)
     delivered: int = 0  # output tokens at the last streamed snapshot
     # -- compute-thread state --
     row: int | None = None
-    slots: list[np.ndarray] = attrs.field(factory=list)
+    slots: list[np.ndarray] = attrs.field(factory=list)  # by position: input, then reserved
+    cache_node: CacheNode | None = None  # the prefix cache node it locks
+    cache_epoch: int = -1  # the prefix cache's epoch when it was prefilled
     counts: torch.Tensor | None = None  # output token counts (penalties)
     bias: torch.Tensor | None = None  # dense logit bias
     grammar: Constraint | None = None
@@ -131,7 +143,9 @@ def reservation(sampling: SamplingParams, fed: int, done: int, context_len: int)
 def _simple(s: Sequence) -> bool:
     """Whether the forward pass's own sampling is this sequence's (no processor, no filter)."""
     sp = s.sampling
-    if s.logprob.return_logprob or s.bias is not None or s.counts is not None:
+    if s.logprob.return_logprob or s.logprob.return_sampling_mask:
+        return False
+    if s.bias is not None or s.counts is not None:
         return False
     if s.grammar is not None or (sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens):
         return False
@@ -140,6 +154,10 @@ def _simple(s: Sequence) -> bool:
 
 #: ``{rid: abort message}`` of running sequences whose abort is applied at a step.
 Aborts = Mapping[str, str]
+
+#: A sampled token, its log-prob row (``return_logprob``) and its sampling support
+#: (``return_sampling_mask``: ids and their log-probs).
+Sampled = tuple[int, torch.Tensor | None, tuple[list[int], list[float]] | None]
 
 
 def _units(new: list[Sequence]) -> list[list[Sequence]]:
@@ -164,11 +182,14 @@ class Batch:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.pool = runner.pool
+        self.cache = runner.prefix_cache
         self.seqs: list[Sequence] = []
         self.tokens_generated = 0
         self.peak_running = 0  # the most sequences ever decoded together
         self.prefill_tokens = 0  # tokens run through prefill forward passes
         self.prefill_sequences = 0  # prompts (prefill units) prefilled
+        self.cached_tokens_total = 0  # sum of the sequences' cached_tokens (SGLang's counter)
+        self.prompt_tokens_prefilled = 0  # prompt tokens of the sequences prefilled (first time)
         self.decode_steps = 0
         #: Called with the tokens each sampling picked (one per row); returns the tokens the
         #: batch continues with (a multi-node replica's head tokens). ``None``: no sync.
@@ -230,6 +251,19 @@ class Batch:
             s.abort_message = s.abort_message or message
         return self._drop_aborted()
 
+    def fail(self, new: list[Sequence], message: str) -> list[Sequence]:
+        """After a step raised: the KV it wrote is suspect, so the prefix cache is dropped first;
+        then every running sequence and every new one ends with an abort (rows and slots go
+        back). Returns them all."""
+        self.cache.clear()
+        failed = self.abort_all(message)
+        for s in new:
+            if not s.finished:
+                s.finish_reason = {"type": "abort", "message": message}
+                self._finish(s)
+                failed.append(s)
+        return failed
+
     def clear(self) -> None:
         """Check that the batch is empty (its KV cache is then all free)."""
         assert not self.seqs
@@ -266,6 +300,14 @@ class Batch:
     # -- pool bookkeeping ----------------------------------------------------------------
 
     def _free(self, s: Sequence) -> None:
+        if s.cache_node is not None:
+            if self.cache.enabled and s.cache_epoch == self.cache.epoch and s.slots:
+                # Its KV (prompt and outputs but the last, not fed yet) for later sequences.
+                done = len(s.prompt_ids) + max(len(s.output_ids) - 1, 0)
+                key = np.asarray((s.prompt_ids + s.output_ids)[:done], dtype=np.int64)
+                self.cache.insert(key, np.concatenate(s.slots)[:done])
+            self.cache.unlock(s.cache_node)
+            s.cache_node = None
         for slots in s.slots:
             self.pool.free_slots_of(slots)
         s.slots = []
@@ -311,51 +353,89 @@ class Batch:
 
     # -- prefill -------------------------------------------------------------------------
 
-    def _place(self, unit: list[Sequence]) -> list[int]:
-        """Rows and slots for a unit; returns the input ids it is prefilled with."""
+    def _place(self, unit: list[Sequence]) -> tuple[list[int], int]:
+        """Rows and slots for a unit; returns its input ids and how many of them the prefix
+        cache holds (they are not prefilled again)."""
         first = unit[0]
         fed = first.prompt_ids + first.output_ids if first.retracted else list(first.prompt_ids)
         done = len(first.output_ids) if first.retracted else 0
-        shared = self.pool.alloc_slots(len(fed))
-        if len(unit) > 1:
-            self.pool.share(shared, len(unit) - 1)
+        key = np.asarray(fed, dtype=np.int64)
+        # SGLang's bound: at least the last input token is computed (its logits are needed),
+        # and input log-probs from logprob_start_len on need those positions' hidden states.
+        limit = len(fed) - 1
+        if not first.retracted and first.logprob.return_logprob:
+            limit = min(limit, first.start)
+        hit, prefix, node = self.cache.match(key, limit)
+        for _ in unit:
+            self.cache.lock(node)  # before any eviction, which must not take the match
         ctx = self.runner.max_len
-        for i, s in enumerate(unit):
+        wants = [reservation(s.sampling, len(fed), done, ctx) for s in unit]
+        self.cache.make_room(len(fed) - hit + sum(wants))
+        computed = self.pool.alloc_slots(len(fed) - hit)
+        self.pool.share(prefix, len(unit))  # each sample holds the prefix it reads
+        if len(unit) > 1:
+            self.pool.share(computed, len(unit) - 1)
+        shared = np.concatenate((prefix, computed))
+        for i, (s, want) in enumerate(zip(unit, wants, strict=True)):
             s.row = self.pool.alloc_row()
-            mine = self.pool.alloc_slots(reservation(s.sampling, len(fed), done, ctx))
+            mine = self.pool.alloc_slots(want)
             s.slots = [shared, mine]
             self.pool.write_row(s.row, 0, shared)
             self.pool.write_row(s.row, len(fed), mine)
-            s.cached_tokens = len(first.prompt_ids) if i else 0
-        return fed
+            s.cache_node = node
+            s.cache_epoch = self.cache.epoch
+            if not s.prefilled:
+                s.cached_tokens = len(first.prompt_ids) if i else hit
+                s.prefilled = True
+                self.cached_tokens_total += s.cached_tokens
+                self.prompt_tokens_prefilled += len(s.prompt_ids)
+        return fed, hit
+
+    def _cache_inputs(self, unit: list[Sequence], fed: list[int]) -> None:
+        """Insert a unit's input right after its prefill (its KV is now in the pool), so that
+        a request arriving while it decodes reuses it; its samples lock the new node."""
+        first = unit[0]
+        if first.cache_node is None or first.cache_epoch != self.cache.epoch:
+            return
+        node = self.cache.insert(np.asarray(fed, dtype=np.int64), first.slots[0])
+        for s in unit:
+            self.cache.lock(node)
+            if s.cache_node is not None:
+                self.cache.unlock(s.cache_node)
+            s.cache_node = node
 
     def _prefill(self, new: list[Sequence]) -> None:
         for s in new:
             self._prepare(s)
         units = _units(new)
-        inputs = [self._place(u) for u in units]
+        placed = [self._place(u) for u in units]
+        inputs = [fed for fed, _ in placed]
+        hits = [hit for _, hit in placed]
 
         def wants_input_logprobs(u: list[Sequence]) -> bool:
             s = u[0]
             return not s.retracted and s.logprob.return_logprob and s.start < len(s.prompt_ids) - 1
 
+        def kind(i: int) -> tuple[bool, bool]:
+            return wants_input_logprobs(units[i]), hits[i] > 0
+
         # Sequences that want input log-probs need logits at every position; the rest only at
-        # the last one. Within each kind, similar lengths share a padded forward pass.
+        # the last one; those after a cached prefix attend it from the pool. Within each kind,
+        # similar lengths share a padded forward pass.
         last: dict[int, torch.Tensor] = {}
-        order = sorted(
-            range(len(units)), key=lambda i: (wants_input_logprobs(units[i]), -len(inputs[i]))
-        )
+        order = sorted(range(len(units)), key=lambda i: (kind(i), -len(inputs[i])))
         chunk: list[int] = []
         for i in order:
             if chunk:
                 width = len(inputs[chunk[0]])
-                same_kind = wants_input_logprobs(units[i]) == wants_input_logprobs(units[chunk[0]])
-                if not same_kind or width * (len(chunk) + 1) > PREFILL_TOKEN_BUDGET:
-                    last.update(self._forward(chunk, units, inputs))
+                if kind(i) != kind(chunk[0]) or width * (len(chunk) + 1) > PREFILL_TOKEN_BUDGET:
+                    last.update(self._forward(chunk, units, inputs, hits))
                     chunk = []
             chunk.append(i)
         if chunk:
-            last.update(self._forward(chunk, units, inputs))
+            last.update(self._forward(chunk, units, inputs, hits))
+        for unit, fed in zip(units, inputs, strict=True):
+            self._cache_inputs(unit, fed)
 
         # Every sample draws its first token from its unit's last-position logits.
         members = [s for u in units for s in u]
@@ -376,17 +456,32 @@ class Batch:
         self.peak_running = max(self.peak_running, len(self.seqs))
 
     def _forward(
-        self, chunk: list[int], units: list[list[Sequence]], inputs: list[list[int]]
+        self,
+        chunk: list[int],
+        units: list[list[Sequence]],
+        inputs: list[list[int]],
+        hits: list[int],
     ) -> dict[int, torch.Tensor]:
+        """One padded prefill pass over the tokens of ``chunk``'s units after their cached
+        prefixes (``hits``: all 0, or all > 0); the last position's logits of each."""
         runner = self.runner
         device = runner.device
-        width = max(len(inputs[i]) for i in chunk)
+        width = max(len(inputs[i]) - hits[i] for i in chunk)
         ids = torch.full((len(chunk), width), runner.pad_id, dtype=torch.long)
         for r, i in enumerate(chunk):
-            ids[r, : len(inputs[i])] = torch.tensor(inputs[i], dtype=torch.long)
-        lens = torch.tensor([len(inputs[i]) for i in chunk], dtype=torch.long)
+            ids[r, : len(inputs[i]) - hits[i]] = torch.tensor(
+                inputs[i][hits[i] :], dtype=torch.long
+            )
+        lens = torch.tensor([len(inputs[i]) - hits[i] for i in chunk], dtype=torch.long)
         rows = torch.tensor([units[i][0].row for i in chunk], dtype=torch.long)
-        hidden = runner.prefill(ids.to(device), lens.to(device), rows.to(device))
+        if hits[chunk[0]]:
+            starts = torch.tensor([hits[i] for i in chunk], dtype=torch.long)
+            ctx = max(len(inputs[i]) for i in chunk)
+            hidden = runner.prefill(
+                ids.to(device), lens.to(device), rows.to(device), starts.to(device), ctx
+            )
+        else:
+            hidden = runner.prefill(ids.to(device), lens.to(device), rows.to(device))
         self.prefill_tokens += int(lens.sum())
         self.prefill_sequences += len(chunk)
         ends = (lens - 1).to(device)
@@ -396,11 +491,11 @@ class Batch:
             out[i] = last_logits[r]
             head = units[i][0]
             if head.logprob.return_logprob and not head.retracted:
-                n = len(inputs[i])
-                full = None
-                if head.start < n - 1:
-                    full = runner.logits(hidden[r, head.start : n - 1])
-                self._input_logprobs(head, full)
+                n, hit = len(inputs[i]), hits[i]
+                states = None
+                if head.start < n - 1:  # the match stops at logprob_start_len (hit <= start)
+                    states = hidden[r, head.start - hit : n - 1 - hit]
+                self._input_logprobs(head, states)
                 for other in units[i][1:]:
                     other.input_token_logprobs = head.input_token_logprobs
                     other.input_top_logprobs = head.input_top_logprobs
@@ -432,9 +527,9 @@ class Batch:
         self.decode_steps += 1
         if all(_simple(s) for s in seqs):
             # The forward pass sampled them (in the CUDA graph): the same draw as below.
-            picked: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in tokens.tolist()]
+            picked: list[Sampled] = [(t, None, None) for t in tokens.tolist()]
             if self.sync_tokens is not None:
-                picked = [(t, None) for t in self.sync_tokens([t for t, _ in picked])]
+                picked = [(t, None, None) for t in self.sync_tokens([t for t, _, _ in picked])]
         else:
             picked = self._sample(logits, seqs)
         for s, tok in zip(seqs, picked, strict=True):
@@ -444,18 +539,25 @@ class Batch:
 
     # -- sampling and log-probs ----------------------------------------------------------
 
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> list[tuple[int, torch.Tensor | None]]:
-        """Pick one token per row; returns (token, log-prob row or None) per sequence."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        """Pick one token per row; returns (token, log-prob row or None, sampling support or
+        None) per sequence."""
         z = process_logits(logits, seqs, self.runner.eos_ids)
         want_lp = any(s.logprob.return_logprob for s in seqs)
         lp = scaled_logprobs(z, seqs) if want_lp else None
         picked = draw(z, seqs).tolist()
         if self.sync_tokens is not None:
             picked = self.sync_tokens(picked)
+        masked = [i for i, s in enumerate(seqs) if s.logprob.return_sampling_mask]
+        support: dict[int, tuple[list[int], list[float]]] = {}
+        if masked:
+            rows = torch.tensor(masked, device=z.device)
+            found = sampling_support(
+                z.index_select(0, rows), [seqs[i] for i in masked], [picked[i] for i in masked]
+            )
+            support = dict(zip(masked, found, strict=True))
         return [
-            (tok, None if lp is None or not s.logprob.return_logprob else lp[i])
+            (tok, None if lp is None or not s.logprob.return_logprob else lp[i], support.get(i))
             for i, (tok, s) in enumerate(zip(picked, seqs, strict=True))
         ]
 
@@ -477,8 +579,10 @@ class Batch:
             for v, t in zip(self._finite(vals.tolist()), idx.tolist(), strict=True)
         ]
 
-    def _input_logprobs(self, s: Sequence, logits: torch.Tensor | None) -> None:
-        """``logits`` are those of positions ``start … n-2`` (predicting ``start+1 … n-1``)."""
+    def _input_logprobs(self, s: Sequence, hidden: torch.Tensor | None) -> None:
+        """``hidden`` are the states of positions ``start … n-2`` (predicting ``start+1 …
+        n-1``). Their logits are made :data:`INPUT_LOGPROB_CHUNK` positions at a time, so a
+        long prompt never holds a full-vocabulary row for every position."""
         lpp: LogprobParams = s.logprob
         want = lpp.return_text_in_logprobs
         prompt = s.prompt_ids
@@ -486,24 +590,45 @@ class Batch:
         tokens: list[list[Any]] = [[None, prompt[start], self._token_text(prompt[start], want)]]
         tops: list[Any] = [None]
         by_id: list[Any] = [None]
-        if logits is not None:
+        if hidden is not None:
             temp = 1.0 if s.sampling.greedy else s.sampling.temperature
-            lp = torch.log_softmax(logits / temp, dim=-1)
-            targets = torch.tensor(prompt[start + 1 :], device=lp.device)
-            vals = self._finite(lp.gather(1, targets[:, None])[:, 0].tolist())
-            for v, t in zip(vals, prompt[start + 1 :], strict=True):
-                tokens.append([v, t, self._token_text(t, want)])
-            for r in range(lp.shape[0]):
+            targets = torch.tensor(prompt[start + 1 :], device=hidden.device)
+            wanted = None
+            by_ids = list(lpp.token_ids_logprob or ())
+            if lpp.token_ids_logprob is not None:
+                wanted = torch.tensor(by_ids, device=hidden.device)
+            for c in range(0, hidden.shape[0], INPUT_LOGPROB_CHUNK):
+                part = hidden[c : c + INPUT_LOGPROB_CHUNK]
+                lp = torch.log_softmax(self.runner.logits(part) / temp, dim=-1)
+                ids = prompt[start + 1 + c : start + 1 + c + part.shape[0]]
+                vals = self._finite(lp.gather(1, targets[c : c + len(ids), None])[:, 0].tolist())
+                for v, t in zip(vals, ids, strict=True):
+                    tokens.append([v, t, self._token_text(t, want)])
                 if lpp.top_logprobs_num:
-                    tops.append(self._top(lp[r], lpp.top_logprobs_num, want))
-                if lpp.token_ids_logprob is not None:
-                    by_id.append(self._entries(lp[r], list(lpp.token_ids_logprob), want))
+                    top_vals, top_ids = torch.topk(lp, lpp.top_logprobs_num, dim=-1)
+                    for vs, ts in zip(top_vals.tolist(), top_ids.tolist(), strict=True):
+                        tops.append(
+                            [
+                                [v, t, self._token_text(t, want)]
+                                for v, t in zip(self._finite(vs), ts, strict=True)
+                            ]
+                        )
+                if wanted is not None:
+                    picked = lp.index_select(1, wanted).tolist()
+                    for vs in picked:
+                        by_id.append(
+                            [
+                                [v, t, self._token_text(t, want)]
+                                for v, t in zip(self._finite(vs), by_ids, strict=True)
+                            ]
+                        )
+                del lp
         s.input_token_logprobs = tokens
         s.input_top_logprobs = tops if lpp.top_logprobs_num else None
         s.input_token_ids_logprobs = by_id if lpp.token_ids_logprob is not None else None
 
-    def _append(self, s: Sequence, sampled: tuple[int, torch.Tensor | None]) -> None:
-        tok, lp = sampled
+    def _append(self, s: Sequence, sampled: Sampled) -> None:
+        tok, lp, support = sampled
         s.output_ids.append(tok)
         self.tokens_generated += 1
         if s.counts is not None:
@@ -519,8 +644,22 @@ class Batch:
                 s.output_token_ids_logprobs.append(
                     self._entries(lp, list(lpp.token_ids_logprob), want)
                 )
+        if support is not None:
+            ids, lps = support
+            s.output_token_sampling_mask.append(ids)
+            if s.logprob.sampling_logprobs_mode == "support":
+                s.output_token_sampling_logprobs.append(lps)
+            else:
+                s.output_token_sampling_logprobs.append(lps[ids.index(tok)] if tok in ids else None)
         rejected = s.grammar is not None and not s.grammar.accept(tok)
-        if rejected:
+        if support is not None and len(support[0]) > SAMPLING_MASK_MAX_TOKENS:
+            s.finish_reason = {
+                "type": "abort",
+                "message": "Sampling support exceeds --sampling-mask-max-tokens="
+                f"{SAMPLING_MASK_MAX_TOKENS}, commonly because of cutoff ties. Lower top_k to "
+                "leave more headroom or increase the server limit.",
+            }
+        elif rejected:
             s.finish_reason = {
                 "type": "abort",
                 "message": f"token {tok} is not allowed by the request's grammar",

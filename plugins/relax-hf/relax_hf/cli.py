@@ -59,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
         enable_torch_compile=args.enable_torch_compile,
         memory_handoff=args.memory_handoff,
+        disable_radix_cache=args.disable_radix_cache,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -233,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-torch-compile",
         action="store_true",
         help="fuse the element-wise parts of the forward pass with torch.compile (CUDA)",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: every prompt is prefilled in full (SGLang's flag)",
     )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)

@@ -13,6 +13,7 @@ thread that changes the batch, the memory or the weights is first sent to the fo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 import uuid
@@ -33,6 +34,10 @@ from relax_hf.weights import WeightsGroup, decode_named_tensors, parse_dtype
 __all__ = ["Conflict", "Engine", "NotResident", "Unavailable"]
 
 T = TypeVar("T")
+
+#: A prompt sharing this many leading tokens with one admitted in the same round waits a step
+#: (SGLang's in-batch prefix caching threshold), so that it reuses that one's prefill.
+IN_BATCH_PREFIX_TOKENS = 32
 
 
 class NotResident(RuntimeError):
@@ -75,6 +80,11 @@ class Engine:
         self.group = WeightsGroup()
         self.dist_timeout_s = dist_timeout_s
         self.started = time.time()
+        #: SGLang's ``/server_info`` ``startup_time``: the runner's phases and the whole start.
+        self.startup_seconds: dict[str, Any] = {
+            **runner.startup_time,
+            "tokenizer_e2e": runner.startup_time["scheduler_e2e"],
+        }
         self.last_resume: dict[str, Any] = {}
         self.last_release: dict[str, Any] = {}
         # The last memory operations, each {"op", "at" (epoch seconds), "detail"}: an onload of
@@ -142,11 +152,12 @@ class Engine:
         return [t for t, on in self.resident.items() if not on]
 
     def token_usage(self) -> float:
-        """The fraction of the KV cache pool's slots held by sequences."""
+        """The fraction of the KV cache pool's slots held by sequences (SGLang's: what the
+        prefix cache could evict counts as free)."""
         pool = self.runner.pool
         if not pool.resident:
             return 0.0
-        return 1.0 - pool.free_slots / pool.capacity
+        return 1.0 - self.runner.prefix_cache.available / pool.capacity
 
     @property
     def num_running(self) -> int:
@@ -184,7 +195,7 @@ class Engine:
 
         The samples of one prompt (rids ``{rid}-{i}`` when ``n`` > 1) are prefilled together,
         once. ``queue`` (default: one per sample) receives every sample's snapshots.
-        :raises NotResident: memory is released. :raises Conflict: ``rid`` is in use, the
+        :raises NotResident: memory is released. :raises BadRequest: ``rid`` is in use, the
         prompt exceeds the context, or the request can never fit the KV cache pool.
         :raises Unavailable: a node of this multi-node replica is lost.
         """
@@ -201,12 +212,14 @@ class Engine:
         n = sampling.n
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         busy = [r for r in [rid, *rids] if r in self._live or r in self._groups]
-        if busy:
-            raise Conflict(f"rid: request id {busy[0]!r} is already in flight")
+        if busy:  # SGLang's words (clients match on them)
+            raise BadRequest("rid", f"Duplicate request ID detected: {busy[0]}")
         runner = self.runner
         if len(prompt_ids) >= runner.max_len:
-            raise Conflict(
-                f"input: {len(prompt_ids)} prompt tokens exceed the context length {runner.max_len}"
+            raise BadRequest(
+                "input",
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context "
+                f"length ({runner.max_len} tokens).",
             )
         if n > self.max_running_requests:
             raise BadRequest(
@@ -306,29 +319,48 @@ class Engine:
     def _admit(self) -> list[Sequence]:
         """Take pending sequences, first come first served, while rows and KV slots last.
 
-        The samples of one prompt are taken together or not at all.
+        The samples of one prompt are taken together or not at all. Slots the prefix cache
+        could evict count as free (a unit needs at most its whole input: a cache hit needs
+        less). With the prefix cache on, a prompt that shares its first
+        :data:`IN_BATCH_PREFIX_TOKENS` tokens with one taken in this round waits for the next
+        step (SGLang's in-batch prefix check), where it reuses what that one prefilled.
         """
         new: list[Sequence] = []
-        units: list[list[Sequence]] = []
+        kept: list[Sequence] = []
         rows = len(self.batch)
-        pool = self.runner.pool
-        free_slots = pool.free_slots
-        while self._pending:
-            head = self._pending[0]
+        cache = self.runner.prefix_cache
+        free_slots = cache.available
+        taken: set[tuple[int, ...]] = set()
+        pending = self._pending
+        while pending:
+            head = pending[0]
             unit = [head]
             if head.group is not None and not head.retracted:
-                for seq in list(self._pending)[1:]:
+                for seq in itertools.islice(pending, 1, None):
                     if seq.group != head.group or seq.retracted:
                         break
                     unit.append(seq)
+            prefix: tuple[int, ...] | None = None
+            if (
+                cache.enabled
+                and not head.retracted
+                and len(head.prompt_ids) > IN_BATCH_PREFIX_TOKENS
+            ):
+                prefix = tuple(head.prompt_ids[:IN_BATCH_PREFIX_TOKENS])
+            if prefix is not None and prefix in taken:
+                for _ in unit:
+                    kept.append(pending.popleft())
+                continue
             need = self.batch.slots_needed(unit)
             if rows + len(unit) > self.max_running_requests or need > free_slots:
                 break
             for _ in unit:
-                new.append(self._pending.popleft())
-            units.append(unit)
+                new.append(pending.popleft())
+            if prefix is not None:
+                taken.add(prefix)
             rows += len(unit)
             free_slots -= need
+        pending.extendleft(reversed(kept))
         return new
 
     # -- compute-thread operations that the followers mirror --------------------------------
@@ -366,8 +398,7 @@ class Engine:
 
     def _flush(self) -> None:
         self._tell("flush")
-        # The allocator's caches only: no storage was dropped here, so no garbage collection.
-        self.runner.free_cached_memory([])
+        self.runner.flush_cache()
 
     def _resume_on_compute_thread(self, tags: tuple[str, ...], graphs: bool) -> dict[str, Any]:
         self._tell("resume", tags=list(tags), graphs=graphs)  # idempotent on a follower
@@ -390,12 +421,7 @@ class Engine:
         return nbytes
 
     def _fail_step(self, new: list[Sequence], message: str) -> list[Sequence]:
-        failed = self.batch.abort_all(message)
-        for s in new:
-            if not s.finished:
-                s.finish_reason = {"type": "abort", "message": message}
-                failed.append(s)
-        return failed
+        return self.batch.fail(new, message)
 
     def snapshot(self, s: Sequence) -> dict[str, Any]:
         """The SGLang ``/generate`` answer object for ``s`` as of now (cumulative)."""
@@ -418,6 +444,10 @@ class Engine:
             if lp.token_ids_logprob is not None:
                 meta["input_token_ids_logprobs"] = s.input_token_ids_logprobs or []
                 meta["output_token_ids_logprobs"] = list(s.output_token_ids_logprobs)
+        if lp.return_sampling_mask:
+            meta["output_token_sampling_mask"] = list(s.output_token_sampling_mask)
+            meta["output_token_sampling_logprobs"] = list(s.output_token_sampling_logprobs)
+            meta["output_token_sampling_mask_length"] = len(s.output_token_sampling_mask)
         return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
     def _deliver(self, changed: list[Sequence]) -> None:

@@ -137,7 +137,7 @@ class Follower:
         elif op == "resume":
             self.runner.resume(cmd["tags"], graphs=cmd["graphs"])
         elif op == "flush":
-            self.runner.free_cached_memory([])  # as the head: the allocator's caches only
+            self.runner.flush_cache()  # as the head
         elif op == "load_tensors":
             self.runner.load_named_tensors(self.node.receive_tensors(cmd), "names")
         elif op == "load_disk":

@@ -10,6 +10,9 @@ it), grouped-query attention, SiLU MLP, optional q/k/v biases (Qwen2) and per-he
 - **Prefill** runs a right-padded batch ``[B, T]`` with torch's fused attention
   (``scaled_dot_product_attention``, causal: real tokens never see the padding after them) and
   writes each real token's K and V into its slot (``req_to_token`` of the row).
+- **Prefill after a cached prefix** (:meth:`NativeModel.prefill_after`) runs only the tokens
+  after the prefix the prefix cache holds; their queries attend the whole context gathered from
+  the pool, with a mask by absolute position.
 - **Decode** runs one token per row: K/V of the new token are written into its slot, the row's
   context is gathered from the pool by ``req_to_token`` and attended with two batched matrix
   products (the batch is ``kv_heads x rows``, so no copy is needed for the transposes).
@@ -269,6 +272,60 @@ class NativeModel:
                 v = v.repeat_interleave(rep, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
+            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
+        return x
+
+    @torch.inference_mode()
+    def prefill_after(
+        self,
+        pool: KVPool,
+        ids: torch.Tensor,
+        lens: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        ctx: int,
+    ) -> torch.Tensor:
+        """Prefill right-padded ``ids [B, T]`` that follow a cached prefix; hidden states.
+
+        Row ``b``'s tokens sit at positions ``starts[b] …``; the K/V of the positions before
+        them are already in the pool (the prefix cache's slots, mapped in ``req_to_token``).
+        Each real token's K/V is written into its slot, then every query attends the row's
+        whole context up to its own position, gathered from the pool (``ctx``: at least the
+        longest row's ``start + len``).
+        """
+        assert pool.req_to_token is not None
+        b, t = ids.shape
+        hkv, d, g = self.num_kv_heads, self.head_dim, self.groups
+        offs = torch.arange(t, device=ids.device)
+        pos = starts[:, None] + offs[None, :]  # [B, T] absolute positions
+        real = offs[None, :] < lens[:, None]
+        where = pos.clamp(max=pool.context_len - 1)
+        slots = torch.where(real, pool.req_to_token[rows[:, None], where], 0).reshape(-1)
+        table = pool.req_to_token.index_select(0, rows)[:, :ctx].reshape(-1)
+        keys = torch.arange(ctx, device=ids.device)
+        mask = keys[None, None, :] <= pos[:, :, None]  # [B, T, ctx]
+        # The g query heads sharing a kv head attend as g x T query rows of that head.
+        mask = mask[:, None, None].expand(b, 1, g, t, ctx).reshape(b, 1, g * t, ctx)
+        x = F.embedding(ids, self.embed)
+        cos, sin = self._rope(pos, x.dtype)
+        norm, act = self._norm_fn, self._act_fn
+        for i, layer in enumerate(self.layers):
+            h = norm(x, layer.ln1, self.eps)
+            q, k, v = self._heads(layer, h, cos, sin)  # q [B, T, H, d], k/v [B, T, Hkv, d]
+            kv = pool.kv[i]  # type: ignore[index]
+            kv[0].index_copy_(0, slots, k.reshape(b * t, hkv, d))
+            kv[1].index_copy_(0, slots, v.reshape(b * t, hkv, d))
+            ctx_kv = kv.index_select(1, table).view(2, b, ctx, hkv, d)
+            qg = q.permute(0, 2, 1, 3).reshape(b, hkv, g * t, d)
+            o = F.scaled_dot_product_attention(
+                qg,
+                ctx_kv[0].transpose(1, 2),
+                ctx_kv[1].transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            o = o.view(b, hkv * g, t, d).transpose(1, 2).reshape(b, t, -1)
+            x = x + F.linear(o, layer.wo, layer.bo)
             x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
         return x
 

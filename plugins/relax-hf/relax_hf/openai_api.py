@@ -26,10 +26,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from relax_hf.engine import Engine
-from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_sampling_params
-from relax_hf.wire import SSE_DONE, encode_prompt, engine_of, read_json, sse
+from relax_hf.protocol import (
+    CUSTOM_LOGIT_PROCESSOR_REFUSED,
+    BadRequest,
+    LogprobParams,
+    SamplingParams,
+    parse_sampling_params,
+)
+from relax_hf.wire import SSE_DONE, check_total_tokens, encode_prompt, engine_of, read_json, sse
 
-__all__ = ["chat_completions", "completions"]
+__all__ = ["chat_completions", "chat_prompt_ids", "completions", "openai_sampling"]
 
 #: OpenAI field -> SGLang sampling parameter.
 _SAMPLING_KEYS = {
@@ -93,7 +99,13 @@ def _response_format(body: dict[str, Any], raw: dict[str, Any]) -> None:
         raw["structural_tag"] = json.dumps(fmt)
 
 
-def _sampling(engine: Engine, body: dict[str, Any], default_max: int | None) -> SamplingParams:
+def openai_sampling(
+    engine: Engine, body: dict[str, Any], default_max: int | None
+) -> SamplingParams:
+    """The sampling parameters of an OpenAI request body (SGLang's mapping). :raises
+    BadRequest: naming the OpenAI field."""
+    if body.get("custom_logit_processor") is not None:
+        raise BadRequest("custom_logit_processor", CUSTOM_LOGIT_PROCESSOR_REFUSED)
     raw: dict[str, Any] = {}
     for key, target in _SAMPLING_KEYS.items():
         if body.get(key) is not None:
@@ -154,10 +166,12 @@ async def _submit_stream(
 
 async def _deltas(
     engine: Engine, rids: list[str], queue: asyncio.Queue[dict[str, Any]]
-) -> AsyncIterator[tuple[int, str, dict[str, Any]]]:
-    """``(choice index, text delta, snapshot)`` as the samples produce them."""
+) -> AsyncIterator[tuple[int, str, dict[str, Any], int]]:
+    """``(choice index, text delta, snapshot, first new token)`` as the samples produce
+    them: the delta covers the output tokens from ``first new token`` on."""
     index = {rid: i for i, rid in enumerate(rids)}
     sent = dict.fromkeys(rids, "")
+    tokens = dict.fromkeys(rids, 0)
     open_ = set(rids)
     try:
         while open_:
@@ -173,7 +187,8 @@ async def _deltas(
             before = sent[rid]
             delta = text[len(before) :] if text.startswith(before) else text
             sent[rid] = text
-            yield index[rid], delta, snap
+            first, tokens[rid] = tokens[rid], len(snap["output_ids"])
+            yield index[rid], delta, snap, first
     finally:
         for rid in open_:
             engine.abort(rid, "Abort: the client went away")
@@ -182,12 +197,14 @@ async def _deltas(
 # -- chat -------------------------------------------------------------------------------------
 
 
-def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
+def _chat_logprobs(meta: dict[str, Any], first: int = 0) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs`` of the output tokens from ``first`` on."""
     if "output_token_logprobs" not in meta:
         return None
-    tops = meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"])
+    entries = meta["output_token_logprobs"]
+    tops = meta.get("output_top_logprobs") or [None] * len(entries)
     content = []
-    for (lp, _tid, text), top in zip(meta["output_token_logprobs"], tops, strict=True):
+    for (lp, _tid, text), top in zip(entries[first:], tops[first:], strict=True):
         content.append(
             {
                 "token": text or "",
@@ -202,7 +219,11 @@ def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
     return {"content": content}
 
 
-def _chat_prompt(engine: Engine, body: dict[str, Any]) -> list[int]:
+def chat_prompt_ids(
+    engine: Engine, body: dict[str, Any], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """The token ids of ``body["messages"]`` through the tokenizer's chat template (which
+    writes its own special tokens). :raises BadRequest: naming the message at fault."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
@@ -225,7 +246,9 @@ def _chat_prompt(engine: Engine, body: dict[str, Any]) -> list[int]:
         raise BadRequest(
             "messages", "the model's tokenizer has no chat template; use /v1/completions"
         )
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
@@ -237,7 +260,7 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
-    sampling = _sampling(engine, body, None)
+    sampling = openai_sampling(engine, body, None)
     logprobs = _flag(body, "logprobs")
     top = body.get("top_logprobs")
     if top is not None and (
@@ -250,15 +273,29 @@ async def chat_completions(request: Request) -> Response:
         return_logprob=logprobs, top_logprobs_num=top or 0, return_text_in_logprobs=logprobs
     )
     stream = _flag(body, "stream")
-    ids = _chat_prompt(engine, body)
+    ids = chat_prompt_ids(engine, body)
+    given = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if body.get(given) is not None:
+        check_total_tokens(engine, len(ids), sampling.max_new_tokens, given)
     await engine.check_grammar(sampling, "response_format" if body.get("response_format") else "")
     model = engine.served_model_name
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
+        usage = _stream_options(body)
         rids, queue = await _submit_stream(engine, [ids], sampling, logprob, "")
         return StreamingResponse(
-            _chat_stream(engine, rids, queue, cid, created, model, sampling.n),
+            _chat_stream(
+                engine,
+                rids,
+                queue,
+                cid,
+                created,
+                model,
+                sampling.n,
+                include_usage=usage,
+                logprobs=logprobs,
+            ),
             media_type="text/event-stream",
         )
     outs = await engine.generate(ids, sampling, logprob)
@@ -296,36 +333,52 @@ async def _chat_stream(
     created: int,
     model: str,
     n: int,
+    *,
+    include_usage: bool,
+    logprobs: bool,
 ) -> AsyncIterator[bytes]:
-    def chunk(index: int, delta: dict[str, Any], finish: str | None, **extra: Any) -> bytes:
-        return sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                ],
-                **extra,
-            }
-        )
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+        return sse({**head, "choices": choices, **extra})
+
+    def choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
 
     for i in range(len(rids)):
-        yield chunk(i, {"role": "assistant", "content": ""}, None)
+        yield chunk([choice(i, {"role": "assistant", "content": ""})])
     metas: dict[int, dict[str, Any]] = {}
-    async for index, delta, snap in _deltas(engine, rids, queue):
+    async for index, delta, snap, first in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
         finish = _finish(meta["finish_reason"])
-        if delta:
-            yield chunk(index, {"content": delta}, None)
+        fresh = logprobs and len(snap["output_ids"]) > first
+        if delta or fresh:
+            lp = _chat_logprobs(meta, first) if fresh else None
+            yield chunk([choice(index, {"content": delta}, logprobs=lp)])
         if finish is not None:
             metas[index] = meta
-            extra = {}
-            if len(metas) == len(rids):
-                extra["usage"] = _usage([metas[i] for i in range(len(rids))], n)
-            yield chunk(index, {}, finish, **extra)
+            matched = meta["finish_reason"].get("matched")
+            yield chunk([choice(index, {}, finish_reason=finish, matched_stop=matched)])
+    if include_usage:  # OpenAI's and SGLang's: one last chunk with no choices
+        yield chunk([], usage=_usage([metas[i] for i in range(len(rids))], n))
     yield SSE_DONE
+
+
+def _stream_options(body: dict[str, Any]) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options", "must be an object")
+    if options.get("continuous_usage_stats"):
+        raise BadRequest(
+            "stream_options.continuous_usage_stats",
+            "usage on every chunk is not supported by the hf engine; use include_usage",
+        )
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BadRequest("stream_options.include_usage", "must be true or false")
+    return include
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -347,7 +400,7 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
         return None
 
     if isinstance(prompt, str) and prompt:
-        return [encode_prompt(engine, prompt)]
+        return [encode_prompt(engine, prompt, "prompt")]
     single = ids_of(prompt, "prompt")
     if single is not None:
         return [single]
@@ -355,7 +408,7 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
         out = []
         for i, p in enumerate(prompt):
             if isinstance(p, str) and p:
-                out.append(encode_prompt(engine, p))
+                out.append(encode_prompt(engine, p, f"prompt[{i}]"))
                 continue
             ids = ids_of(p, f"prompt[{i}]")
             if ids is None:
@@ -370,8 +423,10 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
 
 
 def _completion_logprobs(
-    engine: Engine, meta: dict[str, Any], echo: bool, k: int
+    engine: Engine, meta: dict[str, Any], echo: bool, k: int, first: int = 0
 ) -> dict[str, Any] | None:
+    """OpenAI's completion ``logprobs`` (with the prompt's when ``echo``); in a stream, of the
+    output tokens from ``first`` on (``text_offset`` still counts from the text's start)."""
     if "output_token_logprobs" not in meta:
         return None
     entries = (meta.get("input_token_logprobs") or []) if echo else []
@@ -386,15 +441,26 @@ def _completion_logprobs(
         offsets.append(pos)
         pos += len(t)
     return {
-        "tokens": tokens,
-        "token_logprobs": [v for v, _i, _t in entries],
+        "tokens": tokens[first:],
+        "token_logprobs": [v for v, _i, _t in entries[first:]],
         "top_logprobs": [
-            None if top is None else {(t or ""): v for v, _i, t in top} for top in tops
+            None if top is None else {(t or ""): v for v, _i, t in top} for top in tops[first:]
         ]
         if k
         else None,
-        "text_offset": offsets,
+        "text_offset": offsets[first:],
     }
+
+
+def _echo_text(engine: Engine, body: dict[str, Any], prompts: list[list[int]], i: int) -> str:
+    """What ``echo`` prepends (SGLang's rule): the prompt as sent when it was text, else its
+    ids decoded without special tokens."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and isinstance(prompt[i] if prompt else None, str):
+        return str(prompt[i])
+    return str(engine.runner.tokenizer.decode(prompts[i], skip_special_tokens=True))
 
 
 async def completions(request: Request) -> Response:
@@ -403,7 +469,7 @@ async def completions(request: Request) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
-    sampling = _sampling(engine, body, 16)  # OpenAI's default max_tokens for completions
+    sampling = openai_sampling(engine, body, 16)  # OpenAI's default max_tokens for completions
     logprobs = body.get("logprobs")
     if logprobs is not None and (
         isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20
@@ -421,14 +487,27 @@ async def completions(request: Request) -> Response:
         return_text_in_logprobs=want,
     )
     prompts = _completion_prompts(engine, body)
+    for ids in prompts:  # max_tokens always counts here (its default, 16, is SGLang's too)
+        check_total_tokens(engine, len(ids), sampling.max_new_tokens, "max_tokens")
     await engine.check_grammar(sampling, "response_format" if body.get("response_format") else "")
     model = engine.served_model_name
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
+        usage = _stream_options(body)
         rids, queue = await _submit_stream(engine, prompts, sampling, logprob, "")
         return StreamingResponse(
-            _completion_stream(engine, rids, queue, cid, created, model, sampling.n),
+            _completion_stream(
+                engine,
+                rids,
+                queue,
+                cid,
+                created,
+                model,
+                sampling.n,
+                include_usage=usage,
+                logprobs=logprobs,
+            ),
             media_type="text/event-stream",
         )
     results = await asyncio.gather(*(engine.generate(ids, sampling, logprob) for ids in prompts))
@@ -438,8 +517,7 @@ async def completions(request: Request) -> Response:
         meta = out["meta_info"]
         text = out["text"]
         if echo:
-            prompt_ids = prompts[i // sampling.n]
-            text = engine.runner.tokenizer.decode(prompt_ids) + text
+            text = _echo_text(engine, body, prompts, i // sampling.n) + text
         choices.append(
             {
                 "index": i,
@@ -471,27 +549,31 @@ async def _completion_stream(
     created: int,
     model: str,
     n: int,
+    *,
+    include_usage: bool,
+    logprobs: int | None,
 ) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        head = {"id": cid, "object": "text_completion", "created": created, "model": model}
+        return sse({**head, "choices": choices, **extra})
+
     metas: dict[int, dict[str, Any]] = {}
-    async for index, delta, snap in _deltas(engine, rids, queue):
+    async for index, delta, snap, first in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
         finish = _finish(meta["finish_reason"])
-        if delta or finish is not None:
-            extra = {}
+        fresh = logprobs is not None and len(snap["output_ids"]) > first
+        if delta or fresh or finish is not None:
+            lp = _completion_logprobs(engine, meta, False, logprobs or 0, first) if fresh else None
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": delta,
+                "logprobs": lp,
+                "finish_reason": finish,
+            }
             if finish is not None:
                 metas[index] = meta
-                if len(metas) == len(rids):
-                    extra["usage"] = _usage([metas[i] for i in range(len(rids))], n)
-            yield sse(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
-                    ],
-                    **extra,
-                }
-            )
+                choice["matched_stop"] = meta["finish_reason"].get("matched")
+            yield chunk([choice])
+    if include_usage:  # OpenAI's and SGLang's: one last chunk with no choices
+        yield chunk([], usage=_usage([metas[i] for i in range(len(rids))], n))
     yield SSE_DONE

@@ -40,7 +40,8 @@ class HFEngineOptions:
     multi-node replica waits for its nodes and for one collective.
     ``constrained_json_disable_any_whitespace`` / ``constrained_json_max_whitespace_cnt``:
     JSON-schema output without free whitespace / with at most that many whitespace
-    characters in a row.
+    characters in a row. ``disable_radix_cache``: no prefix cache (every prompt is
+    prefilled in full).
     """
 
     memory_handoff: bool = False
@@ -59,6 +60,7 @@ class HFEngineOptions:
     constrained_json_max_whitespace_cnt: int | None = attrs.field(
         default=None, metadata={"check": ConfigReader.at_least(0)}
     )
+    disable_radix_cache: bool = False
 
 
 def hf_options(spec: EngineLaunchSpec) -> HFEngineOptions:

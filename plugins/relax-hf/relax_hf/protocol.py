@@ -22,12 +22,15 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "CUSTOM_LOGIT_PROCESSOR_REFUSED",
     "MEMORY_TAGS",
+    "SAMPLING_MASK_MAX_TOKENS",
     "SGLANG_INTERNAL_SAMPLING_FIELDS",
     "SGLANG_VERSION",
     "BadRequest",
     "GenerateInput",
     "LogprobParams",
+    "NotFound",
     "SamplingParams",
     "parse_dist_addr",
     "parse_generate",
@@ -58,6 +61,17 @@ MAX_STOP_REGEX_COUNT = 32
 MAX_STOP_REGEX_LEN = 256
 _SAMPLING_EPS = 1e-6
 _GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+class NotFound(LookupError):
+    """A request names something this engine does not have (a 404); ``param`` names the field
+    and ``code`` is the OpenAI error code (``model_not_found``)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        self.message = message
+        self.param = param
+        self.code = code
+        super().__init__(message)
 
 
 class BadRequest(ValueError):
@@ -148,31 +162,43 @@ def sampling_param_names() -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(SamplingParams))
 
 
+#: SGLang's ``--sampling-mask-max-tokens`` default: the largest sampling support returned.
+SAMPLING_MASK_MAX_TOKENS = 4096
+
+
 @attrs.frozen
 class LogprobParams:
-    """What log-probabilities a request wants back."""
+    """What log-probabilities a request wants back (and SGLang's sampling mask: the tokens in
+    each draw's sampling support, with ``sampling_logprobs_mode`` ``selected`` or
+    ``support``)."""
 
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] | None = None
     return_text_in_logprobs: bool = False
+    return_sampling_mask: bool = False
+    sampling_logprobs_mode: str = "selected"
 
 
 @attrs.frozen
 class GenerateInput:
     """One parsed ``/generate`` request.
 
-    ``prompts`` has one entry unless the body was a batch; ``sampling`` has one entry per
-    prompt. Every prompt runs ``n`` samples (SGLang requires the same ``n`` for all).
+    ``prompts`` has one entry unless the body was a batch; ``sampling`` and ``logprobs`` have
+    one entry per prompt (SGLang takes each log-prob field as one value for all or a list
+    with one per prompt). Every prompt runs ``n`` samples (SGLang requires the same ``n``).
+    ``explicit_max`` says, per prompt, whether ``max_new_tokens`` was given (SGLang checks
+    prompt + ``max_new_tokens`` against the context only then).
     """
 
     prompts: tuple[str | tuple[int, ...], ...]
     batch: bool
     sampling: tuple[SamplingParams, ...]
-    logprob: LogprobParams
+    logprobs: tuple[LogprobParams, ...]
     stream: bool
     rids: tuple[str | None, ...]
+    explicit_max: tuple[bool, ...] = ()
 
     @property
     def n(self) -> int:
@@ -218,7 +244,8 @@ def _token_ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
         t = _int(tid, f"{field}[{i}]", minimum=0)
         if t >= vocab_size:
             raise BadRequest(
-                f"{field}[{i}]", f"token id {t} is outside the vocabulary (size {vocab_size})"
+                f"{field}[{i}]",
+                f"out-of-vocabulary token id {t}; valid range is [0, {vocab_size})",
             )
         out.append(t)
     return tuple(out)
@@ -438,30 +465,13 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
         one = parse_sampling_params(sp_raw, vocab_size=vocab_size)
         sampling = (one,) * len(prompts)
 
-    rl = body.get("return_logprob")
-    return_logprob = False if rl is None else _bool(rl, "return_logprob")
-    lsl = body.get("logprob_start_len")
-    start = -1 if lsl is None else _int(lsl, "logprob_start_len", minimum=-1)
-    tln = body.get("top_logprobs_num")
-    top = 0 if tln is None else _int(tln, "top_logprobs_num", minimum=0)
-    if top > vocab_size:
-        raise BadRequest("top_logprobs_num", f"must be <= the vocabulary size {vocab_size}")
-    til = body.get("token_ids_logprob")
-    token_ids = None if til is None else _token_ids(til, "token_ids_logprob", vocab_size)
-    rtl = body.get("return_text_in_logprobs")
-    text_in = False if rtl is None else _bool(rtl, "return_text_in_logprobs")
-    if not return_logprob:
-        if top:
-            raise BadRequest("top_logprobs_num", "needs return_logprob: true")
-        if token_ids is not None:
-            raise BadRequest("token_ids_logprob", "needs return_logprob: true")
-    for i, p in enumerate(prompts):
-        if return_logprob and not isinstance(p, str) and start >= len(p):
-            where = f"input_ids[{i}]" if batch else "input_ids"
-            raise BadRequest(
-                "logprob_start_len", f"must be < the prompt length ({len(p)} tokens of {where})"
-            )
-    logprob = LogprobParams(return_logprob, start, top, token_ids, text_in)
+    logprobs = _logprob_params(body, prompts, batch, vocab_size)
+    explicit = (
+        tuple(isinstance(sp, Mapping) and sp.get("max_new_tokens") is not None for sp in sp_raw)
+        if isinstance(sp_raw, list)
+        else (isinstance(sp_raw, Mapping) and sp_raw.get("max_new_tokens") is not None,)
+        * len(prompts)
+    )
 
     st = body.get("stream")
     stream = False if st is None else _bool(st, "stream")
@@ -478,7 +488,13 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
             raise BadRequest(
                 "rid", f"must be a list of {len(prompts)} non-empty strings for a batch"
             )
-        rids = tuple(rid)
+        named: tuple[str, ...] = tuple(rid)
+        rids = named
+        duplicates = sorted({r for r in named if named.count(r) > 1})
+        if duplicates:
+            raise BadRequest(
+                "rid", f"Duplicate request IDs detected within the request: {duplicates}"
+            )
     else:
         if not isinstance(rid, str) or not rid:
             raise BadRequest("rid", "must be a non-empty string")
@@ -489,11 +505,112 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
         ("audio_data", "the hf engine serves text-only models"),
         ("input_embeds", "the hf engine takes text or input_ids"),
         ("lora_path", "LoRA adapters are not supported by the hf engine"),
-        ("custom_logit_processor", "custom logit processors are not supported by the hf engine"),
+        ("custom_logit_processor", CUSTOM_LOGIT_PROCESSOR_REFUSED),
     ):
         if body.get(name) is not None:
             raise BadRequest(name, what)
-    return GenerateInput(prompts, batch, sampling, logprob, stream, rids)
+    return GenerateInput(prompts, batch, sampling, logprobs, stream, rids, explicit)
+
+
+def _per_prompt(body: Mapping[str, Any], key: str, count: int, batch: bool) -> list[Any]:
+    """A log-prob field as one value per prompt: a list (one per prompt of a batch) or one
+    value for all."""
+    value = body.get(key)
+    if batch and isinstance(value, list) and key != "token_ids_logprob":
+        if len(value) != count:
+            raise BadRequest(key, f"a list needs one value per prompt ({count})")
+        return list(value)
+    nested = isinstance(value, list) and all(isinstance(v, list) for v in value)
+    if key == "token_ids_logprob" and isinstance(value, list) and value and nested:
+        if not batch or len(value) != count:
+            raise BadRequest(key, f"a list of lists needs a batch, one list per prompt ({count})")
+        return list(value)
+    return [value] * count
+
+
+def _logprob_params(
+    body: Mapping[str, Any],
+    prompts: tuple[str | tuple[int, ...], ...],
+    batch: bool,
+    vocab_size: int,
+) -> tuple[LogprobParams, ...]:
+    n = len(prompts)
+    columns = {
+        key: _per_prompt(body, key, n, batch)
+        for key in (
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "token_ids_logprob",
+            "return_sampling_mask",
+            "sampling_logprobs_mode",
+        )
+    }
+    rtl = body.get("return_text_in_logprobs")
+    text_in = False if rtl is None else _bool(rtl, "return_text_in_logprobs")
+    out = []
+    for i, p in enumerate(prompts):
+        at = f"[{i}]" if batch and n > 1 else ""
+
+        def value(key: str, i: int = i) -> Any:
+            return columns[key][i]
+
+        rl = value("return_logprob")
+        return_logprob = False if rl is None else _bool(rl, f"return_logprob{at}")
+        lsl = value("logprob_start_len")
+        start = -1 if lsl is None else _int(lsl, f"logprob_start_len{at}", minimum=-1)
+        tln = value("top_logprobs_num")
+        top = 0 if tln is None else _int(tln, f"top_logprobs_num{at}", minimum=0)
+        if top > vocab_size:
+            raise BadRequest("top_logprobs_num", f"must be <= the vocabulary size {vocab_size}")
+        til = value("token_ids_logprob")
+        token_ids = None if til is None else _logprob_ids(til, f"token_ids_logprob{at}", vocab_size)
+        if return_logprob and not isinstance(p, str) and start >= len(p):
+            where = f"input_ids[{i}]" if batch else "input_ids"
+            raise BadRequest(
+                "logprob_start_len", f"must be < the prompt length ({len(p)} tokens of {where})"
+            )
+        rsm = value("return_sampling_mask")
+        mask = False if rsm is None else _bool(rsm, f"return_sampling_mask{at}")
+        mode = value("sampling_logprobs_mode")
+        if mode is not None and not mask:
+            raise BadRequest(
+                "sampling_logprobs_mode",
+                "sampling_logprobs_mode can only be set when return_sampling_mask=true.",
+            )
+        if mode not in (None, "selected", "support"):
+            raise BadRequest(
+                "sampling_logprobs_mode", f"must be 'selected' or 'support', got {mode!r}"
+            )
+        # SGLang ignores top_logprobs_num and token_ids_logprob without return_logprob.
+        out.append(
+            LogprobParams(return_logprob, start, top, token_ids, text_in, mask, mode or "selected")
+        )
+    return tuple(out)
+
+
+def _logprob_ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
+    """``token_ids_logprob`` with SGLang's message for an id outside the vocabulary."""
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise BadRequest(field, "token_ids_logprob must be a flat list of integers.")
+    for t in value:
+        if not 0 <= t < vocab_size:
+            raise BadRequest(
+                field,
+                f"token_ids_logprob contains out-of-vocabulary token id {t}; "
+                f"valid range is [0, {vocab_size}).",
+            )
+    return tuple(value)
+
+
+#: SGLang's answer to a custom logit processor on a server started without the flag.
+CUSTOM_LOGIT_PROCESSOR_REFUSED = (
+    "The server is not configured to enable custom logit processor. Please set "
+    "`--enable-custom-logit-processor` to enable this feature. (The hf engine has no such "
+    "flag: a processor is serialized code, and it runs none.)"
+)
 
 
 def parse_tags(body: Any) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ import torch
 from relax_hf.grammar import GrammarBackend
 from relax_hf.kvcache import KVPool
 from relax_hf.modeling import DecodeGraphs, NativeModel
+from relax_hf.prefixcache import PrefixCache
 from relax_hf.vmm import DriverWarmer, Exchange, Segment, device_uuid
 
 __all__ = ["ModelRunner", "WeightsError", "pool_slots"]
@@ -163,8 +164,13 @@ class ModelRunner:
         json_max_whitespace_cnt: int | None = None,
         torch_compile: bool = False,
         memory_handoff: bool = False,
+        radix_cache: bool = True,
     ) -> None:
         """Load the model and its tokenizer, pack the weights, take the KV cache pool.
+
+        ``radix_cache`` (SGLang's default; ``--disable-radix-cache`` turns it off) keeps the
+        KV of prompts and outputs in a :class:`~relax_hf.prefixcache.PrefixCache` over the
+        pool, for later sequences that share their prefix.
 
         With ``memory_handoff`` (CUDA only) the weight buffer and the pool are
         :class:`~relax_hf.vmm.Segment` s: a release parks their physical memory for the next
@@ -177,6 +183,7 @@ class ModelRunner:
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        began = time.perf_counter()
         self.model_path = str(model_path)
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -239,6 +246,7 @@ class ModelRunner:
         self.checkpoint_path = self.model_path
         self._pack(self._to_flat_from_params())
         self.max_running_requests = max_running_requests
+        loaded = time.perf_counter()
         num_slots = pool_slots(
             device=self.device,
             bytes_per_token=_kv_bytes_per_token(self.native, self.dtype),
@@ -258,6 +266,10 @@ class ModelRunner:
             context_len=self.max_len,
             exchange=self.exchange,
         )
+        # Cleared whenever the KV it indexes stops being valid: the weights change or leave the
+        # device, or the pool is dropped (see each of those operations).
+        self.prefix_cache = PrefixCache(self.pool, enabled=radix_cache)
+        pooled = time.perf_counter()
         self.graphs: DecodeGraphs | None = None
         if cuda_graph and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
@@ -281,6 +293,13 @@ class ModelRunner:
             pin = self.device.type == "cuda"
             self._backup = torch.empty(self.param_bytes, dtype=torch.uint8, pin_memory=pin)
         _malloc_trim()
+        #: SGLang's ``startup_time`` phases (seconds) of this runner.
+        self.startup_time: dict[str, Any] = {
+            "load_weight": loaded - began,
+            "kv_cache_allocation": pooled - loaded,
+            "cuda_graph": {"decode": self.graphs.capture_seconds if self.graphs else 0.0},
+            "scheduler_e2e": time.perf_counter() - began,
+        }
 
     @classmethod
     def from_config(cls, config: Any) -> ModelRunner:
@@ -301,6 +320,7 @@ class ModelRunner:
             json_max_whitespace_cnt=config.constrained_json_max_whitespace_cnt,
             torch_compile=config.enable_torch_compile,
             memory_handoff=config.memory_handoff,
+            radix_cache=not config.disable_radix_cache,
         )
 
     # -- setup ---------------------------------------------------------------------------
@@ -370,9 +390,22 @@ class ModelRunner:
     # -- forward -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Prefill right-padded ``ids [B, T]`` into the pool rows; hidden states ``[B, T, H]``."""
-        return self.native.prefill(self.pool, ids, lens, rows)
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        lens: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor | None = None,
+        ctx: int = 0,
+    ) -> torch.Tensor:
+        """Prefill right-padded ``ids [B, T]`` into the pool rows; hidden states ``[B, T, H]``.
+
+        With ``starts`` the rows' tokens follow cached prefixes of those lengths (``ctx``: the
+        longest ``start + len``; see :meth:`NativeModel.prefill_after`).
+        """
+        if starts is None:
+            return self.native.prefill(self.pool, ids, lens, rows)
+        return self.native.prefill_after(self.pool, ids, lens, rows, starts, ctx)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -416,6 +449,7 @@ class ModelRunner:
             return {"released_bytes": 0}
         start = time.perf_counter()
         assert self._flat is not None
+        self.prefix_cache.clear()  # the weights may come back other than they were
         copied = 0
         if self.weights_cpu_backup and not self._backup_current:
             if self._backup is None:
@@ -493,6 +527,7 @@ class ModelRunner:
             return {"released_bytes": 0}
         if self.graphs is not None:
             self.graphs.drop()  # they read the pool's addresses
+        self.prefix_cache.clear()  # its slots go with the pool
         assert self.pool.kv is not None
         start = time.perf_counter()
         buffer = [weakref.ref(self.pool.kv.untyped_storage())]
@@ -568,6 +603,12 @@ class ModelRunner:
             detail["cuda_graph"] = self.capture_cuda_graphs()
         return detail
 
+    def flush_cache(self) -> None:
+        """``flush_cache``: drop the prefix cache and hand the allocator's caches back (no
+        storage was dropped, so no garbage collection)."""
+        self.prefix_cache.clear()
+        self.free_cached_memory([])
+
     def free_cached_memory(self, released: list[weakref.ref[Any]] | None = None) -> dict[str, Any]:
         """Return freed memory to the device driver / the OS; what it took.
 
@@ -615,6 +656,7 @@ class ModelRunner:
                 "num_slots": self.pool.num_slots,
                 "bytes_per_token": self.pool.bytes_per_token,
                 "free_slots": self.pool.free_slots if self.pool.resident else 0,
+                "prefix_cache_slots": self.prefix_cache.tokens,
                 "rows_in_use": self.pool.rows_in_use,
                 "mem_fraction_static": self.mem_fraction_static,
             },
@@ -710,6 +752,7 @@ class ModelRunner:
         if not self.weights_resident:
             raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
         self.check_named(((n, tuple(t.shape)) for n, t in named), field)
+        self.prefix_cache.clear()  # KV computed with the old weights is never served again
         total = 0
         with torch.no_grad():
             for name, tensor in named:
@@ -725,6 +768,7 @@ class ModelRunner:
         """Load a checkpoint directory of the same architecture into the weights."""
         if not self.weights_resident:
             raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
+        self.prefix_cache.clear()  # KV computed with the old weights is never served again
         if self._wseg is not None and self._flat is not None:
             # Loaded aside first (a failed load leaves the weights as they were), then copied
             # into the segment: the same addresses, so views and graphs stay valid.

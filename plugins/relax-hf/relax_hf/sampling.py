@@ -22,7 +22,15 @@ import torch
 
 from relax_hf.protocol import SamplingParams
 
-__all__ = ["SampleRow", "derive_seed", "draw", "gumbel_noise", "process_logits"]
+__all__ = [
+    "SampleRow",
+    "derive_seed",
+    "draw",
+    "gumbel_noise",
+    "process_logits",
+    "sampling_support",
+    "scaled_logprobs",
+]
 
 _M32 = 0xFFFFFFFF
 
@@ -167,21 +175,13 @@ def scaled_logprobs(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     return torch.log_softmax(z / _temperatures(rows, z.device)[:, None], dim=-1)
 
 
-def draw(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """One token id per row (int64 tensor on ``z``'s device) from processed logits ``z``."""
+def _filtered(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """``z / temperature`` of each (sampled, not greedy) row with top-k, top-p and min-p
+    applied: the log-weights of the distribution a draw samples (``-inf`` outside it)."""
     device = z.device
-    tokens = torch.argmax(z, dim=-1)
-    sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
-    if not sampled:
-        return tokens
-    sub_rows = [rows[i] for i in sampled]
-    idx = torch.tensor(sampled, device=device)
-    filt = (
-        z.index_select(0, idx)
-        / torch.tensor([r.sampling.temperature for r in sub_rows], device=device)[:, None]
-    )
+    filt = z / torch.tensor([r.sampling.temperature for r in rows], device=device)[:, None]
     vocab = filt.shape[-1]
-    ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in sub_rows]
+    ks = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in rows]
     if any(ks):
         top = torch.topk(filt, max(ks), dim=-1).values
         kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None])
@@ -189,8 +189,8 @@ def draw(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
             torch.tensor(ks, device=device)[:, None] > 0, kth, torch.full_like(kth, -torch.inf)
         )
         filt = filt.masked_fill(filt < kth, -torch.inf)
-    top_ps = [r.sampling.top_p for r in sub_rows]
-    min_ps = [r.sampling.min_p for r in sub_rows]
+    top_ps = [r.sampling.top_p for r in rows]
+    min_ps = [r.sampling.min_p for r in rows]
     if any(p < 1.0 for p in top_ps) or any(min_ps):
         probs = torch.softmax(filt, dim=-1)
         if any(p < 1.0 for p in top_ps):
@@ -201,8 +201,41 @@ def draw(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
             floor = torch.tensor(min_ps, device=device)[:, None] * probs.amax(-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
         filt = torch.log(probs)
+    return filt
+
+
+def draw(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """One token id per row (int64 tensor on ``z``'s device) from processed logits ``z``."""
+    device = z.device
+    tokens = torch.argmax(z, dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+    if not sampled:
+        return tokens
+    sub_rows = [rows[i] for i in sampled]
+    idx = torch.tensor(sampled, device=device)
+    filt = _filtered(z.index_select(0, idx), sub_rows)
     seeds = torch.tensor([r.seed for r in sub_rows], dtype=torch.int64, device=device)
     steps = torch.tensor([len(r.output_ids) for r in sub_rows], dtype=torch.int64, device=device)
-    picked = torch.argmax(filt + gumbel_noise(seeds, steps, vocab), dim=-1)
+    picked = torch.argmax(filt + gumbel_noise(seeds, steps, filt.shape[-1]), dim=-1)
     tokens[idx] = picked
     return tokens
+
+
+def sampling_support(
+    z: torch.Tensor, rows: Sequence[SampleRow], tokens: Sequence[int]
+) -> list[tuple[list[int], list[float]]]:
+    """SGLang's sampling mask of each row: the token ids with a positive probability in the
+    distribution its token was drawn from (most likely first) and their log-probabilities
+    (renormalised over that support). A greedy row's support is its token, log-prob 0."""
+    out: list[tuple[list[int], list[float]]] = [([t], [0.0]) for t in tokens]
+    sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+    if not sampled:
+        return out
+    idx = torch.tensor(sampled, device=z.device)
+    lp = torch.log_softmax(_filtered(z.index_select(0, idx), [rows[i] for i in sampled]), -1)
+    for j, i in enumerate(sampled):
+        row = lp[j]
+        ids = torch.nonzero(torch.isfinite(row)).squeeze(1)
+        values, order = torch.sort(row.index_select(0, ids), descending=True)
+        out[i] = (ids.index_select(0, order).tolist(), values.tolist())
+    return out

@@ -27,13 +27,22 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 import relax_hf
-from relax_hf import openai_api
+from relax_hf import openai_api, responses_api, scoring, tokenizer_api
 from relax_hf.engine import Engine, NotResident
 from relax_hf.nodes import HeadNodes, fingerprint
-from relax_hf.protocol import BadRequest, LogprobParams, SamplingParams, parse_generate, parse_tags
+from relax_hf.protocol import (
+    BadRequest,
+    LogprobParams,
+    NotFound,
+    SamplingParams,
+    parse_generate,
+    parse_tags,
+)
 from relax_hf.runner import ModelRunner
 from relax_hf.wire import (
     SSE_DONE,
+    check_sampling_mask,
+    check_total_tokens,
     encode_prompt,
     engine_of,
     error_response,
@@ -74,6 +83,7 @@ class ServerConfig:
     constrained_json_max_whitespace_cnt: int | None = None
     enable_torch_compile: bool = False
     memory_handoff: bool = False
+    disable_radix_cache: bool = False
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -83,8 +93,8 @@ async def generate(request: Request) -> Response:
     engine = engine_of(request)
     req = parse_generate(await read_json(request), vocab_size=engine.runner.vocab_size)
     prompts = [encode_prompt(engine, p) for p in req.prompts]
-    for i, ids in enumerate(prompts):
-        if req.logprob.return_logprob and req.logprob.logprob_start_len >= len(ids):
+    for i, (ids, lp) in enumerate(zip(prompts, req.logprobs, strict=True)):
+        if lp.return_logprob and lp.logprob_start_len >= len(ids):
             raise BadRequest(
                 "logprob_start_len",
                 f"must be < the prompt length ({len(ids)} tokens of prompt {i})",
@@ -92,17 +102,23 @@ async def generate(request: Request) -> Response:
     fields = [
         f"sampling_params[{i}]" if req.batch else "sampling_params" for i in range(len(prompts))
     ]
-    for sp, field in zip(req.sampling, fields, strict=True):
+    for ids, sp, field, explicit in zip(
+        prompts, req.sampling, fields, req.explicit_max, strict=True
+    ):
+        if explicit:
+            check_total_tokens(engine, len(ids), sp.max_new_tokens)
         await engine.check_grammar(sp, field)
+    for sp, lp, field in zip(req.sampling, req.logprobs, fields, strict=True):
+        check_sampling_mask(sp, lp, field)
     listed = req.batch or req.n > 1  # SGLang answers a list for a batch or n > 1
     if req.stream:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         rids: list[str] = []
         try:
-            for ids, sp, rid, field in zip(prompts, req.sampling, req.rids, fields, strict=True):
-                subs = engine.submit(
-                    ids, sp, req.logprob, rid=rid, stream=True, field=field, queue=queue
-                )
+            for ids, sp, lp, rid, field in zip(
+                prompts, req.sampling, req.logprobs, req.rids, fields, strict=True
+            ):
+                subs = engine.submit(ids, sp, lp, rid=rid, stream=True, field=field, queue=queue)
                 rids += [seq.rid for seq, _ in subs]
         except BaseException:
             for r in rids:
@@ -113,8 +129,8 @@ async def generate(request: Request) -> Response:
         )
     results = await asyncio.gather(
         *(
-            engine.generate(ids, sp, req.logprob, rid)
-            for ids, sp, rid in zip(prompts, req.sampling, req.rids, strict=True)
+            engine.generate(ids, sp, lp, rid)
+            for ids, sp, lp, rid in zip(prompts, req.sampling, req.logprobs, req.rids, strict=True)
         )
     )
     flat = [r for res in results for r in res]
@@ -178,9 +194,27 @@ async def health_generate(request: Request) -> Response:
 # -- info -----------------------------------------------------------------------------------
 
 
+def prefix_cache_info(engine: Engine) -> dict[str, Any]:
+    """The prefix cache's state and hit counters (``/server_info`` ``prefix_cache``).
+
+    ``cached_tokens_total`` is the sum of the sequences' ``cached_tokens`` and
+    ``prompt_tokens_total`` the sum of their prompt lengths (each sample counts, at its first
+    prefill); ``hit_rate`` is their ratio (0 before any prompt).
+    """
+    batch = engine.batch
+    looked_up = batch.prompt_tokens_prefilled
+    return {
+        **engine.runner.prefix_cache.report(),
+        "cached_tokens_total": batch.cached_tokens_total,
+        "prompt_tokens_total": looked_up,
+        "hit_rate": batch.cached_tokens_total / looked_up if looked_up else 0.0,
+    }
+
+
 def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
     """Server args plus internal state (what routers and managers read)."""
     runner = engine.runner
+    cache = prefix_cache_info(engine)
     return {
         **attrs.asdict(config),
         "model_path": config.model_path,
@@ -206,15 +240,37 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "prefill_sequences_total": engine.batch.prefill_sequences,
         "decode_steps_total": engine.batch.decode_steps,
         "generation_tokens_total": engine.batch.tokens_generated,
+        "prefix_cache": cache,
         "memory": runner.memory_report(),
         "last_release": engine.last_release,
         "last_resume": engine.last_resume,
         "memory_log": list(engine.memory_log),
         "weights_update_group": engine.group.name,
         "pid": os.getpid(),
+        "startup_time": engine.startup_seconds,
         "internal_states": [
-            {"num_running_reqs": engine.num_running, "weight_version": engine.weight_version}
+            {
+                "num_running_reqs": engine.num_running,
+                "weight_version": engine.weight_version,
+                "startup_time": engine.startup_seconds,
+                "cache_hit_rate": cache["hit_rate"],
+                "memory_usage": memory_usage(engine),
+            }
         ],
+    }
+
+
+def memory_usage(engine: Engine) -> dict[str, Any]:
+    """SGLang's ``internal_states[].memory_usage``: weights, KV cache pool and graphs in GB
+    (resident now), and the pool's token capacity."""
+    runner = engine.runner
+    report = runner.memory_report()
+    gb = 1e9
+    return {
+        "weight": round(report["resident_param_bytes"] / gb, 3),
+        "kvcache": round(report["kv_cache"]["bytes"] / gb, 3),
+        "token_capacity": runner.pool.capacity,
+        "graph": {},
     }
 
 
@@ -229,7 +285,8 @@ async def model_info(request: Request) -> Response:
     runner = engine.runner
     return JSONResponse(
         {
-            "model_path": runner.model_path,
+            # SGLang's: the checkpoint loaded now (it follows update_weights_from_disk).
+            "model_path": runner.checkpoint_path,
             "tokenizer_path": runner.model_path,
             "served_model_name": engine.served_model_name,
             "is_generation": True,
@@ -242,17 +299,30 @@ async def model_info(request: Request) -> Response:
     )
 
 
-async def models(request: Request) -> Response:
-    engine = engine_of(request)
-    card = {
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {
         "id": engine.served_model_name,
         "object": "model",
         "created": int(engine.started),
         "owned_by": "relax-hf",
         "root": engine.runner.model_path,
+        "parent": None,
         "max_model_len": engine.runner.max_len,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(engine_of(request))]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the served model's card; 404 (SGLang's
+    ``model_not_found``) for any other name."""
+    engine = engine_of(request)
+    name = request.path_params["model"]
+    if name != engine.served_model_name:
+        raise NotFound(f"The model '{name}' does not exist", param="model", code="model_not_found")
+    return JSONResponse(_model_card(engine))
 
 
 async def version(request: Request) -> Response:
@@ -275,6 +345,7 @@ async def loads(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     engine = engine_of(request)
+    cache = await engine.compute(prefix_cache_info, engine)
     name = engine.served_model_name.replace('"', "")
     lines = [
         "# TYPE sglang:num_running_reqs gauge",
@@ -293,6 +364,16 @@ async def metrics(request: Request) -> Response:
         f'relax_hf:prefill_sequences_total{{model_name="{name}"}} {engine.batch.prefill_sequences}',
         "# TYPE sglang:token_usage gauge",
         f'sglang:token_usage{{model_name="{name}"}} {engine.token_usage():.6f}',
+        "# TYPE sglang:cache_hit_rate gauge",
+        f'sglang:cache_hit_rate{{model_name="{name}"}} {cache["hit_rate"]:.6f}',
+        "# TYPE sglang:cached_tokens_total counter",
+        f'sglang:cached_tokens_total{{model_name="{name}",cache_source="device"}} '
+        f"{cache['cached_tokens_total']}",
+        "# TYPE relax_hf:prefix_cache_tokens gauge",
+        f'relax_hf:prefix_cache_tokens{{model_name="{name}"}} {cache["tokens"]}',
+        "# TYPE relax_hf:prefix_cache_evicted_tokens_total counter",
+        f'relax_hf:prefix_cache_evicted_tokens_total{{model_name="{name}"}} '
+        f"{cache['evicted_tokens_total']}",
     ]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
@@ -462,6 +543,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
         Route("/model_info", model_info, methods=get),
         Route("/get_model_info", model_info, methods=get),
         Route("/v1/models", models, methods=get),
+        Route("/v1/models/{model:path}", guard(retrieve_model), methods=get),
         Route("/version", version, methods=get),
         Route("/get_load", loads, methods=get),
         Route("/loads", loads, methods=get),
@@ -484,5 +566,12 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
         Route("/destroy_weights_update_group", guard(destroy_weights_update_group), methods=post),
         Route("/v1/chat/completions", guard(openai_api.chat_completions), methods=post),
         Route("/v1/completions", guard(openai_api.completions), methods=post),
+        Route("/v1/responses", guard(responses_api.create_response), methods=post),
+        Route("/v1/responses/{response_id}", guard(responses_api.retrieve_response), methods=get),
+        Route("/v1/score", guard(scoring.score), methods=post),
+        Route("/tokenize", guard(tokenizer_api.tokenize), methods=post),
+        Route("/v1/tokenize", guard(tokenizer_api.tokenize), methods=post),
+        Route("/detokenize", guard(tokenizer_api.detokenize), methods=post),
+        Route("/v1/detokenize", guard(tokenizer_api.detokenize), methods=post),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -15,12 +15,20 @@ from starlette.responses import JSONResponse, Response
 
 from relax_hf.engine import Conflict, Engine, NotResident, Unavailable
 from relax_hf.nodes import NodeLost
-from relax_hf.protocol import BadRequest
+from relax_hf.protocol import (
+    SAMPLING_MASK_MAX_TOKENS,
+    BadRequest,
+    LogprobParams,
+    NotFound,
+    SamplingParams,
+)
 from relax_hf.runner import WeightsError
 
 __all__ = [
     "SSE_DONE",
     "Handler",
+    "check_sampling_mask",
+    "check_total_tokens",
     "encode_prompt",
     "engine_of",
     "error_response",
@@ -31,14 +39,45 @@ __all__ = [
 ]
 
 
+#: The error ``type`` by status, as SGLang's OpenAI server names them.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
 def error_response(
-    status: int, message: str, *, field: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    *,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+    error_type: str | None = None,
+    code: int | str | None = None,
 ) -> JSONResponse:
-    """SGLang's error shape, plus ``success``/``message`` for control clients."""
-    body: dict[str, Any] = {
-        "error": {"message": message, "code": status, **({"field": field} if field else {})},
-        "success": False,
+    """SGLang's error shapes in one body: its OpenAI routes' top-level ``ErrorResponse``
+    (``object: "error"``, ``message``, ``type``, ``param``, ``code``), the nested ``error``
+    object of ``/generate`` and ``/v1/responses`` (the ``openai`` client reads that one), and
+    ``success: false`` for control clients. ``field`` (the offending field) is the ``param``."""
+    kind = error_type or _ERROR_TYPES.get(status, "Error")
+    error: dict[str, Any] = {
         "message": message,
+        "type": kind,
+        "param": field,
+        "code": status if code is None else code,
+    }
+    if field:
+        error["field"] = field
+    body: dict[str, Any] = {
+        "object": "error",
+        "message": message,
+        "type": kind,
+        "param": field,
+        "code": status,
+        "error": error,
+        "success": False,
     }
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -71,6 +110,10 @@ def guard(fn: Handler) -> Handler:
             return await fn(request)
         except BadRequest as exc:
             return error_response(400, str(exc), field=exc.field)
+        except NotFound as exc:
+            return error_response(
+                404, exc.message, field=exc.param, error_type="invalid_request_error", code=exc.code
+            )
         except (WeightsError, Conflict) as exc:
             return error_response(400, str(exc))
         except NotResident as exc:
@@ -86,13 +129,48 @@ def engine_of(request: Request) -> Engine:
     return request.app.state.engine  # type: ignore[no-any-return]
 
 
-def encode_prompt(engine: Engine, prompt: str | tuple[int, ...]) -> list[int]:
-    """Token ids of a text prompt (no special tokens added, as SGLang does for raw text)."""
+def encode_prompt(engine: Engine, prompt: str | tuple[int, ...], field: str = "text") -> list[int]:
+    """Token ids of a prompt, by SGLang's rule for text: the tokenizer's own encoding, with the
+    special tokens it adds (a Llama-3 tokenizer's BOS), so the model sees what SGLang gives
+    it. Token ids are taken as they are. (Chat prompts come from the chat template, which
+    writes its own special tokens: see :mod:`relax_hf.openai_api`.)"""
     if isinstance(prompt, str):
         if not prompt:
-            raise BadRequest("text", "must not be empty")
-        return list(engine.runner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            raise BadRequest(field, "must not be empty")
+        return list(engine.runner.tokenizer(prompt)["input_ids"])
     return list(prompt)
+
+
+def check_total_tokens(
+    engine: Engine, input_tokens: int, max_new_tokens: int | None, field: str = "max_new_tokens"
+) -> None:
+    """SGLang's check of an explicit ``max_new_tokens`` (``max_tokens``): the prompt and it
+    must fit the context. :raises BadRequest: with SGLang's message, naming ``field``."""
+    context = engine.runner.max_len
+    if max_new_tokens is not None and input_tokens + max_new_tokens > context:
+        raise BadRequest(
+            field,
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {input_tokens + max_new_tokens} tokens: "
+            f"{input_tokens} tokens from the input messages and {max_new_tokens} tokens for "
+            "the completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit.",
+        )
+
+
+def check_sampling_mask(sampling: SamplingParams, logprob: LogprobParams, field: str) -> None:
+    """SGLang's bound on ``return_sampling_mask``: greedy, or a finite ``top_k`` of at most
+    :data:`~relax_hf.protocol.SAMPLING_MASK_MAX_TOKENS`. :raises BadRequest: otherwise."""
+    if not logprob.return_sampling_mask or sampling.greedy:
+        return
+    cap = SAMPLING_MASK_MAX_TOKENS
+    if not 1 < sampling.top_k <= cap:
+        raise BadRequest(
+            f"{field}.top_k" if field else "top_k",
+            f"return_sampling_mask requires top_k=1 for greedy sampling or finite "
+            f"1 < top_k <= {cap}; got top_k={sampling.top_k}. Lower top_k or increase "
+            "--sampling-mask-max-tokens.",
+        )
 
 
 def sse(obj: Any) -> bytes:

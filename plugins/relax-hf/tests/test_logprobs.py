@@ -136,3 +136,39 @@ def test_logprobs_in_a_batch_match_a_request_alone(
     for a, b in zip(alone, together, strict=True):
         assert [t[1] for t in a] == [t[1] for t in b]
         assert [t[0] for t in a[1:]] == pytest.approx([t[0] for t in b[1:]], abs=1e-4)
+
+
+def test_input_logprobs_of_a_long_prompt_never_hold_every_positions_logits(
+    tiny_model: Path, reference: Any
+) -> None:
+    # A 50k-token prompt with full-vocabulary logits at every position is 10 GiB on a real
+    # vocabulary: they are made a chunk of positions at a time, with the same values.
+    from relax_hf.batch import INPUT_LOGPROB_CHUNK, Batch, Sequence
+    from relax_hf.protocol import LogprobParams, SamplingParams
+    from relax_hf.runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_model), max_total_tokens=4096)
+    rows: list[int] = []
+    logits = runner.logits
+
+    def counted(hidden: Any) -> Any:
+        rows.append(hidden.shape[0] if hidden.dim() == 2 else 1)
+        return logits(hidden)
+
+    runner.logits = counted  # type: ignore[method-assign]
+    prompt = [(13 * i) % 500 + 5 for i in range(3 * INPUT_LOGPROB_CHUNK + 7)]
+    seq = Sequence(
+        rid="long",
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=0),
+        logprob=LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2),
+    )
+    Batch(runner).step([seq])
+    assert max(rows) <= INPUT_LOGPROB_CHUNK
+    assert seq.input_token_logprobs is not None and seq.input_top_logprobs is not None
+    assert len(seq.input_token_logprobs) == len(prompt)
+    ref = reference(prompt)
+    for t in (1, INPUT_LOGPROB_CHUNK, INPUT_LOGPROB_CHUNK + 1, len(prompt) - 1):
+        assert seq.input_token_logprobs[t][0] == pytest.approx(
+            float(ref[t - 1, prompt[t]]), abs=1e-3
+        )

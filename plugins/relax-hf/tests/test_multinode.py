@@ -99,6 +99,21 @@ def test_a_two_node_replica_generates_what_a_single_node_engine_generates(
     assert nodes["tokens_synced"] >= 8 + 3 * 12 + 3 * 2 and nodes["diverged_tokens"] == 0
 
 
+def test_the_follower_keeps_the_heads_prefix_cache(replica: ReplicaServers) -> None:
+    # The follower runs only the tokens after the cached prefix too: had its tree not held the
+    # prefix's K/V, its tokens would differ from the head's.
+    http = replica.http
+    http.ok("/flush_cache")
+    prefix = [(7 * i + 3) % 400 + 10 for i in range(80)]
+    outs = [
+        http.ok("/generate", {"input_ids": [*prefix, t], "sampling_params": GREEDY})
+        for t in (1, 2, 3)
+    ]
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 80, 80]
+    nodes = _nodes(replica)
+    assert nodes["healthy"] and nodes["diverged_tokens"] == 0
+
+
 def test_every_weight_update_and_memory_operation_reaches_the_follower(
     replica: ReplicaServers, tiny_model: Path
 ) -> None:

@@ -22,6 +22,7 @@ def test_n_samples_answer_a_list_and_prefill_the_prompt_once(
 ) -> None:
     server = shared_server  # tests run one at a time: the counters move for this request only
     body = {"input_ids": [5, 6, 7, 8, 9, 10, 11], "sampling_params": {**SAMPLED, "n": 4}}
+    server.http.ok("/flush_cache")  # no earlier test's prompt in the prefix cache
     before = _prefills(server)
     out = server.http.ok("/generate", body)
     after = _prefills(server)

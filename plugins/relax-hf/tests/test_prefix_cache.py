@@ -1,0 +1,308 @@
+"""The prefix cache: SGLang's ``cached_tokens``, reuse across requests, invalidation, bounds."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from relax_hf.kvcache import KVPool
+from relax_hf.prefixcache import PrefixCache
+from relax_hf.testing import EngineServer
+from relax_hf.tiny import make_tiny_model
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+PREFIX = [(7 * i + 3) % 400 + 10 for i in range(100)]  # 100 token ids, no repeats nearby
+
+
+@pytest.fixture(scope="module")
+def cached(start_server: Any) -> EngineServer:
+    return start_server("hf-prefix-cache")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def uncached(start_server: Any) -> EngineServer:
+    return start_server("hf-no-prefix-cache", extra_args=("--disable-radix-cache",))  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def server(cached: EngineServer) -> EngineServer:
+    """The cached engine with an empty prefix cache."""
+    cached.http.ok("/flush_cache")
+    return cached
+
+
+def _gen(server: EngineServer, ids: list[int], new: int = 8, **kw: Any) -> dict[str, Any]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, **GREEDY}, **kw}
+    return server.http.ok("/generate", body)  # type: ignore[no-any-return]
+
+
+def _cache(server: EngineServer) -> dict[str, Any]:
+    return server.http.ok("/server_info")["prefix_cache"]  # type: ignore[no-any-return]
+
+
+def test_a_second_request_reports_the_shared_prefix_as_cached_tokens(server: EngineServer) -> None:
+    first = _gen(server, [*PREFIX, 1, 2, 3])
+    assert first["meta_info"]["cached_tokens"] == 0
+    second = _gen(server, [*PREFIX, 4, 5])
+    assert second["meta_info"]["cached_tokens"] == len(PREFIX)
+    assert second["meta_info"]["prompt_tokens"] == len(PREFIX) + 2
+
+
+def test_a_repeated_prompt_reuses_all_but_its_last_token(server: EngineServer) -> None:
+    # SGLang's bound: the last input token is always computed (its logits pick the next).
+    prompt = [*PREFIX, 9]
+    _gen(server, prompt)
+    assert _gen(server, prompt)["meta_info"]["cached_tokens"] == len(prompt) - 1
+
+
+def test_cached_tokens_are_not_prefilled_again(server: EngineServer) -> None:
+    _gen(server, [*PREFIX, 1])
+    before = server.http.ok("/server_info")["prefill_tokens_total"]
+    out = _gen(server, [*PREFIX, 2, 3, 4])
+    after = server.http.ok("/server_info")["prefill_tokens_total"]
+    assert after - before == out["meta_info"]["prompt_tokens"] - out["meta_info"]["cached_tokens"]
+    assert after - before == 3
+
+
+def test_a_cached_prefill_gives_the_tokens_and_logprobs_of_a_full_one(
+    server: EngineServer, uncached: EngineServer
+) -> None:
+    kw = {"return_logprob": True, "logprob_start_len": 90, "top_logprobs_num": 3}
+    _gen(server, [*PREFIX, 1])
+    for tail in ([2, 3], [4], [5, 6, 7, 8]):
+        hit = _gen(server, [*PREFIX, *tail], 16, **kw)
+        full = _gen(uncached, [*PREFIX, *tail], 16, **kw)
+        assert hit["meta_info"]["cached_tokens"] == 90  # the match stops at logprob_start_len
+        assert full["meta_info"]["cached_tokens"] == 0
+        assert hit["output_ids"] == full["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            a, b = hit["meta_info"][key], full["meta_info"][key]
+            assert [e[1] for e in a] == [e[1] for e in b]
+            assert [e[0] for e in a[1:]] == pytest.approx([e[0] for e in b[1:]], abs=1e-4)
+        assert len(hit["meta_info"]["input_top_logprobs"]) == len(PREFIX) + len(tail) - 90
+
+
+def test_a_conversation_turn_reuses_the_previous_turns_prompt_and_answer(
+    server: EngineServer,
+) -> None:
+    turn1 = [*PREFIX[:40], 11, 12]
+    out1 = _gen(server, turn1, 12)
+    turn2 = [*turn1, *out1["output_ids"], 13, 14, 15]
+    out2 = _gen(server, turn2, 4)
+    # Everything but the last generated token (its KV is computed when it is fed next).
+    assert out2["meta_info"]["cached_tokens"] == len(turn1) + len(out1["output_ids"]) - 1
+
+
+def test_concurrent_requests_sharing_a_prompt_prefill_it_once(server: EngineServer) -> None:
+    # Eight clients sending one long prompt at once (a group of samples as separate requests):
+    # the first is prefilled alone, the other seven reuse it (SGLang's in-batch prefix check).
+    prompt = [*PREFIX, 21]
+    before = server.http.ok("/server_info")["prefill_tokens_total"]
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: _gen(server, prompt, 4), range(8)))
+    after = server.http.ok("/server_info")["prefill_tokens_total"]
+    assert after - before < 2 * len(prompt)
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs)[1:] == [len(prompt) - 1] * 7
+    assert len({tuple(o["output_ids"]) for o in outs}) == 1
+
+
+def test_the_hit_rate_is_reported_in_server_info_and_metrics(server: EngineServer) -> None:
+    _gen(server, [*PREFIX, 1])
+    _gen(server, [*PREFIX, 2])
+    cache = _cache(server)
+    assert cache["enabled"] is True and cache["tokens"] >= len(PREFIX)
+    assert 0 < cache["hit_rate"] < 1
+    assert cache["hit_rate"] == pytest.approx(
+        cache["cached_tokens_total"] / cache["prompt_tokens_total"]
+    )
+    info = server.http.ok("/server_info")
+    assert info["internal_states"][0]["cache_hit_rate"] == cache["hit_rate"]
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values["sglang:cache_hit_rate"] == pytest.approx(cache["hit_rate"], abs=1e-6)
+    assert values["sglang:cached_tokens_total"] == cache["cached_tokens_total"]
+    assert values["relax_hf:prefix_cache_tokens"] == cache["tokens"]
+
+
+def test_flush_cache_empties_the_prefix_cache(server: EngineServer) -> None:
+    prompt = [*PREFIX, 1]
+    _gen(server, prompt)
+    assert _cache(server)["tokens"] > 0
+    server.http.ok("/flush_cache")
+    cache = _cache(server)
+    assert (cache["tokens"], cache["nodes"]) == (0, 0)
+    assert _gen(server, prompt)["meta_info"]["cached_tokens"] == 0
+
+
+def test_the_cache_can_be_disabled(uncached: EngineServer) -> None:
+    _gen(uncached, [*PREFIX, 1])
+    assert _gen(uncached, [*PREFIX, 1])["meta_info"]["cached_tokens"] == 0
+    info = uncached.http.ok("/server_info")
+    assert info["prefix_cache"]["enabled"] is False and info["prefix_cache"]["tokens"] == 0
+    assert info["disable_radix_cache"] is True
+
+
+# -- weight versions --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny architecture with other random weights (seed 1)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-seed-1"), seed=1)
+
+
+@pytest.fixture
+def versions(server: EngineServer, tiny_model: Path) -> Iterator[EngineServer]:
+    """The cached engine on the tiny model's weights (loaded back afterwards too)."""
+    server.http.ok(
+        "/update_weights_from_disk", {"model_path": str(tiny_model), "weight_version": "a"}
+    )
+    yield server
+    server.http.ok(
+        "/update_weights_from_disk", {"model_path": str(tiny_model), "weight_version": "a"}
+    )
+
+
+def test_a_cached_prefix_is_never_served_across_a_weight_update(
+    versions: EngineServer, other_model: Path
+) -> None:
+    server = versions
+    prompt = [*PREFIX, 1]
+    old = _gen(server, prompt, 16)
+    assert _gen(server, prompt, 16)["meta_info"]["cached_tokens"] == len(prompt) - 1
+    # Even when the caller asks not to flush: KV of other weights is never valid.
+    server.http.ok(
+        "/update_weights_from_disk",
+        {"model_path": str(other_model), "weight_version": "b", "flush_cache": False},
+    )
+    after = _gen(server, prompt, 16)
+    assert after["meta_info"]["cached_tokens"] == 0
+    assert after["meta_info"]["weight_version"] == "b"
+    assert after["output_ids"] != old["output_ids"]
+    server.http.ok("/flush_cache")
+    fresh = _gen(server, prompt, 16)  # computed from scratch with the new weights
+    assert fresh["meta_info"]["cached_tokens"] == 0 and fresh["output_ids"] == after["output_ids"]
+    assert _gen(server, prompt, 16)["meta_info"]["cached_tokens"] == len(prompt) - 1
+
+
+def test_a_tensor_update_invalidates_the_cache(versions: EngineServer) -> None:
+    from relax_core import serialize_named_tensors
+
+    server = versions
+    prompt = [*PREFIX, 2]
+    _gen(server, prompt)
+    assert _cache(server)["tokens"] > 0
+    weight = torch.full((128, 256), 0.01)  # layer 0's k_proj (2 kv heads of 64): every KV moves
+    payload = serialize_named_tensors(
+        [("model.layers.0.self_attn.k_proj.weight", weight)], load_format="safetensors"
+    )
+    body = {
+        "serialized_named_tensors": [payload],
+        "load_format": "safetensors",
+        "flush_cache": False,
+    }
+    server.http.ok("/update_weights_from_tensor", body)
+    assert _cache(server)["tokens"] == 0
+    assert _gen(server, prompt)["meta_info"]["cached_tokens"] == 0
+
+
+def test_a_request_running_across_a_weight_update_does_not_cache_its_kv(
+    versions: EngineServer, other_model: Path
+) -> None:
+    server = versions
+    prompt = [*PREFIX, 3]
+    body = json.dumps(
+        {
+            "input_ids": prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 3000, **GREEDY},
+        }
+    ).encode()
+    req = urllib.request.Request(server.url + "/generate", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.readline().startswith(b"data: ")  # it runs (prompt inserted after prefill)
+        server.http.ok(
+            "/update_weights_from_disk", {"model_path": str(other_model), "weight_version": "c"}
+        )
+        events = [line for line in resp.read().split(b"\n\n") if line.startswith(b"data: {")]
+    last = json.loads(events[-1][len(b"data: ") :])
+    assert last["meta_info"]["weight_version"] == "c"  # it finished under the new weights
+    assert last["meta_info"]["completion_tokens"] == 3000
+    assert _cache(server)["tokens"] == 0  # neither its prompt nor its output were kept
+    out = _gen(server, [*prompt, *last["output_ids"][:50]])
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(start_server: Any) -> EngineServer:
+    """An engine whose pool holds 512 tokens."""
+    return start_server("hf-prefix-small", extra_args=("--max-total-tokens", "512"))  # type: ignore[no-any-return]
+
+
+def test_memory_stays_bounded_under_a_stream_of_distinct_prefixes(small: EngineServer) -> None:
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        prompt = [10 + i] + [int(t) for t in rng.integers(10, 400, size=59)]  # distinct first
+        out = _gen(small, prompt, 8)
+        assert out["meta_info"]["cached_tokens"] == 0, i
+        cache = _cache(small)
+        assert cache["tokens"] <= 512 and cache["nodes"] <= cache["tokens"]
+    info = small.http.ok("/server_info")
+    kv, cache = info["memory"]["kv_cache"], info["prefix_cache"]
+    assert cache["evicted_tokens_total"] > 0  # the oldest prefixes made room for new ones
+    assert kv["free_slots"] + cache["tokens"] == 512  # no slot leaked
+    assert cache["evictable_tokens"] == cache["tokens"]  # nothing running: nothing locked
+    # A request that needs almost the whole pool still runs: eviction frees what it needs.
+    big = _gen(small, [int(t) for t in rng.integers(10, 400, size=400)], 100)
+    assert big["meta_info"]["completion_tokens"] == 100
+
+
+def test_the_least_recently_used_prefix_is_evicted_first(tiny_model: Path) -> None:
+    pool = KVPool(
+        num_layers=1,
+        kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_slots=33,
+        max_rows=2,
+        context_len=32,
+    )
+    cache = PrefixCache(pool)
+
+    def add(key: list[int]) -> None:
+        slots = pool.alloc_slots(len(key))
+        cache.insert(np.array(key), slots)
+        pool.free_slots_of(slots)  # the sequence is done: only the tree holds them
+
+    add([1, 2, 3, 4, 5, 6, 7, 8])
+    add([1, 2, 3, 4, 9, 9, 9, 9])  # shares 4 tokens: a split, three nodes
+    add([5, 5, 5, 5, 5, 5, 5, 5])
+    assert (cache.tokens, cache.nodes) == (20, 4)
+    hit, _, node = cache.match(np.array([1, 2, 3, 4, 5, 6, 7, 8, 0]), limit=8)
+    assert hit == 8
+    cache.lock(node)
+    assert cache.evictable_tokens == 20 - 8
+    cache.evict(4)  # the oldest unlocked leaf: [9, 9, 9, 9] (the [5…] branch was used later)
+    assert cache.match(np.array([1, 2, 3, 4, 9, 9]), limit=6)[0] == 4
+    assert cache.match(np.array([5, 5, 5]), limit=3)[0] == 3
+    freed = cache.evict(100)  # everything unlocked goes; the locked path stays
+    assert freed == 8 and cache.tokens == 8 and cache.evictable_tokens == 0
+    cache.unlock(node)
+    cache.clear()
+    assert pool.free_slots == 32 and cache.tokens == 0
