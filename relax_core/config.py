@@ -40,6 +40,7 @@ __all__ = [
     "PlacementSettings",
     "RoleConfig",
     "RouterSettings",
+    "ServeSettings",
     "TrainingConfig",
     "load_config",
     "loads_config",
@@ -137,6 +138,27 @@ class PlacementConfig:
         if self.mode is not None:
             return self.mode
         return "split" if training.colocate else "decoupled"
+
+
+@attrs.frozen
+class ServeSettings:
+    """``[serve]``: how ``relax serve`` wakes the roles of a defer layout on demand.
+
+    ``wake_timeout``: the longest a request is held while its role is woken (then 503 with a
+    Retry-After). ``idle_seconds``: a role with nothing in flight for this long goes back to
+    sleep (0: never). ``min_residency``: a woken role is not evicted for another before this
+    many seconds (hysteresis). ``max_awake``: at most this many roles of a shared slice awake
+    at once (``None``: as the memory budget allows). ``operation_timeout``: the longest one
+    onload, offload or rebuild may take before its role is BLOCKED.
+    """
+
+    wake_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    idle_seconds: float = attrs.field(default=300.0, validator=attrs.validators.ge(0))
+    min_residency: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    max_awake: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
+    operation_timeout: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
 
 
 @attrs.frozen
@@ -283,6 +305,7 @@ class JobConfig:
     ``run`` is the file's ``[run]`` table as written: ``relax run`` reads it
     (:func:`relax_core.run.config.parse_run_config`, which checks its keys); every other
     command ignores it, so one file serves ``relax plan``, ``relax serve`` and ``relax run``.
+    ``serve`` is ``[serve]`` (:class:`ServeSettings`), which only ``relax serve`` acts on.
     """
 
     cluster: ClusterConfig = ClusterConfig()
@@ -291,6 +314,7 @@ class JobConfig:
     roles: tuple[RoleConfig, ...] = ()
     source: str | None = None
     run: Mapping[str, Any] = attrs.field(factory=dict)
+    serve: ServeSettings = ServeSettings()
 
     def role(self, name: str) -> RoleConfig:
         """The role called ``name``; :class:`KeyError` naming the configured ones otherwise."""
@@ -559,7 +583,7 @@ def _field_reader(cls: type, field: attrs.Attribute[Any], hint: Any) -> _FieldRe
     )
 
 
-_TOP = ("cluster", "training", "placement", "roles", "run")
+_TOP = ("cluster", "training", "placement", "roles", "run", "serve")
 _CLUSTER = ("num_nodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "cpus_per_bundle")
 _TRAINING = tuple(f.name for f in attrs.fields(TrainingConfig))
 _PLACEMENT = ("mode", "defer_roles", "pg_strategy", "residency")
@@ -954,8 +978,10 @@ def parse_config(
     run = top.get("run", {})
     if not isinstance(run, dict):
         r.problem("run", "type", f"must be a table, got {type(run).__name__}")
+    serve = r.record(top.get("serve", {}), "serve", ServeSettings)
     r.raise_problems(source)
-    return JobConfig(cluster, training, placement, tuple(roles), source, run=run)
+    assert serve is not None  # a problem above otherwise
+    return JobConfig(cluster, training, placement, tuple(roles), source, run=run, serve=serve)
 
 
 def loads_config(

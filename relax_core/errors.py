@@ -10,7 +10,8 @@ a bundle index, a request field) and, where there is one, what to do about it. T
     │   └── SnapshotError
     ├── PlacementError (violations)
     ├── RoutingError (status, retry_after)
-    │   └── InvalidRequestError (field; status 400)
+    │   ├── InvalidRequestError (field; status 400)
+    │   └── ModelNotReadyError (role, model, state; status 503)
     ├── UpstreamError (status, request_id)
     │   ├── UpstreamUnreachableError
     │   ├── UpstreamStatusError (body, url, retry_after)
@@ -44,6 +45,7 @@ __all__ = [
     "InvalidRequestError",
     "LeaseBlockedError",
     "LifecycleError",
+    "ModelNotReadyError",
     "NotApplicable",
     "PlacementError",
     "PluginError",
@@ -184,6 +186,25 @@ class RoutingError(_StatusError):
     def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(status, message)
         self.retry_after = retry_after
+
+
+class ModelNotReadyError(RoutingError):
+    """The model a request resolved to is not READY (SLEEPING, ONLOADING, DRAINING, …): a 503
+    and nothing was sent. ``role``, ``model`` and ``state`` (the model's state, as published)
+    say which: a role gateway that can wake a sleeping role (``relax serve``'s on-demand
+    residency) waits for it and retries; any other caller retries after ``retry_after``."""
+
+    role: str
+    model: str
+    state: str
+
+    def __init__(
+        self, message: str, *, role: str, model: str, state: str, retry_after: float | None = None
+    ) -> None:
+        super().__init__(503, message, retry_after=retry_after)
+        self.role = role
+        self.model = model
+        self.state = state
 
 
 class InvalidRequestError(RoutingError):

@@ -365,6 +365,19 @@ class UpstreamResponse:
         if self._on_close is not None:
             self._on_close()
 
+    def add_close_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` too when the response is closed (after any callback before it)."""
+        before = self._on_close
+
+        def both() -> None:
+            try:
+                if before is not None:
+                    before()
+            finally:
+                callback()
+
+        self._on_close = both
+
     async def __aenter__(self) -> UpstreamResponse:
         return self
 

@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import TextIO
 
+import attrs
+
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, LifecycleError
@@ -53,6 +55,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between health checks of every replica; 0 turns them off (default 10)",
     )
     parser.add_argument("--log-dir", help="where engine logs go (default: a new temp directory)")
+    wake = parser.add_argument_group(
+        "on-demand wake", "override the job file's [serve] table (docs/serve.md)"
+    )
+    wake.add_argument(
+        "--wake-timeout", type=float, help="longest a request waits for its role to wake (s)"
+    )
+    wake.add_argument(
+        "--idle-seconds", type=float, help="an idle role goes back to sleep after this (0: never)"
+    )
+    wake.add_argument(
+        "--min-residency", type=float, help="a woken role is not evicted before this (s)"
+    )
+    wake.add_argument("--max-awake", type=int, help="at most this many roles of a slice awake")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +77,19 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
     except ConfigValidationError as exc:
         return reject("serve", [str(p) for p in exc.problems])
+    overrides = {
+        key: getattr(args, key)
+        for key in ("wake_timeout", "idle_seconds", "min_residency", "max_awake")
+        if getattr(args, key, None) is not None
+    }
+    bad = []
+    for key, value in overrides.items():
+        try:
+            loaded = attrs.evolve(loaded, serve=attrs.evolve(loaded.serve, **{key: value}))
+        except ValueError as exc:
+            bad.append(f"--{key.replace('_', '-')} {value}: {exc}")
+    if bad:
+        return reject("serve", bad)
     # Relative model paths are relative to the job file, as relax run reads them.
     config = resolve_model_paths(loaded)
     found = job_preflight(loaded, pm, address=args.address, gateways=True)

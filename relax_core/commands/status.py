@@ -33,5 +33,49 @@ def run(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as err:
         print(f"relax status: cannot reach {args.url}: {err}; is `relax serve` running?")
         return 1
-    print(json.dumps(snap.to_json(), indent=2) if args.json else render_snapshot(snap))
+    residency = _residency(args.url, args.token)
+    if args.json:
+        body = snap.to_json()
+        if residency is not None:
+            body = {**body, "residency": residency}  # not schema 2: relax serve's wake state
+        print(json.dumps(body, indent=2))
+    else:
+        print(render_snapshot(snap))
+        if residency is not None:
+            print(render_residency(snap.role, residency))
     return 0
+
+
+def _residency(url: str, token: str | None) -> dict[str, Any] | None:
+    """The role's residency from its gateway's ``/health`` (``relax serve``'s on-demand wake),
+    or ``None`` where the gateway does not wake its role."""
+    base = url.rstrip("/").removesuffix("/engines")
+    req = urllib.request.Request(base + "/health?schema=2")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as err:  # 503: nothing READY, the body still says why
+        body = json.loads(err.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    found = body.get("residency") if isinstance(body, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+def render_residency(role: str, residency: dict[str, Any]) -> str:
+    """``residency: …`` lines of a role woken on demand."""
+    lines = [
+        f"  residency  {residency.get('state')} on {residency.get('slice')} (woken on demand; "
+        f"resident there now: {', '.join(residency.get('resident_on_slice') or []) or 'none'}; "
+        f"{residency.get('inflight', 0)} request(s) in flight)"
+    ]
+    if residency.get("blocked"):
+        lines.append(f"  BLOCKED: {residency['blocked']}")
+    lines.append(
+        f"  a request waits up to {residency.get('wake_timeout_s')} s for a wake; asleep "
+        f"again after {residency.get('idle_seconds')} s idle; resident at least "
+        f"{residency.get('min_residency_s')} s"
+    )
+    return "\n".join(lines)

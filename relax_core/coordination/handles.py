@@ -106,6 +106,16 @@ class LocalManagerHandle:
         """The manager's published weight version."""
         return await asyncio.to_thread(lambda: self.manager.weight_version)
 
+    async def failed(self) -> list[str]:
+        """The engine ids of the manager's FAILED replicas."""
+        states = await asyncio.to_thread(self.manager.states)
+        return [engine for engine, state in states.items() if state == "FAILED"]
+
+    async def recover(self) -> LifecycleResult:
+        """``manager.recover()`` in a worker thread: rebuild the FAILED replicas."""
+        result: LifecycleResult = await asyncio.to_thread(self.manager.recover)
+        return result
+
 
 class RayManagerHandle:
     """A manager hosted by a Ray actor (:func:`relax_core.manager.actor.start_manager_actor`).

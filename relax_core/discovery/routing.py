@@ -48,7 +48,7 @@ from typing import Any
 import attrs
 
 from relax_core.discovery.schema import ModelState, RoleSnapshot, RouteMode
-from relax_core.errors import PluginError, RoutingError
+from relax_core.errors import ModelNotReadyError, PluginError, RoutingError
 from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import ReplicaSelector, RoutingPolicy
 
@@ -448,17 +448,18 @@ class RouteResolver:
     def _not_ready(self, index: _SnapshotIndex, entry: _ModelIndex) -> RoutingError:
         state = entry.not_ready
         assert state is not None
+        where = {"role": index.role, "model": entry.model_id, "state": state.value}
         if state is ModelState.SLEEPING and self._sleeping_note is not None:
-            return RoutingError(
-                503,
+            return ModelNotReadyError(
                 f'model "{entry.model_id}" of role "{index.role}" is SLEEPING and nothing will '
                 f"wake it: {self._sleeping_note}. No request was sent",
                 retry_after=None,
+                **where,
             )
         seconds = self._retry_after.get(state, 1.0)
-        return RoutingError(
-            503,
+        return ModelNotReadyError(
             f'model "{entry.model_id}" of role "{index.role}" is {state.value} ({_WHY[state]}); '
             f"no request was sent. Refresh discovery and retry after {seconds:g} s",
             retry_after=seconds,
+            **where,
         )

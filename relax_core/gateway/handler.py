@@ -27,7 +27,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import orjson
@@ -41,6 +41,7 @@ from relax_core.discovery.schema import ModelState, RoleSnapshot
 from relax_core.errors import (
     GatewayError,
     InvalidRequestError,
+    ModelNotReadyError,
     RoutingError,
     UpstreamError,
     UpstreamUnreachableError,
@@ -55,6 +56,7 @@ __all__ = [
     "GatewayAnswer",
     "GatewayOptions",
     "InferenceGatewayHandler",
+    "Waker",
     "adapter_for_role",
     "build_gateway_handler",
     "error_answer",
@@ -146,6 +148,7 @@ def build_gateway_handler(
     *,
     plugin_manager: PluginManager,
     options: GatewayOptions | None = None,
+    waker: Waker | None = None,
 ) -> InferenceGatewayHandler:
     """The handler of ``role``'s gateway: the one way every gateway is built.
 
@@ -154,9 +157,10 @@ def build_gateway_handler(
     or a callable returning the snapshot (a role service's ``snapshot``). ``plugin_manager``:
     where the role's adapter, the routing policies and the weight sources snapshots are
     checked against all come from (never the process-wide one behind the caller's back).
-    ``options``: :class:`GatewayOptions` (default: the defaults). A gateway on a thread, in
-    worker processes and in a Ray actor is built by this same call
-    (:mod:`relax_core.gateway.serving`).
+    ``options``: :class:`GatewayOptions` (default: the defaults). ``waker``: what wakes the
+    role's sleeping models on demand (:class:`Waker`; ``relax serve``'s on-demand residency, a
+    gateway in its process only). A gateway on a thread, in worker processes and in a Ray actor
+    is built by this same call (:mod:`relax_core.gateway.serving`).
 
     :raises PluginError: no plugin registers ``role``.
     :raises ValueError: ``discovery`` is a URL that is not ``http(s)://``.
@@ -175,7 +179,37 @@ def build_gateway_handler(
         client = InferenceClient(discovery, **common)
     else:
         client = InferenceClient(snapshot_provider=discovery, **common)
-    return InferenceGatewayHandler(role, client, adapter, options)
+    return InferenceGatewayHandler(role, client, adapter, options, waker=waker)
+
+
+class Waker(Protocol):
+    """What a role gateway calls to have its role's sleeping models woken (``relax serve``'s
+    :class:`~relax_core.jobs.wake.WakeController`, through its ``waker()``)."""
+
+    def wakes(self, role: str) -> bool:
+        """Whether ``role``'s models are woken on demand."""
+        ...
+
+    def enter(self, role: str, *, first: bool = True) -> bool:
+        """Admit a request for ``role`` if it is awake (counted in flight until :meth:`end`);
+        ``False``: :meth:`wake` it, then call again with ``first=False``."""
+        ...
+
+    async def wake(self, role: str, *, timeout: float | None = None) -> None:
+        """Return once ``role`` is awake; raise a ``RoutingError`` (503) when it cannot be."""
+        ...
+
+    def end(self, role: str) -> None:
+        """An admitted request has its whole answer (a stream: once it is closed)."""
+        ...
+
+    def describe(self, role: str) -> dict[str, Any]:
+        """``role``'s residency, for ``/health``."""
+        ...
+
+    def collector(self, role: str) -> Any:
+        """A Prometheus collector of ``role``'s wake counters, for ``/metrics``."""
+        ...
 
 
 def _error_for_upstream(exc: UpstreamError, metrics: GatewayMetrics) -> GatewayError:
@@ -281,9 +315,12 @@ class InferenceGatewayHandler:
         client: InferenceClient,
         adapter: RoleAdapter,
         options: GatewayOptions | None = None,
+        *,
+        waker: Waker | None = None,
     ) -> None:
         options = GatewayOptions() if options is None else options
         self.role = role
+        self.waker = waker if waker is not None and waker.wakes(role) else None
         self.client = client
         self.adapter = adapter
         self.options = options
@@ -297,6 +334,8 @@ class InferenceGatewayHandler:
         self._first = inf if first is None else first
         self.metrics = GatewayMetrics(role)
         self.metrics.watch_client(client)
+        if self.waker is not None:
+            self.metrics.registry.register(self.waker.collector(role))
         self._pool: ThreadPoolExecutor | None = None
         self._preload: asyncio.Future[None] | None = None
         #: why the adapter's preload failed (``None``: it did not, or has not finished)
@@ -398,6 +437,9 @@ class InferenceGatewayHandler:
                 "models": {},
             }
         ready = any(m.state is ModelState.READY for m in snap.models.values())
+        residency = None if self.waker is None else self.waker.describe(self.role)
+        if residency is not None and residency["state"] != "BLOCKED":
+            ready = True  # asleep or moving, a request wakes it
         loading = self.preloading
         ready = ready and not loading
         if schema == 1:
@@ -425,6 +467,8 @@ class InferenceGatewayHandler:
             "topology_revision": snap.topology_revision,
             "models": models,
         }
+        if residency is not None:
+            body["residency"] = residency
         if self._preload is not None:
             body["adapter"] = (
                 "loading"
@@ -474,6 +518,53 @@ class InferenceGatewayHandler:
     async def generate(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
         """``POST /{role}/generate``: validate, adapt, forward to the engine's ``/generate``."""
         payload = self.adapter.check_generate(decode_json_body(body))
+        return await self._admitted(headers, lambda: self._generate(payload, body, headers))
+
+    async def chat(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
+        """``POST /{role}/chat/completions``: validate, forward to ``/v1/chat/completions``."""
+        payload = self.adapter.check_chat(decode_json_body(body))
+        return await self._admitted(headers, lambda: self._chat(payload, body, headers))
+
+    async def _admitted(
+        self, headers: Mapping[str, str], answer: Callable[[], Awaitable[GatewayAnswer]]
+    ) -> GatewayAnswer:
+        """``answer()``; with a waker, once the role is admitted (woken first when it is not
+        awake: the request is held at most its deadline and the waker's bound, and a 503 from
+        the wake is the answer), counted in flight until its last byte: a role is not put to
+        sleep under a request."""
+        waker = self.waker
+        if waker is None:
+            return await answer()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.deadline(headers)
+        first = True
+        while not waker.enter(self.role, first=first):
+            first = False
+            left = until - loop.time()
+            if left <= 0:
+                raise ModelNotReadyError(
+                    f'role "{self.role}" was woken but evicted again before this request could '
+                    "be sent (other requests wanted its GPUs); no request was sent. Retry",
+                    role=self.role,
+                    model="*",
+                    state="SLEEPING",
+                    retry_after=1.0,
+                )
+            await waker.wake(self.role, timeout=left)
+        try:
+            done = await answer()
+        except BaseException:
+            waker.end(self.role)
+            raise
+        if done.stream is None:
+            waker.end(self.role)
+        else:
+            done.stream.add_close_callback(lambda: waker.end(self.role))
+        return done
+
+    async def _generate(
+        self, payload: dict[str, Any], body: bytes, headers: Mapping[str, str]
+    ) -> GatewayAnswer:
         stream = payload.get("stream") is True
         model = payload.get("model")
         ctx = self._stream_ctx if stream else self._plain_ctx
@@ -526,9 +617,9 @@ class InferenceGatewayHandler:
             self._executor(), self.adapter.adapt_generate, payload, ctx
         )
 
-    async def chat(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
-        """``POST /{role}/chat/completions``: validate, forward to ``/v1/chat/completions``."""
-        payload = self.adapter.check_chat(decode_json_body(body))
+    async def _chat(
+        self, payload: dict[str, Any], body: bytes, headers: Mapping[str, str]
+    ) -> GatewayAnswer:
         return await self._forward(
             "/v1/chat/completions",
             body,

@@ -45,7 +45,7 @@ from relax_core._http.server import ThreadServer, uvicorn_config
 from relax_core.discovery.schema import RoleSnapshot
 from relax_core.errors import LifecycleError
 from relax_core.gateway.app import create_gateway_app
-from relax_core.gateway.handler import GatewayOptions, build_gateway_handler
+from relax_core.gateway.handler import GatewayOptions, Waker, build_gateway_handler
 from relax_core.plugins import PluginManager
 
 __all__ = [
@@ -221,12 +221,15 @@ def gateway_app(
     *,
     plugin_manager: PluginManager,
     options: GatewayOptions | None = None,
+    waker: Waker | None = None,
 ) -> Any:
     """The Starlette app of ``role``'s gateway, built by
     :func:`~relax_core.gateway.handler.build_gateway_handler` (see there for the arguments),
     serving the role's record from the same plugin manager (its health schema and OpenAPI
     notes)."""
-    handler = build_gateway_handler(role, discovery, plugin_manager=plugin_manager, options=options)
+    handler = build_gateway_handler(
+        role, discovery, plugin_manager=plugin_manager, options=options, waker=waker
+    )
     return create_gateway_app(handler, spec=plugin_manager.role(role))
 
 
@@ -347,14 +350,18 @@ def start_thread_gateway(
     host: str = "127.0.0.1",
     port: int | None = None,
     options: GatewayOptions | None = None,
+    waker: Waker | None = None,
 ) -> RunningGateway:
     """Serve ``role``'s gateway on a thread of this process; blocks until it accepts.
 
-    The handler reads the role service's snapshot in process (``snapshot_provider``).
+    The handler reads the role service's snapshot in process (``snapshot_provider``);
+    ``waker`` wakes the role's sleeping models on demand (``relax serve``).
 
     :raises RuntimeError: uvicorn did not come up (the port is taken).
     """
-    app = gateway_app(role, snapshot_provider, plugin_manager=plugin_manager, options=options)
+    app = gateway_app(
+        role, snapshot_provider, plugin_manager=plugin_manager, options=options, waker=waker
+    )
     server = GatewayServer(app, host, port).start()
     return RunningGateway(role, server.url, "thread", os.getpid(), server.stop)
 

@@ -4,8 +4,13 @@
 JobRuntime`), builds one :class:`~relax_core.jobs.roles.RoleService` per role (its managers in
 this process), starts the engines phase by phase, starts every role's health monitor, then one
 gateway per role (a thread of this process, or a CPU-only Ray actor); on exit the runtime's
-teardown takes it all down, the gateways and monitors first. Deferred roles stay asleep:
-nothing in ``relax serve`` wakes them, and their gateways say so.
+teardown takes it all down, the gateways and monitors first.
+
+The roles of a defer layout that share GPUs (deferred roles, and the roles whose GPUs they
+share) are woken on demand: a :class:`~relax_core.jobs.wake.WakeController` holds each shared
+slice, a request to a sleeping role's gateway wakes it (evicting what it does not fit beside),
+and an idle role goes back to sleep (``[serve]`` in the job file; docs/serve.md). A gateway in
+a Ray actor cannot reach the controller: its deferred role stays asleep, and says so.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from relax_core.config import JobConfig
+from relax_core.coordination.handles import LocalManagerHandle
+from relax_core.coordination.residency import plan_residency
+from relax_core.coordination.slices import defer_slices
 from relax_core.discovery.server import RegistryServer
 from relax_core.discovery.status import render_snapshot
 from relax_core.errors import LifecycleError, RelaxError, SnapshotError
@@ -27,19 +35,23 @@ from relax_core.jobs.phases import deferred_roles
 from relax_core.jobs.roles import RoleService, health_printer
 from relax_core.jobs.runtime import JobRuntime
 from relax_core.jobs.teardown import Stop
+from relax_core.jobs.wake import WakeController
 from relax_core.manager import ReplicaPlacement
 from relax_core.plugins import PluginManager
 
 __all__ = ["ServedJob", "place_served_job", "serve_job", "teardown_served_job"]
 
-#: Why a deferred role's model sleeps under ``relax serve``, and what to do (its gateway's 503).
+#: Why a deferred role's model sleeps for good under ``relax serve`` (a gateway in a Ray actor
+#: cannot reach the wake controller), and what to do (its gateway's 503).
 _SLEEPING_NOTE = (
-    "relax serve started its role as deferred (placement.defer_roles) and keeps it asleep; "
-    "only a coordinator (relax run) wakes a deferred role, for its phase. To serve it from "
-    "relax serve, leave the role out of placement.defer_roles and give it GPUs of its own"
+    "a role sharing its GPUs has its gateway in a Ray actor (gateway.in_ray_actor), which "
+    "cannot reach relax serve's wake controller, so nothing wakes the roles of those GPUs; run "
+    "their gateways in relax serve's process (leave gateway.in_ray_actor unset) to have "
+    "requests wake them, or leave the role out of placement.defer_roles and give it GPUs of "
+    "its own"
 )
 #: Who wakes a deferred model, in its ``SLEEPING`` line.
-_WAKES = "relax serve does not wake it, and its gateway answers 503 saying so"
+_WAKES = "a request to its gateway wakes it (relax serve wakes deferred roles on demand)"
 
 
 class ServedJob:
@@ -50,6 +62,7 @@ class ServedJob:
         self.services: dict[str, RoleService] = {}
         self.gateways: dict[str, RunningGateway] = {}
         self.registry: RegistryServer | None = None
+        self.wake: WakeController | None = None
 
     @property
     def bound(self) -> list[Any]:
@@ -74,7 +87,13 @@ class ServedJob:
     def status(self) -> str:
         """A status table of every role, with engine pids."""
         pids = self.pids()
-        return "\n".join(render_snapshot(s.snapshot(), pids=pids) for s in self.services.values())
+        tables = [render_snapshot(s.snapshot(), pids=pids) for s in self.services.values()]
+        if self.wake is not None:
+            tables.append(
+                "residency (woken on demand)\n"
+                + "\n".join(f"  {line}" for line in self.wake.summary())
+            )
+        return "\n".join(tables)
 
 
 def place_served_job(
@@ -96,14 +115,17 @@ def teardown_served_job(job: ServedJob, out: TextIO) -> list[str]:
     monitors, the gateways and their registry first; return what was left."""
     with contextlib.suppress(RelaxError):
         job.pids()  # engines rebuilt by the health monitor since the last status table
-    first = [Stop(f"{role} health monitor", s.stop_monitor) for role, s in job.services.items()]
+    first = []
+    if job.wake is not None:
+        first.append(Stop("wake controller", job.wake.stop))
+    first += [Stop(f"{role} health monitor", s.stop_monitor) for role, s in job.services.items()]
     first += [
         Stop(f"{role} gateway ({gw.mode})", gw.stop, kind="gateways")
         for role, gw in job.gateways.items()
     ]
     if job.registry is not None:
         first.append(Stop("registry server", job.registry.stop))
-    job.gateways, job.registry = {}, None
+    job.gateways, job.registry, job.wake = {}, None, None
     return job.runtime.teardown(lambda line: print(line, file=out, flush=True), first=first)
 
 
@@ -153,14 +175,27 @@ def serve_job(
         job.runtime.start(
             config,
             lambda line: print(line, file=out, flush=True),
-            sleep_note=_WAKES,
+            sleep_note=_WAKES
+            if set(deferred_roles(config)) <= set(_shared(job, config))
+            else (
+                "nothing wakes it: a role of its GPUs has its gateway in a Ray actor "
+                "(its gateway's 503 says what to do)"
+            ),
             logs=log_dir,
             on_interrupt=hold,
             progress=lambda: _progress(job, config),
         )
+        job.wake = _wake_controller(job, config, out)
+        driven = set() if job.wake is None else set(job.wake.roles())
         if health_interval > 0:
             for name, service in job.services.items():
-                service.start_monitor(health_interval, on_report=health_printer(name, out))
+                # A role the wake controller drives is rebuilt by it, under its slice's lock
+                # (a rebuilt engine comes up awake: never beside another role's models).
+                service.start_monitor(
+                    health_interval,
+                    recover=name not in driven,
+                    on_report=health_printer(name, out),
+                )
         _start_gateways(job, config, pm, token)
         yield job
     except KeyboardInterrupt:
@@ -186,11 +221,14 @@ def _start_gateways(
             {name: service.snapshot for name, service in job.services.items()}
         ).start()
     deferred = deferred_roles(config)
+    waker = None if job.wake is None else job.wake.waker()
+    driven = set() if job.wake is None else set(job.wake.roles())
     for role in config.roles:
         service = job.services[role.name]
-        # The same options whichever way the gateway runs. A deferred role sleeps for good
-        # under relax serve: its gateway must not promise a wake-up.
-        note = _SLEEPING_NOTE if role.name in deferred else None
+        # The same options whichever way the gateway runs. A deferred role nothing wakes (a
+        # role of its slice has its gateway in a Ray actor) sleeps for good: its gateway must
+        # not promise a wake-up.
+        note = _SLEEPING_NOTE if role.name in deferred and role.name not in driven else None
         options = GatewayOptions(model_paths=service.model_paths, token=token, sleeping_note=note)
         host, port = role.gateway.host, role.gateway.port
         if role.gateway.in_ray_actor:
@@ -205,8 +243,58 @@ def _start_gateways(
                 host=host,
                 port=port,
                 options=options,
+                waker=waker,
             )
         job.gateways[role.name] = gateway
+
+
+def _shared(job: ServedJob, config: JobConfig) -> dict[str, str]:
+    """Role -> slice of the roles woken on demand: those of a slice of GPUs several roles share
+    in the plan, where no role's gateway runs in a Ray actor (it could not reach the
+    controller)."""
+    slices = dict(defer_slices(job.runtime.plan))
+    members: dict[str, set[str]] = {}
+    for role, sid in slices.items():
+        members.setdefault(sid, set()).add(role)
+    in_actor = {r.name for r in config.roles if r.gateway.in_ray_actor}
+    return {
+        role: sid
+        for role, sid in slices.items()
+        if len(members[sid]) > 1 and not in_actor & members[sid]
+    }
+
+
+def _wake_controller(job: ServedJob, config: JobConfig, out: TextIO) -> WakeController | None:
+    """The wake controller of the job's shared slices, started (``None``: no deferred role
+    shares GPUs with another role behind a gateway of this process)."""
+    shared = _shared(job, config)
+    deferred = set(deferred_roles(config))
+    if not deferred & shared.keys():
+        return None
+    residency = plan_residency(
+        job.runtime.plan, shared, mode=config.placement.residency, roles=tuple(shared)
+    )
+    roles = {
+        role: (
+            sid,
+            [LocalManagerHandle(m.manager, name=m.key) for m in job.services[role].models()],
+        )
+        for role, sid in shared.items()
+    }
+
+    def say(line: str) -> None:
+        print(f"residency: {line}", file=out, flush=True)
+
+    controller = WakeController(
+        roles,
+        residency=residency,
+        awake=[role for role in shared if role not in deferred],
+        settings=config.serve,
+        on_event=say,
+    )
+    for line in residency.describe():
+        say(f"{line}; woken on demand")
+    return controller.start()
 
 
 def _progress(job: ServedJob, config: JobConfig) -> str:

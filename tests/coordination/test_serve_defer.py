@@ -1,11 +1,13 @@
-"""``relax serve`` honours the phases of a defer plan.
+"""``relax serve`` honours the phases of a defer plan, and wakes its roles on demand.
 
 A deferred role starts, is put to SLEEPING (engine memory released, weights kept on the CPU)
 and only then does the next phase start; the job is reported ready with the deferred roles
-asleep, and a request to them does not wake them (only the coordinator does). The co-loading
-bug — every role of a defer plan started at once on shared bundles — is checked on the real
-engines: a monitor polls every engine's own ``/server_info`` while ``relax serve`` starts and
-records which roles hold weights at the same moment.
+asleep. Then a request to a sleeping role's gateway wakes it, evicting the role it shares its
+GPU with, and an idle role goes back to sleep. That no two roles ever hold their weights at
+once — while it starts, and under concurrent requests for two roles — is checked on the real
+engines: a monitor reads every engine's own ``/server_info`` memory log (when each resume
+began, when each release freed the weights) and the time each engine process started, and
+rebuilds when each engine held its weights.
 
 The engines are hf on CPU, placed on declared GPUs (``device = "cuda"`` for the planner, the
 engine itself told ``--device cpu``: this machine has no GPU).
@@ -17,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -107,42 +111,102 @@ def test_a_plan_whose_awake_phases_share_bundles_is_refused_before_anything_star
 
 # -- the real thing ---------------------------------------------------------------------------
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "run-cpu.toml"
+
 
 def _get(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-class Residency:
-    """Polls every engine of the test's model dir for which roles hold their weights."""
+def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
 
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = str(model_dir)
-        self.overlaps: list[set[str]] = []
-        self.seen: set[str] = set()
+
+def _process_started(pid: int) -> float:
+    """When process ``pid`` started (epoch seconds), from /proc: before it loaded anything."""
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Residency:
+    """Reads every engine of the job's model dir: its process start and its memory log, from
+    which :meth:`intervals` rebuilds when it held its weights (conservatively: from the start
+    of its process, or of a resume, to the end of a release)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = str(root)
+        self.engines: dict[int, tuple[str, int]] = {}  # pid -> (model, port)
+        self.started: dict[int, float] = {}
+        self.log: dict[int, dict[tuple[str, float], dict[str, Any]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _engines(self) -> dict[int, tuple[str, int]]:
-        out = {}
-        for pid in support.mentioning(self.model_dir):
+    def _scan(self) -> None:
+        for pid in support.mentioning(self.root):
+            if pid in self.engines:
+                continue
             argv = support.cmdline(pid).split()
             if "relax_hf" in argv and "--port" in argv and "--served-model-name" in argv:
-                port = int(argv[argv.index("--port") + 1])
-                out[pid] = (argv[argv.index("--served-model-name") + 1], port)
-        return out
+                with contextlib.suppress(OSError):
+                    self.started[pid] = _process_started(pid)
+                    name = argv[argv.index("--served-model-name") + 1]
+                    self.engines[pid] = (name, int(argv[argv.index("--port") + 1]))
+
+    def poll(self) -> None:
+        self._scan()
+        for pid, (_, port) in list(self.engines.items()):
+            with contextlib.suppress(OSError, ValueError):
+                info = _get(f"http://127.0.0.1:{port}/server_info", timeout=2)
+                entries = self.log.setdefault(pid, {})
+                for entry in info["memory_log"]:
+                    if "weights" in entry["tags"]:
+                        entries[(entry["op"], entry["started"])] = entry
 
     def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            resident = set()
-            for name, port in self._engines().values():
-                with contextlib.suppress(OSError, ValueError):
-                    info = _get(f"http://127.0.0.1:{port}/server_info", timeout=2)
-                    self.seen.add(name)
-                    if info["resident"]["weights"]:
-                        resident.add(name)
-            if len(resident) > 1:
-                self.overlaps.append(resident)
+        while not self._stop.wait(0.05):  # the log keeps 16 entries: far more than 50 ms holds
+            self.poll()
+
+    def intervals(self) -> list[tuple[str, float, float]]:
+        """``(model, from, to)``: every span an engine may have held its weights."""
+        spans = []
+        for pid, (name, _) in self.engines.items():
+            since: float | None = self.started[pid]
+            for entry in sorted(self.log.get(pid, {}).values(), key=lambda e: e["at"]):
+                if entry["op"] == "resume" and since is None:
+                    since = entry["started"]
+                elif entry["op"] == "release" and since is not None:
+                    spans.append((name, since, entry["at"]))
+                    since = None
+            if since is not None:
+                spans.append((name, since, float("inf")))
+        return spans
+
+    def overlaps(self) -> list[tuple[tuple[str, float, float], tuple[str, float, float]]]:
+        """Spans of two different models that overlap in time."""
+        spans = self.intervals()
+        return [
+            (a, b)
+            for i, a in enumerate(spans)
+            for b in spans[i + 1 :]
+            if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]
+        ]
+
+    def resident(self) -> set[str]:
+        """The models holding their weights now, as their engines say."""
+        held = set()
+        for name, port in self.engines.values():
+            with contextlib.suppress(OSError, ValueError):
+                if _get(f"http://127.0.0.1:{port}/server_info", timeout=2)["resident"]["weights"]:
+                    held.add(name)
+        return held
 
     def start(self) -> None:
         self._thread.start()
@@ -153,8 +217,16 @@ class Residency:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return support.make_tiny_model(tmp_path_factory.mktemp("serve-defer") / "model")
+def example_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """docs/examples/run-cpu.toml beside its three tiny models, made as its header says."""
+    from relax_hf import make_tiny_model
+
+    root = tmp_path_factory.mktemp("serve-defer")
+    for name, seed in (("policy", 0), ("judge", 1), ("math", 2)):
+        make_tiny_model(str(root / "tiny" / name), seed=seed, size="micro")
+    job = root / "run-cpu.toml"
+    shutil.copy(EXAMPLE, job)
+    return job
 
 
 @contextlib.contextmanager
@@ -183,73 +255,96 @@ def serve(config: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], sup
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_serve_on_a_defer_layout_starts_phase_by_phase_and_reports_deferred_roles_asleep(
-    model_dir: Path,
+def test_serve_of_the_example_defer_job_starts_phase_by_phase_and_wakes_roles_on_demand(
+    example_job: Path,
 ) -> None:
-    config = model_dir.parent / "defer-job.toml"
-    config.write_text(JOB.format(model=model_dir))
-    args = ("--log-dir", str(model_dir.parent / "logs"), "--refresh", "0.5")
-    residency = Residency(model_dir)
+    root = example_job.parent
+    args = ("--log-dir", str(root / "logs"), "--refresh", "0.5")
+    wake = ("--idle-seconds", "4", "--min-residency", "1", "--wake-timeout", "60")
+    residency = Residency(root)
     residency.start()
-    with serve(config, *args) as (proc, out):
-        try:
+    try:
+        with serve(example_job, *args, *wake) as (proc, out):
             out.wait_for(r"relax serve: ready", timeout=300)
-        finally:
-            residency.stop()
-        text = str(out)
-        # Phase by phase: each deferred role asleep before the next one starts.
-        order = [
-            text.index("starting genrm.judge (deferred"),
-            text.index("genrm.judge: SLEEPING"),
-            text.index("starting teacher.math (deferred"),
-            text.index("teacher.math: SLEEPING"),
-            text.index("starting rollout.policy (awake)"),
-        ]
-        assert order == sorted(order), text
-        # No two roles' engines ever held their weights at once, while it started.
-        assert residency.seen == {"judge", "math", "policy"}
-        assert residency.overlaps == [], residency.overlaps[:3]
+            text = str(out)
+            # Phase by phase: each deferred role asleep before the next one starts.
+            order = [
+                text.index("starting genrm.judge (deferred"),
+                text.index("genrm.judge: SLEEPING"),
+                text.index("starting teacher.math (deferred"),
+                text.index("teacher.math: SLEEPING"),
+                text.index("starting rollout.policy (awake)"),
+            ]
+            assert order == sorted(order), text
+            assert "a request to its gateway wakes it" in text
+            assert re.search(r"residency: actor:0-0: one at a time: genrm, rollout, teacher", text)
+            urls = {
+                role: out.wait_for(rf"{role}\s+gateway\s+(http://[\d.:]+)/{role}/", 5).group(1)
+                for role in ("rollout", "genrm", "teacher")
+            }
 
-        for row in (
-            r"policy/replica-0\s+READY",
-            r"judge/replica-0\s+SLEEPING",
-            r"math/replica-0\s+SLEEPING",
-        ):
-            out.wait_for(row, timeout=30)
-        table = str(out)
-        engines = {
-            m.group(1): (m.group(2), m.group(3))
-            for m in re.finditer(r"(\w+)/replica-0\s+(\w+)\s+gen 1\s+(http://[\d.:]+)", table)
-        }
-        assert {k: v[0] for k, v in engines.items()} == {
-            "policy": "READY", "judge": "SLEEPING", "math": "SLEEPING",
-        }  # fmt: skip
-        for name, (_, url) in engines.items():
-            memory = _get(f"{url}/server_info")["memory"]
-            held = memory["resident_param_bytes"]
-            if name == "policy":
-                assert held == memory["param_bytes"] > 0
-            else:
-                assert held == 0 and memory["cpu_backup_bytes"] == memory["param_bytes"]
+            # Requests to all three roles succeed: each wakes its role (evicting the one
+            # awake: no budget is known, so one role at a time).
+            prefill = {
+                "input_ids": [5, 6, 7, 8],
+                "return_logprob": True,
+                "logprob_start_len": 1,
+                "sampling_params": {"max_new_tokens": 0},
+            }
+            judge = {
+                "messages": [{"role": "user", "content": "2+2=4. Correct?"}],
+                "sampling_params": {"max_new_tokens": 2},
+            }
+            generate = {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+            taught = _post(f"{urls['teacher']}/teacher/generate", prefill)
+            assert len(taught["meta_info"]["input_token_logprobs"]) == 3
+            assert isinstance(_post(f"{urls['genrm']}/genrm/generate", judge)["response"], str)
+            made = _post(f"{urls['rollout']}/rollout/generate", generate)
+            assert made["meta_info"]["completion_tokens"] == 3
+            out.wait_for(r"residency: rollout: AWAKE", timeout=10)
 
-        # A request to a sleeping role is refused without a promise nothing would keep (relax
-        # serve wakes no deferred role: no Retry-After, and the answer says what to do), and
-        # does not wake it.
-        genrm = out.wait_for(r"genrm\s+gateway\s+(http://[\d.:]+)/genrm/", timeout=5).group(1)
-        req = urllib.request.Request(
-            f"{genrm}/genrm/generate",
-            data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(req, timeout=30)
-        assert refused.value.code == 503 and refused.value.headers["Retry-After"] is None
-        message = json.loads(refused.value.read())["error"]["message"]
-        assert "SLEEPING and nothing will wake it" in message
-        assert "leave the role out of placement.defer_roles" in message
-        assert _get(f"{engines['judge'][1]}/server_info")["resident"]["weights"] is False
+            # Concurrent requests for genrm and teacher: all answered, in batches (a woken
+            # role stays a second at least), and never both resident.
+            calls = [("teacher", prefill), ("genrm", judge)] * 4
+            with ThreadPoolExecutor(len(calls)) as pool:
+                answers = list(
+                    pool.map(lambda c: _post(f"{urls[c[0]]}/{c[0]}/generate", c[1]), calls)
+                )
+            assert all("meta_info" in a or "response" in a for a in answers), answers
+            health = _get(f"{urls['genrm']}/genrm/health?schema=2")
+            assert health["residency"]["slice"] == "actor:0-0"
+            metrics = urllib.request.urlopen(f"{urls['teacher']}/metrics", timeout=5).read()
+            wakes = re.search(rb'relax_wake_wakes_total\{role="teacher"\} (\d+)', metrics)
+            assert wakes and int(wakes.group(1)) >= 1, metrics.decode()[:2000]
+            status = subprocess.run(
+                [sys.executable, "-m", "relax_core", "status", f"{urls['genrm']}/genrm"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert re.search(r"residency\s+\w+ on actor:0-0 \(woken on demand", status.stdout)
 
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=120) == 0, out.rest(10)
-        assert out.rest(10).endswith("nothing left running")
-    wait_for(lambda: not support.mentioning(str(model_dir)), timeout=30, what="every engine gone")
+            # After the idle time every role is asleep again, as its engine says.
+            wait_for(lambda: not residency.resident(), timeout=60, what="every role asleep")
+            out.wait_for(r"actor:0-0: genrm SLEEPING, rollout SLEEPING, teacher SLEEPING", 30)
+            residency.poll()
+            assert {name for name, _ in residency.engines.values()} == {"judge", "math", "policy"}
+            spans = residency.intervals()
+            for name in ("judge", "math", "policy"):  # loaded at start, and woken since
+                assert sum(1 for s in spans if s[0] == name) >= 2, spans
+            assert all(to < float("inf") for _, _, to in spans), spans
+            assert residency.overlaps() == [], residency.overlaps()[:3]
+            # Every role was woken and put back: its engine's log shows it.
+            resumed = {
+                residency.engines[pid][0]
+                for pid, log in residency.log.items()
+                if any(op == "resume" for op, _ in log)
+            }
+            assert resumed == {"judge", "math", "policy"}, residency.log
+
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=120) == 0, out.rest(10)
+            assert out.rest(10).endswith("nothing left running")
+    finally:
+        residency.stop()
+    wait_for(lambda: not support.mentioning(str(root)), timeout=30, what="every engine gone")

@@ -87,8 +87,9 @@ class Engine:
         }
         self.last_resume: dict[str, Any] = {}
         self.last_release: dict[str, Any] = {}
-        # The last memory operations, each {"op", "at" (epoch seconds), "detail"}: an onload of
-        # one tag at a time leaves one entry per tag (``/server_info`` ``memory_log``).
+        # The last memory operations, each {"op", "tags", "started" and "at" (epoch seconds: the
+        # call began, its memory was freed or taken), "detail"}: an onload of one tag at a time
+        # leaves one entry per tag (``/server_info`` ``memory_log``).
         self.memory_log: deque[dict[str, Any]] = deque(maxlen=16)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="relax-hf-compute")
         self._pending: deque[Sequence] = deque()
@@ -554,6 +555,7 @@ class Engine:
     async def release(self, tags: tuple[str, ...]) -> dict[str, Any]:
         """Release ``tags``; refused while sequences are running. Idempotent."""
         async with self._ops:
+            started = time.time()
             refused = Conflict(
                 f"cannot release memory while {self._in_flight()} request(s) are in flight; "
                 "pause_generation (mode 'abort') first"
@@ -579,12 +581,21 @@ class Engine:
                 self._wake.set()
                 raise
             self.last_release = detail
-            self.memory_log.append({"op": "release", "at": time.time(), "detail": detail})
+            self.memory_log.append(
+                {
+                    "op": "release",
+                    "tags": list(tags),
+                    "started": started,
+                    "at": time.time(),
+                    "detail": detail,
+                }
+            )
             return detail
 
     async def resume(self, tags: tuple[str, ...]) -> dict[str, Any]:
         """Resume ``tags``, weights first. Idempotent."""
         async with self._ops:
+            started = time.time()
             graphs = "cuda_graph" in tags or self.resident["cuda_graph"]
             try:
                 detail: dict[str, Any] = await self.compute(
@@ -602,7 +613,15 @@ class Engine:
             for tag in sorted(tags, key=lambda t: t != "weights"):
                 self.resident[tag] = True
             self.last_resume = detail
-            self.memory_log.append({"op": "resume", "at": time.time(), "detail": detail})
+            self.memory_log.append(
+                {
+                    "op": "resume",
+                    "tags": list(tags),
+                    "started": started,
+                    "at": time.time(),
+                    "detail": detail,
+                }
+            )
             self._wake.set()
             return detail
 

@@ -1,0 +1,634 @@
+"""On-demand residency under ``relax serve``: a request for a sleeping role wakes it.
+
+A defer layout puts roles on GPUs they take turns on. ``relax run`` has a coordinator that
+leases them phase by phase; ``relax serve`` has a :class:`WakeController` instead, which holds
+each shared slice's lease and gives a role its GPUs when a request needs it:
+
+- a role gateway whose request finds its role not awake (asleep, being woken, or about to be
+  evicted for another role) calls :meth:`WakeController.wake` and holds the request (bounded
+  by ``wake_timeout`` and the request's own deadline), then routes it; past the bound it
+  answers 503 with an honest Retry-After;
+- a wake takes the slice's lock, releases the resident roles the woken one does not fit
+  beside (the residency plan: one at a time when the budget is not known; ``max_awake`` per
+  slice), the least recently used first, then onloads the role; only a confirmed release
+  frees the GPUs for the next role;
+- a role is never evicted before it has been resident ``min_residency`` seconds (hysteresis):
+  requests for the other role wait on the lock meanwhile, and one wake then serves them all.
+  Past it, new requests for the role being evicted wait too (they would keep it busy for
+  ever), the ones in flight are answered (at most ``wake_timeout``; the manager's offload
+  drains what is left), and the switch is made: two roles with steady traffic alternate, one
+  switch per ``min_residency`` at most;
+- a role with nothing in flight and no request for ``idle_seconds`` is put back to sleep;
+- an engine that died is rebuilt under the slice's lock, before its role's next transition (or
+  at the next tick while its role is awake): the health monitor of a driven role only marks
+  it FAILED, so a rebuild never loads a model beside another role's;
+- an onload, offload or rebuild that is not confirmed (or does not answer within
+  ``operation_timeout``) leaves the role BLOCKED: what its engines hold is not known, so
+  nothing else is woken on its slice and every request for the slice is refused at once with
+  what the operator does (stop ``relax serve``, check the GPUs, start it again).
+
+The controller runs on an event loop of its own (a thread); gateways in other threads reach it
+through :meth:`WakeController.waker`, which schedules each wake on that loop. Every transition
+calls the models' managers in this process (``InferenceManager.onload`` / ``offload``, run in
+worker threads), so the role snapshots the gateways route by move with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from relax_core.config import ServeSettings
+from relax_core.coordination.handles import unconfirmed
+from relax_core.coordination.residency import ResidencyPlan
+from relax_core.errors import ModelNotReadyError
+
+__all__ = [
+    "ThreadWaker",
+    "WakeCollector",
+    "WakeController",
+    "WakeCounts",
+    "WakeState",
+]
+
+
+class WakeState(enum.StrEnum):
+    """Where one role of a shared slice is, as the controller drives it."""
+
+    SLEEPING = "SLEEPING"
+    WAKING = "WAKING"
+    AWAKE = "AWAKE"
+    EVICTING = "EVICTING"
+    BLOCKED = "BLOCKED"
+
+
+#: A model's manager as the controller drives it: ``name``, ``onload()`` / ``offload()``
+#: returning the per-replica :class:`~relax_core.manager.LifecycleResult`, and optionally
+#: ``failed()`` (the engine ids of its FAILED replicas) with ``recover()`` (rebuild them) —
+#: awaitables (blocking managers run in threads, see :class:`ServeHandle`).
+Handle = Any
+
+
+@attrs.define
+class WakeCounts:
+    """What the controller did for one role (``/metrics``): wakes, times it was evicted for
+    another role, idle sleeps, switches avoided (requests that found it awake, and wakes of
+    another role it stayed resident beside), requests refused (timed out, or BLOCKED), and the
+    latencies of the wakes requests waited for (the last 1024)."""
+
+    wakes: int = 0
+    evictions: int = 0
+    idle_sleeps: int = 0
+    avoided: int = 0
+    timeouts: int = 0
+    blocked: int = 0
+    rebuilds: int = 0
+    wake_seconds: list[float] = attrs.field(factory=list)
+
+
+@attrs.define
+class _Role:
+    name: str
+    slice: str
+    handles: tuple[Handle, ...]
+    state: WakeState = WakeState.SLEEPING
+    awake_since: float = 0.0
+    last_used: float = 0.0
+    inflight: int = 0
+    #: Another role's wake is waiting to evict this one: new requests wait for it too.
+    draining: bool = False
+    blocked: str = ""
+    counts: WakeCounts = attrs.field(factory=WakeCounts)
+
+    @property
+    def resident(self) -> bool:
+        """Whether the role may hold GPU memory (awake, moving either way, or BLOCKED)."""
+        return self.state is not WakeState.SLEEPING
+
+
+class WakeController:
+    """Wakes sleeping roles on demand and puts idle ones back to sleep (see the module).
+
+    :param roles: role -> ``(slice id, the handles of its models)``: every role of the shared
+        slices the controller drives.
+    :param residency: which roles of a slice may be resident together.
+    :param awake: the roles that are awake at the start (the others are SLEEPING).
+    :param settings: bounds and timings (:class:`ServeSettings`).
+    :param clock: ``time.monotonic`` (tests give their own).
+    :param on_event: called with one line per transition (``relax serve`` prints them).
+    """
+
+    def __init__(
+        self,
+        roles: Mapping[str, tuple[str, Sequence[Handle]]],
+        *,
+        residency: ResidencyPlan,
+        awake: Collection[str] = (),
+        settings: ServeSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings or ServeSettings()
+        self.residency = residency
+        self._clock = clock
+        self._on_event = on_event or (lambda line: None)
+        unknown = sorted(set(awake) - set(roles))
+        if unknown:
+            raise ValueError(f"awake roles {unknown} are not among the roles {sorted(roles)}")
+        now = clock()
+        self._roles = {
+            name: _Role(name, sid, tuple(handles)) for name, (sid, handles) in roles.items()
+        }
+        for name in awake:
+            r = self._roles[name]
+            r.state, r.awake_since, r.last_used = WakeState.AWAKE, now, now
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._waking: dict[str, asyncio.Future[None]] = {}
+        # In-flight counts, last use and the AWAKE -> EVICTING step, shared with gateway threads.
+        self._guard = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._idle_task: asyncio.Task[None] | None = None
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def states(self) -> dict[str, str]:
+        """Role -> its :class:`WakeState` (BLOCKED with why)."""
+        return {
+            r.name: f"{r.state}: {r.blocked}" if r.state is WakeState.BLOCKED else str(r.state)
+            for r in self._roles.values()
+        }
+
+    def roles(self) -> Collection[str]:
+        """The roles the controller drives."""
+        return self._roles.keys()
+
+    def counts(self, role: str) -> WakeCounts:
+        """What the controller did for ``role``."""
+        return self._roles[role].counts
+
+    def describe(self, role: str) -> dict[str, Any]:
+        """``role``'s residency for ``/health`` and ``relax status``: its state, slice, the
+        roles of the slice resident now, and the settings."""
+        r = self._roles[role]
+        return {
+            "state": str(r.state),
+            "slice": r.slice,
+            "resident_on_slice": sorted(
+                o.name for o in self._roles.values() if o.slice == r.slice and o.resident
+            ),
+            "inflight": r.inflight,
+            "woken_on_demand": True,
+            **({"blocked": r.blocked} if r.blocked else {}),
+            "wake_timeout_s": self.settings.wake_timeout,
+            "idle_seconds": self.settings.idle_seconds,
+            "min_residency_s": self.settings.min_residency,
+        }
+
+    def summary(self) -> list[str]:
+        """One line per slice: its residency plan and where each role is now."""
+        lines = []
+        for sid in sorted({r.slice for r in self._roles.values()}):
+            where = ", ".join(f"{r.name} {r.state}" for r in self._roles.values() if r.slice == sid)
+            lines.append(f"{sid}: {where}")
+        return lines
+
+    # -- what a gateway calls ----------------------------------------------------------------
+
+    def ready(self, role: str) -> bool:
+        """Whether a request for ``role`` would be admitted now, without a wake."""
+        r = self._roles[role]
+        with self._guard:
+            return r.state is WakeState.AWAKE and not r.draining
+
+    def enter(self, role: str, *, first: bool = True) -> bool:
+        """Admit a request for ``role`` if it is awake (and not about to be evicted), at once
+        counted in flight until :meth:`end`: the role is not put to sleep under it. ``False``:
+        :meth:`wake` it first, then call again with ``first=False`` (a request admitted on its
+        first call counts as a switch avoided). Thread-safe (one step with the idle sleeper's
+        check)."""
+        r = self._roles[role]
+        with self._guard:
+            if r.state is not WakeState.AWAKE or r.draining:
+                return False
+            r.inflight += 1
+            r.last_used = self._clock()
+            if first:
+                r.counts.avoided += 1
+            return True
+
+    def end(self, role: str) -> None:
+        """An admitted request for ``role`` has its whole answer (thread-safe)."""
+        r = self._roles[role]
+        with self._guard:
+            r.inflight = max(0, r.inflight - 1)
+            r.last_used = self._clock()
+
+    async def wake(self, role: str, *, timeout: float | None = None) -> None:
+        """Make ``role`` awake (see the module docstring); returns once it is.
+
+        :raises ModelNotReadyError: (503) not awake within ``timeout`` (default, and at most,
+            ``wake_timeout``), with a Retry-After of the minimum residency; or the role, or its
+            slice, is BLOCKED (no Retry-After: the operator acts first).
+        :raises KeyError: the controller does not drive ``role``.
+        """
+        r = self._roles[role]
+        if self.ready(role):
+            return
+        bound = self.settings.wake_timeout
+        if timeout is not None:
+            bound = min(bound, timeout)
+        began = self._clock()
+        # One wake per role at a time, shielded: a request that stops waiting does not stop a
+        # transition half-way (the engines' memory would no longer be known).
+        task = self._waking.get(role)
+        if task is None or task.done():
+            task = self._waking[role] = asyncio.ensure_future(self._wake(r))
+            task.add_done_callback(_retrieve)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), bound)
+        except TimeoutError:
+            r.counts.timeouts += 1
+            retry = max(1.0, self.settings.min_residency)
+            raise ModelNotReadyError(
+                f'role "{role}" could not be woken within {bound:g} s: the roles it shares its '
+                f"GPUs with are in use, and a woken role stays resident at least "
+                f"{self.settings.min_residency:g} s; no request was sent. Retry after {retry:g} s",
+                role=role,
+                model="*",
+                state=str(r.state),
+                retry_after=retry,
+            ) from None
+        except ModelNotReadyError:
+            r.counts.blocked += 1
+            raise
+        r.counts.wake_seconds.append(self._clock() - began)
+        del r.counts.wake_seconds[:-1024]
+
+    # -- the transitions ---------------------------------------------------------------------
+
+    def _lock(self, slice_id: str) -> asyncio.Lock:
+        lock = self._locks.get(slice_id)
+        if lock is None:
+            lock = self._locks[slice_id] = asyncio.Lock()
+        return lock
+
+    def _refuse_blocked(self, r: _Role) -> None:
+        blocked = [o for o in self._roles.values() if o.slice == r.slice and o.blocked]
+        if blocked:
+            b = blocked[0]
+            raise ModelNotReadyError(
+                f'role "{r.name}" cannot be woken: role "{b.name}" of the same GPUs is BLOCKED '
+                f"({b.blocked}); what its engines hold is not known, so nothing is woken "
+                "beside them. Stop relax serve, check the GPUs are free (nvidia-smi, the "
+                "engines' /server_info), and start it again. No request was sent",
+                role=r.name,
+                model="*",
+                state="BLOCKED",
+            )
+
+    async def _wake(self, r: _Role) -> None:
+        async with self._lock(r.slice):
+            self._refuse_blocked(r)
+            if r.state is WakeState.AWAKE:
+                return  # woken by an earlier wake of this lock
+            victims = self._victims(r)
+            for kept in self._roles.values():
+                if kept.slice == r.slice and kept.resident and kept not in victims:
+                    kept.counts.avoided += 1  # the plan lets it stay beside
+            drain_until: float | None = None
+            while victims:
+                now = self._clock()
+                ready_at = max(v.awake_since + self.settings.min_residency for v in victims)
+                if ready_at <= now:
+                    # Past the hysteresis: new requests for the victims wait for them too, and
+                    # once those in flight are answered (or the drain bound passed: the
+                    # manager's offload drains what is left) the victims are released.
+                    if drain_until is None:
+                        drain_until = now + self.settings.wake_timeout
+                    with self._guard:
+                        for v in victims:
+                            v.draining = True
+                        if now >= drain_until or not any(v.inflight for v in victims):
+                            for v in victims:
+                                v.state = WakeState.EVICTING
+                            break
+                # Hold this and every later request for the slice on the lock; look again.
+                await asyncio.sleep(max(0.01, min(ready_at - now, 0.1)))
+            try:
+                for victim in victims:
+                    await self._switch(victim, out=True)
+                    victim.counts.evictions += 1
+            finally:
+                with self._guard:
+                    for v in victims:
+                        v.draining = False
+            await self._switch(r, out=False)
+            r.counts.wakes += 1
+
+    def _victims(self, r: _Role) -> list[_Role]:
+        """The resident roles of ``r``'s slice to put to sleep so ``r`` fits (least recently
+        used first; ``max_awake`` counted)."""
+        keep = sorted(
+            (o for o in self._roles.values() if o.slice == r.slice and o is not r and o.resident),
+            key=lambda o: o.last_used,
+        )
+        limit = self.settings.max_awake
+        victims: list[_Role] = []
+        while keep and (
+            not self.residency.fits(r.slice, {r.name, *(o.name for o in keep)})
+            or (limit is not None and len(keep) + 1 > limit)
+        ):
+            victims.append(keep.pop(0))
+        return victims
+
+    async def _call(self, r: _Role, handle: Handle, method: str) -> tuple[Any, str | None]:
+        """``handle.method()`` bounded by the operation timeout: ``(result, why it failed)``."""
+        limit = self.settings.operation_timeout
+        try:
+            return await asyncio.wait_for(getattr(handle, method)(), limit), None
+        except TimeoutError:
+            return None, f"{handle.name}: {method} did not answer within {limit:g} s"
+        except Exception as exc:
+            return None, f"{handle.name}: {method} raised {type(exc).__name__}: {exc}"
+
+    async def _heal(self, r: _Role, handles: Sequence[Handle] | None = None) -> list[str]:
+        """Rebuild the FAILED replicas of ``r``'s models (its slice's lock held, ``r`` the one
+        to be resident): an engine that died comes back before any transition (the manager's
+        recovery confirms the dead one's cleanup first). Why any rebuild was not confirmed."""
+        reasons: list[str] = []
+        for handle in r.handles if handles is None else handles:
+            failed = getattr(handle, "failed", None)
+            if failed is None or not await failed():
+                continue
+            result, why = await self._call(r, handle, "recover")
+            why = why or unconfirmed(result, "READY")
+            r.counts.rebuilds += 1
+            self._on_event(f"{r.name}: rebuilt the failed replicas of {handle.name}")
+            if why is not None:
+                reasons.append(f"{handle.name}: {why}")
+        return reasons
+
+    async def _switch(self, r: _Role, *, out: bool) -> None:
+        """Offload (``out``) or onload ``r``'s every model, its failed replicas rebuilt first
+        (and once more, then the step again, when an engine dies during it); a result that
+        does not confirm it, an error or a timeout leaves ``r`` BLOCKED (and raises)."""
+        moving, done = (
+            (WakeState.EVICTING, WakeState.SLEEPING) if out else (WakeState.WAKING, WakeState.AWAKE)
+        )
+        method, expected = ("offload", "SLEEPING") if out else ("onload", "READY")
+        r.state = moving
+        began = self._clock()
+        reasons = await self._heal(r)
+        for handle in r.handles if not reasons else ():
+            result, why = await self._call(r, handle, method)
+            why = why or unconfirmed(result, expected)
+            if why is not None and hasattr(handle, "failed") and await handle.failed():
+                # An engine died during the step: rebuilt (its cleanup confirmed), then again.
+                healed = await self._heal(r, [handle])
+                if not healed:
+                    result, why = await self._call(r, handle, method)
+                    why = why or unconfirmed(result, expected)
+                else:
+                    why = "; ".join(healed)
+            if why is not None:
+                reasons.append(f"{handle.name}: {why}")
+        if reasons:
+            r.state = WakeState.BLOCKED
+            r.blocked = f"{method} not confirmed: {'; '.join(reasons)}"
+            self._on_event(f"{r.name}: BLOCKED ({r.blocked})")
+            raise ModelNotReadyError(
+                f'role "{r.name}": its {method} was not confirmed ({"; ".join(reasons)}); it is '
+                "BLOCKED. Stop relax serve, check the GPUs are free, start it again. No request "
+                "was sent",
+                role=r.name,
+                model="*",
+                state="BLOCKED",
+            )
+        now = self._clock()
+        with self._guard:
+            r.state = done
+            if not out:
+                r.awake_since = r.last_used = now
+        self._on_event(f"{r.name}: {done} ({method} {now - began:.2f}s)")
+
+    async def sleep_idle(self) -> list[str]:
+        """Put back to sleep every awake role with nothing in flight, unused for
+        ``idle_seconds`` and resident at least ``min_residency``; the roles it did."""
+        idle = self.settings.idle_seconds
+        if idle <= 0:
+            return []
+        done = []
+        for r in list(self._roles.values()):
+            lock = self._lock(r.slice)
+            if r.state is not WakeState.AWAKE or lock.locked():
+                continue  # a wake is deciding what to do with the slice
+            async with lock:
+                now = self._clock()
+                with self._guard:
+                    if not (
+                        r.state is WakeState.AWAKE
+                        and r.inflight == 0
+                        and now - r.last_used >= idle
+                        and now - r.awake_since >= self.settings.min_residency
+                    ):
+                        continue
+                    r.state = WakeState.EVICTING  # a request from now on waits for a wake
+                with contextlib.suppress(ModelNotReadyError):  # BLOCKED: recorded
+                    await self._switch(r, out=True)
+                    r.counts.idle_sleeps += 1
+                    done.append(r.name)
+        return done
+
+    async def heal_awake(self) -> list[str]:
+        """Rebuild the failed replicas of every awake role (an engine that died while it was
+        resident; the health monitor only marks them FAILED); the roles healed."""
+        done = []
+        for r in list(self._roles.values()):
+            lock = self._lock(r.slice)
+            if r.state is not WakeState.AWAKE or lock.locked():
+                continue
+            async with lock:
+                if r.state is not WakeState.AWAKE:
+                    continue
+                reasons = await self._heal(r)
+                if reasons:
+                    self._on_event(f"{r.name}: a rebuild was not confirmed: {'; '.join(reasons)}")
+                done.append(r.name)
+        return done
+
+    # -- its own loop ----------------------------------------------------------------------
+
+    def start(self) -> WakeController:
+        """Run the controller on an event loop of its own (a daemon thread), its idle sleeper
+        on it. Idempotent."""
+        if self._thread is not None:
+            return self
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self.loop = loop
+            self._idle_task = loop.create_task(self.housekeep())
+            loop.call_soon(ready.set)
+            loop.run_forever()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="wake-controller", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("the wake controller's event loop did not start within 10 s")
+        return self
+
+    async def housekeep(self) -> None:
+        """Rebuild dead engines of awake roles and put idle roles to sleep, every tick, for
+        ever (:meth:`start` runs it; a caller driving the controller on a loop of its own runs
+        it there)."""
+        idle = self.settings.idle_seconds
+        tick = max(0.05, min(1.0, idle / 4)) if idle > 0 else 1.0
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                await self.heal_awake()
+                await self.sleep_idle()
+            except Exception as exc:  # reported, the sleeper goes on
+                self._on_event(f"idle sleep failed: {type(exc).__name__}: {exc}")
+
+    def stop(self) -> None:
+        """Stop the loop (the roles stay as they are: teardown stops their engines)."""
+        loop, thread = self.loop, self._thread
+        if loop is None or thread is None:
+            return
+        if self._idle_task is not None:
+            loop.call_soon_threadsafe(self._idle_task.cancel)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        self._thread = None
+        self.loop = None
+
+    def waker(self) -> ThreadWaker:
+        """What a gateway in another thread calls (:meth:`start` first)."""
+        return ThreadWaker(self)
+
+
+class ThreadWaker:
+    """A :class:`WakeController` reached from another thread's event loop (a gateway's): each
+    wake runs on the controller's loop; the rest is thread-safe as it is."""
+
+    def __init__(self, controller: WakeController) -> None:
+        self.controller = controller
+
+    def wakes(self, role: str) -> bool:
+        """Whether ``role`` is one the controller wakes."""
+        return role in self.controller.roles()
+
+    def enter(self, role: str, *, first: bool = True) -> bool:
+        """:meth:`WakeController.enter`."""
+        return self.controller.enter(role, first=first)
+
+    async def wake(self, role: str, *, timeout: float | None = None) -> None:
+        """:meth:`WakeController.wake`, on the controller's loop."""
+        loop = self.controller.loop
+        if loop is None:
+            raise ModelNotReadyError(
+                f'role "{role}" is asleep and the wake controller is not running (relax serve '
+                "is shutting down); no request was sent",
+                role=role,
+                model="*",
+                state="SLEEPING",
+            )
+        future = asyncio.run_coroutine_threadsafe(self.controller.wake(role, timeout=timeout), loop)
+        await asyncio.wrap_future(future)
+
+    def end(self, role: str) -> None:
+        """:meth:`WakeController.end`."""
+        self.controller.end(role)
+
+    def describe(self, role: str) -> dict[str, Any]:
+        """:meth:`WakeController.describe`."""
+        return self.controller.describe(role)
+
+    def collector(self, role: str) -> Collector:
+        """``role``'s wake counters for its gateway's ``/metrics``."""
+        return WakeCollector(self.controller, role)
+
+
+class WakeCollector(Collector):
+    """``relax_wake_*``: one role's wakes, evictions, idle sleeps, switches avoided, refusals
+    and wake latency (a histogram of the last 1024 wakes requests waited for)."""
+
+    def __init__(self, controller: WakeController, role: str) -> None:
+        self.controller = controller
+        self.role = role
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.controller.counts(self.role)
+        role = (self.role,)
+        for name, value, doc in (
+            ("wakes", c.wakes, "Times the role was woken for a request."),
+            ("evictions", c.evictions, "Times the role was put to sleep for another role."),
+            ("idle_sleeps", c.idle_sleeps, "Times the role was put to sleep for being idle."),
+            (
+                "switches_avoided",
+                c.avoided,
+                "Requests that found the role awake, and wakes of another role of its GPUs it "
+                "stayed resident beside: switches a per-request swap would have made.",
+            ),
+            ("rebuilds", c.rebuilds, "Rebuilds of the role's failed replicas."),
+        ):
+            family = CounterMetricFamily(f"relax_wake_{name}", doc, labels=("role",))
+            family.add_metric(role, value)
+            yield family
+        refused = CounterMetricFamily(
+            "relax_wake_refused",
+            "Requests answered 503 because their role could not be woken (timeout: within the "
+            "bound; blocked: a transition was not confirmed).",
+            labels=("role", "reason"),
+        )
+        refused.add_metric((self.role, "timeout"), c.timeouts)
+        refused.add_metric((self.role, "blocked"), c.blocked)
+        yield refused
+        seconds = list(c.wake_seconds)
+        buckets = [(str(b), sum(1 for s in seconds if s <= b)) for b in _WAKE_BUCKETS]
+        buckets.append(("+Inf", len(seconds)))
+        histo = HistogramMetricFamily(
+            "relax_wake_seconds",
+            "How long requests waited for their role to be woken (the last 1024 wakes).",
+            labels=("role",),
+        )
+        histo.add_metric(role, buckets, sum(seconds))
+        yield histo
+        state = GaugeMetricFamily(
+            "relax_wake_state",
+            "The role's residency state (1 for the current one).",
+            labels=("role", "state"),
+        )
+        now = self.controller.states()[self.role].split(":")[0]
+        for s in WakeState:
+            state.add_metric((self.role, s.value), 1.0 if s.value == now else 0.0)
+        yield state
+
+
+_WAKE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    # Every waiter gets the outcome; this only keeps asyncio from reporting an exception that
+    # no waiter was left to retrieve (they all timed out).
+    if not task.cancelled():
+        task.exception()
