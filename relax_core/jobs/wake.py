@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -194,6 +195,7 @@ class WakeController:
             "inflight": r.inflight,
             "woken_on_demand": True,
             **({"blocked": r.blocked} if r.blocked else {}),
+            "wake_waits": _quantiles(r.counts.wake_seconds),
             "wake_timeout_s": self.settings.wake_timeout,
             "idle_seconds": self.settings.idle_seconds,
             "min_residency_s": self.settings.min_residency,
@@ -632,3 +634,18 @@ def _retrieve(task: asyncio.Future[None]) -> None:
     # no waiter was left to retrieve (they all timed out).
     if not task.cancelled():
         task.exception()
+
+
+def _quantiles(seconds: list[float]) -> dict[str, float | int]:
+    """How long the last requests waited for a wake: their count and the median, 99th
+    percentile and longest wait in seconds (nearest rank)."""
+    if not seconds:
+        return {"count": 0}
+    ranked = sorted(seconds)
+    n = len(ranked)
+    return {
+        "count": n,
+        "p50_s": round(ranked[max(0, math.ceil(0.5 * n) - 1)], 6),
+        "p99_s": round(ranked[max(0, math.ceil(0.99 * n) - 1)], 6),
+        "max_s": round(ranked[-1], 6),
+    }

@@ -313,6 +313,8 @@ def test_serve_of_the_example_defer_job_starts_phase_by_phase_and_wakes_roles_on
             assert all("meta_info" in a or "response" in a for a in answers), answers
             health = _get(f"{urls['genrm']}/genrm/health?schema=2")
             assert health["residency"]["slice"] == "actor:0-0"
+            waits = health["residency"]["wake_waits"]
+            assert waits["count"] >= 1 and 0 < waits["p50_s"] <= waits["p99_s"] <= waits["max_s"]
             metrics = urllib.request.urlopen(f"{urls['teacher']}/metrics", timeout=5).read()
             wakes = re.search(rb'relax_wake_wakes_total\{role="teacher"\} (\d+)', metrics)
             assert wakes and int(wakes.group(1)) >= 1, metrics.decode()[:2000]
