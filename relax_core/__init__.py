@@ -70,6 +70,7 @@ from relax_core.errors import (
     SinkError,
     SnapshotError,
     StreamStalledError,
+    TrackerError,
     UpstreamError,
     UpstreamStatusError,
     UpstreamUnreachableError,
@@ -124,6 +125,7 @@ from relax_core.records import (
     RouterProcess,
     RoutingPolicy,
     StageSpec,
+    TrackerSpec,
     TrainerSpec,
     WeightSource,
 )
@@ -138,6 +140,14 @@ from relax_core.run import (
     build_stages,
     parse_run_config,
     stage_problems,
+)
+from relax_core.tracking import (
+    PhaseSpan,
+    Tracker,
+    TrackerContext,
+    reward_by_key,
+    sample_rows,
+    step_metrics,
 )
 
 __version__ = "0.1.0"
@@ -191,6 +201,7 @@ __all__ = [
     "ModelView",
     "NotApplicable",
     "OpenAPINotes",
+    "PhaseSpan",
     "PlacementError",
     "PlacementMode",
     "PluginError",
@@ -238,6 +249,10 @@ __all__ = [
     "StageSpec",
     "StreamStalledError",
     "SubprocessEngineProcess",
+    "Tracker",
+    "TrackerContext",
+    "TrackerError",
+    "TrackerSpec",
     "Trainer",
     "TrainerContext",
     "TrainerSpec",
@@ -261,9 +276,12 @@ __all__ = [
     "loads_config",
     "parse_run_config",
     "plan_inference_placement",
+    "reward_by_key",
+    "sample_rows",
     "serialize_named_tensors",
     "stage_problems",
     "start_coordinator",
+    "step_metrics",
     "validate_bound_placement",
     "validate_samples",
 ]
