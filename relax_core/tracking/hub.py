@@ -102,6 +102,7 @@ class Trackers:
         #: tracker name -> what failed (``log_metrics (step 2): RuntimeError: …``)
         self.failures: dict[str, str] = {}
         self._error: TrackerError | None = None
+        self._raised = False
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self._worker = threading.Thread(target=self._work, name="relax-trackers", daemon=True)
@@ -195,8 +196,10 @@ class Trackers:
         self.check()
 
     def check(self) -> None:
-        """:raises TrackerError: with ``strict``, a tracker has failed."""
-        if self.strict and self._error is not None:
+        """:raises TrackerError: with ``strict``, a tracker has failed (raised once: the run
+        ends on it)."""
+        if self.strict and self._error is not None and not self._raised:
+            self._raised = True
             raise self._error
 
     # -- the worker ------------------------------------------------------------------------
