@@ -71,6 +71,7 @@ from relax_core.errors import (
     SinkError,
     SnapshotError,
     StreamStalledError,
+    TrackerError,
     UpstreamError,
     UpstreamStatusError,
     UpstreamUnreachableError,
@@ -125,6 +126,7 @@ from relax_core.records import (
     RouterProcess,
     RoutingPolicy,
     StageSpec,
+    TrackerSpec,
     TrainerSpec,
     WeightSource,
 )
@@ -139,6 +141,14 @@ from relax_core.run import (
     build_stages,
     parse_run_config,
     stage_problems,
+)
+from relax_core.tracking import (
+    PhaseSpan,
+    Tracker,
+    TrackerContext,
+    reward_by_key,
+    sample_rows,
+    step_metrics,
 )
 
 __version__ = "0.1.0"
@@ -193,6 +203,7 @@ __all__ = [
     "ModelView",
     "NotApplicable",
     "OpenAPINotes",
+    "PhaseSpan",
     "PlacementError",
     "PlacementMode",
     "PluginError",
@@ -240,6 +251,10 @@ __all__ = [
     "StageSpec",
     "StreamStalledError",
     "SubprocessEngineProcess",
+    "Tracker",
+    "TrackerContext",
+    "TrackerError",
+    "TrackerSpec",
     "Trainer",
     "TrainerContext",
     "TrainerSpec",
@@ -263,9 +278,12 @@ __all__ = [
     "loads_config",
     "parse_run_config",
     "plan_inference_placement",
+    "reward_by_key",
+    "sample_rows",
     "serialize_named_tensors",
     "stage_problems",
     "start_coordinator",
+    "step_metrics",
     "validate_bound_placement",
     "validate_samples",
 ]

@@ -1,5 +1,6 @@
 """The core's own plugin: built-in weight sources, routing policies, placement modes, prompt
-sources (``arithmetic``, ``jsonl``) and stage kinds (``reward``, ``eval``).
+sources (``arithmetic``, ``jsonl``), stage kinds (``reward``, ``eval``) and trackers
+(``jsonl``, ``tensorboard``).
 
 Registered by :meth:`relax_core.plugins.PluginManager.create` under the name ``relax-core``.
 Each hook implementation lives beside the code it registers and is re-exported here.
@@ -15,6 +16,7 @@ from relax_core.placement.modes import relax_register_placement_modes  # noqa: F
 from relax_core.records import WeightSource
 from relax_core.run.data import relax_register_data_sources  # noqa: F401
 from relax_core.run.stages import relax_register_stages  # noqa: F401
+from relax_core.tracking.builtin import relax_register_trackers  # noqa: F401
 
 STATIC = WeightSource(
     name="STATIC",

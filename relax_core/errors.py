@@ -19,6 +19,7 @@ a bundle index, a request field) and, where there is one, what to do about it. T
     ├── StreamStalledError (also a TimeoutError; seconds, started, setting)
     ├── GatewayError (status, field, retry_after, request_id)
     ├── CapabilityError
+    ├── TrackerError (tracker, call)
     └── LifecycleError
         ├── InferenceRecoveryRequired (result, report)
         ├── NotApplicable
@@ -56,6 +57,7 @@ __all__ = [
     "SinkError",
     "SnapshotError",
     "StreamStalledError",
+    "TrackerError",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
@@ -478,3 +480,15 @@ class SinkError(RelaxError):
         self.partition = partition
         self.message = message
         super().__init__(f"partition {partition!r}: {message}")
+
+
+class TrackerError(RelaxError):
+    """An experiment tracker failed (``tracker``: its name in the run; ``call``: what it was
+    doing: ``open``, ``log_metrics`` …). ``relax run`` reports it once and goes on without the
+    tracker, unless ``strict_trackers`` asks for the run to end on it."""
+
+    def __init__(self, tracker: str, call: str, message: str) -> None:
+        self.tracker = tracker
+        self.call = call
+        self.message = message
+        super().__init__(f"tracker {tracker!r} failed in {call}: {message}")

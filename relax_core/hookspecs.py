@@ -13,7 +13,9 @@ first needs the kind. They are grouped by the phase in which their records are u
   placement modes — checked when the job file is read, used as its models start and serve;
 - **an RL step** (``relax run``): data sources (the step's prompts), stages (what the step does
   to its batch, in order), trainers (who trains on the committed batch) — collected when the
-  ``[run]`` table is checked, before anything starts.
+  ``[run]`` table is checked, before anything starts; trackers (who hears what the run
+  did: its config, each committed step's metrics, each phase, samples to inspect) — opened
+  when the steps begin, closed when the run ends, however it ends.
 
 A plugin implements a hook under the same name and calls ``register`` once per record it adds;
 each hook below names its record and shows that call::
@@ -180,4 +182,21 @@ def relax_register_trainers(register: Callable[[records.TrainerSpec], None]) -> 
     :param register: call it once per :class:`~relax_core.records.TrainerSpec`, as in
         ``register(TrainerSpec(name="grpo", trainer_class=PolicyTrainer,
         description="GRPO and distillation on a torch Llama"))``.
+    """
+
+
+@hookspec
+def relax_register_trackers(register: Callable[[records.TrackerSpec], None]) -> None:
+    """Register experiment trackers (the core registers ``jsonl`` and ``tensorboard``;
+    contrib's relax-wandb ``wandb``, relax-mlflow ``mlflow``).
+
+    ``[run] trackers`` (and ``relax run --tracker NAME``) names the ones a run reports to. Each
+    is opened in the driver when the steps begin (``TrackerSpec.open(context)``), hears the
+    run's config once, each committed step's metrics, each phase span and a few samples per
+    step, and is closed at the end of the run, also on a failure or Ctrl-C. A tracker that
+    raises is reported once and left out for the rest of the run (``strict_trackers = true``
+    ends the run instead).
+
+    :param register: call it once per :class:`~relax_core.records.TrackerSpec`, as in
+        ``register(TrackerSpec(name="csv", open=CsvTracker, options=("file",)))``.
     """

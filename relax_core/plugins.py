@@ -30,6 +30,7 @@ from relax_core.records import (
     RouterBackend,
     RoutingPolicy,
     StageSpec,
+    TrackerSpec,
     TrainerSpec,
     WeightSource,
 )
@@ -62,6 +63,7 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
     "data_sources": ("relax_register_data_sources", DataSourceSpec),
     "stages": ("relax_register_stages", StageSpec),
     "trainers": ("relax_register_trainers", TrainerSpec),
+    "trackers": ("relax_register_trackers", TrackerSpec),
 }
 
 
@@ -76,6 +78,7 @@ _SINGULAR = {
     "data_sources": "data source",
     "stages": "stage",
     "trainers": "trainer",
+    "trackers": "tracker",
 }
 
 
@@ -305,6 +308,7 @@ class PluginManager:
     data_source = _lookup("data_sources", DataSourceSpec)
     stage = _lookup("stages", StageSpec)
     trainer = _lookup("trainers", TrainerSpec)
+    tracker = _lookup("trackers", TrackerSpec)
 
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""

@@ -40,6 +40,7 @@ __all__ = [
     "RouterProcess",
     "RoutingPolicy",
     "StageSpec",
+    "TrackerSpec",
     "TrainerSpec",
     "WeightSource",
 ]
@@ -77,6 +78,10 @@ def _frozenset_of_str(value: object) -> frozenset[str]:
 
 def _tuple_of_str(value: object) -> tuple[str, ...]:
     return tuple(str(v) for v in value)  # type: ignore[attr-defined]
+
+
+def _optional_tuple_of_str(value: object) -> tuple[str, ...] | None:
+    return None if value is None else _tuple_of_str(value)
 
 
 def _json_copy(what: str, value: object) -> Any:
@@ -696,6 +701,41 @@ class TrainerSpec:
     description: str = ""
 
 
+# -- trackers ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TrackerSpec:
+    """An experiment tracker ``relax run`` reports to, named in ``[run] trackers`` (``trackers
+    = ["tensorboard", { tracker = "wandb", project = "rl" }]``) or by ``--tracker``.
+
+    ``open(context) -> Tracker`` opens one for a run: ``context`` is a
+    :class:`~relax_core.TrackerContext` (the run's directory, under which the tracker keeps
+    its files; the job's name; the entry's ``options``); the tracker it returns implements
+    :class:`~relax_core.Tracker` (``log_config``, ``log_metrics``, ``log_span``,
+    ``log_samples``, ``close``). Called in the driver when the steps begin, never at import:
+    import the tracking library inside ``open``, since plugins load in every ``relax``
+    command. ``options``: the keys an entry may hold besides ``tracker`` (checked before
+    anything starts, with a did-you-mean hint); ``None``: any.
+
+    :raises ValueError: a bad name, or an option named ``tracker``.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    open: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
+    options: tuple[str, ...] | None = attrs.field(default=(), converter=_optional_tuple_of_str)
+    description: str = ""
+
+    @options.validator
+    def _check_tracker_options(self, _a: object, value: tuple[str, ...] | None) -> None:
+        bad = [k for k in value or () if k == "tracker" or not NAME_PATTERN.match(k)]
+        if bad:
+            raise ValueError(
+                f"TrackerSpec {self.name!r}.options: option names are keys of the tracker's "
+                f"entry (not {bad}; 'tracker' names the tracker itself)"
+            )
+
+
 # -- step stages -------------------------------------------------------------------------------
 
 
@@ -718,10 +758,6 @@ def _check_options(instance: object, attribute: attrs.Attribute[Any], value: Any
             f"table (not {sorted(map(str, bad)) or sorted(common)}; stage, name, role and "
             "models are every stage's own)"
         )
-
-
-def _optional_tuple_of_str(value: object) -> tuple[str, ...] | None:
-    return None if value is None else _tuple_of_str(value)
 
 
 @attrs.frozen

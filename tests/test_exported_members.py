@@ -27,7 +27,9 @@ PACKAGES = [
     "relax_core.jobs",
     "relax_core.manager",
     "relax_core.placement",
+    "relax_core.report",
     "relax_core.run",
+    "relax_core.tracking",
 ]
 
 #: What a plugin may import from the core.

@@ -70,10 +70,17 @@ def _entries(lines: list[str]) -> list[tuple[bool, str]]:
 
 
 def _local(entry: str) -> Path | None:
-    """The directory a requirement names (``.``, ``./plugins/x``, ``plugins/x``), or None."""
+    """The directory a requirement names (``.``, ``./plugins/x``, ``plugins/x``, each perhaps
+    with extras: ``.[report]``), or None."""
     if entry.startswith((".", "/")) or "/" in entry:
-        return (ROOT / entry).resolve()
+        return (ROOT / re.sub(r"\[[\w,-]+\]$", "", entry)).resolve()
     return None
+
+
+def _extras(entry: str) -> str:
+    """A requirement's extras as written (``[report]``), or ``""``."""
+    found = re.search(r"\[[\w,-]+\]$", entry)
+    return found.group(0) if found else ""
 
 
 class _Recorder:
@@ -106,12 +113,13 @@ def noxfile(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-def _demo_installs(noxfile: ModuleType) -> tuple[set[str], set[tuple[bool, Path]]]:
-    """What ``nox -s demo`` installs: its requirements and its ``(editable, directory)``s."""
+def _demo_installs(noxfile: ModuleType) -> tuple[set[str], set[tuple[bool, Path, str]]]:
+    """What ``nox -s demo`` installs: its requirements and its ``(editable, directory,
+    extras)``s."""
     session = _Recorder()
     noxfile.demo(session)
     specs: set[str] = set()
-    local: set[tuple[bool, Path]] = set()
+    local: set[tuple[bool, Path, str]] = set()
     args = iter(session.installed)
     for arg in args:
         editable = arg == "-e"
@@ -120,7 +128,7 @@ def _demo_installs(noxfile: ModuleType) -> tuple[set[str], set[tuple[bool, Path]
         if path is None:
             specs.add(entry)
         else:
-            local.add((editable, path))
+            local.add((editable, path, _extras(entry)))
     return specs, local
 
 
@@ -150,10 +158,12 @@ def test_the_requirements_cover_everything_the_nox_demo_session_installs(
     specs, local = _demo_installs(noxfile)
     entries = _entries(_requirements_file().read_text().splitlines())
     assert {e for _, e in entries if _local(e) is None} == specs
-    assert {(editable, _local(e)) for editable, e in entries if _local(e) is not None} == local
+    assert {
+        (editable, _local(e), _extras(e)) for editable, e in entries if _local(e) is not None
+    } == local
     # The core, and every plugin and contrib distribution of the repository.
     dirs = [*ROOT.glob("plugins/*/pyproject.toml"), *ROOT.glob("contrib/*/pyproject.toml")]
-    assert {path for _, path in local} == {ROOT} | {p.parent.resolve() for p in dirs}
+    assert {path for _, path, _ in local} == {ROOT} | {p.parent.resolve() for p in dirs}
 
 
 def test_pip_resolves_every_local_distribution_of_the_requirements(tmp_path: Path) -> None:

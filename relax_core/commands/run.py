@@ -5,6 +5,12 @@ printed; exit status 2, nothing started). Then the job comes up on Ray (managers
 engines phase by phase, the trainer, the coordinator and the batch sink: see
 ``relax_core.run.job``), runs its steps (``relax_core.run.loop``), and everything is shut down.
 
+With trackers (``[run] trackers``, ``--tracker``) or ``--report`` the run keeps its records in a
+run directory (``--run-dir``, default ``relax-runs/<job>``): the trackers' files, the trace
+(``trace.json`` unless ``--trace`` names another file) and, with ``--report``, ``report.html``
+(``relax report``), written after the shutdown. ``--metrics-port`` serves the driver's
+Prometheus metrics while the command runs (``relax_core.run.metrics``).
+
 Exit status: 0 when every step committed and nothing is left running; 1 when a step failed,
 an engine did not start or the shutdown left something (named on stderr); 2 when the job was
 rejected before anything started; 130 on Ctrl-C (after a clean shutdown).
@@ -14,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
@@ -53,6 +61,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--job", help="the job's name: actor names, relax coordinator --job (default: run-<pid>)"
     )
     parser.add_argument("--log-dir", help="where engine logs go (default: a new temp directory)")
+    parser.add_argument(
+        "--tracker",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also report to this tracker (repeatable; added to [run] trackers): jsonl, "
+        "tensorboard, a plugin's (relax plugins lists them)",
+    )
+    parser.add_argument(
+        "--strict-trackers",
+        action="store_true",
+        help="a tracker's failure ends the run (default: reported once, the run goes on)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="where the run keeps its records: the trackers' files, the trace, the report "
+        "(default with a tracker or --report: relax-runs/<job>)",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="write RUN_DIR/report.html at the end (relax report; turns the jsonl tracker on)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the driver's Prometheus metrics (phase histograms, step counters) on PORT "
+        "while the run runs",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address --metrics-port binds (default: 127.0.0.1)",
+    )
+
+
+def _with_trackers(settings: Any, args: argparse.Namespace) -> Any:
+    """``settings`` with ``--tracker``'s (and ``--report``'s jsonl) trackers added and
+    ``--strict-trackers`` applied."""
+    import attrs
+
+    from relax_core.tracking.tracker import TrackerEntry
+
+    entries = list(settings.trackers)
+    names = [e.name for e in entries]
+    wanted = [*args.tracker, *(["jsonl"] if args.report else [])]
+    for i, name in enumerate(wanted):
+        if name not in names:
+            where = f"--tracker[{i}]" if i < len(args.tracker) else "--report"
+            entries.append(TrackerEntry(name, {}, where))
+            names.append(name)
+    strict = settings.strict_trackers or args.strict_trackers
+    return attrs.evolve(settings, trackers=tuple(entries), strict_trackers=strict)
+
+
+def _close_trackers(trackers: Any, summary: Any) -> str | None:
+    """Close the run's trackers with its summary; the error that ends the run, if one does."""
+    from relax_core.errors import TrackerError
+
+    if trackers is None:
+        return None
+    try:
+        trackers.close(None if summary is None else summary.row())
+    except TrackerError as exc:
+        return str(exc)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,8 +153,14 @@ def run(args: argparse.Namespace) -> int:
         if args.steps < 1:
             return reject("run", [f"--steps: must be >= 1, got {args.steps}"])
         settings = attrs.evolve(settings, steps=args.steps)
+    settings = _with_trackers(settings, args)
     found = job_preflight(loaded, pm, address=args.address)
     problems = run_problems(config, settings, pm) + [str(p) for p in found.problems]
+    if args.report and importlib.util.find_spec("plotly") is None:
+        problems.append(
+            "--report: the report needs plotly, which is not installed: pip install "
+            "'relax-core[report]'"
+        )
     if problems:
         return reject("run", problems)
     for warning in found.warnings:
@@ -87,15 +170,50 @@ def run(args: argparse.Namespace) -> int:
     signals.install()
     name = args.job or f"run-{os.getpid()}"
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="relax-run-logs-")
+    run_dir = args.run_dir
+    if run_dir is None and settings.trackers:
+        run_dir = os.path.join("relax-runs", name)
+    trace = args.trace
+    if run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+        trace = trace or os.path.join(run_dir, "trace.json")
+    metrics = None
+    if args.metrics_port is not None:
+        from relax_core.run.metrics import serve_metrics
+
+        try:
+            metrics = serve_metrics(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            return reject(
+                "run",
+                [f"--metrics-port: cannot serve on {args.metrics_host}:{args.metrics_port}: {exc}"],
+            )
     status = 0
     summary = None
+    trackers = None
     left: list[str] = []
     try:
         with ray_session(args.address, config, printer.progress_out) as where:
             printer.say(f"relax run: job {name} on {where}; engine logs in {log_dir}")
+            if run_dir is not None:
+                printer.say(f"relax run: the run's records in {run_dir}")
+            if metrics is not None:
+                printer.say(
+                    f"relax run: Prometheus metrics on http://{args.metrics_host}:"
+                    f"{metrics.server_port}/metrics"
+                )
             job = RunJob(config, settings, pm, name=name, log_dir=log_dir)
             try:
-                job.start(printer.say, on_interrupt=signals.hold)
+                models = sum(len(role.models) for role in config.roles)
+                with printer.waiting("starting engines", total=models, unit="models") as bar:
+                    job.start(printer.say, on_interrupt=signals.hold, on_started=bar.update)
+                if run_dir is not None and settings.trackers:
+                    from relax_core.tracking.hub import Trackers
+
+                    trackers = Trackers.open(
+                        settings.trackers, pm, run_dir=run_dir, job=name, say=printer.say,
+                        strict=settings.strict_trackers,
+                    )  # fmt: skip
                 printer.say(
                     f"relax run: {settings.steps} step(s) of {settings.prompts_per_step} "
                     f"prompts x {settings.samples_per_prompt} samples; Ctrl-C stops"
@@ -105,9 +223,10 @@ def run(args: argparse.Namespace) -> int:
                         job,
                         printer,
                         steps=settings.steps,
-                        trace=args.trace,
+                        trace=trace,
                         dump_dir=args.dump_samples,
                         measure=args.measure,
+                        trackers=trackers,
                     )
                 )
                 if summary.interrupted:  # the loop stopped its step in flight cleanly
@@ -124,9 +243,17 @@ def run(args: argparse.Namespace) -> int:
                 status = 1
             finally:
                 signals.hold()
+                error = _close_trackers(trackers, summary)
+                if error is not None:
+                    print(f"relax run: {error}", file=sys.stderr, flush=True)
+                    status = status or 1
                 left = job.teardown(printer.say)
     except KeyboardInterrupt:  # during Ray's own start or stop
         status = 130
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
     if summary is not None:
         row = summary.row()
         # What was started, for whoever checks that it is gone (the shutdown did).
@@ -142,5 +269,20 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         return 1
+    if args.report and run_dir is not None:
+        status = _report(run_dir, printer) or status
     printer.say("relax run: stopped; nothing left running")
     return status
+
+
+def _report(run_dir: str, printer: Any) -> int:
+    """Write the run's report; 1 (said on stderr) if it could not be written."""
+    from relax_core.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except (OSError, ValueError) as exc:
+        print(f"relax run: the report could not be written: {exc}", file=sys.stderr, flush=True)
+        return 1
+    printer.say(f"relax run: report in {path}")
+    return 0

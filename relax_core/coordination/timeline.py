@@ -133,12 +133,24 @@ class Timeline:
             phases[name] = phases.get(name, 0.0) + seconds
             if lane == "leases" and name.endswith((".onload", ".offload")):
                 self._switches[batch_id] = self._switches.get(batch_id, 0) + 1
-        self.recorded(batch_id, name, seconds, failed=failed, interrupted=interrupted)
+        self.recorded(
+            batch_id, name, seconds, failed=failed, interrupted=interrupted, lane=lane,
+            start_us=start_us,
+        )  # fmt: skip
 
     def recorded(
-        self, batch_id: int, name: str, seconds: float, *, failed: bool, interrupted: bool
+        self,
+        batch_id: int,
+        name: str,
+        seconds: float,
+        *,
+        failed: bool,
+        interrupted: bool,
+        lane: str = "batch",
+        start_us: int = 0,
     ) -> None:
-        """Called after each phase is recorded (outside the lock); a subclass listens here."""
+        """Called after each phase is recorded (outside the lock) with its lane and its start
+        (wall clock, microseconds since the epoch); a subclass listens here."""
 
     def phases(self, batch_id: int) -> dict[str, float]:
         """Phase name -> seconds of batch ``batch_id`` (repeated phases add up)."""

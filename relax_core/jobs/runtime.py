@@ -151,13 +151,15 @@ class JobRuntime:
         logs: str | None = None,
         on_interrupt: Callable[[], None] | None = None,
         progress: Callable[[], str] | None = None,
+        on_started: Callable[[int, int], None] | None = None,
     ) -> None:
         """Start every model, phase by phase (:func:`~relax_core.jobs.phases.start_order`):
         each deferred phase started, then put to SLEEPING (``sleep_note`` says, in its line,
         who wakes it), before the next; then the others, awake. Every model's pids are
         recorded once its start ended. ``progress()``, if given, is a line printed whenever it
-        changes (checked every second). Interrupted by Ctrl-C, ``on_interrupt()`` is called
-        and the starts in flight finish first. Blocking.
+        changes (checked every second). ``on_started(done, total)``, if given, hears how many
+        models' starts have ended (a progress bar), first with none. Interrupted by Ctrl-C,
+        ``on_interrupt()`` is called and the starts in flight finish first. Blocking.
 
         :raises LifecycleError: an engine did not become READY (``logs``: where their logs
             are), or a deferred model could not be put to sleep; nothing more is started
@@ -166,6 +168,11 @@ class JobRuntime:
         steps = start_order(config, self.plan) if self.plan is not None else []
         if not steps:
             steps = [(tuple(self.models), False)]
+        total = sum(len(self.models.get(r, {})) for roles, _ in steps for r in roles)
+        ended = [0]
+        count = threading.Lock()
+        if on_started is not None:
+            on_started(0, total)
         stop = threading.Event()
         ticker = None
         if progress is not None:
@@ -177,6 +184,10 @@ class JobRuntime:
         def done(model: ModelHandle, outcome: LifecycleResult | BaseException) -> None:
             with contextlib.suppress(Exception):  # a dead actor: its start's error says so
                 self.track(model)
+            with count:
+                ended[0] += 1
+                if on_started is not None:
+                    on_started(ended[0], total)
             if isinstance(outcome, BaseException):
                 self.line(say, f"{model.key}: FAILED: {outcome}")
             elif outcome.ok:

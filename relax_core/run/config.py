@@ -27,6 +27,7 @@ import attrs
 
 from relax_core.config import ConfigReader, JobConfig
 from relax_core.records import NAME_PATTERN
+from relax_core.tracking.tracker import TrackerEntry
 
 __all__ = [
     "DEFAULT_TRAINER",
@@ -116,6 +117,9 @@ class RunConfig:
     operation_timeout: float = 180.0
     request_timeout: float = 300.0
     partial_rollout: bool = False
+    trackers: tuple[TrackerEntry, ...] = ()
+    tracker_samples: int = 4
+    strict_trackers: bool = False
     base: str | None = None
 
     def stage(self, name: str) -> StageTable:
@@ -205,6 +209,9 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         operation_timeout=v(t, p, "operation_timeout", float, 180.0, check=ConfigReader.positive),
         request_timeout=v(t, p, "request_timeout", float, 300.0, check=ConfigReader.positive),
         partial_rollout=v(t, p, "partial_rollout", bool, False),
+        trackers=tracker_entries(r, t.get("trackers", []), f"{p}.trackers"),
+        tracker_samples=v(t, p, "tracker_samples", int, 4, check=ConfigReader.at_least(0)),
+        strict_trackers=v(t, p, "strict_trackers", bool, False),
         base=_base(job.source),
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
@@ -216,6 +223,29 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         )
     r.raise_problems(job.source)
     return config
+
+
+def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEntry, ...]:
+    """``[run] trackers``: each entry a tracker's name (``"tensorboard"``) or a table naming
+    it with its options (``{ tracker = "wandb", project = "rl" }``); whether each is
+    registered, and its options known, is checked against the plugins
+    (:func:`~relax_core.tracking.tracker_problems`)."""
+    if not isinstance(raw, list):
+        r.problem(path, "type", f"must be a list of tracker names or tables, got {raw!r}")
+        return ()
+    out: list[TrackerEntry] = []
+    for i, item in enumerate(raw):
+        where = f"{path}[{i}]"
+        if isinstance(item, str):
+            item = {"tracker": item}
+        if not isinstance(item, Mapping):
+            r.problem(where, "type", f"must be a tracker's name or a table, got {item!r}")
+            continue
+        name = r.value(item, where, "tracker", str, None, required=True, check=_stage_name)
+        if name is not None:
+            options = {k: val for k, val in item.items() if k != "tracker"}
+            out.append(TrackerEntry(name, options, where))
+    return tuple(out)
 
 
 def _base(source: str | None) -> str | None:

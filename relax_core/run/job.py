@@ -73,12 +73,13 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
     adapter registered — and in a defer layout declaring ``supports_deferred``); the trainer
     importable; and, in a defer layout, :func:`~relax_core.coordination.
     deferred_workload_problems` filled from the table (the preflight's key paths are
-    ``run.*``).
+    ``run.*``); every tracker registered, with only its own options.
     """
     from relax_core.jobs.checks import check_job
     from relax_core.run.data import source_problems
     from relax_core.run.stages import stage_problems
     from relax_core.run.trainer import load_trainer_class
+    from relax_core.tracking.hub import tracker_problems
 
     problems = list(check_job(config, pm))
     if problems:
@@ -119,6 +120,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
         out.append(
             ConfigProblem("run.partial_rollout", "unsupported", "relax run does not implement it")
         )
+    out += tracker_problems(run.trackers, pm)
     try:
         load_trainer_class(run.trainer, pm)
     except RelaxError as exc:
@@ -273,10 +275,17 @@ class RunJob:
 
     # -- start ---------------------------------------------------------------------------
 
-    def start(self, say: Say, *, on_interrupt: Callable[[], None] | None = None) -> None:
+    def start(
+        self,
+        say: Say,
+        *,
+        on_interrupt: Callable[[], None] | None = None,
+        on_started: Callable[[int, int], None] | None = None,
+    ) -> None:
         """Bring everything up (see the module docstring); ``say`` gets one line per event.
         ``on_interrupt()`` is called when Ctrl-C interrupts the engines' start (the starts in
-        flight finish first).
+        flight finish first); ``on_started(done, total)`` hears the models whose start ended
+        (:meth:`~relax_core.jobs.JobRuntime.start`).
 
         :raises PlacementError: the binding failed. :raises LifecycleError: an engine, router
             or the trainer did not start (call :meth:`teardown` in every case).
@@ -341,8 +350,9 @@ class RunJob:
         builder.start()
         try:
             runtime.start(
-                self.config, say, sleep_note=_WAKES, logs=self.log_dir, on_interrupt=on_interrupt
-            )
+                self.config, say, sleep_note=_WAKES, logs=self.log_dir, on_interrupt=on_interrupt,
+                on_started=on_started,
+            )  # fmt: skip
         finally:
             builder.join()
         if trainer_error:

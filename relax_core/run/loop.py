@@ -65,9 +65,13 @@ from relax_core.run.data import open_source
 from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
+from relax_core.run.metrics import RunMetrics
 from relax_core.run.progress import PhaseEvent, PhaseTimeline, Printer
+from relax_core.tracking.hub import Trackers
+from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
+from relax_core.tracking.tracker import PhaseSpan
 
-__all__ = ["FailedStep", "RunSummary", "blocked_advice", "run_loop"]
+__all__ = ["FailedStep", "RunSummary", "blocked_advice", "run_description", "run_loop"]
 
 
 @attrs.frozen
@@ -175,12 +179,59 @@ async def _trainer_saw(ref: Any, wait: float) -> str:
     return f"trained on {result.get('samples')} samples (unexpected for a failed batch)"
 
 
+def run_description(job: RunJob) -> dict[str, Any]:
+    """What trackers hear of the run first (``log_config``): the job, its ``[run]`` settings,
+    its roles' models, the placement and the residency plan (which roles share which GPUs)."""
+    run = attrs.asdict(job.run, recurse=True)
+    run["trackers"] = [{"tracker": t.name, **t.options} for t in job.run.trackers]
+    run["stages"] = [
+        {"stage": t.kind, "name": t.name, "role": t.role, "models": list(t.models), **t.options}
+        for t in job.run.stages
+    ]
+    run.pop("base", None)
+    return {
+        "job": job.name,
+        "job_file": job.config.source,
+        "generation_role": job.generation_role,
+        "run": run,
+        "roles": {
+            role.name: {
+                m.name: {
+                    "backend": m.backend,
+                    "model_path": m.model_path,
+                    "device": m.device,
+                    "num_gpus": m.placement.num_gpus,
+                    "weight_source": m.weight_source,
+                }
+                for m in role.models
+            }
+            for role in job.config.roles
+        },
+        "placement": {
+            "mode": job.config.placement.mode,
+            "defer_roles": list(job.config.placement.defer_roles),
+        },
+        "slices": dict(job.slices),
+        "residency": job.residency.to_dict(),
+    }
+
+
 class _Loop:
-    def __init__(self, job: RunJob, printer: Printer, *, trace: str | None, dump_dir: str | None):
+    def __init__(
+        self,
+        job: RunJob,
+        printer: Printer,
+        *,
+        trace: str | None,
+        dump_dir: str | None,
+        trackers: Trackers | None = None,
+    ):
         self.job = job
         self.run = job.run
         self.printer = printer
         self.dump_dir = dump_dir
+        self.trackers = trackers
+        self.metrics = RunMetrics.of()
         self.timeline = PhaseTimeline(self._event, trace_path=trace, run=f"relax run {job.name}")
         self.timeline.describe("residency", job.residency.to_dict())
         #: the phase an interruption stopped first (the innermost one), if one did
@@ -210,6 +261,21 @@ class _Loop:
         if e.interrupted and self.interrupted_phase is None:
             self.interrupted_phase = e.name
         self.printer.event(e)
+        if e.ended and self.trackers is not None:
+            self.trackers.log_span(
+                PhaseSpan(
+                    e.step, e.name, e.started, e.seconds, lane=e.lane, failed=e.failed,
+                    interrupted=e.interrupted,
+                )
+            )  # fmt: skip
+
+    def committed(self, row: dict[str, Any], samples: Sequence[Sample]) -> None:
+        """A step committed: its metrics to Prometheus and to the trackers, with a few of its
+        samples (``tracker_samples``)."""
+        self.metrics.committed(row)
+        if self.trackers is not None:
+            self.trackers.log_metrics(row["step"], step_metrics(row))
+            self.trackers.log_samples(row["step"], sample_rows(samples, self.run.tracker_samples))
 
     def _finalizer(self, batch_id: int, samples: Sequence[Sample]) -> None:
         if self.dump_dir is not None:
@@ -246,14 +312,14 @@ class _Loop:
             if push:
                 with tl.phase(n, "weight_push"):
                     pushed = await job.trainer.push.remote(str(n))
-            with tl.phase(n, "generate"):
-                await producer.first(
-                    n,
-                    collector,
-                    on_group=lambda done: self.printer.status(
-                        f"  step {n}  generate {done}/{run.prompts_per_step} groups"
-                    ),
-                )
+            spp = run.samples_per_prompt
+            with (
+                tl.phase(n, "generate"),
+                self.printer.waiting(
+                    f"step {n} generate", total=run.prompts_per_step * spp, unit="samples"
+                ) as bar,
+            ):
+                await producer.first(n, collector, on_group=lambda done: bar.update(done * spp))
         except BaseException as exc:
             error = await abort_generation(
                 self.coordinator, n, self.rollout, exc, timeline=tl, timeout=run.operation_timeout
@@ -282,7 +348,9 @@ class _Loop:
         self.train = None
         if self.dump_dir is not None and batch.dropped_samples:
             _dump(self.dump_dir, f"dropped-{n}.jsonl", batch.dropped_samples)
-        return self._row(n, result, batch.originals, began, pushed, trained)
+        row = self._row(n, result, batch.originals, began, pushed, trained)
+        self.committed(row, batch.originals)
+        return row
 
     def _row(
         self,
@@ -311,6 +379,7 @@ class _Loop:
             "groups": len({s.group_id for s in samples}),
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
+            "reward_by_key": reward_by_key(samples),
             "parse_failures": int(sum(failures)) if failures else None,
             "teacher_kl": trained.get("teacher_kl"),
             "teacher_logprob_mean": trained.get("teacher_logprob_mean"),
@@ -487,6 +556,7 @@ async def run_loop(
     trace: str | None = None,
     dump_dir: str | None = None,
     measure: bool = False,
+    trackers: Trackers | None = None,
 ) -> RunSummary:
     """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run
     and is in ``summary.failure``; every committed step was printed as it committed).
@@ -498,6 +568,9 @@ async def run_loop(
     ``trace``: the Perfetto trace file (rewritten after every batch). ``dump_dir``: each
     committed batch's samples as ``batch-N.jsonl``, a failed step's as ``failed-N.jsonl``.
     ``measure``: time every phase switch and compare it with a copy of its bytes.
+    ``trackers``: told the run's config first, then each phase as it ends and each committed
+    step's metrics and samples (the caller closes them; with ``strict_trackers`` a tracker's
+    failure is raised here, :class:`~relax_core.errors.TrackerError`, after the step in flight).
     """
     began = time.perf_counter()
     summary = RunSummary(job.name, steps, trace=trace)
@@ -510,7 +583,9 @@ async def run_loop(
             "startup_seconds": summary.startup_seconds,
         }
     )
-    loop = _Loop(job, printer, trace=trace, dump_dir=dump_dir)
+    if trackers is not None:
+        trackers.log_config(run_description(job))
+    loop = _Loop(job, printer, trace=trace, dump_dir=dump_dir, trackers=trackers)
     if measure:
         loop.measure()
     if dump_dir is not None:
@@ -557,6 +632,7 @@ async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interru
                     summary.interrupted_step = n
                     signals.handled()
                 summary.failure = await loop.failure(n, failed)
+                loop.metrics.failed.inc()
                 printer.failed(summary.failure.row())
                 break
             if row["pushed_before"] is not None:

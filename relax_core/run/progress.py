@@ -7,7 +7,9 @@ events and the step results into output:
 - **progress**: each phase that took real time as it ends (``  · step 1 genrm 2.29s``: at
   least :data:`PHASE_LINE_SECONDS`; a phase that failed or was interrupted always, marked
   ``FAILED`` or ``interrupted``), and while one runs on a terminal a status line rewritten in
-  place;
+  place; a long wait (the engines' start, a step's generation) shows a progress bar there
+  (:meth:`Printer.waiting`: what is done of the total and the seconds it has taken), only
+  on a terminal;
 - **one line per step**: reward mean ± std, parse failures, teacher KL (or the teacher's
   log-prob mean), tokens generated, the weight version its samples were generated with, and
   the step's phase times (the shorter phases counted, not named);
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
@@ -30,7 +33,14 @@ import attrs
 
 from relax_core.coordination.timeline import Timeline
 
-__all__ = ["PHASE_LINE_SECONDS", "PhaseEvent", "PhaseTimeline", "Printer", "phase_times"]
+__all__ = [
+    "PHASE_LINE_SECONDS",
+    "PhaseEvent",
+    "PhaseTimeline",
+    "Printer",
+    "Progress",
+    "phase_times",
+]
 
 #: Phases shorter than this (seconds) print no progress line and are only counted in the
 #: step's line; ``--json`` has every one.
@@ -42,7 +52,8 @@ _SWITCHES = (".onload", ".offload", ".ack")
 @attrs.frozen
 class PhaseEvent:
     """A phase of step ``step`` began (``seconds`` 0) or ended (``failed`` if it raised,
-    ``interrupted`` if it was cancelled: Ctrl-C)."""
+    ``interrupted`` if it was cancelled: Ctrl-C); an ended one has its trace lane (``leases``
+    for role switches) and its start (``started``: wall clock, seconds since the epoch)."""
 
     step: int
     name: str
@@ -50,6 +61,8 @@ class PhaseEvent:
     seconds: float = 0.0
     failed: bool = False
     interrupted: bool = False
+    lane: str = "batch"
+    started: float = 0.0
 
     @property
     def state(self) -> str:
@@ -75,14 +88,23 @@ class PhaseTimeline(Timeline):
             yield
 
     def recorded(
-        self, batch_id: int, name: str, seconds: float, *, failed: bool, interrupted: bool
+        self,
+        batch_id: int,
+        name: str,
+        seconds: float,
+        *,
+        failed: bool,
+        interrupted: bool,
+        lane: str = "batch",
+        start_us: int = 0,
     ) -> None:
         """The listener hears the phase's end."""
         self._on_event(
             PhaseEvent(
-                batch_id, name, ended=True, seconds=seconds, failed=failed, interrupted=interrupted
+                batch_id, name, ended=True, seconds=seconds, failed=failed,
+                interrupted=interrupted, lane=lane, started=start_us / 1e6,
             )
-        )
+        )  # fmt: skip
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -100,6 +122,45 @@ def phase_times(phases: dict[str, float]) -> str:
     if short:
         shown.append(f"+ {short} phase{'s' if short > 1 else ''} < {PHASE_LINE_SECONDS:g}s")
     return ", ".join([f"switches {switches:.2f}", *shown])
+
+
+#: Cells of a progress bar, and how often (seconds) a bar's seconds are redrawn.
+BAR_WIDTH = 24
+BAR_REDRAW = 0.25
+
+
+class Progress:
+    """A long wait's progress, drawn by :meth:`Printer.waiting` as a bar on the status line:
+    ``  starting engines [#########---------------] 1/3 models  12.4s``. :meth:`update`
+    is thread-safe and cheap (nothing is drawn off a terminal)."""
+
+    def __init__(self, printer: Printer, label: str, total: int | None, unit: str) -> None:
+        self.printer = printer
+        self.label = label
+        self.total = total
+        self.unit = unit
+        self.done = 0
+        self.began = time.monotonic()
+
+    def update(self, done: int, total: int | None = None) -> None:
+        """``done`` of ``total`` (the total given before if ``None``); redrawn at once."""
+        self.done = done
+        if total is not None:
+            self.total = total
+        self.draw()
+
+    def line(self) -> str:
+        """The status line as it is now."""
+        seconds = f"{time.monotonic() - self.began:.1f}s"
+        if not self.total:
+            return f"  {self.label} … {self.done} {self.unit}  {seconds}"
+        filled = min(BAR_WIDTH, BAR_WIDTH * self.done // self.total)
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+        return f"  {self.label} [{bar}] {self.done}/{self.total} {self.unit}  {seconds}"
+
+    def draw(self) -> None:
+        """Redraw the status line (a terminal only)."""
+        self.printer.status(self.line())
 
 
 class Printer:
@@ -127,17 +188,20 @@ class Printer:
         self.tty = self.progress_out.isatty() if tty is None else tty
         self.began = time.monotonic() if began is None else began
         self._status = ""
+        self._lock = threading.RLock()
 
     def say(self, text: str) -> None:
-        """A line of progress (start-up, teardown, notes)."""
-        self._clear()
-        print(text, file=self.progress_out, flush=True)
+        """A line of progress (start-up, teardown, notes); thread-safe."""
+        with self._lock:
+            self._clear()
+            print(text, file=self.progress_out, flush=True)
 
     def _row(self, row: dict[str, Any]) -> bool:
         """Clear the status line; with ``--json``, print ``row`` as one object. Whether it did."""
-        self._clear()
-        if self.json:
-            print(json.dumps(row), file=self.out, flush=True)
+        with self._lock:
+            self._clear()
+            if self.json:
+                print(json.dumps(row), file=self.out, flush=True)
         return self.json
 
     def _clear(self) -> None:
@@ -146,10 +210,39 @@ class Printer:
             self._status = ""
 
     def status(self, text: str) -> None:
-        """The transient status line (a terminal only)."""
+        """The transient status line (a terminal only); thread-safe."""
         if self.tty:
-            self._status = text
-            print(f"\r\033[K{text}", end="", file=self.progress_out, flush=True)
+            with self._lock:
+                self._status = text
+                print(f"\r\033[K{text}", end="", file=self.progress_out, flush=True)
+
+    @contextlib.contextmanager
+    def waiting(
+        self, label: str, *, total: int | None = None, unit: str = ""
+    ) -> Iterator[Progress]:
+        """A long wait: on a terminal a progress bar on the status line, its seconds redrawn
+        every :data:`BAR_REDRAW` seconds until the block ends (then the line is cleared);
+        elsewhere nothing. The block updates the :class:`Progress` it gets."""
+        progress = Progress(self, label, total, unit)
+        if not self.tty:
+            yield progress
+            return
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.wait(BAR_REDRAW):
+                progress.draw()
+
+        ticker = threading.Thread(target=tick, name="progress-bar", daemon=True)
+        progress.draw()
+        ticker.start()
+        try:
+            yield progress
+        finally:
+            stop.set()
+            ticker.join(5)
+            with self._lock:
+                self._clear()
 
     def started(self, row: dict[str, Any]) -> None:
         """The steps begin: with ``--json`` the ``start`` event (the job, the pids of every

@@ -118,3 +118,18 @@ def test_the_phase_timeline_tells_the_listener_an_interrupted_phase_from_a_faile
         with pytest.raises(type(error)), timeline.phase(0, "genrm"):
             raise error
     assert [e.state for e in events if e.ended] == ["interrupted", "interrupted", "failed"]
+
+
+def test_a_long_wait_draws_a_progress_bar_on_a_terminal_only() -> None:
+    out = io.StringIO()
+    printer = Printer(out=out, err=out, tty=True)
+    with printer.waiting("step 1 generate", total=16, unit="samples") as bar:
+        bar.update(8)
+    drawn = out.getvalue()
+    assert "  step 1 generate [############------------] 8/16 samples  " in drawn
+    assert drawn.endswith("\r\033[K")  # the line is cleared when the wait ends
+    quiet = io.StringIO()
+    printer = Printer(out=quiet, err=quiet, tty=False)
+    with printer.waiting("starting engines", total=3, unit="models") as bar:
+        bar.update(2)
+    assert quiet.getvalue() == ""

@@ -268,8 +268,10 @@ def test_ctrl_c_while_genrm_judges_aborts_its_requests_and_stops_cleanly_with_ex
 ) -> None:
     job = root / "job.toml"
     job.write_text(INTERRUPTED_JOB)
-    logs = root / "logs"
-    with support.relax_run(job, "--json", "--log-dir", str(logs)) as run:
+    logs, records = root / "logs", root / "records"
+    with support.relax_run(
+        job, "--json", "--log-dir", str(logs), "--tracker", "jsonl", "--run-dir", str(records)
+    ) as run:
         start = json.loads(run.out.wait_for(r'^\{"event": "start", .*', timeout=240).group(0))
         _phase(run, 0, "genrm", "begin", timeout=120)
         # The judge engine's own port (its log's first line): the stage's requests have
@@ -303,3 +305,8 @@ def test_ctrl_c_while_genrm_judges_aborts_its_requests_and_stops_cleanly_with_ex
     assert start["router_pids"] != []
     pids = start["engine_pids"] + start["router_pids"]
     assert [p for p in pids if processes.alive(p)] == [] and left == [], left
+    # The tracker was closed with the interrupted run's summary, after the interrupted span.
+    tracked = [json.loads(line) for line in (records / "run.jsonl").read_text().splitlines()]
+    assert tracked[-1]["type"] == "close" and tracked[-1]["summary"]["interrupted_step"] == 0
+    spans = [r for r in tracked if r["type"] == "span" and r["name"] == "genrm"]
+    assert spans and spans[-1]["interrupted"] is True

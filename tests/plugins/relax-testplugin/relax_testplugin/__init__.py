@@ -1,5 +1,6 @@
-"""A test plugin: reward adapters, one routing policy, one engine backend (``test-sim``) and one
-trainer (``record-fields``), found through the entry point."""
+"""A test plugin: reward adapters, one routing policy, one engine backend (``test-sim``), one
+trainer (``record-fields``) and one tracker that raises (``raises``), found through the entry
+point."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from relax_core import (
     RewardSpec,
     RoutingPolicy,
     SubprocessEngineProcess,
+    TrackerContext,
+    TrackerSpec,
     TrainerContext,
     TrainerSpec,
     hookimpl,
@@ -120,5 +123,48 @@ def relax_register_engine_backends(register: Callable[[EngineBackend], None]) ->
             multi_node=True,
             description="test plugin: the core's simulated SGLang-protocol engine, no model",
             loads_model_dir=False,
+        )
+    )
+
+
+class RaisesTracker:
+    """A tracker that raises on the step its ``step`` option names (default 0) and counts what
+    it heard before, in ``RUN_DIR/raises.log``: a run must report it once and go on."""
+
+    def __init__(self, context: TrackerContext) -> None:
+        self.step = int(context.options.get("step", 0))
+        self.log = open(f"{context.run_dir}/raises.log", "a")  # noqa: SIM115 - closed in close()
+
+    def _heard(self, what: str) -> None:
+        self.log.write(what + "\n")
+        self.log.flush()
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._heard("config")
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._heard(f"metrics {step}")
+        if step == self.step:
+            raise RuntimeError(f"the raises tracker raises at step {step}")
+
+    def log_span(self, span: Any) -> None:
+        self._heard("span")
+
+    def log_samples(self, step: int, samples: Any) -> None:
+        self._heard(f"samples {step}")
+
+    def close(self, summary: Mapping[str, Any] | None) -> None:
+        self._heard("close")
+        self.log.close()
+
+
+@hookimpl
+def relax_register_trackers(register: Callable[[TrackerSpec], None]) -> None:
+    register(
+        TrackerSpec(
+            name="raises",
+            open=RaisesTracker,
+            options=("step",),
+            description="test plugin: raises in log_metrics at one step",
         )
     )

@@ -1,0 +1,253 @@
+"""The trackers of one run: opened from ``[run] trackers``, fed from a thread of their own, a
+failing one reported once and left out, every one closed at the end.
+
+:class:`Trackers` is what the step loop holds. Its ``log_*`` calls return at once: each call is
+queued and a worker thread hands it to every tracker in order, so a slow tracker (a network
+upload) never delays a step. A tracker that raises is reported once (``say``), with its name and
+what it was doing, and hears nothing more but :meth:`~Trackers.close`; with ``strict`` the
+error is kept and raised as :class:`~relax_core.errors.TrackerError` from the loop's next call
+instead, which ends the run. :meth:`~Trackers.close` waits for the queue and every tracker's
+``close`` with a deadline.
+"""
+
+from __future__ import annotations
+
+import difflib
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from relax_core.config import ConfigProblem
+from relax_core.errors import TrackerError
+from relax_core.plugins import PluginManager
+from relax_core.tracking.tracker import PhaseSpan, Tracker, TrackerContext, TrackerEntry
+
+__all__ = ["Trackers", "tracker_problems"]
+
+#: Seconds :meth:`Trackers.close` waits for the trackers to take what is queued and close.
+CLOSE_SECONDS = 120.0
+
+_STOP = object()
+
+
+def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list[ConfigProblem]:
+    """Every problem with ``entries`` before anything starts: a tracker no plugin registers
+    (with a did-you-mean hint), one named twice, an option its record does not list."""
+    out: list[ConfigProblem] = []
+    known = pm.registered("trackers")
+    seen: dict[str, str] = {}
+    for entry in entries:
+        if entry.name in seen:
+            out.append(
+                ConfigProblem(
+                    entry.path,
+                    "duplicate",
+                    f"tracker {entry.name!r} is listed twice ({seen[entry.name]} and "
+                    f"{entry.path}); list it once",
+                )
+            )
+            continue
+        seen[entry.name] = entry.path
+        if entry.name not in known:
+            close = difflib.get_close_matches(entry.name, list(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            out.append(
+                ConfigProblem(
+                    entry.path,
+                    "plugin",
+                    f"no tracker named {entry.name!r} is registered (registered: "
+                    f"{', '.join(sorted(known)) or 'none'}){hint} Install the plugin that "
+                    "provides it (relax plugins lists the trackers)",
+                )
+            )
+            continue
+        allowed = known[entry.name].record.options
+        if allowed is None:
+            continue
+        for key in entry.options:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, list(allowed), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                out.append(
+                    ConfigProblem(
+                        f"{entry.path}.{key}",
+                        "unknown-key",
+                        f"tracker {entry.name!r} has no option {key!r} (its options: "
+                        f"{', '.join(allowed) or 'none'}){hint}",
+                    )
+                )
+    return out
+
+
+class Trackers:
+    """The open trackers of a run (see the module docstring).
+
+    :param opened: ``(name, tracker)`` pairs, in the order they hear each call.
+    :param say: where a failure is reported (one line).
+    :param strict: a failure is raised from the next call instead of only reported.
+    """
+
+    def __init__(
+        self,
+        opened: Sequence[tuple[str, Tracker]],
+        *,
+        say: Callable[[str], None],
+        strict: bool = False,
+    ) -> None:
+        self.say = say
+        self.strict = strict
+        self._live: list[tuple[str, Tracker]] = list(opened)
+        self._all = list(opened)
+        #: tracker name -> what failed (``log_metrics (step 2): RuntimeError: …``)
+        self.failures: dict[str, str] = {}
+        self._error: TrackerError | None = None
+        self._raised = False
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="relax-trackers", daemon=True)
+        if self._all:
+            self._worker.start()
+
+    @classmethod
+    def open(
+        cls,
+        entries: Sequence[TrackerEntry],
+        pm: PluginManager,
+        *,
+        run_dir: str,
+        job: str,
+        say: Callable[[str], None],
+        strict: bool = False,
+    ) -> Trackers:
+        """Open every tracker of ``entries`` (:func:`tracker_problems` found none), in order.
+        One whose ``open`` raises is reported and left out.
+
+        :raises TrackerError: with ``strict``, the first tracker that failed to open (the ones
+            opened before it are closed).
+        """
+        opened: list[tuple[str, Tracker]] = []
+        failures: dict[str, str] = {}
+        for entry in entries:
+            spec = pm.tracker(entry.name)
+            context = TrackerContext(entry.name, run_dir, job, dict(entry.options))
+            try:
+                opened.append((entry.name, spec.open(context)))
+            except Exception as exc:
+                error = TrackerError(entry.name, "open", f"{type(exc).__name__}: {exc}")
+                if strict:
+                    for _, tracker in opened:
+                        try:
+                            tracker.close(None)
+                        except Exception as closing:
+                            error.add_note(f"closing another tracker failed too: {closing}")
+                    raise error from exc
+                failures[entry.name] = f"open: {type(exc).__name__}: {exc}"
+                say(_report(error))
+        trackers = cls(opened, say=say, strict=strict)
+        trackers.failures.update(failures)
+        return trackers
+
+    @property
+    def names(self) -> list[str]:
+        """Every tracker that was opened, in order."""
+        return [name for name, _ in self._all]
+
+    # -- what the loop calls (each returns at once) --------------------------------------------
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """The run's config (once, first)."""
+        self._put("log_config", None, config)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """A committed step's metrics."""
+        self._put("log_metrics", step, step, dict(metrics))
+
+    def log_span(self, span: PhaseSpan) -> None:
+        """A phase that ended."""
+        self._put("log_span", span.step, span)
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """A committed step's samples to inspect."""
+        if samples:
+            self._put("log_samples", step, step, list(samples))
+
+    def close(self, summary: Mapping[str, Any] | None, *, timeout: float = CLOSE_SECONDS) -> None:
+        """Hand every tracker what is queued, then close each (a failed one too, quietly);
+        wait at most ``timeout`` seconds. Idempotent.
+
+        :raises TrackerError: with ``strict``, a tracker failed (or did not close in time).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._all:
+            self._queue.put(("close", None, (summary,)))
+            self._queue.put(_STOP)
+            self._worker.join(timeout)
+            if self._worker.is_alive():
+                busy = ", ".join(self.names)
+                error = TrackerError(
+                    busy, "close", f"the trackers did not close within {timeout:g}s"
+                )
+                self.say(f"relax run: {error}; their last records may be missing")
+                if self.strict and self._error is None:
+                    self._error = error
+        self.check()
+
+    def check(self) -> None:
+        """:raises TrackerError: with ``strict``, a tracker has failed (raised once: the run
+        ends on it)."""
+        if self.strict and self._error is not None and not self._raised:
+            self._raised = True
+            raise self._error
+
+    # -- the worker ------------------------------------------------------------------------
+
+    def _put(self, call: str, step: int | None, *args: Any) -> None:
+        self.check()
+        if self._live and not self._closed:
+            self._queue.put((call, step, args))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            call, step, args = item
+            if call == "close":
+                self._close_all(args[0])
+                continue
+            for name, tracker in list(self._live):
+                try:
+                    getattr(tracker, call)(*args)
+                except Exception as exc:
+                    where = call if step is None else f"{call} (step {step})"
+                    self._fail(name, tracker, where, exc)
+
+    def _fail(self, name: str, tracker: Tracker, where: str, exc: BaseException) -> None:
+        self._live = [(n, t) for n, t in self._live if t is not tracker]
+        text = f"{type(exc).__name__}: {exc}"
+        self.failures[name] = f"{where}: {text}"
+        error = TrackerError(name, where, text)
+        if self._error is None:
+            self._error = error
+        self.say(_report(error, strict=self.strict))
+
+    def _close_all(self, summary: Mapping[str, Any] | None) -> None:
+        for name, tracker in self._all:
+            live = any(t is tracker for _, t in self._live)
+            try:
+                tracker.close(summary)
+            except Exception as exc:
+                if live:
+                    self._fail(name, tracker, "close", exc)
+
+
+def _report(error: TrackerError, *, strict: bool = False) -> str:
+    if strict:
+        return f"relax run: {error}; strict_trackers: the run ends"
+    return (
+        f"relax run: {error}; the run goes on without it (reported once; strict_trackers = "
+        "true ends the run instead)"
+    )

@@ -1,0 +1,117 @@
+"""What a tracker hears of a committed step: its metrics (flat names to numbers) from the step's
+JSON object, and the rows of the samples it shows.
+
+Metric names (every one a finite number; a value the step does not have is left out):
+
+- ``reward/mean``, ``reward/std`` and ``reward/<key>`` (each reward adapter's mean, by its key);
+- ``teacher/kl``, ``teacher/logprob_mean``;
+- ``samples``, ``groups``, ``tokens``, ``response_length/mean``, ``parse_failures``,
+  ``switches``, ``dropped/groups``, ``dropped/samples``, ``generated_groups``;
+- ``time/step`` and ``time/<phase>`` (each phase's seconds: ``time/generate``, ``time/genrm``,
+  ``time/genrm.onload`` …);
+- ``train/<key>``: the trainer's numbers (``train/loss``, ``train/grad_norm`` …);
+- ``stage/<stage>/<count>``: each stage's report counts.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from relax_core.coordination.sample import Sample
+
+__all__ = ["reward_by_key", "sample_rows", "step_metrics"]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
+    """The metrics of a committed step's JSON object (``relax run --json``'s step row)."""
+    out: dict[str, float] = {}
+
+    def put(name: str, value: Any) -> None:
+        number = _number(value)
+        if number is not None:
+            out[name] = number
+
+    put("reward/mean", row.get("reward_mean"))
+    put("reward/std", row.get("reward_std"))
+    for key, value in (row.get("reward_by_key") or {}).items():
+        put(f"reward/{key}", value)
+    put("teacher/kl", row.get("teacher_kl"))
+    put("teacher/logprob_mean", row.get("teacher_logprob_mean"))
+    for key in ("samples", "groups", "tokens", "parse_failures", "switches", "generated_groups"):
+        put(key, row.get(key))
+    samples = row.get("samples")
+    if isinstance(samples, int) and samples > 0:
+        put("response_length/mean", row.get("tokens", 0) / samples)
+    dropped = row.get("dropped") or {}
+    put("dropped/groups", dropped.get("groups"))
+    put("dropped/samples", dropped.get("samples"))
+    put("time/step", row.get("seconds"))
+    for phase, seconds in (row.get("phases") or {}).items():
+        put(f"time/{phase}", seconds)
+    for key, value in (row.get("train") or {}).items():
+        put(f"train/{key}", value)
+    for stage, counts in (row.get("stages") or {}).items():
+        for key, value in counts.items():
+            put(f"stage/{stage}/{key}", value)
+    return out
+
+
+def reward_by_key(samples: Sequence[Sample]) -> dict[str, float]:
+    """Each reward adapter's mean over the samples it scored, by its key."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        for key, value in s.rewards.items():
+            number = _number(value)
+            if number is not None:
+                values.setdefault(key, []).append(number)
+    return {key: statistics.fmean(v) for key, v in sorted(values.items())}
+
+
+def _teacher_kl(sample: Sample) -> float | None:
+    """The sample's KL estimate to the teacher on its own tokens: the mean over its response of
+    the policy's log-prob minus the teacher's (``None`` without the teacher's log-probs)."""
+    teacher = sample.fields.get("teacher_logprobs")
+    policy = sample.rollout_logprobs
+    if not isinstance(teacher, list | tuple) or not teacher or len(teacher) != len(policy):
+        return None
+    diffs = [p - t for p, t in zip(policy, teacher, strict=True) if _number(t) is not None]
+    return statistics.fmean(diffs) if diffs else None
+
+
+def sample_rows(samples: Sequence[Sample], count: int) -> list[dict[str, Any]]:
+    """``count`` of a step's samples as rows to inspect, taken a group at a time (the first
+    sample of each group, then the second, …) so a few rows show several prompts."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    chosen: list[Sample] = []
+    depth = 0
+    while len(chosen) < min(count, len(samples)):
+        for members in groups.values():
+            if depth < len(members) and len(chosen) < count:
+                chosen.append(members[depth])
+        depth += 1
+    return [
+        {
+            "id": s.id,
+            "group_id": s.group_id,
+            "prompt": s.prompt,
+            "response": s.response,
+            "label": s.label,
+            "reward": _number(s.reward),
+            "rewards": {k: _number(v) for k, v in s.rewards.items()},
+            "teacher_kl": _teacher_kl(s),
+            "response_tokens": len(s.response_ids),
+        }
+        for s in chosen
+    ]

@@ -1,0 +1,93 @@
+"""``relax report``: the residency lanes drawn from a run's lease spans, the page written from a
+run directory (plotly.js inlined, the data embedded), and a directory without a run refused.
+The page of a real run, opened in a browser, is tests/run/test_tracking_run.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from relax_core.cli import main
+from relax_core.report import report_data, write_report
+from relax_core.report.data import residency_lanes
+
+CONFIG = {
+    "job": "j",
+    "slices": {"rollout": "actor:0-0", "genrm": "actor:0-0", "cpu-role": "cpu-role:own"},
+    "residency": {"slices": {"actor:0-0": {"demand": {"rollout": {"0": 2.0}, "genrm": None}}}},
+}
+
+
+def _span(step: int, name: str, start: float, seconds: float, lane: str = "leases") -> Any:
+    return {"type": "span", "step": step, "name": name, "start": start, "seconds": seconds,
+            "lane": lane, "failed": False, "interrupted": False}  # fmt: skip
+
+
+SPANS = [
+    _span(0, "generate", 100.0, 1.0, lane="batch"),
+    _span(0, "rollout.offload", 101.0, 0.5),
+    _span(0, "genrm.onload", 101.5, 0.5),
+    _span(0, "genrm.offload", 104.0, 0.5),
+    _span(1, "rollout.onload", 105.0, 0.5),
+]
+
+
+def test_a_lane_per_role_of_each_shared_slice_holds_it_between_its_switches() -> None:
+    summary = {"switching": {"switches": [
+        {"step": 0, "role": "genrm", "direction": "onload", "weight_bytes": 7, "kv_cache_bytes": 3},
+    ]}}  # fmt: skip
+    lanes = residency_lanes(CONFIG, SPANS, summary)
+    got = [(s["role"], s["kind"], s["start"], s["end"]) for s in lanes]
+    assert got == [
+        ("genrm", "onload", 1.5, 2.0),
+        ("genrm", "held", 2.0, 4.0),
+        ("genrm", "offload", 4.0, 4.5),
+        # rollout's first switch is an offload: it held the slice from the run's start
+        ("rollout", "held", 0.0, 1.0),
+        ("rollout", "offload", 1.0, 1.5),
+        ("rollout", "onload", 5.0, 5.5),
+        ("rollout", "held", 5.5, 5.5),
+    ]
+    assert {s["slice"] for s in lanes} == {"actor:0-0"}  # a slice of one role has no lane
+    assert (lanes[0]["weight_bytes"], lanes[0]["kv_cache_bytes"]) == (7, 3)
+    assert lanes[2]["weight_bytes"] is None  # not measured
+    assert lanes[3]["planned_gib"] == 2.0 and lanes[0]["planned_gib"] is None
+
+
+def _run_dir(path: Path) -> Path:
+    rows = [{"type": "config", "config": CONFIG}, *SPANS]
+    for step in range(2):
+        rows.append({"type": "metrics", "step": step,
+                     "metrics": {"reward/mean": 0.1 * step, "time/genrm": 1.0}})  # fmt: skip
+        rows.append({"type": "samples", "step": step,
+                     "samples": [{"id": f"s{step}", "prompt": "</script><b>x</b>"}]})  # fmt: skip
+    rows.append({"type": "close", "summary": None})
+    path.mkdir()
+    (path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_page_inlines_plotly_and_embeds_the_data_it_draws(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path / "run")
+    data = report_data(str(run_dir))
+    assert data["series"]["reward/mean"] == [0.0, 0.1] and data["phases"] == {"genrm": [1.0, 1.0]}
+    page = Path(write_report(str(run_dir))).read_text()
+    assert "<script src=" not in page and "Plotly" in page  # nothing to fetch
+    assert page.count('class="chart"') == 3  # rewards, phases, residency: what the data has
+    start = page.index('id="relax-report-data">') + len('id="relax-report-data">')
+    embedded = json.loads(page[start : page.index("</script>", start)])
+    assert embedded["series"] == data["series"]
+    # A sample's text is escaped in the table and cannot end the data's script early.
+    assert "&lt;/script&gt;&lt;b&gt;x&lt;/b&gt;" in page
+    assert embedded["samples"][0]["prompt"] == "</script><b>x</b>"
+
+
+def test_relax_report_writes_the_page_and_refuses_a_directory_without_a_run(
+    tmp_path: Path, capsys: Any
+) -> None:
+    run_dir = _run_dir(tmp_path / "run")
+    assert main(["report", str(run_dir), "-o", str(tmp_path / "page.html")]) == 0
+    assert (tmp_path / "page.html").stat().st_size > 1_000_000  # plotly.js inlined
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no run.jsonl" in capsys.readouterr().err

@@ -1,0 +1,216 @@
+"""Trackers, the report and the metrics port on one real ``relax run``: the CPU example's three
+steps (three tiny hf models on CPU, a defer layout on one declared GPU) with ``trackers =
+["tensorboard", "jsonl", wandb (offline), mlflow (a file store in the run directory), the test
+plugin's ``raises`` (it raises at step 1)]``, ``--report``, ``--measure`` and
+``--metrics-port``, run once for the module.
+
+Every tracker is read back with its own library's reader and must hold every committed step's
+numbers as the step's JSON line gives them; the tracker that raised is reported once and the run
+goes on; the report page opens in a real headless chromium, draws every chart with no console
+error, and embeds the JSON lines' numbers; the metrics port, scraped while step 1 runs, serves
+the phase histograms.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_core.report import CHARTS
+from relax_core.testing import free_port
+from tests.support import browser
+from tests.support import run as support
+from tests.support.wandb_log import offline_run
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TRACKERS = [
+    "tensorboard",
+    "jsonl",
+    {"tracker": "wandb", "mode": "offline", "project": "relax-test"},
+    "mlflow",
+    {"tracker": "raises", "step": 1},
+]
+
+
+class Run:
+    """What the module's run left: its exit status, stdout's JSON rows, stderr, its run
+    directory and the metrics page scraped while step 1 ran."""
+
+    def __init__(
+        self, code: int, rows: list[dict[str, Any]], err: str, run_dir: Path, scraped: str
+    ):
+        self.code, self.rows, self.err, self.run_dir, self.scraped = (
+            code,
+            rows,
+            err,
+            run_dir,
+            scraped,
+        )
+        self.steps = [r for r in rows if "event" not in r and "step" in r and "summary" not in r]
+        self.summary = next(r for r in rows if r.get("summary"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    root = support.make_models(tmp_path_factory.mktemp("tracking-run"))
+    job = support.job_file(root, trackers=TRACKERS)
+    run_dir, port = root / "run", free_port()
+    args = ("--json", "--measure", "--report", "--run-dir", str(run_dir))
+    with support.relax_run(job, *args, "--metrics-port", str(port)) as proc:
+        proc.out.wait_for(r'"event": "phase", "step": 1, "phase": "genrm", "state": "begin"', 300)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            scraped = answer.read().decode()
+        code = proc.wait(timeout=300)
+        left = support.left_running(proc, next(r for r in proc.json_rows() if r.get("summary")))
+        assert left == [], left
+        return Run(code, proc.json_rows(), "\n".join(proc.err.lines), run_dir, scraped)
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def _expected(row: dict[str, Any]) -> dict[str, float]:
+    """What every tracker must hold for a step: a few of its numbers, as its JSON line has
+    them."""
+    out = {
+        "reward/mean": row["reward_mean"],
+        "reward/std": row["reward_std"],
+        "teacher/kl": row["teacher_kl"],
+        "tokens": row["tokens"],
+        "response_length/mean": row["tokens"] / row["samples"],
+        "parse_failures": row["parse_failures"],
+        "time/genrm": row["phases"]["genrm"],
+        "train/loss": row["train"]["loss"],
+    }
+    out.update({f"reward/{k}": v for k, v in row["reward_by_key"].items()})
+    return out
+
+
+def test_the_run_commits_its_steps_though_one_tracker_raised(run: Run) -> None:
+    assert run.code == 0, run.err
+    assert [r["step"] for r in run.steps] == [0, 1, 2] and run.summary["steps_committed"] == 3
+    # Reported once, naming the tracker and the step; the run went on without it.
+    lines = [line for line in run.err.splitlines() if "tracker 'raises'" in line]
+    assert len(lines) == 1, lines
+    assert "failed in log_metrics (step 1): RuntimeError" in lines[0]
+    assert "the run goes on without it" in lines[0]
+    heard = (run.run_dir / "raises.log").read_text().splitlines()
+    assert "metrics 1" in heard and "metrics 2" not in heard and heard[-1] == "close"
+
+
+def test_tensorboard_event_files_hold_every_steps_metrics(run: Run) -> None:
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(
+        str(run.run_dir / "tensorboard"), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0}
+    )
+    acc.Reload()
+    for row in run.steps:
+        for tag, value in _expected(row).items():
+            found = {e.step: e.value for e in acc.Scalars(tag)}
+            # TensorBoard keeps a scalar as a 32-bit float.
+            assert math.isclose(found[row["step"]], value, rel_tol=1e-5, abs_tol=1e-6), tag
+    assert {t.step for t in acc.Tensors("samples")} == {0, 1, 2}
+
+
+def test_the_wandb_offline_run_holds_every_steps_metrics(run: Run) -> None:
+    logged = offline_run(str(run.run_dir / "wandb"))
+    for row in run.steps:
+        history = logged["history"][row["step"]]
+        for key, value in _expected(row).items():
+            assert _close(history[key], value), key
+        assert history["samples/_type"] == "table-file"
+    assert logged["exit_code"] == 0 and logged["run"].display_name == run.summary["job"]
+    assert logged["config"]["run"]["steps"] == 3
+
+
+def test_the_mlflow_file_store_holds_every_steps_metrics(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's file store, read back
+    client = MlflowClient(tracking_uri=(run.run_dir / "mlruns").resolve().as_uri())
+    experiment = client.get_experiment_by_name("relax")
+    assert experiment is not None
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.status == "FINISHED" and found.info.run_name == run.summary["job"]
+    assert found.data.params["run.steps"] == "3"
+    for key in _expected(run.steps[0]):
+        history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, key)}
+        for row in run.steps:
+            assert _close(history[row["step"]], _expected(row)[key]), key
+
+
+def test_the_metrics_port_served_the_phase_histograms_mid_run(run: Run) -> None:
+    text = run.scraped
+    # Step 0 had committed by then, step 1 was judging: its phases are counted, by name.
+    assert 'relax_deferred_phase_seconds_count{phase="genrm"}' in text
+    assert 'relax_deferred_phase_seconds_bucket{le="1.0",phase="generate"}' in text
+    assert "relax_run_steps_committed_total 1.0" in text
+
+
+def _page_data(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    start = text.index('<script type="application/json" id="relax-report-data">')
+    body = text[text.index(">", start) + 1 : text.index("</script>", start)]
+    data: dict[str, Any] = json.loads(body)
+    return data
+
+
+def test_the_reports_data_is_the_runs_json_lines(run: Run) -> None:
+    data = _page_data(run.run_dir / "report.html")
+    assert data["steps"] == [0, 1, 2]
+    for i, row in enumerate(run.steps):
+        for key, value in _expected(row).items():
+            if key.startswith("time/"):
+                assert _close(data["phases"][key[5:]][i], value), key
+            else:
+                assert _close(data["series"][key][i], value), key
+    # The residency lanes: the one shared slice, each role's every measured switch with its
+    # bytes (the summary's switching report), and the roles holding it in turn.
+    switches = [s for s in data["lanes"] if s["kind"] != "held"]
+    measured = run.summary["switching"]["switches"]
+    assert sorted((s["step"], s["role"], s["kind"]) for s in switches) == sorted(
+        (s["step"], s["role"], s["direction"]) for s in measured
+    )
+    assert all(s["weight_bytes"] > 0 for s in switches)
+    held = sorted((s["start"], s["end"], s["role"]) for s in data["lanes"] if s["kind"] == "held")
+    assert {r for *_, r in held} == {"rollout", "genrm", "teacher"}
+    assert all(a[1] <= b[0] + 1e-6 for a, b in itertools.pairwise(held)), held
+    assert len(data["samples"]) == 3 * 4 and {s["step"] for s in data["samples"]} == {0, 1, 2}
+
+
+@pytest.mark.skipif(
+    browser.chromium() is None, reason="chromium is not installed (.ci/run installs it)"
+)
+def test_the_report_renders_every_chart_in_a_real_browser_with_no_console_error(
+    run: Run,
+) -> None:
+    seen = browser.open_page(
+        run.run_dir / "report.html",
+        """() => ({
+          charts: [...document.querySelectorAll('div.chart')].map(d => {
+            const plot = d.querySelector('.js-plotly-plot');
+            return {name: d.dataset.chart, traces: plot && plot.data ? plot.data.length : 0,
+                    drawn: d.querySelectorAll('svg.main-svg g.trace').length};
+          }),
+          rows: document.querySelectorAll('#samples tbody tr').length,
+        })""",
+    )
+    assert seen["console_errors"] == [] and seen["page_errors"] == []
+    assert seen["requests"] == []  # self-contained: nothing fetched
+    charts = {c["name"]: c for c in seen["value"]["charts"]}
+    assert tuple(charts) == CHARTS
+    assert all(c["traces"] > 0 and c["drawn"] == c["traces"] for c in charts.values()), charts
+    assert seen["value"]["rows"] == 12
