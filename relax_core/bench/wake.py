@@ -2,22 +2,22 @@
 
 Serves a defer job (default: the embedded demo job, three tiny hf models on CPU sharing one
 declared GPU; ``--job`` names another, whose models must exist) with ``relax serve
---min-residency 0.25 --idle-seconds 600``, reads each role's gateway from its status table and
-sends three workloads:
+--min-residency 0.25 --idle-seconds 600``, reads each role's gateway off its status table (the
+roles are the job's) and sends three workloads:
 
-- **switches**: one request per role in turn (rollout, genrm, teacher, …), each after the
-  previous role's minimum residency lapsed, so each one wakes its role and evicts the one
-  resident; then the same request again at once, to the role now awake. The baseline, measured
-  in the same run, is that second request: the *wake cost* of a request is its latency minus
-  the awake request's.
-- **mix**: ``clients`` callers sending a seeded mix of requests (half rollout, a quarter each
-  genrm and teacher) back to back: requests per second against the same callers sending rollout
-  requests only (no wake), and each role's latency.
+- **switches**: one request per role in turn, each after the previous role's minimum residency
+  lapsed, so each one wakes its role and evicts the one resident; then the same request again
+  at once, to the role now awake. The baseline, measured in the same run, is that second
+  request: the *wake cost* of a request is its latency minus the awake request's.
+- **mix**: ``clients`` callers sending a seeded mix of requests back to back, half of them to
+  the role awake when the job is ready (the one no phase deferred) and the rest spread evenly
+  over the others: requests per second against the same callers sending requests to that role
+  only (no wake), and each role's latency.
 - every role's own wake waits as its gateway's ``/health?schema=2`` reports them (the
   controller's clock: from a request's arrival to its role being ready).
 
-Requests are small (rollout 16 new tokens, genrm a 4-token verdict, teacher a 64-token prefill
-with input log-probs), so what is measured is residency, not decoding.
+Every request is the same small one (a 64-token prompt, 8 new tokens with their log-probs),
+so what is measured is residency, not decoding.
 """
 
 from __future__ import annotations
@@ -35,31 +35,21 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROLES = ("rollout", "genrm", "teacher")
 MIN_RESIDENCY = 0.25
-MIX_WEIGHTS = (0.5, 0.25, 0.25)
-
-REQUESTS: dict[str, dict[str, Any]] = {
-    "rollout": {
-        "text": "Question: what is 17 + 25? Answer:",
-        "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "temperature": 1.0},
-    },
-    "genrm": {
-        "messages": [{"role": "user", "content": "Is 17 + 25 = 42 correct? Answer yes or no."}],
-        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-    },
-    "teacher": {
-        "input_ids": [(7 * i) % 200 + 3 for i in range(64)],
-        "return_logprob": True,
-        "logprob_start_len": 1,
-        "sampling_params": {"max_new_tokens": 0},
-    },
+#: Every role's request: a 64-token prompt, 8 new tokens with their log-probs (any role's
+#: gateway routes SGLang's ``/generate``; the roles are the job's, read off its status table).
+REQUEST: dict[str, Any] = {
+    "input_ids": [(7 * i) % 200 + 3 for i in range(64)],
+    "return_logprob": True,
+    "logprob_start_len": 1,
+    "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 1.0},
 }
 
 
@@ -75,8 +65,13 @@ def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> float:
 
 
 def _get(url: str, timeout: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    """The JSON body of a GET, whatever its status (a health check answers 503 with one)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return json.loads(exc.read())
 
 
 def _ms(seconds: list[float], q: float) -> float:
@@ -142,10 +137,9 @@ class _Served:
     def gateways(self) -> dict[str, str]:
         urls: dict[str, str] = {}
         for line in self.lines:
-            for role in ROLES:
-                if m := re.search(rf"\b{role}\s+gateway\s+(http://[\d.:]+)/{role}/", line):
-                    urls[role] = f"{m.group(1)}/{role}"
-        return urls
+            if m := re.search(r"^\s*([\w-]+)\s+gateway\s+(http://[\d.:]+)/\1/", line):
+                urls[m.group(1)] = f"{m.group(2)}/{m.group(1)}"
+        return dict(sorted(urls.items()))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -178,12 +172,21 @@ def _serve(job: Path | None, progress: bool) -> Iterator[tuple[_Served, dict[str
                 print(f"  relax serve {job} …", file=sys.stderr, flush=True)
             served.wait_for(r"relax serve: ready", timeout=900)
             urls = served.gateways()
-            missing = [r for r in ROLES if r not in urls]
-            if missing:
-                raise RuntimeError(f"no gateway printed for {missing}:\n" + "\n".join(served.lines))
-            yield served, urls
+            woken = [r for r in urls if _residency(urls[r]) is not None]
+            if len(woken) < 2:
+                raise RuntimeError(
+                    f"relax bench wake needs a job whose roles share GPUs (a defer layout): "
+                    f"{job} has {len(woken)} role(s) woken on demand ({woken}); see "
+                    "docs/serve.md, On-demand wake"
+                )
+            yield served, {r: urls[r] for r in woken}
         finally:
             served.stop()
+
+
+def _residency(url: str) -> dict[str, Any] | None:
+    residency: dict[str, Any] | None = _get(f"{url}/health?schema=2").get("residency")
+    return residency
 
 
 def _metric(urls: dict[str, str], name: str) -> dict[str, float]:
@@ -199,32 +202,41 @@ def _metric(urls: dict[str, str], name: str) -> dict[str, float]:
 
 
 def _switches(urls: dict[str, str], rounds: int) -> dict[str, Any]:
-    woken: dict[str, list[float]] = {r: [] for r in ROLES}
-    awake: dict[str, list[float]] = {r: [] for r in ROLES}
-    cost: dict[str, list[float]] = {r: [] for r in ROLES}
+    roles = list(urls)
+    woken: dict[str, list[float]] = {r: [] for r in roles}
+    awake: dict[str, list[float]] = {r: [] for r in roles}
+    cost: dict[str, list[float]] = {r: [] for r in roles}
     for _ in range(rounds):
-        for role in ROLES:
+        for role in roles:
             time.sleep(MIN_RESIDENCY + 0.05)  # the resident role's hysteresis has lapsed
             url = f"{urls[role]}/generate"
-            first = _post(url, REQUESTS[role])
-            second = _post(url, REQUESTS[role])
+            first = _post(url, REQUEST)
+            second = _post(url, REQUEST)
             woken[role].append(first)
             awake[role].append(second)
             cost[role].append(first - second)
-    every_cost = [c for r in ROLES for c in cost[r]]
+    every_cost = [c for r in roles for c in cost[r]]
     return {
         "rounds": rounds,
-        "woken": {r: _stats(woken[r]) for r in ROLES},
-        "awake": {r: _stats(awake[r]) for r in ROLES},
-        "wake_cost": {r: _stats(cost[r]) for r in ROLES},
+        "woken": {r: _stats(woken[r]) for r in roles},
+        "awake": {r: _stats(awake[r]) for r in roles},
+        "wake_cost": {r: _stats(cost[r]) for r in roles},
         "wake_cost_all": _stats(every_cost),
     }
 
 
-def _mix(urls: dict[str, str], total: int, clients: int, only: str | None) -> dict[str, Any]:
-    rng = random.Random(0)
-    plan = [only or rng.choices(ROLES, MIX_WEIGHTS)[0] for _ in range(total)]
-    latencies: dict[str, list[float]] = {r: [] for r in ROLES}
+def mix_plan(roles: list[str], primary: str, total: int) -> list[str]:
+    """``total`` requests' roles in a seeded order: half of them ``primary``, the rest dealt
+    in turn to the other ``roles``."""
+    others = [r for r in roles if r != primary] or [primary]
+    plan = [primary] * (total // 2) + [others[i % len(others)] for i in range(total - total // 2)]
+    random.Random(0).shuffle(plan)
+    return plan
+
+
+def _mix(urls: dict[str, str], plan: list[str], clients: int) -> dict[str, Any]:
+    total = len(plan)
+    latencies: dict[str, list[float]] = {r: [] for r in urls}
     lock = threading.Lock()
     cursor = iter(plan)
 
@@ -234,7 +246,7 @@ def _mix(urls: dict[str, str], total: int, clients: int, only: str | None) -> di
                 role = next(cursor, None)
             if role is None:
                 return
-            seconds = _post(f"{urls[role]}/generate", REQUESTS[role])
+            seconds = _post(f"{urls[role]}/generate", REQUEST)
             with lock:
                 latencies[role].append(seconds)
 
@@ -248,42 +260,43 @@ def _mix(urls: dict[str, str], total: int, clients: int, only: str | None) -> di
         "clients": clients,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(total / elapsed, 2),
-        "latency": {r: _stats(latencies[r]) for r in ROLES if latencies[r]},
+        "latency": {r: _stats(latencies[r]) for r in urls if latencies[r]},
     }
 
 
 def run(quick: bool = False, job: str | None = None, progress: bool = True) -> dict[str, Any]:
     rounds, total, clients = (2, 24, 4) if quick else (10, 240, 8)
     with _serve(Path(job).resolve() if job else None, progress) as (_, urls):
-        for role in ROLES:  # each role woken once (engines warmed) before anything is timed
-            _post(f"{urls[role]}/generate", REQUESTS[role])
+        roles = list(urls)
+        awake = [r for r in roles if (_residency(urls[r]) or {}).get("state") == "AWAKE"]
+        primary = awake[0] if awake else roles[0]
+        for role in [*roles, primary]:  # each role woken once (engines warmed), untimed
+            _post(f"{urls[role]}/generate", REQUEST)
         if progress:
             print(f"  switches: {rounds} rounds …", file=sys.stderr, flush=True)
         switches = _switches(urls, rounds)
-        before = {k: _metric(urls, f"relax_wake_{k}_total") for k in ("wakes", "evictions")}
+        counters = ("wakes", "evictions")
+        before = {k: _metric(urls, f"relax_wake_{k}_total") for k in counters}
         if progress:
             print(f"  mix: {total} requests from {clients} callers …", file=sys.stderr, flush=True)
-        mix = _mix(urls, total, clients, None)
-        after = {k: _metric(urls, f"relax_wake_{k}_total") for k in ("wakes", "evictions")}
-        mix["wakes"] = {r: int(after["wakes"].get(r, 0) - before["wakes"].get(r, 0)) for r in ROLES}
-        mix["evictions"] = {
-            r: int(after["evictions"].get(r, 0) - before["evictions"].get(r, 0)) for r in ROLES
-        }
-        _post(f"{urls['rollout']}/generate", REQUESTS["rollout"])
-        baseline = _mix(urls, total, clients, "rollout")
-        waits = {
-            r: _get(f"{urls[r]}/health?schema=2").get("residency", {}).get("wake_waits")
-            for r in ROLES
-        }
+        mix = _mix(urls, mix_plan(roles, primary, total), clients)
+        after = {k: _metric(urls, f"relax_wake_{k}_total") for k in counters}
+        for k in counters:
+            mix[k] = {r: int(after[k].get(r, 0) - before[k].get(r, 0)) for r in roles}
+        _post(f"{urls[primary]}/generate", REQUEST)
+        alone = _mix(urls, [primary] * total, clients)
+        waits = {r: (_residency(urls[r]) or {}).get("wake_waits") for r in roles}
     costs = switches["wake_cost_all"]
     return {
         "job": job or "embedded demo job (docs/examples/run-cpu.toml)",
+        "roles": roles,
+        "primary": primary,
         "min_residency_s": MIN_RESIDENCY,
         "switches": switches,
         "mix": mix,
-        "rollout_only": baseline,
-        "mix_vs_rollout_only_requests_per_s": round(
-            mix["requests_per_s"] / baseline["requests_per_s"], 3
+        "primary_alone": alone,
+        "mix_vs_primary_alone_requests_per_s": round(
+            mix["requests_per_s"] / alone["requests_per_s"], 3
         ),
         "controller_wake_waits": waits,
         "wake_cost_p50_ms": costs.get("p50_ms"),
@@ -302,17 +315,17 @@ def format_result(result: dict[str, Any]) -> str:
         f"(min residency {result['min_residency_s']} s)",
         f"switches ({s['rounds']} rounds; woken request vs the same request awake):",
     ]
-    for role in ROLES:
+    for role in result["roles"]:
         w, a, c = s["woken"][role], s["awake"][role], s["wake_cost"][role]
         lines.append(
             f"  {role:8} woken p50 {w['p50_ms']} ms p99 {w['p99_ms']} ms | awake p50 "
             f"{a['p50_ms']} ms | wake cost p50 {c['p50_ms']} ms p99 {c['p99_ms']} ms"
         )
-    m, b = result["mix"], result["rollout_only"]
+    m, b = result["mix"], result["primary_alone"]
     lines.append(
-        f"mix: {m['requests']} requests, {m['clients']} callers: {m['requests_per_s']} req/s "
-        f"(rollout only: {b['requests_per_s']} req/s; ratio "
-        f"{result['mix_vs_rollout_only_requests_per_s']}); wakes {m['wakes']}, "
+        f"mix: {m['requests']} requests, {m['clients']} callers, half to {result['primary']}: "
+        f"{m['requests_per_s']} req/s ({result['primary']} alone: {b['requests_per_s']} req/s; "
+        f"ratio {result['mix_vs_primary_alone_requests_per_s']}); wakes {m['wakes']}, "
         f"evictions {m['evictions']}"
     )
     for role, lat in m["latency"].items():

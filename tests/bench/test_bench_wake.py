@@ -23,14 +23,27 @@ def test_the_controllers_wake_waits_are_summarised_the_same_way() -> None:
     assert _quantiles([]) == {"count": 0}
 
 
-def test_the_mix_is_seeded_and_weighted_towards_rollout() -> None:
-    import random
+def test_the_mix_sends_half_its_requests_to_the_primary_role_the_same_every_run() -> None:
+    roles = ["a", "b", "c"]
+    plan = bench.mix_plan(roles, "b", 240)
+    assert plan == bench.mix_plan(roles, "b", 240)  # seeded: runs compare
+    assert {r: plan.count(r) for r in roles} == {"a": 60, "b": 120, "c": 60}
+    assert plan[:120] != ["b"] * 120 and plan != sorted(plan)  # interleaved, not in blocks
 
-    rng = random.Random(0)
-    plan = [rng.choices(bench.ROLES, bench.MIX_WEIGHTS)[0] for _ in range(240)]
-    counts = {r: plan.count(r) for r in bench.ROLES}
-    assert counts["rollout"] > counts["genrm"] and counts["rollout"] > counts["teacher"]
-    assert min(counts.values()) > 30
+
+def test_gateways_are_read_off_the_status_table() -> None:
+    served = bench._Served.__new__(bench._Served)
+    served.lines = [
+        "  genrm     gateway  http://127.0.0.1:4001/genrm/  (thread)",
+        "  prm       gateway  http://127.0.0.1:4003/prm/  (thread)",
+        "  rollout   gateway  http://127.0.0.1:4002/rollout/  (thread)",
+        "residency: genrm: AWAKE (onload 0.03s)",
+    ]
+    assert served.gateways() == {
+        "genrm": "http://127.0.0.1:4001/genrm",
+        "prm": "http://127.0.0.1:4003/prm",
+        "rollout": "http://127.0.0.1:4002/rollout",
+    }
 
 
 def test_job_is_refused_for_a_benchmark_that_serves_none() -> None:
