@@ -153,19 +153,13 @@ def run(args: argparse.Namespace) -> int:
         _make_models(root / "tiny")
         job = root / "job.toml"
         job.write_text(DEMO_JOB)
-        status = run_command.run(
-            argparse.Namespace(
-                config=str(job),
-                steps=args.steps,
-                json=args.json,
-                trace=args.trace,
-                measure=False,
-                dump_samples=None,
-                address=None,
-                job=None,
-                log_dir=str(root / "logs"),
-            )
-        )
+        # relax run's own parser, so every option it has gets its default here too.
+        parser = argparse.ArgumentParser(prog="relax run")
+        run_command.add_arguments(parser)
+        argv = [str(job), "--steps", str(args.steps), "--log-dir", str(root / "logs")]
+        argv += ["--json"] if args.json else []
+        argv += ["--trace", args.trace] if args.trace else []
+        status = run_command.run(parser.parse_args(argv))
     print(
         f"relax demo: done in {time.monotonic() - began:.0f}s (exit status {status})",
         file=out,
