@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import re
@@ -41,6 +40,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from relax_core.jobs.wake import _quantiles
 
 MIN_RESIDENCY = 0.25
 #: Every role's request: a 64-token prompt, 8 new tokens with their log-probs (any role's
@@ -74,15 +75,16 @@ def _get(url: str, timeout: float = 10.0) -> Any:
             return json.loads(exc.read())
 
 
-def _ms(seconds: list[float], q: float) -> float:
-    ranked = sorted(seconds)
-    return round(ranked[max(0, math.ceil(q * len(ranked)) - 1)] * 1e3, 2)
-
-
 def _stats(seconds: list[float]) -> dict[str, float | int]:
+    """Count, median and 99th percentile in ms (nearest rank, as the controller's waits)."""
+    q = _quantiles(seconds)
     if not seconds:
         return {"count": 0}
-    return {"count": len(seconds), "p50_ms": _ms(seconds, 0.5), "p99_ms": _ms(seconds, 0.99)}
+    return {
+        "count": len(seconds),
+        "p50_ms": round(q["p50_s"] * 1e3, 2),
+        "p99_ms": round(q["p99_s"] * 1e3, 2),
+    }
 
 
 class _Served:
