@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from relax_hf.grammar import Constraint
+from relax_hf.logit_processors import Processor, apply_processors
 from relax_hf.prefixcache import CacheNode
 from relax_hf.protocol import SAMPLING_MASK_MAX_TOKENS, LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
@@ -85,6 +86,11 @@ class Sequence:
     bias: torch.Tensor | None = None  # dense logit bias
     grammar: Constraint | None = None
     prepared: bool = False
+    # A custom logit processor (``--enable-custom-logit-processor``): the loaded callable,
+    # its serialized form (rows with the same one run together) and its error, if it raised.
+    processor: Processor | None = None
+    processor_key: str | None = None
+    processor_error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -145,7 +151,7 @@ def _simple(s: Sequence) -> bool:
     sp = s.sampling
     if s.logprob.return_logprob or s.logprob.return_sampling_mask:
         return False
-    if s.bias is not None or s.counts is not None:
+    if s.bias is not None or s.counts is not None or s.processor is not None:
         return False
     if s.grammar is not None or (sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens):
         return False
@@ -543,6 +549,8 @@ class Batch:
         """Pick one token per row; returns (token, log-prob row or None, sampling support or
         None) per sequence."""
         z = process_logits(logits, seqs, self.runner.eos_ids)
+        if any(s.processor is not None for s in seqs):
+            z = apply_processors(z.clone() if z is logits else z, seqs)
         want_lp = any(s.logprob.return_logprob for s in seqs)
         lp = scaled_logprobs(z, seqs) if want_lp else None
         picked = draw(z, seqs).tolist()
@@ -629,6 +637,11 @@ class Batch:
 
     def _append(self, s: Sequence, sampled: Sampled) -> None:
         tok, lp, support = sampled
+        if s.processor_error is not None:
+            # Drawn from logits its processor did not rewrite: not a token of this request.
+            s.finish_reason = {"type": "abort", "message": s.processor_error}
+            self._finish(s)
+            return
         s.output_ids.append(tok)
         self.tokens_generated += 1
         if s.counts is not None:

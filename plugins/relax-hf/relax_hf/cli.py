@@ -60,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_torch_compile=args.enable_torch_compile,
         memory_handoff=args.memory_handoff,
         disable_radix_cache=args.disable_radix_cache,
+        enable_custom_logit_processor=args.enable_custom_logit_processor,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -239,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: every prompt is prefilled in full (SGLang's flag)",
+    )
+    p.add_argument(
+        "--enable-custom-logit-processor",
+        action="store_true",
+        help="let requests carry a custom_logit_processor (serialized code the engine runs on "
+        "their logits; SGLang's flag). Off: such requests are refused",
     )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)

@@ -25,8 +25,15 @@ import torch
 
 from relax_hf.batch import Batch, Sequence, reservation
 from relax_hf.kvcache import PoolUnavailable
+from relax_hf.logit_processors import Processor, load_processor
 from relax_hf.nodes import HeadNodes, NodeLost
-from relax_hf.protocol import MEMORY_TAGS, BadRequest, LogprobParams, SamplingParams
+from relax_hf.protocol import (
+    CUSTOM_LOGIT_PROCESSOR_REFUSED,
+    MEMORY_TAGS,
+    BadRequest,
+    LogprobParams,
+    SamplingParams,
+)
 from relax_hf.runner import ModelRunner, WeightsError
 from relax_hf.sampling import derive_seed
 from relax_hf.weights import WeightsGroup, decode_named_tensors, parse_dtype
@@ -65,8 +72,11 @@ class Engine:
         seed: int = 0,
         dist_timeout_s: float = 600.0,
         nodes: HeadNodes | None = None,
+        enable_custom_logit_processor: bool = False,
     ) -> None:
         self.runner = runner
+        #: ``--enable-custom-logit-processor``: requests may carry code to run on their logits.
+        self.enable_custom_logit_processor = enable_custom_logit_processor
         self.batch = Batch(runner)
         self.nodes = nodes
         if nodes is not None:
@@ -191,6 +201,7 @@ class Engine:
         stream: bool = False,
         field: str = "sampling_params",
         queue: asyncio.Queue[dict[str, Any]] | None = None,
+        processor: str | None = None,
     ) -> list[tuple[Sequence, asyncio.Queue[dict[str, Any]]]]:
         """Admit one prompt with its ``n`` samples; each sample's snapshots arrive on its queue.
 
@@ -209,6 +220,7 @@ class Engine:
             raise NotResident(
                 f"memory {released} is released; call resume_memory_occupation before generating"
             )
+        loaded = None if processor is None else self.load_processor(processor)
         rid = rid or uuid.uuid4().hex
         n = sampling.n
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
@@ -250,6 +262,8 @@ class Engine:
                 stream=stream,
                 group=rid if n > 1 else None,
                 index=i,
+                processor=loaded,
+                processor_key=processor if loaded is not None else None,
             )
             sink: asyncio.Queue[dict[str, Any]] = queue if queue is not None else asyncio.Queue()
             self._live[r] = seq
@@ -262,6 +276,25 @@ class Engine:
         self.prompt_tokens_total += len(prompt_ids)
         self._wake.set()
         return out
+
+    def load_processor(self, serialized: str) -> Processor:
+        """The request's custom logit processor, loaded.
+
+        :raises BadRequest: the server was started without ``--enable-custom-logit-processor``
+            (SGLang's words), the replica is multi-node, or the processor does not load.
+        """
+        if not self.enable_custom_logit_processor:
+            raise BadRequest("custom_logit_processor", CUSTOM_LOGIT_PROCESSOR_REFUSED)
+        if self.nodes is not None:
+            raise BadRequest(
+                "custom_logit_processor",
+                "custom logit processors run on single-node replicas only (every node of a "
+                "multi-node replica would have to load and run the client's code in step)",
+            )
+        try:
+            return load_processor(serialized)
+        except ValueError as exc:
+            raise BadRequest("custom_logit_processor", str(exc).split(": ", 1)[-1]) from None
 
     def abort(self, rid: str, message: str = "Abort by user request") -> bool:
         """Abort one request (pending or running; a request of ``n`` samples by its rid or a
@@ -476,12 +509,13 @@ class Engine:
         sampling: SamplingParams,
         logprob: LogprobParams,
         rid: str | None = None,
+        processor: str | None = None,
     ) -> list[dict[str, Any]]:
         """Submit one prompt and wait for the final snapshot of each of its ``n`` samples.
 
         Every sample is aborted if the caller is cancelled.
         """
-        subs = self.submit(prompt_ids, sampling, logprob, rid=rid)
+        subs = self.submit(prompt_ids, sampling, logprob, rid=rid, processor=processor)
         try:
             out = []
             for _seq, queue in subs:

@@ -27,7 +27,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from relax_hf.engine import Engine
 from relax_hf.protocol import (
-    CUSTOM_LOGIT_PROCESSOR_REFUSED,
     BadRequest,
     LogprobParams,
     SamplingParams,
@@ -104,8 +103,6 @@ def openai_sampling(
 ) -> SamplingParams:
     """The sampling parameters of an OpenAI request body (SGLang's mapping). :raises
     BadRequest: naming the OpenAI field."""
-    if body.get("custom_logit_processor") is not None:
-        raise BadRequest("custom_logit_processor", CUSTOM_LOGIT_PROCESSOR_REFUSED)
     raw: dict[str, Any] = {}
     for key, target in _SAMPLING_KEYS.items():
         if body.get(key) is not None:
@@ -144,18 +141,36 @@ def _usage(metas: list[dict[str, Any]], n: int) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def openai_processor(engine: Engine, body: dict[str, Any]) -> str | None:
+    """The body's ``custom_logit_processor`` (SGLang's extension), checked and loaded now so
+    a refusal is the request's 400. :raises BadRequest: see
+    :meth:`~relax_hf.engine.Engine.load_processor`; not a string."""
+    value = body.get("custom_logit_processor")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest(
+            "custom_logit_processor", "must be the string CustomLogitProcessor.to_str() returns"
+        )
+    engine.load_processor(value)
+    return value
+
+
 async def _submit_stream(
     engine: Engine,
     prompts: list[list[int]],
     sampling: SamplingParams,
     logprob: LogprobParams,
     field: str,
+    processor: str | None = None,
 ) -> tuple[list[str], asyncio.Queue[dict[str, Any]]]:
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     rids: list[str] = []
     try:
         for ids in prompts:
-            subs = engine.submit(ids, sampling, logprob, stream=True, field=field, queue=queue)
+            subs = engine.submit(
+                ids, sampling, logprob, stream=True, field=field, queue=queue, processor=processor
+            )
             rids += [seq.rid for seq, _ in subs]
     except BaseException:
         for r in rids:
@@ -261,6 +276,7 @@ async def chat_completions(request: Request) -> Response:
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     sampling = openai_sampling(engine, body, None)
+    processor = openai_processor(engine, body)
     logprobs = _flag(body, "logprobs")
     top = body.get("top_logprobs")
     if top is not None and (
@@ -283,7 +299,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if stream:
         usage = _stream_options(body)
-        rids, queue = await _submit_stream(engine, [ids], sampling, logprob, "")
+        rids, queue = await _submit_stream(engine, [ids], sampling, logprob, "", processor)
         return StreamingResponse(
             _chat_stream(
                 engine,
@@ -298,7 +314,7 @@ async def chat_completions(request: Request) -> Response:
             ),
             media_type="text/event-stream",
         )
-    outs = await engine.generate(ids, sampling, logprob)
+    outs = await engine.generate(ids, sampling, logprob, processor=processor)
     choices = []
     for i, out in enumerate(outs):
         meta = out["meta_info"]
@@ -470,6 +486,7 @@ async def completions(request: Request) -> Response:
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     sampling = openai_sampling(engine, body, 16)  # OpenAI's default max_tokens for completions
+    processor = openai_processor(engine, body)
     logprobs = body.get("logprobs")
     if logprobs is not None and (
         isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20
@@ -495,7 +512,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     if stream:
         usage = _stream_options(body)
-        rids, queue = await _submit_stream(engine, prompts, sampling, logprob, "")
+        rids, queue = await _submit_stream(engine, prompts, sampling, logprob, "", processor)
         return StreamingResponse(
             _completion_stream(
                 engine,
@@ -510,7 +527,9 @@ async def completions(request: Request) -> Response:
             ),
             media_type="text/event-stream",
         )
-    results = await asyncio.gather(*(engine.generate(ids, sampling, logprob) for ids in prompts))
+    results = await asyncio.gather(
+        *(engine.generate(ids, sampling, logprob, processor=processor) for ids in prompts)
+    )
     outs = [o for res in results for o in res]
     choices = []
     for i, out in enumerate(outs):

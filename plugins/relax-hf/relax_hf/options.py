@@ -41,7 +41,8 @@ class HFEngineOptions:
     ``constrained_json_disable_any_whitespace`` / ``constrained_json_max_whitespace_cnt``:
     JSON-schema output without free whitespace / with at most that many whitespace
     characters in a row. ``disable_radix_cache``: no prefix cache (every prompt is
-    prefilled in full).
+    prefilled in full). ``enable_custom_logit_processor``: requests may carry a
+    ``custom_logit_processor`` (serialized code the engine runs; SGLang's flag).
     """
 
     memory_handoff: bool = False
@@ -61,6 +62,7 @@ class HFEngineOptions:
         default=None, metadata={"check": ConfigReader.at_least(0)}
     )
     disable_radix_cache: bool = False
+    enable_custom_logit_processor: bool = False
 
 
 def hf_options(spec: EngineLaunchSpec) -> HFEngineOptions:

@@ -189,7 +189,8 @@ class GenerateInput:
     one entry per prompt (SGLang takes each log-prob field as one value for all or a list
     with one per prompt). Every prompt runs ``n`` samples (SGLang requires the same ``n``).
     ``explicit_max`` says, per prompt, whether ``max_new_tokens`` was given (SGLang checks
-    prompt + ``max_new_tokens`` against the context only then).
+    prompt + ``max_new_tokens`` against the context only then). ``processors``: each prompt's
+    ``custom_logit_processor`` (one string for all, or a list with one per prompt).
     """
 
     prompts: tuple[str | tuple[int, ...], ...]
@@ -199,6 +200,8 @@ class GenerateInput:
     stream: bool
     rids: tuple[str | None, ...]
     explicit_max: tuple[bool, ...] = ()
+    #: each prompt's ``custom_logit_processor`` (serialized; loaded by the engine if enabled)
+    processors: tuple[str | None, ...] = ()
 
     @property
     def n(self) -> int:
@@ -505,11 +508,29 @@ def parse_generate(body: Any, *, vocab_size: int) -> GenerateInput:
         ("audio_data", "the hf engine serves text-only models"),
         ("input_embeds", "the hf engine takes text or input_ids"),
         ("lora_path", "LoRA adapters are not supported by the hf engine"),
-        ("custom_logit_processor", CUSTOM_LOGIT_PROCESSOR_REFUSED),
     ):
         if body.get(name) is not None:
             raise BadRequest(name, what)
-    return GenerateInput(prompts, batch, sampling, logprobs, stream, rids, explicit)
+    processors = _processors(body.get("custom_logit_processor"), len(prompts), batch)
+    return GenerateInput(prompts, batch, sampling, logprobs, stream, rids, explicit, processors)
+
+
+def _processors(value: Any, count: int, batch: bool) -> tuple[str | None, ...]:
+    """``custom_logit_processor`` as one (serialized) processor or ``None`` per prompt."""
+    if value is None or isinstance(value, str):
+        return (value,) * count
+    if (
+        batch
+        and isinstance(value, list)
+        and len(value) == count
+        and all(v is None or isinstance(v, str) for v in value)
+    ):
+        return tuple(value)
+    raise BadRequest(
+        "custom_logit_processor",
+        "must be the string CustomLogitProcessor.to_str() returns"
+        + (f", or a list of {count} such strings or nulls for a batch" if batch else ""),
+    )
 
 
 def _per_prompt(body: Mapping[str, Any], key: str, count: int, batch: bool) -> list[Any]:
@@ -608,8 +629,7 @@ def _logprob_ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
 #: SGLang's answer to a custom logit processor on a server started without the flag.
 CUSTOM_LOGIT_PROCESSOR_REFUSED = (
     "The server is not configured to enable custom logit processor. Please set "
-    "`--enable-custom-logit-processor` to enable this feature. (The hf engine has no such "
-    "flag: a processor is serialized code, and it runs none.)"
+    "`--enable-custom-logit-processor` to enable this feature."
 )
 
 

@@ -84,6 +84,7 @@ class ServerConfig:
     enable_torch_compile: bool = False
     memory_handoff: bool = False
     disable_radix_cache: bool = False
+    enable_custom_logit_processor: bool = False
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -115,10 +116,12 @@ async def generate(request: Request) -> Response:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         rids: list[str] = []
         try:
-            for ids, sp, lp, rid, field in zip(
-                prompts, req.sampling, req.logprobs, req.rids, fields, strict=True
+            for ids, sp, lp, rid, field, proc in zip(
+                prompts, req.sampling, req.logprobs, req.rids, fields, req.processors, strict=True
             ):
-                subs = engine.submit(ids, sp, lp, rid=rid, stream=True, field=field, queue=queue)
+                subs = engine.submit(
+                    ids, sp, lp, rid=rid, stream=True, field=field, queue=queue, processor=proc
+                )
                 rids += [seq.rid for seq, _ in subs]
         except BaseException:
             for r in rids:
@@ -129,8 +132,10 @@ async def generate(request: Request) -> Response:
         )
     results = await asyncio.gather(
         *(
-            engine.generate(ids, sp, lp, rid)
-            for ids, sp, lp, rid in zip(prompts, req.sampling, req.logprobs, req.rids, strict=True)
+            engine.generate(ids, sp, lp, rid, processor=proc)
+            for ids, sp, lp, rid, proc in zip(
+                prompts, req.sampling, req.logprobs, req.rids, req.processors, strict=True
+            )
         )
     )
     flat = [r for res in results for r in res]
@@ -525,6 +530,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
                 max_running_requests=config.max_running_requests,
                 seed=config.seed,
                 nodes=nodes,
+                enable_custom_logit_processor=config.enable_custom_logit_processor,
             )
         app.state.engine = eng
         app.state.config = config
