@@ -15,6 +15,7 @@ from relax_core.config import load_config
 from relax_core.coordination.residency import plan_residency
 from relax_core.coordination.slices import defer_slices
 from relax_core.errors import ConfigValidationError
+from relax_core.jobs.preflight import resolve_model_paths
 from relax_core.placement import preflight, render_plan, role_titles
 from relax_core.plugins import get_plugin_manager
 
@@ -43,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigValidationError as exc:
         rows = [{"path": p.path, "rule": p.rule, "message": p.message} for p in exc.problems]
         return _reject([str(p) for p in exc.problems], rows, args.json)
+    # A relative model_path names a directory next to the job file, as relax serve and relax
+    # run read it (the memory budget reads its config.json).
+    config = resolve_model_paths(config)
     result = preflight(config, pm)
     if result.plan is None:
         rows = [{"path": v.path, "rule": v.rule, "message": v.message} for v in result.violations]

@@ -109,6 +109,36 @@ def test_relax_plan_reports_config_problems_with_their_key_paths(tmp_path: Path)
     assert json.loads(done.stdout)["violations"][0]["path"] == "roles.genrm.models.judge.tpp"
 
 
+def test_relax_plan_reads_a_relative_model_path_next_to_the_job_file(tmp_path: Path) -> None:
+    # The budget reads the model's config.json: from the job file's directory, not the cwd.
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 1000,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    job = tmp_path / "job.toml"
+    job.write_text(
+        "[cluster]\nnum_nodes = 1\ngpus_per_node = 1\ngpu_memory_gib = 80\n"
+        '[roles.rollout.models.policy]\nbackend = "sglang"\nmodel_path = "policy"\n'
+        "num_gpus = 1\n"
+    )
+    done = relax("plan", str(job), "--json")  # run from the repository root, not tmp_path
+    assert done.returncode == 0, done.stderr
+    (memory,) = json.loads(done.stdout)["memory"]
+    assert memory["status"] == "ok", memory
+    assert memory["items"], memory
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_documented_placement_example_is_accepted(example: Path) -> None:
     plan = plan_inference_placement(load_config(example), builtin_roles())
