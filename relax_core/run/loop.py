@@ -777,7 +777,7 @@ async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _I
                 DeferredCollector(n),
                 None,
                 failed.batch,
-                generated=failed.samples,
+                generated=[*failed.samples, *failed.ahead],
                 trainer=failed.trainer,
             )
             summary.failure = await loop.failure(n, report)

@@ -130,6 +130,11 @@ class VersionClock:
         """The step index of ``version`` (``None``: not a version the trainer pushed)."""
         return self._index.get(version)
 
+    def expect(self, version: str, index: int) -> None:
+        """``version`` is being pushed as the weights of step ``index`` (an engine that updates
+        in place may answer with it before the push returns)."""
+        self._index.setdefault(version, index)
+
     def pushed(self, version: str | None, index: int) -> None:
         """Rollout now serves ``version``, the weights of step ``index``."""
         self._index[version] = index
@@ -180,6 +185,8 @@ class PipelineFailure(Exception):
         self.samples = list(samples)
         self.batch = batch
         self.trainer = trainer
+        #: the samples of later steps, generated ahead and never begun at the coordinator
+        self.ahead: list[Sample] = []
 
 
 @attrs.define
@@ -345,26 +352,43 @@ class AsyncDriver:
             results = await asyncio.gather(*lanes, return_exceptions=True)
             failure = next((r for r in results if isinstance(r, PipelineFailure)), None)
             if failure is not None:
+                failure.ahead = await self._ahead(failure)
                 raise failure from None
             raise
         finally:
             gen.cancel()
             await asyncio.gather(gen, return_exceptions=True)
-            for fut in self._generated.values():
-                if fut.done() and not fut.cancelled():
-                    await self._discard(fut.result())
-                fut.cancel()
         # The training lane's failure first: the commit lane was cancelled because of it.
         for lane in (train, commit):
             error = None if lane.cancelled() else lane.exception()
-            if isinstance(error, PipelineFailure):
-                raise error
+            if error is not None and not isinstance(error, PipelineFailure):
+                error = PipelineFailure(self.committing, error, [])
             if error is not None:
-                raise PipelineFailure(self.committing, error, [])
+                error.ahead = await self._ahead(error)
+                raise error
 
-    async def _discard(self, generated: _Generated) -> None:
-        """A generated step that will not be committed: stop its scoring."""
-        await generated.scorer.cancel()
+    async def _ahead(self, failure: PipelineFailure) -> list[Sample]:
+        """The samples of the failed step and those after it that were generated (or were
+        being generated) and are not in ``failure.samples``: never committed; their scoring
+        is stopped."""
+        known = {s.id for s in failure.samples}
+        out: list[Sample] = []
+        for n, fut in self._generated.items():
+            if not fut.done() or fut.cancelled():
+                fut.cancel()
+                continue
+            if n < failure.step:
+                continue
+            error = fut.exception()
+            if isinstance(error, _GenerationFailed):
+                out += error.samples
+            elif error is None:
+                generated = fut.result()
+                await generated.scorer.cancel()
+                gate = generated.collector
+                assert isinstance(gate, _Gate)
+                out += gate.all_samples
+        return [s for s in out if s.id not in known]
 
     async def _generation_lane(self) -> None:
         k = self.settings.max_staleness
@@ -411,8 +435,7 @@ class AsyncDriver:
                     if count <= 0:
                         break
                     regenerated += count
-                    for group in await producer.generate(m, groups=count):
-                        gate.add(group)
+                    await _regenerate(producer, m, count, gate)
         except BaseException as exc:
             await scorer.cancel()
             raise _GenerationFailed(exc, gate.all_samples) from exc
@@ -506,6 +529,7 @@ class AsyncDriver:
             if self.on_step is not None:
                 self.on_step(outcome)
             if n + 1 < self.settings.steps:
+                self.clock.expect(str(n + 1), n + 1)
                 try:
                     with tl.phase(n + 1, "weight_push", lane="push"):
                         pushed_before = await self.trainer.push(str(n + 1))
@@ -557,6 +581,23 @@ class AsyncDriver:
         for stage in self.stages:
             lanes.setdefault(stage.role or stage.name, []).append(stage.name)
         return {role: tuple(names) for role, names in lanes.items()}
+
+
+async def _regenerate(producer: StepProducerLike, m: int, count: int, gate: _Gate) -> None:
+    """``count`` groups in place of stale ones, one request each, every group through the
+    gate as it completes (a failure keeps the groups done before it: they are reported)."""
+
+    async def one() -> None:
+        for group in await producer.generate(m, groups=1):
+            gate.add(group)
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(count)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _GenerationFailed(Exception):
