@@ -164,7 +164,7 @@ class SimRollout:
                 (1, 2, 3),
                 tuple(range(10, 10 + t.tokens)),
                 rollout_logprobs=tuple(-0.5 for _ in range(t.tokens)),
-                weight_version=boundaries[0][1],
+                weight_version=boundaries[-1][1],
                 weight_versions=tuple(boundaries) if len(boundaries) > 1 else (),
             )
             for j in range(t.samples_per_group)

@@ -40,11 +40,12 @@ def _boundaries(value: Any) -> tuple[tuple[int, str], ...]:
 class Sample:
     """One response of one prompt; samples of one prompt share ``group_id``.
 
-    ``weight_version`` is the version of the weights the response began with;
-    ``weight_versions`` its version boundaries when a weight update landed while it was
-    generated: ``(index of the first response token generated under that version, version)``,
-    in order (the first at index 0, ``weight_version``); empty means the whole response came
-    from ``weight_version``. :attr:`versions` reads both the same way.
+    ``weight_version`` is the version the engine reported for the response (SGLang's
+    ``meta_info.weight_version``: the one its last token came from); ``weight_versions`` its
+    version boundaries when a weight update landed while it was generated: ``(index of the
+    first response token generated under that version, version)``, in order (the first at
+    index 0); empty means the whole response came from ``weight_version``. :attr:`versions`
+    reads both the same way.
 
     ``metadata`` is free-form; ``metadata["route_key"]`` picks the model of a role that routes by
     key (a teacher per data source). ``fields`` holds what the step's stages wrote, by field
