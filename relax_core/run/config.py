@@ -114,7 +114,9 @@ class RunConfig:
     trainer's is trained on (``stale_action``: generated again or dropped, counted).
     ``stream_scoring`` (async mode): the leading stages that can (the reward stage, the
     teacher's prefill) score each group as it completes, ``stream_concurrency`` groups at a
-    time, where their role is not deferred.
+    time, where their role is not deferred. ``importance_cap`` (the trainer's off-policy
+    correction, 0: off; 2 by default in async mode): the truncated importance weight
+    ``min(π_trainer / π_rollout, cap)`` of each token, decoupled from PPO's clip.
     """
 
     steps: int = 3
@@ -142,6 +144,7 @@ class RunConfig:
     stale_action: str = "regenerate"
     stream_scoring: bool = True
     stream_concurrency: int = 8
+    importance_cap: float = 0.0
     base: str | None = None
 
     def stage(self, name: str) -> StageTable:
@@ -159,6 +162,12 @@ _KEYS = (
     *_SHORTHAND,
     *_MOVED,
 )
+
+
+def _cap(v: Any) -> str | None:
+    if v == 0 or v >= 1:
+        return None
+    return f"must be 0 (off) or a cap >= 1 on the importance weight, got {v!r}"
 
 
 def _device(v: Any) -> str | None:
@@ -241,6 +250,14 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         ),
         stream_scoring=v(t, p, "stream_scoring", bool, True),
         stream_concurrency=v(t, p, "stream_concurrency", int, 8, check=ConfigReader.at_least(1)),
+        importance_cap=v(
+            t,
+            p,
+            "importance_cap",
+            float,
+            2.0 if t.get("mode") == "async" else 0.0,
+            check=_cap,
+        ),
         base=_base(job.source),
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):

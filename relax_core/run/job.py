@@ -416,6 +416,7 @@ class RunJob:
             fields=tuple(stage_fields(self.stages)),
             seed=run.seed,
             push_format=run.push_format,
+            importance_cap=run.importance_cap,
         )
         try:
             self.trainer = start_trainer(

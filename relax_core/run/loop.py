@@ -722,6 +722,9 @@ async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _I
         row["latency_seconds"] = row["seconds"]
         row["seconds"] = outcome.seconds
         row["async"] = outcome.metrics
+        for key in ("importance_weight_mean", "truncated_fraction"):  # the off-policy correction
+            if outcome.trained.get(key) is not None:
+                row["train"][key] = outcome.trained[key]
         loop.committed(row, batch.originals)
         if outcome.pushed_before is not None:
             summary.weight_versions.append(outcome.pushed_before.get("weight_version"))

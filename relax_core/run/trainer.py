@@ -53,6 +53,7 @@ class TrainerContext:
     own…): each committed sample carries them in ``sample.fields``; a trainer picks its terms
     from them (the reference trainer distils on the teacher's top-k when
     ``teacher_topk_logprobs`` is there). ``commit_timeout`` bounds one ``wait_committed``.
+    ``importance_cap``: the off-policy correction's cap (``[run] importance_cap``; 0: none).
     """
 
     job: str
@@ -69,6 +70,7 @@ class TrainerContext:
     push_format: str = "safetensors"
     micro_batch: int = 64
     commit_timeout: float = 3600.0
+    importance_cap: float = 0.0
 
 
 @runtime_checkable

@@ -104,6 +104,7 @@ class PolicyTrainer:
                 targets,
                 advantages=advantages[i : i + ctx.micro_batch],
                 clip=ctx.clip,
+                importance_cap=ctx.importance_cap,
                 distill_coef=ctx.distill_coef,
                 teacher_mode=teacher_mode(ctx.fields),
             )
@@ -217,6 +218,8 @@ def _combine(reports: Sequence[Any]) -> dict[str, Any]:
             "teacher_logprob_mean",
             "ratio_mean",
             "clip_fraction",
+            "importance_weight_mean",
+            "truncated_fraction",
         )
     }
     return dict(out)
