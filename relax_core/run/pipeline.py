@@ -401,9 +401,11 @@ class AsyncDriver:
                 fut.cancel()
                 raise
             except BaseException as exc:
-                fut.set_exception(exc)
+                if not fut.done():
+                    fut.set_exception(exc)
                 return
-            fut.set_result(generated)
+            if not fut.done():
+                fut.set_result(generated)
 
     async def _generate(self, m: int) -> _Generated:
         s, tl = self.settings, self.timeline
@@ -455,7 +457,9 @@ class AsyncDriver:
     async def _commit(self, n: int) -> tuple[_Generated, DeferredBatch, BatchResult]:
         s = self.settings
         try:
-            generated = await self._generated[n]
+            # shielded: cancelling this lane must not cancel the generation's result (a
+            # failure report lists the samples of the steps generated ahead)
+            generated = await asyncio.shield(self._generated[n])
         except _GenerationFailed as exc:
             await self._fail(n, exc.error)
             raise PipelineFailure(n, exc.error, exc.samples) from exc.error
