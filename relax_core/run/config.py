@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_TRAINER",
     "DISTILL_STAGE",
     "PUSH_FORMATS",
+    "PUSH_PAUSES",
     "REWARD_STAGE",
     "RUN_MODES",
     "STALE_ACTIONS",
@@ -58,6 +59,11 @@ RUN_MODES = ("sync", "async")
 #: than ``max_staleness`` versions older than the trainer's: generate another in its place, or
 #: train on a smaller batch. Either way it is counted, never trained on.
 STALE_ACTIONS = ("regenerate", "drop")
+#: ``push_pause`` values: how a weight push meets rollout's requests in flight — the manager's
+#: fence (admission closed, the requests finished first), or SGLang's ``pause_generation`` in
+#: that mode, the update, ``continue_generation`` (the requests kept, their tokens after the
+#: push from the new weights).
+PUSH_PAUSES = ("fence", "in_place", "retract")
 #: The kind of stage the ``rewards`` shorthand makes (the core's own reward stage).
 REWARD_STAGE = "reward"
 #: The kind of stage the ``teacher_role`` shorthand makes: the distillation prefill the
@@ -117,6 +123,8 @@ class RunConfig:
     time, where their role is not deferred. ``importance_cap`` (the trainer's off-policy
     correction, 0: off; 2 by default in async mode): the truncated importance weight
     ``min(π_trainer / π_rollout, cap)`` of each token, decoupled from PPO's clip.
+    ``push_pause``: how a push meets rollout's requests in flight (:data:`PUSH_PAUSES`;
+    ``in_place`` by default in async mode, the fence otherwise).
     """
 
     steps: int = 3
@@ -145,6 +153,7 @@ class RunConfig:
     stream_scoring: bool = True
     stream_concurrency: int = 8
     importance_cap: float = 0.0
+    push_pause: str = "fence"
     base: str | None = None
 
     def stage(self, name: str) -> StageTable:
@@ -257,6 +266,14 @@ def parse_run_config(job: JobConfig) -> RunConfig:
             float,
             2.0 if t.get("mode") == "async" else 0.0,
             check=_cap,
+        ),
+        push_pause=v(
+            t,
+            p,
+            "push_pause",
+            str,
+            "in_place" if t.get("mode") == "async" else "fence",
+            check=ConfigReader.one_of(PUSH_PAUSES),
         ),
         base=_base(job.source),
     )

@@ -417,6 +417,7 @@ class RunJob:
             seed=run.seed,
             push_format=run.push_format,
             importance_cap=run.importance_cap,
+            push_pause=None if run.push_pause == "fence" else run.push_pause,
         )
         try:
             self.trainer = start_trainer(

@@ -153,7 +153,11 @@ class PolicyTrainer:
             payload = serialize_named_tensors(pairs, load_format=fmt)
             result = ray.get(
                 self.context.rollout.update_weights_from_tensor.remote(
-                    [payload], load_format=fmt, weight_version=weight_version
+                    [payload],
+                    load_format=fmt,
+                    weight_version=weight_version,
+                    # async steps: generation paused, not fenced (requests in flight kept)
+                    **({"pause": self.context.push_pause} if self.context.push_pause else {}),
                 )
             )
             del pairs  # kept alive until the engines copied them (IPC handles point at them)
