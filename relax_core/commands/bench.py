@@ -15,10 +15,14 @@ NAME = "bench"
 HELP = "Run a benchmark (client, placement, manager, gateway, …) and print its numbers."
 
 
+#: Benchmark names that are not module names (``async`` is a Python keyword); the module's
+#: own name is accepted too (``nox -s bench`` runs each module by its name).
+_ALIASES = {"async": "async_steps"}
+
+
 def _names() -> list[str]:
-    return sorted(
-        m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_")
-    )
+    modules = {m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_")}
+    return sorted(modules | set(_ALIASES))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"{bench.__name__}.{args.name}")
+    module = importlib.import_module(f"{bench.__name__}.{_ALIASES.get(args.name, args.name)}")
     if args.job is not None and "job" not in inspect.signature(module.run).parameters:
         raise ConfigError(
             "--job", f"relax bench {args.name} serves no job; only relax bench wake takes --job"

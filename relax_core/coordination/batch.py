@@ -78,6 +78,7 @@ __all__ = [
     "DeferredCollector",
     "Dropped",
     "Producer",
+    "Streamed",
     "abort_generation",
 ]
 
@@ -161,6 +162,22 @@ class BatchResult:
     generated_groups: int = 0
 
 
+@attrs.define
+class Streamed:
+    """What ran on a batch's groups as they completed, before the batch itself (streaming
+    scoring, :mod:`relax_core.run.streaming`): the staged copies of the batch's samples, in
+    their order, the number of leading stages that ran on them and those stages' reports, and
+    the groups taken out before the batch (too stale to train on) with their samples. The
+    batch runs the stages after those, then validates every field, writes back and commits as
+    always: nothing a streamed stage wrote reaches the originals before every stage passed."""
+
+    staged: list[Sample]
+    stages: int
+    reports: list[StageReport]
+    dropped: list[Dropped] = attrs.field(factory=list)
+    dropped_samples: list[Sample] = attrs.field(factory=list)
+
+
 class Producer(Protocol):
     """Generates groups for a batch in flight (``relax run``'s producer over the rollout route):
     ``groups`` more from the step's prompt source, or one per prompt of ``prompts``, with
@@ -205,7 +222,10 @@ class DeferredBatch:
         fails the batch, saying so).
     :param target_groups: the groups the step wants committed (default: those of
         ``samples``), what a filter fills the batch up to.
-    :raises ValueError: bad stages or more samples than ``max_samples``.
+    :param streamed: what streaming scoring already ran on ``samples`` (:class:`Streamed`):
+        its staged copies are used and its stages not run again.
+    :raises ValueError: bad stages, more samples than ``max_samples``, or ``streamed`` copies
+        that are not those of ``samples``.
     """
 
     def __init__(
@@ -224,8 +244,20 @@ class DeferredBatch:
         max_samples: int = DEFAULT_MAX_SAMPLES,
         producer: Producer | None = None,
         target_groups: int | None = None,
+        streamed: Streamed | None = None,
     ) -> None:
         check_stages(stages)
+        if streamed is not None and (
+            len(streamed.staged) != len(samples)
+            or any(c.id != s.id for c, s in zip(streamed.staged, samples, strict=False))
+            or not 0 <= streamed.stages <= len(stages)
+            or len(streamed.reports) != streamed.stages
+        ):
+            raise ValueError(
+                f"batch {batch_id}: the streamed copies ({len(streamed.staged)}) or stages "
+                f"({streamed.stages}) do not match the batch's {len(samples)} samples and "
+                f"{len(stages)} stages"
+            )
         if len(samples) > max_samples:
             raise ValueError(f"batch {batch_id}: {len(samples)} samples > {max_samples}")
         self.batch_id = batch_id
@@ -246,10 +278,11 @@ class DeferredBatch:
         #: every field the stages declare, by name: cleared on the staged copies, validated,
         #: written back
         self.fields = stage_fields(self.stages)
+        self.streamed = streamed
         self.staged: list[Sample] = []
-        self.dropped: list[Dropped] = []
+        self.dropped: list[Dropped] = list(streamed.dropped) if streamed else []
         #: the original samples of the dropped groups (never committed)
-        self.dropped_samples: list[Sample] = []
+        self.dropped_samples: list[Sample] = list(streamed.dropped_samples) if streamed else []
         self.generated_groups = 0
         self._generation_role = ""
         self._deferred: frozenset[str] = frozenset()
@@ -296,8 +329,12 @@ class DeferredBatch:
 
     async def _run(self) -> BatchResult:
         n, tl = self.batch_id, self.timeline
+        streamed = self.streamed
         with tl.phase(n, "stage_copies"):
-            self.staged = [s.staged_copy(self.fields) for s in self.originals]
+            if streamed is not None:
+                self.staged = list(streamed.staged)
+            else:
+                self.staged = [s.staged_copy(self.fields) for s in self.originals]
         status = await self.coordinator.describe()
         gen: str = status.generation_role
         self._generation_role = gen
@@ -306,9 +343,12 @@ class DeferredBatch:
         self._residency = status.residency
         if gen not in self._residency.free:
             self._awake[gen] = ()  # the producer generated with it; it holds its lease
-        reports: list[StageReport] = []
+        reports: list[StageReport] = list(streamed.reports) if streamed else []
+        first = streamed.stages if streamed else 0
         try:
             for index, stage in enumerate(self.stages):
+                if index < first:
+                    continue
                 ctx = StageContext(n, self.clients, _Control(self, index))
                 reports.append(await self._run_leased(stage, self.staged, ctx))
         except BaseException as exc:

@@ -190,6 +190,8 @@ class RewardStage:
     """
 
     fields = REWARD_FIELDS
+    #: each sample is scored on its own: the async driver may score each group as it completes
+    streaming = True
 
     def __init__(
         self,

@@ -28,11 +28,24 @@ def _floats(value: Any) -> tuple[float, ...]:
     return value if type(value) is tuple else tuple(float(v) for v in value)
 
 
+def _boundaries(value: Any) -> tuple[tuple[int, str], ...]:
+    if type(value) is tuple and all(type(b) is tuple for b in value):
+        return value
+    return tuple((int(i), str(v)) for i, v in value)
+
+
 # Assignment runs no converter: stages write fields, and validation checks what they wrote
 # (an on_setattr pipeline would cost more than the rest of a batch's bookkeeping).
 @attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)
 class Sample:
     """One response of one prompt; samples of one prompt share ``group_id``.
+
+    ``weight_version`` is the version the engine reported for the response (SGLang's
+    ``meta_info.weight_version``: the one its last token came from); ``weight_versions`` its
+    version boundaries when a weight update landed while it was generated: ``(index of the
+    first response token generated under that version, version)``, in order (the first at
+    index 0); empty means the whole response came from ``weight_version``. :attr:`versions`
+    reads both the same way.
 
     ``metadata`` is free-form; ``metadata["route_key"]`` picks the model of a role that routes by
     key (a teacher per data source). ``fields`` holds what the step's stages wrote, by field
@@ -50,6 +63,7 @@ class Sample:
     rollout_logprobs: tuple[float, ...] = attrs.field(default=(), converter=_floats)
     metadata: dict[str, Any] = attrs.field(factory=dict)
     weight_version: str | None = None
+    weight_versions: tuple[tuple[int, str], ...] = attrs.field(default=(), converter=_boundaries)
     fields: dict[str, Any] = attrs.field(factory=dict)
 
     @property
@@ -71,6 +85,14 @@ class Sample:
         stage ran). Read-only here: a stage writes ``fields``."""
         value: Mapping[str, float] = self.fields.get("rewards") or {}
         return value
+
+    @property
+    def versions(self) -> tuple[tuple[int, str | None], ...]:
+        """The response's version segments, ``(first token index, version)`` in order: the
+        boundaries when there are some, else one segment of ``weight_version``."""
+        if self.weight_versions:
+            return self.weight_versions
+        return ((0, self.weight_version),)
 
     def staged_copy(self, cleared: Collection[str] = ()) -> Sample:
         """A copy for CPU staging, without the fields named in ``cleared`` (those the step's

@@ -162,6 +162,21 @@ class Timeline:
         with self._lock:
             return self._switches.get(batch_id, 0)
 
+    def counter(self, name: str, values: dict[str, float]) -> None:
+        """Record counter values at this moment: a trace counter track ``name`` (a step's
+        staleness histogram, its dropped samples), each key a series."""
+        with self._lock:
+            self._events.append(
+                {
+                    "name": name,
+                    "cat": "counters",
+                    "ph": "C",
+                    "ts": time.time_ns() // 1000,
+                    "pid": self._pid,
+                    "args": {k: float(v) for k, v in values.items()},
+                }
+            )
+
     def describe(self, key: str, value: Any) -> None:
         """Keep ``value`` (JSON data) in the trace document under ``otherData[key]`` (what the
         run was: its residency plan)."""

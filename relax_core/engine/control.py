@@ -99,6 +99,10 @@ def _update_fields(update: WeightUpdate) -> dict[str, Any]:
     }
 
 
+#: How long an idle control connection is kept for reuse (below the engines' 5 s keep-alive).
+KEEPALIVE_SECONDS = 2.0
+
+
 class ControlClient:
     """Async client for one engine head's SGLang control API.
 
@@ -130,7 +134,12 @@ class ControlClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            # An idle connection is reused only well within the servers' keep-alive (uvicorn's
+            # and SGLang's close one after 5 s): a reuse racing the server's close fails the
+            # request with "Can not write request body" — a weight push between two steps of a
+            # ~5 s period did.
+            connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS)
+            self._session = aiohttp.ClientSession(connector=connector)
             self._owns_session = True
         return self._session
 

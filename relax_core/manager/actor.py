@@ -105,6 +105,7 @@ class ModelManager(Protocol):
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        pause: str | None = None,
     ) -> LifecycleResult: ...
 
     def update_weights_from_disk(
@@ -302,12 +303,14 @@ class ManagerActor:
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        pause: str | None = None,
     ) -> LifecycleResult:
         return self._manager.update_weights_from_tensor(
             serialized_named_tensors,
             load_format=load_format,
             weight_version=weight_version,
             flush_cache=flush_cache,
+            pause=pause,
         )
 
     def update_weights_from_disk(

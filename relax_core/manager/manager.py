@@ -474,8 +474,14 @@ class InferenceManager:
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        pause: str | None = None,
     ) -> LifecycleResult:
         """Push tensors to every replica (``tensor`` path; ACTOR). Per-replica results.
+
+        ``pause``: instead of the fence (admission closed, requests in flight finished first),
+        pause generation with SGLang's mode (``in_place`` or ``retract``), update, continue:
+        requests in flight are kept and go on with the new weights (their answers carry both
+        versions), requests arriving meanwhile wait in the engine.
 
         :raises CapabilityError: the weight source does not allow ``tensor`` updates.
         """
@@ -487,6 +493,7 @@ class InferenceManager:
                 "weight_version": weight_version,
                 "flush_cache": flush_cache,
             },
+            pause=pause,
         )
 
     def update_weights_from_disk(
@@ -638,16 +645,26 @@ class InferenceManager:
             results.setdefault(slot.engine_id, slot.result(Outcome.NOOP))
         return results
 
-    def _update(self, method: str, kwargs: dict[str, Any]) -> LifecycleResult:
-        """One weight update on every replica that holds weights, behind the fence."""
+    def _update(
+        self, method: str, kwargs: dict[str, Any], *, pause: str | None = None
+    ) -> LifecycleResult:
+        """One weight update on every replica that holds weights, behind the fence (or with
+        generation paused in ``pause`` mode)."""
         self._weights.check(method)
-        return self._run(method, lambda: self._weights.apply(method, kwargs))
+        if pause is not None and pause not in PAUSE_MODES:
+            raise ValueError(f"pause={pause!r}: one of {PAUSE_MODES} (or None: the fence)")
+        return self._run(method, lambda: self._weights.apply(method, kwargs, pause=pause))
 
     def _each_head(
         self, method: str, kwargs_of: Callable[[int], dict[str, Any]]
     ) -> LifecycleResult:
         """One call on every serving replica's head, with no fence (a weight-update group)."""
         return self._run(method, lambda: self._weights.each_head(method, kwargs_of), settle=False)
+
+
+#: The pause modes a weight update may take instead of the fence (``abort`` would end the
+#: requests in flight: a push that keeps them uses these).
+PAUSE_MODES = ("in_place", "retract")
 
 
 def _check_inputs(

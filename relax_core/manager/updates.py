@@ -48,7 +48,9 @@ class WeightUpdates:
         """:raises CapabilityError: the weight source does not allow ``method``'s update path."""
         self.spec.check(UPDATE_METHODS[method], engine_id=f"{self.slots.model_id} (every replica)")
 
-    def apply(self, method: str, kwargs: dict[str, Any]) -> dict[str, ReplicaResult]:
+    def apply(
+        self, method: str, kwargs: dict[str, Any], *, pause: str | None = None
+    ) -> dict[str, ReplicaResult]:
         """Apply one update call to every replica that holds weights, behind the fence.
 
         FAILED and STOPPING replicas are SKIPPED; the published weight version moves once the
@@ -78,9 +80,12 @@ class WeightUpdates:
             )
         # READY replicas are fenced (DRAINING, not direct-eligible) and reopen afterwards;
         # SLEEPING ones take the update and stay asleep.
+        # With ``pause`` nothing is fenced: each engine pauses generation in that mode,
+        # updates and continues, its requests in flight kept.
         reopen = {s.replica.index: s.replica.state is _S.READY for s in targets}
+        fenced = {i: r and pause is None for i, r in reopen.items()}
         for slot in targets:
-            if reopen[slot.replica.index]:
+            if fenced[slot.replica.index]:
                 slot.replica.admission_open = False
                 slot.replica.advance(_S.DRAINING)
         self.publication.publish()
@@ -90,10 +95,11 @@ class WeightUpdates:
                 s.replica.index: s.head.actor.update_weights.remote(
                     method,
                     kwargs,
-                    fence=True,
-                    reopen=reopen[s.replica.index],
+                    fence=pause is None,
+                    reopen=fenced[s.replica.index],
                     drain_timeout=t.drain,
                     timeout=t.update,
+                    **({"pause": pause} if pause is not None else {}),
                 )
                 for s in targets
             },
@@ -109,7 +115,7 @@ class WeightUpdates:
                     version if version is not None else kwargs.get("weight_version")
                 )
                 versions.add(rep.weight_version)
-                if reopen[rep.index]:
+                if fenced[rep.index]:
                     rep.became_ready()
                 results[slot.engine_id] = slot.result(
                     Outcome.DONE, seconds=time.monotonic() - begin

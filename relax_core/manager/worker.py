@@ -400,12 +400,15 @@ class EngineWorker:
         reopen: bool,
         drain_timeout: float,
         timeout: float,
+        pause: str | None = None,
     ) -> dict[str, Any]:
         """Apply one weight-update call to the engine behind a fence.
 
         With ``fence``: close admission and wait for in-flight requests (abort them when the
         drain deadline passes) before the update, so no request reaches the engine mid-update;
-        with ``reopen``: check one generation and reopen admission afterwards.
+        with ``reopen``: check one generation and reopen admission afterwards. With ``pause``
+        (no fence): ``pause_generation`` in that mode, the update, ``continue_generation``
+        (also when the update failed), the requests in flight kept.
 
         :raises CapabilityError: the engine's spec does not allow the update path.
         :raises LifecycleError: the engine refused or failed the update (admission stays closed).
@@ -422,10 +425,16 @@ class EngineWorker:
             if fence:
                 admission.close("UPDATING")
                 await self._drain(strict=True, drain_timeout=drain_timeout, timeout=timeout)
-            if method in _RAW_UPDATES:
-                result = await control.operate(method, kwargs, timeout=timeout)
-            else:
-                result = await getattr(control, method)(**kwargs, timeout=timeout)
+            if pause is not None:
+                await control.pause_generation(pause, timeout=timeout)
+            try:
+                if method in _RAW_UPDATES:
+                    result = await control.operate(method, kwargs, timeout=timeout)
+                else:
+                    result = await getattr(control, method)(**kwargs, timeout=timeout)
+            finally:
+                if pause is not None:
+                    await control.continue_generation(timeout=timeout)
             if reopen:
                 await control.health_generate(timeout=timeout)
                 admission.open()

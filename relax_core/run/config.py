@@ -33,7 +33,10 @@ __all__ = [
     "DEFAULT_TRAINER",
     "DISTILL_STAGE",
     "PUSH_FORMATS",
+    "PUSH_PAUSES",
     "REWARD_STAGE",
+    "RUN_MODES",
+    "STALE_ACTIONS",
     "TEACHER_MODES",
     "RunConfig",
     "StageTable",
@@ -49,6 +52,18 @@ PUSH_FORMATS = ("safetensors", "ipc")
 #: reference torch trainer (GRPO plus distillation), which the ``relax-torch-trainer``
 #: distribution registers.
 DEFAULT_TRAINER = "grpo"
+#: ``mode`` values: each step's phases one after the other, or generation of the next steps
+#: overlapping the scoring, commit and training of this one (``docs/run.md``).
+RUN_MODES = ("sync", "async")
+#: ``stale_action`` values: what the async driver does with a group generated with weights more
+#: than ``max_staleness`` versions older than the trainer's: generate another in its place, or
+#: train on a smaller batch. Either way it is counted, never trained on.
+STALE_ACTIONS = ("regenerate", "drop")
+#: ``push_pause`` values: how a weight push meets rollout's requests in flight — the manager's
+#: fence (admission closed, the requests finished first), or SGLang's ``pause_generation`` in
+#: that mode, the update, ``continue_generation`` (the requests kept, their tokens after the
+#: push from the new weights).
+PUSH_PAUSES = ("fence", "in_place", "retract")
 #: The kind of stage the ``rewards`` shorthand makes (the core's own reward stage).
 REWARD_STAGE = "reward"
 #: The kind of stage the ``teacher_role`` shorthand makes: the distillation prefill the
@@ -98,6 +113,18 @@ class RunConfig:
     stages in order (:class:`StageTable`). ``distill_coef`` and the learning settings are the
     trainer's. ``partial_rollout`` is accepted only so the defer preflight can say why it is
     refused.
+
+    ``mode`` is ``sync`` (each step's phases in turn) or ``async``: generation of steps
+    ``N+1 … N+max_staleness`` runs while step ``N`` is scored, committed and trained, and no
+    sample generated with weights more than ``max_staleness`` versions older than the
+    trainer's is trained on (``stale_action``: generated again or dropped, counted).
+    ``stream_scoring`` (async mode): the leading stages that can (the reward stage, the
+    teacher's prefill) score each group as it completes, ``stream_concurrency`` groups at a
+    time, where their role is not deferred. ``importance_cap`` (the trainer's off-policy
+    correction, 0: off; 2 by default in async mode): the truncated importance weight
+    ``min(π_trainer / π_rollout, cap)`` of each token, decoupled from PPO's clip.
+    ``push_pause``: how a push meets rollout's requests in flight (:data:`PUSH_PAUSES`;
+    ``in_place`` by default in async mode, the fence otherwise).
     """
 
     steps: int = 3
@@ -120,6 +147,13 @@ class RunConfig:
     trackers: tuple[TrackerEntry, ...] = ()
     tracker_samples: int = 4
     strict_trackers: bool = False
+    mode: str = "sync"
+    max_staleness: int = 1
+    stale_action: str = "regenerate"
+    stream_scoring: bool = True
+    stream_concurrency: int = 8
+    importance_cap: float = 0.0
+    push_pause: str = "fence"
     base: str | None = None
 
     def stage(self, name: str) -> StageTable:
@@ -137,6 +171,12 @@ _KEYS = (
     *_SHORTHAND,
     *_MOVED,
 )
+
+
+def _cap(v: Any) -> str | None:
+    if v == 0 or v >= 1:
+        return None
+    return f"must be 0 (off) or a cap >= 1 on the importance weight, got {v!r}"
 
 
 def _device(v: Any) -> str | None:
@@ -212,6 +252,29 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         trackers=tracker_entries(r, t.get("trackers", []), f"{p}.trackers"),
         tracker_samples=v(t, p, "tracker_samples", int, 4, check=ConfigReader.at_least(0)),
         strict_trackers=v(t, p, "strict_trackers", bool, False),
+        mode=v(t, p, "mode", str, "sync", check=ConfigReader.one_of(RUN_MODES)),
+        max_staleness=v(t, p, "max_staleness", int, 1, check=ConfigReader.at_least(0)),
+        stale_action=v(
+            t, p, "stale_action", str, "regenerate", check=ConfigReader.one_of(STALE_ACTIONS)
+        ),
+        stream_scoring=v(t, p, "stream_scoring", bool, True),
+        stream_concurrency=v(t, p, "stream_concurrency", int, 8, check=ConfigReader.at_least(1)),
+        importance_cap=v(
+            t,
+            p,
+            "importance_cap",
+            float,
+            2.0 if t.get("mode") == "async" else 0.0,
+            check=_cap,
+        ),
+        push_pause=v(
+            t,
+            p,
+            "push_pause",
+            str,
+            "in_place" if t.get("mode") == "async" else "fence",
+            check=ConfigReader.one_of(PUSH_PAUSES),
+        ),
         base=_base(job.source),
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
@@ -221,6 +284,14 @@ def parse_run_config(job: JobConfig) -> RunConfig:
             "ipc pushes CUDA IPC handles of the trainer's tensors: it needs trainer_device = "
             "'cuda' on the engines' GPU; use 'safetensors'",
         )
+    if config.mode == "sync":
+        for key in ("max_staleness", "stale_action", "stream_scoring", "stream_concurrency"):
+            if key in t:
+                r.problem(
+                    f"{p}.{key}",
+                    "mode",
+                    f"{key} applies to mode = 'async' only; set mode = 'async' or remove it",
+                )
     r.raise_problems(job.source)
     return config
 

@@ -275,6 +275,7 @@ def _sample(sample_id: str, group_id: str, ids: list[int], prompt: Prompt, answe
             "rollout route must keep return_logprob",
         )
     version = meta.get("weight_version")
+    boundaries = _boundaries(sample_id, meta.get("weight_versions"))
     return Sample(
         sample_id,
         group_id,
@@ -286,4 +287,22 @@ def _sample(sample_id: str, group_id: str, ids: list[int], prompt: Prompt, answe
         rollout_logprobs=[float(e[0]) for e in lps],
         metadata=dict(prompt.metadata),
         weight_version=None if version is None else str(version),
+        weight_versions=boundaries,
     )
+
+
+def _boundaries(sample_id: str, spans: Any) -> tuple[tuple[int, str], ...]:
+    """SGLang's ``meta_info.weight_versions`` (``[{version, start, end}]``) as a sample's
+    version boundaries (``(first token, version)``); none when one version made it all."""
+    if spans is None:
+        return ()
+    if not isinstance(spans, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("start"), int) and "version" in e for e in spans
+    ):
+        raise UpstreamError(
+            502,
+            f"sample {sample_id}: meta_info.weight_versions is not a list of spans: {spans!r:.200}",
+        )
+    if len(spans) <= 1:
+        return ()
+    return tuple((int(e["start"]), str(e["version"])) for e in spans)

@@ -60,7 +60,7 @@ from relax_core.coordination.batch import (
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients
-from relax_core.errors import LifecycleError
+from relax_core.errors import ConfigError, LifecycleError
 from relax_core.run.data import open_source
 from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
@@ -447,7 +447,11 @@ class _Loop:
             blocked=blocked,
             # The batch is FAILED: the trainer's wait ends at once (an interrupted run does
             # not wait long for it either way).
-            trainer=await _trainer_saw(failed.train, 5.0 if stopped else 30.0),
+            trainer=(
+                failed.trainer or "not asked"
+                if failed.train is None
+                else await _trainer_saw(failed.train, 5.0 if stopped else 30.0)
+            ),
             interrupted=stopped,
         )
 
@@ -524,7 +528,8 @@ class _Interrupts:
 
 class _Failed(Exception):
     """A step failed: the error, the step's collector (and batch, once it began), the
-    trainer's pending ``train``."""
+    trainer's pending ``train`` (``None`` in async mode, which asks the trainer only after a
+    commit: ``trainer`` then says what it did)."""
 
     def __init__(
         self,
@@ -532,17 +537,24 @@ class _Failed(Exception):
         collector: DeferredCollector,
         train: Any,
         batch: DeferredBatch | None = None,
+        *,
+        generated: Sequence[Sample] | None = None,
+        trainer: str | None = None,
     ) -> None:
         super().__init__(str(error))
         self.error = error
         self.collector = collector
         self.train = train
         self.batch = batch
+        self.generated = None if generated is None else list(generated)
+        self.trainer = trainer
 
     @property
     def samples(self) -> list[Sample]:
         """Every sample the step generated: the batch's (with what stages added and dropped)
         once it began, else the collector's."""
+        if self.generated is not None:
+            return self.generated
         if self.batch is None:
             return self.collector.samples
         return self.batch.generated_samples()
@@ -612,6 +624,9 @@ async def run_loop(
 async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interrupts) -> None:
     """The steps, then ``--measure``'s copies and the final push, into ``summary``."""
     job, run, printer = loop.job, loop.run, loop.printer
+    if run.mode == "async":
+        await _async_steps(loop, summary, steps, signals)
+        return
     source = open_source(run.dataset, job.pm, seed=run.seed, base=run.base)
     model = job.generation_model
     tokenizer = PromptTokenizer(model.model_path, where=model.path)
@@ -644,6 +659,133 @@ async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interru
         sizes = sorted({s.weight_bytes for s in loop.probe.switches})
         copies = await job.trainer.measure_copy.remote(sizes)
         summary.switching = switch_report(loop.probe.switches, copies, step_seconds)
+    if summary.failure is None and summary.committed:
+        summary.final_push = await _final_push(job, steps)
+        summary.weight_versions.append(summary.final_push["weight_version"])
+
+
+class _RayTrainer:
+    """The trainer actor as the async driver calls it."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def train(self, batch_id: int) -> dict[str, Any]:
+        result: dict[str, Any] = await self.actor.train.remote(batch_id)
+        return result
+
+    async def push(self, version: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.actor.push.remote(version)
+        return result
+
+
+def async_layout_problem(job: RunJob) -> str | None:
+    """Why the started ``job`` cannot run async steps, or ``None``: its generation role must
+    never switch (free in the residency plan), so the next step can be generated while this one
+    is scored and committed."""
+    gen = job.generation_role
+    if gen in job.residency.free:
+        return None
+    return (
+        f"run.mode = 'async' overlaps generation with scoring, but {gen} shares its GPUs with "
+        f"{', '.join(r for r in job.slices if r != gen and job.slices[r] == job.slices[gen])} "
+        "and takes turns with them (placement.residency or the memory budget keeps them "
+        "apart); give the deferred roles GPUs of their own (placement mode 'split' or "
+        "'decoupled'), or set run.mode = 'sync'"
+    )
+
+
+async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interrupts) -> None:
+    """``mode = "async"``: the steps through the :class:`~relax_core.run.pipeline.AsyncDriver`,
+    then the final push, into ``summary``."""
+    from relax_core.run.pipeline import AsyncDriver, AsyncSettings, PipelineFailure, StepOutcome
+
+    job, run, printer = loop.job, loop.run, loop.printer
+    problem = async_layout_problem(job)
+    if problem is not None:
+        raise ConfigError("run.mode", problem)
+    source = open_source(run.dataset, job.pm, seed=run.seed, base=run.base)
+    model = job.generation_model
+    tokenizer = PromptTokenizer(model.model_path, where=model.path)
+    gen_registry = job.registries[job.generation_role]
+    total = run.prompts_per_step
+
+    def on_step(outcome: StepOutcome) -> None:
+        n, batch = outcome.step, outcome.batch
+        loop.step = n
+        if loop.dump_dir is not None and batch.dropped_samples:
+            _dump(loop.dump_dir, f"dropped-{n}.jsonl", batch.dropped_samples)
+        row = loop._row(
+            n, outcome.result, batch.originals, outcome.began, outcome.pushed_before,
+            outcome.trained,
+        )  # fmt: skip
+        row["latency_seconds"] = row["seconds"]
+        row["seconds"] = outcome.seconds
+        row["async"] = outcome.metrics
+        for key in ("importance_weight_mean", "truncated_fraction"):  # the off-policy correction
+            if outcome.trained.get(key) is not None:
+                row["train"][key] = outcome.trained[key]
+        loop.committed(row, batch.originals)
+        if outcome.pushed_before is not None:
+            summary.weight_versions.append(outcome.pushed_before.get("weight_version"))
+        summary.committed.append(row)
+        printer.step(row)
+
+    def on_progress(step: int, done: int) -> None:
+        printer.status(f"step {step} generate: {done}/{total} groups")
+
+    async with InferenceClient(
+        snapshot_provider=gen_registry.fetch,
+        role=job.generation_role,
+        timeout=run.request_timeout,
+    ) as client:
+        generator = Generator(client, tokenizer, model.name, run)
+        initial = await loop.rollout.weight_version()
+        summary.weight_versions.append(initial)
+        driver = AsyncDriver(
+            AsyncSettings(
+                steps=steps,
+                prompts_per_step=run.prompts_per_step,
+                max_staleness=run.max_staleness,
+                stale_action=run.stale_action,
+                stream_scoring=run.stream_scoring,
+                stream_concurrency=run.stream_concurrency,
+                release_timeout=run.operation_timeout,
+            ),
+            coordinator=loop.coordinator,
+            rollout=loop.rollout,
+            stages=loop.stages,
+            sink=job.sink,
+            clients=loop.clients,
+            producer=lambda: StepProducer(generator, source),
+            trainer=_RayTrainer(job.trainer),
+            generation_role=job.generation_role,
+            deferred_roles=job.config.placement.defer_roles,
+            initial_version=initial,
+            timeline=loop.timeline,
+            finalizer=loop._finalizer,
+            on_step=on_step,
+            on_progress=on_progress,
+        )
+        try:
+            await driver.run()
+        except PipelineFailure as failed:
+            n = failed.step
+            loop.step = n
+            if interrupted(failed.error):
+                summary.interrupted_step = n
+                signals.handled()
+            report = _Failed(
+                failed.error,
+                DeferredCollector(n),
+                None,
+                failed.batch,
+                generated=[*failed.samples, *failed.ahead],
+                trainer=failed.trainer,
+            )
+            summary.failure = await loop.failure(n, report)
+            loop.metrics.failed.inc()
+            printer.failed(summary.failure.row())
     if summary.failure is None and summary.committed:
         summary.final_push = await _final_push(job, steps)
         summary.weight_versions.append(summary.final_push["weight_version"])

@@ -129,6 +129,21 @@ BAR_WIDTH = 24
 BAR_REDRAW = 0.25
 
 
+def _async_text(row: dict[str, Any]) -> str:
+    """An async step's staleness, stale groups, partial samples and idle ratios (or "")."""
+    a = row.get("async")
+    if not a:
+        return ""
+    hist = " ".join(f"{k}:{v}" for k, v in a["staleness"].items())
+    stale = a["stale"]
+    idle = " ".join(f"{r} {v:.0%}" for r, v in a["idle"].items())
+    return (
+        f"  staleness {hist} (max {a['max_staleness']})  stale groups dropped "
+        f"{stale['dropped_groups']}, regenerated {stale['regenerated_groups']}  partial "
+        f"{a['partial_samples']} (span {a['max_version_span']})  idle {idle}"
+    )
+
+
 class Progress:
     """A long wait's progress, drawn by :meth:`Printer.waiting` as a bar on the status line:
     ``  starting engines [#########---------------] 1/3 models  12.4s``. :meth:`update`
@@ -278,7 +293,7 @@ class Printer:
         print(
             f"step {row['step']}  {row['partition']}  {row['samples']} samples  reward "
             f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f}{parse}{teacher}  tokens "
-            f"{row['tokens']}  weights {row['weight_version']}"
+            f"{row['tokens']}  weights {row['weight_version']}{_async_text(row)}"
             f"  {row['seconds']:.1f}s ({phase_times(row['phases'])})",
             file=self.out,
             flush=True,

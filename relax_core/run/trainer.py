@@ -53,6 +53,9 @@ class TrainerContext:
     own…): each committed sample carries them in ``sample.fields``; a trainer picks its terms
     from them (the reference trainer distils on the teacher's top-k when
     ``teacher_topk_logprobs`` is there). ``commit_timeout`` bounds one ``wait_committed``.
+    ``importance_cap``: the off-policy correction's cap (``[run] importance_cap``; 0: none).
+    ``push_pause``: the pause mode a push passes to the manager's update
+    (``update_weights_from_tensor(..., pause=...)``; ``None``: the fence).
     """
 
     job: str
@@ -69,6 +72,8 @@ class TrainerContext:
     push_format: str = "safetensors"
     micro_batch: int = 64
     commit_timeout: float = 3600.0
+    importance_cap: float = 0.0
+    push_pause: str | None = None
 
 
 @runtime_checkable

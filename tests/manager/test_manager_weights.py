@@ -149,6 +149,46 @@ def test_disk_update_is_fenced_behind_in_flight_requests(
         assert rep.history[-2:] == [(S.READY, S.DRAINING), (S.DRAINING, S.READY)]
 
 
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_paused_push_keeps_the_request_in_flight_and_records_both_versions(
+    actor: Any, publisher: RegistryPublisher, mode: str
+) -> None:
+    """``update_weights_from_tensor(..., pause=mode)`` (async steps' push): no fence — the
+    replica stays READY, its generation in flight is paused, updated and continued, and its
+    answer spans the old and the new version."""
+    import torch
+
+    url = publisher.snapshot().models["policy"].engines[0].base_url
+    before = version_of(publisher, "policy")
+    history = [len(rep.history) for rep in actor.replicas()]
+    answer: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: answer.update(r=support.generate(url, tokens=1500)))
+    thread.start()
+    support.wait_for(
+        lambda: support.admission_inflight(actor, "policy/replica-0") == 1,
+        timeout=20,
+        what="a generation in flight",
+    )
+    payload = serialize_named_tensors(
+        [("lm_head.weight", torch.zeros(VOCAB, HIDDEN))], load_format="safetensors"
+    )
+    result = actor.update_weights_from_tensor(
+        [payload], load_format="safetensors", weight_version=f"paused-{mode}", pause=mode
+    )
+    thread.join(60)
+    status, body, _ = answer["r"]
+    assert result.ok and version_of(publisher, "policy") == f"paused-{mode}"
+    assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "length"
+    spans = body["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == [before, f"paused-{mode}"], spans
+    assert 0 < spans[1]["start"] < spans[1]["end"] == 1500
+    # Never fenced: no DRAINING in any replica's history.
+    for rep, n in zip(actor.replicas(), history, strict=True):
+        assert all(S.DRAINING not in step for step in rep.history[n:]), rep.history[n:]
+    with pytest.raises(ValueError, match="pause"):
+        actor.update_weights_from_tensor([payload], load_format="safetensors", pause="abort")
+
+
 def test_distributed_update_receives_a_broadcast_from_the_trainer(
     actor: Any, publisher: RegistryPublisher
 ) -> None:

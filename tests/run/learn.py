@@ -5,7 +5,9 @@
    ``digits`` rule reward, fixed seeds), prints the mean reward of every step, and fails unless
    the mean of the last five steps is clearly above the mean of the first five (by at least
    ``MARGIN``): committed batches reach the trainer and the trainer's weights reach rollout.
-2. **Distillation alone.** Makes a tiny teacher too (seed 2), runs
+2. **The same, asynchronous.** ``docs/examples/run-learn-async.toml``: the same job with
+   ``mode = "async"`` and ``max_staleness = 1``; the same margin.
+3. **Distillation alone.** Makes a tiny teacher too (seed 2), runs
    ``docs/examples/run-learn-distill.toml`` (30 steps; the reward weighted 0, the teacher's
    top-8 from relax-teacher's ``distill`` stage), prints the trainer's KL to the teacher each
    step, and fails unless the mean of the last five steps is at most ``KL_RATIO`` of the first
@@ -59,8 +61,9 @@ def _means(values: list[float]) -> tuple[float, float]:
     return sum(values[:5]) / 5, sum(values[-5:]) / 5
 
 
-def learns_the_reward() -> bool:
-    rewards, code = _run("run-learn.toml", [("policy", 0)], "reward_mean")
+def learns_the_reward(job: str = "run-learn.toml") -> bool:
+    print(f"learn: {job}")
+    rewards, code = _run(job, [("policy", 0)], "reward_mean")
     for i, r in enumerate(rewards):
         print(f"step {i:2d}  reward {r:.3f}  {'#' * round(40 * r)}")
     if code != 0 or len(rewards) < 10:
@@ -96,9 +99,10 @@ def learns_the_teacher() -> bool:
 def main() -> int:
     began = time.monotonic()
     reward = learns_the_reward()
+    asynchronous = learns_the_reward("run-learn-async.toml")
     teacher = learns_the_teacher()
     print(f"learn: {time.monotonic() - began:.0f}s in all")
-    return 0 if reward and teacher else 1
+    return 0 if reward and asynchronous and teacher else 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from tests.support import serve as support
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "run-cpu.toml"
+#: The same models in a split layout with asynchronous steps.
+ASYNC_EXAMPLE = ROOT / "docs" / "examples" / "run-async-cpu.toml"
 #: The example's models and their seeds (``tiny/<name>`` next to the job file).
 MODELS = {"policy": 0, "judge": 1, "math": 2}
 
@@ -61,10 +63,12 @@ def _toml(value: Any) -> str:
     return "[" + ", ".join(_toml(v) for v in value) + "]"
 
 
-def job_file(directory: Path, name: str = "job.toml", **run: Any) -> Path:
-    """The example job in ``directory`` (its models beside it), its ``[run]`` keys replaced or
-    added from ``run``."""
-    text = EXAMPLE.read_text()
+def job_file(
+    directory: Path, name: str = "job.toml", *, example: Path = EXAMPLE, **run: Any
+) -> Path:
+    """The example job (``example``: another example of the same models) in ``directory``
+    (its models beside it), its ``[run]`` keys replaced or added from ``run``."""
+    text = example.read_text()
     head, _, table = text.partition("\n[run]\n")
     keys: dict[str, str] = {}
     current = None

@@ -72,6 +72,9 @@ class Sequence:
     output_token_sampling_mask: list[list[int]] = attrs.field(factory=list)
     output_token_sampling_logprobs: list[Any] = attrs.field(factory=list)
     retracted: bool = False  # its KV was dropped; the next prefill feeds its output too
+    # (the weight version before an update, output tokens it had then), one per update that
+    # landed while it generated: SGLang's weight version events (meta_info.weight_versions)
+    weight_events: list[tuple[str, int]] = attrs.field(factory=list)
     # Prompt tokens it did not prefill itself: the prefix cache's match, or (samples 1…n-1 of
     # a group) the whole prompt, which sample 0 prefilled. Set once, at the first prefill.
     cached_tokens: int = 0

@@ -18,6 +18,7 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -449,6 +450,19 @@ class Engine:
             self.nodes.send_tensors(named)
         return self.runner.load_named_tensors(named, field)
 
+    def _versioned(self, load: Callable[[], int], version: str) -> int:
+        """Run ``load`` (on the compute thread, between two steps), then move the weight
+        version there too: every live sequence with output records the version its tokens so
+        far came from, so its answer carries both (``meta_info.weight_versions``)."""
+        nbytes = load()
+        old = self.weight_version
+        if version != old:
+            for seq in list(self._live.values()):
+                if seq.output_ids:
+                    seq.weight_events.append((old, len(seq.output_ids)))
+        self.weight_version = version
+        return nbytes
+
     def _load_disk(self, path: str) -> int:
         nbytes = self.runner.load_from_disk(path)  # a bad path fails here, followers untouched
         self._tell("load_disk", path=path)
@@ -465,9 +479,11 @@ class Engine:
             "prompt_tokens": len(s.prompt_ids),
             "completion_tokens": len(s.output_ids),
             "cached_tokens": s.cached_tokens,
-            "weight_version": self.weight_version,
             "e2e_latency": time.time() - s.created,
         }
+        spans = weight_spans(s.weight_events, self.weight_version, len(s.output_ids))
+        meta["weight_versions"] = spans
+        meta["weight_version"] = spans[-1]["version"]
         lp = s.logprob
         if lp.return_logprob:
             meta["input_token_logprobs"] = s.input_token_logprobs or []
@@ -692,8 +708,11 @@ class Engine:
                 decode_named_tensors, payloads[0], load_format, "serialized_named_tensors[0]"
             )
             decoded = time.perf_counter()
-            nbytes = await self.compute(self._load_named, named, "serialized_named_tensors[0]")
-            self.weight_version = self._next_version(weight_version)
+            nbytes = await self.compute(
+                self._versioned,
+                lambda: self._load_named(named, "serialized_named_tensors[0]"),
+                self._next_version(weight_version),
+            )
             end = time.perf_counter()
             return {
                 "bytes": nbytes,
@@ -711,8 +730,11 @@ class Engine:
         async with self._ops:
             self._prepare_update(abort_all_requests)
             start = time.perf_counter()
-            nbytes = await self.compute(self._load_disk, model_path)
-            self.weight_version = self._next_version(weight_version)
+            nbytes = await self.compute(
+                self._versioned,
+                lambda: self._load_disk(model_path),
+                self._next_version(weight_version),
+            )
             self.checkpoint_version = self.weight_version
             return {"bytes": nbytes, "seconds": time.perf_counter() - start}
 
@@ -767,10 +789,29 @@ class Engine:
                 named = self.group.receive(names, parsed, shapes, self.runner.device)
                 return self._load_named(named, "names")
 
-            nbytes = await self.compute(receive_and_load)
-            self.weight_version = self._next_version(body.get("weight_version"))
+            nbytes = await self.compute(
+                self._versioned, receive_and_load, self._next_version(body.get("weight_version"))
+            )
             return {"bytes": nbytes, "seconds": time.perf_counter() - start}
 
     async def destroy_group(self, group_name: str) -> None:
         """Leave the broadcast group."""
         await asyncio.to_thread(self.group.destroy, group_name)
+
+
+def weight_spans(events: list[tuple[str, int]], current: str, tokens: int) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions`` of a response of ``tokens`` tokens: one
+    ``{version, start, end}`` span per weight version its tokens came from, in order, from the
+    updates that landed while it generated (``events``: the version before each, and the
+    output tokens it had then) and the ``current`` version."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, tokens)]:
+        end = min(end, tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        start = spans[-1]["end"] if spans else 0
+        spans.append({"version": version, "start": start, "end": end})
+    return spans or [{"version": current, "start": 0, "end": 0}]

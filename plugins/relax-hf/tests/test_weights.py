@@ -240,3 +240,45 @@ def test_a_release_copies_weights_to_the_backup_only_when_they_changed(start_ser
     # An update makes the backup stale: the next release copies again, and the resume brings
     # back the updated weights, not the old backup.
     assert cycle() == (param_bytes, updated)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
+def test_a_push_during_generation_keeps_the_request_and_records_both_versions(
+    fresh: EngineServer, mode: str
+) -> None:
+    """pause_generation(mode), a weight push, continue_generation — SGLang's semantics: in
+    place and retracted requests finish, their tokens after the push from the new weights,
+    and ``meta_info.weight_versions`` gives both spans (a sample carries both versions); an
+    aborted one comes back with what it had generated, its abort reason and its one version."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from relax_core.testing import wait_for
+
+    params = {"max_new_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(fresh.http.generate, "Hello", sampling_params=params, return_logprob=True)
+        wait_for(
+            lambda: fresh.http.ok("/server_info")["num_running_reqs"] == 1,
+            timeout=30,
+            what="a running request",
+        )
+        fresh.http.ok("/pause_generation", {"mode": mode})
+        _trainer(fresh, "safetensors")  # lm_head = 0: every token from now on is id 0
+        fresh.http.ok("/continue_generation", {})
+        result = fut.result(timeout=60)
+    meta, ids = result["meta_info"], result["output_ids"]
+    spans = meta["weight_versions"]
+    if mode == "abort":
+        assert meta["finish_reason"]["type"] == "abort"
+        assert 0 < len(ids) < 1000
+        assert spans == [{"version": "ckpt", "start": 0, "end": len(ids)}]
+        return
+    assert meta["finish_reason"]["type"] == "length" and len(ids) == 1000
+    assert [s["version"] for s in spans] == ["ckpt", "st-1"], spans
+    boundary = spans[1]["start"]
+    assert spans == [
+        {"version": "ckpt", "start": 0, "end": boundary},
+        {"version": "st-1", "start": boundary, "end": 1000},
+    ]
+    assert 0 < boundary < 1000 and all(t == 0 for t in ids[boundary:])
+    assert meta["weight_version"] == "st-1"

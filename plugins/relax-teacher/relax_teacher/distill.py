@@ -223,6 +223,10 @@ class DistillationStage:
     :param timeout: deadline of one prefill request (``None``: the client's).
     """
 
+    #: each sample is prefilled on its own: the async driver may prefill each group as it
+    #: completes (never a student stage: it needs the generation role's lease)
+    streaming = True
+
     def __init__(
         self,
         role: str,

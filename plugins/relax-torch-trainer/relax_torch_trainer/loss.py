@@ -7,6 +7,12 @@
   (``Sample.rollout_logprobs``, what the engine sampled with) as the old policy:
   ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` with ``r = exp(logp - logp_rollout)``,
   averaged over every response token of the batch.
+- **Off-policy correction** (``importance_cap`` > 0: asynchronous steps train on samples up
+  to ``max_staleness`` versions old, some spanning a push): decoupled PPO / truncated
+  importance sampling. The trainer's own log-probs before its step are the proximal policy:
+  ``r = exp(logp - stop_grad(logp))`` is clipped as PPO's ratio, and each token's loss is
+  weighted by ``w = min(exp(stop_grad(logp) - logp_rollout), cap)``, the importance weight of
+  the trainer's policy over the one that sampled the token, truncated at ``cap``.
 - **Distillation** from the teacher's fields, weighted by ``distill_coef``:
 
   - *sampled* (``teacher_logprobs``): the reverse KL ``KL(policy || teacher)`` estimated on
@@ -68,6 +74,8 @@ class LossReport:
     ratio_mean: float
     clip_fraction: float
     tokens: int
+    importance_weight_mean: float | None = None
+    truncated_fraction: float | None = None
 
 
 def pad_batch(
@@ -117,6 +125,7 @@ def batch_loss(
     clip: float,
     distill_coef: float,
     teacher_mode: str | None,
+    importance_cap: float = 0.0,
 ) -> tuple[torch.Tensor, LossReport]:
     """The loss of one batch (see the module docstring) and its report.
 
@@ -148,8 +157,19 @@ def batch_loss(
         device=logp.device,
     )
     ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    policy_loss = -torch.minimum(ratio * adv, clipped * adv).mean()
+    weight_mean: float | None = None
+    truncated: float | None = None
+    if importance_cap > 0:
+        behaviour = torch.exp(logp.detach() - old)
+        weight = torch.clamp(behaviour, max=importance_cap)
+        proximal = torch.exp(logp - logp.detach())
+        clipped = torch.clamp(proximal, 1.0 - clip, 1.0 + clip)
+        policy_loss = -(weight * torch.minimum(proximal * adv, clipped * adv)).mean()
+        weight_mean = float(weight.mean())
+        truncated = float((behaviour > importance_cap).float().mean())
+    else:
+        clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+        policy_loss = -torch.minimum(ratio * adv, clipped * adv).mean()
     distill = torch.zeros((), device=logp.device)
     kl: float | None = None
     teacher_mean: float | None = None
@@ -187,5 +207,7 @@ def batch_loss(
         ratio_mean=float(ratio.detach().mean()),
         clip_fraction=float(((ratio - 1.0).abs() > clip).float().mean()),
         tokens=int(mask.sum()),
+        importance_weight_mean=weight_mean,
+        truncated_fraction=truncated,
     )
     return loss, report

@@ -104,6 +104,7 @@ class PolicyTrainer:
                 targets,
                 advantages=advantages[i : i + ctx.micro_batch],
                 clip=ctx.clip,
+                importance_cap=ctx.importance_cap,
                 distill_coef=ctx.distill_coef,
                 teacher_mode=teacher_mode(ctx.fields),
             )
@@ -152,7 +153,11 @@ class PolicyTrainer:
             payload = serialize_named_tensors(pairs, load_format=fmt)
             result = ray.get(
                 self.context.rollout.update_weights_from_tensor.remote(
-                    [payload], load_format=fmt, weight_version=weight_version
+                    [payload],
+                    load_format=fmt,
+                    weight_version=weight_version,
+                    # async steps: generation paused, not fenced (requests in flight kept)
+                    **({"pause": self.context.push_pause} if self.context.push_pause else {}),
                 )
             )
             del pairs  # kept alive until the engines copied them (IPC handles point at them)
@@ -217,6 +222,8 @@ def _combine(reports: Sequence[Any]) -> dict[str, Any]:
             "teacher_logprob_mean",
             "ratio_mean",
             "clip_fraction",
+            "importance_weight_mean",
+            "truncated_fraction",
         )
     }
     return dict(out)

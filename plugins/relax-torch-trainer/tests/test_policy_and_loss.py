@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from relax_torch_trainer.loss import batch_loss, group_advantages, pad_batch, teacher_mode
+from relax_torch_trainer.loss import (
+    LossReport,
+    batch_loss,
+    group_advantages,
+    pad_batch,
+    teacher_mode,
+)
 from relax_torch_trainer.policy import load_policy
 
 from relax_core import ConfigError, Sample
@@ -126,15 +132,59 @@ def test_distillation_terms_measure_the_gap_to_the_teacher(tiny: Path) -> None:
 
     # A teacher equal to the policy: no gap in either mode.
     same = loss_of(teacher_logprobs=tuple(own.tolist()))
-    assert same.teacher_kl == pytest.approx(0.0, abs=1e-6)  # type: ignore[attr-defined]
+    assert same.teacher_kl == pytest.approx(0.0, abs=1e-6)
     topk = loss_of(
         teacher_topk_ids=tuple(map(tuple, top.indices.tolist())),
         teacher_topk_logprobs=tuple(map(tuple, top.values.tolist())),
     )
-    assert topk.teacher_kl == pytest.approx(0.0, abs=1e-6)  # type: ignore[attr-defined]
+    assert topk.teacher_kl == pytest.approx(0.0, abs=1e-6)
     # A teacher surer of these tokens: the policy is behind it by the log-prob gap.
     surer = loss_of(teacher_logprobs=tuple(v / 10 for v in own.tolist()))
     gap = float((own - own / 10).mean())
-    assert surer.teacher_kl == pytest.approx(gap, rel=1e-5) and gap < 0  # type: ignore[attr-defined]
+    assert surer.teacher_kl == pytest.approx(gap, rel=1e-5) and gap < 0
     with pytest.raises(ValueError, match="no teacher log-prob for each of its 3 tokens"):
         loss_of(teacher_logprobs=(-1.0,))
+
+
+def test_the_off_policy_correction_weights_each_token_by_its_truncated_importance(
+    tiny: Path,
+) -> None:
+    """Samples from older weights (their rollout log-probs lower than the trainer's by a known
+    amount): each token's gradient is weighted by min(π_trainer / π_rollout, cap), the
+    weights above the cap truncated; on-policy tokens get weight 1, as without the
+    correction."""
+    policy = load_policy(str(tiny))
+    good, bad = [11, 12, 13], [21, 22, 23]
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, *good], [1, 2, 3, *bad]])
+        lp = torch.log_softmax(policy(ids)[:, 2:-1], -1).gather(-1, ids[:, 3:, None])[..., 0]
+
+    def run(shift: list[float], cap: float) -> tuple[list[torch.Tensor], LossReport]:
+        samples = [
+            Sample(
+                "g", "p", [1, 2, 3], good, fields={"reward": 1.0},
+                rollout_logprobs=[x - d for x, d in zip(lp[0].tolist(), shift, strict=True)],
+            ),
+            Sample(
+                "b", "p", [1, 2, 3], bad, rollout_logprobs=lp[1].tolist(), fields={"reward": 0.0}
+            ),
+        ]  # fmt: skip
+        policy.zero_grad()
+        batch, mask, targets = pad_batch(samples, "cpu")
+        loss, report = batch_loss(
+            policy(batch), samples, mask, targets, advantages=group_advantages(samples),
+            clip=0.2, distill_coef=0.0, teacher_mode=None, importance_cap=cap,
+        )  # fmt: skip
+        loss.backward()
+        return [p.grad.clone() for p in policy.parameters() if p.grad is not None], report
+
+    on_policy, plain = run([0.0, 0.0, 0.0], 0.0)
+    corrected, report = run([0.0, 0.0, 0.0], 2.0)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(on_policy, corrected, strict=True))
+    assert report.importance_weight_mean == pytest.approx(1.0, abs=1e-5)
+    assert plain.importance_weight_mean is None
+    # Stale tokens: π_trainer / π_rollout = e^0.5 ≈ 1.65 (kept), e^2 ≈ 7.4 (truncated to 2).
+    _, stale = run([0.5, 2.0, 0.0], 2.0)
+    weights = [1.0, 1.0, 1.0, min(2.0, 2.718281828**0.5), 2.0, 1.0]
+    assert stale.importance_weight_mean == pytest.approx(sum(weights) / 6, rel=1e-4)
+    assert stale.truncated_fraction == pytest.approx(1 / 6)

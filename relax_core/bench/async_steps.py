@@ -1,0 +1,152 @@
+"""``relax bench async``: synchronous vs asynchronous steps of one job, in one run.
+
+The job: ``steps`` steps of a split layout (the policy, a judge and the trainer each on GPUs of
+their own) on simulated engines of fixed per-phase times (:mod:`relax_core.bench._steps_sim`):
+generating a batch takes ``generate_s``, scoring it ``score_s``, training on it ``train_s``
+(equal by default), a push ``push_s``. Everything between them is the real machinery: the
+coordinator's commit gate, the deferred batch (staging, validation, write-back, the sink put,
+the commit), the trainer waiting on the gate.
+
+- **sync**: the sync step's order (``relax run``'s default): begin the batch, push the last
+  weights, generate, score, commit, train — the phases one after the other (≈ 3 units a step).
+- **async**: the :class:`~relax_core.run.pipeline.AsyncDriver` with ``max_staleness = 1`` and
+  streaming scoring: the judge scores each group as it completes, and step ``N+1`` is generated
+  and scored while step ``N`` trains (≈ 1 unit a step once the pipeline is full: ideal 3x).
+
+``async_vs_sync`` is the ratio of steps per second (the target is >= 1.8), and
+``max_staleness_seen`` the largest staleness of any sample trained on (must be <= 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from relax_core.bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
+from relax_core.coordination import DeferredBatch, DeferredCollector, MemoryBatchSink, Timeline
+from relax_core.coordination.stages import RoleClients
+from relax_core.run.pipeline import AsyncDriver, AsyncSettings, StepOutcome
+
+TARGET = 1.8
+MAX_STALENESS = 1
+
+
+def _registry() -> Any:
+    from prometheus_client import CollectorRegistry
+
+    return CollectorRegistry()
+
+
+async def _sync(times: Times, steps: int) -> dict[str, Any]:
+    coord = coordinator()
+    sink = MemoryBatchSink()
+    rollout = SimRollout(times)
+    judge = SimJudge(times)
+    trainer = SimTrainer(times, coord, sink, rollout)
+    timeline = Timeline(registry=_registry())
+    began = time.perf_counter()
+    for n in range(steps):
+        train = asyncio.ensure_future(trainer.train(n))
+        await coord.begin_batch(n)
+        if n > 0:
+            await trainer.push(str(n))
+        collector = DeferredCollector(n)
+        producer = rollout.producer()
+        await producer.first(n, collector)
+        batch = DeferredBatch(
+            n, collector.samples, coordinator=coord, rollout=handle(), stages=[judge], sink=sink,
+            timeline=timeline, producer=producer, target_groups=times.groups,
+        )  # fmt: skip
+        await batch.run()
+        await train
+    seconds = time.perf_counter() - began
+    return {"seconds": seconds, "steps_per_s": steps / seconds, "trained": len(trainer.trained)}
+
+
+async def _async(times: Times, steps: int, max_staleness: int) -> dict[str, Any]:
+    coord = coordinator()
+    sink = MemoryBatchSink()
+    rollout = SimRollout(times)
+    trainer = SimTrainer(times, coord, sink, rollout)
+    outcomes: list[StepOutcome] = []
+    driver = AsyncDriver(
+        AsyncSettings(steps=steps, prompts_per_step=times.groups, max_staleness=max_staleness),
+        coordinator=coord,
+        rollout=handle(),
+        stages=[SimJudge(times)],
+        sink=sink,
+        clients=RoleClients({}),
+        producer=rollout.producer,
+        trainer=trainer,
+        generation_role="policy",
+        initial_version="0",
+        timeline=Timeline(registry=_registry()),
+        on_step=outcomes.append,
+    )
+    began = time.perf_counter()
+    await driver.run()
+    seconds = time.perf_counter() - began
+    histogram: dict[str, int] = {}
+    idle: dict[str, list[float]] = {}
+    for o in outcomes:
+        for k, v in o.metrics["staleness"].items():
+            histogram[k] = histogram.get(k, 0) + v
+        for role, ratio in o.metrics["idle"].items():
+            idle.setdefault(role, []).append(ratio)
+    steady = outcomes[2:] or outcomes  # the pipeline's fill is in the first steps
+    return {
+        "seconds": seconds,
+        "steps_per_s": steps / seconds,
+        "trained": len(trainer.trained),
+        "staleness": dict(sorted(histogram.items())),
+        "max_staleness_seen": max((o.metrics["max_staleness_seen"] for o in outcomes), default=0),
+        "partial_samples": sum(o.metrics["partial_samples"] for o in outcomes),
+        "stale_dropped_groups": sum(o.metrics["stale"]["dropped_groups"] for o in outcomes),
+        "idle_ratio_steady": {
+            role: round(sum(o.metrics["idle"][role] for o in steady) / len(steady), 3)
+            for role in idle
+        },
+    }
+
+
+def run(*, quick: bool = False) -> dict[str, Any]:
+    """Both modes on the same job; the ratio and the verdict."""
+    times = Times(generate_s=0.1, score_s=0.1, train_s=0.1) if quick else Times()
+    steps = 8 if quick else 16
+    sync = asyncio.run(_sync(times, steps))
+    pipelined = asyncio.run(_async(times, steps, MAX_STALENESS))
+    ratio = pipelined["steps_per_s"] / sync["steps_per_s"]
+    return {
+        "steps": steps,
+        "phase_seconds": {
+            "generate": times.generate_s,
+            "score": times.score_s,
+            "train": times.train_s,
+            "push": times.push_s,
+        },
+        "groups": times.groups,
+        "max_staleness": MAX_STALENESS,
+        "sync": {k: round(v, 4) if isinstance(v, float) else v for k, v in sync.items()},
+        "async": {k: round(v, 4) if isinstance(v, float) else v for k, v in pipelined.items()},
+        "async_vs_sync": round(ratio, 3),
+        "max_staleness_seen": pipelined["max_staleness_seen"],
+        "target": TARGET,
+        "within_target": ratio >= TARGET and pipelined["max_staleness_seen"] <= MAX_STALENESS,
+    }
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """A short human-readable report."""
+    p = result["phase_seconds"]
+    verdict = "meets" if result["within_target"] else "MISSES"
+    return (
+        f"{result['steps']} steps, generate {p['generate']:g}s, score {p['score']:g}s, train "
+        f"{p['train']:g}s per step (simulated engines, real commit gate):\n"
+        f"  sync  {result['sync']['steps_per_s']:.2f} steps/s\n"
+        f"  async {result['async']['steps_per_s']:.2f} steps/s (max_staleness "
+        f"{result['max_staleness']}, seen {result['max_staleness_seen']}; idle "
+        f"{result['async']['idle_ratio_steady']})\n"
+        f"  async_vs_sync {result['async_vs_sync']:.2f}x ({verdict} the {result['target']:g}x "
+        "target)"
+    )

@@ -1,0 +1,653 @@
+"""The asynchronous step driver of ``relax run`` (``[run] mode = "async"``): bounded staleness.
+
+Three lanes run at once, each in step order:
+
+- **generation**: step ``M`` is generated as soon as rollout serves weights at most
+  ``max_staleness`` (``k``) versions older than those the trainer will train batch ``M`` with
+  (the trainer's version at batch ``M`` is ``M``: it took ``M`` optimizer steps; the weights
+  rollout started with are version 0, those pushed after batch ``N`` trained version ``N+1``).
+  Each group goes through the **staleness gate** as it completes: a group whose oldest weight
+  version is more than ``k`` versions behind ``M`` (or a version the trainer never pushed) is
+  never trained on — it is dropped with its reason and, with ``stale_action =
+  "regenerate"``, another group generated in its place (at most ``prompts_per_step`` per
+  step). A group that passes is staged and, with streaming scoring, scored at once
+  (:mod:`relax_core.run.streaming`). Generation then goes on with step ``M+1``.
+- **commit**: for step ``N``, once its generation is done and its streamed scoring finished,
+  ``begin_batch(N)`` and the :class:`~relax_core.coordination.DeferredBatch` as in a sync step
+  (the remaining stages, validation, write-back, the sink put, the commit): the commit gate is
+  unchanged. Generation of ``N+1 … N+k`` runs meanwhile.
+- **training**: ``train(N)`` once ``N`` is committed (the trainer still waits on the gate
+  itself), then ``push`` of version ``N+1`` to rollout — generation of ``N+1+k`` waits for it.
+
+A failure ends the run in step order: the lane that failed at step ``N`` stops; the commit lane
+fails batch ``N`` at the coordinator (a failed generation or streamed stage: nothing of it was
+committed), batches before ``N`` that committed are still trained, and the lanes ahead (the
+generation of later steps) are cancelled — their samples were never begun at the coordinator.
+Ctrl-C cancels every lane the same way (the batch in flight fails as ``interrupted``).
+
+Per step the driver reports (:class:`StepOutcome` ``.metrics``): the staleness histogram of the
+samples trained on, the groups dropped and regenerated for staleness, the partial samples
+(responses that span a weight push) and their largest version span, and each role's idle
+ratio over the step's window (the time since the previous step was trained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from relax_core.coordination.batch import (
+    BatchResult,
+    DeferredBatch,
+    DeferredCollector,
+    Dropped,
+    describe_failure,
+    interrupted,
+)
+from relax_core.coordination.coordinator import Coordinator
+from relax_core.coordination.handles import ManagerHandle
+from relax_core.coordination.sample import Sample
+from relax_core.coordination.sink import BatchSink
+from relax_core.coordination.stages import RoleClients, Stage, stage_fields
+from relax_core.coordination.timeline import Timeline
+from relax_core.run.streaming import StreamScorer, streaming_prefix
+
+__all__ = [
+    "STALENESS_STAGE",
+    "AsyncDriver",
+    "AsyncSettings",
+    "PipelineFailure",
+    "StepOutcome",
+    "TrainerPort",
+    "VersionClock",
+]
+
+#: The ``stage`` a staleness drop is reported under (``dropped.reasons`` of a step).
+STALENESS_STAGE = "staleness"
+
+
+class TrainerPort(Protocol):
+    """The trainer as the driver calls it: ``train(N)`` waits for batch ``N``'s commit and
+    trains on it; ``push(version)`` sends the current weights to rollout and returns what the
+    manager published (``weight_version``)."""
+
+    async def train(self, batch_id: int) -> dict[str, Any]: ...
+
+    async def push(self, version: str) -> dict[str, Any]: ...
+
+
+class StepProducerLike(Protocol):
+    """What generates a step (:class:`~relax_core.run.generate.StepProducer`): its first groups
+    into a collector, and more on request (the batch's producer)."""
+
+    async def first(
+        self,
+        batch_id: int,
+        collector: DeferredCollector,
+        *,
+        on_group: Callable[[int], None] | None = None,
+    ) -> None: ...
+
+    async def generate(
+        self,
+        batch_id: int,
+        *,
+        groups: int | None = None,
+        prompts: Sequence[Any] | None = None,
+        samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[Sample]]: ...
+
+
+@attrs.frozen
+class AsyncSettings:
+    """The ``[run]`` keys the driver reads (see :class:`~relax_core.run.config.RunConfig`)."""
+
+    steps: int
+    prompts_per_step: int
+    max_staleness: int = 1
+    stale_action: str = "regenerate"
+    stream_scoring: bool = True
+    stream_concurrency: int = 8
+    release_timeout: float = 180.0
+
+
+class VersionClock:
+    """Weight versions as step indexes: the version rollout started with is 0, the one pushed
+    after batch ``N`` trained is ``N+1``; generation waits here for the version it needs."""
+
+    def __init__(self, initial: str | None) -> None:
+        self._index: dict[str | None, int] = {initial: 0}
+        self.current = 0
+        self._changed = asyncio.Event()
+
+    def index(self, version: str | None) -> int | None:
+        """The step index of ``version`` (``None``: not a version the trainer pushed)."""
+        return self._index.get(version)
+
+    def expect(self, version: str, index: int) -> None:
+        """``version`` is being pushed as the weights of step ``index`` (an engine that updates
+        in place may answer with it before the push returns)."""
+        self._index.setdefault(version, index)
+
+    def pushed(self, version: str | None, index: int) -> None:
+        """Rollout now serves ``version``, the weights of step ``index``."""
+        self._index[version] = index
+        self.current = max(self.current, index)
+        self._changed.set()
+
+    async def wait_for(self, index: int) -> None:
+        """Until rollout serves the weights of step ``index`` or newer."""
+        while self.current < index:
+            self._changed.clear()
+            await self._changed.wait()
+
+
+@attrs.define
+class StepOutcome:
+    """A committed and trained step: its batch and result, what the trainer returned, the push
+    before it (``None`` for step 0), when its generation began (``perf_counter``), its
+    ``seconds`` (since the previous step was trained: the pipeline's period) and its
+    ``metrics`` (staleness, drops, partial samples, idle ratios)."""
+
+    step: int
+    batch: DeferredBatch
+    result: BatchResult
+    trained: dict[str, Any]
+    pushed_before: dict[str, Any] | None
+    began: float
+    seconds: float
+    metrics: dict[str, Any]
+
+
+class PipelineFailure(Exception):
+    """Step ``step`` failed or was interrupted (``error``); nothing of it was committed.
+    ``samples``: every sample it generated (kept and dropped); ``batch``: its
+    :class:`~relax_core.coordination.DeferredBatch` once it began; ``trainer``: what the
+    trainer did about it (``"not asked"``: the driver asks only after a commit)."""
+
+    def __init__(
+        self,
+        step: int,
+        error: BaseException,
+        samples: Sequence[Sample],
+        batch: DeferredBatch | None = None,
+        trainer: str = "not asked: async mode asks the trainer after a commit",
+    ) -> None:
+        super().__init__(f"step {step}: {describe_failure(error)}")
+        self.step = step
+        self.error = error
+        self.samples = list(samples)
+        self.batch = batch
+        self.trainer = trainer
+        #: the samples of later steps, generated ahead and never begun at the coordinator
+        self.ahead: list[Sample] = []
+
+
+@attrs.define
+class _Generated:
+    step: int
+    producer: StepProducerLike
+    collector: DeferredCollector
+    scorer: StreamScorer
+    began: float
+    regenerated: int = 0
+
+
+class _Gate(DeferredCollector):
+    """Step ``step``'s collector behind the staleness gate: a group that passes is captured and
+    streamed to the scorer; one that does not is dropped (and counted for regeneration)."""
+
+    def __init__(self, step: int, driver: AsyncDriver, scorer: StreamScorer) -> None:
+        super().__init__(step)
+        self.driver = driver
+        self.scorer = scorer
+        self.wanted = 0
+
+    def add(self, group: Sequence[Sample]) -> None:
+        reason = self.driver.stale_reason(self.batch_id, group)
+        if reason is None:
+            super().add(group)
+            self.scorer.add(group)
+            return
+        gid = group[0].group_id if group else "?"
+        self.scorer.drop(group, Dropped(gid, tuple(s.id for s in group), STALENESS_STAGE, reason))
+        self.wanted += 1
+
+    @property
+    def all_samples(self) -> list[Sample]:
+        """Every sample generated: captured and dropped."""
+        return [*self.samples, *self.scorer.dropped_samples]
+
+
+class AsyncDriver:
+    """Runs ``settings.steps`` steps with bounded staleness (see the module docstring).
+
+    :param coordinator: the job's coordinator (the commit gate).
+    :param rollout: the generation role's manager handle (free: never offloaded by a batch).
+    :param stages: the step's stages, in order.
+    :param sink: the batch sink.
+    :param clients: each role's discovery source (stages call engines through it).
+    :param producer: a new step producer (one per step: the steps' group indexes are their own).
+    :param trainer: the :class:`TrainerPort`.
+    :param generation_role: the role that generates.
+    :param deferred_roles: the roles a defer layout leases (their stages never stream).
+    :param initial_version: the weight version rollout serves at the start (version 0).
+    :param timeline: where every phase goes (lanes ``generate``, each stage's, ``trainer``,
+        ``push``).
+    :param finalizer: the batch finalizer (``--dump-samples``).
+    :param on_step: called with each :class:`StepOutcome` as soon as the step trained.
+    :param on_progress: ``on_progress(step, groups_done)`` as groups complete.
+    """
+
+    def __init__(
+        self,
+        settings: AsyncSettings,
+        *,
+        coordinator: Coordinator,
+        rollout: ManagerHandle,
+        stages: Sequence[Stage],
+        sink: BatchSink,
+        clients: RoleClients,
+        producer: Callable[[], StepProducerLike],
+        trainer: TrainerPort,
+        generation_role: str,
+        deferred_roles: Sequence[str] = (),
+        initial_version: str | None = None,
+        timeline: Timeline | None = None,
+        finalizer: Callable[[int, Sequence[Sample]], Any] | None = None,
+        on_step: Callable[[StepOutcome], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.coordinator = coordinator
+        self.rollout = rollout
+        self.stages = tuple(stages)
+        self.sink = sink
+        self.clients = clients
+        self.producer = producer
+        self.trainer = trainer
+        self.generation_role = generation_role
+        self.timeline = timeline or Timeline()
+        self.finalizer = finalizer
+        self.on_step = on_step
+        self.on_progress = on_progress
+        self.clock = VersionClock(initial_version)
+        self.fields = stage_fields(self.stages)
+        self.prefix = (
+            streaming_prefix(
+                self.stages, deferred=set(deferred_roles), generation_role=generation_role
+            )
+            if settings.stream_scoring
+            else 0
+        )
+        self._generated: dict[int, asyncio.Future[_Generated]] = {}
+        self._committed: asyncio.Queue[tuple[_Generated, DeferredBatch, BatchResult] | None] = (
+            asyncio.Queue()
+        )
+        #: the step the commit lane works on (an interruption reports it)
+        self.committing = 0
+        self._began = time.perf_counter()
+        self._last_end = self._began
+        self._last_end_us = time.time_ns() // 1000
+        #: lane -> when its phase in flight began (wall µs): generation, not recorded yet
+        self._open: dict[str, int] = {}
+
+    # -- the staleness gate ----------------------------------------------------------------
+
+    def stale_reason(self, step: int, group: Sequence[Sample]) -> str | None:
+        """Why ``group`` of step ``step`` must not be trained on, or ``None``."""
+        k = self.settings.max_staleness
+        oldest: int | None = None
+        for s in group:
+            for _, version in s.versions:
+                index = self.clock.index(version)
+                if index is None:
+                    return (
+                        f"weight version {version!r} is not one rollout was given (known: "
+                        f"{sorted(map(str, self.clock._index))})"
+                    )
+                oldest = index if oldest is None else min(oldest, index)
+        if oldest is None:
+            return None
+        staleness = step - oldest
+        if staleness > k:
+            return (
+                f"stale: generated with the weights of step {oldest}, trained at step {step} "
+                f"(staleness {staleness} > max_staleness {k})"
+            )
+        return None
+
+    # -- the lanes -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Every step, or the first failure.
+
+        :raises PipelineFailure: a step failed or was interrupted (after every step before it
+            that committed was trained).
+        """
+        steps = self.settings.steps
+        loop = asyncio.get_running_loop()
+        self._generated = {n: loop.create_future() for n in range(steps)}
+        self._began = time.perf_counter()
+        self._last_end = self._began
+        self._last_end_us = time.time_ns() // 1000
+        gen = asyncio.ensure_future(self._generation_lane())
+        commit = asyncio.ensure_future(self._commit_lane())
+        train = asyncio.ensure_future(self._training_lane())
+        lanes = (gen, commit, train)
+        try:
+            await asyncio.wait((commit, train), return_when=asyncio.FIRST_EXCEPTION)
+            if train.done() and train.exception() is not None:
+                commit.cancel()
+            await asyncio.gather(commit, train, return_exceptions=True)
+        except asyncio.CancelledError:
+            for lane in lanes:
+                lane.cancel()
+            results = await asyncio.gather(*lanes, return_exceptions=True)
+            failure = next((r for r in results if isinstance(r, PipelineFailure)), None)
+            if failure is not None:
+                failure.ahead = await self._ahead(failure)
+                raise failure from None
+            raise
+        finally:
+            gen.cancel()
+            await asyncio.gather(gen, return_exceptions=True)
+        # The training lane's failure first: the commit lane was cancelled because of it.
+        for lane in (train, commit):
+            error = None if lane.cancelled() else lane.exception()
+            if error is not None and not isinstance(error, PipelineFailure):
+                error = PipelineFailure(self.committing, error, [])
+            if error is not None:
+                error.ahead = await self._ahead(error)
+                raise error
+
+    async def _ahead(self, failure: PipelineFailure) -> list[Sample]:
+        """The samples of the failed step and those after it that were generated (or were
+        being generated) and are not in ``failure.samples``: never committed; their scoring
+        is stopped."""
+        known = {s.id for s in failure.samples}
+        out: list[Sample] = []
+        for n, fut in self._generated.items():
+            if not fut.done() or fut.cancelled():
+                fut.cancel()
+                continue
+            if n < failure.step:
+                continue
+            error = fut.exception()
+            if isinstance(error, _GenerationFailed):
+                out += error.samples
+            elif error is None:
+                generated = fut.result()
+                await generated.scorer.cancel()
+                gate = generated.collector
+                assert isinstance(gate, _Gate)
+                out += gate.all_samples
+        return [s for s in out if s.id not in known]
+
+    async def _generation_lane(self) -> None:
+        k = self.settings.max_staleness
+        for m in range(self.settings.steps):
+            await self.clock.wait_for(m - k)
+            fut = self._generated[m]
+            try:
+                generated = await self._generate(m)
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+            except BaseException as exc:
+                if not fut.done():
+                    fut.set_exception(exc)
+                return
+            if not fut.done():
+                fut.set_result(generated)
+
+    async def _generate(self, m: int) -> _Generated:
+        s, tl = self.settings, self.timeline
+        producer = self.producer()
+        scorer = StreamScorer(
+            m,
+            self.stages,
+            self.prefix,
+            fields=self.fields,
+            clients=self.clients,
+            concurrency=s.stream_concurrency,
+            timeline=tl,
+        )
+        gate = _Gate(m, self, scorer)
+        began = time.perf_counter()
+        regenerated = 0
+
+        def progress(done: int) -> None:
+            if self.on_progress is not None:
+                self.on_progress(m, done)
+
+        self._open["generate"] = time.time_ns() // 1000
+        try:
+            with tl.phase(m, "generate", lane="generate"):
+                await producer.first(m, gate, on_group=progress)
+                while gate.wanted and s.stale_action == "regenerate":
+                    count = min(gate.wanted, s.prompts_per_step - regenerated)
+                    gate.wanted = 0
+                    if count <= 0:
+                        break
+                    regenerated += count
+                    await _regenerate(producer, m, count, gate)
+        except BaseException as exc:
+            await scorer.cancel()
+            raise _GenerationFailed(exc, gate.all_samples) from exc
+        finally:
+            self._open.pop("generate", None)
+        return _Generated(m, producer, gate, scorer, began, regenerated)
+
+    async def _commit_lane(self) -> None:
+        try:
+            for n in range(self.settings.steps):
+                self.committing = n
+                generated, batch, result = await self._commit(n)
+                await self._committed.put((generated, batch, result))
+        finally:
+            self._committed.put_nowait(None)
+
+    async def _commit(self, n: int) -> tuple[_Generated, DeferredBatch, BatchResult]:
+        s = self.settings
+        try:
+            # shielded: cancelling this lane must not cancel the generation's result (a
+            # failure report lists the samples of the steps generated ahead)
+            generated = await asyncio.shield(self._generated[n])
+        except _GenerationFailed as exc:
+            await self._fail(n, exc.error)
+            raise PipelineFailure(n, exc.error, exc.samples) from exc.error
+        except asyncio.CancelledError as exc:
+            raise PipelineFailure(n, exc, []) from exc
+        gate = generated.collector
+        assert isinstance(gate, _Gate)
+        try:
+            streamed = await generated.scorer.finish()
+            await self.coordinator.begin_batch(n)
+        except BaseException as exc:
+            await self._fail(n, exc)
+            raise PipelineFailure(n, exc, gate.all_samples) from exc
+        batch = DeferredBatch(
+            n,
+            gate.samples,
+            coordinator=self.coordinator,
+            rollout=self.rollout,
+            stages=self.stages,
+            sink=self.sink,
+            clients=self.clients,
+            finalizer=self.finalizer,
+            timeline=self.timeline,
+            release_timeout=s.release_timeout,
+            producer=generated.producer,
+            target_groups=s.prompts_per_step,
+            streamed=streamed,
+        )
+        try:
+            result = await batch.run()
+        except BaseException as exc:
+            raise PipelineFailure(n, exc, batch.generated_samples(), batch) from exc
+        return generated, batch, result
+
+    async def _fail(self, n: int, exc: BaseException) -> None:
+        try:
+            await self.coordinator.fail_batch(n, describe_failure(exc))
+        except Exception as err:
+            exc.add_note(f"failing batch {n} at the coordinator failed: {err}")
+
+    async def _training_lane(self) -> None:
+        tl = self.timeline
+        pushed_before: dict[str, Any] | None = None
+        while True:
+            item = await self._committed.get()
+            if item is None:
+                return
+            generated, batch, result = item
+            n = generated.step
+            try:
+                with tl.phase(n, "train", lane="trainer"):
+                    trained = await self.trainer.train(n)
+            except BaseException as exc:
+                raise PipelineFailure(
+                    n, exc, batch.generated_samples(), batch, trainer=describe_failure(exc)
+                ) from exc
+            end, end_us = time.perf_counter(), time.time_ns() // 1000
+            outcome = StepOutcome(
+                step=n,
+                batch=batch,
+                result=result,
+                trained=trained,
+                pushed_before=pushed_before,
+                began=generated.began,
+                seconds=end - self._last_end,
+                metrics=self._metrics(generated, batch, end_us),
+            )
+            self._last_end, self._last_end_us = end, end_us
+            tl.counter("staleness", outcome.metrics["staleness"])
+            tl.counter("stale groups", outcome.metrics["stale"])
+            if self.on_step is not None:
+                self.on_step(outcome)
+            if n + 1 < self.settings.steps:
+                self.clock.expect(str(n + 1), n + 1)
+                try:
+                    with tl.phase(n + 1, "weight_push", lane="push"):
+                        pushed_before = await self.trainer.push(str(n + 1))
+                except BaseException as exc:
+                    if interrupted(exc):
+                        raise
+                    raise PipelineFailure(
+                        n + 1, exc, [], trainer=f"its push failed: {describe_failure(exc)}"
+                    ) from exc
+                self.clock.pushed(_version(pushed_before, str(n + 1)), n + 1)
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def _metrics(self, generated: _Generated, batch: DeferredBatch, end_us: int) -> dict[str, Any]:
+        n = generated.step
+        histogram: collections.Counter[str] = collections.Counter()
+        partial = 0
+        span = 0
+        for s in batch.originals:
+            indexes = [self.clock.index(v) for _, v in s.versions]
+            known = [i for i in indexes if i is not None]
+            if known:
+                histogram[str(n - min(known))] += 1
+                span = max(span, max(known) - min(known))
+            if len(s.versions) > 1:
+                partial += 1
+        stale = [d for d in batch.dropped if d.stage == STALENESS_STAGE]
+        seen = max((int(k) for k in histogram), default=0)
+        return {
+            "max_staleness": self.settings.max_staleness,
+            "staleness": dict(sorted(histogram.items())),
+            "max_staleness_seen": seen,
+            "stale": {
+                "dropped_groups": len(stale),
+                "dropped_samples": sum(len(d.samples) for d in stale),
+                "regenerated_groups": generated.regenerated,
+            },
+            "partial_samples": partial,
+            "max_version_span": span,
+            "streamed_stages": [s.name for s in self.stages[: self.prefix]],
+            "idle": idle_ratios(
+                self.timeline, self._lanes(), self._last_end_us, end_us, open=self._open
+            ),
+        }
+
+    def _lanes(self) -> dict[str, tuple[str, ...]]:
+        """Role -> the timeline lanes that are its work."""
+        lanes: dict[str, list[str]] = {self.generation_role: ["generate"], "trainer": ["trainer"]}
+        for stage in self.stages:
+            lanes.setdefault(stage.role or stage.name, []).append(stage.name)
+        return {role: tuple(names) for role, names in lanes.items()}
+
+
+async def _regenerate(producer: StepProducerLike, m: int, count: int, gate: _Gate) -> None:
+    """``count`` groups in place of stale ones, one request each, every group through the
+    gate as it completes (a failure keeps the groups done before it: they are reported)."""
+
+    async def one() -> None:
+        for group in await producer.generate(m, groups=1):
+            gate.add(group)
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(count)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _GenerationFailed(Exception):
+    def __init__(self, error: BaseException, samples: list[Sample]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.samples = samples
+
+
+def _version(pushed: Mapping[str, Any] | None, asked: str) -> str:
+    if isinstance(pushed, Mapping) and pushed.get("weight_version") is not None:
+        return str(pushed["weight_version"])
+    return asked
+
+
+def idle_ratios(
+    timeline: Timeline,
+    lanes: Mapping[str, Sequence[str]],
+    start_us: int,
+    end_us: int,
+    *,
+    open: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Each role's idle share of ``[start_us, end_us]``: one minus the union of its lanes'
+    phases within the window over the window's length; ``open``: lane -> the start of its
+    phase still in flight (busy until ``end_us``)."""
+    doc = timeline.trace()
+    tids = {
+        e["args"]["name"]: e["tid"] for e in doc["traceEvents"] if e.get("name") == "thread_name"
+    }
+    window = max(1, end_us - start_us)
+    out: dict[str, float] = {}
+    for role, names in lanes.items():
+        wanted = {tids[name] for name in names if name in tids}
+        spans = sorted(
+            (max(start_us, e["ts"]), min(end_us, e["ts"] + e["dur"]))
+            for e in doc["traceEvents"]
+            if e.get("ph") == "X" and e.get("tid") in wanted
+        )
+        spans += [(max(start_us, at), end_us) for lane, at in (open or {}).items() if lane in names]
+        spans.sort()
+        busy, reach = 0, start_us
+        for a, b in spans:
+            a = max(a, reach)
+            if b > a:
+                busy += b - a
+                reach = b
+        out[role] = round(max(0.0, 1.0 - busy / window), 4)
+    return out

@@ -1,0 +1,153 @@
+"""Streaming scoring: each group scored as soon as its generation completes, not after the batch.
+
+:class:`StreamScorer` takes a batch's groups one by one (as the generator completes them) and
+runs the step's *leading streaming stages* on each group's staged copies, at most
+``concurrency`` groups at a time; the groups beyond wait in its queue, which holds at most the
+batch's own groups (generation of a batch is finite, so the queue is bounded by the batch). A
+stage streams when it says so (``streaming = True``: it scores each sample on its own, as the
+reward stage and the teacher's prefill do) and its role takes no lease (no role, or a role
+that is not deferred: a split or decoupled layout); the first stage that does not stream ends
+the prefix, and it and every stage after it run on the whole batch as always.
+
+:meth:`StreamScorer.finish` waits for every group and hands the batch a
+:class:`~relax_core.coordination.batch.Streamed`: the staged copies in the order the groups
+came, the stages that ran and their reports (counts summed over the groups, details merged).
+The batch then runs the remaining stages, validates every field, writes back and commits:
+nothing a streamed stage wrote reaches the original samples before every stage passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from relax_core.coordination.batch import Dropped, Streamed
+from relax_core.coordination.sample import Sample
+from relax_core.coordination.stages import RoleClients, Stage, StageContext, StageReport
+from relax_core.coordination.timeline import Timeline
+
+__all__ = ["StreamScorer", "merge_reports", "streaming_prefix"]
+
+
+def streaming_prefix(
+    stages: Sequence[Stage], *, deferred: Collection[str], generation_role: str
+) -> int:
+    """How many leading ``stages`` can score group by group: each declares ``streaming`` and
+    takes no lease (its role is none, or neither deferred nor the generation role)."""
+    count = 0
+    for stage in stages:
+        role = stage.role
+        if not getattr(stage, "streaming", False):
+            break
+        if role is not None and (role in deferred or role == generation_role):
+            break
+        count += 1
+    return count
+
+
+def merge_reports(stage: str, reports: Sequence[StageReport]) -> StageReport:
+    """One report of ``stage`` from its reports on each group: counts summed; details merged
+    (tables updated, lists joined, other values the last one)."""
+    counts: dict[str, float] = {}
+    details: dict[str, Any] = {}
+    for report in reports:
+        for key, value in report.counts.items():
+            counts[key] = counts.get(key, 0) + value
+        for key, value in report.details.items():
+            have = details.get(key)
+            if isinstance(value, dict):
+                details[key] = {**(have if isinstance(have, dict) else {}), **value}
+            elif isinstance(value, list):
+                details[key] = [*(have if isinstance(have, list) else []), *value]
+            else:
+                details[key] = value
+    return StageReport(stage, counts, details)
+
+
+class StreamScorer:
+    """Runs ``stages[:count]`` on each group of batch ``batch_id`` as it is added.
+
+    :param fields: every field the step's stages write (cleared on the staged copies).
+    :param concurrency: groups scored at once.
+    :param timeline: where each stage's time on each group goes (``{stage}.stream`` on the
+        stage's lane; the step's phases add them up).
+    """
+
+    def __init__(
+        self,
+        batch_id: int,
+        stages: Sequence[Stage],
+        count: int,
+        *,
+        fields: Collection[str],
+        clients: RoleClients,
+        concurrency: int = 8,
+        timeline: Timeline | None = None,
+    ) -> None:
+        self.batch_id = batch_id
+        self.stages = tuple(stages[:count])
+        self.fields = tuple(fields)
+        self.clients = clients
+        self.timeline = timeline or Timeline()
+        self._gate = asyncio.Semaphore(concurrency)
+        self._staged: list[Sample] = []
+        self._reports: list[list[StageReport]] = [[] for _ in self.stages]
+        self._tasks: list[asyncio.Task[None]] = []
+        self.dropped: list[Dropped] = []
+        self.dropped_samples: list[Sample] = []
+
+    def add(self, group: Sequence[Sample]) -> None:
+        """Stage ``group`` (copies without the stages' fields) and queue its scoring."""
+        staged = [s.staged_copy(self.fields) for s in group]
+        self._staged.extend(staged)
+        if self.stages:
+            self._tasks.append(asyncio.ensure_future(self._score(staged)))
+
+    def drop(self, group: Sequence[Sample], dropped: Dropped) -> None:
+        """Record a group taken out before the batch (never staged, never committed)."""
+        self.dropped.append(dropped)
+        self.dropped_samples.extend(group)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The first scoring failure so far, if any (the batch will fail with it)."""
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                return task.exception()
+        return None
+
+    async def _score(self, staged: list[Sample]) -> None:
+        async with self._gate:
+            ctx = StageContext(self.batch_id, self.clients)
+            for i, stage in enumerate(self.stages):
+                with self.timeline.phase(self.batch_id, f"{stage.name}.stream", lane=stage.name):
+                    self._reports[i].append(await stage.run(staged, ctx))
+
+    async def finish(self) -> Streamed:
+        """Wait for every queued group; the batch's :class:`Streamed`.
+
+        :raises Exception: the first group's stage failure (the others are cancelled).
+        """
+        tasks = self._tasks
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return Streamed(
+            staged=list(self._staged),
+            stages=len(self.stages),
+            reports=[
+                merge_reports(s.name, r) for s, r in zip(self.stages, self._reports, strict=True)
+            ],
+            dropped=list(self.dropped),
+            dropped_samples=list(self.dropped_samples),
+        )
+
+    async def cancel(self) -> None:
+        """Stop every scoring in flight (the batch will not be committed)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
