@@ -41,6 +41,7 @@ __all__ = [
     "ConfigError",
     "ConfigValidationError",
     "CoordinationError",
+    "EnvironmentStepError",
     "GatewayError",
     "InferenceRecoveryRequired",
     "InvalidRequestError",
@@ -471,6 +472,18 @@ class ScoringError(RelaxError):
         self.stage = stage
         self.message = message
         super().__init__(f"{stage}: {message}")
+
+
+class EnvironmentStepError(RelaxError):
+    """A multi-turn rollout's environment failed (its reset or step raised, or answered what
+    is not an observation): the step fails and nothing of it is committed. ``environment``
+    names the environment, ``trajectory`` the trajectory (the sample's id)."""
+
+    def __init__(self, environment: str, trajectory: str, message: str) -> None:
+        self.environment = environment
+        self.trajectory = trajectory
+        self.message = message
+        super().__init__(f"environment {environment!r}, trajectory {trajectory}: {message}")
 
 
 class SinkError(RelaxError):

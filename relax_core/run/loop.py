@@ -622,7 +622,8 @@ async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interru
         role=job.generation_role,
         timeout=run.request_timeout,
     ) as client:
-        producer = StepProducer(Generator(client, tokenizer, model.name, run), source)
+        generator = Generator(client, tokenizer, model.name, run, shape=job.rollout_shape)
+        producer = StepProducer(generator, source)
         summary.weight_versions.append(await loop.rollout.weight_version())
         for n in range(steps):
             try:
