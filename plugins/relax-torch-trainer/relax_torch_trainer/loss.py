@@ -6,7 +6,11 @@
 - **Policy loss**: PPO's clipped surrogate per response token, the rollout's own log-probs
   (``Sample.rollout_logprobs``, what the engine sampled with) as the old policy:
   ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` with ``r = exp(logp - logp_rollout)``,
-  averaged over every response token of the batch.
+  averaged over every trained response token of the batch.
+- **The loss mask** (``Sample.loss_mask``, a multi-turn trajectory's): only tokens of mask 1
+  (the policy's) enter the policy and distillation terms and their means; an environment's or
+  a tool's tokens (mask 0) are context only, so no gradient flows through them. An empty mask
+  trains every response token.
 - **Distillation** from the teacher's fields, weighted by ``distill_coef``:
 
   - *sampled* (``teacher_logprobs``): the reverse KL ``KL(policy || teacher)`` estimated on
@@ -123,7 +127,8 @@ def batch_loss(
     ``logits [B, T, V]`` are the policy's over ``pad_batch``'s ``input_ids``; ``advantages``
     one per sample (:func:`group_advantages` over the whole batch, so a micro-batch never
     splits a group's statistics); ``teacher_mode`` is ``"sampled"``, ``"top-k"`` or ``None``
-    (no distillation term). The loss is the mean over the samples' response tokens.
+    (no distillation term). The loss is the mean over the samples' trained response tokens
+    (mask 1; ``report.tokens`` counts them).
 
     :raises ValueError: a sample lacks a field the loss needs (rollout log-probs, or the
         teacher fields of ``teacher_mode``), or its lengths disagree with its response.
@@ -134,6 +139,8 @@ def batch_loss(
             raise ValueError(
                 f"sample {s.id}: {len(s.rollout_logprobs)} rollout log-probs for {n} tokens"
             )
+        if s.loss_mask and len(s.loss_mask) != n:
+            raise ValueError(f"sample {s.id}: {len(s.loss_mask)} loss-mask entries for {n} tokens")
         if teacher_mode == "sampled" and len(s.fields.get("teacher_logprobs") or ()) != n:
             raise ValueError(f"sample {s.id}: no teacher log-prob for each of its {n} tokens")
         if teacher_mode == "top-k" and len(s.fields.get("teacher_topk_ids") or ()) != n:
@@ -147,18 +154,26 @@ def batch_loss(
         dtype=torch.float32,
         device=logp.device,
     )
+    keep = torch.tensor(
+        [m for s in samples for m in s.trained()], dtype=torch.bool, device=logp.device
+    )
+    trained = max(int(keep.sum()), 1)
+
+    def masked_mean(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, values, torch.zeros_like(values)).sum() / trained
+
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    policy_loss = -torch.minimum(ratio * adv, clipped * adv).mean()
+    policy_loss = masked_mean(-torch.minimum(ratio * adv, clipped * adv))
     distill = torch.zeros((), device=logp.device)
     kl: float | None = None
     teacher_mean: float | None = None
     if teacher_mode == "sampled":
         teacher = _per_token(samples, "teacher_logprobs", mask)
         gap = logp - teacher
-        distill = (ratio * gap.detach()).mean()
-        kl = float(gap.detach().mean())
-        teacher_mean = float(teacher.mean())
+        distill = masked_mean(ratio * gap.detach())
+        kl = float(masked_mean(gap.detach()))
+        teacher_mean = float(masked_mean(teacher))
     elif teacher_mode == "top-k":
         ids = torch.tensor(
             [row for s in samples for row in s.fields["teacher_topk_ids"]],
@@ -174,9 +189,9 @@ def batch_loss(
         p_teacher = torch.softmax(t_lp, dim=-1)
         log_q = torch.log_softmax(student, dim=-1)
         per_token = (p_teacher * (torch.log_softmax(t_lp, dim=-1) - log_q)).sum(-1)
-        distill = per_token.mean()
+        distill = masked_mean(per_token)
         kl = float(distill.detach())
-        teacher_mean = float(t_lp[:, 0].mean())
+        teacher_mean = float(masked_mean(t_lp[:, 0]))
     loss = policy_loss + distill_coef * distill
     report = LossReport(
         loss=float(loss.detach()),
@@ -184,8 +199,8 @@ def batch_loss(
         distill_loss=float(distill.detach()),
         teacher_kl=kl,
         teacher_logprob_mean=teacher_mean,
-        ratio_mean=float(ratio.detach().mean()),
-        clip_fraction=float(((ratio - 1.0).abs() > clip).float().mean()),
-        tokens=int(mask.sum()),
+        ratio_mean=float(masked_mean(ratio.detach())),
+        clip_fraction=float(masked_mean(((ratio - 1.0).abs() > clip).float())),
+        tokens=int(keep.sum()),
     )
     return loss, report
