@@ -49,6 +49,7 @@ __all__ = [
     "LifecycleError",
     "ModelNotReadyError",
     "NotApplicable",
+    "NotPrefixStable",
     "PlacementError",
     "PluginError",
     "RelaxError",
@@ -484,6 +485,12 @@ class EnvironmentStepError(RelaxError):
         self.trajectory = trajectory
         self.message = message
         super().__init__(f"environment {environment!r}, trajectory {trajectory}: {message}")
+
+
+class NotPrefixStable(RelaxError, ValueError):
+    """A chat template renders a conversation so that an earlier rendering is not a prefix of
+    a later one (it rewrites earlier turns): a multi-turn trajectory's ids cannot be extended
+    without re-tokenizing, so they are not."""
 
 
 class SinkError(RelaxError):

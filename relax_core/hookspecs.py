@@ -165,7 +165,7 @@ def relax_register_rollout_shapes(register: Callable[[records.RolloutShapeSpec],
     """Register rollout shapes (the core registers ``single-turn``, the default, and
     ``multi-turn``).
 
-    ``[run.rollout] shape`` names the one a run generates with; it turns each prompt of a step
+    ``[run.generation] shape`` names the one a run generates with; it turns each prompt of a step
     into one group of samples through the generation role's route (``shape.group(request)``),
     for the step's first groups and for every group a stage asks more of. Built
     (``RolloutShapeSpec.build``) when the run is checked, before anything starts.
@@ -181,7 +181,7 @@ def relax_register_environments(register: Callable[[records.EnvironmentSpec], No
     """Register environments for multi-turn rollouts (the core registers ``calculator``, a
     calculator tool for the arithmetic dataset).
 
-    ``[run.rollout] environment`` names the one the ``multi-turn`` shape drives: one
+    ``[run.generation] environment`` names the one the ``multi-turn`` shape drives: one
     environment per trajectory (``EnvironmentSpec.make(config)``), reset from the prompt's
     dataset row, stepped with each policy turn — its observation's messages appended as
     tokens the policy never trains on, its optional reward recorded per turn — until it says

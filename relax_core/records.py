@@ -834,14 +834,14 @@ def _check_shape_options(instance: object, attribute: attrs.Attribute[Any], valu
     if bad or "shape" in value:
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}: option names are keys of the "
-            f"[run.rollout] table (not {sorted(map(str, bad)) or ['shape']}; 'shape' names the "
+            f"[run.generation] table (not {sorted(map(str, bad)) or ['shape']}; 'shape' names the "
             "shape itself)"
         )
 
 
 @attrs.frozen
 class RolloutShapeSpec:
-    """How a step's prompts become groups of samples, named by ``[run.rollout] shape``
+    """How a step's prompts become groups of samples, named by ``[run.generation] shape``
     (default ``"single-turn"``: one completion per sample; the core also registers
     ``"multi-turn"``: a trajectory of policy turns and environment observations per sample).
 
@@ -866,16 +866,16 @@ class RolloutShapeSpec:
 
 @attrs.frozen
 class EnvironmentSpec:
-    """An environment a multi-turn rollout drives, named by ``[run.rollout] environment``.
+    """An environment a multi-turn rollout drives, named by ``[run.generation] environment``.
 
     ``make(config) -> Environment`` makes the environment of one trajectory: ``config`` is an
-    :class:`~relax_core.EnvironmentConfig` (the ``[run.rollout.env]`` table as ``options``,
+    :class:`~relax_core.EnvironmentConfig` (the ``[run.generation.env]`` table as ``options``,
     the trajectory's id, the tool timeout). The environment implements
     :class:`~relax_core.Environment`: ``reset(prompt) -> Reset`` (the first messages, from a
     dataset row) and ``await step(turn) -> Observation`` (the policy's turn in; messages to
     append, an optional reward for the turn, ``done``). ``check(options) ->
     list[ConfigProblem]``: the options' problems, found before anything starts (``None``:
-    ``make`` raises itself). ``options``: the keys ``[run.rollout.env]`` may hold; ``None``:
+    ``make`` raises itself). ``options``: the keys ``[run.generation.env]`` may hold; ``None``:
     any.
 
     :raises ValueError: a bad name.

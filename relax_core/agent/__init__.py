@@ -16,7 +16,7 @@ from relax_core._exports import claim as _claim
 from relax_core.agent.calculator import CalculatorEnvironment, evaluate
 from relax_core.agent.environment import Environment, EnvironmentConfig, Observation, Reset, Turn
 from relax_core.agent.multiturn import MultiTurn
-from relax_core.agent.template import ChatTurns, NotPrefixStable
+from relax_core.agent.template import ChatTurns
 from relax_core.agent.tools import (
     Tool,
     ToolBox,
@@ -33,7 +33,6 @@ __all__ = [
     "Environment",
     "EnvironmentConfig",
     "MultiTurn",
-    "NotPrefixStable",
     "Observation",
     "Reset",
     "Tool",

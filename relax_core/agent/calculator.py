@@ -7,7 +7,7 @@ never Python's ``eval``: nothing the model writes is executed — and the result
 ``tool`` message. A turn without a tool call is the answer: the trajectory is done, rewarded
 1.0 when the last number in it equals the label, else 0.0.
 
-Options (``[run.rollout.env]``):
+Options (``[run.generation.env]``):
 
 - ``guided_first_turn`` (``false``): constrain the first policy turn to a calculator call
   with the engine's constrained decoding (a ``regex`` guide: ``<tool_call>{"name":

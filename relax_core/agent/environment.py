@@ -115,14 +115,14 @@ class Observation:
 
 @attrs.frozen
 class EnvironmentConfig:
-    """What ``EnvironmentSpec.make`` gets for one trajectory: the ``[run.rollout.env]``
+    """What ``EnvironmentSpec.make`` gets for one trajectory: the ``[run.generation.env]``
     table (``options``) and its key path, the trajectory's id, the seconds a tool call may
-    take (``tool_timeout``, ``[run.rollout] tool_timeout``)."""
+    take (``tool_timeout``, ``[run.generation] tool_timeout``)."""
 
     options: Mapping[str, Any]
     trajectory_id: str
     tool_timeout: float = 10.0
-    path: str = "run.rollout.env"
+    path: str = "run.generation.env"
 
 
 @runtime_checkable

@@ -25,7 +25,7 @@ its id, environment, the whole conversation (``messages``), the policy turns' to
 (``turn_rewards``), the tool calls made, why it ended (``stop``) and each observation's
 ``info``.
 
-Options (``[run.rollout]``): ``environment`` (a registered environment, required),
+Options (``[run.generation]``): ``environment`` (a registered environment, required),
 ``max_turns`` (4), ``max_total_tokens`` (1024), ``tool_timeout`` (10 s, handed to the
 environment), ``env`` (the environment's own table). Each turn samples at most ``[run]
 max_new_tokens`` tokens.
@@ -46,17 +46,22 @@ from relax_core.agent.environment import (
     Turn,
     as_messages,
 )
-from relax_core.agent.template import ChatTurns, NotPrefixStable
+from relax_core.agent.template import ChatTurns
 from relax_core.client.client import InferenceClient
 from relax_core.config import ConfigProblem, ConfigReader
 from relax_core.coordination.sample import Sample
-from relax_core.errors import ConfigValidationError, EnvironmentStepError, PluginError
+from relax_core.errors import (
+    ConfigValidationError,
+    EnvironmentStepError,
+    NotPrefixStable,
+    PluginError,
+)
 from relax_core.records import EnvironmentSpec
 from relax_core.run.rollout import GroupRequest, RolloutShapeConfig, parse_answer, sampling_seed
 
 __all__ = ["MULTI_TURN_OPTIONS", "MultiTurn", "build_multi_turn"]
 
-#: The keys of ``[run.rollout]`` the multi-turn shape reads.
+#: The keys of ``[run.generation]`` the multi-turn shape reads.
 MULTI_TURN_OPTIONS = ("environment", "max_turns", "max_total_tokens", "tool_timeout", "env")
 
 
@@ -64,7 +69,7 @@ class MultiTurn:
     """The ``multi-turn`` shape (see the module docstring).
 
     :param environment: the environment's record.
-    :param env_options: its ``[run.rollout.env]`` table.
+    :param env_options: its ``[run.generation.env]`` table.
     :param model: the generation model's name; ``model_path``, ``model_where``: its directory
         and key path (the chat template and tokenizer are loaded from it on first use).
     """
@@ -82,7 +87,7 @@ class MultiTurn:
         max_new_tokens: int,
         tool_timeout: float,
         request_timeout: float,
-        env_path: str = "run.rollout.env",
+        env_path: str = "run.generation.env",
     ) -> None:
         self.environment = environment
         self.env_options = dict(env_options)
@@ -262,7 +267,7 @@ class MultiTurn:
 
 
 def build_multi_turn(config: RolloutShapeConfig) -> MultiTurn:
-    """The ``multi-turn`` shape from its ``[run.rollout]`` table.
+    """The ``multi-turn`` shape from its ``[run.generation]`` table.
 
     :raises ConfigValidationError: no ``environment``, an unknown one, a bad number, or what
         the environment's own check found in ``env`` (each with its key path).
@@ -276,7 +281,7 @@ def build_multi_turn(config: RolloutShapeConfig) -> MultiTurn:
     env_options = t.get("env", {})
     env_path = f"{p}.env"
     if not isinstance(env_options, Mapping):
-        r.problem(env_path, "type", f"must be a table ([run.rollout.env]), got {env_options!r}")
+        r.problem(env_path, "type", f"must be a table ([run.generation.env]), got {env_options!r}")
         env_options = {}
     spec: EnvironmentSpec | None = None
     if name is not None:

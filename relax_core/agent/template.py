@@ -27,14 +27,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from relax_core.errors import ConfigError
+from relax_core.errors import ConfigError, NotPrefixStable
 
-__all__ = ["ChatTurns", "NotPrefixStable"]
-
-
-class NotPrefixStable(ValueError):
-    """The chat template renders a conversation so that an earlier rendering is not a prefix
-    of a later one: the trajectory's ids cannot be extended without re-tokenizing."""
+__all__ = ["ChatTurns"]
 
 
 def _token_text(value: Any) -> str | None:

@@ -14,18 +14,18 @@ the policy as a ``tool`` message whose content is wrapped in ``<tool_response>``
 
 **The registry** (:class:`ToolBox`) holds an environment's :class:`Tool` records by name and
 runs calls: each with a timeout (an async tool is cancelled at it; a plain function runs in a
-worker thread, which is left to finish on its own while the trajectory goes on), and every
-failure — an unknown tool, bad arguments, an exception, the timeout — becomes the text of the
-call's result (``error: …``), never an exception out of :meth:`ToolBox.run`.
+daemon thread of its own, which is left to finish on its own while the trajectory goes on),
+and every failure — an unknown tool, bad arguments, an exception, the timeout — becomes the
+text of the call's result (``error: …``), never an exception out of :meth:`ToolBox.run`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import json
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -142,7 +142,6 @@ class ToolBox:
             if tool.name in self.tools:
                 raise ValueError(f"two tools are called {tool.name!r}")
             self.tools[tool.name] = tool
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     async def run(self, call: ToolCall) -> ToolResult:
         """The call's result; every failure is a result with ``error`` (never raised)."""
@@ -169,13 +168,32 @@ class ToolBox:
         if inspect.iscoroutinefunction(tool.fn):
             coro: Awaitable[Any] = tool.fn(**arguments)
             return coro
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="relax-tool")
+        # A plain function runs in a daemon thread of its own: one that never returns is
+        # abandoned at the timeout and cannot hold the process at exit (a pool's would).
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._pool, lambda: tool.fn(**arguments))
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if future.done():  # cancelled at the timeout
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+        def work() -> None:
+            try:
+                value, error = tool.fn(**arguments), None
+            except Exception as exc:
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop is gone: nobody waits for the result
+                pass
+
+        threading.Thread(target=work, name=f"relax-tool-{tool.name}", daemon=True).start()
+        return future
 
     def close(self) -> None:
-        """Let the worker threads go (a call still running finishes on its own)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Nothing to release: a plain function's thread ends with its call (or with the
+        process, being a daemon). Kept so environments may close their box."""

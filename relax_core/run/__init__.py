@@ -6,7 +6,7 @@
 - :mod:`~relax_core.run.stages`: a step's stages built from its stage tables through the
   registered stage kinds, and the core's two, ``reward`` and ``eval``;
 - :mod:`~relax_core.run.rollout`: rollout shapes (how a prompt becomes a group: one
-  completion per sample, or a multi-turn trajectory), built from ``[run.rollout]``;
+  completion per sample, or a multi-turn trajectory), built from ``[run.generation]``;
 - :mod:`~relax_core.run.generate`: the producer (groups of samples through the rollout route);
 - :mod:`~relax_core.run.job`: what a run brings up on Ray (managers in actors, the trainer,
   the coordinator, the batch sink) and takes down;

@@ -35,7 +35,7 @@ __all__ = [
     "PUSH_FORMATS",
     "REWARD_STAGE",
     "TEACHER_MODES",
-    "RolloutTable",
+    "GenerationTable",
     "RunConfig",
     "StageTable",
     "parse_run_config",
@@ -91,14 +91,14 @@ class StageTable:
 
 
 @attrs.frozen
-class RolloutTable:
-    """``[run.rollout]``: the rollout shape a step generates with (a registered
+class GenerationTable:
+    """``[run.generation]``: the rollout shape a step generates with (a registered
     :class:`~relax_core.records.RolloutShapeSpec`, default ``single-turn``) and the rest of
     the table (``options``, read by the shape's builder); ``path`` is the table's key path."""
 
     shape: str = "single-turn"
     options: Mapping[str, Any] = attrs.field(factory=dict)
-    path: str = "run.rollout"
+    path: str = "run.generation"
 
 
 @attrs.frozen
@@ -119,7 +119,7 @@ class RunConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     stages: tuple[StageTable, ...] = ()
-    rollout: RolloutTable = RolloutTable()
+    generation: GenerationTable = GenerationTable()
     distill_coef: float = 1.0
     learning_rate: float = 1e-5
     clip: float = 0.2
@@ -145,8 +145,8 @@ class RunConfig:
 
 _SHORTHAND = ("rewards", "reward_role", "teacher_role", "teacher_mode", "top_k")
 _KEYS = (
-    *[f.name for f in attrs.fields(RunConfig) if f.name not in ("stages", "rollout", "base")],
-    "rollout",
+    *[f.name for f in attrs.fields(RunConfig) if f.name not in ("stages", "generation", "base")],
+    "generation",
     "stages",
     *_SHORTHAND,
     *_MOVED,
@@ -211,7 +211,7 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         max_new_tokens=v(t, p, "max_new_tokens", int, 16, check=ConfigReader.at_least(1)),
         temperature=v(t, p, "temperature", float, 1.0, check=ConfigReader.at_least(0)),
         stages=stages,
-        rollout=_rollout_table(r, t.get("rollout")),
+        generation=_generation_table(r, t.get("generation")),
         distill_coef=v(t, p, "distill_coef", float, 1.0, check=ConfigReader.at_least(0)),
         learning_rate=v(t, p, "learning_rate", float, 1e-5, check=ConfigReader.positive),
         clip=v(t, p, "clip", float, 0.2, check=ConfigReader.positive),
@@ -278,19 +278,19 @@ def resolve_path(path: str, base: str | None) -> str:
     return str((Path(base) if base else Path.cwd()).joinpath(path).resolve())
 
 
-def _rollout_table(r: ConfigReader, raw: object) -> RolloutTable:
-    """``[run.rollout]``: its ``shape`` (a name; whether one is registered, and the rest of
+def _generation_table(r: ConfigReader, raw: object) -> GenerationTable:
+    """``[run.generation]``: its ``shape`` (a name; whether one is registered, and the rest of
     the table, is checked against the plugins by the shape's builder)."""
-    p = "run.rollout"
+    p = "run.generation"
     if raw is None:
-        return RolloutTable()
+        return GenerationTable()
     if not isinstance(raw, Mapping):
-        r.problem(p, "type", f"must be a table ([run.rollout]), got {raw!r}")
-        return RolloutTable()
+        r.problem(p, "type", f"must be a table ([run.generation]), got {raw!r}")
+        return GenerationTable()
     t = dict(raw)
     shape = r.value(t, p, "shape", str, "single-turn", check=_stage_name)
     options = {k: val for k, val in t.items() if k != "shape"}
-    return RolloutTable(shape or "single-turn", options, p)
+    return GenerationTable(shape or "single-turn", options, p)
 
 
 def _stage_tables(r: ConfigReader, raw: object) -> tuple[StageTable, ...]:

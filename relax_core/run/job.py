@@ -103,7 +103,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
 
         first = config.role(gen).models[0]
         out += rollout_problems(
-            run.rollout,
+            run.generation,
             run,
             pm,
             model=first.name,
@@ -237,7 +237,7 @@ class RunJob:
     residency: ResidencyPlan = attrs.field(factory=ResidencyPlan, init=False)
     #: The step's stages, in order (built from the run's stage tables).
     stages: list[Stage] = attrs.field(factory=list, init=False)
-    #: How a prompt becomes a group (``[run.rollout]``; ``single-turn`` by default).
+    #: How a prompt becomes a group (``[run.generation]``; ``single-turn`` by default).
     rollout_shape: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -259,7 +259,7 @@ class RunJob:
 
         model = self.generation_model
         self.rollout_shape = build_rollout_shape(
-            self.run.rollout,
+            self.run.generation,
             self.run,
             self.pm,
             model=model.name,

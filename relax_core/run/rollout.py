@@ -1,7 +1,7 @@
 """Rollout shapes: how one prompt of a step becomes one group of samples.
 
 A shape is a plugin of ``relax_register_rollout_shapes`` (a
-:class:`~relax_core.records.RolloutShapeSpec`), named by ``[run.rollout] shape``. The core
+:class:`~relax_core.records.RolloutShapeSpec`), named by ``[run.generation] shape``. The core
 registers two: ``single-turn`` (the default: one ``/generate`` request per prompt asking for
 ``samples_per_prompt`` completions, :class:`~relax_core.run.generate.SingleTurn`) and
 ``multi-turn`` (each sample a trajectory of policy turns and an environment's observations,
@@ -31,7 +31,7 @@ from relax_core.config import ConfigProblem, ConfigReader
 from relax_core.coordination.sample import Sample
 from relax_core.errors import ConfigValidationError, PluginError, UpstreamError
 from relax_core.records import PluginLookup, RolloutShapeSpec
-from relax_core.run.config import RolloutTable, RunConfig
+from relax_core.run.config import GenerationTable, RunConfig
 from relax_core.run.data import Prompt
 
 __all__ = [
@@ -46,7 +46,7 @@ __all__ = [
     "sampling_seed",
 ]
 
-#: The shape a run without ``[run.rollout]`` generates with.
+#: The shape a run without ``[run.generation]`` generates with.
 DEFAULT_SHAPE = "single-turn"
 
 
@@ -89,7 +89,7 @@ class RolloutShape(Protocol):
 
 @attrs.frozen
 class RolloutShapeConfig:
-    """What a shape's builder gets: the ``[run.rollout]`` table's own keys (``options``) and
+    """What a shape's builder gets: the ``[run.generation]`` table's own keys (``options``) and
     its key path (``path``), the run's settings, the plugin manager, and the generation
     model's name, directory and key path (``roles.rollout.models.policy``)."""
 
@@ -102,12 +102,12 @@ class RolloutShapeConfig:
     model_where: str
 
     def key(self, option: str) -> str:
-        """The key path of one of the table's keys (``run.rollout.max_turns``)."""
+        """The key path of one of the table's keys (``run.generation.max_turns``)."""
         return f"{self.path}.{option}"
 
 
 def build_rollout_shape(
-    table: RolloutTable,
+    table: GenerationTable,
     run: RunConfig,
     pm: Any,
     *,
@@ -149,9 +149,15 @@ def build_rollout_shape(
 
 
 def rollout_problems(
-    table: RolloutTable, run: RunConfig, pm: Any, *, model: str, model_path: str, model_where: str
+    table: GenerationTable,
+    run: RunConfig,
+    pm: Any,
+    *,
+    model: str,
+    model_path: str,
+    model_where: str,
 ) -> list[ConfigProblem]:
-    """Every problem of the run's ``[run.rollout]`` table (none: it builds)."""
+    """Every problem of the run's ``[run.generation]`` table (none: it builds)."""
     try:
         build_rollout_shape(
             table, run, pm, model=model, model_path=model_path, model_where=model_where
@@ -161,7 +167,7 @@ def rollout_problems(
     return []
 
 
-def _kind_problems(table: RolloutTable, pm: Any) -> list[ConfigProblem]:
+def _kind_problems(table: GenerationTable, pm: Any) -> list[ConfigProblem]:
     try:
         spec: RolloutShapeSpec = pm.rollout_shape(table.shape)
     except PluginError as exc:

@@ -95,7 +95,7 @@ max_new_tokens = 8
 trainer = "record-fields"
 rewards = [{ adapter = "environment" }]
 
-[run.rollout]
+[run.generation]
 shape = "multi-turn"
 environment = "fails-on-step-1"
 """

@@ -1,4 +1,4 @@
-"""``[run.rollout]``: single-turn is the default shape; the multi-turn shape's keys, its
+"""``[run.generation]``: single-turn is the default shape; the multi-turn shape's keys, its
 environment and the environment's own keys are checked before anything starts, each problem
 with its key path."""
 
@@ -24,24 +24,24 @@ def pm() -> PluginManager:
 
 def _problems(text: str, pm: PluginManager) -> list[str]:
     run = parse_run_config(loads_config(BASE + text))
-    return [str(p) for p in rollout_problems(run.rollout, run, pm, **MODEL)]
+    return [str(p) for p in rollout_problems(run.generation, run, pm, **MODEL)]
 
 
 def test_single_turn_is_the_default_shape(pm: PluginManager) -> None:
     run = parse_run_config(loads_config(BASE))
-    assert run.rollout.shape == "single-turn"
-    assert isinstance(build_rollout_shape(run.rollout, run, pm, **MODEL), SingleTurn)
+    assert run.generation.shape == "single-turn"
+    assert isinstance(build_rollout_shape(run.generation, run, pm, **MODEL), SingleTurn)
 
 
 def test_a_multi_turn_table_builds_the_shape_with_its_environment(pm: PluginManager) -> None:
     run = parse_run_config(
         loads_config(
-            BASE + '[run.rollout]\nshape = "multi-turn"\nenvironment = "calculator"\n'
+            BASE + '[run.generation]\nshape = "multi-turn"\nenvironment = "calculator"\n'
             "max_turns = 3\nmax_total_tokens = 300\ntool_timeout = 2.5\n"
-            "[run.rollout.env]\nguided_first_turn = true\n"
+            "[run.generation.env]\nguided_first_turn = true\n"
         )
     )
-    shape = build_rollout_shape(run.rollout, run, pm, **MODEL)
+    shape = build_rollout_shape(run.generation, run, pm, **MODEL)
     assert isinstance(shape, MultiTurn)
     assert (shape.environment.name, shape.max_turns, shape.max_total_tokens) == (
         "calculator", 3, 300,
@@ -50,23 +50,23 @@ def test_a_multi_turn_table_builds_the_shape_with_its_environment(pm: PluginMana
 
 
 def test_every_problem_is_named_by_its_key_path(pm: PluginManager) -> None:
-    assert _problems('[run.rollout]\nshape = "multi-turns"\n', pm) == [
-        "run.rollout.shape: [shape] no rollout shape named 'multi-turns' is registered; known: "
+    assert _problems('[run.generation]\nshape = "multi-turns"\n', pm) == [
+        "run.generation.shape: [shape] no rollout shape named 'multi-turns' is registered; known: "
         "['multi-turn', 'single-turn']. Is the plugin that provides it installed and enabled?"
     ]
-    (missing,) = _problems('[run.rollout]\nshape = "multi-turn"\n', pm)
-    assert missing.startswith("run.rollout.environment:")
-    (typo,) = _problems('[run.rollout]\nshape = "multi-turn"\nenviroment = "calculator"\n', pm)
-    assert typo.startswith("run.rollout.enviroment:") and "environment" in typo
-    (unknown,) = _problems('[run.rollout]\nshape = "multi-turn"\nenvironment = "chess"\n', pm)
-    assert "no environment named 'chess' is registered; known: ['calculator']" in unknown
+    (missing,) = _problems('[run.generation]\nshape = "multi-turn"\n', pm)
+    assert missing.startswith("run.generation.environment:")
+    (typo,) = _problems('[run.generation]\nshape = "multi-turn"\nenviroment = "calculator"\n', pm)
+    assert typo.startswith("run.generation.enviroment:") and "environment" in typo
+    (unknown,) = _problems('[run.generation]\nshape = "multi-turn"\nenvironment = "chess"\n', pm)
+    assert "no environment named 'chess' is registered; known: ['calculator'" in unknown
     problems = _problems(
-        '[run.rollout]\nshape = "multi-turn"\nenvironment = "calculator"\nmax_turns = 0\n'
-        '[run.rollout.env]\nguided_first_turn = "yes"\ntool_rewards = 1\n',
+        '[run.generation]\nshape = "multi-turn"\nenvironment = "calculator"\nmax_turns = 0\n'
+        '[run.generation.env]\nguided_first_turn = "yes"\ntool_rewards = 1\n',
         pm,
     )
     assert [p.split(":")[0] for p in problems] == [
-        "run.rollout.max_turns",
-        "run.rollout.env.tool_rewards",
-        "run.rollout.env.guided_first_turn",
+        "run.generation.max_turns",
+        "run.generation.env.tool_rewards",
+        "run.generation.env.guided_first_turn",
     ]

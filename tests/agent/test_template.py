@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from relax_core.agent import ChatTurns, NotPrefixStable
+from relax_core import NotPrefixStable
+from relax_core.agent import ChatTurns
 
 WHERE = "roles.rollout.models.policy"
 
