@@ -131,7 +131,6 @@ class MultiTurn:
         """
         tid = request.sample_id(j)
         name = self.environment.name
-        turns = self.turns
         config = EnvironmentConfig(self.env_options, tid, self.tool_timeout, self.env_path)
         try:
             env: Environment = self.environment.make(config)
@@ -142,6 +141,25 @@ class MultiTurn:
             raise EnvironmentStepError(
                 name, tid, f"reset failed: {type(exc).__name__}: {exc}"
             ) from exc
+        try:
+            return await self._drive(request, j, client, env, reset)
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+
+    async def _drive(
+        self,
+        request: GroupRequest,
+        j: int,
+        client: InferenceClient,
+        env: Environment,
+        reset: Reset,
+    ) -> Sample:
+        """The trajectory's turns, from its reset to its end; its sample."""
+        tid = request.sample_id(j)
+        name = self.environment.name
+        turns = self.turns
         messages: list[dict[str, Any]] = list(reset.messages)
         prompt_ids = turns.prompt(messages)
         response: list[int] = []
@@ -214,9 +232,6 @@ class MultiTurn:
             mask.extend([0] * len(between))
             messages.extend(observation.messages)
             guide = observation.guide
-        close = getattr(env, "close", None)
-        if callable(close):
-            close()
         prompt = request.prompt
         return Sample(
             tid,
