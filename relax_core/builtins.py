@@ -1,6 +1,7 @@
 """The core's own plugin: built-in weight sources, routing policies, placement modes, prompt
-sources (``arithmetic``, ``jsonl``), stage kinds (``reward``, ``eval``) and trackers
-(``jsonl``, ``tensorboard``).
+sources (``arithmetic``, ``jsonl``), rollout shapes (``single-turn``, ``multi-turn``), the
+``calculator`` environment and its ``environment`` reward adapter, stage kinds (``reward``,
+``eval``) and trackers (``jsonl``, ``tensorboard``).
 
 Registered by :meth:`relax_core.plugins.PluginManager.create` under the name ``relax-core``.
 Each hook implementation lives beside the code it registers and is re-exported here.
@@ -10,6 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from relax_core.agent.builtin import (  # noqa: F401
+    relax_register_environments,
+    relax_register_reward_adapters,
+    relax_register_rollout_shapes,
+)
 from relax_core.discovery.policies import relax_register_routing_policies  # noqa: F401
 from relax_core.hookspecs import hookimpl
 from relax_core.placement.modes import relax_register_placement_modes  # noqa: F401

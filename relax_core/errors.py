@@ -41,6 +41,7 @@ __all__ = [
     "ConfigError",
     "ConfigValidationError",
     "CoordinationError",
+    "EnvironmentStepError",
     "GatewayError",
     "InferenceRecoveryRequired",
     "InvalidRequestError",
@@ -48,6 +49,7 @@ __all__ = [
     "LifecycleError",
     "ModelNotReadyError",
     "NotApplicable",
+    "NotPrefixStable",
     "PlacementError",
     "PluginError",
     "RelaxError",
@@ -471,6 +473,24 @@ class ScoringError(RelaxError):
         self.stage = stage
         self.message = message
         super().__init__(f"{stage}: {message}")
+
+
+class EnvironmentStepError(RelaxError):
+    """A multi-turn rollout's environment failed (its reset or step raised, or answered what
+    is not an observation): the step fails and nothing of it is committed. ``environment``
+    names the environment, ``trajectory`` the trajectory (the sample's id)."""
+
+    def __init__(self, environment: str, trajectory: str, message: str) -> None:
+        self.environment = environment
+        self.trajectory = trajectory
+        self.message = message
+        super().__init__(f"environment {environment!r}, trajectory {trajectory}: {message}")
+
+
+class NotPrefixStable(RelaxError, ValueError):
+    """A chat template renders a conversation so that an earlier rendering is not a prefix of
+    a later one (it rewrites earlier turns): a multi-turn trajectory's ids cannot be extended
+    without re-tokenizing, so they are not."""
 
 
 class SinkError(RelaxError):

@@ -11,7 +11,9 @@ first needs the kind. They are grouped by the phase in which their records are u
 - **a job's inference side** (every command that reads a job: ``relax plan``, ``serve``,
   ``run``): roles, engine backends, routers, weight sources, reward adapters, routing policies,
   placement modes — checked when the job file is read, used as its models start and serve;
-- **an RL step** (``relax run``): data sources (the step's prompts), stages (what the step does
+- **an RL step** (``relax run``): data sources (the step's prompts), rollout shapes (how a
+  prompt becomes a group: one completion, or a multi-turn trajectory) and the environments a
+  multi-turn shape drives, stages (what the step does
   to its batch, in order), trainers (who trains on the committed batch) — collected when the
   ``[run]`` table is checked, before anything starts; trackers (who hears what the run
   did: its config, each committed step's metrics, each phase, samples to inspect) — opened
@@ -155,6 +157,39 @@ def relax_register_data_sources(register: Callable[[records.DataSourceSpec], Non
     :param register: call it once per :class:`~relax_core.records.DataSourceSpec`, as in
         ``register(DataSourceSpec(name="parquet", open=open_parquet, suffixes=(".parquet",),
         check=check_parquet))``.
+    """
+
+
+@hookspec
+def relax_register_rollout_shapes(register: Callable[[records.RolloutShapeSpec], None]) -> None:
+    """Register rollout shapes (the core registers ``single-turn``, the default, and
+    ``multi-turn``).
+
+    ``[run.generation] shape`` names the one a run generates with; it turns each prompt of a step
+    into one group of samples through the generation role's route (``shape.group(request)``),
+    for the step's first groups and for every group a stage asks more of. Built
+    (``RolloutShapeSpec.build``) when the run is checked, before anything starts.
+
+    :param register: call it once per :class:`~relax_core.records.RolloutShapeSpec`, as in
+        ``register(RolloutShapeSpec(name="best-of-n", build=BestOfN.from_config,
+        options=("n",)))``.
+    """
+
+
+@hookspec
+def relax_register_environments(register: Callable[[records.EnvironmentSpec], None]) -> None:
+    """Register environments for multi-turn rollouts (the core registers ``calculator``, a
+    calculator tool for the arithmetic dataset).
+
+    ``[run.generation] environment`` names the one the ``multi-turn`` shape drives: one
+    environment per trajectory (``EnvironmentSpec.make(config)``), reset from the prompt's
+    dataset row, stepped with each policy turn — its observation's messages appended as
+    tokens the policy never trains on, its optional reward recorded per turn — until it says
+    ``done``, or ``max_turns`` or ``max_total_tokens`` is reached. Its options are checked
+    (``EnvironmentSpec.check``) when the run is checked.
+
+    :param register: call it once per :class:`~relax_core.records.EnvironmentSpec`, as in
+        ``register(EnvironmentSpec(name="search", make=SearchEnv, options=("index",)))``.
     """
 
 

@@ -24,9 +24,11 @@ from relax_core.errors import PluginError
 from relax_core.records import (
     DataSourceSpec,
     EngineBackend,
+    EnvironmentSpec,
     PlacementMode,
     RewardSpec,
     RoleSpec,
+    RolloutShapeSpec,
     RouterBackend,
     RoutingPolicy,
     StageSpec,
@@ -61,6 +63,8 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
     "placement_modes": ("relax_register_placement_modes", PlacementMode),
     "routers": ("relax_register_routers", RouterBackend),
     "data_sources": ("relax_register_data_sources", DataSourceSpec),
+    "rollout_shapes": ("relax_register_rollout_shapes", RolloutShapeSpec),
+    "environments": ("relax_register_environments", EnvironmentSpec),
     "stages": ("relax_register_stages", StageSpec),
     "trainers": ("relax_register_trainers", TrainerSpec),
     "trackers": ("relax_register_trackers", TrackerSpec),
@@ -76,6 +80,8 @@ _SINGULAR = {
     "placement_modes": "placement mode",
     "routers": "router",
     "data_sources": "data source",
+    "rollout_shapes": "rollout shape",
+    "environments": "environment",
     "stages": "stage",
     "trainers": "trainer",
     "trackers": "tracker",
@@ -306,6 +312,8 @@ class PluginManager:
     placement_mode = _lookup("placement_modes", PlacementMode)
     router = _lookup("routers", RouterBackend)
     data_source = _lookup("data_sources", DataSourceSpec)
+    rollout_shape = _lookup("rollout_shapes", RolloutShapeSpec)
+    environment = _lookup("environments", EnvironmentSpec)
     stage = _lookup("stages", StageSpec)
     trainer = _lookup("trainers", TrainerSpec)
     tracker = _lookup("trackers", TrackerSpec)

@@ -27,12 +27,14 @@ __all__ = [
     "EngineLaunchSpec",
     "EngineOptions",
     "EngineProcess",
+    "EnvironmentSpec",
     "OpenAPINotes",
     "PlacementMode",
     "PluginLookup",
     "ReplicaSelector",
     "RewardSpec",
     "RoleSpec",
+    "RolloutShapeSpec",
     "RouteMode",
     "RouterBackend",
     "RouterLaunchSpec",
@@ -818,5 +820,69 @@ class DataSourceSpec:
     suffixes: tuple[str, ...] = attrs.field(
         default=(), converter=_tuple_of_str, validator=_check_suffixes
     )
+    check: Callable[[Any], Any] | None = attrs.field(default=None, validator=_optional_callable)
+    description: str = ""
+
+
+# -- rollout shapes and environments ---------------------------------------------------------
+
+
+def _check_shape_options(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    bad = [k for k in value if not isinstance(k, str) or not NAME_PATTERN.match(k)]
+    if bad or "shape" in value:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name}: option names are keys of the "
+            f"[run.generation] table (not {sorted(map(str, bad)) or ['shape']}; 'shape' names the "
+            "shape itself)"
+        )
+
+
+@attrs.frozen
+class RolloutShapeSpec:
+    """How a step's prompts become groups of samples, named by ``[run.generation] shape``
+    (default ``"single-turn"``: one completion per sample; the core also registers
+    ``"multi-turn"``: a trajectory of policy turns and environment observations per sample).
+
+    ``build(config) -> RolloutShape``: ``config`` is a :class:`~relax_core.RolloutShapeConfig`
+    (the table's other keys as ``options``, the run's settings, the plugin manager, the
+    generation model's directory); it raises :class:`~relax_core.ConfigValidationError`
+    naming each key path. Pure: built when the run is checked, before anything starts, and
+    again in the driver. The shape it returns implements :class:`~relax_core.RolloutShape`:
+    ``await shape.group(request) -> list[Sample]``, one group (one prompt's samples) per call.
+    ``options``: the keys the table may hold besides ``shape``; ``None``: any.
+
+    :raises ValueError: a bad name or option name.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    build: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
+    options: tuple[str, ...] | None = attrs.field(
+        default=(), converter=_optional_tuple_of_str, validator=_check_shape_options
+    )
+    description: str = ""
+
+
+@attrs.frozen
+class EnvironmentSpec:
+    """An environment a multi-turn rollout drives, named by ``[run.generation] environment``.
+
+    ``make(config) -> Environment`` makes the environment of one trajectory: ``config`` is an
+    :class:`~relax_core.EnvironmentConfig` (the ``[run.generation.env]`` table as ``options``,
+    the trajectory's id, the tool timeout). The environment implements
+    :class:`~relax_core.Environment`: ``reset(prompt) -> Reset`` (the first messages, from a
+    dataset row) and ``await step(turn) -> Observation`` (the policy's turn in; messages to
+    append, an optional reward for the turn, ``done``). ``check(options) ->
+    list[ConfigProblem]``: the options' problems, found before anything starts (``None``:
+    ``make`` raises itself). ``options``: the keys ``[run.generation.env]`` may hold; ``None``:
+    any.
+
+    :raises ValueError: a bad name.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    make: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
+    options: tuple[str, ...] | None = attrs.field(default=(), converter=_optional_tuple_of_str)
     check: Callable[[Any], Any] | None = attrs.field(default=None, validator=_optional_callable)
     description: str = ""

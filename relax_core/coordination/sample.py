@@ -1,13 +1,14 @@
 """The Sample record: one generated response, the unit a step's stages score and a batch commits.
 
 Generation fills the inputs (prompt and response ids and text, rollout log-probs, group id,
-label, metadata, weight version). Everything a step's stages write goes into
-:attr:`Sample.fields`, by field name: the reward stage's ``reward`` and ``rewards``, the
-teacher's log-probs, a process reward model's step scores, a third party's own field. Each
-field is declared by the stage that writes it (a :class:`~relax_core.coordination.stages.
-SampleField`, with its check), so the core knows no field but the ones its own reward stage
-writes. Token sequences are tuples, so a staged copy (:meth:`Sample.staged_copy`) shares them
-and costs a few microseconds; only the dicts are copied.
+label, metadata, weight version, and the loss mask of a multi-turn trajectory). Everything a
+step's stages write goes into :attr:`Sample.fields`, by field name: the reward stage's
+``reward`` and ``rewards``, the teacher's log-probs, a process reward model's step scores, a
+third party's own field. Each field is declared by the stage that writes it (a
+:class:`~relax_core.coordination.stages.SampleField`, with its check), so the core knows no
+field but the ones its own reward stage writes. Token sequences are tuples, so a staged copy
+(:meth:`Sample.staged_copy`) shares them and costs a few microseconds; only the dicts are
+copied.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class Sample:
     metadata: dict[str, Any] = attrs.field(factory=dict)
     weight_version: str | None = None
     weight_versions: tuple[tuple[int, str], ...] = attrs.field(default=(), converter=_boundaries)
+    #: One 0/1 per ``response_ids`` token (1: sampled by the policy, trained on; 0: an
+    #: environment's or a tool's token, never trained on); empty: every response token is the
+    #: policy's. A multi-turn rollout (:mod:`relax_core.agent`) writes it.
+    loss_mask: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     fields: dict[str, Any] = attrs.field(factory=dict)
 
     @property
@@ -93,6 +98,13 @@ class Sample:
         if self.weight_versions:
             return self.weight_versions
         return ((0, self.weight_version),)
+
+    def trained(self) -> tuple[bool, ...]:
+        """Whether each response token is trained on: :attr:`loss_mask` as booleans, or every
+        token when the mask is empty."""
+        if not self.loss_mask:
+            return (True,) * len(self.response_ids)
+        return tuple(bool(m) for m in self.loss_mask)
 
     def staged_copy(self, cleared: Collection[str] = ()) -> Sample:
         """A copy for CPU staging, without the fields named in ``cleared`` (those the step's

@@ -5,6 +5,8 @@
   JSONL files) and how ``dataset`` finds one;
 - :mod:`~relax_core.run.stages`: a step's stages built from its stage tables through the
   registered stage kinds, and the core's two, ``reward`` and ``eval``;
+- :mod:`~relax_core.run.rollout`: rollout shapes (how a prompt becomes a group: one
+  completion per sample, or a multi-turn trajectory), built from ``[run.generation]``;
 - :mod:`~relax_core.run.generate`: the producer (groups of samples through the rollout route);
 - :mod:`~relax_core.run.job`: what a run brings up on Ray (managers in actors, the trainer,
   the coordinator, the batch sink) and takes down;
@@ -34,6 +36,13 @@ from relax_core.run.job import RunJob, run_problems
 from relax_core.run.loop import FailedStep, RunSummary, run_loop
 from relax_core.run.measure import SwitchProbe, switch_report
 from relax_core.run.progress import Printer
+from relax_core.run.rollout import (
+    GroupRequest,
+    RolloutShape,
+    RolloutShapeConfig,
+    build_rollout_shape,
+    rollout_problems,
+)
 from relax_core.run.stages import (
     EvalStage,
     RewardWeight,
@@ -48,11 +57,14 @@ __all__ = [
     "ArithmeticSource",
     "EvalStage",
     "FailedStep",
+    "GroupRequest",
     "JsonlSource",
     "Printer",
     "Prompt",
     "PromptSource",
     "RewardWeight",
+    "RolloutShape",
+    "RolloutShapeConfig",
     "RunConfig",
     "RunJob",
     "RunSummary",
@@ -62,12 +74,14 @@ __all__ = [
     "SwitchProbe",
     "Trainer",
     "TrainerContext",
+    "build_rollout_shape",
     "build_stages",
     "find_source",
     "load_trainer_class",
     "open_source",
     "parse_run_config",
     "read_rewards",
+    "rollout_problems",
     "run_loop",
     "run_problems",
     "source_problems",

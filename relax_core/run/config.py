@@ -38,6 +38,7 @@ __all__ = [
     "RUN_MODES",
     "STALE_ACTIONS",
     "TEACHER_MODES",
+    "GenerationTable",
     "RunConfig",
     "StageTable",
     "parse_run_config",
@@ -105,6 +106,17 @@ class StageTable:
 
 
 @attrs.frozen
+class GenerationTable:
+    """``[run.generation]``: the rollout shape a step generates with (a registered
+    :class:`~relax_core.records.RolloutShapeSpec`, default ``single-turn``) and the rest of
+    the table (``options``, read by the shape's builder); ``path`` is the table's key path."""
+
+    shape: str = "single-turn"
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    path: str = "run.generation"
+
+
+@attrs.frozen
 class RunConfig:
     """What each step of ``relax run`` does (the ``[run]`` table).
 
@@ -134,6 +146,7 @@ class RunConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     stages: tuple[StageTable, ...] = ()
+    generation: GenerationTable = GenerationTable()
     distill_coef: float = 1.0
     learning_rate: float = 1e-5
     clip: float = 0.2
@@ -166,7 +179,8 @@ class RunConfig:
 
 _SHORTHAND = ("rewards", "reward_role", "teacher_role", "teacher_mode", "top_k")
 _KEYS = (
-    *[f.name for f in attrs.fields(RunConfig) if f.name not in ("stages", "base")],
+    *[f.name for f in attrs.fields(RunConfig) if f.name not in ("stages", "generation", "base")],
+    "generation",
     "stages",
     *_SHORTHAND,
     *_MOVED,
@@ -237,6 +251,7 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         max_new_tokens=v(t, p, "max_new_tokens", int, 16, check=ConfigReader.at_least(1)),
         temperature=v(t, p, "temperature", float, 1.0, check=ConfigReader.at_least(0)),
         stages=stages,
+        generation=_generation_table(r, t.get("generation")),
         distill_coef=v(t, p, "distill_coef", float, 1.0, check=ConfigReader.at_least(0)),
         learning_rate=v(t, p, "learning_rate", float, 1e-5, check=ConfigReader.positive),
         clip=v(t, p, "clip", float, 0.2, check=ConfigReader.positive),
@@ -332,6 +347,21 @@ def resolve_path(path: str, base: str | None) -> str:
     if os.path.isabs(path):
         return path
     return str((Path(base) if base else Path.cwd()).joinpath(path).resolve())
+
+
+def _generation_table(r: ConfigReader, raw: object) -> GenerationTable:
+    """``[run.generation]``: its ``shape`` (a name; whether one is registered, and the rest of
+    the table, is checked against the plugins by the shape's builder)."""
+    p = "run.generation"
+    if raw is None:
+        return GenerationTable()
+    if not isinstance(raw, Mapping):
+        r.problem(p, "type", f"must be a table ([run.generation]), got {raw!r}")
+        return GenerationTable()
+    t = dict(raw)
+    shape = r.value(t, p, "shape", str, "single-turn", check=_stage_name)
+    options = {k: val for k, val in t.items() if k != "shape"}
+    return GenerationTable(shape or "single-turn", options, p)
 
 
 def _stage_tables(r: ConfigReader, raw: object) -> tuple[StageTable, ...]:

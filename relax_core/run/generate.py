@@ -1,7 +1,8 @@
 """The producer of ``relax run``: each step's prompts become groups of samples, generated through
-the rollout role's route.
+the rollout role's route by the run's rollout shape (:mod:`~relax_core.run.rollout`).
 
-One ``/generate`` request per prompt asks for ``samples_per_prompt`` samples (SGLang's ``n``:
+The default shape, ``single-turn`` (:class:`SingleTurn`), sends one ``/generate`` request per
+prompt asks for ``samples_per_prompt`` samples (SGLang's ``n``:
 the engine prefills the prompt once), with the rollout's own log-probs of every sampled token;
 it goes through the role's route (``SGLANG_ROUTER``: the model's router; ``DIRECT``: a
 replica head) with the group id as affinity key. Each answer becomes a
@@ -21,7 +22,6 @@ library, which comes with the ``hf`` engine), so the samples carry the exact ids
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,15 @@ from relax_core.coordination.sample import Sample
 from relax_core.errors import ConfigError, UpstreamError
 from relax_core.run.config import RunConfig
 from relax_core.run.data import Prompt, PromptSource
+from relax_core.run.rollout import (
+    GroupRequest,
+    RolloutShape,
+    RolloutShapeConfig,
+    parse_answer,
+    sampling_seed,
+)
 
-__all__ = ["Generator", "PromptTokenizer", "StepProducer"]
+__all__ = ["Generator", "PromptTokenizer", "SingleTurn", "StepProducer", "build_single_turn"]
 
 
 class PromptTokenizer:
@@ -67,21 +74,94 @@ class PromptTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
 
 
-def _seed(seed: int, batch_id: int, index: int) -> int:
-    """A sampling seed per (run seed, step, prompt): reproducible, different for each."""
-    return zlib.crc32(f"{seed}:{batch_id}:{index}".encode()) & 0x7FFFFFFF
+class SingleTurn:
+    """The ``single-turn`` shape: one ``/generate`` request per group asking for its
+    ``samples`` completions of the prompt (SGLang's ``n``), each a :class:`Sample` with the
+    rollout's own log-probs.
+
+    :param tokenizer: the generation model's :class:`PromptTokenizer` (``None``: loaded from
+        ``model_path`` on first use).
+    :param model: the generation model's name; ``model_path`` / ``model_where``: its directory
+        and key path.
+    :param settings: the ``[run]`` table: ``max_new_tokens`` and ``request_timeout`` are read.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        settings: RunConfig,
+        *,
+        tokenizer: PromptTokenizer | None = None,
+        model_path: str = "",
+        model_where: str = "",
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self._tokenizer = tokenizer
+        self.model_path = model_path
+        self.model_where = model_where
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        """The prompt tokenizer (loaded once)."""
+        if self._tokenizer is None:
+            self._tokenizer = PromptTokenizer(self.model_path, where=self.model_where)
+        return self._tokenizer
+
+    async def group(self, request: GroupRequest, client: InferenceClient) -> list[Sample]:
+        """The group's ``request.samples`` completions, from one request."""
+        prompt = request.prompt
+        ids = self.tokenizer.encode(prompt.prompt)
+        run = self.settings
+        n = request.samples
+        body = {
+            "input_ids": ids,
+            "sampling_params": {
+                "n": n,
+                "max_new_tokens": run.max_new_tokens,
+                # an empty response has nothing to score, train on or distill
+                "min_new_tokens": 1,
+                "temperature": request.temperature,
+                "sampling_seed": request.seed,
+            },
+            "return_logprob": True,
+            "model": self.model,
+        }
+        answer: Any = await client.generate(
+            body, timeout=run.request_timeout, affinity_key=request.group_id
+        )
+        answers = answer if isinstance(answer, list) else [answer]
+        if len(answers) != n:
+            raise UpstreamError(
+                502,
+                f"prompt {prompt.origin or request.index} asked for {n} samples and got "
+                f"{len(answers)}",
+            )
+        return [
+            _sample(request.sample_id(j), request.group_id, ids, prompt, a)
+            for j, a in enumerate(answers)
+        ]
+
+
+def build_single_turn(config: RolloutShapeConfig) -> SingleTurn:
+    """The ``single-turn`` shape (it has no options)."""
+    return SingleTurn(
+        config.model, config.run, model_path=config.model_path, model_where=config.model_where
+    )
 
 
 @attrs.define
 class Generator:
-    """Generates one step's groups through the rollout route.
+    """Generates one step's groups through the rollout route, with the run's rollout shape.
 
     :param client: the rollout role's :class:`~relax_core.client.client.InferenceClient`.
     :param tokenizer: the generation model's :class:`PromptTokenizer`.
     :param model: the generation model's name (requests name it; the route resolves it).
     :param settings: the ``[run]`` table: ``samples_per_prompt``, ``max_new_tokens``,
         ``temperature``, ``seed`` and ``request_timeout`` are read.
-    :param concurrency: requests in flight at once.
+    :param concurrency: groups in flight at once.
+    :param shape: the run's :class:`~relax_core.run.rollout.RolloutShape` (``None``:
+        :class:`SingleTurn`).
     """
 
     client: InferenceClient
@@ -89,10 +169,13 @@ class Generator:
     model: str
     settings: RunConfig
     concurrency: int = 64
+    shape: RolloutShape | None = None
     _gate: asyncio.Semaphore = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._gate = asyncio.Semaphore(self.concurrency)
+        if self.shape is None:
+            self.shape = SingleTurn(self.model, self.settings, tokenizer=self.tokenizer)
 
     async def generate(
         self,
@@ -173,35 +256,19 @@ class Generator:
         samples_per_prompt: int | None = None,
         temperature: float | None = None,
     ) -> list[Sample]:
-        ids = self.tokenizer.encode(prompt.prompt)
-        group_id = f"b{batch_id}-p{index}"
         run = self.settings
-        n = samples_per_prompt or run.samples_per_prompt
-        body = {
-            "input_ids": ids,
-            "sampling_params": {
-                "n": n,
-                "max_new_tokens": run.max_new_tokens,
-                # an empty response has nothing to score, train on or distill
-                "min_new_tokens": 1,
-                "temperature": run.temperature if temperature is None else temperature,
-                "sampling_seed": _seed(run.seed, batch_id, index),
-            },
-            "return_logprob": True,
-            "model": self.model,
-        }
+        request = GroupRequest(
+            batch_id,
+            index,
+            f"b{batch_id}-p{index}",
+            prompt,
+            samples_per_prompt or run.samples_per_prompt,
+            run.temperature if temperature is None else temperature,
+            sampling_seed(run.seed, batch_id, index),
+        )
+        assert self.shape is not None
         async with self._gate:
-            answer: Any = await self.client.generate(
-                body, timeout=run.request_timeout, affinity_key=group_id
-            )
-        answers = answer if isinstance(answer, list) else [answer]
-        if len(answers) != n:
-            raise UpstreamError(
-                502, f"prompt {prompt.origin or index} asked for {n} samples and got {len(answers)}"
-            )
-        return [
-            _sample(f"{group_id}-s{j}", group_id, ids, prompt, a) for j, a in enumerate(answers)
-        ]
+            return await self.shape.group(request, self.client)
 
 
 class StepProducer:
@@ -262,47 +329,17 @@ class StepProducer:
 
 
 def _sample(sample_id: str, group_id: str, ids: list[int], prompt: Prompt, answer: Any) -> Sample:
-    meta = answer.get("meta_info") if isinstance(answer, dict) else None
-    output_ids = answer.get("output_ids") if isinstance(answer, dict) else None
-    if not isinstance(meta, dict) or not isinstance(output_ids, list):
-        raise UpstreamError(502, f"sample {sample_id}: not a /generate answer: {answer!r:.300}")
-    lps = meta.get("output_token_logprobs")
-    if not isinstance(lps, list) or len(lps) != len(output_ids):
-        got = len(lps) if isinstance(lps, list) else None
-        raise UpstreamError(
-            502,
-            f"sample {sample_id}: {got} output log-probs for {len(output_ids)} tokens; the "
-            "rollout route must keep return_logprob",
-        )
-    version = meta.get("weight_version")
-    boundaries = _boundaries(sample_id, meta.get("weight_versions"))
+    turn = parse_answer(sample_id, answer)
     return Sample(
         sample_id,
         group_id,
         ids,
-        output_ids,
+        turn.output_ids,
         prompt=prompt.prompt,
-        response=str(answer.get("text", "")),
+        response=turn.text,
         label=prompt.label,
-        rollout_logprobs=[float(e[0]) for e in lps],
+        rollout_logprobs=turn.logprobs,
         metadata=dict(prompt.metadata),
-        weight_version=None if version is None else str(version),
-        weight_versions=boundaries,
+        weight_version=turn.weight_version,
+        weight_versions=turn.weight_versions,
     )
-
-
-def _boundaries(sample_id: str, spans: Any) -> tuple[tuple[int, str], ...]:
-    """SGLang's ``meta_info.weight_versions`` (``[{version, start, end}]``) as a sample's
-    version boundaries (``(first token, version)``); none when one version made it all."""
-    if spans is None:
-        return ()
-    if not isinstance(spans, list) or not all(
-        isinstance(e, dict) and isinstance(e.get("start"), int) and "version" in e for e in spans
-    ):
-        raise UpstreamError(
-            502,
-            f"sample {sample_id}: meta_info.weight_versions is not a list of spans: {spans!r:.200}",
-        )
-    if len(spans) <= 1:
-        return ()
-    return tuple((int(e["start"]), str(e["version"])) for e in spans)

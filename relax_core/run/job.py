@@ -131,6 +131,17 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
         )
     else:
         out += _generation_problems(config.role(gen).models, pm)
+        from relax_core.run.rollout import rollout_problems
+
+        first = config.role(gen).models[0]
+        out += rollout_problems(
+            run.generation,
+            run,
+            pm,
+            model=first.name,
+            model_path=first.model_path,
+            model_where=first.path,
+        )
     defer = tuple(r for r in config.placement.defer_roles if r in roles)
     out += source_problems(run.dataset, pm, seed=run.seed, base=run.base)
     out += stage_problems(
@@ -259,6 +270,8 @@ class RunJob:
     residency: ResidencyPlan = attrs.field(factory=ResidencyPlan, init=False)
     #: The step's stages, in order (built from the run's stage tables).
     stages: list[Stage] = attrs.field(factory=list, init=False)
+    #: How a prompt becomes a group (``[run.generation]``; ``single-turn`` by default).
+    rollout_shape: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         from relax_core.run.stages import build_stages
@@ -274,6 +287,17 @@ class RunJob:
             roles=self.config.role_names,
             generation_role=gen,
             deferred_roles=self.config.placement.defer_roles,
+        )
+        from relax_core.run.rollout import build_rollout_shape
+
+        model = self.generation_model
+        self.rollout_shape = build_rollout_shape(
+            self.run.generation,
+            self.run,
+            self.pm,
+            model=model.name,
+            model_path=model.model_path,
+            model_where=model.path,
         )
 
     @property

@@ -637,7 +637,8 @@ async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interru
         role=job.generation_role,
         timeout=run.request_timeout,
     ) as client:
-        producer = StepProducer(Generator(client, tokenizer, model.name, run), source)
+        generator = Generator(client, tokenizer, model.name, run, shape=job.rollout_shape)
+        producer = StepProducer(generator, source)
         summary.weight_versions.append(await loop.rollout.weight_version())
         for n in range(steps):
             try:
@@ -739,7 +740,7 @@ async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _I
         role=job.generation_role,
         timeout=run.request_timeout,
     ) as client:
-        generator = Generator(client, tokenizer, model.name, run)
+        generator = Generator(client, tokenizer, model.name, run, shape=job.rollout_shape)
         initial = await loop.rollout.weight_version()
         summary.weight_versions.append(initial)
         driver = AsyncDriver(

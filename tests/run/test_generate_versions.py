@@ -43,3 +43,24 @@ def test_one_version_leaves_no_boundaries(spans: Any) -> None:
 def test_spans_that_are_not_spans_are_an_upstream_error() -> None:
     with pytest.raises(UpstreamError, match="weight_versions"):
         _sample("s", "g", [9], Prompt("p"), _answer([{"start": "x"}]))
+
+
+def test_a_trajectory_spanning_a_push_carries_each_turns_version() -> None:
+    from relax_core.agent.multiturn import _boundaries, add_segments
+    from relax_core.run.rollout import parse_answer
+
+    segments: list[tuple[int, str | None]] = []
+    # Turn 0 (tokens 0-3) under ckpt; environment tokens 4-6; turn 1 (7-10) began under
+    # ckpt and met a push after two tokens.
+    add_segments(segments, 0, parse_answer("t0", _answer(None) | {"meta_info": _meta("ckpt")}))
+    spans = [{"version": "ckpt", "start": 0, "end": 2}, {"version": "st-1", "start": 2, "end": 4}]
+    add_segments(segments, 7, parse_answer("t1", _answer(spans)))
+    assert _boundaries(segments) == ((0, "ckpt"), (9, "st-1"))
+    one: list[tuple[int, str | None]] = []
+    add_segments(one, 0, parse_answer("t0", _answer(None)))
+    add_segments(one, 7, parse_answer("t1", _answer(None)))
+    assert _boundaries(one) == ()  # one version made every turn
+
+
+def _meta(version: str) -> dict[str, Any]:
+    return {"output_token_logprobs": [[-0.1, t, None] for t in range(4)], "weight_version": version}

@@ -5,7 +5,9 @@ it sends the judge conversation to the genrm role's engines through the scoring 
 :class:`~relax_core.InferenceClient` (``context.client("genrm")``, OpenAI chat path, the
 sample's route key picking the judge model) and returns a
 :class:`~relax_core.coordination.RewardResult`; a judge answer without a verdict scores 0.0 and
-is counted as a parse failure. :class:`JudgeClient` and :func:`judge_sample` do the same through
+is counted as a parse failure. A multi-turn trajectory is judged whole: the judge reads its
+entire conversation (every policy turn and tool result), not only the last answer.
+:class:`JudgeClient` and :func:`judge_sample` do the same through
 a genrm *gateway* over HTTP (``POST {url}/genrm/generate`` with ``messages``), for code outside
 a scoring stage. The verdict parser reads the judge's last ``score: X`` (a number in [0, 1]) or,
 failing that, its last ``yes``/``no`` / ``correct``/``incorrect`` word.
@@ -37,6 +39,8 @@ __all__ = [
     "parse_verdict",
     "read_verdict",
     "render_judge_messages",
+    "render_trajectory_judge_messages",
+    "trajectory_messages",
 ]
 
 #: The role the judge adapter calls.
@@ -63,6 +67,41 @@ def render_judge_messages(
         parts.insert(1, f"Reference answer:\n{reference}")
     return [
         {"role": "system", "content": JUDGE_SYSTEM_PROMPT},
+        {"role": "user", "content": "\n\n".join(parts)},
+    ]
+
+
+TRAJECTORY_SYSTEM_PROMPT = (
+    "You are a strict judge. Read the whole conversation between a user, an assistant and its "
+    "tools, and the reference answer. Reply with a short reason and end with 'score: 1' if the "
+    "assistant's final answer is correct, else 'score: 0'."
+)
+
+
+def trajectory_messages(sample: Any) -> list[dict[str, Any]] | None:
+    """The whole conversation of a multi-turn trajectory (``metadata["trajectory"]
+    ["messages"]``: the environment's first messages, every policy turn and every
+    observation), or ``None`` for a single-turn sample."""
+    metadata = getattr(sample, "metadata", None)
+    trajectory = metadata.get("trajectory") if isinstance(metadata, Mapping) else None
+    messages = trajectory.get("messages") if isinstance(trajectory, Mapping) else None
+    if not isinstance(messages, list) or not messages:
+        return None
+    return [dict(m) for m in messages if isinstance(m, Mapping)]
+
+
+def render_trajectory_judge_messages(
+    conversation: list[dict[str, Any]], reference: str | None = None
+) -> list[dict[str, str]]:
+    """The judge conversation for a whole trajectory: the system prompt, then one user turn
+    holding every message of ``conversation`` as ``[role]`` and its content, in order (the
+    judge sees each turn and each tool result, not only the last answer), and the reference."""
+    lines = [f"[{m.get('role', '?')}]\n{m.get('content', '')}" for m in conversation]
+    parts = ["Conversation:\n" + "\n\n".join(lines)]
+    if reference is not None:
+        parts.append(f"Reference answer:\n{reference}")
+    return [
+        {"role": "system", "content": TRAJECTORY_SYSTEM_PROMPT},
         {"role": "user", "content": "\n\n".join(parts)},
     ]
 
@@ -218,7 +257,8 @@ async def judge_sample(
 async def judge_reward(response: str, label: str | None, *, context: RewardContext) -> RewardResult:
     """The ``genrm-judge`` adapter: the judge model's verdict on ``response``.
 
-    Sends the judge conversation (question = the sample's prompt, reference = ``label``) to
+    Sends the judge conversation (question = the sample's prompt, reference = ``label``; for
+    a multi-turn trajectory the whole conversation, :func:`render_trajectory_judge_messages`) to
     the reward stage's role (``genrm`` unless the stage names another) through
     ``context.client(role)`` on ``/v1/chat/completions``: to the stage's model when it names
     one (``models = ["judge-a"]``: one judge per stage), else routed by the sample's route key;
@@ -228,7 +268,11 @@ async def judge_reward(response: str, label: str | None, *, context: RewardConte
     :raises UpstreamError: the judge request failed (it is not retried: no POST is replayed).
     :raises ValueError: the answer has no message text.
     """
-    messages = render_judge_messages(context.prompt, response, label)
+    conversation = trajectory_messages(context.sample)
+    if conversation is not None:
+        messages = render_trajectory_judge_messages(conversation, label)
+    else:
+        messages = render_judge_messages(context.prompt, response, label)
     client = context.client(context.role or JUDGE_ROLE)
     body: dict[str, Any] = {
         "messages": messages,

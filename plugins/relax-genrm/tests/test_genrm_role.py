@@ -226,3 +226,46 @@ def test_judge_adapter_scores_a_reward_stage_and_counts_parse_failures(
     assert any("2+2?" in q and "Reference answer:\n4" in q for q in asked)
     assert {s["body"]["model"] for s in seen} == {"judge-v1"}  # type: ignore[index]
     assert {s["key"] for s in seen} == {"g0", "g1"}  # the group is the affinity key
+
+
+def test_a_multi_turn_trajectory_is_judged_whole(
+    plugin_manager: PluginManager, judge_engine: tuple[str, list[dict[str, object]]]
+) -> None:
+    from relax_core import (
+        RegistryPublisher,
+        RewardStage,
+        RoleClients,
+        RoutingSpec,
+        Sample,
+        StageContext,
+    )
+
+    url, seen = judge_engine
+    publisher = RegistryPublisher("genrm", RoutingSpec(default_model="judge"))
+    publisher.set_model(
+        "judge", state="READY", route_mode="DIRECT", weight_source="STATIC",
+        served_model_name="judge-v1",
+    )  # fmt: skip
+    publisher.set_engine("judge", "judge/replica-0", base_url=url, state="READY")
+    conversation = [
+        {"role": "system", "content": "You can use a calculator."},
+        {"role": "user", "content": "what is 2+2?"},
+        {"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+        {"role": "tool", "content": "<tool_response>\n4\n</tool_response>"},
+        {"role": "assistant", "content": "4"},
+    ]
+    # Its prompt and last answer alone would not show the judge the question ("2+2").
+    sample = Sample(
+        "t", "g0", [1], [2, 3, 4], prompt="(see the conversation)", response="4", label="4",
+        metadata={"trajectory": {"messages": conversation}}, loss_mask=(1, 0, 1),
+    )  # fmt: skip
+    stage = RewardStage([plugin_manager.reward_adapter("genrm-judge")], role="genrm")
+    before = len(seen)
+    asyncio.run(stage.run([sample], StageContext(0, RoleClients({"genrm": publisher.snapshot}))))
+    assert sample.reward == 1.0
+    (asked,) = [s["body"]["messages"] for s in seen[before:]]  # type: ignore[index]
+    text = asked[1]["content"]
+    # Every message of the conversation, in order, with its role; then the reference.
+    at = [text.index(f"[{m['role']}]\n{m['content']}") for m in conversation]
+    assert at == sorted(at)
+    assert text.endswith("Reference answer:\n4")

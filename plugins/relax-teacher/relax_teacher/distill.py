@@ -5,7 +5,9 @@ For every staged sample the stage sends SGLang's prefill request (:func:`prefill
 ``logprob_start_len = prompt_len - 1``, and ``top_logprobs_num = k`` in top-k mode), checks the
 answer (:func:`parse_prefill`: exactly response length + 1 input log-probs) and writes the
 fields it declares: ``teacher_logprobs`` (and ``teacher_topk_ids`` / ``teacher_topk_logprobs``
-with ``top_k``), or ``student_logprobs`` for the student stage, each validated by the batch
+with ``top_k``), or ``student_logprobs`` for the student stage — for a multi-turn trajectory
+only at the policy's own tokens (loss mask 1; the environment's tokens are prefilled as
+context and carry 0.0, :func:`policy_tokens_only`) — each validated by the batch
 before anything is written back (one finite log-prob <= 0 per response token; top-k rows of k
 ids and k sorted log-probs).
 
@@ -49,6 +51,7 @@ __all__ = [
     "DistillationStage",
     "PrefillResult",
     "parse_prefill",
+    "policy_tokens_only",
     "prefill_payload",
     "teacher_topk_fields",
 ]
@@ -141,6 +144,16 @@ def teacher_topk_fields(k: int) -> tuple[SampleField, SampleField]:
     ids = SampleField("teacher_topk_ids", None, f"the teacher's top-{k} token ids per position")
     lps = SampleField("teacher_topk_logprobs", check, "their log-probs, sorted descending")
     return ids, lps
+
+
+def policy_tokens_only(sample: Sample, logprobs: tuple[float, ...]) -> tuple[float, ...]:
+    """``logprobs`` kept for the policy's own tokens of ``sample`` (loss mask 1) and 0.0 for
+    an environment's or a tool's (mask 0): those are prefilled as context — the teacher reads
+    the whole trajectory — but they are not the policy's, so nothing is distilled on them (the
+    trainer masks them too). A sample without a mask keeps every log-prob."""
+    if not sample.loss_mask:
+        return logprobs
+    return tuple(lp if m else 0.0 for lp, m in zip(logprobs, sample.loss_mask, strict=True))
 
 
 def prefill_payload(
@@ -296,10 +309,11 @@ class DistillationStage:
                         f"{self.role!r}: {type(exc).__name__}: {exc}",
                     ) from exc
             fields = sample.fields
+            logprobs = policy_tokens_only(sample, result.logprobs)
             if self.student:
-                fields["student_logprobs"] = result.logprobs
+                fields["student_logprobs"] = logprobs
                 return
-            fields["teacher_logprobs"] = result.logprobs
+            fields["teacher_logprobs"] = logprobs
             if self.top_k:
                 fields["teacher_topk_ids"] = result.top_ids
                 fields["teacher_topk_logprobs"] = result.top_logprobs

@@ -136,3 +136,22 @@ def test_a_student_stage_writes_student_logprobs_only() -> None:
         len(s.fields["student_logprobs"]) == 3 and "teacher_logprobs" not in s.fields
         for s in samples
     )
+
+
+def test_a_trajectory_is_prefilled_whole_and_distilled_on_the_policys_tokens_only() -> None:
+    # A multi-turn trajectory: tokens 1-2 of the response are an environment's (mask 0).
+    trajectory = Sample(
+        "g0-s0", "g0", [1, 2, 3], [10, 11, 12, 13], metadata={"route_key": "math"},
+        loss_mask=(1, 0, 0, 1),
+    )  # fmt: skip
+    plain = Sample("g1-s0", "g1", [1, 2, 3], [10, 11, 12, 13], metadata={"route_key": "math"})
+    with teachers() as (provider, seen, _):
+        stage = DistillationStage("teacher")
+        clients = RoleClients({"teacher": provider})
+        asyncio.run(stage.run([trajectory, plain], StageContext(0, clients)))
+    # The teacher read the whole sequence, the environment's tokens as context.
+    assert sorted(ids for _, ids in seen) == [[1, 2, 3, 10, 11, 12, 13]] * 2
+    full = plain.fields["teacher_logprobs"]
+    assert all(v < 0 for v in full)
+    assert trajectory.fields["teacher_logprobs"] == (full[0], 0.0, 0.0, full[3])
+    assert validate_samples([trajectory, plain], stage.fields) == []

@@ -6,7 +6,11 @@
 - **Policy loss**: PPO's clipped surrogate per response token, the rollout's own log-probs
   (``Sample.rollout_logprobs``, what the engine sampled with) as the old policy:
   ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` with ``r = exp(logp - logp_rollout)``,
-  averaged over every response token of the batch.
+  averaged over every trained response token of the batch.
+- **The loss mask** (``Sample.loss_mask``, a multi-turn trajectory's): only tokens of mask 1
+  (the policy's) enter the policy and distillation terms and their means (the importance
+  weights' statistics too); an environment's or a tool's tokens (mask 0) are context only, so
+  no gradient flows through them. An empty mask trains every response token.
 - **Off-policy correction** (``importance_cap`` > 0: asynchronous steps train on samples up
   to ``max_staleness`` versions old, some spanning a push): decoupled PPO / truncated
   importance sampling. The trainer's own log-probs before its step are the proximal policy:
@@ -132,7 +136,8 @@ def batch_loss(
     ``logits [B, T, V]`` are the policy's over ``pad_batch``'s ``input_ids``; ``advantages``
     one per sample (:func:`group_advantages` over the whole batch, so a micro-batch never
     splits a group's statistics); ``teacher_mode`` is ``"sampled"``, ``"top-k"`` or ``None``
-    (no distillation term). The loss is the mean over the samples' response tokens.
+    (no distillation term). The loss is the mean over the samples' trained response tokens
+    (mask 1; ``report.tokens`` counts them).
 
     :raises ValueError: a sample lacks a field the loss needs (rollout log-probs, or the
         teacher fields of ``teacher_mode``), or its lengths disagree with its response.
@@ -143,6 +148,8 @@ def batch_loss(
             raise ValueError(
                 f"sample {s.id}: {len(s.rollout_logprobs)} rollout log-probs for {n} tokens"
             )
+        if s.loss_mask and len(s.loss_mask) != n:
+            raise ValueError(f"sample {s.id}: {len(s.loss_mask)} loss-mask entries for {n} tokens")
         if teacher_mode == "sampled" and len(s.fields.get("teacher_logprobs") or ()) != n:
             raise ValueError(f"sample {s.id}: no teacher log-prob for each of its {n} tokens")
         if teacher_mode == "top-k" and len(s.fields.get("teacher_topk_ids") or ()) != n:
@@ -156,6 +163,14 @@ def batch_loss(
         dtype=torch.float32,
         device=logp.device,
     )
+    keep = torch.tensor(
+        [m for s in samples for m in s.trained()], dtype=torch.bool, device=logp.device
+    )
+    trained = max(int(keep.sum()), 1)
+
+    def masked_mean(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, values, torch.zeros_like(values)).sum() / trained
+
     ratio = torch.exp(logp - old)
     weight_mean: float | None = None
     truncated: float | None = None
@@ -164,21 +179,21 @@ def batch_loss(
         weight = torch.clamp(behaviour, max=importance_cap)
         proximal = torch.exp(logp - logp.detach())
         clipped = torch.clamp(proximal, 1.0 - clip, 1.0 + clip)
-        policy_loss = -(weight * torch.minimum(proximal * adv, clipped * adv)).mean()
-        weight_mean = float(weight.mean())
-        truncated = float((behaviour > importance_cap).float().mean())
+        policy_loss = masked_mean(-(weight * torch.minimum(proximal * adv, clipped * adv)))
+        weight_mean = float(masked_mean(weight))
+        truncated = float(masked_mean((behaviour > importance_cap).float()))
     else:
         clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-        policy_loss = -torch.minimum(ratio * adv, clipped * adv).mean()
+        policy_loss = masked_mean(-torch.minimum(ratio * adv, clipped * adv))
     distill = torch.zeros((), device=logp.device)
     kl: float | None = None
     teacher_mean: float | None = None
     if teacher_mode == "sampled":
         teacher = _per_token(samples, "teacher_logprobs", mask)
         gap = logp - teacher
-        distill = (ratio * gap.detach()).mean()
-        kl = float(gap.detach().mean())
-        teacher_mean = float(teacher.mean())
+        distill = masked_mean(ratio * gap.detach())
+        kl = float(masked_mean(gap.detach()))
+        teacher_mean = float(masked_mean(teacher))
     elif teacher_mode == "top-k":
         ids = torch.tensor(
             [row for s in samples for row in s.fields["teacher_topk_ids"]],
@@ -194,9 +209,9 @@ def batch_loss(
         p_teacher = torch.softmax(t_lp, dim=-1)
         log_q = torch.log_softmax(student, dim=-1)
         per_token = (p_teacher * (torch.log_softmax(t_lp, dim=-1) - log_q)).sum(-1)
-        distill = per_token.mean()
+        distill = masked_mean(per_token)
         kl = float(distill.detach())
-        teacher_mean = float(t_lp[:, 0].mean())
+        teacher_mean = float(masked_mean(t_lp[:, 0]))
     loss = policy_loss + distill_coef * distill
     report = LossReport(
         loss=float(loss.detach()),
@@ -204,9 +219,9 @@ def batch_loss(
         distill_loss=float(distill.detach()),
         teacher_kl=kl,
         teacher_logprob_mean=teacher_mean,
-        ratio_mean=float(ratio.detach().mean()),
-        clip_fraction=float(((ratio - 1.0).abs() > clip).float().mean()),
-        tokens=int(mask.sum()),
+        ratio_mean=float(masked_mean(ratio.detach())),
+        clip_fraction=float(masked_mean(((ratio - 1.0).abs() > clip).float())),
+        tokens=int(keep.sum()),
         importance_weight_mean=weight_mean,
         truncated_fraction=truncated,
     )

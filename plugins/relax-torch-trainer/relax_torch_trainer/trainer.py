@@ -84,7 +84,8 @@ class PolicyTrainer:
         ctx = self.context
         started = time.perf_counter()
         advantages = group_advantages(samples)
-        total_tokens = sum(len(s.response_ids) for s in samples)
+        # Trained tokens (loss mask 1): micro-batches are weighted by them.
+        total_tokens = max(sum(sum(s.trained()) for s in samples), 1)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         reports = []

@@ -1,6 +1,6 @@
 """A test plugin: reward adapters, one routing policy, one engine backend (``test-sim``), one
-trainer (``record-fields``) and one tracker that raises (``raises``), found through the entry
-point."""
+trainer (``record-fields``), one tracker that raises (``raises``) and one environment that
+raises in the second step (``fails-on-step-1``), found through the entry point."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from relax_core import (
     ControlClient,
     EngineBackend,
     EngineLaunchSpec,
+    EnvironmentSpec,
+    Observation,
+    Reset,
     RewardSpec,
     RoutingPolicy,
     SubprocessEngineProcess,
@@ -21,6 +24,7 @@ from relax_core import (
     TrackerSpec,
     TrainerContext,
     TrainerSpec,
+    Turn,
     hookimpl,
 )
 
@@ -166,5 +170,32 @@ def relax_register_trackers(register: Callable[[TrackerSpec], None]) -> None:
             open=RaisesTracker,
             options=("step",),
             description="test plugin: raises in log_metrics at one step",
+        )
+    )
+
+
+class FailsOnStep1:
+    """An environment that ends every trajectory after one turn in step 0 and raises on the
+    first turn of step 1 (its trajectories are ``b1-…``): a step failed by its environment."""
+
+    def __init__(self, config: Any) -> None:
+        self.trajectory = config.trajectory_id
+
+    def reset(self, prompt: Any) -> Reset:
+        return Reset([{"role": "user", "content": prompt.prompt}])
+
+    def step(self, turn: Turn) -> Observation:
+        if self.trajectory.startswith("b1-"):
+            raise RuntimeError("the environment broke on purpose")
+        return Observation(reward=1.0, done=True)
+
+
+@hookimpl
+def relax_register_environments(register: Callable[[EnvironmentSpec], None]) -> None:
+    register(
+        EnvironmentSpec(
+            name="fails-on-step-1",
+            make=FailsOnStep1,
+            description="test plugin: raises on the first turn of step 1",
         )
     )
