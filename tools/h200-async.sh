@@ -17,6 +17,8 @@ source tools/h200-setup.sh
 # Three logical GPUs, one physical: Ray must not hide the GPU from bundles 1 and 2.
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
 JOB=docs/examples/run-h200-async.toml
+# The sync job sits beside the async one (its model paths are relative to the job file).
+trap 'rm -f docs/examples/run-h200-sync.toml' EXIT
 sed 's/^mode = "async"$/mode = "sync"/; /^max_staleness = /d' "$JOB" >docs/examples/run-h200-sync.toml
 status=0
 for mode in sync async; do
