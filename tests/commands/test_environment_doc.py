@@ -6,9 +6,6 @@ whose hint tokens, and only those, carry loss mask 0."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,10 +22,6 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return docs.install(TEXT, tmp_path_factory.mktemp("environment-doc"), skip=(JOB,))
 
 
-def _env(site: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": docs.pythonpath(site)}
-
-
 def test_the_section_shows_a_distribution_its_test_and_a_job() -> None:
     assert set(docs.files(TEXT)) == {
         "pyproject.toml", "relax_second_chance/__init__.py", "tests/test_second_chance.py", JOB,
@@ -36,30 +29,11 @@ def test_the_section_shows_a_distribution_its_test_and_a_job() -> None:
 
 
 def test_the_distribution_s_own_test_passes(installed: tuple[Path, Path]) -> None:
-    source, site = installed
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=source,
-        env=_env(site),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "1 passed" in out.stdout
+    docs.own_tests_pass(*installed)
 
 
 def test_relax_plugins_lists_the_environment(installed: tuple[Path, Path]) -> None:
-    _, site = installed
-    out = subprocess.run(
-        [sys.executable, "-m", "relax_core", "plugins"],
-        env=_env(site),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    (row,) = [line.split() for line in out.stdout.splitlines() if "second-chance" in line]
+    row = docs.plugins_row(installed[1], "second-chance")
     assert row[:3] == ["environments", "second-chance", "relax-second-chance"]
 
 
@@ -69,18 +43,7 @@ def test_its_job_runs_and_commits_trajectories(
     installed: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, site = installed
-    (tmp_path / JOB).write_text(docs.files(TEXT)[JOB])
-    for command in docs.commands(TEXT, "relax-hf"):
-        made = subprocess.run(
-            [sys.executable, "-m", "relax_hf", *command[1:]],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert made.returncode == 0, made.stderr
-    (command,) = docs.commands(TEXT, "relax run")
-    assert command[:3] == ["relax", "run", JOB] and "--json" in command
+    command = docs.job_command(TEXT, tmp_path, JOB)
     dumps = command[command.index("--dump-samples") + 1]
     monkeypatch.setenv("PYTHONPATH", docs.pythonpath(site))
     with support.relax_run(

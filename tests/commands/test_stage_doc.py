@@ -6,9 +6,6 @@ trainer's batch, with no change to the core."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,10 +22,6 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return docs.install(TEXT, tmp_path_factory.mktemp("stage-doc"), skip=(JOB,))
 
 
-def _env(site: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": docs.pythonpath(site)}
-
-
 def test_the_section_shows_a_distribution_its_test_and_a_job() -> None:
     assert set(docs.files(TEXT)) == {
         "pyproject.toml", "relax_length_penalty/__init__.py", "tests/test_length_penalty.py", JOB,
@@ -36,30 +29,11 @@ def test_the_section_shows_a_distribution_its_test_and_a_job() -> None:
 
 
 def test_the_distribution_s_own_test_passes(installed: tuple[Path, Path]) -> None:
-    source, site = installed
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=source,
-        env=_env(site),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "1 passed" in out.stdout
+    docs.own_tests_pass(*installed)
 
 
 def test_relax_plugins_lists_the_stage_kind(installed: tuple[Path, Path]) -> None:
-    _, site = installed
-    out = subprocess.run(
-        [sys.executable, "-m", "relax_core", "plugins"],
-        env=_env(site),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    (row,) = [line.split() for line in out.stdout.splitlines() if "length-penalty" in line]
+    row = docs.plugins_row(installed[1], "length-penalty")
     assert row[:3] == ["stages", "length-penalty", "relax-length-penalty"]
 
 
@@ -69,18 +43,7 @@ def test_its_job_runs_and_the_field_reaches_the_trainers_batch(
     installed: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, site = installed
-    (tmp_path / JOB).write_text(docs.files(TEXT)[JOB])
-    for command in docs.commands(TEXT, "relax-hf"):
-        made = subprocess.run(
-            [sys.executable, "-m", "relax_hf", *command[1:]],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert made.returncode == 0, made.stderr
-    (command,) = docs.commands(TEXT, "relax run")
-    assert command[:3] == ["relax", "run", JOB] and "--json" in command
+    docs.job_command(TEXT, tmp_path, JOB)
     monkeypatch.setenv("PYTHONPATH", docs.pythonpath(site))
     dumps = tmp_path / "samples"
     with support.relax_run(

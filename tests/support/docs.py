@@ -78,3 +78,54 @@ def install(text: str, root: Path, *, skip: tuple[str, ...] = ()) -> tuple[Path,
     )
     assert pip.returncode == 0, pip.stdout + pip.stderr
     return source, site
+
+
+def _env(site: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": pythonpath(site)}
+
+
+def own_tests_pass(source: Path, site: Path, *, passed: int = 1) -> None:
+    """The installed distribution's own tests (``source/tests``) pass: ``passed`` of them."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=source,
+        env=_env(site),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{passed} passed" in out.stdout
+
+
+def plugins_row(site: Path, name: str) -> list[str]:
+    """``relax plugins``' row of ``name`` with ``site`` on the path, split in words."""
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_core", "plugins"],
+        env=_env(site),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    (row,) = [line.split() for line in out.stdout.splitlines() if name in line]
+    return row
+
+
+def job_command(text: str, directory: Path, job: str) -> list[str]:
+    """Write the section's job file into ``directory``, run its ``relax-hf`` commands there
+    (the tiny models it names) and return its one ``relax run`` command, checked to run
+    ``job`` with ``--json``."""
+    (directory / job).write_text(files(text)[job])
+    for command in commands(text, "relax-hf"):
+        made = subprocess.run(
+            [sys.executable, "-m", "relax_hf", *command[1:]],
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert made.returncode == 0, made.stderr
+    (command,) = commands(text, "relax run")
+    assert command[:3] == ["relax", "run", job] and "--json" in command
+    return command
