@@ -40,7 +40,6 @@ from relax_core.coordination.residency import ResidencyPlan
 from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
 
 __all__ = [
-    "Fault",
     "SimJudge",
     "SimRollout",
     "SimTrainer",
@@ -49,7 +48,7 @@ __all__ = [
 ]
 
 
-class Fault(RuntimeError):
+class _Fault(RuntimeError):
     """A fault injected into a simulated phase."""
 
 
@@ -108,7 +107,7 @@ class SimRollout:
 
     ``lag``: a push is reported to the driver at once but reaches the engine only after this
     many more groups (the stateful test's engine that serves older weights than it was told).
-    ``fail_at``: step -> group index whose generation raises :class:`Fault`.
+    ``fail_at``: step -> group index whose generation raises :class:`_Fault`.
     """
 
     def __init__(
@@ -146,7 +145,7 @@ class SimRollout:
         t = self.times
         async with self._lock:
             if self.fail_at.get(batch_id) == index:
-                raise Fault(f"rollout failed on group {index} of step {batch_id}")
+                raise _Fault(f"rollout failed on group {index} of step {batch_id}")
             per_token = t.generate_s / t.groups / t.tokens
             boundaries: list[tuple[int, str]] = [(0, self.version)]
             for i in range(t.tokens):
@@ -211,7 +210,7 @@ class SimProducer:
 
 class SimJudge:
     """A reward stage on a judge of its own: ``score_s / groups`` per group, one at a time;
-    it streams. ``fail_at``: a step whose scoring raises :class:`Fault`."""
+    it streams. ``fail_at``: a step whose scoring raises :class:`_Fault`."""
 
     name, role, models = "judge", "judge", ()
     fields = REWARD_FIELDS
@@ -226,7 +225,7 @@ class SimJudge:
         groups = len({s.group_id for s in samples})
         async with self._lock:
             if ctx.batch_id == self.fail_at:
-                raise Fault(f"the judge failed on step {ctx.batch_id}")
+                raise _Fault(f"the judge failed on step {ctx.batch_id}")
             await asyncio.sleep(self.times.score_s / self.times.groups * groups)
         for s in samples:
             s.fields["rewards"] = {"judge": 1.0}
@@ -237,7 +236,7 @@ class SimJudge:
 class SimTrainer:
     """The trainer: ``train(N)`` waits for the commit, reads ``train_N``, trains, deletes it;
     ``push`` moves the rollout's weights. ``trained`` lists ``(step, sample ids, trainer
-    version)`` in order; ``fail_at``: a step whose training raises :class:`Fault`."""
+    version)`` in order; ``fail_at``: a step whose training raises :class:`_Fault`."""
 
     def __init__(
         self,
@@ -260,7 +259,7 @@ class SimTrainer:
         receipt = await self.coordinator.wait_committed(batch_id, timeout=60)
         samples = await self.sink.get(receipt.partition)
         if batch_id == self.fail_at:
-            raise Fault(f"the trainer failed on step {batch_id}")
+            raise _Fault(f"the trainer failed on step {batch_id}")
         await asyncio.sleep(self.times.train_s)
         self.trained.append((batch_id, list(samples), self.version))
         self.version += 1

@@ -699,7 +699,7 @@ def async_layout_problem(job: RunJob) -> str | None:
 async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interrupts) -> None:
     """``mode = "async"``: the steps through the :class:`~relax_core.run.pipeline.AsyncDriver`,
     then the final push, into ``summary``."""
-    from relax_core.run.pipeline import AsyncDriver, AsyncSettings, PipelineFailure, StepOutcome
+    from relax_core.run.pipeline import AsyncDriver, AsyncSettings, StepOutcome, _StepFailure
 
     job, run, printer = loop.job, loop.run, loop.printer
     problem = async_layout_problem(job)
@@ -770,7 +770,7 @@ async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _I
         )
         try:
             await driver.run()
-        except PipelineFailure as failed:
+        except _StepFailure as failed:
             n = failed.step
             loop.step = n
             if interrupted(failed.error):

@@ -61,7 +61,6 @@ __all__ = [
     "STALENESS_STAGE",
     "AsyncDriver",
     "AsyncSettings",
-    "PipelineFailure",
     "StepOutcome",
     "TrainerPort",
     "VersionClock",
@@ -165,7 +164,7 @@ class StepOutcome:
     metrics: dict[str, Any]
 
 
-class PipelineFailure(Exception):
+class _StepFailure(Exception):
     """Step ``step`` failed or was interrupted (``error``); nothing of it was committed.
     ``samples``: every sample it generated (kept and dropped); ``batch``: its
     :class:`~relax_core.coordination.DeferredBatch` once it began; ``trainer``: what the
@@ -328,7 +327,7 @@ class AsyncDriver:
     async def run(self) -> None:
         """Every step, or the first failure.
 
-        :raises PipelineFailure: a step failed or was interrupted (after every step before it
+        :raises _StepFailure: a step failed or was interrupted (after every step before it
             that committed was trained).
         """
         steps = self.settings.steps
@@ -350,7 +349,7 @@ class AsyncDriver:
             for lane in lanes:
                 lane.cancel()
             results = await asyncio.gather(*lanes, return_exceptions=True)
-            failure = next((r for r in results if isinstance(r, PipelineFailure)), None)
+            failure = next((r for r in results if isinstance(r, _StepFailure)), None)
             if failure is not None:
                 failure.ahead = await self._ahead(failure)
                 raise failure from None
@@ -361,13 +360,13 @@ class AsyncDriver:
         # The training lane's failure first: the commit lane was cancelled because of it.
         for lane in (train, commit):
             error = None if lane.cancelled() else lane.exception()
-            if error is not None and not isinstance(error, PipelineFailure):
-                error = PipelineFailure(self.committing, error, [])
+            if error is not None and not isinstance(error, _StepFailure):
+                error = _StepFailure(self.committing, error, [])
             if error is not None:
                 error.ahead = await self._ahead(error)
                 raise error
 
-    async def _ahead(self, failure: PipelineFailure) -> list[Sample]:
+    async def _ahead(self, failure: _StepFailure) -> list[Sample]:
         """The samples of the failed step and those after it that were generated (or were
         being generated) and are not in ``failure.samples``: never committed; their scoring
         is stopped."""
@@ -462,9 +461,9 @@ class AsyncDriver:
             generated = await asyncio.shield(self._generated[n])
         except _GenerationFailed as exc:
             await self._fail(n, exc.error)
-            raise PipelineFailure(n, exc.error, exc.samples) from exc.error
+            raise _StepFailure(n, exc.error, exc.samples) from exc.error
         except asyncio.CancelledError as exc:
-            raise PipelineFailure(n, exc, []) from exc
+            raise _StepFailure(n, exc, []) from exc
         gate = generated.collector
         assert isinstance(gate, _Gate)
         try:
@@ -472,7 +471,7 @@ class AsyncDriver:
             await self.coordinator.begin_batch(n)
         except BaseException as exc:
             await self._fail(n, exc)
-            raise PipelineFailure(n, exc, gate.all_samples) from exc
+            raise _StepFailure(n, exc, gate.all_samples) from exc
         batch = DeferredBatch(
             n,
             gate.samples,
@@ -491,7 +490,7 @@ class AsyncDriver:
         try:
             result = await batch.run()
         except BaseException as exc:
-            raise PipelineFailure(n, exc, batch.generated_samples(), batch) from exc
+            raise _StepFailure(n, exc, batch.generated_samples(), batch) from exc
         return generated, batch, result
 
     async def _fail(self, n: int, exc: BaseException) -> None:
@@ -513,7 +512,7 @@ class AsyncDriver:
                 with tl.phase(n, "train", lane="trainer"):
                     trained = await self.trainer.train(n)
             except BaseException as exc:
-                raise PipelineFailure(
+                raise _StepFailure(
                     n, exc, batch.generated_samples(), batch, trainer=describe_failure(exc)
                 ) from exc
             end, end_us = time.perf_counter(), time.time_ns() // 1000
@@ -540,7 +539,7 @@ class AsyncDriver:
                 except BaseException as exc:
                     if interrupted(exc):
                         raise
-                    raise PipelineFailure(
+                    raise _StepFailure(
                         n + 1, exc, [], trainer=f"its push failed: {describe_failure(exc)}"
                     ) from exc
                 self.clock.pushed(_version(pushed_before, str(n + 1)), n + 1)

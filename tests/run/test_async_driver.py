@@ -44,7 +44,7 @@ from relax_core.coordination import (
     partition_name,
 )
 from relax_core.coordination.stages import RoleClients
-from relax_core.run.pipeline import STALENESS_STAGE, AsyncDriver, AsyncSettings, PipelineFailure
+from relax_core.run.pipeline import STALENESS_STAGE, AsyncDriver, AsyncSettings, _StepFailure
 
 KINDS = ("group", "score", "train", "push")
 
@@ -346,7 +346,7 @@ class DriverMachine(RuleBasedStateMachine):
             assert generated == set(trained) | set(dropped)
             assert not set(trained) & set(dropped)
             return
-        assert isinstance(error, PipelineFailure), error
+        assert isinstance(error, _StepFailure), error
         assert self.faults, f"the run failed with no fault: {error!r}"
         failed = error.step
         reported = {s.id for s in (*error.samples, *error.ahead)}
