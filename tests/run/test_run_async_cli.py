@@ -11,28 +11,12 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.support import run as support
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return support.make_models(tmp_path_factory.mktemp("run-async-models"))
-
-
-@pytest.fixture
-def root(models: Path, tmp_path: Path) -> Path:
-    (tmp_path / "tiny").symlink_to(models / "tiny", target_is_directory=True)
-    return tmp_path
-
-
-def _rows(run: support.RunProcess) -> list[dict[str, Any]]:
-    return [r for r in run.json_rows() if "event" not in r]
 
 
 def test_async_steps_commit_within_the_staleness_bound_and_kill_9_of_genrm_ends_it_cleanly(
@@ -48,7 +32,7 @@ def test_async_steps_commit_within_the_staleness_bound_and_kill_9_of_genrm_ends_
         proc.out.wait_for(r'^\{"step": 1, "batch_id": 1', timeout=300)  # steps 0 and 1 trained
         os.kill(support.engine_pid(root, "judge"), signal.SIGKILL)
         code = proc.wait(timeout=300)
-        rows = _rows(proc)
+        rows = proc.rows()
         summary = rows[-1]
         left = support.left_running(proc, summary)
     assert code == 1, f"{proc.out}\n{proc.err}"

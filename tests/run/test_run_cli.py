@@ -26,23 +26,6 @@ from tests.support import serve as processes
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return support.make_models(tmp_path_factory.mktemp("run-models"))
-
-
-@pytest.fixture
-def root(models: Path, tmp_path: Path) -> Path:
-    """A job directory of this test with the module's models beside it."""
-    (tmp_path / "tiny").symlink_to(models / "tiny", target_is_directory=True)
-    return tmp_path
-
-
-def _rows(run: support.RunProcess) -> list[dict[str, Any]]:
-    """Its JSON objects on stdout but the progress events: step rows, failed steps, summary."""
-    return [r for r in run.json_rows() if "event" not in r]
-
-
 def _phase(run: support.RunProcess, step: int, phase: str, state: str, timeout: float) -> None:
     """Wait for ``--json``'s progress event of ``phase`` of ``step`` in ``state``."""
     run.out.wait_for(
@@ -70,7 +53,7 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
         "--measure",
     ) as run:  # fmt: skip
         assert run.wait(timeout=400) == 0, f"{run.out}\n{run.err}"
-        *steps, summary = _rows(run)
+        *steps, summary = run.rows()
         left = support.left_running(run, summary)
     assert left == [], left
 
@@ -150,7 +133,7 @@ def _trigger_and_fail(
         _phase(proc, 1, phase_end, "end", timeout)
         fault()
         code = proc.wait(timeout=timeout)
-        rows = _rows(proc)
+        rows = proc.rows()
         summary = rows[-1]
         left = support.left_running(proc, summary)
     assert code == 1, f"{proc.out}\n{proc.err}"
@@ -282,7 +265,7 @@ def test_ctrl_c_while_genrm_judges_aborts_its_requests_and_stops_cleanly_with_ex
         wait_for(lambda: _requests_in_flight(engine.group(1)) > 0, timeout=30, what="judging")
         run.interrupt()  # Ctrl-C, as a terminal sends it: to the whole process group
         code = run.wait(timeout=120)
-        *_, summary = _rows(run)
+        *_, summary = run.rows()
         left = support.left_running(run, summary)
     out, err = str(run.out), str(run.err)
     assert code == 130, f"{out}\n{err}"
@@ -294,7 +277,7 @@ def test_ctrl_c_while_genrm_judges_aborts_its_requests_and_stops_cleanly_with_ex
     events = [r for r in run.json_rows() if r.get("event") == "phase" and r["step"] == 0]
     states = {r["phase"]: r["state"] for r in events}
     assert states["genrm"] == "interrupted" and states["genrm.offload"] == "end", states
-    failed = next(r for r in _rows(run) if r.get("failed"))
+    failed = next(r for r in run.rows() if r.get("failed"))
     assert failed["interrupted"] and failed["error"] == "interrupted during genrm", failed
     assert failed["blocked"] == {} and failed["trainer"].startswith("BatchFailedError"), failed
     assert summary["interrupted_step"] == 0 and summary["steps_committed"] == 0

@@ -112,6 +112,10 @@ class RunProcess:
         """Every JSON object it printed on stdout."""
         return [json.loads(line) for line in self.out.lines if line.startswith("{")]
 
+    def rows(self) -> list[dict[str, Any]]:
+        """Its JSON objects on stdout but the progress events: step rows, failed steps, summary."""
+        return [r for r in self.json_rows() if "event" not in r]
+
     def interrupt(self) -> None:
         """Ctrl-C, as a terminal sends it: SIGINT to the whole process group."""
         os.killpg(self.proc.pid, signal.SIGINT)
