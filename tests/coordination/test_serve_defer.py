@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -128,12 +129,14 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
 
 
 def _process_started(pid: int) -> float:
-    """When process ``pid`` started (epoch seconds), from /proc: before it loaded anything."""
+    """When process ``pid`` started (epoch seconds, to a clock tick), from /proc: before it
+    loaded anything. Measured back from now through ``/proc/uptime`` (centiseconds), not from
+    ``btime``, which /proc/stat gives in whole seconds (up to a second early)."""
     with open(f"/proc/{pid}/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime") as f:
+        now, uptime = time.time(), float(f.read().split()[0])
+    return now - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 class Residency:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,7 +15,13 @@ from typing import Any
 
 import attrs
 
-from relax_core import EngineLaunchSpec, EngineOptions, SubprocessEngineProcess, free_port
+from relax_core import (
+    EngineLaunchSpec,
+    EngineOptions,
+    LifecycleError,
+    SubprocessEngineProcess,
+    free_port,
+)
 from relax_hf.plugin import launch
 
 __all__ = [
@@ -203,10 +210,39 @@ def start_replica(
         processes += [node(r, follower_model or model) for r in range(1, nnodes)]
         replica = ReplicaServers(processes[0], processes[1:])
         if wait:
-            for process in reversed(processes):
-                process.wait_ready(START_TIMEOUT)
+            _wait_all(processes, START_TIMEOUT)
     except BaseException:
         for process in processes:
             process.terminate(5)
         raise
     return replica
+
+
+def _wait_all(processes: list[SubprocessEngineProcess], timeout: float) -> None:
+    """Until every node of a replica is ready, polling all of them: the first that exits, or
+    the deadline, raises — with the other nodes' log tails noted (a follower waiting on a head
+    that is stuck or gone says so)."""
+    deadline = time.monotonic() + timeout
+    pending = list(processes)
+    while pending:
+        for process in list(pending):
+            try:
+                process.wait_ready(min(0.5, max(0.05, deadline - time.monotonic())))
+            except LifecycleError as exc:
+                error = exc
+                if process.poll() is None:
+                    if time.monotonic() < deadline:
+                        continue
+                    error = LifecycleError(
+                        f"engine {process.engine_id}: not ready within {timeout:.1f}s (process "
+                        f"{process.pid} still running); {exc}"
+                    )
+                for other in processes:
+                    if other is not process:
+                        state = "running" if other.poll() is None else f"exit {other.poll()}"
+                        tail = "\n    ".join(other.log_tail(4000).splitlines()[-15:])
+                        error.add_note(
+                            f"engine {other.engine_id} ({state}), log {other.log_path}:\n    {tail}"
+                        )
+                raise error from None
+            pending.remove(process)
