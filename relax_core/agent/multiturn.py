@@ -60,7 +60,9 @@ from relax_core.records import EnvironmentSpec
 from relax_core.run.rollout import (
     GroupRequest,
     RolloutShapeConfig,
-    TurnAnswer,
+    add_segments,
+    boundaries,
+    continue_aborted,
     parse_answer,
     sampling_seed,
 )
@@ -78,6 +80,8 @@ class MultiTurn:
     :param env_options: its ``[run.generation.env]`` table.
     :param model: the generation model's name; ``model_path``, ``model_where``: its directory
         and key path (the chat template and tokenizer are loaded from it on first use).
+    :param continue_aborts: continue a turn a weight push's ``abort`` pause cut short
+        (:func:`~relax_core.run.rollout.continue_aborted`).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class MultiTurn:
         tool_timeout: float,
         request_timeout: float,
         env_path: str = "run.generation.env",
+        continue_aborts: bool = False,
     ) -> None:
         self.environment = environment
         self.env_options = dict(env_options)
@@ -106,6 +111,8 @@ class MultiTurn:
         self.max_new_tokens = max_new_tokens
         self.tool_timeout = tool_timeout
         self.request_timeout = request_timeout
+        #: ``push_pause = "abort"``: a turn a push cut short goes on from its tokens
+        self.continue_aborts = continue_aborts
         self._turns: ChatTurns | None = None
 
     @property
@@ -201,6 +208,15 @@ class MultiTurn:
             }
             raw = await client.generate(body, timeout=self.request_timeout, affinity_key=tid)
             answer = parse_answer(f"{tid} turn {k}", raw[0] if isinstance(raw, list) else raw)
+            if self.continue_aborts:
+                answer = await continue_aborted(
+                    client,
+                    body,
+                    answer,
+                    sample_id=f"{tid} turn {k}",
+                    affinity_key=tid,
+                    timeout=self.request_timeout,
+                )
             version = answer.weight_version  # SGLang's: the version of the last token
             text = answer.text
             start = len(response)
@@ -265,7 +281,7 @@ class MultiTurn:
                 },
             },
             weight_version=version,
-            weight_versions=_boundaries(segments),
+            weight_versions=boundaries(segments),
             loss_mask=mask,
         )
 
@@ -345,22 +361,5 @@ def build_multi_turn(config: RolloutShapeConfig) -> MultiTurn:
         tool_timeout=tool_timeout,
         request_timeout=config.run.request_timeout,
         env_path=env_path,
+        continue_aborts=config.run.push_pause == "abort",
     )
-
-
-def add_segments(segments: list[tuple[int, str | None]], start: int, answer: TurnAnswer) -> None:
-    """Append a turn's version segments (``answer.weight_versions``, or one segment of its
-    ``weight_version``) at its offset ``start`` in the trajectory's response, merging a
-    segment into the one before it when their versions are the same."""
-    for at, v in answer.weight_versions or ((0, answer.weight_version),):
-        if not segments or segments[-1][1] != v:
-            segments.append((start + at, v))
-
-
-def _boundaries(segments: list[tuple[int, str | None]]) -> tuple[tuple[int, str], ...]:
-    """A trajectory's version boundaries (``Sample.weight_versions``): its turns' segments,
-    each at its offset in the response (an environment's tokens belong to the segment before
-    them); none when one version generated every turn."""
-    if len(segments) <= 1:
-        return ()
-    return tuple((at, "" if v is None else v) for at, v in segments)

@@ -481,7 +481,8 @@ class InferenceManager:
         ``pause``: instead of the fence (admission closed, requests in flight finished first),
         pause generation with SGLang's mode (``in_place`` or ``retract``), update, continue:
         requests in flight are kept and go on with the new weights (their answers carry both
-        versions), requests arriving meanwhile wait in the engine.
+        versions), requests arriving meanwhile wait in the engine; ``abort``: requests in
+        flight end with what they had (finish reason ``abort``; their callers continue them).
 
         :raises CapabilityError: the weight source does not allow ``tensor`` updates.
         """
@@ -662,9 +663,9 @@ class InferenceManager:
         return self._run(method, lambda: self._weights.each_head(method, kwargs_of), settle=False)
 
 
-#: The pause modes a weight update may take instead of the fence (``abort`` would end the
-#: requests in flight: a push that keeps them uses these).
-PAUSE_MODES = ("in_place", "retract")
+#: The pause modes a weight update may take instead of the fence (SGLang's; ``abort`` ends the
+#: requests in flight with what they generated: their callers send them on).
+PAUSE_MODES = ("in_place", "retract", "abort")
 
 
 def _check_inputs(

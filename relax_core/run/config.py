@@ -62,9 +62,10 @@ RUN_MODES = ("sync", "async")
 STALE_ACTIONS = ("regenerate", "drop")
 #: ``push_pause`` values: how a weight push meets rollout's requests in flight — the manager's
 #: fence (admission closed, the requests finished first), or SGLang's ``pause_generation`` in
-#: that mode, the update, ``continue_generation`` (the requests kept, their tokens after the
-#: push from the new weights).
-PUSH_PAUSES = ("fence", "in_place", "retract")
+#: that mode, the update, ``continue_generation`` (``in_place``, ``retract``: the requests
+#: kept, their tokens after the push from the new weights; ``abort``: they end with what they
+#: had, and the rollout shape sends each on from its tokens, with the new weights).
+PUSH_PAUSES = ("fence", "in_place", "retract", "abort")
 #: The kind of stage the ``rewards`` shorthand makes (the core's own reward stage).
 REWARD_STAGE = "reward"
 #: The kind of stage the ``teacher_role`` shorthand makes: the distillation prefill the

@@ -38,6 +38,8 @@ from relax_core.run.rollout import (
     GroupRequest,
     RolloutShape,
     RolloutShapeConfig,
+    TurnAnswer,
+    continue_aborted,
     parse_answer,
     sampling_seed,
 )
@@ -137,9 +139,27 @@ class SingleTurn:
                 f"prompt {prompt.origin or request.index} asked for {n} samples and got "
                 f"{len(answers)}",
             )
+        sample_ids = [request.sample_id(j) for j in range(n)]
+        turns = [parse_answer(i, a) for i, a in zip(sample_ids, answers, strict=True)]
+        if run.push_pause == "abort":  # a push cut them short: each goes on from its tokens
+            turns = list(
+                await asyncio.gather(
+                    *(
+                        continue_aborted(
+                            client,
+                            body,
+                            t,
+                            sample_id=i,
+                            affinity_key=request.group_id,
+                            timeout=run.request_timeout,
+                        )
+                        for i, t in zip(sample_ids, turns, strict=True)
+                    )
+                )
+            )
         return [
-            _sample(request.sample_id(j), request.group_id, ids, prompt, a)
-            for j, a in enumerate(answers)
+            _sample(i, request.group_id, ids, prompt, t)
+            for i, t in zip(sample_ids, turns, strict=True)
         ]
 
 
@@ -328,8 +348,9 @@ class StepProducer:
         )
 
 
-def _sample(sample_id: str, group_id: str, ids: list[int], prompt: Prompt, answer: Any) -> Sample:
-    turn = parse_answer(sample_id, answer)
+def _sample(
+    sample_id: str, group_id: str, ids: list[int], prompt: Prompt, turn: TurnAnswer
+) -> Sample:
     return Sample(
         sample_id,
         group_id,

@@ -40,7 +40,10 @@ __all__ = [
     "RolloutShape",
     "RolloutShapeConfig",
     "TurnAnswer",
+    "add_segments",
+    "boundaries",
     "build_rollout_shape",
+    "continue_aborted",
     "parse_answer",
     "rollout_problems",
     "sampling_seed",
@@ -240,3 +243,93 @@ def version_boundaries(sample_id: str, spans: Any) -> tuple[tuple[int, str], ...
     if len(spans) <= 1:
         return ()
     return tuple((int(e["start"]), str(e["version"])) for e in spans)
+
+
+def add_segments(segments: list[tuple[int, str | None]], start: int, answer: TurnAnswer) -> None:
+    """Append an answer's version segments (``answer.weight_versions``, or one segment of its
+    ``weight_version``) at its offset ``start`` in a sample's response, merging a segment into
+    the one before it when their versions are the same."""
+    for at, v in answer.weight_versions or ((0, answer.weight_version),):
+        if not segments or segments[-1][1] != v:
+            segments.append((start + at, v))
+
+
+def boundaries(segments: list[tuple[int, str | None]]) -> tuple[tuple[int, str], ...]:
+    """A sample's version boundaries (``Sample.weight_versions``) from its segments (each at
+    its offset in the response); none when one version generated all of it."""
+    if len(segments) <= 1:
+        return ()
+    return tuple((at, "" if v is None else v) for at, v in segments)
+
+
+#: How many times one answer is continued after an ``abort`` pause before the step fails: a
+#: push every few tokens would otherwise re-send it for ever.
+MAX_CONTINUATIONS = 8
+
+
+async def continue_aborted(
+    client: InferenceClient,
+    body: Mapping[str, Any],
+    answer: TurnAnswer,
+    *,
+    sample_id: str,
+    affinity_key: str | None,
+    timeout: float,
+) -> TurnAnswer:
+    """``answer`` to ``body`` (one sample), continued while a weight push's ``abort`` pause
+    cut it short (``[run] push_pause = "abort"``): each time, the same request again with
+    the tokens so far appended to its input, ``max_new_tokens`` (and ``min_new_tokens``)
+    less what was generated, one sample, a seed of its own. The parts are joined token-exact
+    (ids and log-probs as each answer returned them; the text of each part as decoded) and
+    the version of each part kept as version boundaries.
+
+    :raises UpstreamError: (502) an answer is malformed, or it was cut short more than
+        :data:`MAX_CONTINUATIONS` times.
+    """
+    if answer.finish != "abort":
+        return answer
+    sampling = dict(body.get("sampling_params") or {})
+    limit = int(sampling.get("max_new_tokens", 128))
+    ids, lps, text = list(answer.output_ids), list(answer.logprobs), answer.text
+    segments: list[tuple[int, str | None]] = []
+    add_segments(segments, 0, answer)
+    for k in range(1, MAX_CONTINUATIONS + 1):
+        room = limit - len(ids)
+        if room < 1:  # cut after its last token: it ended by length
+            return attrs.evolve(
+                answer,
+                output_ids=tuple(ids),
+                logprobs=tuple(lps),
+                text=text,
+                finish="length",
+                weight_versions=boundaries(segments),
+            )
+        part = dict(sampling)
+        part.update(n=1, max_new_tokens=room)
+        if "min_new_tokens" in sampling:
+            part["min_new_tokens"] = max(0, int(sampling["min_new_tokens"]) - len(ids))
+        if sampling.get("sampling_seed") is not None:
+            part["sampling_seed"] = sampling_seed(int(sampling["sampling_seed"]), k, len(ids))
+        ask = {**body, "input_ids": [*body["input_ids"], *ids], "sampling_params": part}
+        raw = await client.generate(ask, timeout=timeout, affinity_key=affinity_key)
+        more = parse_answer(
+            f"{sample_id} (continued {k})", raw[0] if isinstance(raw, list) else raw
+        )
+        add_segments(segments, len(ids), more)
+        ids += more.output_ids
+        lps += more.logprobs
+        text += more.text
+        answer = attrs.evolve(
+            more,
+            output_ids=tuple(ids),
+            logprobs=tuple(lps),
+            text=text,
+            weight_versions=boundaries(segments),
+        )
+        if more.finish != "abort":
+            return answer
+    raise UpstreamError(
+        502,
+        f"sample {sample_id}: cut short by an abort {MAX_CONTINUATIONS + 1} times (pushes "
+        "faster than it can finish a response?); use push_pause = 'in_place' or 'retract'",
+    )

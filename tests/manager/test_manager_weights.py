@@ -186,7 +186,89 @@ def test_a_paused_push_keeps_the_request_in_flight_and_records_both_versions(
     for rep, n in zip(actor.replicas(), history, strict=True):
         assert all(S.DRAINING not in step for step in rep.history[n:]), rep.history[n:]
     with pytest.raises(ValueError, match="pause"):
-        actor.update_weights_from_tensor([payload], load_format="safetensors", pause="abort")
+        actor.update_weights_from_tensor([payload], load_format="safetensors", pause="stop")
+
+
+def test_an_abort_push_ends_the_samples_in_flight_and_the_shape_sends_them_on(
+    actor: Any, publisher: RegistryPublisher
+) -> None:
+    """``push_pause = "abort"``: the push ends the single-turn shape's request in flight (both
+    samples, finish ``abort``); the shape sends each on from its tokens with the new weights:
+    every sample is whole (its ``max_new_tokens``), its ids and log-probs are the two answers'
+    joined, and it carries both versions. The new weights are a zero ``lm_head`` — every token
+    equally likely — so the log-probs show which weights made each token. Greedy: the micro
+    checkpoint's greedy text never reaches its EOS in the tokens asked for (and a zero head's
+    argmax is token 0, not its EOS), so only the push ends a request early."""
+    import asyncio
+    import math
+
+    import torch
+
+    from relax_core.client.client import InferenceClient
+    from relax_core.run.config import RunConfig
+    from relax_core.run.data import Prompt
+    from relax_core.run.generate import PromptTokenizer, SingleTurn
+    from relax_core.run.rollout import GroupRequest
+
+    # A real checkpoint's weights first (an earlier test zeroed lm_head).
+    assert actor.update_weights_from_disk(support.tiny_model(), weight_version="ckpt-a").ok
+    tokens = 1500
+    run = RunConfig(max_new_tokens=tokens, push_pause="abort", request_timeout=120.0)
+    tokenizer = PromptTokenizer(support.tiny_model(), where="policy")
+    shape = SingleTurn("policy", run, tokenizer=tokenizer)
+    answers: list[dict[str, Any]] = []
+
+    class Kept:  # the real client; each answer kept as the engine sent it
+        def __init__(self, client: InferenceClient) -> None:
+            self.client = client
+
+        async def generate(self, body: dict[str, Any], **kw: Any) -> Any:
+            answer = await self.client.generate(body, **kw)
+            answers.extend(answer if isinstance(answer, list) else [answer])
+            return answer
+
+    async def main() -> list[Any]:
+        async with InferenceClient(snapshot_provider=publisher.snapshot) as client:
+            request = GroupRequest(0, 0, "b0-p0", Prompt("hello there"), 2, 0.0, 7)
+            return await shape.group(request, Kept(client))  # type: ignore[arg-type]
+
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(samples=asyncio.run(main())))
+    thread.start()
+    support.wait_for(
+        lambda: (
+            sum(support.admission_inflight(actor, f"policy/replica-{i}") for i in range(2)) == 1
+        ),
+        timeout=20,
+        what="the group's request in flight",
+    )
+    payload = serialize_named_tensors(
+        [("lm_head.weight", torch.zeros(VOCAB, HIDDEN))], load_format="safetensors"
+    )
+    result = actor.update_weights_from_tensor(
+        [payload], load_format="safetensors", weight_version="aborted-1", pause="abort"
+    )
+    thread.join(120)
+    assert result.ok and version_of(publisher, "policy") == "aborted-1"
+    samples = out["samples"]
+    first, more = answers[:2], answers[2:]
+    assert [a["meta_info"]["finish_reason"]["type"] for a in first] == ["abort", "abort"]
+    assert len(more) == 2 and all(a["meta_info"]["weight_version"] == "aborted-1" for a in more)
+    uniform = -math.log(VOCAB)
+    for sample, cut in zip(samples, first, strict=True):
+        k = len(cut["output_ids"])
+        assert 0 < k < tokens and len(sample.response_ids) == tokens
+        # the continuations ran at once: each sample's is the one that carries on its tokens
+        rest = next(a for a in more if list(sample.response_ids[k:]) == a["output_ids"])
+        assert list(sample.response_ids) == [*cut["output_ids"], *rest["output_ids"]]
+        assert list(sample.rollout_logprobs) == [
+            e[0]
+            for e in cut["meta_info"]["output_token_logprobs"]
+            + rest["meta_info"]["output_token_logprobs"]
+        ]
+        assert sample.weight_versions == ((0, "ckpt-a"), (k, "aborted-1"))
+        assert all(abs(lp - uniform) < 1e-4 for lp in sample.rollout_logprobs[k:])
+        assert not all(abs(lp - uniform) < 1e-4 for lp in sample.rollout_logprobs[:k])
 
 
 def test_distributed_update_receives_a_broadcast_from_the_trainer(
