@@ -66,26 +66,36 @@ class Times:
 
 
 class _Handle:
-    """A manager handle that confirms every call at once (the generation role is free)."""
+    """A manager handle that confirms every call at once (a switch costs nothing here)."""
 
-    name = "policy"
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     async def onload(self) -> LifecycleResult:
-        return _result("onload", "READY")
+        return self._result("onload", "READY")
 
     async def offload(self) -> LifecycleResult:
-        return _result("offload", "SLEEPING")
+        return self._result("offload", "SLEEPING")
 
     async def weight_version(self) -> str | None:
         return None
 
+    def _result(self, op: str, state: str) -> LifecycleResult:
+        replica = ReplicaResult(f"{self.name}/replica-0", Outcome.DONE, state)
+        return LifecycleResult(op, self.name, (replica,))
 
-def _result(op: str, state: str) -> LifecycleResult:
-    return LifecycleResult(op, "policy", (ReplicaResult("policy/replica-0", Outcome.DONE, state),))
 
-
-def coordinator(*, free_rollout: bool = True) -> LifecycleCoordinator:
-    """A coordinator of a split layout: the generation role on GPUs of its own (free)."""
+def coordinator(*, free_rollout: bool = True, deferred: Sequence[str] = ()) -> LifecycleCoordinator:
+    """A coordinator of a split layout (the generation role on GPUs of its own, free), or,
+    with ``deferred`` roles, of a defer layout: those roles take turns with the policy on one
+    GPU (every transition issued)."""
+    if deferred:
+        return LifecycleCoordinator(
+            slices={"policy": "gpu0", **dict.fromkeys(deferred, "gpu0")},
+            managers={role: [handle(role)] for role in deferred},
+            generation_role="policy",
+            residency=ResidencyPlan(mode="exclusive"),
+        )
     return LifecycleCoordinator(
         slices={"policy": "policy:own"},
         managers={},
@@ -96,9 +106,9 @@ def coordinator(*, free_rollout: bool = True) -> LifecycleCoordinator:
     )
 
 
-def handle() -> _Handle:
-    """The generation role's handle."""
-    return _Handle()
+def handle(name: str = "policy") -> _Handle:
+    """A role's handle (the generation role's by default)."""
+    return _Handle(name)
 
 
 class SimRollout:

@@ -62,38 +62,6 @@ def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _mode_problems(
-    config: JobConfig, run: RunConfig, defer: tuple[str, ...]
-) -> list[ConfigProblem]:
-    """``run.mode = "async"`` needs a generation role that never switches: one on GPUs of its
-    own (split, decoupled), under a planned residency."""
-    if run.mode != "async":
-        return []
-    if defer:
-        return [
-            ConfigProblem(
-                "run.mode",
-                "async-layout",
-                f"async steps generate the next step while this one is scored, but in a defer "
-                f"layout the generation role takes turns with {', '.join(defer)} on their shared "
-                "GPUs (only the trainer could overlap there, which relax run does not do yet); "
-                "give those roles GPUs of their own (placement mode 'split' or 'decoupled'), "
-                "or set run.mode = 'sync'",
-            )
-        ]
-    if config.placement.residency == "exclusive":
-        return [
-            ConfigProblem(
-                "placement.residency",
-                "async-layout",
-                "async steps need the generation role awake while a batch commits; "
-                "residency = 'exclusive' puts it to sleep every step: use 'planned', or set "
-                "run.mode = 'sync'",
-            )
-        ]
-    return []
-
-
 def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[str]:
     """Every reason ``relax run`` cannot run ``config`` with ``run``, as ``key.path: [rule]
     message`` lines; empty when it can. Pure: starts nothing (its data source's check reads
@@ -163,7 +131,6 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
         out.append(
             ConfigProblem("run.partial_rollout", "unsupported", "relax run does not implement it")
         )
-    out += _mode_problems(config, run, defer)
     out += tracker_problems(run.trackers, pm)
     try:
         load_trainer_class(run.trainer, pm)

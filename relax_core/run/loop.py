@@ -60,7 +60,7 @@ from relax_core.coordination.batch import (
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients
-from relax_core.errors import ConfigError, LifecycleError
+from relax_core.errors import LifecycleError
 from relax_core.run.data import open_source
 from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
@@ -680,19 +680,19 @@ class _RayTrainer:
         return result
 
 
-def async_layout_problem(job: RunJob) -> str | None:
-    """Why the started ``job`` cannot run async steps, or ``None``: its generation role must
-    never switch (free in the residency plan), so the next step can be generated while this one
-    is scored and committed."""
+def async_overlap_note(job: RunJob) -> str | None:
+    """What async steps cannot overlap in the started ``job``, or ``None`` (everything): where
+    the generation role is not free in the residency plan it takes turns with the roles on its
+    GPUs, so only training overlaps generation (the driver's ``switching`` mode)."""
     gen = job.generation_role
     if gen in job.residency.free:
         return None
+    others = [r for r in job.slices if r != gen and job.slices[r] == job.slices[gen]]
+    with_whom = f"with {', '.join(others)} " if others else ""
     return (
-        f"run.mode = 'async' overlaps generation with scoring, but {gen} shares its GPUs with "
-        f"{', '.join(r for r in job.slices if r != gen and job.slices[r] == job.slices[gen])} "
-        "and takes turns with them (placement.residency or the memory budget keeps them "
-        "apart); give the deferred roles GPUs of their own (placement mode 'split' or "
-        "'decoupled'), or set run.mode = 'sync'"
+        f"async: {gen} takes turns {with_whom}on its GPUs, so training overlaps generation "
+        "but scoring does not (placement mode 'split' or 'decoupled', under residency "
+        "'planned', overlaps scoring too)"
     )
 
 
@@ -702,9 +702,10 @@ async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _I
     from relax_core.run.pipeline import AsyncDriver, AsyncSettings, StepOutcome, _StepFailure
 
     job, run, printer = loop.job, loop.run, loop.printer
-    problem = async_layout_problem(job)
-    if problem is not None:
-        raise ConfigError("run.mode", problem)
+    note = async_overlap_note(job)
+    if note is not None:
+        printer.say(note)
+    switching = note is not None
     source = open_source(run.dataset, job.pm, seed=run.seed, base=run.base)
     model = job.generation_model
     tokenizer = PromptTokenizer(model.model_path, where=model.path)
@@ -761,8 +762,12 @@ async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _I
             producer=lambda: StepProducer(generator, source),
             trainer=_RayTrainer(job.trainer),
             generation_role=job.generation_role,
-            deferred_roles=job.config.placement.defer_roles,
+            # every role that is not free takes turns: its stages never stream
+            deferred_roles=tuple(
+                r for r in job.slices if r not in job.residency.free and r != job.generation_role
+            ),
             initial_version=initial,
+            switching=switching,
             timeline=loop.timeline,
             finalizer=loop._finalizer,
             on_step=on_step,

@@ -19,6 +19,16 @@ Three lanes run at once, each in step order:
 - **training**: ``train(N)`` once ``N`` is committed (the trainer still waits on the gate
   itself), then ``push`` of version ``N+1`` to rollout — generation of ``N+1+k`` waits for it.
 
+**Taking turns** (``switching``: the generation role is not free in the residency plan — a
+defer layout, where it shares its GPUs with the deferred roles and sleeps while they score):
+only training overlaps. Generation of step ``M`` waits until step ``M-1`` committed (its
+deferred stages held the GPUs), then opens batch ``M`` itself (``begin_batch``), onloads rollout
+and generates; the commit lane then runs the batch as a sync step does (rollout offloaded
+first). ``train(N)`` and its push run meanwhile: a push goes only while rollout is onloaded
+(it waits for the next step's onload otherwise, and is skipped when no step will onload
+rollout again: the run's final push gives it the last weights), and the commit lane never
+offloads rollout while a push is in flight.
+
 A failure ends the run in step order: the lane that failed at step ``N`` stops; the commit lane
 fails batch ``N`` at the coordinator (a failed generation or streamed stage: nothing of it was
 committed), batches before ``N`` that committed are still trained, and the lanes ahead (the
@@ -46,15 +56,17 @@ from relax_core.coordination.batch import (
     DeferredBatch,
     DeferredCollector,
     Dropped,
+    abort_generation,
     describe_failure,
     interrupted,
 )
 from relax_core.coordination.coordinator import Coordinator
-from relax_core.coordination.handles import ManagerHandle
+from relax_core.coordination.handles import ManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
 from relax_core.coordination.timeline import Timeline
+from relax_core.errors import LifecycleError
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
 __all__ = [
@@ -237,6 +249,8 @@ class AsyncDriver:
     :param generation_role: the role that generates.
     :param deferred_roles: the roles a defer layout leases (their stages never stream).
     :param initial_version: the weight version rollout serves at the start (version 0).
+    :param switching: the generation role takes turns with the deferred roles on its GPUs (a
+        defer layout): only training overlaps (see the module docstring).
     :param timeline: where every phase goes (lanes ``generate``, each stage's, ``trainer``,
         ``push``).
     :param finalizer: the batch finalizer (``--dump-samples``).
@@ -258,6 +272,7 @@ class AsyncDriver:
         generation_role: str,
         deferred_roles: Sequence[str] = (),
         initial_version: str | None = None,
+        switching: bool = False,
         timeline: Timeline | None = None,
         finalizer: Callable[[int, Sequence[Sample]], Any] | None = None,
         on_step: Callable[[StepOutcome], None] | None = None,
@@ -277,6 +292,17 @@ class AsyncDriver:
         self.on_step = on_step
         self.on_progress = on_progress
         self.clock = VersionClock(initial_version)
+        self.switching = switching
+        #: switching: step -> whether its batch committed (the next generation's turn)
+        self._turn: dict[int, asyncio.Future[bool]] = {}
+        #: switching: the steps whose batch the generation lane opened (rollout's lease)
+        self._opened: set[int] = set()
+        #: switching: rollout is onloaded (a push may go through)
+        self._awake = asyncio.Event()
+        #: switching: held by a push, and by the commit lane while it takes rollout's turn
+        self._rollout_lock = asyncio.Lock()
+        #: the generation lane ended (no step will onload rollout again)
+        self._generation_over = asyncio.Event()
         self.fields = stage_fields(self.stages)
         self.prefix = (
             streaming_prefix(
@@ -333,6 +359,8 @@ class AsyncDriver:
         steps = self.settings.steps
         loop = asyncio.get_running_loop()
         self._generated = {n: loop.create_future() for n in range(steps)}
+        self._turn = {n: loop.create_future() for n in range(steps)}
+        self._awake.set()  # rollout starts awake (the deferred roles were put to sleep)
         self._began = time.perf_counter()
         self._last_end = self._began
         self._last_end_us = time.time_ns() // 1000
@@ -391,20 +419,46 @@ class AsyncDriver:
 
     async def _generation_lane(self) -> None:
         k = self.settings.max_staleness
-        for m in range(self.settings.steps):
-            await self.clock.wait_for(m - k)
-            fut = self._generated[m]
-            try:
-                generated = await self._generate(m)
-            except asyncio.CancelledError:
-                fut.cancel()
-                raise
-            except BaseException as exc:
+        try:
+            for m in range(self.settings.steps):
+                fut = self._generated[m]
+                try:
+                    if self.switching and not await self._take_turn(m):
+                        fut.cancel()  # step m-1 failed: the run ends there
+                        return
+                    await self.clock.wait_for(m - k)
+                    generated = await self._generate(m)
+                except asyncio.CancelledError:
+                    fut.cancel()
+                    raise
+                except BaseException as exc:
+                    if not fut.done():
+                        failed = exc if isinstance(exc, _GenerationFailed) else None
+                        fut.set_exception(failed or _GenerationFailed(exc, []))
+                    return
                 if not fut.done():
-                    fut.set_exception(exc)
-                return
-            if not fut.done():
-                fut.set_result(generated)
+                    fut.set_result(generated)
+        finally:
+            self._generation_over.set()
+
+    async def _take_turn(self, m: int) -> bool:
+        """Switching: once step ``m-1`` committed, open batch ``m`` (rollout's lease) and, from
+        step 1 on, onload rollout (it slept through the deferred stages). ``False``: step
+        ``m-1`` failed and the run ends there."""
+        if m > 0 and not await self._turn[m - 1]:
+            return False
+        await self.coordinator.begin_batch(m)
+        self._opened.add(m)
+        if m > 0:
+            with self.timeline.phase(m, f"{self.generation_role}.onload", lane="leases"):
+                result = await asyncio.wait_for(
+                    self.rollout.onload(), self.settings.release_timeout
+                )
+            reason = unconfirmed(result, "READY")
+            if reason is not None:
+                raise LifecycleError(f"{self.generation_role} onload not confirmed: {reason}")
+            self._awake.set()
+        return True
 
     async def _generate(self, m: int) -> _Generated:
         s, tl = self.settings, self.timeline
@@ -448,10 +502,22 @@ class AsyncDriver:
         try:
             for n in range(self.settings.steps):
                 self.committing = n
-                generated, batch, result = await self._commit(n)
+                try:
+                    generated, batch, result = await self._commit(n)
+                except BaseException:
+                    self._end_turn(n, committed=False)
+                    raise
+                self._end_turn(n, committed=True)
                 await self._committed.put((generated, batch, result))
         finally:
+            for n in self._turn:
+                self._end_turn(n, committed=False)
             self._committed.put_nowait(None)
+
+    def _end_turn(self, n: int, *, committed: bool) -> None:
+        turn = self._turn.get(n)
+        if turn is not None and not turn.done():
+            turn.set_result(committed)
 
     async def _commit(self, n: int) -> tuple[_Generated, DeferredBatch, BatchResult]:
         s = self.settings
@@ -468,7 +534,7 @@ class AsyncDriver:
         assert isinstance(gate, _Gate)
         try:
             streamed = await generated.scorer.finish()
-            await self.coordinator.begin_batch(n)
+            await self.coordinator.begin_batch(n)  # idempotent: switching opened it already
         except BaseException as exc:
             await self._fail(n, exc)
             raise _StepFailure(n, exc, gate.all_samples) from exc
@@ -488,16 +554,59 @@ class AsyncDriver:
             streamed=streamed,
         )
         try:
-            result = await batch.run()
+            if self.switching:
+                # rollout's turn ends here (the batch offloads it first): no push in flight
+                async with self._rollout_lock:
+                    self._awake.clear()
+                    result = await batch.run()
+            else:
+                result = await batch.run()
         except BaseException as exc:
             raise _StepFailure(n, exc, batch.generated_samples(), batch) from exc
         return generated, batch, result
 
     async def _fail(self, n: int, exc: BaseException) -> None:
+        """Fail batch ``n`` at the coordinator; switching, where the generation lane opened it,
+        release rollout first (its requests in flight aborted) as a failed sync step does."""
+        if n in self._opened:
+            async with self._rollout_lock:
+                self._awake.clear()
+                error = await abort_generation(
+                    self.coordinator,
+                    n,
+                    self.rollout,
+                    exc,
+                    timeline=self.timeline,
+                    timeout=self.settings.release_timeout,
+                )
+            if error.cause != f"generation failed: {describe_failure(exc)}":
+                exc.add_note(f"releasing {self.generation_role}: {error.cause}")
+            return
         try:
             await self.coordinator.fail_batch(n, describe_failure(exc))
         except Exception as err:
             exc.add_note(f"failing batch {n} at the coordinator failed: {err}")
+
+    async def _push(self, version: str) -> dict[str, Any] | None:
+        """The trainer's push of ``version``; switching, only while rollout is onloaded (and
+        never while the commit lane offloads it). ``None``: skipped, because rollout sleeps and
+        no step will onload it again (the run's final push gives it the last weights)."""
+        if not self.switching:
+            return await self.trainer.push(version)
+        while True:
+            if not self._awake.is_set():
+                awake = asyncio.ensure_future(self._awake.wait())
+                over = asyncio.ensure_future(self._generation_over.wait())
+                try:
+                    await asyncio.wait((awake, over), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    awake.cancel()
+                    over.cancel()
+                if not self._awake.is_set():
+                    return None
+            async with self._rollout_lock:
+                if self._awake.is_set():
+                    return await self.trainer.push(version)
 
     async def _training_lane(self) -> None:
         tl = self.timeline
@@ -535,14 +644,15 @@ class AsyncDriver:
                 self.clock.expect(str(n + 1), n + 1)
                 try:
                     with tl.phase(n + 1, "weight_push", lane="push"):
-                        pushed_before = await self.trainer.push(str(n + 1))
+                        pushed_before = await self._push(str(n + 1))
                 except BaseException as exc:
                     if interrupted(exc):
                         raise
                     raise _StepFailure(
                         n + 1, exc, [], trainer=f"its push failed: {describe_failure(exc)}"
                     ) from exc
-                self.clock.pushed(_version(pushed_before, str(n + 1)), n + 1)
+                if pushed_before is not None:
+                    self.clock.pushed(_version(pushed_before, str(n + 1)), n + 1)
 
     # -- metrics ---------------------------------------------------------------------------
 

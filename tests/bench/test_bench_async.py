@@ -20,6 +20,10 @@ def test_quick_run_trains_every_step_in_both_modes_within_the_staleness_bound() 
     assert result["async_vs_sync"] > 0
     assert set(result["async"]["idle_ratio_steady"]) == {"policy", "judge", "trainer"}
     assert "async_vs_sync" in bench.format_result(result)
+    defer = result["defer"]
+    assert defer["sync"]["trained"] == defer["async"]["trained"] == steps
+    assert defer["max_staleness_seen"] <= 1 and defer["ideal"] == 1.5
+    assert "defer layout" in bench.format_result(result)
 
 
 def test_the_command_is_relax_bench_async() -> None:

@@ -1,14 +1,18 @@
-"""``[run] mode = "async"``: its keys, and the layouts the preflight refuses before anything
-starts."""
+"""``[run] mode = "async"``: its keys, and what a layout whose generation role takes turns
+overlaps (every layout runs async steps)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from relax_core.config import JobConfig, parse_config
+from relax_core.coordination.residency import ResidencyPlan
 from relax_core.errors import ConfigValidationError
 from relax_core.run.config import parse_run_config
-from relax_core.run.job import _mode_problems
+from relax_core.run.loop import async_overlap_note
 
 HF = {"backend": "hf", "model_path": "/m"}
 
@@ -58,15 +62,17 @@ def test_bad_async_keys_are_refused_at_their_key_path(
     assert problems and says in problems[0].message, info.value.problems
 
 
-def test_the_preflight_refuses_layouts_that_cannot_overlap() -> None:
-    # the defer roles are what the job's placement names (run_problems passes them)
-    defer = _job({"mode": "async"})
-    run = parse_run_config(defer)
-    [problem] = _mode_problems(defer, run, ("genrm",))
-    assert problem.path == "run.mode" and "split" in problem.message
-    exclusive = _job({"mode": "async"}, residency="exclusive")
-    [problem] = _mode_problems(exclusive, parse_run_config(exclusive), ())
-    assert problem.path == "placement.residency"
-    plain = _job({"mode": "async"})
-    assert _mode_problems(plain, parse_run_config(plain), ()) == []
-    assert _mode_problems(defer, parse_run_config(_job({})), ("genrm",)) == []
+def _started(free: set[str], slices: dict[str, str]) -> Any:
+    # the three attributes of a started RunJob the note reads (a started job needs Ray)
+    plan = ResidencyPlan(free=frozenset(free), mode="planned" if free else "exclusive")
+    return SimpleNamespace(generation_role="rollout", residency=plan, slices=slices)
+
+
+def test_a_layout_whose_generation_role_takes_turns_overlaps_only_training() -> None:
+    split = _started({"rollout", "genrm"}, {"rollout": "actor:0-3", "genrm": "actor:4-5"})
+    assert async_overlap_note(split) is None
+    defer = _started(set(), {"rollout": "actor:0-7", "genrm": "actor:0-7", "teacher": "actor:0-7"})
+    note = async_overlap_note(defer)
+    assert note is not None
+    assert "rollout takes turns with genrm, teacher" in note
+    assert "training overlaps generation but scoring does not" in note and "'split'" in note

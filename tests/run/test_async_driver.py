@@ -8,7 +8,9 @@ driver's contract is checked against the real coordinator and sink:
 - at the end, every sample the engine generated was trained on exactly once, or reported
   dropped with its reason, or (the run failed) reported with the failed step;
 - a failure in generation, a stage or training ends the run: nothing is committed for the
-  failed batch (a stage or generation failure) and nothing after it is trained.
+  failed batch (a stage or generation failure) and nothing after it is trained;
+- switching (a defer layout: the policy takes turns with the judge on one GPU): the two are
+  never awake together, the policy generates and takes pushes only while awake.
 
 The engines are simulated (one machine cannot run engines whose every step a test controls):
 each phase waits until the state machine releases it.
@@ -36,6 +38,7 @@ from relax_core.coordination import (
     REWARD_FIELDS,
     BatchState,
     DeferredCollector,
+    LifecycleCoordinator,
     MemoryBatchSink,
     Sample,
     StageContext,
@@ -43,7 +46,9 @@ from relax_core.coordination import (
     Timeline,
     partition_name,
 )
+from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.stages import RoleClients
+from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
 from relax_core.run.pipeline import STALENESS_STAGE, AsyncDriver, AsyncSettings, _StepFailure
 
 KINDS = ("group", "score", "train", "push")
@@ -76,13 +81,50 @@ class Gates:
             fut.set_result(None)
 
 
+class Gpu:
+    """One shared GPU of a defer layout: which roles are onloaded, and every breach of the
+    turn-taking (``None``: a split layout, nothing shared)."""
+
+    def __init__(self) -> None:
+        self.awake = {"policy"}
+        self.breaches: list[str] = []
+
+    def require(self, role: str, what: str) -> None:
+        if role not in self.awake:
+            self.breaches.append(f"{what} while {role} sleeps")
+
+
+class GpuHandle:
+    """A role's manager handle on the shared GPU: onload only once the other role slept."""
+
+    def __init__(self, gpu: Gpu, name: str) -> None:
+        self.gpu = gpu
+        self.name = name
+
+    def _result(self, op: str, state: str) -> LifecycleResult:
+        replica = ReplicaResult(f"{self.name}/replica-0", Outcome.DONE, state)
+        return LifecycleResult(op, self.name, (replica,))
+
+    async def onload(self) -> LifecycleResult:
+        others = self.gpu.awake - {self.name}
+        if others:
+            self.gpu.breaches.append(f"{self.name} onloaded while {sorted(others)} awake")
+        self.gpu.awake.add(self.name)
+        return self._result("onload", "READY")
+
+    async def offload(self) -> LifecycleResult:
+        self.gpu.awake.discard(self.name)
+        return self._result("offload", "SLEEPING")
+
+
 class Engine:
     """The policy: a group is generated between its start and its release; a push reaches it
     when the machine lets it (``land``), possibly after the trainer's push returned."""
 
-    def __init__(self, gates: Gates, samples_per_group: int) -> None:
+    def __init__(self, gates: Gates, samples_per_group: int, gpu: Gpu | None = None) -> None:
         self.gates = gates
         self.samples_per_group = samples_per_group
+        self.gpu = gpu
         self.version = "0"
         self.incoming: list[str] = []
         self.generated: list[Sample] = []
@@ -92,7 +134,11 @@ class Engine:
 
     async def group(self, batch_id: int, index: int) -> list[Sample]:
         began = self.version
+        if self.gpu is not None:
+            self.gpu.require("policy", f"a group of step {batch_id} began")
         await self.gates.wait("group")
+        if self.gpu is not None:
+            self.gpu.require("policy", f"a group of step {batch_id} ended")
         ended = self.version
         gid = f"b{batch_id}-p{index}"
         boundaries = ((0, began), (2, ended)) if ended != began else ()
@@ -187,7 +233,12 @@ class Trainer:
         return {"samples": len(samples)}
 
     async def push(self, version: str) -> dict[str, Any]:
+        gpu = self.engine.gpu
+        if gpu is not None:
+            gpu.require("policy", f"push {version} began")
         await self.gates.wait("push")
+        if gpu is not None:
+            gpu.require("policy", f"push {version} ended")
         self.engine.incoming.append(version)
         return {"weight_version": version}
 
@@ -199,15 +250,27 @@ class DriverMachine(RuleBasedStateMachine):
         groups=st.integers(1, 3),
         action=st.sampled_from(["regenerate", "drop"]),
         stream=st.booleans(),
+        switching=st.booleans(),
     )
-    def start(self, steps: int, k: int, groups: int, action: str, stream: bool) -> None:
+    def start(
+        self, steps: int, k: int, groups: int, action: str, stream: bool, switching: bool
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self.k = k
         self.steps = steps
         self.gates = Gates()
-        self.coord = coordinator()
+        self.gpu = Gpu() if switching else None
+        if self.gpu is not None:
+            self.coord = LifecycleCoordinator(
+                slices={"policy": "gpu0", "judge": "gpu0"},
+                managers={"judge": [GpuHandle(self.gpu, "judge")]},
+                generation_role="policy",
+                residency=ResidencyPlan(free=frozenset(), mode="exclusive"),
+            )
+        else:
+            self.coord = coordinator()
         self.sink = MemoryBatchSink()
-        self.engine = Engine(self.gates, 2)
+        self.engine = Engine(self.gates, 2, self.gpu)
         self.trainer = Trainer(self.gates, self.coord, self.sink, self.engine)
         self.outcomes: list[Any] = []
         self.faults: dict[str, int] = {}
@@ -217,14 +280,16 @@ class DriverMachine(RuleBasedStateMachine):
                 stream_scoring=stream,
             ),
             coordinator=self.coord,
-            rollout=handle(),
+            rollout=handle() if self.gpu is None else GpuHandle(self.gpu, "policy"),
             stages=[Judge(self.gates)],
             sink=self.sink,
             clients=RoleClients({}),
             producer=lambda: Producer(self.engine, groups),
             trainer=self.trainer,
             generation_role="policy",
+            deferred_roles=() if self.gpu is None else ("judge",),
             initial_version="0",
+            switching=self.gpu is not None,
             timeline=Timeline(registry=_registry()),
             on_step=self.outcomes.append,
         )  # fmt: skip
@@ -294,6 +359,13 @@ class DriverMachine(RuleBasedStateMachine):
             for s in samples:
                 oldest = min(int(v) for _, v in s.versions)
                 assert version - oldest <= self.k, (s.id, s.versions, version)
+
+    @invariant()
+    def turns_taken(self) -> None:
+        gpu = getattr(self, "gpu", None)
+        if gpu is not None:
+            assert gpu.breaches == [], gpu.breaches
+            assert len(gpu.awake) <= 1, gpu.awake
 
     @invariant()
     def gated(self) -> None:
@@ -366,7 +438,7 @@ def _registry() -> Any:
 
 TestDriver = DriverMachine.TestCase
 TestDriver.settings = settings(
-    max_examples=40,
+    max_examples=120,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -403,3 +475,28 @@ def test_a_lagging_engine_never_trains_stale_samples(k: int) -> None:
     if k == 0:
         assert sum(o.metrics["stale"]["dropped_groups"] for o in outcomes) > 0
         assert sum(o.metrics["stale"]["regenerated_groups"] for o in outcomes) > 0
+
+
+def test_switching_a_push_waits_for_rollouts_turn() -> None:
+    """A defer layout: training overlaps the next generation, but a push that comes while the
+    judge holds the GPU waits until the policy is onloaded for the next step."""
+    m = DriverMachine()
+    m.start(steps=3, k=1, groups=1, action="drop", stream=False, switching=True)
+    try:
+        assert m.gpu is not None
+        m.generate_group()  # step 0 generated; the commit lane offloads the policy
+        assert m.gpu.awake == {"judge"}
+        m.score_group()  # step 0 committed; the policy onloaded for step 1
+        assert m.gpu.awake == {"policy"} and m.gates.pending("train") == 1
+        m.generate_group()  # step 1 generated while step 0 trains: the judge's turn again
+        assert m.gpu.awake == {"judge"} and m.gates.pending("train") == 1
+        m.train_batch()  # step 0 trained: the push of version 1 must wait
+        assert m.gates.pending("push") == 0
+        m.score_group()  # step 1 committed: the policy onloaded for step 2, the push goes
+        assert m.gpu.awake == {"policy"} and m.gates.pending("push") == 1
+        assert m.gpu.breaches == []
+    finally:
+        m.teardown()
+    assert m.task.exception() is None
+    assert [step for step, _, _ in m.trainer.trained] == [0, 1, 2]
+    assert m.gpu.breaches == []
