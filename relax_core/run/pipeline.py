@@ -587,12 +587,14 @@ class AsyncDriver:
         except Exception as err:
             exc.add_note(f"failing batch {n} at the coordinator failed: {err}")
 
-    async def _push(self, version: str) -> dict[str, Any] | None:
-        """The trainer's push of ``version``; switching, only while rollout is onloaded (and
-        never while the commit lane offloads it). ``None``: skipped, because rollout sleeps and
-        no step will onload it again (the run's final push gives it the last weights)."""
+    async def _push(self, version: str, index: int) -> dict[str, Any] | None:
+        """The trainer's push of ``version`` (phase ``weight_push`` of step ``index``);
+        switching, only while rollout is onloaded (and never while the commit lane offloads
+        it). ``None``: skipped, because rollout sleeps and no step will onload it again (the
+        run's final push gives it the last weights)."""
         if not self.switching:
-            return await self.trainer.push(version)
+            with self.timeline.phase(index, "weight_push", lane="push"):
+                return await self.trainer.push(version)
         while True:
             if not self._awake.is_set():
                 awake = asyncio.ensure_future(self._awake.wait())
@@ -606,7 +608,8 @@ class AsyncDriver:
                     return None
             async with self._rollout_lock:
                 if self._awake.is_set():
-                    return await self.trainer.push(version)
+                    with self.timeline.phase(index, "weight_push", lane="push"):
+                        return await self.trainer.push(version)
 
     async def _training_lane(self) -> None:
         tl = self.timeline
@@ -643,8 +646,7 @@ class AsyncDriver:
             if n + 1 < self.settings.steps:
                 self.clock.expect(str(n + 1), n + 1)
                 try:
-                    with tl.phase(n + 1, "weight_push", lane="push"):
-                        pushed_before = await self._push(str(n + 1))
+                    pushed_before = await self._push(str(n + 1), n + 1)
                 except BaseException as exc:
                     if interrupted(exc):
                         raise

@@ -66,3 +66,49 @@ def test_async_steps_commit_within_the_staleness_bound_and_kill_9_of_genrm_ends_
     ]
     assert len(kept) == len(set(kept)) == 16 * len(steps)
     assert not set(kept) & set(lost)
+
+
+def _spans(trace: Path) -> dict[tuple[str, int], tuple[int, int]]:
+    """(phase name, batch) -> (start, end) in µs, from the run's Perfetto trace."""
+    doc = json.loads(trace.read_text())
+    return {
+        (e["name"], e["args"]["batch"]): (e["ts"], e["ts"] + e["dur"])
+        for e in doc["traceEvents"]
+        if e.get("ph") == "X"
+    }
+
+
+def test_async_steps_in_a_defer_layout_take_turns_and_overlap_training_only(root: Path) -> None:
+    """The CPU example's defer layout (genrm and teacher deferred on rollout's one GPU) with
+    ``mode = "async"``: every step commits within the staleness bound, each step's generation
+    starts only once the previous batch committed, the deferred roles never run while rollout
+    generates, and every push lands while rollout is onloaded (read off the run's trace)."""
+    job = support.job_file(root, steps=3, mode="async", max_staleness=1)
+    trace = root / "trace.json"
+    with support.relax_run(job, "--json", "--trace", str(trace)) as proc:
+        code = proc.wait(timeout=400)
+        rows = proc.rows()
+    assert code == 0, f"{proc.out}\n{proc.err}"
+    assert "async: rollout takes turns with genrm, teacher on its GPUs" in str(proc.out) + str(
+        proc.err
+    )
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        assert sum(r["async"]["staleness"].values()) == r["samples"] == 16
+        assert r["async"]["max_staleness_seen"] <= 1
+        assert r["async"]["streamed_stages"] == []  # deferred roles never stream
+    assert rows[-1]["weight_versions"] == ["default", "1", "2", "3"]
+    spans = _spans(trace)
+    for n in (1, 2):
+        # the step's turn: after the previous commit, rollout onloaded, then generation
+        assert spans["commit", n - 1][1] <= spans["rollout.onload", n][0]
+        assert spans["rollout.onload", n][1] <= spans["generate", n][0]
+    awake = [(spans["generate", 0][0], spans["rollout.offload", 0][0])] + [
+        (spans["rollout.onload", n][0], spans["rollout.offload", n][0]) for n in (1, 2)
+    ]
+    for (name, _), (a, b) in spans.items():
+        if name in ("genrm", "teacher"):
+            assert all(b <= lo or a >= hi for lo, hi in awake), (name, a, b, awake)
+        if name == "weight_push":
+            assert any(lo <= a and b <= hi for lo, hi in awake), (a, b, awake)
