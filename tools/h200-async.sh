@@ -8,7 +8,9 @@
 # Runs docs/examples/run-h200-async.toml (split layout over three logical GPUs that are the one
 # physical GPU, mode = "async", max_staleness = 1) and the same job with mode = "sync", one after
 # the other in this session, and prints each one's steps per minute (the steps' own seconds:
-# start-up aside) and the ratio. Files go to $OUT (default /tmp/relax-h200-async).
+# start-up aside) and the ratio. JOB=docs/examples/run-h200.toml does the same for the defer
+# layout (rollout takes turns with genrm and teacher: async overlaps only training). Files go
+# to $OUT (default /tmp/relax-h200-async).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/relax-h200-async}
@@ -16,15 +18,17 @@ OUT=${OUT:-/tmp/relax-h200-async}
 source tools/h200-setup.sh
 # Three logical GPUs, one physical: Ray must not hide the GPU from bundles 1 and 2.
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
-JOB=docs/examples/run-h200-async.toml
-# The sync job sits beside the async one (its model paths are relative to the job file).
-trap 'rm -f docs/examples/run-h200-sync.toml' EXIT
-sed 's/^mode = "async"$/mode = "sync"/; /^max_staleness = /d' "$JOB" >docs/examples/run-h200-sync.toml
+JOB=${JOB:-docs/examples/run-h200-async.toml}
+# Both jobs sit beside $JOB (its model paths are relative to the job file); [run] is its last
+# table, so the async keys are appended to it.
+dir=$(dirname "$JOB")
+trap 'rm -f "$dir/relax-bench-sync.toml" "$dir/relax-bench-async.toml"' EXIT
+sed '/^mode = "async"$/d; /^max_staleness = /d' "$JOB" >"$dir/relax-bench-sync.toml"
+{ cat "$dir/relax-bench-sync.toml"; printf 'mode = "async"\nmax_staleness = 1\n'; } \
+  >"$dir/relax-bench-async.toml"
 status=0
 for mode in sync async; do
-  job=docs/examples/run-h200-$mode.toml
-  [ "$mode" = async ] && job=$JOB
-  python3 -m relax_core run "$job" --json --trace "$OUT/$mode.trace.json" \
+  python3 -m relax_core run "$dir/relax-bench-$mode.toml" --json --trace "$OUT/$mode.trace.json" \
     --log-dir "$OUT/engine-logs-$mode" >"$OUT/$mode.jsonl" 2>"$OUT/$mode.log" || status=$?
   grep -v '^  · ' "$OUT/$mode.log" | tail -n 20
 done
