@@ -61,6 +61,8 @@ from relax_core.engine import (
     ControlClient,
     InferenceEngineSpec,
     SubprocessEngineProcess,
+    WeightBucket,
+    plan_weight_buckets,
     serialize_named_tensors,
 )
 from relax_core.errors import (
@@ -300,6 +302,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
+    "WeightBucket",
     "WeightSource",
     "__version__",
     "build_stages",
@@ -319,6 +322,7 @@ __all__ = [
     "parse_run_config",
     "parse_tool_calls",
     "plan_inference_placement",
+    "plan_weight_buckets",
     "reward_by_key",
     "sample_rows",
     "serialize_named_tensors",

@@ -23,6 +23,10 @@ ALLOWED = {
     # Encodes a trainer's (name, tensor) pairs for /update_weights_from_tensor: safetensors'
     # torch API, or torch.multiprocessing's reductions for SGLang's own format.
     ("relax_core/engine/control.py", "serialize_named_tensors"),
+    # A weight bucket's flat buffer, filled from the trainer's tensors, and its SGLang
+    # flattened_bucket payload (torch.multiprocessing's reductions).
+    ("relax_core/engine/buckets.py", "flatten"),
+    ("relax_core/engine/buckets.py", "serialize"),
 }
 
 

@@ -399,12 +399,15 @@ class ControlClient:
         shapes: Sequence[Sequence[int]],
         *,
         group_name: str = "weight_update_group",
+        load_format: str | None = None,
         timeout: float | None = None,
         **update: Unpack[WeightUpdate],
     ) -> dict[str, Any]:
         """``POST /update_weights_from_distributed``: receive tensors broadcast by rank 0.
 
-        The trainer broadcasts each tensor, in this order, while this call is in flight;
+        The trainer broadcasts each tensor, in this order, while this call is in flight; with
+        ``load_format="flattened_bucket"`` (SGLang's) it broadcasts them as one flat ``uint8``
+        buffer, back to back (:class:`~relax_core.engine.buckets.WeightBucket`).
         ``update``: see :class:`WeightUpdate`.
         """
         body = {
@@ -412,6 +415,7 @@ class ControlClient:
             "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(map(int, s)) for s in shapes],
             "group_name": group_name,
+            **({"load_format": load_format} if load_format is not None else {}),
             **_update_fields(update),
         }
         return await self.operate("update_weights_from_distributed", body, timeout=timeout)

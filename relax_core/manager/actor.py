@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from relax_core.discovery.schema import ModelView
+from relax_core.engine.buckets import WeightBucket
 from relax_core.errors import LifecycleError
 from relax_core.manager.manager import InferenceManager
 from relax_core.manager.results import HealthReport, LifecycleResult, UnconfirmedWorker
@@ -106,6 +107,7 @@ class ModelManager(Protocol):
         weight_version: str | None = None,
         flush_cache: bool = True,
         pause: str | None = None,
+        buckets: Sequence[Sequence[str]] = (),
     ) -> LifecycleResult: ...
 
     def update_weights_from_disk(
@@ -120,6 +122,8 @@ class ModelManager(Protocol):
         *,
         group_name: str = "weight_update_group",
         weight_version: str | None = None,
+        load_format: str | None = None,
+        buckets: Sequence[WeightBucket] = (),
     ) -> LifecycleResult: ...
 
     def init_weights_update_group(
@@ -304,6 +308,7 @@ class ManagerActor:
         weight_version: str | None = None,
         flush_cache: bool = True,
         pause: str | None = None,
+        buckets: Sequence[Sequence[str]] = (),
     ) -> LifecycleResult:
         return self._manager.update_weights_from_tensor(
             serialized_named_tensors,
@@ -311,6 +316,7 @@ class ManagerActor:
             weight_version=weight_version,
             flush_cache=flush_cache,
             pause=pause,
+            buckets=buckets,
         )
 
     def update_weights_from_disk(
@@ -328,9 +334,17 @@ class ManagerActor:
         *,
         group_name: str = "weight_update_group",
         weight_version: str | None = None,
+        load_format: str | None = None,
+        buckets: Sequence[WeightBucket] = (),
     ) -> LifecycleResult:
         return self._manager.update_weights_from_distributed(
-            names, dtypes, shapes, group_name=group_name, weight_version=weight_version
+            names,
+            dtypes,
+            shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            load_format=load_format,
+            buckets=buckets,
         )
 
     def init_weights_update_group(

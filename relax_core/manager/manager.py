@@ -43,6 +43,7 @@ from typing import Any
 import attrs
 
 from relax_core.discovery.schema import ModelView
+from relax_core.engine.buckets import WeightBucket
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import normalize_tags
 from relax_core.errors import InferenceRecoveryRequired, LifecycleError
@@ -475,6 +476,7 @@ class InferenceManager:
         weight_version: str | None = None,
         flush_cache: bool = True,
         pause: str | None = None,
+        buckets: Sequence[Sequence[str]] = (),
     ) -> LifecycleResult:
         """Push tensors to every replica (``tensor`` path; ACTOR). Per-replica results.
 
@@ -484,17 +486,31 @@ class InferenceManager:
         versions), requests arriving meanwhile wait in the engine; ``abort``: requests in
         flight end with what they had (finish reason ``abort``; their callers continue them).
 
+        ``buckets``: a push in several engine calls, one per bucket (each item a call's
+        ``serialized_named_tensors``: one payload per TP rank, e.g.
+        :meth:`~relax_core.engine.buckets.WeightBucket.serialize` with
+        ``load_format="flattened_bucket"``), sent in order after ``serialized_named_tensors``
+        (which may then be empty), all inside the one fence or pause. A replica's version
+        moves only once its last bucket landed; a replica whose bucket failed is FAILED (its
+        weights are a mix of both versions) and its result says which bucket.
+
         :raises CapabilityError: the weight source does not allow ``tensor`` updates.
+        :raises ValueError: no payload at all.
         """
+        calls = [list(p) for p in ([serialized_named_tensors] if serialized_named_tensors else [])]
+        calls += [list(b) for b in buckets]
+        if not calls:
+            raise ValueError("update_weights_from_tensor: no payload (nor any bucket) to push")
         return self._update(
             "update_weights_from_tensor",
             {
-                "serialized_named_tensors": list(serialized_named_tensors),
+                "serialized_named_tensors": calls[0],
                 "load_format": load_format,
                 "weight_version": weight_version,
                 "flush_cache": flush_cache,
             },
             pause=pause,
+            buckets=[{"serialized_named_tensors": c} for c in calls] if len(calls) > 1 else (),
         )
 
     def update_weights_from_disk(
@@ -521,20 +537,35 @@ class InferenceManager:
         *,
         group_name: str = "weight_update_group",
         weight_version: str | None = None,
+        load_format: str | None = None,
+        buckets: Sequence[WeightBucket] = (),
     ) -> LifecycleResult:
         """Receive tensors broadcast by the trainer (``distributed`` path; ACTOR).
 
-        The trainer must broadcast concurrently (from another thread or process).
+        The trainer must broadcast concurrently (from another thread or process): each tensor
+        in order, or with ``load_format="flattened_bucket"`` (SGLang's) each call's tensors as
+        one flat ``uint8`` buffer. ``buckets``: a push in several engine calls, one per
+        :class:`~relax_core.engine.buckets.WeightBucket` (its names, dtypes and shapes), in
+        order after ``names`` (which may then be empty), inside the one fence; the trainer
+        broadcasts bucket after bucket. The version moves as with
+        :meth:`update_weights_from_tensor`'s buckets.
+
+        :raises ValueError: no tensor at all.
         """
+        calls = [(list(names), list(dtypes), [list(s) for s in shapes])] if names else []
+        calls += [(list(b.names), list(b.dtypes), [list(s) for s in b.shapes]) for b in buckets]
+        if not calls:
+            raise ValueError("update_weights_from_distributed: no names (nor any bucket)")
+        per_call = [{"names": n, "dtypes": d, "shapes": s} for n, d, s in calls]
         return self._update(
             "update_weights_from_distributed",
             {
-                "names": list(names),
-                "dtypes": list(dtypes),
-                "shapes": [list(s) for s in shapes],
+                **per_call[0],
                 "group_name": group_name,
                 "weight_version": weight_version,
+                **({"load_format": load_format} if load_format is not None else {}),
             },
+            buckets=per_call if len(per_call) > 1 else (),
         )
 
     def init_weights_update_group(
@@ -647,14 +678,21 @@ class InferenceManager:
         return results
 
     def _update(
-        self, method: str, kwargs: dict[str, Any], *, pause: str | None = None
+        self,
+        method: str,
+        kwargs: dict[str, Any],
+        *,
+        pause: str | None = None,
+        buckets: Sequence[dict[str, Any]] = (),
     ) -> LifecycleResult:
         """One weight update on every replica that holds weights, behind the fence (or with
-        generation paused in ``pause`` mode)."""
+        generation paused in ``pause`` mode); ``buckets``: in several engine calls."""
         self._weights.check(method)
         if pause is not None and pause not in PAUSE_MODES:
             raise ValueError(f"pause={pause!r}: one of {PAUSE_MODES} (or None: the fence)")
-        return self._run(method, lambda: self._weights.apply(method, kwargs, pause=pause))
+        return self._run(
+            method, lambda: self._weights.apply(method, kwargs, pause=pause, buckets=buckets)
+        )
 
     def _each_head(
         self, method: str, kwargs_of: Callable[[int], dict[str, Any]]

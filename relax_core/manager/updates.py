@@ -14,7 +14,7 @@ directory through the same path (:meth:`WeightUpdates.checkpoint` finds it).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -49,12 +49,20 @@ class WeightUpdates:
         self.spec.check(UPDATE_METHODS[method], engine_id=f"{self.slots.model_id} (every replica)")
 
     def apply(
-        self, method: str, kwargs: dict[str, Any], *, pause: str | None = None
+        self,
+        method: str,
+        kwargs: dict[str, Any],
+        *,
+        pause: str | None = None,
+        buckets: Sequence[dict[str, Any]] = (),
     ) -> dict[str, ReplicaResult]:
-        """Apply one update call to every replica that holds weights, behind the fence.
+        """Apply one update to every replica that holds weights, behind the fence.
 
         FAILED and STOPPING replicas are SKIPPED; the published weight version moves once the
-        update is confirmed. One result per replica. Blocking.
+        update is confirmed. One result per replica. Blocking. ``buckets``: the update in
+        several engine calls inside the one fence (each bucket's arguments over ``kwargs``;
+        see :meth:`~relax_core.manager.worker.EngineWorker.update_weights`): a replica is
+        confirmed, and the version moves, only once its last bucket landed.
 
         :raises LifecycleError: a serving replica has no resident weights, or none has any
             (refused before anything moves).
@@ -100,10 +108,12 @@ class WeightUpdates:
                     drain_timeout=t.drain,
                     timeout=t.update,
                     **({"pause": pause} if pause is not None else {}),
+                    **({"buckets": list(buckets)} if buckets else {}),
                 )
                 for s in targets
             },
-            t.drain + 2 * t.update + t.rpc_margin,
+            # Each engine call has its own deadline (t.update); a bucketed update makes several.
+            t.drain + (1 + max(1, len(buckets))) * t.update + t.rpc_margin,
         )
         versions = set()
         for slot in targets:

@@ -31,7 +31,7 @@ from relax_core.engine._logtail import quote_log
 from relax_core.engine.admission import AdmissionServer
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import ResidentTag, ordered
-from relax_core.errors import CapabilityError, LifecycleError, RelaxError
+from relax_core.errors import CapabilityError, LifecycleError, RelaxError, UpstreamError
 from relax_core.manager.channel import ControlAddress, ControlChannelServer
 from relax_core.net import free_port
 from relax_core.records import EngineBackend, EngineLaunchSpec, EngineProcess
@@ -401,8 +401,9 @@ class EngineWorker:
         drain_timeout: float,
         timeout: float,
         pause: str | None = None,
+        buckets: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
-        """Apply one weight-update call to the engine behind a fence.
+        """Apply one weight update to the engine behind a fence.
 
         With ``fence``: close admission and wait for in-flight requests (abort them when the
         drain deadline passes) before the update, so no request reaches the engine mid-update;
@@ -410,8 +411,14 @@ class EngineWorker:
         (no fence): ``pause_generation`` in that mode, the update, ``continue_generation``
         (also when the update failed), the requests in flight kept.
 
+        ``buckets``: the update in several engine calls, one per bucket, in order, all inside
+        the one fence (or pause): each call's arguments are ``kwargs`` with the bucket's own
+        over them. Every call but the last carries the engine's current weight version (and
+        ``flush_cache=False``), so the engine's version moves once, with the last bucket.
+
         :raises CapabilityError: the engine's spec does not allow the update path.
-        :raises LifecycleError: the engine refused or failed the update (admission stays closed).
+        :raises LifecycleError: the engine refused or failed the update (admission stays
+            closed); for buckets, which one failed and how many had landed before it.
         """
         operation = UPDATE_METHODS.get(method)
         if operation is None:
@@ -428,7 +435,11 @@ class EngineWorker:
             if pause is not None:
                 await control.pause_generation(pause, timeout=timeout)
             try:
-                if method in _RAW_UPDATES:
+                if buckets:
+                    result = await self._update_in_buckets(
+                        control, method, kwargs, buckets, timeout=timeout
+                    )
+                elif method in _RAW_UPDATES:
                     result = await control.operate(method, kwargs, timeout=timeout)
                 else:
                     result = await getattr(control, method)(**kwargs, timeout=timeout)
@@ -440,6 +451,47 @@ class EngineWorker:
                 admission.open()
             version = await control.weight_version(timeout=timeout)
         return {"result": result, "weight_version": version}
+
+    async def _update_in_buckets(
+        self,
+        control: Any,
+        method: str,
+        kwargs: dict[str, Any],
+        buckets: Sequence[dict[str, Any]],
+        *,
+        timeout: float,
+    ) -> dict[str, Any]:
+        """One engine call per bucket; the version moves with the last (see
+        :meth:`update_weights`). Returns the last call's answer with ``buckets`` (the count).
+
+        :raises LifecycleError: a bucket failed: which, after how many landed, and that the
+            engine now holds a mix of both versions.
+        """
+        if method in _RAW_UPDATES:
+            raise CapabilityError(f"{self._name}: {method!r} cannot be sent in buckets")
+        # Intermediate buckets keep the version the engine reports now: an engine that moves
+        # its version with every update (the hf engine counts up) moves it to itself.
+        held = await control.weight_version(timeout=timeout)
+        call = getattr(control, method)
+        last = len(buckets) - 1
+        result: dict[str, Any] = {}
+        for i, bucket in enumerate(buckets):
+            args = {**kwargs, **bucket}
+            if i < last:
+                args.update(weight_version=held, flush_cache=False)
+            try:
+                result = await call(**args, timeout=timeout)
+            except (LifecycleError, UpstreamError) as exc:
+                landed = (
+                    f"buckets 1-{i} of the new weights are loaded, the rest are version {held}"
+                    if i
+                    else f"nothing was loaded; the weights are still version {held}"
+                )
+                raise LifecycleError(
+                    f"{self._name}: {method} bucket {i + 1} of {len(buckets)} failed ({landed}); "
+                    f"the engine still reports version {held}: {exc}"
+                ) from exc
+        return {**result, "buckets": len(buckets)}
 
     # -- shutdown --------------------------------------------------------------------------
 

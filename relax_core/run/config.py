@@ -32,6 +32,7 @@ from relax_core.tracking.tracker import TrackerEntry
 __all__ = [
     "DEFAULT_TRAINER",
     "DISTILL_STAGE",
+    "PUSH_BUCKET_BYTES",
     "PUSH_FORMATS",
     "PUSH_PAUSES",
     "REWARD_STAGE",
@@ -47,8 +48,12 @@ __all__ = [
 #: ``teacher_mode`` values: the teacher's log-prob of each sampled token, or its top-k.
 TEACHER_MODES = ("sampled", "top-k")
 #: ``push_format`` values: the trainer's weights as safetensors bytes (any host, any device),
-#: or SGLang's own torch format (CUDA IPC handles: the engines must be on the trainer's GPU).
-PUSH_FORMATS = ("safetensors", "ipc")
+#: SGLang's own torch format (CUDA IPC handles: the engines must be on the trainer's GPU), or a
+#: torch.distributed broadcast from the trainer (rank 0) to every replica (gloo on CPU, NCCL on
+#: CUDA). Each pushes the weights in buckets of ``push_bucket_bytes``.
+PUSH_FORMATS = ("safetensors", "ipc", "distributed")
+#: ``push_bucket_bytes``' default: the size of one bucket of a weight push (512 MiB).
+PUSH_BUCKET_BYTES = 512 << 20
 #: The trainer ``relax run`` uses unless ``trainer`` names another: the registered name of the
 #: reference torch trainer (GRPO plus distillation), which the ``relax-torch-trainer``
 #: distribution registers.
@@ -137,7 +142,9 @@ class RunConfig:
     correction, 0: off; 2 by default in async mode): the truncated importance weight
     ``min(π_trainer / π_rollout, cap)`` of each token, decoupled from PPO's clip.
     ``push_pause``: how a push meets rollout's requests in flight (:data:`PUSH_PAUSES`;
-    ``in_place`` by default in async mode, the fence otherwise).
+    ``in_place`` by default in async mode, the fence otherwise). ``push_bucket_bytes``: the
+    size of one bucket of a push (one flat buffer, one engine call; a larger tensor gets a
+    bucket of its own), :data:`PUSH_BUCKET_BYTES` by default.
     """
 
     steps: int = 3
@@ -168,6 +175,7 @@ class RunConfig:
     stream_concurrency: int = 8
     importance_cap: float = 0.0
     push_pause: str = "fence"
+    push_bucket_bytes: int = PUSH_BUCKET_BYTES
     base: str | None = None
 
     def stage(self, name: str) -> StageTable:
@@ -291,6 +299,9 @@ def parse_run_config(job: JobConfig) -> RunConfig:
             "in_place" if t.get("mode") == "async" else "fence",
             check=ConfigReader.one_of(PUSH_PAUSES),
         ),
+        push_bucket_bytes=v(
+            t, p, "push_bucket_bytes", int, PUSH_BUCKET_BYTES, check=ConfigReader.at_least(1)
+        ),
         base=_base(job.source),
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
@@ -299,6 +310,14 @@ def parse_run_config(job: JobConfig) -> RunConfig:
             "push-format",
             "ipc pushes CUDA IPC handles of the trainer's tensors: it needs trainer_device = "
             "'cuda' on the engines' GPU; use 'safetensors'",
+        )
+    if config.push_format == "distributed" and config.push_pause != "fence":
+        r.problem(
+            f"{p}.push_format",
+            "push-format",
+            "distributed pushes through a broadcast group, behind the manager's fence: it needs "
+            f"push_pause = 'fence' (it is {config.push_pause!r}; async mode defaults to "
+            "'in_place'); use 'safetensors' or 'ipc' to push while requests are paused",
         )
     if config.mode == "sync":
         for key in ("max_staleness", "stale_action", "stream_scoring", "stream_concurrency"):

@@ -407,6 +407,7 @@ class RunJob:
             fields=tuple(stage_fields(self.stages)),
             seed=run.seed,
             push_format=run.push_format,
+            push_bucket_bytes=run.push_bucket_bytes,
             importance_cap=run.importance_cap,
             push_pause=None if run.push_pause == "fence" else run.push_pause,
         )

@@ -11,8 +11,9 @@ run in its own Ray actor (:func:`start_trainer`):
   delete the partition, and return what it measured (the numbers ``relax run`` prints);
 - ``push(weight_version) -> dict``: send the current weights to the rollout engines through
   the generation model's manager (``context.rollout``, a manager actor:
-  ``update_weights_from_tensor`` on the ACTOR path, behind the manager's fence), so the
-  published weight version becomes ``weight_version``.
+  ``update_weights_from_tensor`` or ``update_weights_from_distributed`` on the ACTOR path,
+  behind the manager's fence, in buckets of ``push_bucket_bytes`` carried by one manager
+  call), so the published weight version becomes ``weight_version``.
 
 The two are called concurrently (the actor runs two calls at once): ``train(N)`` is asked for
 at the start of step ``N`` and waits for the commit, while ``push`` of the weights trained on
@@ -34,7 +35,7 @@ import attrs
 
 from relax_core.errors import ConfigError, LifecycleError
 from relax_core.records import NAME_PATTERN, TRAINER_METHODS
-from relax_core.run.config import DEFAULT_TRAINER, PUSH_FORMATS
+from relax_core.run.config import DEFAULT_TRAINER, PUSH_BUCKET_BYTES, PUSH_FORMATS
 
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
@@ -56,6 +57,8 @@ class TrainerContext:
     ``importance_cap``: the off-policy correction's cap (``[run] importance_cap``; 0: none).
     ``push_pause``: the pause mode a push passes to the manager's update
     (``update_weights_from_tensor(..., pause=...)``; ``None``: the fence).
+    ``push_bucket_bytes``: the size of one bucket of a push (``[run] push_bucket_bytes``;
+    :func:`~relax_core.engine.buckets.plan_weight_buckets`).
     """
 
     job: str
@@ -74,6 +77,7 @@ class TrainerContext:
     commit_timeout: float = 3600.0
     importance_cap: float = 0.0
     push_pause: str | None = None
+    push_bucket_bytes: int = PUSH_BUCKET_BYTES
 
 
 @runtime_checkable
@@ -173,7 +177,8 @@ def start_trainer(
     On a placement group the actor takes ``num_gpus`` of bundle ``bundle_index`` (the training
     share of a pool shared with inference), so it sees that bundle's GPU.
 
-    :raises ConfigError: see :func:`load_trainer_class`; a bad ``push_format``.
+    :raises ConfigError: see :func:`load_trainer_class`; a bad ``push_format`` or
+        ``push_bucket_bytes``.
     :raises LifecycleError: the actor failed to construct (its error quoted).
     """
     import ray
@@ -182,6 +187,9 @@ def start_trainer(
     cls = load_trainer_class(trainer, pm)
     if context.push_format not in PUSH_FORMATS:
         raise ConfigError("run.push_format", f"must be one of {PUSH_FORMATS}")
+    bucket = context.push_bucket_bytes
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ConfigError("run.push_bucket_bytes", f"must be an integer >= 1, got {bucket!r}")
     # Two calls at once: train(N) waits for batch N's commit while push() of the weights of
     # N - 1 runs (the run pushes before it generates batch N).
     options: dict[str, Any] = {

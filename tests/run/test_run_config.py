@@ -117,6 +117,28 @@ def test_every_problem_of_the_table_is_reported_at_once_with_its_key_path() -> N
     assert "run.push_format: [push-format]" in joined and "trainer_device = 'cuda'" in joined
 
 
+def test_a_push_is_bucketed_at_512_mib_unless_the_table_sets_another_size() -> None:
+    assert _run("[run]\nrewards = []").push_bucket_bytes == 512 << 20
+    run = _run('[run]\nrewards = []\npush_format = "distributed"\npush_bucket_bytes = 4096')
+    assert (run.push_format, run.push_bucket_bytes) == ("distributed", 4096)
+
+
+def test_a_distributed_push_needs_the_fence() -> None:
+    joined = "\n".join(
+        _problems('[run]\nrewards = []\nmode = "async"\npush_format = "distributed"')
+    )
+    assert "run.push_format: [push-format]" in joined and "push_pause = 'fence'" in joined
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("0", "[range] must be >= 1, got 0"), ('"512MiB"', "[type]")],
+)
+def test_a_bad_push_bucket_size_is_a_problem_at_its_key_path(value: str, problem: str) -> None:
+    joined = "\n".join(_problems(f"[run]\nrewards = []\npush_bucket_bytes = {value}"))
+    assert f"run.push_bucket_bytes: {problem}" in joined
+
+
 def test_every_problem_of_a_stage_is_reported_at_once_with_its_key_path() -> None:
     run = _run(
         '[[run.stages]]\nstage = "reward"\nrewards = [{ adapter = "exact-match", weight = 1 },'

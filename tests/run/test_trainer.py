@@ -160,3 +160,10 @@ def test_start_trainer_refuses_an_unknown_push_format_before_starting_an_actor()
     with pytest.raises(ConfigError, match="must be one of") as info:
         start_trainer(_context(push_format="gguf"), trainer="echo", pm=pm)
     assert info.value.path == "run.push_format"
+
+
+def test_start_trainer_refuses_a_bucket_size_below_one_byte_before_starting_an_actor() -> None:
+    pm = _with_trainers(TrainerSpec(name="echo", trainer_class=EchoTrainer))
+    with pytest.raises(ConfigError, match="must be an integer >= 1, got 0") as info:
+        start_trainer(_context(push_bucket_bytes=0), trainer="echo", pm=pm)
+    assert info.value.path == "run.push_bucket_bytes"

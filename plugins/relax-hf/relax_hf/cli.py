@@ -1,4 +1,5 @@
-"""The ``relax-hf`` command line: serve, make-tiny-model, bench, gpu-bench, multinode-bench."""
+"""The ``relax-hf`` command line: serve, make-tiny-model, bench, gpu-bench, push-bench,
+multinode-bench."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
         memory_handoff=args.memory_handoff,
         disable_radix_cache=args.disable_radix_cache,
         enable_custom_logit_processor=args.enable_custom_logit_processor,
+        enable_cache_report=args.enable_cache_report,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -120,6 +122,21 @@ def _gpu_bench(args: argparse.Namespace) -> int:
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
+
+
+def _push_bench(args: argparse.Namespace) -> int:
+    from relax_hf.push_bench import DEFAULT_BUCKETS, format_result, run
+
+    buckets = [int(float(b) * (1 << 20)) for b in args.bucket_mib] if args.bucket_mib else None
+    result = run(
+        args.model,
+        device=args.device,
+        buckets=DEFAULT_BUCKETS if buckets is None else buckets,
+        repeats=args.repeats,
+        log_dir=args.log_dir,
+    )
+    print(json.dumps(result) if args.json else format_result(result))
+    return 0 if result["ok"] else 1
 
 
 def _multinode_bench(args: argparse.Namespace) -> int:
@@ -247,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="let requests carry a custom_logit_processor (serialized code the engine runs on "
         "their logits; SGLang's flag). Off: such requests are refused",
     )
+    p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="report the prefix cache's cached_tokens in the OpenAI routes' "
+        "usage.prompt_tokens_details (SGLang's flag)",
+    )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)
 
@@ -289,6 +312,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(_run=_gpu_bench)
+
+    p = sub.add_parser(
+        "push-bench",
+        help="a bucketed weight push into an engine (CUDA IPC flattened buckets; safetensors "
+        "on CPU) per bucket size, against a pinned H2D and a D2D copy of the same bytes",
+    )
+    p.add_argument("model", help="a checkpoint directory (make-tiny-model … --size small)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
+    p.add_argument(
+        "--bucket-mib",
+        nargs="+",
+        type=float,
+        help="bucket sizes in MiB, 0 for the whole model (default: 64 256 512 1024 0)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="pushes per bucket size (median)")
+    p.add_argument("--log-dir", default=None, help="where the engine's log goes (default: temp)")
+    p.set_defaults(_run=_push_bench)
 
     p = sub.add_parser(
         "multinode-bench",

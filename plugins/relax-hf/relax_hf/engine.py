@@ -37,7 +37,7 @@ from relax_hf.protocol import (
 )
 from relax_hf.runner import ModelRunner, WeightsError
 from relax_hf.sampling import derive_seed
-from relax_hf.weights import WeightsGroup, decode_named_tensors, parse_dtype
+from relax_hf.weights import FLATTENED, WeightsGroup, decode_named_tensors, parse_dtype
 
 __all__ = ["Conflict", "Engine", "NotResident", "Unavailable"]
 
@@ -779,6 +779,12 @@ class Engine:
         ):
             raise WeightsError(f"shapes: must be a list of {len(names)} shapes (lists of ints)")
         parsed = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes)]
+        load_format = body.get("load_format")
+        if load_format not in (None, "default", FLATTENED):
+            raise WeightsError(
+                f"load_format: {load_format!r} is not supported here; use null (a broadcast per "
+                f"tensor) or {FLATTENED!r} (one broadcast of their flat buffer)"
+            )
         self.group.check(body.get("group_name") or "weight_update_group")
         async with self._ops:
             self._prepare_update(bool(body.get("abort_all_requests")))
@@ -786,7 +792,13 @@ class Engine:
 
             def receive_and_load() -> int:
                 # Receive everything first so the trainer's broadcasts never hang on a bad name.
-                named = self.group.receive(names, parsed, shapes, self.runner.device)
+                named = self.group.receive(
+                    names,
+                    parsed,
+                    shapes,
+                    self.runner.device,
+                    flattened=load_format == FLATTENED,
+                )
                 return self._load_named(named, "names")
 
             nbytes = await self.compute(
@@ -797,6 +809,29 @@ class Engine:
     async def destroy_group(self, group_name: str) -> None:
         """Leave the broadcast group."""
         await asyncio.to_thread(self.group.destroy, group_name)
+
+    async def weights_by_name(self, name: Any, truncate_size: Any) -> list[Any]:
+        """SGLang's ``/get_weights_by_name``: parameter ``name`` as nested lists of floats, its
+        first dimension cut to ``truncate_size`` rows (read between two steps).
+
+        :raises WeightsError: no such parameter, a bad ``truncate_size``, or the weights are
+            released.
+        """
+        if not isinstance(name, str) or not name:
+            raise WeightsError("name: must be a non-empty parameter name")
+        if isinstance(truncate_size, bool) or not isinstance(truncate_size, int):
+            raise WeightsError(f"truncate_size: must be an integer, got {truncate_size!r}")
+        if truncate_size < 1:
+            raise WeightsError(f"truncate_size: must be >= 1, got {truncate_size}")
+
+        def read() -> list[Any]:
+            tensor = self.runner.parameter(name)
+            rows = tensor[:truncate_size] if tensor.dim() else tensor
+            values: list[Any] = rows.detach().float().cpu().tolist()
+            return values
+
+        async with self._ops:
+            return await self.compute(read)
 
 
 def weight_spans(events: list[tuple[str, int]], current: str, tokens: int) -> list[dict[str, Any]]:

@@ -733,6 +733,19 @@ class ModelRunner:
                 f"model_path: checkpoint {path!r} lacks parameters {sorted(missing)[:5]}"
             )
 
+    def parameter(self, name: str) -> torch.Tensor:
+        """The weight ``name`` as loaded now (a view; read it on the compute thread).
+
+        :raises WeightsError: no such parameter, or the weights are released.
+        """
+        if not self.weights_resident:
+            raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
+        p = self.params.get(name)
+        if p is None:
+            known = ", ".join(list(self.params)[:4])
+            raise WeightsError(f"name: unknown parameter {name!r} (known: {known}, …)")
+        return p.data
+
     def check_named(self, named: Iterable[tuple[str, tuple[int, ...]]], field: str) -> None:
         """Check names and shapes before any byte is written (updates are all-or-nothing)."""
         for i, (name, shape) in enumerate(named):

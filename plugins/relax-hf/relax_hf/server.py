@@ -85,6 +85,7 @@ class ServerConfig:
     memory_handoff: bool = False
     disable_radix_cache: bool = False
     enable_custom_logit_processor: bool = False
+    enable_cache_report: bool = False
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -492,6 +493,15 @@ async def update_weights_from_distributed(request: Request) -> Response:
     )
 
 
+async def get_weights_by_name(request: Request) -> Response:
+    # SGLang's: the parameter's values (first dimension cut to truncate_size), as JSON lists.
+    body = await _body_object(request)
+    values = await engine_of(request).weights_by_name(
+        body.get("name"), body.get("truncate_size", 100)
+    )
+    return JSONResponse(values)
+
+
 async def destroy_weights_update_group(request: Request) -> Response:
     body = await read_json(request, optional=True) or {}
     name = body.get("group_name") if isinstance(body, dict) else None
@@ -570,6 +580,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
             methods=post,
         ),
         Route("/destroy_weights_update_group", guard(destroy_weights_update_group), methods=post),
+        Route("/get_weights_by_name", guard(get_weights_by_name), methods=both),
         Route("/v1/chat/completions", guard(openai_api.chat_completions), methods=post),
         Route("/v1/completions", guard(openai_api.completions), methods=post),
         Route("/v1/responses", guard(responses_api.create_response), methods=post),

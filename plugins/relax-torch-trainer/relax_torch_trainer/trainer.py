@@ -3,14 +3,14 @@
 :class:`PolicyTrainer` implements :class:`relax_core.Trainer` with the policy of
 :mod:`relax_torch_trainer.policy` (the checkpoint's own architecture, in float32, bf16
 autocast on CUDA) and the loss of :mod:`relax_torch_trainer.loss`, with Adam. It stands in for
-Megatron or FSDP: a real trainer keeps the same two methods (and may push through
-``update_weights_from_distributed`` instead).
+Megatron or FSDP: a real trainer keeps the same two methods.
 
 - ``train(batch_id)`` waits for the batch's commit, reads its partition from the batch sink,
   takes one optimizer step over it in micro-batches (the loss token-weighted over the whole
   batch), deletes the partition and returns the loss report;
 - ``push(weight_version)`` sends every weight, in the checkpoint's dtype, to the rollout
-  engines in one fenced update (safetensors bytes, or CUDA IPC handles);
+  engines in one fenced manager update, in buckets of ``push_bucket_bytes`` (one engine call
+  each: a safetensors file, one CUDA IPC handle of a flat buffer, or one broadcast of it);
 - ``measure_copy(sizes)`` times the pinned copies ``relax run --measure`` compares each phase
   switch with.
 
@@ -21,6 +21,7 @@ imported inside the methods: importing this module (as loading the plugin does) 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import statistics
 import threading
 import time
@@ -30,6 +31,9 @@ from typing import Any
 from relax_core import LifecycleError, TrainerContext
 
 __all__ = ["PolicyTrainer"]
+
+#: The deadline of the ``distributed`` push's group: its rendezvous and each broadcast.
+_GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def _run(coro: Any) -> Any:
@@ -134,46 +138,220 @@ class PolicyTrainer:
         return out
 
     def push(self, weight_version: str) -> dict[str, Any]:
-        """Send every weight to the rollout engines (one fenced update); return the version
-        the manager published, the bytes and the seconds.
+        """Send every weight to the rollout engines, in buckets of ``push_bucket_bytes``, in
+        one fenced manager update; return the version the manager published, the bytes, the
+        buckets and the seconds.
 
-        :raises LifecycleError: some replica did not take the update (its error quoted).
+        ``push_format``: ``safetensors`` (one safetensors file per bucket), ``ipc`` (one flat
+        CUDA buffer per bucket, SGLang's ``flattened_bucket``: one IPC handle each) or
+        ``distributed`` (a broadcast group made for the push: one broadcast of each bucket's
+        flat buffer from this process, rank 0, while the manager's update receives them).
+
+        :raises LifecycleError: some replica did not take the update (its error quoted: which
+            bucket failed; such a replica is FAILED and the published version did not move).
         """
         import ray
-        import torch
 
-        from relax_core import serialize_named_tensors
+        from relax_core import plan_weight_buckets
 
         began = time.perf_counter()
-        fmt = None if self.context.push_format == "ipc" else "safetensors"
+        fmt = self.context.push_format
+        pause = {"pause": self.context.push_pause} if self.context.push_pause else {}
         with self._model_lock:
-            pairs = list(self.policy.named_weights())
-            nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
-            if fmt is None:
-                torch.cuda.synchronize()
-            payload = serialize_named_tensors(pairs, load_format=fmt)
-            result = ray.get(
-                self.context.rollout.update_weights_from_tensor.remote(
-                    [payload],
-                    load_format=fmt,
-                    weight_version=weight_version,
-                    # async steps: generation paused, not fenced (requests in flight kept)
-                    **({"pause": self.context.push_pause} if self.context.push_pause else {}),
-                )
-            )
-            del pairs  # kept alive until the engines copied them (IPC handles point at them)
+            pairs = dict(self.policy.named_weights())
+            buckets = plan_weight_buckets(pairs.items(), self.context.push_bucket_bytes)
+            nbytes = sum(b.nbytes for b in buckets)
+            if fmt == "distributed":
+                result = self._push_distributed(pairs, buckets, weight_version, pause)
+            else:
+                result = self._push_tensors(pairs, buckets, weight_version, pause)
+            del pairs  # the checkpoint-dtype copies (the tensor pushes emptied it bucket by bucket)
         if not result.ok:
             raise LifecycleError(
-                f"the weight push (version {weight_version}) was not taken: "
+                f"the weight push (version {weight_version}, {len(buckets)} bucket(s)) was not "
+                "taken: "
                 + "; ".join(f"{r.engine_id}: {r.error}" for r in result.failed)
+                + ". A replica that failed is FAILED (its weights may mix both versions) and "
+                "serves nothing until the manager rebuilds it (health_check/recover); push "
+                "again after that"
             )
         version = ray.get(self.context.rollout.weight_version.remote())
         return {
             "weight_version": version,
             "bytes": nbytes,
-            "format": self.context.push_format,
+            "buckets": len(buckets),
+            "format": fmt,
             "seconds": time.perf_counter() - began,
         }
+
+    def _push_tensors(
+        self,
+        pairs: dict[str, Any],
+        buckets: Sequence[Any],
+        weight_version: str,
+        pause: dict[str, Any],
+    ) -> Any:
+        """The ``safetensors`` and ``ipc`` pushes: every bucket's payload in one manager call."""
+        import ray
+        import torch
+
+        from relax_core import serialize_named_tensors
+
+        ipc = self.context.push_format == "ipc"
+        load_format = "flattened_bucket" if ipc else "safetensors"
+        flats, payloads = [], []
+        for bucket in buckets:
+            if ipc:
+                flats.append(bucket.flatten(pairs))
+            else:
+                named = [(n, pairs[n]) for n in bucket.names]
+                payloads.append([serialize_named_tensors(named, load_format=load_format)])
+            for name in bucket.names:
+                del pairs[name]  # one copy of the weights at a time, plus the buckets made
+        if ipc:
+            torch.cuda.synchronize()
+            payloads = [[b.serialize(f)] for b, f in zip(buckets, flats, strict=True)]
+        result = ray.get(
+            self.context.rollout.update_weights_from_tensor.remote(
+                [],
+                buckets=payloads,
+                load_format=load_format,
+                weight_version=weight_version,
+                # async steps: generation paused, not fenced (requests in flight kept)
+                **pause,
+            )
+        )
+        del flats  # the engines copied them (each IPC handle points at one)
+        return result
+
+    def _push_distributed(
+        self,
+        pairs: dict[str, Any],
+        buckets: Sequence[Any],
+        weight_version: str,
+        pause: dict[str, Any],
+    ) -> Any:
+        """The ``distributed`` push: a group of this process (rank 0) and every serving
+        replica's head (one rank each), made for this push and left after it, so a replica
+        rebuilt since the last push takes part."""
+        import ray
+        import torch
+        import torch.distributed as dist
+
+        from relax_core import free_port
+
+        if pause:
+            raise LifecycleError(
+                "push_format 'distributed' is fenced: its broadcast group has no pause mode; "
+                "use push_pause = 'fence' (or another push_format)"
+            )
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the group of a push that failed before
+        rollout = self.context.rollout
+        cuda = self.device.type == "cuda"
+        backend = "nccl" if cuda else "gloo"
+        states = ray.get(rollout.states.remote())
+        serving = [e for e, s in states.items() if s not in ("FAILED", "STOPPING")]
+        if not serving:
+            raise LifecycleError("the weight push: no rollout replica is serving")
+        # One rank per replica: engines that do not shard (the hf engine; SGLang with tp 1).
+        offsets, rank = [], 1
+        for engine_id in states:
+            offsets.append(rank)
+            rank += engine_id in serving
+        world = 1 + len(serving)
+        address = ray.util.get_node_ip_address()
+        port = free_port()
+        group = f"relax-push-{weight_version}"
+        # NCCL binds the group to one GPU: the trainer's (its index, where it has none).
+        device = self.device
+        if cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        joined: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://{address}:{port}",
+                    world_size=world,
+                    rank=0,
+                    timeout=_GROUP_TIMEOUT,
+                    **({"device_id": device} if cuda else {}),
+                )
+                joined.append(None)
+            except BaseException as exc:  # reported by the push, below
+                joined.append(exc)
+
+        joiner = threading.Thread(target=join, name="push-join", daemon=True)
+        joiner.start()
+        init = ray.get(
+            rollout.init_weights_update_group.remote(
+                master_address=address,
+                master_port=port,
+                rank_offsets=offsets,
+                world_size=world,
+                group_name=group,
+                backend=backend,
+            )
+        )
+        joiner.join(_GROUP_TIMEOUT.total_seconds() if init.ok else 1.0)
+        if not init.ok or joined != [None]:
+            raise LifecycleError(
+                "the weight push: the broadcast group was not made: "
+                + "; ".join(f"{r.engine_id}: {r.error}" for r in init.failed)
+                + (f"; this trainer: {joined[0]!r}" if joined and joined[0] else "")
+            )
+        failure: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self._broadcast(pairs, buckets)
+            except BaseException as exc:  # reported by the push, below
+                failure.append(exc)
+
+        sender = threading.Thread(target=send, name="push-broadcast", daemon=True)
+        result = None
+        try:
+            update = rollout.update_weights_from_distributed.remote(
+                [],
+                [],
+                [],
+                group_name=group,
+                weight_version=weight_version,
+                load_format="flattened_bucket",
+                buckets=buckets,
+            )
+            sender.start()
+            result = ray.get(update)
+        finally:
+            # The replicas leave (a replica leaving ends a broadcast it would never receive);
+            # this side leaves once its broadcasts ended (a group torn down under a running
+            # broadcast can hang; one left behind is destroyed by the next push).
+            left = rollout.destroy_weights_update_group.remote(group)
+            ok = result is not None and result.ok
+            sender.join(_GROUP_TIMEOUT.total_seconds() if ok else 10.0)
+            if not sender.is_alive():
+                dist.destroy_process_group()
+            ray.get(left)
+        if result.ok and failure:
+            raise LifecycleError(f"the weight push: broadcasting failed: {failure[0]!r}")
+        return result
+
+    def _broadcast(self, pairs: dict[str, Any], buckets: Sequence[Any]) -> None:
+        """Broadcast each bucket's flat buffer from rank 0, one bucket in memory at a time."""
+        import torch
+        import torch.distributed as dist
+
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        for bucket in buckets:
+            flat = bucket.flatten(pairs)
+            dist.broadcast(flat, 0)
+            if cuda:
+                torch.cuda.synchronize()
+            del flat
 
     def measure_copy(self, sizes: Sequence[int], repeats: int = 3) -> dict[int, dict[str, float]]:
         """Seconds of one pinned host-to-device and device-to-host copy of each byte count

@@ -105,9 +105,14 @@ class _Rollout:
         self.payloads: list[tuple[list[str], str | None]] = []
 
     def update_weights_from_tensor(
-        self, payloads: list[str], *, load_format: str | None, weight_version: str
+        self,
+        payloads: list[str],
+        *,
+        load_format: str | None,
+        weight_version: str,
+        buckets: Sequence[Sequence[str]] = (),
     ) -> Any:
-        self.payloads.append((payloads, load_format))
+        self.payloads.extend((list(p), load_format) for p in [payloads, *buckets] if p)
         if not self.ok:
             failed = [SimpleNamespace(engine_id="rollout-0", error="refused")]
             return SimpleNamespace(ok=False, failed=failed)
@@ -134,6 +139,7 @@ def test_push_sends_every_weight_in_one_update_and_returns_the_published_version
     trainer = _trainer(tiny, rollout=rollout)
     out = trainer.push("7")
     assert out["weight_version"] == "7" and out["format"] == "safetensors"
+    assert out["buckets"] == 1  # the micro model is far below the default bucket size
     ((payloads, load_format),) = ray_local.get(rollout.pushed.remote())
     assert load_format == "safetensors" and len(payloads) == 1
     sent = load(base64.b64decode(payloads[0]))
@@ -143,12 +149,37 @@ def test_push_sends_every_weight_in_one_update_and_returns_the_published_version
 
 
 @pytest.mark.ray
+def test_a_push_in_small_buckets_is_one_manager_call_of_one_file_per_bucket(
+    tiny: Path, ray_local: Any
+) -> None:
+    from ray import cloudpickle
+    from safetensors.torch import load
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    rollout = ray_local.remote(_Rollout).remote()
+    ours = dict(_trainer(tiny).policy.named_weights())
+    largest = max(t.numel() * t.element_size() for t in ours.values())
+    trainer = _trainer(tiny, rollout=rollout, push_bucket_bytes=largest // 2)
+    out = trainer.push("8")
+    pushed = ray_local.get(rollout.pushed.remote())
+    assert out["buckets"] == len(pushed) > 1 and out["weight_version"] == "8"
+    files = [load(base64.b64decode(payloads[0])) for payloads, _ in pushed]
+    # Every weight once; the largest alone in its bucket.
+    names = [n for f in files for n in f]
+    assert sorted(names) == sorted(ours) and len(names) == len(ours)
+    assert any(len(f) == 1 and next(iter(f.values())).nbytes == largest for f in files)
+    assert all(torch.equal(f[n], ours[n]) for f in files for n in f)
+
+
+@pytest.mark.ray
 def test_a_push_some_replica_refused_is_an_error_quoting_it(tiny: Path, ray_local: Any) -> None:
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     trainer = _trainer(tiny, rollout=ray_local.remote(_Rollout).remote(ok=False))
-    with pytest.raises(LifecycleError, match="version 2\\) was not taken: rollout-0: refused"):
+    with pytest.raises(
+        LifecycleError, match=r"2, 1 bucket\(s\)\) was not taken: rollout-0: refused"
+    ):
         trainer.push("2")
 
 
