@@ -324,7 +324,8 @@ class NativeModel:
                 attn_mask=mask,
                 scale=self.scale,
             )
-            o = o.view(b, hkv * g, t, d).transpose(1, 2).reshape(b, t, -1)
+            # reshape, not view: CUDA's fused kernels may return the heads strided.
+            o = o.reshape(b, hkv * g, t, d).transpose(1, 2).reshape(b, t, -1)
             x = x + F.linear(o, layer.wo, layer.bo)
             x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
         return x

@@ -10,7 +10,11 @@ prompt share one prefill; ``/v1/completions`` also takes a list of prompts (the 
 numbered prompt by prompt) and ``echo`` (the prompt, with its log-probs when ``logprobs`` is
 set: the way to score given continuations). Chat prompts are built with the tokenizer's chat
 template. ``stream: true`` answers OpenAI's SSE chunks (text deltas per choice) ending with
-``data: [DONE]``. Fields OpenAI clients add that change nothing here (``user``, …) are ignored.
+``data: [DONE]``; ``stream_options`` adds a last usage chunk (``include_usage``) or each
+choice's usage so far to its chunks (``continuous_usage_stats``), and ``echo`` streams too (the
+prompt leads each choice's first chunk). With ``--enable-cache-report`` every ``usage`` has
+``prompt_tokens_details.cached_tokens`` (SGLang's). Fields OpenAI clients add that change
+nothing here (``user``, …) are ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -134,11 +139,47 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     return value
 
 
-def _usage(metas: list[dict[str, Any]], n: int) -> dict[str, int]:
-    # The n samples of a prompt read it once: it is counted once, as SGLang does.
-    p = sum(m["prompt_tokens"] for i, m in enumerate(metas) if i % n == 0)
+def _cache_report(request: Request) -> bool:
+    """Whether ``usage`` reports ``prompt_tokens_details`` (the server's
+    ``--enable-cache-report``, SGLang's flag)."""
+    return bool(request.app.state.config.enable_cache_report)
+
+
+def _usage(metas: list[dict[str, Any]], n: int, *, cached: bool) -> dict[str, Any]:
+    """OpenAI's ``usage`` of ``metas`` (prompt by prompt, ``n`` samples each), as SGLang counts
+    it: the samples of a prompt share its prefill, so its tokens and, with ``cached``, its
+    ``cached_tokens`` are read once, from its first sample."""
+    firsts = metas[::n]
+    p = sum(m["prompt_tokens"] for m in firsts)
     c = sum(m["completion_tokens"] for m in metas)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}
+    return usage
+
+
+@attrs.frozen
+class _StreamUsage:
+    """What usage a stream carries (``stream_options``; SGLang's reading of them).
+
+    ``final``: one last chunk without choices holds the whole request's usage
+    (``include_usage``). ``continuous``: a choice's chunks hold its own usage so far
+    (``continuous_usage_stats``). ``cached``: both report ``prompt_tokens_details``
+    (``--enable-cache-report``).
+    """
+
+    final: bool = False
+    continuous: bool = False
+    cached: bool = False
+
+    def of_choice(self, meta: dict[str, Any], *, opening: bool = False) -> dict[str, Any]:
+        """The ``usage`` field of a chunk of the choice ``meta`` describes (none unless
+        continuous); ``opening``: sent before any of its tokens (its role chunk)."""
+        if not self.continuous:
+            return {}
+        if opening:
+            meta = {**meta, "completion_tokens": 0}
+        return {"usage": _usage([meta], 1, cached=self.cached)}
 
 
 def openai_processor(engine: Engine, body: dict[str, Any]) -> str | None:
@@ -298,19 +339,11 @@ async def chat_completions(request: Request) -> Response:
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
-        usage = _stream_options(body)
+        usage = _stream_options(body, cached=_cache_report(request))
         rids, queue = await _submit_stream(engine, [ids], sampling, logprob, "", processor)
         return StreamingResponse(
             _chat_stream(
-                engine,
-                rids,
-                queue,
-                cid,
-                created,
-                model,
-                sampling.n,
-                include_usage=usage,
-                logprobs=logprobs,
+                engine, rids, queue, cid, created, model, sampling.n, usage=usage, logprobs=logprobs
             ),
             media_type="text/event-stream",
         )
@@ -335,7 +368,7 @@ async def chat_completions(request: Request) -> Response:
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": _usage(metas, sampling.n),
+            "usage": _usage(metas, sampling.n, cached=_cache_report(request)),
             "weight_version": metas[0]["weight_version"],
         }
     )
@@ -350,7 +383,7 @@ async def _chat_stream(
     model: str,
     n: int,
     *,
-    include_usage: bool,
+    usage: _StreamUsage,
     logprobs: bool,
 ) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -360,41 +393,50 @@ async def _chat_stream(
     def choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
 
-    for i in range(len(rids)):
-        yield chunk([choice(i, {"role": "assistant", "content": ""})])
     metas: dict[int, dict[str, Any]] = {}
+    opened: set[int] = set()
     async for index, delta, snap, first in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
+        if index not in opened:
+            # SGLang's: a choice's role chunk comes with its first output (its prompt's
+            # cached_tokens are known from then on).
+            opened.add(index)
+            role = {"role": "assistant", "content": ""}
+            yield chunk([choice(index, role)], **usage.of_choice(meta, opening=True))
         finish = _finish(meta["finish_reason"])
         fresh = logprobs and len(snap["output_ids"]) > first
         if delta or fresh:
             lp = _chat_logprobs(meta, first) if fresh else None
-            yield chunk([choice(index, {"content": delta}, logprobs=lp)])
+            yield chunk([choice(index, {"content": delta}, logprobs=lp)], **usage.of_choice(meta))
         if finish is not None:
             metas[index] = meta
             matched = meta["finish_reason"].get("matched")
-            yield chunk([choice(index, {}, finish_reason=finish, matched_stop=matched)])
-    if include_usage:  # OpenAI's and SGLang's: one last chunk with no choices
-        yield chunk([], usage=_usage([metas[i] for i in range(len(rids))], n))
+            last = choice(index, {}, finish_reason=finish, matched_stop=matched)
+            yield chunk([last], **usage.of_choice(meta))
+    if usage.final:  # OpenAI's and SGLang's: one last chunk with no choices
+        whole = [metas[i] for i in range(len(rids))]
+        yield chunk([], usage=_usage(whole, n, cached=usage.cached))
     yield SSE_DONE
 
 
-def _stream_options(body: dict[str, Any]) -> bool:
-    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+def _stream_options(body: dict[str, Any], *, cached: bool) -> _StreamUsage:
+    """The usage a stream carries (``stream_options``: ``include_usage``,
+    ``continuous_usage_stats``; each false when left out). :raises BadRequest: naming the
+    field."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return _StreamUsage(cached=cached)
     if not isinstance(options, dict):
         raise BadRequest("stream_options", "must be an object")
-    if options.get("continuous_usage_stats"):
-        raise BadRequest(
-            "stream_options.continuous_usage_stats",
-            "usage on every chunk is not supported by the hf engine; use include_usage",
-        )
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise BadRequest("stream_options.include_usage", "must be true or false")
-    return include
+    flags = {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise BadRequest(f"stream_options.{key}", "must be true or false")
+        flags[key] = bool(value)
+    return _StreamUsage(
+        final=flags["include_usage"], continuous=flags["continuous_usage_stats"], cached=cached
+    )
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -439,14 +481,16 @@ def _completion_prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]
 
 
 def _completion_logprobs(
-    engine: Engine, meta: dict[str, Any], echo: bool, k: int, first: int = 0
+    meta: dict[str, Any], echo: bool, k: int, first: int | None = None
 ) -> dict[str, Any] | None:
-    """OpenAI's completion ``logprobs`` (with the prompt's when ``echo``); in a stream, of the
-    output tokens from ``first`` on (``text_offset`` still counts from the text's start)."""
+    """OpenAI's completion ``logprobs``: the prompt's (when ``echo``), then the output's; with
+    ``first`` (a stream's later chunks) only the output tokens from ``first`` on.
+    ``text_offset`` counts from the start of the choice's text either way."""
     if "output_token_logprobs" not in meta:
         return None
     entries = (meta.get("input_token_logprobs") or []) if echo else []
     tops = (meta.get("input_top_logprobs") or [None] * len(entries)) if echo else []
+    start = 0 if first is None else len(entries) + first
     entries = entries + meta["output_token_logprobs"]
     tops = list(tops) + list(
         meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"])
@@ -457,14 +501,14 @@ def _completion_logprobs(
         offsets.append(pos)
         pos += len(t)
     return {
-        "tokens": tokens[first:],
-        "token_logprobs": [v for v, _i, _t in entries[first:]],
+        "tokens": tokens[start:],
+        "token_logprobs": [v for v, _i, _t in entries[start:]],
         "top_logprobs": [
-            None if top is None else {(t or ""): v for v, _i, t in top} for top in tops[first:]
+            None if top is None else {(t or ""): v for v, _i, t in top} for top in tops[start:]
         ]
         if k
         else None,
-        "text_offset": offsets[first:],
+        "text_offset": offsets[start:],
     }
 
 
@@ -494,8 +538,6 @@ async def completions(request: Request) -> Response:
         raise BadRequest("logprobs", f"must be an integer in [0, 20], got {logprobs!r}")
     echo = _flag(body, "echo")
     stream = _flag(body, "stream")
-    if echo and stream:
-        raise BadRequest("echo", "is not supported with stream: true")
     want = logprobs is not None
     logprob = LogprobParams(
         return_logprob=want,
@@ -511,7 +553,10 @@ async def completions(request: Request) -> Response:
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if stream:
-        usage = _stream_options(body)
+        usage = _stream_options(body, cached=_cache_report(request))
+        echoes = (
+            [_echo_text(engine, body, prompts, i) for i in range(len(prompts))] if echo else None
+        )
         rids, queue = await _submit_stream(engine, prompts, sampling, logprob, "", processor)
         return StreamingResponse(
             _completion_stream(
@@ -522,8 +567,9 @@ async def completions(request: Request) -> Response:
                 created,
                 model,
                 sampling.n,
-                include_usage=usage,
+                usage=usage,
                 logprobs=logprobs,
+                echoes=echoes,
             ),
             media_type="text/event-stream",
         )
@@ -541,7 +587,7 @@ async def completions(request: Request) -> Response:
             {
                 "index": i,
                 "text": text,
-                "logprobs": _completion_logprobs(engine, meta, echo, logprobs or 0),
+                "logprobs": _completion_logprobs(meta, echo, logprobs or 0),
                 "finish_reason": _finish(meta["finish_reason"]),
                 "matched_stop": meta["finish_reason"].get("matched"),
             }
@@ -554,7 +600,7 @@ async def completions(request: Request) -> Response:
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": _usage(metas, sampling.n),
+            "usage": _usage(metas, sampling.n, cached=_cache_report(request)),
             "weight_version": metas[0]["weight_version"],
         }
     )
@@ -569,20 +615,31 @@ async def _completion_stream(
     model: str,
     n: int,
     *,
-    include_usage: bool,
+    usage: _StreamUsage,
     logprobs: int | None,
+    echoes: list[str] | None,
 ) -> AsyncIterator[bytes]:
+    """``echoes``: with ``echo``, the text each prompt's choices open with (SGLang's stream:
+    the prompt leads a choice's first chunk, its log-probs lead that chunk's)."""
+
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         head = {"id": cid, "object": "text_completion", "created": created, "model": model}
         return sse({**head, "choices": choices, **extra})
 
+    echo = echoes is not None
     metas: dict[int, dict[str, Any]] = {}
+    opened: set[int] = set()
     async for index, delta, snap, first in _deltas(engine, rids, queue):
         meta = snap["meta_info"]
+        opening = index not in opened
+        opened.add(index)
+        if opening and echoes is not None:
+            delta = echoes[index // n] + delta
         finish = _finish(meta["finish_reason"])
-        fresh = logprobs is not None and len(snap["output_ids"]) > first
+        fresh = logprobs is not None and (len(snap["output_ids"]) > first or (opening and echo))
         if delta or fresh or finish is not None:
-            lp = _completion_logprobs(engine, meta, False, logprobs or 0, first) if fresh else None
+            since = None if opening else first
+            lp = _completion_logprobs(meta, echo, logprobs or 0, since) if fresh else None
             choice: dict[str, Any] = {
                 "index": index,
                 "text": delta,
@@ -592,7 +649,8 @@ async def _completion_stream(
             if finish is not None:
                 metas[index] = meta
                 choice["matched_stop"] = meta["finish_reason"].get("matched")
-            yield chunk([choice])
-    if include_usage:  # OpenAI's and SGLang's: one last chunk with no choices
-        yield chunk([], usage=_usage([metas[i] for i in range(len(rids))], n))
+            yield chunk([choice], **usage.of_choice(meta))
+    if usage.final:  # OpenAI's and SGLang's: one last chunk with no choices
+        whole = [metas[i] for i in range(len(rids))]
+        yield chunk([], usage=_usage(whole, n, cached=usage.cached))
     yield SSE_DONE

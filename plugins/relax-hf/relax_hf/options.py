@@ -43,6 +43,8 @@ class HFEngineOptions:
     characters in a row. ``disable_radix_cache``: no prefix cache (every prompt is
     prefilled in full). ``enable_custom_logit_processor``: requests may carry a
     ``custom_logit_processor`` (serialized code the engine runs; SGLang's flag).
+    ``enable_cache_report``: the OpenAI routes' ``usage`` carries
+    ``prompt_tokens_details.cached_tokens`` (SGLang's flag).
     """
 
     memory_handoff: bool = False
@@ -63,6 +65,7 @@ class HFEngineOptions:
     )
     disable_radix_cache: bool = False
     enable_custom_logit_processor: bool = False
+    enable_cache_report: bool = False
 
 
 def hf_options(spec: EngineLaunchSpec) -> HFEngineOptions:

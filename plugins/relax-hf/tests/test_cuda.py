@@ -1,4 +1,5 @@
-"""The engine on CUDA (CUDA graphs, the KV cache pool) against the same engine on CPU.
+"""The engine on CUDA (CUDA graphs, the KV cache pool, the prefix cache) against the same
+engine on CPU.
 
 Skipped without a CUDA device; the GPU benchmark (``relax-hf gpu-bench``) runs on the same
 machine kind and its numbers are in ``docs/benchmarks.md``.
@@ -7,11 +8,13 @@ machine kind and its numbers are in ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from relax_hf.testing import EngineServer
+from relax_hf.tiny import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -81,3 +84,53 @@ def test_a_json_schema_constrains_output_on_cuda(pair: tuple[EngineServer, Engin
     }
     out = cuda.http.ok("/generate", body)
     assert set(json.loads(out["text"], strict=False)) == {"ok", "n"}
+
+
+# Longer than the decode contexts captured at start (<= 256): the graphs of longer contexts
+# are captured on first use, and they read the cached prefix's slots too.
+LONG = [(7 * i + 3) % 400 + 10 for i in range(600)]
+
+
+def _greedy(server: EngineServer, tail: list[int]) -> dict[str, Any]:
+    body = {
+        "input_ids": [*LONG, *tail],
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True},
+    }
+    return server.http.ok("/generate", body)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def other_model(tmp_path: Path) -> Path:
+    """The tiny architecture with other random weights (seed 1)."""
+    return make_tiny_model(tmp_path / "tiny-seed-1", seed=1)
+
+
+def test_a_cached_prefix_on_cuda_decodes_as_a_full_prefill_until_a_weight_update(
+    pair: tuple[EngineServer, EngineServer], tiny_model: Path, other_model: Path
+) -> None:
+    cpu, cuda = pair
+    cuda.http.ok("/flush_cache")
+    assert _greedy(cuda, [1, 2])["meta_info"]["cached_tokens"] == 0
+    hit = _greedy(cuda, [3, 4, 5])
+    assert hit["meta_info"]["cached_tokens"] == len(LONG)
+    cuda.http.ok("/flush_cache")  # the same prompt, prefilled whole on the GPU
+    full = _greedy(cuda, [3, 4, 5])
+    assert full["meta_info"]["cached_tokens"] == 0 and full["output_ids"] == hit["output_ids"]
+    cpu.http.ok("/flush_cache")
+    on_cpu = _greedy(cpu, [3, 4, 5])
+    assert on_cpu["meta_info"]["cached_tokens"] == 0 and on_cpu["output_ids"] == hit["output_ids"]
+    try:
+        # K/V of other weights is never served, even when the update asks not to flush.
+        cuda.http.ok(
+            "/update_weights_from_disk",
+            {"model_path": str(other_model), "weight_version": "other", "flush_cache": False},
+        )
+        after = _greedy(cuda, [3, 4, 5])
+        assert after["meta_info"]["cached_tokens"] == 0
+        assert after["meta_info"]["weight_version"] == "other"
+        assert after["output_ids"] != hit["output_ids"]
+        again = _greedy(cuda, [3, 4, 5])  # cached again, under the new weights
+        assert again["meta_info"]["cached_tokens"] == len(LONG) + 2  # all but the last token
+        assert again["output_ids"] == after["output_ids"]
+    finally:
+        cuda.http.ok("/update_weights_from_disk", {"model_path": str(tiny_model)})

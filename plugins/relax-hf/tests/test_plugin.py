@@ -166,6 +166,33 @@ def test_an_engine_table_is_typed_for_hf_and_its_options_become_serve_flags() ->
     ]
 
 
+def test_every_hf_engine_option_is_the_serve_flag_of_its_name() -> None:
+    import attrs
+    from relax_hf.cli import build_parser
+    from relax_hf.options import options_argv
+
+    changed = HFEngineOptions(
+        memory_handoff=True,
+        disable_cuda_graph=True,
+        cuda_graph_max_bs=8,
+        enable_torch_compile=True,
+        max_total_tokens=64,
+        attn_implementation="eager",
+        threads=2,
+        dist_timeout=7.5,
+        constrained_json_disable_any_whitespace=True,
+        constrained_json_max_whitespace_cnt=1,
+        disable_radix_cache=True,
+        enable_custom_logit_processor=True,
+        enable_cache_report=True,
+    )
+    fields = attrs.fields(HFEngineOptions)
+    # A new option must be added above too: each one differs from its default here.
+    assert [f.name for f in fields if getattr(changed, f.name) == f.default] == []
+    args = build_parser().parse_args(["serve", "--model", "/m", *options_argv(changed)])
+    assert {f.name: getattr(args, f.name) for f in fields} == attrs.asdict(changed)
+
+
 def test_an_unknown_hf_engine_option_is_refused_at_its_key_path_with_a_hint() -> None:
     from relax_core import ConfigValidationError, PluginManager, engine_launch_specs, loads_config
 
@@ -188,7 +215,10 @@ def test_the_typed_engine_options_reach_the_launched_hf_engine(
 
     from relax_core import PluginManager, engine_launch_specs, loads_config
 
-    text = _policy(tiny_model, 'max_total_tokens = 48\nattn_implementation = "eager"\n')
+    text = _policy(
+        tiny_model,
+        'max_total_tokens = 48\nattn_implementation = "eager"\nenable_cache_report = true\n',
+    )
     specs = engine_launch_specs(loads_config(text), PluginManager.create())
     spec = specs["roles.rollout.models.policy"]["policy/replica-0"][0]
     proc = HF_BACKEND.launch(attrs.evolve(spec, log_path=str(tmp_path / "e.log")))
@@ -201,7 +231,7 @@ def test_the_typed_engine_options_reach_the_launched_hf_engine(
 
         got = asyncio.run(info())
         assert (got["max_total_tokens"], got["attn_implementation"]) == (48, "eager")
-        assert got["memory_handoff"] is False
+        assert got["memory_handoff"] is False and got["enable_cache_report"] is True
     finally:
         proc.terminate(10)
 

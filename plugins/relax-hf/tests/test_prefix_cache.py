@@ -1,4 +1,5 @@
-"""The prefix cache: SGLang's ``cached_tokens``, reuse across requests, invalidation, bounds."""
+"""The prefix cache: SGLang's ``cached_tokens`` (also in OpenAI's ``usage``), reuse across
+requests, invalidation, bounds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import torch
 from relax_hf.kvcache import KVPool
@@ -23,7 +25,9 @@ PREFIX = [(7 * i + 3) % 400 + 10 for i in range(100)]  # 100 token ids, no repea
 
 @pytest.fixture(scope="module")
 def cached(start_server: Any) -> EngineServer:
-    return start_server("hf-prefix-cache")  # type: ignore[no-any-return]
+    """Started with SGLang's ``--enable-cache-report`` (it changes only the OpenAI routes'
+    ``usage``); ``uncached`` is started without it."""
+    return start_server("hf-prefix-cache", extra_args=("--enable-cache-report",))  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +156,144 @@ def test_the_cache_can_be_disabled(uncached: EngineServer) -> None:
     info = uncached.http.ok("/server_info")
     assert info["prefix_cache"]["enabled"] is False and info["prefix_cache"]["tokens"] == 0
     assert info["disable_radix_cache"] is True
+
+
+# -- reported to OpenAI clients (--enable-cache-report) ---------------------------------------
+
+SYSTEM = {"role": "system", "content": "You answer briefly and kindly. " * 12}
+
+
+def _client(server: EngineServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _chat_ids(server: EngineServer, messages: list[dict[str, str]]) -> list[int]:
+    return server.http.ok("/v1/tokenize", {"messages": messages})["tokens"]  # type: ignore[no-any-return]
+
+
+def _stream_usage(**options: bool) -> dict[str, Any]:
+    # continuous_usage_stats is SGLang's (and vLLM's) key: the openai client passes it through.
+    return {"stream": True, "stream_options": options}
+
+
+def test_chat_usage_reports_the_shared_prefix_as_cached_tokens(server: EngineServer) -> None:
+    client = _client(server)
+    first = [SYSTEM, {"role": "user", "content": "What is the sea?"}]
+    second = [SYSTEM, {"role": "user", "content": "Who are you?"}]
+    a = client.chat.completions.create(model="tiny", messages=first, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    # With the flag SGLang reports the details even when nothing was cached.
+    assert a.usage is not None and a.usage.prompt_tokens_details is not None
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    b = client.chat.completions.create(model="tiny", messages=second, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    ids_a, ids_b = _chat_ids(server, first), _chat_ids(server, second)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y)
+    assert shared > 50  # the system message and then some
+    assert b.usage is not None and b.usage.prompt_tokens == len(ids_b)
+    assert b.usage.prompt_tokens_details is not None
+    assert b.usage.prompt_tokens_details.cached_tokens == shared
+
+
+def test_a_streams_usage_chunks_report_cached_tokens(server: EngineServer) -> None:
+    client = _client(server)
+    client.completions.create(model="tiny", prompt=[*PREFIX, 1, 2], max_tokens=2, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=[*PREFIX, 3],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            **_stream_usage(include_usage=True, continuous_usage_stats=True),
+        )
+    )
+    *body, last = chunks
+    assert body and all(c.choices and c.usage is not None for c in body)
+    for c in body:
+        assert c.usage is not None and c.usage.prompt_tokens_details is not None
+        assert c.usage.prompt_tokens_details.cached_tokens == len(PREFIX)
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 4
+    assert last.usage.prompt_tokens_details is not None
+    assert last.usage.prompt_tokens_details.cached_tokens == len(PREFIX)
+    chat = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[SYSTEM, {"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+            **_stream_usage(include_usage=True),
+        )
+    )
+    again = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[SYSTEM, {"role": "user", "content": "Bye"}],
+            max_tokens=3,
+            temperature=0,
+            **_stream_usage(include_usage=True),
+        )
+    )
+    for stream, hit in ((chat, False), (again, True)):
+        usage = stream[-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert (usage.prompt_tokens_details.cached_tokens > 50) is hit
+
+
+def test_n_samples_count_their_prompts_cached_tokens_once(server: EngineServer) -> None:
+    # The n samples of a prompt share its prefill: usage reads the prompt once (its first
+    # sample), as SGLang's; each choice's own usage has its own cached_tokens.
+    client = _client(server)
+    client.completions.create(model="tiny", prompt=[*PREFIX, 1], max_tokens=2, temperature=0)
+    prompt = [*PREFIX, 5, 6]
+    sampled = {
+        "model": "tiny",
+        "n": 3,
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "seed": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    out = client.completions.create(prompt=prompt, **sampled)
+    assert out.usage is not None and out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == len(PREFIX)
+    prompt = [*PREFIX, 7, 8]
+    chunks = list(
+        client.completions.create(
+            prompt=prompt,
+            **sampled,
+            **_stream_usage(include_usage=True, continuous_usage_stats=True),
+        )
+    )
+    per_choice = {}
+    for c in chunks[:-1]:
+        assert c.usage is not None and c.usage.prompt_tokens_details is not None
+        per_choice[c.choices[0].index] = c.usage.prompt_tokens_details.cached_tokens
+    # Sample 0 prefilled what the cache lacked; samples 1 and 2 read its prefill whole.
+    assert per_choice == {0: len(PREFIX), 1: len(prompt), 2: len(prompt)}
+    whole = chunks[-1].usage
+    assert whole is not None and whole.prompt_tokens_details is not None
+    assert (whole.prompt_tokens, whole.prompt_tokens_details.cached_tokens) == (
+        len(prompt),
+        len(PREFIX),
+    )
+
+
+def test_usage_has_no_prompt_tokens_details_without_enable_cache_report(
+    uncached: EngineServer,
+) -> None:
+    client = _client(uncached)
+    out = client.completions.create(model="tiny", prompt=[*PREFIX, 1], max_tokens=2)
+    assert out.usage is not None and out.usage.prompt_tokens_details is None
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[SYSTEM, {"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            **_stream_usage(include_usage=True, continuous_usage_stats=True),
+        )
+    )
+    assert all(c.usage is not None and c.usage.prompt_tokens_details is None for c in chunks)
 
 
 # -- weight versions --------------------------------------------------------------------------

@@ -210,6 +210,111 @@ def test_a_completion_stream_carries_logprobs_and_usage_when_asked(
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
 
 
+def _stream_usage(**options: bool) -> dict[str, Any]:
+    # continuous_usage_stats is SGLang's (and vLLM's) key: the openai client passes it through.
+    return {"stream": True, "stream_options": options}
+
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_its_chunks(
+    client: openai.OpenAI, shared_server: EngineServer
+) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            **CHAT, model="tiny", n=2, **_stream_usage(continuous_usage_stats=True)
+        )  # type: ignore[call-overload]
+    )
+    prompt = len(shared_server.http.ok("/v1/tokenize", {"messages": CHAT["messages"]})["tokens"])
+    # Every chunk belongs to a choice and carries its usage; no usage-only chunk at the end.
+    assert all(len(c.choices) == 1 and c.usage is not None for c in chunks)
+    for i in (0, 1):
+        mine = [c for c in chunks if c.choices[0].index == i]
+        assert mine[0].choices[0].delta.role == "assistant"
+        assert mine[-1].choices[0].finish_reason == "length"
+        counts = [c.usage.completion_tokens for c in mine]  # type: ignore[union-attr]
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
+        for c in mine:
+            assert c.usage is not None and c.usage.prompt_tokens == prompt
+            assert c.usage.total_tokens == prompt + c.usage.completion_tokens
+            assert c.usage.prompt_tokens_details is None  # no --enable-cache-report
+
+
+def test_a_completion_stream_with_continuous_usage_ends_with_the_whole_usage(
+    client: openai.OpenAI, shared_server: EngineServer
+) -> None:
+    prompts = ["Once upon", "The sea is"]
+    lengths = [len(shared_server.http.ok("/tokenize", {"prompt": p})["tokens"]) for p in prompts]
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompts,
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            **_stream_usage(include_usage=True, continuous_usage_stats=True),
+        )  # type: ignore[call-overload]
+    )
+    *body, last = chunks
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for c in body:
+        assert c.usage is not None and c.usage.prompt_tokens == lengths[c.choices[0].index]
+        seen[c.choices[0].index].append(c.usage.completion_tokens)
+    assert all(counts == sorted(counts) and counts[-1] == 5 for counts in seen.values())
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (sum(lengths), 10)
+
+
+def _streamed_choices(chunks: list[Any]) -> dict[int, dict[str, Any]]:
+    """Each choice of a completion stream put back together: its text, its first chunk's text
+    and its log-probs."""
+    out: dict[int, dict[str, Any]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            got = out.setdefault(
+                ch.index, {"first": ch.text, "text": "", "tokens": [], "lps": [], "offsets": []}
+            )
+            got["text"] += ch.text
+            if ch.logprobs is not None:
+                got["tokens"] += ch.logprobs.tokens
+                got["lps"] += ch.logprobs.token_logprobs
+                got["offsets"] += ch.logprobs.text_offset
+    return out
+
+
+def test_echo_with_stream_leads_each_choice_with_its_prompt_and_its_logprobs(
+    client: openai.OpenAI,
+) -> None:
+    prompts = ["The colour of the sea is", "Once upon"]
+    kw = {"model": "tiny", "prompt": prompts, "max_tokens": 3, "temperature": 0, "echo": True}
+    whole = client.completions.create(**kw, logprobs=1)
+    streamed = _streamed_choices(list(client.completions.create(**kw, logprobs=1, stream=True)))
+    assert sorted(streamed) == [0, 1]
+    for i, prompt in enumerate(prompts):
+        got, want = streamed[i], whole.choices[i]
+        assert got["first"].startswith(prompt) and got["text"] == want.text
+        assert want.logprobs is not None
+        assert got["tokens"] == want.logprobs.tokens and got["offsets"] == want.logprobs.text_offset
+        assert got["lps"][0] is None and want.logprobs.token_logprobs[0] is None  # SGLang's pad
+        assert got["lps"][1:] == pytest.approx(want.logprobs.token_logprobs[1:], abs=1e-5)
+    plain = _streamed_choices(list(client.completions.create(**kw, stream=True)))
+    assert [plain[i]["text"] for i in (0, 1)] == [c.text for c in whole.choices]
+
+
+def test_echo_with_stream_and_max_tokens_0_scores_each_prompt_in_one_chunk(
+    client: openai.OpenAI,
+) -> None:
+    prompts = ["The sea is blue", "The sea is red"]
+    kw = {"model": "tiny", "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert len(chunks) == 2 and {c.choices[0].index for c in chunks} == {0, 1}
+    for c in chunks:
+        choice = c.choices[0]
+        want = whole.choices[choice.index]
+        assert choice.text == prompts[choice.index] == want.text
+        assert choice.finish_reason == "length" and choice.logprobs is not None
+        assert want.logprobs is not None and choice.logprobs.tokens == want.logprobs.tokens
+
+
 # -- info routes ------------------------------------------------------------------------------
 
 

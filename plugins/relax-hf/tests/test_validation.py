@@ -276,6 +276,16 @@ CASES: list[tuple[str, str, Any, str]] = [
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         "top_logprobs",
     ),
+    (
+        "/v1/chat/completions",
+        "continuous_usage_stats that is not a boolean",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": "yes"},
+        },
+        "stream_options.continuous_usage_stats",
+    ),
     ("/v1/completions", "a prompt that is a number", {"prompt": 5}, "prompt"),
     ("/v1/completions", "negative max_tokens", {"prompt": "x", "max_tokens": -2}, "max_tokens"),
     (
