@@ -27,7 +27,7 @@ sed '/^mode = "async"$/d; /^max_staleness = /d' "$JOB" >"$dir/relax-bench-sync.t
 { cat "$dir/relax-bench-sync.toml"; printf 'mode = "async"\nmax_staleness = 1\n'; } \
   >"$dir/relax-bench-async.toml"
 status=0
-for mode in sync async; do
+for mode in ${MODES:-sync async}; do
   python3 -m relax_core run "$dir/relax-bench-$mode.toml" --json --trace "$OUT/$mode.trace.json" \
     --log-dir "$OUT/engine-logs-$mode" >"$OUT/$mode.jsonl" 2>"$OUT/$mode.log" || status=$?
   grep -v '^  · ' "$OUT/$mode.log" | tail -n 20
