@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,26 @@ def test_disk_update_is_fenced_behind_in_flight_requests(
         assert rep.history[-2:] == [(S.READY, S.DRAINING), (S.DRAINING, S.READY)]
 
 
+def _streamed(url: str, *, tokens: int, decoding: threading.Event) -> dict[str, Any]:
+    """A streamed greedy ``/generate`` of ``tokens`` tokens; ``decoding`` is set once a chunk
+    carries a generated token. Returns the last chunk (its ``meta_info`` is the answer's)."""
+    sampling = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    body = json.dumps({"text": "hello", "sampling_params": sampling, "stream": True}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, method="POST")
+    req.add_header("Content-Type", "application/json")
+    last: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            last = json.loads(line.removeprefix("data:"))
+            if last["meta_info"]["completion_tokens"] > 0:
+                decoding.set()
+    return last
+
+
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_a_paused_push_keeps_the_request_in_flight_and_records_both_versions(
     actor: Any, publisher: RegistryPublisher, mode: str
@@ -162,13 +183,14 @@ def test_a_paused_push_keeps_the_request_in_flight_and_records_both_versions(
     before = version_of(publisher, "policy")
     history = [len(rep.history) for rep in actor.replicas()]
     answer: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: answer.update(r=support.generate(url, tokens=1500)))
-    thread.start()
-    support.wait_for(
-        lambda: support.admission_inflight(actor, "policy/replica-0") == 1,
-        timeout=20,
-        what="a generation in flight",
+    decoding = threading.Event()
+    thread = threading.Thread(
+        target=lambda: answer.update(r=_streamed(url, tokens=1500, decoding=decoding))
     )
+    thread.start()
+    # Admitted is not enough: under load the update could land before the first decode step,
+    # and the whole answer would be the new version's. Wait for tokens of the old weights.
+    assert decoding.wait(30), "no token of the generation within 30 s"
     payload = serialize_named_tensors(
         [("lm_head.weight", torch.zeros(VOCAB, HIDDEN))], load_format="safetensors"
     )
@@ -176,9 +198,9 @@ def test_a_paused_push_keeps_the_request_in_flight_and_records_both_versions(
         [payload], load_format="safetensors", weight_version=f"paused-{mode}", pause=mode
     )
     thread.join(60)
-    status, body, _ = answer["r"]
+    body = answer["r"]
     assert result.ok and version_of(publisher, "policy") == f"paused-{mode}"
-    assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "length"
+    assert body["meta_info"]["finish_reason"]["type"] == "length"
     spans = body["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == [before, f"paused-{mode}"], spans
     assert 0 < spans[1]["start"] < spans[1]["end"] == 1500
