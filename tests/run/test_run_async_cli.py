@@ -98,7 +98,9 @@ def test_async_steps_in_a_defer_layout_take_turns_and_overlap_training_only(root
         assert sum(r["async"]["staleness"].values()) == r["samples"] == 16
         assert r["async"]["max_staleness_seen"] <= 1
         assert r["async"]["streamed_stages"] == []  # deferred roles never stream
-    assert rows[-1]["weight_versions"] == ["default", "1", "2", "3"]
+    # version 2's push is skipped when it comes after rollout's last turn (the final push
+    # gives rollout the last weights); version 1's never is: step 2 generates with it
+    assert rows[-1]["weight_versions"] in (["default", "1", "2", "3"], ["default", "1", "3"])
     spans = _spans(trace)
     for n in (1, 2):
         # the step's turn: after the previous commit, rollout onloaded, then generation
