@@ -48,7 +48,7 @@ from relax_core.coordination import (
 )
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.stages import RoleClients
-from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
+from relax_core.manager.results import LifecycleResult
 from relax_core.run.pipeline import STALENESS_STAGE, AsyncDriver, AsyncSettings, _StepFailure
 
 KINDS = ("group", "score", "train", "push")
@@ -95,26 +95,24 @@ class Gpu:
 
 
 class GpuHandle:
-    """A role's manager handle on the shared GPU: onload only once the other role slept."""
+    """A role's manager handle on the shared GPU: onload only once the other role slept (the
+    simulated engines' handle confirms each call)."""
 
     def __init__(self, gpu: Gpu, name: str) -> None:
         self.gpu = gpu
         self.name = name
-
-    def _result(self, op: str, state: str) -> LifecycleResult:
-        replica = ReplicaResult(f"{self.name}/replica-0", Outcome.DONE, state)
-        return LifecycleResult(op, self.name, (replica,))
+        self._confirms = handle(name)
 
     async def onload(self) -> LifecycleResult:
         others = self.gpu.awake - {self.name}
         if others:
             self.gpu.breaches.append(f"{self.name} onloaded while {sorted(others)} awake")
         self.gpu.awake.add(self.name)
-        return self._result("onload", "READY")
+        return await self._confirms.onload()
 
     async def offload(self) -> LifecycleResult:
         self.gpu.awake.discard(self.name)
-        return self._result("offload", "SLEEPING")
+        return await self._confirms.offload()
 
 
 class Engine:
