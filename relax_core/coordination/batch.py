@@ -705,6 +705,22 @@ async def _deadline(call: Any, timeout: float) -> Any:
         raise
 
 
+async def onload_generation(
+    rollout: ManagerHandle, gen: str, timeline: Timeline, batch_id: int, *, timeout: float
+) -> None:
+    """Onload the generation role locally for batch ``batch_id`` (its turn on GPUs it shares):
+    the counterpart of :func:`release_generation`.
+
+    :raises LifecycleError: the onload was not confirmed on every replica.
+    :raises TimeoutError: it did not answer within ``timeout`` seconds.
+    """
+    with timeline.phase(batch_id, f"{gen}.onload", lane="leases"):
+        result = await asyncio.wait_for(rollout.onload(), timeout)
+    reason = unconfirmed(result, "READY")
+    if reason is not None:
+        raise LifecycleError(f"{gen} onload not confirmed: {reason}")
+
+
 async def release_generation(
     coordinator: Coordinator,
     batch_id: int,

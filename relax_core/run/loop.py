@@ -56,6 +56,7 @@ from relax_core.coordination.batch import (
     abort_generation,
     describe_failure,
     interrupted,
+    onload_generation,
 )
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
@@ -304,11 +305,7 @@ class _Loop:
             raise _Failed(exc, collector, train) from exc
         try:
             if n > 0 and gen not in job.residency.free:  # a free rollout never slept
-                with tl.phase(n, f"{gen}.onload", lane="leases"):
-                    result = await asyncio.wait_for(self.rollout.onload(), run.operation_timeout)
-                reason = unconfirmed(result, "READY")
-                if reason is not None:
-                    raise LifecycleError(f"{gen} onload not confirmed: {reason}")
+                await onload_generation(self.rollout, gen, tl, n, timeout=run.operation_timeout)
             if push:
                 with tl.phase(n, "weight_push"):
                     pushed = await job.trainer.push.remote(str(n))

@@ -59,14 +59,14 @@ from relax_core.coordination.batch import (
     abort_generation,
     describe_failure,
     interrupted,
+    onload_generation,
 )
 from relax_core.coordination.coordinator import Coordinator
-from relax_core.coordination.handles import ManagerHandle, unconfirmed
+from relax_core.coordination.handles import ManagerHandle
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
 from relax_core.coordination.timeline import Timeline
-from relax_core.errors import LifecycleError
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
 __all__ = [
@@ -450,13 +450,13 @@ class AsyncDriver:
         await self.coordinator.begin_batch(m)
         self._opened.add(m)
         if m > 0:
-            with self.timeline.phase(m, f"{self.generation_role}.onload", lane="leases"):
-                result = await asyncio.wait_for(
-                    self.rollout.onload(), self.settings.release_timeout
-                )
-            reason = unconfirmed(result, "READY")
-            if reason is not None:
-                raise LifecycleError(f"{self.generation_role} onload not confirmed: {reason}")
+            await onload_generation(
+                self.rollout,
+                self.generation_role,
+                self.timeline,
+                m,
+                timeout=self.settings.release_timeout,
+            )
             self._awake.set()
         return True
 
