@@ -19,7 +19,10 @@ only show 45-90 s later as an engine's failed start or a raw traceback.
 - **ports** (:func:`port_problems`): every fixed gateway port free on its host, and no two
   gateways on one host and port, named by key path (``roles.genrm.gateway.port``).
 - **the Ray address** (:func:`ray_address_problem`): a ``--address`` of ``host:port`` (or
-  ``ray://host:port``) must accept a TCP connection within a few seconds.
+  ``ray://host:port``) must accept a TCP connection within a few seconds and answer as a Ray
+  cluster does: its GCS (and the Ray Client server) speak gRPC, so the probe opens an HTTP/2
+  connection and expects the server's SETTINGS frame. An HTTP/1 server, or one that says
+  nothing, is refused at once instead of leaving Ray retrying its GCS connection for minutes.
 
 Nothing here starts anything: it reads files, binds and closes sockets, opens one connection.
 """
@@ -40,6 +43,7 @@ from relax_core.records import EngineBackend
 
 __all__ = [
     "ADDRESS_TIMEOUT",
+    "ANSWER_TIMEOUT",
     "TOKENIZER_FILES",
     "Preflight",
     "job_preflight",
@@ -53,6 +57,12 @@ __all__ = [
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: Seconds a ``--address`` has to accept a connection.
 ADDRESS_TIMEOUT = 3.0
+#: Seconds a connected ``--address`` has to answer the HTTP/2 handshake as gRPC servers do.
+ANSWER_TIMEOUT = 10.0
+#: The HTTP/2 client preface and an empty SETTINGS frame (RFC 9113, 3.4 and 6.5).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes((0, 0, 0, 4, 0, 0, 0, 0, 0))
+_H2_FRAME_HEADER = 9
+_H2_SETTINGS = 4
 
 
 @attrs.frozen
@@ -223,8 +233,10 @@ def ray_address_problem(
     address: str | None, *, timeout: float = ADDRESS_TIMEOUT
 ) -> ConfigProblem | None:
     """Whether the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``) accepts
-    a TCP connection within ``timeout`` seconds; ``None`` when it does, or when ``address`` is
-    ``None``, ``auto`` or ``local`` (Ray finds or starts those itself)."""
+    a TCP connection within ``timeout`` seconds and answers the HTTP/2 handshake as a gRPC
+    server (a GCS, a Ray Client server) does within :data:`ANSWER_TIMEOUT`; ``None`` when it
+    does, or when ``address`` is ``None``, ``auto`` or ``local`` (Ray finds or starts those
+    itself)."""
     if address is None or address in ("auto", "local"):
         return None
     parts = urlsplit(address if "://" in address else f"ray://{address}")
@@ -240,8 +252,9 @@ def ray_address_problem(
             "10.0.0.1:6379), ray://HOST:PORT, or auto",
         )
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            conn.settimeout(ANSWER_TIMEOUT)
+            answer = _h2_answer(conn)
     except OSError as exc:
         why = (
             f"no answer within {timeout:g} s"
@@ -254,6 +267,36 @@ def ray_address_problem(
             f"no Ray cluster answers at {host}:{port} ({why}); start it "
             "(`ray start --head`) or fix the address; leave --address out for a new local Ray",
         )
+    if len(answer) >= _H2_FRAME_HEADER and answer[3] == _H2_SETTINGS:
+        return None
+    said = f"its first bytes: {answer[:40]!r}" if answer else "it closed or said nothing"
+    return ConfigProblem(
+        "--address",
+        "ray-address",
+        f"{host}:{port} accepts connections but is not a Ray cluster ({said}; a Ray head's "
+        "GCS answers gRPC, by default on port 6379, the Ray Client server on 10001); give "
+        "the address `ray start --head` printed, or leave --address out for a new local Ray",
+    )
+
+
+def _h2_answer(conn: socket.socket) -> bytes:
+    """Send the HTTP/2 client preface and return the first bytes the server answers (up to one
+    frame header; fewer when it closes; empty when it says nothing within the socket's
+    timeout)."""
+    conn.sendall(_H2_PREFACE)
+    answer = b""
+    try:
+        while len(answer) < _H2_FRAME_HEADER:
+            chunk = conn.recv(_H2_FRAME_HEADER - len(answer))
+            if not chunk:
+                break
+            answer += chunk
+    except TimeoutError:
+        pass
+    except OSError:
+        # A reset after an HTTP/1 server's error page: what it said is the answer.
+        pass
+    return answer
 
 
 def job_preflight(

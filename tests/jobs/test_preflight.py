@@ -9,10 +9,14 @@ issue's bound for a refusal), and none may print the line that says Ray is start
 
 from __future__ import annotations
 
+import http.server
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,6 +101,38 @@ def test_run_names_every_malformed_dataset_line_and_a_missing_genrm_model_at_onc
 def test_run_refuses_an_unreachable_ray_address_without_waiting_for_ray(root: Path) -> None:
     err = refused(relax("run", str(support.job_file(root)), "--address", "127.0.0.1:1"), "run")
     assert "--address: [ray-address] no Ray cluster answers at 127.0.0.1:1" in err
+
+
+@pytest.fixture
+def http_server() -> Iterator[int]:
+    """A plain HTTP/1 server on a free loopback port (what a mistyped port often reaches)."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_an_address_that_answers_http_but_is_not_ray_is_refused_before_ray_starts(
+    root: Path, http_server: int, command: str
+) -> None:
+    # Before the handshake probe Ray looped on "Failed to connect to GCS" for minutes here.
+    err = refused(
+        relax(command, str(support.job_file(root)), "--address", f"127.0.0.1:{http_server}"),
+        command,
+    )
+    assert f"127.0.0.1:{http_server} accepts connections but is not a Ray cluster" in err
+    assert "(its first bytes: b'" in err, err  # what the server said, for the user to see
 
 
 def test_a_toml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
@@ -221,8 +257,18 @@ def test_the_ray_address_is_checked_before_ray_is_asked(
         assert problem is not None and problem.path == "--address" and found in problem.message
 
 
-def test_a_listening_ray_address_passes() -> None:
+def test_the_gcs_of_a_real_ray_cluster_passes(ray_local: Any) -> None:
+    assert ray_address_problem(ray_local.get_runtime_context().gcs_address) is None
+
+
+def test_a_listening_server_that_says_nothing_is_not_a_ray_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Shortened only so the test does not wait the user-facing 10 s for a silent server.
+    monkeypatch.setattr("relax_core.jobs.preflight.ANSWER_TIMEOUT", 0.5)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        assert ray_address_problem(f"127.0.0.1:{server.getsockname()[1]}") is None
+        problem = ray_address_problem(f"127.0.0.1:{server.getsockname()[1]}")
+        assert problem is not None
+        assert "is not a Ray cluster (it closed or said nothing" in problem.message
