@@ -3,21 +3,24 @@
 Prints the bundle map of every pool, the memory budget per GPU and, for roles that share GPUs
 across phases, the residency plan (which of them may be resident together), and exits 0; a
 rejected config prints every violation on stderr (``key.path: [rule] message``) and exits 2.
+A job file with a ``[run]`` table is checked whole, as ``relax run`` checks it before Ray
+starts (its keys, stages, prompt source, trainer and trackers), not only its placement.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from relax_core.commands._reject import reject
-from relax_core.config import load_config
+from relax_core.config import JobConfig, load_config
 from relax_core.coordination.residency import plan_residency
 from relax_core.coordination.slices import defer_slices
 from relax_core.errors import ConfigValidationError
 from relax_core.jobs.preflight import resolve_model_paths
 from relax_core.placement import preflight, render_plan, role_titles
-from relax_core.plugins import get_plugin_manager
+from relax_core.plugins import PluginManager, get_plugin_manager
 
 NAME = "plan"
 HELP = "Check a job file's GPU placement and memory budget and print the plan (starts nothing)."
@@ -37,6 +40,30 @@ def _reject(lines: list[str], rows: list[dict[str, str]], as_json: bool) -> int:
     return status
 
 
+_PROBLEM = re.compile(r"^(?P<path>[^:\s]+): \[(?P<rule>[^\]]+)\] (?P<message>.*)$", re.S)
+
+
+def _row(line: str) -> dict[str, str]:
+    found = _PROBLEM.match(line)
+    if found is None:
+        return {"path": "", "rule": "", "message": line}
+    return found.groupdict()
+
+
+def _run_problems(config: JobConfig, pm: PluginManager) -> list[str]:
+    """What ``relax run`` would refuse in the job's ``[run]`` table (none without one)."""
+    if not config.run:
+        return []
+    from relax_core.run.config import parse_run_config
+    from relax_core.run.job import run_problems
+
+    try:
+        settings = parse_run_config(config)
+    except ConfigValidationError as exc:
+        return [str(p) for p in exc.problems]
+    return run_problems(config, settings, pm)
+
+
 def run(args: argparse.Namespace) -> int:
     pm = get_plugin_manager()
     try:
@@ -48,9 +75,10 @@ def run(args: argparse.Namespace) -> int:
     # run read it (the memory budget reads its config.json).
     config = resolve_model_paths(config)
     result = preflight(config, pm)
-    if result.plan is None:
-        rows = [{"path": v.path, "rule": v.rule, "message": v.message} for v in result.violations]
-        return _reject([str(v) for v in result.violations], rows, args.json)
+    lines = [str(v) for v in result.violations]
+    lines += [line for line in _run_problems(config, pm) if line not in lines]
+    if result.plan is None or lines:
+        return _reject(lines, [_row(line) for line in lines], args.json)
     slices = defer_slices(result.plan)
     residency = plan_residency(
         result.plan, slices, mode=config.placement.residency, roles=tuple(slices)

@@ -109,6 +109,29 @@ def test_relax_plan_reports_config_problems_with_their_key_paths(tmp_path: Path)
     assert json.loads(done.stdout)["violations"][0]["path"] == "roles.genrm.models.judge.tpp"
 
 
+def test_relax_plan_checks_the_run_table_as_relax_run_does(tmp_path: Path) -> None:
+    # A plan that places fine, but a [run] table relax run would refuse: every problem at once.
+    path = tmp_path / "job.toml"
+    path.write_text(
+        (ROOT / "docs/examples/placement-split-8gpu.toml").read_text()
+        + "\n[run]\nsteps = 0\nstepz = 3\n"
+    )
+    done = relax("plan", str(path), "--json")
+    assert done.returncode == 2, done.stdout
+    paths = [row["path"] for row in json.loads(done.stdout)["violations"]]
+    assert paths == ["run.stepz", "run.rewards", "run.steps"], paths
+    assert "run.steps: [range] must be >= 1, got 0" in done.stderr
+
+
+RUN_EXAMPLES = sorted((ROOT / "docs" / "examples").glob("run-*.toml"))
+
+
+@pytest.mark.parametrize("example", RUN_EXAMPLES, ids=[p.name for p in RUN_EXAMPLES])
+def test_relax_plan_accepts_every_documented_run_example_whole(example: Path) -> None:
+    done = relax("plan", str(example))
+    assert done.returncode == 0, done.stderr
+
+
 def test_relax_plan_reads_a_relative_model_path_next_to_the_job_file(tmp_path: Path) -> None:
     # The budget reads the model's config.json: from the job file's directory, not the cwd.
     (tmp_path / "policy").mkdir()
