@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--run-dir",
         metavar="DIR",
         help="where the run keeps its records: the trackers' files, the trace, the report "
-        "(default with a tracker or --report: relax-runs/<job>)",
+        "(default with a tracker or --report: relax-runs/<job>); must be new or empty",
     )
     parser.add_argument(
         "--report",
@@ -161,6 +161,18 @@ def run(args: argparse.Namespace) -> int:
             "--report: the report needs plotly, which is not installed: pip install "
             "'relax-core[report]'"
         )
+    name = args.job or f"run-{os.getpid()}"
+    run_dir = args.run_dir
+    if run_dir is None and settings.trackers:
+        run_dir = os.path.join("relax-runs", name)
+    if run_dir is not None and os.path.isdir(run_dir) and os.listdir(run_dir):
+        # Appending a second run to one run.jsonl mixed both in its report.
+        held = sorted(os.listdir(run_dir))
+        listed = ", ".join(held[:4]) + (", …" if len(held) > 4 else "")
+        problems.append(
+            f"--run-dir: {run_dir} already holds a run's records ({listed}); give a new "
+            "--run-dir (or --job name), or remove that directory"
+        )
     if problems:
         return reject("run", problems)
     for warning in found.warnings:
@@ -168,11 +180,7 @@ def run(args: argparse.Namespace) -> int:
     printer = Printer(json_lines=args.json, began=began)
     signals = ShutdownSignals(printer.progress_out, command="relax run")
     signals.install()
-    name = args.job or f"run-{os.getpid()}"
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="relax-run-logs-")
-    run_dir = args.run_dir
-    if run_dir is None and settings.trackers:
-        run_dir = os.path.join("relax-runs", name)
     trace = args.trace
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)

@@ -103,6 +103,14 @@ def test_run_refuses_an_unreachable_ray_address_without_waiting_for_ray(root: Pa
     assert "--address: [ray-address] no Ray cluster answers at 127.0.0.1:1" in err
 
 
+def test_run_refuses_a_run_directory_that_holds_a_run(root: Path) -> None:
+    used = root / "records"
+    used.mkdir()
+    (used / "run.jsonl").write_text('{"type": "config"}\n')
+    err = refused(relax("run", str(support.job_file(root)), "--run-dir", str(used)), "run")
+    assert f"--run-dir: {used} already holds a run's records (run.jsonl)" in err
+
+
 @pytest.fixture
 def http_server() -> Iterator[int]:
     """A plain HTTP/1 server on a free loopback port (what a mistyped port often reaches)."""
