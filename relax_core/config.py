@@ -416,20 +416,29 @@ class ConfigReader:
         self.problems.append(ConfigProblem(path, rule, message))
 
     def table(
-        self, value: object, path: str, known: Collection[str], *, what: str = "key", tip: str = ""
+        self,
+        value: object,
+        path: str,
+        known: Collection[str],
+        *,
+        what: str = "key",
+        tip: str = "",
+        unlisted: Collection[str] = (),
     ) -> dict[str, Any]:
         """``value`` as a table whose keys are all in ``known`` (each other key is an
         ``unknown-<what>`` problem, ``tip`` appended); ``{}`` and a problem if it is not a
-        table."""
+        table. ``unlisted`` keys are accepted (the caller says what became of them) but not
+        offered as known in the message."""
         if not isinstance(value, dict):
             self.problem(path, "type", f"must be a table, got {type(value).__name__}")
             return {}
+        offered = sorted(k for k in known if k not in unlisted)
         for key in value:
             if key not in known:
                 self.problem(
                     f"{path}.{key}" if path else key,
                     f"unknown-{what}",
-                    f"unknown {what}{_hint(key, known)} (known: {', '.join(sorted(known))}){tip}",
+                    f"unknown {what}{_hint(key, offered)} (known: {', '.join(offered)}){tip}",
                 )
         return value
 
@@ -528,10 +537,19 @@ class ConfigReader:
     def raise_problems(self, source: str | None = None) -> None:
         """Raise every problem recorded so far at once; return when there is none.
 
-        :raises ConfigValidationError: listing each problem (``source``: the job file).
+        :raises ConfigValidationError: listing each problem (``source``: the job file; where
+            it is a readable file, each problem whose key it writes ends with ``(FILE:LINE)``).
         """
         if self.problems:
-            raise ConfigValidationError(self.problems, source)
+            problems: Sequence[ConfigProblem] = self.problems
+            if source is not None:
+                try:
+                    text = Path(source).read_text(encoding="utf-8")
+                except OSError:
+                    pass  # a config given as text names a source that is not a file
+                else:
+                    problems = located(problems, text, source)
+            raise ConfigValidationError(problems, source)
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -1024,13 +1042,59 @@ def _toml_problem(exc: tomllib.TOMLDecodeError, text: str, source: str | None) -
 def load_config(path: str | Path, *, role_names: Collection[str] | None = None) -> JobConfig:
     """Read and parse a job file.
 
-    :raises ConfigValidationError: the file is unreadable, not TOML, or has bad values.
+    :raises ConfigValidationError: the file is unreadable, not TOML, or has bad values; each
+        problem whose key the file holds ends with where, ``(FILE:LINE)``.
     """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigValidationError(
-            [ConfigProblem("", "file", f"cannot read {p}: {exc.strerror or exc}")], str(p)
+            [ConfigProblem(str(p), "file", f"cannot read the job file: {exc.strerror or exc}")],
+            str(p),
         ) from exc
     return loads_config(text, source=str(p), role_names=role_names)
+
+
+_HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY_LINE = re.compile(r"^\s*([A-Za-z0-9_\-\.\"']+)\s*=")
+_INDEX = re.compile(r"\[\d+\]$")
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """Each key path a TOML text writes (tables, array-of-table items as ``name[i]``, keys of
+    both) and the 1-based line it is written on; keys inside inline tables are not listed."""
+    found: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    table = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _HEADER.match(line)
+        if header is not None:
+            name = header.group(2).replace(" ", "").replace('"', "").replace("'", "")
+            if header.group(1) == "[[":
+                index = counts.get(name, 0)
+                counts[name] = index + 1
+                table = f"{name}[{index}]"
+            else:
+                table = name
+            found.setdefault(table, number)
+            continue
+        key = _KEY_LINE.match(line)
+        if key is not None:
+            name = key.group(1).replace('"', "").replace("'", "")
+            found.setdefault(f"{table}.{name}" if table else name, number)
+    return found
+
+
+def located(problems: Sequence[ConfigProblem], text: str, source: str) -> list[ConfigProblem]:
+    """``problems`` with ``(SOURCE:LINE)`` appended to each whose key path (or, for an item of
+    an inline array, its array's key) ``text`` writes; the others as they are."""
+    lines = key_lines(text)
+    out = []
+    for problem in problems:
+        line = lines.get(problem.path) or lines.get(_INDEX.sub("", problem.path))
+        if line is None or problem.rule in ("toml", "file"):
+            out.append(problem)
+        else:
+            out.append(attrs.evolve(problem, message=f"{problem.message} ({source}:{line})"))
+    return out

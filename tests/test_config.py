@@ -15,6 +15,7 @@ from relax_core.config import (
     JobConfig,
     PlacementSettings,
     RouterSettings,
+    key_lines,
     load_config,
     loads_config,
     parse_config,
@@ -335,10 +336,39 @@ def test_a_toml_error_at_the_end_of_the_file_names_its_last_line() -> None:
     assert info.value.problems[0].path.startswith("job.toml:2:")
 
 
-def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
+def test_a_missing_file_is_a_config_error_named_by_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigValidationError) as info:
         load_config(tmp_path / "nope.toml")
-    assert info.value.problems[0].rule == "file" and "nope.toml" in str(info.value)
+    (problem,) = info.value.problems
+    assert problem.rule == "file" and problem.path == str(tmp_path / "nope.toml")
+
+
+def test_a_problem_in_a_job_file_says_on_which_line_its_key_is(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(
+        "[cluster]\nnum_nodes = 1\n\n[roles.rollout.models.policy]\n"
+        'backend = "hf"\nmodel_path = "m"\nnum_gpuz = 1\n'
+    )
+    with pytest.raises(ConfigValidationError) as info:
+        load_config(job)
+    (problem,) = info.value.problems
+    assert problem.path == "roles.rollout.models.policy.num_gpuz"
+    assert problem.message.endswith(f"({job}:7)"), problem.message
+
+
+def test_key_lines_count_array_of_table_items_and_skip_comments() -> None:
+    text = (
+        '# [not.a.table]\n[run]\nsteps = 2\n[[run.stages]]\nstage = "reward"\n'
+        '[[run.stages]]\nstage = "eval"\n'
+    )
+    assert key_lines(text) == {
+        "run": 2,
+        "run.steps": 3,
+        "run.stages[0]": 4,
+        "run.stages[0].stage": 5,
+        "run.stages[1]": 6,
+        "run.stages[1].stage": 7,
+    }
 
 
 def test_an_empty_document_is_a_valid_empty_job() -> None:

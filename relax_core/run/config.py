@@ -229,7 +229,7 @@ def parse_run_config(job: JobConfig) -> RunConfig:
     """
     r = ConfigReader()
     p = "run"
-    t = r.table(dict(job.run), p, _KEYS)
+    t = r.table(dict(job.run), p, _KEYS, unlisted=_MOVED)
     v = r.value
     for key, where in _MOVED.items():
         if key in t:

@@ -98,6 +98,13 @@ def test_keys_that_became_stages_say_where_they_went() -> None:
     assert "run.filter_hooks: [moved]" in joined and "run.dynamic_batch: [moved]" in joined
 
 
+def test_an_unknown_key_is_not_offered_keys_the_table_no_longer_has() -> None:
+    (problem,) = _problems('[run]\nrewards = [{ adapter = "digits" }]\nstepz = 3\n')
+    assert "run.stepz: [unknown-key] unknown key; did you mean 'steps'?" in problem, problem
+    for moved in ("eval_dataset", "filter_hooks", "dynamic_batch"):
+        assert moved not in problem
+
+
 def test_every_problem_of_the_table_is_reported_at_once_with_its_key_path() -> None:
     problems = _problems(
         "[run]\n"
