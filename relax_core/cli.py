@@ -18,7 +18,11 @@ from relax_core.errors import RelaxError
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every sub-command found in :mod:`relax_core.commands`."""
-    parser = argparse.ArgumentParser(prog="relax", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="relax",
+        description="Relax: the inference side of LLM RL post-training (rollout, genrm, teacher) "
+        "on one core. Each command's --help says more; docs/ has the guides.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):

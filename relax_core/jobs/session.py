@@ -56,7 +56,7 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
-        what = f"a new local Ray ({gpus} GPUs declared)"
+        what = f"a new local Ray ({gpus} GPU{'s' if gpus != 1 else ''} declared)"
     try:
         yield what
     finally:
