@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -60,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--job", help="the job's name: actor names, relax coordinator --job (default: run-<pid>)"
     )
-    parser.add_argument("--log-dir", help="where engine logs go (default: a new temp directory)")
+    parser.add_argument(
+        "--log-dir",
+        help="where engine logs go (default: RUN_DIR/engine-logs with a run directory, else a "
+        "temp directory removed when the run ends well)",
+    )
     parser.add_argument(
         "--tracker",
         action="append",
@@ -180,11 +185,20 @@ def run(args: argparse.Namespace) -> int:
     printer = Printer(json_lines=args.json, began=began)
     signals = ShutdownSignals(printer.progress_out, command="relax run")
     signals.install()
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="relax-run-logs-")
     trace = args.trace
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
         trace = trace or os.path.join(run_dir, "trace.json")
+    # Engine logs live with the run's records; a run without a run directory logs to a temp
+    # directory that is removed when the run ends well and kept (and named) when it does not.
+    temp_logs = args.log_dir is None and run_dir is None
+    if args.log_dir is not None:
+        log_dir = args.log_dir
+    elif run_dir is not None:
+        log_dir = os.path.join(run_dir, "engine-logs")
+        os.makedirs(log_dir, exist_ok=True)
+    else:
+        log_dir = tempfile.mkdtemp(prefix="relax-run-logs-")
     metrics = None
     if args.metrics_port is not None:
         from relax_core.run.metrics import serve_metrics
@@ -279,6 +293,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.report and run_dir is not None:
         status = _report(run_dir, printer) or status
+    if temp_logs and status == 0:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif temp_logs:
+        printer.say(f"relax run: engine logs kept in {log_dir}")
     printer.say("relax run: stopped; nothing left running")
     return status
 

@@ -108,6 +108,13 @@ def test_the_run_commits_its_steps_though_one_tracker_raised(run: Run) -> None:
     assert "metrics 1" in heard and "metrics 2" not in heard and heard[-1] == "close"
 
 
+def test_the_engine_logs_are_kept_in_the_run_directory(run: Run) -> None:
+    logs = sorted(p.name for p in (run.run_dir / "engine-logs").rglob("*.log"))
+    # One log per engine of the job's three roles, beside the run's other records.
+    assert any(name.startswith("policy") for name in logs), logs
+    assert any(name.startswith("judge") for name in logs), logs
+
+
 def test_tensorboard_event_files_hold_every_steps_metrics(run: Run) -> None:
     from tensorboard.backend.event_processing import event_accumulator as ea
 
