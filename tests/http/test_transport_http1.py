@@ -496,7 +496,8 @@ def test_a_stale_connection_whose_fresh_attempt_cannot_connect_is_not_reported_u
     def answer_then_stop_listening(conn: socket.socket, server: RawServer) -> None:
         server.read_request(conn)
         conn.sendall(OK)
-        server.sock.close()
+        server.sock.shutdown(socket.SHUT_RDWR)  # stops listening (close alone does not, while
+        server.sock.close()  # the accepting thread waits in accept())
         conn.recv(1)  # the next request's first bytes meet the close
 
     server = serve(answer_then_stop_listening)

@@ -51,9 +51,9 @@ class StaleKeepAliveServer:
                 if name.strip().lower() == b"content-length":
                     length = int(value)
             await reader.readexactly(length)
+            self.requests_answered += 1  # (counted before the client can see the answer)
             writer.write(_ANSWER)
             await writer.drain()
-            self.requests_answered += 1
             # The connection is idle now. The next request's first bytes meet the close.
             if await reader.read(1):
                 self.requests_dropped += 1
