@@ -12,6 +12,17 @@ Failures are typed so that :func:`~relax_core._http.transport.classify_failure` 
 request may have reached the upstream: :class:`ConnectError` / :class:`ConnectTimeout` (nothing
 was sent), :class:`ServerDisconnectedError` / :class:`PayloadError` (sent, then the connection
 broke), :class:`TimeoutError` (the deadline passed).
+
+The keep-alive race: a server closes an idle connection at its keep-alive limit, and a request
+written to that connection at the same moment meets the close. The client's idle limit is kept
+below the server's so that it does not happen, and when it happens anyway (a loop lagging under
+load measures idle time late) the request is sent once more, on a new connection, if and only
+if it went out on a *reused* connection that closed before a single byte of its answer arrived:
+a server that read the request answers it (an error status at least) unless its process died,
+and a dead server refuses the new connection. Whatever fails on that second attempt is reported
+as "sent, then failed" (:class:`ServerDisconnectedError`), never as "nothing was sent", so no
+caller sends the request to another replica. A request on a new connection, or one whose answer
+had started, is never sent again.
 """
 
 from __future__ import annotations
@@ -58,6 +69,10 @@ class ConnectTimeout(TimeoutError):
 
 class ServerDisconnectedError(ConnectionError):
     """The connection closed (or broke) after the request was written, before its answer."""
+
+
+class _StaleConnectionError(ServerDisconnectedError):
+    """A reused idle connection closed before any byte of the answer: the keep-alive race."""
 
 
 class PayloadError(ConnectionError):
@@ -220,6 +235,8 @@ class _Connection(asyncio.Protocol):
         self._eof_body = False
         self.closed = False
         self.idle_since = 0.0
+        self.reused = False  # taken from the idle pool for its current request
+        self._answered = False  # a byte of the current request's answer arrived
         self._paused = False  # the unread body is over the high-water mark
         self._held = False  # the reader is coalescing (see Http1Body.readany)
         # The client whose connection limit this connection counts against while busy.
@@ -234,6 +251,7 @@ class _Connection(asyncio.Protocol):
         if self.response is None:
             self.close()  # bytes nobody asked for: the connection cannot be trusted
             return
+        self._answered = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -251,8 +269,9 @@ class _Connection(asyncio.Protocol):
             self._free_slot()
             return
         if self._head is not None:
+            error = _StaleConnectionError if self.reused and not self._answered else None
             self._fail(
-                ServerDisconnectedError(
+                (error or ServerDisconnectedError)(
                     "the upstream closed the connection before answering"
                     + (f" ({exc})" if exc else "")
                 )
@@ -356,6 +375,7 @@ class _Connection(asyncio.Protocol):
         """Write one request; the future resolves with the answer's head."""
         loop = asyncio.get_running_loop()
         resp = self.response = Http1Response(self)
+        self._answered = False
         head = self._head = loop.create_future()
         if deadline is not None:
             resp._deadline = loop.call_at(deadline, self._on_deadline, resp)
@@ -470,7 +490,9 @@ class Http1Client:
         self._urls[url] = hit
         return hit
 
-    async def _acquire(self, pool: _HostPool, deadline: float | None) -> _Connection:
+    async def _acquire(
+        self, pool: _HostPool, deadline: float | None, *, fresh: bool = False
+    ) -> _Connection:
         if self._closed:
             raise RuntimeError("this HTTP client was closed")
         while self._busy >= self.max_connections:
@@ -487,7 +509,7 @@ class Http1Client:
             now = time.monotonic()
             idle = pool.idle
             conn = None
-            while idle:
+            while idle and not fresh:
                 candidate = idle.pop()
                 if (
                     not candidate.closed
@@ -495,10 +517,12 @@ class Http1Client:
                     and now - candidate.idle_since < self.keepalive_timeout
                 ):
                     conn = candidate
+                    conn.reused = True
                     break
                 candidate.close()
             if conn is None:
                 conn = await self._connect(pool, deadline)
+                conn.reused = False
         except BaseException:
             self._release_slot()
             raise
@@ -553,6 +577,8 @@ class Http1Client:
         :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
         :class:`ServerDisconnectedError` (sent, no answer), :class:`TimeoutError`, or
         ``ValueError`` for a header with a line break. Cancellation closes the connection.
+        A request that lost the keep-alive race (a reused connection closed before any byte of
+        the answer) is sent once more on a new connection (see the module docstring).
         """
         pool, line = self._route(url)
         parts = [method.encode("latin-1"), line]
@@ -567,11 +593,26 @@ class Http1Client:
         parts.append(body)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        data = b"".join(parts)
         conn = await self._acquire(pool, deadline)
         try:
-            return await conn.send(b"".join(parts), deadline)
+            return await conn.send(data, deadline)
+        except _StaleConnectionError as exc:
+            conn.close()
+            stale = exc
         except BaseException:
             conn.close()  # an answer may still come on it: never reuse it
+            raise
+        try:
+            conn = await self._acquire(pool, deadline, fresh=True)
+        except (ConnectError, ConnectTimeout) as exc:
+            raise ServerDisconnectedError(
+                f"{stale}; sending it again on a new connection failed: {exc}"
+            ) from exc
+        try:
+            return await conn.send(data, deadline)
+        except BaseException:
+            conn.close()
             raise
 
     async def aclose(self) -> None:

@@ -8,7 +8,12 @@ What it does:
 
 - forwards only an allowlist of paths, bytes in and bytes out (SSE streams are streamed, never
   parsed), with headers forwarded by the one hop-by-hop rule of the data path
-  (:func:`relax_core._http.headers.forward_headers`); the upstream client is aiohttp;
+  (:func:`relax_core._http.headers.forward_headers`); the upstream client is the lean HTTP/1.1
+  client of the data path (:class:`~relax_core._http.http1.Http1Client`), whose idle
+  connections are reused for at most :data:`ENGINE_KEEPALIVE` seconds, below the engine's own
+  keep-alive (5 s for SGLang's and the hf engine's uvicorn), and which sends a request that met
+  an engine closing a reused idle connection once more on a new one (the keep-alive race; a
+  request that may have reached the engine is never sent again);
 - while admission is *closed* (a drain, a weight update, a sleeping engine) it answers generation
   paths and ``/health_generate`` with ``503`` + ``Retry-After``, and sends nothing upstream;
 - counts in-flight generation requests so a drain can wait for them (:meth:`wait_idle`);
@@ -27,24 +32,35 @@ import math
 import threading
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from relax_core._http.headers import NOT_SENT_HEADER, forward_headers
+from relax_core._http.http1 import ConnectError, ConnectTimeout, Http1Client, Http1Response
 from relax_core._http.server import serve_app
 from relax_core.engine.spec import UPDATE_ENDPOINTS, InferenceEngineSpec
 
 __all__ = [
     "ADMISSION_ALLOWLIST",
     "CANCEL_PATHS",
+    "ENGINE_KEEPALIVE",
     "GENERATE_PATHS",
     "HEALTH_PATHS",
     "METADATA_PATHS",
     "PRIVATE_PREFIX",
     "PROBE_PATHS",
+    "SERVER_KEEPALIVE",
     "AdmissionServer",
     "AdmissionThread",
 ]
+
+#: Seconds an idle connection to the engine is kept for reuse: well below the engine's 5 s
+#: keep-alive (SGLang's and the hf engine's uvicorn), so a loop lagging under load, which
+#: measures idle time late, still does not write a request to a connection being closed.
+ENGINE_KEEPALIVE = 2.0
+#: Seconds the public port keeps an idle caller's connection: above every caller's own idle
+#: limit (the data path's 4 s, aiohttp's 15 s, the Rust routers' pools' 90 s), so the caller
+#: always closes first and never writes to a connection this server is closing.
+SERVER_KEEPALIVE = 120.0
 
 #: Generation paths: gated by admission and counted as in flight.
 GENERATE_PATHS = frozenset(
@@ -118,7 +134,7 @@ class AdmissionServer:
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._client: Http1Client | None = None
         self.refused = 0
         self.forwarded = 0
 
@@ -130,20 +146,23 @@ class AdmissionServer:
             return self.base_url
         self._idle = asyncio.Event()
         self._idle.set()
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
-            # Bytes are relayed as they are: the engine is asked for uncompressed ones (the
-            # caller's Accept-Encoding is not forwarded, see forward_headers).
-            skip_auto_headers=("Accept-Encoding",),
-            auto_decompress=False,
+        # Bytes are relayed as they are; the caller's Accept-Encoding is not forwarded (see
+        # forward_headers), so the engine sends uncompressed ones.
+        self._client = Http1Client(
+            max_connections=1 << 16,
+            keepalive_timeout=ENGINE_KEEPALIVE,
+            connect_timeout=self._connect_timeout,
         )
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # handler_cancellation: a client that disconnects cancels its proxied request at once
         # (closing the upstream connection aborts it at the engine), so drains never wait on it.
         self._runner, self.port = await serve_app(
-            app, self.host, self.port, handler_cancellation=True
+            app,
+            self.host,
+            self.port,
+            handler_cancellation=True,
+            keepalive_timeout=SERVER_KEEPALIVE,
         )
         return self.base_url
 
@@ -154,9 +173,9 @@ class AdmissionServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
     @property
     def base_url(self) -> str:
@@ -257,55 +276,67 @@ class AdmissionServer:
                 self._idle.set()
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
-        session = self._session
-        if session is None:
+        client = self._client
+        if client is None:
             return self._refuse(503, f"admission server of {self.engine_id!r} is stopping")
-        body = await request.read() if request.can_read_body else None
+        if request.method == "HEAD":
+            # The lean client frames answers by their headers; a HEAD answer's Content-Length
+            # describes a body that never comes. No engine path needs HEAD.
+            return self._refuse(405, f"HEAD is not forwarded to engine {self.engine_id!r}")
+        body = await request.read() if request.can_read_body else b""
         url = f"{self.upstream_url}{request.rel_url}"
-        response: web.StreamResponse | None = None
         try:
-            async with session.request(
-                request.method,
-                url,
-                headers=forward_headers(request.headers),
-                data=body,
-                allow_redirects=False,
-            ) as upstream:
-                headers = forward_headers(upstream.headers, response=True)
-                streaming = upstream.content_length is None or upstream.headers.get(
-                    "Content-Type", ""
-                ).startswith("text/event-stream")
-                if not streaming:
-                    payload = await upstream.read()
-                    self.forwarded += 1
-                    return web.Response(status=upstream.status, headers=headers, body=payload)
-                response = web.StreamResponse(status=upstream.status, headers=headers)
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                self.forwarded += 1
-                return response
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-            if response is not None:
-                # Bytes already went out: cut the client's stream too (no final chunk, so the
-                # client sees a truncated response), never replay or replace it.
-                if request.transport is not None:
-                    request.transport.close()
-                return response
+            upstream = await client.request(
+                request.method, url, forward_headers(request.headers), body, timeout=None
+            )
+        except (OSError, TimeoutError) as exc:
             # A connection that never opened sent the engine nothing: say so, so the caller
             # may send it to another replica (a request that reached the engine never is).
             return self._refuse(
                 502,
                 f"engine {self.engine_id!r} could not be reached at its private port: "
                 f"{type(exc).__name__}: {exc}",
-                not_sent=isinstance(exc, aiohttp.ClientConnectorError),
+                not_sent=isinstance(exc, ConnectError | ConnectTimeout),
             )
+        try:
+            return await self._relay(request, upstream)
+        finally:
+            upstream.close()
+
+    async def _relay(self, request: web.Request, upstream: Http1Response) -> web.StreamResponse:
+        headers = forward_headers(upstream.headers, response=True)
+        streaming = "Content-Length" not in upstream.headers or upstream.headers.get(
+            "Content-Type", ""
+        ).startswith("text/event-stream")
+        response: web.StreamResponse | None = None
+        try:
+            if not streaming:
+                payload = await upstream.read()
+                self.forwarded += 1
+                return web.Response(status=upstream.status, headers=headers, body=payload)
+            response = web.StreamResponse(status=upstream.status, headers=headers)
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            self.forwarded += 1
+            return response
         except ConnectionResetError:
-            # The client went away mid-stream; leaving the block closed the upstream request.
+            # The client went away mid-stream; closing the answer closes the upstream request.
             if response is None:
                 raise
             return response
+        except (OSError, TimeoutError) as exc:
+            if response is not None:
+                # Bytes already went out: cut the client's stream too (no final chunk, so the
+                # client sees a truncated response), never replay or replace it.
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            return self._refuse(
+                502,
+                f"engine {self.engine_id!r} broke off its answer: {type(exc).__name__}: {exc}",
+            )
 
 
 class AdmissionThread:

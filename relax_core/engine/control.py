@@ -14,6 +14,13 @@ Errors:
 
 Every message names the URL and quotes the server's own message. Every call has a timeout
 (the client's default, or the call's ``timeout=``).
+
+Connections: the lean HTTP/1.1 client of the data path
+(:class:`~relax_core._http.http1.Http1Client`), idle ones reused for at most
+:data:`KEEPALIVE_SECONDS`, below the engines' 5 s keep-alive; a request that met the engine
+closing a reused idle connection (the keep-alive race) is sent once more on a new connection,
+and no other request is ever sent twice (a release or a weight update that may have run is not
+repeated). A caller's own ``session=`` is used as it is (aiohttp's rules: only GETs are retried).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, TypedDict, Unpack
 
 import aiohttp
 
+from relax_core._http.http1 import Http1Client
 from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 
@@ -117,7 +125,7 @@ class ControlClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self._session = session
-        self._owns_session = session is None
+        self._client: Http1Client | None = None
 
     async def __aenter__(self) -> ControlClient:
         return self
@@ -126,22 +134,18 @@ class ControlClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the HTTP session this client opened (idempotent)."""
-        if self._session is not None and self._owns_session and not self._session.closed:
-            await self._session.close()
-        if self._owns_session:
-            self._session = None
+        """Close the connections this client opened (idempotent; a given session stays open)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+    def _get_client(self) -> Http1Client:
+        if self._client is None:
             # An idle connection is reused only well within the servers' keep-alive (uvicorn's
-            # and SGLang's close one after 5 s): a reuse racing the server's close fails the
-            # request with "Can not write request body" — a weight push between two steps of a
-            # ~5 s period did.
-            connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS)
-            self._session = aiohttp.ClientSession(connector=connector)
-            self._owns_session = True
-        return self._session
+            # and SGLang's close one after 5 s): a reuse racing the server's close failed a
+            # weight push between two steps of a ~5 s period.
+            self._client = Http1Client(keepalive_timeout=KEEPALIVE_SECONDS)
+        return self._client
 
     # -- transport -------------------------------------------------------------------------
 
@@ -152,14 +156,26 @@ class ControlClient:
         url = self.base_url + path
         limit = self.timeout if timeout is None else float(timeout)
         try:
-            async with self._get_session().request(
-                method, url, json=body, timeout=aiohttp.ClientTimeout(total=limit)
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
+            if self._session is not None:
+                async with self._session.request(
+                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=limit)
+                ) as resp:
+                    text = await resp.text()
+                    status = resp.status
+            else:
+                payload = b"" if body is None else json.dumps(body).encode()
+                headers = {"Content-Type": "application/json"} if body is not None else {}
+                answer = await self._get_client().request(
+                    method, url, headers, payload, timeout=limit
+                )
+                try:
+                    text = (await answer.read()).decode("utf-8", "replace")
+                    status = answer.status
+                finally:
+                    answer.release()
         except TimeoutError as exc:
             raise UpstreamError(504, f"{method} {url}: no answer within {limit:.1f}s") from exc
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(502, f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         try:
             data = json.loads(text) if text else None

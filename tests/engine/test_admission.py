@@ -34,6 +34,7 @@ from relax_core.engine.admission import (
 )
 from relax_core.engine.spec import UPDATE_ENDPOINTS, InferenceEngineSpec
 from relax_core.testing import free_port, serve_app, wait_for
+from tests.support.stale_keepalive import StaleKeepAliveServer
 
 
 class Upstream:
@@ -304,6 +305,23 @@ def test_unreachable_engine_answers_502_naming_the_engine(http: urllib3.PoolMana
     assert "judge/replica-0" in r.json()["error"]
     # Nothing reached the engine, and the answer says so: a caller may try another replica.
     assert r.headers["X-Relax-Not-Sent"] == "engine-unreachable"
+
+
+def test_an_engine_closing_a_reused_idle_connection_as_a_request_arrives_costs_no_502(
+    http: urllib3.PoolManager,
+) -> None:
+    # The keep-alive race behind "engine ... could not be reached at its private port:
+    # ServerDisconnectedError": the engine closes an idle pooled connection exactly when the
+    # admission server reuses it. The engine never read that request, so it is sent again once,
+    # on a fresh connection, and the caller gets the engine's answer.
+    with StaleKeepAliveServer() as engine, _guard(engine.url) as guard:
+        guard.open()
+        for i in range(3):
+            r = http.request("POST", guard.server.base_url + "/generate", json={"text": str(i)})
+            assert (r.status, r.json()) == (200, {"ok": True}), r.data
+    # Each request after the first met a close on its reused connection, then ran once.
+    assert (engine.requests_answered, engine.requests_dropped) == (3, 2)
+    assert engine.connections == 3
 
 
 def test_stopped_admission_thread_frees_its_port(upstream: tuple[Upstream, str]) -> None:

@@ -204,3 +204,20 @@ def test_serialize_named_tensors_round_trips_safetensors() -> None:
     assert torch.equal(load(base64.b64decode(payload))["w"], t)
     with pytest.raises(ValueError, match="load_format='gguf'"):
         serialize_named_tensors([("w", t)], load_format="gguf")
+
+
+def test_an_engine_closing_a_reused_idle_connection_as_a_post_arrives_fails_no_lifecycle_call() -> (
+    None
+):
+    # The keep-alive race on the control channel: the engine closes the idle connection as the
+    # next POST arrives, reading none of it; the POST goes again, once, on a new connection.
+    from tests.support.stale_keepalive import StaleKeepAliveServer
+
+    async def scenario(url: str) -> None:
+        async with ControlClient(url, timeout=10) as client:
+            for _ in range(3):
+                assert await client.flush_cache() == {"ok": True}
+
+    with StaleKeepAliveServer() as server:
+        run(scenario(server.url))
+        assert (server.requests_answered, server.requests_dropped) == (3, 2)

@@ -416,3 +416,99 @@ def test_coalescing_holds_a_fast_body_but_never_the_first_read(serve: Any) -> No
         return [first, rest]
 
     assert run(scenario()) == [events[0], b"".join(events[1:])]
+
+
+# -- the keep-alive race: a reused connection closed before any byte of its answer -----------
+
+
+def test_a_reused_connection_closed_as_the_request_arrives_is_sent_once_more_on_a_fresh_one() -> (
+    None
+):
+    # The stale keep-alive case: the server closes the idle connection exactly when the next
+    # request arrives, answering nothing. It never read that request, so it is sent again,
+    # once, on a new connection, and the caller sees only the answer.
+    from tests.support.stale_keepalive import StaleKeepAliveServer
+
+    with StaleKeepAliveServer() as server:
+
+        async def scenario() -> list[int]:
+            transport = Transport()
+            statuses = []
+            for _ in range(3):
+                status, _, body = await transport.exchange(prepared(server.url))
+                assert body == b'{"ok":true}'
+                statuses.append(status)
+            await transport.aclose()
+            return statuses
+
+        assert run(scenario()) == [200, 200, 200]
+        assert (server.requests_answered, server.requests_dropped) == (3, 2)
+        assert server.connections == 3
+
+
+def test_a_fresh_connection_closed_before_answering_is_not_sent_again(serve: Any) -> None:
+    # Only a REUSED connection can lose the keep-alive race; a new one closed after the request
+    # was written may have run it, so it is never replayed.
+    def read_then_close(conn: socket.socket, server: RawServer) -> None:
+        server.read_request(conn)
+
+    server = serve(read_then_close)
+
+    async def scenario() -> None:
+        transport = Transport()
+        with pytest.raises(RequestNotReplayedError) as info:
+            await transport.open(prepared(server.url))
+        assert not info.value.answer_started
+        await transport.aclose()
+
+    run(scenario())
+    assert (server.requests, server.connections) == (1, 1)
+
+
+def test_a_reused_connection_closed_after_the_answer_started_is_not_sent_again(
+    serve: Any,
+) -> None:
+    def half_answer_the_second(conn: socket.socket, server: RawServer) -> None:
+        server.read_request(conn)
+        conn.sendall(OK)
+        server.read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Le")
+
+    server = serve(half_answer_the_second)
+
+    async def scenario() -> None:
+        transport = Transport()
+        await transport.exchange(prepared(server.url))
+        with pytest.raises(RequestNotReplayedError):
+            await transport.exchange(prepared(server.url))
+        await transport.aclose()
+
+    run(scenario())
+    assert (server.requests, server.connections) == (2, 1)
+
+
+def test_a_stale_connection_whose_fresh_attempt_cannot_connect_is_not_reported_unsent(
+    serve: Any,
+) -> None:
+    # After the retry the request may have been sent once (the first attempt's bytes went out):
+    # when the fresh connection is refused, the error must not say "nothing was sent", or a
+    # caller would send the request to another replica.
+    def answer_then_stop_listening(conn: socket.socket, server: RawServer) -> None:
+        server.read_request(conn)
+        conn.sendall(OK)
+        server.sock.shutdown(socket.SHUT_RDWR)  # stops listening (close alone does not, while
+        server.sock.close()  # the accepting thread waits in accept())
+        conn.recv(1)  # the next request's first bytes meet the close
+
+    server = serve(answer_then_stop_listening)
+
+    async def scenario() -> None:
+        transport = Transport()
+        await transport.exchange(prepared(server.url))
+        with pytest.raises(RequestNotReplayedError) as info:
+            await transport.exchange(prepared(server.url))
+        assert "nothing was sent" not in info.value.message
+        await transport.aclose()
+
+    run(scenario())
+    assert server.connections == 1

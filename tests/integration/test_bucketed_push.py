@@ -20,7 +20,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,7 +289,6 @@ def test_a_trainer_that_stops_broadcasting_fails_the_push_and_keeps_the_old_vers
             )
         )
         assert joined.ok, joined
-        began = time.monotonic()
         result = ray_local.get(
             rollout.update_weights_from_distributed.remote(
                 [],
@@ -309,8 +307,9 @@ def test_a_trainer_that_stops_broadcasting_fails_the_push_and_keeps_the_old_vers
         for failed in result.failed:
             assert f"bucket 2 of {len(buckets)} failed" in failed.error, failed.error
             assert failed.engine_id in failed.error
-        # Noticed when the trainer's connections closed, not at a deadline.
-        assert time.monotonic() - began < FAST.update
+            # Noticed when the trainer's connections closed: the engine answered the bucket
+            # with its error; the control call's deadline did not end it.
+            assert "no answer within" not in failed.error, failed.error
         assert ray_local.get(rollout.weight_version.remote()) == "ckpt"
         assert _engine_versions(ray_local, rollout) == ["ckpt", "ckpt"]
     finally:

@@ -86,6 +86,10 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
+        # SGLang's value, stated so the order of the data path's limits holds for hf as for
+        # SGLang: the admission server and the control client reuse an idle connection for at
+        # most 2 s, well below it (docs/reliability.md, "Keep-alive, pair by pair").
+        timeout_keep_alive=5,
     )
     return 0
 

@@ -183,7 +183,27 @@ def test_a_push_some_replica_refused_is_an_error_quoting_it(tiny: Path, ray_loca
         trainer.push("2")
 
 
-def test_measure_copy_times_each_size_both_ways_on_the_device(tiny: Path) -> None:
-    copies = _trainer(tiny).measure_copy([4096, 0, 4096, 1024], repeats=1)
-    assert sorted(copies) == [1024, 4096]
-    assert all(set(c) == {"h2d", "d2h"} and min(c.values()) >= 0 for c in copies.values())
+def test_measure_copy_reports_the_median_of_the_repeats_of_each_size_both_ways(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A clock that makes each copy take a known time: the first copy of each way is the
+    # warm-up (1000 s) and must not count; the repeats take 3, 1, 2 s (h2d) and 30, 10, 20 s
+    # (d2h), so the medians are 2 and 20 for every size.
+    import relax_torch_trainer.trainer as trainer_module
+
+    durations = iter([1000.0, 1000.0, 3.0, 30.0, 1.0, 10.0, 2.0, 20.0] * 2)
+
+    class Clock:
+        now = 0.0
+        started = False
+
+        def perf_counter(self) -> float:
+            if self.started:
+                self.now += next(durations)
+            self.started = not self.started
+            return self.now
+
+    trainer = _trainer(tiny)
+    monkeypatch.setattr(trainer_module, "time", Clock())
+    copies = trainer.measure_copy([4096, 0, 4096, 1024], repeats=3)
+    assert copies == {1024: {"h2d": 2.0, "d2h": 20.0}, 4096: {"h2d": 2.0, "d2h": 20.0}}
