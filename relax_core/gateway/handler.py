@@ -445,11 +445,19 @@ class InferenceGatewayHandler:
         if schema == 1:
             engines = [e for m in snap.models.values() for e in m.engines]
             healthy = sum(1 for e in engines if e.state is ModelState.READY)
-            return (200 if ready else 503), {
+            legacy: dict[str, Any] = {
                 "status": "healthy" if ready else "unhealthy",
                 "healthy_engines": healthy,
                 "total_engines": len(engines),
             }
+            if ready and healthy == 0 and residency is not None:
+                # Healthy with no engine awake: say why, or the body reads as a contradiction.
+                legacy["residency"] = residency["state"]
+                legacy["message"] = (
+                    f"the role's engines are {residency['state'].lower()}; a request wakes them "
+                    "(healthy_engines counts the engines awake now)"
+                )
+            return (200 if ready else 503), legacy
         models = {
             model_id: {
                 "state": model.state.value,

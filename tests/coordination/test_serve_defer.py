@@ -305,6 +305,16 @@ def test_serve_of_the_example_defer_job_starts_phase_by_phase_and_wakes_roles_on
             made = _post(f"{urls['rollout']}/rollout/generate", generate)
             assert made["meta_info"]["completion_tokens"] == 3
             out.wait_for(r"residency: rollout: AWAKE", timeout=10)
+            # One role at a time: genrm sleeps now, and its legacy health body says so rather
+            # than "healthy" beside healthy_engines 0 with no word why.
+            # (The gateway reads the registry's snapshot, refreshed every half second.)
+            deadline = time.monotonic() + 30
+            legacy = _get(f"{urls['genrm']}/genrm/health?schema=1")
+            while legacy["healthy_engines"] != 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                legacy = _get(f"{urls['genrm']}/genrm/health?schema=1")
+            assert legacy["status"] == "healthy" and legacy["healthy_engines"] == 0, legacy
+            assert legacy["residency"] != "AWAKE" and "a request wakes them" in legacy["message"]
 
             # Concurrent requests for genrm and teacher: all answered, in batches (a woken
             # role stays a second at least), and never both resident.
