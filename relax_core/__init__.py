@@ -63,7 +63,6 @@ from relax_core.engine import (
     SubprocessEngineProcess,
     WeightBucket,
     plan_weight_buckets,
-    serialize_named_tensors,
 )
 from relax_core.errors import (
     BatchFailedError,
@@ -325,7 +324,6 @@ __all__ = [
     "plan_weight_buckets",
     "reward_by_key",
     "sample_rows",
-    "serialize_named_tensors",
     "stage_problems",
     "start_coordinator",
     "step_metrics",
