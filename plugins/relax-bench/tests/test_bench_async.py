@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from relax_core.bench import async_steps as bench
+from relax_bench import async_steps as bench
 
 
 def test_quick_run_trains_every_step_in_both_modes_within_the_staleness_bound() -> None:
