@@ -103,11 +103,13 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Every benchmark (``relax bench NAME --json``); pass names to run only some."""
+    """Every registered benchmark (``relax bench NAME --json``; ``relax bench`` lists them, one
+    a line: name, description, distribution), an alias once; pass names to run only some."""
     _install_project(session, "test")
-    names = session.posargs or sorted(
-        p.stem for p in (ROOT / "relax_core" / "bench").glob("*.py") if not p.stem.startswith("_")
-    )
+    listing = session.run("relax", "bench", silent=True) or ""
+    names = session.posargs or [
+        line.split()[0] for line in listing.splitlines() if line and "alias of" not in line
+    ]
     for name in names:
         session.run("relax", "bench", name, "--json")
     if not session.posargs:

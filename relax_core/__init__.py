@@ -23,6 +23,7 @@ from relax_core.agent import (
     tool_message,
 )
 from relax_core.client import BreakerSettings, InferenceClient, close_clients, get_client
+from relax_core.commands.demo import DEMO_JOB, DEMO_MODELS, make_demo_models
 from relax_core.config import ConfigProblem, ConfigReader, JobConfig, load_config, loads_config
 from relax_core.coordination import (
     REWARD_FIELDS,
@@ -32,6 +33,7 @@ from relax_core.coordination import (
     DeferredCollector,
     DeferredWorkload,
     LifecycleCoordinator,
+    MemoryBatchSink,
     RewardContext,
     RewardResult,
     RewardStage,
@@ -42,10 +44,13 @@ from relax_core.coordination import (
     Stage,
     StageContext,
     StageReport,
+    Timeline,
     connect_coordinator,
+    partition_name,
     start_coordinator,
     validate_samples,
 )
+from relax_core.coordination.residency import ResidencyPlan
 from relax_core.discovery import (
     EngineView,
     ModelState,
@@ -63,7 +68,6 @@ from relax_core.engine import (
     SubprocessEngineProcess,
     WeightBucket,
     plan_weight_buckets,
-    serialize_named_tensors,
 )
 from relax_core.errors import (
     BatchFailedError,
@@ -99,12 +103,15 @@ from relax_core.gateway import (
     AdaptContext,
     Adapted,
     GatewayOptions,
+    GatewayServer,
     InferenceGatewayHandler,
     RoleAdapter,
     check_chat_payload,
     check_generate_payload,
     check_messages,
+    gateway_app,
 )
+from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S
 from relax_core.hookspecs import hookimpl
 from relax_core.jobs.managers import engine_launch_specs
 from relax_core.manager import (
@@ -112,11 +119,13 @@ from relax_core.manager import (
     LifecycleResult,
     ManagerTimeouts,
     ModelLaunch,
+    Outcome,
     ReplicaPlacement,
+    ReplicaResult,
     ReplicaState,
     ResidentTag,
 )
-from relax_core.net import free_port
+from relax_core.net import free_port, keep_local_ray_on_loopback
 from relax_core.placement import (
     InferencePlacementPlan,
     ModeContext,
@@ -125,10 +134,12 @@ from relax_core.placement import (
     PoolRequest,
     Slice,
     plan_inference_placement,
+    preflight,
     validate_bound_placement,
 )
-from relax_core.plugins import PluginManager, get_plugin_manager
+from relax_core.plugins import PluginManager, get_plugin_manager, module_plugin
 from relax_core.records import (
+    BenchmarkSpec,
     DataSourceSpec,
     EngineBackend,
     EngineLaunchSpec,
@@ -166,6 +177,7 @@ from relax_core.run import (
     parse_run_config,
     stage_problems,
 )
+from relax_core.run.pipeline import AsyncDriver, AsyncSettings, StepOutcome
 from relax_core.tracking import (
     PhaseSpan,
     Tracker,
@@ -178,13 +190,19 @@ from relax_core.tracking import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_STREAM_COALESCE_S",
+    "DEMO_JOB",
+    "DEMO_MODELS",
     "REWARD_FIELDS",
     "AdaptContext",
     "Adapted",
     "AdmissionServer",
+    "AsyncDriver",
+    "AsyncSettings",
     "BatchControl",
     "BatchFailedError",
     "BatchSink",
+    "BenchmarkSpec",
     "BreakerSettings",
     "CapabilityError",
     "ChannelError",
@@ -210,6 +228,7 @@ __all__ = [
     "EnvironmentStepError",
     "GatewayError",
     "GatewayOptions",
+    "GatewayServer",
     "GroupRequest",
     "InferenceClient",
     "InferenceEngineSpec",
@@ -224,6 +243,7 @@ __all__ = [
     "LifecycleError",
     "LifecycleResult",
     "ManagerTimeouts",
+    "MemoryBatchSink",
     "ModeContext",
     "ModeResult",
     "ModelLaunch",
@@ -235,6 +255,7 @@ __all__ = [
     "NotPrefixStable",
     "Observation",
     "OpenAPINotes",
+    "Outcome",
     "PhaseSpan",
     "PlacementError",
     "PlacementMode",
@@ -246,9 +267,11 @@ __all__ = [
     "RegistryPublisher",
     "RelaxError",
     "ReplicaPlacement",
+    "ReplicaResult",
     "ReplicaState",
     "RequestNotReplayedError",
     "Reset",
+    "ResidencyPlan",
     "ResidentTag",
     "RewardContext",
     "RewardResult",
@@ -285,8 +308,10 @@ __all__ = [
     "StageContext",
     "StageReport",
     "StageSpec",
+    "StepOutcome",
     "StreamStalledError",
     "SubprocessEngineProcess",
+    "Timeline",
     "Tool",
     "ToolBox",
     "ToolCall",
@@ -314,18 +339,23 @@ __all__ = [
     "engine_launch_specs",
     "format_tool_call",
     "free_port",
+    "gateway_app",
     "get_client",
     "get_plugin_manager",
     "hookimpl",
+    "keep_local_ray_on_loopback",
     "load_config",
     "loads_config",
+    "make_demo_models",
+    "module_plugin",
     "parse_run_config",
     "parse_tool_calls",
+    "partition_name",
     "plan_inference_placement",
     "plan_weight_buckets",
+    "preflight",
     "reward_by_key",
     "sample_rows",
-    "serialize_named_tensors",
     "stage_problems",
     "start_coordinator",
     "step_metrics",

@@ -17,7 +17,8 @@ first needs the kind. They are grouped by the phase in which their records are u
   to its batch, in order), trainers (who trains on the committed batch) — collected when the
   ``[run]`` table is checked, before anything starts; trackers (who hears what the run
   did: its config, each committed step's metrics, each phase, samples to inspect) — opened
-  when the steps begin, closed when the run ends, however it ends.
+  when the steps begin, closed when the run ends, however it ends;
+- **tools** (``relax bench``): benchmarks — collected when ``relax bench`` runs.
 
 A plugin implements a hook under the same name and calls ``register`` once per record it adds;
 each hook below names its record and shows that call::
@@ -234,4 +235,20 @@ def relax_register_trackers(register: Callable[[records.TrackerSpec], None]) -> 
 
     :param register: call it once per :class:`~relax_core.records.TrackerSpec`, as in
         ``register(TrackerSpec(name="csv", open=CsvTracker, options=("file",)))``.
+    """
+
+
+# == tools: commands around a job =================================================================
+
+# -- benchmarks ------------------------------------------------------------------------------
+
+
+@hookspec
+def relax_register_benchmarks(register: Callable[[records.BenchmarkSpec], None]) -> None:
+    """Register benchmarks: ``relax bench NAME [--json] [--quick] [its options]`` runs one,
+    ``relax bench`` lists them (collected when ``relax bench`` runs).
+
+    :param register: call it once per :class:`~relax_core.records.BenchmarkSpec`, as in
+        ``register(BenchmarkSpec(name="tokenize", run=measure_tokenize,
+        description="tokens per second of the chat template"))``.
     """

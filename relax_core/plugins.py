@@ -22,6 +22,7 @@ import pluggy
 from relax_core import hookspecs
 from relax_core.errors import PluginError
 from relax_core.records import (
+    BenchmarkSpec,
     DataSourceSpec,
     EngineBackend,
     EnvironmentSpec,
@@ -68,6 +69,7 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
     "stages": ("relax_register_stages", StageSpec),
     "trainers": ("relax_register_trainers", TrainerSpec),
     "trackers": ("relax_register_trackers", TrackerSpec),
+    "benchmarks": ("relax_register_benchmarks", BenchmarkSpec),
 }
 
 
@@ -85,6 +87,7 @@ _SINGULAR = {
     "stages": "stage",
     "trainers": "trainer",
     "trackers": "tracker",
+    "benchmarks": "benchmark",
 }
 
 
@@ -317,6 +320,7 @@ class PluginManager:
     stage = _lookup("stages", StageSpec)
     trainer = _lookup("trainers", TrainerSpec)
     tracker = _lookup("trackers", TrackerSpec)
+    benchmark = _lookup("benchmarks", BenchmarkSpec)
 
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""

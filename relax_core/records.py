@@ -22,6 +22,7 @@ __all__ = [
     "NAME_PATTERN",
     "ROUTE_MODES",
     "UPDATE_PATHS",
+    "BenchmarkSpec",
     "DataSourceSpec",
     "EngineBackend",
     "EngineLaunchSpec",
@@ -886,3 +887,33 @@ class EnvironmentSpec:
     options: tuple[str, ...] | None = attrs.field(default=(), converter=_optional_tuple_of_str)
     check: Callable[[Any], Any] | None = attrs.field(default=None, validator=_optional_callable)
     description: str = ""
+
+
+# -- benchmarks --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BenchmarkSpec:
+    """A benchmark ``relax bench NAME`` runs (``relax bench`` alone lists them).
+
+    ``run(quick=..., **options) -> dict`` measures and returns the JSON object ``relax bench
+    NAME --json`` prints (JSON-serialisable); ``quick`` asks for a shorter run (smoke tests).
+    ``add_arguments(parser)``, if given, adds the benchmark's own command-line options to its
+    ``argparse`` parser; each option's value reaches ``run`` as a keyword argument of the
+    option's ``dest``. ``format_result(result) -> str``, if given, is what ``relax bench NAME``
+    prints without ``--json`` (else the JSON, indented). Report each number next to a baseline
+    measured in the same run: shared machines are noisy. Import heavy dependencies inside
+    ``run``, since plugins load in every ``relax`` command.
+
+    :raises ValueError: a bad name.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    run: Callable[..., Mapping[str, Any]] = attrs.field(validator=attrs.validators.is_callable())
+    description: str = ""
+    add_arguments: Callable[[Any], None] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
+    format_result: Callable[[Mapping[str, Any]], str] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )

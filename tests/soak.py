@@ -47,7 +47,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from relax_core.bench.gateway import _process
+from relax_bench.gateway import _process
 
 ROLE = "teacher"
 SIM_REPLICAS = 4
@@ -206,6 +206,7 @@ def settle(pid: int, seconds: float = 10.0) -> tuple[float, int]:
 
 def run(total: int, concurrency: int) -> int:
     import ray
+    from relax_bench.manager import SIM_BACKEND
 
     from relax_core import (
         EngineOptions,
@@ -215,7 +216,6 @@ def run(total: int, concurrency: int) -> int:
         PluginManager,
         ReplicaPlacement,
     )
-    from relax_core.bench.manager import SIM_BACKEND
     from relax_core.discovery.schema import RoutingSpec
     from relax_core.discovery.server import RegistryServer
     from relax_core.engine.spec import InferenceEngineSpec

@@ -1,7 +1,7 @@
 """The core imports no torch: trainers and engines that need it are plugins. Checked statically
-(AST: no module imports torch, safetensors' torch API or a torch-built framework, but for the
-allow-listed function-level imports below) and at run time (importing every core module leaves
-``torch`` out of ``sys.modules``)."""
+(AST: no module imports torch, safetensors' torch API or a torch-built framework, at the top or
+inside any function body, with no exception) and at run time (importing every core module
+leaves ``torch`` out of ``sys.modules``)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,6 @@ CORE = ROOT / "relax_core"
 
 #: Modules that pull torch in when imported.
 TORCH_MODULES = ("torch", "safetensors.torch", "transformers", "accelerate", "deepspeed")
-
-#: ``(module, function)`` allowed to import torch inside the function. Each runs only in a
-#: caller that already holds tensors, so torch is the caller's.
-ALLOWED = {
-    # Encodes a trainer's (name, tensor) pairs for /update_weights_from_tensor: safetensors'
-    # torch API, or torch.multiprocessing's reductions for SGLang's own format.
-    ("relax_core/engine/control.py", "serialize_named_tensors"),
-    # A weight bucket's flat buffer, filled from the trainer's tensors, and its SGLang
-    # flattened_bucket payload (torch.multiprocessing's reductions).
-    ("relax_core/engine/buckets.py", "flatten"),
-    ("relax_core/engine/buckets.py", "serialize"),
-}
-
 
 def _is_torch(module: str) -> bool:
     return any(module == t or module.startswith(f"{t}.") for t in TORCH_MODULES)
@@ -64,19 +51,15 @@ def torch_imports(path: Path) -> list[tuple[str | None, str]]:
     return found
 
 
-def test_no_core_module_imports_torch_outside_the_allow_list() -> None:
+def test_no_core_module_imports_torch_anywhere() -> None:
+    # Tensor code belongs to whoever holds the tensors (the trainer, the engine, a torch-side
+    # helper library they depend on): no function of the core imports torch either.
     offenders: dict[str, list[str]] = {}
-    allowed_seen: set[tuple[str, str]] = set()
     for path in sorted(CORE.rglob("*.py")):
-        where = str(path.relative_to(ROOT))
         for function, module in torch_imports(path):
-            if function is not None and (where, function) in ALLOWED:
-                allowed_seen.add((where, function))
-                continue
+            where = str(path.relative_to(ROOT))
             offenders.setdefault(where, []).append(f"{module} (in {function or 'the module'})")
     assert offenders == {}, f"the core imports torch; move the code to a plugin: {offenders}"
-    # An entry whose import is gone must leave the list, so the list stays the truth.
-    assert allowed_seen == ALLOWED
 
 
 def test_the_check_finds_module_level_and_function_level_torch_imports(tmp_path: Path) -> None:

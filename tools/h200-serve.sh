@@ -33,7 +33,7 @@ status=$?
 tail -n 20 "$OUT/wake.log"
 python3 - "$OUT/wake.json" "$OUT/copy.json" <<'PY'
 import json, sys
-from relax_core.bench.wake import format_result
+from relax_bench.wake import format_result
 text = open(sys.argv[1]).read().strip()
 if text:
     result = json.loads(text.splitlines()[-1])

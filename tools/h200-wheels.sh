@@ -31,7 +31,7 @@ find .whl/download -name '*.whl' ! -name 'ray-*' -exec mv {} .whl/ \;
 rm -rf .whl/download
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl \
   . plugins/relax-hf plugins/relax-rollout plugins/relax-genrm plugins/relax-teacher \
-  plugins/relax-torch-trainer \
+  plugins/relax-torch-trainer plugins/relax-torch-weights plugins/relax-bench \
   contrib/relax-reward-rules
 rm -rf build ./*.egg-info plugins/*/build contrib/*/build
 ls -la .whl

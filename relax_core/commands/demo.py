@@ -22,7 +22,7 @@ from relax_core.errors import ConfigError
 NAME = "demo"
 HELP = "Run three RL steps on tiny CPU models: relax run on the embedded default job."
 
-__all__ = ["DEMO_JOB", "DEMO_MODELS"]
+__all__ = ["DEMO_JOB", "DEMO_MODELS", "make_demo_models"]
 
 #: The tiny models the job names (``tiny/<name>`` next to the job file) and their seeds.
 DEMO_MODELS = {"policy": 0, "judge": 1, "math": 2}
@@ -93,7 +93,12 @@ seed = 0
 """
 
 
-def _make_models(root: Path) -> None:
+def make_demo_models(root: Path) -> None:
+    """Make the tiny models :data:`DEMO_JOB` names under ``root`` (``root/<name>``), in
+    parallel, through the ``hf`` plugin's command line (the core never imports it).
+
+    :raises ConfigError: a model could not be made (relax-hf missing, its error quoted).
+    """
     procs = {
         name: subprocess.Popen(
             [
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="relax-demo-") as tmp:
         root = Path(tmp)
         print(f"  making three tiny models: {', '.join(DEMO_MODELS)} …", file=out, flush=True)
-        _make_models(root / "tiny")
+        make_demo_models(root / "tiny")
         job = root / "job.toml"
         job.write_text(DEMO_JOB)
         # relax run's own parser, so every option it has gets its default here too.

@@ -4,7 +4,7 @@ client, weight buckets and the admission server in front of a strict engine head
 from relax_core._exports import claim as _claim
 from relax_core.engine.admission import AdmissionServer
 from relax_core.engine.buckets import WeightBucket, plan_weight_buckets
-from relax_core.engine.control import ControlClient, serialize_named_tensors
+from relax_core.engine.control import ControlClient
 from relax_core.engine.process import SubprocessEngineProcess
 from relax_core.engine.spec import InferenceEngineSpec
 
@@ -15,7 +15,6 @@ __all__ = [
     "SubprocessEngineProcess",
     "WeightBucket",
     "plan_weight_buckets",
-    "serialize_named_tensors",
 ]
 
 _claim(__name__, globals(), __all__)

@@ -10,9 +10,12 @@ and the engine unflattens each into its parameters.
 :class:`WeightBucket` records (pure Python: it reads each tensor's shape, dtype and element
 size, and imports no torch). A bucket's tensors lie back to back in its buffer, in order, with
 no padding: SGLang's layout, so the same record describes the buffer of
-``update_weights_from_tensor`` (``load_format="flattened_bucket"``: :meth:`WeightBucket.serialize`)
-and the one broadcast of ``update_weights_from_distributed`` with that ``load_format`` (its
-``names``, ``dtypes`` and ``shapes`` are the record's).
+``update_weights_from_tensor`` (``load_format="flattened_bucket"``) and the one broadcast of
+``update_weights_from_distributed`` with that ``load_format`` (its ``names``, ``dtypes`` and
+``shapes`` are the record's).
+
+Filling a bucket's buffer and encoding it take torch, so they belong to whoever holds the
+tensors (a trainer plugin, or a torch-side helper library it depends on); the core only plans.
 
 A tensor larger than the bucket size is not split: it gets a bucket of its own, so a bucket is
 at most ``max(bucket_bytes, largest tensor)`` bytes.
@@ -20,10 +23,8 @@ at most ``max(bucket_bytes, largest tensor)`` bytes.
 
 from __future__ import annotations
 
-import base64
-import io
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -40,7 +41,7 @@ class WeightBucket:
     """One bucket of a weight push: its tensors' ``names``, ``dtypes`` (``"bfloat16"``),
     ``shapes`` and byte ``offsets`` in the bucket's flat buffer (back to back, in order), and
     the buffer's size ``nbytes``. Picklable, torch-free; build it with
-    :func:`plan_weight_buckets`.
+    :func:`plan_weight_buckets`. The tensors' holder fills and encodes its buffer.
 
     :raises ValueError: the fields disagree (lengths, offsets not back to back).
     """
@@ -66,73 +67,6 @@ class WeightBucket:
         """Each tensor's byte count."""
         ends = (*self.offsets[1:], self.nbytes)
         return tuple(e - o for o, e in zip(self.offsets, ends, strict=True))
-
-    def flatten(self, tensors: Mapping[str, Any], *, device: Any = None) -> Any:
-        """A new flat ``uint8`` tensor of ``nbytes`` holding the bucket's tensors (looked up by
-        name in ``tensors``) back to back, on ``device`` (default: the first tensor's). The
-        tensors are read, never kept.
-
-        :raises ValueError: a tensor's dtype or shape is not the bucket's.
-        :raises KeyError: a name of the bucket is missing from ``tensors``.
-        """
-        import torch
-
-        first = tensors[self.names[0]]
-        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device or first.device)
-        for name, dtype, shape, start, size in zip(
-            self.names, self.dtypes, self.shapes, self.offsets, self.sizes(), strict=True
-        ):
-            tensor = tensors[name]
-            if _dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
-                raise ValueError(
-                    f"WeightBucket.flatten: {name!r} is {_dtype_name(tensor.dtype)} "
-                    f"{list(tensor.shape)}, the bucket has {dtype} {list(shape)}"
-                )
-            # Bytes, not elements: a tensor's offset need not be a multiple of its item size.
-            source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[start : start + size].copy_(source, non_blocking=True)
-        return flat
-
-    def serialize(self, flat: Any) -> str:
-        """SGLang's ``flattened_bucket`` payload of ``flat`` (this bucket's buffer) for
-        ``update_weights_from_tensor``: a ``torch.multiprocessing`` pickle (base64) of
-        ``{"flattened_tensor": flat, "metadata": [...]}``, each metadata entry with SGLang's
-        fields ``name``, ``shape``, ``dtype``, ``start_idx``, ``end_idx``, ``numel`` (bytes).
-
-        The entries are ``types.SimpleNamespace`` (which SGLang's safe unpickler admits), so
-        neither end needs the other's classes. A CUDA ``flat`` travels as one IPC handle (the
-        caller keeps it alive until the update returned); a CPU one as shared memory (the sender
-        needs ``torch.multiprocessing.set_sharing_strategy("file_system")``).
-
-        :raises ValueError: ``flat`` is not a 1-D ``uint8`` tensor of ``nbytes``.
-        """
-        from multiprocessing.reduction import ForkingPickler
-        from types import SimpleNamespace
-
-        import torch
-        import torch.multiprocessing  # registers torch's reductions
-
-        if flat.dtype != torch.uint8 or tuple(flat.shape) != (self.nbytes,):
-            raise ValueError(
-                f"WeightBucket.serialize: the buffer must be uint8 [{self.nbytes}], got "
-                f"{_dtype_name(flat.dtype)} {list(flat.shape)}"
-            )
-        metadata = [
-            SimpleNamespace(
-                name=name,
-                shape=torch.Size(shape),
-                dtype=getattr(torch, dtype),
-                start_idx=start,
-                end_idx=start + size,
-                numel=size,
-            )
-            for name, dtype, shape, start, size in zip(
-                self.names, self.dtypes, self.shapes, self.offsets, self.sizes(), strict=True
-            )
-        ]
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
-        return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def plan_weight_buckets(

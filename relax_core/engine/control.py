@@ -26,8 +26,6 @@ repeated). A caller's own ``session=`` is used as it is (aiohttp's rules: only G
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
@@ -38,44 +36,9 @@ from relax_core._http.http1 import Http1Client
 from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 
-__all__ = ["ControlClient", "WeightUpdate", "serialize_named_tensors"]
+__all__ = ["ControlClient", "WeightUpdate"]
 
 _JSON = Mapping[str, Any]
-
-
-def serialize_named_tensors(
-    named_tensors: Iterable[tuple[str, Any]], *, load_format: str | None = None
-) -> str:
-    """Encode ``(name, tensor)`` pairs for ``/update_weights_from_tensor``.
-
-    ``load_format=None`` is SGLang's own format: a ``torch.multiprocessing`` pickle, base64.
-    CUDA tensors travel as IPC handles (the engine must be on the same host and GPU, and the
-    caller must keep the tensors alive until the call returns); CPU tensors travel as shared
-    memory and need ``torch.multiprocessing.set_sharing_strategy("file_system")`` in the sender.
-    ``load_format="safetensors"`` copies the bytes (any host, any device; understood by the
-    ``hf`` engine, not by SGLang).
-
-    The one place the core touches torch: its caller holds tensors, so torch (and safetensors,
-    for ``load_format="safetensors"``) are the caller's and are imported here, inside the call;
-    importing this module imports neither (``tests/test_core_imports_no_torch.py``).
-
-    :raises ValueError: an unknown ``load_format``.
-    """
-    pairs = list(named_tensors)
-    if load_format == "safetensors":
-        from safetensors.torch import save
-
-        data = save({name: t.detach().contiguous().cpu() for name, t in pairs})
-        return base64.b64encode(data).decode("ascii")
-    if load_format is None:
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401 - registers torch's reductions
-
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(pairs)
-        return base64.b64encode(buf.getvalue()).decode("ascii")
-    raise ValueError(f"load_format={load_format!r}: use None (SGLang's format) or 'safetensors'")
 
 
 class WeightUpdate(TypedDict, total=False):
@@ -357,7 +320,8 @@ class ControlClient:
     ) -> dict[str, Any]:
         """``POST /update_weights_from_tensor`` (one serialized payload per TP rank).
 
-        Build each payload with :func:`serialize_named_tensors`; ``update``: see
+        Each payload is built by whoever holds the tensors (torch-side code of the trainer's:
+        the core imports no torch); ``update``: see
         :class:`WeightUpdate`.
         """
         body = {

@@ -488,7 +488,7 @@ class InferenceManager:
 
         ``buckets``: a push in several engine calls, one per bucket (each item a call's
         ``serialized_named_tensors``: one payload per TP rank, e.g.
-        :meth:`~relax_core.engine.buckets.WeightBucket.serialize` with
+        the buffer of a :class:`~relax_core.engine.buckets.WeightBucket` serialized with
         ``load_format="flattened_bucket"``), sent in order after ``serialized_named_tensors``
         (which may then be empty), all inside the one fence or pause. A replica's version
         moves only once its last bucket landed; a replica whose bucket failed is FAILED (its

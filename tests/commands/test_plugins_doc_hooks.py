@@ -125,3 +125,15 @@ def test_the_data_source_example_reads_a_text_file_and_refuses_a_missing_one(
     assert prompts[1].origin.endswith("questions.txt:3")
     (problem,) = source_problems("gone.txt", pm, base=str(tmp_path))
     assert (problem.path, problem.rule) == ("run.dataset", "dataset")
+
+
+def test_the_benchmark_example_runs_with_its_own_option(tmp_path: Path) -> None:
+    import argparse
+
+    spec = _plugins("A benchmark", tmp_path).benchmark("sort")
+    parser = argparse.ArgumentParser()
+    assert spec.add_arguments is not None
+    spec.add_arguments(parser)
+    options = vars(parser.parse_args(["--size", "200"]))
+    result = spec.run(quick=True, **options)
+    assert result["items"] == 20 and result["sort_vs_copy"] >= 0

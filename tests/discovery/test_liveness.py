@@ -76,7 +76,8 @@ def test_a_manager_that_stops_answering_is_unknown_after_misses_and_republishes_
 
 @pytest.mark.ray
 def test_a_killed_manager_actor_makes_its_model_unknown_in_the_registry(ray_local: Any) -> None:
-    from relax_core.bench.manager import SIM_BACKEND
+    from relax_bench.manager import SIM_BACKEND
+
     from relax_core.builtins import STATIC
     from relax_core.discovery.actor import start_registry_actor
     from relax_core.engine.spec import InferenceEngineSpec

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from relax_core.engine.control import ControlClient, serialize_named_tensors
+from relax_core.engine.control import ControlClient
 from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 from relax_core.testing import free_port, serve_app
@@ -191,19 +191,6 @@ def test_a_deadline_raises_504_and_an_unreachable_engine_502(engine: tuple[Engin
             assert down.value.status == 502 and dead in str(down.value)
 
     run(go())
-
-
-def test_serialize_named_tensors_round_trips_safetensors() -> None:
-    import base64
-
-    import torch
-    from safetensors.torch import load
-
-    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    payload = serialize_named_tensors([("w", t)], load_format="safetensors")
-    assert torch.equal(load(base64.b64decode(payload))["w"], t)
-    with pytest.raises(ValueError, match="load_format='gguf'"):
-        serialize_named_tensors([("w", t)], load_format="gguf")
 
 
 def test_an_engine_closing_a_reused_idle_connection_as_a_post_arrives_fails_no_lifecycle_call() -> (

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_torch_weights import serialize_named_tensors
 
 from relax_core.engine.buckets import plan_weight_buckets
-from relax_core.engine.control import serialize_named_tensors
 from relax_core.manager import ModelLaunch, ReplicaPlacement
 from relax_core.manager.actor import start_manager_actor
 from relax_core.run.trainer import TrainerContext, start_trainer

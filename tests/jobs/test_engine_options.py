@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import pytest
+from relax_bench.manager import launch_sim
 
 from relax_core import (
     ConfigError,
@@ -20,7 +21,6 @@ from relax_core import (
     engine_launch_specs,
     loads_config,
 )
-from relax_core.bench.manager import launch_sim
 from relax_core.jobs import check_job
 from relax_core.plugins import module_plugin
 from tests.support.roles import builtin_roles

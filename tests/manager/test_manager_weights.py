@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_torch_weights import serialize_named_tensors
 
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoutingSpec
-from relax_core.engine.control import serialize_named_tensors
 from relax_core.errors import CapabilityError, LifecycleError
 from relax_core.manager import CheckpointDirectory, Outcome, ReplicaState
 from relax_core.testing import free_port

@@ -32,8 +32,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from relax_bench._steps_sim import coordinator, handle
 
-from relax_core.bench._steps_sim import coordinator, handle
 from relax_core.coordination import (
     REWARD_FIELDS,
     BatchState,
@@ -447,7 +447,7 @@ TestDriver.settings = settings(
 def test_a_lagging_engine_never_trains_stale_samples(k: int) -> None:
     """A push that reaches the engine only after the trainer's push returned: the groups it
     generated meanwhile carry the old version and are regenerated (dropped and counted)."""
-    from relax_core.bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times
+    from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times
 
     async def go() -> list[Any]:
         times = Times(generate_s=0.02, score_s=0.02, train_s=0.02, push_s=0.0, groups=3)

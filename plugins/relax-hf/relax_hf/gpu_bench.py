@@ -153,9 +153,10 @@ async def _update_throughput(
 ) -> dict[str, Any]:
     """Push every weight (random values) through /update_weights_from_tensor in buckets."""
     import torch
+    from relax_torch_weights import serialize_named_tensors
     from safetensors import safe_open
 
-    from relax_core import ControlClient, serialize_named_tensors
+    from relax_core import ControlClient
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         specs = [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]  # noqa: SIM118

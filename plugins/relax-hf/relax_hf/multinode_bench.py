@@ -46,13 +46,13 @@ def run(*, device: str = "cuda", quick: bool = False) -> dict[str, Any]:
     :raises ValueError: ``device`` is ``cuda`` and fewer than two GPUs are visible.
     """
     import torch
+    from relax_torch_weights import serialize_named_tensors
 
     from relax_core import (
         EngineLaunchSpec,
         EngineOptions,
         SubprocessEngineProcess,
         free_port,
-        serialize_named_tensors,
     )
     from relax_hf.gpu_bench import SIZES, make_random_model
     from relax_hf.plugin import launch

@@ -63,8 +63,9 @@ async def _push(
 ) -> dict[str, Any]:
     """One bucketed push of ``weights``; the engine's version moves with the last bucket."""
     import torch
+    from relax_torch_weights import flatten_bucket, serialize_bucket, serialize_named_tensors
 
-    from relax_core import plan_weight_buckets, serialize_named_tensors
+    from relax_core import plan_weight_buckets
 
     total = sum(t.numel() * t.element_size() for t in weights.values())
     buckets = plan_weight_buckets(weights.items(), bucket_bytes or total)
@@ -75,9 +76,9 @@ async def _push(
     for i, bucket in enumerate(buckets):
         last = i == len(buckets) - 1
         if cuda:
-            flat = bucket.flatten(weights)
+            flat = flatten_bucket(bucket, weights)
             torch.cuda.synchronize()
-            payload = bucket.serialize(flat)
+            payload = serialize_bucket(bucket, flat)
         else:
             named = [(n, weights[n]) for n in bucket.names]
             payload = serialize_named_tensors(named, load_format=load_format)

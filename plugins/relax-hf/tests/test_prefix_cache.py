@@ -340,7 +340,7 @@ def test_a_cached_prefix_is_never_served_across_a_weight_update(
 
 
 def test_a_tensor_update_invalidates_the_cache(versions: EngineServer) -> None:
-    from relax_core import serialize_named_tensors
+    from relax_torch_weights import serialize_named_tensors
 
     server = versions
     prompt = [*PREFIX, 2]

@@ -15,6 +15,7 @@ from relax_hf.cli import main
 from relax_hf.runner import WeightsError
 from relax_hf.testing import EngineServer
 from relax_hf.weights import decode_named_tensors, unflatten
+from relax_torch_weights import flatten_bucket, serialize_bucket
 
 from relax_core import WeightBucket, plan_weight_buckets
 
@@ -42,7 +43,7 @@ def test_a_flattened_bucket_gives_back_every_tensor_bit_for_bit_even_unaligned()
     named = _named()
     (bucket,) = plan_weight_buckets(named, 1 << 20)
     assert bucket.offsets == (0, 30, 46) and bucket.nbytes == 78
-    out = dict(unflatten(bucket.flatten(dict(named)), _entries(bucket), "m"))
+    out = dict(unflatten(flatten_bucket(bucket, dict(named)), _entries(bucket), "m"))
     assert all(out[n].dtype == t.dtype and torch.equal(out[n], t) for n, t in named)
 
 
@@ -53,8 +54,8 @@ def test_sglang_metadata_as_attributes_or_keys_is_read_from_the_pickled_payload(
 
     named = _named()
     (bucket,) = plan_weight_buckets(named, 1 << 20)
-    flat = bucket.flatten(dict(named))
-    payload = bucket.serialize(flat)  # SimpleNamespace entries, SGLang's field names
+    flat = flatten_bucket(bucket, dict(named))
+    payload = serialize_bucket(bucket, flat)  # SimpleNamespace entries, SGLang's field names
     assert dict(decode_named_tensors(payload, "flattened_bucket", "p")).keys() == {"a", "b", "c"}
     keys = [
         {"name": n, "shape": list(s), "dtype": str(d), "start_idx": o, "end_idx": e}
@@ -85,7 +86,7 @@ def test_a_bucket_whose_metadata_does_not_fit_its_buffer_is_refused(
     name, shape, dtype, start, end = entries[2]
     entries[2] = (name, shape, dtype, change.get("start", start), change.get("end", end))
     with pytest.raises(WeightsError, match=message):
-        unflatten(bucket.flatten(dict(named)), entries, "m")
+        unflatten(flatten_bucket(bucket, dict(named)), entries, "m")
 
 
 def test_a_bucket_buffer_must_be_flat_bytes() -> None:

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 from relax_hf.testing import EngineServer
+from relax_torch_weights import serialize_named_tensors
 
-from relax_core import ControlClient, LifecycleError, serialize_named_tensors
+from relax_core import ControlClient, LifecycleError
 from relax_core.testing import free_port
 
 TRAINER = Path(__file__).with_name("trainer_process.py")

@@ -16,8 +16,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from relax_torch_weights import serialize_named_tensors
 
-from relax_core import ControlClient, serialize_named_tensors
+from relax_core import ControlClient
 
 
 async def main(url: str, mode: str, rows: int, cols: int, port: int) -> dict:

@@ -194,15 +194,14 @@ class PolicyTrainer:
         """The ``safetensors`` and ``ipc`` pushes: every bucket's payload in one manager call."""
         import ray
         import torch
-
-        from relax_core import serialize_named_tensors
+        from relax_torch_weights import flatten_bucket, serialize_bucket, serialize_named_tensors
 
         ipc = self.context.push_format == "ipc"
         load_format = "flattened_bucket" if ipc else "safetensors"
         flats, payloads = [], []
         for bucket in buckets:
             if ipc:
-                flats.append(bucket.flatten(pairs))
+                flats.append(flatten_bucket(bucket, pairs))
             else:
                 named = [(n, pairs[n]) for n in bucket.names]
                 payloads.append([serialize_named_tensors(named, load_format=load_format)])
@@ -210,7 +209,7 @@ class PolicyTrainer:
                 del pairs[name]  # one copy of the weights at a time, plus the buckets made
         if ipc:
             torch.cuda.synchronize()
-            payloads = [[b.serialize(f)] for b, f in zip(buckets, flats, strict=True)]
+            payloads = [[serialize_bucket(b, f)] for b, f in zip(buckets, flats, strict=True)]
         result = ray.get(
             self.context.rollout.update_weights_from_tensor.remote(
                 [],
@@ -342,12 +341,13 @@ class PolicyTrainer:
         """Broadcast each bucket's flat buffer from rank 0, one bucket in memory at a time."""
         import torch
         import torch.distributed as dist
+        from relax_torch_weights import flatten_bucket
 
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)  # the current device is per thread
         for bucket in buckets:
-            flat = bucket.flatten(pairs)
+            flat = flatten_bucket(bucket, pairs)
             dist.broadcast(flat, 0)
             if cuda:
                 torch.cuda.synchronize()

@@ -101,7 +101,7 @@ def relax_register_routing_policies(register: Callable[[RoutingPolicy], None]) -
 
 def _launch_sim(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     """The core's lightweight SGLang-protocol engine (no model) as a real engine process."""
-    argv = [sys.executable, "-m", "relax_core.bench._sim_engine", "--host", spec.host]
+    argv = [sys.executable, "-m", "relax_bench._sim_engine", "--host", spec.host]
     argv += ["--port", str(spec.port), "--engine-id", spec.engine_id]
     argv += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
     if spec.dist_init_addr:

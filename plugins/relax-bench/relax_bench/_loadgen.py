@@ -1,6 +1,6 @@
 """The load generator of ``relax bench gateway`` when ``wrk`` is not installed.
 
-``python -m relax_core.bench._loadgen --url U --concurrency C --seconds S [--processes P]``
+``python -m relax_bench._loadgen --url U --concurrency C --seconds S [--processes P]``
 runs C closed-loop connections POSTing a fixed ``/generate`` body for S seconds (after a short
 warm-up), spread over P processes (default: 1 for C = 1, else the number of cores, as ``wrk``
 spreads connections over threads), and prints ``{"requests", "errors", "rps", "p50_ms",

@@ -20,10 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from relax_core.config import loads_config
-from relax_core.placement import preflight
-from relax_core.plugins import PluginManager, module_plugin
-from relax_core.records import RoleSpec
+from relax_core import PluginManager, RoleSpec, loads_config, module_plugin, preflight
 
 NODES = 512
 GPUS_PER_NODE = 8

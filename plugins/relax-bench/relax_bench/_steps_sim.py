@@ -26,18 +26,20 @@ from typing import Any
 
 import attrs
 
-from relax_core.coordination import (
+from relax_core import (
     REWARD_FIELDS,
     DeferredCollector,
     LifecycleCoordinator,
+    LifecycleResult,
     MemoryBatchSink,
+    Outcome,
+    ReplicaResult,
+    ResidencyPlan,
     Sample,
     StageContext,
     StageReport,
     partition_name,
 )
-from relax_core.coordination.residency import ResidencyPlan
-from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
 
 __all__ = [
     "SimJudge",

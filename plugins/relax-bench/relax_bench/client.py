@@ -30,10 +30,8 @@ import aiohttp
 import attrs
 import orjson
 
-from relax_core.bench._null_upstream import spawn
-from relax_core.client.client import InferenceClient
-from relax_core.discovery.routing import RouteResolver
-from relax_core.discovery.schema import RoleSnapshot
+from relax_bench._null_upstream import spawn
+from relax_core import InferenceClient, RoleSnapshot, RouteResolver
 
 __all__ = [
     "Throughput",

@@ -1,6 +1,6 @@
 """The null engine behind ``relax bench gateway``: answers at once, and speaks enough of SGLang.
 
-Run as its own process (``python -m relax_core.bench._gateway_upstream``); it prints one JSON
+Run as its own process (``python -m relax_bench._gateway_upstream``); it prints one JSON
 line ``{"port": P}`` when it accepts connections and serves until its stdin closes.
 
 Besides ``POST /generate`` (a fixed ~300-byte answer) it answers what sglang-router probes when
@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 # The same ~300-byte /generate answer as the client bench's null engine.
-from relax_core.bench._null_upstream import ANSWER, take_request
+from relax_bench._null_upstream import ANSWER, take_request
 
 __all__ = ["STREAM_CHUNKS", "main"]
 

@@ -1,7 +1,7 @@
 """``relax bench async``: synchronous vs asynchronous steps of one job, in one run.
 
 The job: ``steps`` steps of a split layout (the policy, a judge and the trainer each on GPUs of
-their own) on simulated engines of fixed per-phase times (:mod:`relax_core.bench._steps_sim`):
+their own) on simulated engines of fixed per-phase times (:mod:`relax_bench._steps_sim`):
 generating a batch takes ``generate_s``, scoring it ``score_s``, training on it ``train_s``
 (equal by default), a push ``push_s``. Everything between them is the real machinery: the
 coordinator's commit gate, the deferred batch (staging, validation, write-back, the sink put,
@@ -28,10 +28,17 @@ import asyncio
 import time
 from typing import Any
 
-from relax_core.bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
-from relax_core.coordination import DeferredBatch, DeferredCollector, MemoryBatchSink, Timeline
-from relax_core.coordination.stages import RoleClients
-from relax_core.run.pipeline import AsyncDriver, AsyncSettings, StepOutcome
+from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
+from relax_core import (
+    AsyncDriver,
+    AsyncSettings,
+    DeferredBatch,
+    DeferredCollector,
+    MemoryBatchSink,
+    RoleClients,
+    StepOutcome,
+    Timeline,
+)
 
 TARGET = 1.8
 MAX_STALENESS = 1

@@ -3,7 +3,7 @@
 Run it as a separate process so that the client under test and the server never share an event
 loop or a core::
 
-    python -m relax_core.bench._null_upstream --ports 64
+    python -m relax_bench._null_upstream --ports 64
 
 It binds ``--ports`` listening sockets on 127.0.0.1 (each a free port chosen by the kernel),
 prints one JSON line ``{"ports": [...]}`` on stdout once it accepts connections, and serves

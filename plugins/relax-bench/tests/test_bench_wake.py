@@ -7,8 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from relax_core.bench import wake as bench
-from relax_core.jobs.wake import _quantiles
+from relax_bench import wake as bench
 
 
 def test_stats_are_nearest_rank_percentiles_in_milliseconds() -> None:
@@ -16,11 +15,6 @@ def test_stats_are_nearest_rank_percentiles_in_milliseconds() -> None:
     assert bench._stats(seconds) == {"count": 100, "p50_ms": 50.0, "p99_ms": 99.0}
     assert bench._stats([0.2]) == {"count": 1, "p50_ms": 200.0, "p99_ms": 200.0}
     assert bench._stats([]) == {"count": 0}
-
-
-def test_the_controllers_wake_waits_are_summarised_the_same_way() -> None:
-    assert _quantiles([0.3, 0.1, 0.2]) == {"count": 3, "p50_s": 0.2, "p99_s": 0.3, "max_s": 0.3}
-    assert _quantiles([]) == {"count": 0}
 
 
 def test_the_mix_sends_half_its_requests_to_the_primary_role_the_same_every_run() -> None:
@@ -47,6 +41,7 @@ def test_gateways_are_read_off_the_status_table() -> None:
 
 
 def test_job_is_refused_for_a_benchmark_that_serves_none() -> None:
+    # --job is wake's own option (its add_arguments); another benchmark names what it refused.
     proc = subprocess.run(
         [sys.executable, "-m", "relax_core", "bench", "placement", "--job", "x.toml"],
         capture_output=True,
@@ -54,4 +49,4 @@ def test_job_is_refused_for_a_benchmark_that_serves_none() -> None:
         timeout=60,
     )
     assert proc.returncode != 0
-    assert "relax bench placement serves no job" in proc.stderr, proc.stderr
+    assert "relax bench placement takes no --job" in proc.stderr, proc.stderr

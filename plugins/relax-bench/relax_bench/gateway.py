@@ -1,10 +1,10 @@
 """``relax bench gateway``: the role gateway against the upstream direct and against sglang-router.
 
 Every party runs in its own process(es) on loopback: a null engine
-(:mod:`relax_core.bench._gateway_upstream`), the gateway of the benchmark's role in front of it
-(:mod:`relax_core.bench._gateway_proc`, uvicorn on uvloop + httptools), the real sglang-router
+(:mod:`relax_bench._gateway_upstream`), the gateway of the benchmark's role in front of it
+(:mod:`relax_bench._gateway_proc`, uvicorn on uvloop + httptools), the real sglang-router
 binary in front of it (``python -m sglang_router.launch_router --worker-urls <null engine>``),
-and the load generator (``wrk`` when installed, else :mod:`relax_core.bench._loadgen`, a
+and the load generator (``wrk`` when installed, else :mod:`relax_bench._loadgen`, a
 multi-process httptools client that costs about 10 µs of CPU per request).
 
 What is compared (stated under ``fairness`` in the result): the router runs with its default
@@ -47,11 +47,9 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from relax_core.bench._gateway_proc import ROLE
-from relax_core.bench._null_upstream import ready_line
-from relax_core.errors import RelaxError
-from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S
-from relax_core.net import free_port
+from relax_bench._gateway_proc import ROLE
+from relax_bench._null_upstream import ready_line
+from relax_core import DEFAULT_STREAM_COALESCE_S, RelaxError, free_port
 
 __all__ = ["format_result", "run"]
 
@@ -186,7 +184,7 @@ def _python_loadgen(url: str, concurrency: int, seconds: float) -> dict[str, flo
         [
             sys.executable,
             "-m",
-            "relax_core.bench._loadgen",
+            "relax_bench._loadgen",
             "--url",
             url,
             "--concurrency",
@@ -207,7 +205,7 @@ def _python_loadgen(url: str, concurrency: int, seconds: float) -> dict[str, flo
 
 def _stream(url: str, repeat: int) -> list[float]:
     out = subprocess.run(
-        [sys.executable, "-m", "relax_core.bench._loadgen", "--url", url, "--stream", str(repeat)],
+        [sys.executable, "-m", "relax_bench._loadgen", "--url", url, "--stream", str(repeat)],
         check=True,
         capture_output=True,
         text=True,
@@ -278,13 +276,13 @@ def run(quick: bool = False) -> dict[str, Any]:
                 'wrk.headers["Content-Type"] = "application/json"\n'
             )
         upstream = stack.enter_context(
-            _process(["relax_core.bench._gateway_upstream"], "the null engine")
+            _process(["relax_bench._gateway_upstream"], "the null engine")
         )
         engine = f"http://127.0.0.1:{upstream['port']}"
         gw = stack.enter_context(
             _process(
                 [
-                    "relax_core.bench._gateway_proc",
+                    "relax_bench._gateway_proc",
                     "--upstream",
                     engine,
                     "--workers",
@@ -297,7 +295,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         gw1 = stack.enter_context(
             _process(
                 [
-                    "relax_core.bench._gateway_proc",
+                    "relax_bench._gateway_proc",
                     "--upstream",
                     engine,
                     "--stream-coalesce",

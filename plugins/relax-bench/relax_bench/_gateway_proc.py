@@ -1,6 +1,6 @@
 """A role gateway in its own process, for ``relax bench gateway``.
 
-``python -m relax_core.bench._gateway_proc --upstream URL [--workers N] [--stream-coalesce S]``
+``python -m relax_bench._gateway_proc --upstream URL [--workers N] [--stream-coalesce S]``
 serves the ``bench`` role's gateway on a free loopback port with a fixed schema-2 snapshot whose one
 DIRECT head is ``URL`` (with N > 1: N worker processes sharing the port; ``S``: the handler's
 ``stream_coalesce``, default the gateway's default); it prints ``{"port": P, "pids": [...]}``
@@ -17,11 +17,16 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from relax_core.discovery.schema import RoleSnapshot
-from relax_core.gateway.handler import DEFAULT_STREAM_COALESCE_S, GatewayOptions
-from relax_core.gateway.serving import GatewayServer, gateway_app
-from relax_core.plugins import PluginManager, module_plugin
-from relax_core.records import RoleSpec
+from relax_core import (
+    DEFAULT_STREAM_COALESCE_S,
+    GatewayOptions,
+    GatewayServer,
+    PluginManager,
+    RoleSnapshot,
+    RoleSpec,
+    gateway_app,
+    module_plugin,
+)
 
 #: The benchmark's role: any name does, the gateway's data path is the same for every role.
 ROLE = "bench"
@@ -109,7 +114,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     # By module name, so that worker processes can unpickle it (this file runs as __main__).
-    from relax_core.bench._gateway_proc import bench_app as factory
+    from relax_bench._gateway_proc import bench_app as factory
 
     server = GatewayServer(
         app_factory=functools.partial(factory, args.upstream, args.stream_coalesce),

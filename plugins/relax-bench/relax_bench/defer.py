@@ -22,12 +22,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from relax_core.coordination import (
+from relax_core import (
     REWARD_FIELDS,
     DeferredBatch,
     DeferredCollector,
     LifecycleCoordinator,
+    LifecycleResult,
     MemoryBatchSink,
+    Outcome,
+    ReplicaResult,
     Sample,
     SampleField,
     Stage,
@@ -36,7 +39,6 @@ from relax_core.coordination import (
     Timeline,
     partition_name,
 )
-from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult
 
 GROUPS = 64
 SAMPLES_PER_GROUP = 8

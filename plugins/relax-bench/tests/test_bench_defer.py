@@ -11,8 +11,7 @@ import subprocess
 import sys
 
 import pytest
-
-from relax_core.bench import defer as bench
+from relax_bench import defer as bench
 
 REQUIRED = {"overhead_ms", "noop_floor_ms", "batch_ms", "target_ms", "within_target"}
 

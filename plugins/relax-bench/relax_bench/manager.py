@@ -32,9 +32,7 @@ import sys
 import time
 from typing import Any
 
-from relax_core.engine.control import ControlClient
-from relax_core.engine.process import SubprocessEngineProcess
-from relax_core.records import EngineBackend, EngineLaunchSpec
+from relax_core import ControlClient, EngineBackend, EngineLaunchSpec, SubprocessEngineProcess
 
 __all__ = ["SIM_BACKEND", "format_result", "launch_sim", "run"]
 
@@ -71,7 +69,7 @@ def _backend() -> tuple[EngineBackend, str]:
     engine = os.environ.get("RELAX_BENCH_MANAGER_ENGINE", "sim")
     if engine == "sim":
         return SIM_BACKEND, "sim"
-    from relax_core.plugins import PluginManager
+    from relax_core import PluginManager
 
     model = os.environ.get("RELAX_BENCH_MANAGER_MODEL")
     if not model:
@@ -114,16 +112,21 @@ def _run(quick: bool) -> dict[str, Any]:
     import ray
     from ray.util.placement_group import placement_group
 
-    from relax_core.builtins import STATIC
-    from relax_core.engine.spec import InferenceEngineSpec
-    from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
+    from relax_core import (
+        InferenceEngineSpec,
+        InferenceManager,
+        ManagerTimeouts,
+        ModelLaunch,
+        PluginManager,
+        ReplicaPlacement,
+    )
 
     replicas = int(os.environ.get("RELAX_BENCH_MANAGER_REPLICAS", "16"))
     repetitions = 3 if quick else 9
     backend, model = _backend()
     started_ray = not ray.is_initialized()
     if started_ray:
-        from relax_core.net import keep_local_ray_on_loopback
+        from relax_core import keep_local_ray_on_loopback
 
         keep_local_ray_on_loopback()
         # A new local Ray, never a cluster someone started on this machine (``ray start``).
@@ -137,9 +140,10 @@ def _run(quick: bool) -> dict[str, Any]:
         )
     group = placement_group([{"GPU": 1.0, "CPU": 0.01}] * replicas, strategy="PACK")
     ray.get(group.ready(), timeout=120)
+    static = PluginManager.create().weight_source("STATIC")
     manager = InferenceManager(
         "bench",
-        spec=InferenceEngineSpec(role="bench", weight_source=STATIC),
+        spec=InferenceEngineSpec(role="bench", weight_source=static),
         backend=backend,
         launch=ModelLaunch(model_path=model, served_model_name="bench"),
         placement=ReplicaPlacement(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -40,8 +41,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-from relax_core.jobs.wake import _quantiles
 
 MIN_RESIDENCY = 0.25
 #: Every role's request: a 64-token prompt, 8 new tokens with their log-probs (any role's
@@ -77,14 +76,15 @@ def _get(url: str, timeout: float = 10.0) -> Any:
 
 def _stats(seconds: list[float]) -> dict[str, float | int]:
     """Count, median and 99th percentile in ms (nearest rank, as the controller's waits)."""
-    q = _quantiles(seconds)
     if not seconds:
         return {"count": 0}
-    return {
-        "count": len(seconds),
-        "p50_ms": round(q["p50_s"] * 1e3, 2),
-        "p99_ms": round(q["p99_s"] * 1e3, 2),
-    }
+    ranked = sorted(seconds)
+    n = len(ranked)
+
+    def rank(q: float) -> float:
+        return round(ranked[max(0, math.ceil(q * n) - 1)] * 1e3, 2)
+
+    return {"count": n, "p50_ms": rank(0.5), "p99_ms": rank(0.99)}
 
 
 class _Served:
@@ -158,14 +158,14 @@ class _Served:
 
 @contextlib.contextmanager
 def _serve(job: Path | None, progress: bool) -> Iterator[tuple[_Served, dict[str, str]]]:
-    from relax_core.commands.demo import DEMO_JOB, _make_models
+    from relax_core import DEMO_JOB, make_demo_models
 
     with tempfile.TemporaryDirectory(prefix="relax-bench-wake-") as tmp:
         root = Path(tmp)
         if job is None:
             if progress:
                 print("  making three tiny models …", file=sys.stderr, flush=True)
-            _make_models(root / "tiny")
+            make_demo_models(root / "tiny")
             job = root / "job.toml"
             job.write_text(DEMO_JOB)
         served = _Served(job, root / "logs")

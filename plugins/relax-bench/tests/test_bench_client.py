@@ -11,8 +11,7 @@ import subprocess
 import sys
 
 import pytest
-
-from relax_core.bench import client as bench
+from relax_bench import client as bench
 
 REQUIRED = {"resolver_per_s", "client_rps", "raw_rps", "client_vs_raw"}
 
