@@ -177,7 +177,7 @@ from relax_core.run import (
     parse_run_config,
     stage_problems,
 )
-from relax_core.run.pipeline import AsyncDriver, AsyncSettings, StepOutcome
+from relax_core.run.driver import DriverSettings, StepDriver, StepOutcome
 from relax_core.tracking import (
     PhaseSpan,
     Tracker,
@@ -197,8 +197,6 @@ __all__ = [
     "AdaptContext",
     "Adapted",
     "AdmissionServer",
-    "AsyncDriver",
-    "AsyncSettings",
     "BatchControl",
     "BatchFailedError",
     "BatchSink",
@@ -217,6 +215,7 @@ __all__ = [
     "DeferredBatch",
     "DeferredCollector",
     "DeferredWorkload",
+    "DriverSettings",
     "EngineBackend",
     "EngineLaunchSpec",
     "EngineOptions",
@@ -308,6 +307,7 @@ __all__ = [
     "StageContext",
     "StageReport",
     "StageSpec",
+    "StepDriver",
     "StepOutcome",
     "StreamStalledError",
     "SubprocessEngineProcess",

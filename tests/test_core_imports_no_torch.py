@@ -17,6 +17,7 @@ CORE = ROOT / "relax_core"
 #: Modules that pull torch in when imported.
 TORCH_MODULES = ("torch", "safetensors.torch", "transformers", "accelerate", "deepspeed")
 
+
 def _is_torch(module: str) -> bool:
     return any(module == t or module.startswith(f"{t}.") for t in TORCH_MODULES)
 

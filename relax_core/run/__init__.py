@@ -10,7 +10,8 @@
 - :mod:`~relax_core.run.generate`: the producer (groups of samples through the rollout route);
 - :mod:`~relax_core.run.job`: what a run brings up on Ray (managers in actors, the trainer,
   the coordinator, the batch sink) and takes down;
-- :mod:`~relax_core.run.loop`: the step loop;
+- :mod:`~relax_core.run.driver`: THE step driver (sync is ``max_staleness = 0``);
+- :mod:`~relax_core.run.loop`: what a run reports of the steps it drives;
 - :mod:`~relax_core.run.trainer`: the trainer interface (:class:`Trainer`), how ``[run]
   trainer`` finds one (a registered name or a class path) and its Ray actor; no torch: the
   reference trainer is the ``relax-torch-trainer`` plugin;

@@ -1,35 +1,24 @@
-"""The step loop of ``relax run``: generate, score deferred, commit, train, push — N times.
+"""``relax run``'s steps around THE step driver: what a run adds to the steps it drives.
 
-One step ``N`` (``docs/run.md`` draws it):
+The steps themselves — open the batch, onload rollout, push, generate, run the stages, commit,
+train — are :class:`~relax_core.run.driver.StepDriver`'s, in both modes (a synchronous run is
+``max_staleness = 0``). This module gives the driver the run's engines (:class:`StepPorts`:
+the Ray actors of a :class:`~relax_core.run.job.RunJob`, or anything that answers the same
+calls) and reports what it does, the same way in both modes:
 
-1. the trainer is asked for batch ``N`` first (``train(N)``): it waits on the coordinator's
-   commit gate (``wait_committed``), as any training consumer does;
-2. ``begin_batch(N)``: rollout takes its lease; from the second step on it is onloaded
-   (``rollout.onload``: every role sleeps after a commit, unless the residency plan frees it:
-   a rollout on no shared GPU never switches) and the previous step's weights are
-   pushed (``weight_push``: the trainer's ``push``, the manager's fenced update; the weight
-   version moves);
-3. ``generate``: the step's prompts from the data source, ``samples_per_prompt`` samples each,
-   through the rollout route, each group into the :class:`~relax_core.coordination.
-   DeferredCollector` — a failure here releases rollout (``abort_generation``) and fails the
-   batch;
-4. the :class:`~relax_core.coordination.DeferredBatch`: rollout offloads itself, then the
-   step's stages in the job file's order (:mod:`~relax_core.run.stages`; by default the reward
-   stage — reward adapters, the reward role's lease when deferred — and the teacher's
-   distillation prefill), each within its role's lease; a stage may drop groups and have more
-   generated (the producer, rollout's lease taken back for it); validation of every field the
-   stages declare, write-back, the sink put of ``train_N``, the finalizer (``--dump-samples``),
-   ``commit_batch(N)``;
-5. ``train``: the trainer's answer — it read ``train_N`` with every field, took an optimizer
-   step and deleted the partition.
-
-After the last step rollout is onloaded once more and takes the last weights (the run ends
-with the trained policy served). The first failure ends the run: nothing is committed for the
-failed step, and its report lists the ids of the samples it generated.
-
-Ctrl-C (SIGINT) or SIGTERM while the steps run cancels the step in flight: its batch is failed
-at the coordinator, the role it was using is released with its requests in flight aborted
-(not drained), and the summary says ``interrupted``; later signals are held meanwhile.
+- one row per committed step (:func:`step_row`), printed, counted in the Prometheus metrics and
+  told to the trackers with a few of its samples; the phases to the printer, the trackers and
+  the trace as they end;
+- the step that ended the run (:class:`FailedStep`): nothing of it committed, the ids of the
+  samples it generated listed, the leases left BLOCKED; ``--dump-samples`` writes each
+  committed batch, a failed step's and each step's dropped samples;
+- ``--measure``: rollout's own switches and the coordinator's, against a copy of their bytes
+  (:mod:`~relax_core.run.measure`);
+- Ctrl-C (SIGINT) or SIGTERM cancels the step in flight: its batch is failed at the
+  coordinator, the role it was using released with its requests in flight aborted (not
+  drained), and the summary says ``interrupted``; later signals are held meanwhile;
+- after the last step rollout is onloaded once more and takes the last weights (the run ends
+  with the trained policy served).
 """
 
 from __future__ import annotations
@@ -43,36 +32,49 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
 
 from relax_core.client.client import InferenceClient
-from relax_core.coordination.batch import (
-    BatchResult,
-    DeferredBatch,
-    DeferredCollector,
-    abort_generation,
-    describe_failure,
-    interrupted,
-    onload_generation,
-)
+from relax_core.coordination.batch import interrupted
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
-from relax_core.coordination.stages import RoleClients
+from relax_core.coordination.stages import RoleClients, Stage
 from relax_core.errors import LifecycleError
 from relax_core.run.data import open_source
+from relax_core.run.driver import (
+    DriverSettings,
+    StepDriver,
+    StepFailure,
+    StepOutcome,
+    StepProducerLike,
+)
 from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
 from relax_core.run.metrics import RunMetrics
-from relax_core.run.progress import PhaseEvent, PhaseTimeline, Printer
+from relax_core.run.progress import PhaseEvent, PhaseTimeline, Printer, Progress
 from relax_core.tracking.hub import Trackers
 from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
 from relax_core.tracking.tracker import PhaseSpan
 
-__all__ = ["FailedStep", "RunSummary", "blocked_advice", "run_description", "run_loop"]
+__all__ = [
+    "FailedStep",
+    "RunSummary",
+    "StepPorts",
+    "blocked_advice",
+    "drive",
+    "run_description",
+    "run_loop",
+    "step_row",
+]
+
+#: Entries of the trainer's answer the row also carries at its top level, as documented before
+#: the whole answer was the row's ``train`` (the progress line, the trackers' ``teacher/kl``
+#: and the report read them there).
+TOP_LEVEL_TRAINER_KEYS = ("teacher_kl", "teacher_logprob_mean")
 
 
 @attrs.frozen
@@ -168,18 +170,6 @@ def _dump(directory: str, name: str, samples: Sequence[Sample]) -> None:
     os.replace(tmp, path)
 
 
-async def _trainer_saw(ref: Any, wait: float) -> str:
-    try:
-        result = await asyncio.wait_for(asyncio.wrap_future(ref.future()), wait)
-    except TimeoutError:
-        return f"nothing within {wait:g}s"
-    except Exception as exc:
-        cause = getattr(exc, "cause", None)
-        seen: BaseException = cause if isinstance(cause, BaseException) else exc
-        return f"{type(seen).__name__}: {seen}"
-    return f"trained on {result.get('samples')} samples (unexpected for a failed batch)"
-
-
 def run_description(job: RunJob) -> dict[str, Any]:
     """What trackers hear of the run first (``log_config``): the job, its ``[run]`` settings,
     its roles' models, the placement and the residency plan (which roles share which GPUs)."""
@@ -217,242 +207,6 @@ def run_description(job: RunJob) -> dict[str, Any]:
     }
 
 
-class _Loop:
-    def __init__(
-        self,
-        job: RunJob,
-        printer: Printer,
-        *,
-        trace: str | None,
-        dump_dir: str | None,
-        trackers: Trackers | None = None,
-    ):
-        self.job = job
-        self.run = job.run
-        self.printer = printer
-        self.dump_dir = dump_dir
-        self.trackers = trackers
-        self.metrics = RunMetrics.of()
-        self.timeline = PhaseTimeline(self._event, trace_path=trace, run=f"relax run {job.name}")
-        self.timeline.describe("residency", job.residency.to_dict())
-        #: the phase an interruption stopped first (the innermost one), if one did
-        self.interrupted_phase: str | None = None
-        self.step = 0
-        gen, model = job.generation_role, job.generation_model
-        self.rollout: Any = RayManagerHandle(job.rollout_actor, name=f"{gen}.{model.name}")
-        self.coordinator: Any = job.coordinator
-        self.probe: SwitchProbe | None = None
-        #: the trainer's ``train`` of the step in flight (awaited by the step or its report)
-        self.train: Any = None
-        self.clients = RoleClients(
-            {r: reg.fetch for r, reg in job.registries.items() if r != gen},
-            timeout=self.run.request_timeout,
-        )
-        self.stages = job.stages
-
-    def measure(self) -> None:
-        registries = self.job.registries
-        self.probe = SwitchProbe(lambda role: _heads(registries[role]))
-        self.coordinator = MeasuredCoordinator(self.coordinator, self.probe)
-        self.rollout = MeasuredHandle(
-            self.rollout, self.probe, self.job.generation_role, lambda: self.step
-        )
-
-    def _event(self, e: PhaseEvent) -> None:
-        if e.interrupted and self.interrupted_phase is None:
-            self.interrupted_phase = e.name
-        self.printer.event(e)
-        if e.ended and self.trackers is not None:
-            self.trackers.log_span(
-                PhaseSpan(
-                    e.step, e.name, e.started, e.seconds, lane=e.lane, failed=e.failed,
-                    interrupted=e.interrupted,
-                )
-            )  # fmt: skip
-
-    def committed(self, row: dict[str, Any], samples: Sequence[Sample]) -> None:
-        """A step committed: its metrics to Prometheus and to the trackers, with a few of its
-        samples (``tracker_samples``)."""
-        self.metrics.committed(row)
-        if self.trackers is not None:
-            self.trackers.log_metrics(row["step"], step_metrics(row))
-            self.trackers.log_samples(row["step"], sample_rows(samples, self.run.tracker_samples))
-
-    def _finalizer(self, batch_id: int, samples: Sequence[Sample]) -> None:
-        if self.dump_dir is not None:
-            _dump(self.dump_dir, f"batch-{batch_id}.jsonl", samples)
-
-    async def one(self, n: int, producer: StepProducer, push: bool) -> dict[str, Any]:
-        """Step ``n``; its row.
-
-        :raises _Failed: the step failed or was interrupted before its commit (the run ends);
-            its batch is FAILED and the role it was using released.
-        :raises asyncio.CancelledError: interrupted after the commit, while the trainer trains.
-        """
-        job, run, tl = self.job, self.run, self.timeline
-        gen = job.generation_role
-        self.step = n
-        began = time.perf_counter()
-        train = self.train = job.trainer.train.remote(n)
-        collector = DeferredCollector(n)
-        pushed = None
-        try:
-            await self.coordinator.begin_batch(n)
-        except BaseException as exc:
-            if interrupted(exc):
-                # The call may have gone through: the trainer's wait must end either way.
-                await _fail_batch(self.coordinator, n, exc)
-            raise _Failed(exc, collector, train) from exc
-        try:
-            if n > 0 and gen not in job.residency.free:  # a free rollout never slept
-                await onload_generation(self.rollout, gen, tl, n, timeout=run.operation_timeout)
-            if push:
-                with tl.phase(n, "weight_push"):
-                    pushed = await job.trainer.push.remote(str(n))
-            spp = run.samples_per_prompt
-            with (
-                tl.phase(n, "generate"),
-                self.printer.waiting(
-                    f"step {n} generate", total=run.prompts_per_step * spp, unit="samples"
-                ) as bar,
-            ):
-                await producer.first(n, collector, on_group=lambda done: bar.update(done * spp))
-        except BaseException as exc:
-            error = await abort_generation(
-                self.coordinator, n, self.rollout, exc, timeline=tl, timeout=run.operation_timeout
-            )
-            raise _Failed(exc if interrupted(exc) else error, collector, train) from exc
-        batch = DeferredBatch(
-            n,
-            collector.samples,
-            coordinator=self.coordinator,
-            rollout=self.rollout,
-            stages=self.stages,
-            sink=job.sink,
-            clients=self.clients,
-            finalizer=self._finalizer,
-            timeline=tl,
-            release_timeout=run.operation_timeout,
-            producer=producer,
-            target_groups=run.prompts_per_step,
-        )
-        try:
-            result = await batch.run()
-        except BaseException as exc:
-            raise _Failed(exc, collector, train, batch) from exc
-        with tl.phase(n, "train"):
-            trained = await train
-        self.train = None
-        if self.dump_dir is not None and batch.dropped_samples:
-            _dump(self.dump_dir, f"dropped-{n}.jsonl", batch.dropped_samples)
-        row = self._row(n, result, batch.originals, began, pushed, trained)
-        self.committed(row, batch.originals)
-        return row
-
-    def _row(
-        self,
-        n: int,
-        result: BatchResult,
-        samples: Sequence[Sample],
-        began: float,
-        pushed: Any,
-        trained: dict[str, Any],
-    ) -> dict[str, Any]:
-        """The committed step's JSON object."""
-        rewards = [float(s.reward or 0.0) for s in samples]
-        failures = [
-            v
-            for stage, r in zip(self.stages, result.reports, strict=False)
-            if stage.role is not None
-            for k, v in r.counts.items()
-            if k.endswith("parse_failures")
-        ]
-        names = sorted({f for s in samples for f in s.fields})
-        return {
-            "step": n,
-            "batch_id": n,
-            "partition": result.receipt.partition,
-            "samples": result.samples,
-            "groups": len({s.group_id for s in samples}),
-            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
-            "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
-            "reward_by_key": reward_by_key(samples),
-            "parse_failures": int(sum(failures)) if failures else None,
-            "teacher_kl": trained.get("teacher_kl"),
-            "teacher_logprob_mean": trained.get("teacher_logprob_mean"),
-            "tokens": sum(len(s.response_ids) for s in samples),
-            "weight_version": samples[0].weight_version if samples else None,
-            "fields": {f: sum(f in s.fields for s in samples) for f in names},
-            "stages": {r.stage: dict(r.counts) for r in result.reports},
-            "dropped": {
-                "groups": len(result.dropped),
-                "samples": sum(len(d.samples) for d in result.dropped),
-                "reasons": dict(
-                    collections.Counter(f"{d.stage}: {d.reason}" for d in result.dropped)
-                ),
-            },
-            "generated_groups": result.generated_groups,
-            "switches": self.timeline.switches(n),
-            "seconds": time.perf_counter() - began,
-            "phases": self.timeline.phases(n),
-            "pushed_before": pushed,
-            "train": {
-                k: trained.get(k)
-                for k in (
-                    "samples",
-                    "loss",
-                    "policy_loss",
-                    "distill_loss",
-                    "ratio_mean",
-                    "clip_fraction",
-                    "grad_norm",
-                    "train_seconds",
-                    "optimizer_steps",
-                    "fields",
-                )
-            },
-        }
-
-    async def failure(self, n: int, failed: _Failed) -> FailedStep:
-        """The report of the step that failed or was interrupted."""
-        exc = failed.error
-        stopped = interrupted(exc)
-        samples = failed.samples
-        if self.dump_dir is not None:
-            _dump(self.dump_dir, f"failed-{n}.jsonl", samples)
-        blocked: dict[str, str] = {}
-        try:
-            status = await self.job.coordinator.describe()
-            blocked = dict(status.blocked)
-        except Exception as err:  # the coordinator itself may be what failed
-            blocked = {"?": f"the coordinator could not be asked: {err}"}
-        if stopped:
-            text = f"interrupted during {self.interrupted_phase or 'the step'}"
-        else:
-            text = f"{type(exc).__name__}: {exc}"
-        notes = getattr(exc, "__notes__", None)
-        if notes:
-            text += " (" + "; ".join(notes) + ")"
-        if blocked:
-            text += "; " + blocked_advice(self.job.name, blocked)
-        self.train = None
-        return FailedStep(
-            step=n,
-            error=text,
-            kind="interrupted" if stopped else type(exc).__name__,
-            sample_ids=tuple(s.id for s in samples),
-            blocked=blocked,
-            # The batch is FAILED: the trainer's wait ends at once (an interrupted run does
-            # not wait long for it either way).
-            trainer=(
-                failed.trainer or "not asked"
-                if failed.train is None
-                else await _trainer_saw(failed.train, 5.0 if stopped else 30.0)
-            ),
-            interrupted=stopped,
-        )
-
-
 def blocked_advice(job: str, blocked: dict[str, str]) -> str:
     """What a BLOCKED lease means for the operator (docs/coordination.md#blocked)."""
     roles = "; ".join(f"{r}: {why}" for r, why in blocked.items())
@@ -464,15 +218,6 @@ def blocked_advice(job: str, blocked: dict[str, str]) -> str:
         f"reset --address HEAD:6379 --job {job} --role {first} --confirm-clean` "
         "(docs/coordination.md#blocked)"
     )
-
-
-async def _fail_batch(coordinator: Any, batch_id: int, exc: BaseException) -> None:
-    """Fail ``batch_id`` at the coordinator because of ``exc`` (a note on ``exc`` if that
-    fails too: the coordinator may be what failed)."""
-    try:
-        await coordinator.fail_batch(batch_id, describe_failure(exc))
-    except Exception as err:
-        exc.add_note(f"failing batch {batch_id} at the coordinator failed: {err}")
 
 
 class _Interrupts:
@@ -523,38 +268,316 @@ class _Interrupts:
         self.say("relax run: still stopping the step in flight, please wait …")
 
 
-class _Failed(Exception):
-    """A step failed: the error, the step's collector (and batch, once it began), the
-    trainer's pending ``train`` (``None`` in async mode, which asks the trainer only after a
-    commit: ``trainer`` then says what it did)."""
+def async_overlap_note(job: RunJob) -> str | None:
+    """What async steps cannot overlap in the started ``job``, or ``None`` (everything): where
+    the generation role is not free in the residency plan it takes turns with the roles on its
+    GPUs, so only training overlaps generation (the driver's ``switching`` mode)."""
+    gen = job.generation_role
+    if gen in job.residency.free:
+        return None
+    others = [r for r in job.slices if r != gen and job.slices[r] == job.slices[gen]]
+    with_whom = f"with {', '.join(others)} " if others else ""
+    return (
+        f"async: {gen} takes turns {with_whom}on its GPUs, so training overlaps generation "
+        "but scoring does not (placement mode 'split' or 'decoupled', under residency "
+        "'planned', overlaps scoring too)"
+    )
+
+
+class TrainerCalls:
+    """The trainer as the driver calls it (``train``, ``push``; ``measure_copy`` for
+    ``--measure``) over its Ray actor."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def train(self, batch_id: int) -> dict[str, Any]:
+        result: dict[str, Any] = await self.actor.train.remote(batch_id)
+        return result
+
+    async def push(self, version: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.actor.push.remote(version)
+        return result
+
+    async def measure_copy(self, sizes: Sequence[int]) -> dict[int, dict[str, float]]:
+        result: dict[int, dict[str, float]] = await self.actor.measure_copy.remote(list(sizes))
+        return result
+
+
+@attrs.define
+class StepPorts:
+    """What the steps of a run call, whatever engines answer: the coordinator, the generation
+    model's handle, the stages, the sink, the stages' clients, a new step producer per step, the
+    trainer (:class:`TrainerCalls` or alike), the generation role, the roles that take turns
+    (``deferred_roles``; ``switching``: the generation role is one of them), whether rollout is
+    free (never switched), the initial weight version and, for ``--measure``, ``heads(role)``:
+    the base URLs of a role's engine heads."""
+
+    name: str
+    run: Any
+    coordinator: Any
+    rollout: Any
+    stages: Sequence[Stage]
+    sink: Any
+    clients: RoleClients
+    producer: Callable[[], StepProducerLike]
+    trainer: Any
+    generation_role: str
+    deferred_roles: tuple[str, ...] = ()
+    switching: bool = False
+    free: bool = True
+    heads: Callable[[str], Awaitable[list[str]]] | None = None
+
+
+def step_row(outcome: StepOutcome, stages: Sequence[Stage], timeline: Any) -> dict[str, Any]:
+    """The committed step's JSON object (the same keys in both modes; ``docs/run.md``)."""
+    n, result, trained = outcome.step, outcome.result, outcome.trained
+    samples = outcome.batch.originals
+    rewards = [float(s.reward or 0.0) for s in samples]
+    failures = [
+        v
+        for stage, r in zip(stages, result.reports, strict=False)
+        if stage.role is not None
+        for k, v in r.counts.items()
+        if k.endswith("parse_failures")
+    ]
+    names = sorted({f for s in samples for f in s.fields})
+    row: dict[str, Any] = {
+        "step": n,
+        "batch_id": n,
+        "partition": result.receipt.partition,
+        "samples": result.samples,
+        "groups": len({s.group_id for s in samples}),
+        "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+        "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
+        "reward_by_key": reward_by_key(samples),
+        "parse_failures": int(sum(failures)) if failures else None,
+        **{key: trained.get(key) for key in TOP_LEVEL_TRAINER_KEYS},
+        "tokens": sum(len(s.response_ids) for s in samples),
+        "weight_version": samples[0].weight_version if samples else None,
+        "fields": {f: sum(f in s.fields for s in samples) for f in names},
+        "stages": {r.stage: dict(r.counts) for r in result.reports},
+        "dropped": {
+            "groups": len(result.dropped),
+            "samples": sum(len(d.samples) for d in result.dropped),
+            "reasons": dict(collections.Counter(f"{d.stage}: {d.reason}" for d in result.dropped)),
+        },
+        "generated_groups": result.generated_groups,
+        "switches": timeline.switches(n),
+        "seconds": outcome.seconds,
+        "latency_seconds": time.perf_counter() - outcome.began,
+        "phases": timeline.phases(n),
+        "pushed_before": outcome.pushed_before,
+        "train": dict(trained),
+        "async": outcome.metrics,
+    }
+    return row
+
+
+class _Report:
+    """Everything a run reports of its steps: the phases as they end (printer, trackers, the
+    trace), each committed step's row, the failed step's report, the dumps."""
 
     def __init__(
         self,
-        error: BaseException,
-        collector: DeferredCollector,
-        train: Any,
-        batch: DeferredBatch | None = None,
+        ports: StepPorts,
+        printer: Printer,
+        summary: RunSummary,
         *,
-        generated: Sequence[Sample] | None = None,
-        trainer: str | None = None,
+        trace: str | None,
+        dump_dir: str | None,
+        trackers: Trackers | None,
     ) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.collector = collector
-        self.train = train
-        self.batch = batch
-        self.generated = None if generated is None else list(generated)
-        self.trainer = trainer
+        self.ports = ports
+        self.printer = printer
+        self.summary = summary
+        self.dump_dir = dump_dir
+        self.trackers = trackers
+        self.metrics = RunMetrics.of()
+        self.timeline = PhaseTimeline(self._event, trace_path=trace, run=f"relax run {ports.name}")
+        #: the phase an interruption stopped first (the innermost one), if one did
+        self.interrupted_phase: str | None = None
+        self._bars: dict[int, Progress] = {}
 
-    @property
-    def samples(self) -> list[Sample]:
-        """Every sample the step generated: the batch's (with what stages added and dropped)
-        once it began, else the collector's."""
-        if self.generated is not None:
-            return self.generated
-        if self.batch is None:
-            return self.collector.samples
-        return self.batch.generated_samples()
+    def _event(self, e: PhaseEvent) -> None:
+        if e.interrupted and self.interrupted_phase is None:
+            self.interrupted_phase = e.name
+        self.printer.event(e)
+        if e.ended and self.trackers is not None:
+            self.trackers.log_span(
+                PhaseSpan(
+                    e.step, e.name, e.started, e.seconds, lane=e.lane, failed=e.failed,
+                    interrupted=e.interrupted,
+                )
+            )  # fmt: skip
+
+    def progress(self, step: int, groups: int) -> None:
+        """``groups`` of step ``step`` generated: the status line's bar."""
+        spp = self.ports.run.samples_per_prompt
+        bar = self._bars.get(step)
+        if bar is None:
+            total = self.ports.run.prompts_per_step * spp
+            bar = self._bars[step] = Progress(
+                self.printer, f"step {step} generate", total, "samples"
+            )
+        bar.update(groups * spp)
+
+    def finalizer(self, batch_id: int, samples: Sequence[Sample]) -> None:
+        if self.dump_dir is not None:
+            _dump(self.dump_dir, f"batch-{batch_id}.jsonl", samples)
+
+    def step(self, outcome: StepOutcome) -> None:
+        """A step committed and trained: its row printed, counted and told to the trackers
+        with a few of its samples (``tracker_samples``)."""
+        self._bars.pop(outcome.step, None)
+        batch = outcome.batch
+        if self.dump_dir is not None and batch.dropped_samples:
+            _dump(self.dump_dir, f"dropped-{outcome.step}.jsonl", batch.dropped_samples)
+        row = step_row(outcome, self.ports.stages, self.timeline)
+        self.metrics.committed(row)
+        if self.trackers is not None:
+            self.trackers.log_metrics(row["step"], step_metrics(row))
+            samples = sample_rows(batch.originals, self.ports.run.tracker_samples)
+            self.trackers.log_samples(row["step"], samples)
+        if outcome.pushed_before is not None:
+            self.summary.weight_versions.append(outcome.pushed_before.get("weight_version"))
+        self.summary.committed.append(row)
+        self.printer.step(row)
+
+    async def failed(self, failed: StepFailure) -> None:
+        """The step that failed or was interrupted, reported (and the run's summary says so)."""
+        n, exc = failed.step, failed.error
+        stopped = interrupted(exc)
+        samples = [*failed.samples, *failed.ahead]
+        if self.dump_dir is not None:
+            _dump(self.dump_dir, f"failed-{n}.jsonl", samples)
+        blocked: dict[str, str] = {}
+        try:
+            status = await self.ports.coordinator.describe()
+            blocked = dict(status.blocked)
+        except Exception as err:  # the coordinator itself may be what failed
+            blocked = {"?": f"the coordinator could not be asked: {err}"}
+        if stopped:
+            text = f"interrupted during {self.interrupted_phase or 'the step'}"
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+        notes = getattr(exc, "__notes__", None)
+        if notes:
+            text += " (" + "; ".join(notes) + ")"
+        if blocked:
+            text += "; " + blocked_advice(self.ports.name, blocked)
+        self.summary.failure = FailedStep(
+            step=n,
+            error=text,
+            kind="interrupted" if stopped else type(exc).__name__,
+            sample_ids=tuple(s.id for s in samples),
+            blocked=blocked,
+            trainer=failed.trainer,
+            interrupted=stopped,
+        )
+        self.metrics.failed.inc()
+        self.printer.failed(self.summary.failure.row())
+
+
+async def drive(
+    ports: StepPorts,
+    printer: Printer,
+    *,
+    steps: int,
+    initial_version: str | None = None,
+    trace: str | None = None,
+    dump_dir: str | None = None,
+    measure: bool = False,
+    trackers: Trackers | None = None,
+    residency: dict[str, Any] | None = None,
+) -> RunSummary:
+    """Run ``steps`` steps through the :class:`~relax_core.run.driver.StepDriver` on
+    ``ports``; the summary (a failed step ends the run and is in ``summary.failure``; every
+    committed step was printed as it committed). See :func:`run_loop`."""
+    began = time.perf_counter()
+    summary = RunSummary(ports.name, steps, trace=trace)
+    summary.startup_seconds = time.monotonic() - printer.began
+    report = _Report(ports, printer, summary, trace=trace, dump_dir=dump_dir, trackers=trackers)
+    if residency is not None:
+        report.timeline.describe("residency", residency)
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+    coordinator, rollout = ports.coordinator, ports.rollout
+    probe: SwitchProbe | None = None
+    driver: StepDriver | None = None
+    if measure:
+        probe = SwitchProbe(ports.heads or _no_heads)
+        coordinator = MeasuredCoordinator(coordinator, probe)
+        gen = ports.generation_role
+        rollout = MeasuredHandle(
+            rollout, probe, gen, lambda: 0 if driver is None else driver.generating
+        )
+    summary.weight_versions.append(initial_version)
+    driver = StepDriver(
+        DriverSettings.of(ports.run, steps),
+        coordinator=coordinator,
+        rollout=rollout,
+        stages=ports.stages,
+        sink=ports.sink,
+        clients=ports.clients,
+        producer=ports.producer,
+        trainer=ports.trainer,
+        generation_role=ports.generation_role,
+        deferred_roles=ports.deferred_roles,
+        initial_version=initial_version,
+        switching=ports.switching,
+        timeline=report.timeline,
+        finalizer=report.finalizer,
+        on_step=report.step,
+        on_progress=report.progress,
+    )
+    signals = _Interrupts(printer.say)
+    signals.install()
+    try:
+        try:
+            await driver.run()
+        except StepFailure as failed:
+            if interrupted(failed.error):
+                summary.interrupted_step = failed.step
+                signals.handled()
+            await report.failed(failed)
+        if probe is not None and not summary.interrupted:
+            sizes = sorted({s.weight_bytes for s in probe.switches})
+            copies = await ports.trainer.measure_copy(sizes)
+            step_seconds = sum(r["seconds"] for r in summary.committed)
+            summary.switching = switch_report(probe.switches, copies, step_seconds)
+        if summary.failure is None and summary.committed:
+            summary.final_push = await _final_push(ports, steps)
+            summary.weight_versions.append(summary.final_push["weight_version"])
+    except asyncio.CancelledError:
+        if not signals.received:
+            raise
+        # Interrupted between steps (while the last committed step trained, the final push):
+        # its batch is committed already.
+        signals.handled()
+        summary.interrupted_step = driver.generating
+    finally:
+        signals.remove()
+    summary.seconds = time.perf_counter() - began
+    return summary
+
+
+async def _no_heads(role: str) -> list[str]:
+    return []
+
+
+async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
+    """Wake rollout once more (every other role sleeps: the run is over) and give it the last
+    step's weights."""
+    began = time.perf_counter()
+    if not ports.free:  # a free rollout is awake
+        result = await asyncio.wait_for(ports.rollout.onload(), ports.run.operation_timeout)
+        reason = unconfirmed(result, "READY")
+        if reason is not None:
+            raise LifecycleError(f"the final weight push could not wake rollout: {reason}")
+    pushed: dict[str, Any] = await ports.trainer.push(str(steps))
+    pushed["seconds_with_onload"] = time.perf_counter() - began
+    return pushed
 
 
 async def run_loop(
@@ -581,229 +604,57 @@ async def run_loop(
     step's metrics and samples (the caller closes them; with ``strict_trackers`` a tracker's
     failure is raised here, :class:`~relax_core.errors.TrackerError`, after the step in flight).
     """
-    began = time.perf_counter()
-    summary = RunSummary(job.name, steps, trace=trace)
-    summary.startup_seconds = time.monotonic() - printer.began
+    run, gen = job.run, job.generation_role
     printer.started(
         {
             "job": job.name,
             "engine_pids": sorted(job.engine_pids),
             "router_pids": sorted(job.router_pids),
-            "startup_seconds": summary.startup_seconds,
+            "startup_seconds": time.monotonic() - printer.began,
         }
     )
     if trackers is not None:
         trackers.log_config(run_description(job))
-    loop = _Loop(job, printer, trace=trace, dump_dir=dump_dir, trackers=trackers)
-    if measure:
-        loop.measure()
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-    signals = _Interrupts(printer.say)
-    signals.install()
-    try:
-        await _steps(loop, summary, steps, signals)
-    except asyncio.CancelledError:
-        if not signals.received:
-            raise
-        # Interrupted between steps' own handling (after a commit, the final push): the step
-        # in flight, if any, is reported; its batch is committed or failed already.
-        signals.handled()
-        summary.interrupted_step = loop.step
-        if loop.train is not None:
-            await _trainer_saw(loop.train, 5.0)
-    finally:
-        signals.remove()
-    summary.seconds = time.perf_counter() - began
-    return summary
-
-
-async def _steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interrupts) -> None:
-    """The steps, then ``--measure``'s copies and the final push, into ``summary``."""
-    job, run, printer = loop.job, loop.run, loop.printer
-    if run.mode == "async":
-        await _async_steps(loop, summary, steps, signals)
-        return
-    source = open_source(run.dataset, job.pm, seed=run.seed, base=run.base)
-    model = job.generation_model
-    tokenizer = PromptTokenizer(model.model_path, where=model.path)
-    gen_registry = job.registries[job.generation_role]
-    step_seconds = 0.0
-    async with InferenceClient(
-        snapshot_provider=gen_registry.fetch,
-        role=job.generation_role,
-        timeout=run.request_timeout,
-    ) as client:
-        generator = Generator(client, tokenizer, model.name, run, shape=job.rollout_shape)
-        producer = StepProducer(generator, source)
-        summary.weight_versions.append(await loop.rollout.weight_version())
-        for n in range(steps):
-            try:
-                row = await loop.one(n, producer, push=n > 0)
-            except _Failed as failed:
-                if interrupted(failed.error):
-                    summary.interrupted_step = n
-                    signals.handled()
-                summary.failure = await loop.failure(n, failed)
-                loop.metrics.failed.inc()
-                printer.failed(summary.failure.row())
-                break
-            if row["pushed_before"] is not None:
-                summary.weight_versions.append(row["pushed_before"]["weight_version"])
-            step_seconds += row["seconds"]
-            summary.committed.append(row)
-            printer.step(row)
-    if loop.probe is not None and not summary.interrupted:
-        sizes = sorted({s.weight_bytes for s in loop.probe.switches})
-        copies = await job.trainer.measure_copy.remote(sizes)
-        summary.switching = switch_report(loop.probe.switches, copies, step_seconds)
-    if summary.failure is None and summary.committed:
-        summary.final_push = await _final_push(job, steps)
-        summary.weight_versions.append(summary.final_push["weight_version"])
-
-
-class _RayTrainer:
-    """The trainer actor as the async driver calls it."""
-
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    async def train(self, batch_id: int) -> dict[str, Any]:
-        result: dict[str, Any] = await self.actor.train.remote(batch_id)
-        return result
-
-    async def push(self, version: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self.actor.push.remote(version)
-        return result
-
-
-def async_overlap_note(job: RunJob) -> str | None:
-    """What async steps cannot overlap in the started ``job``, or ``None`` (everything): where
-    the generation role is not free in the residency plan it takes turns with the roles on its
-    GPUs, so only training overlaps generation (the driver's ``switching`` mode)."""
-    gen = job.generation_role
-    if gen in job.residency.free:
-        return None
-    others = [r for r in job.slices if r != gen and job.slices[r] == job.slices[gen]]
-    with_whom = f"with {', '.join(others)} " if others else ""
-    return (
-        f"async: {gen} takes turns {with_whom}on its GPUs, so training overlaps generation "
-        "but scoring does not (placement mode 'split' or 'decoupled', under residency "
-        "'planned', overlaps scoring too)"
-    )
-
-
-async def _async_steps(loop: _Loop, summary: RunSummary, steps: int, signals: _Interrupts) -> None:
-    """``mode = "async"``: the steps through the :class:`~relax_core.run.pipeline.AsyncDriver`,
-    then the final push, into ``summary``."""
-    from relax_core.run.pipeline import AsyncDriver, AsyncSettings, StepOutcome, _StepFailure
-
-    job, run, printer = loop.job, loop.run, loop.printer
     note = async_overlap_note(job)
-    if note is not None:
+    if note is not None and run.mode == "async":
         printer.say(note)
-    switching = note is not None
     source = open_source(run.dataset, job.pm, seed=run.seed, base=run.base)
     model = job.generation_model
     tokenizer = PromptTokenizer(model.model_path, where=model.path)
-    gen_registry = job.registries[job.generation_role]
-    total = run.prompts_per_step
-
-    def on_step(outcome: StepOutcome) -> None:
-        n, batch = outcome.step, outcome.batch
-        loop.step = n
-        if loop.dump_dir is not None and batch.dropped_samples:
-            _dump(loop.dump_dir, f"dropped-{n}.jsonl", batch.dropped_samples)
-        row = loop._row(
-            n, outcome.result, batch.originals, outcome.began, outcome.pushed_before,
-            outcome.trained,
-        )  # fmt: skip
-        row["latency_seconds"] = row["seconds"]
-        row["seconds"] = outcome.seconds
-        row["async"] = outcome.metrics
-        for key in ("importance_weight_mean", "truncated_fraction"):  # the off-policy correction
-            if outcome.trained.get(key) is not None:
-                row["train"][key] = outcome.trained[key]
-        loop.committed(row, batch.originals)
-        if outcome.pushed_before is not None:
-            summary.weight_versions.append(outcome.pushed_before.get("weight_version"))
-        summary.committed.append(row)
-        printer.step(row)
-
-    def on_progress(step: int, done: int) -> None:
-        printer.status(f"step {step} generate: {done}/{total} groups")
-
+    registries = job.registries
+    rollout = RayManagerHandle(job.rollout_actor, name=f"{gen}.{model.name}")
     async with InferenceClient(
-        snapshot_provider=gen_registry.fetch,
-        role=job.generation_role,
-        timeout=run.request_timeout,
+        snapshot_provider=registries[gen].fetch, role=gen, timeout=run.request_timeout
     ) as client:
         generator = Generator(client, tokenizer, model.name, run, shape=job.rollout_shape)
-        initial = await loop.rollout.weight_version()
-        summary.weight_versions.append(initial)
-        driver = AsyncDriver(
-            AsyncSettings(
-                steps=steps,
-                prompts_per_step=run.prompts_per_step,
-                max_staleness=run.max_staleness,
-                stale_action=run.stale_action,
-                stream_scoring=run.stream_scoring,
-                stream_concurrency=run.stream_concurrency,
-                release_timeout=run.operation_timeout,
-            ),
-            coordinator=loop.coordinator,
-            rollout=loop.rollout,
-            stages=loop.stages,
+        ports = StepPorts(
+            name=job.name,
+            run=run,
+            coordinator=job.coordinator,
+            rollout=rollout,
+            stages=job.stages,
             sink=job.sink,
-            clients=loop.clients,
-            producer=lambda: StepProducer(generator, source),
-            trainer=_RayTrainer(job.trainer),
-            generation_role=job.generation_role,
-            # every role that is not free takes turns: its stages never stream
-            deferred_roles=tuple(
-                r for r in job.slices if r not in job.residency.free and r != job.generation_role
+            clients=RoleClients(
+                {r: reg.fetch for r, reg in registries.items() if r != gen},
+                timeout=run.request_timeout,
             ),
-            initial_version=initial,
-            switching=switching,
-            timeline=loop.timeline,
-            finalizer=loop._finalizer,
-            on_step=on_step,
-            on_progress=on_progress,
+            producer=lambda: StepProducer(generator, source),
+            trainer=TrainerCalls(job.trainer),
+            generation_role=gen,
+            # every role that is not free takes turns: its stages never stream
+            deferred_roles=tuple(r for r in job.slices if r not in job.residency.free and r != gen),
+            switching=gen not in job.residency.free,
+            free=gen in job.residency.free,
+            heads=lambda role: _heads(registries[role]),
         )
-        try:
-            await driver.run()
-        except _StepFailure as failed:
-            n = failed.step
-            loop.step = n
-            if interrupted(failed.error):
-                summary.interrupted_step = n
-                signals.handled()
-            report = _Failed(
-                failed.error,
-                DeferredCollector(n),
-                None,
-                failed.batch,
-                generated=[*failed.samples, *failed.ahead],
-                trainer=failed.trainer,
-            )
-            summary.failure = await loop.failure(n, report)
-            loop.metrics.failed.inc()
-            printer.failed(summary.failure.row())
-    if summary.failure is None and summary.committed:
-        summary.final_push = await _final_push(job, steps)
-        summary.weight_versions.append(summary.final_push["weight_version"])
-
-
-async def _final_push(job: RunJob, steps: int) -> dict[str, Any]:
-    """Wake rollout once more (every other role sleeps: the run is over) and give it the last
-    step's weights."""
-    handle = RayManagerHandle(job.rollout_actor, name=job.generation_role)
-    began = time.perf_counter()
-    if job.generation_role not in job.residency.free:  # a free rollout is awake
-        result = await asyncio.wait_for(handle.onload(), job.run.operation_timeout)
-        reason = unconfirmed(result, "READY")
-        if reason is not None:
-            raise LifecycleError(f"the final weight push could not wake rollout: {reason}")
-    pushed: dict[str, Any] = await job.trainer.push.remote(str(steps))
-    pushed["seconds_with_onload"] = time.perf_counter() - began
-    return pushed
+        return await drive(
+            ports,
+            printer,
+            steps=steps,
+            initial_version=await rollout.weight_version(),
+            trace=trace,
+            dump_dir=dump_dir,
+            measure=measure,
+            trackers=trackers,
+            residency=job.residency.to_dict(),
+        )

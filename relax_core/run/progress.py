@@ -130,9 +130,10 @@ BAR_REDRAW = 0.25
 
 
 def _async_text(row: dict[str, Any]) -> str:
-    """An async step's staleness, stale groups, partial samples and idle ratios (or "")."""
+    """An async step's staleness, stale groups, partial samples and idle ratios ("" for a
+    step of a sync run: ``max_staleness`` 0 and nothing streamed)."""
     a = row.get("async")
-    if not a:
+    if not a or (not a["max_staleness"] and not a["streamed_stages"]):
         return ""
     hist = " ".join(f"{k}:{v}" for k, v in a["staleness"].items())
     stale = a["stale"]

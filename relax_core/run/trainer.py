@@ -15,9 +15,10 @@ run in its own Ray actor (:func:`start_trainer`):
   behind the manager's fence, in buckets of ``push_bucket_bytes`` carried by one manager
   call), so the published weight version becomes ``weight_version``.
 
-The two are called concurrently (the actor runs two calls at once): ``train(N)`` is asked for
-at the start of step ``N`` and waits for the commit, while ``push`` of the weights trained on
-batch ``N - 1`` runs before batch ``N`` is generated. A trainer guards its model accordingly.
+The step driver asks for ``train(N)`` once batch ``N`` committed (it still waits for the
+commit: the gate), then ``push`` of the weights trained on it, before the step that needs them
+is generated; the actor runs two calls at once (``--measure``'s copies, a push beside a
+``train``), so a trainer guards its model accordingly.
 
 ``[run] trainer`` names the class (:func:`load_trainer_class`): the name of a trainer a plugin
 registers through ``relax_register_trainers`` (a :class:`~relax_core.records.TrainerSpec`;

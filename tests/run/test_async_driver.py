@@ -1,7 +1,7 @@
-"""The async step driver as a state machine: hypothesis picks the order in which the simulated
-engines finish their work (a group generated, a group scored, a batch trained, a push
-confirmed, a push reaching the engine late) and where a fault lands, and after every move the
-driver's contract is checked against the real coordinator and sink:
+"""The step driver as a state machine (a sync run is its ``max_staleness = 0``): hypothesis
+picks the order in which the simulated engines finish their work (a group generated, a group
+scored, a batch trained, a push confirmed, a push reaching the engine late) and where a fault
+lands, and after every move the driver's contract is checked against the real coordinator and sink:
 
 - no sample trained on is more than ``max_staleness`` versions older than the trainer;
 - the trainer is asked for a batch only once the coordinator committed it;
@@ -49,7 +49,7 @@ from relax_core.coordination import (
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.stages import RoleClients
 from relax_core.manager.results import LifecycleResult
-from relax_core.run.pipeline import STALENESS_STAGE, AsyncDriver, AsyncSettings, _StepFailure
+from relax_core.run.driver import STALENESS_STAGE, DriverSettings, StepDriver, StepFailure
 
 KINDS = ("group", "score", "train", "push")
 
@@ -272,8 +272,8 @@ class DriverMachine(RuleBasedStateMachine):
         self.trainer = Trainer(self.gates, self.coord, self.sink, self.engine)
         self.outcomes: list[Any] = []
         self.faults: dict[str, int] = {}
-        self.driver = AsyncDriver(
-            AsyncSettings(
+        self.driver = StepDriver(
+            DriverSettings(
                 steps=steps, prompts_per_step=groups, max_staleness=k, stale_action=action,
                 stream_scoring=stream,
             ),
@@ -416,7 +416,7 @@ class DriverMachine(RuleBasedStateMachine):
             assert generated == set(trained) | set(dropped)
             assert not set(trained) & set(dropped)
             return
-        assert isinstance(error, _StepFailure), error
+        assert isinstance(error, StepFailure), error
         assert self.faults, f"the run failed with no fault: {error!r}"
         failed = error.step
         reported = {s.id for s in (*error.samples, *error.ahead)}
@@ -456,8 +456,8 @@ def test_a_lagging_engine_never_trains_stale_samples(k: int) -> None:
         rollout = SimRollout(times, lag=2)
         trainer = SimTrainer(times, coord, sink, rollout)
         outcomes: list[Any] = []
-        await AsyncDriver(
-            AsyncSettings(steps=5, prompts_per_step=3, max_staleness=k),
+        await StepDriver(
+            DriverSettings(steps=5, prompts_per_step=3, max_staleness=k),
             coordinator=coord, rollout=handle(), stages=[SimJudge(times)], sink=sink,
             clients=RoleClients({}), producer=rollout.producer, trainer=trainer,
             generation_role="policy", initial_version="0",

@@ -2,9 +2,10 @@
 
 What is real: the :class:`~relax_core.coordination.LifecycleCoordinator` (the commit gate),
 :class:`~relax_core.coordination.DeferredBatch`, :class:`~relax_core.coordination.
-MemoryBatchSink`, the staleness gate and streaming scorer of the async driver, and the sync
-step's own order. What is simulated, because one machine cannot give three GPU engines of
-fixed speed: each role's engine is a resource that does one thing at a time for a fixed time.
+MemoryBatchSink` and the step driver of ``relax run`` (:mod:`relax_core.run.driver`: its
+staleness gate, its streaming scorer, its sync and async orders). What is simulated, because
+one machine cannot give three GPU engines of fixed speed: each role's engine is a resource that
+does one thing at a time for a fixed time.
 
 - :class:`SimRollout`: generates a batch's groups one after another, ``generate_s / groups``
   each (an engine that streams its batch out); every response is ``tokens`` tokens, and a

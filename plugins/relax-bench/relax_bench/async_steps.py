@@ -7,11 +7,14 @@ generating a batch takes ``generate_s``, scoring it ``score_s``, training on it 
 coordinator's commit gate, the deferred batch (staging, validation, write-back, the sink put,
 the commit), the trainer waiting on the gate.
 
-- **sync**: the sync step's order (``relax run``'s default): begin the batch, push the last
-  weights, generate, score, commit, train — the phases one after the other (≈ 3 units a step).
-- **async**: the :class:`~relax_core.run.pipeline.AsyncDriver` with ``max_staleness = 1`` and
-  streaming scoring: the judge scores each group as it completes, and step ``N+1`` is generated
-  and scored while step ``N`` trains (≈ 1 unit a step once the pipeline is full: ideal 3x).
+Both modes are ``relax run``'s one :class:`~relax_core.StepDriver`:
+
+- **sync** (``relax run``'s default): ``max_staleness = 0``, nothing streamed — begin the batch,
+  push the last weights, generate, score, commit, train, the phases one after the other (≈ 3
+  units a step).
+- **async**: ``max_staleness = 1`` and streaming scoring: the judge scores each group as it
+  completes, and step ``N+1`` is generated and scored while step ``N`` trains (≈ 1 unit a
+  step once the pipeline is full: ideal 3x).
 
 ``async_vs_sync`` is the ratio of steps per second (the target is >= 1.8), and
 ``max_staleness_seen`` the largest staleness of any sample trained on (must be <= 1).
@@ -30,12 +33,10 @@ from typing import Any
 
 from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
 from relax_core import (
-    AsyncDriver,
-    AsyncSettings,
-    DeferredBatch,
-    DeferredCollector,
+    DriverSettings,
     MemoryBatchSink,
     RoleClients,
+    StepDriver,
     StepOutcome,
     Timeline,
 )
@@ -50,42 +51,22 @@ def _registry() -> Any:
     return CollectorRegistry()
 
 
-async def _sync(times: Times, steps: int, *, defer: bool = False) -> dict[str, Any]:
-    coord = coordinator(deferred=("judge",) if defer else ())
-    sink = MemoryBatchSink()
-    rollout = SimRollout(times)
-    judge = SimJudge(times)
-    trainer = SimTrainer(times, coord, sink, rollout)
-    timeline = Timeline(registry=_registry())
-    began = time.perf_counter()
-    for n in range(steps):
-        train = asyncio.ensure_future(trainer.train(n))
-        await coord.begin_batch(n)
-        if n > 0:
-            await trainer.push(str(n))
-        collector = DeferredCollector(n)
-        producer = rollout.producer()
-        await producer.first(n, collector)
-        batch = DeferredBatch(
-            n, collector.samples, coordinator=coord, rollout=handle(), stages=[judge], sink=sink,
-            timeline=timeline, producer=producer, target_groups=times.groups,
-        )  # fmt: skip
-        await batch.run()
-        await train
-    seconds = time.perf_counter() - began
-    return {"seconds": seconds, "steps_per_s": steps / seconds, "trained": len(trainer.trained)}
-
-
-async def _async(
-    times: Times, steps: int, max_staleness: int, *, defer: bool = False
-) -> dict[str, Any]:
+async def _steps(times: Times, steps: int, *, sync: bool, defer: bool = False) -> dict[str, Any]:
+    """``steps`` steps through the driver: sync (``max_staleness = 0``, nothing streamed) or
+    async (:data:`MAX_STALENESS`, streaming scoring), in a split or a defer layout."""
     coord = coordinator(deferred=("judge",) if defer else ())
     sink = MemoryBatchSink()
     rollout = SimRollout(times)
     trainer = SimTrainer(times, coord, sink, rollout)
     outcomes: list[StepOutcome] = []
-    driver = AsyncDriver(
-        AsyncSettings(steps=steps, prompts_per_step=times.groups, max_staleness=max_staleness),
+    settings = DriverSettings(
+        steps=steps,
+        prompts_per_step=times.groups,
+        max_staleness=0 if sync else MAX_STALENESS,
+        stream_scoring=not sync,
+    )
+    driver = StepDriver(
+        settings,
         coordinator=coord,
         rollout=handle(),
         stages=[SimJudge(times)],
@@ -103,6 +84,13 @@ async def _async(
     began = time.perf_counter()
     await driver.run()
     seconds = time.perf_counter() - began
+    out: dict[str, Any] = {
+        "seconds": seconds,
+        "steps_per_s": steps / seconds,
+        "trained": len(trainer.trained),
+    }
+    if sync:
+        return out
     histogram: dict[str, int] = {}
     idle: dict[str, list[float]] = {}
     for o in outcomes:
@@ -112,9 +100,7 @@ async def _async(
             idle.setdefault(role, []).append(ratio)
     steady = outcomes[2:] or outcomes  # the pipeline's fill is in the first steps
     return {
-        "seconds": seconds,
-        "steps_per_s": steps / seconds,
-        "trained": len(trainer.trained),
+        **out,
         "staleness": dict(sorted(histogram.items())),
         "max_staleness_seen": max((o.metrics["max_staleness_seen"] for o in outcomes), default=0),
         "partial_samples": sum(o.metrics["partial_samples"] for o in outcomes),
@@ -135,11 +121,11 @@ def run(*, quick: bool = False) -> dict[str, Any]:
     """Both modes on the same job; the ratio and the verdict."""
     times = Times(generate_s=0.1, score_s=0.1, train_s=0.1) if quick else Times()
     steps = 8 if quick else 16
-    sync = asyncio.run(_sync(times, steps))
-    pipelined = asyncio.run(_async(times, steps, MAX_STALENESS))
+    sync = asyncio.run(_steps(times, steps, sync=True))
+    pipelined = asyncio.run(_steps(times, steps, sync=False))
     ratio = pipelined["steps_per_s"] / sync["steps_per_s"]
-    defer_sync = asyncio.run(_sync(times, steps, defer=True))
-    defer_async = asyncio.run(_async(times, steps, MAX_STALENESS, defer=True))
+    defer_sync = asyncio.run(_steps(times, steps, sync=True, defer=True))
+    defer_async = asyncio.run(_steps(times, steps, sync=False, defer=True))
     return {
         "steps": steps,
         "phase_seconds": {

@@ -1,11 +1,15 @@
-"""The asynchronous step driver of ``relax run`` (``[run] mode = "async"``): bounded staleness.
+"""THE step driver of ``relax run``: every step of a run, sync or async, goes through here.
 
-Three lanes run at once, each in step order:
+A step is: open the batch, onload rollout, push the last weights, generate, run the stages,
+commit, train. Three lanes run them, each in step order; a synchronous run (``[run] mode =
+"sync"``) is the case ``max_staleness = 0`` without streaming scoring, where each lane waits
+for the one before it and the step's phases run one after the other:
 
 - **generation**: step ``M`` is generated as soon as rollout serves weights at most
   ``max_staleness`` (``k``) versions older than those the trainer will train batch ``M`` with
   (the trainer's version at batch ``M`` is ``M``: it took ``M`` optimizer steps; the weights
-  rollout started with are version 0, those pushed after batch ``N`` trained version ``N+1``).
+  rollout started with are version 0, those pushed after batch ``N`` trained version ``N+1``;
+  ``k = 0``: step ``M`` waits for the push of the weights trained on batch ``M-1``).
   Each group goes through the **staleness gate** as it completes: a group whose oldest weight
   version is more than ``k`` versions behind ``M`` (or a version the trainer never pushed) is
   never trained on — it is dropped with its reason and, with ``stale_action =
@@ -13,27 +17,27 @@ Three lanes run at once, each in step order:
   step). A group that passes is staged and, with streaming scoring, scored at once
   (:mod:`relax_core.run.streaming`). Generation then goes on with step ``M+1``.
 - **commit**: for step ``N``, once its generation is done and its streamed scoring finished,
-  ``begin_batch(N)`` and the :class:`~relax_core.coordination.DeferredBatch` as in a sync step
-  (the remaining stages, validation, write-back, the sink put, the commit): the commit gate is
-  unchanged. Generation of ``N+1 … N+k`` runs meanwhile.
+  ``begin_batch(N)`` and the :class:`~relax_core.coordination.DeferredBatch` (the remaining
+  stages, validation, write-back, the sink put, the commit): the commit gate.
 - **training**: ``train(N)`` once ``N`` is committed (the trainer still waits on the gate
   itself), then ``push`` of version ``N+1`` to rollout — generation of ``N+1+k`` waits for it.
 
 **Taking turns** (``switching``: the generation role is not free in the residency plan — a
 defer layout, where it shares its GPUs with the deferred roles and sleeps while they score):
-only training overlaps. Generation of step ``M`` waits until step ``M-1`` committed (its
-deferred stages held the GPUs), then opens batch ``M`` itself (``begin_batch``), onloads rollout
-and generates; the commit lane then runs the batch as a sync step does (rollout offloaded
-first). ``train(N)`` and its push run meanwhile: a push goes only while rollout is onloaded
-(it waits for the next step's onload otherwise, and is skipped when no step will onload
-rollout again: the run's final push gives it the last weights), and the commit lane never
-offloads rollout while a push is in flight.
+generation of step ``M`` waits until step ``M-1`` committed (its deferred stages held the
+GPUs), then opens batch ``M`` itself (``begin_batch``), onloads rollout and generates; the
+commit lane then runs the batch (rollout offloaded first). ``train(N)`` and its push run
+meanwhile: a push goes only while rollout is onloaded (it waits for the next step's onload
+otherwise, and is skipped when no step will onload rollout again: the run's final push gives
+it the last weights), and the commit lane never offloads rollout while a push is in flight.
 
-A failure ends the run in step order: the lane that failed at step ``N`` stops; the commit lane
-fails batch ``N`` at the coordinator (a failed generation or streamed stage: nothing of it was
-committed), batches before ``N`` that committed are still trained, and the lanes ahead (the
+A failure ends the run in step order (:class:`StepFailure`, the one failure of a step): the
+lane that failed at step ``N`` stops; the commit lane fails batch ``N`` at the coordinator
+(where the generation lane opened it, rollout is released first, its requests in flight
+aborted), batches before ``N`` that committed are still trained, and the lanes ahead (the
 generation of later steps) are cancelled — their samples were never begun at the coordinator.
-Ctrl-C cancels every lane the same way (the batch in flight fails as ``interrupted``).
+Cancelling :meth:`StepDriver.run` (Ctrl-C) cancels every lane the same way (the batch in
+flight fails as ``interrupted``).
 
 Per step the driver reports (:class:`StepOutcome` ``.metrics``): the staleness histogram of the
 samples trained on, the groups dropped and regenerated for staleness, the partial samples
@@ -67,12 +71,14 @@ from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
 from relax_core.coordination.timeline import Timeline
+from relax_core.errors import BatchFailedError
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
 __all__ = [
     "STALENESS_STAGE",
-    "AsyncDriver",
-    "AsyncSettings",
+    "DriverSettings",
+    "StepDriver",
+    "StepFailure",
     "StepOutcome",
     "TrainerPort",
     "VersionClock",
@@ -116,8 +122,9 @@ class StepProducerLike(Protocol):
 
 
 @attrs.frozen
-class AsyncSettings:
-    """The ``[run]`` keys the driver reads (see :class:`~relax_core.run.config.RunConfig`)."""
+class DriverSettings:
+    """The ``[run]`` keys the driver reads (see :class:`~relax_core.run.config.RunConfig`);
+    :meth:`of` reads them (a sync run: ``max_staleness = 0``, no streaming)."""
 
     steps: int
     prompts_per_step: int
@@ -126,6 +133,21 @@ class AsyncSettings:
     stream_scoring: bool = True
     stream_concurrency: int = 8
     release_timeout: float = 180.0
+
+    @classmethod
+    def of(cls, run: Any, steps: int) -> DriverSettings:
+        """The settings of ``run`` (a :class:`~relax_core.run.config.RunConfig`) for ``steps``
+        steps: ``mode = "sync"`` is ``max_staleness = 0`` without streaming scoring."""
+        sync = run.mode != "async"
+        return cls(
+            steps=steps,
+            prompts_per_step=run.prompts_per_step,
+            max_staleness=0 if sync else run.max_staleness,
+            stale_action=run.stale_action,
+            stream_scoring=False if sync else run.stream_scoring,
+            stream_concurrency=run.stream_concurrency,
+            release_timeout=run.operation_timeout,
+        )
 
 
 class VersionClock:
@@ -176,11 +198,11 @@ class StepOutcome:
     metrics: dict[str, Any]
 
 
-class _StepFailure(Exception):
+class StepFailure(Exception):
     """Step ``step`` failed or was interrupted (``error``); nothing of it was committed.
     ``samples``: every sample it generated (kept and dropped); ``batch``: its
     :class:`~relax_core.coordination.DeferredBatch` once it began; ``trainer``: what the
-    trainer did about it (``"not asked"``: the driver asks only after a commit)."""
+    trainer did about it (``"not asked"``: the driver asks it only for a committed batch)."""
 
     def __init__(
         self,
@@ -188,7 +210,7 @@ class _StepFailure(Exception):
         error: BaseException,
         samples: Sequence[Sample],
         batch: DeferredBatch | None = None,
-        trainer: str = "not asked: async mode asks the trainer after a commit",
+        trainer: str = "not asked: the trainer is asked for a batch once it committed",
     ) -> None:
         super().__init__(f"step {step}: {describe_failure(error)}")
         self.step = step
@@ -214,7 +236,7 @@ class _Gate(DeferredCollector):
     """Step ``step``'s collector behind the staleness gate: a group that passes is captured and
     streamed to the scorer; one that does not is dropped (and counted for regeneration)."""
 
-    def __init__(self, step: int, driver: AsyncDriver, scorer: StreamScorer) -> None:
+    def __init__(self, step: int, driver: StepDriver, scorer: StreamScorer) -> None:
         super().__init__(step)
         self.driver = driver
         self.scorer = scorer
@@ -236,7 +258,7 @@ class _Gate(DeferredCollector):
         return [*self.samples, *self.scorer.dropped_samples]
 
 
-class AsyncDriver:
+class StepDriver:
     """Runs ``settings.steps`` steps with bounded staleness (see the module docstring).
 
     :param coordinator: the job's coordinator (the commit gate).
@@ -260,7 +282,7 @@ class AsyncDriver:
 
     def __init__(
         self,
-        settings: AsyncSettings,
+        settings: DriverSettings,
         *,
         coordinator: Coordinator,
         rollout: ManagerHandle,
@@ -317,6 +339,8 @@ class AsyncDriver:
         )
         #: the step the commit lane works on (an interruption reports it)
         self.committing = 0
+        #: the step the generation lane works on (rollout's switches are this step's)
+        self.generating = 0
         self._began = time.perf_counter()
         self._last_end = self._began
         self._last_end_us = time.time_ns() // 1000
@@ -353,7 +377,7 @@ class AsyncDriver:
     async def run(self) -> None:
         """Every step, or the first failure.
 
-        :raises _StepFailure: a step failed or was interrupted (after every step before it
+        :raises StepFailure: a step failed or was interrupted (after every step before it
             that committed was trained).
         """
         steps = self.settings.steps
@@ -377,7 +401,7 @@ class AsyncDriver:
             for lane in lanes:
                 lane.cancel()
             results = await asyncio.gather(*lanes, return_exceptions=True)
-            failure = next((r for r in results if isinstance(r, _StepFailure)), None)
+            failure = next((r for r in results if isinstance(r, StepFailure)), None)
             if failure is not None:
                 failure.ahead = await self._ahead(failure)
                 raise failure from None
@@ -388,13 +412,13 @@ class AsyncDriver:
         # The training lane's failure first: the commit lane was cancelled because of it.
         for lane in (train, commit):
             error = None if lane.cancelled() else lane.exception()
-            if error is not None and not isinstance(error, _StepFailure):
-                error = _StepFailure(self.committing, error, [])
+            if error is not None and not isinstance(error, StepFailure):
+                error = StepFailure(self.committing, error, [])
             if error is not None:
                 error.ahead = await self._ahead(error)
                 raise error
 
-    async def _ahead(self, failure: _StepFailure) -> list[Sample]:
+    async def _ahead(self, failure: StepFailure) -> list[Sample]:
         """The samples of the failed step and those after it that were generated (or were
         being generated) and are not in ``failure.samples``: never committed; their scoring
         is stopped."""
@@ -422,6 +446,7 @@ class AsyncDriver:
         try:
             for m in range(self.settings.steps):
                 fut = self._generated[m]
+                self.generating = m
                 try:
                     if self.switching and not await self._take_turn(m):
                         fut.cancel()  # step m-1 failed: the run ends there
@@ -526,10 +551,12 @@ class AsyncDriver:
             # failure report lists the samples of the steps generated ahead)
             generated = await asyncio.shield(self._generated[n])
         except _GenerationFailed as exc:
-            await self._fail(n, exc.error)
-            raise _StepFailure(n, exc.error, exc.samples) from exc.error
+            reported = await self._fail(n, exc.error, generation=True)
+            raise StepFailure(n, reported, exc.samples) from exc.error
         except asyncio.CancelledError as exc:
-            raise _StepFailure(n, exc, []) from exc
+            if n in self._opened:  # rollout's turn: released, its requests aborted
+                await self._fail(n, exc)
+            raise StepFailure(n, exc, []) from exc
         gate = generated.collector
         assert isinstance(gate, _Gate)
         try:
@@ -537,7 +564,7 @@ class AsyncDriver:
             await self.coordinator.begin_batch(n)  # idempotent: switching opened it already
         except BaseException as exc:
             await self._fail(n, exc)
-            raise _StepFailure(n, exc, gate.all_samples) from exc
+            raise StepFailure(n, exc, gate.all_samples) from exc
         batch = DeferredBatch(
             n,
             gate.samples,
@@ -562,12 +589,15 @@ class AsyncDriver:
             else:
                 result = await batch.run()
         except BaseException as exc:
-            raise _StepFailure(n, exc, batch.generated_samples(), batch) from exc
+            raise StepFailure(n, exc, batch.generated_samples(), batch) from exc
         return generated, batch, result
 
-    async def _fail(self, n: int, exc: BaseException) -> None:
+    async def _fail(self, n: int, exc: BaseException, *, generation: bool = False) -> BaseException:
         """Fail batch ``n`` at the coordinator; switching, where the generation lane opened it,
-        release rollout first (its requests in flight aborted) as a failed sync step does."""
+        release rollout first (its requests in flight aborted). What the step's report says:
+        for a failed ``generation`` the batch's failure (naming the batch and the cause), else
+        ``exc`` (with a note of what failed on the way)."""
+        failed = generation and not interrupted(exc)
         if n in self._opened:
             async with self._rollout_lock:
                 self._awake.clear()
@@ -579,13 +609,17 @@ class AsyncDriver:
                     timeline=self.timeline,
                     timeout=self.settings.release_timeout,
                 )
+            if failed:
+                return error
             if error.cause != f"generation failed: {describe_failure(exc)}":
                 exc.add_note(f"releasing {self.generation_role}: {error.cause}")
-            return
+            return exc
+        reason = f"generation failed: {describe_failure(exc)}" if failed else describe_failure(exc)
         try:
-            await self.coordinator.fail_batch(n, describe_failure(exc))
+            await self.coordinator.fail_batch(n, reason)
         except Exception as err:
             exc.add_note(f"failing batch {n} at the coordinator failed: {err}")
+        return BatchFailedError(n, reason) if failed else exc
 
     async def _push(self, version: str, index: int) -> dict[str, Any] | None:
         """The trainer's push of ``version`` (phase ``weight_push`` of step ``index``);
@@ -624,7 +658,9 @@ class AsyncDriver:
                 with tl.phase(n, "train", lane="trainer"):
                     trained = await self.trainer.train(n)
             except BaseException as exc:
-                raise _StepFailure(
+                if interrupted(exc):  # batch n is committed: the run stops after it
+                    raise
+                raise StepFailure(
                     n, exc, batch.generated_samples(), batch, trainer=describe_failure(exc)
                 ) from exc
             end, end_us = time.perf_counter(), time.time_ns() // 1000
@@ -650,7 +686,7 @@ class AsyncDriver:
                 except BaseException as exc:
                     if interrupted(exc):
                         raise
-                    raise _StepFailure(
+                    raise StepFailure(
                         n + 1, exc, [], trainer=f"its push failed: {describe_failure(exc)}"
                     ) from exc
                 if pushed_before is not None:
