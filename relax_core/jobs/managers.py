@@ -446,7 +446,8 @@ def describe_job(config: JobConfig, pm: PluginManager) -> list[str]:
                     route += f" (no usable router: {exc.message})"
             what = f"{m.backend} on {m.engine_device}"
             if m.engine_device != m.device:
-                what += f" (placed as {m.device})"
+                # e.g. engines told --device cpu on GPU bundles the job declares
+                what += f" (--device {m.engine_device} in extra_args; on {m.device} bundles)"
             if m.external:
                 what = "external engines"
             lines.append(

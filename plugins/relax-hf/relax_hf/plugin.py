@@ -50,11 +50,13 @@ def serve_argv(spec: EngineLaunchSpec, port: int) -> list[str]:
         spec.host,
         "--port",
         str(port),
-        "--device",
-        spec.device,
         "--dtype",
         options.dtype,
     ]
+    # A --device in extra_args (an engine on CPU on a declared GPU bundle) is the one device
+    # the command line names; otherwise the bundle's.
+    if not any(a == "--device" or a.startswith("--device=") for a in options.extra_args):
+        argv += ["--device", spec.device]
     if spec.seed is not None:
         argv += ["--seed", str(spec.seed)]
     if options.weights_cpu_backup:

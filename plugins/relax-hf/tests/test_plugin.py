@@ -88,6 +88,25 @@ def test_serve_argv_runs_the_module_with_this_interpreter() -> None:
     assert "--nnodes" not in argv
 
 
+@pytest.mark.parametrize("given", [("--device", "cpu"), ("--device=cpu",)])
+def test_a_device_in_extra_args_is_the_only_device_on_the_command_line(
+    given: tuple[str, ...],
+) -> None:
+    # An engine on CPU on a declared GPU bundle (the demo's layout): one --device, the given one.
+    spec = EngineLaunchSpec(
+        engine_id="e", model_path="/m", device="cuda", options=EngineOptions(extra_args=given)
+    )
+    argv = serve_argv(spec, 5)
+    devices = [a for a in argv if a.startswith("--device")]
+    assert devices == [given[0]] and "cuda" not in argv, argv
+
+
+def test_serve_argv_names_the_bundles_device_when_extra_args_do_not() -> None:
+    argv = serve_argv(EngineLaunchSpec(engine_id="e", model_path="/m", device="cuda"), 5)
+    i = argv.index("--device")
+    assert argv[i : i + 2] == ["--device", "cuda"] and argv.count("--device") == 1
+
+
 def test_serve_argv_of_a_follower_names_its_rank_and_the_heads_address() -> None:
     spec = EngineLaunchSpec(
         engine_id="m/replica-0/node-1",
