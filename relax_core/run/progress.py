@@ -203,6 +203,7 @@ class Printer:
         self.progress_out = self.err if json_lines else self.out
         self.tty = self.progress_out.isatty() if tty is None else tty
         self.began = time.monotonic() if began is None else began
+        self._explained_parse_failures = False
         self._status = ""
         self._lock = threading.RLock()
 
@@ -291,6 +292,13 @@ class Printer:
             teacher = f"  teacher KL {row['teacher_kl']:.3f}"
         failures = row.get("parse_failures")
         parse = "" if failures is None else f"  parse failures {failures}/{row['samples']}"
+        if failures and failures == row["samples"] and not self._explained_parse_failures:
+            # Said once: every judge answer held no verdict (each such sample's reward is 0.0).
+            self._explained_parse_failures = True
+            parse += (
+                " (no judge answer held a verdict, so each scored 0.0: an untrained judge, "
+                "like the demo's tiny random one, never writes one)"
+            )
         print(
             f"step {row['step']}  {row['partition']}  {row['samples']} samples  reward "
             f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f}{parse}{teacher}  tokens "

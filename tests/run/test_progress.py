@@ -68,15 +68,29 @@ def test_a_step_line_sums_the_switches_names_the_long_phases_and_counts_the_shor
     printer.step(
         {
             "step": 0, "partition": "train_0", "samples": 16, "reward_mean": 0.031,
-            "reward_std": 0.034, "parse_failures": 16, "teacher_kl": 0.576, "tokens": 250,
+            "reward_std": 0.034, "parse_failures": 3, "teacher_kl": 0.576, "tokens": 250,
             "weight_version": "default", "seconds": 3.2, "phases": phases,
         }
     )  # fmt: skip
     assert out.getvalue() == (
-        "step 0  train_0  16 samples  reward 0.031 ± 0.034  parse failures 16/16  teacher KL "
+        "step 0  train_0  16 samples  reward 0.031 ± 0.034  parse failures 3/16  teacher KL "
         "0.576  tokens 250  weights default  3.2s (switches 0.17, generate 0.21, genrm 2.29, "
         "sink_put 0.08, train 0.31, + 5 phases < 0.05s)\n"
     )
+
+
+def test_a_step_whose_every_judge_answer_failed_to_parse_says_why_once() -> None:
+    printer, out, _ = _printer()
+    row = {
+        "step": 0, "partition": "train_0", "samples": 4, "reward_mean": 0.0, "reward_std": 0.0,
+        "parse_failures": 4, "tokens": 40, "weight_version": "default", "seconds": 1.0,
+        "phases": {"generate": 0.5},
+    }  # fmt: skip
+    printer.step(row)
+    printer.step({**row, "step": 1, "partition": "train_1"})
+    first, second = out.getvalue().splitlines()
+    assert "parse failures 4/4 (no judge answer held a verdict, so each scored 0.0" in first
+    assert "parse failures 4/4  tokens" in second  # said once, not on every step
 
 
 def test_the_summary_gives_the_wall_time_from_the_command_s_start_with_start_up_and_steps() -> None:
