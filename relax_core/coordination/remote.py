@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from relax_core._ray import remote_errors
 from relax_core.coordination.coordinator import (
     DEFAULT_OPERATION_TIMEOUT,
     Coordinator,
@@ -87,18 +88,11 @@ class RemoteCoordinator:
         self.actor = actor
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
+        def error(why: str) -> CoordinationError:
+            return CoordinationError(f"coordinator {method}: {why}; the run cannot go on")
 
-        try:
+        with remote_errors(error, actor="the coordinator actor"):
             return await getattr(self.actor, method).remote(*args, **kwargs)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, BaseException):
-                raise exc.cause from None
-            raise CoordinationError(f"coordinator {method} failed: {exc}") from exc
-        except ray.exceptions.RayActorError as exc:
-            raise CoordinationError(
-                f"the coordinator actor is gone ({method}): {exc}; the run cannot go on"
-            ) from exc
 
     async def begin_batch(self, batch_id: int) -> BatchState:
         """See :meth:`LifecycleCoordinator.begin_batch`."""
