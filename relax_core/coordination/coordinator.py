@@ -286,7 +286,7 @@ class LifecycleCoordinator:
         """
         _check_batch_id(batch_id)
         gen = self.generation_role
-        async with self._slice_lock(gen), self._condition:
+        async with self._engine.lock(gen), self._condition:
             if batch_id in self._committed:
                 return BatchState.COMMITTED
             if self._failure is not None:
@@ -312,7 +312,7 @@ class LifecycleCoordinator:
             self._current = batch_id
             self._last_begun = batch_id
             if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
-                self._set(gen, _L.ACTIVE)
+                self._engine.set(gen, _L.ACTIVE)
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
@@ -326,18 +326,18 @@ class LifecycleCoordinator:
             BLOCKED and the batch FAILED ("release unconfirmed").
         """
         gen = self.generation_role
-        async with self._slice_lock(gen), self._condition:
+        async with self._engine.lock(gen), self._condition:
             batch = self._current_batch(batch_id, "acknowledge_rollout_offloaded")
             state = self._roles[gen]
             if state is _L.BLOCKED:
                 raise LeaseBlockedError(gen, self._blocked[gen])
             reason = unconfirmed(result, "SLEEPING")
             if reason is not None:
-                self._block(gen, f"release unconfirmed: {reason}")
+                self._engine.block(gen, f"release unconfirmed: {reason}")
                 self._fail(batch_id, f"{gen} release unconfirmed: {reason}")
                 raise LeaseBlockedError(gen, self._blocked[gen])
             if state is _L.ACTIVE:
-                self._set(gen, _L.SLEEPING)
+                self._engine.set(gen, _L.SLEEPING)
             batch.rollout_released = True
             return self._roles[gen]
 
@@ -351,7 +351,7 @@ class LifecycleCoordinator:
         :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
         """
         gen = self.generation_role
-        async with self._slice_lock(gen), self._condition:
+        async with self._engine.lock(gen), self._condition:
             batch = self._pending(batch_id, "begin_student_scoring")
             if batch.student_scoring_started and self._roles[gen] is _L.ACTIVE:
                 return _L.ACTIVE
@@ -363,7 +363,7 @@ class LifecycleCoordinator:
             self._refuse_busy(gen, f"begin_student_scoring({batch_id})", include_self=True)
             batch.student_scoring_started = True
             if self._roles[gen] is not _L.ACTIVE:
-                self._set(gen, _L.ACTIVE)
+                self._engine.set(gen, _L.ACTIVE)
             return _L.ACTIVE
 
     # -- deferred roles ---------------------------------------------------------------------
@@ -444,7 +444,7 @@ class LifecycleCoordinator:
             if release_unconfirmed:
                 cause += f" (release unconfirmed: the {gen} lease is kept BLOCKED)"
                 if self._roles[gen] is _L.ACTIVE:
-                    self._block(gen, f"release unconfirmed after a failure: {error}")
+                    self._engine.block(gen, f"release unconfirmed after a failure: {error}")
             self._fail(batch_id, cause)
             return BatchState.FAILED
 
@@ -549,7 +549,7 @@ class LifecycleCoordinator:
                 "engines stopped or confirmed offloaded on every node), then pass "
                 "confirm_clean=True (`relax coordinator reset --confirm-clean`)"
             )
-        async with self._slice_lock(role), self._condition:
+        async with self._engine.lock(role), self._condition:
             state = self._roles[role]
             if state is not _L.BLOCKED:
                 raise CoordinationError(
@@ -623,7 +623,7 @@ class LifecycleCoordinator:
         ``(moving, method, done)``. Which handles are awake is kept (every one of the role's
         after a switch that failed)."""
         moving, method, done = steps
-        async with self._slice_lock(role):
+        async with self._engine.lock(role):
             async with self._condition:
                 method = admit() or method
                 state = self._roles[role]
@@ -631,7 +631,7 @@ class LifecycleCoordinator:
                     raise LeaseBlockedError(role, self._blocked[role])
                 if state is done:
                     return done
-                self._set(role, moving)
+                self._engine.set(role, moving)
             reason = await self._engine.switch(
                 role, handles, out=done is _L.SLEEPING, method=method
             )
@@ -710,12 +710,6 @@ class LifecycleCoordinator:
             self._failure = RunFailure(batch_id, cause)
         self._condition.notify_all()
 
-    def _block(self, role: str, reason: str) -> None:
-        self._engine.block(role, reason)
-
-    def _set(self, role: str, state: LeaseState) -> None:
-        self._engine.set(role, state)
-
     def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
         """Refuse ``role`` the slice while roles that hold it (``role`` too, with
         ``include_self``) would not fit beside it: a BLOCKED one always (what it holds is not
@@ -791,9 +785,6 @@ class LifecycleCoordinator:
             raise CoordinationError(
                 f"role {role!r} is not leased by this coordinator (leased: {sorted(self._roles)})"
             )
-
-    def _slice_lock(self, role: str) -> asyncio.Lock:
-        return self._engine.lock(role)
 
 
 def _check_batch_id(batch_id: object) -> None:

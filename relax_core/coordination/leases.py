@@ -1,30 +1,17 @@
 """One lease engine over GPU slices: who may hold a slice's GPUs, and the switch that moves a
-role on or off them.
+role on or off them. ``relax run``'s
+:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` (leases phase by phase
+within a batch) and ``relax serve``'s :class:`~relax_core.jobs.wake.WakeController` (a request
+wakes its role) drive it; they decide *when* to switch, under the slice's lock, and what a
+refusal raises. The engine is what they share, so they cannot drift:
 
-A *slice* is a set of GPUs roles take turns on (a defer layout's). Each role of a slice has a
-lease (:class:`~relax_core.coordination.states.LeaseState`): SLEEPING, ONLOADING, ACTIVE,
-DRAINING or BLOCKED. Two front ends drive the same :class:`LeaseEngine`:
-
-- ``relax run``'s :class:`~relax_core.coordination.coordinator.LifecycleCoordinator`, which
-  leases roles phase by phase within a training batch;
-- ``relax serve``'s :class:`~relax_core.jobs.wake.WakeController`, which wakes a role when a
-  request needs it and puts idle ones back to sleep.
-
-The engine is what they share, so they cannot drift:
-
-- **the switch** (:meth:`LeaseEngine.switch`): the role's FAILED replicas are rebuilt first
-  (the manager's recovery confirms the dead engine's cleanup), then every model's handle is
-  called at once, each bounded by the operation timeout; a handle whose engine died during
-  the step is rebuilt and called once more. Each result must confirm every replica (READY
-  after an onload, SLEEPING after an offload);
-- **the BLOCKED rule**: a switch not confirmed (a failure, an error, a timeout) leaves the
-  role BLOCKED: what its engines hold is not known, so nothing else is granted its slice
-  (:meth:`LeaseEngine.blocked_beside`) until the operator resets it (:meth:`LeaseEngine.reset`);
-- **late replies**: a reply that arrives after its deadline changes nothing; it is recorded
-  (:attr:`LeaseEngine.late`) for the operator.
-
-The engine holds no batch and no request: the front ends decide *when* to switch (under the
-slice's lock, :meth:`LeaseEngine.lock`) and what a refusal raises.
+- **the switch**: the role's FAILED replicas rebuilt first (the manager's recovery confirms a
+  dead engine's cleanup), then every handle called at once within the operation timeout; a
+  handle whose engine died during the call is rebuilt and called once more; each result must
+  confirm every replica;
+- **the BLOCKED rule**: a switch not confirmed (a failure, an error, a timeout) leaves the role
+  BLOCKED, and nothing is granted its slice until the operator resets it;
+- **late replies**: a reply after its deadline changes nothing; it is recorded for the operator.
 """
 
 from __future__ import annotations
@@ -177,39 +164,34 @@ class LeaseEngine:
         self.set(role, done)
         return None
 
-    async def heal(self, role: str, handles: Sequence[ManagerHandle] | None = None) -> list[str]:
+    async def heal(self, role: str) -> list[str]:
         """Rebuild the FAILED replicas of ``role``'s models (the slice's lock held, ``role``
-        the one to hold it): an engine that died comes back before any transition. Why any
-        rebuild was not confirmed."""
-        chosen = self.handles[role] if handles is None else tuple(handles)
-        return [why for why in await asyncio.gather(*(self._heal(role, h) for h in chosen)) if why]
+        resident); why any rebuild was not confirmed."""
+        handles = self.handles[role]
+        reasons = await asyncio.gather(*(self._heal(h, role) for h in handles))
+        return [f"{h.name}: {why}" for h, why in zip(handles, reasons, strict=True) if why]
 
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
         """One handle's part of a switch: rebuilt first, then called (and, when its engine
         died during the call, rebuilt and called again). Why it is not confirmed."""
-        why = await self._heal(role, handle)
+        why = await self._heal(handle, role)
         if why is None:
             why = await self._call(role, handle, method, expected)
-            if why is not None and await self._failed(handle):
-                why = await self._heal(role, handle) or await self._call(
+            if why is not None and await _failed(handle):
+                why = await self._heal(handle, role) or await self._call(
                     role, handle, method, expected
                 )
         return None if why is None else f"{handle.name}: {why}"
 
-    async def _heal(self, role: str, handle: ManagerHandle) -> str | None:
-        if not await self._failed(handle):
+    async def _heal(self, handle: ManagerHandle, role: str) -> str | None:
+        if not await _failed(handle):
             return None
         why = await self._call(role, handle, "recover", "READY")
         self._on_rebuild(role)
         self._on_event(f"{role}: rebuilt the failed replicas of {handle.name}")
         return None if why is None else f"rebuild: {why}"
-
-    @staticmethod
-    async def _failed(handle: ManagerHandle) -> bool:
-        failed = getattr(handle, "failed", None)
-        return failed is not None and bool(await failed())
 
     async def _call(
         self, role: str, handle: ManagerHandle, method: str, expected: str
@@ -244,3 +226,8 @@ class LeaseEngine:
             why = unconfirmed(task.result(), expected)
             outcome = "confirmed" if why is None else f"unconfirmed: {why}"
         self.late.append(LateReply(role, handle.name, method, outcome, time.time()))
+
+
+async def _failed(handle: ManagerHandle) -> bool:
+    failed = getattr(handle, "failed", None)
+    return failed is not None and bool(await failed())

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from relax_core._ray import remote_errors
+from relax_core._proxy import remote_errors
 from relax_core.errors import SinkError
 
 __all__ = [

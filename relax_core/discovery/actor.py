@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from relax_core._ray import remote_errors
+from relax_core._proxy import remote_errors
 from relax_core.discovery.liveness import ManagerLiveness, actor_ping, actor_republish
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoleSnapshot, RoutingSpec

@@ -19,19 +19,14 @@ each shared slice's lease and gives a role its GPUs when a request needs it:
   drains what is left), and the switch is made: two roles with steady traffic alternate, one
   switch per ``min_residency`` at most;
 - a role with nothing in flight and no request for ``idle_seconds`` is put back to sleep;
-- an engine that died is rebuilt under the slice's lock, before its role's next transition (or
-  at the next tick while its role is awake): the health monitor of a driven role only marks
-  it FAILED, so a rebuild never loads a model beside another role's;
-- an onload, offload or rebuild that is not confirmed (or does not answer within
-  ``operation_timeout``) leaves the role BLOCKED: what its engines hold is not known, so
-  nothing else is woken on its slice and every request for the slice is refused at once with
-  what the operator does (stop ``relax serve``, check the GPUs, start it again).
+- an engine that died is rebuilt before its role's next transition (or at the next tick while
+  its role is awake), and a transition not confirmed leaves the role BLOCKED: every request
+  for its slice is refused at once with what the operator does (stop ``relax serve``, check
+  the GPUs, start it again). Both are the
+  :class:`~relax_core.coordination.leases.LeaseEngine`'s, which ``relax run``'s coordinator
+  drives too.
 
-The leases, the switch (every model's handle called at once, failed replicas rebuilt first),
-the BLOCKED rule and late replies are the
-:class:`~relax_core.coordination.leases.LeaseEngine`'s, the one ``relax run``'s coordinator
-drives too; the controller adds requests, hysteresis and idle sleeps. It runs on an event loop
-of its own (a thread); gateways in other threads reach it
+The controller runs on an event loop of its own (a thread); gateways in other threads reach it
 through :meth:`WakeController.waker`, which schedules each wake on that loop. Every transition
 calls the models' managers in this process (``InferenceManager.onload`` / ``offload``, run in
 worker threads), so the role snapshots the gateways route by move with it.

@@ -13,7 +13,7 @@ Two clients of the core, with the same :class:`HostedManager` methods (generated
 Protocol too) plus ``acall`` (the same call awaited without blocking the loop):
 :class:`InProcessManager` (calls the core in this process; ``acall`` in a worker thread) and
 :class:`RayManager` (calls the actor; a Ray error is unwrapped to the manager's own in
-:func:`relax_core._ray.remote_errors`). A test checks the core and both clients against the
+:func:`relax_core._proxy.remote_errors`). A test checks the core and both clients against the
 Protocol, name by name and signature by signature.
 
 The actor reserves no CPU and no GPU (its engine workers hold the bundles) and runs up to
@@ -30,11 +30,10 @@ model's READY heads; :func:`shutdown_behind_router` stops it after the engines. 
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
-from relax_core._ray import remote_errors
+from relax_core._proxy import contract, generate, remote_errors
 from relax_core.discovery.schema import ModelView
 from relax_core.engine.buckets import WeightBucket
 from relax_core.errors import LifecycleError
@@ -57,8 +56,6 @@ __all__ = [
     "start_behind_router",
     "start_manager_actor",
 ]
-
-T = TypeVar("T", bound=type)
 
 
 class ModelManager(Protocol):
@@ -244,35 +241,6 @@ class HostedManager(ModelManager, Protocol):
         ...
 
 
-def contract(protocol: type) -> dict[str, Callable[..., Any]]:
-    """The public methods a manager Protocol declares (its bases' too), by name."""
-    methods: dict[str, Callable[..., Any]] = {}
-    for base in reversed(protocol.__mro__):
-        if base is not Protocol and getattr(base, "_is_protocol", False):
-            methods.update(
-                (name, value)
-                for name, value in vars(base).items()
-                if not name.startswith("_") and callable(value)
-            )
-    return methods
-
-
-def _generate(protocol: type, forward: Callable[[str], Callable[..., Any]]) -> Callable[[T], T]:
-    """A class decorator: every method of ``protocol`` the class does not define itself
-    becomes ``forward(name)``, with the Protocol's name, docstring and signature (Ray checks a
-    remote call's arguments against it)."""
-
-    def decorate(cls: T) -> T:
-        for name, declared in contract(protocol).items():
-            if name not in vars(cls):
-                method = functools.update_wrapper(forward(name), declared)
-                method.__qualname__ = f"{cls.__qualname__}.{name}"
-                setattr(cls, name, method)
-        return cls
-
-    return decorate
-
-
 def _to_manager(name: str) -> Callable[..., Any]:
     def method(self: ManagerActor, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._manager, name)(*args, **kwargs)
@@ -294,7 +262,7 @@ else:
     _Hosted = object
 
 
-@_generate(ModelManager, _to_manager)
+@generate(ModelManager, _to_manager)
 class ManagerActor(_Hosted):
     """One model's manager and its router: the core every client reaches, in a Ray actor
     (:func:`start_manager_actor`) or in this process (:func:`host_manager`).
@@ -379,7 +347,7 @@ def host_manager(
     return core
 
 
-@_generate(HostedManager, _to_call)
+@generate(HostedManager, _to_call)
 class InProcessManager(_Hosted):
     """The in-process client of a :class:`ManagerActor` core: each :class:`HostedManager`
     method calls it here (blocking); :meth:`acall` runs a call in a worker thread."""
@@ -397,7 +365,7 @@ class InProcessManager(_Hosted):
         return await asyncio.to_thread(self.call, method, *args, **kwargs)
 
 
-@_generate(HostedManager, _to_call)
+@generate(HostedManager, _to_call)
 class RayManager(_Hosted):
     """The Ray client of a :class:`ManagerActor` (the handle :func:`start_manager_actor`
     returned): each :class:`HostedManager` method calls the actor and waits (up to
