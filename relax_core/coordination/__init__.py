@@ -22,7 +22,6 @@ from relax_core.coordination.coordinator import (
     DEFAULT_OPERATION_TIMEOUT,
     RETIRED_HISTORY,
     CoordinatorStatus,
-    LateReply,
     LifecycleCoordinator,
     RunFailure,
 )
@@ -32,6 +31,7 @@ from relax_core.coordination.handles import (
     RayManagerHandle,
     unconfirmed,
 )
+from relax_core.coordination.leases import LateReply, LeaseEngine
 from relax_core.coordination.preflight import (
     DeferredWorkload,
     deferred_workload_problems,
@@ -97,6 +97,7 @@ __all__ = [
     "DeferredWorkload",
     "Dropped",
     "LateReply",
+    "LeaseEngine",
     "LeaseState",
     "LifecycleCoordinator",
     "LocalManagerHandle",

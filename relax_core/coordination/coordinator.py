@@ -7,7 +7,10 @@ confirmed SLEEPING, and it commits a training batch only when every role sleeps 
 sink acknowledged the write. It holds no samples, rewards, log-probs or partitions — those
 belong to the :class:`~relax_core.coordination.batch.DeferredBatch` and the sink.
 
-This module is the logic, a plain asyncio class (tested with real asyncio and fake manager
+The leases themselves, the switch, the BLOCKED rule and late replies are the
+:class:`~relax_core.coordination.leases.LeaseEngine`'s, the one ``relax serve``'s on-demand
+wake drives too; this module adds batches, operation ids and the commit gate. It is the
+logic, a plain asyncio class (tested with real asyncio and fake manager
 handles). :mod:`relax_core.coordination.remote` runs it in a CPU-only Ray actor and gives every
 other process a client with the same coroutine API: :class:`Coordinator` is that API, the
 contract both (and ``relax run --measure``'s measuring wrapper) are checked against.
@@ -25,16 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from relax_core.coordination.handles import ManagerHandle, unconfirmed
+from relax_core.coordination.leases import ABORT, LateReply, LeaseEngine
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.sink import SinkReceipt, partition_name
-from relax_core.coordination.states import BatchState, LeaseState, check_lease_transition
+from relax_core.coordination.states import BatchState, LeaseState
 from relax_core.errors import BatchFailedError, CoordinationError, LeaseBlockedError
 
 __all__ = [
@@ -43,7 +46,6 @@ __all__ = [
     "RETIRED_HISTORY",
     "Coordinator",
     "CoordinatorStatus",
-    "LateReply",
     "LifecycleCoordinator",
     "RunFailure",
 ]
@@ -57,8 +59,6 @@ RETIRED_HISTORY = 8192
 
 _L = LeaseState
 _B = BatchState
-#: The optional handle method that offloads without draining (a failed batch's release).
-_ABORT = "abort_and_offload"
 Fingerprint = tuple[str, str, int]
 
 
@@ -84,17 +84,6 @@ class RunFailure:
 
     batch_id: int
     cause: str
-
-
-@attrs.frozen
-class LateReply:
-    """A manager reply that arrived after its deadline (it changed nothing)."""
-
-    role: str
-    handle: str
-    method: str
-    outcome: str
-    at: float
 
 
 @attrs.frozen
@@ -217,14 +206,13 @@ class LifecycleCoordinator:
         self._operation_timeout = float(operation_timeout)
         self._condition = asyncio.Condition()
         self._slices = dict(slices)
-        self._managers: dict[str, tuple[ManagerHandle, ...]] = {
-            r: tuple(h) for r, h in managers.items() if r != generation_role
-        }
-        self._roles: dict[str, LeaseState] = dict.fromkeys(slices, LeaseState.SLEEPING)
+        #: the leases, the switch, BLOCKED and late replies: shared with relax serve's wakes
+        self._engine = LeaseEngine(slices, managers, operation_timeout=operation_timeout)
+        self._managers = self._engine.handles
+        self._roles = self._engine.leases
+        self._blocked = self._engine.blocked
         #: role -> the handles its last confirmed activation onloaded (offloaded next)
         self._awake: dict[str, tuple[ManagerHandle, ...]] = {}
-        self._blocked: dict[str, str] = {}
-        self._slice_locks: dict[str, asyncio.Lock] = {}
         self._batches: dict[int, _Batch] = {}
         self._current: int | None = None
         self._last_begun: int | None = None
@@ -234,7 +222,7 @@ class LifecycleCoordinator:
         self._committed_history = committed_history
         self._retired: collections.OrderedDict[str, Fingerprint] = collections.OrderedDict()
         self._retired_history = retired_history
-        self._late: collections.deque[LateReply] = collections.deque(maxlen=64)
+        self._late = self._engine.late
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -298,7 +286,7 @@ class LifecycleCoordinator:
         """
         _check_batch_id(batch_id)
         gen = self.generation_role
-        async with self._slice_lock(gen), self._condition:
+        async with self._engine.lock(gen), self._condition:
             if batch_id in self._committed:
                 return BatchState.COMMITTED
             if self._failure is not None:
@@ -324,7 +312,7 @@ class LifecycleCoordinator:
             self._current = batch_id
             self._last_begun = batch_id
             if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
-                self._set(gen, _L.ACTIVE)
+                self._engine.set(gen, _L.ACTIVE)
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
@@ -338,18 +326,18 @@ class LifecycleCoordinator:
             BLOCKED and the batch FAILED ("release unconfirmed").
         """
         gen = self.generation_role
-        async with self._slice_lock(gen), self._condition:
+        async with self._engine.lock(gen), self._condition:
             batch = self._current_batch(batch_id, "acknowledge_rollout_offloaded")
             state = self._roles[gen]
             if state is _L.BLOCKED:
                 raise LeaseBlockedError(gen, self._blocked[gen])
             reason = unconfirmed(result, "SLEEPING")
             if reason is not None:
-                self._block(gen, f"release unconfirmed: {reason}")
+                self._engine.block(gen, f"release unconfirmed: {reason}")
                 self._fail(batch_id, f"{gen} release unconfirmed: {reason}")
                 raise LeaseBlockedError(gen, self._blocked[gen])
             if state is _L.ACTIVE:
-                self._set(gen, _L.SLEEPING)
+                self._engine.set(gen, _L.SLEEPING)
             batch.rollout_released = True
             return self._roles[gen]
 
@@ -363,7 +351,7 @@ class LifecycleCoordinator:
         :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
         """
         gen = self.generation_role
-        async with self._slice_lock(gen), self._condition:
+        async with self._engine.lock(gen), self._condition:
             batch = self._pending(batch_id, "begin_student_scoring")
             if batch.student_scoring_started and self._roles[gen] is _L.ACTIVE:
                 return _L.ACTIVE
@@ -375,7 +363,7 @@ class LifecycleCoordinator:
             self._refuse_busy(gen, f"begin_student_scoring({batch_id})", include_self=True)
             batch.student_scoring_started = True
             if self._roles[gen] is not _L.ACTIVE:
-                self._set(gen, _L.ACTIVE)
+                self._engine.set(gen, _L.ACTIVE)
             return _L.ACTIVE
 
     # -- deferred roles ---------------------------------------------------------------------
@@ -456,7 +444,7 @@ class LifecycleCoordinator:
             if release_unconfirmed:
                 cause += f" (release unconfirmed: the {gen} lease is kept BLOCKED)"
                 if self._roles[gen] is _L.ACTIVE:
-                    self._block(gen, f"release unconfirmed after a failure: {error}")
+                    self._engine.block(gen, f"release unconfirmed after a failure: {error}")
             self._fail(batch_id, cause)
             return BatchState.FAILED
 
@@ -561,14 +549,13 @@ class LifecycleCoordinator:
                 "engines stopped or confirmed offloaded on every node), then pass "
                 "confirm_clean=True (`relax coordinator reset --confirm-clean`)"
             )
-        async with self._slice_lock(role), self._condition:
+        async with self._engine.lock(role), self._condition:
             state = self._roles[role]
             if state is not _L.BLOCKED:
                 raise CoordinationError(
                     f"role {role!r} lease is {state}, not BLOCKED: nothing to reset"
                 )
-            self._set(role, _L.SLEEPING)
-            del self._blocked[role]
+            self._engine.reset(role)
             return _L.SLEEPING
 
     # -- internals ---------------------------------------------------------------------------
@@ -600,7 +587,7 @@ class LifecycleCoordinator:
             batch_id,
             "activate",
             admit,
-            (_L.ONLOADING, "onload", "READY", _L.ACTIVE),
+            (_L.ONLOADING, "onload", _L.ACTIVE),
             handles,
         )
 
@@ -608,14 +595,14 @@ class LifecycleCoordinator:
         def admit() -> str:
             batch = self._current_batch(batch_id, f"deactivate({role!r})")
             # A failed batch uses nothing its requests would answer: abort them, do not wait.
-            return _ABORT if batch.state is _B.FAILED else "offload"
+            return ABORT if batch.state is _B.FAILED else "offload"
 
         return await self._switch(
             role,
             batch_id,
             "deactivate",
             admit,
-            (_L.DRAINING, "offload", "SLEEPING", _L.SLEEPING),
+            (_L.DRAINING, "offload", _L.SLEEPING),
             self._awake.get(role) or self._handles(role),
         )
 
@@ -625,17 +612,18 @@ class LifecycleCoordinator:
         batch_id: int,
         what: str,
         admit: Callable[[], str | None],
-        steps: tuple[LeaseState, str, str, LeaseState],
+        steps: tuple[LeaseState, str, LeaseState],
         handles: tuple[ManagerHandle, ...],
     ) -> LeaseState:
         """One lease switch of ``role``: ``admit()`` (checks, under the condition; it may name
         another method to call), then — unless the role is BLOCKED (raises) or already
-        ``done`` — ``moving``, ``method`` on each of ``handles``, and ``done`` once each
-        confirms ``expected``; else the lease is BLOCKED and the batch FAILED. ``steps`` is
-        ``(moving, method, expected, done)``. Which handles are awake is kept (every one of
-        the role's after a switch that failed)."""
-        moving, method, expected, done = steps
-        async with self._slice_lock(role):
+        ``done`` — ``moving``, then the lease engine's switch (:meth:`LeaseEngine.switch`:
+        failed replicas rebuilt, ``method`` on each of ``handles`` at once); ``done`` once each
+        confirms, else the lease is BLOCKED and the batch FAILED. ``steps`` is
+        ``(moving, method, done)``. Which handles are awake is kept (every one of the role's
+        after a switch that failed)."""
+        moving, method, done = steps
+        async with self._engine.lock(role):
             async with self._condition:
                 method = admit() or method
                 state = self._roles[role]
@@ -643,58 +631,17 @@ class LifecycleCoordinator:
                     raise LeaseBlockedError(role, self._blocked[role])
                 if state is done:
                     return done
-                self._set(role, moving)
-            reason = await self._call_all(role, handles, method, expected)
+                self._engine.set(role, moving)
+            reason = await self._engine.switch(
+                role, handles, out=done is _L.SLEEPING, method=method
+            )
             async with self._condition:
                 if reason is None:
-                    self._set(role, done)
                     self._awake[role] = handles if done is _L.ACTIVE else ()
                     return done
                 self._awake[role] = self._managers[role]
-                self._block(role, reason)
                 self._fail(batch_id, f"{what} {role}: {reason}")
             raise LeaseBlockedError(role, reason)
-
-    async def _call_all(
-        self, role: str, handles: tuple[ManagerHandle, ...], method: str, expected: str
-    ) -> str | None:
-        """Call ``method`` on every handle at once, each with the operation deadline; ``None``
-        when every result confirms ``expected``, else every reason."""
-        timeout = self._operation_timeout
-
-        async def one(handle: ManagerHandle) -> str | None:
-            name = method if hasattr(handle, method) or method != _ABORT else "offload"
-            call: Callable[[], Awaitable[Any]] = getattr(handle, name)
-            task = asyncio.ensure_future(call())
-            try:
-                result = await asyncio.wait_for(asyncio.shield(task), timeout)
-            except TimeoutError:
-                task.add_done_callback(lambda t: self._late_reply(role, handle, name, expected, t))
-                return (
-                    f"{handle.name}: {method} not confirmed within {timeout:g}s (a late reply "
-                    "does not release the lease)"
-                )
-            except Exception as exc:
-                return f"{handle.name}: {method} raised {type(exc).__name__}: {exc}"
-            why = unconfirmed(result, expected)
-            return None if why is None else f"{handle.name}: {why}"
-
-        reasons = [r for r in await asyncio.gather(*(one(h) for h in handles)) if r]
-        return "; ".join(reasons) if reasons else None
-
-    def _late_reply(
-        self, role: str, handle: ManagerHandle, method: str, expected: str, task: Any
-    ) -> None:
-        # The reply is recorded for the operator (describe()), never acted on.
-        if task.cancelled():
-            outcome = "cancelled"
-        elif task.exception() is not None:
-            exc = task.exception()
-            outcome = f"raised {type(exc).__name__}: {exc}"
-        else:
-            why = unconfirmed(task.result(), expected)
-            outcome = "confirmed" if why is None else f"unconfirmed: {why}"
-        self._late.append(LateReply(role, handle.name, method, outcome, time.time()))
 
     async def _dedupe(
         self, operation_id: str, fp: Fingerprint, run: Callable[[], Awaitable[LeaseState]]
@@ -763,15 +710,6 @@ class LifecycleCoordinator:
             self._failure = RunFailure(batch_id, cause)
         self._condition.notify_all()
 
-    def _block(self, role: str, reason: str) -> None:
-        if self._roles[role] is not _L.BLOCKED:
-            self._set(role, _L.BLOCKED)
-            self._blocked[role] = reason
-
-    def _set(self, role: str, state: LeaseState) -> None:
-        check_lease_transition(role, self._roles[role], state)
-        self._roles[role] = state
-
     def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
         """Refuse ``role`` the slice while roles that hold it (``role`` too, with
         ``include_self``) would not fit beside it: a BLOCKED one always (what it holds is not
@@ -784,9 +722,9 @@ class LifecycleCoordinator:
         }
         if not busy:
             return
-        blocked = [r for r, s in busy.items() if s is _L.BLOCKED]
-        if blocked:
-            raise LeaseBlockedError(blocked[0], self._blocked[blocked[0]])
+        blocked = self._engine.blocked_beside(role)
+        if blocked is not None:
+            raise LeaseBlockedError(*blocked)
         settled = all(s is _L.ACTIVE for r, s in busy.items() if r != role)
         if settled and self._residency.fits(slice_id, {*busy, role}):
             return
@@ -847,13 +785,6 @@ class LifecycleCoordinator:
             raise CoordinationError(
                 f"role {role!r} is not leased by this coordinator (leased: {sorted(self._roles)})"
             )
-
-    def _slice_lock(self, role: str) -> asyncio.Lock:
-        slice_id = self._slices[role]
-        lock = self._slice_locks.get(slice_id)
-        if lock is None:
-            lock = self._slice_locks[slice_id] = asyncio.Lock()
-        return lock
 
 
 def _check_batch_id(batch_id: object) -> None:

@@ -3,7 +3,8 @@
 A handle is anything with ``async onload()`` and ``async offload()`` returning a
 :class:`~relax_core.manager.LifecycleResult` (one result per replica); one that also has
 ``async abort_and_offload()`` lets a failed or interrupted batch release its role without
-waiting for requests nobody wants any more. Two adapters (both have it):
+waiting for requests nobody wants any more. One adapter, :class:`ClientHandle`, over either
+client of the manager's core (:mod:`relax_core.manager.actor`), built by:
 
 - :class:`RayManagerHandle`: a manager living in a Ray actor
   (:mod:`relax_core.manager.actor`); the call is ``await actor.onload.remote()``. This is how
@@ -18,13 +19,18 @@ waiting for requests nobody wants any more. Two adapters (both have it):
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol, runtime_checkable
 
-from relax_core.errors import LifecycleError
+from relax_core.manager.actor import InProcessManager, RayManager, host_manager
 from relax_core.manager.results import LifecycleResult, Outcome
 
-__all__ = ["LocalManagerHandle", "ManagerHandle", "RayManagerHandle", "unconfirmed"]
+__all__ = [
+    "ClientHandle",
+    "LocalManagerHandle",
+    "ManagerHandle",
+    "RayManagerHandle",
+    "unconfirmed",
+]
 
 
 @runtime_checkable
@@ -70,54 +76,67 @@ def unconfirmed(result: object, expected: str) -> str | None:
     return None
 
 
-class LocalManagerHandle:
-    """A manager in this process; each call runs the blocking manager method in a thread.
+class ClientHandle:
+    """A :class:`ManagerHandle` over a client of a manager's core
+    (:class:`~relax_core.manager.actor.InProcessManager` or
+    :class:`~relax_core.manager.actor.RayManager`): each call is the client's, awaited.
 
-    Not idempotent by itself, but the manager's onload/offload are (a repeated call is a no-op
-    per replica).
+    Besides the contract: ``abort_and_offload``, ``weight_version``, ``failed`` and
+    ``recover`` (the lease engine rebuilds a role's FAILED replicas before its next switch).
+    Not idempotent by itself, but the manager's onload/offload are (a repeated call is a
+    no-op per replica).
     """
 
-    def __init__(self, manager: Any, *, name: str | None = None) -> None:
-        self.manager = manager
-        self._name = name or str(getattr(manager, "model_id", "manager"))
+    def __init__(self, client: InProcessManager | RayManager) -> None:
+        self.client = client
 
     @property
     def name(self) -> str:
-        """The model id (or the given name)."""
-        return self._name
+        """The model's name in messages (``role.model``, or the model id)."""
+        return self.client.name
 
     async def onload(self) -> LifecycleResult:
-        """``manager.onload()`` in a worker thread."""
-        result: LifecycleResult = await asyncio.to_thread(self.manager.onload)
+        """The manager's ``onload()``: every tag on every replica."""
+        result: LifecycleResult = await self.client.acall("onload")
         return result
 
     async def offload(self) -> LifecycleResult:
-        """``manager.offload()`` in a worker thread."""
-        result: LifecycleResult = await asyncio.to_thread(self.manager.offload)
+        """The manager's ``offload()``: every tag on every replica, requests drained."""
+        result: LifecycleResult = await self.client.acall("offload")
         return result
 
     async def abort_and_offload(self) -> LifecycleResult:
-        """``manager.offload(abort=True)`` in a worker thread: the requests in flight are
-        aborted, not drained."""
-        result: LifecycleResult = await asyncio.to_thread(lambda: self.manager.offload(abort=True))
+        """The manager's ``offload(abort=True)``: the requests in flight are aborted, not
+        drained."""
+        result: LifecycleResult = await self.client.acall("offload", abort=True)
         return result
 
     async def weight_version(self) -> str | None:
         """The manager's published weight version."""
-        return await asyncio.to_thread(lambda: self.manager.weight_version)
+        version: str | None = await self.client.acall("weight_version")
+        return version
 
     async def failed(self) -> list[str]:
         """The engine ids of the manager's FAILED replicas."""
-        states = await asyncio.to_thread(self.manager.states)
+        states: dict[str, str] = await self.client.acall("states")
         return [engine for engine, state in states.items() if state == "FAILED"]
 
     async def recover(self) -> LifecycleResult:
-        """``manager.recover()`` in a worker thread: rebuild the FAILED replicas."""
-        result: LifecycleResult = await asyncio.to_thread(self.manager.recover)
+        """The manager's ``recover()``: rebuild the FAILED replicas."""
+        result: LifecycleResult = await self.client.acall("recover")
         return result
 
 
-class RayManagerHandle:
+class LocalManagerHandle(ClientHandle):
+    """A manager in this process; each call runs the blocking manager method in a thread."""
+
+    def __init__(self, manager: Any, *, name: str | None = None) -> None:
+        self.manager = manager
+        name = name or str(getattr(manager, "model_id", "manager"))
+        super().__init__(InProcessManager(host_manager(manager, name=name), name=name))  # type: ignore[abstract]
+
+
+class RayManagerHandle(ClientHandle):
     """A manager hosted by a Ray actor (:func:`relax_core.manager.actor.start_manager_actor`).
 
     The Ray error of a failed call is re-raised as its cause when it has one (the manager's own
@@ -126,45 +145,4 @@ class RayManagerHandle:
 
     def __init__(self, actor: Any, *, name: str) -> None:
         self.actor = actor
-        self._name = name
-
-    @property
-    def name(self) -> str:
-        """The name given (``role.model``)."""
-        return self._name
-
-    async def _call(self, method: str, **kwargs: Any) -> Any:
-        import ray
-
-        try:
-            return await getattr(self.actor, method).remote(**kwargs)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, BaseException):
-                raise cause from None
-            raise LifecycleError(f"{self._name}: {method}() failed in its actor: {exc}") from exc
-        except ray.exceptions.RayActorError as exc:
-            raise LifecycleError(
-                f"{self._name}: the manager actor died during {method}(): {exc}"
-            ) from exc
-
-    async def onload(self) -> LifecycleResult:
-        """``actor.onload.remote()``."""
-        result: LifecycleResult = await self._call("onload")
-        return result
-
-    async def offload(self) -> LifecycleResult:
-        """``actor.offload.remote()``."""
-        result: LifecycleResult = await self._call("offload")
-        return result
-
-    async def abort_and_offload(self) -> LifecycleResult:
-        """``actor.offload.remote(abort=True)``: the requests in flight are aborted, not
-        drained."""
-        result: LifecycleResult = await self._call("offload", abort=True)
-        return result
-
-    async def weight_version(self) -> str | None:
-        """``actor.weight_version.remote()``."""
-        version: str | None = await self._call("weight_version")
-        return version
+        super().__init__(RayManager(actor, name=name))  # type: ignore[abstract]

@@ -17,19 +17,17 @@ Nothing here is an HTTP route: activate, deactivate, commit and reset are Ray ca
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from relax_core._proxy import generate, remote_errors
 from relax_core.coordination.coordinator import (
     DEFAULT_OPERATION_TIMEOUT,
     Coordinator,
-    CoordinatorStatus,
     LifecycleCoordinator,
 )
 from relax_core.coordination.handles import RayManagerHandle
 from relax_core.coordination.residency import ResidencyPlan
-from relax_core.coordination.sink import SinkReceipt
-from relax_core.coordination.states import BatchState, LeaseState
 from relax_core.errors import CoordinationError
 
 __all__ = [
@@ -79,84 +77,36 @@ class CoordinatorActor(LifecycleCoordinator):
         )
 
 
-class RemoteCoordinator:
+def _to_actor(name: str) -> Callable[..., Any]:
+    async def method(self: RemoteCoordinator, *args: Any, **kwargs: Any) -> Any:
+        return await self._call(name, *args, **kwargs)
+
+    return method
+
+
+if TYPE_CHECKING:
+    # The generated methods are invisible to mypy: it sees the Protocol's instead.
+    _Contract = Coordinator
+else:
+    _Contract = object
+
+
+@generate(Coordinator, _to_actor)
+class RemoteCoordinator(_Contract):
     """The :class:`~relax_core.coordination.coordinator.Coordinator` over a
-    :class:`CoordinatorActor` handle (picklable): each call forwarded with its arguments."""
+    :class:`CoordinatorActor` handle (picklable): each method of the Protocol is generated,
+    forwarding the call with its arguments; see :class:`LifecycleCoordinator` for what each
+    does."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
+        def error(why: str) -> CoordinationError:
+            return CoordinationError(f"coordinator {method}: {why}; the run cannot go on")
 
-        try:
+        with remote_errors(error, actor="the coordinator actor"):
             return await getattr(self.actor, method).remote(*args, **kwargs)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, BaseException):
-                raise exc.cause from None
-            raise CoordinationError(f"coordinator {method} failed: {exc}") from exc
-        except ray.exceptions.RayActorError as exc:
-            raise CoordinationError(
-                f"the coordinator actor is gone ({method}): {exc}; the run cannot go on"
-            ) from exc
-
-    async def begin_batch(self, batch_id: int) -> BatchState:
-        """See :meth:`LifecycleCoordinator.begin_batch`."""
-        state: BatchState = await self._call("begin_batch", batch_id)
-        return state
-
-    async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
-        """See :meth:`LifecycleCoordinator.acknowledge_rollout_offloaded`."""
-        state: LeaseState = await self._call("acknowledge_rollout_offloaded", batch_id, result)
-        return state
-
-    async def begin_student_scoring(self, batch_id: int) -> LeaseState:
-        """See :meth:`LifecycleCoordinator.begin_student_scoring`."""
-        state: LeaseState = await self._call("begin_student_scoring", batch_id)
-        return state
-
-    async def activate(
-        self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
-    ) -> LeaseState:
-        """See :meth:`LifecycleCoordinator.activate`."""
-        state: LeaseState = await self._call(
-            "activate", role, operation_id, batch_id=batch_id, models=tuple(models)
-        )
-        return state
-
-    async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
-        """See :meth:`LifecycleCoordinator.deactivate`."""
-        state: LeaseState = await self._call("deactivate", role, operation_id, batch_id=batch_id)
-        return state
-
-    async def fail_batch(
-        self, batch_id: int, error: str, *, release_unconfirmed: bool = False
-    ) -> BatchState:
-        """See :meth:`LifecycleCoordinator.fail_batch`."""
-        state: BatchState = await self._call(
-            "fail_batch", batch_id, str(error), release_unconfirmed=release_unconfirmed
-        )
-        return state
-
-    async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState:
-        """See :meth:`LifecycleCoordinator.commit_batch`."""
-        state: BatchState = await self._call("commit_batch", batch_id, receipt)
-        return state
-
-    async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt:
-        """See :meth:`LifecycleCoordinator.wait_committed`."""
-        receipt: SinkReceipt = await self._call("wait_committed", batch_id, timeout)
-        return receipt
-
-    async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState:
-        """See :meth:`LifecycleCoordinator.reset_blocked` (operators only)."""
-        state: LeaseState = await self._call("reset_blocked", role, confirm_clean=confirm_clean)
-        return state
-
-    async def describe(self) -> CoordinatorStatus:
-        """See :meth:`LifecycleCoordinator.describe`."""
-        status: CoordinatorStatus = await self._call("describe")
-        return status
 
     def stop(self) -> None:
         """Kill the coordinator actor. Idempotent."""
@@ -211,7 +161,7 @@ def start_coordinator(
             residency=residency,
         )
     )
-    coordinator = RemoteCoordinator(actor)
+    coordinator = RemoteCoordinator(actor)  # type: ignore[abstract]  # generated methods
     ray.get(actor.describe.remote(), timeout=60)  # constructed (and its arguments valid)
     return coordinator
 
@@ -225,7 +175,7 @@ def connect_coordinator(job: str) -> RemoteCoordinator:
 
     name = coordinator_name(job)
     try:
-        return RemoteCoordinator(ray.get_actor(name, namespace=NAMESPACE))
+        return RemoteCoordinator(ray.get_actor(name, namespace=NAMESPACE))  # type: ignore[abstract]
     except ValueError:
         raise CoordinationError(
             f"no coordinator {name!r} in Ray namespace {NAMESPACE!r} on this cluster; is job "

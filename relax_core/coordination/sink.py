@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from relax_core._proxy import remote_errors
 from relax_core.errors import SinkError
 
 __all__ = [
@@ -181,18 +182,11 @@ class RayBatchSink:
             raise SinkError(name, f"no batch-store actor of that name: {exc}") from None
 
     async def _call(self, method: str, partition: str, *args: Any) -> Any:
-        import ray
+        def error(why: str) -> SinkError:
+            return SinkError(partition, f"{method}: {why}")
 
-        try:
+        with remote_errors(error, actor="the store actor", keep=SinkError):
             return await getattr(self.actor, method).remote(partition, *args)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, SinkError):
-                raise exc.cause from None
-            raise SinkError(partition, f"{method} failed in the store actor: {exc}") from exc
-        except ray.exceptions.RayError as exc:
-            raise SinkError(
-                partition, f"{method}: the store actor is unreachable ({type(exc).__name__}: {exc})"
-            ) from exc
 
     async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
         """Append ``samples`` to ``partition`` in the store (all or nothing)."""

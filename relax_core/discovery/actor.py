@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from relax_core._proxy import remote_errors
 from relax_core.discovery.liveness import ManagerLiveness, actor_ping, actor_republish
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
@@ -84,16 +85,11 @@ class RemotePublisher:
     def _call(self, method: str, *args: Any) -> Any:
         import ray
 
-        try:
+        def error(why: str) -> SnapshotError:
+            return SnapshotError("", f"role {self.role!r} registry: {method}: {why}")
+
+        with remote_errors(error, actor="its registry actor", timeout=self.timeout):
             return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, BaseException):
-                raise exc.cause from None
-            raise SnapshotError("", f"role {self.role!r} registry: {method} failed: {exc}") from exc
-        except ray.exceptions.RayError as exc:
-            raise SnapshotError(
-                "", f"role {self.role!r} registry actor unreachable ({method}): {exc}"
-            ) from exc
 
     def set_model(self, model_id: str, **fields: Any) -> None:
         """See :meth:`RegistryPublisher.set_model`."""

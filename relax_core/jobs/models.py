@@ -5,7 +5,9 @@ to sleep, shut it down, the process ids it started, the workers whose cleanup is
 and, at the end, let go of it. :class:`LocalModel` is a manager in this process (what
 ``relax serve`` runs, in its :class:`~relax_core.jobs.roles.RoleService`); :class:`RayModel` is
 a manager hosted by a :class:`~relax_core.manager.actor.ManagerActor` (what ``relax run`` runs,
-so the coordinator and the trainer reach it). Every call blocks until the manager answered;
+so the coordinator and the trainer reach it). Both are one class over a client of the
+manager's core (:class:`~relax_core.manager.actor.InProcessManager`,
+:class:`~relax_core.manager.actor.RayManager`); every call blocks until the manager answered;
 errors are the manager's own (a Ray wrapper is unwrapped).
 """
 
@@ -13,9 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from relax_core.errors import LifecycleError
 from relax_core.manager import InferenceManager, LifecycleResult, UnconfirmedWorker
-from relax_core.manager.actor import shutdown_behind_router, start_behind_router
+from relax_core.manager.actor import HostedManager, InProcessManager, RayManager, host_manager
 from relax_core.manager.external import ExternalEngines
 from relax_core.records import RouterProcess
 
@@ -72,12 +73,14 @@ class ModelHandle(Protocol):
         ...
 
 
-class _Named:
-    """Which model of which role a handle drives (what both homes share)."""
+class _Model:
+    """One model of a job over a client of its manager's core (what both homes share): each
+    :class:`ModelHandle` call is the client's method of that name."""
 
-    def __init__(self, role: str, model_id: str) -> None:
+    def __init__(self, role: str, model_id: str, client: HostedManager) -> None:
         self._role = role
         self._model_id = model_id
+        self.client = client
 
     @property
     def role(self) -> str:
@@ -94,8 +97,32 @@ class _Named:
         """``role.model``."""
         return f"{self._role}.{self._model_id}"
 
+    def start(self) -> LifecycleResult:
+        """See :func:`~relax_core.manager.actor.start_behind_router`."""
+        return self.client.start()
 
-class LocalModel(_Named):
+    def offload(self) -> LifecycleResult:
+        """The manager's ``offload()``: every tag."""
+        return self.client.offload()
+
+    def shutdown(self) -> None:
+        """See :func:`~relax_core.manager.actor.shutdown_behind_router`."""
+        self.client.shutdown()
+
+    def engine_pids(self) -> dict[str, list[int | None]]:
+        """The manager's ``engine_pids()`` (external engines: none of ours)."""
+        return self.client.engine_pids()
+
+    def router_pids(self) -> list[int]:
+        """The router's process ids."""
+        return self.client.router_pids()
+
+    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
+        """The manager's ``unconfirmed_workers()`` (external engines have no workers of ours)."""
+        return self.client.unconfirmed_workers()
+
+
+class LocalModel(_Model):
     """A model whose manager runs in this process (an :class:`InferenceManager`, or
     :class:`ExternalEngines` for engines started by someone else), and its router."""
 
@@ -108,44 +135,17 @@ class LocalModel(_Named):
         router: RouterProcess | None = None,
         router_timeout: float = 60.0,
     ) -> None:
-        super().__init__(role, model_id)
+        key = f"{role}.{model_id}"
+        core = host_manager(manager, router=router, router_timeout=router_timeout, name=key)
+        super().__init__(role, model_id, InProcessManager(core, name=key))  # type: ignore[abstract]
         self.manager = manager
         self.router = router
-        self.router_timeout = router_timeout
-
-    def start(self) -> LifecycleResult:
-        """See :func:`~relax_core.manager.actor.start_behind_router`."""
-        return start_behind_router(
-            self.manager, self.router, timeout=self.router_timeout, name=self.key
-        )
-
-    def offload(self) -> LifecycleResult:
-        """``manager.offload()``: every tag."""
-        return self.manager.offload()
-
-    def shutdown(self) -> None:
-        """See :func:`~relax_core.manager.actor.shutdown_behind_router`."""
-        shutdown_behind_router(self.manager, self.router)
-
-    def engine_pids(self) -> dict[str, list[int | None]]:
-        """``manager.engine_pids()`` (external engines: none of ours)."""
-        return self.manager.engine_pids()
-
-    def router_pids(self) -> list[int]:
-        """The router's process ids."""
-        return [] if self.router is None else list(self.router.pids())
-
-    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
-        """``manager.unconfirmed_workers()`` (external engines have no workers of ours)."""
-        if isinstance(self.manager, InferenceManager):
-            return self.manager.unconfirmed_workers()
-        return []
 
     def close(self) -> None:
         """Nothing to let go of: the manager is an object of this process."""
 
 
-class RayModel(_Named):
+class RayModel(_Model):
     """A model whose manager a :class:`~relax_core.manager.actor.ManagerActor` hosts.
 
     ``shutdown_timeout`` bounds :meth:`shutdown` (a manager busy with a lifecycle call
@@ -162,57 +162,12 @@ class RayModel(_Named):
         shutdown_timeout: float = 120.0,
         query_timeout: float = 60.0,
     ) -> None:
-        super().__init__(role, model_id)
+        timeouts = {"shutdown": shutdown_timeout}
+        for query in ("engine_pids", "router_pids", "unconfirmed_workers"):
+            timeouts[query] = query_timeout
+        client = RayManager(actor, name=f"{role}.{model_id}", timeouts=timeouts)  # type: ignore[abstract]
+        super().__init__(role, model_id, client)
         self.actor = actor
-        self.shutdown_timeout = shutdown_timeout
-        self.query_timeout = query_timeout
-
-    def _get(self, method: str, timeout: float | None = None) -> Any:
-        import ray
-
-        try:
-            return ray.get(getattr(self.actor, method).remote(), timeout=timeout)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, BaseException):
-                raise exc.cause from None
-            raise LifecycleError(f"{self.key}: {method}() failed in its actor: {exc}") from None
-        except ray.exceptions.RayActorError as exc:
-            raise LifecycleError(
-                f"{self.key}: its manager actor died during {method}(): {exc}"
-            ) from None
-        except ray.exceptions.GetTimeoutError:
-            raise LifecycleError(
-                f"{self.key}: {method}() not answered within {timeout:g}s"
-            ) from None
-
-    def start(self) -> LifecycleResult:
-        """``actor.start()``: the router made ready, then the engines."""
-        result: LifecycleResult = self._get("start")
-        return result
-
-    def offload(self) -> LifecycleResult:
-        """``actor.offload()``: every tag."""
-        result: LifecycleResult = self._get("offload")
-        return result
-
-    def shutdown(self) -> None:
-        """``actor.shutdown()``, waited for up to ``shutdown_timeout``."""
-        self._get("shutdown", self.shutdown_timeout)
-
-    def engine_pids(self) -> dict[str, list[int | None]]:
-        """``actor.engine_pids()``."""
-        pids: dict[str, list[int | None]] = self._get("engine_pids", self.query_timeout)
-        return pids
-
-    def router_pids(self) -> list[int]:
-        """``actor.router_pids()``."""
-        pids: list[int] = self._get("router_pids", self.query_timeout)
-        return pids
-
-    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
-        """``actor.unconfirmed_workers()``."""
-        workers: list[UnconfirmedWorker] = self._get("unconfirmed_workers", self.query_timeout)
-        return workers
 
     def close(self) -> None:
         """Kill the manager actor. Idempotent."""

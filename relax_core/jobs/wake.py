@@ -19,13 +19,12 @@ each shared slice's lease and gives a role its GPUs when a request needs it:
   drains what is left), and the switch is made: two roles with steady traffic alternate, one
   switch per ``min_residency`` at most;
 - a role with nothing in flight and no request for ``idle_seconds`` is put back to sleep;
-- an engine that died is rebuilt under the slice's lock, before its role's next transition (or
-  at the next tick while its role is awake): the health monitor of a driven role only marks
-  it FAILED, so a rebuild never loads a model beside another role's;
-- an onload, offload or rebuild that is not confirmed (or does not answer within
-  ``operation_timeout``) leaves the role BLOCKED: what its engines hold is not known, so
-  nothing else is woken on its slice and every request for the slice is refused at once with
-  what the operator does (stop ``relax serve``, check the GPUs, start it again).
+- an engine that died is rebuilt before its role's next transition (or at the next tick while
+  its role is awake), and a transition not confirmed leaves the role BLOCKED: every request
+  for its slice is refused at once with what the operator does (stop ``relax serve``, check
+  the GPUs, start it again). Both are the
+  :class:`~relax_core.coordination.leases.LeaseEngine`'s, which ``relax run``'s coordinator
+  drives too.
 
 The controller runs on an event loop of its own (a thread); gateways in other threads reach it
 through :meth:`WakeController.waker`, which schedules each wake on that loop. Every transition
@@ -54,8 +53,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from relax_core.config import ServeSettings
-from relax_core.coordination.handles import unconfirmed
+from relax_core.coordination.leases import LeaseEngine
 from relax_core.coordination.residency import ResidencyPlan
+from relax_core.coordination.states import LeaseState
 from relax_core.errors import ModelNotReadyError
 
 __all__ = [
@@ -68,7 +68,8 @@ __all__ = [
 
 
 class WakeState(enum.StrEnum):
-    """Where one role of a shared slice is, as the controller drives it."""
+    """Where one role of a shared slice is, as the controller drives it: its lease
+    (:class:`~relax_core.coordination.states.LeaseState`) under the names serve reports."""
 
     SLEEPING = "SLEEPING"
     WAKING = "WAKING"
@@ -77,10 +78,22 @@ class WakeState(enum.StrEnum):
     BLOCKED = "BLOCKED"
 
 
+_L = LeaseState
+_WAKE_OF = {
+    _L.SLEEPING: WakeState.SLEEPING,
+    _L.ONLOADING: WakeState.WAKING,
+    _L.ACTIVE: WakeState.AWAKE,
+    _L.DRAINING: WakeState.EVICTING,
+    _L.BLOCKED: WakeState.BLOCKED,
+}
+_LEASE_OF = {wake: lease for lease, wake in _WAKE_OF.items()}
+
+
 #: A model's manager as the controller drives it: ``name``, ``onload()`` / ``offload()``
 #: returning the per-replica :class:`~relax_core.manager.LifecycleResult`, and optionally
 #: ``failed()`` (the engine ids of its FAILED replicas) with ``recover()`` (rebuild them) —
-#: awaitables (blocking managers run in threads, see :class:`ServeHandle`).
+#: awaitables (blocking managers run in threads: a
+#: :class:`~relax_core.coordination.handles.LocalManagerHandle`).
 Handle = Any
 
 
@@ -105,15 +118,28 @@ class WakeCounts:
 class _Role:
     name: str
     slice: str
-    handles: tuple[Handle, ...]
-    state: WakeState = WakeState.SLEEPING
+    #: the leases, shared with relax run's coordinator: the state is the role's lease
+    engine: LeaseEngine
     awake_since: float = 0.0
     last_used: float = 0.0
     inflight: int = 0
     #: Another role's wake is waiting to evict this one: new requests wait for it too.
     draining: bool = False
-    blocked: str = ""
     counts: WakeCounts = attrs.field(factory=WakeCounts)
+
+    @property
+    def state(self) -> WakeState:
+        """The role's lease, by its serve name."""
+        return _WAKE_OF[self.engine.leases[self.name]]
+
+    @state.setter
+    def state(self, state: WakeState) -> None:
+        self.engine.set(self.name, _LEASE_OF[state])
+
+    @property
+    def blocked(self) -> str:
+        """Why the role is BLOCKED (empty when it is not)."""
+        return self.engine.blocked.get(self.name, "")
 
     @property
     def resident(self) -> bool:
@@ -151,13 +177,17 @@ class WakeController:
         if unknown:
             raise ValueError(f"awake roles {unknown} are not among the roles {sorted(roles)}")
         now = clock()
-        self._roles = {
-            name: _Role(name, sid, tuple(handles)) for name, (sid, handles) in roles.items()
-        }
+        self.engine = LeaseEngine(
+            {name: sid for name, (sid, _) in roles.items()},
+            {name: handles for name, (_, handles) in roles.items()},
+            operation_timeout=self.settings.operation_timeout,
+            on_event=self._on_event,
+            on_rebuild=self._rebuilt,
+        )
+        self._roles = {name: _Role(name, sid, self.engine) for name, (sid, _) in roles.items()}
         for name in awake:
             r = self._roles[name]
             r.state, r.awake_since, r.last_used = WakeState.AWAKE, now, now
-        self._locks: dict[str, asyncio.Lock] = {}
         self._waking: dict[str, asyncio.Future[None]] = {}
         # In-flight counts, last use and the AWAKE -> EVICTING step, shared with gateway threads.
         self._guard = threading.Lock()
@@ -283,19 +313,16 @@ class WakeController:
 
     # -- the transitions ---------------------------------------------------------------------
 
-    def _lock(self, slice_id: str) -> asyncio.Lock:
-        lock = self._locks.get(slice_id)
-        if lock is None:
-            lock = self._locks[slice_id] = asyncio.Lock()
-        return lock
+    def _rebuilt(self, role: str) -> None:
+        self._roles[role].counts.rebuilds += 1
 
     def _refuse_blocked(self, r: _Role) -> None:
-        blocked = [o for o in self._roles.values() if o.slice == r.slice and o.blocked]
-        if blocked:
-            b = blocked[0]
+        blocked = self.engine.blocked_beside(r.name)
+        if blocked is not None:
+            name, why = blocked
             raise ModelNotReadyError(
-                f'role "{r.name}" cannot be woken: role "{b.name}" of the same GPUs is BLOCKED '
-                f"({b.blocked}); what its engines hold is not known, so nothing is woken "
+                f'role "{r.name}" cannot be woken: role "{name}" of the same GPUs is BLOCKED '
+                f"({why}); what its engines hold is not known, so nothing is woken "
                 "beside them. Stop relax serve, check the GPUs are free (nvidia-smi, the "
                 "engines' /server_info), and start it again. No request was sent",
                 role=r.name,
@@ -304,7 +331,7 @@ class WakeController:
             )
 
     async def _wake(self, r: _Role) -> None:
-        async with self._lock(r.slice):
+        async with self.engine.lock(r.name):
             self._refuse_blocked(r)
             if r.state is WakeState.AWAKE:
                 return  # woken by an earlier wake of this lock
@@ -358,75 +385,26 @@ class WakeController:
             victims.append(keep.pop(0))
         return victims
 
-    async def _call(self, r: _Role, handle: Handle, method: str) -> tuple[Any, str | None]:
-        """``handle.method()`` bounded by the operation timeout: ``(result, why it failed)``."""
-        limit = self.settings.operation_timeout
-        try:
-            return await asyncio.wait_for(getattr(handle, method)(), limit), None
-        except TimeoutError:
-            return None, f"{handle.name}: {method} did not answer within {limit:g} s"
-        except Exception as exc:
-            return None, f"{handle.name}: {method} raised {type(exc).__name__}: {exc}"
-
-    async def _heal(self, r: _Role, handles: Sequence[Handle] | None = None) -> list[str]:
-        """Rebuild the FAILED replicas of ``r``'s models (its slice's lock held, ``r`` the one
-        to be resident): an engine that died comes back before any transition (the manager's
-        recovery confirms the dead one's cleanup first). Why any rebuild was not confirmed."""
-        reasons: list[str] = []
-        for handle in r.handles if handles is None else handles:
-            failed = getattr(handle, "failed", None)
-            if failed is None or not await failed():
-                continue
-            result, why = await self._call(r, handle, "recover")
-            why = why or unconfirmed(result, "READY")
-            r.counts.rebuilds += 1
-            self._on_event(f"{r.name}: rebuilt the failed replicas of {handle.name}")
-            if why is not None:
-                reasons.append(f"{handle.name}: {why}")
-        return reasons
-
     async def _switch(self, r: _Role, *, out: bool) -> None:
-        """Offload (``out``) or onload ``r``'s every model, its failed replicas rebuilt first
-        (and once more, then the step again, when an engine dies during it); a result that
-        does not confirm it, an error or a timeout leaves ``r`` BLOCKED (and raises)."""
-        moving, done = (
-            (WakeState.EVICTING, WakeState.SLEEPING) if out else (WakeState.WAKING, WakeState.AWAKE)
-        )
-        method, expected = ("offload", "SLEEPING") if out else ("onload", "READY")
-        r.state = moving
+        """Offload (``out``) or onload ``r``'s every model through the lease engine (failed
+        replicas rebuilt first; see :meth:`LeaseEngine.switch`); one that is not confirmed
+        leaves ``r`` BLOCKED, and raises."""
+        method = "offload" if out else "onload"
         began = self._clock()
-        reasons = await self._heal(r)
-        for handle in r.handles if not reasons else ():
-            result, why = await self._call(r, handle, method)
-            why = why or unconfirmed(result, expected)
-            if why is not None and hasattr(handle, "failed") and await handle.failed():
-                # An engine died during the step: rebuilt (its cleanup confirmed), then again.
-                healed = await self._heal(r, [handle])
-                if not healed:
-                    result, why = await self._call(r, handle, method)
-                    why = why or unconfirmed(result, expected)
-                else:
-                    why = "; ".join(healed)
-            if why is not None:
-                reasons.append(f"{handle.name}: {why}")
-        if reasons:
-            r.state = WakeState.BLOCKED
-            r.blocked = f"{method} not confirmed: {'; '.join(reasons)}"
-            self._on_event(f"{r.name}: BLOCKED ({r.blocked})")
+        reason = await self.engine.switch(r.name, out=out)
+        if reason is not None:
             raise ModelNotReadyError(
-                f'role "{r.name}": its {method} was not confirmed ({"; ".join(reasons)}); it is '
-                "BLOCKED. Stop relax serve, check the GPUs are free, start it again. No request "
-                "was sent",
+                f'role "{r.name}": its {method} was not confirmed ({reason}); it is BLOCKED. '
+                "Stop relax serve, check the GPUs are free, start it again. No request was sent",
                 role=r.name,
                 model="*",
                 state="BLOCKED",
             )
         now = self._clock()
         with self._guard:
-            r.state = done
             if not out:
                 r.awake_since = r.last_used = now
-        self._on_event(f"{r.name}: {done} ({method} {now - began:.2f}s)")
+        self._on_event(f"{r.name}: {r.state} ({method} {now - began:.2f}s)")
 
     async def sleep_idle(self) -> list[str]:
         """Put back to sleep every awake role with nothing in flight, unused for
@@ -436,7 +414,7 @@ class WakeController:
             return []
         done = []
         for r in list(self._roles.values()):
-            lock = self._lock(r.slice)
+            lock = self.engine.lock(r.name)
             if r.state is not WakeState.AWAKE or lock.locked():
                 continue  # a wake is deciding what to do with the slice
             async with lock:
@@ -461,13 +439,13 @@ class WakeController:
         resident; the health monitor only marks them FAILED); the roles healed."""
         done = []
         for r in list(self._roles.values()):
-            lock = self._lock(r.slice)
+            lock = self.engine.lock(r.name)
             if r.state is not WakeState.AWAKE or lock.locked():
                 continue
             async with lock:
                 if r.state is not WakeState.AWAKE:
                     continue
-                reasons = await self._heal(r)
+                reasons = await self.engine.heal(r.name)
                 if reasons:
                     self._on_event(f"{r.name}: a rebuild was not confirmed: {'; '.join(reasons)}")
                 done.append(r.name)

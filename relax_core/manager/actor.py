@@ -1,47 +1,56 @@
-"""A model's manager behind one contract, in this process or in a CPU-only, named Ray actor.
+"""A model's manager: its API written once (:class:`ModelManager`), one core, two clients.
 
-:class:`ModelManager` is that contract: what a caller may ask of one model's manager, whether
-it is an :class:`~relax_core.manager.InferenceManager` in this process (``relax serve``) or a
-:class:`ManagerActor` that hosts one (``relax run``: the coordinator of a defer layout onloads
-and offloads genrm and teacher by remote call, and the trainer pushes weights to rollout). Both
-are checked against it: by mypy (the typed functions at the bottom of this module) and by a
-test that compares every public method's name and signature.
+:class:`ModelManager` is what a caller may ask of one model's manager.
+:class:`~relax_core.manager.InferenceManager` implements it; :class:`ManagerActor` is the core
+every caller reaches: that manager with its router (an ``SGLANG_ROUTER`` model's) and a few
+queries of its own (:class:`HostedManager`), hosted by a CPU-only, named Ray actor
+(``relax run``: the coordinator of a defer layout onloads and offloads genrm and teacher by
+remote call, and the trainer pushes weights to rollout) or held in this process
+(``relax serve``, :meth:`ManagerActor.around`). Its :class:`ModelManager` methods are
+generated from the Protocol, each forwarding to the manager: nothing is typed out twice.
 
-:class:`ManagerActor` builds its manager from the same arguments (the publisher is a
-:class:`~relax_core.discovery.actor.RemotePublisher`, so the role keeps one snapshot) and
-answers with the same per-replica results (:class:`~relax_core.manager.LifecycleResult`
-pickles). The actor reserves no CPU and no GPU (its engine workers hold the bundles) and runs up
-to ``max_concurrency`` calls at once: queries (``states``, ``model_view``) answer while an
+Two clients of the core, with the same :class:`HostedManager` methods (generated from the
+Protocol too) plus ``acall`` (the same call awaited without blocking the loop):
+:class:`InProcessManager` (calls the core in this process; ``acall`` in a worker thread) and
+:class:`RayManager` (calls the actor; a Ray error is unwrapped to the manager's own in
+:func:`relax_core._proxy.remote_errors`). A test checks the core and both clients against the
+Protocol, name by name and signature by signature.
+
+The actor reserves no CPU and no GPU (its engine workers hold the bundles) and runs up to
+``max_concurrency`` calls at once: queries (``states``, ``model_view``) answer while an
 onload runs; lifecycle calls still take the manager's lock one at a time.
 
-A model routed through a router (``SGLANG_ROUTER``) has its router where its manager is:
+A model routed through a router has its router where its manager is:
 :func:`start_behind_router` makes it ready before the engines start and checks it took the
 model's READY heads; :func:`shutdown_behind_router` stops it after the engines. A
 :class:`ManagerActor` given ``router_backend`` and ``router_spec`` launches the router itself
 (a router process is not serialisable).
-
-Errors raised by the manager reach the caller as themselves (``LifecycleError``,
-``InferenceRecoveryRequired`` with its ``result``), wrapped by Ray as its ``RayTaskError`` of
-that type; :class:`~relax_core.coordination.handles.RayManagerHandle` and
-:class:`~relax_core.jobs.models.RayModel` unwrap them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import asyncio
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from relax_core._proxy import contract, generate, remote_errors
 from relax_core.discovery.schema import ModelView
 from relax_core.engine.buckets import WeightBucket
 from relax_core.errors import LifecycleError
+from relax_core.manager.external import ExternalEngines
 from relax_core.manager.manager import InferenceManager
 from relax_core.manager.results import HealthReport, LifecycleResult, UnconfirmedWorker
 from relax_core.manager.slots import WorkerSlot
 from relax_core.records import RouterBackend, RouterLaunchSpec, RouterProcess
 
 __all__ = [
+    "HostedManager",
+    "InProcessManager",
     "ManagerActor",
     "ModelManager",
+    "RayManager",
+    "contract",
+    "host_manager",
     "manager_actor_name",
     "shutdown_behind_router",
     "start_behind_router",
@@ -211,13 +220,58 @@ def manager_actor_name(job: str, role: str, model_id: str) -> str:
     return f"relax-manager-{job}-{role}-{model_id}"
 
 
-class ManagerActor:
-    """One model's InferenceManager inside a Ray actor: a :class:`ModelManager` whose every
-    method forwards to it, plus the actor's own queries.
+class HostedManager(ModelManager, Protocol):
+    """A :class:`ModelManager` where callers reach it (:class:`ManagerActor` and its two
+    clients): the manager's API and the host's own queries."""
+
+    def ping(self) -> str:
+        """The model id; takes no lock (the registry's liveness check)."""
+        ...
+
+    def weight_version(self) -> str | None:
+        """The manager's published weight version (a property of the manager itself)."""
+        ...
+
+    def router_url(self) -> str | None:
+        """The URL of the model's router, if any."""
+        ...
+
+    def router_pids(self) -> list[int]:
+        """The process ids of the model's router (empty without one, or once stopped)."""
+        ...
+
+
+def _to_manager(name: str) -> Callable[..., Any]:
+    def method(self: ManagerActor, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._manager, name)(*args, **kwargs)
+
+    return method
+
+
+def _to_call(name: str) -> Callable[..., Any]:
+    def method(self: InProcessManager | RayManager, *args: Any, **kwargs: Any) -> Any:
+        return self.call(name, *args, **kwargs)
+
+    return method
+
+
+if TYPE_CHECKING:
+    # The generated methods are invisible to mypy: it sees the Protocol's instead.
+    _Hosted = HostedManager
+else:
+    _Hosted = object
+
+
+@generate(ModelManager, _to_manager)
+class ManagerActor(_Hosted):
+    """One model's manager and its router: the core every client reaches, in a Ray actor
+    (:func:`start_manager_actor`) or in this process (:func:`host_manager`).
 
     Constructor arguments are :class:`~relax_core.manager.InferenceManager`'s, plus
     ``router_backend`` / ``router_spec`` (the router of an ``SGLANG_ROUTER`` model, launched
-    here; ``router_timeout``: seconds :meth:`start` waits for it to be ready).
+    here; ``router_timeout``: seconds :meth:`start` waits for it to be ready). Every
+    :class:`ModelManager` method but ``start`` and ``shutdown`` is generated: it forwards to
+    the manager.
     """
 
     def __init__(
@@ -231,188 +285,40 @@ class ManagerActor:
     ) -> None:
         self._router: RouterProcess | None = None
         self._router_timeout = router_timeout
+        self._name = f"model {model_id!r}"
         if router_backend is not None:
             if router_spec is None:
                 raise ValueError(f"model {model_id!r}: router_backend needs a router_spec")
             self._router = router_backend.launch(router_spec)
             kwargs.update(router=self._router, router_url=self._router.url)
         try:
-            self._manager = InferenceManager(model_id, **kwargs)
+            self._manager: Any = InferenceManager(model_id, **kwargs)
         except BaseException:
             if self._router is not None:
                 self._router.terminate(3.0)
             raise
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
     def start(self) -> LifecycleResult:
         """See :func:`start_behind_router`."""
         return start_behind_router(
-            self._manager,
-            self._router,
-            timeout=self._router_timeout,
-            name=f"model {self._manager.model_id!r}",
+            self._manager, self._router, timeout=self._router_timeout, name=self._name
         )
-
-    def onload(
-        self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
-    ) -> LifecycleResult:
-        return self._manager.onload(tags, engine_ids=engine_ids)
-
-    def offload(
-        self,
-        tags: Iterable[str] | None = None,
-        *,
-        engine_ids: Iterable[str] | None = None,
-        abort: bool = False,
-    ) -> LifecycleResult:
-        return self._manager.offload(tags, engine_ids=engine_ids, abort=abort)
-
-    def health_check(self, *, recover: bool = True) -> HealthReport:
-        return self._manager.health_check(recover=recover)
-
-    def recover(self) -> LifecycleResult:
-        return self._manager.recover()
-
-    def confirm_external_cleanup(self, engine_ids: Iterable[str] | None = None) -> list[str]:
-        return self._manager.confirm_external_cleanup(engine_ids)
-
-    def scale_out(
-        self,
-        workers: Sequence[Sequence[Sequence[int]]] | None = None,
-        *,
-        count: int | None = None,
-        placement_group: Any = None,
-        owned: bool = False,
-    ) -> LifecycleResult:
-        return self._manager.scale_out(
-            workers, count=count, placement_group=placement_group, owned=owned
-        )
-
-    def scale_in(
-        self, *, count: int | None = None, urls: Sequence[str] | None = None
-    ) -> LifecycleResult:
-        return self._manager.scale_in(count=count, urls=urls)
 
     def shutdown(self) -> None:
         """See :func:`shutdown_behind_router`."""
         shutdown_behind_router(self._manager, self._router)
 
-    # -- weights -----------------------------------------------------------------------------
-
-    def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: Sequence[str],
-        *,
-        load_format: str | None = None,
-        weight_version: str | None = None,
-        flush_cache: bool = True,
-        pause: str | None = None,
-        buckets: Sequence[Sequence[str]] = (),
-    ) -> LifecycleResult:
-        return self._manager.update_weights_from_tensor(
-            serialized_named_tensors,
-            load_format=load_format,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-            pause=pause,
-            buckets=buckets,
-        )
-
-    def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str | None = None, load_format: str | None = None
-    ) -> LifecycleResult:
-        return self._manager.update_weights_from_disk(
-            model_path, weight_version=weight_version, load_format=load_format
-        )
-
-    def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        *,
-        group_name: str = "weight_update_group",
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        buckets: Sequence[WeightBucket] = (),
-    ) -> LifecycleResult:
-        return self._manager.update_weights_from_distributed(
-            names,
-            dtypes,
-            shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            load_format=load_format,
-            buckets=buckets,
-        )
-
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offsets: Sequence[int],
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> LifecycleResult:
-        return self._manager.init_weights_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offsets=rank_offsets,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-
-    def destroy_weights_update_group(
-        self, group_name: str = "weight_update_group"
-    ) -> LifecycleResult:
-        return self._manager.destroy_weights_update_group(group_name)
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LifecycleResult:
-        return self._manager.load_lora_adapter(lora_name, lora_path)
-
-    def unload_lora_adapter(self, lora_name: str) -> LifecycleResult:
-        return self._manager.unload_lora_adapter(lora_name)
-
-    def load_checkpoint(self, version: int | None = None) -> LifecycleResult:
-        return self._manager.load_checkpoint(version)
-
-    # -- queries -----------------------------------------------------------------------------
-
-    def republish(self) -> None:
-        """Publish the model's state again (after the registry marked it UNKNOWN)."""
-        self._manager.republish()
-
-    def states(self) -> dict[str, str]:
-        return self._manager.states()
-
-    def engine_pids(self) -> dict[str, list[int | None]]:
-        return self._manager.engine_pids()
-
-    def admission_states(self) -> dict[str, dict[str, Any]]:
-        return self._manager.admission_states()
-
-    def model_view(self) -> ModelView:
-        return self._manager.model_view()
-
-    def workers(self, engine_id: str) -> list[WorkerSlot]:
-        return self._manager.workers(engine_id)
-
-    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
-        return self._manager.unconfirmed_workers()
-
-    # -- the actor's own queries ---------------------------------------------------------
+    # -- the host's own queries ------------------------------------------------------------
 
     def ping(self) -> str:
         """The model id; takes no lock (the registry's liveness check)."""
-        return self._manager.model_id
+        model_id: str = self._manager.model_id
+        return model_id
 
     def weight_version(self) -> str | None:
         """The manager's published weight version (a property in process)."""
-        return self._manager.weight_version
+        version: str | None = self._manager.weight_version
+        return version
 
     def router_url(self) -> str | None:
         """The URL of the router this actor runs, if any."""
@@ -421,6 +327,77 @@ class ManagerActor:
     def router_pids(self) -> list[int]:
         """The process ids of the router this actor runs (empty without one, or once stopped)."""
         return [] if self._router is None else list(self._router.pids())
+
+
+def host_manager(
+    manager: InferenceManager | ExternalEngines,
+    *,
+    router: RouterProcess | None = None,
+    router_timeout: float = 60.0,
+    name: str | None = None,
+) -> ManagerActor:
+    """The core around a manager of this process (or engines started by someone else) and its
+    router: what ``relax serve`` runs. ``name`` names the model in errors."""
+    cls: Any = ManagerActor  # built without __init__ (that builds a manager of its own)
+    core: ManagerActor = cls.__new__(cls)
+    core._manager = manager
+    core._router = router
+    core._router_timeout = router_timeout
+    core._name = name or f"model {manager.model_id!r}"
+    return core
+
+
+@generate(HostedManager, _to_call)
+class InProcessManager(_Hosted):
+    """The in-process client of a :class:`ManagerActor` core: each :class:`HostedManager`
+    method calls it here (blocking); :meth:`acall` runs a call in a worker thread."""
+
+    def __init__(self, core: ManagerActor, *, name: str | None = None) -> None:
+        self.core = core
+        self.name = name or core.ping()
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``core.method(*args, **kwargs)``."""
+        return getattr(self.core, method)(*args, **kwargs)
+
+    async def acall(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` in a worker thread (the event loop goes on)."""
+        return await asyncio.to_thread(self.call, method, *args, **kwargs)
+
+
+@generate(HostedManager, _to_call)
+class RayManager(_Hosted):
+    """The Ray client of a :class:`ManagerActor` (the handle :func:`start_manager_actor`
+    returned): each :class:`HostedManager` method calls the actor and waits (up to
+    ``timeouts[method]`` seconds; no bound for a method not in it); :meth:`acall` awaits it.
+
+    The manager's own errors reach the caller as themselves (``LifecycleError``,
+    ``InferenceRecoveryRequired`` with its ``result``); a dead actor, a timeout or another
+    failure in the actor as a ``LifecycleError`` naming ``name`` and the method.
+    """
+
+    def __init__(
+        self, actor: Any, *, name: str, timeouts: Mapping[str, float] | None = None
+    ) -> None:
+        self.actor = actor
+        self.name = name
+        self.timeouts = dict(timeouts or {})
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``ray.get(actor.method.remote(*args, **kwargs))``, the error unwrapped."""
+        import ray
+
+        timeout = self.timeouts.get(method)
+        with remote_errors(self._error(method), actor="its manager actor", timeout=timeout):
+            return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=timeout)
+
+    async def acall(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``await actor.method.remote(*args, **kwargs)``, the error unwrapped."""
+        with remote_errors(self._error(method), actor="its manager actor"):
+            return await getattr(self.actor, method).remote(*args, **kwargs)
+
+    def _error(self, method: str) -> Callable[[str], LifecycleError]:
+        return lambda why: LifecycleError(f"{self.name}: {method}(): {why}")
 
 
 def start_manager_actor(
@@ -461,7 +438,8 @@ def start_manager_actor(
 
 
 if TYPE_CHECKING:
-    # mypy checks both implementations against the contract (a test checks the signatures).
+    # mypy checks the manager and the core against the contract (a test checks the core and
+    # both clients, signature by signature).
 
     def _in_process(manager: InferenceManager) -> ModelManager:
         return manager

@@ -118,6 +118,10 @@ class ExternalEngines:
         """Engine id -> ``[]``: an external engine has no process here."""
         return {engine_id: [] for engine_id in self.urls}
 
+    def unconfirmed_workers(self) -> list[Any]:
+        """``[]``: no worker of an external engine is ours to clean up."""
+        return []
+
     @property
     def weight_version(self) -> str | None:
         """The weight version the heads reported (``None`` for sources that publish none)."""

@@ -21,13 +21,24 @@ from relax_core.coordination.coordinator import Coordinator, LifecycleCoordinato
 from relax_core.coordination.remote import CoordinatorActor, RemoteCoordinator
 from relax_core.jobs.models import LocalModel, ModelHandle, RayModel
 from relax_core.manager import InferenceManager
-from relax_core.manager.actor import ManagerActor, ModelManager
+from relax_core.manager.actor import (
+    HostedManager,
+    InProcessManager,
+    ManagerActor,
+    ModelManager,
+    RayManager,
+    contract,
+)
 from relax_core.run.measure import MeasuredCoordinator
 
 #: What an InferenceManager offers only in its own process (not through its actor).
 MANAGER_IN_PROCESS_ONLY = {"control_channel", "launch_specs", "replicas", "weight_version"}
 #: The manager actor's own queries (the registry's ping, the router it runs, a property's value).
 MANAGER_ACTOR_ONLY = {"ping", "router_pids", "router_url", "weight_version"}
+#: What a client of the manager's core adds: the call by name, blocking and awaited.
+MANAGER_CLIENT_ONLY = {"call", "acall"}
+#: The core's own methods: the router started before the engines and stopped after them.
+MANAGER_CORE_WRITTEN = {"start", "shutdown"}
 #: The in-process coordinator's synchronous queries (its actor's caller uses ``describe``).
 COORDINATOR_IN_PROCESS_ONLY = {
     "batch_state",
@@ -98,6 +109,43 @@ def test_each_manager_has_every_contract_method_with_its_signature(cls: type) ->
 
 def test_the_manager_actor_adds_only_its_own_queries_to_the_contract() -> None:
     assert public(ManagerActor) - members(ModelManager) == MANAGER_ACTOR_ONLY
+
+
+def test_the_hosted_contract_is_the_manager_contract_and_the_actor_queries() -> None:
+    assert set(contract(HostedManager)) == members(ModelManager) | MANAGER_ACTOR_ONLY
+    assert drift(HostedManager, ManagerActor, MANAGER_ACTOR_ONLY) == {}
+
+
+def test_the_core_forwards_every_contract_method_it_does_not_write_generated_from_it() -> None:
+    declared = contract(ModelManager)
+    written = {
+        name for name in declared if getattr(vars(ManagerActor)[name], "__wrapped__", None) is None
+    }
+    assert written == MANAGER_CORE_WRITTEN
+    for name in declared.keys() - MANAGER_CORE_WRITTEN:
+        assert vars(ManagerActor)[name].__wrapped__ is declared[name], name
+
+
+@pytest.mark.parametrize("cls", [InProcessManager, RayManager], ids=lambda c: c.__name__)
+def test_each_manager_client_has_the_hosted_contract_generated_from_it(cls: type) -> None:
+    declared = contract(HostedManager)
+    assert public(cls) - set(declared) == MANAGER_CLIENT_ONLY
+    assert drift(HostedManager, cls, set(declared)) == {}
+    assert all(vars(cls)[name].__wrapped__ is declared[name] for name in declared)
+
+
+def test_the_in_process_client_calls_the_core_by_the_contract_method_name() -> None:
+    class Core:
+        def states(self) -> dict[str, str]:
+            return {"m/0": "READY"}
+
+        def ping(self) -> str:
+            return "m"
+
+    client: Any = InProcessManager(Core())  # type: ignore[abstract, arg-type]
+    assert client.name == "m"
+    assert client.states() == {"m/0": "READY"}
+    assert asyncio.run(client.acall("states")) == {"m/0": "READY"}
 
 
 # -- the coordinator ---------------------------------------------------------------------

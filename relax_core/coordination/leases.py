@@ -1,0 +1,233 @@
+"""One lease engine over GPU slices: who may hold a slice's GPUs, and the switch that moves a
+role on or off them. ``relax run``'s
+:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` (leases phase by phase
+within a batch) and ``relax serve``'s :class:`~relax_core.jobs.wake.WakeController` (a request
+wakes its role) drive it; they decide *when* to switch, under the slice's lock, and what a
+refusal raises. The engine is what they share, so they cannot drift:
+
+- **the switch**: the role's FAILED replicas rebuilt first (the manager's recovery confirms a
+  dead engine's cleanup), then every handle called at once within the operation timeout; a
+  handle whose engine died during the call is rebuilt and called once more; each result must
+  confirm every replica;
+- **the BLOCKED rule**: a switch not confirmed (a failure, an error, a timeout) leaves the role
+  BLOCKED, and nothing is granted its slice until the operator resets it;
+- **late replies**: a reply after its deadline changes nothing; it is recorded for the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from relax_core.coordination.handles import ManagerHandle, unconfirmed
+from relax_core.coordination.states import LeaseState, check_lease_transition
+
+__all__ = ["LateReply", "LeaseEngine"]
+
+_L = LeaseState
+#: The optional handle method that offloads without draining (a failed batch's release).
+ABORT = "abort_and_offload"
+
+
+@attrs.frozen
+class LateReply:
+    """A manager reply that arrived after its deadline (it changed nothing)."""
+
+    role: str
+    handle: str
+    method: str
+    outcome: str
+    at: float
+
+
+class LeaseEngine:
+    """The leases of every role of the shared slices, and the switch (see the module).
+
+    :param slices: role -> slice id. Roles of one slice take turns on its GPUs.
+    :param handles: role -> the handles of its models (a role without any has none here:
+        ``relax run``'s generation role offloads itself and acknowledges).
+    :param operation_timeout: seconds one handle call may take.
+    :param on_event: called with one line per rebuild (and per BLOCKED lease).
+    :param on_rebuild: called with the role whose replicas a switch rebuilt.
+
+    Not thread-safe: every method runs on one event loop; the front end holds the slice's
+    lock around a switch.
+    """
+
+    def __init__(
+        self,
+        slices: Mapping[str, str],
+        handles: Mapping[str, Sequence[ManagerHandle]],
+        *,
+        operation_timeout: float,
+        on_event: Callable[[str], None] | None = None,
+        on_rebuild: Callable[[str], None] | None = None,
+    ) -> None:
+        self.slices = dict(slices)
+        self.handles = {role: tuple(handles.get(role, ())) for role in slices}
+        self.operation_timeout = float(operation_timeout)
+        #: role -> its lease
+        self.leases: dict[str, LeaseState] = dict.fromkeys(slices, _L.SLEEPING)
+        #: role -> why it is BLOCKED
+        self.blocked: dict[str, str] = {}
+        #: the newest replies that came after their deadline
+        self.late: collections.deque[LateReply] = collections.deque(maxlen=64)
+        self._on_event = on_event or (lambda line: None)
+        self._on_rebuild = on_rebuild or (lambda role: None)
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- the lease table --------------------------------------------------------------------
+
+    def lock(self, role: str) -> asyncio.Lock:
+        """The lock of ``role``'s slice (held around every switch of a role of the slice)."""
+        slice_id = self.slices[role]
+        lock = self._locks.get(slice_id)
+        if lock is None:
+            lock = self._locks[slice_id] = asyncio.Lock()
+        return lock
+
+    def set(self, role: str, state: LeaseState) -> None:
+        """Move ``role``'s lease (a transition the state machine has).
+
+        :raises CoordinationError: the transition does not exist.
+        """
+        check_lease_transition(role, self.leases[role], state)
+        self.leases[role] = state
+
+    def block(self, role: str, reason: str) -> None:
+        """Leave ``role`` BLOCKED with ``reason`` (the first reason is kept)."""
+        if self.leases[role] is not _L.BLOCKED:
+            self.set(role, _L.BLOCKED)
+            self.blocked[role] = reason
+            self._on_event(f"{role}: BLOCKED ({reason})")
+
+    def reset(self, role: str) -> None:
+        """The operator's reset: a BLOCKED ``role`` back to SLEEPING (its GPUs confirmed
+        clean).
+
+        :raises CoordinationError: the lease is not BLOCKED.
+        """
+        self.set(role, _L.SLEEPING)
+        del self.blocked[role]
+
+    def beside(self, role: str) -> list[str]:
+        """The roles of ``role``'s slice (``role`` too)."""
+        return [r for r, s in self.slices.items() if s == self.slices[role]]
+
+    def blocked_beside(self, role: str) -> tuple[str, str] | None:
+        """The first BLOCKED role of ``role``'s slice (``role`` too) and why: while there is
+        one, nothing is granted the slice."""
+        for other in self.beside(role):
+            if self.leases[other] is _L.BLOCKED:
+                return other, self.blocked[other]
+        return None
+
+    # -- the switch --------------------------------------------------------------------------
+
+    async def switch(
+        self,
+        role: str,
+        handles: Sequence[ManagerHandle] | None = None,
+        *,
+        out: bool,
+        method: str | None = None,
+    ) -> str | None:
+        """Move ``role`` off (``out``: DRAINING, then SLEEPING) or onto (ONLOADING, then
+        ACTIVE) its slice: ``handles`` (default: every one of the role's) rebuilt where they
+        have FAILED replicas, then ``method`` (default ``offload`` / ``onload``; a handle
+        without :data:`ABORT` offloads) called on each at once. ``None`` once every result is
+        confirmed; else why not, and the role is BLOCKED. The caller holds :meth:`lock`.
+        """
+        moving, done, expected = (
+            (_L.DRAINING, _L.SLEEPING, "SLEEPING") if out else (_L.ONLOADING, _L.ACTIVE, "READY")
+        )
+        method = method or ("offload" if out else "onload")
+        if self.leases[role] is not moving:
+            self.set(role, moving)
+        chosen = self.handles[role] if handles is None else tuple(handles)
+        reasons = [
+            why
+            for why in await asyncio.gather(
+                *(self._step(role, handle, method, expected) for handle in chosen)
+            )
+            if why
+        ]
+        if reasons:
+            reason = "; ".join(reasons)
+            self.block(role, reason)
+            return reason
+        self.set(role, done)
+        return None
+
+    async def heal(self, role: str) -> list[str]:
+        """Rebuild the FAILED replicas of ``role``'s models (the slice's lock held, ``role``
+        resident); why any rebuild was not confirmed."""
+        handles = self.handles[role]
+        reasons = await asyncio.gather(*(self._heal(h, role) for h in handles))
+        return [f"{h.name}: {why}" for h, why in zip(handles, reasons, strict=True) if why]
+
+    async def _step(
+        self, role: str, handle: ManagerHandle, method: str, expected: str
+    ) -> str | None:
+        """One handle's part of a switch: rebuilt first, then called (and, when its engine
+        died during the call, rebuilt and called again). Why it is not confirmed."""
+        why = await self._heal(handle, role)
+        if why is None:
+            why = await self._call(role, handle, method, expected)
+            if why is not None and await _failed(handle):
+                why = await self._heal(handle, role) or await self._call(
+                    role, handle, method, expected
+                )
+        return None if why is None else f"{handle.name}: {why}"
+
+    async def _heal(self, handle: ManagerHandle, role: str) -> str | None:
+        if not await _failed(handle):
+            return None
+        why = await self._call(role, handle, "recover", "READY")
+        self._on_rebuild(role)
+        self._on_event(f"{role}: rebuilt the failed replicas of {handle.name}")
+        return None if why is None else f"rebuild: {why}"
+
+    async def _call(
+        self, role: str, handle: ManagerHandle, method: str, expected: str
+    ) -> str | None:
+        """``handle.method()`` within the operation timeout; why its result does not confirm
+        ``expected`` (``None`` when it does). A reply past the deadline is recorded late."""
+        name = method if method != ABORT or hasattr(handle, ABORT) else "offload"
+        timeout = self.operation_timeout
+        task = asyncio.ensure_future(getattr(handle, name)())
+        try:
+            result = await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            task.add_done_callback(lambda t: self._late_reply(role, handle, name, expected, t))
+            return (
+                f"{method} not confirmed within {timeout:g}s (a late reply does not release "
+                "the lease)"
+            )
+        except Exception as exc:
+            return f"{method} raised {type(exc).__name__}: {exc}"
+        return unconfirmed(result, expected)
+
+    def _late_reply(
+        self, role: str, handle: ManagerHandle, method: str, expected: str, task: Any
+    ) -> None:
+        # The reply is recorded for the operator, never acted on.
+        if task.cancelled():
+            outcome = "cancelled"
+        elif task.exception() is not None:
+            exc = task.exception()
+            outcome = f"raised {type(exc).__name__}: {exc}"
+        else:
+            why = unconfirmed(task.result(), expected)
+            outcome = "confirmed" if why is None else f"unconfirmed: {why}"
+        self.late.append(LateReply(role, handle.name, method, outcome, time.time()))
+
+
+async def _failed(handle: ManagerHandle) -> bool:
+    failed = getattr(handle, "failed", None)
+    return failed is not None and bool(await failed())
