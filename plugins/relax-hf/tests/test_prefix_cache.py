@@ -477,6 +477,7 @@ def long_context(start_server: Any, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two prefills of 50k tokens on a shared CPU
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/<pid>/status")
 def test_input_logprobs_after_a_one_token_match_stay_bounded_in_memory(
     long_context: EngineServer,

@@ -8,6 +8,7 @@ from typing import Any
 
 import openai
 import pytest
+from relax_hf.responses_api import _status
 from relax_hf.testing import EngineServer
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -229,6 +230,52 @@ def test_a_previous_response_continues_its_conversation_from_the_cache(
             model="tiny", input="x", previous_response_id="resp_nope", max_output_tokens=2
         )
     assert "Response with id 'resp_nope' not found." in str(info.value)
+
+
+def test_a_malformed_response_id_is_a_400_as_in_sglang(
+    client: openai.OpenAI, shared_server: EngineServer
+) -> None:
+    # SGLang tells an id that cannot be a response's (every one begins with resp_) from one
+    # it does not hold (404, above).
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(
+            model="tiny", input="x", previous_response_id="nope", max_output_tokens=2
+        )
+    assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert "Invalid 'response_id': 'nope'. Expected an ID that begins with 'resp'." in str(
+        info.value
+    )
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.retrieve("nope")
+    assert info.value.body["param"] == "response_id"  # type: ignore[index]
+    status, _ = shared_server.http.get("/v1/responses/resp_nope")
+    assert status == 404
+
+
+SERVING_RESPONSES = "srt/entrypoints/openai/serving_responses.py"
+
+
+def test_a_length_finish_is_incomplete_with_sglangs_status_event_and_usage(
+    client: openai.OpenAI, sglang_source: Any
+) -> None:
+    # As SGLang 0.5.23's Responses server: the status of a finish reason, the stream's last
+    # event named after it, and the usage's keys (protocol.ResponsesResponse's serializer).
+    status_of = sglang_source.function(
+        SERVING_RESPONSES, "OpenAIServingResponses", "_status_from_finish_reason"
+    )
+    for reason in ({"type": "length", "length": 1}, {"type": "stop", "matched": 5}):
+        assert _status(reason) == status_of(reason)
+    assert _status({"type": "abort", "message": "x"}) == status_of({"type": "abort"}) == "failed"
+    kw: dict[str, Any] = {"model": "tiny", "input": "Once", "max_output_tokens": 1}
+    whole = client.responses.create(**kw, temperature=0)
+    assert whole.status == status_of({"type": "length"}) == "incomplete"
+    events = list(client.responses.create(**kw, temperature=0, stream=True))
+    assert events[-1].type == f"response.{whole.status}"
+    usage_keys = sglang_source.returned_keys(
+        "srt/entrypoints/openai/protocol.py", "ResponsesResponse", "_serialize_usage"
+    )
+    assert whole.usage is not None
+    assert sorted(whole.usage.model_dump()) == sorted(usage_keys)
 
 
 def test_a_streamed_response_sends_the_event_sequence_and_the_same_text(
