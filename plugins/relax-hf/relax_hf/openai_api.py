@@ -415,7 +415,7 @@ async def chat_completions(request: Request) -> Response:
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": out["text"]},
+                "message": {"role": "assistant", "content": out["text"], "reasoning_content": None},
                 "logprobs": _chat_logprobs(meta),
                 "finish_reason": _finish(meta["finish_reason"]),
                 "matched_stop": meta["finish_reason"].get("matched"),
@@ -452,7 +452,16 @@ async def _chat_stream(
         return sse({**head, "choices": choices, **extra})
 
     def choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
+        # SGLang's StreamDelta always carries reasoning_content (null without a reasoning
+        # parser): its clients read the key; role and content only when set.
+        return {
+            "index": index,
+            "delta": {"reasoning_content": None, **delta},
+            "logprobs": None,
+            "finish_reason": None,
+            "matched_stop": None,
+            **fields,
+        }
 
     metas: dict[int, dict[str, Any]] = {}
     opened: set[int] = set()
