@@ -27,20 +27,34 @@ def tree(relative: str) -> ast.Module:
     return ast.parse(path(relative).read_text())
 
 
-def method(relative: str, cls: str, name: str) -> ast.FunctionDef:
-    """Method ``name`` of class ``cls`` in a file of the installed ``sglang`` package."""
-    for node in ast.walk(tree(relative)):
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == name:
-                    return item  # type: ignore[return-value]
-    raise AssertionError(f"SGLang's {relative} has no {cls}.{name}: was it renamed?")
+def definition(relative: str, name: str, cls: str | None = None) -> ast.FunctionDef:
+    """Function ``name`` (a method of class ``cls``) in a file of the installed ``sglang``."""
+    body = tree(relative).body
+    if cls is not None:
+        found = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        assert found is not None, f"SGLang's {relative} has no class {cls}: was it renamed?"
+        body = found.body
+    for node in body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"SGLang's {relative} has no {cls or 'module'}.{name}: was it renamed?")
 
 
-def function(relative: str, cls: str, name: str, **globals_: Any) -> Any:
-    """A pure method of SGLang's (one that needs nothing but its arguments and
+def constant(relative: str, name: str) -> Any:
+    """The literal value of module-level constant ``name`` in a file of the installed
+    ``sglang`` package (``GRAPH_MEMORY_USAGE_KEYS``)."""
+    for node in tree(relative).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"SGLang's {relative} has no constant {name}: was it renamed?")
+
+
+def function(relative: str, name: str, cls: str | None = None, **globals_: Any) -> Any:
+    """A pure function or method of SGLang's (one that needs nothing but its arguments and
     ``globals_``), compiled from its source as a plain function."""
-    node = method(relative, cls, name)
+    node = definition(relative, name, cls)
     node.decorator_list = []
     module = ast.Module(body=[node], type_ignores=[])
     namespace: dict[str, Any] = {"Any": Any, "Optional": Any, **globals_}
@@ -48,12 +62,12 @@ def function(relative: str, cls: str, name: str, **globals_: Any) -> Any:
     return namespace[name]
 
 
-def returned_keys(relative: str, cls: str, name: str) -> list[str]:
-    """The string keys of the dict literal method ``name`` returns last."""
-    node = method(relative, cls, name)
+def returned_keys(relative: str, name: str, cls: str | None = None) -> list[str]:
+    """The string keys of the dict literal function ``name`` returns last."""
+    node = definition(relative, name, cls)
     returns = [
         n for n in ast.walk(node) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict)
     ]
-    assert returns, f"SGLang's {cls}.{name} returns no dict literal"
+    assert returns, f"SGLang's {name} returns no dict literal"
     keys = returns[-1].value.keys  # type: ignore[union-attr]
     return [k.value for k in keys if isinstance(k, ast.Constant)]

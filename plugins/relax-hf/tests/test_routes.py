@@ -339,7 +339,7 @@ def test_a_length_finish_is_incomplete_with_sglangs_status_event_and_usage(
     # As SGLang 0.5.23's Responses server: the status of a finish reason, the stream's last
     # event named after it, and the usage's keys (protocol.ResponsesResponse's serializer).
     status_of = sglang_source.function(
-        SERVING_RESPONSES, "OpenAIServingResponses", "_status_from_finish_reason"
+        SERVING_RESPONSES, "_status_from_finish_reason", "OpenAIServingResponses"
     )
     for reason in ({"type": "length", "length": 1}, {"type": "stop", "matched": 5}):
         assert _status(reason) == status_of(reason)
@@ -350,7 +350,7 @@ def test_a_length_finish_is_incomplete_with_sglangs_status_event_and_usage(
     events = list(client.responses.create(**kw, temperature=0, stream=True))
     assert events[-1].type == f"response.{whole.status}"
     usage_keys = sglang_source.returned_keys(
-        "srt/entrypoints/openai/protocol.py", "ResponsesResponse", "_serialize_usage"
+        "srt/entrypoints/openai/protocol.py", "_serialize_usage", "ResponsesResponse"
     )
     assert whole.usage is not None
     assert sorted(whole.usage.model_dump()) == sorted(usage_keys)
