@@ -360,9 +360,10 @@ def chat_prompt_ids(
         raise BadRequest(
             "messages", "the model's tokenizer has no chat template; use /v1/completions"
         )
+    tools: list[Any] | None = template_tools(body)
     ids = tok.apply_chat_template(
         messages,
-        tools=template_tools(body),
+        tools=tools,
         add_generation_prompt=add_generation_prompt,
         tokenize=True,
     )
