@@ -12,7 +12,8 @@ it), grouped-query attention, SiLU MLP, optional q/k/v biases (Qwen2) and per-he
   writes each real token's K and V into its slot (``req_to_token`` of the row).
 - **Prefill after a cached prefix** (:meth:`NativeModel.prefill_after`) runs only the tokens
   after the prefix the prefix cache holds; their queries attend the whole context gathered from
-  the pool, with a mask by absolute position.
+  the pool, with a mask by absolute position, in chunks of queries (so a long prompt after a
+  short match never holds a prompt x context mask).
 - **Decode** runs one token per row: K/V of the new token are written into its slot, the row's
   context is gathered from the pool by ``req_to_token`` and attended with two batched matrix
   products (the batch is ``kv_heads x rows``, so no copy is needed for the transposes).
@@ -37,6 +38,10 @@ from relax_hf.sampling import gumbel_noise
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecodeGraphs", "NativeModel", "UnsupportedModel"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: Mask (and score) elements one chunk of queries may attend at once in a prefill after a
+#: cached prefix: query heads x queries x context (64 MiB of float32 scores).
+ATTENTION_CHUNK_ELEMENTS = 1 << 24
 
 
 class UnsupportedModel(ValueError):
@@ -291,7 +296,8 @@ class NativeModel:
         them are already in the pool (the prefix cache's slots, mapped in ``req_to_token``).
         Each real token's K/V is written into its slot, then every query attends the row's
         whole context up to its own position, gathered from the pool (``ctx``: at least the
-        longest row's ``start + len``).
+        longest row's ``start + len``), a chunk of queries at a time (at most
+        :data:`ATTENTION_CHUNK_ELEMENTS` mask elements per chunk and head).
         """
         assert pool.req_to_token is not None
         b, t = ids.shape
@@ -303,9 +309,13 @@ class NativeModel:
         slots = torch.where(real, pool.req_to_token[rows[:, None], where], 0).reshape(-1)
         table = pool.req_to_token.index_select(0, rows)[:, :ctx].reshape(-1)
         keys = torch.arange(ctx, device=ids.device)
-        mask = keys[None, None, :] <= pos[:, :, None]  # [B, T, ctx]
-        # The g query heads sharing a kv head attend as g x T query rows of that head.
-        mask = mask[:, None, None].expand(b, 1, g, t, ctx).reshape(b, 1, g * t, ctx)
+        # Queries attend in chunks whose mask and scores stay within ATTENTION_CHUNK_ELEMENTS:
+        # a long prompt after a short match (every prompt's shared BOS) never holds a
+        # prompt x context matrix. Chunk c's keys end at the last position it holds.
+        step = max(1, ATTENTION_CHUNK_ELEMENTS // (b * self.num_heads * ctx))
+        first = int(starts.max()) if t > step else 0  # one synchronisation, chunked rows only
+        spans = [(c, min(c + step, t)) for c in range(0, t, step)]
+        ends = [ctx if len(spans) == 1 else min(ctx, first + c1) for _, c1 in spans]
         x = F.embedding(ids, self.embed)
         cos, sin = self._rope(pos, x.dtype)
         norm, act = self._norm_fn, self._act_fn
@@ -316,16 +326,19 @@ class NativeModel:
             kv[0].index_copy_(0, slots, k.reshape(b * t, hkv, d))
             kv[1].index_copy_(0, slots, v.reshape(b * t, hkv, d))
             ctx_kv = kv.index_select(1, table).view(2, b, ctx, hkv, d)
-            qg = q.permute(0, 2, 1, 3).reshape(b, hkv, g * t, d)
-            o = F.scaled_dot_product_attention(
-                qg,
-                ctx_kv[0].transpose(1, 2),
-                ctx_kv[1].transpose(1, 2),
-                attn_mask=mask,
-                scale=self.scale,
-            )
-            # reshape, not view: CUDA's fused kernels may return the heads strided.
-            o = o.reshape(b, hkv * g, t, d).transpose(1, 2).reshape(b, t, -1)
+            ck, cv = ctx_kv[0].transpose(1, 2), ctx_kv[1].transpose(1, 2)  # [B, Hkv, ctx, d]
+            parts = []
+            for (c0, c1), end in zip(spans, ends, strict=True):
+                mask = keys[None, None, :end] <= pos[:, c0:c1, None]  # [B, C, end]
+                # The g query heads sharing a kv head attend as g x C query rows of that head.
+                mask = mask[:, None, None].expand(b, 1, g, c1 - c0, end).flatten(2, 3)
+                qg = q[:, c0:c1].permute(0, 2, 1, 3).reshape(b, hkv, g * (c1 - c0), d)
+                o = F.scaled_dot_product_attention(
+                    qg, ck[:, :, :end], cv[:, :, :end], attn_mask=mask, scale=self.scale
+                )
+                # reshape, not view: CUDA's fused kernels may return the heads strided.
+                parts.append(o.reshape(b, hkv * g, c1 - c0, d).transpose(1, 2))
+            o = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).reshape(b, t, -1)
             x = x + F.linear(o, layer.wo, layer.bo)
             x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
         return x

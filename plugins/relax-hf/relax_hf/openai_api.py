@@ -9,10 +9,12 @@ The request fields map to SGLang sampling parameters as SGLang's own OpenAI serv
 prompt share one prefill; ``/v1/completions`` also takes a list of prompts (the choices are
 numbered prompt by prompt) and ``echo`` (the prompt, with its log-probs when ``logprobs`` is
 set: the way to score given continuations). Chat prompts are built with the tokenizer's chat
-template. ``stream: true`` answers OpenAI's SSE chunks (text deltas per choice) ending with
-``data: [DONE]``; ``stream_options`` adds a last usage chunk (``include_usage``) or each
-choice's usage so far to its chunks (``continuous_usage_stats``), and ``echo`` streams too (the
-prompt leads each choice's first chunk). With ``--enable-cache-report`` every ``usage`` has
+template, which gets the request's ``tools`` as SGLang's does (none for ``tool_choice:
+"none"``); no tool call is parsed from the answer. ``stream: true`` answers OpenAI's SSE
+chunks (text deltas per choice) ending with ``data: [DONE]``; ``stream_options`` adds a last
+usage chunk (``include_usage``) or each choice's usage so far to its chunks
+(``continuous_usage_stats``), and ``echo`` streams too (the prompt leads each choice's first
+chunk). With ``--enable-cache-report`` every ``usage`` has
 ``prompt_tokens_details.cached_tokens`` (SGLang's). Fields OpenAI clients add that change
 nothing here (``user``, …) are ignored.
 """
@@ -39,7 +41,13 @@ from relax_hf.protocol import (
 )
 from relax_hf.wire import SSE_DONE, check_total_tokens, encode_prompt, engine_of, read_json, sse
 
-__all__ = ["chat_completions", "chat_prompt_ids", "completions", "openai_sampling"]
+__all__ = [
+    "chat_completions",
+    "chat_prompt_ids",
+    "completions",
+    "openai_sampling",
+    "template_tools",
+]
 
 #: OpenAI field -> SGLang sampling parameter.
 _SAMPLING_KEYS = {
@@ -275,11 +283,61 @@ def _chat_logprobs(meta: dict[str, Any], first: int = 0) -> dict[str, Any] | Non
     return {"content": content}
 
 
+#: The fields of SGLang's ``Function`` (protocol.py) in its order; ``strict`` and
+#: ``defer_loading`` are dropped when unset, the others written as ``null``.
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def _template_tool(tool: Any, field: str) -> dict[str, Any]:
+    """One tool as SGLang's ``Tool.model_dump()`` gives it to the chat template: the client's
+    function keys in the client's order (unknown keys dropped), ``description`` and
+    ``parameters`` added as ``null`` when missing, and the tool's ``defer_loading``."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        raise BadRequest(field, "must be an object with a function object")
+    function = tool["function"]
+    if not isinstance(function.get("name"), str):
+        raise BadRequest(f"{field}.function.name", "must be a string")
+    defer = tool.get("defer_loading")
+    if defer is not None and function.get("defer_loading") is None:
+        function = {**function, "defer_loading": defer}
+    dumped = {k: function.get(k) for k in _FUNCTION_FIELDS}
+    for k in ("strict", "defer_loading"):
+        if dumped[k] is None:
+            del dumped[k]
+    order = [k for k in function if k in dumped] + [k for k in dumped if k not in function]
+    return {
+        "type": tool.get("type", "function"),
+        "function": {k: dumped[k] for k in order},
+        "defer_loading": defer,
+    }
+
+
+def template_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The ``tools`` a chat request's template renders, as SGLang's chat server passes them:
+    none with ``tool_choice: "none"``, only the named one with a named ``tool_choice``, else
+    all. :raises BadRequest: naming a malformed tool."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest("tools", "must be a list of tools")
+    dumped = [_template_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
+    choice = body.get("tool_choice")
+    if not dumped or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        return [t for t in dumped if t["function"]["name"] == name] or None
+    return dumped
+
+
 def chat_prompt_ids(
     engine: Engine, body: dict[str, Any], *, add_generation_prompt: bool = True
 ) -> list[int]:
     """The token ids of ``body["messages"]`` through the tokenizer's chat template (which
-    writes its own special tokens). :raises BadRequest: naming the message at fault."""
+    writes its own special tokens), with the request's :func:`template_tools`.
+
+    :raises BadRequest: naming the message or tool at fault."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
@@ -302,8 +360,12 @@ def chat_prompt_ids(
         raise BadRequest(
             "messages", "the model's tokenizer has no chat template; use /v1/completions"
         )
+    tools: list[Any] | None = template_tools(body)
     ids = tok.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
     )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
@@ -354,7 +416,7 @@ async def chat_completions(request: Request) -> Response:
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": out["text"]},
+                "message": {"role": "assistant", "content": out["text"], "reasoning_content": None},
                 "logprobs": _chat_logprobs(meta),
                 "finish_reason": _finish(meta["finish_reason"]),
                 "matched_stop": meta["finish_reason"].get("matched"),
@@ -391,7 +453,16 @@ async def _chat_stream(
         return sse({**head, "choices": choices, **extra})
 
     def choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
+        # SGLang's StreamDelta always carries reasoning_content (null without a reasoning
+        # parser): its clients read the key; role and content only when set.
+        return {
+            "index": index,
+            "delta": {"reasoning_content": None, **delta},
+            "logprobs": None,
+            "finish_reason": None,
+            "matched_stop": None,
+            **fields,
+        }
 
     metas: dict[int, dict[str, Any]] = {}
     opened: set[int] = set()

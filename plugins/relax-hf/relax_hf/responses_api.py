@@ -73,8 +73,20 @@ class ResponseStore:
         while len(self.entries) > self.limit:
             self.entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
-        """A stored response and its conversation. :raises NotFound: no such response."""
+    def get(
+        self, response_id: str, field: str = "response_id"
+    ) -> tuple[dict[str, Any], list[dict[str, str]]]:
+        """A stored response and its conversation.
+
+        :raises BadRequest: naming ``field``, an id that is not a response's (SGLang's words:
+            every response id begins with ``resp_``).
+        :raises NotFound: no such response (any more).
+        """
+        if not response_id.startswith("resp_"):
+            raise BadRequest(
+                field,
+                f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.",
+            )
         entry = self.entries.get(response_id)
         if entry is None:
             raise NotFound(
@@ -251,7 +263,7 @@ async def create_response(request: Request) -> Response:
     if previous is not None:
         if not isinstance(previous, str):
             raise BadRequest("previous_response_id", "must be a string")
-        history = list(store.get(previous)[1])
+        history = list(store.get(previous, "previous_response_id")[1])
     if body.get("input") is None:
         raise BadRequest("input", "is required")
     conversation = history + _input_messages(body["input"])

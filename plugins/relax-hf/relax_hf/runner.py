@@ -38,9 +38,20 @@ from relax_hf.modeling import DecodeGraphs, NativeModel
 from relax_hf.prefixcache import PrefixCache
 from relax_hf.vmm import DriverWarmer, Exchange, Segment, device_uuid
 
-__all__ = ["ModelRunner", "WeightsError", "pool_slots"]
+__all__ = ["GRAPH_PHASES", "ModelRunner", "WeightsError", "pool_slots"]
 
 _ALIGN = 512
+GIB = 1 << 30
+#: SGLang's CUDA-graph phases (its ``GRAPH_MEMORY_USAGE_KEYS``): the keys of ``/server_info``'s
+#: ``startup_time.cuda_graph`` and ``memory_usage.graph``.
+GRAPH_PHASES = (
+    "prefill",
+    "decode",
+    "target_verify",
+    "draft_prefill",
+    "draft_decode",
+    "draft_extend",
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,6 +70,21 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for this engine on ``device``: the GPU's free memory, or the host's
+    available memory (``MemAvailable``; 0 where unavailable), as SGLang measures it."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def process_rss_bytes() -> int:
@@ -279,8 +305,13 @@ class ModelRunner:
             )
         if torch_compile and self.device.type == "cuda":
             self.native.compile()
+        graph_bytes = 0
         if self.graphs is not None:
+            reserved = torch.cuda.memory_reserved(self.device)
             self.graphs.warm_up()
+            graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        #: SGLang's ``memory_usage.graph``: GiB its graphs of each phase took at start-up.
+        self.graph_memory_gib = {**dict.fromkeys(GRAPH_PHASES, 0.0), "decode": graph_bytes / GIB}
         self.grammar = GrammarBackend(
             self.tokenizer,
             self.vocab_size,
@@ -293,12 +324,18 @@ class ModelRunner:
             pin = self.device.type == "cuda"
             self._backup = torch.empty(self.param_bytes, dtype=torch.uint8, pin_memory=pin)
         _malloc_trim()
-        #: SGLang's ``startup_time`` phases (seconds) of this runner.
+        #: SGLang's ``memory_usage.startup_available``: GiB free on the device once started.
+        self.startup_available_gib = available_memory(self.device) / GIB
+        #: SGLang's ``startup_time`` phases (seconds) of this runner; ``cuda_graph`` has every
+        #: phase SGLang reports (this engine captures decode steps only).
         self.startup_time: dict[str, Any] = {
             "load_weight": loaded - began,
             "kv_cache_allocation": pooled - loaded,
-            "cuda_graph": {"decode": self.graphs.capture_seconds if self.graphs else 0.0},
             "scheduler_e2e": time.perf_counter() - began,
+            "cuda_graph": {
+                **dict.fromkeys(GRAPH_PHASES, 0.0),
+                "decode": self.graphs.capture_seconds if self.graphs else 0.0,
+            },
         }
 
     @classmethod

@@ -258,7 +258,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
             {
                 "num_running_reqs": engine.num_running,
                 "weight_version": engine.weight_version,
-                "startup_time": engine.startup_seconds,
+                "startup_time": runner.startup_time,  # the scheduler's, as SGLang's
                 "cache_hit_rate": cache["hit_rate"],
                 "memory_usage": memory_usage(engine),
             }
@@ -267,16 +267,20 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
 
 
 def memory_usage(engine: Engine) -> dict[str, Any]:
-    """SGLang's ``internal_states[].memory_usage``: weights, KV cache pool and graphs in GB
-    (resident now), and the pool's token capacity."""
+    """SGLang's ``internal_states[].memory_usage`` (its ``build_memory_usage``): weights and KV
+    cache pool in GiB (resident now), the device's free GiB once started, the pool's token
+    capacity, no sliding-window capacity (``token_capacity_swa``: the engine refuses sliding
+    windows), and each CUDA-graph phase's GiB at start-up."""
     runner = engine.runner
     report = runner.memory_report()
-    gb = 1e9
+    gib = float(1 << 30)
     return {
-        "weight": round(report["resident_param_bytes"] / gb, 3),
-        "kvcache": round(report["kv_cache"]["bytes"] / gb, 3),
+        "weight": round(report["resident_param_bytes"] / gib, 3),
+        "kvcache": round(report["kv_cache"]["bytes"] / gib, 3),
+        "startup_available": round(runner.startup_available_gib, 3),
         "token_capacity": runner.pool.capacity,
-        "graph": {},
+        "token_capacity_swa": None,
+        "graph": {phase: round(v, 3) for phase, v in runner.graph_memory_gib.items()},
     }
 
 

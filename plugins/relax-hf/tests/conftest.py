@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -61,3 +63,14 @@ def shared_server(
     )
     yield server
     server.process.terminate(10)
+
+
+@pytest.fixture(scope="session")
+def sglang_source() -> ModuleType:
+    """``sglang_source.py`` beside this file: the installed SGLang's source, read unimported."""
+    path = Path(__file__).with_name("sglang_source.py")
+    spec = importlib.util.spec_from_file_location("relax_hf_tests_sglang_source", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -115,3 +115,41 @@ def test_a_release_frees_its_buffers_without_a_garbage_collection(
     assert report["kv_cache"]["resident"] is False
     runner.resume(["weights", "kv_cache", "cuda_graph"], graphs=True)
     assert runner.memory_report()["resident_param_bytes"] == report["param_bytes"]
+
+
+def test_a_prefill_after_cached_prefixes_attends_in_chunks_as_in_one_pass(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows after prefixes of different lengths, their queries cut into chunks of 3 (a budget of
+    # 3 x heads x context mask elements) or run at once: the same hidden states.
+    import relax_hf.modeling as modeling
+
+    runner = ModelRunner(str(tiny_model), max_total_tokens=256)
+    pool, native = runner.pool, runner.native
+    prompts = [list(range(20, 60)), list(range(100, 125))]
+    starts, rows = [7, 1], []
+    for ids in prompts:
+        row = pool.alloc_row()
+        pool.write_row(row, 0, pool.alloc_slots(len(ids)))
+        rows.append(row)
+    # The cached prefixes: their K/V in the pool, as a prefill of them alone leaves it.
+    width = max(starts)
+    prefix = torch.tensor([p[:width] for p in prompts])
+    native.prefill(pool, prefix, torch.tensor(starts), torch.tensor(rows))
+    tail = max(len(p) - s for p, s in zip(prompts, starts, strict=True))
+    ids = torch.full((2, tail), runner.pad_id)
+    for r, (p, s) in enumerate(zip(prompts, starts, strict=True)):
+        ids[r, : len(p) - s] = torch.tensor(p[s:])
+    lens = torch.tensor([len(p) - s for p, s in zip(prompts, starts, strict=True)])
+    args = (pool, ids, lens, torch.tensor(rows), torch.tensor(starts), max(map(len, prompts)))
+    whole = native.prefill_after(*args)
+    ctx = args[-1]
+    monkeypatch.setattr(modeling, "ATTENTION_CHUNK_ELEMENTS", 3 * 2 * native.num_heads * ctx)
+    chunked = native.prefill_after(*args)
+    for r, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(chunked[r, :n], whole[r, :n], rtol=1e-5, atol=1e-5)
+    # And both are the full prefill's states of those positions.
+    full = native.prefill(
+        pool, torch.tensor(prompts[0])[None], torch.tensor([40]), torch.tensor(rows[:1])
+    )
+    torch.testing.assert_close(chunked[0, : lens[0]], full[0, starts[0] :], rtol=1e-4, atol=1e-4)

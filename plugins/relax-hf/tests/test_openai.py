@@ -35,7 +35,11 @@ def test_chat_uses_the_tokenizers_chat_template(
     out = shared_server.http.ok("/v1/chat/completions", CHAT)
     assert out["object"] == "chat.completion" and out["model"] == "tiny"
     choice = out["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": raw["text"]}
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": raw["text"],
+        "reasoning_content": None,  # SGLang's ChatMessage: null without a reasoning parser
+    }
     n = raw["meta_info"]["completion_tokens"]
     assert out["usage"] == {
         "prompt_tokens": len(ids),
@@ -54,6 +58,24 @@ def test_chat_stream_deltas_add_up_to_the_whole_answer(shared_server: EngineServ
     assert text == whole
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_stream_deltas_carry_reasoning_content_as_sglangs(
+    shared_server: EngineServer,
+) -> None:
+    # SGLang's StreamDelta: reasoning_content in every delta (null without a reasoning
+    # parser), role and content only where set; SGLang's clients read the key.
+    import openai
+
+    chunks = _chunks(shared_server.http.stream("/v1/chat/completions", {**CHAT, "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"reasoning_content": None, "role": "assistant", "content": ""}
+    assert all(set(d) == {"reasoning_content", "content"} for d in deltas[1:-1])
+    assert deltas[-1] == {"reasoning_content": None}  # the finish chunk
+    client = openai.OpenAI(base_url=shared_server.url + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(**CHAT, stream=True)  # type: ignore[call-overload]
+    seen = [c.choices[0].delta for c in stream]
+    assert seen and all(d.model_extra == {"reasoning_content": None} for d in seen)
 
 
 def test_chat_logprobs_follow_openais_shape(shared_server: EngineServer) -> None:

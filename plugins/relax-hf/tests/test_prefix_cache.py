@@ -448,3 +448,67 @@ def test_the_least_recently_used_prefix_is_evicted_first(tiny_model: Path) -> No
     cache.unlock(node)
     cache.clear()
     assert pool.free_slots == 32 and cache.tokens == 0
+
+
+#: A prompt longer than any prefill budget: every prompt starts with the same (BOS-like)
+#: token, so the prefix cache matches one token and the prefill after the match runs the rest.
+LONG_PROMPT = 50_000
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set size so far (``VmHWM``), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+@pytest.fixture(scope="module")
+def long_context(start_server: Any, tmp_path_factory: pytest.TempPathFactory) -> EngineServer:
+    """The micro model (2 layers, 2 query heads on 1 KV head) with room for a 50k-token prompt."""
+    model = make_tiny_model(tmp_path_factory.mktemp("micro-model"), seed=0, size="micro")
+    room = str(LONG_PROMPT + 64)
+    return start_server(  # type: ignore[no-any-return]
+        "hf-long-context",
+        model=model,
+        extra_args=("--context-length", room, "--max-total-tokens", room),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two prefills of 50k tokens on a shared CPU
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/<pid>/status")
+def test_input_logprobs_after_a_one_token_match_stay_bounded_in_memory(
+    long_context: EngineServer,
+) -> None:
+    # The prefill after a cached prefix attends the context in chunks of queries: it never
+    # holds a prompt x context mask or score matrix (at 50k tokens that would be tens of GiB).
+    server = long_context
+    rng = np.random.default_rng(1)
+    first = 7
+    prompt = [first] + [int(t) for t in rng.integers(10, 400, size=LONG_PROMPT - 1)]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 0, **GREEDY},
+        "return_logprob": True,
+        "logprob_start_len": 1,  # a match of at most one token, as after a shared BOS
+    }
+    server.http.ok("/flush_cache")
+    _gen(server, [first, 11, 12, 13], 2)  # the cache now holds the first token
+    before = _peak_rss(server.process.pid)
+    matched = server.http.ok("/generate", body, timeout=300)["meta_info"]
+    grown = _peak_rss(server.process.pid) - before
+    assert matched["cached_tokens"] == 1
+    assert grown < 2 * 2**30, f"peak RSS grew by {grown / 2**30:.2f} GiB"
+
+    server.http.ok("/flush_cache")
+    full = server.http.ok("/generate", body, timeout=300)["meta_info"]
+    assert full["cached_tokens"] == 0
+    got, want = matched["input_token_logprobs"], full["input_token_logprobs"]
+    assert len(got) == len(want) == LONG_PROMPT - 1
+    assert [t for _, t, _ in got] == [t for _, t, _ in want]
+    assert got[0][0] is None and want[0][0] is None
+    np.testing.assert_allclose(
+        [lp for lp, _, _ in got[1:]], [lp for lp, _, _ in want[1:]], rtol=1e-4, atol=1e-4
+    )

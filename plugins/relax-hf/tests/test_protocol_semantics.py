@@ -319,13 +319,35 @@ def test_echo_with_stream_and_max_tokens_0_scores_each_prompt_in_one_chunk(
 
 
 def test_server_info_has_sglangs_startup_time_and_memory_usage(
-    shared_server: EngineServer,
+    shared_server: EngineServer, sglang_source: Any
 ) -> None:
+    # The shapes of SGLang 0.5.23's (observability/startup_time.py, memory_usage.py), with
+    # the CUDA-graph phases read from its source.
+    phases = sglang_source.constant(
+        "srt/model_executor/graph_memory_usage.py", "GRAPH_MEMORY_USAGE_KEYS"
+    )
     info = shared_server.http.ok("/server_info")
-    assert set(info["startup_time"]) >= {"load_weight", "kv_cache_allocation", "scheduler_e2e"}
-    usage = info["internal_states"][0]["memory_usage"]
+    startup = info["startup_time"]
+    assert set(startup) == {
+        "load_weight",
+        "kv_cache_allocation",
+        "scheduler_e2e",
+        "cuda_graph",
+        "tokenizer_e2e",
+    }
+    assert set(startup["cuda_graph"]) == set(phases)
+    assert startup["cuda_graph"]["decode"] == 0.0  # a CPU engine captures no graph
+    state = info["internal_states"][0]
+    assert set(state["startup_time"]) == set(startup) - {"tokenizer_e2e"}  # the scheduler's
+    usage = state["memory_usage"]
+    keys = sglang_source.returned_keys(
+        "srt/managers/scheduler_components/memory_usage.py", "build_memory_usage"
+    )
+    assert list(usage) == keys
     assert usage["token_capacity"] == info["max_total_num_tokens"]
-    assert usage["weight"] > 0 and usage["kvcache"] > 0
+    assert usage["token_capacity_swa"] is None  # no sliding-window layers
+    assert usage["weight"] > 0 and usage["kvcache"] > 0 and usage["startup_available"] > 0
+    assert usage["graph"] == dict.fromkeys(phases, 0.0)
 
 
 def test_model_info_follows_a_disk_update(start_server: Any, tmp_path: Path) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from relax_hf.responses_api import _status
 from relax_hf.testing import EngineServer
+from relax_hf.tiny import CHAT_TEMPLATE
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -62,6 +65,82 @@ def test_detokenize_inverts_tokenize(shared_server: EngineServer, path: str) -> 
     assert both[0] == "The sea is calm" and len(both) == 2
     status, err = shared_server.http.post(path, {"tokens": [1, 10**6]})
     assert status == 400 and "out of vocabulary" in err["message"] and err["param"] == "tokens"
+
+
+#: A chat template that writes the tools it gets (the tiny model's ignores them).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TIME = {"type": "function", "function": {"description": "The time.", "name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def tools_server(
+    start_server: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> EngineServer:
+    """The tiny model with :data:`TOOLS_TEMPLATE` as its chat template."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path_factory.mktemp("tools-template")
+    for f in tiny_model.iterdir():
+        shutil.copy(f, model / f.name)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(model)
+    return start_server("hf-tools-template", model=model)  # type: ignore[no-any-return]
+
+
+def test_tokenize_passes_tools_to_the_chat_template_as_sglang(
+    tools_server: EngineServer, tokenizer: Any
+) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+
+    def tokenize(**kw: Any) -> list[int]:
+        return tools_server.http.ok("/v1/tokenize", {"messages": messages, **kw})["tokens"]  # type: ignore[no-any-return]
+
+    def rendered(tools: list[dict[str, Any]] | None) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    # SGLang's Tool.model_dump(): description and parameters written as null when missing,
+    # the function's keys in the order the client sent them, the tool's defer_loading.
+    weather = {
+        "type": "function",
+        "function": {**WEATHER["function"], "description": None},  # type: ignore[dict-item]
+        "defer_loading": None,
+    }
+    time_ = {"type": "function", "function": {**TIME["function"], "parameters": None}}
+    time_["defer_loading"] = None
+    assert tokenize() == rendered(None)
+    assert tokenize(tools=[WEATHER, TIME]) == rendered([weather, time_]) != rendered(None)
+    assert tokenize(tools=[WEATHER, TIME], tool_choice="auto") == rendered([weather, time_])
+    assert tokenize(tools=[WEATHER, TIME], tool_choice="none") == rendered(None)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert tokenize(tools=[WEATHER, TIME], tool_choice=named) == rendered([time_])
+    # The chat route runs the same prompt (the openai client sends tools and tool_choice).
+    client = openai.OpenAI(base_url=tools_server.url + "/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(
+        model="any",
+        messages=messages,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        max_tokens=1,
+        temperature=0,
+    )
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == len(rendered([weather, time_]))
+    status, err = tools_server.http.post(
+        "/v1/tokenize", {"messages": messages, "tools": [{"type": "function"}]}
+    )
+    assert status == 400 and err["param"] == "tools[0]", err
 
 
 # -- a model's card ---------------------------------------------------------------------------
@@ -229,6 +308,52 @@ def test_a_previous_response_continues_its_conversation_from_the_cache(
             model="tiny", input="x", previous_response_id="resp_nope", max_output_tokens=2
         )
     assert "Response with id 'resp_nope' not found." in str(info.value)
+
+
+def test_a_malformed_response_id_is_a_400_as_in_sglang(
+    client: openai.OpenAI, shared_server: EngineServer
+) -> None:
+    # SGLang tells an id that cannot be a response's (every one begins with resp_) from one
+    # it does not hold (404, above).
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(
+            model="tiny", input="x", previous_response_id="nope", max_output_tokens=2
+        )
+    assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert "Invalid 'response_id': 'nope'. Expected an ID that begins with 'resp'." in str(
+        info.value
+    )
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.retrieve("nope")
+    assert info.value.body["param"] == "response_id"  # type: ignore[index]
+    status, _ = shared_server.http.get("/v1/responses/resp_nope")
+    assert status == 404
+
+
+SERVING_RESPONSES = "srt/entrypoints/openai/serving_responses.py"
+
+
+def test_a_length_finish_is_incomplete_with_sglangs_status_event_and_usage(
+    client: openai.OpenAI, sglang_source: Any
+) -> None:
+    # As SGLang 0.5.23's Responses server: the status of a finish reason, the stream's last
+    # event named after it, and the usage's keys (protocol.ResponsesResponse's serializer).
+    status_of = sglang_source.function(
+        SERVING_RESPONSES, "_status_from_finish_reason", "OpenAIServingResponses"
+    )
+    for reason in ({"type": "length", "length": 1}, {"type": "stop", "matched": 5}):
+        assert _status(reason) == status_of(reason)
+    assert _status({"type": "abort", "message": "x"}) == status_of({"type": "abort"}) == "failed"
+    kw: dict[str, Any] = {"model": "tiny", "input": "Once", "max_output_tokens": 1}
+    whole = client.responses.create(**kw, temperature=0)
+    assert whole.status == status_of({"type": "length"}) == "incomplete"
+    events = list(client.responses.create(**kw, temperature=0, stream=True))
+    assert events[-1].type == f"response.{whole.status}"
+    usage_keys = sglang_source.returned_keys(
+        "srt/entrypoints/openai/protocol.py", "_serialize_usage", "ResponsesResponse"
+    )
+    assert whole.usage is not None
+    assert sorted(whole.usage.model_dump()) == sorted(usage_keys)
 
 
 def test_a_streamed_response_sends_the_event_sequence_and_the_same_text(
