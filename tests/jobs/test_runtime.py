@@ -2,17 +2,16 @@
 sleep and tear down through the same :class:`~relax_core.jobs.JobRuntime`, so every line about
 it comes from one place.
 
-The runtime is driven with fake model handles (a :class:`~relax_core.jobs.ModelHandle` is all
-it needs of a model); the placement plan is the real, pure planner's. The two commands are run
-for real (``relax_core.commands.serve.run`` and ``relax_core.commands.run.run``, argument
-parsing, checks, printing), with Ray and the placement groups replaced by a fake that adds a
-model and stops the start there: no Ray, no engine, a second each.
+The runtime's phases and teardown order are driven with fake model handles (a
+:class:`~relax_core.jobs.ModelHandle` is all it needs of a model); the placement plan is the
+real, pure planner's. The "one runtime" claim itself is checked with both commands run for real
+(``relax_core.commands.serve.run`` and ``relax_core.commands.run.run``) on the session's local
+Ray, with real managers and the test plugin's simulated engines, whose start fails for real.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import signal
 from collections.abc import Iterator
@@ -197,17 +196,30 @@ def test_a_part_that_fails_to_stop_is_a_problem_and_everything_else_still_stops(
 
 # -- both commands, one teardown -----------------------------------------------------------
 
+#: Two models on the test plugin's simulated engine (real engine processes, no model), started
+#: in one phase: the judge's engine starts; the policy's is given an option it does not know and
+#: exits at once. Both commands really start the job (Ray actors, managers, engines), really
+#: fail its start, and must stop the judge's engine: every start of a phase ends before the
+#: start raises, so the judge's engine is always running (or its start failed, which the
+#: assertions would show) when the teardown comes.
 RUN_JOB = """\
 [roles.rollout.models.policy]
-backend = "hf"
+backend = "test-sim"
 device = "cpu"
 model_path = "policy"
 route_mode = "DIRECT"
 weight_source = "ACTOR"
+extra_args = ["--no-such-option"]
 
 [run]
 steps = 1
+trainer = "record-fields"
 rewards = [{ adapter = "exact-match" }]
+
+[roles.genrm.models.judge]
+backend = "test-sim"
+device = "cpu"
+model_path = "policy"
 """
 
 
@@ -223,22 +235,10 @@ def job_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def no_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
-    """Both commands run without Ray: the session is a fake, binding adds one fake model and
-    stops the start there; every teardown of a JobRuntime is recorded with what it said.
-    The signal handlers the commands install are put back afterwards."""
-    import relax_core.commands.serve as serve_command
-    import relax_core.jobs as jobs
-    import relax_core.run.job as run_job
-
-    @contextlib.contextmanager
-    def fake_session(address: Any, config: Any, out: Any = None) -> Iterator[str]:
-        yield "no Ray (a test)"
-
-    def fake_bind(self: JobRuntime, config: Any, *, detach: bool = False) -> Any:
-        self.add(FakeModel("rollout", "policy", []))
-        raise LifecycleError("the test stops the start here")
-
+def teardowns(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
+    """Every teardown of a JobRuntime, with what it said. A spy, not a fake: it calls the real
+    teardown and only records its lines. The signal handlers the commands install are put back
+    afterwards."""
     torn_down: list[list[str]] = []
     teardown = JobRuntime.teardown
 
@@ -253,12 +253,7 @@ def no_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
         torn_down.append(said)
         return problems
 
-    monkeypatch.setattr(serve_command, "ray_session", fake_session)
-    monkeypatch.setattr(jobs, "ray_session", fake_session)
-    monkeypatch.setattr(JobRuntime, "bind", fake_bind)
     monkeypatch.setattr(JobRuntime, "teardown", spy)
-    # The trainer is not what this test is about (and is a plugin of its own).
-    monkeypatch.setattr(run_job, "run_problems", lambda config, settings, pm: [])
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield torn_down
@@ -274,9 +269,12 @@ def _command(module: Any, *argv: str) -> int:
     return code
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_relax_serve_and_relax_run_tear_down_through_the_one_job_runtime(
+    ray_local: Any,
     job_file: Path,
-    no_ray: list[list[str]],
+    teardowns: list[list[str]],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -284,14 +282,15 @@ def test_relax_serve_and_relax_run_tear_down_through_the_one_job_runtime(
     import relax_core.commands.serve as serve_command
 
     logs = str(tmp_path / "logs")
+    # Both commands find the session's Ray connected and run on it; neither stops it.
     assert _command(serve_command, str(job_file), "--log-dir", logs) == 1
     served = capsys.readouterr()
     assert _command(run_command, str(job_file), "--log-dir", logs) == 1
     ran = capsys.readouterr()
 
     # Each command tore its job down exactly once, through JobRuntime.teardown ...
-    assert len(no_ray) == 2, no_ray
-    serve_lines, run_lines = no_ray
+    assert len(teardowns) == 2, teardowns
+    serve_lines, run_lines = teardowns
 
     def unstamped(lines: list[str]) -> list[str]:
         return [re.sub(r"^  \[ *[\d.]+s\] ", "", line) for line in lines]
@@ -301,11 +300,13 @@ def test_relax_serve_and_relax_run_tear_down_through_the_one_job_runtime(
         unstamped(serve_lines)
         == unstamped(run_lines)
         == [
-            "managers stopped (1)",
-            "engines stopped (0 processes)",
+            "managers stopped (2)",
+            "engines stopped (1 processes)",
         ]
     )
     assert all(line in served.out for line in serve_lines), served.out
     assert all(line in ran.out + ran.err for line in run_lines), ran.out + ran.err
-    assert "the test stops the start here" in served.err
-    assert "the test stops the start here" in ran.err
+    # Both failed for the one real reason: the engine process exited while it started.
+    for out in (served, ran):
+        assert "engines did not become READY" in out.err, out.err
+        assert "--no-such-option" in out.err, out.err

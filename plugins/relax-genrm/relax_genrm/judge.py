@@ -131,14 +131,23 @@ class JudgeClient:
 
     :param gateway_url: the genrm gateway's base URL (``http://host:port``).
     :param token: the gateway's bearer token, if it has one.
+    :param keepalive: seconds an idle connection is kept for reuse. Below the gateway's own
+        keep-alive (30 s), so the gateway never closes a connection this client may pick: a
+        judgement is a POST, which aiohttp never sends again after such a close.
     """
 
     def __init__(
-        self, gateway_url: str, *, token: str | None = None, timeout: float = 120.0
+        self,
+        gateway_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 120.0,
+        keepalive: float = 4.0,
     ) -> None:
         self.url = gateway_url.rstrip("/") + "/genrm/generate"
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._keepalive = keepalive
         self._session: aiohttp.ClientSession | None = None
 
     async def judge(
@@ -160,7 +169,10 @@ class JudgeClient:
             retried).
         """
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(keepalive_timeout=self._keepalive),
+            )
         body: dict[str, Any] = {
             "messages": messages,
             "sampling_params": dict(sampling_params or JUDGE_SAMPLING),
