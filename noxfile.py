@@ -144,6 +144,14 @@ def learn(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def install_route(session: nox.Session) -> None:
+    """The README's pip route for real (not part of ``tests``): a fresh virtual environment,
+    ``pip install -r requirements-local.txt``, ``relax demo`` and the agent example, each
+    phase timed (``--json FILE`` keeps the times)."""
+    session.run("python", "-m", "tests.install_route", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def fuzz(session: nox.Session) -> None:
     """schemathesis against each role gateway's OpenAPI document: no undocumented 5xx."""
     _install_project(session, "test")

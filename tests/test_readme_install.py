@@ -132,7 +132,8 @@ def _demo_installs(noxfile: ModuleType) -> tuple[set[str], set[tuple[bool, Path,
     return specs, local
 
 
-def test_the_readme_pip_route_installs_from_the_requirements_file_then_runs_the_demo() -> None:
+def test_the_readme_pip_route_line_installs_the_requirements_file_then_runs_relax_demo() -> None:
+    # This reads the README's line; `nox -s install_route` (tests/install_route.py) runs it.
     commands = _quickstart_install()
     assert commands[-1] == ["relax", "demo"]
     assert _requirements_file().is_file()
