@@ -8,13 +8,8 @@ import json
 import subprocess
 import sys
 
-<<<<<<< HEAD:tests/bench/test_bench_async.py
 import pytest
-
-from relax_core.bench import async_steps as bench
-=======
 from relax_bench import async_steps as bench
->>>>>>> moves:plugins/relax-bench/tests/test_bench_async.py
 
 
 def test_quick_run_trains_every_step_in_both_modes_within_the_staleness_bound() -> None:
