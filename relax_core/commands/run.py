@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
         config = resolve_model_paths(loaded)
-        settings = parse_run_config(config)
+        settings = parse_run_config(config, pm)
     except ConfigValidationError as exc:
         return reject("run", [str(p) for p in exc.problems])
     if args.steps is not None:
