@@ -23,6 +23,7 @@ __all__ = [
     "ROUTE_MODES",
     "UPDATE_PATHS",
     "BenchmarkSpec",
+    "CommandSpec",
     "DataSourceSpec",
     "EngineBackend",
     "EngineLaunchSpec",
@@ -933,3 +934,32 @@ class BenchmarkSpec:
     format_result: Callable[[Mapping[str, Any]], str] | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CommandSpec:
+    """A sub-command of ``relax`` a plugin adds (``relax report RUN_DIR``).
+
+    ``help``: its one line in ``relax --help`` (and its ``--help``'s description).
+    ``add_arguments(parser)`` adds its arguments to its ``argparse`` parser; ``run(args) ->
+    int`` runs it with the parsed ``argparse.Namespace`` and returns the exit status (a
+    :class:`~relax_core.RelaxError` it raises is printed as ``relax NAME: error: …``, exit
+    status 2). Import heavy libraries inside ``run``: every ``relax`` command builds its parser
+    from every plugin's commands. A name the core's own commands have, or another plugin's, is
+    refused with both named.
+
+    :raises ValueError: a bad name, or ``add_arguments`` / ``run`` is not callable.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    help: str = attrs.field(validator=attrs.validators.instance_of(str))
+    add_arguments: Callable[[Any], None] = attrs.field(validator=attrs.validators.is_callable())
+    run: Callable[[Any], int] = attrs.field(validator=attrs.validators.is_callable())
+
+    @property
+    def description(self) -> str:
+        """What ``relax plugins`` shows of it: its ``help``."""
+        return self.help
