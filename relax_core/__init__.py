@@ -140,6 +140,7 @@ from relax_core.placement import (
 from relax_core.plugins import PluginManager, get_plugin_manager, module_plugin
 from relax_core.records import (
     BenchmarkSpec,
+    CommandSpec,
     DataSourceSpec,
     EngineBackend,
     EngineLaunchSpec,
@@ -205,6 +206,7 @@ __all__ = [
     "CapabilityError",
     "ChannelError",
     "ChatTurns",
+    "CommandSpec",
     "ConfigError",
     "ConfigProblem",
     "ConfigReader",

@@ -1,7 +1,7 @@
 """The core's own plugin: built-in weight sources, routing policies, placement modes, prompt
 sources (``arithmetic``, ``jsonl``), rollout shapes (``single-turn``, ``multi-turn``), the
 ``calculator`` environment and its ``environment`` reward adapter, stage kinds (``reward``,
-``eval``) and trackers (``jsonl``, ``tensorboard``).
+``eval``).
 
 Registered by :meth:`relax_core.plugins.PluginManager.create` under the name ``relax-core``.
 Each hook implementation lives beside the code it registers and is re-exported here.
@@ -22,7 +22,6 @@ from relax_core.placement.modes import relax_register_placement_modes  # noqa: F
 from relax_core.records import WeightSource
 from relax_core.run.data import relax_register_data_sources  # noqa: F401
 from relax_core.run.stages import relax_register_stages  # noqa: F401
-from relax_core.tracking.builtin import relax_register_trackers  # noqa: F401
 
 STATIC = WeightSource(
     name="STATIC",

@@ -18,7 +18,8 @@ first needs the kind. They are grouped by the phase in which their records are u
   ``[run]`` table is checked, before anything starts; trackers (who hears what the run
   did: its config, each committed step's metrics, each phase, samples to inspect) — opened
   when the steps begin, closed when the run ends, however it ends;
-- **tools** (``relax bench``): benchmarks — collected when ``relax bench`` runs.
+- **tools** (``relax bench``, ``relax`` itself): benchmarks — collected when ``relax bench``
+  runs; commands (sub-commands of ``relax``) — collected when the command line is built.
 
 A plugin implements a hook under the same name and calls ``register`` once per record it adds;
 each hook below names its record and shows that call::
@@ -251,4 +252,18 @@ def relax_register_benchmarks(register: Callable[[records.BenchmarkSpec], None])
     :param register: call it once per :class:`~relax_core.records.BenchmarkSpec`, as in
         ``register(BenchmarkSpec(name="tokenize", run=measure_tokenize,
         description="tokens per second of the chat template"))``.
+    """
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+@hookspec
+def relax_register_commands(register: Callable[[records.CommandSpec], None]) -> None:
+    """Register sub-commands of ``relax`` (collected when the command line is built, by every
+    ``relax`` command).
+
+    :param register: call it once per :class:`~relax_core.records.CommandSpec`, as in
+        ``register(CommandSpec(name="report", help="Write a run's report.",
+        add_arguments=add_arguments, run=run))``.
     """

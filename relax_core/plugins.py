@@ -23,6 +23,7 @@ from relax_core import hookspecs
 from relax_core.errors import PluginError
 from relax_core.records import (
     BenchmarkSpec,
+    CommandSpec,
     DataSourceSpec,
     EngineBackend,
     EnvironmentSpec,
@@ -70,6 +71,7 @@ KINDS: Mapping[str, tuple[str, type[Any]]] = {
     "trainers": ("relax_register_trainers", TrainerSpec),
     "trackers": ("relax_register_trackers", TrackerSpec),
     "benchmarks": ("relax_register_benchmarks", BenchmarkSpec),
+    "commands": ("relax_register_commands", CommandSpec),
 }
 
 
@@ -88,6 +90,7 @@ _SINGULAR = {
     "trainers": "trainer",
     "trackers": "tracker",
     "benchmarks": "benchmark",
+    "commands": "command",
 }
 
 
@@ -321,6 +324,7 @@ class PluginManager:
     trainer = _lookup("trainers", TrainerSpec)
     tracker = _lookup("trackers", TrackerSpec)
     benchmark = _lookup("benchmarks", BenchmarkSpec)
+    command = _lookup("commands", CommandSpec)
 
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -23,6 +23,7 @@ __all__ = [
     "ROUTE_MODES",
     "UPDATE_PATHS",
     "BenchmarkSpec",
+    "CommandSpec",
     "DataSourceSpec",
     "EngineBackend",
     "EngineLaunchSpec",
@@ -382,7 +383,7 @@ def _check_options_record(instance: object, attribute: attrs.Attribute[Any], val
         return
     where = f"{type(instance).__name__}.{attribute.name}={value!r}"
     if not (isinstance(value, type) and attrs.has(value)):
-        raise ValueError(f"{where}: give an attrs frozen class (the engine table's keys) or None")
+        raise ValueError(f"{where}: give an attrs frozen class (the table's keys) or None")
     # A model without an ``engine`` table gets the record's defaults.
     missing = [f.name for f in attrs.fields(value) if f.default is attrs.NOTHING]
     if missing:
@@ -696,12 +697,28 @@ class TrainerSpec:
     the actor's worker process (a module of an installed distribution), and should not import
     torch or a training framework at module level: plugins load in every ``relax`` command.
 
-    :raises ValueError: a bad name, or ``trainer_class`` is not a class with both methods.
+    ``options``: the trainer's own options record, an ``attrs`` frozen class whose fields (each
+    with a default) are keys of the ``[run]`` table the trainer reads (``learning_rate``,
+    ``clip``…), read as :meth:`~relax_core.ConfigReader.record` reads a record and checked
+    before anything starts, at their key path (``run.learning_rate``); the trainer gets the
+    instance as ``context.options``. ``None``: it reads no keys of its own. ``check(run) ->
+    list[ConfigProblem]``: the problems across its options (``run.trainer_options``) and the
+    rest of the table (its stages, its mode), found before anything starts; ``None``: none.
+    ``default``: the trainer a job file that names none gets when several are installed (with
+    one installed, that one is used either way); two installed defaults make the job name one.
+
+    :raises ValueError: a bad name, ``trainer_class`` is not a class with both methods, or
+        ``options`` is not an attrs class whose every field has a default.
     """
 
     name: str = attrs.field(validator=_check_name)
     trainer_class: type[Any] = attrs.field(validator=_check_trainer_class)
     description: str = ""
+    options: type[Any] | None = attrs.field(default=None, validator=_check_options_record)
+    check: Callable[[Any], Sequence[Any]] | None = attrs.field(
+        default=None, validator=_optional_callable
+    )
+    default: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 # -- trackers ----------------------------------------------------------------------------------
@@ -917,3 +934,32 @@ class BenchmarkSpec:
     format_result: Callable[[Mapping[str, Any]], str] | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CommandSpec:
+    """A sub-command of ``relax`` a plugin adds (``relax report RUN_DIR``).
+
+    ``help``: its one line in ``relax --help`` (and its ``--help``'s description).
+    ``add_arguments(parser)`` adds its arguments to its ``argparse`` parser; ``run(args) ->
+    int`` runs it with the parsed ``argparse.Namespace`` and returns the exit status (a
+    :class:`~relax_core.RelaxError` it raises is printed as ``relax NAME: error: …``, exit
+    status 2). Import heavy libraries inside ``run``: every ``relax`` command builds its parser
+    from every plugin's commands. A name the core's own commands have, or another plugin's, is
+    refused with both named.
+
+    :raises ValueError: a bad name, or ``add_arguments`` / ``run`` is not callable.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    help: str = attrs.field(validator=attrs.validators.instance_of(str))
+    add_arguments: Callable[[Any], None] = attrs.field(validator=attrs.validators.is_callable())
+    run: Callable[[Any], int] = attrs.field(validator=attrs.validators.is_callable())
+
+    @property
+    def description(self) -> str:
+        """What ``relax plugins`` shows of it: its ``help``."""
+        return self.help

@@ -27,7 +27,6 @@ PACKAGES = [
     "relax_core.jobs",
     "relax_core.manager",
     "relax_core.placement",
-    "relax_core.report",
     "relax_core.run",
     "relax_core.tracking",
 ]

@@ -58,7 +58,7 @@ def _run_problems(config: JobConfig, pm: PluginManager) -> list[str]:
     from relax_core.run.job import run_problems
 
     try:
-        settings = parse_run_config(config)
+        settings = parse_run_config(config, pm)
     except ConfigValidationError as exc:
         return [str(p) for p in exc.problems]
     return run_problems(config, settings, pm)

@@ -8,8 +8,9 @@ engines phase by phase, the trainer, the coordinator and the batch sink: see
 With trackers (``[run] trackers``, ``--tracker``) or ``--report`` the run keeps its records in a
 run directory (``--run-dir``, default ``relax-runs/<job>``): the trackers' files, the trace
 (``trace.json`` unless ``--trace`` names another file) and, with ``--report``, ``report.html``
-(``relax report``), written after the shutdown. ``--metrics-port`` serves the driver's
-Prometheus metrics while the command runs (``relax_core.run.metrics``).
+(``relax report``), written by the ``jsonl`` tracker as it closes (its ``report`` option).
+``--metrics-port`` serves the driver's Prometheus metrics while the command runs
+(``relax_core.run.metrics``).
 
 Exit status: 0 when every step committed and nothing is left running; 1 when a step failed,
 an engine did not start or the shutdown left something (named on stderr); 2 when the job was
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 import shutil
 import sys
@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--report",
         action="store_true",
-        help="write RUN_DIR/report.html at the end (relax report; turns the jsonl tracker on)",
+        help="write RUN_DIR/report.html at the end (relax report; turns the jsonl tracker on, "
+        "with its report option)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -120,6 +121,12 @@ def _with_trackers(settings: Any, args: argparse.Namespace) -> Any:
             where = f"--tracker[{i}]" if i < len(args.tracker) else "--report"
             entries.append(TrackerEntry(name, {}, where))
             names.append(name)
+    if args.report:
+        # The jsonl tracker writes RUN_DIR/report.html as it closes (its report option).
+        entries = [
+            attrs.evolve(e, options={**e.options, "report": True}) if e.name == "jsonl" else e
+            for e in entries
+        ]
     strict = settings.strict_trackers or args.strict_trackers
     return attrs.evolve(settings, trackers=tuple(entries), strict_trackers=strict)
 
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
         config = resolve_model_paths(loaded)
-        settings = parse_run_config(config)
+        settings = parse_run_config(config, pm)
     except ConfigValidationError as exc:
         return reject("run", [str(p) for p in exc.problems])
     if args.steps is not None:
@@ -161,11 +168,6 @@ def run(args: argparse.Namespace) -> int:
     settings = _with_trackers(settings, args)
     found = job_preflight(loaded, pm, address=args.address)
     problems = run_problems(config, settings, pm) + [str(p) for p in found.problems]
-    if args.report and importlib.util.find_spec("plotly") is None:
-        problems.append(
-            "--report: the report needs plotly, which is not installed: pip install "
-            "'relax-core[report]'"
-        )
     name = args.job or f"run-{os.getpid()}"
     run_dir = args.run_dir
     if run_dir is None and settings.trackers:
@@ -291,24 +293,9 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         return 1
-    if args.report and run_dir is not None:
-        status = _report(run_dir, printer) or status
     if temp_logs and status == 0:
         shutil.rmtree(log_dir, ignore_errors=True)
     elif temp_logs:
         printer.say(f"relax run: engine logs kept in {log_dir}")
     printer.say("relax run: stopped; nothing left running")
     return status
-
-
-def _report(run_dir: str, printer: Any) -> int:
-    """Write the run's report; 1 (said on stderr) if it could not be written."""
-    from relax_core.report import write_report
-
-    try:
-        path = write_report(run_dir)
-    except (OSError, ValueError) as exc:
-        print(f"relax run: the report could not be written: {exc}", file=sys.stderr, flush=True)
-        return 1
-    printer.say(f"relax run: report in {path}")
-    return 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -29,8 +29,11 @@ from relax_core.config import ConfigReader, JobConfig
 from relax_core.records import NAME_PATTERN
 from relax_core.tracking.tracker import TrackerEntry
 
+if TYPE_CHECKING:
+    from relax_core.plugins import PluginManager
+    from relax_core.records import TrainerSpec
+
 __all__ = [
-    "DEFAULT_TRAINER",
     "DISTILL_STAGE",
     "PUSH_BUCKET_BYTES",
     "PUSH_FORMATS",
@@ -54,10 +57,6 @@ TEACHER_MODES = ("sampled", "top-k")
 PUSH_FORMATS = ("safetensors", "ipc", "distributed")
 #: ``push_bucket_bytes``' default: the size of one bucket of a weight push (512 MiB).
 PUSH_BUCKET_BYTES = 512 << 20
-#: The trainer ``relax run`` uses unless ``trainer`` names another: the registered name of the
-#: reference torch trainer (GRPO plus distillation), which the ``relax-torch-trainer``
-#: distribution registers.
-DEFAULT_TRAINER = "grpo"
 #: ``mode`` values: each step's phases one after the other, or generation of the next steps
 #: overlapping the scoring, commit and training of this one (``docs/run.md``).
 RUN_MODES = ("sync", "async")
@@ -128,9 +127,12 @@ class RunConfig:
 
     ``dataset`` names a registered prompt source or a file one reads (as written; resolved
     against the job file's directory, ``base``, when opened). ``stages`` are the step's
-    stages in order (:class:`StageTable`). ``distill_coef`` and the learning settings are the
-    trainer's. ``partial_rollout`` is accepted only so the defer preflight can say why it is
-    refused.
+    stages in order (:class:`StageTable`). ``trainer`` is the trainer's name (the one
+    registered trainer when the table names none) or a ``package.module:ClassName`` path;
+    ``trainer_options`` the instance of its options record
+    (:attr:`~relax_core.records.TrainerSpec.options`) read from the table's other keys
+    (``learning_rate``…), ``None`` when it has none. ``partial_rollout`` is accepted only so
+    the defer preflight can say why it is refused.
 
     ``mode`` is ``sync`` (each step's phases in turn) or ``async``: generation of steps
     ``N+1 … N+max_staleness`` runs while step ``N`` is scored, committed and trained, and no
@@ -138,9 +140,7 @@ class RunConfig:
     trainer's is trained on (``stale_action``: generated again or dropped, counted).
     ``stream_scoring`` (async mode): the leading stages that can (the reward stage, the
     teacher's prefill) score each group as it completes, ``stream_concurrency`` groups at a
-    time, where their role is not deferred. ``importance_cap`` (the trainer's off-policy
-    correction, 0: off; 2 by default in async mode): the truncated importance weight
-    ``min(π_trainer / π_rollout, cap)`` of each token, decoupled from PPO's clip.
+    time, where their role is not deferred.
     ``push_pause``: how a push meets rollout's requests in flight (:data:`PUSH_PAUSES`;
     ``in_place`` by default in async mode, the fence otherwise). ``push_bucket_bytes``: the
     size of one bucket of a push (one flat buffer, one engine call; a larger tensor gets a
@@ -155,11 +155,9 @@ class RunConfig:
     temperature: float = 1.0
     stages: tuple[StageTable, ...] = ()
     generation: GenerationTable = GenerationTable()
-    distill_coef: float = 1.0
-    learning_rate: float = 1e-5
-    clip: float = 0.2
     seed: int = 0
-    trainer: str = DEFAULT_TRAINER
+    trainer: str = ""
+    trainer_options: Any = None
     trainer_device: str = "cpu"
     push_format: str = "safetensors"
     operation_timeout: float = 180.0
@@ -173,7 +171,6 @@ class RunConfig:
     stale_action: str = "regenerate"
     stream_scoring: bool = True
     stream_concurrency: int = 8
-    importance_cap: float = 0.0
     push_pause: str = "fence"
     push_bucket_bytes: int = PUSH_BUCKET_BYTES
     base: str | None = None
@@ -188,18 +185,16 @@ class RunConfig:
 
 _SHORTHAND = ("rewards", "reward_role", "teacher_role", "teacher_mode", "top_k")
 _KEYS = (
-    *[f.name for f in attrs.fields(RunConfig) if f.name not in ("stages", "generation", "base")],
+    *[
+        f.name
+        for f in attrs.fields(RunConfig)
+        if f.name not in ("stages", "generation", "base", "trainer_options")
+    ],
     "generation",
     "stages",
     *_SHORTHAND,
     *_MOVED,
 )
-
-
-def _cap(v: Any) -> str | None:
-    if v == 0 or v >= 1:
-        return None
-    return f"must be 0 (off) or a cap >= 1 on the importance weight, got {v!r}"
 
 
 def _device(v: Any) -> str | None:
@@ -222,14 +217,25 @@ def _trainer(v: Any) -> str | None:
     )
 
 
-def parse_run_config(job: JobConfig) -> RunConfig:
+def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConfig:
     """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults).
+
+    The trainer (``trainer``, or the one trainer registered in ``pm``, default the
+    process-wide plugin manager) reads its own keys of the table through its options record
+    (:attr:`~relax_core.records.TrainerSpec.options`); any other key is unknown.
 
     :raises ConfigValidationError: every problem, each with its ``run.*`` key path.
     """
     r = ConfigReader()
     p = "run"
-    t = r.table(dict(job.run), p, _KEYS, unlisted=_MOVED)
+    raw = dict(job.run)
+    spec = _trainer_spec(r, raw, pm)
+    option_keys = _option_keys(spec)
+    named = raw.get("trainer")
+    if spec is None and isinstance(named, str) and NAME_PATTERN.match(named):
+        # A trainer nobody registered (run_problems says so): its keys cannot be told yet.
+        option_keys = tuple(k for k in raw if k not in _KEYS)
+    t = r.table(raw, p, (*_KEYS, *option_keys), unlisted=_MOVED)
     v = r.value
     for key, where in _MOVED.items():
         if key in t:
@@ -246,12 +252,10 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         stages = _stage_tables(r, t["stages"])
     else:
         stages = _shorthand(r, t)
-    if "distill_coef" in t and "stages" not in t and "teacher_role" not in t:
-        r.problem(
-            f"{p}.distill_coef",
-            "teacher-role",
-            "there is no teacher stage without teacher_role; name the role to distill from",
-        )
+    trainer_options = None
+    if spec is not None and spec.options is not None:
+        own = {k: t[k] for k in option_keys if k in t}
+        trainer_options = r.record(own, p, spec.options)
     config = RunConfig(
         steps=v(t, p, "steps", int, 3, check=ConfigReader.at_least(1)),
         dataset=v(t, p, "dataset", str, "arithmetic", check=ConfigReader.non_empty),
@@ -261,11 +265,9 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         temperature=v(t, p, "temperature", float, 1.0, check=ConfigReader.at_least(0)),
         stages=stages,
         generation=_generation_table(r, t.get("generation")),
-        distill_coef=v(t, p, "distill_coef", float, 1.0, check=ConfigReader.at_least(0)),
-        learning_rate=v(t, p, "learning_rate", float, 1e-5, check=ConfigReader.positive),
-        clip=v(t, p, "clip", float, 0.2, check=ConfigReader.positive),
         seed=v(t, p, "seed", int, 0),
-        trainer=v(t, p, "trainer", str, DEFAULT_TRAINER, check=_trainer),
+        trainer=v(t, p, "trainer", str, spec.name if spec else "", check=_trainer),
+        trainer_options=trainer_options,
         trainer_device=v(t, p, "trainer_device", str, "cpu", check=_device),
         push_format=v(
             t, p, "push_format", str, "safetensors", check=ConfigReader.one_of(PUSH_FORMATS)
@@ -283,14 +285,6 @@ def parse_run_config(job: JobConfig) -> RunConfig:
         ),
         stream_scoring=v(t, p, "stream_scoring", bool, True),
         stream_concurrency=v(t, p, "stream_concurrency", int, 8, check=ConfigReader.at_least(1)),
-        importance_cap=v(
-            t,
-            p,
-            "importance_cap",
-            float,
-            2.0 if t.get("mode") == "async" else 0.0,
-            check=_cap,
-        ),
         push_pause=v(
             t,
             p,
@@ -327,8 +321,58 @@ def parse_run_config(job: JobConfig) -> RunConfig:
                     "mode",
                     f"{key} applies to mode = 'async' only; set mode = 'async' or remove it",
                 )
+    if (
+        spec is not None
+        and spec.check is not None
+        and (spec.options is None or trainer_options is not None)
+    ):
+        r.problems.extend(spec.check(config))
     r.raise_problems(job.source)
     return config
+
+
+def _trainer_spec(
+    r: ConfigReader, table: Mapping[str, Any], pm: PluginManager | None
+) -> TrainerSpec | None:
+    """The registered trainer the table names; when it names none, the one registered, or of
+    several the one whose record says it is the ``default`` (a problem at ``run.trainer``
+    otherwise); ``None`` for a class path or a name
+    nobody registered (``run_problems`` says so, listing the registered ones)."""
+    if pm is None:
+        from relax_core.plugins import get_plugin_manager
+
+        pm = get_plugin_manager()
+    registered = pm.registered("trainers")
+    name = table.get("trainer")
+    if name is None:
+        defaults = [n for n, found in registered.items() if found.record.default]
+        only = list(registered) if len(registered) == 1 else defaults
+        if len(only) == 1:
+            return registered[only[0]].record  # type: ignore[no-any-return]
+        if not registered:
+            why = "none is registered (install a trainer plugin)"
+        else:
+            why = f"{len(registered)} are registered ({', '.join(sorted(registered))}) and " + (
+                f"{len(defaults)} say they are the default ({', '.join(sorted(defaults))})"
+                if defaults
+                else "none says it is the default"
+            )
+        r.problem(
+            "run.trainer",
+            "required",
+            f"name the trainer: {why}; trainer = 'NAME' (relax plugins lists them) or "
+            "'package.module:ClassName'",
+        )
+        return None
+    found = registered.get(name) if isinstance(name, str) else None
+    return found.record if found is not None else None  # type: ignore[no-any-return]
+
+
+def _option_keys(spec: TrainerSpec | None) -> tuple[str, ...]:
+    """The ``[run]`` keys the trainer's options record reads."""
+    if spec is None or spec.options is None:
+        return ()
+    return tuple(f.alias or f.name for f in attrs.fields(spec.options) if f.init)
 
 
 def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEntry, ...]:

@@ -401,14 +401,12 @@ class RunJob:
             sink=self.sink,
             rollout=self.rollout_actor,
             device=run.trainer_device,
-            learning_rate=run.learning_rate,
-            clip=run.clip,
-            distill_coef=run.distill_coef,
+            options=run.trainer_options,
+            mode=run.mode,
             fields=tuple(stage_fields(self.stages)),
             seed=run.seed,
             push_format=run.push_format,
             push_bucket_bytes=run.push_bucket_bytes,
-            importance_cap=run.importance_cap,
             push_pause=None if run.push_pause == "fence" else run.push_pause,
         )
         try:

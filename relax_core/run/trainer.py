@@ -22,9 +22,8 @@ is generated; the actor runs two calls at once (``--measure``'s copies, a push b
 
 ``[run] trainer`` names the class (:func:`load_trainer_class`): the name of a trainer a plugin
 registers through ``relax_register_trainers`` (a :class:`~relax_core.records.TrainerSpec`;
-the default, :data:`~relax_core.run.config.DEFAULT_TRAINER`, is the reference torch trainer of
-the ``relax-torch-trainer`` distribution), or ``package.module:Class`` for a class nobody
-registered. ``docs/run.md`` says how to write one.
+without ``trainer``, the one trainer installed), or ``package.module:Class`` for a class
+nobody registered. ``docs/run.md`` says how to write one.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import attrs
 
 from relax_core.errors import ConfigError, LifecycleError
 from relax_core.records import NAME_PATTERN, TRAINER_METHODS
-from relax_core.run.config import DEFAULT_TRAINER, PUSH_BUCKET_BYTES, PUSH_FORMATS
+from relax_core.run.config import PUSH_BUCKET_BYTES, PUSH_FORMATS
 
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
@@ -55,7 +54,9 @@ class TrainerContext:
     own…): each committed sample carries them in ``sample.fields``; a trainer picks its terms
     from them (the reference trainer distils on the teacher's top-k when
     ``teacher_topk_logprobs`` is there). ``commit_timeout`` bounds one ``wait_committed``.
-    ``importance_cap``: the off-policy correction's cap (``[run] importance_cap``; 0: none).
+    ``options``: the trainer's options (an instance of its
+    :attr:`~relax_core.records.TrainerSpec.options` record, read from ``[run]``; ``None``
+    without one). ``mode``: the run's mode (``sync`` or ``async``).
     ``push_pause``: the pause mode a push passes to the manager's update
     (``update_weights_from_tensor(..., pause=...)``; ``None``: the fence).
     ``push_bucket_bytes``: the size of one bucket of a push (``[run] push_bucket_bytes``;
@@ -68,15 +69,13 @@ class TrainerContext:
     sink: Any
     rollout: Any
     device: str = "cpu"
-    learning_rate: float = 1e-5
-    clip: float = 0.2
-    distill_coef: float = 0.0
+    options: Any = None
+    mode: str = "sync"
     fields: tuple[str, ...] = ()
     seed: int = 0
     push_format: str = "safetensors"
     micro_batch: int = 64
     commit_timeout: float = 3600.0
-    importance_cap: float = 0.0
     push_pause: str | None = None
     push_bucket_bytes: int = PUSH_BUCKET_BYTES
 
@@ -148,16 +147,11 @@ def _registered(name: str, pm: PluginManager | None) -> type[Trainer]:
             "run.trainer",
             f"{name!r} is neither a trainer's name nor 'package.module:ClassName'",
         )
-    hint = (
-        " (the default trainer comes with the relax-torch-trainer distribution)"
-        if name == DEFAULT_TRAINER
-        else ""
-    )
     raise ConfigError(
         "run.trainer",
         f"no trainer named {name!r} is registered (registered: "
-        f"{', '.join(sorted(registered)) or 'none'}); install the plugin that provides it"
-        f"{hint}, or give a class as 'package.module:ClassName'",
+        f"{', '.join(sorted(registered)) or 'none'}); install the plugin that provides it, or "
+        "give a class as 'package.module:ClassName'",
     )
 
 

@@ -5,27 +5,20 @@
   :class:`TrackerEntry` of ``[run] trackers``;
 - :mod:`~relax_core.tracking.hub`: :class:`Trackers`, a run's open trackers fed from a thread
   of their own (a failing one reported once), and :func:`tracker_problems`;
-- :mod:`~relax_core.tracking.metrics`: a step's metrics and the sample rows trackers hear;
-- :mod:`~relax_core.tracking.jsonl`, :mod:`~relax_core.tracking.tensorboard`: the core's two
-  trackers (:mod:`~relax_core.tracking.tfevents`: TensorBoard's event file without
-  TensorFlow), registered in :mod:`~relax_core.tracking.builtin`.
+- :mod:`~relax_core.tracking.metrics`: a step's metrics and the sample rows trackers hear.
+
+The trackers themselves are plugins' (``jsonl`` and ``tensorboard``: the relax-report plugin).
 
 See ``docs/run.md`` (trackers) and ``docs/plugins.md`` (writing one).
 """
 
 from relax_core._exports import claim as _claim
 from relax_core.tracking.hub import Trackers, tracker_problems
-from relax_core.tracking.jsonl import JsonlTracker
 from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
-from relax_core.tracking.tensorboard import TensorBoardTracker
-from relax_core.tracking.tfevents import EventWriter
 from relax_core.tracking.tracker import PhaseSpan, Tracker, TrackerContext, TrackerEntry
 
 __all__ = [
-    "EventWriter",
-    "JsonlTracker",
     "PhaseSpan",
-    "TensorBoardTracker",
     "Tracker",
     "TrackerContext",
     "TrackerEntry",

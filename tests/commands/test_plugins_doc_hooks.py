@@ -14,6 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 from relax_core import EngineLaunchSpec, PluginManager, loads_config, plan_inference_placement
 from relax_core.run.data import find_source, open_source, source_problems
 from relax_core.testing import free_port
@@ -137,3 +139,33 @@ def test_the_benchmark_example_runs_with_its_own_option(tmp_path: Path) -> None:
     options = vars(parser.parse_args(["--size", "200"]))
     result = spec.run(quick=True, **options)
     assert result["items"] == 20 and result["sort_vs_copy"] >= 0
+
+
+def test_the_command_example_is_a_sub_command_of_relax(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from relax_core import cli, plugins
+
+    pm = _plugins("A command", tmp_path)
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    (tmp_path / "three.txt").write_text("a\nb\nc\n")
+    assert cli.main(["count-lines", str(tmp_path / "three.txt")]) == 0
+    assert capsys.readouterr().out == "3\n"
+    assert "count-lines" in cli.build_parser().format_help()
+
+
+def test_a_plugins_command_named_like_one_of_the_cores_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from relax_core import CommandSpec, cli, plugins
+
+    def register(register: Any) -> None:
+        register(CommandSpec(name="plan", help="mine", add_arguments=print, run=lambda a: 0))
+
+    plugin = plugins.module_plugin("shadow", relax_register_commands=register)
+    pm = PluginManager.create(entry_points=False, plugins=[("shadow", plugin)])
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    assert cli.main(["plan", "job.toml"]) == 2
+    err = capsys.readouterr().err
+    assert "the command 'plan' of plugin 'shadow' has the name of one of relax-core's" in err
+    assert "RELAX_DISABLE_PLUGINS=shadow" in err

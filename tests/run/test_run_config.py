@@ -14,7 +14,7 @@ from relax_core.config import load_config, loads_config
 from relax_core.errors import ConfigValidationError
 from relax_core.jobs import check_job, resolve_model_paths
 from relax_core.plugins import PluginManager
-from relax_core.run.config import DEFAULT_TRAINER, RunConfig, parse_run_config
+from relax_core.run.config import RunConfig, parse_run_config
 from relax_core.run.data import find_source
 from relax_core.run.job import run_problems
 from relax_core.run.stages import stage_problems
@@ -41,7 +41,7 @@ def test_the_run_table_is_read_with_its_defaults() -> None:
         ("reward", "rewards", None, {"rewards": rewards})
     ]
     assert (run.steps, run.prompts_per_step, run.samples_per_prompt) == (3, 4, 4)
-    assert run.dataset == "arithmetic" and run.trainer == DEFAULT_TRAINER
+    assert run.dataset == "arithmetic" and run.trainer == "grpo"  # the installed default
 
 
 def test_the_teacher_shorthand_adds_the_distillation_stage_after_the_reward_stage() -> None:

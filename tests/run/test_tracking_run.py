@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_report.report import CHARTS
 
-from relax_core.report import CHARTS
 from relax_core.testing import free_port
 from tests.support import browser
 from tests.support import run as support

@@ -10,14 +10,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
-from relax_core import ConfigError, LifecycleError, PluginManager, Trainer, TrainerSpec
+from relax_core import (
+    ConfigError,
+    ConfigProblem,
+    ConfigReader,
+    LifecycleError,
+    PluginManager,
+    Trainer,
+    TrainerSpec,
+)
 from relax_core.config import load_config, loads_config
 from relax_core.errors import ConfigValidationError
 from relax_core.jobs import resolve_model_paths
 from relax_core.plugins import module_plugin
-from relax_core.run.config import DEFAULT_TRAINER, parse_run_config
+from relax_core.run.config import parse_run_config
 from relax_core.run.job import run_problems
 from relax_core.run.trainer import TrainerContext, load_trainer_class, start_trainer
 from tests.support import run as support
@@ -58,10 +67,77 @@ def test_an_unknown_name_is_refused_listing_the_registered_trainers() -> None:
     assert "'package.module:ClassName'" in str(info.value)
 
 
-def test_the_default_trainer_missing_says_which_distribution_provides_it() -> None:
-    with pytest.raises(ConfigError, match="registered: none") as info:
-        load_trainer_class(DEFAULT_TRAINER, _with_trainers())
-    assert "relax-torch-trainer" in str(info.value)
+def _unnamed_trainer_problem(pm: PluginManager) -> str:
+    with pytest.raises(ConfigValidationError) as info:
+        parse_run_config(loads_config("[run]\nrewards = []\n"), pm)
+    (problem,) = [str(p) for p in info.value.problems]
+    return problem
+
+
+def test_a_job_naming_no_trainer_gets_the_one_installed() -> None:
+    pm = _with_trainers(TrainerSpec(name="echo", trainer_class=EchoTrainer))
+    assert parse_run_config(loads_config("[run]\nrewards = []\n"), pm).trainer == "echo"
+
+
+def test_a_job_naming_no_trainer_gets_the_default_of_several() -> None:
+    pm = _with_trainers(
+        TrainerSpec(name="echo", trainer_class=EchoTrainer),
+        TrainerSpec(name="echo-too", trainer_class=EchoTrainer, default=True),
+    )
+    assert parse_run_config(loads_config("[run]\nrewards = []\n"), pm).trainer == "echo-too"
+
+
+def test_a_job_naming_no_trainer_is_refused_when_none_or_several_could_be_meant() -> None:
+    problem = _unnamed_trainer_problem(_with_trainers())
+    assert problem.startswith("run.trainer: [required] name the trainer: none is registered")
+    problem = _unnamed_trainer_problem(
+        _with_trainers(
+            TrainerSpec(name="echo", trainer_class=EchoTrainer),
+            TrainerSpec(name="echo-too", trainer_class=EchoTrainer),
+        )
+    )
+    assert "2 are registered (echo, echo-too) and none says it is the default" in problem
+
+
+@attrs.frozen
+class _Options:
+    rate: float = attrs.field(default=0.1, metadata={"check": ConfigReader.positive})
+
+
+def test_a_trainers_options_are_its_keys_of_the_run_table_checked_at_their_key_path() -> None:
+    pm = _with_trainers(TrainerSpec(name="echo", trainer_class=EchoTrainer, options=_Options))
+    run = parse_run_config(loads_config("[run]\nrewards = []\nrate = 0.5\n"), pm)
+    assert run.trainer_options == _Options(rate=0.5)
+    assert parse_run_config(loads_config("[run]\nrewards = []\n"), pm).trainer_options == (
+        _Options()
+    )
+    with pytest.raises(ConfigValidationError) as info:
+        parse_run_config(loads_config("[run]\nrewards = []\nrate = -1\nrat = 2\n"), pm)
+    problems = [str(p) for p in info.value.problems]
+    assert any(p.startswith("run.rate: [range]") for p in problems), problems
+    assert any(
+        p.startswith("run.rat: [unknown-key] unknown key; did you mean 'rate'?") for p in problems
+    )
+
+
+def test_a_trainer_without_options_reads_no_key_of_the_table() -> None:
+    pm = _with_trainers(TrainerSpec(name="echo", trainer_class=EchoTrainer))
+    with pytest.raises(ConfigValidationError) as info:
+        parse_run_config(loads_config("[run]\nrewards = []\nlearning_rate = 0.1\n"), pm)
+    (problem,) = [str(p) for p in info.value.problems]
+    assert problem.startswith("run.learning_rate: [unknown-key]")
+
+
+def test_a_trainers_check_sees_the_whole_table() -> None:
+    def check(run: Any) -> list[ConfigProblem]:
+        return [ConfigProblem("run.rate", "mine", f"not with {run.mode} mode")]
+
+    pm = _with_trainers(
+        TrainerSpec(name="echo", trainer_class=EchoTrainer, options=_Options, check=check)
+    )
+    with pytest.raises(ConfigValidationError) as info:
+        parse_run_config(loads_config("[run]\nrewards = []\n"), pm)
+    assert [str(p) for p in info.value.problems] == ["run.rate: [mine] not with sync mode"]
 
 
 @pytest.mark.parametrize(
@@ -117,7 +193,7 @@ def test_relax_run_refuses_an_unregistered_trainer_before_anything_starts(tmp_pa
     problems = run_problems(config, parse_run_config(config), PluginManager.create())
     (problem,) = [p for p in problems if p.startswith("run.trainer")]
     assert "[trainer] no trainer named 'ppo' is registered (registered: " in problem
-    assert DEFAULT_TRAINER in problem  # the installed reference trainer is listed
+    assert "grpo" in problem  # the installed reference trainer is listed
 
 
 def _context(**fields: Any) -> TrainerContext:

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from relax_core import PluginManager, Trainer
+from relax_core import PluginManager, Trainer, loads_config, parse_run_config
 from relax_core.run.trainer import TrainerContext, load_trainer_class
 from tests.support import docs
 from tests.support.serve import make_tiny_model
@@ -59,7 +59,7 @@ def test_the_section_shows_a_distribution_with_its_entry_point() -> None:
     project = tomllib.loads(files["pyproject.toml"])["project"]
     assert project["entry-points"]["relax"] == {"grpo-sgd": "relax_grpo_sgd"}
     (run,) = [tomllib.loads(b)["run"] for b in _blocks("toml") if "[run]" in b]
-    assert run == {"trainer": "grpo-sgd"}
+    assert run == {"trainer": "grpo-sgd", "learning_rate": 0.01}
 
 
 def test_its_trainer_is_found_by_the_name_run_trainer_gives(plugin: ModuleType) -> None:
@@ -67,6 +67,14 @@ def test_its_trainer_is_found_by_the_name_run_trainer_gives(plugin: ModuleType) 
     cls = load_trainer_class("grpo-sgd", pm)
     assert cls is plugin.SGDTrainer and issubclass(cls, Trainer)
     assert pm.registered("trainers").keys() >= {"grpo", "grpo-sgd"}
+
+
+def test_the_learning_rate_the_job_gives_is_the_trainers(plugin: ModuleType) -> None:
+    pm = PluginManager.create(plugins=[("grpo-sgd", plugin)])
+    (block,) = [b for b in _blocks("toml") if "[run]" in b]
+    text = block + 'rewards = [{ adapter = "exact-match" }]\n'
+    run = parse_run_config(loads_config(text), pm)
+    assert (run.trainer, run.trainer_options.learning_rate) == ("grpo-sgd", 0.01)
 
 
 def test_its_trainer_builds_with_plain_sgd(plugin: ModuleType, tmp_path: Path) -> None:
@@ -78,4 +86,4 @@ def test_its_trainer_builds_with_plain_sgd(plugin: ModuleType, tmp_path: Path) -
     )
     trainer = plugin.SGDTrainer(context)
     assert type(trainer.optimizer) is torch.optim.SGD
-    assert trainer.optimizer.defaults["lr"] == context.learning_rate
+    assert trainer.optimizer.defaults["lr"] == trainer.options.learning_rate == 1e-5

@@ -1,11 +1,9 @@
 """A run's trackers: fed off the step loop in order, a failing one reported once and left out (or,
-strict, ending the run), each closed with a deadline; the core's two trackers written and read
-back (TensorBoard's own reader for the event files); ``[run] trackers`` checked before anything
+strict, ending the run), each closed with a deadline; ``[run] trackers`` checked before anything
 starts; the metrics and sample rows a tracker hears."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,16 +16,12 @@ from relax_core.errors import ConfigValidationError, TrackerError
 from relax_core.plugins import module_plugin
 from relax_core.run.config import parse_run_config
 from relax_core.tracking import (
-    EventWriter,
-    JsonlTracker,
-    TensorBoardTracker,
     TrackerEntry,
     Trackers,
     sample_rows,
     step_metrics,
     tracker_problems,
 )
-from relax_core.tracking.tfevents import crc32c
 
 
 class Recording:
@@ -137,70 +131,18 @@ def test_a_tracker_that_fails_to_open_is_reported_and_left_out(tmp_path: Path) -
     def refuse(context: TrackerContext) -> Any:
         raise OSError(f"cannot reach the server for {context.job}")
 
-    pm = _plugins(refuse=TrackerSpec(name="refuse", open=refuse))
-    entries = [TrackerEntry("refuse"), TrackerEntry("jsonl")]
+    pm = _plugins(
+        refuse=TrackerSpec(name="refuse", open=refuse),
+        rec=TrackerSpec(name="rec", open=lambda context: Recording()),
+    )
+    entries = [TrackerEntry("refuse"), TrackerEntry("rec")]
     said: list[str] = []
     trackers = Trackers.open(entries, pm, run_dir=str(tmp_path), job="j", say=said.append)
-    assert trackers.names == ["jsonl"] and len(said) == 1
+    assert trackers.names == ["rec"] and len(said) == 1
     assert "tracker 'refuse' failed in open: OSError: cannot reach the server for j" in said[0]
     trackers.close(None)
     with pytest.raises(TrackerError, match="failed in open"):
         Trackers.open(entries, pm, run_dir=str(tmp_path), job="j", say=said.append, strict=True)
-
-
-def test_the_core_registers_its_two_trackers(core_plugin_manager: PluginManager) -> None:
-    registered = core_plugin_manager.registered("trackers")
-    assert {n: r.distribution for n, r in registered.items()} == {
-        "jsonl": "relax-core",
-        "tensorboard": "relax-core",
-    }
-
-
-def test_the_tensorboard_trackers_files_are_read_by_tensorboards_own_reader(
-    tmp_path: Path,
-) -> None:
-    from tensorboard.backend.event_processing import event_accumulator as ea
-
-    tracker = TensorBoardTracker(TrackerContext("tensorboard", str(tmp_path), "j"))
-    tracker.log_config({"job": "j", "run": {"steps": 2}})
-    for step in range(2):
-        tracker.log_metrics(step, {"reward/mean": 0.25 * step, "time/genrm": 1.5 + step})
-        tracker.log_samples(step, [{"id": f"s{step}", "prompt": "2 + 2 |", "response": "4"}])
-    tracker.close(None)
-    acc = ea.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={ea.TENSORS: 0})
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(0, 0.0), (1, 0.25)]
-    assert [(e.step, e.value) for e in acc.Scalars("time/genrm")] == [(0, 1.5), (1, 2.5)]
-    (text,) = [t for t in acc.Tensors("samples") if t.step == 1]
-    assert "| s1 |" in text.tensor_proto.string_val[0].decode()
-    assert '"steps": 2' in acc.Tensors("config")[0].tensor_proto.string_val[0].decode()
-
-
-def test_the_event_files_frames_carry_crc32c() -> None:
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    assert crc32c(b"") == 0
-
-
-def test_an_event_writer_is_closed_once(tmp_path: Path) -> None:
-    writer = EventWriter(str(tmp_path))
-    writer.scalars(0, {"x": 1.0})
-    writer.close()
-    writer.close()
-    assert Path(writer.path).stat().st_size > 0
-
-
-def test_the_jsonl_tracker_writes_every_call_as_a_line(tmp_path: Path) -> None:
-    tracker = JsonlTracker(TrackerContext("jsonl", str(tmp_path), "j"))
-    tracker.log_config({"job": "j"})
-    tracker.log_span(PhaseSpan(0, "genrm.onload", 10.0, 0.25, lane="leases"))
-    tracker.log_metrics(0, {"reward/mean": 0.5})
-    tracker.log_samples(0, [{"id": "s0", "reward": float("nan")}])
-    tracker.close({"summary": True})
-    rows = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
-    assert [r["type"] for r in rows] == ["config", "span", "metrics", "samples", "close"]
-    assert rows[1]["lane"] == "leases" and rows[1]["seconds"] == 0.25
-    assert rows[2]["metrics"] == {"reward/mean": 0.5}
-    assert rows[3]["samples"] == [{"id": "s0", "reward": None}]  # JSON has no NaN
 
 
 def test_trackers_are_checked_before_anything_starts(plugin_manager: PluginManager) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relax_core import LifecycleError, TrainerContext
+from relax_torch_trainer.options import GRPOOptions
 
 __all__ = ["PolicyTrainer"]
 
@@ -50,10 +51,12 @@ class PolicyTrainer:
         from relax_torch_trainer.policy import load_policy
 
         self.context = context
+        #: The ``[run]`` keys this trainer reads (their defaults without a job file's).
+        self.options = context.options if context.options is not None else GRPOOptions()
         torch.manual_seed(context.seed)
         self.device = torch.device(context.device)
         self.policy = load_policy(context.model_path, device=context.device)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=context.learning_rate)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.options.learning_rate)
         self.steps = 0
         self.parameters = sum(p.numel() for p in self.policy.parameters())
         self._model_lock = threading.Lock()
@@ -108,9 +111,9 @@ class PolicyTrainer:
                 mask,
                 targets,
                 advantages=advantages[i : i + ctx.micro_batch],
-                clip=ctx.clip,
-                importance_cap=ctx.importance_cap,
-                distill_coef=ctx.distill_coef,
+                clip=self.options.clip,
+                importance_cap=self.options.cap(ctx.mode),
+                distill_coef=self.options.distill_weight(),
                 teacher_mode=teacher_mode(ctx.fields),
             )
             # Token-weighted: the step's loss is the mean over every response token.

@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 
-from relax_torch_trainer import GRPO_TRAINER, PolicyTrainer
+from relax_torch_trainer import GRPO_TRAINER, GRPOOptions, PolicyTrainer
 
-from relax_core import PluginManager, RunConfig, Trainer
+from relax_core import PluginManager, Trainer, loads_config, parse_run_config
 
 
 def test_the_installed_plugin_registers_grpo_through_its_entry_point(
@@ -23,8 +23,10 @@ def test_the_installed_plugin_registers_grpo_through_its_entry_point(
     assert (registered.plugin, registered.distribution) == ("torch-trainer", "relax-torch-trainer")
 
 
-def test_grpo_is_the_trainer_relax_run_uses_by_default() -> None:
-    assert RunConfig().trainer == GRPO_TRAINER.name
+def test_grpo_is_the_trainer_a_job_file_naming_none_gets(plugin_manager: PluginManager) -> None:
+    assert GRPO_TRAINER.default
+    run = parse_run_config(loads_config("[run]\nrewards = []\n"), plugin_manager)
+    assert run.trainer == GRPO_TRAINER.name and run.trainer_options == GRPOOptions()
 
 
 def test_the_policy_trainer_implements_the_trainer_protocol() -> None:

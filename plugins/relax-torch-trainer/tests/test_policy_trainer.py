@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from relax_torch_trainer import PolicyTrainer
+from relax_torch_trainer import GRPOOptions, PolicyTrainer
 
 from relax_core import BatchFailedError, LifecycleError, Sample, TrainerContext
 
@@ -72,7 +72,7 @@ def _trainer(tiny: Path, **context: Any) -> PolicyTrainer:
 
 
 def test_train_waits_for_the_commit_steps_once_and_deletes_the_partition(tiny: Path) -> None:
-    trainer = _trainer(tiny, learning_rate=1e-3, micro_batch=3)
+    trainer = _trainer(tiny, options=GRPOOptions(learning_rate=1e-3), micro_batch=3)
     samples = _samples(trainer.policy)
     trainer.context.sink.partitions["train_0"] = samples
     before = {n: t.clone() for n, t in trainer.policy.named_weights()}

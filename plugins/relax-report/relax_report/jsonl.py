@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from relax_core.tracking.tracker import PhaseSpan, TrackerContext
+from relax_core import PhaseSpan, TrackerContext
 
 __all__ = ["FILE_NAME", "JsonlTracker"]
 
@@ -41,6 +41,8 @@ class JsonlTracker:
         self.path = os.path.join(context.run_dir, str(context.options.get("file", FILE_NAME)))
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._file = open(self.path, "a")  # noqa: SIM115 - open until close()
+        #: Write RUN_DIR/report.html when closed (the ``report`` option; ``relax run --report``).
+        self.report = bool(context.options.get("report", False))
 
     def _line(self, kind: str, **data: Any) -> None:
         row = {"type": kind, "time": time.time(), **data}
@@ -63,3 +65,8 @@ class JsonlTracker:
         if not self._file.closed:
             self._line("close", summary=summary)
             self._file.close()
+            if self.report:
+                # The page is drawn from the lines just written (relax run --report).
+                from relax_report.report import write_report
+
+                write_report(os.path.dirname(self.path))

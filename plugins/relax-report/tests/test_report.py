@@ -5,12 +5,13 @@ The page of a real run, opened in a browser, is tests/run/test_tracking_run.py's
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from relax_core.cli import main
-from relax_core.report import report_data, write_report
-from relax_core.report.data import residency_lanes
+from relax_report.data import residency_lanes
+from relax_report.report import report_data, write_report
 
 CONFIG = {
     "job": "j",
@@ -83,11 +84,19 @@ def test_the_page_inlines_plotly_and_embeds_the_data_it_draws(tmp_path: Path) ->
     assert embedded["samples"][0]["prompt"] == "</script><b>x</b>"
 
 
+def _relax(*args: str) -> subprocess.CompletedProcess[str]:
+    """``relax ARGS`` as a user runs it: the command comes from the installed plugin."""
+    relax = Path(sys.executable).with_name("relax")
+    return subprocess.run([str(relax), *args], capture_output=True, text=True, timeout=300)
+
+
 def test_relax_report_writes_the_page_and_refuses_a_directory_without_a_run(
-    tmp_path: Path, capsys: Any
+    tmp_path: Path,
 ) -> None:
     run_dir = _run_dir(tmp_path / "run")
-    assert main(["report", str(run_dir), "-o", str(tmp_path / "page.html")]) == 0
+    done = _relax("report", str(run_dir), "-o", str(tmp_path / "page.html"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(tmp_path / "page.html")
     assert (tmp_path / "page.html").stat().st_size > 1_000_000  # plotly.js inlined
-    assert main(["report", str(tmp_path)]) == 2
-    assert "no run.jsonl" in capsys.readouterr().err
+    done = _relax("report", str(tmp_path))
+    assert done.returncode == 2 and "no run.jsonl" in done.stderr

@@ -1,5 +1,5 @@
 """What ``relax report`` shows, read from what a run left in its directory: the ``jsonl``
-tracker's ``run.jsonl`` (:mod:`relax_core.tracking.jsonl`). Pure data, no plotting.
+tracker's ``run.jsonl`` (:mod:`relax_report.jsonl`). Pure data, no plotting.
 
 :func:`report_data` returns one JSON object, the one the page embeds (``<script
 id="relax-report-data">``) and draws:

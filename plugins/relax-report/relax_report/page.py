@@ -1,5 +1,5 @@
 """The report page: one self-contained HTML file (plotly.js inlined, nothing fetched when it is
-viewed) drawn from :func:`~relax_core.report.data.report_data` with plotly.
+viewed) drawn from :func:`~relax_report.data.report_data` with plotly.
 
 Charts, each a ``<div class="chart">`` with its ``data-chart`` name: ``rewards`` (mean ± std
 and each reward adapter's mean per step), ``teacher-kl``, ``tokens`` (tokens and mean response
@@ -8,7 +8,7 @@ length), ``parse-failures``, ``phases`` (each step's phase seconds, stacked) and
 and bytes); then the sample table (``<table id="samples">``, filtered as you type). The data
 drawn is embedded as JSON (``<script type="application/json" id="relax-report-data">``).
 
-plotly is imported here only (``relax-core[report]``): ``import relax_core`` never loads it.
+plotly is imported here only (``relax-report``): ``import relax_core`` never loads it.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def _summary_line(data: Mapping[str, Any]) -> str:
 
 
 def render_page(data: Mapping[str, Any]) -> str:
-    """The report page of ``data`` (:func:`~relax_core.report.data.report_data`)."""
+    """The report page of ``data`` (:func:`~relax_report.data.report_data`)."""
     import plotly.io as pio
 
     parts = []

@@ -1,9 +1,9 @@
 """``relax report RUN_DIR``: one self-contained HTML page of what a run did.
 
-- :mod:`~relax_core.report.data`: the page's data, read from the run directory's ``run.jsonl``
+- :mod:`~relax_report.data`: the page's data, read from the run directory's ``run.jsonl``
   (the ``jsonl`` tracker's records): per-step series, phase times, each shared slice's GPU
   residency lanes, the samples;
-- :mod:`~relax_core.report.page`: the page, drawn with plotly (``relax-core[report]``; plotly.js
+- :mod:`~relax_report.page`: the page, drawn with plotly (``relax-report``; plotly.js
   inlined, so nothing is fetched when it is viewed).
 
 See ``docs/run.md`` (the report).
@@ -11,8 +11,8 @@ See ``docs/run.md`` (the report).
 
 import os
 
-from relax_core.report.data import report_data
-from relax_core.report.page import CHARTS, render_page
+from relax_report.data import report_data
+from relax_report.page import CHARTS, render_page
 
 __all__ = ["CHARTS", "REPORT_FILE", "render_page", "report_data", "write_report"]
 
@@ -25,7 +25,7 @@ def write_report(run_dir: str, out: str | None = None) -> str:
     atomically); its path.
 
     :raises ValueError: the run directory has no ``run.jsonl``. :raises ModuleNotFoundError:
-        plotly is not installed (``pip install 'relax-core[report]'``).
+        plotly is not installed (``pip install 'relax-report'``).
     """
     path = out or os.path.join(run_dir, REPORT_FILE)
     page = render_page(report_data(run_dir))

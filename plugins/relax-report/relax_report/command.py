@@ -22,13 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relax_core.report import write_report
+    from relax_report.report import write_report
 
     try:
         path = write_report(args.run_dir, args.output)
     except ModuleNotFoundError as exc:
         print(
-            f"relax report: {exc}; the report needs plotly: pip install 'relax-core[report]'",
+            f"relax report: {exc}; the report needs plotly: pip install 'relax-report'",
             file=sys.stderr,
         )
         return 2

@@ -1,7 +1,7 @@
 """The ``tensorboard`` tracker: each committed step's metrics as TensorBoard scalars, the config
 and the samples as text, in ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR``).
 
-Written with :class:`~relax_core.tracking.tfevents.EventWriter` (no TensorFlow, torch or
+Written with :class:`~relax_report.tfevents.EventWriter` (no TensorFlow, torch or
 protobuf). Phase spans are not kept one by one: each step's phase seconds are among its scalars
 (``time/<phase>``), and ``relax report`` and the trace have every span.
 """
@@ -13,8 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from relax_core.tracking.tfevents import EventWriter
-from relax_core.tracking.tracker import PhaseSpan, TrackerContext
+from relax_core import PhaseSpan, TrackerContext
+from relax_report.tfevents import EventWriter
 
 __all__ = ["TensorBoardTracker", "samples_markdown"]
 
