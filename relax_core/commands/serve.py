@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             print("relax serve: shutting down …", file=out, flush=True)
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="relax-serve-logs-")
+    ready = False
     try:
         with ray_session(args.address, config, out) as where:
             print(f"relax serve: starting on {where}; engine logs in {log_dir}", flush=True)
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
                         flush=True,
                     )
                 print("relax serve: ready; Ctrl-C stops everything", flush=True)
+                ready = True
                 _watch(job, args.refresh, out)
     except KeyboardInterrupt:
         pass
@@ -137,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"relax serve: {exc}", file=sys.stderr, flush=True)
         return 1
     print("relax serve: stopped; nothing left running", flush=True)
-    return 0
+    # Ctrl-C is how a served job ends (0); before it was ready, the start was interrupted.
+    return 0 if ready else 130
 
 
 def _watch(job: ServedJob, refresh: float, out: TextIO) -> None:

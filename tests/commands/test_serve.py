@@ -517,3 +517,22 @@ num_parameters = 1000
             timeout=20,
             what="the kept group removed",
         )
+
+
+def test_ctrl_c_before_the_job_is_ready_exits_130_with_nothing_left(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    # Ctrl-C is how a served job ends (exit 0 once ready); one that lands while the job is
+    # still starting interrupts the start, and the exit status says so.
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[cluster]\ngpus_per_node = 8\n\n[roles.genrm.models.judge]\nbackend = "test-sim"\n'
+        'model_path = "sim"\nnum_gpus = 1\nnum_parameters = 1000\n'
+    )
+    address = ray_local.get_runtime_context().gcs_address
+    with support.serve(config, "--address", address) as (proc, out, stderr):
+        out.wait_for(r"relax serve: starting on the Ray cluster", timeout=120)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, out.rest(10) + stderr.read_text()
+        text = out.rest(10)
+        assert "relax serve: ready" not in text and text.endswith("nothing left running")
