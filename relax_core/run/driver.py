@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from relax_core._tasks import gather_all
 from relax_core.coordination.batch import (
     BatchResult,
     DeferredBatch,
@@ -742,13 +743,7 @@ async def _regenerate(producer: StepProducerLike, m: int, count: int, gate: _Gat
         for group in await producer.generate(m, groups=1):
             gate.add(group)
 
-    tasks = [asyncio.ensure_future(one()) for _ in range(count)]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await gather_all(one() for _ in range(count))
 
 
 class _GenerationFailed(Exception):

@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from relax_core._tasks import gather_all
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import DeferredCollector
 from relax_core.coordination.sample import Sample
@@ -260,13 +261,7 @@ class Generator:
             group = await self._group(batch_id, index, prompt, samples_per_prompt, temperature)
             each(index, group)
 
-        tasks = [asyncio.ensure_future(one(first_index + i, p)) for i, p in enumerate(prompts)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await gather_all(one(first_index + i, p) for i, p in enumerate(prompts))
 
     async def _group(
         self,
