@@ -64,6 +64,7 @@ from relax_core.coordination.sink import (
 from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import (
     BatchControl,
+    MoreGroups,
     RoleClients,
     SampleField,
     Stage,
@@ -102,6 +103,7 @@ __all__ = [
     "LocalManagerHandle",
     "ManagerHandle",
     "MemoryBatchSink",
+    "MoreGroups",
     "Producer",
     "RayBatchSink",
     "RayManagerHandle",

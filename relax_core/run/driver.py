@@ -61,6 +61,7 @@ from relax_core.coordination.batch import (
     DeferredBatch,
     DeferredCollector,
     Dropped,
+    Producer,
     abort_generation,
     describe_failure,
     interrupted,
@@ -99,7 +100,7 @@ class TrainerPort(Protocol):
     async def push(self, version: str) -> dict[str, Any]: ...
 
 
-class StepProducerLike(Protocol):
+class StepProducerLike(Producer, Protocol):
     """What generates a step (:class:`~relax_core.run.generate.StepProducer`): its first groups
     into a collector, and more on request (the batch's producer)."""
 
@@ -110,16 +111,6 @@ class StepProducerLike(Protocol):
         *,
         on_group: Callable[[int], None] | None = None,
     ) -> None: ...
-
-    async def generate(
-        self,
-        batch_id: int,
-        *,
-        groups: int | None = None,
-        prompts: Sequence[Any] | None = None,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[list[Sample]]: ...
 
 
 @attrs.frozen
