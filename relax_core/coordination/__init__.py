@@ -74,7 +74,7 @@ from relax_core.coordination.stages import (
     stage_fields,
 )
 from relax_core.coordination.states import BatchState, LeaseState
-from relax_core.coordination.timeline import PHASE_HISTOGRAM, Timeline
+from relax_core.coordination.timeline import PHASE_HISTOGRAM, PhaseEvent, Timeline
 from relax_core.coordination.validation import check_samples, validate_samples
 
 __all__ = [
@@ -104,6 +104,7 @@ __all__ = [
     "ManagerHandle",
     "MemoryBatchSink",
     "MoreGroups",
+    "PhaseEvent",
     "Producer",
     "RayBatchSink",
     "RayManagerHandle",

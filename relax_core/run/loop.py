@@ -40,6 +40,7 @@ from relax_core.coordination.batch import interrupted
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
+from relax_core.coordination.timeline import Timeline
 from relax_core.errors import LifecycleError
 from relax_core.jobs.session import ShutdownSignals
 from relax_core.run.data import open_source
@@ -54,7 +55,7 @@ from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
 from relax_core.run.metrics import RunMetrics
-from relax_core.run.progress import PhaseEvent, PhaseTimeline, Printer, Progress
+from relax_core.run.progress import PhaseEvent, Printer, Progress
 from relax_core.tracking.hub import Trackers
 from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
 from relax_core.tracking.tracker import PhaseSpan
@@ -345,7 +346,9 @@ class _Report:
         self.dump_dir = dump_dir
         self.trackers = trackers
         self.metrics = RunMetrics.of()
-        self.timeline = PhaseTimeline(self._event, trace_path=trace, run=f"relax run {ports.name}")
+        self.timeline = Timeline(
+            on_event=self._event, trace_path=trace, run=f"relax run {ports.name}"
+        )
         #: the phase an interruption stopped first (the innermost one), if one did
         self.interrupted_phase: str | None = None
         self._bars: dict[int, Progress] = {}
