@@ -330,10 +330,6 @@ class PluginManager:
         """Names of every registered plugin, the core's first."""
         return [name for name, _ in self._pm.list_name_plugin()]
 
-    def distribution_of(self, plugin: str) -> str:
-        """The distribution that provided ``plugin``."""
-        return self._dists[plugin]
-
     @property
     def pluggy(self) -> pluggy.PluginManager:
         """The wrapped pluggy manager (for tests and advanced use)."""

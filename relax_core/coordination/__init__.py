@@ -64,6 +64,7 @@ from relax_core.coordination.sink import (
 from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import (
     BatchControl,
+    MoreGroups,
     RoleClients,
     SampleField,
     Stage,
@@ -73,7 +74,7 @@ from relax_core.coordination.stages import (
     stage_fields,
 )
 from relax_core.coordination.states import BatchState, LeaseState
-from relax_core.coordination.timeline import PHASE_HISTOGRAM, Timeline
+from relax_core.coordination.timeline import PHASE_HISTOGRAM, PhaseEvent, Timeline
 from relax_core.coordination.validation import check_samples, validate_samples
 
 __all__ = [
@@ -103,6 +104,8 @@ __all__ = [
     "LocalManagerHandle",
     "ManagerHandle",
     "MemoryBatchSink",
+    "MoreGroups",
+    "PhaseEvent",
     "Producer",
     "RayBatchSink",
     "RayManagerHandle",

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, Unpack
 
 import attrs
 
@@ -53,6 +53,7 @@ from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink, SinkReceipt, partition_name
 from relax_core.coordination.stages import (
+    MoreGroups,
     RoleClients,
     Stage,
     StageContext,
@@ -184,15 +185,9 @@ class Producer(Protocol):
     ``samples_per_prompt`` / ``temperature`` overriding the step's. Sample and group ids are new
     in the batch. Called with the generation role onloaded and its lease held."""
 
-    async def generate(
-        self,
-        batch_id: int,
-        *,
-        groups: int | None = None,
-        prompts: Sequence[Any] | None = None,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[list[Sample]]: ...
+    async def generate(self, batch_id: int, **request: Unpack[MoreGroups]) -> list[list[Sample]]:
+        """The groups ``request`` asks for, one list of samples each."""
+        ...
 
 
 Finalizer = Callable[[int, Sequence[Sample]], Any]
@@ -468,7 +463,7 @@ class DeferredBatch:
 
     # -- what a stage may do to the batch (through its _Control) --------------------------
 
-    async def _generate(self, stage: str, **request: Any) -> list[Sample]:
+    async def _generate(self, stage: str, **request: Unpack[MoreGroups]) -> list[Sample]:
         """More groups through the producer, with the generation role's lease taken back for
         them (``begin_student_scoring``), the policy onloaded, and released again (its
         requests aborted if the generation failed)."""
@@ -643,23 +638,15 @@ class _Control:
     def target_groups(self) -> int:
         return self._batch.target_groups
 
-    async def generate(
-        self,
-        *,
-        groups: int | None = None,
-        prompts: Sequence[Any] | None = None,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[Sample]:
-        if (groups is None) == (prompts is None):
+    async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
+        if (request.get("groups") is None) == (request.get("prompts") is None):
             raise ValueError(f"stage {self._stage!r}: generate() takes groups or prompts")
-        return await self._batch._generate(
-            self._stage,
-            groups=groups,
-            prompts=prompts,
-            samples_per_prompt=samples_per_prompt,
-            temperature=temperature,
-        )
+        # The producer hears every key, as it always has (None: the step's own).
+        asked: MoreGroups = {
+            "groups": None, "prompts": None, "samples_per_prompt": None, "temperature": None,
+            **request,
+        }  # fmt: skip
+        return await self._batch._generate(self._stage, **asked)
 
     def add(self, samples: Sequence[Sample]) -> list[Sample]:
         return self._batch._add(samples)

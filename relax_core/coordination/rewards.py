@@ -27,6 +27,7 @@ from typing import Any, TypeGuard
 
 import attrs
 
+from relax_core._tasks import gather_all
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, SampleField, StageContext, StageReport
@@ -319,10 +320,4 @@ class RewardStage:
                     ) from exc
             return _outcome(spec.name, sample, value)
 
-        tasks = [asyncio.ensure_future(one(s)) for s in chosen]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await gather_all(one(s) for s in chosen)

@@ -25,7 +25,7 @@ run another stage with its lease.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 import attrs
 
@@ -149,6 +149,18 @@ class Stage(Protocol):
         ...
 
 
+class MoreGroups(TypedDict, total=False):
+    """What a stage asks its batch to generate (:meth:`BatchControl.generate`): ``groups``
+    more groups from the step's prompt source, or one group per prompt of ``prompts``
+    (``relax_core.run`` ``Prompt`` records), not both; ``samples_per_prompt`` and
+    ``temperature`` override the step's."""
+
+    groups: int | None
+    prompts: Sequence[Any] | None
+    samples_per_prompt: int | None
+    temperature: float | None
+
+
 class BatchControl(Protocol):
     """What a stage may do to the batch it runs in (a
     :class:`~relax_core.coordination.batch.DeferredBatch` gives each stage its own view).
@@ -168,16 +180,8 @@ class BatchControl(Protocol):
         """How many groups the step wants committed (``prompts_per_step``)."""
         ...
 
-    async def generate(
-        self,
-        *,
-        groups: int | None = None,
-        prompts: Sequence[Any] | None = None,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[Sample]:
-        """Generate ``groups`` more groups from the step's prompt source, or one group per
-        prompt of ``prompts`` (``relax_core.run`` ``Prompt`` records), with the policy that
+    async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
+        """Generate the groups ``request`` asks for (:class:`MoreGroups`) with the policy that
         generated the batch; return their samples (new ids), not yet in the batch."""
         ...
 
@@ -228,21 +232,9 @@ class StageContext:
         """:attr:`BatchControl.target_groups`."""
         return self._control("target_groups").target_groups
 
-    async def generate(
-        self,
-        *,
-        groups: int | None = None,
-        prompts: Sequence[Any] | None = None,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[Sample]:
+    async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
         """:meth:`BatchControl.generate`."""
-        return await self._control("generate").generate(
-            groups=groups,
-            prompts=prompts,
-            samples_per_prompt=samples_per_prompt,
-            temperature=temperature,
-        )
+        return await self._control("generate").generate(**request)
 
     def add(self, samples: Sequence[Sample]) -> list[Sample]:
         """:meth:`BatchControl.add`."""

@@ -17,10 +17,12 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["PHASE_HISTOGRAM", "Timeline"]
+import attrs
+
+__all__ = ["PHASE_HISTOGRAM", "PhaseEvent", "Timeline"]
 
 #: The Prometheus histogram every phase duration is observed in.
 PHASE_HISTOGRAM = "relax_deferred_phase_seconds"
@@ -50,6 +52,30 @@ def _histogram(registry: Any) -> Any:
         return entry[0]
 
 
+@attrs.frozen
+class PhaseEvent:
+    """A phase of batch ``step`` (``relax run``'s step) began (``seconds`` 0) or ended
+    (``failed`` if it raised, ``interrupted`` if it was cancelled: Ctrl-C); an ended one has
+    its trace lane (``leases`` for role switches) and its start (``started``: wall clock,
+    seconds since the epoch)."""
+
+    step: int
+    name: str
+    ended: bool
+    seconds: float = 0.0
+    failed: bool = False
+    interrupted: bool = False
+    lane: str = "batch"
+    started: float = 0.0
+
+    @property
+    def state(self) -> str:
+        """``begin``, ``end``, ``failed`` or ``interrupted``."""
+        if not self.ended:
+            return "begin"
+        return "interrupted" if self.interrupted else "failed" if self.failed else "end"
+
+
 class Timeline:
     """Records phase durations of deferred batches.
 
@@ -57,14 +83,22 @@ class Timeline:
         every :meth:`flush`, so a run that dies leaves the trace of its finished batches.
     :param registry: the Prometheus ``CollectorRegistry`` (default: the process's).
     :param run: the trace's process name.
+    :param on_event: told as each phase begins and ends (a :class:`PhaseEvent`; outside the
+        timeline's lock, from the thread the phase ran in; it must not raise).
 
     Thread-safe.
     """
 
     def __init__(
-        self, *, trace_path: str | None = None, registry: Any = None, run: str = "relax"
+        self,
+        *,
+        trace_path: str | None = None,
+        registry: Any = None,
+        run: str = "relax",
+        on_event: Callable[[PhaseEvent], None] | None = None,
     ) -> None:
         self.trace_path = trace_path
+        self._on_event = on_event
         self.run = run
         self._histogram = _histogram(registry)
         self._lock = threading.Lock()
@@ -80,6 +114,8 @@ class Timeline:
         """Time the block as phase ``name`` of batch ``batch_id`` (recorded even if it raises,
         with ``"failed": true`` in the event's args — ``"interrupted": true`` instead when it
         was cancelled or interrupted, which is no failure of the phase)."""
+        if self._on_event is not None:
+            self._on_event(PhaseEvent(batch_id, name, ended=False))
         start_wall = time.time_ns() // 1000
         start = time.perf_counter()
         outcome = "failed"
@@ -133,24 +169,13 @@ class Timeline:
             phases[name] = phases.get(name, 0.0) + seconds
             if lane == "leases" and name.endswith((".onload", ".offload")):
                 self._switches[batch_id] = self._switches.get(batch_id, 0) + 1
-        self.recorded(
-            batch_id, name, seconds, failed=failed, interrupted=interrupted, lane=lane,
-            start_us=start_us,
-        )  # fmt: skip
-
-    def recorded(
-        self,
-        batch_id: int,
-        name: str,
-        seconds: float,
-        *,
-        failed: bool,
-        interrupted: bool,
-        lane: str = "batch",
-        start_us: int = 0,
-    ) -> None:
-        """Called after each phase is recorded (outside the lock) with its lane and its start
-        (wall clock, microseconds since the epoch); a subclass listens here."""
+        if self._on_event is not None:
+            self._on_event(
+                PhaseEvent(
+                    batch_id, name, ended=True, seconds=seconds, failed=failed,
+                    interrupted=interrupted, lane=lane, started=start_us / 1e6,
+                )
+            )  # fmt: skip
 
     def phases(self, batch_id: int) -> dict[str, float]:
         """Phase name -> seconds of batch ``batch_id`` (repeated phases add up)."""

@@ -772,6 +772,3 @@ def gateway_error(exc: BaseException) -> GatewayError | None:
     if isinstance(exc, UpstreamError):
         return GatewayError(exc.status, exc.message, request_id=exc.request_id)
     return None
-
-
-Endpoint = Callable[[bytes, Mapping[str, str]], Awaitable[GatewayAnswer]]

@@ -3,16 +3,19 @@ do around their job, the same way.
 
 :func:`ray_session` connects to a given cluster or starts a new local Ray declaring the job's
 GPUs (never attaching to another local cluster implicitly) and stops the Ray it started;
-:class:`ShutdownSignals` turns Ctrl-C and SIGTERM into ``KeyboardInterrupt`` until the shutdown
-begins, then holds them.
+:class:`ShutdownSignals` turns Ctrl-C and SIGTERM into ``KeyboardInterrupt`` (or, around
+``relax run``'s steps, the cancellation of the running task) until the shutdown begins, then
+holds them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TextIO
 
 from relax_core.config import JobConfig
@@ -67,14 +70,34 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
 
 
 class ShutdownSignals:
-    """Ctrl-C and SIGTERM interrupt the job (``KeyboardInterrupt``); once :meth:`hold` is
-    called (the shutdown began) they are held, because an interrupted shutdown would leave
-    engines running. ``command`` names the command in the line printed for a held signal."""
+    """Ctrl-C and SIGTERM for a job's command: the one handler of ``relax serve`` and ``relax
+    run``.
 
-    def __init__(self, out: TextIO, *, command: str = "relax serve") -> None:
+    Installed (:meth:`install`), a signal interrupts the job (``KeyboardInterrupt``). Inside
+    :meth:`cancelling` (on a running event loop, in the main thread) the first one cancels that
+    task instead (``relax run``'s steps: the step in flight fails its batch and releases its
+    role, the cancellation reaching every await of it, never the middle of a callback as a
+    ``KeyboardInterrupt`` would) and later ones are held. Once :meth:`hold` is called (the
+    shutdown began) every one is held, because an interrupted shutdown would leave engines
+    running. ``command`` names the command in the line said for a held signal; ``say`` is how
+    that line reaches the user (default: printed to ``out``).
+    """
+
+    def __init__(
+        self,
+        out: TextIO,
+        *,
+        command: str = "relax serve",
+        say: Callable[[str], None] | None = None,
+    ) -> None:
         self.out = out
         self.command = command
         self.holding = False
+        #: Signals that cancelled (or were held while cancelling) the task of :meth:`cancelling`.
+        self.received = 0
+        self._say = say
+        self._task: asyncio.Task[Any] | None = None
+        self._uncancelled = False
 
     def install(self) -> None:
         """Handle SIGINT and SIGTERM (main thread only)."""
@@ -85,8 +108,49 @@ class ShutdownSignals:
         """From now on, say "still shutting down" instead of interrupting. Idempotent."""
         self.holding = True
 
+    @contextlib.asynccontextmanager
+    async def cancelling(self) -> AsyncIterator[None]:
+        """Within the block, SIGINT and SIGTERM cancel the running task (the first) or are
+        held (later ones); the handlers before are given back on exit. Outside the main thread
+        nothing is installed."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
+            loop.add_signal_handler(sig, self._cancel)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def handled(self) -> None:
+        """The cancellation was dealt with: the task's later awaits are not cancelled again
+        (``Task.uncancel``, so ``asyncio.timeout`` blocks after it work as usual). Idempotent."""
+        if self._task is not None and self.received and not self._uncancelled:
+            self._uncancelled = True
+            self._task.uncancel()
+
+    def _cancel(self) -> None:
+        self.received += 1
+        if self.received == 1 and not self.holding and self._task is not None:
+            self._task.cancel()
+            return
+        self._held("still stopping the step in flight")
+
     def _handle(self, signum: int, frame: Any) -> None:
         if self.holding:
-            print(f"{self.command}: still shutting down, please wait …", file=self.out, flush=True)
+            self._held("still shutting down")
             return
         raise KeyboardInterrupt
+
+    def _held(self, doing: str) -> None:
+        line = f"{self.command}: {doing}, please wait …"
+        if self._say is not None:
+            self._say(line)
+        else:
+            print(line, file=self.out, flush=True)

@@ -30,8 +30,6 @@ __all__ = [
 #: The phase of a placement that stays resident through every inference phase.
 PHASE_RESIDENT = "resident"
 
-_GIB = 1024**3
-
 
 @attrs.frozen
 class Violation(ConfigProblem):

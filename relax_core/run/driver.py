@@ -55,11 +55,13 @@ from typing import Any, Protocol
 
 import attrs
 
+from relax_core._tasks import gather_all
 from relax_core.coordination.batch import (
     BatchResult,
     DeferredBatch,
     DeferredCollector,
     Dropped,
+    Producer,
     abort_generation,
     describe_failure,
     interrupted,
@@ -98,7 +100,7 @@ class TrainerPort(Protocol):
     async def push(self, version: str) -> dict[str, Any]: ...
 
 
-class StepProducerLike(Protocol):
+class StepProducerLike(Producer, Protocol):
     """What generates a step (:class:`~relax_core.run.generate.StepProducer`): its first groups
     into a collector, and more on request (the batch's producer)."""
 
@@ -109,16 +111,6 @@ class StepProducerLike(Protocol):
         *,
         on_group: Callable[[int], None] | None = None,
     ) -> None: ...
-
-    async def generate(
-        self,
-        batch_id: int,
-        *,
-        groups: int | None = None,
-        prompts: Sequence[Any] | None = None,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[list[Sample]]: ...
 
 
 @attrs.frozen
@@ -742,13 +734,7 @@ async def _regenerate(producer: StepProducerLike, m: int, count: int, gate: _Gat
         for group in await producer.generate(m, groups=1):
             gate.add(group)
 
-    tasks = [asyncio.ensure_future(one()) for _ in range(count)]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await gather_all(one() for _ in range(count))
 
 
 class _GenerationFailed(Exception):

@@ -24,13 +24,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 
+from relax_core._tasks import gather_all
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import DeferredCollector
 from relax_core.coordination.sample import Sample
+from relax_core.coordination.stages import MoreGroups
 from relax_core.errors import ConfigError, UpstreamError
 from relax_core.run.config import RunConfig
 from relax_core.run.data import Prompt, PromptSource
@@ -260,13 +262,7 @@ class Generator:
             group = await self._group(batch_id, index, prompt, samples_per_prompt, temperature)
             each(index, group)
 
-        tasks = [asyncio.ensure_future(one(first_index + i, p)) for i, p in enumerate(prompts)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await gather_all(one(first_index + i, p) for i, p in enumerate(prompts))
 
     async def _group(
         self,
@@ -325,26 +321,19 @@ class StepProducer:
             batch_id, prompts, collector, on_group=on_group, first_index=first
         )
 
-    async def generate(
-        self,
-        batch_id: int,
-        *,
-        groups: int | None = None,
-        prompts: Sequence[Any] | None = None,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[list[Sample]]:
+    async def generate(self, batch_id: int, **request: Unpack[MoreGroups]) -> list[list[Sample]]:
         """``groups`` more groups from the source, or one per prompt of ``prompts``."""
+        prompts = request.get("prompts")
         chosen: Sequence[Prompt] = (
-            list(prompts) if prompts is not None else self.source.take(groups or 0)
+            list(prompts) if prompts is not None else self.source.take(request.get("groups") or 0)
         )
         first = self._indexes(batch_id, len(chosen))
         return await self.generator.groups(
             batch_id,
             chosen,
             first_index=first,
-            samples_per_prompt=samples_per_prompt,
-            temperature=temperature,
+            samples_per_prompt=request.get("samples_per_prompt"),
+            temperature=request.get("temperature"),
         )
 
 

@@ -28,9 +28,7 @@ import collections
 import json
 import math
 import os
-import signal
 import statistics
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -42,7 +40,9 @@ from relax_core.coordination.batch import interrupted
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
+from relax_core.coordination.timeline import Timeline
 from relax_core.errors import LifecycleError
+from relax_core.jobs.session import ShutdownSignals
 from relax_core.run.data import open_source
 from relax_core.run.driver import (
     DriverSettings,
@@ -55,7 +55,7 @@ from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
 from relax_core.run.metrics import RunMetrics
-from relax_core.run.progress import PhaseEvent, PhaseTimeline, Printer, Progress
+from relax_core.run.progress import PhaseEvent, Printer, Progress
 from relax_core.tracking.hub import Trackers
 from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
 from relax_core.tracking.tracker import PhaseSpan
@@ -220,54 +220,6 @@ def blocked_advice(job: str, blocked: dict[str, str]) -> str:
     )
 
 
-class _Interrupts:
-    """Ctrl-C (SIGINT) and SIGTERM while the steps run, on the running event loop: the first
-    cancels the loop's task — the step in flight fails its batch and releases its role, so
-    the cancellation reaches every await of it, never the middle of a callback as a
-    ``KeyboardInterrupt`` would; later ones are held (``say`` tells the user). Outside the
-    main thread nothing is installed."""
-
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self.say = say
-        self.received = 0
-        self._task: asyncio.Task[Any] | None = None
-        self._previous: dict[int, Any] = {}
-        self._uncancelled = False
-
-    def install(self) -> None:
-        """Take SIGINT and SIGTERM over (the handlers before are kept for :meth:`remove`)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self._task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.getsignal(sig)
-            loop.add_signal_handler(sig, self._handle)
-
-    def remove(self) -> None:
-        """Give SIGINT and SIGTERM back to the handlers they had."""
-        loop = asyncio.get_running_loop()
-        for sig, previous in self._previous.items():
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self._previous = {}
-
-    def handled(self) -> None:
-        """The interruption was dealt with: the task's later awaits are not cancelled again
-        (``Task.uncancel``, so ``asyncio.timeout`` blocks of the report work as usual)."""
-        if self._task is not None and self.received and not self._uncancelled:
-            self._uncancelled = True
-            self._task.uncancel()
-
-    def _handle(self) -> None:
-        self.received += 1
-        if self.received == 1:
-            if self._task is not None:
-                self._task.cancel()
-            return
-        self.say("relax run: still stopping the step in flight, please wait …")
-
-
 def async_overlap_note(job: RunJob) -> str | None:
     """What async steps cannot overlap in the started ``job``, or ``None`` (everything): where
     the generation role is not free in the residency plan it takes turns with the roles on its
@@ -394,7 +346,9 @@ class _Report:
         self.dump_dir = dump_dir
         self.trackers = trackers
         self.metrics = RunMetrics.of()
-        self.timeline = PhaseTimeline(self._event, trace_path=trace, run=f"relax run {ports.name}")
+        self.timeline = Timeline(
+            on_event=self._event, trace_path=trace, run=f"relax run {ports.name}"
+        )
         #: the phase an interruption stopped first (the innermost one), if one did
         self.interrupted_phase: str | None = None
         self._bars: dict[int, Progress] = {}
@@ -531,33 +485,31 @@ async def drive(
         on_step=report.step,
         on_progress=report.progress,
     )
-    signals = _Interrupts(printer.say)
-    signals.install()
-    try:
+    signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
+    async with signals.cancelling():
         try:
-            await driver.run()
-        except StepFailure as failed:
-            if interrupted(failed.error):
-                summary.interrupted_step = failed.step
-                signals.handled()
-            await report.failed(failed)
-        if probe is not None and not summary.interrupted:
-            sizes = sorted({s.weight_bytes for s in probe.switches})
-            copies = await ports.trainer.measure_copy(sizes)
-            step_seconds = sum(r["seconds"] for r in summary.committed)
-            summary.switching = switch_report(probe.switches, copies, step_seconds)
-        if summary.failure is None and summary.committed:
-            summary.final_push = await _final_push(ports, steps)
-            summary.weight_versions.append(summary.final_push["weight_version"])
-    except asyncio.CancelledError:
-        if not signals.received:
-            raise
-        # Interrupted between steps (while the last committed step trained, the final push):
-        # its batch is committed already.
-        signals.handled()
-        summary.interrupted_step = driver.generating
-    finally:
-        signals.remove()
+            try:
+                await driver.run()
+            except StepFailure as failed:
+                if interrupted(failed.error):
+                    summary.interrupted_step = failed.step
+                    signals.handled()
+                await report.failed(failed)
+            if probe is not None and not summary.interrupted:
+                sizes = sorted({s.weight_bytes for s in probe.switches})
+                copies = await ports.trainer.measure_copy(sizes)
+                step_seconds = sum(r["seconds"] for r in summary.committed)
+                summary.switching = switch_report(probe.switches, copies, step_seconds)
+            if summary.failure is None and summary.committed:
+                summary.final_push = await _final_push(ports, steps)
+                summary.weight_versions.append(summary.final_push["weight_version"])
+        except asyncio.CancelledError:
+            if not signals.received:
+                raise
+            # Interrupted between steps (while the last committed step trained, the final
+            # push): its batch is committed already.
+            signals.handled()
+            summary.interrupted_step = driver.generating
     summary.seconds = time.perf_counter() - began
     return summary
 

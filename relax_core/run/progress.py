@@ -1,8 +1,7 @@
 """What ``relax run`` prints: progress while a step runs, one line (or JSON object) per step.
 
-:class:`PhaseTimeline` is the deferred batch's :class:`~relax_core.coordination.Timeline`
-that also tells a listener when each phase begins and ends. :class:`Printer` turns those
-events and the step results into output:
+:class:`Printer` turns the events of the run's :class:`~relax_core.coordination.Timeline`
+(:class:`PhaseEvent`: each phase's beginning and end) and the step results into output:
 
 - **progress**: each phase that took real time as it ends (``  · step 1 genrm 2.29s``: at
   least :data:`PHASE_LINE_SECONDS`; a phase that failed or was interrupted always, marked
@@ -26,17 +25,14 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TextIO
 
-import attrs
-
-from relax_core.coordination.timeline import Timeline
+from relax_core.coordination.timeline import PhaseEvent
 
 __all__ = [
     "PHASE_LINE_SECONDS",
     "PhaseEvent",
-    "PhaseTimeline",
     "Printer",
     "Progress",
     "phase_times",
@@ -47,64 +43,6 @@ __all__ = [
 PHASE_LINE_SECONDS = 0.05
 
 _SWITCHES = (".onload", ".offload", ".ack")
-
-
-@attrs.frozen
-class PhaseEvent:
-    """A phase of step ``step`` began (``seconds`` 0) or ended (``failed`` if it raised,
-    ``interrupted`` if it was cancelled: Ctrl-C); an ended one has its trace lane (``leases``
-    for role switches) and its start (``started``: wall clock, seconds since the epoch)."""
-
-    step: int
-    name: str
-    ended: bool
-    seconds: float = 0.0
-    failed: bool = False
-    interrupted: bool = False
-    lane: str = "batch"
-    started: float = 0.0
-
-    @property
-    def state(self) -> str:
-        """``begin``, ``end``, ``failed`` or ``interrupted``."""
-        if not self.ended:
-            return "begin"
-        return "interrupted" if self.interrupted else "failed" if self.failed else "end"
-
-
-class PhaseTimeline(Timeline):
-    """A :class:`~relax_core.coordination.Timeline` that calls ``on_event`` as each phase
-    begins and ends (thread-safe as the timeline is; the callback must not raise)."""
-
-    def __init__(self, on_event: Callable[[PhaseEvent], None], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._on_event = on_event
-
-    @contextlib.contextmanager
-    def phase(self, batch_id: int, name: str, *, lane: str = "batch") -> Iterator[None]:
-        """See :meth:`Timeline.phase`; the listener hears the beginning too."""
-        self._on_event(PhaseEvent(batch_id, name, ended=False))
-        with super().phase(batch_id, name, lane=lane):
-            yield
-
-    def recorded(
-        self,
-        batch_id: int,
-        name: str,
-        seconds: float,
-        *,
-        failed: bool,
-        interrupted: bool,
-        lane: str = "batch",
-        start_us: int = 0,
-    ) -> None:
-        """The listener hears the phase's end."""
-        self._on_event(
-            PhaseEvent(
-                batch_id, name, ended=True, seconds=seconds, failed=failed,
-                interrupted=interrupted, lane=lane, started=start_us / 1e6,
-            )
-        )  # fmt: skip
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:

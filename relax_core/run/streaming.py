@@ -22,6 +22,7 @@ import asyncio
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from relax_core._tasks import gather_all
 from relax_core.coordination.batch import Dropped, Streamed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage, StageContext, StageReport
@@ -129,13 +130,7 @@ class StreamScorer:
 
         :raises Exception: the first group's stage failure (the others are cancelled).
         """
-        tasks = self._tasks
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await gather_all(self._tasks)
         return Streamed(
             staged=list(self._staged),
             stages=len(self.stages),

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from relax_core.run.progress import PHASE_LINE_SECONDS, PhaseEvent, PhaseTimeline, Printer
+from relax_core.coordination import Timeline
+from relax_core.run.progress import PHASE_LINE_SECONDS, PhaseEvent, Printer
 
 
 def _printer(*, json_lines: bool = False, began: float | None = None) -> tuple[Printer, Any, Any]:
@@ -125,9 +126,9 @@ def test_an_interrupted_run_says_so_in_its_summary_and_its_step_report() -> None
     assert out.getvalue().startswith("relax run: 1 of 3 steps committed, interrupted in step 1; ")
 
 
-def test_the_phase_timeline_tells_the_listener_an_interrupted_phase_from_a_failed_one() -> None:
+def test_the_timeline_tells_its_listener_an_interrupted_phase_from_a_failed_one() -> None:
     events: list[PhaseEvent] = []
-    timeline = PhaseTimeline(events.append)
+    timeline = Timeline(on_event=events.append)
     for error in (asyncio.CancelledError(), KeyboardInterrupt(), RuntimeError("boom")):
         with pytest.raises(type(error)), timeline.phase(0, "genrm"):
             raise error
