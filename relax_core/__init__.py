@@ -8,7 +8,6 @@ below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.m
 
 from relax_core._exports import claim as _claim
 from relax_core.agent import (
-    ChatTurns,
     Environment,
     EnvironmentConfig,
     Observation,
@@ -179,6 +178,14 @@ from relax_core.run import (
     stage_problems,
 )
 from relax_core.run.driver import DriverSettings, StepDriver, StepOutcome
+from relax_core.run.rollout import (
+    TurnAnswer,
+    add_segments,
+    boundaries,
+    continue_aborted,
+    parse_answer,
+    sampling_seed,
+)
 from relax_core.tracking import (
     PhaseSpan,
     Tracker,
@@ -205,7 +212,6 @@ __all__ = [
     "BreakerSettings",
     "CapabilityError",
     "ChannelError",
-    "ChatTurns",
     "CommandSpec",
     "ConfigError",
     "ConfigProblem",
@@ -326,18 +332,22 @@ __all__ = [
     "TrainerContext",
     "TrainerSpec",
     "Turn",
+    "TurnAnswer",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
     "WeightBucket",
     "WeightSource",
     "__version__",
+    "add_segments",
+    "boundaries",
     "build_stages",
     "check_chat_payload",
     "check_generate_payload",
     "check_messages",
     "close_clients",
     "connect_coordinator",
+    "continue_aborted",
     "engine_launch_specs",
     "format_tool_call",
     "free_port",
@@ -350,6 +360,7 @@ __all__ = [
     "loads_config",
     "make_demo_models",
     "module_plugin",
+    "parse_answer",
     "parse_run_config",
     "parse_tool_calls",
     "partition_name",
@@ -358,6 +369,7 @@ __all__ = [
     "preflight",
     "reward_by_key",
     "sample_rows",
+    "sampling_seed",
     "stage_problems",
     "start_coordinator",
     "step_metrics",

@@ -860,7 +860,7 @@ def _check_shape_options(instance: object, attribute: attrs.Attribute[Any], valu
 @attrs.frozen
 class RolloutShapeSpec:
     """How a step's prompts become groups of samples, named by ``[run.generation] shape``
-    (default ``"single-turn"``: one completion per sample; the core also registers
+    (default ``"single-turn"``: one completion per sample; the ``relax-agent`` plugin registers
     ``"multi-turn"``: a trajectory of policy turns and environment observations per sample).
 
     ``build(config) -> RolloutShape``: ``config`` is a :class:`~relax_core.RolloutShapeConfig`

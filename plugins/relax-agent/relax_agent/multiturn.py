@@ -12,7 +12,7 @@ One trajectory (``b{step}-p{prompt}-s{j}``, one member of its prompt's group):
    them, loss mask 1;
 3. the environment steps on the turn's text; unless it is done, its observation's messages are
    appended as the ids of the template's text between the turns
-   (:meth:`~relax_core.agent.ChatTurns.boundary`: tokenized once, prefix-stable, checked),
+   (:meth:`~relax_agent.ChatTurns.boundary`: tokenized once, prefix-stable, checked),
    loss mask 0 and log-prob 0.0 (no policy sampled them);
 4. until the environment says ``done``, after ``max_turns`` policy turns, or when the next
    turn would have no room under ``max_total_tokens`` (prompt and response together).
@@ -38,28 +38,24 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from relax_core.agent.environment import (
+from relax_agent.template import ChatTurns
+from relax_core import (
+    ConfigProblem,
+    ConfigReader,
+    ConfigValidationError,
     Environment,
     EnvironmentConfig,
-    Observation,
-    Reset,
-    Turn,
-    as_messages,
-)
-from relax_core.agent.template import ChatTurns
-from relax_core.client.client import InferenceClient
-from relax_core.config import ConfigProblem, ConfigReader
-from relax_core.coordination.sample import Sample
-from relax_core.errors import (
-    ConfigValidationError,
+    EnvironmentSpec,
     EnvironmentStepError,
-    NotPrefixStable,
-    PluginError,
-)
-from relax_core.records import EnvironmentSpec
-from relax_core.run.rollout import (
     GroupRequest,
+    InferenceClient,
+    NotPrefixStable,
+    Observation,
+    PluginError,
+    Reset,
     RolloutShapeConfig,
+    Sample,
+    Turn,
     add_segments,
     boundaries,
     continue_aborted,
@@ -81,7 +77,7 @@ class MultiTurn:
     :param model: the generation model's name; ``model_path``, ``model_where``: its directory
         and key path (the chat template and tokenizer are loaded from it on first use).
     :param continue_aborts: continue a turn a weight push's ``abort`` pause cut short
-        (:func:`~relax_core.run.rollout.continue_aborted`).
+        (:func:`~relax_core.continue_aborted`).
     """
 
     def __init__(
@@ -276,7 +272,7 @@ class MultiTurn:
                     "turn_rewards": rewards,
                     "turn_spans": spans,
                     "stop": stop,
-                    "messages": as_messages(messages),
+                    "messages": [dict(m) for m in messages],
                     "info": infos,
                 },
             },

@@ -30,11 +30,20 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from relax_core.agent.environment import EnvironmentConfig, Observation, Reset, Turn
-from relax_core.agent.tools import Tool, ToolBox, parse_tool_calls, tool_message
-from relax_core.config import ConfigProblem, ConfigReader
-from relax_core.records import EnvironmentSpec
-from relax_core.run.data import Prompt
+from relax_core import (
+    ConfigProblem,
+    ConfigReader,
+    EnvironmentConfig,
+    EnvironmentSpec,
+    Observation,
+    Prompt,
+    Reset,
+    Tool,
+    ToolBox,
+    Turn,
+    parse_tool_calls,
+    tool_message,
+)
 
 __all__ = ["CALCULATOR", "GUIDED_CALL", "SYSTEM_PROMPT", "CalculatorEnvironment", "evaluate"]
 
