@@ -7,6 +7,7 @@ below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.m
 """
 
 from relax_core._exports import claim as _claim
+from relax_core._quote import quote_body
 from relax_core.agent import (
     Environment,
     EnvironmentConfig,
@@ -138,6 +139,8 @@ from relax_core.placement import (
 )
 from relax_core.plugins import PluginManager, get_plugin_manager, module_plugin
 from relax_core.records import (
+    CONSTRAINED_DECODING,
+    ENGINE_FEATURES,
     BenchmarkSpec,
     CommandSpec,
     DataSourceSpec,
@@ -198,9 +201,11 @@ from relax_core.tracking import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CONSTRAINED_DECODING",
     "DEFAULT_STREAM_COALESCE_S",
     "DEMO_JOB",
     "DEMO_MODELS",
+    "ENGINE_FEATURES",
     "REWARD_FIELDS",
     "AdaptContext",
     "Adapted",
@@ -367,6 +372,7 @@ __all__ = [
     "plan_inference_placement",
     "plan_weight_buckets",
     "preflight",
+    "quote_body",
     "reward_by_key",
     "sample_rows",
     "sampling_seed",

@@ -17,7 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from relax_agent.calculator import CALCULATOR, CalculatorEnvironment, evaluate
-from relax_agent.multiturn import MULTI_TURN_OPTIONS, MultiTurn, build_multi_turn
+from relax_agent.multiturn import (
+    MULTI_TURN_OPTIONS,
+    MultiTurn,
+    build_multi_turn,
+    multi_turn_needs,
+)
 from relax_agent.template import ChatTurns
 from relax_core import (
     EnvironmentSpec,
@@ -55,6 +60,7 @@ MULTI_TURN = RolloutShapeSpec(
     name="multi-turn",
     build=build_multi_turn,
     options=MULTI_TURN_OPTIONS,
+    needs=multi_turn_needs,
     description="a trajectory per sample: policy turns and an environment's "
     "observations, token-exact, loss-masked",
 )

@@ -63,7 +63,7 @@ from relax_core import (
     sampling_seed,
 )
 
-__all__ = ["MULTI_TURN_OPTIONS", "MultiTurn", "build_multi_turn"]
+__all__ = ["MULTI_TURN_OPTIONS", "MultiTurn", "build_multi_turn", "multi_turn_needs"]
 
 #: The keys of ``[run.generation]`` the multi-turn shape reads.
 MULTI_TURN_OPTIONS = ("environment", "max_turns", "max_total_tokens", "tool_timeout", "env")
@@ -359,3 +359,18 @@ def build_multi_turn(config: RolloutShapeConfig) -> MultiTurn:
         env_path=env_path,
         continue_aborts=config.run.push_pause == "abort",
     )
+
+
+def multi_turn_needs(config: RolloutShapeConfig) -> dict[str, str]:
+    """The engine features the table's environment needs with its ``env`` options
+    (``EnvironmentSpec.needs``), each at its key path (``run.generation.env.OPTION``)."""
+    name = config.options.get("environment")
+    env_options = config.options.get("env", {})
+    found = config.pm.registered("environments").get(name) if isinstance(name, str) else None
+    if found is None or found.record.needs is None or not isinstance(env_options, Mapping):
+        return {}
+    env_path = config.key("env")
+    return {
+        feature: f"{env_path}.{key}" if key else env_path
+        for feature, key in found.record.needs(dict(env_options)).items()
+    }
