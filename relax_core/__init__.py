@@ -7,8 +7,8 @@ below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.m
 """
 
 from relax_core._exports import claim as _claim
+from relax_core._quote import quote_body
 from relax_core.agent import (
-    ChatTurns,
     Environment,
     EnvironmentConfig,
     Observation,
@@ -140,6 +140,8 @@ from relax_core.placement import (
 )
 from relax_core.plugins import PluginManager, get_plugin_manager, module_plugin
 from relax_core.records import (
+    CONSTRAINED_DECODING,
+    ENGINE_FEATURES,
     BenchmarkSpec,
     CommandSpec,
     DataSourceSpec,
@@ -180,6 +182,14 @@ from relax_core.run import (
     stage_problems,
 )
 from relax_core.run.driver import DriverSettings, StepDriver, StepOutcome
+from relax_core.run.rollout import (
+    TurnAnswer,
+    add_segments,
+    boundaries,
+    continue_aborted,
+    parse_answer,
+    sampling_seed,
+)
 from relax_core.tracking import (
     PhaseSpan,
     Tracker,
@@ -192,9 +202,11 @@ from relax_core.tracking import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CONSTRAINED_DECODING",
     "DEFAULT_STREAM_COALESCE_S",
     "DEMO_JOB",
     "DEMO_MODELS",
+    "ENGINE_FEATURES",
     "REWARD_FIELDS",
     "AdaptContext",
     "Adapted",
@@ -206,7 +218,6 @@ __all__ = [
     "BreakerSettings",
     "CapabilityError",
     "ChannelError",
-    "ChatTurns",
     "CommandSpec",
     "ConfigError",
     "ConfigProblem",
@@ -328,18 +339,22 @@ __all__ = [
     "TrainerContext",
     "TrainerSpec",
     "Turn",
+    "TurnAnswer",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamUnreachableError",
     "WeightBucket",
     "WeightSource",
     "__version__",
+    "add_segments",
+    "boundaries",
     "build_stages",
     "check_chat_payload",
     "check_generate_payload",
     "check_messages",
     "close_clients",
     "connect_coordinator",
+    "continue_aborted",
     "engine_launch_specs",
     "format_tool_call",
     "free_port",
@@ -352,14 +367,17 @@ __all__ = [
     "loads_config",
     "make_demo_models",
     "module_plugin",
+    "parse_answer",
     "parse_run_config",
     "parse_tool_calls",
     "partition_name",
     "plan_inference_placement",
     "plan_weight_buckets",
     "preflight",
+    "quote_body",
     "reward_by_key",
     "sample_rows",
+    "sampling_seed",
     "stage_problems",
     "start_coordinator",
     "step_metrics",

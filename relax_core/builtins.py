@@ -1,7 +1,7 @@
 """The core's own plugin: built-in weight sources, routing policies, placement modes, prompt
-sources (``arithmetic``, ``jsonl``), rollout shapes (``single-turn``, ``multi-turn``), the
-``calculator`` environment and its ``environment`` reward adapter, stage kinds (``reward``,
-``eval``).
+sources (``arithmetic``, ``jsonl``), the ``single-turn`` rollout shape, stage kinds (``reward``,
+``eval``). (``multi-turn``, the ``calculator`` environment and the ``environment`` reward
+adapter are the ``relax-agent`` plugin's.)
 
 Registered by :meth:`relax_core.plugins.PluginManager.create` under the name ``relax-core``.
 Each hook implementation lives beside the code it registers and is re-exported here.
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from relax_core.agent.builtin import (  # noqa: F401
-    relax_register_environments,
-    relax_register_reward_adapters,
-    relax_register_rollout_shapes,
-)
 from relax_core.discovery.policies import relax_register_routing_policies  # noqa: F401
 from relax_core.hookspecs import hookimpl
 from relax_core.placement.modes import relax_register_placement_modes  # noqa: F401
-from relax_core.records import WeightSource
+from relax_core.records import RolloutShapeSpec, WeightSource
 from relax_core.run.data import relax_register_data_sources  # noqa: F401
+from relax_core.run.generate import build_single_turn
 from relax_core.run.stages import relax_register_stages  # noqa: F401
 
 STATIC = WeightSource(
@@ -48,3 +44,16 @@ def relax_register_weight_sources(register: Callable[[WeightSource], None]) -> N
     """Register STATIC, ACTOR and DCS."""
     for source in (STATIC, ACTOR, DCS):
         register(source)
+
+
+@hookimpl
+def relax_register_rollout_shapes(register: Callable[[RolloutShapeSpec], None]) -> None:
+    """Register ``single-turn`` (the default)."""
+    register(
+        RolloutShapeSpec(
+            name="single-turn",
+            build=build_single_turn,
+            options=(),
+            description="one completion per sample (samples_per_prompt per /generate request)",
+        )
+    )

@@ -164,8 +164,8 @@ def relax_register_data_sources(register: Callable[[records.DataSourceSpec], Non
 
 @hookspec
 def relax_register_rollout_shapes(register: Callable[[records.RolloutShapeSpec], None]) -> None:
-    """Register rollout shapes (the core registers ``single-turn``, the default, and
-    ``multi-turn``).
+    """Register rollout shapes (the core registers ``single-turn``, the default; the
+    ``relax-agent`` plugin ``multi-turn``).
 
     ``[run.generation] shape`` names the one a run generates with; it turns each prompt of a step
     into one group of samples through the generation role's route (``shape.group(request)``),
@@ -180,8 +180,8 @@ def relax_register_rollout_shapes(register: Callable[[records.RolloutShapeSpec],
 
 @hookspec
 def relax_register_environments(register: Callable[[records.EnvironmentSpec], None]) -> None:
-    """Register environments for multi-turn rollouts (the core registers ``calculator``, a
-    calculator tool for the arithmetic dataset).
+    """Register environments for multi-turn rollouts (the ``relax-agent`` plugin registers
+    ``calculator``, a calculator tool for the arithmetic dataset).
 
     ``[run.generation] environment`` names the one the ``multi-turn`` shape drives: one
     environment per trajectory (``EnvironmentSpec.make(config)``), reset from the prompt's

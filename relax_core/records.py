@@ -5,7 +5,8 @@ are validated where they are built, so a plugin with a bad record fails at load 
 
 This is the lowest layer of the core (it imports nothing from it), so the constants every layer
 shares are defined here once: :data:`NAME_PATTERN` (record, role and policy names),
-:class:`RouteMode` / :data:`ROUTE_MODES` and :data:`UPDATE_PATHS`.
+:class:`RouteMode` / :data:`ROUTE_MODES`, :data:`UPDATE_PATHS` and the engine features a job may
+need (:data:`CONSTRAINED_DECODING`, :data:`ENGINE_FEATURES`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 __all__ = [
+    "CONSTRAINED_DECODING",
+    "ENGINE_FEATURES",
     "NAME_PATTERN",
     "ROUTE_MODES",
     "UPDATE_PATHS",
@@ -55,6 +58,13 @@ NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
 #: Every weight-update path an engine can expose.
 UPDATE_PATHS = frozenset({"tensor", "distributed", "disk", "lora", "seed_sync"})
+
+#: An engine feature: grammar-constrained sampling (SGLang's ``regex`` / ``json_schema`` /
+#: ``ebnf`` sampling parameters), e.g. an environment's guided turn.
+CONSTRAINED_DECODING = "constrained_decoding"
+#: The engine features the core names (what a rollout shape or an environment ``needs``, what
+#: an :class:`EngineBackend` says it is ``missing``); a plugin may name others of its own.
+ENGINE_FEATURES = frozenset({CONSTRAINED_DECODING})
 
 
 class RouteMode(enum.StrEnum):
@@ -390,6 +400,13 @@ def _check_options_record(instance: object, attribute: attrs.Attribute[Any], val
         raise ValueError(f"{where}: give every field a default; {', '.join(missing)} has none")
 
 
+def _optional_callable(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name}={value!r}: give a callable or None"
+        )
+
+
 @attrs.frozen
 class EngineBackend:
     """An engine backend (``hf``, ``sglang``, …).
@@ -409,6 +426,12 @@ class EngineBackend:
     file accepts, checked before anything starts, and each launch gets an instance as
     :attr:`EngineLaunchSpec.backend_options`. ``None``: the backend reads no options of its
     own, and a model of it may have no ``engine`` table.
+    ``missing(feature) -> str | None``: whether this install of the backend can provide an
+    engine feature a job needs (:data:`ENGINE_FEATURES`, e.g. :data:`CONSTRAINED_DECODING`):
+    ``None`` when it can, else what is missing and how to install it (``"constrained decoding
+    needs xgrammar: pip install 'relax-hf[grammar]'"``). Asked by the run's preflight on the
+    machine running ``relax``, before anything starts; ``missing=None``: the backend provides
+    every feature.
 
     :raises ValueError: a bad name, or ``options`` is not an attrs class whose every field has
         a default.
@@ -423,6 +446,9 @@ class EngineBackend:
     model_hint: str = ""
     loads_model_dir: bool = True
     options: type[Any] | None = attrs.field(default=None, validator=_check_options_record)
+    missing: Callable[[str], str | None] | None = attrs.field(
+        default=None, validator=_optional_callable
+    )
 
 
 @attrs.frozen
@@ -448,13 +474,6 @@ class WeightSource:
                 f"WeightSource {self.name!r}: unknown update paths {sorted(unknown)}; "
                 f"known: {sorted(UPDATE_PATHS)}"
             )
-
-
-def _optional_callable(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not callable(value):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name}={value!r}: give a callable or None"
-        )
 
 
 @attrs.frozen
@@ -860,7 +879,7 @@ def _check_shape_options(instance: object, attribute: attrs.Attribute[Any], valu
 @attrs.frozen
 class RolloutShapeSpec:
     """How a step's prompts become groups of samples, named by ``[run.generation] shape``
-    (default ``"single-turn"``: one completion per sample; the core also registers
+    (default ``"single-turn"``: one completion per sample; the ``relax-agent`` plugin registers
     ``"multi-turn"``: a trajectory of policy turns and environment observations per sample).
 
     ``build(config) -> RolloutShape``: ``config`` is a :class:`~relax_core.RolloutShapeConfig`
@@ -870,6 +889,11 @@ class RolloutShapeSpec:
     again in the driver. The shape it returns implements :class:`~relax_core.RolloutShape`:
     ``await shape.group(request) -> list[Sample]``, one group (one prompt's samples) per call.
     ``options``: the keys the table may hold besides ``shape``; ``None``: any.
+    ``needs(config) -> Mapping[str, str]``: the engine features (:data:`ENGINE_FEATURES`) the
+    shape needs from the generation model's engine with this table, each with the key path that
+    asks for it (``{"constrained_decoding": "run.generation.env.guided_first_turn"}``); called
+    once the table builds, and each feature is checked against the model's backend
+    (:attr:`EngineBackend.missing`) before anything starts. ``None``: none.
 
     :raises ValueError: a bad name or option name.
     """
@@ -880,6 +904,9 @@ class RolloutShapeSpec:
         default=(), converter=_optional_tuple_of_str, validator=_check_shape_options
     )
     description: str = ""
+    needs: Callable[[Any], Mapping[str, str]] | None = attrs.field(
+        default=None, validator=_optional_callable
+    )
 
 
 @attrs.frozen
@@ -894,7 +921,11 @@ class EnvironmentSpec:
     append, an optional reward for the turn, ``done``). ``check(options) ->
     list[ConfigProblem]``: the options' problems, found before anything starts (``None``:
     ``make`` raises itself). ``options``: the keys ``[run.generation.env]`` may hold; ``None``:
-    any.
+    any. ``needs(options) -> Mapping[str, str]``: the engine features (:data:`ENGINE_FEATURES`)
+    the environment needs with these options, each with the option that asks for it
+    (``{"constrained_decoding": "guided_first_turn"}``; ``""``: the table as a whole); the
+    ``multi-turn`` shape reports them as its own needs, so a backend that cannot provide one is
+    refused before anything starts. ``None``: none.
 
     :raises ValueError: a bad name.
     """
@@ -904,6 +935,9 @@ class EnvironmentSpec:
     options: tuple[str, ...] | None = attrs.field(default=(), converter=_optional_tuple_of_str)
     check: Callable[[Any], Any] | None = attrs.field(default=None, validator=_optional_callable)
     description: str = ""
+    needs: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = attrs.field(
+        default=None, validator=_optional_callable
+    )
 
 
 # -- benchmarks --------------------------------------------------------------------------------

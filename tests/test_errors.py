@@ -94,3 +94,19 @@ def test_upstream_errors_keep_the_status_and_the_request_id() -> None:
     )
     assert isinstance(unreachable, errors.UpstreamError) and unreachable.request_id == "r-2"
     assert status.json() == {"error": "busy"} and status.retry_after == 3.0
+
+
+def test_an_error_body_is_quoted_whole_under_the_bound_and_never_cut_inside_a_string() -> None:
+    quote_body = relax_core.quote_body
+    small = b'{"error": {"message": "regex: needs xgrammar: pip install relax-hf[grammar]"}}'
+    assert quote_body(small) == small.decode()
+    assert quote_body(b"  ") == "<empty body>"
+    words = ", ".join(f'"field {i} is wrong"' for i in range(100))
+    body = f'{{"errors": [{words}]}}'.encode()
+    quoted = quote_body(body, limit=200)
+    head, marker = quoted.rsplit(" … (", 1)
+    assert head.count('"') % 2 == 0 and head.endswith('wrong",'), head  # whole strings only
+    assert body.startswith(head.encode())
+    assert marker == f"{len(body) - len(head.encode())} more bytes)"
+    one = quote_body(b'"' + b"x" * 500 + b'"', limit=100)
+    assert one.endswith("(402 more bytes, cut inside a string)")

@@ -24,6 +24,7 @@ import orjson
 
 from relax_core._http.headers import _DROP_RESPONSE_RAW, forward_headers
 from relax_core._http.http1 import ConnectError, ConnectTimeout, Http1Body
+from relax_core._quote import quote_body
 from relax_core.errors import (
     RequestNotReplayedError,
     StreamStalledError,
@@ -407,7 +408,7 @@ def status_error(
     status: int, body: bytes, headers: Mapping[str, str], prepared: PreparedRequest
 ) -> UpstreamStatusError:
     """The :class:`UpstreamStatusError` for an error answer."""
-    snippet = body[:200].decode("utf-8", "replace")
+    snippet = quote_body(body)
     return UpstreamStatusError(
         status,
         f"{_where(prepared)} answered {status}: {snippet}",

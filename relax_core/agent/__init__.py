@@ -1,22 +1,18 @@
-"""Multi-turn agentic rollouts: environments and tools as plugins, token-exact trajectories.
+"""The contracts of multi-turn agentic rollouts: what an environment plugin builds on.
 
 - :mod:`~relax_core.agent.environment`: what an environment takes and gives (:class:`Reset`,
   :class:`Turn`, :class:`Observation`, :class:`EnvironmentConfig`) and its Protocol;
 - :mod:`~relax_core.agent.tools`: the tool-call format (Hermes/Qwen ``<tool_call>``), the
-  tool registry with a timeout per call (:class:`ToolBox`);
-- :mod:`~relax_core.agent.template`: the chat template applied once per turn boundary,
-  prefix-stable and checked (:class:`ChatTurns`);
-- :mod:`~relax_core.agent.multiturn`: the ``multi-turn`` rollout shape (:class:`MultiTurn`);
-- :mod:`~relax_core.agent.calculator`: the built-in ``calculator`` environment.
+  tool registry with a timeout per call (:class:`ToolBox`).
 
-See ``docs/run.md`` (agentic rollouts) and ``docs/plugins.md`` (an environment plugin).
+The ``multi-turn`` rollout shape that drives environments (the chat template per turn
+boundary, token-exact trajectories), the built-in ``calculator`` environment and the
+``environment`` reward adapter are the ``relax-agent`` plugin's. See ``docs/run.md`` (agentic
+rollouts) and ``docs/plugins.md`` (an environment plugin).
 """
 
 from relax_core._exports import claim as _claim
-from relax_core.agent.calculator import CalculatorEnvironment, evaluate
 from relax_core.agent.environment import Environment, EnvironmentConfig, Observation, Reset, Turn
-from relax_core.agent.multiturn import MultiTurn
-from relax_core.agent.template import ChatTurns
 from relax_core.agent.tools import (
     Tool,
     ToolBox,
@@ -28,11 +24,8 @@ from relax_core.agent.tools import (
 )
 
 __all__ = [
-    "CalculatorEnvironment",
-    "ChatTurns",
     "Environment",
     "EnvironmentConfig",
-    "MultiTurn",
     "Observation",
     "Reset",
     "Tool",
@@ -40,7 +33,6 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "Turn",
-    "evaluate",
     "format_tool_call",
     "parse_tool_calls",
     "tool_message",

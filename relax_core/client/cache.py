@@ -20,6 +20,7 @@ import attrs
 import orjson
 
 from relax_core._http.transport import Transport
+from relax_core._quote import quote_body
 from relax_core.discovery.schema import RoleSnapshot, WeightSources
 from relax_core.errors import RoutingError, SnapshotError
 from relax_core.plugins import get_plugin_manager
@@ -188,8 +189,7 @@ class SnapshotCache:
         if status != 200:
             raise RoutingError(
                 503,
-                f"registry unavailable: GET {url} answered {status}: "
-                f"{body[:200].decode('utf-8', 'replace')}",
+                f"registry unavailable: GET {url} answered {status}: {quote_body(body)}",
                 retry_after=_REGISTRY_RETRY_AFTER,
             )
         try:

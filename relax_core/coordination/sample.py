@@ -67,7 +67,7 @@ class Sample:
     weight_versions: tuple[tuple[int, str], ...] = attrs.field(default=(), converter=_boundaries)
     #: One 0/1 per ``response_ids`` token (1: sampled by the policy, trained on; 0: an
     #: environment's or a tool's token, never trained on); empty: every response token is the
-    #: policy's. A multi-turn rollout (:mod:`relax_core.agent`) writes it.
+    #: policy's. A multi-turn rollout (relax-agent's shape) writes it.
     loss_mask: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     fields: dict[str, Any] = attrs.field(factory=dict)
 

@@ -33,6 +33,7 @@ from typing import Any, TypedDict, Unpack
 import aiohttp
 
 from relax_core._http.http1 import Http1Client
+from relax_core._quote import quote_body
 from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 
@@ -155,7 +156,7 @@ class ControlClient:
                     value = value.get("message", value)
                 if value:
                     return str(value)
-        return text.strip()[:500] or "<empty body>"
+        return quote_body(text)
 
     async def _probe(self, path: str, *, timeout: float | None) -> Any:
         status, data, text = await self._request("GET", path, timeout=timeout)

@@ -34,6 +34,7 @@ import orjson
 
 from relax_core._http.request import decode_json_body, requested_weight_version
 from relax_core._http.upstream import UpstreamResponse, parse_retry_after
+from relax_core._quote import quote_body
 from relax_core.client.breaker import BreakerSettings
 from relax_core.client.client import InferenceClient, SnapshotProvider
 from relax_core.discovery.routing import RouteTarget
@@ -721,7 +722,7 @@ class InferenceGatewayHandler:
             body = await resp.read()
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
-        snippet = body[:300].decode("utf-8", "replace")
+        snippet = quote_body(body)
         status = resp.status
         if status < 500:
             try:

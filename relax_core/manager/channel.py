@@ -47,6 +47,7 @@ from aiohttp import web
 from relax_core import errors
 from relax_core._http.http1 import Http1Client
 from relax_core._http.server import serve_app
+from relax_core._quote import quote_body
 from relax_core.engine.admission import PRIVATE_PREFIX
 from relax_core.errors import ChannelError, RelaxError
 from relax_core.manager.fanout import CallOutcome
@@ -267,7 +268,7 @@ async def _call(
     except ValueError:
         body = None
     if not isinstance(body, dict) or "ok" not in body:
-        text = raw.decode(errors="replace").strip()[:300]
+        text = quote_body(raw)
         return CallOutcome(error=ChannelError(f"POST {url} answered {status}: {text}"))
     if status != 200:
         return CallOutcome(

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 import attrs
 
+from relax_core._quote import quote_body
 from relax_core._threads import each_in_thread
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import CapabilityError
@@ -60,7 +61,7 @@ def _get(url: str, timeout: float) -> tuple[int, Any]:
     try:
         return status, json.loads(raw) if raw else None
     except ValueError:
-        return status, raw.decode("utf-8", "replace")[:200]
+        return status, quote_body(raw)
 
 
 @attrs.define(eq=False)
@@ -278,7 +279,8 @@ class ExternalEngines:
                 self._states[engine_id] = "READY"
                 self._errors.pop(engine_id, None)
             else:
-                why = f"{url}/health_generate answered {status or 'nothing'}: {str(body)[:200]}"
+                answer = quote_body(str(body))
+                why = f"{url}/health_generate answered {status or 'nothing'}: {answer}"
                 problems[engine_id] = why
                 self._states[engine_id] = "FAILED"
                 self._errors[engine_id] = why

@@ -73,7 +73,9 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
     adapter registered — and in a defer layout declaring ``supports_deferred``); the trainer
     importable; and, in a defer layout, :func:`~relax_core.coordination.
     deferred_workload_problems` filled from the table (the preflight's key paths are
-    ``run.*``); every tracker registered, with only its own options.
+    ``run.*``); every tracker registered, with only its own options; every engine feature
+    the rollout shape needs (:mod:`~relax_core.run.features`) provided by the generation
+    models' backends on this install.
     """
     from relax_core.jobs.checks import check_job
     from relax_core.run.data import source_problems
@@ -101,8 +103,9 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
         out += _generation_problems(config.role(gen).models, pm)
         from relax_core.run.rollout import rollout_problems
 
-        first = config.role(gen).models[0]
-        out += rollout_problems(
+        models = config.role(gen).models
+        first = models[0]
+        shape = rollout_problems(
             run.generation,
             run,
             pm,
@@ -110,6 +113,11 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
             model_path=first.model_path,
             model_where=first.path,
         )
+        out += shape
+        if not shape:
+            from relax_core.run.features import engine_feature_problems
+
+            out += engine_feature_problems(run.generation, run, pm, models)
     defer = tuple(r for r in config.placement.defer_roles if r in roles)
     out += source_problems(run.dataset, pm, seed=run.seed, base=run.base)
     out += stage_problems(

@@ -2,10 +2,10 @@
 
 A shape is a plugin of ``relax_register_rollout_shapes`` (a
 :class:`~relax_core.records.RolloutShapeSpec`), named by ``[run.generation] shape``. The core
-registers two: ``single-turn`` (the default: one ``/generate`` request per prompt asking for
-``samples_per_prompt`` completions, :class:`~relax_core.run.generate.SingleTurn`) and
-``multi-turn`` (each sample a trajectory of policy turns and an environment's observations,
-:class:`~relax_core.agent.MultiTurn`).
+registers ``single-turn`` (the default: one ``/generate`` request per prompt asking for
+``samples_per_prompt`` completions, :class:`~relax_core.run.generate.SingleTurn`); the
+``relax-agent`` plugin ``multi-turn`` (each sample a trajectory of policy turns and an
+environment's observations).
 
 The step's producer (:class:`~relax_core.run.generate.Generator`) calls
 ``await shape.group(request, client)`` once per prompt — the step's first groups and every

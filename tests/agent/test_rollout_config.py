@@ -1,12 +1,12 @@
-"""``[run.generation]``: single-turn is the default shape; the multi-turn shape's keys, its
-environment and the environment's own keys are checked before anything starts, each problem
-with its key path."""
+"""``[run.generation]``: single-turn is the default shape; the multi-turn shape's keys (the
+relax-agent plugin's), its environment and the environment's own keys are checked before
+anything starts, each problem with its key path."""
 
 from __future__ import annotations
 
 import pytest
+from relax_agent import MultiTurn
 
-from relax_core.agent import MultiTurn
 from relax_core.config import loads_config
 from relax_core.plugins import PluginManager
 from relax_core.run.config import parse_run_config

@@ -29,6 +29,7 @@ from relax_core import (
     UpstreamError,
     UpstreamStatusError,
     UpstreamUnreachableError,
+    quote_body,
 )
 
 __all__ = [
@@ -228,10 +229,10 @@ def _error_message(payload: Any, raw: bytes) -> str:
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         return str(error["message"])
     if isinstance(payload, dict) and "response" not in payload and payload:
-        return json.dumps(payload)[:300]
+        return quote_body(json.dumps(payload))
     if isinstance(payload, dict):
         return "the answer has no 'response' field"
-    return raw[:300].decode("utf-8", "replace") or "(empty body)"
+    return quote_body(raw)
 
 
 def _retry_after(value: str | None) -> float | None:

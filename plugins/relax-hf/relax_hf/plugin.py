@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
 
 from relax_core import (
+    CONSTRAINED_DECODING,
     ConfigError,
     ControlClient,
     EngineBackend,
@@ -17,7 +19,14 @@ from relax_core import (
 from relax_hf.options import HFEngineOptions, hf_options, options_argv
 from relax_hf.protocol import parse_dist_addr
 
-__all__ = ["HF_BACKEND", "OPTION_FLAGS", "launch", "relax_register_engine_backends", "serve_argv"]
+__all__ = [
+    "HF_BACKEND",
+    "OPTION_FLAGS",
+    "launch",
+    "missing",
+    "relax_register_engine_backends",
+    "serve_argv",
+]
 
 
 #: The core's engine options (``EngineLaunchSpec.options``, from the job file's model keys)
@@ -137,6 +146,16 @@ def launch(spec: EngineLaunchSpec) -> SubprocessEngineProcess:
     )
 
 
+def missing(feature: str) -> str | None:
+    """What this install lacks for an engine feature a job needs (``None``: it has it): the
+    hf engine's constrained decoding is xgrammar's, an optional extra."""
+    if feature == CONSTRAINED_DECODING:
+        if importlib.util.find_spec("xgrammar") is None:
+            return "constrained decoding needs xgrammar: pip install 'relax-hf[grammar]'"
+        return None
+    return f"the hf engine has no feature {feature!r} (it has: {CONSTRAINED_DECODING})"
+
+
 HF_BACKEND = EngineBackend(
     name="hf",
     launch=launch,
@@ -152,6 +171,7 @@ HF_BACKEND = EngineBackend(
         "tokenizer (`relax demo` makes the demo job's three)"
     ),
     options=HFEngineOptions,
+    missing=missing,
 )
 
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from relax_core.errors import ConfigError, NotPrefixStable
+from relax_core import ConfigError, NotPrefixStable
 
 __all__ = ["ChatTurns"]
 

@@ -15,7 +15,8 @@ Options (``[run.generation.env]``):
   three digits). A tiny random model never writes a tool call by itself; guided, it still
   samples every token (digits, operator) from its own distribution restricted to the
   pattern, so the trajectory holds a real tool call and a real observation. The engine needs
-  constrained decoding (the hf engine: ``pip install relax-hf[grammar]``).
+  constrained decoding (the hf engine: ``pip install relax-hf[grammar]``; the run's preflight
+  refuses the job, naming the extra, when it is missing).
 - ``tool_reward`` (``0.0``): a reward for each tool call that returned a value, recorded as
   the turn's reward (``None`` when 0).
 - ``system_prompt``: the instructions (default: :data:`SYSTEM_PROMPT`).
@@ -30,11 +31,21 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from relax_core.agent.environment import EnvironmentConfig, Observation, Reset, Turn
-from relax_core.agent.tools import Tool, ToolBox, parse_tool_calls, tool_message
-from relax_core.config import ConfigProblem, ConfigReader
-from relax_core.records import EnvironmentSpec
-from relax_core.run.data import Prompt
+from relax_core import (
+    CONSTRAINED_DECODING,
+    ConfigProblem,
+    ConfigReader,
+    EnvironmentConfig,
+    EnvironmentSpec,
+    Observation,
+    Prompt,
+    Reset,
+    Tool,
+    ToolBox,
+    Turn,
+    parse_tool_calls,
+    tool_message,
+)
 
 __all__ = ["CALCULATOR", "GUIDED_CALL", "SYSTEM_PROMPT", "CalculatorEnvironment", "evaluate"]
 
@@ -171,10 +182,18 @@ def _check(config: EnvironmentConfig) -> list[ConfigProblem]:
     return list(r.problems)
 
 
+def _needs(options: Mapping[str, Any]) -> dict[str, str]:
+    """A guided first turn needs the engine's constrained decoding."""
+    if options.get("guided_first_turn") is True:
+        return {CONSTRAINED_DECODING: "guided_first_turn"}
+    return {}
+
+
 CALCULATOR = EnvironmentSpec(
     name="calculator",
     make=CalculatorEnvironment,
     options=("guided_first_turn", "tool_reward", "system_prompt"),
     check=_check,
+    needs=_needs,
     description="arithmetic questions with a calculator tool (safe evaluation, no eval)",
 )

@@ -20,23 +20,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_agent import CALCULATOR, MultiTurn
 
-from relax_core import EnvironmentSpec, EnvironmentStepError, InferenceClient
-from relax_core.agent import (
-    MultiTurn,
+from relax_core import (
+    EnvironmentSpec,
+    EnvironmentStepError,
+    GroupRequest,
+    InferenceClient,
     Observation,
+    PluginManager,
+    Prompt,
     Reset,
+    SourceRequest,
     Tool,
     ToolBox,
     Turn,
     parse_tool_calls,
     tool_message,
 )
-from relax_core.agent.calculator import CALCULATOR
-from relax_core.run.data import ArithmeticSource, Prompt
-from relax_core.run.rollout import GroupRequest
 
 MODEL = "policy"
+
+
+def _arithmetic(n: int) -> list[Prompt]:
+    """The first ``n`` questions of the core's ``arithmetic`` source (seed 0)."""
+    spec = PluginManager.create().registered("data_sources")["arithmetic"].record
+    prompts: list[Prompt] = spec.open(SourceRequest("arithmetic")).take(n)
+    return prompts
 
 
 def _snapshot(urls: list[str]) -> dict[str, Any]:
@@ -155,7 +165,7 @@ def _groups(
 @pytest.fixture(scope="module")
 def calculator_run(engines: list[str], agent_model: Path) -> tuple[list[Any], Recording, Any]:
     shape = _shape(CALCULATOR, agent_model, guided_first_turn=True)
-    return _groups(engines, shape, ArithmeticSource(0).take(6))
+    return _groups(engines, shape, _arithmetic(6))
 
 
 @pytest.mark.slow

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relax_agent import ChatTurns
 
 from relax_core import NotPrefixStable
-from relax_core.agent import ChatTurns
 
 WHERE = "roles.rollout.models.policy"
 

@@ -12,7 +12,7 @@ One trajectory (``b{step}-p{prompt}-s{j}``, one member of its prompt's group):
    them, loss mask 1;
 3. the environment steps on the turn's text; unless it is done, its observation's messages are
    appended as the ids of the template's text between the turns
-   (:meth:`~relax_core.agent.ChatTurns.boundary`: tokenized once, prefix-stable, checked),
+   (:meth:`~relax_agent.ChatTurns.boundary`: tokenized once, prefix-stable, checked),
    loss mask 0 and log-prob 0.0 (no policy sampled them);
 4. until the environment says ``done``, after ``max_turns`` policy turns, or when the next
    turn would have no room under ``max_total_tokens`` (prompt and response together).
@@ -38,28 +38,24 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from relax_core.agent.environment import (
+from relax_agent.template import ChatTurns
+from relax_core import (
+    ConfigProblem,
+    ConfigReader,
+    ConfigValidationError,
     Environment,
     EnvironmentConfig,
-    Observation,
-    Reset,
-    Turn,
-    as_messages,
-)
-from relax_core.agent.template import ChatTurns
-from relax_core.client.client import InferenceClient
-from relax_core.config import ConfigProblem, ConfigReader
-from relax_core.coordination.sample import Sample
-from relax_core.errors import (
-    ConfigValidationError,
+    EnvironmentSpec,
     EnvironmentStepError,
-    NotPrefixStable,
-    PluginError,
-)
-from relax_core.records import EnvironmentSpec
-from relax_core.run.rollout import (
     GroupRequest,
+    InferenceClient,
+    NotPrefixStable,
+    Observation,
+    PluginError,
+    Reset,
     RolloutShapeConfig,
+    Sample,
+    Turn,
     add_segments,
     boundaries,
     continue_aborted,
@@ -67,7 +63,7 @@ from relax_core.run.rollout import (
     sampling_seed,
 )
 
-__all__ = ["MULTI_TURN_OPTIONS", "MultiTurn", "build_multi_turn"]
+__all__ = ["MULTI_TURN_OPTIONS", "MultiTurn", "build_multi_turn", "multi_turn_needs"]
 
 #: The keys of ``[run.generation]`` the multi-turn shape reads.
 MULTI_TURN_OPTIONS = ("environment", "max_turns", "max_total_tokens", "tool_timeout", "env")
@@ -81,7 +77,7 @@ class MultiTurn:
     :param model: the generation model's name; ``model_path``, ``model_where``: its directory
         and key path (the chat template and tokenizer are loaded from it on first use).
     :param continue_aborts: continue a turn a weight push's ``abort`` pause cut short
-        (:func:`~relax_core.run.rollout.continue_aborted`).
+        (:func:`~relax_core.continue_aborted`).
     """
 
     def __init__(
@@ -276,7 +272,7 @@ class MultiTurn:
                     "turn_rewards": rewards,
                     "turn_spans": spans,
                     "stop": stop,
-                    "messages": as_messages(messages),
+                    "messages": [dict(m) for m in messages],
                     "info": infos,
                 },
             },
@@ -363,3 +359,18 @@ def build_multi_turn(config: RolloutShapeConfig) -> MultiTurn:
         env_path=env_path,
         continue_aborts=config.run.push_pause == "abort",
     )
+
+
+def multi_turn_needs(config: RolloutShapeConfig) -> dict[str, str]:
+    """The engine features the table's environment needs with its ``env`` options
+    (``EnvironmentSpec.needs``), each at its key path (``run.generation.env.OPTION``)."""
+    name = config.options.get("environment")
+    env_options = config.options.get("env", {})
+    found = config.pm.registered("environments").get(name) if isinstance(name, str) else None
+    if found is None or found.record.needs is None or not isinstance(env_options, Mapping):
+        return {}
+    env_path = config.key("env")
+    return {
+        feature: f"{env_path}.{key}" if key else env_path
+        for feature, key in found.record.needs(dict(env_options)).items()
+    }

@@ -1,0 +1,78 @@
+"""The engine features a run needs, checked against its generation engines before anything
+starts.
+
+A rollout shape says which engine features (:data:`~relax_core.records.ENGINE_FEATURES`) it
+needs with the run's ``[run.generation]`` table (``RolloutShapeSpec.needs``; the ``multi-turn``
+shape asks its environment's ``EnvironmentSpec.needs``), each with the key path that asks for
+it; each model of the generation role is asked, through its backend's
+``EngineBackend.missing(feature)``, whether this install can provide it. A feature it cannot
+provide is a problem at that key path (``run.generation.env.guided_first_turn:
+[engine-feature] …``), naming the model, its backend and what to install — found by
+``relax plan`` and ``relax run`` before Ray or any engine starts, not as a 400 mid-step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from relax_core.config import ConfigProblem, ModelConfig
+from relax_core.errors import PluginError
+from relax_core.plugins import PluginManager
+from relax_core.records import EngineBackend, RolloutShapeSpec
+from relax_core.run.config import GenerationTable, RunConfig
+from relax_core.run.rollout import RolloutShapeConfig
+
+__all__ = ["engine_feature_problems"]
+
+
+def engine_feature_problems(
+    table: GenerationTable, run: RunConfig, pm: PluginManager, models: Sequence[ModelConfig]
+) -> list[ConfigProblem]:
+    """Every feature the run's shape needs that an engine of ``models`` (the generation role's,
+    the first one's directory handed to the shape) cannot provide on this install. Call it once
+    the table builds (its own problems come first)."""
+    if not models:
+        return []
+    spec: RolloutShapeSpec = pm.rollout_shape(table.shape)
+    if spec.needs is None:
+        return []
+    first = models[0]
+    config = RolloutShapeConfig(
+        options=dict(table.options),
+        path=table.path,
+        run=run,
+        pm=pm,
+        model=first.name,
+        model_path=first.model_path,
+        model_where=first.path,
+    )
+    try:
+        needs = dict(spec.needs(config))
+    except Exception as exc:  # a plugin's bug, reported where its table is
+        return [
+            ConfigProblem(
+                f"{table.path}.shape",
+                "engine-feature",
+                f"rollout shape {table.shape!r} could not say which engine features it needs: "
+                f"{type(exc).__name__}: {exc} (a plugin bug)",
+            )
+        ]
+    out: list[ConfigProblem] = []
+    for feature, where in sorted(needs.items()):
+        for m in models:
+            try:
+                backend: EngineBackend = pm.engine_backend(m.backend)
+            except PluginError:
+                continue  # the job's own check reports an unknown backend
+            why = backend.missing(feature) if backend.missing is not None else None
+            if why:
+                out.append(
+                    ConfigProblem(
+                        where or table.path,
+                        "engine-feature",
+                        f"the job needs {feature.replace('_', ' ')} from the engines of "
+                        f"{m.path} (backend {m.backend!r}), which this install cannot provide: "
+                        f"{why}",
+                    )
+                )
+    return out
