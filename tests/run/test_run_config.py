@@ -318,5 +318,6 @@ def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_ever
     for path, engines in engine_launch_specs(config, pm).items():
         argv = serve_argv(engines[f"{path.rsplit('.', 1)[1]}/replica-0"][0], 1)
         i = argv.index("--mem-fraction-static")
-        assert argv[i + 1] == "0.6" and "--disable-cuda-graph" in argv
+        assert argv[i + 1] == "0.6" and "--memory-handoff" in argv
+        assert "--disable-cuda-graph" not in argv  # graphs kept across switches
         assert argv[argv.index("--device") + 1] == "cuda"

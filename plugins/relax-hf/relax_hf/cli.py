@@ -63,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         disable_radix_cache=args.disable_radix_cache,
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         enable_cache_report=args.enable_cache_report,
+        emulate_cuda_graph=args.emulate_cuda_graph,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -225,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="disable_cuda_graph",
         action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--emulate-cuda-graph",
+        action="store_true",
+        help="CPU: run decode steps through the CUDA-graph machinery (capture, replay, kept "
+        "across release and resume) with eager stand-ins; for tests without a GPU",
     )
     p.add_argument(
         "--memory-handoff",

@@ -631,6 +631,7 @@ class Engine:
                 self._wake.set()
                 raise
             self.last_release = detail
+            self._log_graphs("release", tags)
             self.memory_log.append(
                 {
                     "op": "release",
@@ -641,6 +642,17 @@ class Engine:
                 }
             )
             return detail
+
+    def _log_graphs(self, op: str, tags: tuple[str, ...]) -> None:
+        # One line per switch in the engine's log: whether it captured (``/server_info`` has
+        # the same counts while the engine runs).
+        graphs = self.runner.graphs
+        if graphs is not None:
+            print(
+                f"relax-hf: {op} {','.join(tags)}: decode graphs held {graphs.captured}, "
+                f"captures {graphs.captures}, replays {graphs.replays}",
+                flush=True,
+            )
 
     async def resume(self, tags: tuple[str, ...]) -> dict[str, Any]:
         """Resume ``tags``, weights first. Idempotent."""
@@ -663,6 +675,7 @@ class Engine:
             for tag in sorted(tags, key=lambda t: t != "weights"):
                 self.resident[tag] = True
             self.last_resume = detail
+            self._log_graphs("resume", tags)
             self.memory_log.append(
                 {
                     "op": "resume",

@@ -70,6 +70,8 @@ class KVPool:
         # with theirs); otherwise torch allocates it.
         self._table_offset = -(-self.nbytes // 512) * 512
         table_bytes = (max_rows + 1) * context_len * 8
+        self._table_bytes = table_bytes
+        self._map: mmap.mmap | None = None  # CPU: the mapping the pool and table live in
         self.segment: Segment | None = None
         if exchange is not None:
             self.segment = Segment(
@@ -115,11 +117,14 @@ class KVPool:
                 raise self._unavailable(*torch.cuda.mem_get_info(self.device)) from exc
             raw = self.segment.tensor()
         elif self.device.type == "cpu":
-            # An anonymous mapping of its own: pages are committed when written and unmapped at
-            # once on release (no allocator keeps them).
+            # An anonymous mapping of its own, kept for the engine's life: pages are committed
+            # when written and handed back to the OS on release (no allocator keeps them), and
+            # the addresses stay (so do the decode graphs that read them), as a segment's.
+            if self._map is None:
+                self._map = mmap.mmap(-1, self._table_offset + self._table_bytes)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # frombuffer warns about non-resizable buffers
-                raw = torch.frombuffer(mmap.mmap(-1, self.nbytes), dtype=torch.uint8)
+                raw = torch.frombuffer(self._map, dtype=torch.uint8)
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             if self.nbytes > free:
@@ -130,8 +135,9 @@ class KVPool:
             .view(self.dtype)
             .view(self.num_layers, 2, self.num_slots, self.kv_heads, self.head_dim)
         )
-        if self.segment is not None:
-            table = raw[self._table_offset :].view(torch.int64)
+        if self.segment is not None or self._map is not None:
+            table = raw[self._table_offset : self._table_offset + self._table_bytes]
+            table = table.view(torch.int64)
             self.req_to_token = table.view(self.max_rows + 1, self.context_len).zero_()
         else:
             self.req_to_token = torch.zeros(
@@ -157,6 +163,8 @@ class KVPool:
         self.req_to_token = None
         if self.segment is not None:
             return self.segment.unmap(park=True)
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)  # the pages go back; the addresses stay
         return {}
 
     # -- accounting ------------------------------------------------------------------------

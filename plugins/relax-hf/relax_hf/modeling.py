@@ -20,8 +20,13 @@ it), grouped-query attention, SiLU MLP, optional q/k/v biases (Qwen2) and per-he
 
 :class:`DecodeGraphs` captures decode steps as CUDA graphs per (batch size, context bucket) on
 first use and replays them; the batch is padded to the captured size with the scratch row 0.
-Graphs bake in the addresses of the weights and of the pool, so they are dropped whenever
-either is reallocated (release/resume, a disk update) and captured again.
+Graphs bake in the addresses of the weights and of the pool (:meth:`DecodeGraphs.addresses`).
+Where those come back at the same addresses after a release (memory hand-over's segments; the
+CPU's kept mappings) the graphs are kept and replayed after a resume; where they move (a disk
+update into a new buffer, torch's allocator) the graphs are dropped and captured again. On CPU
+the same machinery runs with eager stand-ins (``emulate=True``): capture records the step's
+static buffers and addresses, a replay runs the step on them and refuses to run once the
+addresses it recorded have moved (a CUDA graph would read freed memory there).
 """
 
 from __future__ import annotations
@@ -35,7 +40,13 @@ import torch.nn.functional as F
 from relax_hf.kvcache import KVPool
 from relax_hf.sampling import gumbel_noise
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "DecodeGraphs", "NativeModel", "UnsupportedModel"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "DecodeGraphs",
+    "NativeModel",
+    "StaleGraph",
+    "UnsupportedModel",
+]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -399,12 +410,43 @@ def _buckets(context_len: int, smallest: int = 128) -> list[int]:
     return out
 
 
-class DecodeGraphs:
-    """CUDA graphs of :meth:`NativeModel.decode_step` per (batch size, context bucket)."""
+class StaleGraph(RuntimeError):
+    """A decode graph was replayed after the weights or the pool it reads moved."""
 
-    def __init__(self, model: NativeModel, pool: KVPool, *, max_bs: int) -> None:
+
+class _EagerGraph:
+    """The CPU stand-in for a captured decode step: the step run on its static buffers, refused
+    once the addresses recorded at capture have moved."""
+
+    def __init__(self, graphs: DecodeGraphs, step: Any, addresses: tuple[int, ...]) -> None:
+        self._graphs = graphs
+        self._step = step
+        self._addresses = addresses
+
+    def replay(self) -> None:
+        now = self._graphs.addresses()
+        if now != self._addresses:
+            raise StaleGraph(
+                f"decode graph replayed after its memory moved (captured at "
+                f"{self._addresses}, now {now}): it must be dropped and captured again"
+            )
+        self._step()
+
+
+class DecodeGraphs:
+    """CUDA graphs of :meth:`NativeModel.decode_step` per (batch size, context bucket).
+
+    ``captures`` and ``replays`` count every capture and replay since start (``/server_info``
+    reports them: a switch that kept its graphs captures nothing). ``emulate`` (CPU) runs the
+    same bookkeeping with eager stand-ins (see the module's docstring).
+    """
+
+    def __init__(
+        self, model: NativeModel, pool: KVPool, *, max_bs: int, emulate: bool = False
+    ) -> None:
         self.model = model
         self.pool = pool
+        self.emulate = emulate
         sizes = [1, 2, 4, 8, *range(16, max_bs + 1, 8)]
         self.batch_sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
         self.ctx_buckets = _buckets(pool.context_len)
@@ -413,12 +455,35 @@ class DecodeGraphs:
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.captured_shapes: list[tuple[int, int]] = []  # what to capture again on resume
         self.capture_seconds = 0.0
+        self.captures = 0
         self.replays = 0
+        #: The addresses the graphs held now were captured against (``None``: none held).
+        self.captured_at: tuple[int, ...] | None = None
 
     @property
     def captured(self) -> int:
         """Graphs held now."""
         return len(self._graphs)
+
+    def addresses(self) -> tuple[int, ...]:
+        """Where the memory the graphs read is now: the first and last weights, the pool's
+        slots and its request-to-token table (0 for what is released)."""
+        model, pool = self.model, self.pool
+        ptr = lambda t: 0 if t is None or t.numel() == 0 else t.data_ptr()  # noqa: E731
+        return (
+            ptr(model.embed),
+            ptr(model.lm_head),
+            ptr(pool.kv),
+            ptr(pool.req_to_token),
+        )
+
+    def drop_if_moved(self) -> bool:
+        """Drop the graphs if the memory they read is no longer where they were captured (call
+        with weights and pool resident); whether they were dropped."""
+        if self.captured and self.captured_at != self.addresses():
+            self.drop()
+            return True
+        return False
 
     def bucket(self, b: int, ctx: int) -> tuple[int, int] | None:
         """The captured shape for ``b`` rows of context ``ctx`` (``None``: too large)."""
@@ -430,6 +495,7 @@ class DecodeGraphs:
         """Forget every graph and its memory (weights or pool moved, or ``cuda_graph`` freed)."""
         self._graphs.clear()
         self._mempool = None
+        self.captured_at = None
 
     def capture(self, shape: tuple[int, int]) -> None:
         """Capture the graph of ``shape`` (idempotent)."""
@@ -440,6 +506,13 @@ class DecodeGraphs:
         device = self.pool.device
         packed = torch.zeros((5, bs), dtype=torch.int64, device=device)  # scratch row 0
         temps = torch.zeros(bs, dtype=torch.float32, device=device)
+        addresses = self.addresses()
+        if self.captured_at is not None and addresses != self.captured_at:
+            self.drop()  # graphs of other addresses may not share the pool with these
+        if self.emulate:
+            self._capture_eager(shape, packed, temps, addresses)
+            self.capture_seconds += time.perf_counter() - start
+            return
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
@@ -451,10 +524,35 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._mempool):
             out = self.model.decode_step(self.pool, packed, temps, ctx)
-        self._graphs[shape] = (graph, packed, temps, out)
+        self._add(shape, (graph, packed, temps, out), addresses)
+        self.capture_seconds += time.perf_counter() - start
+
+    def _add(self, shape: tuple[int, int], entry: tuple[Any, ...], at: tuple[int, ...]) -> None:
+        self._graphs[shape] = entry
+        self.captured_at = at
+        self.captures += 1
         if shape not in self.captured_shapes:
             self.captured_shapes.append(shape)
-        self.capture_seconds += time.perf_counter() - start
+
+    def _capture_eager(
+        self,
+        shape: tuple[int, int],
+        packed: torch.Tensor,
+        temps: torch.Tensor,
+        addresses: tuple[int, ...],
+    ) -> None:
+        ctx = shape[1]
+        with torch.inference_mode():
+            logits, tokens = self.model.decode_step(self.pool, packed, temps, ctx)
+        out = (logits.clone(), tokens.clone())
+
+        @torch.inference_mode()
+        def step() -> None:
+            new_logits, new_tokens = self.model.decode_step(self.pool, packed, temps, ctx)
+            out[0].copy_(new_logits)
+            out[1].copy_(new_tokens)
+
+        self._add(shape, (_EagerGraph(self, step, addresses), packed, temps, out), addresses)
 
     def warm_up(self, *, max_ctx: int = 256) -> int:
         """Capture every batch size for the context buckets up to ``max_ctx`` (start-up), so
@@ -487,9 +585,10 @@ class DecodeGraphs:
         bs = shape[0]
         staging = self._staging.get(bs)
         if staging is None:
+            pin = self.pool.device.type == "cuda"
             staging = (
-                torch.zeros((5, bs), dtype=torch.int64).pin_memory(),
-                torch.zeros(bs, dtype=torch.float32).pin_memory(),
+                torch.zeros((5, bs), dtype=torch.int64, pin_memory=pin),
+                torch.zeros(bs, dtype=torch.float32, pin_memory=pin),
             )
             self._staging[bs] = staging
         ints, floats = staging

@@ -191,12 +191,19 @@ class ModelRunner:
         torch_compile: bool = False,
         memory_handoff: bool = False,
         radix_cache: bool = True,
+        emulate_cuda_graph: bool = False,
     ) -> None:
         """Load the model and its tokenizer, pack the weights, take the KV cache pool.
 
         ``radix_cache`` (SGLang's default; ``--disable-radix-cache`` turns it off) keeps the
         KV of prompts and outputs in a :class:`~relax_hf.prefixcache.PrefixCache` over the
         pool, for later sequences that share their prefix.
+
+        The decode graphs (``cuda_graph``, CUDA) survive a release and a resume where the
+        weights and the pool come back at the same addresses: with ``memory_handoff``, and on
+        CPU (whose mappings are kept). Elsewhere they are captured again after a resume;
+        :attr:`graphs_note` says so. ``emulate_cuda_graph`` (CPU) runs decode steps through the
+        graph machinery with eager stand-ins (:class:`~relax_hf.modeling.DecodeGraphs`).
 
         With ``memory_handoff`` (CUDA only) the weight buffer and the pool are
         :class:`~relax_hf.vmm.Segment` s: a release parks their physical memory for the next
@@ -263,6 +270,7 @@ class ModelRunner:
             )
         self._backup: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None
+        self._cpu_map: mmap.mmap | None = None  # CPU: the mapping the weights live in
         self._released: list[weakref.ref[Any]] = []
         self.weights_resident = True
         self.weights_dirty = False  # changed since loaded from ``checkpoint_path``
@@ -297,19 +305,38 @@ class ModelRunner:
         self.prefix_cache = PrefixCache(self.pool, enabled=radix_cache)
         pooled = time.perf_counter()
         self.graphs: DecodeGraphs | None = None
-        if cuda_graph and self.device.type == "cuda":
+        emulate = emulate_cuda_graph and self.device.type == "cpu"
+        if cuda_graph and (self.device.type == "cuda" or emulate):
             self.graphs = DecodeGraphs(
                 self.native,
                 self.pool,
                 max_bs=min(cuda_graph_max_bs or max_running_requests, max_running_requests),
+                emulate=emulate,
+            )
+        #: Whether the weights and the pool come back at the addresses they left (memory
+        #: hand-over's segments; CPU mappings): the decode graphs are then kept across a
+        #: release and replayed after a resume.
+        self.stable_addresses = self._wseg is not None or self.device.type == "cpu"
+        #: Why the decode graphs are captured again after every resume (``None``: they are
+        #: not, or there are none).
+        self.graphs_note: str | None = None
+        if self.graphs is not None and not self.stable_addresses:
+            self.graphs_note = (
+                "CUDA graphs are dropped by a release and captured again by the next resume "
+                "(the weights and the KV cache pool come back at other addresses); start with "
+                "--memory-handoff to keep them"
             )
         if torch_compile and self.device.type == "cuda":
             self.native.compile()
         graph_bytes = 0
         if self.graphs is not None:
-            reserved = torch.cuda.memory_reserved(self.device)
+            cuda = self.device.type == "cuda"
+            reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
             self.graphs.warm_up()
-            graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
+            graph_bytes = torch.cuda.memory_reserved(self.device) - reserved if cuda else 0
+        #: Bytes the decode graphs captured at start hold (their memory pool and buffers);
+        #: resident while the ``cuda_graph`` tag is released when the graphs are kept.
+        self.graph_bytes = graph_bytes
         #: SGLang's ``memory_usage.graph``: GiB its graphs of each phase took at start-up.
         self.graph_memory_gib = {**dict.fromkeys(GRAPH_PHASES, 0.0), "decode": graph_bytes / GIB}
         self.grammar = GrammarBackend(
@@ -358,6 +385,7 @@ class ModelRunner:
             torch_compile=config.enable_torch_compile,
             memory_handoff=config.memory_handoff,
             radix_cache=not config.disable_radix_cache,
+            emulate_cuda_graph=config.emulate_cuda_graph,
         )
 
     # -- setup ---------------------------------------------------------------------------
@@ -387,21 +415,24 @@ class ModelRunner:
             off, nbytes, shape, dtype = self._layout[name]
             yield name, p, flat[off : off + nbytes].view(dtype).view(shape)
 
-    def _alloc_flat(self) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _alloc_flat(self, *, fresh: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
         """A flat byte buffer for every weight on the device, and what mapping it took.
 
-        On CPU it is an anonymous memory mapping of its own, so dropping it unmaps the pages at
-        once (no allocator caching): released weights really leave the process. With memory
-        hand-over it is the weight segment, mapped (the same addresses every time).
+        On CPU it is an anonymous memory mapping of its own (no allocator caching): a release
+        hands its pages back to the OS at once and keeps the addresses, which the next buffer
+        takes again (``fresh``: a new mapping, for a load beside the weights held now). With
+        memory hand-over it is the weight segment, mapped (the same addresses every time).
         """
         if self._wseg is not None:
             mapped = _prefixed(self._wseg.map())
             return self._wseg.tensor(), mapped
         if self.device.type != "cpu":
             return torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device), {}
+        if fresh or self._cpu_map is None:
+            self._cpu_map = mmap.mmap(-1, max(self.param_bytes, 1))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot resize
-            raw = torch.frombuffer(mmap.mmap(-1, max(self.param_bytes, 1)), dtype=torch.uint8)
+            raw = torch.frombuffer(self._cpu_map, dtype=torch.uint8)
         return raw[: self.param_bytes], {}
 
     def _to_flat_from_params(self) -> torch.Tensor:
@@ -417,8 +448,8 @@ class ModelRunner:
         self._flat = flat
         if hasattr(self, "native"):
             self.native.bind()
-        if getattr(self, "graphs", None) is not None:
-            self.graphs.drop()  # type: ignore[union-attr]
+        if getattr(self, "graphs", None) is not None and self.pool.resident:
+            self.graphs.drop_if_moved()  # type: ignore[union-attr]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -500,7 +531,7 @@ class ModelRunner:
         self._released = [weakref.ref(self._flat.untyped_storage())]
         self._flat = None
         self.native.unbind()  # its views would keep the buffer alive
-        if self.graphs is not None:
+        if self.graphs is not None and not self.stable_addresses:
             self.graphs.drop()  # they point into the buffer
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
@@ -510,6 +541,8 @@ class ModelRunner:
             self._sync()  # nothing may still read the buffer when its memory is unmapped
             unmapped = _prefixed(self._wseg.unmap(park=True))
         freed = self.free_cached_memory(self._released)
+        if self._cpu_map is not None:
+            self._cpu_map.madvise(mmap.MADV_DONTNEED)  # the pages go back; the addresses stay
         return {
             "released_bytes": self.param_bytes,
             **unmapped,
@@ -562,7 +595,7 @@ class ModelRunner:
         """Drop the KV cache pool (refused while a sequence holds a row). Idempotent."""
         if not self.pool.resident:
             return {"released_bytes": 0}
-        if self.graphs is not None:
+        if self.graphs is not None and not self.stable_addresses:
             self.graphs.drop()  # they read the pool's addresses
         self.prefix_cache.clear()  # its slots go with the pool
         assert self.pool.kv is not None
@@ -589,8 +622,12 @@ class ModelRunner:
         return {"bytes": self.pool.nbytes, **mapped, "seconds": time.perf_counter() - start}
 
     def release_cuda_graphs(self) -> dict[str, Any]:
-        """Drop every captured decode graph and its memory pool. Idempotent."""
+        """Drop every captured decode graph and its memory pool; where the addresses are
+        stable, keep them instead (resident, :attr:`graph_bytes`) for the next resume to
+        replay. Idempotent."""
         n = self.graphs.captured if self.graphs is not None else 0
+        if self.graphs is not None and self.stable_addresses:
+            return {"graphs": n, "kept": True, "resident_bytes": self.graph_bytes}
         if self.graphs is not None:
             self.graphs.drop()
             self.free_cached_memory()
@@ -636,6 +673,12 @@ class ModelRunner:
             detail["weights"]["seconds"] = time.perf_counter() - began
             detail["weights"]["copy_overlaps"] = "kv_cache"
             detail["kv_cache"]["overlapped"] = True
+        if self.graphs is not None and self.weights_resident and self.pool.resident:
+            kept = self.graphs.captured
+            if self.graphs.drop_if_moved():
+                detail["cuda_graph_moved"] = {"dropped": kept}
+            elif kept and graphs:
+                detail["cuda_graph"] = {"graphs": kept, "kept": True, "seconds": 0.0}
         if graphs and self.graphs is not None and self.graphs.captured == 0:
             detail["cuda_graph"] = self.capture_cuda_graphs()
         return detail
@@ -699,9 +742,14 @@ class ModelRunner:
             },
             "cuda_graphs": {
                 "enabled": self.graphs is not None,
+                "emulated": self.graphs is not None and self.graphs.emulate,
                 "captured": self.graphs.captured if self.graphs is not None else 0,
                 "capture_seconds": self.graphs.capture_seconds if self.graphs is not None else 0,
+                "captures": self.graphs.captures if self.graphs is not None else 0,
                 "replays": self.graphs.replays if self.graphs is not None else 0,
+                "kept_across_release": self.graphs is not None and self.stable_addresses,
+                "bytes": self.graph_bytes,
+                "note": self.graphs_note,
             },
         }
         if self.device.type == "cuda":
@@ -829,7 +877,7 @@ class ModelRunner:
             del staging
             had_graphs = False
         else:
-            flat, _ = self._alloc_flat()
+            flat, _ = self._alloc_flat(fresh=True)
             self._load_checkpoint_into(flat, path)
             had_graphs = self.graphs is not None and self.graphs.captured > 0
             self._pack(flat)  # new addresses: the graphs are dropped

@@ -86,6 +86,7 @@ class ServerConfig:
     disable_radix_cache: bool = False
     enable_custom_logit_processor: bool = False
     enable_cache_report: bool = False
+    emulate_cuda_graph: bool = False
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -531,6 +532,8 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
                 )
             try:
                 runner = await asyncio.to_thread(ModelRunner.from_config, config)
+                if runner.graphs_note is not None:
+                    print(f"relax-hf: {runner.graphs_note}", flush=True)
                 if nodes is not None:
                     await asyncio.to_thread(nodes.join, fingerprint(runner))
             except BaseException:

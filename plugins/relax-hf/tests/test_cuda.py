@@ -67,6 +67,7 @@ def test_the_cuda_graph_and_kv_cache_tags_release_and_restore(
 
 
 def test_a_json_schema_constrains_output_on_cuda(pair: tuple[EngineServer, EngineServer]) -> None:
+    pytest.importorskip("xgrammar", reason="constrained decoding needs relax-hf[grammar]")
     _, cuda = pair
     schema = {
         "type": "object",
@@ -134,3 +135,35 @@ def test_a_cached_prefix_on_cuda_decodes_as_a_full_prefill_until_a_weight_update
         assert again["output_ids"] == after["output_ids"]
     finally:
         cuda.http.ok("/update_weights_from_disk", {"model_path": str(tiny_model)})
+
+
+def test_without_memory_handoff_the_engine_says_its_graphs_are_captured_again(
+    pair: tuple[EngineServer, EngineServer],
+) -> None:
+    _, cuda = pair
+    graphs = cuda.http.ok("/server_info")["memory"]["cuda_graphs"]
+    assert graphs["kept_across_release"] is False
+    assert "--memory-handoff" in graphs["note"]
+
+
+def test_with_memory_handoff_a_switch_keeps_the_graphs_and_captures_nothing(
+    start_server: Any,
+) -> None:
+    server = start_server(
+        "hf-cuda-handoff",
+        device="cuda",
+        weights_cpu_backup=True,
+        extra_args=("--mem-fraction-static", "0.2", "--memory-handoff"),
+    )
+    before = _outputs(server, temperature=0.0)
+    started = server.http.ok("/server_info")["memory"]["cuda_graphs"]
+    assert started["kept_across_release"] and started["note"] is None
+    assert started["captured"] > 0 and started["bytes"] > 0
+    for _ in range(2):
+        server.http.ok("/release_memory_occupation", {"tags": None})
+        assert server.http.ok("/server_info")["memory"]["cuda_graphs"]["captured"] > 0
+        server.http.ok("/resume_memory_occupation", {"tags": None})
+        assert _outputs(server, temperature=0.0) == before
+    after = server.http.ok("/server_info")["memory"]["cuda_graphs"]
+    assert after["captures"] == started["captures"]
+    assert after["replays"] > started["replays"]

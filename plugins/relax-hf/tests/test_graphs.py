@@ -1,0 +1,74 @@
+"""Decode graphs kept across a release and a resume where the addresses are stable.
+
+On CPU the engine's mappings keep their addresses, and ``--emulate-cuda-graph`` runs decode
+steps through the graph machinery with eager stand-ins that refuse to replay once the memory
+they recorded has moved: the bookkeeping a CUDA engine with ``--memory-handoff`` relies on,
+tested without a GPU (the CUDA tests are in ``test_cuda.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from relax_hf.testing import EngineServer
+
+PROMPTS = ["Once upon a time", "Question: what is two plus two?", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def emulated(start_server: Any) -> EngineServer:
+    return start_server(
+        "hf-graphs",
+        weights_cpu_backup=True,
+        extra_args=("--emulate-cuda-graph", "--max-running-requests", "4"),
+    )
+
+
+def _greedy(server: EngineServer) -> list[list[int]]:
+    sp = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    return [
+        o["output_ids"]
+        for o in server.http.ok("/generate", {"text": PROMPTS, "sampling_params": sp})
+    ]
+
+
+def _graphs(server: EngineServer) -> dict[str, Any]:
+    return server.http.ok("/server_info")["memory"]["cuda_graphs"]  # type: ignore[no-any-return]
+
+
+def test_a_release_and_resume_keep_the_decode_graphs_and_change_no_output(
+    emulated: EngineServer,
+) -> None:
+    before = _greedy(emulated)
+    started = _graphs(emulated)
+    assert started["emulated"] and started["kept_across_release"] and started["note"] is None
+    assert started["captured"] > 0 and started["replays"] > 0
+    emulated.http.ok("/release_memory_occupation", {"tags": None})
+    released = _graphs(emulated)
+    assert released["captured"] == started["captured"]  # kept while released
+    emulated.http.ok("/resume_memory_occupation", {"tags": None})
+    assert _greedy(emulated) == before
+    after = _graphs(emulated)
+    assert after["captures"] == started["captures"]  # the switch captured nothing
+    assert after["replays"] > started["replays"]
+
+
+def test_weights_loaded_at_new_addresses_capture_the_graphs_again(
+    emulated: EngineServer, tiny_model: Path
+) -> None:
+    before = _greedy(emulated)
+    started = _graphs(emulated)
+    # Loaded beside the weights held now (a failed load must leave them as they were), so
+    # at other addresses: graphs of the old ones would read freed memory.
+    emulated.http.ok("/update_weights_from_disk", {"model_path": str(tiny_model)})
+    assert _greedy(emulated) == before
+    after = _graphs(emulated)
+    assert after["captures"] > started["captures"]
+    assert after["replays"] > started["replays"]
+
+
+def test_an_engine_without_graphs_on_cpu_reports_none(shared_server: EngineServer) -> None:
+    graphs = _graphs(shared_server)
+    assert graphs["enabled"] is False and graphs["captures"] == 0 and graphs["note"] is None
