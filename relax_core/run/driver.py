@@ -31,7 +31,7 @@ meanwhile: a push goes only while rollout is onloaded (it waits for the next ste
 otherwise, and is skipped when no step will onload rollout again: the run's final push gives
 it the last weights), and the commit lane never offloads rollout while a push is in flight.
 
-A failure ends the run in step order (:class:`StepFailure`, the one failure of a step): the
+A failure ends the run in step order (:class:`_StepFailure`, the one failure of a step): the
 lane that failed at step ``N`` stops; the commit lane fails batch ``N`` at the coordinator
 (where the generation lane opened it, rollout is released first, its requests in flight
 aborted), batches before ``N`` that committed are still trained, and the lanes ahead (the
@@ -80,7 +80,6 @@ __all__ = [
     "STALENESS_STAGE",
     "DriverSettings",
     "StepDriver",
-    "StepFailure",
     "StepOutcome",
     "TrainerPort",
     "VersionClock",
@@ -190,7 +189,7 @@ class StepOutcome:
     metrics: dict[str, Any]
 
 
-class StepFailure(Exception):
+class _StepFailure(Exception):
     """Step ``step`` failed or was interrupted (``error``); nothing of it was committed.
     ``samples``: every sample it generated (kept and dropped); ``batch``: its
     :class:`~relax_core.coordination.DeferredBatch` once it began; ``trainer``: what the
@@ -369,7 +368,7 @@ class StepDriver:
     async def run(self) -> None:
         """Every step, or the first failure.
 
-        :raises StepFailure: a step failed or was interrupted (after every step before it
+        :raises _StepFailure: a step failed or was interrupted (after every step before it
             that committed was trained).
         """
         steps = self.settings.steps
@@ -393,7 +392,7 @@ class StepDriver:
             for lane in lanes:
                 lane.cancel()
             results = await asyncio.gather(*lanes, return_exceptions=True)
-            failure = next((r for r in results if isinstance(r, StepFailure)), None)
+            failure = next((r for r in results if isinstance(r, _StepFailure)), None)
             if failure is not None:
                 failure.ahead = await self._ahead(failure)
                 raise failure from None
@@ -404,13 +403,13 @@ class StepDriver:
         # The training lane's failure first: the commit lane was cancelled because of it.
         for lane in (train, commit):
             error = None if lane.cancelled() else lane.exception()
-            if error is not None and not isinstance(error, StepFailure):
-                error = StepFailure(self.committing, error, [])
+            if error is not None and not isinstance(error, _StepFailure):
+                error = _StepFailure(self.committing, error, [])
             if error is not None:
                 error.ahead = await self._ahead(error)
                 raise error
 
-    async def _ahead(self, failure: StepFailure) -> list[Sample]:
+    async def _ahead(self, failure: _StepFailure) -> list[Sample]:
         """The samples of the failed step and those after it that were generated (or were
         being generated) and are not in ``failure.samples``: never committed; their scoring
         is stopped."""
@@ -544,11 +543,11 @@ class StepDriver:
             generated = await asyncio.shield(self._generated[n])
         except _GenerationFailed as exc:
             reported = await self._fail(n, exc.error, generation=True)
-            raise StepFailure(n, reported, exc.samples) from exc.error
+            raise _StepFailure(n, reported, exc.samples) from exc.error
         except asyncio.CancelledError as exc:
             if n in self._opened:  # rollout's turn: released, its requests aborted
                 await self._fail(n, exc)
-            raise StepFailure(n, exc, []) from exc
+            raise _StepFailure(n, exc, []) from exc
         gate = generated.collector
         assert isinstance(gate, _Gate)
         try:
@@ -556,7 +555,7 @@ class StepDriver:
             await self.coordinator.begin_batch(n)  # idempotent: switching opened it already
         except BaseException as exc:
             await self._fail(n, exc)
-            raise StepFailure(n, exc, gate.all_samples) from exc
+            raise _StepFailure(n, exc, gate.all_samples) from exc
         batch = DeferredBatch(
             n,
             gate.samples,
@@ -581,7 +580,7 @@ class StepDriver:
             else:
                 result = await batch.run()
         except BaseException as exc:
-            raise StepFailure(n, exc, batch.generated_samples(), batch) from exc
+            raise _StepFailure(n, exc, batch.generated_samples(), batch) from exc
         return generated, batch, result
 
     async def _fail(self, n: int, exc: BaseException, *, generation: bool = False) -> BaseException:
@@ -652,7 +651,7 @@ class StepDriver:
             except BaseException as exc:
                 if interrupted(exc):  # batch n is committed: the run stops after it
                     raise
-                raise StepFailure(
+                raise _StepFailure(
                     n, exc, batch.generated_samples(), batch, trainer=describe_failure(exc)
                 ) from exc
             end, end_us = time.perf_counter(), time.time_ns() // 1000
@@ -678,7 +677,7 @@ class StepDriver:
                 except BaseException as exc:
                     if interrupted(exc):
                         raise
-                    raise StepFailure(
+                    raise _StepFailure(
                         n + 1, exc, [], trainer=f"its push failed: {describe_failure(exc)}"
                     ) from exc
                 if pushed_before is not None:

@@ -47,9 +47,9 @@ from relax_core.run.data import open_source
 from relax_core.run.driver import (
     DriverSettings,
     StepDriver,
-    StepFailure,
     StepOutcome,
     StepProducerLike,
+    _StepFailure,
 )
 from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
 from relax_core.run.job import RunJob
@@ -398,7 +398,7 @@ class _Report:
         self.summary.committed.append(row)
         self.printer.step(row)
 
-    async def failed(self, failed: StepFailure) -> None:
+    async def failed(self, failed: _StepFailure) -> None:
         """The step that failed or was interrupted, reported (and the run's summary says so)."""
         n, exc = failed.step, failed.error
         stopped = interrupted(exc)
@@ -490,7 +490,7 @@ async def drive(
         try:
             try:
                 await driver.run()
-            except StepFailure as failed:
+            except _StepFailure as failed:
                 if interrupted(failed.error):
                     summary.interrupted_step = failed.step
                     signals.handled()

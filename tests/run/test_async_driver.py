@@ -49,7 +49,7 @@ from relax_core.coordination import (
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.stages import RoleClients
 from relax_core.manager.results import LifecycleResult
-from relax_core.run.driver import STALENESS_STAGE, DriverSettings, StepDriver, StepFailure
+from relax_core.run.driver import STALENESS_STAGE, DriverSettings, StepDriver, _StepFailure
 
 KINDS = ("group", "score", "train", "push")
 
@@ -416,7 +416,7 @@ class DriverMachine(RuleBasedStateMachine):
             assert generated == set(trained) | set(dropped)
             assert not set(trained) & set(dropped)
             return
-        assert isinstance(error, StepFailure), error
+        assert isinstance(error, _StepFailure), error
         assert self.faults, f"the run failed with no fault: {error!r}"
         failed = error.step
         reported = {s.id for s in (*error.samples, *error.ahead)}
