@@ -45,7 +45,8 @@ def constant_or_checksum(response: str, label: str | None, metadata: Mapping[str
 class RecordFields:
     """A trainer that trains on nothing: it waits for each batch's commit, reads it, deletes it
     and reports the sample fields and the samples it got (``fields``, ``samples``); ``push``
-    reports the version it was asked for without changing rollout's weights."""
+    reloads rollout's own checkpoint under the version it was asked for (the weights stay the
+    same, the version rollout serves moves, as the driver's staleness check requires)."""
 
     def __init__(self, context: TrainerContext) -> None:
         self.context = context
@@ -59,6 +60,12 @@ class RecordFields:
         return {"samples": len(samples), "fields": fields, "declared": list(ctx.fields)}
 
     def push(self, weight_version: str) -> dict[str, Any]:
+        import ray
+
+        update = self.context.rollout.update_weights_from_disk.remote(
+            self.context.model_path, weight_version=weight_version
+        )
+        ray.get(update).raise_for_failures()
         return {"weight_version": weight_version}
 
 
