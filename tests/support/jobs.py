@@ -105,3 +105,27 @@ def sglang(path: str, **keys: Any) -> dict[str, Any]:
 def sim(path: str = "sim", **keys: Any) -> dict[str, Any]:
     """A model table of the test plugin's simulated engine (no model)."""
     return {"backend": "test-sim", "model_path": path, **keys}
+
+
+def tiny(name: str, **keys: Any) -> dict[str, Any]:
+    """The hf model table of the example's tiny model ``name`` (``tiny/<name>`` beside the job,
+    as ``tests.support.run.make_models`` makes them) on the CPU."""
+    return hf(f"tiny/{name}", extra_args=CPU, **keys)
+
+
+def tiny_policy(**keys: Any) -> dict[str, Any]:
+    """:func:`tiny` ``policy``, its weights the actor's (a CPU copy kept while it sleeps)."""
+    return tiny("policy", weight_source="ACTOR", weights_cpu_backup=True, **keys)
+
+
+def tiny_run(**keys: Any) -> dict[str, Any]:
+    """A short ``[run]`` table for the tiny models: two steps of two prompts, two samples each
+    of at most 8 tokens, trained by the test plugin's ``record-fields`` (``keys`` added)."""
+    return {
+        "steps": 2,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 2,
+        "max_new_tokens": 8,
+        "trainer": "record-fields",
+        **keys,
+    }
