@@ -24,6 +24,7 @@ import pytest
 
 from relax_core.testing import wait_for
 from tests.support import serve as support
+from tests.support.jobs import hf, job_text, sim
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -62,26 +63,17 @@ def _relax(*args: str) -> subprocess.CompletedProcess[str]:
 
 # -- tests -----------------------------------------------------------------------------------
 
-JOB = """\
-[roles.rollout.models.policy]
-backend = "hf"
-device = "cpu"
-model_path = "{model}"
 
-[roles.teacher.models.math]
-backend = "hf"
-device = "cpu"
-model_path = "{model}"
-
-[roles.genrm.models.judge]
-backend = "hf"
-device = "cpu"
-model_path = "{model}"
-route_keys = ["math"]
-
-[roles.genrm.gateway]
-in_ray_actor = true
-"""
+def _job(model: str) -> str:
+    """Three models of ``model`` on the CPU, the judge's gateway in a Ray actor."""
+    return job_text(
+        models={
+            "rollout.policy": hf(model, device="cpu"),
+            "teacher.math": hf(model, device="cpu"),
+            "genrm.judge": hf(model, device="cpu", route_keys=["math"]),
+        },
+        roles={"genrm": {"gateway": {"in_ray_actor": True}}},
+    )
 
 
 def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_clean(
@@ -89,7 +81,7 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
 ) -> None:
     config = model_dir.parent / "job.toml"
     # A relative model_path is relative to the job file, as relax run reads it.
-    config.write_text(JOB.format(model=model_dir.name))
+    config.write_text(_job(model_dir.name))
     logs = model_dir.parent / "logs"
     args = ("--log-dir", str(logs), "--refresh", "0.5", "--health-interval", "1")
     with serve(config, *args) as (proc, out, stderr):
@@ -229,15 +221,10 @@ def test_serve_on_an_existing_cluster_leaves_no_actor_there_and_the_cluster_runn
 ) -> None:
     config = model_dir.parent / "cluster-job.toml"
     config.write_text(
-        f"""\
-[roles.teacher.models.math]
-backend = "hf"
-device = "cpu"
-model_path = "{model_dir}"
-
-[roles.teacher.gateway]
-in_ray_actor = true
-"""
+        job_text(
+            models={"teacher.math": hf(str(model_dir), device="cpu")},
+            roles={"teacher": {"gateway": {"in_ray_actor": True}}},
+        )
     )
     address = ray_local.get_runtime_context().gcs_address
     before = _alive_actors()
@@ -274,21 +261,13 @@ def test_serve_rejects_a_job_the_planner_rejects_with_every_problem_before_start
 ) -> None:
     config = tmp_path / "job.toml"
     config.write_text(
-        """\
-[cluster]
-gpus_per_node = 2
-
-[roles.rollout.models.policy]
-backend = "hf"
-model_path = "/models/policy"
-num_gpus = 2
-
-[roles.teacher.models.math]
-backend = "hf"
-model_path = "/models/teacher"
-num_gpus = 2
-weight_source = "ACTOR"
-"""
+        job_text(
+            cluster={"gpus_per_node": 2},
+            models={
+                "rollout.policy": hf("/models/policy", num_gpus=2),
+                "teacher.math": hf("/models/teacher", num_gpus=2, weight_source="ACTOR"),
+            },
+        )
     )
     # Nothing listens at this address: touching Ray at all would fail differently.
     done = _relax("serve", str(config), "--address", "127.0.0.1:9")
@@ -326,18 +305,21 @@ def test_check_job_names_what_serve_cannot_run_by_key_path() -> None:
         plugins=[("gpuonly", module_plugin("gpuonly", relax_register_engine_backends=backends))]
     )
     config = loads_config(
-        """\
-[roles.genrm.models.judge]
-backend = "gpuonly"
-device = "cpu"
-model_path = "/models/judge"
-
-[roles.teacher.models.math]
-backend = "nosuch"
-device = "cpu"
-model_path = "/models/math"
-route_mode = "SGLANG_ROUTER"
-"""
+        job_text(
+            models={
+                "genrm.judge": {
+                    "backend": "gpuonly",
+                    "device": "cpu",
+                    "model_path": "/models/judge",
+                },
+                "teacher.math": {
+                    "backend": "nosuch",
+                    "device": "cpu",
+                    "model_path": "/models/math",
+                    "route_mode": "SGLANG_ROUTER",
+                },
+            }
+        )
     )
     problems = check_job(config, pm)
     assert problems[0].startswith(
@@ -389,27 +371,14 @@ def test_placements_bind_gpu_models_to_their_bundles_and_teardown_removes_the_gr
     from relax_core.plugins import PluginManager
 
     config = loads_config(
-        """\
-[cluster]
-gpus_per_node = 8
-
-[roles.genrm.models.judge]
-backend = "hf"
-model_path = "/models/judge"
-num_gpus = 2
-
-[roles.teacher.models.math]
-backend = "hf"
-model_path = "/models/math"
-num_gpus = 2
-tp = 2
-
-[roles.teacher.models.small]
-backend = "hf"
-device = "cpu"
-model_path = "/models/small"
-num_engines = 2
-"""
+        job_text(
+            cluster={"gpus_per_node": 8},
+            models={
+                "genrm.judge": hf("/models/judge", num_gpus=2),
+                "teacher.math": hf("/models/math", num_gpus=2, tp=2),
+                "teacher.small": hf("/models/small", device="cpu", num_engines=2),
+            },
+        )
     )
     job = ServedJob()
     try:
@@ -465,16 +434,10 @@ def test_serve_keeps_a_fenced_placement_group_at_shutdown_names_it_and_exits_1(
     # The test plugin's simulated engine (no model) on one of the session Ray's fake GPUs, so
     # the model gets a placement group of its own.
     config.write_text(
-        """\
-[cluster]
-gpus_per_node = 8
-
-[roles.genrm.models.judge]
-backend = "test-sim"
-model_path = "sim"
-num_gpus = 1
-num_parameters = 1000
-"""
+        job_text(
+            cluster={"gpus_per_node": 8},
+            models={"genrm.judge": sim(num_gpus=1, num_parameters=1000)},
+        )
     )
     address = ray_local.get_runtime_context().gcs_address
     args = ("--address", address, "--health-interval", "1", "--refresh", "0.5")

@@ -25,6 +25,7 @@ import pytest
 
 from relax_core.testing import wait_for
 from tests.support import serve as support
+from tests.support.jobs import colocated, defer, hf, job_text
 
 ROOT = Path(__file__).resolve().parents[2]
 PRM_DOCUMENT = ROOT / "tests" / "plugins" / "relax-prm" / "openapi" / "prm.json"
@@ -58,59 +59,30 @@ def test_relax_plugins_lists_the_prm_role_with_its_distribution() -> None:
     assert rows[("roles", "prm")]["plugin"] == "prm"
 
 
-_MODEL = 'backend = "hf"\nmodel_path = "/models/prm"\n'
+def _models(policy: int, scorer: int, **engines: int) -> dict[str, dict[str, object]]:
+    """rollout.policy on ``policy`` GPUs and prm.scorer on ``scorer``, engines as ``engines``."""
+    return {
+        "rollout.policy": hf("/models/prm", num_gpus=policy, **engines),
+        "prm.scorer": hf("/models/prm", num_gpus=scorer, **engines),
+    }
+
 
 LAYOUTS = {
-    "decoupled": f"""\
-[cluster]
-num_nodes = 2
-gpus_per_node = 8
-[training]
-actor_gpus = 8
-[placement]
-mode = "decoupled"
-[roles.rollout.models.policy]
-{_MODEL}num_gpus = 4
-gpus_per_engine = 2
-tp = 2
-[roles.prm.models.scorer]
-{_MODEL}num_gpus = 4
-gpus_per_engine = 2
-tp = 2
-""",
-    "split": f"""\
-[cluster]
-gpus_per_node = 8
-[training]
-actor_gpus = 8
-colocate = true
-offload = true
-[placement]
-mode = "split"
-[roles.rollout.models.policy]
-{_MODEL}num_gpus = 4
-[roles.prm.models.scorer]
-{_MODEL}num_gpus = 4
-""",
-    "defer": f"""\
-[cluster]
-gpus_per_node = 8
-[training]
-actor_gpus = 8
-colocate = true
-offload = true
-[placement]
-mode = "defer"
-defer_roles = ["prm"]
-[roles.rollout.models.policy]
-{_MODEL}num_gpus = 8
-gpus_per_engine = 2
-tp = 2
-[roles.prm.models.scorer]
-{_MODEL}num_gpus = 8
-gpus_per_engine = 4
-tp = 4
-""",
+    "decoupled": job_text(
+        cluster={"num_nodes": 2, "gpus_per_node": 8},
+        training={"actor_gpus": 8},
+        placement={"mode": "decoupled"},
+        models=_models(4, 4, gpus_per_engine=2, tp=2),
+    ),
+    "split": job_text(**colocated(8), placement={"mode": "split"}, models=_models(4, 4)),
+    "defer": job_text(
+        **colocated(8),
+        placement=defer("prm"),
+        models={
+            "rollout.policy": hf("/models/prm", num_gpus=8, gpus_per_engine=2, tp=2),
+            "prm.scorer": hf("/models/prm", num_gpus=8, gpus_per_engine=4, tp=4),
+        },
+    ),
 }
 
 #: (pool, bundle_start, num_gpus, phase) of rollout.policy and prm.scorer, and the phases.
@@ -162,13 +134,6 @@ def test_relax_plan_refuses_to_defer_a_role_whose_record_is_not_deferrable(
 
 # -- relax serve ---------------------------------------------------------------------------
 
-JOB = """\
-[roles.prm.models.scorer]
-backend = "hf"
-device = "cpu"
-model_path = "{model}"
-"""
-
 
 @pytest.mark.ray
 @pytest.mark.slow
@@ -177,7 +142,7 @@ def test_relax_serve_starts_the_prm_role_on_hf_engines_and_its_gateway_answers_e
 ) -> None:
     model_dir = support.make_tiny_model(tmp_path / "model")
     config = tmp_path / "job.toml"
-    config.write_text(JOB.format(model=model_dir))
+    config.write_text(job_text(models={"prm.scorer": hf(str(model_dir), device="cpu")}))
     args = ("--log-dir", str(tmp_path / "logs"), "--refresh", "0.5", "--health-interval", "0")
     with support.serve(config, *args) as (proc, out, stderr):
         out.wait_for(r"relax serve: ready", timeout=240)

@@ -111,6 +111,15 @@ class FakeHandle:
         return await self._call("offload")
 
 
+#: The arguments of a lease call: a deferred role, and (see ``_op``) whether its operation id
+#: is new, an earlier one with its earlier request (a retry) or with another (refused).
+LEASE_CALL = {
+    "role": st.sampled_from(DEFERRED),
+    "choice": st.sampled_from(["new", "new", "repeat", "reuse"]),
+    "pick": st.sampled_from([0, 0, 0, 1, 2, 5]),
+}
+
+
 class CoordinatorMachine(RuleBasedStateMachine):
     #: Which roles of a slice may be resident together (default: one at a time).
     RESIDENCY = ResidencyPlan()
@@ -270,20 +279,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.history.append((op_id, method, role, batch))
         return op_id, batch
 
-    @rule(
-        role=st.sampled_from(DEFERRED),
-        choice=st.sampled_from(["new", "new", "repeat", "reuse"]),
-        pick=st.sampled_from([0, 0, 0, 1, 2, 5]),
-    )
+    @rule(**LEASE_CALL)
     def activate(self, role: str, choice: str, pick: int = 0) -> None:
         op_id, batch = self._op("activate", role, choice, pick)
         self.run(self.coord.activate(role, op_id, batch_id=batch), op_id)
 
-    @rule(
-        role=st.sampled_from(DEFERRED),
-        choice=st.sampled_from(["new", "new", "repeat", "reuse"]),
-        pick=st.sampled_from([0, 0, 0, 1, 2, 5]),
-    )
+    @rule(**LEASE_CALL)
     def deactivate(self, role: str, choice: str, pick: int = 0) -> None:
         op_id, batch = self._op("deactivate", role, choice, pick)
         self.run(self.coord.deactivate(role, op_id, batch_id=batch), op_id)

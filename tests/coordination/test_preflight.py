@@ -15,6 +15,7 @@ from relax_core.coordination import (
 from relax_core.placement import plan_inference_placement
 from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import RewardSpec
+from tests.support.jobs import colocated, defer, job_text, sglang
 
 
 async def _remote_rm(response: str, label: str | None, *, context: object) -> float:
@@ -64,34 +65,15 @@ def test_a_reward_stage_in_a_defer_layout_refuses_an_adapter_without_supports_de
 
 def test_defer_slices_group_the_roles_sharing_bundles() -> None:
     config = loads_config(
-        """\
-[cluster]
-gpus_per_node = 8
-
-[training]
-actor_gpus = 8
-colocate = true
-offload = true
-
-[placement]
-mode = "defer"
-defer_roles = ["genrm", "teacher"]
-
-[roles.rollout.models.policy]
-backend = "sglang"
-model_path = "/m"
-num_gpus = 8
-
-[roles.genrm.models.judge]
-backend = "sglang"
-model_path = "/m"
-num_gpus = 4
-
-[roles.teacher.models.math]
-backend = "sglang"
-model_path = "/m"
-num_gpus = 8
-"""
+        job_text(
+            **colocated(8),
+            placement=defer("genrm", "teacher"),
+            models={
+                "rollout.policy": sglang("/m", num_gpus=8),
+                "genrm.judge": sglang("/m", num_gpus=4),
+                "teacher.math": sglang("/m", num_gpus=8),
+            },
+        )
     )
     plan = plan_inference_placement(config, PluginManager.create())
     assert defer_slices(plan) == {

@@ -21,45 +21,28 @@ from relax_core.errors import CoordinationError
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult
 from relax_core.placement import plan_inference_placement
 from relax_core.testing import run_stages
+from tests.support.jobs import colocated, defer, hf, job_text
 
-JOB = """\
-[cluster]
-gpus_per_node = 1
-gpu_memory_gib = {gib}
 
-[training]
-actor_gpus = 1
-colocate = true
-offload = true
-
-[placement]
-mode = "defer"
-defer_roles = ["genrm", "teacher"]
-residency = "{mode}"
-
-[roles.rollout.models.policy]
-backend = "hf"
-model_path = "/m"
-weight_source = "ACTOR"
-num_parameters = 500000000
-mem_fraction_static = 0.8
-
-[roles.genrm.models.judge]
-backend = "hf"
-model_path = "/m"
-num_parameters = 500000000
-mem_fraction_static = 0.3
-
-[roles.teacher.models.math]
-backend = "hf"
-model_path = "/m"
-num_parameters = 500000000
-mem_fraction_static = 0.3
-"""
+def _job(gib: float | None = 80, mode: str = "planned") -> str:
+    """Three half-billion-parameter models on one declared GPU of ``gib`` GiB (None: not
+    set), the judge's and the teacher's roles deferred, under residency ``mode``."""
+    cluster = {} if gib is None else {"gpu_memory_gib": gib}
+    return job_text(
+        **colocated(1, **cluster),
+        placement=defer("genrm", "teacher", residency=mode),
+        models={
+            "rollout.policy": hf(
+                "/m", weight_source="ACTOR", num_parameters=500_000_000, mem_fraction_static=0.8
+            ),
+            "genrm.judge": hf("/m", num_parameters=500_000_000, mem_fraction_static=0.3),
+            "teacher.math": hf("/m", num_parameters=500_000_000, mem_fraction_static=0.3),
+        },
+    )
 
 
 def residency(gib: float = 80, mode: str = "planned") -> ResidencyPlan:
-    config = loads_config(JOB.format(gib=gib, mode=mode))
+    config = loads_config(_job(gib, mode))
     plan = plan_inference_placement(config, PluginManager.create())
     slices = defer_slices(plan)
     return plan_residency(plan, slices, mode=config.placement.residency, roles=tuple(slices))
@@ -84,7 +67,7 @@ def test_without_a_gpu_size_or_under_exclusive_no_two_roles_share() -> None:
     assert small.fits(t.slice, {"genrm", "teacher"}) and not small.fits(
         t.slice, {"rollout", "genrm"}
     )
-    config = loads_config(JOB.format(gib=80, mode="planned").replace("gpu_memory_gib = 80\n", ""))
+    config = loads_config(_job(gib=None))
     plan = plan_inference_placement(config, PluginManager.create())
     none = plan_residency(plan, defer_slices(plan), roles=("rollout", "genrm", "teacher"))
     (u,) = none.slices.values()
@@ -94,7 +77,7 @@ def test_without_a_gpu_size_or_under_exclusive_no_two_roles_share() -> None:
 
 def test_a_role_on_no_shared_gpu_never_switches_under_a_planned_residency_only() -> None:
     slices = {"rollout": "rollout:own", "genrm": "actor:0-0", "teacher": "actor:0-0"}
-    config = loads_config(JOB.format(gib=80, mode="planned"))
+    config = loads_config(_job())
     plan = plan_inference_placement(config, PluginManager.create())
     assert plan_residency(plan, slices, roles=tuple(slices)).free == {"rollout"}
     assert plan_residency(plan, slices, mode="exclusive", roles=tuple(slices)).free == set()
@@ -104,7 +87,7 @@ def test_the_placement_table_refuses_an_unknown_residency() -> None:
     from relax_core import ConfigValidationError
 
     with pytest.raises(ConfigValidationError, match=r"placement.residency: \[choice\] must be one"):
-        loads_config(JOB.format(gib=80, mode="shared"))
+        loads_config(_job(mode="shared"))
 
 
 # -- the batch's transitions -----------------------------------------------------------------

@@ -27,7 +27,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,43 +40,27 @@ from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import PlacementMode
 from relax_core.testing import wait_for
 from tests.support import serve as support
+from tests.support.jobs import CPU, colocated, defer, hf, job_text
 
-JOB = """\
-[cluster]
-num_nodes = 1
-gpus_per_node = 1
 
-[training]
-actor_gpus = 1
-colocate = true
-offload = true
-
-[placement]
-mode = "defer"
-defer_roles = ["genrm", "teacher"]
-
-[roles.rollout.models.policy]
-backend = "hf"
-model_path = "{model}"
-route_mode = "DIRECT"
-extra_args = ["--device", "cpu"]
-
-[roles.genrm.models.judge]
-backend = "hf"
-model_path = "{model}"
-extra_args = ["--device", "cpu"]
-
-[roles.teacher.models.math]
-backend = "hf"
-model_path = "{model}"
-extra_args = ["--device", "cpu"]
-"""
+def _job(mode: str = "defer") -> str:
+    """Three models on one declared GPU, the judge's and the teacher's roles deferred."""
+    placement = defer("genrm", "teacher") if mode == "defer" else {"mode": mode}
+    return job_text(
+        **colocated(1),
+        placement=placement,
+        models={
+            "rollout.policy": hf("/models/none", route_mode="DIRECT", extra_args=CPU),
+            "genrm.judge": hf("/models/none", extra_args=CPU),
+            "teacher.math": hf("/models/none", extra_args=CPU),
+        },
+    )
 
 
 def test_start_order_puts_each_deferred_phase_to_sleep_before_the_next_starts() -> None:
     from relax_core.placement import plan_inference_placement
 
-    config = loads_config(JOB.format(model="/models/none"))
+    config = loads_config(_job())
     plan = plan_inference_placement(config, PluginManager.create())
     assert plan.phases == ("generation", "genrm", "teacher")
     assert start_order(config, plan) == [
@@ -102,8 +85,7 @@ def test_a_plan_whose_awake_phases_share_bundles_is_refused_before_anything_star
     pm = PluginManager.create(
         plugins=[("phased", module_plugin("phased", relax_register_placement_modes=modes))]
     )
-    text = JOB.format(model="/models/none").replace('mode = "defer"', 'mode = "phased"')
-    text = text.replace('defer_roles = ["genrm", "teacher"]', "")
+    text = _job(mode="phased")
     problems = [p for p in check_job(loads_config(text), pm) if "[serve-phases]" in p]
     assert problems, check_job(loads_config(text), pm)
     assert problems[0].startswith("roles.genrm.models.judge: [serve-phases] genrm.judge")
@@ -232,30 +214,6 @@ def example_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return job
 
 
-@contextlib.contextmanager
-def serve(config: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], support.Lines]]:
-    with open(config.with_suffix(".stderr"), "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "relax_core", "serve", str(config), *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
-        )
-    assert proc.stdout is not None
-    lines = support.Lines(proc.stdout)
-    try:
-        yield proc, lines
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        for pid in support.in_session(proc.pid) + support.mentioning(str(config.parent)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.stdout.close()
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_serve_of_the_example_defer_job_starts_phase_by_phase_and_wakes_roles_on_demand(
@@ -267,7 +225,7 @@ def test_serve_of_the_example_defer_job_starts_phase_by_phase_and_wakes_roles_on
     residency = Residency(root)
     residency.start()
     try:
-        with serve(example_job, *args, *wake) as (proc, out):
+        with support.serve(example_job, *args, *wake) as (proc, out, _):
             out.wait_for(r"relax serve: ready", timeout=300)
             text = str(out)
             # Phase by phase: each deferred role asleep before the next one starts.

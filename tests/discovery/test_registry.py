@@ -173,6 +173,20 @@ def test_static_model_refuses_a_weight_version() -> None:
     assert reg.snapshot().models["math"].weight_version is None
 
 
+def _refused_at(reg: RegistryPublisher, model: str, *, route_mode: str) -> str:
+    """The key path :class:`SnapshotError` names when ``reg`` refuses ``model`` READY with the
+    actor's weights and ``route_mode`` (its served name: the model's initial)."""
+    with pytest.raises(SnapshotError) as info:
+        reg.set_model(
+            model,
+            state="READY",
+            route_mode=route_mode,
+            weight_source="ACTOR",
+            served_model_name=model[0],
+        )
+    return info.value.path
+
+
 @pytest.mark.parametrize(
     "how",
     [
@@ -182,15 +196,7 @@ def test_static_model_refuses_a_weight_version() -> None:
 )
 def test_a_static_roles_model_must_be_static(how: dict[str, object]) -> None:
     reg = RegistryPublisher("genrm", RoutingSpec(), **how)
-    with pytest.raises(SnapshotError) as info:
-        reg.set_model(
-            "judge",
-            state="READY",
-            route_mode="DIRECT",
-            weight_source="ACTOR",
-            served_model_name="j",
-        )
-    assert info.value.path == "models.judge.weight_source"
+    assert _refused_at(reg, "judge", route_mode="DIRECT") == "models.judge.weight_source"
 
 
 def test_a_role_whose_record_allows_updates_may_publish_actor_models() -> None:
@@ -217,15 +223,7 @@ def test_rollout_model_publishes_weight_versions() -> None:
 
 def test_ready_router_model_without_router_url_is_rejected() -> None:
     reg = RegistryPublisher("rollout", RoutingSpec())
-    with pytest.raises(SnapshotError) as info:
-        reg.set_model(
-            "policy",
-            state="READY",
-            route_mode="SGLANG_ROUTER",
-            weight_source="ACTOR",
-            served_model_name="p",
-        )
-    assert info.value.path == "models.policy.router_url"
+    assert _refused_at(reg, "policy", route_mode="SGLANG_ROUTER") == "models.policy.router_url"
 
 
 def test_update_model_rejects_unknown_fields() -> None:

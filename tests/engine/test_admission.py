@@ -8,6 +8,7 @@ server in front of real hf engines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -338,6 +339,19 @@ def test_stopped_admission_thread_frees_its_port(upstream: tuple[Upstream, str])
         s.bind(("127.0.0.1", port))
 
 
+@contextlib.contextmanager
+def _raw_generate(guard: AdmissionThread, body: bytes) -> Iterator[socket.socket]:
+    """A raw connection to ``guard``'s port that has sent ``POST /generate`` of ``body``; the
+    test reads the answer (or leaves) itself."""
+    with socket.create_connection(("127.0.0.1", guard.server.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        yield sock
+
+
 def test_client_leaving_mid_stream_ends_the_request_and_frees_the_drain(
     upstream: tuple[Upstream, str],
 ) -> None:
@@ -345,12 +359,7 @@ def test_client_leaving_mid_stream_ends_the_request_and_frees_the_drain(
     with _guard(url) as guard:
         guard.open()
         body = b'{"text": "hi", "stream": true, "slow": true}'
-        with socket.create_connection(("127.0.0.1", guard.server.port), timeout=10) as sock:
-            sock.sendall(
-                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+        with _raw_generate(guard, body) as sock:
             received = b""
             while b"data:" not in received:
                 chunk = sock.recv(4096)
@@ -369,12 +378,7 @@ def test_engine_dying_mid_stream_truncates_the_clients_stream(
     with _guard(url) as guard:
         guard.open()
         body = b'{"text": "hi", "stream": true, "die": true}'
-        with socket.create_connection(("127.0.0.1", guard.server.port), timeout=10) as sock:
-            sock.sendall(
-                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+        with _raw_generate(guard, body) as sock:
             received = b""
             while chunk := sock.recv(4096):
                 received += chunk

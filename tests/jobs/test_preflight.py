@@ -29,6 +29,7 @@ from relax_core.jobs import (
     resolve_model_paths,
 )
 from tests.support import run as support
+from tests.support.jobs import hf, job_text
 
 #: A refusal must come well before anything would start (the issue's bound).
 REFUSAL_DEADLINE = 30
@@ -153,21 +154,19 @@ def test_a_toml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
 
 # -- relax serve --------------------------------------------------------------------------------
 
-SERVE_JOB = """\
-[roles.rollout.models.policy]
-backend = "hf"
-device = "cpu"
-model_path = "tiny/policy"
-route_mode = "DIRECT"
 
-[roles.teacher.models.math]
-backend = "hf"
-device = "cpu"
-model_path = "tiny/math"
-
-[roles.teacher.gateway]
-port = {port}
-"""
+def _serve_job(
+    port: int = 0, policy: str = "tiny/policy", math: str = "tiny/math", **roles: Any
+) -> str:
+    """A served job of two CPU models, the teacher's gateway on ``port`` (``roles``: more
+    role tables)."""
+    return job_text(
+        models={
+            "rollout.policy": hf(policy, device="cpu", route_mode="DIRECT"),
+            "teacher.math": hf(math, device="cpu"),
+        },
+        roles={"teacher": {"gateway": {"port": port}}, **roles},
+    )
 
 
 def test_serve_refuses_a_gateway_port_in_use_naming_its_key(root: Path) -> None:
@@ -176,7 +175,7 @@ def test_serve_refuses_a_gateway_port_in_use_naming_its_key(root: Path) -> None:
         holder.listen()
         port = holder.getsockname()[1]
         job = root / "serve.toml"
-        job.write_text(SERVE_JOB.format(port=port))
+        job.write_text(_serve_job(port))
         err = refused(relax("serve", str(job)), "serve")
     assert f"roles.teacher.gateway.port: [port] cannot listen on 127.0.0.1:{port}" in err
 
@@ -186,7 +185,7 @@ def test_serve_reads_a_relative_model_path_as_run_does_and_refuses_a_missing_one
 ) -> None:
     (root / "tiny" / "math").unlink()
     job = root / "serve.toml"
-    job.write_text(SERVE_JOB.format(port=0))
+    job.write_text(_serve_job())
     err = refused(relax("serve", str(job)), "serve")
     assert "roles.teacher.models.math.model_path: [model-dir] no model directory " in err
     assert str(root / "tiny" / "math") in err
@@ -200,7 +199,7 @@ def test_serve_reads_a_relative_model_path_as_run_does_and_refuses_a_missing_one
 def test_both_commands_resolve_relative_model_paths_against_the_job_file(root: Path) -> None:
     job = root / "sub" / "job.toml"
     job.parent.mkdir()
-    job.write_text(SERVE_JOB.format(port=0).replace('"tiny/', '"../tiny/'))
+    job.write_text(_serve_job(policy="../tiny/policy", math="../tiny/math"))
     config = resolve_model_paths(load_config(job))
     paths = {m.name: m.model_path for role in config.roles for m in role.models}
     assert paths == {
@@ -214,7 +213,7 @@ def test_a_model_directory_without_config_or_tokenizer_is_refused(root: Path) ->
     (root / "tiny" / "math").unlink()
     (root / "tiny" / "math").mkdir()
     job = root / "serve.toml"
-    job.write_text(SERVE_JOB.format(port=0))
+    job.write_text(_serve_job())
     problems, _ = model_dir_problems(load_config(job), PluginManager.create())
     assert [p.path for p in problems] == ["roles.teacher.models.math.model_path"]
     assert "has no config.json and no tokenizer" in problems[0].message
@@ -224,8 +223,7 @@ def test_on_a_cluster_a_missing_absolute_path_is_a_warning_a_relative_one_a_prob
     root: Path,
 ) -> None:
     job = root / "serve.toml"
-    text = SERVE_JOB.format(port=0).replace('"tiny/policy"', '"/nonexistent/policy"')
-    job.write_text(text.replace('"tiny/math"', '"tiny/none"'))
+    job.write_text(_serve_job(policy="/nonexistent/policy", math="tiny/none"))
     problems, warnings = model_dir_problems(load_config(job), PluginManager.create(), remote=True)
     assert [p.path for p in problems] == ["roles.teacher.models.math.model_path"]
     assert len(warnings) == 1 and "/nonexistent/policy is not on this machine" in warnings[0]
@@ -237,7 +235,7 @@ def test_on_a_cluster_a_missing_absolute_path_is_a_warning_a_relative_one_a_prob
 def test_two_gateways_on_one_port_are_refused(root: Path) -> None:
     job = root / "serve.toml"
     port = 45123
-    job.write_text(SERVE_JOB.format(port=port) + f"\n[roles.rollout.gateway]\nport = {port}\n")
+    job.write_text(_serve_job(port, rollout={"gateway": {"port": port}}))
     problems = port_problems(load_config(job))
     assert any(
         p.path == "roles.teacher.gateway.port" and "is also roles.rollout.gateway.port" in p.message

@@ -24,35 +24,18 @@ from relax_core import PluginManager, loads_config
 from relax_core.errors import LifecycleError
 from relax_core.jobs import JobRuntime, Stop
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult, UnconfirmedWorker
+from tests.support.jobs import colocated, defer, hf, job_text, sim
 
 #: A defer layout on one declared GPU (as tests/coordination/test_serve_defer.py's).
-DEFER_JOB = """\
-[cluster]
-num_nodes = 1
-gpus_per_node = 1
-
-[training]
-actor_gpus = 1
-colocate = true
-offload = true
-
-[placement]
-mode = "defer"
-defer_roles = ["genrm", "teacher"]
-
-[roles.rollout.models.policy]
-backend = "hf"
-model_path = "/models/none"
-route_mode = "DIRECT"
-
-[roles.genrm.models.judge]
-backend = "hf"
-model_path = "/models/none"
-
-[roles.teacher.models.math]
-backend = "hf"
-model_path = "/models/none"
-"""
+DEFER_JOB = job_text(
+    **colocated(1),
+    placement=defer("genrm", "teacher"),
+    models={
+        "rollout.policy": hf("/models/none", route_mode="DIRECT"),
+        "genrm.judge": hf("/models/none"),
+        "teacher.math": hf("/models/none"),
+    },
+)
 
 
 def _result(operation: str, model: str, state: str, error: str | None = None) -> LifecycleResult:
@@ -202,25 +185,19 @@ def test_a_part_that_fails_to_stop_is_a_problem_and_everything_else_still_stops(
 #: fail its start, and must stop the judge's engine: every start of a phase ends before the
 #: start raises, so the judge's engine is always running (or its start failed, which the
 #: assertions would show) when the teardown comes.
-RUN_JOB = """\
-[roles.rollout.models.policy]
-backend = "test-sim"
-device = "cpu"
-model_path = "policy"
-route_mode = "DIRECT"
-weight_source = "ACTOR"
-extra_args = ["--no-such-option"]
-
-[run]
-steps = 1
-trainer = "record-fields"
-rewards = [{ adapter = "exact-match" }]
-
-[roles.genrm.models.judge]
-backend = "test-sim"
-device = "cpu"
-model_path = "policy"
-"""
+RUN_JOB = job_text(
+    models={
+        "rollout.policy": sim(
+            "policy",
+            device="cpu",
+            route_mode="DIRECT",
+            weight_source="ACTOR",
+            extra_args=["--no-such-option"],
+        ),
+        "genrm.judge": sim("policy", device="cpu"),
+    },
+    run={"steps": 1, "trainer": "record-fields", "rewards": [{"adapter": "exact-match"}]},
+)
 
 
 @pytest.fixture

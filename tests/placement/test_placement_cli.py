@@ -12,6 +12,7 @@ import pytest
 
 from relax_core.config import load_config
 from relax_core.placement import plan_inference_placement
+from tests.support.jobs import job_text, sglang
 from tests.support.roles import builtin_roles
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,29 +29,19 @@ def relax(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-BAD = """
-[cluster]
-num_nodes = 1
-gpus_per_node = 8
-[training]
-actor_gpus = 8
-colocate = true
-[placement]
-mode = "split"
-[roles.rollout.models.policy]
-backend = "sglang"
-model_path = "/models/policy"
-num_gpus = 6
-gpus_per_engine = 4
-tp = 4
-[roles.genrm.models.judge]
-backend = "sglang"
-model_path = "/models/judge"
-num_gpus = 2
-tp = 3
-gpus_per_engine = 2
-bundle_start = 7
-"""
+def _bad(**judge: int) -> str:
+    """A split job breaking five placement rules (``judge``: more keys of its judge)."""
+    return job_text(
+        cluster={"num_nodes": 1, "gpus_per_node": 8},
+        training={"actor_gpus": 8, "colocate": True},
+        placement={"mode": "split"},
+        models={
+            "rollout.policy": sglang("/models/policy", num_gpus=6, gpus_per_engine=4, tp=4),
+            "genrm.judge": sglang(
+                "/models/judge", num_gpus=2, gpus_per_engine=2, bundle_start=7, **judge
+            ),
+        },
+    )
 
 
 def test_relax_plan_prints_the_bundle_map_and_exits_zero() -> None:
@@ -86,7 +77,7 @@ def test_relax_plan_json_lists_placements_and_memory() -> None:
 
 def test_relax_plan_prints_every_violation_on_stderr_and_exits_two(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text(BAD)
+    path.write_text(_bad(tp=3))
     done = relax("plan", str(path))
     assert done.returncode == 2 and done.stdout == ""
     assert "rejected: 5 problem(s)" in done.stderr
@@ -102,7 +93,7 @@ def test_relax_plan_prints_every_violation_on_stderr_and_exits_two(tmp_path: Pat
 
 def test_relax_plan_reports_config_problems_with_their_key_paths(tmp_path: Path) -> None:
     path = tmp_path / "typo.toml"
-    path.write_text(BAD.replace("tp = 3", "tpp = 3"))
+    path.write_text(_bad(tpp=3))
     done = relax("plan", str(path), "--json")
     assert done.returncode == 2
     assert "roles.genrm.models.judge.tpp: [unknown-key]" in done.stderr

@@ -21,75 +21,35 @@ from typing import Any
 import pytest
 
 from tests.support import run as support
+from tests.support.jobs import colocated, defer, hf, job_text, tiny, tiny_policy, tiny_run
 
-CPU_ROLLOUT = """\
-[roles.rollout.models.policy]
-backend = "hf"
-device = "cpu"
-model_path = "tiny/policy"
-weight_source = "ACTOR"
-weights_cpu_backup = true
+CPU_ROLLOUT = job_text(
+    models={
+        "rollout.policy": hf(
+            "tiny/policy", device="cpu", weight_source="ACTOR", weights_cpu_backup=True
+        )
+    },
+    run=tiny_run(rewards=[{"adapter": "digits"}]),
+)
 
-[run]
-steps = 2
-prompts_per_step = 2
-samples_per_prompt = 2
-max_new_tokens = 8
-trainer = "record-fields"
-rewards = [{ adapter = "digits" }]
-"""
+#: Each model's size for the budget, and its engine's limits.
+_14B = {"num_parameters": 14_000_000_000, "max_running_requests": 4, "context_length": 256}
+_7B = {**_14B, "num_parameters": 7_000_000_000}
 
-SHARED = """\
-[cluster]
-num_nodes = 1
-gpus_per_node = 1
-gpu_memory_gib = 80
-
-[training]
-actor_gpus = 1
-colocate = true
-offload = true
-
-[placement]
-mode = "defer"
-defer_roles = ["genrm", "teacher"]
-
-[roles.rollout.models.policy]
-backend = "hf"
-model_path = "tiny/policy"
-weight_source = "ACTOR"
-weights_cpu_backup = true
-extra_args = ["--device", "cpu"]
-num_parameters = 14000000000
-max_running_requests = 4
-context_length = 256
-
-[roles.genrm.models.judge]
-backend = "hf"
-model_path = "tiny/judge"
-extra_args = ["--device", "cpu"]
-num_parameters = 7000000000
-max_running_requests = 4
-context_length = 256
-
-[roles.teacher.models.math]
-backend = "hf"
-model_path = "tiny/math"
-extra_args = ["--device", "cpu"]
-num_parameters = 7000000000
-max_running_requests = 4
-context_length = 256
-
-[run]
-steps = 2
-prompts_per_step = 2
-samples_per_prompt = 2
-max_new_tokens = 8
-trainer = "record-fields"
-rewards = [{ adapter = "genrm-judge" }, { adapter = "digits" }]
-reward_role = "genrm"
-teacher_role = "teacher"
-"""
+SHARED = job_text(
+    **colocated(1, gpu_memory_gib=80),
+    placement=defer("genrm", "teacher"),
+    models={
+        "rollout.policy": tiny_policy(**_14B),
+        "genrm.judge": tiny("judge", **_7B),
+        "teacher.math": tiny("math", **_7B),
+    },
+    run=tiny_run(
+        rewards=[{"adapter": "genrm-judge"}, {"adapter": "digits"}],
+        reward_role="genrm",
+        teacher_role="teacher",
+    ),
+)
 
 
 def _run(root: Path, text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

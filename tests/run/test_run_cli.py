@@ -22,6 +22,7 @@ import pytest
 from relax_core.testing import wait_for
 from tests.support import run as support
 from tests.support import serve as processes
+from tests.support.jobs import colocated, defer, job_text, tiny, tiny_policy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -202,40 +203,19 @@ def test_sigstop_of_the_teacher_engine_during_its_offload_blocks_it_and_says_wha
 #: Rollout and a deferred genrm on the example's models (no teacher: a shorter start-up); the
 #: judge scores 32 samples of 64 tokens each, seconds on this machine, while rollout's 4-token
 #: answers take a fraction of that.
-INTERRUPTED_JOB = """\
-[cluster]
-num_nodes = 1
-gpus_per_node = 1
-
-[training]
-actor_gpus = 1
-colocate = true
-offload = true
-
-[placement]
-mode = "defer"
-defer_roles = ["genrm"]
-
-[roles.rollout.models.policy]
-backend = "hf"
-model_path = "tiny/policy"
-weight_source = "ACTOR"
-weights_cpu_backup = true
-extra_args = ["--device", "cpu"]
-
-[roles.genrm.models.judge]
-backend = "hf"
-model_path = "tiny/judge"
-extra_args = ["--device", "cpu"]
-
-[run]
-steps = 2
-prompts_per_step = 8
-samples_per_prompt = 4
-max_new_tokens = 4
-rewards = [{ adapter = "genrm-judge" }]
-reward_role = "genrm"
-"""
+INTERRUPTED_JOB = job_text(
+    **colocated(1),
+    placement=defer("genrm"),
+    models={"rollout.policy": tiny_policy(), "genrm.judge": tiny("judge")},
+    run={
+        "steps": 2,
+        "prompts_per_step": 8,
+        "samples_per_prompt": 4,
+        "max_new_tokens": 4,
+        "rewards": [{"adapter": "genrm-judge"}],
+        "reward_role": "genrm",
+    },
+)
 
 #: What Ray prints of an error no one handled, or of a failed task or actor.
 RAY_ERROR_TEXT = ("Traceback", "Unhandled error", "RayTaskError", "RayActorError", "ray.exceptions")

@@ -18,79 +18,49 @@ from typing import Any
 import pytest
 
 from tests.support import run as support
+from tests.support.jobs import colocated, defer, job_text, tiny, tiny_policy, tiny_run
 
-JOB = """\
-[cluster]
-num_nodes = 1
-gpus_per_node = 2
-# Each bundle reserves half a CPU, so the sync reward adapters' Ray tasks (one CPU each) find
-# one of the machine's two.
-cpus_per_bundle = 0.5
-
-[training]
-actor_gpus = 2
-colocate = true
-offload = true
-
-[placement]
-mode = "defer"
-defer_roles = ["genrm", "prm"]
-
-[roles.rollout.models.policy]
-backend = "hf"
-model_path = "tiny/policy"
-weight_source = "ACTOR"
-weights_cpu_backup = true
-extra_args = ["--device", "cpu"]
-
-[roles.genrm.models.judge-a]
-backend = "hf"
-model_path = "tiny/judge"
-extra_args = ["--device", "cpu"]
-
-[roles.genrm.models.judge-b]
-backend = "hf"
-model_path = "tiny/judge"
-extra_args = ["--device", "cpu"]
-
-[roles.prm.models.steps]
-backend = "hf"
-model_path = "tiny/math"
-extra_args = ["--device", "cpu"]
-
-[run]
-steps = 2
-prompts_per_step = 2
-samples_per_prompt = 2
-max_new_tokens = 8
-trainer = "record-fields"
-
-[[run.stages]]
-stage = "reward"
-name = "judge-a"
-role = "genrm"
-models = ["judge-a"]
-rewards = [{ adapter = "genrm-judge", key = "judge-a" }]
-
-[[run.stages]]
-stage = "reward"
-name = "judge-b"
-role = "genrm"
-models = ["judge-b"]
-rewards = [{ adapter = "genrm-judge", key = "judge-b", weight = 0.5 }, { adapter = "digits" }]
-
-[[run.stages]]
-stage = "prm"
-role = "prm"
-max_steps = 4
-
-[[run.stages]]
-stage = "eval"
-dataset = "arithmetic"
-every = 1
-prompts = 3
-rewards = [{ adapter = "exact-match" }, { adapter = "digits" }]
-"""
+JOB = job_text(
+    # Each bundle reserves half a CPU, so the sync reward adapters' Ray tasks (one CPU each)
+    # find one of the machine's two.
+    **colocated(2, cpus_per_bundle=0.5),
+    placement=defer("genrm", "prm"),
+    models={
+        "rollout.policy": tiny_policy(),
+        "genrm.judge-a": tiny("judge"),
+        "genrm.judge-b": tiny("judge"),
+        "prm.steps": tiny("math"),
+    },
+    run=tiny_run(
+        stages=[
+            {
+                "stage": "reward",
+                "name": "judge-a",
+                "role": "genrm",
+                "models": ["judge-a"],
+                "rewards": [{"adapter": "genrm-judge", "key": "judge-a"}],
+            },
+            {
+                "stage": "reward",
+                "name": "judge-b",
+                "role": "genrm",
+                "models": ["judge-b"],
+                "rewards": [
+                    {"adapter": "genrm-judge", "key": "judge-b", "weight": 0.5},
+                    {"adapter": "digits"},
+                ],
+            },
+            {"stage": "prm", "role": "prm", "max_steps": 4},
+            {
+                "stage": "eval",
+                "dataset": "arithmetic",
+                "every": 1,
+                "prompts": 3,
+                "rewards": [{"adapter": "exact-match"}, {"adapter": "digits"}],
+            },
+        ]
+    ),
+)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import serve as support
+from tests.support.jobs import toml_value
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "run-cpu.toml"
@@ -51,18 +52,6 @@ def make_models(directory: Path, size: str = "tiny") -> Path:
     return directory
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
-    return "[" + ", ".join(_toml(v) for v in value) + "]"
-
-
 def job_file(
     directory: Path, name: str = "job.toml", *, example: Path = EXAMPLE, **run: Any
 ) -> Path:
@@ -79,7 +68,7 @@ def job_file(
         elif current is not None:
             keys[current] += "\n" + line
     for key, value in run.items():
-        keys[key] = f"{key} = {_toml(value)}"
+        keys[key] = f"{key} = {toml_value(value)}"
     path = directory / name
     path.write_text(head + "\n[run]\n" + "\n".join(keys.values()) + "\n")
     return path
