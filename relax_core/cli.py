@@ -59,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
     except RelaxError as exc:
-        print(f"relax: error: {exc}", file=sys.stderr)
+        # The plugins load before the command line is parsed: name the command that was asked.
+        words = list(sys.argv[1:] if argv is None else argv)
+        command = next((w for w in words if not w.startswith("-")), None)
+        print(f"relax{f' {command}' if command else ''}: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     try:
