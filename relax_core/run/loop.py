@@ -463,9 +463,13 @@ async def drive(
         probe = SwitchProbe(ports.heads or _no_heads)
         coordinator = MeasuredCoordinator(coordinator, probe)
         gen = ports.generation_role
-        rollout = MeasuredHandle(
-            rollout, probe, gen, lambda: 0 if driver is None else driver.generating
-        )
+
+        def step_of(direction: str) -> int:
+            if driver is None:
+                return 0
+            return driver.committing if direction == "offload" else driver.generating
+
+        rollout = MeasuredHandle(rollout, probe, gen, step_of)
     summary.weight_versions.append(initial_version)
     driver = StepDriver(
         DriverSettings.of(ports.run, steps),

@@ -242,10 +242,12 @@ class MeasuredCoordinator:
 
 class MeasuredHandle:
     """The generation model's manager handle with measured ``onload`` / ``offload``;
-    ``step`` is read at each call (the step in progress)."""
+    ``step(direction)`` is read at each call: the step the switch belongs to (an onload opens
+    the generating step's turn, an offload ends the committing step's; with steps overlapping
+    the two differ)."""
 
     def __init__(
-        self, inner: ManagerHandle, probe: SwitchProbe, role: str, step: Callable[[], int]
+        self, inner: ManagerHandle, probe: SwitchProbe, role: str, step: Callable[[str], int]
     ) -> None:
         self._inner = inner
         self._probe = probe
@@ -260,14 +262,14 @@ class MeasuredHandle:
     async def onload(self) -> LifecycleResult:
         """The manager's onload, measured."""
         result: LifecycleResult = await self._probe.around(
-            self._step(), self._role, "onload", self._inner.onload
+            self._step("onload"), self._role, "onload", self._inner.onload
         )
         return result
 
     async def offload(self) -> LifecycleResult:
         """The manager's offload, measured."""
         result: LifecycleResult = await self._probe.around(
-            self._step(), self._role, "offload", self._inner.offload
+            self._step("offload"), self._role, "offload", self._inner.offload
         )
         return result
 
