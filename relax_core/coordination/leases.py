@@ -5,10 +5,9 @@ within a batch) and ``relax serve``'s :class:`~relax_core.jobs.wake.WakeControll
 wakes its role) drive it; they decide *when* to switch, under the slice's lock, and what a
 refusal raises. The engine is what they share, so they cannot drift:
 
-- **the switch**: onto the slice, the role's FAILED replicas rebuilt first (the manager's
-  recovery confirms a dead engine's cleanup); then every handle called at once within the
-  operation timeout; onto it, a handle whose engine died during the call is rebuilt and
-  called once more; each result must
+- **the switch**: the role's FAILED replicas rebuilt first (the manager's recovery confirms a
+  dead engine's cleanup), then every handle called at once within the operation timeout; a
+  handle whose engine died during the call is rebuilt and called once more; each result must
   confirm every replica;
 - **the BLOCKED rule**: a switch not confirmed (a failure, an error, a timeout) leaves the role
   BLOCKED, and nothing is granted its slice until the operator resets it;
@@ -139,8 +138,8 @@ class LeaseEngine:
         method: str | None = None,
     ) -> str | None:
         """Move ``role`` off (``out``: DRAINING, then SLEEPING) or onto (ONLOADING, then
-        ACTIVE) its slice: onto it, ``handles`` (default: every one of the role's) rebuilt where
-        they have FAILED replicas first; then ``method`` (default ``offload`` / ``onload``; a handle
+        ACTIVE) its slice: ``handles`` (default: every one of the role's) rebuilt where they
+        have FAILED replicas, then ``method`` (default ``offload`` / ``onload``; a handle
         without :data:`ABORT` offloads) called on each at once. ``None`` once every result is
         confirmed; else why not, and the role is BLOCKED. The caller holds :meth:`lock`.
         """
@@ -175,15 +174,12 @@ class LeaseEngine:
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
-        """One handle's part of a switch: onto the slice, rebuilt first, then called (and,
-        when its engine died during the call, rebuilt and called again); off it, only called
-        (a replica is not rebuilt to be put to sleep: a stopped engine would hold the release
-        in its recovery instead of its offload). Why it is not confirmed."""
-        onto = expected == "READY"
-        why = await self._heal(handle, role) if onto else None
+        """One handle's part of a switch: rebuilt first, then called (and, when its engine
+        died during the call, rebuilt and called again). Why it is not confirmed."""
+        why = await self._heal(handle, role)
         if why is None:
             why = await self._call(role, handle, method, expected)
-            if onto and why is not None and await _failed(handle):
+            if why is not None and await _failed(handle):
                 why = await self._heal(handle, role) or await self._call(
                     role, handle, method, expected
                 )
