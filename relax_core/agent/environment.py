@@ -30,7 +30,7 @@ restricted sampling.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -136,8 +136,3 @@ class Environment(Protocol):
     def step(self, turn: Turn) -> Any:
         """The :class:`Observation` of the policy's ``turn`` (or an awaitable of it)."""
         ...
-
-
-def as_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Plain dict copies of ``messages`` (JSON for the trajectory's record)."""
-    return [dict(m) for m in messages]
