@@ -11,6 +11,8 @@ Metric names (every one a finite number; a value the step does not have is left 
   ``time/genrm.onload`` …);
 - ``train/<key>``: the trainer's numbers (``train/loss``, ``train/grad_norm`` …);
 - ``stage/<stage>/<count>``: each stage's report counts;
+- ``async/staleness/<k>`` (the step's samples ``k`` weight versions behind the trainer),
+  ``async/partial_samples``;
 - ``rollout/<name>/mean``, ``rollout/<name>/max``, ``rollout/<name>/total``: the step's
   ``rollout`` object (:func:`rollout_metrics`): the policy's and the environment's response
   tokens per sample, and each number the rollout reported per sample.
@@ -71,6 +73,10 @@ def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
     for stage, counts in (row.get("stages") or {}).items():
         for key, value in counts.items():
             put(f"stage/{stage}/{key}", value)
+    a = row.get("async") or {}
+    for k, n in (a.get("staleness") or {}).items():
+        put(f"async/staleness/{k}", n)
+    put("async/partial_samples", a.get("partial_samples"))
     for name, stats in (row.get("rollout") or {}).items():
         for key, value in stats.items():
             put(f"rollout/{name}/{key}", value)
