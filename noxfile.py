@@ -51,8 +51,8 @@ def _local_distributions() -> list[str]:
 
 def _install_project(session: nox.Session, *extras: str) -> None:
     session.install(TORCH)
-    # `relax run --report` and `relax report` are the relax-report plugin's (plotly), one of
-    # the distributions below.
+    # `relax run --report` and `relax report` are the relax-report plugin's, one of the
+    # distributions below.
     spec = f".[{','.join(extras)}]" if extras else "."
     args = ["-e", spec]
     for dist in _local_distributions():

@@ -191,10 +191,12 @@ from relax_core.run.rollout import (
     sampling_seed,
 )
 from relax_core.tracking import (
+    ROLLOUT_METRICS,
     PhaseSpan,
     Tracker,
     TrackerContext,
     reward_by_key,
+    rollout_metrics,
     sample_rows,
     step_metrics,
 )
@@ -208,6 +210,7 @@ __all__ = [
     "DEMO_MODELS",
     "ENGINE_FEATURES",
     "REWARD_FIELDS",
+    "ROLLOUT_METRICS",
     "AdaptContext",
     "Adapted",
     "AdmissionServer",
@@ -376,6 +379,7 @@ __all__ = [
     "preflight",
     "quote_body",
     "reward_by_key",
+    "rollout_metrics",
     "sample_rows",
     "sampling_seed",
     "stage_problems",

@@ -102,13 +102,18 @@ class Observation:
     """What the environment answers a turn: ``messages`` to append (tool results as ``tool``
     messages, the user's next words…), the turn's ``reward`` (``None``: none),
     ``done`` (the trajectory ends; ``messages`` are then not appended), ``tool_calls`` (how
-    many tool calls the turn made, for the step's counts), ``guide`` for the next turn and
-    free-form ``info`` (kept in the trajectory's record)."""
+    many tool calls the turn made), ``tool_errors`` (how many of them failed: a
+    :class:`~relax_core.agent.ToolResult` with ``error``) and ``tool_timeouts`` (how many of
+    those ran out of time) — summed per trajectory and reported in the step's ``rollout``
+    object —, ``guide`` for the next turn and free-form ``info`` (kept in the trajectory's
+    record)."""
 
     messages: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_messages)
     reward: float | None = None
     done: bool = False
     tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
     guide: Mapping[str, Any] | None = attrs.field(default=None, converter=_guide)
     info: Mapping[str, Any] = attrs.field(factory=dict)
 

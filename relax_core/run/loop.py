@@ -57,7 +57,7 @@ from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchPr
 from relax_core.run.metrics import RunMetrics
 from relax_core.run.progress import PhaseEvent, Printer, Progress
 from relax_core.tracking.hub import Trackers
-from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
+from relax_core.tracking.metrics import reward_by_key, rollout_metrics, sample_rows, step_metrics
 from relax_core.tracking.tracker import PhaseSpan
 
 __all__ = [
@@ -322,6 +322,7 @@ def step_row(outcome: StepOutcome, stages: Sequence[Stage], timeline: Any) -> di
         "pushed_before": outcome.pushed_before,
         "train": dict(trained),
         "async": outcome.metrics,
+        "rollout": rollout_metrics(samples),
     }
     return row
 

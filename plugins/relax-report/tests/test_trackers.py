@@ -5,9 +5,6 @@ option), registered through the real entry point."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from relax_report import JSONL, REPORT, TENSORBOARD
@@ -32,22 +29,6 @@ def test_the_installed_plugin_registers_both_trackers_and_relax_report(
 
 def test_the_core_registers_no_tracker(core_plugin_manager: PluginManager) -> None:
     assert dict(core_plugin_manager.registered("trackers")) == {}
-
-
-def test_loading_the_plugin_imports_no_plotly() -> None:
-    script = (
-        "import json, sys\n"
-        "from relax_core import PluginManager\n"
-        "pm = PluginManager.create()\n"
-        "print(json.dumps([pm.tracker('jsonl').name, 'plotly' in sys.modules]))\n"
-    )
-    env = {**os.environ, "RELAX_LOAD_PLUGINS": "report"}
-    env.pop("RELAX_DISABLE_PLUGINS", None)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["jsonl", False]
 
 
 def test_the_tensorboard_trackers_files_are_read_by_tensorboards_own_reader(
