@@ -641,7 +641,7 @@ async def run_loop(
                 trainer=ports.trainer,
                 cursor=cursor,
                 job=job.name,
-                job_file=job.config.source,
+                job_file=None if job.config.source is None else os.path.abspath(job.config.source),
                 settings=job_settings(
                     run, generation_model=model.name, model_path=model.model_path
                 ),
