@@ -5,6 +5,7 @@ option), registered through the real entry point."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from relax_report import JSONL, REPORT, TENSORBOARD
