@@ -233,3 +233,20 @@ def test_a_stream_whose_client_goes_away_is_aborted(plain: EngineServer) -> None
         timeout=30,
         what="the abandoned stream to be aborted",
     )
+
+
+def test_engine_throughput_counts_every_new_token_of_its_requests(plain: EngineServer) -> None:
+    import asyncio
+
+    from relax_hf.throughput_bench import format_result, measure
+
+    vocab = int(_info(plain).get("vocab_size") or 0) or 64
+    out = asyncio.run(
+        measure(
+            plain.url, concurrency=3, requests=5, prompt_tokens=7, max_new_tokens=4,
+            temperature=1.0, vocab=min(vocab, 64),
+        )
+    )  # fmt: skip
+    assert (out["requests"], out["output_tokens"]) == (5, 20) and out["tokens_per_s"] > 0
+    out["device"] = "cpu"
+    assert "5 requests, 3 in flight, 7 prompt + 4 new tokens: 20 tokens" in format_result(out)

@@ -321,7 +321,7 @@ def test_python_m_relax_hf_lists_its_commands() -> None:
         [sys.executable, "-m", "relax_hf", "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0
-    for cmd in ("serve", "make-tiny-model", "bench", "gpu-bench"):
+    for cmd in ("serve", "make-tiny-model", "bench", "gpu-bench", "engine-throughput"):
         assert cmd in out.stdout
 
 
