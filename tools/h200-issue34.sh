@@ -26,6 +26,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/relax-h200-issue34}
 BUDGET=${BUDGET:-540}
 ASYNC_RUNS=${ASYNC_RUNS:-5}
+# PARTS: which of run, throughput, wake, gpu-bench, async to run (default all; e.g. PARTS="wake
+# gpu-bench" in a second session when one session's budget cannot hold them all).
+PARTS=${PARTS:-run throughput wake gpu-bench async}
+want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 mkdir -p "$OUT"
 if [ "${DRY:-0}" = 1 ]; then
   began=$(date +%s)
@@ -54,9 +58,11 @@ bounded() {
 }
 
 # 1. run-h200.toml with graphs.
-bounded 220 run-h200 python3 -m relax_core run docs/examples/run-h200.toml --json --measure \
-  --log-dir "$OUT/logs-graphs" >"$OUT/graphs.jsonl" 2>"$OUT/graphs.log"
-echo "run-h200 exited $?"; grep -v '^  · ' "$OUT/graphs.log" | tail -n 8
+if want run; then
+  bounded 220 run-h200 python3 -m relax_core run docs/examples/run-h200.toml --json --measure \
+    --log-dir "$OUT/logs-graphs" >"$OUT/graphs.jsonl" 2>"$OUT/graphs.log"
+  echo "run-h200 exited $?"; grep -v '^  · ' "$OUT/graphs.log" | tail -n 8
+fi
 
 # 2. The engines' own throughput at the phases' shapes (read off the run's counters).
 python3 - "$OUT/graphs.jsonl" >"$OUT/shapes.env" <<'PY'
@@ -82,7 +88,7 @@ for role, name in (("rollout", "ROLLOUT"), ("genrm", "JUDGE")):
 PY
 # shellcheck disable=SC1091
 source "$OUT/shapes.env"
-for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0 genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0; do
+want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0 genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0; do
   IFS=: read -r role model prompt new temp <<<"$m"
   bounded 80 "engine-throughput $role" python3 -m relax_hf engine-throughput \
     "docs/examples/small/$model" --json --concurrency 256 --requests 256 \
@@ -101,19 +107,24 @@ nbytes = sum(p.stat().st_size for p in Path("docs/examples/small/judge").glob("*
 seconds = _h2d_baseline(nbytes, "cuda:0", repeats=5)
 json.dump({"weight_bytes": nbytes, "pinned_h2d_ms": round(seconds * 1e3, 2)}, open(sys.argv[1], "w"))
 PY
-bounded 210 wake python3 -m relax_core bench wake --job docs/examples/run-h200.toml --json \
-  >"$OUT/wake.json" 2>"$OUT/wake.log"
-echo "bench wake exited $?"
+if want wake; then
+  bounded 210 wake python3 -m relax_core bench wake --job docs/examples/run-h200.toml --json \
+    >"$OUT/wake.json" 2>"$OUT/wake.log"
+  echo "bench wake exited $?"
+fi
 
 # 4. Single-stream decode against the roofline.
-bounded 120 gpu-bench python3 -m relax_hf gpu-bench --json >"$OUT/gpu-bench.json" \
-  2>"$OUT/gpu-bench.log"
-echo "gpu-bench exited $?"
+if want gpu-bench; then
+  bounded 120 gpu-bench python3 -m relax_hf gpu-bench --json >"$OUT/gpu-bench.json" \
+    2>"$OUT/gpu-bench.log"
+  echo "gpu-bench exited $?"
+fi
 
 # 5. The async job with graphs, back to back, while the budget lasts.
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
+want async || ASYNC_RUNS=0
 for i in $(seq 1 "$ASYNC_RUNS"); do
-  bounded 150 "async run $i" python3 -m relax_core run docs/examples/run-h200-async.toml \
+  bounded 240 "async run $i" python3 -m relax_core run docs/examples/run-h200-async.toml \
     --json --log-dir "$OUT/logs-async-$i" >"$OUT/async-$i.jsonl" 2>"$OUT/async-$i.log"
   code=$?
   echo "async run $i exited $code"
