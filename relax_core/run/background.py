@@ -24,6 +24,7 @@ step.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, Unpack, runtime_checkable
@@ -109,7 +110,8 @@ class EvalResult:
 
     def metrics(self) -> dict[str, float]:
         """The trackers' metrics of step :attr:`step`: ``eval/STAGE/COUNT`` for each number of
-        :attr:`counts`, and ``eval/STAGE/weight_version`` where the version is a number."""
+        :attr:`counts`, and ``eval/STAGE/weight_version`` where the version is a number (finite
+        values only: no rewards scored leaves ``reward_mean`` out)."""
         out: dict[str, float] = {}
         for key, value in self.counts.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -118,7 +120,7 @@ class EvalResult:
             out[f"eval/{self.stage}/weight_version"] = float(str(self.weight_version))
         except ValueError:
             pass
-        return out
+        return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
 @attrs.frozen

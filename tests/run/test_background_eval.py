@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import os
 import signal
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import pytest
 from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
 
@@ -275,3 +277,14 @@ def test_the_driver_refuses_a_background_stage_that_would_need_a_lease() -> None
     with pytest.raises(ConfigError, match="the generation role takes turns on its GPUs"):
         StepDriver(DriverSettings(steps=1, prompts_per_step=1), switching=True, **common)
     StepDriver(DriverSettings(steps=1, prompts_per_step=1), **common)  # a split layout: fine
+
+
+def test_an_evaluations_metrics_are_its_finite_counts_and_its_version() -> None:
+    from relax_core.run.background import EvalResult
+
+    result = EvalResult("eval", 3, "done", "4", ("4",), {"samples": 2, "reward_mean": math.nan},
+                        None, 0.1)  # fmt: skip
+    assert result.metrics() == {"eval/eval/samples": 2.0, "eval/eval/weight_version": 4.0}
+    mixed = attrs.evolve(result, weight_version=None, weight_versions=("3", "4"))
+    assert mixed.metrics() == {"eval/eval/samples": 2.0}
+    assert mixed.row()["weight_versions"] == ["3", "4"] and mixed.row()["eval"] == "eval"
