@@ -74,6 +74,7 @@ from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
 from relax_core.coordination.timeline import Timeline
 from relax_core.errors import BatchFailedError
+from relax_core.run.background import BackgroundEvals
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
 __all__ = [
@@ -276,6 +277,9 @@ class StepDriver:
     :param on_trained: awaited with the step's index after ``on_step``, before the push of its
         weights and the next ``train`` (the trainer is idle: a checkpoint).
     :param on_progress: ``on_progress(step, groups_done)`` as groups complete.
+    :param background: runs the stages with ``background = true`` beside the steps
+        (:mod:`~relax_core.run.background`); settled when the steps end (cancelled on Ctrl-C).
+    :raises ConfigError: a background stage where its work would need a lease.
     """
 
     def __init__(
@@ -298,7 +302,10 @@ class StepDriver:
         on_step: Callable[[StepOutcome], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         on_trained: Callable[[int], Awaitable[None]] | None = None,
+        background: BackgroundEvals | None = None,
     ) -> None:
+        BackgroundEvals.check(stages, switching=switching, deferred_roles=deferred_roles)
+        self.background = background or BackgroundEvals()
         self.settings = settings
         self.on_trained = on_trained
         self.coordinator = coordinator
@@ -375,11 +382,24 @@ class StepDriver:
     # -- the lanes -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Every step, or the first failure.
+        """Every step, or the first failure; then the background evaluations settled (awaited
+        up to their deadline, cancelled on an interruption).
 
         :raises _StepFailure: a step failed or was interrupted (after every step before it
             that committed was trained).
         """
+        try:
+            await self._steps()
+        except BaseException as exc:
+            stopped = interrupted(exc.error if isinstance(exc, _StepFailure) else exc)
+            try:
+                await self.background.settle(cancel=stopped)
+            except Exception as err:
+                exc.add_note(f"reporting a background evaluation failed: {err}")
+            raise
+        await self.background.settle()
+
+    async def _steps(self) -> None:
         first, steps = self.settings.first_step, self.settings.steps
         loop = asyncio.get_running_loop()
         self._generated = {n: loop.create_future() for n in range(first, steps)}
@@ -571,7 +591,9 @@ class StepDriver:
             gate.samples,
             coordinator=self.coordinator,
             rollout=self.rollout,
-            stages=self.stages,
+            stages=self.background.stages(
+                n, self.stages, producer=generated.producer, clients=self.clients
+            ),
             sink=self.sink,
             clients=self.clients,
             finalizer=self.finalizer,

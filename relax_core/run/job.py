@@ -79,6 +79,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
     models' backends on this install.
     """
     from relax_core.jobs.checks import check_job
+    from relax_core.run.background import background_problems
     from relax_core.run.data import source_problems
     from relax_core.run.stages import stage_problems
     from relax_core.run.trainer import load_trainer_class
@@ -124,6 +125,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
     out += stage_problems(
         run, pm, roles=config.role_names, generation_role=gen, deferred_roles=defer
     )
+    out += background_problems(run.stages, defer_roles=defer, residency=config.placement.residency)
     if defer:
         workload = DeferredWorkload(
             defer_roles=defer,

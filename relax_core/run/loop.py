@@ -46,6 +46,7 @@ from relax_core.coordination.stages import RoleClients, Stage
 from relax_core.coordination.timeline import Timeline
 from relax_core.errors import LifecycleError
 from relax_core.jobs.session import ShutdownSignals
+from relax_core.run.background import BackgroundEvals, EvalCounts, EvalResult
 from relax_core.run.checkpoint import Checkpoint, Checkpointer, Cursor, CursorProducer, job_settings
 from relax_core.run.data import open_source
 from relax_core.run.driver import (
@@ -132,6 +133,7 @@ class RunSummary:
     trace: str | None = None
     interrupted_step: int | None = None
     first_step: int = 0
+    evaluations: EvalCounts = attrs.field(factory=EvalCounts)
 
     @property
     def interrupted(self) -> bool:
@@ -157,6 +159,7 @@ class RunSummary:
             "step_seconds": sum(r["seconds"] for r in self.committed),
             "trace": self.trace,
             "switching": self.switching,
+            "evaluations": self.evaluations.row(),
         }
 
 
@@ -413,6 +416,13 @@ class _Report:
         self.summary.committed.append(row)
         self.printer.step(row)
 
+    def evaluation(self, result: EvalResult) -> None:
+        """A background evaluation ended: its object printed, its metrics told to the
+        trackers (at the step that started it)."""
+        if self.trackers is not None:
+            self.trackers.log_metrics(result.step, result.metrics())
+        self.printer.evaluation(result.row())
+
     async def failed(self, failed: _StepFailure) -> None:
         """The step that failed or was interrupted, reported (and the run's summary says so)."""
         n, exc = failed.step, failed.error
@@ -489,6 +499,7 @@ async def drive(
 
         rollout = MeasuredHandle(rollout, probe, gen, step_of)
     summary.weight_versions.append(initial_version)
+    background = BackgroundEvals(on_result=report.evaluation, deadline=ports.run.request_timeout)
     driver = StepDriver(
         DriverSettings.of(ports.run, steps, first_step),
         coordinator=coordinator,
@@ -507,6 +518,7 @@ async def drive(
         on_step=report.step,
         on_progress=report.progress,
         on_trained=on_trained,
+        background=background,
     )
     signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
     async with signals.cancelling():
@@ -533,6 +545,8 @@ async def drive(
             # push): its batch is committed already.
             signals.handled()
             summary.interrupted_step = driver.generating
+        finally:
+            summary.evaluations = background.counts
     summary.seconds = time.perf_counter() - began
     return summary
 

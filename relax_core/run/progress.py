@@ -273,6 +273,26 @@ class Printer:
             flush=True,
         )
 
+    def evaluation(self, row: dict[str, Any]) -> None:
+        """A background evaluation that ended: one line, or one JSON object."""
+        if self._row(row):
+            return
+        counts = row["counts"]
+        versions = row["weight_version"] or ", ".join(map(str, row["weight_versions"])) or "-"
+        if row["status"] == "done":
+            what = (
+                f"reward {_fmt(counts.get('reward_mean'))} ± {_fmt(counts.get('reward_std'))} "
+                f"over {int(counts.get('samples', 0))} samples"
+            )
+        else:
+            what = f"{row['status']}: {row['error']}"
+        print(
+            f"eval {row['eval']} of step {row['step']}  weights {versions}  {what}  "
+            f"{row['seconds']:.1f}s",
+            file=self.out if row["status"] == "done" else self.err,
+            flush=True,
+        )
+
     def failed(self, row: dict[str, Any]) -> None:
         """The step that failed or was interrupted (and ended the run)."""
         self._row(row)

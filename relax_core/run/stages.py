@@ -382,7 +382,8 @@ class EvalStage:
     ``source`` generated with the policy that generated the step (``samples_per_prompt`` each,
     at ``temperature``), scored by ``scorer`` (a reward stage, with its role's lease), reported:
     ``samples``, ``reward_mean``, ``reward_std`` and the scorer's counts. Writes nothing on the
-    batch's samples; its own samples never join the batch.
+    batch's samples; its own samples never join the batch. ``background``: the step only
+    starts it and goes on (:mod:`~relax_core.run.background`).
     """
 
     role: str | None = None
@@ -399,8 +400,10 @@ class EvalStage:
         prompts: int = 4,
         samples_per_prompt: int = 1,
         temperature: float = 0.0,
+        background: bool = False,
     ) -> None:
         self.name = name
+        self.background = background
         self.scorer = scorer
         self.every = every
         self.prompts = prompts
@@ -409,9 +412,18 @@ class EvalStage:
         self._open = source
         self._source: PromptSource | None = None
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles its work calls besides the generation role: its scorer's."""
+        return () if self.scorer.role is None else (self.scorer.role,)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` is one of every ``every``."""
+        return step % self.every == 0
+
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         """Evaluate on this step if it is one of every ``every``; else report ``skipped``."""
-        if ctx.batch_id % self.every:
+        if not self.due(ctx.batch_id):
             return StageReport(self.name, {"skipped": 1})
         if self._source is None:
             self._source = self._open()
@@ -436,7 +448,8 @@ def build_eval_stage(config: StageConfig) -> EvalStage:
     """The ``eval`` kind: ``dataset`` (a prompt source, required), ``every`` (1),
     ``prompts`` (the run's ``prompts_per_step``), ``samples_per_prompt`` (1),
     ``temperature`` (0: greedy), ``rewards`` and ``concurrency`` (as the reward stage's; its
-    ``role`` and ``models`` are the scorer's).
+    ``role`` and ``models`` are the scorer's), ``background`` (false; async runs only: off the
+    step's critical path, :mod:`~relax_core.run.background`).
 
     :raises ConfigValidationError: every problem of its table (a dataset no source reads).
     """
@@ -449,6 +462,14 @@ def build_eval_stage(config: StageConfig) -> EvalStage:
     )
     samples = r.value(o, p, "samples_per_prompt", int, 1, check=ConfigReader.at_least(1))
     temperature = r.value(o, p, "temperature", float, 0.0, check=ConfigReader.at_least(0))
+    background = r.value(o, p, "background", bool, False)
+    if background and config.run.mode != "async":
+        r.problem(
+            config.key("background"),
+            "background",
+            "a background evaluation runs beside the steps that follow its own, which only "
+            'asynchronous steps have: set [run] mode = "async", or remove background',
+        )
     scorer = _reward_stage(config, r, name=f"{config.name}.rewards")
     where: dict[str, Any] = {
         "seed": config.run.seed,
@@ -467,6 +488,7 @@ def build_eval_stage(config: StageConfig) -> EvalStage:
         prompts=prompts,
         samples_per_prompt=samples,
         temperature=temperature,
+        background=bool(background),
     )
 
 
@@ -482,6 +504,7 @@ EVAL = StageSpec(
         "temperature",
         "rewards",
         "concurrency",
+        "background",
     ),
     description="Every K steps: held-out prompts generated, scored and reported; never trained on.",
 )

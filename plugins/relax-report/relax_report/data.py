@@ -66,7 +66,11 @@ def report_data(run_dir: str) -> dict[str, Any]:
     rows = _lines(path)
     config: dict[str, Any] = next((r["config"] for r in rows if r["type"] == "config"), {})
     summary = next((r["summary"] for r in rows if r["type"] == "close"), None)
-    metrics = {r["step"]: r["metrics"] for r in rows if r["type"] == "metrics"}
+    # A step's metrics may come in several lines (a background evaluation's, after the step's)
+    metrics: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r["type"] == "metrics":
+            metrics.setdefault(r["step"], {}).update(r["metrics"])
     spans = [r for r in rows if r["type"] == "span"]
     steps = sorted(metrics)
     names = sorted({k for m in metrics.values() for k in m if not k.startswith("time/")})

@@ -124,3 +124,16 @@ def test_relax_report_writes_the_page_and_refuses_a_directory_without_a_run(
     assert "<svg" in (tmp_path / "page.html").read_text()
     done = _relax("report", str(tmp_path))
     assert done.returncode == 2 and "no run.jsonl" in done.stderr
+
+
+def test_a_background_evaluations_metrics_join_its_steps_without_replacing_them(
+    tmp_path: Path,
+) -> None:
+    run_dir = _run_dir(tmp_path / "run")
+    with (run_dir / "run.jsonl").open("a") as f:  # step 0's evaluation ended after step 1
+        f.write(json.dumps({"type": "metrics", "step": 0,
+                            "metrics": {"eval/eval/reward_mean": 0.5}}) + "\n")  # fmt: skip
+    data = report_data(str(run_dir))
+    assert data["steps"] == [0, 1]
+    assert data["series"]["reward/mean"] == [0.0, 0.1]
+    assert data["series"]["eval/eval/reward_mean"] == [0.5, None]
