@@ -52,11 +52,17 @@ JOB = job_text(
             },
             {"stage": "prm", "role": "prm", "max_steps": 4},
             {
+                # Held-out prompts whose rewards are known whatever the policy answers: the
+                # test plugin's adapter gives 0.5 to a prompt marked constant (x 2), and no
+                # answer matches a label that is not a number: each sample's reward is 1.0.
                 "stage": "eval",
-                "dataset": "arithmetic",
+                "dataset": "held-out.jsonl",
                 "every": 1,
                 "prompts": 3,
-                "rewards": [{"adapter": "exact-match"}, {"adapter": "digits"}],
+                "rewards": [
+                    {"adapter": "constant-or-checksum", "weight": 2.0},
+                    {"adapter": "exact-match"},
+                ],
             },
         ]
     ),
@@ -68,6 +74,13 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = support.make_models(tmp_path_factory.mktemp("stages"))
     job = root / "job.toml"
     job.write_text(JOB)
+    (root / "held-out.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {n} + {n}?", "label": "not a number",
+                        "metadata": {"constant": True}}) + "\n"
+            for n in range(3)
+        )
+    )  # fmt: skip
     dumps = root / "samples"
     with support.relax_run(job, "--json", "--dump-samples", str(dumps)) as run:
         code = run.wait(timeout=600)
@@ -145,7 +158,8 @@ def test_an_eval_stage_reports_held_out_rewards_it_never_commits(ran: dict[str, 
     for step in ran["steps"]:
         report = step["stages"]["eval"]
         assert report["samples"] == 3 and report["scored"] == 3
-        assert 0.0 <= report["reward_mean"] <= 2.0
+        # The weighted sum of the eval's own adapters over its own samples, exactly.
+        assert report["reward_mean"] == 1.0 and report["reward_std"] == 0.0, report
         assert step["samples"] == 4 and step["generated_groups"] == 3
     # The eval stage generated with the policy of its step: rollout's lease taken back once.
     onloads = [e for e in ran["events"] if e["phase"] == "rollout.onload" and e["state"] == "begin"]
