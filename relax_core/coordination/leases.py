@@ -7,8 +7,12 @@ refusal raises. The engine is what they share, so they cannot drift:
 
 - **the switch**: the role's FAILED replicas rebuilt first (the manager's recovery confirms a
   dead engine's cleanup), then every handle called at once within the operation timeout; a
-  handle whose engine died during the call is rebuilt and called once more; each result must
-  confirm every replica;
+  handle whose engine died before or during the call is rebuilt and called once more; each
+  result must confirm every replica. The manager is asked for its FAILED replicas only where
+  the engine does not know: a handle whose last call confirmed every replica is called at once
+  (no extra round trip), and a replica that failed since is in the call's own answer (the
+  manager answers FAILED for it without touching it), rebuilt then, before the role is
+  granted or its slice handed on;
 - **the BLOCKED rule**: a switch not confirmed (a failure, an error, a timeout) leaves the role
   BLOCKED, and nothing is granted its slice until the operator resets it;
 - **late replies**: a reply after its deadline changes nothing; it is recorded for the operator.
@@ -80,6 +84,8 @@ class LeaseEngine:
         self._on_event = on_event or (lambda line: None)
         self._on_rebuild = on_rebuild or (lambda role: None)
         self._locks: dict[str, asyncio.Lock] = {}
+        #: id -> the handles whose last call confirmed every replica (none FAILED then)
+        self._confirmed: dict[int, ManagerHandle] = {}
 
     # -- the lease table --------------------------------------------------------------------
 
@@ -174,20 +180,26 @@ class LeaseEngine:
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
-        """One handle's part of a switch: rebuilt first, then called (and, when its engine
-        died during the call, rebuilt and called again). Why it is not confirmed."""
-        why = await self._heal(handle, role)
+        """One handle's part of a switch: rebuilt first where it may have FAILED replicas
+        (not known clean from its last call), then called (and, when its answer is not a
+        confirmation and the manager has FAILED replicas, rebuilt and called again). Why it is
+        not confirmed."""
+        known_clean = self._confirmed.pop(id(handle), None) is handle
+        why = None if known_clean else await self._heal(handle, role)
         if why is None:
             why = await self._call(role, handle, method, expected)
             if why is not None and await _failed(handle):
-                why = await self._heal(handle, role) or await self._call(
+                why = await self._rebuild(handle, role) or await self._call(
                     role, handle, method, expected
                 )
+        if why is None:
+            self._confirmed[id(handle)] = handle
         return None if why is None else f"{handle.name}: {why}"
 
     async def _heal(self, handle: ManagerHandle, role: str) -> str | None:
-        if not await _failed(handle):
-            return None
+        return await self._rebuild(handle, role) if await _failed(handle) else None
+
+    async def _rebuild(self, handle: ManagerHandle, role: str) -> str | None:
         why = await self._call(role, handle, "recover", "READY")
         self._on_rebuild(role)
         self._on_event(f"{role}: rebuilt the failed replicas of {handle.name}")

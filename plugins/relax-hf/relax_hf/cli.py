@@ -9,7 +9,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["build_parser", "main"]
+__all__ = ["SERVER_KEEPALIVE", "build_parser", "main"]
+
+#: Seconds the engine's uvicorn keeps an idle connection: SGLang's value, stated so the order of
+#: the data path's limits holds for hf as for SGLang: every client of the engine (the admission
+#: server, the manager's control client) reuses an idle connection for less (docs/reliability.md,
+#: "Keep-alive, pair by pair").
+SERVER_KEEPALIVE = 5
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -87,10 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
-        # SGLang's value, stated so the order of the data path's limits holds for hf as for
-        # SGLang: the admission server and the control client reuse an idle connection for at
-        # most 2 s, well below it (docs/reliability.md, "Keep-alive, pair by pair").
-        timeout_keep_alive=5,
+        timeout_keep_alive=SERVER_KEEPALIVE,
     )
     return 0
 
