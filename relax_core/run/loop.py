@@ -339,7 +339,7 @@ def step_row(outcome: StepOutcome, stages: Sequence[Stage], timeline: Any) -> di
         "pushed_before": outcome.pushed_before,
         "train": dict(trained),
         "async": outcome.metrics,
-        "rollout": rollout_metrics(samples),
+        "trajectories": rollout_metrics(samples),
     }
     return row
 

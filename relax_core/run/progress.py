@@ -95,7 +95,7 @@ def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
     """The tokens' split when an environment wrote any (`` (policy 300, environment 212)``),
     and each number the rollout reported per sample, its mean, max and total (``  turns 2.25
     (max 3, total 9), tool_calls …``); ``""`` for what the step does not have."""
-    rollout = row.get("rollout") or {}
+    rollout = row.get("trajectories") or {}
     env = rollout.get("environment_tokens") or {}
     split = ""
     if env.get("total"):

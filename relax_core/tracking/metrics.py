@@ -13,9 +13,9 @@ Metric names (every one a finite number; a value the step does not have is left 
 - ``stage/<stage>/<count>``: each stage's report counts;
 - ``async/staleness/<k>`` (the step's samples ``k`` weight versions behind the trainer),
   ``async/partial_samples``;
-- ``rollout/<name>/mean``, ``rollout/<name>/max``, ``rollout/<name>/total``: the step's
-  ``rollout`` object (:func:`rollout_metrics`): the policy's and the environment's response
-  tokens per sample, and each number the rollout reported per sample.
+- ``trajectories/<name>/mean``, ``trajectories/<name>/max``, ``trajectories/<name>/total``: the
+  step's ``trajectories`` object (:func:`rollout_metrics`): the policy's and the environment's
+  response tokens per sample, and each number the rollout reported per sample.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
     for k, n in (a.get("staleness") or {}).items():
         put(f"async/staleness/{k}", n)
     put("async/partial_samples", a.get("partial_samples"))
-    for name, stats in (row.get("rollout") or {}).items():
+    for name, stats in (row.get("trajectories") or {}).items():
         for key, value in stats.items():
-            put(f"rollout/{name}/{key}", value)
+            put(f"trajectories/{name}/{key}", value)
     return out
 
 

@@ -83,7 +83,7 @@ def test_the_agent_example_commits_multi_turn_trajectories_with_tool_calls(tmp_p
         assert calls >= 1
         # The step's row says so: turns per trajectory, tool calls, errors and timeouts, the
         # environment's seconds, the policy's tokens against the environment's.
-        rollout = step["rollout"]
+        rollout = step["trajectories"]
         assert rollout["turns"]["max"] >= rollout["turns"]["mean"] >= 2
         assert rollout["tool_calls"]["total"] == calls
         assert rollout["tool_errors"]["total"] == errors

@@ -90,14 +90,14 @@ def test_a_multi_turn_step_line_splits_the_tokens_and_shows_what_the_rollout_rep
         "step": 0, "partition": "train_0", "samples": 4, "reward_mean": 0.0, "reward_std": 0.0,
         "parse_failures": None, "tokens": 512, "weight_version": "default", "seconds": 1.0,
         "phases": {"generate": 0.5},
-        "rollout": {**token_split, "turns": {"mean": 2.25, "max": 3.0, "total": 9.0},
+        "trajectories": {**token_split, "turns": {"mean": 2.25, "max": 3.0, "total": 9.0},
                     "environment_seconds": {"mean": 0.00123, "max": 0.002, "total": 0.00492}},
     }  # fmt: skip
     printer.step(row)
     # A single-turn step (no environment token) shows neither.
     single = {"policy_tokens": token_split["policy_tokens"],
               "environment_tokens": {"mean": 0.0, "max": 0.0, "total": 0.0}}  # fmt: skip
-    printer.step({**row, "step": 1, "rollout": single})
+    printer.step({**row, "step": 1, "trajectories": single})
     first, second = out.getvalue().splitlines()
     assert (
         "tokens 512 (policy 300, environment 212)  turns 2.25 (max 3, total 9), "

@@ -233,6 +233,6 @@ def test_the_report_renders_every_chart_in_a_real_browser_with_no_console_error(
     assert seen["requests"] == []  # self-contained: nothing fetched
     charts = {c["name"]: c for c in seen["value"]["charts"]}
     # Every chart but the rollout's (a single-turn run reports nothing per sample).
-    assert tuple(charts) == tuple(c for c in CHARTS if c != "rollout")
+    assert tuple(charts) == tuple(c for c in CHARTS if c != "trajectories")
     assert all(c["traces"] > 0 and c["drawn"] == c["traces"] for c in charts.values()), charts
     assert seen["value"]["rows"] == 12

@@ -216,9 +216,11 @@ def test_the_rollout_object_splits_the_tokens_and_aggregates_what_the_rollout_re
         "turns": {"mean": 2.5, "max": 3.0, "total": 5.0},
         "tool_calls": {"mean": 2.0, "max": 3.0, "total": 4.0},
     }
-    metrics = step_metrics({"rollout": rollout})
-    assert metrics["rollout/turns/max"] == 3.0 and metrics["rollout/tool_calls/total"] == 4.0
-    assert metrics["rollout/environment_tokens/total"] == 3.0
+    metrics = step_metrics({"trajectories": rollout})
+    assert (
+        metrics["trajectories/turns/max"] == 3.0 and metrics["trajectories/tool_calls/total"] == 4.0
+    )
+    assert metrics["trajectories/environment_tokens/total"] == 3.0
 
 
 def test_sample_rows_show_several_groups_with_each_samples_kl_to_the_teacher() -> None:

@@ -28,11 +28,19 @@ from relax_report.svg import COLOURS, Segment, Trace, lane_chart, step_chart
 __all__ = ["CHARTS", "render_page"]
 
 #: Every chart of the page, in order (a chart whose data the run lacks is left out).
-CHARTS = ("rewards", "teacher-kl", "tokens", "parse-failures", "rollout", "phases", "residency")
+CHARTS = (
+    "rewards",
+    "teacher-kl",
+    "tokens",
+    "parse-failures",
+    "trajectories",
+    "phases",
+    "residency",
+)
 
 #: The ``rollout`` numbers the tokens chart draws (the rollout chart draws the others).
 _TOKEN_SPLIT = ("policy_tokens", "environment_tokens")
-_ROLLOUT_MEAN = re.compile(r"rollout/(.+)/mean")
+_ROLLOUT_MEAN = re.compile(r"trajectories/(.+)/mean")
 _SWITCH_COLOUR = "#222222"
 _PUSH_COLOUR = "#e45756"
 _STALENESS_COLOURS = ("#54a24b", "#f58518", "#e45756")
@@ -66,8 +74,8 @@ def _figures(data: Mapping[str, Any]) -> list[tuple[str, str, int, str]]:
         chart("teacher-kl", "KL to the teacher", [Trace("teacher KL", kl)], "KL")
     tokens, length = _values(series, "tokens"), _values(series, "response_length/mean")
     if tokens is not None:
-        policy = _values(series, "rollout/policy_tokens/total")
-        env = _values(series, "rollout/environment_tokens/total")
+        policy = _values(series, "trajectories/policy_tokens/total")
+        env = _values(series, "trajectories/environment_tokens/total")
         if policy is not None and env is not None and any(env):
             traces = [
                 Trace("policy tokens", policy, "bar"),
@@ -98,13 +106,13 @@ def _figures(data: Mapping[str, Any]) -> list[tuple[str, str, int, str]]:
         for i, name in enumerate(reported):
             colour = COLOURS[i % len(COLOURS)]
             seconds = name.endswith("seconds")
-            traces.append(Trace(f"{name} mean", series[f"rollout/{name}/mean"], colour=colour,
+            traces.append(Trace(f"{name} mean", series[f"trajectories/{name}/mean"], colour=colour,
                                 right=seconds))  # fmt: skip
-            top = series.get(f"rollout/{name}/max")
+            top = series.get(f"trajectories/{name}/max")
             if top is not None:
                 traces.append(Trace(f"{name} max", top, "bar", colour=colour, right=seconds))
         right = any(t.right for t in traces)
-        chart("rollout", "What the rollout reported per sample (mean, max)", traces,
+        chart("trajectories", "What the rollout reported per sample (mean, max)", traces,
               "per sample", y2_title="seconds" if right else None)  # fmt: skip
     if data["phases"]:
         traces = [Trace(phase, secs, "bar") for phase, secs in data["phases"].items()]
