@@ -38,6 +38,7 @@ import attrs
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import interrupted
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
+from relax_core.coordination.retries import Recovery
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
 from relax_core.coordination.timeline import Timeline
@@ -90,12 +91,19 @@ class FailedStep:
     blocked: dict[str, str]
     trainer: str
     interrupted: bool = False
+    #: the run went on past it (``max_failed_steps``; ``skipped``: an empty batch skipped)
+    went_on: bool = False
+    skipped: bool = False
+    #: the step's retries and rebuilds (as a committed step's row has them)
+    retries: dict[str, Any] = attrs.field(factory=dict)
 
     def row(self) -> dict[str, Any]:
-        """The JSON object of the failed step."""
+        """The JSON object of the failed (or skipped) step."""
         return {
             "step": self.step,
-            "failed": True,
+            "failed": not self.skipped,
+            "skipped": self.skipped,
+            "went_on": self.went_on,
             "interrupted": self.interrupted,
             "error": self.error,
             "kind": self.kind,
@@ -103,6 +111,8 @@ class FailedStep:
             "sample_ids": list(self.sample_ids),
             "blocked": self.blocked,
             "trainer": self.trainer,
+            "retries": self.retries.get("retries", {}),
+            "recoveries": self.retries.get("rebuilt", {}),
         }
 
 
@@ -127,6 +137,10 @@ class RunSummary:
     startup_seconds: float = 0.0
     trace: str | None = None
     interrupted_step: int | None = None
+    #: the failed and skipped steps the run went past (their rows were printed)
+    went_past: list[FailedStep] = attrs.field(factory=list)
+    #: what ended the command when it was not a step (an engine that did not start, a bug)
+    error: str | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -151,7 +165,21 @@ class RunSummary:
             "step_seconds": sum(r["seconds"] for r in self.committed),
             "trace": self.trace,
             "switching": self.switching,
+            "failed_steps": [f.step for f in self.went_past if not f.skipped]
+            + ([] if self.failure is None or self.interrupted else [self.failure.step]),
+            "skipped_steps": [f.step for f in self.went_past if f.skipped],
+            "retries": _total(self.committed, self.went_past, "retries"),
+            "recoveries": _total(self.committed, self.went_past, "recoveries"),
+            "error": self.error,
         }
+
+
+def _total(rows: list[dict[str, Any]], failed: list[FailedStep], key: str) -> dict[str, int]:
+    """``key``'s counts (stage or role -> n) summed over the steps' rows."""
+    out: collections.Counter[str] = collections.Counter()
+    for counts in [r.get(key) or {} for r in rows] + [f.row()[key] for f in failed]:
+        out.update(counts)
+    return dict(out)
 
 
 async def _heads(registry: Any) -> list[str]:
@@ -281,8 +309,14 @@ class StepPorts:
     heads: Callable[[str], Awaitable[list[str]]] | None = None
 
 
-def step_row(outcome: StepOutcome, stages: Sequence[Stage], timeline: Any) -> dict[str, Any]:
-    """The committed step's JSON object (the same keys in both modes; ``docs/run.md``)."""
+def step_row(
+    outcome: StepOutcome,
+    stages: Sequence[Stage],
+    timeline: Any,
+    recovery: Recovery | None = None,
+) -> dict[str, Any]:
+    """The committed step's JSON object (the same keys in both modes; ``docs/run.md``);
+    ``recovery``: the run's retries and rebuilds (the row's ``retries``, ``recoveries``)."""
     n, result, trained = outcome.step, outcome.result, outcome.trained
     samples = outcome.batch.originals
     rewards = [float(s.reward or 0.0) for s in samples]
@@ -323,6 +357,9 @@ def step_row(outcome: StepOutcome, stages: Sequence[Stage], timeline: Any) -> di
         "train": dict(trained),
         "async": outcome.metrics,
     }
+    counts = recovery.of(n) if recovery is not None else {}
+    row["retries"] = counts.get("retries", {})
+    row["recoveries"] = counts.get("rebuilt", {})
     return row
 
 
@@ -387,7 +424,7 @@ class _Report:
         batch = outcome.batch
         if self.dump_dir is not None and batch.dropped_samples:
             _dump(self.dump_dir, f"dropped-{outcome.step}.jsonl", batch.dropped_samples)
-        row = step_row(outcome, self.ports.stages, self.timeline)
+        row = step_row(outcome, self.ports.stages, self.timeline, self.ports.clients.recovery)
         self.metrics.committed(row)
         if self.trackers is not None:
             self.trackers.log_metrics(row["step"], step_metrics(row))
@@ -398,8 +435,20 @@ class _Report:
         self.summary.committed.append(row)
         self.printer.step(row)
 
-    async def failed(self, failed: _StepFailure) -> None:
-        """The step that failed or was interrupted, reported (and the run's summary says so)."""
+    def retried(self, batch_id: int, stage: str, error: str) -> None:
+        """A stage's request was sent again: the trace's ``retries`` counter track."""
+        recovery = self.ports.clients.recovery
+        if recovery is not None:
+            self.timeline.counter("retries", dict(recovery.retries[batch_id]))
+
+    async def went_on(self, failed: _StepFailure) -> None:
+        """A failed (or skipped) step the run goes on past, reported."""
+        await self.failed(failed, went_on=True)
+
+    async def failed(self, failed: _StepFailure, *, went_on: bool = False) -> None:
+        """The step that failed or was interrupted, reported (and the run's summary says so);
+        ``went_on``: the run goes on past it (it is in the summary's ``failed_steps`` or
+        ``skipped_steps``)."""
         n, exc = failed.step, failed.error
         stopped = interrupted(exc)
         samples = [*failed.samples, *failed.ahead]
@@ -420,7 +469,8 @@ class _Report:
             text += " (" + "; ".join(notes) + ")"
         if blocked:
             text += "; " + blocked_advice(self.ports.name, blocked)
-        self.summary.failure = FailedStep(
+        recovery = self.ports.clients.recovery
+        step = FailedStep(
             step=n,
             error=text,
             kind="interrupted" if stopped else type(exc).__name__,
@@ -428,9 +478,17 @@ class _Report:
             blocked=blocked,
             trainer=failed.trainer,
             interrupted=stopped,
+            went_on=went_on,
+            skipped=failed.skipped,
+            retries=recovery.of(n) if recovery is not None else {},
         )
-        self.metrics.failed.inc()
-        self.printer.failed(self.summary.failure.row())
+        if went_on:
+            self.summary.went_past.append(step)
+        else:
+            self.summary.failure = step
+        if not step.skipped:
+            self.metrics.failed.inc()
+        self.printer.failed(step.row())
 
 
 async def drive(
@@ -471,6 +529,10 @@ async def drive(
 
         rollout = MeasuredHandle(rollout, probe, gen, step_of)
     summary.weight_versions.append(initial_version)
+    if ports.clients.recovery is None:  # retries counted per step, rebuilds through the lease
+        ports.clients.recovery = Recovery(
+            getattr(coordinator, "recover", None), on_retry=report.retried
+        )
     driver = StepDriver(
         DriverSettings.of(ports.run, steps),
         coordinator=coordinator,
@@ -488,6 +550,7 @@ async def drive(
         finalizer=report.finalizer,
         on_step=report.step,
         on_progress=report.progress,
+        on_failed=report.went_on,
     )
     signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
     async with signals.cancelling():
