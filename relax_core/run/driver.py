@@ -710,8 +710,7 @@ class StepDriver:
             if item is None:
                 return
             if isinstance(item, int):  # a step the run went past: nothing trained, no push
-                self.clock.untrained_step(item)
-                pushed_before = None
+                self.clock.untrained_step(item)  # (the push before it stays the last one)
                 continue
             generated, batch, result = item
             n = generated.step
