@@ -84,28 +84,31 @@ class Recovery:
         if self._on_retry is not None:
             self._on_retry(batch_id, stage, f"{type(error).__name__}: {error}")
 
-    async def recover(self, batch_id: int, role: str | None) -> None:
+    async def recover(self, batch_id: int, role: str | None) -> str | None:
         """Rebuild ``role``'s FAILED replicas (a dead engine is found by a probe first); a
         rebuild already in flight for ``role`` is awaited instead of a second one. What the
-        rebuild could not confirm is not raised: the retry that follows fails on its own."""
+        rebuild could not confirm is returned, not raised: the retry that follows fails on its
+        own (and carries it as a note)."""
         if role is None or self._recover is None:
-            return
+            return None
         fut = self._inflight.get(role)
         if fut is None:
             fut = self._inflight[role] = asyncio.ensure_future(self._recover(role))
             fut.add_done_callback(lambda _: self._inflight.pop(role, None))
             try:
                 result = await asyncio.shield(fut)
-            except Exception:
-                return
+            except Exception as exc:
+                return f"the rebuild of {role!r} raised {type(exc).__name__}: {exc}"
             rebuilt = result.get("rebuilt", ()) if isinstance(result, dict) else ()
             if rebuilt:
                 self.rebuilds[batch_id][role] += len(rebuilt)
-            return
+            failed = result.get("failed", ()) if isinstance(result, dict) else ()
+            return f"the rebuild of {role!r} failed: {'; '.join(failed)}" if failed else None
         try:
             await asyncio.shield(fut)
-        except Exception:
-            return
+        except Exception as exc:
+            return f"the rebuild of {role!r} raised {type(exc).__name__}: {exc}"
+        return None
 
     def of(self, batch_id: int) -> dict[str, Any]:
         """Batch ``batch_id``'s counts: ``retries`` (stage -> requests sent again) and
@@ -129,6 +132,7 @@ async def retrying(
     role's dead replicas rebuilt before each new attempt (``recovery``). The last failure is
     raised."""
     attempt = 0
+    notes: list[str] = []
     while True:
         try:
             return await send()
@@ -136,10 +140,14 @@ async def retrying(
             if attempt >= retries or not retryable(exc):
                 if attempt:
                     exc.add_note(f"sent {attempt + 1} times ({attempt} retries)")
+                for note in dict.fromkeys(notes):
+                    exc.add_note(note)
                 raise
             attempt += 1
             if recovery is not None:
                 recovery.counted(batch_id, stage, exc)
-                await recovery.recover(batch_id, role)
+                why = await recovery.recover(batch_id, role)
+                if why is not None:
+                    notes.append(why)
             pause = getattr(exc, "retry_after", None)
             await asyncio.sleep(min(MAX_PAUSE, pause if pause else 0.1 * attempt))

@@ -328,10 +328,11 @@ class RewardStage:
                 except ScoringError:
                     raise
                 except Exception as exc:
+                    notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))
                     raise ScoringError(
                         spec.name,
                         f"raised for sample {sample.id} (group {sample.group_id}): "
-                        f"{type(exc).__name__}: {exc}",
+                        f"{type(exc).__name__}: {exc}{notes}",
                     ) from exc
             return _outcome(spec.name, sample, value)
 

@@ -30,7 +30,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +38,7 @@ import attrs
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import interrupted
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
+from relax_core.coordination.leases import LeaseEngine
 from relax_core.coordination.retries import Recovery
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
@@ -307,6 +308,9 @@ class StepPorts:
     switching: bool = False
     free: bool = True
     heads: Callable[[str], Awaitable[list[str]]] | None = None
+    #: ``recover(role)``: rebuild the role's dead replicas between a stage's retries (default:
+    #: the coordinator's, which knows the leased roles)
+    recover: Callable[[str], Awaitable[Any]] | None = None
 
 
 def step_row(
@@ -531,7 +535,7 @@ async def drive(
     summary.weight_versions.append(initial_version)
     if ports.clients.recovery is None:  # retries counted per step, rebuilds through the lease
         ports.clients.recovery = Recovery(
-            getattr(coordinator, "recover", None), on_retry=report.retried
+            ports.recover or getattr(coordinator, "recover", None), on_retry=report.retried
         )
     driver = StepDriver(
         DriverSettings.of(ports.run, steps),
@@ -579,6 +583,26 @@ async def drive(
             summary.interrupted_step = driver.generating
     summary.seconds = time.perf_counter() - began
     return summary
+
+
+def role_recovery(
+    coordinator: Any, unleased: Mapping[str, Sequence[Any]], *, timeout: float
+) -> Callable[[str], Awaitable[Any]]:
+    """``recover(role)`` for a run's stages: a leased role through the coordinator (under its
+    slice's lock), a role the coordinator does not lease (on GPUs of its own: a split layout)
+    through a lease engine of its own over its models' handles — the same rule either way
+    (:meth:`~relax_core.coordination.leases.LeaseEngine.recover`)."""
+    engine = LeaseEngine(
+        {role: f"{role}:own" for role in unleased}, unleased, operation_timeout=timeout
+    )
+
+    async def recover(role: str) -> Any:
+        if role in engine.handles:
+            async with engine.lock(role):
+                return await engine.recover(role)
+        return await coordinator.recover(role)
+
+    return recover
 
 
 async def _no_heads(role: str) -> list[str]:
@@ -665,6 +689,15 @@ async def run_loop(
             switching=gen not in job.residency.free,
             free=gen in job.residency.free,
             heads=lambda role: _heads(registries[role]),
+            recover=role_recovery(
+                job.coordinator,
+                {
+                    role: [RayManagerHandle(a, name=f"{role}.{m}") for m, a in actors.items()]
+                    for role, actors in job.actors.items()
+                    if role != gen and role not in job.slices
+                },
+                timeout=run.operation_timeout,
+            ),
         )
         return await drive(
             ports,

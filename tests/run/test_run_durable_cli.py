@@ -43,8 +43,8 @@ def test_kill_9_of_the_genrm_engine_mid_step_2_costs_retries_and_a_rebuild_not_t
     assert code == 0, f"{proc.out}\n{proc.err}"
     assert left == [], left
     steps = [r for r in rows if "reward_mean" in r]
-    assert [r["step"] for r in steps] == [0, 1, 2, 3, 4]
-    assert not any(r.get("failed") for r in rows)
+    failed = [(r["step"], r["error"]) for r in rows if r.get("failed")]
+    assert failed == [] and [r["step"] for r in steps] == [0, 1, 2, 3, 4], (failed, str(proc.err))
     assert summary["summary"] is True and summary["steps_committed"] == 5
     assert summary["failed_steps"] == [] and summary["failed_step"] is None
     step2 = steps[2]
