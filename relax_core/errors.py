@@ -29,7 +29,7 @@ a bundle index, a request field) and, where there is one, what to do about it. T
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -43,6 +43,7 @@ __all__ = [
     "ConfigError",
     "ConfigValidationError",
     "CoordinationError",
+    "EmptyBatchError",
     "EnvironmentStepError",
     "GatewayError",
     "InferenceRecoveryRequired",
@@ -465,6 +466,21 @@ class BatchFailedError(CoordinationError):
 
 def _rebuild_batch_failed(batch_id: int, cause: str, failed_batch: int) -> BatchFailedError:
     return BatchFailedError(batch_id, cause, failed_batch=failed_batch)
+
+
+class EmptyBatchError(CoordinationError):
+    """Every group of batch ``batch_id`` was dropped by its stages (``reasons``: ``"stage:
+    reason"`` -> groups): nothing is committed nor trained; ``[run] on_empty_batch`` says
+    whether the step is skipped or failed."""
+
+    def __init__(self, batch_id: int, reasons: Mapping[str, int]) -> None:
+        self.batch_id = batch_id
+        self.reasons = dict(reasons)
+        why = "; ".join(f"{k} ({v} groups)" for k, v in self.reasons.items()) or "no groups"
+        super().__init__(
+            f"batch {batch_id}: the stages dropped every group ({why}); nothing to commit or "
+            "train on"
+        )
 
 
 class ScoringError(RelaxError):

@@ -476,6 +476,14 @@ class WeightSource:
             )
 
 
+def _retries(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name}={value!r}: give an int >= 0 (how many "
+            "times a failed idempotent request is sent again)"
+        )
+
+
 @attrs.frozen
 class RewardSpec:
     """A reward adapter: turns a response (and its label) into a reward.
@@ -493,6 +501,10 @@ class RewardSpec:
     label it accepts (``None``: every sample).
     ``supports_deferred``: it may score a staged batch in a deferred phase (side-effect free
     apart from its requests); the defer preflight refuses adapters without it.
+    ``retries``: how many times the reward stage may call ``fn`` again for a sample after it
+    failed for a transport reason or a 5xx (``relax_core.coordination.retries.retryable``),
+    the role's dead replicas rebuilt in between; only for an adapter whose call is idempotent
+    (one judge request). A stage's own ``retries`` key overrides it. Default 0.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -506,6 +518,7 @@ class RewardSpec:
         default=False, validator=attrs.validators.instance_of(bool)
     )
     description: str = ""
+    retries: int = attrs.field(default=0, kw_only=True, validator=_retries)
 
     def __attrs_post_init__(self) -> None:
         import inspect
@@ -790,12 +803,12 @@ def _check_options(instance: object, attribute: attrs.Attribute[Any], value: Any
     if value is None:
         return
     bad = [k for k in value if not isinstance(k, str) or not NAME_PATTERN.match(k)]
-    common = {"stage", "name", "role", "models"} & set(value)
+    common = {"stage", "name", "role", "models", "retries"} & set(value)
     if bad or common:
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}: option names are keys of the stage's "
-            f"table (not {sorted(map(str, bad)) or sorted(common)}; stage, name, role and "
-            "models are every stage's own)"
+            f"table (not {sorted(map(str, bad)) or sorted(common)}; stage, name, role, models "
+            "and retries are every stage's own)"
         )
 
 
@@ -812,8 +825,12 @@ class StageSpec:
     ``options``: the keys the table may hold besides ``stage``, ``name``, ``role`` and
     ``models`` (checked by the core, with a did-you-mean hint); ``None``: any, ``build`` checks.
     ``needs_role``: the stage calls a role's engines, so ``role`` is required.
+    ``retries``: the default of a stage's ``retries`` key — how many times one of its requests
+    that failed for a transport reason or a 5xx is sent again (the stage reads
+    ``StageConfig.retries`` and sends through ``StageContext.retrying``); give a number only
+    when the kind's requests are idempotent. Default 0.
 
-    :raises ValueError: a bad name, an option named like a common key.
+    :raises ValueError: a bad name, an option named like a common key, ``retries`` < 0.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -823,6 +840,7 @@ class StageSpec:
     )
     needs_role: bool = attrs.field(default=False, validator=_BOOL)
     description: str = ""
+    retries: int = attrs.field(default=0, kw_only=True, validator=_retries)
 
 
 # -- data sources ------------------------------------------------------------------------------

@@ -14,9 +14,12 @@ from its last checkpoint (``relax_core.run.checkpoint``).
 ``--metrics-port`` serves the driver's Prometheus metrics while the command runs
 (``relax_core.run.metrics``).
 
-Exit status: 0 when every step committed and nothing is left running; 1 when a step failed,
-an engine did not start or the shutdown left something (named on stderr); 2 when the job was
-rejected before anything started; 130 on Ctrl-C (after a clean shutdown).
+Exit status: 0 when the run went through every step (each committed, or failed or skipped
+and gone past: ``[run] max_failed_steps``, ``on_empty_batch``) and nothing is left running; 1
+when a failed step ended the run, an engine did not start, an unexpected error happened (said
+in one line, no traceback) or the shutdown left something (named on stderr); 2 when the job was
+rejected before anything started; 130 on Ctrl-C (after a clean shutdown). With ``--json`` the
+last object is always the summary.
 """
 
 from __future__ import annotations
@@ -325,8 +328,10 @@ def run(args: argparse.Namespace) -> int:
             )
     status = 0
     summary = None
+    error_text: str | None = None
     trackers = None
     left: list[str] = []
+    job = None
     try:
         with ray_session(args.address, config, printer.progress_out) as where:
             printer.say(f"relax run: job {name} on {where}; engine logs in {log_dir}")
@@ -381,6 +386,17 @@ def run(args: argparse.Namespace) -> int:
                 signals.hold()
                 print(f"relax run: {exc}", file=sys.stderr, flush=True)
                 status = 1
+                error_text = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # a bug (of Relax or a plugin): said, never a traceback
+                signals.hold()
+                error_text = f"{type(exc).__name__}: {exc}"
+                print(
+                    f"relax run: unexpected error: {error_text} (a bug in Relax or a plugin: "
+                    "please report it with the job file; everything is shut down now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                status = 1
             finally:
                 signals.hold()
                 error = _close_trackers(trackers, summary)
@@ -394,13 +410,18 @@ def run(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
+    if summary is None:  # the --json stream ends with a summary whatever happened
+        from relax_core.run.loop import RunSummary
+
+        summary = RunSummary(name, settings.steps, error=error_text or "the run did not start")
+        summary.startup_seconds = time.monotonic() - began
     if summary is not None:
         row = summary.row()
         # What was started, for whoever checks that it is gone (the shutdown did).
-        row["engine_pids"] = sorted(job.engine_pids)
-        row["router_pids"] = sorted(job.router_pids)
+        row["engine_pids"] = sorted(job.engine_pids) if job is not None else []
+        row["router_pids"] = sorted(job.router_pids) if job is not None else []
         printer.summary(row)
-        if summary.failure is not None:
+        if summary.failure is not None or summary.error is not None:
             status = status or 1
     if left:
         print(

@@ -41,6 +41,7 @@ otherwise the batch error says "release unconfirmed" and the lease stays BLOCKED
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, Unpack
@@ -66,6 +67,7 @@ from relax_core.coordination.validation import check_samples
 from relax_core.errors import (
     BatchFailedError,
     CoordinationError,
+    EmptyBatchError,
     LifecycleError,
     SinkError,
 )
@@ -350,6 +352,10 @@ class DeferredBatch:
             await _noting(self._release_all(exc), exc, "releasing the roles it used")
             raise
         await self._release_all(None)
+        if not self.originals:  # never committed nor trained: an empty batch has no signal
+            raise EmptyBatchError(
+                n, collections.Counter(f"{d.stage}: {d.reason}" for d in self.dropped)
+            )
         with tl.phase(n, "validate"):
             check_samples(self.staged, self.fields.values())
         with tl.phase(n, "write_back"):

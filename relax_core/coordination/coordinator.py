@@ -142,6 +142,10 @@ class Coordinator(Protocol):
 
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState: ...
 
+    async def recover(self, role: str) -> dict[str, list[str]]: ...
+
+    async def go_on_after(self, batch_id: int) -> None: ...
+
     async def describe(self) -> CoordinatorStatus: ...
 
 
@@ -530,6 +534,43 @@ class LifecycleCoordinator:
                     await asyncio.wait_for(self._condition.wait(), left)
                 except TimeoutError:
                     continue
+
+    # -- recovery mid-run ---------------------------------------------------------------------
+
+    async def recover(self, role: str) -> dict[str, list[str]]:
+        """A stage's request to ``role`` failed mid-run: its replicas probed and the FAILED ones
+        rebuilt through their managers, under the slice's lock (the lease engine's
+        :meth:`~relax_core.coordination.leases.LeaseEngine.recover`: the rule of every switch).
+        ``{"rebuilt": [handle names], "failed": [why a rebuild was not confirmed]}``; nothing
+        for the generation role (it has no handles here) or a BLOCKED one (the operator's).
+
+        :raises CoordinationError: ``role`` is not one of the job's.
+        """
+        self._check_role(role)
+        if role == self.generation_role or self._roles[role] is LeaseState.BLOCKED:
+            return {"rebuilt": [], "failed": []}
+        async with self._engine.lock(role):
+            return await self._engine.recover(role)
+
+    async def go_on_after(self, batch_id: int) -> None:
+        """The run goes on past FAILED batch ``batch_id`` (the driver's ``[run]
+        max_failed_steps``): the run's failure is cleared so that the next batch may begin;
+        the batch stays FAILED (its waiters got ``BatchFailedError``, nothing of it is
+        committed) and a BLOCKED lease stays BLOCKED (nothing is granted its slice).
+        Idempotent.
+
+        :raises CoordinationError: batch ``batch_id`` is not FAILED.
+        """
+        _check_batch_id(batch_id)
+        async with self._condition:
+            batch = self._batches.get(batch_id)
+            if batch is None or batch.state is not _B.FAILED:
+                raise CoordinationError(
+                    f"go_on_after({batch_id}): the batch is not FAILED; only a failed batch is "
+                    "gone past"
+                )
+            if self._failure is not None and self._failure.batch_id == batch_id:
+                self._failure = None
 
     # -- the operator -----------------------------------------------------------------------
 

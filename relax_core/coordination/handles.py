@@ -81,8 +81,9 @@ class ClientHandle:
     (:class:`~relax_core.manager.actor.InProcessManager` or
     :class:`~relax_core.manager.actor.RayManager`): each call is the client's, awaited.
 
-    Besides the contract: ``abort_and_offload``, ``weight_version``, ``failed`` and
-    ``recover`` (the lease engine rebuilds a role's FAILED replicas before its next switch).
+    Besides the contract: ``abort_and_offload``, ``weight_version``, ``failed``,
+    ``check_health`` and ``recover`` (the lease engine rebuilds a role's FAILED replicas before
+    its next switch, and when a stage's request failed mid-run).
     Not idempotent by itself, but the manager's onload/offload are (a repeated call is a
     no-op per replica).
     """
@@ -120,6 +121,11 @@ class ClientHandle:
         """The engine ids of the manager's FAILED replicas."""
         states: dict[str, str] = await self.client.acall("states")
         return [engine for engine, state in states.items() if state == "FAILED"]
+
+    async def check_health(self) -> None:
+        """The manager's ``health_check(recover=False)``: a replica whose engine process
+        exited is FAILED now (its rebuild stays the lease engine's, :meth:`recover`)."""
+        await self.client.acall("health_check", recover=False)
 
     async def recover(self) -> LifecycleResult:
         """The manager's ``recover()``: rebuild the FAILED replicas."""

@@ -177,6 +177,27 @@ class LeaseEngine:
         reasons = await asyncio.gather(*(self._heal(h, role) for h in handles))
         return [f"{h.name}: {why}" for h, why in zip(handles, reasons, strict=True) if why]
 
+    async def recover(self, role: str) -> dict[str, list[str]]:
+        """A request to ``role`` failed mid-run: probe its replicas (a dead engine is FAILED at
+        once: ``check_health()`` on a handle that has it), then rebuild the FAILED ones as a
+        switch does first (:meth:`heal`). The slice's lock held, ``role`` resident. What was
+        rebuilt (handle names) and why any rebuild was not confirmed; never BLOCKS the role:
+        the request retried next fails on its own when the rebuild did not help."""
+        handles = self.handles[role]
+        await asyncio.gather(*(self._probe(h) for h in handles))
+        failed = [h.name for h, f in zip(handles, await _all_failed(handles), strict=True) if f]
+        reasons = await self.heal(role)
+        return {"rebuilt": failed, "failed": reasons}
+
+    async def _probe(self, handle: ManagerHandle) -> None:
+        probe = getattr(handle, "check_health", None)
+        if probe is None:
+            return
+        try:
+            await asyncio.wait_for(probe(), self.operation_timeout)
+        except Exception as exc:  # the rebuild that follows says what is wrong
+            self._on_event(f"health probe of {handle.name} raised {type(exc).__name__}: {exc}")
+
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
@@ -238,6 +259,10 @@ class LeaseEngine:
             why = unconfirmed(task.result(), expected)
             outcome = "confirmed" if why is None else f"unconfirmed: {why}"
         self.late.append(LateReply(role, handle.name, method, outcome, time.time()))
+
+
+async def _all_failed(handles: Sequence[ManagerHandle]) -> list[bool]:
+    return list(await asyncio.gather(*(_failed(h) for h in handles)))
 
 
 async def _failed(handle: ManagerHandle) -> bool:

@@ -187,6 +187,9 @@ class RewardStage:
     :param concurrency: async adapter calls in flight at once.
     :param sync_tasks: remote tasks a sync adapter's samples are split into.
     :param timeout: deadline of one adapter's whole pass, in seconds.
+    :param retries: how many times an async adapter's call for a sample is made again after
+        it failed for a transport reason or a 5xx (``None``: each adapter's own
+        ``RewardSpec.retries``); see :meth:`~relax_core.coordination.StageContext.retrying`.
     :raises ValueError: no adapters, a duplicate key, a weight that is not finite.
     """
 
@@ -204,6 +207,7 @@ class RewardStage:
         concurrency: int = 64,
         sync_tasks: int = 4,
         timeout: float = 600.0,
+        retries: int | None = None,
     ) -> None:
         entries: list[tuple[RewardSpec, float, str]] = []
         for entry in adapters:
@@ -228,6 +232,11 @@ class RewardStage:
         self.concurrency = concurrency
         self.sync_tasks = sync_tasks
         self.timeout = timeout
+        self.retries = retries
+
+    def retries_of(self, spec: RewardSpec) -> int:
+        """How many times ``spec``'s call for a sample may be made again."""
+        return spec.retries if self.retries is None else self.retries
 
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         """Score ``samples`` in place; every adapter runs at once."""
@@ -301,6 +310,7 @@ class RewardStage:
         gate = asyncio.Semaphore(self.concurrency)
 
         model = self.models[0] if len(self.models) == 1 else None
+        retries = self.retries_of(spec)
 
         async def one(sample: Sample) -> RewardResult:
             context = RewardContext(sample, ctx.batch_id, ctx.clients, self.role, model)
@@ -309,14 +319,20 @@ class RewardStage:
                 kwargs["metadata"] = sample.metadata
             async with gate:
                 try:
-                    value = await spec.fn(sample.response, sample.label, **kwargs)
+                    value = await ctx.retrying(
+                        lambda: spec.fn(sample.response, sample.label, **kwargs),
+                        stage=self.name,
+                        role=self.role,
+                        retries=retries,
+                    )
                 except ScoringError:
                     raise
                 except Exception as exc:
+                    notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))
                     raise ScoringError(
                         spec.name,
                         f"raised for sample {sample.id} (group {sample.group_id}): "
-                        f"{type(exc).__name__}: {exc}",
+                        f"{type(exc).__name__}: {exc}{notes}",
                     ) from exc
             return _outcome(spec.name, sample, value)
 

@@ -24,13 +24,14 @@ run another stage with its lease.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 import attrs
 
 from relax_core.client.client import InferenceClient
 from relax_core.client.pool import get_client
+from relax_core.coordination.retries import Recovery, retrying
 from relax_core.coordination.sample import Sample
 from relax_core.errors import CoordinationError
 from relax_core.records import NAME_PATTERN
@@ -96,13 +97,20 @@ class RoleClients:
     :param sources: role -> a discovery source: a base URL serving ``/engines?schema=2`` (a
         role gateway ``http://host:port/teacher`` or a registry), or a snapshot provider
         callable (sync or async) returning a ``RoleSnapshot`` or a schema-2 dict.
+    :param recovery: the run's :class:`~relax_core.coordination.retries.Recovery` (``None``:
+        a stage's retries are neither counted nor preceded by a rebuild).
     :param options: :class:`~relax_core.client.client.InferenceClient` options (``ttl``,
         ``timeout``, …), the same for every role.
     """
 
-    def __init__(self, sources: Mapping[str, Any], **options: Any) -> None:
+    def __init__(
+        self, sources: Mapping[str, Any], *, recovery: Recovery | None = None, **options: Any
+    ) -> None:
         self.sources = dict(sources)
         self.options = options
+        #: the run's retries and rebuilds (:class:`~relax_core.coordination.retries.Recovery`):
+        #: what :meth:`StageContext.retrying` counts in and rebuilds a role's replicas with
+        self.recovery = recovery
 
     def client(self, role: str) -> InferenceClient:
         """The running event loop's client for ``role`` (one per loop, reused).
@@ -247,6 +255,32 @@ class StageContext:
     async def run_stage(self, stage: Stage, samples: Sequence[Sample]) -> StageReport:
         """:meth:`BatchControl.run_stage`."""
         return await self._control("run_stage").run_stage(stage, samples)
+
+    async def retrying(
+        self,
+        send: Callable[[], Awaitable[Any]],
+        *,
+        stage: str,
+        role: str | None,
+        retries: int,
+    ) -> Any:
+        """``send()`` — ONE idempotent request of ``stage`` (a judgement, a prefill; never a
+        generation) —, sent again up to ``retries`` times while it fails for a transport
+        reason or a 5xx (:func:`~relax_core.coordination.retries.retryable`); before each new
+        attempt ``role``'s dead replicas are rebuilt through its manager and the retry is
+        counted for this batch (the step's ``retries``). ``send`` must resolve its target
+        anew when called again (a target chosen before a failure may be the dead replica).
+
+        :raises Exception: the last attempt's failure (with a note of the attempts).
+        """
+        return await retrying(
+            send,
+            batch_id=self.batch_id,
+            stage=stage,
+            role=role,
+            retries=retries,
+            recovery=self.clients.recovery,
+        )
 
 
 def stage_fields(stages: Iterable[Stage]) -> dict[str, SampleField]:

@@ -81,7 +81,11 @@ REWARD_STAGE = "reward"
 DISTILL_STAGE = "distill"
 
 #: Every stage table's own keys; the others are the stage kind's options.
-COMMON_STAGE_KEYS = ("stage", "name", "role", "models")
+COMMON_STAGE_KEYS = ("stage", "name", "role", "models", "retries")
+#: ``on_empty_batch`` values: what a step whose stages dropped every group does — nothing is
+#: committed nor trained either way; ``skip`` goes on with the next step, ``fail`` fails the
+#: step (counted against ``max_failed_steps``).
+EMPTY_BATCH_ACTIONS = ("skip", "fail")
 #: Keys the table no longer has, and where what they did went.
 _MOVED = {
     "eval_dataset": 'evaluation is a stage: [[run.stages]] stage = "eval" with its dataset',
@@ -108,6 +112,8 @@ class StageTable:
     options: Mapping[str, Any] = attrs.field(factory=dict)
     path: str = "run"
     keys: Mapping[str, str] = attrs.field(factory=dict)
+    #: the table's ``retries`` (``None``: the kind's default, ``StageSpec.retries``)
+    retries: int | None = None
 
     def key(self, option: str) -> str:
         """The key path of one of the table's keys (``run.stages[2].top_k``)."""
@@ -180,6 +186,8 @@ class RunConfig:
     stream_concurrency: int = 8
     push_pause: str = "fence"
     push_bucket_bytes: int = PUSH_BUCKET_BYTES
+    max_failed_steps: int = 3
+    on_empty_batch: str = "skip"
     base: str | None = None
 
     def stage(self, name: str) -> StageTable:
@@ -305,6 +313,10 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
         ),
         push_bucket_bytes=v(
             t, p, "push_bucket_bytes", int, PUSH_BUCKET_BYTES, check=ConfigReader.at_least(1)
+        ),
+        max_failed_steps=v(t, p, "max_failed_steps", int, 3, check=ConfigReader.at_least(0)),
+        on_empty_batch=v(
+            t, p, "on_empty_batch", str, "skip", check=ConfigReader.one_of(EMPTY_BATCH_ACTIONS)
         ),
         base=_base(job.source),
     )
@@ -456,6 +468,7 @@ def _stage_tables(r: ConfigReader, raw: object) -> tuple[StageTable, ...]:
         role = r.value(t, where, "role", str, None, check=ConfigReader.non_empty)
         name = r.value(t, where, "name", str, None, check=_stage_name)
         models = r.str_list(t, where, "models")
+        retries = r.value(t, where, "retries", int, None, check=ConfigReader.at_least(0))
         if kind is None:
             continue
         name = name or role or kind
@@ -469,7 +482,7 @@ def _stage_tables(r: ConfigReader, raw: object) -> tuple[StageTable, ...]:
             continue
         names[name] = where
         options = {k: val for k, val in t.items() if k not in COMMON_STAGE_KEYS}
-        out.append(StageTable(kind, name, role, models, options, where))
+        out.append(StageTable(kind, name, role, models, options, where, retries=retries))
     return tuple(out)
 
 

@@ -73,7 +73,7 @@ from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
 from relax_core.coordination.timeline import Timeline
-from relax_core.errors import BatchFailedError
+from relax_core.errors import BatchFailedError, EmptyBatchError
 from relax_core.run.background import BackgroundEvals
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
@@ -128,6 +128,12 @@ class DriverSettings:
     #: the first step to run (``relax run --resume``: the first uncommitted one; the weights
     #: rollout starts with are that step's, version index ``first_step``)
     first_step: int = 0
+    #: failed steps the run goes past (each reported, nothing of it committed); one more ends
+    #: the run (0: the first does)
+    max_failed_steps: int = 0
+    #: a batch whose stages dropped every group: ``skip`` the step (go on, not counted as a
+    #: failure) or ``fail`` it
+    on_empty_batch: str = "fail"
 
     @classmethod
     def of(cls, run: Any, steps: int, first_step: int = 0) -> DriverSettings:
@@ -144,6 +150,8 @@ class DriverSettings:
             stream_scoring=False if sync else run.stream_scoring,
             stream_concurrency=run.stream_concurrency,
             release_timeout=run.operation_timeout,
+            max_failed_steps=getattr(run, "max_failed_steps", 0),
+            on_empty_batch=getattr(run, "on_empty_batch", "fail"),
         )
 
 
@@ -155,6 +163,8 @@ class VersionClock:
         self._index: dict[str | None, int] = {initial: start}
         self.current = start
         self._changed = asyncio.Event()
+        #: the steps that trained nothing (failed or skipped, the run went on past them)
+        self.untrained: set[int] = set()
 
     def index(self, version: str | None) -> int | None:
         """The step index of ``version`` (``None``: not a version the trainer pushed)."""
@@ -170,6 +180,18 @@ class VersionClock:
         self._index[version] = index
         self.current = max(self.current, index)
         self._changed.set()
+
+    def untrained_step(self, index: int) -> None:
+        """Step ``index`` trained nothing (the run went past it): rollout's weights are also
+        those of step ``index + 1``, and no push comes for it."""
+        self.untrained.add(index)
+        self.current = max(self.current, index + 1)
+        self._changed.set()
+
+    def staleness(self, step: int, index: int) -> int:
+        """How many optimizer steps the trainer took between the weights of step ``index``
+        and those it trains batch ``step`` with (steps that trained nothing do not count)."""
+        return step - index - sum(1 for n in self.untrained if index <= n < step)
 
     async def wait_for(self, index: int) -> None:
         """Until rollout serves the weights of step ``index`` or newer."""
@@ -217,6 +239,8 @@ class _StepFailure(Exception):
         self.trainer = trainer
         #: the samples of later steps, generated ahead and never begun at the coordinator
         self.ahead: list[Sample] = []
+        #: the run went on past it: an empty batch skipped (``on_empty_batch = "skip"``)
+        self.skipped = False
 
 
 @attrs.define
@@ -280,6 +304,8 @@ class StepDriver:
     :param background: runs the stages with ``background = true`` beside the steps
         (:mod:`~relax_core.run.background`); settled when the steps end (cancelled on Ctrl-C).
     :raises ConfigError: a background stage where its work would need a lease.
+    :param on_failed: awaited with each failed (or skipped) step the run goes on past
+        (``max_failed_steps``, ``on_empty_batch``); the one that ends the run is raised.
     """
 
     def __init__(
@@ -303,6 +329,7 @@ class StepDriver:
         on_progress: Callable[[int, int], None] | None = None,
         on_trained: Callable[[int], Awaitable[None]] | None = None,
         background: BackgroundEvals | None = None,
+        on_failed: Callable[[_StepFailure], Awaitable[None]] | None = None,
     ) -> None:
         BackgroundEvals.check(stages, switching=switching, deferred_roles=deferred_roles)
         self.background = background or BackgroundEvals()
@@ -321,6 +348,9 @@ class StepDriver:
         self.on_step = on_step
         self.on_progress = on_progress
         self.clock = VersionClock(initial_version, settings.first_step)
+        self.on_failed = on_failed
+        #: the failed steps the run went past (not the skipped ones)
+        self.failed_steps: list[int] = []
         self.switching = switching
         #: switching: step -> whether its batch committed (the next generation's turn)
         self._turn: dict[int, asyncio.Future[bool]] = {}
@@ -341,9 +371,10 @@ class StepDriver:
             else 0
         )
         self._generated: dict[int, asyncio.Future[_Generated]] = {}
-        self._committed: asyncio.Queue[tuple[_Generated, DeferredBatch, BatchResult] | None] = (
-            asyncio.Queue()
-        )
+        #: committed steps for the training lane (a bare step index: one the run went past)
+        self._committed: asyncio.Queue[
+            tuple[_Generated, DeferredBatch, BatchResult] | int | None
+        ] = asyncio.Queue()
         #: the step the commit lane works on (an interruption reports it)
         self.committing = settings.first_step
         #: the step the generation lane works on (rollout's switches are this step's)
@@ -371,7 +402,7 @@ class StepDriver:
                 oldest = index if oldest is None else min(oldest, index)
         if oldest is None:
             return None
-        staleness = step - oldest
+        staleness = self.clock.staleness(step, oldest)
         if staleness > k:
             return (
                 f"stale: generated with the weights of step {oldest}, trained at step {step} "
@@ -480,7 +511,9 @@ class StepDriver:
                     if not fut.done():
                         failed = exc if isinstance(exc, _GenerationFailed) else None
                         fut.set_exception(failed or _GenerationFailed(exc, []))
-                    return
+                    if self.settings.max_failed_steps == 0 or interrupted(exc):
+                        return
+                    continue  # the commit lane decides whether the run goes past it
                 if not fut.done():
                     fut.set_result(generated)
         finally:
@@ -550,6 +583,13 @@ class StepDriver:
                 self.committing = n
                 try:
                     generated, batch, result = await self._commit(n)
+                except _StepFailure as failure:
+                    went_on = await self._go_on(failure)
+                    self._end_turn(n, committed=went_on)
+                    if not went_on:
+                        raise
+                    await self._committed.put(n)  # the training lane: nothing to train
+                    continue
                 except BaseException:
                     self._end_turn(n, committed=False)
                     raise
@@ -559,6 +599,32 @@ class StepDriver:
             for n in self._turn:
                 self._end_turn(n, committed=False)
             self._committed.put_nowait(None)
+
+    async def _go_on(self, failure: _StepFailure) -> bool:
+        """Whether the run goes on past the failed step (nothing of it committed): never after
+        an interruption or with a lease BLOCKED; an empty batch with ``on_empty_batch =
+        "skip"``; else while at most ``max_failed_steps`` steps failed. Going on, the
+        coordinator lets the next batch begin and the step is reported (``on_failed``)."""
+        s = self.settings
+        if interrupted(failure.error):
+            return False
+        skip = isinstance(failure.error, EmptyBatchError) and s.on_empty_batch == "skip"
+        if not skip and len(self.failed_steps) >= s.max_failed_steps:
+            return False
+        try:
+            status = await self.coordinator.describe()
+            if status.blocked:
+                return False
+            await self.coordinator.go_on_after(failure.step)
+        except Exception as exc:
+            failure.error.add_note(f"the run could not go on past step {failure.step}: {exc}")
+            return False
+        failure.skipped = skip
+        if not skip:
+            self.failed_steps.append(failure.step)
+        if self.on_failed is not None:
+            await self.on_failed(failure)
+        return True
 
     def _end_turn(self, n: int, *, committed: bool) -> None:
         turn = self._turn.get(n)
@@ -675,6 +741,9 @@ class StepDriver:
             item = await self._committed.get()
             if item is None:
                 return
+            if isinstance(item, int):  # a step the run went past: nothing trained, no push
+                self.clock.untrained_step(item)  # (the push before it stays the last one)
+                continue
             generated, batch, result = item
             n = generated.step
             try:
@@ -728,8 +797,8 @@ class StepDriver:
             indexes = [self.clock.index(v) for _, v in s.versions]
             known = [i for i in indexes if i is not None]
             if known:
-                histogram[str(n - min(known))] += 1
-                span = max(span, max(known) - min(known))
+                histogram[str(self.clock.staleness(n, min(known)))] += 1
+                span = max(span, self.clock.staleness(max(known), min(known)))
             if len(s.versions) > 1:
                 partial += 1
         stale = [d for d in batch.dropped if d.stage == STALENESS_STAGE]

@@ -33,7 +33,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -41,6 +41,8 @@ import attrs
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import interrupted
 from relax_core.coordination.handles import RayManagerHandle, unconfirmed
+from relax_core.coordination.leases import LeaseEngine
+from relax_core.coordination.retries import Recovery
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
 from relax_core.coordination.timeline import Timeline
@@ -95,12 +97,19 @@ class FailedStep:
     blocked: dict[str, str]
     trainer: str
     interrupted: bool = False
+    #: the run went on past it (``max_failed_steps``; ``skipped``: an empty batch skipped)
+    went_on: bool = False
+    skipped: bool = False
+    #: the step's retries and rebuilds (as a committed step's row has them)
+    retries: dict[str, Any] = attrs.field(factory=dict)
 
     def row(self) -> dict[str, Any]:
-        """The JSON object of the failed step."""
+        """The JSON object of the failed (or skipped) step."""
         return {
             "step": self.step,
-            "failed": True,
+            "failed": not self.skipped,
+            "skipped": self.skipped,
+            "went_on": self.went_on,
             "interrupted": self.interrupted,
             "error": self.error,
             "kind": self.kind,
@@ -108,6 +117,8 @@ class FailedStep:
             "sample_ids": list(self.sample_ids),
             "blocked": self.blocked,
             "trainer": self.trainer,
+            "retries": self.retries.get("retries", {}),
+            "recoveries": self.retries.get("rebuilt", {}),
         }
 
 
@@ -134,6 +145,10 @@ class RunSummary:
     interrupted_step: int | None = None
     first_step: int = 0
     evaluations: EvalCounts = attrs.field(factory=EvalCounts)
+    #: the failed and skipped steps the run went past (their rows were printed)
+    went_past: list[FailedStep] = attrs.field(factory=list)
+    #: what ended the command when it was not a step (an engine that did not start, a bug)
+    error: str | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -160,7 +175,21 @@ class RunSummary:
             "trace": self.trace,
             "switching": self.switching,
             "evaluations": self.evaluations.row(),
+            "failed_steps": [f.step for f in self.went_past if not f.skipped]
+            + ([] if self.failure is None or self.interrupted else [self.failure.step]),
+            "skipped_steps": [f.step for f in self.went_past if f.skipped],
+            "retries": _total(self.committed, self.went_past, "retries"),
+            "recoveries": _total(self.committed, self.went_past, "recoveries"),
+            "error": self.error,
         }
+
+
+def _total(rows: list[dict[str, Any]], failed: list[FailedStep], key: str) -> dict[str, int]:
+    """``key``'s counts (stage or role -> n) summed over the steps' rows."""
+    out: collections.Counter[str] = collections.Counter()
+    for counts in [r.get(key) or {} for r in rows] + [f.row()[key] for f in failed]:
+        out.update(counts)
+    return dict(out)
 
 
 async def _heads(registry: Any) -> list[str]:
@@ -296,10 +325,19 @@ class StepPorts:
     switching: bool = False
     free: bool = True
     heads: Callable[[str], Awaitable[list[str]]] | None = None
+    #: ``recover(role)``: rebuild the role's dead replicas between a stage's retries (default:
+    #: the coordinator's, which knows the leased roles)
+    recover: Callable[[str], Awaitable[Any]] | None = None
 
 
-def step_row(outcome: StepOutcome, stages: Sequence[Stage], timeline: Any) -> dict[str, Any]:
-    """The committed step's JSON object (the same keys in both modes; ``docs/run.md``)."""
+def step_row(
+    outcome: StepOutcome,
+    stages: Sequence[Stage],
+    timeline: Any,
+    recovery: Recovery | None = None,
+) -> dict[str, Any]:
+    """The committed step's JSON object (the same keys in both modes; ``docs/run.md``);
+    ``recovery``: the run's retries and rebuilds (the row's ``retries``, ``recoveries``)."""
     n, result, trained = outcome.step, outcome.result, outcome.trained
     samples = outcome.batch.originals
     rewards = [float(s.reward or 0.0) for s in samples]
@@ -341,6 +379,9 @@ def step_row(outcome: StepOutcome, stages: Sequence[Stage], timeline: Any) -> di
         "async": outcome.metrics,
         "trajectories": rollout_metrics(samples),
     }
+    counts = recovery.of(n) if recovery is not None else {}
+    row["retries"] = counts.get("retries", {})
+    row["recoveries"] = counts.get("rebuilt", {})
     return row
 
 
@@ -405,7 +446,7 @@ class _Report:
         batch = outcome.batch
         if self.dump_dir is not None and batch.dropped_samples:
             _dump(self.dump_dir, f"dropped-{outcome.step}.jsonl", batch.dropped_samples)
-        row = step_row(outcome, self.ports.stages, self.timeline)
+        row = step_row(outcome, self.ports.stages, self.timeline, self.ports.clients.recovery)
         self.metrics.committed(row)
         if self.trackers is not None:
             self.trackers.log_metrics(row["step"], step_metrics(row))
@@ -423,8 +464,20 @@ class _Report:
             self.trackers.log_metrics(result.step, result.metrics())
         self.printer.evaluation(result.row())
 
-    async def failed(self, failed: _StepFailure) -> None:
-        """The step that failed or was interrupted, reported (and the run's summary says so)."""
+    def retried(self, batch_id: int, stage: str, error: str) -> None:
+        """A stage's request was sent again: the trace's ``retries`` counter track."""
+        recovery = self.ports.clients.recovery
+        if recovery is not None:
+            self.timeline.counter("retries", dict(recovery.retries[batch_id]))
+
+    async def went_on(self, failed: _StepFailure) -> None:
+        """A failed (or skipped) step the run goes on past, reported."""
+        await self.failed(failed, went_on=True)
+
+    async def failed(self, failed: _StepFailure, *, went_on: bool = False) -> None:
+        """The step that failed or was interrupted, reported (and the run's summary says so);
+        ``went_on``: the run goes on past it (it is in the summary's ``failed_steps`` or
+        ``skipped_steps``)."""
         n, exc = failed.step, failed.error
         stopped = interrupted(exc)
         samples = [*failed.samples, *failed.ahead]
@@ -445,7 +498,8 @@ class _Report:
             text += " (" + "; ".join(notes) + ")"
         if blocked:
             text += "; " + blocked_advice(self.ports.name, blocked)
-        self.summary.failure = FailedStep(
+        recovery = self.ports.clients.recovery
+        step = FailedStep(
             step=n,
             error=text,
             kind="interrupted" if stopped else type(exc).__name__,
@@ -453,9 +507,17 @@ class _Report:
             blocked=blocked,
             trainer=failed.trainer,
             interrupted=stopped,
+            went_on=went_on,
+            skipped=failed.skipped,
+            retries=recovery.of(n) if recovery is not None else {},
         )
-        self.metrics.failed.inc()
-        self.printer.failed(self.summary.failure.row())
+        if went_on:
+            self.summary.went_past.append(step)
+        else:
+            self.summary.failure = step
+        if not step.skipped:
+            self.metrics.failed.inc()
+        self.printer.failed(step.row())
 
 
 async def drive(
@@ -500,6 +562,10 @@ async def drive(
         rollout = MeasuredHandle(rollout, probe, gen, step_of)
     summary.weight_versions.append(initial_version)
     background = BackgroundEvals(on_result=report.evaluation, deadline=ports.run.request_timeout)
+    if ports.clients.recovery is None:  # retries counted per step, rebuilds through the lease
+        ports.clients.recovery = Recovery(
+            ports.recover or getattr(coordinator, "recover", None), on_retry=report.retried
+        )
     driver = StepDriver(
         DriverSettings.of(ports.run, steps, first_step),
         coordinator=coordinator,
@@ -519,6 +585,7 @@ async def drive(
         on_progress=report.progress,
         on_trained=on_trained,
         background=background,
+        on_failed=report.went_on,
     )
     signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
     async with signals.cancelling():
@@ -549,6 +616,26 @@ async def drive(
             summary.evaluations = background.counts
     summary.seconds = time.perf_counter() - began
     return summary
+
+
+def role_recovery(
+    coordinator: Any, unleased: Mapping[str, Sequence[Any]], *, timeout: float
+) -> Callable[[str], Awaitable[Any]]:
+    """``recover(role)`` for a run's stages: a leased role through the coordinator (under its
+    slice's lock), a role the coordinator does not lease (on GPUs of its own: a split layout)
+    through a lease engine of its own over its models' handles — the same rule either way
+    (:meth:`~relax_core.coordination.leases.LeaseEngine.recover`)."""
+    engine = LeaseEngine(
+        {role: f"{role}:own" for role in unleased}, unleased, operation_timeout=timeout
+    )
+
+    async def recover(role: str) -> Any:
+        if role in engine.handles:
+            async with engine.lock(role):
+                return await engine.recover(role)
+        return await coordinator.recover(role)
+
+    return recover
 
 
 async def _no_heads(role: str) -> list[str]:
@@ -646,6 +733,15 @@ async def run_loop(
             switching=gen not in job.residency.free,
             free=gen in job.residency.free,
             heads=lambda role: _heads(registries[role]),
+            recover=role_recovery(
+                job.coordinator,
+                {
+                    role: [RayManagerHandle(a, name=f"{role}.{m}") for m, a in actors.items()]
+                    for role, actors in job.actors.items()
+                    if role != gen and role not in job.slices
+                },
+                timeout=run.operation_timeout,
+            ),
         )
         checkpoints: Checkpointer | None = None
         if checkpoint_dir is not None:

@@ -294,12 +294,20 @@ class Printer:
         )
 
     def failed(self, row: dict[str, Any]) -> None:
-        """The step that failed or was interrupted (and ended the run)."""
+        """A step that failed, was skipped or was interrupted (``went_on``: the run goes on
+        past it)."""
         self._row(row)
         if row.get("interrupted"):
             text = f"relax run: step {row['step']} {row['error']}; nothing committed for it"
+        elif row.get("skipped"):
+            text = (
+                f"relax run: step {row['step']} skipped, nothing committed or trained for it: "
+                f"{row['error']}; the run goes on (on_empty_batch = 'skip')"
+            )
         else:
             text = f"relax run: step {row['step']} failed, nothing committed for it: {row['error']}"
+            if row.get("went_on"):
+                text += "; the run goes on (max_failed_steps)"
         print(text, file=self.err, flush=True)
 
     def summary(self, row: dict[str, Any]) -> None:

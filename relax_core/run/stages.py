@@ -67,6 +67,15 @@ class StageConfig:
     plugins: PluginLookup
     generation_role: str | None = None
     deferred_roles: tuple[str, ...] = ()
+    #: the kind's default of ``retries`` (:attr:`~relax_core.records.StageSpec.retries`)
+    default_retries: int = 0
+
+    @property
+    def retries(self) -> int:
+        """How many times one of the stage's idempotent requests that failed for a transport
+        reason or a 5xx is sent again (the table's ``retries``, else the kind's default); the
+        stage sends through :meth:`~relax_core.StageContext.retrying` with it."""
+        return self.table.retries if self.table.retries is not None else self.default_retries
 
     @property
     def kind(self) -> str:
@@ -165,7 +174,9 @@ def _build(
         if found:
             problems += found
             continue
-        config = StageConfig(table, run, plugins, generation_role, deferred_roles)
+        config = StageConfig(
+            table, run, plugins, generation_role, deferred_roles, default_retries=spec.retries
+        )
         try:
             stage = spec.build(config)
         except ConfigValidationError as exc:
@@ -349,6 +360,7 @@ def _reward_stage(config: StageConfig, r: ConfigReader, *, name: str) -> RewardS
         models=config.models,
         concurrency=concurrency,
         timeout=config.run.request_timeout,
+        retries=config.table.retries,
     )
 
 

@@ -48,6 +48,7 @@ from relax_core.coordination import (
 )
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.stages import RoleClients
+from relax_core.errors import EmptyBatchError
 from relax_core.manager.results import LifecycleResult
 from relax_core.run.driver import STALENESS_STAGE, DriverSettings, StepDriver, _StepFailure
 
@@ -272,10 +273,17 @@ class DriverMachine(RuleBasedStateMachine):
         self.trainer = Trainer(self.gates, self.coord, self.sink, self.engine)
         self.outcomes: list[Any] = []
         self.faults: dict[str, int] = {}
+        #: the steps whose batch was empty (every group stale and dropped): skipped
+        self.skipped: list[_StepFailure] = []
+
+        async def skipped(failure: _StepFailure) -> None:
+            assert failure.skipped and isinstance(failure.error, EmptyBatchError), failure
+            self.skipped.append(failure)
+
         self.driver = StepDriver(
             DriverSettings(
                 steps=steps, prompts_per_step=groups, max_staleness=k, stale_action=action,
-                stream_scoring=stream,
+                stream_scoring=stream, on_empty_batch="skip",
             ),
             coordinator=self.coord,
             rollout=handle() if self.gpu is None else GpuHandle(self.gpu, "policy"),
@@ -290,6 +298,7 @@ class DriverMachine(RuleBasedStateMachine):
             switching=self.gpu is not None,
             timeline=Timeline(registry=_registry()),
             on_step=self.outcomes.append,
+            on_failed=skipped,
         )  # fmt: skip
         self.task = self.loop.create_task(self.driver.run())
         self._settle()
@@ -352,11 +361,17 @@ class DriverMachine(RuleBasedStateMachine):
     def staleness_bounded(self) -> None:
         if not hasattr(self, "trainer"):
             return
+        skipped = [f.step for f in self.skipped]
+
+        def optimizer_steps(index: int) -> int:
+            # the weights named after step ``index``: steps that trained nothing don't count
+            return index - sum(1 for n in skipped if n < index)
+
         for step, samples, version in self.trainer.trained:
-            assert version == step
+            assert version == optimizer_steps(step)
             for s in samples:
                 oldest = min(int(v) for _, v in s.versions)
-                assert version - oldest <= self.k, (s.id, s.versions, version)
+                assert version - optimizer_steps(oldest) <= self.k, (s.id, s.versions, version)
 
     @invariant()
     def turns_taken(self) -> None:
@@ -410,9 +425,15 @@ class DriverMachine(RuleBasedStateMachine):
             for d in o.result.dropped:
                 assert d.stage == STALENESS_STAGE
         generated = {s.id for s in self.engine.generated}
+        # a skipped step: every group dropped, nothing committed nor trained, all reported
+        skipped = {s.id for f in self.skipped for s in f.samples}
+        for f in self.skipped:
+            assert all(step != f.step for step, _, _ in self.trainer.trained)
+        assert not skipped & set(trained)
+        dropped = {**dropped, **dict.fromkeys(skipped, "skipped")}
         if error is None:
             assert not self.faults
-            assert len(self.trainer.trained) == self.steps
+            assert len(self.trainer.trained) == self.steps - len(self.skipped)
             assert generated == set(trained) | set(dropped)
             assert not set(trained) & set(dropped)
             return
@@ -496,5 +517,8 @@ def test_switching_a_push_waits_for_rollouts_turn() -> None:
     finally:
         m.teardown()
     assert m.task.exception() is None
-    assert [step for step, _, _ in m.trainer.trained] == [0, 1, 2]
+    # every step trained, or skipped for an empty batch (the engine got version 1 only after
+    # step 2's one group was generated: stale, dropped; an empty batch is never trained)
+    trained = [step for step, _, _ in m.trainer.trained]
+    assert sorted(trained + [f.step for f in m.skipped]) == [0, 1, 2] and trained[:2] == [0, 1]
     assert m.gpu.breaches == []

@@ -62,16 +62,20 @@ def _run(
     judge: SimJudge | None = None,
     dump_dir: Path | None = None,
     rollout: SimRollout | None = None,
+    **options: Any,
 ) -> tuple[RunSummary, list[str], Any]:
+    """The simulated job; ``options``: more ``[run]`` settings (by default the first failed
+    step ends the run: ``max_failed_steps = 0``)."""
     coord = coordinator(deferred=("judge",) if defer else ())
     sink = MemoryBatchSink()
     rollout = rollout or SimRollout(TIMES)
-    run = RunConfig(
+    run = RunConfig(  # type: ignore[misc]
         mode=mode,
         prompts_per_step=TIMES.groups,
         samples_per_prompt=TIMES.samples_per_group,
         max_staleness=1,
         operation_timeout=30.0,
+        **{"max_failed_steps": 0, **options},
     )
     ports = StepPorts(
         name=f"one-driver-{mode}",

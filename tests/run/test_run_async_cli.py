@@ -1,7 +1,8 @@
 """``relax run`` with asynchronous steps (``docs/examples/run-async-cpu.toml``: the CPU
 example's three tiny hf models in a split layout, ``mode = "async"``, ``max_staleness = 1``):
 its steps commit with every sample within the staleness bound, and kill -9 of the genrm engine
-mid-run ends it as cleanly as a sync run — nothing committed for the failed step, every sample
+mid-run, its requests sent once (``retries = 0``, ``max_failed_steps = 0``), ends it as cleanly
+as a sync run — nothing committed for the failed step, every sample
 of it reported, nothing left running.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.run.test_run_cli import NO_RETRIES
 from tests.support import run as support
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -25,7 +27,14 @@ def test_async_steps_commit_within_the_staleness_bound_and_kill_9_of_genrm_ends_
     """One run (one start-up, to keep the default session short): steps commit with every
     sample within the bound; then kill -9 of the judge's engine mid-run."""
     job = support.job_file(
-        root, example=support.ASYNC_EXAMPLE, steps=6, operation_timeout=10.0, request_timeout=20.0
+        root,
+        example=support.ASYNC_EXAMPLE,
+        steps=6,
+        operation_timeout=10.0,
+        request_timeout=20.0,
+        # sent once, the first failed step ends the run (what a retry cures:
+        # tests/run/test_run_durable_cli.py)
+        **NO_RETRIES,
     )
     dumps = root / "samples"
     with support.relax_run(job, "--json", "--dump-samples", str(dumps)) as proc:

@@ -122,13 +122,38 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
     assert 0 < switching["share_of_step"] < 1
 
 
+#: The example's stages (its shorthand's) with no retries, and a run that ends at its first
+#: failed step.
+NO_RETRIES: dict[str, Any] = {
+    **dict.fromkeys(("rewards", "reward_role", "teacher_role", "teacher_mode", "top_k")),
+    "stages": [
+        {
+            "stage": "reward",
+            "name": "genrm",
+            "role": "genrm",
+            "retries": 0,
+            "rewards": [
+                {"adapter": "genrm-judge", "weight": 1.0},
+                {"adapter": "exact-match", "weight": 0.5},
+                {"adapter": "digits", "weight": 0.5},
+            ],
+        },
+        {"stage": "distill", "name": "teacher", "role": "teacher", "mode": "top-k",
+         "top_k": 4, "retries": 0},
+    ],
+    "max_failed_steps": 0,
+}  # fmt: skip
+
+
 def _trigger_and_fail(
     root: Path, phase_end: str, fault: Any, *, timeout: float = 300, **run: Any
 ) -> tuple[support.RunProcess, list[dict[str, Any]], dict[str, Any]]:
     """Run two steps; when step 1's ``phase_end`` ends (its ``--json`` progress event),
     ``fault()``; the run must end with exit 1. Returns the run, its committed rows and the
     failed step's row."""
-    job = support.job_file(root, steps=2, **run)
+    # The faults here are ones no retry cures: its requests are sent once and the first
+    # failed step ends the run (retries and recovery: tests/run/test_run_durable_cli.py).
+    job = support.job_file(root, steps=2, **{**NO_RETRIES, **run})
     dumps = root / "samples"
     with support.relax_run(job, "--json", "--dump-samples", str(dumps)) as proc:
         _phase(proc, 1, phase_end, "end", timeout)

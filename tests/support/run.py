@@ -56,7 +56,8 @@ def job_file(
     directory: Path, name: str = "job.toml", *, example: Path = EXAMPLE, **run: Any
 ) -> Path:
     """The example job (``example``: another example of the same models) in ``directory``
-    (its models beside it), its ``[run]`` keys replaced or added from ``run``."""
+    (its models beside it), its ``[run]`` keys replaced or added from ``run`` (``None``:
+    removed)."""
     text = example.read_text()
     head, _, table = text.partition("\n[run]\n")
     keys: dict[str, str] = {}
@@ -68,6 +69,9 @@ def job_file(
         elif current is not None:
             keys[current] += "\n" + line
     for key, value in run.items():
+        if value is None:  # the key removed
+            keys.pop(key, None)
+            continue
         keys[key] = f"{key} = {toml_value(value)}"
     path = directory / name
     path.write_text(head + "\n[run]\n" + "\n".join(keys.values()) + "\n")

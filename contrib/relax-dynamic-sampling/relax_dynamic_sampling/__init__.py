@@ -95,7 +95,9 @@ class DynamicSampling:
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         """Filter the batch, over-sample until it is full, trim it to the batch size.
 
-        :raises ScoringError: still short of groups after ``max_rounds`` rounds.
+        :raises ScoringError: still short of groups after ``max_rounds`` rounds (with none
+            kept it returns instead: the batch is empty, and ``[run] on_empty_batch`` skips
+            or fails the step; an empty batch is never committed).
         """
         target = ctx.target_groups
         scorers = [s for s in ctx.upstream if s.fields]
@@ -105,6 +107,8 @@ class DynamicSampling:
         ctx.drop(dropped, NO_VARIANCE)
         rounds = generated = 0
         while len(kept) < target:
+            if rounds == self.max_rounds and not kept:
+                break  # every group dropped: the step's on_empty_batch decides (skip or fail)
             if rounds == self.max_rounds:
                 raise ScoringError(
                     self.name,

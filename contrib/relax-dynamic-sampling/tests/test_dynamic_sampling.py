@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 from relax_dynamic_sampling import BEYOND, NO_VARIANCE, DynamicSampling
 
-from relax_core import REWARD_FIELDS, PluginManager, Sample, ScoringError, StageReport
+from relax_core import (
+    REWARD_FIELDS,
+    EmptyBatchError,
+    PluginManager,
+    Sample,
+    ScoringError,
+    StageReport,
+)
 from relax_core.testing import run_stages
 
 
@@ -94,6 +101,21 @@ def test_a_batch_still_short_after_max_rounds_fails_saying_what_to_change() -> N
         asyncio.run(
             run_stages(
                 [*group("v0"), *group("f0")],
+                [Varied(), stage],
+                producer=Producer("ff"),
+                target_groups=2,
+            )
+        )
+
+
+def test_a_batch_with_no_group_left_after_max_rounds_is_empty_never_committed() -> None:
+    """Every group flat, still after the rounds: the stage leaves the batch empty and the
+    batch refuses to commit it (the step's ``on_empty_batch`` skips or fails it)."""
+    stage = DynamicSampling("dapo", max_rounds=1)
+    with pytest.raises(EmptyBatchError, match="dropped every group"):
+        asyncio.run(
+            run_stages(
+                [*group("f0"), *group("f1")],
                 [Varied(), stage],
                 producer=Producer("ff"),
                 target_groups=2,

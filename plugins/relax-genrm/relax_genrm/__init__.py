@@ -64,6 +64,9 @@ JUDGE_REWARD = RewardSpec(
     fn=judge_reward,
     mode="async",
     supports_deferred=True,
+    # one judge request, idempotent: one that failed for a transport reason or a 5xx is sent
+    # again (the reward stage's mechanism), the role's dead replicas rebuilt first
+    retries=2,
     description=(
         "Asks the genrm model to judge a response and turns its verdict into a reward (0.0 and "
         "a parse failure when the answer holds none)."

@@ -278,7 +278,9 @@ async def judge_reward(response: str, label: str | None, *, context: RewardConte
     its group as the affinity key. Side-effect free apart from that one request, so a deferred
     stage can run it (``supports_deferred=True``).
 
-    :raises UpstreamError: the judge request failed (it is not retried: no POST is replayed).
+    :raises UpstreamError: the judge request failed (this function sends it once; the reward
+        stage calls it again, up to the adapter's ``retries``, when the failure was a transport
+        one or a 5xx: a judgement is idempotent).
     :raises ValueError: the answer has no message text.
     """
     conversation = trajectory_messages(context.sample)

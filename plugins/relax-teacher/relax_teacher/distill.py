@@ -234,6 +234,9 @@ class DistillationStage:
     :param student: write ``student_logprobs`` instead of teacher fields.
     :param concurrency: prefill requests in flight at once.
     :param timeout: deadline of one prefill request (``None``: the client's).
+    :param retries: how many times a prefill that failed for a transport reason or a 5xx is
+        sent again (a prefill is idempotent), on another replica when there is one, the role's
+        dead replicas rebuilt first (``StageContext.retrying``).
     """
 
     #: each sample is prefilled on its own: the async driver may prefill each group as it
@@ -250,6 +253,7 @@ class DistillationStage:
         student: bool = False,
         concurrency: int = 64,
         timeout: float | None = None,
+        retries: int = 0,
     ) -> None:
         if top_k < 0 or (student and top_k):
             raise ValueError(f"top_k={top_k!r}: >= 0, and 0 for a student stage")
@@ -260,6 +264,7 @@ class DistillationStage:
         self.student = student
         self.concurrency = concurrency
         self.timeout = timeout
+        self.retries = retries
         self.fields: tuple[SampleField, ...]
         if student:
             self.fields = (STUDENT_LOGPROBS,)
@@ -290,16 +295,32 @@ class DistillationStage:
         async def one(sample: Sample) -> None:
             async with gate:
                 try:
-                    target = await target_of(sample)
                     payload = prefill_payload(
                         sample.prompt_ids, sample.response_ids, top_k=self.top_k
                     )
-                    answer = await client.post(
-                        "/generate",
-                        payload,
-                        affinity_key=sample.group_id,
-                        target=target,
-                        timeout=self.timeout,
+                    tried: list[str] = []
+
+                    async def send() -> Any:
+                        if not tried:  # the group's replica first
+                            target = await target_of(sample)
+                        else:  # a retry: another replica when there is one
+                            target = await client.resolve(
+                                model=model,
+                                route_key=sample.route_key,
+                                affinity_key=sample.group_id,
+                                avoid=tried,
+                            )
+                        tried.append(target.url)
+                        return await client.post(
+                            "/generate",
+                            payload,
+                            affinity_key=sample.group_id,
+                            target=target,
+                            timeout=self.timeout,
+                        )
+
+                    answer = await ctx.retrying(
+                        send, stage=self.name, role=self.role, retries=self.retries
                     )
                     result = parse_prefill(answer, len(sample.response_ids))
                 except (RelaxError, ValueError) as exc:
@@ -362,6 +383,7 @@ def build_distill(config: StageConfig) -> DistillationStage:
         top_k=top_k if mode == "top-k" else 0,
         concurrency=concurrency,
         timeout=config.run.request_timeout,
+        retries=config.retries,
     )
 
 
@@ -391,6 +413,7 @@ def build_student(config: StageConfig) -> DistillationStage:
         student=True,
         concurrency=concurrency,
         timeout=config.run.request_timeout,
+        retries=config.retries,
     )
 
 
@@ -400,6 +423,8 @@ DISTILL = StageSpec(
     build=build_distill,
     options=("mode", "top_k", "concurrency"),
     needs_role=True,
+    # a prefill is idempotent: one that failed for a transport reason or a 5xx is sent again
+    retries=2,
     description="Teacher prefill: teacher_logprobs, or its top-k (teacher_topk_ids/_logprobs).",
 )
 #: The policy's own prefill after generation.
@@ -407,6 +432,7 @@ STUDENT = StageSpec(
     name="student",
     build=build_student,
     options=("concurrency",),
+    retries=2,
     description="The policy's own prefill, its weights restored for it: student_logprobs.",
 )
 

@@ -1,0 +1,153 @@
+"""Retries of a stage's idempotent requests, and the rebuild of a role's dead replicas between
+them.
+
+A stage whose requests are idempotent (a judge's verdict, a teacher's prefill: sending one twice
+changes nothing but the second answer) may send one again when it failed for a reason that
+says nothing about the request itself: a transport failure (:class:`~relax_core.errors.
+UpstreamError` of any class: nothing sent, sent and cut, the deadline) or a 5xx answer
+(:func:`retryable`). A 4xx is the request's own fault and is never retried; nor is anything a
+stage raises about an answer it got.
+
+How many times is the stage's (``retries`` in its table; its kind or its reward adapters
+declare the default: the core names no role). :meth:`StageContext.retrying
+<relax_core.coordination.stages.StageContext.retrying>` is what a stage calls around one
+request; between two attempts the run's :class:`Recovery` has the role's replicas probed and the
+FAILED ones rebuilt through the manager — the lease engine's rule, the one every switch of
+``relax run`` and ``relax serve``'s wakes follows (:meth:`~relax_core.coordination.leases.
+LeaseEngine.recover`) — so a request retried after its engine died reaches the rebuilt
+replica (or another one: the client's discovery is refreshed after a failure). Every retry and
+every rebuild is counted per batch and stage (the step's row, the trace).
+
+A generation is never retried here: a generation request that may have run is never sent again
+(a replayed rollout is a duplicated, biased sample); the step driver generates another group in
+its place instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from relax_core.errors import RoutingError, UpstreamError, UpstreamStatusError
+
+__all__ = ["Recovery", "retryable"]
+
+#: The longest pause between two attempts (a 503's ``Retry-After`` is followed up to it).
+MAX_PAUSE = 2.0
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a stage's idempotent request that raised ``exc`` may be sent again: a transport
+    failure or a 5xx answer (:class:`~relax_core.errors.UpstreamError`, a routing 503 while
+    its model is not READY), never a 4xx nor anything else."""
+    if isinstance(exc, UpstreamStatusError):
+        return exc.status >= 500
+    if isinstance(exc, UpstreamError):
+        return True
+    if isinstance(exc, RoutingError):
+        return exc.status >= 500
+    return False
+
+
+class Recovery:
+    """A run's retries and rebuilds: ``recover(role)`` rebuilds ``role``'s dead replicas (the
+    coordinator's :meth:`~relax_core.coordination.coordinator.LifecycleCoordinator.recover`;
+    ``None``: retries only), one call per role at a time (concurrent failures of one role wait
+    for the same rebuild); ``on_retry(batch_id, stage, error)`` hears each retry (the trace).
+
+    ``retries``: batch id -> stage -> requests sent again; ``rebuilds``: batch id -> role ->
+    replicas rebuilt. Not thread-safe: one event loop.
+    """
+
+    def __init__(
+        self,
+        recover: Callable[[str], Awaitable[Any]] | None = None,
+        *,
+        on_retry: Callable[[int, str, str], None] | None = None,
+    ) -> None:
+        self._recover = recover
+        self._on_retry = on_retry
+        self.retries: dict[int, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        self.rebuilds: dict[int, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        #: role -> the rebuild in flight
+        self._inflight: dict[str, asyncio.Future[Any]] = {}
+
+    def counted(self, batch_id: int, stage: str, error: BaseException) -> None:
+        """One request of ``stage`` in batch ``batch_id`` is sent again after ``error``."""
+        self.retries[batch_id][stage] += 1
+        if self._on_retry is not None:
+            self._on_retry(batch_id, stage, f"{type(error).__name__}: {error}")
+
+    async def recover(self, batch_id: int, role: str | None) -> str | None:
+        """Rebuild ``role``'s FAILED replicas (a dead engine is found by a probe first); a
+        rebuild already in flight for ``role`` is awaited instead of a second one. What the
+        rebuild could not confirm is returned, not raised: the retry that follows fails on its
+        own (and carries it as a note)."""
+        if role is None or self._recover is None:
+            return None
+        fut = self._inflight.get(role)
+        if fut is None:
+            fut = self._inflight[role] = asyncio.ensure_future(self._recover(role))
+            fut.add_done_callback(lambda _: self._inflight.pop(role, None))
+            try:
+                result = await asyncio.shield(fut)
+            except Exception as exc:
+                return f"the rebuild of {role!r} raised {type(exc).__name__}: {exc}"
+            rebuilt = result.get("rebuilt", ()) if isinstance(result, dict) else ()
+            if rebuilt:
+                self.rebuilds[batch_id][role] += len(rebuilt)
+            failed = result.get("failed", ()) if isinstance(result, dict) else ()
+            return f"the rebuild of {role!r} failed: {'; '.join(failed)}" if failed else None
+        try:
+            await asyncio.shield(fut)
+        except Exception as exc:
+            return f"the rebuild of {role!r} raised {type(exc).__name__}: {exc}"
+        return None
+
+    def of(self, batch_id: int) -> dict[str, Any]:
+        """Batch ``batch_id``'s counts: ``retries`` (stage -> requests sent again) and
+        ``rebuilt`` (role -> replicas rebuilt)."""
+        return {
+            "retries": dict(self.retries.get(batch_id, {})),
+            "rebuilt": dict(self.rebuilds.get(batch_id, {})),
+        }
+
+
+async def retrying(
+    send: Callable[[], Awaitable[Any]],
+    *,
+    batch_id: int,
+    stage: str,
+    role: str | None,
+    retries: int,
+    recovery: Recovery | None,
+) -> Any:
+    """``send()``, sent again up to ``retries`` times while it fails :func:`retryable`; the
+    role's dead replicas rebuilt before each new attempt (``recovery``). The last failure is
+    raised."""
+    attempt = 0
+    notes: list[str] = []
+    while True:
+        try:
+            return await send()
+        except Exception as exc:
+            if attempt >= retries or not retryable(exc):
+                if attempt:
+                    exc.add_note(f"sent {attempt + 1} times ({attempt} retries)")
+                for note in dict.fromkeys(notes):
+                    exc.add_note(note)
+                raise
+            attempt += 1
+            if recovery is not None:
+                recovery.counted(batch_id, stage, exc)
+                why = await recovery.recover(batch_id, role)
+                if why is not None:
+                    notes.append(why)
+            pause = getattr(exc, "retry_after", None)
+            await asyncio.sleep(min(MAX_PAUSE, pause if pause else 0.1 * attempt))
