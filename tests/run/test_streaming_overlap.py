@@ -76,6 +76,7 @@ def _drive(*, stream: bool, wait_s: float) -> tuple[RunSummary, WaitingRollout]:
         max_staleness=1,
         stream_scoring=stream,
         stream_concurrency=TIMES.groups,
+        max_failed_steps=0,  # the control case ends at its first failed step
         operation_timeout=30.0,
     )
     ports = StepPorts(
