@@ -51,8 +51,8 @@ def _local_distributions() -> list[str]:
 
 def _install_project(session: nox.Session, *extras: str) -> None:
     session.install(TORCH)
-    # `relax run --report` and `relax report` are the relax-report plugin's (plotly), one of
-    # the distributions below.
+    # `relax run --report` and `relax report` are the relax-report plugin's, one of the
+    # distributions below.
     spec = f".[{','.join(extras)}]" if extras else "."
     args = ["-e", spec]
     for dist in _local_distributions():
@@ -69,7 +69,24 @@ def tests(session: nox.Session) -> None:
     # Plugin distributions kept under tests/, found through real entry-point discovery: a
     # reward adapter and policy, and a fourth role (prm) added with no core change.
     session.install("-e", "tests/plugins/relax-testplugin", "-e", "tests/plugins/relax-prm")
-    session.run("pytest", *(session.posargs or ["-q"]))
+    session.run("pytest", *(session.posargs or DEFAULT_SESSION))
+
+
+#: The default session: every test but the slow end-to-end runs (marked ``e2e``: ``nox -s e2e``),
+#: on two workers, one module per worker at a time (a module's shared Ray and engines start once).
+DEFAULT_SESSION = ("-q", "-m", "not e2e", "-n", "2", "--dist", "loadfile", "--durations=30")
+
+
+@nox.session(python=PYTHON)
+def e2e(session: nox.Session) -> None:
+    """The slow end-to-end runs (not part of ``tests``; each names the faster test of the
+    default session that covers its contract): a SIGSTOPped engine during an offload, a run
+    over two Ray nodes, Ctrl-C while genrm judges, the coordinator's state machine on a real
+    clock, co-resident judges."""
+    _install_project(session, "test")
+    _install_sglang_sources(session)
+    session.install("-e", "tests/plugins/relax-testplugin", "-e", "tests/plugins/relax-prm")
+    session.run("pytest", *(session.posargs or ("-q", "-m", "e2e")))
 
 
 #: relax-hf's constrained decoding (its ``grammar`` extra) and the SGLang release whose protocol

@@ -19,6 +19,7 @@ a bundle index, a request field) and, where there is one, what to do about it. T
     ├── StreamStalledError (also a TimeoutError; seconds, started, setting)
     ├── GatewayError (status, field, retry_after, request_id)
     ├── CapabilityError
+    ├── CheckpointError (run_dir)
     ├── TrackerError (tracker, call)
     └── LifecycleError
         ├── InferenceRecoveryRequired (result, report)
@@ -38,6 +39,7 @@ __all__ = [
     "BatchFailedError",
     "CapabilityError",
     "ChannelError",
+    "CheckpointError",
     "ConfigError",
     "ConfigValidationError",
     "CoordinationError",
@@ -528,3 +530,14 @@ class TrackerError(RelaxError):
         self.call = call
         self.message = message
         super().__init__(f"tracker {tracker!r} failed in {call}: {message}")
+
+
+class CheckpointError(RelaxError):
+    """A run's checkpoint cannot be written or resumed from (``run_dir``: the run's directory):
+    none there, one that cannot be read, a job that differs from the checkpointed one in what a
+    resume keeps. The message says what, where and what to do."""
+
+    def __init__(self, run_dir: str, message: str) -> None:
+        self.run_dir = run_dir
+        self.message = message
+        super().__init__(f"{run_dir}: {message}")

@@ -936,11 +936,13 @@ class EnvironmentSpec:
     the trajectory's id, the tool timeout). The environment implements
     :class:`~relax_core.Environment`: ``reset(prompt) -> Reset`` (the first messages, from a
     dataset row) and ``await step(turn) -> Observation`` (the policy's turn in; messages to
-    append, an optional reward for the turn, ``done``). ``check(options) ->
-    list[ConfigProblem]``: the options' problems, found before anything starts (``None``:
-    ``make`` raises itself). ``options``: the keys ``[run.generation.env]`` may hold; ``None``:
-    any. ``needs(options) -> Mapping[str, str]``: the engine features (:data:`ENGINE_FEATURES`)
-    the environment needs with these options, each with the option that asks for it
+    append, an optional reward for the turn, ``done``). ``check(config) ->
+    list[ConfigProblem]``: the problems of ``config.options`` (an ``EnvironmentConfig`` of the
+    ``[run.generation.env]`` table, its key path ``config.path``, trajectory id ``"-"``), each
+    at its key path, found before anything starts (``None``: ``make`` raises itself).
+    ``options``: the keys ``[run.generation.env]`` may hold; ``None``: any.
+    ``needs(options) -> Mapping[str, str]``: the engine features (:data:`ENGINE_FEATURES`) the
+    environment needs with these options, each with the option that asks for it
     (``{"constrained_decoding": "guided_first_turn"}``; ``""``: the table as a whole); the
     ``multi-turn`` shape reports them as its own needs, so a backend that cannot provide one is
     refused before anything starts. ``None``: none.

@@ -9,7 +9,8 @@ Loaded automatically as a pytest plugin (entry point ``pytest11``). Fixtures:
 
 Helpers: :func:`free_port`, :func:`serve_app` (a real uvicorn server on a free loopback port),
 :func:`wait_for`, and :func:`run_stages` (a stage plugin's stages on a real deferred batch, with
-in-process managers).
+in-process managers). The helpers import without pytest (the pip route installs none); the
+fixtures are defined only where pytest is installed.
 """
 
 from __future__ import annotations
@@ -20,20 +21,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import pytest
-
 from relax_core.net import free_port, keep_local_ray_on_loopback
 from relax_core.plugins import PluginManager
 
-__all__ = [
-    "core_plugin_manager",
-    "free_port",
-    "plugin_manager",
-    "ray_local",
-    "run_stages",
-    "serve_app",
-    "wait_for",
-]
+try:
+    import pytest
+except ModuleNotFoundError as exc:  # the helpers work without it; the fixtures need it
+    if exc.name != "pytest":
+        raise
+    pytest = None  # type: ignore[assignment]
+
+__all__ = ["free_port", "run_stages", "serve_app", "wait_for"]
 
 
 def wait_for(
@@ -76,38 +74,40 @@ def serve_app(
         thread.join(timeout=timeout)
 
 
-@pytest.fixture
-def plugin_manager() -> PluginManager:
-    """A fresh plugin manager with built-ins and installed entry points."""
-    return PluginManager.create()
+if pytest is not None:
+    __all__ += ["core_plugin_manager", "plugin_manager", "ray_local"]
 
+    @pytest.fixture
+    def plugin_manager() -> PluginManager:
+        """A fresh plugin manager with built-ins and installed entry points."""
+        return PluginManager.create()
 
-@pytest.fixture
-def core_plugin_manager() -> PluginManager:
-    """A fresh plugin manager with the core's built-ins only (no entry points)."""
-    return PluginManager.create(entry_points=False)
+    @pytest.fixture
+    def core_plugin_manager() -> PluginManager:
+        """A fresh plugin manager with the core's built-ins only (no entry points)."""
+        return PluginManager.create(entry_points=False)
 
+    @pytest.fixture(scope="session")
+    def ray_local() -> Iterator[Any]:
+        """One local Ray per test session, 8 fake GPUs declared; shut down at session end."""
+        keep_local_ray_on_loopback()
+        import ray
 
-@pytest.fixture(scope="session")
-def ray_local() -> Iterator[Any]:
-    """One local Ray per test session, 8 fake GPUs declared; shut down at session end."""
-    keep_local_ray_on_loopback()
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(
-            # A new local Ray: a bare init would attach to any cluster another process started.
-            address="local",
-            num_cpus=8,
-            num_gpus=8,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+        if not ray.is_initialized():
+            ray.init(
+                # A new local Ray: a bare init would attach to any cluster another process
+                # started.
+                address="local",
+                num_cpus=8,
+                num_gpus=8,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 # -- stages ----------------------------------------------------------------------------------

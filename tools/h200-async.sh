@@ -19,12 +19,12 @@ source tools/h200-setup.sh
 # Three logical GPUs, one physical: Ray must not hide the GPU from bundles 1 and 2.
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
 JOB=${JOB:-docs/examples/run-h200-async.toml}
-# Both jobs sit beside $JOB (its model paths are relative to the job file); [run] is its last
-# table, so the async keys are appended to it.
+# Both jobs sit beside $JOB (its model paths are relative to the job file); the async keys go
+# right under its [run] header (tables such as [[run.stages]] may follow it).
 dir=$(dirname "$JOB")
 trap 'rm -f "$dir/relax-bench-sync.toml" "$dir/relax-bench-async.toml"' EXIT
 sed '/^mode = "async"$/d; /^max_staleness = /d' "$JOB" >"$dir/relax-bench-sync.toml"
-{ cat "$dir/relax-bench-sync.toml"; printf 'mode = "async"\nmax_staleness = 1\n'; } \
+sed '/^\[run\]$/a mode = "async"\nmax_staleness = 1' "$dir/relax-bench-sync.toml" \
   >"$dir/relax-bench-async.toml"
 status=0
 for mode in ${MODES:-sync async}; do

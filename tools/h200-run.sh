@@ -31,7 +31,7 @@ if [ $status -ne 0 ] && grep -q "weight push" "$OUT/h200.log"; then
 fi
 grep -v '^  · ' "$OUT/h200.log" | tail -n 40
 python3 - "$OUT/h200.jsonl" <<'EOF'
-import json, sys
+import json, sys, time
 from relax_core.run.progress import Printer
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
 printer = Printer(tty=False)
@@ -40,7 +40,10 @@ for row in rows:
         printer.step(row)
 if rows and rows[-1].get("summary"):
     summary = rows[-1]
-    printer.summary(summary)
+    # The printer counts the wall time from when it began: begin it as long ago as the run's
+    # own wall time, so the replayed line says the run's seconds (not this script's, ~0).
+    wall = summary.get("wall_seconds") or 0.0
+    Printer(tty=False, began=time.monotonic() - wall).summary(summary)
     s = summary.get("switching") or {}
     print(json.dumps({k: s.get(k) for k in ("switch_seconds", "step_seconds", "share_of_step",
                                             "all_within_limit", "min_freed_fraction")}))

@@ -30,7 +30,7 @@ restricted sampling.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -102,13 +102,18 @@ class Observation:
     """What the environment answers a turn: ``messages`` to append (tool results as ``tool``
     messages, the user's next words…), the turn's ``reward`` (``None``: none),
     ``done`` (the trajectory ends; ``messages`` are then not appended), ``tool_calls`` (how
-    many tool calls the turn made, for the step's counts), ``guide`` for the next turn and
-    free-form ``info`` (kept in the trajectory's record)."""
+    many tool calls the turn made), ``tool_errors`` (how many of them failed: a
+    :class:`~relax_core.agent.ToolResult` with ``error``) and ``tool_timeouts`` (how many of
+    those ran out of time) — summed per trajectory and reported in the step's ``rollout``
+    object —, ``guide`` for the next turn and free-form ``info`` (kept in the trajectory's
+    record)."""
 
     messages: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_messages)
     reward: float | None = None
     done: bool = False
     tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
     guide: Mapping[str, Any] | None = attrs.field(default=None, converter=_guide)
     info: Mapping[str, Any] = attrs.field(factory=dict)
 
@@ -136,8 +141,3 @@ class Environment(Protocol):
     def step(self, turn: Turn) -> Any:
         """The :class:`Observation` of the policy's ``turn`` (or an awaitable of it)."""
         ...
-
-
-def as_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Plain dict copies of ``messages`` (JSON for the trajectory's record)."""
-    return [dict(m) for m in messages]

@@ -8,7 +8,9 @@ engines phase by phase, the trainer, the coordinator and the batch sink: see
 With trackers (``[run] trackers``, ``--tracker``) or ``--report`` the run keeps its records in a
 run directory (``--run-dir``, default ``relax-runs/<job>``): the trackers' files, the trace
 (``trace.json`` unless ``--trace`` names another file) and, with ``--report``, ``report.html``
-(``relax report``), written by the ``jsonl`` tracker as it closes (its ``report`` option).
+(``relax report``), written by the ``jsonl`` tracker as it closes (its ``report`` option),
+and its checkpoints (``[run] checkpoint_every``); ``--resume RUN_DIR`` continues such a run
+from its last checkpoint (``relax_core.run.checkpoint``).
 ``--metrics-port`` serves the driver's Prometheus metrics while the command runs
 (``relax_core.run.metrics``).
 
@@ -41,7 +43,12 @@ HELP = "Run RL steps: generate, score deferred, commit, train, push weights (Ctr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="the job's TOML file, with a [run] table")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        help="the job's TOML file, with a [run] table (with --resume: the checkpointed run's, "
+        "by default)",
+    )
     parser.add_argument("--steps", type=int, help="steps to run (default: [run] steps, or 3)")
     parser.add_argument(
         "--json",
@@ -87,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where the run keeps its records: the trackers' files, the trace, the report "
         "(default with a tracker or --report: relax-runs/<job>); must be new or empty",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run whose directory is RUN_DIR from its last checkpoint (its first "
+        "untrained step; its job file unless CONFIG names it; the same directory)",
     )
     parser.add_argument(
         "--report",
@@ -147,6 +160,60 @@ def _close_trackers(trackers: Any, summary: Any) -> str | None:
     return None
 
 
+def _trainer_checkpoints(settings: Any, pm: PluginManager) -> bool:
+    """Whether the run's trainer has ``save`` and ``load``."""
+    from relax_core.run.trainer import load_trainer_class, trainer_checkpoints
+
+    try:
+        return trainer_checkpoints(load_trainer_class(settings.trainer, pm))
+    except RelaxError:
+        return False  # run_problems said why
+
+
+def _resume_problems(
+    resume: Any, settings: Any, config: Any, pm: PluginManager, args: argparse.Namespace
+) -> list[str]:
+    """Why the run in ``args.resume`` cannot go on with this job, one message each."""
+    from relax_core.run.checkpoint import job_settings, settings_problems
+
+    out: list[str] = []
+    if resume.step >= settings.steps:
+        out.append(
+            f"--resume: the run in {args.resume} trained all {resume.step} of its steps; give "
+            f"--steps N (N > {resume.step}) to run more of them"
+        )
+    if settings.checkpoint_every <= 0:
+        out.append(
+            "run.checkpoint_every: a resumed run keeps checkpoints in its directory; set it "
+            "to 1 or more"
+        )
+    if not _trainer_checkpoints(settings, pm):
+        out.append(
+            f"run.trainer: the trainer {settings.trainer} has no load, so its state cannot be "
+            "resumed (docs/plugins.md#a-trainer-plugin)"
+        )
+    generation = _generation_model(config, pm)
+    if generation is not None:
+        now = job_settings(settings, generation_model=generation[0], model_path=generation[1])
+        out += [
+            f"--resume: {p}"
+            for p in settings_problems(resume, now, run_dir=args.resume, job_file=str(args.config))
+        ]
+    return out
+
+
+def _generation_model(config: Any, pm: PluginManager) -> tuple[str, str] | None:
+    """The generation model's name and directory, as :class:`~relax_core.run.job.RunJob`
+    finds it (``None``: the job has none; ``run_problems`` says so)."""
+    from relax_core.run.job import generation_role
+
+    gen = generation_role(config, pm)
+    if gen is None or not config.role(gen).models:
+        return None
+    model = config.role(gen).models[0]
+    return model.name, model.model_path
+
+
 def run(args: argparse.Namespace) -> int:
     began = time.monotonic()  # the summary's wall time counts from here
     import attrs
@@ -158,6 +225,36 @@ def run(args: argparse.Namespace) -> int:
     from relax_core.run.progress import Printer
 
     pm = PluginManager.create()
+    resume = None
+    if args.resume is not None:
+        from relax_core.errors import CheckpointError
+        from relax_core.run.checkpoint import read_checkpoint
+
+        if args.run_dir is not None and os.path.abspath(args.run_dir) != os.path.abspath(
+            args.resume
+        ):
+            return reject(
+                "run",
+                [f"--run-dir: a resumed run keeps its directory ({args.resume}); drop --run-dir"],
+            )
+        try:
+            resume = read_checkpoint(args.resume)
+        except CheckpointError as exc:
+            return reject("run", [f"--resume: {exc}"])
+        if args.config is None:
+            args.config = resume.job_file
+            if args.config is None or not os.path.exists(args.config):
+                return reject(
+                    "run",
+                    [
+                        f"--resume: the checkpointed run's job file {resume.job_file} is gone; "
+                        "give the job file: relax run JOB.toml --resume "
+                        f"{args.resume}"
+                    ],
+                )
+        args.job = args.job or resume.job or None
+    if args.config is None:
+        return reject("run", ["CONFIG: give the job's TOML file (or --resume RUN_DIR)"])
     try:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
         config = resolve_model_paths(loaded)
@@ -172,16 +269,22 @@ def run(args: argparse.Namespace) -> int:
     found = job_preflight(loaded, pm, address=args.address)
     problems = run_problems(config, settings, pm) + [str(p) for p in found.problems]
     name = args.job or f"run-{os.getpid()}"
-    run_dir = args.run_dir
+    run_dir = args.resume if args.resume is not None else args.run_dir
     if run_dir is None and settings.trackers:
         run_dir = os.path.join("relax-runs", name)
-    if run_dir is not None and os.path.isdir(run_dir) and os.listdir(run_dir):
+    checkpoint_dir = None
+    if run_dir is not None and settings.checkpoint_every > 0:
+        checkpoint_dir = run_dir
+    if resume is not None:
+        problems += _resume_problems(resume, settings, config, pm, args)
+    elif run_dir is not None and os.path.isdir(run_dir) and os.listdir(run_dir):
         # Appending a second run to one run.jsonl mixed both in its report.
         held = sorted(os.listdir(run_dir))
         listed = ", ".join(held[:4]) + (", …" if len(held) > 4 else "")
         problems.append(
             f"--run-dir: {run_dir} already holds a run's records ({listed}); give a new "
-            "--run-dir (or --job name), or remove that directory"
+            "--run-dir (or --job name), remove that directory, or continue that run with "
+            f"--resume {run_dir}"
         )
     if problems:
         return reject("run", problems)
@@ -193,7 +296,15 @@ def run(args: argparse.Namespace) -> int:
     trace = args.trace
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
-        trace = trace or os.path.join(run_dir, "trace.json")
+        # A resumed run keeps the trace of the run it continues.
+        trace_name = "trace.json" if resume is None else f"trace-from-{resume.step}.json"
+        trace = trace or os.path.join(run_dir, trace_name)
+    if checkpoint_dir is not None and not _trainer_checkpoints(settings, pm):
+        printer.say(
+            f"relax run: no checkpoints: the trainer {settings.trainer} has no save/load "
+            "(docs/plugins.md#a-trainer-plugin)"
+        )
+        checkpoint_dir = None
     # Engine logs live with the run's records; a run without a run directory logs to a temp
     # directory that is removed when the run ends well and kept (and named) when it does not.
     temp_logs = args.log_dir is None and run_dir is None
@@ -242,9 +353,12 @@ def run(args: argparse.Namespace) -> int:
                     trackers = Trackers.open(
                         settings.trackers, pm, run_dir=run_dir, job=name, say=printer.say,
                         strict=settings.strict_trackers,
+                        resume_step=None if resume is None else resume.step,
+                        resume_ids=None if resume is None else resume.trackers,
                     )  # fmt: skip
+                first = "" if resume is None else f" from step {resume.step}"
                 printer.say(
-                    f"relax run: {settings.steps} step(s) of {settings.prompts_per_step} "
+                    f"relax run: {settings.steps} step(s){first} of {settings.prompts_per_step} "
                     f"prompts x {settings.samples_per_prompt} samples; Ctrl-C stops"
                 )
                 summary = asyncio.run(
@@ -256,6 +370,8 @@ def run(args: argparse.Namespace) -> int:
                         dump_dir=args.dump_samples,
                         measure=args.measure,
                         trackers=trackers,
+                        checkpoint_dir=checkpoint_dir,
+                        resume=resume,
                     )
                 )
                 if summary.interrupted:  # the loop stopped its step in flight cleanly

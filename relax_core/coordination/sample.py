@@ -49,9 +49,11 @@ class Sample:
     reads both the same way.
 
     ``metadata`` is free-form; ``metadata["route_key"]`` picks the model of a role that routes by
-    key (a teacher per data source). ``fields`` holds what the step's stages wrote, by field
-    name (``fields["reward"]``, ``fields["teacher_logprobs"]``, …); :attr:`reward` and
-    :attr:`rewards` read the reward stage's two.
+    key (a teacher per data source); ``metadata["rollout_metrics"]`` holds the numbers a
+    rollout reports per sample (name -> number), which the step's JSON object aggregates under
+    ``rollout`` (:func:`~relax_core.tracking.rollout_metrics`). ``fields`` holds what the
+    step's stages wrote, by field name (``fields["reward"]``, ``fields["teacher_logprobs"]``,
+    …); :attr:`reward` and :attr:`rewards` read the reward stage's two.
     """
 
     id: str

@@ -13,7 +13,7 @@ Readers use :meth:`RemotePublisher.snapshot` or, as an
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from relax_core._proxy import remote_errors
@@ -50,6 +50,15 @@ class RegistryActor:
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         self._publisher.remove_engine(model_id, engine_id)
+
+    def publish_many(
+        self,
+        model_id: str,
+        model: dict[str, Any],
+        engines: list[tuple[str, dict[str, Any]]],
+        removed: list[str],
+    ) -> dict[str, int]:
+        return self._publisher.publish_many(model_id, model, engines, removed)
 
     def invalidate(self, model_ids: list[str] | None = None) -> None:
         self._publisher.invalidate(model_ids)
@@ -103,6 +112,43 @@ class RemotePublisher:
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         """See :meth:`RegistryPublisher.remove_engine`."""
         self._call("remove_engine", model_id, engine_id)
+
+    def publish_many(
+        self,
+        model_id: str,
+        model: dict[str, Any],
+        engines: Collection[tuple[str, dict[str, Any]]] = (),
+        removed: Collection[str] = (),
+    ) -> dict[str, int]:
+        """See :meth:`RegistryPublisher.publish_many`: one round trip to the registry."""
+        generations: dict[str, int] = self._call(
+            "publish_many", model_id, model, list(engines), list(removed)
+        )
+        return generations
+
+    def publish_many_begin(
+        self,
+        model_id: str,
+        model: dict[str, Any],
+        engines: Collection[tuple[str, dict[str, Any]]] = (),
+        removed: Collection[str] = (),
+    ) -> Callable[[], dict[str, int]]:
+        """:meth:`publish_many` sent now, its answer awaited when the returned function is
+        called (and its error raised there): a manager overlaps a publication with its engine
+        calls. The registry applies its calls in the order a caller sent them."""
+        import ray
+
+        ref = self.actor.publish_many.remote(model_id, model, list(engines), list(removed))
+
+        def wait() -> dict[str, int]:
+            def error(why: str) -> SnapshotError:
+                return SnapshotError("", f"role {self.role!r} registry: publish_many: {why}")
+
+            with remote_errors(error, actor="its registry actor", timeout=self.timeout):
+                generations: dict[str, int] = ray.get(ref, timeout=self.timeout)
+                return generations
+
+        return wait
 
     def invalidate(self, model_ids: Collection[str] | None = None) -> None:
         """See :meth:`RegistryPublisher.invalidate`."""

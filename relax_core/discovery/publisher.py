@@ -309,6 +309,27 @@ class RegistryPublisher:
                 model_id, engine_id, base_url, state, direct_eligible, generation, weight_version
             )
 
+    def publish_many(
+        self,
+        model_id: str,
+        model: dict[str, Any],
+        engines: Collection[tuple[str, dict[str, Any]]] = (),
+        removed: Collection[str] = (),
+    ) -> dict[str, int]:
+        """:meth:`set_model` (``model``: its fields), then :meth:`set_engine` for each
+        ``(engine_id, fields)`` of ``engines`` and :meth:`remove_engine` for each of
+        ``removed``, under one lock: what a manager publishes after a change, in one call (one
+        round trip where the registry lives in an actor). Returns each engine's generation.
+
+        :raises KeyError, SnapshotError: as the calls it makes (those before it stay applied).
+        """
+        with self._lock:
+            self.set_model(model_id, **model)
+            generations = {e: self.set_engine(model_id, e, **fields) for e, fields in engines}
+            for engine_id in removed:
+                self.remove_engine(model_id, engine_id)
+            return generations
+
     def set_engine_state(
         self,
         model_id: str,

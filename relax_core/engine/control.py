@@ -83,11 +83,32 @@ class ControlClient:
     between tasks of one loop.
     """
 
+    #: Whether the engine's ``release_memory_occupation`` of ``kv_cache`` flushes its cache
+    #: itself and refuses (changing nothing) while requests run, so an offload needs no
+    #: ``flush_cache`` call before it (one engine round trip less per switch). ``False`` here:
+    #: an engine is sent ``flush_cache`` first (SGLang's scheduler asserts it is idle at a
+    #: release); a backend whose engine does both builds its clients with ``True``.
+    release_flushes: bool = False
+    #: Whether the engine's ``resume_memory_occupation`` takes Relax's ``check_generation``
+    #: (one greedy token once resumed, as ``/health_generate``), so an onload that reopens is
+    #: one engine round trip. ``False`` here (SGLang's refuses fields it does not know).
+    resume_checks: bool = False
+
     def __init__(
-        self, base_url: str, *, timeout: float = 30.0, session: aiohttp.ClientSession | None = None
+        self,
+        base_url: str,
+        *,
+        timeout: float = 30.0,
+        session: aiohttp.ClientSession | None = None,
+        release_flushes: bool | None = None,
+        resume_checks: bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
+        if release_flushes is not None:
+            self.release_flushes = bool(release_flushes)
+        if resume_checks is not None:
+            self.resume_checks = bool(resume_checks)
         self._session = session
         self._client: Http1Client | None = None
 
@@ -265,10 +286,21 @@ class ControlClient:
         return await self.operate("release_memory_occupation", body, timeout=timeout)
 
     async def resume_memory(
-        self, tags: Iterable[str] | None = None, *, timeout: float | None = None
+        self,
+        tags: Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,
+        check_generation: bool = False,
     ) -> dict[str, Any]:
-        """``POST /resume_memory_occupation``: bring ``tags`` (``None`` = all) back."""
-        body = {"tags": self._tags(tags)}
+        """``POST /resume_memory_occupation``: bring ``tags`` (``None`` = all) back.
+
+        ``check_generation`` (an engine with :attr:`resume_checks` only): the engine then
+        generates one token, as ``/health_generate``, before it answers; a failed check is
+        refused (:class:`~relax_core.errors.LifecycleError`, the tags stay resumed).
+        """
+        body: dict[str, Any] = {"tags": self._tags(tags)}
+        if check_generation:
+            body["check_generation"] = True
         return await self.operate("resume_memory_occupation", body, timeout=timeout)
 
     async def pause_generation(

@@ -59,8 +59,9 @@ CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
 #: The header that carries the per-start token.
 TOKEN_HEADER = "X-Relax-Control-Token"
 
-# Idle keep-alive seconds: the client's must stay well below the endpoint's.
-_CLIENT_KEEPALIVE = 10.0
+# Idle keep-alive seconds: the client's must stay well below the endpoint's. A minute: the
+# connection a switch used is still open at the next step's (tens of seconds later on a GPU).
+_CLIENT_KEEPALIVE = 60.0
 _SERVER_KEEPALIVE = 120.0
 
 K = TypeVar("K", bound=Hashable)

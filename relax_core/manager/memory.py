@@ -8,6 +8,7 @@ the replica heads through :class:`~.heads.HeadCalls` (the private control channe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -21,6 +22,8 @@ from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
 from relax_core.manager.state import Replica, ReplicaState, plan_offload, plan_onload
 
 __all__ = ["Memory"]
+
+log = logging.getLogger(__name__)
 
 _S = ReplicaState
 
@@ -120,7 +123,10 @@ class Memory:
             todo[slot.replica.index] = plan
         if not todo:
             return results
-        self.publication.publish()
+        # The states just begun (DRAINING, ONLOADING) travel to the registry while the heads
+        # work: admission closes at each head's own door first thing, so nothing is routed to
+        # a draining head meanwhile; the publication after the calls waits for this one.
+        published = self.publication.publish_begin()
         outs = self.heads.call(method, {i: kwargs(plan) for i, plan in todo.items()}, timeout)
         for i, plan in todo.items():
             slot, out = self.slots.at(i), outs[i]
@@ -133,6 +139,10 @@ class Memory:
                 # FAILED now (it was DRAINING or ONLOADING).
                 error = slot.fail(slot.head, out, method)
                 results[slot.engine_id] = slot.result(Outcome.FAILED, tags=plan.tags, error=error)
+        try:
+            published()
+        except Exception as exc:  # the publication below sends the whole view again (or raises)
+            log.warning("%s: publishing before the %s failed: %s", self.slots.model_id, method, exc)
         self.publication.publish()
         return results
 

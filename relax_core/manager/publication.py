@@ -8,7 +8,7 @@ state among its replicas (READY if any replica is READY).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import attrs
@@ -117,6 +117,66 @@ class Publication:
     def publish(self) -> None:
         """Tell the router (if any) the heads to route to, then publish the model and its
         replica heads (nothing without a publisher)."""
+        self.publish_begin()()
+
+    def publish_begin(self) -> Callable[[], None]:
+        """:meth:`publish`, its answer awaited (and its error raised) when the returned
+        function is called: a publisher with ``publish_many_begin`` (a registry in an actor)
+        gets the whole publication in one call sent now, so the manager's engine calls run
+        while it travels; any other publisher has it applied before this returns.
+
+        The router is told at once either way (before anything stops a head, after a head
+        became routable: see :meth:`_sync_router`)."""
+        self._sync_router()
+        if self.publisher is None:
+            return _done
+        model_id = self.slots.model_id
+        view = self.view()
+        engines = []
+        published = {}
+        for slot in self.slots.ordered():
+            rep = slot.replica
+            if rep.base_url is None:
+                continue
+            last = self._published.get(rep.engine_id)
+            fields = {
+                "base_url": rep.base_url,
+                "state": str(rep.state),
+                "direct_eligible": rep.direct_eligible,
+                "replaced": last is not None and last != rep.generation,
+                "weight_version": self._head_version(rep.weight_version),
+            }
+            engines.append((rep.engine_id, fields))
+            published[rep.engine_id] = rep.generation
+        removed = sorted(set(self._published) - set(published))
+        publisher = self.publisher
+
+        def applied() -> None:
+            # Only once the registry has them (a failed publication is sent whole again).
+            self._published = published
+
+        begin = getattr(publisher, "publish_many_begin", None)
+        if begin is not None:
+            answer = begin(model_id, _model_fields(view), engines, removed)
+
+            def wait() -> None:
+                answer()
+                applied()
+
+            return wait
+        many = getattr(publisher, "publish_many", None)
+        if many is not None:
+            many(model_id, _model_fields(view), engines, removed)
+        else:
+            publish_model(publisher, model_id, view)
+            for engine_id, fields in engines:
+                publisher.set_engine(model_id, engine_id, **fields)
+            for gone in removed:
+                publisher.remove_engine(model_id, gone)
+        applied()
+        return _done
+
+    def _sync_router(self) -> None:
         if self.router is not None:
             # Before the publisher: a head is routable through the router before it is
             # published READY, and out of it before anything stops it.
@@ -129,36 +189,18 @@ class Publication:
                     and not s.retiring
                 }
             )
-        if self.publisher is None:
-            return
-        model_id = self.slots.model_id
-        view = self.view()
-        publisher = self.publisher
-        publish_model(publisher, model_id, view)
-        current = set()
-        for slot in self.slots.ordered():
-            rep = slot.replica
-            if rep.base_url is None:
-                continue
-            current.add(rep.engine_id)
-            last = self._published.get(rep.engine_id)
-            publisher.set_engine(
-                model_id,
-                rep.engine_id,
-                base_url=rep.base_url,
-                state=str(rep.state),
-                direct_eligible=rep.direct_eligible,
-                replaced=last is not None and last != rep.generation,
-                weight_version=self._head_version(rep.weight_version),
-            )
-            self._published[rep.engine_id] = rep.generation
-        for gone in set(self._published) - current:
-            publisher.remove_engine(model_id, gone)
-            del self._published[gone]
+
+
+def _done() -> None:
+    return None
+
+
+def _model_fields(view: ModelView) -> dict[str, Any]:
+    """The model-level fields of ``view`` (its engines are published one by one)."""
+    return attrs.asdict(view, recurse=False, filter=lambda a, _v: a.name != "engines")
 
 
 def publish_model(publisher: Any, model_id: str, view: ModelView) -> None:
     """Publish the model-level fields of ``view`` as model ``model_id`` (its engines are kept;
     callers publish them one by one). Errors are the publisher's ``set_model``'s."""
-    fields = attrs.asdict(view, recurse=False, filter=lambda a, _v: a.name != "engines")
-    publisher.set_model(model_id, **fields)
+    publisher.set_model(model_id, **_model_fields(view))

@@ -351,6 +351,14 @@ class EngineWorker:
     async def _release(self, tags: Sequence[str], *, timeout: float) -> None:
         control, _ = self._head()
         if ResidentTag.KV_CACHE in tags:
+            if getattr(control, "release_flushes", False):
+                # One round trip: the engine flushes as it releases, and refuses (changing
+                # nothing) while a request still runs; only then wait for it as below.
+                try:
+                    await control.release_memory(ordered(tags), timeout=timeout)
+                    return
+                except LifecycleError:
+                    pass
             await control.flush_cache(wait=timeout, timeout=timeout)
         await control.release_memory(ordered(tags), timeout=timeout)
 
@@ -363,10 +371,19 @@ class EngineWorker:
         start = time.monotonic()
         async with self._lock, asyncio.timeout(2 * timeout):
             control, admission = self._head()
-            # One call: the engine resumes them in order (weights first), as SGLang does.
-            await control.resume_memory(ordered(tags), timeout=timeout)
+            # One call: the engine resumes them in order (weights first), as SGLang does; one
+            # with resume_checks also checks the generation in it (no second round trip).
+            check = reopen and getattr(control, "resume_checks", False)
+            if check:
+                answer = await control.resume_memory(
+                    ordered(tags), timeout=timeout, check_generation=True
+                )
+                check = bool(answer.get("generation_checked"))
+            else:
+                await control.resume_memory(ordered(tags), timeout=timeout)
             if reopen:
-                await control.health_generate(timeout=timeout)
+                if not check:
+                    await control.health_generate(timeout=timeout)
                 admission.open()
         return time.monotonic() - start
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from relax_core.records import TrainerSpec
 
 __all__ = [
+    "CHECKPOINT_EVERY",
     "DISTILL_STAGE",
     "PUSH_BUCKET_BYTES",
     "PUSH_FORMATS",
@@ -55,6 +56,9 @@ TEACHER_MODES = ("sampled", "top-k")
 #: torch.distributed broadcast from the trainer (rank 0) to every replica (gloo on CPU, NCCL on
 #: CUDA). Each pushes the weights in buckets of ``push_bucket_bytes``.
 PUSH_FORMATS = ("safetensors", "ipc", "distributed")
+#: ``checkpoint_every``'s default: a checkpoint of the run every this many committed steps
+#: (and after the last), in the run's directory (``relax run --resume``; 0: none).
+CHECKPOINT_EVERY = 10
 #: ``push_bucket_bytes``' default: the size of one bucket of a weight push (512 MiB).
 PUSH_BUCKET_BYTES = 512 << 20
 #: ``mode`` values: each step's phases one after the other, or generation of the next steps
@@ -150,7 +154,9 @@ class RunConfig:
     ``push_pause``: how a push meets rollout's requests in flight (:data:`PUSH_PAUSES`;
     ``in_place`` by default in async mode, the fence otherwise). ``push_bucket_bytes``: the
     size of one bucket of a push (one flat buffer, one engine call; a larger tensor gets a
-    bucket of its own), :data:`PUSH_BUCKET_BYTES` by default.
+    bucket of its own), :data:`PUSH_BUCKET_BYTES` by default. ``checkpoint_every``: a
+    checkpoint every this many committed steps and after the last, where the run has a
+    directory (:mod:`~relax_core.run.checkpoint`; 0: none).
     """
 
     steps: int = 3
@@ -172,6 +178,7 @@ class RunConfig:
     trackers: tuple[TrackerEntry, ...] = ()
     tracker_samples: int = 4
     strict_trackers: bool = False
+    checkpoint_every: int = CHECKPOINT_EVERY
     mode: str = "sync"
     max_staleness: int = 1
     stale_action: str = "regenerate"
@@ -286,6 +293,9 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
         trackers=tracker_entries(r, t.get("trackers", []), f"{p}.trackers"),
         tracker_samples=v(t, p, "tracker_samples", int, 4, check=ConfigReader.at_least(0)),
         strict_trackers=v(t, p, "strict_trackers", bool, False),
+        checkpoint_every=v(
+            t, p, "checkpoint_every", int, CHECKPOINT_EVERY, check=ConfigReader.at_least(0)
+        ),
         mode=v(t, p, "mode", str, "sync", check=ConfigReader.one_of(RUN_MODES)),
         max_staleness=v(t, p, "max_staleness", int, 1, check=ConfigReader.at_least(0)),
         stale_action=v(

@@ -130,14 +130,19 @@ class DriverSettings:
     #: a batch whose stages dropped every group: ``skip`` the step (go on, not counted as a
     #: failure) or ``fail`` it
     on_empty_batch: str = "fail"
+    #: the first step to run (``relax run --resume``: the first uncommitted one; the weights
+    #: rollout starts with are that step's, version index ``first_step``)
+    first_step: int = 0
 
     @classmethod
-    def of(cls, run: Any, steps: int) -> DriverSettings:
-        """The settings of ``run`` (a :class:`~relax_core.run.config.RunConfig`) for ``steps``
-        steps: ``mode = "sync"`` is ``max_staleness = 0`` without streaming scoring."""
+    def of(cls, run: Any, steps: int, first_step: int = 0) -> DriverSettings:
+        """The settings of ``run`` (a :class:`~relax_core.run.config.RunConfig`) for steps
+        ``first_step`` to ``steps - 1``: ``mode = "sync"`` is ``max_staleness = 0`` without
+        streaming scoring."""
         sync = run.mode != "async"
         return cls(
             steps=steps,
+            first_step=first_step,
             prompts_per_step=run.prompts_per_step,
             max_staleness=0 if sync else run.max_staleness,
             stale_action=run.stale_action,
@@ -153,9 +158,9 @@ class VersionClock:
     """Weight versions as step indexes: the version rollout started with is 0, the one pushed
     after batch ``N`` trained is ``N+1``; generation waits here for the version it needs."""
 
-    def __init__(self, initial: str | None) -> None:
-        self._index: dict[str | None, int] = {initial: 0}
-        self.current = 0
+    def __init__(self, initial: str | None, start: int = 0) -> None:
+        self._index: dict[str | None, int] = {initial: start}
+        self.current = start
         self._changed = asyncio.Event()
         #: the steps that trained nothing (failed or skipped, the run went on past them)
         self.untrained: set[int] = set()
@@ -292,6 +297,8 @@ class StepDriver:
         ``push``).
     :param finalizer: the batch finalizer (``--dump-samples``).
     :param on_step: called with each :class:`StepOutcome` as soon as the step trained.
+    :param on_trained: awaited with the step's index after ``on_step``, before the push of its
+        weights and the next ``train`` (the trainer is idle: a checkpoint).
     :param on_progress: ``on_progress(step, groups_done)`` as groups complete.
     :param on_failed: awaited with each failed (or skipped) step the run goes on past
         (``max_failed_steps``, ``on_empty_batch``); the one that ends the run is raised.
@@ -317,8 +324,10 @@ class StepDriver:
         on_step: Callable[[StepOutcome], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         on_failed: Callable[[_StepFailure], Awaitable[None]] | None = None,
+        on_trained: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
+        self.on_trained = on_trained
         self.coordinator = coordinator
         self.rollout = rollout
         self.stages = tuple(stages)
@@ -334,7 +343,7 @@ class StepDriver:
         self.on_failed = on_failed
         #: the failed steps the run went past (not the skipped ones)
         self.failed_steps: list[int] = []
-        self.clock = VersionClock(initial_version)
+        self.clock = VersionClock(initial_version, settings.first_step)
         self.switching = switching
         #: switching: step -> whether its batch committed (the next generation's turn)
         self._turn: dict[int, asyncio.Future[bool]] = {}
@@ -360,9 +369,9 @@ class StepDriver:
             tuple[_Generated, DeferredBatch, BatchResult] | int | None
         ] = asyncio.Queue()
         #: the step the commit lane works on (an interruption reports it)
-        self.committing = 0
+        self.committing = settings.first_step
         #: the step the generation lane works on (rollout's switches are this step's)
-        self.generating = 0
+        self.generating = settings.first_step
         self._began = time.perf_counter()
         self._last_end = self._began
         self._last_end_us = time.time_ns() // 1000
@@ -402,10 +411,10 @@ class StepDriver:
         :raises _StepFailure: a step failed or was interrupted (after every step before it
             that committed was trained).
         """
-        steps = self.settings.steps
+        first, steps = self.settings.first_step, self.settings.steps
         loop = asyncio.get_running_loop()
-        self._generated = {n: loop.create_future() for n in range(steps)}
-        self._turn = {n: loop.create_future() for n in range(steps)}
+        self._generated = {n: loop.create_future() for n in range(first, steps)}
+        self._turn = {n: loop.create_future() for n in range(first, steps)}
         self._awake.set()  # rollout starts awake (the deferred roles were put to sleep)
         self._began = time.perf_counter()
         self._last_end = self._began
@@ -466,7 +475,7 @@ class StepDriver:
     async def _generation_lane(self) -> None:
         k = self.settings.max_staleness
         try:
-            for m in range(self.settings.steps):
+            for m in range(self.settings.first_step, self.settings.steps):
                 fut = self._generated[m]
                 self.generating = m
                 try:
@@ -494,11 +503,12 @@ class StepDriver:
         """Switching: once step ``m-1`` committed, open batch ``m`` (rollout's lease) and, from
         step 1 on, onload rollout (it slept through the deferred stages). ``False``: step
         ``m-1`` failed and the run ends there."""
-        if m > 0 and not await self._turn[m - 1]:
+        first = self.settings.first_step
+        if m > first and not await self._turn[m - 1]:
             return False
         await self.coordinator.begin_batch(m)
         self._opened.add(m)
-        if m > 0:
+        if m > first:
             await onload_generation(
                 self.rollout,
                 self.generation_role,
@@ -549,7 +559,7 @@ class StepDriver:
 
     async def _commit_lane(self) -> None:
         try:
-            for n in range(self.settings.steps):
+            for n in range(self.settings.first_step, self.settings.steps):
                 self.committing = n
                 try:
                     generated, batch, result = await self._commit(n)
@@ -739,6 +749,8 @@ class StepDriver:
             tl.counter("stale groups", outcome.metrics["stale"])
             if self.on_step is not None:
                 self.on_step(outcome)
+            if self.on_trained is not None:
+                await self.on_trained(n)
             if n + 1 < self.settings.steps:
                 self.clock.expect(str(n + 1), n + 1)
                 try:

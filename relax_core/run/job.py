@@ -30,7 +30,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -340,18 +341,29 @@ class RunJob:
         )
         placements = runtime.bind(self.config)
         sources = sorted(self.pm.registered("weight_sources"))
-        for role in self.config.roles:
-            self.registries[role.name] = start_registry_actor(
-                role.name,
-                routing_spec(role),
-                name=f"relax-registry-{self.name}-{role.name}",
-                namespace=NAMESPACE,
-                weight_sources=sources,
-            )
-        timeouts = _timeouts(self.run)
-        for role in self.config.roles:
-            for model in role.models:
-                actor = start_model_actor(
+        # Each actor is a new worker process: started side by side, their starts overlap
+        # (one after the other they were most of this line's seconds).
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="placing") as pool:
+            registries = {
+                role.name: pool.submit(
+                    start_registry_actor,
+                    role.name,
+                    routing_spec(role),
+                    name=f"relax-registry-{self.name}-{role.name}",
+                    namespace=NAMESPACE,
+                    weight_sources=sources,
+                )
+                for role in self.config.roles
+            }
+            wait(list(registries.values()))
+            for name, started in registries.items():
+                if started.exception() is None:
+                    self.registries[name] = started.result()
+            _raise_first(registries.values())
+            timeouts = _timeouts(self.run)
+            managers = {
+                (role.name, model.name): pool.submit(
+                    start_model_actor,
                     model,
                     self.pm,
                     job=self.name,
@@ -360,17 +372,28 @@ class RunJob:
                     timeouts=timeouts,
                     log_dir=self.log_dir,
                 )
-                self.actors.setdefault(role.name, {})[model.name] = actor
-                # A manager busy with a lifecycle call finishes it before its shutdown: its
-                # deadline follows operation_timeout, so the wait is bounded.
-                runtime.add(
-                    RayModel(
-                        role.name,
-                        model.name,
-                        actor,
-                        shutdown_timeout=2 * self.run.operation_timeout + 60.0,
-                    )
+                for role in self.config.roles
+                for model in role.models
+            }
+            # Every start is waited for before one's error is raised: whatever did start is
+            # recorded for the teardown.
+            wait(list(managers.values()))
+        for (role_name, model_name), started in managers.items():
+            if started.exception() is not None:
+                continue
+            actor = started.result()
+            self.actors.setdefault(role_name, {})[model_name] = actor
+            # A manager busy with a lifecycle call finishes it before its shutdown: its
+            # deadline follows operation_timeout, so the wait is bounded.
+            runtime.add(
+                RayModel(
+                    role_name,
+                    model_name,
+                    actor,
+                    shutdown_timeout=2 * self.run.operation_timeout + 60.0,
                 )
+            )
+        _raise_first(managers.values())
         self._start_coordination()
         trainer_error: list[BaseException] = []
         builder = threading.Thread(
@@ -487,3 +510,11 @@ class RunJob:
         self.trainer = self.coordinator = self.sink = None
         self.actors, self.registries = {}, {}
         return self.runtime.teardown(say, first=first, then=then)
+
+
+def _raise_first(started: Iterable[Future[Any]]) -> None:
+    """Raise the error of the first start that failed (all of them have ended)."""
+    for future in started:
+        error = future.exception()
+        if error is not None:
+            raise error

@@ -18,7 +18,10 @@ calls) and reports what it does, the same way in both modes:
   coordinator, the role it was using released with its requests in flight aborted (not
   drained), and the summary says ``interrupted``; later signals are held meanwhile;
 - after the last step rollout is onloaded once more and takes the last weights (the run ends
-  with the trained policy served).
+  with the trained policy served);
+- checkpoints (:mod:`~relax_core.run.checkpoint`) once a step trained, and a resumed run: the
+  trainer's state loaded and its weights pushed to rollout before the first generation, the
+  prompt source replayed to the checkpoint's position, the steps from the checkpoint's on.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from relax_core.coordination.stages import RoleClients, Stage
 from relax_core.coordination.timeline import Timeline
 from relax_core.errors import LifecycleError
 from relax_core.jobs.session import ShutdownSignals
+from relax_core.run.checkpoint import Checkpoint, Checkpointer, Cursor, CursorProducer, job_settings
 from relax_core.run.data import open_source
 from relax_core.run.driver import (
     DriverSettings,
@@ -52,13 +56,13 @@ from relax_core.run.driver import (
     StepProducerLike,
     _StepFailure,
 )
-from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
+from relax_core.run.generate import Generator, PromptTokenizer
 from relax_core.run.job import RunJob
 from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
 from relax_core.run.metrics import RunMetrics
 from relax_core.run.progress import PhaseEvent, Printer, Progress
 from relax_core.tracking.hub import Trackers
-from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
+from relax_core.tracking.metrics import reward_by_key, rollout_metrics, sample_rows, step_metrics
 from relax_core.tracking.tracker import PhaseSpan
 
 __all__ = [
@@ -141,6 +145,7 @@ class RunSummary:
     went_past: list[FailedStep] = attrs.field(factory=list)
     #: what ended the command when it was not a step (an engine that did not start, a bug)
     error: str | None = None
+    first_step: int = 0
 
     @property
     def interrupted(self) -> bool:
@@ -154,6 +159,7 @@ class RunSummary:
             "job": self.job,
             "steps": self.steps,
             "steps_committed": len(self.committed),
+            "first_step": self.first_step,
             "failed_step": None if self.failure is None else self.failure.step,
             "interrupted": self.interrupted,
             "interrupted_step": self.interrupted_step,
@@ -283,6 +289,14 @@ class TrainerCalls:
         result: dict[int, dict[str, float]] = await self.actor.measure_copy.remote(list(sizes))
         return result
 
+    async def save(self, directory: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.actor.save.remote(directory)
+        return result
+
+    async def load(self, directory: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.actor.load.remote(directory)
+        return result
+
 
 @attrs.define
 class StepPorts:
@@ -356,6 +370,7 @@ def step_row(
         "pushed_before": outcome.pushed_before,
         "train": dict(trained),
         "async": outcome.metrics,
+        "rollout": rollout_metrics(samples),
     }
     counts = recovery.of(n) if recovery is not None else {}
     row["retries"] = counts.get("retries", {})
@@ -502,12 +517,15 @@ async def drive(
     measure: bool = False,
     trackers: Trackers | None = None,
     residency: dict[str, Any] | None = None,
+    first_step: int = 0,
+    on_trained: Callable[[int], Awaitable[None]] | None = None,
 ) -> RunSummary:
-    """Run ``steps`` steps through the :class:`~relax_core.run.driver.StepDriver` on
-    ``ports``; the summary (a failed step ends the run and is in ``summary.failure``; every
-    committed step was printed as it committed). See :func:`run_loop`."""
+    """Run steps ``first_step`` to ``steps - 1`` through the
+    :class:`~relax_core.run.driver.StepDriver` on ``ports``; the summary (a failed step ends
+    the run and is in ``summary.failure``; every committed step was printed as it committed).
+    ``on_trained(n)``: awaited once step ``n`` trained (a checkpoint). See :func:`run_loop`."""
     began = time.perf_counter()
-    summary = RunSummary(ports.name, steps, trace=trace)
+    summary = RunSummary(ports.name, steps, trace=trace, first_step=first_step)
     summary.startup_seconds = time.monotonic() - printer.began
     report = _Report(ports, printer, summary, trace=trace, dump_dir=dump_dir, trackers=trackers)
     if residency is not None:
@@ -534,7 +552,7 @@ async def drive(
             getattr(coordinator, "recover", None), on_retry=report.retried
         )
     driver = StepDriver(
-        DriverSettings.of(ports.run, steps),
+        DriverSettings.of(ports.run, steps, first_step),
         coordinator=coordinator,
         rollout=rollout,
         stages=ports.stages,
@@ -551,6 +569,7 @@ async def drive(
         on_step=report.step,
         on_progress=report.progress,
         on_failed=report.went_on,
+        on_trained=on_trained,
     )
     signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
     async with signals.cancelling():
@@ -608,6 +627,8 @@ async def run_loop(
     dump_dir: str | None = None,
     measure: bool = False,
     trackers: Trackers | None = None,
+    checkpoint_dir: str | None = None,
+    resume: Checkpoint | None = None,
 ) -> RunSummary:
     """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run
     and is in ``summary.failure``; every committed step was printed as it committed).
@@ -622,6 +643,13 @@ async def run_loop(
     ``trackers``: told the run's config first, then each phase as it ends and each committed
     step's metrics and samples (the caller closes them; with ``strict_trackers`` a tracker's
     failure is raised here, :class:`~relax_core.errors.TrackerError`, after the step in flight).
+    ``checkpoint_dir``: keep checkpoints there (every ``[run] checkpoint_every`` steps and after
+    the last; the trainer has ``save`` and ``load``). ``resume``: continue from this checkpoint
+    of ``checkpoint_dir`` (its steps from ``resume.step`` on; the trainer's state loaded and its
+    weights pushed to rollout first).
+
+    :raises CheckpointError: a checkpoint could not be written (it ends the run, after the
+        steps before it; the previous checkpoint is kept).
     """
     run, gen = job.run, job.generation_role
     printer.started(
@@ -638,6 +666,8 @@ async def run_loop(
     if note is not None and run.mode == "async":
         printer.say(note)
     source = open_source(run.dataset, job.pm, seed=run.seed, base=run.base)
+    first_step = 0 if resume is None else resume.step
+    cursor = Cursor(source) if resume is None else Cursor.resumed(source, resume.cursor)
     model = job.generation_model
     tokenizer = PromptTokenizer(model.model_path, where=model.path)
     registries = job.registries
@@ -657,7 +687,7 @@ async def run_loop(
                 {r: reg.fetch for r, reg in registries.items() if r != gen},
                 timeout=run.request_timeout,
             ),
-            producer=lambda: StepProducer(generator, source),
+            producer=lambda: CursorProducer(generator, cursor),
             trainer=TrainerCalls(job.trainer),
             generation_role=gen,
             # every role that is not free takes turns: its stages never stream
@@ -666,14 +696,55 @@ async def run_loop(
             free=gen in job.residency.free,
             heads=lambda role: _heads(registries[role]),
         )
+        checkpoints: Checkpointer | None = None
+        if checkpoint_dir is not None:
+            checkpoints = Checkpointer(
+                checkpoint_dir,
+                every=run.checkpoint_every,
+                steps=steps,
+                trainer=ports.trainer,
+                cursor=cursor,
+                job=job.name,
+                job_file=None if job.config.source is None else os.path.abspath(job.config.source),
+                settings=job_settings(
+                    run, generation_model=model.name, model_path=model.model_path
+                ),
+                run_ids=trackers.run_ids if trackers is not None else dict,
+                say=printer.say,
+            )
+        if resume is not None:
+            assert checkpoint_dir is not None
+            initial_version = await _resumed(ports, resume, checkpoint_dir, printer)
+        else:
+            initial_version = await rollout.weight_version()
         return await drive(
             ports,
             printer,
             steps=steps,
-            initial_version=await rollout.weight_version(),
+            initial_version=initial_version,
             trace=trace,
             dump_dir=dump_dir,
             measure=measure,
             trackers=trackers,
             residency=job.residency.to_dict(),
+            first_step=first_step,
+            on_trained=None if checkpoints is None else checkpoints.after,
         )
+
+
+async def _resumed(
+    ports: StepPorts, resume: Checkpoint, run_dir: str, printer: Printer
+) -> str | None:
+    """The trainer's state of ``resume`` loaded and its weights pushed to rollout (awake at
+    the start) before the first generation; the weight version rollout serves now."""
+    state = os.path.join(run_dir, resume.trainer_dir)
+    loaded = await ports.trainer.load(os.path.abspath(state))
+    pushed = await ports.trainer.push(resume.weight_version)
+    version = pushed.get("weight_version") if isinstance(pushed, dict) else None
+    printer.say(
+        f"relax run: resumed from {run_dir} at step {resume.step}: the trainer's state loaded "
+        f"({', '.join(f'{k} {v}' for k, v in (loaded or {}).items()) or 'no numbers'}), "
+        f"weights {version if version is not None else resume.weight_version} pushed to "
+        f"{ports.generation_role}"
+    )
+    return None if version is None else str(version)

@@ -79,6 +79,13 @@ class Switch:
     #: What the role's engines had parked for another engine to take, before and after.
     parked_before: int = 0
     parked_after: int = 0
+    #: The role's engines' counters (summed over its heads) before and after the switch:
+    #: ``generation_tokens_total``, ``prefill_tokens_total``, ``decode_steps_total`` and their
+    #: decode CUDA graphs' ``captures`` and ``replays`` (those an engine reports): the tokens a
+    #: phase made are an offload's ``before`` less the onload's ``after``, and a switch that
+    #: captured a graph has ``captures`` moved.
+    counters_before: Mapping[str, int] = attrs.field(factory=dict)
+    counters_after: Mapping[str, int] = attrs.field(factory=dict)
 
     @property
     def handed_over_bytes(self) -> int:
@@ -106,6 +113,24 @@ def _held(memory: Mapping[str, Any]) -> int:
 
 def _parked(memory: Mapping[str, Any]) -> int:
     return int((memory.get("memory_handoff") or {}).get("parked_bytes", 0))
+
+
+#: The ``/server_info`` counters a switch records (top-level keys).
+_COUNTERS = ("generation_tokens_total", "prefill_tokens_total", "decode_steps_total")
+
+
+def _counters(infos: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The counters of :attr:`Switch.counters_before`, summed over ``infos``."""
+    out: dict[str, int] = {}
+    for info in infos:
+        graphs = (info.get("memory") or {}).get("cuda_graphs") or {}
+        values = {k: info.get(k) for k in _COUNTERS}
+        values["cuda_graph_captures"] = graphs.get("captures")
+        values["cuda_graph_replays"] = graphs.get("replays")
+        for key, value in values.items():
+            if isinstance(value, int):
+                out[key] = out.get(key, 0) + value
+    return out
 
 
 def _ops_since(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -200,6 +225,8 @@ class SwitchProbe:
                 worker_seconds=worker,
                 parked_before=sum(_parked(m) for m in before),
                 parked_after=sum(_parked(m) for m in after),
+                counters_before=_counters(list(infos_before.values())),
+                counters_after=_counters(list(infos.values())),
             )
         )
         return result
@@ -316,6 +343,8 @@ def switch_report(
             "manager_seconds": s.manager_seconds,
             "worker_seconds": s.worker_seconds,
             "engine_ops": list(s.engine_ops),
+            "counters_before": dict(s.counters_before),
+            "counters_after": dict(s.counters_after),
         }
         if s.direction == "offload":
             row["freed_fraction"] = s.freed_bytes / s.held_before if s.held_before else None

@@ -83,6 +83,32 @@ def _async_text(row: dict[str, Any]) -> str:
     )
 
 
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.3g}"
+
+
+#: The ``rollout`` entries every step has (the tokens' split), shown beside ``tokens``.
+_TOKEN_SPLIT = ("policy_tokens", "environment_tokens")
+
+
+def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
+    """The tokens' split when an environment wrote any (`` (policy 300, environment 212)``),
+    and each number the rollout reported per sample, its mean, max and total (``  turns 2.25
+    (max 3, total 9), tool_calls …``); ``""`` for what the step does not have."""
+    rollout = row.get("rollout") or {}
+    env = rollout.get("environment_tokens") or {}
+    split = ""
+    if env.get("total"):
+        policy = (rollout.get("policy_tokens") or {}).get("total", 0)
+        split = f" (policy {_number(policy)}, environment {_number(env['total'])})"
+    shown = [
+        f"{name} {_number(v['mean'])} (max {_number(v['max'])}, total {_number(v['total'])})"
+        for name, v in rollout.items()
+        if name not in _TOKEN_SPLIT
+    ]
+    return split, ("  " + ", ".join(shown)) if shown else ""
+
+
 class Progress:
     """A long wait's progress, drawn by :meth:`Printer.waiting` as a bar on the status line:
     ``  starting engines [#########---------------] 1/3 models  12.4s``. :meth:`update`
@@ -237,10 +263,11 @@ class Printer:
                 " (no judge answer held a verdict, so each scored 0.0: an untrained judge, "
                 "like the demo's tiny random one, never writes one)"
             )
+        split, rollout = _rollout_text(row)
         print(
             f"step {row['step']}  {row['partition']}  {row['samples']} samples  reward "
             f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f}{parse}{teacher}  tokens "
-            f"{row['tokens']}  weights {row['weight_version']}{_async_text(row)}"
+            f"{row['tokens']}{split}{rollout}  weights {row['weight_version']}{_async_text(row)}"
             f"  {row['seconds']:.1f}s ({phase_times(row['phases'])})",
             file=self.out,
             flush=True,

@@ -40,7 +40,17 @@ from relax_core.run.config import PUSH_BUCKET_BYTES, PUSH_FORMATS
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
 
-__all__ = ["Trainer", "TrainerContext", "load_trainer_class", "start_trainer"]
+__all__ = [
+    "CHECKPOINT_METHODS",
+    "Trainer",
+    "TrainerContext",
+    "load_trainer_class",
+    "start_trainer",
+    "trainer_checkpoints",
+]
+
+#: The methods a trainer has when it can be checkpointed and resumed (see :class:`Trainer`).
+CHECKPOINT_METHODS = ("save", "load")
 
 
 @attrs.frozen
@@ -90,6 +100,14 @@ class Trainer(Protocol):
     ``relax run --measure`` also calls ``measure_copy(sizes)`` (the seconds of one host→device
     and device→host copy of each byte count on the trainer's device: ``{bytes: {"h2d": s,
     "d2h": s}}``); only a trainer that has it can run with ``--measure``.
+
+    Checkpoints (``[run] checkpoint_every``, ``relax run --resume``) call two more, which a
+    trainer that can be resumed has (:func:`trainer_checkpoints`): ``save(directory) ->
+    dict``, called between steps (no ``train`` or ``push`` in flight), writes everything the
+    trainer needs to go on (weights, optimizer state, its step count, its RNG) under
+    ``directory`` (it exists and is empty) and returns a few JSON numbers to keep beside it;
+    ``load(directory) -> dict``, called once before the first step of a resumed run, reads
+    it back. A trainer without them runs without checkpoints.
     """
 
     def train(self, batch_id: int) -> dict[str, Any]:
@@ -101,6 +119,11 @@ class Trainer(Protocol):
         """Send the weights to the rollout engines as ``weight_version``; return at least
         ``{"weight_version": the version the manager published}``."""
         ...
+
+
+def trainer_checkpoints(cls: type[Any]) -> bool:
+    """Whether the trainer class ``cls`` has ``save`` and ``load`` (checkpoints)."""
+    return all(callable(getattr(cls, m, None)) for m in CHECKPOINT_METHODS)
 
 
 def load_trainer_class(name: str, pm: PluginManager | None = None) -> type[Trainer]:

@@ -14,16 +14,24 @@ See ``docs/run.md`` (trackers) and ``docs/plugins.md`` (writing one).
 
 from relax_core._exports import claim as _claim
 from relax_core.tracking.hub import Trackers, tracker_problems
-from relax_core.tracking.metrics import reward_by_key, sample_rows, step_metrics
+from relax_core.tracking.metrics import (
+    ROLLOUT_METRICS,
+    reward_by_key,
+    rollout_metrics,
+    sample_rows,
+    step_metrics,
+)
 from relax_core.tracking.tracker import PhaseSpan, Tracker, TrackerContext, TrackerEntry
 
 __all__ = [
+    "ROLLOUT_METRICS",
     "PhaseSpan",
     "Tracker",
     "TrackerContext",
     "TrackerEntry",
     "Trackers",
     "reward_by_key",
+    "rollout_metrics",
     "sample_rows",
     "step_metrics",
     "tracker_problems",

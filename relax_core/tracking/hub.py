@@ -119,9 +119,13 @@ class Trackers:
         job: str,
         say: Callable[[str], None],
         strict: bool = False,
+        resume_step: int | None = None,
+        resume_ids: Mapping[str, str | None] | None = None,
     ) -> Trackers:
         """Open every tracker of ``entries`` (:func:`tracker_problems` found none), in order.
-        One whose ``open`` raises is reported and left out.
+        One whose ``open`` raises is reported and left out. ``resume_step`` and
+        ``resume_ids`` (tracker name -> its run id in the checkpoint): ``relax run --resume``
+        (:class:`~relax_core.tracking.tracker.TrackerContext`).
 
         :raises TrackerError: with ``strict``, the first tracker that failed to open (the ones
             opened before it are closed).
@@ -130,7 +134,14 @@ class Trackers:
         failures: dict[str, str] = {}
         for entry in entries:
             spec = pm.tracker(entry.name)
-            context = TrackerContext(entry.name, run_dir, job, dict(entry.options))
+            context = TrackerContext(
+                entry.name,
+                run_dir,
+                job,
+                dict(entry.options),
+                resume_step=resume_step,
+                resume_id=(resume_ids or {}).get(entry.name),
+            )
             try:
                 opened.append((entry.name, spec.open(context)))
             except Exception as exc:
@@ -152,6 +163,15 @@ class Trackers:
     def names(self) -> list[str]:
         """Every tracker that was opened, in order."""
         return [name for name, _ in self._all]
+
+    def run_ids(self) -> dict[str, str | None]:
+        """Each opened tracker's ``run_id`` attribute (``None`` without one): what a
+        checkpoint keeps so a resumed run's trackers append to the same runs."""
+        out: dict[str, str | None] = {}
+        for name, tracker in self._all:
+            value = getattr(tracker, "run_id", None)
+            out[name] = None if value is None else str(value)
+        return out
 
     # -- what the loop calls (each returns at once) --------------------------------------------
 

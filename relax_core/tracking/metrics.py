@@ -10,7 +10,12 @@ Metric names (every one a finite number; a value the step does not have is left 
 - ``time/step`` and ``time/<phase>`` (each phase's seconds: ``time/generate``, ``time/genrm``,
   ``time/genrm.onload`` …);
 - ``train/<key>``: the trainer's numbers (``train/loss``, ``train/grad_norm`` …);
-- ``stage/<stage>/<count>``: each stage's report counts.
+- ``stage/<stage>/<count>``: each stage's report counts;
+- ``async/staleness/<k>`` (the step's samples ``k`` weight versions behind the trainer),
+  ``async/partial_samples``;
+- ``rollout/<name>/mean``, ``rollout/<name>/max``, ``rollout/<name>/total``: the step's
+  ``rollout`` object (:func:`rollout_metrics`): the policy's and the environment's response
+  tokens per sample, and each number the rollout reported per sample.
 """
 
 from __future__ import annotations
@@ -22,7 +27,12 @@ from typing import Any
 
 from relax_core.coordination.sample import Sample
 
-__all__ = ["reward_by_key", "sample_rows", "step_metrics"]
+__all__ = ["ROLLOUT_METRICS", "reward_by_key", "rollout_metrics", "sample_rows", "step_metrics"]
+
+#: The ``Sample.metadata`` key under which a rollout reports its own numbers per sample (name ->
+#: number: a multi-turn rollout's ``turns``, ``tool_calls``, ``environment_seconds`` …); the
+#: step's ``rollout`` object aggregates them (:func:`rollout_metrics`).
+ROLLOUT_METRICS = "rollout_metrics"
 
 
 def _number(value: Any) -> float | None:
@@ -63,7 +73,40 @@ def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
     for stage, counts in (row.get("stages") or {}).items():
         for key, value in counts.items():
             put(f"stage/{stage}/{key}", value)
+    a = row.get("async") or {}
+    for k, n in (a.get("staleness") or {}).items():
+        put(f"async/staleness/{k}", n)
+    put("async/partial_samples", a.get("partial_samples"))
+    for name, stats in (row.get("rollout") or {}).items():
+        for key, value in stats.items():
+            put(f"rollout/{name}/{key}", value)
     return out
+
+
+def rollout_metrics(samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
+    """The step's ``rollout`` object: per sample number, its ``mean``, ``max`` and ``total``
+    over the samples that have it. Always ``policy_tokens`` and ``environment_tokens`` (the
+    response tokens with loss mask 1 and 0: an environment's observations between a
+    trajectory's turns), then each number the rollout wrote in
+    ``metadata["rollout_metrics"]`` (:data:`ROLLOUT_METRICS`), by name; a value that is not a
+    finite number is left out."""
+    values: dict[str, list[float]] = {"policy_tokens": [], "environment_tokens": []}
+    for s in samples:
+        policy = sum(s.loss_mask) if s.loss_mask else len(s.response_ids)
+        values["policy_tokens"].append(float(policy))
+        values["environment_tokens"].append(float(len(s.response_ids) - policy))
+        reported = s.metadata.get(ROLLOUT_METRICS)
+        if not isinstance(reported, Mapping):
+            continue
+        for name, value in reported.items():
+            number = _number(value)
+            if number is not None:
+                values.setdefault(str(name), []).append(number)
+    return {
+        name: {"mean": statistics.fmean(v), "max": max(v), "total": math.fsum(v)}
+        for name, v in values.items()
+        if v
+    }
 
 
 def reward_by_key(samples: Sequence[Sample]) -> dict[str, float]:

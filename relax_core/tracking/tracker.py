@@ -31,12 +31,21 @@ class TrackerContext:
     folder named after itself by convention (``RUN_DIR/tensorboard``). ``job``: the job's name
     (``relax run --job``; a run's name in a tracker's UI). ``options``: the entry's own keys,
     as the job file gives them. ``name``: the tracker's registered name.
+
+    ``resume_step``: set when ``relax run --resume`` continues a run: the first step the
+    resumed run logs (what the tracker holds of that step and later ones is the killed run's,
+    never committed as the resumed run commits it: drop or supersede it), and ``resume_id``
+    the run id this tracker had (its ``run_id`` attribute, kept in the checkpoint; ``None``
+    if it had none), so it appends to the same run instead of starting another. ``None``: a
+    new run.
     """
 
     name: str
     run_dir: str
     job: str
     options: Mapping[str, Any] = attrs.field(factory=dict)
+    resume_step: int | None = None
+    resume_id: str | None = None
 
 
 @attrs.frozen
@@ -66,6 +75,10 @@ class Tracker(Protocol):
     delays no step). A method that raises is reported once and the tracker is left out for
     the rest of the run (``strict_trackers``: the run ends instead); :meth:`close` is called
     once in every case that opened it, a failure and Ctrl-C included.
+
+    A tracker may also have a ``run_id`` attribute (a string: the id of its run, a W&B run
+    id, a file's): ``relax run`` keeps it in each checkpoint and gives it back as
+    :attr:`TrackerContext.resume_id` when the run is resumed.
     """
 
     def log_config(self, config: Mapping[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """Multi-turn agentic rollouts in a real ``relax run``: ``docs/examples/run-agent-cpu.toml``,
 as its header says to run it, commits trajectories of at least two turns with a tool call among
-them, loss-masked; and a step whose environment raises fails naming the environment and the
+them, loss-masked, and its step rows report them (turns, tool calls, the environment's seconds
+and tokens); and a step whose environment raises fails naming the environment and the
 trajectory, with nothing of it committed."""
 
 from __future__ import annotations
@@ -62,12 +63,14 @@ def test_the_agent_example_commits_multi_turn_trajectories_with_tool_calls(tmp_p
         samples = _batch(dumps / f"batch-{n}.jsonl")
         assert len(samples) == step["samples"] == step["train"]["samples"] == 4
         assert step["tokens"] == sum(len(s["response_ids"]) for s in samples)
-        calls = 0
+        calls = errors = environment = 0
         for s in samples:
             t = s["metadata"]["trajectory"]
             assert t["turns"] >= 2 and t["id"] == s["id"]
             calls += t["tool_calls"]
+            errors += t["tool_errors"]
             mask = s["loss_mask"]
+            environment += mask.count(0)
             assert len(mask) == len(s["response_ids"]) == len(s["rollout_logprobs"])
             # The policy's turns are mask 1, exactly; the tool's answers between them mask 0.
             policy = {i for a, b in t["turn_spans"] for i in range(a, b)}
@@ -78,6 +81,16 @@ def test_the_agent_example_commits_multi_turn_trajectories_with_tool_calls(tmp_p
             env = sum(r for r in t["turn_rewards"] if r is not None)
             assert s["fields"]["rewards"]["environment"] == pytest.approx(env)
         assert calls >= 1
+        # The step's row says so: turns per trajectory, tool calls, errors and timeouts, the
+        # environment's seconds, the policy's tokens against the environment's.
+        rollout = step["rollout"]
+        assert rollout["turns"]["max"] >= rollout["turns"]["mean"] >= 2
+        assert rollout["tool_calls"]["total"] == calls
+        assert rollout["tool_errors"]["total"] == errors
+        assert rollout["tool_timeouts"]["total"] == 0
+        assert rollout["environment_seconds"]["total"] > 0
+        assert rollout["environment_tokens"]["total"] == environment > 0
+        assert rollout["policy_tokens"]["total"] == step["tokens"] - environment
 
 
 JOB = """\

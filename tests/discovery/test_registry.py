@@ -339,3 +339,25 @@ def test_concurrent_updates_from_many_threads_are_all_published() -> None:
     snap = reg.snapshot()
     assert len(snap.models["math"].engines) == 400
     assert snap.topology_revision == start + 400
+
+
+def test_publish_many_is_the_calls_it_stands_for_in_one() -> None:
+    one, many = publisher(), publisher()
+    for reg in (one, many):
+        reg.set_engine("math", "gone", base_url="http://h:9", state="READY")
+        reg.set_engine("math", "e0", base_url="http://h:1", state="READY")
+    model = {
+        "state": "SLEEPING",
+        "route_mode": "DIRECT",
+        "weight_source": "STATIC",
+        "served_model_name": "Qwen/Qwen3-0.6B",
+    }
+    engines = [
+        ("e0", {"base_url": "http://h:1", "state": "SLEEPING", "replaced": True}),
+        ("e1", {"base_url": "http://h:2", "state": "READY"}),
+    ]
+    one.set_model("math", **model)
+    expected = {e: one.set_engine("math", e, **fields) for e, fields in engines}
+    one.remove_engine("math", "gone")
+    assert many.publish_many("math", model, engines, ["gone"]) == expected == {"e0": 2, "e1": 1}
+    assert many.snapshot().models == one.snapshot().models

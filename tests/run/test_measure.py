@@ -55,3 +55,33 @@ def test_memory_an_offload_hands_over_counts_as_freed_and_is_reported_apart() ->
     # Without the hand-over the same device numbers would have freed only 8%.
     plain = attrs.evolve(handed, parked_after=0)
     assert switch_report([plain], {}, step_seconds=1.0)["min_freed_fraction"] == pytest.approx(0.08)
+
+
+def test_a_switch_records_the_engines_counters_summed_over_its_heads() -> None:
+    from relax_core.run.measure import _counters
+
+    def info(tokens: int, captures: int | None) -> dict[str, object]:
+        graphs = {} if captures is None else {"captures": captures, "replays": 2 * captures}
+        return {
+            "generation_tokens_total": tokens,
+            "prefill_tokens_total": 3 * tokens,
+            "decode_steps_total": tokens // 2,
+            "memory": {"cuda_graphs": graphs},
+        }
+
+    counters = _counters([info(100, 4), info(10, None)])
+    assert counters == {
+        "generation_tokens_total": 110,
+        "prefill_tokens_total": 330,
+        "decode_steps_total": 55,
+        "cuda_graph_captures": 4,
+        "cuda_graph_replays": 8,
+    }
+    s = Switch(
+        step=1, role="genrm", direction="offload", seconds=0.1, weight_bytes=1, kv_cache_bytes=1,
+        held_before=1, held_after=0, device_free_before=None, device_free_after=None,
+        device_total=None, counters_before=counters, counters_after={"cuda_graph_captures": 4},
+    )  # fmt: skip
+    (row,) = switch_report([s], {}, step_seconds=1.0)["switches"]
+    assert row["counters_before"]["generation_tokens_total"] == 110
+    assert row["counters_after"] == {"cuda_graph_captures": 4}

@@ -80,6 +80,32 @@ def test_a_step_line_sums_the_switches_names_the_long_phases_and_counts_the_shor
     )
 
 
+def test_a_multi_turn_step_line_splits_the_tokens_and_shows_what_the_rollout_reported() -> None:
+    printer, out, _ = _printer()
+    token_split = {
+        "policy_tokens": {"mean": 75.0, "max": 80.0, "total": 300.0},
+        "environment_tokens": {"mean": 53.0, "max": 60.0, "total": 212.0},
+    }
+    row = {
+        "step": 0, "partition": "train_0", "samples": 4, "reward_mean": 0.0, "reward_std": 0.0,
+        "parse_failures": None, "tokens": 512, "weight_version": "default", "seconds": 1.0,
+        "phases": {"generate": 0.5},
+        "rollout": {**token_split, "turns": {"mean": 2.25, "max": 3.0, "total": 9.0},
+                    "environment_seconds": {"mean": 0.00123, "max": 0.002, "total": 0.00492}},
+    }  # fmt: skip
+    printer.step(row)
+    # A single-turn step (no environment token) shows neither.
+    single = {"policy_tokens": token_split["policy_tokens"],
+              "environment_tokens": {"mean": 0.0, "max": 0.0, "total": 0.0}}  # fmt: skip
+    printer.step({**row, "step": 1, "rollout": single})
+    first, second = out.getvalue().splitlines()
+    assert (
+        "tokens 512 (policy 300, environment 212)  turns 2.25 (max 3, total 9), "
+        "environment_seconds 0.00123 (max 0.002, total 0.00492)  weights default"
+    ) in first
+    assert "tokens 512  weights default" in second
+
+
 def test_a_step_whose_every_judge_answer_failed_to_parse_says_why_once() -> None:
     printer, out, _ = _printer()
     row = {

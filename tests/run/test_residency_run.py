@@ -81,8 +81,12 @@ def test_a_rollout_on_no_shared_gpu_never_switches(models: Path) -> None:
     assert not [e for e in events if e["phase"].startswith("rollout.")]
 
 
+# The switch order is covered in the default session by tests/coordination/test_residency.py::
+# test_judges_that_fit_together_switch_in_without_switching_out_in_between (the coordinator)
+# and the run of this module's other test (a residency plan in a real run).
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_judges_that_fit_together_switch_in_one_after_the_other_without_a_switch_between(
     models: Path,
 ) -> None:

@@ -194,6 +194,12 @@ def test_kill_9_of_the_genrm_engine_mid_scoring_ends_the_run_with_nothing_commit
     assert "step 1 failed, nothing committed for it" in str(proc.err)
 
 
+# The contract (an offload that never confirms leaves the lease BLOCKED, the role never
+# activated, the step failed with what to do) is covered in the default session by
+# tests/coordination/test_deferred_real.py::
+# test_an_offload_timeout_blocks_the_lease_and_the_teacher_is_never_activated on real
+# engines; this is the whole run around a real SIGSTOP.
+@pytest.mark.e2e
 def test_sigstop_of_the_teacher_engine_during_its_offload_blocks_it_and_says_what_to_do(
     root: Path,
 ) -> None:
@@ -254,6 +260,10 @@ def _requests_in_flight(url: str) -> int:
         return int(json.load(answer)[0]["num_reqs"])
 
 
+# Covered in the default session by tests/coordination/test_deferred_real.py::
+# test_a_batch_cancelled_while_genrm_judges_aborts_its_requests_and_genrm_serves_again (the
+# abort on real engines) and tests/commands/test_demo.py (Ctrl-C of a whole run, exit 130).
+@pytest.mark.e2e
 def test_ctrl_c_while_genrm_judges_aborts_its_requests_and_stops_cleanly_with_exit_130(
     root: Path,
 ) -> None:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# The parts are covered in the default session on real multi-node clusters:
+# tests/manager/test_manager_multinode.py (a two-node hf replica, its recovery) and
+# tests/placement/test_binding.py (nodes told apart); this is the whole run across two nodes.
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_one_step_runs_with_rollout_on_one_node_and_the_deferred_roles_on_the_other() -> None:

@@ -321,3 +321,36 @@ def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_ever
         assert argv[i + 1] == "0.6" and "--memory-handoff" in argv
         assert "--disable-cuda-graph" not in argv  # graphs kept across switches
         assert argv[argv.index("--device") + 1] == "cuda"
+
+
+def test_the_h200_async_example_runs_graphs_budgeted_in_the_preflight(tmp_path: Path) -> None:
+    import json
+
+    from relax_hf.plugin import serve_argv
+    from relax_hf.tiny import TINY_SIZES
+    from transformers import LlamaConfig
+
+    from relax_core.jobs import engine_launch_specs
+
+    shape = LlamaConfig(vocab_size=512, **TINY_SIZES["small"]).to_dict()
+    for name in ("policy", "judge", "math"):
+        d = tmp_path / "small" / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({**shape, "dtype": "bfloat16"}))
+        (d / "tokenizer.json").write_text("{}")
+    job = tmp_path / "run-h200-async.toml"
+    job.write_text((ROOT / "docs" / "examples" / "run-h200-async.toml").read_text())
+    pm = PluginManager.create()
+    config = resolve_model_paths(load_config(job))
+    assert run_problems(config, parse_run_config(config), pm) == []
+    assert {m.placement.cuda_graph_gib for m in config.models()} == {1}
+    for path, engines in engine_launch_specs(config, pm).items():
+        argv = serve_argv(engines[f"{path.rsplit('.', 1)[1]}/replica-0"][0], 1)
+        assert "--disable-cuda-graph" not in argv
+        assert argv[argv.index("--device") + 1] == "cuda:0"
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_core", "plan", str(job)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("+ CUDA graphs 1.0 +") == 3

@@ -16,8 +16,10 @@ from relax_core.errors import ConfigValidationError, TrackerError
 from relax_core.plugins import module_plugin
 from relax_core.run.config import parse_run_config
 from relax_core.tracking import (
+    ROLLOUT_METRICS,
     TrackerEntry,
     Trackers,
+    rollout_metrics,
     sample_rows,
     step_metrics,
     tracker_problems,
@@ -195,6 +197,28 @@ def test_a_steps_metrics_are_flat_finite_numbers_from_its_json_line() -> None:
     assert metrics["response_length/mean"] == 12.5 and metrics["time/step"] == 2.0
     assert metrics["time/genrm.onload"] == 0.1 and metrics["train/loss"] == 0.1
     assert metrics["stage/genrm/digits.scored"] == 16 and "train/fields" not in metrics
+
+
+def test_the_rollout_object_splits_the_tokens_and_aggregates_what_the_rollout_reported() -> None:
+    # Two trajectories: the environment's observation tokens (mask 0) and the policy's; the
+    # numbers the rollout wrote per sample as mean, max and total; a non-number left out.
+    samples = [
+        Sample("a", "g", [1], [2, 3, 4, 5], loss_mask=[1, 0, 0, 1],
+               metadata={ROLLOUT_METRICS: {"turns": 2, "tool_calls": 1, "note": "x"}}),
+        Sample("b", "g", [1], [2, 3, 4, 5, 6, 7], loss_mask=[1, 1, 0, 1, 1, 1],
+               metadata={ROLLOUT_METRICS: {"turns": 3, "tool_calls": 3}}),
+        Sample("c", "h", [1], [2, 3]),  # single-turn: every token the policy's
+    ]  # fmt: skip
+    rollout = rollout_metrics(samples)
+    assert rollout == {
+        "policy_tokens": {"mean": 3.0, "max": 5.0, "total": 9.0},
+        "environment_tokens": {"mean": 1.0, "max": 2.0, "total": 3.0},
+        "turns": {"mean": 2.5, "max": 3.0, "total": 5.0},
+        "tool_calls": {"mean": 2.0, "max": 3.0, "total": 4.0},
+    }
+    metrics = step_metrics({"rollout": rollout})
+    assert metrics["rollout/turns/max"] == 3.0 and metrics["rollout/tool_calls/total"] == 4.0
+    assert metrics["rollout/environment_tokens/total"] == 3.0
 
 
 def test_sample_rows_show_several_groups_with_each_samples_kl_to_the_teacher() -> None:

@@ -165,6 +165,8 @@ class CalculatorEnvironment:
             [tool_message(r.text) for r in results],
             reward=self.tool_reward * good if self.tool_reward else None,
             tool_calls=len(calls),
+            tool_errors=sum(r.error for r in results),
+            tool_timeouts=sum(r.timed_out for r in results),
             info={"tool_results": [r.text for r in results]},
         )
 

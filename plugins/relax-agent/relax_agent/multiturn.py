@@ -23,7 +23,10 @@ token, ``rollout_logprobs`` one per response token, ``response`` the last policy
 its id, environment, the whole conversation (``messages``), the policy turns' token spans
 (``turn_spans``: ``[start, end)`` in ``response_ids``), the per-turn rewards
 (``turn_rewards``), the tool calls made, why it ended (``stop``) and each observation's
-``info``.
+``info``; ``metadata["rollout_metrics"]`` its numbers, which the step's JSON object aggregates
+under ``rollout`` (mean, max and total over the step's trajectories): ``turns`` (policy turns),
+``tool_calls``, ``tool_errors``, ``tool_timeouts`` (as the environment's observations count
+them) and ``environment_seconds`` (the time spent in the environment's ``reset`` and ``step``).
 
 Options (``[run.generation]``): ``environment`` (a registered environment, required),
 ``max_turns`` (4), ``max_total_tokens`` (1024), ``tool_timeout`` (10 s, handed to the
@@ -35,11 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from relax_agent.template import ChatTurns
 from relax_core import (
+    ROLLOUT_METRICS,
     ConfigProblem,
     ConfigReader,
     ConfigValidationError,
@@ -141,6 +146,7 @@ class MultiTurn:
         tid = request.sample_id(j)
         name = self.environment.name
         config = EnvironmentConfig(self.env_options, tid, self.tool_timeout, self.env_path)
+        began = time.perf_counter()
         try:
             env: Environment = self.environment.make(config)
             reset = env.reset(request.prompt)
@@ -151,7 +157,7 @@ class MultiTurn:
                 name, tid, f"reset failed: {type(exc).__name__}: {exc}"
             ) from exc
         try:
-            return await self._drive(request, j, client, env, reset)
+            return await self._drive(request, j, client, env, reset, time.perf_counter() - began)
         finally:
             close = getattr(env, "close", None)
             if callable(close):
@@ -164,8 +170,10 @@ class MultiTurn:
         client: InferenceClient,
         env: Environment,
         reset: Reset,
+        env_seconds: float,
     ) -> Sample:
-        """The trajectory's turns, from its reset to its end; its sample."""
+        """The trajectory's turns, from its reset to its end; its sample (``env_seconds``:
+        the environment's time so far, its reset)."""
         tid = request.sample_id(j)
         name = self.environment.name
         turns = self.turns
@@ -177,7 +185,7 @@ class MultiTurn:
         spans: list[list[int]] = []
         rewards: list[float | None] = []
         infos: list[Mapping[str, Any]] = []
-        tool_calls = 0
+        tool_calls = tool_errors = tool_timeouts = 0
         guide = reset.guide
         version: str | None = None
         segments: list[tuple[int, str | None]] = []  # (first response token, version)
@@ -222,10 +230,14 @@ class MultiTurn:
             mask.extend([1] * len(answer.output_ids))
             spans.append([start, len(response)])
             turn = Turn(k, text, answer.output_ids, tid, tuple(messages))
+            began = time.perf_counter()
             observation = await self._step(env, turn)
+            env_seconds += time.perf_counter() - began
             rewards.append(observation.reward)
             infos.append(dict(observation.info))
             tool_calls += observation.tool_calls
+            tool_errors += observation.tool_errors
+            tool_timeouts += observation.tool_timeouts
             ended = bool(answer.output_ids) and answer.output_ids[-1] == turns.eos_id
             history = list(messages)
             messages.append({"role": "assistant", "content": text})
@@ -269,11 +281,20 @@ class MultiTurn:
                     "environment": name,
                     "turns": len(spans),
                     "tool_calls": tool_calls,
+                    "tool_errors": tool_errors,
+                    "tool_timeouts": tool_timeouts,
                     "turn_rewards": rewards,
                     "turn_spans": spans,
                     "stop": stop,
                     "messages": [dict(m) for m in messages],
                     "info": infos,
+                },
+                ROLLOUT_METRICS: {
+                    "turns": len(spans),
+                    "tool_calls": tool_calls,
+                    "tool_errors": tool_errors,
+                    "tool_timeouts": tool_timeouts,
+                    "environment_seconds": env_seconds,
                 },
             },
             weight_version=version,

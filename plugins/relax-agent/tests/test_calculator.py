@@ -54,6 +54,7 @@ def test_the_calculator_environment_answers_calls_and_scores_the_answer() -> Non
         "<tool_response>\nerror: calculator: ValueError: Call is not arithmetic\n</tool_response>",
     ]
     assert first.tool_calls == 2 and first.reward == pytest.approx(0.1) and not first.done
+    assert (first.tool_errors, first.tool_timeouts) == (1, 0)  # the call that is not arithmetic
     assert asyncio.run(env.step(turn(1, "It is 12"))).reward == 1.0
     assert asyncio.run(env.step(turn(1, "It is 13"))).done
     env.close()

@@ -234,7 +234,12 @@ class _Waiting:
         if not calls:
             return Observation(reward=0.5, done=True)
         results = [await self.tools.run(c) for c in calls]
-        return Observation([tool_message(r.text) for r in results], tool_calls=len(calls))
+        return Observation(
+            [tool_message(r.text) for r in results],
+            tool_calls=len(calls),
+            tool_errors=sum(r.error for r in results),
+            tool_timeouts=sum(r.timed_out for r in results),
+        )
 
 
 @pytest.mark.slow
@@ -246,6 +251,10 @@ def test_a_hanging_tool_is_cut_at_its_timeout_and_the_trajectory_goes_on(
     (sample,), recording, _ = _groups(engines, shape, [Prompt("Wait for it.")])
     t = sample.metadata["trajectory"]
     assert t["turns"] == 2 and t["tool_calls"] == 1
+    # Counted as an error and a timeout; the environment's seconds hold the wait.
+    metrics = sample.metadata["rollout_metrics"]
+    assert (metrics["turns"], metrics["tool_errors"], metrics["tool_timeouts"]) == (2, 1, 1)
+    assert metrics["environment_seconds"] > 0.4
     assert (
         t["messages"][2]["content"]
         == "<tool_response>\nerror: wait timed out after 0.5s\n</tool_response>"

@@ -144,6 +144,26 @@ def _push_bench(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _engine_throughput(args: argparse.Namespace) -> int:
+    from relax_hf.throughput_bench import format_result, run
+
+    result = run(
+        args.model,
+        device=args.device,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        prompt_tokens=args.prompt_tokens,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        mem_fraction=args.mem_fraction_static,
+        max_running_requests=args.max_running_requests,
+        disable_cuda_graph=args.disable_cuda_graph,
+        log_dir=args.log_dir,
+    )
+    print(json.dumps(result) if args.json else format_result(result))
+    return 0
+
+
 def _multinode_bench(args: argparse.Namespace) -> int:
     from relax_hf.multinode_bench import format_result, run
 
@@ -341,6 +361,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="pushes per bucket size (median)")
     p.add_argument("--log-dir", default=None, help="where the engine's log goes (default: temp)")
     p.set_defaults(_run=_push_bench)
+
+    p = sub.add_parser(
+        "engine-throughput",
+        help="one engine's own generation tokens/s at a step's concurrency and lengths "
+        "(against a phase's, from relax run --measure)",
+    )
+    p.add_argument("model", help="a checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    p.add_argument("--concurrency", type=int, default=256, help="requests in flight (256)")
+    p.add_argument("--requests", type=int, default=256, help="requests timed (256)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (64)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens each (128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="as the job's")
+    p.add_argument("--max-running-requests", type=int, default=None, help="as the job's")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="eager decode")
+    p.add_argument("--log-dir", default=None, help="where the engine's log goes (default: temp)")
+    p.set_defaults(_run=_engine_throughput)
 
     p = sub.add_parser(
         "multinode-bench",

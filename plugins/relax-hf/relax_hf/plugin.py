@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -159,7 +160,10 @@ def missing(feature: str) -> str | None:
 HF_BACKEND = EngineBackend(
     name="hf",
     launch=launch,
-    control_client=ControlClient,
+    # The engine's release of kv_cache flushes its prefix cache itself and refuses while a
+    # request runs, and its resume checks a generation when asked: an offload and an onload
+    # are one engine call each (ControlClient.release_flushes, resume_checks).
+    control_client=functools.partial(ControlClient, release_flushes=True, resume_checks=True),
     devices={"cpu", "cuda"},
     multi_node=True,
     description=(

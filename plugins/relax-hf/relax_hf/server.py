@@ -172,7 +172,12 @@ async def health(request: Request) -> Response:
 
 
 async def health_generate(request: Request) -> Response:
-    engine = engine_of(request)
+    return await _generation_check(engine_of(request)) or Response(status_code=200)
+
+
+async def _generation_check(engine: Any) -> Response | None:
+    """One greedy token from a one-token prompt; ``None`` once it came, else the 503 (or the
+    not-resident answer) saying why not."""
     if engine.broken:
         return error_response(503, f"this multi-node replica is unhealthy: {engine.broken}")
     if engine.paused:
@@ -195,7 +200,7 @@ async def health_generate(request: Request) -> Response:
         return error_response(
             503, f"health generation did not finish: {out['meta_info']['finish_reason']}"
         )
-    return Response(status_code=200)
+    return None
 
 
 # -- info -----------------------------------------------------------------------------------
@@ -431,11 +436,22 @@ async def release_memory(request: Request) -> Response:
 
 
 async def resume_memory(request: Request) -> Response:
-    tags = parse_tags(await read_json(request, optional=True))
+    body = await read_json(request, optional=True)
+    tags = parse_tags(body)
+    # Relax's own field (the manager's onload in one call): once resumed, check one generation
+    # as /health_generate does, and answer its 503 if it fails (the tags stay resumed).
+    check = _flag(body, "check_generation", False) if isinstance(body, dict) else False
     engine = engine_of(request)
     detail = await engine.resume(tags)
+    if check:
+        failed = await _generation_check(engine)
+        if failed is not None:
+            return failed
     message = detail.get("weights", {}).get("message") or f"Resumed {list(tags)}."
-    return ok(message, tags=list(tags), detail=detail, weight_version=engine.weight_version)
+    extra = {"generation_checked": True} if check else {}
+    return ok(
+        message, tags=list(tags), detail=detail, weight_version=engine.weight_version, **extra
+    )
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:

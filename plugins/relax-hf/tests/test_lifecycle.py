@@ -128,6 +128,42 @@ def test_release_is_refused_while_a_request_runs(
     assert _info(plain)["resident"]["weights"] is True
 
 
+def test_a_release_of_every_tag_refused_while_busy_changes_nothing(
+    plain: EngineServer, pool: ThreadPoolExecutor
+) -> None:
+    # What lets the manager release without a flush_cache first: the refusal leaves every tag
+    # resident and the request running.
+    fut = _start_long(plain, pool, "long-release-all")
+    status, body = plain.http.post("/release_memory_occupation", {"tags": None})
+    assert status == 400 and "in flight" in body["message"]
+    assert all(_info(plain)["resident"].values())
+    plain.http.ok("/abort_request", {"rid": "long-release-all"})
+    fut.result(timeout=30)
+
+
+def test_a_resume_asked_to_check_a_generation_generates_one_token(plain: EngineServer) -> None:
+    plain.http.ok("/release_memory_occupation", {"tags": None})
+    out = plain.http.ok("/resume_memory_occupation", {"tags": None, "check_generation": True})
+    assert out["generation_checked"] is True and all(_info(plain)["resident"].values())
+    assert "generation_checked" not in plain.http.ok("/resume_memory_occupation", {"tags": None})
+    status, body = plain.http.post(
+        "/resume_memory_occupation", {"tags": None, "check_generation": "yes"}
+    )
+    assert status == 400 and "check_generation" in json.dumps(body)
+    # Paused, the check cannot generate: 503, the tags resumed all the same.
+    plain.http.ok("/pause_generation", {"mode": "in_place"})
+    try:
+        plain.http.ok("/release_memory_occupation", {"tags": ["kv_cache"]})
+        status, body = plain.http.post(
+            "/resume_memory_occupation", {"tags": ["kv_cache"], "check_generation": True}
+        )
+        assert status == 503 and "paused" in json.dumps(body)
+        assert _info(plain)["resident"]["kv_cache"] is True
+    finally:
+        plain.http.ok("/continue_generation", {})
+    assert plain.http.get("/health_generate")[0] == 200
+
+
 def test_abort_cancels_an_in_flight_request(plain: EngineServer, pool: ThreadPoolExecutor) -> None:
     fut = _start_long(plain, pool, "long-abort")
     out = plain.http.ok("/abort_request", {"rid": "long-abort"})
@@ -197,3 +233,20 @@ def test_a_stream_whose_client_goes_away_is_aborted(plain: EngineServer) -> None
         timeout=30,
         what="the abandoned stream to be aborted",
     )
+
+
+def test_engine_throughput_counts_every_new_token_of_its_requests(plain: EngineServer) -> None:
+    import asyncio
+
+    from relax_hf.throughput_bench import format_result, measure
+
+    vocab = int(_info(plain).get("vocab_size") or 0) or 64
+    out = asyncio.run(
+        measure(
+            plain.url, concurrency=3, requests=5, prompt_tokens=7, max_new_tokens=4,
+            temperature=1.0, vocab=min(vocab, 64),
+        )
+    )  # fmt: skip
+    assert (out["requests"], out["output_tokens"]) == (5, 20) and out["tokens_per_s"] > 0
+    out["device"] = "cpu"
+    assert "5 requests, 3 in flight, 7 prompt + 4 new tokens: 20 tokens" in format_result(out)

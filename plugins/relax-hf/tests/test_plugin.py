@@ -321,7 +321,7 @@ def test_python_m_relax_hf_lists_its_commands() -> None:
         [sys.executable, "-m", "relax_hf", "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0
-    for cmd in ("serve", "make-tiny-model", "bench", "gpu-bench"):
+    for cmd in ("serve", "make-tiny-model", "bench", "gpu-bench", "engine-throughput"):
         assert cmd in out.stdout
 
 
@@ -368,3 +368,13 @@ def test_the_tiny_tokenizer_round_trips_text_and_has_a_chat_template(tiny_model:
     )
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token == "<|im_end|>"
+
+
+def test_the_backend_builds_control_clients_that_switch_in_one_call_each() -> None:
+    from relax_hf.plugin import HF_BACKEND
+
+    from relax_core import ControlClient
+
+    client = HF_BACKEND.control_client("http://127.0.0.1:1")
+    assert isinstance(client, ControlClient)
+    assert (client.release_flushes, client.resume_checks) == (True, True)

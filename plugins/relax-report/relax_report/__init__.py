@@ -6,9 +6,7 @@
 - :mod:`~relax_report.tensorboard`: scalars per step and sample text in ``RUN_DIR/tensorboard``
   (:mod:`~relax_report.tfevents`: TensorBoard's event file without TensorFlow);
 - :mod:`~relax_report.report`: the page (:mod:`~relax_report.data`, :mod:`~relax_report.page`,
-  plotly), and :mod:`~relax_report.command`, ``relax report``.
-
-Loading the plugin imports no plotly (only drawing a page does).
+  :mod:`~relax_report.svg`), and :mod:`~relax_report.command`, ``relax report``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``relax report RUN_DIR``: the run's report, one self-contained HTML page.
 
 Drawn from what the run left in its directory (``relax run --run-dir``, or ``relax-runs/<job>``):
-the ``jsonl`` tracker's ``run.jsonl``. Exit status 2 when the directory holds no run or plotly is
-not installed.
+the ``jsonl`` tracker's ``run.jsonl``. Exit status 2 when the directory holds no run or the page
+cannot be written.
 """
 
 from __future__ import annotations
@@ -26,12 +26,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         path = write_report(args.run_dir, args.output)
-    except ModuleNotFoundError as exc:
-        print(
-            f"relax report: {exc}; the report needs plotly: pip install 'relax-report'",
-            file=sys.stderr,
-        )
-        return 2
     except (OSError, ValueError) as exc:
         print(f"relax report: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,11 @@ id="relax-report-data">``) and draws:
   step, seconds and bytes (``weight_bytes`` and ``kv_cache_bytes`` measured with ``relax run
   --measure``; else ``None``, and ``planned_gib``: the residency plan's budget of the role on
   the slice);
+- ``pushes``: each weight push (the ``push`` lane's spans): ``step``, ``start``, ``end``
+  (seconds since the run's first phase, as the lanes), ``seconds``, ``failed``;
+- ``staleness``: per step whose metrics have the staleness histogram
+  (``async/staleness/<k>``: samples ``k`` versions behind), over its ``train`` span: ``step``,
+  ``start``, ``end``, ``histogram`` (``k`` -> samples) and ``max``;
 - ``samples``: every sample the trackers were shown, with its ``step``;
 - ``job``, ``config``, ``summary`` (``None`` when the run left none: it was killed).
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["report_data"]
@@ -76,10 +81,65 @@ def report_data(run_dir: str) -> dict[str, Any]:
         "series": {k: [metrics[n].get(k) for n in steps] for k in names},
         "phases": {k[len("time/") :]: [metrics[n].get(k, 0.0) for n in steps] for k in phases},
         "lanes": residency_lanes(config, spans, summary),
+        "pushes": pushes(spans),
+        "staleness": staleness(metrics, spans),
         "samples": [
             {"step": r["step"], **s} for r in rows if r["type"] == "samples" for s in r["samples"]
         ],
     }
+
+
+def _origin(spans: Iterable[Mapping[str, Any]]) -> float:
+    """The run's first phase's start: the time axis' zero."""
+    return min((s["start"] for s in spans), default=0.0)
+
+
+def pushes(spans: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The weight pushes (the ``push`` lane's spans; see the module docstring)."""
+    t0 = _origin(spans)
+    return [
+        {
+            "step": s["step"],
+            "start": s["start"] - t0,
+            "end": s["start"] + s["seconds"] - t0,
+            "seconds": s["seconds"],
+            "failed": bool(s.get("failed")),
+        }
+        for s in sorted(spans, key=lambda s: s["start"])
+        if s.get("lane") == "push"
+    ]
+
+
+_STALENESS = "async/staleness/"
+
+
+def staleness(
+    metrics: Mapping[int, Mapping[str, Any]], spans: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each step's staleness histogram over its ``train`` span (see the module docstring); a
+    step without either is left out."""
+    t0 = _origin(spans)
+    trained = {s["step"]: s for s in spans if s.get("lane") == "trainer" and s["name"] == "train"}
+    out = []
+    for step, m in sorted(metrics.items()):
+        histogram = {
+            k[len(_STALENESS) :]: int(v)
+            for k, v in sorted(m.items())
+            if k.startswith(_STALENESS) and k[len(_STALENESS) :].isdigit()
+        }
+        span = trained.get(step)
+        if not histogram or span is None:
+            continue
+        out.append(
+            {
+                "step": step,
+                "start": span["start"] - t0,
+                "end": span["start"] + span["seconds"] - t0,
+                "histogram": histogram,
+                "max": max(int(k) for k in histogram),
+            }
+        )
+    return out
 
 
 def _switch_bytes(summary: Mapping[str, Any] | None) -> dict[tuple[int, str, str], list[Any]]:

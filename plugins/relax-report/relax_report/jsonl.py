@@ -4,6 +4,12 @@ Each line has ``type`` (``config``, ``metrics``, ``span``, ``samples``, ``close`
 (wall clock, seconds since the epoch), then the call's own data: ``config``; ``step`` and
 ``metrics``; the span's fields; ``step`` and ``samples``; the run's ``summary``. Every line is
 flushed as it is written, so a run that dies leaves what it did. ``relax report`` reads it.
+
+A resumed run (``relax run --resume``) appends to the same file, as one run: the lines of the
+steps from the resumed one on (what the killed run logged of steps it never checkpointed) and
+an old ``close`` line are dropped first (the file rewritten in one rename), and the run's
+``config`` line stays its only header: the resumed run writes a ``resume`` line instead
+(``step``, ``run_id``). The first ``config`` line carries the run's ``run_id``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import math
 import os
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +47,11 @@ class JsonlTracker:
     def __init__(self, context: TrackerContext) -> None:
         self.path = os.path.join(context.run_dir, str(context.options.get("file", FILE_NAME)))
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        #: The run's id (kept in the checkpoints; a resumed run goes on with it).
+        self.run_id = context.resume_id or uuid.uuid4().hex
+        self.resume_step = context.resume_step
+        if self.resume_step is not None:
+            _drop_from(self.path, self.resume_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - open until close()
         #: Write RUN_DIR/report.html when closed (the ``report`` option; ``relax run --report``).
         self.report = bool(context.options.get("report", False))
@@ -50,7 +62,10 @@ class JsonlTracker:
         self._file.flush()
 
     def log_config(self, config: Mapping[str, Any]) -> None:
-        self._line("config", config=config)
+        if self.resume_step is not None:
+            self._line("resume", step=self.resume_step, run_id=self.run_id)
+        else:
+            self._line("config", config=config, run_id=self.run_id)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self._line("metrics", step=step, metrics=metrics)
@@ -70,3 +85,24 @@ class JsonlTracker:
                 from relax_report.report import write_report
 
                 write_report(os.path.dirname(self.path))
+
+
+def _drop_from(path: str, step: int) -> None:
+    """Rewrite ``path`` without its lines of ``step`` and later and its ``close`` lines."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line a kill cut short
+            if row.get("type") == "close":
+                continue
+            if isinstance(row.get("step"), int) and row["step"] >= step:
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(f"{path}.tmp", path)

@@ -1,29 +1,41 @@
-"""The report page: one self-contained HTML file (plotly.js inlined, nothing fetched when it is
-viewed) drawn from :func:`~relax_report.data.report_data` with plotly.
+"""The report page: one self-contained HTML file drawn from
+:func:`~relax_report.data.report_data`, its charts inline SVG (:mod:`relax_report.svg`: no
+charting library, no script to draw them, nothing fetched when it is viewed; a few dozen
+kilobytes besides the run's data and samples).
 
-Charts, each a ``<div class="chart">`` with its ``data-chart`` name: ``rewards`` (mean ± std
-and each reward adapter's mean per step), ``teacher-kl``, ``tokens`` (tokens and mean response
-length), ``parse-failures``, ``phases`` (each step's phase seconds, stacked) and ``residency``
-(one lane per role of each shared slice: when it held the GPUs, every switch with its seconds
-and bytes); then the sample table (``<table id="samples">``, filtered as you type). The data
-drawn is embedded as JSON (``<script type="application/json" id="relax-report-data">``).
-
-plotly is imported here only (``relax-report``): ``import relax_core`` never loads it.
+Charts, each a ``<div class="chart">`` with its ``data-chart`` name and ``data-traces`` (how
+many traces or lanes it draws, each a ``<g class="trace">``): ``rewards`` (mean ± std and each
+reward adapter's mean per step), ``teacher-kl``, ``tokens`` (response tokens, the policy's and
+the environment's stacked when an environment wrote any, and the mean response length),
+``parse-failures``, ``rollout`` (each number a rollout reported per sample: its mean and max
+per step), ``phases`` (each step's phase seconds, stacked) and ``residency`` (on one time axis:
+a lane per role of each shared slice — when it held the GPUs, every switch with its seconds and
+bytes —, the weight pushes, and the staleness of what each step trained on); then the sample
+table (``<table id="samples">``, filtered as you type). The data drawn is embedded as JSON
+(``<script type="application/json" id="relax-report-data">``).
 """
 
 from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from relax_report.svg import COLOURS, Segment, Trace, lane_chart, step_chart
 
 __all__ = ["CHARTS", "render_page"]
 
 #: Every chart of the page, in order (a chart whose data the run lacks is left out).
-CHARTS = ("rewards", "teacher-kl", "tokens", "parse-failures", "phases", "residency")
+CHARTS = ("rewards", "teacher-kl", "tokens", "parse-failures", "rollout", "phases", "residency")
 
-_ROLE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d")
+#: The ``rollout`` numbers the tokens chart draws (the rollout chart draws the others).
+_TOKEN_SPLIT = ("policy_tokens", "environment_tokens")
+_ROLLOUT_MEAN = re.compile(r"rollout/(.+)/mean")
+_SWITCH_COLOUR = "#222222"
+_PUSH_COLOUR = "#e45756"
+_STALENESS_COLOURS = ("#54a24b", "#f58518", "#e45756")
 
 
 def _values(series: Mapping[str, Sequence[Any]], name: str) -> list[Any] | None:
@@ -33,68 +45,79 @@ def _values(series: Mapping[str, Sequence[Any]], name: str) -> list[Any] | None:
     return list(values)
 
 
-def _figures(data: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
-    """``(chart name, title, figure)`` of every chart the data has."""
-    import plotly.graph_objects as go
-
+def _figures(data: Mapping[str, Any]) -> list[tuple[str, str, int, str]]:
+    """``(chart name, title, traces, svg)`` of every chart the data has."""
     steps, series = data["steps"], data["series"]
-    out: list[tuple[str, str, Any]] = []
+    out: list[tuple[str, str, int, str]] = []
 
-    def layout(fig: Any, y: str) -> Any:
-        fig.update_layout(
-            xaxis_title="step", yaxis_title=y, margin={"l": 60, "r": 20, "t": 30, "b": 50},
-            legend={"orientation": "h", "y": -0.2}, template="plotly_white",
-        )  # fmt: skip
-        fig.update_xaxes(tickmode="array", tickvals=steps)
-        return fig
+    def chart(name: str, title: str, traces: list[Trace], y: str, **kw: Any) -> None:
+        out.append((name, title, len(traces), step_chart(steps, traces, y_title=y, **kw)))
 
     mean, std = _values(series, "reward/mean"), _values(series, "reward/std")
     if mean is not None:
-        fig = go.Figure()
-        fig.add_trace(
-            go.Scatter(
-                x=steps, y=mean, name="reward mean ± std", mode="lines+markers",
-                error_y={"type": "data", "array": std or [0] * len(steps), "visible": True},
-            )
-        )  # fmt: skip
+        traces = [Trace("reward mean ± std", mean, errors=std)]
         keys = [
             k for k in series if k.startswith("reward/") and k not in ("reward/mean", "reward/std")
         ]
-        for key in keys:
-            fig.add_trace(
-                go.Scatter(x=steps, y=series[key], name=key[len("reward/") :], mode="lines+markers")
-            )
-        out.append(("rewards", "Reward per step (each adapter's mean)", layout(fig, "reward")))
+        traces += [Trace(key[len("reward/") :], series[key]) for key in keys]
+        chart("rewards", "Reward per step (each adapter's mean)", traces, "reward")
     kl = _values(series, "teacher/kl")
     if kl is not None:
-        fig = go.Figure(go.Scatter(x=steps, y=kl, name="teacher KL", mode="lines+markers"))
-        out.append(("teacher-kl", "KL to the teacher", layout(fig, "KL")))
+        chart("teacher-kl", "KL to the teacher", [Trace("teacher KL", kl)], "KL")
     tokens, length = _values(series, "tokens"), _values(series, "response_length/mean")
     if tokens is not None:
-        fig = go.Figure(go.Bar(x=steps, y=tokens, name="response tokens"))
+        policy = _values(series, "rollout/policy_tokens/total")
+        env = _values(series, "rollout/environment_tokens/total")
+        if policy is not None and env is not None and any(env):
+            traces = [
+                Trace("policy tokens", policy, "bar"),
+                Trace("environment tokens", env, "bar"),
+            ]
+        else:
+            traces = [Trace("response tokens", tokens, "bar")]
+        y2 = None
         if length is not None:
-            fig.add_trace(
-                go.Scatter(x=steps, y=length, name="mean response length", yaxis="y2",
-                           mode="lines+markers")
-            )  # fmt: skip
-            fig.update_layout(yaxis2={"title": "tokens per response", "overlaying": "y",
-                                      "side": "right"})  # fmt: skip
-        out.append(("tokens", "Tokens and response length", layout(fig, "tokens")))
+            traces.append(Trace("mean response length", length, right=True))
+            y2 = "tokens per response"
+        chart("tokens", "Tokens and response length", traces, "tokens", y2_title=y2,
+              stacked=True)  # fmt: skip
     failures = _values(series, "parse_failures")
     if failures is not None:
-        fig = go.Figure(go.Bar(x=steps, y=failures, name="parse failures"))
+        traces = [Trace("parse failures", failures, "bar")]
         samples = _values(series, "samples")
         if samples is not None:
-            fig.add_trace(go.Scatter(x=steps, y=samples, name="samples", mode="lines+markers"))
-        out.append(("parse-failures", "Judge answers without a verdict", layout(fig, "samples")))
+            traces.append(Trace("samples", samples))
+        chart("parse-failures", "Judge answers without a verdict", traces, "samples")
+    reported = [
+        m.group(1)
+        for k in series
+        if (m := _ROLLOUT_MEAN.fullmatch(k)) and m.group(1) not in _TOKEN_SPLIT
+    ]
+    if reported:
+        traces = []
+        for i, name in enumerate(reported):
+            colour = COLOURS[i % len(COLOURS)]
+            seconds = name.endswith("seconds")
+            traces.append(Trace(f"{name} mean", series[f"rollout/{name}/mean"], colour=colour,
+                                right=seconds))  # fmt: skip
+            top = series.get(f"rollout/{name}/max")
+            if top is not None:
+                traces.append(Trace(f"{name} max", top, "bar", colour=colour, right=seconds))
+        right = any(t.right for t in traces)
+        chart("rollout", "What the rollout reported per sample (mean, max)", traces,
+              "per sample", y2_title="seconds" if right else None)  # fmt: skip
     if data["phases"]:
-        fig = go.Figure(
-            [go.Bar(x=steps, y=secs, name=phase) for phase, secs in data["phases"].items()]
-        )
-        fig.update_layout(barmode="stack")
-        out.append(("phases", "Seconds per phase of each step", layout(fig, "seconds")))
-    if data["lanes"]:
-        out.append(("residency", "GPU residency of each shared slice", _lanes(data["lanes"])))
+        traces = [Trace(phase, secs, "bar") for phase, secs in data["phases"].items()]
+        chart("phases", "Seconds per phase of each step", traces, "seconds", stacked=True)
+    segments = [
+        *_residency(data["lanes"]),
+        *_pushes(data.get("pushes") or ()),
+        *_staleness(data.get("staleness") or ()),
+    ]
+    if segments:
+        svg = lane_chart(segments, x_title="seconds since the first phase")
+        title = "GPU residency of each shared slice, weight pushes and staleness"
+        out.append(("residency", title, len({s.lane for s in segments}), svg))
     return out
 
 
@@ -102,49 +125,60 @@ def _bytes(n: Any) -> str:
     return "-" if n is None else f"{n / 1e6:.1f} MB"
 
 
-def _lanes(lanes: Sequence[Mapping[str, Any]]) -> Any:
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
+def _residency(lanes: Sequence[Mapping[str, Any]]) -> list[Segment]:
+    """The residency segments: a role's colour while it held the slice, dark for a switch."""
     roles = sorted({seg["role"] for seg in lanes})
-    colour = {r: _ROLE_COLOURS[i % len(_ROLE_COLOURS)] for i, r in enumerate(roles)}
-    for role in roles:
-        for kind in ("held", "onload", "offload"):
-            segs = [s for s in lanes if s["role"] == role and s["kind"] == kind]
-            if not segs:
-                continue
-            text = []
-            for s in segs:
-                what = f"{role} {kind}" + ("" if s["step"] is None else f", step {s['step']}")
-                line = (
-                    f"{what}<br>{s['start']:.2f}s → {s['end']:.2f}s ({s['end'] - s['start']:.3f}s)"
-                )
-                if kind != "held":
-                    line += f"<br>weights {_bytes(s.get('weight_bytes'))}, KV cache "
-                    line += _bytes(s.get("kv_cache_bytes"))
-                if s.get("planned_gib") is not None:
-                    line += f"<br>planned {s['planned_gib']:.3f} GiB"
-                text.append(line)
-            fig.add_trace(
-                go.Bar(
-                    x=[max(s["end"] - s["start"], 1e-3) for s in segs],
-                    base=[s["start"] for s in segs],
-                    y=[f"{s['slice']} · {role}" for s in segs],
-                    orientation="h",
-                    name=f"{role} {kind}" if kind != "held" else role,
-                    marker={
-                        "color": colour[role] if kind == "held" else "#222222",
-                        "opacity": 0.85 if kind == "held" else 1.0,
-                    },
-                    hovertext=text,
-                    hoverinfo="text",
-                )
+    colour = {r: COLOURS[i % len(COLOURS)] for i, r in enumerate(roles)}
+    out = []
+    for s in lanes:
+        role, kind = s["role"], s["kind"]
+        what = f"{role} {kind}" + ("" if s["step"] is None else f", step {s['step']}")
+        text = f"{what}\n{s['start']:.2f}s → {s['end']:.2f}s ({s['end'] - s['start']:.3f}s)"
+        if kind != "held":
+            text += f"\nweights {_bytes(s.get('weight_bytes'))}, KV cache "
+            text += _bytes(s.get("kv_cache_bytes"))
+        if s.get("planned_gib") is not None:
+            text += f"\nplanned {s['planned_gib']:.3f} GiB"
+        out.append(
+            Segment(
+                f"{s['slice']} · {role}", s["start"], s["end"],
+                colour[role] if kind == "held" else _SWITCH_COLOUR, text,
+                legend=role if kind == "held" else "switch (onload, offload)",
             )
-    fig.update_layout(
-        barmode="overlay", xaxis_title="seconds since the first phase", template="plotly_white",
-        margin={"l": 140, "r": 20, "t": 30, "b": 50}, legend={"orientation": "h", "y": -0.25},
-    )  # fmt: skip
-    return fig
+        )  # fmt: skip
+    return out
+
+
+def _pushes(pushes: Sequence[Mapping[str, Any]]) -> list[Segment]:
+    """A lane of the weight pushes, each with its step and seconds."""
+    return [
+        Segment(
+            "weight pushes", p["start"], p["end"], _PUSH_COLOUR,
+            f"weight push before step {p['step']}: {p['seconds']:.3f}s"
+            + (" FAILED" if p.get("failed") else ""),
+            legend="weight push",
+        )
+        for p in pushes
+    ]  # fmt: skip
+
+
+def _staleness(steps: Sequence[Mapping[str, Any]]) -> list[Segment]:
+    """A lane of what each step trained on, over its training: green when every sample was
+    of the current weights, orange at staleness 1, red beyond."""
+    out = []
+    for s in steps:
+        worst = int(s["max"])
+        hist = ", ".join(f"{n} at {k}" for k, n in s["histogram"].items())
+        out.append(
+            Segment(
+                "staleness", s["start"], s["end"],
+                _STALENESS_COLOURS[min(worst, len(_STALENESS_COLOURS) - 1)],
+                f"step {s['step']} trained on samples of staleness {hist or 'unknown'} "
+                f"(max {worst})",
+                legend=f"staleness {worst if worst < 2 else '≥ 2'}",
+            )
+        )  # fmt: skip
+    return out
 
 
 def _cell(value: Any) -> str:
@@ -169,7 +203,12 @@ _COLUMNS = (
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5rem auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.4rem; } h2 { font-size: 1.1rem; margin-top: 2rem; }
-.meta { color: #555; } .chart { height: 380px; }
+.meta { color: #555; } .chart svg { width: 100%; height: auto; display: block; }
+.chart text { font-family: system-ui, sans-serif; } .tick { font-size: 11px; fill: #555; }
+.axis { font-size: 12px; fill: #222; } .grid { stroke: #e8e8e8; }
+.legend { display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 12px; margin: 2px 0 0 70px; }
+.legend i { display: inline-block; width: 12px; height: 12px; margin-right: 4px;
+  vertical-align: -2px; }
 table { border-collapse: collapse; width: 100%; font-size: 0.85rem; }
 th, td { border: 1px solid #ddd; padding: 4px 6px; vertical-align: top; text-align: left; }
 th { background: #f4f4f4; position: sticky; top: 0; }
@@ -205,17 +244,11 @@ def _summary_line(data: Mapping[str, Any]) -> str:
 
 def render_page(data: Mapping[str, Any]) -> str:
     """The report page of ``data`` (:func:`~relax_report.data.report_data`)."""
-    import plotly.io as pio
-
-    parts = []
-    for i, (name, title, fig) in enumerate(_figures(data)):
-        div = pio.to_html(
-            fig, full_html=False, include_plotlyjs=i == 0, default_height="380px",
-            default_width="100%", div_id=f"chart-{name}", config={"displaylogo": False},
-        )  # fmt: skip
-        parts.append(
-            f'<h2>{html.escape(title)}</h2>\n<div class="chart" data-chart="{name}">{div}</div>'
-        )
+    parts = [
+        f'<h2>{html.escape(title)}</h2>\n<div class="chart" data-chart="{name}" '
+        f'data-traces="{traces}">{svg}</div>'
+        for name, title, traces, svg in _figures(data)
+    ]
     head = "".join(f"<th>{c}</th>" for c in _COLUMNS)
     rows = "\n".join(
         "<tr>"

@@ -3,8 +3,8 @@
 - :mod:`~relax_report.data`: the page's data, read from the run directory's ``run.jsonl``
   (the ``jsonl`` tracker's records): per-step series, phase times, each shared slice's GPU
   residency lanes, the samples;
-- :mod:`~relax_report.page`: the page, drawn with plotly (``relax-report``; plotly.js
-  inlined, so nothing is fetched when it is viewed).
+- :mod:`~relax_report.page`: the page, its charts inline SVG (:mod:`~relax_report.svg`), so
+  nothing is fetched when it is viewed.
 
 See ``docs/run.md`` (the report).
 """
@@ -24,8 +24,8 @@ def write_report(run_dir: str, out: str | None = None) -> str:
     """Write the report of the run in ``run_dir`` to ``out`` (default ``RUN_DIR/report.html``,
     atomically); its path.
 
-    :raises ValueError: the run directory has no ``run.jsonl``. :raises ModuleNotFoundError:
-        plotly is not installed (``pip install 'relax-report'``).
+    :raises ValueError: the run directory has no ``run.jsonl``, or a line of it is not JSON.
+    :raises OSError: the page cannot be written.
     """
     path = out or os.path.join(run_dir, REPORT_FILE)
     page = render_page(report_data(run_dir))

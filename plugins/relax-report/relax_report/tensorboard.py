@@ -4,6 +4,11 @@ and the samples as text, in ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_
 Written with :class:`~relax_report.tfevents.EventWriter` (no TensorFlow, torch or
 protobuf). Phase spans are not kept one by one: each step's phase seconds are among its scalars
 (``time/<phase>``), and ``relax report`` and the trace have every span.
+
+A resumed run (``relax run --resume``) writes a new event file in the same folder, so
+TensorBoard shows one run: it starts with a ``SessionLog.START`` at the resumed step, which
+makes TensorBoard drop what the killed run logged at that step and later, and the config is
+not written again.
 """
 
 from __future__ import annotations
@@ -41,10 +46,17 @@ class TensorBoardTracker:
     ``dir`` option names another folder, relative to the run's directory."""
 
     def __init__(self, context: TrackerContext) -> None:
-        directory = os.path.join(context.run_dir, str(context.options.get("dir", "tensorboard")))
-        self.writer = EventWriter(directory)
+        folder = str(context.options.get("dir", "tensorboard"))
+        #: The run's id: its folder, relative to the run's directory.
+        self.run_id = folder
+        self.resumed = context.resume_step is not None
+        self.writer = EventWriter(os.path.join(context.run_dir, folder))
+        if context.resume_step is not None:
+            self.writer.restart(context.resume_step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
+        if self.resumed:
+            return  # the run's first event file has it
         text = json.dumps(config, indent=2, default=str)
         self.writer.text(0, "config", "\n".join("    " + line for line in text.splitlines()))
 

@@ -84,24 +84,35 @@ def _text(tag: str, text: str) -> bytes:
     return _bytes(1, tag.encode()) + _bytes(9, metadata) + _bytes(8, tensor)
 
 
-def _event(wall_time: float, step: int, *, summary: bytes = b"", version: str = "") -> bytes:
+def _event(
+    wall_time: float, step: int, *, summary: bytes = b"", version: str = "", session: int = 0
+) -> bytes:
     out = _key(1, 1) + struct.pack("<d", wall_time) + _key(2, 0) + _varint(step)
     if version:
         out += _bytes(3, version.encode())
     if summary:
         out += _bytes(5, summary)
+    if session:
+        out += _bytes(7, _key(1, 0) + _varint(session))  # session_log (7): SessionLog.status
     return out
 
 
 class EventWriter:
     """Appends events to a new ``events.out.tfevents.*`` file in ``directory`` (made if
-    needed); every write is flushed. Thread-safe; :meth:`close` is idempotent."""
+    needed; never one that is there already); every write is flushed. Thread-safe;
+    :meth:`close` is idempotent."""
 
     def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.0"
-        self.path = os.path.join(directory, name)
-        self._file = open(self.path, "wb")  # noqa: SIM115 - open until close()
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        index = 0
+        while True:  # a file of this process and second already there is another run's part
+            self.path = os.path.join(directory, f"{stem}.{index}")
+            try:
+                self._file = open(self.path, "xb")  # noqa: SIM115 - open until close()
+                break
+            except FileExistsError:
+                index += 1
         self._lock = threading.Lock()
         self._write(_event(time.time(), 0, version="brain.Event:2"))
 
@@ -120,6 +131,11 @@ class EventWriter:
     def text(self, step: int, tag: str, text: str) -> None:
         """One event at ``step`` with ``text`` (Markdown, shown by TensorBoard's text tab)."""
         self._write(_event(time.time(), step, summary=_bytes(1, _text(tag, text))))
+
+    def restart(self, step: int) -> None:
+        """A ``SessionLog.START`` at ``step``: TensorBoard drops the events of this folder at
+        ``step`` and later written before it (a run resumed at ``step``)."""
+        self._write(_event(time.time(), step, session=1))
 
     def close(self) -> None:
         """Close the file."""

@@ -1,16 +1,18 @@
-"""``relax report``: the residency lanes drawn from a run's lease spans, the page written from a
-run directory (plotly.js inlined, the data embedded), and a directory without a run refused.
+"""``relax report``: the residency lanes drawn from a run's lease spans, the weight pushes and
+each step's staleness beside them, the page written from a run directory (its charts inline
+SVG, the data embedded, a few kilobytes), and a directory without a run refused.
 The page of a real run, opened in a browser, is tests/run/test_tracking_run.py's."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from relax_report.data import residency_lanes
+from relax_report.data import pushes, residency_lanes, staleness
 from relax_report.report import report_data, write_report
 
 CONFIG = {
@@ -27,6 +29,8 @@ def _span(step: int, name: str, start: float, seconds: float, lane: str = "lease
 
 SPANS = [
     _span(0, "generate", 100.0, 1.0, lane="batch"),
+    _span(1, "weight_push", 104.5, 0.25, lane="push"),
+    _span(0, "train", 104.5, 0.5, lane="trainer"),
     _span(0, "rollout.offload", 101.0, 0.5),
     _span(0, "genrm.onload", 101.5, 0.5),
     _span(0, "genrm.offload", 104.0, 0.5),
@@ -60,7 +64,8 @@ def _run_dir(path: Path) -> Path:
     rows = [{"type": "config", "config": CONFIG}, *SPANS]
     for step in range(2):
         rows.append({"type": "metrics", "step": step,
-                     "metrics": {"reward/mean": 0.1 * step, "time/genrm": 1.0}})  # fmt: skip
+                     "metrics": {"reward/mean": 0.1 * step, "time/genrm": 1.0,
+                                 "async/staleness/0": 2}})  # fmt: skip
         rows.append({"type": "samples", "step": step,
                      "samples": [{"id": f"s{step}", "prompt": "</script><b>x</b>"}]})  # fmt: skip
     rows.append({"type": "close", "summary": None})
@@ -69,13 +74,32 @@ def _run_dir(path: Path) -> Path:
     return path
 
 
-def test_the_page_inlines_plotly_and_embeds_the_data_it_draws(tmp_path: Path) -> None:
+def test_the_weight_pushes_and_each_trained_steps_staleness_have_lanes_of_their_own() -> None:
+    metrics = {
+        0: {"async/staleness/0": 3, "async/staleness/1": 1},
+        1: {"async/staleness/0": 4},  # step 1 has no train span: left out
+    }
+    assert pushes(SPANS) == [
+        {"step": 1, "start": 4.5, "end": 4.75, "seconds": 0.25, "failed": False}
+    ]
+    assert staleness(metrics, SPANS) == [
+        {"step": 0, "start": 4.5, "end": 5.0, "histogram": {"0": 3, "1": 1}, "max": 1}
+    ]
+
+
+def test_the_page_draws_svg_embeds_the_data_and_stays_small(tmp_path: Path) -> None:
     run_dir = _run_dir(tmp_path / "run")
     data = report_data(str(run_dir))
     assert data["series"]["reward/mean"] == [0.0, 0.1] and data["phases"] == {"genrm": [1.0, 1.0]}
     page = Path(write_report(str(run_dir))).read_text()
-    assert "<script src=" not in page and "Plotly" in page  # nothing to fetch
-    assert page.count('class="chart"') == 3  # rewards, phases, residency: what the data has
+    assert "<script src=" not in page and "<link" not in page  # nothing to fetch
+    # rewards, phases, residency: what the data has; each trace a group of the chart's SVG
+    charts = re.findall(r'data-chart="([a-z-]+)" data-traces="(\d+)"', page)
+    assert charts == [("rewards", "1"), ("phases", "1"), ("residency", "4")]
+    residency = page.split('data-chart="residency"')[1]
+    lanes = re.findall(r'<g class="trace" data-name="([^"]+)"', residency)
+    assert lanes == ["actor:0-0 · genrm", "actor:0-0 · rollout", "weight pushes", "staleness"]
+    assert len(page.encode()) < 50_000
     start = page.index('id="relax-report-data">') + len('id="relax-report-data">')
     embedded = json.loads(page[start : page.index("</script>", start)])
     assert embedded["series"] == data["series"]
@@ -97,6 +121,6 @@ def test_relax_report_writes_the_page_and_refuses_a_directory_without_a_run(
     done = _relax("report", str(run_dir), "-o", str(tmp_path / "page.html"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(tmp_path / "page.html")
-    assert (tmp_path / "page.html").stat().st_size > 1_000_000  # plotly.js inlined
+    assert "<svg" in (tmp_path / "page.html").read_text()
     done = _relax("report", str(tmp_path))
     assert done.returncode == 2 and "no run.jsonl" in done.stderr

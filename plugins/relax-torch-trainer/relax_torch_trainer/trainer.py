@@ -12,7 +12,10 @@ Megatron or FSDP: a real trainer keeps the same two methods.
   engines in one fenced manager update, in buckets of ``push_bucket_bytes`` (one engine call
   each: a safetensors file, one CUDA IPC handle of a flat buffer, or one broadcast of it);
 - ``measure_copy(sizes)`` times the pinned copies ``relax run --measure`` compares each phase
-  switch with.
+  switch with;
+- ``save(directory)`` / ``load(directory)``: the run's checkpoints (``relax run --resume``):
+  the policy's weights, Adam's state, the optimizer steps taken and torch's RNG, in one
+  ``trainer.pt``, so a resumed run's optimizer goes on where it stopped.
 
 ``train`` and ``push`` run concurrently in the actor, so each holds the model's lock. torch is
 imported inside the methods: importing this module (as loading the plugin does) imports none.
@@ -33,6 +36,8 @@ from relax_torch_trainer.options import GRPOOptions
 
 __all__ = ["PolicyTrainer"]
 
+#: The file of :meth:`PolicyTrainer.save` in its directory.
+STATE_FILE = "trainer.pt"
 #: The deadline of the ``distributed`` push's group: its rendezvous and each broadcast.
 _GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -82,6 +87,51 @@ class PolicyTrainer:
         out["wait_seconds"] = waited
         _run(ctx.sink.delete(receipt.partition))
         return out
+
+    def save(self, directory: str) -> dict[str, Any]:
+        """Write the trainer's state to ``directory/trainer.pt`` (a temp file renamed into
+        place): the policy's weights, Adam's state, the optimizer steps and torch's RNG;
+        return ``{"optimizer_steps": N, "bytes": size}``."""
+        import os
+
+        import torch
+
+        path = os.path.join(directory, STATE_FILE)
+        with self._model_lock:
+            state = {
+                "policy": self.policy.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "steps": self.steps,
+                "rng": torch.get_rng_state(),
+            }
+            torch.save(state, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
+        return {"optimizer_steps": self.steps, "bytes": os.path.getsize(path)}
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Read back what :meth:`save` wrote to ``directory``; return
+        ``{"optimizer_steps": N}``.
+
+        :raises LifecycleError: no state there, or one of another model (its error quoted).
+        """
+        import os
+
+        import torch
+
+        path = os.path.join(directory, STATE_FILE)
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+            with self._model_lock:
+                self.policy.load_state_dict(state["policy"])
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.steps = int(state["steps"])
+                torch.set_rng_state(state["rng"].cpu())
+        except (OSError, RuntimeError, KeyError, ValueError) as exc:
+            raise LifecycleError(
+                f"the trainer's state in {path} cannot be loaded ({type(exc).__name__}: {exc}); "
+                "it must be a checkpoint of the same model"
+            ) from None
+        return {"optimizer_steps": self.steps}
 
     def _step(self, batch_id: int, samples: Sequence[Any]) -> dict[str, Any]:
         import torch

@@ -207,3 +207,33 @@ def test_measure_copy_reports_the_median_of_the_repeats_of_each_size_both_ways(
     monkeypatch.setattr(trainer_module, "time", Clock())
     copies = trainer.measure_copy([4096, 0, 4096, 1024], repeats=3)
     assert copies == {1024: {"h2d": 2.0, "d2h": 20.0}, 4096: {"h2d": 2.0, "d2h": 20.0}}
+
+
+def test_save_then_load_into_a_fresh_trainer_continues_the_optimizer_and_the_weights(
+    tiny: Path, tmp_path: Path
+) -> None:
+    trainer = _trainer(tiny, options=GRPOOptions(learning_rate=1e-3))
+    samples = _samples(trainer.policy)
+    trainer.context.sink.partitions["train_0"] = list(samples)
+    trainer.train(0)
+    saved = trainer.save(str(tmp_path))
+    assert saved["optimizer_steps"] == 1
+    # The next step, taken by the trainer that saved and by a fresh one that loaded: the same.
+    trainer.context.sink.partitions["train_1"] = list(samples)
+    expected = trainer.train(1)
+    fresh = _trainer(tiny, options=GRPOOptions(learning_rate=1e-3))
+    assert fresh.load(str(tmp_path)) == {"optimizer_steps": 1}
+    fresh.context.sink.partitions["train_1"] = list(samples)
+    got = fresh.train(1)
+    assert got["optimizer_steps"] == expected["optimizer_steps"] == 2
+    mine = dict(fresh.policy.named_weights())
+    for name, tensor in trainer.policy.named_weights():
+        assert torch.equal(mine[name], tensor), name
+
+
+def test_load_of_a_directory_without_a_saved_state_says_where_it_looked(
+    tiny: Path, tmp_path: Path
+) -> None:
+    trainer = _trainer(tiny)
+    with pytest.raises(LifecycleError, match=r"trainer\.pt cannot be loaded"):
+        trainer.load(str(tmp_path))

@@ -25,20 +25,28 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import traceback
 from types import TracebackType
 from typing import Any
 
-from relax_core.client.client import InferenceClient
-from relax_core.coordination import RewardContext, RewardResult, RoleClients, Sample
-from relax_core.plugins import PluginManager, Registered
-from relax_core.records import NAME_PATTERN, RewardSpec
+from relax_core import (
+    InferenceClient,
+    PluginManager,
+    RewardContext,
+    RewardResult,
+    RewardSpec,
+    RoleClients,
+    Sample,
+)
 
 NAME = "rewards"
 HELP = "Try a registered reward adapter on one prompt and response (starts nothing)."
 
 _PREFIX = "relax rewards try"
+#: A role's name, as the job file takes it.
+_ROLE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 #: What ``relax run`` does with a step whose reward stage fails (an adapter raised or returned
 #: something that is not a number) or whose batch fails validation (a non-finite reward).
 _RUN_STOPS = "and the run stops (exit status 1)"
@@ -58,7 +66,7 @@ def _metadata(text: str) -> dict[str, Any]:
 
 def _role_source(text: str) -> tuple[str, str]:
     role, _, url = text.partition("=")
-    if not NAME_PATTERN.match(role) or not url.startswith(("http://", "https://")):
+    if not _ROLE_NAME.match(role) or not url.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(
             f"give ROLE=URL, a role's gateway, e.g. genrm=http://127.0.0.1:8100/genrm: {text!r}"
         )
@@ -129,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 def _try(args: argparse.Namespace) -> int:
     """``relax rewards try``: the adapter on the sample, reported; the exit status."""
     table = PluginManager.create().registered("reward_adapters")
-    found: Registered[RewardSpec] | None = table.get(args.adapter)
+    found = table.get(args.adapter)
     if found is None:
         known = ", ".join(f"{n} ({r.distribution})" for n, r in sorted(table.items()))
         print(
@@ -208,8 +216,9 @@ def _exception(exc: BaseException) -> str:
 class _Trial:
     """How one try is reported: text on stdout (errors on stderr), or one JSON object."""
 
-    def __init__(self, found: Registered[RewardSpec], as_json: bool) -> None:
-        self.spec = found.record
+    def __init__(self, found: Any, as_json: bool) -> None:
+        # ``found``: the adapter's registration (its ``record`` and ``distribution``).
+        self.spec: RewardSpec = found.record
         self.distribution = found.distribution
         self.as_json = as_json
 

@@ -1,0 +1,189 @@
+"""Checkpoints of ``relax run`` (``relax_core.run.checkpoint``) without engines: what one holds,
+that a failed write keeps the previous one, the errors of a run directory that cannot be
+resumed, the prompt source replayed to a checkpoint's position, and the one step driver started
+at a checkpoint's step (the simulated job of ``test_one_driver``). ``test_resume_cli`` kills and
+resumes a real run."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
+
+from relax_core import CheckpointError
+from relax_core.coordination import MemoryBatchSink
+from relax_core.coordination.stages import RoleClients
+from relax_core.run.checkpoint import (
+    FILE,
+    Checkpointer,
+    Cursor,
+    job_settings,
+    read_checkpoint,
+    settings_problems,
+)
+from relax_core.run.config import RunConfig
+from relax_core.run.data import ArithmeticSource
+from relax_core.run.loop import StepPorts, drive
+from relax_core.run.progress import Printer
+
+TIMES = Times(generate_s=0.01, score_s=0.01, train_s=0.01, push_s=0.0, groups=2)
+
+
+class SavingTrainer:
+    """Writes its step count to the directory it is given; ``fail``: its save raises."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.fail = False
+
+    async def save(self, directory: str) -> dict[str, Any]:
+        if self.fail:
+            raise RuntimeError("the disk is full")
+        Path(directory, "state.json").write_text(json.dumps({"steps": self.steps}))
+        return {"optimizer_steps": self.steps}
+
+
+def _checkpointer(run_dir: Path, trainer: SavingTrainer, **kw: Any) -> Checkpointer:
+    cursor = Cursor(ArithmeticSource(0))
+    settings = {"run.seed": 0}
+    return Checkpointer(
+        str(run_dir), every=2, steps=5, trainer=trainer, cursor=cursor, job="j",
+        job_file="job.toml", settings=settings, run_ids=lambda: {"jsonl": "abc"}, **kw,
+    )  # fmt: skip
+
+
+def test_a_checkpoint_is_written_every_n_steps_and_after_the_last_holding_what_a_resume_needs(
+    tmp_path: Path,
+) -> None:
+    trainer = SavingTrainer()
+    checkpoints = _checkpointer(tmp_path, trainer)
+
+    async def steps() -> None:
+        for step in range(5):
+            checkpoints.cursor.mark(step)
+            checkpoints.cursor.take(4)
+            trainer.steps += 1
+            await checkpoints.after(step)
+
+    asyncio.run(steps())
+    assert [c.step for c in checkpoints.written] == [2, 4, 5]
+    latest = read_checkpoint(str(tmp_path))
+    assert latest == checkpoints.written[-1]
+    assert (latest.step, latest.cursor, latest.weight_version) == (5, 20, "5")
+    assert latest.trainer == {"optimizer_steps": 5} and dict(latest.trackers) == {"jsonl": "abc"}
+    state = tmp_path / latest.trainer_dir / "state.json"
+    assert json.loads(state.read_text()) == {"steps": 5}
+    # only the latest state is kept
+    assert os.listdir(tmp_path / "checkpoints") == ["step-5"]
+
+
+def test_a_checkpoint_of_a_step_not_yet_begun_has_the_cursor_of_now_and_of_one_begun_its_start(
+    tmp_path: Path,
+) -> None:
+    cursor = Cursor(ArithmeticSource(0))
+    cursor.mark(0)
+    cursor.take(4)
+    assert cursor.at(1) == 4
+    cursor.mark(1)  # step 1 began (async: generated ahead) before step 0's checkpoint
+    cursor.take(4)
+    assert cursor.at(1) == 4 and cursor.at(2) == 8
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_the_latest_and_says_so(
+    tmp_path: Path,
+) -> None:
+    trainer = SavingTrainer()
+    checkpoints = _checkpointer(tmp_path, trainer)
+    asyncio.run(checkpoints.write(2))
+    trainer.fail = True
+    with pytest.raises(CheckpointError, match=r"step 4 could not be written .*the disk is full"):
+        asyncio.run(checkpoints.write(4))
+    assert read_checkpoint(str(tmp_path)).step == 2
+
+
+def test_a_checkpoint_file_cut_short_by_a_kill_is_never_read_the_renamed_one_is(
+    tmp_path: Path,
+) -> None:
+    asyncio.run(_checkpointer(tmp_path, SavingTrainer()).write(2))
+    (tmp_path / f"{FILE}.tmp").write_text('{"step": 4, "cur')  # killed mid-write
+    (tmp_path / "checkpoints" / "step-4.tmp").mkdir()
+    assert read_checkpoint(str(tmp_path)).step == 2
+
+
+def test_resuming_a_directory_without_a_checkpoint_says_why_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(CheckpointError, match=r"no such directory; --resume takes"):
+        read_checkpoint(str(tmp_path / "nowhere"))
+    (tmp_path / "run.jsonl").write_text("")
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint \(checkpoint.json\)"):
+        read_checkpoint(str(tmp_path))
+    (tmp_path / FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"checkpoint.json cannot be read"):
+        read_checkpoint(str(tmp_path))
+
+
+def test_a_job_that_changed_what_a_resume_keeps_is_named_key_by_key() -> None:
+    before = job_settings(RunConfig(seed=0), generation_model="policy", model_path="/m")
+    checkpoint = asyncio.run(_saved(before))
+    later = RunConfig(seed=1, steps=9, request_timeout=5.0)  # steps and deadlines may change
+    now = job_settings(later, generation_model="policy", model_path="/m")
+    problems = settings_problems(checkpoint, now, run_dir="runs/a", job_file="job.toml")
+    assert len(problems) == 1
+    assert problems[0].startswith("run.seed: the run in runs/a had 0, job.toml now has 1;")
+
+
+async def _saved(settings: dict[str, Any]) -> Any:
+    from relax_core.run.checkpoint import Checkpoint
+
+    return Checkpoint(step=1, steps=3, cursor=4, weight_version="1", trainer_dir="t",
+                      settings=settings)  # fmt: skip
+
+
+def test_a_source_replayed_to_a_cursor_hands_out_what_the_uninterrupted_one_did() -> None:
+    uninterrupted = ArithmeticSource(7)
+    uninterrupted.take(12)
+    resumed = Cursor.resumed(ArithmeticSource(7), 12)
+    assert resumed.take(8) == uninterrupted.take(8)
+    assert resumed.taken == 20
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("defer", [False, True], ids=["split", "defer"])
+def test_the_driver_started_at_a_checkpoints_step_runs_the_steps_after_it(
+    mode: str, defer: bool
+) -> None:
+    coord = coordinator(deferred=("judge",) if defer else ())
+    sink = MemoryBatchSink()
+    rollout = SimRollout(TIMES)
+    rollout.pushed("2")  # the resume's push before the first generation
+    trainer = SimTrainer(TIMES, coord, sink, rollout)
+    run = RunConfig(mode=mode, prompts_per_step=TIMES.groups, samples_per_prompt=2,
+                    operation_timeout=30.0)  # fmt: skip
+    ports = StepPorts(
+        name="resumed", run=run, coordinator=coord, rollout=handle(),
+        stages=[SimJudge(TIMES)], sink=sink, clients=RoleClients({}),
+        producer=rollout.producer, trainer=trainer, generation_role="policy",
+        deferred_roles=("judge",) if defer else (), switching=defer, free=not defer,
+    )  # fmt: skip
+    trained: list[int] = []
+
+    async def on_trained(step: int) -> None:
+        trained.append(step)
+
+    printer = Printer(json_lines=True, out=io.StringIO(), err=io.StringIO(), tty=False)
+    summary = asyncio.run(
+        drive(ports, printer, steps=5, initial_version="2", first_step=2, on_trained=on_trained)
+    )
+    assert summary.failure is None
+    assert [r["step"] for r in summary.committed] == [2, 3, 4] == trained
+    assert summary.row()["first_step"] == 2
+    assert summary.weight_versions == ["2", "3", "4", "5"]
+    if mode == "sync":  # step N generated with the weights trained on batch N - 1
+        assert [r["weight_version"] for r in summary.committed] == ["2", "3", "4"]

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Issue 34's measurements on one H200, in one session of at most ~9 minutes (BUDGET seconds,
+# default 540), on the GPU machine, from the repository root, with .whl/ made by
+# tools/h200-wheels.sh beside it:
+#
+#   bash tools/h200-issue34.sh
+#
+# In order (each bounded by what is left of the budget; what does not fit is skipped and says so
+# in the summary):
+#   1. docs/examples/run-h200.toml with CUDA graphs, 5 steps, --measure: each switch against
+#      1.25 x the pinned copy of its bytes + 15 ms, the decode graphs captured during each switch
+#      (the engines' /server_info counters around it), and each step's generate and genrm
+#      phases' tokens/s (their engines' generation counters over the phase's seconds);
+#   2. relax-hf engine-throughput on the policy and the judge model alone, at the shapes the
+#      run's phases had (256 in flight; their mean prompt and new tokens): the phases' tokens/s
+#      over the engine's own;
+#   3. relax bench wake --job docs/examples/run-h200.toml: wake cost p50 / p99 against one pinned
+#      copy of a model's weights;
+#   4. relax-hf gpu-bench: decode at concurrency 1 against the weight-bandwidth roofline;
+#   5. docs/examples/run-h200-async.toml (graphs) back to back up to ASYNC_RUNS times (default 5),
+#      each checked for every step committed.
+# Files go to $OUT (default /tmp/relax-h200-issue34): summary.json (everything above), each
+# part's JSON lines and logs, engine logs as logs.tgz. DRY=1 writes the plan and stops (no GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/relax-h200-issue34}
+BUDGET=${BUDGET:-540}
+ASYNC_RUNS=${ASYNC_RUNS:-5}
+# PARTS: which of run, throughput, wake, gpu-bench, async to run (default all; e.g. PARTS="wake
+# gpu-bench" in a second session when one session's budget cannot hold them all).
+PARTS=${PARTS:-run throughput wake gpu-bench async}
+want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+mkdir -p "$OUT"
+if [ "${DRY:-0}" = 1 ]; then
+  began=$(date +%s)
+  echo "plan: run-h200 graphs, engine-throughput x2, gpu-bench, bench wake, async x$ASYNC_RUNS" \
+    "within ${BUDGET}s; files in $OUT" | tee "$OUT/plan.txt"
+  exit 0
+fi
+# shellcheck source=tools/h200-setup.sh
+source tools/h200-setup.sh
+
+left() { echo $(( BUDGET - ($(date +%s) - began) )); }
+# bounded SECONDS_WANTED NAME CMD...: run CMD with the time left (at most SECONDS_WANTED), or
+# skip it (noted in $OUT/skipped.txt) when less than a third of that is left.
+bounded() {
+  local want=$1 name=$2
+  shift 2
+  local t
+  t=$(left)
+  if [ "$t" -lt $(( want / 3 )) ]; then
+    echo "$name: skipped, ${t}s left of ${BUDGET}s" | tee -a "$OUT/skipped.txt"
+    return 99
+  fi
+  [ "$t" -gt "$want" ] && t=$want
+  echo "== $name (up to ${t}s; $(( $(date +%s) - began ))s in)"
+  timeout -s INT -k 30 "$t" "$@"  # SIGINT: relax run and serve stop as on Ctrl-C
+}
+
+# 1. run-h200.toml with graphs.
+if want run; then
+  bounded 220 run-h200 python3 -m relax_core run docs/examples/run-h200.toml --json --measure \
+    --log-dir "$OUT/logs-graphs" >"$OUT/graphs.jsonl" 2>"$OUT/graphs.log"
+  echo "run-h200 exited $?"; grep -v '^  · ' "$OUT/graphs.log" | tail -n 8
+fi
+
+# 2. The engines' own throughput at the phases' shapes (read off the run's counters).
+python3 - "$OUT/graphs.jsonl" >"$OUT/shapes.env" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+summary = rows[-1] if rows and rows[-1].get("summary") else {}
+sw = (summary.get("switching") or {}).get("switches") or []
+steps = [r for r in rows if "reward_mean" in r]
+def shape(role):
+    gen = pre = n = 0
+    for s in steps:
+        on = [w for w in sw if w["role"] == role and w["direction"] == "onload" and w["step"] == s["step"]]
+        off = [w for w in sw if w["role"] == role and w["direction"] == "offload" and w["step"] == s["step"]]
+        if on and off:
+            a, b = on[0]["counters_after"], off[0]["counters_before"]
+            gen += b.get("generation_tokens_total", 0) - a.get("generation_tokens_total", 0)
+            pre += b.get("prefill_tokens_total", 0) - a.get("prefill_tokens_total", 0)
+            n += s.get("samples", 0)
+    return (round(pre / n) if n else 64, round(gen / n) if n else 128)
+for role, name in (("rollout", "ROLLOUT"), ("genrm", "JUDGE")):
+    p, g = shape(role)
+    print(f"{name}_PROMPT={max(1, p)}\n{name}_NEW={max(1, g)}")
+PY
+# shellcheck disable=SC1091
+source "$OUT/shapes.env"
+want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0 genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0; do
+  IFS=: read -r role model prompt new temp <<<"$m"
+  bounded 80 "engine-throughput $role" python3 -m relax_hf engine-throughput \
+    "docs/examples/small/$model" --json --concurrency 256 --requests 256 \
+    --prompt-tokens "$prompt" --max-new-tokens "$new" --temperature "$temp" \
+    --mem-fraction-static 0.6 --max-running-requests 256 --log-dir "$OUT/logs-throughput" \
+    >"$OUT/throughput-$role.json" 2>"$OUT/throughput-$role.log"
+  echo "engine-throughput $role exited $?"; tail -c 400 "$OUT/throughput-$role.json"; echo
+done
+
+# 3. Wake under relax serve, against one pinned copy of a model's weights.
+python3 - "$OUT/copy.json" <<'PY'
+import json, sys
+from pathlib import Path
+from relax_hf.gpu_bench import _h2d_baseline
+nbytes = sum(p.stat().st_size for p in Path("docs/examples/small/judge").glob("*.safetensors"))
+seconds = _h2d_baseline(nbytes, "cuda:0", repeats=5)
+json.dump({"weight_bytes": nbytes, "pinned_h2d_ms": round(seconds * 1e3, 2)}, open(sys.argv[1], "w"))
+PY
+if want wake; then
+  bounded 210 wake python3 -m relax_core bench wake --job docs/examples/run-h200.toml --json \
+    >"$OUT/wake.json" 2>"$OUT/wake.log"
+  echo "bench wake exited $?"
+fi
+
+# 4. Single-stream decode against the roofline.
+if want gpu-bench; then
+  bounded 120 gpu-bench python3 -m relax_hf gpu-bench --json >"$OUT/gpu-bench.json" \
+    2>"$OUT/gpu-bench.log"
+  echo "gpu-bench exited $?"
+fi
+
+# 5. The async job with graphs, back to back, while the budget lasts.
+export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
+want async || ASYNC_RUNS=0
+for i in $(seq 1 "$ASYNC_RUNS"); do
+  bounded 240 "async run $i" python3 -m relax_core run docs/examples/run-h200-async.toml \
+    --json --log-dir "$OUT/logs-async-$i" >"$OUT/async-$i.jsonl" 2>"$OUT/async-$i.log"
+  code=$?
+  echo "async run $i exited $code"
+  [ $code -eq 99 ] && { rm -f "$OUT/async-$i.jsonl" "$OUT/async-$i.log"; break; }
+done
+
+python3 tools/h200_issue34_summary.py "$OUT" | tee "$OUT/summary.json"
+tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls -d logs-* 2>/dev/null) 2>/dev/null
+rm -rf "$OUT"/logs-*
+echo "done in $(( $(date +%s) - began ))s; files in $OUT"

@@ -1,0 +1,157 @@
+"""The summary of tools/h200-issue34.sh: ``python tools/h200_issue34_summary.py OUT`` reads the
+files the script wrote under OUT and prints one JSON object (missing parts are ``null``).
+
+- ``switches``: each switch of the run-h200.toml run (graphs on) against 1.25 x the pinned copy
+  of its bytes + 15 ms, the engines' own seconds, and the decode graphs captured during it;
+- ``phases``: per step past the first, generate's and genrm's tokens/s (their engines'
+  generation counters over the phase's seconds), and over the engine's own at that shape
+  (``relax-hf engine-throughput``);
+- ``gpu_bench``: decode at concurrency 1 against the roofline; ``wake``: p50 / p99 against the
+  pinned copy; ``async``: each run's committed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+LIMIT_FACTOR, LIMIT_FIXED = 1.25, 0.015
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    except (OSError, ValueError):
+        return []
+
+
+def _last_json(path: Path) -> dict[str, Any] | None:
+    rows = _rows(path)
+    return rows[-1] if rows else None
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int | None:
+    if key in after and key in before:
+        return int(after[key]) - int(before[key])
+    return None
+
+
+def _run(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [r for r in rows if "reward_mean" in r]
+    summary = rows[-1] if rows and rows[-1].get("summary") else {}
+    switching = summary.get("switching") or {}
+    switches = []
+    for w in switching.get("switches") or []:
+        copy = w.get("copy_seconds")
+        limit = None if copy is None else LIMIT_FACTOR * copy + LIMIT_FIXED
+        captures = _delta(
+            w.get("counters_after") or {}, w.get("counters_before") or {}, "cuda_graph_captures"
+        )
+        switches.append(
+            {
+                "step": w["step"],
+                "role": w["role"],
+                "direction": w["direction"],
+                "ms": round(w["seconds"] * 1e3, 1),
+                "engine_ms": None
+                if w.get("engine_seconds") is None
+                else round(w["engine_seconds"] * 1e3, 1),
+                "copy_ms": None if copy is None else round(copy * 1e3, 1),
+                "limit_ms": None if limit is None else round(limit * 1e3, 1),
+                "within": None if limit is None else w["seconds"] <= limit,
+                "captures": captures,
+            }
+        )
+    phases = []
+    for s in steps[1:]:
+        row: dict[str, Any] = {"step": s["step"], "samples": s.get("samples")}
+        for role, phase in (("rollout", "generate"), ("genrm", "genrm")):
+            at = {
+                (w["role"], w["direction"], w["step"]): w for w in switching.get("switches") or []
+            }
+            on = [at[k] for k in [(role, "onload", s["step"])] if k in at]
+            off = [at[k] for k in [(role, "offload", s["step"])] if k in at]
+            seconds = (s.get("phases") or {}).get(phase)
+            if on and off and seconds:
+                tokens = _delta(
+                    off[0].get("counters_before") or {},
+                    on[0].get("counters_after") or {},
+                    "generation_tokens_total",
+                )
+                row[phase] = {
+                    "seconds": round(seconds, 3),
+                    "tokens": tokens,
+                    "tokens_per_s": None if tokens is None else round(tokens / seconds, 1),
+                }
+        phases.append(row)
+    within = [x["within"] for x in switches if x["within"] is not None]
+    captured = [x["captures"] for x in switches if x["captures"] is not None]
+    return {
+        "steps": len(steps),
+        "step_seconds": [round(r["seconds"], 2) for r in steps],
+        "switching_share": switching.get("share_of_step"),
+        "switches_within_1.25x_copy_plus_15ms": f"{sum(within)} of {len(within)}",
+        "all_within_15ms": all(within) if within else None,
+        "graphs_captured_during_switches": sum(captured) if captured else None,
+        "switches": switches,
+        "phases": phases,
+    }
+
+
+def main(out: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"graphs_run": _run(_rows(out / "graphs.jsonl"))}
+    for role, phase in (("rollout", "generate"), ("genrm", "genrm")):
+        engine = _last_json(out / f"throughput-{role}.json")
+        own = engine.get("tokens_per_s") if engine else None
+        ratios = [
+            p[phase]["tokens_per_s"] / own
+            for p in result["graphs_run"]["phases"]
+            if own and phase in p and p[phase]["tokens_per_s"] is not None
+        ]
+        result[f"{phase}_vs_engine"] = {
+            "engine_tokens_per_s": own,
+            "engine_shape": None
+            if not engine
+            else {k: engine.get(k) for k in ("concurrency", "prompt_tokens", "max_new_tokens")},
+            "phase_over_engine": [round(r, 3) for r in ratios],
+            "median": round(statistics.median(ratios), 3) if ratios else None,
+            "target": 0.8,
+        }
+    bench = _last_json(out / "gpu-bench.json")
+    decode = (bench or {}).get("decode") or {}
+    result["gpu_bench"] = {
+        "c1_tokens_per_s": decode.get("c1_tokens_per_s"),
+        "c64_tokens_per_s": decode.get("c64_tokens_per_s"),
+        "c1_over_roofline": decode.get("c1_over_roofline"),
+        "target": 0.35,
+    }
+    wake = _last_json(out / "wake.json")
+    copy = _last_json(out / "copy.json")
+    if wake:
+        p50, p99 = wake.get("wake_cost_p50_ms"), wake.get("wake_cost_p99_ms")
+        pinned = (copy or {}).get("pinned_h2d_ms")
+        result["wake"] = {
+            "p50_ms": p50,
+            "p99_ms": p99,
+            "pinned_copy_ms": pinned,
+            "p50_over_copy": round(p50 / pinned, 2) if p50 and pinned else None,
+            "p99_over_p50": round(p99 / p50, 2) if p50 and p99 else None,
+            "targets": "p50 <= 2 x copy, p99 <= 2 x p50",
+        }
+    runs = []
+    for path in sorted(out.glob("async-*.jsonl"), key=lambda p: int(p.stem.split("-")[1])):
+        rows = _rows(path)
+        steps = [r for r in rows if "reward_mean" in r]
+        runs.append({"run": path.stem, "steps_committed": len(steps),
+                     "step_seconds": [round(r["seconds"], 2) for r in steps]})  # fmt: skip
+    result["async_runs"] = runs
+    skipped = out / "skipped.txt"
+    result["skipped"] = skipped.read_text().splitlines() if skipped.exists() else []
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(Path(sys.argv[1]))))
