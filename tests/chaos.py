@@ -132,6 +132,8 @@ def account(
         if step not in failed:
             unaccounted.append(step)
             continue
+        # a failed step reports itself: the samples it never generated are in no dump
+        reported |= expected_ids(step, prompts, samples)
     for step in range(steps):
         lost += sorted(expected_ids(step, prompts, samples) - set(trained) - reported)
     if twice:
