@@ -143,6 +143,16 @@ def soak(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def chaos(session: nox.Session) -> None:
+    """The chaos session (not part of ``tests``): an asynchronous CPU run of 100 steps with an
+    engine killed (SIGKILL) or stopped (SIGSTOP) every few steps and the driver itself killed
+    once and resumed (``relax run --resume``); fails on a lost sample, a sample trained twice or
+    a step neither committed nor reported failed (``--steps``, ``--fault-every``, ``--seed``)."""
+    _install_project(session, "test")
+    session.run("python", "-m", "tests.chaos", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The README's main job: ``relax run`` on the embedded default job (three roles on tiny hf
     models on CPU, a defer layout with a declared GPU, three steps)."""
