@@ -86,12 +86,17 @@ for role, name in (("rollout", "ROLLOUT"), ("genrm", "JUDGE")):
     p, g = shape(role)
     print(f"{name}_PROMPT={max(1, p)}\n{name}_NEW={max(1, g)}")
 PY
+# SHAPES (lines NAME=VALUE) replaces what the run's counters gave, for a session without part 1.
+[ -n "${SHAPES:-}" ] && printf '%b\n' "$SHAPES" >"$OUT/shapes.env"
 # shellcheck disable=SC1091
 source "$OUT/shapes.env"
-want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0 genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0; do
-  IFS=: read -r role model prompt new temp <<<"$m"
+# Each at the concurrency its phase has: the step's 256 samples in flight for rollout, the
+# reward stage's 64 (its default concurrency) for the judge.
+want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0:256 \
+    genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0:${JUDGE_CONCURRENCY:-64}; do
+  IFS=: read -r role model prompt new temp conc <<<"$m"
   bounded 80 "engine-throughput $role" python3 -m relax_hf engine-throughput \
-    "docs/examples/small/$model" --json --concurrency 256 --requests 256 \
+    "docs/examples/small/$model" --json --concurrency "$conc" --requests 256 \
     --prompt-tokens "$prompt" --max-new-tokens "$new" --temperature "$temp" \
     --mem-fraction-static 0.6 --max-running-requests 256 --log-dir "$OUT/logs-throughput" \
     >"$OUT/throughput-$role.json" 2>"$OUT/throughput-$role.log"
