@@ -762,7 +762,8 @@ class StepDriver:
         except Exception as exc:
             if self.clients.recovery is None:
                 raise
-            why = await self.heal_rollout(index)
+            # counted in the first step not reported yet (the step ``index`` may be gone past)
+            why = await self.heal_rollout(max(index, self.committing))
             try:
                 async with self._push_lock:
                     with self.timeline.phase(index, "weight_push", lane="push"):
