@@ -87,27 +87,30 @@ class Recovery:
     async def recover(self, batch_id: int, role: str | None) -> str | None:
         """Rebuild ``role``'s FAILED replicas (a dead engine is found by a probe first); a
         rebuild already in flight for ``role`` is awaited instead of a second one. What the
-        rebuild could not confirm is returned, not raised: the retry that follows fails on its
-        own (and carries it as a note)."""
+        rebuild could not confirm, or that it found nothing to rebuild, is returned, not
+        raised: the retry that follows fails on its own (and carries it as a note)."""
         if role is None or self._recover is None:
             return None
         fut = self._inflight.get(role)
+        first = fut is None
         if fut is None:
             fut = self._inflight[role] = asyncio.ensure_future(self._recover(role))
             fut.add_done_callback(lambda _: self._inflight.pop(role, None))
-            try:
-                result = await asyncio.shield(fut)
-            except Exception as exc:
-                return f"the rebuild of {role!r} raised {type(exc).__name__}: {exc}"
-            rebuilt = result.get("rebuilt", ()) if isinstance(result, dict) else ()
-            if rebuilt:
-                self.rebuilds[batch_id][role] += len(rebuilt)
-            failed = result.get("failed", ()) if isinstance(result, dict) else ()
-            return f"the rebuild of {role!r} failed: {'; '.join(failed)}" if failed else None
         try:
-            await asyncio.shield(fut)
+            result = await asyncio.shield(fut)
         except Exception as exc:
             return f"the rebuild of {role!r} raised {type(exc).__name__}: {exc}"
+        rebuilt = result.get("rebuilt", ()) if isinstance(result, dict) else ()
+        failed = result.get("failed", ()) if isinstance(result, dict) else ()
+        if first and rebuilt:
+            self.rebuilds[batch_id][role] += len(rebuilt)
+        if failed:
+            return f"the rebuild of {role!r} failed: {'; '.join(failed)}"
+        if not rebuilt:
+            return (
+                f"no replica of {role!r} was rebuilt: its managers report none FAILED (the "
+                "engine answers their probe, or the role has no manager here)"
+            )
         return None
 
     def of(self, batch_id: int) -> dict[str, Any]:

@@ -69,6 +69,7 @@ from relax_core.coordination.batch import (
 )
 from relax_core.coordination.coordinator import Coordinator
 from relax_core.coordination.handles import ManagerHandle
+from relax_core.coordination.retries import retryable
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
@@ -348,6 +349,12 @@ class StepDriver:
         self.on_step = on_step
         self.on_progress = on_progress
         self.clock = VersionClock(initial_version, settings.first_step)
+        #: the version of the trainer's weights now (what a rebuilt rollout replica is given)
+        self.trainer_version = initial_version
+        #: not switching: held by a push (a rebuilt replica's push does not cross another)
+        self._push_lock = asyncio.Lock()
+        #: the generation of the step before failed on rollout's transport: heal it first
+        self._heal_rollout = False
         self.on_failed = on_failed
         #: the failed steps the run went past (not the skipped ones)
         self.failed_steps: list[int] = []
@@ -508,6 +515,8 @@ class StepDriver:
                     fut.cancel()
                     raise
                 except BaseException as exc:
+                    cause = exc.error if isinstance(exc, _GenerationFailed) else exc
+                    self._heal_rollout = not self.switching and retryable(cause)
                     if not fut.done():
                         failed = exc if isinstance(exc, _GenerationFailed) else None
                         fut.set_exception(failed or _GenerationFailed(exc, []))
@@ -560,7 +569,11 @@ class StepDriver:
                 self.on_progress(m, done)
 
         self._open["generate"] = time.time_ns() // 1000
+        healed = None
         try:
+            if self._heal_rollout:
+                self._heal_rollout = False
+                healed = await self.heal_rollout(m)
             with tl.phase(m, "generate", lane="generate"):
                 await producer.first(m, gate, on_group=progress)
                 while gate.wanted and s.stale_action == "regenerate":
@@ -572,6 +585,8 @@ class StepDriver:
                     await _regenerate(producer, m, count, gate)
         except BaseException as exc:
             await scorer.cancel()
+            if healed is not None:
+                exc.add_note(healed)
             raise _GenerationFailed(exc, gate.all_samples) from exc
         finally:
             self._open.pop("generate", None)
@@ -710,14 +725,61 @@ class StepDriver:
             exc.add_note(f"failing batch {n} at the coordinator failed: {err}")
         return BatchFailedError(n, reason) if failed else exc
 
+    async def heal_rollout(self, index: int) -> str | None:
+        """Not switching: rollout's dead replicas rebuilt through its manager (the run's
+        :class:`~relax_core.coordination.retries.Recovery`, counted for step ``index``) and,
+        where one was, the trainer's weights now pushed to it again (a rebuilt engine starts
+        from the model's files; a push is idempotent per version). A generation is never sent
+        again: the step that follows generates on the rebuilt replica. Why the rebuild did not
+        help, or ``None``."""
+        recovery, gen = self.clients.recovery, self.generation_role
+        if recovery is None or self.switching:
+            return None
+        before = recovery.rebuilds[index][gen]
+        why = await recovery.recover(index, gen)
+        version = self.trainer_version
+        if recovery.rebuilds[index][gen] == before or version is None:
+            return why
+        try:
+            async with self._push_lock:
+                with self.timeline.phase(index, "weight_push", lane="push"):
+                    await self.trainer.push(version)
+        except Exception as exc:
+            return (
+                f"the weights {version} pushed again to the rebuilt {gen} failed: "
+                f"{describe_failure(exc)}"
+            )
+        return why
+
+    async def _push_once_healed(self, version: str, index: int) -> dict[str, Any]:
+        """Not switching: the trainer's push of ``version``; when it fails (rollout's engine
+        died), rollout's dead replicas are rebuilt and the push is sent once more."""
+        try:
+            async with self._push_lock:
+                with self.timeline.phase(index, "weight_push", lane="push"):
+                    pushed: dict[str, Any] = await self.trainer.push(version)
+                    return pushed
+        except Exception as exc:
+            if self.clients.recovery is None:
+                raise
+            # counted in the first step not reported yet (the step ``index`` may be gone past)
+            why = await self.heal_rollout(max(index, self.committing))
+            try:
+                async with self._push_lock:
+                    with self.timeline.phase(index, "weight_push", lane="push"):
+                        pushed = await self.trainer.push(version)
+                        return pushed
+            except Exception as again:
+                again.add_note(f"sent twice, {_push_note(self.generation_role, exc, why)}")
+                raise
+
     async def _push(self, version: str, index: int) -> dict[str, Any] | None:
         """The trainer's push of ``version`` (phase ``weight_push`` of step ``index``);
         switching, only while rollout is onloaded (and never while the commit lane offloads
         it). ``None``: skipped, because rollout sleeps and no step will onload it again (the
         run's final push gives it the last weights)."""
         if not self.switching:
-            with self.timeline.phase(index, "weight_push", lane="push"):
-                return await self.trainer.push(version)
+            return await self._push_once_healed(version, index)
         while True:
             if not self._awake.is_set():
                 awake = asyncio.ensure_future(self._awake.wait())
@@ -773,6 +835,7 @@ class StepDriver:
                 self.on_step(outcome)
             if self.on_trained is not None:
                 await self.on_trained(n)
+            self.trainer_version = str(n + 1)
             if n + 1 < self.settings.steps:
                 self.clock.expect(str(n + 1), n + 1)
                 try:
@@ -844,6 +907,12 @@ class _GenerationFailed(Exception):
         super().__init__(str(error))
         self.error = error
         self.samples = samples
+
+
+def _push_note(role: str, first: BaseException, why: str | None) -> str:
+    """What a push sent again after ``role``'s rebuild says of the first attempt."""
+    said = f"the first failed ({describe_failure(first)}) and {role} was rebuilt in between"
+    return said if why is None else f"{said}: {why}"
 
 
 def _version(pushed: Mapping[str, Any] | None, asked: str) -> str:

@@ -651,7 +651,23 @@ async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
         reason = unconfirmed(result, "READY")
         if reason is not None:
             raise LifecycleError(f"the final weight push could not wake rollout: {reason}")
-    pushed: dict[str, Any] = await ports.trainer.push(str(steps))
+    try:
+        pushed: dict[str, Any] = await ports.trainer.push(str(steps))
+    except Exception as exc:
+        # rollout's engine died: its replica rebuilt through its manager, the push sent once
+        # more (idempotent per version)
+        recovery = ports.clients.recovery
+        if recovery is None or interrupted(exc):
+            raise
+        why = await recovery.recover(steps, ports.generation_role)
+        try:
+            pushed = await ports.trainer.push(str(steps))
+        except Exception as again:
+            again.add_note(
+                f"the final push was sent twice: the first failed ({type(exc).__name__}: {exc})"
+                + (f"; {why}" if why else f" and {ports.generation_role} was rebuilt between")
+            )
+            raise
     pushed["seconds_with_onload"] = time.perf_counter() - began
     return pushed
 
@@ -739,7 +755,9 @@ async def run_loop(
                     role: [RayManagerHandle(a, name=f"{role}.{m}") for m, a in actors.items()]
                     for role, actors in job.actors.items()
                     if role != gen and role not in job.slices
-                },
+                }
+                # a free rollout (never switched) is rebuilt through its own lease engine too
+                | ({gen: [rollout]} if gen in job.residency.free else {}),
                 timeout=run.operation_timeout,
             ),
         )
