@@ -36,7 +36,6 @@ from relax_hf.grammar import GrammarBackend
 from relax_hf.kvcache import KVPool
 from relax_hf.modeling import DecodeGraphs, NativeModel
 from relax_hf.prefixcache import PrefixCache
-from relax_hf.reserve import KeptReserve
 from relax_hf.vmm import DriverWarmer, Exchange, Segment, device_uuid
 
 __all__ = ["GRAPH_PHASES", "ModelRunner", "WeightsError", "pool_slots"]
@@ -318,12 +317,6 @@ class ModelRunner:
         #: hand-over's segments; CPU mappings): the decode graphs are then kept across a
         #: release and replayed after a resume.
         self.stable_addresses = self._wseg is not None or self.device.type == "cpu"
-        #: A warm allocation kept across a release for the resume's first allocations (the
-        #: wake's tail, :mod:`relax_hf.reserve`): with ``memory_handoff``, and on CPU with the
-        #: graph emulation (the same bookkeeping over host memory, for tests).
-        self.reserve: KeptReserve | None = None
-        if self._wseg is not None or (emulate and self.graphs is not None):
-            self.reserve = KeptReserve(self.device)
         #: Why the decode graphs are captured again after every resume (``None``: they are
         #: not, or there are none).
         self.graphs_note: str | None = None
@@ -658,16 +651,12 @@ class ModelRunner:
             detail["weights"] = self.release_weights()
         if "kv_cache" in tags:
             detail["kv_cache"] = self.release_kv_cache()
-        if self.reserve is not None and not (self.weights_resident and self.pool.resident):
-            self.reserve.keep()  # after the releases emptied torch's cache
         return detail
 
     def resume(self, tags: tuple[str, ...] | list[str], *, graphs: bool) -> dict[str, Any]:
         """Resume ``tags``, weights first; then, when ``graphs`` (the ``cuda_graph`` tag is
         resident) and weights and pool are both back, capture the decode graphs again."""
         detail: dict[str, Any] = {}
-        if self.reserve is not None:
-            self.reserve.hand_back()  # into torch's cache, for this resume's allocations
         weights = "weights" in tags and not self.weights_resident
         pool = "kv_cache" in tags and not self.pool.resident
         # A pool that is a segment is only mapped (no device work): the weights' copy from the
@@ -762,7 +751,6 @@ class ModelRunner:
                 "bytes": self.graph_bytes,
                 "note": self.graphs_note,
             },
-            "kept_reserve": None if self.reserve is None else self.reserve.report(),
         }
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

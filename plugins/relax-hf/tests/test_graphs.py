@@ -72,29 +72,3 @@ def test_weights_loaded_at_new_addresses_capture_the_graphs_again(
 def test_an_engine_without_graphs_on_cpu_reports_none(shared_server: EngineServer) -> None:
     graphs = _graphs(shared_server)
     assert graphs["enabled"] is False and graphs["captures"] == 0 and graphs["note"] is None
-
-
-def test_a_release_keeps_a_warm_allocation_that_the_resume_hands_to_its_allocations(
-    emulated: EngineServer, shared_server: EngineServer
-) -> None:
-    # The wake's tail: the resume's first allocations find a block kept across the release
-    # instead of asking the driver (on CPU the same bookkeeping over host memory).
-    def reserve() -> dict[str, Any]:
-        return emulated.http.ok("/server_info")["memory"]["kept_reserve"]  # type: ignore[no-any-return]
-
-    before = _greedy(emulated)
-    started = reserve()
-    assert started["held_bytes"] == 0 and started["error"] is None
-    emulated.http.ok("/release_memory_occupation", {"tags": None})
-    released = reserve()
-    assert released["held_bytes"] == released["bytes"] > 0
-    assert released["kept"] == started["kept"] + 1
-    emulated.http.ok("/flush_cache", {})  # a later emptying of the caches keeps it
-    assert reserve()["held_bytes"] == released["bytes"]
-    emulated.http.ok("/resume_memory_occupation", {"tags": None})
-    resumed = reserve()
-    assert resumed["held_bytes"] == 0
-    assert resumed["handed_back"] == started["handed_back"] + 1
-    assert _greedy(emulated) == before
-    # An engine whose addresses are not kept by the hand-over has none.
-    assert shared_server.http.ok("/server_info")["memory"]["kept_reserve"] is None
