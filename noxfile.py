@@ -80,9 +80,9 @@ DEFAULT_SESSION = ("-q", "-m", "not e2e", "-n", "2", "--dist", "loadfile", "--du
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
     """The slow end-to-end runs (not part of ``tests``; each names the faster test of the
-    default session that covers its contract): a SIGSTOPped engine during an offload, a run
-    over two Ray nodes, Ctrl-C while genrm judges, the coordinator's state machine on a real
-    clock, co-resident judges."""
+    default session that covers its contract): a SIGSTOPped engine during an offload, kill -9
+    of genrm ending a sync run with retries off, a run over two Ray nodes, Ctrl-C while genrm
+    judges, the two residency runs."""
     _install_project(session, "test")
     _install_sglang_sources(session)
     session.install("-e", "tests/plugins/relax-testplugin", "-e", "tests/plugins/relax-prm")

@@ -72,8 +72,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return support.make_models(tmp_path_factory.mktemp("residency"))
 
 
+# Covered in the default session by tests/coordination/test_residency.py::
+# test_a_free_rollout_never_switches_and_its_batch_commits (the coordinator under the plan)
+# and tests/run/test_run_async_cli.py (a split-layout run, rollout never switching).
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_rollout_on_no_shared_gpu_never_switches(models: Path) -> None:
     steps, events = _run(models, CPU_ROLLOUT)
     assert [s["step"] for s in steps] == [0, 1]

@@ -181,6 +181,10 @@ def _trigger_and_fail(
     return proc, committed, failed
 
 
+# With retries off and no failed step gone past: covered in the default session by
+# tests/run/test_run_async_cli.py (kill -9 of genrm mid-run ends it, nothing committed for the
+# step) and tests/run/test_run_durable_cli.py (the same kill with retries: rebuilt, committed).
+@pytest.mark.e2e
 def test_kill_9_of_the_genrm_engine_mid_scoring_ends_the_run_with_nothing_committed_for_it(
     root: Path,
 ) -> None:
