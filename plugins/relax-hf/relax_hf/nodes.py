@@ -190,13 +190,17 @@ class HeadNodes(_Group):
         assert self.listener is not None
         deadline = time.monotonic() + self.timeout_s
         pending = set(range(1, self.nnodes))
+        #: connections that were not a follower's hello (a port scanner, a client of a
+        #: process that had this port before): closed and ignored, named if the join times out
+        strays: list[str] = []
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                ignored = f"; ignored: {'; '.join(strays[-3:])}" if strays else ""
                 raise NodeLost(
                     f"dist_init_addr {self.host}:{self.port}: follower node(s) {sorted(pending)} "
                     f"did not connect within {self.timeout_s:.0f}s; check they were started "
-                    "with this address and can reach it"
+                    f"with this address and can reach it{ignored}"
                 )
             self.listener.settimeout(remaining)
             try:
@@ -209,11 +213,14 @@ class HeadNodes(_Group):
                 hello = json.loads(reader.readline() or b"{}")
             except (OSError, ValueError) as exc:
                 conn.close()
-                raise NodeLost(
-                    f"dist_init_addr {self.host}:{self.port}: no hello from {peer[0]}: {exc}"
-                ) from exc
-            rank = hello.get("node_rank")
-            if hello.get("event") != "hello" or rank not in pending:
+                strays.append(f"no hello from {peer[0]}:{peer[1]}: {exc}")
+                continue
+            rank = hello.get("node_rank") if isinstance(hello, dict) else None
+            if not isinstance(hello, dict) or hello.get("event") != "hello":
+                conn.close()
+                strays.append(f"not a hello from {peer[0]}:{peer[1]}: {str(hello)[:80]}")
+                continue
+            if rank not in pending:
                 conn.close()
                 raise NodeLost(
                     f"dist_init_addr {self.host}:{self.port}: unexpected hello {hello!r} from "
