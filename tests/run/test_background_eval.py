@@ -34,9 +34,10 @@ from relax_core.run.background import background_problems
 from relax_core.run.config import RunConfig, parse_run_config
 from relax_core.run.data import Prompt
 from relax_core.run.driver import DriverSettings, StepDriver
-from relax_core.run.loop import RunSummary, StepPorts, drive
+from relax_core.run.loop import RunSummary, drive
 from relax_core.run.progress import Printer
 from relax_core.run.stages import EvalStage, stage_problems
+from tests.support.sim_job import sim_ports
 
 TIMES = Times(generate_s=0.02, score_s=0.02, train_s=0.02, push_s=0.0, groups=2)
 
@@ -126,8 +127,6 @@ def _drive(
     interrupt_at: int | None = None,
     timeout: float = 0.5,
 ) -> tuple[RunSummary, list[dict[str, Any]], Trainer]:
-    coord = coordinator()
-    sink = MemoryBatchSink()
     rollout = SimRollout(TIMES)
     run = RunConfig(
         mode="async",
@@ -137,19 +136,17 @@ def _drive(
         operation_timeout=30.0,
         request_timeout=timeout,  # the deadline of the evaluations pending at the end
     )
-    trainer = Trainer(TIMES, coord, sink, rollout, scorer=scorer, interrupt_at=interrupt_at)
-    ports = StepPorts(
-        name="background-eval",
-        run=run,
-        coordinator=coord,
-        rollout=handle(),
+    ports = sim_ports(
+        "background-eval",
+        run,
+        times=TIMES,
+        rollout=rollout,
         stages=[SimJudge(TIMES), _eval_stage(scorer, every=every)],
-        sink=sink,
-        clients=RoleClients({}),
-        producer=rollout.producer,
-        trainer=trainer,
-        generation_role="policy",
+        trainer=Trainer,
+        scorer=scorer,
+        interrupt_at=interrupt_at,
     )
+    trainer = ports.trainer
     out, err = io.StringIO(), io.StringIO()
     printer = Printer(json_lines=True, out=out, err=err, tty=False)
 

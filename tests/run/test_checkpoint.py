@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
+from relax_bench._steps_sim import SimJudge, SimRollout, Times
 
 from relax_core import CheckpointError
-from relax_core.coordination import MemoryBatchSink
-from relax_core.coordination.stages import RoleClients
 from relax_core.run.checkpoint import (
     FILE,
     Checkpointer,
@@ -29,8 +27,9 @@ from relax_core.run.checkpoint import (
 )
 from relax_core.run.config import RunConfig
 from relax_core.run.data import ArithmeticSource
-from relax_core.run.loop import StepPorts, drive
+from relax_core.run.loop import drive
 from relax_core.run.progress import Printer
+from tests.support.sim_job import sim_ports
 
 TIMES = Times(generate_s=0.01, score_s=0.01, train_s=0.01, push_s=0.0, groups=2)
 
@@ -159,19 +158,13 @@ def test_a_source_replayed_to_a_cursor_hands_out_what_the_uninterrupted_one_did(
 def test_the_driver_started_at_a_checkpoints_step_runs_the_steps_after_it(
     mode: str, defer: bool
 ) -> None:
-    coord = coordinator(deferred=("judge",) if defer else ())
-    sink = MemoryBatchSink()
     rollout = SimRollout(TIMES)
     rollout.pushed("2")  # the resume's push before the first generation
-    trainer = SimTrainer(TIMES, coord, sink, rollout)
     run = RunConfig(mode=mode, prompts_per_step=TIMES.groups, samples_per_prompt=2,
                     operation_timeout=30.0)  # fmt: skip
-    ports = StepPorts(
-        name="resumed", run=run, coordinator=coord, rollout=handle(),
-        stages=[SimJudge(TIMES)], sink=sink, clients=RoleClients({}),
-        producer=rollout.producer, trainer=trainer, generation_role="policy",
-        deferred_roles=("judge",) if defer else (), switching=defer, free=not defer,
-    )  # fmt: skip
+    ports = sim_ports(
+        "resumed", run, times=TIMES, rollout=rollout, stages=[SimJudge(TIMES)], defer=defer
+    )
     trained: list[int] = []
 
     async def on_trained(step: int) -> None:

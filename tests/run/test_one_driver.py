@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
+from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times
 
 import relax_core
-from relax_core.coordination import BatchState, MemoryBatchSink, Sample, StageContext, StageReport
-from relax_core.coordination.stages import RoleClients
+from relax_core.coordination import BatchState, Sample, StageContext, StageReport
 from relax_core.run.config import RunConfig
-from relax_core.run.loop import RunSummary, StepPorts, drive
+from relax_core.run.loop import RunSummary, drive
 from relax_core.run.progress import Printer
+from tests.support.sim_job import sim_ports
 
 TIMES = Times(generate_s=0.02, score_s=0.02, train_s=0.02, push_s=0.0, groups=2)
 
@@ -66,8 +66,6 @@ def _run(
 ) -> tuple[RunSummary, list[str], Any]:
     """The simulated job; ``options``: more ``[run]`` settings (by default the first failed
     step ends the run: ``max_failed_steps = 0``)."""
-    coord = coordinator(deferred=("judge",) if defer else ())
-    sink = MemoryBatchSink()
     rollout = rollout or SimRollout(TIMES)
     run = RunConfig(  # type: ignore[misc]
         mode=mode,
@@ -77,20 +75,14 @@ def _run(
         operation_timeout=30.0,
         **{"max_failed_steps": 0, **options},
     )
-    ports = StepPorts(
-        name=f"one-driver-{mode}",
-        run=run,
-        coordinator=coord,
-        rollout=handle(),
+    ports = sim_ports(
+        f"one-driver-{mode}",
+        run,
+        times=TIMES,
+        rollout=rollout,
         stages=[judge or SimJudge(TIMES)],
-        sink=sink,
-        clients=RoleClients({}),
-        producer=rollout.producer,
-        trainer=Trainer(TIMES, coord, sink, rollout),
-        generation_role="policy",
-        deferred_roles=("judge",) if defer else (),
-        switching=defer,
-        free=not defer,
+        defer=defer,
+        trainer=Trainer,
     )
     out, err = io.StringIO(), io.StringIO()
     printer = Printer(json_lines=True, out=out, err=err, tty=False)
@@ -104,7 +96,7 @@ def _run(
             dump_dir=None if dump_dir is None else str(dump_dir),
         )
     )
-    return summary, [s.id for s in rollout.generated], coord
+    return summary, [s.id for s in rollout.generated], ports.coordinator
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["split", "defer"])

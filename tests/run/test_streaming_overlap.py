@@ -15,13 +15,13 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times, coordinator, handle
+from relax_bench._steps_sim import SimJudge, SimRollout, Times
 
-from relax_core.coordination import MemoryBatchSink, Sample, StageContext, StageReport
-from relax_core.coordination.stages import RoleClients
+from relax_core.coordination import Sample, StageContext, StageReport
 from relax_core.run.config import RunConfig
-from relax_core.run.loop import RunSummary, StepPorts, drive
+from relax_core.run.loop import RunSummary, drive
 from relax_core.run.progress import Printer
+from tests.support.sim_job import sim_ports
 
 TIMES = Times(generate_s=0.02, score_s=0.02, train_s=0.02, push_s=0.0, groups=3)
 LAST = TIMES.groups - 1
@@ -66,8 +66,6 @@ class RecordingJudge(SimJudge):
 
 
 def _drive(*, stream: bool, wait_s: float) -> tuple[RunSummary, WaitingRollout]:
-    coord = coordinator()
-    sink = MemoryBatchSink()
     rollout = WaitingRollout(TIMES, wait_s=wait_s)
     run = RunConfig(
         mode="async",
@@ -79,17 +77,12 @@ def _drive(*, stream: bool, wait_s: float) -> tuple[RunSummary, WaitingRollout]:
         max_failed_steps=0,  # the control case ends at its first failed step
         operation_timeout=30.0,
     )
-    ports = StepPorts(
-        name="streaming-overlap",
-        run=run,
-        coordinator=coord,
-        rollout=handle(),
+    ports = sim_ports(
+        "streaming-overlap",
+        run,
+        times=TIMES,
+        rollout=rollout,
         stages=[RecordingJudge(TIMES, rollout)],
-        sink=sink,
-        clients=RoleClients({}),
-        producer=rollout.producer,
-        trainer=SimTrainer(TIMES, coord, sink, rollout),
-        generation_role="policy",
     )
     printer = Printer(json_lines=True, out=io.StringIO(), err=io.StringIO(), tty=False)
     summary = asyncio.run(drive(ports, printer, steps=2, initial_version="0"))

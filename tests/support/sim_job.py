@@ -1,0 +1,48 @@
+"""The simulated job the driver's tests run: :class:`~relax_core.run.loop.StepPorts` over the
+simulated engines of :mod:`relax_bench._steps_sim` (a real coordinator, an in-process sink),
+in a split layout or a defer layout where the judge takes turns with the policy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from relax_bench._steps_sim import SimRollout, SimTrainer, Times, coordinator, handle
+
+from relax_core.coordination import MemoryBatchSink, Stage
+from relax_core.coordination.stages import RoleClients
+from relax_core.run.loop import StepPorts
+
+
+def sim_ports(
+    name: str,
+    run: Any,
+    *,
+    times: Times,
+    rollout: SimRollout,
+    stages: Sequence[Stage],
+    defer: bool = False,
+    trainer: type[SimTrainer] = SimTrainer,
+    **trainer_options: Any,
+) -> StepPorts:
+    """The ports of ``run`` (a ``RunConfig``) on ``rollout`` with ``stages``; its trainer is a
+    ``trainer(times, coordinator, sink, rollout, **trainer_options)``. ``defer``: the judge
+    takes turns with the policy on one GPU (every switch issued), else a split layout."""
+    deferred = ("judge",) if defer else ()
+    coord = coordinator(deferred=deferred)
+    sink = MemoryBatchSink()
+    return StepPorts(
+        name=name,
+        run=run,
+        coordinator=coord,
+        rollout=handle(),
+        stages=stages,
+        sink=sink,
+        clients=RoleClients({}),
+        producer=rollout.producer,
+        trainer=trainer(times, coord, sink, rollout, **trainer_options),
+        generation_role="policy",
+        deferred_roles=deferred,
+        switching=defer,
+        free=not defer,
+    )
