@@ -12,7 +12,6 @@ engines on CPU, a new local Ray per test.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -28,18 +27,13 @@ def test_kill_9_of_the_genrm_engine_mid_step_2_costs_retries_and_a_rebuild_not_t
     job = support.job_file(
         root, example=support.ASYNC_EXAMPLE, steps=5, operation_timeout=60.0, request_timeout=60.0
     )
-    with support.relax_run(job, "--json") as proc:
-        # step 2's judging has begun (streamed: group by group as it is generated)
-        proc.out.wait_for(
-            r'^\{"event": "phase", "step": 2, "phase": "genrm.stream", "state": "begin"',
-            timeout=300,
-        )
-        killed = support.engine_pid(root, "judge")
-        os.kill(killed, signal.SIGKILL)
-        code = proc.wait(timeout=400)
-        rows = proc.rows()
-        summary = rows[-1]
-        left = support.left_running(proc, summary)
+    # once step 2's judging has begun (streamed: group by group as it is generated)
+    ran = support.kill_engine_when(
+        root, job, r'^\{"event": "phase", "step": 2, "phase": "genrm.stream", "state": "begin"',
+        "judge",
+    )  # fmt: skip
+    proc, code, rows, left, killed = ran.run, ran.code, ran.rows, ran.left, ran.killed
+    summary = rows[-1]
     assert code == 0, f"{proc.out}\n{proc.err}"
     assert left == [], left
     steps = [r for r in rows if "reward_mean" in r]

@@ -12,7 +12,6 @@ a new local Ray per test.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,12 @@ def test_kill_9_of_the_policy_engine_mid_step_1_rebuilds_rollout_and_the_run_goe
         operation_timeout=60.0,
         request_timeout=60.0,
     )
-    with support.relax_run(job, "--json") as proc:
-        proc.out.wait_for(
-            r'^\{"event": "phase", "step": 1, "phase": "generate", "state": "begin"',
-            timeout=300,
-        )
-        killed = support.engine_pid(root, "policy")
-        os.kill(killed, signal.SIGKILL)
-        code = proc.wait(timeout=400)
-        rows = proc.rows()
-        summary = rows[-1]
-        left = support.left_running(proc, summary)
+    ran = support.kill_engine_when(
+        root, job, r'^\{"event": "phase", "step": 1, "phase": "generate", "state": "begin"',
+        "policy",
+    )  # fmt: skip
+    proc, code, rows, left, killed = ran.run, ran.code, ran.rows, ran.left, ran.killed
+    summary = rows[-1]
     assert code == 0, f"{proc.out}\n{proc.err}"
     assert left == [], left
     steps = [r for r in rows if "reward_mean" in r]

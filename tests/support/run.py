@@ -6,6 +6,7 @@ line), and the check that nothing it started is left.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -144,6 +145,31 @@ def engine_pid(directory: Path, model: str) -> int:
     ]
     assert len(pids) == 1, (model, pids)
     return pids[0]
+
+
+@dataclasses.dataclass
+class KilledRun:
+    """A ``relax run --json`` whose engine was killed mid-run (:func:`kill_engine_when`)."""
+
+    run: RunProcess
+    code: int
+    rows: list[dict[str, Any]]
+    left: list[int]
+    killed: int
+
+
+def kill_engine_when(root: Path, job: Path, line: str, model: str) -> KilledRun:
+    """Run ``job`` with ``--json``; once stdout has a line matching ``line`` (within 300 s),
+    SIGKILL the engine serving ``tiny/<model>`` under ``root``; wait for the run's end (400 s)
+    and see what it left running."""
+    with relax_run(job, "--json") as run:
+        run.out.wait_for(line, timeout=300)
+        killed = engine_pid(root, model)
+        os.kill(killed, signal.SIGKILL)
+        code = run.wait(timeout=400)
+        rows = run.rows()
+        left = left_running(run, rows[-1] if rows else None)
+    return KilledRun(run, code, rows, left, killed)
 
 
 def left_running(run: RunProcess, summary: Mapping[str, Any] | None) -> list[int]:
