@@ -741,9 +741,7 @@ class StepDriver:
         if recovery.rebuilds[index][gen] == before or version is None:
             return why
         try:
-            async with self._push_lock:
-                with self.timeline.phase(index, "weight_push", lane="push"):
-                    await self.trainer.push(version)
+            await self._push_now(version, index)
         except Exception as exc:
             return (
                 f"the weights {version} pushed again to the rebuilt {gen} failed: "
@@ -751,24 +749,26 @@ class StepDriver:
             )
         return why
 
+    async def _push_now(self, version: str, index: int) -> dict[str, Any]:
+        """The trainer's push of ``version``, one at a time, as phase ``weight_push`` of step
+        ``index``."""
+        async with self._push_lock:
+            with self.timeline.phase(index, "weight_push", lane="push"):
+                pushed: dict[str, Any] = await self.trainer.push(version)
+                return pushed
+
     async def _push_once_healed(self, version: str, index: int) -> dict[str, Any]:
         """Not switching: the trainer's push of ``version``; when it fails (rollout's engine
         died), rollout's dead replicas are rebuilt and the push is sent once more."""
         try:
-            async with self._push_lock:
-                with self.timeline.phase(index, "weight_push", lane="push"):
-                    pushed: dict[str, Any] = await self.trainer.push(version)
-                    return pushed
+            return await self._push_now(version, index)
         except Exception as exc:
             if self.clients.recovery is None:
                 raise
             # counted in the first step not reported yet (the step ``index`` may be gone past)
             why = await self.heal_rollout(max(index, self.committing))
             try:
-                async with self._push_lock:
-                    with self.timeline.phase(index, "weight_push", lane="push"):
-                        pushed = await self.trainer.push(version)
-                        return pushed
+                return await self._push_now(version, index)
             except Exception as again:
                 again.add_note(f"sent twice, {_push_note(self.generation_role, exc, why)}")
                 raise
