@@ -701,7 +701,7 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
             "external engines are not started here: prefill/decode workers must be managed",
         )
     engine_table = _engine_table(r, t, p, is_external)
-    own = {
+    own: dict[str, Any] = {
         "backend": v(t, p, "backend", str, "", required=not is_external),
         "model_path": v(t, p, "model_path", str, "", required=not is_external),
         "aliases": r.str_list(t, p, "aliases"),
@@ -711,12 +711,9 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
         "served_model_name": v(t, p, "served_model_name", str, None),
         "seed": v(t, p, "seed", int, None),
     }
+    size = dict(num_gpus=num_gpus, gpus_per_engine=gpe, tp=tp, pp=pp, num_engines=num_engines)
     placement = PlacementSettings(
-        num_gpus=num_gpus,
-        gpus_per_engine=gpe,
-        tp=tp,
-        pp=pp,
-        num_engines=num_engines,
+        **size,
         bundle_start=v(t, p, "bundle_start", int, None, check=_at_least(0)),
         ray_gpu_fraction=v(t, p, "ray_gpu_fraction", float, None, check=_fraction(False)),
         cuda_graph_gib=v(t, p, "cuda_graph_gib", float, 1.0, check=_at_least(0)),
@@ -734,20 +731,9 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
         allow_dropped_fields=r.str_list(t, p, "router_allow_dropped_fields"),
         args=r.str_list(t, p, "router_args"),
     )
-    health = HealthSettings(v(t, p, "unhealthy_after", int, 3, check=_at_least(1)))
-    model = ModelConfig(
-        role=role,
-        name=name,
-        path=p,
-        device=device,
-        external_urls=external_urls,
-        placement=placement,
-        engine=engine,
-        router=router,
-        health=health,
-        engine_table=engine_table,
-        **own,
-    )
+    own["health"] = HealthSettings(v(t, p, "unhealthy_after", int, 3, check=_at_least(1)))
+    own |= {"device": device, "external_urls": external_urls, "engine_table": engine_table}
+    model = ModelConfig(role, name, p, placement=placement, engine=engine, router=router, **own)
     return model if len(r.problems) == before else None
 
 
