@@ -1,39 +1,9 @@
 """The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out.
 
-:func:`plan_inference_placement` runs before any Ray actor, router or engine exists. It reads
-nothing but model ``config.json`` files (for the memory budget) and never touches Ray. The
-placement mode (a plugin) decides pools, phases and offsets; the planner checks every rule:
-
-==================  ==========================================================================
-rule                what is rejected
-==================  ==========================================================================
-unknown-mode        ``placement.mode`` names no registered mode
-unknown-role        a role no installed plugin registers (roles are known only from their records)
-tp-pp               ``tp x pp`` differs from ``gpus_per_engine``
-divisibility        ``num_gpus`` is not a multiple of ``gpus_per_engine``
-dp-attention        ``dp > 1`` without ``dp_attention``, or ``tp`` not divisible by ``dp``
-whole-nodes         a cross-node engine that is not a whole number of nodes
-node-boundary       an engine that straddles a node, or a cross-node engine off a node boundary
-role-budget         a role's ``num_gpus`` differs from the sum over its models
-colocate-mode       ``training.colocate`` contradicts the mode
-offload-required    a mode that shares the actor pool without ``training.offload``
-actor-pool          a shared mode without actor GPUs
-defer-mode          ``defer_roles`` with a mode that does not defer
-defer-role          a deferred role whose record does not make it ``deferrable``
-defer-roles         ``defer`` mode with no deferred role
-no-room             the mode found no free run of bundles for a model
-pool-bounds         a slice outside its pool (split/defer slices outside the actor pool)
-co-residence        two slices share a bundle in the same phase
-ray-gpu-fraction    the Ray GPU reservations on one bundle add up to more than 1
-gpu-budget          the pools need more GPUs than the cluster has
-node-fit            the pools cannot be packed onto the cluster's nodes
-weight-source       a weight source that is unknown or not allowed for the role
-policy              a routing policy nobody registered
-memory-static       the weight shard does not fit in ``mem_fraction_static``
-memory-gpu          an engine GPU's memory users exceed ``cluster.gpu_memory_gib``
-memory-host         a node's CPU weight backups and offloaded state exceed its RAM
-mode-error          a placement mode plugin misbehaved
-==================  ==========================================================================
+:func:`plan_inference_placement` runs before any Ray actor, router or engine exists and reads
+nothing but model ``config.json`` files (for the memory budget). The placement mode (a plugin)
+decides pools, phases and offsets; the planner checks every rule (docs/placement.md lists them
+with their names: ``tp-pp``, ``co-residence``, ``memory-gpu``, ...).
 """
 
 from __future__ import annotations
