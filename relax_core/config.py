@@ -65,7 +65,8 @@ N = TypeVar("N", bound=_HasName)
 # -- the checks a value may need -----------------------------------------------------------------
 
 
-def _hint(key: str, known: Collection[str]) -> str:
+def hint(key: str, known: Collection[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the one of ``known`` closest to ``key``, or ``""``."""
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -94,7 +95,7 @@ def _one_of(choices: Sequence[str]) -> Check:
     def check(v: Any) -> str | None:
         if v in choices:
             return None
-        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{_hint(v, choices)}"
+        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{hint(v, choices)}"
 
     return check
 
@@ -432,7 +433,7 @@ class ConfigReader:
                 self.problem(
                     f"{path}.{key}" if path else key,
                     f"unknown-{what}",
-                    f"unknown {what}{_hint(key, offered)} (known: {', '.join(offered)}){tip}",
+                    f"unknown {what}{hint(key, offered)} (known: {', '.join(offered)}){tip}",
                 )
         return value
 
@@ -849,7 +850,7 @@ def _check_role_names(r: ConfigReader, role: RoleConfig) -> None:
             f"roles.{role.name}.default_model",
             "reference",
             f"{role.default_model!r} is not a model or alias of role {role.name!r}"
-            f"{_hint(role.default_model, owner)} (models: {', '.join(role.model_names)})",
+            f"{hint(role.default_model, owner)} (models: {', '.join(role.model_names)})",
         )
 
 
@@ -911,7 +912,7 @@ def parse_config(
             r.problem(
                 f"placement.defer_roles[{i}]",
                 "reference",
-                f"role {name!r} is not configured under [roles]{_hint(name, configured)} "
+                f"role {name!r} is not configured under [roles]{hint(name, configured)} "
                 f"(configured: {', '.join(sorted(configured)) or 'none'})",
             )
     run = top.get("run", {})

@@ -8,12 +8,11 @@ with their names: ``tp-pp``, ``co-residence``, ``memory-gpu``, ...).
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 
 import attrs
 
-from relax_core.config import JobConfig, ModelConfig
+from relax_core.config import JobConfig, ModelConfig, hint
 from relax_core.errors import PlacementError
 from relax_core.placement.budget import budget_memory
 from relax_core.placement.modes import Demand, ModeContext, ModeResult, engine_straddles
@@ -176,13 +175,11 @@ class _Planner:
                 )
             if role.name not in self.role_specs:
                 known = sorted(self.role_specs)
-                close = difflib.get_close_matches(role.name, known, n=1)
                 self.violation(
                     f"roles.{role.name}",
                     "unknown-role",
-                    f"no installed plugin registers the role {role.name!r}"
-                    + (f"; did you mean {close[0]!r}?" if close else "")
-                    + f" (registered: {', '.join(known) or 'none'}); install the role's plugin "
+                    f"no installed plugin registers the role {role.name!r}{hint(role.name, known)}"
+                    f" (registered: {', '.join(known) or 'none'}); install the role's plugin "
                     "or check RELAX_LOAD_PLUGINS / RELAX_DISABLE_PLUGINS",
                 )
 
@@ -448,13 +445,11 @@ class _Planner:
         mode_name = cfg.placement.resolved_mode(cfg.training)
         mode: PlacementMode | None = modes[mode_name].record if mode_name in modes else None
         if mode is None:
-            close = difflib.get_close_matches(mode_name, sorted(modes), n=1)
             self.violation(
                 "placement.mode",
                 "unknown-mode",
-                f"{mode_name!r} is not a registered placement mode"
-                + (f"; did you mean {close[0]!r}?" if close else "")
-                + f" (known: {', '.join(sorted(modes))})",
+                f"{mode_name!r} is not a registered placement mode{hint(mode_name, modes)} "
+                f"(known: {', '.join(sorted(modes))})",
             )
         sliceable = {m.path: self.check_model(m) for m in cfg.models()}
         if self.gpn == 0 and any(m.device == "cuda" for m in cfg.models()):
