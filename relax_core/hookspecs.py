@@ -150,7 +150,8 @@ def relax_register_stages(register: Callable[[records.StageSpec], None]) -> None
 
 @hookspec
 def relax_register_trainers(register: Callable[[records.TrainerSpec], None]) -> None:
-    """Register trainers, named by ``[run] trainer`` and started by ``relax run`` in a Ray actor.
+    """Register trainers: the training consumers ``relax run`` starts in a Ray actor, each
+    named by ``[run] trainer``.
 
     :param register: call it once per :class:`~relax_core.records.TrainerSpec`, as in
         ``register(TrainerSpec(name="grpo", trainer_class=PolicyTrainer,

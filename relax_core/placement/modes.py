@@ -194,10 +194,6 @@ def _place_group(
     return violations
 
 
-def _demand(demands: Iterable[Demand], s: Slice) -> Demand:
-    return next(d for d in demands if d.role == s.role and d.model == s.model)
-
-
 def _need_actor_pool(ctx: ModeContext, mode: str) -> Violation | None:
     if ctx.training_pool is None:
         return Violation(
@@ -296,6 +292,10 @@ DEFER = PlacementMode(
     supports_defer=True,
     description="Deferred roles reuse the generation phase's actor-pool bundles in later phases.",
 )
+
+
+def _demand(demands: Iterable[Demand], s: Slice) -> Demand:
+    return next(d for d in demands if d.role == s.role and d.model == s.model)
 
 
 @hookimpl
