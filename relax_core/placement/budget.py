@@ -45,19 +45,9 @@ GIB = 1024**3
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 
 _DTYPE_BYTES: Mapping[str, float] = {
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "fp8": 1,
-    "float8_e4m3fn": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
+    **dict.fromkeys(("float32", "fp32", "float"), 4),
+    **dict.fromkeys(("bfloat16", "bf16", "float16", "fp16", "half"), 2),
+    **dict.fromkeys(("fp8", "float8_e4m3fn", "fp8_e4m3", "fp8_e5m2", "int8"), 1),
     "int4": 0.5,
 }
 

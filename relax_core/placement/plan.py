@@ -266,17 +266,16 @@ class InferencePlacementPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InferencePlacementPlan:
         """Rebuild a plan from :meth:`to_dict` output (derived keys are ignored)."""
-        memory = [
-            {**m, "items": tuple(MemoryItem(**i) for i in m.get("items", ()))}
-            for m in data.get("memory", ())
-        ]
-        host = [
-            {**h, "items": tuple(MemoryItem(**i) for i in h.get("items", ()))}
-            for h in data.get("host_memory", ())
-        ]
+        budgets = {
+            key: [
+                {**b, "items": tuple(MemoryItem(**i) for i in b.get("items", ()))}
+                for b in data.get(key, ())
+            ]
+            for key in ("memory", "host_memory")
+        }
         plan: InferencePlacementPlan = _build(
             cls,
-            {**data, "memory": memory, "host_memory": host},
+            {**data, **budgets},
             {
                 "pools": Pool,
                 "placements": ModelPlacement,
