@@ -9,6 +9,7 @@ with their names: ``tp-pp``, ``co-residence``, ``memory-gpu``, ...).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -245,6 +246,8 @@ class _Planner:
 
     def pools(self, mode: PlacementMode, result: ModeResult) -> dict[str, Pool]:
         t, c = self.config.training, self.config.cluster
+        bundles: dict[str, Any] = {"cpus_per_bundle": c.cpus_per_bundle}
+        bundles["strategy"] = self.config.placement.pg_strategy
         pools: dict[str, Pool] = {}
         for name, size in t.pools():
             shared = name == "actor" and mode.shares_training_pool
@@ -255,9 +258,8 @@ class _Planner:
                 self.gpn,
                 training=(name,),
                 inference=shared,
-                cpus_per_bundle=c.cpus_per_bundle,
-                strategy=self.config.placement.pg_strategy,
                 training_ray_gpu_fraction=t.ray_gpu_fraction or default,
+                **bundles,
             )
         for req in result.pools:
             if req.name in pools:
@@ -268,31 +270,33 @@ class _Planner:
                 )
                 continue
             if req.size > 0:
-                pools[req.name] = Pool(
-                    req.name,
-                    req.size,
-                    self.gpn,
-                    cpus_per_bundle=c.cpus_per_bundle,
-                    strategy=self.config.placement.pg_strategy,
-                )
+                pools[req.name] = Pool(req.name, req.size, self.gpn, **bundles)
         return pools
 
-    def placement(self, m: ModelConfig, pool: Pool, start: int, phase: str) -> ModelPlacement:
+    def placement(
+        self, m: ModelConfig, pool: Pool | None, start: int | None, phase: str
+    ) -> ModelPlacement:
+        """``m`` on ``pool`` from bundle ``start``; a CPU model (no pool) has no bundles and an
+        empty replica per engine."""
         size = m.placement
-        gpe = size.gpus_per_engine
-        replicas = tuple(tuple(range(s, s + gpe)) for s in range(start, start + size.num_gpus, gpe))
-        workers = tuple(_split_by_node(r, self.gpn) for r in replicas)
-        fraction = size.ray_gpu_fraction or (SHARED_ENGINE_FRACTION if pool.shared else 1.0)
+        num_gpus, gpe, fraction = 0, 0, 0.0
+        replicas: tuple[tuple[int, ...], ...] = ((),) * size.num_engines
+        workers: tuple[tuple[tuple[int, ...], ...], ...] = ((),) * size.num_engines
+        if pool is not None and start is not None:
+            num_gpus, gpe = size.num_gpus, size.gpus_per_engine
+            replicas = tuple(tuple(range(s, s + gpe)) for s in range(start, start + num_gpus, gpe))
+            workers = tuple(_split_by_node(r, self.gpn) for r in replicas)
+            fraction = size.ray_gpu_fraction or (SHARED_ENGINE_FRACTION if pool.shared else 1.0)
         return ModelPlacement(
             m.role,
             m.name,
             m.path,
-            pool.name,
+            pool.name if pool is not None else None,
             start,
-            m.placement.num_gpus,
+            num_gpus,
             gpe,
-            m.placement.tp,
-            m.placement.pp,
+            size.tp,
+            size.pp,
             phase,
             device=m.device,
             ray_gpu_fraction=fraction,
@@ -545,25 +549,11 @@ class _Planner:
                     cfg.role(d.role).model(d.model), pools[s.pool], s.bundle_start, s.phase
                 )
             )
-        for m in cfg.models():
-            if m.device != "cuda":
-                out.append(
-                    ModelPlacement(
-                        m.role,
-                        m.name,
-                        m.path,
-                        None,
-                        None,
-                        0,
-                        0,
-                        m.placement.tp,
-                        m.placement.pp,
-                        PHASE_RESIDENT,
-                        device=m.device,
-                        replicas=((),) * m.placement.num_engines,
-                        workers=((),) * m.placement.num_engines,
-                    )
-                )
+        out += [
+            self.placement(m, None, None, PHASE_RESIDENT)
+            for m in cfg.models()
+            if m.device != "cuda"
+        ]
         return out
 
 
