@@ -813,44 +813,28 @@ def _role(r: ConfigReader, name: str, raw: object) -> RoleConfig | None:
     return role if len(r.problems) == before else None
 
 
-def _claim_names(
-    r: ConfigReader,
-    models: Sequence[ModelConfig],
-    field: str,
-    owner: dict[str, str],
-    taken: Callable[[str, str], str],
-) -> None:
-    """Give each name in the models' ``field`` to its model in ``owner`` (name -> model); a name
-    ``owner`` already holds is a ``duplicate`` problem whose message is ``taken(name, model)``."""
-    for m in models:
-        for i, name in enumerate(getattr(m, field)):
-            if name in owner:
-                r.problem(f"{m.path}.{field}[{i}]", "duplicate", taken(name, owner[name]))
-            else:
-                owner[name] = m.name
-
-
 def _check_role_names(r: ConfigReader, role: RoleConfig) -> None:
     """Model names, aliases and route keys of one role must resolve to exactly one model."""
-    owner: dict[str, str] = {m.name: m.name for m in role.models}
-
-    def alias_taken(alias: str, model: str) -> str:
-        return (
-            f"alias {alias!r} already names model {model!r} of role {role.name!r}; "
-            "an alias must resolve to one model"
-        )
-
-    def key_taken(key: str, model: str) -> str:
-        return f"route key {key!r} is already mapped to model {model!r}"
-
-    _claim_names(r, role.models, "aliases", owner, alias_taken)
-    _claim_names(r, role.models, "route_keys", {}, key_taken)
-    if role.default_model is not None and role.default_model not in owner:
+    names: dict[str, str] = {m.name: m.name for m in role.models}
+    alias = "alias {name!r} already names model {model!r} of role {role!r}; an alias must "
+    taken: dict[str, tuple[dict[str, str], str]] = {
+        "aliases": (names, alias + "resolve to one model"),
+        "route_keys": ({}, "route key {name!r} is already mapped to model {model!r}"),
+    }
+    for field, (owner, message) in taken.items():
+        for m in role.models:
+            for i, name in enumerate(getattr(m, field)):
+                if name in owner:
+                    text = message.format(name=name, model=owner[name], role=role.name)
+                    r.problem(f"{m.path}.{field}[{i}]", "duplicate", text)
+                else:
+                    owner[name] = m.name
+    if role.default_model is not None and role.default_model not in names:
         r.problem(
             f"roles.{role.name}.default_model",
             "reference",
             f"{role.default_model!r} is not a model or alias of role {role.name!r}"
-            f"{hint(role.default_model, owner)} (models: {', '.join(role.model_names)})",
+            f"{hint(role.default_model, names)} (models: {', '.join(role.model_names)})",
         )
 
 
