@@ -564,30 +564,17 @@ def _field_reader(cls: type, field: attrs.Attribute[Any], hint: Any) -> _FieldRe
         rest = tuple(a for a in args if a is not type(None))
         hint = rest[0] if len(rest) == 1 else hint
         args = typing.get_args(hint)
-    if hint in (bool, int, float, str):
-        kind = hint
-
-        def read(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
-            got = r.value(t, p, key, kind, None, check=given)
-            return float(got) if kind is float and isinstance(got, int) else got
-
-        return read
+    if hint in (bool, int, float, str):  # value() makes an int given for a float one
+        return lambda r, t, p: r.value(t, p, key, hint, None, check=given)
     if typing.get_origin(hint) is typing.Literal and args and all(isinstance(a, str) for a in args):
         choices = _one_of(args)
 
         def check(v: Any) -> str | None:
             return choices(v) or (given(v) if given is not None else None)
 
-        def read_choice(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
-            return r.value(t, p, key, str, None, check=check)
-
-        return read_choice
-    if typing.get_origin(hint) is tuple and args in ((str, ...),):
-
-        def read_list(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
-            return r.str_list(t, p, key)
-
-        return read_list
+        return lambda r, t, p: r.value(t, p, key, str, None, check=check)
+    if typing.get_origin(hint) is tuple and args == (str, ...):
+        return lambda r, t, p: r.str_list(t, p, key)
     raise TypeError(
         f"{where}: a job file cannot give a {hint!r}; use bool, int, float, str (or None), "
         "tuple[str, ...] or a Literal of strings"
