@@ -351,19 +351,15 @@ class EngineProcess(Protocol):
     @property
     def base_url(self) -> str | None:
         """``http://host:port`` of the head; ``None`` for a follower."""
-        ...
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the server answers ``/health``; raise ``LifecycleError`` on timeout/exit."""
-        ...
 
     def poll(self) -> int | None:
         """The exit code, or ``None`` while the process runs."""
-        ...
 
     def terminate(self, timeout: float) -> int:
         """Stop the process (SIGTERM, then SIGKILL after ``timeout``); return its exit code."""
-        ...
 
 
 def _check_options_record(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -486,7 +482,6 @@ class ReplicaSelector(Protocol):
 
     def select(self, **request: Unpack[Selection]) -> Any:
         """The chosen one of ``candidates`` (keyword arguments: :class:`Selection`)."""
-        ...
 
 
 class Selection(TypedDict):
@@ -572,7 +567,6 @@ class RouterMembership(Protocol):
     def sync(self, heads: Mapping[str, str]) -> None:
         """Register new heads, remove the ones gone. Blocking, idempotent; never raises: a
         failed registration is kept and reported by the router's ``check()``."""
-        ...
 
 
 @runtime_checkable
@@ -582,24 +576,19 @@ class RouterProcess(RouterMembership, Protocol):
     @property
     def url(self) -> str:
         """``http://host:port`` callers use (published as ``router_url``)."""
-        ...
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the router serves, speaks a known worker API and keeps every request
         field; raise ``ConfigError`` (a field is dropped) or ``LifecycleError``."""
-        ...
 
     def check(self) -> list[str]:
         """Restart a dead router, retry failed registrations; return what is wrong now."""
-        ...
 
     def pids(self) -> list[int]:
         """The router's process ids (empty once stopped)."""
-        ...
 
     def terminate(self, timeout: float) -> None:
         """Stop the router (SIGTERM, then SIGKILL after ``timeout``). Idempotent."""
-        ...
 
 
 @attrs.frozen

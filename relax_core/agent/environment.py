@@ -116,8 +116,6 @@ class Environment(Protocol):
 
     def reset(self, prompt: Prompt) -> Reset:
         """The trajectory's first messages, from the dataset row ``prompt``."""
-        ...
 
     def step(self, turn: Turn) -> Any:
         """The :class:`Observation` of the policy's ``turn`` (or an awaitable of it)."""
-        ...

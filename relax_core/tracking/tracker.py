@@ -72,25 +72,20 @@ class Tracker(Protocol):
     def log_config(self, config: Mapping[str, Any]) -> None:
         """The run's config, once, before anything else: JSON data (the job, its ``[run]``
         settings, its roles and models, the placement and residency plan)."""
-        ...
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         """A committed step's metrics: flat names (``reward/mean``, ``teacher/kl``,
         ``time/genrm``; docs/run.md lists them) to finite numbers."""
-        ...
 
     def log_span(self, span: PhaseSpan) -> None:
         """A phase of a step, as it ended (committed or not)."""
-        ...
 
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
         """Some of a committed step's samples, to inspect (``[run] tracker_samples`` of them):
         ``id``, ``group_id``, ``prompt``, ``response``, ``label``, ``reward``, ``rewards`` (each
         adapter's, by key), ``teacher_kl`` (``None`` without teacher log-probs) and
         ``response_tokens``."""
-        ...
 
     def close(self, summary: Mapping[str, Any] | None) -> None:
         """The run ended: its summary (``--json``'s last object; ``None`` when the steps never
         ran); flush and release everything."""
-        ...
