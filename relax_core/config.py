@@ -777,16 +777,12 @@ def _role(r: ConfigReader, name: str, raw: object) -> RoleConfig | None:
     before = len(r.problems)
     t = r.table(raw, p, _ROLE)
     models_raw = t.get("models")
-    models: list[ModelConfig] = []
     if models_raw is None:
         r.problem(f"{p}.models", "required", f"add at least one [{p}.models.NAME] table")
     elif not isinstance(models_raw, dict) or not models_raw:
         r.problem(f"{p}.models", "type", f"must hold at least one [{p}.models.NAME] table")
-    else:
-        for model_name, model_raw in models_raw.items():
-            model = _model(r, name, model_name, model_raw)
-            if model is not None:
-                models.append(model)
+    found = models_raw.items() if isinstance(models_raw, dict) else ()
+    models = [m for n, raw in found if (m := _model(r, name, n, raw)) is not None]
     gateway = r.record(t.get("gateway", {}), f"{p}.gateway", GatewayConfig) or GatewayConfig()
     role = RoleConfig(
         name=name,
@@ -857,7 +853,6 @@ def parse_config(
     training = r.record(top.get("training", {}), "training", TrainingConfig) or TrainingConfig()
     placement = r.record(top.get("placement", {}), "placement", PlacementConfig)
     placement = placement or PlacementConfig()
-    roles: list[RoleConfig] = []
     raw_roles = top.get("roles", {})
     if role_names is None:
         roles_raw = r.table(raw_roles, "roles", raw_roles if isinstance(raw_roles, dict) else ())
@@ -871,12 +866,9 @@ def parse_config(
             what="role",
             tip="; a third-party role needs its plugin installed",
         )
-    for name, raw in roles_raw.items():
-        if name not in known_roles:
-            continue  # reported above, as an unknown or malformed role name
-        role = _role(r, name, raw)
-        if role is not None:
-            roles.append(role)
+    # A name not in known_roles is reported above, as an unknown or malformed role name.
+    found = [(name, raw) for name, raw in roles_raw.items() if name in known_roles]
+    roles = [role for name, raw in found if (role := _role(r, name, raw)) is not None]
     configured = {name for name in roles_raw if name in known_roles}
     for i, name in enumerate(placement.defer_roles):
         if name not in configured:
