@@ -834,10 +834,7 @@ def _role_name_ok(r: ConfigReader, name: object) -> bool:
 
 
 def parse_config(
-    data: Mapping[str, Any],
-    *,
-    source: str | None = None,
-    role_names: Collection[str] | None = None,
+    data: Mapping[str, Any], *, source: str | None = None, role_names: Collection[str] | None = None
 ) -> JobConfig:
     """Build a :class:`JobConfig` from a parsed TOML document (or any nested dict).
 

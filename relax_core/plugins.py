@@ -39,13 +39,7 @@ from relax_core.records import (
     WeightSource,
 )
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "KINDS",
-    "PluginManager",
-    "Registered",
-    "get_plugin_manager",
-]
+__all__ = ["ENTRY_POINT_GROUP", "KINDS", "PluginManager", "Registered", "get_plugin_manager"]
 
 ENTRY_POINT_GROUP = "relax"
 CORE_PLUGIN_NAME = "relax-core"

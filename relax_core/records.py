@@ -251,9 +251,7 @@ class RoleSpec:
         kw_only=True,
     )
     openapi: OpenAPINotes = attrs.field(
-        factory=OpenAPINotes,
-        validator=attrs.validators.instance_of(OpenAPINotes),
-        kw_only=True,
+        factory=OpenAPINotes, validator=attrs.validators.instance_of(OpenAPINotes), kw_only=True
     )
     deterministic_inference: bool = attrs.field(default=False, validator=_BOOL, kw_only=True)
 

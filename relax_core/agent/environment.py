@@ -20,14 +20,7 @@ import attrs
 
 from relax_core.run.data import Prompt
 
-__all__ = [
-    "GUIDE_KEYS",
-    "Environment",
-    "EnvironmentConfig",
-    "Observation",
-    "Reset",
-    "Turn",
-]
+__all__ = ["GUIDE_KEYS", "Environment", "EnvironmentConfig", "Observation", "Reset", "Turn"]
 
 #: The keys a guide may hold (the engine's constrained-decoding sampling parameters).
 GUIDE_KEYS = ("regex", "json_schema", "ebnf")
