@@ -1,9 +1,8 @@
 """Relax: the inference side of LLM RL post-training — one core for rollout, genrm and teacher.
 
-This module is the public API: everything a caller or a plugin needs is exported here (and
-``relax_core.testing`` holds the pytest fixtures and helpers for plugins' tests). The packages
-below it (``relax_core.discovery``, ``.client``, ``.gateway``, ``.engine``, ``.manager``,
-``.placement``) export more for readers of the core; modules not exported are private.
+The public API: everything a caller or a plugin needs is exported here (and pytest helpers in
+``relax_core.testing``); subpackages export more for the core's readers, other modules are
+private.
 """
 
 from relax_core._exports import claim as _claim

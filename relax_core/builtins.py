@@ -1,10 +1,6 @@
-"""The core's own plugin: built-in weight sources, routing policies, placement modes, prompt
-sources (``arithmetic``, ``jsonl``), the ``single-turn`` rollout shape, stage kinds (``reward``,
-``eval``). (``multi-turn``, the ``calculator`` environment and the ``environment`` reward
-adapter are the ``relax-agent`` plugin's.)
-
-Registered by :meth:`relax_core.plugins.PluginManager.create` under the name ``relax-core``.
-Each hook implementation lives beside the code it registers and is re-exported here.
+"""The core's own plugin (``relax-core``, registered by ``PluginManager.create``): built-in weight
+sources, routing policies, placement modes, prompt sources, the ``single-turn`` shape and the
+``reward`` and ``eval`` stages, each hook implemented beside the code it registers.
 """
 
 from __future__ import annotations

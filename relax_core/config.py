@@ -1,14 +1,9 @@
 """The job configuration file: one TOML document → frozen attrs models.
 
-A job file describes the cluster, the training roles, the placement mode and, per inference role
-(any role a plugin registers), a table of models (``[roles.genrm.models.judge]``);
-docs/configuration.md lists every key.
-
 Parsing checks types, ranges, choices and references inside one role, and reports *every*
-problem at once (:class:`~relax_core.errors.ConfigValidationError`), each with its key path
-(``roles.genrm.models.judge.tp``) and a rule name. Unknown keys are errors, with a
-"did you mean" hint when a known key is close. The cross-role rules (GPU budgets, slices,
-phases, memory) belong to :func:`relax_core.placement.plan_inference_placement`.
+problem at once (:class:`~relax_core.errors.ConfigValidationError`), each with its key path and
+a rule name; unknown keys get a "did you mean" hint. docs/configuration.md lists every key; the
+cross-role rules belong to :func:`relax_core.placement.plan_inference_placement`.
 """
 
 from __future__ import annotations
@@ -51,6 +46,9 @@ DEVICES = ("cuda", "cpu")
 PG_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _FLOAT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32")
 DTYPES = (*_FLOAT_DTYPES, "fp8", "float8_e4m3fn", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+#: ``placement.residency``: roles sharing GPUs stay resident together when the budget says they
+#: fit (``planned``), or take turns (``exclusive``). Read by ``relax_core.coordination.residency``.
+RESIDENCY_MODES = ("planned", "exclusive")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -64,6 +62,61 @@ class _HasName(Protocol):
 N = TypeVar("N", bound=_HasName)
 
 
+# -- the checks a value may need -----------------------------------------------------------------
+
+
+def hint(key: str, known: Collection[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the one of ``known`` closest to ``key``, or ``""``."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+Check = Callable[[Any], "str | None"]
+
+
+def _at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f"must be >= {low:g}, got {v!r}"
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v!r}"
+
+
+def _fraction(open_high: bool) -> Check:
+    def check(v: Any) -> str | None:
+        if v <= 0 or v > 1 or (open_high and v >= 1):
+            return f"must be in (0, 1{')' if open_high else ']'}, got {v!r}"
+        return None
+
+    return check
+
+
+def _one_of(choices: Sequence[str]) -> Check:
+    def check(v: Any) -> str | None:
+        if v in choices:
+            return None
+        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{hint(v, choices)}"
+
+    return check
+
+
+def _finite(v: Any) -> str | None:
+    return None if math.isfinite(v) else f"must be a finite number, got {v!r}"
+
+
+def _non_empty(v: Any) -> str | None:
+    return None if v.strip() else "must not be empty"
+
+
+def _port(v: Any) -> str | None:
+    return None if 0 <= v <= 65535 else f"must be a TCP port in 0..65535, got {v!r}"
+
+
+def _checked(default: Any, check: Check) -> Any:
+    """A field :meth:`ConfigReader.record` reads with ``check``."""
+    return attrs.field(default=default, metadata={"check": check})
+
+
 # -- the models --------------------------------------------------------------------------------
 
 
@@ -75,11 +128,11 @@ class ClusterConfig:
     skips that budget). ``cpus_per_bundle`` is the CPU share of each placement-group bundle.
     """
 
-    num_nodes: int = 1
-    gpus_per_node: int = 0
-    gpu_memory_gib: float | None = None
-    host_memory_gib: float | None = None
-    cpus_per_bundle: float = 1.0
+    num_nodes: int = _checked(1, _at_least(1))
+    gpus_per_node: int = _checked(0, _at_least(0))
+    gpu_memory_gib: float | None = _checked(None, _positive)
+    host_memory_gib: float | None = _checked(None, _positive)
+    cpus_per_bundle: float = _checked(1.0, _at_least(0))
 
     @property
     def total_gpus(self) -> int:
@@ -91,23 +144,23 @@ class ClusterConfig:
 class TrainingConfig:
     """The training roles and how they share GPUs with inference.
 
-    Each ``*_gpus`` count is a pool of its own (0: the role is absent). ``colocate`` says the
-    inference roles live inside the actor pool (``None``: follow the placement mode);
-    ``offload`` says training moves its GPU state off the GPUs between phases, keeping
-    ``offload_resident_gib`` per GPU resident (CUDA context, NCCL buffers) and
-    ``offload_host_gib`` per GPU in host memory. ``ray_gpu_fraction`` is the Ray GPU share
-    each training actor reserves on its bundle (default: 0.4 in a shared pool, else 1.0).
+    Each ``*_gpus`` count is a pool of its own (0: the role is absent). ``colocate``: the
+    inference roles live inside the actor pool (``None``: follow the placement mode).
+    ``offload``: training moves its GPU state off the GPUs between phases, keeping
+    ``offload_resident_gib`` per GPU resident and ``offload_host_gib`` per GPU in host memory.
+    ``ray_gpu_fraction``: the Ray GPU share of each training actor (default: 0.4 in a shared
+    pool, else 1.0).
     """
 
-    actor_gpus: int = 0
-    critic_gpus: int = 0
-    reference_gpus: int = 0
-    actor_forward_gpus: int = 0
+    actor_gpus: int = _checked(0, _at_least(0))
+    critic_gpus: int = _checked(0, _at_least(0))
+    reference_gpus: int = _checked(0, _at_least(0))
+    actor_forward_gpus: int = _checked(0, _at_least(0))
     colocate: bool | None = None
     offload: bool = False
-    offload_resident_gib: float = 1.0
-    offload_host_gib: float = 0.0
-    ray_gpu_fraction: float | None = None
+    offload_resident_gib: float = _checked(1.0, _at_least(0))
+    offload_host_gib: float = _checked(0.0, _at_least(0))
+    ray_gpu_fraction: float | None = _checked(None, _fraction(False))
 
     def pools(self) -> tuple[tuple[str, int], ...]:
         """``(pool name, GPUs)`` of each present training role, actor first."""
@@ -122,16 +175,14 @@ class TrainingConfig:
 
 @attrs.frozen
 class PlacementConfig:
-    """How inference is laid out: ``mode`` (a registered placement mode; ``None`` means
-    ``split`` when training colocates, else ``decoupled``), the roles run in deferred phases,
-    the Ray placement-group strategy, and ``residency``: whether roles sharing GPUs stay
-    resident together when the memory budget says they fit (``planned``) or take turns one at
-    a time (``exclusive``; see ``relax_core.coordination.residency``)."""
+    """How inference is laid out: ``mode`` (a registered placement mode; ``None``: ``split``
+    when training colocates, else ``decoupled``), the roles run in deferred phases, the Ray
+    placement-group strategy and ``residency`` (:data:`RESIDENCY_MODES`)."""
 
     mode: str | None = None
     defer_roles: tuple[str, ...] = ()
-    pg_strategy: str = "PACK"
-    residency: str = "planned"
+    pg_strategy: str = _checked("PACK", _one_of(PG_STRATEGIES))
+    residency: str = _checked("planned", _one_of(RESIDENCY_MODES))
 
     def resolved_mode(self, training: TrainingConfig) -> str:
         """The mode name in effect."""
@@ -144,12 +195,12 @@ class PlacementConfig:
 class ServeSettings:
     """``[serve]``: how ``relax serve`` wakes the roles of a defer layout on demand.
 
-    ``wake_timeout``: the longest a request is held while its role is woken (then 503 with a
-    Retry-After). ``idle_seconds``: a role with nothing in flight for this long goes back to
-    sleep (0: never). ``min_residency``: a woken role is not evicted for another before this
-    many seconds (hysteresis). ``max_awake``: at most this many roles of a shared slice awake
-    at once (``None``: as the memory budget allows). ``operation_timeout``: the longest one
-    onload, offload or rebuild may take before its role is BLOCKED.
+    ``wake_timeout``: the longest a request is held while its role wakes (then 503 with a
+    Retry-After). ``idle_seconds``: an idle role sleeps again after this long (0: never).
+    ``min_residency``: a woken role is not evicted before this many seconds. ``max_awake``: at
+    most this many roles of a shared slice awake (``None``: as the memory budget allows).
+    ``operation_timeout``: the longest one onload, offload or rebuild may take before its role
+    is BLOCKED.
     """
 
     wake_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
@@ -163,16 +214,13 @@ class ServeSettings:
 
 @attrs.frozen
 class PlacementSettings:
-    """Where a model's engines go and what they cost: what the placement planner and its
-    memory budget read.
+    """Where a model's engines go and what they cost (what the planner and its budget read).
 
-    ``num_gpus`` GPUs hold ``num_engines`` engines (logical replicas) of ``gpus_per_engine``
-    GPUs each, every one ``tp x pp`` GPUs; a ``cpu`` model holds ``num_engines`` engines and
-    no GPU (``num_gpus`` and ``gpus_per_engine`` 0). ``bundle_start``: the first bundle of the
-    model's slice in its pool (``None``: the placement mode picks). ``ray_gpu_fraction``: the
-    Ray GPU share each engine worker reserves (``None``: 0.2 in a shared pool, else 1.0).
-    ``cuda_graph_gib``: the CUDA-graph reserve per GPU; ``num_parameters``: overrides the
-    parameter count of ``config.json`` in the budget.
+    ``num_gpus`` GPUs hold ``num_engines`` engines of ``gpus_per_engine`` (``tp x pp``) GPUs; a
+    ``cpu`` model has ``num_engines`` engines and 0 GPUs. ``bundle_start``: the first bundle of
+    the model's slice (``None``: the mode picks). ``ray_gpu_fraction``: each engine worker's Ray
+    GPU share (``None``: 0.2 in a shared pool, else 1.0). ``cuda_graph_gib``: the CUDA-graph
+    reserve per GPU; ``num_parameters`` overrides ``config.json``'s count in the budget.
     """
 
     num_gpus: int = 1
@@ -188,11 +236,9 @@ class PlacementSettings:
 
 @attrs.frozen
 class RouterSettings:
-    """The router in front of an ``SGLANG_ROUTER`` model's heads (the job file's ``router*``
-    keys): ``name`` (key ``router``; ``None``: the installed default router), ``policy``
-    (``router_policy``; ``None``: the router's default), ``allow_dropped_fields``
-    (``router_allow_dropped_fields``: request fields the router may drop) and ``args``
-    (``router_args``: extra router flags)."""
+    """The router in front of an ``SGLANG_ROUTER`` model's heads: ``name`` (key ``router``;
+    ``None``: the default router), ``policy`` (``router_policy``), ``allow_dropped_fields``
+    (``router_allow_dropped_fields``) and ``args`` (``router_args``: extra router flags)."""
 
     name: str | None = None
     policy: str | None = None
@@ -210,15 +256,13 @@ class HealthSettings:
 
 @attrs.frozen
 class ModelConfig:
-    """One model of a role: its identity and routing, with how it is placed, what its engines
-    are told, its router and its health checks as records of their own.
+    """One model of a role: its identity and routing, and its placement, engine options, router
+    and health checks as records of their own.
 
-    ``path`` is the key path of its table (``roles.genrm.models.judge``). ``external_urls``
-    serves the model from engines Relax does not start (then no engine is placed and
-    ``backend`` is not used). ``engine_table`` is the model's ``engine`` table as written: the
-    options of its backend's own record (:attr:`~relax_core.records.EngineBackend.options`),
-    read and checked against that record by the job's checks
-    (:func:`relax_core.jobs.backend_options`), since parsing does not know the backends.
+    ``path`` is the key path of its table (``roles.genrm.models.judge``). ``external_urls``:
+    served by engines Relax does not start (no engine placed, ``backend`` unused).
+    ``engine_table``: the model's ``engine`` table as written, checked against its backend's
+    :attr:`~relax_core.records.EngineBackend.options` by :func:`relax_core.jobs.backend_options`.
     """
 
     role: str
@@ -261,11 +305,10 @@ class ModelConfig:
 @attrs.frozen
 class GatewayConfig:
     """The role gateway's listen address (``port`` ``None``: pick a free one) and where it runs:
-    in a thread of the ``relax serve`` process, or (``in_ray_actor``) in a CPU-only Ray actor
-    of its own on the same node."""
+    in a thread of ``relax serve``, or (``in_ray_actor``) in a CPU-only Ray actor of its own."""
 
     host: str = "127.0.0.1"
-    port: int | None = None
+    port: int | None = _checked(None, _port)
     in_ray_actor: bool = False
 
 
@@ -288,24 +331,23 @@ class RoleConfig:
     num_gpus: int | None = None
     gateway: GatewayConfig = GatewayConfig()
 
-    def model(self, name: str) -> ModelConfig:
-        """The model called ``name``; :class:`KeyError` naming the known ones otherwise."""
-        return _named(self.models, name, f"role {self.name!r} has no model {name!r}; models")
-
     @property
     def model_names(self) -> tuple[str, ...]:
         """Model names in file order."""
         return tuple(m.name for m in self.models)
+
+    def model(self, name: str) -> ModelConfig:
+        """The model called ``name``; :class:`KeyError` naming the known ones otherwise."""
+        return _named(self.models, name, f"role {self.name!r} has no model {name!r}; models")
 
 
 @attrs.frozen
 class JobConfig:
     """A whole job file. ``source`` is where it was read from (for messages).
 
-    ``run`` is the file's ``[run]`` table as written: ``relax run`` reads it
-    (:func:`relax_core.run.config.parse_run_config`, which checks its keys); every other
-    command ignores it, so one file serves ``relax plan``, ``relax serve`` and ``relax run``.
-    ``serve`` is ``[serve]`` (:class:`ServeSettings`), which only ``relax serve`` acts on.
+    ``run`` is the ``[run]`` table as written, which only ``relax run`` reads
+    (:func:`relax_core.run.config.parse_run_config`); ``serve`` is ``[serve]``, which only
+    ``relax serve`` acts on. So one file serves ``relax plan``, ``serve`` and ``run``.
     """
 
     cluster: ClusterConfig = ClusterConfig()
@@ -333,61 +375,14 @@ class JobConfig:
 # -- reading -----------------------------------------------------------------------------------
 
 
-def _hint(key: str, known: Collection[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-Check = Callable[[Any], "str | None"]
-
-
-def _at_least(low: float) -> Check:
-    return lambda v: None if v >= low else f"must be >= {low:g}, got {v!r}"
-
-
-def _positive(v: Any) -> str | None:
-    return None if v > 0 else f"must be > 0, got {v!r}"
-
-
-def _fraction(open_high: bool) -> Check:
-    def check(v: Any) -> str | None:
-        if v <= 0 or v > 1 or (open_high and v >= 1):
-            return f"must be in (0, 1{')' if open_high else ']'}, got {v!r}"
-        return None
-
-    return check
-
-
-def _one_of(choices: Sequence[str]) -> Check:
-    def check(v: Any) -> str | None:
-        if v in choices:
-            return None
-        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{_hint(v, choices)}"
-
-    return check
-
-
-def _finite(v: Any) -> str | None:
-    return None if math.isfinite(v) else f"must be a finite number, got {v!r}"
-
-
-def _non_empty(v: Any) -> str | None:
-    return None if v.strip() else "must not be empty"
-
-
-def _port(v: Any) -> str | None:
-    return None if 0 <= v <= 65535 else f"must be a TCP port in 0..65535, got {v!r}"
-
-
 class ConfigReader:
-    """Reads typed values out of a job file's tables with the job file's own rules, collecting
-    every problem (with its key path) instead of stopping at the first.
+    """Reads typed values out of a job file's tables with the job file's rules, collecting every
+    problem (with its key path) instead of stopping at the first.
 
-    What the core reads its tables with, and what a plugin reads its own with (a stage's
-    ``[[run.stages]]`` table, an engine backend's options): types checked (an integer is
-    accepted where a number is asked for, a bool never is), ranges and choices checked by a
-    ``check`` (one of the checks below, or any ``value -> problem text or None``), unknown keys
-    refused with a "did you mean" hint. Call :meth:`raise_problems` when done::
+    The core reads its tables with it, and a plugin its own (a stage's table, an engine backend's
+    options): an integer is accepted for a number, a bool never is; a ``check`` (one below, or any
+    ``value -> problem text or None``) checks ranges and choices; unknown keys get a "did you
+    mean" hint. Call :meth:`raise_problems` when done::
 
         r = ConfigReader()
         t = r.table(raw, "run.stages[2]", ("stage", "k", "mode"))
@@ -397,7 +392,7 @@ class ConfigReader:
         r.raise_problems(source)
 
     The checks: :meth:`at_least`, :meth:`one_of`, :meth:`fraction` (factories) and
-    :meth:`positive`, :meth:`finite`, :meth:`non_empty` (checks).
+    :meth:`positive`, :meth:`finite`, :meth:`non_empty`.
     """
 
     at_least = staticmethod(_at_least)
@@ -438,7 +433,7 @@ class ConfigReader:
                 self.problem(
                     f"{path}.{key}" if path else key,
                     f"unknown-{what}",
-                    f"unknown {what}{_hint(key, offered)} (known: {', '.join(offered)}){tip}",
+                    f"unknown {what}{hint(key, offered)} (known: {', '.join(offered)}){tip}",
                 )
         return value
 
@@ -497,16 +492,14 @@ class ConfigReader:
         return tuple(out)
 
     def record(self, value: object, path: str, cls: type[R]) -> R | None:
-        """An instance of the attrs class ``cls`` read from the table ``value``, or ``None``
-        and a problem for each bad key (at ``path.key``).
+        """An instance of the attrs class ``cls`` read from the table ``value``, or ``None`` and a
+        problem for each bad key (at ``path.key``).
 
-        The record's fields are the table's keys (any other key is an ``unknown-key`` problem,
-        with a hint), each read as its annotated type says: ``bool``, ``int``, ``float``,
-        ``str``, any of them ``| None``, ``tuple[str, ...]`` (a list of distinct strings) or a
-        ``typing.Literal`` of strings (a choice); an absent key takes the field's default.
-        A field's ``metadata={"check": ...}`` (:meth:`at_least`, :meth:`fraction`, …) checks
-        its value too, and a ``ValueError`` of the record's own validators is a problem at
-        ``path``. Every field must have a default::
+        The fields are the table's keys (others are ``unknown-key`` problems), each read as
+        its annotation says: ``bool``, ``int``, ``float``, ``str``, any of them ``| None``,
+        ``tuple[str, ...]`` or a ``typing.Literal`` of strings; an absent key takes the
+        default. A field's ``metadata={"check": ...}`` checks its value too; a ``ValueError``
+        of the record's own validators is a problem at ``path``. Every field needs a default::
 
             @attrs.frozen
             class Options:
@@ -515,8 +508,8 @@ class ConfigReader:
 
             opts = r.record(raw.get("engine", {}), "roles.rollout.models.policy.engine", Options)
 
-        :raises TypeError: ``cls`` is not an attrs class, or a field has a type or no default
-            a job file cannot give (the record's author's mistake, not the file's).
+        :raises TypeError: ``cls`` is not an attrs class, or a field has a type or no default a job
+            file cannot give (the record's author's mistake, not the file's).
         """
         if not (isinstance(cls, type) and attrs.has(cls)):
             raise TypeError(f"ConfigReader.record: {cls!r} is not an attrs class")
@@ -571,30 +564,17 @@ def _field_reader(cls: type, field: attrs.Attribute[Any], hint: Any) -> _FieldRe
         rest = tuple(a for a in args if a is not type(None))
         hint = rest[0] if len(rest) == 1 else hint
         args = typing.get_args(hint)
-    if hint in (bool, int, float, str):
-        kind = hint
-
-        def read(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
-            got = r.value(t, p, key, kind, None, check=given)
-            return float(got) if kind is float and isinstance(got, int) else got
-
-        return read
+    if hint in (bool, int, float, str):  # value() makes an int given for a float one
+        return lambda r, t, p: r.value(t, p, key, hint, None, check=given)
     if typing.get_origin(hint) is typing.Literal and args and all(isinstance(a, str) for a in args):
         choices = _one_of(args)
 
         def check(v: Any) -> str | None:
             return choices(v) or (given(v) if given is not None else None)
 
-        def read_choice(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
-            return r.value(t, p, key, str, None, check=check)
-
-        return read_choice
-    if typing.get_origin(hint) is tuple and args in ((str, ...),):
-
-        def read_list(r: ConfigReader, t: Mapping[str, Any], p: str) -> Any:
-            return r.str_list(t, p, key)
-
-        return read_list
+        return lambda r, t, p: r.value(t, p, key, str, None, check=check)
+    if typing.get_origin(hint) is tuple and args == (str, ...):
+        return lambda r, t, p: r.str_list(t, p, key)
     raise TypeError(
         f"{where}: a job file cannot give a {hint!r}; use bool, int, float, str (or None), "
         "tuple[str, ...] or a Literal of strings"
@@ -602,15 +582,7 @@ def _field_reader(cls: type, field: attrs.Attribute[Any], hint: Any) -> _FieldRe
 
 
 _TOP = ("cluster", "training", "placement", "roles", "run", "serve")
-_CLUSTER = ("num_nodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "cpus_per_bundle")
-_TRAINING = tuple(f.name for f in attrs.fields(TrainingConfig))
-_PLACEMENT = ("mode", "defer_roles", "pg_strategy", "residency")
-#: ``placement.residency``: roles sharing GPUs stay resident together when the budget says they
-#: fit (``planned``), or take turns one at a time and switch every step (``exclusive``: the
-#: behaviour before residency). Read by ``relax_core.coordination.residency``.
-RESIDENCY_MODES = ("planned", "exclusive")
 _ROLE = ("models", "default_model", "policy", "num_gpus", "gateway")
-_GATEWAY = ("host", "port", "in_ray_actor")
 #: The model table's keys: its own, then those of each of its records (every one flat in the
 #: table, under the record's field name; the ``router*`` keys map to :class:`RouterSettings`
 #: fields without the prefix), then the backend's ``engine`` table.
@@ -634,45 +606,19 @@ _MODEL = (
     *(f.name for f in attrs.fields(HealthSettings)),
     "engine",
 )
-
-
-def _cluster(r: ConfigReader, data: Mapping[str, Any]) -> ClusterConfig:
-    t = r.table(data.get("cluster", {}), "cluster", _CLUSTER)
-    return ClusterConfig(
-        num_nodes=r.value(t, "cluster", "num_nodes", int, 1, check=_at_least(1)),
-        gpus_per_node=r.value(t, "cluster", "gpus_per_node", int, 0, check=_at_least(0)),
-        gpu_memory_gib=r.value(t, "cluster", "gpu_memory_gib", float, None, check=_positive),
-        host_memory_gib=r.value(t, "cluster", "host_memory_gib", float, None, check=_positive),
-        cpus_per_bundle=r.value(t, "cluster", "cpus_per_bundle", float, 1.0, check=_at_least(0)),
-    )
-
-
-def _training(r: ConfigReader, data: Mapping[str, Any]) -> TrainingConfig:
-    p = "training"
-    t = r.table(data.get(p, {}), p, _TRAINING)
-    counts = {
-        k: r.value(t, p, k, int, 0, check=_at_least(0))
-        for k in ("actor_gpus", "critic_gpus", "reference_gpus", "actor_forward_gpus")
-    }
-    return TrainingConfig(
-        **counts,
-        colocate=r.value(t, p, "colocate", bool, None),
-        offload=r.value(t, p, "offload", bool, False),
-        offload_resident_gib=r.value(t, p, "offload_resident_gib", float, 1.0, check=_at_least(0)),
-        offload_host_gib=r.value(t, p, "offload_host_gib", float, 0.0, check=_at_least(0)),
-        ray_gpu_fraction=r.value(t, p, "ray_gpu_fraction", float, None, check=_fraction(False)),
-    )
-
-
-def _placement(r: ConfigReader, data: Mapping[str, Any]) -> PlacementConfig:
-    p = "placement"
-    t = r.table(data.get(p, {}), p, _PLACEMENT)
-    return PlacementConfig(
-        mode=r.value(t, p, "mode", str, None),
-        defer_roles=r.str_list(t, p, "defer_roles"),
-        pg_strategy=r.value(t, p, "pg_strategy", str, "PACK", check=_one_of(PG_STRATEGIES)),
-        residency=r.value(t, p, "residency", str, "planned", check=_one_of(RESIDENCY_MODES)),
-    )
+#: How the model table's keys of :class:`~relax_core.records.EngineOptions` are read (the
+#: records layer knows no reader): ``key: (type, default, check)``.
+_ENGINE_KEYS: dict[str, tuple[type, Any, Check | None]] = {
+    "dtype": (str, "auto", _one_of(DTYPES)),
+    "kv_cache_dtype": (str, "auto", _one_of(DTYPES)),
+    "mem_fraction_static": (float, None, _fraction(True)),
+    "context_length": (int, None, _at_least(1)),
+    "max_running_requests": (int, None, _at_least(1)),
+    "dp": (int, 1, _at_least(1)),
+    "dp_attention": (bool, False, None),
+    "deterministic_inference": (bool, None, None),
+    "weights_cpu_backup": (bool, None, None),
+}
 
 
 def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | None:
@@ -743,39 +689,26 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
             "external engines are not started here: prefill/decode workers must be managed",
         )
     engine_table = _engine_table(r, t, p, is_external)
-    backend = v(t, p, "backend", str, "", required=not is_external)
-    model_path = v(t, p, "model_path", str, "", required=not is_external)
-    dp = v(t, p, "dp", int, 1, check=_at_least(1))
-    dp_attention = v(t, p, "dp_attention", bool, False)
-    bundle_start = v(t, p, "bundle_start", int, None, check=_at_least(0))
-    aliases = r.str_list(t, p, "aliases")
-    route_keys = r.str_list(t, p, "route_keys")
-    route_mode = v(t, p, "route_mode", str, None, check=_one_of(ROUTE_MODES))
-    weight_source = v(t, p, "weight_source", str, None)
-    served_model_name = v(t, p, "served_model_name", str, None)
-    weights_cpu_backup = v(t, p, "weights_cpu_backup", bool, None)
-    seed = v(t, p, "seed", int, None)
+    own: dict[str, Any] = {
+        "backend": v(t, p, "backend", str, "", required=not is_external),
+        "model_path": v(t, p, "model_path", str, "", required=not is_external),
+        "aliases": r.str_list(t, p, "aliases"),
+        "route_keys": r.str_list(t, p, "route_keys"),
+        "route_mode": v(t, p, "route_mode", str, None, check=_one_of(ROUTE_MODES)),
+        "weight_source": v(t, p, "weight_source", str, None),
+        "served_model_name": v(t, p, "served_model_name", str, None),
+        "seed": v(t, p, "seed", int, None),
+    }
+    size = dict(num_gpus=num_gpus, gpus_per_engine=gpe, tp=tp, pp=pp, num_engines=num_engines)
     placement = PlacementSettings(
-        num_gpus=num_gpus,
-        gpus_per_engine=gpe,
-        tp=tp,
-        pp=pp,
-        num_engines=num_engines,
-        bundle_start=bundle_start,
+        **size,
+        bundle_start=v(t, p, "bundle_start", int, None, check=_at_least(0)),
         ray_gpu_fraction=v(t, p, "ray_gpu_fraction", float, None, check=_fraction(False)),
         cuda_graph_gib=v(t, p, "cuda_graph_gib", float, 1.0, check=_at_least(0)),
         num_parameters=v(t, p, "num_parameters", int, None, check=_at_least(1)),
     )
     engine = EngineOptions(
-        dtype=v(t, p, "dtype", str, "auto", check=_one_of(DTYPES)),
-        kv_cache_dtype=v(t, p, "kv_cache_dtype", str, "auto", check=_one_of(DTYPES)),
-        mem_fraction_static=v(t, p, "mem_fraction_static", float, None, check=_fraction(True)),
-        context_length=v(t, p, "context_length", int, None, check=_at_least(1)),
-        max_running_requests=v(t, p, "max_running_requests", int, None, check=_at_least(1)),
-        dp=dp,
-        dp_attention=dp_attention,
-        deterministic_inference=v(t, p, "deterministic_inference", bool, None),
-        weights_cpu_backup=weights_cpu_backup,
+        **{k: v(t, p, k, *how[:2], check=how[2]) for k, how in _ENGINE_KEYS.items()},
         extra_args=r.str_list(t, p, "extra_args"),
         env=dict(env),
         pd_prefill_engines=pd_prefill,
@@ -786,28 +719,9 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
         allow_dropped_fields=r.str_list(t, p, "router_allow_dropped_fields"),
         args=r.str_list(t, p, "router_args"),
     )
-    model = ModelConfig(
-        role=role,
-        name=name,
-        path=p,
-        backend=backend,
-        model_path=model_path,
-        device=device,
-        aliases=aliases,
-        route_keys=route_keys,
-        route_mode=route_mode,
-        weight_source=weight_source,
-        served_model_name=served_model_name,
-        seed=seed,
-        external_urls=external_urls,
-        placement=placement,
-        engine=engine,
-        router=router,
-        health=HealthSettings(
-            unhealthy_after=v(t, p, "unhealthy_after", int, 3, check=_at_least(1))
-        ),
-        engine_table=engine_table,
-    )
+    own["health"] = HealthSettings(v(t, p, "unhealthy_after", int, 3, check=_at_least(1)))
+    own |= {"device": device, "external_urls": external_urls, "engine_table": engine_table}
+    model = ModelConfig(role, name, p, placement=placement, engine=engine, router=router, **own)
     return model if len(r.problems) == before else None
 
 
@@ -863,22 +777,13 @@ def _role(r: ConfigReader, name: str, raw: object) -> RoleConfig | None:
     before = len(r.problems)
     t = r.table(raw, p, _ROLE)
     models_raw = t.get("models")
-    models: list[ModelConfig] = []
     if models_raw is None:
         r.problem(f"{p}.models", "required", f"add at least one [{p}.models.NAME] table")
     elif not isinstance(models_raw, dict) or not models_raw:
         r.problem(f"{p}.models", "type", f"must hold at least one [{p}.models.NAME] table")
-    else:
-        for model_name, model_raw in models_raw.items():
-            model = _model(r, name, model_name, model_raw)
-            if model is not None:
-                models.append(model)
-    gw_raw = r.table(t.get("gateway", {}), f"{p}.gateway", _GATEWAY)
-    gateway = GatewayConfig(
-        host=r.value(gw_raw, f"{p}.gateway", "host", str, "127.0.0.1"),
-        port=r.value(gw_raw, f"{p}.gateway", "port", int, None, check=_port),
-        in_ray_actor=r.value(gw_raw, f"{p}.gateway", "in_ray_actor", bool, False),
-    )
+    found = models_raw.items() if isinstance(models_raw, dict) else ()
+    models = [m for n, raw in found if (m := _model(r, name, n, raw)) is not None]
+    gateway = r.record(t.get("gateway", {}), f"{p}.gateway", GatewayConfig) or GatewayConfig()
     role = RoleConfig(
         name=name,
         models=tuple(models),
@@ -891,44 +796,28 @@ def _role(r: ConfigReader, name: str, raw: object) -> RoleConfig | None:
     return role if len(r.problems) == before else None
 
 
-def _claim_names(
-    r: ConfigReader,
-    models: Sequence[ModelConfig],
-    field: str,
-    owner: dict[str, str],
-    taken: Callable[[str, str], str],
-) -> None:
-    """Give each name in the models' ``field`` to its model in ``owner`` (name -> model); a name
-    ``owner`` already holds is a ``duplicate`` problem whose message is ``taken(name, model)``."""
-    for m in models:
-        for i, name in enumerate(getattr(m, field)):
-            if name in owner:
-                r.problem(f"{m.path}.{field}[{i}]", "duplicate", taken(name, owner[name]))
-            else:
-                owner[name] = m.name
-
-
 def _check_role_names(r: ConfigReader, role: RoleConfig) -> None:
     """Model names, aliases and route keys of one role must resolve to exactly one model."""
-    owner: dict[str, str] = {m.name: m.name for m in role.models}
-
-    def alias_taken(alias: str, model: str) -> str:
-        return (
-            f"alias {alias!r} already names model {model!r} of role {role.name!r}; "
-            "an alias must resolve to one model"
-        )
-
-    def key_taken(key: str, model: str) -> str:
-        return f"route key {key!r} is already mapped to model {model!r}"
-
-    _claim_names(r, role.models, "aliases", owner, alias_taken)
-    _claim_names(r, role.models, "route_keys", {}, key_taken)
-    if role.default_model is not None and role.default_model not in owner:
+    names: dict[str, str] = {m.name: m.name for m in role.models}
+    alias = "alias {name!r} already names model {model!r} of role {role!r}; an alias must "
+    taken: dict[str, tuple[dict[str, str], str]] = {
+        "aliases": (names, alias + "resolve to one model"),
+        "route_keys": ({}, "route key {name!r} is already mapped to model {model!r}"),
+    }
+    for field, (owner, message) in taken.items():
+        for m in role.models:
+            for i, name in enumerate(getattr(m, field)):
+                if name in owner:
+                    text = message.format(name=name, model=owner[name], role=role.name)
+                    r.problem(f"{m.path}.{field}[{i}]", "duplicate", text)
+                else:
+                    owner[name] = m.name
+    if role.default_model is not None and role.default_model not in names:
         r.problem(
             f"roles.{role.name}.default_model",
             "reference",
             f"{role.default_model!r} is not a model or alias of role {role.name!r}"
-            f"{_hint(role.default_model, owner)} (models: {', '.join(role.model_names)})",
+            f"{hint(role.default_model, names)} (models: {', '.join(role.model_names)})",
         )
 
 
@@ -945,26 +834,22 @@ def _role_name_ok(r: ConfigReader, name: object) -> bool:
 
 
 def parse_config(
-    data: Mapping[str, Any],
-    *,
-    source: str | None = None,
-    role_names: Collection[str] | None = None,
+    data: Mapping[str, Any], *, source: str | None = None, role_names: Collection[str] | None = None
 ) -> JobConfig:
     """Build a :class:`JobConfig` from a parsed TOML document (or any nested dict).
 
     :param source: where ``data`` came from, for messages.
-    :param role_names: the role names accepted under ``[roles]``; pass the registered roles of
-        a plugin manager (``plugin_manager.registered("roles")``) to get an ``unknown-role``
-        problem, with a hint, for any other name. Default ``None``: any well-formed role name
-        (the placement planner then rejects a role no installed plugin registers).
+    :param role_names: the role names accepted under ``[roles]`` (``pm.registered("roles")``): any
+        other is an ``unknown-role`` problem. ``None``: any well-formed name (the planner then
+        rejects a role no plugin registers).
     :raises ConfigValidationError: with every problem found.
     """
     r = ConfigReader()
     top = r.table(dict(data), "", _TOP)
-    cluster = _cluster(r, top)
-    training = _training(r, top)
-    placement = _placement(r, top)
-    roles: list[RoleConfig] = []
+    cluster = r.record(top.get("cluster", {}), "cluster", ClusterConfig) or ClusterConfig()
+    training = r.record(top.get("training", {}), "training", TrainingConfig) or TrainingConfig()
+    placement = r.record(top.get("placement", {}), "placement", PlacementConfig)
+    placement = placement or PlacementConfig()
     raw_roles = top.get("roles", {})
     if role_names is None:
         roles_raw = r.table(raw_roles, "roles", raw_roles if isinstance(raw_roles, dict) else ())
@@ -978,19 +863,16 @@ def parse_config(
             what="role",
             tip="; a third-party role needs its plugin installed",
         )
-    for name, raw in roles_raw.items():
-        if name not in known_roles:
-            continue  # reported above, as an unknown or malformed role name
-        role = _role(r, name, raw)
-        if role is not None:
-            roles.append(role)
+    # A name not in known_roles is reported above, as an unknown or malformed role name.
+    found = [(name, raw) for name, raw in roles_raw.items() if name in known_roles]
+    roles = [role for name, raw in found if (role := _role(r, name, raw)) is not None]
     configured = {name for name in roles_raw if name in known_roles}
     for i, name in enumerate(placement.defer_roles):
         if name not in configured:
             r.problem(
                 f"placement.defer_roles[{i}]",
                 "reference",
-                f"role {name!r} is not configured under [roles]{_hint(name, configured)} "
+                f"role {name!r} is not configured under [roles]{hint(name, configured)} "
                 f"(configured: {', '.join(sorted(configured)) or 'none'})",
             )
     run = top.get("run", {})

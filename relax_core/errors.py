@@ -1,7 +1,7 @@
 """The error hierarchy of Relax: every error class the core raises on purpose, in one place.
 
-Every error says what was wrong, where (a config key path, a snapshot field path, an engine id,
-a bundle index, a request field) and, where there is one, what to do about it. The tree::
+Every error says what was wrong, where (a key path, a field, an engine id, a bundle index) and,
+where there is one, what to do. The tree::
 
     RelaxError
     ├── PluginError
@@ -92,10 +92,8 @@ class PluginError(RelaxError):
 
 
 class ConfigError(RelaxError):
-    """A configuration value is invalid.
-
-    ``path`` is the dotted key path of the offending value (``roles.genrm.models.judge.tp``),
-    ``message`` what is wrong with it and what to do.
+    """A configuration value is invalid: ``path`` is its dotted key path, ``message`` what is wrong
+    and what to do.
     """
 
     path: str
@@ -123,9 +121,8 @@ class ConfigProblem:
 class ConfigValidationError(ConfigError):
     """A job config has one or more problems (raised by :func:`relax_core.config.load_config`).
 
-    ``problems`` holds every :class:`~relax_core.config.ConfigProblem` found, in file order (each
-    with its key path, rule and what to do), so a user fixes them all in one pass; ``source``
-    names the file (``None`` for a config given as a dict). ``path`` is the first problem's key
+    ``problems``: every :class:`~relax_core.config.ConfigProblem` found, so a user fixes them all in
+    one pass; ``source`` names the file (``None``: a dict). ``path`` is the first problem's key
     path; ``str()`` lists them all.
     """
 
@@ -147,18 +144,13 @@ class ConfigValidationError(ConfigError):
 
 
 class SnapshotError(ConfigError):
-    """A discovery snapshot does not follow schema 2 (``path`` names the field).
-
-    Raised by :meth:`~relax_core.discovery.schema.RoleSnapshot.from_json` and the snapshot's
-    validators; a client that fetches such a snapshot answers ``RoutingError(503)`` instead.
+    """A discovery snapshot does not follow schema 2 (``path`` names the field); a client that
+    fetches one answers ``RoutingError(503)`` instead.
     """
 
 
 class PlacementError(RelaxError):
-    """A placement plan or a bound placement group violates one or more rules.
-
-    ``violations`` holds every violation found, not just the first.
-    """
+    """A placement plan or a bound placement group breaks rules: ``violations`` holds every one."""
 
     violations: tuple[str, ...]
 
@@ -183,9 +175,9 @@ class _StatusError(RelaxError):
 class RoutingError(_StatusError):
     """A request could not be routed; nothing was sent.
 
-    ``status`` is the HTTP status a gateway answers with: 400 (unknown model, alias or route key;
-    fix the request) or 503 (the model is not READY, no replica is eligible, the registry is
-    unavailable; try again). ``retry_after`` is set (seconds) when trying again later can succeed.
+    ``status``: 400 (unknown model, alias or route key: fix the request) or 503 (not READY, no
+    eligible replica, registry unavailable: try again); ``retry_after`` (seconds) when a later try
+    can succeed.
     """
 
     retry_after: float | None
@@ -196,10 +188,10 @@ class RoutingError(_StatusError):
 
 
 class ModelNotReadyError(RoutingError):
-    """The model a request resolved to is not READY (SLEEPING, ONLOADING, DRAINING, …): a 503
-    and nothing was sent. ``role``, ``model`` and ``state`` (the model's state, as published)
-    say which: a role gateway that can wake a sleeping role (``relax serve``'s on-demand
-    residency) waits for it and retries; any other caller retries after ``retry_after``."""
+    """The model a request resolved to is not READY: a 503, nothing sent. ``role``, ``model`` and
+    ``state`` say which; a gateway that can wake the role waits and retries, any other caller
+    retries after ``retry_after``.
+    """
 
     role: str
     model: str
@@ -215,13 +207,9 @@ class ModelNotReadyError(RoutingError):
 
 
 class InvalidRequestError(RoutingError):
-    """A request body is malformed: not JSON, not an object, or a field of the wrong shape.
-
-    Always a 400 and nothing was sent: fix the request. The one error for a bad body everywhere:
-    :class:`~relax_core.client.client.InferenceClient` raises it before routing, a role
-    gateway's payload checks and role adapters raise it, and the gateway answers it as a 400
-    whose ``param`` is ``field``. ``field`` names the offending JSON field
-    (``sampling_params.max_new_tokens``), ``None`` for the body as a whole.
+    """A request body is malformed (not JSON, not an object, a field of the wrong shape): always a
+    400, nothing sent. ``field`` names the offending JSON field (``None``: the whole body); a
+    gateway answers it with ``param`` = ``field``.
     """
 
     field: str | None
@@ -232,11 +220,8 @@ class InvalidRequestError(RoutingError):
 
 
 class UpstreamError(_StatusError):
-    """An engine or router could not be reached or answered badly.
-
-    ``status`` is the HTTP status a gateway answers with (502 transport or bad answer,
-    504 deadline); ``request_id`` the id the request travelled with (``X-Request-ID``), when it
-    was built.
+    """An engine or router could not be reached or answered badly: ``status`` 502 (transport, bad
+    answer) or 504 (deadline); ``request_id``: the ``X-Request-ID`` it travelled with, if any.
     """
 
     request_id: str | None
@@ -247,21 +232,16 @@ class UpstreamError(_StatusError):
 
 
 class UpstreamUnreachableError(UpstreamError):
-    """No connection to the upstream could be opened: nothing was sent, a retry is safe.
-
-    ``status`` is 502 (refused, reset while connecting, name not resolved) or 504 (the
-    connect deadline passed). The client retries once on a fresh snapshot before raising it;
-    when it reaches a caller, the engine is down or its address is stale: check ``relax status``.
+    """No connection could be opened: nothing was sent, a retry is safe. ``status`` 502 or 504 (the
+    connect deadline). The client already retried once on a fresh snapshot: check ``relax status``.
     """
 
 
 class UpstreamStatusError(UpstreamError):
-    """The upstream answered with an HTTP error status (4xx or 5xx).
+    """The upstream answered with an HTTP error status (4xx or 5xx); the request is never replayed.
 
-    ``status`` is the upstream's own status, ``body`` its body (bytes, as received),
-    ``retry_after`` its ``Retry-After`` in seconds when it sent one, ``url`` where the request
-    went. The request reached the upstream and is never replayed; the message quotes the start
-    of the body, which says what the engine objected to.
+    ``status``, ``body`` (bytes), ``retry_after`` (its ``Retry-After``, seconds) are the upstream's,
+    ``url`` where the request went; the message quotes the start of the body.
     """
 
     body: bytes
@@ -289,13 +269,11 @@ class UpstreamStatusError(UpstreamError):
 
 
 class RequestNotReplayedError(UpstreamError):
-    """A POST reached the wire and then failed; it was not replayed.
+    """A POST reached the wire and then failed; it was not replayed (it may have run).
 
-    The upstream may or may not have executed it. ``request_id`` identifies it so the caller can
-    deduplicate or abort it. ``status`` is 504 when the deadline passed or a stream stayed
-    silent past its idle limit (then ``__cause__`` is a :class:`StreamStalledError`), else 502.
-    ``answer_started``: whether the answer's first bytes (its status line) had arrived — a
-    failure mid-answer or mid-stream — or not (sent, then nothing came back).
+    ``request_id`` identifies it to deduplicate or abort. ``status``: 504 when the deadline passed
+    or a stream went silent (``__cause__`` is a :class:`StreamStalledError`), else 502.
+    ``answer_started``: whether the answer's status line had arrived.
     """
 
     answer_started: bool
@@ -315,12 +293,9 @@ class RequestNotReplayedError(UpstreamError):
 class StreamStalledError(RelaxError, TimeoutError):
     """A streamed body went silent for longer than its idle limit.
 
-    Raised inside the data path while a body is read piece by piece (it is a ``TimeoutError``,
-    so it travels as the read's failure) and turned into a 504
-    :class:`RequestNotReplayedError` whose ``__cause__`` it is. ``seconds`` is the limit that
-    passed, ``started`` whether any body bytes had arrived (the first chunk has its own limit),
-    ``setting`` the option that sets that limit (``stream_idle_timeout`` or
-    ``stream_first_chunk_timeout``): raise it if the engine can legitimately stay silent longer.
+    A ``TimeoutError`` raised while a body is read, turned into a 504
+    :class:`RequestNotReplayedError`. ``seconds``: the limit; ``started``: whether any body bytes
+    had arrived; ``setting``: the option that sets that limit (raise it for a slow engine).
     """
 
     seconds: float
@@ -335,14 +310,11 @@ class StreamStalledError(RelaxError, TimeoutError):
 
 
 class GatewayError(_StatusError):
-    """An answer a role gateway gives instead of forwarding: ``status`` and a JSON error body.
+    """An answer a role gateway gives instead of forwarding: ``status`` and a JSON error body
+    ``{"error": {"message", "type", "code", "param"}}``.
 
-    Raised by :class:`~relax_core.gateway.handler.InferenceGatewayHandler` (401 bad token,
-    413 body too large, 4xx/5xx the engine's failure, 503 registry unavailable) and built from
-    the other errors by :func:`~relax_core.gateway.handler.gateway_error`. The body is
-    ``{"error": {"message", "type", "code", "param"}}``: ``message`` says what to do,
-    ``field`` (``param``) names the offending request field, ``retry_after`` (seconds) is sent as
-    ``Retry-After`` and ``request_id`` as ``X-Request-ID``.
+    ``field`` is sent as ``param``, ``retry_after`` as ``Retry-After``, ``request_id`` as
+    ``X-Request-ID``; :func:`~relax_core.gateway.handler.gateway_error` builds it from the others.
     """
 
     retry_after: float | None
@@ -375,14 +347,10 @@ class LifecycleError(RelaxError):
 class InferenceRecoveryRequired(LifecycleError):
     """An engine actor died without confirmed cleanup of its engine process.
 
-    Its slot, pending record and placement-group fence are kept; nothing is rebuilt
-    automatically. Confirm the node or container is clean, then start a new job.
-
-    ``result`` is the per-replica :class:`~relax_core.manager.LifecycleResult` of the call that
-    found the fence while it ran (``None`` when the call was refused before anything ran);
-    ``report`` is the :class:`~relax_core.manager.HealthReport` of a ``health_check()`` that
-    found one. (Both are typed ``Any`` here: this module is below the manager and imports none
-    of it, not even for types.)
+    Its slot, pending record and placement-group fence are kept, nothing is rebuilt: confirm the
+    node is clean, then start a new job. ``result``: the
+    :class:`~relax_core.manager.LifecycleResult` of the call that found the fence (``None``: refused
+    before anything ran); ``report``: the :class:`~relax_core.manager.HealthReport` that found one.
     """
 
     result: Any
@@ -402,16 +370,12 @@ class NotApplicable(LifecycleError):
 
 
 class ChannelError(LifecycleError):
-    """The HTTP exchange with a head's private control endpoint failed (no answer from the worker).
-
-    The worker's own failures are reported as its own exceptions, never as this; a channel
-    error says nothing about whether the worker actor died (the manager asks Ray).
+    """The HTTP exchange with a head's private control endpoint failed (no answer from the worker);
+    it says nothing of whether the worker died, and the worker's own failures are never one.
     """
 
 
-# -- coordination ----------------------------------------------------------------------------
-# Errors of the LifecycleCoordinator, the DeferredBatch and the batch sinks. They cross Ray
-# (raised in the coordinator actor, re-raised in the caller), so each pickles with its fields.
+# -- coordination: the LifecycleCoordinator, the DeferredBatch and the batch sinks -------------
 
 
 class CoordinationError(RelaxError):
@@ -420,11 +384,8 @@ class CoordinationError(RelaxError):
 
 
 class LeaseBlockedError(CoordinationError):
-    """A role's shared-GPU lease is BLOCKED: an onload or offload of it was not confirmed.
-
-    ``role`` is the role; ``reason`` what went unconfirmed. The coordinator grants no role on
-    the same defer slice a lease until an operator has confirmed that the role's GPUs are clean
-    and reset the lease (``relax coordinator reset``).
+    """A role's shared-GPU lease is BLOCKED: an onload or offload of ``role`` was not confirmed
+    (``reason``). No role on its slice gets a lease until an operator resets it.
     """
 
     def __init__(self, role: str, reason: str) -> None:
@@ -436,15 +397,10 @@ class LeaseBlockedError(CoordinationError):
             f"needed), then run `relax coordinator reset --role {role} --confirm-clean`"
         )
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.role, self.reason))
-
 
 class BatchFailedError(CoordinationError):
-    """A batch will never be committed: ``batch_id`` and the ``cause`` (the first failure).
-
-    Raised to ``wait_committed`` waiters, to callers of the failed batch's operations and, for
-    later batches, when the run failed earlier (``failed_batch`` names that batch).
+    """A batch will never be committed: ``batch_id`` and the ``cause`` (the first failure);
+    ``failed_batch`` names the batch that failed when it is an earlier one.
     """
 
     def __init__(self, batch_id: int, cause: str, *, failed_batch: int | None = None) -> None:
@@ -460,18 +416,11 @@ class BatchFailedError(CoordinationError):
             )
         super().__init__(text)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_batch_failed, (self.batch_id, self.cause, self.failed_batch))
-
-
-def _rebuild_batch_failed(batch_id: int, cause: str, failed_batch: int) -> BatchFailedError:
-    return BatchFailedError(batch_id, cause, failed_batch=failed_batch)
-
 
 class EmptyBatchError(CoordinationError):
-    """Every group of batch ``batch_id`` was dropped by its stages (``reasons``: ``"stage:
-    reason"`` -> groups): nothing is committed nor trained; ``[run] on_empty_batch`` says
-    whether the step is skipped or failed."""
+    """The stages dropped every group of batch ``batch_id`` (``reasons``: ``"stage: reason"`` ->
+    groups); ``[run] on_empty_batch`` says whether the step is skipped or failed.
+    """
 
     def __init__(self, batch_id: int, reasons: Mapping[str, int]) -> None:
         self.batch_id = batch_id
@@ -494,9 +443,8 @@ class ScoringError(RelaxError):
 
 
 class EnvironmentStepError(RelaxError):
-    """A multi-turn rollout's environment failed (its reset or step raised, or answered what
-    is not an observation): the step fails and nothing of it is committed. ``environment``
-    names the environment, ``trajectory`` the trajectory (the sample's id)."""
+    """A multi-turn rollout's environment failed (raised, or answered no observation): the
+    step fails uncommitted. ``environment`` and ``trajectory`` (the sample's id) say which."""
 
     def __init__(self, environment: str, trajectory: str, message: str) -> None:
         self.environment = environment
@@ -506,9 +454,9 @@ class EnvironmentStepError(RelaxError):
 
 
 class NotPrefixStable(RelaxError, ValueError):
-    """A chat template renders a conversation so that an earlier rendering is not a prefix of
-    a later one (it rewrites earlier turns): a multi-turn trajectory's ids cannot be extended
-    without re-tokenizing, so they are not."""
+    """A chat template rewrites earlier turns (an earlier rendering is not a prefix of a later one),
+    so a multi-turn trajectory's ids cannot be extended without re-tokenizing.
+    """
 
 
 class SinkError(RelaxError):
@@ -521,9 +469,9 @@ class SinkError(RelaxError):
 
 
 class TrackerError(RelaxError):
-    """An experiment tracker failed (``tracker``: its name in the run; ``call``: what it was
-    doing: ``open``, ``log_metrics`` …). ``relax run`` reports it once and goes on without the
-    tracker, unless ``strict_trackers`` asks for the run to end on it."""
+    """An experiment tracker failed (``tracker``: its name; ``call``: ``open``, ``log_metrics`` …);
+    reported once and dropped, unless ``strict_trackers`` ends the run.
+    """
 
     def __init__(self, tracker: str, call: str, message: str) -> None:
         self.tracker = tracker
@@ -533,9 +481,9 @@ class TrackerError(RelaxError):
 
 
 class CheckpointError(RelaxError):
-    """A run's checkpoint cannot be written or resumed from (``run_dir``: the run's directory):
-    none there, one that cannot be read, a job that differs from the checkpointed one in what a
-    resume keeps. The message says what, where and what to do."""
+    """A run's checkpoint (in ``run_dir``) cannot be written or resumed from; the message says what,
+    where and what to do.
+    """
 
     def __init__(self, run_dir: str, message: str) -> None:
         self.run_dir = run_dir

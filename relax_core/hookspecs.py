@@ -1,28 +1,10 @@
 """Every hook a Relax plugin can implement.
 
 A plugin is a module (found through the ``relax`` entry-point group) with functions marked
-``@relax_core.hookimpl``. Registration hooks hand the plugin a ``register`` callback; the plugin
-calls it with frozen records from :mod:`relax_core.records`. Two records of one kind with one
-name are rejected with both plugins named.
-
-Every hook here is a registration hook, collected once per plugin manager, when a command
-first needs the kind. They are grouped by the phase in which their records are used:
-
-- **a job's inference side** (every command that reads a job: ``relax plan``, ``serve``,
-  ``run``): roles, engine backends, routers, weight sources, reward adapters, routing policies,
-  placement modes — checked when the job file is read, used as its models start and serve;
-- **an RL step** (``relax run``): data sources (the step's prompts), rollout shapes (how a
-  prompt becomes a group: one completion, or a multi-turn trajectory) and the environments a
-  multi-turn shape drives, stages (what the step does
-  to its batch, in order), trainers (who trains on the committed batch) — collected when the
-  ``[run]`` table is checked, before anything starts; trackers (who hears what the run
-  did: its config, each committed step's metrics, each phase, samples to inspect) — opened
-  when the steps begin, closed when the run ends, however it ends;
-- **tools** (``relax bench``, ``relax`` itself): benchmarks — collected when ``relax bench``
-  runs; commands (sub-commands of ``relax``) — collected when the command line is built.
-
-A plugin implements a hook under the same name and calls ``register`` once per record it adds;
-each hook below names its record and shows that call::
+``@relax_core.hookimpl``. Every hook is a registration hook: it hands the plugin a ``register``
+callback to call once per frozen record (:mod:`relax_core.records`) it adds; two records of one
+kind with one name are rejected with both plugins named. Each kind is collected once per plugin
+manager, when a command first needs it; the hooks are grouped by the phase that uses them::
 
     from relax_core import hookimpl
     from relax_core.records import RoutingPolicy
@@ -46,9 +28,7 @@ hookspec = pluggy.HookspecMarker("relax")
 hookimpl = pluggy.HookimplMarker("relax")
 
 
-# == a job's inference side ===================================================================
-
-# -- roles -----------------------------------------------------------------------------------
+# == a job's inference side: checked when a job file is read (relax plan, serve, run) ==========
 
 
 @hookspec
@@ -61,9 +41,6 @@ def relax_register_roles(register: Callable[[records.RoleSpec], None]) -> None:
     """
 
 
-# -- engine backends -------------------------------------------------------------------------
-
-
 @hookspec
 def relax_register_engine_backends(register: Callable[[records.EngineBackend], None]) -> None:
     """Register engine backends.
@@ -72,9 +49,6 @@ def relax_register_engine_backends(register: Callable[[records.EngineBackend], N
         ``register(EngineBackend(name="hf", launch=launch_hf, control_client=ControlClient,
         devices={"cpu", "cuda"}))``.
     """
-
-
-# -- routers ---------------------------------------------------------------------------------
 
 
 @hookspec
@@ -88,9 +62,6 @@ def relax_register_routers(register: Callable[[records.RouterBackend], None]) ->
     """
 
 
-# -- weight sources --------------------------------------------------------------------------
-
-
 @hookspec
 def relax_register_weight_sources(register: Callable[[records.WeightSource], None]) -> None:
     """Register weight sources (the core registers ``STATIC``, ``ACTOR`` and ``DCS``).
@@ -101,27 +72,14 @@ def relax_register_weight_sources(register: Callable[[records.WeightSource], Non
     """
 
 
-# -- reward adapters -------------------------------------------------------------------------
-
-
 @hookspec
 def relax_register_reward_adapters(register: Callable[[records.RewardSpec], None]) -> None:
-    """Register reward adapters.
+    """Register reward adapters (how one is called: :class:`~relax_core.records.RewardSpec`).
 
     :param register: call it once per :class:`~relax_core.records.RewardSpec`, as in
         ``register(RewardSpec(name="exact-match", fn=exact_match, mode="sync",
         label_matcher=lambda label: label is not None, supports_deferred=True))``.
-
-    An adapter is called ``fn(response, label)`` (plus ``metadata=`` with
-    ``pass_metadata=True``; an ``async`` adapter also gets ``context=``, a
-    :class:`~relax_core.coordination.RewardContext` with the sample and the loop's client of
-    each role) and returns a number or a :class:`~relax_core.coordination.RewardResult`.
-    ``sync`` adapters run in Ray workers; ``label_matcher(label) -> bool`` limits the samples
-    an adapter scores; ``supports_deferred`` lets it score a staged batch in a deferred phase.
     """
-
-
-# -- routing policies ------------------------------------------------------------------------
 
 
 @hookspec
@@ -133,9 +91,6 @@ def relax_register_routing_policies(register: Callable[[records.RoutingPolicy], 
     """
 
 
-# -- placement modes -------------------------------------------------------------------------
-
-
 @hookspec
 def relax_register_placement_modes(register: Callable[[records.PlacementMode], None]) -> None:
     """Register placement modes (the core registers ``decoupled``, ``split`` and ``defer``).
@@ -145,16 +100,13 @@ def relax_register_placement_modes(register: Callable[[records.PlacementMode], N
     """
 
 
-# == an RL step (relax run): in the order a step uses them — where its prompts come from, what
-# it does to its batch, who trains on it ========================================================
+# == an RL step (relax run), in the order a step uses them: collected when [run] is checked ====
 
 
 @hookspec
 def relax_register_data_sources(register: Callable[[records.DataSourceSpec], None]) -> None:
-    """Register prompt sources (the core registers ``arithmetic`` and ``jsonl``).
-
-    ``[run] dataset`` names one (``dataset = "arithmetic"``) or a file whose suffix one claims
-    (``dataset = "train.jsonl"``); an eval stage's ``dataset`` is found the same way.
+    """Register prompt sources (the core registers ``arithmetic`` and ``jsonl``), named by
+    ``[run] dataset`` or an eval stage's ``dataset``, or claiming a file by its suffix.
 
     :param register: call it once per :class:`~relax_core.records.DataSourceSpec`, as in
         ``register(DataSourceSpec(name="parquet", open=open_parquet, suffixes=(".parquet",),
@@ -164,13 +116,8 @@ def relax_register_data_sources(register: Callable[[records.DataSourceSpec], Non
 
 @hookspec
 def relax_register_rollout_shapes(register: Callable[[records.RolloutShapeSpec], None]) -> None:
-    """Register rollout shapes (the core registers ``single-turn``, the default; the
-    ``relax-agent`` plugin ``multi-turn``).
-
-    ``[run.generation] shape`` names the one a run generates with; it turns each prompt of a step
-    into one group of samples through the generation role's route (``shape.group(request)``),
-    for the step's first groups and for every group a stage asks more of. Built
-    (``RolloutShapeSpec.build``) when the run is checked, before anything starts.
+    """Register rollout shapes (the core registers ``single-turn``, the default; ``relax-agent``
+    ``multi-turn``): ``[run.generation] shape`` names the one that turns each prompt into a group.
 
     :param register: call it once per :class:`~relax_core.records.RolloutShapeSpec`, as in
         ``register(RolloutShapeSpec(name="best-of-n", build=BestOfN.from_config,
@@ -180,15 +127,9 @@ def relax_register_rollout_shapes(register: Callable[[records.RolloutShapeSpec],
 
 @hookspec
 def relax_register_environments(register: Callable[[records.EnvironmentSpec], None]) -> None:
-    """Register environments for multi-turn rollouts (the ``relax-agent`` plugin registers
-    ``calculator``, a calculator tool for the arithmetic dataset).
-
-    ``[run.generation] environment`` names the one the ``multi-turn`` shape drives: one
-    environment per trajectory (``EnvironmentSpec.make(config)``), reset from the prompt's
-    dataset row, stepped with each policy turn — its observation's messages appended as
-    tokens the policy never trains on, its optional reward recorded per turn — until it says
-    ``done``, or ``max_turns`` or ``max_total_tokens`` is reached. Its options are checked
-    (``EnvironmentSpec.check``) when the run is checked.
+    """Register environments for multi-turn rollouts (``relax-agent`` registers ``calculator``):
+    ``[run.generation] environment`` names the one the ``multi-turn`` shape drives, one per
+    trajectory, until it says ``done`` or a turn or token limit is reached.
 
     :param register: call it once per :class:`~relax_core.records.EnvironmentSpec`, as in
         ``register(EnvironmentSpec(name="search", make=SearchEnv, options=("index",)))``.
@@ -197,12 +138,9 @@ def relax_register_environments(register: Callable[[records.EnvironmentSpec], No
 
 @hookspec
 def relax_register_stages(register: Callable[[records.StageSpec], None]) -> None:
-    """Register kinds of step stages (the core registers ``reward`` and ``eval``;
-    relax-teacher ``distill`` and ``student``).
-
-    ``[[run.stages]]`` lists a step's stages in order, each by its kind (``stage =
-    "distill"``); each runs on the staged batch after generation, within its role's lease, and
-    declares the sample fields it writes. Built (``StageSpec.build``) when the run is checked.
+    """Register kinds of step stages (the core registers ``reward`` and ``eval``; relax-teacher
+    ``distill`` and ``student``): ``[[run.stages]]`` lists a step's stages in order, each run on
+    the staged batch within its role's lease.
 
     :param register: call it once per :class:`~relax_core.records.StageSpec`, as in
         ``register(StageSpec(name="length-penalty", build=LengthPenalty.from_config,
@@ -213,8 +151,7 @@ def relax_register_stages(register: Callable[[records.StageSpec], None]) -> None
 @hookspec
 def relax_register_trainers(register: Callable[[records.TrainerSpec], None]) -> None:
     """Register trainers: the training consumers ``relax run`` starts in a Ray actor, each
-    named by ``[run] trainer`` (collected when a run's table is checked, before anything
-    starts).
+    named by ``[run] trainer``.
 
     :param register: call it once per :class:`~relax_core.records.TrainerSpec`, as in
         ``register(TrainerSpec(name="grpo", trainer_class=PolicyTrainer,
@@ -224,30 +161,24 @@ def relax_register_trainers(register: Callable[[records.TrainerSpec], None]) -> 
 
 @hookspec
 def relax_register_trackers(register: Callable[[records.TrackerSpec], None]) -> None:
-    """Register experiment trackers (the core registers ``jsonl`` and ``tensorboard``;
-    contrib's relax-wandb ``wandb``, relax-mlflow ``mlflow``).
+    """Register experiment trackers (the core registers ``jsonl`` and ``tensorboard``).
 
-    ``[run] trackers`` (and ``relax run --tracker NAME``) names the ones a run reports to. Each
-    is opened in the driver when the steps begin (``TrackerSpec.open(context)``), hears the
-    run's config once, each committed step's metrics, each phase span and a few samples per
-    step, and is closed at the end of the run, also on a failure or Ctrl-C. A tracker that
-    raises is reported once and left out for the rest of the run (``strict_trackers = true``
-    ends the run instead).
+    ``[run] trackers`` (or ``--tracker``) names the ones a run reports to: opened when the steps
+    begin, told the config, each committed step's metrics, phase spans and samples, closed when the
+    run ends however it ends. A tracker that raises is dropped after one report, unless
+    ``strict_trackers = true``.
 
     :param register: call it once per :class:`~relax_core.records.TrackerSpec`, as in
         ``register(TrackerSpec(name="csv", open=CsvTracker, options=("file",)))``.
     """
 
 
-# == tools: commands around a job =================================================================
-
-# -- benchmarks ------------------------------------------------------------------------------
+# == tools: benchmarks (relax bench) and commands (when the command line is built) ============
 
 
 @hookspec
 def relax_register_benchmarks(register: Callable[[records.BenchmarkSpec], None]) -> None:
-    """Register benchmarks: ``relax bench NAME [--json] [--quick] [its options]`` runs one,
-    ``relax bench`` lists them (collected when ``relax bench`` runs).
+    """Register benchmarks for ``relax bench NAME [--json] [--quick] [its options]``.
 
     :param register: call it once per :class:`~relax_core.records.BenchmarkSpec`, as in
         ``register(BenchmarkSpec(name="tokenize", run=measure_tokenize,
@@ -255,13 +186,9 @@ def relax_register_benchmarks(register: Callable[[records.BenchmarkSpec], None])
     """
 
 
-# -- commands --------------------------------------------------------------------------------
-
-
 @hookspec
 def relax_register_commands(register: Callable[[records.CommandSpec], None]) -> None:
-    """Register sub-commands of ``relax`` (collected when the command line is built, by every
-    ``relax`` command).
+    """Register sub-commands of ``relax`` (collected by every ``relax`` command).
 
     :param register: call it once per :class:`~relax_core.records.CommandSpec`, as in
         ``register(CommandSpec(name="report", help="Write a run's report.",

@@ -39,13 +39,7 @@ from relax_core.records import (
     WeightSource,
 )
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "KINDS",
-    "PluginManager",
-    "Registered",
-    "get_plugin_manager",
-]
+__all__ = ["ENTRY_POINT_GROUP", "KINDS", "PluginManager", "Registered", "get_plugin_manager"]
 
 ENTRY_POINT_GROUP = "relax"
 CORE_PLUGIN_NAME = "relax-core"
@@ -55,50 +49,34 @@ CORE_PLUGIN_MODULE = "relax_core.builtins"
 
 R = TypeVar("R")
 
+#: kind -> (record type, what one is called in messages); each kind's hook is
+#: ``relax_register_<kind>``.
+_RECORDS: Mapping[str, tuple[type[Any], str]] = {
+    "roles": (RoleSpec, "role"),
+    "engine_backends": (EngineBackend, "engine backend"),
+    "weight_sources": (WeightSource, "weight source"),
+    "reward_adapters": (RewardSpec, "reward adapter"),
+    "routing_policies": (RoutingPolicy, "routing policy"),
+    "placement_modes": (PlacementMode, "placement mode"),
+    "routers": (RouterBackend, "router"),
+    "data_sources": (DataSourceSpec, "data source"),
+    "rollout_shapes": (RolloutShapeSpec, "rollout shape"),
+    "environments": (EnvironmentSpec, "environment"),
+    "stages": (StageSpec, "stage"),
+    "trainers": (TrainerSpec, "trainer"),
+    "trackers": (TrackerSpec, "tracker"),
+    "benchmarks": (BenchmarkSpec, "benchmark"),
+    "commands": (CommandSpec, "command"),
+}
 #: kind -> (hook name, record type)
 KINDS: Mapping[str, tuple[str, type[Any]]] = {
-    "roles": ("relax_register_roles", RoleSpec),
-    "engine_backends": ("relax_register_engine_backends", EngineBackend),
-    "weight_sources": ("relax_register_weight_sources", WeightSource),
-    "reward_adapters": ("relax_register_reward_adapters", RewardSpec),
-    "routing_policies": ("relax_register_routing_policies", RoutingPolicy),
-    "placement_modes": ("relax_register_placement_modes", PlacementMode),
-    "routers": ("relax_register_routers", RouterBackend),
-    "data_sources": ("relax_register_data_sources", DataSourceSpec),
-    "rollout_shapes": ("relax_register_rollout_shapes", RolloutShapeSpec),
-    "environments": ("relax_register_environments", EnvironmentSpec),
-    "stages": ("relax_register_stages", StageSpec),
-    "trainers": ("relax_register_trainers", TrainerSpec),
-    "trackers": ("relax_register_trackers", TrackerSpec),
-    "benchmarks": ("relax_register_benchmarks", BenchmarkSpec),
-    "commands": ("relax_register_commands", CommandSpec),
+    kind: (f"relax_register_{kind}", record) for kind, (record, _) in _RECORDS.items()
 }
-
-
-_SINGULAR = {
-    "roles": "role",
-    "engine_backends": "engine backend",
-    "weight_sources": "weight source",
-    "reward_adapters": "reward adapter",
-    "routing_policies": "routing policy",
-    "placement_modes": "placement mode",
-    "routers": "router",
-    "data_sources": "data source",
-    "rollout_shapes": "rollout shape",
-    "environments": "environment",
-    "stages": "stage",
-    "trainers": "trainer",
-    "trackers": "tracker",
-    "benchmarks": "benchmark",
-    "commands": "command",
-}
+_SINGULAR = {kind: singular for kind, (_, singular) in _RECORDS.items()}
 
 
 def _lookup(kind: str, record: type[R]) -> Callable[[PluginManager, str], R]:
-    """The typed getter of one kind of :data:`KINDS` (a method of :class:`PluginManager`).
-
-    ``record`` is the kind's record type, which the getter returns.
-    """
+    """The typed getter of one kind of :data:`KINDS` (``record``: its record type)."""
 
     def get(self: PluginManager, name: str) -> R:
         return cast(R, self._get(kind, name))
@@ -253,11 +231,8 @@ class PluginManager:
         with self._lock:
             if self._records is not None:
                 return self._records
-            records: dict[str, dict[str, Registered[Any]]] = {}
-            for kind, (hook_name, record_type) in KINDS.items():
-                records[kind] = self._collect_kind(kind, hook_name, record_type)
-            self._records = records
-            return records
+            self._records = {kind: self._collect_kind(kind, *how) for kind, how in KINDS.items()}
+            return self._records
 
     def _collect_kind(
         self, kind: str, hook_name: str, record_type: type[Any]

@@ -1,12 +1,7 @@
 """Frozen records that plugins register through the ``relax_register_*`` hooks.
 
-A record is a value: a name, a description and the callables or flags the core needs. Records
-are validated where they are built, so a plugin with a bad record fails at load time.
-
-This is the lowest layer of the core (it imports nothing from it), so the constants every layer
-shares are defined here once: :data:`NAME_PATTERN` (record, role and policy names),
-:class:`RouteMode` / :data:`ROUTE_MODES`, :data:`UPDATE_PATHS` and the engine features a job may
-need (:data:`CONSTRAINED_DECODING`, :data:`ENGINE_FEATURES`).
+Records are validated where they are built, so a plugin with a bad record fails at load time.
+The lowest layer of the core (it imports none of it): the constants every layer shares live here.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ import enum
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 import attrs
 
@@ -78,12 +73,28 @@ class RouteMode(enum.StrEnum):
 ROUTE_MODES: tuple[str, ...] = tuple(mode.value for mode in RouteMode)
 
 
-def _check_name(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not NAME_PATTERN.match(value):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name}={value!r}: a name starts with a letter "
-            "and holds only letters, digits, '_', '.' and '-'"
-        )
+_Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
+
+
+def _rule(ok: Callable[[Any], bool], what: str) -> _Validator:
+    """An attrs validator: ``ValueError("Record.field=value: <what>")`` unless ``ok(value)``."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not ok(value):
+            raise ValueError(f"{type(instance).__name__}.{attribute.name}={value!r}: {what}")
+
+    return check
+
+
+_check_name = _rule(
+    lambda v: isinstance(v, str) and NAME_PATTERN.match(v) is not None,
+    "a name starts with a letter and holds only letters, digits, '_', '.' and '-'",
+)
+_optional_callable = _rule(lambda v: v is None or callable(v), "give a callable or None")
+_retries = _rule(
+    lambda v: type(v) is int and v >= 0,
+    "give an int >= 0 (how many times a failed idempotent request is sent again)",
+)
 
 
 def _frozenset_of_str(value: object) -> frozenset[str]:
@@ -124,21 +135,14 @@ def _json_answer(value: object) -> Any:
 
 @attrs.frozen
 class OpenAPINotes:
-    """What a role's OpenAPI document says beyond the common one every role gateway shares.
+    """What a role's OpenAPI document adds to the common one (``relax_core.gateway.openapi``).
 
-    The common document (``relax_core.gateway.openapi``) describes SGLang's ``/generate`` with
-    one of ``text`` or ``input_ids``, chat completions, models, engines, health and metrics.
-    A role whose adapter accepts more on ``/generate`` says so here, as plain JSON Schema:
-
-    ``generate_summary``: words appended to the ``/generate`` summary
-    (``" (or the messages judge protocol)"``).
-    ``batched_generate``: ``text`` and ``input_ids`` may also be lists (a batch of prompts).
-    ``generate_inputs``: extra alternatives to ``text`` / ``input_ids``, each an object schema
-    with ``required`` (the input field, first) and ``properties``; they must match the role
-    adapter's ``generate_inputs``.
+    ``generate_summary``: words appended to the ``/generate`` summary. ``batched_generate``:
+    ``text`` and ``input_ids`` may also be lists. ``generate_inputs``: extra alternatives to
+    ``text`` / ``input_ids``, each an object schema whose ``required`` names the input field first
+    and whose ``properties`` describe it (matching the role adapter's ``generate_inputs``).
     ``generate_fields``: extra optional request fields, ``{name: JSON Schema}``.
-    ``generate_answer``: the JSON Schema of a non-streamed ``200`` answer (``None``: the
-    engine's own SGLang answer, an object or an array).
+    ``generate_answer``: the JSON Schema of a non-streamed ``200`` answer (``None``: SGLang's).
 
     Every value is copied on construction; :raises ValueError: a value is not JSON, or an input
     schema has no ``required`` field it also describes in ``properties``.
@@ -210,33 +214,24 @@ def _default_title(spec: RoleSpec) -> str:
 _BOOL = attrs.validators.instance_of(bool)
 
 
-def _check_health_schema(_i: object, _a: object, value: object) -> None:
-    if isinstance(value, bool) or value not in (1, 2):
-        raise ValueError(f"RoleSpec.health_schema={value!r}: must be 1 or 2")
+_check_health_schema = _rule(lambda v: not isinstance(v, bool) and v in (1, 2), "must be 1 or 2")
 
 
 @attrs.frozen
 class RoleSpec:
     """An inference role: everything the core knows about it (the core names no role).
 
-    ``allowed_weight_sources``: weight-source names a model of this role may use;
-    ``default_weight_source`` (one of them) is used when a model does not name one.
-    ``default_route_mode``: :class:`RouteMode` of a model that does not set ``route_mode``.
-    ``deferrable``: the role may be listed in ``placement.defer_roles`` and then runs in a
-    deferred phase of its own on GPUs it time-shares (a scorer: a reward model, a teacher).
-    ``generation_phase``: the role generates the training batch (the policy's samples): under a
-    deferring placement mode its models run in the generation phase, whose bundles the deferred
-    roles reuse afterwards. Not deferrable at the same time.
-    ``health_schema``: the schema ``GET /{role}/health`` answers without ``?schema=``: 2 (the
-    unified readiness body) or 1 (the legacy ``{status, healthy_engines, total_engines}`` body,
-    for roles whose old consumers read it).
-    ``title``: how plans and listings name the role (default: the name, capitalised).
-    ``openapi``: what the role's OpenAPI document adds to the common one (:class:`OpenAPINotes`).
-    ``gateway_adapter``: zero-argument factory of the role's ``RoleAdapter`` (``None``: requests
-    pass through unchanged).
-    ``deterministic_inference``: engines of this role run batch-invariant, deterministic
-    inference by default (a judge's verdict must not depend on what else is in the batch); a
-    model's ``deterministic_inference`` key overrides it.
+    ``allowed_weight_sources``: weight sources a model of this role may use;
+    ``default_weight_source`` (one of them) when a model names none. ``default_route_mode``: the
+    :class:`RouteMode` of a model without ``route_mode``. ``deferrable``: the role may be listed
+    in ``placement.defer_roles`` (a scorer on GPUs it time-shares). ``generation_phase``: the role
+    generates the training batch; its models run in the generation phase, whose bundles deferred
+    roles reuse (never deferrable too). ``health_schema``: what ``GET /{role}/health`` answers
+    without ``?schema=``: 2 (the unified readiness body) or 1 (the legacy ``{status,
+    healthy_engines, total_engines}``). ``title``: the role's name in plans (default: the name,
+    capitalised). ``openapi``: :class:`OpenAPINotes`. ``gateway_adapter``: zero-argument factory of
+    the role's ``RoleAdapter`` (``None``: requests pass unchanged). ``deterministic_inference``:
+    the role's engines run batch-invariant by default (a model's key overrides it).
 
     :raises ValueError: a field is invalid; the message names the field.
     """
@@ -256,9 +251,7 @@ class RoleSpec:
         kw_only=True,
     )
     openapi: OpenAPINotes = attrs.field(
-        factory=OpenAPINotes,
-        validator=attrs.validators.instance_of(OpenAPINotes),
-        kw_only=True,
+        factory=OpenAPINotes, validator=attrs.validators.instance_of(OpenAPINotes), kw_only=True
     )
     deterministic_inference: bool = attrs.field(default=False, validator=_BOOL, kw_only=True)
 
@@ -288,24 +281,13 @@ def _env(value: object) -> dict[str, str]:
 
 @attrs.frozen
 class EngineOptions:
-    """The engine options of a model that every engine backend may read: the job file's model
-    keys of the same names (docs/configuration.md), passed to each launch as
-    :attr:`EngineLaunchSpec.options`.
+    """The engine options every backend may read: the job file's model keys of the same names
+    (docs/configuration.md), passed to each launch as :attr:`EngineLaunchSpec.options`.
 
-    ``None`` means the backend's own default. ``dtype`` / ``kv_cache_dtype``: the weights' and
-    the KV cache's dtype (``auto``: the checkpoint's). ``mem_fraction_static``,
-    ``context_length``, ``max_running_requests``: the engine's memory pool and limits.
-    ``dp`` / ``dp_attention``: data-parallel attention inside one engine.
-    ``deterministic_inference``: batch-invariant inference (``None`` in a job file: the role's
-    default; a launch always carries the decision). ``weights_cpu_backup``: keep a CPU copy of
-    released weights (``None`` in a job file: the weight source decides; a launch always
-    carries the decision, which a STATIC engine's spec forces on). ``extra_args``: the
-    engine server's own flags, appended last. ``env``: extra environment of the engine
-    process. ``pd_prefill_engines``: the first that many replicas are prefill workers, the
-    rest decode workers (prefill/decode disaggregation).
-
-    The job file's values are checked where they are read (:mod:`relax_core.config`); the
-    options only one backend understands are its own record (:attr:`EngineBackend.options`).
+    ``None`` means the backend's default. ``deterministic_inference`` (``None``: the role's
+    default) and ``weights_cpu_backup`` (``None``: the weight source decides) are always decided
+    in a launch. ``pd_prefill_engines``: the first that many replicas are prefill workers, the
+    rest decode. Options one backend alone reads are its own record (:attr:`EngineBackend.options`).
     """
 
     dtype: str = "auto"
@@ -326,18 +308,12 @@ class EngineOptions:
 class EngineLaunchSpec:
     """Everything an engine backend needs to start one engine server process.
 
-    A multi-node replica has one launch per node: ``node_rank`` 0 is the head (it serves HTTP on
-    ``host:port``), the others are followers that join ``dist_init_addr``.
-
-    ``role`` and ``static`` say whose engine it is (``static``: the weight source allows no
-    update path, so the backend must keep a CPU weight backup and refuse LoRA and dummy
-    weights); ``replica_index`` is the logical replica's index in its model (stable across
-    rebuilds). ``options`` are the model's :class:`EngineOptions` (dtype, memory, extra
-    arguments, environment, …) with ``weights_cpu_backup`` and ``deterministic_inference``
-    decided; ``backend_options`` is an instance of the backend's own options record
-    (:attr:`EngineBackend.options`), read from the model's ``engine`` table, its defaults when
-    the table is absent; ``None`` for a backend that declares no record, or a spec built by
-    hand (the backend's defaults then).
+    A multi-node replica has one launch per node: ``node_rank`` 0 is the head (HTTP on
+    ``host:port``), the others join ``dist_init_addr``. ``static``: the weight source allows no
+    update path (keep a CPU weight backup, refuse LoRA and dummy weights). ``replica_index`` is
+    stable across rebuilds. ``options``: the model's :class:`EngineOptions`, decided;
+    ``backend_options``: an instance of :attr:`EngineBackend.options` read from the model's
+    ``engine`` table (``None``: no such record, or a spec built by hand).
     """
 
     engine_id: str
@@ -373,19 +349,15 @@ class EngineProcess(Protocol):
     @property
     def base_url(self) -> str | None:
         """``http://host:port`` of the head; ``None`` for a follower."""
-        ...
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the server answers ``/health``; raise ``LifecycleError`` on timeout/exit."""
-        ...
 
     def poll(self) -> int | None:
         """The exit code, or ``None`` while the process runs."""
-        ...
 
     def terminate(self, timeout: float) -> int:
         """Stop the process (SIGTERM, then SIGKILL after ``timeout``); return its exit code."""
-        ...
 
 
 def _check_options_record(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -400,41 +372,24 @@ def _check_options_record(instance: object, attribute: attrs.Attribute[Any], val
         raise ValueError(f"{where}: give every field a default; {', '.join(missing)} has none")
 
 
-def _optional_callable(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not callable(value):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name}={value!r}: give a callable or None"
-        )
-
-
 @attrs.frozen
 class EngineBackend:
     """An engine backend (``hf``, ``sglang``, …).
 
-    ``launch(spec) -> EngineProcess`` starts one engine server process and returns at once.
-    ``control_client(base_url)`` builds the SGLang-protocol control client for a head.
-    ``devices``: the devices it can run on (``cpu``, ``cuda``). ``model_hint``: how a user
-    makes a model directory this backend serves, shown by the job preflight when a
-    ``model_path`` is missing (e.g. a command that writes a tiny model for a try-out).
-    ``loads_model_dir``: whether an engine loads its model from the directory ``model_path``
-    names (checked by the job preflight); ``False`` for a backend that serves no checkpoint (a
-    simulator), whose ``model_path`` is only a name.
-    ``options``: the backend's own options record, an ``attrs`` frozen class whose fields (each
-    with a default) are the keys of a model's ``engine`` table
-    (``[roles.R.models.M.engine]``): their names, types (``bool``, ``int``, ``float``, ``str``,
-    ``X | None``, ``tuple[str, ...]``, a ``Literal`` of strings) and defaults are what the job
-    file accepts, checked before anything starts, and each launch gets an instance as
-    :attr:`EngineLaunchSpec.backend_options`. ``None``: the backend reads no options of its
-    own, and a model of it may have no ``engine`` table.
-    ``missing(feature) -> str | None``: whether this install of the backend can provide an
-    engine feature a job needs (:data:`ENGINE_FEATURES`, e.g. :data:`CONSTRAINED_DECODING`):
-    ``None`` when it can, else what is missing and how to install it (``"constrained decoding
-    needs xgrammar: pip install 'relax-hf[grammar]'"``). Asked by the run's preflight on the
-    machine running ``relax``, before anything starts; ``missing=None``: the backend provides
-    every feature.
+    ``launch(spec) -> EngineProcess`` starts one engine server and returns at once;
+    ``control_client(base_url)`` builds the control client of a head. ``devices``: where it runs.
+    ``model_hint``: how a user makes a model directory it serves (shown by the preflight when
+    ``model_path`` is missing). ``loads_model_dir``: an engine loads ``model_path`` (``False``: a
+    simulator, for which it is only a name). ``options``: the backend's options record, an attrs
+    frozen class whose fields (each with a default, of a type :meth:`ConfigReader.record
+    <relax_core.config.ConfigReader.record>` reads) are the keys of a model's ``engine`` table; each
+    launch gets an instance as :attr:`EngineLaunchSpec.backend_options` (``None``: no ``engine``
+    table). ``missing(feature) -> str | None``: ``None`` when this install provides an
+    :data:`ENGINE_FEATURES` feature, else what to install; asked by the run's preflight
+    (``missing=None``: every feature).
 
-    :raises ValueError: a bad name, or ``options`` is not an attrs class whose every field has
-        a default.
+    :raises ValueError: a bad name, or ``options`` is not an attrs class whose every field has a
+        default.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -476,35 +431,19 @@ class WeightSource:
             )
 
 
-def _retries(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if type(value) is not int or value < 0:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name}={value!r}: give an int >= 0 (how many "
-            "times a failed idempotent request is sent again)"
-        )
-
-
 @attrs.frozen
 class RewardSpec:
     """A reward adapter: turns a response (and its label) into a reward.
 
-    ``fn`` is called ``fn(response, label)`` — the response text and the sample's label (or
-    ``None``) — plus ``metadata=`` (the sample's metadata dict) when ``pass_metadata`` is true.
-    It returns a number, or a :class:`~relax_core.coordination.RewardResult` (a value and
-    whether the judge's answer could be parsed).
+    ``fn(response, label)`` (plus ``metadata=`` when ``pass_metadata``) returns a number or a
+    :class:`~relax_core.coordination.RewardResult`. ``mode``: ``sync`` functions run in Ray worker
+    tasks; ``async`` coroutine functions run on the scoring loop and get ``context=``
+    (:class:`~relax_core.coordination.RewardContext`). ``label_matcher(label) -> bool``: the
+    samples it scores (``None``: all). ``supports_deferred``: it may score a staged batch in a
+    deferred phase. ``retries``: how many times the reward stage calls ``fn`` again after a
+    transport failure or a 5xx (only for an idempotent call; a stage's ``retries`` overrides it).
 
-    ``mode``: ``sync`` adapters are plain functions and run in Ray worker processes (remote
-    tasks); ``async`` adapters are coroutine functions run on the scoring event loop and get
-    ``context=`` (a :class:`~relax_core.coordination.RewardContext`: the prompt, the sample,
-    and the loop's shared client of each role, to call a judge model).
-    ``label_matcher``: ``label_matcher(label) -> bool``; the adapter scores only samples whose
-    label it accepts (``None``: every sample).
-    ``supports_deferred``: it may score a staged batch in a deferred phase (side-effect free
-    apart from its requests); the defer preflight refuses adapters without it.
-    ``retries``: how many times the reward stage may call ``fn`` again for a sample after it
-    failed for a transport reason or a 5xx (``relax_core.coordination.retries.retryable``),
-    the role's dead replicas rebuilt in between; only for an adapter whose call is idempotent
-    (one judge request). A stage's own ``retries`` key overrides it. Default 0.
+    :raises ValueError: a bad name or field, or ``mode`` does not match ``fn``.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -539,16 +478,19 @@ class RewardSpec:
 class ReplicaSelector(Protocol):
     """Picks one replica among DIRECT candidates. One instance per process (its state is local)."""
 
-    def select(
-        self,
-        *,
-        role: str,
-        epoch: str,
-        model: str,
-        candidates: tuple[Any, ...],
-        affinity_key: str | None,
-        inflight: Mapping[str, int] | None,
-    ) -> Any: ...
+    def select(self, **request: Unpack[Selection]) -> Any:
+        """The chosen one of ``candidates`` (keyword arguments: :class:`Selection`)."""
+
+
+class Selection(TypedDict):
+    """What :meth:`ReplicaSelector.select` is asked with (each a keyword argument)."""
+
+    role: str
+    epoch: str
+    model: str
+    candidates: tuple[Any, ...]
+    affinity_key: str | None
+    inflight: Mapping[str, int] | None
 
 
 @attrs.frozen
@@ -565,10 +507,9 @@ class RoutingPolicy:
 class PlacementMode:
     """A placement mode (decoupled, split, defer, …).
 
-    ``assign(ctx: relax_core.placement.ModeContext) -> relax_core.placement.ModeResult`` picks
-    each GPU model's pool, phase and first bundle; the planner checks every generic rule.
-    ``shares_training_pool``: inference lives inside the actor pool (training must colocate
-    and offload). ``supports_defer``: roles may be listed in ``placement.defer_roles``.
+    ``assign(ctx: ModeContext) -> ModeResult`` picks each GPU model's pool, phase and first
+    bundle (the planner checks the rules). ``shares_training_pool``: inference lives in the actor
+    pool. ``supports_defer``: roles may be deferred.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -589,17 +530,12 @@ ROUTER_WORKER_APIS = frozenset({"workers"})
 class RouterLaunchSpec:
     """Everything a router backend needs to start the router in front of one model's heads.
 
-    ``router_id`` names the router in logs and errors (``rollout/policy``). ``port`` and
-    ``metrics_port`` 0 pick free ports (two routers on one host never share a metrics port).
-    ``pd``: prefill/decode disaggregation (heads register as prefill or decode workers).
-    ``allow_dropped_fields``: request fields (``sampling_params.logit_bias``) the caller accepts
-    the router dropping; any other dropped field refuses the router at start.
-    ``health_check_interval``: seconds between the router's own health checks of its workers.
-    ``extra_args`` are appended to the router's command line; retries and the circuit breaker
-    stay disabled whatever they say. ``served_model_name`` and ``model_path`` are what the
-    model's heads report (``/model_info``): a router's own probe workers report the same, so the
-    router never sees a second model (smg 1.13 handles requests differently, dropping some
-    sampling parameters, while it knows more than one model).
+    ``router_id`` names it in logs (``rollout/policy``). ``port`` / ``metrics_port`` 0: free
+    ports. ``pd``: heads register as prefill or decode workers. ``allow_dropped_fields``: request
+    fields the caller lets the router drop (any other refuses the router at start).
+    ``extra_args`` are appended to its command line (retries and the circuit breaker stay off).
+    ``served_model_name`` / ``model_path``: what the heads report, so the router's probe workers
+    report the same (smg 1.13 drops sampling parameters while it knows two models).
     """
 
     router_id: str
@@ -621,17 +557,14 @@ class RouterLaunchSpec:
 class RouterMembership(Protocol):
     """Which replica heads a router sends traffic to; what an InferenceManager drives.
 
-    The manager calls :meth:`sync` every time it publishes: ``heads`` maps each engine id to
-    the public URL of a head that has been READY and is not stopping, failing or being scaled
-    in (READY, DRAINING, SLEEPING, ONLOADING). A head that became READY is registered (and
-    waited for until the router reports it healthy) before the manager publishes it READY; a
-    head that left ``heads`` is removed from the router before its engine is stopped.
+    The manager calls :meth:`sync` at every publish with each head that has been READY and is not
+    stopping, failing or scaled in; a new head is registered (and healthy) before it is published
+    READY, a leaving one removed before its engine stops.
     """
 
     def sync(self, heads: Mapping[str, str]) -> None:
         """Register new heads, remove the ones gone. Blocking, idempotent; never raises: a
         failed registration is kept and reported by the router's ``check()``."""
-        ...
 
 
 @runtime_checkable
@@ -640,41 +573,31 @@ class RouterProcess(RouterMembership, Protocol):
 
     @property
     def url(self) -> str:
-        """``http://host:port`` callers send requests to (published as the model's
-        ``router_url``)."""
-        ...
+        """``http://host:port`` callers use (published as ``router_url``)."""
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the router serves, speaks a known worker API and keeps every request
         field; raise ``ConfigError`` (a field is dropped) or ``LifecycleError``."""
-        ...
 
     def check(self) -> list[str]:
-        """Supervise: restart a router that died (re-registering its heads), retry failed
-        registrations; return what is wrong now (empty when all is well)."""
-        ...
+        """Restart a dead router, retry failed registrations; return what is wrong now."""
 
     def pids(self) -> list[int]:
         """The router's process ids (empty once stopped)."""
-        ...
 
     def terminate(self, timeout: float) -> None:
         """Stop the router (SIGTERM, then SIGKILL after ``timeout``). Idempotent."""
-        ...
 
 
 @attrs.frozen
 class RouterBackend:
     """A router that fronts a model's replica heads (``sglang-router``, ``smg``, …).
 
-    ``launch(spec) -> RouterProcess`` starts it and returns at once. ``policies``: the routing
-    policies it supports (a model's ``router_policy`` must be one); ``default_policy`` is used
-    when the model names none. ``worker_api``: the runtime membership API it speaks (one of
-    :data:`ROUTER_WORKER_APIS`). ``keeps_unknown_fields``: whether it forwards request fields
-    it does not know (its field probe checks the ones that matter either way). ``pd``: it can
-    route prefill/decode disaggregated workers. ``version``: the installed version, ``None``
-    when the router is not installed (the record is still listed, and refused at start).
-    ``default``: chosen for a model that names no router (at most one installed default).
+    ``launch(spec) -> RouterProcess`` returns at once. ``policies``: those it supports;
+    ``default_policy`` when the model names none. ``worker_api``: one of
+    :data:`ROUTER_WORKER_APIS`. ``keeps_unknown_fields``: it forwards fields it does not know.
+    ``pd``: it routes prefill/decode workers. ``version``: ``None`` when not installed (listed,
+    refused at start). ``default``: chosen for a model that names no router.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -720,24 +643,15 @@ def _check_trainer_class(instance: object, attribute: attrs.Attribute[Any], valu
 
 @attrs.frozen
 class TrainerSpec:
-    """A trainer ``relax run`` can start by name (``[run] trainer = "grpo"``).
+    """A trainer ``relax run`` starts by name (``[run] trainer = "grpo"``).
 
-    ``trainer_class`` is built ``trainer_class(context)`` from a
-    :class:`~relax_core.TrainerContext` inside its own Ray actor (a class, because Ray makes
-    the actor of it) and implements :class:`~relax_core.Trainer`: ``train(batch_id) -> dict``
-    and ``push(weight_version) -> dict``. The module that defines it must be importable in
-    the actor's worker process (a module of an installed distribution), and should not import
-    torch or a training framework at module level: plugins load in every ``relax`` command.
-
-    ``options``: the trainer's own options record, an ``attrs`` frozen class whose fields (each
-    with a default) are keys of the ``[run]`` table the trainer reads (``learning_rate``,
-    ``clip``…), read as :meth:`~relax_core.ConfigReader.record` reads a record and checked
-    before anything starts, at their key path (``run.learning_rate``); the trainer gets the
-    instance as ``context.options``. ``None``: it reads no keys of its own. ``check(run) ->
-    list[ConfigProblem]``: the problems across its options (``run.trainer_options``) and the
-    rest of the table (its stages, its mode), found before anything starts; ``None``: none.
-    ``default``: the trainer a job file that names none gets when several are installed (with
-    one installed, that one is used either way); two installed defaults make the job name one.
+    ``trainer_class(context)`` is built from a :class:`~relax_core.TrainerContext` in its own Ray
+    actor and implements :class:`~relax_core.Trainer`; its module must import in the actor's
+    worker and should not import torch at module level (plugins load in every command).
+    ``options``: an attrs frozen class whose fields (each with a default) are ``[run]`` keys,
+    read as :meth:`~relax_core.ConfigReader.record` reads and given as ``context.options``.
+    ``check(run) -> list[ConfigProblem]``: problems across the table, found before anything
+    starts. ``default``: the one used when several are installed and the job names none.
 
     :raises ValueError: a bad name, ``trainer_class`` is not a class with both methods, or
         ``options`` is not an attrs class whose every field has a default.
@@ -758,17 +672,12 @@ class TrainerSpec:
 
 @attrs.frozen
 class TrackerSpec:
-    """An experiment tracker ``relax run`` reports to, named in ``[run] trackers`` (``trackers
-    = ["tensorboard", { tracker = "wandb", project = "rl" }]``) or by ``--tracker``.
+    """An experiment tracker named in ``[run] trackers`` or by ``--tracker``.
 
-    ``open(context) -> Tracker`` opens one for a run: ``context`` is a
-    :class:`~relax_core.TrackerContext` (the run's directory, under which the tracker keeps
-    its files; the job's name; the entry's ``options``); the tracker it returns implements
-    :class:`~relax_core.Tracker` (``log_config``, ``log_metrics``, ``log_span``,
-    ``log_samples``, ``close``). Called in the driver when the steps begin, never at import:
-    import the tracking library inside ``open``, since plugins load in every ``relax``
-    command. ``options``: the keys an entry may hold besides ``tracker`` (checked before
-    anything starts, with a did-you-mean hint); ``None``: any.
+    ``open(context) -> Tracker`` (a :class:`~relax_core.TrackerContext` in, a
+    :class:`~relax_core.Tracker` out) is called in the driver when the steps begin: import the
+    tracking library inside it. ``options``: the keys an entry may hold besides ``tracker``
+    (``None``: any).
 
     :raises ValueError: a bad name, or an option named ``tracker``.
     """
@@ -799,36 +708,39 @@ class PluginLookup(Protocol):
     def registered(self, kind: str) -> Mapping[str, Any]: ...
 
 
-def _check_options(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    bad = [k for k in value if not isinstance(k, str) or not NAME_PATTERN.match(k)]
-    common = {"stage", "name", "role", "models", "retries"} & set(value)
-    if bad or common:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name}: option names are keys of the stage's "
-            f"table (not {sorted(map(str, bad)) or sorted(common)}; stage, name, role, models "
-            "and retries are every stage's own)"
-        )
+def _option_names(table: str, reserved: set[str], why: str) -> _Validator:
+    """A validator of option names: each a record name, none of ``reserved`` (keys of ``table``
+    that are not options: ``why``)."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        bad = [k for k in value or () if not isinstance(k, str) or not NAME_PATTERN.match(k)]
+        taken = sorted(reserved & set(value or ()))
+        if bad or taken:
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name}: option names are keys of {table} "
+                f"(not {sorted(map(str, bad)) or taken}; {why})"
+            )
+
+    return check
+
+
+_check_options = _option_names(
+    "the stage's table",
+    {"stage", "name", "role", "models", "retries"},
+    "stage, name, role, models and retries are every stage's own",
+)
 
 
 @attrs.frozen
 class StageSpec:
     """A kind of step stage that ``[[run.stages]]`` lists by name (``stage = "distill"``).
 
-    ``build(config) -> Stage`` builds one from its table: ``config`` is a
-    :class:`~relax_core.StageConfig` (its ``options``: the table's own keys; its ``name``,
-    ``role`` and ``models``; the run's settings; the plugin manager), read with
-    :class:`~relax_core.ConfigReader`; it raises :class:`~relax_core.ConfigValidationError`
-    naming each key path. Pure: ``relax run`` builds every stage before anything starts, to
-    check the job. The stage it returns implements :class:`~relax_core.Stage`.
-    ``options``: the keys the table may hold besides ``stage``, ``name``, ``role`` and
-    ``models`` (checked by the core, with a did-you-mean hint); ``None``: any, ``build`` checks.
-    ``needs_role``: the stage calls a role's engines, so ``role`` is required.
-    ``retries``: the default of a stage's ``retries`` key — how many times one of its requests
-    that failed for a transport reason or a 5xx is sent again (the stage reads
-    ``StageConfig.retries`` and sends through ``StageContext.retrying``); give a number only
-    when the kind's requests are idempotent. Default 0.
+    ``build(config) -> Stage``: a :class:`~relax_core.StageConfig` in (read it with
+    :class:`~relax_core.ConfigReader`; raise :class:`~relax_core.ConfigValidationError`), a
+    :class:`~relax_core.Stage` out; pure, since every stage is built to check the job.
+    ``options``: keys besides the common ones (``None``: any, ``build`` checks). ``needs_role``:
+    ``role`` is required. ``retries``: the default of a stage's ``retries`` key (only for
+    idempotent requests).
 
     :raises ValueError: a bad name, an option named like a common key, ``retries`` < 0.
     """
@@ -857,15 +769,11 @@ def _check_suffixes(instance: object, attribute: attrs.Attribute[Any], value: An
 
 @attrs.frozen
 class DataSourceSpec:
-    """A prompt source ``relax run`` reads: named by ``dataset = "arithmetic"``, or chosen for a
-    file whose name ends in one of its ``suffixes`` (``dataset = "train.jsonl"``).
+    """A prompt source, named by ``dataset`` or chosen by one of its file ``suffixes``.
 
-    ``open(request) -> PromptSource``: ``request`` is a :class:`~relax_core.SourceRequest`
-    (the dataset as written, the file resolved against the job file, the seed, the key path);
-    the source hands out :class:`~relax_core.Prompt` records ``take(n)`` at a time.
-    ``check(request) -> list[ConfigProblem]``: every problem with the source's data, found
-    before anything starts (the JSONL source reads every line); ``None``: ``open`` is cheap
-    and raises :class:`~relax_core.ConfigValidationError` itself.
+    ``open(request) -> PromptSource`` (a :class:`~relax_core.SourceRequest` in). ``check(request)
+    -> list[ConfigProblem]``: every problem with its data, found before anything starts
+    (``None``: ``open`` raises :class:`~relax_core.ConfigValidationError` itself).
 
     :raises ValueError: a bad name or suffix.
     """
@@ -882,36 +790,20 @@ class DataSourceSpec:
 # -- rollout shapes and environments ---------------------------------------------------------
 
 
-def _check_shape_options(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    bad = [k for k in value if not isinstance(k, str) or not NAME_PATTERN.match(k)]
-    if bad or "shape" in value:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name}: option names are keys of the "
-            f"[run.generation] table (not {sorted(map(str, bad)) or ['shape']}; 'shape' names the "
-            "shape itself)"
-        )
+_check_shape_options = _option_names(
+    "the [run.generation] table", {"shape"}, "'shape' names the shape itself"
+)
 
 
 @attrs.frozen
 class RolloutShapeSpec:
-    """How a step's prompts become groups of samples, named by ``[run.generation] shape``
-    (default ``"single-turn"``: one completion per sample; the ``relax-agent`` plugin registers
-    ``"multi-turn"``: a trajectory of policy turns and environment observations per sample).
+    """How a step's prompts become groups of samples, named by ``[run.generation] shape``.
 
-    ``build(config) -> RolloutShape``: ``config`` is a :class:`~relax_core.RolloutShapeConfig`
-    (the table's other keys as ``options``, the run's settings, the plugin manager, the
-    generation model's directory); it raises :class:`~relax_core.ConfigValidationError`
-    naming each key path. Pure: built when the run is checked, before anything starts, and
-    again in the driver. The shape it returns implements :class:`~relax_core.RolloutShape`:
-    ``await shape.group(request) -> list[Sample]``, one group (one prompt's samples) per call.
-    ``options``: the keys the table may hold besides ``shape``; ``None``: any.
-    ``needs(config) -> Mapping[str, str]``: the engine features (:data:`ENGINE_FEATURES`) the
-    shape needs from the generation model's engine with this table, each with the key path that
-    asks for it (``{"constrained_decoding": "run.generation.env.guided_first_turn"}``); called
-    once the table builds, and each feature is checked against the model's backend
-    (:attr:`EngineBackend.missing`) before anything starts. ``None``: none.
+    ``build(config) -> RolloutShape`` (a :class:`~relax_core.RolloutShapeConfig` in; raises
+    :class:`~relax_core.ConfigValidationError`); pure, built when the run is checked and again in
+    the driver. ``options``: keys besides ``shape`` (``None``: any). ``needs(config)``: the
+    :data:`ENGINE_FEATURES` it needs, each with the key path asking for it, checked against the
+    backend's :attr:`EngineBackend.missing` before anything starts.
 
     :raises ValueError: a bad name or option name.
     """
@@ -931,21 +823,11 @@ class RolloutShapeSpec:
 class EnvironmentSpec:
     """An environment a multi-turn rollout drives, named by ``[run.generation] environment``.
 
-    ``make(config) -> Environment`` makes the environment of one trajectory: ``config`` is an
-    :class:`~relax_core.EnvironmentConfig` (the ``[run.generation.env]`` table as ``options``,
-    the trajectory's id, the tool timeout). The environment implements
-    :class:`~relax_core.Environment`: ``reset(prompt) -> Reset`` (the first messages, from a
-    dataset row) and ``await step(turn) -> Observation`` (the policy's turn in; messages to
-    append, an optional reward for the turn, ``done``). ``check(config) ->
-    list[ConfigProblem]``: the problems of ``config.options`` (an ``EnvironmentConfig`` of the
-    ``[run.generation.env]`` table, its key path ``config.path``, trajectory id ``"-"``), each
-    at its key path, found before anything starts (``None``: ``make`` raises itself).
-    ``options``: the keys ``[run.generation.env]`` may hold; ``None``: any.
-    ``needs(options) -> Mapping[str, str]``: the engine features (:data:`ENGINE_FEATURES`) the
-    environment needs with these options, each with the option that asks for it
-    (``{"constrained_decoding": "guided_first_turn"}``; ``""``: the table as a whole); the
-    ``multi-turn`` shape reports them as its own needs, so a backend that cannot provide one is
-    refused before anything starts. ``None``: none.
+    ``make(config) -> Environment`` per trajectory (an :class:`~relax_core.EnvironmentConfig`).
+    ``check(config) -> list[ConfigProblem]``: the problems of ``[run.generation.env]`` (trajectory
+    id ``"-"``), found before anything starts (``None``: ``make`` raises). ``options``: its keys
+    (``None``: any). ``needs(options)``: the :data:`ENGINE_FEATURES` it needs, each with the
+    option asking for it (``""``: the whole table).
 
     :raises ValueError: a bad name.
     """
@@ -965,16 +847,11 @@ class EnvironmentSpec:
 
 @attrs.frozen
 class BenchmarkSpec:
-    """A benchmark ``relax bench NAME`` runs (``relax bench`` alone lists them).
+    """A benchmark ``relax bench NAME`` runs.
 
-    ``run(quick=..., **options) -> dict`` measures and returns the JSON object ``relax bench
-    NAME --json`` prints (JSON-serialisable); ``quick`` asks for a shorter run (smoke tests).
-    ``add_arguments(parser)``, if given, adds the benchmark's own command-line options to its
-    ``argparse`` parser; each option's value reaches ``run`` as a keyword argument of the
-    option's ``dest``. ``format_result(result) -> str``, if given, is what ``relax bench NAME``
-    prints without ``--json`` (else the JSON, indented). Report each number next to a baseline
-    measured in the same run: shared machines are noisy. Import heavy dependencies inside
-    ``run``, since plugins load in every ``relax`` command.
+    ``run(quick=..., **options) -> dict``: the JSON object ``--json`` prints. ``add_arguments``
+    adds its own options (each reaches ``run`` by ``dest``); ``format_result(result) -> str``: the
+    text output (else indented JSON). Import heavy dependencies inside ``run``.
 
     :raises ValueError: a bad name.
     """
@@ -997,13 +874,9 @@ class BenchmarkSpec:
 class CommandSpec:
     """A sub-command of ``relax`` a plugin adds (``relax report RUN_DIR``).
 
-    ``help``: its one line in ``relax --help`` (and its ``--help``'s description).
-    ``add_arguments(parser)`` adds its arguments to its ``argparse`` parser; ``run(args) ->
-    int`` runs it with the parsed ``argparse.Namespace`` and returns the exit status (a
-    :class:`~relax_core.RelaxError` it raises is printed as ``relax NAME: error: …``, exit
-    status 2). Import heavy libraries inside ``run``: every ``relax`` command builds its parser
-    from every plugin's commands. A name the core's own commands have, or another plugin's, is
-    refused with both named.
+    ``help``: its line in ``relax --help``. ``add_arguments(parser)``; ``run(args) -> int``: the
+    exit status (a :class:`~relax_core.RelaxError` prints ``relax NAME: error: …``, status 2).
+    Import heavy libraries inside ``run``. A name taken by the core or another plugin is refused.
 
     :raises ValueError: a bad name, or ``add_arguments`` / ``run`` is not callable.
     """

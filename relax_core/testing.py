@@ -1,16 +1,9 @@
-"""Pytest fixtures and helpers for testing Relax and its plugins.
+"""Pytest fixtures and helpers for testing Relax and its plugins (a ``pytest11`` entry point).
 
-Loaded automatically as a pytest plugin (entry point ``pytest11``). Fixtures:
-
-- ``plugin_manager``: a fresh :class:`~relax_core.plugins.PluginManager` with the core's
-  built-ins and every installed ``relax`` entry point; never the process-wide one.
-- ``core_plugin_manager``: a fresh manager with the core's built-ins only.
-- ``ray_local``: one local Ray per test session with fake GPUs declared (``num_gpus=8``).
-
-Helpers: :func:`free_port`, :func:`serve_app` (a real uvicorn server on a free loopback port),
-:func:`wait_for`, and :func:`run_stages` (a stage plugin's stages on a real deferred batch, with
-in-process managers). The helpers import without pytest (the pip route installs none); the
-fixtures are defined only where pytest is installed.
+Fixtures, defined only where pytest is installed: ``plugin_manager`` (a fresh manager with the
+built-ins and every installed entry point), ``core_plugin_manager`` (built-ins only) and
+``ray_local`` (one local Ray per session, ``num_gpus=8`` declared). Helpers, importable without
+pytest: :func:`free_port`, :func:`serve_app`, :func:`wait_for` and :func:`run_stages`.
 """
 
 from __future__ import annotations
@@ -151,18 +144,14 @@ async def run_stages(
     generation_role: str = "generation",
 ) -> tuple[Any, list[Any], list[str]]:
     """Run ``stages`` on ``samples`` in a real :class:`~relax_core.DeferredBatch` under a real
-    :class:`~relax_core.LifecycleCoordinator` (every role on one shared slice with the
-    generation role, named ``generation_role``) and an in-process batch sink, with in-process
-    managers that confirm every lease switch at once; return ``(BatchResult, the committed
-    samples, the switches in order)`` — e.g. ``["generation.offload", "judge.model.onload",
-    "judge.model.offload"]``.
+    :class:`~relax_core.LifecycleCoordinator` (every role on one slice with ``generation_role``),
+    with an in-process sink and managers that confirm every lease switch at once; return
+    ``(BatchResult, the committed samples, the switches in order)``, e.g.
+    ``["generation.offload", "judge.model.onload", "judge.model.offload"]``.
 
-    ``roles``: deferred role -> its model names (default: each stage's role, one model
-    ``model``); ``producer``: what more generation asks (a
-    :class:`~relax_core.coordination.batch.Producer`); ``clients``: the
-    :class:`~relax_core.RoleClients` stages call engines with; ``residency``: a
-    :class:`~relax_core.coordination.residency.ResidencyPlan` over the slice ``shared`` (default:
-    one role at a time). Raises what the batch raises.
+    ``roles``: deferred role -> its models (default: each stage's role, one model ``model``);
+    ``producer`` and ``clients``: as the batch takes them; ``residency``: a ``ResidencyPlan``
+    over the slice ``shared`` (default: one role at a time). Raises what the batch raises.
     """
     from relax_core.coordination import DeferredBatch, LifecycleCoordinator, MemoryBatchSink
 

@@ -1,14 +1,7 @@
-"""The contracts of multi-turn agentic rollouts: what an environment plugin builds on.
-
-- :mod:`~relax_core.agent.environment`: what an environment takes and gives (:class:`Reset`,
-  :class:`Turn`, :class:`Observation`, :class:`EnvironmentConfig`) and its Protocol;
-- :mod:`~relax_core.agent.tools`: the tool-call format (Hermes/Qwen ``<tool_call>``), the
-  tool registry with a timeout per call (:class:`ToolBox`).
-
-The ``multi-turn`` rollout shape that drives environments (the chat template per turn
-boundary, token-exact trajectories), the built-in ``calculator`` environment and the
-``environment`` reward adapter are the ``relax-agent`` plugin's. See ``docs/run.md`` (agentic
-rollouts) and ``docs/plugins.md`` (an environment plugin).
+"""The contracts of multi-turn agentic rollouts: what an environment takes and gives
+(:mod:`~relax_core.agent.environment`) and the tool-call format and registry
+(:mod:`~relax_core.agent.tools`). The ``multi-turn`` shape that drives environments is the
+``relax-agent`` plugin's (``docs/run.md``, agentic rollouts; ``docs/plugins.md``).
 """
 
 from relax_core._exports import claim as _claim

@@ -1,31 +1,14 @@
 """What an environment of a multi-turn rollout is: the records it takes and gives, and its
-Protocol.
+Protocol (docs/plugins.md, "An environment", walks through one).
 
-An environment is a plugin of ``relax_register_environments`` (an
-:class:`~relax_core.records.EnvironmentSpec`); the ``multi-turn`` shape makes one per
-trajectory (``spec.make(EnvironmentConfig)``) and drives it:
-
-1. ``reset(prompt) -> Reset``: the trajectory's first messages from the dataset row (a
-   :class:`~relax_core.Prompt`: its text, label and metadata), and optionally a ``guide`` for
-   the first policy turn (below);
-2. per policy turn, ``await step(turn) -> Observation``: the :class:`Turn` (the policy's text
-   and ids, its index, the conversation so far) in; the messages to append (tool results,
-   the user's next words), an optional reward for the turn, ``done``, and optionally a
-   ``guide`` for the next turn;
-3. the trajectory ends when the environment says ``done``, after ``max_turns`` policy turns, or
-   when ``max_total_tokens`` is reached.
-
-``step`` may be a coroutine function or a plain one (a plain one runs on the event loop: keep
-it quick, or run tools through a :class:`~relax_core.agent.ToolBox`, which bounds each call).
+The ``multi-turn`` shape makes one per trajectory (``EnvironmentSpec.make``), calls
+``reset(prompt) -> Reset`` and then, per policy turn, ``step(turn) -> Observation`` (a plain
+``step`` runs on the event loop: keep it quick, or run tools through a
+:class:`~relax_core.agent.ToolBox`) until ``done``, ``max_turns`` or ``max_total_tokens``.
 Whatever ``reset`` or ``step`` raises fails the step with an
-:class:`~relax_core.errors.EnvironmentStepError` naming the environment and the trajectory; a
-tool's failure is not the environment's: it is an observation.
-
-A ``guide`` is a constraint on the next policy turn in the engine's constrained-decoding
-terms (``{"regex": …}``, ``{"json_schema": …}`` or ``{"ebnf": …}``, sent in the turn's
-``sampling_params``): the policy still samples every token, from its own distribution
-restricted to what the grammar allows; the log-probs the engine returns are those of the
-restricted sampling.
+:class:`~relax_core.errors.EnvironmentStepError`; a tool's failure is an observation. A
+``guide`` (one of :data:`GUIDE_KEYS`) constrains the next policy turn's sampling to a grammar;
+the log-probs returned are those of the constrained sampling.
 """
 
 from __future__ import annotations
@@ -37,14 +20,7 @@ import attrs
 
 from relax_core.run.data import Prompt
 
-__all__ = [
-    "GUIDE_KEYS",
-    "Environment",
-    "EnvironmentConfig",
-    "Observation",
-    "Reset",
-    "Turn",
-]
+__all__ = ["GUIDE_KEYS", "Environment", "EnvironmentConfig", "Observation", "Reset", "Turn"]
 
 #: The keys a guide may hold (the engine's constrained-decoding sampling parameters).
 GUIDE_KEYS = ("regex", "json_schema", "ebnf")
@@ -99,14 +75,11 @@ class Turn:
 
 @attrs.frozen
 class Observation:
-    """What the environment answers a turn: ``messages`` to append (tool results as ``tool``
-    messages, the user's next words…), the turn's ``reward`` (``None``: none),
-    ``done`` (the trajectory ends; ``messages`` are then not appended), ``tool_calls`` (how
-    many tool calls the turn made), ``tool_errors`` (how many of them failed: a
-    :class:`~relax_core.agent.ToolResult` with ``error``) and ``tool_timeouts`` (how many of
-    those ran out of time) — summed per trajectory and reported in the step's ``rollout``
-    object —, ``guide`` for the next turn and free-form ``info`` (kept in the trajectory's
-    record)."""
+    """What the environment answers a turn: ``messages`` to append (not appended when ``done``),
+    the turn's ``reward`` (``None``: none), ``done``, the turn's ``tool_calls``, ``tool_errors``
+    and ``tool_timeouts`` (summed in the step's ``rollout`` object), ``guide`` for the next turn
+    and free-form ``info`` (kept in the trajectory's record).
+    """
 
     messages: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_messages)
     reward: float | None = None
@@ -136,8 +109,6 @@ class Environment(Protocol):
 
     def reset(self, prompt: Prompt) -> Reset:
         """The trajectory's first messages, from the dataset row ``prompt``."""
-        ...
 
     def step(self, turn: Turn) -> Any:
         """The :class:`Observation` of the policy's ``turn`` (or an awaitable of it)."""
-        ...

@@ -1,22 +1,15 @@
 """Tool calls in the policy's output, and the tools an environment runs for them.
 
-**The format** is the one Hermes and Qwen models are trained on (their chat templates write
-it): a tool call is a JSON object with the tool's ``name`` and its ``arguments`` (an object)
-between ``<tool_call>`` and ``</tool_call>``, one per block, any number in a turn::
+The format is Hermes' and Qwen's (their chat templates write it): a JSON object with the
+tool's ``name`` and ``arguments`` between ``<tool_call>`` and ``</tool_call>``, any number per
+turn::
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>
 
-:func:`parse_tool_calls` finds every block of a turn; a block that is not such an object is a
-:class:`ToolCall` with ``error`` set (the policy wrote a malformed call: the environment
-answers it as an error, it never crashes the rollout). The result of each call goes back to
-the policy as a ``tool`` message whose content is wrapped in ``<tool_response>`` …
-``</tool_response>`` (:func:`tool_message`), as those templates expect.
-
-**The registry** (:class:`ToolBox`) holds an environment's :class:`Tool` records by name and
-runs calls: each with a timeout (an async tool is cancelled at it; a plain function runs in a
-daemon thread of its own, which is left to finish on its own while the trajectory goes on),
-and every failure — an unknown tool, bad arguments, an exception, the timeout — becomes the
-text of the call's result (``error: …``), never an exception out of :meth:`ToolBox.run`.
+A malformed block is a :class:`ToolCall` with ``error`` set, answered as an error, never a
+crash; results go back as ``tool`` messages in ``<tool_response>`` (:func:`tool_message`).
+:class:`ToolBox` runs calls with a timeout (an async tool is cancelled, a plain function's
+daemon thread abandoned); every failure becomes the result's text (``error: …``).
 """
 
 from __future__ import annotations
@@ -195,5 +188,5 @@ class ToolBox:
         return future
 
     def close(self) -> None:
-        """Nothing to release: a plain function's thread ends with its call (or with the
-        process, being a daemon). Kept so environments may close their box."""
+        """Nothing to release (each call's thread is a daemon); kept so environments may close
+        their box."""

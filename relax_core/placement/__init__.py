@@ -1,13 +1,7 @@
-"""GPU placement: plan before anything starts, then bind to real placement groups.
-
-- :func:`plan_inference_placement` (pure preflight) turns a :class:`~relax_core.config.JobConfig`
-  into an immutable :class:`InferencePlacementPlan`, or raises
-  :class:`~relax_core.errors.PlacementError` with every violation.
-- Placement modes are plugins (``relax_register_placement_modes``); ``decoupled``, ``split``
-  and ``defer`` are built in (:mod:`relax_core.placement.modes`).
-- :func:`validate_bound_placement` checks probe records of a ready placement group (pure);
-  :func:`bind_placement_group` creates or borrows the group on Ray, probes every bundle,
-  validates, and removes the group on failure only when it owns it.
+"""GPU placement: plan before anything starts (:func:`plan_inference_placement`, pure, raising
+:class:`~relax_core.errors.PlacementError` with every violation), with placement modes as
+plugins (:mod:`relax_core.placement.modes`), then bind to real placement groups
+(:func:`bind_placement_group`, checked by :func:`validate_bound_placement`).
 """
 
 from relax_core._exports import claim as _claim

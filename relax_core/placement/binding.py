@@ -1,12 +1,9 @@
 """Physical binding: once a placement group is ready, check where its bundles really are.
 
-A probe runs on every bundle and reports its bundle index, node id, node IP and GPU id.
-:func:`validate_bound_placement` is a pure function over those records: it maps the plan's
-logical bundles onto physical ones and rejects duplicate or unknown bundle indices, slices
-out of range, two bundles on one GPU, a worker whose GPUs span nodes, non-contiguous local GPU
-ids and a cross-node replica that uses a node twice. :func:`bind_placement_group` does the Ray
-part: create (owned) or borrow a group, probe, validate; on failure it removes the group only
-when it owns it — a borrowed group is never removed.
+A probe on every bundle reports its index, node and GPU id; :func:`validate_bound_placement`
+(pure) maps the plan's logical bundles onto physical ones and rejects what cannot hold them.
+:func:`bind_placement_group` does the Ray part: create (owned) or borrow a group, probe,
+validate; on failure it removes the group only when it owns it.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import Any
 import attrs
 
 from relax_core.errors import LifecycleError, PlacementError
-from relax_core.placement.plan import InferencePlacementPlan, Violation
+from relax_core.placement.plan import InferencePlacementPlan, Violations
 
 __all__ = [
     "PROBE_GPU_FRACTION",
@@ -50,10 +47,8 @@ class BundleProbe:
 
 @attrs.frozen
 class BoundWorker:
-    """One engine worker's bundles and where they landed.
-
-    ``bundles`` are physical placement-group indices (schedule the worker on ``bundles[0]``);
-    ``logical`` the plan's indices; ``gpu_ids`` the local GPU ids, contiguous and increasing.
+    """One engine worker's bundles: ``bundles`` the physical indices (schedule on ``bundles[0]``),
+    ``logical`` the plan's, ``gpu_ids`` the local GPU ids (contiguous, increasing).
     """
 
     logical: tuple[int, ...]
@@ -80,10 +75,8 @@ class BoundModel:
 
 @attrs.frozen
 class BoundPool:
-    """A validated placement group for one pool of the plan.
-
-    ``order[i]`` is the physical bundle index of the plan's logical bundle ``i``. ``owned``
-    says whether removing the group is this pool's job (:func:`release_bound_pool`).
+    """A validated placement group for one pool: ``order[i]`` is the physical bundle of logical
+    bundle ``i``; ``owned``: removing the group is this pool's job (:func:`release_bound_pool`).
     """
 
     pool: str
@@ -116,7 +109,7 @@ def bundle_order(probes: Sequence[BundleProbe]) -> tuple[int, ...]:
 
 
 def _check_probes(
-    pool: str, probes: Sequence[BundleProbe], bundle_count: int, v: list[Violation]
+    pool: str, probes: Sequence[BundleProbe], bundle_count: int, v: Violations
 ) -> dict[int, BundleProbe]:
     where = f"placement_group[{pool}]"
     by_index: dict[int, BundleProbe] = {}
@@ -124,48 +117,40 @@ def _check_probes(
     for p in probes:
         path = f"{where}.bundle[{p.bundle_index}]"
         if not 0 <= p.bundle_index < bundle_count:
-            v.append(
-                Violation(
-                    path,
-                    "unknown-bundle",
-                    f"a probe reports bundle {p.bundle_index} but the group has bundles "
-                    f"0-{bundle_count - 1}",
-                )
+            v.add(
+                path,
+                "unknown-bundle",
+                f"a probe reports bundle {p.bundle_index} but the group has bundles "
+                f"0-{bundle_count - 1}",
             )
             continue
         if p.bundle_index in by_index:
-            v.append(
-                Violation(
-                    path,
-                    "duplicate-bundle",
-                    f"bundle {p.bundle_index} was reported twice (nodes "
-                    f"{by_index[p.bundle_index].node_id} and {p.node_id})",
-                )
+            v.add(
+                path,
+                "duplicate-bundle",
+                f"bundle {p.bundle_index} was reported twice (nodes "
+                f"{by_index[p.bundle_index].node_id} and {p.node_id})",
             )
             continue
         by_index[p.bundle_index] = p
         if p.gpu_id is None:
-            v.append(
-                Violation(
-                    path,
-                    "no-gpu",
-                    f"bundle {p.bundle_index} on node {p.node_id} ({p.node_ip}) has no GPU",
-                )
+            v.add(
+                path,
+                "no-gpu",
+                f"bundle {p.bundle_index} on node {p.node_id} ({p.node_ip}) has no GPU",
             )
             continue
         other = gpus.setdefault((p.node_id, p.gpu_id), p.bundle_index)
         if other != p.bundle_index:
-            v.append(
-                Violation(
-                    path,
-                    "shared-gpu",
-                    f"bundles {other} and {p.bundle_index} are both on GPU {p.gpu_id} of node "
-                    f"{p.node_id} ({p.node_ip}); each bundle needs a GPU of its own",
-                )
+            v.add(
+                path,
+                "shared-gpu",
+                f"bundles {other} and {p.bundle_index} are both on GPU {p.gpu_id} of node "
+                f"{p.node_id} ({p.node_ip}); each bundle needs a GPU of its own",
             )
     missing = sorted(set(range(bundle_count)) - set(by_index))
     if missing:
-        v.append(Violation(where, "missing-bundle", f"no probe reported bundle(s) {missing}"))
+        v.add(where, "missing-bundle", f"no probe reported bundle(s) {missing}")
     return by_index
 
 
@@ -187,29 +172,25 @@ def validate_bound_placement(
     """
     spec = plan.pool(pool)
     count = spec.size if bundle_count is None else bundle_count
-    v: list[Violation] = []
+    v = Violations()
     by_index = _check_probes(pool, probes, count, v)
     phys = tuple(order) if order is not None else tuple(range(count))
     if sorted(phys) != list(range(len(phys))) or len(phys) < min(count, spec.size):
-        v.append(
-            Violation(
-                f"placement_group[{pool}]",
-                "bundle-order",
-                f"the bundle order {list(phys)[:16]} is not a permutation of the group's "
-                f"{count} bundles",
-            )
+        v.add(
+            f"placement_group[{pool}]",
+            "bundle-order",
+            f"the bundle order {list(phys)[:16]} is not a permutation of the group's "
+            f"{count} bundles",
         )
         phys = tuple(range(count))
     models = []
     for p in plan.placements_in(pool):
         if p.bundle_end > count:
-            v.append(
-                Violation(
-                    p.path,
-                    "slice-range",
-                    f"slice {p.bundle_start}-{p.bundle_end - 1} lies outside the placement "
-                    f"group's {count} bundles",
-                )
+            v.add(
+                p.path,
+                "slice-range",
+                f"slice {p.bundle_start}-{p.bundle_end - 1} lies outside the placement "
+                f"group's {count} bundles",
             )
             continue
         replicas = []
@@ -223,13 +204,11 @@ def validate_bound_placement(
                 where = f"{p.path}.replicas[{r}].workers[{k}]"
                 nodes = sorted({x.node_id for x in seen})
                 if len(nodes) > 1:
-                    v.append(
-                        Violation(
-                            where,
-                            "worker-spans-nodes",
-                            f"logical bundles {list(logical)} land on nodes {nodes}; one "
-                            "worker's GPUs must be on one node",
-                        )
+                    v.add(
+                        where,
+                        "worker-spans-nodes",
+                        f"logical bundles {list(logical)} land on nodes {nodes}; one "
+                        "worker's GPUs must be on one node",
                     )
                     continue
                 ids = [x.gpu_id for x in seen]
@@ -237,13 +216,11 @@ def validate_bound_placement(
                 if len(gpu_ids) == len(ids) and any(
                     b != a + 1 for a, b in itertools.pairwise(gpu_ids)
                 ):
-                    v.append(
-                        Violation(
-                            where,
-                            "gpu-ids",
-                            f"logical bundles {list(logical)} got local GPU ids {ids} on node "
-                            f"{nodes[0]}; they must be contiguous and increasing",
-                        )
+                    v.add(
+                        where,
+                        "gpu-ids",
+                        f"logical bundles {list(logical)} got local GPU ids {ids} on node "
+                        f"{nodes[0]}; they must be contiguous and increasing",
                     )
                     continue
                 bound.append(
@@ -257,13 +234,11 @@ def validate_bound_placement(
                 )
             used = [w.node_id for w in bound]
             if len(set(used)) != len(used):
-                v.append(
-                    Violation(
-                        f"{p.path}.replicas[{r}]",
-                        "replica-reuses-node",
-                        f"the workers of replica {r} (bundles {list(p.replicas[r])}) use "
-                        f"node(s) {used}; a cross-node replica needs a different node per worker",
-                    )
+                v.add(
+                    f"{p.path}.replicas[{r}]",
+                    "replica-reuses-node",
+                    f"the workers of replica {r} (bundles {list(p.replicas[r])}) use "
+                    f"node(s) {used}; a cross-node replica needs a different node per worker",
                 )
             replicas.append(tuple(bound))
         models.append(BoundModel(p.role, p.model, tuple(replicas)))
@@ -351,17 +326,14 @@ def bind_placement_group(
 ) -> BoundPool:
     """Create (or borrow) ``pool``'s placement group, probe every bundle, validate the binding.
 
-    ``lifetime``: Ray's placement-group lifetime of a group created here (``None``: it ends with
-    this driver's job; ``"detached"``: it stays until removed, so it can outlive the driver when
-    its release is not confirmed).
-
-    :param placement_group: a ready or pending group owned by someone else (e.g. the
-        trainer's actor pool); it is never removed here. ``None``: create one from the plan's
-        bundle specs and own it.
-    :param order: ``"sorted"`` (nodes in first-bundle order, GPUs by id within a node),
-        ``"identity"``, or an explicit logical → physical index list (the owner's mapping).
-    :raises PlacementError: not ready in time, a probe failed, or the binding is invalid; an
-        owned group has been removed by then.
+    :param placement_group: a group owned by someone else (the trainer's actor pool), never
+        removed here; ``None``: create one from the plan and own it.
+    :param order: ``"sorted"`` (:func:`bundle_order`), ``"identity"``, or an explicit logical →
+        physical index list.
+    :param lifetime: Ray's lifetime of a group created here (``"detached"``: it outlives the
+        driver until removed).
+    :raises PlacementError: not ready in time, a probe failed, or the binding is invalid (an
+        owned group is removed by then).
     :raises LifecycleError: the owned group could not be removed after a failure.
     """
     import ray

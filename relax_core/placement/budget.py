@@ -27,6 +27,7 @@ from relax_core.placement.plan import (
     ModelPlacement,
     Pool,
     Violation,
+    Violations,
 )
 
 __all__ = [
@@ -44,19 +45,9 @@ GIB = 1024**3
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 
 _DTYPE_BYTES: Mapping[str, float] = {
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "fp8": 1,
-    "float8_e4m3fn": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
+    **dict.fromkeys(("float32", "fp32", "float"), 4),
+    **dict.fromkeys(("bfloat16", "bf16", "float16", "fp16", "half"), 2),
+    **dict.fromkeys(("fp8", "float8_e4m3fn", "fp8_e4m3", "fp8_e5m2", "int8"), 1),
     "int4": 0.5,
 }
 
@@ -277,7 +268,7 @@ def budget_memory(
     gpu_capacity = config.cluster.gpu_memory_gib
     training = config.training
     budgets: list[MemoryBudget] = []
-    violations: list[Violation] = []
+    violations = Violations()
     notes: list[str] = []
     host_weights: dict[str, float] = {}  # role.model -> GiB per GPU of backup
     for p in placements:
@@ -328,15 +319,13 @@ def budget_memory(
         elif total > gpu_capacity + 1e-9:
             status = "over"
             users = " + ".join(f"{i.label} {i.gib:.1f}" for i in items)
-            violations.append(
-                Violation(
-                    p.path,
-                    "memory-gpu",
-                    f"needs {total:.1f} GiB per GPU on bundles {span[0]}-{span[1] - 1} of pool "
-                    f"{p.pool!r} in phase {p.phase!r}, but a GPU has {gpu_capacity:g} GiB "
-                    f"(cluster.gpu_memory_gib): {users}. Lower mem_fraction_static / "
-                    "max_running_requests, or raise tp",
-                )
+            violations.add(
+                p.path,
+                "memory-gpu",
+                f"needs {total:.1f} GiB per GPU on bundles {span[0]}-{span[1] - 1} of pool "
+                f"{p.pool!r} in phase {p.phase!r}, but a GPU has {gpu_capacity:g} GiB "
+                f"(cluster.gpu_memory_gib): {users}. Lower mem_fraction_static / "
+                "max_running_requests, or raise tp",
             )
         budgets.append(
             MemoryBudget(p.role, p.model, p.pool, p.phase, span, status, gpu_capacity, tuple(items))
@@ -388,7 +377,7 @@ def _budget_host(
         items = tuple(MemoryItem(label, gib) for label, gib in sorted(load.items()))
         groups.setdefault(items, []).append(node)
     out: list[HostMemoryBudget] = []
-    violations: list[Violation] = []
+    violations = Violations()
     for items, nodes in groups.items():
         total = sum(i.gib for i in items)
         if capacity is None:
@@ -402,13 +391,11 @@ def _budget_host(
         out.append(HostMemoryBudget(tuple(nodes), status, capacity, items))
         if status == "over":
             users = " + ".join(f"{i.label} {i.gib:.1f}" for i in items)
-            violations.append(
-                Violation(
-                    "cluster.host_memory_gib",
-                    "memory-host",
-                    f"node(s) {node_ranges(nodes)} each need {total:.1f} GiB of host memory but "
-                    f"have {capacity:g} GiB: {users}. Set weights_cpu_backup = false on some "
-                    "models, or spread them over more nodes",
-                )
+            violations.add(
+                "cluster.host_memory_gib",
+                "memory-host",
+                f"node(s) {node_ranges(nodes)} each need {total:.1f} GiB of host memory but "
+                f"have {capacity:g} GiB: {users}. Set weights_cpu_backup = false on some "
+                "models, or spread them over more nodes",
             )
     return out, violations

@@ -1,11 +1,9 @@
 """Placement modes as plugins, and the three built-in ones: decoupled, split and defer.
 
-A mode is a :class:`~relax_core.records.PlacementMode` whose ``assign(ctx: ModeContext) ->
-ModeResult`` decides, for every GPU model, its pool, its phase and (unless the config fixed it)
-its ``bundle_start``. It may create inference pools of its own. The planner then checks every
-generic rule (bounds, node boundaries, same-phase co-residence, Ray reservations, GPU and
-memory budgets), so a mode only has to say where things go. Use :class:`SliceAllocator` for
-first-fit allocation that keeps engines inside nodes.
+A mode's ``assign(ctx: ModeContext) -> ModeResult`` decides each GPU model's pool, phase and
+(unless the config fixed it) ``bundle_start``, and may create inference pools of its own; the
+planner checks every generic rule, so a mode only says where things go. :class:`SliceAllocator`
+allocates first-fit runs that keep engines inside nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import attrs
 
 from relax_core.config import JobConfig
 from relax_core.hookspecs import hookimpl
-from relax_core.placement.plan import PHASE_RESIDENT, Violation
+from relax_core.placement.plan import PHASE_RESIDENT, Violation, Violations
 from relax_core.records import PlacementMode
 
 __all__ = [
@@ -42,10 +40,9 @@ GENERATION_PHASE = "generation"
 class Demand:
     """What one GPU model asks for: ``num_gpus`` bundles in engines of ``gpus_per_engine``.
 
-    ``bundle_start`` is set when the config fixed it; ``deferred`` when its role is listed in
-    ``placement.defer_roles``; ``generation_phase`` when its role's record says the role
-    generates the training batch (``RoleSpec.generation_phase``); ``path`` is its config key
-    path.
+    ``bundle_start``: set when the config fixed it; ``deferred``: its role is in
+    ``placement.defer_roles``; ``generation_phase``: its role generates the training batch;
+    ``path``: its config key path.
     """
 
     role: str
@@ -60,11 +57,8 @@ class Demand:
 
 @attrs.frozen
 class ModeContext:
-    """Everything a mode's ``assign`` gets.
-
-    ``demands`` are in the config's order: roles in file order, models in file order within
-    a role. ``training_pool`` is ``"actor"`` when the job has an actor pool (``None`` when not)
-    and ``training_pool_size`` its bundles.
+    """Everything a mode's ``assign`` gets: ``demands`` in config order (roles, then models, in file
+    order); ``training_pool`` (``"actor"``, or ``None`` without an actor pool) and its size.
     """
 
     config: JobConfig
@@ -105,10 +99,8 @@ class ModeResult:
 
 
 def engine_straddles(start: int, size: int, gpus_per_engine: int, gpus_per_node: int) -> bool:
-    """Whether an engine of a slice breaks the node rules for pool-local nodes.
-
-    An engine of at most ``gpus_per_node`` GPUs must sit inside one node; a larger one must
-    start on a node boundary and cover whole nodes.
+    """Whether an engine of a slice breaks the node rules: an engine of at most ``gpus_per_node``
+    GPUs must sit inside one node; a larger one must start on a node boundary and cover whole nodes.
     """
     if gpus_per_node <= 0 or gpus_per_engine <= 0:
         return False
@@ -125,10 +117,8 @@ def engine_straddles(start: int, size: int, gpus_per_engine: int, gpus_per_node:
 
 
 class SliceAllocator:
-    """First-fit allocation of contiguous bundle runs in one pool.
-
-    ``size`` ``None`` means the pool grows as needed (a mode's own pool). Every run it hands out
-    keeps its engines inside nodes (or on whole nodes); it never overlaps a reserved run.
+    """First-fit allocation of contiguous bundle runs in one pool (``size`` ``None``: it grows as
+    needed); each run keeps its engines inside nodes and overlaps no reserved run.
     """
 
     def __init__(self, gpus_per_node: int, size: int | None = None) -> None:
@@ -176,7 +166,7 @@ def _place_group(
     demands: Iterable[Demand], alloc: SliceAllocator, pool: str, phase: str, out: list[Slice]
 ) -> list[Violation]:
     demands = list(demands)
-    violations: list[Violation] = []
+    violations = Violations()
     for d in demands:
         if d.bundle_start is not None:
             alloc.reserve(d.bundle_start, d.num_gpus)
@@ -187,26 +177,21 @@ def _place_group(
         start = alloc.place(d.num_gpus, d.gpus_per_engine)
         if start is None:
             taken = ", ".join(
-                f"{s.role}.{s.model} {s.bundle_start}-{s.bundle_start + _num(demands, s) - 1}"
+                f"{s.role}.{s.model} {s.bundle_start}-"
+                f"{s.bundle_start + _demand(demands, s).num_gpus - 1}"
                 for s in out
                 if s.pool == pool and s.phase == phase
             )
-            violations.append(
-                Violation(
-                    d.path,
-                    "no-room",
-                    f"no free run of {d.num_gpus} bundles (engines of {d.gpus_per_engine} GPUs, "
-                    f"inside nodes) is left in pool {pool!r} ({alloc.size} bundles) in phase "
-                    f"{phase!r}; taken: {taken or 'nothing'}. Lower num_gpus or grow the pool",
-                )
+            violations.add(
+                d.path,
+                "no-room",
+                f"no free run of {d.num_gpus} bundles (engines of {d.gpus_per_engine} GPUs, "
+                f"inside nodes) is left in pool {pool!r} ({alloc.size} bundles) in phase "
+                f"{phase!r}; taken: {taken or 'nothing'}. Lower num_gpus or grow the pool",
             )
         else:
             out.append(Slice(d.role, d.model, pool, start, phase))
     return violations
-
-
-def _num(demands: list[Demand], s: Slice) -> int:
-    return next(d.num_gpus for d in demands if d.role == s.role and d.model == s.model)
 
 
 def _need_actor_pool(ctx: ModeContext, mode: str) -> Violation | None:
@@ -225,11 +210,7 @@ def assign_decoupled(ctx: ModeContext) -> ModeResult:
     slices: list[Slice] = []
     pools: list[PoolRequest] = []
     violations: list[Violation] = []
-    roles: list[str] = []
-    for d in ctx.demands:
-        if d.role not in roles:
-            roles.append(d.role)
-    for role in roles:
+    for role in dict.fromkeys(d.role for d in ctx.demands):
         alloc = SliceAllocator(ctx.gpus_per_node)
         group = [d for d in ctx.demands if d.role == role]
         violations += _place_group(group, alloc, role, PHASE_RESIDENT, slices)
@@ -271,17 +252,15 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
     if missing is not None or ctx.training_pool is None:
         return ModeResult(violations=(missing,) if missing else ())
     pool, size = ctx.training_pool, ctx.training_pool_size
-    violations: list[Violation] = []
+    violations = Violations()
     deferred = tuple(ctx.config.placement.defer_roles)
     if not deferred:
-        violations.append(
-            Violation(
-                "placement.defer_roles",
-                "defer-roles",
-                "mode = 'defer' needs at least one deferred role; list the deferrable roles "
-                "to time-share the generation phase's GPUs in placement.defer_roles, or use "
-                "mode = 'split'",
-            )
+        violations.add(
+            "placement.defer_roles",
+            "defer-roles",
+            "mode = 'defer' needs at least one deferred role; list the deferrable roles "
+            "to time-share the generation phase's GPUs in placement.defer_roles, or use "
+            "mode = 'split'",
         )
     groups: dict[str, list[Demand]] = {GENERATION_PHASE: []}
     groups.update({role: [] for role in deferred})
@@ -294,14 +273,13 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
         else:
             resident.append(d)
     slices: list[Slice] = []
-    phase_runs: list[tuple[int, int]] = []
     for phase, group in groups.items():
         alloc = SliceAllocator(ctx.gpus_per_node, size)
         violations += _place_group(group, alloc, pool, phase, slices)
-    phase_runs = [(s.bundle_start, s.bundle_start + _demand(ctx, s).num_gpus) for s in slices]
+    phase_runs = [(s.bundle_start, _demand(ctx.demands, s).num_gpus) for s in slices]
     res_alloc = SliceAllocator(ctx.gpus_per_node, size)
-    for start, end in phase_runs:
-        res_alloc.reserve(start, end - start)
+    for start, num in phase_runs:
+        res_alloc.reserve(start, num)
     violations += _place_group(resident, res_alloc, pool, PHASE_RESIDENT, slices)
     phases = (GENERATION_PHASE, *deferred) + ((PHASE_RESIDENT,) if resident else ())
     return ModeResult(tuple(slices), (), phases, tuple(violations))
@@ -316,8 +294,8 @@ DEFER = PlacementMode(
 )
 
 
-def _demand(ctx: ModeContext, s: Slice) -> Demand:
-    return next(d for d in ctx.demands if d.role == s.role and d.model == s.model)
+def _demand(demands: Iterable[Demand], s: Slice) -> Demand:
+    return next(d for d in demands if d.role == s.role and d.model == s.model)
 
 
 @hookimpl

@@ -1,9 +1,5 @@
-"""The placement plan: immutable, serialisable records the planner returns.
-
-:class:`InferencePlacementPlan` is what the InferenceManager and the binding step consume: the
-pools (one Ray placement group each) with their bundle specs, and per role/model a
-:class:`ModelPlacement` with the bundle indices of every logical replica and its per-node
-worker groups. ``to_dict()`` / ``from_dict()`` round-trip through JSON.
+"""The placement plan: immutable records the planner returns, round-tripping through JSON
+(``to_dict()`` / ``from_dict()``), which the InferenceManager and the binding step consume.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ __all__ = [
     "ModelPlacement",
     "Pool",
     "Violation",
+    "Violations",
 ]
 
 #: The phase of a placement that stays resident through every inference phase.
@@ -33,11 +30,17 @@ PHASE_RESIDENT = "resident"
 
 @attrs.frozen
 class Violation(ConfigProblem):
-    """One broken placement rule: the key path it concerns, the rule name and the numbers.
-
-    A config problem found by placement (the same fields and ``path: [rule] message`` text),
-    kept a type of its own so a caller can tell placement's findings from the parser's.
+    """One broken placement rule: a :class:`ConfigProblem` of its own type, so a caller can tell
+    placement's findings from the parser's.
     """
+
+
+class Violations(list[Violation]):
+    """Violations being collected, :meth:`add` one at a time."""
+
+    def add(self, path: str, rule: str, message: str) -> None:
+        """Collect one violation."""
+        self.append(Violation(path, rule, message))
 
 
 def phases_conflict(a: str, b: str) -> bool:
@@ -49,11 +52,9 @@ def phases_conflict(a: str, b: str) -> bool:
 class Pool:
     """A set of GPU bundles that becomes one Ray placement group.
 
-    Bundle ``i`` sits on pool-local node ``i // gpus_per_node``; ``nodes[k]`` is the cluster
-    node (a logical index, 0-based) the planner packed pool-local node ``k`` onto.
-    ``training`` names the training roles that live in the pool (inference shares it when
-    ``inference`` is true); each training actor reserves ``training_ray_gpu_fraction`` of its
-    bundle's GPU.
+    Bundle ``i`` sits on pool-local node ``i // gpus_per_node``; ``nodes[k]``: the cluster node
+    pool-local node ``k`` is packed onto. ``training``: the training roles in the pool (shared with
+    inference when ``inference``), each reserving ``training_ray_gpu_fraction`` of its bundle.
     """
 
     name: str
@@ -85,11 +86,10 @@ class Pool:
 class ModelPlacement:
     """Where one model of one role runs.
 
-    ``replicas[i]`` are the bundle indices (in ``pool``) of logical replica ``i`` — one engine
-    of ``gpus_per_engine`` GPUs. ``workers[i]`` splits that replica by pool-local node: one
-    engine worker (Ray actor) per group, head first; a worker is scheduled on the first bundle
-    of its group and reserves ``ray_gpu_fraction`` of that GPU. A ``cpu`` model has no pool,
-    and ``replicas`` holds one empty tuple per engine.
+    ``replicas[i]``: the bundles (in ``pool``) of logical replica ``i``, one engine.
+    ``workers[i]``: that replica split by pool-local node, head first: one engine worker each,
+    scheduled on its group's first bundle and reserving ``ray_gpu_fraction`` of it. A ``cpu``
+    model has no pool and one empty tuple per engine.
     """
 
     role: str
@@ -130,9 +130,8 @@ class ModelPlacement:
 
 @attrs.frozen
 class MemoryItem:
-    """One user of memory in a budget line: what (and whose) and how many GiB. ``training``:
-    what training keeps resident on the GPU whichever engine is awake (counted once per GPU when
-    engines share it: the residency plan)."""
+    """One user of memory in a budget line, in GiB; ``training``: kept resident by training
+    whichever engine is awake (counted once per GPU)."""
 
     label: str
     gib: float
@@ -153,10 +152,8 @@ class _ItemTotal:
 
 @attrs.frozen
 class MemoryBudget(_ItemTotal):
-    """The per-GPU memory budget of one placement.
-
-    ``status`` is ``ok``, ``over`` (a violation was reported) or ``skipped`` (``note`` says
-    why). ``bundles`` is the ``(start, end)`` slice of ``pool`` the numbers hold for.
+    """The per-GPU memory budget of one placement over the bundles ``bundles`` of ``pool``:
+    ``status`` ``ok``, ``over`` (a violation was reported) or ``skipped`` (``note`` says why).
     """
 
     role: str
@@ -202,11 +199,7 @@ def _build(cls: type[Any], data: Mapping[str, Any], nested: Mapping[str, type[An
 
 @attrs.frozen
 class InferencePlacementPlan:
-    """The whole placement of a job, computed before any actor, router or engine exists.
-
-    Query it with :meth:`model_placement`, :meth:`pool` and :meth:`bundle_specs`; serialise
-    it with :meth:`to_dict` / :meth:`to_json` and rebuild it with :meth:`from_dict`.
-    """
+    """The whole placement of a job, computed before any actor, router or engine exists."""
 
     mode: str
     num_nodes: int
@@ -273,17 +266,16 @@ class InferencePlacementPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InferencePlacementPlan:
         """Rebuild a plan from :meth:`to_dict` output (derived keys are ignored)."""
-        memory = [
-            {**m, "items": tuple(MemoryItem(**i) for i in m.get("items", ()))}
-            for m in data.get("memory", ())
-        ]
-        host = [
-            {**h, "items": tuple(MemoryItem(**i) for i in h.get("items", ()))}
-            for h in data.get("host_memory", ())
-        ]
+        budgets = {
+            key: [
+                {**b, "items": tuple(MemoryItem(**i) for i in b.get("items", ()))}
+                for b in data.get(key, ())
+            ]
+            for key in ("memory", "host_memory")
+        }
         plan: InferencePlacementPlan = _build(
             cls,
-            {**data, "memory": memory, "host_memory": host},
+            {**data, **budgets},
             {
                 "pools": Pool,
                 "placements": ModelPlacement,

@@ -1,49 +1,19 @@
 """The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out.
 
-:func:`plan_inference_placement` runs before any Ray actor, router or engine exists. It reads
-nothing but model ``config.json`` files (for the memory budget) and never touches Ray. The
-placement mode (a plugin) decides pools, phases and offsets; the planner checks every rule:
-
-==================  ==========================================================================
-rule                what is rejected
-==================  ==========================================================================
-unknown-mode        ``placement.mode`` names no registered mode
-unknown-role        a role no installed plugin registers (roles are known only from their records)
-tp-pp               ``tp x pp`` differs from ``gpus_per_engine``
-divisibility        ``num_gpus`` is not a multiple of ``gpus_per_engine``
-dp-attention        ``dp > 1`` without ``dp_attention``, or ``tp`` not divisible by ``dp``
-whole-nodes         a cross-node engine that is not a whole number of nodes
-node-boundary       an engine that straddles a node, or a cross-node engine off a node boundary
-role-budget         a role's ``num_gpus`` differs from the sum over its models
-colocate-mode       ``training.colocate`` contradicts the mode
-offload-required    a mode that shares the actor pool without ``training.offload``
-actor-pool          a shared mode without actor GPUs
-defer-mode          ``defer_roles`` with a mode that does not defer
-defer-role          a deferred role whose record does not make it ``deferrable``
-defer-roles         ``defer`` mode with no deferred role
-no-room             the mode found no free run of bundles for a model
-pool-bounds         a slice outside its pool (split/defer slices outside the actor pool)
-co-residence        two slices share a bundle in the same phase
-ray-gpu-fraction    the Ray GPU reservations on one bundle add up to more than 1
-gpu-budget          the pools need more GPUs than the cluster has
-node-fit            the pools cannot be packed onto the cluster's nodes
-weight-source       a weight source that is unknown or not allowed for the role
-policy              a routing policy nobody registered
-memory-static       the weight shard does not fit in ``mem_fraction_static``
-memory-gpu          an engine GPU's memory users exceed ``cluster.gpu_memory_gib``
-memory-host         a node's CPU weight backups and offloaded state exceed its RAM
-mode-error          a placement mode plugin misbehaved
-==================  ==========================================================================
+:func:`plan_inference_placement` runs before any Ray actor, router or engine exists and reads
+nothing but model ``config.json`` files (for the memory budget). The placement mode (a plugin)
+decides pools, phases and offsets; the planner checks every rule (docs/placement.md lists them
+with their names: ``tp-pp``, ``co-residence``, ``memory-gpu``, ...).
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
-from relax_core.config import JobConfig, ModelConfig
+from relax_core.config import JobConfig, ModelConfig, hint
 from relax_core.errors import PlacementError
 from relax_core.placement.budget import budget_memory
 from relax_core.placement.modes import Demand, ModeContext, ModeResult, engine_straddles
@@ -206,13 +176,11 @@ class _Planner:
                 )
             if role.name not in self.role_specs:
                 known = sorted(self.role_specs)
-                close = difflib.get_close_matches(role.name, known, n=1)
                 self.violation(
                     f"roles.{role.name}",
                     "unknown-role",
-                    f"no installed plugin registers the role {role.name!r}"
-                    + (f"; did you mean {close[0]!r}?" if close else "")
-                    + f" (registered: {', '.join(known) or 'none'}); install the role's plugin "
+                    f"no installed plugin registers the role {role.name!r}{hint(role.name, known)}"
+                    f" (registered: {', '.join(known) or 'none'}); install the role's plugin "
                     "or check RELAX_LOAD_PLUGINS / RELAX_DISABLE_PLUGINS",
                 )
 
@@ -278,6 +246,8 @@ class _Planner:
 
     def pools(self, mode: PlacementMode, result: ModeResult) -> dict[str, Pool]:
         t, c = self.config.training, self.config.cluster
+        bundles: dict[str, Any] = {"cpus_per_bundle": c.cpus_per_bundle}
+        bundles["strategy"] = self.config.placement.pg_strategy
         pools: dict[str, Pool] = {}
         for name, size in t.pools():
             shared = name == "actor" and mode.shares_training_pool
@@ -288,9 +258,8 @@ class _Planner:
                 self.gpn,
                 training=(name,),
                 inference=shared,
-                cpus_per_bundle=c.cpus_per_bundle,
-                strategy=self.config.placement.pg_strategy,
                 training_ray_gpu_fraction=t.ray_gpu_fraction or default,
+                **bundles,
             )
         for req in result.pools:
             if req.name in pools:
@@ -301,31 +270,33 @@ class _Planner:
                 )
                 continue
             if req.size > 0:
-                pools[req.name] = Pool(
-                    req.name,
-                    req.size,
-                    self.gpn,
-                    cpus_per_bundle=c.cpus_per_bundle,
-                    strategy=self.config.placement.pg_strategy,
-                )
+                pools[req.name] = Pool(req.name, req.size, self.gpn, **bundles)
         return pools
 
-    def placement(self, m: ModelConfig, pool: Pool, start: int, phase: str) -> ModelPlacement:
+    def placement(
+        self, m: ModelConfig, pool: Pool | None, start: int | None, phase: str
+    ) -> ModelPlacement:
+        """``m`` on ``pool`` from bundle ``start``; a CPU model (no pool) has no bundles and an
+        empty replica per engine."""
         size = m.placement
-        gpe = size.gpus_per_engine
-        replicas = tuple(tuple(range(s, s + gpe)) for s in range(start, start + size.num_gpus, gpe))
-        workers = tuple(_split_by_node(r, self.gpn) for r in replicas)
-        fraction = size.ray_gpu_fraction or (SHARED_ENGINE_FRACTION if pool.shared else 1.0)
+        num_gpus, gpe, fraction = 0, 0, 0.0
+        replicas: tuple[tuple[int, ...], ...] = ((),) * size.num_engines
+        workers: tuple[tuple[tuple[int, ...], ...], ...] = ((),) * size.num_engines
+        if pool is not None and start is not None:
+            num_gpus, gpe = size.num_gpus, size.gpus_per_engine
+            replicas = tuple(tuple(range(s, s + gpe)) for s in range(start, start + num_gpus, gpe))
+            workers = tuple(_split_by_node(r, self.gpn) for r in replicas)
+            fraction = size.ray_gpu_fraction or (SHARED_ENGINE_FRACTION if pool.shared else 1.0)
         return ModelPlacement(
             m.role,
             m.name,
             m.path,
-            pool.name,
+            pool.name if pool is not None else None,
             start,
-            m.placement.num_gpus,
+            num_gpus,
             gpe,
-            m.placement.tp,
-            m.placement.pp,
+            size.tp,
+            size.pp,
             phase,
             device=m.device,
             ray_gpu_fraction=fraction,
@@ -478,13 +449,11 @@ class _Planner:
         mode_name = cfg.placement.resolved_mode(cfg.training)
         mode: PlacementMode | None = modes[mode_name].record if mode_name in modes else None
         if mode is None:
-            close = difflib.get_close_matches(mode_name, sorted(modes), n=1)
             self.violation(
                 "placement.mode",
                 "unknown-mode",
-                f"{mode_name!r} is not a registered placement mode"
-                + (f"; did you mean {close[0]!r}?" if close else "")
-                + f" (known: {', '.join(sorted(modes))})",
+                f"{mode_name!r} is not a registered placement mode{hint(mode_name, modes)} "
+                f"(known: {', '.join(sorted(modes))})",
             )
         sliceable = {m.path: self.check_model(m) for m in cfg.models()}
         if self.gpn == 0 and any(m.device == "cuda" for m in cfg.models()):
@@ -580,25 +549,11 @@ class _Planner:
                     cfg.role(d.role).model(d.model), pools[s.pool], s.bundle_start, s.phase
                 )
             )
-        for m in cfg.models():
-            if m.device != "cuda":
-                out.append(
-                    ModelPlacement(
-                        m.role,
-                        m.name,
-                        m.path,
-                        None,
-                        None,
-                        0,
-                        0,
-                        m.placement.tp,
-                        m.placement.pp,
-                        PHASE_RESIDENT,
-                        device=m.device,
-                        replicas=((),) * m.placement.num_engines,
-                        workers=((),) * m.placement.num_engines,
-                    )
-                )
+        out += [
+            self.placement(m, None, None, PHASE_RESIDENT)
+            for m in cfg.models()
+            if m.device != "cuda"
+        ]
         return out
 
 

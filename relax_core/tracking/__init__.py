@@ -1,15 +1,7 @@
-"""Experiment trackers of ``relax run``: who hears what a run did.
-
-- :mod:`~relax_core.tracking.tracker`: the :class:`Tracker` protocol, the
-  :class:`TrackerContext` a tracker is opened with, the :class:`PhaseSpan` of a phase and the
-  :class:`TrackerEntry` of ``[run] trackers``;
-- :mod:`~relax_core.tracking.hub`: :class:`Trackers`, a run's open trackers fed from a thread
-  of their own (a failing one reported once), and :func:`tracker_problems`;
-- :mod:`~relax_core.tracking.metrics`: a step's metrics and the sample rows trackers hear.
-
-The trackers themselves are plugins' (``jsonl`` and ``tensorboard``: the relax-report plugin).
-
-See ``docs/run.md`` (trackers) and ``docs/plugins.md`` (writing one).
+"""Experiment trackers of ``relax run``: the :class:`Tracker` protocol and its records
+(:mod:`~relax_core.tracking.tracker`), a run's open trackers (:mod:`~relax_core.tracking.hub`)
+and what they hear of a step (:mod:`~relax_core.tracking.metrics`). The trackers themselves
+are plugins' (``docs/run.md``, ``docs/plugins.md``).
 """
 
 from relax_core._exports import claim as _claim

@@ -1,24 +1,20 @@
 """The trackers of one run: opened from ``[run] trackers``, fed from a thread of their own, a
 failing one reported once and left out, every one closed at the end.
 
-:class:`Trackers` is what the step loop holds. Its ``log_*`` calls return at once: each call is
-queued and a worker thread hands it to every tracker in order, so a slow tracker (a network
-upload) never delays a step. A tracker that raises is reported once (``say``), with its name and
-what it was doing, and hears nothing more but :meth:`~Trackers.close`; with ``strict`` the
-error is kept and raised as :class:`~relax_core.errors.TrackerError` from the loop's next call
-instead, which ends the run. :meth:`~Trackers.close` waits for the queue and every tracker's
-``close`` with a deadline.
+:class:`Trackers`' ``log_*`` calls return at once: a worker thread hands each to every tracker
+in order, so a slow tracker never delays a step. A tracker that raises is reported once
+(``say``) and hears nothing more but ``close``; with ``strict`` the error is raised as
+:class:`~relax_core.errors.TrackerError` from the loop's next call, ending the run.
 """
 
 from __future__ import annotations
 
-import difflib
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from relax_core.config import ConfigProblem
+from relax_core.config import ConfigProblem, hint
 from relax_core.errors import TrackerError
 from relax_core.plugins import PluginManager
 from relax_core.tracking.tracker import PhaseSpan, Tracker, TrackerContext, TrackerEntry
@@ -50,15 +46,13 @@ def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list
             continue
         seen[entry.name] = entry.path
         if entry.name not in known:
-            close = difflib.get_close_matches(entry.name, list(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
             out.append(
                 ConfigProblem(
                     entry.path,
                     "plugin",
                     f"no tracker named {entry.name!r} is registered (registered: "
-                    f"{', '.join(sorted(known)) or 'none'}){hint} Install the plugin that "
-                    "provides it (relax plugins lists the trackers)",
+                    f"{', '.join(sorted(known)) or 'none'}){hint(entry.name, known)} Install the "
+                    "plugin that provides it (relax plugins lists the trackers)",
                 )
             )
             continue
@@ -67,14 +61,12 @@ def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list
             continue
         for key in entry.options:
             if key not in allowed:
-                close = difflib.get_close_matches(key, list(allowed), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
                 out.append(
                     ConfigProblem(
                         f"{entry.path}.{key}",
                         "unknown-key",
                         f"tracker {entry.name!r} has no option {key!r} (its options: "
-                        f"{', '.join(allowed) or 'none'}){hint}",
+                        f"{', '.join(allowed) or 'none'}){hint(key, allowed)}",
                     )
                 )
     return out
@@ -122,13 +114,11 @@ class Trackers:
         resume_step: int | None = None,
         resume_ids: Mapping[str, str | None] | None = None,
     ) -> Trackers:
-        """Open every tracker of ``entries`` (:func:`tracker_problems` found none), in order.
-        One whose ``open`` raises is reported and left out. ``resume_step`` and
-        ``resume_ids`` (tracker name -> its run id in the checkpoint): ``relax run --resume``
-        (:class:`~relax_core.tracking.tracker.TrackerContext`).
+        """Open every tracker of ``entries`` (checked by :func:`tracker_problems`), in order;
+        one whose ``open`` raises is reported and left out. ``resume_step`` / ``resume_ids``
+        (name -> run id): ``relax run --resume`` (:class:`~relax_core.TrackerContext`).
 
-        :raises TrackerError: with ``strict``, the first tracker that failed to open (the ones
-            opened before it are closed).
+        :raises TrackerError: with ``strict``, the first that failed to open (the others closed).
         """
         opened: list[tuple[str, Tracker]] = []
         failures: dict[str, str] = {}

@@ -1,21 +1,5 @@
-"""What a tracker hears of a committed step: its metrics (flat names to numbers) from the step's
-JSON object, and the rows of the samples it shows.
-
-Metric names (every one a finite number; a value the step does not have is left out):
-
-- ``reward/mean``, ``reward/std`` and ``reward/<key>`` (each reward adapter's mean, by its key);
-- ``teacher/kl``, ``teacher/logprob_mean``;
-- ``samples``, ``groups``, ``tokens``, ``response_length/mean``, ``parse_failures``,
-  ``switches``, ``dropped/groups``, ``dropped/samples``, ``generated_groups``;
-- ``time/step`` and ``time/<phase>`` (each phase's seconds: ``time/generate``, ``time/genrm``,
-  ``time/genrm.onload`` …);
-- ``train/<key>``: the trainer's numbers (``train/loss``, ``train/grad_norm`` …);
-- ``stage/<stage>/<count>``: each stage's report counts;
-- ``async/staleness/<k>`` (the step's samples ``k`` weight versions behind the trainer),
-  ``async/partial_samples``;
-- ``trajectories/<name>/mean``, ``trajectories/<name>/max``, ``trajectories/<name>/total``: the
-  step's ``trajectories`` object (:func:`rollout_metrics`): the policy's and the environment's
-  response tokens per sample, and each number the rollout reported per sample.
+"""What a tracker hears of a committed step: its metrics (flat names to finite numbers, listed in
+docs/run.md; a value the step lacks is left out) and the rows of the samples it shows.
 """
 
 from __future__ import annotations
@@ -85,11 +69,8 @@ def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
 
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
     """The step's ``rollout`` object: per sample number, its ``mean``, ``max`` and ``total``
-    over the samples that have it. Always ``policy_tokens`` and ``environment_tokens`` (the
-    response tokens with loss mask 1 and 0: an environment's observations between a
-    trajectory's turns), then each number the rollout wrote in
-    ``metadata["rollout_metrics"]`` (:data:`ROLLOUT_METRICS`), by name; a value that is not a
-    finite number is left out."""
+    over the samples that have it: ``policy_tokens`` and ``environment_tokens`` (response
+    tokens with loss mask 1 and 0), then each finite number in ``metadata[ROLLOUT_METRICS]``."""
     values: dict[str, list[float]] = {"policy_tokens": [], "environment_tokens": []}
     for s in samples:
         policy = sum(s.loss_mask) if s.loss_mask else len(s.response_ids)
