@@ -1,40 +1,14 @@
 """The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange.
 
-:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.open`, the
-role gateways) uses to talk to a role's engines::
+:class:`InferenceClient` is how framework code (and, through :meth:`InferenceClient.open`, the
+role gateways) talks to a role's engines::
 
     async with InferenceClient("http://gateway:8000/teacher") as client:
         out = await client.generate({"input_ids": ids, "sampling_params": {...}},
                                     route_key="math-data", affinity_key=group_id)
 
-Contract (see docs/client.md):
-
-- Discovery: ``GET {base_url}/engines?schema=2`` or any ``snapshot_provider`` callable (sync or
-  async) returning a :class:`~relax_core.discovery.schema.RoleSnapshot` or a schema-2 dict; cached
-  for ``ttl`` seconds; concurrent refreshes share one fetch. A discovery failure raises
-  ``RoutingError(503, "registry unavailable: …")``.
-- A body that is empty, not JSON or not a JSON object, or a ``model``/``route_key`` that is not a
-  string, raises :class:`~relax_core.errors.InvalidRequestError` (400), the error a role gateway
-  answers a bad body with (:func:`relax_core._http.request.decode_json_body` is the one check).
-- Resolution: :class:`~relax_core.discovery.routing.RouteResolver` with the client's in-flight count
-  per engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
-  connection that cannot be opened (nothing sent) likewise gets one refresh and one retry, on
-  another replica when there is one (the one that failed is avoided). A request may require a
-  minimum weight version (``min_weight_version=``, the body field ``min_weight_version`` or the
-  header ``X-Relax-Min-Weight-Version``): only heads serving at least that version are
-  candidates (503 + ``retry_after`` until one does).
-- Circuit breakers (:mod:`relax_core.client.breaker`): a DIRECT head whose connections failed
-  ``breaker.failures`` times in a row is left out of routing until a ``GET /health_generate``
-  probe succeeds. Failures are counted by class (:attr:`InferenceClient.failure_counts`:
-  connect, before the first byte, mid-stream; :mod:`relax_core._http.failures`).
-- A request that was sent is never sent again: a failure after sending raises
-  :class:`~relax_core.errors.RequestNotReplayedError` (502, or 504 on the deadline) carrying the
-  request id. Every transport failure, timeout, cancellation and upstream 502/503/504
-  invalidates the cached snapshot.
-- Payloads: ``/generate`` loses ``model``, ``route_key`` and ``min_weight_version``; chat and
-  completion payloads get ``model`` rewritten to the target's ``served_model_name`` (and lose
-  ``route_key`` and ``min_weight_version``). The
-  affinity key travels as ``X-SMG-Routing-Key``; the request id as ``X-Request-ID``.
+The contract (discovery, routing, the one safe retry, what is rewritten and what is never
+replayed) is docs/client.md.
 """
 
 from __future__ import annotations
@@ -145,11 +119,6 @@ class InferenceClient:
     :class:`~relax_core.discovery.routing.RouteResolver`). Round-robin, breaker and other
     policy state is per client.
 
-    The parts: a :class:`~relax_core.client.cache.SnapshotCache` (discovery), a
-    :class:`~relax_core.discovery.routing.RouteResolver` (routing) and a
-    :class:`~relax_core._http.transport.Transport` (the wire); the client counts its in-flight
-    requests per engine for load-aware policies.
-
     A client belongs to the event loop it is first used on. Not thread-safe. Close it with
     :meth:`aclose` or ``async with``; :func:`relax_core.client.pool.get_client` hands out one
     shared client per event loop.
@@ -235,8 +204,7 @@ class InferenceClient:
         return any(e.base_url == url for m in snap.models.values() for e in m.engines)
 
     def _failed(self, error: BaseException, target: RouteTarget | None) -> None:
-        """Count a failed exchange by class; a connect failure also counts for the head's
-        circuit breaker."""
+        """Count a failed exchange by class (a connect failure also for the head's breaker)."""
         kind = failure_class(error)
         if kind is None:
             return
@@ -250,8 +218,7 @@ class InferenceClient:
             self._breakers.connect_failed(target.url, target.engine_id)
 
     def _not_sent(self, prepared: PreparedRequest) -> UpstreamUnreachableError:
-        """The error for an admission server's 502 saying its engine got nothing (counted as a
-        connect failure: the request may go to another replica)."""
+        """The error for an admission server's 502 "engine got nothing" (a connect failure)."""
         target = prepared.target
         engine = f" ({target.engine_id})" if target is not None and target.engine_id else ""
         error = UpstreamUnreachableError(
@@ -292,12 +259,10 @@ class InferenceClient:
         min_weight_version: str | None = None,
     ) -> RouteTarget:
         """``target`` if the current snapshot still routes to it, else a new decision for its
-        model — for a request whose body took a while to build for ``target`` (a rendered
-        chat template), so it is not sent to a replica that went away meanwhile.
+        model: for a body that took a while to build for ``target`` (a rendered chat template).
 
         Still routes: the model is READY and, for a DIRECT target, the head is READY,
-        direct-eligible, at the same URL and generation (and, with ``min_weight_version``,
-        serves at least that version). The snapshot is the cached one while fresh.
+        direct-eligible, at the same URL and generation (and serves ``min_weight_version``).
 
         :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`).
         """
@@ -386,17 +351,13 @@ class InferenceClient:
     ) -> PreparedRequest:
         """Resolve and build the request to send: URL, headers and body bytes.
 
-        ``payload`` is a JSON object, as a mapping or as its encoded bytes (bytes are sent as
-        they are when no field must change). ``model``/``route_key`` default to the payload's
-        fields of those names. ``headers`` are a caller's incoming headers (a gateway's):
-        hop-by-hop headers are dropped; ``X-Request-ID`` and ``X-SMG-Routing-Key`` are used when
-        ``request_id``/``affinity_key`` are not given. ``target``: a target :meth:`resolve`
-        already chose for this request (e.g. to build the body for its model first); it is
-        used as it is, without a second routing decision (which would, for instance, advance
-        round-robin twice); ``model``/``route_key`` are then ignored.
-        ``min_weight_version`` defaults to the payload's ``min_weight_version`` field, then to
-        the caller's ``X-Relax-Min-Weight-Version`` header; ``avoid``: base URLs to leave out
-        (see :meth:`resolve`).
+        ``payload`` is a JSON object, as a mapping or as its encoded bytes (sent as they are
+        when no field must change). ``model``/``route_key`` default to the payload's fields.
+        ``headers`` are a caller's incoming headers (a gateway's): hop-by-hop ones are dropped;
+        ``X-Request-ID`` and ``X-SMG-Routing-Key`` stand in for ``request_id``/``affinity_key``.
+        ``target``: one :meth:`resolve` already chose, used as it is (no second decision;
+        ``model``/``route_key`` ignored). ``min_weight_version`` defaults to the payload's
+        field, then to the ``X-Relax-Min-Weight-Version`` header; ``avoid``: see :meth:`resolve`.
 
         Raises :class:`~relax_core.errors.InvalidRequestError` (400: the payload is not a JSON
         object, ``model``/``route_key``/``min_weight_version`` are not strings) and
@@ -526,15 +487,8 @@ class InferenceClient:
         payload: Mapping[str, Any] | bytes,
         routing: RouteOptions,
     ) -> T:
-        """Prepare, then ``attempt`` the request, with the one safe retry.
-
-        When no connection could be opened (nothing was sent), the failure invalidated the
-        snapshot: the request is routed again on a fresh one, to another replica when there is
-        one (the one that failed is avoided), and attempted once more, with the same request
-        id. A caller-chosen ``target`` pinned the model (its body may be built for it): the
-        retry keeps the model and lets the resolver pick the replica. Nothing else is ever
-        retried.
-        """
+        """Prepare, then ``attempt`` the request, with the one safe retry (see :meth:`open`);
+        a caller-chosen ``target`` keeps its model on the retry (its body may be built for it)."""
         prepared = await self.prepare(path, payload, **routing)
         try:
             return await attempt(prepared)
@@ -556,10 +510,9 @@ class InferenceClient:
 
         What a gateway forwards through: :meth:`prepare` then :meth:`send`, with the one safe
         retry: when no connection could be opened (nothing was sent), the request is routed
-        again on a fresh snapshot and sent once more (with the same request id; a given
-        ``target`` is re-resolved to another replica of the same model). The status is not
-        checked and the body is not read: relay it (``iter_chunks``) or read it, and close the
-        response (``async with``). Raises ``RoutingError`` before sending,
+        again on a fresh snapshot, avoiding the failed head, and sent once more with the same
+        request id. The status is not checked and the body is not read: relay or read it, and
+        close the response (``async with``). Raises ``RoutingError`` before sending,
         :class:`~relax_core.errors.UpstreamUnreachableError` when the retry could not connect
         either, :class:`~relax_core.errors.RequestNotReplayedError` after sending. ``options``:
         :class:`OpenOptions`, the routing ones as in :meth:`prepare`, the timeouts as in
@@ -606,11 +559,7 @@ class InferenceClient:
         timeout: float | None = None,
         **routing: Unpack[RouteOptions],
     ) -> Coroutine[Any, Any, Any]:
-        """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``.
-
-        Returns :meth:`post`'s coroutine (a plain function: one frame fewer on the hot path);
-        ``await client.generate(...)`` as usual.
-        """
+        """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``."""
         return self.post("/generate", payload, timeout=timeout, **routing)
 
     def chat(
@@ -644,8 +593,7 @@ class InferenceClient:
     # -- lifetime --------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Close the HTTP session the client created and stop its breakers' probes
-        (idempotent)."""
+        """Close the session the client created and stop its breakers' probes (idempotent)."""
         self._closed = True
         if self._breakers is not None:
             await self._breakers.aclose()
@@ -711,12 +659,8 @@ def _string_field(body: Mapping[str, Any], name: str) -> str | None:
 
 
 def _body_for(path: str, body: dict[str, Any], raw: bytes | None, served: str) -> bytes:
-    """The bytes sent to ``path``: ``raw`` when no field changes, else ``body`` rewritten.
-
-    ``/generate`` loses the logical ``model``, ``route_key`` and ``min_weight_version``; an
-    OpenAI path gets ``model`` set to the target's served name and loses ``route_key`` and
-    ``min_weight_version``; other paths are sent unchanged.
-    """
+    """The bytes sent to ``path``: ``raw`` when no field changes, else ``body`` without the
+    ``_ROUTING_FIELDS`` (an OpenAI path's ``model`` becomes ``served``)."""
     if path in GENERATE_PATHS:
         if "model" in body or "route_key" in body or MIN_WEIGHT_VERSION_FIELD in body:
             body = {k: v for k, v in body.items() if k not in _ROUTING_FIELDS}

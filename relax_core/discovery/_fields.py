@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from relax_core.errors import SnapshotError
+from relax_core.records import NAME_PATTERN
 
 _PLAIN_SEGMENT = re.compile(r"^[A-Za-z0-9_-]+$")
 # Model and engine ids: no whitespace, no control characters ("math/replica-0" is fine).
@@ -108,11 +109,19 @@ def check_int(field: str, value: object) -> int:
     return value
 
 
-def _validator(check: Callable[[str, object], object], field: str) -> Validator:
-    """An attrs validator running ``check(field, value)``."""
+def check_name(field: str, value: object, what: str) -> str:
+    """``value`` is a plugin-registered name (:data:`~relax_core.records.NAME_PATTERN`)."""
+    name = check_str(field, value)
+    if not NAME_PATTERN.match(name):
+        raise SnapshotError(field, f"{name!r} is not a {what} name")
+    return name
+
+
+def validator(check: Callable[..., object], field: str, *args: Any) -> Validator:
+    """An attrs validator running ``check(field, value, *args)``."""
 
     def run(_i: Any, _a: Any, value: Any) -> None:
-        check(field, value)
+        check(field, value, *args)
 
     return run
 
@@ -122,26 +131,6 @@ def check_bool(field: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise SnapshotError(field, f"must be true or false, got {value!r}")
     return value
-
-
-def v_url(field: str) -> Validator:
-    """An attrs validator: :func:`check_url` on ``field``."""
-    return _validator(check_url, field)
-
-
-def v_int(field: str) -> Validator:
-    """An attrs validator: :func:`check_int` on ``field``."""
-    return _validator(check_int, field)
-
-
-def v_str(field: str) -> Validator:
-    """An attrs validator: :func:`check_str` on ``field``."""
-    return _validator(check_str, field)
-
-
-def v_bool(field: str) -> Validator:
-    """An attrs validator: :func:`check_bool` on ``field``."""
-    return _validator(check_bool, field)
 
 
 def frozen_map(value: object) -> Mapping[str, Any]:

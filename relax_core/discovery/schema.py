@@ -23,8 +23,12 @@ import attrs
 from relax_core.discovery._fields import (
     Validator,
     build_at,
+    check_bool,
     check_id,
+    check_int,
+    check_name,
     check_str,
+    check_url,
     child_path,
     frozen_map,
     join_path,
@@ -32,13 +36,10 @@ from relax_core.discovery._fields import (
     segment,
     to_enum,
     to_tuple,
-    v_bool,
-    v_int,
-    v_str,
-    v_url,
+    validator,
 )
 from relax_core.errors import SnapshotError
-from relax_core.records import NAME_PATTERN, RouteMode, WeightSource
+from relax_core.records import RouteMode, WeightSource
 
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
@@ -95,6 +96,27 @@ def _route_mode(value: object) -> RouteMode:
     return to_enum(RouteMode, "route_mode", value)
 
 
+def _check_version(_i: Any, _a: Any, value: object) -> None:
+    if value != SCHEMA_VERSION or isinstance(value, bool):
+        raise SnapshotError(
+            "schema_version",
+            f"expected {SCHEMA_VERSION}, got {value!r}; this reader understands schema 2 "
+            "only (ask for /engines?schema=2)",
+        )
+
+
+def _check_type(field: str, kind: type) -> Validator:
+    def check(_i: Any, _a: Any, value: object) -> None:
+        if not isinstance(value, kind):
+            raise SnapshotError(field, f"must be a {kind.__name__}, got {type(value).__name__}")
+
+    return check
+
+
+def _plain(value: object) -> object:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 # -- records ---------------------------------------------------------------------------------
 
 
@@ -111,18 +133,14 @@ class EngineView:
     (see :class:`~relax_core.discovery.routing.RouteResolver`).
     """
 
-    engine_id: str = attrs.field()
-    base_url: str | None = attrs.field(validator=v_url("base_url"))
+    engine_id: str = attrs.field(validator=validator(check_id, "engine_id", "engine id"))
+    base_url: str | None = attrs.field(validator=validator(check_url, "base_url"))
     state: ModelState = attrs.field(converter=_model_state)
-    direct_eligible: bool = attrs.field(validator=v_bool("direct_eligible"))
-    generation: int = attrs.field(validator=v_int("generation"))
+    direct_eligible: bool = attrs.field(validator=validator(check_bool, "direct_eligible"))
+    generation: int = attrs.field(validator=validator(check_int, "generation"))
     weight_version: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(v_str("weight_version"))
+        default=None, validator=attrs.validators.optional(validator(check_str, "weight_version"))
     )
-
-    @engine_id.validator
-    def _check_engine_id(self, _a: Any, value: Any) -> None:
-        check_id("engine_id", value, "engine id")
 
     def __attrs_post_init__(self) -> None:
         if self.direct_eligible and self.state is not ModelState.READY:
@@ -146,13 +164,7 @@ class EngineView:
 
     def to_json(self) -> dict[str, Any]:
         """The engine as a JSON object (``weight_version`` only when it has one)."""
-        out: dict[str, Any] = {
-            "engine_id": self.engine_id,
-            "base_url": self.base_url,
-            "state": self.state.value,
-            "direct_eligible": self.direct_eligible,
-            "generation": self.generation,
-        }
+        out = {name: _plain(getattr(self, name)) for name in _ENGINE_FIELDS}
         if self.weight_version is not None:
             out["weight_version"] = self.weight_version
         return out
@@ -184,21 +196,17 @@ class ModelView:
 
     state: ModelState = attrs.field(converter=_model_state)
     route_mode: RouteMode = attrs.field(converter=_route_mode)
-    router_url: str | None = attrs.field(validator=v_url("router_url"))
-    weight_source: str = attrs.field()
-    weight_version: str | None = attrs.field(
-        validator=attrs.validators.optional(v_str("weight_version"))
+    router_url: str | None = attrs.field(validator=validator(check_url, "router_url"))
+    weight_source: str = attrs.field(
+        validator=validator(check_name, "weight_source", "weight-source")
     )
-    served_model_name: str = attrs.field(validator=v_str("served_model_name"))
+    weight_version: str | None = attrs.field(
+        validator=attrs.validators.optional(validator(check_str, "weight_version"))
+    )
+    served_model_name: str = attrs.field(validator=validator(check_str, "served_model_name"))
     engines: tuple[EngineView, ...] = attrs.field(
         default=(), converter=to_tuple, validator=_check_engines
     )
-
-    @weight_source.validator
-    def _check_source(self, _a: Any, value: object) -> None:
-        name = check_str("weight_source", value)
-        if not NAME_PATTERN.match(name):
-            raise SnapshotError("weight_source", f"{name!r} is not a weight-source name")
 
     def __attrs_post_init__(self) -> None:
         if self.weight_source == "STATIC" and self.weight_version is not None:
@@ -232,15 +240,9 @@ class ModelView:
 
     def to_json(self) -> dict[str, Any]:
         """The model as a JSON object."""
-        return {
-            "state": self.state.value,
-            "route_mode": self.route_mode.value,
-            "router_url": self.router_url,
-            "weight_source": self.weight_source,
-            "weight_version": self.weight_version,
-            "served_model_name": self.served_model_name,
-            "engines": [engine.to_json() for engine in self.engines],
-        }
+        out = {name: _plain(getattr(self, name)) for name in _MODEL_FIELDS}
+        out["engines"] = [engine.to_json() for engine in self.engines]
+        return out
 
 
 def _check_str_map(field: str) -> Validator:
@@ -265,7 +267,7 @@ class RoutingSpec:
     """
 
     default_model: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(v_str("default_model"))
+        default=None, validator=attrs.validators.optional(validator(check_str, "default_model"))
     )
     route_key_map: Mapping[str, str] = attrs.field(
         factory=dict, converter=frozen_map, validator=_check_str_map("route_key_map")
@@ -273,14 +275,10 @@ class RoutingSpec:
     aliases: Mapping[str, str] = attrs.field(
         factory=dict, converter=frozen_map, validator=_check_str_map("aliases")
     )
-    policy: str = attrs.field(default="round_robin")
-    policy_revision: int = attrs.field(default=0, validator=v_int("policy_revision"))
-
-    @policy.validator
-    def _check_policy(self, _a: Any, value: object) -> None:
-        name = check_str("policy", value)
-        if not NAME_PATTERN.match(name):
-            raise SnapshotError("policy", f"{name!r} is not a routing-policy name")
+    policy: str = attrs.field(
+        default="round_robin", validator=validator(check_name, "policy", "routing-policy")
+    )
+    policy_revision: int = attrs.field(default=0, validator=validator(check_int, "policy_revision"))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; rebuild (and re-validate) from plain dicts.
@@ -297,13 +295,9 @@ class RoutingSpec:
 
     def to_json(self) -> dict[str, Any]:
         """The routing spec as a JSON object."""
-        return {
-            "default_model": self.default_model,
-            "route_key_map": dict(self.route_key_map),
-            "aliases": dict(self.aliases),
-            "policy": self.policy,
-            "policy_revision": self.policy_revision,
-        }
+        out = {name: getattr(self, name) for name in _ROUTING_FIELDS}
+        out["route_key_map"], out["aliases"] = dict(self.route_key_map), dict(self.aliases)
+        return out
 
 
 #: What ``weight_sources=`` accepts: names, ``{name: WeightSource}`` or a plugin manager.
@@ -407,12 +401,6 @@ def _check_models(_i: Any, _a: Any, value: Any) -> None:
             raise SnapshotError(path, f"must be a ModelView, got {type(model).__name__}")
 
 
-def _check_role(_i: Any, _a: Any, value: Any) -> None:
-    name = check_str("role", value)
-    if not NAME_PATTERN.match(name):
-        raise SnapshotError("role", f"{name!r} is not a role name")
-
-
 @attrs.frozen(kw_only=True)
 class RoleSnapshot:
     """The schema-2 snapshot of one role (see the module docstring).
@@ -424,30 +412,16 @@ class RoleSnapshot:
     :meth:`from_json` and the registry always call.
     """
 
-    schema_version: int = attrs.field(default=SCHEMA_VERSION)
-    role: str = attrs.field(validator=_check_role)
-    registry_epoch: str = attrs.field(validator=v_str("registry_epoch"))
-    topology_revision: int = attrs.field(validator=v_int("topology_revision"))
-    routing: RoutingSpec = attrs.field()
+    schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_check_version)
+    role: str = attrs.field(validator=validator(check_name, "role", "role"))
+    registry_epoch: str = attrs.field(validator=validator(check_str, "registry_epoch"))
+    topology_revision: int = attrs.field(validator=validator(check_int, "topology_revision"))
+    routing: RoutingSpec = attrs.field(validator=_check_type("routing", RoutingSpec))
     models: Mapping[str, ModelView] = attrs.field(converter=frozen_map, validator=_check_models)
     # Values derived from this immutable snapshot (routing indexes); not part of its value.
     _derived: dict[str, Any] = attrs.field(
         init=False, factory=dict, eq=False, repr=False, hash=False
     )
-
-    @schema_version.validator
-    def _check_version(self, _a: Any, value: object) -> None:
-        if value != SCHEMA_VERSION or isinstance(value, bool):
-            raise SnapshotError(
-                "schema_version",
-                f"expected {SCHEMA_VERSION}, got {value!r}; this reader understands schema 2 "
-                "only (ask for /engines?schema=2)",
-            )
-
-    @routing.validator
-    def _check_routing(self, _a: Any, value: object) -> None:
-        if not isinstance(value, RoutingSpec):
-            raise SnapshotError("routing", f"must be a RoutingSpec, got {type(value).__name__}")
 
     def __attrs_post_init__(self) -> None:
         known = ", ".join(sorted(self.models)) or "(none)"
@@ -550,14 +524,10 @@ class RoleSnapshot:
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot as a JSON-ready dict; ``from_json(s.to_json()) == s``."""
-        return {
-            "schema_version": self.schema_version,
-            "role": self.role,
-            "registry_epoch": self.registry_epoch,
-            "topology_revision": self.topology_revision,
-            "routing": self.routing.to_json(),
-            "models": {model_id: model.to_json() for model_id, model in self.models.items()},
-        }
+        out = {name: getattr(self, name) for name in _TOP_FIELDS}
+        out["routing"] = self.routing.to_json()
+        out["models"] = {model_id: model.to_json() for model_id, model in self.models.items()}
+        return out
 
     def schema1(self) -> dict[str, Any]:
         """The schema-1 diagnostic view: rank, status and URL of every regular replica head.
@@ -632,13 +602,7 @@ def _parse_model(path: str, data: object) -> ModelView:
 
 def _parse(data: object) -> RoleSnapshot:
     if isinstance(data, Mapping) and "schema_version" in data:
-        version = data["schema_version"]
-        if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise SnapshotError(
-                "schema_version",
-                f"expected {SCHEMA_VERSION}, got {version!r}; this reader understands schema 2 "
-                "only (ask for /engines?schema=2)",
-            )
+        _check_version(None, None, data["schema_version"])
     top = object_fields(data, "", _TOP_FIELDS)
     routing = build_at(
         "routing", RoutingSpec, **object_fields(top["routing"], "routing", _ROUTING_FIELDS)
