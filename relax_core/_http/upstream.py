@@ -134,15 +134,9 @@ class _IdleWatch:
 
     __slots__ = ("_content", "_first", "_handle", "_idle", "_loop", "since", "started")
 
-    def __init__(
-        self,
-        content: Any,
-        loop: asyncio.AbstractEventLoop,
-        idle: float | None,
-        first: float | None,
-    ) -> None:
+    def __init__(self, content: Any, idle: float | None, first: float | None) -> None:
         self._content = content
-        self._loop = loop
+        self._loop = asyncio.get_running_loop()
         self._idle = idle
         self._first = first
         self._handle: asyncio.TimerHandle | None = None
@@ -278,12 +272,7 @@ class UpstreamResponse:
             read = functools.partial(content.readany, coalesce)
         watch = None
         if self._idle_timeout is not None or self._first_chunk_timeout is not None:
-            watch = _IdleWatch(
-                content,
-                asyncio.get_running_loop(),
-                self._idle_timeout,
-                self._first_chunk_timeout,
-            )
+            watch = _IdleWatch(content, self._idle_timeout, self._first_chunk_timeout)
         try:
             if watch is None:
                 while chunk := await read():

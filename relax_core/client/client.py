@@ -61,6 +61,7 @@ __all__ = [
     "OPENAI_PATHS",
     "InferenceClient",
     "OpenOptions",
+    "PostOptions",
     "RouteOptions",
     "SnapshotProvider",
 ]
@@ -90,11 +91,17 @@ class RouteOptions(TypedDict, total=False):
     avoid: Collection[str] | None
 
 
-class OpenOptions(RouteOptions, total=False):
-    """The keyword arguments of :meth:`InferenceClient.open` (and ``stream``): the routing
-    ones and this request's deadline and stream idle limits (see ``send``)."""
+class PostOptions(RouteOptions, total=False):
+    """The keyword arguments of :meth:`InferenceClient.post` (and ``generate``, ``chat``): the
+    routing ones and this request's deadline (``None``: the client's)."""
 
     timeout: float | None
+
+
+class OpenOptions(PostOptions, total=False):
+    """The keyword arguments of :meth:`InferenceClient.open` (and ``stream``): those of ``post``
+    and this request's stream idle limits (see ``send``)."""
+
     stream_idle_timeout: float | None
     stream_first_chunk_timeout: float | None
 
@@ -102,26 +109,17 @@ class OpenOptions(RouteOptions, total=False):
 class InferenceClient:
     """Routes requests for one role to its engines, using the role's schema-2 snapshot.
 
-    Give exactly one of ``base_url`` (a role gateway or registry serving ``/engines?schema=2``)
-    and ``snapshot_provider``. ``role``: when set, a snapshot of another role is rejected.
-    ``ttl``: seconds a snapshot is reused (0: fetch before every request). ``timeout``: the
-    default deadline of one request in seconds (``None``: none), overridable per call.
-    ``stream_idle_timeout`` / ``stream_first_chunk_timeout``: how long a streamed answer may
-    stay silent once started (default 60 s) / before its first bytes (default ``None``: only
-    the deadline); see :class:`~relax_core._http.transport.Transport`. Overridable per call.
-    ``session``: an aiohttp session to use (not closed by the client). ``plugin_manager``: where
-    the routing policies and the weight sources a fetched snapshot is checked against come
-    from (default: the process-wide one, loaded on first need); a role gateway always passes
-    its own. ``weight_sources``: check snapshots against these instead (names, records or a
-    plugin manager). ``breaker``: when a DIRECT head's circuit breaker opens and how it probes
-    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers).
-    ``sleeping_note``: set when nothing will wake the role's SLEEPING models (see
-    :class:`~relax_core.discovery.routing.RouteResolver`). Round-robin, breaker and other
-    policy state is per client.
+    Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``.
+    ``role``: a snapshot of another role is rejected. ``ttl``: seconds a snapshot is reused.
+    ``timeout``, ``stream_idle_timeout``, ``stream_first_chunk_timeout``: the defaults of each
+    call (see :class:`~relax_core._http.transport.Transport`). ``session``: an aiohttp session
+    to use (not closed here). ``plugin_manager``: where the routing policies and the weight
+    sources come from (default: the process-wide one); ``weight_sources``: check snapshots
+    against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``: none).
+    ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
 
-    A client belongs to the event loop it is first used on. Not thread-safe. Close it with
-    :meth:`aclose` or ``async with``; :func:`relax_core.client.pool.get_client` hands out one
-    shared client per event loop.
+    Belongs to the event loop it is first used on; not thread-safe. Close it with
+    :meth:`aclose` or ``async with`` (or share one: :func:`relax_core.client.pool.get_client`).
     """
 
     def __init__(
@@ -303,12 +301,9 @@ class InferenceClient:
     ) -> RouteTarget:
         """Where a request would go now: a routing decision (round-robin advances).
 
-        ``min_weight_version``: only heads serving at least that weight version qualify.
-        ``avoid``: base URLs to leave out unless no other head is eligible (heads whose circuit
-        breaker is open are avoided too). A 503 (the model is not READY, no replica is
-        eligible, none has the version) gets one refresh of the snapshot and one retry; a second
-        503 reaches the caller with its ``retry_after``. Raises ``RoutingError`` (400: unknown
-        model or route key; 503).
+        ``avoid``: base URLs to leave out unless no other head is eligible (as are heads whose
+        breaker is open). A 503 gets one refresh of the snapshot and one retry. Raises
+        ``RoutingError`` (400: unknown model or route key; 503 with ``retry_after``).
         """
         cache = self._cache
         snap = cache.fresh()
@@ -422,13 +417,10 @@ class InferenceClient:
     ) -> UpstreamResponse:
         """Send a prepared request once; return the response when its headers arrived.
 
-        The low-level primitive under :meth:`open`: the body is not read and the status is not
-        checked (an upstream 502/503/504 still invalidates the snapshot). Close the response
-        (``async with``). Raises :class:`~relax_core.errors.UpstreamUnreachableError` (nothing
-        sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed); both, and
-        cancellation, invalidate the snapshot. ``stream_idle_timeout`` /
-        ``stream_first_chunk_timeout``: this request's idle limits when its body is read piece
-        by piece (``None``: the client's; ``math.inf``: none).
+        The primitive under :meth:`open`: the body is not read nor the status checked. Close the
+        response. Raises :class:`~relax_core.errors.UpstreamUnreachableError` (nothing sent) or
+        :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed). The idle limits:
+        ``None`` takes the client's, ``math.inf`` means none.
         """
         transport = self._transport
         idle = _limit(stream_idle_timeout, transport.stream_idle_timeout)
@@ -515,8 +507,7 @@ class InferenceClient:
         close the response (``async with``). Raises ``RoutingError`` before sending,
         :class:`~relax_core.errors.UpstreamUnreachableError` when the retry could not connect
         either, :class:`~relax_core.errors.RequestNotReplayedError` after sending. ``options``:
-        :class:`OpenOptions`, the routing ones as in :meth:`prepare`, the timeouts as in
-        :meth:`send`. Returns a coroutine (``await client.open(...)``).
+        :class:`OpenOptions` (as in :meth:`prepare` and :meth:`send`).
         """
         attempt = functools.partial(
             self.send,
@@ -528,49 +519,31 @@ class InferenceClient:
         return self._routed(attempt, path, payload, options)
 
     async def post(
-        self,
-        path: str,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        **routing: Unpack[RouteOptions],
+        self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[PostOptions]
     ) -> Any:
         """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
 
-        ``routing``: :class:`RouteOptions` (as in :meth:`prepare`); ``timeout``: this request's
-        deadline (``None``: the client's). Raises ``RoutingError`` (400/503) before sending;
-        :class:`~relax_core.errors.UpstreamStatusError` when the upstream answers 4xx/5xx (its
-        status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504, with the
-        request id) when the exchange failed after sending;
-        :class:`~relax_core.errors.UpstreamUnreachableError` when no connection could be opened
-        even after one refresh and retry; ``UpstreamError(502)`` for a 2xx body that is not
-        JSON.
+        ``options``: :class:`PostOptions` (the routing ones as in :meth:`prepare`). Raises as
+        :meth:`open`, plus :class:`~relax_core.errors.UpstreamStatusError`
+        for a 4xx/5xx answer and ``UpstreamError(502)`` for a 2xx body that is not JSON.
         """
-        attempt = functools.partial(self._exchange, timeout=timeout)
-        status, headers, body, prepared = await self._routed(attempt, path, payload, routing)
+        attempt = functools.partial(self._exchange, timeout=options.pop("timeout", None))
+        status, headers, body, prepared = await self._routed(attempt, path, payload, options)
         if status >= 400:
             raise status_error(status, body, headers, prepared)
         return decode_answer(body, prepared, f"answered {status} with a body")
 
     def generate(
-        self,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        **routing: Unpack[RouteOptions],
+        self, payload: Mapping[str, Any] | bytes, **options: Unpack[PostOptions]
     ) -> Coroutine[Any, Any, Any]:
         """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``."""
-        return self.post("/generate", payload, timeout=timeout, **routing)
+        return self.post("/generate", payload, **options)
 
     def chat(
-        self,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        **routing: Unpack[RouteOptions],
+        self, payload: Mapping[str, Any] | bytes, **options: Unpack[PostOptions]
     ) -> Coroutine[Any, Any, Any]:
         """POST an OpenAI chat payload to ``/v1/chat/completions`` (``model`` → served name)."""
-        return self.post("/v1/chat/completions", payload, timeout=timeout, **routing)
+        return self.post("/v1/chat/completions", payload, **options)
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -579,11 +552,9 @@ class InferenceClient:
         """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
 
         ``options``: those of :meth:`open`. An upstream error status raises
-        :class:`~relax_core.errors.UpstreamStatusError` before the block runs. The deadline
-        covers the whole stream; a stream silent for longer than ``stream_idle_timeout``
-        (``stream_first_chunk_timeout`` before its first bytes) fails with a 504 at once. A
-        failure mid-stream raises :class:`~relax_core.errors.RequestNotReplayedError`; nothing
-        is replayed.
+        :class:`~relax_core.errors.UpstreamStatusError` before the block runs; the deadline
+        covers the whole stream; a failure mid-stream (a stall past the idle limits: 504) raises
+        :class:`~relax_core.errors.RequestNotReplayedError`.
         """
         async with await self.open(path, payload, **options) as resp:
             if resp.status >= 400:

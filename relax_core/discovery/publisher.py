@@ -50,6 +50,11 @@ class _Engine:
     view: EngineView
     weight_version: str | None = None
 
+    @property
+    def kept(self) -> tuple[int, str | None]:
+        """What a state change keeps: the generation and the weight version."""
+        return self.generation, self.weight_version
+
 
 @attrs.define
 class _Model:
@@ -74,13 +79,9 @@ def _engine_view(
 class RegistryPublisher:
     """Holds one role's models and publishes its schema-2 snapshots.
 
-    :param role: the role name.
     :param routing: the role's routing spec (its targets must exist when a snapshot is taken).
     :param epoch: the registry epoch; default a fresh ``<role>-<random hex>``.
-    :param weight_sources: names, records or a plugin manager (see
-        :meth:`RoleSnapshot.check_sources`); default the built-in STATIC, ACTOR, DCS.
-    :param static_roles: roles whose models must be STATIC (default: see
-        :meth:`RoleSnapshot.check_sources`).
+    :param weight_sources, static_roles: as :meth:`RoleSnapshot.check_sources` takes them.
 
     Thread-safe: every method takes one lock. :meth:`snapshot` returns the cached object when
     nothing changed.
@@ -266,11 +267,10 @@ class RegistryPublisher:
     ) -> int:
         """Publish a replica head, or update it; return its generation.
 
-        A new head starts at generation 1; the generation moves when ``base_url`` differs from
-        the last one reported or ``replaced`` is true (a new worker behind the same URL).
-        ``direct_eligible`` defaults to "READY with a URL"; pass ``False`` to keep a READY head
-        out of DIRECT routing (admission closed, draining soon). ``weight_version``: the version
-        the head serves (versioned weight sources only).
+        A new head starts at generation 1, which moves when ``base_url`` changes or
+        ``replaced`` (a new worker behind the same URL). ``direct_eligible`` defaults to "READY
+        with a URL" (``False`` keeps a READY head out of DIRECT routing). ``weight_version``:
+        what the head serves (versioned weight sources only).
 
         :raises KeyError: the model is not published.
         :raises SnapshotError: the head breaks a schema rule
@@ -323,15 +323,7 @@ class RegistryPublisher:
         """
         with self._lock:
             old = self._engine(model_id, engine_id)
-            self._put_engine(
-                model_id,
-                engine_id,
-                old.endpoint,
-                state,
-                direct_eligible,
-                old.generation,
-                old.weight_version,
-            )
+            self._put_engine(model_id, engine_id, old.endpoint, state, direct_eligible, *old.kept)
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         """Stop publishing a replica head (``KeyError`` if it is not published)."""
@@ -359,12 +351,7 @@ class RegistryPublisher:
                     engine.state = ModelState.UNKNOWN
                     engine.direct_eligible = None
                     engine.view = _engine_view(
-                        engine_id,
-                        engine.endpoint,
-                        engine.state,
-                        None,
-                        engine.generation,
-                        engine.weight_version,
+                        engine_id, engine.endpoint, engine.state, None, *engine.kept
                     )
                     changed = True
             if changed:

@@ -1,14 +1,10 @@
 """Discovery schema 2: the canonical routing snapshot of one inference role.
 
 A :class:`RoleSnapshot` says, for one role, which models exist, their state, how to reach them
-(a router URL or logical replica heads) and the routing rules (:class:`RoutingSpec`). It is a
-frozen value: built in code its attrs validators enforce every rule, so a publisher cannot
-build an invalid one; parsed with :meth:`RoleSnapshot.from_json` unknown fields and values are
-rejected too. Every rule broken raises :class:`~relax_core.errors.SnapshotError` whose ``path``
-names the JSON field (``models.math.engines[0].base_url``).
-
-Only logical replica heads are published; TP/PP followers and PD workers never are.
-:meth:`RoleSnapshot.schema1` is the filtered diagnostic view for old consumers.
+(a router URL or logical replica heads; never TP/PP followers or PD workers) and the routing
+rules (:class:`RoutingSpec`). A frozen value, validated however it is built: every broken rule
+raises :class:`~relax_core.errors.SnapshotError` whose ``path`` names the JSON field
+(``models.math.engines[0].base_url``).
 """
 
 from __future__ import annotations
@@ -69,10 +65,8 @@ T = TypeVar("T")
 class ModelState(enum.StrEnum):
     """The state of a model, and of each of its logical replica heads, as the manager publishes it.
 
-    One vocabulary for both, because a model moves through the same states as its heads (a
-    model is SLEEPING while its heads are offloaded, ONLOADING while they load back). Only a
-    READY model receives requests, and only on its READY heads: READY means weights, KV cache
-    and CUDA graph are resident, the weights are valid and admission is open.
+    Only a READY model receives requests, and only on its READY heads: weights, KV cache and
+    CUDA graph resident, the weights valid and admission open.
     """
 
     READY = "READY"
@@ -127,10 +121,8 @@ class EngineView:
     ``base_url`` is the head's public (admission) URL, ``None`` while it has none; a FAILED
     head never publishes one. ``direct_eligible`` may only be true for a READY head with a URL.
     ``generation`` moves whenever the head's worker or endpoint is replaced.
-    ``weight_version``: the version of the weights this head serves, for versioned weight
-    sources (ACTOR, DCS); optional (absent from the JSON when ``None``), never on a STATIC
-    model's heads. During a weight update heads may differ; a request can require a minimum
-    (see :class:`~relax_core.discovery.routing.RouteResolver`).
+    ``weight_version``: the version this head serves (versioned weight sources only; absent
+    from the JSON when ``None``).
     """
 
     engine_id: str = attrs.field(validator=validator(check_id, "engine_id", "engine id"))
@@ -332,48 +324,6 @@ def _static_roles(
     return frozenset(name for name, reg in registered("roles").items() if reg.record.static_weights)
 
 
-def _check_model_sources(
-    role: str,
-    path: str,
-    model: ModelView,
-    names: frozenset[str],
-    records: Mapping[str, WeightSource],
-    static_roles: frozenset[str],
-) -> None:
-    source = model.weight_source
-    if source not in names:
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"unknown weight source {source!r}; known: {', '.join(sorted(names))}. Install the "
-            "plugin that registers it",
-        )
-    if role in static_roles and source != "STATIC":
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"a {role} model must be STATIC, got {source!r}; {role} weights are fixed checkpoints",
-        )
-    record = records.get(source)
-    if record is None:
-        return
-    if source == "STATIC" and record.update_paths:
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"the registered STATIC weight source allows updates {sorted(record.update_paths)}; "
-            "STATIC must refuse every update path",
-        )
-    if role in static_roles and record.update_paths:
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"a {role} model's weight source must not allow updates, {source!r} allows "
-            f"{sorted(record.update_paths)}",
-        )
-    if not record.publishes_version and model.weight_version is not None:
-        raise SnapshotError(
-            f"{path}.weight_version",
-            f"weight source {source!r} does not publish a version; publish null",
-        )
-
-
 def check_model_sources(
     role: str,
     model_id: str,
@@ -387,8 +337,40 @@ def check_model_sources(
     :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``.
     """
     names, records = _source_records(weight_sources)
-    statics = _static_roles(static_roles, weight_sources)
-    _check_model_sources(role, "models" + segment(model_id), model, names, records, statics)
+    static = role in _static_roles(static_roles, weight_sources)
+    path = "models" + segment(model_id)
+    source = model.weight_source
+    if source not in names:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"unknown weight source {source!r}; known: {', '.join(sorted(names))}. Install the "
+            "plugin that registers it",
+        )
+    if static and source != "STATIC":
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"a {role} model must be STATIC, got {source!r}; {role} weights are fixed checkpoints",
+        )
+    record = records.get(source)
+    if record is None:
+        return
+    if source == "STATIC" and record.update_paths:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"the registered STATIC weight source allows updates {sorted(record.update_paths)}; "
+            "STATIC must refuse every update path",
+        )
+    if static and record.update_paths:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"a {role} model's weight source must not allow updates, {source!r} allows "
+            f"{sorted(record.update_paths)}",
+        )
+    if not record.publishes_version and model.weight_version is not None:
+        raise SnapshotError(
+            f"{path}.weight_version",
+            f"weight source {source!r} does not publish a version; publish null",
+        )
 
 
 def _check_models(_i: Any, _a: Any, value: Any) -> None:
@@ -406,10 +388,8 @@ class RoleSnapshot:
     """The schema-2 snapshot of one role (see the module docstring).
 
     ``registry_epoch`` identifies the publishing registry's incarnation; ``topology_revision``
-    moves on every published change within an epoch. Build it in code (keyword arguments) or
-    parse it with :meth:`from_json`; both validate. Source rules that depend on installed
-    plugins (unknown weight sources, STATIC roles) are checked by :meth:`check_sources`, which
-    :meth:`from_json` and the registry always call.
+    moves on every published change within an epoch. Rules that depend on installed plugins
+    are checked by :meth:`check_sources`, which :meth:`from_json` and the registry call.
     """
 
     schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_check_version)
@@ -480,19 +460,16 @@ class RoleSnapshot:
     ) -> None:
         """Check every model's weight source against the installed ones and the role's rules.
 
-        :param weight_sources: names, ``{name: WeightSource}`` records or a plugin manager;
-            default :data:`BUILTIN_WEIGHT_SOURCES`. With records, a source that does not
-            publish versions may not carry a ``weight_version``, and a STATIC role's source may
-            not allow any update path.
+        :param weight_sources: names, ``{name: WeightSource}`` records (then also checked: a
+            version only from a source that publishes one, no update path in a STATIC role) or
+            a plugin manager; default :data:`BUILTIN_WEIGHT_SOURCES`.
         :param static_roles: roles whose models must be STATIC; default: the STATIC-only roles
-            of ``weight_sources`` when it is a plugin manager, else none.
+            of a plugin manager, else none.
         :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``.
         """
-        names, records = _source_records(weight_sources)
-        statics = _static_roles(static_roles, weight_sources)
         for model_id, model in self.models.items():
-            _check_model_sources(
-                self.role, "models" + segment(model_id), model, names, records, statics
+            check_model_sources(
+                self.role, model_id, model, weight_sources=weight_sources, static_roles=static_roles
             )
 
     # -- JSON ------------------------------------------------------------------------------
@@ -506,10 +483,6 @@ class RoleSnapshot:
         static_roles: Collection[str] | None = None,
     ) -> RoleSnapshot:
         """Parse and validate a schema-2 snapshot (a decoded JSON object, or JSON text).
-
-        Unknown or missing fields, unknown states/modes/weight sources, non-http(s) or
-        host-less URLs, routing targets that are not models, a STATIC model with a weight
-        version and a non-STATIC model in a STATIC role are all rejected.
 
         :raises SnapshotError: ``path`` names the offending field, the message the rule.
         """
@@ -532,12 +505,9 @@ class RoleSnapshot:
     def schema1(self) -> dict[str, Any]:
         """The schema-1 diagnostic view: rank, status and URL of every regular replica head.
 
-        Ranks are stable: a head keeps its rank when another model's heads come and go. The
-        head numbered ``i`` (its engine id's trailing number, ``math/replica-3`` → 3; its
-        position among the model's heads when the ids are not numbered) of the model at
-        position ``p`` among the role's ``n`` models has rank ``i * n + p`` (one model: rank
-        ``i``). Schema 1 never takes part in routing; it exists for old consumers
-        (autoscalers, dashboards).
+        Ranks are stable: the head numbered ``i`` (its engine id's trailing number, else its
+        position) of the model at position ``p`` among ``n`` models has rank ``i * n + p``.
+        For old consumers (autoscalers, dashboards); never used for routing.
         """
         models = list(self.models.values())
         count = len(models)
