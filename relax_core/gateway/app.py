@@ -1,21 +1,7 @@
-"""The Starlette app of a role gateway, and running it with uvicorn.
-
-Routes of ``create_gateway_app(handler)`` for role ``R`` (no public lifecycle routes):
-
-=======  ==========================  =========================================================
-POST     /R/generate                 raw SGLang generation (streamed with ``"stream": true``)
-POST     /R/chat/completions         chat alias of /R/v1/chat/completions
-POST     /R/v1/chat/completions      OpenAI chat completions proxy (streamed or not)
-GET      /R/v1/models                the role's logical models
-GET      /R/engines?schema=2|1       the schema-2 snapshot (default) or the schema-1 view
-GET      /R/health?schema=2|1        readiness (default: the role record's health_schema)
-GET      /R/openapi.json             this gateway's OpenAPI document
-GET      /metrics                    Prometheus metrics
-=======  ==========================  =========================================================
-
-The forwarding routes are plain ASGI callables (no Request/Response objects on the hot path);
-they watch for the caller going away and then cancel the exchange, which closes the upstream
-response. Server-sent events are relayed chunk by chunk as received.
+"""The Starlette app of a role gateway: the routes of its OpenAPI document (``/R/generate``,
+``/R/v1/chat/completions``, ``/R/health``, ...). The forwarding routes are plain ASGI callables
+(no Request/Response objects on the hot path) that cancel the exchange when the caller goes
+away; server-sent events are relayed chunk by chunk as received.
 """
 
 from __future__ import annotations

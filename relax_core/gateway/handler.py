@@ -79,11 +79,8 @@ _ERROR_TYPES = {
 
 @attrs.define
 class GatewayAnswer:
-    """What to send back: status, headers (ASGI byte pairs) and a body or an upstream stream.
-
-    When ``stream`` is set the body comes from it, chunk by chunk, unchanged; the ASGI layer
-    closes it whatever happens.
-    """
+    """What to send back: status, headers (ASGI byte pairs) and a body, or an upstream
+    ``stream`` relayed chunk by chunk (the ASGI layer closes it whatever happens)."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
@@ -166,7 +163,7 @@ def build_gateway_handler(
 
 class Waker(Protocol):
     """What a role gateway calls to have its role's sleeping models woken (``relax serve``'s
-    :class:`~relax_core.jobs.wake.WakeController`, through its ``waker()``)."""
+    :class:`~relax_core.jobs.wake.WakeController`)."""
 
     def wakes(self, role: str) -> bool:
         """Whether ``role``'s models are woken on demand."""
@@ -380,11 +377,8 @@ class InferenceGatewayHandler:
         return {"object": "list", "data": data}
 
     async def health(self, schema: int) -> tuple[int, dict[str, Any]]:
-        """``/health``: ``(status, body)``; 200 when some model is READY, else 503.
-
-        Schema 2: role, readiness, registry reachability and every model's state. Schema 1 (the
-        legacy genrm shape): ``status`` and counts of healthy engines.
-        """
+        """``/health``: ``(status, body)``; 200 when some model is READY, else 503 (schema 1:
+        the legacy genrm shape, ``status`` and counts of healthy engines)."""
         try:
             snap = await self.client.snapshot()
         except RoutingError as exc:
@@ -651,10 +645,7 @@ class InferenceGatewayHandler:
         content_type = resp.headers.get("Content-Type", "")
         if stream and content_type.startswith("text/event-stream"):
             return GatewayAnswer(resp.status, headers, stream=resp)
-        try:
-            body = await resp.read()
-        except UpstreamError as exc:
-            raise _error_for_upstream(exc, self.metrics) from exc
+        body = await self._read(resp)
         try:
             decoded = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -679,12 +670,15 @@ class InferenceGatewayHandler:
             headers.append((b"content-type", _JSON))
         return GatewayAnswer(resp.status, headers, body)
 
-    async def _upstream_error_answer(self, resp: UpstreamResponse) -> GatewayAnswer:
-        rid = resp.request_id
+    async def _read(self, resp: UpstreamResponse) -> bytes:
         try:
-            body = await resp.read()
+            return await resp.read()
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
+
+    async def _upstream_error_answer(self, resp: UpstreamResponse) -> GatewayAnswer:
+        rid = resp.request_id
+        body = await self._read(resp)
         snippet = quote_body(body)
         status = resp.status
         if status < 500:
