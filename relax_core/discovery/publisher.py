@@ -310,12 +310,7 @@ class RegistryPublisher:
             return generations
 
     def set_engine_state(
-        self,
-        model_id: str,
-        engine_id: str,
-        state: ModelState | str,
-        *,
-        direct_eligible: bool | None = None,
+        self, model_id: str, engine_id: str, state: str, *, direct_eligible: bool | None = None
     ) -> None:
         """Change a head's state (and eligibility), keeping its URL and generation.
 
