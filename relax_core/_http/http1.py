@@ -228,8 +228,6 @@ class _Connection(asyncio.Protocol):
         # The client whose connection limit this connection counts against while busy.
         self.slot: Http1Client | None = None
 
-    # -- asyncio.Protocol ------------------------------------------------------------------
-
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
@@ -293,8 +291,6 @@ class _Connection(asyncio.Protocol):
             else:
                 transport.resume_reading()
 
-    # -- httptools callbacks ---------------------------------------------------------------
-
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.response is not None and not self._informational:
             self.response.raw_headers.append((name, value))
@@ -327,8 +323,6 @@ class _Connection(asyncio.Protocol):
             self._informational = False
             return
         self._finish()
-
-    # -- requests --------------------------------------------------------------------------
 
     def _finish(self) -> None:
         resp, self.response = self.response, None

@@ -143,8 +143,6 @@ class SnapshotCache:
             raise
         except SnapshotError as exc:
             raise _unavailable(f"{source} gave an invalid schema-2 snapshot: {exc}") from exc
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:
             raise _unavailable(f"{source} failed: {type(exc).__name__}: {exc}") from exc
         if self.role is not None and snap.role != self.role:

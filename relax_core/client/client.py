@@ -234,8 +234,6 @@ class InferenceClient:
         if isinstance(error, RequestNotReplayedError):
             self._failed(error, None)
 
-    # -- discovery -------------------------------------------------------------------------
-
     def snapshot(self, force: bool = False) -> Awaitable[RoleSnapshot]:
         """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
 
@@ -246,8 +244,6 @@ class InferenceClient:
     def invalidate(self) -> None:
         """Forget the cached snapshot: the next request fetches a fresh one."""
         self._cache.invalidate()
-
-    # -- routing and preparation -----------------------------------------------------------
 
     async def recheck(
         self,
@@ -389,8 +385,6 @@ class InferenceClient:
         return tuple.__new__(
             PreparedRequest, (target.url.rstrip("/") + path, raw, out, request_id, target, "POST")
         )
-
-    # -- sending ---------------------------------------------------------------------------
 
     def _track(self, prepared: PreparedRequest) -> str | None:
         target = prepared.target
@@ -560,8 +554,6 @@ class InferenceClient:
             if resp.status >= 400:
                 resp.raise_for_status(await resp.read())
             yield resp
-
-    # -- lifetime --------------------------------------------------------------------------
 
     async def aclose(self) -> None:
         """Close the session the client created and stop its breakers' probes (idempotent)."""

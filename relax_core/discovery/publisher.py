@@ -107,8 +107,6 @@ class RegistryPublisher:
         self._lock = threading.RLock()
         self._empty(routing=RoutingSpec(policy=routing.policy))  # checks role and epoch now
 
-    # -- reading ---------------------------------------------------------------------------
-
     @property
     def role(self) -> str:
         """The role this publisher serves."""
@@ -156,8 +154,6 @@ class RegistryPublisher:
                 self._cached = snapshot
             return self._cached
 
-    # -- routing ---------------------------------------------------------------------------
-
     def set_routing(self, routing: RoutingSpec) -> None:
         """Replace the routing spec (its targets are checked when the next snapshot is taken)."""
         _routing(routing)
@@ -165,8 +161,6 @@ class RegistryPublisher:
             if routing != self._routing:
                 self._routing = routing
                 self._changed()
-
-    # -- models ----------------------------------------------------------------------------
 
     def set_model(
         self,
@@ -230,19 +224,12 @@ class RegistryPublisher:
         with self._lock:
             self._model(model_id)
             routing = self._routing
-            refs = []
-            if routing.default_model == model_id:
-                refs.append("routing.default_model")
-            refs += [
-                f"routing.route_key_map[{key!r}]"
-                for key, target in routing.route_key_map.items()
-                if target == model_id
-            ]
-            refs += [
-                f"routing.aliases[{key!r}]"
-                for key, target in routing.aliases.items()
-                if target == model_id
-            ]
+            refs = ["routing.default_model"] if routing.default_model == model_id else []
+            for name, table in (
+                ("route_key_map", routing.route_key_map),
+                ("aliases", routing.aliases),
+            ):
+                refs += [f"routing.{name}[{key!r}]" for key, to in table.items() if to == model_id]
             if refs:
                 raise SnapshotError(
                     f"models.{model_id}",
@@ -251,8 +238,6 @@ class RegistryPublisher:
                 )
             del self._models[model_id]
             self._changed()
-
-    # -- engines ---------------------------------------------------------------------------
 
     def set_engine(
         self,
@@ -327,8 +312,6 @@ class RegistryPublisher:
             del self._models[model_id].engines[engine_id]
             self._changed()
 
-    # -- invalidation ----------------------------------------------------------------------
-
     def invalidate(self, model_ids: Collection[str] | None = None) -> None:
         """Mark every model (or those of ``model_ids``) and its engines UNKNOWN until their
         managers report again (a lost manager). Idempotent; unknown ids are ignored."""
@@ -351,8 +334,6 @@ class RegistryPublisher:
                     changed = True
             if changed:
                 self._changed()
-
-    # -- internals -------------------------------------------------------------------------
 
     def _empty(self, revision: int = 0, **fields: Any) -> RoleSnapshot:
         """A snapshot of this role with ``fields`` (revision 0: to validate them)."""

@@ -223,8 +223,6 @@ class RouteResolver:
         self._selectors: dict[tuple[str, bool], ReplicaSelector] = {}
         self._instances: dict[str, ReplicaSelector] = {}
 
-    # -- policies --------------------------------------------------------------------------
-
     def _plugin_manager(self) -> PluginManager:
         if self._pm is None:
             self._pm = get_plugin_manager()
@@ -264,8 +262,6 @@ class RouteResolver:
         selector = self._instance(record)
         self._selectors[(policy, affinity)] = selector
         return selector
-
-    # -- resolving -------------------------------------------------------------------------
 
     def resolve(
         self,
@@ -383,8 +379,6 @@ class RouteResolver:
                 "the candidates it was given; fix or disable the plugin that provides it",
             )
         return chosen  # type: ignore[no-any-return]
-
-    # -- errors ----------------------------------------------------------------------------
 
     @staticmethod
     def _too_old(index: _SnapshotIndex, entry: _ModelIndex, wanted: str, have: str) -> RoutingError:

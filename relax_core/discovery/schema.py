@@ -79,9 +79,6 @@ class ModelState(enum.StrEnum):
     UNKNOWN = "UNKNOWN"
 
 
-# -- field converters ------------------------------------------------------------------
-
-
 def _model_state(value: object) -> ModelState:
     return to_enum(ModelState, "state", value)
 
@@ -109,9 +106,6 @@ def _check_type(field: str, kind: type) -> Validator:
 
 def _plain(value: object) -> object:
     return value.value if isinstance(value, enum.Enum) else value
-
-
-# -- records ---------------------------------------------------------------------------------
 
 
 @attrs.frozen
@@ -438,8 +432,6 @@ class RoleSnapshot:
         fields["models"] = dict(self.models)
         return (_rebuild_snapshot, (fields,))
 
-    # -- derived values ------------------------------------------------------------------
-
     def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
         """A value computed once from this snapshot and cached on it (e.g. a routing index).
 
@@ -471,8 +463,6 @@ class RoleSnapshot:
             check_model_sources(
                 self.role, model_id, model, weight_sources=weight_sources, static_roles=static_roles
             )
-
-    # -- JSON ------------------------------------------------------------------------------
 
     @classmethod
     def from_json(
@@ -534,8 +524,6 @@ def _rebuild_snapshot(fields: dict[str, Any]) -> RoleSnapshot:
     """Unpickle a :class:`RoleSnapshot` (see its ``__reduce__``)."""
     return RoleSnapshot(**fields)
 
-
-# -- parsing ---------------------------------------------------------------------------------
 
 _TOP_FIELDS = ("schema_version", "role", "registry_epoch", "topology_revision", "routing", "models")
 _ROUTING_FIELDS = ("default_model", "route_key_map", "aliases", "policy", "policy_revision")

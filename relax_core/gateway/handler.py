@@ -311,8 +311,6 @@ class InferenceGatewayHandler:
             for stream in (False, True)
         )
 
-    # -- lifetime ----------------------------------------------------------------------------
-
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
@@ -346,8 +344,6 @@ class InferenceGatewayHandler:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-
-    # -- discovery views -------------------------------------------------------------------
 
     async def snapshot(self) -> RoleSnapshot:
         """The role's current snapshot (cached briefly). ``GatewayError(503)`` if unavailable."""
@@ -448,8 +444,6 @@ class InferenceGatewayHandler:
         elif not ready:
             body["message"] = "no model of this role is READY; wait, or check `relax status`"
         return (200 if ready else 503), body
-
-    # -- forwarding ------------------------------------------------------------------------
 
     def check_token(self, authorization: str | None) -> None:
         """Raise ``GatewayError(401)`` unless ``authorization`` carries the gateway's token."""
