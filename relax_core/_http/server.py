@@ -68,12 +68,7 @@ class ThreadServer:
 
 
 async def serve_app(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    handler_cancellation: bool,
-    **runner_options: Any,
+    app: web.Application, host: str, port: int, *, handler_cancellation: bool, **runner_options: Any
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``host:port`` (``0``: a free port); return ``(runner, port)``.
 

@@ -130,11 +130,7 @@ class Transport:
         try:
             if self._owns_session and prepared.url.startswith("http://"):
                 return await self.http1.request(
-                    prepared.method,
-                    prepared.url,
-                    prepared.headers,
-                    prepared.body,
-                    timeout=deadline,
+                    prepared.method, prepared.url, prepared.headers, prepared.body, timeout=deadline
                 )
             return await self.session.request(
                 prepared.method,

@@ -38,12 +38,7 @@ from relax_core._http.request import (
     weight_version_header,
 )
 from relax_core._http.transport import Transport
-from relax_core._http.upstream import (
-    PreparedRequest,
-    UpstreamResponse,
-    decode_answer,
-    status_error,
-)
+from relax_core._http.upstream import PreparedRequest, UpstreamResponse, decode_answer, status_error
 from relax_core.client.breaker import BreakerSettings, ReplicaBreakers
 from relax_core.client.cache import SnapshotCache, SnapshotProvider
 from relax_core.discovery.routing import RouteResolver, RouteTarget, weight_version_at_least
@@ -281,9 +276,7 @@ class InferenceClient:
                     ):
                         return target
         return await self.resolve(
-            model=target.model_id,
-            affinity_key=affinity_key,
-            min_weight_version=min_weight_version,
+            model=target.model_id, affinity_key=affinity_key, min_weight_version=min_weight_version
         )
 
     async def resolve(

@@ -49,8 +49,7 @@ def to_enum(kind: type[E], field: str, value: object) -> E:
         except ValueError:
             pass
     raise SnapshotError(
-        field,
-        f"unknown {field} {value!r}; expected one of {', '.join(m.value for m in kind)}",
+        field, f"unknown {field} {value!r}; expected one of {', '.join(m.value for m in kind)}"
     )
 
 

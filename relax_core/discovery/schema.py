@@ -220,8 +220,7 @@ class ModelView:
             and self.router_url is None
         ):
             raise SnapshotError(
-                "router_url",
-                "a READY SGLANG_ROUTER model must publish its router_url",
+                "router_url", "a READY SGLANG_ROUTER model must publish its router_url"
             )
 
     def to_json(self) -> dict[str, Any]:

@@ -353,9 +353,7 @@ def create_gateway_app(
             await handler.shutdown()
 
     app = GatewayApp(
-        routes=routes,
-        exception_handlers={HTTPException: http_error},
-        lifespan=lifespan,
+        routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan
     )
     app.state.handler = handler
     app.fast_routes = {

@@ -680,9 +680,7 @@ class InferenceGatewayHandler:
                 orjson.loads(body)
             except orjson.JSONDecodeError:
                 raise GatewayError(
-                    status,
-                    f"the engine rejected the request ({status}): {snippet}",
-                    request_id=rid,
+                    status, f"the engine rejected the request ({status}): {snippet}", request_id=rid
                 ) from None
             return GatewayAnswer(
                 status,

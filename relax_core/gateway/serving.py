@@ -73,11 +73,7 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 
 def _serve_worker(
-    factory: AppFactory,
-    host: str,
-    port: int,
-    options: Mapping[str, Any],
-    conn: Connection,
+    factory: AppFactory, host: str, port: int, options: Mapping[str, Any], conn: Connection
 ) -> None:
     """A worker process: serve ``factory()`` on its own SO_REUSEPORT socket until told to stop."""
     import asyncio
@@ -346,12 +342,7 @@ class GatewayActor:
     it with uvicorn in its own Ray worker process."""
 
     def __init__(
-        self,
-        role: str,
-        registry_url: str,
-        host: str,
-        port: int | None,
-        options: GatewayOptions,
+        self, role: str, registry_url: str, host: str, port: int | None, options: GatewayOptions
     ) -> None:
         app = registry_gateway_app(role, registry_url, options)
         self._server = GatewayServer(app, host, port).start()
@@ -387,8 +378,7 @@ def start_actor_gateway(
     node = ray.get_runtime_context().get_node_id()
     actor_class: Any = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0)(GatewayActor)
     actor: Any = actor_class.options(
-        name=None,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        name=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
     ).remote(role, registry_url, host, port, options or GatewayOptions())
     try:
         url, pid = ray.get(actor.address.remote(), timeout=timeout)
