@@ -548,9 +548,8 @@ class Http1Client:
     ) -> Http1Response:
         """Send one request; return the answer once its head arrived.
 
-        ``timeout`` bounds the whole exchange (connect, send, head and body). ``Host``,
-        ``Content-Length`` and ``Transfer-Encoding`` in ``headers`` are ignored (the client
-        frames the message). Raises
+        ``timeout`` bounds the whole exchange. ``Host``, ``Content-Length`` and
+        ``Transfer-Encoding`` in ``headers`` are ignored (the client frames the message). Raises
         :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
         :class:`ServerDisconnectedError` (sent, no answer), :class:`TimeoutError`, or
         ``ValueError`` for a header with a line break. Cancellation closes the connection.

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from relax_core.errors import SnapshotError
-from relax_core.records import NAME_PATTERN
 
 _PLAIN_SEGMENT = re.compile(r"^[A-Za-z0-9_-]+$")
 # Model and engine ids: no whitespace, no control characters ("math/replica-0" is fine).
@@ -106,14 +105,6 @@ def check_int(field: str, value: object) -> int:
     if value < 0:
         raise SnapshotError(field, f"must be >= 0, got {value}")
     return value
-
-
-def check_name(field: str, value: object, what: str) -> str:
-    """``value`` is a plugin-registered name (:data:`~relax_core.records.NAME_PATTERN`)."""
-    name = check_str(field, value)
-    if not NAME_PATTERN.match(name):
-        raise SnapshotError(field, f"{name!r} is not a {what} name")
-    return name
 
 
 def validator(check: Callable[..., object], field: str, *args: Any) -> Validator:

@@ -276,16 +276,14 @@ class RouteResolver:
     ) -> RouteTarget:
         """The target for one request.
 
-        :param model: a model id or alias; wins over ``route_key``.
-        :param route_key: looked up in ``routing.route_key_map`` when no model is given.
-        :param affinity_key: requests with the same key go to the same head (DIRECT).
-        :param inflight: in-flight requests per engine id, for load-aware policies.
-        :param min_weight_version: only weights of at least this version may serve the request.
-        :param avoid: base URLs of heads to leave out unless no other is eligible (DIRECT).
+        ``model`` (an id or alias) wins over ``route_key``; ``affinity_key``: the same key goes
+        to the same DIRECT head; ``inflight``: in-flight requests per engine id;
+        ``min_weight_version``: the least weight version that may serve it; ``avoid``: DIRECT
+        base URLs to leave out unless no other head is eligible.
+
         :raises RoutingError: 400 for an unknown model, alias or route key, or no model at all;
-            503 (with ``retry_after``) when the model is not READY, has no eligible head, or
-            none with ``min_weight_version``; 503 (without) when the snapshot's policy is not
-            installed.
+            503 (with ``retry_after``) when nothing can serve it now; 503 (without) when the
+            snapshot's policy is not installed.
         """
         last = self._last
         if last[0] is snapshot:

@@ -22,7 +22,6 @@ from relax_core.discovery._fields import (
     check_bool,
     check_id,
     check_int,
-    check_name,
     check_str,
     check_url,
     child_path,
@@ -35,7 +34,7 @@ from relax_core.discovery._fields import (
     validator,
 )
 from relax_core.errors import SnapshotError
-from relax_core.records import RouteMode, WeightSource
+from relax_core.records import NAME_PATTERN, RouteMode, WeightSource
 
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
@@ -85,6 +84,13 @@ def _model_state(value: object) -> ModelState:
 
 def _route_mode(value: object) -> RouteMode:
     return to_enum(RouteMode, "route_mode", value)
+
+
+def _check_name(field: str, value: object, what: str) -> str:
+    name = check_str(field, value)
+    if not NAME_PATTERN.match(name):
+        raise SnapshotError(field, f"{name!r} is not a {what} name")
+    return name
 
 
 def _check_version(_i: Any, _a: Any, value: object) -> None:
@@ -184,7 +190,7 @@ class ModelView:
     route_mode: RouteMode = attrs.field(converter=_route_mode)
     router_url: str | None = attrs.field(validator=validator(check_url, "router_url"))
     weight_source: str = attrs.field(
-        validator=validator(check_name, "weight_source", "weight-source")
+        validator=validator(_check_name, "weight_source", "weight-source")
     )
     weight_version: str | None = attrs.field(
         validator=attrs.validators.optional(validator(check_str, "weight_version"))
@@ -261,7 +267,7 @@ class RoutingSpec:
         factory=dict, converter=frozen_map, validator=_check_str_map("aliases")
     )
     policy: str = attrs.field(
-        default="round_robin", validator=validator(check_name, "policy", "routing-policy")
+        default="round_robin", validator=validator(_check_name, "policy", "routing-policy")
     )
     policy_revision: int = attrs.field(default=0, validator=validator(check_int, "policy_revision"))
 
@@ -386,7 +392,7 @@ class RoleSnapshot:
     """
 
     schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_check_version)
-    role: str = attrs.field(validator=validator(check_name, "role", "role"))
+    role: str = attrs.field(validator=validator(_check_name, "role", "role"))
     registry_epoch: str = attrs.field(validator=validator(check_str, "registry_epoch"))
     topology_revision: int = attrs.field(validator=validator(check_int, "topology_revision"))
     routing: RoutingSpec = attrs.field(validator=_check_type("routing", RoutingSpec))

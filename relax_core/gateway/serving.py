@@ -294,10 +294,8 @@ class GatewayServer:
 
 @attrs.define
 class RunningGateway:
-    """A role gateway that is serving.
-
-    ``mode`` is ``thread`` or ``ray-actor``; ``pid`` the process that serves it.
-    """
+    """A role gateway that is serving (``mode``: ``thread`` or ``ray-actor``; ``pid``: its
+    process)."""
 
     role: str
     url: str
@@ -324,9 +322,6 @@ def start_thread_gateway(
     waker: Waker | None = None,
 ) -> RunningGateway:
     """Serve ``role``'s gateway on a thread of this process; blocks until it accepts.
-
-    The handler reads the role service's snapshot in process (``snapshot_provider``);
-    ``waker`` wakes the role's sleeping models on demand (``relax serve``).
 
     :raises RuntimeError: uvicorn did not come up (the port is taken).
     """
