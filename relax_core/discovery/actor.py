@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypeAlias
 
 from relax_core._proxy import remote_errors
 from relax_core.discovery.liveness import ManagerLiveness, actor_ping, actor_republish
@@ -21,6 +21,8 @@ from relax_core.errors import SnapshotError
 
 __all__ = ["RegistryActor", "RemotePublisher", "start_registry_actor"]
 
+_Fields: TypeAlias = dict[str, Any]
+_Engines: TypeAlias = Collection[tuple[str, _Fields]]
 _FORWARDED = frozenset({"set_model", "set_engine", "remove_engine", "publish_many", "invalidate"})
 
 
@@ -107,11 +109,7 @@ class RemotePublisher:
         return self.publish_many_begin(*args, **kwargs)()
 
     def publish_many_begin(
-        self,
-        model_id: str,
-        model: dict[str, Any],
-        engines: Collection[tuple[str, dict[str, Any]]] = (),
-        removed: Collection[str] = (),
+        self, model_id: str, model: _Fields, engines: _Engines = (), removed: Collection[str] = ()
     ) -> Callable[[], dict[str, int]]:
         """:meth:`publish_many` sent now, its answer awaited when the returned function is
         called (and its error raised there). The registry applies calls in the order sent."""

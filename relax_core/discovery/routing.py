@@ -295,20 +295,11 @@ class RouteResolver:
         if model is not None:
             model_id = index.lookup.get(model)
             if model_id is None:
-                raise RoutingError(
-                    400,
-                    f'unknown model "{model}" for role "{index.role}"; known models: '
-                    f"{_names(index.models)}; aliases: {_names(index.aliases)}",
-                )
+                raise self._unknown_model(index, model)
         elif route_key is not None:
             model_id = index.route_keys.get(route_key)
             if model_id is None:
-                raise RoutingError(
-                    400,
-                    f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
-                    f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
-                    "routing.route_key_map",
-                )
+                raise self._unknown_route_key(index, route_key)
         else:
             model_id = index.default
             if model_id is None:
@@ -377,6 +368,23 @@ class RouteResolver:
                 "the candidates it was given; fix or disable the plugin that provides it",
             )
         return chosen  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _unknown_model(index: _SnapshotIndex, model: str) -> RoutingError:
+        return RoutingError(
+            400,
+            f'unknown model "{model}" for role "{index.role}"; known models: '
+            f"{_names(index.models)}; aliases: {_names(index.aliases)}",
+        )
+
+    @staticmethod
+    def _unknown_route_key(index: _SnapshotIndex, route_key: str) -> RoutingError:
+        return RoutingError(
+            400,
+            f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
+            f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
+            "routing.route_key_map",
+        )
 
     @staticmethod
     def _too_old(index: _SnapshotIndex, entry: _ModelIndex, wanted: str, have: str) -> RoutingError:
