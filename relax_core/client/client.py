@@ -586,13 +586,10 @@ def _json_object(payload: object) -> tuple[dict[str, Any], bytes | None]:
         return payload, None
     if isinstance(payload, bytes | bytearray | memoryview):
         raw = bytes(payload)
-        body = decode_json_body(raw)
-        if type(body) is not dict:
-            raise InvalidRequestError(
-                f"the request body must be a JSON object, got {type(body).__name__}"
-            )
-        return body, raw
-    if isinstance(payload, Mapping):
+        payload = decode_json_body(raw)
+        if type(payload) is dict:
+            return payload, raw
+    elif isinstance(payload, Mapping):
         return dict(payload), None
     raise InvalidRequestError(
         f"the request body must be a JSON object, got {type(payload).__name__}"
