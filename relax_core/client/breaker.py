@@ -29,10 +29,9 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
 class BreakerSettings:
     """When a replica's breaker opens and how it probes.
 
-    ``failures``: consecutive connect failures that open it (default 3). ``cooldown``: seconds
-    before the first probe (default 1), doubled after each failed probe up to ``max_cooldown``
-    (default 30). ``probe_timeout``: the deadline of one probe (default 5 s). ``probe_path``:
-    what the probe GETs (default ``/health_generate``: the engine generates one token).
+    ``failures``: consecutive connect failures that open it. ``cooldown``: seconds before the
+    first probe, doubled after each failed probe up to ``max_cooldown``. ``probe_timeout``: the
+    deadline of one probe; ``probe_path``: what it GETs (the engine generates one token).
 
     :raises ValueError: a value out of range, naming it.
     """

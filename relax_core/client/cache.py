@@ -37,10 +37,9 @@ def _unavailable(why: str) -> RoutingError:
 class SnapshotCache:
     """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
 
-    Give exactly one of ``base_url`` (serving ``/engines?schema=2``; fetched with
-    ``transport`` within ``discovery_timeout`` seconds) and ``provider``. ``role``: a snapshot
-    of another role is rejected. ``weight_sources``: what a parsed snapshot's weight sources
-    are checked against (default: the process-wide plugin manager, loaded on the first fetch).
+    Give exactly one of ``base_url`` (fetched with ``transport`` within ``discovery_timeout``)
+    and ``provider``. ``role``: a snapshot of another role is rejected. ``weight_sources``:
+    what a parsed snapshot is checked against (default: the process-wide plugin manager).
 
     Concurrent refreshes share one fetch; fetches are counted (:attr:`fetches`, for
     :meth:`refetch`). Belongs to one event loop; not thread-safe.

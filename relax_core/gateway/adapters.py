@@ -71,9 +71,7 @@ def check_generate_payload(
 ) -> dict[str, Any]:
     """Check the common shape of a ``/generate`` body and return it as a dict.
 
-    A body is a JSON object with exactly one input among ``text``, ``input_ids`` and
-    ``extra_inputs`` (genrm adds ``messages``), an optional ``sampling_params`` object, optional
-    boolean ``stream`` and optional string ``model`` / ``route_key``.
+    Exactly one input among ``text``, ``input_ids`` and ``extra_inputs`` (genrm: ``messages``).
 
     :raises InvalidRequestError: naming the field and what to send instead.
     """
@@ -116,9 +114,7 @@ def check_generate_payload(
 def check_chat_payload(payload: object) -> dict[str, Any]:
     """Check the common shape of a chat-completions body and return it as a dict.
 
-    ``messages`` must be a non-empty list of objects each with a string ``role``.
-
-    :raises InvalidRequestError: naming the field.
+    :raises InvalidRequestError: naming the field (``messages``: see :func:`check_messages`).
     """
     if not isinstance(payload, dict):
         raise InvalidRequestError(
