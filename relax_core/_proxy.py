@@ -1,16 +1,9 @@
 """Clients of one Protocol: their methods generated from it, Ray's errors unwrapped in one place.
 
-A thing that runs in process and behind Ray has one ``typing.Protocol``; its forwarders (a
-core to its manager, a client to a core or an actor) are generated from the Protocol by
-:func:`generate` (name, docstring and signature: Ray checks a remote call's arguments against
-it), never typed out again.
-
-An actor method that raises reaches its caller as Ray's ``RayTaskError`` wrapping the error;
-an actor that died, or cannot be reached, as another ``RayError``; a ``ray.get`` past its
-timeout as ``GetTimeoutError``. Every client of an actor (the manager's, the coordinator's,
-the batch store's, the registry's) wraps its calls in :func:`remote_errors`, so a caller sees
-the callee's own error (``LifecycleError``, ``InferenceRecoveryRequired`` with its result, …)
-or one of the client's error type that says which actor and what to do.
+A thing that runs in process and behind Ray has one ``typing.Protocol``; its forwarders are
+generated from it by :func:`generate`, never typed out again. Every client of an actor wraps its
+calls in :func:`remote_errors`, so a caller sees the callee's own error or one of the client's
+error type that says which actor and what to do.
 """
 
 from __future__ import annotations

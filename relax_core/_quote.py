@@ -12,9 +12,8 @@ QUOTE_LIMIT = 2000
 
 def quote_body(body: bytes | str, limit: int = QUOTE_LIMIT) -> str:
     """An answer's body as an error message quotes it: whole when it fits ``limit``
-    characters; else cut at the last point before ``limit`` that is not inside a JSON string
-    (so no quoted string is cut in half), followed by ``… (N more bytes)``. A body that is one
-    string longer than half the limit is cut at the limit, the marker saying so.
+    characters, else cut at the last point before ``limit`` outside a JSON string (at the
+    limit when that is under half of it, the marker saying so), then ``… (N more bytes)``;
     ``<empty body>`` for an empty one."""
     raw = body.encode("utf-8", "replace") if isinstance(body, str) else bytes(body)
     text = raw.decode("utf-8", "replace").strip()

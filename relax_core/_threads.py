@@ -18,10 +18,9 @@ def each_in_thread(
 ) -> None:
     """Call ``target(*item)`` for every item at once, one thread each, and wait for all.
 
-    Threads are named ``f"{name}-{item[0]}"`` (the item's key, for stack dumps). Blocks until
-    every call has returned; ``target`` must catch what it wants reported, since an exception
-    in a thread ends only that thread. ``daemon``: the threads do not keep the process alive
-    (a background monitor's).
+    Threads are named ``f"{name}-{item[0]}"``. Blocking; ``target`` must catch what it wants
+    reported (an exception ends only its thread). ``daemon``: the threads do not keep the
+    process alive.
     """
     threads = [
         threading.Thread(target=target, args=item, name=f"{name}-{item[0]}", daemon=daemon)

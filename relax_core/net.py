@@ -23,13 +23,11 @@ def keep_local_ray_on_loopback() -> None:
     """Make a Ray started by this process (and its workers) use 127.0.0.1 as its node address,
     with token authentication on.
 
-    Ray otherwise publishes the machine's outward address, so engines, admission servers and
-    Ray's own services of a one-machine job would listen on, and talk over, a non-loopback
-    interface. Token authentication (``RAY_AUTH_MODE=token``, the token in
-    ``~/.ray/auth_token``, created by Ray when missing) is what a new local Ray turns on by
-    default anyway; asking for it explicitly keeps the default and spares a newcomer's terminal
-    Ray's warning about it on every start. An explicit ``RAY_AUTH_MODE`` in the environment is
-    kept. Call before ``ray.init`` of a new local Ray; never for a real cluster.
+    Ray otherwise publishes the machine's outward address, so a one-machine job would listen on
+    a non-loopback interface. Token authentication (``RAY_AUTH_MODE=token``) is a new local
+    Ray's default; asking for it spares Ray's warning on every start (an explicit
+    ``RAY_AUTH_MODE`` is kept). Call before ``ray.init`` of a new local Ray; never for a real
+    cluster.
     """
     import os
     import sys

@@ -1,19 +1,9 @@
-"""Failure classes of the data path: where an upstream exchange failed, and what that allows.
+"""Failure classes of the data path: how far a failed upstream exchange got.
 
-Every upstream failure falls in one of three classes, by how far the request got:
-
-- :attr:`FailureClass.CONNECT`: no connection could be opened, so nothing was sent. Trying
-  another replica is safe (the client does, once; a replica's circuit breaker counts these).
-- :attr:`FailureClass.BEFORE_FIRST_BYTE`: the request was sent, then the exchange failed (reset,
-  the deadline) before any byte of the answer arrived. The engine may have executed it: it is
-  never replayed.
-- :attr:`FailureClass.MID_STREAM`: the answer had started (its status line arrived) and then
-  failed — a body cut short, a stream that died or went silent. Never replayed; a relayed
-  stream is cut, so the caller cannot take it for a whole answer.
-
-An RL rollout that is replayed is a duplicated, biased sample, so only the first class is ever
-retried. The gateway counts each class in ``/metrics``
-(``relax_gateway_upstream_failures_total{class}``).
+Only :attr:`FailureClass.CONNECT` (nothing was sent) is ever retried: a replayed RL rollout is
+a duplicated, biased sample. :attr:`FailureClass.BEFORE_FIRST_BYTE` (sent, no answer yet) and
+:attr:`FailureClass.MID_STREAM` (the answer had started) never are; the gateway counts each
+class in ``relax_gateway_upstream_failures_total{class}``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Which headers a hop forwards: the hop-by-hop rule of RFC 9110 section 7.6.1.
-
-:func:`forward_headers` drops hop-by-hop headers (and every name ``Connection`` lists) and the
-ones the next message recomputes, and keeps everything else, including ``X-Request-ID`` and
-``X-SMG-Routing-Key``; :func:`caller_headers` is the same rule for a gateway's incoming request,
-in one pass, also taking out the request id and the routing key. The one rule of every hop:
-the client and the gateways (:mod:`relax_core.client.client`) and the engines' admission
-servers (:mod:`relax_core.engine.admission`).
-"""
+"""Which headers a hop forwards: the hop-by-hop rule of RFC 9110 section 7.6.1, the one rule of
+the client, the gateways and the engines' admission servers."""
 
 from __future__ import annotations
 
@@ -45,8 +38,7 @@ HOP_BY_HOP_HEADERS = frozenset(
         "upgrade",
     }
 )
-# Recomputed by aiohttp for the new message (or, for accept-encoding, left out so that an
-# upstream answers uncompressed bytes that can be forwarded as they are).
+# Recomputed for the new message (accept-encoding: left out so that bytes forward as they are).
 _RECOMPUTED_REQUEST_HEADERS = frozenset({"host", "content-length", "accept-encoding"})
 _RECOMPUTED_RESPONSE_HEADERS = frozenset({"content-length"})
 
@@ -59,12 +51,9 @@ _DROP_RESPONSE_RAW = frozenset(name.encode() for name in _DROP_RESPONSE)
 def forward_headers(
     headers: Mapping[str, str] | Iterable[tuple[str, str]], *, response: bool = False
 ) -> dict[str, str]:
-    """Copy ``headers`` without hop-by-hop headers (and those named by ``Connection``).
-
-    For a request (``response=False``) ``Host``, ``Content-Length`` and ``Accept-Encoding`` go
-    too: the new message recomputes them. For a response ``Content-Length`` goes: the body is
-    re-framed by the server that forwards it (bytes are never decoded, so ``Content-Encoding``
-    stays true). Names keep their case; lookups elsewhere are case-insensitive.
+    """Copy ``headers`` without hop-by-hop headers (and those named by ``Connection``) and
+    those the new message recomputes (a request's ``Host``, ``Content-Length`` and
+    ``Accept-Encoding``; a response's ``Content-Length``). Names keep their case.
     """
     return _split(headers, _DROP_RESPONSE if response else _DROP_REQUEST)[0]
 
@@ -72,9 +61,8 @@ def forward_headers(
 def _split(
     headers: Mapping[str, str] | Iterable[tuple[str, str]], dropped: frozenset[str]
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """One pass over ``headers``: ``(kept, taken)``, the headers whose lower-case name is not in
-    ``dropped`` (names keep their case) and the others by lower-case name (a repeated one keeps
-    its last value). Headers named by ``Connection`` are left out of both."""
+    """One pass over ``headers``: ``(kept, taken)``, those whose lower-case name is not in
+    ``dropped`` and the others by lower-case name; those ``Connection`` names are in neither."""
     items = headers.items() if isinstance(headers, Mapping) else headers
     kept: dict[str, str] = {}
     taken: dict[str, str] = {}
@@ -107,11 +95,8 @@ def caller_headers(
     """Split a gateway caller's request headers:
     ``(forwarded, request_id, routing_key, min_weight_version)``.
 
-    ``forwarded`` is :func:`forward_headers` of them without ``X-Request-ID``,
-    ``X-SMG-Routing-Key``, ``X-Relax-Min-Weight-Version`` and ``Content-Type`` (the client sets
-    or uses those itself); the other three are the caller's values of those headers (``None``
-    when absent or named by ``Connection``). One pass: this runs for every request a gateway
-    forwards.
+    ``forwarded`` is :func:`forward_headers` of them without ``Content-Type`` and the three
+    headers whose values (``None`` when absent) are the others; one pass (hot path).
     """
     out, taken = _split(headers, _TAKEN_FROM_CALLER)
     return (

@@ -1,28 +1,16 @@
 """A lean HTTP/1.1 client for the data path: pooled keep-alive connections, httptools parsing.
 
-:class:`~relax_core._http.transport.Transport` sends requests to ``http://`` engines through this
-client. It does what forwarding needs and nothing else: one write per request (head and body
-together), the response head parsed by httptools (C), the body handed over as it arrives, and
-the connection reused once the answer is complete. On a 2-core machine an aiohttp request costs
-about 100 µs of CPU and one through this client about 15 µs (``relax bench client`` and
-``relax bench gateway`` measure the data path built on it); aiohttp stays in use for discovery,
-``https://`` and a caller's own session.
+One write per request, the head parsed by httptools (C), the body handed over as it arrives, the
+connection reused once the answer is complete (docs/client.md measures it). Failures are typed
+for :func:`~relax_core._http.upstream.classify_failure`: :class:`ConnectError` /
+:class:`ConnectTimeout` (nothing sent), :class:`ServerDisconnectedError` / :class:`PayloadError`
+(sent, then broken), :class:`TimeoutError` (the deadline).
 
-Failures are typed so that :func:`~relax_core._http.transport.classify_failure` can tell whether the
-request may have reached the upstream: :class:`ConnectError` / :class:`ConnectTimeout` (nothing
-was sent), :class:`ServerDisconnectedError` / :class:`PayloadError` (sent, then the connection
-broke), :class:`TimeoutError` (the deadline passed).
-
-The keep-alive race: a server closes an idle connection at its keep-alive limit, and a request
-written to that connection at the same moment meets the close. The client's idle limit is kept
-below the server's so that it does not happen, and when it happens anyway (a loop lagging under
-load measures idle time late) the request is sent once more, on a new connection, if and only
-if it went out on a *reused* connection that closed before a single byte of its answer arrived:
-a server that read the request answers it (an error status at least) unless its process died,
-and a dead server refuses the new connection. Whatever fails on that second attempt is reported
-as "sent, then failed" (:class:`ServerDisconnectedError`), never as "nothing was sent", so no
-caller sends the request to another replica. A request on a new connection, or one whose answer
-had started, is never sent again.
+The keep-alive race (a server closing an idle connection as a request is written to it): the
+client's idle limit stays below the server's, and a request that went out on a *reused*
+connection closed before any byte of its answer is sent once more on a new one (a server that
+read it would have answered; a dead one refuses the new connection). A failure of that second
+attempt is "sent, then failed", so no caller sends it to another replica.
 """
 
 from __future__ import annotations
@@ -131,10 +119,8 @@ class Http1Body:
         """The bytes received since the last read (waits for some); ``b""`` at the end.
 
         ``coalesce`` (seconds): when the previous read returned bytes less than this long ago,
-        stop reading from the socket for this long first, so that what the upstream writes in
-        the meantime arrives as one read (one receive here, one send by whoever relays it)
-        instead of one per write. A body that arrives more slowly than that is never held back;
-        a fast one is delayed by at most ``coalesce``.
+        hold the socket this long first, so the upstream's writes meanwhile arrive as one read;
+        a slower body is never held back, a fast one by at most ``coalesce``.
         """
         conn = self._conn
         if coalesce > 0.0 and conn is not None and not self._eof:
@@ -242,8 +228,6 @@ class _Connection(asyncio.Protocol):
         # The client whose connection limit this connection counts against while busy.
         self.slot: Http1Client | None = None
 
-    # -- asyncio.Protocol ------------------------------------------------------------------
-
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
@@ -307,8 +291,6 @@ class _Connection(asyncio.Protocol):
             else:
                 transport.resume_reading()
 
-    # -- httptools callbacks ---------------------------------------------------------------
-
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.response is not None and not self._informational:
             self.response.raw_headers.append((name, value))
@@ -341,8 +323,6 @@ class _Connection(asyncio.Protocol):
             self._informational = False
             return
         self._finish()
-
-    # -- requests --------------------------------------------------------------------------
 
     def _finish(self) -> None:
         resp, self.response = self.response, None
@@ -425,11 +405,8 @@ class _HostPool:
 class Http1Client:
     """Keep-alive HTTP/1.1 connections to ``http://`` upstreams, at most ``max_connections``.
 
-    A connection idle for ``keepalive_timeout`` seconds is not reused (keep it below the
-    servers' own keep-alive, 5 s for uvicorn and SGLang, so a request is never written to a
-    connection the server is closing), and is closed by a sweep soon after, so a burst's
-    connections do not stay open (file descriptors held) until the next request to their host.
-    Belongs to one event loop.
+    A connection idle for ``keepalive_timeout`` seconds (keep it below the servers' 5 s) is not
+    reused, and a sweep closes it soon after. Belongs to one event loop.
     """
 
     def __init__(
@@ -571,14 +548,12 @@ class Http1Client:
     ) -> Http1Response:
         """Send one request; return the answer once its head arrived.
 
-        ``timeout`` bounds the whole exchange (connect, send, head and body). ``Host``,
-        ``Content-Length`` and ``Transfer-Encoding`` in ``headers`` are ignored (the client
-        frames the message). Raises
+        ``timeout`` bounds the whole exchange. ``Host``, ``Content-Length`` and
+        ``Transfer-Encoding`` in ``headers`` are ignored (the client frames the message). Raises
         :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
         :class:`ServerDisconnectedError` (sent, no answer), :class:`TimeoutError`, or
         ``ValueError`` for a header with a line break. Cancellation closes the connection.
-        A request that lost the keep-alive race (a reused connection closed before any byte of
-        the answer) is sent once more on a new connection (see the module docstring).
+        A request that lost the keep-alive race is sent once more (see the module docstring).
         """
         pool, line = self._route(url)
         parts = [method.encode("latin-1"), line]

@@ -1,8 +1,5 @@
-"""What every request body a client or a gateway receives is read for, in one place: the body
-decoded as JSON, and the minimum weight version it asks for (its ``min_weight_version`` field,
-else its ``X-Relax-Min-Weight-Version`` header). The client (``InferenceClient.prepare``) and the
-role gateways both use it, so a bad body is the same error whichever way a request comes in.
-"""
+"""What a client or a gateway reads every request body for: JSON, and the minimum weight version
+it asks for, so a bad body is the same error whichever way a request comes in."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ def requested_weight_version(
     body: Mapping[str, Any], headers: Mapping[str, str] | None = None
 ) -> str | None:
     """The minimum weight version a request requires: its body's ``min_weight_version``
-    field, else its ``X-Relax-Min-Weight-Version`` header (``headers`` with lower-case names,
-    as a gateway has them), else ``None``.
+    field, else its ``X-Relax-Min-Weight-Version`` header (lower-case names), else ``None``.
 
     :raises InvalidRequestError: the field is not a non-empty string or a non-negative
         integer, or the header is empty.
@@ -74,10 +70,7 @@ def weight_version_field(body: Mapping[str, Any]) -> str | None:
 
 
 def weight_version_header(value: str) -> str:
-    """The header's weight version, stripped.
-
-    :raises InvalidRequestError: the header is empty.
-    """
+    """The header's weight version, stripped (:raises InvalidRequestError: it is empty)."""
     value = value.strip()
     if not value:
         raise InvalidRequestError(

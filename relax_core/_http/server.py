@@ -1,12 +1,6 @@
-"""Serving an app on a port of its own.
-
-- :func:`serve_app`: a small aiohttp app on the caller's event loop (the admission server, the
-  control channel). It binds the listening socket itself, so the port the OS picked for port
-  ``0`` is read from the socket (not from aiohttp's private server object), and returns the
-  runner to clean up.
-- :class:`ThreadServer`: an ASGI app (Starlette) served by uvicorn on a thread and event loop
-  of its own (a role gateway, the registry server), with :func:`uvicorn_config`'s settings.
-"""
+"""Serving an app on a port of its own: :func:`serve_app` (a small aiohttp app on the caller's
+loop: the admission server, the control channel) and :class:`ThreadServer` (an ASGI app served
+by uvicorn on a thread of its own: a role gateway, the registry server)."""
 
 from __future__ import annotations
 
@@ -34,11 +28,7 @@ def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
 
 
 class ThreadServer:
-    """``app`` served by uvicorn on a thread of this process (``port`` ``None``: a free one).
-
-    :meth:`start` blocks until it accepts connections and raises ``RuntimeError`` when it does
-    not within its timeout; :meth:`stop` is idempotent.
-    """
+    """``app`` served by uvicorn on a thread of this process (``port`` ``None``: a free one)."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
         import uvicorn
@@ -78,12 +68,7 @@ class ThreadServer:
 
 
 async def serve_app(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    handler_cancellation: bool,
-    **runner_options: Any,
+    app: web.Application, host: str, port: int, *, handler_cancellation: bool, **runner_options: Any
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``host:port`` (``0``: a free port); return ``(runner, port)``.
 

@@ -1,29 +1,11 @@
 """The HTTP data path under :class:`~relax_core.client.client.InferenceClient` and the role
-gateways.
+gateways: it sends a :class:`PreparedRequest` and classifies every failure by whether the
+request may have reached the upstream (:mod:`relax_core._http.upstream`); it knows nothing of
+discovery or routing.
 
-Requests to ``http://`` engines go through :class:`~relax_core._http.http1.Http1Client`, a lean
-pooled HTTP/1.1 client (one write per request, httptools parsing): an aiohttp request costs
-about 100 µs of CPU on a small machine and one through it about 15 µs, which is most of what a
-gateway spends per request. ``https://`` upstreams, discovery GETs and a caller's own
-``session=`` use a pooled :class:`aiohttp.ClientSession` (aiohttp, not httpx: httpx's
-``AsyncClient`` pool is about ten times slower at concurrency 32). ``relax bench client`` and
-``relax bench gateway`` measure this data path.
-
-This module knows nothing about discovery or routing: it sends a :class:`PreparedRequest` and
-classifies every failure by whether the request may have reached the upstream
-(:mod:`relax_core._http.upstream`):
-
-- :class:`~relax_core.errors.UpstreamUnreachableError` — the connection could not be opened,
-  so nothing was sent; trying again (on a fresh snapshot) is safe.
-- :class:`~relax_core.errors.RequestNotReplayedError` — the request was (or may have been) sent
-  and then the exchange failed (reset, disconnect, deadline, truncated body, a stream silent
-  past its idle limit). It is never sent again: the upstream may have executed it.
-- :class:`~relax_core.errors.UpstreamStatusError` — the upstream answered with an HTTP error
-  status.
-
-Headers (:mod:`relax_core._http.headers`): ``forward_headers`` drops hop-by-hop headers (RFC
-9110 section 7.6.1) and the ones the next message recomputes, and keeps everything else, including
-``X-Request-ID`` and ``X-SMG-Routing-Key``.
+``http://`` engines go through the lean :class:`~relax_core._http.http1.Http1Client` (about
+15 µs of CPU a request against aiohttp's 100 µs); ``https://``, discovery GETs and a caller's
+own ``session=`` use a pooled :class:`aiohttp.ClientSession` (docs/client.md).
 """
 
 from __future__ import annotations
@@ -35,10 +17,7 @@ from typing import Any
 import aiohttp
 
 from relax_core._http.http1 import Http1Client
-from relax_core._http.upstream import (
-    PreparedRequest,
-    classify_failure,
-)
+from relax_core._http.upstream import PreparedRequest, classify_failure
 
 __all__ = ["Transport"]
 
@@ -48,14 +27,10 @@ class Transport:
 
     ``timeout``: the default deadline of one exchange (connect, send, whole answer);
     ``connect_timeout``: of opening a connection. ``stream_idle_timeout``: the longest a
-    streamed body (read piece by piece) may stay silent once its first bytes arrived (default
-    60 s; ``None``: no limit): it catches an engine that died or stopped behind a proxy that
-    keeps the connection open, long before the deadline. ``stream_first_chunk_timeout``: the
-    same for the wait before the first body bytes (default ``None``, only the deadline): an
-    SGLang stream sends its headers at once but its first event only after queueing and the
-    prefill, which takes long for long prompts on a busy engine. ``session``: use this one (it
-    is never closed here) instead of creating one lazily on the first request. The session
-    belongs to the event loop it was created on.
+    streamed body may stay silent once its first bytes arrived (default 60 s; ``None``: no
+    limit); ``stream_first_chunk_timeout``: before its first bytes (default ``None``: only the
+    deadline, as an SGLang stream's first event waits for queueing and prefill). ``session``:
+    use this one (never closed here) instead of creating one on the first request.
     """
 
     def __init__(
@@ -143,13 +118,11 @@ class Transport:
     async def open(self, prepared: PreparedRequest, timeout: float | None = None) -> Any:
         """Send ``prepared``; return the response once its headers arrived.
 
-        The response is an :class:`~relax_core._http.http1.Http1Response` (``http://`` through the
-        lean client) or an :class:`aiohttp.ClientResponse` (``https://``, or a session of the
-        caller's); both have ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``,
-        ``release()`` and ``close()``. Raises
-        :class:`~relax_core.errors.UpstreamUnreachableError` (nothing sent)
-        or :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed).
-        Cancellation propagates as it is (the connection is dropped, not reused).
+        An :class:`~relax_core._http.http1.Http1Response` or an :class:`aiohttp.ClientResponse`
+        (both have ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``,
+        ``release()`` and ``close()``). Raises :class:`~relax_core.errors.UpstreamUnreachableError`
+        (nothing sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, then
+        failed); cancellation propagates (the connection is dropped).
         """
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
@@ -157,11 +130,7 @@ class Transport:
         try:
             if self._owns_session and prepared.url.startswith("http://"):
                 return await self.http1.request(
-                    prepared.method,
-                    prepared.url,
-                    prepared.headers,
-                    prepared.body,
-                    timeout=deadline,
+                    prepared.method, prepared.url, prepared.headers, prepared.body, timeout=deadline
                 )
             return await self.session.request(
                 prepared.method,

@@ -1,14 +1,6 @@
-"""An upstream exchange's request, answer and failures.
-
-- :class:`PreparedRequest`: exactly the bytes and headers that go on the wire;
-- :class:`UpstreamResponse`: an answer whose head has arrived, read whole or piece by piece
-  (with the idle limits of a streamed body);
-- the failures, classified by whether the request may have reached the upstream
-  (:func:`classify_failure`), as the errors of :mod:`relax_core.errors`:
-  :class:`~relax_core.errors.UpstreamUnreachableError` (nothing sent),
-  :class:`~relax_core.errors.RequestNotReplayedError` (sent, then failed; 504 for a deadline or
-  a stalled stream), :class:`~relax_core.errors.UpstreamStatusError` (an HTTP error status).
-"""
+"""An upstream exchange's request (:class:`PreparedRequest`), answer
+(:class:`UpstreamResponse`) and failures, classified by whether the request may have reached
+the upstream (:func:`classify_failure`)."""
 
 from __future__ import annotations
 
@@ -50,8 +42,7 @@ class PreparedRequest(NamedTuple):
     """A routed request, ready to send: exactly the bytes and headers that go on the wire.
 
     ``target`` is the resolver's decision (``None`` only for requests built by hand);
-    ``request_id`` is also in ``headers`` under :data:`REQUEST_ID_HEADER`. Immutable (a named
-    tuple rather than an attrs class: one is built per request on the hot path).
+    ``request_id`` is also in ``headers``. A named tuple: one is built per request (hot path).
     """
 
     url: str
@@ -136,23 +127,16 @@ def classify_failure(
 class _IdleWatch:
     """Fails a body read that waited longer than its limit for the next bytes.
 
-    One timer per limit period, not one per chunk: a read only records when it started
-    waiting; the timer, when it fires, either fails the stream (the read has waited the whole
-    limit) or re-arms itself for the current wait's end. Time the consumer spends elsewhere
-    (e.g. blocked on a slow downstream) does not count, because no read is waiting then.
+    One timer per limit period, not one per chunk: a read records when it started waiting; the
+    timer fails the stream or re-arms for the current wait's end. Time the consumer spends
+    elsewhere does not count (no read is waiting then).
     """
 
     __slots__ = ("_content", "_first", "_handle", "_idle", "_loop", "since", "started")
 
-    def __init__(
-        self,
-        content: Any,
-        loop: asyncio.AbstractEventLoop,
-        idle: float | None,
-        first: float | None,
-    ) -> None:
+    def __init__(self, content: Any, idle: float | None, first: float | None) -> None:
         self._content = content
-        self._loop = loop
+        self._loop = asyncio.get_running_loop()
         self._idle = idle
         self._first = first
         self._handle: asyncio.TimerHandle | None = None
@@ -192,16 +176,11 @@ class _IdleWatch:
 class UpstreamResponse:
     """An upstream's answer whose headers have arrived; the body is read on demand.
 
-    Read it once, with :meth:`read`, :meth:`json`, :meth:`iter_chunks` or :meth:`iter_sse`,
-    then :meth:`aclose` it (``async with`` does). A failure while reading raises
-    :class:`~relax_core.errors.RequestNotReplayedError` (and calls ``on_failure(error)``).
-    ``idle_timeout`` / ``first_chunk_timeout`` (seconds, ``None``: no limit) bound how long a
-    piece-by-piece read
-    (:meth:`iter_chunks` and what builds on it) waits for the next bytes once the body has
-    started / for its first bytes; past it the read raises a 504
-    :class:`~relax_core.errors.RequestNotReplayedError`. The status is not checked here: a
-    gateway forwards an upstream's 4xx/5xx as it is; :meth:`raise_for_status` raises
-    :class:`UpstreamStatusError` for callers that want an exception.
+    Read it once (:meth:`read`, :meth:`json`, :meth:`iter_chunks`, :meth:`iter_sse`), then
+    :meth:`aclose` it (``async with`` does). A failure while reading raises
+    :class:`~relax_core.errors.RequestNotReplayedError` (and calls ``on_failure(error)``), a
+    504 one when a piece-by-piece read waits past ``idle_timeout`` / ``first_chunk_timeout``
+    (seconds, ``None``: no limit). The status is not checked (see :meth:`raise_for_status`).
     """
 
     _resp: Any
@@ -239,11 +218,8 @@ class UpstreamResponse:
         return forward_headers(self._resp.headers.items(), response=True)
 
     def asgi_headers(self, skip: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
-        """The response headers a gateway forwards, as ASGI pairs with lower-case names.
-
-        The rule of :func:`forward_headers` (``response=True``), applied to the raw bytes as
-        received (nothing decoded); names in ``skip`` (lower-case bytes) are left out too.
-        """
+        """:meth:`forward_headers` as ASGI pairs of the raw bytes (lower-case names), without
+        the names in ``skip`` (lower-case bytes)."""
         out: list[tuple[bytes, bytes]] = []
         named: set[bytes] | None = None
         for name, value in self._resp.raw_headers:
@@ -285,15 +261,10 @@ class UpstreamResponse:
             raise status_error(self.status, body, self._resp.headers, self.prepared)
 
     async def iter_chunks(self, coalesce: float = 0.0) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive, unparsed (for byte-level forwarding).
+        """The body's bytes as they arrive, unparsed, under the idle limits (see the class).
 
-        A wait for the next bytes longer than the idle limits raises a 504
-        :class:`~relax_core.errors.RequestNotReplayedError` (see the class docstring).
-
-        ``coalesce`` (seconds, ``http://`` upstreams): when bytes arrive faster than one read
-        per ``coalesce``, hold reading for that long so that what arrives meanwhile comes as
-        one chunk; a body arriving more slowly is never delayed (see
-        :meth:`relax_core._http.http1.Http1Body.readany`).
+        ``coalesce`` (seconds, ``http://`` upstreams): see
+        :meth:`relax_core._http.http1.Http1Body.readany`.
         """
         content = self._resp.content
         read: Callable[[], Awaitable[bytes]] = content.readany
@@ -301,12 +272,7 @@ class UpstreamResponse:
             read = functools.partial(content.readany, coalesce)
         watch = None
         if self._idle_timeout is not None or self._first_chunk_timeout is not None:
-            watch = _IdleWatch(
-                content,
-                asyncio.get_running_loop(),
-                self._idle_timeout,
-                self._first_chunk_timeout,
-            )
+            watch = _IdleWatch(content, self._idle_timeout, self._first_chunk_timeout)
         try:
             if watch is None:
                 while chunk := await read():
@@ -387,10 +353,8 @@ class UpstreamResponse:
 
 
 def decode_answer(data: bytes, prepared: PreparedRequest, what: str) -> Any:
-    """``data``, which the upstream of ``prepared`` sent, decoded as JSON.
-
-    ``what`` says what ``data`` is, for the error (``"answered 200 with a body"``,
-    ``"sent an event"``).
+    """``data``, which the upstream of ``prepared`` sent (``what``: ``"sent an event"``, ...),
+    decoded as JSON.
 
     :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start).
     """

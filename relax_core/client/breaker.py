@@ -1,20 +1,10 @@
 """Per-replica circuit breakers of an :class:`~relax_core.client.client.InferenceClient`.
 
-A replica head whose connections keep failing (refused, reset while connecting, the connect
-deadline) is taken out of routing before every request pays a failed connect for it:
-
-- each connect failure to a head's URL counts; ``BreakerSettings.failures`` of them in a row
-  **open** its breaker: the resolver leaves that head out (``avoid``) as long as another head
-  of the model is eligible (when none is, it is tried: a connect attempt sends nothing);
-- an open breaker **probes** the head with ``GET {url}/health_generate`` after ``cooldown``
-  seconds (doubling after each failed probe, up to ``max_cooldown``); a 200 **closes** it and
-  the head is routed to again; a head no longer in the role's snapshot (rebuilt elsewhere,
-  scaled in) is forgotten;
-- a request that connected resets its head's count.
-
-The breaker never replays a POST: it only ever acts on connect failures (nothing was sent;
-see :mod:`relax_core._http.failures`) and probes with a GET. DIRECT heads only: a router's URL
-is the model's only way in.
+``BreakerSettings.failures`` connect failures in a row to a DIRECT head open its breaker: the
+resolver avoids the head while another is eligible, and a ``GET {url}/health_generate`` probe
+after a doubling cooldown closes it again; a request that connects resets the count; a head no
+longer published is forgotten. Only connect failures count and probes are GETs, so no POST is
+ever replayed (docs/client.md).
 """
 
 from __future__ import annotations
@@ -39,10 +29,9 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
 class BreakerSettings:
     """When a replica's breaker opens and how it probes.
 
-    ``failures``: consecutive connect failures that open it (default 3). ``cooldown``: seconds
-    before the first probe (default 1), doubled after each failed probe up to ``max_cooldown``
-    (default 30). ``probe_timeout``: the deadline of one probe (default 5 s). ``probe_path``:
-    what the probe GETs (default ``/health_generate``: the engine generates one token).
+    ``failures``: consecutive connect failures that open it. ``cooldown``: seconds before the
+    first probe, doubled after each failed probe up to ``max_cooldown``. ``probe_timeout``: the
+    deadline of one probe; ``probe_path``: what it GETs (the engine generates one token).
 
     :raises ValueError: a value out of range, naming it.
     """
@@ -103,8 +92,7 @@ class ReplicaBreakers:
         self._published = published
         self._on_change = on_change
         self._breakers: dict[str, _Breaker] = {}
-        #: the URLs whose breaker is open now (read for every request: a frozenset, rebuilt on
-        #: every change)
+        #: the URLs whose breaker is open now (read for every request; rebuilt on every change)
         self.open_urls: frozenset[str] = frozenset()
         #: breakers opened / closed by a probe, since the client was made
         self.opened = 0
@@ -161,10 +149,8 @@ class ReplicaBreakers:
 
     def _close(self, b: _Breaker) -> None:
         b.open = False
-        b.task = None
         self.closed += 1
-        self._breakers.pop(b.url, None)
-        self.open_urls = self.open_urls - {b.url}
+        self._forget(b)
         self._changed(attrs.evolve(b, failures=0))
 
     def _forget(self, b: _Breaker) -> None:

@@ -1,11 +1,5 @@
-"""Discovery for :class:`~relax_core.client.client.InferenceClient`: the cached schema-2 snapshot.
-
-:class:`SnapshotCache` is the part of a client that knows the role's snapshot:
-``GET {base_url}/engines?schema=2`` or a ``snapshot_provider`` callable (sync or async), cached
-for ``ttl`` seconds, concurrent refreshes sharing one fetch, and every way discovery can fail
-turned into ``RoutingError(503, "registry unavailable: …", retry_after=1.0)``. The client holds
-one and uses only its public methods.
-"""
+"""Discovery for :class:`~relax_core.client.client.InferenceClient`: the cached schema-2
+snapshot; every way discovery can fail is ``RoutingError(503, "registry unavailable: …")``."""
 
 from __future__ import annotations
 
@@ -35,18 +29,20 @@ SnapshotProvider = Callable[
 _REGISTRY_RETRY_AFTER = 1.0
 
 
+def _unavailable(why: str) -> RoutingError:
+    return RoutingError(503, f"registry unavailable: {why}", retry_after=_REGISTRY_RETRY_AFTER)
+
+
 @attrs.define(eq=False)
 class SnapshotCache:
     """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
 
-    Give exactly one of ``base_url`` (serving ``/engines?schema=2``; fetched with
-    ``transport`` within ``discovery_timeout`` seconds) and ``provider``. ``role``: a snapshot
-    of another role is rejected. ``weight_sources``: what a parsed snapshot's weight sources
-    are checked against (default: the process-wide plugin manager, loaded on the first fetch).
+    Give exactly one of ``base_url`` (fetched with ``transport`` within ``discovery_timeout``)
+    and ``provider``. ``role``: a snapshot of another role is rejected. ``weight_sources``:
+    what a parsed snapshot is checked against (default: the process-wide plugin manager).
 
-    Fetches are counted (:attr:`fetches`) so that a caller that found a snapshot wanting can
-    ask for a newer one (:meth:`refetch`) without fetching again when another caller already
-    did. Belongs to one event loop; not thread-safe.
+    Concurrent refreshes share one fetch; fetches are counted (:attr:`fetches`, for
+    :meth:`refetch`). Belongs to one event loop; not thread-safe.
     """
 
     base_url: str | None
@@ -58,8 +54,6 @@ class SnapshotCache:
     _weight_sources: WeightSources | None = attrs.field(kw_only=True)
     _snapshot: RoleSnapshot | None = attrs.field(default=None, init=False)
     _expires: float = attrs.field(default=0.0, init=False)
-    # Number of completed fetches: a caller that saw fetch N and needs a newer snapshot
-    # reuses one fetched after N by someone else instead of fetching again.
     _fetches: int = attrs.field(default=0, init=False)
     _invalidations: int = attrs.field(default=0, init=False)
     _lock: asyncio.Lock | None = attrs.field(default=None, init=False)
@@ -87,10 +81,7 @@ class SnapshotCache:
         return None
 
     def invalidate(self) -> None:
-        """Forget the cached snapshot: the next request fetches a fresh one.
-
-        A fetch already under way when this is called does not count as fresh.
-        """
+        """Forget the cached snapshot (a fetch under way does not count as fresh either)."""
         self._expires = 0.0
         self._invalidations += 1
 
@@ -106,11 +97,8 @@ class SnapshotCache:
         return await self._refresh(self._fetches, force)
 
     async def refetch(self, seen: int) -> RoleSnapshot:
-        """A snapshot fetched after fetch number ``seen`` (see :attr:`fetches`).
-
-        The one another caller fetched meanwhile if there is one, else a new fetch (even when the
-        cached snapshot is still fresh): for a caller that found the snapshot it saw wanting (a
-        model not READY) and retries once on a newer one. Raises like :meth:`snapshot`.
+        """A snapshot fetched after fetch number ``seen`` (see :attr:`fetches`): one another
+        caller fetched meanwhile, else a new fetch even when fresh. Raises like :meth:`snapshot`.
         """
         return await self._refresh(seen, True)
 
@@ -153,25 +141,13 @@ class SnapshotCache:
         except RoutingError:
             raise
         except SnapshotError as exc:
-            raise RoutingError(
-                503,
-                f"registry unavailable: {source} gave an invalid schema-2 snapshot: {exc}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            ) from exc
-        except asyncio.CancelledError:
-            raise
+            raise _unavailable(f"{source} gave an invalid schema-2 snapshot: {exc}") from exc
         except Exception as exc:
-            raise RoutingError(
-                503,
-                f"registry unavailable: {source} failed: {type(exc).__name__}: {exc}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            ) from exc
+            raise _unavailable(f"{source} failed: {type(exc).__name__}: {exc}") from exc
         if self.role is not None and snap.role != self.role:
-            raise RoutingError(
-                503,
-                f"registry unavailable: {source} serves role {snap.role!r}, this client is for "
-                f"role {self.role!r}; point it at the {self.role} registry",
-                retry_after=_REGISTRY_RETRY_AFTER,
+            raise _unavailable(
+                f"{source} serves role {snap.role!r}, this client is for role {self.role!r}; "
+                f"point it at the {self.role} registry"
             )
         return snap
 
@@ -181,23 +157,12 @@ class SnapshotCache:
             status, body = await self._transport.get_json(url, timeout=self.discovery_timeout)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             reason = "timed out" if isinstance(exc, TimeoutError) else f"{exc}"
-            raise RoutingError(
-                503,
-                f"registry unavailable: GET {url} {reason}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            ) from exc
+            raise _unavailable(f"GET {url} {reason}") from exc
         if status != 200:
-            raise RoutingError(
-                503,
-                f"registry unavailable: GET {url} answered {status}: {quote_body(body)}",
-                retry_after=_REGISTRY_RETRY_AFTER,
-            )
+            raise _unavailable(f"GET {url} answered {status}: {quote_body(body)}")
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as exc:
-            raise RoutingError(
-                503,
-                f"registry unavailable: GET {url} answered a body that is not JSON "
-                f"({body[:120]!r})",
-                retry_after=_REGISTRY_RETRY_AFTER,
+            raise _unavailable(
+                f"GET {url} answered a body that is not JSON ({body[:120]!r})"
             ) from exc

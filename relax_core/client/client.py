@@ -1,40 +1,14 @@
 """The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange.
 
-:class:`InferenceClient` is what framework code (and, through :meth:`InferenceClient.open`, the
-role gateways) uses to talk to a role's engines::
+:class:`InferenceClient` is how framework code (and, through :meth:`InferenceClient.open`, the
+role gateways) talks to a role's engines::
 
     async with InferenceClient("http://gateway:8000/teacher") as client:
         out = await client.generate({"input_ids": ids, "sampling_params": {...}},
                                     route_key="math-data", affinity_key=group_id)
 
-Contract (see docs/client.md):
-
-- Discovery: ``GET {base_url}/engines?schema=2`` or any ``snapshot_provider`` callable (sync or
-  async) returning a :class:`~relax_core.discovery.schema.RoleSnapshot` or a schema-2 dict; cached
-  for ``ttl`` seconds; concurrent refreshes share one fetch. A discovery failure raises
-  ``RoutingError(503, "registry unavailable: …")``.
-- A body that is empty, not JSON or not a JSON object, or a ``model``/``route_key`` that is not a
-  string, raises :class:`~relax_core.errors.InvalidRequestError` (400), the error a role gateway
-  answers a bad body with (:func:`relax_core._http.request.decode_json_body` is the one check).
-- Resolution: :class:`~relax_core.discovery.routing.RouteResolver` with the client's in-flight count
-  per engine. A 503 from resolution triggers one refresh and one retry before anything is sent; a
-  connection that cannot be opened (nothing sent) likewise gets one refresh and one retry, on
-  another replica when there is one (the one that failed is avoided). A request may require a
-  minimum weight version (``min_weight_version=``, the body field ``min_weight_version`` or the
-  header ``X-Relax-Min-Weight-Version``): only heads serving at least that version are
-  candidates (503 + ``retry_after`` until one does).
-- Circuit breakers (:mod:`relax_core.client.breaker`): a DIRECT head whose connections failed
-  ``breaker.failures`` times in a row is left out of routing until a ``GET /health_generate``
-  probe succeeds. Failures are counted by class (:attr:`InferenceClient.failure_counts`:
-  connect, before the first byte, mid-stream; :mod:`relax_core._http.failures`).
-- A request that was sent is never sent again: a failure after sending raises
-  :class:`~relax_core.errors.RequestNotReplayedError` (502, or 504 on the deadline) carrying the
-  request id. Every transport failure, timeout, cancellation and upstream 502/503/504
-  invalidates the cached snapshot.
-- Payloads: ``/generate`` loses ``model``, ``route_key`` and ``min_weight_version``; chat and
-  completion payloads get ``model`` rewritten to the target's ``served_model_name`` (and lose
-  ``route_key`` and ``min_weight_version``). The
-  affinity key travels as ``X-SMG-Routing-Key``; the request id as ``X-Request-ID``.
+The contract (discovery, routing, the one safe retry, what is rewritten and what is never
+replayed) is docs/client.md.
 """
 
 from __future__ import annotations
@@ -64,12 +38,7 @@ from relax_core._http.request import (
     weight_version_header,
 )
 from relax_core._http.transport import Transport
-from relax_core._http.upstream import (
-    PreparedRequest,
-    UpstreamResponse,
-    decode_answer,
-    status_error,
-)
+from relax_core._http.upstream import PreparedRequest, UpstreamResponse, decode_answer, status_error
 from relax_core.client.breaker import BreakerSettings, ReplicaBreakers
 from relax_core.client.cache import SnapshotCache, SnapshotProvider
 from relax_core.discovery.routing import RouteResolver, RouteTarget, weight_version_at_least
@@ -87,6 +56,7 @@ __all__ = [
     "OPENAI_PATHS",
     "InferenceClient",
     "OpenOptions",
+    "PostOptions",
     "RouteOptions",
     "SnapshotProvider",
 ]
@@ -116,11 +86,17 @@ class RouteOptions(TypedDict, total=False):
     avoid: Collection[str] | None
 
 
-class OpenOptions(RouteOptions, total=False):
-    """The keyword arguments of :meth:`InferenceClient.open` (and ``stream``): the routing
-    ones and this request's deadline and stream idle limits (see ``send``)."""
+class PostOptions(RouteOptions, total=False):
+    """The keyword arguments of :meth:`InferenceClient.post` (and ``generate``, ``chat``): the
+    routing ones and this request's deadline (``None``: the client's)."""
 
     timeout: float | None
+
+
+class OpenOptions(PostOptions, total=False):
+    """The keyword arguments of :meth:`InferenceClient.open` (and ``stream``): those of ``post``
+    and this request's stream idle limits (see ``send``)."""
+
     stream_idle_timeout: float | None
     stream_first_chunk_timeout: float | None
 
@@ -128,31 +104,17 @@ class OpenOptions(RouteOptions, total=False):
 class InferenceClient:
     """Routes requests for one role to its engines, using the role's schema-2 snapshot.
 
-    Give exactly one of ``base_url`` (a role gateway or registry serving ``/engines?schema=2``)
-    and ``snapshot_provider``. ``role``: when set, a snapshot of another role is rejected.
-    ``ttl``: seconds a snapshot is reused (0: fetch before every request). ``timeout``: the
-    default deadline of one request in seconds (``None``: none), overridable per call.
-    ``stream_idle_timeout`` / ``stream_first_chunk_timeout``: how long a streamed answer may
-    stay silent once started (default 60 s) / before its first bytes (default ``None``: only
-    the deadline); see :class:`~relax_core._http.transport.Transport`. Overridable per call.
-    ``session``: an aiohttp session to use (not closed by the client). ``plugin_manager``: where
-    the routing policies and the weight sources a fetched snapshot is checked against come
-    from (default: the process-wide one, loaded on first need); a role gateway always passes
-    its own. ``weight_sources``: check snapshots against these instead (names, records or a
-    plugin manager). ``breaker``: when a DIRECT head's circuit breaker opens and how it probes
-    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers).
-    ``sleeping_note``: set when nothing will wake the role's SLEEPING models (see
-    :class:`~relax_core.discovery.routing.RouteResolver`). Round-robin, breaker and other
-    policy state is per client.
+    Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``.
+    ``role``: a snapshot of another role is rejected. ``ttl``: seconds a snapshot is reused.
+    ``timeout``, ``stream_idle_timeout``, ``stream_first_chunk_timeout``: the defaults of each
+    call (see :class:`~relax_core._http.transport.Transport`). ``session``: an aiohttp session
+    to use (not closed here). ``plugin_manager``: where the routing policies and the weight
+    sources come from (default: the process-wide one); ``weight_sources``: check snapshots
+    against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``: none).
+    ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
 
-    The parts: a :class:`~relax_core.client.cache.SnapshotCache` (discovery), a
-    :class:`~relax_core.discovery.routing.RouteResolver` (routing) and a
-    :class:`~relax_core._http.transport.Transport` (the wire); the client counts its in-flight
-    requests per engine for load-aware policies.
-
-    A client belongs to the event loop it is first used on. Not thread-safe. Close it with
-    :meth:`aclose` or ``async with``; :func:`relax_core.client.pool.get_client` hands out one
-    shared client per event loop.
+    Belongs to the event loop it is first used on; not thread-safe. Close it with
+    :meth:`aclose` or ``async with`` (or share one: :func:`relax_core.client.pool.get_client`).
     """
 
     def __init__(
@@ -235,8 +197,7 @@ class InferenceClient:
         return any(e.base_url == url for m in snap.models.values() for e in m.engines)
 
     def _failed(self, error: BaseException, target: RouteTarget | None) -> None:
-        """Count a failed exchange by class; a connect failure also counts for the head's
-        circuit breaker."""
+        """Count a failed exchange by class (a connect failure also for the head's breaker)."""
         kind = failure_class(error)
         if kind is None:
             return
@@ -250,8 +211,7 @@ class InferenceClient:
             self._breakers.connect_failed(target.url, target.engine_id)
 
     def _not_sent(self, prepared: PreparedRequest) -> UpstreamUnreachableError:
-        """The error for an admission server's 502 saying its engine got nothing (counted as a
-        connect failure: the request may go to another replica)."""
+        """The error for an admission server's 502 "engine got nothing" (a connect failure)."""
         target = prepared.target
         engine = f" ({target.engine_id})" if target is not None and target.engine_id else ""
         error = UpstreamUnreachableError(
@@ -269,8 +229,6 @@ class InferenceClient:
         if isinstance(error, RequestNotReplayedError):
             self._failed(error, None)
 
-    # -- discovery -------------------------------------------------------------------------
-
     def snapshot(self, force: bool = False) -> Awaitable[RoleSnapshot]:
         """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
 
@@ -282,8 +240,6 @@ class InferenceClient:
         """Forget the cached snapshot: the next request fetches a fresh one."""
         self._cache.invalidate()
 
-    # -- routing and preparation -----------------------------------------------------------
-
     async def recheck(
         self,
         target: RouteTarget,
@@ -292,12 +248,10 @@ class InferenceClient:
         min_weight_version: str | None = None,
     ) -> RouteTarget:
         """``target`` if the current snapshot still routes to it, else a new decision for its
-        model — for a request whose body took a while to build for ``target`` (a rendered
-        chat template), so it is not sent to a replica that went away meanwhile.
+        model: for a body that took a while to build for ``target`` (a rendered chat template).
 
         Still routes: the model is READY and, for a DIRECT target, the head is READY,
-        direct-eligible, at the same URL and generation (and, with ``min_weight_version``,
-        serves at least that version). The snapshot is the cached one while fresh.
+        direct-eligible, at the same URL and generation (and serves ``min_weight_version``).
 
         :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`).
         """
@@ -322,9 +276,7 @@ class InferenceClient:
                     ):
                         return target
         return await self.resolve(
-            model=target.model_id,
-            affinity_key=affinity_key,
-            min_weight_version=min_weight_version,
+            model=target.model_id, affinity_key=affinity_key, min_weight_version=min_weight_version
         )
 
     async def resolve(
@@ -338,12 +290,9 @@ class InferenceClient:
     ) -> RouteTarget:
         """Where a request would go now: a routing decision (round-robin advances).
 
-        ``min_weight_version``: only heads serving at least that weight version qualify.
-        ``avoid``: base URLs to leave out unless no other head is eligible (heads whose circuit
-        breaker is open are avoided too). A 503 (the model is not READY, no replica is
-        eligible, none has the version) gets one refresh of the snapshot and one retry; a second
-        503 reaches the caller with its ``retry_after``. Raises ``RoutingError`` (400: unknown
-        model or route key; 503).
+        ``avoid``: base URLs to leave out unless no other head is eligible (as are heads whose
+        breaker is open). A 503 gets one refresh of the snapshot and one retry. Raises
+        ``RoutingError`` (400: unknown model or route key; 503 with ``retry_after``).
         """
         cache = self._cache
         snap = cache.fresh()
@@ -386,17 +335,13 @@ class InferenceClient:
     ) -> PreparedRequest:
         """Resolve and build the request to send: URL, headers and body bytes.
 
-        ``payload`` is a JSON object, as a mapping or as its encoded bytes (bytes are sent as
-        they are when no field must change). ``model``/``route_key`` default to the payload's
-        fields of those names. ``headers`` are a caller's incoming headers (a gateway's):
-        hop-by-hop headers are dropped; ``X-Request-ID`` and ``X-SMG-Routing-Key`` are used when
-        ``request_id``/``affinity_key`` are not given. ``target``: a target :meth:`resolve`
-        already chose for this request (e.g. to build the body for its model first); it is
-        used as it is, without a second routing decision (which would, for instance, advance
-        round-robin twice); ``model``/``route_key`` are then ignored.
-        ``min_weight_version`` defaults to the payload's ``min_weight_version`` field, then to
-        the caller's ``X-Relax-Min-Weight-Version`` header; ``avoid``: base URLs to leave out
-        (see :meth:`resolve`).
+        ``payload`` is a JSON object, as a mapping or as its encoded bytes (sent as they are
+        when no field must change). ``model``/``route_key`` default to the payload's fields.
+        ``headers`` are a caller's incoming headers (a gateway's): hop-by-hop ones are dropped;
+        ``X-Request-ID`` and ``X-SMG-Routing-Key`` stand in for ``request_id``/``affinity_key``.
+        ``target``: one :meth:`resolve` already chose, used as it is (no second decision;
+        ``model``/``route_key`` ignored). ``min_weight_version`` defaults to the payload's
+        field, then to the ``X-Relax-Min-Weight-Version`` header; ``avoid``: see :meth:`resolve`.
 
         Raises :class:`~relax_core.errors.InvalidRequestError` (400: the payload is not a JSON
         object, ``model``/``route_key``/``min_weight_version`` are not strings) and
@@ -434,8 +379,6 @@ class InferenceClient:
             PreparedRequest, (target.url.rstrip("/") + path, raw, out, request_id, target, "POST")
         )
 
-    # -- sending ---------------------------------------------------------------------------
-
     def _track(self, prepared: PreparedRequest) -> str | None:
         target = prepared.target
         engine_id = target.engine_id if target is not None else None
@@ -461,13 +404,10 @@ class InferenceClient:
     ) -> UpstreamResponse:
         """Send a prepared request once; return the response when its headers arrived.
 
-        The low-level primitive under :meth:`open`: the body is not read and the status is not
-        checked (an upstream 502/503/504 still invalidates the snapshot). Close the response
-        (``async with``). Raises :class:`~relax_core.errors.UpstreamUnreachableError` (nothing
-        sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed); both, and
-        cancellation, invalidate the snapshot. ``stream_idle_timeout`` /
-        ``stream_first_chunk_timeout``: this request's idle limits when its body is read piece
-        by piece (``None``: the client's; ``math.inf``: none).
+        The primitive under :meth:`open`: the body is not read nor the status checked. Close the
+        response. Raises :class:`~relax_core.errors.UpstreamUnreachableError` (nothing sent) or
+        :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed). The idle limits:
+        ``None`` takes the client's, ``math.inf`` means none.
         """
         transport = self._transport
         idle = _limit(stream_idle_timeout, transport.stream_idle_timeout)
@@ -526,15 +466,8 @@ class InferenceClient:
         payload: Mapping[str, Any] | bytes,
         routing: RouteOptions,
     ) -> T:
-        """Prepare, then ``attempt`` the request, with the one safe retry.
-
-        When no connection could be opened (nothing was sent), the failure invalidated the
-        snapshot: the request is routed again on a fresh one, to another replica when there is
-        one (the one that failed is avoided), and attempted once more, with the same request
-        id. A caller-chosen ``target`` pinned the model (its body may be built for it): the
-        retry keeps the model and lets the resolver pick the replica. Nothing else is ever
-        retried.
-        """
+        """Prepare, then ``attempt`` the request, with the one safe retry (see :meth:`open`);
+        a caller-chosen ``target`` keeps its model on the retry (its body may be built for it)."""
         prepared = await self.prepare(path, payload, **routing)
         try:
             return await attempt(prepared)
@@ -556,14 +489,12 @@ class InferenceClient:
 
         What a gateway forwards through: :meth:`prepare` then :meth:`send`, with the one safe
         retry: when no connection could be opened (nothing was sent), the request is routed
-        again on a fresh snapshot and sent once more (with the same request id; a given
-        ``target`` is re-resolved to another replica of the same model). The status is not
-        checked and the body is not read: relay it (``iter_chunks``) or read it, and close the
-        response (``async with``). Raises ``RoutingError`` before sending,
+        again on a fresh snapshot, avoiding the failed head, and sent once more with the same
+        request id. The status is not checked and the body is not read: relay or read it, and
+        close the response (``async with``). Raises ``RoutingError`` before sending,
         :class:`~relax_core.errors.UpstreamUnreachableError` when the retry could not connect
         either, :class:`~relax_core.errors.RequestNotReplayedError` after sending. ``options``:
-        :class:`OpenOptions`, the routing ones as in :meth:`prepare`, the timeouts as in
-        :meth:`send`. Returns a coroutine (``await client.open(...)``).
+        :class:`OpenOptions` (as in :meth:`prepare` and :meth:`send`).
         """
         attempt = functools.partial(
             self.send,
@@ -575,53 +506,31 @@ class InferenceClient:
         return self._routed(attempt, path, payload, options)
 
     async def post(
-        self,
-        path: str,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        **routing: Unpack[RouteOptions],
+        self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[PostOptions]
     ) -> Any:
         """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
 
-        ``routing``: :class:`RouteOptions` (as in :meth:`prepare`); ``timeout``: this request's
-        deadline (``None``: the client's). Raises ``RoutingError`` (400/503) before sending;
-        :class:`~relax_core.errors.UpstreamStatusError` when the upstream answers 4xx/5xx (its
-        status and body); :class:`~relax_core.errors.RequestNotReplayedError` (502/504, with the
-        request id) when the exchange failed after sending;
-        :class:`~relax_core.errors.UpstreamUnreachableError` when no connection could be opened
-        even after one refresh and retry; ``UpstreamError(502)`` for a 2xx body that is not
-        JSON.
+        ``options``: :class:`PostOptions` (the routing ones as in :meth:`prepare`). Raises as
+        :meth:`open`, plus :class:`~relax_core.errors.UpstreamStatusError`
+        for a 4xx/5xx answer and ``UpstreamError(502)`` for a 2xx body that is not JSON.
         """
-        attempt = functools.partial(self._exchange, timeout=timeout)
-        status, headers, body, prepared = await self._routed(attempt, path, payload, routing)
+        attempt = functools.partial(self._exchange, timeout=options.pop("timeout", None))
+        status, headers, body, prepared = await self._routed(attempt, path, payload, options)
         if status >= 400:
             raise status_error(status, body, headers, prepared)
         return decode_answer(body, prepared, f"answered {status} with a body")
 
     def generate(
-        self,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        **routing: Unpack[RouteOptions],
+        self, payload: Mapping[str, Any] | bytes, **options: Unpack[PostOptions]
     ) -> Coroutine[Any, Any, Any]:
-        """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``.
-
-        Returns :meth:`post`'s coroutine (a plain function: one frame fewer on the hot path);
-        ``await client.generate(...)`` as usual.
-        """
-        return self.post("/generate", payload, timeout=timeout, **routing)
+        """POST an SGLang ``/generate`` payload (``model``, ``route_key`` dropped); see ``post``."""
+        return self.post("/generate", payload, **options)
 
     def chat(
-        self,
-        payload: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        **routing: Unpack[RouteOptions],
+        self, payload: Mapping[str, Any] | bytes, **options: Unpack[PostOptions]
     ) -> Coroutine[Any, Any, Any]:
         """POST an OpenAI chat payload to ``/v1/chat/completions`` (``model`` → served name)."""
-        return self.post("/v1/chat/completions", payload, timeout=timeout, **routing)
+        return self.post("/v1/chat/completions", payload, **options)
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -630,22 +539,17 @@ class InferenceClient:
         """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
 
         ``options``: those of :meth:`open`. An upstream error status raises
-        :class:`~relax_core.errors.UpstreamStatusError` before the block runs. The deadline
-        covers the whole stream; a stream silent for longer than ``stream_idle_timeout``
-        (``stream_first_chunk_timeout`` before its first bytes) fails with a 504 at once. A
-        failure mid-stream raises :class:`~relax_core.errors.RequestNotReplayedError`; nothing
-        is replayed.
+        :class:`~relax_core.errors.UpstreamStatusError` before the block runs; the deadline
+        covers the whole stream; a failure mid-stream (a stall past the idle limits: 504) raises
+        :class:`~relax_core.errors.RequestNotReplayedError`.
         """
         async with await self.open(path, payload, **options) as resp:
             if resp.status >= 400:
                 resp.raise_for_status(await resp.read())
             yield resp
 
-    # -- lifetime --------------------------------------------------------------------------
-
     async def aclose(self) -> None:
-        """Close the HTTP session the client created and stop its breakers' probes
-        (idempotent)."""
+        """Close the session the client created and stop its breakers' probes (idempotent)."""
         self._closed = True
         if self._breakers is not None:
             await self._breakers.aclose()
@@ -682,13 +586,10 @@ def _json_object(payload: object) -> tuple[dict[str, Any], bytes | None]:
         return payload, None
     if isinstance(payload, bytes | bytearray | memoryview):
         raw = bytes(payload)
-        body = decode_json_body(raw)
-        if type(body) is not dict:
-            raise InvalidRequestError(
-                f"the request body must be a JSON object, got {type(body).__name__}"
-            )
-        return body, raw
-    if isinstance(payload, Mapping):
+        payload = decode_json_body(raw)
+        if type(payload) is dict:
+            return payload, raw
+    elif isinstance(payload, Mapping):
         return dict(payload), None
     raise InvalidRequestError(
         f"the request body must be a JSON object, got {type(payload).__name__}"
@@ -711,12 +612,8 @@ def _string_field(body: Mapping[str, Any], name: str) -> str | None:
 
 
 def _body_for(path: str, body: dict[str, Any], raw: bytes | None, served: str) -> bytes:
-    """The bytes sent to ``path``: ``raw`` when no field changes, else ``body`` rewritten.
-
-    ``/generate`` loses the logical ``model``, ``route_key`` and ``min_weight_version``; an
-    OpenAI path gets ``model`` set to the target's served name and loses ``route_key`` and
-    ``min_weight_version``; other paths are sent unchanged.
-    """
+    """The bytes sent to ``path``: ``raw`` when no field changes, else ``body`` without the
+    ``_ROUTING_FIELDS`` (an OpenAI path's ``model`` becomes ``served``)."""
     if path in GENERATE_PATHS:
         if "model" in body or "route_key" in body or MIN_WEIGHT_VERSION_FIELD in body:
             body = {k: v for k, v in body.items() if k not in _ROUTING_FIELDS}

@@ -1,9 +1,5 @@
-"""One shared :class:`~relax_core.client.client.InferenceClient` per event loop.
-
-Code called once per sample (a reward function, a teacher prefill) should not build and close
-a client each time: that throws away the connection pool and the snapshot cache. It calls
-:func:`get_client` instead, which returns the running loop's client for that source, created
-on first use and closed when the loop shuts down.
+"""One shared :class:`~relax_core.client.client.InferenceClient` per event loop, for code
+called once per sample (a reward function) that should not build and close a client each time.
 """
 
 from __future__ import annotations
@@ -56,10 +52,9 @@ def get_client(
 ) -> InferenceClient:
     """The shared :class:`InferenceClient` of the running event loop for this source.
 
-    One client (one connection pool, one snapshot cache) per event loop and per
-    ``(base_url or snapshot_provider, role, options)``, for callers that do not manage a
-    client. It is closed when the loop is shut down by ``asyncio.run`` (or ``uvloop.run``), or
-    by :func:`close_clients`. Must be called inside a running event loop.
+    One client per event loop and per ``(base_url or snapshot_provider, role, options)``,
+    closed when ``asyncio.run`` (or ``uvloop.run``) shuts the loop down, or by
+    :func:`close_clients`. Must be called inside a running event loop.
     """
     try:
         loop = asyncio.get_running_loop()

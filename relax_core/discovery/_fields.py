@@ -48,8 +48,7 @@ def to_enum(kind: type[E], field: str, value: object) -> E:
         except ValueError:
             pass
     raise SnapshotError(
-        field,
-        f"unknown {field} {value!r}; expected one of {', '.join(m.value for m in kind)}",
+        field, f"unknown {field} {value!r}; expected one of {', '.join(m.value for m in kind)}"
     )
 
 
@@ -108,11 +107,11 @@ def check_int(field: str, value: object) -> int:
     return value
 
 
-def _validator(check: Callable[[str, object], object], field: str) -> Validator:
-    """An attrs validator running ``check(field, value)``."""
+def validator(check: Callable[..., object], field: str, *args: Any) -> Validator:
+    """An attrs validator running ``check(field, value, *args)``."""
 
     def run(_i: Any, _a: Any, value: Any) -> None:
-        check(field, value)
+        check(field, value, *args)
 
     return run
 
@@ -122,26 +121,6 @@ def check_bool(field: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise SnapshotError(field, f"must be true or false, got {value!r}")
     return value
-
-
-def v_url(field: str) -> Validator:
-    """An attrs validator: :func:`check_url` on ``field``."""
-    return _validator(check_url, field)
-
-
-def v_int(field: str) -> Validator:
-    """An attrs validator: :func:`check_int` on ``field``."""
-    return _validator(check_int, field)
-
-
-def v_str(field: str) -> Validator:
-    """An attrs validator: :func:`check_str` on ``field``."""
-    return _validator(check_str, field)
-
-
-def v_bool(field: str) -> Validator:
-    """An attrs validator: :func:`check_bool` on ``field``."""
-    return _validator(check_bool, field)
 
 
 def frozen_map(value: object) -> Mapping[str, Any]:

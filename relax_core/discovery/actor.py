@@ -1,20 +1,17 @@
 """A role's registry in a Ray actor, so managers in other processes publish into one snapshot.
 
-A manager publishes through three calls (``set_model``, ``set_engine``, ``remove_engine``). When
-managers live in Ray actors (:mod:`relax_core.manager.actor`), each one gets a
-:class:`RemotePublisher`: the same calls, forwarded (blocking, in order) to a
-:class:`RegistryActor` that holds the role's real
-:class:`~relax_core.discovery.publisher.RegistryPublisher` — so the role still has one
-schema-2 snapshot, with the publisher's rules (revision, generations, FAILED without a URL).
-Readers use :meth:`RemotePublisher.snapshot` or, as an
-:class:`~relax_core.client.client.InferenceClient` snapshot provider,
+Each manager gets a :class:`RemotePublisher`: the publisher calls, forwarded (blocking, in
+order) to a :class:`RegistryActor` holding the role's one
+:class:`~relax_core.discovery.publisher.RegistryPublisher`. Readers use
+:meth:`RemotePublisher.snapshot` or, as an ``InferenceClient`` snapshot provider,
 :meth:`RemotePublisher.fetch`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypeAlias
 
 from relax_core._proxy import remote_errors
 from relax_core.discovery.liveness import ManagerLiveness, actor_ping, actor_republish
@@ -23,6 +20,10 @@ from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
 from relax_core.errors import SnapshotError
 
 __all__ = ["RegistryActor", "RemotePublisher", "start_registry_actor"]
+
+_Fields: TypeAlias = dict[str, Any]
+_Engines: TypeAlias = Collection[tuple[str, _Fields]]
+_FORWARDED = frozenset({"set_model", "set_engine", "remove_engine", "publish_many", "invalidate"})
 
 
 class RegistryActor:
@@ -42,26 +43,11 @@ class RegistryActor:
         self._liveness_interval = liveness_interval
         self._liveness: ManagerLiveness | None = None
 
-    def set_model(self, model_id: str, fields: dict[str, Any]) -> None:
-        self._publisher.set_model(model_id, **fields)
-
-    def set_engine(self, model_id: str, engine_id: str, fields: dict[str, Any]) -> int:
-        return self._publisher.set_engine(model_id, engine_id, **fields)
-
-    def remove_engine(self, model_id: str, engine_id: str) -> None:
-        self._publisher.remove_engine(model_id, engine_id)
-
-    def publish_many(
-        self,
-        model_id: str,
-        model: dict[str, Any],
-        engines: list[tuple[str, dict[str, Any]]],
-        removed: list[str],
-    ) -> dict[str, int]:
-        return self._publisher.publish_many(model_id, model, engines, removed)
-
-    def invalidate(self, model_ids: list[str] | None = None) -> None:
-        self._publisher.invalidate(model_ids)
+    def call(self, method: str, *args: Any, **fields: Any) -> Any:
+        """``RegistryPublisher.<method>(*args, **fields)`` for the forwarded publisher calls."""
+        if method not in _FORWARDED:
+            raise AttributeError(f"the registry actor forwards only {sorted(_FORWARDED)}")
+        return getattr(self._publisher, method)(*args, **fields)
 
     def watch_manager(self, model_id: str, manager_actor: Any) -> None:
         """Watch ``model_id``'s manager actor; its model goes UNKNOWN when it is gone."""
@@ -91,73 +77,53 @@ class RemotePublisher:
         self.role = role
         self.timeout = timeout
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _wait(self, method: str, ref: Any) -> Any:
         import ray
 
         def error(why: str) -> SnapshotError:
             return SnapshotError("", f"role {self.role!r} registry: {method}: {why}")
 
         with remote_errors(error, actor="its registry actor", timeout=self.timeout):
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout)
+            return ray.get(ref, timeout=self.timeout)
+
+    def _call(self, method: str, *args: Any, **fields: Any) -> Any:
+        if method in _FORWARDED:
+            return self._wait(method, self.actor.call.remote(method, *args, **fields))
+        return self._wait(method, getattr(self.actor, method).remote(*args))
 
     def set_model(self, model_id: str, **fields: Any) -> None:
         """See :meth:`RegistryPublisher.set_model`."""
-        self._call("set_model", model_id, fields)
+        self._call("set_model", model_id, **fields)
 
     def set_engine(self, model_id: str, engine_id: str, **fields: Any) -> int:
         """See :meth:`RegistryPublisher.set_engine`."""
-        generation: int = self._call("set_engine", model_id, engine_id, fields)
+        generation: int = self._call("set_engine", model_id, engine_id, **fields)
         return generation
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         """See :meth:`RegistryPublisher.remove_engine`."""
         self._call("remove_engine", model_id, engine_id)
 
-    def publish_many(
-        self,
-        model_id: str,
-        model: dict[str, Any],
-        engines: Collection[tuple[str, dict[str, Any]]] = (),
-        removed: Collection[str] = (),
-    ) -> dict[str, int]:
+    def publish_many(self, *args: Any, **kwargs: Any) -> dict[str, int]:
         """See :meth:`RegistryPublisher.publish_many`: one round trip to the registry."""
-        generations: dict[str, int] = self._call(
-            "publish_many", model_id, model, list(engines), list(removed)
-        )
-        return generations
+        return self.publish_many_begin(*args, **kwargs)()
 
     def publish_many_begin(
-        self,
-        model_id: str,
-        model: dict[str, Any],
-        engines: Collection[tuple[str, dict[str, Any]]] = (),
-        removed: Collection[str] = (),
+        self, model_id: str, model: _Fields, engines: _Engines = (), removed: Collection[str] = ()
     ) -> Callable[[], dict[str, int]]:
         """:meth:`publish_many` sent now, its answer awaited when the returned function is
-        called (and its error raised there): a manager overlaps a publication with its engine
-        calls. The registry applies its calls in the order a caller sent them."""
-        import ray
-
-        ref = self.actor.publish_many.remote(model_id, model, list(engines), list(removed))
-
-        def wait() -> dict[str, int]:
-            def error(why: str) -> SnapshotError:
-                return SnapshotError("", f"role {self.role!r} registry: publish_many: {why}")
-
-            with remote_errors(error, actor="its registry actor", timeout=self.timeout):
-                generations: dict[str, int] = ray.get(ref, timeout=self.timeout)
-                return generations
-
-        return wait
+        called (and its error raised there). The registry applies calls in the order sent."""
+        args = (model_id, model, list(engines), list(removed))
+        ref = self.actor.call.remote("publish_many", *args)
+        return functools.partial(self._wait, "publish_many", ref)
 
     def invalidate(self, model_ids: Collection[str] | None = None) -> None:
         """See :meth:`RegistryPublisher.invalidate`."""
         self._call("invalidate", None if model_ids is None else sorted(model_ids))
 
     def watch_manager(self, model_id: str, manager_actor: Any) -> None:
-        """Have the registry watch ``model_id``'s manager actor: when the actor is gone (or
-        stops answering), the model and its engines are published UNKNOWN, so nothing is
-        routed to engines no manager looks after
+        """Have the registry watch ``model_id``'s manager actor: when it is gone (or stops
+        answering) the model and its engines are published UNKNOWN
         (:class:`~relax_core.discovery.liveness.ManagerLiveness`)."""
         self._call("watch_manager", model_id, manager_actor)
 
@@ -166,8 +132,8 @@ class RemotePublisher:
         return RoleSnapshot.from_json(self._call("snapshot"))
 
     async def fetch(self) -> dict[str, Any]:
-        """The role's current snapshot as a schema-2 dict — an ``InferenceClient``
-        ``snapshot_provider`` (awaits the actor without blocking the loop)."""
+        """The role's current snapshot as a schema-2 dict (an ``InferenceClient``
+        ``snapshot_provider``; does not block the loop)."""
         snap: dict[str, Any] = await self.actor.snapshot.remote()
         return snap
 
@@ -189,9 +155,7 @@ def start_registry_actor(
 ) -> RemotePublisher:
     """Create ``role``'s registry actor on the connected Ray (no CPU, no GPU reserved); return
     the publisher to hand to each of the role's managers. ``liveness_interval``: seconds
-    between the registry's pings of the manager actors it watches
-    (:meth:`RemotePublisher.watch_manager`; :func:`~relax_core.manager.actor.start_manager_actor`
-    registers each manager actor it starts with a ``RemotePublisher``)."""
+    between the registry's pings of the manager actors it watches."""
     import ray
 
     options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0}

@@ -1,20 +1,9 @@
 """Manager liveness: a model whose manager is gone is published UNKNOWN, not left routable.
 
-A manager publishes its model's state; nothing else does. When a manager lives in another
-process (a Ray actor, :mod:`relax_core.manager.actor`) and that process dies, the role's
-registry would go on publishing its last word — READY heads with URLs — for engines that nobody
-health-checks or recovers any more. :class:`ManagerLiveness` watches each manager with a cheap
-ping and, the same rule as a replica's health:
-
-- a **definite death** (the ping returns ``False``: its actor is dead) marks the model and its
-  engines UNKNOWN at once (:meth:`RegistryPublisher.invalidate`), so gateways and
-  clients answer 503 instead of routing to it;
-- ``misses`` failed pings in a row (it does not answer: a stopped or overloaded process) do
-  the same; a later answer asks the manager to publish again (``republish``), which restores
-  its real state.
-
-:meth:`RemotePublisher.watch_manager <relax_core.discovery.actor.RemotePublisher.watch_manager>`
-runs one inside the role's registry actor for every manager actor started with it.
+When a manager's process dies, the registry would go on publishing its last word (READY heads)
+for engines nobody looks after. :class:`ManagerLiveness` pings each manager: a definite death
+(the ping returns ``False``) or ``misses`` failed pings in a row invalidate its model
+(:meth:`RegistryPublisher.invalidate`); a later answer asks the manager to ``republish``.
 """
 
 from __future__ import annotations
@@ -43,11 +32,9 @@ class _Watched:
 class ManagerLiveness:
     """Pings the managers of one registry every ``interval`` seconds (see the module docstring).
 
-    ``publisher``: what ``invalidate(model_ids)`` is called on (a
-    :class:`~relax_core.discovery.publisher.RegistryPublisher`). ``misses``: failed pings in a
-    row before a model that still may come back is marked UNKNOWN. A ping must bound its own
-    time (a timeout of a few seconds). Runs on a daemon thread once :meth:`start` is called;
-    :meth:`check` runs one round (tests, or a caller's own schedule).
+    ``publisher``: what ``invalidate(model_ids)`` is called on. ``misses``: failed pings in a
+    row before the model is marked UNKNOWN. A ping must bound its own time. Runs on a daemon
+    thread once :meth:`start` is called; :meth:`check` runs one round.
     """
 
     def __init__(self, publisher: Any, *, interval: float = 2.0, misses: int = 3) -> None:

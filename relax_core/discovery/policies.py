@@ -1,26 +1,12 @@
 """The built-in DIRECT replica-selection policies: ``round_robin``, ``rendezvous`` and
 ``bounded_rendezvous``.
 
-A selector picks one of a model's DIRECT candidates (the READY, ``direct_eligible`` heads, in
-``engine_id`` order). Candidates are objects with a stable ``engine_id`` attribute (the resolver
-passes :class:`~relax_core.discovery.routing.RouteTarget` objects); a selector returns one of them.
-State is process-local: each resolver builds its own selectors through ``RoutingPolicy.factory``.
-
-Rendezvous scoring, precisely (so every process, gateway or direct client, picks the same head):
-
-* the affinity key (UTF-8) is hashed to one of 65,536 *slots*:
-  ``slot = int.from_bytes(blake2b(key, digest_size=2).digest(), "little")``;
-* the slot is mixed with the role and model: ``x = blake2b(role NUL model NUL slot(2 bytes LE),
-  digest_size=8)`` read as a little-endian integer;
-* each engine has coefficients from ``blake2b(role NUL model NUL engine_id, digest_size=16)``:
-  ``a`` (low 8 bytes, made odd) and ``b`` (high 8 bytes);
-* ``score = (a * x + b) mod 2**64`` with its low 16 bits replaced by the engine's rank in
-  ``engine_id`` order; the highest score wins (ties in the top 48 bits go to the later id).
-
-The score is therefore a hash of (role, model, key, engine_id); removing a replica moves only the
-slots it won, and the same key and replica set always give the same replica. Slot winners are
-computed once per candidate set (64 lanes at a time with big-integer arithmetic) and cached, so
-a lookup costs one small blake2b and a table read.
+A selector picks one of a model's DIRECT candidates (objects with a stable ``engine_id``, in
+``engine_id`` order; the resolver passes :class:`~relax_core.discovery.routing.RouteTarget`
+objects) and returns one of them. State is process-local: each resolver builds its own
+selectors through ``RoutingPolicy.factory``. The rendezvous score, which every process computes
+alike, is specified in docs/discovery-and-routing.md; slot winners are computed once per
+candidate set (64 lanes at a time with big-integer arithmetic) and cached.
 """
 
 from __future__ import annotations
@@ -217,19 +203,11 @@ class RendezvousSelector:
         self._tables = _Tables()
         self._slot = _SlotCache()
 
-    def select(
-        self,
-        *,
-        role: str,
-        epoch: str,
-        model: str,
-        candidates: tuple[Any, ...],
-        affinity_key: str | None,
-        inflight: Mapping[str, int] | None,
-    ) -> Any:
-        """The candidate :meth:`_rank` picks for ``affinity_key``'s slot."""
+    def select(self, *, role: str, model: str, candidates: tuple[Any, ...], **request: Any) -> Any:
+        """The candidate :meth:`_rank` picks for the ``affinity_key``'s slot."""
         table = self._tables.get(role, model, candidates)
-        return candidates[self._rank(table, self._slot(affinity_key), inflight)]
+        slot = self._slot(request.get("affinity_key"))
+        return candidates[self._rank(table, slot, request.get("inflight"))]
 
     def _rank(self, table: _Table, slot: int, inflight: Mapping[str, int] | None) -> int:
         """The rank of the slot's highest-scoring candidate; plain rendezvous ignores the load."""
@@ -247,11 +225,9 @@ RENDEZVOUS = RoutingPolicy(
 class BoundedRendezvousSelector(RendezvousSelector):
     """Rendezvous with bounded load: hot keys cannot pile onto one head.
 
-    With ``n`` candidates carrying ``total`` in-flight requests (from ``inflight``, by
-    engine id; missing ids count 0), the bound is ``ceil(c * (total + 1) / n)``. The request goes
-    to the highest-scoring candidate whose in-flight count is below the bound, i.e. one that
-    stays within the bound after taking it. Since ``c >= 1`` one always is. Without
-    ``inflight`` it is plain rendezvous.
+    With ``n`` candidates carrying ``total`` in-flight requests (``inflight`` by engine id), the
+    bound is ``ceil(c * (total + 1) / n)``; the request goes to the highest-scoring candidate
+    whose in-flight count is below it (one always is). Without ``inflight``: plain rendezvous.
 
     :param c: the load factor, ``>= 1`` (default 1.25). Smaller keeps loads tighter and moves
         more keys off their preferred head.

@@ -1,21 +1,9 @@
 """The registry publisher: the mutable side of a role's schema-2 snapshot.
 
 Managers tell a :class:`RegistryPublisher` what changed (a model's state, an engine's URL); it
-publishes immutable :class:`~relax_core.discovery.schema.RoleSnapshot` objects. Its rules:
-
-* ``registry_epoch`` names this publisher's incarnation (a fresh one per process start unless
-  given), so a reader can tell a restarted registry from an old one;
-* ``topology_revision`` moves only when the published content really changes (setting a value
-  to what it already is publishes nothing new);
-* an engine's ``generation`` starts at 1 and moves when its endpoint changes or its worker is
-  replaced (``replaced=True``);
-* a FAILED engine is published without a URL, and is never ``direct_eligible``;
-* :meth:`RegistryPublisher.invalidate` marks every model and engine UNKNOWN (nothing routable)
-  until the managers report again.
-
-Every change is validated where it enters, with the same rules as the schema, so the publisher
-cannot publish an invalid snapshot. Routing targets are checked when a snapshot is taken (models
-may be added after the routing spec); removing a model the routing still points to is refused.
+publishes immutable :class:`~relax_core.discovery.schema.RoleSnapshot` objects, validating each
+change where it enters. Its rules (epoch, revision, generations, FAILED without a URL,
+invalidation) are docs/discovery-and-routing.md's.
 """
 
 from __future__ import annotations
@@ -27,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from relax_core.discovery._fields import build_at
 from relax_core.discovery.schema import (
     EngineView,
     ModelState,
@@ -42,6 +31,13 @@ from relax_core.records import RouteMode
 
 __all__ = ["RegistryPublisher"]
 
+
+def _routing(routing: object) -> RoutingSpec:
+    if not isinstance(routing, RoutingSpec):
+        raise SnapshotError("routing", f"must be a RoutingSpec, got {type(routing).__name__}")
+    return routing
+
+
 _UNSET: Any = object()
 
 
@@ -53,6 +49,11 @@ class _Engine:
     generation: int
     view: EngineView
     weight_version: str | None = None
+
+    @property
+    def kept(self) -> tuple[int, str | None]:
+        """What a state change keeps: the generation and the weight version."""
+        return self.generation, self.weight_version
 
 
 @attrs.define
@@ -78,16 +79,12 @@ def _engine_view(
 class RegistryPublisher:
     """Holds one role's models and publishes its schema-2 snapshots.
 
-    :param role: the role name.
     :param routing: the role's routing spec (its targets must exist when a snapshot is taken).
     :param epoch: the registry epoch; default a fresh ``<role>-<random hex>``.
-    :param weight_sources: names, records or a plugin manager (see
-        :meth:`RoleSnapshot.check_sources`); default the built-in STATIC, ACTOR, DCS.
-    :param static_roles: roles whose models must be STATIC (default: see
-        :meth:`RoleSnapshot.check_sources`).
+    :param weight_sources, static_roles: as :meth:`RoleSnapshot.check_sources` takes them.
 
-    Thread-safe: every method takes one lock. :meth:`snapshot` is cheap when nothing changed
-    (it returns the cached object).
+    Thread-safe: every method takes one lock. :meth:`snapshot` returns the cached object when
+    nothing changed.
     """
 
     def __init__(
@@ -99,10 +96,8 @@ class RegistryPublisher:
         weight_sources: WeightSources | None = None,
         static_roles: Collection[str] | None = None,
     ) -> None:
-        if not isinstance(routing, RoutingSpec):
-            raise SnapshotError("routing", f"must be a RoutingSpec, got {type(routing).__name__}")
         self._role = role
-        self._routing = routing
+        self._routing = _routing(routing)
         self._epoch = epoch if epoch is not None else f"{role}-{uuid.uuid4().hex[:16]}"
         self._weight_sources = weight_sources
         self._static_roles = static_roles
@@ -110,16 +105,7 @@ class RegistryPublisher:
         self._revision = 0
         self._cached: RoleSnapshot | None = None
         self._lock = threading.RLock()
-        # Validate role and epoch now, with an empty snapshot.
-        RoleSnapshot(
-            role=role,
-            registry_epoch=self._epoch,
-            topology_revision=0,
-            routing=RoutingSpec(policy=routing.policy),
-            models={},
-        )
-
-    # -- reading ---------------------------------------------------------------------------
+        self._empty(routing=RoutingSpec(policy=routing.policy))  # checks role and epoch now
 
     @property
     def role(self) -> str:
@@ -161,31 +147,20 @@ class RegistryPublisher:
                     )
                     for model_id, entry in self._models.items()
                 }
-                snapshot = RoleSnapshot(
-                    role=self._role,
-                    registry_epoch=self._epoch,
-                    topology_revision=self._revision,
-                    routing=self._routing,
-                    models=models,
-                )
+                snapshot = self._empty(self._revision, routing=self._routing, models=models)
                 snapshot.check_sources(
                     weight_sources=self._weight_sources, static_roles=self._static_roles
                 )
                 self._cached = snapshot
             return self._cached
 
-    # -- routing ---------------------------------------------------------------------------
-
     def set_routing(self, routing: RoutingSpec) -> None:
         """Replace the routing spec (its targets are checked when the next snapshot is taken)."""
-        if not isinstance(routing, RoutingSpec):
-            raise SnapshotError("routing", f"must be a RoutingSpec, got {type(routing).__name__}")
+        _routing(routing)
         with self._lock:
             if routing != self._routing:
                 self._routing = routing
                 self._changed()
-
-    # -- models ----------------------------------------------------------------------------
 
     def set_model(
         self,
@@ -249,19 +224,12 @@ class RegistryPublisher:
         with self._lock:
             self._model(model_id)
             routing = self._routing
-            refs = []
-            if routing.default_model == model_id:
-                refs.append("routing.default_model")
-            refs += [
-                f"routing.route_key_map[{key!r}]"
-                for key, target in routing.route_key_map.items()
-                if target == model_id
-            ]
-            refs += [
-                f"routing.aliases[{key!r}]"
-                for key, target in routing.aliases.items()
-                if target == model_id
-            ]
+            refs = ["routing.default_model"] if routing.default_model == model_id else []
+            for name, table in (
+                ("route_key_map", routing.route_key_map),
+                ("aliases", routing.aliases),
+            ):
+                refs += [f"routing.{name}[{key!r}]" for key, to in table.items() if to == model_id]
             if refs:
                 raise SnapshotError(
                     f"models.{model_id}",
@@ -270,8 +238,6 @@ class RegistryPublisher:
                 )
             del self._models[model_id]
             self._changed()
-
-    # -- engines ---------------------------------------------------------------------------
 
     def set_engine(
         self,
@@ -286,11 +252,10 @@ class RegistryPublisher:
     ) -> int:
         """Publish a replica head, or update it; return its generation.
 
-        A new head starts at generation 1; the generation moves when ``base_url`` differs from
-        the last one reported or ``replaced`` is true (a new worker behind the same URL).
-        ``direct_eligible`` defaults to "READY with a URL"; pass ``False`` to keep a READY head
-        out of DIRECT routing (admission closed, draining soon). ``weight_version``: the version
-        the head serves (versioned weight sources only).
+        A new head starts at generation 1, which moves when ``base_url`` changes or
+        ``replaced`` (a new worker behind the same URL). ``direct_eligible`` defaults to "READY
+        with a URL" (``False`` keeps a READY head out of DIRECT routing). ``weight_version``:
+        what the head serves (versioned weight sources only).
 
         :raises KeyError: the model is not published.
         :raises SnapshotError: the head breaks a schema rule
@@ -318,8 +283,7 @@ class RegistryPublisher:
     ) -> dict[str, int]:
         """:meth:`set_model` (``model``: its fields), then :meth:`set_engine` for each
         ``(engine_id, fields)`` of ``engines`` and :meth:`remove_engine` for each of
-        ``removed``, under one lock: what a manager publishes after a change, in one call (one
-        round trip where the registry lives in an actor). Returns each engine's generation.
+        ``removed``, under one lock; returns each engine's generation.
 
         :raises KeyError, SnapshotError: as the calls it makes (those before it stay applied).
         """
@@ -331,12 +295,7 @@ class RegistryPublisher:
             return generations
 
     def set_engine_state(
-        self,
-        model_id: str,
-        engine_id: str,
-        state: ModelState | str,
-        *,
-        direct_eligible: bool | None = None,
+        self, model_id: str, engine_id: str, state: str, *, direct_eligible: bool | None = None
     ) -> None:
         """Change a head's state (and eligibility), keeping its URL and generation.
 
@@ -344,15 +303,7 @@ class RegistryPublisher:
         """
         with self._lock:
             old = self._engine(model_id, engine_id)
-            self._put_engine(
-                model_id,
-                engine_id,
-                old.endpoint,
-                state,
-                direct_eligible,
-                old.generation,
-                old.weight_version,
-            )
+            self._put_engine(model_id, engine_id, old.endpoint, state, direct_eligible, *old.kept)
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         """Stop publishing a replica head (``KeyError`` if it is not published)."""
@@ -361,16 +312,9 @@ class RegistryPublisher:
             del self._models[model_id].engines[engine_id]
             self._changed()
 
-    # -- invalidation ----------------------------------------------------------------------
-
     def invalidate(self, model_ids: Collection[str] | None = None) -> None:
-        """Mark every model (or those of ``model_ids``) and its engines UNKNOWN: nothing of them
-        is routable until their managers report again.
-
-        Use it when the publisher lost contact with a model's manager (its actor died, it
-        stopped answering: :class:`~relax_core.discovery.liveness.ManagerLiveness` does this).
-        Idempotent: a second call publishes nothing new. Unknown ids are ignored.
-        """
+        """Mark every model (or those of ``model_ids``) and its engines UNKNOWN until their
+        managers report again (a lost manager). Idempotent; unknown ids are ignored."""
         with self._lock:
             changed = False
             for model_id, entry in self._models.items():
@@ -385,18 +329,18 @@ class RegistryPublisher:
                     engine.state = ModelState.UNKNOWN
                     engine.direct_eligible = None
                     engine.view = _engine_view(
-                        engine_id,
-                        engine.endpoint,
-                        engine.state,
-                        None,
-                        engine.generation,
-                        engine.weight_version,
+                        engine_id, engine.endpoint, engine.state, None, *engine.kept
                     )
                     changed = True
             if changed:
                 self._changed()
 
-    # -- internals -------------------------------------------------------------------------
+    def _empty(self, revision: int = 0, **fields: Any) -> RoleSnapshot:
+        """A snapshot of this role with ``fields`` (revision 0: to validate them)."""
+        fields = {"routing": RoutingSpec(), "models": {}, **fields}
+        return RoleSnapshot(
+            role=self._role, registry_epoch=self._epoch, topology_revision=revision, **fields
+        )
 
     def _changed(self) -> None:
         self._revision += 1
@@ -423,17 +367,8 @@ class RegistryPublisher:
 
     def _put_model(self, model_id: str, **fields: Any) -> None:
         path = f"models.{model_id}"
-        try:
-            view = ModelView(**fields)
-            RoleSnapshot(
-                role=self._role,
-                registry_epoch=self._epoch,
-                topology_revision=0,
-                routing=RoutingSpec(),
-                models={model_id: view},
-            )
-        except SnapshotError as exc:
-            raise SnapshotError(join_path(path, exc.path), exc.message) from None
+        view = build_at(path, ModelView, **fields)
+        build_at(path, self._empty, models={model_id: view})
         check_model_sources(
             self._role,
             model_id,

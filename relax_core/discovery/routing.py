@@ -2,40 +2,9 @@
 :class:`RouteTarget`.
 
 The gateway and direct clients use the same :class:`RouteResolver`, so they choose the same
-target. The decision follows the reference flowchart branch by branch:
-
-1. an explicit ``model`` is matched against model ids, then aliases; else a ``route_key`` is
-   looked up in ``route_key_map``; else the role's ``default_model`` is used. Nothing found:
-   :class:`~relax_core.errors.RoutingError` 400.
-2. a model that is not READY gets 503 with ``retry_after`` (no request is sent; refresh
-   discovery before retrying).
-3. ``SGLANG_ROUTER``: the model's ``router_url``.
-4. ``DIRECT``: the READY, ``direct_eligible`` heads (in ``engine_id`` order); none: 503 with
-   ``retry_after``. One is picked by a routing policy:
-
-   * with an ``affinity_key``: the snapshot's ``routing.policy`` if that policy
-     ``uses_affinity``, else ``rendezvous``;
-   * without: ``routing.policy`` if it does not use affinity, else ``round_robin``.
-
-   A snapshot naming a policy no installed plugin registers is a configuration error: every
-   DIRECT request of that role gets 503 naming the policy until the plugin is installed or the
-   policy changed.
-
-5. ``min_weight_version`` (a request that must not be served by older weights): a DIRECT
-   model's heads on an older version (each head's ``weight_version``, else the model's) are
-   not candidates, an ``SGLANG_ROUTER`` model must publish at least that version; nothing
-   left: 503 with ``retry_after`` (the update is being applied or not pushed yet). A STATIC
-   model has no version: 400. Versions
-   compare by :func:`weight_version_key` (``"9" < "10"``, ``"step-9" < "step-10"``; the
-   engines' initial ``"default"`` below every pushed version).
-6. ``avoid``: base URLs a caller would rather not send this request to (a head whose
-   connection just failed, or whose circuit breaker is open): they are left out, unless that
-   leaves no candidate (then a connect attempt is cheap and sends nothing: the candidates are
-   used as they are).
-
-Resolution is built for the hot path: the first resolve against a snapshot builds an index
-(name lookups, prebuilt targets, candidate tuples) cached on the snapshot; after that a resolve
-allocates nothing but what the policy needs.
+target; the decision (model, READY, router or DIRECT policy, minimum weight version, heads to
+avoid) is docs/discovery-and-routing.md's flowchart. The first resolve against a snapshot
+builds an index cached on it; after that a resolve allocates nothing but what the policy needs.
 """
 
 from __future__ import annotations
@@ -90,11 +59,9 @@ INITIAL_WEIGHT_VERSION = "default"
 def weight_version_key(version: str) -> tuple[Any, ...]:
     """The sort key of a weight version: the one total order of weight versions.
 
-    :data:`INITIAL_WEIGHT_VERSION` (the weights an engine started with) sorts below every
-    other version; the others compare digit runs as numbers and the rest as text (``"9" <
-    "10"``, ``"step-9" < "step-10"``, ``"v1.2" < "v1.10"``), and two spellings of one number
-    (``"7"`` and ``"07"``) by their text, so two versions have equal keys only when they are
-    equal strings.
+    :data:`INITIAL_WEIGHT_VERSION` sorts below every other version; the others compare digit
+    runs as numbers and the rest as text (``"9" < "10"``, ``"v1.2" < "v1.10"``); equal keys
+    only for equal strings (``"7"`` and ``"07"`` differ by their text).
     """
     if version == INITIAL_WEIGHT_VERSION:
         return (0,)
@@ -132,9 +99,8 @@ class RouteTarget:
 
     ``url`` is the router URL (``route_mode`` SGLANG_ROUTER; ``engine_id`` and ``generation``
     are ``None``) or the chosen head's base URL (DIRECT). ``weight_version`` is the head's
-    (DIRECT, when it publishes one), else the model's. ``registry_epoch`` and
-    ``topology_revision`` identify the snapshot it came from, so a caller can tell a stale
-    target after a refresh.
+    (when it publishes one), else the model's. ``registry_epoch`` and ``topology_revision``
+    identify the snapshot it came from.
     """
 
     role: str
@@ -226,10 +192,6 @@ class _SnapshotIndex:
         self.default = routing.default_model
 
 
-def _index(snapshot: RoleSnapshot) -> _SnapshotIndex:
-    return _SnapshotIndex(snapshot)
-
-
 def _names(values: Any) -> str:
     return ", ".join(f'"{v}"' for v in sorted(values)) or "(none)"
 
@@ -239,13 +201,11 @@ class RouteResolver:
 
     :param plugin_manager: where routing policies come from; default the process-wide one.
     :param retry_after: seconds per non-READY model state; default :data:`DEFAULT_RETRY_AFTER`.
-    :param sleeping_note: set when nothing will wake a SLEEPING model of this role (``relax
-        serve`` keeps deferred roles asleep): why it sleeps and what to do. Its 503 then says
-        so and carries no ``retry_after`` (no promise of a wake-up).
+    :param sleeping_note: set when nothing will wake a SLEEPING model of this role: why, and
+        what to do. Its 503 then says so and carries no ``retry_after``.
 
-    Selectors are built once per resolver and keep process-local state (round-robin cursors).
-    Thread-safe. ``resolve`` does no I/O, except that the first call of a resolver built
-    without a plugin manager loads the process-wide one (entry points).
+    Selectors keep process-local state (round-robin cursors). Thread-safe. ``resolve`` does no
+    I/O, except that a resolver built without a plugin manager loads the process-wide one.
     """
 
     def __init__(
@@ -262,8 +222,6 @@ class RouteResolver:
         # (policy name, has affinity key) -> selector to use
         self._selectors: dict[tuple[str, bool], ReplicaSelector] = {}
         self._instances: dict[str, ReplicaSelector] = {}
-
-    # -- policies --------------------------------------------------------------------------
 
     def _plugin_manager(self) -> PluginManager:
         if self._pm is None:
@@ -305,8 +263,6 @@ class RouteResolver:
         self._selectors[(policy, affinity)] = selector
         return selector
 
-    # -- resolving -------------------------------------------------------------------------
-
     def resolve(
         self,
         snapshot: RoleSnapshot,
@@ -320,22 +276,20 @@ class RouteResolver:
     ) -> RouteTarget:
         """The target for one request.
 
-        :param model: a model id or alias; wins over ``route_key``.
-        :param route_key: looked up in ``routing.route_key_map`` when no model is given.
-        :param affinity_key: requests with the same key go to the same head (DIRECT).
-        :param inflight: in-flight requests per engine id, for load-aware policies.
-        :param min_weight_version: only weights of at least this version may serve the request.
-        :param avoid: base URLs of heads to leave out unless no other is eligible (DIRECT).
+        ``model`` (an id or alias) wins over ``route_key``; ``affinity_key``: the same key goes
+        to the same DIRECT head; ``inflight``: in-flight requests per engine id;
+        ``min_weight_version``: the least weight version that may serve it; ``avoid``: DIRECT
+        base URLs to leave out unless no other head is eligible.
+
         :raises RoutingError: 400 for an unknown model, alias or route key, or no model at all;
-            503 (with ``retry_after``) when the model is not READY, has no eligible head, or
-            none with ``min_weight_version``; 503 (without) when the snapshot's policy is not
-            installed.
+            503 (with ``retry_after``) when nothing can serve it now; 503 (without) when the
+            snapshot's policy is not installed.
         """
         last = self._last
         if last[0] is snapshot:
             index: _SnapshotIndex = last[1]  # type: ignore[assignment]
         else:
-            index = snapshot.derived("relax_core.discovery.routing", _index)
+            index = snapshot.derived("relax_core.discovery.routing", _SnapshotIndex)
             self._last = (snapshot, index)
 
         if model is not None:
@@ -414,8 +368,6 @@ class RouteResolver:
                 "the candidates it was given; fix or disable the plugin that provides it",
             )
         return chosen  # type: ignore[no-any-return]
-
-    # -- errors ----------------------------------------------------------------------------
 
     @staticmethod
     def _unknown_model(index: _SnapshotIndex, model: str) -> RoutingError:

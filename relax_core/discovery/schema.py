@@ -1,14 +1,10 @@
 """Discovery schema 2: the canonical routing snapshot of one inference role.
 
 A :class:`RoleSnapshot` says, for one role, which models exist, their state, how to reach them
-(a router URL or logical replica heads) and the routing rules (:class:`RoutingSpec`). It is a
-frozen value: built in code its attrs validators enforce every rule, so a publisher cannot
-build an invalid one; parsed with :meth:`RoleSnapshot.from_json` unknown fields and values are
-rejected too. Every rule broken raises :class:`~relax_core.errors.SnapshotError` whose ``path``
-names the JSON field (``models.math.engines[0].base_url``).
-
-Only logical replica heads are published; TP/PP followers and PD workers never are.
-:meth:`RoleSnapshot.schema1` is the filtered diagnostic view for old consumers.
+(a router URL or logical replica heads; never TP/PP followers or PD workers) and the routing
+rules (:class:`RoutingSpec`). A frozen value, validated however it is built: every broken rule
+raises :class:`~relax_core.errors.SnapshotError` whose ``path`` names the JSON field
+(``models.math.engines[0].base_url``).
 """
 
 from __future__ import annotations
@@ -23,8 +19,11 @@ import attrs
 from relax_core.discovery._fields import (
     Validator,
     build_at,
+    check_bool,
     check_id,
+    check_int,
     check_str,
+    check_url,
     child_path,
     frozen_map,
     join_path,
@@ -32,10 +31,7 @@ from relax_core.discovery._fields import (
     segment,
     to_enum,
     to_tuple,
-    v_bool,
-    v_int,
-    v_str,
-    v_url,
+    validator,
 )
 from relax_core.errors import SnapshotError
 from relax_core.records import NAME_PATTERN, RouteMode, WeightSource
@@ -68,10 +64,8 @@ T = TypeVar("T")
 class ModelState(enum.StrEnum):
     """The state of a model, and of each of its logical replica heads, as the manager publishes it.
 
-    One vocabulary for both, because a model moves through the same states as its heads (a
-    model is SLEEPING while its heads are offloaded, ONLOADING while they load back). Only a
-    READY model receives requests, and only on its READY heads: READY means weights, KV cache
-    and CUDA graph are resident, the weights are valid and admission is open.
+    Only a READY model receives requests, and only on its READY heads: weights, KV cache and
+    CUDA graph resident, the weights valid and admission open.
     """
 
     READY = "READY"
@@ -84,9 +78,6 @@ class ModelState(enum.StrEnum):
     UNKNOWN = "UNKNOWN"
 
 
-# -- field converters ------------------------------------------------------------------
-
-
 def _model_state(value: object) -> ModelState:
     return to_enum(ModelState, "state", value)
 
@@ -95,7 +86,32 @@ def _route_mode(value: object) -> RouteMode:
     return to_enum(RouteMode, "route_mode", value)
 
 
-# -- records ---------------------------------------------------------------------------------
+def _check_name(field: str, value: object, what: str) -> str:
+    name = check_str(field, value)
+    if not NAME_PATTERN.match(name):
+        raise SnapshotError(field, f"{name!r} is not a {what} name")
+    return name
+
+
+def _check_version(_i: Any, _a: Any, value: object) -> None:
+    if value != SCHEMA_VERSION or isinstance(value, bool):
+        raise SnapshotError(
+            "schema_version",
+            f"expected {SCHEMA_VERSION}, got {value!r}; this reader understands schema 2 "
+            "only (ask for /engines?schema=2)",
+        )
+
+
+def _check_type(field: str, kind: type) -> Validator:
+    def check(_i: Any, _a: Any, value: object) -> None:
+        if not isinstance(value, kind):
+            raise SnapshotError(field, f"must be a {kind.__name__}, got {type(value).__name__}")
+
+    return check
+
+
+def _plain(value: object) -> object:
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 @attrs.frozen
@@ -105,24 +121,18 @@ class EngineView:
     ``base_url`` is the head's public (admission) URL, ``None`` while it has none; a FAILED
     head never publishes one. ``direct_eligible`` may only be true for a READY head with a URL.
     ``generation`` moves whenever the head's worker or endpoint is replaced.
-    ``weight_version``: the version of the weights this head serves, for versioned weight
-    sources (ACTOR, DCS); optional (absent from the JSON when ``None``), never on a STATIC
-    model's heads. During a weight update heads may differ; a request can require a minimum
-    (see :class:`~relax_core.discovery.routing.RouteResolver`).
+    ``weight_version``: the version this head serves (versioned weight sources only; absent
+    from the JSON when ``None``).
     """
 
-    engine_id: str = attrs.field()
-    base_url: str | None = attrs.field(validator=v_url("base_url"))
+    engine_id: str = attrs.field(validator=validator(check_id, "engine_id", "engine id"))
+    base_url: str | None = attrs.field(validator=validator(check_url, "base_url"))
     state: ModelState = attrs.field(converter=_model_state)
-    direct_eligible: bool = attrs.field(validator=v_bool("direct_eligible"))
-    generation: int = attrs.field(validator=v_int("generation"))
+    direct_eligible: bool = attrs.field(validator=validator(check_bool, "direct_eligible"))
+    generation: int = attrs.field(validator=validator(check_int, "generation"))
     weight_version: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(v_str("weight_version"))
+        default=None, validator=attrs.validators.optional(validator(check_str, "weight_version"))
     )
-
-    @engine_id.validator
-    def _check_engine_id(self, _a: Any, value: Any) -> None:
-        check_id("engine_id", value, "engine id")
 
     def __attrs_post_init__(self) -> None:
         if self.direct_eligible and self.state is not ModelState.READY:
@@ -146,13 +156,7 @@ class EngineView:
 
     def to_json(self) -> dict[str, Any]:
         """The engine as a JSON object (``weight_version`` only when it has one)."""
-        out: dict[str, Any] = {
-            "engine_id": self.engine_id,
-            "base_url": self.base_url,
-            "state": self.state.value,
-            "direct_eligible": self.direct_eligible,
-            "generation": self.generation,
-        }
+        out = {name: _plain(getattr(self, name)) for name in _ENGINE_FIELDS}
         if self.weight_version is not None:
             out["weight_version"] = self.weight_version
         return out
@@ -184,21 +188,17 @@ class ModelView:
 
     state: ModelState = attrs.field(converter=_model_state)
     route_mode: RouteMode = attrs.field(converter=_route_mode)
-    router_url: str | None = attrs.field(validator=v_url("router_url"))
-    weight_source: str = attrs.field()
-    weight_version: str | None = attrs.field(
-        validator=attrs.validators.optional(v_str("weight_version"))
+    router_url: str | None = attrs.field(validator=validator(check_url, "router_url"))
+    weight_source: str = attrs.field(
+        validator=validator(_check_name, "weight_source", "weight-source")
     )
-    served_model_name: str = attrs.field(validator=v_str("served_model_name"))
+    weight_version: str | None = attrs.field(
+        validator=attrs.validators.optional(validator(check_str, "weight_version"))
+    )
+    served_model_name: str = attrs.field(validator=validator(check_str, "served_model_name"))
     engines: tuple[EngineView, ...] = attrs.field(
         default=(), converter=to_tuple, validator=_check_engines
     )
-
-    @weight_source.validator
-    def _check_source(self, _a: Any, value: object) -> None:
-        name = check_str("weight_source", value)
-        if not NAME_PATTERN.match(name):
-            raise SnapshotError("weight_source", f"{name!r} is not a weight-source name")
 
     def __attrs_post_init__(self) -> None:
         if self.weight_source == "STATIC" and self.weight_version is not None:
@@ -226,21 +226,14 @@ class ModelView:
             and self.router_url is None
         ):
             raise SnapshotError(
-                "router_url",
-                "a READY SGLANG_ROUTER model must publish its router_url",
+                "router_url", "a READY SGLANG_ROUTER model must publish its router_url"
             )
 
     def to_json(self) -> dict[str, Any]:
         """The model as a JSON object."""
-        return {
-            "state": self.state.value,
-            "route_mode": self.route_mode.value,
-            "router_url": self.router_url,
-            "weight_source": self.weight_source,
-            "weight_version": self.weight_version,
-            "served_model_name": self.served_model_name,
-            "engines": [engine.to_json() for engine in self.engines],
-        }
+        out = {name: _plain(getattr(self, name)) for name in _MODEL_FIELDS}
+        out["engines"] = [engine.to_json() for engine in self.engines]
+        return out
 
 
 def _check_str_map(field: str) -> Validator:
@@ -265,7 +258,7 @@ class RoutingSpec:
     """
 
     default_model: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(v_str("default_model"))
+        default=None, validator=attrs.validators.optional(validator(check_str, "default_model"))
     )
     route_key_map: Mapping[str, str] = attrs.field(
         factory=dict, converter=frozen_map, validator=_check_str_map("route_key_map")
@@ -273,14 +266,10 @@ class RoutingSpec:
     aliases: Mapping[str, str] = attrs.field(
         factory=dict, converter=frozen_map, validator=_check_str_map("aliases")
     )
-    policy: str = attrs.field(default="round_robin")
-    policy_revision: int = attrs.field(default=0, validator=v_int("policy_revision"))
-
-    @policy.validator
-    def _check_policy(self, _a: Any, value: object) -> None:
-        name = check_str("policy", value)
-        if not NAME_PATTERN.match(name):
-            raise SnapshotError("policy", f"{name!r} is not a routing-policy name")
+    policy: str = attrs.field(
+        default="round_robin", validator=validator(_check_name, "policy", "routing-policy")
+    )
+    policy_revision: int = attrs.field(default=0, validator=validator(check_int, "policy_revision"))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; rebuild (and re-validate) from plain dicts.
@@ -297,13 +286,9 @@ class RoutingSpec:
 
     def to_json(self) -> dict[str, Any]:
         """The routing spec as a JSON object."""
-        return {
-            "default_model": self.default_model,
-            "route_key_map": dict(self.route_key_map),
-            "aliases": dict(self.aliases),
-            "policy": self.policy,
-            "policy_revision": self.policy_revision,
-        }
+        out = {name: getattr(self, name) for name in _ROUTING_FIELDS}
+        out["route_key_map"], out["aliases"] = dict(self.route_key_map), dict(self.aliases)
+        return out
 
 
 #: What ``weight_sources=`` accepts: names, ``{name: WeightSource}`` or a plugin manager.
@@ -338,48 +323,6 @@ def _static_roles(
     return frozenset(name for name, reg in registered("roles").items() if reg.record.static_weights)
 
 
-def _check_model_sources(
-    role: str,
-    path: str,
-    model: ModelView,
-    names: frozenset[str],
-    records: Mapping[str, WeightSource],
-    static_roles: frozenset[str],
-) -> None:
-    source = model.weight_source
-    if source not in names:
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"unknown weight source {source!r}; known: {', '.join(sorted(names))}. Install the "
-            "plugin that registers it",
-        )
-    if role in static_roles and source != "STATIC":
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"a {role} model must be STATIC, got {source!r}; {role} weights are fixed checkpoints",
-        )
-    record = records.get(source)
-    if record is None:
-        return
-    if source == "STATIC" and record.update_paths:
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"the registered STATIC weight source allows updates {sorted(record.update_paths)}; "
-            "STATIC must refuse every update path",
-        )
-    if role in static_roles and record.update_paths:
-        raise SnapshotError(
-            f"{path}.weight_source",
-            f"a {role} model's weight source must not allow updates, {source!r} allows "
-            f"{sorted(record.update_paths)}",
-        )
-    if not record.publishes_version and model.weight_version is not None:
-        raise SnapshotError(
-            f"{path}.weight_version",
-            f"weight source {source!r} does not publish a version; publish null",
-        )
-
-
 def check_model_sources(
     role: str,
     model_id: str,
@@ -393,8 +336,40 @@ def check_model_sources(
     :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``.
     """
     names, records = _source_records(weight_sources)
-    statics = _static_roles(static_roles, weight_sources)
-    _check_model_sources(role, "models" + segment(model_id), model, names, records, statics)
+    static = role in _static_roles(static_roles, weight_sources)
+    path = "models" + segment(model_id)
+    source = model.weight_source
+    if source not in names:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"unknown weight source {source!r}; known: {', '.join(sorted(names))}. Install the "
+            "plugin that registers it",
+        )
+    if static and source != "STATIC":
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"a {role} model must be STATIC, got {source!r}; {role} weights are fixed checkpoints",
+        )
+    record = records.get(source)
+    if record is None:
+        return
+    if source == "STATIC" and record.update_paths:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"the registered STATIC weight source allows updates {sorted(record.update_paths)}; "
+            "STATIC must refuse every update path",
+        )
+    if static and record.update_paths:
+        raise SnapshotError(
+            f"{path}.weight_source",
+            f"a {role} model's weight source must not allow updates, {source!r} allows "
+            f"{sorted(record.update_paths)}",
+        )
+    if not record.publishes_version and model.weight_version is not None:
+        raise SnapshotError(
+            f"{path}.weight_version",
+            f"weight source {source!r} does not publish a version; publish null",
+        )
 
 
 def _check_models(_i: Any, _a: Any, value: Any) -> None:
@@ -407,47 +382,25 @@ def _check_models(_i: Any, _a: Any, value: Any) -> None:
             raise SnapshotError(path, f"must be a ModelView, got {type(model).__name__}")
 
 
-def _check_role(_i: Any, _a: Any, value: Any) -> None:
-    name = check_str("role", value)
-    if not NAME_PATTERN.match(name):
-        raise SnapshotError("role", f"{name!r} is not a role name")
-
-
 @attrs.frozen(kw_only=True)
 class RoleSnapshot:
     """The schema-2 snapshot of one role (see the module docstring).
 
     ``registry_epoch`` identifies the publishing registry's incarnation; ``topology_revision``
-    moves on every published change within an epoch. Build it in code (keyword arguments) or
-    parse it with :meth:`from_json`; both validate. Source rules that depend on installed
-    plugins (unknown weight sources, STATIC roles) are checked by :meth:`check_sources`, which
-    :meth:`from_json` and the registry always call.
+    moves on every published change within an epoch. Rules that depend on installed plugins
+    are checked by :meth:`check_sources`, which :meth:`from_json` and the registry call.
     """
 
-    schema_version: int = attrs.field(default=SCHEMA_VERSION)
-    role: str = attrs.field(validator=_check_role)
-    registry_epoch: str = attrs.field(validator=v_str("registry_epoch"))
-    topology_revision: int = attrs.field(validator=v_int("topology_revision"))
-    routing: RoutingSpec = attrs.field()
+    schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_check_version)
+    role: str = attrs.field(validator=validator(_check_name, "role", "role"))
+    registry_epoch: str = attrs.field(validator=validator(check_str, "registry_epoch"))
+    topology_revision: int = attrs.field(validator=validator(check_int, "topology_revision"))
+    routing: RoutingSpec = attrs.field(validator=_check_type("routing", RoutingSpec))
     models: Mapping[str, ModelView] = attrs.field(converter=frozen_map, validator=_check_models)
     # Values derived from this immutable snapshot (routing indexes); not part of its value.
     _derived: dict[str, Any] = attrs.field(
         init=False, factory=dict, eq=False, repr=False, hash=False
     )
-
-    @schema_version.validator
-    def _check_version(self, _a: Any, value: object) -> None:
-        if value != SCHEMA_VERSION or isinstance(value, bool):
-            raise SnapshotError(
-                "schema_version",
-                f"expected {SCHEMA_VERSION}, got {value!r}; this reader understands schema 2 "
-                "only (ask for /engines?schema=2)",
-            )
-
-    @routing.validator
-    def _check_routing(self, _a: Any, value: object) -> None:
-        if not isinstance(value, RoutingSpec):
-            raise SnapshotError("routing", f"must be a RoutingSpec, got {type(value).__name__}")
 
     def __attrs_post_init__(self) -> None:
         known = ", ".join(sorted(self.models)) or "(none)"
@@ -484,8 +437,6 @@ class RoleSnapshot:
         fields["models"] = dict(self.models)
         return (_rebuild_snapshot, (fields,))
 
-    # -- derived values ------------------------------------------------------------------
-
     def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
         """A value computed once from this snapshot and cached on it (e.g. a routing index).
 
@@ -506,22 +457,17 @@ class RoleSnapshot:
     ) -> None:
         """Check every model's weight source against the installed ones and the role's rules.
 
-        :param weight_sources: names, ``{name: WeightSource}`` records or a plugin manager;
-            default :data:`BUILTIN_WEIGHT_SOURCES`. With records, a source that does not
-            publish versions may not carry a ``weight_version``, and a STATIC role's source may
-            not allow any update path.
+        :param weight_sources: names, ``{name: WeightSource}`` records (then also checked: a
+            version only from a source that publishes one, no update path in a STATIC role) or
+            a plugin manager; default :data:`BUILTIN_WEIGHT_SOURCES`.
         :param static_roles: roles whose models must be STATIC; default: the STATIC-only roles
-            of ``weight_sources`` when it is a plugin manager, else none.
+            of a plugin manager, else none.
         :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``.
         """
-        names, records = _source_records(weight_sources)
-        statics = _static_roles(static_roles, weight_sources)
         for model_id, model in self.models.items():
-            _check_model_sources(
-                self.role, "models" + segment(model_id), model, names, records, statics
+            check_model_sources(
+                self.role, model_id, model, weight_sources=weight_sources, static_roles=static_roles
             )
-
-    # -- JSON ------------------------------------------------------------------------------
 
     @classmethod
     def from_json(
@@ -532,10 +478,6 @@ class RoleSnapshot:
         static_roles: Collection[str] | None = None,
     ) -> RoleSnapshot:
         """Parse and validate a schema-2 snapshot (a decoded JSON object, or JSON text).
-
-        Unknown or missing fields, unknown states/modes/weight sources, non-http(s) or
-        host-less URLs, routing targets that are not models, a STATIC model with a weight
-        version and a non-STATIC model in a STATIC role are all rejected.
 
         :raises SnapshotError: ``path`` names the offending field, the message the rule.
         """
@@ -550,24 +492,17 @@ class RoleSnapshot:
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot as a JSON-ready dict; ``from_json(s.to_json()) == s``."""
-        return {
-            "schema_version": self.schema_version,
-            "role": self.role,
-            "registry_epoch": self.registry_epoch,
-            "topology_revision": self.topology_revision,
-            "routing": self.routing.to_json(),
-            "models": {model_id: model.to_json() for model_id, model in self.models.items()},
-        }
+        out = {name: getattr(self, name) for name in _TOP_FIELDS}
+        out["routing"] = self.routing.to_json()
+        out["models"] = {model_id: model.to_json() for model_id, model in self.models.items()}
+        return out
 
     def schema1(self) -> dict[str, Any]:
         """The schema-1 diagnostic view: rank, status and URL of every regular replica head.
 
-        Ranks are stable: a head keeps its rank when another model's heads come and go. The
-        head numbered ``i`` (its engine id's trailing number, ``math/replica-3`` → 3; its
-        position among the model's heads when the ids are not numbered) of the model at
-        position ``p`` among the role's ``n`` models has rank ``i * n + p`` (one model: rank
-        ``i``). Schema 1 never takes part in routing; it exists for old consumers
-        (autoscalers, dashboards).
+        Ranks are stable: the head numbered ``i`` (its engine id's trailing number, else its
+        position) of the model at position ``p`` among ``n`` models has rank ``i * n + p``.
+        For old consumers (autoscalers, dashboards); never used for routing.
         """
         models = list(self.models.values())
         count = len(models)
@@ -594,8 +529,6 @@ def _rebuild_snapshot(fields: dict[str, Any]) -> RoleSnapshot:
     """Unpickle a :class:`RoleSnapshot` (see its ``__reduce__``)."""
     return RoleSnapshot(**fields)
 
-
-# -- parsing ---------------------------------------------------------------------------------
 
 _TOP_FIELDS = ("schema_version", "role", "registry_epoch", "topology_revision", "routing", "models")
 _ROUTING_FIELDS = ("default_model", "route_key_map", "aliases", "policy", "policy_revision")
@@ -632,13 +565,7 @@ def _parse_model(path: str, data: object) -> ModelView:
 
 def _parse(data: object) -> RoleSnapshot:
     if isinstance(data, Mapping) and "schema_version" in data:
-        version = data["schema_version"]
-        if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise SnapshotError(
-                "schema_version",
-                f"expected {SCHEMA_VERSION}, got {version!r}; this reader understands schema 2 "
-                "only (ask for /engines?schema=2)",
-            )
+        _check_version(None, None, data["schema_version"])
     top = object_fields(data, "", _TOP_FIELDS)
     routing = build_at(
         "routing", RoutingSpec, **object_fields(top["routing"], "routing", _ROUTING_FIELDS)

@@ -1,8 +1,5 @@
-"""The registry server: every role's schema-2 snapshot over HTTP, on loopback.
-
-Gateways that run in another process (a CPU-only Ray actor, worker processes) discover their
-role here, at ``{url}/{role}/engines``.
-"""
+"""The registry server: every role's schema-2 snapshot over HTTP on loopback, at
+``{url}/{role}/engines``, for gateways in other processes."""
 
 from __future__ import annotations
 
@@ -38,10 +35,7 @@ def registry_app(providers: Mapping[str, Callable[[], RoleSnapshot]]) -> Any:
 
 
 class RegistryServer:
-    """The serving process's registry: every role's snapshot over HTTP, on loopback.
-
-    Gateways in Ray actors discover their role here (``{url}/{role}``).
-    """
+    """The serving process's registry (see the module docstring)."""
 
     def __init__(self, providers: Mapping[str, Callable[[], RoleSnapshot]]) -> None:
         self._server = ThreadServer(registry_app(providers), "127.0.0.1")

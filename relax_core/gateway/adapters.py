@@ -1,13 +1,9 @@
 """Role adapters: how a role's gateway turns a caller's request into an engine request.
 
-A role plugin registers a :class:`~relax_core.records.RoleSpec` whose ``gateway_adapter`` is a
-zero-argument factory returning a :class:`RoleAdapter`. The gateway validates the common shape of
-a request (see :func:`check_generate_payload`), resolves the model, then asks the adapter for the
-payload to forward (:meth:`RoleAdapter.adapt_generate`). Adapters never touch the network; they
-may load a tokenizer from the selected model's local ``model_path``.
-
-This module is deliberately light (no aiohttp, no Starlette) so a role plugin can import it
-without pulling in the gateway.
+A role plugin's :class:`~relax_core.records.RoleSpec` ``gateway_adapter`` returns a
+:class:`RoleAdapter`: the gateway validates a request's common shape, resolves the model, then
+asks the adapter for the payload to forward. Light on imports (no aiohttp, no Starlette) so a
+role plugin can import it without the gateway.
 """
 
 from __future__ import annotations
@@ -33,10 +29,9 @@ __all__ = [
 class AdaptContext:
     """What an adapter knows about the request once the model is chosen.
 
-    ``model``: the logical model id the request resolved to (``None`` unless the adapter's
-    :meth:`RoleAdapter.needs_model` asked for it: resolving first costs a routing decision).
-    ``model_path``: the model's local checkpoint directory (``None`` when unknown).
-    ``served_model_name``: the name the engine serves the model under. ``stream``: whether the
+    ``model``: the logical model id the request resolved to (``None`` unless
+    :meth:`RoleAdapter.needs_model`). ``model_path``: its local checkpoint directory (``None``
+    when unknown). ``served_model_name``: the engine's name for it. ``stream``: whether the
     caller asked to stream.
     """
 
@@ -51,10 +46,9 @@ class AdaptContext:
 class Adapted:
     """An adapter's answer.
 
-    ``payload``: the JSON object to forward instead of the caller's (``None``: forward the
-    caller's payload, after the gateway's usual stripping). ``response``: a function that turns
-    the engine's JSON answer into the caller's (``None``: relay the engine's bytes unchanged).
-    A ``response`` function is only used for non-streamed answers.
+    ``payload``: the JSON object to forward instead of the caller's (``None``: the caller's).
+    ``response``: turns the engine's JSON answer into the caller's, for non-streamed answers
+    (``None``: relay the engine's bytes unchanged).
     """
 
     payload: dict[str, Any] | None = None
@@ -77,9 +71,7 @@ def check_generate_payload(
 ) -> dict[str, Any]:
     """Check the common shape of a ``/generate`` body and return it as a dict.
 
-    A body is a JSON object with exactly one input among ``text``, ``input_ids`` and
-    ``extra_inputs`` (genrm adds ``messages``), an optional ``sampling_params`` object, optional
-    boolean ``stream`` and optional string ``model`` / ``route_key``.
+    Exactly one input among ``text``, ``input_ids`` and ``extra_inputs`` (genrm: ``messages``).
 
     :raises InvalidRequestError: naming the field and what to send instead.
     """
@@ -109,9 +101,8 @@ def check_generate_payload(
     sp = payload.get("sampling_params")
     if sp is not None:
         _check_sampling_params(sp)
-    for key in ("return_logprob",):
-        if key in payload and not isinstance(payload[key], bool):
-            raise InvalidRequestError(f"'{key}' must be true or false", field=key)
+    if "return_logprob" in payload and not isinstance(payload["return_logprob"], bool):
+        raise InvalidRequestError("'return_logprob' must be true or false", field="return_logprob")
     _check_int(payload.get("logprob_start_len"), "logprob_start_len", -1)
     _check_int(payload.get("top_logprobs_num"), "top_logprobs_num", 0)
     rid = payload.get("rid")
@@ -123,21 +114,13 @@ def check_generate_payload(
 def check_chat_payload(payload: object) -> dict[str, Any]:
     """Check the common shape of a chat-completions body and return it as a dict.
 
-    ``messages`` must be a non-empty list of objects each with a string ``role``.
-
-    :raises InvalidRequestError: naming the field.
+    :raises InvalidRequestError: naming the field (``messages``: see :func:`check_messages`).
     """
     if not isinstance(payload, dict):
         raise InvalidRequestError(
             f"the request body must be a JSON object with 'messages', got {type(payload).__name__}"
         )
-    messages = payload.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError(
-            '\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects',
-            field="messages",
-        )
-    check_messages(messages)
+    check_messages(payload.get("messages"))
     _check_common(payload)
     for key in ("max_tokens", "max_completion_tokens", "n"):
         _check_int(payload.get(key), key, 0)
@@ -231,17 +214,12 @@ def _check_sampling_params(sp: object) -> None:
 class RoleAdapter:
     """The default adapter: raw ``/generate`` and chat pass through unchanged.
 
-    Subclass it in a role plugin and override what the role changes. ``generate_inputs`` lists
-    extra input fields (besides ``text`` and ``input_ids``) the role's ``/generate`` accepts.
-    Methods raise :class:`InvalidRequestError` for a bad request; they must not block on I/O
-    except to load a tokenizer from local files (cache it; :meth:`preload` loads it at start).
-
-    An adapter whose :meth:`adapt_generate` does real CPU work (rendering a chat template,
-    tokenizing) sets ``blocking = True``: the gateway then runs it in a thread pool, off its
-    event loop, so one render never stalls the other requests the gateway is serving; it must
-    then be thread-safe. After such a call the gateway checks that the replica it chose is
-    still routable (the snapshot may have moved while it rendered) and picks another of the
-    same model if not.
+    Subclass it in a role plugin and override what the role changes. Methods raise
+    :class:`InvalidRequestError` for a bad request and never touch the network; they may load a
+    tokenizer from local files (:meth:`preload` does so at start). An adapter whose
+    :meth:`adapt_generate` does real CPU work (a chat template, tokenizing) sets ``blocking``:
+    the gateway runs it in a thread pool (it must be thread-safe) and rechecks the chosen
+    replica afterwards.
     """
 
     #: Extra ``/generate`` input fields this role accepts (genrm: ``("messages",)``).
@@ -250,13 +228,9 @@ class RoleAdapter:
     blocking: bool = False
 
     def preload(self, model_paths: Mapping[str, str]) -> None:
-        """Load what :meth:`adapt_generate` needs for the models ``model_paths`` names (model id
-        -> local checkpoint directory), before the first request: tokenizers, chat templates.
-
-        Called once when the gateway starts, in a worker thread; the gateway's ``/health``
-        reports it loading until it returns (and the error, if it raised). Blocking. Default:
-        nothing to load.
-        """
+        """Load what :meth:`adapt_generate` needs for ``model_paths`` (model id -> local
+        checkpoint directory): tokenizers, chat templates. Blocking; called once at start in a
+        worker thread (``/health`` is not ready until it returns). Default: nothing."""
 
     def check_generate(self, payload: object) -> dict[str, Any]:
         """Validate a ``/generate`` body before routing (shape only; no model is known yet)."""

@@ -1,22 +1,9 @@
-"""The role gateway: one :class:`InferenceGatewayHandler` and one Starlette app per role.
+"""The role gateway's request handling: :class:`InferenceGatewayHandler`, one per role.
 
 The handler validates a request, lets the role's adapter shape it, and forwards it through the
-same data path as the direct :class:`~relax_core.client.client.InferenceClient`
-(:meth:`~relax_core.client.client.InferenceClient.open`): one resolver, one set of
-strip/rewrite/header rules, one retry rule. Answers are relayed as bytes; server-sent events are
-never re-parsed.
-
-Error mapping (every error body is ``{"error": {"message", "type", "code"}}``):
-
-- 400 bad JSON, bad payload, unknown model or route key (the message names the field);
-- 401 missing or wrong bearer token (when the gateway has one); 413 body over the limit;
-- 503 + ``Retry-After``: the model is not READY, nothing is routable, or the registry is
-  unavailable (the gateway stays up; its ``/health`` says not ready);
-- 502: the upstream could not be reached, failed mid-exchange, answered a 5xx or a body that
-  is not JSON; 504: the request deadline passed, or a stream stayed silent past its idle limit.
-
-A request that reached an engine is never replayed; a connection that could not be opened
-(nothing sent) is retried once on a fresh snapshot (by the client's ``open``).
+direct client's data path (:meth:`~relax_core.client.client.InferenceClient.open`); answers are
+relayed as bytes, server-sent events never re-parsed. The error mapping (every body is
+``{"error": {"message", "type", "code"}}``) is docs/gateway.md's "Errors".
 """
 
 from __future__ import annotations
@@ -92,11 +79,8 @@ _ERROR_TYPES = {
 
 @attrs.define
 class GatewayAnswer:
-    """What to send back: status, headers (ASGI byte pairs) and a body or an upstream stream.
-
-    When ``stream`` is set the body comes from it, chunk by chunk, unchanged; the ASGI layer
-    closes it whatever happens.
-    """
+    """What to send back: status, headers (ASGI byte pairs) and a body, or an upstream
+    ``stream`` relayed chunk by chunk (the ASGI layer closes it whatever happens)."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
@@ -153,39 +137,33 @@ def build_gateway_handler(
 ) -> InferenceGatewayHandler:
     """The handler of ``role``'s gateway: the one way every gateway is built.
 
-    ``discovery``: where the role's snapshot comes from, a registry URL serving
-    ``/engines?schema=2`` (a role gateway's ``http://host:port/{role}``, or a registry server)
-    or a callable returning the snapshot (a role service's ``snapshot``). ``plugin_manager``:
-    where the role's adapter, the routing policies and the weight sources snapshots are
-    checked against all come from (never the process-wide one behind the caller's back).
-    ``options``: :class:`GatewayOptions` (default: the defaults). ``waker``: what wakes the
-    role's sleeping models on demand (:class:`Waker`; ``relax serve``'s on-demand residency, a
-    gateway in its process only). A gateway on a thread, in worker processes and in a Ray actor
-    is built by this same call (:mod:`relax_core.gateway.serving`).
+    ``discovery``: a registry URL serving ``/engines?schema=2`` (a role gateway's
+    ``http://host:port/{role}``, or a registry server) or a callable returning the snapshot.
+    ``plugin_manager``: where the role's adapter, the routing policies and the weight sources
+    come from. ``waker``: what wakes the role's sleeping models on demand (:class:`Waker`).
 
     :raises PluginError: no plugin registers ``role``.
     :raises ValueError: ``discovery`` is a URL that is not ``http(s)://``.
     """
     options = GatewayOptions() if options is None else options
     adapter = adapter_for_role(plugin_manager, role)
-    common: dict[str, Any] = {
-        "role": role,
-        "ttl": options.snapshot_ttl,
-        "timeout": options.timeout,
-        "plugin_manager": plugin_manager,
-        "breaker": options.breaker,
-        "sleeping_note": options.sleeping_note,
-    }
-    if isinstance(discovery, str):
-        client = InferenceClient(discovery, **common)
-    else:
-        client = InferenceClient(snapshot_provider=discovery, **common)
+    url, provider = (discovery, None) if isinstance(discovery, str) else (None, discovery)
+    client = InferenceClient(
+        url,
+        snapshot_provider=provider,
+        role=role,
+        ttl=options.snapshot_ttl,
+        timeout=options.timeout,
+        plugin_manager=plugin_manager,
+        breaker=options.breaker,
+        sleeping_note=options.sleeping_note,
+    )
     return InferenceGatewayHandler(role, client, adapter, options, waker=waker)
 
 
 class Waker(Protocol):
     """What a role gateway calls to have its role's sleeping models woken (``relax serve``'s
-    :class:`~relax_core.jobs.wake.WakeController`, through its ``waker()``)."""
+    :class:`~relax_core.jobs.wake.WakeController`)."""
 
     def wakes(self, role: str) -> bool:
         """Whether ``role``'s models are woken on demand."""
@@ -260,24 +238,16 @@ class GatewayOptions:
     ``model_paths``: local checkpoint directory per model id (for tokenizers).
     ``timeout``: the deadline of one request in seconds. ``token``: a bearer token callers must
     send (``None``: no auth). ``max_body_bytes``: the request body limit. ``snapshot_ttl``:
-    seconds the role's snapshot is reused. ``stream_idle_timeout``: the longest a relayed
-    stream may stay silent once its first bytes arrived (default 60 s; ``None``: no limit);
-    ``stream_first_chunk_timeout``: the same before the first bytes (default ``None``: only the
-    deadline, since an engine sends its first event only after queueing and prefill). Past
-    either, the caller gets an error event with code 504 and a truncated stream.
-    ``breaker``: when a replica head's circuit breaker opens and how it probes
-    (:class:`~relax_core.client.breaker.BreakerSettings`; ``None``: no breakers).
-    ``stream_coalesce``: when a relayed stream's bytes arrive faster than one read per this
-    many seconds (default 1 ms), they are read and relayed together once per period instead of
-    one receive and one send per event (an event is then delayed by at most this much; a
-    stream slower than that, as any real token stream is, is never delayed); ``0`` relays
-    every read at once. ``sleeping_note``: set when nothing will wake this role's SLEEPING
-    models (``relax serve``'s deferred roles): a request to one gets 503 with this note and no
-    Retry-After (see :class:`~relax_core.discovery.routing.RouteResolver`).
+    seconds the role's snapshot is reused. ``stream_idle_timeout`` /
+    ``stream_first_chunk_timeout``: the longest a relayed stream may stay silent once started
+    (default 60 s) / before its first bytes (default ``None``: only the deadline); past either
+    the caller gets an error event with code 504. ``breaker``: the replica heads' circuit
+    breakers (``None``: none). ``stream_coalesce``: a stream's bytes arriving faster than one
+    read per this many seconds are relayed together once per period (``0``: every read at
+    once). ``sleeping_note``: set when nothing will wake this role's SLEEPING models: a request
+    to one gets 503 with this note and no Retry-After.
 
     :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``).
-
-    Frozen and picklable: it travels to worker processes and to the Ray gateway actor as it is.
     """
 
     model_paths: dict[str, str] = attrs.field(factory=dict, converter=_str_map)
@@ -297,17 +267,9 @@ class GatewayOptions:
 class InferenceGatewayHandler:
     """Request handling of one role's gateway (the Starlette app is a thin layer over it).
 
-    Build it with :func:`build_gateway_handler`, which takes the client, its routing policies
-    and the role's adapter from one plugin manager. ``client``: the
-    :class:`InferenceClient` the role's requests go through (the handler closes it when its
-    app shuts down). ``adapter``: the role's :class:`RoleAdapter` (see
-    :func:`adapter_for_role`). ``options``: see :class:`GatewayOptions`.
-
-    Belongs to one event loop (that of the server running it). :meth:`startup` (the app's
-    startup) begins loading the adapter's tokenizers in the background (:meth:`RoleAdapter.
-    preload`); ``/health`` is not ready until that is done. A ``blocking`` adapter's renders
-    run in a small thread pool of the handler, never on the event loop. :meth:`shutdown`
-    closes the client and the pool.
+    Build it with :func:`build_gateway_handler`. It closes ``client`` on :meth:`shutdown`.
+    Belongs to one event loop (that of the server running it); a ``blocking`` adapter's renders
+    run in a small thread pool of the handler, never on the event loop.
     """
 
     def __init__(
@@ -349,8 +311,6 @@ class InferenceGatewayHandler:
             for stream in (False, True)
         )
 
-    # -- lifetime ----------------------------------------------------------------------------
-
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
@@ -385,8 +345,6 @@ class InferenceGatewayHandler:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- discovery views -------------------------------------------------------------------
-
     async def snapshot(self) -> RoleSnapshot:
         """The role's current snapshot (cached briefly). ``GatewayError(503)`` if unavailable."""
         try:
@@ -415,11 +373,8 @@ class InferenceGatewayHandler:
         return {"object": "list", "data": data}
 
     async def health(self, schema: int) -> tuple[int, dict[str, Any]]:
-        """``/health``: ``(status, body)``; 200 when some model is READY, else 503.
-
-        Schema 2: role, readiness, registry reachability and every model's state. Schema 1 (the
-        legacy genrm shape): ``status`` and counts of healthy engines.
-        """
+        """``/health``: ``(status, body)``; 200 when some model is READY, else 503 (schema 1:
+        the legacy genrm shape, ``status`` and counts of healthy engines)."""
         try:
             snap = await self.client.snapshot()
         except RoutingError as exc:
@@ -490,8 +445,6 @@ class InferenceGatewayHandler:
             body["message"] = "no model of this role is READY; wait, or check `relax status`"
         return (200 if ready else 503), body
 
-    # -- forwarding ------------------------------------------------------------------------
-
     def check_token(self, authorization: str | None) -> None:
         """Raise ``GatewayError(401)`` unless ``authorization`` carries the gateway's token."""
         token = self.options.token
@@ -537,10 +490,8 @@ class InferenceGatewayHandler:
     async def _admitted(
         self, headers: Mapping[str, str], answer: Callable[[], Awaitable[GatewayAnswer]]
     ) -> GatewayAnswer:
-        """``answer()``; with a waker, once the role is admitted (woken first when it is not
-        awake: the request is held at most its deadline and the waker's bound, and a 503 from
-        the wake is the answer), counted in flight until its last byte: a role is not put to
-        sleep under a request."""
+        """``answer()``; with a waker, once the role is admitted (woken first, within the
+        deadline), counted in flight until its last byte so it is not put to sleep under it."""
         waker = self.waker
         if waker is None:
             return await answer()
@@ -688,10 +639,7 @@ class InferenceGatewayHandler:
         content_type = resp.headers.get("Content-Type", "")
         if stream and content_type.startswith("text/event-stream"):
             return GatewayAnswer(resp.status, headers, stream=resp)
-        try:
-            body = await resp.read()
-        except UpstreamError as exc:
-            raise _error_for_upstream(exc, self.metrics) from exc
+        body = await self._read(resp)
         try:
             decoded = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -716,12 +664,15 @@ class InferenceGatewayHandler:
             headers.append((b"content-type", _JSON))
         return GatewayAnswer(resp.status, headers, body)
 
-    async def _upstream_error_answer(self, resp: UpstreamResponse) -> GatewayAnswer:
-        rid = resp.request_id
+    async def _read(self, resp: UpstreamResponse) -> bytes:
         try:
-            body = await resp.read()
+            return await resp.read()
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
+
+    async def _upstream_error_answer(self, resp: UpstreamResponse) -> GatewayAnswer:
+        rid = resp.request_id
+        body = await self._read(resp)
         snippet = quote_body(body)
         status = resp.status
         if status < 500:
@@ -729,9 +680,7 @@ class InferenceGatewayHandler:
                 orjson.loads(body)
             except orjson.JSONDecodeError:
                 raise GatewayError(
-                    status,
-                    f"the engine rejected the request ({status}): {snippet}",
-                    request_id=rid,
+                    status, f"the engine rejected the request ({status}): {snippet}", request_id=rid
                 ) from None
             return GatewayAnswer(
                 status,

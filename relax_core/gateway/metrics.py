@@ -1,26 +1,5 @@
-"""Prometheus metrics of one role gateway, on a registry of its own.
-
-Each gateway gets its own :class:`prometheus_client.CollectorRegistry`, so several gateways (and
-tests) can live in one process without colliding on the global registry. Served as
-``GET /metrics`` in the Prometheus text format.
-
-Metrics (``role`` label on all):
-
-- ``relax_gateway_requests_total{route, status}``: finished requests by route and HTTP status;
-- ``relax_gateway_request_seconds{route}``: latency histogram (to the last byte);
-- ``relax_gateway_inflight``: requests being served now;
-- ``relax_gateway_upstream_errors_total{error}``: upstream failures the gateway answered, by
-  kind: ``unreachable``, ``connect_timeout``, ``transport``, ``deadline``, ``status`` (an
-  upstream 5xx), ``bad_json``, ``stream_aborted`` (a failure after the headers were relayed),
-  ``stream_stalled`` (a relayed stream silent past the gateway's idle limit);
-- ``relax_gateway_upstream_failures_total{class}``: every failed upstream exchange by failure
-  class (:mod:`relax_core._http.failures`): ``connect`` (nothing sent; counted also when the
-  retry on another replica then succeeded), ``before_first_byte`` and ``mid_stream`` (sent,
-  never replayed);
-- ``relax_gateway_breakers_open``: replica heads whose circuit breaker is open now;
-- ``relax_gateway_breaker_transitions_total{to}``: breakers opened (``open``) and closed by a
-  successful probe (``closed``).
-"""
+"""Prometheus metrics of one role gateway (``GET /metrics``), on a registry of its own so that
+several gateways can live in one process; the metrics are listed in docs/gateway.md."""
 
 from __future__ import annotations
 
@@ -49,25 +28,8 @@ UPSTREAM_ERROR_CLASSES = (
     "stream_stalled",
 )
 
-_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-    60,
-    300,
-)
+_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+_BUCKETS += (1, 2.5, 5, 10, 30, 60, 300)
 
 
 class GatewayMetrics:

@@ -1,13 +1,9 @@
 """The OpenAPI 3.1 document of a role gateway (``docs/openapi/{role}.json`` is generated from it).
 
-Every role gateway serves the same routes; what a role adds to its ``/generate`` (more inputs,
-batches, fields, another answer) and which health schema it answers by default come from its
-:class:`~relax_core.records.RoleSpec` (``openapi`` and ``health_schema``), never from its name.
-
-``python -m relax_core.gateway.openapi DIR [ROLE ...]`` writes ``DIR/{role}.json`` for each
-``ROLE`` registered by the installed plugins; without ``ROLE`` it regenerates the documents
-already in ``DIR``. A test checks that every committed document matches this generator and
-that every route of the app is in its document (and nothing else is).
+Every role gateway serves the same routes; what a role adds to its ``/generate`` and its default
+health schema come from its :class:`~relax_core.records.RoleSpec` (``openapi``,
+``health_schema``). ``python -m relax_core.gateway.openapi DIR [ROLE ...]`` writes
+``DIR/{role}.json`` for each ``ROLE`` (without ``ROLE``: the documents already in ``DIR``).
 """
 
 from __future__ import annotations
@@ -101,11 +97,8 @@ _INPUT_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    """A copy of an object schema whose optional properties also accept null.
-
-    The gateway (like SGLang, whose request fields are optional) takes a null optional field as
-    absent; the documents say so, so a client that always sends every key stays valid.
-    """
+    """A copy of an object schema whose optional properties also accept null (the gateway, as
+    SGLang, takes a null optional field as absent)."""
     out = dict(schema)
     required = set(schema.get("required", ()))
     props: dict[str, Any] = {}
@@ -199,28 +192,54 @@ _CHAT_REQUEST = _nullable(
 )
 
 
-def _responses(ok: dict[str, Any], *codes: int) -> dict[str, Any]:
-    texts = {
-        400: "Bad JSON, bad payload, unknown model or route key.",
-        401: "Missing or wrong bearer token (gateways started with a token).",
-        413: "Request body over the gateway's limit.",
-        502: "The engine could not be reached, failed mid-exchange, or answered badly.",
-        503: "Model not READY, nothing routable, or registry unavailable (see Retry-After).",
-        504: "The request deadline passed (it is not replayed).",
-    }
-    out: dict[str, Any] = {"200": ok}
-    for code in codes:
-        entry: dict[str, Any] = {
-            "description": texts[code],
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-        }
-        if code == 503:
-            entry["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
-        out[str(code)] = entry
-    return out
-
-
+_ERROR_TEXTS = {
+    400: "Bad JSON, bad payload, unknown model or route key.",
+    401: "Missing or wrong bearer token (gateways started with a token).",
+    413: "Request body over the gateway's limit.",
+    502: "The engine could not be reached, failed mid-exchange, or answered badly.",
+    503: "Model not READY, nothing routable, or registry unavailable (see Retry-After).",
+    504: "The request deadline passed (it is not replayed).",
+}
 _FORWARD_ERRORS = (400, 401, 413, 502, 503, 504)
+_ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}}}
+_JSON_OK = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+_TEXT_OK = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
+_SCHEMA_PARAM = {
+    "name": "schema",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "integer", "enum": [1, 2]},
+}
+_CHAT_OK = {
+    "description": "An OpenAI chat completion (an SSE stream of chunks with stream: true).",
+    "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": {"schema": _SSE_EVENT},
+    },
+}
+
+
+def _op(
+    summary: str,
+    ok: dict[str, Any],
+    codes: tuple[int, ...] = (),
+    params: tuple[dict[str, Any], ...] = (),
+    body: str | None = None,
+) -> dict[str, Any]:
+    """One operation: its summary, parameters, JSON request body schema name and responses."""
+    op: dict[str, Any] = {"summary": summary}
+    if params:
+        op["parameters"] = list(params)
+    if body is not None:
+        schema = {"$ref": f"#/components/schemas/{body}"}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    responses: dict[str, Any] = {"200": ok}
+    for code in codes:
+        entry = {"description": _ERROR_TEXTS[code], "content": _ERROR_CONTENT}
+        responses[str(code)] = {**entry, "headers": _RETRY_AFTER} if code == 503 else entry
+    op["responses"] = responses
+    return op
 
 
 def _generate_ok(notes: OpenAPINotes) -> dict[str, Any]:
@@ -238,24 +257,6 @@ def _generate_ok(notes: OpenAPINotes) -> dict[str, Any]:
     }
 
 
-_CHAT_OK = {
-    "description": "An OpenAI chat completion (an SSE stream of chunks with stream: true).",
-    "content": {
-        "application/json": {"schema": {"type": "object"}},
-        "text/event-stream": {"schema": _SSE_EVENT},
-    },
-}
-
-
-def _schema_param() -> dict[str, Any]:
-    return {
-        "name": "schema",
-        "in": "query",
-        "required": False,
-        "schema": {"type": "integer", "enum": [1, 2]},
-    }
-
-
 def openapi_document(role: RoleSpec | str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a role's gateway.
 
@@ -269,68 +270,41 @@ def openapi_document(role: RoleSpec | str) -> dict[str, Any]:
     name = spec.name if spec is not None else str(role)
     p = f"/{name}"
     health_default = spec.health_schema if spec is not None else 2
-    json_ok = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
-    chat_op = {
-        "summary": "OpenAI chat completions, forwarded to the selected model",
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/ChatRequest"}}
-            },
-        },
-        "parameters": [_MIN_VERSION_HEADER],
-        "responses": _responses(_CHAT_OK, *_FORWARD_ERRORS),
-    }
+    version = (_MIN_VERSION_HEADER,)
+    chat = _op(
+        "OpenAI chat completions, forwarded to the selected model",
+        _CHAT_OK,
+        _FORWARD_ERRORS,
+        version,
+        "ChatRequest",
+    )
+    generate = f"Raw SGLang generation for the {name} role" + notes.generate_summary
+    generate_ok = _generate_ok(notes)
     paths: dict[str, Any] = {
         f"{p}/generate": {
-            "post": {
-                "summary": f"Raw SGLang generation for the {name} role" + notes.generate_summary,
-                "parameters": [_MIN_VERSION_HEADER],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {"$ref": "#/components/schemas/GenerateRequest"}
-                        }
-                    },
-                },
-                "responses": _responses(_generate_ok(notes), *_FORWARD_ERRORS),
-            }
+            "post": _op(generate, generate_ok, _FORWARD_ERRORS, version, "GenerateRequest")
         },
-        f"{p}/chat/completions": {"post": {**chat_op, "summary": "Alias of v1/chat/completions"}},
-        f"{p}/v1/chat/completions": {"post": chat_op},
-        f"{p}/v1/models": {
-            "get": {
-                "summary": "The role's logical models",
-                "responses": _responses(json_ok, 401, 503),
-            }
-        },
+        f"{p}/chat/completions": {"post": {**chat, "summary": "Alias of v1/chat/completions"}},
+        f"{p}/v1/chat/completions": {"post": chat},
+        f"{p}/v1/models": {"get": _op("The role's logical models", _JSON_OK, (401, 503))},
         f"{p}/engines": {
-            "get": {
-                "summary": "Discovery: the schema-2 snapshot (default) or the schema-1 view",
-                "parameters": [_schema_param()],
-                "responses": _responses(json_ok, 400, 401, 503),
-            }
+            "get": _op(
+                "Discovery: the schema-2 snapshot (default) or the schema-1 view",
+                _JSON_OK,
+                (400, 401, 503),
+                (_SCHEMA_PARAM,),
+            )
         },
         f"{p}/health": {
-            "get": {
-                "summary": f"Readiness (default schema {health_default}); 503 when not ready",
-                "parameters": [_schema_param()],
-                "responses": _responses(json_ok, 400, 503),
-            }
+            "get": _op(
+                f"Readiness (default schema {health_default}); 503 when not ready",
+                _JSON_OK,
+                (400, 503),
+                (_SCHEMA_PARAM,),
+            )
         },
-        f"{p}/openapi.json": {"get": {"summary": "This document", "responses": {"200": json_ok}}},
-        "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics",
-                "responses": {
-                    "200": {
-                        "description": "OK",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    }
-                },
-            }
-        },
+        f"{p}/openapi.json": {"get": _op("This document", _JSON_OK)},
+        "/metrics": {"get": _op("Prometheus metrics", _TEXT_OK)},
     }
     return {
         "openapi": "3.1.0",

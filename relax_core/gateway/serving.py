@@ -1,30 +1,13 @@
 """Serving a role gateway: uvicorn on a thread, SO_REUSEPORT worker processes, or a Ray actor.
 
-Every way of serving builds the same Starlette app
-(:func:`~relax_core.gateway.app.create_gateway_app`) over one
-:class:`~relax_core.gateway.handler.InferenceGatewayHandler` built by one call,
-:func:`~relax_core.gateway.handler.build_gateway_handler`, from one
-:class:`~relax_core.gateway.handler.GatewayOptions` record and one explicit plugin manager (the
-role's adapter and the routing policies come from it); :func:`gateway_app` is that call plus
-the app:
-
-- :func:`start_thread_gateway`: on a thread of this process, the handler reading the role
-  service's snapshot in process, with the serving process's plugin manager.
-- :class:`GatewayServer` serves an app with uvicorn on a thread of this process (``workers=1``)
-  or in N worker processes sharing one port (``workers=N``). A gateway is one Python event loop,
-  so it forwards with at most one core; with ``workers=N`` every worker binds its own listening
-  socket with ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker builds
-  its own app by calling the ``app_factory`` it is given (its own client, connection pool and
-  snapshot cache), so discovery must work from another process: :func:`registry_gateway_app`
-  (a registry URL; the worker loads its own plugin manager). The parent holds the port (bound,
-  never listening) while the workers run; a worker stops when the parent asks or when the
-  parent goes away.
-- :func:`start_actor_gateway`: uvicorn inside a CPU-only Ray actor (``num_gpus=0``,
-  ``num_cpus=0``, like Ray Serve's HTTP proxies) pinned to the serving process's node, so the
-  gateway's event loop never shares a GIL with the managers. The actor builds its app with
-  :func:`registry_gateway_app`, discovering over HTTP from the serving process's
-  :class:`~relax_core.discovery.server.RegistryServer`. If the registry goes away the gateway
-  stays up and answers 503 ("registry unavailable"), as the failure table says.
+Every way builds the same app (:func:`gateway_app`: one
+:func:`~relax_core.gateway.handler.build_gateway_handler` call and
+:func:`~relax_core.gateway.app.create_gateway_app`). :func:`start_thread_gateway` serves it on a
+thread of this process; :class:`GatewayServer` with ``workers=N`` runs N processes that each
+build their own app from a picklable factory (:func:`registry_gateway_app`) and bind the port
+with ``SO_REUSEPORT`` (the parent holds it, bound but never listening); a worker stops when the
+parent asks or goes away. :func:`start_actor_gateway` runs it in a CPU-only Ray actor pinned to
+this node (docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -90,11 +73,7 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 
 def _serve_worker(
-    factory: AppFactory,
-    host: str,
-    port: int,
-    options: Mapping[str, Any],
-    conn: Connection,
+    factory: AppFactory, host: str, port: int, options: Mapping[str, Any], conn: Connection
 ) -> None:
     """A worker process: serve ``factory()`` on its own SO_REUSEPORT socket until told to stop."""
     import asyncio
@@ -223,10 +202,8 @@ def gateway_app(
     options: GatewayOptions | None = None,
     waker: Waker | None = None,
 ) -> Any:
-    """The Starlette app of ``role``'s gateway, built by
-    :func:`~relax_core.gateway.handler.build_gateway_handler` (see there for the arguments),
-    serving the role's record from the same plugin manager (its health schema and OpenAPI
-    notes)."""
+    """The Starlette app of ``role``'s gateway (arguments: see
+    :func:`~relax_core.gateway.handler.build_gateway_handler`)."""
     handler = build_gateway_handler(
         role, discovery, plugin_manager=plugin_manager, options=options, waker=waker
     )
@@ -238,12 +215,9 @@ def registry_gateway_app(
 ) -> Any:
     """The app of ``role``'s gateway reading the role's snapshot from ``registry_url``.
 
-    Meant as an :data:`AppFactory` for another process (a worker, the Ray actor): it loads a
-    plugin manager of its own there (``PluginManager.create()``: the entry points installed
-    in that process, under the same allow and block lists of the environment), from which the
-    role's adapter and the routing policies come. ``registry_url`` serves
-    ``GET {registry_url}/engines?schema=2`` (a role gateway's ``http://host:port/{role}``, or a
-    registry server). ::
+    An :data:`AppFactory` for another process (a worker, the Ray actor): it loads that
+    process's own plugin manager (``PluginManager.create()``). ``registry_url`` serves
+    ``GET {registry_url}/engines?schema=2``. ::
 
         GatewayServer(app_factory=functools.partial(registry_gateway_app, "genrm", url, options),
                       port=8100, workers=2)
@@ -254,12 +228,9 @@ def registry_gateway_app(
 class GatewayServer:
     """A role gateway served by uvicorn: on a thread of this process, or by worker processes.
 
-    ``workers=1`` (the default): ``app`` (or ``app_factory()``) is served on its own thread and
-    event loop in this process. ``workers=N > 1``: N processes each serve ``app_factory()`` on
-    the same port (``SO_REUSEPORT``, see :mod:`relax_core.gateway.serving`), so the gateway
-    forwards with up to N cores; ``app_factory`` must be picklable and each worker has its own
-    client and snapshot cache. :meth:`start` blocks until it accepts connections (or raises);
-    :meth:`stop` is idempotent.
+    ``workers=1`` (the default): ``app`` (or ``app_factory()``) is served on its own thread in
+    this process. ``workers=N > 1``: a :class:`WorkerPool` (``app_factory`` must be picklable).
+    :meth:`start` blocks until it accepts connections (or raises); :meth:`stop` is idempotent.
     """
 
     def __init__(
@@ -323,10 +294,8 @@ class GatewayServer:
 
 @attrs.define
 class RunningGateway:
-    """A role gateway that is serving.
-
-    ``mode`` is ``thread`` or ``ray-actor``; ``pid`` the process that serves it.
-    """
+    """A role gateway that is serving (``mode``: ``thread`` or ``ray-actor``; ``pid``: its
+    process)."""
 
     role: str
     url: str
@@ -354,9 +323,6 @@ def start_thread_gateway(
 ) -> RunningGateway:
     """Serve ``role``'s gateway on a thread of this process; blocks until it accepts.
 
-    The handler reads the role service's snapshot in process (``snapshot_provider``);
-    ``waker`` wakes the role's sleeping models on demand (``relax serve``).
-
     :raises RuntimeError: uvicorn did not come up (the port is taken).
     """
     app = gateway_app(
@@ -367,19 +333,11 @@ def start_thread_gateway(
 
 
 class GatewayActor:
-    """The body of the gateway actor: builds the app and serves it with uvicorn.
-
-    Runs in its own Ray worker process; the plugins are loaded there
-    (:func:`registry_gateway_app`).
-    """
+    """The body of the gateway actor: builds the app (:func:`registry_gateway_app`) and serves
+    it with uvicorn in its own Ray worker process."""
 
     def __init__(
-        self,
-        role: str,
-        registry_url: str,
-        host: str,
-        port: int | None,
-        options: GatewayOptions,
+        self, role: str, registry_url: str, host: str, port: int | None, options: GatewayOptions
     ) -> None:
         app = registry_gateway_app(role, registry_url, options)
         self._server = GatewayServer(app, host, port).start()
@@ -415,8 +373,7 @@ def start_actor_gateway(
     node = ray.get_runtime_context().get_node_id()
     actor_class: Any = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0)(GatewayActor)
     actor: Any = actor_class.options(
-        name=None,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        name=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
     ).remote(role, registry_url, host, port, options or GatewayOptions())
     try:
         url, pid = ray.get(actor.address.remote(), timeout=timeout)
