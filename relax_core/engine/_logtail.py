@@ -1,12 +1,6 @@
-"""What a start-up error quotes from an engine's log: why the process failed, in a few lines.
-
-An engine that fails at start-up (a model it cannot load, a bad option) writes the cause to its
-own log, most often as a Python traceback, then exits; what comes last in the log is often only
-the server's own epilogue (uvicorn's ``Application startup failed. Exiting.``). So an error
-quotes the *last traceback*: its last frames and its exception, plus the log's last line when
-something followed it; without a traceback, the log's last few non-empty lines. Always bounded
-(a few lines, each cut short) and always naming the log file, where the rest is.
-"""
+"""What a start-up error quotes from an engine's log: the last traceback's last frames and its
+exception (plus the log's last line when something followed it), else the log's last non-empty
+lines; always bounded and naming the log file."""
 
 from __future__ import annotations
 

@@ -1,28 +1,10 @@
-"""The admission server: a CPU proxy that owns an engine head's public port.
+"""The admission server: a CPU proxy that owns a strict engine head's public port.
 
-Every strict engine head gets one. Gateways, routers and direct clients only ever see its URL;
-the raw engine port stays private to the engine worker, which drives the engine's control paths
-(release/resume memory, weight updates) directly.
-
-What it does:
-
-- forwards only an allowlist of paths, bytes in and bytes out (SSE streams are streamed, never
-  parsed), with headers forwarded by the one hop-by-hop rule of the data path
-  (:func:`relax_core._http.headers.forward_headers`); the upstream client is the lean HTTP/1.1
-  client of the data path (:class:`~relax_core._http.http1.Http1Client`), whose idle
-  connections are reused for at most :data:`ENGINE_KEEPALIVE` seconds, below the engine's own
-  keep-alive (5 s for SGLang's and the hf engine's uvicorn), and which sends a request that met
-  an engine closing a reused idle connection once more on a new one (the keep-alive race; a
-  request that may have reached the engine is never sent again);
-- while admission is *closed* (a drain, a weight update, a sleeping engine) it answers generation
-  paths and ``/health_generate`` with ``503`` + ``Retry-After``, and sends nothing upstream;
-- counts in-flight generation requests so a drain can wait for them (:meth:`wait_idle`);
-- refuses every weight-update / LoRA path with ``403`` and a JSON message (for a STATIC engine
-  the message says STATIC engines never update), and every other control path with ``403``.
-
-Where it runs: inside the engine worker actor, on the actor's asyncio event loop (the worker is
-an async Ray actor, so its methods and the proxy share one loop and never block it). For other
-uses, :class:`AdmissionThread` runs one on a private loop in a daemon thread.
+It forwards an allowlist of paths byte for byte (streams streamed), answers generation paths
+``503`` + ``Retry-After`` while admission is closed, counts in-flight generation requests for
+drains, and refuses every weight-update, LoRA and other control path with ``403``. It runs on
+the engine worker actor's event loop (:class:`AdmissionThread`: on a private one). See
+``docs/manager.md``.
 """
 
 from __future__ import annotations
@@ -97,6 +79,18 @@ _CONTROL_PATHS = frozenset(
 )
 
 
+async def serve_catch_all(
+    handler: Any, host: str, port: int, *, cancel: bool, keepalive: float, max_body: int = 1 << 20
+) -> tuple[web.AppRunner, int]:
+    """Serve ``handler`` for every method and path on ``host:port``; ``(runner, port)``.
+    ``cancel``: a caller that disconnects cancels its handler at once."""
+    app = web.Application(client_max_size=max_body)
+    app.router.add_route("*", "/{tail:.*}", handler)
+    return await serve_app(
+        app, host, port, handler_cancellation=cancel, keepalive_timeout=keepalive
+    )
+
+
 class AdmissionServer:
     """An admission proxy in front of one engine head.
 
@@ -153,16 +147,15 @@ class AdmissionServer:
             keepalive_timeout=ENGINE_KEEPALIVE,
             connect_timeout=self._connect_timeout,
         )
-        app = web.Application(client_max_size=1 << 30)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        # handler_cancellation: a client that disconnects cancels its proxied request at once
-        # (closing the upstream connection aborts it at the engine), so drains never wait on it.
-        self._runner, self.port = await serve_app(
-            app,
+        # Cancelled at a disconnect: closing the upstream connection aborts it at the engine,
+        # so drains never wait on it.
+        self._runner, self.port = await serve_catch_all(
+            self._handle,
             self.host,
             self.port,
-            handler_cancellation=True,
-            keepalive_timeout=SERVER_KEEPALIVE,
+            cancel=True,
+            keepalive=SERVER_KEEPALIVE,
+            max_body=1 << 30,
         )
         return self.base_url
 
@@ -339,6 +332,10 @@ class AdmissionServer:
             )
 
 
+async def _on_loop(call: Any, *args: Any) -> None:
+    call(*args)
+
+
 class AdmissionThread:
     """Runs an :class:`AdmissionServer` on a private event loop in a daemon thread.
 
@@ -363,19 +360,11 @@ class AdmissionThread:
 
     def open(self) -> None:
         """Admit generation requests; blocks until the loop has applied it."""
-
-        async def _open() -> None:
-            self.server.open()
-
-        self._call(_open(), 5.0)
+        self._call(_on_loop(self.server.open), 5.0)
 
     def close(self, reason: str = "DRAINING") -> None:
         """Refuse new generation requests; blocks until the loop has applied it."""
-
-        async def _close() -> None:
-            self.server.close(reason)
-
-        self._call(_close(), 5.0)
+        self._call(_on_loop(self.server.close, reason), 5.0)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is in flight; ``False`` on timeout."""

@@ -1,18 +1,8 @@
 """A generic engine server running as a child process: start, wait until ready, stop.
 
-Every engine backend whose server is a local command (``hf``, ``sglang``, a third party's) can
-return a :class:`SubprocessEngineProcess` from its ``launch``: it implements the
-:class:`~relax_core.records.EngineProcess` protocol the InferenceManager relies on.
-
-A follower of a multi-node engine serves no public HTTP: it may answer a private
-``ready_url`` (e.g. ``http://127.0.0.1:PORT/health`` on loopback) once it has joined its head;
-without one, :meth:`~SubprocessEngineProcess.wait_ready` only checks that it is still alive
-after a short grace period.
-
-The child runs in its own process group (its own session), so :meth:`terminate` and
-:meth:`kill` reach every process it started (tokenizer workers, schedulers, …), not only the
-leader. Its stdout and stderr go to a log file; every start-up error names it and quotes why
-the process failed (the last traceback's last frames and exception, or the log's last lines).
+:class:`SubprocessEngineProcess` implements :class:`~relax_core.records.EngineProcess` for every
+backend whose server is a local command. The child runs in its own process group (stop reaches
+all it started); its output goes to a log file that every start-up error names and quotes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
-"""What an engine may do: :class:`InferenceEngineSpec`.
-
-One spec per model. It names the role, the weight source (a
-:class:`~relax_core.records.WeightSource` record from the plugin manager), the operations the
-engine allows and whether it drains strictly. The manager checks it at its API, the engine worker
-checks it again, and the admission server in front of the engine's head refuses every update
-path at the public port (a STATIC engine's answer says so).
-
-Operations:
-
-- generation: ``generate``, ``chat``, ``completions``, ``abort``;
-- lifecycle: ``onload``, ``offload``;
-- weight-update paths: the weight source's ``update_paths`` (``tensor``, ``distributed``,
-  ``disk``, ``lora``, ``seed_sync``).
-"""
+"""What an engine may do: :class:`InferenceEngineSpec` (role, weight source, allowed operations,
+strict drain), checked by the manager, the engine worker and the admission server."""
 
 from __future__ import annotations
 

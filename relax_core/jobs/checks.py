@@ -1,10 +1,5 @@
-"""What of a job ``relax serve`` and ``relax run`` cannot run, found before anything starts.
-
-:func:`check_job` is the job's own check, the same for both commands: the placement plan's
-violations (:func:`~relax_core.placement.preflight`), the phases the runtime cannot keep apart
-(:func:`serve_phase_problems`) and what a model needs that is not installed or cannot be routed
-(:func:`servable_problems`). Each problem is ``key.path: [rule] message``. Pure: nothing starts.
-"""
+"""What of a job ``relax serve`` and ``relax run`` cannot run, found before anything starts:
+:func:`check_job`, each problem ``key.path: [rule] message``. Pure."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Building a job's managers from its config: the same arguments whether a manager runs in
-this process or in a Ray actor.
-
-:func:`manager_arguments` is what an :class:`~relax_core.manager.InferenceManager` of a model
-is built from (engine spec, backend, launch, placement, route mode, deadlines);
-:func:`build_role_service` builds a role's in-process managers into a
-:class:`~relax_core.jobs.roles.RoleService` (``relax serve``), :func:`start_model_actor` one
-model's manager actor (``relax run``). An ``SGLANG_ROUTER`` model's router is the one
-:func:`router_record` picks (a router plugin), launched from :func:`router_launch_spec` next to
-its manager. A model's engines are launched with its :class:`~relax_core.records.EngineOptions`
-and an instance of its backend's own options record, read from its ``engine`` table by
-:func:`backend_options`. :func:`engine_launch_specs` says, starting nothing, what each engine
-backend would be asked to launch; :func:`describe_job` is one line per model.
-"""
+"""Building a job's managers from its config, in this process (:func:`build_role_service`) or in
+Ray actors (:func:`start_model_actor`), from the same :func:`manager_arguments`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The order a job's models start in, and starting them: one phase at a time.
-
-In a defer layout, roles that share GPUs in different phases must never be loaded together:
-each phase of deferred roles (``placement.defer_roles``, in the plan's run order) starts on its
-own and is put to SLEEPING — every tag released, the engine's GPU memory freed, the weights kept
-in the engine's CPU backup — before the next one starts; then every other role starts, awake
-(:func:`start_order`). :func:`start_models` starts one step's models at once and reports each;
-:func:`put_to_sleep` offloads a started deferred model and checks every replica confirmed.
-"""
+"""The order a job's models start in, one phase at a time: each phase of deferred roles starts
+and is put to sleep before the next, then every other role starts awake."""
 
 from __future__ import annotations
 

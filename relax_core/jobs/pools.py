@@ -1,13 +1,5 @@
-"""A job's placement groups: one per pool of the plan, bound before any manager exists, and
-released at teardown — except those a worker whose cleanup is not confirmed sits on.
-
-:func:`bind_pools` creates and binds the group of every pool (``relax-<pool>``; each bundle's
-node and GPU probed and checked), :func:`replica_placements` says where each model's replicas
-go on them, and :func:`release_pools` releases them, keeping every fence: a group holding a
-fenced worker (its actor died without confirmed cleanup of its engine) or one whose shutdown
-was not confirmed is never released, because the next job could be scheduled onto GPUs a
-stray engine still holds; its message names the group, the workers and what an operator checks.
-"""
+"""A job's placement groups: one per pool, bound before any manager exists, released at
+teardown except those a worker whose cleanup is not confirmed sits on."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
 """The job preflight: what ``relax serve`` and ``relax run`` check on this machine before Ray
-starts, reported all at once.
-
-The job file's own checks (types, references, the placement plan) are pure and run first
-(:func:`relax_core.config.load_config`, :func:`relax_core.placement.preflight`). This module
-checks what those cannot: the things outside the file that a job needs and that, missed, would
-only show 45-90 s later as an engine's failed start or a raw traceback.
-
-- **model directories** (:func:`model_dir_problems`): every managed model of every role, with
-  its ``model_path`` resolved relative to the job file (:func:`resolve_model_paths`, the same
-  for both commands), exists, is a directory, has a ``config.json``, and has a tokenizer
-  (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``) unless the engine is
-  told ``--skip-tokenizer-init``. A missing one is refused with the engine backend's
-  ``model_hint`` (how to make one). On a Ray cluster given by ``--address`` a missing
-  *absolute* path may exist on the engines' nodes only: it is a warning there, not a problem.
-- (``relax run`` reports beside these, in the same pass, what its prompt sources find: a
-  JSONL dataset unreadable, or each bad line as ``file:line`` — :func:`relax_core.run.
-  source_problems`.)
-- **ports** (:func:`port_problems`): every fixed gateway port free on its host, and no two
-  gateways on one host and port, named by key path (``roles.genrm.gateway.port``).
-- **the Ray address** (:func:`ray_address_problem`): a ``--address`` of ``host:port`` (or
-  ``ray://host:port``) must accept a TCP connection within a few seconds and answer as a Ray
-  cluster does: its GCS (and the Ray Client server) speak gRPC, so the probe opens an HTTP/2
-  connection and expects the server's SETTINGS frame. An HTTP/1 server, or one that says
-  nothing, is refused at once instead of leaving Ray retrying its GCS connection for minutes.
-
-Nothing here starts anything: it reads files, binds and closes sockets, opens one connection.
+starts (model directories, gateway ports, the Ray address), reported all at once. Nothing here
+starts anything. See ``docs/jobs.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Taking a job down: the parts a command started besides its models, the models' shutdown,
-and the check that every engine and router process is gone.
-
-:class:`Stop` is one part a driver stopped around the models (a gateway, the registry, the
-trainer, the coordinator); :func:`stop_parts` stops them all, each tried whatever the others
-did. :func:`shutdown_models` shuts every model down at once. :func:`still_running` waits a
-bounded time for processes to end and names those that did not. The sequence itself, and the
-lines it prints, are :meth:`~relax_core.jobs.runtime.JobRuntime.teardown`.
-"""
+"""Taking a job down: the parts besides its models (:class:`Stop`), the models' shutdown, and
+the check that every engine and router process is gone."""
 
 from __future__ import annotations
 

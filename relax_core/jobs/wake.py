@@ -1,35 +1,10 @@
 """On-demand residency under ``relax serve``: a request for a sleeping role wakes it.
 
-A defer layout puts roles on GPUs they take turns on. ``relax run`` has a coordinator that
-leases them phase by phase; ``relax serve`` has a :class:`WakeController` instead, which holds
-each shared slice's lease and gives a role its GPUs when a request needs it:
-
-- a role gateway whose request finds its role not awake (asleep, being woken, or about to be
-  evicted for another role) calls :meth:`WakeController.wake` and holds the request (bounded
-  by ``wake_timeout`` and the request's own deadline), then routes it; past the bound it
-  answers 503 with an honest Retry-After;
-- a wake takes the slice's lock, releases the resident roles the woken one does not fit
-  beside (the residency plan: one at a time when the budget is not known; ``max_awake`` per
-  slice), the least recently used first, then onloads the role; only a confirmed release
-  frees the GPUs for the next role;
-- a role is never evicted before it has been resident ``min_residency`` seconds (hysteresis):
-  requests for the other role wait on the lock meanwhile, and one wake then serves them all.
-  Past it, new requests for the role being evicted wait too (they would keep it busy for
-  ever), the ones in flight are answered (at most ``wake_timeout``; the manager's offload
-  drains what is left), and the switch is made: two roles with steady traffic alternate, one
-  switch per ``min_residency`` at most;
-- a role with nothing in flight and no request for ``idle_seconds`` is put back to sleep;
-- an engine that died is rebuilt before its role's next transition (or at the next tick while
-  its role is awake), and a transition not confirmed leaves the role BLOCKED: every request
-  for its slice is refused at once with what the operator does (stop ``relax serve``, check
-  the GPUs, start it again). Both are the
-  :class:`~relax_core.coordination.leases.LeaseEngine`'s, which ``relax run``'s coordinator
-  drives too.
-
-The controller runs on an event loop of its own (a thread); gateways in other threads reach it
-through :meth:`WakeController.waker`, which schedules each wake on that loop. Every transition
-calls the models' managers in this process (``InferenceManager.onload`` / ``offload``, run in
-worker threads), so the role snapshots the gateways route by move with it.
+A :class:`WakeController` holds each shared slice's lease (the
+:class:`~relax_core.coordination.leases.LeaseEngine`): a wake evicts the least recently used
+roles the woken one does not fit beside (never before ``min_residency``), idle roles go back to
+sleep, and an unconfirmed transition BLOCKs the slice. It runs on its own event loop; gateways
+reach it through :meth:`WakeController.waker`. See ``docs/serve.md``.
 """
 
 from __future__ import annotations
