@@ -35,13 +35,9 @@ __all__ = [
     "AdmissionThread",
 ]
 
-#: Seconds an idle connection to the engine is kept for reuse: well below the engine's 5 s
-#: keep-alive (SGLang's and the hf engine's uvicorn), so a loop lagging under load, which
-#: measures idle time late, still does not write a request to a connection being closed.
+#: Seconds an idle connection to the engine is kept for reuse: well below the engine's 5 s.
 ENGINE_KEEPALIVE = 2.0
-#: Seconds the public port keeps an idle caller's connection: above every caller's own idle
-#: limit (the data path's 4 s, aiohttp's 15 s, the Rust routers' pools' 90 s), so the caller
-#: always closes first and never writes to a connection this server is closing.
+#: Seconds the public port keeps an idle caller's connection: above every caller's own limit.
 SERVER_KEEPALIVE = 120.0
 
 #: Generation paths: gated by admission and counted as in flight.
@@ -60,8 +56,7 @@ HEALTH_PATHS = frozenset({"/health", "/health_generate"})
 PROBE_PATHS = frozenset({"/version", "/loads", "/get_load", "/metrics"})
 ADMISSION_ALLOWLIST = GENERATE_PATHS | CANCEL_PATHS | METADATA_PATHS | HEALTH_PATHS | PROBE_PATHS
 
-#: Paths under this prefix belong to the engine worker's private control endpoint (its own
-#: port, token-protected); the public port refuses them.
+#: The private control endpoint's paths: the public port refuses them.
 PRIVATE_PREFIX = "/_relax/"
 
 _UPDATE_PATH_OF = {path: name for name, paths in UPDATE_ENDPOINTS.items() for path in paths}
@@ -92,12 +87,8 @@ async def serve_catch_all(
 
 
 class AdmissionServer:
-    """An admission proxy in front of one engine head.
-
-    Build it, ``await start()`` on the loop that will serve it, then :meth:`open` it once the
-    engine is ready. Admission starts closed. :meth:`open`, :meth:`close` and the properties
-    must be called on the serving loop (or from any thread when nothing else mutates it: they
-    only flip a flag).
+    """An admission proxy in front of one engine head: ``await start()`` on the serving loop,
+    then :meth:`open` (admission starts closed); call it on that loop.
 
     :param upstream_url: the engine's raw ``http://host:port``.
     :param engine_id: named in every refusal.
@@ -140,8 +131,6 @@ class AdmissionServer:
             return self.base_url
         self._idle = asyncio.Event()
         self._idle.set()
-        # Bytes are relayed as they are; the caller's Accept-Encoding is not forwarded (see
-        # forward_headers), so the engine sends uncompressed ones.
         self._client = Http1Client(
             max_connections=1 << 16,
             keepalive_timeout=ENGINE_KEEPALIVE,
@@ -273,8 +262,7 @@ class AdmissionServer:
         if client is None:
             return self._refuse(503, f"admission server of {self.engine_id!r} is stopping")
         if request.method == "HEAD":
-            # The lean client frames answers by their headers; a HEAD answer's Content-Length
-            # describes a body that never comes. No engine path needs HEAD.
+            # A HEAD answer's Content-Length describes a body that never comes.
             return self._refuse(405, f"HEAD is not forwarded to engine {self.engine_id!r}")
         body = await request.read() if request.can_read_body else b""
         url = f"{self.upstream_url}{request.rel_url}"
@@ -283,8 +271,7 @@ class AdmissionServer:
                 request.method, url, forward_headers(request.headers), body, timeout=None
             )
         except (OSError, TimeoutError) as exc:
-            # A connection that never opened sent the engine nothing: say so, so the caller
-            # may send it to another replica (a request that reached the engine never is).
+            # One that never connected sent nothing: the caller may try another replica.
             return self._refuse(
                 502,
                 f"engine {self.engine_id!r} could not be reached at its private port: "
@@ -321,8 +308,7 @@ class AdmissionServer:
             return response
         except (OSError, TimeoutError) as exc:
             if response is not None:
-                # Bytes already went out: cut the client's stream too (no final chunk, so the
-                # client sees a truncated response), never replay or replace it.
+                # Bytes already went out: cut the client's stream too, never replay it.
                 if request.transport is not None:
                     request.transport.close()
                 return response
@@ -337,11 +323,8 @@ async def _on_loop(call: Any, *args: Any) -> None:
 
 
 class AdmissionThread:
-    """Runs an :class:`AdmissionServer` on a private event loop in a daemon thread.
-
-    For callers without an event loop of their own (scripts, tests, a standalone guard in front
-    of an external engine). Every method is thread-safe and blocking.
-    """
+    """Runs an :class:`AdmissionServer` on a private event loop in a daemon thread; every
+    method is thread-safe and blocking."""
 
     def __init__(self, server: AdmissionServer) -> None:
         self.server = server

@@ -23,10 +23,8 @@ def _dtype_name(dtype: Any) -> str:
 
 @attrs.frozen
 class WeightBucket:
-    """One bucket of a weight push: its tensors' ``names``, ``dtypes`` (``"bfloat16"``),
-    ``shapes`` and byte ``offsets`` in the bucket's flat buffer (back to back, in order), and
-    the buffer's size ``nbytes``. Picklable, torch-free; build it with
-    :func:`plan_weight_buckets`. The tensors' holder fills and encodes its buffer.
+    """One bucket of a weight push: its tensors' ``names``, ``dtypes``, ``shapes`` and byte
+    ``offsets`` in its flat buffer of ``nbytes``. Built by :func:`plan_weight_buckets`.
 
     :raises ValueError: the fields disagree (lengths, offsets not back to back).
     """
@@ -57,13 +55,8 @@ class WeightBucket:
 def plan_weight_buckets(
     named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int
 ) -> list[WeightBucket]:
-    """Group ``(name, tensor)`` pairs, in order, into buckets of at most ``bucket_bytes``
-    (a tensor larger than that gets a bucket of its own). Reads shapes, dtypes and element
-    sizes only; pure.
-
-    :raises ValueError: ``bucket_bytes`` is not a positive integer, no tensors, or a name
-        given twice.
-    """
+    """Group ``(name, tensor)`` pairs, in order, into buckets of at most ``bucket_bytes``.
+    Pure. :raises ValueError: a bad ``bucket_bytes``, no tensors, or a name given twice."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     buckets: list[WeightBucket] = []

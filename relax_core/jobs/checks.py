@@ -27,15 +27,9 @@ def check_job(config: JobConfig, plugin_manager: PluginManager) -> list[str]:
 
 
 def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[ConfigProblem]:
-    """What of ``config`` ``relax serve`` cannot run, found before anything starts.
-
-    The placement planner checks that every role is registered, budgets and weight sources;
-    this checks the rest a role service needs: the engine backend is registered and runs on the
-    model's device, the model's ``engine`` table suits the backend's options record (each bad
-    key at its path, ``roles.R.models.M.engine.KEY``), and the route mode can be served: an
-    ``SGLANG_ROUTER`` model needs an installed router plugin (its policy one the router
-    supports; never a STATIC model); router and prefill/decode keys need ``SGLANG_ROUTER``.
-    """
+    """What of ``config`` ``relax serve`` cannot run beyond the placement planner's checks:
+    the engine backend and its device, the ``engine`` table against the backend's options
+    record, and the route mode (router plugin, policy, STATIC models, router keys)."""
     problems: list[ConfigProblem] = []
     roles = plugin_manager.registered("roles")
     backends = plugin_manager.registered("engine_backends")
@@ -111,12 +105,8 @@ def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[Co
 
 
 def serve_phase_problems(config: JobConfig, plan: Any) -> list[ConfigProblem]:
-    """The phases of ``plan`` that ``relax serve`` cannot keep apart, by key path.
-
-    ``relax serve`` keeps every deferred role (``placement.defer_roles``) asleep after its
-    start and every other role awake, so two roles that are not deferred, placed in different
-    phases on overlapping bundles, would be resident at once: refused. Pure.
-    """
+    """The phases of ``plan`` that ``relax serve`` cannot keep apart, by key path: two roles
+    not deferred, in different phases on overlapping bundles. Pure."""
     from relax_core.placement.plan import PHASE_RESIDENT
 
     deferred = set(deferred_roles(config))

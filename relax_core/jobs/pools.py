@@ -14,10 +14,8 @@ __all__ = ["bind_pools", "release_pools", "replica_placements"]
 
 
 def bind_pools(plan: Any, *, out: list[Any] | None = None, detach: bool = False) -> dict[str, Any]:
-    """Create and bind the placement group of every pool of ``plan`` (``relax-<pool>``);
-    pool name -> ``BoundPool``. Each bound pool is appended to ``out`` as soon as it exists,
-    so a caller can release what was made when a later one fails. ``detach``: the groups are
-    detached (they outlive this process on a cluster that outlives it).
+    """Create and bind the placement group ``relax-<pool>`` of every pool of ``plan`` (each
+    appended to ``out`` once it exists; ``detach``: detached); pool name -> ``BoundPool``.
 
     :raises PlacementError: a pool's binding is invalid (its own group is removed).
     """

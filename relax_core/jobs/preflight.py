@@ -94,13 +94,9 @@ def _skips_tokenizer(model: ModelConfig) -> bool:
 def model_dir_problems(
     config: JobConfig, pm: PluginManager, *, remote: bool = False
 ) -> tuple[list[ConfigProblem], list[str]]:
-    """The problems (and, with ``remote``, warnings) of every managed model's directory, each
-    relative ``model_path`` of ``config`` (as loaded) taken relative to the job file.
-
-    ``remote``: the engines may run on other machines (a ``--address`` cluster), so a missing
-    path that the job file gives as absolute is a warning (it may exist on their nodes); a
-    relative one is still a problem (it names a place next to the job file, on this machine).
-    """
+    """The problems (and, with ``remote``, warnings) of every managed model's directory,
+    relative paths taken relative to the job file. ``remote``: a missing absolute path is a
+    warning (it may exist on the cluster's nodes)."""
     base = Path(config.source).resolve().parent if config.source is not None else Path.cwd()
     problems: list[ConfigProblem] = []
     warnings: list[str] = []
@@ -151,11 +147,8 @@ def _missing(model: ModelConfig, path: Path, pm: PluginManager) -> str:
 
 
 def port_problems(config: JobConfig, *, local: bool = True) -> list[ConfigProblem]:
-    """Every fixed gateway port that is taken on its host, or given to two gateways.
-
-    ``local``: the job runs on a new local Ray, so a gateway in a Ray actor listens on this
-    machine too (on a cluster only the gateways in this process are checked).
-    """
+    """Every fixed gateway port that is taken on its host, or given to two gateways
+    (``local``: a gateway in a Ray actor listens on this machine too)."""
     problems: list[ConfigProblem] = []
     seen: dict[tuple[str, int], str] = {}
     for role in config.roles:
@@ -208,11 +201,9 @@ def _bind_error(host: str, port: int) -> str | None:
 def ray_address_problem(
     address: str | None, *, timeout: float = ADDRESS_TIMEOUT
 ) -> ConfigProblem | None:
-    """Whether the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``) accepts
-    a TCP connection within ``timeout`` seconds and answers the HTTP/2 handshake as a gRPC
-    server (a GCS, a Ray Client server) does within :data:`ANSWER_TIMEOUT`; ``None`` when it
-    does, or when ``address`` is ``None``, ``auto`` or ``local`` (Ray finds or starts those
-    itself)."""
+    """Why the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``) does not
+    accept a connection within ``timeout`` and answer as a gRPC server within
+    :data:`ANSWER_TIMEOUT`; ``None`` when it does, or for ``None``, ``auto`` or ``local``."""
     if address is None or address in ("auto", "local"):
         return None
     parts = urlsplit(address if "://" in address else f"ray://{address}")
@@ -281,12 +272,10 @@ def job_preflight(
     address: str | None = None,
     gateways: bool = False,
 ) -> Preflight:
-    """Every problem of ``config`` (as loaded: relative model paths are taken relative to
-    the job file, as :func:`resolve_model_paths` does) that this machine can see before Ray
-    starts.
+    """Every problem of ``config`` (as loaded) that this machine can see before Ray starts.
 
-    :param address: ``--address``, if given: checked for an answer; a cluster also makes a
-        missing absolute model path a warning.
+    :param address: ``--address``, if given: checked (and makes missing absolute model paths
+        warnings).
     :param gateways: the command starts the role gateways: their ports are checked.
     """
     remote = address not in (None, "local")

@@ -20,11 +20,8 @@ __all__ = ["Stop", "shutdown_models", "still_running", "stop_parts"]
 
 @attrs.frozen
 class Stop:
-    """One part a command started besides the models, and how to stop it.
-
-    ``name`` names it in a problem line; ``kind`` (e.g. ``"gateways"``) counts it in the line
-    ``{kind} stopped (N)``; a part without one is stopped silently.
-    """
+    """One part a command started besides the models, and how to stop it; ``kind`` counts
+    it in the line ``{kind} stopped (N)`` (none: stopped silently)."""
 
     name: str
     stop: Callable[[], object]

@@ -64,20 +64,15 @@ _WAKE_OF = {
 _LEASE_OF = {wake: lease for lease, wake in _WAKE_OF.items()}
 
 
-#: A model's manager as the controller drives it: ``name``, ``onload()`` / ``offload()``
-#: returning the per-replica :class:`~relax_core.manager.LifecycleResult`, and optionally
-#: ``failed()`` (the engine ids of its FAILED replicas) with ``recover()`` (rebuild them) —
-#: awaitables (blocking managers run in threads: a
-#: :class:`~relax_core.coordination.handles.LocalManagerHandle`).
+#: A model's manager as the controller drives it: a
+#: :class:`~relax_core.coordination.handles.ManagerHandle` (``failed`` / ``recover`` optional).
 Handle = Any
 
 
 @attrs.define
 class WakeCounts:
-    """What the controller did for one role (``/metrics``): wakes, times it was evicted for
-    another role, idle sleeps, switches avoided (requests that found it awake, and wakes of
-    another role it stayed resident beside), requests refused (timed out, or BLOCKED), and the
-    latencies of the wakes requests waited for (the last 1024)."""
+    """What the controller did for one role (``/metrics``), and the latencies of the last
+    1024 wakes requests waited for."""
 
     wakes: int = 0
     evictions: int = 0
@@ -125,13 +120,10 @@ class _Role:
 class WakeController:
     """Wakes sleeping roles on demand and puts idle ones back to sleep (see the module).
 
-    :param roles: role -> ``(slice id, the handles of its models)``: every role of the shared
-        slices the controller drives.
+    :param roles: role -> ``(slice id, the handles of its models)``.
     :param residency: which roles of a slice may be resident together.
-    :param awake: the roles that are awake at the start (the others are SLEEPING).
-    :param settings: bounds and timings (:class:`ServeSettings`).
-    :param clock: ``time.monotonic`` (tests give their own).
-    :param on_event: called with one line per transition (``relax serve`` prints them).
+    :param awake: the roles awake at the start (the others are SLEEPING).
+    :param on_event: called with one line per transition.
     """
 
     def __init__(
@@ -223,11 +215,9 @@ class WakeController:
             return r.state is WakeState.AWAKE and not r.draining
 
     def enter(self, role: str, *, first: bool = True) -> bool:
-        """Admit a request for ``role`` if it is awake (and not about to be evicted), at once
-        counted in flight until :meth:`end`: the role is not put to sleep under it. ``False``:
-        :meth:`wake` it first, then call again with ``first=False`` (a request admitted on its
-        first call counts as a switch avoided). Thread-safe (one step with the idle sleeper's
-        check)."""
+        """Admit a request for ``role`` if it is awake and not being evicted, counted in flight
+        until :meth:`end`. ``False``: :meth:`wake` it, then call again with ``first=False``.
+        Thread-safe."""
         r = self._roles[role]
         with self._guard:
             if r.state is not WakeState.AWAKE or r.draining:
@@ -246,11 +236,10 @@ class WakeController:
             r.last_used = self._clock()
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
-        """Make ``role`` awake (see the module docstring); returns once it is.
+        """Make ``role`` awake; returns once it is.
 
-        :raises ModelNotReadyError: (503) not awake within ``timeout`` (default, and at most,
-            ``wake_timeout``), with a Retry-After of the minimum residency; or the role, or its
-            slice, is BLOCKED (no Retry-After: the operator acts first).
+        :raises ModelNotReadyError: (503) not awake within ``timeout`` (at most
+            ``wake_timeout``), or the role or its slice is BLOCKED.
         :raises KeyError: the controller does not drive ``role``.
         """
         r = self._roles[role]
@@ -260,8 +249,7 @@ class WakeController:
         if timeout is not None:
             bound = min(bound, timeout)
         began = self._clock()
-        # One wake per role at a time, shielded: a request that stops waiting does not stop a
-        # transition half-way (the engines' memory would no longer be known).
+        # One wake per role at a time, shielded: a waiter that gives up stops no transition.
         task = self._waking.get(role)
         if task is None or task.done():
             task = self._waking[role] = asyncio.ensure_future(self._wake(r))
@@ -319,9 +307,8 @@ class WakeController:
                 now = self._clock()
                 ready_at = max(v.awake_since + self.settings.min_residency for v in victims)
                 if ready_at <= now:
-                    # Past the hysteresis: new requests for the victims wait for them too, and
-                    # once those in flight are answered (or the drain bound passed: the
-                    # manager's offload drains what is left) the victims are released.
+                    # Past the hysteresis: new requests for the victims wait; once those in
+                    # flight are answered (or the bound passed) the victims are released.
                     if drain_until is None:
                         drain_until = now + self.settings.wake_timeout
                     with self._guard:
@@ -583,8 +570,7 @@ _WAKE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:
-    # Every waiter gets the outcome; this only keeps asyncio from reporting an exception that
-    # no waiter was left to retrieve (they all timed out).
+    # Keeps asyncio from reporting an exception no waiter was left to retrieve.
     if not task.cancelled():
         task.exception()
 

@@ -37,8 +37,8 @@ CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
 #: The header that carries the per-start token.
 TOKEN_HEADER = "X-Relax-Control-Token"
 
-# Idle keep-alive seconds: the client's must stay well below the endpoint's. A minute: the
-# connection a switch used is still open at the next step's (tens of seconds later on a GPU).
+# Idle keep-alive seconds, the client's well below the endpoint's (a minute: still open at the
+# next step's switch).
 _CLIENT_KEEPALIVE = 60.0
 _SERVER_KEEPALIVE = 120.0
 
@@ -181,8 +181,7 @@ class _Loop:
             return self._loop
 
     def client(self) -> Http1Client:
-        # Called on the loop thread only. Idle connections are dropped here well before the
-        # endpoint drops them, so a call never goes out on a connection it is closing.
+        # Called on the loop thread only.
         if self._client is None:
             self._client = Http1Client(max_connections=1 << 16, keepalive_timeout=_CLIENT_KEEPALIVE)
         return self._client
@@ -255,12 +254,8 @@ async def _call(
 def call_many(
     calls: Mapping[K, tuple[ControlAddress, str, Mapping[str, Any]]], timeout: float
 ) -> dict[K, CallOutcome]:
-    """Send every call at once and wait for all of them until ``timeout`` seconds.
-
-    ``calls`` maps a key to ``(address, method, kwargs)``; one outcome per key. Never raises
-    for a failed call. Calls still running at the deadline are ``timed_out`` (the worker
-    finishes them; they are not cancelled there).
-    """
+    """Send every call (key -> ``(address, method, kwargs)``) at once; one outcome per key
+    by ``timeout`` (``timed_out`` for one still running). Never raises for a failed call."""
     if not calls:
         return {}
     keys = list(calls)
