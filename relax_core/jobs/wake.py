@@ -259,13 +259,12 @@ class WakeController:
         except TimeoutError:
             r.counts.timeouts += 1
             retry = max(1.0, self.settings.min_residency)
-            raise ModelNotReadyError(
-                f'role "{role}" could not be woken within {bound:g} s: the roles it shares its '
-                f"GPUs with are in use, and a woken role stays resident at least "
+            raise _not_ready(
+                role,
+                str(r.state),
+                f"could not be woken within {bound:g} s: the roles it shares its GPUs with are "
+                f"in use, and a woken role stays resident at least "
                 f"{self.settings.min_residency:g} s; no request was sent. Retry after {retry:g} s",
-                role=role,
-                model="*",
-                state=str(r.state),
                 retry_after=retry,
             ) from None
         except ModelNotReadyError:
@@ -283,14 +282,13 @@ class WakeController:
         blocked = self.engine.blocked_beside(r.name)
         if blocked is not None:
             name, why = blocked
-            raise ModelNotReadyError(
-                f'role "{r.name}" cannot be woken: role "{name}" of the same GPUs is BLOCKED '
-                f"({why}); what its engines hold is not known, so nothing is woken "
-                "beside them. Stop relax serve, check the GPUs are free (nvidia-smi, the "
-                "engines' /server_info), and start it again. No request was sent",
-                role=r.name,
-                model="*",
-                state="BLOCKED",
+            raise _not_ready(
+                r.name,
+                "BLOCKED",
+                f'cannot be woken: role "{name}" of the same GPUs is BLOCKED ({why}); what its '
+                "engines hold is not known, so nothing is woken beside them. Stop relax serve, "
+                "check the GPUs are free (nvidia-smi, the engines' /server_info), and start it "
+                "again. No request was sent",
             )
 
     async def _wake(self, r: _Role) -> None:
@@ -355,12 +353,12 @@ class WakeController:
         began = self._clock()
         reason = await self.engine.switch(r.name, out=out)
         if reason is not None:
-            raise ModelNotReadyError(
-                f'role "{r.name}": its {method} was not confirmed ({reason}); it is BLOCKED. '
-                "Stop relax serve, check the GPUs are free, start it again. No request was sent",
-                role=r.name,
-                model="*",
-                state="BLOCKED",
+            raise _not_ready(
+                r.name,
+                "BLOCKED",
+                f"its {method} was not confirmed ({reason}); it is BLOCKED. Stop relax serve, "
+                "check the GPUs are free, start it again. No request was sent",
+                sep=": ",
             )
         now = self._clock()
         with self._guard:
@@ -487,12 +485,11 @@ class ThreadWaker:
         """:meth:`WakeController.wake`, on the controller's loop."""
         loop = self.controller.loop
         if loop is None:
-            raise ModelNotReadyError(
-                f'role "{role}" is asleep and the wake controller is not running (relax serve '
-                "is shutting down); no request was sent",
-                role=role,
-                model="*",
-                state="SLEEPING",
+            raise _not_ready(
+                role,
+                "SLEEPING",
+                "is asleep and the wake controller is not running (relax serve is shutting "
+                "down); no request was sent",
             )
         future = asyncio.run_coroutine_threadsafe(self.controller.wake(role, timeout=timeout), loop)
         await asyncio.wrap_future(future)
@@ -567,6 +564,14 @@ class WakeCollector(Collector):
 
 
 _WAKE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def _not_ready(
+    role: str, state: str, why: str, *, sep: str = " ", retry_after: float | None = None
+) -> ModelNotReadyError:
+    """The 503 of a request for ``role``: ``role "ROLE"{sep}{why}``."""
+    message = f'role "{role}"{sep}{why}'
+    return ModelNotReadyError(message, role=role, model="*", state=state, retry_after=retry_after)
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:
