@@ -114,9 +114,11 @@ class AdmissionServer:
         self.port = port
         self.retry_after = retry_after
         self._connect_timeout = connect_timeout
-        self._open = False
+        #: Whether generation requests are admitted (:meth:`open`, :meth:`close`).
+        self.is_open = False
         self._reason = "STARTING"
-        self._inflight = 0
+        #: Generation requests forwarded and not yet finished.
+        self.inflight = 0
         self._idle: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
         self._client: Http1Client | None = None
@@ -150,7 +152,7 @@ class AdmissionServer:
 
     async def stop(self) -> None:
         """Stop serving and close the upstream client. Idempotent."""
-        self._open = False
+        self.is_open = False
         self._reason = "STOPPED"
         runner, self._runner = self._runner, None
         if runner is not None:
@@ -166,24 +168,14 @@ class AdmissionServer:
 
     # -- admission -------------------------------------------------------------------------
 
-    @property
-    def is_open(self) -> bool:
-        """Whether generation requests are admitted."""
-        return self._open
-
-    @property
-    def inflight(self) -> int:
-        """Generation requests forwarded and not yet finished."""
-        return self._inflight
-
     def open(self) -> None:
         """Admit generation requests."""
-        self._open = True
+        self.is_open = True
         self._reason = "READY"
 
     def close(self, reason: str = "DRAINING") -> None:
         """Refuse new generation requests (503 + Retry-After); in-flight ones continue."""
-        self._open = False
+        self.is_open = False
         self._reason = reason
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -212,7 +204,7 @@ class AdmissionServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if path in GENERATE_PATHS or path == "/health_generate":
-            if not self._open:
+            if not self.is_open:
                 return self._refuse(
                     503,
                     f"engine {self.engine_id!r} is not admitting requests (state {self._reason}); "
@@ -248,13 +240,13 @@ class AdmissionServer:
 
     async def _forward_counted(self, request: web.Request) -> web.StreamResponse:
         assert self._idle is not None
-        self._inflight += 1
+        self.inflight += 1
         self._idle.clear()
         try:
             return await self._forward(request)
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
+            self.inflight -= 1
+            if self.inflight == 0:
                 self._idle.set()
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:

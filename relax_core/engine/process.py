@@ -7,6 +7,7 @@ all it started); its output goes to a log file that every start-up error names a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -224,10 +225,8 @@ class SubprocessEngineProcess:
     # -- helpers -------------------------------------------------------------------------
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _where(self) -> str:
         if self.base_url:

@@ -70,33 +70,27 @@ def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[
 def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[ConfigProblem]:
     route_mode = model.route_mode or role.default_route_mode
     if route_mode == "DIRECT":
-        out = []
         router = model.router
-        for key, value in (
-            ("router", router.name),
-            ("router_policy", router.policy),
-            ("router_allow_dropped_fields", router.allow_dropped_fields),
-            ("router_args", router.args),
-        ):
-            if value:
-                out.append(
-                    ConfigProblem(
-                        f"{model.path}.{key}",
-                        "route-mode",
-                        "a DIRECT model has no router; drop this key or set route_mode = "
-                        '"SGLANG_ROUTER"',
-                    )
-                )
-        if model.engine.pd_prefill_engines is not None:
-            out.append(
-                ConfigProblem(
-                    f"{model.path}.pd_prefill_engines",
-                    "route-mode",
-                    "prefill/decode workers are reachable only through a router; set "
-                    'route_mode = "SGLANG_ROUTER"',
-                )
-            )
-        return out
+        no_router = (
+            'a DIRECT model has no router; drop this key or set route_mode = "SGLANG_ROUTER"'
+        )
+        given = (
+            ("router", router.name, no_router),
+            ("router_policy", router.policy, no_router),
+            ("router_allow_dropped_fields", router.allow_dropped_fields, no_router),
+            ("router_args", router.args, no_router),
+            (
+                "pd_prefill_engines",
+                model.engine.pd_prefill_engines is not None,
+                "prefill/decode workers are reachable only through a router; set "
+                'route_mode = "SGLANG_ROUTER"',
+            ),
+        )
+        return [
+            ConfigProblem(f"{model.path}.{key}", "route-mode", why)
+            for key, value, why in given
+            if value
+        ]
     try:
         router_record(model, role, pm)
     except ConfigError as exc:

@@ -212,11 +212,9 @@ def ray_address_problem(
     except ValueError:
         host, port = None, None
     if not host or port is None:
-        return ConfigProblem(
-            "--address",
-            "ray-address",
+        return _address_problem(
             f"{address!r} is not a Ray address; give HOST:PORT of the head's GCS (e.g. "
-            "10.0.0.1:6379), ray://HOST:PORT, or auto",
+            "10.0.0.1:6379), ray://HOST:PORT, or auto"
         )
     try:
         with socket.create_connection((host, port), timeout=timeout) as conn:
@@ -228,22 +226,22 @@ def ray_address_problem(
             if isinstance(exc, TimeoutError)
             else (exc.strerror or str(exc)).lower()
         )
-        return ConfigProblem(
-            "--address",
-            "ray-address",
+        return _address_problem(
             f"no Ray cluster answers at {host}:{port} ({why}); start it "
-            "(`ray start --head`) or fix the address; leave --address out for a new local Ray",
+            "(`ray start --head`) or fix the address; leave --address out for a new local Ray"
         )
     if len(answer) >= _H2_FRAME_HEADER and answer[3] == _H2_SETTINGS:
         return None
     said = f"its first bytes: {answer[:40]!r}" if answer else "it closed or said nothing"
-    return ConfigProblem(
-        "--address",
-        "ray-address",
+    return _address_problem(
         f"{host}:{port} accepts connections but is not a Ray cluster ({said}; a Ray head's "
         "GCS answers gRPC, by default on port 6379, the Ray Client server on 10001); give "
-        "the address `ray start --head` printed, or leave --address out for a new local Ray",
+        "the address `ray start --head` printed, or leave --address out for a new local Ray"
     )
+
+
+def _address_problem(message: str) -> ConfigProblem:
+    return ConfigProblem("--address", "ray-address", message)
 
 
 def _h2_answer(conn: socket.socket) -> bytes:
@@ -258,9 +256,7 @@ def _h2_answer(conn: socket.socket) -> bytes:
             if not chunk:
                 break
             answer += chunk
-    except OSError:
-        # Silence past the socket's timeout (TimeoutError), or a reset after an HTTP/1 server's
-        # error page: what arrived before is the answer.
+    except OSError:  # silence past the timeout, or a reset: what arrived is the answer
         pass
     return answer
 

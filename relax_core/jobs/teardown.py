@@ -53,18 +53,15 @@ def shutdown_models(models: Sequence[ModelHandle]) -> tuple[list[str], list[Unco
     def one(_key: str, model: ModelHandle) -> None:
         found: list[str] = []
         workers: list[UnconfirmedWorker] = []
-        try:
-            model.shutdown()
-        except Exception as exc:  # reported; the other models still shut down
-            found.append(f"{model.key}: shutdown: {type(exc).__name__}: {exc}")
-        try:
-            workers = model.unconfirmed_workers()
-        except Exception as exc:
-            found.append(f"{model.key}: unconfirmed workers not known: {type(exc).__name__}: {exc}")
-        try:
-            model.close()
-        except Exception as exc:
-            found.append(f"{model.key}: close: {type(exc).__name__}: {exc}")
+        for what, step in (
+            ("shutdown", model.shutdown),
+            ("unconfirmed workers not known", lambda: workers.extend(model.unconfirmed_workers())),
+            ("close", model.close),
+        ):
+            try:
+                step()
+            except Exception as exc:  # reported; every step and every model is still tried
+                found.append(f"{model.key}: {what}: {type(exc).__name__}: {exc}")
         with lock:
             problems[model.key] = found
             unconfirmed.extend(workers)

@@ -123,19 +123,15 @@ class Launcher:
             rep.became_ready()
             if self.publication.weight_version is None and head.weight_version is not None:
                 self.publication.weight_version = head.weight_version
-        results: dict[str, ReplicaResult] = {}
-        for slot in slots:
-            rep = slot.replica
-            outcome = Outcome.FAILED if rep.state is ReplicaState.FAILED else Outcome.DONE
-            results[slot.engine_id] = ReplicaResult(
-                slot.engine_id,
-                outcome,
-                str(rep.state),
-                error=failed.get(rep.index),
+        self.publication.publish()
+        return {
+            s.engine_id: s.result(
+                Outcome.FAILED if s.replica.state is ReplicaState.FAILED else Outcome.DONE,
+                error=failed.get(s.replica.index),
                 seconds=time.monotonic() - begin,
             )
-        self.publication.publish()
-        return results
+            for s in slots
+        }
 
     def _create_actor(self, slot: ReplicaSlot, worker: WorkerSlot) -> None:
         options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}

@@ -8,6 +8,7 @@ lifecycle and weight call; followers only start and report whether their process
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -21,6 +22,7 @@ import attrs
 
 from relax_core.engine._logtail import quote_log
 from relax_core.engine.admission import AdmissionServer
+from relax_core.engine.process import safe_file_name
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import ResidentTag, ordered
 from relax_core.errors import CapabilityError, LifecycleError, RelaxError, UpstreamError
@@ -481,10 +483,8 @@ class EngineWorker:
     def _stop_reaper(self) -> None:
         pid, self.reaper_pid = self.reaper_pid, None
         if pid:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 15)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     async def shutdown(self, timeout: float) -> dict[str, Any]:
         """Stop admission and the engine process (SIGTERM, SIGKILL after ``timeout``); return
@@ -525,8 +525,9 @@ def _log_path(engine_id: str) -> str:
     """A fresh log file for ``engine_id`` in this node's temporary directory."""
     directory = os.path.join(tempfile.gettempdir(), "relax-engines")
     os.makedirs(directory, exist_ok=True)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)
-    fd, path = tempfile.mkstemp(prefix=f"{safe}-", suffix=".log", dir=directory)
+    fd, path = tempfile.mkstemp(
+        prefix=f"{safe_file_name(engine_id)}-", suffix=".log", dir=directory
+    )
     os.close(fd)
     return path
 
