@@ -127,10 +127,6 @@ def router_launch_spec(
     )
 
 
-def _start_router(model: ModelConfig, record: RouterBackend, log_dir: str | None) -> RouterProcess:
-    return record.launch(router_launch_spec(model, record, log_dir))
-
-
 class _EnginesHidden:
     """A publisher for a prefill/decode model: the model is published (state, router URL),
     its engines never are (PD workers are reachable only through the router)."""
@@ -209,7 +205,8 @@ def _manager(
     router: RouterProcess | None = None
     publisher: Any = service.publisher if service is not None else None
     if route_mode != "DIRECT" and service is not None:
-        router = _start_router(model, router_record(model, spec, pm), log_dir)
+        record = router_record(model, spec, pm)
+        router = record.launch(router_launch_spec(model, record, log_dir))
         service.routers[model.name] = router
         if model.engine.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)

@@ -82,15 +82,6 @@ def _backend(model: ModelConfig, pm: PluginManager) -> EngineBackend | None:
         return None
 
 
-def _loads_model_dir(model: ModelConfig, pm: PluginManager) -> bool:
-    backend = _backend(model, pm)
-    return backend is None or backend.loads_model_dir
-
-
-def _skips_tokenizer(model: ModelConfig) -> bool:
-    return "--skip-tokenizer-init" in model.engine.extra_args
-
-
 def model_dir_problems(
     config: JobConfig, pm: PluginManager, *, remote: bool = False
 ) -> tuple[list[ConfigProblem], list[str]]:
@@ -102,7 +93,12 @@ def model_dir_problems(
     warnings: list[str] = []
     for role in config.roles:
         for m in role.models:
-            if m.external or not m.model_path or not _loads_model_dir(m, pm):
+            backend = _backend(m, pm)
+            if (
+                m.external
+                or not m.model_path
+                or (backend is not None and not backend.loads_model_dir)
+            ):
                 continue
             key = f"{m.path}.model_path"
             path = base / m.model_path  # an absolute model_path stays as it is
@@ -123,7 +119,8 @@ def model_dir_problems(
             missing = []
             if not (path / "config.json").is_file():
                 missing.append("config.json")
-            if not _skips_tokenizer(m) and not any((path / n).is_file() for n in TOKENIZER_FILES):
+            skips_tokenizer = "--skip-tokenizer-init" in m.engine.extra_args
+            if not skips_tokenizer and not any((path / n).is_file() for n in TOKENIZER_FILES):
                 missing.append(f"tokenizer ({' / '.join(TOKENIZER_FILES)})")
             if missing:
                 problems.append(

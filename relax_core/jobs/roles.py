@@ -15,7 +15,7 @@ from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
 from relax_core.errors import LifecycleError, RelaxError
 from relax_core.jobs.models import LocalModel
 from relax_core.jobs.phases import start_models
-from relax_core.manager import HealthReport, InferenceManager, UnconfirmedWorker
+from relax_core.manager import HealthReport, InferenceManager
 from relax_core.manager.external import ExternalEngines
 from relax_core.records import RouterProcess
 
@@ -97,10 +97,6 @@ class RoleService:
             for model_id, manager in self.managers.items()
         ]
 
-    def router_pids(self) -> dict[str, list[int]]:
-        """``<model>/router`` -> the process ids of each model's router."""
-        return {f"{model_id}/router": r.pids() for model_id, r in self.routers.items()}
-
     def engine_pids(self) -> dict[str, list[int]]:
         """Every live engine process id the managers know of, by engine id."""
         out: dict[str, list[int]] = {}
@@ -173,14 +169,9 @@ class RoleService:
         if failed and on_report is not None and not self._monitor_stop.is_set():
             on_report(model_id, outcome)
 
-    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
-        """Every worker of every model whose cleanup is not confirmed (fenced or pending):
-        their placement groups must not be released."""
-        return [w for model in self.models() for w in model.unconfirmed_workers()]
-
     def shutdown(self) -> list[str]:
         """Stop the monitor, shut every model down (each tried: its manager, then its
-        router); return the problems, empty when clean (see :meth:`unconfirmed_workers`)."""
+        router); return the problems, empty when clean."""
         self.stop_monitor()
         problems = []
         for model in self.models():
