@@ -1,12 +1,6 @@
-"""What a start-up error quotes from an engine's log: why the process failed, in a few lines.
-
-An engine that fails at start-up (a model it cannot load, a bad option) writes the cause to its
-own log, most often as a Python traceback, then exits; what comes last in the log is often only
-the server's own epilogue (uvicorn's ``Application startup failed. Exiting.``). So an error
-quotes the *last traceback*: its last frames and its exception, plus the log's last line when
-something followed it; without a traceback, the log's last few non-empty lines. Always bounded
-(a few lines, each cut short) and always naming the log file, where the rest is.
-"""
+"""What a start-up error quotes from an engine's log: the last traceback's last frames and its
+exception (plus the log's last line when something followed it), else the log's last non-empty
+lines; always bounded and naming the log file."""
 
 from __future__ import annotations
 
@@ -72,13 +66,8 @@ def _traceback(lines: list[str], header: int) -> tuple[list[str], int]:
 
 
 def excerpt(text: str) -> tuple[list[str], bool]:
-    """The lines of ``text`` (the end of a log) that say why its process failed.
-
-    Returns ``(lines, from_traceback)``: the last Python traceback's last frames and its
-    exception (followed by ``… <the log's last line>`` when more came after it), or — with no
-    traceback — the last few non-empty lines. Each line is stripped of terminal colours and cut
-    to a few hundred characters. ``([], False)`` for a log with nothing in it.
-    """
+    """The lines of ``text`` (the end of a log) that say why its process failed, and whether
+    they come from a traceback (see the module); ``([], False)`` for an empty log."""
     lines = [_ANSI.sub("", line).rstrip() for line in text.splitlines()]
     header = next((i for i in range(len(lines) - 1, -1, -1) if _HEADER in lines[i]), None)
     if header is None:
@@ -104,16 +93,8 @@ def _read_end(path: str) -> str:
 
 
 def quote_log(path: str | None, indent: str = "    ") -> str:
-    """A clause for an error message quoting the log at ``path``, for example::
-
-        last error in its log (/tmp/relax-engines/judge_replica-0-gen1.log):
-            File ".../configuration_auto.py", line 440, in from_pretrained
-              raise ValueError(
-            ValueError: The checkpoint you are trying to load has model type `x` but ...
-
-    Each quoted line starts on a new line after ``indent``. Never raises: a log that is missing,
-    unreadable or empty is said to be so.
-    """
+    """A clause for an error message quoting the log at ``path`` (``last error in its log
+    (PATH):`` and each line on a new line after ``indent``). Never raises."""
     if not path:
         return "it wrote no log"
     try:

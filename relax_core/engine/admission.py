@@ -1,28 +1,10 @@
-"""The admission server: a CPU proxy that owns an engine head's public port.
+"""The admission server: a CPU proxy that owns a strict engine head's public port.
 
-Every strict engine head gets one. Gateways, routers and direct clients only ever see its URL;
-the raw engine port stays private to the engine worker, which drives the engine's control paths
-(release/resume memory, weight updates) directly.
-
-What it does:
-
-- forwards only an allowlist of paths, bytes in and bytes out (SSE streams are streamed, never
-  parsed), with headers forwarded by the one hop-by-hop rule of the data path
-  (:func:`relax_core._http.headers.forward_headers`); the upstream client is the lean HTTP/1.1
-  client of the data path (:class:`~relax_core._http.http1.Http1Client`), whose idle
-  connections are reused for at most :data:`ENGINE_KEEPALIVE` seconds, below the engine's own
-  keep-alive (5 s for SGLang's and the hf engine's uvicorn), and which sends a request that met
-  an engine closing a reused idle connection once more on a new one (the keep-alive race; a
-  request that may have reached the engine is never sent again);
-- while admission is *closed* (a drain, a weight update, a sleeping engine) it answers generation
-  paths and ``/health_generate`` with ``503`` + ``Retry-After``, and sends nothing upstream;
-- counts in-flight generation requests so a drain can wait for them (:meth:`wait_idle`);
-- refuses every weight-update / LoRA path with ``403`` and a JSON message (for a STATIC engine
-  the message says STATIC engines never update), and every other control path with ``403``.
-
-Where it runs: inside the engine worker actor, on the actor's asyncio event loop (the worker is
-an async Ray actor, so its methods and the proxy share one loop and never block it). For other
-uses, :class:`AdmissionThread` runs one on a private loop in a daemon thread.
+It forwards an allowlist of paths byte for byte (streams streamed), answers generation paths
+``503`` + ``Retry-After`` while admission is closed, counts in-flight generation requests for
+drains, and refuses every weight-update, LoRA and other control path with ``403``. It runs on
+the engine worker actor's event loop (:class:`AdmissionThread`: on a private one). See
+``docs/manager.md``.
 """
 
 from __future__ import annotations
@@ -53,13 +35,9 @@ __all__ = [
     "AdmissionThread",
 ]
 
-#: Seconds an idle connection to the engine is kept for reuse: well below the engine's 5 s
-#: keep-alive (SGLang's and the hf engine's uvicorn), so a loop lagging under load, which
-#: measures idle time late, still does not write a request to a connection being closed.
+#: Seconds an idle connection to the engine is kept for reuse: well below the engine's 5 s.
 ENGINE_KEEPALIVE = 2.0
-#: Seconds the public port keeps an idle caller's connection: above every caller's own idle
-#: limit (the data path's 4 s, aiohttp's 15 s, the Rust routers' pools' 90 s), so the caller
-#: always closes first and never writes to a connection this server is closing.
+#: Seconds the public port keeps an idle caller's connection: above every caller's own limit.
 SERVER_KEEPALIVE = 120.0
 
 #: Generation paths: gated by admission and counted as in flight.
@@ -78,8 +56,7 @@ HEALTH_PATHS = frozenset({"/health", "/health_generate"})
 PROBE_PATHS = frozenset({"/version", "/loads", "/get_load", "/metrics"})
 ADMISSION_ALLOWLIST = GENERATE_PATHS | CANCEL_PATHS | METADATA_PATHS | HEALTH_PATHS | PROBE_PATHS
 
-#: Paths under this prefix belong to the engine worker's private control endpoint (its own
-#: port, token-protected); the public port refuses them.
+#: The private control endpoint's paths: the public port refuses them.
 PRIVATE_PREFIX = "/_relax/"
 
 _UPDATE_PATH_OF = {path: name for name, paths in UPDATE_ENDPOINTS.items() for path in paths}
@@ -97,13 +74,21 @@ _CONTROL_PATHS = frozenset(
 )
 
 
-class AdmissionServer:
-    """An admission proxy in front of one engine head.
+async def serve_catch_all(
+    handler: Any, host: str, port: int, *, cancel: bool, keepalive: float, max_body: int = 1 << 20
+) -> tuple[web.AppRunner, int]:
+    """Serve ``handler`` for every method and path on ``host:port``; ``(runner, port)``.
+    ``cancel``: a caller that disconnects cancels its handler at once."""
+    app = web.Application(client_max_size=max_body)
+    app.router.add_route("*", "/{tail:.*}", handler)
+    return await serve_app(
+        app, host, port, handler_cancellation=cancel, keepalive_timeout=keepalive
+    )
 
-    Build it, ``await start()`` on the loop that will serve it, then :meth:`open` it once the
-    engine is ready. Admission starts closed. :meth:`open`, :meth:`close` and the properties
-    must be called on the serving loop (or from any thread when nothing else mutates it: they
-    only flip a flag).
+
+class AdmissionServer:
+    """An admission proxy in front of one engine head: ``await start()`` on the serving loop,
+    then :meth:`open` (admission starts closed); call it on that loop.
 
     :param upstream_url: the engine's raw ``http://host:port``.
     :param engine_id: named in every refusal.
@@ -129,9 +114,11 @@ class AdmissionServer:
         self.port = port
         self.retry_after = retry_after
         self._connect_timeout = connect_timeout
-        self._open = False
+        #: Whether generation requests are admitted (:meth:`open`, :meth:`close`).
+        self.is_open = False
         self._reason = "STARTING"
-        self._inflight = 0
+        #: Generation requests forwarded and not yet finished.
+        self.inflight = 0
         self._idle: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
         self._client: Http1Client | None = None
@@ -146,29 +133,26 @@ class AdmissionServer:
             return self.base_url
         self._idle = asyncio.Event()
         self._idle.set()
-        # Bytes are relayed as they are; the caller's Accept-Encoding is not forwarded (see
-        # forward_headers), so the engine sends uncompressed ones.
         self._client = Http1Client(
             max_connections=1 << 16,
             keepalive_timeout=ENGINE_KEEPALIVE,
             connect_timeout=self._connect_timeout,
         )
-        app = web.Application(client_max_size=1 << 30)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        # handler_cancellation: a client that disconnects cancels its proxied request at once
-        # (closing the upstream connection aborts it at the engine), so drains never wait on it.
-        self._runner, self.port = await serve_app(
-            app,
+        # Cancelled at a disconnect: closing the upstream connection aborts it at the engine,
+        # so drains never wait on it.
+        self._runner, self.port = await serve_catch_all(
+            self._handle,
             self.host,
             self.port,
-            handler_cancellation=True,
-            keepalive_timeout=SERVER_KEEPALIVE,
+            cancel=True,
+            keepalive=SERVER_KEEPALIVE,
+            max_body=1 << 30,
         )
         return self.base_url
 
     async def stop(self) -> None:
         """Stop serving and close the upstream client. Idempotent."""
-        self._open = False
+        self.is_open = False
         self._reason = "STOPPED"
         runner, self._runner = self._runner, None
         if runner is not None:
@@ -184,24 +168,14 @@ class AdmissionServer:
 
     # -- admission -------------------------------------------------------------------------
 
-    @property
-    def is_open(self) -> bool:
-        """Whether generation requests are admitted."""
-        return self._open
-
-    @property
-    def inflight(self) -> int:
-        """Generation requests forwarded and not yet finished."""
-        return self._inflight
-
     def open(self) -> None:
         """Admit generation requests."""
-        self._open = True
+        self.is_open = True
         self._reason = "READY"
 
     def close(self, reason: str = "DRAINING") -> None:
         """Refuse new generation requests (503 + Retry-After); in-flight ones continue."""
-        self._open = False
+        self.is_open = False
         self._reason = reason
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -230,7 +204,7 @@ class AdmissionServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if path in GENERATE_PATHS or path == "/health_generate":
-            if not self._open:
+            if not self.is_open:
                 return self._refuse(
                     503,
                     f"engine {self.engine_id!r} is not admitting requests (state {self._reason}); "
@@ -266,13 +240,13 @@ class AdmissionServer:
 
     async def _forward_counted(self, request: web.Request) -> web.StreamResponse:
         assert self._idle is not None
-        self._inflight += 1
+        self.inflight += 1
         self._idle.clear()
         try:
             return await self._forward(request)
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
+            self.inflight -= 1
+            if self.inflight == 0:
                 self._idle.set()
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
@@ -280,8 +254,7 @@ class AdmissionServer:
         if client is None:
             return self._refuse(503, f"admission server of {self.engine_id!r} is stopping")
         if request.method == "HEAD":
-            # The lean client frames answers by their headers; a HEAD answer's Content-Length
-            # describes a body that never comes. No engine path needs HEAD.
+            # A HEAD answer's Content-Length describes a body that never comes.
             return self._refuse(405, f"HEAD is not forwarded to engine {self.engine_id!r}")
         body = await request.read() if request.can_read_body else b""
         url = f"{self.upstream_url}{request.rel_url}"
@@ -290,8 +263,7 @@ class AdmissionServer:
                 request.method, url, forward_headers(request.headers), body, timeout=None
             )
         except (OSError, TimeoutError) as exc:
-            # A connection that never opened sent the engine nothing: say so, so the caller
-            # may send it to another replica (a request that reached the engine never is).
+            # One that never connected sent nothing: the caller may try another replica.
             return self._refuse(
                 502,
                 f"engine {self.engine_id!r} could not be reached at its private port: "
@@ -328,8 +300,7 @@ class AdmissionServer:
             return response
         except (OSError, TimeoutError) as exc:
             if response is not None:
-                # Bytes already went out: cut the client's stream too (no final chunk, so the
-                # client sees a truncated response), never replay or replace it.
+                # Bytes already went out: cut the client's stream too, never replay it.
                 if request.transport is not None:
                     request.transport.close()
                 return response
@@ -339,12 +310,13 @@ class AdmissionServer:
             )
 
 
-class AdmissionThread:
-    """Runs an :class:`AdmissionServer` on a private event loop in a daemon thread.
+async def _on_loop(call: Any, *args: Any) -> None:
+    call(*args)
 
-    For callers without an event loop of their own (scripts, tests, a standalone guard in front
-    of an external engine). Every method is thread-safe and blocking.
-    """
+
+class AdmissionThread:
+    """Runs an :class:`AdmissionServer` on a private event loop in a daemon thread; every
+    method is thread-safe and blocking."""
 
     def __init__(self, server: AdmissionServer) -> None:
         self.server = server
@@ -363,19 +335,11 @@ class AdmissionThread:
 
     def open(self) -> None:
         """Admit generation requests; blocks until the loop has applied it."""
-
-        async def _open() -> None:
-            self.server.open()
-
-        self._call(_open(), 5.0)
+        self._call(_on_loop(self.server.open), 5.0)
 
     def close(self, reason: str = "DRAINING") -> None:
         """Refuse new generation requests; blocks until the loop has applied it."""
-
-        async def _close() -> None:
-            self.server.close(reason)
-
-        self._call(_close(), 5.0)
+        self._call(_on_loop(self.server.close, reason), 5.0)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is in flight; ``False`` on timeout."""

@@ -1,24 +1,9 @@
 """Weight buckets: a push cut into flat byte buffers of a bounded size (SGLang's
-``flattened_bucket``).
+``flattened_bucket`` layout: a bucket's tensors back to back, in order, no padding).
 
-A trainer that pushes a model in one payload holds every tensor's handle or bytes at once and
-makes the engine open one CUDA IPC handle per tensor; cut into buckets, the push is one flat
-``uint8`` buffer per bucket — one IPC handle, one ``broadcast`` or one safetensors file each —
-and the engine unflattens each into its parameters.
-
-:func:`plan_weight_buckets` groups ``(name, tensor)`` pairs, in their order, into
-:class:`WeightBucket` records (pure Python: it reads each tensor's shape, dtype and element
-size, and imports no torch). A bucket's tensors lie back to back in its buffer, in order, with
-no padding: SGLang's layout, so the same record describes the buffer of
-``update_weights_from_tensor`` (``load_format="flattened_bucket"``) and the one broadcast of
-``update_weights_from_distributed`` with that ``load_format`` (its ``names``, ``dtypes`` and
-``shapes`` are the record's).
-
-Filling a bucket's buffer and encoding it take torch, so they belong to whoever holds the
-tensors (a trainer plugin, or a torch-side helper library it depends on); the core only plans.
-
-A tensor larger than the bucket size is not split: it gets a bucket of its own, so a bucket is
-at most ``max(bucket_bytes, largest tensor)`` bytes.
+:func:`plan_weight_buckets` plans them without torch; filling and encoding a buffer is the
+tensor holder's (a trainer plugin's). A tensor larger than the bucket size gets a bucket of its
+own.
 """
 
 from __future__ import annotations
@@ -38,10 +23,8 @@ def _dtype_name(dtype: Any) -> str:
 
 @attrs.frozen
 class WeightBucket:
-    """One bucket of a weight push: its tensors' ``names``, ``dtypes`` (``"bfloat16"``),
-    ``shapes`` and byte ``offsets`` in the bucket's flat buffer (back to back, in order), and
-    the buffer's size ``nbytes``. Picklable, torch-free; build it with
-    :func:`plan_weight_buckets`. The tensors' holder fills and encodes its buffer.
+    """One bucket of a weight push: its tensors' ``names``, ``dtypes``, ``shapes`` and byte
+    ``offsets`` in its flat buffer of ``nbytes``. Built by :func:`plan_weight_buckets`.
 
     :raises ValueError: the fields disagree (lengths, offsets not back to back).
     """
@@ -72,13 +55,8 @@ class WeightBucket:
 def plan_weight_buckets(
     named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int
 ) -> list[WeightBucket]:
-    """Group ``(name, tensor)`` pairs, in order, into buckets of at most ``bucket_bytes``
-    (a tensor larger than that gets a bucket of its own). Reads shapes, dtypes and element
-    sizes only; pure.
-
-    :raises ValueError: ``bucket_bytes`` is not a positive integer, no tensors, or a name
-        given twice.
-    """
+    """Group ``(name, tensor)`` pairs, in order, into buckets of at most ``bucket_bytes``.
+    Pure. :raises ValueError: a bad ``bucket_bytes``, no tensors, or a name given twice."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     buckets: list[WeightBucket] = []

@@ -1,26 +1,10 @@
 """The SGLang-protocol control client: one async client for every engine backend.
 
-An engine head (SGLang, the ``hf`` engine, a third party's) speaks SGLang's HTTP control
-protocol; :class:`ControlClient` is how the InferenceManager drives it: health, info, memory
-release/resume, pause/continue, flush, abort and every weight-update path.
-
-Errors:
-
-- the server could not be reached, or answered something that is not JSON →
-  :class:`~relax_core.errors.UpstreamError` (``status`` 502; 504 for a deadline);
-- a health or info probe answered non-2xx → :class:`~relax_core.errors.UpstreamError` (502);
-- a lifecycle or weight operation was refused (non-2xx, or ``success: false``) →
-  :class:`~relax_core.errors.LifecycleError`.
-
-Every message names the URL and quotes the server's own message. Every call has a timeout
-(the client's default, or the call's ``timeout=``).
-
-Connections: the lean HTTP/1.1 client of the data path
-(:class:`~relax_core._http.http1.Http1Client`), idle ones reused for at most
-:data:`KEEPALIVE_SECONDS`, below the engines' 5 s keep-alive; a request that met the engine
-closing a reused idle connection (the keep-alive race) is sent once more on a new connection,
-and no other request is ever sent twice (a release or a weight update that may have run is not
-repeated). A caller's own ``session=`` is used as it is (aiohttp's rules: only GETs are retried).
+Errors: unreachable, or no answer in time → :class:`~relax_core.errors.UpstreamError` (502;
+504); a probe answered non-2xx → ``UpstreamError`` (502); an operation refused (non-2xx, or
+``success: false``) → :class:`~relax_core.errors.LifecycleError`; each names the URL and quotes
+the engine. No request is sent twice, except one that met the keep-alive race of a reused idle
+connection (kept at most :data:`KEEPALIVE_SECONDS`).
 """
 
 from __future__ import annotations
@@ -43,12 +27,8 @@ _JSON = Mapping[str, Any]
 
 
 class WeightUpdate(TypedDict, total=False):
-    """What every weight update takes besides its payload (SGLang's fields of the same names).
-
-    ``flush_cache`` (default ``True``): flush the KV cache once the weights changed.
-    ``abort_all_requests`` (default ``False``): abort the requests in flight first.
-    ``weight_version`` (default ``None``): the version the engine reports afterwards.
-    """
+    """What every weight update takes besides its payload (SGLang's fields): ``flush_cache``
+    (default ``True``), ``abort_all_requests`` (``False``), ``weight_version`` (``None``)."""
 
     flush_cache: bool
     abort_all_requests: bool
@@ -57,9 +37,7 @@ class WeightUpdate(TypedDict, total=False):
 
 def _update_fields(update: WeightUpdate) -> dict[str, Any]:
     """The :class:`WeightUpdate` fields of a request body, defaults filled in.
-
-    :raises TypeError: a keyword that is not one of them (never dropped silently).
-    """
+    :raises TypeError: a keyword that is not one of them."""
     known = WeightUpdate.__annotations__
     unknown = sorted(set(update) - set(known))
     if unknown:
@@ -76,22 +54,14 @@ KEEPALIVE_SECONDS = 2.0
 
 
 class ControlClient:
-    """Async client for one engine head's SGLang control API.
-
-    ``ControlClient("http://127.0.0.1:30000", timeout=30)``; use it as an async context manager
-    (or call :meth:`close`). Not bound to one event loop until the first call. Safe to share
-    between tasks of one loop.
+    """Async client for one engine head's SGLang control API (an async context manager, or
+    call :meth:`close`). Safe to share between tasks of one loop.
     """
 
-    #: Whether the engine's ``release_memory_occupation`` of ``kv_cache`` flushes its cache
-    #: itself and refuses (changing nothing) while requests run, so an offload needs no
-    #: ``flush_cache`` call before it (one engine round trip less per switch). ``False`` here:
-    #: an engine is sent ``flush_cache`` first (SGLang's scheduler asserts it is idle at a
-    #: release); a backend whose engine does both builds its clients with ``True``.
+    #: Whether the engine's release of ``kv_cache`` flushes its cache itself and refuses
+    #: (changing nothing) while requests run, so an offload sends no ``flush_cache`` first.
     release_flushes: bool = False
-    #: Whether the engine's ``resume_memory_occupation`` takes Relax's ``check_generation``
-    #: (one greedy token once resumed, as ``/health_generate``), so an onload that reopens is
-    #: one engine round trip. ``False`` here (SGLang's refuses fields it does not know).
+    #: Whether the engine's resume takes Relax's ``check_generation`` (one greedy token).
     resume_checks: bool = False
 
     def __init__(
@@ -126,9 +96,6 @@ class ControlClient:
 
     def _get_client(self) -> Http1Client:
         if self._client is None:
-            # An idle connection is reused only well within the servers' keep-alive (uvicorn's
-            # and SGLang's close one after 5 s): a reuse racing the server's close failed a
-            # weight push between two steps of a ~5 s period.
             self._client = Http1Client(keepalive_timeout=KEEPALIVE_SECONDS)
         return self._client
 
@@ -214,10 +181,8 @@ class ControlClient:
     def operate(
         self, operation: str, body: _JSON | None = None, *, timeout: float | None = None
     ) -> Coroutine[Any, Any, dict[str, Any]]:
-        """``POST /{operation}``: an SGLang control operation whose path is its name.
-
-        What every method below sends through; also for operations this client has no method
-        for (``load_lora_adapter``, a backend's own). Returns the engine's JSON answer.
+        """``POST /{operation}``: an SGLang control operation whose path is its name; returns
+        the engine's JSON answer.
 
         :raises LifecycleError: refused (non-2xx, or ``success: false``), quoting the engine.
         :raises UpstreamError: unreachable (502) or no answer in time (504).
@@ -227,10 +192,7 @@ class ControlClient:
     # -- probes and info ---------------------------------------------------------------------
 
     async def health(self, *, timeout: float | None = None) -> None:
-        """``GET /health``; returns when the server answers 2xx.
-
-        :raises UpstreamError: unreachable (502), deadline (504) or a non-2xx answer (502).
-        """
+        """``GET /health``. :raises UpstreamError: unreachable, no answer in time, or non-2xx."""
         await self._probe("/health", timeout=timeout)
 
     async def is_healthy(self, *, timeout: float | None = None) -> bool:
@@ -242,10 +204,7 @@ class ControlClient:
         return True
 
     async def health_generate(self, *, timeout: float | None = None) -> None:
-        """``GET /health_generate``: returns once the engine produced a real token.
-
-        :raises UpstreamError: as :meth:`health`.
-        """
+        """``GET /health_generate`` (one real token). :raises UpstreamError: as :meth:`health`."""
         await self._probe("/health_generate", timeout=timeout)
 
     async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
@@ -277,11 +236,8 @@ class ControlClient:
     async def release_memory(
         self, tags: Iterable[str] | None = None, *, timeout: float | None = None
     ) -> dict[str, Any]:
-        """``POST /release_memory_occupation``: free ``tags`` (``None`` = all) on the device.
-
-        Idempotent on the engine side. :raises LifecycleError: refused (requests in flight,
-        unknown tag, …). :raises ValueError: an unknown tag (checked before any I/O).
-        """
+        """``POST /release_memory_occupation``: free ``tags`` (``None`` = all). Idempotent.
+        :raises LifecycleError: refused. :raises ValueError: an unknown tag (before any I/O)."""
         body = {"tags": self._tags(tags)}
         return await self.operate("release_memory_occupation", body, timeout=timeout)
 
@@ -292,12 +248,8 @@ class ControlClient:
         timeout: float | None = None,
         check_generation: bool = False,
     ) -> dict[str, Any]:
-        """``POST /resume_memory_occupation``: bring ``tags`` (``None`` = all) back.
-
-        ``check_generation`` (an engine with :attr:`resume_checks` only): the engine then
-        generates one token, as ``/health_generate``, before it answers; a failed check is
-        refused (:class:`~relax_core.errors.LifecycleError`, the tags stay resumed).
-        """
+        """``POST /resume_memory_occupation``: bring ``tags`` (``None`` = all) back;
+        ``check_generation`` (:attr:`resume_checks` engines): then generate one token."""
         body: dict[str, Any] = {"tags": self._tags(tags)}
         if check_generation:
             body["check_generation"] = True
@@ -316,12 +268,8 @@ class ControlClient:
     async def flush_cache(
         self, *, wait: float = 0.0, timeout: float | None = None
     ) -> dict[str, Any]:
-        """``POST /flush_cache``. The engine answers 400 while requests are pending.
-
-        :param wait: keep retrying a 400 for up to this many seconds (drain: pause, abort,
-            then flush with a ``wait``).
-        :raises LifecycleError: still refused when ``wait`` ran out.
-        """
+        """``POST /flush_cache``, retried for up to ``wait`` seconds while refused (requests
+        pending). :raises LifecycleError: still refused then."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         delay = 0.02
@@ -351,12 +299,8 @@ class ControlClient:
         timeout: float | None = None,
         **update: Unpack[WeightUpdate],
     ) -> dict[str, Any]:
-        """``POST /update_weights_from_tensor`` (one serialized payload per TP rank).
-
-        Each payload is built by whoever holds the tensors (torch-side code of the trainer's:
-        the core imports no torch); ``update``: see
-        :class:`WeightUpdate`.
-        """
+        """``POST /update_weights_from_tensor`` (one serialized payload per TP rank);
+        ``update``: see :class:`WeightUpdate`."""
         body = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": load_format,
@@ -372,10 +316,8 @@ class ControlClient:
         timeout: float | None = None,
         **update: Unpack[WeightUpdate],
     ) -> dict[str, Any]:
-        """``POST /update_weights_from_disk``: load a checkpoint directory (same architecture).
-
-        ``update``: see :class:`WeightUpdate`.
-        """
+        """``POST /update_weights_from_disk``: load a checkpoint directory (same architecture);
+        ``update``: see :class:`WeightUpdate`."""
         body = {"model_path": model_path, "load_format": load_format, **_update_fields(update)}
         return await self.operate("update_weights_from_disk", body, timeout=timeout)
 
@@ -390,11 +332,8 @@ class ControlClient:
         backend: str = "nccl",
         timeout: float | None = None,
     ) -> dict[str, Any]:
-        """``POST /init_weights_update_group``: join the trainer's broadcast group.
-
-        The trainer is rank 0 and must join the same ``tcp://master_address:master_port``
-        rendezvous concurrently; the engine's ranks start at ``rank_offset``.
-        """
+        """``POST /init_weights_update_group``: join the trainer's (rank 0's) broadcast group,
+        concurrently with it; the engine's ranks start at ``rank_offset``."""
         body = {
             "master_address": master_address,
             "master_port": int(master_port),
@@ -416,13 +355,8 @@ class ControlClient:
         timeout: float | None = None,
         **update: Unpack[WeightUpdate],
     ) -> dict[str, Any]:
-        """``POST /update_weights_from_distributed``: receive tensors broadcast by rank 0.
-
-        The trainer broadcasts each tensor, in this order, while this call is in flight; with
-        ``load_format="flattened_bucket"`` (SGLang's) it broadcasts them as one flat ``uint8``
-        buffer, back to back (:class:`~relax_core.engine.buckets.WeightBucket`).
-        ``update``: see :class:`WeightUpdate`.
-        """
+        """``POST /update_weights_from_distributed``: receive tensors broadcast by rank 0, in
+        order, while this call is in flight; ``update``: see :class:`WeightUpdate`."""
         body = {
             "names": list(names),
             "dtypes": [str(d).removeprefix("torch.") for d in dtypes],

@@ -1,22 +1,13 @@
 """A generic engine server running as a child process: start, wait until ready, stop.
 
-Every engine backend whose server is a local command (``hf``, ``sglang``, a third party's) can
-return a :class:`SubprocessEngineProcess` from its ``launch``: it implements the
-:class:`~relax_core.records.EngineProcess` protocol the InferenceManager relies on.
-
-A follower of a multi-node engine serves no public HTTP: it may answer a private
-``ready_url`` (e.g. ``http://127.0.0.1:PORT/health`` on loopback) once it has joined its head;
-without one, :meth:`~SubprocessEngineProcess.wait_ready` only checks that it is still alive
-after a short grace period.
-
-The child runs in its own process group (its own session), so :meth:`terminate` and
-:meth:`kill` reach every process it started (tokenizer workers, schedulers, …), not only the
-leader. Its stdout and stderr go to a log file; every start-up error names it and quotes why
-the process failed (the last traceback's last frames and exception, or the log's last lines).
+:class:`SubprocessEngineProcess` implements :class:`~relax_core.records.EngineProcess` for every
+backend whose server is a local command. The child runs in its own process group (stop reaches
+all it started); its output goes to a log file that every start-up error names and quotes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,13 +51,9 @@ def log_tail(path: str | None, max_bytes: int = _TAIL_BYTES) -> str:
 
 @attrs.define(eq=False)
 class SubprocessEngineProcess:
-    """An engine server process started from a command line (implements ``EngineProcess``).
-
-    Build one with :meth:`start`; it returns at once. :meth:`wait_ready` blocks until the server
-    answers ``GET /health`` with 200 (a follower: its ``ready_url``), the process exits, or the
-    deadline passes.
-    :meth:`terminate` and :meth:`kill` are idempotent and always reap the process.
-    """
+    """An engine server process started from a command line (implements ``EngineProcess``):
+    build one with :meth:`start` (returns at once), then :meth:`wait_ready`. :meth:`terminate`
+    and :meth:`kill` are idempotent and always reap the process."""
 
     _popen: subprocess.Popen[bytes]
     #: ``http://host:port`` of the server; ``None`` for a follower.
@@ -94,15 +81,11 @@ class SubprocessEngineProcess:
     ) -> SubprocessEngineProcess:
         """Start ``argv`` in a new process group and return without waiting.
 
-        :param base_url: ``http://host:port`` the server will answer on (``None`` for a
-            follower that serves no public HTTP).
-        :param engine_id: names the engine in every error message (and the default log file,
-            with any ``/`` or other unsafe character replaced by ``_``).
+        :param base_url: ``http://host:port`` the server answers on (``None``: a follower).
+        :param engine_id: names the engine in every error message (and the default log file).
         :param env: variables added to (and overriding) this process's environment.
         :param log_path: where stdout and stderr go (appended); a temporary file if ``None``.
-        :param ready_url: for a follower (``base_url`` ``None``): a private URL that answers 200
-            once it is ready (has joined its head). Without it a follower counts as ready once
-            it has stayed alive for a short grace period.
+        :param ready_url: a follower's private URL that answers 200 once it joined its head.
         :raises LifecycleError: the command cannot be started (not found, not executable).
         """
         if log_path is None:
@@ -158,11 +141,8 @@ class SubprocessEngineProcess:
         return log_tail(self.log_path, max_bytes)
 
     def poll(self) -> int | None:
-        """The exit code, or ``None`` while the process runs (never blocks).
-
-        When the leader has exited, whatever is left of its process group is killed before the
-        leader is reaped (so its pid, and the group id, cannot be reused in between).
-        """
+        """The exit code, or ``None`` while the process runs (never blocks); an exited leader's
+        group is killed before the leader is reaped."""
         if self._returncode is None and self._leader_exited():
             self._reap()
         return self._returncode
@@ -189,16 +169,11 @@ class SubprocessEngineProcess:
             return False
 
     def wait_ready(self, timeout: float, *, interval: float = 0.1) -> None:
-        """Block until the server is ready.
+        """Block until ``GET {base_url}/health`` (a follower: its ``ready_url``) answers 200;
+        a follower without one: once alive for :data:`FOLLOWER_GRACE_S` seconds.
 
-        A head (or single-node server) is ready when ``GET {base_url}/health`` answers 200; a
-        follower when its ``ready_url`` answers 200; a follower without one once it has stayed
-        alive for :data:`FOLLOWER_GRACE_S` seconds (or ``timeout``, if shorter).
-
-        :raises LifecycleError: the process exited first (the message has its exit code, the
-            log's path and the log's last error: the last traceback's last frames and
-            exception), or ``timeout`` seconds passed (the process is left running: call
-            :meth:`terminate`).
+        :raises LifecycleError: the process exited first (quoting its log), or ``timeout``
+            passed (the process is left running: call :meth:`terminate`).
         """
         start = time.monotonic()
         deadline = start + timeout
@@ -229,11 +204,8 @@ class SubprocessEngineProcess:
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
     def terminate(self, timeout: float = 10.0) -> int:
-        """SIGTERM the process group, SIGKILL it after ``timeout`` seconds; reap; return the code.
-
-        Idempotent: on an exited process it only returns the exit code. Whatever the leader
-        does, every process left in its group is killed before this returns.
-        """
+        """SIGTERM the process group, SIGKILL it after ``timeout`` seconds; reap; return the
+        code. Idempotent; every process left in the group is killed."""
         if self.poll() is not None:
             assert self._returncode is not None
             return self._returncode
@@ -253,10 +225,8 @@ class SubprocessEngineProcess:
     # -- helpers -------------------------------------------------------------------------
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _where(self) -> str:
         if self.base_url:

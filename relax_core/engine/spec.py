@@ -1,18 +1,5 @@
-"""What an engine may do: :class:`InferenceEngineSpec`.
-
-One spec per model. It names the role, the weight source (a
-:class:`~relax_core.records.WeightSource` record from the plugin manager), the operations the
-engine allows and whether it drains strictly. The manager checks it at its API, the engine worker
-checks it again, and the admission server in front of the engine's head refuses every update
-path at the public port (a STATIC engine's answer says so).
-
-Operations:
-
-- generation: ``generate``, ``chat``, ``completions``, ``abort``;
-- lifecycle: ``onload``, ``offload``;
-- weight-update paths: the weight source's ``update_paths`` (``tensor``, ``distributed``,
-  ``disk``, ``lora``, ``seed_sync``).
-"""
+"""What an engine may do: :class:`InferenceEngineSpec` (role, weight source, allowed operations,
+strict drain), checked by the manager, the engine worker and the admission server."""
 
 from __future__ import annotations
 
@@ -60,15 +47,11 @@ class InferenceEngineSpec:
 
     :param role: the role name (``rollout``, ``genrm``, ``teacher``, …).
     :param weight_source: the weight-source record (``plugin_manager.weight_source("STATIC")``).
-    :param allowed_operations: operations the engine allows; default: generation, lifecycle and
-        every update path of the weight source. Update paths outside the weight source's are
-        rejected here, so a STATIC spec can never allow one.
-    :param strict_drain: offload waits for in-flight requests to finish (they are aborted only
-        when the drain deadline passes); without it, offload aborts them at once.
-    :param checkpoint_dir: the versioned checkpoint directory (``version-N/``); required by
-        weight sources whose only update path is ``disk`` and that publish versions (DCS).
-    :param weights_cpu_backup: ask the engine to keep a CPU copy of its weights so a weights
-        release can be resumed without reloading; STATIC engines always keep one.
+    :param allowed_operations: default: generation, lifecycle and every update path of the
+        weight source (none outside it).
+    :param strict_drain: offload waits for in-flight requests (up to the drain deadline).
+    :param checkpoint_dir: the versioned checkpoint directory (required by DCS sources).
+    :param weights_cpu_backup: the engine keeps a CPU copy of its weights (STATIC: always).
     :raises ValueError: a field is invalid; the message names the field.
     """
 
@@ -106,8 +89,7 @@ class InferenceEngineSpec:
                 "holding version-N/ sub-directories"
             )
         if self.is_static and not self.weights_cpu_backup:
-            # A static engine cannot be re-fed its weights by anyone: keep a CPU copy so a
-            # weights release can always be resumed.
+            # Nobody can re-feed a static engine's weights.
             object.__setattr__(self, "weights_cpu_backup", True)
 
     @classmethod
@@ -117,10 +99,8 @@ class InferenceEngineSpec:
         weight_source: WeightSource,
         **kwargs: object,
     ) -> InferenceEngineSpec:
-        """A spec for ``role`` with ``weight_source``, checked against the role's allowed sources.
-
-        :raises ValueError: the role does not allow the weight source.
-        """
+        """A spec for ``role`` with ``weight_source``.
+        :raises ValueError: the role does not allow the weight source."""
         if weight_source.name not in role.allowed_weight_sources:
             raise ValueError(
                 f"InferenceEngineSpec.weight_source: role {role.name!r} does not allow weight "
@@ -157,10 +137,7 @@ class InferenceEngineSpec:
         return operation in self.allowed_operations
 
     def check(self, operation: str, *, engine_id: str) -> None:
-        """Raise :class:`CapabilityError` unless ``operation`` is allowed.
-
-        The message names the engine, its role and weight source, and what to do.
-        """
+        """Raise :class:`CapabilityError` unless ``operation`` is allowed."""
         if operation not in OPERATIONS:
             raise CapabilityError(
                 f"engine {engine_id!r}: unknown operation {operation!r}; "

@@ -1,10 +1,5 @@
-"""The memory tags an engine releases and resumes: one definition for the engine and the manager.
-
-SGLang's memory-occupation protocol names three pieces of engine memory that can be released
-and resumed on their own. The control client sends them to the engine; the manager tracks which
-ones each replica holds (a replica is READY only with all of them) and plans onload and offload
-from them. Resuming goes weights first, then KV cache, then CUDA graphs (SGLang's rule).
-"""
+"""The memory tags an engine releases and resumes (SGLang's), one definition for the engine and
+the manager; resuming goes weights, KV cache, CUDA graphs."""
 
 from __future__ import annotations
 

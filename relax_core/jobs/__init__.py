@@ -1,22 +1,6 @@
-"""The one job runtime behind ``relax serve`` and ``relax run``: how a job's paths are read and
-what is checked before anything starts, then placing it, building its managers, starting them
-phase by phase, health and teardown.
-
-- :mod:`~relax_core.jobs.preflight`: what is checked on this machine before anything starts;
-- :mod:`~relax_core.jobs.checks`: what of a job cannot be run (placement, phases, plugins);
-- :mod:`~relax_core.jobs.session`: the Ray a job runs on, and the signals that stop it;
-- :mod:`~relax_core.jobs.pools`: placement groups, bound and released (keeping every fence);
-- :mod:`~relax_core.jobs.managers`: managers built from the config (in process or in actors);
-- :mod:`~relax_core.jobs.models`: :class:`ModelHandle`, a model as the runtime drives it, in
-  this process (:class:`LocalModel`) or in a manager actor (:class:`RayModel`);
-- :mod:`~relax_core.jobs.phases`: the start order, starting, putting deferred roles to sleep;
-- :mod:`~relax_core.jobs.teardown`: stopping the parts, the models, the pid checks;
-- :mod:`~relax_core.jobs.runtime`: :class:`JobRuntime`, the lifecycle both commands share;
-- :mod:`~relax_core.jobs.roles`: :class:`RoleService`, a role's managers and its health monitor;
-- :mod:`~relax_core.jobs.serving`: what ``relax serve`` runs on it (role services, gateways).
-
-``relax run``'s own parts (registries, the coordinator, the trainer) are in
-:mod:`relax_core.run.job`. See ``docs/jobs.md``.
+"""The one job runtime behind ``relax serve`` and ``relax run``: preflight and checks, placing
+a job, building and starting its managers phase by phase, health and teardown. ``relax run``'s
+own parts are in :mod:`relax_core.run.job`. See ``docs/jobs.md``.
 """
 
 from relax_core._exports import claim as _claim

@@ -1,10 +1,5 @@
-"""What of a job ``relax serve`` and ``relax run`` cannot run, found before anything starts.
-
-:func:`check_job` is the job's own check, the same for both commands: the placement plan's
-violations (:func:`~relax_core.placement.preflight`), the phases the runtime cannot keep apart
-(:func:`serve_phase_problems`) and what a model needs that is not installed or cannot be routed
-(:func:`servable_problems`). Each problem is ``key.path: [rule] message``. Pure: nothing starts.
-"""
+"""What of a job ``relax serve`` and ``relax run`` cannot run, found before anything starts:
+:func:`check_job`, each problem ``key.path: [rule] message``. Pure."""
 
 from __future__ import annotations
 
@@ -32,15 +27,9 @@ def check_job(config: JobConfig, plugin_manager: PluginManager) -> list[str]:
 
 
 def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[ConfigProblem]:
-    """What of ``config`` ``relax serve`` cannot run, found before anything starts.
-
-    The placement planner checks that every role is registered, budgets and weight sources;
-    this checks the rest a role service needs: the engine backend is registered and runs on the
-    model's device, the model's ``engine`` table suits the backend's options record (each bad
-    key at its path, ``roles.R.models.M.engine.KEY``), and the route mode can be served: an
-    ``SGLANG_ROUTER`` model needs an installed router plugin (its policy one the router
-    supports; never a STATIC model); router and prefill/decode keys need ``SGLANG_ROUTER``.
-    """
+    """What of ``config`` ``relax serve`` cannot run beyond the placement planner's checks:
+    the engine backend and its device, the ``engine`` table against the backend's options
+    record, and the route mode (router plugin, policy, STATIC models, router keys)."""
     problems: list[ConfigProblem] = []
     roles = plugin_manager.registered("roles")
     backends = plugin_manager.registered("engine_backends")
@@ -81,33 +70,27 @@ def servable_problems(config: JobConfig, plugin_manager: PluginManager) -> list[
 def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[ConfigProblem]:
     route_mode = model.route_mode or role.default_route_mode
     if route_mode == "DIRECT":
-        out = []
         router = model.router
-        for key, value in (
-            ("router", router.name),
-            ("router_policy", router.policy),
-            ("router_allow_dropped_fields", router.allow_dropped_fields),
-            ("router_args", router.args),
-        ):
-            if value:
-                out.append(
-                    ConfigProblem(
-                        f"{model.path}.{key}",
-                        "route-mode",
-                        "a DIRECT model has no router; drop this key or set route_mode = "
-                        '"SGLANG_ROUTER"',
-                    )
-                )
-        if model.engine.pd_prefill_engines is not None:
-            out.append(
-                ConfigProblem(
-                    f"{model.path}.pd_prefill_engines",
-                    "route-mode",
-                    "prefill/decode workers are reachable only through a router; set "
-                    'route_mode = "SGLANG_ROUTER"',
-                )
-            )
-        return out
+        no_router = (
+            'a DIRECT model has no router; drop this key or set route_mode = "SGLANG_ROUTER"'
+        )
+        given = (
+            ("router", router.name, no_router),
+            ("router_policy", router.policy, no_router),
+            ("router_allow_dropped_fields", router.allow_dropped_fields, no_router),
+            ("router_args", router.args, no_router),
+            (
+                "pd_prefill_engines",
+                model.engine.pd_prefill_engines is not None,
+                "prefill/decode workers are reachable only through a router; set "
+                'route_mode = "SGLANG_ROUTER"',
+            ),
+        )
+        return [
+            ConfigProblem(f"{model.path}.{key}", "route-mode", why)
+            for key, value, why in given
+            if value
+        ]
     try:
         router_record(model, role, pm)
     except ConfigError as exc:
@@ -116,12 +99,8 @@ def _route_problems(model: ModelConfig, role: Any, pm: PluginManager) -> list[Co
 
 
 def serve_phase_problems(config: JobConfig, plan: Any) -> list[ConfigProblem]:
-    """The phases of ``plan`` that ``relax serve`` cannot keep apart, by key path.
-
-    ``relax serve`` keeps every deferred role (``placement.defer_roles``) asleep after its
-    start and every other role awake, so two roles that are not deferred, placed in different
-    phases on overlapping bundles, would be resident at once: refused. Pure.
-    """
+    """The phases of ``plan`` that ``relax serve`` cannot keep apart, by key path: two roles
+    not deferred, in different phases on overlapping bundles. Pure."""
     from relax_core.placement.plan import PHASE_RESIDENT
 
     deferred = set(deferred_roles(config))

@@ -1,17 +1,5 @@
-"""Building a job's managers from its config: the same arguments whether a manager runs in
-this process or in a Ray actor.
-
-:func:`manager_arguments` is what an :class:`~relax_core.manager.InferenceManager` of a model
-is built from (engine spec, backend, launch, placement, route mode, deadlines);
-:func:`build_role_service` builds a role's in-process managers into a
-:class:`~relax_core.jobs.roles.RoleService` (``relax serve``), :func:`start_model_actor` one
-model's manager actor (``relax run``). An ``SGLANG_ROUTER`` model's router is the one
-:func:`router_record` picks (a router plugin), launched from :func:`router_launch_spec` next to
-its manager. A model's engines are launched with its :class:`~relax_core.records.EngineOptions`
-and an instance of its backend's own options record, read from its ``engine`` table by
-:func:`backend_options`. :func:`engine_launch_specs` says, starting nothing, what each engine
-backend would be asked to launch; :func:`describe_job` is one line per model.
-"""
+"""Building a job's managers from its config, in this process (:func:`build_role_service`) or in
+Ray actors (:func:`start_model_actor`), from the same :func:`manager_arguments`."""
 
 from __future__ import annotations
 
@@ -55,12 +43,8 @@ def routing_spec(role: RoleConfig) -> RoutingSpec:
 
 
 def router_record(model: ModelConfig, role: Any, pm: PluginManager) -> RouterBackend:
-    """The router an ``SGLANG_ROUTER`` model uses: its ``router`` key, else the one installed
-    router registered as the default (or the only installed one).
-
-    :raises ConfigError: naming the key: no router plugin installed, an unknown or
-        uninstalled router, a policy it lacks, a STATIC model, PD on a router without it.
-    """
+    """The router an ``SGLANG_ROUTER`` model uses: its ``router`` key, else the installed
+    default (or only) one. :raises ConfigError: naming the key."""
     where = model.path
     routers = pm.registered("routers")
     installed = {name: r.record for name, r in routers.items() if r.record.version is not None}
@@ -143,10 +127,6 @@ def router_launch_spec(
     )
 
 
-def _start_router(model: ModelConfig, record: RouterBackend, log_dir: str | None) -> RouterProcess:
-    return record.launch(router_launch_spec(model, record, log_dir))
-
-
 class _EnginesHidden:
     """A publisher for a prefill/decode model: the model is published (state, router URL),
     its engines never are (PD workers are reachable only through the router)."""
@@ -172,14 +152,10 @@ def build_role_service(
     timeouts: ManagerTimeouts | None = None,
     log_dir: str | None = None,
 ) -> RoleService:
-    """The role service of ``role``: one manager per model on ``placements[model]``.
+    """The role service of ``role``: one manager per model on ``placements[model]``, an
+    ``SGLANG_ROUTER`` model's router launched here.
 
-    An ``SGLANG_ROUTER`` model's router is launched here (its process starts; it is made
-    ready by :meth:`RoleService.start`), so its URL can be given to the manager.
-
-    :raises ConfigError: a model asks for something ``relax serve`` cannot run (no usable
-        router, a bad weight source), naming its key path; routers launched so far are
-        stopped.
+    :raises ConfigError: a model cannot be served, naming its key (routers launched stop).
     """
     spec = plugin_manager.role(role.name)
     service = RoleService(
@@ -220,7 +196,6 @@ def _manager(
     is launched (without one, for dry runs, it is not)."""
     spec = pm.role(model.role)
     route_mode = model.route_mode or spec.default_route_mode
-    # Built (and so checked) before a router starts.
     arguments = (
         None
         if model.external
@@ -230,7 +205,8 @@ def _manager(
     router: RouterProcess | None = None
     publisher: Any = service.publisher if service is not None else None
     if route_mode != "DIRECT" and service is not None:
-        router = _start_router(model, router_record(model, spec, pm), log_dir)
+        record = router_record(model, spec, pm)
+        router = record.launch(router_launch_spec(model, record, log_dir))
         service.routers[model.name] = router
         if model.engine.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
@@ -273,13 +249,10 @@ def manager_arguments(
     timeouts: ManagerTimeouts | None = None,
     log_dir: str | None = None,
 ) -> dict[str, Any]:
-    """The :class:`~relax_core.manager.InferenceManager` arguments of ``model`` (``spec``,
-    ``backend``, ``launch``, ``placement``, ``route_mode``, ``timeouts``,
-    ``unhealthy_after``) — what ``relax serve`` builds its managers from, and ``relax run``
-    its manager actors; add ``publisher`` and, for a router, the router. Pure: starts nothing.
+    """The :class:`~relax_core.manager.InferenceManager` arguments of ``model``, but the
+    ``publisher`` and the router. Pure.
 
-    :raises ConfigError: the weight source does not suit the role, or the model's ``engine``
-        table does not suit its backend's options record, naming the key.
+    :raises ConfigError: a bad weight source or ``engine`` table, naming the key.
     """
     spec = pm.role(model.role)
     backend = pm.engine_backend(model.backend)
@@ -306,11 +279,8 @@ def manager_arguments(
 def backend_options(
     model: ModelConfig, backend: EngineBackend, reader: ConfigReader
 ) -> object | None:
-    """An instance of ``backend``'s options record (:attr:`EngineBackend.options`) read from
-    ``model``'s ``engine`` table (its defaults when there is none); ``None`` for a backend
-    without a record. Each problem goes to ``reader`` at its key path
-    (``roles.rollout.models.policy.engine.memory_handoff``), and gives ``None``: a bad or
-    unknown key, or any ``engine`` table for a backend that declares no options."""
+    """``backend``'s options record read from ``model``'s ``engine`` table; ``None`` for a
+    backend without one, or after a problem (given to ``reader`` at its key path)."""
     path = f"{model.path}.engine"
     if backend.options is None:
         if model.engine_table:
@@ -328,11 +298,8 @@ def backend_options(
 def engine_launch_specs(
     config: JobConfig, plugin_manager: PluginManager, *, dist_init_addr: str = "192.0.2.1:29500"
 ) -> dict[str, dict[str, list[Any]]]:
-    """Model key path -> engine id -> the ``EngineLaunchSpec`` of each worker (head first):
-    what ``relax serve`` would ask each engine backend to launch. Pure: starts nothing (no
-    Ray, no router, no engine); for checks of the command lines a backend builds.
-
-    A multi-node replica's workers join ``dist_init_addr`` (at start: the head worker's own).
+    """Model key path -> engine id -> the ``EngineLaunchSpec`` of each worker (head first)
+    that ``relax serve`` would launch (multi-node ones joining ``dist_init_addr``). Pure.
 
     :raises PlacementError: the placement plan is invalid.
     :raises ConfigError: a model cannot be served.
@@ -394,10 +361,8 @@ def start_model_actor(
     timeouts: ManagerTimeouts | None = None,
     log_dir: str | None = None,
 ) -> Any:
-    """Create ``model``'s manager actor for job ``job`` (named by
-    :func:`~relax_core.manager.actor.manager_actor_name`, in the coordinator's namespace),
-    publishing to ``publisher`` (its role's registry actor), with its router inside when it is
-    routed ``SGLANG_ROUTER``; return the actor handle. Its engines are not started.
+    """Create ``model``'s named manager actor for job ``job`` (with its router, if any),
+    publishing to ``publisher``; return the handle, not started.
 
     :raises LifecycleError: the actor could not be built (the reason is its error's last line).
     """

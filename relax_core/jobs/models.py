@@ -1,15 +1,6 @@
-"""A model of a job, as the job runtime drives it: :class:`ModelHandle`, and its two homes.
-
-The job runtime (phases, sleep, teardown) needs little of a model's manager: start it, put it
-to sleep, shut it down, the process ids it started, the workers whose cleanup is not confirmed
-and, at the end, let go of it. :class:`LocalModel` is a manager in this process (what
-``relax serve`` runs, in its :class:`~relax_core.jobs.roles.RoleService`); :class:`RayModel` is
-a manager hosted by a :class:`~relax_core.manager.actor.ManagerActor` (what ``relax run`` runs,
-so the coordinator and the trainer reach it). Both are one class over a client of the
-manager's core (:class:`~relax_core.manager.actor.InProcessManager`,
-:class:`~relax_core.manager.actor.RayManager`); every call blocks until the manager answered;
-errors are the manager's own (a Ray wrapper is unwrapped).
-"""
+"""A model of a job as the runtime drives it (:class:`ModelHandle`): in this process
+(:class:`LocalModel`) or in a manager actor (:class:`RayModel`), each over a client of the
+manager's core. Every call blocks; errors are the manager's own."""
 
 from __future__ import annotations
 
@@ -24,10 +15,8 @@ __all__ = ["LocalModel", "ModelHandle", "RayModel"]
 
 
 class ModelHandle(Protocol):
-    """One model of a job: what starting in phases, putting to sleep and teardown need.
-
-    ``key`` is ``role.model`` (every line about the model names it so).
-    """
+    """One model of a job: what starting in phases, putting to sleep and teardown need;
+    ``key`` is ``role.model``."""
 
     @property
     def role(self) -> str: ...
@@ -40,9 +29,7 @@ class ModelHandle(Protocol):
 
     def start(self) -> LifecycleResult:
         """Start the model's engines (behind its router, if any); per-replica results.
-
-        :raises RelaxError: the router did not start or take the heads, or the start failed.
-        """
+        :raises RelaxError: the router did not start or take the heads, or the start failed."""
         ...
 
     def offload(self) -> LifecycleResult:
@@ -51,9 +38,7 @@ class ModelHandle(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engines and the worker actors, then the router.
-
-        :raises RelaxError: a step was not confirmed (a fenced worker, a pending shutdown).
-        """
+        :raises RelaxError: a step was not confirmed (a fenced worker, a pending shutdown)."""
         ...
 
     def engine_pids(self) -> dict[str, list[int | None]]:
@@ -146,12 +131,8 @@ class LocalModel(_Model):
 
 
 class RayModel(_Model):
-    """A model whose manager a :class:`~relax_core.manager.actor.ManagerActor` hosts.
-
-    ``shutdown_timeout`` bounds :meth:`shutdown` (a manager busy with a lifecycle call
-    finishes it first); queries wait up to ``query_timeout``; :meth:`start` and
-    :meth:`offload` wait for the manager's own deadlines.
-    """
+    """A model whose manager a :class:`~relax_core.manager.actor.ManagerActor` hosts;
+    :meth:`shutdown` waits up to ``shutdown_timeout``, queries up to ``query_timeout``."""
 
     def __init__(
         self,

@@ -1,12 +1,5 @@
-"""The order a job's models start in, and starting them: one phase at a time.
-
-In a defer layout, roles that share GPUs in different phases must never be loaded together:
-each phase of deferred roles (``placement.defer_roles``, in the plan's run order) starts on its
-own and is put to SLEEPING — every tag released, the engine's GPU memory freed, the weights kept
-in the engine's CPU backup — before the next one starts; then every other role starts, awake
-(:func:`start_order`). :func:`start_models` starts one step's models at once and reports each;
-:func:`put_to_sleep` offloads a started deferred model and checks every replica confirmed.
-"""
+"""The order a job's models start in, one phase at a time: each phase of deferred roles starts
+and is put to sleep before the next, then every other role starts awake."""
 
 from __future__ import annotations
 
@@ -32,12 +25,8 @@ def deferred_roles(config: JobConfig) -> list[str]:
 
 
 def start_order(config: JobConfig, plan: Any) -> list[tuple[tuple[str, ...], bool]]:
-    """The order a job starts its roles in: ``(roles, sleep_after)`` steps.
-
-    Each phase of deferred roles (in the plan's run order) starts on its own and is put to
-    SLEEPING before the next one starts — phases sharing GPUs are never loaded together —, then
-    every other role starts, awake. Without deferred roles: one step, everything at once. Pure.
-    """
+    """The order a job starts its roles in: ``(roles, sleep_after)`` steps, each deferred
+    phase on its own (in the plan's run order), then every other role. Pure."""
     deferred = deferred_roles(config)
     rank = {phase: i for i, phase in enumerate(plan.phases)}
 
@@ -65,14 +54,10 @@ def start_models(
     logs: str | None = None,
 ) -> dict[str, LifecycleResult]:
     """Start every model at once (one thread each); return ``key`` -> its result.
+    ``on_done(model, result_or_error)`` hears each; at Ctrl-C, ``on_interrupt()`` is called and
+    every start finishes before re-raising. Blocking.
 
-    ``on_done(model, result_or_error)`` is called as each model finishes. Interrupted
-    (Ctrl-C) while they start, it calls ``on_interrupt()`` and lets every start finish before
-    re-raising: a manager's shutdown waits for its start anyway (one lock). Blocking.
-
-    :raises LifecycleError: some replica did not become READY, a model's start raised, or its
-        router did not take its heads — naming each, after every model has finished (``logs``:
-        where the engine logs are, for the message).
+    :raises LifecycleError: a model did not start, naming each (and ``logs``), after all ended.
     """
     outcomes: dict[str, LifecycleResult | BaseException] = {}
     lock = threading.Lock()
@@ -118,11 +103,8 @@ def start_models(
 
 
 def put_to_sleep(model: ModelHandle) -> LifecycleResult:
-    """Offload every tag of a started deferred model; every replica must confirm SLEEPING.
-
-    :raises LifecycleError: a replica did not: the model shares GPUs with later phases, so
-        nothing more may start.
-    """
+    """Offload every tag of a started deferred model.
+    :raises LifecycleError: a replica did not confirm SLEEPING."""
     result = model.offload()
     wrong = {e: s for e, s in result.states.items() if s != "SLEEPING"}
     if wrong:

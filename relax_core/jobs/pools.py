@@ -1,13 +1,5 @@
-"""A job's placement groups: one per pool of the plan, bound before any manager exists, and
-released at teardown — except those a worker whose cleanup is not confirmed sits on.
-
-:func:`bind_pools` creates and binds the group of every pool (``relax-<pool>``; each bundle's
-node and GPU probed and checked), :func:`replica_placements` says where each model's replicas
-go on them, and :func:`release_pools` releases them, keeping every fence: a group holding a
-fenced worker (its actor died without confirmed cleanup of its engine) or one whose shutdown
-was not confirmed is never released, because the next job could be scheduled onto GPUs a
-stray engine still holds; its message names the group, the workers and what an operator checks.
-"""
+"""A job's placement groups: one per pool, bound before any manager exists, released at
+teardown except those a worker whose cleanup is not confirmed sits on."""
 
 from __future__ import annotations
 
@@ -22,10 +14,8 @@ __all__ = ["bind_pools", "release_pools", "replica_placements"]
 
 
 def bind_pools(plan: Any, *, out: list[Any] | None = None, detach: bool = False) -> dict[str, Any]:
-    """Create and bind the placement group of every pool of ``plan`` (``relax-<pool>``);
-    pool name -> ``BoundPool``. Each bound pool is appended to ``out`` as soon as it exists,
-    so a caller can release what was made when a later one fails. ``detach``: the groups are
-    detached (they outlive this process on a cluster that outlives it).
+    """Create and bind the placement group ``relax-<pool>`` of every pool of ``plan`` (each
+    appended to ``out`` once it exists; ``detach``: detached); pool name -> ``BoundPool``.
 
     :raises PlacementError: a pool's binding is invalid (its own group is removed).
     """

@@ -1,30 +1,6 @@
 """The job preflight: what ``relax serve`` and ``relax run`` check on this machine before Ray
-starts, reported all at once.
-
-The job file's own checks (types, references, the placement plan) are pure and run first
-(:func:`relax_core.config.load_config`, :func:`relax_core.placement.preflight`). This module
-checks what those cannot: the things outside the file that a job needs and that, missed, would
-only show 45-90 s later as an engine's failed start or a raw traceback.
-
-- **model directories** (:func:`model_dir_problems`): every managed model of every role, with
-  its ``model_path`` resolved relative to the job file (:func:`resolve_model_paths`, the same
-  for both commands), exists, is a directory, has a ``config.json``, and has a tokenizer
-  (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``) unless the engine is
-  told ``--skip-tokenizer-init``. A missing one is refused with the engine backend's
-  ``model_hint`` (how to make one). On a Ray cluster given by ``--address`` a missing
-  *absolute* path may exist on the engines' nodes only: it is a warning there, not a problem.
-- (``relax run`` reports beside these, in the same pass, what its prompt sources find: a
-  JSONL dataset unreadable, or each bad line as ``file:line`` — :func:`relax_core.run.
-  source_problems`.)
-- **ports** (:func:`port_problems`): every fixed gateway port free on its host, and no two
-  gateways on one host and port, named by key path (``roles.genrm.gateway.port``).
-- **the Ray address** (:func:`ray_address_problem`): a ``--address`` of ``host:port`` (or
-  ``ray://host:port``) must accept a TCP connection within a few seconds and answer as a Ray
-  cluster does: its GCS (and the Ray Client server) speak gRPC, so the probe opens an HTTP/2
-  connection and expects the server's SETTINGS frame. An HTTP/1 server, or one that says
-  nothing, is refused at once instead of leaving Ray retrying its GCS connection for minutes.
-
-Nothing here starts anything: it reads files, binds and closes sockets, opens one connection.
+starts (model directories, gateway ports, the Ray address), reported all at once. Nothing here
+starts anything. See ``docs/jobs.md``.
 """
 
 from __future__ import annotations
@@ -106,31 +82,23 @@ def _backend(model: ModelConfig, pm: PluginManager) -> EngineBackend | None:
         return None
 
 
-def _loads_model_dir(model: ModelConfig, pm: PluginManager) -> bool:
-    backend = _backend(model, pm)
-    return backend is None or backend.loads_model_dir
-
-
-def _skips_tokenizer(model: ModelConfig) -> bool:
-    return "--skip-tokenizer-init" in model.engine.extra_args
-
-
 def model_dir_problems(
     config: JobConfig, pm: PluginManager, *, remote: bool = False
 ) -> tuple[list[ConfigProblem], list[str]]:
-    """The problems (and, with ``remote``, warnings) of every managed model's directory, each
-    relative ``model_path`` of ``config`` (as loaded) taken relative to the job file.
-
-    ``remote``: the engines may run on other machines (a ``--address`` cluster), so a missing
-    path that the job file gives as absolute is a warning (it may exist on their nodes); a
-    relative one is still a problem (it names a place next to the job file, on this machine).
-    """
+    """The problems (and, with ``remote``, warnings) of every managed model's directory,
+    relative paths taken relative to the job file. ``remote``: a missing absolute path is a
+    warning (it may exist on the cluster's nodes)."""
     base = Path(config.source).resolve().parent if config.source is not None else Path.cwd()
     problems: list[ConfigProblem] = []
     warnings: list[str] = []
     for role in config.roles:
         for m in role.models:
-            if m.external or not m.model_path or not _loads_model_dir(m, pm):
+            backend = _backend(m, pm)
+            if (
+                m.external
+                or not m.model_path
+                or (backend is not None and not backend.loads_model_dir)
+            ):
                 continue
             key = f"{m.path}.model_path"
             path = base / m.model_path  # an absolute model_path stays as it is
@@ -151,7 +119,8 @@ def model_dir_problems(
             missing = []
             if not (path / "config.json").is_file():
                 missing.append("config.json")
-            if not _skips_tokenizer(m) and not any((path / n).is_file() for n in TOKENIZER_FILES):
+            skips_tokenizer = "--skip-tokenizer-init" in m.engine.extra_args
+            if not skips_tokenizer and not any((path / n).is_file() for n in TOKENIZER_FILES):
                 missing.append(f"tokenizer ({' / '.join(TOKENIZER_FILES)})")
             if missing:
                 problems.append(
@@ -175,11 +144,8 @@ def _missing(model: ModelConfig, path: Path, pm: PluginManager) -> str:
 
 
 def port_problems(config: JobConfig, *, local: bool = True) -> list[ConfigProblem]:
-    """Every fixed gateway port that is taken on its host, or given to two gateways.
-
-    ``local``: the job runs on a new local Ray, so a gateway in a Ray actor listens on this
-    machine too (on a cluster only the gateways in this process are checked).
-    """
+    """Every fixed gateway port that is taken on its host, or given to two gateways
+    (``local``: a gateway in a Ray actor listens on this machine too)."""
     problems: list[ConfigProblem] = []
     seen: dict[tuple[str, int], str] = {}
     for role in config.roles:
@@ -232,11 +198,9 @@ def _bind_error(host: str, port: int) -> str | None:
 def ray_address_problem(
     address: str | None, *, timeout: float = ADDRESS_TIMEOUT
 ) -> ConfigProblem | None:
-    """Whether the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``) accepts
-    a TCP connection within ``timeout`` seconds and answers the HTTP/2 handshake as a gRPC
-    server (a GCS, a Ray Client server) does within :data:`ANSWER_TIMEOUT`; ``None`` when it
-    does, or when ``address`` is ``None``, ``auto`` or ``local`` (Ray finds or starts those
-    itself)."""
+    """Why the Ray cluster at ``address`` (``host:port`` or ``ray://host:port``) does not
+    accept a connection within ``timeout`` and answer as a gRPC server within
+    :data:`ANSWER_TIMEOUT`; ``None`` when it does, or for ``None``, ``auto`` or ``local``."""
     if address is None or address in ("auto", "local"):
         return None
     parts = urlsplit(address if "://" in address else f"ray://{address}")
@@ -245,11 +209,9 @@ def ray_address_problem(
     except ValueError:
         host, port = None, None
     if not host or port is None:
-        return ConfigProblem(
-            "--address",
-            "ray-address",
+        return _address_problem(
             f"{address!r} is not a Ray address; give HOST:PORT of the head's GCS (e.g. "
-            "10.0.0.1:6379), ray://HOST:PORT, or auto",
+            "10.0.0.1:6379), ray://HOST:PORT, or auto"
         )
     try:
         with socket.create_connection((host, port), timeout=timeout) as conn:
@@ -261,22 +223,22 @@ def ray_address_problem(
             if isinstance(exc, TimeoutError)
             else (exc.strerror or str(exc)).lower()
         )
-        return ConfigProblem(
-            "--address",
-            "ray-address",
+        return _address_problem(
             f"no Ray cluster answers at {host}:{port} ({why}); start it "
-            "(`ray start --head`) or fix the address; leave --address out for a new local Ray",
+            "(`ray start --head`) or fix the address; leave --address out for a new local Ray"
         )
     if len(answer) >= _H2_FRAME_HEADER and answer[3] == _H2_SETTINGS:
         return None
     said = f"its first bytes: {answer[:40]!r}" if answer else "it closed or said nothing"
-    return ConfigProblem(
-        "--address",
-        "ray-address",
+    return _address_problem(
         f"{host}:{port} accepts connections but is not a Ray cluster ({said}; a Ray head's "
         "GCS answers gRPC, by default on port 6379, the Ray Client server on 10001); give "
-        "the address `ray start --head` printed, or leave --address out for a new local Ray",
+        "the address `ray start --head` printed, or leave --address out for a new local Ray"
     )
+
+
+def _address_problem(message: str) -> ConfigProblem:
+    return ConfigProblem("--address", "ray-address", message)
 
 
 def _h2_answer(conn: socket.socket) -> bytes:
@@ -291,9 +253,7 @@ def _h2_answer(conn: socket.socket) -> bytes:
             if not chunk:
                 break
             answer += chunk
-    except OSError:
-        # Silence past the socket's timeout (TimeoutError), or a reset after an HTTP/1 server's
-        # error page: what arrived before is the answer.
+    except OSError:  # silence past the timeout, or a reset: what arrived is the answer
         pass
     return answer
 
@@ -305,12 +265,10 @@ def job_preflight(
     address: str | None = None,
     gateways: bool = False,
 ) -> Preflight:
-    """Every problem of ``config`` (as loaded: relative model paths are taken relative to
-    the job file, as :func:`resolve_model_paths` does) that this machine can see before Ray
-    starts.
+    """Every problem of ``config`` (as loaded) that this machine can see before Ray starts.
 
-    :param address: ``--address``, if given: checked for an answer; a cluster also makes a
-        missing absolute model path a warning.
+    :param address: ``--address``, if given: checked (and makes missing absolute model paths
+        warnings).
     :param gateways: the command starts the role gateways: their ports are checked.
     """
     remote = address not in (None, "local")

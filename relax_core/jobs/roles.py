@@ -1,17 +1,6 @@
-"""The role service: one per inference role, the same shape for every role.
-
-A :class:`RoleService` holds ``dict[model_id, manager]`` and one
-:class:`~relax_core.discovery.publisher.RegistryPublisher`; every manager publishes its model's
-schema-2 view into that publisher, so :meth:`RoleService.snapshot` is the role's one aggregated
-snapshot (what the role gateway serves and routes by). A model routed ``SGLANG_ROUTER`` also has
-a router (a plugin's :class:`~relax_core.records.RouterBackend`) in front of its heads: it is
-made ready before the model's engines start, its manager keeps its membership, its URL is the
-model's published ``router_url``, and it is stopped after the engines.
-
-:meth:`RoleService.start_monitor` health-checks every replica periodically (a dead engine's
-replica is FAILED, so no longer routed to, and rebuilt); :func:`health_printer` prints what it
-finds. Build one from a job's config with :func:`~relax_core.jobs.managers.build_role_service`.
-"""
+"""The role service: one per inference role, its managers publishing into one
+:class:`~relax_core.discovery.publisher.RegistryPublisher` (the role's snapshot), their routers,
+and a periodic health monitor."""
 
 from __future__ import annotations
 
@@ -26,7 +15,7 @@ from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
 from relax_core.errors import LifecycleError, RelaxError
 from relax_core.jobs.models import LocalModel
 from relax_core.jobs.phases import start_models
-from relax_core.manager import HealthReport, InferenceManager, UnconfirmedWorker
+from relax_core.manager import HealthReport, InferenceManager
 from relax_core.manager.external import ExternalEngines
 from relax_core.records import RouterProcess
 
@@ -37,11 +26,8 @@ MonitorCallback = Callable[[str, "HealthReport | BaseException"], None]
 
 
 class RoleService:
-    """The managers of one role's models and the role's registry.
-
-    ``weight_sources`` and ``static_roles`` go to the role's :class:`RegistryPublisher`.
-    Thread-safe: :meth:`snapshot` may be called from gateway threads while managers start.
-    """
+    """The managers of one role's models and the role's registry (``weight_sources`` and
+    ``static_roles`` go to its :class:`RegistryPublisher`). :meth:`snapshot` is thread-safe."""
 
     def __init__(
         self,
@@ -82,10 +68,8 @@ class RoleService:
         return self.publisher.snapshot()
 
     def start(self, *, on_done: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
-        """Start every model's engines in parallel, each behind its router (made ready first,
-        then checked to hold the model's READY heads); return each model's
-        ``LifecycleResult``. ``on_done(model_id, result_or_error)`` is called as each model
-        finishes. Blocking.
+        """Start every model's engines in parallel, each behind its router; return each
+        model's ``LifecycleResult``. ``on_done(model_id, result_or_error)`` hears each. Blocking.
 
         :raises ConfigError: a router drops a request field the roles send (its model's
             engines were not started).
@@ -113,10 +97,6 @@ class RoleService:
             for model_id, manager in self.managers.items()
         ]
 
-    def router_pids(self) -> dict[str, list[int]]:
-        """``<model>/router`` -> the process ids of each model's router."""
-        return {f"{model_id}/router": r.pids() for model_id, r in self.routers.items()}
-
     def engine_pids(self) -> dict[str, list[int]]:
         """Every live engine process id the managers know of, by engine id."""
         out: dict[str, list[int]] = {}
@@ -130,17 +110,9 @@ class RoleService:
     def start_monitor(
         self, interval: float, *, recover: bool = True, on_report: MonitorCallback | None = None
     ) -> None:
-        """Health-check every model every ``interval`` seconds, in a daemon thread.
-
-        Each round calls ``manager.health_check(recover=recover)`` for every model at once: a
-        replica whose engine died, or stopped answering for the model's ``unhealthy_after``
-        rounds in a row, is marked FAILED (published without a URL, so gateways stop routing
-        to it, and removed from its router) and, with ``recover``, cleaned and rebuilt; then
-        every router's ``check()`` (a router that exited is restarted and its heads registered
-        again).
-        ``on_report(model_id, report_or_error)`` is called for every round that found a
-        problem, and for every error of a round (a fenced model raises
-        ``InferenceRecoveryRequired``: an operator must confirm the cleanup). Idempotent.
+        """Health-check every model (``health_check(recover=recover)``, all at once) and every
+        router (``check()``) every ``interval`` seconds, in a daemon thread. Idempotent.
+        ``on_report(model_id, report_or_error)`` hears every round that found a problem.
 
         :raises ValueError: ``interval`` is not a positive number of seconds.
         """
@@ -197,16 +169,9 @@ class RoleService:
         if failed and on_report is not None and not self._monitor_stop.is_set():
             on_report(model_id, outcome)
 
-    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
-        """Every worker of every model whose cleanup is not confirmed (fenced or pending):
-        their placement groups must not be released."""
-        return [w for model in self.models() for w in model.unconfirmed_workers()]
-
     def shutdown(self) -> list[str]:
         """Stop the monitor, shut every model down (each tried: its manager, then its
-        router); return the problems, empty when clean. A fenced worker's or an unconfirmed
-        shutdown's error is one of them; :meth:`unconfirmed_workers` says which workers, on
-        which placement groups."""
+        router); return the problems, empty when clean."""
         self.stop_monitor()
         problems = []
         for model in self.models():

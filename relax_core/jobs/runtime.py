@@ -1,23 +1,6 @@
-"""The one job runtime behind ``relax serve`` and ``relax run``.
-
-A :class:`JobRuntime` is what a job brought up on Ray, whichever command brought it: the
-placement plan, its bound placement groups, one :class:`~relax_core.jobs.models.ModelHandle`
-per model (in this process for ``relax serve``, in manager actors for ``relax run``), every
-engine and router process id seen, and the groups teardown had to keep. Its lifecycle is the
-same for both commands, and so is every line it prints (each stamped with the seconds since
-the job began):
-
-1. :meth:`JobRuntime.plan_for` and :meth:`JobRuntime.bind`: the plan, then one placement group
-   per pool, bound (each bundle's node and GPU checked) before any manager exists;
-2. the driver builds the models' managers (:mod:`~relax_core.jobs.managers`) and
-   :meth:`JobRuntime.add`\\ s them;
-3. :meth:`JobRuntime.start`: phase by phase (:func:`~relax_core.jobs.phases.start_order`):
-   ``starting X (deferred, put to sleep once started)``, ``X: READY``, ``X: SLEEPING (…)``,
-   then ``starting Y (awake)``;
-4. :meth:`JobRuntime.teardown`: the driver's own parts first (gateways; the trainer, the
-   coordinator, the batch sink), every model at once (engines, worker actors, routers), the
-   driver's last parts (registries), the check that every process seen is gone, then the
-   placement groups — all but those a worker whose cleanup is not confirmed sits on.
+"""The one job runtime behind ``relax serve`` and ``relax run``: :class:`JobRuntime` plans and
+binds, adds the models, starts them phase by phase and tears everything down, printing the same
+lines for both commands. See ``docs/jobs.md``.
 """
 
 from __future__ import annotations
@@ -47,10 +30,7 @@ Say = Callable[[str], None]
 @attrs.define(eq=False)
 class JobRuntime:
     """What one job brought up, and the one way to start it in phases and tear it down.
-
-    Not thread-safe: one driver calls it (the health monitor and the progress line only
-    read). See the module docstring for the order of things.
-    """
+    Not thread-safe: one driver calls it."""
 
     #: role -> model id -> its handle, in the order added.
     models: dict[str, dict[str, ModelHandle]] = attrs.field(factory=dict)
@@ -86,10 +66,8 @@ class JobRuntime:
     # -- placement ---------------------------------------------------------------------------
 
     def plan_for(self, config: JobConfig, pm: PluginManager) -> Any:
-        """Plan ``config``'s placement (pure: starts nothing); kept as :attr:`plan`.
-
-        :raises PlacementError: the plan is invalid.
-        """
+        """Plan ``config``'s placement (pure), kept as :attr:`plan`.
+        :raises PlacementError: the plan is invalid."""
         from relax_core.placement import plan_inference_placement
 
         self.plan = plan_inference_placement(config, pm)
@@ -98,10 +76,8 @@ class JobRuntime:
     def bind(
         self, config: JobConfig, *, detach: bool = False
     ) -> dict[str, dict[str, ReplicaPlacement]]:
-        """Create and bind the placement group of every pool of :attr:`plan`; role -> model ->
-        where its replicas go. Each group is in :attr:`bound` as soon as it exists, so
-        teardown releases what was made when a later one fails. ``detach``: the groups
-        outlive this process on a cluster that outlives it (so a kept one stays reserved).
+        """Create and bind the placement group of every pool of :attr:`plan` (each in
+        :attr:`bound` once it exists; ``detach``: detached); role -> model -> placement.
 
         :raises PlacementError: a pool's binding is invalid.
         """
@@ -113,10 +89,7 @@ class JobRuntime:
     # -- models ------------------------------------------------------------------------------
 
     def add(self, model: ModelHandle) -> None:
-        """Add a model's handle (its manager built, not started).
-
-        :raises ValueError: the role already has that model.
-        """
+        """Add a model's handle (built, not started). :raises ValueError: added twice."""
         models = self.models.setdefault(model.role, {})
         if model.model_id in models:
             raise ValueError(f"{model.key} was added twice")
@@ -153,13 +126,11 @@ class JobRuntime:
         progress: Callable[[], str] | None = None,
         on_started: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Start every model, phase by phase (:func:`~relax_core.jobs.phases.start_order`):
-        each deferred phase started, then put to SLEEPING (``sleep_note`` says, in its line,
-        who wakes it), before the next; then the others, awake. Every model's pids are
-        recorded once its start ended. ``progress()``, if given, is a line printed whenever it
-        changes (checked every second). ``on_started(done, total)``, if given, hears how many
-        models' starts have ended (a progress bar), first with none. Interrupted by Ctrl-C,
-        ``on_interrupt()`` is called and the starts in flight finish first. Blocking.
+        """Start every model, phase by phase (:func:`~relax_core.jobs.phases.start_order`),
+        each deferred phase put to SLEEPING (its line ending in ``sleep_note``) before the
+        next. ``progress()``: a line printed when it changes; ``on_started(done, total)``:
+        starts ended so far; ``on_interrupt()``: called at Ctrl-C (the starts in flight
+        finish first). Blocking.
 
         :raises LifecycleError: an engine did not become READY (``logs``: where their logs
             are), or a deferred model could not be put to sleep; nothing more is started
@@ -237,16 +208,9 @@ class JobRuntime:
     def teardown(
         self, say: Say, *, first: Sequence[Stop] = (), then: Sequence[Stop] = ()
     ) -> list[str]:
-        """Take the job down; return what could not be confirmed (empty when nothing is
-        left). Never raises for one part's failure: each is tried. Idempotent.
-
-        In order: ``first`` (the driver's parts in front of the models: ``gateways stopped
-        (N)`` for those of kind ``gateways``), every model at once (``managers stopped
-        (N)``), ``then`` (parts the models published to: registries), the wait for every
-        engine and router process seen to end (``engines stopped (N processes)``,
-        ``routers stopped (N)``), then every placement group but those a worker whose
-        cleanup is not confirmed sits on (``placement groups removed (N), K kept``; each kept
-        group's message, in the problems, says what an operator checks).
+        """Take the job down: ``first``, every model at once, ``then``, the check that every
+        process seen is gone, then every placement group but the fenced ones. Returns what
+        could not be confirmed (empty when clean); each part is tried. Idempotent.
         """
         problems, counts = stop_parts(first)
         for kind, n in counts.items():

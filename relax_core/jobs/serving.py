@@ -1,17 +1,5 @@
-"""What ``relax serve`` brings up on the job runtime: role services and their gateways.
-
-:func:`serve_job` (a context manager) places the job (:class:`~relax_core.jobs.runtime.
-JobRuntime`), builds one :class:`~relax_core.jobs.roles.RoleService` per role (its managers in
-this process), starts the engines phase by phase, starts every role's health monitor, then one
-gateway per role (a thread of this process, or a CPU-only Ray actor); on exit the runtime's
-teardown takes it all down, the gateways and monitors first.
-
-The roles of a defer layout that share GPUs (deferred roles, and the roles whose GPUs they
-share) are woken on demand: a :class:`~relax_core.jobs.wake.WakeController` holds each shared
-slice, a request to a sleeping role's gateway wakes it (evicting what it does not fit beside),
-and an idle role goes back to sleep (``[serve]`` in the job file; docs/serve.md). A gateway in
-a Ray actor cannot reach the controller: its deferred role stays asleep, and says so.
-"""
+"""What ``relax serve`` brings up on the job runtime: role services, health monitors, gateways,
+and (defer layouts) a :class:`~relax_core.jobs.wake.WakeController`. See ``docs/serve.md``."""
 
 from __future__ import annotations
 
@@ -99,10 +87,8 @@ class ServedJob:
 def place_served_job(
     config: JobConfig, pm: PluginManager, job: ServedJob, *, detach_groups: bool = False
 ) -> dict[str, dict[str, ReplicaPlacement]]:
-    """Plan, create and bind the job's placement groups; each model's placement by role.
-
-    ``detach_groups``: create them detached, so a group whose engines are not confirmed gone
-    at teardown outlives this process (on a cluster that outlives it).
+    """Plan, create and bind the job's placement groups (``detach_groups``: detached); each
+    model's placement by role.
 
     :raises PlacementError: the plan or a binding is invalid.
     """
@@ -143,15 +129,10 @@ def serve_job(
 ) -> Iterator[ServedJob]:
     """Bring ``config``'s inference side up on the connected Ray; tear it all down on exit.
 
-    ``health_interval``: seconds between health checks of every replica (0: no monitor).
-    ``before_teardown`` is called first thing when the block ends, and when Ctrl-C interrupts
-    the engines' start (e.g. to hold signals). ``detach_groups``: create the placement groups
-    detached (on a cluster that outlives this process), so the ones teardown must keep
-    survive it.
-
-    Teardown keeps every fence: a placement group with a worker whose cleanup is not confirmed
-    is never released; the problems raised name it, the workers on it and what an operator
-    must check (:attr:`ServedJob.kept_groups`).
+    ``health_interval``: seconds between health checks (0: no monitor). ``before_teardown``
+    is called when the block ends, or Ctrl-C interrupts the start. ``detach_groups``: see
+    :func:`place_served_job`. Teardown keeps every fenced placement group
+    (:attr:`ServedJob.kept_groups`).
 
     :raises PlacementError: the plan or the binding is invalid (nothing was started).
     :raises LifecycleError: engines did not become READY (everything started is shut down),

@@ -1,12 +1,5 @@
-"""The Ray a job runs on and the signals that stop it: what ``relax serve`` and ``relax run``
-do around their job, the same way.
-
-:func:`ray_session` connects to a given cluster or starts a new local Ray declaring the job's
-GPUs (never attaching to another local cluster implicitly) and stops the Ray it started;
-:class:`ShutdownSignals` turns Ctrl-C and SIGTERM into ``KeyboardInterrupt`` (or, around
-``relax run``'s steps, the cancellation of the running task) until the shutdown begins, then
-holds them.
-"""
+"""The Ray a job runs on (:func:`ray_session`) and the signals that stop it
+(:class:`ShutdownSignals`), the same for ``relax serve`` and ``relax run``."""
 
 from __future__ import annotations
 
@@ -70,17 +63,12 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
 
 
 class ShutdownSignals:
-    """Ctrl-C and SIGTERM for a job's command: the one handler of ``relax serve`` and ``relax
-    run``.
+    """Ctrl-C and SIGTERM for ``relax serve`` and ``relax run``.
 
-    Installed (:meth:`install`), a signal interrupts the job (``KeyboardInterrupt``). Inside
-    :meth:`cancelling` (on a running event loop, in the main thread) the first one cancels that
-    task instead (``relax run``'s steps: the step in flight fails its batch and releases its
-    role, the cancellation reaching every await of it, never the middle of a callback as a
-    ``KeyboardInterrupt`` would) and later ones are held. Once :meth:`hold` is called (the
-    shutdown began) every one is held, because an interrupted shutdown would leave engines
-    running. ``command`` names the command in the line said for a held signal; ``say`` is how
-    that line reaches the user (default: printed to ``out``).
+    Installed (:meth:`install`), a signal raises ``KeyboardInterrupt``; inside
+    :meth:`cancelling` the first one cancels that task instead and later ones are held; after
+    :meth:`hold` (the shutdown began) every one is held. A held signal's line names
+    ``command`` and goes to ``say`` (default: printed to ``out``).
     """
 
     def __init__(

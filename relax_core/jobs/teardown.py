@@ -1,12 +1,5 @@
-"""Taking a job down: the parts a command started besides its models, the models' shutdown,
-and the check that every engine and router process is gone.
-
-:class:`Stop` is one part a driver stopped around the models (a gateway, the registry, the
-trainer, the coordinator); :func:`stop_parts` stops them all, each tried whatever the others
-did. :func:`shutdown_models` shuts every model down at once. :func:`still_running` waits a
-bounded time for processes to end and names those that did not. The sequence itself, and the
-lines it prints, are :meth:`~relax_core.jobs.runtime.JobRuntime.teardown`.
-"""
+"""Taking a job down: the parts besides its models (:class:`Stop`), the models' shutdown, and
+the check that every engine and router process is gone."""
 
 from __future__ import annotations
 
@@ -27,11 +20,8 @@ __all__ = ["Stop", "shutdown_models", "still_running", "stop_parts"]
 
 @attrs.frozen
 class Stop:
-    """One part a command started besides the models, and how to stop it.
-
-    ``name`` names it in a problem line; ``kind`` (e.g. ``"gateways"``) counts it in the line
-    ``{kind} stopped (N)``; a part without one is stopped silently.
-    """
+    """One part a command started besides the models, and how to stop it; ``kind`` counts
+    it in the line ``{kind} stopped (N)`` (none: stopped silently)."""
 
     name: str
     stop: Callable[[], object]
@@ -63,18 +53,15 @@ def shutdown_models(models: Sequence[ModelHandle]) -> tuple[list[str], list[Unco
     def one(_key: str, model: ModelHandle) -> None:
         found: list[str] = []
         workers: list[UnconfirmedWorker] = []
-        try:
-            model.shutdown()
-        except Exception as exc:  # reported; the other models still shut down
-            found.append(f"{model.key}: shutdown: {type(exc).__name__}: {exc}")
-        try:
-            workers = model.unconfirmed_workers()
-        except Exception as exc:
-            found.append(f"{model.key}: unconfirmed workers not known: {type(exc).__name__}: {exc}")
-        try:
-            model.close()
-        except Exception as exc:
-            found.append(f"{model.key}: close: {type(exc).__name__}: {exc}")
+        for what, step in (
+            ("shutdown", model.shutdown),
+            ("unconfirmed workers not known", lambda: workers.extend(model.unconfirmed_workers())),
+            ("close", model.close),
+        ):
+            try:
+                step()
+            except Exception as exc:  # reported; every step and every model is still tried
+                found.append(f"{model.key}: {what}: {type(exc).__name__}: {exc}")
         with lock:
             problems[model.key] = found
             unconfirmed.extend(workers)

@@ -1,35 +1,10 @@
 """On-demand residency under ``relax serve``: a request for a sleeping role wakes it.
 
-A defer layout puts roles on GPUs they take turns on. ``relax run`` has a coordinator that
-leases them phase by phase; ``relax serve`` has a :class:`WakeController` instead, which holds
-each shared slice's lease and gives a role its GPUs when a request needs it:
-
-- a role gateway whose request finds its role not awake (asleep, being woken, or about to be
-  evicted for another role) calls :meth:`WakeController.wake` and holds the request (bounded
-  by ``wake_timeout`` and the request's own deadline), then routes it; past the bound it
-  answers 503 with an honest Retry-After;
-- a wake takes the slice's lock, releases the resident roles the woken one does not fit
-  beside (the residency plan: one at a time when the budget is not known; ``max_awake`` per
-  slice), the least recently used first, then onloads the role; only a confirmed release
-  frees the GPUs for the next role;
-- a role is never evicted before it has been resident ``min_residency`` seconds (hysteresis):
-  requests for the other role wait on the lock meanwhile, and one wake then serves them all.
-  Past it, new requests for the role being evicted wait too (they would keep it busy for
-  ever), the ones in flight are answered (at most ``wake_timeout``; the manager's offload
-  drains what is left), and the switch is made: two roles with steady traffic alternate, one
-  switch per ``min_residency`` at most;
-- a role with nothing in flight and no request for ``idle_seconds`` is put back to sleep;
-- an engine that died is rebuilt before its role's next transition (or at the next tick while
-  its role is awake), and a transition not confirmed leaves the role BLOCKED: every request
-  for its slice is refused at once with what the operator does (stop ``relax serve``, check
-  the GPUs, start it again). Both are the
-  :class:`~relax_core.coordination.leases.LeaseEngine`'s, which ``relax run``'s coordinator
-  drives too.
-
-The controller runs on an event loop of its own (a thread); gateways in other threads reach it
-through :meth:`WakeController.waker`, which schedules each wake on that loop. Every transition
-calls the models' managers in this process (``InferenceManager.onload`` / ``offload``, run in
-worker threads), so the role snapshots the gateways route by move with it.
+A :class:`WakeController` holds each shared slice's lease (the
+:class:`~relax_core.coordination.leases.LeaseEngine`): a wake evicts the least recently used
+roles the woken one does not fit beside (never before ``min_residency``), idle roles go back to
+sleep, and an unconfirmed transition BLOCKs the slice. It runs on its own event loop; gateways
+reach it through :meth:`WakeController.waker`. See ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -89,20 +64,15 @@ _WAKE_OF = {
 _LEASE_OF = {wake: lease for lease, wake in _WAKE_OF.items()}
 
 
-#: A model's manager as the controller drives it: ``name``, ``onload()`` / ``offload()``
-#: returning the per-replica :class:`~relax_core.manager.LifecycleResult`, and optionally
-#: ``failed()`` (the engine ids of its FAILED replicas) with ``recover()`` (rebuild them) —
-#: awaitables (blocking managers run in threads: a
-#: :class:`~relax_core.coordination.handles.LocalManagerHandle`).
+#: A model's manager as the controller drives it: a
+#: :class:`~relax_core.coordination.handles.ManagerHandle` (``failed`` / ``recover`` optional).
 Handle = Any
 
 
 @attrs.define
 class WakeCounts:
-    """What the controller did for one role (``/metrics``): wakes, times it was evicted for
-    another role, idle sleeps, switches avoided (requests that found it awake, and wakes of
-    another role it stayed resident beside), requests refused (timed out, or BLOCKED), and the
-    latencies of the wakes requests waited for (the last 1024)."""
+    """What the controller did for one role (``/metrics``), and the latencies of the last
+    1024 wakes requests waited for."""
 
     wakes: int = 0
     evictions: int = 0
@@ -150,13 +120,10 @@ class _Role:
 class WakeController:
     """Wakes sleeping roles on demand and puts idle ones back to sleep (see the module).
 
-    :param roles: role -> ``(slice id, the handles of its models)``: every role of the shared
-        slices the controller drives.
+    :param roles: role -> ``(slice id, the handles of its models)``.
     :param residency: which roles of a slice may be resident together.
-    :param awake: the roles that are awake at the start (the others are SLEEPING).
-    :param settings: bounds and timings (:class:`ServeSettings`).
-    :param clock: ``time.monotonic`` (tests give their own).
-    :param on_event: called with one line per transition (``relax serve`` prints them).
+    :param awake: the roles awake at the start (the others are SLEEPING).
+    :param on_event: called with one line per transition.
     """
 
     def __init__(
@@ -248,11 +215,9 @@ class WakeController:
             return r.state is WakeState.AWAKE and not r.draining
 
     def enter(self, role: str, *, first: bool = True) -> bool:
-        """Admit a request for ``role`` if it is awake (and not about to be evicted), at once
-        counted in flight until :meth:`end`: the role is not put to sleep under it. ``False``:
-        :meth:`wake` it first, then call again with ``first=False`` (a request admitted on its
-        first call counts as a switch avoided). Thread-safe (one step with the idle sleeper's
-        check)."""
+        """Admit a request for ``role`` if it is awake and not being evicted, counted in flight
+        until :meth:`end`. ``False``: :meth:`wake` it, then call again with ``first=False``.
+        Thread-safe."""
         r = self._roles[role]
         with self._guard:
             if r.state is not WakeState.AWAKE or r.draining:
@@ -271,11 +236,10 @@ class WakeController:
             r.last_used = self._clock()
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
-        """Make ``role`` awake (see the module docstring); returns once it is.
+        """Make ``role`` awake; returns once it is.
 
-        :raises ModelNotReadyError: (503) not awake within ``timeout`` (default, and at most,
-            ``wake_timeout``), with a Retry-After of the minimum residency; or the role, or its
-            slice, is BLOCKED (no Retry-After: the operator acts first).
+        :raises ModelNotReadyError: (503) not awake within ``timeout`` (at most
+            ``wake_timeout``), or the role or its slice is BLOCKED.
         :raises KeyError: the controller does not drive ``role``.
         """
         r = self._roles[role]
@@ -285,8 +249,7 @@ class WakeController:
         if timeout is not None:
             bound = min(bound, timeout)
         began = self._clock()
-        # One wake per role at a time, shielded: a request that stops waiting does not stop a
-        # transition half-way (the engines' memory would no longer be known).
+        # One wake per role at a time, shielded: a waiter that gives up stops no transition.
         task = self._waking.get(role)
         if task is None or task.done():
             task = self._waking[role] = asyncio.ensure_future(self._wake(r))
@@ -296,13 +259,12 @@ class WakeController:
         except TimeoutError:
             r.counts.timeouts += 1
             retry = max(1.0, self.settings.min_residency)
-            raise ModelNotReadyError(
-                f'role "{role}" could not be woken within {bound:g} s: the roles it shares its '
-                f"GPUs with are in use, and a woken role stays resident at least "
+            raise _not_ready(
+                role,
+                str(r.state),
+                f"could not be woken within {bound:g} s: the roles it shares its GPUs with are "
+                f"in use, and a woken role stays resident at least "
                 f"{self.settings.min_residency:g} s; no request was sent. Retry after {retry:g} s",
-                role=role,
-                model="*",
-                state=str(r.state),
                 retry_after=retry,
             ) from None
         except ModelNotReadyError:
@@ -320,14 +282,13 @@ class WakeController:
         blocked = self.engine.blocked_beside(r.name)
         if blocked is not None:
             name, why = blocked
-            raise ModelNotReadyError(
-                f'role "{r.name}" cannot be woken: role "{name}" of the same GPUs is BLOCKED '
-                f"({why}); what its engines hold is not known, so nothing is woken "
-                "beside them. Stop relax serve, check the GPUs are free (nvidia-smi, the "
-                "engines' /server_info), and start it again. No request was sent",
-                role=r.name,
-                model="*",
-                state="BLOCKED",
+            raise _not_ready(
+                r.name,
+                "BLOCKED",
+                f'cannot be woken: role "{name}" of the same GPUs is BLOCKED ({why}); what its '
+                "engines hold is not known, so nothing is woken beside them. Stop relax serve, "
+                "check the GPUs are free (nvidia-smi, the engines' /server_info), and start it "
+                "again. No request was sent",
             )
 
     async def _wake(self, r: _Role) -> None:
@@ -344,9 +305,8 @@ class WakeController:
                 now = self._clock()
                 ready_at = max(v.awake_since + self.settings.min_residency for v in victims)
                 if ready_at <= now:
-                    # Past the hysteresis: new requests for the victims wait for them too, and
-                    # once those in flight are answered (or the drain bound passed: the
-                    # manager's offload drains what is left) the victims are released.
+                    # Past the hysteresis: new requests for the victims wait; once those in
+                    # flight are answered (or the bound passed) the victims are released.
                     if drain_until is None:
                         drain_until = now + self.settings.wake_timeout
                     with self._guard:
@@ -393,12 +353,12 @@ class WakeController:
         began = self._clock()
         reason = await self.engine.switch(r.name, out=out)
         if reason is not None:
-            raise ModelNotReadyError(
-                f'role "{r.name}": its {method} was not confirmed ({reason}); it is BLOCKED. '
-                "Stop relax serve, check the GPUs are free, start it again. No request was sent",
-                role=r.name,
-                model="*",
-                state="BLOCKED",
+            raise _not_ready(
+                r.name,
+                "BLOCKED",
+                f"its {method} was not confirmed ({reason}); it is BLOCKED. Stop relax serve, "
+                "check the GPUs are free, start it again. No request was sent",
+                sep=": ",
             )
         now = self._clock()
         with self._guard:
@@ -525,12 +485,11 @@ class ThreadWaker:
         """:meth:`WakeController.wake`, on the controller's loop."""
         loop = self.controller.loop
         if loop is None:
-            raise ModelNotReadyError(
-                f'role "{role}" is asleep and the wake controller is not running (relax serve '
-                "is shutting down); no request was sent",
-                role=role,
-                model="*",
-                state="SLEEPING",
+            raise _not_ready(
+                role,
+                "SLEEPING",
+                "is asleep and the wake controller is not running (relax serve is shutting "
+                "down); no request was sent",
             )
         future = asyncio.run_coroutine_threadsafe(self.controller.wake(role, timeout=timeout), loop)
         await asyncio.wrap_future(future)
@@ -607,9 +566,16 @@ class WakeCollector(Collector):
 _WAKE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+def _not_ready(
+    role: str, state: str, why: str, *, sep: str = " ", retry_after: float | None = None
+) -> ModelNotReadyError:
+    """The 503 of a request for ``role``: ``role "ROLE"{sep}{why}``."""
+    message = f'role "{role}"{sep}{why}'
+    return ModelNotReadyError(message, role=role, model="*", state=state, retry_after=retry_after)
+
+
 def _retrieve(task: asyncio.Future[None]) -> None:
-    # Every waiter gets the outcome; this only keeps asyncio from reporting an exception that
-    # no waiter was left to retrieve (they all timed out).
+    # Keeps asyncio from reporting an exception no waiter was left to retrieve.
     if not task.cancelled():
         task.exception()
 

@@ -1,30 +1,11 @@
 """A model's manager: its API written once (:class:`ModelManager`), one core, two clients.
 
-:class:`ModelManager` is what a caller may ask of one model's manager.
-:class:`~relax_core.manager.InferenceManager` implements it; :class:`ManagerActor` is the core
-every caller reaches: that manager with its router (an ``SGLANG_ROUTER`` model's) and a few
-queries of its own (:class:`HostedManager`), hosted by a CPU-only, named Ray actor
-(``relax run``: the coordinator of a defer layout onloads and offloads genrm and teacher by
-remote call, and the trainer pushes weights to rollout) or held in this process
-(``relax serve``, :meth:`ManagerActor.around`). Its :class:`ModelManager` methods are
-generated from the Protocol, each forwarding to the manager: nothing is typed out twice.
-
-Two clients of the core, with the same :class:`HostedManager` methods (generated from the
-Protocol too) plus ``acall`` (the same call awaited without blocking the loop):
-:class:`InProcessManager` (calls the core in this process; ``acall`` in a worker thread) and
-:class:`RayManager` (calls the actor; a Ray error is unwrapped to the manager's own in
-:func:`relax_core._proxy.remote_errors`). A test checks the core and both clients against the
-Protocol, name by name and signature by signature.
-
-The actor reserves no CPU and no GPU (its engine workers hold the bundles) and runs up to
-``max_concurrency`` calls at once: queries (``states``, ``model_view``) answer while an
-onload runs; lifecycle calls still take the manager's lock one at a time.
-
-A model routed through a router has its router where its manager is:
-:func:`start_behind_router` makes it ready before the engines start and checks it took the
-model's READY heads; :func:`shutdown_behind_router` stops it after the engines. A
-:class:`ManagerActor` given ``router_backend`` and ``router_spec`` launches the router itself
-(a router process is not serialisable).
+:class:`ManagerActor` is the core every caller reaches: an
+:class:`~relax_core.manager.InferenceManager` with its router and a few queries of its own
+(:class:`HostedManager`), in a CPU-only named Ray actor (``relax run``) or in this process
+(``relax serve``). Its clients, :class:`InProcessManager` and :class:`RayManager`, add
+``acall`` (the call awaited). Every forwarder is generated from the Protocol
+(:func:`relax_core._proxy.generate`); a test checks the core and both clients against it.
 """
 
 from __future__ import annotations
@@ -60,14 +41,8 @@ __all__ = [
 
 class ModelManager(Protocol):
     """One model's manager, wherever it runs: the methods an
-    :class:`~relax_core.manager.InferenceManager` and a :class:`ManagerActor` share, with the
-    same signatures and results. See :class:`~relax_core.manager.InferenceManager` for what
-    each does.
-
-    Not in it: the in-process extras (``weight_version`` is a property in process and a query
-    method on the actor; ``replicas``, ``launch_specs``, ``control_channel``) and the actor's
-    own queries (``ping``, ``weight_version()``, ``router_url``, ``router_pids``).
-    """
+    :class:`~relax_core.manager.InferenceManager` and a :class:`ManagerActor` share (see the
+    former for what each does)."""
 
     # -- lifecycle
 
@@ -210,8 +185,7 @@ def shutdown_behind_router(manager: _Startable, router: RouterProcess | None) ->
         manager.shutdown()
     finally:
         if router is not None:
-            # Stopped last, when no traffic is left: a short grace is enough (smg would
-            # otherwise linger for its drain settle time).
+            # No traffic is left: a short grace (smg would linger for its drain time).
             router.terminate(3.0)
 
 
@@ -264,14 +238,12 @@ else:
 
 @generate(ModelManager, _to_manager)
 class ManagerActor(_Hosted):
-    """One model's manager and its router: the core every client reaches, in a Ray actor
-    (:func:`start_manager_actor`) or in this process (:func:`host_manager`).
+    """One model's manager and its router, in a Ray actor (:func:`start_manager_actor`) or
+    in this process (:func:`host_manager`).
 
-    Constructor arguments are :class:`~relax_core.manager.InferenceManager`'s, plus
-    ``router_backend`` / ``router_spec`` (the router of an ``SGLANG_ROUTER`` model, launched
-    here; ``router_timeout``: seconds :meth:`start` waits for it to be ready). Every
-    :class:`ModelManager` method but ``start`` and ``shutdown`` is generated: it forwards to
-    the manager.
+    Arguments are :class:`~relax_core.manager.InferenceManager`'s, plus ``router_backend`` /
+    ``router_spec`` (an ``SGLANG_ROUTER`` model's router, launched here) and
+    ``router_timeout`` (seconds :meth:`start` waits for it).
     """
 
     def __init__(
@@ -336,8 +308,7 @@ def host_manager(
     router_timeout: float = 60.0,
     name: str | None = None,
 ) -> ManagerActor:
-    """The core around a manager of this process (or engines started by someone else) and its
-    router: what ``relax serve`` runs. ``name`` names the model in errors."""
+    """The core around a manager of this process and its router (``relax serve``)."""
     cls: Any = ManagerActor  # built without __init__ (that builds a manager of its own)
     core: ManagerActor = cls.__new__(cls)
     core._manager = manager
@@ -367,13 +338,11 @@ class InProcessManager(_Hosted):
 
 @generate(HostedManager, _to_call)
 class RayManager(_Hosted):
-    """The Ray client of a :class:`ManagerActor` (the handle :func:`start_manager_actor`
-    returned): each :class:`HostedManager` method calls the actor and waits (up to
-    ``timeouts[method]`` seconds; no bound for a method not in it); :meth:`acall` awaits it.
+    """The Ray client of a :class:`ManagerActor`: each :class:`HostedManager` method calls
+    the actor and waits (up to ``timeouts[method]`` seconds, if given).
 
-    The manager's own errors reach the caller as themselves (``LifecycleError``,
-    ``InferenceRecoveryRequired`` with its ``result``); a dead actor, a timeout or another
-    failure in the actor as a ``LifecycleError`` naming ``name`` and the method.
+    The manager's own errors reach the caller as themselves; a dead actor, a timeout or
+    another failure as a ``LifecycleError`` naming ``name`` and the method.
     """
 
     def __init__(
@@ -408,15 +377,11 @@ def start_manager_actor(
     max_concurrency: int = 8,
     **kwargs: Any,
 ) -> Any:
-    """Create a :class:`ManagerActor` for ``model_id`` on the connected Ray; return its handle
-    (``kwargs`` are the InferenceManager's: ``spec``, ``backend``, ``launch``, ``placement``,
-    ``publisher``, ``timeouts``, …, and :class:`ManagerActor`'s ``router_backend`` /
-    ``router_spec``). The manager is not started: call ``start``.
+    """Create a :class:`ManagerActor` for ``model_id`` (``kwargs``: its arguments) on the
+    connected Ray, reserving no CPU and no GPU; return its handle, not started.
 
-    The actor reserves no CPU and no GPU. It is built before this returns, so bad arguments
-    raise here (as the ``RayActorError`` of its failed construction). With a ``publisher`` of a
-    registry actor (:class:`~relax_core.discovery.actor.RemotePublisher`), the registry watches
-    the manager actor and publishes its model UNKNOWN once the actor is gone.
+    Bad arguments raise here (the ``RayActorError`` of its construction). A registry
+    ``publisher`` watches the actor and publishes the model UNKNOWN once it is gone.
     """
     import ray
 
@@ -432,14 +397,11 @@ def start_manager_actor(
     ray.get(actor.states.remote(), timeout=60)
     watch = getattr(kwargs.get("publisher"), "watch_manager", None)
     if watch is not None:
-        # The role's registry watches the actor: if it dies, its model is published UNKNOWN.
         watch(model_id, actor)
     return actor
 
 
-if TYPE_CHECKING:
-    # mypy checks the manager and the core against the contract (a test checks the core and
-    # both clients, signature by signature).
+if TYPE_CHECKING:  # mypy checks the manager and the core against the contract
 
     def _in_process(manager: InferenceManager) -> ModelManager:
         return manager

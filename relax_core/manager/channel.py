@@ -1,31 +1,10 @@
-"""The private control channel: the manager's lifecycle calls to engine heads over HTTP.
+"""The private control channel: onload and offload to engine heads as one HTTP request each.
 
-A Ray actor call fanned out to many actors costs a Ray round trip per actor (task submission
-in the caller, the callee's core worker, object return), which on a busy host is most of a
-lifecycle operation's own time. Onload and offload therefore travel as one plain HTTP request
-per replica, sent together from one event loop with the core's lean HTTP/1.1 client
-(:class:`~relax_core._http.http1.Http1Client`; about 2 ms less client CPU per 16-way fan-out than
-aiohttp), to a small *private control endpoint* that
-each head's engine worker serves on its own event loop; the Ray actor stays the owner of the
-process (start, health, shutdown, weight updates) and the witness of its death.
-
-The endpoint:
-
-- binds its **own port** (never the admission server's public port, whose allowlist refuses
-  ``/_relax/control/…`` with 403), is never published in discovery, and
-- accepts only ``POST /_relax/control/{method}`` carrying the head's random per-start token in
-  ``X-Relax-Control-Token`` (compared in constant time; missing or wrong: 401). The token
-  travels to the manager only in the worker's Ray ``start()`` result.
-- runs the worker's own coroutine (the same method a Ray call runs, under the same lock and
-  the same deadlines) and answers ``{"ok": true, "value": …}`` or ``{"ok": false, "type",
-  "message"}``. A caller that goes away does not cancel the call, as a Ray call is not
-  cancelled by its caller's deadline.
-
-Every call ends in exactly one :class:`~.fanout.CallOutcome`: a value, the worker's error (as
-the same exception class where it is a builtin or a :mod:`relax_core.errors` class), a
-:class:`~relax_core.errors.ChannelError` when the HTTP exchange itself failed, or
-``timed_out``. A channel error says nothing about the actor's death: the manager asks Ray (see
-:class:`~relax_core.manager.heads.HeadCalls`).
+Each head's worker serves ``POST /_relax/control/{method}`` on a private port (never
+published), checking a per-start token (401 otherwise), and runs the same coroutine a Ray call
+runs. Every call ends in one :class:`~.fanout.CallOutcome`; a
+:class:`~relax_core.errors.ChannelError` says nothing of the actor's death. See
+``docs/manager.md``.
 """
 
 from __future__ import annotations
@@ -46,9 +25,8 @@ from aiohttp import web
 
 from relax_core import errors
 from relax_core._http.http1 import Http1Client
-from relax_core._http.server import serve_app
 from relax_core._quote import quote_body
-from relax_core.engine.admission import PRIVATE_PREFIX
+from relax_core.engine.admission import PRIVATE_PREFIX, serve_catch_all
 from relax_core.errors import ChannelError, RelaxError
 from relax_core.manager.fanout import CallOutcome
 
@@ -59,8 +37,8 @@ CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
 #: The header that carries the per-start token.
 TOKEN_HEADER = "X-Relax-Control-Token"
 
-# Idle keep-alive seconds: the client's must stay well below the endpoint's. A minute: the
-# connection a switch used is still open at the next step's (tens of seconds later on a GPU).
+# Idle keep-alive seconds, the client's well below the endpoint's (a minute: still open at the
+# next step's switch).
 _CLIENT_KEEPALIVE = 60.0
 _SERVER_KEEPALIVE = 120.0
 
@@ -108,15 +86,9 @@ class ControlChannelServer:
         """Bind the private port and serve; return the address."""
         if self._runner is not None:
             return self.address
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        # No handler cancellation: a caller that stops waiting does not abort a release halfway.
-        self._runner, self.port = await serve_app(
-            app,
-            self.host,
-            self.port,
-            handler_cancellation=False,
-            keepalive_timeout=_SERVER_KEEPALIVE,
+        # Not cancelled: a caller that stops waiting does not abort a release halfway.
+        self._runner, self.port = await serve_catch_all(
+            self._handle, self.host, self.port, cancel=False, keepalive=_SERVER_KEEPALIVE
         )
         return self.address
 
@@ -209,8 +181,7 @@ class _Loop:
             return self._loop
 
     def client(self) -> Http1Client:
-        # Called on the loop thread only. Idle connections are dropped here well before the
-        # endpoint drops them, so a call never goes out on a connection it is closing.
+        # Called on the loop thread only.
         if self._client is None:
             self._client = Http1Client(max_connections=1 << 16, keepalive_timeout=_CLIENT_KEEPALIVE)
         return self._client
@@ -283,12 +254,8 @@ async def _call(
 def call_many(
     calls: Mapping[K, tuple[ControlAddress, str, Mapping[str, Any]]], timeout: float
 ) -> dict[K, CallOutcome]:
-    """Send every call at once and wait for all of them until ``timeout`` seconds.
-
-    ``calls`` maps a key to ``(address, method, kwargs)``; one outcome per key. Never raises
-    for a failed call. Calls still running at the deadline are ``timed_out`` (the worker
-    finishes them; they are not cancelled there).
-    """
+    """Send every call (key -> ``(address, method, kwargs)``) at once; one outcome per key
+    by ``timeout`` (``timed_out`` for one still running). Never raises for a failed call."""
     if not calls:
         return {}
     keys = list(calls)

@@ -1,20 +1,10 @@
 """External engines: a model served by engine heads Relax does not start, own or stop.
 
-A model whose config gives ``external_urls`` is served by heads someone else runs (a separate
-SGLang deployment, another team's servers). :class:`ExternalEngines` stands where an
-:class:`~relax_core.manager.InferenceManager` stands for it in a role service:
-
-- its health comes only from each head's ``GET /health_generate`` (a real one-token generation):
-  there is no local process, actor or placement group to check;
-- its heads are published in schema 2 with their state (READY, or FAILED without a URL while a
-  head does not answer; READY again, with a new generation, once it does), and registered with
-  the model's router in ``SGLANG_ROUTER`` mode exactly like managed heads;
-- onload, offload, every weight update, LoRA, scaling and recovery are refused with a
-  :class:`~relax_core.errors.CapabilityError` saying the engines are external;
-- :meth:`ExternalEngines.shutdown` only stops publishing them (and takes them out of the
-  router); the engines keep running.
-
-Engine ids are ``{model_id}/external-{i}`` in the order of ``external_urls``.
+:class:`ExternalEngines` stands where an :class:`~relax_core.manager.InferenceManager` stands
+for a model with ``external_urls``: its health is each head's ``GET /health_generate``, its
+heads are published (and given to its router) like managed ones, every call in :data:`REFUSED`
+raises, and :meth:`~ExternalEngines.shutdown` only stops publishing them. Engine ids are
+``{model_id}/external-{i}``.
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import attrs
@@ -44,6 +34,23 @@ from relax_core.manager.results import (
 from relax_core.records import RouterMembership
 
 __all__ = ["ExternalEngines"]
+
+#: The manager's calls an external model refuses (:class:`~relax_core.errors.CapabilityError`).
+REFUSED = (
+    "onload",
+    "offload",
+    "recover",
+    "scale_out",
+    "scale_in",
+    "update_weights_from_tensor",
+    "update_weights_from_disk",
+    "update_weights_from_distributed",
+    "init_weights_update_group",
+    "destroy_weights_update_group",
+    "load_checkpoint",
+    "load_lora_adapter",
+    "unload_lora_adapter",
+)
 
 
 def _url_tuple(urls: Iterable[str]) -> tuple[str, ...]:
@@ -66,7 +73,8 @@ def _get(url: str, timeout: float) -> tuple[int, Any]:
 
 @attrs.define(eq=False)
 class ExternalEngines:
-    """The engines of one model, given by URL and not managed here (see the module docstring).
+    """The engines of one model, given by URL and not managed here. Thread-safe; every method
+    blocks.
 
     :param model_id: the model's id in its role.
     :param urls: each head's base URL (``http://host:port``).
@@ -75,8 +83,6 @@ class ExternalEngines:
     :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url`` and ``router``).
     :param health_timeout: seconds each ``health_generate`` may take.
-
-    Every method blocks; one lock serialises them. Thread-safe.
     """
 
     model_id: str
@@ -208,58 +214,6 @@ class ExternalEngines:
             "started here (drop external_urls)"
         )
 
-    def onload(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("onload")
-
-    def offload(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("offload")
-
-    def recover(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("recover")
-
-    def scale_out(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("scale_out")
-
-    def scale_in(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("scale_in")
-
-    def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("update_weights_from_tensor")
-
-    def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("update_weights_from_disk")
-
-    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("update_weights_from_distributed")
-
-    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("init_weights_update_group")
-
-    def destroy_weights_update_group(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("destroy_weights_update_group")
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("load_checkpoint")
-
-    def load_lora_adapter(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("load_lora_adapter")
-
-    def unload_lora_adapter(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: external engines are not managed here."""
-        self._refuse("unload_lora_adapter")
-
     # -- internals ---------------------------------------------------------------------------
 
     def _probe_all(self) -> dict[str, str]:
@@ -312,3 +266,16 @@ class ExternalEngines:
                 replaced=last is not None and last != engine.generation,
             )
             self._published[engine.engine_id] = engine.generation
+
+
+def _refused(operation: str) -> Callable[..., NoReturn]:
+    def method(self: ExternalEngines, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse(operation)
+
+    method.__name__ = method.__qualname__ = operation
+    method.__doc__ = "Refused: external engines are not managed here."
+    return method
+
+
+for _operation in REFUSED:
+    setattr(ExternalEngines, _operation, _refused(_operation))

@@ -1,16 +1,8 @@
 """Parallel fan-out of actor calls with one deadline, and what each outcome means.
 
-The manager issues every call of a step at once (one Ray RPC per replica or worker) and waits
-for all of them with a single deadline, so N replicas take as long as the slowest one. Each
-call ends in exactly one :class:`CallOutcome`: a value, an error, or "no answer by the deadline".
-
-An error that is a *terminal actor death* (:class:`ray.exceptions.RayActorError`, except
-:class:`ray.exceptions.ActorUnavailableError`) means the actor process is gone while its engine
-process may still run: the manager must fence it, never count it as cleaned up.
-
-An error's description keeps a Relax error's whole message (bounded): its first line says what
-failed and the lines after it why (an engine that failed to start quotes its log there); any
-other error — Ray's text of a remote traceback among them — is described by its last line.
+Each call ends in one :class:`CallOutcome`: a value, an error, or no answer by the deadline. A
+terminal actor death (``RayActorError`` but ``ActorUnavailableError``) means the engine process
+may still run: the manager fences it, never counts it as cleaned up.
 """
 
 from __future__ import annotations
@@ -59,11 +51,8 @@ class CallOutcome:
         return is_terminal_actor_death(self.error)
 
     def describe(self) -> str:
-        """A short human description (for results and error messages).
-
-        A :class:`~relax_core.errors.RelaxError` (also the cause of a Ray task error) keeps
-        its message, at most a dozen lines; any other error only its message's last line.
-        """
+        """A short description: a :class:`~relax_core.errors.RelaxError`'s message (at most
+        a dozen lines), any other error's last line."""
         if self.timed_out:
             return "no answer before the deadline"
         if self.error is not None:
@@ -84,11 +73,8 @@ def _bounded(lines: list[str]) -> str:
 
 
 def gather(refs: Mapping[K, Any], timeout: float) -> dict[K, CallOutcome]:
-    """Wait for every object ref of ``refs`` until ``timeout`` seconds; one outcome per key.
-
-    Never raises for a failed call: its error is in its outcome. Calls still running at the
-    deadline are reported as ``timed_out`` (they are not cancelled).
-    """
+    """Wait for every object ref of ``refs`` until ``timeout`` seconds; one outcome per key
+    (``timed_out`` for one still running, not cancelled). Never raises for a failed call."""
     import ray
 
     if not refs:

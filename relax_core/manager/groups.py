@@ -1,9 +1,5 @@
-"""The placement groups a manager's workers use, and removing the ones it owns.
-
-A placement group is *owned* when the manager created it (it removes the group at shutdown) and
-*borrowed* when a controller or another service owns it (never removed here). A removal that is
-not confirmed keeps the group on the list, and the next ``shutdown()`` retries it.
-"""
+"""The placement groups a manager's workers use, and removing the ones it *owns* (created);
+borrowed ones are never removed, and an unconfirmed removal is retried by the next shutdown."""
 
 from __future__ import annotations
 
@@ -38,10 +34,8 @@ class PlacementGroups:
         return [group for group, owned in self._groups.values() if owned]
 
     def remove_owned(self) -> None:
-        """Remove every owned group and confirm it is gone; borrowed ones stay. Blocking.
-
-        :raises LifecycleError: a removal was not confirmed; the group stays listed (call again).
-        """
+        """Remove every owned group and confirm it is gone. Blocking.
+        :raises LifecycleError: a removal was not confirmed (call again)."""
         import ray
         from ray.util import remove_placement_group
 

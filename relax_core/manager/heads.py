@@ -1,13 +1,7 @@
 """Calls to the replica heads: over each head's private control channel, or as Ray actor calls.
 
-Onload, offload and ``admission_states()`` go to each head's private control endpoint (one HTTP
-request each, sent together from one event loop: see :mod:`.channel`) when the head has one and
-the channel is on; otherwise, and for a head without an endpoint, they are Ray actor calls. One
-deadline for all of them either way.
-
-An HTTP exchange that failed or got no answer is no proof of anything: Ray is asked whether the
-actor died (then the outcome is Ray's ``RayActorError`` and the caller fences the worker);
-otherwise the channel's outcome stands (a failure, never a success).
+A failed HTTP exchange proves nothing: Ray is asked whether the actor died (then the outcome is
+Ray's ``RayActorError`` and the caller fences the worker); otherwise the failure stands.
 """
 
 from __future__ import annotations
@@ -27,13 +21,9 @@ __all__ = ["HeadCalls"]
 
 @attrs.define
 class HeadCalls:
-    """Call one worker method on the head of many replicas at once.
-
-    ``control_channel``: use the heads' private control endpoints (``False``: Ray actor calls
-    only, for networks where the manager cannot reach the worker nodes' ports); it may change
-    between calls. ``probe_timeout``: how long Ray is asked whether an actor died after a failed
-    exchange.
-    """
+    """Call one worker method on the head of many replicas at once: over the control channel
+    (``control_channel``) or Ray; ``probe_timeout``: how long Ray is asked whether an actor
+    died after a failed exchange."""
 
     slots: SlotTable
     control_channel: bool
@@ -42,11 +32,8 @@ class HeadCalls:
     def call(
         self, method: str, calls: Mapping[int, Mapping[str, Any]], timeout: float
     ) -> dict[int, CallOutcome]:
-        """``method(**kwargs)`` on the head of replica ``index`` for every ``index: kwargs``.
-
-        Blocks until every call ended or ``timeout`` passed; never raises for a failed call
-        (its outcome says why). One outcome per replica index.
-        """
+        """``method(**kwargs)`` on the head of replica ``index`` for every ``index: kwargs``;
+        one outcome per index. Blocking; never raises for a failed call."""
         over_http: dict[int, tuple[ControlAddress, str, Mapping[str, Any]]] = {}
         over_ray: dict[int, Any] = {}
         for i, kwargs in calls.items():

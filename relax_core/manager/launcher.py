@@ -1,12 +1,6 @@
-"""Starting replicas: worker actors created, engines launched and admission opened, in parallel.
-
-The same path starts a model, rebuilds a cleaned replica and starts the replicas scale-out adds.
-Every worker actor of every replica is created at once, on its placement-group bundle; a
-multi-node replica's head first picks a rendezvous address for its followers; then every engine
-is launched and waited for with one deadline, and each replica whose workers all started opens
-admission at its head after one real generation. A replica is READY only then; any other is
-FAILED (a dead actor is fenced).
-"""
+"""Starting replicas (a start, a rebuild, a scale-out): every worker actor created at once,
+every engine launched with one deadline, admission opened at each head after one generation;
+a replica is READY only then, else FAILED (a dead actor fenced)."""
 
 from __future__ import annotations
 
@@ -43,11 +37,8 @@ def _remote_worker() -> Any:
 
 @attrs.define
 class Launcher:
-    """Starts replicas of one model (see the module docstring). Not thread-safe.
-
-    ``ray_gpu_fraction``: the GPU share each worker actor reserves on its bundle;
-    ``retry_after``: what each head's admission server answers in ``Retry-After``.
-    """
+    """Starts replicas of one model. Not thread-safe. ``ray_gpu_fraction``: the GPU share
+    each worker reserves; ``retry_after``: the heads' admission ``Retry-After``."""
 
     publication: Publication
     spec: InferenceEngineSpec
@@ -58,11 +49,7 @@ class Launcher:
     retry_after: float
 
     def start(self, slots: list[ReplicaSlot]) -> dict[str, ReplicaResult]:
-        """Start ``slots`` (STARTING replicas); one result per replica. Blocking.
-
-        Publishes once the actors exist and again at the end; records the model's weight
-        version from the first head that reports one.
-        """
+        """Start ``slots`` (STARTING replicas); one result per replica. Blocking."""
         if not slots:
             return {}
         t = self.timeouts
@@ -136,19 +123,15 @@ class Launcher:
             rep.became_ready()
             if self.publication.weight_version is None and head.weight_version is not None:
                 self.publication.weight_version = head.weight_version
-        results: dict[str, ReplicaResult] = {}
-        for slot in slots:
-            rep = slot.replica
-            outcome = Outcome.FAILED if rep.state is ReplicaState.FAILED else Outcome.DONE
-            results[slot.engine_id] = ReplicaResult(
-                slot.engine_id,
-                outcome,
-                str(rep.state),
-                error=failed.get(rep.index),
+        self.publication.publish()
+        return {
+            s.engine_id: s.result(
+                Outcome.FAILED if s.replica.state is ReplicaState.FAILED else Outcome.DONE,
+                error=failed.get(s.replica.index),
                 seconds=time.monotonic() - begin,
             )
-        self.publication.publish()
-        return results
+            for s in slots
+        }
 
     def _create_actor(self, slot: ReplicaSlot, worker: WorkerSlot) -> None:
         options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}

@@ -1,35 +1,12 @@
-"""InferenceManager: one lifecycle core for every role's engines.
+"""InferenceManager: one lifecycle core for every role's engines (one manager per model).
 
-One manager per model. It owns the model's engine slots (one Ray actor per node of each
-logical replica, on the placement plan's bundles), starts and initialises them in parallel,
-tracks each replica's state and resident tags, onloads and offloads them with per-replica
-results, applies weight updates behind a fence, checks health, cleans up and rebuilds failed
-replicas, scales out and in, publishes the model's schema-2 view (heads only), and shuts
-everything down in order (workers, then actors, then owned placement groups).
-
-Read it top-down: each public method of :class:`InferenceManager` takes the lock, refuses what
-must be refused, and hands the work to one named part, each of which talks to the others only
-through their public methods:
-
-- :class:`~.slots.SlotTable`: the replica slots, the fences among them, per-call results;
-- :class:`~.publication.Publication`: the model's schema-2 view, its weight version, publishing;
-- :class:`~.launcher.Launcher`: worker actors created, engines launched, admission opened;
-- :class:`~.heads.HeadCalls`: one method on many replica heads (control channel or Ray);
-- :class:`~.memory.Memory`: offload and onload;
-- :class:`~.updates.WeightUpdates`: weight updates behind the fence, DCS checkpoints;
-- :class:`~.recovery.Recovery`: health checks, cleanup and rebuild, stopping every worker;
-- :class:`~.scaling.Scaling`: scale-out and scale-in;
-- :class:`~.groups.PlacementGroups`: the placement groups used, removing the owned ones.
-
-Threading: every public method is blocking and takes the manager's lock, so lifecycle calls
-never interleave (the parts are not thread-safe on their own); a health check's probes run
-outside it (only planning and judging a round take it). Each step fans out to all
-replicas at once (:func:`~.fanout.gather`), so N replicas take as long as the slowest one.
-
-Fail-stop: a worker actor that died without confirmed cleanup of its engine process is
-*fenced*: its slot, pending record and placement group are kept, nothing is rebuilt, and every
-lifecycle call raises :class:`~relax_core.errors.InferenceRecoveryRequired` until an operator
-confirms the node is clean (:meth:`InferenceManager.confirm_external_cleanup`).
+Each public method of :class:`InferenceManager` takes the manager's lock (lifecycle calls never
+interleave; the parts are not thread-safe on their own), refuses what must be refused, and hands
+the work to one part: :class:`~.slots.SlotTable`, :class:`~.publication.Publication`,
+:class:`~.launcher.Launcher`, :class:`~.heads.HeadCalls`, :class:`~.memory.Memory`,
+:class:`~.updates.WeightUpdates`, :class:`~.recovery.Recovery`, :class:`~.scaling.Scaling`,
+:class:`~.groups.PlacementGroups`. Every step fans out to all replicas at once
+(:func:`~.fanout.gather`). See ``docs/manager.md``.
 """
 
 from __future__ import annotations
@@ -78,42 +55,27 @@ __all__ = ["InferenceManager"]
 class InferenceManager:
     """The lifecycle core of one model's engines.
 
-    Build it with the model's :class:`~relax_core.engine.spec.InferenceEngineSpec`, its engine
-    backend record, a :class:`~relax_core.manager.ModelLaunch` and a
-    :class:`~relax_core.manager.ReplicaPlacement`; then :meth:`start`. Every method blocks and
-    takes the manager's lock; every lifecycle call fans out to all replicas in parallel and
-    returns a :class:`~relax_core.manager.LifecycleResult` with one result per replica.
+    Build it, then :meth:`start`. Every method blocks and takes the manager's lock; every
+    lifecycle call fans out to all replicas in parallel and returns a
+    :class:`~relax_core.manager.LifecycleResult` with one result per replica. A worker actor
+    that died without confirmed cleanup of its engine process *fences* the manager: lifecycle
+    calls raise :class:`~relax_core.errors.InferenceRecoveryRequired` until
+    :meth:`confirm_external_cleanup`. Every argument and result is serialisable (it can run as
+    a Ray actor), except a ``router``.
 
-    States: a replica is READY only with weights, KV cache and CUDA graph resident, valid
-    weights and open admission; STARTING, DRAINING, SLEEPING, ONLOADING, FAILED and STOPPING
-    otherwise. FAILED never means the memory is free.
-
-    Fail-stop: when a worker actor dies without confirmed cleanup of its engine process, its
-    slot, pending record and placement group are kept, nothing is rebuilt, and lifecycle calls
-    raise :class:`~relax_core.errors.InferenceRecoveryRequired` until an operator confirms the
-    node is clean (:meth:`confirm_external_cleanup`).
-
-    A manager can itself run as a Ray actor (``ray.remote(InferenceManager)``): every
-    constructor argument is serialisable, and so is every result.
-
-    :param model_id: the model's id in its role (``math``, ``judge``); engine ids are
-        ``{model_id}/replica-{i}``.
+    :param model_id: the model's id in its role; engine ids are ``{model_id}/replica-{i}``.
     :param spec: what the engines may do (role, weight source, operations, strict drain).
     :param backend: the engine backend record (``plugin_manager.engine_backend("hf")``).
     :param launch: how to launch the engines.
     :param placement: the placement group and bundles of every replica's workers.
-    :param publisher: where the model's schema-2 view goes (a
-        :class:`~relax_core.discovery.publisher.RegistryPublisher`); ``None`` publishes nothing.
+    :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
-    :param router: the router in front of the heads (``SGLANG_ROUTER``): every publish tells it
-        the heads to route to (:class:`~relax_core.records.RouterMembership`), so a head is
-        registered once READY and removed before its engine stops or its replica is FAILED.
-        A router process is not serialisable: a manager with one lives where the router runs.
-    :param control_channel: send onload/offload to each head's private control endpoint over
-        HTTP (default; a few ms per operation); ``False`` sends them as Ray actor calls (for
-        networks where the manager cannot reach the worker nodes' ports).
+    :param router: the router in front of the heads (``SGLANG_ROUTER``), told the heads to
+        route to on every publish.
+    :param control_channel: onload/offload over each head's private HTTP control endpoint
+        (default); ``False``: as Ray actor calls.
     :param unhealthy_after: consecutive failed health probes of a live replica before it is
-        FAILED (default 3); a dead engine process or worker actor fails it at once.
+        FAILED (default 3).
     :raises ValueError: the inputs disagree (nodes per replica, device, multi-node support),
         or ``unhealthy_after`` is not a positive integer.
     """
@@ -155,11 +117,8 @@ class InferenceManager:
         self.timeouts = t = timeouts or ManagerTimeouts()
         self.retry_after = retry_after
         self._lock = threading.RLock()
-        # Health rounds take turns among themselves, not with lifecycle calls: their probes
-        # run without the manager's lock.
         self._health_lock = threading.Lock()
         self._closed = False
-        # The parts, each over the ones it needs (see the module docstring).
         self._slots = slots = SlotTable(model_id)
         self._groups = PlacementGroups(model_id)
         self._publication = published = Publication(
@@ -243,12 +202,8 @@ class InferenceManager:
             return {s.engine_id: [w.engine_pid for w in s.workers] for s in self._slots.ordered()}
 
     def launch_specs(self, *, dist_init_addr: str = "192.0.2.1:29500") -> dict[str, list[Any]]:
-        """Engine id -> the ``EngineLaunchSpec`` of each of its workers (head first), as
-        :meth:`start` would give them now; starts nothing (for dry runs and checks).
-
-        A multi-node replica's workers join ``dist_init_addr``: at start it is the head
-        worker's own address, known only then.
-        """
+        """Engine id -> the ``EngineLaunchSpec`` of each worker (head first), as :meth:`start`
+        would give them (multi-node ones joining ``dist_init_addr``); starts nothing."""
         dist = dist_init_addr if self.launch.nodes_per_replica > 1 else None
         with self._lock:
             return {
@@ -257,11 +212,8 @@ class InferenceManager:
             }
 
     def admission_states(self) -> dict[str, dict[str, Any]]:
-        """Engine id -> ``{"open": bool, "inflight": int}`` of each started replica's head.
-
-        Asked of every head at once, over the same transport as onload/offload; a head that
-        did not answer maps to ``{"error": "..."}``.
-        """
+        """Engine id -> ``{"open": bool, "inflight": int}`` of each started replica's head
+        (``{"error": "..."}`` for one that did not answer)."""
         with self._lock:
             live = [s for s in self._slots.ordered() if s.live_head is not None]
             outs = self._heads.call(
@@ -275,15 +227,13 @@ class InferenceManager:
             }
 
     def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
-        """The workers whose cleanup is not confirmed: fenced ones (their actor died) and ones
-        whose last shutdown is pending. Their placement groups must not be released: their
-        engine processes may still hold the GPUs. Empty after a clean :meth:`shutdown`."""
+        """The workers whose cleanup is not confirmed (fenced or pending): their placement
+        groups must not be released. Empty after a clean :meth:`shutdown`."""
         with self._lock:
             return self._slots.unconfirmed()
 
     def republish(self) -> None:
-        """Publish the model and its heads again (a registry that lost track of the manager
-        and marked them UNKNOWN gets their real state back). Idempotent."""
+        """Publish the model and its heads again (to a registry that lost track). Idempotent."""
         with self._lock:
             self._publication.publish()
 
@@ -295,11 +245,8 @@ class InferenceManager:
     # -- start, memory -----------------------------------------------------------------------
 
     def start(self) -> LifecycleResult:
-        """Create every worker actor, launch every engine and open admission — all in parallel.
-
-        A replica whose workers all start and whose head generates one token becomes READY;
-        any other is FAILED (call :meth:`recover` or :meth:`shutdown`). Idempotent: replicas
-        already started are reported NOOP.
+        """Create every worker actor, launch every engine and open admission, in parallel: a
+        replica whose head generates one token is READY, any other FAILED. Idempotent.
 
         :raises InferenceRecoveryRequired: a worker is fenced (nothing starts).
         """
@@ -312,18 +259,10 @@ class InferenceManager:
         engine_ids: Iterable[str] | None = None,
         abort: bool = False,
     ) -> LifecycleResult:
-        """Release ``tags`` (default: all) on every replica; per-replica results.
-
-        ``engine_ids`` limits the call to those replicas (default: all).
-        Each replica: close admission (DRAINING, no longer direct-eligible), drain in-flight
-        requests (strict: wait up to the drain deadline, then abort), release, confirm →
-        SLEEPING. A replica whose release is not confirmed is FAILED: its memory is NOT known
-        to be free. Tags already released are skipped, so a repeated offload is a no-op.
-
-        ``abort``: nothing the requests in flight would answer is wanted (their batch failed
-        or was interrupted), so each head aborts them at once (``pause_generation``, mode
-        ``abort``) instead of draining them, and continues generation after its release (the
-        replica is left as any offload leaves it).
+        """Release ``tags`` (default: all) on every replica (or ``engine_ids``): close
+        admission, drain, release, confirm → SLEEPING; an unconfirmed release is FAILED (its
+        memory is NOT known to be free). Idempotent. ``abort``: abort the requests in flight
+        instead of draining them.
 
         :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
         :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
@@ -334,13 +273,9 @@ class InferenceManager:
     def onload(
         self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
     ) -> LifecycleResult:
-        """Resume the missing ``tags`` (default: all) on every SLEEPING replica.
-
-        ``engine_ids`` limits the call to those replicas (default: all).
-        Each replica: ONLOADING, resume only what is missing (weights first), and — once every
-        tag is resident — check one generation and reopen admission → READY; with a subset of
-        tags it stays SLEEPING. READY replicas are a no-op. A replica whose resume is not
-        confirmed is FAILED.
+        """Resume the missing ``tags`` (default: all) on every SLEEPING replica (or
+        ``engine_ids``); once every tag is resident, check one generation and reopen → READY.
+        READY replicas are a no-op; an unconfirmed resume is FAILED.
 
         :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
         :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
@@ -353,18 +288,9 @@ class InferenceManager:
     def health_check(self, *, recover: bool = True) -> HealthReport:
         """Probe every worker of every replica; fail, clean and (with ``recover``) rebuild.
 
-        A head of a READY replica must generate one token; every worker's engine process must
-        be alive. A replica whose engine process exited or whose worker actor died is FAILED
-        at once; one whose probe failed or timed out while its process lives is FAILED only
-        once ``unhealthy_after`` rounds in a row failed (until then it keeps its state and
-        stays routable: a GC pause or a long prefill is not a reason to reload it). A FAILED
-        replica is no longer published as routable; with ``recover`` it is cleaned as a whole
-        and rebuilt once its cleanup is confirmed.
-
-        The probes run without the manager's lock (each bounded by ``timeouts.health``, all
-        replicas at once), so lifecycle calls are not held up by a slow engine; the lock is
-        taken only to plan the round and to judge it. A probe that overlapped a lifecycle
-        change of its replica is ignored. Health rounds run one at a time.
+        A dead engine process or worker actor fails its replica at once; a failed probe of a
+        live one only after ``unhealthy_after`` rounds in a row. The probes run without the
+        manager's lock; health rounds run one at a time.
 
         :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup (its
             fence is kept and nothing is rebuilt); the report is on the error's ``report``.
@@ -381,20 +307,15 @@ class InferenceManager:
                 return report
 
     def recover(self) -> LifecycleResult:
-        """Clean every FAILED replica (and retry pending cleanups) as a whole; rebuild those
-        whose cleanup is confirmed. Per-replica results.
+        """Clean every FAILED replica (and retry pending cleanups); rebuild the confirmed ones.
 
         :raises InferenceRecoveryRequired: a worker is fenced.
         """
         return self._run("recover", self._recovery.recover)
 
     def confirm_external_cleanup(self, engine_ids: Iterable[str] | None = None) -> list[str]:
-        """Lift the fence of dead worker actors whose engine processes an operator confirmed gone.
-
-        Only call this after checking the node or container (the manager cannot: the actor
-        that owned the process is dead). Afterwards :meth:`recover` may rebuild the replicas
-        and :meth:`shutdown` may release the placement group. Returns the workers unfenced.
-        """
+        """Lift the fence of dead worker actors whose engine processes an operator confirmed
+        gone (check the node first: the manager cannot). Returns the workers unfenced."""
         with self._lock:
             return self._recovery.confirm_external_cleanup(engine_ids)
 
@@ -408,9 +329,8 @@ class InferenceManager:
         placement_group: Any = None,
         owned: bool = False,
     ) -> LifecycleResult:
-        """Add replicas and start them: ``workers[replica][node]`` are bundle indices (one node
-        group per node of a replica — every node gets its slot), or ``count`` unplaced CPU
-        replicas. ``placement_group`` defaults to the manager's own.
+        """Add replicas and start them: ``workers[replica][node]`` are bundle indices, or
+        ``count`` unplaced CPU replicas. ``placement_group`` defaults to the manager's own.
 
         :raises ValueError: a new replica has the wrong number of nodes, or a bundle is taken.
         :raises InferenceRecoveryRequired: a worker is fenced (nothing is added).
@@ -426,13 +346,9 @@ class InferenceManager:
     def scale_in(
         self, *, count: int | None = None, urls: Sequence[str] | None = None
     ) -> LifecycleResult:
-        """Remove replicas: ``count`` of them (partially cleaned ones first, then FAILED, then
-        the newest), or the ones published under ``urls`` — a replica keeps its current URL
-        while partially cleaned, so a failed scale-in can be retried by the same URL.
-
-        Each chosen replica is drained, every worker shut down, confirmed actors killed; a
-        fully cleaned replica is removed (DONE), one with an unconfirmed worker stays STOPPING
-        (FAILED result, retry).
+        """Remove replicas: ``count`` of them (partially cleaned, then FAILED, then newest), or
+        the ones published under ``urls``. One with an unconfirmed worker stays STOPPING
+        (FAILED result; retry by the same URL).
 
         :raises ValueError: an unknown URL or a bad count.
         :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup.
@@ -450,8 +366,8 @@ class InferenceManager:
             return self._slots.settle("scale_in()", result)
 
     def shutdown(self) -> None:
-        """Stop everything: every worker's shutdown (waited for), then the actors, then the
-        placement groups this manager owns (borrowed ones are never removed). Idempotent.
+        """Stop every worker, then the actors, then the placement groups this manager owns.
+        Idempotent.
 
         :raises LifecycleError: a step was not confirmed; it stays pending and the next
             ``shutdown()`` retries it (owned placement groups are kept until then).
@@ -480,19 +396,10 @@ class InferenceManager:
     ) -> LifecycleResult:
         """Push tensors to every replica (``tensor`` path; ACTOR). Per-replica results.
 
-        ``pause``: instead of the fence (admission closed, requests in flight finished first),
-        pause generation with SGLang's mode (``in_place`` or ``retract``), update, continue:
-        requests in flight are kept and go on with the new weights (their answers carry both
-        versions), requests arriving meanwhile wait in the engine; ``abort``: requests in
-        flight end with what they had (finish reason ``abort``; their callers continue them).
-
-        ``buckets``: a push in several engine calls, one per bucket (each item a call's
-        ``serialized_named_tensors``: one payload per TP rank, e.g.
-        the buffer of a :class:`~relax_core.engine.buckets.WeightBucket` serialized with
-        ``load_format="flattened_bucket"``), sent in order after ``serialized_named_tensors``
-        (which may then be empty), all inside the one fence or pause. A replica's version
-        moves only once its last bucket landed; a replica whose bucket failed is FAILED (its
-        weights are a mix of both versions) and its result says which bucket.
+        ``pause``: instead of the fence, pause generation in a mode of
+        :data:`~.updates.PAUSE_MODES`, update, continue. ``buckets``: more engine calls (each
+        one payload per TP rank), after ``serialized_named_tensors`` (which may then be
+        empty), inside the one fence; a replica whose bucket failed is FAILED.
 
         :raises CapabilityError: the weight source does not allow ``tensor`` updates.
         :raises ValueError: no payload at all.
@@ -540,15 +447,11 @@ class InferenceManager:
         load_format: str | None = None,
         buckets: Sequence[WeightBucket] = (),
     ) -> LifecycleResult:
-        """Receive tensors broadcast by the trainer (``distributed`` path; ACTOR).
+        """Receive tensors broadcast by the trainer, concurrently (``distributed`` path).
 
-        The trainer must broadcast concurrently (from another thread or process): each tensor
-        in order, or with ``load_format="flattened_bucket"`` (SGLang's) each call's tensors as
-        one flat ``uint8`` buffer. ``buckets``: a push in several engine calls, one per
-        :class:`~relax_core.engine.buckets.WeightBucket` (its names, dtypes and shapes), in
-        order after ``names`` (which may then be empty), inside the one fence; the trainer
-        broadcasts bucket after bucket. The version moves as with
-        :meth:`update_weights_from_tensor`'s buckets.
+        ``buckets``: more engine calls, one per
+        :class:`~relax_core.engine.buckets.WeightBucket`, as
+        :meth:`update_weights_from_tensor`'s.
 
         :raises ValueError: no tensor at all.
         """
@@ -578,9 +481,8 @@ class InferenceManager:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> LifecycleResult:
-        """Join every replica head to the trainer's broadcast group (``distributed`` path).
-
-        ``rank_offsets[i]`` is replica ``i``'s first rank. No fence: admission stays as it is.
+        """Join every replica head to the trainer's broadcast group (no fence);
+        ``rank_offsets[i]`` is replica ``i``'s first rank.
 
         :raises ValueError: not one rank offset per replica.
         """
@@ -623,9 +525,8 @@ class InferenceManager:
         return self._update("unload_lora_adapter", {"lora_name": lora_name})
 
     def load_checkpoint(self, version: int | None = None) -> LifecycleResult:
-        """DCS: load checkpoint ``version`` (default: the newest) on every replica, if newer.
-
-        A version equal to the published one is a no-op.
+        """DCS: load checkpoint ``version`` (default: the newest) on every replica, unless
+        it is the published one.
 
         :raises CapabilityError: the weight source has no ``disk`` path.
         :raises LifecycleError: the model has no checkpoint directory, or it holds no version.
@@ -645,8 +546,7 @@ class InferenceManager:
 
     @contextlib.contextmanager
     def _guard(self, what: str, *, refuse_fenced: bool = True) -> Iterator[None]:
-        """Hold the lock; refuse ``what`` after shutdown and (``refuse_fenced``) while a worker
-        is fenced."""
+        """Hold the lock; refuse ``what`` after shutdown and (``refuse_fenced``) while fenced."""
         with self._lock:
             if self._closed:
                 raise LifecycleError(f"model {self.model_id!r}: {what} after shutdown()")
@@ -661,8 +561,7 @@ class InferenceManager:
         *,
         settle: bool = True,
     ) -> LifecycleResult:
-        """One lifecycle call: guarded (see :meth:`_guard`), ``step`` gives one result per
-        replica; with ``settle``, a worker fenced by the call raises with the result on it."""
+        """One guarded lifecycle call; with ``settle``, a worker fenced by it raises."""
         what = f"{operation}()"
         with self._guard(what):
             begin = time.monotonic()
@@ -677,33 +576,16 @@ class InferenceManager:
             results.setdefault(slot.engine_id, slot.result(Outcome.NOOP))
         return results
 
-    def _update(
-        self,
-        method: str,
-        kwargs: dict[str, Any],
-        *,
-        pause: str | None = None,
-        buckets: Sequence[dict[str, Any]] = (),
-    ) -> LifecycleResult:
-        """One weight update on every replica that holds weights, behind the fence (or with
-        generation paused in ``pause`` mode); ``buckets``: in several engine calls."""
-        self._weights.check(method)
-        if pause is not None and pause not in PAUSE_MODES:
-            raise ValueError(f"pause={pause!r}: one of {PAUSE_MODES} (or None: the fence)")
-        return self._run(
-            method, lambda: self._weights.apply(method, kwargs, pause=pause, buckets=buckets)
-        )
+    def _update(self, method: str, kwargs: dict[str, Any], **how: Any) -> LifecycleResult:
+        """:meth:`WeightUpdates.apply` (``how``: its ``pause`` and ``buckets``), guarded."""
+        self._weights.check(method, pause=how.get("pause"))
+        return self._run(method, lambda: self._weights.apply(method, kwargs, **how))
 
     def _each_head(
         self, method: str, kwargs_of: Callable[[int], dict[str, Any]]
     ) -> LifecycleResult:
         """One call on every serving replica's head, with no fence (a weight-update group)."""
         return self._run(method, lambda: self._weights.each_head(method, kwargs_of), settle=False)
-
-
-#: The pause modes a weight update may take instead of the fence (SGLang's; ``abort`` ends the
-#: requests in flight with what they generated: their callers send them on).
-PAUSE_MODES = ("in_place", "retract", "abort")
 
 
 def _check_inputs(

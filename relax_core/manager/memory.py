@@ -1,10 +1,5 @@
-"""Onload and offload: resident tags released and resumed per replica, in parallel.
-
-Each replica's plan comes from the pure functions of :mod:`.state` (only resident tags are
-released, only missing ones resumed), so repeated calls are no-ops; each replica's outcome is
-its own (partial success: confirmed ones SLEEPING/READY, unconfirmed ones FAILED). Both go to
-the replica heads through :class:`~.heads.HeadCalls` (the private control channel by default).
-"""
+"""Onload and offload: resident tags released and resumed per replica, in parallel, planned by
+:mod:`.state` (so repeated calls are no-ops), sent through :class:`~.heads.HeadCalls`."""
 
 from __future__ import annotations
 
@@ -48,10 +43,7 @@ _P = TypeVar("_P", bound=_Plan)
 @attrs.define
 class Memory:
     """Offload and onload of one model's replicas. Not thread-safe (the manager's lock is held).
-
-    ``strict_drain``: an offload waits for in-flight requests (up to the drain deadline) before
-    aborting them; otherwise it aborts them at once.
-    """
+    ``strict_drain``: an offload waits for in-flight requests before aborting them."""
 
     slots: SlotTable
     heads: HeadCalls
@@ -123,9 +115,7 @@ class Memory:
             todo[slot.replica.index] = plan
         if not todo:
             return results
-        # The states just begun (DRAINING, ONLOADING) travel to the registry while the heads
-        # work: admission closes at each head's own door first thing, so nothing is routed to
-        # a draining head meanwhile; the publication after the calls waits for this one.
+        # Published while the heads work: each head closes its own admission first thing.
         published = self.publication.publish_begin()
         outs = self.heads.call(method, {i: kwargs(plan) for i, plan in todo.items()}, timeout)
         for i, plan in todo.items():

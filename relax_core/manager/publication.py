@@ -1,10 +1,5 @@
-"""The model's schema-2 view, and its publication to the role's registry.
-
-Only replica heads are published (followers never). A head is published once it has had a URL;
-its generation moves in the registry when its URL changes or its workers were replaced; removed
-replicas are unpublished. FAILED heads publish no URL. The model's state is the most active
-state among its replicas (READY if any replica is READY).
-"""
+"""The model's schema-2 view (heads only; FAILED ones without a URL; the model's state the most
+active of its replicas'), and its publication to the role's registry and router."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ __all__ = ["Publication", "model_view", "publish_model"]
 _S = ReplicaState
 # Model state from replica states: the first state in this order that any replica is in.
 _MODEL_STATE_ORDER = (_S.READY, _S.ONLOADING, _S.DRAINING, _S.STARTING, _S.SLEEPING, _S.STOPPING)
-# Replica states whose head stays registered with the model's router (admission answers 503
-# while it is not READY); STARTING, STOPPING and FAILED heads are never routed to.
+# Replica states whose head stays registered with the model's router (503 while not READY).
 _ROUTED = frozenset({_S.READY, _S.DRAINING, _S.SLEEPING, _S.ONLOADING})
 
 
@@ -59,12 +53,8 @@ def model_view(
 
 @attrs.define
 class Publication:
-    """What one model publishes: its view (heads only) and its weight version.
-
-    ``publisher``: a :class:`~relax_core.discovery.publisher.RegistryPublisher`, or ``None`` to
-    publish nothing (the view is still built). Not thread-safe: the manager calls it under its
-    lock.
-    """
+    """What one model publishes: its view (heads only) and its weight version, to
+    ``publisher`` (``None``: nowhere). Not thread-safe (the manager's lock is held)."""
 
     slots: SlotTable
     spec: InferenceEngineSpec
@@ -121,12 +111,8 @@ class Publication:
 
     def publish_begin(self) -> Callable[[], None]:
         """:meth:`publish`, its answer awaited (and its error raised) when the returned
-        function is called: a publisher with ``publish_many_begin`` (a registry in an actor)
-        gets the whole publication in one call sent now, so the manager's engine calls run
-        while it travels; any other publisher has it applied before this returns.
-
-        The router is told at once either way (before anything stops a head, after a head
-        became routable: see :meth:`_sync_router`)."""
+        function is called (a registry actor's ``publish_many_begin`` travels meanwhile);
+        the router is told at once."""
         self._sync_router()
         if self.publisher is None:
             return _done
@@ -178,8 +164,7 @@ class Publication:
 
     def _sync_router(self) -> None:
         if self.router is not None:
-            # Before the publisher: a head is routable through the router before it is
-            # published READY, and out of it before anything stops it.
+            # Before the publisher: in the router before published READY, out before stopped.
             self.router.sync(
                 {
                     s.engine_id: s.replica.base_url

@@ -1,19 +1,10 @@
 """Kill an engine's process group when the worker actor that started it dies.
 
-Run as a script with only the standard library (``python -I -S reaper.py WORKER_PID ENGINE_PID``)
-by :class:`~relax_core.manager.worker.EngineWorker` right after it launches an engine. It
-detaches (double fork) so that it is nobody's child — Ray cleaning up a killed actor's children
-cannot take it down first — prints its own pid, and then polls every ``INTERVAL`` seconds:
-
-- the worker is gone (its pid disappeared or was reused) → SIGKILL the engine's process group
-  (the engine runs in its own session, so its group id is its pid) and exit;
-- the engine is gone (exited, reaped, or its pid reused) → exit.
-
-Both pids are identified by their start time, so a reused pid is never signalled. The worker
-SIGTERMs the reaper when it shuts the engine down itself.
-
-This is best effort by nature: the manager still treats an engine whose actor died as *not*
-confirmed dead (fence + ``InferenceRecoveryRequired``).
+Run as a stdlib-only script (``python -I -S reaper.py WORKER_PID ENGINE_PID``) by the worker
+after each launch: it detaches (double fork), prints its pid, and polls every ``INTERVAL``
+seconds; once the worker is gone it SIGKILLs the engine's group, once the engine is gone it
+exits (pids identified by start time, never a reused one). Best effort: the manager still
+fences an engine whose actor died.
 """
 
 from __future__ import annotations

@@ -85,12 +85,9 @@ class LifecycleResult:
 class ReplicaHealth:
     """One replica's health-check verdict.
 
-    ``action``: ``none`` (healthy), ``suspect`` (a probe failed while the engine process
-    lives; the replica keeps its state and stays routable until ``failed_probes`` reaches the
-    manager's ``unhealthy_after``), ``failed`` (marked FAILED, not cleaned), ``cleaned`` (whole
-    replica shut down, confirmed), ``rebuilt``, ``pending`` (a cleanup step was not confirmed;
-    retry), ``fenced`` (an actor died without confirmed cleanup). ``failed_probes``: the
-    consecutive failed probes counted this round (0 when its probe passed or was not counted).
+    ``action``: ``none``, ``suspect`` (a probe failed, the process lives: kept until
+    ``failed_probes`` reaches ``unhealthy_after``), ``failed``, ``cleaned``, ``rebuilt``,
+    ``pending`` (a cleanup step not confirmed) or ``fenced``.
     """
 
     engine_id: str
@@ -123,12 +120,9 @@ class HealthReport:
 class UnconfirmedWorker:
     """A worker whose cleanup the manager could not confirm: what it may still hold, and where.
 
-    ``fenced``: its actor died without confirmed cleanup of its engine process (only an
-    operator can confirm the node is clean); otherwise its last shutdown was not confirmed
-    (``reason`` says why; ``shutdown()`` retries it). ``placement_group_id`` is the hex id of the
-    group whose bundles it was on (``None`` outside a group): that group must not be released
-    while the worker's engine process may run, or the next job is scheduled onto GPUs a stray
-    engine still holds.
+    ``fenced``: its actor died (only an operator can confirm the node is clean); otherwise
+    ``reason`` says why its shutdown is pending. Its placement group (``placement_group_id``)
+    must not be released.
     """
 
     model_id: str

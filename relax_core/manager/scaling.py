@@ -1,9 +1,5 @@
-"""Scale-out and scale-in: replicas added with one slot per node, or drained, cleaned and removed.
-
-A replica chosen by scale-in is *retiring*: it is cleaned and removed, never rebuilt. One whose
-cleanup is only partial stays STOPPING under the URL it was published under last, so the same
-``scale_in(urls=[...])`` retries exactly the workers that are left.
-"""
+"""Scale-out and scale-in: replicas added with one slot per node, or drained, cleaned and
+removed (a partially cleaned one stays STOPPING under its last URL; retry by that URL)."""
 
 from __future__ import annotations
 
@@ -28,11 +24,7 @@ _S = ReplicaState
 
 @attrs.define
 class Scaling:
-    """Adding and removing replicas of one model. Not thread-safe (the manager's lock is held).
-
-    ``nodes_per_replica``: the node count every new replica must have; ``strict_drain``:
-    scale-in waits for in-flight requests before aborting them.
-    """
+    """Adding and removing replicas of one model. Not thread-safe (the manager's lock is held)."""
 
     slots: SlotTable
     groups: PlacementGroups
@@ -57,10 +49,7 @@ class Scaling:
         group: Any,
     ) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """The bundles of the replicas to add: ``workers``, or ``count`` unplaced ones.
-
-        :raises ValueError: both or neither given, a bad count, a wrong node count, a bundle
-            already used, or bundles without a placement group.
-        """
+        :raises ValueError: both or neither, a bad count or node count, a bundle taken."""
         nodes = self.nodes_per_replica
         if (workers is None) == (count is None):
             raise ValueError("scale_out: give either workers (bundles) or count, not both")
@@ -96,11 +85,8 @@ class Scaling:
         return self.launcher.start(self.add(workers, group, owned=owned))
 
     def choose(self, count: int | None, urls: Sequence[str] | None) -> list[ReplicaSlot]:
-        """The replicas to remove: the ones published under ``urls``, or ``count`` of them
-        (partially cleaned ones first, then FAILED, then the newest).
-
-        :raises ValueError: an unknown URL, or a count out of range.
-        """
+        """The replicas to remove: those under ``urls``, or ``count`` (partially cleaned,
+        FAILED, newest). :raises ValueError: an unknown URL, or a count out of range."""
         model_id = self.slots.model_id
         if urls is not None:
             by_url = {

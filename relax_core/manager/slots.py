@@ -1,12 +1,6 @@
-"""The manager's inputs (launch settings, placement, timeouts) and its engine slots.
-
-An *engine slot* is one worker of one logical replica: a Ray actor on one placement-group
-bundle, or nothing once its shutdown is confirmed. A replica has as many slots as it spans
-nodes — scale-out creates all of them, and cleanup tracks each one, so a partially cleaned
-replica keeps exactly the slots that still hold something. A :class:`SlotTable` holds one
-model's replica slots; every part of the manager reads and changes replicas through it, and it
-knows which workers are *fenced* (their actor died without confirmed cleanup).
-"""
+"""The manager's inputs (launch settings, placement, timeouts) and its engine slots: one
+:class:`WorkerSlot` per node of a replica, held by the model's :class:`SlotTable`, which knows
+the *fenced* workers (their actor died without confirmed cleanup)."""
 
 from __future__ import annotations
 
@@ -49,16 +43,11 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -
 class ModelLaunch:
     """How to launch one model's engines (the backend turns it into an ``EngineLaunchSpec``).
 
-    :param model_path: the checkpoint directory (for DCS: ignored when a checkpoint version
-        exists; the newest ``version-N/`` is loaded).
+    :param model_path: the checkpoint directory (DCS: the newest ``version-N/`` instead).
     :param nodes_per_replica: workers per logical replica (head + followers).
     :param served_model_name: the name the engine answers with (default: ``model_path``).
-    :param options: the model's engine options, passed on as ``EngineLaunchSpec.options``
-        with ``weights_cpu_backup`` set to what the engine spec decided (its own
-        ``weights_cpu_backup``, forced on for a STATIC engine).
-    :param backend_options: an instance of the backend's own options record, passed on as
-        ``EngineLaunchSpec.backend_options`` (``None``: the backend declares none, or its
-        defaults).
+    :param options: the model's engine options (``weights_cpu_backup`` as the spec decides).
+    :param backend_options: an instance of the backend's own options record, or ``None``.
     """
 
     model_path: str
@@ -98,12 +87,8 @@ def _workers(value: Sequence[Sequence[Sequence[int]]]) -> tuple[tuple[tuple[int,
 @attrs.frozen
 class ReplicaPlacement:
     """Where a model's workers go: ``workers[replica][node]`` are the bundle indices of one
-    worker (it is scheduled on the first one), as in the placement plan's ``ModelPlacement``.
-
-    ``owned``: the manager created the placement group and removes it at shutdown; a
-    borrowed one (owned by a controller or another service) is never removed.
-    ``placement_group`` may be ``None`` for CPU models (workers then use no bundle).
-    """
+    worker (scheduled on the first). ``owned``: the manager removes the group at shutdown.
+    ``placement_group`` may be ``None`` for CPU models."""
 
     placement_group: Any
     workers: tuple[tuple[tuple[int, ...], ...], ...] = attrs.field(converter=_workers)
@@ -131,23 +116,11 @@ class ReplicaPlacement:
         return len(self.workers[0])
 
     @classmethod
-    def from_plan(cls, model: Any, placement_group: Any, *, owned: bool) -> ReplicaPlacement:
-        """From the placement plan's ``ModelPlacement`` (its ``workers`` and GPU fraction)."""
-        return cls(
-            placement_group=placement_group if model.pool is not None else None,
-            workers=model.workers,
-            ray_gpu_fraction=float(model.ray_gpu_fraction),
-            owned=owned,
-        )
-
-    @classmethod
     def from_bound(
         cls, pool: Any, role: str, model: str, *, ray_gpu_fraction: float = 1.0
     ) -> ReplicaPlacement:
-        """From a validated ``BoundPool`` (``bind_placement_group``): each worker on its
-        physical bundles. The pool's group is *borrowed*: the pool's owner releases it
-        (``release_bound_pool``), never a manager.
-        """
+        """From a validated ``BoundPool``: each worker on its physical bundles; the group is
+        borrowed (its owner releases it)."""
         bound = pool.model(role, model)
         return cls(
             placement_group=pool.placement_group,
@@ -168,14 +141,9 @@ _DIED = "actor died without confirmed cleanup of its engine process"
 
 @attrs.define
 class WorkerSlot:
-    """One worker of a replica. ``actor`` is ``None`` once its cleanup is confirmed.
-
-    ``fenced``: the actor died without confirmed cleanup of its engine process; the slot, its
-    pending record and the placement group stay until an operator confirms the node is clean.
-    ``pending``: why the last cleanup step is not confirmed (retry it).
-    ``control``: a started head's private control endpoint (onload/offload over HTTP); it
-    belongs to ``actor`` and is forgotten with it.
-    """
+    """One worker of a replica. ``actor`` is ``None`` once its cleanup is confirmed;
+    ``fenced``: it died without that; ``pending``: why the last cleanup step is not confirmed;
+    ``control``: a started head's private control endpoint (forgotten with ``actor``)."""
 
     node_rank: int
     bundles: tuple[int, ...]
@@ -276,10 +244,8 @@ class ReplicaSlot:
         return f"{self.engine_id}/node-{worker.node_rank}"
 
     def fail(self, worker: WorkerSlot, outcome: CallOutcome, during: str) -> str:
-        """Record a step of ``worker`` that was not confirmed; return the message.
-
-        A dead actor is fenced; the replica is FAILED (see :meth:`mark_failed`).
-        """
+        """Record a step of ``worker`` that was not confirmed (a dead actor fenced, the
+        replica FAILED); return the message."""
         message = f"{during} of {self.worker_name(worker)}: {outcome.describe()}"
         if outcome.actor_died:
             worker.fence()
@@ -288,11 +254,8 @@ class ReplicaSlot:
         return message
 
     def mark_failed(self, message: str) -> None:
-        """FAILED (unless already FAILED or STOPPING), so no longer routable or valid.
-
-        The head is also told to stop admitting at its door (best effort, not waited for:
-        route eligibility is already gone with the state).
-        """
+        """FAILED (unless already FAILED or STOPPING); the head is told to close admission
+        (best effort, not waited for)."""
         rep = self.replica
         if rep.state is not ReplicaState.FAILED and rep.state is not ReplicaState.STOPPING:
             rep.advance(ReplicaState.FAILED, error=message)
@@ -303,11 +266,8 @@ class ReplicaSlot:
 
 @attrs.define
 class SlotTable:
-    """The replica slots of one model, by index, and the fences among them.
-
-    Every part of the manager reads and changes replicas through this table. Not thread-safe:
-    the manager calls it under its lock.
-    """
+    """The replica slots of one model, by index, and the fences among them. Not thread-safe
+    (the manager's lock is held)."""
 
     model_id: str
     _slots: dict[int, ReplicaSlot] = attrs.field(factory=dict, init=False)
@@ -325,10 +285,7 @@ class SlotTable:
         return self._slots[index]
 
     def get(self, engine_id: str) -> ReplicaSlot:
-        """The slot of ``engine_id``.
-
-        :raises KeyError: no such replica (the message lists the model's replicas).
-        """
+        """The slot of ``engine_id``. :raises KeyError: no such replica."""
         for slot in self._slots.values():
             if slot.engine_id == engine_id:
                 return slot
@@ -338,10 +295,8 @@ class SlotTable:
         )
 
     def select(self, engine_ids: Iterable[str] | None) -> list[ReplicaSlot]:
-        """The slots of ``engine_ids`` (each once, in the order given); ``None``: every slot.
-
-        :raises KeyError: an unknown engine id.
-        """
+        """The slots of ``engine_ids`` (each once, in order; ``None``: every slot).
+        :raises KeyError: an unknown engine id."""
         if engine_ids is None:
             return self.ordered()
         if isinstance(engine_ids, str):
@@ -418,10 +373,7 @@ class SlotTable:
             raise InferenceRecoveryRequired(self.fence_message(f"{what} refused"))
 
     def settle(self, what: str, result: LifecycleResult) -> LifecycleResult:
-        """``result``, unless the call left a worker fenced.
-
-        :raises InferenceRecoveryRequired: a worker is fenced; ``result`` is on the error.
-        """
+        """``result``. :raises InferenceRecoveryRequired: the call left a worker fenced."""
         if self.fenced_workers():
             raise InferenceRecoveryRequired(self.fence_message(what), result=result)
         return result

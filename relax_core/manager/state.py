@@ -1,11 +1,7 @@
 """Replica states, their transitions and onload/offload plans — pure, no Ray, no I/O.
 
-A logical replica is READY only when every resident tag (weights, KV cache, CUDA graph) is
-resident, its weights are valid and its admission is open. The manager changes a replica's
-state only through :meth:`Replica.advance`, which refuses transitions the state machine does not
-have (a bug, never a user error), and decides what a lifecycle call must do through the pure
-``plan_*`` functions here, so "repeated onload/offload are no-ops" and "onload restores only
-what is missing" are properties of this module, tested without any engine.
+A replica changes state only through :meth:`Replica.advance`, which refuses a transition the
+machine does not have (a bug). FAILED means "not routable", never "memory released".
 
 ::
 
@@ -16,10 +12,6 @@ what is missing" are properties of this module, tested without any engine.
     ONLOADING -> READY | SLEEPING (a partial onload) | FAILED | STOPPING
     FAILED    -> STOPPING
     STOPPING  -> STARTING (rebuilt after confirmed cleanup) | STOPPING (cleanup retried)
-
-FAILED means "not routable", never "memory released": only a confirmed offload (SLEEPING) or a
-confirmed shutdown frees the GPU. The resident tags themselves are defined once, for the engine
-and the manager, in :mod:`relax_core.engine.tags`.
 """
 
 from __future__ import annotations
@@ -63,11 +55,8 @@ _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
 
 @attrs.define
 class Replica:
-    """The manager's record of one logical replica (mutable; owned by one manager).
-
-    ``base_url`` is the head's public (admission) URL; it is kept after the head is gone so a
-    partially cleaned replica can still be found by the URL it was published under.
-    """
+    """The manager's record of one logical replica; ``base_url`` (the head's public URL) is
+    kept after the head is gone."""
 
     index: int
     engine_id: str
@@ -180,9 +169,7 @@ class OnloadPlan:
 
 
 def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:
-    """Which tags an offload must release from ``replica``.
-
-    Only resident tags are released, so a repeated offload is a no-op.
+    """Which tags an offload must release from ``replica`` (only resident ones).
 
     :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
     """
@@ -197,10 +184,8 @@ def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:
 
 
 def plan_onload(replica: Replica, tags: Iterable[str] | None) -> OnloadPlan:
-    """Which tags an onload must resume on ``replica``, and whether admission reopens.
-
-    Only missing tags are resumed; admission reopens when every tag will be resident. A
-    repeated onload of a READY replica is a no-op.
+    """Which tags an onload must resume on ``replica`` (only missing ones), and whether
+    admission reopens (every tag resident).
 
     :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
     """

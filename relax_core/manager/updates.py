@@ -1,14 +1,7 @@
 """Weight updates behind a fence, checked against the model's weight source.
 
-Every update path is checked at the manager's API first (a STATIC model raises
-:class:`~relax_core.errors.CapabilityError` before anything happens), then again in the engine
-worker; the admission server refuses them at the public port.
-
-The fence: the replicas to update are marked not direct-eligible and published; each one closes
-admission, waits for its in-flight requests, applies the update, checks one generation and
-reopens — so no request reaches a replica mid-update. The published ``weight_version`` moves
-once the update is confirmed. DCS models load the newest ``version-N/`` of their checkpoint
-directory through the same path (:meth:`WeightUpdates.checkpoint` finds it).
+Each READY replica to update closes admission, drains, applies the update, checks one
+generation and reopens; the published ``weight_version`` moves once the update is confirmed.
 """
 
 from __future__ import annotations
@@ -30,7 +23,10 @@ from relax_core.manager.state import ReplicaState
 from relax_core.manager.weights import CheckpointDirectory
 from relax_core.manager.worker import UPDATE_METHODS
 
-__all__ = ["WeightUpdates"]
+__all__ = ["PAUSE_MODES", "WeightUpdates"]
+
+#: The pause modes a weight update may take instead of the fence (SGLang's, and ``abort``).
+PAUSE_MODES = ("in_place", "retract", "abort")
 
 _S = ReplicaState
 
@@ -44,9 +40,12 @@ class WeightUpdates:
     spec: InferenceEngineSpec
     timeouts: ManagerTimeouts
 
-    def check(self, method: str) -> None:
-        """:raises CapabilityError: the weight source does not allow ``method``'s update path."""
+    def check(self, method: str, *, pause: str | None = None) -> None:
+        """:raises CapabilityError: the weight source does not allow ``method``'s update path.
+        :raises ValueError: ``pause`` is not one of :data:`PAUSE_MODES`."""
         self.spec.check(UPDATE_METHODS[method], engine_id=f"{self.slots.model_id} (every replica)")
+        if pause is not None and pause not in PAUSE_MODES:
+            raise ValueError(f"pause={pause!r}: one of {PAUSE_MODES} (or None: the fence)")
 
     def apply(
         self,
@@ -56,13 +55,9 @@ class WeightUpdates:
         pause: str | None = None,
         buckets: Sequence[dict[str, Any]] = (),
     ) -> dict[str, ReplicaResult]:
-        """Apply one update to every replica that holds weights, behind the fence.
-
-        FAILED and STOPPING replicas are SKIPPED; the published weight version moves once the
-        update is confirmed. One result per replica. Blocking. ``buckets``: the update in
-        several engine calls inside the one fence (each bucket's arguments over ``kwargs``;
-        see :meth:`~relax_core.manager.worker.EngineWorker.update_weights`): a replica is
-        confirmed, and the version moves, only once its last bucket landed.
+        """Apply one update to every replica that holds weights, behind the fence (FAILED
+        and STOPPING ones are SKIPPED). Blocking. ``buckets``: see
+        :meth:`~relax_core.manager.worker.EngineWorker.update_weights`.
 
         :raises LifecycleError: a serving replica has no resident weights, or none has any
             (refused before anything moves).
@@ -86,10 +81,7 @@ class WeightUpdates:
                 f"{method} of model {model_id!r}: no replica holds weights to update; "
                 "start or onload the model first"
             )
-        # READY replicas are fenced (DRAINING, not direct-eligible) and reopen afterwards;
-        # SLEEPING ones take the update and stay asleep.
-        # With ``pause`` nothing is fenced: each engine pauses generation in that mode,
-        # updates and continues, its requests in flight kept.
+        # SLEEPING replicas stay asleep; with ``pause`` nothing is fenced.
         reopen = {s.replica.index: s.replica.state is _S.READY for s in targets}
         fenced = {i: r and pause is None for i, r in reopen.items()}
         for slot in targets:

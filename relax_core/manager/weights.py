@@ -1,11 +1,5 @@
-"""Versioned checkpoint directories for the DCS weight source.
-
-A publisher (a trainer, a checkpoint service) writes each version into ``ROOT/version-N/``
-atomically — it fills ``ROOT/.version-N.tmp-*/`` and renames it, so an engine never sees half a
-checkpoint. The manager of a DCS model loads the newest version through the engines'
-update-from-disk path when told a new version exists
-(:meth:`~relax_core.manager.InferenceManager.load_checkpoint`).
-"""
+"""Versioned checkpoint directories for the DCS weight source: each version written into
+``ROOT/version-N/`` atomically (filled under a temporary name, then renamed)."""
 
 from __future__ import annotations
 
@@ -21,10 +15,7 @@ _VERSION_DIR = re.compile(r"^version-(\d+)$")
 
 
 class CheckpointDirectory:
-    """A directory of ``version-N/`` checkpoints (N a non-negative integer).
-
-    Reading is safe while a publisher writes: only complete (renamed) versions are listed.
-    """
+    """A directory of ``version-N/`` checkpoints; only complete (renamed) ones are listed."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.fspath(root)
@@ -54,10 +45,8 @@ class CheckpointDirectory:
         return versions[-1] if versions else None
 
     def publish(self, version: int, write: Callable[[str], None]) -> str:
-        """Publish ``version``: ``write(tmp_dir)`` fills a temporary directory, then it is renamed.
-
-        :raises FileExistsError: ``version`` is already published (versions are immutable).
-        """
+        """Publish ``version``: ``write(tmp_dir)`` fills a temporary directory, then renamed.
+        :raises FileExistsError: ``version`` is already published."""
         target = self.path(version)
         if os.path.exists(target):
             raise FileExistsError(

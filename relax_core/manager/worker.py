@@ -1,21 +1,14 @@
-"""The engine worker: a Ray actor per node of a logical replica, owning one engine process.
+"""The engine worker: an async Ray actor per node of a logical replica, owning one engine
+process (launched by the backend, watched by a :mod:`~relax_core.manager.reaper`).
 
-Node rank 0 is the replica's *head*: it serves HTTP, owns the admission server (the public
-port) and is the only worker the manager drives lifecycle and weight calls through. Followers
-(node rank > 0) run an engine process that joins the head's ``dist_init_addr``; a follower is
-started once its process reports ready (joined), and afterwards only reports whether its process
-is alive (the head notices a lost follower itself and stops generating).
-
-The worker is an *async* actor: its methods and the admission proxy share the actor's event
-loop, and anything that blocks (starting, waiting for and stopping the engine process) runs in
-a thread. The engine process is started through the engine backend's ``launch`` (hf, sglang, …;
-nothing here is backend-specific) in its own process group, watched by a detached reaper that
-kills the group if this actor dies (see :mod:`relax_core.manager.reaper`).
+Node rank 0, the *head*, owns the admission server and the control channel and takes every
+lifecycle and weight call; followers only start and report whether their process lives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -29,6 +22,7 @@ import attrs
 
 from relax_core.engine._logtail import quote_log
 from relax_core.engine.admission import AdmissionServer
+from relax_core.engine.process import safe_file_name
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import ResidentTag, ordered
 from relax_core.errors import CapabilityError, LifecycleError, RelaxError, UpstreamError
@@ -138,13 +132,11 @@ class EngineWorker:
         return os.getpid()
 
     async def start(self, launch: EngineLaunchSpec, ready_timeout: float) -> StartResult:
-        """Launch the engine process, wait until it is ready; a head also starts its admission.
-
-        Admission stays closed: the manager opens it once the replica is confirmed READY.
+        """Launch the engine process, wait until it is ready; a head also starts its admission
+        (closed) and its control channel.
 
         :raises LifecycleError: the process could not start or was not ready in time (it is
-            stopped again before this raises). When the process exited, the message names its
-            log and quotes the log's last error (whatever the backend's own error said).
+            stopped again first); one that exited is quoted from its log.
         """
         async with self._lock:
             if self.process is not None:
@@ -156,9 +148,6 @@ class EngineWorker:
             self.process = await asyncio.to_thread(self.backend.launch, launch)
             self.reaper_pid = await asyncio.to_thread(self._start_reaper, self.process.pid)
             try:
-                # A follower serves no public HTTP: its process says when it is ready (hf: a
-                # private readiness URL answering once it joined the head; a backend without
-                # one: alive after a short grace), so every node waits the same deadline.
                 await asyncio.to_thread(self.process.wait_ready, ready_timeout)
                 version = None
                 if launch.node_rank == 0:
@@ -191,8 +180,7 @@ class EngineWorker:
                 log_path = launch.log_path
                 quoted = bool(log_path) and str(log_path) in str(exc)
                 if exited is not None and isinstance(exc, Exception) and not quoted:
-                    # The backend's error does not say why its process died (its own process
-                    # class, or a death after readiness): its log does.
+                    # The backend's error does not say why its process died: its log does.
                     raise LifecycleError(
                         f"{self._name}: engine process {self.process.pid} exited with code "
                         f"{exited} during its start ({type(exc).__name__}: {exc}); "
@@ -237,22 +225,17 @@ class EngineWorker:
         error = None
         control = self.control if generate and process.poll() is None else None
         if control is not None and self._lock.locked():
-            # A lifecycle call (offload, onload, update) holds the engine: its generation
-            # would race the call (a release is refused while a request runs), and the call
-            # confirms the engine itself. The process is checked; the generation is not.
+            # A lifecycle call holds the engine and confirms it itself: a generation would race
+            # it (a release is refused while a request runs).
             control = None
         if control is not None:
-            # Held so that a lifecycle call arriving now waits for this one short generation
-            # instead of finding it in flight.
             async with self._lock:
                 try:
                     await control.health_generate(timeout=timeout)
                 except RelaxError as exc:
                     error = str(exc)
-        # Polled after the generation too: a killed engine's port closes before the kernel has
-        # finished its exit (a large process takes a while to unmap), so after a failed
-        # generation it gets a moment to be reaped — a death must count as a death, not as one
-        # of the failed probes a live engine is allowed (the manager's unhealthy_after).
+        # A killed engine's port closes before its exit is reaped: give it a moment, so a death
+        # counts as a death, not as one of the failed probes a live engine is allowed.
         code = process.poll()
         if code is None and error is not None:
             code = await _exit_code_within(process, _EXIT_GRACE_S)
@@ -284,29 +267,24 @@ class EngineWorker:
     async def _drain(self, *, strict: bool, drain_timeout: float, timeout: float) -> None:
         control, admission = self._head()
         admission.close("DRAINING")
-        drained = strict and await admission.wait_idle(drain_timeout)
-        if not drained:
+        if not (strict and await admission.wait_idle(drain_timeout)):
             # Not strict, or the deadline passed: abort what is still running.
             await control.abort(timeout=timeout)
-            if not await admission.wait_idle(min(timeout, 10.0)):
-                raise LifecycleError(
-                    f"{self._name}: {admission.inflight} request(s) still in flight after abort; "
-                    "the engine did not drain"
-                )
+            await self._drained(admission, "abort", timeout)
 
     async def _abort_all(self, *, timeout: float) -> None:
-        """Close admission and abort every request in the engine with ``pause_generation``
-        (mode ``abort``): unlike ``abort_request``, which an engine notices at its next step,
-        it also keeps the engine from scheduling anything until ``continue_generation``, so a
-        release that follows (after a flush that waits for the engine to be idle) cannot find
-        a request still running."""
+        """Close admission and abort every request with ``pause_generation`` (mode ``abort``),
+        which also keeps the engine from scheduling anything until ``continue_generation``."""
         control, admission = self._head()
         admission.close("DRAINING")
         await control.pause_generation("abort", timeout=timeout)
+        await self._drained(admission, "pause_generation (abort)", timeout)
+
+    async def _drained(self, admission: AdmissionServer, after: str, timeout: float) -> None:
         if not await admission.wait_idle(min(timeout, 10.0)):
             raise LifecycleError(
-                f"{self._name}: {admission.inflight} request(s) still in flight after "
-                "pause_generation (abort); the engine did not drain"
+                f"{self._name}: {admission.inflight} request(s) still in flight after {after}; "
+                "the engine did not drain"
             )
 
     async def offload(
@@ -319,10 +297,7 @@ class EngineWorker:
         abort: bool = False,
     ) -> float:
         """Close admission, drain, flush and release ``tags``; return the seconds it took.
-
-        ``abort``: abort the requests in flight at once instead of draining them (nothing they
-        would answer is wanted: a failed or interrupted batch); the engine is paused for that
-        and continued again after its release, so it is left as any offload leaves it.
+        ``abort``: abort the requests in flight (paused, then continued) instead of draining.
 
         :raises LifecycleError: a step was refused or did not finish within ``timeout``; the
             memory is then *not* known to be free.
@@ -352,8 +327,7 @@ class EngineWorker:
         control, _ = self._head()
         if ResidentTag.KV_CACHE in tags:
             if getattr(control, "release_flushes", False):
-                # One round trip: the engine flushes as it releases, and refuses (changing
-                # nothing) while a request still runs; only then wait for it as below.
+                # One round trip, unless refused (changing nothing) while a request runs.
                 try:
                     await control.release_memory(ordered(tags), timeout=timeout)
                     return
@@ -371,8 +345,6 @@ class EngineWorker:
         start = time.monotonic()
         async with self._lock, asyncio.timeout(2 * timeout):
             control, admission = self._head()
-            # One call: the engine resumes them in order (weights first), as SGLang does; one
-            # with resume_checks also checks the generation in it (no second round trip).
             check = reopen and getattr(control, "resume_checks", False)
             if check:
                 answer = await control.resume_memory(
@@ -420,18 +392,12 @@ class EngineWorker:
         pause: str | None = None,
         buckets: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
-        """Apply one weight update to the engine behind a fence.
+        """Apply one weight update to the engine: with ``fence``, admission closed and drained
+        first; with ``reopen``, one generation checked and admission reopened after; with
+        ``pause``, generation paused in that mode around it instead.
 
-        With ``fence``: close admission and wait for in-flight requests (abort them when the
-        drain deadline passes) before the update, so no request reaches the engine mid-update;
-        with ``reopen``: check one generation and reopen admission afterwards. With ``pause``
-        (no fence): ``pause_generation`` in that mode, the update, ``continue_generation``
-        (also when the update failed), the requests in flight kept.
-
-        ``buckets``: the update in several engine calls, one per bucket, in order, all inside
-        the one fence (or pause): each call's arguments are ``kwargs`` with the bucket's own
-        over them. Every call but the last carries the engine's current weight version (and
-        ``flush_cache=False``), so the engine's version moves once, with the last bucket.
+        ``buckets``: one engine call per bucket (``kwargs`` with the bucket's own over them),
+        in order; every call but the last keeps the engine's version (and its cache).
 
         :raises CapabilityError: the engine's spec does not allow the update path.
         :raises LifecycleError: the engine refused or failed the update (admission stays
@@ -478,16 +444,10 @@ class EngineWorker:
         *,
         timeout: float,
     ) -> dict[str, Any]:
-        """One engine call per bucket; the version moves with the last (see
-        :meth:`update_weights`). Returns the last call's answer with ``buckets`` (the count).
-
-        :raises LifecycleError: a bucket failed: which, after how many landed, and that the
-            engine now holds a mix of both versions.
-        """
+        """One engine call per bucket (see :meth:`update_weights`); the last call's answer
+        with ``buckets`` (the count). :raises LifecycleError: which bucket failed."""
         if method in _RAW_UPDATES:
             raise CapabilityError(f"{self._name}: {method!r} cannot be sent in buckets")
-        # Intermediate buckets keep the version the engine reports now: an engine that moves
-        # its version with every update (the hf engine counts up) moves it to itself.
         held = await control.weight_version(timeout=timeout)
         call = getattr(control, method)
         last = len(buckets) - 1
@@ -523,16 +483,12 @@ class EngineWorker:
     def _stop_reaper(self) -> None:
         pid, self.reaper_pid = self.reaper_pid, None
         if pid:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 15)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     async def shutdown(self, timeout: float) -> dict[str, Any]:
-        """Stop admission and the engine process (SIGTERM, SIGKILL after ``timeout``).
-
-        Returns ``{"pid", "exit_code"}`` once the process is confirmed gone. Idempotent.
-        """
+        """Stop admission and the engine process (SIGTERM, SIGKILL after ``timeout``); return
+        ``{"pid", "exit_code"}`` once it is confirmed gone. Idempotent."""
         if self.admission is not None:
             self.admission.close("STOPPING")
         if self.control is not None:
@@ -569,8 +525,9 @@ def _log_path(engine_id: str) -> str:
     """A fresh log file for ``engine_id`` in this node's temporary directory."""
     directory = os.path.join(tempfile.gettempdir(), "relax-engines")
     os.makedirs(directory, exist_ok=True)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)
-    fd, path = tempfile.mkstemp(prefix=f"{safe}-", suffix=".log", dir=directory)
+    fd, path = tempfile.mkstemp(
+        prefix=f"{safe_file_name(engine_id)}-", suffix=".log", dir=directory
+    )
     os.close(fd)
     return path
 
