@@ -23,7 +23,6 @@ from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import (
     MoreGroups,
     RoleClients,
-    SampleField,
     Stage,
     StageContext,
     StageReport,
@@ -74,16 +73,9 @@ class EvalResult:
 
     def row(self) -> dict[str, Any]:
         """The JSON object ``relax run --json`` prints for it (``docs/run.md``)."""
-        return {
-            "eval": self.stage,
-            "step": self.step,
-            "status": self.status,
-            "weight_version": self.weight_version,
-            "weight_versions": list(self.weight_versions),
-            "counts": dict(self.counts),
-            "error": self.error,
-            "seconds": self.seconds,
-        }
+        row = attrs.asdict(self)
+        row |= {"weight_versions": list(self.weight_versions), "counts": dict(self.counts)}
+        return {"eval": row.pop("stage"), **row}
 
     def metrics(self) -> dict[str, float]:
         """The trackers' metrics of step :attr:`step` (``eval/STAGE/COUNT``; finite only)."""
@@ -145,7 +137,7 @@ class _Launch:
 
     def __init__(self, stage: BackgroundStage, start: Callable[[], None]) -> None:
         self.name = stage.name
-        self.fields: tuple[SampleField, ...] = tuple(stage.fields)
+        self.fields = tuple(stage.fields)
         self._stage = stage
         self._start = start
 

@@ -14,7 +14,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import attrs
 
@@ -472,22 +472,30 @@ class _Report:
         self.printer.failed(step.row())
 
 
+class RunOptions(TypedDict, total=False):
+    """What a run reports and keeps besides its steps (:func:`run_loop`)."""
+
+    trace: str | None
+    dump_dir: str | None
+    measure: bool
+    trackers: Trackers | None
+
+
 async def drive(
     ports: StepPorts,
     printer: Printer,
     *,
     steps: int,
     initial_version: str | None = None,
-    trace: str | None = None,
-    dump_dir: str | None = None,
-    measure: bool = False,
-    trackers: Trackers | None = None,
     residency: dict[str, Any] | None = None,
     first_step: int = 0,
     on_trained: Callable[[int], Awaitable[None]] | None = None,
+    **options: Unpack[RunOptions],
 ) -> RunSummary:
     """Run steps ``first_step`` to ``steps - 1`` on ``ports``; as :func:`run_loop`, which
     calls it. ``on_trained(n)``: awaited once step ``n`` trained (a checkpoint)."""
+    trace, dump_dir = options.get("trace"), options.get("dump_dir")
+    trackers = options.get("trackers")
     began = time.perf_counter()
     summary = RunSummary(ports.name, steps, trace=trace, first_step=first_step)
     summary.startup_seconds = time.monotonic() - printer.began
@@ -499,7 +507,7 @@ async def drive(
     coordinator, rollout = ports.coordinator, ports.rollout
     probe: SwitchProbe | None = None
     driver: StepDriver | None = None
-    if measure:
+    if options.get("measure"):
         probe = SwitchProbe(ports.heads or _no_heads)
         coordinator = MeasuredCoordinator(coordinator, probe)
 
@@ -615,12 +623,9 @@ async def run_loop(
     printer: Printer,
     *,
     steps: int,
-    trace: str | None = None,
-    dump_dir: str | None = None,
-    measure: bool = False,
-    trackers: Trackers | None = None,
     checkpoint_dir: str | None = None,
     resume: Checkpoint | None = None,
+    **options: Unpack[RunOptions],
 ) -> RunSummary:
     """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run
     and is in ``summary.failure``; every committed step was printed as it committed).
@@ -645,6 +650,7 @@ async def run_loop(
             "startup_seconds": time.monotonic() - printer.began,
         }
     )
+    trackers = options.get("trackers")
     if trackers is not None:
         trackers.log_config(run_description(job))
     note = async_overlap_note(job)
@@ -718,13 +724,10 @@ async def run_loop(
             printer,
             steps=steps,
             initial_version=initial_version,
-            trace=trace,
-            dump_dir=dump_dir,
-            measure=measure,
-            trackers=trackers,
             residency=job.residency.to_dict(),
             first_step=first_step,
             on_trained=None if checkpoints is None else checkpoints.after,
+            **options,
         )
 
 

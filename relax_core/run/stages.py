@@ -354,37 +354,26 @@ REWARD = StageSpec(
 # -- evaluation ----------------------------------------------------------------------------------
 
 
+@attrs.define(eq=False)
 class EvalStage:
     """Every ``every`` steps, ``prompts`` held-out prompts from ``source`` generated with the
     step's policy, scored by ``scorer`` and reported; its samples never join the batch.
     ``background``: the step only starts it (:mod:`~relax_core.run.background`).
     """
 
-    role: str | None = None
-    models: tuple[str, ...] = ()
     fields = ()
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        source: Callable[[], PromptSource],
-        scorer: RewardStage,
-        every: int = 1,
-        prompts: int = 4,
-        samples_per_prompt: int = 1,
-        temperature: float = 0.0,
-        background: bool = False,
-    ) -> None:
-        self.name = name
-        self.background = background
-        self.scorer = scorer
-        self.every = every
-        self.prompts = prompts
-        self.samples_per_prompt = samples_per_prompt
-        self.temperature = temperature
-        self._open = source
-        self._source: PromptSource | None = None
+    name: str
+    source: Callable[[], PromptSource] = attrs.field(kw_only=True)
+    scorer: RewardStage = attrs.field(kw_only=True)
+    every: int = attrs.field(default=1, kw_only=True)
+    prompts: int = attrs.field(default=4, kw_only=True)
+    samples_per_prompt: int = attrs.field(default=1, kw_only=True)
+    temperature: float = attrs.field(default=0.0, kw_only=True)
+    background: bool = attrs.field(default=False, kw_only=True)
+    role: str | None = attrs.field(default=None, init=False)
+    models: tuple[str, ...] = attrs.field(default=(), init=False)
+    _opened: PromptSource | None = attrs.field(default=None, init=False)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -399,10 +388,10 @@ class EvalStage:
         """Evaluate on this step if it is one of every ``every``; else report ``skipped``."""
         if not self.due(ctx.batch_id):
             return StageReport(self.name, {"skipped": 1})
-        if self._source is None:
-            self._source = self._open()
+        if self._opened is None:
+            self._opened = self.source()
         held_out = await ctx.generate(
-            prompts=self._source.take(self.prompts),
+            prompts=self._opened.take(self.prompts),
             samples_per_prompt=self.samples_per_prompt,
             temperature=self.temperature,
         )
