@@ -34,6 +34,10 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _ms(seconds: float | None) -> str:
+    return _fmt(seconds and seconds * 1e3, ".1f")
+
+
 def phase_times(phases: dict[str, float]) -> str:
     """A step's phase times for its line: the switches summed, every other phase of at least
     :data:`PHASE_LINE_SECONDS` by name, the rest counted."""
@@ -317,31 +321,18 @@ class Printer:
                 f"an offload: {_fmt(measured['min_freed_fraction'], '.1%')}"
             )
             for s in measured["switches"]:
+                inside = f"copy {_ms(s['copy_seconds'])} ms, limit {_ms(s['limit_seconds'])} ms"
+                if s.get("engine_seconds") is not None:
+                    inside += f"; engine {_ms(s['engine_seconds'])} ms"
+                if s.get("worker_seconds") is not None:
+                    inside += f", worker {_ms(s['worker_seconds'])} ms, manager "
+                    inside += f"{_ms(s['manager_seconds'])} ms"
+                after = ""
+                if s["direction"] == "offload":
+                    after = f", freed {_fmt(s.get('freed_fraction'), '.1%')}"
+                if s.get("handed_over_bytes"):
+                    after += f" ({s['handed_over_bytes'] / 1e9:.1f} GB of it handed over)"
                 self.say(
                     f"    step {s['step']} {s['role']}.{s['direction']}: {s['seconds'] * 1e3:.1f} "
-                    f"ms for {s['weight_bytes'] / 1e6:.1f} MB (copy "
-                    f"{_fmt(s['copy_seconds'] and s['copy_seconds'] * 1e3, '.1f')} ms, limit "
-                    f"{_fmt(s['limit_seconds'] and s['limit_seconds'] * 1e3, '.1f')} ms"
-                    + (
-                        f"; engine {s['engine_seconds'] * 1e3:.1f} ms"
-                        if s.get("engine_seconds") is not None
-                        else ""
-                    )
-                    + (
-                        f", worker {s['worker_seconds'] * 1e3:.1f} ms, manager "
-                        f"{s['manager_seconds'] * 1e3:.1f} ms"
-                        if s.get("worker_seconds") is not None
-                        else ""
-                    )
-                    + ")"
-                    + (
-                        f", freed {_fmt(s.get('freed_fraction'), '.1%')}"
-                        if s["direction"] == "offload"
-                        else ""
-                    )
-                    + (
-                        f" ({s['handed_over_bytes'] / 1e9:.1f} GB of it handed over)"
-                        if s.get("handed_over_bytes")
-                        else ""
-                    )
+                    f"ms for {s['weight_bytes'] / 1e6:.1f} MB ({inside}){after}"
                 )
