@@ -357,21 +357,14 @@ def run(args: argparse.Namespace) -> int:
                 signals.hold()
                 printer.say("relax run: interrupted; shutting down …")
                 status = 130
-            except RelaxError as exc:
+            except Exception as exc:  # a bug (of Relax or a plugin) too: said, never a traceback
                 signals.hold()
-                print(f"relax run: {exc}", file=sys.stderr, flush=True)
-                status = 1
-                error_text = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # a bug (of Relax or a plugin): said, never a traceback
-                signals.hold()
-                error_text = f"{type(exc).__name__}: {exc}"
-                print(
-                    f"relax run: unexpected error: {error_text} (a bug in Relax or a plugin: "
-                    "please report it with the job file; everything is shut down now)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                status = 1
+                status, error_text = 1, f"{type(exc).__name__}: {exc}"
+                said = f"{exc}" if isinstance(exc, RelaxError) else (
+                    f"unexpected error: {error_text} (a bug in Relax or a plugin: please report "
+                    "it with the job file; everything is shut down now)"
+                )  # fmt: skip
+                print(f"relax run: {said}", file=sys.stderr, flush=True)
             finally:
                 signals.hold()
                 error = _close_trackers(trackers, summary)

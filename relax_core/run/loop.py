@@ -342,31 +342,27 @@ def step_row(
     return row
 
 
+@attrs.define(eq=False)
 class _Report:
     """What a run reports of its steps: phases, rows, failures and dumps."""
 
-    def __init__(
-        self,
-        ports: StepPorts,
-        printer: Printer,
-        summary: RunSummary,
-        *,
-        trace: str | None,
-        dump_dir: str | None,
-        trackers: Trackers | None,
-    ) -> None:
-        self.ports = ports
-        self.printer = printer
-        self.summary = summary
-        self.dump_dir = dump_dir
-        self.trackers = trackers
-        self.metrics = RunMetrics.of()
-        self.timeline = Timeline(
-            on_event=self._event, trace_path=trace, run=f"relax run {ports.name}"
+    ports: StepPorts
+    printer: Printer
+    summary: RunSummary
+    trace: str | None = attrs.field(kw_only=True)
+    dump_dir: str | None = attrs.field(kw_only=True)
+    trackers: Trackers | None = attrs.field(kw_only=True)
+    metrics: RunMetrics = attrs.field(init=False, factory=RunMetrics.of)
+    timeline: Timeline = attrs.field(init=False)
+    #: the innermost phase an interruption stopped, if one did
+    interrupted_phase: str | None = attrs.field(init=False, default=None)
+    _bars: dict[int, Progress] = attrs.field(init=False, factory=dict)
+
+    @timeline.default
+    def _timeline(self) -> Timeline:
+        return Timeline(
+            on_event=self._event, trace_path=self.trace, run=f"relax run {self.ports.name}"
         )
-        #: the innermost phase an interruption stopped, if one did
-        self.interrupted_phase: str | None = None
-        self._bars: dict[int, Progress] = {}
 
     def _event(self, e: PhaseEvent) -> None:
         if e.interrupted and self.interrupted_phase is None:
