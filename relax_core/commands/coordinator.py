@@ -1,12 +1,6 @@
-"""``relax coordinator status|reset``: an operator's view of a job's LifecycleCoordinator.
-
-``status`` prints every role's lease (SLEEPING / ONLOADING / ACTIVE / DRAINING / BLOCKED), why a
-BLOCKED one is blocked, the current batch, the run's first failure and manager replies that came
-after their deadline. ``reset`` sets one BLOCKED lease back to SLEEPING — only with
-``--confirm-clean``, the operator's statement that the role's engines hold no GPU memory (they
-were stopped, or their offload was confirmed on every node). It reaches the job's coordinator
-actor over Ray (``--address``, the job's Ray cluster; ``--job``, the job's name); it is never an
-HTTP route.
+"""``relax coordinator status|reset``: an operator's view of a job's LifecycleCoordinator over
+Ray (never an HTTP route). ``reset`` sets one BLOCKED lease back to SLEEPING, only with
+``--confirm-clean`` (docs/coordination.md#blocked).
 
 Exit status: 0 done, 1 refused by the coordinator, 2 bad usage or no coordinator found.
 """

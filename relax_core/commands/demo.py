@@ -1,11 +1,7 @@
-"""``relax demo``: the README's main job — ``relax run`` on the embedded default job.
-
-Makes three tiny random models (``python -m relax_hf make-tiny-model``, in parallel: the core
-never imports the hf plugin) next to a copy of the embedded job file (:data:`DEMO_JOB`, the
-same text as ``docs/examples/run-cpu.toml``), then runs it exactly as ``relax run JOB --steps
-3`` would: a new local Ray, rollout, genrm and teacher on CPU in a defer layout with one
-declared GPU, three steps of generate → deferred judge and teacher prefill → commit → train →
-weight push, then everything shut down with nothing left running.
+"""``relax demo``: the README's main job — ``relax run JOB --steps 3`` on the embedded default job
+(:data:`DEMO_JOB`, the text of ``docs/examples/run-cpu.toml``), after making its three tiny
+random models (``python -m relax_hf make-tiny-model``, in parallel: the core never imports the
+hf plugin).
 """
 
 from __future__ import annotations

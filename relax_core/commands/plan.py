@@ -1,10 +1,6 @@
-"""``relax plan CONFIG [--json]``: the placement preflight of a job file, without starting anything.
-
-Prints the bundle map of every pool, the memory budget per GPU and, for roles that share GPUs
-across phases, the residency plan (which of them may be resident together), and exits 0; a
-rejected config prints every violation on stderr (``key.path: [rule] message``) and exits 2.
-A job file with a ``[run]`` table is checked whole, as ``relax run`` checks it before Ray
-starts (its keys, stages, prompt source, trainer and trackers), not only its placement.
+"""``relax plan CONFIG [--json]``: the placement preflight of a job file, without starting anything:
+the bundle map, the memory budget per GPU and the residency plan (exit 0), or every problem on
+stderr (exit 2); a ``[run]`` table is checked as ``relax run`` checks it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """``relax run CONFIG``: the whole inference side of RL steps, closed into a loop with a trainer.
 
-Before anything starts, the job file and its ``[run]`` table are checked (every problem is
-printed; exit status 2, nothing started). Then the job comes up on Ray (managers in actors,
-engines phase by phase, the trainer, the coordinator and the batch sink: see
-``relax_core.run.job``), runs its steps (``relax_core.run.loop``), and everything is shut down.
-
-With trackers (``[run] trackers``, ``--tracker``) or ``--report`` the run keeps its records in a
-run directory (``--run-dir``, default ``relax-runs/<job>``): the trackers' files, the trace
-(``trace.json`` unless ``--trace`` names another file) and, with ``--report``, ``report.html``
-(``relax report``), written by the ``jsonl`` tracker as it closes (its ``report`` option),
-and its checkpoints (``[run] checkpoint_every``); ``--resume RUN_DIR`` continues such a run
-from its last checkpoint (``relax_core.run.checkpoint``).
-``--metrics-port`` serves the driver's Prometheus metrics while the command runs
-(``relax_core.run.metrics``).
-
-Exit status: 0 when the run went through every step (each committed, or failed or skipped
-and gone past: ``[run] max_failed_steps``, ``on_empty_batch``) and nothing is left running; 1
-when a failed step ended the run, an engine did not start, an unexpected error happened (said
-in one line, no traceback) or the shutdown left something (named on stderr); 2 when the job was
-rejected before anything started; 130 on Ctrl-C (after a clean shutdown). With ``--json`` the
-last object is always the summary.
+The job file and its ``[run]`` table are checked before anything starts; then the job comes up
+on Ray (:mod:`relax_core.run.job`), runs its steps (:mod:`relax_core.run.loop`), and everything
+is shut down. ``docs/run.md`` has the run directory, ``--resume`` and the exit statuses.
 """
 
 from __future__ import annotations
@@ -123,8 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _with_trackers(settings: Any, args: argparse.Namespace) -> Any:
-    """``settings`` with ``--tracker``'s (and ``--report``'s jsonl) trackers added and
-    ``--strict-trackers`` applied."""
+    """``settings`` with ``--tracker``, ``--report`` and ``--strict-trackers`` applied."""
     import attrs
 
     from relax_core.tracking.tracker import TrackerEntry
@@ -203,8 +185,7 @@ def _resume_problems(
 
 
 def _generation_model(config: Any, pm: PluginManager) -> tuple[str, str] | None:
-    """The generation model's name and directory, as :class:`~relax_core.run.job.RunJob`
-    finds it (``None``: the job has none; ``run_problems`` says so)."""
+    """The generation model's name and directory (``None``: the job has none)."""
     from relax_core.run.job import generation_role
 
     gen = generation_role(config, pm)
@@ -363,17 +344,11 @@ def run(args: argparse.Namespace) -> int:
                 )
                 summary = asyncio.run(
                     run_loop(
-                        job,
-                        printer,
-                        steps=settings.steps,
-                        trace=trace,
-                        dump_dir=args.dump_samples,
-                        measure=args.measure,
-                        trackers=trackers,
-                        checkpoint_dir=checkpoint_dir,
+                        job, printer, steps=settings.steps, trace=trace, dump_dir=args.dump_samples,
+                        measure=args.measure, trackers=trackers, checkpoint_dir=checkpoint_dir,
                         resume=resume,
                     )
-                )
+                )  # fmt: skip
                 if summary.interrupted:  # the loop stopped its step in flight cleanly
                     signals.hold()
                     printer.say("relax run: interrupted; shutting down …")
@@ -382,21 +357,14 @@ def run(args: argparse.Namespace) -> int:
                 signals.hold()
                 printer.say("relax run: interrupted; shutting down …")
                 status = 130
-            except RelaxError as exc:
+            except Exception as exc:  # a bug (of Relax or a plugin) too: said, never a traceback
                 signals.hold()
-                print(f"relax run: {exc}", file=sys.stderr, flush=True)
-                status = 1
-                error_text = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # a bug (of Relax or a plugin): said, never a traceback
-                signals.hold()
-                error_text = f"{type(exc).__name__}: {exc}"
-                print(
-                    f"relax run: unexpected error: {error_text} (a bug in Relax or a plugin: "
-                    "please report it with the job file; everything is shut down now)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                status = 1
+                status, error_text = 1, f"{type(exc).__name__}: {exc}"
+                said = f"{exc}" if isinstance(exc, RelaxError) else (
+                    f"unexpected error: {error_text} (a bug in Relax or a plugin: please report "
+                    "it with the job file; everything is shut down now)"
+                )  # fmt: skip
+                print(f"relax run: {said}", file=sys.stderr, flush=True)
             finally:
                 signals.hold()
                 error = _close_trackers(trackers, summary)
@@ -415,14 +383,13 @@ def run(args: argparse.Namespace) -> int:
 
         summary = RunSummary(name, settings.steps, error=error_text or "the run did not start")
         summary.startup_seconds = time.monotonic() - began
-    if summary is not None:
-        row = summary.row()
-        # What was started, for whoever checks that it is gone (the shutdown did).
-        row["engine_pids"] = sorted(job.engine_pids) if job is not None else []
-        row["router_pids"] = sorted(job.router_pids) if job is not None else []
-        printer.summary(row)
-        if summary.failure is not None or summary.error is not None:
-            status = status or 1
+    row = summary.row()
+    # What was started, for whoever checks that it is gone (the shutdown did).
+    row["engine_pids"] = sorted(job.engine_pids) if job is not None else []
+    row["router_pids"] = sorted(job.router_pids) if job is not None else []
+    printer.summary(row)
+    if summary.failure is not None or summary.error is not None:
+        status = status or 1
     if left:
         print(
             "relax run: shutdown left problems:\n  " + "\n  ".join(left),

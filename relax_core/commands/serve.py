@@ -1,15 +1,8 @@
 """``relax serve CONFIG``: bring a job's inference side up on Ray and serve its role gateways.
 
-Before anything starts: the config is parsed, the placement is planned and what ``relax serve``
-cannot run is found (every problem is printed; exit status 2, no Ray, no engine). Then, on the
-job runtime (``relax_core.jobs``): placement groups → binding check → one role service
-(managers) per role → engines, phase by phase (progress is printed while they start) → one
-gateway per role (a thread of this process, or a CPU-only Ray actor with ``[roles.X.gateway]
-in_ray_actor = true``) → the gateway URLs and a status table that is printed again whenever it
-changes. A health monitor checks every replica every ``--health-interval`` seconds: a dead
-engine's replica is FAILED (no longer routed to) and rebuilt. Ctrl-C (or SIGTERM) shuts
-everything down: gateways, engines, the managers' actors, placement groups and the local Ray
-this command started; it exits 0 when nothing is left.
+The job is checked before anything starts (every problem printed; exit status 2); then it comes
+up on the job runtime (``relax_core.jobs``), a health monitor rebuilds dead replicas, and
+Ctrl-C (or SIGTERM) shuts everything down, exiting 0 when nothing is left (``docs/serve.md``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A step's batch on shared GPUs: the LifecycleCoordinator, DeferredBatch, batch sinks, what a
-stage is (its fields, its context), the reward stage, the defer preflight and the batch
-timeline.
-
-See ``docs/coordination.md`` for the two state machines, the sequence of a step and every
-failure.
+"""A step's batch on shared GPUs: the coordinator, DeferredBatch, batch sinks, stages, the reward
+stage, the defer preflight and the batch timeline (``docs/coordination.md``).
 """
 
 from relax_core._exports import claim as _claim

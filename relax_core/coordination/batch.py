@@ -1,41 +1,6 @@
 """DeferredBatch: stage a closed batch on CPU, run the step's stages on it role by role on shared
 GPUs, validate, write back, publish to the batch sink and commit — or fail it, with nothing
-half-published.
-
-The producer (the rollout workload) calls ``begin_batch(N)``, generates, and hands every
-completed group to a :class:`DeferredCollector` instead of the sink. :class:`DeferredBatch` then
-runs::
-
-    stage copies of the samples (without the fields the stages write)
-    -> generation role offload (local) + acknowledgment
-    -> each stage, in the order given:
-         on a deferred role: its lease (its models only) activated, the stage, deactivated
-         on the generation role (a student prefill): begin_student_scoring, local onload,
-             weight-version check, the stage, local offload + acknowledgment — in ``finally``
-         on no leased role: the stage
-    -> validate every field the stages declare, on every sample kept
-    -> write those fields back to the original samples
-    -> sink put (train_N, is_last=True)  -> finalizer  -> commit_batch(N, receipt)
-
-A stage may reshape the batch through its context (:class:`~relax_core.coordination.stages.
-BatchControl`): drop groups (a filter; they are never committed, and the result counts them),
-have more groups generated (the generation role's lease taken back the way a student stage
-takes it, the policy onloaded, the groups generated through the batch's ``producer``, the
-role released and acknowledged again) and add them, and run another stage with its lease on
-samples (the stages before it, on the groups it added; an evaluation's reward stage on
-held-out samples that never join the batch).
-
-Publication settles once: a failed put deletes what it may have written, a finalizer that fails
-after the put deletes the partition, a refused commit deletes it too — and none of them commits.
-Any failure fails the batch at the coordinator (waking ``wait_committed`` waiters) and is
-re-raised; so does a cancellation (Ctrl-C), recorded as ``interrupted``. A stage's role is
-deactivated whatever the stage did; when the stage failed or was interrupted the batch is
-FAILED first, so the coordinator aborts the role's requests still in flight rather than
-waiting for them.
-
-If the producer fails after ``begin_batch``, :func:`abort_generation` releases the generation
-role locally (its requests in flight aborted) and acknowledges only a confirmed release;
-otherwise the batch error says "release unconfirmed" and the lease stays BLOCKED.
+half-published. ``docs/coordination.md`` has the sequence and every failure.
 """
 
 from __future__ import annotations
@@ -60,6 +25,7 @@ from relax_core.coordination.stages import (
     StageContext,
     StageReport,
     check_stages,
+    more_groups,
     stage_fields,
 )
 from relax_core.coordination.timeline import Timeline
@@ -90,8 +56,7 @@ DEFAULT_MAX_SAMPLES = 65536
 
 
 class DeferredCollector:
-    """Captures the completed groups of batch ``batch_id`` on CPU (where the generator would
-    have written them to the sink).
+    """Captures the completed groups of batch ``batch_id`` on CPU.
 
     :raises ValueError: (from :meth:`add`) an empty group, a group mixing group ids, a group id
         or sample id seen before, or more than ``max_samples`` samples in all.
@@ -142,8 +107,7 @@ class DeferredCollector:
 
 @attrs.frozen
 class Dropped:
-    """A group a stage took out of the batch: never committed, reported with the stage's reason
-    (``samples``: the ids of its samples)."""
+    """A group a stage took out of the batch (never committed), with its samples' ids."""
 
     group_id: str
     samples: tuple[str, ...]
@@ -153,8 +117,8 @@ class Dropped:
 
 @attrs.frozen
 class BatchResult:
-    """A committed batch: its receipt, sample count, each stage's report, phase timings, the
-    groups stages dropped and how many groups stages had generated in addition."""
+    """A committed batch: its receipt, samples, stage reports, phases and what stages dropped
+    or generated."""
 
     batch_id: int
     receipt: SinkReceipt
@@ -167,12 +131,9 @@ class BatchResult:
 
 @attrs.define
 class Streamed:
-    """What ran on a batch's groups as they completed, before the batch itself (streaming
-    scoring, :mod:`relax_core.run.streaming`): the staged copies of the batch's samples, in
-    their order, the number of leading stages that ran on them and those stages' reports, and
-    the groups taken out before the batch (too stale to train on) with their samples. The
-    batch runs the stages after those, then validates every field, writes back and commits as
-    always: nothing a streamed stage wrote reaches the originals before every stage passed."""
+    """What streaming scoring (:mod:`relax_core.run.streaming`) already ran on a batch's
+    groups: the staged copies, how many leading stages ran and their reports, and the groups
+    dropped before the batch. The batch runs the rest and commits as always."""
 
     staged: list[Sample]
     stages: int
@@ -182,10 +143,8 @@ class Streamed:
 
 
 class Producer(Protocol):
-    """Generates groups for a batch in flight (``relax run``'s producer over the rollout route):
-    ``groups`` more from the step's prompt source, or one per prompt of ``prompts``, with
-    ``samples_per_prompt`` / ``temperature`` overriding the step's. Sample and group ids are new
-    in the batch. Called with the generation role onloaded and its lease held."""
+    """Generates groups for a batch in flight (:class:`MoreGroups`; new ids), called with the
+    generation role onloaded and its lease held."""
 
     async def generate(self, batch_id: int, **request: Unpack[MoreGroups]) -> list[list[Sample]]:
         """The groups ``request`` asks for, one list of samples each."""
@@ -198,29 +157,15 @@ Finalizer = Callable[[int, Sequence[Sample]], Any]
 class DeferredBatch:
     """One closed batch's stages, from staging to commit.
 
-    :param batch_id: the batch the producer began (``coordinator.begin_batch``).
-    :param samples: the original samples (e.g. ``collector.samples``); they are only written
-        to by the write-back, after every stage passed and validated.
-    :param coordinator: a :class:`~relax_core.coordination.coordinator.Coordinator`: the
-        :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` or a
-        :class:`~relax_core.coordination.remote.RemoteCoordinator`.
-    :param rollout: the generation role's manager handle in this process (a
-        :class:`~relax_core.coordination.handles.LocalManagerHandle`; with a student stage it
-        needs ``weight_version()`` too).
-    :param stages: in the order they run; checked here (unique names, one declaration per
-        field).
-    :param sink: where the batch is published (partition ``train_N``).
-    :param clients: each role's discovery source, for stages that call engines.
-    :param finalizer: ``finalizer(batch_id, samples)`` (sync or async) after the put and before
-        the commit: debug dumps, metrics. If it raises, the partition is deleted.
-    :param timeline: where phase durations go (default: a private one).
+    :param samples: the originals, only written to by the write-back after every stage passed.
+    :param rollout: the generation role's manager handle in this process (a student stage
+        needs its ``weight_version()`` too).
+    :param finalizer: ``finalizer(batch_id, samples)`` (sync or async) between the put and the
+        commit; if it raises, the partition is deleted.
     :param release_timeout: deadline of the generation role's local offload and onload.
-    :param producer: what generates more groups when a stage asks (none: a stage that asks
-        fails the batch, saying so).
-    :param target_groups: the groups the step wants committed (default: those of
-        ``samples``), what a filter fills the batch up to.
-    :param streamed: what streaming scoring already ran on ``samples`` (:class:`Streamed`):
-        its staged copies are used and its stages not run again.
+    :param producer: what generates more groups when a stage asks (none: such a stage fails).
+    :param target_groups: what a filter fills the batch up to (default: ``samples``' groups).
+    :param streamed: what streaming scoring already ran on ``samples``.
     :raises ValueError: bad stages, more samples than ``max_samples``, or ``streamed`` copies
         that are not those of ``samples``.
     """
@@ -272,33 +217,27 @@ class DeferredBatch:
         self.target_groups = (
             target_groups if target_groups is not None else len({s.group_id for s in samples})
         )
-        #: every field the stages declare, by name: cleared on the staged copies, validated,
-        #: written back
         self.fields = stage_fields(self.stages)
         self.streamed = streamed
         self.staged: list[Sample] = []
         self.dropped: list[Dropped] = list(streamed.dropped) if streamed else []
-        #: the original samples of the dropped groups (never committed)
         self.dropped_samples: list[Sample] = list(streamed.dropped_samples) if streamed else []
         self.generated_groups = 0
         self._generation_role = ""
         self._deferred: frozenset[str] = frozenset()
         self._slices: dict[str, str] = {}
         self._residency = ResidencyPlan()
-        #: role -> the models of it awake for this batch (the generation role: ``()``)
+        #: role -> its models awake for this batch
         self._awake: dict[str, tuple[str, ...]] = {}
-        #: role -> the operation id of its activation (its deactivation's is derived from it)
+        #: role -> the operation id of its activation
         self._operation: dict[str, str] = {}
         self._leases = 0
         self._committed = False
 
     async def run(self) -> BatchResult:
-        """Score, validate, write back, publish and commit; return the result.
+        """Score, validate, write back, publish and commit; the result.
 
-        :raises RelaxError: whatever failed (a :class:`~relax_core.errors.LeaseBlockedError`,
-            :class:`~relax_core.errors.ScoringError`, :class:`~relax_core.errors.SinkError`,
-            :class:`~relax_core.errors.BatchFailedError`, …); the batch is FAILED at the
-            coordinator and nothing was committed.
+        :raises RelaxError: whatever failed; the batch is FAILED and nothing was committed.
         """
         try:
             result = await self._run()
@@ -317,8 +256,7 @@ class DeferredBatch:
         return result
 
     def _flush(self, failure: BaseException) -> None:
-        """Write the trace of a failed batch too; a trace that cannot be written is noted on
-        the batch's own error (which is what the caller must see)."""
+        """Write the trace of a failed batch too (its own failure noted on ``failure``)."""
         try:
             self.timeline.flush()
         except OSError as exc:
@@ -373,15 +311,9 @@ class DeferredBatch:
             self.generated_groups,
         )
 
-    # -- the leases a stage needs, issued only when the residency plan requires them ----------
-
     async def _acquire(self, role: str, models: tuple[str, ...], *, student: bool = False) -> None:
-        """Make ``role`` (its ``models``) awake for a stage: free roles need nothing, an awake
-        role with those models stays; otherwise every awake role it does not fit beside (the
-        residency plan; all of them when roles are resident one at a time) is released first,
-        then ``role`` is activated — the generation role by taking its lease back and onloading
-        it (``student``: its weight version checked), a deferred role through the
-        coordinator."""
+        """Make ``role`` (its ``models``) awake for a stage, releasing first every awake role it
+        does not fit beside (the residency plan); ``student``: its weight version checked."""
         if role in self._residency.free:
             return
         held = self._awake.get(role)
@@ -419,20 +351,13 @@ class DeferredBatch:
             await self.coordinator.activate(role, f"{op}:activate", batch_id=n, models=models)
 
     async def _release(self, role: str, failure: BaseException | None) -> None:
-        """Give ``role``'s lease back: the generation role offloaded locally and acknowledged,
-        a deferred role deactivated through the coordinator. After ``failure`` the batch is
-        FAILED first, so the role's requests in flight are aborted rather than drained."""
+        """Give ``role``'s lease back; after ``failure`` its requests in flight are aborted."""
         self._awake.pop(role, None)
         n, tl = self.batch_id, self.timeline
         if role == self._generation_role:
+            timeout, abort = self.release_timeout, failure is not None
             await release_generation(
-                self.coordinator,
-                n,
-                self.rollout,
-                role,
-                tl,
-                timeout=self.release_timeout,
-                abort=failure is not None,
+                self.coordinator, n, self.rollout, role, tl, timeout=timeout, abort=abort
             )
             return
         if failure is not None:
@@ -442,8 +367,7 @@ class DeferredBatch:
             await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
 
     async def _release_all(self, failure: BaseException | None) -> None:
-        """Release every role still awake (before the commit; or after a failure, each tried
-        whatever the others did: the first error is raised, the rest noted on it)."""
+        """Release every role still awake, each tried; the first error raised, the rest noted."""
         errors: list[BaseException] = []
         for role in list(self._awake):
             try:
@@ -458,21 +382,15 @@ class DeferredBatch:
     async def _run_leased(
         self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
     ) -> StageReport:
-        """Run ``stage`` on ``samples`` with what its role needs awake: the policy restored
-        (the generation role: a student stage), the role's lease (a deferred role), or
-        nothing. The role stays awake after the stage, until another role needs the memory or
-        the batch is done."""
+        """Run ``stage`` on ``samples`` with its role awake (it stays awake until another role
+        needs the memory or the batch is done)."""
         role = stage.role
         if role is not None and (role == self._generation_role or role in self._deferred):
             await self._acquire(role, stage.models, student=role == self._generation_role)
         return await self._run_stage(stage, samples, ctx)
 
-    # -- what a stage may do to the batch (through its _Control) --------------------------
-
     async def _generate(self, stage: str, **request: Unpack[MoreGroups]) -> list[Sample]:
-        """More groups through the producer, with the generation role's lease taken back for
-        them (``begin_student_scoring``), the policy onloaded, and released again (its
-        requests aborted if the generation failed)."""
+        """More groups through the producer, with the generation role's lease taken back."""
         n, tl, gen = self.batch_id, self.timeline, self._generation_role
         if self.producer is None:
             raise CoordinationError(
@@ -534,8 +452,7 @@ class DeferredBatch:
         return [*self.originals, *self.dropped_samples]
 
     def _lease_count(self) -> int:
-        """A number new for each lease the batch takes (a stage's lease may be taken again:
-        the stages before a filter, for the groups it added)."""
+        """A number new for each lease the batch takes."""
         self._leases += 1
         return self._leases
 
@@ -628,8 +545,7 @@ class DeferredBatch:
 
 
 class _Control:
-    """One stage's view of its batch (:class:`~relax_core.coordination.stages.BatchControl`):
-    the stages before it, and the batch's operations on its behalf."""
+    """One stage's view of its batch (:class:`~relax_core.coordination.stages.BatchControl`)."""
 
     def __init__(self, batch: DeferredBatch, index: int) -> None:
         self._batch = batch
@@ -645,14 +561,7 @@ class _Control:
         return self._batch.target_groups
 
     async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
-        if (request.get("groups") is None) == (request.get("prompts") is None):
-            raise ValueError(f"stage {self._stage!r}: generate() takes groups or prompts")
-        # The producer hears every key, as it always has (None: the step's own).
-        asked: MoreGroups = {
-            "groups": None, "prompts": None, "samples_per_prompt": None, "temperature": None,
-            **request,
-        }  # fmt: skip
-        return await self._batch._generate(self._stage, **asked)
+        return await self._batch._generate(self._stage, **more_groups(self._stage, request))
 
     def add(self, samples: Sequence[Sample]) -> list[Sample]:
         return self._batch._add(samples)
@@ -679,8 +588,7 @@ def describe_failure(exc: BaseException) -> str:
 
 
 async def _noting(cleanup: Awaitable[None], exc: BaseException, what: str) -> None:
-    """Await ``cleanup`` while ``exc`` is being raised: its failure becomes a note on ``exc``
-    saying ``what`` failed too."""
+    """Await ``cleanup`` while ``exc`` is raised; its failure becomes a note on ``exc``."""
     try:
         await cleanup
     except BaseException as second:
@@ -688,8 +596,8 @@ async def _noting(cleanup: Awaitable[None], exc: BaseException, what: str) -> No
 
 
 async def _deadline(call: Any, timeout: float) -> Any:
-    """Await ``call`` for at most ``timeout`` s; the call itself is not cancelled (a blocking
-    manager call in a thread cannot be), its late result is ignored."""
+    """Await ``call`` for at most ``timeout`` s; the call is not cancelled (a manager call in a
+    thread cannot be), its late result ignored."""
     task = asyncio.ensure_future(call)
     try:
         return await asyncio.wait_for(asyncio.shield(task), timeout)
@@ -701,8 +609,7 @@ async def _deadline(call: Any, timeout: float) -> Any:
 async def onload_generation(
     rollout: ManagerHandle, gen: str, timeline: Timeline, batch_id: int, *, timeout: float
 ) -> None:
-    """Onload the generation role locally for batch ``batch_id`` (its turn on GPUs it shares):
-    the counterpart of :func:`release_generation`.
+    """Onload the generation role locally for batch ``batch_id``.
 
     :raises LifecycleError: the onload was not confirmed on every replica.
     :raises TimeoutError: it did not answer within ``timeout`` seconds.
@@ -724,10 +631,8 @@ async def release_generation(
     timeout: float,
     abort: bool = False,
 ) -> None:
-    """Offload the generation role locally and acknowledge it — only when confirmed.
-
-    ``abort``: its requests in flight are of no use (the batch failed or was interrupted):
-    abort them instead of draining them (``abort_and_offload()``, where the handle has it).
+    """Offload the generation role locally and acknowledge it — only when confirmed;
+    ``abort``: abort its requests in flight rather than drain them.
 
     :raises LifecycleError: the offload failed, timed out or was not confirmed: the batch is
         FAILED with "release unconfirmed" and the lease stays BLOCKED.
@@ -763,28 +668,20 @@ async def abort_generation(
     timeline: Timeline | None = None,
     timeout: float = 180.0,
 ) -> BatchFailedError:
-    """The producer failed after ``begin_batch``: release the generation role, fail the batch.
-
-    The generation role is offloaded locally, its requests in flight aborted rather than
-    drained; only a confirmed release is acknowledged (the lease goes back to SLEEPING).
-    Otherwise the lease stays BLOCKED and the error says "release unconfirmed". Returns the
-    error to raise (it names the batch and the cause).
+    """The producer failed after ``begin_batch``: release the generation role (its requests
+    aborted; an unconfirmed release leaves the lease BLOCKED) and fail the batch; the error
+    to raise.
     """
     status = await coordinator.describe()
     gen = status.generation_role
     cause = error if isinstance(error, str) else describe_failure(error)
+    why = ""
     try:
+        timeline = timeline or Timeline()
         await release_generation(
-            coordinator,
-            batch_id,
-            rollout,
-            gen,
-            timeline or Timeline(),
-            timeout=timeout,
-            abort=True,
+            coordinator, batch_id, rollout, gen, timeline, timeout=timeout, abort=True
         )
     except LifecycleError as exc:
-        await coordinator.fail_batch(batch_id, f"generation failed: {cause}")
-        return BatchFailedError(batch_id, f"generation failed: {cause}; {exc}")
+        why = f"; {exc}"
     await coordinator.fail_batch(batch_id, f"generation failed: {cause}")
-    return BatchFailedError(batch_id, f"generation failed: {cause}")
+    return BatchFailedError(batch_id, f"generation failed: {cause}{why}")

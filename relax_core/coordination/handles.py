@@ -1,19 +1,9 @@
 """Manager handles: how the coordinator and a deferred batch reach a model's InferenceManager.
 
-A handle is anything with ``async onload()`` and ``async offload()`` returning a
-:class:`~relax_core.manager.LifecycleResult` (one result per replica); one that also has
-``async abort_and_offload()`` lets a failed or interrupted batch release its role without
-waiting for requests nobody wants any more. One adapter, :class:`ClientHandle`, over either
-client of the manager's core (:mod:`relax_core.manager.actor`), built by:
-
-- :class:`RayManagerHandle`: a manager living in a Ray actor
-  (:mod:`relax_core.manager.actor`); the call is ``await actor.onload.remote()``. This is how
-  the coordinator drives deferred roles.
-- :class:`LocalManagerHandle`: a manager in this process; the blocking call runs in a worker
-  thread. This is how the generation role offloads *itself* before it acknowledges to the
-  coordinator (the coordinator never calls back into its caller, so there is no self-RPC
-  deadlock).
-
+A handle (:class:`ManagerHandle`) is one adapter, :class:`ClientHandle`, over either client of
+the manager's core: :class:`RayManagerHandle` (a manager in a Ray actor: how the coordinator
+drives deferred roles) or :class:`LocalManagerHandle` (a manager in this process, its blocking
+calls in a worker thread: how the generation role offloads itself before it acknowledges).
 :func:`unconfirmed` says whether a result proves the asked-for state on every replica.
 """
 
@@ -35,13 +25,8 @@ __all__ = [
 
 @runtime_checkable
 class ManagerHandle(Protocol):
-    """One model's manager, as the coordinator sees it. ``name`` is used in messages.
-
-    Optional: ``async abort_and_offload() -> LifecycleResult``, an offload that aborts the
-    requests in flight at once instead of draining them (the manager's ``offload(abort=True)``).
-    The coordinator uses it to release a role for a FAILED batch, and ``offload()`` on a handle
-    without it.
-    """
+    """One model's manager, as the coordinator sees it. Optional: ``abort_and_offload()``,
+    which releases a FAILED batch's role without draining its requests."""
 
     @property
     def name(self) -> str: ...
@@ -56,11 +41,8 @@ class ManagerHandle(Protocol):
 
 
 def unconfirmed(result: object, expected: str) -> str | None:
-    """Why ``result`` does not prove every replica is in state ``expected``; ``None`` if it does.
-
-    A FAILED or SKIPPED replica, a replica left in another state, or something that is not a
-    :class:`~relax_core.manager.LifecycleResult` is not a confirmation.
-    """
+    """Why ``result`` does not prove every replica is in state ``expected``; ``None`` if it does
+    (a FAILED replica, another state or not a LifecycleResult is no confirmation)."""
     if not isinstance(result, LifecycleResult):
         return f"expected a LifecycleResult, got {type(result).__name__}"
     wrong = [
@@ -79,13 +61,8 @@ def unconfirmed(result: object, expected: str) -> str | None:
 class ClientHandle:
     """A :class:`ManagerHandle` over a client of a manager's core
     (:class:`~relax_core.manager.actor.InProcessManager` or
-    :class:`~relax_core.manager.actor.RayManager`): each call is the client's, awaited.
-
-    Besides the contract: ``abort_and_offload``, ``weight_version``, ``failed``,
-    ``check_health`` and ``recover`` (the lease engine rebuilds a role's FAILED replicas before
-    its next switch, and when a stage's request failed mid-run).
-    Not idempotent by itself, but the manager's onload/offload are (a repeated call is a
-    no-op per replica).
+    :class:`~relax_core.manager.actor.RayManager`): each call the manager's, awaited (its
+    onload and offload are idempotent per replica).
     """
 
     def __init__(self, client: InProcessManager | RayManager) -> None:
@@ -107,8 +84,7 @@ class ClientHandle:
         return result
 
     async def abort_and_offload(self) -> LifecycleResult:
-        """The manager's ``offload(abort=True)``: the requests in flight are aborted, not
-        drained."""
+        """The manager's ``offload(abort=True)``: requests in flight aborted, not drained."""
         result: LifecycleResult = await self.client.acall("offload", abort=True)
         return result
 
@@ -123,8 +99,7 @@ class ClientHandle:
         return [engine for engine, state in states.items() if state == "FAILED"]
 
     async def check_health(self) -> None:
-        """The manager's ``health_check(recover=False)``: a replica whose engine process
-        exited is FAILED now (its rebuild stays the lease engine's, :meth:`recover`)."""
+        """The manager's ``health_check(recover=False)``: a dead engine's replica FAILED now."""
         await self.client.acall("health_check", recover=False)
 
     async def recover(self) -> LifecycleResult:
@@ -143,11 +118,8 @@ class LocalManagerHandle(ClientHandle):
 
 
 class RayManagerHandle(ClientHandle):
-    """A manager hosted by a Ray actor (:func:`relax_core.manager.actor.start_manager_actor`).
-
-    The Ray error of a failed call is re-raised as its cause when it has one (the manager's own
-    :class:`~relax_core.errors.LifecycleError`), else as a ``LifecycleError`` naming the actor.
-    """
+    """A manager hosted by a Ray actor (:func:`relax_core.manager.actor.start_manager_actor`);
+    a failed call raises the manager's own error, else a ``LifecycleError`` naming the actor."""
 
     def __init__(self, actor: Any, *, name: str) -> None:
         self.actor = actor

@@ -1,19 +1,5 @@
-"""The defer preflight: what a deferred batch cannot stage, refused before anything starts.
-
-A deferred batch is a *closed* batch: every group is generated, then the shared GPUs go to the
-step's stages one role at a time, then the batch is committed. What the reference refused for
-want of a stage adapter is now a stage (``docs/run.md``): a filter with over-sampling (a stage
-may drop groups and have more generated, rollout's lease taken back for it), evaluation data (an
-``eval`` stage), several genrm models (one reward stage per model, each its own lease). A reward
-adapter without ``supports_deferred`` is refused by the reward stage that lists it. What is
-still refused, with its key path:
-
-- partial rollout (groups carried over between steps),
-- several rollout groups (one generation role, one model).
-
-:class:`DeferredWorkload` describes the run (``relax run`` fills it from its config; each field
-names its key path); :func:`deferred_workload_problems` lists every problem,
-:func:`validate_deferred_workload` raises them all at once.
+"""The defer preflight: what a deferred batch cannot stage, refused before anything starts
+(partial rollout, several rollout groups), each at its key path.
 """
 
 from __future__ import annotations
@@ -35,15 +21,8 @@ def _strs(value: Iterable[str]) -> tuple[str, ...]:
 
 @attrs.frozen
 class DeferredWorkload:
-    """What a defer run will do, as far as the preflight needs to know.
-
-    :param defer_roles: the roles in deferred phases (``placement.defer_roles``).
-    :param generation_models: the generation role's models (more than one is several rollout
-        groups).
-    :param partial_rollout: groups carried over between steps (no stage for it yet).
-    :param where: the config table the run's keys live in (key paths ``{where}.<field>``).
-    :param paths: field name -> key path, where a field lives elsewhere.
-    """
+    """What a defer run will do, as far as the preflight needs to know; a field's key path is
+    ``{where}.<field>`` unless ``paths`` names another."""
 
     defer_roles: tuple[str, ...] = attrs.field(converter=_strs)
     generation_models: tuple[str, ...] = attrs.field(default=(), converter=_strs)
@@ -59,9 +38,8 @@ class DeferredWorkload:
 def deferred_workload_problems(
     workload: DeferredWorkload, plugin_manager: Any = None
 ) -> list[ConfigProblem]:
-    """Every reason ``workload`` cannot run deferred, each with its key path; empty when it
-    can. Pure: starts nothing. (``plugin_manager`` is not read: a stage checks its own
-    adapters.)"""
+    """Every reason ``workload`` cannot run deferred, each with its key path. Pure.
+    (``plugin_manager`` is not read: a stage checks its own adapters.)"""
     w = workload
     out: list[ConfigProblem] = []
 

@@ -1,18 +1,11 @@
 """The coordinator as a CPU-only Ray actor, and the client every process of a job uses.
 
-:func:`start_coordinator` creates the named async actor ``relax-coordinator-<job>`` (namespace
-``relax``; no CPU, no GPU reserved) around a
-:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` whose deferred roles'
-managers are Ray actors (:mod:`relax_core.manager.actor`): :class:`CoordinatorActor` *is* that
-coordinator (a subclass that only wraps the handles), so the actor's methods are never written
-out again. :class:`RemoteCoordinator` is the
-:class:`~relax_core.coordination.coordinator.Coordinator` of every other process: it forwards
-each call (``await actor.method.remote(...)``, the same arguments); an error raised in the
-actor is re-raised as itself (a :class:`~relax_core.errors.BatchFailedError`, not a Ray
-wrapper). :func:`connect_coordinator`
-finds a job's coordinator by name — that is how ``relax coordinator status|reset`` reaches it.
-
-Nothing here is an HTTP route: activate, deactivate, commit and reset are Ray calls only.
+:func:`start_coordinator` creates the named async actor ``relax-coordinator-<job>`` around a
+:class:`CoordinatorActor` (the :class:`~relax_core.coordination.coordinator.LifecycleCoordinator`
+itself, over manager actors); :class:`RemoteCoordinator` forwards each call of the
+:class:`~relax_core.coordination.coordinator.Coordinator` to it (an error raised in the actor
+re-raised as itself); :func:`connect_coordinator` finds a job's coordinator by name. Nothing
+here is an HTTP route: activate, deactivate, commit and reset are Ray calls only.
 """
 
 from __future__ import annotations
@@ -49,32 +42,18 @@ def coordinator_name(job: str) -> str:
 
 
 class CoordinatorActor(LifecycleCoordinator):
-    """The coordinator a Ray actor hosts (an async actor: every method runs on its loop): a
+    """The coordinator a Ray actor hosts (an async actor): a
     :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` whose deferred roles'
-    managers are manager actors.
-
-    :param managers: role -> ``[(name, manager actor handle), …]``.
+    managers are manager actors (``managers``: role -> ``[(name, actor), …]``); the other
+    settings are the LifecycleCoordinator's.
     """
 
-    def __init__(
-        self,
-        *,
-        slices: Mapping[str, str],
-        managers: Mapping[str, Sequence[tuple[str, Any]]],
-        generation_role: str,
-        operation_timeout: float,
-        residency: ResidencyPlan | None = None,
-    ) -> None:
-        super().__init__(
-            slices=slices,
-            managers={
-                role: [RayManagerHandle(actor, name=name) for name, actor in handles]
-                for role, handles in managers.items()
-            },
-            generation_role=generation_role,
-            operation_timeout=operation_timeout,
-            residency=residency,
-        )
+    def __init__(self, *, managers: Mapping[str, Sequence[tuple[str, Any]]], **settings: Any):
+        handles = {
+            role: [RayManagerHandle(actor, name=name) for name, actor in pairs]
+            for role, pairs in managers.items()
+        }
+        super().__init__(managers=handles, **settings)
 
 
 def _to_actor(name: str) -> Callable[..., Any]:
@@ -94,9 +73,8 @@ else:
 @generate(Coordinator, _to_actor)
 class RemoteCoordinator(_Contract):
     """The :class:`~relax_core.coordination.coordinator.Coordinator` over a
-    :class:`CoordinatorActor` handle (picklable): each method of the Protocol is generated,
-    forwarding the call with its arguments; see :class:`LifecycleCoordinator` for what each
-    does."""
+    :class:`CoordinatorActor` handle (picklable): each method of the Protocol generated,
+    forwarding the call."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -143,16 +121,10 @@ def start_coordinator(
             f"a coordinator {name!r} already runs in namespace {NAMESPACE!r}; stop it or use "
             "another job name"
         )
+    options = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0, "max_concurrency": 1000}
     actor: Any = (
         ray.remote(CoordinatorActor)
-        .options(
-            name=name,
-            namespace=NAMESPACE,
-            num_cpus=0,
-            num_gpus=0,
-            max_restarts=0,
-            max_concurrency=1000,
-        )
+        .options(name=name, namespace=NAMESPACE, **options)
         .remote(
             slices=dict(slices),
             managers={role: list(h) for role, h in managers.items()},

@@ -1,25 +1,17 @@
 """Residency: which roles of a defer slice may be resident together, from the placement's memory
 budget, so a role switches only when memory requires it.
 
-A defer slice (:func:`~relax_core.coordination.slices.defer_slices`) is a run of GPUs several
-roles take turns on. Taking turns costs a weights' copy per switch; it is needed only when the
-roles do not fit beside each other. :func:`plan_residency` reads the plan's per-GPU budget of
-every model (``placement/budget.py``: weights, KV cache or static pool, CUDA graphs, what
-training keeps resident) and says, per slice, the GiB each role needs on each bundle; a set of
-roles may be awake at once when, on every bundle of the slice, what they need together fits the
-GPU (``cluster.gpu_memory_gib``). A role whose need is unknown (no ``gpu_memory_gib``, a model
-whose shape cannot be read) never shares: it is resident alone, as every role was before
-residency. A role with no GPU bundle on a shared slice (a CPU model, a role placed on GPUs of
-its own) is *free*: it never switches.
-
-The coordinator enforces the plan (it refuses an activation that would not fit); the deferred
-batch plans a step's transitions from it and issues only those that are needed. ``relax plan``
-prints it and ``relax run`` records it in the trace.
+:func:`plan_residency` reads the plan's per-GPU budget of every model and says, per slice, the
+GiB each role needs on each bundle; roles may be awake at once when what they need together
+fits the GPU on every bundle. A role whose need is unknown is resident alone; a role with no
+GPU bundle on a shared slice is *free* (it never switches). The coordinator enforces the plan
+(``docs/coordination.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import itertools
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
@@ -35,21 +27,19 @@ def _demand(value: Mapping[str, Mapping[int, float] | None]) -> dict[str, dict[i
 
 @attrs.frozen
 class SliceResidency:
-    """One defer slice: its roles, the GiB each one's engines need on each bundle of it
-    (``None``: not known, so it is resident alone), what training keeps resident on each bundle
-    whoever is awake (counted once), and the GPU's capacity (``None``: not known)."""
+    """One defer slice: its roles, the GiB each needs on each bundle (``None``: not known, so
+    it is resident alone), what training keeps resident per bundle, the GPU's capacity."""
 
     slice: str
     roles: tuple[str, ...]
     capacity_gib: float | None = None
     demand: Mapping[str, Mapping[int, float] | None] = attrs.field(factory=dict, converter=_demand)
     training: Mapping[int, float] = attrs.field(factory=dict)
-    #: role -> why its need is not known (the budget's note), for people
+    #: role -> why its need is not known
     unknown: Mapping[str, str] = attrs.field(factory=dict)
 
     def fits(self, roles: Collection[str]) -> bool:
-        """Whether ``roles`` (of this slice) may be resident at once: one of them alone always
-        may; several when each one's need is known and, on every bundle, their sum fits."""
+        """Whether ``roles`` (of this slice) may be resident at once."""
         chosen = [r for r in roles if r in self.roles]
         if len(chosen) <= 1:
             return True
@@ -69,29 +59,21 @@ class SliceResidency:
         )
 
     def groups(self) -> list[tuple[str, ...]]:
-        """The largest sets of the slice's roles that fit together (for people: ``relax
-        plan``), each sorted, largest first."""
+        """The largest sets of the slice's roles that fit together, each sorted, largest first."""
         roles = sorted(self.roles)
         found: list[tuple[str, ...]] = []
         for size in range(len(roles), 0, -1):
-            for combo in _combinations(roles, size):
+            for combo in itertools.combinations(roles, size):
                 if self.fits(combo) and not any(set(combo) <= set(g) for g in found):
                     found.append(combo)
         return found
 
 
-def _combinations(items: list[str], size: int) -> Iterable[tuple[str, ...]]:
-    import itertools
-
-    return itertools.combinations(items, size)
-
-
 @attrs.frozen
 class ResidencyPlan:
     """Per defer slice, which of its roles may be resident together; the roles that never
-    switch (``free``). ``mode`` is ``planned`` or ``exclusive`` (no two roles of a slice at
-    once, every transition issued, as before residency). Picklable: the coordinator's actor
-    holds it and its status carries it."""
+    switch (``free``). ``mode``: ``planned`` or ``exclusive`` (one role of a slice at a time).
+    Picklable."""
 
     slices: Mapping[str, SliceResidency] = attrs.field(factory=dict)
     free: frozenset[str] = frozenset()
@@ -140,7 +122,7 @@ class ResidencyPlan:
                 sid: {
                     "roles": list(s.roles),
                     "capacity_gib": s.capacity_gib,
-                    "demand": {r: d if d is None else dict(d) for r, d in s.demand.items()},
+                    "demand": _demand(s.demand),
                     "groups": [list(g) for g in s.groups()],
                     "unknown": dict(s.unknown),
                 }
@@ -157,8 +139,8 @@ def plan_residency(
     roles: Collection[str] = (),
 ) -> ResidencyPlan:
     """The residency of ``plan`` (an :class:`~relax_core.placement.InferencePlacementPlan`)
-    over its defer ``slices`` (role -> slice id). ``roles``: every role the job leases; those
-    not on a shared slice (a slice of their own) are free. Pure.
+    over its defer ``slices`` (role -> slice id); of ``roles``, those on no shared slice are
+    free. Pure.
 
     :raises ValueError: an unknown ``mode``.
     """

@@ -1,21 +1,12 @@
 """The reward stage: registered reward adapters (:class:`~relax_core.records.RewardSpec`) over a
 staged batch.
 
-Each adapter scores the samples its ``label_matcher`` accepts (every sample without one):
-
-- ``sync`` adapters are plain functions; they run in Ray worker processes, the samples split
-  into a few remote tasks (a slow rule never blocks the scoring loop, and CPU-heavy rules use
-  the cluster's cores);
-- ``async`` adapters are coroutines on the scoring loop, run concurrently (``concurrency``), and
-  get ``context=`` (:class:`RewardContext`) to reach a role's engines — the genrm judge.
-
-The stage writes two fields (:data:`REWARD_FIELDS`): ``fields["rewards"][key]``, each adapter's
-value under its key (the adapter's name unless the stage gives another: two judges of one
-role, each its own stage, keep both), and ``fields["reward"]``, the weighted sum of the adapters
-that scored the sample — over every reward stage of the step, so several reward stages add up.
-A sample no adapter scored is left without a reward, which validation refuses. An adapter that
-raises, or returns something that is not a number or a :class:`RewardResult` or a value that is
-not finite (NaN, ±inf), fails the stage naming the adapter and the sample.
+Each adapter scores the samples its ``label_matcher`` accepts: ``sync`` adapters in Ray worker
+processes (the samples split into a few remote tasks), ``async`` ones as coroutines on the
+scoring loop with ``context=`` (:class:`RewardContext`) to reach a role's engines. The stage
+writes :data:`REWARD_FIELDS`: each adapter's value under its key, and the weighted sum over
+every reward stage of the step. An adapter that raises or returns something that is not a
+finite number (or a :class:`RewardResult`) fails the stage naming the adapter and the sample.
 """
 
 from __future__ import annotations
@@ -77,8 +68,7 @@ REWARD_FIELDS = (REWARD, REWARDS)
 
 @attrs.frozen
 class RewardResult:
-    """An adapter's answer for one sample: the reward and whether its source could be parsed
-    (a judge's text without a verdict is scored ``value`` with ``parse_failed=True``)."""
+    """An adapter's answer for one sample: the reward and whether its source could be parsed."""
 
     value: float
     parse_failed: bool = False
@@ -87,10 +77,8 @@ class RewardResult:
 
 @attrs.frozen
 class RewardContext:
-    """What an async adapter gets besides ``(response, label)``: the staged sample (read it,
-    do not write it), the batch id, the loop's shared client of each role, and the stage's
-    ``role`` and ``model`` (the one model of that role the stage uses, if it names one: a judge
-    adapter sends its request there)."""
+    """What an async adapter gets besides ``(response, label)``: the staged sample (read-only),
+    the batch id, the loop's clients, and the stage's ``role`` and ``model`` (its one model)."""
 
     sample: Sample
     batch_id: int
@@ -120,8 +108,7 @@ def _number(value: object) -> TypeGuard[int | float]:
 def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
     """The adapter's answer for ``sample`` as a :class:`RewardResult`.
 
-    :raises ScoringError: naming the adapter and the sample: not a number or a
-        ``RewardResult``, or a value that is not finite (NaN, ±inf).
+    :raises ScoringError: not a number or a ``RewardResult``, or not finite.
     """
     if isinstance(value, RewardResult):
         result = value
@@ -143,8 +130,8 @@ def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
 
 
 def _score_chunk(fn: Any, pass_metadata: bool, items: list[tuple[Any, ...]]) -> list[Any]:
-    """Runs in a Ray worker: ``fn`` over ``(response, label, metadata)`` items. A failing item
-    becomes ``("error", text)`` so the stage can name the sample."""
+    """Runs in a Ray worker: ``fn`` over ``(response, label, metadata)`` items; a failing item
+    becomes ``("error", text)``."""
     out: list[Any] = []
     for response, label, metadata in items:
         try:
@@ -179,22 +166,18 @@ class RewardStage:
     :param adapters: :class:`~relax_core.records.RewardSpec` records, ``(spec, weight)`` or
         ``(spec, weight, key)`` (weight 1.0 and key the adapter's name by default); keys must
         be unique.
-    :param name: the stage's name (timeline, errors).
-    :param role: the role the async adapters call (``genrm``); the batch takes its lease when
-        it is deferred. ``None``: CPU-only adapters.
-    :param models: the role's models the adapters use (only those are onloaded for the stage;
-        with exactly one, adapters get it as ``context.model``). Empty: every model.
+    :param role: the role the async adapters call (``None``: CPU-only adapters).
+    :param models: the role's models the adapters use (with exactly one, ``context.model``).
     :param concurrency: async adapter calls in flight at once.
     :param sync_tasks: remote tasks a sync adapter's samples are split into.
     :param timeout: deadline of one adapter's whole pass, in seconds.
-    :param retries: how many times an async adapter's call for a sample is made again after
-        it failed for a transport reason or a 5xx (``None``: each adapter's own
-        ``RewardSpec.retries``); see :meth:`~relax_core.coordination.StageContext.retrying`.
+    :param retries: retries of an async adapter's call for a sample (``None``: each adapter's
+        own ``RewardSpec.retries``; :meth:`~relax_core.coordination.StageContext.retrying`).
     :raises ValueError: no adapters, a duplicate key, a weight that is not finite.
     """
 
     fields = REWARD_FIELDS
-    #: each sample is scored on its own: the async driver may score each group as it completes
+    #: each sample is scored on its own (:mod:`relax_core.run.streaming`)
     streaming = True
 
     def __init__(

@@ -1,14 +1,9 @@
 """The Sample record: one generated response, the unit a step's stages score and a batch commits.
 
-Generation fills the inputs (prompt and response ids and text, rollout log-probs, group id,
-label, metadata, weight version, and the loss mask of a multi-turn trajectory). Everything a
-step's stages write goes into :attr:`Sample.fields`, by field name: the reward stage's
-``reward`` and ``rewards``, the teacher's log-probs, a process reward model's step scores, a
-third party's own field. Each field is declared by the stage that writes it (a
-:class:`~relax_core.coordination.stages.SampleField`, with its check), so the core knows no
-field but the ones its own reward stage writes. Token sequences are tuples, so a staged copy
-(:meth:`Sample.staged_copy`) shares them and costs a few microseconds; only the dicts are
-copied.
+Generation fills the inputs; everything a step's stages write goes into :attr:`Sample.fields`,
+by field name, each declared by its stage (a :class:`~relax_core.coordination.stages.
+SampleField`). Token sequences are tuples, so a staged copy (:meth:`Sample.staged_copy`) shares
+them; only the dicts are copied.
 """
 
 from __future__ import annotations
@@ -41,19 +36,11 @@ def _boundaries(value: Any) -> tuple[tuple[int, str], ...]:
 class Sample:
     """One response of one prompt; samples of one prompt share ``group_id``.
 
-    ``weight_version`` is the version the engine reported for the response (SGLang's
-    ``meta_info.weight_version``: the one its last token came from); ``weight_versions`` its
-    version boundaries when a weight update landed while it was generated: ``(index of the
-    first response token generated under that version, version)``, in order (the first at
-    index 0); empty means the whole response came from ``weight_version``. :attr:`versions`
-    reads both the same way.
-
-    ``metadata`` is free-form; ``metadata["route_key"]`` picks the model of a role that routes by
-    key (a teacher per data source); ``metadata["rollout_metrics"]`` holds the numbers a
-    rollout reports per sample (name -> number), which the step's JSON object aggregates under
-    ``rollout`` (:func:`~relax_core.tracking.rollout_metrics`). ``fields`` holds what the
-    step's stages wrote, by field name (``fields["reward"]``, ``fields["teacher_logprobs"]``,
-    …); :attr:`reward` and :attr:`rewards` read the reward stage's two.
+    ``weight_version``: the version its last token came from; ``weight_versions``: ``(first
+    token index, version)`` boundaries when a weight update landed while it was generated
+    (empty: all from ``weight_version``; :attr:`versions` reads both). ``metadata`` is
+    free-form (``route_key`` picks a role's model by key; ``rollout_metrics``: a rollout's
+    numbers per sample). ``fields``: what the step's stages wrote, by field name.
     """
 
     id: str
@@ -67,9 +54,8 @@ class Sample:
     metadata: dict[str, Any] = attrs.field(factory=dict)
     weight_version: str | None = None
     weight_versions: tuple[tuple[int, str], ...] = attrs.field(default=(), converter=_boundaries)
-    #: One 0/1 per ``response_ids`` token (1: sampled by the policy, trained on; 0: an
-    #: environment's or a tool's token, never trained on); empty: every response token is the
-    #: policy's. A multi-turn rollout (relax-agent's shape) writes it.
+    #: One 0/1 per ``response_ids`` token (0: an environment's token, never trained on);
+    #: empty: every response token is the policy's.
     loss_mask: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     fields: dict[str, Any] = attrs.field(factory=dict)
 
@@ -81,36 +67,31 @@ class Sample:
 
     @property
     def reward(self) -> float | None:
-        """``fields["reward"]``: the weighted sum of the reward adapters that scored it (``None``
-        before a reward stage ran)."""
+        """``fields["reward"]`` (``None`` before a reward stage ran)."""
         value: float | None = self.fields.get("reward")
         return value
 
     @property
     def rewards(self) -> Mapping[str, float]:
-        """``fields["rewards"]``: each reward adapter's value, by its key (empty before a reward
-        stage ran). Read-only here: a stage writes ``fields``."""
+        """``fields["rewards"]``: each reward adapter's value, by its key (read-only)."""
         value: Mapping[str, float] = self.fields.get("rewards") or {}
         return value
 
     @property
     def versions(self) -> tuple[tuple[int, str | None], ...]:
-        """The response's version segments, ``(first token index, version)`` in order: the
-        boundaries when there are some, else one segment of ``weight_version``."""
+        """The response's version segments, ``(first token index, version)`` in order."""
         if self.weight_versions:
             return self.weight_versions
         return ((0, self.weight_version),)
 
     def trained(self) -> tuple[bool, ...]:
-        """Whether each response token is trained on: :attr:`loss_mask` as booleans, or every
-        token when the mask is empty."""
+        """Whether each response token is trained on (:attr:`loss_mask`; empty: all)."""
         if not self.loss_mask:
             return (True,) * len(self.response_ids)
         return tuple(bool(m) for m in self.loss_mask)
 
     def staged_copy(self, cleared: Collection[str] = ()) -> Sample:
-        """A copy for CPU staging, without the fields named in ``cleared`` (those the step's
-        stages write): stages write into it, never into the original."""
+        """A copy for CPU staging, without the fields named in ``cleared``."""
         copy = object.__new__(Sample)
         for name in _SHARED:
             setattr(copy, name, getattr(self, name))

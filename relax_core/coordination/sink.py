@@ -1,21 +1,12 @@
 """Batch sinks: where a deferred batch publishes its scored samples for training consumers.
 
-A sink is anything with three async methods (:class:`BatchSink`): ``put(partition, samples,
-is_last)`` returning a :class:`SinkReceipt`, ``get(partition)`` and ``delete(partition)``. A
-batch ``N`` goes to partition ``train_N`` (:func:`partition_name`); the coordinator commits it
-only with the receipt of a successful put, so "no commit without a successful sink write" is
-checked, not assumed. A real queue (TransferQueue, a KV store) plugs in by implementing the
-three methods.
+A sink is anything with three async methods (:class:`BatchSink`). Batch ``N`` goes to partition
+``train_N`` (:func:`partition_name`); the coordinator commits it only with the receipt of a
+successful put. Built in: :class:`RayBatchSink` (a CPU-only Ray actor holds the partitions;
+picklable) and :class:`MemoryBatchSink` (the same store in this process).
 
-Built in:
-
-- :class:`RayBatchSink`: partitions held by a CPU-only Ray actor (the store), readable from any
-  process of the job; the handle is picklable, so a trainer actor can take it.
-- :class:`MemoryBatchSink`: the same store in this process (one-process jobs, benchmarks).
-
-Store rules: a put appends to its partition; ``is_last`` closes it (a later put is refused); a
-consumer's ``get`` is refused until the partition is closed; ``delete`` removes a partition and
-says whether there was one (idempotent). A put is all-or-nothing inside the store.
+Store rules: a put appends to its partition, all or nothing; ``is_last`` closes it (a later put
+is refused); ``get`` is refused until the partition is closed; ``delete`` is idempotent.
 """
 
 from __future__ import annotations
@@ -48,8 +39,7 @@ def partition_name(batch_id: int) -> str:
 
 @attrs.frozen
 class SinkReceipt:
-    """What a successful put returns: the partition, how many samples it now holds, and whether
-    the put closed it. ``LifecycleCoordinator.commit_batch`` takes it."""
+    """What a successful put returns: the partition, the samples it holds, whether it closed."""
 
     partition: str
     count: int
@@ -74,7 +64,8 @@ class BatchSink(Protocol):
 
 
 class _Partitions:
-    """The store itself: partition name -> (samples, closed). Not thread-safe (one owner)."""
+    """The store itself: partition name -> (samples, closed). Not thread-safe (one owner); the
+    Ray actor of :class:`RayBatchSink` (one method call at a time)."""
 
     def __init__(self) -> None:
         self._data: dict[str, tuple[list[Any], bool]] = {}
@@ -130,32 +121,10 @@ class MemoryBatchSink:
         return self._store.partitions()
 
 
-class _StoreActor:
-    """The Ray actor behind :class:`RayBatchSink` (one method call at a time)."""
-
-    def __init__(self) -> None:
-        self._store = _Partitions()
-
-    def put(self, partition: str, samples: Sequence[Any], is_last: bool) -> SinkReceipt:
-        return self._store.put(partition, samples, is_last)
-
-    def get(self, partition: str) -> list[Any]:
-        return self._store.get(partition)
-
-    def delete(self, partition: str) -> bool:
-        return self._store.delete(partition)
-
-    def partitions(self) -> dict[str, int]:
-        return self._store.partitions()
-
-
 class RayBatchSink:
-    """The built-in batch sink: partitions held by a CPU-only Ray actor.
-
-    Build it with :meth:`start` (creates the store actor, optionally named so other processes
-    find it with :meth:`connect`). The object is picklable (it holds the actor handle). Every
-    failure — a refused put, a dead store actor — is a :class:`~relax_core.errors.SinkError`
-    naming the partition.
+    """The built-in batch sink: partitions held by a CPU-only Ray actor (:meth:`start`, or
+    :meth:`connect` by name); picklable. Every failure is a
+    :class:`~relax_core.errors.SinkError` naming the partition.
     """
 
     def __init__(self, actor: Any) -> None:
@@ -169,7 +138,7 @@ class RayBatchSink:
         options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0}
         if name is not None:
             options.update(name=name, namespace=namespace)
-        return cls(ray.remote(_StoreActor).options(**options).remote())
+        return cls(ray.remote(_Partitions).options(**options).remote())
 
     @classmethod
     def connect(cls, name: str, *, namespace: str | None = None) -> RayBatchSink:
@@ -215,8 +184,7 @@ class RayBatchSink:
 
     def stop(self, *, timeout: float = 10.0) -> None:
         """Kill the store actor (its partitions are lost) and wait, up to ``timeout`` seconds,
-        until it answers no more (Ray's kill is asynchronous: a call made just after it could
-        still be served). Idempotent. Blocking.
+        until it answers no more (Ray's kill is asynchronous). Idempotent. Blocking.
 
         :raises SinkError: (partition ``*``) the actor still answered after ``timeout``.
         """

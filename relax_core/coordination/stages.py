@@ -1,25 +1,6 @@
-"""What a step stage is: the fields it writes, the role whose lease it needs, and what it gets to
-reach the roles' engines and the batch it runs in.
-
-A stage (:class:`Stage`) scores or reshapes the staged copies of a batch's samples: the reward
-stage (reward adapters, possibly a genrm judge), the teacher's distillation prefill, a process
-reward model, a filter that drops groups and has more generated, an evaluation on held-out
-prompts. A step runs its stages in the order the job file lists them. A stage whose ``role``
-is a deferred role runs inside that role's lease (its ``models`` only, when it names some); one
-whose role is the generation role runs with the policy restored (a student prefill).
-
-``fields`` declares what a stage writes on every sample it keeps (:class:`SampleField`: a name
-in :attr:`~relax_core.coordination.sample.Sample.fields` and its check); the batch checks
-exactly those before anything is written back (:mod:`~relax_core.coordination.validation`).
-Two stages may write one field only when they declare the same :class:`SampleField` (two
-reward stages both adding to ``reward``).
-
-:class:`StageContext` hands a stage the batch id, the loop's clients of each role
-(:class:`RoleClients`: one :class:`~relax_core.client.client.InferenceClient` per role and
-event loop, so a stage that sends one request per sample reuses one connection pool and one
-discovery snapshot) and, inside a :class:`~relax_core.coordination.batch.DeferredBatch`, the
-batch itself (:class:`BatchControl`): generate more groups, add them to the batch, drop groups,
-run another stage with its lease.
+"""What a step stage is: the fields it writes (:class:`SampleField`), the role whose lease it
+needs, and what it gets (:class:`StageContext`) to reach the roles' engines and the batch it
+runs in (``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -61,13 +42,10 @@ def _field_name(_i: object, _a: object, value: Any) -> None:
 
 @attrs.frozen
 class SampleField:
-    """A field a stage writes on every sample it keeps (``sample.fields[name]``), and how the
-    batch checks it before anything is written back.
-
-    ``check(value, sample)`` returns what is wrong (``"teacher_logprobs[3] = 0.5 is not a
-    log-prob"``) or ``None``; it is not called for a sample without the field. ``required``: a
-    sample without it is a problem (``f"{name} {missing}"``); ``False`` for a field a stage
-    writes on some samples only. ``description`` is what ``relax plugins`` and the docs show.
+    """A field a stage writes on every sample it keeps (``sample.fields[name]``), checked
+    before anything is written back: ``check(value, sample)`` returns what is wrong or
+    ``None`` (not called without the field); ``required``: a sample without it is a problem
+    (``f"{name} {missing}"``).
 
     :raises ValueError: a bad name.
     """
@@ -81,10 +59,7 @@ class SampleField:
 
 @attrs.frozen
 class StageReport:
-    """What a stage reports about its run: named counts (``parse_failures``, ``requests``,
-    ``dropped_groups``) and details (``group_engines``: which engine scored each group).
-
-    A step's JSON line shows every stage's counts under ``stages``."""
+    """What a stage reports about its run: named counts (the step's ``stages``) and details."""
 
     stage: str
     counts: Mapping[str, float] = attrs.field(factory=dict)
@@ -99,8 +74,7 @@ class RoleClients:
         callable (sync or async) returning a ``RoleSnapshot`` or a schema-2 dict.
     :param recovery: the run's :class:`~relax_core.coordination.retries.Recovery` (``None``:
         a stage's retries are neither counted nor preceded by a rebuild).
-    :param options: :class:`~relax_core.client.client.InferenceClient` options (``ttl``,
-        ``timeout``, …), the same for every role.
+    :param options: :class:`~relax_core.client.client.InferenceClient` options, every role's.
     """
 
     def __init__(
@@ -108,8 +82,6 @@ class RoleClients:
     ) -> None:
         self.sources = dict(sources)
         self.options = options
-        #: the run's retries and rebuilds (:class:`~relax_core.coordination.retries.Recovery`):
-        #: what :meth:`StageContext.retrying` counts in and rebuilds a role's replicas with
         self.recovery = recovery
 
     def client(self, role: str) -> InferenceClient:
@@ -130,13 +102,9 @@ class RoleClients:
 
 @runtime_checkable
 class Stage(Protocol):
-    """A step stage.
-
-    ``name``: unique in the step; shown in the timeline, the step's line and errors.
-    ``role``: the role whose engines it uses (``None``: CPU only); when that role is deferred
-    the batch activates it first and deactivates it afterwards, whatever happened.
-    ``models``: the role's models it uses (empty: every one); only those are onloaded for it.
-    ``fields``: the :class:`SampleField` records it writes.
+    """A step stage: ``name`` unique in the step; ``role`` whose engines it uses (``None``:
+    CPU only; a deferred role is leased around it); ``models`` of that role it uses (empty:
+    every one); ``fields`` it writes.
     """
 
     @property
@@ -158,10 +126,8 @@ class Stage(Protocol):
 
 
 class MoreGroups(TypedDict, total=False):
-    """What a stage asks its batch to generate (:meth:`BatchControl.generate`): ``groups``
-    more groups from the step's prompt source, or one group per prompt of ``prompts``
-    (``relax_core.run`` ``Prompt`` records), not both; ``samples_per_prompt`` and
-    ``temperature`` override the step's."""
+    """What a stage asks its batch to generate: ``groups`` more groups from the step's prompt
+    source, or one group per prompt of ``prompts``, not both; the others override the step's."""
 
     groups: int | None
     prompts: Sequence[Any] | None
@@ -169,14 +135,22 @@ class MoreGroups(TypedDict, total=False):
     temperature: float | None
 
 
-class BatchControl(Protocol):
-    """What a stage may do to the batch it runs in (a
-    :class:`~relax_core.coordination.batch.DeferredBatch` gives each stage its own view).
+def more_groups(stage: str, request: MoreGroups) -> MoreGroups:
+    """``request`` with every key (``None``: the step's own), as a producer hears it.
 
-    Every operation keeps the commit gate: more generation takes the generation role's lease
-    back (every other role on its slice sleeping), a stage run through :meth:`run_stage` takes
-    its own role's lease, and nothing is committed before every stage passed.
+    :raises ValueError: it asks for both or neither of ``groups`` and ``prompts``.
     """
+    if (request.get("groups") is None) == (request.get("prompts") is None):
+        raise ValueError(f"stage {stage!r}: generate() takes groups or prompts")
+    return {
+        "groups": None, "prompts": None, "samples_per_prompt": None, "temperature": None,
+        **request,
+    }  # fmt: skip
+
+
+class BatchControl(Protocol):
+    """What a stage may do to the batch it runs in, keeping the commit gate (each operation
+    takes the lease it needs; nothing is committed before every stage passed)."""
 
     @property
     def upstream(self) -> tuple[Stage, ...]:
@@ -189,31 +163,27 @@ class BatchControl(Protocol):
         ...
 
     async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
-        """Generate the groups ``request`` asks for (:class:`MoreGroups`) with the policy that
-        generated the batch; return their samples (new ids), not yet in the batch."""
+        """Generate the groups ``request`` asks for with the batch's policy; their samples,
+        not yet in the batch."""
         ...
 
     def add(self, samples: Sequence[Sample]) -> list[Sample]:
-        """Add generated ``samples`` (whole groups) to the batch; return their staged copies,
-        which the later stages see and which the caller scores (:meth:`run_stage`)."""
+        """Add generated ``samples`` (whole groups) to the batch; their staged copies."""
         ...
 
     def drop(self, group_ids: Iterable[str], reason: str) -> int:
-        """Take these groups out of the batch (never committed; counted in the step's report
-        with ``reason``); return how many samples left."""
+        """Take these groups out of the batch (counted with ``reason``); samples left."""
         ...
 
     async def run_stage(self, stage: Stage, samples: Sequence[Sample]) -> StageReport:
-        """Run ``stage`` on ``samples`` (staged copies, or samples never in the batch) with
-        its role's lease, as the batch runs its own stages."""
+        """Run ``stage`` on ``samples`` with its role's lease, as the batch runs its own."""
         ...
 
 
 @attrs.frozen
 class StageContext:
     """What a stage gets besides the samples: the batch id, the role clients and, in a
-    deferred batch, the batch itself (``batch``; see :class:`BatchControl`, whose operations
-    are forwarded here).
+    deferred batch, the batch (:class:`BatchControl`, whose operations are forwarded here).
 
     :raises CoordinationError: (from the forwarded operations) the stage runs outside a batch.
     """
@@ -264,22 +234,16 @@ class StageContext:
         role: str | None,
         retries: int,
     ) -> Any:
-        """``send()`` — ONE idempotent request of ``stage`` (a judgement, a prefill; never a
-        generation) —, sent again up to ``retries`` times while it fails for a transport
-        reason or a 5xx (:func:`~relax_core.coordination.retries.retryable`); before each new
-        attempt ``role``'s dead replicas are rebuilt through its manager and the retry is
-        counted for this batch (the step's ``retries``). ``send`` must resolve its target
-        anew when called again (a target chosen before a failure may be the dead replica).
+        """``send()`` — ONE idempotent request, never a generation — sent again up to
+        ``retries`` times while it fails retryably, ``role``'s dead replicas rebuilt before
+        each attempt (:func:`~relax_core.coordination.retries.retrying`); ``send`` must
+        resolve its target anew each time.
 
         :raises Exception: the last attempt's failure (with a note of the attempts).
         """
+        recovery = self.clients.recovery
         return await retrying(
-            send,
-            batch_id=self.batch_id,
-            stage=stage,
-            role=role,
-            retries=retries,
-            recovery=self.clients.recovery,
+            send, batch_id=self.batch_id, stage=stage, role=role, retries=retries, recovery=recovery
         )
 
 
@@ -289,8 +253,7 @@ def stage_fields(stages: Iterable[Stage]) -> dict[str, SampleField]:
 
 
 def check_stages(stages: Sequence[Stage]) -> None:
-    """Refuse two stages of one name, a stage that declares no name or fields properly, and
-    one field declared differently by two stages.
+    """Refuse two stages of one name, a bad name or fields, one field declared two ways.
 
     :raises ValueError: naming the stage (and the other stage, for a field).
     """

@@ -1,12 +1,6 @@
-"""The timeline of deferred batches: every phase's duration as Prometheus histograms and as one
-Chrome-trace JSON file per run (opens in Perfetto, ``ui.perfetto.dev``, or ``chrome://tracing``).
-
-Phases are named ``generate``, ``<role>.offload`` / ``<role>.onload`` (each lease transition),
-``<stage>`` (each scoring stage), ``validate``, ``write_back``, ``sink_put``, ``finalize`` and
-``commit``. Each becomes one observation of the histogram ``relax_deferred_phase_seconds``
-(label ``phase``) and one complete event (``"ph": "X"``) on a lane (``tid``) of the trace, with
-the batch id in its ``args`` (and ``"failed": true`` for a phase that raised, ``"interrupted":
-true`` for one that was cancelled).
+"""The timeline of deferred batches: every phase's duration as the Prometheus histogram
+:data:`PHASE_HISTOGRAM` (label ``phase``) and as one Chrome-trace JSON file per run (opens in
+Perfetto), each phase one complete event on a lane with its batch id (``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -54,10 +48,8 @@ def _histogram(registry: Any) -> Any:
 
 @attrs.frozen
 class PhaseEvent:
-    """A phase of batch ``step`` (``relax run``'s step) began (``seconds`` 0) or ended
-    (``failed`` if it raised, ``interrupted`` if it was cancelled: Ctrl-C); an ended one has
-    its trace lane (``leases`` for role switches) and its start (``started``: wall clock,
-    seconds since the epoch)."""
+    """A phase of batch ``step`` began or ended (``failed`` if it raised, ``interrupted`` if it
+    was cancelled); an ended one has its trace lane and its wall-clock start."""
 
     step: int
     name: str
@@ -79,12 +71,10 @@ class PhaseEvent:
 class Timeline:
     """Records phase durations of deferred batches.
 
-    :param trace_path: where the run's Chrome-trace JSON goes; rewritten (atomically) after
-        every :meth:`flush`, so a run that dies leaves the trace of its finished batches.
+    :param trace_path: where the run's Chrome-trace JSON goes (rewritten at each :meth:`flush`).
     :param registry: the Prometheus ``CollectorRegistry`` (default: the process's).
-    :param run: the trace's process name.
-    :param on_event: told as each phase begins and ends (a :class:`PhaseEvent`; outside the
-        timeline's lock, from the thread the phase ran in; it must not raise).
+    :param on_event: told as each phase begins and ends (outside the lock, from the phase's
+        thread; it must not raise).
 
     Thread-safe.
     """
@@ -111,9 +101,8 @@ class Timeline:
 
     @contextlib.contextmanager
     def phase(self, batch_id: int, name: str, *, lane: str = "batch") -> Iterator[None]:
-        """Time the block as phase ``name`` of batch ``batch_id`` (recorded even if it raises,
-        with ``"failed": true`` in the event's args — ``"interrupted": true`` instead when it
-        was cancelled or interrupted, which is no failure of the phase)."""
+        """Time the block as phase ``name`` of batch ``batch_id`` (recorded even if it raises:
+        ``failed``, or ``interrupted`` when it was cancelled)."""
         if self._on_event is not None:
             self._on_event(PhaseEvent(batch_id, name, ended=False))
         start_wall = time.time_ns() // 1000
@@ -149,22 +138,11 @@ class Timeline:
         with self._lock:
             tid = self._lanes.setdefault(lane, len(self._lanes) + 1)
             args: dict[str, Any] = {"batch": batch_id}
-            if failed:
-                args["failed"] = True
-            if interrupted:
-                args["interrupted"] = True
+            args |= {k: True for k, v in (("failed", failed), ("interrupted", interrupted)) if v}
             self._events.append(
-                {
-                    "name": name,
-                    "cat": "deferred",
-                    "ph": "X",
-                    "ts": start_us,
-                    "dur": max(1, int(seconds * 1e6)),
-                    "pid": self._pid,
-                    "tid": tid,
-                    "args": args,
-                }
-            )
+                {"name": name, "cat": "deferred", "ph": "X", "ts": start_us,
+                 "dur": max(1, int(seconds * 1e6)), "pid": self._pid, "tid": tid, "args": args}
+            )  # fmt: skip
             phases = self._phases.setdefault(batch_id, {})
             phases[name] = phases.get(name, 0.0) + seconds
             if lane == "leases" and name.endswith((".onload", ".offload")):
@@ -188,23 +166,17 @@ class Timeline:
             return self._switches.get(batch_id, 0)
 
     def counter(self, name: str, values: dict[str, float]) -> None:
-        """Record counter values at this moment: a trace counter track ``name`` (a step's
-        staleness histogram, its dropped samples), each key a series."""
+        """Record counter values at this moment: a trace counter track ``name``, each key a
+        series."""
+        counts = {k: float(v) for k, v in values.items()}
         with self._lock:
             self._events.append(
-                {
-                    "name": name,
-                    "cat": "counters",
-                    "ph": "C",
-                    "ts": time.time_ns() // 1000,
-                    "pid": self._pid,
-                    "args": {k: float(v) for k, v in values.items()},
-                }
-            )
+                {"name": name, "cat": "counters", "ph": "C", "ts": time.time_ns() // 1000,
+                 "pid": self._pid, "args": counts}
+            )  # fmt: skip
 
     def describe(self, key: str, value: Any) -> None:
-        """Keep ``value`` (JSON data) in the trace document under ``otherData[key]`` (what the
-        run was: its residency plan)."""
+        """Keep ``value`` (JSON data) in the trace document under ``otherData[key]``."""
         with self._lock:
             self._metadata[key] = value
 

@@ -1,12 +1,6 @@
-"""Validation of a staged batch's fields, before anything is written back.
-
-Every field a stage declares (:class:`~relax_core.coordination.stages.SampleField`) is checked
-on every sample of the batch: a required field a sample lacks is a problem, and so is whatever
-the field's own ``check`` finds in its value (the reward stage's: a finite number; the teacher's:
-one finite log-prob <= 0 per response token; a plugin's: its own rule).
-
-:func:`validate_samples` returns every problem (sample id, group, field, what is wrong);
-:func:`check_samples` raises :class:`~relax_core.errors.ScoringError` naming the first few.
+"""Validation of a staged batch's fields, before anything is written back: every field a stage
+declares (:class:`~relax_core.coordination.stages.SampleField`) on every sample — a required
+field a sample lacks, or whatever the field's own ``check`` finds in its value.
 """
 
 from __future__ import annotations

@@ -1,24 +1,5 @@
-"""``relax run``: the inference side of RL steps closed into a loop with a trainer.
-
-- :mod:`~relax_core.run.config`: the job file's ``[run]`` table (:class:`RunConfig`);
-- :mod:`~relax_core.run.data`: prompt sources (registered; the core's: generated arithmetic,
-  JSONL files) and how ``dataset`` finds one;
-- :mod:`~relax_core.run.stages`: a step's stages built from its stage tables through the
-  registered stage kinds, and the core's two, ``reward`` and ``eval``;
-- :mod:`~relax_core.run.rollout`: rollout shapes (how a prompt becomes a group: one
-  completion per sample, or a multi-turn trajectory), built from ``[run.generation]``;
-- :mod:`~relax_core.run.generate`: the producer (groups of samples through the rollout route);
-- :mod:`~relax_core.run.job`: what a run brings up on Ray (managers in actors, the trainer,
-  the coordinator, the batch sink) and takes down;
-- :mod:`~relax_core.run.driver`: THE step driver (sync is ``max_staleness = 0``);
-- :mod:`~relax_core.run.loop`: what a run reports of the steps it drives;
-- :mod:`~relax_core.run.trainer`: the trainer interface (:class:`Trainer`), how ``[run]
-  trainer`` finds one (a registered name or a class path) and its Ray actor; no torch: the
-  reference trainer is the ``relax-torch-trainer`` plugin;
-- :mod:`~relax_core.run.measure`: ``--measure``, phase switches against a copy of their bytes;
-- :mod:`~relax_core.run.progress`: what is printed.
-
-See ``docs/run.md``.
+"""``relax run``: the inference side of RL steps closed into a loop with a trainer (its modules:
+``docs/architecture.md``; its use: ``docs/run.md``).
 """
 
 from relax_core._exports import claim as _claim

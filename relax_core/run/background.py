@@ -1,24 +1,10 @@
 """Background evaluation: a stage's work for step ``N`` run beside the steps that follow, off
 the step's critical path (``background = true`` on an ``eval`` stage's table).
 
-In the batch of step ``N`` a background stage only starts its work (:class:`BackgroundEvals`
-hands the batch a stand-in that reports ``{"background": 1}``, or ``{"skipped": 1}`` on a step
-that is not one of its ``every``); the step commits and trains without waiting for it. The
-work runs in a task: the held-out groups generated through step ``N``'s producer with the
-weights rollout serves then, scored by the stage's own rewards, and reported when it ends as
-its own :class:`EvalResult`, tagged with the weight version its samples were generated with
-(``relax run``: one JSON object, the trackers' ``eval/NAME/...`` metrics of step ``N``).
-
-Off the critical path means without any lease: the held-out generation needs the generation
-role awake and the scoring needs the scorer's role, so a background stage is refused where
-either takes turns on shared GPUs (:func:`background_problems` before anything starts,
-:meth:`BackgroundEvals.check` in the driver): there only the step's batch holds those leases.
-
-At the end of the run the evaluations still pending are awaited up to a deadline, then
-cancelled; Ctrl-C cancels them at once. Each one ends as a result (``done``, ``failed`` or
-``cancelled``), none is dropped unreported, and :attr:`BackgroundEvals.counts` is the summary's
-``evaluations``. A background evaluation's failure is its result's ``error``: it never fails a
-step.
+In step ``N``'s batch the stage only starts its work (:class:`BackgroundEvals` hands the batch a
+stand-in); the work runs in a task without any lease, so a background stage is refused where
+the generation role or its scorer's role takes turns on shared GPUs. Each evaluation ends as an
+:class:`EvalResult` (never failing a step); ``docs/run.md`` says what a run reports of them.
 """
 
 from __future__ import annotations
@@ -32,15 +18,15 @@ from typing import Any, Protocol, Unpack, runtime_checkable
 import attrs
 
 from relax_core.config import ConfigProblem
-from relax_core.coordination.batch import describe_failure
+from relax_core.coordination.batch import Producer, describe_failure
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import (
     MoreGroups,
     RoleClients,
-    SampleField,
     Stage,
     StageContext,
     StageReport,
+    more_groups,
 )
 from relax_core.errors import ConfigError, CoordinationError
 
@@ -58,9 +44,8 @@ DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 
 @runtime_checkable
 class BackgroundStage(Stage, Protocol):
-    """A stage that can run off the step's critical path: ``background`` says it does (its
-    table's key), :meth:`due` whether step ``step`` runs it at all, ``roles`` every role its
-    work calls (none of them may take turns on shared GPUs)."""
+    """A stage that can run off the step's critical path: ``background`` says it does,
+    :meth:`due` whether step ``step`` runs it, ``roles`` every role its work calls."""
 
     @property
     def background(self) -> bool: ...
@@ -71,20 +56,11 @@ class BackgroundStage(Stage, Protocol):
     def due(self, step: int) -> bool: ...
 
 
-class _Producer(Protocol):
-    async def generate(
-        self, batch_id: int, **request: Unpack[MoreGroups]
-    ) -> list[list[Sample]]: ...
-
-
 @attrs.frozen
 class EvalResult:
-    """How one background evaluation ended: the stage and the step that started it,
-    ``status`` (``done``, ``failed`` or ``cancelled``), the weight version its samples were
-    generated with (``None`` when they span several or none was generated: ``weight_versions``
-    lists each, oldest first as rollout reported them), its counts (the stage's report:
-    ``samples``, ``reward_mean``, ``reward_std``, …), the error of a failed or cancelled one,
-    and its seconds from start to end."""
+    """How one background evaluation ended (``status``: ``done``, ``failed`` or
+    ``cancelled``); ``weight_version``: ``None`` when its samples span several
+    (``weight_versions``) or none."""
 
     stage: str
     step: int
@@ -97,21 +73,12 @@ class EvalResult:
 
     def row(self) -> dict[str, Any]:
         """The JSON object ``relax run --json`` prints for it (``docs/run.md``)."""
-        return {
-            "eval": self.stage,
-            "step": self.step,
-            "status": self.status,
-            "weight_version": self.weight_version,
-            "weight_versions": list(self.weight_versions),
-            "counts": dict(self.counts),
-            "error": self.error,
-            "seconds": self.seconds,
-        }
+        row = attrs.asdict(self)
+        row |= {"weight_versions": list(self.weight_versions), "counts": dict(self.counts)}
+        return {"eval": row.pop("stage"), **row}
 
     def metrics(self) -> dict[str, float]:
-        """The trackers' metrics of step :attr:`step`: ``eval/STAGE/COUNT`` for each number of
-        :attr:`counts`, and ``eval/STAGE/weight_version`` where the version is a number (finite
-        values only: no rewards scored leaves ``reward_mean`` out)."""
+        """The trackers' metrics of step :attr:`step` (``eval/STAGE/COUNT``; finite only)."""
         out: dict[str, float] = {}
         for key, value in self.counts.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -139,10 +106,8 @@ class EvalCounts:
 def background_problems(
     stages: Iterable[Any], *, defer_roles: Sequence[str], residency: str
 ) -> list[ConfigProblem]:
-    """The background ``eval`` stage tables (``background = true``) a layout refuses: in a
-    defer layout (``defer_roles``) or under ``residency = "exclusive"`` the generation role
-    takes turns on its GPUs, so the held-out generation needs its lease, which only a step's
-    batch holds. ``stages``: :class:`~relax_core.run.config.StageTable` records. Pure."""
+    """The background ``eval`` stage tables a layout refuses (one where the generation role
+    takes turns on its GPUs). ``stages``: :class:`~relax_core.run.config.StageTable`. Pure."""
     if not defer_roles and residency != "exclusive":
         return []
     why = (
@@ -172,7 +137,7 @@ class _Launch:
 
     def __init__(self, stage: BackgroundStage, start: Callable[[], None]) -> None:
         self.name = stage.name
-        self.fields: tuple[SampleField, ...] = tuple(stage.fields)
+        self.fields = tuple(stage.fields)
         self._stage = stage
         self._start = start
 
@@ -185,10 +150,9 @@ class _Launch:
 
 class _OffPath:
     """What a background stage may do (:class:`~relax_core.coordination.stages.BatchControl`):
-    generate through its step's producer and run a stage, with no lease (refused where one
-    would be needed); the batch itself committed without it, so it cannot add or drop."""
+    generate and run a stage, with no lease; not add or drop (its batch committed)."""
 
-    def __init__(self, step: int, stage: str, producer: _Producer, clients: RoleClients) -> None:
+    def __init__(self, step: int, stage: str, producer: Producer, clients: RoleClients) -> None:
         self.step = step
         self.stage = stage
         self.producer = producer
@@ -204,13 +168,7 @@ class _OffPath:
         return 0
 
     async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
-        if (request.get("groups") is None) == (request.get("prompts") is None):
-            raise ValueError(f"stage {self.stage!r}: generate() takes groups or prompts")
-        asked: MoreGroups = {
-            "groups": None, "prompts": None, "samples_per_prompt": None, "temperature": None,
-            **request,
-        }  # fmt: skip
-        groups = await self.producer.generate(self.step, **asked)
+        groups = await self.producer.generate(self.step, **more_groups(self.stage, request))
         samples = [s for group in groups for s in group]
         self.samples += samples
         return samples
@@ -231,7 +189,7 @@ class _OffPath:
         )
 
     def versions(self) -> tuple[str | None, ...]:
-        """Every weight version the samples were generated with, in order of appearance."""
+        """Every weight version of the samples, in order of appearance."""
         seen: dict[str | None, None] = {}
         for s in self.samples:
             for _, version in s.versions:
@@ -240,13 +198,10 @@ class _OffPath:
 
 
 class BackgroundEvals:
-    """The background evaluations of one run (see the module docstring).
+    """The background evaluations of one run.
 
-    :param on_result: told each :class:`EvalResult` as its evaluation ends (printed, told to
-        the trackers); what it raises is kept and raised by :meth:`settle`, after every
-        evaluation ended (a strict tracker's failure).
-    :param deadline: seconds :meth:`settle` waits for the evaluations still pending at the end
-        of the run before it cancels them.
+    :param on_result: told each :class:`EvalResult`; what it raises is raised by :meth:`settle`.
+    :param deadline: seconds :meth:`settle` waits for those pending before it cancels them.
     """
 
     def __init__(
@@ -258,13 +213,13 @@ class BackgroundEvals:
         self.on_result = on_result
         self.deadline = deadline
         self._tasks: set[asyncio.Task[None]] = set()
-        self._done = self._failed = self._cancelled = 0
+        self._ended = dict.fromkeys((DONE, FAILED, CANCELLED), 0)
         self._reporting: list[BaseException] = []
 
     @property
     def counts(self) -> EvalCounts:
         """How the evaluations that ended so far ended."""
-        return EvalCounts(self._done, self._failed, self._cancelled)
+        return EvalCounts(**self._ended)
 
     @property
     def pending(self) -> int:
@@ -273,8 +228,7 @@ class BackgroundEvals:
 
     @staticmethod
     def check(stages: Sequence[Stage], *, switching: bool, deferred_roles: Sequence[str]) -> None:
-        """Refuse a background stage where its work would need a lease: the generation role
-        takes turns (``switching``) or a role it calls is one of ``deferred_roles``.
+        """Refuse a background stage whose work would need a lease.
 
         :raises ConfigError: naming the stage and what to do.
         """
@@ -299,8 +253,8 @@ class BackgroundEvals:
     def stages(
         self, step: int, stages: Sequence[Stage], *, producer: Any, clients: RoleClients
     ) -> tuple[Stage, ...]:
-        """``stages`` as the batch of ``step`` runs them: each background stage replaced by a
-        stand-in that starts its work with ``producer`` (step ``step``'s) and returns."""
+        """``stages`` for the batch of ``step``: each background stage a stand-in that starts
+        its work with ``producer`` and returns."""
 
         def launcher(stage: BackgroundStage) -> Stage:
             return _Launch(stage, lambda: self._start(step, stage, producer, clients))
@@ -340,12 +294,7 @@ class BackgroundEvals:
             error=error,
             seconds=time.perf_counter() - began,
         )
-        if status == DONE:
-            self._done += 1
-        elif status == FAILED:
-            self._failed += 1
-        else:
-            self._cancelled += 1
+        self._ended[status] += 1
         if self.on_result is not None:
             try:
                 self.on_result(result)
@@ -354,7 +303,7 @@ class BackgroundEvals:
 
     async def settle(self, *, cancel: bool = False) -> EvalCounts:
         """End every evaluation still pending: await them up to :attr:`deadline` seconds
-        (``cancel``: not at all), then cancel the rest; each is reported. Return the counts.
+        (``cancel``: not at all), then cancel the rest; the counts.
 
         :raises Exception: what ``on_result`` raised first (every evaluation ended anyway).
         """

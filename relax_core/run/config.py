@@ -1,31 +1,23 @@
-"""The ``[run]`` table of a job file: what ``relax run`` does each step.
+"""The ``[run]`` table of a job file: what ``relax run`` does each step (``docs/run.md`` lists
+every key).
 
-Parsed with the job file's own rules (:class:`~relax_core.config.ConfigReader`): types, ranges
-and choices are checked, unknown keys are errors with a "did you mean" hint, and every problem
-is reported at once with its key path (``run.stages[1].top_k``).
-
-A step's stages are listed in order as ``[[run.stages]]`` tables, each naming a registered kind
-of stage (``stage = "reward"``) with its own keys; only their common keys (``stage``,
-``name``, ``role``, ``models``) are read here, the rest by the stage's own builder
-(:mod:`relax_core.run.stages`). Without ``[[run.stages]]``, the shorthand keys describe
-today's step: ``rewards`` (and ``reward_role``) make the reward stage, ``teacher_role`` (and
-``teacher_mode``, ``top_k``) the distillation stage after it. What the table says about the
-roles (that a stage's role is configured, that the generation role is updatable) is checked
-against the whole job by :func:`relax_core.run.job.run_problems`.
-
-``docs/run.md`` lists every key.
+Parsed with the job file's own rules (:class:`~relax_core.config.ConfigReader`: every problem
+reported at once with its key path). A step's stages are ``[[run.stages]]`` tables, of which
+only the common keys are read here (the rest by the stage kind's builder,
+:mod:`relax_core.run.stages`); without them the shorthand keys (``rewards``, ``teacher_role``…)
+make the default stages. The table is checked against the whole job by
+:func:`relax_core.run.job.run_problems`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from relax_core.config import ConfigReader, JobConfig
+from relax_core.config import Check, ConfigReader, JobConfig
 from relax_core.records import NAME_PATTERN
 from relax_core.tracking.tracker import TrackerEntry
 
@@ -51,40 +43,28 @@ __all__ = [
 
 #: ``teacher_mode`` values: the teacher's log-prob of each sampled token, or its top-k.
 TEACHER_MODES = ("sampled", "top-k")
-#: ``push_format`` values: the trainer's weights as safetensors bytes (any host, any device),
-#: SGLang's own torch format (CUDA IPC handles: the engines must be on the trainer's GPU), or a
-#: torch.distributed broadcast from the trainer (rank 0) to every replica (gloo on CPU, NCCL on
-#: CUDA). Each pushes the weights in buckets of ``push_bucket_bytes``.
+#: ``push_format`` values: safetensors bytes (any host, any device), CUDA IPC handles (the
+#: engines on the trainer's GPU), or a torch.distributed broadcast to every replica.
 PUSH_FORMATS = ("safetensors", "ipc", "distributed")
-#: ``checkpoint_every``'s default: a checkpoint of the run every this many committed steps
-#: (and after the last), in the run's directory (``relax run --resume``; 0: none).
+#: ``checkpoint_every``'s default: a checkpoint every this many committed steps (0: none).
 CHECKPOINT_EVERY = 10
 #: ``push_bucket_bytes``' default: the size of one bucket of a weight push (512 MiB).
 PUSH_BUCKET_BYTES = 512 << 20
-#: ``mode`` values: each step's phases one after the other, or generation of the next steps
-#: overlapping the scoring, commit and training of this one (``docs/run.md``).
+#: ``mode`` values: each step's phases in turn, or generation overlapping the rest.
 RUN_MODES = ("sync", "async")
-#: ``stale_action`` values: what the async driver does with a group generated with weights more
-#: than ``max_staleness`` versions older than the trainer's: generate another in its place, or
-#: train on a smaller batch. Either way it is counted, never trained on.
+#: ``stale_action`` values: what the async driver does with a group too stale to train on.
 STALE_ACTIONS = ("regenerate", "drop")
 #: ``push_pause`` values: how a weight push meets rollout's requests in flight — the manager's
-#: fence (admission closed, the requests finished first), or SGLang's ``pause_generation`` in
-#: that mode, the update, ``continue_generation`` (``in_place``, ``retract``: the requests
-#: kept, their tokens after the push from the new weights; ``abort``: they end with what they
-#: had, and the rollout shape sends each on from its tokens, with the new weights).
+#: fence, or SGLang's ``pause_generation`` in that mode (``docs/run.md``).
 PUSH_PAUSES = ("fence", "in_place", "retract", "abort")
 #: The kind of stage the ``rewards`` shorthand makes (the core's own reward stage).
 REWARD_STAGE = "reward"
-#: The kind of stage the ``teacher_role`` shorthand makes: the distillation prefill the
-#: ``relax-teacher`` distribution registers.
+#: The kind of stage the ``teacher_role`` shorthand makes (the ``relax-teacher`` plugin's).
 DISTILL_STAGE = "distill"
 
 #: Every stage table's own keys; the others are the stage kind's options.
 COMMON_STAGE_KEYS = ("stage", "name", "role", "models", "retries")
-#: ``on_empty_batch`` values: what a step whose stages dropped every group does — nothing is
-#: committed nor trained either way; ``skip`` goes on with the next step, ``fail`` fails the
-#: step (counted against ``max_failed_steps``).
+#: ``on_empty_batch`` values: what a step whose stages dropped every group does.
 EMPTY_BATCH_ACTIONS = ("skip", "fail")
 #: Keys the table no longer has, and where what they did went.
 _MOVED = {
@@ -98,12 +78,9 @@ _MOVED = {
 
 @attrs.frozen
 class StageTable:
-    """One stage of the step as the job file gives it: its kind (a registered
-    :class:`~relax_core.records.StageSpec`), its name in the step (default: its role, else its
-    kind), the role whose lease it takes, the models of that role it uses, the rest of its
-    table (``options``, read by the kind's builder) and the key path of the table
-    (``run.stages[2]``); ``keys`` maps a key of the table to where the job file has it when
-    that is elsewhere (the shorthand's ``role`` is ``run.teacher_role``)."""
+    """One stage of the step as the job file gives it (``options``: the keys its kind's
+    builder reads); ``keys`` maps a key to where the job file has it when that is elsewhere
+    (the shorthand's ``role`` is ``run.teacher_role``)."""
 
     kind: str
     name: str
@@ -112,7 +89,7 @@ class StageTable:
     options: Mapping[str, Any] = attrs.field(factory=dict)
     path: str = "run"
     keys: Mapping[str, str] = attrs.field(factory=dict)
-    #: the table's ``retries`` (``None``: the kind's default, ``StageSpec.retries``)
+    #: ``None``: the kind's default
     retries: int | None = None
 
     def key(self, option: str) -> str:
@@ -122,9 +99,8 @@ class StageTable:
 
 @attrs.frozen
 class GenerationTable:
-    """``[run.generation]``: the rollout shape a step generates with (a registered
-    :class:`~relax_core.records.RolloutShapeSpec`, default ``single-turn``) and the rest of
-    the table (``options``, read by the shape's builder); ``path`` is the table's key path."""
+    """``[run.generation]``: the rollout shape a step generates with and the rest of the
+    table (``options``, read by the shape's builder)."""
 
     shape: str = "single-turn"
     options: Mapping[str, Any] = attrs.field(factory=dict)
@@ -133,30 +109,12 @@ class GenerationTable:
 
 @attrs.frozen
 class RunConfig:
-    """What each step of ``relax run`` does (the ``[run]`` table).
+    """What each step of ``relax run`` does (the ``[run]`` table; each key in ``docs/run.md``).
 
-    ``dataset`` names a registered prompt source or a file one reads (as written; resolved
-    against the job file's directory, ``base``, when opened). ``stages`` are the step's
-    stages in order (:class:`StageTable`). ``trainer`` is the trainer's name (the one
-    registered trainer when the table names none) or a ``package.module:ClassName`` path;
-    ``trainer_options`` the instance of its options record
-    (:attr:`~relax_core.records.TrainerSpec.options`) read from the table's other keys
-    (``learning_rate``…), ``None`` when it has none. ``partial_rollout`` is accepted only so
-    the defer preflight can say why it is refused.
-
-    ``mode`` is ``sync`` (each step's phases in turn) or ``async``: generation of steps
-    ``N+1 … N+max_staleness`` runs while step ``N`` is scored, committed and trained, and no
-    sample generated with weights more than ``max_staleness`` versions older than the
-    trainer's is trained on (``stale_action``: generated again or dropped, counted).
-    ``stream_scoring`` (async mode): the leading stages that can (the reward stage, the
-    teacher's prefill) score each group as it completes, ``stream_concurrency`` groups at a
-    time, where their role is not deferred.
-    ``push_pause``: how a push meets rollout's requests in flight (:data:`PUSH_PAUSES`;
-    ``in_place`` by default in async mode, the fence otherwise). ``push_bucket_bytes``: the
-    size of one bucket of a push (one flat buffer, one engine call; a larger tensor gets a
-    bucket of its own), :data:`PUSH_BUCKET_BYTES` by default. ``checkpoint_every``: a
-    checkpoint every this many committed steps and after the last, where the run has a
-    directory (:mod:`~relax_core.run.checkpoint`; 0: none).
+    ``dataset`` is resolved against ``base`` (the job file's directory) when opened;
+    ``trainer_options`` is the trainer's options record read from the table's other keys
+    (``None`` when it has none); ``partial_rollout`` is accepted only so the defer preflight
+    can say why it is refused.
     """
 
     steps: int = 3
@@ -232,12 +190,40 @@ def _trainer(v: Any) -> str | None:
     )
 
 
-def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConfig:
-    """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults).
+_at_least = ConfigReader.at_least
+#: The ``[run]`` keys read as one value each: their type and check (their default: RunConfig's).
+_PLAIN: tuple[tuple[str, tuple[type, Check | None]], ...] = (
+    ("steps", (int, _at_least(1))),
+    ("dataset", (str, ConfigReader.non_empty)),
+    ("prompts_per_step", (int, _at_least(1))),
+    ("samples_per_prompt", (int, _at_least(1))),
+    ("max_new_tokens", (int, _at_least(1))),
+    ("temperature", (float, _at_least(0))),
+    ("seed", (int, None)),
+    ("trainer", (str, _trainer)),
+    ("trainer_device", (str, _device)),
+    ("push_format", (str, ConfigReader.one_of(PUSH_FORMATS))),
+    ("operation_timeout", (float, ConfigReader.positive)),
+    ("request_timeout", (float, ConfigReader.positive)),
+    ("partial_rollout", (bool, None)),
+    ("tracker_samples", (int, _at_least(0))),
+    ("strict_trackers", (bool, None)),
+    ("checkpoint_every", (int, _at_least(0))),
+    ("mode", (str, ConfigReader.one_of(RUN_MODES))),
+    ("max_staleness", (int, _at_least(0))),
+    ("stale_action", (str, ConfigReader.one_of(STALE_ACTIONS))),
+    ("stream_scoring", (bool, None)),
+    ("stream_concurrency", (int, _at_least(1))),
+    ("push_pause", (str, ConfigReader.one_of(PUSH_PAUSES))),
+    ("push_bucket_bytes", (int, _at_least(1))),
+    ("max_failed_steps", (int, _at_least(0))),
+    ("on_empty_batch", (str, ConfigReader.one_of(EMPTY_BATCH_ACTIONS))),
+)
 
-    The trainer (``trainer``, or the one trainer registered in ``pm``, default the
-    process-wide plugin manager) reads its own keys of the table through its options record
-    (:attr:`~relax_core.records.TrainerSpec.options`); any other key is unknown.
+
+def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConfig:
+    """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults); the
+    trainer (named, or the one registered in ``pm``) reads its own keys.
 
     :raises ConfigValidationError: every problem, each with its ``run.*`` key path.
     """
@@ -271,54 +257,17 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
     if spec is not None and spec.options is not None:
         own = {k: t[k] for k in option_keys if k in t}
         trainer_options = r.record(own, p, spec.options)
+    defaults = {f.name: f.default for f in attrs.fields(RunConfig)}
+    defaults["trainer"] = spec.name if spec else ""
+    defaults["push_pause"] = "in_place" if t.get("mode") == "async" else "fence"
+    plain = {key: v(t, p, key, kind, defaults[key], check=check) for key, (kind, check) in _PLAIN}
     config = RunConfig(
-        steps=v(t, p, "steps", int, 3, check=ConfigReader.at_least(1)),
-        dataset=v(t, p, "dataset", str, "arithmetic", check=ConfigReader.non_empty),
-        prompts_per_step=v(t, p, "prompts_per_step", int, 4, check=ConfigReader.at_least(1)),
-        samples_per_prompt=v(t, p, "samples_per_prompt", int, 4, check=ConfigReader.at_least(1)),
-        max_new_tokens=v(t, p, "max_new_tokens", int, 16, check=ConfigReader.at_least(1)),
-        temperature=v(t, p, "temperature", float, 1.0, check=ConfigReader.at_least(0)),
         stages=stages,
         generation=_generation_table(r, t.get("generation")),
-        seed=v(t, p, "seed", int, 0),
-        trainer=v(t, p, "trainer", str, spec.name if spec else "", check=_trainer),
         trainer_options=trainer_options,
-        trainer_device=v(t, p, "trainer_device", str, "cpu", check=_device),
-        push_format=v(
-            t, p, "push_format", str, "safetensors", check=ConfigReader.one_of(PUSH_FORMATS)
-        ),
-        operation_timeout=v(t, p, "operation_timeout", float, 180.0, check=ConfigReader.positive),
-        request_timeout=v(t, p, "request_timeout", float, 300.0, check=ConfigReader.positive),
-        partial_rollout=v(t, p, "partial_rollout", bool, False),
         trackers=tracker_entries(r, t.get("trackers", []), f"{p}.trackers"),
-        tracker_samples=v(t, p, "tracker_samples", int, 4, check=ConfigReader.at_least(0)),
-        strict_trackers=v(t, p, "strict_trackers", bool, False),
-        checkpoint_every=v(
-            t, p, "checkpoint_every", int, CHECKPOINT_EVERY, check=ConfigReader.at_least(0)
-        ),
-        mode=v(t, p, "mode", str, "sync", check=ConfigReader.one_of(RUN_MODES)),
-        max_staleness=v(t, p, "max_staleness", int, 1, check=ConfigReader.at_least(0)),
-        stale_action=v(
-            t, p, "stale_action", str, "regenerate", check=ConfigReader.one_of(STALE_ACTIONS)
-        ),
-        stream_scoring=v(t, p, "stream_scoring", bool, True),
-        stream_concurrency=v(t, p, "stream_concurrency", int, 8, check=ConfigReader.at_least(1)),
-        push_pause=v(
-            t,
-            p,
-            "push_pause",
-            str,
-            "in_place" if t.get("mode") == "async" else "fence",
-            check=ConfigReader.one_of(PUSH_PAUSES),
-        ),
-        push_bucket_bytes=v(
-            t, p, "push_bucket_bytes", int, PUSH_BUCKET_BYTES, check=ConfigReader.at_least(1)
-        ),
-        max_failed_steps=v(t, p, "max_failed_steps", int, 3, check=ConfigReader.at_least(0)),
-        on_empty_batch=v(
-            t, p, "on_empty_batch", str, "skip", check=ConfigReader.one_of(EMPTY_BATCH_ACTIONS)
-        ),
         base=_base(job.source),
+        **plain,
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
         r.problem(
@@ -356,10 +305,8 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
 def _trainer_spec(
     r: ConfigReader, table: Mapping[str, Any], pm: PluginManager | None
 ) -> TrainerSpec | None:
-    """The registered trainer the table names; when it names none, the one registered, or of
-    several the one whose record says it is the ``default`` (a problem at ``run.trainer``
-    otherwise); ``None`` for a class path or a name
-    nobody registered (``run_problems`` says so, listing the registered ones)."""
+    """The registered trainer the table names, else the one (or the ``default`` one)
+    registered; ``None`` for a class path or an unregistered name."""
     if pm is None:
         from relax_core.plugins import get_plugin_manager
 
@@ -398,10 +345,8 @@ def _option_keys(spec: TrainerSpec | None) -> tuple[str, ...]:
 
 
 def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEntry, ...]:
-    """``[run] trackers``: each entry a tracker's name (``"tensorboard"``) or a table naming
-    it with its options (``{ tracker = "wandb", project = "rl" }``); whether each is
-    registered, and its options known, is checked against the plugins
-    (:func:`~relax_core.tracking.tracker_problems`)."""
+    """``[run] trackers``: each a tracker's name or a table naming it with its options
+    (checked against the plugins by :func:`~relax_core.tracking.tracker_problems`)."""
     if not isinstance(raw, list):
         r.problem(path, "type", f"must be a list of tracker names or tables, got {raw!r}")
         return ()
@@ -427,17 +372,8 @@ def _base(source: str | None) -> str | None:
     return str(Path(source).resolve().parent)
 
 
-def resolve_path(path: str, base: str | None) -> str:
-    """``path`` made absolute against ``base`` (the job file's directory; the working
-    directory without one)."""
-    if os.path.isabs(path):
-        return path
-    return str((Path(base) if base else Path.cwd()).joinpath(path).resolve())
-
-
 def _generation_table(r: ConfigReader, raw: object) -> GenerationTable:
-    """``[run.generation]``: its ``shape`` (a name; whether one is registered, and the rest of
-    the table, is checked against the plugins by the shape's builder)."""
+    """``[run.generation]``: its ``shape`` name and the rest of the table."""
     p = "run.generation"
     if raw is None:
         return GenerationTable()
@@ -493,8 +429,7 @@ def _stage_name(v: Any) -> str | None:
 
 
 def _shorthand(r: ConfigReader, t: Mapping[str, Any]) -> tuple[StageTable, ...]:
-    """The default stages from ``rewards`` / ``reward_role`` and ``teacher_role`` /
-    ``teacher_mode`` / ``top_k`` (key paths stay ``run.*``)."""
+    """The default stages from the shorthand keys (key paths stay ``run.*``)."""
     p = "run"
     if "rewards" not in t:
         r.problem(

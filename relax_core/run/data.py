@@ -1,22 +1,10 @@
 """Where ``relax run`` takes each step's prompts from: prompt sources, registered through the
 ``relax_register_data_sources`` hook (:class:`~relax_core.records.DataSourceSpec`).
 
-``[run] dataset`` (and an eval stage's ``dataset``) names a registered source, or a file whose
-suffix a source claims; :func:`find_source` resolves it, :func:`open_source` opens it and
-:func:`source_problems` runs the source's own check (before anything starts). The core
-registers two sources, both deterministic:
-
-- :class:`ArithmeticSource` (``dataset = "arithmetic"``): generated questions with known
-  answers (``What is 7 + 5?`` → label ``12``), so a rule reward can check them; needs no
-  download. The same seed gives the same questions.
-- :class:`JsonlSource` (``dataset = "path/to/file.jsonl"``): one JSON object per line,
-  ``{"prompt": "...", "label": "...", "metadata": {...}}`` (``label`` and ``metadata``
-  optional; ``metadata["route_key"]`` picks a role's model by its route key). Every line is
-  checked when the source is opened (and by the job preflight, before anything starts), and
-  the bad ones are refused naming the file and line of each. The
-  file is read in order and starts again from its first line when it runs out.
-
-A source hands out :class:`Prompt` records, ``take(n)`` at a time.
+``[run] dataset`` names a registered source, or a file whose suffix a source claims
+(:func:`find_source`). The core registers two deterministic sources: ``arithmetic``
+(:class:`ArithmeticSource`) and ``.jsonl`` files (:class:`JsonlSource`; ``docs/run.md`` has
+the line format). A source hands out :class:`Prompt` records, ``take(n)`` at a time.
 """
 
 from __future__ import annotations
@@ -52,9 +40,8 @@ __all__ = [
 
 @attrs.frozen
 class Prompt:
-    """One prompt of a step: its text, the label a rule reward checks (if any), free-form
-    metadata copied into every sample of its group, and where it came from (``file:line``
-    or ``arithmetic#N``)."""
+    """One prompt of a step: its text, label, metadata (copied into every sample of its
+    group) and origin (``file:line`` or ``arithmetic#N``)."""
 
     prompt: str
     label: str | None = None
@@ -72,11 +59,8 @@ class PromptSource(Protocol):
 
 
 class ArithmeticSource:
-    """Generated arithmetic questions with their answers as labels.
-
-    Each question is ``"Question: what is A + B? Answer:"`` (``+``, ``-`` or ``*`` of
-    integers 0-20, ``-`` never below zero); the label is the answer in decimal.
-    """
+    """Generated arithmetic questions (``+``, ``-``, ``*`` of 0-20, never below zero) with
+    their answers as labels; the same seed gives the same questions."""
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -91,24 +75,18 @@ class ArithmeticSource:
             if op == "-" and b > a:
                 a, b = b, a
             value = a + b if op == "+" else a - b if op == "-" else a * b
+            question = f"Question: what is {a} {op} {b}? Answer:"
             out.append(
-                Prompt(
-                    f"Question: what is {a} {op} {b}? Answer:",
-                    str(value),
-                    {"source": "arithmetic"},
-                    f"arithmetic#{self._count}",
-                )
+                Prompt(question, str(value), {"source": "arithmetic"}, f"arithmetic#{self._count}")
             )
             self._count += 1
         return out
 
 
 class JsonlSource:
-    """Prompts from a JSONL file (see the module docstring).
+    """Prompts from a JSONL file, in order, from the first line again once it runs out.
 
-    :raises ConfigValidationError: the file cannot be read, is empty, or has bad lines (each
-        bad line a problem whose path names the file and line, ``data.jsonl:12``; see
-        :func:`read_jsonl`).
+    :raises ConfigValidationError: the problems of :func:`read_jsonl`.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -119,12 +97,9 @@ class JsonlSource:
         self._next = 0
 
     def take(self, n: int) -> list[Prompt]:
-        """The next ``n`` prompts, from the first line again once the file runs out."""
-        out = []
-        for _ in range(n):
-            out.append(self.prompts[self._next % len(self.prompts)])
-            self._next += 1
-        return out
+        """The next ``n`` prompts."""
+        first, self._next = self._next, self._next + n
+        return [self.prompts[i % len(self.prompts)] for i in range(first, first + n)]
 
 
 #: Bad lines of a JSONL dataset named one by one; the rest are counted.
@@ -134,12 +109,9 @@ MAX_LINE_PROBLEMS = 10
 def read_jsonl(
     path: str | Path, *, key: str = "run.dataset", limit: int = MAX_LINE_PROBLEMS
 ) -> tuple[list[Prompt], list[ConfigProblem]]:
-    """Every prompt of a JSONL dataset and every problem with it, reading the whole file.
-
-    A problem's path is ``key`` for the file as a whole (unreadable, empty) and ``FILE:LINE``
-    for a bad line (not JSON, not an object, an unknown field, an empty ``prompt``, a
-    ``label`` that is not a string, a ``metadata`` that is not an object); the first ``limit``
-    bad lines are named and one more problem counts the rest. Pure: reads the file only.
+    """Every prompt of a JSONL dataset and every problem with it (at ``key`` for the whole
+    file, at ``FILE:LINE`` for each of the first ``limit`` bad lines, then counted). Pure:
+    reads the file only.
     """
     p = Path(path)
     try:
@@ -199,9 +171,8 @@ def _parse_line(line: str, where: str) -> Prompt | str:
 
 @attrs.frozen
 class SourceRequest:
-    """What a source is opened with: ``dataset`` as the job file gives it, ``file`` the file it
-    names resolved against the job file (``None`` for a source named by its own name), the
-    run's ``seed``, and the key path problems are reported at (``run.dataset``)."""
+    """What a source is opened with: ``dataset`` as written, ``file`` the file it names
+    resolved (``None``: a source's own name), the run's ``seed``, the key path of problems."""
 
     dataset: str
     file: str | None = None
@@ -218,9 +189,8 @@ def find_source(
     base: str | None = None,
 ) -> tuple[DataSourceSpec, SourceRequest] | ConfigProblem:
     """The source ``dataset`` names and its request: a registered source's name, or a file
-    (relative to the directory ``base``, the job file's; the working directory without one)
-    whose suffix a source claims (the longest matching suffix wins); else the problem, at
-    ``key``, listing the registered sources. Pure: reads nothing."""
+    (relative to ``base``, else the working directory) whose suffix a source claims (the
+    longest wins); else the problem at ``key``. Pure: reads nothing."""
     registered = lookup.registered("data_sources")
     entry = registered.get(dataset)
     if entry is not None:
@@ -247,29 +217,21 @@ def find_source(
     )
 
 
-def _found(
-    dataset: str, lookup: PluginLookup, **where: Any
-) -> tuple[DataSourceSpec, SourceRequest]:
-    found = find_source(dataset, lookup, **where)
-    if isinstance(found, ConfigProblem):
-        raise ConfigValidationError([found])
-    return found
-
-
 def open_source(dataset: str, lookup: PluginLookup, **where: Any) -> PromptSource:
-    """Open the source ``dataset`` names (see :func:`find_source` for ``where``: ``seed``,
-    ``key``, ``base``).
+    """Open the source ``dataset`` names (``where``: as :func:`find_source`'s).
 
     :raises ConfigValidationError: no source reads it, or the source refuses its data.
     """
-    spec, request = _found(dataset, lookup, **where)
-    source: PromptSource = spec.open(request)
+    found = find_source(dataset, lookup, **where)
+    if isinstance(found, ConfigProblem):
+        raise ConfigValidationError([found])
+    source: PromptSource = found[0].open(found[1])
     return source
 
 
 def source_problems(dataset: str, lookup: PluginLookup, **where: Any) -> list[ConfigProblem]:
-    """Every problem with ``dataset`` found before anything starts: none reads it, or its
-    source's own check (the JSONL source reads every line). Reads the data."""
+    """Every problem with ``dataset`` found before anything starts (its source's own check
+    reads the data)."""
     found = find_source(dataset, lookup, **where)
     if isinstance(found, ConfigProblem):
         return [found]

@@ -1,14 +1,6 @@
-"""The engine features a run needs, checked against its generation engines before anything
-starts.
-
-A rollout shape says which engine features (:data:`~relax_core.records.ENGINE_FEATURES`) it
-needs with the run's ``[run.generation]`` table (``RolloutShapeSpec.needs``; the ``multi-turn``
-shape asks its environment's ``EnvironmentSpec.needs``), each with the key path that asks for
-it; each model of the generation role is asked, through its backend's
-``EngineBackend.missing(feature)``, whether this install can provide it. A feature it cannot
-provide is a problem at that key path (``run.generation.env.guided_first_turn:
-[engine-feature] …``), naming the model, its backend and what to install — found by
-``relax plan`` and ``relax run`` before Ray or any engine starts, not as a 400 mid-step.
+"""The engine features a run needs (its rollout shape's ``needs``), checked against its
+generation engines' backends (``EngineBackend.missing``) before Ray or any engine starts: a
+feature this install cannot provide is a problem at the key path that asks for it.
 """
 
 from __future__ import annotations
@@ -28,9 +20,8 @@ __all__ = ["engine_feature_problems"]
 def engine_feature_problems(
     table: GenerationTable, run: RunConfig, pm: PluginManager, models: Sequence[ModelConfig]
 ) -> list[ConfigProblem]:
-    """Every feature the run's shape needs that an engine of ``models`` (the generation role's,
-    the first one's directory handed to the shape) cannot provide on this install. Call it once
-    the table builds (its own problems come first)."""
+    """Every feature the run's shape needs that an engine of ``models`` (the generation role's)
+    cannot provide on this install. Call it once the table builds."""
     if not models:
         return []
     spec: RolloutShapeSpec = pm.rollout_shape(table.shape)

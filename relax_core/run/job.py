@@ -1,28 +1,7 @@
-"""What ``relax run`` brings up on Ray, in order, and takes down again.
-
-Everything is checked before anything starts (:func:`run_problems`: the job as ``relax serve``
-checks it, the ``[run]`` table against the job, the defer preflight filled from the table).
-Then :class:`RunJob`:
-
-1. placement groups of the plan's pools, created and bound (the job runtime's,
-   :class:`~relax_core.jobs.JobRuntime`, as for ``relax serve``);
-2. one registry actor per role (:func:`~relax_core.discovery.actor.start_registry_actor`):
-   every model of the role publishes into its one schema-2 snapshot;
-3. one manager actor per model (:func:`~relax_core.jobs.managers.start_model_actor`,
-   CPU-only, named ``relax-manager-<job>-<role>-<model>``), the router of an
-   ``SGLANG_ROUTER`` model inside its actor, each the runtime's
-   :class:`~relax_core.jobs.RayModel`; engines start phase by phase
-   (:meth:`~relax_core.jobs.JobRuntime.start`: each deferred phase started, then put to
-   SLEEPING, before the next; then the others, awake);
-4. the trainer actor (:func:`~relax_core.run.trainer.start_trainer`, on the training share
-   of the pool it shares with inference), built while the engines start;
-5. the coordinator actor (:func:`~relax_core.coordination.start_coordinator`: the defer
-   slices of the plan, the deferred roles' manager actors) and the batch sink
-   (:class:`~relax_core.coordination.RayBatchSink`, named ``relax-batches-<job>``).
-
-:meth:`RunJob.teardown` stops it all through the runtime's teardown (trainer, coordinator,
-sink, managers — engines and routers with them —, registries, placement groups) and checks
-that every engine and router process it saw is gone.
+"""What ``relax run`` brings up on Ray, in order, and takes down again: :func:`run_problems`
+checks everything before anything starts; :class:`RunJob` starts the job runtime's placement
+groups, registries, manager actors and engines (as ``relax serve`` does), the trainer actor,
+the coordinator and the batch sink, and tears them all down (``docs/run.md``).
 """
 
 from __future__ import annotations
@@ -65,18 +44,8 @@ def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
 
 def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[str]:
     """Every reason ``relax run`` cannot run ``config`` with ``run``, as ``key.path: [rule]
-    message`` lines; empty when it can. Pure: starts nothing (its data source's check reads
-    its data).
-
-    The job's own checks (:func:`relax_core.jobs.check_job`), then the ``[run]`` table
-    against the job: one generation role with one local, updatable model; the prompt source;
-    every stage built by its kind (its role configured, its own keys checked, a reward
-    adapter registered — and in a defer layout declaring ``supports_deferred``); the trainer
-    importable; and, in a defer layout, :func:`~relax_core.coordination.
-    deferred_workload_problems` filled from the table (the preflight's key paths are
-    ``run.*``); every tracker registered, with only its own options; every engine feature
-    the rollout shape needs (:mod:`~relax_core.run.features`) provided by the generation
-    models' backends on this install.
+    message`` lines; empty when it can: the job's own checks (:func:`relax_core.jobs.check_job`),
+    then the ``[run]`` table against the job. Pure: starts nothing (it reads the data source).
     """
     from relax_core.jobs.checks import check_job
     from relax_core.run.background import background_problems
@@ -102,19 +71,11 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
             )
         )
     else:
-        out += _generation_problems(config.role(gen).models, pm)
         from relax_core.run.rollout import rollout_problems
 
         models = config.role(gen).models
-        first = models[0]
-        shape = rollout_problems(
-            run.generation,
-            run,
-            pm,
-            model=first.name,
-            model_path=first.model_path,
-            model_where=first.path,
-        )
+        out += _generation_problems(models, pm)
+        shape = rollout_problems(run.generation, run, pm, **_shape_model(models[0]))
         out += shape
         if not shape:
             from relax_core.run.features import engine_feature_problems
@@ -205,9 +166,13 @@ def _slice_problems(config: JobConfig, pm: PluginManager, defer: tuple[str, ...]
     ]
 
 
+def _shape_model(model: ModelConfig) -> dict[str, Any]:
+    """The generation model as the rollout shape's builder hears it."""
+    return {"model": model.name, "model_path": model.model_path, "model_where": model.path}
+
+
 def _timeouts(run: RunConfig) -> ManagerTimeouts:
-    """The managers' deadlines: lifecycle calls follow the coordinator's deadline, so a hung
-    engine's manager gives up about when the coordinator does."""
+    """The managers' deadlines: lifecycle calls follow the coordinator's."""
     op = run.operation_timeout
     return ManagerTimeouts(
         start=600.0,
@@ -222,8 +187,7 @@ def _timeouts(run: RunConfig) -> ManagerTimeouts:
 
 @attrs.define(eq=False)
 class RunJob:
-    """The actors, engines and placement groups of one ``relax run`` (see the module
-    docstring). ``name`` is the job's name (actor names, ``relax coordinator --job``).
+    """The actors, engines and placement groups of one ``relax run``; ``name``: the job's.
 
     :raises ValueError: the job has no generation role (:func:`run_problems` says so first).
     """
@@ -235,7 +199,6 @@ class RunJob:
     log_dir: str | None = attrs.field(default=None, kw_only=True)
     generation_role: str = attrs.field(init=False)
     generation_model: ModelConfig = attrs.field(init=False)
-    #: The placement, the models (manager actors), their pids: the one job runtime.
     runtime: JobRuntime = attrs.field(factory=JobRuntime, init=False)
     registries: dict[str, Any] = attrs.field(factory=dict, init=False)
     #: role -> model -> manager actor
@@ -244,11 +207,8 @@ class RunJob:
     sink: Any = attrs.field(default=None, init=False)
     trainer: Any = attrs.field(default=None, init=False)
     slices: dict[str, str] = attrs.field(factory=dict, init=False)
-    #: Which roles of a shared slice may be resident together; the roles that never switch.
     residency: ResidencyPlan = attrs.field(factory=ResidencyPlan, init=False)
-    #: The step's stages, in order (built from the run's stage tables).
     stages: list[Stage] = attrs.field(factory=list, init=False)
-    #: How a prompt becomes a group (``[run.generation]``; ``single-turn`` by default).
     rollout_shape: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -268,25 +228,14 @@ class RunJob:
         )
         from relax_core.run.rollout import build_rollout_shape
 
-        model = self.generation_model
         self.rollout_shape = build_rollout_shape(
-            self.run.generation,
-            self.run,
-            self.pm,
-            model=model.name,
-            model_path=model.model_path,
-            model_where=model.path,
+            self.run.generation, self.run, self.pm, **_shape_model(self.generation_model)
         )
 
     @property
     def rollout_actor(self) -> Any:
         """The generation model's manager actor."""
         return self.actors[self.generation_role][self.generation_model.name]
-
-    @property
-    def leased(self) -> tuple[str, ...]:
-        """The roles the coordinator leases besides the generation role."""
-        return tuple(r for r in self.slices if r != self.generation_role)
 
     @property
     def plan(self) -> Any:
@@ -308,8 +257,6 @@ class RunJob:
         """Every router pid seen (checked gone at teardown)."""
         return self.runtime.router_pids
 
-    # -- start ---------------------------------------------------------------------------
-
     def start(
         self,
         say: Say,
@@ -317,10 +264,8 @@ class RunJob:
         on_interrupt: Callable[[], None] | None = None,
         on_started: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Bring everything up (see the module docstring); ``say`` gets one line per event.
-        ``on_interrupt()`` is called when Ctrl-C interrupts the engines' start (the starts in
-        flight finish first); ``on_started(done, total)`` hears the models whose start ended
-        (:meth:`~relax_core.jobs.JobRuntime.start`).
+        """Bring everything up; ``say`` gets one line per event; ``on_interrupt``,
+        ``on_started``: as :meth:`~relax_core.jobs.JobRuntime.start`'s.
 
         :raises PlacementError: the binding failed. :raises LifecycleError: an engine, router
             or the trainer did not start (call :meth:`teardown` in every case).
@@ -343,8 +288,7 @@ class RunJob:
         )
         placements = runtime.bind(self.config)
         sources = sorted(self.pm.registered("weight_sources"))
-        # Each actor is a new worker process: started side by side, their starts overlap
-        # (one after the other they were most of this line's seconds).
+        # Each actor is a new worker process: started side by side, their starts overlap.
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="placing") as pool:
             registries = {
                 role.name: pool.submit(
@@ -482,17 +426,10 @@ class RunJob:
         )
         self.sink = RayBatchSink.start(name=f"relax-batches-{self.name}", namespace=NAMESPACE)
 
-    # -- teardown ------------------------------------------------------------------------
-
     def teardown(self, say: Say) -> list[str]:
-        """Stop everything this job started (:meth:`~relax_core.jobs.JobRuntime.teardown`:
-        the trainer, the coordinator and the sink first, then the managers — engines and
-        routers with them —, the registries, the placement groups); return what could not be
-        confirmed (empty when nothing is left). Idempotent; never raises for one part's
-        failure (each is tried).
-
-        A manager busy with a lifecycle call (an offload of a hung engine) finishes it first:
-        its deadline follows ``operation_timeout``, so the wait is bounded.
+        """Stop everything this job started (:meth:`~relax_core.jobs.JobRuntime.teardown`);
+        what could not be confirmed (empty: nothing left). Idempotent; never raises for one
+        part's failure (each is tried).
         """
         first = []
         if self.trainer is not None:

@@ -1,27 +1,7 @@
-"""``relax run``'s steps around THE step driver: what a run adds to the steps it drives.
-
-The steps themselves — open the batch, onload rollout, push, generate, run the stages, commit,
-train — are :class:`~relax_core.run.driver.StepDriver`'s, in both modes (a synchronous run is
-``max_staleness = 0``). This module gives the driver the run's engines (:class:`StepPorts`:
-the Ray actors of a :class:`~relax_core.run.job.RunJob`, or anything that answers the same
-calls) and reports what it does, the same way in both modes:
-
-- one row per committed step (:func:`step_row`), printed, counted in the Prometheus metrics and
-  told to the trackers with a few of its samples; the phases to the printer, the trackers and
-  the trace as they end;
-- the step that ended the run (:class:`FailedStep`): nothing of it committed, the ids of the
-  samples it generated listed, the leases left BLOCKED; ``--dump-samples`` writes each
-  committed batch, a failed step's and each step's dropped samples;
-- ``--measure``: rollout's own switches and the coordinator's, against a copy of their bytes
-  (:mod:`~relax_core.run.measure`);
-- Ctrl-C (SIGINT) or SIGTERM cancels the step in flight: its batch is failed at the
-  coordinator, the role it was using released with its requests in flight aborted (not
-  drained), and the summary says ``interrupted``; later signals are held meanwhile;
-- after the last step rollout is onloaded once more and takes the last weights (the run ends
-  with the trained policy served);
-- checkpoints (:mod:`~relax_core.run.checkpoint`) once a step trained, and a resumed run: the
-  trainer's state loaded and its weights pushed to rollout before the first generation, the
-  prompt source replayed to the checkpoint's position, the steps from the checkpoint's on.
+"""``relax run``'s steps around the :class:`~relax_core.run.driver.StepDriver`: the run's
+engines as :class:`StepPorts`, and what a run reports of the steps it drives (one row per
+committed step, the failed step, ``--dump-samples``, ``--measure``, Ctrl-C, the final push,
+checkpoints and ``--resume``); ``docs/run.md`` describes each.
 """
 
 from __future__ import annotations
@@ -34,7 +14,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import attrs
 
@@ -78,17 +58,14 @@ __all__ = [
     "step_row",
 ]
 
-#: Entries of the trainer's answer the row also carries at its top level, as documented before
-#: the whole answer was the row's ``train`` (the progress line, the trackers' ``teacher/kl``
-#: and the report read them there).
+#: Entries of the trainer's answer the row also carries at its top level (``docs/run.md``).
 TOP_LEVEL_TRAINER_KEYS = ("teacher_kl", "teacher_logprob_mean")
 
 
 @attrs.frozen
 class FailedStep:
-    """The step that ended the run: its error, the ids of the samples it had generated (none
-    of them committed), the leases left BLOCKED (role → why) and what the trainer saw;
-    ``interrupted``: Ctrl-C (or SIGTERM) ended it, not a failure (``kind`` ``interrupted``)."""
+    """A step that failed, was skipped or interrupted: its error, the ids of the samples it
+    generated (none committed), the leases left BLOCKED (role → why), what the trainer saw."""
 
     step: int
     error: str
@@ -97,10 +74,8 @@ class FailedStep:
     blocked: dict[str, str]
     trainer: str
     interrupted: bool = False
-    #: the run went on past it (``max_failed_steps``; ``skipped``: an empty batch skipped)
     went_on: bool = False
     skipped: bool = False
-    #: the step's retries and rebuilds (as a committed step's row has them)
     retries: dict[str, Any] = attrs.field(factory=dict)
 
     def row(self) -> dict[str, Any]:
@@ -124,13 +99,7 @@ class FailedStep:
 
 @attrs.define
 class RunSummary:
-    """What a run did: each committed step's row, the failure (if any), every weight version
-    rollout published (first: the one it started with), the switch report (``--measure``);
-    ``interrupted_step``: the step Ctrl-C (or SIGTERM) interrupted, if one did.
-
-    ``seconds`` is the steps' loop (the final push and ``--measure``'s copies included),
-    ``startup_seconds`` the command's time before it (from the printer's ``began``).
-    """
+    """What a run did (its :meth:`row` is the summary object of ``docs/run.md``)."""
 
     job: str
     steps: int
@@ -145,9 +114,7 @@ class RunSummary:
     interrupted_step: int | None = None
     first_step: int = 0
     evaluations: EvalCounts = attrs.field(factory=EvalCounts)
-    #: the failed and skipped steps the run went past (their rows were printed)
     went_past: list[FailedStep] = attrs.field(factory=list)
-    #: what ended the command when it was not a step (an engine that did not start, a bug)
     error: str | None = None
 
     @property
@@ -184,6 +151,13 @@ class RunSummary:
         }
 
 
+#: The :class:`StepPorts` the driver takes as they are.
+_DRIVEN = (
+    "stages", "sink", "clients", "producer", "trainer", "generation_role", "deferred_roles",
+    "switching",
+)  # fmt: skip
+
+
 def _total(rows: list[dict[str, Any]], failed: list[FailedStep], key: str) -> dict[str, int]:
     """``key``'s counts (stage or role -> n) summed over the steps' rows."""
     out: collections.Counter[str] = collections.Counter()
@@ -209,8 +183,8 @@ def _dump(directory: str, name: str, samples: Sequence[Sample]) -> None:
 
 
 def run_description(job: RunJob) -> dict[str, Any]:
-    """What trackers hear of the run first (``log_config``): the job, its ``[run]`` settings,
-    its roles' models, the placement and the residency plan (which roles share which GPUs)."""
+    """What trackers hear of the run first (``log_config``): the job, its settings, roles,
+    placement and residency plan."""
     run = attrs.asdict(job.run, recurse=True)
     run["trackers"] = [{"tracker": t.name, **t.options} for t in job.run.trackers]
     run["stages"] = [
@@ -259,9 +233,8 @@ def blocked_advice(job: str, blocked: dict[str, str]) -> str:
 
 
 def async_overlap_note(job: RunJob) -> str | None:
-    """What async steps cannot overlap in the started ``job``, or ``None`` (everything): where
-    the generation role is not free in the residency plan it takes turns with the roles on its
-    GPUs, so only training overlaps generation (the driver's ``switching`` mode)."""
+    """What async steps cannot overlap in the started ``job`` (a generation role that takes
+    turns on its GPUs), or ``None``."""
     gen = job.generation_role
     if gen in job.residency.free:
         return None
@@ -275,41 +248,27 @@ def async_overlap_note(job: RunJob) -> str | None:
 
 
 class TrainerCalls:
-    """The trainer as the driver calls it (``train``, ``push``; ``measure_copy`` for
-    ``--measure``) over its Ray actor."""
+    """The trainer as the driver calls it (``train``, ``push``, ``save``, ``load``,
+    ``measure_copy``): each an awaitable call of its Ray actor's method of that name."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    async def train(self, batch_id: int) -> dict[str, Any]:
-        result: dict[str, Any] = await self.actor.train.remote(batch_id)
-        return result
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        method = getattr(self.actor, name)
 
-    async def push(self, version: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self.actor.push.remote(version)
-        return result
+        async def call(*args: Any) -> Any:
+            return await method.remote(*args)
 
-    async def measure_copy(self, sizes: Sequence[int]) -> dict[int, dict[str, float]]:
-        result: dict[int, dict[str, float]] = await self.actor.measure_copy.remote(list(sizes))
-        return result
-
-    async def save(self, directory: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self.actor.save.remote(directory)
-        return result
-
-    async def load(self, directory: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self.actor.load.remote(directory)
-        return result
+        return call
 
 
 @attrs.define
 class StepPorts:
-    """What the steps of a run call, whatever engines answer: the coordinator, the generation
-    model's handle, the stages, the sink, the stages' clients, a new step producer per step, the
-    trainer (:class:`TrainerCalls` or alike), the generation role, the roles that take turns
-    (``deferred_roles``; ``switching``: the generation role is one of them), whether rollout is
-    free (never switched), the initial weight version and, for ``--measure``, ``heads(role)``:
-    the base URLs of a role's engine heads."""
+    """What the steps of a run call, whatever engines answer (the Ray actors of a
+    :class:`~relax_core.run.job.RunJob`, or a simulation); ``free``: rollout never switches;
+    ``heads(role)`` (``--measure``): the base URLs of a role's engine heads; ``recover(role)``:
+    rebuild a role's dead replicas (default: the coordinator's)."""
 
     name: str
     run: Any
@@ -325,8 +284,6 @@ class StepPorts:
     switching: bool = False
     free: bool = True
     heads: Callable[[str], Awaitable[list[str]]] | None = None
-    #: ``recover(role)``: rebuild the role's dead replicas between a stage's retries (default:
-    #: the coordinator's, which knows the leased roles)
     recover: Callable[[str], Awaitable[Any]] | None = None
 
 
@@ -336,8 +293,8 @@ def step_row(
     timeline: Any,
     recovery: Recovery | None = None,
 ) -> dict[str, Any]:
-    """The committed step's JSON object (the same keys in both modes; ``docs/run.md``);
-    ``recovery``: the run's retries and rebuilds (the row's ``retries``, ``recoveries``)."""
+    """The committed step's JSON object (``docs/run.md``); ``recovery``: the run's retries and
+    rebuilds."""
     n, result, trained = outcome.step, outcome.result, outcome.trained
     samples = outcome.batch.originals
     rewards = [float(s.reward or 0.0) for s in samples]
@@ -385,32 +342,27 @@ def step_row(
     return row
 
 
+@attrs.define(eq=False)
 class _Report:
-    """Everything a run reports of its steps: the phases as they end (printer, trackers, the
-    trace), each committed step's row, the failed step's report, the dumps."""
+    """What a run reports of its steps: phases, rows, failures and dumps."""
 
-    def __init__(
-        self,
-        ports: StepPorts,
-        printer: Printer,
-        summary: RunSummary,
-        *,
-        trace: str | None,
-        dump_dir: str | None,
-        trackers: Trackers | None,
-    ) -> None:
-        self.ports = ports
-        self.printer = printer
-        self.summary = summary
-        self.dump_dir = dump_dir
-        self.trackers = trackers
-        self.metrics = RunMetrics.of()
-        self.timeline = Timeline(
-            on_event=self._event, trace_path=trace, run=f"relax run {ports.name}"
+    ports: StepPorts
+    printer: Printer
+    summary: RunSummary
+    trace: str | None = attrs.field(kw_only=True)
+    dump_dir: str | None = attrs.field(kw_only=True)
+    trackers: Trackers | None = attrs.field(kw_only=True)
+    metrics: RunMetrics = attrs.field(init=False, factory=RunMetrics.of)
+    timeline: Timeline = attrs.field(init=False)
+    #: the innermost phase an interruption stopped, if one did
+    interrupted_phase: str | None = attrs.field(init=False, default=None)
+    _bars: dict[int, Progress] = attrs.field(init=False, factory=dict)
+
+    @timeline.default
+    def _timeline(self) -> Timeline:
+        return Timeline(
+            on_event=self._event, trace_path=self.trace, run=f"relax run {self.ports.name}"
         )
-        #: the phase an interruption stopped first (the innermost one), if one did
-        self.interrupted_phase: str | None = None
-        self._bars: dict[int, Progress] = {}
 
     def _event(self, e: PhaseEvent) -> None:
         if e.interrupted and self.interrupted_phase is None:
@@ -440,8 +392,7 @@ class _Report:
             _dump(self.dump_dir, f"batch-{batch_id}.jsonl", samples)
 
     def step(self, outcome: StepOutcome) -> None:
-        """A step committed and trained: its row printed, counted and told to the trackers
-        with a few of its samples (``tracker_samples``)."""
+        """A step committed and trained: its row printed, counted and told to the trackers."""
         self._bars.pop(outcome.step, None)
         batch = outcome.batch
         if self.dump_dir is not None and batch.dropped_samples:
@@ -458,8 +409,7 @@ class _Report:
         self.printer.step(row)
 
     def evaluation(self, result: EvalResult) -> None:
-        """A background evaluation ended: its object printed, its metrics told to the
-        trackers (at the step that started it)."""
+        """A background evaluation ended: printed and told to the trackers."""
         if self.trackers is not None:
             self.trackers.log_metrics(result.step, result.metrics())
         self.printer.evaluation(result.row())
@@ -475,9 +425,7 @@ class _Report:
         await self.failed(failed, went_on=True)
 
     async def failed(self, failed: _StepFailure, *, went_on: bool = False) -> None:
-        """The step that failed or was interrupted, reported (and the run's summary says so);
-        ``went_on``: the run goes on past it (it is in the summary's ``failed_steps`` or
-        ``skipped_steps``)."""
+        """The step that failed or was interrupted, reported; ``went_on``: the run goes on."""
         n, exc = failed.step, failed.error
         stopped = interrupted(exc)
         samples = [*failed.samples, *failed.ahead]
@@ -520,24 +468,30 @@ class _Report:
         self.printer.failed(step.row())
 
 
+class RunOptions(TypedDict, total=False):
+    """What a run reports and keeps besides its steps (:func:`run_loop`)."""
+
+    trace: str | None
+    dump_dir: str | None
+    measure: bool
+    trackers: Trackers | None
+
+
 async def drive(
     ports: StepPorts,
     printer: Printer,
     *,
     steps: int,
     initial_version: str | None = None,
-    trace: str | None = None,
-    dump_dir: str | None = None,
-    measure: bool = False,
-    trackers: Trackers | None = None,
     residency: dict[str, Any] | None = None,
     first_step: int = 0,
     on_trained: Callable[[int], Awaitable[None]] | None = None,
+    **options: Unpack[RunOptions],
 ) -> RunSummary:
-    """Run steps ``first_step`` to ``steps - 1`` through the
-    :class:`~relax_core.run.driver.StepDriver` on ``ports``; the summary (a failed step ends
-    the run and is in ``summary.failure``; every committed step was printed as it committed).
-    ``on_trained(n)``: awaited once step ``n`` trained (a checkpoint). See :func:`run_loop`."""
+    """Run steps ``first_step`` to ``steps - 1`` on ``ports``; as :func:`run_loop`, which
+    calls it. ``on_trained(n)``: awaited once step ``n`` trained (a checkpoint)."""
+    trace, dump_dir = options.get("trace"), options.get("dump_dir")
+    trackers = options.get("trackers")
     began = time.perf_counter()
     summary = RunSummary(ports.name, steps, trace=trace, first_step=first_step)
     summary.startup_seconds = time.monotonic() - printer.began
@@ -549,17 +503,16 @@ async def drive(
     coordinator, rollout = ports.coordinator, ports.rollout
     probe: SwitchProbe | None = None
     driver: StepDriver | None = None
-    if measure:
+    if options.get("measure"):
         probe = SwitchProbe(ports.heads or _no_heads)
         coordinator = MeasuredCoordinator(coordinator, probe)
-        gen = ports.generation_role
 
         def step_of(direction: str) -> int:
             if driver is None:
                 return 0
             return driver.committing if direction == "offload" else driver.generating
 
-        rollout = MeasuredHandle(rollout, probe, gen, step_of)
+        rollout = MeasuredHandle(rollout, probe, ports.generation_role, step_of)
     summary.weight_versions.append(initial_version)
     background = BackgroundEvals(on_result=report.evaluation, deadline=ports.run.request_timeout)
     if ports.clients.recovery is None:  # retries counted per step, rebuilds through the lease
@@ -570,15 +523,7 @@ async def drive(
         DriverSettings.of(ports.run, steps, first_step),
         coordinator=coordinator,
         rollout=rollout,
-        stages=ports.stages,
-        sink=ports.sink,
-        clients=ports.clients,
-        producer=ports.producer,
-        trainer=ports.trainer,
-        generation_role=ports.generation_role,
-        deferred_roles=ports.deferred_roles,
         initial_version=initial_version,
-        switching=ports.switching,
         timeline=report.timeline,
         finalizer=report.finalizer,
         on_step=report.step,
@@ -586,6 +531,7 @@ async def drive(
         on_trained=on_trained,
         background=background,
         on_failed=report.went_on,
+        **{name: getattr(ports, name) for name in _DRIVEN},
     )
     signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
     async with signals.cancelling():
@@ -608,8 +554,7 @@ async def drive(
         except asyncio.CancelledError:
             if not signals.received:
                 raise
-            # Interrupted between steps (while the last committed step trained, the final
-            # push): its batch is committed already.
+            # Interrupted between steps: the batch is committed already.
             signals.handled()
             summary.interrupted_step = driver.generating
         finally:
@@ -621,9 +566,8 @@ async def drive(
 def role_recovery(
     coordinator: Any, unleased: Mapping[str, Sequence[Any]], *, timeout: float
 ) -> Callable[[str], Awaitable[Any]]:
-    """``recover(role)`` for a run's stages: a leased role through the coordinator (under its
-    slice's lock), a role the coordinator does not lease (on GPUs of its own: a split layout)
-    through a lease engine of its own over its models' handles — the same rule either way
+    """``recover(role)`` for a run's stages: a leased role through the coordinator, the others
+    (``unleased``) through a lease engine of their own
     (:meth:`~relax_core.coordination.leases.LeaseEngine.recover`)."""
     engine = LeaseEngine(
         {role: f"{role}:own" for role in unleased}, unleased, operation_timeout=timeout
@@ -643,8 +587,7 @@ async def _no_heads(role: str) -> list[str]:
 
 
 async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
-    """Wake rollout once more (every other role sleeps: the run is over) and give it the last
-    step's weights."""
+    """Wake rollout once more and give it the last step's weights."""
     began = time.perf_counter()
     if not ports.free:  # a free rollout is awake
         result = await asyncio.wait_for(ports.rollout.onload(), ports.run.operation_timeout)
@@ -654,8 +597,7 @@ async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
     try:
         pushed: dict[str, Any] = await ports.trainer.push(str(steps))
     except Exception as exc:
-        # rollout's engine died: its replica rebuilt through its manager, the push sent once
-        # more (idempotent per version)
+        # rollout's engine died: rebuilt, then the push (idempotent per version) sent again
         recovery = ports.clients.recovery
         if recovery is None or interrupted(exc):
             raise
@@ -677,30 +619,20 @@ async def run_loop(
     printer: Printer,
     *,
     steps: int,
-    trace: str | None = None,
-    dump_dir: str | None = None,
-    measure: bool = False,
-    trackers: Trackers | None = None,
     checkpoint_dir: str | None = None,
     resume: Checkpoint | None = None,
+    **options: Unpack[RunOptions],
 ) -> RunSummary:
     """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run
     and is in ``summary.failure``; every committed step was printed as it committed).
 
-    Ctrl-C (SIGINT) or SIGTERM, in the main thread, stops the run too: the step in flight is
-    cancelled, its batch failed and its roles released (requests in flight aborted), and the
-    summary returned has ``interrupted_step``; the signals' handlers are given back on return.
-
-    ``trace``: the Perfetto trace file (rewritten after every batch). ``dump_dir``: each
-    committed batch's samples as ``batch-N.jsonl``, a failed step's as ``failed-N.jsonl``.
-    ``measure``: time every phase switch and compare it with a copy of its bytes.
-    ``trackers``: told the run's config first, then each phase as it ends and each committed
-    step's metrics and samples (the caller closes them; with ``strict_trackers`` a tracker's
-    failure is raised here, :class:`~relax_core.errors.TrackerError`, after the step in flight).
-    ``checkpoint_dir``: keep checkpoints there (every ``[run] checkpoint_every`` steps and after
-    the last; the trainer has ``save`` and ``load``). ``resume``: continue from this checkpoint
-    of ``checkpoint_dir`` (its steps from ``resume.step`` on; the trainer's state loaded and its
-    weights pushed to rollout first).
+    Ctrl-C (SIGINT) or SIGTERM in the main thread cancels the step in flight (its batch
+    failed, its roles released) and the summary has ``interrupted_step``. ``trace``: the
+    Perfetto trace file; ``dump_dir``: the samples of each batch as JSON lines; ``measure``:
+    each phase switch against a copy of its bytes (:mod:`~relax_core.run.measure`);
+    ``trackers``: the caller closes them (a strict tracker's failure,
+    :class:`~relax_core.errors.TrackerError`, is raised after the step in flight);
+    ``checkpoint_dir``, ``resume``: checkpoints and the one to continue from.
 
     :raises CheckpointError: a checkpoint could not be written (it ends the run, after the
         steps before it; the previous checkpoint is kept).
@@ -714,6 +646,7 @@ async def run_loop(
             "startup_seconds": time.monotonic() - printer.began,
         }
     )
+    trackers = options.get("trackers")
     if trackers is not None:
         trackers.log_config(run_description(job))
     note = async_overlap_note(job)
@@ -787,21 +720,17 @@ async def run_loop(
             printer,
             steps=steps,
             initial_version=initial_version,
-            trace=trace,
-            dump_dir=dump_dir,
-            measure=measure,
-            trackers=trackers,
             residency=job.residency.to_dict(),
             first_step=first_step,
             on_trained=None if checkpoints is None else checkpoints.after,
+            **options,
         )
 
 
 async def _resumed(
     ports: StepPorts, resume: Checkpoint, run_dir: str, printer: Printer
 ) -> str | None:
-    """The trainer's state of ``resume`` loaded and its weights pushed to rollout (awake at
-    the start) before the first generation; the weight version rollout serves now."""
+    """Load ``resume``'s trainer state, push its weights; the weight version rollout serves."""
     state = os.path.join(run_dir, resume.trainer_dir)
     loaded = await ports.trainer.load(os.path.abspath(state))
     pushed = await ports.trainer.push(resume.weight_version)

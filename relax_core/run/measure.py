@@ -1,23 +1,9 @@
 """``relax run --measure``: what each phase switch costs, against the copy of the bytes it moves.
 
-A *switch* is one role's offload (its engines release every tag, their weights copied to the
-host backup) or onload (weights copied back, KV cache pool taken again). :class:`SwitchProbe`
-wraps the coordinator's ``activate`` / ``deactivate`` (the deferred roles) and the generation
-model's handle (rollout's own offload and onload) and, around each, reads every engine head's
-``/server_info`` memory report: the weight bytes the switch copies, the KV cache bytes it frees
-or takes, what the role's engines hold, and the device's free memory (CUDA).
-
-:func:`switch_report` then sets each switch against the baseline measured in the same run —
-one pinned host→device (onload) or device→host (offload) copy of the same number of bytes, by
-the trainer on its device (``measure_copy``) — and the run's step time:
-
-- ``limit_seconds = 1.25 * copy + 0.05`` and ``within_limit`` per switch;
-- ``freed_fraction`` per offload: the memory freed over what the role's engines held (CUDA:
-  device free memory after minus before, plus what the engines parked for the next engine on
-  the GPU to take over (an ``hf`` engine with ``--memory-handoff``, its ``memory_handoff``
-  report), over what they held before (``cuda_memory_held``: torch's reserved bytes and the
-  memory they map themselves); CPU: the engines' own resident weight and KV cache bytes);
-- ``share_of_step``: the switches' seconds over the steps' seconds.
+:class:`SwitchProbe` reads every engine head's ``/server_info`` memory report around each
+switch (a role's offload or onload, through the coordinator or rollout's own handle);
+:func:`switch_report` sets each against one pinned copy of the same bytes measured by the
+trainer in the same run (``measure_copy``) and the run's step time (``docs/run.md``: each key).
 """
 
 from __future__ import annotations
@@ -51,8 +37,8 @@ FIXED_SECONDS = 0.05
 
 @attrs.frozen
 class Switch:
-    """One measured switch. Byte counts sum over the role's engine heads; ``device_free_*``
-    is the device's free memory as the first head reports it (``None`` on CPU)."""
+    """One measured switch: byte counts summed over the role's engine heads; ``device_*`` as
+    the first head reports it (``None`` on CPU)."""
 
     step: int
     role: str
@@ -65,38 +51,28 @@ class Switch:
     device_free_before: int | None
     device_free_after: int | None
     device_total: int | None
-    #: The engines' own seconds for the switch's memory operations (the longest head's sum),
-    #: from their ``/server_info`` ``memory_log`` (``None`` for an engine that keeps none):
-    #: the rest of ``seconds`` is the coordinator, the manager, the drain and the check.
+    #: The engines' own seconds (the longest head's sum of its ``memory_log``; ``None``: none)
     engine_seconds: float | None = None
     #: The first head's operations during the switch: ``{"op", "detail"}`` each.
     engine_ops: tuple[dict[str, Any], ...] = ()
-    #: The manager's own seconds for the call and its slowest replica worker's (drain, release
-    #: or resume, generation check), where the switch's result is the manager's
-    #: ``LifecycleResult`` (rollout's own switches; ``None`` through the coordinator).
+    #: The manager's and its slowest replica worker's seconds (rollout's own switches only)
     manager_seconds: float | None = None
     worker_seconds: float | None = None
     #: What the role's engines had parked for another engine to take, before and after.
     parked_before: int = 0
     parked_after: int = 0
-    #: The role's engines' counters (summed over its heads) before and after the switch:
-    #: ``generation_tokens_total``, ``prefill_tokens_total``, ``decode_steps_total`` and their
-    #: decode CUDA graphs' ``captures`` and ``replays`` (those an engine reports): the tokens a
-    #: phase made are an offload's ``before`` less the onload's ``after``, and a switch that
-    #: captured a graph has ``captures`` moved.
+    #: The role's engines' token, step and CUDA graph counters before and after the switch.
     counters_before: Mapping[str, int] = attrs.field(factory=dict)
     counters_after: Mapping[str, int] = attrs.field(factory=dict)
 
     @property
     def handed_over_bytes(self) -> int:
-        """Memory the switch parked for the next engine on the GPU (still in use on the
-        device, no longer the role's)."""
+        """Memory the switch parked for the next engine on the GPU."""
         return max(0, self.parked_after - self.parked_before)
 
     @property
     def freed_bytes(self) -> int:
-        """Memory this switch gave back, to the device or handed over (negative for an
-        onload, which takes memory)."""
+        """Memory this switch gave back or handed over (negative for an onload)."""
         if self.device_free_before is not None and self.device_free_after is not None:
             return self.device_free_after - self.device_free_before + self.handed_over_bytes
         return self.held_before - self.held_after
@@ -134,8 +110,8 @@ def _counters(infos: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def _ops_since(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """The head's memory operations in its ``after`` log that its ``before`` log lacks (by
-    the engine's own clock, so another node's clock does not matter); ``None``: it logs none."""
+    """The head's memory operations in its ``after`` log that its ``before`` log lacks (by the
+    engine's own clock); ``None``: it logs none."""
     log = after.get("memory_log")
     if not isinstance(log, list):
         return None
@@ -158,8 +134,7 @@ def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
             float(tag.get("seconds", 0.0))
             for op in head or ()
             for tag in op["detail"].values()
-            # An ``overlapped`` tag ran inside another's seconds (hf: the pool mapped during
-            # the weights' copy).
+            # An ``overlapped`` tag ran inside another's seconds.
             if isinstance(tag, Mapping) and not tag.get("overlapped")
         )
         for head in ops
@@ -191,8 +166,8 @@ class SwitchProbe:
     async def around(
         self, step: int, role: str, direction: str, call: Callable[[], Awaitable[Any]]
     ) -> Any:
-        """Run ``call()`` (the switch) and record it; its result is returned, its error raised
-        (a failed switch is not recorded: there is nothing to compare)."""
+        """Run ``call()`` (the switch) and record it; its result returned, its error raised
+        (a failed switch is not recorded)."""
         infos_before = await self._info(role)
         before = [info.get("memory") or {} for info in infos_before.values()]
         began = time.perf_counter()
@@ -234,8 +209,7 @@ class SwitchProbe:
 
 class MeasuredCoordinator:
     """A :class:`~relax_core.coordination.coordinator.Coordinator` whose ``activate`` /
-    ``deactivate`` are measured switches; every other call goes to ``inner`` unchanged (by
-    attribute lookup, so a method added to the contract is forwarded without a change here)."""
+    ``deactivate`` are measured switches; every other call goes to ``inner``."""
 
     def __init__(self, inner: Coordinator, probe: SwitchProbe) -> None:
         self._inner = inner
@@ -269,9 +243,7 @@ class MeasuredCoordinator:
 
 class MeasuredHandle:
     """The generation model's manager handle with measured ``onload`` / ``offload``;
-    ``step(direction)`` is read at each call: the step the switch belongs to (an onload opens
-    the generating step's turn, an offload ends the committing step's; with steps overlapping
-    the two differ)."""
+    ``step(direction)``: the step a switch belongs to."""
 
     def __init__(
         self, inner: ManagerHandle, probe: SwitchProbe, role: str, step: Callable[[str], int]
@@ -307,45 +279,38 @@ class MeasuredHandle:
         return version
 
 
+#: A switch's row: its own keys, the copy's between the first six and the rest.
+_ROW = (
+    "step", "role", "direction", "seconds", "weight_bytes", "kv_cache_bytes", "held_before",
+    "held_after", "device_free_before", "device_free_after", "device_total", "freed_bytes",
+    "handed_over_bytes", "engine_seconds", "manager_seconds", "worker_seconds", "engine_ops",
+    "counters_before", "counters_after",
+)  # fmt: skip
+
+
 def switch_report(
     switches: Sequence[Switch],
     copies: Mapping[int, Mapping[str, float]],
     step_seconds: float,
 ) -> dict[str, Any]:
-    """Every switch against its copy baseline, and the totals (see the module docstring).
-
-    ``copies[bytes]`` holds ``h2d`` and ``d2h`` seconds of one copy of ``bytes``.
-    """
+    """Every switch against its copy baseline (``copies[bytes]``: ``h2d`` and ``d2h``
+    seconds of one copy), and the totals."""
     rows = []
     for s in switches:
         copy = copies.get(s.weight_bytes, {}).get("h2d" if s.direction == "onload" else "d2h")
         limit = None if copy is None else COPY_FACTOR * copy + FIXED_SECONDS
-        row: dict[str, Any] = {
-            "step": s.step,
-            "role": s.role,
-            "direction": s.direction,
-            "seconds": s.seconds,
-            "weight_bytes": s.weight_bytes,
-            "kv_cache_bytes": s.kv_cache_bytes,
+        row: dict[str, Any] = {k: getattr(s, k) for k in _ROW[:6]}
+        row |= {
             "copy_seconds": copy,
             "copy_gb_per_s": None if not copy else s.weight_bytes / copy / 1e9,
             "over_copy": None if not copy else s.seconds / copy,
             "limit_seconds": limit,
             "within_limit": None if limit is None else s.seconds <= limit,
-            "held_before": s.held_before,
-            "held_after": s.held_after,
-            "device_free_before": s.device_free_before,
-            "device_free_after": s.device_free_after,
-            "device_total": s.device_total,
-            "freed_bytes": s.freed_bytes,
-            "handed_over_bytes": s.handed_over_bytes,
-            "engine_seconds": s.engine_seconds,
-            "manager_seconds": s.manager_seconds,
-            "worker_seconds": s.worker_seconds,
-            "engine_ops": list(s.engine_ops),
-            "counters_before": dict(s.counters_before),
-            "counters_after": dict(s.counters_after),
         }
+        row |= {k: getattr(s, k) for k in _ROW[6:]}
+        row["engine_ops"] = list(s.engine_ops)
+        for key in ("counters_before", "counters_after"):
+            row[key] = dict(row[key])
         if s.direction == "offload":
             row["freed_fraction"] = s.freed_bytes / s.held_before if s.held_before else None
         rows.append(row)

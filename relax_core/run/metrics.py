@@ -1,17 +1,6 @@
-"""``relax run --metrics-port``: the driver's Prometheus metrics, served while it runs.
-
-The driver's process registry (``prometheus_client.REGISTRY``) holds the timeline's phase
-histogram (``relax_deferred_phase_seconds``, label ``phase``: every phase of every step) and
-the step metrics here, updated as each step commits:
-
-- ``relax_run_steps_committed_total``, ``relax_run_samples_committed_total``,
-  ``relax_run_tokens_generated_total``, ``relax_run_steps_failed_total`` (counters);
-- ``relax_run_step_seconds`` (a histogram of the committed steps' wall time);
-- ``relax_run_step`` (the last committed step), ``relax_run_reward_mean`` (its mean reward),
-  ``relax_run_weight_version_age_steps`` (how many steps behind the step's policy its samples'
-  weights were: 0 for a synchronous step).
-
-:func:`serve_metrics` serves them on ``GET /metrics`` (any path) from a thread of the driver.
+"""``relax run --metrics-port``: the driver's Prometheus metrics (:class:`RunMetrics`, updated
+as each step commits, beside the timeline's phase histogram; ``docs/run.md`` lists them),
+served by :func:`serve_metrics` on ``GET /metrics`` from a thread of the driver.
 """
 
 from __future__ import annotations
@@ -42,11 +31,9 @@ class RunMetrics:
         self.failed = counter("relax_run_steps_failed", "Steps of relax run failed or interrupted")
         self.samples = counter("relax_run_samples_committed", "Samples committed to training")
         self.tokens = counter("relax_run_tokens_generated", "Response tokens committed")
+        text = "Wall time of each committed step"
         self.seconds = Histogram(
-            "relax_run_step_seconds",
-            "Wall time of each committed step",
-            buckets=_BUCKETS,
-            registry=registry,
+            "relax_run_step_seconds", text, buckets=_BUCKETS, registry=registry
         )
         self.step = Gauge("relax_run_step", "The last committed step", registry=registry)
         self.reward = Gauge(

@@ -1,21 +1,7 @@
-"""What ``relax run`` prints: progress while a step runs, one line (or JSON object) per step.
-
-:class:`Printer` turns the events of the run's :class:`~relax_core.coordination.Timeline`
-(:class:`PhaseEvent`: each phase's beginning and end) and the step results into output:
-
-- **progress**: each phase that took real time as it ends (``  · step 1 genrm 2.29s``: at
-  least :data:`PHASE_LINE_SECONDS`; a phase that failed or was interrupted always, marked
-  ``FAILED`` or ``interrupted``), and while one runs on a terminal a status line rewritten in
-  place; a long wait (the engines' start, a step's generation) shows a progress bar there
-  (:meth:`Printer.waiting`: what is done of the total and the seconds it has taken), only
-  on a terminal;
-- **one line per step**: reward mean ± std, parse failures, teacher KL (or the teacher's
-  log-prob mean), tokens generated, the weight version its samples were generated with, and
-  the step's phase times (the shorter phases counted, not named);
-- with ``json``: on stdout one JSON object per committed step and a summary at the end, and
-  progress events (``"event"``: the ``start`` of the steps with the pids of every engine and
-  router, each phase's ``begin`` and end, short ones included); the text progress goes to
-  stderr.
+"""What ``relax run`` prints: progress while a step runs (each phase that took real time, a
+status line and progress bars on a terminal), one line or JSON object per step, and the
+summary; with ``json`` the objects go to stdout and the text progress to stderr
+(``docs/run.md``).
 """
 
 from __future__ import annotations
@@ -38,8 +24,7 @@ __all__ = [
     "phase_times",
 ]
 
-#: Phases shorter than this (seconds) print no progress line and are only counted in the
-#: step's line; ``--json`` has every one.
+#: Phases shorter than this (seconds) print no progress line (``--json`` has every one).
 PHASE_LINE_SECONDS = 0.05
 
 _SWITCHES = (".onload", ".offload", ".ack")
@@ -49,10 +34,13 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _ms(seconds: float | None) -> str:
+    return _fmt(seconds and seconds * 1e3, ".1f")
+
+
 def phase_times(phases: dict[str, float]) -> str:
-    """A step's phase times for its line: the switches (onloads, offloads, acknowledgments)
-    summed, every other phase of at least :data:`PHASE_LINE_SECONDS` by name, the rest
-    counted (``switches 0.22, generate 0.21, genrm 2.29, + 5 phases < 0.05s``)."""
+    """A step's phase times for its line: the switches summed, every other phase of at least
+    :data:`PHASE_LINE_SECONDS` by name, the rest counted."""
     switches = sum(v for k, v in phases.items() if k.endswith(_SWITCHES))
     others = {k: v for k, v in phases.items() if not k.endswith(_SWITCHES)}
     shown = [f"{k} {v:.2f}" for k, v in others.items() if v >= PHASE_LINE_SECONDS]
@@ -68,8 +56,7 @@ BAR_REDRAW = 0.25
 
 
 def _async_text(row: dict[str, Any]) -> str:
-    """An async step's staleness, stale groups, partial samples and idle ratios ("" for a
-    step of a sync run: ``max_staleness`` 0 and nothing streamed)."""
+    """An async step's staleness, stale groups, partial samples and idle ratios ("" in sync)."""
     a = row.get("async")
     if not a or (not a["max_staleness"] and not a["streamed_stages"]):
         return ""
@@ -92,9 +79,8 @@ _TOKEN_SPLIT = ("policy_tokens", "environment_tokens")
 
 
 def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
-    """The tokens' split when an environment wrote any (`` (policy 300, environment 212)``),
-    and each number the rollout reported per sample, its mean, max and total (``  turns 2.25
-    (max 3, total 9), tool_calls …``); ``""`` for what the step does not have."""
+    """The tokens' split when an environment wrote any, and each number the rollout reported
+    per sample (mean, max, total); ``""`` for what the step does not have."""
     rollout = row.get("trajectories") or {}
     env = rollout.get("environment_tokens") or {}
     split = ""
@@ -110,9 +96,8 @@ def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
 
 
 class Progress:
-    """A long wait's progress, drawn by :meth:`Printer.waiting` as a bar on the status line:
-    ``  starting engines [#########---------------] 1/3 models  12.4s``. :meth:`update`
-    is thread-safe and cheap (nothing is drawn off a terminal)."""
+    """A long wait's progress, a bar on the status line (:meth:`Printer.waiting`);
+    :meth:`update` is thread-safe and cheap."""
 
     def __init__(self, printer: Printer, label: str, total: int | None, unit: str) -> None:
         self.printer = printer
@@ -144,12 +129,11 @@ class Progress:
 
 
 class Printer:
-    """Prints a run's progress and results (see the module docstring).
+    """Prints a run's progress and results.
 
-    :param out: where lines (or JSON objects) go; :param err: where progress goes with
-        ``json``; :param tty: rewrite a status line in place (default: ``out`` is a terminal);
-        :param began: the command's start (``time.monotonic()``; default: now), from which
-        the summary's wall time is counted.
+    :param err: where progress goes with ``json``; :param tty: rewrite a status line in place
+        (default: whether it is a terminal); :param began: the command's start
+        (``time.monotonic()``), from which the summary's wall time is counted.
     """
 
     def __init__(
@@ -201,9 +185,8 @@ class Printer:
     def waiting(
         self, label: str, *, total: int | None = None, unit: str = ""
     ) -> Iterator[Progress]:
-        """A long wait: on a terminal a progress bar on the status line, its seconds redrawn
-        every :data:`BAR_REDRAW` seconds until the block ends (then the line is cleared);
-        elsewhere nothing. The block updates the :class:`Progress` it gets."""
+        """A long wait: on a terminal a progress bar, redrawn every :data:`BAR_REDRAW` seconds
+        until the block ends; elsewhere nothing. The block updates the :class:`Progress`."""
         progress = Progress(self, label, total, unit)
         if not self.tty:
             yield progress
@@ -226,16 +209,19 @@ class Printer:
                 self._clear()
 
     def started(self, row: dict[str, Any]) -> None:
-        """The steps begin: with ``--json`` the ``start`` event (the job, the pids of every
-        engine and router it started)."""
+        """The steps begin: with ``--json`` the ``start`` event."""
         if self.json:
             self._row({"event": "start", **row})
 
     def event(self, e: PhaseEvent) -> None:
         """A phase began or ended."""
         if self.json:
-            row: dict[str, Any] = {"event": "phase", "step": e.step, "phase": e.name}
-            row["state"] = e.state
+            row: dict[str, Any] = {
+                "event": "phase",
+                "step": e.step,
+                "phase": e.name,
+                "state": e.state,
+            }
             if e.ended:
                 row["seconds"] = e.seconds
             self._row(row)
@@ -294,8 +280,7 @@ class Printer:
         )
 
     def failed(self, row: dict[str, Any]) -> None:
-        """A step that failed, was skipped or was interrupted (``went_on``: the run goes on
-        past it)."""
+        """A step that failed, was skipped or was interrupted."""
         self._row(row)
         if row.get("interrupted"):
             text = f"relax run: step {row['step']} {row['error']}; nothing committed for it"
@@ -336,31 +321,18 @@ class Printer:
                 f"an offload: {_fmt(measured['min_freed_fraction'], '.1%')}"
             )
             for s in measured["switches"]:
+                inside = f"copy {_ms(s['copy_seconds'])} ms, limit {_ms(s['limit_seconds'])} ms"
+                if s.get("engine_seconds") is not None:
+                    inside += f"; engine {_ms(s['engine_seconds'])} ms"
+                if s.get("worker_seconds") is not None:
+                    inside += f", worker {_ms(s['worker_seconds'])} ms, manager "
+                    inside += f"{_ms(s['manager_seconds'])} ms"
+                after = ""
+                if s["direction"] == "offload":
+                    after = f", freed {_fmt(s.get('freed_fraction'), '.1%')}"
+                if s.get("handed_over_bytes"):
+                    after += f" ({s['handed_over_bytes'] / 1e9:.1f} GB of it handed over)"
                 self.say(
                     f"    step {s['step']} {s['role']}.{s['direction']}: {s['seconds'] * 1e3:.1f} "
-                    f"ms for {s['weight_bytes'] / 1e6:.1f} MB (copy "
-                    f"{_fmt(s['copy_seconds'] and s['copy_seconds'] * 1e3, '.1f')} ms, limit "
-                    f"{_fmt(s['limit_seconds'] and s['limit_seconds'] * 1e3, '.1f')} ms"
-                    + (
-                        f"; engine {s['engine_seconds'] * 1e3:.1f} ms"
-                        if s.get("engine_seconds") is not None
-                        else ""
-                    )
-                    + (
-                        f", worker {s['worker_seconds'] * 1e3:.1f} ms, manager "
-                        f"{s['manager_seconds'] * 1e3:.1f} ms"
-                        if s.get("worker_seconds") is not None
-                        else ""
-                    )
-                    + ")"
-                    + (
-                        f", freed {_fmt(s.get('freed_fraction'), '.1%')}"
-                        if s["direction"] == "offload"
-                        else ""
-                    )
-                    + (
-                        f" ({s['handed_over_bytes'] / 1e9:.1f} GB of it handed over)"
-                        if s.get("handed_over_bytes")
-                        else ""
-                    )
+                    f"ms for {s['weight_bytes'] / 1e6:.1f} MB ({inside}){after}"
                 )

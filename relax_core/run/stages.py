@@ -1,20 +1,5 @@
-"""A step's stages: built from the job file's stage tables through the registered stage kinds,
-and the core's own two kinds, ``reward`` and ``eval``.
-
-:func:`build_stages` builds every stage of a :class:`~relax_core.run.config.RunConfig` (pure:
-nothing starts; ``relax run`` builds them to check the job, then again to run it): for each
-:class:`~relax_core.run.config.StageTable`, its kind's :class:`~relax_core.records.StageSpec`
-is looked up, the table's keys checked against the kind's ``options``, and the kind's
-``build`` called with a :class:`StageConfig`. Every problem of every stage is reported at once,
-each at its key path.
-
-The core's kinds (registered by :func:`relax_register_stages`, a built-in plugin):
-
-- ``reward``: reward adapters over the batch (:class:`~relax_core.coordination.RewardStage`);
-  ``rewards = [{ adapter, weight, key }]``, its ``role`` the role model-backed adapters call;
-- ``eval``: every ``every`` steps, generates on a held-out ``dataset`` with the policy that
-  generated the step, scores it with its own ``rewards`` and reports the reward in the step's
-  line; its samples never join the batch (nothing of them is trained on).
+"""A step's stages, built from the job file's stage tables through the registered stage kinds
+(:func:`build_stages`), and the core's own two kinds, ``reward`` and ``eval``.
 """
 
 from __future__ import annotations
@@ -22,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import attrs
 
@@ -50,16 +35,10 @@ __all__ = [
 
 @attrs.frozen
 class StageConfig:
-    """What a stage kind's ``build`` gets: one stage table of the job file.
-
-    ``kind``, ``name``, ``role``, ``models``: the table's common keys (``name`` defaulted);
-    ``options``: the rest of the table, as written (read them with
-    :class:`~relax_core.ConfigReader`; a problem goes at :meth:`key`); ``path``: the table's key
-    path (``run.stages[2]``); ``run``: the run's settings (``request_timeout``,
-    ``samples_per_prompt``, …); ``plugins``: the job's plugin manager (``plugins.registered(
-    "reward_adapters")``); ``generation_role``: the role that generates the batch;
-    ``deferred_roles``: the roles a defer layout leases (a reward adapter of a stage on one must
-    declare ``supports_deferred``).
+    """What a stage kind's ``build`` gets: one stage table of the job file, the run's settings,
+    the job's plugins, the generation role and the roles a defer layout leases (a reward
+    adapter of a stage on one must declare ``supports_deferred``). Read ``options`` with
+    :class:`~relax_core.ConfigReader`; a problem goes at :meth:`key`.
     """
 
     table: StageTable
@@ -67,19 +46,17 @@ class StageConfig:
     plugins: PluginLookup
     generation_role: str | None = None
     deferred_roles: tuple[str, ...] = ()
-    #: the kind's default of ``retries`` (:attr:`~relax_core.records.StageSpec.retries`)
     default_retries: int = 0
 
     @property
     def retries(self) -> int:
-        """How many times one of the stage's idempotent requests that failed for a transport
-        reason or a 5xx is sent again (the table's ``retries``, else the kind's default); the
-        stage sends through :meth:`~relax_core.StageContext.retrying` with it."""
+        """How many times a failed idempotent request is sent again (the table's ``retries``,
+        else the kind's); for :meth:`~relax_core.StageContext.retrying`."""
         return self.table.retries if self.table.retries is not None else self.default_retries
 
     @property
     def kind(self) -> str:
-        """The stage's kind (its :class:`~relax_core.records.StageSpec`'s name)."""
+        """The stage's kind."""
         return self.table.kind
 
     @property
@@ -99,7 +76,7 @@ class StageConfig:
 
     @property
     def options(self) -> Mapping[str, Any]:
-        """The table's own keys, as written."""
+        """The rest of the table, as written."""
         return self.table.options
 
     @property
@@ -117,45 +94,37 @@ class StageConfig:
         return bool(self.deferred_roles)
 
 
-def build_stages(
-    run: RunConfig,
-    plugins: PluginLookup,
-    *,
-    roles: Sequence[str] | None = None,
-    generation_role: str | None = None,
-    deferred_roles: Sequence[str] = (),
-) -> list[Stage]:
-    """Every stage of ``run``, in order, built by its kind.
+class _Job(TypedDict, total=False):
+    #: the configured roles (a stage's ``role`` must be one; ``None``: not checked)
+    roles: Sequence[str] | None
+    generation_role: str | None
+    deferred_roles: Sequence[str]
 
-    ``roles``: the configured roles (a stage's ``role`` must be one); ``None`` skips that
-    check.
+
+def build_stages(run: RunConfig, plugins: PluginLookup, **job: Unpack[_Job]) -> list[Stage]:
+    """Every stage of ``run``, in order, built by its kind. Pure: nothing starts.
 
     :raises ConfigValidationError: every problem of every stage, each at its key path.
     """
-    stages, problems = _build(run, plugins, roles, generation_role, tuple(deferred_roles))
+    stages, problems = _build(run, plugins, **job)
     if problems:
         raise ConfigValidationError(problems)
     return stages
 
 
 def stage_problems(
-    run: RunConfig,
-    plugins: PluginLookup,
-    *,
-    roles: Sequence[str] | None = None,
-    generation_role: str | None = None,
-    deferred_roles: Sequence[str] = (),
+    run: RunConfig, plugins: PluginLookup, **job: Unpack[_Job]
 ) -> list[ConfigProblem]:
     """What :func:`build_stages` would raise, as a list (empty: every stage builds)."""
-    return _build(run, plugins, roles, generation_role, tuple(deferred_roles))[1]
+    return _build(run, plugins, **job)[1]
 
 
 def _build(
     run: RunConfig,
     plugins: PluginLookup,
-    roles: Sequence[str] | None,
-    generation_role: str | None,
-    deferred_roles: tuple[str, ...],
+    roles: Sequence[str] | None = None,
+    generation_role: str | None = None,
+    deferred_roles: Sequence[str] = (),
 ) -> tuple[list[Stage], list[ConfigProblem]]:
     registered = plugins.registered("stages")
     stages: list[Stage] = []
@@ -175,7 +144,7 @@ def _build(
             problems += found
             continue
         config = StageConfig(
-            table, run, plugins, generation_role, deferred_roles, default_retries=spec.retries
+            table, run, plugins, generation_role, tuple(deferred_roles), spec.retries
         )
         try:
             stage = spec.build(config)
@@ -266,8 +235,7 @@ def _built_problems(table: StageTable, stage: object, dist: str) -> list[ConfigP
 
 @attrs.frozen
 class RewardWeight:
-    """One reward adapter of a reward stage: its weight in the sample's reward and the key its
-    value has in ``rewards`` (the adapter's name unless given)."""
+    """One reward adapter of a reward stage, its weight and its key in ``rewards``."""
 
     adapter: str
     weight: float = 1.0
@@ -278,9 +246,7 @@ def read_rewards(
     r: ConfigReader, raw: object, path: str, plugins: PluginLookup, *, deferred: bool = False
 ) -> list[tuple[Any, float, str]]:
     """A ``rewards = [{ adapter, weight, key }]`` list as ``(RewardSpec, weight, key)``
-    entries; its problems into ``r`` at ``path[i]``: an empty list, an unregistered adapter,
-    a repeated key, a weight that is not finite, and (``deferred``) an adapter that does not
-    declare ``supports_deferred``."""
+    entries; its problems go into ``r`` at ``path[i]``."""
     if raw is None:
         r.problem(
             path,
@@ -365,8 +331,7 @@ def _reward_stage(config: StageConfig, r: ConfigReader, *, name: str) -> RewardS
 
 
 def build_reward_stage(config: StageConfig) -> RewardStage:
-    """The ``reward`` kind: a :class:`~relax_core.coordination.RewardStage` from ``rewards``
-    (and ``concurrency``) on ``role``'s ``models``.
+    """The ``reward`` kind: a :class:`~relax_core.coordination.RewardStage` from ``rewards``.
 
     :raises ConfigValidationError: every problem of its table.
     """
@@ -389,40 +354,26 @@ REWARD = StageSpec(
 # -- evaluation ----------------------------------------------------------------------------------
 
 
+@attrs.define(eq=False)
 class EvalStage:
-    """Every ``every`` steps (steps 0, every, 2 x every, …), ``prompts`` held-out prompts from
-    ``source`` generated with the policy that generated the step (``samples_per_prompt`` each,
-    at ``temperature``), scored by ``scorer`` (a reward stage, with its role's lease), reported:
-    ``samples``, ``reward_mean``, ``reward_std`` and the scorer's counts. Writes nothing on the
-    batch's samples; its own samples never join the batch. ``background``: the step only
-    starts it and goes on (:mod:`~relax_core.run.background`).
+    """Every ``every`` steps, ``prompts`` held-out prompts from ``source`` generated with the
+    step's policy, scored by ``scorer`` and reported; its samples never join the batch.
+    ``background``: the step only starts it (:mod:`~relax_core.run.background`).
     """
 
-    role: str | None = None
-    models: tuple[str, ...] = ()
     fields = ()
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        source: Callable[[], PromptSource],
-        scorer: RewardStage,
-        every: int = 1,
-        prompts: int = 4,
-        samples_per_prompt: int = 1,
-        temperature: float = 0.0,
-        background: bool = False,
-    ) -> None:
-        self.name = name
-        self.background = background
-        self.scorer = scorer
-        self.every = every
-        self.prompts = prompts
-        self.samples_per_prompt = samples_per_prompt
-        self.temperature = temperature
-        self._open = source
-        self._source: PromptSource | None = None
+    name: str
+    source: Callable[[], PromptSource] = attrs.field(kw_only=True)
+    scorer: RewardStage = attrs.field(kw_only=True)
+    every: int = attrs.field(default=1, kw_only=True)
+    prompts: int = attrs.field(default=4, kw_only=True)
+    samples_per_prompt: int = attrs.field(default=1, kw_only=True)
+    temperature: float = attrs.field(default=0.0, kw_only=True)
+    background: bool = attrs.field(default=False, kw_only=True)
+    role: str | None = attrs.field(default=None, init=False)
+    models: tuple[str, ...] = attrs.field(default=(), init=False)
+    _opened: PromptSource | None = attrs.field(default=None, init=False)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -437,10 +388,10 @@ class EvalStage:
         """Evaluate on this step if it is one of every ``every``; else report ``skipped``."""
         if not self.due(ctx.batch_id):
             return StageReport(self.name, {"skipped": 1})
-        if self._source is None:
-            self._source = self._open()
+        if self._opened is None:
+            self._opened = self.source()
         held_out = await ctx.generate(
-            prompts=self._source.take(self.prompts),
+            prompts=self._opened.take(self.prompts),
             samples_per_prompt=self.samples_per_prompt,
             temperature=self.temperature,
         )
@@ -457,11 +408,7 @@ class EvalStage:
 
 
 def build_eval_stage(config: StageConfig) -> EvalStage:
-    """The ``eval`` kind: ``dataset`` (a prompt source, required), ``every`` (1),
-    ``prompts`` (the run's ``prompts_per_step``), ``samples_per_prompt`` (1),
-    ``temperature`` (0: greedy), ``rewards`` and ``concurrency`` (as the reward stage's; its
-    ``role`` and ``models`` are the scorer's), ``background`` (false; async runs only: off the
-    step's critical path, :mod:`~relax_core.run.background`).
+    """The ``eval`` kind (its keys: ``docs/run.md``).
 
     :raises ConfigValidationError: every problem of its table (a dataset no source reads).
     """
@@ -483,11 +430,8 @@ def build_eval_stage(config: StageConfig) -> EvalStage:
             'asynchronous steps have: set [run] mode = "async", or remove background',
         )
     scorer = _reward_stage(config, r, name=f"{config.name}.rewards")
-    where: dict[str, Any] = {
-        "seed": config.run.seed,
-        "key": config.key("dataset"),
-        "base": config.run.base,
-    }
+    where: dict[str, Any] = {"seed": config.run.seed, "key": config.key("dataset")}
+    where["base"] = config.run.base
     if dataset is not None:
         r.problems.extend(source_problems(dataset, config.plugins, **where))
     r.raise_problems()

@@ -1,19 +1,11 @@
 """Streaming scoring: each group scored as soon as its generation completes, not after the batch.
 
-:class:`StreamScorer` takes a batch's groups one by one (as the generator completes them) and
-runs the step's *leading streaming stages* on each group's staged copies, at most
-``concurrency`` groups at a time; the groups beyond wait in its queue, which holds at most the
-batch's own groups (generation of a batch is finite, so the queue is bounded by the batch). A
-stage streams when it says so (``streaming = True``: it scores each sample on its own, as the
-reward stage and the teacher's prefill do) and its role takes no lease (no role, or a role
-that is not deferred: a split or decoupled layout); the first stage that does not stream ends
-the prefix, and it and every stage after it run on the whole batch as always.
-
-:meth:`StreamScorer.finish` waits for every group and hands the batch a
-:class:`~relax_core.coordination.batch.Streamed`: the staged copies in the order the groups
-came, the stages that ran and their reports (counts summed over the groups, details merged).
-The batch then runs the remaining stages, validates every field, writes back and commits:
-nothing a streamed stage wrote reaches the original samples before every stage passed.
+:class:`StreamScorer` runs the step's leading streaming stages (:func:`streaming_prefix`: each
+says ``streaming = True`` and takes no lease) on each group's staged copies as the generator
+completes it, at most ``concurrency`` groups at a time; :meth:`StreamScorer.finish` hands the
+batch a :class:`~relax_core.coordination.batch.Streamed`, and the batch runs the remaining
+stages and commits as always: nothing a streamed stage wrote reaches the originals before
+every stage passed.
 """
 
 from __future__ import annotations
@@ -71,8 +63,7 @@ class StreamScorer:
 
     :param fields: every field the step's stages write (cleared on the staged copies).
     :param concurrency: groups scored at once.
-    :param timeline: where each stage's time on each group goes (``{stage}.stream`` on the
-        stage's lane; the step's phases add them up).
+    :param timeline: where each stage's time on each group goes (``{stage}.stream``).
     """
 
     def __init__(
