@@ -13,13 +13,9 @@ fixture hands each test exactly one READY replica, building or removing replicas
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -37,6 +33,7 @@ from relax_core.manager import (
     ReplicaPlacement,
 )
 from relax_core.records import EngineOptions
+from tests.support import cluster
 from tests.support import manager as support
 
 pytestmark = pytest.mark.ray
@@ -228,12 +225,7 @@ def test_a_backend_without_multi_node_support_is_refused(ray_local: Any) -> None
 
 
 def test_a_two_node_hf_replica_on_a_real_multi_node_cluster() -> None:
-    script = Path(__file__).parents[1] / "support" / "manager_cluster_check.py"
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=280
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = cluster.run_check("manager_cluster_check")
     assert out["start"] == {"math/replica-0": "done"}
     # Head and follower run on the two different nodes their bundles were placed on.
     assert out["worker_nodes"] == out["bundle_nodes"]
