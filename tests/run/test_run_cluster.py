@@ -10,7 +10,7 @@ import pytest
 from tests.support import cluster
 
 # The parts are covered in the default session on real multi-node clusters:
-# tests/manager/test_manager_multinode.py (a two-node hf replica, its recovery) and
+# tests/manager/test_manager_multinode_cluster.py (a two-node hf replica, its recovery) and
 # tests/placement/test_binding.py (nodes told apart); this is the whole run across two nodes.
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 

@@ -1,8 +1,9 @@
 """A two-node logical replica on a real multi-node ``ray.cluster_utils.Cluster``.
 
-Run by ``tests/manager/test_manager_multinode.py`` in its own process: a Cluster cannot share a
-process with the suite's local Ray. Prints one JSON line with what it observed; every process,
-actor and placement group it made is gone before it exits (checked here, reported in the JSON).
+Run by ``tests/manager/test_manager_multinode_cluster.py`` in its own process: a Cluster cannot
+share a process with the suite's local Ray. Prints one JSON line with what it observed; every
+process, actor and placement group it made is gone before it exits (checked here, reported in
+the JSON).
 
 The engines are real ``hf`` engines on a tiny model made here: the head (node rank 0) on one
 node serves ``/generate``; the follower (node rank 1) on the other joins the head's gloo node
