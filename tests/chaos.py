@@ -37,7 +37,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -204,13 +203,7 @@ class Driver:
     def __init__(self, job: Path, log: Path, *args: str) -> None:
         self.job = job
         self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relax_core", "run", str(job), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc = support.start_run(job, *args)
         self.rows: list[dict[str, Any]] = []
         self._threads = [
             threading.Thread(target=self._read, args=(s, log.with_suffix(x), keep), daemon=True)
@@ -242,14 +235,7 @@ class Driver:
 
     def kill_leftovers(self) -> None:
         """The driver's session (its Ray) and every process of the job's directory."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        for pid in serve.in_session(self.proc.pid) + serve.mentioning(str(self.job.parent)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
+        support.kill_run(self.proc, self.job.parent)
 
 
 def engine_pids(job_dir: Path) -> dict[str, int]:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import commands
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "relax_core"
 
@@ -92,7 +94,5 @@ def test_runtime_modules_do_not_need_test_dependencies() -> None:
         "    importlib.import_module(m.name)\n"
         "print('ok')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
+    out = commands.python(script, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -4,10 +4,9 @@ import and work, and its fixtures are simply not there; with pytest they are."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import relax_core.testing
+from tests.support import commands
 
 
 def test_the_helpers_import_without_pytest_and_the_fixtures_need_it() -> None:
@@ -18,9 +17,7 @@ def test_the_helpers_import_without_pytest_and_the_fixtures_need_it() -> None:
         "t.wait_for(lambda: True, timeout=1.0, what='nothing')\n"
         "print(json.dumps([sorted(t.__all__), hasattr(t, 'plugin_manager'), t.free_port() > 0]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    out = commands.python(script)
     assert out.returncode == 0, out.stderr[-2000:]
     names, fixtures, port = json.loads(out.stdout.strip().splitlines()[-1])
     assert names == ["free_port", "run_stages", "serve_app", "wait_for"]

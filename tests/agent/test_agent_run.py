@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +16,6 @@ import pytest
 from tests.support import run as support
 
 EXAMPLE = support.ROOT / "docs" / "examples" / "run-agent-cpu.toml"
-
-
-def _model(directory: Path) -> None:
-    made = subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(directory / "tiny" / "policy")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert made.returncode == 0, made.stderr
 
 
 def _run(job: Path, *args: str) -> tuple[int, list[dict[str, Any]], str, list[int]]:
@@ -51,7 +39,7 @@ def test_the_agent_example_commits_multi_turn_trajectories_with_tool_calls(tmp_p
     assert "relax run docs/examples/run-agent-cpu.toml --steps 2 --json" in text
     job = tmp_path / "run-agent-cpu.toml"
     job.write_text(text)
-    _model(tmp_path)
+    support.make_policy(tmp_path)
     dumps = tmp_path / "samples"
     code, rows, out, left = _run(job, "--steps", "2", "--json", "--dump-samples", str(dumps))
     assert code == 0, out
@@ -121,7 +109,7 @@ def test_an_environment_that_raises_fails_the_step_and_nothing_of_it_is_committe
 ) -> None:
     job = tmp_path / "job.toml"
     job.write_text(JOB)
-    _model(tmp_path)
+    support.make_policy(tmp_path)
     dumps = tmp_path / "samples"
     code, rows, out, left = _run(job, "--steps", "2", "--json", "--dump-samples", str(dumps))
     # The run reports the failed step and goes past it ([run] max_failed_steps, default 3):

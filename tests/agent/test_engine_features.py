@@ -29,13 +29,7 @@ WITHOUT_XGRAMMAR = (
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example beside a tiny model of its own (relative model paths are the job file's)."""
     directory = tmp_path_factory.mktemp("agent-features")
-    made = subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(directory / "tiny" / "policy")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert made.returncode == 0, made.stderr
+    support.make_policy(directory)
     shutil.copy(EXAMPLE, directory / EXAMPLE.name)
     return directory / EXAMPLE.name
 

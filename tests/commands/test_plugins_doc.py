@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shlex
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from relax_core.config import loads_config
 from relax_core.plugins import PluginManager
 from relax_core.records import RewardSpec
 from relax_core.run.config import parse_run_config
-from tests.support import docs
+from tests.support import commands, docs
 from tests.support import run as support
 
 JOB = "job.toml"
@@ -53,14 +51,7 @@ def _commands(program: str) -> list[list[str]]:
 
 def _relax(*args: str, site: Path) -> subprocess.CompletedProcess[str]:
     """``relax ARGS`` (the console script's module) with ``site`` first on ``PYTHONPATH``."""
-    env = {**os.environ, "PYTHONPATH": docs.pythonpath(site)}
-    return subprocess.run(
-        [sys.executable, "-m", "relax_core", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    return commands.relax(*args, site=site)
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +145,7 @@ def test_the_walkthrough_job_lists_the_adapter_in_its_run_table() -> None:
 def test_the_walkthrough_job_runs_a_step_rewarded_by_the_adapter(
     site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / JOB).write_text(_files()[JOB])
-    for command in _commands("relax-hf"):
-        made = subprocess.run(
-            [sys.executable, "-m", "relax_hf", *command[1:]],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert made.returncode == 0, made.stderr
+    docs.write_job(_walkthrough(), tmp_path, JOB)
     (run_command,) = _commands("relax run")
     assert run_command == ["relax", "run", JOB]
     # relax run's driver, its Ray and the Ray workers that run the sync adapter all import it.

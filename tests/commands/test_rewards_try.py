@@ -11,14 +11,13 @@ metadata, take the same name as a shipped adapter.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.support import commands
 from tests.support.gateway import Registry, gateway, snapshot, upstream
 
 TRIAL_PLUGIN = """
@@ -90,18 +89,7 @@ def trial_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _relax(
     *args: str, site: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    environ = {**os.environ, **(env or {})}
-    if site is not None:
-        environ["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(site), environ.get("PYTHONPATH")) if p
-        )
-    return subprocess.run(
-        [sys.executable, "-m", "relax_core", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=environ,
-    )
+    return commands.relax(*args, site=site, env=env)
 
 
 def _try(*args: str, site: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -31,7 +31,6 @@ import asyncio
 import contextvars
 from typing import Any
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -45,6 +44,7 @@ from relax_core.coordination import (
 from relax_core.coordination.residency import ResidencyPlan, SliceResidency
 from relax_core.errors import BatchFailedError, CoordinationError
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult
+from tests.support.machines import machine_settings, misbehave
 
 DEADLINE = 0.001
 GEN = "rollout"
@@ -92,13 +92,7 @@ class FakeHandle:
         self.calls.append(OP.get())
         if operation == "onload":
             self.gpu.load(self.role)
-        await asyncio.sleep(0)
-        if behaviour == "hang":
-            await self.never.wait()
-        if behaviour == "late":
-            await asyncio.sleep(DEADLINE * 3)
-        if behaviour == "raise":
-            raise RuntimeError(f"{self.role} {operation}: the actor died")
+        await misbehave(behaviour, self.never, DEADLINE * 3, f"{self.role} {operation}")
         ok = behaviour != "fail"
         if operation == "offload" and ok:
             self.gpu.resident.discard(self.role)
@@ -409,12 +403,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
 # The lease states themselves (switch, BLOCKED, rebuilds, late replies) are drawn 500 times by
 # tests/coordination/test_lease_engine_state_machine.py; this machine adds the coordinator's
 # own calls (batches, receipts, student scoring, resets) over them.
-CoordinatorMachine.TestCase.settings = settings(
-    max_examples=400,
-    stateful_step_count=25,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+CoordinatorMachine.TestCase.settings = machine_settings(
+    400, 25, derandomize=True, filter_too_much=True
 )
 test_coordinator_keeps_every_invariant_under_random_interleavings = CoordinatorMachine.TestCase
 
@@ -436,11 +426,7 @@ class ResidentCoordinatorMachine(CoordinatorMachine):
     )
 
 
-ResidentCoordinatorMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=25,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+ResidentCoordinatorMachine.TestCase.settings = machine_settings(
+    200, 25, derandomize=True, filter_too_much=True
 )
 test_coordinator_under_a_residency_plan_keeps_every_invariant = ResidentCoordinatorMachine.TestCase

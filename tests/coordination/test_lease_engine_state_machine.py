@@ -29,7 +29,6 @@ import asyncio
 import itertools
 from typing import Any
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -40,6 +39,7 @@ from relax_core.coordination.residency import ResidencyPlan
 from relax_core.errors import CoordinationError, ModelNotReadyError
 from relax_core.jobs.wake import WakeController
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult
+from tests.support.machines import machine_settings, misbehave
 from tests.support.virtual_clock import VirtualClockLoop
 
 DEADLINE = 0.002
@@ -81,13 +81,7 @@ class Model:
         behaviour, self.next = self.next, "ok"
         if operation in ("onload", "recover"):
             self.gpus.load(self.role)
-        await asyncio.sleep(0)
-        if behaviour == "hang":
-            await self.never.wait()
-        if behaviour == "late":
-            await asyncio.sleep(DEADLINE * 3)
-        if behaviour == "raise":
-            raise RuntimeError(f"{self.name} {operation}: the actor died")
+        await misbehave(behaviour, self.never, DEADLINE * 3, f"{self.name} {operation}")
         if behaviour == "die":
             self.state = "FAILED"
         if behaviour in ("fail", "die") or (self.state == "FAILED" and operation != "recover"):
@@ -286,11 +280,5 @@ class LeaseMachine(RuleBasedStateMachine):
         self.loop.close()
 
 
-LeaseMachine.TestCase.settings = settings(
-    max_examples=500,
-    stateful_step_count=20,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+LeaseMachine.TestCase.settings = machine_settings(500, 20, derandomize=True, filter_too_much=True)
 test_both_front_ends_keep_every_lease_invariant_under_random_interleavings = LeaseMachine.TestCase

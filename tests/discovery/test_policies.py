@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -207,8 +208,13 @@ _replica_sets = st.lists(
 _keys = st.lists(st.text(min_size=0, max_size=12), min_size=1, max_size=40)
 
 
-@settings(max_examples=80, deadline=None)
-@given(ids=_replica_sets, keys=_keys, data=st.data())
+def _drawn_sets_and_keys(test: Callable[..., None]) -> Callable[..., None]:
+    """``test`` over 80 examples of a replica set, keys and one more draw (the test's own)."""
+    drawn = given(ids=_replica_sets, keys=_keys, data=st.data())(test)
+    return settings(max_examples=80, deadline=None)(drawn)
+
+
+@_drawn_sets_and_keys
 def test_removing_a_replica_moves_only_the_keys_it_owned(
     ids: list[str], keys: list[str], data: st.DataObject
 ) -> None:
@@ -226,8 +232,7 @@ def test_removing_a_replica_moves_only_the_keys_it_owned(
             assert new_owner == rendezvous_order("teacher", "m", tuple(ids), key)[1]
 
 
-@settings(max_examples=80, deadline=None)
-@given(ids=_replica_sets, keys=_keys, data=st.data())
+@_drawn_sets_and_keys
 def test_same_key_and_replica_set_give_the_same_target(
     ids: list[str], keys: list[str], data: st.DataObject
 ) -> None:

@@ -105,13 +105,6 @@ def _guard(url: str, spec: InferenceEngineSpec | None = None) -> AdmissionThread
     return AdmissionThread(AdmissionServer(url, engine_id="judge/replica-0", spec=spec))
 
 
-@pytest.fixture
-def http() -> Iterator[urllib3.PoolManager]:
-    pool = urllib3.PoolManager(timeout=urllib3.Timeout(total=10), retries=False)
-    yield pool
-    pool.clear()
-
-
 def test_closed_admission_answers_503_with_retry_after_and_sends_nothing_upstream(
     upstream: tuple[Upstream, str], http: urllib3.PoolManager
 ) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -31,6 +30,7 @@ from relax_core.coordination.residency import ResidencyPlan, SliceResidency
 from relax_core.errors import ModelNotReadyError
 from relax_core.jobs.wake import WakeController, WakeState
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult
+from tests.support.machines import machine_settings
 
 ROLES = ("a", "b", "c")
 SLICE = "pool:0-0"
@@ -258,12 +258,7 @@ class WakeMachine(RuleBasedStateMachine):
 
 
 TestWakeMachine = WakeMachine.TestCase
-TestWakeMachine.settings = settings(
-    max_examples=25,
-    stateful_step_count=20,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestWakeMachine.settings = machine_settings(25, 20)
 
 
 @pytest.mark.parametrize("min_residency", [0.02, 0.05])

@@ -80,13 +80,6 @@ def served() -> Iterator[Served]:
         loop.close()
 
 
-@pytest.fixture
-def http() -> Iterator[urllib3.PoolManager]:
-    pool = urllib3.PoolManager(timeout=urllib3.Timeout(total=10), retries=False)
-    yield pool
-    pool.clear()
-
-
 def test_missing_or_wrong_token_is_refused_and_runs_nothing(
     served: Served, http: urllib3.PoolManager
 ) -> None:

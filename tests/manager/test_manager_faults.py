@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoutingSpec
 from relax_core.errors import InferenceRecoveryRequired, LifecycleError
 from relax_core.manager import ManagerTimeouts, Outcome
+from tests.support import cluster
 from tests.support import manager as support
 
 pytestmark = pytest.mark.ray
@@ -157,13 +157,22 @@ def test_health_check_rebuilds_a_dead_engine_in_one_call(
     assert engine(publisher, "judge/replica-1").generation >= 2
 
 
+@contextlib.contextmanager
+def _stopped(manager: Any, engine_id: str) -> Iterator[int]:
+    """The engine's process stopped (SIGSTOP) for the block and continued after it: its pid."""
+    pid = manager.engine_pids()[engine_id][0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_an_engine_stopped_for_fewer_probes_than_the_limit_stays_ready_and_is_not_rebuilt(
     manager: Any, publisher: RegistryPublisher
 ) -> None:
     before = engine(publisher, "judge/replica-1")
-    pid = manager.engine_pids()["judge/replica-1"][0]
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with _stopped(manager, "judge/replica-1") as pid:
         reports: list[Any] = []
         probing = threading.Thread(target=lambda: reports.append(manager.health_check()))
         probing.start()
@@ -177,8 +186,6 @@ def test_an_engine_stopped_for_fewer_probes_than_the_limit_stays_ready_and_is_no
         assert probing.is_alive(), "the offload waited for the health probes"
         probing.join(60)
         (report,) = reports
-    finally:
-        os.kill(pid, signal.SIGCONT)
     verdict = report.by_engine["judge/replica-1"]
     assert verdict.action == "suspect" and verdict.failed_probes == 1
     assert not verdict.healthy and verdict.state == "READY"
@@ -202,15 +209,11 @@ def test_an_engine_stopped_for_the_probe_limit_becomes_failed_and_is_rebuilt(
     manager: Any, publisher: RegistryPublisher
 ) -> None:
     before = engine(publisher, "judge/replica-1")
-    pid = manager.engine_pids()["judge/replica-1"][0]
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with _stopped(manager, "judge/replica-1") as pid:
         first = manager.health_check(recover=False)
         assert first.by_engine["judge/replica-1"].action == "suspect"
         assert manager.states()["judge/replica-1"] == "READY"
         second = manager.health_check(recover=False)
-    finally:
-        os.kill(pid, signal.SIGCONT)
     verdict = second.by_engine["judge/replica-1"]
     assert verdict.action == "failed" and verdict.state == "FAILED"
     assert verdict.failed_probes == UNHEALTHY_AFTER
@@ -311,10 +314,10 @@ def test_unconfirmed_removal_of_an_owned_group_stays_pending_and_is_retried(
 ) -> None:
     # A GCS that really does not answer: the check stops the gcs_server of a Ray cluster it
     # starts for itself (never the suite's) while the manager removes its owned group.
-    script = Path(__file__).parents[1] / "support" / "pg_cleanup_cluster_check.py"
     gcs_pid_file = tmp_path / "gcs.pid"
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(gcs_pid_file)],
+        cluster.check_command("pg_cleanup_cluster_check", str(gcs_pid_file)),
+        cwd=cluster.ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,7 +1,9 @@
 """Logical replicas that span nodes, with real hf engines: one worker slot per node, only the
 head published, a killed follower fails the whole replica, partial cleanup retried by URL,
-scale-out creating every slot — on a real local Ray (bundles standing in for nodes) and on a
-real multi-node ``ray.cluster_utils.Cluster`` (in a subprocess).
+scale-out creating every slot — on a real local Ray (bundles standing in for nodes); the same
+replica on a real multi-node ``ray.cluster_utils.Cluster`` is
+``tests/manager/test_manager_multinode_cluster.py``'s (a module of its own, so that the two
+workers of the default session run its cluster and this module's manager side by side).
 
 Each replica is a head ``relax-hf serve`` process and a follower process (``--node-rank 1``)
 that joins the head's gloo node group at the ``dist_init_addr`` the manager hands out and
@@ -13,13 +15,9 @@ fixture hands each test exactly one READY replica, building or removing replicas
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -225,28 +223,3 @@ def test_a_backend_without_multi_node_support_is_refused(ray_local: Any) -> None
             launch=ModelLaunch(model_path="unused", nodes_per_replica=2, device="cuda"),
             placement=ReplicaPlacement(None, [[(), ()]]),
         )
-
-
-def test_a_two_node_hf_replica_on_a_real_multi_node_cluster() -> None:
-    script = Path(__file__).parents[1] / "support" / "manager_cluster_check.py"
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=280
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["start"] == {"math/replica-0": "done"}
-    # Head and follower run on the two different nodes their bundles were placed on.
-    assert out["worker_nodes"] == out["bundle_nodes"]
-    assert len(set(out["worker_nodes"])) == 2
-    assert out["published"] == ["math/replica-0"]
-    generated = out["generate"]
-    assert generated["status"] == 200 and generated["completion_tokens"] == 6
-    assert out["head_followers"] == [out["follower_pid"]] and out["diverged_tokens"] == 0
-    assert out["health"] == {"healthy": False, "state": "FAILED"}, out.get("health_report")
-    assert out["head_health_generate_after_death"] == 503
-    assert out["published_after_death"] == [["math/replica-0", "FAILED", False]]
-    assert out["recover"] == {"math/replica-0": "done"}
-    assert out["new_pids_alive"] == [True, True] and out["rebuilt_generation"] == 2
-    assert out["generate_after_recover"] == 200
-    assert out["engines_left"] is False and out["actors_left"] is False
-    assert out["group_state"] == "REMOVED"

@@ -22,9 +22,8 @@ import pytest
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import LifecycleError
 from relax_core.manager import InferenceManager, ModelLaunch, Outcome, ReplicaPlacement
-from relax_core.manager.worker import EngineWorker
 from relax_core.plugins import PluginManager
-from relax_core.records import EngineBackend, EngineLaunchSpec
+from relax_core.records import EngineLaunchSpec
 from tests.support import manager as support
 
 #: What the hf engine's exception says (transformers) about an unknown ``model_type``.
@@ -118,14 +117,7 @@ def test_a_worker_quotes_the_log_of_an_engine_whose_own_error_does_not(
         started.append(_BareProcess([sys.executable, "-c", script], spec.log_path))
         return started[-1]
 
-    worker = EngineWorker(
-        engine_id="judge/replica-0",
-        node_rank=0,
-        backend=EngineBackend(name="bare", launch=launch, control_client=lambda url: None),
-        spec=InferenceEngineSpec(
-            role="genrm", weight_source=core_plugin_manager.weight_source("STATIC")
-        ),
-    )
+    worker = support.bare_worker(core_plugin_manager, launch)
     log = tmp_path / "judge_replica-0.log"
     spec = EngineLaunchSpec(engine_id="judge/replica-0", model_path="unused", log_path=str(log))
     try:

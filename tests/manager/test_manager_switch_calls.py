@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import LifecycleError
 from relax_core.manager.worker import EngineWorker
 from relax_core.plugins import PluginManager
-from relax_core.records import EngineBackend
+from tests.support import manager as support
 
 TAGS = ["weights", "kv_cache", "cuda_graph"]
 
@@ -70,14 +69,7 @@ class _Admission:
 
 
 def _worker(core_plugin_manager: PluginManager, control: _Control) -> EngineWorker:
-    worker = EngineWorker(
-        engine_id="judge/replica-0",
-        node_rank=0,
-        backend=EngineBackend(name="bare", launch=print, control_client=lambda url: None),
-        spec=InferenceEngineSpec(
-            role="genrm", weight_source=core_plugin_manager.weight_source("STATIC")
-        ),
-    )
+    worker = support.bare_worker(core_plugin_manager, print)
     worker.control = control
     worker.admission = _Admission()  # type: ignore[assignment]
     return worker

@@ -27,6 +27,7 @@ from relax_core.placement import (
 )
 from relax_core.plugins import PluginManager, module_plugin
 from relax_core.records import PlacementMode, RoleSpec
+from tests.support.plugin_managers import registering
 from tests.support.roles import builtin_roles
 
 DROP = object()
@@ -515,12 +516,7 @@ def test_rejects_an_unregistered_routing_policy(roles_plugin_manager: PluginMana
 
 
 def _roles_pm(*specs: RoleSpec) -> PluginManager:
-    def register(register: Callable[[RoleSpec], None]) -> None:
-        for spec in specs:
-            register(spec)
-
-    plugin = module_plugin("roles", relax_register_roles=register)
-    return PluginManager.create(entry_points=False, plugins=[("roles", plugin)])
+    return registering("roles", "relax_register_roles", *specs)
 
 
 def test_rejects_a_role_no_plugin_registers_suggesting_the_close_one(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 
 from relax_core.config import load_config
 from relax_core.placement import plan_inference_placement
+from tests.support import commands
 from tests.support.jobs import job_text, sglang
 from tests.support.roles import builtin_roles
 
@@ -20,13 +20,7 @@ EXAMPLES = sorted((ROOT / "docs" / "examples").glob("placement-*.toml"))
 
 
 def relax(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relax_core", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    return commands.relax(*args, cwd=ROOT)
 
 
 def _bad(**judge: int) -> str:
@@ -173,9 +167,7 @@ def test_planning_never_imports_ray() -> None:
         "plan_inference_placement(cfg, pm)\n"
         "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'ray'))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    done = commands.python(script)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 

@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -51,6 +50,7 @@ from relax_core.coordination.stages import RoleClients
 from relax_core.errors import EmptyBatchError
 from relax_core.manager.results import LifecycleResult
 from relax_core.run.driver import STALENESS_STAGE, DriverSettings, StepDriver, _StepFailure
+from tests.support.machines import machine_settings
 
 KINDS = ("group", "score", "train", "push")
 
@@ -456,12 +456,7 @@ def _registry() -> Any:
 
 
 TestDriver = DriverMachine.TestCase
-TestDriver.settings = settings(
-    max_examples=120,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestDriver.settings = machine_settings(120, 40)
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +63,7 @@ def _finish(proc: support.RunProcess) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("resume")
-    subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(root / "tiny" / "policy")],
-        check=True,
-        capture_output=True,
-        timeout=180,
-    )
+    support.make_policy(root)
     (root / "job.toml").write_text(JOB)
     return root
 

@@ -5,26 +5,18 @@ weights pushed back across the nodes, nothing left."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.support import cluster
+
 # The parts are covered in the default session on real multi-node clusters:
-# tests/manager/test_manager_multinode.py (a two-node hf replica, its recovery) and
+# tests/manager/test_manager_multinode_cluster.py (a two-node hf replica, its recovery) and
 # tests/placement/test_binding.py (nodes told apart); this is the whole run across two nodes.
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_one_step_runs_with_rollout_on_one_node_and_the_deferred_roles_on_the_other() -> None:
-    script = Path(__file__).parents[1] / "support" / "run_cluster_check.py"
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=280
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = cluster.run_check("run_cluster_check")
     assert out["problems"] == [] and "error" not in out, out
     assert out["steps_committed"] == 1 and out["failure"] is None, out
     assert out["samples"] == [4] and out["fields"] == [

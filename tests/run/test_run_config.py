@@ -289,25 +289,33 @@ def test_relax_run_rejects_a_bad_job_with_exit_2_and_starts_nothing(tmp_path: Pa
     assert "Ray" not in out.stdout
 
 
-def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_every_check(
-    tmp_path: Path,
-) -> None:
+def _h200_example(directory: Path, name: str) -> Path:
+    """The example ``docs/examples/NAME.toml`` in ``directory``, beside its three models'
+    config and tokenizer files (bf16, the "small" size; no weights: nothing is loaded)."""
     import json
 
-    from relax_hf.plugin import serve_argv
     from relax_hf.tiny import TINY_SIZES
     from transformers import LlamaConfig
 
-    from relax_core.jobs import engine_launch_specs
-
     shape = LlamaConfig(vocab_size=512, **TINY_SIZES["small"]).to_dict()
-    for name in ("policy", "judge", "math"):
-        d = tmp_path / "small" / name
+    for model in ("policy", "judge", "math"):
+        d = directory / "small" / model
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({**shape, "dtype": "bfloat16"}))
         (d / "tokenizer.json").write_text("{}")
-    job = tmp_path / "run-h200.toml"
-    job.write_text((ROOT / "docs" / "examples" / "run-h200.toml").read_text())
+    job = directory / f"{name}.toml"
+    job.write_text((ROOT / "docs" / "examples" / f"{name}.toml").read_text())
+    return job
+
+
+def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_every_check(
+    tmp_path: Path,
+) -> None:
+    from relax_hf.plugin import serve_argv
+
+    from relax_core.jobs import engine_launch_specs
+
+    job = _h200_example(tmp_path, "run-h200")
     pm = PluginManager.create()
     config = resolve_model_paths(load_config(job))
     run = parse_run_config(config)
@@ -324,22 +332,11 @@ def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_ever
 
 
 def test_the_h200_async_example_runs_graphs_budgeted_in_the_preflight(tmp_path: Path) -> None:
-    import json
-
     from relax_hf.plugin import serve_argv
-    from relax_hf.tiny import TINY_SIZES
-    from transformers import LlamaConfig
 
     from relax_core.jobs import engine_launch_specs
 
-    shape = LlamaConfig(vocab_size=512, **TINY_SIZES["small"]).to_dict()
-    for name in ("policy", "judge", "math"):
-        d = tmp_path / "small" / name
-        d.mkdir(parents=True)
-        (d / "config.json").write_text(json.dumps({**shape, "dtype": "bfloat16"}))
-        (d / "tokenizer.json").write_text("{}")
-    job = tmp_path / "run-h200-async.toml"
-    job.write_text((ROOT / "docs" / "examples" / "run-h200-async.toml").read_text())
+    job = _h200_example(tmp_path, "run-h200-async")
     pm = PluginManager.create()
     config = resolve_model_paths(load_config(job))
     assert run_problems(config, parse_run_config(config), pm) == []

@@ -6,7 +6,6 @@ actor. The reference torch trainer is tested where it lives (``plugins/relax-tor
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +24,17 @@ from relax_core import (
 from relax_core.config import load_config, loads_config
 from relax_core.errors import ConfigValidationError
 from relax_core.jobs import resolve_model_paths
-from relax_core.plugins import module_plugin
 from relax_core.run.config import parse_run_config
 from relax_core.run.job import run_problems
 from relax_core.run.trainer import TrainerContext, load_trainer_class, start_trainer
 from tests.support import run as support
 from tests.support import trainers
+from tests.support.plugin_managers import registering
 from tests.support.trainers import BrokenTrainer, EchoTrainer, NoPush
 
 
 def _with_trainers(*specs: TrainerSpec) -> PluginManager:
-    def register_trainers(register: Callable[[TrainerSpec], None]) -> None:
-        for spec in specs:
-            register(spec)
-
-    plugin = module_plugin("mine", relax_register_trainers=register_trainers)
-    return PluginManager.create(entry_points=False, plugins=[("mine", plugin)])
+    return registering("mine", "relax_register_trainers", *specs)
 
 
 def test_a_registered_name_gives_the_registered_class() -> None:

@@ -22,24 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "plugins.md"
 
 
-def _section() -> str:
-    return docs.section("plugins.md", "A trainer plugin")
-
-
-def _blocks(lang: str) -> list[str]:
-    return docs.blocks(_section(), lang)
-
-
-def _files() -> dict[str, str]:
-    """Every file the section shows: path (its block's ``# path`` first line) -> text."""
-    return docs.files(_section())
+TEXT = docs.section("plugins.md", "A trainer plugin")
 
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
     """The section's package, written out and imported as its entry point names it."""
     root = tmp_path_factory.mktemp("relax-grpo-sgd")
-    for path, text in _files().items():
+    for path, text in docs.files(TEXT).items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
@@ -54,11 +44,11 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
 
 
 def test_the_section_shows_a_distribution_with_its_entry_point() -> None:
-    files = _files()
+    files = docs.files(TEXT)
     assert set(files) == {"pyproject.toml", "relax_grpo_sgd/__init__.py"}
     project = tomllib.loads(files["pyproject.toml"])["project"]
     assert project["entry-points"]["relax"] == {"grpo-sgd": "relax_grpo_sgd"}
-    (run,) = [tomllib.loads(b)["run"] for b in _blocks("toml") if "[run]" in b]
+    (run,) = [tomllib.loads(b)["run"] for b in docs.blocks(TEXT, "toml") if "[run]" in b]
     assert run == {"trainer": "grpo-sgd", "learning_rate": 0.01}
 
 
@@ -71,7 +61,7 @@ def test_its_trainer_is_found_by_the_name_run_trainer_gives(plugin: ModuleType) 
 
 def test_the_learning_rate_the_job_gives_is_the_trainers(plugin: ModuleType) -> None:
     pm = PluginManager.create(plugins=[("grpo-sgd", plugin)])
-    (block,) = [b for b in _blocks("toml") if "[run]" in b]
+    (block,) = [b for b in docs.blocks(TEXT, "toml") if "[run]" in b]
     text = block + 'rewards = [{ adapter = "exact-match" }]\n'
     run = parse_run_config(loads_config(text), pm)
     assert (run.trainer, run.trainer_options.learning_rate) == ("grpo-sgd", 0.01)

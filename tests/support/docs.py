@@ -112,10 +112,9 @@ def plugins_row(site: Path, name: str) -> list[str]:
     return row
 
 
-def job_command(text: str, directory: Path, job: str) -> list[str]:
-    """Write the section's job file into ``directory``, run its ``relax-hf`` commands there
-    (the tiny models it names) and return its one ``relax run`` command, checked to run
-    ``job`` with ``--json``."""
+def write_job(text: str, directory: Path, job: str) -> None:
+    """Write the section's job file into ``directory`` and run its ``relax-hf`` commands there
+    (the tiny models it names)."""
     (directory / job).write_text(files(text)[job])
     for command in commands(text, "relax-hf"):
         made = subprocess.run(
@@ -126,6 +125,12 @@ def job_command(text: str, directory: Path, job: str) -> list[str]:
             timeout=300,
         )
         assert made.returncode == 0, made.stderr
+
+
+def job_command(text: str, directory: Path, job: str) -> list[str]:
+    """:func:`write_job`, then the section's one ``relax run`` command, checked to run ``job``
+    with ``--json``."""
+    write_job(text, directory, job)
     (command,) = commands(text, "relax run")
     assert command[:3] == ["relax", "run", job] and "--json" in command
     return command

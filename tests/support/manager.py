@@ -16,13 +16,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import InferenceRecoveryRequired, LifecycleError
 from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
+from relax_core.manager.worker import EngineWorker
 from relax_core.plugins import PluginManager
+from relax_core.records import EngineBackend, EngineLaunchSpec
 from relax_core.testing import wait_for
 
 _MODELS: dict[str, str] = {}
@@ -32,6 +34,17 @@ _MODELS_LOCK = threading.Lock()
 FAST = ManagerTimeouts(
     start=120.0, offload=20.0, onload=30.0, drain=10.0, update=60.0, health=10.0, shutdown=10.0
 )
+
+
+def bare_worker(pm: PluginManager, launch: Callable[[EngineLaunchSpec], Any]) -> EngineWorker:
+    """The worker of a STATIC genrm engine ``judge/replica-0`` of a backend named ``bare`` that
+    starts it with ``launch`` and has no control client."""
+    return EngineWorker(
+        engine_id="judge/replica-0",
+        node_rank=0,
+        backend=EngineBackend(name="bare", launch=launch, control_client=lambda url: None),
+        spec=InferenceEngineSpec(role="genrm", weight_source=pm.weight_source("STATIC")),
+    )
 
 
 def tiny_model(name: str = "micro") -> str:

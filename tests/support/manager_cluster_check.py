@@ -1,8 +1,9 @@
 """A two-node logical replica on a real multi-node ``ray.cluster_utils.Cluster``.
 
-Run by ``tests/test_manager_multinode.py`` in its own process: a Cluster cannot share a
-process with the suite's local Ray. Prints one JSON line with what it observed; every process,
-actor and placement group it made is gone before it exits (checked here, reported in the JSON).
+Run by ``tests/manager/test_manager_multinode_cluster.py`` in its own process: a Cluster cannot
+share a process with the suite's local Ray. Prints one JSON line with what it observed; every
+process, actor and placement group it made is gone before it exits (checked here, reported in
+the JSON).
 
 The engines are real ``hf`` engines on a tiny model made here: the head (node rank 0) on one
 node serves ``/generate``; the follower (node rank 1) on the other joins the head's gloo node
@@ -17,27 +18,12 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _wait(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+from tests.support.cluster import wait
+from tests.support.serve import alive
 
 
 def _http(method: str, url: str, body: Any = None) -> tuple[int, Any]:
@@ -119,8 +105,8 @@ def main() -> int:
         seen = set(pids)
         actor_ids = {w.actor._actor_id.hex() for w in workers}
         os.kill(pids[1], signal.SIGKILL)  # the follower, on the other node
-        _wait(lambda: not _alive(pids[1]), 10)
-        _wait(lambda: _http("GET", url + "/health_generate")[0] != 200, 30)
+        wait(lambda: not alive(pids[1]), 10)
+        wait(lambda: _http("GET", url + "/health_generate")[0] != 200, 30)
         out["head_health_generate_after_death"] = _http("GET", url + "/health_generate")[0]
         # The follower's death fails the replica (its worker sees its process gone); across two
         # simulated nodes of one busy machine that can take a round more to be seen, so up to
@@ -140,13 +126,13 @@ def main() -> int:
         out["recover"] = {k: str(v) for k, v in recovered.outcomes.items()}
         new = manager.engine_pids()["math/replica-0"]
         seen |= set(new)
-        out["new_pids_alive"] = [_alive(p) for p in new]
+        out["new_pids_alive"] = [alive(p) for p in new]
         out["rebuilt_generation"] = manager.model_view().engines[0].generation
         out["generate_after_recover"] = _generate(manager.model_view().engines[0].base_url)[0]
         actor_ids |= {w.actor._actor_id.hex() for w in manager.workers("math/replica-0")}
         manager.shutdown()
-        out["engines_left"] = not _wait(lambda: not any(_alive(p) for p in seen), 20)
-        out["actors_left"] = not _wait(
+        out["engines_left"] = not wait(lambda: not any(alive(p) for p in seen), 20)
+        out["actors_left"] = not wait(
             lambda: all(
                 a["State"] == "DEAD"
                 for a in ray_state.actors().values()

@@ -1,11 +1,12 @@
 """An owned placement group whose removal the GCS really does not confirm, on a Ray cluster of
 its own.
 
-Run by ``tests/manager/test_manager_faults.py`` in its own process, as ``python THIS
-GCS_PID_FILE``: the GCS it stops must be one that no other test (nor anything else on the
-machine) uses, so this process starts a ``ray.cluster_utils.Cluster`` (its own GCS, raylet and
-session directory) and stops that cluster's ``gcs_server``, found by the pid the cluster
-reports for it (written to GCS_PID_FILE first), never by name.
+Run by ``tests/manager/test_manager_faults.py`` in its own process, as ``python -m
+tests.support.pg_cleanup_cluster_check GCS_PID_FILE``: the GCS it stops must be one that no
+other test (nor anything else on the machine) uses, so this process starts a
+``ray.cluster_utils.Cluster`` (its own GCS, raylet and session directory) and stops that
+cluster's ``gcs_server``, found by the pid the cluster reports for it (written to GCS_PID_FILE
+first), never by name.
 
 A one-replica manager of the test plugin's simulated engine runs on an owned placement group.
 Its ``shutdown()`` stops the workers (that needs the GCS); at the moment it asks Ray to remove
@@ -30,6 +31,8 @@ import tempfile
 import time
 from typing import Any
 
+from tests.support.cluster import wait
+
 #: Seconds Ray's removal request waits for the stopped GCS before it raises.
 GCS_REQUEST_TIMEOUT = 5
 
@@ -40,15 +43,6 @@ def _state(pid: int) -> str:
             return f.read().decode().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
-
-
-def _wait(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def main() -> int:
@@ -103,7 +97,7 @@ def main() -> int:
             if not stopped:
                 os.kill(gcs_pid, signal.SIGSTOP)
                 stopped.append(time.monotonic())
-                _wait(lambda: _state(gcs_pid) == "T", 10)
+                wait(lambda: _state(gcs_pid) == "T", 10, every=0.01)
                 out["gcs_state_when_removing"] = _state(gcs_pid)
             real_remove(pg)
 

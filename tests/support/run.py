@@ -53,6 +53,19 @@ def make_models(directory: Path, size: str = "tiny") -> Path:
     return directory
 
 
+def make_policy(directory: Path) -> Path:
+    """One tiny policy, ``directory/tiny/policy`` (the model of the one-role jobs), made as a
+    user makes it."""
+    made = subprocess.run(
+        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(directory / "tiny" / "policy")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert made.returncode == 0, made.stderr
+    return directory
+
+
 def job_file(
     directory: Path, name: str = "job.toml", *, example: Path = EXAMPLE, **run: Any
 ) -> Path:
@@ -79,18 +92,37 @@ def job_file(
     return path
 
 
+def start_run(config: Path, *args: str) -> subprocess.Popen[str]:
+    """``python -m relax_core run CONFIG ARGS`` started in a session of its own (its Ray and
+    engines in it), both streams piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "relax_core", "run", str(config), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill_run(proc: subprocess.Popen[str], directory: Path) -> None:
+    """Whatever happened: the run's session and every process under its job's ``directory``
+    (continued first, should one be stopped) are killed."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    for pid in support.in_session(proc.pid) + support.mentioning(str(directory)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+
+
 class RunProcess:
     """``python -m relax_core run CONFIG ARGS`` in a session of its own, both streams read."""
 
     def __init__(self, config: Path, *args: str) -> None:
         self.config = config
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relax_core", "run", str(config), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc = start_run(config, *args)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self.out = support.Lines(self.proc.stdout)
         self.err = support.Lines(self.proc.stderr)
@@ -116,13 +148,7 @@ class RunProcess:
 
     def kill_leftovers(self) -> None:
         """Whatever the test did: the run's session and every process under its directory."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        for pid in support.in_session(self.proc.pid) + support.mentioning(str(self.config.parent)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
+        kill_run(self.proc, self.config.parent)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,23 @@ import tempfile
 import time
 from typing import Any
 
-JOB = """\
+from tests.support.serve import alive
+
+#: The deferred roles' models, both on bundle 1 (the other node).
+DEFERRED = "\n".join(
+    f"""\
+[roles.{role}.models.{model}]
+backend = "hf"
+model_path = "{{root}}/{model}"
+bundle_start = 1
+extra_args = ["--device", "cpu"]
+env = {{{{ OMP_NUM_THREADS = "1" }}}}
+"""
+    for role, model in (("genrm", "judge"), ("teacher", "math"))
+)
+
+JOB = (
+    """\
 [cluster]
 num_nodes = 2
 gpus_per_node = 1
@@ -43,20 +59,9 @@ bundle_start = 0
 extra_args = ["--device", "cpu"]
 env = {{ OMP_NUM_THREADS = "1" }}
 
-[roles.genrm.models.judge]
-backend = "hf"
-model_path = "{root}/judge"
-bundle_start = 1
-extra_args = ["--device", "cpu"]
-env = {{ OMP_NUM_THREADS = "1" }}
-
-[roles.teacher.models.math]
-backend = "hf"
-model_path = "{root}/math"
-bundle_start = 1
-extra_args = ["--device", "cpu"]
-env = {{ OMP_NUM_THREADS = "1" }}
-
+"""
+    + DEFERRED
+    + """
 [run]
 steps = 1
 prompts_per_step = 2
@@ -67,14 +72,7 @@ reward_role = "genrm"
 teacher_role = "teacher"
 operation_timeout = 60.0
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+)
 
 
 def main() -> int:
@@ -134,10 +132,10 @@ def main() -> int:
         pids = set(job.engine_pids) | set(job.router_pids)
         out["teardown_problems"] = job.teardown(said.append)
         deadline = time.monotonic() + 20
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         out["processes"] = len(pids)
-        out["processes_left"] = sorted(p for p in pids if _alive(p))
+        out["processes_left"] = sorted(p for p in pids if alive(p))
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
