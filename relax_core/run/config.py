@@ -187,6 +187,7 @@ class RunConfig:
     push_pause: str = "fence"
     push_bucket_bytes: int = PUSH_BUCKET_BYTES
     max_failed_steps: int = 3
+    generation_retries: int = 2
     on_empty_batch: str = "skip"
     base: str | None = None
 
@@ -315,6 +316,7 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
             t, p, "push_bucket_bytes", int, PUSH_BUCKET_BYTES, check=ConfigReader.at_least(1)
         ),
         max_failed_steps=v(t, p, "max_failed_steps", int, 3, check=ConfigReader.at_least(0)),
+        generation_retries=v(t, p, "generation_retries", int, 2, check=ConfigReader.at_least(0)),
         on_empty_batch=v(
             t, p, "on_empty_batch", str, "skip", check=ConfigReader.one_of(EMPTY_BATCH_ACTIONS)
         ),

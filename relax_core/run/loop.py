@@ -53,6 +53,7 @@ from relax_core.run.checkpoint import Checkpoint, Checkpointer, Cursor, CursorPr
 from relax_core.run.data import open_source
 from relax_core.run.driver import (
     DriverSettings,
+    Finished,
     StepDriver,
     StepOutcome,
     StepProducerLike,
@@ -533,11 +534,15 @@ async def drive(
     residency: dict[str, Any] | None = None,
     first_step: int = 0,
     on_trained: Callable[[int], Awaitable[None]] | None = None,
+    on_finished: Callable[[Finished], Awaitable[None]] | None = None,
+    failed_before: Sequence[int] = (),
 ) -> RunSummary:
     """Run steps ``first_step`` to ``steps - 1`` through the
     :class:`~relax_core.run.driver.StepDriver` on ``ports``; the summary (a failed step ends
     the run and is in ``summary.failure``; every committed step was printed as it committed).
-    ``on_trained(n)``: awaited once step ``n`` trained (a checkpoint). See :func:`run_loop`."""
+    ``on_trained(n)``: awaited once step ``n`` trained; ``on_finished``: with each step over,
+    in order (a checkpoint); ``failed_before``: a resumed run's failed steps gone past. See
+    :func:`run_loop`."""
     began = time.perf_counter()
     summary = RunSummary(ports.name, steps, trace=trace, first_step=first_step)
     summary.startup_seconds = time.monotonic() - printer.began
@@ -567,7 +572,7 @@ async def drive(
             ports.recover or getattr(coordinator, "recover", None), on_retry=report.retried
         )
     driver = StepDriver(
-        DriverSettings.of(ports.run, steps, first_step),
+        DriverSettings.of(ports.run, steps, first_step, failed_before),
         coordinator=coordinator,
         rollout=rollout,
         stages=ports.stages,
@@ -586,6 +591,7 @@ async def drive(
         on_trained=on_trained,
         background=background,
         on_failed=report.went_on,
+        on_finished=on_finished,
     )
     signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
     async with signals.cancelling():
@@ -793,7 +799,8 @@ async def run_loop(
             trackers=trackers,
             residency=job.residency.to_dict(),
             first_step=first_step,
-            on_trained=None if checkpoints is None else checkpoints.after,
+            on_finished=None if checkpoints is None else checkpoints.finished,
+            failed_before=() if resume is None else resume.failed_steps,
         )
 
 
