@@ -74,7 +74,7 @@ from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
 from relax_core.coordination.timeline import Timeline
-from relax_core.errors import BatchFailedError, EmptyBatchError
+from relax_core.errors import BatchFailedError, EmptyBatchError, LifecycleError
 from relax_core.run.background import BackgroundEvals
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
@@ -120,7 +120,7 @@ class _RegeneratesGroups(Protocol):
     """A step producer that regenerates a group whose generation failed
     (:class:`~relax_core.run.generate.StepProducer`)."""
 
-    def regenerate_failed(self, regeneration: Regeneration) -> None: ...
+    def regenerate_failed(self, regeneration: Regeneration | None) -> None: ...
 
 
 @attrs.frozen
@@ -579,22 +579,44 @@ class StepDriver:
         await self.coordinator.begin_batch(m)
         self._opened.add(m)
         if m > first:
-            await onload_generation(
-                self.rollout,
-                self.generation_role,
-                self.timeline,
-                m,
-                timeout=self.settings.release_timeout,
-            )
+            await self._onload_healed(m)
             self._awake.set()
         return True
+
+    async def _onload_healed(self, m: int) -> None:
+        """Switching: onload rollout for step ``m``; when the onload is not confirmed (a
+        replica died while it slept), its dead replicas are rebuilt through its own lease
+        engine (the run's :class:`~relax_core.coordination.retries.Recovery`, counted for step
+        ``m``), the onload sent once more and, where a replica was rebuilt, the trainer's
+        weights pushed again (a rebuilt engine starts from the model's files)."""
+        gen, recovery = self.generation_role, self.clients.recovery
+        timeout = self.settings.release_timeout
+        try:
+            await onload_generation(self.rollout, gen, self.timeline, m, timeout=timeout)
+            return
+        except (LifecycleError, TimeoutError) as exc:
+            if recovery is None:
+                raise
+            first = exc
+        before = recovery.rebuilds[m][gen]
+        why = await recovery.recover(m, gen)
+        try:
+            await onload_generation(self.rollout, gen, self.timeline, m, timeout=timeout)
+        except Exception as again:
+            said = f"the first failed ({describe_failure(first)}) and {gen} was rebuilt between"
+            again.add_note(f"onloaded twice, {said}" + (f": {why}" if why else ""))
+            raise
+        version = self.trainer_version
+        if recovery.rebuilds[m][gen] != before and version is not None:
+            await self._push_now(version, m)
 
     async def _generate(self, m: int) -> _Generated:
         s, tl = self.settings, self.timeline
         producer = self.producer()
         regeneration = self._regeneration(m)
-        if regeneration is not None and isinstance(producer, _RegeneratesGroups):
-            producer.regenerate_failed(regeneration)
+        regenerating = producer if isinstance(producer, _RegeneratesGroups) else None
+        if regeneration is not None and regenerating is not None:
+            regenerating.regenerate_failed(regeneration)
         scorer = StreamScorer(
             m,
             self.stages,
@@ -634,6 +656,10 @@ class StepDriver:
             raise _GenerationFailed(exc, gate.all_samples) from exc
         finally:
             self._open.pop("generate", None)
+            if self.switching and regenerating is not None:
+                # the batch's own requests for more groups come while the commit lane holds
+                # rollout's turn: a heal's push there would wait for it
+                regenerating.regenerate_failed(None)
         return _Generated(m, producer, gate, scorer, began, regenerated)
 
     async def _commit_lane(self) -> None:
@@ -793,14 +819,15 @@ class StepDriver:
         return await asyncio.shield(healing)
 
     async def heal_rollout(self, index: int) -> str | None:
-        """Not switching: rollout's dead replicas rebuilt through its manager (the run's
+        """Rollout's dead replicas rebuilt through its manager (the run's
         :class:`~relax_core.coordination.retries.Recovery`, counted for step ``index``) and,
         where one was, the trainer's weights now pushed to it again (a rebuilt engine starts
-        from the model's files; a push is idempotent per version). A generation is never sent
-        again: the step that follows generates on the rebuilt replica. Why the rebuild did not
-        help, or ``None``."""
+        from the model's files; a push is idempotent per version). Switching, only during
+        rollout's turn (it is onloaded). A generation is never sent again: its group is
+        regenerated, or the step that follows generates on the rebuilt replica. Why the
+        rebuild did not help, or ``None``."""
         recovery, gen = self.clients.recovery, self.generation_role
-        if recovery is None or self.switching:
+        if recovery is None:
             return None
         before = recovery.rebuilds[index][gen]
         why = await recovery.recover(index, gen)
@@ -818,8 +845,8 @@ class StepDriver:
 
     async def _push_now(self, version: str, index: int) -> dict[str, Any]:
         """The trainer's push of ``version``, one at a time, as phase ``weight_push`` of step
-        ``index``."""
-        async with self._push_lock:
+        ``index`` (switching: under the lock of rollout's turn, as every push then)."""
+        async with self._rollout_lock if self.switching else self._push_lock:
             with self.timeline.phase(index, "weight_push", lane="push"):
                 pushed: dict[str, Any] = await self.trainer.push(version)
                 return pushed

@@ -336,10 +336,10 @@ class StepProducer:
         #: how a group whose generation failed is regenerated (``None``: it fails the step)
         self.regeneration: Regeneration | None = None
 
-    def regenerate_failed(self, regeneration: Regeneration) -> None:
+    def regenerate_failed(self, regeneration: Regeneration | None) -> None:
         """From now on a group of this producer whose generation fails :func:`~relax_core.
         coordination.retries.retryable` is regenerated as a new group of the same prompt
-        (the step driver's, for its step)."""
+        (the step driver's, for its step; ``None``: it fails the step)."""
         self.regeneration = regeneration
 
     def _again(self, batch_id: int) -> Callable[[], int]:

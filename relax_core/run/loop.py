@@ -762,8 +762,9 @@ async def run_loop(
                     for role, actors in job.actors.items()
                     if role != gen and role not in job.slices
                 }
-                # a free rollout (never switched) is rebuilt through its own lease engine too
-                | ({gen: [rollout]} if gen in job.residency.free else {}),
+                # rollout (the coordinator holds no handle of it) through its own lease engine
+                # too: free, or at its turn when it takes turns
+                | {gen: [rollout]},
                 timeout=run.operation_timeout,
             ),
         )

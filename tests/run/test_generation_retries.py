@@ -4,7 +4,13 @@ StepProducer` and ``Generator`` over a simulated engine): the failed request is 
 a new group of the same prompt is generated in its place (new ids, none of the failed attempt's
 samples kept), after rollout was healed (its dead replicas rebuilt, the trainer's weights pushed
 to them), counted in the step's ``retries`` (``generate``) and the trace; a 4xx is never
-regenerated; past ``[run] generation_retries`` the step fails."""
+regenerated; past ``[run] generation_retries`` the step fails.
+
+In a defer layout (rollout takes turns with the judge on one GPU) a rollout replica that died is
+rebuilt the same way through a lease engine of its own (the real
+:class:`~relax_core.coordination.leases.LeaseEngine`, as ``relax run`` wires it) over a
+simulated manager handle: found during generation (its groups regenerated) or at its onload
+(the onload sent once more), the weights pushed to it again, every step committed."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import attrs
 import pytest
 from relax_bench._steps_sim import SimJudge, SimRollout
 
+from relax_core import LifecycleResult, Outcome, ReplicaResult
 from relax_core.client.client import InferenceClient
 from relax_core.coordination import Sample
 from relax_core.errors import (
@@ -29,7 +36,7 @@ from relax_core.errors import (
 from relax_core.run.config import RunConfig
 from relax_core.run.data import Prompt
 from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
-from relax_core.run.loop import RunSummary, drive
+from relax_core.run.loop import RunSummary, drive, role_recovery
 from relax_core.run.progress import Printer
 from relax_core.run.rollout import GroupRequest
 from tests.run.test_one_driver import TIMES, Trainer
@@ -206,3 +213,138 @@ def test_a_regeneration_is_counted_on_the_trace(tmp_path: Path) -> None:
     events = json.loads(trace.read_text())["traceEvents"]
     counts = [e["args"] for e in events if e.get("ph") == "C" and e.get("name") == "retries"]
     assert {"generate": 1} in counts, counts
+
+
+class DyingHandle:
+    """The policy's manager handle in a defer layout, whose replica can die (:meth:`die`): an
+    onload is then not confirmed (the replica FAILED) and ``failed()`` says so until
+    ``recover()`` rebuilds it. ``die_after_offload``: the replica dies as it sleeps after the
+    offload of that step's turn. ``events`` lists what happened, in order."""
+
+    def __init__(self, events: list[str], *, die_after_offload: int | None = None) -> None:
+        self.name = "policy"
+        self.dead = False
+        self.events = events
+        self.offloads = 0
+        self.die_after_offload = die_after_offload
+
+    def die(self) -> None:
+        self.dead = True
+        self.events.append("died")
+
+    def _result(self, op: str, state: str) -> LifecycleResult:
+        outcome = Outcome.FAILED if self.dead else Outcome.DONE
+        replica = ReplicaResult("policy/replica-0", outcome, "FAILED" if self.dead else state)
+        return LifecycleResult(op, "policy", (replica,))
+
+    async def onload(self) -> LifecycleResult:
+        self.events.append("onload failed" if self.dead else "onload")
+        return self._result("onload", "READY")
+
+    async def offload(self) -> LifecycleResult:
+        result = self._result("offload", "SLEEPING")
+        self.events.append("offload")
+        self.offloads += 1
+        if self.offloads - 1 == self.die_after_offload:
+            self.die()
+        return result
+
+    async def failed(self) -> bool:
+        return self.dead
+
+    async def check_health(self) -> None:
+        return None
+
+    async def recover(self) -> LifecycleResult:
+        self.dead = False
+        self.events.append("rebuilt")
+        return self._result("recover", "READY")
+
+    async def weight_version(self) -> str | None:
+        return None
+
+
+class DyingEngine(FailingEngine):
+    """:class:`FailingEngine` whose failures kill ``handle``'s replica, and whose requests fail
+    while it is dead; pushes are listed in ``handle.events``."""
+
+    def __init__(self, handle: DyingHandle, fail: dict[tuple[int, int], list[UpstreamError]]):
+        super().__init__(fail)
+        self.handle = handle
+
+    async def group(self, request: GroupRequest, client: InferenceClient) -> list[Sample]:
+        key = (request.batch_id, request.index)
+        if self.fail.get(key) and not self.handle.dead:
+            self.handle.die()
+        if self.handle.dead:
+            self.requests.append((request.group_id, request.prompt.prompt))
+            raise _gone()
+        return await super().group(request, client)
+
+    def pushed(self, version: str) -> None:
+        self.handle.events.append(f"push {version}")
+        super().pushed(version)
+
+
+def _run_defer(handle: DyingHandle, engine: DyingEngine, mode: str) -> tuple[RunSummary, list[str]]:
+    run = RunConfig(  # type: ignore[misc]
+        mode=mode,
+        prompts_per_step=TIMES.groups,
+        samples_per_prompt=TIMES.samples_per_group,
+        operation_timeout=30.0,
+        max_failed_steps=0,
+    )
+    engine.run = run
+    ports = sim_ports(
+        "defer", run, times=TIMES, rollout=engine, stages=[SimJudge(TIMES)], defer=True,
+        trainer=Trainer,
+    )  # fmt: skip
+    # as relax run wires it: rollout rebuilt through a lease engine of its own
+    recover = role_recovery(ports.coordinator, {"policy": [handle]}, timeout=30.0)
+    ports = attrs.evolve(ports, rollout=handle, recover=recover)
+    printer = Printer(json_lines=True, out=io.StringIO(), err=io.StringIO(), tty=False)
+    summary = asyncio.run(drive(ports, printer, steps=3, initial_version="0"))
+    return summary, [s.id for s in engine.generated]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_defer_a_rollout_replica_dead_during_generation_is_rebuilt_and_its_groups_regenerated(
+    mode: str,
+) -> None:
+    events: list[str] = []
+    handle = DyingHandle(events)
+    engine = DyingEngine(handle, {(1, 1): [_gone()]})
+    summary, generated = _run_defer(handle, engine, mode)
+    assert summary.failure is None, summary.failure
+    rows = {r["step"]: r for r in summary.committed}
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[1]["recoveries"] == {"policy": 1}
+    assert 1 <= rows[1]["retries"]["generate"] <= TIMES.groups
+    # rebuilt while it was onloaded (its turn), the trainer's weights of then pushed to it
+    # before any group was generated again (sync: those trained on step 0; async: maybe not
+    # trained yet)
+    died = events.index("died")
+    pushed = "push 1" if mode == "sync" else events[died + 2]
+    assert events[died + 1 : died + 3] == ["rebuilt", pushed] and pushed.startswith("push "), events
+    assert not any(i.startswith("b1-p1-") for i in generated)
+    assert len(generated) == len(set(generated))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_defer_a_rollout_replica_dead_at_its_onload_is_rebuilt_onloaded_and_given_the_weights(
+    mode: str,
+) -> None:
+    events: list[str] = []
+    handle = DyingHandle(events, die_after_offload=1)  # dies as it sleeps after step 1's turn
+    engine = DyingEngine(handle, {})
+    summary, _ = _run_defer(handle, engine, mode)
+    assert summary.failure is None, summary.failure
+    rows = {r["step"]: r for r in summary.committed}
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[2]["recoveries"] == {"policy": 1} and rows[2]["retries"] == {}
+    assert rows[0]["recoveries"] == {} and rows[1]["recoveries"] == {}
+    failed = events.index("onload failed")
+    # rebuilt, onloaded again, then given the trainer's weights of then (those of step 1 or,
+    # once trained, of step 2: the training lane's push follows while rollout is awake)
+    assert events[failed + 1 : failed + 3] == ["rebuilt", "onload"], events
+    assert events[failed + 3] in ("push 1", "push 2"), events
