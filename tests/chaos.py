@@ -93,6 +93,8 @@ def account(
     recoveries: Counter[str] = Counter()
     trained: dict[str, list[tuple[int, int]]] = {}  # sample id -> (driver, batch) it is in
     reported: set[str] = set()
+    # committed step -> its groups regenerated after a failed generation (``retries.generate``)
+    regenerated: dict[int, int] = {}
     for d, rec in enumerate(drivers):
         for r in filter(_is_step_row, rec.rows):
             step = int(r["step"])
@@ -105,6 +107,7 @@ def account(
                 continue
             committed.setdefault(step, []).append(d)
             recoveries.update({k: int(v) for k, v in (r.get("recoveries") or {}).items()})
+            regenerated[step] = int((r.get("retries") or {}).get("generate", 0))
             ids = rec.batches.get(step)
             if ids is None:
                 problems.append(f"step {step} committed (driver {d}) but its batch was not dumped")
@@ -133,8 +136,18 @@ def account(
             continue
         # a failed step reports itself: the samples it never generated are in no dump
         reported |= expected_ids(step, prompts, samples)
+    excused = 0
     for step in range(steps):
-        lost += sorted(expected_ids(step, prompts, samples) - set(trained) - reported)
+        missing = expected_ids(step, prompts, samples) - set(trained) - reported
+        # a group whose generation failed has no samples: a new group took its prompt (counted
+        # in the step's retries.generate); only whole groups, as many as were regenerated
+        whole = sorted(
+            g
+            for g in {i.rsplit("-", 1)[0] for i in missing}
+            if all(f"{g}-s{j}" in missing for j in range(samples))
+        )[: regenerated.get(step, 0)]
+        excused += len(whole)
+        lost += sorted(i for i in missing if i.rsplit("-", 1)[0] not in whole)
     if twice:
         problems.append(f"{len(twice)} samples trained twice: {twice[:8]}")
     if twice_steps:
@@ -158,6 +171,7 @@ def account(
         "recoveries_total": sum(recoveries.values()),
         "samples_committed": len(trained),
         "samples_reported": len(reported),
+        "groups_regenerated": excused,
         "samples_lost": len(lost),
         "samples_trained_twice": len(twice),
         "steps_committed_twice": twice_steps,

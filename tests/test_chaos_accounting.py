@@ -88,3 +88,19 @@ def test_read_dumps_sorts_the_files_by_kind(tmp_path: Path) -> None:
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in ids))
     assert read_dumps(tmp_path) == ({0: ["b0-p0-s0"]}, {1: ["b1-p0-s0"]}, {2: ["x"]})
     assert read_dumps(tmp_path / "none") == ({}, {}, {})
+
+
+def test_a_group_regenerated_after_a_failed_generation_is_no_loss_but_only_as_counted() -> None:
+    # step 0's group p1 failed on a dead engine: its prompt went out again as group p2
+    ids = [*sorted(i for i in expected_ids(0) if "-p1-" not in i), "b0-p2-s0", "b0-p2-s1"]
+    row = _row(0, retries={"generate": 1})
+    report = account(1, [DriverRecords([row], {0: ids})])
+    assert report["problems"] == [] and report["samples_lost"] == 0
+    assert report["groups_regenerated"] == 1 and report["retries"] == {"generate": 1}
+    # without the count in the row, the missing group is lost
+    report = account(1, [DriverRecords([_row(0)], {0: ids})])
+    assert report["samples_lost"] == 2 and report["groups_regenerated"] == 0
+    # a sample missing from a group is never excused by a regeneration
+    partial = [*(i for i in sorted(expected_ids(0)) if i != "b0-p1-s1"), "b0-p2-s0"]
+    report = account(1, [DriverRecords([_row(0, retries={"generate": 1})], {0: partial})])
+    assert report["samples_lost"] == 1 and report["groups_regenerated"] == 0

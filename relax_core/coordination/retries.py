@@ -18,9 +18,12 @@ LeaseEngine.recover`) — so a request retried after its engine died reaches the
 replica (or another one: the client's discovery is refreshed after a failure). Every retry and
 every rebuild is counted per batch and stage (the step's row, the trace).
 
-A generation is never retried here: a generation request that may have run is never sent again
-(a replayed rollout is a duplicated, biased sample); the step driver generates another group in
-its place instead.
+A generation request is never sent again: one that may have run on its engine would be a
+duplicated, biased sample. A group whose generation failed the same way is **regenerated** as a
+whole instead (:class:`Regeneration`): a new group of the same prompt, with a group id and
+requests of its own, none of the failed attempt's samples kept, after the generation role's dead
+replicas were rebuilt and given the trainer's weights; counted like a retry (stage
+``generate``).
 """
 
 from __future__ import annotations
@@ -28,11 +31,18 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
+
+import attrs
 
 from relax_core.errors import RoutingError, UpstreamError, UpstreamStatusError
 
-__all__ = ["Recovery", "retryable"]
+__all__ = ["GENERATE", "Recovery", "Regeneration", "retryable"]
+
+#: The stage a regenerated group is counted under (the step's ``retries``, the trace).
+GENERATE = "generate"
+
+T = TypeVar("T")
 
 #: The longest pause between two attempts (a 503's ``Retry-After`` is followed up to it).
 MAX_PAUSE = 2.0
@@ -154,3 +164,47 @@ async def retrying(
                     notes.append(why)
             pause = getattr(exc, "retry_after", None)
             await asyncio.sleep(min(MAX_PAUSE, pause if pause else 0.1 * attempt))
+
+
+@attrs.frozen
+class Regeneration:
+    """How a step's producer generates a group again whose generation failed :func:`retryable`
+    (its engine died, a 5xx): up to ``retries`` times per group, each after ``heal()`` (the
+    generation role's dead replicas rebuilt and given the trainer's weights; it says why that
+    did not help, or ``None``), each counted in ``recovery`` for batch ``batch_id`` under
+    :data:`GENERATE`. A 4xx, or anything else, is raised at once.
+    """
+
+    batch_id: int
+    retries: int
+    recovery: Recovery
+    heal: Callable[[], Awaitable[str | None]]
+
+    async def group(
+        self, generate: Callable[[int], Awaitable[T]], index: int, again: Callable[[], int]
+    ) -> T:
+        """``generate(index)``; while it fails :func:`retryable` and retries are left, the role
+        healed and ``generate(again())``: a new group (a new index, so new ids and requests),
+        never the failed request sent again. The last failure is raised, with a note of the
+        attempts and of every rebuild that did not help."""
+        attempt = 0
+        notes: list[str] = []
+        while True:
+            try:
+                return await generate(index)
+            except Exception as exc:
+                if attempt >= self.retries or not retryable(exc):
+                    if attempt:
+                        exc.add_note(
+                            f"the group was generated {attempt + 1} times ({attempt} "
+                            "regenerated as new groups after a rebuild)"
+                        )
+                    for note in dict.fromkeys(notes):
+                        exc.add_note(note)
+                    raise
+                attempt += 1
+                self.recovery.counted(self.batch_id, GENERATE, exc)
+                why = await self.heal()
+                if why is not None:
+                    notes.append(why)
+                index = again()

@@ -1,13 +1,15 @@
 """Checkpoints of ``relax run``, and what ``relax run --resume RUN_DIR`` continues from.
 
-Every ``[run] checkpoint_every`` committed steps, and after the last, a run that has a
-directory keeps in it what a resume needs (:class:`Checkpoint`): the first step not yet
-trained, the prompt source's position before that step (its ``cursor``: prompts taken; a source
-hands them out in a fixed order, so replaying them restores its generator's state too), the
-weight version the trainer's weights are pushed as, the trainer's own state (its ``save``,
-in ``checkpoints/step-N/trainer``), each tracker's run id, and the job's settings a resume must
-keep (:func:`job_settings`). Each request's sampling seed is derived from the run's seed, the
-step and the prompt's index, so it needs no state of its own.
+Every ``[run] checkpoint_every`` steps, and after the last, a run that has a directory keeps
+in it what a resume needs (:class:`Checkpoint`): the first step not finished (a step is finished
+once trained, or failed or skipped and gone past), the failed steps gone past (a resumed run
+counts them against ``max_failed_steps``), the prompt source's position before that step (its
+``cursor``: prompts taken; a source hands them out in a fixed order, so replaying them restores
+its generator's state too), the weight version the trainer's weights are pushed as, the
+trainer's own state (its ``save``, in ``checkpoints/step-N/trainer``), each tracker's run id,
+and the job's settings a resume must keep (:func:`job_settings`). Each request's sampling
+seed is derived from the run's seed, the step and the prompt's index, so it needs no state of
+its own.
 
 The layout, and why a kill at any moment leaves the last checkpoint whole::
 
@@ -25,7 +27,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -33,6 +35,7 @@ import attrs
 from relax_core.coordination.batch import DeferredCollector
 from relax_core.errors import CheckpointError
 from relax_core.run.data import Prompt, PromptSource
+from relax_core.run.driver import Finished
 from relax_core.run.generate import StepProducer
 
 __all__ = [
@@ -56,8 +59,8 @@ FOLDER = "checkpoints"
 #: The version of :data:`FILE`'s layout.
 FORMAT = 1
 #: ``[run]`` keys a resumed run may change: how many steps, what it reports, how often it
-#: checkpoints, its deadlines. Every other key (and the generation model) must stay as the
-#: checkpointed run had it, so the resumed steps generate and train as the run would have.
+#: checkpoints, its deadlines and retries. Every other key (and the generation model) must stay
+#: as the checkpointed run had it, so the resumed steps generate and train as the run would.
 MAY_CHANGE = (
     "steps",
     "trackers",
@@ -67,16 +70,23 @@ MAY_CHANGE = (
     "operation_timeout",
     "request_timeout",
     "stream_concurrency",
+    "generation_retries",
     "base",
 )
+
+
+def _steps(steps: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(s) for s in steps)
 
 
 @attrs.frozen
 class Checkpoint:
     """What a resume needs (see the module docstring).
 
-    ``step``: the first step not yet trained (the resume's first step); ``steps``: the steps
-    the run was asked for; ``cursor``: prompts taken from the source before ``step``;
+    ``step``: the first step not finished (the resume's first step; every step before it was
+    trained, or failed or skipped and gone past); ``steps``: the steps the run was asked for;
+    ``cursor``: prompts taken from the source before ``step``; ``failed_steps``: the failed
+    steps the run went past (they count against ``max_failed_steps`` after a resume too);
     ``weight_version``: the version the trainer's weights are pushed as when the run resumes;
     ``trainer_dir``: the trainer's state, relative to the run's directory; ``trainer``: what
     its ``save`` returned; ``trackers``: tracker name -> its run id; ``job``: the job's name;
@@ -96,6 +106,7 @@ class Checkpoint:
     settings: Mapping[str, Any] = attrs.field(factory=dict)
     written: float = 0.0
     format: int = FORMAT
+    failed_steps: tuple[int, ...] = attrs.field(default=(), converter=_steps)
 
     def to_json(self) -> dict[str, Any]:
         """The checkpoint as :data:`FILE` holds it."""
@@ -291,13 +302,29 @@ class Checkpointer:
         self.written: list[Checkpoint] = []
 
     async def after(self, step: int) -> None:
-        """Step ``step`` trained: a checkpoint if one is due."""
-        done = step + 1
-        if done == self.steps or (self.every > 0 and done % self.every == 0):
-            await self.write(done)
+        """Step ``step`` trained, and no step was gone past: a checkpoint if one is due."""
+        await self.finished(Finished(step, True, (), str(step + 1)))
 
-    async def write(self, step: int) -> Checkpoint:
-        """A checkpoint whose first untrained step is ``step``; blocks until it is on disk.
+    async def finished(self, finished: Finished) -> None:
+        """Step ``finished.step`` is over (trained, or failed or skipped and gone past), every
+        step before it too: a checkpoint if one is due (every ``every`` steps and after the
+        last), the resume going on at the step after it."""
+        done = finished.step + 1
+        if done == self.steps or (self.every > 0 and done % self.every == 0):
+            await self.write(
+                done, failed_steps=finished.failed_steps, weight_version=finished.weight_version
+            )
+
+    async def write(
+        self,
+        step: int,
+        *,
+        failed_steps: Sequence[int] = (),
+        weight_version: str | None = None,
+    ) -> Checkpoint:
+        """A checkpoint whose first unfinished step is ``step`` (the steps before it trained
+        or, ``failed_steps`` and skipped ones, gone past), the trainer's weights version
+        ``weight_version`` (``None``: ``step``); blocks until it is on disk.
 
         :raises CheckpointError: a file could not be written, or the trainer's ``save``
             failed (the previous checkpoint stays the latest).
@@ -318,7 +345,8 @@ class Checkpointer:
                 step=step,
                 steps=self.steps,
                 cursor=self.cursor.at(step),
-                weight_version=str(step),
+                weight_version=str(step) if weight_version is None else weight_version,
+                failed_steps=tuple(failed_steps),
                 trainer_dir=os.path.join(FOLDER, name, "trainer"),
                 trainer=dict(saved or {}),
                 trackers=dict(self.run_ids()),
@@ -340,8 +368,9 @@ class Checkpointer:
             ) from exc
         self.written.append(checkpoint)
         if self.say is not None:
+            failed = f" ({len(failed_steps)} failed and gone past)" if failed_steps else ""
             self.say(
-                f"relax run: checkpoint: steps 0-{step - 1} trained, in {self.run_dir} "
+                f"relax run: checkpoint: steps 0-{step - 1} done{failed}, in {self.run_dir} "
                 f"({time.perf_counter() - began:.2f}s)"
             )
         return checkpoint

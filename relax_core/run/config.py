@@ -145,6 +145,7 @@ class RunConfig:
     push_pause: str = "fence"
     push_bucket_bytes: int = PUSH_BUCKET_BYTES
     max_failed_steps: int = 3
+    generation_retries: int = 2
     on_empty_batch: str = "skip"
     base: str | None = None
 
@@ -217,6 +218,7 @@ _PLAIN: tuple[tuple[str, tuple[type, Check | None]], ...] = (
     ("push_pause", (str, ConfigReader.one_of(PUSH_PAUSES))),
     ("push_bucket_bytes", (int, _at_least(1))),
     ("max_failed_steps", (int, _at_least(0))),
+    ("generation_retries", (int, _at_least(0))),
     ("on_empty_batch", (str, ConfigReader.one_of(EMPTY_BATCH_ACTIONS))),
 )
 

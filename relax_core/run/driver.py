@@ -51,7 +51,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -69,18 +69,19 @@ from relax_core.coordination.batch import (
 )
 from relax_core.coordination.coordinator import Coordinator
 from relax_core.coordination.handles import ManagerHandle
-from relax_core.coordination.retries import retryable
+from relax_core.coordination.retries import Regeneration, retryable
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.sink import BatchSink
 from relax_core.coordination.stages import RoleClients, Stage, stage_fields
 from relax_core.coordination.timeline import Timeline
-from relax_core.errors import BatchFailedError, EmptyBatchError
+from relax_core.errors import BatchFailedError, EmptyBatchError, LifecycleError
 from relax_core.run.background import BackgroundEvals
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
 __all__ = [
     "STALENESS_STAGE",
     "DriverSettings",
+    "Finished",
     "StepDriver",
     "StepOutcome",
     "TrainerPort",
@@ -114,6 +115,14 @@ class StepProducerLike(Producer, Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class _RegeneratesGroups(Protocol):
+    """A step producer that regenerates a group whose generation failed
+    (:class:`~relax_core.run.generate.StepProducer`)."""
+
+    def regenerate_failed(self, regeneration: Regeneration | None) -> None: ...
+
+
 @attrs.frozen
 class DriverSettings:
     """The ``[run]`` keys the driver reads (see :class:`~relax_core.run.config.RunConfig`);
@@ -126,25 +135,35 @@ class DriverSettings:
     stream_scoring: bool = True
     stream_concurrency: int = 8
     release_timeout: float = 180.0
-    #: the first step to run (``relax run --resume``: the first uncommitted one; the weights
+    #: the first step to run (``relax run --resume``: the first unfinished one; the weights
     #: rollout starts with are that step's, version index ``first_step``)
     first_step: int = 0
     #: failed steps the run goes past (each reported, nothing of it committed); one more ends
     #: the run (0: the first does)
     max_failed_steps: int = 0
+    #: the failed steps gone past before ``first_step`` (a resumed run's: they count against
+    #: ``max_failed_steps``)
+    failed_before: tuple[int, ...] = ()
     #: a batch whose stages dropped every group: ``skip`` the step (go on, not counted as a
     #: failure) or ``fail`` it
     on_empty_batch: str = "fail"
+    #: times a group whose generation failed for a transport reason or a 5xx is regenerated
+    #: as a new group of its prompt, after rollout's dead replicas were rebuilt (0: never)
+    generation_retries: int = 0
 
     @classmethod
-    def of(cls, run: Any, steps: int, first_step: int = 0) -> DriverSettings:
+    def of(
+        cls, run: Any, steps: int, first_step: int = 0, failed_before: Sequence[int] = ()
+    ) -> DriverSettings:
         """The settings of ``run`` (a :class:`~relax_core.run.config.RunConfig`) for steps
-        ``first_step`` to ``steps - 1``: ``mode = "sync"`` is ``max_staleness = 0`` without
-        streaming scoring."""
+        ``first_step`` to ``steps - 1`` (``failed_before``: the failed steps a resumed run
+        went past already): ``mode = "sync"`` is ``max_staleness = 0`` without streaming
+        scoring."""
         sync = run.mode != "async"
         return cls(
             steps=steps,
             first_step=first_step,
+            failed_before=tuple(failed_before),
             prompts_per_step=run.prompts_per_step,
             max_staleness=0 if sync else run.max_staleness,
             stale_action=run.stale_action,
@@ -153,6 +172,7 @@ class DriverSettings:
             release_timeout=run.operation_timeout,
             max_failed_steps=getattr(run, "max_failed_steps", 0),
             on_empty_batch=getattr(run, "on_empty_batch", "fail"),
+            generation_retries=getattr(run, "generation_retries", 0),
         )
 
 
@@ -199,6 +219,20 @@ class VersionClock:
         while self.current < index:
             self._changed.clear()
             await self._changed.wait()
+
+
+@attrs.frozen
+class Finished:
+    """Step ``step`` is over, every step before it too (the training lane's order; the trainer
+    is idle): ``trained`` (committed and trained) or gone past (failed or skipped, nothing
+    trained); ``failed_steps``: every failed step the run went past so far (a resumed run's
+    earlier ones too); ``weight_version``: the version of the trainer's weights now (those
+    pushed to rollout next)."""
+
+    step: int
+    trained: bool
+    failed_steps: tuple[int, ...]
+    weight_version: str | None
 
 
 @attrs.define
@@ -307,6 +341,9 @@ class StepDriver:
     :raises ConfigError: a background stage where its work would need a lease.
     :param on_failed: awaited with each failed (or skipped) step the run goes on past
         (``max_failed_steps``, ``on_empty_batch``); the one that ends the run is raised.
+    :param on_finished: awaited with a :class:`Finished` for each step in order as it is over
+        (after ``on_trained`` for a trained one; a step gone past once the steps before it
+        trained): a checkpoint.
     """
 
     def __init__(
@@ -331,6 +368,7 @@ class StepDriver:
         on_trained: Callable[[int], Awaitable[None]] | None = None,
         background: BackgroundEvals | None = None,
         on_failed: Callable[[_StepFailure], Awaitable[None]] | None = None,
+        on_finished: Callable[[Finished], Awaitable[None]] | None = None,
     ) -> None:
         BackgroundEvals.check(stages, switching=switching, deferred_roles=deferred_roles)
         self.background = background or BackgroundEvals()
@@ -355,9 +393,12 @@ class StepDriver:
         self._push_lock = asyncio.Lock()
         #: the generation of the step before failed on rollout's transport: heal it first
         self._heal_rollout = False
+        #: the heal of rollout in flight (concurrent failed groups wait for the same one)
+        self._healing: asyncio.Future[str | None] | None = None
         self.on_failed = on_failed
-        #: the failed steps the run went past (not the skipped ones)
-        self.failed_steps: list[int] = []
+        self.on_finished = on_finished
+        #: the failed steps the run went past (not the skipped ones; a resumed run's first)
+        self.failed_steps: list[int] = list(settings.failed_before)
         self.switching = switching
         #: switching: step -> whether its batch committed (the next generation's turn)
         self._turn: dict[int, asyncio.Future[bool]] = {}
@@ -538,19 +579,44 @@ class StepDriver:
         await self.coordinator.begin_batch(m)
         self._opened.add(m)
         if m > first:
-            await onload_generation(
-                self.rollout,
-                self.generation_role,
-                self.timeline,
-                m,
-                timeout=self.settings.release_timeout,
-            )
+            await self._onload_healed(m)
             self._awake.set()
         return True
+
+    async def _onload_healed(self, m: int) -> None:
+        """Switching: onload rollout for step ``m``; when the onload is not confirmed (a
+        replica died while it slept), its dead replicas are rebuilt through its own lease
+        engine (the run's :class:`~relax_core.coordination.retries.Recovery`, counted for step
+        ``m``), the onload sent once more and, where a replica was rebuilt, the trainer's
+        weights pushed again (a rebuilt engine starts from the model's files)."""
+        gen, recovery = self.generation_role, self.clients.recovery
+        timeout = self.settings.release_timeout
+        try:
+            await onload_generation(self.rollout, gen, self.timeline, m, timeout=timeout)
+            return
+        except (LifecycleError, TimeoutError) as exc:
+            if recovery is None:
+                raise
+            first = exc
+        before = recovery.rebuilds[m][gen]
+        why = await recovery.recover(m, gen)
+        try:
+            await onload_generation(self.rollout, gen, self.timeline, m, timeout=timeout)
+        except Exception as again:
+            said = f"the first failed ({describe_failure(first)}) and {gen} was rebuilt between"
+            again.add_note(f"onloaded twice, {said}" + (f": {why}" if why else ""))
+            raise
+        version = self.trainer_version
+        if recovery.rebuilds[m][gen] != before and version is not None:
+            await self._push_now(version, m)
 
     async def _generate(self, m: int) -> _Generated:
         s, tl = self.settings, self.timeline
         producer = self.producer()
+        regeneration = self._regeneration(m)
+        regenerating = producer if isinstance(producer, _RegeneratesGroups) else None
+        if regeneration is not None and regenerating is not None:
+            regenerating.regenerate_failed(regeneration)
         scorer = StreamScorer(
             m,
             self.stages,
@@ -573,7 +639,7 @@ class StepDriver:
         try:
             if self._heal_rollout:
                 self._heal_rollout = False
-                healed = await self.heal_rollout(m)
+                healed = await self._heal_shared(m)
             with tl.phase(m, "generate", lane="generate"):
                 await producer.first(m, gate, on_group=progress)
                 while gate.wanted and s.stale_action == "regenerate":
@@ -590,6 +656,10 @@ class StepDriver:
             raise _GenerationFailed(exc, gate.all_samples) from exc
         finally:
             self._open.pop("generate", None)
+            if self.switching and regenerating is not None:
+                # the batch's own requests for more groups come while the commit lane holds
+                # rollout's turn: a heal's push there would wait for it
+                regenerating.regenerate_failed(None)
         return _Generated(m, producer, gate, scorer, began, regenerated)
 
     async def _commit_lane(self) -> None:
@@ -654,6 +724,9 @@ class StepDriver:
             generated = await asyncio.shield(self._generated[n])
         except _GenerationFailed as exc:
             reported = await self._fail(n, exc.error, generation=True)
+            if reported is not exc.error:  # what was tried before it failed (regenerations)
+                for note in getattr(exc.error, "__notes__", ()):
+                    reported.add_note(note)
             raise _StepFailure(n, reported, exc.samples) from exc.error
         except asyncio.CancelledError as exc:
             if n in self._opened:  # rollout's turn: released, its requests aborted
@@ -725,15 +798,36 @@ class StepDriver:
             exc.add_note(f"failing batch {n} at the coordinator failed: {err}")
         return BatchFailedError(n, reason) if failed else exc
 
+    def _regeneration(self, m: int) -> Regeneration | None:
+        """How step ``m``'s producer regenerates a group whose generation failed (``None``:
+        ``generation_retries = 0``, or no recovery to count it)."""
+        recovery = self.clients.recovery
+        if recovery is None or self.settings.generation_retries == 0:
+            return None
+
+        async def heal() -> str | None:
+            return await self._heal_shared(m)
+
+        return Regeneration(m, self.settings.generation_retries, recovery, heal)
+
+    async def _heal_shared(self, index: int) -> str | None:
+        """:meth:`heal_rollout`, one at a time: a failure while one is in flight waits for it
+        (its regeneration must not reach a rebuilt replica before its weights do)."""
+        healing = self._healing
+        if healing is None or healing.done():
+            healing = self._healing = asyncio.ensure_future(self.heal_rollout(index))
+        return await asyncio.shield(healing)
+
     async def heal_rollout(self, index: int) -> str | None:
-        """Not switching: rollout's dead replicas rebuilt through its manager (the run's
+        """Rollout's dead replicas rebuilt through its manager (the run's
         :class:`~relax_core.coordination.retries.Recovery`, counted for step ``index``) and,
         where one was, the trainer's weights now pushed to it again (a rebuilt engine starts
-        from the model's files; a push is idempotent per version). A generation is never sent
-        again: the step that follows generates on the rebuilt replica. Why the rebuild did not
-        help, or ``None``."""
+        from the model's files; a push is idempotent per version). Switching, only during
+        rollout's turn (it is onloaded). A generation is never sent again: its group is
+        regenerated, or the step that follows generates on the rebuilt replica. Why the
+        rebuild did not help, or ``None``."""
         recovery, gen = self.clients.recovery, self.generation_role
-        if recovery is None or self.switching:
+        if recovery is None:
             return None
         before = recovery.rebuilds[index][gen]
         why = await recovery.recover(index, gen)
@@ -751,8 +845,8 @@ class StepDriver:
 
     async def _push_now(self, version: str, index: int) -> dict[str, Any]:
         """The trainer's push of ``version``, one at a time, as phase ``weight_push`` of step
-        ``index``."""
-        async with self._push_lock:
+        ``index`` (switching: under the lock of rollout's turn, as every push then)."""
+        async with self._rollout_lock if self.switching else self._push_lock:
             with self.timeline.phase(index, "weight_push", lane="push"):
                 pushed: dict[str, Any] = await self.trainer.push(version)
                 return pushed
@@ -766,7 +860,7 @@ class StepDriver:
             if self.clients.recovery is None:
                 raise
             # counted in the first step not reported yet (the step ``index`` may be gone past)
-            why = await self.heal_rollout(max(index, self.committing))
+            why = await self._heal_shared(max(index, self.committing))
             try:
                 return await self._push_now(version, index)
             except Exception as again:
@@ -805,6 +899,7 @@ class StepDriver:
                 return
             if isinstance(item, int):  # a step the run went past: nothing trained, no push
                 self.clock.untrained_step(item)  # (the push before it stays the last one)
+                await self._finished(item, trained=False)
                 continue
             generated, batch, result = item
             n = generated.step
@@ -836,6 +931,7 @@ class StepDriver:
             if self.on_trained is not None:
                 await self.on_trained(n)
             self.trainer_version = str(n + 1)
+            await self._finished(n, trained=True)
             if n + 1 < self.settings.steps:
                 self.clock.expect(str(n + 1), n + 1)
                 try:
@@ -848,6 +944,13 @@ class StepDriver:
                     ) from exc
                 if pushed_before is not None:
                     self.clock.pushed(_version(pushed_before, str(n + 1)), n + 1)
+
+    async def _finished(self, n: int, *, trained: bool) -> None:
+        if self.on_finished is not None:
+            # the commit lane may have gone past later steps already
+            failed = tuple(f for f in self.failed_steps if f <= n)
+            finished = Finished(n, trained, failed, self.trainer_version)
+            await self.on_finished(finished)
 
     # -- metrics ---------------------------------------------------------------------------
 

@@ -13,7 +13,10 @@ each completed group goes to the step's :class:`~relax_core.coordination.Deferre
 :class:`StepProducer` is what a step generates with: the step's first groups (its
 ``prompts_per_step`` prompts from the data source), and more on a stage's request while the
 batch is in flight (a filter filling the batch up, an evaluation's held-out prompts), every
-group of a step with an index of its own (``b{step}-p{index}``).
+group of a step with an index of its own (``b{step}-p{index}``). A group whose generation failed
+for a transport reason or a 5xx is regenerated, when the step driver asks for it
+(:meth:`StepProducer.regenerate_failed`), as a new group of the same prompt with the next index:
+its failed request is never sent again.
 
 Prompts are tokenized here with the generation model's ``tokenizer.json`` (the ``tokenizers``
 library, which comes with the ``hf`` engine), so the samples carry the exact ids the engine saw.
@@ -31,6 +34,7 @@ import attrs
 from relax_core._tasks import gather_all
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import DeferredCollector
+from relax_core.coordination.retries import Regeneration
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import MoreGroups
 from relax_core.errors import ConfigError, UpstreamError
@@ -207,11 +211,15 @@ class Generator:
         *,
         on_group: Callable[[int], None] | None = None,
         first_index: int = 0,
+        regeneration: Regeneration | None = None,
+        again: Callable[[], int] | None = None,
     ) -> None:
         """Generate every prompt's group and add each to ``collector`` as it completes.
 
         ``on_group(groups_done)`` is called after each group (progress). Group ``i`` of
-        ``prompts`` is ``b{batch_id}-p{first_index + i}``.
+        ``prompts`` is ``b{batch_id}-p{first_index + i}``; with ``regeneration``, one whose
+        generation failed (its engine died) is regenerated as group ``b{batch_id}-p{again()}``
+        of the same prompt (:class:`~relax_core.coordination.retries.Regeneration`).
 
         :raises UpstreamError: a request failed or its answer is not a sampled group (what the
             engine answered is quoted); groups completed before it stay in ``collector``.
@@ -225,7 +233,9 @@ class Generator:
             if on_group is not None:
                 on_group(done)
 
-        await self._each(batch_id, prompts, first_index, add)
+        await self._each(
+            batch_id, prompts, first_index, add, regeneration=regeneration, again=again
+        )
 
     async def groups(
         self,
@@ -235,18 +245,29 @@ class Generator:
         first_index: int = 0,
         samples_per_prompt: int | None = None,
         temperature: float | None = None,
+        regeneration: Regeneration | None = None,
+        again: Callable[[], int] | None = None,
     ) -> list[list[Sample]]:
         """Every prompt's group, in the order of ``prompts`` (``samples_per_prompt`` and
-        ``temperature`` override the run's).
+        ``temperature`` override the run's; ``regeneration``: as :meth:`generate`).
 
         :raises UpstreamError: as :meth:`generate`.
         """
         out: list[list[Sample] | None] = [None] * len(prompts)
 
-        def keep(index: int, group: list[Sample]) -> None:
-            out[index - first_index] = group
+        def keep(position: int, group: list[Sample]) -> None:
+            out[position] = group
 
-        await self._each(batch_id, prompts, first_index, keep, samples_per_prompt, temperature)
+        await self._each(
+            batch_id,
+            prompts,
+            first_index,
+            keep,
+            samples_per_prompt,
+            temperature,
+            regeneration=regeneration,
+            again=again,
+        )
         return [g for g in out if g is not None]
 
     async def _each(
@@ -257,12 +278,25 @@ class Generator:
         each: Callable[[int, list[Sample]], None],
         samples_per_prompt: int | None = None,
         temperature: float | None = None,
+        regeneration: Regeneration | None = None,
+        again: Callable[[], int] | None = None,
     ) -> None:
-        async def one(index: int, prompt: Prompt) -> None:
-            group = await self._group(batch_id, index, prompt, samples_per_prompt, temperature)
-            each(index, group)
+        """Every prompt's group, ``each(position in prompts, group)`` as it completes; with
+        ``regeneration`` (and ``again``, the step's next group index), a group whose
+        generation failed is regenerated as a new group of the same prompt."""
 
-        await gather_all(one(first_index + i, p) for i, p in enumerate(prompts))
+        async def one(position: int, prompt: Prompt) -> None:
+            async def generate(index: int) -> list[Sample]:
+                return await self._group(batch_id, index, prompt, samples_per_prompt, temperature)
+
+            index = first_index + position
+            if regeneration is None or again is None:
+                group = await generate(index)
+            else:
+                group = await regeneration.group(generate, index, again)
+            each(position, group)
+
+        await gather_all(one(i, p) for i, p in enumerate(prompts))
 
     async def _group(
         self,
@@ -299,6 +333,17 @@ class StepProducer:
         self.generator = generator
         self.source = source
         self._next: dict[int, int] = {}
+        #: how a group whose generation failed is regenerated (``None``: it fails the step)
+        self.regeneration: Regeneration | None = None
+
+    def regenerate_failed(self, regeneration: Regeneration | None) -> None:
+        """From now on a group of this producer whose generation fails :func:`~relax_core.
+        coordination.retries.retryable` is regenerated as a new group of the same prompt
+        (the step driver's, for its step; ``None``: it fails the step)."""
+        self.regeneration = regeneration
+
+    def _again(self, batch_id: int) -> Callable[[], int]:
+        return lambda: self._indexes(batch_id, 1)
 
     def _indexes(self, batch_id: int, count: int) -> int:
         """The first of ``count`` new group indexes of batch ``batch_id``."""
@@ -318,7 +363,13 @@ class StepProducer:
         prompts = self.source.take(self.generator.settings.prompts_per_step)
         first = self._indexes(batch_id, len(prompts))
         await self.generator.generate(
-            batch_id, prompts, collector, on_group=on_group, first_index=first
+            batch_id,
+            prompts,
+            collector,
+            on_group=on_group,
+            first_index=first,
+            regeneration=self.regeneration,
+            again=self._again(batch_id),
         )
 
     async def generate(self, batch_id: int, **request: Unpack[MoreGroups]) -> list[list[Sample]]:
@@ -334,6 +385,8 @@ class StepProducer:
             first_index=first,
             samples_per_prompt=request.get("samples_per_prompt"),
             temperature=request.get("temperature"),
+            regeneration=self.regeneration,
+            again=self._again(batch_id),
         )
 
 

@@ -33,6 +33,7 @@ from relax_core.run.checkpoint import Checkpoint, Checkpointer, Cursor, CursorPr
 from relax_core.run.data import open_source
 from relax_core.run.driver import (
     DriverSettings,
+    Finished,
     StepDriver,
     StepOutcome,
     StepProducerLike,
@@ -486,10 +487,14 @@ async def drive(
     residency: dict[str, Any] | None = None,
     first_step: int = 0,
     on_trained: Callable[[int], Awaitable[None]] | None = None,
+    on_finished: Callable[[Finished], Awaitable[None]] | None = None,
+    failed_before: Sequence[int] = (),
     **options: Unpack[RunOptions],
 ) -> RunSummary:
     """Run steps ``first_step`` to ``steps - 1`` on ``ports``; as :func:`run_loop`, which
-    calls it. ``on_trained(n)``: awaited once step ``n`` trained (a checkpoint)."""
+    calls it. ``on_trained(n)``: awaited once step ``n`` trained; ``on_finished``: with each
+    step over, in order (a checkpoint); ``failed_before``: a resumed run's failed steps gone
+    past."""
     trace, dump_dir = options.get("trace"), options.get("dump_dir")
     trackers = options.get("trackers")
     began = time.perf_counter()
@@ -520,7 +525,7 @@ async def drive(
             ports.recover or getattr(coordinator, "recover", None), on_retry=report.retried
         )
     driver = StepDriver(
-        DriverSettings.of(ports.run, steps, first_step),
+        DriverSettings.of(ports.run, steps, first_step, failed_before),
         coordinator=coordinator,
         rollout=rollout,
         initial_version=initial_version,
@@ -531,6 +536,7 @@ async def drive(
         on_trained=on_trained,
         background=background,
         on_failed=report.went_on,
+        on_finished=on_finished,
         **{name: getattr(ports, name) for name in _DRIVEN},
     )
     signals = ShutdownSignals(printer.progress_out, command="relax run", say=printer.say)
@@ -689,8 +695,9 @@ async def run_loop(
                     for role, actors in job.actors.items()
                     if role != gen and role not in job.slices
                 }
-                # a free rollout (never switched) is rebuilt through its own lease engine too
-                | ({gen: [rollout]} if gen in job.residency.free else {}),
+                # rollout (the coordinator holds no handle of it) through its own lease engine
+                # too: free, or at its turn when it takes turns
+                | {gen: [rollout]},
                 timeout=run.operation_timeout,
             ),
         )
@@ -722,7 +729,8 @@ async def run_loop(
             initial_version=initial_version,
             residency=job.residency.to_dict(),
             first_step=first_step,
-            on_trained=None if checkpoints is None else checkpoints.after,
+            on_finished=None if checkpoints is None else checkpoints.finished,
+            failed_before=() if resume is None else resume.failed_steps,
             **options,
         )
 

@@ -180,3 +180,68 @@ def test_the_driver_started_at_a_checkpoints_step_runs_the_steps_after_it(
     assert summary.weight_versions == ["2", "3", "4", "5"]
     if mode == "sync":  # step N generated with the weights trained on batch N - 1
         assert [r["weight_version"] for r in summary.committed] == ["2", "3", "4"]
+
+
+def _failing_run(
+    run_dir: Path, fail_at: dict[int, int], *, steps: int, first_step: int = 0,
+    failed_before: tuple[int, ...] = (), max_failed_steps: int = 2, version: str = "0",
+) -> tuple[Any, Checkpointer]:  # fmt: skip
+    """The simulated sync job of ``steps`` steps from ``first_step`` (rollout given weights
+    ``version`` first, as a resume pushes them), whose generation fails at the steps of
+    ``fail_at``, a checkpoint after every step (as ``relax run`` wires it)."""
+    rollout = SimRollout(TIMES, fail_at=fail_at)
+    rollout.pushed(version)
+    run = RunConfig(prompts_per_step=TIMES.groups, samples_per_prompt=2, operation_timeout=30.0,
+                    max_failed_steps=max_failed_steps)  # fmt: skip
+    ports = sim_ports("failing", run, times=TIMES, rollout=rollout, stages=[SimJudge(TIMES)])
+    checkpoints = Checkpointer(
+        str(run_dir), every=1, steps=steps, trainer=SavingTrainer(),
+        cursor=Cursor(ArithmeticSource(0)), job="j", job_file="job.toml", settings={},
+    )  # fmt: skip
+    printer = Printer(json_lines=True, out=io.StringIO(), err=io.StringIO(), tty=False)
+    summary = asyncio.run(
+        drive(
+            ports,
+            printer,
+            steps=steps,
+            initial_version=version,
+            first_step=first_step,
+            on_finished=checkpoints.finished,
+            failed_before=failed_before,
+        )
+    )
+    return summary, checkpoints
+
+
+def test_a_checkpoint_counts_failed_steps_gone_past_as_finished_and_keeps_them(
+    tmp_path: Path,
+) -> None:
+    summary, checkpoints = _failing_run(tmp_path, {1: 0, 2: 0}, steps=4)
+    assert [r["step"] for r in summary.committed] == [0, 3]
+    assert summary.row()["failed_steps"] == [1, 2]
+    # a checkpoint after every step, the failed ones too: a resume goes on after them
+    written = [(c.step, c.failed_steps, c.weight_version) for c in checkpoints.written]
+    assert written == [(1, (), "1"), (2, (1,), "1"), (3, (1, 2), "1"), (4, (1, 2), "4")]
+    saved = read_checkpoint(str(tmp_path))
+    assert saved.step == 4 and saved.failed_steps == (1, 2)
+
+
+def test_a_resumed_run_goes_on_after_the_failed_steps_and_keeps_their_count(
+    tmp_path: Path,
+) -> None:
+    _failing_run(tmp_path, {1: 0, 2: 0}, steps=3)
+    saved = read_checkpoint(str(tmp_path))
+    assert (saved.step, saved.failed_steps, saved.weight_version) == (3, (1, 2), "1")
+    # resumed at step 3 (not 1): two failures of max_failed_steps = 2 are spent, so the next
+    # one ends the run
+    resumed = {"first_step": saved.step, "failed_before": saved.failed_steps,
+               "version": saved.weight_version}  # fmt: skip
+    summary, _ = _failing_run(tmp_path, {3: 0}, steps=5, **resumed)
+    assert summary.committed == [] and summary.failure is not None
+    assert summary.failure.step == 3 and "generation failed" in summary.failure.error
+    summary, checkpoints = _failing_run(tmp_path, {}, steps=5, **resumed)
+    assert [r["step"] for r in summary.committed] == [3, 4]
+    # the weights the resume pushed are the trainer's (version 1: steps 1 and 2 trained
+    # nothing), and the versions go on as in a run that never stopped
+    assert summary.weight_versions[:3] == ["1", "4", "5"]
+    assert checkpoints.written[-1].failed_steps == (1, 2)

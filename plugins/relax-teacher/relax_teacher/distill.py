@@ -279,12 +279,16 @@ class DistillationStage:
         model = self.models[0] if len(self.models) == 1 else None
         gate = asyncio.Semaphore(self.concurrency)
         targets: dict[tuple[str, str | None], asyncio.Future[Any]] = {}
+        #: group -> the replica its last prefill went to
+        engines: dict[str, str] = {}
 
         def target_of(sample: Sample) -> asyncio.Future[Any]:
             # One routing decision per group (and route key): the group's replica.
             key = (sample.group_id, sample.route_key)
             fut = targets.get(key)
-            if fut is None:
+            # a resolution that failed (the role not READY while its replica is rebuilt) is
+            # not kept: the next sample of the group resolves anew
+            if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
                 fut = targets[key] = asyncio.ensure_future(
                     client.resolve(
                         model=model, route_key=sample.route_key, affinity_key=sample.group_id
@@ -299,11 +303,13 @@ class DistillationStage:
                         sample.prompt_ids, sample.response_ids, top_k=self.top_k
                     )
                     tried: list[str] = []
+                    sent: list[int] = []
 
                     async def send() -> Any:
-                        if not tried:  # the group's replica first
+                        sent.append(1)
+                        if len(sent) == 1:  # the group's replica first
                             target = await target_of(sample)
-                        else:  # a retry: another replica when there is one
+                        else:  # a retry, resolved anew: another replica when there is one
                             target = await client.resolve(
                                 model=model,
                                 route_key=sample.route_key,
@@ -311,6 +317,7 @@ class DistillationStage:
                                 avoid=tried,
                             )
                         tried.append(target.url)
+                        engines[sample.group_id] = target.engine_id
                         return await client.post(
                             "/generate",
                             payload,
@@ -346,7 +353,6 @@ class DistillationStage:
             for t in (*tasks, *targets.values()):
                 t.cancel()
             await asyncio.gather(*tasks, *targets.values(), return_exceptions=True)
-        engines = {gid: fut.result().engine_id for (gid, _), fut in targets.items()}
         return StageReport(
             self.name,
             {"requests": len(samples), "groups": len({s.group_id for s in samples})},

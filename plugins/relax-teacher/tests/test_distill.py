@@ -155,3 +155,28 @@ def test_a_trajectory_is_prefilled_whole_and_distilled_on_the_policys_tokens_onl
     assert all(v < 0 for v in full)
     assert trajectory.fields["teacher_logprobs"] == (full[0], 0.0, 0.0, full[3])
     assert validate_samples([trajectory, plain], stage.fields) == []
+
+
+def test_a_group_whose_first_resolution_found_the_teacher_starting_resolves_anew_on_retry() -> None:
+    """The teacher's replica is being rebuilt as a group's first prefill resolves its target
+    (the model STARTING: nothing sent); its retry resolves again and finds it READY, instead of
+    meeting the group's failed resolution once more."""
+    with teachers() as (provider, seen, _):
+        spec = RoutingSpec(default_model="math", route_key_map={"math": "math"})
+        starting = RegistryPublisher("teacher", spec)
+        starting.set_model(
+            "math", state="STARTING", route_mode="DIRECT", weight_source="STATIC",
+            served_model_name="math",
+        )  # fmt: skip
+        fetches: list[int] = []
+
+        def rebuilt_after_two_fetches() -> Any:
+            fetches.append(1)
+            return starting.snapshot() if len(fetches) <= 2 else provider()
+
+        samples = [s for s in batch(groups=2, n=2) if s.metadata["route_key"] == "math"]
+        stage = DistillationStage("teacher", top_k=0, retries=2)  # the stage kind's default
+        clients = RoleClients({"teacher": rebuilt_after_two_fetches}, ttl=0.0)
+        asyncio.run(stage.run(samples, StageContext(0, clients)))
+    assert len(seen) == len(samples)  # each prefilled once, once the teacher was READY
+    assert all("teacher_logprobs" in s.fields for s in samples)
