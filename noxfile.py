@@ -145,7 +145,8 @@ def soak(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def chaos(session: nox.Session) -> None:
     """The chaos session (not part of ``tests``): an asynchronous CPU run of 100 steps with an
-    engine killed (SIGKILL) or stopped (SIGSTOP) every few steps and the driver itself killed
+    engine killed (SIGKILL) or stopped (SIGSTOP), or the connections to the externally served
+    teacher reset by a proxy (TCP RST), every few steps and the driver itself killed
     once and resumed (``relax run --resume``); fails on a lost sample, a sample trained twice or
     a step neither committed nor reported failed (``--steps``, ``--fault-every``, ``--seed``)."""
     _install_project(session, "test")

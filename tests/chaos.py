@@ -6,13 +6,19 @@ while):
 - three tiny hf models made locally (``relax-hf make-tiny-model``), the asynchronous split job of
   ``docs/examples/run-async-cpu.toml`` (rollout, genrm, teacher, one engine each) made small:
   2 prompts x 2 samples, 4 new tokens, a checkpoint after every step, failed steps gone past;
+- the teacher's engine is started by the session itself (``relax-hf serve``, loopback), as a
+  teacher served elsewhere would be, behind a TCP proxy it also runs
+  (``tests/support/reset_proxy.py``); the job's teacher is served by ``external_urls`` = the
+  proxy's URL, so its prefills cross the proxy;
 - ``relax run JOB --json --run-dir D/run --dump-samples D/samples-0``; every ``--fault-every``
   steps one fault, the kinds taken in turn (the order shuffled by ``--seed``):
-  ``kill9`` (SIGKILL of a random engine process of the job), ``sigstop`` (SIGSTOP of a random
-  engine for ``--stop-seconds``, then SIGCONT). No proxy resets connections: the job's data
-  path has no point where one goes in without a mock (``relax run`` starts every engine itself
-  and calls it directly; a model served by ``external_urls`` is refused by ``relax run``, so
-  the judge cannot be put behind one; see docs/reliability.md#chaos-session);
+  ``kill9`` (SIGKILL of a random engine process the run started: rollout's or genrm's),
+  ``sigstop`` (SIGSTOP of one of them for ``--stop-seconds``, then SIGCONT), ``reset`` (the
+  proxy closes every open connection with a TCP RST and resets the next new one once its
+  request arrived, whenever the teacher is next called: a reset meets a request however idle
+  the teacher is then). The
+  teacher's engine is no target of the signals: the run does not rebuild an engine it did not
+  start, so a SIGKILL of it would end every later step (its owner's restart, not the run's);
 - once (at ``--kill-driver-at`` committed steps) the ``relax run`` driver itself is SIGKILLed;
   what it left running (its Ray, its engines) is killed as an operator would, and the run goes
   on with ``relax run JOB --json --resume D/run --dump-samples D/samples-1``.
@@ -50,6 +56,7 @@ import attrs
 
 from tests.support import run as support
 from tests.support import serve
+from tests.support.reset_proxy import ResettingProxy
 
 PROMPTS, SAMPLES = 2, 2
 #: the models of the job: rollout's, genrm's and the teacher's (``tiny/<name>``, its seed)
@@ -267,7 +274,11 @@ def engine_pids(job_dir: Path) -> dict[str, int]:
 # --- the session -------------------------------------------------------------------------------
 
 
-def _job(directory: Path, steps: int) -> Path:
+#: the model the session serves itself, behind the resetting proxy (the teacher's)
+EXTERNAL = "math"
+
+
+def _job(directory: Path, steps: int, external_url: str) -> Path:
     job = support.job_file(
         directory,
         example=support.ASYNC_EXAMPLE,
@@ -280,7 +291,7 @@ def _job(directory: Path, steps: int) -> Path:
         operation_timeout=60.0,
         request_timeout=30.0,
     )
-    return job
+    return support.served_externally(job, EXTERNAL, external_url)
 
 
 @attrs.define
@@ -291,10 +302,12 @@ class Injector:
     faults: Counter[str] = attrs.field(factory=Counter)
     log: list[dict[str, Any]] = attrs.field(factory=list)
     stopped: set[int] = attrs.field(factory=set)
+    #: the proxy in front of the externally served engine (``None``: no ``reset`` fault)
+    proxy: ResettingProxy | None = None
     _kinds: Iterator[str] | None = None
 
     def kinds(self) -> list[str]:
-        return ["kill9", "sigstop"]
+        return ["kill9", "sigstop"] + (["reset"] if self.proxy is not None else [])
 
     def next_kind(self) -> str:
         if self._kinds is None:
@@ -306,6 +319,9 @@ class Injector:
     def inject(self, at_step: int) -> None:
         kind = self.next_kind()
         entry: dict[str, Any] = {"kind": kind, "after_steps": at_step, "time": time.time()}
+        if kind == "reset":
+            self._reset(entry)
+            return
         engines = engine_pids(self.job_dir)
         if not engines:
             entry["skipped"] = "no engine running (one is being rebuilt)"
@@ -330,6 +346,18 @@ class Injector:
         self.faults[kind] += 1
         self.log.append(entry)
         print(f"chaos: after {at_step} steps: {kind} {entry.get('model', '')}", file=sys.stderr)
+
+    def _reset(self, entry: dict[str, Any]) -> None:
+        assert self.proxy is not None
+        entry["model"] = EXTERNAL
+        entry["open_connections_reset"] = self.proxy.reset(new=1)
+        self.faults["reset"] += 1
+        self.log.append(entry)
+        print(
+            f"chaos: after {entry['after_steps']} steps: reset of the connections to {EXTERNAL} "
+            f"({entry['open_connections_reset']} open, and the next new one)",
+            file=sys.stderr,
+        )
 
     def release(self) -> None:
         for pid in list(self.stopped):
@@ -376,6 +404,7 @@ def text_report(report: dict[str, Any]) -> str:
         f"retries: {report['retries_total']} {report['retries']}",
         f"recoveries: {report['recoveries_total']} {report['recoveries']}",
         f"faults: {report['faults']}",
+        f"proxy: {report.get('proxy')}",
         f"samples: {report['samples_committed']} committed, {report['samples_reported']} "
         f"reported failed or dropped, {report['samples_lost']} lost, "
         f"{report['samples_trained_twice']} trained twice",
@@ -403,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = started + args.timeout
     drivers: list[Driver] = []
     injector: Injector | None = None
+    external: Any = None
+    proxy: ResettingProxy | None = None
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -411,8 +442,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         job_dir.mkdir(exist_ok=True)
         support.make_models(job_dir)
-        job = _job(job_dir, args.steps)
-        injector = Injector(job_dir, random.Random(args.seed), args.stop_seconds)
+        # The teacher's engine, started here as its owner would, from a path outside the job's
+        # directory (what a driver leaves running is found by that directory); the proxy in front.
+        (base / "external").mkdir(exist_ok=True)
+        served = base / "external" / EXTERNAL
+        if not served.exists():
+            served.symlink_to(job_dir / "tiny" / EXTERNAL, target_is_directory=True)
+        external = support.start_hf_engine(served)
+        upstream = str(external.base_url).rsplit(":", 1)
+        proxy = ResettingProxy(upstream[0].removeprefix("http://"), int(upstream[1]))
+        job = _job(job_dir, args.steps, proxy.start())
+        injector = Injector(job_dir, random.Random(args.seed), args.stop_seconds, proxy=proxy)
         kill_at = args.kill_driver_at if args.kill_driver_at is not None else args.steps // 2
         run_dir = base / "run"
         first = Driver(
@@ -446,6 +486,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         report = account(args.steps, records)
         report["faults"] = dict(injector.faults)
+        report["proxy"] = {
+            "open_reset": proxy.open_reset,
+            "new_reset": proxy.new_reset,
+            "accepted": proxy.accepted,
+        }
         report["fault_log"] = injector.log
         report["exit_status"] = codes[-1]
         report["wall_s"] = time.monotonic() - started
@@ -469,6 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             injector.release()
         for d in drivers:
             d.kill_leftovers()
+        if proxy is not None:
+            proxy.close()
+        if external is not None:
+            external.kill()
 
 
 if __name__ == "__main__":

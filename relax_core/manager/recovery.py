@@ -11,7 +11,12 @@ Rules (the reference's failure table):
 - a worker actor that died without confirmed cleanup is fenced (slot, pending record and
   placement group kept, nothing rebuilt) and the call raises ``InferenceRecoveryRequired``;
 - a cleanup waits for every worker's shutdown, then kills the confirmed actors; an unconfirmed
-  step stays pending and the next cleanup retries it.
+  step stays pending and the next cleanup retries it;
+- a rebuilt replica reports the weight version it holds: its engine loads the model's files
+  (a DCS model: the newest version of its checkpoint directory), so it is started and published
+  with their version — what the model's first engines reported —, not the version last pushed
+  to the model, until weights are pushed to it (the engine's CPU backup of its weights died
+  with its process; the manager keeps none).
 """
 
 from __future__ import annotations
@@ -102,7 +107,9 @@ class Recovery:
             rep.weights_valid = False
             rep.admission_open = False
             rep.advance(_S.STARTING)
-        results = self.launcher.start(rebuild)
+        # The launcher reads the version to start engines with from its publication.
+        view: Any = _FilesVersion(self.publication)
+        results = attrs.evolve(self.launcher, publication=view).start(rebuild)
         for slot in slots:
             if slot.engine_id in results:
                 continue
@@ -289,6 +296,30 @@ class Recovery:
                 )
             )
         return HealthReport(self.slots.model_id, tuple(verdicts))
+
+
+class _FilesVersion:
+    """The model's publication as the launcher of a rebuild sees it: the same publishing, but
+    no weight version to give the engines (so an engine started on the model's files reports
+    their version, the engine's own default or a DCS checkpoint's, as at the model's first
+    start), and the version a head reports recorded only when the model has none yet."""
+
+    def __init__(self, publication: Publication) -> None:
+        self._publication = publication
+
+    @property
+    def weight_version(self) -> str | None:
+        """None: the engines are told no version (see the class docstring)."""
+        return None
+
+    @weight_version.setter
+    def weight_version(self, version: str | None) -> None:
+        if self._publication.weight_version is None:
+            self._publication.weight_version = version
+
+    def publish(self) -> None:
+        """The model's :meth:`Publication.publish`."""
+        self._publication.publish()
 
 
 @attrs.frozen

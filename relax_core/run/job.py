@@ -22,14 +22,17 @@ from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.residency import ResidencyPlan, plan_residency
 from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import Stage, stage_fields
-from relax_core.errors import RelaxError
+from relax_core.errors import LifecycleError, RelaxError
 from relax_core.jobs.runtime import JobRuntime, Say
 from relax_core.jobs.teardown import Stop
 from relax_core.manager import ManagerTimeouts
+from relax_core.manager.actor import ManagerActor
+from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
+from relax_core.records import RouterBackend, RouterLaunchSpec
 from relax_core.run.config import RunConfig
 
-__all__ = ["RunJob", "generation_role", "run_problems"]
+__all__ = ["ExternalEnginesActor", "RunJob", "generation_role", "run_problems"]
 
 #: Who wakes a deferred model, in its ``SLEEPING`` line.
 _WAKES = "only the coordinator wakes it, for its phase"
@@ -87,6 +90,18 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
         run, pm, roles=config.role_names, generation_role=gen, deferred_roles=defer
     )
     out += background_problems(run.stages, defer_roles=defer, residency=config.placement.residency)
+    out += [
+        ConfigProblem(
+            f"{m.path}.external_urls",
+            "external",
+            f"role {m.role!r} takes turns on shared GPUs (placement.defer_roles), but this "
+            "model is served by engines relax run does not start, onload nor offload: take "
+            f"{m.role!r} out of placement.defer_roles, or drop external_urls",
+        )
+        for role in defer
+        for m in config.role(role).models
+        if m.external
+    ]
     if defer:
         workload = DeferredWorkload(
             defer_roles=defer,
@@ -129,8 +144,10 @@ def _generation_problems(models: tuple[ModelConfig, ...], pm: PluginManager) -> 
                 ConfigProblem(
                     f"{m.path}.external_urls",
                     "external",
-                    "the policy's engines must be managed: the trainer pushes weights through "
-                    "their manager",
+                    f"the {m.role} role generates the batch, and the trainer pushes its weights "
+                    "to those engines after every step through their manager: relax run must "
+                    "start them; drop external_urls (external engines suit a model whose "
+                    "weights never change: a teacher's, a judge's)",
                 )
             )
         if not Path(m.model_path).is_dir():
@@ -201,8 +218,11 @@ class RunJob:
     generation_model: ModelConfig = attrs.field(init=False)
     runtime: JobRuntime = attrs.field(factory=JobRuntime, init=False)
     registries: dict[str, Any] = attrs.field(factory=dict, init=False)
-    #: role -> model -> manager actor
+    #: role -> model -> manager actor (every role; not the models served by external engines)
     actors: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    #: role -> model -> the actor of a model served by ``external_urls``: it publishes their
+    #: heads; nothing starts, onloads, offloads, rebuilds or pushes weights to them.
+    external: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
     coordinator: Any = attrs.field(default=None, init=False)
     sink: Any = attrs.field(default=None, init=False)
     trainer: Any = attrs.field(default=None, init=False)
@@ -309,7 +329,7 @@ class RunJob:
             timeouts = _timeouts(self.run)
             managers = {
                 (role.name, model.name): pool.submit(
-                    start_model_actor,
+                    _start_external_actor if model.external else start_model_actor,
                     model,
                     self.pm,
                     job=self.name,
@@ -325,10 +345,15 @@ class RunJob:
             # recorded for the teardown.
             wait(list(managers.values()))
         for (role_name, model_name), started in managers.items():
+            # A role whose models are all external has no actor to rebuild: an empty entry.
+            self.actors.setdefault(role_name, {})
             if started.exception() is not None:
                 continue
             actor = started.result()
-            self.actors.setdefault(role_name, {})[model_name] = actor
+            external = self.config.role(role_name).model(model_name).external
+            (self.external if external else self.actors).setdefault(role_name, {})[model_name] = (
+                actor
+            )
             # A manager busy with a lifecycle call finishes it before its shutdown: its
             # deadline follows operation_timeout, so the wait is bounded.
             runtime.add(
@@ -340,6 +365,14 @@ class RunJob:
                 )
             )
         _raise_first(managers.values())
+        for model in self.config.models():
+            if model.external:
+                runtime.line(
+                    say,
+                    f"{model.role}.{model.name}: external engines at "
+                    f"{', '.join(model.external_urls)}: not started, onloaded, offloaded nor "
+                    "rebuilt by this run, and never sent weights",
+                )
         self._start_coordination()
         trainer_error: list[BaseException] = []
         builder = threading.Thread(
@@ -447,8 +480,96 @@ class RunJob:
             first.append(Stop("batch sink", self.sink.stop))
         then = [Stop(f"{role} registry", r.stop) for role, r in self.registries.items()]
         self.trainer = self.coordinator = self.sink = None
-        self.actors, self.registries = {}, {}
+        self.actors, self.external, self.registries = {}, {}, {}
         return self.runtime.teardown(say, first=first, then=then)
+
+
+class ExternalEnginesActor(ManagerActor):
+    """The actor of a model served by ``external_urls``: the managed models' core
+    (:class:`~relax_core.manager.actor.ManagerActor`, its clients and its generated methods)
+    around :class:`~relax_core.manager.external.ExternalEngines` (its arguments), so the
+    runtime, the registry's liveness watch and teardown reach it as any model's actor. Every
+    lifecycle call and weight update is refused by ``ExternalEngines``; ``router_backend`` /
+    ``router_spec`` as a managed model's actor takes them."""
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        router_backend: RouterBackend | None = None,
+        router_spec: RouterLaunchSpec | None = None,
+        router_timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
+        self._router = None
+        self._router_timeout = router_timeout
+        self._name = f"model {model_id!r}"
+        if router_backend is not None and router_spec is not None:
+            self._router = router_backend.launch(router_spec)
+            kwargs.update(router=self._router, router_url=self._router.url)
+        try:
+            self._manager = ExternalEngines(model_id, **kwargs)
+        except BaseException:
+            if self._router is not None:
+                self._router.terminate(3.0)
+            raise
+
+
+def _start_external_actor(
+    model: ModelConfig,
+    pm: PluginManager,
+    *,
+    job: str,
+    placement: Any,
+    publisher: Any,
+    timeouts: ManagerTimeouts | None = None,
+    log_dir: str | None = None,
+) -> Any:
+    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, named as a
+    managed model's, in place of :func:`~relax_core.jobs.managers.start_model_actor`'s (the
+    same arguments; ``placement`` and ``timeouts`` are not used: nothing is placed nor
+    driven). Its heads are probed by its ``start``; the role's registry watches it.
+
+    :raises LifecycleError: the actor could not be built.
+    """
+    import ray
+
+    from relax_core.engine.spec import InferenceEngineSpec
+    from relax_core.jobs.managers import router_launch_spec, router_record
+    from relax_core.manager.actor import manager_actor_name
+
+    role = pm.role(model.role)
+    source = pm.weight_source(model.weight_source or role.default_weight_source)
+    kwargs: dict[str, Any] = {
+        "urls": model.external_urls,
+        "spec": InferenceEngineSpec.for_role(role, source),
+        "served_model_name": model.served_model_name or model.name,
+        "route_mode": model.route_mode or role.default_route_mode,
+        "publisher": publisher,
+    }
+    if kwargs["route_mode"] != "DIRECT":
+        record = router_record(model, role, pm)
+        kwargs.update(router_backend=record, router_spec=router_launch_spec(model, record, log_dir))
+    options = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0, "max_concurrency": 8}
+    try:
+        actor: Any = (
+            ray.remote(ExternalEnginesActor)
+            .options(
+                name=manager_actor_name(job, model.role, model.name), namespace=NAMESPACE, **options
+            )
+            .remote(model.name, **kwargs)
+        )
+        ray.get(actor.states.remote(), timeout=60)
+    except ray.exceptions.RayActorError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise LifecycleError(
+            f"{model.path}: its actor (external engines) did not start: "
+            f"{lines[-1] if lines else type(exc).__name__}"
+        ) from None
+    watch = getattr(publisher, "watch_manager", None)
+    if watch is not None:  # its model is published UNKNOWN once the actor is gone
+        watch(model.name, actor)
+    return actor
 
 
 def _raise_first(started: Iterable[Future[Any]]) -> None:

@@ -557,6 +557,53 @@ def test_a_student_restore_failure_releases_the_rollout_lease_in_finally(step: S
     assert asyncio.run(step.coordinator.describe()).batch_state == "FAILED"
 
 
+class KillRollout(RewardStage):
+    """The judge stage (rollout is offloaded for it), then SIGKILL of rollout's engine while
+    it sleeps: the student stage's restore (its onload) meets a dead engine."""
+
+    def __init__(self, job: Job) -> None:
+        base = reward_stage(job)
+        super().__init__(list(base.adapters), name="genrm", role="genrm")
+        self.job = job
+        self.killed: list[int] = []
+
+    async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
+        report = await super().run(samples, ctx)
+        assert set(self.job.states("rollout").values()) == {"SLEEPING"}
+        self.killed = self.job.engine_pids("rollout")
+        for pid in self.killed:
+            os.kill(pid, signal.SIGKILL)
+        return report
+
+
+def test_a_student_restore_that_really_fails_names_the_replica_and_tries_the_release_in_finally(
+    step: Step,
+) -> None:
+    killer = KillRollout(step.job)
+
+    async def go() -> None:
+        await step.coordinator.begin_batch(0)
+        collector = await step.generate(0, groups=2)
+        student = DistillationStage("rollout", student=True)
+        with pytest.raises(LifecycleError) as info:
+            await step.batch(0, collector.samples, [killer, student]).run()
+        message = str(info.value)
+        assert message.startswith("student restore of 'rollout': onload of model 'policy'"), message
+        assert "policy/replica-0: failed FAILED (onload of policy/replica-0:" in message, message
+        # The finally released rollout: an offload of the dead replica, which is no
+        # confirmation (its memory is not known free), so the release is reported unconfirmed.
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "then releasing the roles it used failed too" in notes, notes
+        assert "rollout release unconfirmed" in notes, notes
+
+    asyncio.run(go())
+    assert killer.killed and not any(support.pid_alive(p) for p in killer.killed)
+    # Fail-stop: the lease is BLOCKED, never handed on, and the batch FAILED.
+    assert step.lease("rollout") is LeaseState.BLOCKED
+    assert asyncio.run(step.coordinator.describe()).batch_state == "FAILED"
+    assert step.lease("genrm") is LeaseState.SLEEPING
+
+
 def test_a_batch_cancelled_while_genrm_judges_aborts_its_requests_and_genrm_serves_again(
     step: Step,
 ) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from relax_core.engine.process import SubprocessEngineProcess
+from relax_core.testing import free_port
 from tests.support import serve as support
 from tests.support.jobs import toml_value
 
@@ -115,6 +117,44 @@ def kill_run(proc: subprocess.Popen[str], directory: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
+
+
+def served_externally(job: Path, model: str, url: str) -> Path:
+    """``job`` rewritten so that the model ``model`` (its ``[roles.R.models.<model>]`` table)
+    is served by the engine at ``url`` (``external_urls``) instead of one the job starts."""
+    lines, out, skipping = job.read_text().splitlines(), [], False
+    for line in lines:
+        if line.startswith("[roles.") and line.endswith(f".models.{model}]"):
+            out += [line, f'external_urls = ["{url}"]']
+            skipping = True
+        elif skipping and (line.startswith("[") or not line.strip()):
+            skipping = False
+            out.append(line)
+        elif not skipping:
+            out.append(line)
+    job.write_text("\n".join(out) + "\n")
+    return job
+
+
+def start_hf_engine(model_dir: Path, port: int | None = None) -> SubprocessEngineProcess:
+    """A hf engine on loopback serving ``model_dir`` on CPU (one torch thread), started as
+    someone else would start it (``relax-hf serve``), ready; on ``port`` (default: a free one).
+    The caller kills it."""
+    port = port or free_port()
+    proc = SubprocessEngineProcess.start(
+        [
+            sys.executable, "-m", "relax_hf", "serve", "--model", str(model_dir),
+            "--port", str(port), "--threads", "1",
+        ],
+        base_url=f"http://127.0.0.1:{port}",
+        engine_id=f"external-{port}",
+    )  # fmt: skip
+    try:
+        proc.wait_ready(180)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
 
 
 class RunProcess:
