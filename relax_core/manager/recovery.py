@@ -1,22 +1,8 @@
 """Health checks, cleanup and rebuild of failed replicas, and stopping every worker.
 
-Rules (the reference's failure table):
-
-- a health check probes every worker of every replica (head: one real generation; each worker:
-  its process alive), without the manager's lock; a replica whose engine process exited or
-  whose actor died is FAILED at once, one whose probes failed is FAILED only after
-  ``unhealthy_after`` failed rounds in a row; a FAILED replica is, when asked, cleaned as a
-  whole;
-- a replica is rebuilt only when the shutdown of every one of its workers is confirmed;
-- a worker actor that died without confirmed cleanup is fenced (slot, pending record and
-  placement group kept, nothing rebuilt) and the call raises ``InferenceRecoveryRequired``;
-- a cleanup waits for every worker's shutdown, then kills the confirmed actors; an unconfirmed
-  step stays pending and the next cleanup retries it;
-- a rebuilt replica reports the weight version it holds: its engine loads the model's files
-  (a DCS model: the newest version of its checkpoint directory), so it is started and published
-  with their version — what the model's first engines reported —, not the version last pushed
-  to the model, until weights are pushed to it (the engine's CPU backup of its weights died
-  with its process; the manager keeps none).
+The rules (probes without the lock, ``unhealthy_after``, whole-replica cleanup, fences) are
+``docs/manager.md``'s "Health, recovery and the fence"; what version a rebuilt replica reports
+is :class:`_FilesVersion`'s.
 """
 
 from __future__ import annotations
@@ -302,7 +288,8 @@ class _FilesVersion:
     """The model's publication as the launcher of a rebuild sees it: the same publishing, but
     no weight version to give the engines (so an engine started on the model's files reports
     their version, the engine's own default or a DCS checkpoint's, as at the model's first
-    start), and the version a head reports recorded only when the model has none yet."""
+    start, until weights are pushed to it: its CPU copy of them died with it), and the version a
+    head reports recorded only when the model has none yet."""
 
     def __init__(self, publication: Publication) -> None:
         self._publication = publication
