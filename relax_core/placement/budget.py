@@ -1,12 +1,6 @@
-"""The memory budget: per-GPU and per-node host memory, computed before anything starts.
-
-Per engine GPU: the weight shard (parameters x dtype bytes / (tp x pp)), the KV cache for the
-configured context and running requests (or SGLang's static pool, ``mem_fraction_static`` of
-the GPU), a CUDA-graph reserve, and what colocated training roles keep resident in the same
-phase. Per node: the CPU weight backups of the engines on it plus offloaded training state,
-against ``cluster.host_memory_gib``. The model's shape comes from ``<model_path>/config.json``
-(the only file the planner reads); when it cannot be read the budget says it was skipped and
-why.
+"""The memory budget: per-GPU and per-node host memory, computed before anything starts, from
+``<model_path>/config.json`` (the only file the planner reads; what is counted is
+``docs/placement.md``'s "Memory budget"). A budget that cannot be computed says why it was skipped.
 """
 
 from __future__ import annotations
