@@ -296,8 +296,7 @@ class AdmissionServer:
                     request.transport.close()
                 return response
             return self._refuse(
-                502,
-                f"engine {self.engine_id!r} broke off its answer: {type(exc).__name__}: {exc}",
+                502, f"engine {self.engine_id!r} broke off its answer: {type(exc).__name__}: {exc}"
             )
 
 

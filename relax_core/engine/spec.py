@@ -94,10 +94,7 @@ class InferenceEngineSpec:
 
     @classmethod
     def for_role(
-        cls,
-        role: RoleSpec,
-        weight_source: WeightSource,
-        **kwargs: object,
+        cls, role: RoleSpec, weight_source: WeightSource, **kwargs: object
     ) -> InferenceEngineSpec:
         """A spec for ``role`` with ``weight_source``.
         :raises ValueError: the role does not allow the weight source."""

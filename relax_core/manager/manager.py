@@ -1,12 +1,8 @@
 """InferenceManager: one lifecycle core for every role's engines (one manager per model).
 
-Each public method of :class:`InferenceManager` takes the manager's lock (lifecycle calls never
-interleave; the parts are not thread-safe on their own), refuses what must be refused, and hands
-the work to one part: :class:`~.slots.SlotTable`, :class:`~.publication.Publication`,
-:class:`~.launcher.Launcher`, :class:`~.heads.HeadCalls`, :class:`~.memory.Memory`,
-:class:`~.updates.WeightUpdates`, :class:`~.recovery.Recovery`, :class:`~.scaling.Scaling`,
-:class:`~.groups.PlacementGroups`. Every step fans out to all replicas at once
-(:func:`~.fanout.gather`). See ``docs/manager.md``.
+Each public method takes the manager's lock (the parts are not thread-safe on their own),
+refuses what must be refused and hands the work to one of its parts (``docs/manager.md`` lists
+them); every step fans out to all replicas at once (:func:`~.fanout.gather`).
 """
 
 from __future__ import annotations
@@ -526,11 +522,7 @@ class InferenceManager:
             yield
 
     def _run(
-        self,
-        operation: str,
-        step: Callable[[], dict[str, ReplicaResult]],
-        *,
-        settle: bool = True,
+        self, operation: str, step: Callable[[], dict[str, ReplicaResult]], *, settle: bool = True
     ) -> LifecycleResult:
         """One guarded lifecycle call; with ``settle``, a worker fenced by it raises."""
         what = f"{operation}()"

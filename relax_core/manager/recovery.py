@@ -181,14 +181,9 @@ class Recovery:
     ) -> HealthReport:
         """Judge one round's probes; fail the replicas that are dead or failed
         ``unhealthy_after`` probes in a row; with ``recover``, clean and rebuild every broken
-        one. Blocking (a rebuild); the caller holds the lock and raises for a fence.
-
-        A definite death — the engine process exited, or the worker actor died (fenced) — fails
-        its replica at once. A probe that failed or timed out while the process lives (a GC
-        pause, a long prefill, a stopped process) only counts: the replica stays as it is, and
-        routable, until ``unhealthy_after`` consecutive rounds failed. A probe that overlapped
-        a lifecycle change of its replica (or whose worker was replaced) says nothing about it
-        now and is ignored.
+        one. Blocking (a rebuild); the caller holds the lock and raises for a fence. A probe
+        that overlapped a lifecycle change of its replica (or whose worker was replaced) is
+        ignored; the rest is :meth:`InferenceManager.health_check`'s rule.
         """
         problems: dict[str, list[str]] = {}
         suspects: dict[str, int] = {}

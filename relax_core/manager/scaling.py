@@ -42,10 +42,7 @@ class Scaling:
         return self.slots.add(workers, group)
 
     def check_new(
-        self,
-        workers: Sequence[Sequence[Sequence[int]]] | None,
-        count: int | None,
-        group: Any,
+        self, workers: Sequence[Sequence[Sequence[int]]] | None, count: int | None, group: Any
     ) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """The bundles of the replicas to add: ``workers``, or ``count`` unplaced ones.
         :raises ValueError: both or neither, a bad count or node count, a bundle taken."""

@@ -11,12 +11,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from relax_core.errors import InferenceRecoveryRequired
-from relax_core.manager.results import (
-    LifecycleResult,
-    Outcome,
-    ReplicaResult,
-    UnconfirmedWorker,
-)
+from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult, UnconfirmedWorker
 from relax_core.manager.state import Replica, ReplicaState
 from relax_core.records import EngineOptions
 
