@@ -193,6 +193,13 @@ class HostedManager(ModelManager, Protocol):
         ...
 
 
+if TYPE_CHECKING:
+    # The generated methods are invisible to mypy: it sees the Protocol's instead.
+    _Hosted = HostedManager
+else:
+    _Hosted = object
+
+
 def _to_manager(name: str) -> Callable[..., Any]:
     def method(self: ManagerActor, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._manager, name)(*args, **kwargs)
@@ -205,13 +212,6 @@ def _to_call(name: str) -> Callable[..., Any]:
         return self.call(name, *args, **kwargs)
 
     return method
-
-
-if TYPE_CHECKING:
-    # The generated methods are invisible to mypy: it sees the Protocol's instead.
-    _Hosted = HostedManager
-else:
-    _Hosted = object
 
 
 @generate(ModelManager, _to_manager)
