@@ -115,8 +115,6 @@ class SubprocessEngineProcess:
             ready_url=ready_url,
         )
 
-    # -- EngineProcess -------------------------------------------------------------------
-
     @property
     def pid(self) -> int:
         """The process id of the server (the leader of its process group)."""
@@ -215,8 +213,6 @@ class SubprocessEngineProcess:
         if self._returncode is not None:
             return self._returncode
         return self._reap()
-
-    # -- helpers -------------------------------------------------------------------------
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -105,8 +105,6 @@ class InferenceEngineSpec:
             )
         return cls(role=role.name, weight_source=weight_source, **kwargs)  # type: ignore[arg-type]
 
-    # -- queries ---------------------------------------------------------------------------
-
     @property
     def is_static(self) -> bool:
         """True when the weight source allows no update path at all."""

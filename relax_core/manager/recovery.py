@@ -37,8 +37,6 @@ class Recovery:
     #: consecutive failed probes of a live replica before it is FAILED
     unhealthy_after: int = 3
 
-    # -- cleanup ---------------------------------------------------------------------------
-
     def cleanup(self, slots: Sequence[ReplicaSlot], *, during: str) -> None:
         """STOPPING; shut down every live worker of ``slots`` (in parallel), then kill the
         actors whose shutdown is confirmed. Blocking; never raises for a worker (an unconfirmed
@@ -145,8 +143,6 @@ class Recovery:
                 f"model {self.slots.model_id!r}: shutdown not confirmed for {pending}; the "
                 "placement group is kept; call shutdown() again"
             )
-
-    # -- health ----------------------------------------------------------------------------
 
     def plan_probes(self) -> ProbePlan:
         """What one health round probes: every live, unfenced worker of every replica that is

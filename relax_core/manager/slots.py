@@ -327,8 +327,6 @@ class SlotTable:
             for b in w.bundles
         }
 
-    # -- fences ------------------------------------------------------------------------------
-
     def fenced_workers(self) -> list[str]:
         """The names of every fenced worker (see :class:`WorkerSlot`)."""
         return [s.worker_name(w) for s in self.ordered() for w in s.workers if w.fenced]
