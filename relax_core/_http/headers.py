@@ -18,8 +18,6 @@ REQUEST_ID_HEADER = "X-Request-ID"
 #: Set by an admission server on its 502 when the engine behind it could not be connected to:
 #: nothing reached the engine, so the caller may send the request to another replica.
 NOT_SENT_HEADER = "X-Relax-Not-Sent"
-#: A request may require weights of at least this version (see ``RouteResolver``).
-MIN_WEIGHT_VERSION_HEADER = "X-Relax-Min-Weight-Version"
 #: The affinity header sglang-router / smg hash on (``consistent_hashing``); kept by every hop.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 

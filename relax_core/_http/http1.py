@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -41,6 +42,7 @@ _HIGH_WATER = 1 << 20
 _URL_CACHE_SIZE = 4096
 # Headers the client writes itself (the body is always sent with its length).
 _FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
+_LENGTHS = frozenset({b"content-length", b"transfer-encoding"})
 
 
 class ConnectError(ConnectionError):
@@ -151,10 +153,7 @@ class Http1Body:
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """Chunks as they arrive, until the end."""
-        while True:
-            data = await self.readany()
-            if not data:
-                return
+        while data := await self.readany():
             yield data
 
 
@@ -187,25 +186,23 @@ class Http1Response:
 
     async def read(self) -> bytes:
         """The whole body."""
-        chunks: list[bytes] = []
-        while True:
-            data = await self.content.readany()
-            if not data:
-                return b"".join(chunks)
-            chunks.append(data)
-
-    def release(self) -> None:
-        """Done with the answer: reuse the connection if it was complete, else close it."""
-        self.close()
+        return b"".join([data async for data in self.content.iter_any()])
 
     def close(self) -> None:
-        """Done with the answer; an incomplete one closes its connection. Idempotent."""
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        """Done with the answer: reuse the connection if it was complete, else close it.
+        Idempotent (``release`` is the same)."""
+        self.cancel_deadline()
         conn, self._conn = self._conn, None
         if conn is not None and not self.complete:
             conn.close()
+
+    release = close
+
+    def cancel_deadline(self) -> None:
+        """Stop the request's deadline timer (idempotent)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
 
 class _Connection(asyncio.Protocol):
@@ -252,22 +249,16 @@ class _Connection(asyncio.Protocol):
         if resp is None:
             self._free_slot()
             return
+        why = f" ({exc})" if exc else ""
         if self._head is not None:
-            error = _StaleConnectionError if self.reused and not self._answered else None
-            self._fail(
-                (error or ServerDisconnectedError)(
-                    "the upstream closed the connection before answering"
-                    + (f" ({exc})" if exc else "")
-                )
-            )
+            stale = self.reused and not self._answered
+            error = _StaleConnectionError if stale else ServerDisconnectedError
+            self._fail(error(f"the upstream closed the connection before answering{why}"))
         elif self._eof_body:
             self._finish()  # a body delimited by the end of the connection
         else:
             self._fail(
-                PayloadError(
-                    "the upstream closed the connection in the middle of its answer"
-                    + (f" ({exc})" if exc else "")
-                )
+                PayloadError(f"the upstream closed the connection in the middle of its answer{why}")
             )
         self._free_slot()
 
@@ -305,10 +296,7 @@ class _Connection(asyncio.Protocol):
             resp.raw_headers.clear()
             return
         resp.status = status
-        lengths = {k.lower() for k, _ in resp.raw_headers} & {
-            b"content-length",
-            b"transfer-encoding",
-        }
+        lengths = {k.lower() for k, _ in resp.raw_headers} & _LENGTHS
         self._eof_body = not lengths and status not in (204, 304)
         head, self._head = self._head, None
         if head is not None and not head.done():
@@ -329,9 +317,7 @@ class _Connection(asyncio.Protocol):
         if resp is None:
             return
         resp.complete = True
-        if resp._deadline is not None:
-            resp._deadline.cancel()
-            resp._deadline = None
+        resp.cancel_deadline()
         resp.content.feed_eof()
         self._set_reading(paused=False, held=False)  # a body reader's hold ends with the body
         if self.closed or not self._parser.should_keep_alive():  # (close frees the slot)
@@ -396,10 +382,8 @@ class _HostPool:
         self.idle.append(conn)
 
     def forget(self, conn: _Connection) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             self.idle.remove(conn)
-        except ValueError:
-            pass
 
 
 class Http1Client:

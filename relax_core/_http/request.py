@@ -18,8 +18,8 @@ __all__ = [
     "weight_version_header",
 ]
 
-#: The body field a request requires a minimum weight version with (the header is
-#: :data:`~relax_core._http.headers.MIN_WEIGHT_VERSION_HEADER`).
+#: The body field a request requires a minimum weight version with (or the header
+#: ``X-Relax-Min-Weight-Version``).
 MIN_WEIGHT_VERSION_FIELD = "min_weight_version"
 
 

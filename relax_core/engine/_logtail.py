@@ -80,16 +80,15 @@ def excerpt(text: str) -> tuple[list[str], bool]:
     return [_cut(line) for line in quoted], True
 
 
-def _read_end(path: str) -> str:
+def read_end(path: str, max_bytes: int) -> tuple[str, bool]:
+    """The last ``max_bytes`` of the file at ``path`` as text, and whether it was cut.
+    :raises OSError: it cannot be read."""
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
-        f.seek(max(0, size - _READ_BYTES))
+        f.seek(max(0, size - max_bytes))
         data = f.read()
-    if size > _READ_BYTES:
-        # The first line read is most likely cut; it is not quoted.
-        data = data.partition(b"\n")[2]
-    return data.decode("utf-8", errors="replace")
+    return data.decode("utf-8", errors="replace"), size > max_bytes
 
 
 def quote_log(path: str | None, indent: str = "    ") -> str:
@@ -98,10 +97,11 @@ def quote_log(path: str | None, indent: str = "    ") -> str:
     if not path:
         return "it wrote no log"
     try:
-        text = _read_end(path)
+        text, cut = read_end(path, _READ_BYTES)
     except OSError as exc:
         return f"its log ({path}) cannot be read: {exc.strerror or exc}"
-    lines, from_traceback = excerpt(text)
+    # The first line of a cut end is most likely cut itself; it is not quoted.
+    lines, from_traceback = excerpt(text.partition("\n")[2] if cut else text)
     if not lines:
         return f"its log ({path}) is empty"
     what = "last error in its log" if from_traceback else "last lines of its log"

@@ -14,6 +14,7 @@ import math
 import threading
 from typing import Any
 
+import attrs
 from aiohttp import web
 
 from relax_core._http.headers import NOT_SENT_HEADER, forward_headers
@@ -86,6 +87,7 @@ async def serve_catch_all(
     )
 
 
+@attrs.define(eq=False)
 class AdmissionServer:
     """An admission proxy in front of one engine head: ``await start()`` on the serving loop,
     then :meth:`open` (admission starts closed); call it on that loop.
@@ -96,34 +98,23 @@ class AdmissionServer:
     :param retry_after: seconds sent in ``Retry-After`` while closed.
     """
 
-    def __init__(
-        self,
-        upstream_url: str,
-        *,
-        engine_id: str,
-        spec: InferenceEngineSpec | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        retry_after: float = 1.0,
-        connect_timeout: float = 5.0,
-    ) -> None:
-        self.upstream_url = upstream_url.rstrip("/")
-        self.engine_id = engine_id
-        self.spec = spec
-        self.host = host
-        self.port = port
-        self.retry_after = retry_after
-        self._connect_timeout = connect_timeout
-        #: Whether generation requests are admitted (:meth:`open`, :meth:`close`).
-        self.is_open = False
-        self._reason = "STARTING"
-        #: Generation requests forwarded and not yet finished.
-        self.inflight = 0
-        self._idle: asyncio.Event | None = None
-        self._runner: web.AppRunner | None = None
-        self._client: Http1Client | None = None
-        self.refused = 0
-        self.forwarded = 0
+    upstream_url: str
+    engine_id: str = attrs.field(kw_only=True)
+    spec: InferenceEngineSpec | None = attrs.field(default=None, kw_only=True)
+    host: str = attrs.field(default="127.0.0.1", kw_only=True)
+    port: int = attrs.field(default=0, kw_only=True)
+    retry_after: float = attrs.field(default=1.0, kw_only=True)
+    _connect_timeout: float = attrs.field(default=5.0, kw_only=True, alias="connect_timeout")
+    #: Whether generation requests are admitted (:meth:`open`, :meth:`close`).
+    is_open: bool = attrs.field(default=False, init=False)
+    _reason: str = attrs.field(default="STARTING", init=False)
+    #: Generation requests forwarded and not yet finished.
+    inflight: int = attrs.field(default=0, init=False)
+    _idle: asyncio.Event | None = attrs.field(default=None, init=False)
+    _runner: web.AppRunner | None = attrs.field(default=None, init=False)
+    _client: Http1Client | None = attrs.field(default=None, init=False)
+    refused: int = attrs.field(default=0, init=False)
+    forwarded: int = attrs.field(default=0, init=False)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -257,7 +248,7 @@ class AdmissionServer:
             # A HEAD answer's Content-Length describes a body that never comes.
             return self._refuse(405, f"HEAD is not forwarded to engine {self.engine_id!r}")
         body = await request.read() if request.can_read_body else b""
-        url = f"{self.upstream_url}{request.rel_url}"
+        url = f"{self.upstream_url.rstrip('/')}{request.rel_url}"
         try:
             upstream = await client.request(
                 request.method, url, forward_headers(request.headers), body, timeout=None
@@ -305,8 +296,7 @@ class AdmissionServer:
                     request.transport.close()
                 return response
             return self._refuse(
-                502,
-                f"engine {self.engine_id!r} broke off its answer: {type(exc).__name__}: {exc}",
+                502, f"engine {self.engine_id!r} broke off its answer: {type(exc).__name__}: {exc}"
             )
 
 

@@ -61,38 +61,24 @@ def plan_weight_buckets(
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     buckets: list[WeightBucket] = []
     seen: set[str] = set()
-    names: list[str] = []
-    dtypes: list[str] = []
-    shapes: list[tuple[int, ...]] = []
-    offsets: list[int] = []
+    rows: list[tuple[str, str, tuple[int, ...], int]] = []  # name, dtype, shape, offset
     size = 0
-
-    def close() -> None:
-        nonlocal size
-        if names:
-            buckets.append(
-                WeightBucket(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), size)
-            )
-        names.clear()
-        dtypes.clear()
-        shapes.clear()
-        offsets.clear()
-        size = 0
-
     for name, tensor in named_tensors:
         if name in seen:
             raise ValueError(f"plan_weight_buckets: {name!r} is given twice")
         seen.add(name)
         shape = tuple(int(d) for d in tensor.shape)
         nbytes = math.prod(shape) * int(tensor.element_size())
-        if names and size + nbytes > bucket_bytes:
-            close()
-        names.append(name)
-        dtypes.append(_dtype_name(tensor.dtype))
-        shapes.append(shape)
-        offsets.append(size)
+        if rows and size + nbytes > bucket_bytes:
+            buckets.append(_bucket(rows, size))
+            rows, size = [], 0
+        rows.append((name, _dtype_name(tensor.dtype), shape, size))
         size += nbytes
-    close()
-    if not buckets:
+    if not rows:
         raise ValueError("plan_weight_buckets: no tensors to push")
-    return buckets
+    return [*buckets, _bucket(rows, size)]
+
+
+def _bucket(rows: list[tuple[str, str, tuple[int, ...], int]], size: int) -> WeightBucket:
+    names, dtypes, shapes, offsets = zip(*rows, strict=True)
+    return WeightBucket(names, dtypes, shapes, offsets, size)

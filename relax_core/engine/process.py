@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from relax_core.engine._logtail import quote_log
+from relax_core.engine._logtail import quote_log, read_end
 from relax_core.errors import LifecycleError
 
 __all__ = ["SubprocessEngineProcess", "log_tail", "safe_file_name"]
@@ -37,14 +37,8 @@ def safe_file_name(text: str) -> str:
 
 def log_tail(path: str | None, max_bytes: int = _TAIL_BYTES) -> str:
     """The last ``max_bytes`` of the file at ``path`` as text ("" if it cannot be read)."""
-    if not path:
-        return ""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            return f.read().decode("utf-8", errors="replace")
+        return read_end(path, max_bytes)[0] if path else ""
     except OSError:
         return ""
 
@@ -120,8 +114,6 @@ class SubprocessEngineProcess:
             health_path=health_path,
             ready_url=ready_url,
         )
-
-    # -- EngineProcess -------------------------------------------------------------------
 
     @property
     def pid(self) -> int:
@@ -221,8 +213,6 @@ class SubprocessEngineProcess:
         if self._returncode is not None:
             return self._returncode
         return self._reap()
-
-    # -- helpers -------------------------------------------------------------------------
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -94,10 +94,7 @@ class InferenceEngineSpec:
 
     @classmethod
     def for_role(
-        cls,
-        role: RoleSpec,
-        weight_source: WeightSource,
-        **kwargs: object,
+        cls, role: RoleSpec, weight_source: WeightSource, **kwargs: object
     ) -> InferenceEngineSpec:
         """A spec for ``role`` with ``weight_source``.
         :raises ValueError: the role does not allow the weight source."""
@@ -107,8 +104,6 @@ class InferenceEngineSpec:
                 f"source {weight_source.name!r}; allowed: {sorted(role.allowed_weight_sources)}"
             )
         return cls(role=role.name, weight_source=weight_source, **kwargs)  # type: ignore[arg-type]
-
-    # -- queries ---------------------------------------------------------------------------
 
     @property
     def is_static(self) -> bool:

@@ -47,11 +47,9 @@ class ModelManager(Protocol):
     # -- lifecycle
 
     def start(self) -> LifecycleResult: ...
-
     def onload(
         self, tags: Iterable[str] | None = None, *, engine_ids: Iterable[str] | None = None
     ) -> LifecycleResult: ...
-
     def offload(
         self,
         tags: Iterable[str] | None = None,
@@ -59,13 +57,9 @@ class ModelManager(Protocol):
         engine_ids: Iterable[str] | None = None,
         abort: bool = False,
     ) -> LifecycleResult: ...
-
     def health_check(self, *, recover: bool = True) -> HealthReport: ...
-
     def recover(self) -> LifecycleResult: ...
-
     def confirm_external_cleanup(self, engine_ids: Iterable[str] | None = None) -> list[str]: ...
-
     def scale_out(
         self,
         workers: Sequence[Sequence[Sequence[int]]] | None = None,
@@ -74,11 +68,9 @@ class ModelManager(Protocol):
         placement_group: Any = None,
         owned: bool = False,
     ) -> LifecycleResult: ...
-
     def scale_in(
         self, *, count: int | None = None, urls: Sequence[str] | None = None
     ) -> LifecycleResult: ...
-
     def shutdown(self) -> None: ...
 
     # -- weights
@@ -93,11 +85,9 @@ class ModelManager(Protocol):
         pause: str | None = None,
         buckets: Sequence[Sequence[str]] = (),
     ) -> LifecycleResult: ...
-
     def update_weights_from_disk(
         self, model_path: str, *, weight_version: str | None = None, load_format: str | None = None
     ) -> LifecycleResult: ...
-
     def update_weights_from_distributed(
         self,
         names: Sequence[str],
@@ -109,7 +99,6 @@ class ModelManager(Protocol):
         load_format: str | None = None,
         buckets: Sequence[WeightBucket] = (),
     ) -> LifecycleResult: ...
-
     def init_weights_update_group(
         self,
         *,
@@ -120,31 +109,21 @@ class ModelManager(Protocol):
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> LifecycleResult: ...
-
     def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"
     ) -> LifecycleResult: ...
-
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> LifecycleResult: ...
-
     def unload_lora_adapter(self, lora_name: str) -> LifecycleResult: ...
-
     def load_checkpoint(self, version: int | None = None) -> LifecycleResult: ...
 
     # -- queries
 
     def republish(self) -> None: ...
-
     def states(self) -> dict[str, str]: ...
-
     def engine_pids(self) -> dict[str, list[int | None]]: ...
-
     def admission_states(self) -> dict[str, dict[str, Any]]: ...
-
     def model_view(self) -> ModelView: ...
-
     def workers(self, engine_id: str) -> list[WorkerSlot]: ...
-
     def unconfirmed_workers(self) -> list[UnconfirmedWorker]: ...
 
 
@@ -152,7 +131,6 @@ class _Startable(Protocol):
     """What :func:`start_behind_router` needs of a manager (external engines have it too)."""
 
     def start(self) -> LifecycleResult: ...
-
     def shutdown(self) -> None: ...
 
 
@@ -215,6 +193,13 @@ class HostedManager(ModelManager, Protocol):
         ...
 
 
+if TYPE_CHECKING:
+    # The generated methods are invisible to mypy: it sees the Protocol's instead.
+    _Hosted = HostedManager
+else:
+    _Hosted = object
+
+
 def _to_manager(name: str) -> Callable[..., Any]:
     def method(self: ManagerActor, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._manager, name)(*args, **kwargs)
@@ -227,13 +212,6 @@ def _to_call(name: str) -> Callable[..., Any]:
         return self.call(name, *args, **kwargs)
 
     return method
-
-
-if TYPE_CHECKING:
-    # The generated methods are invisible to mypy: it sees the Protocol's instead.
-    _Hosted = HostedManager
-else:
-    _Hosted = object
 
 
 @generate(ModelManager, _to_manager)
@@ -284,8 +262,7 @@ class ManagerActor(_Hosted):
 
     def ping(self) -> str:
         """The model id; takes no lock (the registry's liveness check)."""
-        model_id: str = self._manager.model_id
-        return model_id
+        return str(self._manager.model_id)
 
     def weight_version(self) -> str | None:
         """The manager's published weight version (a property in process)."""

@@ -54,6 +54,7 @@ class ControlAddress:
     token: str = attrs.field(repr=False)
 
 
+@attrs.define(eq=False)
 class ControlChannelServer:
     """The private control endpoint of one engine head (runs on the worker's event loop).
 
@@ -62,20 +63,12 @@ class ControlChannelServer:
     :param host: the interface to bind (the one the manager reaches the node on).
     """
 
-    def __init__(
-        self,
-        handlers: Mapping[str, Handler],
-        *,
-        engine_id: str,
-        host: str = "127.0.0.1",
-        port: int = 0,
-    ) -> None:
-        self.handlers = dict(handlers)
-        self.engine_id = engine_id
-        self.host = host
-        self.port = port
-        self._token = secrets.token_urlsafe(32)
-        self._runner: web.AppRunner | None = None
+    handlers: Mapping[str, Handler]
+    engine_id: str = attrs.field(kw_only=True)
+    host: str = attrs.field(default="127.0.0.1", kw_only=True)
+    port: int = attrs.field(default=0, kw_only=True)
+    _token: str = attrs.field(factory=lambda: secrets.token_urlsafe(32), init=False)
+    _runner: web.AppRunner | None = attrs.field(default=None, init=False)
 
     @property
     def address(self) -> ControlAddress:

@@ -114,8 +114,6 @@ class ExternalEngines:
         self._states = dict.fromkeys(self.urls, "STARTING")
         self._generation = dict.fromkeys(self.urls, 0)
 
-    # -- queries -------------------------------------------------------------------------
-
     def states(self) -> dict[str, str]:
         """Engine id -> state (``STARTING``, ``READY``, ``FAILED``, ``STOPPING``)."""
         with self._lock:
@@ -152,8 +150,6 @@ class ExternalEngines:
                 for engine_id, url in self.urls.items()
             ]
             return model_view(self, state, self.weight_version, self.served_model_name, engines)
-
-    # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> LifecycleResult:
         """Check every head's ``health_generate`` at once; publish each READY or FAILED."""
@@ -204,8 +200,6 @@ class ExternalEngines:
             self._closed = True
             self._publish()
 
-    # -- refused -----------------------------------------------------------------------------
-
     def _refuse(self, operation: str) -> NoReturn:
         raise CapabilityError(
             f"model {self.model_id!r} is served by external engines "
@@ -213,8 +207,6 @@ class ExternalEngines:
             "refused. Drive those engines where they run, or serve the model with engines "
             "started here (drop external_urls)"
         )
-
-    # -- internals ---------------------------------------------------------------------------
 
     def _probe_all(self) -> dict[str, str]:
         """Probe every head at once; update states; publish; engine id -> problem."""

@@ -1,12 +1,8 @@
 """InferenceManager: one lifecycle core for every role's engines (one manager per model).
 
-Each public method of :class:`InferenceManager` takes the manager's lock (lifecycle calls never
-interleave; the parts are not thread-safe on their own), refuses what must be refused, and hands
-the work to one part: :class:`~.slots.SlotTable`, :class:`~.publication.Publication`,
-:class:`~.launcher.Launcher`, :class:`~.heads.HeadCalls`, :class:`~.memory.Memory`,
-:class:`~.updates.WeightUpdates`, :class:`~.recovery.Recovery`, :class:`~.scaling.Scaling`,
-:class:`~.groups.PlacementGroups`. Every step fans out to all replicas at once
-(:func:`~.fanout.gather`). See ``docs/manager.md``.
+Each public method takes the manager's lock (the parts are not thread-safe on their own),
+refuses what must be refused and hands the work to one of its parts (``docs/manager.md`` lists
+them); every step fans out to all replicas at once (:func:`~.fanout.gather`).
 """
 
 from __future__ import annotations
@@ -106,56 +102,27 @@ class InferenceManager:
                 "consecutive failed health probes (>= 1) before a replica is FAILED"
             )
         self.model_id = model_id
-        self.spec = spec
-        self.backend = backend
         self.launch = launch
         self.placement = placement
         self.publisher = publisher
-        self.route_mode = route_mode
-        self.router_url = router_url
-        self.router = router
         self.timeouts = t = timeouts or ManagerTimeouts()
-        self.retry_after = retry_after
         self._lock = threading.RLock()
         self._health_lock = threading.Lock()
         self._closed = False
         self._slots = slots = SlotTable(model_id)
         self._groups = PlacementGroups(model_id)
         self._publication = published = Publication(
-            slots=slots,
-            spec=spec,
-            launch=launch,
-            publisher=publisher,
-            route_mode=route_mode,
-            router_url=router_url,
-            router=router,
+            slots, spec, launch, publisher, route_mode, router_url, router
         )
         self._heads = HeadCalls(slots, control_channel=control_channel, probe_timeout=t.rpc_margin)
         self._launcher = Launcher(
-            publication=published,
-            spec=spec,
-            backend=backend,
-            launch=launch,
-            ray_gpu_fraction=placement.ray_gpu_fraction,
-            timeouts=t,
-            retry_after=retry_after,
+            published, spec, backend, launch, placement.ray_gpu_fraction, t, retry_after
         )
-        self._memory = Memory(
-            slots, self._heads, published, strict_drain=spec.strict_drain, timeouts=t
-        )
-        self._weights = WeightUpdates(slots, published, spec=spec, timeouts=t)
-        self._recovery = Recovery(
-            slots, self._launcher, published, timeouts=t, unhealthy_after=unhealthy_after
-        )
+        self._memory = Memory(slots, self._heads, published, spec.strict_drain, t)
+        self._weights = WeightUpdates(slots, published, spec, t)
+        self._recovery = Recovery(slots, self._launcher, published, t, unhealthy_after)
         self._scaling = Scaling(
-            slots,
-            self._groups,
-            self._launcher,
-            self._recovery,
-            published,
-            nodes_per_replica=launch.nodes_per_replica,
-            strict_drain=spec.strict_drain,
-            timeouts=t,
+            slots, self._groups, self._launcher, self._recovery, published, spec.strict_drain, t
         )
         self._scaling.add(placement.workers, placement.placement_group, owned=placement.owned)
 
@@ -555,11 +522,7 @@ class InferenceManager:
             yield
 
     def _run(
-        self,
-        operation: str,
-        step: Callable[[], dict[str, ReplicaResult]],
-        *,
-        settle: bool = True,
+        self, operation: str, step: Callable[[], dict[str, ReplicaResult]], *, settle: bool = True
     ) -> LifecycleResult:
         """One guarded lifecycle call; with ``settle``, a worker fenced by it raises."""
         what = f"{operation}()"

@@ -1,22 +1,8 @@
 """Health checks, cleanup and rebuild of failed replicas, and stopping every worker.
 
-Rules (the reference's failure table):
-
-- a health check probes every worker of every replica (head: one real generation; each worker:
-  its process alive), without the manager's lock; a replica whose engine process exited or
-  whose actor died is FAILED at once, one whose probes failed is FAILED only after
-  ``unhealthy_after`` failed rounds in a row; a FAILED replica is, when asked, cleaned as a
-  whole;
-- a replica is rebuilt only when the shutdown of every one of its workers is confirmed;
-- a worker actor that died without confirmed cleanup is fenced (slot, pending record and
-  placement group kept, nothing rebuilt) and the call raises ``InferenceRecoveryRequired``;
-- a cleanup waits for every worker's shutdown, then kills the confirmed actors; an unconfirmed
-  step stays pending and the next cleanup retries it;
-- a rebuilt replica reports the weight version it holds: its engine loads the model's files
-  (a DCS model: the newest version of its checkpoint directory), so it is started and published
-  with their version — what the model's first engines reported —, not the version last pushed
-  to the model, until weights are pushed to it (the engine's CPU backup of its weights died
-  with its process; the manager keeps none).
+The rules (probes without the lock, ``unhealthy_after``, whole-replica cleanup, fences) are
+``docs/manager.md``'s "Health, recovery and the fence"; what version a rebuilt replica reports
+is :class:`_FilesVersion`'s.
 """
 
 from __future__ import annotations
@@ -50,8 +36,6 @@ class Recovery:
     timeouts: ManagerTimeouts
     #: consecutive failed probes of a live replica before it is FAILED
     unhealthy_after: int = 3
-
-    # -- cleanup ---------------------------------------------------------------------------
 
     def cleanup(self, slots: Sequence[ReplicaSlot], *, during: str) -> None:
         """STOPPING; shut down every live worker of ``slots`` (in parallel), then kill the
@@ -160,8 +144,6 @@ class Recovery:
                 "placement group is kept; call shutdown() again"
             )
 
-    # -- health ----------------------------------------------------------------------------
-
     def plan_probes(self) -> ProbePlan:
         """What one health round probes: every live, unfenced worker of every replica that is
         not STOPPING (a head of a READY replica also generates one token), with the actor and
@@ -195,14 +177,9 @@ class Recovery:
     ) -> HealthReport:
         """Judge one round's probes; fail the replicas that are dead or failed
         ``unhealthy_after`` probes in a row; with ``recover``, clean and rebuild every broken
-        one. Blocking (a rebuild); the caller holds the lock and raises for a fence.
-
-        A definite death — the engine process exited, or the worker actor died (fenced) — fails
-        its replica at once. A probe that failed or timed out while the process lives (a GC
-        pause, a long prefill, a stopped process) only counts: the replica stays as it is, and
-        routable, until ``unhealthy_after`` consecutive rounds failed. A probe that overlapped
-        a lifecycle change of its replica (or whose worker was replaced) says nothing about it
-        now and is ignored.
+        one. Blocking (a rebuild); the caller holds the lock and raises for a fence. A probe
+        that overlapped a lifecycle change of its replica (or whose worker was replaced) is
+        ignored; the rest is :meth:`InferenceManager.health_check`'s rule.
         """
         problems: dict[str, list[str]] = {}
         suspects: dict[str, int] = {}
@@ -302,7 +279,8 @@ class _FilesVersion:
     """The model's publication as the launcher of a rebuild sees it: the same publishing, but
     no weight version to give the engines (so an engine started on the model's files reports
     their version, the engine's own default or a DCS checkpoint's, as at the model's first
-    start), and the version a head reports recorded only when the model has none yet."""
+    start, until weights are pushed to it: its CPU copy of them died with it), and the version a
+    head reports recorded only when the model has none yet."""
 
     def __init__(self, publication: Publication) -> None:
         self._publication = publication

@@ -31,7 +31,6 @@ class Scaling:
     launcher: Launcher
     recovery: Recovery
     publication: Publication
-    nodes_per_replica: int
     strict_drain: bool
     timeouts: ManagerTimeouts
 
@@ -43,14 +42,11 @@ class Scaling:
         return self.slots.add(workers, group)
 
     def check_new(
-        self,
-        workers: Sequence[Sequence[Sequence[int]]] | None,
-        count: int | None,
-        group: Any,
+        self, workers: Sequence[Sequence[Sequence[int]]] | None, count: int | None, group: Any
     ) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """The bundles of the replicas to add: ``workers``, or ``count`` unplaced ones.
         :raises ValueError: both or neither, a bad count or node count, a bundle taken."""
-        nodes = self.nodes_per_replica
+        nodes = self.launcher.launch.nodes_per_replica
         if (workers is None) == (count is None):
             raise ValueError("scale_out: give either workers (bundles) or count, not both")
         if workers is None:

@@ -11,12 +11,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from relax_core.errors import InferenceRecoveryRequired
-from relax_core.manager.results import (
-    LifecycleResult,
-    Outcome,
-    ReplicaResult,
-    UnconfirmedWorker,
-)
+from relax_core.manager.results import LifecycleResult, Outcome, ReplicaResult, UnconfirmedWorker
 from relax_core.manager.state import Replica, ReplicaState
 from relax_core.records import EngineOptions
 
@@ -331,8 +326,6 @@ class SlotTable:
             for w in s.workers
             for b in w.bundles
         }
-
-    # -- fences ------------------------------------------------------------------------------
 
     def fenced_workers(self) -> list[str]:
         """The names of every fenced worker (see :class:`WorkerSlot`)."""

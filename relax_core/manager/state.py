@@ -1,17 +1,7 @@
-"""Replica states, their transitions and onload/offload plans — pure, no Ray, no I/O.
-
-A replica changes state only through :meth:`Replica.advance`, which refuses a transition the
-machine does not have (a bug). FAILED means "not routable", never "memory released".
-
-::
-
-    STARTING  -> READY | FAILED | STOPPING
-    READY     -> DRAINING | FAILED | STOPPING
-    DRAINING  -> SLEEPING | READY (a weight-update fence reopening) | FAILED | STOPPING
-    SLEEPING  -> ONLOADING | DRAINING (releasing more tags) | FAILED | STOPPING
-    ONLOADING -> READY | SLEEPING (a partial onload) | FAILED | STOPPING
-    FAILED    -> STOPPING
-    STOPPING  -> STARTING (rebuilt after confirmed cleanup) | STOPPING (cleanup retried)
+"""Replica states, their transitions (``docs/manager.md``'s state machine, :data:`_TRANSITIONS`)
+and onload/offload plans — pure, no Ray, no I/O. A replica changes state only through
+:meth:`Replica.advance`, which refuses an edge the machine does not have (a bug). FAILED means
+"not routable", never "memory released".
 """
 
 from __future__ import annotations

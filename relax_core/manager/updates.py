@@ -155,15 +155,12 @@ class WeightUpdates:
             },
             t.update + t.rpc_margin,
         )
-        results = {}
-        for slot in slots:
-            out = outs[slot.replica.index]
-            if out.ok:
-                results[slot.engine_id] = slot.result(Outcome.DONE)
-            else:
-                results[slot.engine_id] = slot.result(
-                    Outcome.FAILED, error=slot.fail(slot.head, out, method)
-                )
+        results = {
+            s.engine_id: s.result(Outcome.DONE)
+            if (out := outs[s.replica.index]).ok
+            else s.result(Outcome.FAILED, error=s.fail(s.head, out, method))
+            for s in slots
+        }
         self.publication.publish()
         return results
 

@@ -273,8 +273,7 @@ class EngineWorker:
             await self._drained(admission, "abort", timeout)
 
     async def _abort_all(self, *, timeout: float) -> None:
-        """Close admission and abort every request with ``pause_generation`` (mode ``abort``),
-        which also keeps the engine from scheduling anything until ``continue_generation``."""
+        """Close admission and ``pause_generation("abort")`` (nothing runs until continued)."""
         control, admission = self._head()
         admission.close("DRAINING")
         await control.pause_generation("abort", timeout=timeout)

@@ -248,9 +248,6 @@ def validate_bound_placement(
     return BoundPool(pool, False, phys, ordered, tuple(models))
 
 
-# -- Ray -------------------------------------------------------------------------------------
-
-
 def _probe() -> tuple[str, str, list[str]]:
     import ray
 

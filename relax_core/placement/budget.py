@@ -1,12 +1,6 @@
-"""The memory budget: per-GPU and per-node host memory, computed before anything starts.
-
-Per engine GPU: the weight shard (parameters x dtype bytes / (tp x pp)), the KV cache for the
-configured context and running requests (or SGLang's static pool, ``mem_fraction_static`` of
-the GPU), a CUDA-graph reserve, and what colocated training roles keep resident in the same
-phase. Per node: the CPU weight backups of the engines on it plus offloaded training state,
-against ``cluster.host_memory_gib``. The model's shape comes from ``<model_path>/config.json``
-(the only file the planner reads); when it cannot be read the budget says it was skipped and
-why.
+"""The memory budget: per-GPU and per-node host memory, computed before anything starts, from
+``<model_path>/config.json`` (the only file the planner reads; what is counted is
+``docs/placement.md``'s "Memory budget"). A budget that cannot be computed says why it was skipped.
 """
 
 from __future__ import annotations
@@ -303,14 +297,9 @@ def budget_memory(
             continue
         items, violation = result
         if pool.shared and pool.training and training.offload:
+            resident = training.offload_resident_gib
             for role in pool.training:
-                items.append(
-                    MemoryItem(
-                        f"training {role} (offloaded, resident)",
-                        training.offload_resident_gib,
-                        training=True,
-                    )
-                )
+                items.append(MemoryItem(f"training {role} (offloaded, resident)", resident, True))
         total = sum(i.gib for i in items)
         status = "ok"
         if violation is not None:
@@ -353,24 +342,14 @@ def _budget_host(
 
     for p in placements:
         if p.pool is not None and p.pool in pools and p.key in host_weights:
-            add(
-                pools[p.pool],
-                p.bundle_start or 0,
-                p.bundle_end,
-                f"{p.path} CPU weight backup",
-                host_weights[p.key],
-            )
+            label, gib = f"{p.path} CPU weight backup", host_weights[p.key]
+            add(pools[p.pool], p.bundle_start or 0, p.bundle_end, label, gib)
     training = config.training
     if training.offload and training.offload_host_gib:
         for pool in pools.values():
             for role in pool.training:
-                add(
-                    pool,
-                    0,
-                    pool.size,
-                    f"training {role} offloaded state",
-                    training.offload_host_gib,
-                )
+                label = f"training {role} offloaded state"
+                add(pool, 0, pool.size, label, training.offload_host_gib)
     capacity = config.cluster.host_memory_gib
     groups: dict[tuple[MemoryItem, ...], list[int]] = {}
     for node, load in sorted(per_node.items()):
@@ -381,11 +360,8 @@ def _budget_host(
     for items, nodes in groups.items():
         total = sum(i.gib for i in items)
         if capacity is None:
-            out.append(
-                HostMemoryBudget(
-                    tuple(nodes), "skipped", None, items, "cluster.host_memory_gib is not set"
-                )
-            )
+            note = "cluster.host_memory_gib is not set"
+            out.append(HostMemoryBudget(tuple(nodes), "skipped", None, items, note))
             continue
         status = "over" if total > capacity + 1e-9 else "ok"
         out.append(HostMemoryBudget(tuple(nodes), status, capacity, items))

@@ -194,15 +194,16 @@ def _place_group(
     return violations
 
 
-def _need_actor_pool(ctx: ModeContext, mode: str) -> Violation | None:
-    if ctx.training_pool is None:
-        return Violation(
-            "training.actor_gpus",
-            "actor-pool",
-            f"placement.mode = {mode!r} places inference inside the actor pool, but the job has "
-            "no actor GPUs; set training.actor_gpus, or use mode = 'decoupled'",
-        )
-    return None
+def _no_actor_pool(mode: str) -> ModeResult:
+    """The answer of a mode that needs the actor pool when the job has none."""
+    violations = Violations()
+    violations.add(
+        "training.actor_gpus",
+        "actor-pool",
+        f"placement.mode = {mode!r} places inference inside the actor pool, but the job has "
+        "no actor GPUs; set training.actor_gpus, or use mode = 'decoupled'",
+    )
+    return ModeResult(violations=tuple(violations))
 
 
 def assign_decoupled(ctx: ModeContext) -> ModeResult:
@@ -227,9 +228,8 @@ DECOUPLED = PlacementMode(
 
 def assign_split(ctx: ModeContext) -> ModeResult:
     """Every role in the actor pool, in contiguous slices that never overlap."""
-    missing = _need_actor_pool(ctx, "split")
-    if missing is not None or ctx.training_pool is None:
-        return ModeResult(violations=(missing,) if missing else ())
+    if ctx.training_pool is None:
+        return _no_actor_pool("split")
     slices: list[Slice] = []
     alloc = SliceAllocator(ctx.gpus_per_node, ctx.training_pool_size)
     violations = _place_group(ctx.demands, alloc, ctx.training_pool, PHASE_RESIDENT, slices)
@@ -248,9 +248,8 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
     """The batch-generating roles in the generation phase, each deferred role in a phase of its
     own, all from bundle 0 of the actor pool; the other roles stay resident on bundles no phase
     uses."""
-    missing = _need_actor_pool(ctx, "defer")
-    if missing is not None or ctx.training_pool is None:
-        return ModeResult(violations=(missing,) if missing else ())
+    if ctx.training_pool is None:
+        return _no_actor_pool("defer")
     pool, size = ctx.training_pool, ctx.training_pool_size
     violations = Violations()
     deferred = tuple(ctx.config.placement.defer_roles)
@@ -262,8 +261,7 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
             "to time-share the generation phase's GPUs in placement.defer_roles, or use "
             "mode = 'split'",
         )
-    groups: dict[str, list[Demand]] = {GENERATION_PHASE: []}
-    groups.update({role: [] for role in deferred})
+    groups: dict[str, list[Demand]] = {GENERATION_PHASE: [], **{role: [] for role in deferred}}
     resident: list[Demand] = []
     for d in ctx.demands:
         if d.deferred and d.role in groups:
@@ -276,10 +274,9 @@ def assign_defer(ctx: ModeContext) -> ModeResult:
     for phase, group in groups.items():
         alloc = SliceAllocator(ctx.gpus_per_node, size)
         violations += _place_group(group, alloc, pool, phase, slices)
-    phase_runs = [(s.bundle_start, _demand(ctx.demands, s).num_gpus) for s in slices]
     res_alloc = SliceAllocator(ctx.gpus_per_node, size)
-    for start, num in phase_runs:
-        res_alloc.reserve(start, num)
+    for s in slices:
+        res_alloc.reserve(s.bundle_start, _demand(ctx.demands, s).num_gpus)
     violations += _place_group(resident, res_alloc, pool, PHASE_RESIDENT, slices)
     phases = (GENERATION_PHASE, *deferred) + ((PHASE_RESIDENT,) if resident else ())
     return ModeResult(tuple(slices), (), phases, tuple(violations))

@@ -187,17 +187,13 @@ class _Planner:
     def check_mode(self, mode: PlacementMode) -> None:
         t, placement = self.config.training, self.config.placement
         if t.colocate is not None and t.colocate != mode.shares_training_pool:
-            want = "true" if mode.shares_training_pool else "false"
+            shared = mode.shares_training_pool
+            where = "places inference inside" if shared else "keeps inference out of"
             self.violation(
                 "training.colocate",
                 "colocate-mode",
-                f"placement.mode = {mode.name!r} "
-                + (
-                    "places inference inside"
-                    if mode.shares_training_pool
-                    else "keeps inference out of"
-                )
-                + f" the actor pool; set training.colocate = {want} or pick another mode",
+                f"placement.mode = {mode.name!r} {where} the actor pool; set training.colocate "
+                f"= {'true' if shared else 'false'} or pick another mode",
             )
         if mode.shares_training_pool and not t.offload:
             self.violation(
@@ -246,8 +242,10 @@ class _Planner:
 
     def pools(self, mode: PlacementMode, result: ModeResult) -> dict[str, Pool]:
         t, c = self.config.training, self.config.cluster
-        bundles: dict[str, Any] = {"cpus_per_bundle": c.cpus_per_bundle}
-        bundles["strategy"] = self.config.placement.pg_strategy
+        bundles: dict[str, Any] = {
+            "cpus_per_bundle": c.cpus_per_bundle,
+            "strategy": self.config.placement.pg_strategy,
+        }
         pools: dict[str, Pool] = {}
         for name, size in t.pools():
             shared = name == "actor" and mode.shares_training_pool
@@ -469,13 +467,8 @@ class _Planner:
             return Preflight(None, tuple(self.violations), tuple(self.notes))
         self.check_mode(mode)
         demands = self.demands(sliceable)
-        ctx = ModeContext(
-            cfg,
-            demands,
-            self.gpn,
-            "actor" if cfg.training.actor_gpus > 0 else None,
-            cfg.training.actor_gpus,
-        )
+        actor = cfg.training.actor_gpus
+        ctx = ModeContext(cfg, demands, self.gpn, "actor" if actor > 0 else None, actor)
         result = self._assign(mode, ctx)
         self.violations += result.violations
         pools = self.pools(mode, result)
@@ -509,20 +502,13 @@ class _Planner:
         try:
             result = mode.assign(ctx)
         except Exception as exc:  # a third-party mode's bug must not look like a config error
-            self.violation(
-                "placement.mode",
-                "mode-error",
-                f"placement mode {mode.name!r} failed: {type(exc).__name__}: {exc}",
-            )
-            return ModeResult()
-        if not isinstance(result, ModeResult):
-            self.violation(
-                "placement.mode",
-                "mode-error",
-                f"placement mode {mode.name!r} returned {type(result).__name__}, not ModeResult",
-            )
-            return ModeResult()
-        return result
+            problem = f"failed: {type(exc).__name__}: {exc}"
+        else:
+            if isinstance(result, ModeResult):
+                return result
+            problem = f"returned {type(result).__name__}, not ModeResult"
+        self.violation("placement.mode", "mode-error", f"placement mode {mode.name!r} {problem}")
+        return ModeResult()
 
     def _placements(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 
 from relax_core.placement.budget import node_ranges
@@ -43,9 +44,7 @@ def _rows(
     plan: InferencePlacementPlan, pool: Pool, titles: Mapping[str, str]
 ) -> list[tuple[str, ModelPlacement]]:
     placed = plan.placements_in(pool.name)
-    per_role: dict[str, int] = {}
-    for p in placed:
-        per_role[p.role] = per_role.get(p.role, 0) + 1
+    per_role = collections.Counter(p.role for p in placed)
     multi_phase = len({p.phase for p in placed}) > 1
     return [(_title(p, per_role[p.role] == 1, multi_phase, titles), p) for p in placed]
 
@@ -66,10 +65,10 @@ def _pool_lines(
         lines.append("bundle:".ljust(width) + " ".join(str(i) for i in range(pool.size)))
         for title, p in rows:
             letter = _role_title(p.role, titles)[0].upper()
-            cells = []
-            for i in range(pool.size):
-                mark = letter if (p.bundle_start or 0) <= i < p.bundle_end else "."
-                cells.append(mark.rjust(len(str(i))))
+            cells = [
+                (letter if (p.bundle_start or 0) <= i < p.bundle_end else ".").rjust(len(str(i)))
+                for i in range(pool.size)
+            ]
             lines.append(title.ljust(width) + " ".join(cells))
     else:
         for title, p in rows:
@@ -129,7 +128,5 @@ def render_plan(
         lines += [f"{p.role}.{p.model}: {p.num_engines} engine(s) on {p.device}" for p in cpu]
     lines += _section("memory per GPU (GiB):", [_memory_line(m) for m in plan.memory])
     lines += _section("host memory per node (GiB):", [_host_line(h) for h in plan.host_memory])
-    all_notes = list(dict.fromkeys([*plan.notes, *notes]))
-    if all_notes:
-        lines += ["", "notes:"] + [f"  - {n}" for n in all_notes]
+    lines += _section("notes:", [f"  - {n}" for n in dict.fromkeys([*plan.notes, *notes])])
     return "\n".join(lines)
