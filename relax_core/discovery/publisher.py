@@ -38,9 +38,6 @@ def _routing(routing: object) -> RoutingSpec:
     return routing
 
 
-_UNSET: Any = object()
-
-
 @attrs.define
 class _Engine:
     endpoint: str | None  # as the manager reported it; published only when not FAILED
@@ -123,17 +120,6 @@ class RegistryPublisher:
         with self._lock:
             return self._revision
 
-    @property
-    def routing(self) -> RoutingSpec:
-        """The current routing spec."""
-        with self._lock:
-            return self._routing
-
-    def model_ids(self) -> list[str]:
-        """The published model ids, in publication order."""
-        with self._lock:
-            return list(self._models)
-
     def snapshot(self) -> RoleSnapshot:
         """The current snapshot: the cached object when nothing changed since the last call.
 
@@ -177,16 +163,9 @@ class RegistryPublisher:
 
         :raises SnapshotError: a field breaks a schema rule (path ``models.<id>.<field>``).
         """
+        fields = (state, route_mode, router_url, weight_source, weight_version, served_model_name)
         with self._lock:
-            self._put_model(
-                model_id,
-                state=state,
-                route_mode=route_mode,
-                router_url=router_url,
-                weight_source=weight_source,
-                weight_version=weight_version,
-                served_model_name=served_model_name,
-            )
+            self._put_model(model_id, *fields)
 
     def update_model(self, model_id: str, **changes: Any) -> None:
         """Change some model-level fields (``state``, ``router_url``, ``weight_version``, …).
@@ -365,9 +344,10 @@ class RegistryPublisher:
                 f"published: {sorted(entry.engines)}"
             ) from None
 
-    def _put_model(self, model_id: str, **fields: Any) -> None:
+    def _put_model(self, model_id: str, *args: Any, **fields: Any) -> None:
+        """Publish ``ModelView(*args, **fields)`` as ``model_id`` (its engines are kept)."""
         path = f"models.{model_id}"
-        view = build_at(path, ModelView, **fields)
+        view = build_at(path, ModelView, *args, **fields)
         build_at(path, self._empty, models={model_id: view})
         check_model_sources(
             self._role,
