@@ -9,6 +9,7 @@ relayed as bytes, server-sent events never re-parsed. The error mapping (every b
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -167,28 +168,22 @@ class Waker(Protocol):
 
     def wakes(self, role: str) -> bool:
         """Whether ``role``'s models are woken on demand."""
-        ...
 
     def enter(self, role: str, *, first: bool = True) -> bool:
         """Admit a request for ``role`` if it is awake (counted in flight until :meth:`end`);
         ``False``: :meth:`wake` it, then call again with ``first=False``."""
-        ...
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
         """Return once ``role`` is awake; raise a ``RoutingError`` (503) when it cannot be."""
-        ...
 
     def end(self, role: str) -> None:
         """An admitted request has its whole answer (a stream: once it is closed)."""
-        ...
 
     def describe(self, role: str) -> dict[str, Any]:
         """``role``'s residency, for ``/health``."""
-        ...
 
     def collector(self, role: str) -> Any:
         """A Prometheus collector of ``role``'s wake counters, for ``/metrics``."""
-        ...
 
 
 def _error_for_upstream(exc: UpstreamError, metrics: GatewayMetrics) -> GatewayError:
@@ -333,11 +328,6 @@ class InferenceGatewayHandler:
             self.preload_error = f"{type(exc).__name__}: {exc}"
             log.error("gateway %s: the role adapter's preload failed: %s", self.role, exc)
 
-    @property
-    def preloading(self) -> bool:
-        """Whether the adapter is still loading its tokenizers (``/health`` is not ready)."""
-        return self._preload is not None and not self._preload.done()
-
     async def shutdown(self) -> None:
         """Close the client and the adapter's thread pool (idempotent)."""
         await self.client.aclose()
@@ -396,7 +386,7 @@ class InferenceGatewayHandler:
         residency = None if self.waker is None else self.waker.describe(self.role)
         if residency is not None and residency["state"] != "BLOCKED":
             ready = True  # asleep or moving, a request wakes it
-        loading = self.preloading
+        loading = self._preload is not None and not self._preload.done()
         ready = ready and not loading
         if schema == 1:
             engines = [e for m in snap.models.values() for e in m.engines]
@@ -485,7 +475,8 @@ class InferenceGatewayHandler:
     async def chat(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
         """``POST /{role}/chat/completions``: validate, forward to ``/v1/chat/completions``."""
         payload = self.adapter.check_chat(decode_json_body(body))
-        return await self._admitted(headers, lambda: self._chat(payload, body, headers))
+        chat = functools.partial(self._forward, "/v1/chat/completions", payload, body, headers)
+        return await self._admitted(headers, chat)
 
     async def _admitted(
         self, headers: Mapping[str, str], answer: Callable[[], Awaitable[GatewayAnswer]]
@@ -525,16 +516,15 @@ class InferenceGatewayHandler:
     async def _generate(
         self, payload: dict[str, Any], body: bytes, headers: Mapping[str, str]
     ) -> GatewayAnswer:
-        stream = payload.get("stream") is True
-        model = payload.get("model")
-        ctx = self._stream_ctx if stream else self._plain_ctx
+        ctx = self._stream_ctx if payload.get("stream") is True else self._plain_ctx
         target: RouteTarget | None = None
+        adapted: Adapted | None = None
         if self.adapter.needs_model(payload):
             # One routing decision per request: the target chosen here is the one sent to.
             min_version = requested_weight_version(payload, headers)
             affinity = headers.get("x-smg-routing-key")
             target = await self.client.resolve(
-                model=model,
+                model=payload.get("model"),
                 route_key=payload.get("route_key"),
                 affinity_key=affinity,
                 min_weight_version=min_version,
@@ -552,21 +542,10 @@ class InferenceGatewayHandler:
                 target = await self.client.recheck(
                     target, affinity_key=affinity, min_weight_version=min_version
                 )
-            else:
-                adapted = self.adapter.adapt_generate(payload, ctx)
-        else:
+        if adapted is None:
             adapted = self.adapter.adapt_generate(payload, ctx)
-        forwarded: dict[str, Any] | bytes = body if adapted.payload is None else adapted.payload
-        return await self._forward(
-            "/generate",
-            forwarded,
-            headers,
-            model=model,
-            route_key=payload.get("route_key"),
-            stream=stream,
-            adapted=adapted,
-            target=target,
-        )
+        forwarded = body if adapted.payload is None else adapted.payload
+        return await self._forward("/generate", payload, forwarded, headers, adapted, target)
 
     async def _adapt_off_loop(self, payload: dict[str, Any], ctx: AdaptContext) -> Adapted:
         """``adapter.adapt_generate`` in the handler's thread pool (after the preload)."""
@@ -577,31 +556,17 @@ class InferenceGatewayHandler:
             self._executor(), self.adapter.adapt_generate, payload, ctx
         )
 
-    async def _chat(
-        self, payload: dict[str, Any], body: bytes, headers: Mapping[str, str]
-    ) -> GatewayAnswer:
-        return await self._forward(
-            "/v1/chat/completions",
-            body,
-            headers,
-            model=payload.get("model"),
-            route_key=payload.get("route_key"),
-            stream=payload.get("stream") is True,
-            adapted=None,
-        )
-
     async def _forward(
         self,
         path: str,
+        request: dict[str, Any],
         payload: dict[str, Any] | bytes,
         headers: Mapping[str, str],
-        *,
-        model: str | None,
-        route_key: str | None,
-        stream: bool,
-        adapted: Adapted | None,
+        adapted: Adapted | None = None,
         target: RouteTarget | None = None,
     ) -> GatewayAnswer:
+        """Send ``payload`` (the caller's body, or the adapter's) for the checked ``request`` to
+        ``path`` of ``target`` (``None``: resolved from ``request``) and answer."""
         timeout = self.deadline(headers)
         fwd = (
             {k: v for k, v in headers.items() if k != "authorization"}
@@ -612,8 +577,8 @@ class InferenceGatewayHandler:
             resp = await self.client.open(
                 path,
                 payload,
-                model=model,
-                route_key=route_key,
+                model=request.get("model"),
+                route_key=request.get("route_key"),
                 headers=fwd,
                 target=target,
                 timeout=timeout,
@@ -623,6 +588,7 @@ class InferenceGatewayHandler:
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
         try:
+            stream = request.get("stream") is True
             return await self._answer(resp, stream=stream, adapted=adapted)
         except BaseException:
             await resp.aclose()
