@@ -242,12 +242,6 @@ class RouteResolver:
                 retry_after=None,
             ) from None
 
-    def _instance(self, record: RoutingPolicy) -> ReplicaSelector:
-        selector = self._instances.get(record.name)
-        if selector is None:
-            selector = self._instances.setdefault(record.name, record.factory())
-        return selector
-
     def selector(self, policy: str, *, affinity: bool, role: str = "?") -> ReplicaSelector:
         """The selector a DIRECT request uses under snapshot policy ``policy``.
 
@@ -259,7 +253,9 @@ class RouteResolver:
         record = self._policy(policy, role)
         if record.uses_affinity != affinity:
             record = self._policy("rendezvous" if affinity else "round_robin", role)
-        selector = self._instance(record)
+        selector = self._instances.get(record.name)
+        if selector is None:
+            selector = self._instances.setdefault(record.name, record.factory())
         self._selectors[(policy, affinity)] = selector
         return selector
 
@@ -295,11 +291,20 @@ class RouteResolver:
         if model is not None:
             model_id = index.lookup.get(model)
             if model_id is None:
-                raise self._unknown_model(index, model)
+                raise RoutingError(
+                    400,
+                    f'unknown model "{model}" for role "{index.role}"; known models: '
+                    f"{_names(index.models)}; aliases: {_names(index.aliases)}",
+                )
         elif route_key is not None:
             model_id = index.route_keys.get(route_key)
             if model_id is None:
-                raise self._unknown_route_key(index, route_key)
+                raise RoutingError(
+                    400,
+                    f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
+                    f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
+                    "routing.route_key_map",
+                )
         else:
             model_id = index.default
             if model_id is None:
@@ -368,23 +373,6 @@ class RouteResolver:
                 "the candidates it was given; fix or disable the plugin that provides it",
             )
         return chosen  # type: ignore[no-any-return]
-
-    @staticmethod
-    def _unknown_model(index: _SnapshotIndex, model: str) -> RoutingError:
-        return RoutingError(
-            400,
-            f'unknown model "{model}" for role "{index.role}"; known models: '
-            f"{_names(index.models)}; aliases: {_names(index.aliases)}",
-        )
-
-    @staticmethod
-    def _unknown_route_key(index: _SnapshotIndex, route_key: str) -> RoutingError:
-        return RoutingError(
-            400,
-            f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
-            f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
-            "routing.route_key_map",
-        )
 
     @staticmethod
     def _too_old(index: _SnapshotIndex, entry: _ModelIndex, wanted: str, have: str) -> RoutingError:
