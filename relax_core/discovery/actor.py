@@ -1,11 +1,6 @@
-"""A role's registry in a Ray actor, so managers in other processes publish into one snapshot.
-
-Each manager gets a :class:`RemotePublisher`: the publisher calls, forwarded (blocking, in
-order) to a :class:`RegistryActor` holding the role's one
-:class:`~relax_core.discovery.publisher.RegistryPublisher`. Readers use
-:meth:`RemotePublisher.snapshot` or, as an ``InferenceClient`` snapshot provider,
-:meth:`RemotePublisher.fetch`.
-"""
+"""A role's registry in a Ray actor, so managers in other processes publish into one snapshot:
+each gets a :class:`RemotePublisher`, whose calls a :class:`RegistryActor` applies in order to the
+role's one :class:`~relax_core.discovery.publisher.RegistryPublisher`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The built-in DIRECT replica-selection policies: ``round_robin``, ``rendezvous`` and
-``bounded_rendezvous``.
-
-A selector picks one of a model's DIRECT candidates (objects with a stable ``engine_id``, in
-``engine_id`` order; the resolver passes :class:`~relax_core.discovery.routing.RouteTarget`
-objects) and returns one of them. State is process-local: each resolver builds its own
-selectors through ``RoutingPolicy.factory``. The rendezvous score, which every process computes
-alike, is specified in docs/discovery-and-routing.md; slot winners are computed once per
-candidate set (64 lanes at a time with big-integer arithmetic) and cached.
-"""
+``bounded_rendezvous``. Selectors keep process-local state; the rendezvous score every process
+computes alike is docs/discovery-and-routing.md's (slot winners are computed per candidate set
+and cached)."""
 
 from __future__ import annotations
 

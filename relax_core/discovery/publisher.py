@@ -1,10 +1,5 @@
-"""The registry publisher: the mutable side of a role's schema-2 snapshot.
-
-Managers tell a :class:`RegistryPublisher` what changed (a model's state, an engine's URL); it
-publishes immutable :class:`~relax_core.discovery.schema.RoleSnapshot` objects, validating each
-change where it enters. Its rules (epoch, revision, generations, FAILED without a URL,
-invalidation) are docs/discovery-and-routing.md's.
-"""
+"""The registry publisher: the mutable side of a role's schema-2 snapshot, checking each change
+where it enters (its rules are docs/discovery-and-routing.md's)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Routing: from a schema-2 snapshot and a request's model / route key / affinity key to one
-:class:`RouteTarget`.
-
-The gateway and direct clients use the same :class:`RouteResolver`, so they choose the same
-target; the decision (model, READY, router or DIRECT policy, minimum weight version, heads to
-avoid) is docs/discovery-and-routing.md's flowchart. The first resolve against a snapshot
-builds an index cached on it; after that a resolve allocates nothing but what the policy needs.
-"""
+:class:`RouteTarget`, the same for the gateway and direct clients (the decision is
+docs/discovery-and-routing.md's flowchart; the index a resolve needs is cached on the snapshot)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Discovery schema 2: the canonical routing snapshot of one inference role.
-
-A :class:`RoleSnapshot` says, for one role, which models exist, their state, how to reach them
-(a router URL or logical replica heads; never TP/PP followers or PD workers) and the routing
-rules (:class:`RoutingSpec`). A frozen value, validated however it is built: every broken rule
-raises :class:`~relax_core.errors.SnapshotError` whose ``path`` names the JSON field
-(``models.math.engines[0].base_url``).
-"""
+"""Discovery schema 2: the routing snapshot of one inference role (its models, their state, how to
+reach them and the routing rules), a frozen value validated however it is built: a broken rule
+raises :class:`~relax_core.errors.SnapshotError` whose ``path`` names the JSON field."""
 
 from __future__ import annotations
 

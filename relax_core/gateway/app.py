@@ -1,8 +1,5 @@
-"""The Starlette app of a role gateway: the routes of its OpenAPI document (``/R/generate``,
-``/R/v1/chat/completions``, ``/R/health``, ...). The forwarding routes are plain ASGI callables
-(no Request/Response objects on the hot path) that cancel the exchange when the caller goes
-away; server-sent events are relayed chunk by chunk as received.
-"""
+"""The Starlette app of a role gateway: the routes of its OpenAPI document; the forwarding routes
+are plain ASGI callables that cancel the exchange when the caller goes away."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The role gateway's request handling: :class:`InferenceGatewayHandler`, one per role.
-
-The handler validates a request, lets the role's adapter shape it, and forwards it through the
-direct client's data path (:meth:`~relax_core.client.client.InferenceClient.open`); answers are
-relayed as bytes, server-sent events never re-parsed. The error mapping (every body is
-``{"error": {"message", "type", "code"}}``) is docs/gateway.md's "Errors".
-"""
+"""The role gateway's request handling (:class:`InferenceGatewayHandler`, one per role): check,
+adapt, forward through the direct client's data path, relay the answer's bytes (the error
+mapping is docs/gateway.md's "Errors")."""
 
 from __future__ import annotations
 

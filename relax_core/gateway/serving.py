@@ -1,14 +1,6 @@
-"""Serving a role gateway: uvicorn on a thread, SO_REUSEPORT worker processes, or a Ray actor.
-
-Every way builds the same app (:func:`gateway_app`: one
-:func:`~relax_core.gateway.handler.build_gateway_handler` call and
-:func:`~relax_core.gateway.app.create_gateway_app`). :func:`start_thread_gateway` serves it on a
-thread of this process; :class:`GatewayServer` with ``workers=N`` runs N processes that each
-build their own app from a picklable factory (:func:`registry_gateway_app`) and bind the port
-with ``SO_REUSEPORT`` (the parent holds it, bound but never listening); a worker stops when the
-parent asks or goes away. :func:`start_actor_gateway` runs it in a CPU-only Ray actor pinned to
-this node (docs/gateway.md).
-"""
+"""Serving a role gateway: uvicorn on a thread, ``SO_REUSEPORT`` worker processes (each building
+its app from a picklable factory), or a CPU-only Ray actor; every way builds :func:`gateway_app`
+(docs/gateway.md)."""
 
 from __future__ import annotations
 
