@@ -191,6 +191,28 @@ def _names(values: Any) -> str:
     return ", ".join(f'"{v}"' for v in sorted(values)) or "(none)"
 
 
+def _no_model(index: _SnapshotIndex, model: str | None, route_key: str | None) -> RoutingError:
+    """The 400 of a request naming an unknown model or route key, or none without a default."""
+    role = index.role
+    if model is not None:
+        text = (
+            f'unknown model "{model}" for role "{role}"; known models: {_names(index.models)}; '
+            f"aliases: {_names(index.aliases)}"
+        )
+    elif route_key is not None:
+        text = (
+            f'unknown route key "{route_key}" for role "{role}"; known route keys: '
+            f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
+            "routing.route_key_map"
+        )
+    else:
+        text = (
+            f'role "{role}" has no default_model and the request names no model or route key; '
+            f"pass model= one of {_names(index.models)} (aliases: {_names(index.aliases)})"
+        )
+    return RoutingError(400, text)
+
+
 class RouteResolver:
     """Resolves requests against schema-2 snapshots (see the module docstring for the rules).
 
@@ -285,30 +307,12 @@ class RouteResolver:
 
         if model is not None:
             model_id = index.lookup.get(model)
-            if model_id is None:
-                raise RoutingError(
-                    400,
-                    f'unknown model "{model}" for role "{index.role}"; known models: '
-                    f"{_names(index.models)}; aliases: {_names(index.aliases)}",
-                )
         elif route_key is not None:
             model_id = index.route_keys.get(route_key)
-            if model_id is None:
-                raise RoutingError(
-                    400,
-                    f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
-                    f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
-                    "routing.route_key_map",
-                )
         else:
             model_id = index.default
-            if model_id is None:
-                raise RoutingError(
-                    400,
-                    f'role "{index.role}" has no default_model and the request names no model '
-                    f"or route key; pass model= one of {_names(index.models)} "
-                    f"(aliases: {_names(index.aliases)})",
-                )
+        if model_id is None:
+            raise _no_model(index, model, route_key)
 
         entry = index.models[model_id]
         if entry.not_ready is not None:
