@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -75,8 +75,8 @@ class RegistryPublisher:
     :param epoch: the registry epoch; default a fresh ``<role>-<random hex>``.
     :param weight_sources, static_roles: as :meth:`RoleSnapshot.check_sources` takes them.
 
-    Thread-safe: every method takes one lock. :meth:`snapshot` returns the cached object when
-    nothing changed.
+    ``role`` and ``epoch`` are fixed for its life. Thread-safe: every method takes one lock.
+    :meth:`snapshot` returns the cached object when nothing changed.
     """
 
     def __init__(
@@ -88,9 +88,9 @@ class RegistryPublisher:
         weight_sources: WeightSources | None = None,
         static_roles: Collection[str] | None = None,
     ) -> None:
-        self._role = role
+        self.role: Final = role
         self._routing = _routing(routing)
-        self._epoch = epoch if epoch is not None else f"{role}-{uuid.uuid4().hex[:16]}"
+        self.epoch: Final = epoch if epoch is not None else f"{role}-{uuid.uuid4().hex[:16]}"
         self._weight_sources = weight_sources
         self._static_roles = static_roles
         self._models: dict[str, _Model] = {}
@@ -98,16 +98,6 @@ class RegistryPublisher:
         self._cached: RoleSnapshot | None = None
         self._lock = threading.RLock()
         self._empty(routing=RoutingSpec(policy=routing.policy))  # checks role and epoch now
-
-    @property
-    def role(self) -> str:
-        """The role this publisher serves."""
-        return self._role
-
-    @property
-    def epoch(self) -> str:
-        """The registry epoch (fixed for this publisher's life)."""
-        return self._epoch
 
     @property
     def topology_revision(self) -> int:
@@ -313,7 +303,7 @@ class RegistryPublisher:
         """A snapshot of this role with ``fields`` (revision 0: to validate them)."""
         fields = {"routing": RoutingSpec(), "models": {}, **fields}
         return RoleSnapshot(
-            role=self._role, registry_epoch=self._epoch, topology_revision=revision, **fields
+            role=self.role, registry_epoch=self.epoch, topology_revision=revision, **fields
         )
 
     def _changed(self) -> None:
@@ -325,7 +315,7 @@ class RegistryPublisher:
             return self._models[model_id]
         except KeyError:
             raise KeyError(
-                f"role {self._role!r} publishes no model {model_id!r}; published: "
+                f"role {self.role!r} publishes no model {model_id!r}; published: "
                 f"{sorted(self._models)}. Call set_model() first"
             ) from None
 
@@ -335,7 +325,7 @@ class RegistryPublisher:
             return entry.engines[engine_id]
         except KeyError:
             raise KeyError(
-                f"model {model_id!r} of role {self._role!r} publishes no engine {engine_id!r}; "
+                f"model {model_id!r} of role {self.role!r} publishes no engine {engine_id!r}; "
                 f"published: {sorted(entry.engines)}"
             ) from None
 
@@ -345,7 +335,7 @@ class RegistryPublisher:
         view = build_at(path, ModelView, *args, **fields)
         build_at(path, self._empty, models={model_id: view})
         check_model_sources(
-            self._role,
+            self.role,
             model_id,
             view,
             weight_sources=self._weight_sources,
