@@ -247,15 +247,12 @@ class GatewayServer:
             )
         self.host = host
         self.workers = workers
-        self._pool: Any = None
-        self._thread_server: ThreadServer | None = None
-        if workers > 1:
-            self._pool = WorkerPool(app_factory, host, port, workers=workers)
-            self.port: int = self._pool.port
-        else:
-            served = app if app is not None else app_factory()
-            self._thread_server = ThreadServer(served, host, port)
-            self.port = self._thread_server.port
+        self._server = (
+            WorkerPool(app_factory, host, port, workers=workers)
+            if workers > 1
+            else ThreadServer(app if app is not None else app_factory(), host, port)
+        )
+        self.port: int = self._server.port
 
     @property
     def url(self) -> str:
@@ -265,23 +262,17 @@ class GatewayServer:
     @property
     def pids(self) -> list[int]:
         """The processes serving the gateway (this one, or the workers)."""
-        return self._pool.pids if self._pool is not None else [os.getpid()]
+        return self._server.pids if isinstance(self._server, WorkerPool) else [os.getpid()]
 
     def start(self, timeout: float = 30.0) -> GatewayServer:
-        """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
-        if self._pool is not None:
-            self._pool.start(timeout=max(timeout, 60.0))
-        else:
-            assert self._thread_server is not None
-            self._thread_server.start(timeout)
+        """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``
+        (at least 60 s for worker processes)."""
+        self._server.start(max(timeout, 60.0) if self.workers > 1 else timeout)
         return self
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop serving and wait for the server thread (or the worker processes)."""
-        if self._pool is not None:
-            self._pool.stop(timeout=timeout)
-        elif self._thread_server is not None:
-            self._thread_server.stop(timeout)
+        self._server.stop(timeout)
 
 
 @attrs.define
