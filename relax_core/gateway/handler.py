@@ -224,19 +224,10 @@ def _check_coalesce(_: object, attribute: attrs.Attribute[float], value: float) 
 
 @attrs.frozen
 class GatewayOptions:
-    """How a role gateway handles requests: the same record whichever way it is served.
-
-    ``model_paths``: local checkpoint directory per model id (for tokenizers).
-    ``timeout``: the deadline of one request in seconds. ``token``: a bearer token callers must
-    send (``None``: no auth). ``max_body_bytes``: the request body limit. ``snapshot_ttl``:
-    seconds the role's snapshot is reused. ``stream_idle_timeout`` /
-    ``stream_first_chunk_timeout``: the longest a relayed stream may stay silent once started
-    (default 60 s) / before its first bytes (default ``None``: only the deadline); past either
-    the caller gets an error event with code 504. ``breaker``: the replica heads' circuit
-    breakers (``None``: none). ``stream_coalesce``: a stream's bytes arriving faster than one
-    read per this many seconds are relayed together once per period (``0``: every read at
-    once). ``sleeping_note``: set when nothing will wake this role's SLEEPING models: a request
-    to one gets 503 with this note and no Retry-After.
+    """How a role gateway handles requests, the same record whichever way it is served (each
+    option: docs/gateway.md). ``model_paths``: local checkpoint directory per model id (for
+    tokenizers). ``sleeping_note``: set when nothing will wake this role's SLEEPING models: a
+    request to one gets 503 with this note and no Retry-After.
 
     :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``).
     """
