@@ -5,6 +5,7 @@ and cached)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -66,27 +67,9 @@ ROUND_ROBIN = RoutingPolicy(
 )
 
 
+@functools.lru_cache(maxsize=1 << 16)  # group keys repeat once per sample of a group
 def _slot(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=2).digest(), "little")
-
-
-class _SlotCache:
-    """key -> slot for recently seen keys (group keys repeat once per sample of a group)."""
-
-    __slots__ = ("_slots",)
-    _MAX = 1 << 16
-
-    def __init__(self) -> None:
-        self._slots: dict[str, int] = {}
-
-    def __call__(self, key: str | None) -> int:
-        key = key or ""
-        slot = self._slots.get(key)
-        if slot is None:
-            if len(self._slots) >= self._MAX:
-                self._slots.clear()
-            slot = self._slots[key] = _slot(key)
-        return slot
 
 
 class _Table:
@@ -195,12 +178,11 @@ class RendezvousSelector:
 
     def __init__(self) -> None:
         self._tables = _Tables()
-        self._slot = _SlotCache()
 
     def select(self, *, role: str, model: str, candidates: tuple[Any, ...], **request: Any) -> Any:
         """The candidate :meth:`_rank` picks for the ``affinity_key``'s slot."""
         table = self._tables.get(role, model, candidates)
-        slot = self._slot(request.get("affinity_key"))
+        slot = _slot(request.get("affinity_key") or "")
         return candidates[self._rank(table, slot, request.get("inflight"))]
 
     def _rank(self, table: _Table, slot: int, inflight: Mapping[str, int] | None) -> int:
