@@ -262,17 +262,14 @@ def _schema(request: Request, default: int) -> int:
 
 
 def create_gateway_app(
-    handler: InferenceGatewayHandler,
-    *,
-    spec: RoleSpec | None = None,
-    openapi: Mapping[str, Any] | None = None,
+    handler: InferenceGatewayHandler, *, spec: RoleSpec | None = None
 ) -> Starlette:
     """The Starlette app serving ``handler``'s role under ``/{role}/``.
 
     ``spec``: the role's record; its ``health_schema`` is ``/{role}/health``'s default and its
     ``openapi`` notes shape the document (without one: the common document, health schema 2).
-    ``openapi``: the document to serve instead of the generated one. The adapter's preload
-    starts when the app starts; the handler's client is closed when it shuts down.
+    The adapter's preload starts when the app starts; the handler's client is closed when it
+    shuts down.
 
     :raises ValueError: ``spec`` is the record of another role than the handler's.
     """
@@ -283,11 +280,9 @@ def create_gateway_app(
             f"{role!r}; pass plugin_manager.role({role!r})"
         )
     health_default = spec.health_schema if spec is not None else 2
-    if openapi is None:
-        from relax_core.gateway.openapi import openapi_document
+    from relax_core.gateway.openapi import openapi_document
 
-        openapi = openapi_document(spec if spec is not None else role)
-    document = orjson.dumps(openapi)
+    document = orjson.dumps(openapi_document(spec if spec is not None else role))
 
     def guarded(fn: Callable[[Request], Awaitable[Response]], auth: bool = True) -> Any:
         async def endpoint(request: Request) -> Response:
