@@ -5,7 +5,7 @@ The public API: everything a caller or a plugin needs is exported here (and pyte
 private.
 """
 
-from relax_core import agent, engine, errors
+from relax_core import agent, engine, errors, records
 from relax_core._exports import claim as _claim
 from relax_core._quote import quote_body
 from relax_core.agent import *  # noqa: F403
@@ -90,33 +90,7 @@ from relax_core.placement import (
     validate_bound_placement,
 )
 from relax_core.plugins import PluginManager, get_plugin_manager, module_plugin
-from relax_core.records import (
-    CONSTRAINED_DECODING,
-    ENGINE_FEATURES,
-    BenchmarkSpec,
-    CommandSpec,
-    DataSourceSpec,
-    EngineBackend,
-    EngineLaunchSpec,
-    EngineOptions,
-    EngineProcess,
-    EnvironmentSpec,
-    OpenAPINotes,
-    PlacementMode,
-    RewardSpec,
-    RoleSpec,
-    RolloutShapeSpec,
-    RouteMode,
-    RouterBackend,
-    RouterLaunchSpec,
-    RouterMembership,
-    RouterProcess,
-    RoutingPolicy,
-    StageSpec,
-    TrackerSpec,
-    TrainerSpec,
-    WeightSource,
-)
+from relax_core.records import *  # noqa: F403
 from relax_core.run import (
     GroupRequest,
     Prompt,
@@ -155,33 +129,23 @@ from relax_core.tracking import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CONSTRAINED_DECODING",
     "DEFAULT_STREAM_COALESCE_S",
     "DEMO_JOB",
     "DEMO_MODELS",
-    "ENGINE_FEATURES",
     "REWARD_FIELDS",
     "ROLLOUT_METRICS",
     "AdaptContext",
     "Adapted",
     "BatchControl",
     "BatchSink",
-    "BenchmarkSpec",
     "BreakerSettings",
-    "CommandSpec",
     "ConfigProblem",
     "ConfigReader",
-    "DataSourceSpec",
     "DeferredBatch",
     "DeferredCollector",
     "DeferredWorkload",
     "DriverSettings",
-    "EngineBackend",
-    "EngineLaunchSpec",
-    "EngineOptions",
-    "EngineProcess",
     "EngineView",
-    "EnvironmentSpec",
     "GatewayOptions",
     "GatewayServer",
     "GroupRequest",
@@ -201,10 +165,8 @@ __all__ = [
     "ModelState",
     "ModelView",
     "MoreGroups",
-    "OpenAPINotes",
     "Outcome",
     "PhaseSpan",
-    "PlacementMode",
     "PluginManager",
     "PoolRequest",
     "Prompt",
@@ -217,23 +179,14 @@ __all__ = [
     "ResidentTag",
     "RewardContext",
     "RewardResult",
-    "RewardSpec",
     "RewardStage",
     "RoleAdapter",
     "RoleClients",
     "RoleSnapshot",
-    "RoleSpec",
     "RolloutShape",
     "RolloutShapeConfig",
-    "RolloutShapeSpec",
-    "RouteMode",
     "RouteResolver",
     "RouteTarget",
-    "RouterBackend",
-    "RouterLaunchSpec",
-    "RouterMembership",
-    "RouterProcess",
-    "RoutingPolicy",
     "RoutingSpec",
     "RunConfig",
     "Sample",
@@ -245,18 +198,14 @@ __all__ = [
     "StageConfig",
     "StageContext",
     "StageReport",
-    "StageSpec",
     "StepDriver",
     "StepOutcome",
     "Timeline",
     "Tracker",
     "TrackerContext",
-    "TrackerSpec",
     "Trainer",
     "TrainerContext",
-    "TrainerSpec",
     "TurnAnswer",
-    "WeightSource",
     "__version__",
     "add_segments",
     "boundaries",
@@ -296,6 +245,6 @@ __all__ = [
 ]
 
 # The star-imported modules' names, listed once in their own __all__.
-__all__ += agent.__all__ + engine.__all__ + errors.__all__
+__all__ += agent.__all__ + engine.__all__ + errors.__all__ + records.__all__
 
 _claim(__name__, globals(), __all__)
