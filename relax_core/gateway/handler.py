@@ -155,7 +155,7 @@ def build_gateway_handler(
         breaker=options.breaker,
         sleeping_note=options.sleeping_note,
     )
-    return InferenceGatewayHandler(role, client, adapter, options, waker=waker)
+    return InferenceGatewayHandler(role, client, adapter, options, waker)
 
 
 class Waker(Protocol):
@@ -259,11 +259,9 @@ class InferenceGatewayHandler:
         role: str,
         client: InferenceClient,
         adapter: RoleAdapter,
-        options: GatewayOptions | None = None,
-        *,
-        waker: Waker | None = None,
+        options: GatewayOptions,
+        waker: Waker | None,
     ) -> None:
-        options = GatewayOptions() if options is None else options
         self.role = role
         self.waker = waker if waker is not None and waker.wakes(role) else None
         self.client = client
