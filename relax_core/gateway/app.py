@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+import attrs
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -124,18 +125,13 @@ class _StreamAborted(RuntimeError):
         self.status = status
 
 
+@attrs.frozen(eq=False)
 class ForwardRoute:
     """An ASGI endpoint forwarding one kind of request through the handler."""
 
-    def __init__(
-        self,
-        handler: InferenceGatewayHandler,
-        fn: Callable[[bytes, Mapping[str, str]], Awaitable[GatewayAnswer]],
-        route: str,
-    ) -> None:
-        self.handler = handler
-        self.fn = fn
-        self.route = route
+    handler: InferenceGatewayHandler
+    fn: Callable[[bytes, Mapping[str, str]], Awaitable[GatewayAnswer]]
+    route: str
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.handler
