@@ -5,11 +5,11 @@ The public API: everything a caller or a plugin needs is exported here (and pyte
 private.
 """
 
-from relax_core import agent, engine, errors, records
+from relax_core import agent, client, engine, errors, records
 from relax_core._exports import claim as _claim
 from relax_core._quote import quote_body
 from relax_core.agent import *  # noqa: F403
-from relax_core.client import BreakerSettings, InferenceClient, close_clients, get_client
+from relax_core.client import *  # noqa: F403
 from relax_core.commands.demo import DEMO_JOB, DEMO_MODELS, make_demo_models
 from relax_core.config import ConfigProblem, ConfigReader, JobConfig, load_config, loads_config
 from relax_core.coordination import (
@@ -138,7 +138,6 @@ __all__ = [
     "Adapted",
     "BatchControl",
     "BatchSink",
-    "BreakerSettings",
     "ConfigProblem",
     "ConfigReader",
     "DeferredBatch",
@@ -149,7 +148,6 @@ __all__ = [
     "GatewayOptions",
     "GatewayServer",
     "GroupRequest",
-    "InferenceClient",
     "InferenceGatewayHandler",
     "InferenceManager",
     "InferencePlacementPlan",
@@ -213,13 +211,11 @@ __all__ = [
     "check_chat_payload",
     "check_generate_payload",
     "check_messages",
-    "close_clients",
     "connect_coordinator",
     "continue_aborted",
     "engine_launch_specs",
     "free_port",
     "gateway_app",
-    "get_client",
     "get_plugin_manager",
     "hookimpl",
     "keep_local_ray_on_loopback",
@@ -245,6 +241,6 @@ __all__ = [
 ]
 
 # The star-imported modules' names, listed once in their own __all__.
-__all__ += agent.__all__ + engine.__all__ + errors.__all__ + records.__all__
+__all__ += agent.__all__ + client.__all__ + engine.__all__ + errors.__all__ + records.__all__
 
 _claim(__name__, globals(), __all__)
