@@ -358,11 +358,9 @@ class ConfigReader:
         how = ConfigReader.one_of(("mean", "max"))
         mode = r.value(t, "run.stages[2]", "mode", str, "mean", check=how)
         r.raise_problems(source)
-
-    The checks: :meth:`at_least`, :meth:`one_of`, :meth:`fraction` (factories) and
-    :meth:`positive`, :meth:`finite`, :meth:`non_empty`.
     """
 
+    #: The checks: factories (``at_least``, ``fraction``, ``one_of``) and plain ones.
     at_least = staticmethod(_at_least)
     positive = staticmethod(_positive)
     fraction = staticmethod(_fraction)
