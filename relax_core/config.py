@@ -16,7 +16,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -52,14 +52,6 @@ RESIDENCY_MODES = ("planned", "exclusive")
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class _HasName(Protocol):
-    @property
-    def name(self) -> str: ...
-
-
-N = TypeVar("N", bound=_HasName)
 
 
 # -- the checks a value may need -----------------------------------------------------------------
@@ -122,11 +114,8 @@ def _checked(default: Any, check: Check) -> Any:
 
 @attrs.frozen
 class ClusterConfig:
-    """The machines: ``num_nodes`` nodes of ``gpus_per_node`` GPUs each.
-
-    ``gpu_memory_gib`` / ``host_memory_gib`` enable the GPU / host memory budgets (``None``
-    skips that budget). ``cpus_per_bundle`` is the CPU share of each placement-group bundle.
-    """
+    """``[cluster]``: ``num_nodes`` nodes of ``gpus_per_node`` GPUs each, and the memory
+    budgets (each key: docs/configuration.md)."""
 
     num_nodes: int = _checked(1, _at_least(1))
     gpus_per_node: int = _checked(0, _at_least(0))
@@ -142,15 +131,8 @@ class ClusterConfig:
 
 @attrs.frozen
 class TrainingConfig:
-    """The training roles and how they share GPUs with inference.
-
-    Each ``*_gpus`` count is a pool of its own (0: the role is absent). ``colocate``: the
-    inference roles live inside the actor pool (``None``: follow the placement mode).
-    ``offload``: training moves its GPU state off the GPUs between phases, keeping
-    ``offload_resident_gib`` per GPU resident and ``offload_host_gib`` per GPU in host memory.
-    ``ray_gpu_fraction``: the Ray GPU share of each training actor (default: 0.4 in a shared
-    pool, else 1.0).
-    """
+    """``[training]``: the training roles' GPU pools (0: absent) and how they share GPUs with
+    inference (each key: docs/configuration.md)."""
 
     actor_gpus: int = _checked(0, _at_least(0))
     critic_gpus: int = _checked(0, _at_least(0))
@@ -193,15 +175,8 @@ class PlacementConfig:
 
 @attrs.frozen
 class ServeSettings:
-    """``[serve]``: how ``relax serve`` wakes the roles of a defer layout on demand.
-
-    ``wake_timeout``: the longest a request is held while its role wakes (then 503 with a
-    Retry-After). ``idle_seconds``: an idle role sleeps again after this long (0: never).
-    ``min_residency``: a woken role is not evicted before this many seconds. ``max_awake``: at
-    most this many roles of a shared slice awake (``None``: as the memory budget allows).
-    ``operation_timeout``: the longest one onload, offload or rebuild may take before its role
-    is BLOCKED.
-    """
+    """``[serve]``: how ``relax serve`` wakes the roles of a defer layout on demand (each key:
+    docs/configuration.md)."""
 
     wake_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
     idle_seconds: float = attrs.field(default=300.0, validator=attrs.validators.ge(0))
@@ -214,14 +189,9 @@ class ServeSettings:
 
 @attrs.frozen
 class PlacementSettings:
-    """Where a model's engines go and what they cost (what the planner and its budget read).
-
+    """Where a model's engines go and what they cost (what the planner and its budget read):
     ``num_gpus`` GPUs hold ``num_engines`` engines of ``gpus_per_engine`` (``tp x pp``) GPUs; a
-    ``cpu`` model has ``num_engines`` engines and 0 GPUs. ``bundle_start``: the first bundle of
-    the model's slice (``None``: the mode picks). ``ray_gpu_fraction``: each engine worker's Ray
-    GPU share (``None``: 0.2 in a shared pool, else 1.0). ``cuda_graph_gib``: the CUDA-graph
-    reserve per GPU; ``num_parameters`` overrides ``config.json``'s count in the budget.
-    """
+    ``cpu`` model has 0 GPUs. Each key: docs/configuration.md."""
 
     num_gpus: int = 1
     gpus_per_engine: int = 1
@@ -312,14 +282,6 @@ class GatewayConfig:
     in_ray_actor: bool = False
 
 
-def _named(items: Sequence[N], name: str, missing: str) -> N:
-    """The item called ``name``, else :class:`KeyError` ``"<missing>: <every name>"``."""
-    for item in items:
-        if item.name == name:
-            return item
-    raise KeyError(f"{missing}: {tuple(item.name for item in items)}")
-
-
 @attrs.frozen
 class RoleConfig:
     """An inference role and its models (in file order)."""
@@ -338,7 +300,10 @@ class RoleConfig:
 
     def model(self, name: str) -> ModelConfig:
         """The model called ``name``; :class:`KeyError` naming the known ones otherwise."""
-        return _named(self.models, name, f"role {self.name!r} has no model {name!r}; models")
+        found = {m.name: m for m in self.models}
+        if name not in found:
+            raise KeyError(f"role {self.name!r} has no model {name!r}; models: {tuple(found)}")
+        return found[name]
 
 
 @attrs.frozen
@@ -360,7 +325,10 @@ class JobConfig:
 
     def role(self, name: str) -> RoleConfig:
         """The role called ``name``; :class:`KeyError` naming the configured ones otherwise."""
-        return _named(self.roles, name, f"role {name!r} is not configured; roles")
+        found = {r.name: r for r in self.roles}
+        if name not in found:
+            raise KeyError(f"role {name!r} is not configured; roles: {tuple(found)}")
+        return found[name]
 
     @property
     def role_names(self) -> tuple[str, ...]:
@@ -390,11 +358,9 @@ class ConfigReader:
         how = ConfigReader.one_of(("mean", "max"))
         mode = r.value(t, "run.stages[2]", "mode", str, "mean", check=how)
         r.raise_problems(source)
-
-    The checks: :meth:`at_least`, :meth:`one_of`, :meth:`fraction` (factories) and
-    :meth:`positive`, :meth:`finite`, :meth:`non_empty`.
     """
 
+    #: The checks: factories (``at_least``, ``fraction``, ``one_of``) and plain ones.
     at_least = staticmethod(_at_least)
     positive = staticmethod(_positive)
     fraction = staticmethod(_fraction)

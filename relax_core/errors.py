@@ -1,30 +1,7 @@
 """The error hierarchy of Relax: every error class the core raises on purpose, in one place.
 
 Every error says what was wrong, where (a key path, a field, an engine id, a bundle index) and,
-where there is one, what to do. The tree::
-
-    RelaxError
-    ├── PluginError
-    ├── ConfigError (path)
-    │   ├── ConfigValidationError (problems)
-    │   └── SnapshotError
-    ├── PlacementError (violations)
-    ├── RoutingError (status, retry_after)
-    │   ├── InvalidRequestError (field; status 400)
-    │   └── ModelNotReadyError (role, model, state; status 503)
-    ├── UpstreamError (status, request_id)
-    │   ├── UpstreamUnreachableError
-    │   ├── UpstreamStatusError (body, url, retry_after)
-    │   └── RequestNotReplayedError
-    ├── StreamStalledError (also a TimeoutError; seconds, started, setting)
-    ├── GatewayError (status, field, retry_after, request_id)
-    ├── CapabilityError
-    ├── CheckpointError (run_dir)
-    ├── TrackerError (tracker, call)
-    └── LifecycleError
-        ├── InferenceRecoveryRequired (result, report)
-        ├── NotApplicable
-        └── ChannelError
+where there is one, what to do.
 """
 
 from __future__ import annotations
@@ -100,8 +77,7 @@ class ConfigError(RelaxError):
     message: str
 
     def __init__(self, path: str, message: str) -> None:
-        self.path = path
-        self.message = message
+        self.path, self.message = path, message
         super().__init__(f"{path}: {message}" if path else message)
 
 
@@ -167,8 +143,7 @@ class _StatusError(RelaxError):
     message: str
 
     def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        self.message = message
+        self.status, self.message = status, message
         super().__init__(message)
 
 
@@ -201,9 +176,7 @@ class ModelNotReadyError(RoutingError):
         self, message: str, *, role: str, model: str, state: str, retry_after: float | None = None
     ) -> None:
         super().__init__(503, message, retry_after=retry_after)
-        self.role = role
-        self.model = model
-        self.state = state
+        self.role, self.model, self.state = role, model, state
 
 
 class InvalidRequestError(RoutingError):
@@ -259,9 +232,7 @@ class UpstreamStatusError(UpstreamError):
         retry_after: float | None = None,
     ) -> None:
         super().__init__(status, message, request_id=request_id)
-        self.body = body
-        self.url = url
-        self.retry_after = retry_after
+        self.body, self.url, self.retry_after = body, url, retry_after
 
     def json(self) -> Any:
         """The body decoded as JSON (raises ``orjson.JSONDecodeError`` when it is not JSON)."""
@@ -303,8 +274,7 @@ class StreamStalledError(RelaxError, TimeoutError):
     setting: str
 
     def __init__(self, seconds: float, started: bool) -> None:
-        self.seconds = seconds
-        self.started = started
+        self.seconds, self.started = seconds, started
         self.setting = "stream_idle_timeout" if started else "stream_first_chunk_timeout"
         super().__init__(f"no data for {seconds:g}s")
 
@@ -331,9 +301,7 @@ class GatewayError(_StatusError):
         request_id: str | None = None,
     ) -> None:
         super().__init__(status, message)
-        self.retry_after = retry_after
-        self.field = field
-        self.request_id = request_id
+        self.retry_after, self.field, self.request_id = retry_after, field, request_id
 
 
 class CapabilityError(RelaxError):
@@ -357,8 +325,7 @@ class InferenceRecoveryRequired(LifecycleError):
     report: Any
 
     def __init__(self, message: str, *, result: Any = None, report: Any = None) -> None:
-        self.result = result
-        self.report = report
+        self.result, self.report = result, report
         super().__init__(message)
 
 
@@ -389,8 +356,7 @@ class LeaseBlockedError(CoordinationError):
     """
 
     def __init__(self, role: str, reason: str) -> None:
-        self.role = role
-        self.reason = reason
+        self.role, self.reason = role, reason
         super().__init__(
             f"role {role!r} lease is BLOCKED: {reason}. No other role on its GPUs is activated. "
             f"Confirm on the node that the {role} engines hold no GPU memory (stop them if "
@@ -404,8 +370,7 @@ class BatchFailedError(CoordinationError):
     """
 
     def __init__(self, batch_id: int, cause: str, *, failed_batch: int | None = None) -> None:
-        self.batch_id = batch_id
-        self.cause = cause
+        self.batch_id, self.cause = batch_id, cause
         self.failed_batch = batch_id if failed_batch is None else failed_batch
         if self.failed_batch == batch_id:
             text = f"batch {batch_id} FAILED: {cause}"
@@ -437,8 +402,7 @@ class ScoringError(RelaxError):
     back. ``stage`` names the stage (``genrm``, ``teacher``, ``validation``)."""
 
     def __init__(self, stage: str, message: str) -> None:
-        self.stage = stage
-        self.message = message
+        self.stage, self.message = stage, message
         super().__init__(f"{stage}: {message}")
 
 
@@ -447,9 +411,7 @@ class EnvironmentStepError(RelaxError):
     step fails uncommitted. ``environment`` and ``trajectory`` (the sample's id) say which."""
 
     def __init__(self, environment: str, trajectory: str, message: str) -> None:
-        self.environment = environment
-        self.trajectory = trajectory
-        self.message = message
+        self.environment, self.trajectory, self.message = environment, trajectory, message
         super().__init__(f"environment {environment!r}, trajectory {trajectory}: {message}")
 
 
@@ -463,8 +425,7 @@ class SinkError(RelaxError):
     """A batch-sink operation (put, get, delete) failed; ``partition`` names the partition."""
 
     def __init__(self, partition: str, message: str) -> None:
-        self.partition = partition
-        self.message = message
+        self.partition, self.message = partition, message
         super().__init__(f"partition {partition!r}: {message}")
 
 
@@ -474,9 +435,7 @@ class TrackerError(RelaxError):
     """
 
     def __init__(self, tracker: str, call: str, message: str) -> None:
-        self.tracker = tracker
-        self.call = call
-        self.message = message
+        self.tracker, self.call, self.message = tracker, call, message
         super().__init__(f"tracker {tracker!r} failed in {call}: {message}")
 
 
@@ -486,6 +445,5 @@ class CheckpointError(RelaxError):
     """
 
     def __init__(self, run_dir: str, message: str) -> None:
-        self.run_dir = run_dir
-        self.message = message
+        self.run_dir, self.message = run_dir, message
         super().__init__(f"{run_dir}: {message}")

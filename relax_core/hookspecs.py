@@ -1,17 +1,8 @@
-"""Every hook a Relax plugin can implement.
+"""Every hook a Relax plugin can implement, grouped by the phase that uses them.
 
-A plugin is a module (found through the ``relax`` entry-point group) with functions marked
-``@relax_core.hookimpl``. Every hook is a registration hook: it hands the plugin a ``register``
-callback to call once per frozen record (:mod:`relax_core.records`) it adds; two records of one
-kind with one name are rejected with both plugins named. Each kind is collected once per plugin
-manager, when a command first needs it; the hooks are grouped by the phase that uses them::
-
-    from relax_core import hookimpl
-    from relax_core.records import RoutingPolicy
-
-    @hookimpl
-    def relax_register_routing_policies(register):
-        register(RoutingPolicy(name="random", factory=RandomSelector))
+Each is a registration hook: it hands the plugin a ``register`` callback to call once per frozen
+record (:mod:`relax_core.records`) it adds; two records of one kind with one name are rejected
+with both plugins named. Each kind is collected once per plugin manager, when first needed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Loading plugins and collecting the records they register.
-
-:class:`PluginManager` wraps pluggy: it registers the core's built-in plugin, loads the
-``relax`` entry points (honouring ``RELAX_LOAD_PLUGINS`` and ``RELAX_DISABLE_PLUGINS``), calls
-every registration hook with keyword arguments and keeps the records by kind and name, each with
-the distribution that registered it.
-"""
+"""Loading plugins (the core's own, then the ``relax`` entry points) and collecting the records
+they register."""
 
 from __future__ import annotations
 

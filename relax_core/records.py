@@ -126,11 +126,23 @@ def _json_inputs(value: object) -> tuple[dict[str, Any], ...]:
 
 
 def _json_fields(value: object) -> Any:
-    return _json_copy("generate_fields", value)
+    value = _json_copy("generate_fields", value)
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError(
+            "OpenAPINotes.generate_fields: give {field name: JSON Schema object}, e.g. "
+            '{"token_ids_logprob": {"type": "array", "items": {"type": "integer"}}}'
+        )
+    return value
 
 
 def _json_answer(value: object) -> Any:
-    return _json_copy("generate_answer", value)
+    value = _json_copy("generate_answer", value)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError("OpenAPINotes.generate_answer: give a JSON Schema object or None")
+    return value
+
+
+_BOOL = attrs.validators.instance_of(bool)
 
 
 @attrs.frozen
@@ -149,9 +161,7 @@ class OpenAPINotes:
     """
 
     generate_summary: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
-    batched_generate: bool = attrs.field(
-        default=False, validator=attrs.validators.instance_of(bool)
-    )
+    batched_generate: bool = attrs.field(default=False, validator=_BOOL)
     generate_inputs: tuple[dict[str, Any], ...] = attrs.field(
         default=(), converter=_json_inputs, hash=False
     )
@@ -179,19 +189,6 @@ class OpenAPINotes:
                     'e.g. {"required": ["messages"], "properties": {"messages": {...}}}'
                 )
 
-    @generate_fields.validator
-    def _check_fields(self, _a: object, value: object) -> None:
-        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-            raise ValueError(
-                "OpenAPINotes.generate_fields: give {field name: JSON Schema object}, e.g. "
-                '{"token_ids_logprob": {"type": "array", "items": {"type": "integer"}}}'
-            )
-
-    @generate_answer.validator
-    def _check_answer(self, _a: object, value: object) -> None:
-        if value is not None and not isinstance(value, dict):
-            raise ValueError("OpenAPINotes.generate_answer: give a JSON Schema object or None")
-
     @property
     def input_names(self) -> tuple[str, ...]:
         """The input field of each extra ``/generate`` input (the first of its ``required``)."""
@@ -209,9 +206,6 @@ def _route_mode(value: object) -> RouteMode:
 
 def _default_title(spec: RoleSpec) -> str:
     return spec.name.capitalize() if isinstance(spec.name, str) else ""
-
-
-_BOOL = attrs.validators.instance_of(bool)
 
 
 _check_health_schema = _rule(lambda v: not isinstance(v, bool) and v in (1, 2), "must be 1 or 2")
@@ -449,13 +443,11 @@ class RewardSpec:
     name: str = attrs.field(validator=_check_name)
     fn: Callable[..., Any] = attrs.field(validator=attrs.validators.is_callable())
     mode: str = attrs.field(default="sync", validator=attrs.validators.in_({"sync", "async"}))
-    pass_metadata: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    pass_metadata: bool = attrs.field(default=False, validator=_BOOL)
     label_matcher: Callable[[str | None], bool] | None = attrs.field(
         default=None, validator=_optional_callable
     )
-    supports_deferred: bool = attrs.field(
-        default=False, validator=attrs.validators.instance_of(bool)
-    )
+    supports_deferred: bool = attrs.field(default=False, validator=_BOOL)
     description: str = ""
     retries: int = attrs.field(default=0, kw_only=True, validator=_retries)
 
@@ -664,7 +656,7 @@ class TrainerSpec:
     check: Callable[[Any], Sequence[Any]] | None = attrs.field(
         default=None, validator=_optional_callable
     )
-    default: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    default: bool = attrs.field(default=False, validator=_BOOL)
 
 
 # -- trackers ----------------------------------------------------------------------------------

@@ -1,10 +1,6 @@
-"""Pytest fixtures and helpers for testing Relax and its plugins (a ``pytest11`` entry point).
-
-Fixtures, defined only where pytest is installed: ``plugin_manager`` (a fresh manager with the
-built-ins and every installed entry point), ``core_plugin_manager`` (built-ins only) and
-``ray_local`` (one local Ray per session, ``num_gpus=8`` declared). Helpers, importable without
-pytest: :func:`free_port`, :func:`serve_app`, :func:`wait_for` and :func:`run_stages`.
-"""
+"""Pytest fixtures (``plugin_manager``, ``core_plugin_manager``, ``ray_local``; defined only
+where pytest is installed) and helpers (:func:`free_port`, :func:`serve_app`, :func:`wait_for`,
+:func:`run_stages`) for testing Relax and its plugins (a ``pytest11`` entry point)."""
 
 from __future__ import annotations
 

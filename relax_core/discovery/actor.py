@@ -1,17 +1,14 @@
-"""A role's registry in a Ray actor, so managers in other processes publish into one snapshot.
-
-Each manager gets a :class:`RemotePublisher`: the publisher calls, forwarded (blocking, in
-order) to a :class:`RegistryActor` holding the role's one
-:class:`~relax_core.discovery.publisher.RegistryPublisher`. Readers use
-:meth:`RemotePublisher.snapshot` or, as an ``InferenceClient`` snapshot provider,
-:meth:`RemotePublisher.fetch`.
-"""
+"""A role's registry in a Ray actor, so managers in other processes publish into one snapshot:
+each gets a :class:`RemotePublisher`, whose calls a :class:`RegistryActor` applies in order to the
+role's one :class:`~relax_core.discovery.publisher.RegistryPublisher`."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection
 from typing import Any, TypeAlias
+
+import attrs
 
 from relax_core._proxy import remote_errors
 from relax_core.discovery.liveness import ManagerLiveness, actor_ping, actor_republish
@@ -65,6 +62,7 @@ class RegistryActor:
         return self._publisher.role
 
 
+@attrs.define(eq=False)
 class RemotePublisher:
     """The publishing side of a :class:`RegistryActor`, usable from any process (picklable).
 
@@ -72,10 +70,9 @@ class RemotePublisher:
     and a refused one raises where it was made), with a ``timeout`` in seconds.
     """
 
-    def __init__(self, actor: Any, role: str, *, timeout: float = 30.0) -> None:
-        self.actor = actor
-        self.role = role
-        self.timeout = timeout
+    actor: Any
+    role: str
+    timeout: float = attrs.field(default=30.0, kw_only=True)
 
     def _wait(self, method: str, ref: Any) -> Any:
         import ray

@@ -1,10 +1,5 @@
-"""Manager liveness: a model whose manager is gone is published UNKNOWN, not left routable.
-
-When a manager's process dies, the registry would go on publishing its last word (READY heads)
-for engines nobody looks after. :class:`ManagerLiveness` pings each manager: a definite death
-(the ping returns ``False``) or ``misses`` failed pings in a row invalidate its model
-(:meth:`RegistryPublisher.invalidate`); a later answer asks the manager to ``republish``.
-"""
+"""Manager liveness: a model whose manager is gone (its ping says so, or misses in a row) is
+published UNKNOWN instead of left routable; a later answer asks the manager to republish."""
 
 from __future__ import annotations
 

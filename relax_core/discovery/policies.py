@@ -1,16 +1,11 @@
 """The built-in DIRECT replica-selection policies: ``round_robin``, ``rendezvous`` and
-``bounded_rendezvous``.
-
-A selector picks one of a model's DIRECT candidates (objects with a stable ``engine_id``, in
-``engine_id`` order; the resolver passes :class:`~relax_core.discovery.routing.RouteTarget`
-objects) and returns one of them. State is process-local: each resolver builds its own
-selectors through ``RoutingPolicy.factory``. The rendezvous score, which every process computes
-alike, is specified in docs/discovery-and-routing.md; slot winners are computed once per
-candidate set (64 lanes at a time with big-integer arithmetic) and cached.
-"""
+``bounded_rendezvous``. Selectors keep process-local state; the rendezvous score every process
+computes alike is docs/discovery-and-routing.md's (slot winners are computed per candidate set
+and cached)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -72,27 +67,9 @@ ROUND_ROBIN = RoutingPolicy(
 )
 
 
+@functools.lru_cache(maxsize=1 << 16)  # group keys repeat once per sample of a group
 def _slot(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=2).digest(), "little")
-
-
-class _SlotCache:
-    """key -> slot for recently seen keys (group keys repeat once per sample of a group)."""
-
-    __slots__ = ("_slots",)
-    _MAX = 1 << 16
-
-    def __init__(self) -> None:
-        self._slots: dict[str, int] = {}
-
-    def __call__(self, key: str | None) -> int:
-        key = key or ""
-        slot = self._slots.get(key)
-        if slot is None:
-            if len(self._slots) >= self._MAX:
-                self._slots.clear()
-            slot = self._slots[key] = _slot(key)
-        return slot
 
 
 class _Table:
@@ -201,12 +178,11 @@ class RendezvousSelector:
 
     def __init__(self) -> None:
         self._tables = _Tables()
-        self._slot = _SlotCache()
 
     def select(self, *, role: str, model: str, candidates: tuple[Any, ...], **request: Any) -> Any:
         """The candidate :meth:`_rank` picks for the ``affinity_key``'s slot."""
         table = self._tables.get(role, model, candidates)
-        slot = self._slot(request.get("affinity_key"))
+        slot = _slot(request.get("affinity_key") or "")
         return candidates[self._rank(table, slot, request.get("inflight"))]
 
     def _rank(self, table: _Table, slot: int, inflight: Mapping[str, int] | None) -> int:

@@ -1,17 +1,12 @@
-"""The registry publisher: the mutable side of a role's schema-2 snapshot.
-
-Managers tell a :class:`RegistryPublisher` what changed (a model's state, an engine's URL); it
-publishes immutable :class:`~relax_core.discovery.schema.RoleSnapshot` objects, validating each
-change where it enters. Its rules (epoch, revision, generations, FAILED without a URL,
-invalidation) are docs/discovery-and-routing.md's.
-"""
+"""The registry publisher: the mutable side of a role's schema-2 snapshot, checking each change
+where it enters (its rules are docs/discovery-and-routing.md's)."""
 
 from __future__ import annotations
 
 import threading
 import uuid
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -36,9 +31,6 @@ def _routing(routing: object) -> RoutingSpec:
     if not isinstance(routing, RoutingSpec):
         raise SnapshotError("routing", f"must be a RoutingSpec, got {type(routing).__name__}")
     return routing
-
-
-_UNSET: Any = object()
 
 
 @attrs.define
@@ -83,8 +75,8 @@ class RegistryPublisher:
     :param epoch: the registry epoch; default a fresh ``<role>-<random hex>``.
     :param weight_sources, static_roles: as :meth:`RoleSnapshot.check_sources` takes them.
 
-    Thread-safe: every method takes one lock. :meth:`snapshot` returns the cached object when
-    nothing changed.
+    ``role`` and ``epoch`` are fixed for its life. Thread-safe: every method takes one lock.
+    :meth:`snapshot` returns the cached object when nothing changed.
     """
 
     def __init__(
@@ -96,9 +88,9 @@ class RegistryPublisher:
         weight_sources: WeightSources | None = None,
         static_roles: Collection[str] | None = None,
     ) -> None:
-        self._role = role
+        self.role: Final = role
         self._routing = _routing(routing)
-        self._epoch = epoch if epoch is not None else f"{role}-{uuid.uuid4().hex[:16]}"
+        self.epoch: Final = epoch if epoch is not None else f"{role}-{uuid.uuid4().hex[:16]}"
         self._weight_sources = weight_sources
         self._static_roles = static_roles
         self._models: dict[str, _Model] = {}
@@ -108,31 +100,10 @@ class RegistryPublisher:
         self._empty(routing=RoutingSpec(policy=routing.policy))  # checks role and epoch now
 
     @property
-    def role(self) -> str:
-        """The role this publisher serves."""
-        return self._role
-
-    @property
-    def epoch(self) -> str:
-        """The registry epoch (fixed for this publisher's life)."""
-        return self._epoch
-
-    @property
     def topology_revision(self) -> int:
         """The revision the next snapshot carries."""
         with self._lock:
             return self._revision
-
-    @property
-    def routing(self) -> RoutingSpec:
-        """The current routing spec."""
-        with self._lock:
-            return self._routing
-
-    def model_ids(self) -> list[str]:
-        """The published model ids, in publication order."""
-        with self._lock:
-            return list(self._models)
 
     def snapshot(self) -> RoleSnapshot:
         """The current snapshot: the cached object when nothing changed since the last call.
@@ -177,16 +148,9 @@ class RegistryPublisher:
 
         :raises SnapshotError: a field breaks a schema rule (path ``models.<id>.<field>``).
         """
+        fields = (state, route_mode, router_url, weight_source, weight_version, served_model_name)
         with self._lock:
-            self._put_model(
-                model_id,
-                state=state,
-                route_mode=route_mode,
-                router_url=router_url,
-                weight_source=weight_source,
-                weight_version=weight_version,
-                served_model_name=served_model_name,
-            )
+            self._put_model(model_id, *fields)
 
     def update_model(self, model_id: str, **changes: Any) -> None:
         """Change some model-level fields (``state``, ``router_url``, ``weight_version``, …).
@@ -339,7 +303,7 @@ class RegistryPublisher:
         """A snapshot of this role with ``fields`` (revision 0: to validate them)."""
         fields = {"routing": RoutingSpec(), "models": {}, **fields}
         return RoleSnapshot(
-            role=self._role, registry_epoch=self._epoch, topology_revision=revision, **fields
+            role=self.role, registry_epoch=self.epoch, topology_revision=revision, **fields
         )
 
     def _changed(self) -> None:
@@ -351,7 +315,7 @@ class RegistryPublisher:
             return self._models[model_id]
         except KeyError:
             raise KeyError(
-                f"role {self._role!r} publishes no model {model_id!r}; published: "
+                f"role {self.role!r} publishes no model {model_id!r}; published: "
                 f"{sorted(self._models)}. Call set_model() first"
             ) from None
 
@@ -361,16 +325,17 @@ class RegistryPublisher:
             return entry.engines[engine_id]
         except KeyError:
             raise KeyError(
-                f"model {model_id!r} of role {self._role!r} publishes no engine {engine_id!r}; "
+                f"model {model_id!r} of role {self.role!r} publishes no engine {engine_id!r}; "
                 f"published: {sorted(entry.engines)}"
             ) from None
 
-    def _put_model(self, model_id: str, **fields: Any) -> None:
+    def _put_model(self, model_id: str, *args: Any, **fields: Any) -> None:
+        """Publish ``ModelView(*args, **fields)`` as ``model_id`` (its engines are kept)."""
         path = f"models.{model_id}"
-        view = build_at(path, ModelView, **fields)
+        view = build_at(path, ModelView, *args, **fields)
         build_at(path, self._empty, models={model_id: view})
         check_model_sources(
-            self._role,
+            self.role,
             model_id,
             view,
             weight_sources=self._weight_sources,

@@ -1,11 +1,6 @@
 """Routing: from a schema-2 snapshot and a request's model / route key / affinity key to one
-:class:`RouteTarget`.
-
-The gateway and direct clients use the same :class:`RouteResolver`, so they choose the same
-target; the decision (model, READY, router or DIRECT policy, minimum weight version, heads to
-avoid) is docs/discovery-and-routing.md's flowchart. The first resolve against a snapshot
-builds an index cached on it; after that a resolve allocates nothing but what the policy needs.
-"""
+:class:`RouteTarget`, the same for the gateway and direct clients (the decision is
+docs/discovery-and-routing.md's flowchart; the index a resolve needs is cached on the snapshot)."""
 
 from __future__ import annotations
 
@@ -196,6 +191,28 @@ def _names(values: Any) -> str:
     return ", ".join(f'"{v}"' for v in sorted(values)) or "(none)"
 
 
+def _no_model(index: _SnapshotIndex, model: str | None, route_key: str | None) -> RoutingError:
+    """The 400 of a request naming an unknown model or route key, or none without a default."""
+    role = index.role
+    if model is not None:
+        text = (
+            f'unknown model "{model}" for role "{role}"; known models: {_names(index.models)}; '
+            f"aliases: {_names(index.aliases)}"
+        )
+    elif route_key is not None:
+        text = (
+            f'unknown route key "{route_key}" for role "{role}"; known route keys: '
+            f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
+            "routing.route_key_map"
+        )
+    else:
+        text = (
+            f'role "{role}" has no default_model and the request names no model or route key; '
+            f"pass model= one of {_names(index.models)} (aliases: {_names(index.aliases)})"
+        )
+    return RoutingError(400, text)
+
+
 class RouteResolver:
     """Resolves requests against schema-2 snapshots (see the module docstring for the rules).
 
@@ -242,12 +259,6 @@ class RouteResolver:
                 retry_after=None,
             ) from None
 
-    def _instance(self, record: RoutingPolicy) -> ReplicaSelector:
-        selector = self._instances.get(record.name)
-        if selector is None:
-            selector = self._instances.setdefault(record.name, record.factory())
-        return selector
-
     def selector(self, policy: str, *, affinity: bool, role: str = "?") -> ReplicaSelector:
         """The selector a DIRECT request uses under snapshot policy ``policy``.
 
@@ -259,7 +270,9 @@ class RouteResolver:
         record = self._policy(policy, role)
         if record.uses_affinity != affinity:
             record = self._policy("rendezvous" if affinity else "round_robin", role)
-        selector = self._instance(record)
+        selector = self._instances.get(record.name)
+        if selector is None:
+            selector = self._instances.setdefault(record.name, record.factory())
         self._selectors[(policy, affinity)] = selector
         return selector
 
@@ -294,21 +307,12 @@ class RouteResolver:
 
         if model is not None:
             model_id = index.lookup.get(model)
-            if model_id is None:
-                raise self._unknown_model(index, model)
         elif route_key is not None:
             model_id = index.route_keys.get(route_key)
-            if model_id is None:
-                raise self._unknown_route_key(index, route_key)
         else:
             model_id = index.default
-            if model_id is None:
-                raise RoutingError(
-                    400,
-                    f'role "{index.role}" has no default_model and the request names no model '
-                    f"or route key; pass model= one of {_names(index.models)} "
-                    f"(aliases: {_names(index.aliases)})",
-                )
+        if model_id is None:
+            raise _no_model(index, model, route_key)
 
         entry = index.models[model_id]
         if entry.not_ready is not None:
@@ -368,23 +372,6 @@ class RouteResolver:
                 "the candidates it was given; fix or disable the plugin that provides it",
             )
         return chosen  # type: ignore[no-any-return]
-
-    @staticmethod
-    def _unknown_model(index: _SnapshotIndex, model: str) -> RoutingError:
-        return RoutingError(
-            400,
-            f'unknown model "{model}" for role "{index.role}"; known models: '
-            f"{_names(index.models)}; aliases: {_names(index.aliases)}",
-        )
-
-    @staticmethod
-    def _unknown_route_key(index: _SnapshotIndex, route_key: str) -> RoutingError:
-        return RoutingError(
-            400,
-            f'unknown route key "{route_key}" for role "{index.role}"; known route keys: '
-            f"{_names(index.route_keys)}. Pass model= instead, or add the key to "
-            "routing.route_key_map",
-        )
 
     @staticmethod
     def _too_old(index: _SnapshotIndex, entry: _ModelIndex, wanted: str, have: str) -> RoutingError:

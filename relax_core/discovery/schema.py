@@ -1,11 +1,6 @@
-"""Discovery schema 2: the canonical routing snapshot of one inference role.
-
-A :class:`RoleSnapshot` says, for one role, which models exist, their state, how to reach them
-(a router URL or logical replica heads; never TP/PP followers or PD workers) and the routing
-rules (:class:`RoutingSpec`). A frozen value, validated however it is built: every broken rule
-raises :class:`~relax_core.errors.SnapshotError` whose ``path`` names the JSON field
-(``models.math.engines[0].base_url``).
-"""
+"""Discovery schema 2: the routing snapshot of one inference role (its models, their state, how to
+reach them and the routing rules), a frozen value validated however it is built: a broken rule
+raises :class:`~relax_core.errors.SnapshotError` whose ``path`` names the JSON field."""
 
 from __future__ import annotations
 
@@ -273,16 +268,7 @@ class RoutingSpec:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; rebuild (and re-validate) from plain dicts.
-        return (
-            RoutingSpec,
-            (
-                self.default_model,
-                dict(self.route_key_map),
-                dict(self.aliases),
-                self.policy,
-                self.policy_revision,
-            ),
-        )
+        return (_rebuild, (RoutingSpec, self.to_json()))
 
     def to_json(self) -> dict[str, Any]:
         """The routing spec as a JSON object."""
@@ -435,7 +421,7 @@ class RoleSnapshot:
         # Mapping proxies do not pickle; the derived cache is not worth sending.
         fields = {f.name: getattr(self, f.name) for f in attrs.fields(RoleSnapshot) if f.init}
         fields["models"] = dict(self.models)
-        return (_rebuild_snapshot, (fields,))
+        return (_rebuild, (RoleSnapshot, fields))
 
     def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
         """A value computed once from this snapshot and cached on it (e.g. a routing index).
@@ -525,25 +511,19 @@ def _trailing_number(engine_id: str) -> int | None:
     return int(engine_id[-digits:]) if digits else None
 
 
-def _rebuild_snapshot(fields: dict[str, Any]) -> RoleSnapshot:
-    """Unpickle a :class:`RoleSnapshot` (see its ``__reduce__``)."""
-    return RoleSnapshot(**fields)
+def _rebuild(cls: Callable[..., T], fields: dict[str, Any]) -> T:
+    """Unpickle a record whose ``__reduce__`` gives its fields as plain values."""
+    return cls(**fields)
 
 
-_TOP_FIELDS = ("schema_version", "role", "registry_epoch", "topology_revision", "routing", "models")
-_ROUTING_FIELDS = ("default_model", "route_key_map", "aliases", "policy", "policy_revision")
-_MODEL_FIELDS = (
-    "state",
-    "route_mode",
-    "router_url",
-    "weight_source",
-    "weight_version",
-    "served_model_name",
-    "engines",
-)
-_ENGINE_FIELDS = ("engine_id", "base_url", "state", "direct_eligible", "generation")
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in attrs.fields(cls) if f.init)
+
+
+_TOP_FIELDS, _ROUTING_FIELDS, _MODEL_FIELDS = map(_names, (RoleSnapshot, RoutingSpec, ModelView))
 #: Engine fields a snapshot may leave out (added to schema 2 later; absent means null).
 _ENGINE_OPTIONAL = ("weight_version",)
+_ENGINE_FIELDS = tuple(n for n in _names(EngineView) if n not in _ENGINE_OPTIONAL)
 
 
 def _parse_model(path: str, data: object) -> ModelView:

@@ -2,14 +2,8 @@
 and metrics."""
 
 from relax_core._exports import claim as _claim
-from relax_core.gateway.adapters import (
-    AdaptContext,
-    Adapted,
-    RoleAdapter,
-    check_chat_payload,
-    check_generate_payload,
-    check_messages,
-)
+from relax_core.gateway import adapters
+from relax_core.gateway.adapters import *  # noqa: F403
 from relax_core.gateway.app import create_gateway_app
 from relax_core.gateway.handler import (
     GatewayOptions,
@@ -19,18 +13,14 @@ from relax_core.gateway.handler import (
 from relax_core.gateway.serving import GatewayServer, gateway_app
 
 __all__ = [
-    "AdaptContext",
-    "Adapted",
     "GatewayOptions",
     "GatewayServer",
     "InferenceGatewayHandler",
-    "RoleAdapter",
     "build_gateway_handler",
-    "check_chat_payload",
-    "check_generate_payload",
-    "check_messages",
     "create_gateway_app",
     "gateway_app",
 ]
+
+__all__ += adapters.__all__
 
 _claim(__name__, globals(), __all__)

@@ -1,8 +1,5 @@
-"""The Starlette app of a role gateway: the routes of its OpenAPI document (``/R/generate``,
-``/R/v1/chat/completions``, ``/R/health``, ...). The forwarding routes are plain ASGI callables
-(no Request/Response objects on the hot path) that cancel the exchange when the caller goes
-away; server-sent events are relayed chunk by chunk as received.
-"""
+"""The Starlette app of a role gateway: the routes of its OpenAPI document; the forwarding routes
+are plain ASGI callables that cancel the exchange when the caller goes away."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+import attrs
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -127,18 +125,13 @@ class _StreamAborted(RuntimeError):
         self.status = status
 
 
+@attrs.frozen(eq=False)
 class ForwardRoute:
     """An ASGI endpoint forwarding one kind of request through the handler."""
 
-    def __init__(
-        self,
-        handler: InferenceGatewayHandler,
-        fn: Callable[[bytes, Mapping[str, str]], Awaitable[GatewayAnswer]],
-        route: str,
-    ) -> None:
-        self.handler = handler
-        self.fn = fn
-        self.route = route
+    handler: InferenceGatewayHandler
+    fn: Callable[[bytes, Mapping[str, str]], Awaitable[GatewayAnswer]]
+    route: str
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.handler
@@ -265,17 +258,14 @@ def _schema(request: Request, default: int) -> int:
 
 
 def create_gateway_app(
-    handler: InferenceGatewayHandler,
-    *,
-    spec: RoleSpec | None = None,
-    openapi: Mapping[str, Any] | None = None,
+    handler: InferenceGatewayHandler, *, spec: RoleSpec | None = None
 ) -> Starlette:
     """The Starlette app serving ``handler``'s role under ``/{role}/``.
 
     ``spec``: the role's record; its ``health_schema`` is ``/{role}/health``'s default and its
     ``openapi`` notes shape the document (without one: the common document, health schema 2).
-    ``openapi``: the document to serve instead of the generated one. The adapter's preload
-    starts when the app starts; the handler's client is closed when it shuts down.
+    The adapter's preload starts when the app starts; the handler's client is closed when it
+    shuts down.
 
     :raises ValueError: ``spec`` is the record of another role than the handler's.
     """
@@ -286,11 +276,9 @@ def create_gateway_app(
             f"{role!r}; pass plugin_manager.role({role!r})"
         )
     health_default = spec.health_schema if spec is not None else 2
-    if openapi is None:
-        from relax_core.gateway.openapi import openapi_document
+    from relax_core.gateway.openapi import openapi_document
 
-        openapi = openapi_document(spec if spec is not None else role)
-    document = orjson.dumps(openapi)
+    document = orjson.dumps(openapi_document(spec if spec is not None else role))
 
     def guarded(fn: Callable[[Request], Awaitable[Response]], auth: bool = True) -> Any:
         async def endpoint(request: Request) -> Response:

@@ -1,14 +1,11 @@
-"""The role gateway's request handling: :class:`InferenceGatewayHandler`, one per role.
-
-The handler validates a request, lets the role's adapter shape it, and forwards it through the
-direct client's data path (:meth:`~relax_core.client.client.InferenceClient.open`); answers are
-relayed as bytes, server-sent events never re-parsed. The error mapping (every body is
-``{"error": {"message", "type", "code"}}``) is docs/gateway.md's "Errors".
-"""
+"""The role gateway's request handling (:class:`InferenceGatewayHandler`, one per role): check,
+adapt, forward through the direct client's data path, relay the answer's bytes (the error
+mapping is docs/gateway.md's "Errors")."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -158,7 +155,7 @@ def build_gateway_handler(
         breaker=options.breaker,
         sleeping_note=options.sleeping_note,
     )
-    return InferenceGatewayHandler(role, client, adapter, options, waker=waker)
+    return InferenceGatewayHandler(role, client, adapter, options, waker)
 
 
 class Waker(Protocol):
@@ -167,28 +164,22 @@ class Waker(Protocol):
 
     def wakes(self, role: str) -> bool:
         """Whether ``role``'s models are woken on demand."""
-        ...
 
     def enter(self, role: str, *, first: bool = True) -> bool:
         """Admit a request for ``role`` if it is awake (counted in flight until :meth:`end`);
         ``False``: :meth:`wake` it, then call again with ``first=False``."""
-        ...
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
         """Return once ``role`` is awake; raise a ``RoutingError`` (503) when it cannot be."""
-        ...
 
     def end(self, role: str) -> None:
         """An admitted request has its whole answer (a stream: once it is closed)."""
-        ...
 
     def describe(self, role: str) -> dict[str, Any]:
         """``role``'s residency, for ``/health``."""
-        ...
 
     def collector(self, role: str) -> Any:
         """A Prometheus collector of ``role``'s wake counters, for ``/metrics``."""
-        ...
 
 
 def _error_for_upstream(exc: UpstreamError, metrics: GatewayMetrics) -> GatewayError:
@@ -233,19 +224,10 @@ def _check_coalesce(_: object, attribute: attrs.Attribute[float], value: float) 
 
 @attrs.frozen
 class GatewayOptions:
-    """How a role gateway handles requests: the same record whichever way it is served.
-
-    ``model_paths``: local checkpoint directory per model id (for tokenizers).
-    ``timeout``: the deadline of one request in seconds. ``token``: a bearer token callers must
-    send (``None``: no auth). ``max_body_bytes``: the request body limit. ``snapshot_ttl``:
-    seconds the role's snapshot is reused. ``stream_idle_timeout`` /
-    ``stream_first_chunk_timeout``: the longest a relayed stream may stay silent once started
-    (default 60 s) / before its first bytes (default ``None``: only the deadline); past either
-    the caller gets an error event with code 504. ``breaker``: the replica heads' circuit
-    breakers (``None``: none). ``stream_coalesce``: a stream's bytes arriving faster than one
-    read per this many seconds are relayed together once per period (``0``: every read at
-    once). ``sleeping_note``: set when nothing will wake this role's SLEEPING models: a request
-    to one gets 503 with this note and no Retry-After.
+    """How a role gateway handles requests, the same record whichever way it is served (each
+    option: docs/gateway.md). ``model_paths``: local checkpoint directory per model id (for
+    tokenizers). ``sleeping_note``: set when nothing will wake this role's SLEEPING models: a
+    request to one gets 503 with this note and no Retry-After.
 
     :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``).
     """
@@ -277,11 +259,9 @@ class InferenceGatewayHandler:
         role: str,
         client: InferenceClient,
         adapter: RoleAdapter,
-        options: GatewayOptions | None = None,
-        *,
-        waker: Waker | None = None,
+        options: GatewayOptions,
+        waker: Waker | None,
     ) -> None:
-        options = GatewayOptions() if options is None else options
         self.role = role
         self.waker = waker if waker is not None and waker.wakes(role) else None
         self.client = client
@@ -332,11 +312,6 @@ class InferenceGatewayHandler:
         except Exception as exc:  # reported by /health and the log; raw requests still work
             self.preload_error = f"{type(exc).__name__}: {exc}"
             log.error("gateway %s: the role adapter's preload failed: %s", self.role, exc)
-
-    @property
-    def preloading(self) -> bool:
-        """Whether the adapter is still loading its tokenizers (``/health`` is not ready)."""
-        return self._preload is not None and not self._preload.done()
 
     async def shutdown(self) -> None:
         """Close the client and the adapter's thread pool (idempotent)."""
@@ -396,7 +371,7 @@ class InferenceGatewayHandler:
         residency = None if self.waker is None else self.waker.describe(self.role)
         if residency is not None and residency["state"] != "BLOCKED":
             ready = True  # asleep or moving, a request wakes it
-        loading = self.preloading
+        loading = self._preload is not None and not self._preload.done()
         ready = ready and not loading
         if schema == 1:
             engines = [e for m in snap.models.values() for e in m.engines]
@@ -485,7 +460,8 @@ class InferenceGatewayHandler:
     async def chat(self, body: bytes, headers: Mapping[str, str]) -> GatewayAnswer:
         """``POST /{role}/chat/completions``: validate, forward to ``/v1/chat/completions``."""
         payload = self.adapter.check_chat(decode_json_body(body))
-        return await self._admitted(headers, lambda: self._chat(payload, body, headers))
+        chat = functools.partial(self._forward, "/v1/chat/completions", payload, body, headers)
+        return await self._admitted(headers, chat)
 
     async def _admitted(
         self, headers: Mapping[str, str], answer: Callable[[], Awaitable[GatewayAnswer]]
@@ -525,16 +501,15 @@ class InferenceGatewayHandler:
     async def _generate(
         self, payload: dict[str, Any], body: bytes, headers: Mapping[str, str]
     ) -> GatewayAnswer:
-        stream = payload.get("stream") is True
-        model = payload.get("model")
-        ctx = self._stream_ctx if stream else self._plain_ctx
+        ctx = self._stream_ctx if payload.get("stream") is True else self._plain_ctx
         target: RouteTarget | None = None
+        adapted: Adapted | None = None
         if self.adapter.needs_model(payload):
             # One routing decision per request: the target chosen here is the one sent to.
             min_version = requested_weight_version(payload, headers)
             affinity = headers.get("x-smg-routing-key")
             target = await self.client.resolve(
-                model=model,
+                model=payload.get("model"),
                 route_key=payload.get("route_key"),
                 affinity_key=affinity,
                 min_weight_version=min_version,
@@ -552,21 +527,10 @@ class InferenceGatewayHandler:
                 target = await self.client.recheck(
                     target, affinity_key=affinity, min_weight_version=min_version
                 )
-            else:
-                adapted = self.adapter.adapt_generate(payload, ctx)
-        else:
+        if adapted is None:
             adapted = self.adapter.adapt_generate(payload, ctx)
-        forwarded: dict[str, Any] | bytes = body if adapted.payload is None else adapted.payload
-        return await self._forward(
-            "/generate",
-            forwarded,
-            headers,
-            model=model,
-            route_key=payload.get("route_key"),
-            stream=stream,
-            adapted=adapted,
-            target=target,
-        )
+        forwarded = body if adapted.payload is None else adapted.payload
+        return await self._forward("/generate", payload, forwarded, headers, adapted, target)
 
     async def _adapt_off_loop(self, payload: dict[str, Any], ctx: AdaptContext) -> Adapted:
         """``adapter.adapt_generate`` in the handler's thread pool (after the preload)."""
@@ -577,31 +541,17 @@ class InferenceGatewayHandler:
             self._executor(), self.adapter.adapt_generate, payload, ctx
         )
 
-    async def _chat(
-        self, payload: dict[str, Any], body: bytes, headers: Mapping[str, str]
-    ) -> GatewayAnswer:
-        return await self._forward(
-            "/v1/chat/completions",
-            body,
-            headers,
-            model=payload.get("model"),
-            route_key=payload.get("route_key"),
-            stream=payload.get("stream") is True,
-            adapted=None,
-        )
-
     async def _forward(
         self,
         path: str,
+        request: dict[str, Any],
         payload: dict[str, Any] | bytes,
         headers: Mapping[str, str],
-        *,
-        model: str | None,
-        route_key: str | None,
-        stream: bool,
-        adapted: Adapted | None,
+        adapted: Adapted | None = None,
         target: RouteTarget | None = None,
     ) -> GatewayAnswer:
+        """Send ``payload`` (the caller's body, or the adapter's) for the checked ``request`` to
+        ``path`` of ``target`` (``None``: resolved from ``request``) and answer."""
         timeout = self.deadline(headers)
         fwd = (
             {k: v for k, v in headers.items() if k != "authorization"}
@@ -612,8 +562,8 @@ class InferenceGatewayHandler:
             resp = await self.client.open(
                 path,
                 payload,
-                model=model,
-                route_key=route_key,
+                model=request.get("model"),
+                route_key=request.get("route_key"),
                 headers=fwd,
                 target=target,
                 timeout=timeout,
@@ -623,6 +573,7 @@ class InferenceGatewayHandler:
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
         try:
+            stream = request.get("stream") is True
             return await self._answer(resp, stream=stream, adapted=adapted)
         except BaseException:
             await resp.aclose()

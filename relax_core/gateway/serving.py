@@ -1,14 +1,6 @@
-"""Serving a role gateway: uvicorn on a thread, SO_REUSEPORT worker processes, or a Ray actor.
-
-Every way builds the same app (:func:`gateway_app`: one
-:func:`~relax_core.gateway.handler.build_gateway_handler` call and
-:func:`~relax_core.gateway.app.create_gateway_app`). :func:`start_thread_gateway` serves it on a
-thread of this process; :class:`GatewayServer` with ``workers=N`` runs N processes that each
-build their own app from a picklable factory (:func:`registry_gateway_app`) and bind the port
-with ``SO_REUSEPORT`` (the parent holds it, bound but never listening); a worker stops when the
-parent asks or goes away. :func:`start_actor_gateway` runs it in a CPU-only Ray actor pinned to
-this node (docs/gateway.md).
-"""
+"""Serving a role gateway: uvicorn on a thread, ``SO_REUSEPORT`` worker processes (each building
+its app from a picklable factory), or a CPU-only Ray actor; every way builds :func:`gateway_app`
+(docs/gateway.md)."""
 
 from __future__ import annotations
 
@@ -255,15 +247,12 @@ class GatewayServer:
             )
         self.host = host
         self.workers = workers
-        self._pool: Any = None
-        self._thread_server: ThreadServer | None = None
-        if workers > 1:
-            self._pool = WorkerPool(app_factory, host, port, workers=workers)
-            self.port: int = self._pool.port
-        else:
-            served = app if app is not None else app_factory()
-            self._thread_server = ThreadServer(served, host, port)
-            self.port = self._thread_server.port
+        self._server = (
+            WorkerPool(app_factory, host, port, workers=workers)
+            if workers > 1
+            else ThreadServer(app if app is not None else app_factory(), host, port)
+        )
+        self.port: int = self._server.port
 
     @property
     def url(self) -> str:
@@ -273,23 +262,17 @@ class GatewayServer:
     @property
     def pids(self) -> list[int]:
         """The processes serving the gateway (this one, or the workers)."""
-        return self._pool.pids if self._pool is not None else [os.getpid()]
+        return self._server.pids if isinstance(self._server, WorkerPool) else [os.getpid()]
 
     def start(self, timeout: float = 30.0) -> GatewayServer:
-        """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
-        if self._pool is not None:
-            self._pool.start(timeout=max(timeout, 60.0))
-        else:
-            assert self._thread_server is not None
-            self._thread_server.start(timeout)
+        """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``
+        (at least 60 s for worker processes)."""
+        self._server.start(max(timeout, 60.0) if self.workers > 1 else timeout)
         return self
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop serving and wait for the server thread (or the worker processes)."""
-        if self._pool is not None:
-            self._pool.stop(timeout=timeout)
-        elif self._thread_server is not None:
-            self._thread_server.stop(timeout)
+        self._server.stop(timeout)
 
 
 @attrs.define
