@@ -66,6 +66,7 @@ class PromptTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
 
 
+@attrs.define
 class SingleTurn:
     """The ``single-turn`` shape: one ``/generate`` request per group asking for its
     ``samples`` completions of the prompt (SGLang's ``n``), each a :class:`Sample` with the
@@ -78,20 +79,11 @@ class SingleTurn:
     :param settings: the ``[run]`` table: ``max_new_tokens`` and ``request_timeout`` are read.
     """
 
-    def __init__(
-        self,
-        model: str,
-        settings: RunConfig,
-        *,
-        tokenizer: PromptTokenizer | None = None,
-        model_path: str = "",
-        model_where: str = "",
-    ) -> None:
-        self.model = model
-        self.settings = settings
-        self._tokenizer = tokenizer
-        self.model_path = model_path
-        self.model_where = model_where
+    model: str
+    settings: RunConfig
+    _tokenizer: PromptTokenizer | None = attrs.field(default=None, kw_only=True)
+    model_path: str = attrs.field(default="", kw_only=True)
+    model_where: str = attrs.field(default="", kw_only=True)
 
     @property
     def tokenizer(self) -> PromptTokenizer:
@@ -208,11 +200,20 @@ class Generator:
         :raises UpstreamError: a request failed or its answer is not a sampled group (what the
             engine answered is quoted); groups completed before it were passed to ``each``.
         """
+        run = self.settings
+        samples = samples_per_prompt or run.samples_per_prompt
+        temperature = run.temperature if temperature is None else temperature
         out: list[list[Sample]] = [[] for _ in prompts]
 
         async def one(position: int, prompt: Prompt) -> None:
             async def generate(index: int) -> list[Sample]:
-                return await self._group(batch_id, index, prompt, samples_per_prompt, temperature)
+                seed = sampling_seed(run.seed, batch_id, index)
+                request = GroupRequest(
+                    batch_id, index, f"b{batch_id}-p{index}", prompt, samples, temperature, seed
+                )
+                assert self.shape is not None
+                async with self._gate:
+                    return await self.shape.group(request, self.client)
 
             index = first_index + position
             if regeneration is None or again is None:
@@ -224,28 +225,6 @@ class Generator:
 
         await gather_all(one(i, p) for i, p in enumerate(prompts))
         return out
-
-    async def _group(
-        self,
-        batch_id: int,
-        index: int,
-        prompt: Prompt,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[Sample]:
-        run = self.settings
-        request = GroupRequest(
-            batch_id,
-            index,
-            f"b{batch_id}-p{index}",
-            prompt,
-            samples_per_prompt or run.samples_per_prompt,
-            run.temperature if temperature is None else temperature,
-            sampling_seed(run.seed, batch_id, index),
-        )
-        assert self.shape is not None
-        async with self._gate:
-            return await self.shape.group(request, self.client)
 
 
 class StepProducer:

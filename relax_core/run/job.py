@@ -516,19 +516,12 @@ class ExternalEnginesActor(ManagerActor):
 
 
 def _start_external_actor(
-    model: ModelConfig,
-    pm: PluginManager,
-    *,
-    job: str,
-    placement: Any,
-    publisher: Any,
-    timeouts: ManagerTimeouts | None = None,
-    log_dir: str | None = None,
+    model: ModelConfig, pm: PluginManager, *, job: str, publisher: Any, **managed: Any
 ) -> Any:
     """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, named as a
     managed model's, in place of :func:`~relax_core.jobs.managers.start_model_actor`'s (the
-    same arguments; ``placement`` and ``timeouts`` are not used: nothing is placed nor
-    driven). Its heads are probed by its ``start``; the role's registry watches it.
+    same arguments; of the others in ``managed`` only ``log_dir`` is used: nothing is placed
+    nor driven). Its heads are probed by its ``start``; the role's registry watches it.
 
     :raises LifecycleError: the actor could not be built.
     """
@@ -549,7 +542,8 @@ def _start_external_actor(
     }
     if kwargs["route_mode"] != "DIRECT":
         record = router_record(model, role, pm)
-        kwargs.update(router_backend=record, router_spec=router_launch_spec(model, record, log_dir))
+        spec = router_launch_spec(model, record, managed.get("log_dir"))
+        kwargs.update(router_backend=record, router_spec=spec)
     options = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0, "max_concurrency": 8}
     try:
         actor: Any = (

@@ -241,17 +241,15 @@ class MeasuredCoordinator:
         return state
 
 
+@attrs.define
 class MeasuredHandle:
     """The generation model's manager handle with measured ``onload`` / ``offload``;
     ``step(direction)``: the step a switch belongs to."""
 
-    def __init__(
-        self, inner: ManagerHandle, probe: SwitchProbe, role: str, step: Callable[[str], int]
-    ) -> None:
-        self._inner = inner
-        self._probe = probe
-        self._role = role
-        self._step = step
+    _inner: ManagerHandle
+    _probe: SwitchProbe
+    _role: str
+    _step: Callable[[str], int]
 
     @property
     def name(self) -> str:
