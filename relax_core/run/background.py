@@ -1,10 +1,6 @@
-"""Background evaluation: a stage's work for step ``N`` run beside the steps that follow, off
-the step's critical path (``background = true`` on an ``eval`` stage's table).
-
-In step ``N``'s batch the stage only starts its work (:class:`BackgroundEvals` hands the batch a
-stand-in); the work runs in a task without any lease, so a background stage is refused where
-the generation role or its scorer's role takes turns on shared GPUs. Each evaluation ends as an
-:class:`EvalResult` (never failing a step); ``docs/run.md`` says what a run reports of them.
+"""Background evaluation (``background = true`` on an ``eval`` stage): in step ``N``'s batch
+the stage only starts its work, which runs beside the steps that follow without any lease and
+ends as an :class:`EvalResult`, never failing a step (``docs/run.md``).
 """
 
 from __future__ import annotations

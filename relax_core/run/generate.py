@@ -69,15 +69,9 @@ class PromptTokenizer:
 @attrs.define
 class SingleTurn:
     """The ``single-turn`` shape: one ``/generate`` request per group asking for its
-    ``samples`` completions of the prompt (SGLang's ``n``), each a :class:`Sample` with the
-    rollout's own log-probs.
-
-    :param tokenizer: the generation model's :class:`PromptTokenizer` (``None``: loaded from
-        ``model_path`` on first use).
-    :param model: the generation model's name; ``model_path`` / ``model_where``: its directory
-        and key path.
-    :param settings: the ``[run]`` table: ``max_new_tokens`` and ``request_timeout`` are read.
-    """
+    ``samples`` completions (SGLang's ``n``) with the rollout's own log-probs; ``model``: the
+    generation model's name, its tokenizer loaded from ``model_path`` on first use unless
+    given."""
 
     model: str
     settings: RunConfig

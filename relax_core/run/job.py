@@ -485,12 +485,10 @@ class RunJob:
 
 
 class ExternalEnginesActor(ManagerActor):
-    """The actor of a model served by ``external_urls``: the managed models' core
-    (:class:`~relax_core.manager.actor.ManagerActor`, its clients and its generated methods)
-    around :class:`~relax_core.manager.external.ExternalEngines` (its arguments), so the
-    runtime, the registry's liveness watch and teardown reach it as any model's actor. Every
-    lifecycle call and weight update is refused by ``ExternalEngines``; ``router_backend`` /
-    ``router_spec`` as a managed model's actor takes them."""
+    """The actor of a model served by ``external_urls``: a
+    :class:`~relax_core.manager.actor.ManagerActor` around
+    :class:`~relax_core.manager.external.ExternalEngines` (its arguments, and the router's as
+    a managed model's actor), which refuses every lifecycle call and weight update."""
 
     def __init__(
         self,
@@ -518,10 +516,9 @@ class ExternalEnginesActor(ManagerActor):
 def _start_external_actor(
     model: ModelConfig, pm: PluginManager, *, job: str, publisher: Any, **managed: Any
 ) -> Any:
-    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, named as a
-    managed model's, in place of :func:`~relax_core.jobs.managers.start_model_actor`'s (the
-    same arguments; of the others in ``managed`` only ``log_dir`` is used: nothing is placed
-    nor driven). Its heads are probed by its ``start``; the role's registry watches it.
+    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, in place of
+    :func:`~relax_core.jobs.managers.start_model_actor`'s (of ``managed``, only ``log_dir`` is
+    used: nothing is placed nor driven); the role's registry watches it.
 
     :raises LifecycleError: the actor could not be built.
     """

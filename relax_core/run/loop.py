@@ -1,7 +1,5 @@
 """``relax run``'s steps around the :class:`~relax_core.run.driver.StepDriver`: the run's
-engines as :class:`StepPorts`, and what a run reports of the steps it drives (one row per
-committed step, the failed step, ``--dump-samples``, ``--measure``, Ctrl-C, the final push,
-checkpoints and ``--resume``); ``docs/run.md`` describes each.
+engines as :class:`StepPorts`, and what a run reports of its steps (``docs/run.md``).
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ TOP_LEVEL_TRAINER_KEYS = ("teacher_kl", "teacher_logprob_mean")
 
 @attrs.frozen
 class FailedStep:
-    """A step that failed, was skipped or interrupted: its error, the ids of the samples it
-    generated (none committed), the leases left BLOCKED (role → why), what the trainer saw."""
+    """A step that failed, was skipped or interrupted (its :meth:`row`: ``docs/run.md``)."""
 
     step: int
     error: str
@@ -184,8 +181,7 @@ def _dump(directory: str, name: str, samples: Sequence[Sample]) -> None:
 
 
 def run_description(job: RunJob) -> dict[str, Any]:
-    """What trackers hear of the run first (``log_config``): the job, its settings, roles,
-    placement and residency plan."""
+    """What trackers hear of the run first (``log_config``)."""
     run = attrs.asdict(job.run, recurse=True)
     run["trackers"] = [{"tracker": t.name, **t.options} for t in job.run.trackers]
     run["stages"] = [
@@ -234,8 +230,7 @@ def blocked_advice(job: str, blocked: dict[str, str]) -> str:
 
 
 def async_overlap_note(job: RunJob) -> str | None:
-    """What async steps cannot overlap in the started ``job`` (a generation role that takes
-    turns on its GPUs), or ``None``."""
+    """What async steps cannot overlap in the started ``job``, or ``None``."""
     gen = job.generation_role
     if gen in job.residency.free:
         return None
@@ -266,9 +261,9 @@ class TrainerCalls:
 
 @attrs.define
 class StepPorts:
-    """What the steps of a run call, whatever engines answer (the Ray actors of a
-    :class:`~relax_core.run.job.RunJob`, or a simulation); ``free``: rollout never switches;
-    ``heads(role)`` (``--measure``): the base URLs of a role's engine heads; ``recover(role)``:
+    """What the steps of a run call, whatever engines answer (a
+    :class:`~relax_core.run.job.RunJob`'s actors, or a simulation); ``free``: rollout never
+    switches; ``heads(role)``: a role's engine heads (``--measure``); ``recover(role)``:
     rebuild a role's dead replicas (default: the coordinator's)."""
 
     name: str
@@ -491,10 +486,9 @@ async def drive(
     failed_before: Sequence[int] = (),
     **options: Unpack[RunOptions],
 ) -> RunSummary:
-    """Run steps ``first_step`` to ``steps - 1`` on ``ports``; as :func:`run_loop`, which
-    calls it. ``on_trained(n)``: awaited once step ``n`` trained; ``on_finished``: with each
-    step over, in order (a checkpoint); ``failed_before``: a resumed run's failed steps gone
-    past."""
+    """Run steps ``first_step`` to ``steps - 1`` on ``ports``, as :func:`run_loop` (which
+    calls it); ``on_trained``, ``on_finished``: as the driver's; ``failed_before``: a resumed
+    run's failed steps gone past."""
     trace, dump_dir = options.get("trace"), options.get("dump_dir")
     trackers = options.get("trackers")
     began = time.perf_counter()
@@ -573,8 +567,7 @@ def role_recovery(
     coordinator: Any, unleased: Mapping[str, Sequence[Any]], *, timeout: float
 ) -> Callable[[str], Awaitable[Any]]:
     """``recover(role)`` for a run's stages: a leased role through the coordinator, the others
-    (``unleased``) through a lease engine of their own
-    (:meth:`~relax_core.coordination.leases.LeaseEngine.recover`)."""
+    (``unleased``) through a lease engine of their own."""
     engine = LeaseEngine(
         {role: f"{role}:own" for role in unleased}, unleased, operation_timeout=timeout
     )

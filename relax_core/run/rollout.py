@@ -117,13 +117,7 @@ def build_rollout_shape(
         raise ConfigValidationError(problems, run.base)
     spec: RolloutShapeSpec = pm.rollout_shape(table.shape)
     config = RolloutShapeConfig(
-        options=dict(table.options),
-        path=table.path,
-        run=run,
-        pm=pm,
-        model=model,
-        model_path=model_path,
-        model_where=model_where,
+        dict(table.options), table.path, run, pm, model, model_path, model_where
     )
     shape = spec.build(config)
     if not isinstance(shape, RolloutShape):

@@ -1,10 +1,7 @@
-"""The trackers of one run: opened from ``[run] trackers``, fed from a thread of their own, a
-failing one reported once and left out, every one closed at the end.
-
-:class:`Trackers`' ``log_*`` calls return at once: a worker thread hands each to every tracker
-in order, so a slow tracker never delays a step. A tracker that raises is reported once
-(``say``) and hears nothing more but ``close``; with ``strict`` the error is raised as
-:class:`~relax_core.errors.TrackerError` from the loop's next call, ending the run.
+"""The trackers of one run, opened from ``[run] trackers`` and fed from a worker thread, so
+a slow tracker never delays a step. One that raises is reported once and hears nothing more
+but ``close``; with ``strict`` the error (:class:`~relax_core.errors.TrackerError`) is raised
+from the loop's next call, ending the run.
 """
 
 from __future__ import annotations
