@@ -144,16 +144,16 @@ class _Launch:
         return StageReport(self.name, {"background": 1})
 
 
+@attrs.define
 class _OffPath:
     """What a background stage may do (:class:`~relax_core.coordination.stages.BatchControl`):
     generate and run a stage, with no lease; not add or drop (its batch committed)."""
 
-    def __init__(self, step: int, stage: str, producer: Producer, clients: RoleClients) -> None:
-        self.step = step
-        self.stage = stage
-        self.producer = producer
-        self.clients = clients
-        self.samples: list[Sample] = []
+    step: int
+    stage: str
+    producer: Producer
+    clients: RoleClients
+    samples: list[Sample] = attrs.field(init=False, factory=list)
 
     @property
     def upstream(self) -> tuple[Stage, ...]:

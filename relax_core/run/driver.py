@@ -19,24 +19,24 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from relax_core._tasks import gather_all
-from relax_core.coordination.batch import (
+from relax_core.coordination import (
     BatchResult,
+    BatchSink,
     DeferredBatch,
     DeferredCollector,
     Dropped,
+    ManagerHandle,
     Producer,
+    RoleClients,
+    Sample,
+    Stage,
+    Timeline,
     abort_generation,
-    describe_failure,
-    interrupted,
-    onload_generation,
+    stage_fields,
 )
+from relax_core.coordination.batch import describe_failure, interrupted, onload_generation
 from relax_core.coordination.coordinator import Coordinator
-from relax_core.coordination.handles import ManagerHandle
 from relax_core.coordination.retries import Regeneration, retryable
-from relax_core.coordination.sample import Sample
-from relax_core.coordination.sink import BatchSink
-from relax_core.coordination.stages import RoleClients, Stage, stage_fields
-from relax_core.coordination.timeline import Timeline
 from relax_core.errors import BatchFailedError, EmptyBatchError, LifecycleError
 from relax_core.run.background import BackgroundEvals
 from relax_core.run.streaming import StreamScorer, streaming_prefix
@@ -97,20 +97,12 @@ class DriverSettings:
     stream_scoring: bool = True
     stream_concurrency: int = 8
     release_timeout: float = 180.0
-    #: the first step to run (``relax run --resume``: the first unfinished one; the weights
-    #: rollout starts with are that step's, version index ``first_step``)
+    #: the first step to run (``--resume``: the first unfinished one, rollout's version index)
     first_step: int = 0
-    #: failed steps the run goes past (each reported, nothing of it committed); one more ends
-    #: the run (0: the first does)
     max_failed_steps: int = 0
-    #: the failed steps gone past before ``first_step`` (a resumed run's: they count against
-    #: ``max_failed_steps``)
+    #: a resumed run's failed steps gone past before ``first_step``
     failed_before: tuple[int, ...] = ()
-    #: a batch whose stages dropped every group: ``skip`` the step (go on, not counted as a
-    #: failure) or ``fail`` it
     on_empty_batch: str = "fail"
-    #: times a group whose generation failed for a transport reason or a 5xx is regenerated
-    #: as a new group of its prompt, after rollout's dead replicas were rebuilt (0: never)
     generation_retries: int = 0
 
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import math
 import os
@@ -416,10 +417,6 @@ class _Report:
         if recovery is not None:
             self.timeline.counter("retries", dict(recovery.retries[batch_id]))
 
-    async def went_on(self, failed: _StepFailure) -> None:
-        """A failed (or skipped) step the run goes on past, reported."""
-        await self.failed(failed, went_on=True)
-
     async def failed(self, failed: _StepFailure, *, went_on: bool = False) -> None:
         """The step that failed or was interrupted, reported; ``went_on``: the run goes on."""
         n, exc = failed.step, failed.error
@@ -529,7 +526,7 @@ async def drive(
         on_progress=report.progress,
         on_trained=on_trained,
         background=background,
-        on_failed=report.went_on,
+        on_failed=functools.partial(report.failed, went_on=True),
         on_finished=on_finished,
         **{name: getattr(ports, name) for name in _DRIVEN},
     )
