@@ -350,12 +350,8 @@ def run(args: argparse.Namespace) -> int:
                     )
                 )  # fmt: skip
                 if summary.interrupted:  # the loop stopped its step in flight cleanly
-                    signals.hold()
-                    printer.say("relax run: interrupted; shutting down …")
                     status = 130
             except KeyboardInterrupt:
-                signals.hold()
-                printer.say("relax run: interrupted; shutting down …")
                 status = 130
             except Exception as exc:  # a bug (of Relax or a plugin) too: said, never a traceback
                 signals.hold()
@@ -367,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"relax run: {said}", file=sys.stderr, flush=True)
             finally:
                 signals.hold()
+                if status == 130:
+                    printer.say("relax run: interrupted; shutting down …")
                 error = _close_trackers(trackers, summary)
                 if error is not None:
                     print(f"relax run: {error}", file=sys.stderr, flush=True)

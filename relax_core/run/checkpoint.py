@@ -257,10 +257,6 @@ class Checkpointer:
     #: the checkpoints written, latest last
     written: list[Checkpoint] = attrs.field(init=False, factory=list)
 
-    async def after(self, step: int) -> None:
-        """Step ``step`` trained, and no step was gone past: a checkpoint if one is due."""
-        await self.finished(Finished(step, True, (), str(step + 1)))
-
     async def finished(self, finished: Finished) -> None:
         """Step ``finished.step`` is over (trained, or failed or skipped and gone past), every
         step before it too: a checkpoint if one is due (every ``every`` steps and after the
