@@ -129,8 +129,8 @@ class DriverSettings:
 
 
 class VersionClock:
-    """Weight versions as step indexes: the version rollout started with is 0, the one pushed
-    after batch ``N`` trained is ``N+1``; generation waits here for the version it needs."""
+    """Weight versions as step indexes (rollout starts at 0, the push after batch ``N`` is
+    ``N+1``); generation waits here for the version it needs."""
 
     def __init__(self, initial: str | None, start: int = 0) -> None:
         self._index: dict[str | None, int] = {initial: start}
@@ -175,11 +175,9 @@ class VersionClock:
 
 @attrs.frozen
 class Finished:
-    """Step ``step`` is over, every step before it too (the training lane's order; the trainer
-    is idle): ``trained`` (committed and trained) or gone past (failed or skipped, nothing
-    trained); ``failed_steps``: every failed step the run went past so far (a resumed run's
-    earlier ones too); ``weight_version``: the version of the trainer's weights now (those
-    pushed to rollout next)."""
+    """Step ``step`` is over, every step before it too (the trainer is idle): ``trained``, or
+    gone past; ``failed_steps``: every failed step gone past so far (a resumed run's too);
+    ``weight_version``: the trainer's weights now."""
 
     step: int
     trained: bool
@@ -191,8 +189,7 @@ class Finished:
 class StepOutcome:
     """A committed and trained step: its batch and result, what the trainer returned, the push
     before it (``None`` for step 0), when its generation began (``perf_counter``), its
-    ``seconds`` (since the previous step was trained: the pipeline's period) and its
-    ``metrics`` (staleness, drops, partial samples, idle ratios)."""
+    ``seconds`` (since the previous step was trained) and its ``metrics``."""
 
     step: int
     batch: DeferredBatch
