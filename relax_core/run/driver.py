@@ -265,33 +265,23 @@ class _Gate(DeferredCollector):
 class StepDriver:
     """Runs ``settings.steps`` steps with bounded staleness (see the module docstring).
 
-    :param coordinator: the job's coordinator (the commit gate).
-    :param rollout: the generation role's manager handle (free: never offloaded by a batch).
-    :param stages: the step's stages, in order.
-    :param sink: the batch sink.
-    :param clients: each role's discovery source (stages call engines through it).
-    :param producer: a new step producer (one per step: the steps' group indexes are their own).
-    :param trainer: the :class:`TrainerPort`.
-    :param generation_role: the role that generates.
-    :param deferred_roles: the roles a defer layout leases (their stages never stream).
-    :param initial_version: the weight version rollout serves at the start (version 0).
-    :param switching: the generation role takes turns with the deferred roles on its GPUs (a
-        defer layout): only training overlaps (see the module docstring).
-    :param timeline: where every phase goes (lanes ``generate``, each stage's, ``trainer``,
-        ``push``).
-    :param finalizer: the batch finalizer (``--dump-samples``).
+    ``coordinator`` is the commit gate; ``rollout`` the generation role's manager handle;
+    ``producer()`` a new step producer per step; ``deferred_roles`` the roles a defer layout
+    leases (their stages never stream); ``initial_version`` the weights rollout serves first;
+    ``switching``: the generation role takes turns on its GPUs (only training overlaps);
+    ``timeline`` gets every phase; ``finalizer`` every batch (``--dump-samples``).
+
     :param on_step: called with each :class:`StepOutcome` as soon as the step trained.
     :param on_trained: awaited with the step's index after ``on_step``, before the push of its
         weights and the next ``train`` (the trainer is idle: a checkpoint).
     :param on_progress: ``on_progress(step, groups_done)`` as groups complete.
-    :param background: runs the stages with ``background = true`` beside the steps
-        (:mod:`~relax_core.run.background`); settled when the steps end (cancelled on Ctrl-C).
-    :raises ConfigError: a background stage where its work would need a lease.
-    :param on_failed: awaited with each failed (or skipped) step the run goes on past
-        (``max_failed_steps``, ``on_empty_batch``); the one that ends the run is raised.
+    :param background: runs the stages with ``background = true`` beside the steps; settled
+        when the steps end (cancelled on Ctrl-C).
+    :param on_failed: awaited with each failed (or skipped) step the run goes on past; the one
+        that ends the run is raised.
     :param on_finished: awaited with a :class:`Finished` for each step in order as it is over
-        (after ``on_trained`` for a trained one; a step gone past once the steps before it
-        trained): a checkpoint.
+        (a checkpoint).
+    :raises ConfigError: a background stage where its work would need a lease.
     """
 
     def __init__(

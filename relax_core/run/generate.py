@@ -148,17 +148,9 @@ def build_single_turn(config: RolloutShapeConfig) -> SingleTurn:
 
 @attrs.define
 class Generator:
-    """Generates one step's groups through the rollout route, with the run's rollout shape.
-
-    :param client: the rollout role's :class:`~relax_core.client.client.InferenceClient`.
-    :param tokenizer: the generation model's :class:`PromptTokenizer`.
-    :param model: the generation model's name (requests name it; the route resolves it).
-    :param settings: the ``[run]`` table: ``samples_per_prompt``, ``max_new_tokens``,
-        ``temperature``, ``seed`` and ``request_timeout`` are read.
-    :param concurrency: groups in flight at once.
-    :param shape: the run's :class:`~relax_core.run.rollout.RolloutShape` (``None``:
-        :class:`SingleTurn`).
-    """
+    """Generates one step's groups through the rollout role's ``client`` with the run's
+    rollout ``shape`` (``None``: :class:`SingleTurn` of the generation ``model`` and its
+    ``tokenizer``), ``concurrency`` groups at a time; ``settings``: the ``[run]`` table."""
 
     client: InferenceClient
     tokenizer: PromptTokenizer
@@ -222,12 +214,9 @@ class Generator:
 
 
 class StepProducer:
-    """What each step generates with: ``generator`` over the run's prompt ``source``.
-
-    :meth:`first` generates a step's first groups; :meth:`generate` (a
-    :class:`~relax_core.coordination.batch.Producer`) more while its batch is in flight. Group
-    indexes go on across both within a step, so every group of a step has an id of its own.
-    """
+    """What each step generates with: ``generator`` over the run's prompt ``source``;
+    :meth:`first` generates a step's first groups, :meth:`generate` more while its batch is in
+    flight, every group of a step with an index of its own."""
 
     def __init__(self, generator: Generator, source: PromptSource) -> None:
         self.generator = generator

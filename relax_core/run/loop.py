@@ -619,16 +619,12 @@ async def run_loop(
     resume: Checkpoint | None = None,
     **options: Unpack[RunOptions],
 ) -> RunSummary:
-    """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run
-    and is in ``summary.failure``; every committed step was printed as it committed).
-
-    Ctrl-C (SIGINT) or SIGTERM in the main thread cancels the step in flight (its batch
-    failed, its roles released) and the summary has ``interrupted_step``. ``trace``: the
-    Perfetto trace file; ``dump_dir``: the samples of each batch as JSON lines; ``measure``:
-    each phase switch against a copy of its bytes (:mod:`~relax_core.run.measure`);
-    ``trackers``: the caller closes them (a strict tracker's failure,
-    :class:`~relax_core.errors.TrackerError`, is raised after the step in flight);
-    ``checkpoint_dir``, ``resume``: checkpoints and the one to continue from.
+    """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run:
+    ``summary.failure``). Ctrl-C or SIGTERM in the main thread cancels the step in flight
+    (``interrupted_step``). ``trace``, ``dump_dir``, ``measure``: ``relax run``'s
+    ``--trace``, ``--dump-samples``, ``--measure``; ``trackers``: the caller closes them (a
+    strict one's failure is raised after the step in flight); ``checkpoint_dir``,
+    ``resume``: checkpoints and the one to continue from.
 
     :raises CheckpointError: a checkpoint could not be written (it ends the run, after the
         steps before it; the previous checkpoint is kept).
