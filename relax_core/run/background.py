@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: What a background evaluation ended as.
-DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
+_ENDS = DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 
 
 @runtime_checkable
@@ -193,6 +193,7 @@ class _OffPath:
         return tuple(seen)
 
 
+@attrs.define(eq=False)
 class BackgroundEvals:
     """The background evaluations of one run.
 
@@ -200,17 +201,11 @@ class BackgroundEvals:
     :param deadline: seconds :meth:`settle` waits for those pending before it cancels them.
     """
 
-    def __init__(
-        self,
-        *,
-        on_result: Callable[[EvalResult], None] | None = None,
-        deadline: float = 300.0,
-    ) -> None:
-        self.on_result = on_result
-        self.deadline = deadline
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._ended = dict.fromkeys((DONE, FAILED, CANCELLED), 0)
-        self._reporting: list[BaseException] = []
+    on_result: Callable[[EvalResult], None] | None = attrs.field(default=None, kw_only=True)
+    deadline: float = attrs.field(default=300.0, kw_only=True)
+    _tasks: set[asyncio.Task[None]] = attrs.field(init=False, factory=set)
+    _ended: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(_ENDS, 0))
+    _reporting: list[BaseException] = attrs.field(init=False, factory=list)
 
     @property
     def counts(self) -> EvalCounts:

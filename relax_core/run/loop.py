@@ -424,10 +424,8 @@ class _Report:
         samples = [*failed.samples, *failed.ahead]
         if self.dump_dir is not None:
             _dump(self.dump_dir, f"failed-{n}.jsonl", samples)
-        blocked: dict[str, str] = {}
         try:
-            status = await self.ports.coordinator.describe()
-            blocked = dict(status.blocked)
+            blocked: dict[str, str] = dict((await self.ports.coordinator.describe()).blocked)
         except Exception as err:  # the coordinator itself may be what failed
             blocked = {"?": f"the coordinator could not be asked: {err}"}
         if stopped:

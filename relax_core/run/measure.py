@@ -141,16 +141,16 @@ def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
     )
 
 
+@attrs.define
 class SwitchProbe:
     """Reads the memory reports of a role's engine heads around each switch.
 
     :param heads: ``heads(role)`` → the base URLs of the role's engine heads (awaitable).
     """
 
-    def __init__(self, heads: Callable[[str], Awaitable[list[str]]], *, timeout: float = 30.0):
-        self.heads = heads
-        self.timeout = timeout
-        self.switches: list[Switch] = []
+    heads: Callable[[str], Awaitable[list[str]]]
+    timeout: float = attrs.field(default=30.0, kw_only=True)
+    switches: list[Switch] = attrs.field(init=False, factory=list)
 
     async def _info(self, role: str) -> dict[str, dict[str, Any]]:
         """Each head's ``/server_info``, by its URL (in the role's order)."""
