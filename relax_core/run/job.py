@@ -6,6 +6,7 @@ the coordinator and the batch sink, and tears them all down (``docs/run.md``).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -464,16 +465,13 @@ class RunJob:
         what could not be confirmed (empty: nothing left). Idempotent; never raises for one
         part's failure (each is tried).
         """
+        import ray
+
         first = []
         if self.trainer is not None:
-            trainer = self.trainer
-
-            def kill_trainer() -> None:
-                import ray
-
-                ray.kill(trainer, no_restart=True)
-
-            first.append(Stop("trainer", kill_trainer))
+            first.append(
+                Stop("trainer", functools.partial(ray.kill, self.trainer, no_restart=True))
+            )
         if self.coordinator is not None:
             first.append(Stop("coordinator", self.coordinator.stop))
         if self.sink is not None:
