@@ -253,9 +253,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.resume if args.resume is not None else args.run_dir
     if run_dir is None and settings.trackers:
         run_dir = os.path.join("relax-runs", name)
-    checkpoint_dir = None
-    if run_dir is not None and settings.checkpoint_every > 0:
-        checkpoint_dir = run_dir
+    checkpoint_dir = run_dir if settings.checkpoint_every > 0 else None
     if resume is not None:
         problems += _resume_problems(resume, settings, config, pm, args)
     elif run_dir is not None and os.path.isdir(run_dir) and os.listdir(run_dir):
