@@ -274,8 +274,7 @@ class Checkpointer:
         failed_steps: Sequence[int] = (),
         weight_version: str | None = None,
     ) -> Checkpoint:
-        """A checkpoint whose first unfinished step is ``step`` (the steps before it trained
-        or, ``failed_steps`` and skipped ones, gone past), the trainer's weights version
+        """A checkpoint whose first unfinished step is ``step``, the trainer's weights version
         ``weight_version`` (``None``: ``step``); blocks until it is on disk.
 
         :raises CheckpointError: a file could not be written, or the trainer's ``save``

@@ -140,12 +140,11 @@ def start_trainer(
     num_gpus: float = 0.0,
     timeout: float = 300.0,
 ) -> Any:
-    """Start the trainer ``trainer`` names (:func:`load_trainer_class`) in a Ray actor built
-    from ``context`` (on ``placement_group``: ``num_gpus`` of bundle ``bundle_index``); its
-    handle once it is constructed. Blocks.
+    """Start the trainer ``trainer`` names in a Ray actor built from ``context`` (on
+    ``placement_group``: ``num_gpus`` of bundle ``bundle_index``); its handle once it is
+    constructed. Blocks.
 
-    :raises ConfigError: see :func:`load_trainer_class`; a bad ``push_format`` or
-        ``push_bucket_bytes``.
+    :raises ConfigError: as :func:`load_trainer_class`; a bad ``push_format`` or bucket size.
     :raises LifecycleError: the actor failed to construct (its error quoted).
     """
     import ray

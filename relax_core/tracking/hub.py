@@ -70,12 +70,9 @@ def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list
 
 
 class Trackers:
-    """The open trackers of a run (see the module docstring).
-
-    :param opened: ``(name, tracker)`` pairs, in the order they hear each call.
-    :param say: where a failure is reported (one line).
-    :param strict: a failure is raised from the next call instead of only reported.
-    """
+    """The open trackers of a run (see the module docstring): ``opened`` as ``(name,
+    tracker)`` pairs in the order they hear each call; ``say`` gets each failure's line;
+    ``strict``: a failure is raised from the next call too."""
 
     def __init__(
         self,
@@ -111,9 +108,8 @@ class Trackers:
         resume_step: int | None = None,
         resume_ids: Mapping[str, str | None] | None = None,
     ) -> Trackers:
-        """Open every tracker of ``entries`` (checked by :func:`tracker_problems`), in order;
-        one whose ``open`` raises is reported and left out. ``resume_step`` / ``resume_ids``
-        (name -> run id): ``relax run --resume`` (:class:`~relax_core.TrackerContext`).
+        """Open every tracker of ``entries`` in order; one whose ``open`` raises is reported
+        and left out. ``resume_step`` / ``resume_ids`` (name -> run id): ``--resume``'s.
 
         :raises TrackerError: with ``strict``, the first that failed to open (the others closed).
         """
