@@ -253,9 +253,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.resume if args.resume is not None else args.run_dir
     if run_dir is None and settings.trackers:
         run_dir = os.path.join("relax-runs", name)
-    checkpoint_dir = None
-    if run_dir is not None and settings.checkpoint_every > 0:
-        checkpoint_dir = run_dir
+    checkpoint_dir = run_dir if settings.checkpoint_every > 0 else None
     if resume is not None:
         problems += _resume_problems(resume, settings, config, pm, args)
     elif run_dir is not None and os.path.isdir(run_dir) and os.listdir(run_dir):
@@ -350,12 +348,8 @@ def run(args: argparse.Namespace) -> int:
                     )
                 )  # fmt: skip
                 if summary.interrupted:  # the loop stopped its step in flight cleanly
-                    signals.hold()
-                    printer.say("relax run: interrupted; shutting down …")
                     status = 130
             except KeyboardInterrupt:
-                signals.hold()
-                printer.say("relax run: interrupted; shutting down …")
                 status = 130
             except Exception as exc:  # a bug (of Relax or a plugin) too: said, never a traceback
                 signals.hold()
@@ -367,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"relax run: {said}", file=sys.stderr, flush=True)
             finally:
                 signals.hold()
+                if status == 130:
+                    printer.say("relax run: interrupted; shutting down …")
                 error = _close_trackers(trackers, summary)
                 if error is not None:
                     print(f"relax run: {error}", file=sys.stderr, flush=True)

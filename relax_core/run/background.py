@@ -1,10 +1,6 @@
-"""Background evaluation: a stage's work for step ``N`` run beside the steps that follow, off
-the step's critical path (``background = true`` on an ``eval`` stage's table).
-
-In step ``N``'s batch the stage only starts its work (:class:`BackgroundEvals` hands the batch a
-stand-in); the work runs in a task without any lease, so a background stage is refused where
-the generation role or its scorer's role takes turns on shared GPUs. Each evaluation ends as an
-:class:`EvalResult` (never failing a step); ``docs/run.md`` says what a run reports of them.
+"""Background evaluation (``background = true`` on an ``eval`` stage): in step ``N``'s batch
+the stage only starts its work, which runs beside the steps that follow without any lease and
+ends as an :class:`EvalResult`, never failing a step (``docs/run.md``).
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ __all__ = [
 ]
 
 #: What a background evaluation ended as.
-DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
+_ENDS = DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 
 
 @runtime_checkable
@@ -148,16 +144,16 @@ class _Launch:
         return StageReport(self.name, {"background": 1})
 
 
+@attrs.define
 class _OffPath:
     """What a background stage may do (:class:`~relax_core.coordination.stages.BatchControl`):
     generate and run a stage, with no lease; not add or drop (its batch committed)."""
 
-    def __init__(self, step: int, stage: str, producer: Producer, clients: RoleClients) -> None:
-        self.step = step
-        self.stage = stage
-        self.producer = producer
-        self.clients = clients
-        self.samples: list[Sample] = []
+    step: int
+    stage: str
+    producer: Producer
+    clients: RoleClients
+    samples: list[Sample] = attrs.field(init=False, factory=list)
 
     @property
     def upstream(self) -> tuple[Stage, ...]:
@@ -197,6 +193,7 @@ class _OffPath:
         return tuple(seen)
 
 
+@attrs.define(eq=False)
 class BackgroundEvals:
     """The background evaluations of one run.
 
@@ -204,17 +201,11 @@ class BackgroundEvals:
     :param deadline: seconds :meth:`settle` waits for those pending before it cancels them.
     """
 
-    def __init__(
-        self,
-        *,
-        on_result: Callable[[EvalResult], None] | None = None,
-        deadline: float = 300.0,
-    ) -> None:
-        self.on_result = on_result
-        self.deadline = deadline
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._ended = dict.fromkeys((DONE, FAILED, CANCELLED), 0)
-        self._reporting: list[BaseException] = []
+    on_result: Callable[[EvalResult], None] | None = attrs.field(default=None, kw_only=True)
+    deadline: float = attrs.field(default=300.0, kw_only=True)
+    _tasks: set[asyncio.Task[None]] = attrs.field(init=False, factory=set)
+    _ended: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(_ENDS, 0))
+    _reporting: list[BaseException] = attrs.field(init=False, factory=list)
 
     @property
     def counts(self) -> EvalCounts:

@@ -1,24 +1,9 @@
 """Checkpoints of ``relax run``, and what ``relax run --resume RUN_DIR`` continues from.
 
-Every ``[run] checkpoint_every`` steps, and after the last, a run that has a directory keeps
-in it what a resume needs (:class:`Checkpoint`): the first step not finished (a step is finished
-once trained, or failed or skipped and gone past), the failed steps gone past (a resumed run
-counts them against ``max_failed_steps``), the prompt source's position before that step (its
-``cursor``: prompts taken; a source hands them out in a fixed order, so replaying them restores
-its generator's state too), the weight version the trainer's weights are pushed as, the
-trainer's own state (its ``save``, in ``checkpoints/step-N/trainer``), each tracker's run id,
-and the job's settings a resume must keep (:func:`job_settings`). Each request's sampling
-seed is derived from the run's seed, the step and the prompt's index, so it needs no state of
-its own.
-
-The layout, and why a kill at any moment leaves the last checkpoint whole::
-
-    RUN_DIR/checkpoint.json          the latest checkpoint: written to a temp file, then renamed
-    RUN_DIR/checkpoints/step-N/      the state it names: written as step-N.tmp, then renamed
-
-``step-N`` is complete before ``checkpoint.json`` names it, ``checkpoint.json`` is replaced in
-one rename, and the previous ``step-M`` is removed only after that; a ``*.tmp`` left by a kill
-is never read (the next checkpoint removes it).
+Every ``[run] checkpoint_every`` steps, and after the last, a run with a directory keeps what a
+resume needs (:class:`Checkpoint`) in ``RUN_DIR/checkpoint.json`` and the state it names in
+``RUN_DIR/checkpoints/step-N/``; each is written under a temporary name and renamed, so a kill
+at any moment leaves the last checkpoint whole (``docs/run.md``, "Checkpoints and resume").
 """
 
 from __future__ import annotations
@@ -81,18 +66,8 @@ def _steps(steps: Iterable[int]) -> tuple[int, ...]:
 
 @attrs.frozen
 class Checkpoint:
-    """What a resume needs (see the module docstring).
-
-    ``step``: the first step not finished (the resume's first step; every step before it was
-    trained, or failed or skipped and gone past); ``steps``: the steps the run was asked for;
-    ``cursor``: prompts taken from the source before ``step``; ``failed_steps``: the failed
-    steps the run went past (they count against ``max_failed_steps`` after a resume too);
-    ``weight_version``: the version the trainer's weights are pushed as when the run resumes;
-    ``trainer_dir``: the trainer's state, relative to the run's directory; ``trainer``: what
-    its ``save`` returned; ``trackers``: tracker name -> its run id; ``job``: the job's name;
-    ``job_file``: the job file; ``settings``: :func:`job_settings` of the run; ``written``:
-    when (seconds since the epoch).
-    """
+    """What a resume needs (each key: ``docs/run.md``, "Checkpoints and resume"): ``step``
+    is the first step not finished, ``cursor`` the prompts taken from the source before it."""
 
     step: int
     steps: int
@@ -252,21 +227,16 @@ class CursorProducer(StepProducer):
         super().__init__(generator, cursor)
         self.cursor = cursor
 
-    async def first(
-        self,
-        batch_id: int,
-        collector: DeferredCollector,
-        *,
-        on_group: Callable[[int], None] | None = None,
-    ) -> None:
+    async def first(self, batch_id: int, collector: DeferredCollector, **kw: Any) -> None:
+        """:meth:`StepProducer.first`, once the cursor marked the step's start."""
         self.cursor.mark(batch_id)
-        await super().first(batch_id, collector, on_group=on_group)
+        await super().first(batch_id, collector, **kw)
 
 
+@attrs.define(eq=False)
 class Checkpointer:
-    """Writes the run's checkpoints (see the module docstring): :meth:`after` is awaited once
-    step ``n`` trained (the trainer idle), and writes one every ``every`` steps and after the
-    last of ``steps``.
+    """Writes the run's checkpoints in ``run_dir``: one every ``every`` steps and after the
+    last of ``steps``, once the trainer is idle.
 
     :param trainer: what the run calls the trainer through (``save(directory) -> dict``).
     :param cursor: the run's :class:`Cursor`.
@@ -274,36 +244,18 @@ class Checkpointer:
     :param say: where a written checkpoint is told (one line).
     """
 
-    def __init__(
-        self,
-        run_dir: str,
-        *,
-        every: int,
-        steps: int,
-        trainer: Any,
-        cursor: Cursor,
-        job: str,
-        job_file: str | None,
-        settings: Mapping[str, Any],
-        run_ids: Callable[[], Mapping[str, str | None]] = dict,
-        say: Callable[[str], None] | None = None,
-    ) -> None:
-        self.run_dir = run_dir
-        self.every = every
-        self.steps = steps
-        self.trainer = trainer
-        self.cursor = cursor
-        self.job = job
-        self.job_file = job_file
-        self.settings = dict(settings)
-        self.run_ids = run_ids
-        self.say = say
-        #: the checkpoints written, latest last
-        self.written: list[Checkpoint] = []
-
-    async def after(self, step: int) -> None:
-        """Step ``step`` trained, and no step was gone past: a checkpoint if one is due."""
-        await self.finished(Finished(step, True, (), str(step + 1)))
+    run_dir: str
+    every: int = attrs.field(kw_only=True)
+    steps: int = attrs.field(kw_only=True)
+    trainer: Any = attrs.field(kw_only=True)
+    cursor: Cursor = attrs.field(kw_only=True)
+    job: str = attrs.field(kw_only=True)
+    job_file: str | None = attrs.field(kw_only=True)
+    settings: dict[str, Any] = attrs.field(kw_only=True, converter=dict)
+    run_ids: Callable[[], Mapping[str, str | None]] = attrs.field(default=dict, kw_only=True)
+    say: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
+    #: the checkpoints written, latest last
+    written: list[Checkpoint] = attrs.field(init=False, factory=list)
 
     async def finished(self, finished: Finished) -> None:
         """Step ``finished.step`` is over (trained, or failed or skipped and gone past), every
@@ -322,8 +274,7 @@ class Checkpointer:
         failed_steps: Sequence[int] = (),
         weight_version: str | None = None,
     ) -> Checkpoint:
-        """A checkpoint whose first unfinished step is ``step`` (the steps before it trained
-        or, ``failed_steps`` and skipped ones, gone past), the trainer's weights version
+        """A checkpoint whose first unfinished step is ``step``, the trainer's weights version
         ``weight_version`` (``None``: ``step``); blocks until it is on disk.
 
         :raises CheckpointError: a file could not be written, or the trainer's ``save``

@@ -1,12 +1,7 @@
 """The ``[run]`` table of a job file: what ``relax run`` does each step (``docs/run.md`` lists
-every key).
-
-Parsed with the job file's own rules (:class:`~relax_core.config.ConfigReader`: every problem
-reported at once with its key path). A step's stages are ``[[run.stages]]`` tables, of which
-only the common keys are read here (the rest by the stage kind's builder,
-:mod:`relax_core.run.stages`); without them the shorthand keys (``rewards``, ``teacher_role``…)
-make the default stages. The table is checked against the whole job by
-:func:`relax_core.run.job.run_problems`.
+every key). Of ``[[run.stages]]`` only the common keys are read here (the rest by the stage
+kind's builder); without them the shorthand keys (``rewards``, ``teacher_role``…) make the
+default stages. :func:`relax_core.run.job.run_problems` checks the table against the job.
 """
 
 from __future__ import annotations
@@ -109,13 +104,9 @@ class GenerationTable:
 
 @attrs.frozen
 class RunConfig:
-    """What each step of ``relax run`` does (the ``[run]`` table; each key in ``docs/run.md``).
-
-    ``dataset`` is resolved against ``base`` (the job file's directory) when opened;
-    ``trainer_options`` is the trainer's options record read from the table's other keys
-    (``None`` when it has none); ``partial_rollout`` is accepted only so the defer preflight
-    can say why it is refused.
-    """
+    """What each step of ``relax run`` does (the ``[run]`` table; each key in ``docs/run.md``);
+    ``dataset`` is relative to ``base`` (the job file's directory); ``trainer_options``: the
+    trainer's options record (``None``: it has none)."""
 
     steps: int = 3
     dataset: str = "arithmetic"
@@ -178,8 +169,6 @@ def _device(v: Any) -> str | None:
 
 
 def _trainer(v: Any) -> str | None:
-    """A registered trainer's name (whether one is registered is checked against the plugins,
-    by ``run_problems``) or a ``package.module:ClassName`` path."""
     module, colon, name = v.partition(":")
     if not colon and NAME_PATTERN.match(v):
         return None
@@ -307,8 +296,7 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
 def _trainer_spec(
     r: ConfigReader, table: Mapping[str, Any], pm: PluginManager | None
 ) -> TrainerSpec | None:
-    """The registered trainer the table names, else the one (or the ``default`` one)
-    registered; ``None`` for a class path or an unregistered name."""
+    """The registered trainer the table names, else the one (or the ``default`` one)."""
     if pm is None:
         from relax_core.plugins import get_plugin_manager
 

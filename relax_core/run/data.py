@@ -1,10 +1,6 @@
 """Where ``relax run`` takes each step's prompts from: prompt sources, registered through the
-``relax_register_data_sources`` hook (:class:`~relax_core.records.DataSourceSpec`).
-
-``[run] dataset`` names a registered source, or a file whose suffix a source claims
-(:func:`find_source`). The core registers two deterministic sources: ``arithmetic``
-(:class:`ArithmeticSource`) and ``.jsonl`` files (:class:`JsonlSource`; ``docs/run.md`` has
-the line format). A source hands out :class:`Prompt` records, ``take(n)`` at a time.
+``relax_register_data_sources`` hook; ``[run] dataset`` names one, or a file whose suffix one
+claims (:func:`find_source`). The core registers ``arithmetic`` and ``.jsonl`` files.
 """
 
 from __future__ import annotations

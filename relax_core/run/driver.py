@@ -1,54 +1,17 @@
-"""THE step driver of ``relax run``: every step of a run, sync or async, goes through here.
+"""The step driver of ``relax run``: every step of a run, sync or async, goes through here.
 
-A step is: open the batch, onload rollout, push the last weights, generate, run the stages,
-commit, train. Three lanes run them, each in step order; a synchronous run (``[run] mode =
-"sync"``) is the case ``max_staleness = 0`` without streaming scoring, where each lane waits
-for the one before it and the step's phases run one after the other:
-
-- **generation**: step ``M`` is generated as soon as rollout serves weights at most
-  ``max_staleness`` (``k``) versions older than those the trainer will train batch ``M`` with
-  (the trainer's version at batch ``M`` is ``M``: it took ``M`` optimizer steps; the weights
-  rollout started with are version 0, those pushed after batch ``N`` trained version ``N+1``;
-  ``k = 0``: step ``M`` waits for the push of the weights trained on batch ``M-1``).
-  Each group goes through the **staleness gate** as it completes: a group whose oldest weight
-  version is more than ``k`` versions behind ``M`` (or a version the trainer never pushed) is
-  never trained on — it is dropped with its reason and, with ``stale_action =
-  "regenerate"``, another group generated in its place (at most ``prompts_per_step`` per
-  step). A group that passes is staged and, with streaming scoring, scored at once
-  (:mod:`relax_core.run.streaming`). Generation then goes on with step ``M+1``.
-- **commit**: for step ``N``, once its generation is done and its streamed scoring finished,
-  ``begin_batch(N)`` and the :class:`~relax_core.coordination.DeferredBatch` (the remaining
-  stages, validation, write-back, the sink put, the commit): the commit gate.
-- **training**: ``train(N)`` once ``N`` is committed (the trainer still waits on the gate
-  itself), then ``push`` of version ``N+1`` to rollout — generation of ``N+1+k`` waits for it.
-
-**Taking turns** (``switching``: the generation role is not free in the residency plan — a
-defer layout, where it shares its GPUs with the deferred roles and sleeps while they score):
-generation of step ``M`` waits until step ``M-1`` committed (its deferred stages held the
-GPUs), then opens batch ``M`` itself (``begin_batch``), onloads rollout and generates; the
-commit lane then runs the batch (rollout offloaded first). ``train(N)`` and its push run
-meanwhile: a push goes only while rollout is onloaded (it waits for the next step's onload
-otherwise, and is skipped when no step will onload rollout again: the run's final push gives
-it the last weights), and the commit lane never offloads rollout while a push is in flight.
-
-A failure ends the run in step order (:class:`_StepFailure`, the one failure of a step): the
-lane that failed at step ``N`` stops; the commit lane fails batch ``N`` at the coordinator
-(where the generation lane opened it, rollout is released first, its requests in flight
-aborted), batches before ``N`` that committed are still trained, and the lanes ahead (the
-generation of later steps) are cancelled — their samples were never begun at the coordinator.
-Cancelling :meth:`StepDriver.run` (Ctrl-C) cancels every lane the same way (the batch in
-flight fails as ``interrupted``).
-
-Per step the driver reports (:class:`StepOutcome` ``.metrics``): the staleness histogram of the
-samples trained on, the groups dropped and regenerated for staleness, the partial samples
-(responses that span a weight push) and their largest version span, and each role's idle
-ratio over the step's window (the time since the previous step was trained).
+Three lanes (generation behind the staleness gate, commit, training and push) run the steps,
+each in step order; a sync run is ``max_staleness = 0`` without streaming scoring, and with
+``switching`` the generation role takes turns with the deferred roles on its GPUs. A failure
+ends the run in step order (:class:`_StepFailure`). ``docs/run.md`` ("Asynchronous steps")
+describes the lanes, the gate, the per-step metrics and the failures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -56,24 +19,24 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from relax_core._tasks import gather_all
-from relax_core.coordination.batch import (
+from relax_core.coordination import (
     BatchResult,
+    BatchSink,
     DeferredBatch,
     DeferredCollector,
     Dropped,
+    ManagerHandle,
     Producer,
+    RoleClients,
+    Sample,
+    Stage,
+    Timeline,
     abort_generation,
-    describe_failure,
-    interrupted,
-    onload_generation,
+    stage_fields,
 )
+from relax_core.coordination.batch import describe_failure, interrupted, onload_generation
 from relax_core.coordination.coordinator import Coordinator
-from relax_core.coordination.handles import ManagerHandle
 from relax_core.coordination.retries import Regeneration, retryable
-from relax_core.coordination.sample import Sample
-from relax_core.coordination.sink import BatchSink
-from relax_core.coordination.stages import RoleClients, Stage, stage_fields
-from relax_core.coordination.timeline import Timeline
 from relax_core.errors import BatchFailedError, EmptyBatchError, LifecycleError
 from relax_core.run.background import BackgroundEvals
 from relax_core.run.streaming import StreamScorer, streaming_prefix
@@ -125,8 +88,7 @@ class _RegeneratesGroups(Protocol):
 
 @attrs.frozen
 class DriverSettings:
-    """The ``[run]`` keys the driver reads (see :class:`~relax_core.run.config.RunConfig`);
-    :meth:`of` reads them (a sync run: ``max_staleness = 0``, no streaming)."""
+    """The ``[run]`` keys the driver reads (:class:`~relax_core.run.config.RunConfig`)."""
 
     steps: int
     prompts_per_step: int
@@ -135,30 +97,20 @@ class DriverSettings:
     stream_scoring: bool = True
     stream_concurrency: int = 8
     release_timeout: float = 180.0
-    #: the first step to run (``relax run --resume``: the first unfinished one; the weights
-    #: rollout starts with are that step's, version index ``first_step``)
+    #: the first step to run (``--resume``: the first unfinished one, rollout's version index)
     first_step: int = 0
-    #: failed steps the run goes past (each reported, nothing of it committed); one more ends
-    #: the run (0: the first does)
     max_failed_steps: int = 0
-    #: the failed steps gone past before ``first_step`` (a resumed run's: they count against
-    #: ``max_failed_steps``)
+    #: a resumed run's failed steps gone past before ``first_step``
     failed_before: tuple[int, ...] = ()
-    #: a batch whose stages dropped every group: ``skip`` the step (go on, not counted as a
-    #: failure) or ``fail`` it
     on_empty_batch: str = "fail"
-    #: times a group whose generation failed for a transport reason or a 5xx is regenerated
-    #: as a new group of its prompt, after rollout's dead replicas were rebuilt (0: never)
     generation_retries: int = 0
 
     @classmethod
     def of(
         cls, run: Any, steps: int, first_step: int = 0, failed_before: Sequence[int] = ()
     ) -> DriverSettings:
-        """The settings of ``run`` (a :class:`~relax_core.run.config.RunConfig`) for steps
-        ``first_step`` to ``steps - 1`` (``failed_before``: the failed steps a resumed run
-        went past already): ``mode = "sync"`` is ``max_staleness = 0`` without streaming
-        scoring."""
+        """The settings of ``run`` for steps ``first_step`` to ``steps - 1`` (``failed_before``:
+        a resumed run's failed steps); ``mode = "sync"``: ``max_staleness = 0``, no streaming."""
         sync = run.mode != "async"
         return cls(
             steps=steps,
@@ -177,8 +129,8 @@ class DriverSettings:
 
 
 class VersionClock:
-    """Weight versions as step indexes: the version rollout started with is 0, the one pushed
-    after batch ``N`` trained is ``N+1``; generation waits here for the version it needs."""
+    """Weight versions as step indexes (rollout starts at 0, the push after batch ``N`` is
+    ``N+1``); generation waits here for the version it needs."""
 
     def __init__(self, initial: str | None, start: int = 0) -> None:
         self._index: dict[str | None, int] = {initial: start}
@@ -223,11 +175,9 @@ class VersionClock:
 
 @attrs.frozen
 class Finished:
-    """Step ``step`` is over, every step before it too (the training lane's order; the trainer
-    is idle): ``trained`` (committed and trained) or gone past (failed or skipped, nothing
-    trained); ``failed_steps``: every failed step the run went past so far (a resumed run's
-    earlier ones too); ``weight_version``: the version of the trainer's weights now (those
-    pushed to rollout next)."""
+    """Step ``step`` is over, every step before it too (the trainer is idle): ``trained``, or
+    gone past; ``failed_steps``: every failed step gone past so far (a resumed run's too);
+    ``weight_version``: the trainer's weights now."""
 
     step: int
     trained: bool
@@ -239,8 +189,7 @@ class Finished:
 class StepOutcome:
     """A committed and trained step: its batch and result, what the trainer returned, the push
     before it (``None`` for step 0), when its generation began (``perf_counter``), its
-    ``seconds`` (since the previous step was trained: the pipeline's period) and its
-    ``metrics`` (staleness, drops, partial samples, idle ratios)."""
+    ``seconds`` (since the previous step was trained) and its ``metrics``."""
 
     step: int
     batch: DeferredBatch
@@ -254,9 +203,8 @@ class StepOutcome:
 
 class _StepFailure(Exception):
     """Step ``step`` failed or was interrupted (``error``); nothing of it was committed.
-    ``samples``: every sample it generated (kept and dropped); ``batch``: its
-    :class:`~relax_core.coordination.DeferredBatch` once it began; ``trainer``: what the
-    trainer did about it (``"not asked"``: the driver asks it only for a committed batch)."""
+    ``samples``: every sample it generated; ``batch``: its batch once it began; ``trainer``:
+    what the trainer did about it."""
 
     def __init__(
         self,
@@ -317,33 +265,23 @@ class _Gate(DeferredCollector):
 class StepDriver:
     """Runs ``settings.steps`` steps with bounded staleness (see the module docstring).
 
-    :param coordinator: the job's coordinator (the commit gate).
-    :param rollout: the generation role's manager handle (free: never offloaded by a batch).
-    :param stages: the step's stages, in order.
-    :param sink: the batch sink.
-    :param clients: each role's discovery source (stages call engines through it).
-    :param producer: a new step producer (one per step: the steps' group indexes are their own).
-    :param trainer: the :class:`TrainerPort`.
-    :param generation_role: the role that generates.
-    :param deferred_roles: the roles a defer layout leases (their stages never stream).
-    :param initial_version: the weight version rollout serves at the start (version 0).
-    :param switching: the generation role takes turns with the deferred roles on its GPUs (a
-        defer layout): only training overlaps (see the module docstring).
-    :param timeline: where every phase goes (lanes ``generate``, each stage's, ``trainer``,
-        ``push``).
-    :param finalizer: the batch finalizer (``--dump-samples``).
+    ``coordinator`` is the commit gate; ``rollout`` the generation role's manager handle;
+    ``producer()`` a new step producer per step; ``deferred_roles`` the roles a defer layout
+    leases (their stages never stream); ``initial_version`` the weights rollout serves first;
+    ``switching``: the generation role takes turns on its GPUs (only training overlaps);
+    ``timeline`` gets every phase; ``finalizer`` every batch (``--dump-samples``).
+
     :param on_step: called with each :class:`StepOutcome` as soon as the step trained.
     :param on_trained: awaited with the step's index after ``on_step``, before the push of its
         weights and the next ``train`` (the trainer is idle: a checkpoint).
     :param on_progress: ``on_progress(step, groups_done)`` as groups complete.
-    :param background: runs the stages with ``background = true`` beside the steps
-        (:mod:`~relax_core.run.background`); settled when the steps end (cancelled on Ctrl-C).
-    :raises ConfigError: a background stage where its work would need a lease.
-    :param on_failed: awaited with each failed (or skipped) step the run goes on past
-        (``max_failed_steps``, ``on_empty_batch``); the one that ends the run is raised.
+    :param background: runs the stages with ``background = true`` beside the steps; settled
+        when the steps end (cancelled on Ctrl-C).
+    :param on_failed: awaited with each failed (or skipped) step the run goes on past; the one
+        that ends the run is raised.
     :param on_finished: awaited with a :class:`Finished` for each step in order as it is over
-        (after ``on_trained`` for a trained one; a step gone past once the steps before it
-        trained): a checkpoint.
+        (a checkpoint).
+    :raises ConfigError: a background stage where its work would need a lease.
     """
 
     def __init__(
@@ -427,9 +365,7 @@ class StepDriver:
         self.committing = settings.first_step
         #: the step the generation lane works on (rollout's switches are this step's)
         self.generating = settings.first_step
-        self._began = time.perf_counter()
-        self._last_end = self._began
-        self._last_end_us = time.time_ns() // 1000
+        self._last_end, self._last_end_us = time.perf_counter(), time.time_ns() // 1000
         #: lane -> when its phase in flight began (wall µs): generation, not recorded yet
         self._open: dict[str, int] = {}
 
@@ -484,9 +420,7 @@ class StepDriver:
         self._generated = {n: loop.create_future() for n in range(first, steps)}
         self._turn = {n: loop.create_future() for n in range(first, steps)}
         self._awake.set()  # rollout starts awake (the deferred roles were put to sleep)
-        self._began = time.perf_counter()
-        self._last_end = self._began
-        self._last_end_us = time.time_ns() // 1000
+        self._last_end, self._last_end_us = time.perf_counter(), time.time_ns() // 1000
         gen = asyncio.ensure_future(self._generation_lane())
         commit = asyncio.ensure_future(self._commit_lane())
         train = asyncio.ensure_future(self._training_lane())
@@ -518,9 +452,8 @@ class StepDriver:
                 raise error
 
     async def _ahead(self, failure: _StepFailure) -> list[Sample]:
-        """The samples of the failed step and those after it that were generated (or were
-        being generated) and are not in ``failure.samples``: never committed; their scoring
-        is stopped."""
+        """The samples of the failed step and later ones not in ``failure.samples`` (their
+        scoring stopped)."""
         known = {s.id for s in failure.samples}
         out: list[Sample] = []
         for n, fut in self._generated.items():
@@ -570,9 +503,8 @@ class StepDriver:
             self._generation_over.set()
 
     async def _take_turn(self, m: int) -> bool:
-        """Switching: once step ``m-1`` committed, open batch ``m`` (rollout's lease) and, from
-        step 1 on, onload rollout (it slept through the deferred stages). ``False``: step
-        ``m-1`` failed and the run ends there."""
+        """Switching: once step ``m-1`` committed, open batch ``m`` and onload rollout;
+        ``False``: step ``m-1`` failed and the run ends there."""
         first = self.settings.first_step
         if m > first and not await self._turn[m - 1]:
             return False
@@ -584,11 +516,8 @@ class StepDriver:
         return True
 
     async def _onload_healed(self, m: int) -> None:
-        """Switching: onload rollout for step ``m``; when the onload is not confirmed (a
-        replica died while it slept), its dead replicas are rebuilt through its own lease
-        engine (the run's :class:`~relax_core.coordination.retries.Recovery`, counted for step
-        ``m``), the onload sent once more and, where a replica was rebuilt, the trainer's
-        weights pushed again (a rebuilt engine starts from the model's files)."""
+        """Switching: onload rollout for step ``m``; an unconfirmed onload rebuilds its dead
+        replicas, onloads once more and pushes the trainer's weights to a rebuilt one."""
         gen, recovery = self.generation_role, self.clients.recovery
         timeout = self.settings.release_timeout
         try:
@@ -686,10 +615,9 @@ class StepDriver:
             self._committed.put_nowait(None)
 
     async def _go_on(self, failure: _StepFailure) -> bool:
-        """Whether the run goes on past the failed step (nothing of it committed): never after
-        an interruption or with a lease BLOCKED; an empty batch with ``on_empty_batch =
-        "skip"``; else while at most ``max_failed_steps`` steps failed. Going on, the
-        coordinator lets the next batch begin and the step is reported (``on_failed``)."""
+        """Whether the run goes on past the failed step (``max_failed_steps``,
+        ``on_empty_batch``; never after an interruption or with a lease BLOCKED); if so, the
+        coordinator lets the next batch begin and ``on_failed`` reports it."""
         s = self.settings
         if interrupted(failure.error):
             return False
@@ -770,10 +698,8 @@ class StepDriver:
         return generated, batch, result
 
     async def _fail(self, n: int, exc: BaseException, *, generation: bool = False) -> BaseException:
-        """Fail batch ``n`` at the coordinator; switching, where the generation lane opened it,
-        release rollout first (its requests in flight aborted). What the step's report says:
-        for a failed ``generation`` the batch's failure (naming the batch and the cause), else
-        ``exc`` (with a note of what failed on the way)."""
+        """Fail batch ``n`` at the coordinator (releasing rollout first where the generation
+        lane opened it); the error the step's report carries."""
         failed = generation and not interrupted(exc)
         if n in self._opened:
             async with self._rollout_lock:
@@ -799,32 +725,24 @@ class StepDriver:
         return BatchFailedError(n, reason) if failed else exc
 
     def _regeneration(self, m: int) -> Regeneration | None:
-        """How step ``m``'s producer regenerates a group whose generation failed (``None``:
-        ``generation_retries = 0``, or no recovery to count it)."""
+        """How step ``m``'s producer regenerates a failed group (``None``: it does not)."""
         recovery = self.clients.recovery
         if recovery is None or self.settings.generation_retries == 0:
             return None
-
-        async def heal() -> str | None:
-            return await self._heal_shared(m)
-
+        heal = functools.partial(self._heal_shared, m)
         return Regeneration(m, self.settings.generation_retries, recovery, heal)
 
     async def _heal_shared(self, index: int) -> str | None:
-        """:meth:`heal_rollout`, one at a time: a failure while one is in flight waits for it
-        (its regeneration must not reach a rebuilt replica before its weights do)."""
+        """:meth:`heal_rollout`, one at a time (a regeneration must not reach a rebuilt
+        replica before its weights do)."""
         healing = self._healing
         if healing is None or healing.done():
             healing = self._healing = asyncio.ensure_future(self.heal_rollout(index))
         return await asyncio.shield(healing)
 
     async def heal_rollout(self, index: int) -> str | None:
-        """Rollout's dead replicas rebuilt through its manager (the run's
-        :class:`~relax_core.coordination.retries.Recovery`, counted for step ``index``) and,
-        where one was, the trainer's weights now pushed to it again (a rebuilt engine starts
-        from the model's files; a push is idempotent per version). Switching, only during
-        rollout's turn (it is onloaded). A generation is never sent again: its group is
-        regenerated, or the step that follows generates on the rebuilt replica. Why the
+        """Rebuild rollout's dead replicas (counted for step ``index``) and push the trainer's
+        weights again where one was rebuilt (switching: only during rollout's turn); why the
         rebuild did not help, or ``None``."""
         recovery, gen = self.clients.recovery, self.generation_role
         if recovery is None:
@@ -844,16 +762,14 @@ class StepDriver:
         return why
 
     async def _push_now(self, version: str, index: int) -> dict[str, Any]:
-        """The trainer's push of ``version``, one at a time, as phase ``weight_push`` of step
-        ``index`` (switching: under the lock of rollout's turn, as every push then)."""
+        """The trainer's push of ``version``, one at a time, as phase ``weight_push``."""
         async with self._rollout_lock if self.switching else self._push_lock:
             with self.timeline.phase(index, "weight_push", lane="push"):
                 pushed: dict[str, Any] = await self.trainer.push(version)
                 return pushed
 
     async def _push_once_healed(self, version: str, index: int) -> dict[str, Any]:
-        """Not switching: the trainer's push of ``version``; when it fails (rollout's engine
-        died), rollout's dead replicas are rebuilt and the push is sent once more."""
+        """Not switching: the push; a failed one heals rollout and is sent once more."""
         try:
             return await self._push_now(version, index)
         except Exception as exc:
@@ -868,10 +784,8 @@ class StepDriver:
                 raise
 
     async def _push(self, version: str, index: int) -> dict[str, Any] | None:
-        """The trainer's push of ``version`` (phase ``weight_push`` of step ``index``);
-        switching, only while rollout is onloaded (and never while the commit lane offloads
-        it). ``None``: skipped, because rollout sleeps and no step will onload it again (the
-        run's final push gives it the last weights)."""
+        """The trainer's push of ``version``; switching, only while rollout is onloaded
+        (``None``: skipped, no step will onload it again)."""
         if not self.switching:
             return await self._push_once_healed(version, index)
         while True:
@@ -913,16 +827,11 @@ class StepDriver:
                     n, exc, batch.generated_samples(), batch, trainer=describe_failure(exc)
                 ) from exc
             end, end_us = time.perf_counter(), time.time_ns() // 1000
+            metrics = self._metrics(generated, batch, end_us)
             outcome = StepOutcome(
-                step=n,
-                batch=batch,
-                result=result,
-                trained=trained,
-                pushed_before=pushed_before,
-                began=generated.began,
-                seconds=end - self._last_end,
-                metrics=self._metrics(generated, batch, end_us),
-            )
+                n, batch, result, trained, pushed_before, generated.began, end - self._last_end,
+                metrics,
+            )  # fmt: skip
             self._last_end, self._last_end_us = end, end_us
             tl.counter("staleness", outcome.metrics["staleness"])
             tl.counter("stale groups", outcome.metrics["stale"])
@@ -995,8 +904,7 @@ class StepDriver:
 
 
 async def _regenerate(producer: StepProducerLike, m: int, count: int, gate: _Gate) -> None:
-    """``count`` groups in place of stale ones, one request each, every group through the
-    gate as it completes (a failure keeps the groups done before it: they are reported)."""
+    """``count`` groups in place of stale ones, each through the gate as it completes."""
 
     async def one() -> None:
         for group in await producer.generate(m, groups=1):

@@ -29,13 +29,7 @@ def engine_feature_problems(
         return []
     first = models[0]
     config = RolloutShapeConfig(
-        options=dict(table.options),
-        path=table.path,
-        run=run,
-        pm=pm,
-        model=first.name,
-        model_path=first.model_path,
-        model_where=first.path,
+        dict(table.options), table.path, run, pm, first.name, first.model_path, first.path
     )
     try:
         needs = dict(spec.needs(config))

@@ -1,25 +1,9 @@
 """The producer of ``relax run``: each step's prompts become groups of samples, generated through
-the rollout role's route by the run's rollout shape (:mod:`~relax_core.run.rollout`).
-
-The default shape, ``single-turn`` (:class:`SingleTurn`), sends one ``/generate`` request per
-prompt asks for ``samples_per_prompt`` samples (SGLang's ``n``:
-the engine prefills the prompt once), with the rollout's own log-probs of every sampled token;
-it goes through the role's route (``SGLANG_ROUTER``: the model's router; ``DIRECT``: a
-replica head) with the group id as affinity key. Each answer becomes a
-:class:`~relax_core.coordination.Sample` (prompt and response ids and text, the rollout
-log-probs, the label and metadata of its prompt, the weight version that generated it), and
-each completed group goes to the step's :class:`~relax_core.coordination.DeferredCollector`.
-
-:class:`StepProducer` is what a step generates with: the step's first groups (its
-``prompts_per_step`` prompts from the data source), and more on a stage's request while the
-batch is in flight (a filter filling the batch up, an evaluation's held-out prompts), every
-group of a step with an index of its own (``b{step}-p{index}``). A group whose generation failed
-for a transport reason or a 5xx is regenerated, when the step driver asks for it
-(:meth:`StepProducer.regenerate_failed`), as a new group of the same prompt with the next index:
-its failed request is never sent again.
-
-Prompts are tokenized here with the generation model's ``tokenizer.json`` (the ``tokenizers``
-library, which comes with the ``hf`` engine), so the samples carry the exact ids the engine saw.
+the rollout role's route by the run's rollout shape (:mod:`~relax_core.run.rollout`), and the
+default shape, ``single-turn`` (:class:`SingleTurn`). :class:`StepProducer` generates a step's
+first groups and more on a stage's request, every group with an index of its own
+(``b{step}-p{index}``); prompts are tokenized with the generation model's ``tokenizer.json``,
+so the samples carry the exact ids the engine saw.
 """
 
 from __future__ import annotations
@@ -82,32 +66,18 @@ class PromptTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
 
 
+@attrs.define
 class SingleTurn:
     """The ``single-turn`` shape: one ``/generate`` request per group asking for its
-    ``samples`` completions of the prompt (SGLang's ``n``), each a :class:`Sample` with the
-    rollout's own log-probs.
+    ``samples`` completions (SGLang's ``n``) with the rollout's own log-probs; ``model``: the
+    generation model's name, its tokenizer loaded from ``model_path`` on first use unless
+    given."""
 
-    :param tokenizer: the generation model's :class:`PromptTokenizer` (``None``: loaded from
-        ``model_path`` on first use).
-    :param model: the generation model's name; ``model_path`` / ``model_where``: its directory
-        and key path.
-    :param settings: the ``[run]`` table: ``max_new_tokens`` and ``request_timeout`` are read.
-    """
-
-    def __init__(
-        self,
-        model: str,
-        settings: RunConfig,
-        *,
-        tokenizer: PromptTokenizer | None = None,
-        model_path: str = "",
-        model_where: str = "",
-    ) -> None:
-        self.model = model
-        self.settings = settings
-        self._tokenizer = tokenizer
-        self.model_path = model_path
-        self.model_where = model_where
+    model: str
+    settings: RunConfig
+    _tokenizer: PromptTokenizer | None = attrs.field(default=None, kw_only=True)
+    model_path: str = attrs.field(default="", kw_only=True)
+    model_where: str = attrs.field(default="", kw_only=True)
 
     @property
     def tokenizer(self) -> PromptTokenizer:
@@ -178,17 +148,9 @@ def build_single_turn(config: RolloutShapeConfig) -> SingleTurn:
 
 @attrs.define
 class Generator:
-    """Generates one step's groups through the rollout route, with the run's rollout shape.
-
-    :param client: the rollout role's :class:`~relax_core.client.client.InferenceClient`.
-    :param tokenizer: the generation model's :class:`PromptTokenizer`.
-    :param model: the generation model's name (requests name it; the route resolves it).
-    :param settings: the ``[run]`` table: ``samples_per_prompt``, ``max_new_tokens``,
-        ``temperature``, ``seed`` and ``request_timeout`` are read.
-    :param concurrency: groups in flight at once.
-    :param shape: the run's :class:`~relax_core.run.rollout.RolloutShape` (``None``:
-        :class:`SingleTurn`).
-    """
+    """Generates one step's groups through the rollout role's ``client`` with the run's
+    rollout ``shape`` (``None``: :class:`SingleTurn` of the generation ``model`` and its
+    ``tokenizer``), ``concurrency`` groups at a time; ``settings``: the ``[run]`` table."""
 
     client: InferenceClient
     tokenizer: PromptTokenizer
@@ -203,40 +165,6 @@ class Generator:
         if self.shape is None:
             self.shape = SingleTurn(self.model, self.settings, tokenizer=self.tokenizer)
 
-    async def generate(
-        self,
-        batch_id: int,
-        prompts: Sequence[Prompt],
-        collector: DeferredCollector,
-        *,
-        on_group: Callable[[int], None] | None = None,
-        first_index: int = 0,
-        regeneration: Regeneration | None = None,
-        again: Callable[[], int] | None = None,
-    ) -> None:
-        """Generate every prompt's group and add each to ``collector`` as it completes.
-
-        ``on_group(groups_done)`` is called after each group (progress). Group ``i`` of
-        ``prompts`` is ``b{batch_id}-p{first_index + i}``; with ``regeneration``, one whose
-        generation failed (its engine died) is regenerated as group ``b{batch_id}-p{again()}``
-        of the same prompt (:class:`~relax_core.coordination.retries.Regeneration`).
-
-        :raises UpstreamError: a request failed or its answer is not a sampled group (what the
-            engine answered is quoted); groups completed before it stay in ``collector``.
-        """
-        done = 0
-
-        def add(_index: int, group: list[Sample]) -> None:
-            nonlocal done
-            collector.add(group)
-            done += 1
-            if on_group is not None:
-                on_group(done)
-
-        await self._each(
-            batch_id, prompts, first_index, add, regeneration=regeneration, again=again
-        )
-
     async def groups(
         self,
         batch_id: int,
@@ -247,87 +175,48 @@ class Generator:
         temperature: float | None = None,
         regeneration: Regeneration | None = None,
         again: Callable[[], int] | None = None,
+        each: Callable[[list[Sample]], None] | None = None,
     ) -> list[list[Sample]]:
-        """Every prompt's group, in the order of ``prompts`` (``samples_per_prompt`` and
-        ``temperature`` override the run's; ``regeneration``: as :meth:`generate`).
+        """Every prompt's group, in the order of ``prompts``, ``each(group)`` called as each
+        completes. Group ``i`` is ``b{batch_id}-p{first_index + i}``; ``samples_per_prompt``
+        and ``temperature`` override the run's; with ``regeneration`` (and ``again``, the
+        step's next group index) a group whose generation failed is regenerated as a new group
+        of the same prompt (:class:`~relax_core.coordination.retries.Regeneration`).
 
-        :raises UpstreamError: as :meth:`generate`.
+        :raises UpstreamError: a request failed or its answer is not a sampled group (what the
+            engine answered is quoted); groups completed before it were passed to ``each``.
         """
-        out: list[list[Sample] | None] = [None] * len(prompts)
-
-        def keep(position: int, group: list[Sample]) -> None:
-            out[position] = group
-
-        await self._each(
-            batch_id,
-            prompts,
-            first_index,
-            keep,
-            samples_per_prompt,
-            temperature,
-            regeneration=regeneration,
-            again=again,
-        )
-        return [g for g in out if g is not None]
-
-    async def _each(
-        self,
-        batch_id: int,
-        prompts: Sequence[Prompt],
-        first_index: int,
-        each: Callable[[int, list[Sample]], None],
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-        regeneration: Regeneration | None = None,
-        again: Callable[[], int] | None = None,
-    ) -> None:
-        """Every prompt's group, ``each(position in prompts, group)`` as it completes; with
-        ``regeneration`` (and ``again``, the step's next group index), a group whose
-        generation failed is regenerated as a new group of the same prompt."""
+        run = self.settings
+        samples = samples_per_prompt or run.samples_per_prompt
+        temperature = run.temperature if temperature is None else temperature
+        out: list[list[Sample]] = [[] for _ in prompts]
 
         async def one(position: int, prompt: Prompt) -> None:
             async def generate(index: int) -> list[Sample]:
-                return await self._group(batch_id, index, prompt, samples_per_prompt, temperature)
+                seed = sampling_seed(run.seed, batch_id, index)
+                request = GroupRequest(
+                    batch_id, index, f"b{batch_id}-p{index}", prompt, samples, temperature, seed
+                )
+                assert self.shape is not None
+                async with self._gate:
+                    return await self.shape.group(request, self.client)
 
             index = first_index + position
             if regeneration is None or again is None:
-                group = await generate(index)
+                out[position] = await generate(index)
             else:
-                group = await regeneration.group(generate, index, again)
-            each(position, group)
+                out[position] = await regeneration.group(generate, index, again)
+            if each is not None:
+                each(out[position])
 
         await gather_all(one(i, p) for i, p in enumerate(prompts))
-
-    async def _group(
-        self,
-        batch_id: int,
-        index: int,
-        prompt: Prompt,
-        samples_per_prompt: int | None = None,
-        temperature: float | None = None,
-    ) -> list[Sample]:
-        run = self.settings
-        request = GroupRequest(
-            batch_id,
-            index,
-            f"b{batch_id}-p{index}",
-            prompt,
-            samples_per_prompt or run.samples_per_prompt,
-            run.temperature if temperature is None else temperature,
-            sampling_seed(run.seed, batch_id, index),
-        )
-        assert self.shape is not None
-        async with self._gate:
-            return await self.shape.group(request, self.client)
+        return out
 
 
 class StepProducer:
-    """What each step generates with: ``generator`` over the run's prompt ``source``.
-
-    :meth:`first` generates a step's first groups; :meth:`generate` (a
-    :class:`~relax_core.coordination.batch.Producer`) more while its batch is in flight. Group
-    indexes go on across both within a step, so every group of a step has an id of its own.
-    """
+    """What each step generates with: ``generator`` over the run's prompt ``source``;
+    :meth:`first` generates a step's first groups, :meth:`generate` more while its batch is in
+    flight, every group of a step with an index of its own."""
 
     def __init__(self, generator: Generator, source: PromptSource) -> None:
         self.generator = generator
@@ -342,14 +231,23 @@ class StepProducer:
         (the step driver's, for its step; ``None``: it fails the step)."""
         self.regeneration = regeneration
 
-    def _again(self, batch_id: int) -> Callable[[], int]:
-        return lambda: self._indexes(batch_id, 1)
-
     def _indexes(self, batch_id: int, count: int) -> int:
         """The first of ``count`` new group indexes of batch ``batch_id``."""
         first = self._next.get(batch_id, 0)
         self._next = {batch_id: first + count}  # earlier batches are done with
         return first
+
+    async def _groups(
+        self, batch_id: int, prompts: Sequence[Prompt], **options: Any
+    ) -> list[list[Sample]]:
+        return await self.generator.groups(
+            batch_id,
+            prompts,
+            first_index=self._indexes(batch_id, len(prompts)),
+            regeneration=self.regeneration,
+            again=lambda: self._indexes(batch_id, 1),
+            **options,
+        )
 
     async def first(
         self,
@@ -359,34 +257,30 @@ class StepProducer:
         on_group: Callable[[int], None] | None = None,
     ) -> None:
         """The step's ``prompts_per_step`` prompts from the source, each group into
-        ``collector`` as it completes (see :meth:`Generator.generate`)."""
+        ``collector`` as it completes, then ``on_group(groups_done)`` (progress)."""
+        done = 0
+
+        def add(group: list[Sample]) -> None:
+            nonlocal done
+            collector.add(group)
+            done += 1
+            if on_group is not None:
+                on_group(done)
+
         prompts = self.source.take(self.generator.settings.prompts_per_step)
-        first = self._indexes(batch_id, len(prompts))
-        await self.generator.generate(
-            batch_id,
-            prompts,
-            collector,
-            on_group=on_group,
-            first_index=first,
-            regeneration=self.regeneration,
-            again=self._again(batch_id),
-        )
+        await self._groups(batch_id, prompts, each=add)
 
     async def generate(self, batch_id: int, **request: Unpack[MoreGroups]) -> list[list[Sample]]:
         """``groups`` more groups from the source, or one per prompt of ``prompts``."""
         prompts = request.get("prompts")
-        chosen: Sequence[Prompt] = (
+        chosen = (
             list(prompts) if prompts is not None else self.source.take(request.get("groups") or 0)
         )
-        first = self._indexes(batch_id, len(chosen))
-        return await self.generator.groups(
+        return await self._groups(
             batch_id,
             chosen,
-            first_index=first,
             samples_per_prompt=request.get("samples_per_prompt"),
             temperature=request.get("temperature"),
-            regeneration=self.regeneration,
-            again=self._again(batch_id),
         )
 
 

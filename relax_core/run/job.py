@@ -6,6 +6,7 @@ the coordinator and the batch sink, and tears them all down (``docs/run.md``).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -464,16 +465,13 @@ class RunJob:
         what could not be confirmed (empty: nothing left). Idempotent; never raises for one
         part's failure (each is tried).
         """
+        import ray
+
         first = []
         if self.trainer is not None:
-            trainer = self.trainer
-
-            def kill_trainer() -> None:
-                import ray
-
-                ray.kill(trainer, no_restart=True)
-
-            first.append(Stop("trainer", kill_trainer))
+            first.append(
+                Stop("trainer", functools.partial(ray.kill, self.trainer, no_restart=True))
+            )
         if self.coordinator is not None:
             first.append(Stop("coordinator", self.coordinator.stop))
         if self.sink is not None:
@@ -485,12 +483,10 @@ class RunJob:
 
 
 class ExternalEnginesActor(ManagerActor):
-    """The actor of a model served by ``external_urls``: the managed models' core
-    (:class:`~relax_core.manager.actor.ManagerActor`, its clients and its generated methods)
-    around :class:`~relax_core.manager.external.ExternalEngines` (its arguments), so the
-    runtime, the registry's liveness watch and teardown reach it as any model's actor. Every
-    lifecycle call and weight update is refused by ``ExternalEngines``; ``router_backend`` /
-    ``router_spec`` as a managed model's actor takes them."""
+    """The actor of a model served by ``external_urls``: a
+    :class:`~relax_core.manager.actor.ManagerActor` around
+    :class:`~relax_core.manager.external.ExternalEngines` (its arguments, and the router's as
+    a managed model's actor), which refuses every lifecycle call and weight update."""
 
     def __init__(
         self,
@@ -516,19 +512,11 @@ class ExternalEnginesActor(ManagerActor):
 
 
 def _start_external_actor(
-    model: ModelConfig,
-    pm: PluginManager,
-    *,
-    job: str,
-    placement: Any,
-    publisher: Any,
-    timeouts: ManagerTimeouts | None = None,
-    log_dir: str | None = None,
+    model: ModelConfig, pm: PluginManager, *, job: str, publisher: Any, **managed: Any
 ) -> Any:
-    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, named as a
-    managed model's, in place of :func:`~relax_core.jobs.managers.start_model_actor`'s (the
-    same arguments; ``placement`` and ``timeouts`` are not used: nothing is placed nor
-    driven). Its heads are probed by its ``start``; the role's registry watches it.
+    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, in place of
+    :func:`~relax_core.jobs.managers.start_model_actor`'s (of ``managed``, only ``log_dir`` is
+    used: nothing is placed nor driven); the role's registry watches it.
 
     :raises LifecycleError: the actor could not be built.
     """
@@ -549,7 +537,8 @@ def _start_external_actor(
     }
     if kwargs["route_mode"] != "DIRECT":
         record = router_record(model, role, pm)
-        kwargs.update(router_backend=record, router_spec=router_launch_spec(model, record, log_dir))
+        spec = router_launch_spec(model, record, managed.get("log_dir"))
+        kwargs.update(router_backend=record, router_spec=spec)
     options = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0, "max_concurrency": 8}
     try:
         actor: Any = (

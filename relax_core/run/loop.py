@@ -1,13 +1,12 @@
 """``relax run``'s steps around the :class:`~relax_core.run.driver.StepDriver`: the run's
-engines as :class:`StepPorts`, and what a run reports of the steps it drives (one row per
-committed step, the failed step, ``--dump-samples``, ``--measure``, Ctrl-C, the final push,
-checkpoints and ``--resume``); ``docs/run.md`` describes each.
+engines as :class:`StepPorts`, and what a run reports of its steps (``docs/run.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import math
 import os
@@ -65,8 +64,7 @@ TOP_LEVEL_TRAINER_KEYS = ("teacher_kl", "teacher_logprob_mean")
 
 @attrs.frozen
 class FailedStep:
-    """A step that failed, was skipped or interrupted: its error, the ids of the samples it
-    generated (none committed), the leases left BLOCKED (role → why), what the trainer saw."""
+    """A step that failed, was skipped or interrupted (its :meth:`row`: ``docs/run.md``)."""
 
     step: int
     error: str
@@ -184,8 +182,7 @@ def _dump(directory: str, name: str, samples: Sequence[Sample]) -> None:
 
 
 def run_description(job: RunJob) -> dict[str, Any]:
-    """What trackers hear of the run first (``log_config``): the job, its settings, roles,
-    placement and residency plan."""
+    """What trackers hear of the run first (``log_config``)."""
     run = attrs.asdict(job.run, recurse=True)
     run["trackers"] = [{"tracker": t.name, **t.options} for t in job.run.trackers]
     run["stages"] = [
@@ -234,8 +231,7 @@ def blocked_advice(job: str, blocked: dict[str, str]) -> str:
 
 
 def async_overlap_note(job: RunJob) -> str | None:
-    """What async steps cannot overlap in the started ``job`` (a generation role that takes
-    turns on its GPUs), or ``None``."""
+    """What async steps cannot overlap in the started ``job``, or ``None``."""
     gen = job.generation_role
     if gen in job.residency.free:
         return None
@@ -266,9 +262,9 @@ class TrainerCalls:
 
 @attrs.define
 class StepPorts:
-    """What the steps of a run call, whatever engines answer (the Ray actors of a
-    :class:`~relax_core.run.job.RunJob`, or a simulation); ``free``: rollout never switches;
-    ``heads(role)`` (``--measure``): the base URLs of a role's engine heads; ``recover(role)``:
+    """What the steps of a run call, whatever engines answer (a
+    :class:`~relax_core.run.job.RunJob`'s actors, or a simulation); ``free``: rollout never
+    switches; ``heads(role)``: a role's engine heads (``--measure``); ``recover(role)``:
     rebuild a role's dead replicas (default: the coordinator's)."""
 
     name: str
@@ -421,10 +417,6 @@ class _Report:
         if recovery is not None:
             self.timeline.counter("retries", dict(recovery.retries[batch_id]))
 
-    async def went_on(self, failed: _StepFailure) -> None:
-        """A failed (or skipped) step the run goes on past, reported."""
-        await self.failed(failed, went_on=True)
-
     async def failed(self, failed: _StepFailure, *, went_on: bool = False) -> None:
         """The step that failed or was interrupted, reported; ``went_on``: the run goes on."""
         n, exc = failed.step, failed.error
@@ -432,10 +424,8 @@ class _Report:
         samples = [*failed.samples, *failed.ahead]
         if self.dump_dir is not None:
             _dump(self.dump_dir, f"failed-{n}.jsonl", samples)
-        blocked: dict[str, str] = {}
         try:
-            status = await self.ports.coordinator.describe()
-            blocked = dict(status.blocked)
+            blocked: dict[str, str] = dict((await self.ports.coordinator.describe()).blocked)
         except Exception as err:  # the coordinator itself may be what failed
             blocked = {"?": f"the coordinator could not be asked: {err}"}
         if stopped:
@@ -491,10 +481,9 @@ async def drive(
     failed_before: Sequence[int] = (),
     **options: Unpack[RunOptions],
 ) -> RunSummary:
-    """Run steps ``first_step`` to ``steps - 1`` on ``ports``; as :func:`run_loop`, which
-    calls it. ``on_trained(n)``: awaited once step ``n`` trained; ``on_finished``: with each
-    step over, in order (a checkpoint); ``failed_before``: a resumed run's failed steps gone
-    past."""
+    """Run steps ``first_step`` to ``steps - 1`` on ``ports``, as :func:`run_loop` (which
+    calls it); ``on_trained``, ``on_finished``: as the driver's; ``failed_before``: a resumed
+    run's failed steps gone past."""
     trace, dump_dir = options.get("trace"), options.get("dump_dir")
     trackers = options.get("trackers")
     began = time.perf_counter()
@@ -535,7 +524,7 @@ async def drive(
         on_progress=report.progress,
         on_trained=on_trained,
         background=background,
-        on_failed=report.went_on,
+        on_failed=functools.partial(report.failed, went_on=True),
         on_finished=on_finished,
         **{name: getattr(ports, name) for name in _DRIVEN},
     )
@@ -573,8 +562,7 @@ def role_recovery(
     coordinator: Any, unleased: Mapping[str, Sequence[Any]], *, timeout: float
 ) -> Callable[[str], Awaitable[Any]]:
     """``recover(role)`` for a run's stages: a leased role through the coordinator, the others
-    (``unleased``) through a lease engine of their own
-    (:meth:`~relax_core.coordination.leases.LeaseEngine.recover`)."""
+    (``unleased``) through a lease engine of their own."""
     engine = LeaseEngine(
         {role: f"{role}:own" for role in unleased}, unleased, operation_timeout=timeout
     )
@@ -629,16 +617,12 @@ async def run_loop(
     resume: Checkpoint | None = None,
     **options: Unpack[RunOptions],
 ) -> RunSummary:
-    """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run
-    and is in ``summary.failure``; every committed step was printed as it committed).
-
-    Ctrl-C (SIGINT) or SIGTERM in the main thread cancels the step in flight (its batch
-    failed, its roles released) and the summary has ``interrupted_step``. ``trace``: the
-    Perfetto trace file; ``dump_dir``: the samples of each batch as JSON lines; ``measure``:
-    each phase switch against a copy of its bytes (:mod:`~relax_core.run.measure`);
-    ``trackers``: the caller closes them (a strict tracker's failure,
-    :class:`~relax_core.errors.TrackerError`, is raised after the step in flight);
-    ``checkpoint_dir``, ``resume``: checkpoints and the one to continue from.
+    """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run:
+    ``summary.failure``). Ctrl-C or SIGTERM in the main thread cancels the step in flight
+    (``interrupted_step``). ``trace``, ``dump_dir``, ``measure``: ``relax run``'s
+    ``--trace``, ``--dump-samples``, ``--measure``; ``trackers``: the caller closes them (a
+    strict one's failure is raised after the step in flight); ``checkpoint_dir``,
+    ``resume``: checkpoints and the one to continue from.
 
     :raises CheckpointError: a checkpoint could not be written (it ends the run, after the
         steps before it; the previous checkpoint is kept).

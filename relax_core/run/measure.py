@@ -141,16 +141,16 @@ def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
     )
 
 
+@attrs.define
 class SwitchProbe:
     """Reads the memory reports of a role's engine heads around each switch.
 
     :param heads: ``heads(role)`` → the base URLs of the role's engine heads (awaitable).
     """
 
-    def __init__(self, heads: Callable[[str], Awaitable[list[str]]], *, timeout: float = 30.0):
-        self.heads = heads
-        self.timeout = timeout
-        self.switches: list[Switch] = []
+    heads: Callable[[str], Awaitable[list[str]]]
+    timeout: float = attrs.field(default=30.0, kw_only=True)
+    switches: list[Switch] = attrs.field(init=False, factory=list)
 
     async def _info(self, role: str) -> dict[str, dict[str, Any]]:
         """Each head's ``/server_info``, by its URL (in the role's order)."""
@@ -241,17 +241,15 @@ class MeasuredCoordinator:
         return state
 
 
+@attrs.define
 class MeasuredHandle:
     """The generation model's manager handle with measured ``onload`` / ``offload``;
     ``step(direction)``: the step a switch belongs to."""
 
-    def __init__(
-        self, inner: ManagerHandle, probe: SwitchProbe, role: str, step: Callable[[str], int]
-    ) -> None:
-        self._inner = inner
-        self._probe = probe
-        self._role = role
-        self._step = step
+    _inner: ManagerHandle
+    _probe: SwitchProbe
+    _role: str
+    _step: Callable[[str], int]
 
     @property
     def name(self) -> str:

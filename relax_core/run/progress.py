@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+import attrs
+
 from relax_core.coordination.timeline import PhaseEvent
 
 __all__ = [
@@ -95,17 +97,17 @@ def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
     return split, ("  " + ", ".join(shown)) if shown else ""
 
 
+@attrs.define(eq=False)
 class Progress:
     """A long wait's progress, a bar on the status line (:meth:`Printer.waiting`);
     :meth:`update` is thread-safe and cheap."""
 
-    def __init__(self, printer: Printer, label: str, total: int | None, unit: str) -> None:
-        self.printer = printer
-        self.label = label
-        self.total = total
-        self.unit = unit
-        self.done = 0
-        self.began = time.monotonic()
+    printer: Printer
+    label: str
+    total: int | None
+    unit: str
+    done: int = attrs.field(init=False, default=0)
+    began: float = attrs.field(init=False, factory=time.monotonic)
 
     def update(self, done: int, total: int | None = None) -> None:
         """``done`` of ``total`` (the total given before if ``None``); redrawn at once."""

@@ -1,21 +1,10 @@
 """Rollout shapes: how one prompt of a step becomes one group of samples.
 
 A shape is a plugin of ``relax_register_rollout_shapes`` (a
-:class:`~relax_core.records.RolloutShapeSpec`), named by ``[run.generation] shape``. The core
-registers ``single-turn`` (the default: one ``/generate`` request per prompt asking for
-``samples_per_prompt`` completions, :class:`~relax_core.run.generate.SingleTurn`); the
-``relax-agent`` plugin ``multi-turn`` (each sample a trajectory of policy turns and an
-environment's observations).
-
-The step's producer (:class:`~relax_core.run.generate.Generator`) calls
-``await shape.group(request, client)`` once per prompt — the step's first groups and every
-group a stage asks more of — with a :class:`GroupRequest` (the group's id, its prompt, how
-many samples, the temperature, the sampling seed) and the generation role's
-:class:`~relax_core.client.client.InferenceClient`; the shape returns the group's samples,
-each with the group's id. What it raises fails the step (nothing of it is committed).
-
-:func:`build_rollout_shape` builds the run's shape from its table; :func:`rollout_problems`
-reports what is wrong with the table before anything starts.
+:class:`~relax_core.records.RolloutShapeSpec`), named by ``[run.generation] shape``; the core
+registers ``single-turn`` (:class:`~relax_core.run.generate.SingleTurn`). The step's producer
+calls ``await shape.group(request, client)`` once per group with a :class:`GroupRequest`;
+what it raises fails the step.
 """
 
 from __future__ import annotations
@@ -128,13 +117,7 @@ def build_rollout_shape(
         raise ConfigValidationError(problems, run.base)
     spec: RolloutShapeSpec = pm.rollout_shape(table.shape)
     config = RolloutShapeConfig(
-        options=dict(table.options),
-        path=table.path,
-        run=run,
-        pm=pm,
-        model=model,
-        model_path=model_path,
-        model_where=model_where,
+        dict(table.options), table.path, run, pm, model, model_path, model_where
     )
     shape = spec.build(config)
     if not isinstance(shape, RolloutShape):
@@ -152,19 +135,12 @@ def build_rollout_shape(
 
 
 def rollout_problems(
-    table: GenerationTable,
-    run: RunConfig,
-    pm: Any,
-    *,
-    model: str,
-    model_path: str,
-    model_where: str,
+    table: GenerationTable, run: RunConfig, pm: Any, **model: str
 ) -> list[ConfigProblem]:
-    """Every problem of the run's ``[run.generation]`` table (none: it builds)."""
+    """Every problem of the run's ``[run.generation]`` table (none: it builds);
+    ``model``: as :func:`build_rollout_shape`'s."""
     try:
-        build_rollout_shape(
-            table, run, pm, model=model, model_path=model_path, model_where=model_where
-        )
+        build_rollout_shape(table, run, pm, **model)
     except ConfigValidationError as exc:
         return list(exc.problems)
     return []
@@ -277,11 +253,9 @@ async def continue_aborted(
     timeout: float,
 ) -> TurnAnswer:
     """``answer`` to ``body`` (one sample), continued while a weight push's ``abort`` pause
-    cut it short (``[run] push_pause = "abort"``): each time, the same request again with
-    the tokens so far appended to its input, ``max_new_tokens`` (and ``min_new_tokens``)
-    less what was generated, one sample, a seed of its own. The parts are joined token-exact
-    (ids and log-probs as each answer returned them; the text of each part as decoded) and
-    the version of each part kept as version boundaries.
+    cut it short (``[run] push_pause = "abort"``): the same request again with the tokens so
+    far appended, the token limits less what was generated, a seed of its own; the parts
+    joined token-exact, each part's version kept as version boundaries.
 
     :raises UpstreamError: (502) an answer is malformed, or it was cut short more than
         :data:`MAX_CONTINUATIONS` times.
@@ -293,17 +267,17 @@ async def continue_aborted(
     ids, lps, text = list(answer.output_ids), list(answer.logprobs), answer.text
     segments: list[tuple[int, str | None]] = []
     add_segments(segments, 0, answer)
+
+    def joined(last: TurnAnswer, **finish: str) -> TurnAnswer:
+        return attrs.evolve(
+            last, output_ids=tuple(ids), logprobs=tuple(lps), text=text,
+            weight_versions=boundaries(segments), **finish,
+        )  # fmt: skip
+
     for k in range(1, MAX_CONTINUATIONS + 1):
         room = limit - len(ids)
         if room < 1:  # cut after its last token: it ended by length
-            return attrs.evolve(
-                answer,
-                output_ids=tuple(ids),
-                logprobs=tuple(lps),
-                text=text,
-                finish="length",
-                weight_versions=boundaries(segments),
-            )
+            return joined(answer, finish="length")
         part = dict(sampling)
         part.update(n=1, max_new_tokens=room)
         if "min_new_tokens" in sampling:
@@ -319,13 +293,7 @@ async def continue_aborted(
         ids += more.output_ids
         lps += more.logprobs
         text += more.text
-        answer = attrs.evolve(
-            more,
-            output_ids=tuple(ids),
-            logprobs=tuple(lps),
-            text=text,
-            weight_versions=boundaries(segments),
-        )
+        answer = joined(more)
         if more.finish != "abort":
             return answer
     raise UpstreamError(

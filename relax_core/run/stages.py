@@ -342,11 +342,12 @@ def build_reward_stage(config: StageConfig) -> RewardStage:
     return stage
 
 
+_REWARD_KEYS = ("rewards", "concurrency")
 #: The core's reward stage kind.
 REWARD = StageSpec(
     name="reward",
     build=build_reward_stage,
-    options=("rewards", "concurrency"),
+    options=_REWARD_KEYS,
     description="Reward adapters over the batch: fields reward (weighted sum) and rewards.",
 )
 
@@ -448,20 +449,12 @@ def build_eval_stage(config: StageConfig) -> EvalStage:
     )
 
 
+_EVAL_KEYS = ("dataset", "every", "prompts", "samples_per_prompt", "temperature")
 #: The core's evaluation stage kind.
 EVAL = StageSpec(
     name="eval",
     build=build_eval_stage,
-    options=(
-        "dataset",
-        "every",
-        "prompts",
-        "samples_per_prompt",
-        "temperature",
-        "rewards",
-        "concurrency",
-        "background",
-    ),
+    options=(*_EVAL_KEYS, *_REWARD_KEYS, "background"),
     description="Every K steps: held-out prompts generated, scored and reported; never trained on.",
 )
 

@@ -1,10 +1,6 @@
-"""Streaming scoring: each group scored as soon as its generation completes, not after the batch.
-
-:class:`StreamScorer` runs the step's leading streaming stages (:func:`streaming_prefix`: each
-says ``streaming = True`` and takes no lease) on each group's staged copies as the generator
-completes it, at most ``concurrency`` groups at a time; :meth:`StreamScorer.finish` hands the
-batch a :class:`~relax_core.coordination.batch.Streamed`, and the batch runs the remaining
-stages and commits as always: nothing a streamed stage wrote reaches the originals before
+"""Streaming scoring: the step's leading streaming stages (:func:`streaming_prefix`) run on
+each group's staged copies as soon as its generation completes; the batch runs the remaining
+stages and commits as always, so nothing a streamed stage wrote reaches the originals before
 every stage passed.
 """
 

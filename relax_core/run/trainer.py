@@ -33,15 +33,9 @@ CHECKPOINT_METHODS = ("save", "load")
 
 @attrs.frozen
 class TrainerContext:
-    """Everything a trainer is built from (picklable: it travels to the trainer's actor).
-
-    ``coordinator``: the job's :class:`~relax_core.coordination.RemoteCoordinator`; ``sink``:
-    its :class:`~relax_core.coordination.RayBatchSink`; ``rollout``: the generation model's
-    manager actor (weights are pushed through it); ``fields``: every sample field the step's
-    stages write (in ``sample.fields``); ``options``: the trainer's options record read from
-    ``[run]`` (``None`` without one); ``push_pause``: the pause mode a push passes to the
-    manager's update (``None``: the fence); ``commit_timeout`` bounds one ``wait_committed``.
-    """
+    """Everything a trainer is built from (picklable: it travels to the trainer's actor);
+    each field in ``docs/run.md`` ("The trainer"). ``rollout``: the generation model's manager
+    actor, which weights are pushed through; ``push_pause`` ``None``: the fence."""
 
     job: str
     model_path: str
@@ -89,9 +83,8 @@ def trainer_checkpoints(cls: type[Any]) -> bool:
 
 
 def load_trainer_class(name: str, pm: PluginManager | None = None) -> type[Trainer]:
-    """The trainer class ``name`` says: a registered trainer's name, looked up in ``pm``
-    (default: the process-wide plugin manager), or ``package.module:Class``. Pure apart from
-    importing the class's module.
+    """The trainer class ``name`` says: a registered trainer's name (in ``pm``, default: the
+    process-wide plugin manager) or ``package.module:Class``. Imports the class's module.
 
     :raises ConfigError: (``run.trainer``) no such trainer or class, or one without ``train``
         / ``push``.
@@ -147,12 +140,11 @@ def start_trainer(
     num_gpus: float = 0.0,
     timeout: float = 300.0,
 ) -> Any:
-    """Start the trainer ``trainer`` names (:func:`load_trainer_class`) in a Ray actor built
-    from ``context`` (on ``placement_group``: ``num_gpus`` of bundle ``bundle_index``); its
-    handle once it is constructed. Blocks.
+    """Start the trainer ``trainer`` names in a Ray actor built from ``context`` (on
+    ``placement_group``: ``num_gpus`` of bundle ``bundle_index``); its handle once it is
+    constructed. Blocks.
 
-    :raises ConfigError: see :func:`load_trainer_class`; a bad ``push_format`` or
-        ``push_bucket_bytes``.
+    :raises ConfigError: as :func:`load_trainer_class`; a bad ``push_format`` or bucket size.
     :raises LifecycleError: the actor failed to construct (its error quoted).
     """
     import ray

@@ -1,10 +1,7 @@
-"""The trackers of one run: opened from ``[run] trackers``, fed from a thread of their own, a
-failing one reported once and left out, every one closed at the end.
-
-:class:`Trackers`' ``log_*`` calls return at once: a worker thread hands each to every tracker
-in order, so a slow tracker never delays a step. A tracker that raises is reported once
-(``say``) and hears nothing more but ``close``; with ``strict`` the error is raised as
-:class:`~relax_core.errors.TrackerError` from the loop's next call, ending the run.
+"""The trackers of one run, opened from ``[run] trackers`` and fed from a worker thread, so
+a slow tracker never delays a step. One that raises is reported once and hears nothing more
+but ``close``; with ``strict`` the error (:class:`~relax_core.errors.TrackerError`) is raised
+from the loop's next call, ending the run.
 """
 
 from __future__ import annotations
@@ -73,12 +70,9 @@ def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list
 
 
 class Trackers:
-    """The open trackers of a run (see the module docstring).
-
-    :param opened: ``(name, tracker)`` pairs, in the order they hear each call.
-    :param say: where a failure is reported (one line).
-    :param strict: a failure is raised from the next call instead of only reported.
-    """
+    """The open trackers of a run (see the module docstring): ``opened`` as ``(name,
+    tracker)`` pairs in the order they hear each call; ``say`` gets each failure's line;
+    ``strict``: a failure is raised from the next call too."""
 
     def __init__(
         self,
@@ -114,9 +108,8 @@ class Trackers:
         resume_step: int | None = None,
         resume_ids: Mapping[str, str | None] | None = None,
     ) -> Trackers:
-        """Open every tracker of ``entries`` (checked by :func:`tracker_problems`), in order;
-        one whose ``open`` raises is reported and left out. ``resume_step`` / ``resume_ids``
-        (name -> run id): ``relax run --resume`` (:class:`~relax_core.TrackerContext`).
+        """Open every tracker of ``entries`` in order; one whose ``open`` raises is reported
+        and left out. ``resume_step`` / ``resume_ids`` (name -> run id): ``--resume``'s.
 
         :raises TrackerError: with ``strict``, the first that failed to open (the others closed).
         """

@@ -24,14 +24,11 @@ class TrackerEntry:
 
 @attrs.frozen
 class TrackerContext:
-    """What a tracker is opened with (``TrackerSpec.open(context)``).
-
-    ``run_dir``: the run's directory (a tracker keeps its files under ``RUN_DIR/<its name>``).
-    ``job``: the job's name. ``options``: the entry's own keys as given. ``name``: the tracker's.
-    ``resume_step``: with ``relax run --resume``, the first step the resumed run logs (what the
-    tracker holds of it and later is the killed run's: drop or supersede it) and ``resume_id``
-    the tracker's ``run_id`` from the checkpoint, to append to the same run. ``None``: a new run.
-    """
+    """What a tracker is opened with (``TrackerSpec.open(context)``): it keeps its files under
+    ``run_dir/<name>``; ``options``: the entry's own keys. With ``relax run --resume``,
+    ``resume_step`` is the first step the resumed run logs (what the tracker holds of it and
+    later is the killed run's: drop or supersede it) and ``resume_id`` the tracker's ``run_id``
+    from the checkpoint, to append to the same run (``None``: a new run)."""
 
     name: str
     run_dir: str

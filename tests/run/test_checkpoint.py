@@ -27,6 +27,7 @@ from relax_core.run.checkpoint import (
 )
 from relax_core.run.config import RunConfig
 from relax_core.run.data import ArithmeticSource
+from relax_core.run.driver import Finished
 from relax_core.run.loop import drive
 from relax_core.run.progress import Printer
 from tests.support.sim_job import sim_ports
@@ -68,7 +69,7 @@ def test_a_checkpoint_is_written_every_n_steps_and_after_the_last_holding_what_a
             checkpoints.cursor.mark(step)
             checkpoints.cursor.take(4)
             trainer.steps += 1
-            await checkpoints.after(step)
+            await checkpoints.finished(Finished(step, True, (), str(step + 1)))
 
     asyncio.run(steps())
     assert [c.step for c in checkpoints.written] == [2, 4, 5]
