@@ -1,27 +1,12 @@
 """LifecycleCoordinator: shared-GPU leases, operation dedupe and the training-batch commit gate.
 
 In a defer layout the generation role (rollout) and the deferred roles (genrm, teacher) take
-turns on the same GPUs within one RL step. The coordinator is the one authority on who may hold
-them: it grants a role its lease only once every other role on the same *defer slice* is
-confirmed SLEEPING, and it commits a training batch only when every role sleeps and the batch
-sink acknowledged the write. It holds no samples, rewards, log-probs or partitions — those
-belong to the :class:`~relax_core.coordination.batch.DeferredBatch` and the sink.
-
-The leases themselves, the switch, the BLOCKED rule and late replies are the
-:class:`~relax_core.coordination.leases.LeaseEngine`'s, the one ``relax serve``'s on-demand
-wake drives too; this module adds batches, operation ids and the commit gate. It is the
-logic, a plain asyncio class (tested with real asyncio and fake manager
-handles). :mod:`relax_core.coordination.remote` runs it in a CPU-only Ray actor and gives every
-other process a client with the same coroutine API: :class:`Coordinator` is that API, the
-contract both (and ``relax run --measure``'s measuring wrapper) are checked against.
-
-State (the reference's fields): ``_operation_timeout`` (the deadline of one manager RPC),
-``_condition`` (guards the state, wakes commit waiters), ``_managers`` (role -> handles),
-``_roles`` (role -> lease state), ``_batches`` (the current batch only), ``_current``,
-``_failure`` (the run's first failure), ``_operations`` (operation id -> fingerprint and shared
-task, for the current batch and unfinished operations), ``_committed`` (the newest 1024 committed
-batch ids, with their sink receipts) and ``_retired`` (fingerprints of the newest 8192 evicted
-operations).
+turns on the same GPUs within one RL step. The coordinator grants a role its lease only once
+every other role on its *defer slice* is SLEEPING, and commits a training batch only when every
+role sleeps and the batch sink acknowledged the write; the samples are the
+:class:`~relax_core.coordination.batch.DeferredBatch`'s. The leases, the switch, the BLOCKED
+rule and late replies are the :class:`~relax_core.coordination.leases.LeaseEngine`'s (shared
+with ``relax serve``'s wakes); this module adds batches, operation ids and the commit gate.
 """
 
 from __future__ import annotations
@@ -111,14 +96,10 @@ class CoordinatorStatus:
 
 
 class Coordinator(Protocol):
-    """The coordinator's API, wherever it runs: the coroutines a producer, a
-    :class:`~relax_core.coordination.batch.DeferredBatch`, a trainer and an operator call.
-
-    Implemented by :class:`LifecycleCoordinator` (in this process; also what the Ray actor
-    runs) and :class:`~relax_core.coordination.remote.RemoteCoordinator` (its client in any
-    process of the job); see :class:`LifecycleCoordinator` for what each does. mypy checks
-    both against it, and a test compares every public method's signature.
-    """
+    """The coordinator's API, wherever it runs: :class:`LifecycleCoordinator` (in this process
+    and in the Ray actor; see it for what each coroutine does) and
+    :class:`~relax_core.coordination.remote.RemoteCoordinator` (its client), both checked
+    against it."""
 
     async def begin_batch(self, batch_id: int) -> BatchState: ...
 
@@ -604,7 +585,7 @@ class LifecycleCoordinator:
     async def _activate(
         self, role: str, batch_id: int, handles: tuple[ManagerHandle, ...]
     ) -> LeaseState:
-        def admit() -> None:
+        def admit() -> str | None:
             self._pending(batch_id, f"activate({role!r})")
             state = self._roles[role]
             if state is _L.ACTIVE:
@@ -615,73 +596,56 @@ class LifecycleCoordinator:
                         f"activate({role!r}): the role is ACTIVE with "
                         f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
                     )
-            if state in (_L.BLOCKED, _L.ACTIVE):
-                return  # answered by _switch
-            try:
-                self._refuse_busy(role, f"activate({role!r})", include_self=False)
-            except CoordinationError as exc:
-                self._fail(batch_id, str(exc))
-                raise
+            if state not in (_L.BLOCKED, _L.ACTIVE):  # else answered by _switch
+                try:
+                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
+                except CoordinationError as exc:
+                    self._fail(batch_id, str(exc))
+                    raise
+            return None
 
-        return await self._switch(
-            role,
-            batch_id,
-            "activate",
-            admit,
-            (_L.ONLOADING, "onload", _L.ACTIVE),
-            handles,
-        )
+        return await self._switch(role, batch_id, admit, handles, out=False)
 
     async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
-        def admit() -> str:
+        def admit() -> str | None:
             batch = self._current_batch(batch_id, f"deactivate({role!r})")
             # A failed batch uses nothing its requests would answer: abort them, do not wait.
-            return ABORT if batch.state is _B.FAILED else "offload"
+            return ABORT if batch.state is _B.FAILED else None
 
-        return await self._switch(
-            role,
-            batch_id,
-            "deactivate",
-            admit,
-            (_L.DRAINING, "offload", _L.SLEEPING),
-            self._awake.get(role) or self._handles(role),
-        )
+        handles = self._awake.get(role) or self._handles(role)
+        return await self._switch(role, batch_id, admit, handles, out=True)
 
     async def _switch(
         self,
         role: str,
         batch_id: int,
-        what: str,
         admit: Callable[[], str | None],
-        steps: tuple[LeaseState, str, LeaseState],
         handles: tuple[ManagerHandle, ...],
+        *,
+        out: bool,
     ) -> LeaseState:
-        """One lease switch of ``role``: ``admit()`` (checks, under the condition; it may name
-        another method to call), then — unless the role is BLOCKED (raises) or already
-        ``done`` — ``moving``, then the lease engine's switch (:meth:`LeaseEngine.switch`:
-        failed replicas rebuilt, ``method`` on each of ``handles`` at once); ``done`` once each
-        confirms, else the lease is BLOCKED and the batch FAILED. ``steps`` is
-        ``(moving, method, done)``. Which handles are awake is kept (every one of the role's
-        after a switch that failed)."""
-        moving, method, done = steps
+        """One lease switch of ``role`` off (``out``) or onto its slice: ``admit()`` (checks,
+        under the condition; it may name the method to call), then, unless the role is BLOCKED
+        (raises) or already there, the lease engine's switch of ``handles``
+        (:meth:`LeaseEngine.switch`); the lease BLOCKED and the batch FAILED when it is not
+        confirmed. Which handles are awake is kept (all of the role's after a failed switch)."""
+        moving, done = (_L.DRAINING, _L.SLEEPING) if out else (_L.ONLOADING, _L.ACTIVE)
         async with self._engine.lock(role):
             async with self._condition:
-                method = admit() or method
+                method = admit()
                 state = self._roles[role]
                 if state is _L.BLOCKED:
                     raise LeaseBlockedError(role, self._blocked[role])
                 if state is done:
                     return done
                 self._engine.set(role, moving)
-            reason = await self._engine.switch(
-                role, handles, out=done is _L.SLEEPING, method=method
-            )
+            reason = await self._engine.switch(role, handles, out=out, method=method)
             async with self._condition:
                 if reason is None:
-                    self._awake[role] = handles if done is _L.ACTIVE else ()
+                    self._awake[role] = () if out else handles
                     return done
                 self._awake[role] = self._managers[role]
-                self._fail(batch_id, f"{what} {role}: {reason}")
+                self._fail(batch_id, f"{'deactivate' if out else 'activate'} {role}: {reason}")
             raise LeaseBlockedError(role, reason)
 
     async def _dedupe(
@@ -840,8 +804,5 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-if TYPE_CHECKING:
-    # mypy checks the in-process coordinator against the contract.
-
-    def _in_process(coordinator: LifecycleCoordinator) -> Coordinator:
-        return coordinator
+if TYPE_CHECKING:  # mypy checks the in-process coordinator against the contract
+    _IN_PROCESS: type[Coordinator] = LifecycleCoordinator

@@ -158,9 +158,4 @@ class RayModel(_Model):
 
 
 if TYPE_CHECKING:  # mypy checks both homes against the contract
-
-    def _local(model: LocalModel) -> ModelHandle:
-        return model
-
-    def _ray(model: RayModel) -> ModelHandle:
-        return model
+    _HOMES: tuple[type[ModelHandle], ...] = (LocalModel, RayModel)
