@@ -158,8 +158,7 @@ class DeferredBatch:
     """One closed batch's stages, from staging to commit.
 
     :param samples: the originals, only written to by the write-back after every stage passed.
-    :param rollout: the generation role's manager handle in this process (a student stage
-        needs its ``weight_version()`` too).
+    :param rollout: the generation role's manager handle in this process.
     :param finalizer: ``finalizer(batch_id, samples)`` (sync or async) between the put and the
         commit; if it raises, the partition is deleted.
     :param release_timeout: deadline of the generation role's local offload and onload.
@@ -387,7 +386,8 @@ class DeferredBatch:
         role = stage.role
         if role is not None and (role == self._generation_role or role in self._deferred):
             await self._acquire(role, stage.models, student=role == self._generation_role)
-        return await self._run_stage(stage, samples, ctx)
+        with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
+            return await stage.run(samples, ctx)
 
     async def _generate(self, stage: str, **request: Unpack[MoreGroups]) -> list[Sample]:
         """More groups through the producer, with the generation role's lease taken back."""
@@ -455,12 +455,6 @@ class DeferredBatch:
         """A number new for each lease the batch takes."""
         self._leases += 1
         return self._leases
-
-    async def _run_stage(
-        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
-    ) -> StageReport:
-        with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
-            return await stage.run(samples, ctx)
 
     async def _check_weight_version(self, gen: str) -> None:
         versions = {s.weight_version for s in self.originals}

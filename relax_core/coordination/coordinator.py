@@ -148,14 +148,11 @@ class LifecycleCoordinator:
     :param operation_timeout: the deadline of one manager RPC (default 180 s). A timeout, an
         error or an unconfirmed result leaves the lease BLOCKED and fails the batch; a late
         reply never releases it.
-    :param residency: which roles of a slice may hold its GPUs at once
-        (:class:`~relax_core.coordination.residency.ResidencyPlan`); its free roles need no
-        lease to stay awake (a commit does not wait for them to sleep). Default: one role of a
-        slice at a time, every role leased (``exclusive``).
+    :param residency: which roles of a slice may hold its GPUs at once (a ``ResidencyPlan``;
+        its free roles need no lease); default: one role of a slice at a time.
     :raises ValueError: the inputs disagree (a role without handles, an unknown role).
 
-    Every method is a coroutine of the coordinator's event loop; none blocks the loop. All
-    state changes happen between awaits, so the invariants hold whatever the interleaving.
+    Every method is a coroutine of one event loop; state changes happen between awaits.
     """
 
     def __init__(
@@ -258,11 +255,8 @@ class LifecycleCoordinator:
     # -- the generation role ---------------------------------------------------------------
 
     async def begin_batch(self, batch_id: int) -> BatchState:
-        """Open batch ``batch_id`` and give the generation role its lease (no RPC: it is
-        resident or onloads itself).
-
-        Idempotent: the pending batch again returns PENDING; a committed batch (within the
-        history) returns COMMITTED. Batch ids increase.
+        """Open batch ``batch_id`` (ids increase) and give the generation role its lease (no
+        RPC). Idempotent: PENDING again, or COMMITTED for a batch within the history.
 
         :raises BatchFailedError: the run failed earlier.
         :raises LeaseBlockedError: a role on the generation role's slice is BLOCKED.
@@ -301,11 +295,8 @@ class LifecycleCoordinator:
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
-        """The generation role says it offloaded itself; ``result`` is its manager's
-        :class:`~relax_core.manager.LifecycleResult`, which must show every replica SLEEPING.
-
-        Accepted for the current batch whether PENDING or FAILED (a failed producer still
-        releases). Idempotent once SLEEPING.
+        """The generation role offloaded itself: ``result`` (its manager's ``LifecycleResult``)
+        must show every replica SLEEPING. For the current batch, PENDING or FAILED. Idempotent.
 
         :raises LeaseBlockedError: the result does not confirm the release: the lease is now
             BLOCKED and the batch FAILED ("release unconfirmed").
@@ -327,11 +318,9 @@ class LifecycleCoordinator:
             return self._roles[gen]
 
     async def begin_student_scoring(self, batch_id: int) -> LeaseState:
-        """Give the generation role its lease again, for student scoring (it onloads itself,
-        checks its weight version, prefills, offloads and acknowledges again).
-
-        Needs the pending batch, its generation release acknowledged, and every other role on
-        the slice SLEEPING. Idempotent while the student lease is held.
+        """Give the generation role its lease again, for student scoring (it onloads itself and
+        acknowledges again): needs the pending batch, its release acknowledged and every other
+        role on the slice SLEEPING. Idempotent while the student lease is held.
 
         :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
         """
@@ -357,14 +346,12 @@ class LifecycleCoordinator:
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState:
         """Onload ``role`` on its slice for the pending batch ``batch_id``: the handles of
-        ``models`` only (the handle of model ``m`` is named ``role.m``), or every one of the
-        role's handles when ``models`` is empty — two judges of one role can take turns on GPUs
-        that hold one of them at a time.
+        ``models`` only (model ``m``'s handle is named ``role.m``; empty: all of the role's).
 
-        Issued only when it changes something: an ACTIVE role whose awake models include
-        ``models`` is not onloaded again. Refused (and the batch FAILED) while another role on
-        the slice is not SLEEPING. Deduped by ``operation_id``: the same id with the same
-        request shares one execution and result; with another request it is an error.
+        An ACTIVE role whose awake models include ``models`` is not onloaded again. Refused (and
+        the batch FAILED) while another role on the slice is not SLEEPING. Deduped by
+        ``operation_id``: the same id and request share one execution; another request is an
+        error.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its onload was not confirmed within
             the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -381,12 +368,10 @@ class LifecycleCoordinator:
         )
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
-        """Offload ``role``; accepted for the current batch whether PENDING or FAILED, so a
-        failed batch still releases its GPUs. A SLEEPING role is not offloaded again. For a
-        FAILED batch the role's requests still in flight are aborted rather than drained
-        (``abort_and_offload()`` of handles that have it): nothing they answer is used. The
-        handles offloaded are those the role's activation onloaded (every one after a failed
-        or unconfirmed switch: what is awake is not known then).
+        """Offload ``role`` (the handles its activation onloaded; all after a failed switch), for
+        the current batch whether PENDING or FAILED; a SLEEPING role is not offloaded again. For
+        a FAILED batch its requests in flight are aborted (``abort_and_offload()``), not drained.
+        Deduped by ``operation_id`` as :meth:`activate`.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -401,11 +386,9 @@ class LifecycleCoordinator:
     async def fail_batch(
         self, batch_id: int, error: str, *, release_unconfirmed: bool = False
     ) -> BatchState:
-        """Mark ``batch_id`` FAILED (the first cause is kept) and wake its waiters.
-
-        ``release_unconfirmed``: the generation role could not confirm its offload, so its lease
-        is kept, BLOCKED. A batch that was never begun is recorded as FAILED when no other
-        batch is pending (a producer that failed before ``begin_batch``). Idempotent.
+        """Mark ``batch_id`` FAILED (the first cause kept; a batch never begun too, when no other
+        is pending) and wake its waiters. ``release_unconfirmed``: the generation role's offload
+        was not confirmed, so its lease is kept, BLOCKED. Idempotent.
 
         :raises CoordinationError: the batch is committed, or another batch is pending.
         """
@@ -435,10 +418,8 @@ class LifecycleCoordinator:
 
     async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState:
         """Commit ``batch_id``: every role SLEEPING, the generation release acknowledged, and
-        ``receipt`` the :class:`~relax_core.coordination.sink.SinkReceipt` of a successful put
-        that closed partition ``train_{batch_id}``. Wakes every waiter.
-
-        Idempotent: a committed batch (within the history) returns COMMITTED.
+        ``receipt`` the ``SinkReceipt`` of a put that closed ``train_{batch_id}``. Wakes every
+        waiter. Idempotent (COMMITTED within the history).
 
         :raises BatchFailedError: the batch failed.
         :raises CoordinationError: a role is not SLEEPING, the release was not acknowledged, or
@@ -485,10 +466,8 @@ class LifecycleCoordinator:
             return BatchState.COMMITTED
 
     async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt:
-        """Wait until ``batch_id`` is committed; return its sink receipt (the partition to read).
-
-        Returns at once for a committed batch within the history. Wakes on commit and on
-        failure. A batch evicted beyond the history waits until ``timeout``.
+        """Wait until ``batch_id`` is committed (at once within the history; a batch evicted
+        beyond it waits until ``timeout``); its sink receipt (the partition to read).
 
         :raises BatchFailedError: the batch failed, or the run failed at this or an earlier
             batch (the message names the batch and the cause).
@@ -519,11 +498,9 @@ class LifecycleCoordinator:
     # -- recovery mid-run ---------------------------------------------------------------------
 
     async def recover(self, role: str) -> dict[str, list[str]]:
-        """A stage's request to ``role`` failed mid-run: its replicas probed and the FAILED ones
-        rebuilt through their managers, under the slice's lock (the lease engine's
-        :meth:`~relax_core.coordination.leases.LeaseEngine.recover`: the rule of every switch).
-        ``{"rebuilt": [handle names], "failed": [why a rebuild was not confirmed]}``; nothing
-        for the generation role (it has no handles here) or a BLOCKED one (the operator's).
+        """A stage's request to ``role`` failed mid-run: :meth:`LeaseEngine.recover
+        <relax_core.coordination.leases.LeaseEngine.recover>` under the slice's lock;
+        nothing for the generation role (no handles here) or a BLOCKED one (the operator's).
 
         :raises CoordinationError: ``role`` is not one of the job's.
         """
@@ -534,11 +511,9 @@ class LifecycleCoordinator:
             return await self._engine.recover(role)
 
     async def go_on_after(self, batch_id: int) -> None:
-        """The run goes on past FAILED batch ``batch_id`` (the driver's ``[run]
-        max_failed_steps``): the run's failure is cleared so that the next batch may begin;
-        the batch stays FAILED (its waiters got ``BatchFailedError``, nothing of it is
-        committed) and a BLOCKED lease stays BLOCKED (nothing is granted its slice).
-        Idempotent.
+        """The run goes on past FAILED batch ``batch_id`` (``[run] max_failed_steps``): the
+        run's failure is cleared so the next batch may begin; the batch stays FAILED and a
+        BLOCKED lease stays BLOCKED. Idempotent.
 
         :raises CoordinationError: batch ``batch_id`` is not FAILED.
         """
@@ -556,11 +531,8 @@ class LifecycleCoordinator:
     # -- the operator -----------------------------------------------------------------------
 
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState:
-        """Operator only: set a BLOCKED lease back to SLEEPING.
-
-        ``confirm_clean`` must be true: the operator states that the role's engines hold no GPU
-        memory (checked on the node: stopped, or offloaded and confirmed). The run's failure is
-        kept (start a new run to train again); the reset lets the GPUs be leased again.
+        """Operator only: set a BLOCKED lease back to SLEEPING; ``confirm_clean`` must be true
+        (the role's engines hold no GPU memory, checked on the node). The run's failure is kept.
 
         :raises CoordinationError: not confirmed, or the lease is not BLOCKED.
         """

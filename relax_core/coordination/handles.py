@@ -1,10 +1,6 @@
-"""Manager handles: how the coordinator and a deferred batch reach a model's InferenceManager.
-
-A handle (:class:`ManagerHandle`) is one adapter, :class:`ClientHandle`, over either client of
-the manager's core: :class:`RayManagerHandle` (a manager in a Ray actor: how the coordinator
-drives deferred roles) or :class:`LocalManagerHandle` (a manager in this process, its blocking
-calls in a worker thread: how the generation role offloads itself before it acknowledges).
-:func:`unconfirmed` says whether a result proves the asked-for state on every replica.
+"""Manager handles (:class:`ManagerHandle`): how the coordinator and a deferred batch reach a
+model's manager, in a Ray actor (:class:`RayManagerHandle`) or in this process
+(:class:`LocalManagerHandle`, its blocking calls in a worker thread).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """One lease engine over GPU slices: who may hold a slice's GPUs, and the switch that moves a
 role on or off them. ``relax run``'s
-:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` (leases phase by phase
-within a batch) and ``relax serve``'s :class:`~relax_core.jobs.wake.WakeController` (a request
-wakes its role) drive it; they decide *when* to switch, under the slice's lock, and what a
-refusal raises. The engine is what they share, so they cannot drift:
-
-- **the switch**: the role's FAILED replicas rebuilt first (the manager's recovery confirms a
-  dead engine's cleanup), then every handle called at once within the operation timeout; a
-  handle whose engine died before or during the call is rebuilt and called once more; each
-  result must confirm every replica. The manager is asked for its FAILED replicas only where
-  the engine does not know: a handle whose last call confirmed every replica is called at once
-  (no extra round trip), and a replica that failed since is in the call's own answer (the
-  manager answers FAILED for it without touching it), rebuilt then, before the role is
-  granted or its slice handed on;
-- **the BLOCKED rule**: a switch not confirmed (a failure, an error, a timeout) leaves the role
-  BLOCKED, and nothing is granted its slice until the operator resets it;
-- **late replies**: a reply after its deadline changes nothing; it is recorded for the operator.
+:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` and ``relax serve``'s
+:class:`~relax_core.jobs.wake.WakeController` both drive it (they decide *when*, under the
+slice's lock), so they cannot drift: the switch (a role's FAILED replicas rebuilt first, then
+every handle called at once, each result confirming every replica), the BLOCKED rule (a switch
+not confirmed leaves the role BLOCKED until the operator resets it) and late replies (recorded,
+never acted on). See ``docs/coordination.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The coordinator as a CPU-only Ray actor, and the client every process of a job uses.
-
-:func:`start_coordinator` creates the named async actor ``relax-coordinator-<job>`` around a
-:class:`CoordinatorActor` (the :class:`~relax_core.coordination.coordinator.LifecycleCoordinator`
-itself, over manager actors); :class:`RemoteCoordinator` forwards each call of the
-:class:`~relax_core.coordination.coordinator.Coordinator` to it (an error raised in the actor
-re-raised as itself); :func:`connect_coordinator` finds a job's coordinator by name. Nothing
-here is an HTTP route: activate, deactivate, commit and reset are Ray calls only.
+"""The coordinator as a CPU-only Ray actor (:func:`start_coordinator`, found again by
+:func:`connect_coordinator`), and :class:`RemoteCoordinator`, its client in every process of the
+job: each call of the :class:`~relax_core.coordination.coordinator.Coordinator` forwarded, an
+error raised in the actor re-raised as itself. Nothing here is an HTTP route.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Batch sinks: where a deferred batch publishes its scored samples for training consumers.
 
-A sink is anything with three async methods (:class:`BatchSink`). Batch ``N`` goes to partition
-``train_N`` (:func:`partition_name`); the coordinator commits it only with the receipt of a
-successful put. Built in: :class:`RayBatchSink` (a CPU-only Ray actor holds the partitions;
-picklable) and :class:`MemoryBatchSink` (the same store in this process).
-
-Store rules: a put appends to its partition, all or nothing; ``is_last`` closes it (a later put
-is refused); ``get`` is refused until the partition is closed; ``delete`` is idempotent.
+A sink is anything with three async methods (:class:`BatchSink`); batch ``N`` goes to partition
+``train_N``. A put appends, all or nothing; ``is_last`` closes the partition (a later put is
+refused); ``get`` is refused until it is closed; ``delete`` is idempotent.
 """
 
 from __future__ import annotations
