@@ -286,10 +286,7 @@ class LifecycleCoordinator:
                     f"{self._committed_history} committed batches"
                 )
             self._refuse_busy(gen, f"begin_batch({batch_id})", include_self=True)
-            self._evict()
-            self._batches = {batch_id: _Batch()}
-            self._current = batch_id
-            self._last_begun = batch_id
+            self._open(batch_id)
             if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
                 self._engine.set(gen, _L.ACTIVE)
             return BatchState.PENDING
@@ -403,11 +400,7 @@ class LifecycleCoordinator:
                     raise CoordinationError(
                         f"fail_batch({batch_id}): batch {pending} is the pending batch"
                     )
-                self._evict()
-                self._batches = {batch_id: _Batch()}
-                self._current = batch_id
-                if self._last_begun is None or batch_id > self._last_begun:
-                    self._last_begun = batch_id
+                self._open(batch_id)
             cause = str(error)
             if release_unconfirmed:
                 cause += f" (release unconfirmed: the {gen} lease is kept BLOCKED)"
@@ -651,8 +644,12 @@ class LifecycleCoordinator:
             f"{_describe(new)}: give each operation its own id"
         )
 
-    def _evict(self) -> None:
-        """Forget the previous batch; retire its finished operations' fingerprints."""
+    def _open(self, batch_id: int) -> None:
+        """Make ``batch_id`` the current batch: the previous one forgotten, its finished
+        operations' fingerprints retired."""
+        self._batches = {batch_id: _Batch()}
+        self._current = batch_id
+        self._last_begun = batch_id if self._last_begun is None else max(batch_id, self._last_begun)
         for op_id, op in list(self._operations.items()):
             if op.task.done():
                 del self._operations[op_id]

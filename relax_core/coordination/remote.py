@@ -52,18 +52,17 @@ class CoordinatorActor(LifecycleCoordinator):
         super().__init__(managers=handles, **settings)
 
 
+if TYPE_CHECKING:  # the generated methods are invisible to mypy: it sees the Protocol's
+    _Contract = Coordinator
+else:
+    _Contract = object
+
+
 def _to_actor(name: str) -> Callable[..., Any]:
     async def method(self: RemoteCoordinator, *args: Any, **kwargs: Any) -> Any:
         return await self._call(name, *args, **kwargs)
 
     return method
-
-
-if TYPE_CHECKING:
-    # The generated methods are invisible to mypy: it sees the Protocol's instead.
-    _Contract = Coordinator
-else:
-    _Contract = object
 
 
 @generate(Coordinator, _to_actor)
@@ -151,11 +150,5 @@ def connect_coordinator(job: str) -> RemoteCoordinator:
         ) from None
 
 
-if TYPE_CHECKING:
-    # mypy checks the client and the actor against the contract.
-
-    def _client(coordinator: RemoteCoordinator) -> Coordinator:
-        return coordinator
-
-    def _actor(actor: CoordinatorActor) -> Coordinator:
-        return actor
+if TYPE_CHECKING:  # mypy checks the client and the actor against the contract
+    _CLIENTS: tuple[type[Coordinator], ...] = (RemoteCoordinator, CoordinatorActor)

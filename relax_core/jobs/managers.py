@@ -299,11 +299,8 @@ def engine_launch_specs(
     config: JobConfig, plugin_manager: PluginManager, *, dist_init_addr: str = "192.0.2.1:29500"
 ) -> dict[str, dict[str, list[Any]]]:
     """Model key path -> engine id -> the ``EngineLaunchSpec`` of each worker (head first)
-    that ``relax serve`` would launch (multi-node ones joining ``dist_init_addr``). Pure.
-
-    :raises PlacementError: the placement plan is invalid.
-    :raises ConfigError: a model cannot be served.
-    """
+    ``relax serve`` would launch (multi-node ones joining ``dist_init_addr``). Pure.
+    :raises PlacementError, ConfigError: the plan is invalid, a model cannot be served."""
     from relax_core.placement import plan_inference_placement
 
     plan = plan_inference_placement(config, plugin_manager)

@@ -15,6 +15,8 @@ from relax_core.config import JobConfig
 
 __all__ = ["ShutdownSignals", "ray_session"]
 
+Say = Callable[[str], None]
+
 
 @contextlib.contextmanager
 def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout) -> Iterator[str]:
@@ -72,11 +74,7 @@ class ShutdownSignals:
     """
 
     def __init__(
-        self,
-        out: TextIO,
-        *,
-        command: str = "relax serve",
-        say: Callable[[str], None] | None = None,
+        self, out: TextIO, *, command: str = "relax serve", say: Say | None = None
     ) -> None:
         self.out = out
         self.command = command
