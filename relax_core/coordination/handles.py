@@ -5,7 +5,7 @@ model's manager, in a Ray actor (:class:`RayManagerHandle`) or in this process
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from relax_core.manager.actor import InProcessManager, RayManager, host_manager
 from relax_core.manager.results import LifecycleResult, Outcome
@@ -71,23 +71,19 @@ class ClientHandle:
 
     async def onload(self) -> LifecycleResult:
         """The manager's ``onload()``: every tag on every replica."""
-        result: LifecycleResult = await self.client.acall("onload")
-        return result
+        return cast("LifecycleResult", await self.client.acall("onload"))
 
     async def offload(self) -> LifecycleResult:
         """The manager's ``offload()``: every tag on every replica, requests drained."""
-        result: LifecycleResult = await self.client.acall("offload")
-        return result
+        return cast("LifecycleResult", await self.client.acall("offload"))
 
     async def abort_and_offload(self) -> LifecycleResult:
         """The manager's ``offload(abort=True)``: requests in flight aborted, not drained."""
-        result: LifecycleResult = await self.client.acall("offload", abort=True)
-        return result
+        return cast("LifecycleResult", await self.client.acall("offload", abort=True))
 
     async def weight_version(self) -> str | None:
         """The manager's published weight version."""
-        version: str | None = await self.client.acall("weight_version")
-        return version
+        return cast("str | None", await self.client.acall("weight_version"))
 
     async def failed(self) -> list[str]:
         """The engine ids of the manager's FAILED replicas."""
@@ -100,8 +96,7 @@ class ClientHandle:
 
     async def recover(self) -> LifecycleResult:
         """The manager's ``recover()``: rebuild the FAILED replicas."""
-        result: LifecycleResult = await self.client.acall("recover")
-        return result
+        return cast("LifecycleResult", await self.client.acall("recover"))
 
 
 class LocalManagerHandle(ClientHandle):
