@@ -185,36 +185,34 @@ def build_role_service(
 def _manager(
     model: ModelConfig,
     pm: PluginManager,
-    service: RoleService | None,
+    service: RoleService,
     *,
     placement: ReplicaPlacement,
     timeouts: ManagerTimeouts | None,
     log_dir: str | None,
 ) -> InferenceManager | ExternalEngines:
     """The manager of one model (:class:`ExternalEngines` for one served by external
-    engines); given a ``service``, it publishes there and an ``SGLANG_ROUTER`` model's router
-    is launched (without one, for dry runs, it is not)."""
+    engines), publishing to ``service``; an ``SGLANG_ROUTER`` model's router launched."""
     spec = pm.role(model.role)
     route_mode = model.route_mode or spec.default_route_mode
     arguments = (
-        None
+        {"spec": _engine_spec(model, pm)}
         if model.external
         else manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
     )
-    engine_spec = _engine_spec(model, pm) if arguments is None else arguments["spec"]
     router: RouterProcess | None = None
-    publisher: Any = service.publisher if service is not None else None
-    if route_mode != "DIRECT" and service is not None:
+    publisher: Any = service.publisher
+    if route_mode != "DIRECT":
         record = router_record(model, spec, pm)
         router = record.launch(router_launch_spec(model, record, log_dir))
         service.routers[model.name] = router
         if model.engine.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
-    if arguments is None:
+    if model.external:
         return ExternalEngines(
             model.name,
             urls=model.external_urls,
-            spec=engine_spec,
+            spec=arguments["spec"],
             served_model_name=model.served_model_name or model.name,
             publisher=publisher,
             route_mode=route_mode,
@@ -310,15 +308,10 @@ def engine_launch_specs(
             continue
         # A CPU model's placement lists no bundles: one worker per replica.
         nodes = len(plan.model_placement(model.role, model.name).workers[0]) or 1
-        manager = _manager(
-            model,
-            plugin_manager,
-            None,
-            placement=ReplicaPlacement.unplaced(model.placement.num_engines, nodes),
-            timeouts=None,
-            log_dir=None,
+        placement = ReplicaPlacement.unplaced(model.placement.num_engines, nodes)
+        manager = InferenceManager(
+            model.name, **manager_arguments(model, plugin_manager, placement=placement)
         )
-        assert isinstance(manager, InferenceManager)  # external models were skipped
         out[model.path] = manager.launch_specs(dist_init_addr=dist_init_addr)
     return out
 
