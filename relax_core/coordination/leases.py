@@ -49,8 +49,7 @@ class LeaseEngine:
     :param on_event: called with one line per rebuild (and per BLOCKED lease).
     :param on_rebuild: called with the role whose replicas a switch rebuilt.
 
-    Not thread-safe: every method runs on one event loop; the front end holds the slice's
-    lock around a switch.
+    One event loop; not thread-safe. The caller holds the slice's :meth:`lock` around a switch.
     """
 
     def __init__(
@@ -168,11 +167,9 @@ class LeaseEngine:
         return [f"{h.name}: {why}" for h, why in zip(handles, reasons, strict=True) if why]
 
     async def recover(self, role: str) -> dict[str, list[str]]:
-        """A request to ``role`` failed mid-run: probe its replicas (a dead engine is FAILED at
-        once: ``check_health()`` on a handle that has it), then rebuild the FAILED ones as a
-        switch does first (:meth:`heal`). The slice's lock held, ``role`` resident. What was
-        rebuilt (handle names) and why any rebuild was not confirmed; never BLOCKS the role:
-        the request retried next fails on its own when the rebuild did not help."""
+        """A request to ``role`` (resident, the slice's lock held) failed mid-run: probe its
+        replicas (``check_health()``), then :meth:`heal`. ``{"rebuilt": [handle names],
+        "failed": [why not confirmed]}``; never BLOCKS the role."""
         handles = self.handles[role]
         await asyncio.gather(*(self._probe(h) for h in handles))
         failed = [h.name for h, f in zip(handles, await _all_failed(handles), strict=True) if f]
@@ -191,10 +188,9 @@ class LeaseEngine:
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
-        """One handle's part of a switch: rebuilt first where it may have FAILED replicas
-        (not known clean from its last call), then called (and, when its answer is not a
-        confirmation and the manager has FAILED replicas, rebuilt and called again). Why it is
-        not confirmed."""
+        """One handle's part of a switch: rebuilt first unless known clean from its last call,
+        then called (rebuilt and called again if it failed with FAILED replicas); why not
+        confirmed."""
         known_clean = self._confirmed.pop(id(handle), None) is handle
         why = None if known_clean else await self._heal(handle, role)
         if why is None:
