@@ -51,6 +51,7 @@ __all__ = [
     "PostOptions",
     "RouteOptions",
     "SnapshotProvider",
+    "TransportOptions",
 ]
 
 #: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
@@ -61,6 +62,20 @@ _UPSTREAM_UNAVAILABLE = frozenset({502, 503, 504})
 #: Body fields the client uses and never forwards to an engine's native or OpenAI paths.
 _ROUTING_FIELDS = ("model", "route_key", "min_weight_version")
 T = TypeVar("T")
+
+
+class TransportOptions(TypedDict, total=False):
+    """The connection settings of :class:`InferenceClient` (the defaults of each call, see
+    :class:`~relax_core._http.transport.Transport`): ``timeout`` 300 s, ``connect_timeout``
+    10 s, ``max_connections`` 256, ``stream_idle_timeout`` 60 s, ``stream_first_chunk_timeout``
+    none; ``session``: an aiohttp session to use (not closed here)."""
+
+    timeout: float | None
+    connect_timeout: float
+    max_connections: int
+    stream_idle_timeout: float | None
+    stream_first_chunk_timeout: float | None
+    session: aiohttp.ClientSession | None
 
 
 class RouteOptions(TypedDict, total=False):
@@ -95,12 +110,10 @@ class InferenceClient:
 
     Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``.
     ``role``: a snapshot of another role is rejected. ``ttl``: seconds a snapshot is reused.
-    ``timeout``, ``stream_idle_timeout``, ``stream_first_chunk_timeout``: the defaults of each
-    call (see :class:`~relax_core._http.transport.Transport`). ``session``: an aiohttp session
-    to use (not closed here). ``plugin_manager``: where the routing policies and the weight
-    sources come from (default: the process-wide one); ``weight_sources``: check snapshots
-    against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``: none).
-    ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
+    ``transport``: :class:`TransportOptions`. ``plugin_manager``: where the routing policies
+    and the weight sources come from (default: the process-wide one); ``weight_sources``: check
+    snapshots against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``:
+    none). ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
 
     Belongs to the event loop it is first used on; not thread-safe. Close it with
     :meth:`aclose` or ``async with`` (or share one: :func:`relax_core.client.pool.get_client`).
@@ -113,17 +126,12 @@ class InferenceClient:
         snapshot_provider: SnapshotProvider | None = None,
         role: str | None = None,
         ttl: float = 1.0,
-        timeout: float | None = 300.0,
-        connect_timeout: float = 10.0,
         discovery_timeout: float = 10.0,
-        max_connections: int = 256,
-        stream_idle_timeout: float | None = 60.0,
-        stream_first_chunk_timeout: float | None = None,
-        session: aiohttp.ClientSession | None = None,
         plugin_manager: PluginManager | None = None,
         weight_sources: WeightSources | None = None,
         breaker: BreakerSettings | None = BreakerSettings(),
         sleeping_note: str | None = None,
+        **transport: Unpack[TransportOptions],
     ) -> None:
         if (base_url is None) == (snapshot_provider is None):
             raise ValueError("InferenceClient: give exactly one of base_url and snapshot_provider")
@@ -135,14 +143,7 @@ class InferenceClient:
             raise ValueError(f"discovery_timeout={discovery_timeout!r}: give a positive number")
         self.base_url = base_url.rstrip("/") if base_url is not None else None
         self.role = role
-        self._transport = Transport(
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            max_connections=max_connections,
-            stream_idle_timeout=stream_idle_timeout,
-            stream_first_chunk_timeout=stream_first_chunk_timeout,
-            session=session,
-        )
+        self._transport = Transport(**transport)
         self._cache = SnapshotCache(
             self.base_url,
             snapshot_provider,

@@ -629,7 +629,8 @@ class LifecycleCoordinator:
                     "is no longer current; it is not run again"
                 )
             task = asyncio.ensure_future(run())
-            task.add_done_callback(_retrieve)
+            # Retrieved: the outcome reaches every caller and the batch state, never "unawaited".
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             op = _Operation(fp, task)
             self._operations[operation_id] = op
         elif op.fingerprint != fp:
@@ -764,13 +765,6 @@ class LifecycleCoordinator:
 def _check_batch_id(batch_id: object) -> None:
     if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
         raise CoordinationError(f"batch id {batch_id!r}: give an int >= 0")
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    # The outcome is delivered to every awaiting caller and recorded in the batch state; this
-    # only keeps asyncio from reporting an exception nobody awaited (a cancelled caller).
-    if not task.cancelled():
-        task.exception()
 
 
 if TYPE_CHECKING:  # mypy checks the in-process coordinator against the contract

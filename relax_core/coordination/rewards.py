@@ -208,10 +208,6 @@ class RewardStage:
         self.timeout = timeout
         self.retries = retries
 
-    def retries_of(self, spec: RewardSpec) -> int:
-        """How many times ``spec``'s call for a sample may be made again."""
-        return spec.retries if self.retries is None else self.retries
-
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         """Score ``samples`` in place; every adapter runs at once."""
         plans = []
@@ -283,7 +279,7 @@ class RewardStage:
     ) -> list[RewardResult]:
         gate = asyncio.Semaphore(self.concurrency)
         model = self.models[0] if len(self.models) == 1 else None
-        retries = self.retries_of(spec)
+        retries = spec.retries if self.retries is None else self.retries
 
         async def one(sample: Sample) -> RewardResult:
             context = RewardContext(sample, ctx.batch_id, ctx.clients, self.role, model)

@@ -249,7 +249,7 @@ class WakeController:
         task = self._waking.get(role)
         if task is None or task.done():
             task = self._waking[role] = asyncio.ensure_future(self._wake(r))
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
         try:
             await asyncio.wait_for(asyncio.shield(task), bound)
         except TimeoutError:
@@ -567,12 +567,6 @@ def _not_ready(
     """The 503 of a request for ``role``: ``role "ROLE"{sep}{why}``."""
     message = f'role "{role}"{sep}{why}'
     return ModelNotReadyError(message, role=role, model="*", state=state, retry_after=retry_after)
-
-
-def _retrieve(task: asyncio.Future[None]) -> None:
-    # Keeps asyncio from reporting an exception no waiter was left to retrieve.
-    if not task.cancelled():
-        task.exception()
 
 
 def _quantiles(seconds: list[float]) -> dict[str, float | int]:
