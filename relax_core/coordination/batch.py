@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, Unpack
 
 import attrs
@@ -243,7 +243,10 @@ class DeferredBatch:
         except BaseException as exc:
             if not self._committed:
                 await self._fail(exc)
-            self._flush(exc)
+            try:  # the trace of a failed batch too
+                self.timeline.flush()
+            except OSError as second:
+                exc.add_note(f"the trace file could not be written either: {second}")
             raise
         try:
             self.timeline.flush()
@@ -253,13 +256,6 @@ class DeferredBatch:
             )
             raise
         return result
-
-    def _flush(self, failure: BaseException) -> None:
-        """Write the trace of a failed batch too (its own failure noted on ``failure``)."""
-        try:
-            self.timeline.flush()
-        except OSError as exc:
-            failure.add_note(f"the trace file could not be written either: {exc}")
 
     async def _run(self) -> BatchResult:
         n, tl = self.batch_id, self.timeline
@@ -286,7 +282,11 @@ class DeferredBatch:
                 ctx = StageContext(n, self.clients, _Control(self, index))
                 reports.append(await self._run_leased(stage, self.staged, ctx))
         except BaseException as exc:
-            await _noting(self._release_all(exc), exc, "releasing the roles it used")
+            try:
+                await self._release_all(exc)
+            except BaseException as second:
+                what = f"{type(second).__name__}: {second}"
+                exc.add_note(f"then releasing the roles it used failed too: {what}")
             raise
         await self._release_all(None)
         if not self.originals:  # never committed nor trained: an empty batch has no signal
@@ -579,14 +579,6 @@ def describe_failure(exc: BaseException) -> str:
     if interrupted(exc):
         return "interrupted (its task was cancelled: Ctrl-C or a shutdown)"
     return f"{type(exc).__name__}: {exc}"
-
-
-async def _noting(cleanup: Awaitable[None], exc: BaseException, what: str) -> None:
-    """Await ``cleanup`` while ``exc`` is raised; its failure becomes a note on ``exc``."""
-    try:
-        await cleanup
-    except BaseException as second:
-        exc.add_note(f"then {what} failed too: {type(second).__name__}: {second}")
 
 
 async def _deadline(call: Any, timeout: float) -> Any:
