@@ -709,10 +709,7 @@ class LifecycleCoordinator:
         )
 
     def _pending_id(self) -> int | None:
-        for batch_id, batch in self._batches.items():
-            if batch.state is _B.PENDING:
-                return batch_id
-        return None
+        return next((i for i, batch in self._batches.items() if batch.state is _B.PENDING), None)
 
     def _current_batch(self, batch_id: int, where: str) -> _Batch:
         batch = self._batches.get(batch_id)

@@ -172,7 +172,8 @@ class LeaseEngine:
         "failed": [why not confirmed]}``; never BLOCKS the role."""
         handles = self.handles[role]
         await asyncio.gather(*(self._probe(h) for h in handles))
-        failed = [h.name for h, f in zip(handles, await _all_failed(handles), strict=True) if f]
+        found = await asyncio.gather(*(_failed(h) for h in handles))
+        failed = [h.name for h, f in zip(handles, found, strict=True) if f]
         reasons = await self.heal(role)
         return {"rebuilt": failed, "failed": reasons}
 
@@ -245,10 +246,6 @@ class LeaseEngine:
             why = unconfirmed(task.result(), expected)
             outcome = "confirmed" if why is None else f"unconfirmed: {why}"
         self.late.append(LateReply(role, handle.name, method, outcome, time.time()))
-
-
-async def _all_failed(handles: Sequence[ManagerHandle]) -> list[bool]:
-    return list(await asyncio.gather(*(_failed(h) for h in handles)))
 
 
 async def _failed(handle: ManagerHandle) -> bool:

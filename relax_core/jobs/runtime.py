@@ -206,19 +206,14 @@ class JobRuntime:
         process seen is gone, then every placement group but the fenced ones. Returns what
         could not be confirmed (empty when clean); each part is tried. Idempotent.
         """
-        problems, counts = stop_parts(first)
-        for kind, n in counts.items():
-            self.line(say, f"{kind} stopped ({n})")
+        problems = stop_parts(first, lambda text: self.line(say, text))
         models = self.handles
         self.models = {}
         found, unconfirmed = shutdown_models(models)
         problems += found
         if models:
             self.line(say, f"managers stopped ({len(models)})")
-        more, counts = stop_parts(then)
-        problems += more
-        for kind, n in counts.items():
-            self.line(say, f"{kind} stopped ({n})")
+        problems += stop_parts(then, lambda text: self.line(say, text))
         problems += still_running(self.engine_pids, self.router_pids)
         if models:
             self.line(say, f"engines stopped ({len(self.engine_pids)} processes)")
