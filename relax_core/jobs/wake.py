@@ -196,11 +196,11 @@ class WakeController:
 
     def summary(self) -> list[str]:
         """One line per slice: its residency plan and where each role is now."""
-        lines = []
-        for sid in sorted({r.slice for r in self._roles.values()}):
-            where = ", ".join(f"{r.name} {r.state}" for r in self._roles.values() if r.slice == sid)
-            lines.append(f"{sid}: {where}")
-        return lines
+        roles = self._roles.values()
+        return [
+            f"{sid}: " + ", ".join(f"{r.name} {r.state}" for r in roles if r.slice == sid)
+            for sid in sorted({r.slice for r in roles})
+        ]
 
     # -- what a gateway calls ----------------------------------------------------------------
 
