@@ -4,7 +4,7 @@ Ray actors (:func:`start_model_actor`), from the same :func:`manager_arguments`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import attrs
 
@@ -20,6 +20,7 @@ from relax_core.plugins import PluginManager
 from relax_core.records import EngineBackend, RouterBackend, RouterLaunchSpec, RouterProcess
 
 __all__ = [
+    "ManagerSettings",
     "backend_options",
     "build_role_service",
     "describe_job",
@@ -239,13 +240,17 @@ def _engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
         raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
 
 
+class ManagerSettings(TypedDict, total=False):
+    """Where and how a model's manager runs: its ``placement`` (required), the manager's
+    ``timeouts`` and the engines' ``log_dir``."""
+
+    placement: Required[ReplicaPlacement]
+    timeouts: ManagerTimeouts | None
+    log_dir: str | None
+
+
 def manager_arguments(
-    model: ModelConfig,
-    pm: PluginManager,
-    *,
-    placement: ReplicaPlacement,
-    timeouts: ManagerTimeouts | None = None,
-    log_dir: str | None = None,
+    model: ModelConfig, pm: PluginManager, **settings: Unpack[ManagerSettings]
 ) -> dict[str, Any]:
     """The :class:`~relax_core.manager.InferenceManager` arguments of ``model``, but the
     ``publisher`` and the router. Pure.
@@ -253,6 +258,7 @@ def manager_arguments(
     :raises ConfigError: a bad weight source or ``engine`` table, naming the key.
     """
     spec = pm.role(model.role)
+    placement, log_dir = settings["placement"], settings.get("log_dir")
     backend = pm.engine_backend(model.backend)
     reader = ConfigReader()
     options = backend_options(model, backend, reader)
@@ -269,7 +275,7 @@ def manager_arguments(
         ),
         "placement": placement,
         "route_mode": model.route_mode or spec.default_route_mode,
-        "timeouts": timeouts,
+        "timeouts": settings.get("timeouts"),
         "unhealthy_after": model.health.unhealthy_after,
     }
 
@@ -346,10 +352,8 @@ def start_model_actor(
     pm: PluginManager,
     *,
     job: str,
-    placement: ReplicaPlacement,
     publisher: Any,
-    timeouts: ManagerTimeouts | None = None,
-    log_dir: str | None = None,
+    **settings: Unpack[ManagerSettings],
 ) -> Any:
     """Create ``model``'s named manager actor for job ``job`` (with its router, if any),
     publishing to ``publisher``; return the handle, not started.
@@ -361,10 +365,11 @@ def start_model_actor(
     from relax_core.coordination.remote import NAMESPACE
     from relax_core.manager.actor import manager_actor_name, start_manager_actor
 
-    kwargs = manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
+    kwargs = manager_arguments(model, pm, **settings)
     if kwargs["route_mode"] != "DIRECT":
         record = router_record(model, pm.role(model.role), pm)
-        kwargs.update(router_backend=record, router_spec=router_launch_spec(model, record, log_dir))
+        spec = router_launch_spec(model, record, settings.get("log_dir"))
+        kwargs.update(router_backend=record, router_spec=spec)
     try:
         return start_manager_actor(
             model.name,
