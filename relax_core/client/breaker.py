@@ -1,10 +1,8 @@
 """Per-replica circuit breakers of an :class:`~relax_core.client.client.InferenceClient`.
 
-``BreakerSettings.failures`` connect failures in a row to a DIRECT head open its breaker: the
-resolver avoids the head while another is eligible, and a ``GET {url}/health_generate`` probe
-after a doubling cooldown closes it again; a request that connects resets the count; a head no
-longer published is forgotten. Only connect failures count and probes are GETs, so no POST is
-ever replayed (docs/client.md).
+Connect failures in a row to a DIRECT head open its breaker (the resolver avoids the head while
+another is eligible) until a GET probe closes it; only connect failures count and probes are
+GETs, so no POST is ever replayed (docs/client.md).
 """
 
 from __future__ import annotations
@@ -27,13 +25,9 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
 
 @attrs.frozen
 class BreakerSettings:
-    """When a replica's breaker opens and how it probes.
-
-    ``failures``: consecutive connect failures that open it. ``cooldown``: seconds before the
-    first probe, doubled after each failed probe up to ``max_cooldown``. ``probe_timeout``: the
-    deadline of one probe; ``probe_path``: what it GETs (the engine generates one token).
-
-    :raises ValueError: a value out of range, naming it.
+    """When a replica's breaker opens (``failures`` connect failures in a row) and how it
+    probes: ``probe_path`` GET after ``cooldown`` seconds, doubled after each failed probe up
+    to ``max_cooldown``, each within ``probe_timeout``. :raises ValueError: a value out of range.
     """
 
     failures: int = attrs.field(default=3, validator=_positive)
@@ -72,11 +66,9 @@ Probe = Callable[[str, float], Awaitable[int]]
 
 
 class ReplicaBreakers:
-    """The breakers of one client's DIRECT heads, by base URL (see the module docstring).
-
-    ``probe`` sends a probe; ``published(url)`` says whether a head of that URL is still in the
-    role's snapshot (a breaker of a URL no longer published is forgotten). ``on_change(state)``
-    is called on every open and close. Belongs to one event loop; not thread-safe.
+    """The breakers of one client's DIRECT heads, by base URL: ``probe`` sends a probe;
+    ``published(url)``: whether the role's snapshot still has that head (else its breaker is
+    forgotten); ``on_change(state)`` hears every open and close. One event loop; not thread-safe.
     """
 
     def __init__(
@@ -106,10 +98,8 @@ class ReplicaBreakers:
         return BreakerState(b.url, b.engine_id, b.open, b.failures, b.opened_at, b.probes)
 
     def connect_failed(self, url: str, engine_id: str | None) -> bool:
-        """Count a connect failure to ``url``; return whether its breaker is open now.
-
-        Opening it starts its probe on the running event loop.
-        """
+        """Count a connect failure to ``url``; whether its breaker is open now (opening it
+        starts its probe on the running event loop)."""
         b = self._breakers.get(url)
         if b is None:
             b = self._breakers[url] = _Breaker(url, engine_id)

@@ -38,11 +38,9 @@ class SnapshotCache:
     """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
 
     Give exactly one of ``base_url`` (fetched with ``transport`` within ``discovery_timeout``)
-    and ``provider``. ``role``: a snapshot of another role is rejected. ``weight_sources``:
-    what a parsed snapshot is checked against (default: the process-wide plugin manager).
-
-    Concurrent refreshes share one fetch; fetches are counted (:attr:`fetches`, for
-    :meth:`refetch`). Belongs to one event loop; not thread-safe.
+    and ``provider``; a snapshot of another ``role`` is rejected; ``weight_sources``: what it is
+    checked against (default: the process-wide plugin manager). Concurrent refreshes share one
+    fetch. Belongs to one event loop; not thread-safe.
     """
 
     base_url: str | None
@@ -87,9 +85,7 @@ class SnapshotCache:
 
     async def snapshot(self, force: bool = False) -> RoleSnapshot:
         """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
-
-        Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly.
-        """
+        :raises RoutingError: 503 when the registry cannot be reached or answers badly."""
         if not force:
             snap = self.fresh()
             if snap is not None:

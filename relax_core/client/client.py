@@ -1,14 +1,6 @@
-"""The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange.
-
-:class:`InferenceClient` is how framework code (and, through :meth:`InferenceClient.open`, the
-role gateways) talks to a role's engines::
-
-    async with InferenceClient("http://gateway:8000/teacher") as client:
-        out = await client.generate({"input_ids": ids, "sampling_params": {...}},
-                                    route_key="math-data", affinity_key=group_id)
-
-The contract (discovery, routing, the one safe retry, what is rewritten and what is never
-replayed) is docs/client.md.
+"""The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange; how
+framework code and the role gateways reach a role's engines. The contract (discovery, routing,
+the one safe retry, what is rewritten and never replayed) is docs/client.md.
 """
 
 from __future__ import annotations
@@ -59,6 +51,7 @@ __all__ = [
     "PostOptions",
     "RouteOptions",
     "SnapshotProvider",
+    "TransportOptions",
 ]
 
 #: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
@@ -71,10 +64,23 @@ _ROUTING_FIELDS = ("model", "route_key", "min_weight_version")
 T = TypeVar("T")
 
 
+class TransportOptions(TypedDict, total=False):
+    """The connection settings of :class:`InferenceClient` (the defaults of each call, see
+    :class:`~relax_core._http.transport.Transport`): ``timeout`` 300 s, ``connect_timeout``
+    10 s, ``max_connections`` 256, ``stream_idle_timeout`` 60 s, ``stream_first_chunk_timeout``
+    none; ``session``: an aiohttp session to use (not closed here)."""
+
+    timeout: float | None
+    connect_timeout: float
+    max_connections: int
+    stream_idle_timeout: float | None
+    stream_first_chunk_timeout: float | None
+    session: aiohttp.ClientSession | None
+
+
 class RouteOptions(TypedDict, total=False):
     """How a request is routed and identified: the keyword arguments of
-    :meth:`InferenceClient.prepare`, also taken by ``open``, ``post``, ``stream``, ``generate``
-    and ``chat`` (see ``prepare`` for each)."""
+    :meth:`InferenceClient.prepare` (see it), also taken by every sending method."""
 
     model: str | None
     route_key: str | None
@@ -87,15 +93,13 @@ class RouteOptions(TypedDict, total=False):
 
 
 class PostOptions(RouteOptions, total=False):
-    """The keyword arguments of :meth:`InferenceClient.post` (and ``generate``, ``chat``): the
-    routing ones and this request's deadline (``None``: the client's)."""
+    """:class:`RouteOptions` and the request's deadline (``post``, ``generate``, ``chat``)."""
 
     timeout: float | None
 
 
 class OpenOptions(PostOptions, total=False):
-    """The keyword arguments of :meth:`InferenceClient.open` (and ``stream``): those of ``post``
-    and this request's stream idle limits (see ``send``)."""
+    """:class:`PostOptions` and the stream idle limits (``open``, ``stream``; see ``send``)."""
 
     stream_idle_timeout: float | None
     stream_first_chunk_timeout: float | None
@@ -106,12 +110,10 @@ class InferenceClient:
 
     Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``.
     ``role``: a snapshot of another role is rejected. ``ttl``: seconds a snapshot is reused.
-    ``timeout``, ``stream_idle_timeout``, ``stream_first_chunk_timeout``: the defaults of each
-    call (see :class:`~relax_core._http.transport.Transport`). ``session``: an aiohttp session
-    to use (not closed here). ``plugin_manager``: where the routing policies and the weight
-    sources come from (default: the process-wide one); ``weight_sources``: check snapshots
-    against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``: none).
-    ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
+    ``transport``: :class:`TransportOptions`. ``plugin_manager``: where the routing policies
+    and the weight sources come from (default: the process-wide one); ``weight_sources``: check
+    snapshots against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``:
+    none). ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
 
     Belongs to the event loop it is first used on; not thread-safe. Close it with
     :meth:`aclose` or ``async with`` (or share one: :func:`relax_core.client.pool.get_client`).
@@ -124,17 +126,12 @@ class InferenceClient:
         snapshot_provider: SnapshotProvider | None = None,
         role: str | None = None,
         ttl: float = 1.0,
-        timeout: float | None = 300.0,
-        connect_timeout: float = 10.0,
         discovery_timeout: float = 10.0,
-        max_connections: int = 256,
-        stream_idle_timeout: float | None = 60.0,
-        stream_first_chunk_timeout: float | None = None,
-        session: aiohttp.ClientSession | None = None,
         plugin_manager: PluginManager | None = None,
         weight_sources: WeightSources | None = None,
         breaker: BreakerSettings | None = BreakerSettings(),
         sleeping_note: str | None = None,
+        **transport: Unpack[TransportOptions],
     ) -> None:
         if (base_url is None) == (snapshot_provider is None):
             raise ValueError("InferenceClient: give exactly one of base_url and snapshot_provider")
@@ -146,14 +143,7 @@ class InferenceClient:
             raise ValueError(f"discovery_timeout={discovery_timeout!r}: give a positive number")
         self.base_url = base_url.rstrip("/") if base_url is not None else None
         self.role = role
-        self._transport = Transport(
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            max_connections=max_connections,
-            stream_idle_timeout=stream_idle_timeout,
-            stream_first_chunk_timeout=stream_first_chunk_timeout,
-            session=session,
-        )
+        self._transport = Transport(**transport)
         self._cache = SnapshotCache(
             self.base_url,
             snapshot_provider,
@@ -247,11 +237,9 @@ class InferenceClient:
         affinity_key: str | None = None,
         min_weight_version: str | None = None,
     ) -> RouteTarget:
-        """``target`` if the current snapshot still routes to it, else a new decision for its
-        model: for a body that took a while to build for ``target`` (a rendered chat template).
-
-        Still routes: the model is READY and, for a DIRECT target, the head is READY,
-        direct-eligible, at the same URL and generation (and serves ``min_weight_version``).
+        """``target`` if the current snapshot still routes to it (its model READY; a DIRECT
+        head READY, direct-eligible, at the same URL and generation, serving
+        ``min_weight_version``), else a new decision for its model.
 
         :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`).
         """
@@ -420,15 +408,10 @@ class InferenceClient:
             self._cache.invalidate()
             self._failed(exc, prepared.target)
             raise
-        if resp.status in _UPSTREAM_UNAVAILABLE:
-            self._cache.invalidate()
-            if resp.status == 502 and resp.headers.get(NOT_SENT_HEADER):
-                resp.close()
-                self._untrack(engine_id)
-                raise self._not_sent(prepared)
-        breakers = self._breakers
-        if breakers is not None and engine_id is not None:
-            breakers.reached(_base(prepared))
+        if not self._answered(prepared, engine_id, resp.status, resp.headers):
+            resp.close()
+            self._untrack(engine_id)
+            raise self._not_sent(prepared)
         return UpstreamResponse(
             resp,
             prepared,
@@ -451,13 +434,22 @@ class InferenceClient:
             raise
         finally:
             self._untrack(engine_id)
+        if not self._answered(prepared, engine_id, status, headers):
+            raise self._not_sent(prepared)
+        return status, headers, body, prepared
+
+    def _answered(
+        self, prepared: PreparedRequest, engine_id: str | None, status: int, headers: Any
+    ) -> bool:
+        """After an answer's headers: ``False`` for an admission server's "nothing sent" 502,
+        else the head counts as reached (its breaker)."""
         if status in _UPSTREAM_UNAVAILABLE:
             self._cache.invalidate()
             if status == 502 and headers.get(NOT_SENT_HEADER):
-                raise self._not_sent(prepared)
+                return False
         if engine_id is not None and self._breakers is not None:
             self._breakers.reached(_base(prepared))
-        return status, headers, body, prepared
+        return True
 
     async def _routed(
         self,
@@ -485,16 +477,13 @@ class InferenceClient:
     def open(
         self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[OpenOptions]
     ) -> Coroutine[Any, Any, UpstreamResponse]:
-        """Prepare and send once; return the raw response when its headers arrived.
+        """:meth:`prepare` then :meth:`send`, with the one safe retry (nothing was sent: routed
+        again on a fresh snapshot, avoiding the failed head, same request id); the raw response
+        once its headers arrived (status unchecked, body unread: close it, ``async with``).
 
-        What a gateway forwards through: :meth:`prepare` then :meth:`send`, with the one safe
-        retry: when no connection could be opened (nothing was sent), the request is routed
-        again on a fresh snapshot, avoiding the failed head, and sent once more with the same
-        request id. The status is not checked and the body is not read: relay or read it, and
-        close the response (``async with``). Raises ``RoutingError`` before sending,
-        :class:`~relax_core.errors.UpstreamUnreachableError` when the retry could not connect
-        either, :class:`~relax_core.errors.RequestNotReplayedError` after sending. ``options``:
-        :class:`OpenOptions` (as in :meth:`prepare` and :meth:`send`).
+        Raises ``RoutingError`` before sending, :class:`~relax_core.errors.
+        UpstreamUnreachableError` when the retry could not connect either,
+        :class:`~relax_core.errors.RequestNotReplayedError` after sending.
         """
         attempt = functools.partial(
             self.send,

@@ -50,12 +50,9 @@ def get_client(
     role: str | None = None,
     **options: Any,
 ) -> InferenceClient:
-    """The shared :class:`InferenceClient` of the running event loop for this source.
-
-    One client per event loop and per ``(base_url or snapshot_provider, role, options)``,
-    closed when ``asyncio.run`` (or ``uvloop.run``) shuts the loop down, or by
-    :func:`close_clients`. Must be called inside a running event loop.
-    """
+    """The shared :class:`InferenceClient` of the running event loop (required) for
+    ``(base_url or snapshot_provider, role, options)``, closed when the loop shuts down
+    (``asyncio.run``, ``uvloop.run``) or by :func:`close_clients`."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, Unpack
 
 import attrs
@@ -158,8 +158,7 @@ class DeferredBatch:
     """One closed batch's stages, from staging to commit.
 
     :param samples: the originals, only written to by the write-back after every stage passed.
-    :param rollout: the generation role's manager handle in this process (a student stage
-        needs its ``weight_version()`` too).
+    :param rollout: the generation role's manager handle in this process.
     :param finalizer: ``finalizer(batch_id, samples)`` (sync or async) between the put and the
         commit; if it raises, the partition is deleted.
     :param release_timeout: deadline of the generation role's local offload and onload.
@@ -244,7 +243,10 @@ class DeferredBatch:
         except BaseException as exc:
             if not self._committed:
                 await self._fail(exc)
-            self._flush(exc)
+            try:  # the trace of a failed batch too
+                self.timeline.flush()
+            except OSError as second:
+                exc.add_note(f"the trace file could not be written either: {second}")
             raise
         try:
             self.timeline.flush()
@@ -254,13 +256,6 @@ class DeferredBatch:
             )
             raise
         return result
-
-    def _flush(self, failure: BaseException) -> None:
-        """Write the trace of a failed batch too (its own failure noted on ``failure``)."""
-        try:
-            self.timeline.flush()
-        except OSError as exc:
-            failure.add_note(f"the trace file could not be written either: {exc}")
 
     async def _run(self) -> BatchResult:
         n, tl = self.batch_id, self.timeline
@@ -287,7 +282,11 @@ class DeferredBatch:
                 ctx = StageContext(n, self.clients, _Control(self, index))
                 reports.append(await self._run_leased(stage, self.staged, ctx))
         except BaseException as exc:
-            await _noting(self._release_all(exc), exc, "releasing the roles it used")
+            try:
+                await self._release_all(exc)
+            except BaseException as second:
+                what = f"{type(second).__name__}: {second}"
+                exc.add_note(f"then releasing the roles it used failed too: {what}")
             raise
         await self._release_all(None)
         if not self.originals:  # never committed nor trained: an empty batch has no signal
@@ -387,7 +386,8 @@ class DeferredBatch:
         role = stage.role
         if role is not None and (role == self._generation_role or role in self._deferred):
             await self._acquire(role, stage.models, student=role == self._generation_role)
-        return await self._run_stage(stage, samples, ctx)
+        with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
+            return await stage.run(samples, ctx)
 
     async def _generate(self, stage: str, **request: Unpack[MoreGroups]) -> list[Sample]:
         """More groups through the producer, with the generation role's lease taken back."""
@@ -455,12 +455,6 @@ class DeferredBatch:
         """A number new for each lease the batch takes."""
         self._leases += 1
         return self._leases
-
-    async def _run_stage(
-        self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
-    ) -> StageReport:
-        with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
-            return await stage.run(samples, ctx)
 
     async def _check_weight_version(self, gen: str) -> None:
         versions = {s.weight_version for s in self.originals}
@@ -585,14 +579,6 @@ def describe_failure(exc: BaseException) -> str:
     if interrupted(exc):
         return "interrupted (its task was cancelled: Ctrl-C or a shutdown)"
     return f"{type(exc).__name__}: {exc}"
-
-
-async def _noting(cleanup: Awaitable[None], exc: BaseException, what: str) -> None:
-    """Await ``cleanup`` while ``exc`` is raised; its failure becomes a note on ``exc``."""
-    try:
-        await cleanup
-    except BaseException as second:
-        exc.add_note(f"then {what} failed too: {type(second).__name__}: {second}")
 
 
 async def _deadline(call: Any, timeout: float) -> Any:

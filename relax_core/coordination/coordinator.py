@@ -1,27 +1,12 @@
 """LifecycleCoordinator: shared-GPU leases, operation dedupe and the training-batch commit gate.
 
 In a defer layout the generation role (rollout) and the deferred roles (genrm, teacher) take
-turns on the same GPUs within one RL step. The coordinator is the one authority on who may hold
-them: it grants a role its lease only once every other role on the same *defer slice* is
-confirmed SLEEPING, and it commits a training batch only when every role sleeps and the batch
-sink acknowledged the write. It holds no samples, rewards, log-probs or partitions — those
-belong to the :class:`~relax_core.coordination.batch.DeferredBatch` and the sink.
-
-The leases themselves, the switch, the BLOCKED rule and late replies are the
-:class:`~relax_core.coordination.leases.LeaseEngine`'s, the one ``relax serve``'s on-demand
-wake drives too; this module adds batches, operation ids and the commit gate. It is the
-logic, a plain asyncio class (tested with real asyncio and fake manager
-handles). :mod:`relax_core.coordination.remote` runs it in a CPU-only Ray actor and gives every
-other process a client with the same coroutine API: :class:`Coordinator` is that API, the
-contract both (and ``relax run --measure``'s measuring wrapper) are checked against.
-
-State (the reference's fields): ``_operation_timeout`` (the deadline of one manager RPC),
-``_condition`` (guards the state, wakes commit waiters), ``_managers`` (role -> handles),
-``_roles`` (role -> lease state), ``_batches`` (the current batch only), ``_current``,
-``_failure`` (the run's first failure), ``_operations`` (operation id -> fingerprint and shared
-task, for the current batch and unfinished operations), ``_committed`` (the newest 1024 committed
-batch ids, with their sink receipts) and ``_retired`` (fingerprints of the newest 8192 evicted
-operations).
+turns on the same GPUs within one RL step. The coordinator grants a role its lease only once
+every other role on its *defer slice* is SLEEPING, and commits a training batch only when every
+role sleeps and the batch sink acknowledged the write; the samples are the
+:class:`~relax_core.coordination.batch.DeferredBatch`'s. The leases, the switch, the BLOCKED
+rule and late replies are the :class:`~relax_core.coordination.leases.LeaseEngine`'s (shared
+with ``relax serve``'s wakes); this module adds batches, operation ids and the commit gate.
 """
 
 from __future__ import annotations
@@ -111,14 +96,10 @@ class CoordinatorStatus:
 
 
 class Coordinator(Protocol):
-    """The coordinator's API, wherever it runs: the coroutines a producer, a
-    :class:`~relax_core.coordination.batch.DeferredBatch`, a trainer and an operator call.
-
-    Implemented by :class:`LifecycleCoordinator` (in this process; also what the Ray actor
-    runs) and :class:`~relax_core.coordination.remote.RemoteCoordinator` (its client in any
-    process of the job); see :class:`LifecycleCoordinator` for what each does. mypy checks
-    both against it, and a test compares every public method's signature.
-    """
+    """The coordinator's API, wherever it runs: :class:`LifecycleCoordinator` (in this process
+    and in the Ray actor; see it for what each coroutine does) and
+    :class:`~relax_core.coordination.remote.RemoteCoordinator` (its client), both checked
+    against it."""
 
     async def begin_batch(self, batch_id: int) -> BatchState: ...
 
@@ -167,14 +148,11 @@ class LifecycleCoordinator:
     :param operation_timeout: the deadline of one manager RPC (default 180 s). A timeout, an
         error or an unconfirmed result leaves the lease BLOCKED and fails the batch; a late
         reply never releases it.
-    :param residency: which roles of a slice may hold its GPUs at once
-        (:class:`~relax_core.coordination.residency.ResidencyPlan`); its free roles need no
-        lease to stay awake (a commit does not wait for them to sleep). Default: one role of a
-        slice at a time, every role leased (``exclusive``).
+    :param residency: which roles of a slice may hold its GPUs at once (a ``ResidencyPlan``;
+        its free roles need no lease); default: one role of a slice at a time.
     :raises ValueError: the inputs disagree (a role without handles, an unknown role).
 
-    Every method is a coroutine of the coordinator's event loop; none blocks the loop. All
-    state changes happen between awaits, so the invariants hold whatever the interleaving.
+    Every method is a coroutine of one event loop; state changes happen between awaits.
     """
 
     def __init__(
@@ -277,11 +255,8 @@ class LifecycleCoordinator:
     # -- the generation role ---------------------------------------------------------------
 
     async def begin_batch(self, batch_id: int) -> BatchState:
-        """Open batch ``batch_id`` and give the generation role its lease (no RPC: it is
-        resident or onloads itself).
-
-        Idempotent: the pending batch again returns PENDING; a committed batch (within the
-        history) returns COMMITTED. Batch ids increase.
+        """Open batch ``batch_id`` (ids increase) and give the generation role its lease (no
+        RPC). Idempotent: PENDING again, or COMMITTED for a batch within the history.
 
         :raises BatchFailedError: the run failed earlier.
         :raises LeaseBlockedError: a role on the generation role's slice is BLOCKED.
@@ -311,20 +286,14 @@ class LifecycleCoordinator:
                     f"{self._committed_history} committed batches"
                 )
             self._refuse_busy(gen, f"begin_batch({batch_id})", include_self=True)
-            self._evict()
-            self._batches = {batch_id: _Batch()}
-            self._current = batch_id
-            self._last_begun = batch_id
+            self._open(batch_id)
             if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
                 self._engine.set(gen, _L.ACTIVE)
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
-        """The generation role says it offloaded itself; ``result`` is its manager's
-        :class:`~relax_core.manager.LifecycleResult`, which must show every replica SLEEPING.
-
-        Accepted for the current batch whether PENDING or FAILED (a failed producer still
-        releases). Idempotent once SLEEPING.
+        """The generation role offloaded itself: ``result`` (its manager's ``LifecycleResult``)
+        must show every replica SLEEPING. For the current batch, PENDING or FAILED. Idempotent.
 
         :raises LeaseBlockedError: the result does not confirm the release: the lease is now
             BLOCKED and the batch FAILED ("release unconfirmed").
@@ -346,11 +315,9 @@ class LifecycleCoordinator:
             return self._roles[gen]
 
     async def begin_student_scoring(self, batch_id: int) -> LeaseState:
-        """Give the generation role its lease again, for student scoring (it onloads itself,
-        checks its weight version, prefills, offloads and acknowledges again).
-
-        Needs the pending batch, its generation release acknowledged, and every other role on
-        the slice SLEEPING. Idempotent while the student lease is held.
+        """Give the generation role its lease again, for student scoring (it onloads itself and
+        acknowledges again): needs the pending batch, its release acknowledged and every other
+        role on the slice SLEEPING. Idempotent while the student lease is held.
 
         :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
         """
@@ -376,14 +343,12 @@ class LifecycleCoordinator:
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState:
         """Onload ``role`` on its slice for the pending batch ``batch_id``: the handles of
-        ``models`` only (the handle of model ``m`` is named ``role.m``), or every one of the
-        role's handles when ``models`` is empty — two judges of one role can take turns on GPUs
-        that hold one of them at a time.
+        ``models`` only (model ``m``'s handle is named ``role.m``; empty: all of the role's).
 
-        Issued only when it changes something: an ACTIVE role whose awake models include
-        ``models`` is not onloaded again. Refused (and the batch FAILED) while another role on
-        the slice is not SLEEPING. Deduped by ``operation_id``: the same id with the same
-        request shares one execution and result; with another request it is an error.
+        An ACTIVE role whose awake models include ``models`` is not onloaded again. Refused (and
+        the batch FAILED) while another role on the slice is not SLEEPING. Deduped by
+        ``operation_id``: the same id and request share one execution; another request is an
+        error.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its onload was not confirmed within
             the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -400,12 +365,10 @@ class LifecycleCoordinator:
         )
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
-        """Offload ``role``; accepted for the current batch whether PENDING or FAILED, so a
-        failed batch still releases its GPUs. A SLEEPING role is not offloaded again. For a
-        FAILED batch the role's requests still in flight are aborted rather than drained
-        (``abort_and_offload()`` of handles that have it): nothing they answer is used. The
-        handles offloaded are those the role's activation onloaded (every one after a failed
-        or unconfirmed switch: what is awake is not known then).
+        """Offload ``role`` (the handles its activation onloaded; all after a failed switch), for
+        the current batch whether PENDING or FAILED; a SLEEPING role is not offloaded again. For
+        a FAILED batch its requests in flight are aborted (``abort_and_offload()``), not drained.
+        Deduped by ``operation_id`` as :meth:`activate`.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -420,11 +383,9 @@ class LifecycleCoordinator:
     async def fail_batch(
         self, batch_id: int, error: str, *, release_unconfirmed: bool = False
     ) -> BatchState:
-        """Mark ``batch_id`` FAILED (the first cause is kept) and wake its waiters.
-
-        ``release_unconfirmed``: the generation role could not confirm its offload, so its lease
-        is kept, BLOCKED. A batch that was never begun is recorded as FAILED when no other
-        batch is pending (a producer that failed before ``begin_batch``). Idempotent.
+        """Mark ``batch_id`` FAILED (the first cause kept; a batch never begun too, when no other
+        is pending) and wake its waiters. ``release_unconfirmed``: the generation role's offload
+        was not confirmed, so its lease is kept, BLOCKED. Idempotent.
 
         :raises CoordinationError: the batch is committed, or another batch is pending.
         """
@@ -439,11 +400,7 @@ class LifecycleCoordinator:
                     raise CoordinationError(
                         f"fail_batch({batch_id}): batch {pending} is the pending batch"
                     )
-                self._evict()
-                self._batches = {batch_id: _Batch()}
-                self._current = batch_id
-                if self._last_begun is None or batch_id > self._last_begun:
-                    self._last_begun = batch_id
+                self._open(batch_id)
             cause = str(error)
             if release_unconfirmed:
                 cause += f" (release unconfirmed: the {gen} lease is kept BLOCKED)"
@@ -454,10 +411,8 @@ class LifecycleCoordinator:
 
     async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState:
         """Commit ``batch_id``: every role SLEEPING, the generation release acknowledged, and
-        ``receipt`` the :class:`~relax_core.coordination.sink.SinkReceipt` of a successful put
-        that closed partition ``train_{batch_id}``. Wakes every waiter.
-
-        Idempotent: a committed batch (within the history) returns COMMITTED.
+        ``receipt`` the ``SinkReceipt`` of a put that closed ``train_{batch_id}``. Wakes every
+        waiter. Idempotent (COMMITTED within the history).
 
         :raises BatchFailedError: the batch failed.
         :raises CoordinationError: a role is not SLEEPING, the release was not acknowledged, or
@@ -504,10 +459,8 @@ class LifecycleCoordinator:
             return BatchState.COMMITTED
 
     async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt:
-        """Wait until ``batch_id`` is committed; return its sink receipt (the partition to read).
-
-        Returns at once for a committed batch within the history. Wakes on commit and on
-        failure. A batch evicted beyond the history waits until ``timeout``.
+        """Wait until ``batch_id`` is committed (at once within the history; a batch evicted
+        beyond it waits until ``timeout``); its sink receipt (the partition to read).
 
         :raises BatchFailedError: the batch failed, or the run failed at this or an earlier
             batch (the message names the batch and the cause).
@@ -538,11 +491,9 @@ class LifecycleCoordinator:
     # -- recovery mid-run ---------------------------------------------------------------------
 
     async def recover(self, role: str) -> dict[str, list[str]]:
-        """A stage's request to ``role`` failed mid-run: its replicas probed and the FAILED ones
-        rebuilt through their managers, under the slice's lock (the lease engine's
-        :meth:`~relax_core.coordination.leases.LeaseEngine.recover`: the rule of every switch).
-        ``{"rebuilt": [handle names], "failed": [why a rebuild was not confirmed]}``; nothing
-        for the generation role (it has no handles here) or a BLOCKED one (the operator's).
+        """A stage's request to ``role`` failed mid-run: :meth:`LeaseEngine.recover
+        <relax_core.coordination.leases.LeaseEngine.recover>` under the slice's lock;
+        nothing for the generation role (no handles here) or a BLOCKED one (the operator's).
 
         :raises CoordinationError: ``role`` is not one of the job's.
         """
@@ -553,11 +504,9 @@ class LifecycleCoordinator:
             return await self._engine.recover(role)
 
     async def go_on_after(self, batch_id: int) -> None:
-        """The run goes on past FAILED batch ``batch_id`` (the driver's ``[run]
-        max_failed_steps``): the run's failure is cleared so that the next batch may begin;
-        the batch stays FAILED (its waiters got ``BatchFailedError``, nothing of it is
-        committed) and a BLOCKED lease stays BLOCKED (nothing is granted its slice).
-        Idempotent.
+        """The run goes on past FAILED batch ``batch_id`` (``[run] max_failed_steps``): the
+        run's failure is cleared so the next batch may begin; the batch stays FAILED and a
+        BLOCKED lease stays BLOCKED. Idempotent.
 
         :raises CoordinationError: batch ``batch_id`` is not FAILED.
         """
@@ -575,11 +524,8 @@ class LifecycleCoordinator:
     # -- the operator -----------------------------------------------------------------------
 
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState:
-        """Operator only: set a BLOCKED lease back to SLEEPING.
-
-        ``confirm_clean`` must be true: the operator states that the role's engines hold no GPU
-        memory (checked on the node: stopped, or offloaded and confirmed). The run's failure is
-        kept (start a new run to train again); the reset lets the GPUs be leased again.
+        """Operator only: set a BLOCKED lease back to SLEEPING; ``confirm_clean`` must be true
+        (the role's engines hold no GPU memory, checked on the node). The run's failure is kept.
 
         :raises CoordinationError: not confirmed, or the lease is not BLOCKED.
         """
@@ -604,7 +550,7 @@ class LifecycleCoordinator:
     async def _activate(
         self, role: str, batch_id: int, handles: tuple[ManagerHandle, ...]
     ) -> LeaseState:
-        def admit() -> None:
+        def admit() -> str | None:
             self._pending(batch_id, f"activate({role!r})")
             state = self._roles[role]
             if state is _L.ACTIVE:
@@ -615,73 +561,56 @@ class LifecycleCoordinator:
                         f"activate({role!r}): the role is ACTIVE with "
                         f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
                     )
-            if state in (_L.BLOCKED, _L.ACTIVE):
-                return  # answered by _switch
-            try:
-                self._refuse_busy(role, f"activate({role!r})", include_self=False)
-            except CoordinationError as exc:
-                self._fail(batch_id, str(exc))
-                raise
+            if state not in (_L.BLOCKED, _L.ACTIVE):  # else answered by _switch
+                try:
+                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
+                except CoordinationError as exc:
+                    self._fail(batch_id, str(exc))
+                    raise
+            return None
 
-        return await self._switch(
-            role,
-            batch_id,
-            "activate",
-            admit,
-            (_L.ONLOADING, "onload", _L.ACTIVE),
-            handles,
-        )
+        return await self._switch(role, batch_id, admit, handles, out=False)
 
     async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
-        def admit() -> str:
+        def admit() -> str | None:
             batch = self._current_batch(batch_id, f"deactivate({role!r})")
             # A failed batch uses nothing its requests would answer: abort them, do not wait.
-            return ABORT if batch.state is _B.FAILED else "offload"
+            return ABORT if batch.state is _B.FAILED else None
 
-        return await self._switch(
-            role,
-            batch_id,
-            "deactivate",
-            admit,
-            (_L.DRAINING, "offload", _L.SLEEPING),
-            self._awake.get(role) or self._handles(role),
-        )
+        handles = self._awake.get(role) or self._handles(role)
+        return await self._switch(role, batch_id, admit, handles, out=True)
 
     async def _switch(
         self,
         role: str,
         batch_id: int,
-        what: str,
         admit: Callable[[], str | None],
-        steps: tuple[LeaseState, str, LeaseState],
         handles: tuple[ManagerHandle, ...],
+        *,
+        out: bool,
     ) -> LeaseState:
-        """One lease switch of ``role``: ``admit()`` (checks, under the condition; it may name
-        another method to call), then — unless the role is BLOCKED (raises) or already
-        ``done`` — ``moving``, then the lease engine's switch (:meth:`LeaseEngine.switch`:
-        failed replicas rebuilt, ``method`` on each of ``handles`` at once); ``done`` once each
-        confirms, else the lease is BLOCKED and the batch FAILED. ``steps`` is
-        ``(moving, method, done)``. Which handles are awake is kept (every one of the role's
-        after a switch that failed)."""
-        moving, method, done = steps
+        """One lease switch of ``role`` off (``out``) or onto its slice: ``admit()`` (checks,
+        under the condition; it may name the method to call), then, unless the role is BLOCKED
+        (raises) or already there, the lease engine's switch of ``handles``
+        (:meth:`LeaseEngine.switch`); the lease BLOCKED and the batch FAILED when it is not
+        confirmed. Which handles are awake is kept (all of the role's after a failed switch)."""
+        moving, done = (_L.DRAINING, _L.SLEEPING) if out else (_L.ONLOADING, _L.ACTIVE)
         async with self._engine.lock(role):
             async with self._condition:
-                method = admit() or method
+                method = admit()
                 state = self._roles[role]
                 if state is _L.BLOCKED:
                     raise LeaseBlockedError(role, self._blocked[role])
                 if state is done:
                     return done
                 self._engine.set(role, moving)
-            reason = await self._engine.switch(
-                role, handles, out=done is _L.SLEEPING, method=method
-            )
+            reason = await self._engine.switch(role, handles, out=out, method=method)
             async with self._condition:
                 if reason is None:
-                    self._awake[role] = handles if done is _L.ACTIVE else ()
+                    self._awake[role] = () if out else handles
                     return done
                 self._awake[role] = self._managers[role]
-                self._fail(batch_id, f"{what} {role}: {reason}")
+                self._fail(batch_id, f"{'deactivate' if out else 'activate'} {role}: {reason}")
             raise LeaseBlockedError(role, reason)
 
     async def _dedupe(
@@ -700,7 +629,8 @@ class LifecycleCoordinator:
                     "is no longer current; it is not run again"
                 )
             task = asyncio.ensure_future(run())
-            task.add_done_callback(_retrieve)
+            # Retrieved: the outcome reaches every caller and the batch state, never "unawaited".
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             op = _Operation(fp, task)
             self._operations[operation_id] = op
         elif op.fingerprint != fp:
@@ -715,8 +645,12 @@ class LifecycleCoordinator:
             f"{_describe(new)}: give each operation its own id"
         )
 
-    def _evict(self) -> None:
-        """Forget the previous batch; retire its finished operations' fingerprints."""
+    def _open(self, batch_id: int) -> None:
+        """Make ``batch_id`` the current batch: the previous one forgotten, its finished
+        operations' fingerprints retired."""
+        self._batches = {batch_id: _Batch()}
+        self._current = batch_id
+        self._last_begun = batch_id if self._last_begun is None else max(batch_id, self._last_begun)
         for op_id, op in list(self._operations.items()):
             if op.task.done():
                 del self._operations[op_id]
@@ -775,10 +709,7 @@ class LifecycleCoordinator:
         )
 
     def _pending_id(self) -> int | None:
-        for batch_id, batch in self._batches.items():
-            if batch.state is _B.PENDING:
-                return batch_id
-        return None
+        return next((i for i, batch in self._batches.items() if batch.state is _B.PENDING), None)
 
     def _current_batch(self, batch_id: int, where: str) -> _Batch:
         batch = self._batches.get(batch_id)
@@ -833,15 +764,5 @@ def _check_batch_id(batch_id: object) -> None:
         raise CoordinationError(f"batch id {batch_id!r}: give an int >= 0")
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    # The outcome is delivered to every awaiting caller and recorded in the batch state; this
-    # only keeps asyncio from reporting an exception nobody awaited (a cancelled caller).
-    if not task.cancelled():
-        task.exception()
-
-
-if TYPE_CHECKING:
-    # mypy checks the in-process coordinator against the contract.
-
-    def _in_process(coordinator: LifecycleCoordinator) -> Coordinator:
-        return coordinator
+if TYPE_CHECKING:  # mypy checks the in-process coordinator against the contract
+    _IN_PROCESS: type[Coordinator] = LifecycleCoordinator

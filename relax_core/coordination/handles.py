@@ -1,15 +1,11 @@
-"""Manager handles: how the coordinator and a deferred batch reach a model's InferenceManager.
-
-A handle (:class:`ManagerHandle`) is one adapter, :class:`ClientHandle`, over either client of
-the manager's core: :class:`RayManagerHandle` (a manager in a Ray actor: how the coordinator
-drives deferred roles) or :class:`LocalManagerHandle` (a manager in this process, its blocking
-calls in a worker thread: how the generation role offloads itself before it acknowledges).
-:func:`unconfirmed` says whether a result proves the asked-for state on every replica.
+"""Manager handles (:class:`ManagerHandle`): how the coordinator and a deferred batch reach a
+model's manager, in a Ray actor (:class:`RayManagerHandle`) or in this process
+(:class:`LocalManagerHandle`, its blocking calls in a worker thread).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from relax_core.manager.actor import InProcessManager, RayManager, host_manager
 from relax_core.manager.results import LifecycleResult, Outcome
@@ -75,23 +71,19 @@ class ClientHandle:
 
     async def onload(self) -> LifecycleResult:
         """The manager's ``onload()``: every tag on every replica."""
-        result: LifecycleResult = await self.client.acall("onload")
-        return result
+        return cast("LifecycleResult", await self.client.acall("onload"))
 
     async def offload(self) -> LifecycleResult:
         """The manager's ``offload()``: every tag on every replica, requests drained."""
-        result: LifecycleResult = await self.client.acall("offload")
-        return result
+        return cast("LifecycleResult", await self.client.acall("offload"))
 
     async def abort_and_offload(self) -> LifecycleResult:
         """The manager's ``offload(abort=True)``: requests in flight aborted, not drained."""
-        result: LifecycleResult = await self.client.acall("offload", abort=True)
-        return result
+        return cast("LifecycleResult", await self.client.acall("offload", abort=True))
 
     async def weight_version(self) -> str | None:
         """The manager's published weight version."""
-        version: str | None = await self.client.acall("weight_version")
-        return version
+        return cast("str | None", await self.client.acall("weight_version"))
 
     async def failed(self) -> list[str]:
         """The engine ids of the manager's FAILED replicas."""
@@ -104,8 +96,7 @@ class ClientHandle:
 
     async def recover(self) -> LifecycleResult:
         """The manager's ``recover()``: rebuild the FAILED replicas."""
-        result: LifecycleResult = await self.client.acall("recover")
-        return result
+        return cast("LifecycleResult", await self.client.acall("recover"))
 
 
 class LocalManagerHandle(ClientHandle):

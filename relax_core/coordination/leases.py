@@ -1,21 +1,11 @@
 """One lease engine over GPU slices: who may hold a slice's GPUs, and the switch that moves a
 role on or off them. ``relax run``'s
-:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` (leases phase by phase
-within a batch) and ``relax serve``'s :class:`~relax_core.jobs.wake.WakeController` (a request
-wakes its role) drive it; they decide *when* to switch, under the slice's lock, and what a
-refusal raises. The engine is what they share, so they cannot drift:
-
-- **the switch**: the role's FAILED replicas rebuilt first (the manager's recovery confirms a
-  dead engine's cleanup), then every handle called at once within the operation timeout; a
-  handle whose engine died before or during the call is rebuilt and called once more; each
-  result must confirm every replica. The manager is asked for its FAILED replicas only where
-  the engine does not know: a handle whose last call confirmed every replica is called at once
-  (no extra round trip), and a replica that failed since is in the call's own answer (the
-  manager answers FAILED for it without touching it), rebuilt then, before the role is
-  granted or its slice handed on;
-- **the BLOCKED rule**: a switch not confirmed (a failure, an error, a timeout) leaves the role
-  BLOCKED, and nothing is granted its slice until the operator resets it;
-- **late replies**: a reply after its deadline changes nothing; it is recorded for the operator.
+:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` and ``relax serve``'s
+:class:`~relax_core.jobs.wake.WakeController` both drive it (they decide *when*, under the
+slice's lock), so they cannot drift: the switch (a role's FAILED replicas rebuilt first, then
+every handle called at once, each result confirming every replica), the BLOCKED rule (a switch
+not confirmed leaves the role BLOCKED until the operator resets it) and late replies (recorded,
+never acted on). See ``docs/coordination.md``.
 """
 
 from __future__ import annotations
@@ -59,8 +49,7 @@ class LeaseEngine:
     :param on_event: called with one line per rebuild (and per BLOCKED lease).
     :param on_rebuild: called with the role whose replicas a switch rebuilt.
 
-    Not thread-safe: every method runs on one event loop; the front end holds the slice's
-    lock around a switch.
+    One event loop; not thread-safe. The caller holds the slice's :meth:`lock` around a switch.
     """
 
     def __init__(
@@ -178,14 +167,13 @@ class LeaseEngine:
         return [f"{h.name}: {why}" for h, why in zip(handles, reasons, strict=True) if why]
 
     async def recover(self, role: str) -> dict[str, list[str]]:
-        """A request to ``role`` failed mid-run: probe its replicas (a dead engine is FAILED at
-        once: ``check_health()`` on a handle that has it), then rebuild the FAILED ones as a
-        switch does first (:meth:`heal`). The slice's lock held, ``role`` resident. What was
-        rebuilt (handle names) and why any rebuild was not confirmed; never BLOCKS the role:
-        the request retried next fails on its own when the rebuild did not help."""
+        """A request to ``role`` (resident, the slice's lock held) failed mid-run: probe its
+        replicas (``check_health()``), then :meth:`heal`. ``{"rebuilt": [handle names],
+        "failed": [why not confirmed]}``; never BLOCKS the role."""
         handles = self.handles[role]
         await asyncio.gather(*(self._probe(h) for h in handles))
-        failed = [h.name for h, f in zip(handles, await _all_failed(handles), strict=True) if f]
+        found = await asyncio.gather(*(_failed(h) for h in handles))
+        failed = [h.name for h, f in zip(handles, found, strict=True) if f]
         reasons = await self.heal(role)
         return {"rebuilt": failed, "failed": reasons}
 
@@ -201,10 +189,9 @@ class LeaseEngine:
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
-        """One handle's part of a switch: rebuilt first where it may have FAILED replicas
-        (not known clean from its last call), then called (and, when its answer is not a
-        confirmation and the manager has FAILED replicas, rebuilt and called again). Why it is
-        not confirmed."""
+        """One handle's part of a switch: rebuilt first unless known clean from its last call,
+        then called (rebuilt and called again if it failed with FAILED replicas); why not
+        confirmed."""
         known_clean = self._confirmed.pop(id(handle), None) is handle
         why = None if known_clean else await self._heal(handle, role)
         if why is None:
@@ -259,10 +246,6 @@ class LeaseEngine:
             why = unconfirmed(task.result(), expected)
             outcome = "confirmed" if why is None else f"unconfirmed: {why}"
         self.late.append(LateReply(role, handle.name, method, outcome, time.time()))
-
-
-async def _all_failed(handles: Sequence[ManagerHandle]) -> list[bool]:
-    return list(await asyncio.gather(*(_failed(h) for h in handles)))
 
 
 async def _failed(handle: ManagerHandle) -> bool:

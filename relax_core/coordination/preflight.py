@@ -1,6 +1,5 @@
-"""The defer preflight: what a deferred batch cannot stage, refused before anything starts
-(partial rollout, several rollout groups), each at its key path.
-"""
+"""The defer preflight: what a deferred batch cannot stage (partial rollout, several rollout
+groups), refused before anything starts."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The coordinator as a CPU-only Ray actor, and the client every process of a job uses.
-
-:func:`start_coordinator` creates the named async actor ``relax-coordinator-<job>`` around a
-:class:`CoordinatorActor` (the :class:`~relax_core.coordination.coordinator.LifecycleCoordinator`
-itself, over manager actors); :class:`RemoteCoordinator` forwards each call of the
-:class:`~relax_core.coordination.coordinator.Coordinator` to it (an error raised in the actor
-re-raised as itself); :func:`connect_coordinator` finds a job's coordinator by name. Nothing
-here is an HTTP route: activate, deactivate, commit and reset are Ray calls only.
+"""The coordinator as a CPU-only Ray actor (:func:`start_coordinator`, found again by
+:func:`connect_coordinator`), and :class:`RemoteCoordinator`, its client in every process of the
+job: each call of the :class:`~relax_core.coordination.coordinator.Coordinator` forwarded, an
+error raised in the actor re-raised as itself. Nothing here is an HTTP route.
 """
 
 from __future__ import annotations
@@ -56,18 +52,17 @@ class CoordinatorActor(LifecycleCoordinator):
         super().__init__(managers=handles, **settings)
 
 
+if TYPE_CHECKING:  # the generated methods are invisible to mypy: it sees the Protocol's
+    _Contract = Coordinator
+else:
+    _Contract = object
+
+
 def _to_actor(name: str) -> Callable[..., Any]:
     async def method(self: RemoteCoordinator, *args: Any, **kwargs: Any) -> Any:
         return await self._call(name, *args, **kwargs)
 
     return method
-
-
-if TYPE_CHECKING:
-    # The generated methods are invisible to mypy: it sees the Protocol's instead.
-    _Contract = Coordinator
-else:
-    _Contract = object
 
 
 @generate(Coordinator, _to_actor)
@@ -155,11 +150,5 @@ def connect_coordinator(job: str) -> RemoteCoordinator:
         ) from None
 
 
-if TYPE_CHECKING:
-    # mypy checks the client and the actor against the contract.
-
-    def _client(coordinator: RemoteCoordinator) -> Coordinator:
-        return coordinator
-
-    def _actor(actor: CoordinatorActor) -> Coordinator:
-        return actor
+if TYPE_CHECKING:  # mypy checks the client and the actor against the contract
+    _CLIENTS: tuple[type[Coordinator], ...] = (RemoteCoordinator, CoordinatorActor)

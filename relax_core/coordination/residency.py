@@ -1,11 +1,6 @@
 """Residency: which roles of a defer slice may be resident together, from the placement's memory
-budget, so a role switches only when memory requires it.
-
-:func:`plan_residency` reads the plan's per-GPU budget of every model and says, per slice, the
-GiB each role needs on each bundle; roles may be awake at once when what they need together
-fits the GPU on every bundle. A role whose need is unknown is resident alone; a role with no
-GPU bundle on a shared slice is *free* (it never switches). The coordinator enforces the plan
-(``docs/coordination.md``).
+budget (their GiB per bundle fit the GPU together; a role of unknown need is resident alone; a
+role with no GPU bundle on a shared slice is *free*). See ``docs/coordination.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Retries of a stage's idempotent requests, and the rebuild of a role's dead replicas between
-them.
+them (``docs/reliability.md``).
 
-A stage whose requests are idempotent (a judge's verdict, a teacher's prefill: sending one twice
-changes nothing but the second answer) may send one again when it failed for a reason that
-says nothing about the request itself: a transport failure (:class:`~relax_core.errors.
-UpstreamError` of any class: nothing sent, sent and cut, the deadline) or a 5xx answer
-(:func:`retryable`). A 4xx is the request's own fault and is never retried; nor is anything a
-stage raises about an answer it got.
-
-How many times is the stage's (``retries`` in its table; its kind or its reward adapters
-declare the default: the core names no role). :meth:`StageContext.retrying
-<relax_core.coordination.stages.StageContext.retrying>` is what a stage calls around one
-request; between two attempts the run's :class:`Recovery` has the role's replicas probed and the
-FAILED ones rebuilt through the manager — the lease engine's rule, the one every switch of
-``relax run`` and ``relax serve``'s wakes follows (:meth:`~relax_core.coordination.leases.
-LeaseEngine.recover`) — so a request retried after its engine died reaches the rebuilt
-replica (or another one: the client's discovery is refreshed after a failure). Every retry and
-every rebuild is counted per batch and stage (the step's row, the trace).
-
-A generation request is never sent again: one that may have run on its engine would be a
-duplicated, biased sample. A group whose generation failed the same way is **regenerated** as a
-whole instead (:class:`Regeneration`): a new group of the same prompt, with a group id and
-requests of its own, none of the failed attempt's samples kept, after the generation role's dead
-replicas were rebuilt and given the trainer's weights; counted like a retry (stage
-``generate``).
+An idempotent request (a judge's verdict, a teacher's prefill) may be sent again after a
+transport failure or a 5xx (:func:`retryable`), never after a 4xx. Between two attempts the
+run's :class:`Recovery` has the role's FAILED replicas rebuilt (the lease engine's rule:
+:meth:`~relax_core.coordination.leases.LeaseEngine.recover`). A generation request is never
+sent again: its group is regenerated as a new group of the same prompt (:class:`Regeneration`).
+Every retry and rebuild is counted per batch and stage.
 """
 
 from __future__ import annotations
@@ -144,26 +127,44 @@ async def retrying(
     """``send()``, sent again up to ``retries`` times while it fails :func:`retryable`; the
     role's dead replicas rebuilt before each new attempt (``recovery``). The last failure is
     raised."""
+
+    async def heal(exc: Exception, attempt: int) -> str | None:
+        why = None
+        if recovery is not None:
+            recovery.counted(batch_id, stage, exc)
+            why = await recovery.recover(batch_id, role)
+        pause = getattr(exc, "retry_after", None)
+        await asyncio.sleep(min(MAX_PAUSE, pause if pause else 0.1 * attempt))
+        return why
+
+    return await _attempts(lambda _: send(), retries, heal, "sent {n} times ({k} retries)")
+
+
+async def _attempts(
+    call: Callable[[int], Awaitable[T]],
+    retries: int,
+    heal: Callable[[Exception, int], Awaitable[str | None]],
+    tried: str,
+) -> T:
+    """``call(attempt)`` until it returns, up to ``retries`` more times while it fails
+    :func:`retryable`, ``heal(exc, attempt)`` before each; the last failure is raised with a
+    note ``tried`` (``{n}`` attempts, ``{k}`` again) and each thing ``heal`` said."""
     attempt = 0
     notes: list[str] = []
     while True:
         try:
-            return await send()
+            return await call(attempt)
         except Exception as exc:
             if attempt >= retries or not retryable(exc):
                 if attempt:
-                    exc.add_note(f"sent {attempt + 1} times ({attempt} retries)")
+                    exc.add_note(tried.format(n=attempt + 1, k=attempt))
                 for note in dict.fromkeys(notes):
                     exc.add_note(note)
                 raise
             attempt += 1
-            if recovery is not None:
-                recovery.counted(batch_id, stage, exc)
-                why = await recovery.recover(batch_id, role)
-                if why is not None:
-                    notes.append(why)
-            pause = getattr(exc, "retry_after", None)
-            await asyncio.sleep(min(MAX_PAUSE, pause if pause else 0.1 * attempt))
+            why = await heal(exc, attempt)
+            if why is not None:
+                notes.append(why)
 
 
 @attrs.frozen
@@ -187,24 +188,17 @@ class Regeneration:
         healed and ``generate(again())``: a new group (a new index, so new ids and requests),
         never the failed request sent again. The last failure is raised, with a note of the
         attempts and of every rebuild that did not help."""
-        attempt = 0
-        notes: list[str] = []
-        while True:
-            try:
-                return await generate(index)
-            except Exception as exc:
-                if attempt >= self.retries or not retryable(exc):
-                    if attempt:
-                        exc.add_note(
-                            f"the group was generated {attempt + 1} times ({attempt} "
-                            "regenerated as new groups after a rebuild)"
-                        )
-                    for note in dict.fromkeys(notes):
-                        exc.add_note(note)
-                    raise
-                attempt += 1
-                self.recovery.counted(self.batch_id, GENERATE, exc)
-                why = await self.heal()
-                if why is not None:
-                    notes.append(why)
-                index = again()
+        indexes = [index]
+
+        async def heal(exc: Exception, attempt: int) -> str | None:
+            self.recovery.counted(self.batch_id, GENERATE, exc)
+            why = await self.heal()
+            indexes.append(again())
+            return why
+
+        return await _attempts(
+            lambda attempt: generate(indexes[attempt]),
+            self.retries,
+            heal,
+            "the group was generated {n} times ({k} regenerated as new groups after a rebuild)",
+        )

@@ -1,12 +1,7 @@
 """The reward stage: registered reward adapters (:class:`~relax_core.records.RewardSpec`) over a
-staged batch.
-
-Each adapter scores the samples its ``label_matcher`` accepts: ``sync`` adapters in Ray worker
-processes (the samples split into a few remote tasks), ``async`` ones as coroutines on the
-scoring loop with ``context=`` (:class:`RewardContext`) to reach a role's engines. The stage
-writes :data:`REWARD_FIELDS`: each adapter's value under its key, and the weighted sum over
-every reward stage of the step. An adapter that raises or returns something that is not a
-finite number (or a :class:`RewardResult`) fails the stage naming the adapter and the sample.
+staged batch, ``sync`` ones in Ray worker processes, ``async`` ones as coroutines with
+``context=`` (:class:`RewardContext`). It writes :data:`REWARD_FIELDS`; an adapter that raises or
+returns no finite number (or :class:`RewardResult`) fails the stage, naming it and the sample.
 """
 
 from __future__ import annotations
@@ -29,10 +24,11 @@ __all__ = ["REWARD", "REWARDS", "REWARD_FIELDS", "RewardContext", "RewardResult"
 
 
 def _finite(value: object) -> bool:
-    kind = type(value)
-    if kind is float or kind is int:
-        return math.isfinite(value)  # type: ignore[arg-type]
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return _number(value) and math.isfinite(value)
+
+
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_reward(value: object, sample: Sample) -> str | None:
@@ -101,10 +97,6 @@ class RewardContext:
         return self.clients.client(role)
 
 
-def _number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
     """The adapter's answer for ``sample`` as a :class:`RewardResult`.
 
@@ -120,7 +112,7 @@ def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
             f"returned {value!r} for sample {sample.id} (group {sample.group_id}); a reward "
             "adapter returns a number or a RewardResult",
         )
-    if not _number(result.value) or not math.isfinite(result.value):
+    if not _finite(result.value):
         raise ScoringError(
             adapter,
             f"returned {result.value!r} for sample {sample.id} (group {sample.group_id}); a "
@@ -135,10 +127,9 @@ def _score_chunk(fn: Any, pass_metadata: bool, items: list[tuple[Any, ...]]) -> 
     out: list[Any] = []
     for response, label, metadata in items:
         try:
-            if pass_metadata:
-                out.append(fn(response, label, metadata=metadata))
-            else:
-                out.append(fn(response, label))
+            out.append(
+                fn(response, label, metadata=metadata) if pass_metadata else fn(response, label)
+            )
         except Exception as exc:
             out.append(("error", f"{type(exc).__name__}: {exc}"))
     return out
@@ -217,10 +208,6 @@ class RewardStage:
         self.timeout = timeout
         self.retries = retries
 
-    def retries_of(self, spec: RewardSpec) -> int:
-        """How many times ``spec``'s call for a sample may be made again."""
-        return spec.retries if self.retries is None else self.retries
-
     async def run(self, samples: Sequence[Sample], ctx: StageContext) -> StageReport:
         """Score ``samples`` in place; every adapter runs at once."""
         plans = []
@@ -291,9 +278,8 @@ class RewardStage:
         self, spec: RewardSpec, chosen: list[Sample], ctx: StageContext
     ) -> list[RewardResult]:
         gate = asyncio.Semaphore(self.concurrency)
-
         model = self.models[0] if len(self.models) == 1 else None
-        retries = self.retries_of(spec)
+        retries = spec.retries if self.retries is None else self.retries
 
         async def one(sample: Sample) -> RewardResult:
             context = RewardContext(sample, ctx.batch_id, ctx.clients, self.role, model)

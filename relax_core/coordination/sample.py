@@ -1,9 +1,5 @@
 """The Sample record: one generated response, the unit a step's stages score and a batch commits.
-
-Generation fills the inputs; everything a step's stages write goes into :attr:`Sample.fields`,
-by field name, each declared by its stage (a :class:`~relax_core.coordination.stages.
-SampleField`). Token sequences are tuples, so a staged copy (:meth:`Sample.staged_copy`) shares
-them; only the dicts are copied.
+What stages write goes into :attr:`Sample.fields`; a staged copy shares the token tuples.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Batch sinks: where a deferred batch publishes its scored samples for training consumers.
 
-A sink is anything with three async methods (:class:`BatchSink`). Batch ``N`` goes to partition
-``train_N`` (:func:`partition_name`); the coordinator commits it only with the receipt of a
-successful put. Built in: :class:`RayBatchSink` (a CPU-only Ray actor holds the partitions;
-picklable) and :class:`MemoryBatchSink` (the same store in this process).
-
-Store rules: a put appends to its partition, all or nothing; ``is_last`` closes it (a later put
-is refused); ``get`` is refused until the partition is closed; ``delete`` is idempotent.
+A sink is anything with three async methods (:class:`BatchSink`); batch ``N`` goes to partition
+``train_N``. A put appends, all or nothing; ``is_last`` closes the partition (a later put is
+refused); ``get`` is refused until it is closed; ``delete`` is idempotent.
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import attrs
 
@@ -63,14 +59,16 @@ class BatchSink(Protocol):
         ...
 
 
-class _Partitions:
-    """The store itself: partition name -> (samples, closed). Not thread-safe (one owner); the
-    Ray actor of :class:`RayBatchSink` (one method call at a time)."""
+class MemoryBatchSink:
+    """A batch sink in this process, also the store a :class:`RayBatchSink` actor holds
+    (partition name -> samples, closed). Every failure is a
+    :class:`~relax_core.errors.SinkError`: a bad name, a closed or missing partition."""
 
     def __init__(self) -> None:
         self._data: dict[str, tuple[list[Any], bool]] = {}
 
-    def put(self, partition: str, samples: Sequence[Any], is_last: bool) -> SinkReceipt:
+    async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
+        """Append to ``partition`` (``is_last`` closes it)."""
         if not isinstance(partition, str) or not _PARTITION.match(partition):
             raise SinkError(str(partition), "a partition name starts with a letter")
         items = list(samples)
@@ -82,7 +80,8 @@ class _Partitions:
         self._data[partition] = (held + items, bool(is_last))
         return SinkReceipt(partition, len(held) + len(items), bool(is_last))
 
-    def get(self, partition: str) -> list[Any]:
+    async def get(self, partition: str) -> list[Any]:
+        """The samples of a closed partition (a new list of the same sample objects)."""
         entry = self._data.get(partition)
         if entry is None:
             raise SinkError(partition, f"no such partition (held: {sorted(self._data) or 'none'})")
@@ -90,35 +89,13 @@ class _Partitions:
             raise SinkError(partition, "still open: its last put (is_last=True) has not arrived")
         return list(entry[0])
 
-    def delete(self, partition: str) -> bool:
+    async def delete(self, partition: str) -> bool:
+        """Remove ``partition``; whether it existed."""
         return self._data.pop(partition, None) is not None
 
     def partitions(self) -> dict[str, int]:
-        return {name: len(samples) for name, (samples, _) in self._data.items()}
-
-
-class MemoryBatchSink:
-    """A batch sink in this process (the store of :class:`RayBatchSink`, without the actor)."""
-
-    def __init__(self) -> None:
-        self._store = _Partitions()
-
-    async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
-        """Append to ``partition``; :class:`~relax_core.errors.SinkError` on a bad name or a
-        closed partition."""
-        return self._store.put(partition, samples, is_last)
-
-    async def get(self, partition: str) -> list[Any]:
-        """The samples of a closed partition (copies of the list, the same sample objects)."""
-        return self._store.get(partition)
-
-    async def delete(self, partition: str) -> bool:
-        """Remove ``partition``; whether it existed."""
-        return self._store.delete(partition)
-
-    def partitions(self) -> dict[str, int]:
         """Partition name -> samples held."""
-        return self._store.partitions()
+        return {name: len(samples) for name, (samples, _) in self._data.items()}
 
 
 class RayBatchSink:
@@ -138,7 +115,7 @@ class RayBatchSink:
         options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0}
         if name is not None:
             options.update(name=name, namespace=namespace)
-        return cls(ray.remote(_Partitions).options(**options).remote())
+        return cls(ray.remote(MemoryBatchSink).options(**options).remote())
 
     @classmethod
     def connect(cls, name: str, *, namespace: str | None = None) -> RayBatchSink:
@@ -150,27 +127,26 @@ class RayBatchSink:
         except ValueError as exc:
             raise SinkError(name, f"no batch-store actor of that name: {exc}") from None
 
-    async def _call(self, method: str, partition: str, *args: Any) -> Any:
+    async def _call(self, method: str, partition: str, *args: Any, **kwargs: Any) -> Any:
         def error(why: str) -> SinkError:
             return SinkError(partition, f"{method}: {why}")
 
         with remote_errors(error, actor="the store actor", keep=SinkError):
-            return await getattr(self.actor, method).remote(partition, *args)
+            return await getattr(self.actor, method).remote(partition, *args, **kwargs)
 
     async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
         """Append ``samples`` to ``partition`` in the store (all or nothing)."""
-        receipt: SinkReceipt = await self._call("put", partition, list(samples), is_last)
-        return receipt
+        return cast(
+            "SinkReceipt", await self._call("put", partition, list(samples), is_last=is_last)
+        )
 
     async def get(self, partition: str) -> list[Any]:
         """The samples of a closed partition."""
-        samples: list[Any] = await self._call("get", partition)
-        return samples
+        return cast("list[Any]", await self._call("get", partition))
 
     async def delete(self, partition: str) -> bool:
         """Remove ``partition``; whether it existed."""
-        existed: bool = await self._call("delete", partition)
-        return existed
+        return cast("bool", await self._call("delete", partition))
 
     async def partitions(self) -> dict[str, int]:
         """Partition name -> samples held."""

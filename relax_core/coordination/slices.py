@@ -1,9 +1,5 @@
-"""Defer slices: which roles of a placement plan share GPUs across phases.
-
-Two roles share a *defer slice* when any of their models' bundle runs overlap in the same pool
-while they are placed in different (non-resident) phases — the layout the coordinator leases.
-Sharing is transitive (rollout on 0-7, genrm on 0-3, teacher on 4-7 are one slice: rollout
-overlaps both). Resident placements and CPU models take no lease.
+"""Defer slices: roles whose models' bundle runs overlap in one pool while placed in different
+non-resident phases share GPUs (transitively): the layout the coordinator leases.
 """
 
 from __future__ import annotations

@@ -69,11 +69,10 @@ class StageReport:
 class RoleClients:
     """Where each role's engines are discovered, and the loop's shared client for each.
 
-    :param sources: role -> a discovery source: a base URL serving ``/engines?schema=2`` (a
-        role gateway ``http://host:port/teacher`` or a registry), or a snapshot provider
-        callable (sync or async) returning a ``RoleSnapshot`` or a schema-2 dict.
+    :param sources: role -> a base URL serving ``/engines?schema=2`` (a role gateway or a
+        registry) or a snapshot provider (sync or async callable).
     :param recovery: the run's :class:`~relax_core.coordination.retries.Recovery` (``None``:
-        a stage's retries are neither counted nor preceded by a rebuild).
+        retries are neither counted nor preceded by a rebuild).
     :param options: :class:`~relax_core.client.client.InferenceClient` options, every role's.
     """
 
@@ -234,13 +233,9 @@ class StageContext:
         role: str | None,
         retries: int,
     ) -> Any:
-        """``send()`` — ONE idempotent request, never a generation — sent again up to
-        ``retries`` times while it fails retryably, ``role``'s dead replicas rebuilt before
-        each attempt (:func:`~relax_core.coordination.retries.retrying`); ``send`` must
-        resolve its target anew each time.
-
-        :raises Exception: the last attempt's failure (with a note of the attempts).
-        """
+        """:func:`~relax_core.coordination.retries.retrying` of ``send()``: ONE idempotent
+        request (never a generation) that resolves its target anew each time.
+        :raises Exception: the last attempt's failure (with a note of the attempts)."""
         recovery = self.clients.recovery
         return await retrying(
             send, batch_id=self.batch_id, stage=stage, role=role, retries=retries, recovery=recovery

@@ -1,24 +1,8 @@
-"""The coordinator's two state machines: batch states and role leases — pure, no I/O.
-
-Batch state answers "may this batch be trained on"; lease state answers "which role may still
-hold the shared GPUs". They are never mixed::
-
-    batch:  PENDING -> COMMITTED   (commit_batch, every role SLEEPING, sink write receipt)
-            PENDING -> FAILED      (fail_batch, or an unconfirmed lifecycle RPC)
-
-    lease:  SLEEPING  -> ACTIVE    (begin_batch / begin_student_scoring for the generation role)
-            SLEEPING  -> ONLOADING (activate begins)
-            ONLOADING -> ACTIVE    (every manager onload confirmed)
-            ONLOADING -> BLOCKED   (a failure or a timeout)
-            ACTIVE    -> DRAINING  (deactivate begins)
-            ACTIVE    -> SLEEPING  (the generation role's offload acknowledged)
-            ACTIVE    -> BLOCKED   (the generation role's release not confirmed)
-            DRAINING  -> SLEEPING  (every manager offload confirmed)
-            DRAINING  -> BLOCKED   (a failure or a timeout)
-            BLOCKED   -> SLEEPING  (only the operator reset, after confirming the GPUs are clean)
-
-BLOCKED is the fail-stop fence of a shared GPU: the result of an onload or offload is not known,
-so the GPUs are never handed to another role, and a late reply does not change that.
+"""The coordinator's two state machines, never mixed: batch states ("may this batch be trained
+on") and role leases ("which role may still hold the shared GPUs"); pure, no I/O. The lease
+diagram is in ``docs/coordination.md``. BLOCKED is the fail-stop fence of a shared GPU: the
+result of an onload or offload is not known, so the GPUs go to no other role until the operator
+resets it, whatever a late reply says.
 """
 
 from __future__ import annotations

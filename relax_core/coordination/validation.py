@@ -1,7 +1,5 @@
-"""Validation of a staged batch's fields, before anything is written back: every field a stage
-declares (:class:`~relax_core.coordination.stages.SampleField`) on every sample — a required
-field a sample lacks, or whatever the field's own ``check`` finds in its value.
-"""
+"""Validation of a staged batch's fields before anything is written back: each declared
+:class:`~relax_core.coordination.stages.SampleField` on every sample."""
 
 from __future__ import annotations
 

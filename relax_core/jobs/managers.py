@@ -4,7 +4,7 @@ Ray actors (:func:`start_model_actor`), from the same :func:`manager_arguments`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import attrs
 
@@ -20,6 +20,7 @@ from relax_core.plugins import PluginManager
 from relax_core.records import EngineBackend, RouterBackend, RouterLaunchSpec, RouterProcess
 
 __all__ = [
+    "ManagerSettings",
     "backend_options",
     "build_role_service",
     "describe_job",
@@ -185,36 +186,34 @@ def build_role_service(
 def _manager(
     model: ModelConfig,
     pm: PluginManager,
-    service: RoleService | None,
+    service: RoleService,
     *,
     placement: ReplicaPlacement,
     timeouts: ManagerTimeouts | None,
     log_dir: str | None,
 ) -> InferenceManager | ExternalEngines:
     """The manager of one model (:class:`ExternalEngines` for one served by external
-    engines); given a ``service``, it publishes there and an ``SGLANG_ROUTER`` model's router
-    is launched (without one, for dry runs, it is not)."""
+    engines), publishing to ``service``; an ``SGLANG_ROUTER`` model's router launched."""
     spec = pm.role(model.role)
     route_mode = model.route_mode or spec.default_route_mode
     arguments = (
-        None
+        {"spec": _engine_spec(model, pm)}
         if model.external
         else manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
     )
-    engine_spec = _engine_spec(model, pm) if arguments is None else arguments["spec"]
     router: RouterProcess | None = None
-    publisher: Any = service.publisher if service is not None else None
-    if route_mode != "DIRECT" and service is not None:
+    publisher: Any = service.publisher
+    if route_mode != "DIRECT":
         record = router_record(model, spec, pm)
         router = record.launch(router_launch_spec(model, record, log_dir))
         service.routers[model.name] = router
         if model.engine.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
-    if arguments is None:
+    if model.external:
         return ExternalEngines(
             model.name,
             urls=model.external_urls,
-            spec=engine_spec,
+            spec=arguments["spec"],
             served_model_name=model.served_model_name or model.name,
             publisher=publisher,
             route_mode=route_mode,
@@ -241,13 +240,17 @@ def _engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
         raise ConfigError(f"{model.path}.weight_source", str(exc)) from None
 
 
+class ManagerSettings(TypedDict, total=False):
+    """Where and how a model's manager runs: its ``placement`` (required), the manager's
+    ``timeouts`` and the engines' ``log_dir``."""
+
+    placement: Required[ReplicaPlacement]
+    timeouts: ManagerTimeouts | None
+    log_dir: str | None
+
+
 def manager_arguments(
-    model: ModelConfig,
-    pm: PluginManager,
-    *,
-    placement: ReplicaPlacement,
-    timeouts: ManagerTimeouts | None = None,
-    log_dir: str | None = None,
+    model: ModelConfig, pm: PluginManager, **settings: Unpack[ManagerSettings]
 ) -> dict[str, Any]:
     """The :class:`~relax_core.manager.InferenceManager` arguments of ``model``, but the
     ``publisher`` and the router. Pure.
@@ -255,6 +258,7 @@ def manager_arguments(
     :raises ConfigError: a bad weight source or ``engine`` table, naming the key.
     """
     spec = pm.role(model.role)
+    placement, log_dir = settings["placement"], settings.get("log_dir")
     backend = pm.engine_backend(model.backend)
     reader = ConfigReader()
     options = backend_options(model, backend, reader)
@@ -271,7 +275,7 @@ def manager_arguments(
         ),
         "placement": placement,
         "route_mode": model.route_mode or spec.default_route_mode,
-        "timeouts": timeouts,
+        "timeouts": settings.get("timeouts"),
         "unhealthy_after": model.health.unhealthy_after,
     }
 
@@ -299,11 +303,8 @@ def engine_launch_specs(
     config: JobConfig, plugin_manager: PluginManager, *, dist_init_addr: str = "192.0.2.1:29500"
 ) -> dict[str, dict[str, list[Any]]]:
     """Model key path -> engine id -> the ``EngineLaunchSpec`` of each worker (head first)
-    that ``relax serve`` would launch (multi-node ones joining ``dist_init_addr``). Pure.
-
-    :raises PlacementError: the placement plan is invalid.
-    :raises ConfigError: a model cannot be served.
-    """
+    ``relax serve`` would launch (multi-node ones joining ``dist_init_addr``). Pure.
+    :raises PlacementError, ConfigError: the plan is invalid, a model cannot be served."""
     from relax_core.placement import plan_inference_placement
 
     plan = plan_inference_placement(config, plugin_manager)
@@ -313,15 +314,10 @@ def engine_launch_specs(
             continue
         # A CPU model's placement lists no bundles: one worker per replica.
         nodes = len(plan.model_placement(model.role, model.name).workers[0]) or 1
-        manager = _manager(
-            model,
-            plugin_manager,
-            None,
-            placement=ReplicaPlacement.unplaced(model.placement.num_engines, nodes),
-            timeouts=None,
-            log_dir=None,
+        placement = ReplicaPlacement.unplaced(model.placement.num_engines, nodes)
+        manager = InferenceManager(
+            model.name, **manager_arguments(model, plugin_manager, placement=placement)
         )
-        assert isinstance(manager, InferenceManager)  # external models were skipped
         out[model.path] = manager.launch_specs(dist_init_addr=dist_init_addr)
     return out
 
@@ -356,10 +352,8 @@ def start_model_actor(
     pm: PluginManager,
     *,
     job: str,
-    placement: ReplicaPlacement,
     publisher: Any,
-    timeouts: ManagerTimeouts | None = None,
-    log_dir: str | None = None,
+    **settings: Unpack[ManagerSettings],
 ) -> Any:
     """Create ``model``'s named manager actor for job ``job`` (with its router, if any),
     publishing to ``publisher``; return the handle, not started.
@@ -371,10 +365,11 @@ def start_model_actor(
     from relax_core.coordination.remote import NAMESPACE
     from relax_core.manager.actor import manager_actor_name, start_manager_actor
 
-    kwargs = manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
+    kwargs = manager_arguments(model, pm, **settings)
     if kwargs["route_mode"] != "DIRECT":
         record = router_record(model, pm.role(model.role), pm)
-        kwargs.update(router_backend=record, router_spec=router_launch_spec(model, record, log_dir))
+        spec = router_launch_spec(model, record, settings.get("log_dir"))
+        kwargs.update(router_backend=record, router_spec=spec)
     try:
         return start_manager_actor(
             model.name,

@@ -118,10 +118,9 @@ class LocalModel(_Model):
         manager: InferenceManager | ExternalEngines,
         *,
         router: RouterProcess | None = None,
-        router_timeout: float = 60.0,
     ) -> None:
         key = f"{role}.{model_id}"
-        core = host_manager(manager, router=router, router_timeout=router_timeout, name=key)
+        core = host_manager(manager, router=router, name=key)
         super().__init__(role, model_id, InProcessManager(core, name=key))  # type: ignore[abstract]
         self.manager = manager
         self.router = router
@@ -158,9 +157,4 @@ class RayModel(_Model):
 
 
 if TYPE_CHECKING:  # mypy checks both homes against the contract
-
-    def _local(model: LocalModel) -> ModelHandle:
-        return model
-
-    def _ray(model: RayModel) -> ModelHandle:
-        return model
+    _HOMES: tuple[type[ModelHandle], ...] = (LocalModel, RayModel)

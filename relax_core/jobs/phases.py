@@ -53,9 +53,8 @@ def start_models(
     on_interrupt: Callable[[], None] | None = None,
     logs: str | None = None,
 ) -> dict[str, LifecycleResult]:
-    """Start every model at once (one thread each); return ``key`` -> its result.
-    ``on_done(model, result_or_error)`` hears each; at Ctrl-C, ``on_interrupt()`` is called and
-    every start finishes before re-raising. Blocking.
+    """Start every model at once (one thread each); ``key`` -> its result. ``on_done(model,
+    result_or_error)`` hears each; at Ctrl-C ``on_interrupt()``, then every start ends. Blocking.
 
     :raises LifecycleError: a model did not start, naming each (and ``logs``), after all ended.
     """

@@ -265,12 +265,9 @@ def job_preflight(
     address: str | None = None,
     gateways: bool = False,
 ) -> Preflight:
-    """Every problem of ``config`` (as loaded) that this machine can see before Ray starts.
-
-    :param address: ``--address``, if given: checked (and makes missing absolute model paths
-        warnings).
-    :param gateways: the command starts the role gateways: their ports are checked.
-    """
+    """Every problem of ``config`` (as loaded) that this machine can see before Ray starts;
+    ``address`` (``--address``) is checked and makes missing absolute model paths warnings;
+    ``gateways``: the gateway ports are checked."""
     remote = address not in (None, "local")
     problems, warnings = model_dir_problems(config, pm, remote=remote)
     if gateways:

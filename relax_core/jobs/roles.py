@@ -45,7 +45,6 @@ class RoleService:
         #: model id -> the router in front of its heads (SGLANG_ROUTER models)
         self.routers: dict[str, RouterProcess] = {}
         self.model_paths: dict[str, str] = {}
-        self.router_timeout = 60.0
         self._monitor: threading.Thread | None = None
         self._monitor_stop = threading.Event()
 
@@ -68,13 +67,12 @@ class RoleService:
         return self.publisher.snapshot()
 
     def start(self, *, on_done: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
-        """Start every model's engines in parallel, each behind its router; return each
-        model's ``LifecycleResult``. ``on_done(model_id, result_or_error)`` hears each. Blocking.
+        """Start every model's engines in parallel, each behind its router; each model's
+        ``LifecycleResult``. ``on_done(model_id, result_or_error)`` hears each. Blocking.
 
-        :raises ConfigError: a router drops a request field the roles send (its model's
-            engines were not started).
-        :raises LifecycleError: a router did not start or take its heads, or some replica did
-            not become READY (naming each), after every model has finished starting.
+        :raises ConfigError: a router drops a request field the roles send.
+        :raises LifecycleError: a router or some replica did not start (naming each), once
+            every model has finished starting.
         """
         models = self.models()
         results = start_models(
@@ -84,16 +82,9 @@ class RoleService:
         return {m.model_id: results[m.key] for m in models}
 
     def models(self) -> list[LocalModel]:
-        """Every model as a :class:`~relax_core.jobs.models.LocalModel` (its manager and its
-        router), what the job runtime starts, puts to sleep and shuts down."""
+        """Every model as a :class:`~relax_core.jobs.models.LocalModel` (manager and router)."""
         return [
-            LocalModel(
-                self.role,
-                model_id,
-                manager,
-                router=self.routers.get(model_id),
-                router_timeout=self.router_timeout,
-            )
+            LocalModel(self.role, model_id, manager, router=self.routers.get(model_id))
             for model_id, manager in self.managers.items()
         ]
 
@@ -110,12 +101,9 @@ class RoleService:
     def start_monitor(
         self, interval: float, *, recover: bool = True, on_report: MonitorCallback | None = None
     ) -> None:
-        """Health-check every model (``health_check(recover=recover)``, all at once) and every
-        router (``check()``) every ``interval`` seconds, in a daemon thread. Idempotent.
-        ``on_report(model_id, report_or_error)`` hears every round that found a problem.
-
-        :raises ValueError: ``interval`` is not a positive number of seconds.
-        """
+        """Health-check every model (``health_check(recover=recover)``) and router every
+        ``interval`` seconds in a daemon thread; ``on_report(model_id, report_or_error)`` hears
+        each problem. Idempotent. :raises ValueError: ``interval`` is not positive."""
         if not interval > 0:
             raise ValueError(f"interval={interval!r}: give a positive number of seconds")
         if self._monitor is not None and self._monitor.is_alive():

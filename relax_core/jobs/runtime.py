@@ -1,7 +1,4 @@
-"""The one job runtime behind ``relax serve`` and ``relax run``: :class:`JobRuntime` plans and
-binds, adds the models, starts them phase by phase and tears everything down, printing the same
-lines for both commands. See ``docs/jobs.md``.
-"""
+"""The one job runtime behind ``relax serve`` and ``relax run`` (``docs/jobs.md``)."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ class JobRuntime:
     engine_pids: set[int] = attrs.field(factory=set)
     #: Every router pid seen (checked gone after shutdown).
     router_pids: set[int] = attrs.field(factory=set)
-    #: The placement groups teardown kept (name -> why): a worker on them may still hold its
-    #: GPUs.
+    #: The placement groups teardown kept (name -> why): a worker may still hold their GPUs.
     kept_groups: dict[str, str] = attrs.field(factory=dict)
     #: When the job began (``time.monotonic()``): the lines' stamps count from it.
     began: float = attrs.field(factory=time.monotonic)
@@ -126,15 +122,13 @@ class JobRuntime:
         progress: Callable[[], str] | None = None,
         on_started: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Start every model, phase by phase (:func:`~relax_core.jobs.phases.start_order`),
-        each deferred phase put to SLEEPING (its line ending in ``sleep_note``) before the
-        next. ``progress()``: a line printed when it changes; ``on_started(done, total)``:
-        starts ended so far; ``on_interrupt()``: called at Ctrl-C (the starts in flight
-        finish first). Blocking.
+        """Start every model phase by phase (:func:`~relax_core.jobs.phases.start_order`), each
+        deferred phase put to SLEEPING (its line ending in ``sleep_note``) before the next.
+        ``progress()``: a line printed when it changes; ``on_started(done, total)``: starts
+        ended so far; ``on_interrupt()``: at Ctrl-C (starts in flight finish first). Blocking.
 
         :raises LifecycleError: an engine did not become READY (``logs``: where their logs
-            are), or a deferred model could not be put to sleep; nothing more is started
-            (call :meth:`teardown` in every case).
+            are), or a deferred model could not be put to sleep (call :meth:`teardown`).
         """
         steps = start_order(config, self.plan) if self.plan is not None else []
         if not steps:
@@ -212,19 +206,14 @@ class JobRuntime:
         process seen is gone, then every placement group but the fenced ones. Returns what
         could not be confirmed (empty when clean); each part is tried. Idempotent.
         """
-        problems, counts = stop_parts(first)
-        for kind, n in counts.items():
-            self.line(say, f"{kind} stopped ({n})")
+        problems = stop_parts(first, lambda text: self.line(say, text))
         models = self.handles
         self.models = {}
         found, unconfirmed = shutdown_models(models)
         problems += found
         if models:
             self.line(say, f"managers stopped ({len(models)})")
-        more, counts = stop_parts(then)
-        problems += more
-        for kind, n in counts.items():
-            self.line(say, f"{kind} stopped ({n})")
+        problems += stop_parts(then, lambda text: self.line(say, text))
         problems += still_running(self.engine_pids, self.router_pids)
         if models:
             self.line(say, f"engines stopped ({len(self.engine_pids)} processes)")

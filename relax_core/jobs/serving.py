@@ -88,10 +88,7 @@ def place_served_job(
     config: JobConfig, pm: PluginManager, job: ServedJob, *, detach_groups: bool = False
 ) -> dict[str, dict[str, ReplicaPlacement]]:
     """Plan, create and bind the job's placement groups (``detach_groups``: detached); each
-    model's placement by role.
-
-    :raises PlacementError: the plan or a binding is invalid.
-    """
+    model's placement by role. :raises PlacementError: the plan or a binding is invalid."""
     job.runtime.plan_for(config, pm)
     return job.runtime.bind(config, detach=detach_groups)
 
@@ -127,12 +124,11 @@ def serve_job(
     before_teardown: Callable[[], None] | None = None,
     detach_groups: bool = False,
 ) -> Iterator[ServedJob]:
-    """Bring ``config``'s inference side up on the connected Ray; tear it all down on exit.
+    """Bring ``config``'s inference side up on the connected Ray; tear it all down on exit
+    (every fenced placement group kept: :attr:`ServedJob.kept_groups`).
 
-    ``health_interval``: seconds between health checks (0: no monitor). ``before_teardown``
-    is called when the block ends, or Ctrl-C interrupts the start. ``detach_groups``: see
-    :func:`place_served_job`. Teardown keeps every fenced placement group
-    (:attr:`ServedJob.kept_groups`).
+    ``health_interval``: seconds between health checks (0: none). ``before_teardown``: called
+    when the block ends or Ctrl-C interrupts the start. ``detach_groups``: detached groups.
 
     :raises PlacementError: the plan or the binding is invalid (nothing was started).
     :raises LifecycleError: engines did not become READY (everything started is shut down),

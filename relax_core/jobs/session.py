@@ -15,6 +15,8 @@ from relax_core.config import JobConfig
 
 __all__ = ["ShutdownSignals", "ray_session"]
 
+Say = Callable[[str], None]
+
 
 @contextlib.contextmanager
 def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout) -> Iterator[str]:
@@ -63,20 +65,14 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
 
 
 class ShutdownSignals:
-    """Ctrl-C and SIGTERM for ``relax serve`` and ``relax run``.
-
-    Installed (:meth:`install`), a signal raises ``KeyboardInterrupt``; inside
-    :meth:`cancelling` the first one cancels that task instead and later ones are held; after
-    :meth:`hold` (the shutdown began) every one is held. A held signal's line names
-    ``command`` and goes to ``say`` (default: printed to ``out``).
+    """Ctrl-C and SIGTERM for ``relax serve`` and ``relax run``: once :meth:`install`-ed a
+    signal raises ``KeyboardInterrupt``; inside :meth:`cancelling` the first cancels that task
+    and later ones are held; after :meth:`hold` every one is held, its line (naming
+    ``command``) going to ``say`` (default: printed to ``out``).
     """
 
     def __init__(
-        self,
-        out: TextIO,
-        *,
-        command: str = "relax serve",
-        say: Callable[[str], None] | None = None,
+        self, out: TextIO, *, command: str = "relax serve", say: Say | None = None
     ) -> None:
         self.out = out
         self.command = command

@@ -28,8 +28,9 @@ class Stop:
     kind: str | None = None
 
 
-def stop_parts(parts: Sequence[Stop]) -> tuple[list[str], dict[str, int]]:
-    """Stop every part in order (each tried); return the problems and kind -> parts stopped."""
+def stop_parts(parts: Sequence[Stop], line: Callable[[str], None]) -> list[str]:
+    """Stop every part in order (each tried), then ``line`` ``{kind} stopped (N)`` per kind;
+    the problems."""
     problems: list[str] = []
     counts: dict[str, int] = {}
     for part in parts:
@@ -39,7 +40,9 @@ def stop_parts(parts: Sequence[Stop]) -> tuple[list[str], dict[str, int]]:
             problems.append(f"{part.name}: {type(exc).__name__}: {exc}")
         if part.kind is not None:
             counts[part.kind] = counts.get(part.kind, 0) + 1
-    return problems, counts
+    for kind, n in counts.items():
+        line(f"{kind} stopped ({n})")
+    return problems
 
 
 def shutdown_models(models: Sequence[ModelHandle]) -> tuple[list[str], list[UnconfirmedWorker]]:

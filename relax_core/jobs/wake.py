@@ -1,10 +1,6 @@
-"""On-demand residency under ``relax serve``: a request for a sleeping role wakes it.
-
-A :class:`WakeController` holds each shared slice's lease (the
-:class:`~relax_core.coordination.leases.LeaseEngine`): a wake evicts the least recently used
-roles the woken one does not fit beside (never before ``min_residency``), idle roles go back to
-sleep, and an unconfirmed transition BLOCKs the slice. It runs on its own event loop; gateways
-reach it through :meth:`WakeController.waker`. See ``docs/serve.md``.
+"""On-demand residency under ``relax serve``: a request for a sleeping role wakes it, evicting
+the least recently used roles it does not fit beside; idle roles go back to sleep. The leases
+are a :class:`~relax_core.coordination.leases.LeaseEngine`'s. See ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import enum
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -200,11 +196,11 @@ class WakeController:
 
     def summary(self) -> list[str]:
         """One line per slice: its residency plan and where each role is now."""
-        lines = []
-        for sid in sorted({r.slice for r in self._roles.values()}):
-            where = ", ".join(f"{r.name} {r.state}" for r in self._roles.values() if r.slice == sid)
-            lines.append(f"{sid}: {where}")
-        return lines
+        roles = self._roles.values()
+        return [
+            f"{sid}: " + ", ".join(f"{r.name} {r.state}" for r in roles if r.slice == sid)
+            for sid in sorted({r.slice for r in roles})
+        ]
 
     # -- what a gateway calls ----------------------------------------------------------------
 
@@ -253,7 +249,7 @@ class WakeController:
         task = self._waking.get(role)
         if task is None or task.done():
             task = self._waking[role] = asyncio.ensure_future(self._wake(r))
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
         try:
             await asyncio.wait_for(asyncio.shield(task), bound)
         except TimeoutError:
@@ -369,46 +365,45 @@ class WakeController:
     async def sleep_idle(self) -> list[str]:
         """Put back to sleep every awake role with nothing in flight, unused for
         ``idle_seconds`` and resident at least ``min_residency``; the roles it did."""
-        idle = self.settings.idle_seconds
-        if idle <= 0:
-            return []
+        idle, res = self.settings.idle_seconds, self.settings.min_residency
+
+        async def put_to_sleep(r: _Role) -> bool:
+            now = self._clock()
+            with self._guard:
+                if r.inflight or now - r.last_used < idle or now - r.awake_since < res:
+                    return False
+                r.state = WakeState.EVICTING  # a request from now on waits for a wake
+            with contextlib.suppress(ModelNotReadyError):  # BLOCKED: recorded
+                await self._switch(r, out=True)
+                r.counts.idle_sleeps += 1
+                return True
+            return False
+
+        return await self._each_awake(put_to_sleep) if idle > 0 else []
+
+    async def heal_awake(self) -> list[str]:
+        """Rebuild the failed replicas of every awake role (an engine that died while it was
+        resident; the health monitor only marks them FAILED); the roles healed."""
+
+        async def heal(r: _Role) -> bool:
+            reasons = await self.engine.heal(r.name)
+            if reasons:
+                self._on_event(f"{r.name}: a rebuild was not confirmed: {'; '.join(reasons)}")
+            return True
+
+        return await self._each_awake(heal)
+
+    async def _each_awake(self, act: Callable[[_Role], Awaitable[bool]]) -> list[str]:
+        """``act(r)`` on each AWAKE role under its slice's lock (none while a wake holds it);
+        the roles it returned true for."""
         done = []
         for r in list(self._roles.values()):
             lock = self.engine.lock(r.name)
             if r.state is not WakeState.AWAKE or lock.locked():
                 continue  # a wake is deciding what to do with the slice
             async with lock:
-                now = self._clock()
-                with self._guard:
-                    if not (
-                        r.state is WakeState.AWAKE
-                        and r.inflight == 0
-                        and now - r.last_used >= idle
-                        and now - r.awake_since >= self.settings.min_residency
-                    ):
-                        continue
-                    r.state = WakeState.EVICTING  # a request from now on waits for a wake
-                with contextlib.suppress(ModelNotReadyError):  # BLOCKED: recorded
-                    await self._switch(r, out=True)
-                    r.counts.idle_sleeps += 1
+                if r.state is WakeState.AWAKE and await act(r):
                     done.append(r.name)
-        return done
-
-    async def heal_awake(self) -> list[str]:
-        """Rebuild the failed replicas of every awake role (an engine that died while it was
-        resident; the health monitor only marks them FAILED); the roles healed."""
-        done = []
-        for r in list(self._roles.values()):
-            lock = self.engine.lock(r.name)
-            if r.state is not WakeState.AWAKE or lock.locked():
-                continue
-            async with lock:
-                if r.state is not WakeState.AWAKE:
-                    continue
-                reasons = await self.engine.heal(r.name)
-                if reasons:
-                    self._on_event(f"{r.name}: a rebuild was not confirmed: {'; '.join(reasons)}")
-                done.append(r.name)
         return done
 
     # -- its own loop ----------------------------------------------------------------------
@@ -572,12 +567,6 @@ def _not_ready(
     """The 503 of a request for ``role``: ``role "ROLE"{sep}{why}``."""
     message = f'role "{role}"{sep}{why}'
     return ModelNotReadyError(message, role=role, model="*", state=state, retry_after=retry_after)
-
-
-def _retrieve(task: asyncio.Future[None]) -> None:
-    # Keeps asyncio from reporting an exception no waiter was left to retrieve.
-    if not task.cancelled():
-        task.exception()
 
 
 def _quantiles(seconds: list[float]) -> dict[str, float | int]:
