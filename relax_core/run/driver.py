@@ -333,6 +333,8 @@ class StepDriver:
         self._heal_rollout = False
         #: the heal of rollout in flight (concurrent failed groups wait for the same one)
         self._healing: asyncio.Future[str | None] | None = None
+        #: the run is ending (a lane failed, or it was cancelled): no new step begins
+        self._stopping = False
         self.on_failed = on_failed
         self.on_finished = on_finished
         #: the failed steps the run went past (not the skipped ones; a resumed run's first)
@@ -428,11 +430,10 @@ class StepDriver:
         try:
             await asyncio.wait((commit, train), return_when=asyncio.FIRST_EXCEPTION)
             if train.done() and train.exception() is not None:
-                commit.cancel()
+                self._stop(gen, commit)
             await asyncio.gather(commit, train, return_exceptions=True)
         except asyncio.CancelledError:
-            for lane in lanes:
-                lane.cancel()
+            self._stop(*lanes)
             results = await asyncio.gather(*lanes, return_exceptions=True)
             failure = next((r for r in results if isinstance(r, _StepFailure)), None)
             if failure is not None:
@@ -450,6 +451,18 @@ class StepDriver:
             if error is not None:
                 error.ahead = await self._ahead(error)
                 raise error
+
+    def _stop(self, *lanes: asyncio.Future[None]) -> None:
+        """Cancel ``lanes`` and the generations of steps the generation lane has not reached:
+        a commit lane whose cancellation was lost (Python 3.11's ``asyncio.wait_for`` drops
+        one that lands as its call completes) wakes on its next step's generation instead of
+        waiting for ever, and begins no new step."""
+        self._stopping = True
+        for lane in lanes:
+            lane.cancel()
+        for n, fut in self._generated.items():
+            if n > self.generating:
+                fut.cancel()
 
     async def _ahead(self, failure: _StepFailure) -> list[Sample]:
         """The samples of the failed step and later ones not in ``failure.samples`` (their
@@ -594,6 +607,8 @@ class StepDriver:
     async def _commit_lane(self) -> None:
         try:
             for n in range(self.settings.first_step, self.settings.steps):
+                if self._stopping:
+                    raise asyncio.CancelledError(f"the run stopped before step {n}")
                 self.committing = n
                 try:
                     generated, batch, result = await self._commit(n)
