@@ -30,8 +30,9 @@ committed batch, failed step and dropped group (the ``--dump-samples`` files). A
 step must account for are known. It exits 1 unless: >= ``--steps`` steps (100 by default),
 >= ``--min-faults`` injected faults (10) and one driver kill, no sample lost (a sample of a step
 neither in a committed batch nor reported by a failed step or a drop), none trained twice (in
-two committed batches, or a step committed twice), and every step committed or reported failed
-with its reason. Every process it started is killed on the way out, Ctrl-C included.
+two committed batches, or a step committed twice; a killed driver's batches from the step the
+resume's checkpoint names on are rolled back, not trained), and every step committed or
+reported failed with its reason. Every process it started is killed on the way out, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class DriverRecords:
     batches: dict[int, list[str]] = attrs.field(factory=dict)
     failed: dict[int, list[str]] = attrs.field(factory=dict)
     dropped: dict[int, list[str]] = attrs.field(factory=dict)
+    #: a resumed driver: the step its checkpoint named (the trainer's state reloaded is from
+    #: before it, so an earlier driver's batches from this step on were trained on weights the
+    #: resume threw away: rolled back, not trained)
+    resumed_at: int | None = None
 
 
 def expected_ids(step: int, prompts: int = PROMPTS, samples: int = SAMPLES) -> set[str]:
@@ -102,9 +107,20 @@ def account(
     reported: set[str] = set()
     # committed step -> its groups regenerated after a failed generation (``retries.generate``)
     regenerated: dict[int, int] = {}
+    rolled_back: set[int] = set()
+
+    def later_resume(d: int) -> int | None:
+        """The earliest step a driver after ``d`` resumed at (``None``: none did)."""
+        at = [r.resumed_at for r in drivers[d + 1 :] if r.resumed_at is not None]
+        return min(at, default=None)
+
     for d, rec in enumerate(drivers):
+        resume = later_resume(d)
         for r in filter(_is_step_row, rec.rows):
             step = int(r["step"])
+            if resume is not None and step >= resume:
+                rolled_back.add(step)  # a later driver ran it again from the checkpoint
+                continue
             retries.update({k: int(v) for k, v in (r.get("retries") or {}).items()})
             if r.get("failed") or r.get("skipped"):
                 failed[step] = r
@@ -125,6 +141,8 @@ def account(
                     f"batch holds {len(ids)}"
                 )
         for step, ids in rec.batches.items():
+            if resume is not None and step >= resume:
+                continue
             if d not in committed.get(step, []):
                 problems.append(f"batch {step} dumped by driver {d} but no row committed it")
             for i in ids:
@@ -172,6 +190,7 @@ def account(
             for s, r in sorted(final_failed.items())
         ],
         "steps_failed_then_committed_after_resume": sorted(set(failed) & set(committed)),
+        "steps_rolled_back_by_resume": sorted(rolled_back),
         "retries": dict(retries),
         "retries_total": sum(retries.values()),
         "recoveries": dict(recoveries),
@@ -408,6 +427,8 @@ def text_report(report: dict[str, Any]) -> str:
         f"samples: {report['samples_committed']} committed, {report['samples_reported']} "
         f"reported failed or dropped, {report['samples_lost']} lost, "
         f"{report['samples_trained_twice']} trained twice",
+        f"rolled back by the resume (committed after its checkpoint, run again): "
+        f"steps {report['steps_rolled_back_by_resume']}",
         f"wall: {report['wall_s']:.0f} s",
     ]
     return "\n".join(lines)
@@ -465,9 +486,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         injector.release()
         codes = []
+        resumed_at: int | None = None
         if killed:
             first.finish(60)
             first.kill_leftovers()  # its Ray and engines, as an operator would
+            resumed_at = int(json.loads((run_dir / "checkpoint.json").read_text())["step"])
             second = Driver(
                 job, base / "driver-1", "--json", "--resume", str(run_dir),
                 "--dump-samples", str(base / "samples-1"),
@@ -482,7 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             codes.append(first.finish(max(1.0, deadline - time.monotonic())))
         records = [
-            DriverRecords(d.rows, *read_dumps(base / f"samples-{i}")) for i, d in enumerate(drivers)
+            DriverRecords(
+                d.rows, *read_dumps(base / f"samples-{i}"), resumed_at=resumed_at if i else None
+            )
+            for i, d in enumerate(drivers)
         ]
         report = account(args.steps, records)
         report["faults"] = dict(injector.faults)

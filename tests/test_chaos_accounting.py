@@ -52,11 +52,27 @@ def test_a_killed_driver_and_its_resume_that_commit_every_step_once_pass() -> No
 
 
 def test_a_step_committed_again_after_the_resume_is_trained_twice() -> None:
+    # the checkpoint said step 1 was finished, yet the resumed driver committed it again
     first = DriverRecords([_row(0), _row(1)], _batches(0, 1))
-    second = DriverRecords([_row(1), _row(2)], _batches(1, 2))
+    second = DriverRecords([_row(1), _row(2)], _batches(1, 2), resumed_at=2)
     report = account(3, [first, second])
     assert report["samples_trained_twice"] == 4 and report["steps_committed_twice"] == [1]
-    assert report["samples_lost"] == 0
+    assert report["samples_lost"] == 0 and report["steps_rolled_back_by_resume"] == []
+
+
+def test_a_step_committed_after_the_last_checkpoint_and_run_again_is_rolled_back() -> None:
+    # killed after step 1 was committed (and trained) but before its checkpoint: the resume
+    # reloads the trainer's state of before step 1 and runs it again; the weights see it once
+    first = DriverRecords([_row(0), _row(1)], _batches(0, 1))
+    second = DriverRecords([_row(1), _row(2)], _batches(1, 2), resumed_at=1)
+    report = account(3, [first, second])
+    assert report["problems"] == []
+    assert report["steps_rolled_back_by_resume"] == [1]
+    assert report["steps_committed"] == 3 and report["samples_committed"] == 12
+    assert report["samples_trained_twice"] == 0 and report["steps_committed_twice"] == []
+    # a rolled-back step the resumed driver did not run again is lost
+    report = account(3, [first, DriverRecords([_row(2)], _batches(2), resumed_at=1)])
+    assert "steps neither committed nor reported failed: [1]" in report["problems"]
 
 
 def test_samples_in_no_batch_and_no_report_are_lost_and_a_silent_step_is_named() -> None:
