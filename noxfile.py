@@ -73,13 +73,8 @@ def tests(session: nox.Session) -> None:
 
 
 #: The default session: every test but the slow end-to-end runs (marked ``e2e``: ``nox -s e2e``),
-#: on two workers, one module per worker at a time (a module's shared Ray and engines start once),
-#: in collection order (the root conftest puts the longest modules first; xdist's own reorder by
-#: test count would leave the long modules of few tests for the end).
-DEFAULT_SESSION = (
-    "-q", "-m", "not e2e", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
-    "--durations=30",
-)  # fmt: skip
+#: on two workers, one module per worker at a time (a module's shared Ray and engines start once).
+DEFAULT_SESSION = ("-q", "-m", "not e2e", "-n", "2", "--dist", "loadfile", "--durations=30")
 
 
 @nox.session(python=PYTHON)
