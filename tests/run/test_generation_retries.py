@@ -40,7 +40,7 @@ from relax_core.run.loop import RunSummary, drive, role_recovery
 from relax_core.run.progress import Printer
 from relax_core.run.rollout import GroupRequest
 from tests.run.test_one_driver import TIMES, Trainer
-from tests.support.sim_job import sim_ports
+from tests.support.sim_job import sim_ports, sim_run
 
 
 class Prompts:
@@ -95,13 +95,7 @@ def _run(
     """The simulated split job of 3 steps on ``engine``: its summary, the samples generated,
     the samples trained (step -> ids) and the roles the run asked to rebuild (each answers
     one replica rebuilt)."""
-    run = RunConfig(  # type: ignore[misc]
-        mode=options.pop("mode", "async"),
-        prompts_per_step=TIMES.groups,
-        samples_per_prompt=TIMES.samples_per_group,
-        operation_timeout=30.0,
-        **{"max_failed_steps": 0, **options},
-    )
+    run = sim_run(TIMES, options.pop("mode", "async"), **options)
     engine.run = run
     asked: list[str] = []
 
@@ -195,13 +189,7 @@ def test_generation_retries_0_fails_the_step_at_the_first_failure() -> None:
 
 def test_a_regeneration_is_counted_on_the_trace(tmp_path: Path) -> None:
     engine = FailingEngine({(1, 1): [_gone()]})
-    run = RunConfig(  # type: ignore[misc]
-        mode="sync",
-        prompts_per_step=TIMES.groups,
-        samples_per_prompt=TIMES.samples_per_group,
-        operation_timeout=30.0,
-        max_failed_steps=0,
-    )
+    run = sim_run(TIMES)
     engine.run = run
     ports = sim_ports(
         "regenerate", run, times=TIMES, rollout=engine, stages=[SimJudge(TIMES)], trainer=Trainer
@@ -287,13 +275,7 @@ class DyingEngine(FailingEngine):
 
 
 def _run_defer(handle: DyingHandle, engine: DyingEngine, mode: str) -> tuple[RunSummary, list[str]]:
-    run = RunConfig(  # type: ignore[misc]
-        mode=mode,
-        prompts_per_step=TIMES.groups,
-        samples_per_prompt=TIMES.samples_per_group,
-        operation_timeout=30.0,
-        max_failed_steps=0,
-    )
+    run = sim_run(TIMES, mode)
     engine.run = run
     ports = sim_ports(
         "defer", run, times=TIMES, rollout=engine, stages=[SimJudge(TIMES)], defer=True,

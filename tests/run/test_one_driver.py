@@ -25,10 +25,9 @@ from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times
 
 import relax_core
 from relax_core.coordination import BatchState, Sample, StageContext, StageReport
-from relax_core.run.config import RunConfig
 from relax_core.run.loop import RunSummary, drive
 from relax_core.run.progress import Printer
-from tests.support.sim_job import sim_ports
+from tests.support.sim_job import sim_ports, sim_run
 
 TIMES = Times(generate_s=0.02, score_s=0.02, train_s=0.02, push_s=0.0, groups=2)
 
@@ -67,14 +66,7 @@ def _run(
     """The simulated job; ``options``: more ``[run]`` settings (by default the first failed
     step ends the run: ``max_failed_steps = 0``)."""
     rollout = rollout or SimRollout(TIMES)
-    run = RunConfig(  # type: ignore[misc]
-        mode=mode,
-        prompts_per_step=TIMES.groups,
-        samples_per_prompt=TIMES.samples_per_group,
-        max_staleness=1,
-        operation_timeout=30.0,
-        **{"max_failed_steps": 0, **options},
-    )
+    run = sim_run(TIMES, mode, **{"max_staleness": 1, **options})
     ports = sim_ports(
         f"one-driver-{mode}",
         run,

@@ -11,7 +11,21 @@ from relax_bench._steps_sim import SimRollout, SimTrainer, Times, coordinator, h
 
 from relax_core.coordination import MemoryBatchSink, Stage
 from relax_core.coordination.stages import RoleClients
+from relax_core.run.config import RunConfig
 from relax_core.run.loop import StepPorts
+
+
+def sim_run(times: Times, mode: str = "sync", **options: Any) -> RunConfig:
+    """The ``[run]`` settings of a simulated job of ``times``' groups and samples (30 s
+    operation deadline); by default the first failed step ends the run
+    (``max_failed_steps = 0``); ``options``: more settings."""
+    return RunConfig(  # type: ignore[misc]
+        mode=mode,
+        prompts_per_step=times.groups,
+        samples_per_prompt=times.samples_per_group,
+        operation_timeout=30.0,
+        **{"max_failed_steps": 0, **options},
+    )
 
 
 def sim_ports(
