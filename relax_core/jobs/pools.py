@@ -15,7 +15,8 @@ __all__ = ["bind_pools", "release_pools", "replica_placements"]
 
 def bind_pools(plan: Any, *, out: list[Any] | None = None, detach: bool = False) -> dict[str, Any]:
     """Create and bind the placement group ``relax-<pool>`` of every pool of ``plan`` (each
-    appended to ``out`` once it exists; ``detach``: detached); pool name -> ``BoundPool``.
+    appended to ``out`` once it exists, a Ctrl-C held until it is; ``detach``: detached); pool
+    name -> ``BoundPool``.
 
     :raises PlacementError: a pool's binding is invalid (its own group is removed).
     """
@@ -24,10 +25,12 @@ def bind_pools(plan: Any, *, out: list[Any] | None = None, detach: bool = False)
     bound = {}
     for pool in sorted({p.pool for p in plan.placements if p.pool is not None}):
         bound[pool] = bind_placement_group(
-            plan, pool, name=f"relax-{pool}", lifetime="detached" if detach else None
+            plan,
+            pool,
+            name=f"relax-{pool}",
+            lifetime="detached" if detach else None,
+            keep=None if out is None else out.append,
         )
-        if out is not None:
-            out.append(bound[pool])
     return bound
 
 

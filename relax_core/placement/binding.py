@@ -9,7 +9,9 @@ validate; on failure it removes the group only when it owns it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -298,6 +300,37 @@ def probe_placement_group(
     return tuple(probes)
 
 
+class _HeldSignals:
+    """SIGINT and SIGTERM held (recorded, not handled) from construction until
+    :meth:`release`, which gives the handlers back and raises the first one held. Only the main
+    thread runs signal handlers; elsewhere this does nothing."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._pending: int | None = None
+        self.hold()
+
+    def hold(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return
+        for sig in self._SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+
+    def release(self, *, deliver: bool = True) -> None:
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        pending, self._pending = self._pending, None
+        if deliver and pending is not None:
+            signal.raise_signal(pending)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        if self._pending is None:
+            self._pending = signum
+
+
 def _remove(pg: Any, error: BaseException) -> None:
     from ray.util.placement_group import remove_placement_group
 
@@ -320,6 +353,7 @@ def bind_placement_group(
     ready_timeout_s: float = 60.0,
     probe_timeout_s: float = 60.0,
     lifetime: str | None = None,
+    keep: Callable[[BoundPool], object] | None = None,
 ) -> BoundPool:
     """Create (or borrow) ``pool``'s placement group, probe every bundle, validate the binding.
 
@@ -329,6 +363,10 @@ def bind_placement_group(
         physical index list.
     :param lifetime: Ray's lifetime of a group created here (``"detached"``: it outlives the
         driver until removed).
+    :param keep: called with the bound pool before it is returned (the caller's record of what
+        to release). SIGINT and SIGTERM are held from the group's creation until the ``try``
+        that removes it on failure, and around ``keep``: a Ctrl-C cannot leave an owned group
+        that no one removes.
     :raises PlacementError: not ready in time, a probe failed, or the binding is invalid (an
         owned group is removed by then).
     :raises LifecycleError: the owned group could not be removed after a failure.
@@ -338,12 +376,18 @@ def bind_placement_group(
 
     spec = plan.pool(pool)
     owned = placement_group is None
-    pg = (
-        create(list(spec.bundle_specs()), strategy=spec.strategy, name=name, lifetime=lifetime)
-        if owned
-        else placement_group
-    )
+    held = _HeldSignals()
     try:
+        pg = (
+            create(list(spec.bundle_specs()), strategy=spec.strategy, name=name, lifetime=lifetime)
+            if owned
+            else placement_group
+        )
+    except BaseException:
+        held.release()
+        raise
+    try:
+        held.release()  # a signal that came while the group was created lands here
         if not pg.wait(timeout_seconds=ready_timeout_s):
             specs = spec.bundle_specs()
             free_gpus = ray.available_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
@@ -369,12 +413,23 @@ def bind_placement_group(
             )
         else:
             phys = order
-        bound = validate_bound_placement(plan, pool, probes, bundle_count=count, order=phys)
+        bound = attrs.evolve(
+            validate_bound_placement(plan, pool, probes, bundle_count=count, order=phys),
+            owned=owned,
+            placement_group=pg,
+        )
+        held.hold()
     except BaseException as exc:
+        held.release(deliver=False)
         if owned:
             _remove(pg, exc)
         raise
-    return attrs.evolve(bound, owned=owned, placement_group=pg)
+    try:
+        if keep is not None:
+            keep(bound)
+    finally:
+        held.release()  # after the record: the caller's teardown releases the group
+    return bound
 
 
 def release_bound_pool(bound: BoundPool) -> bool:

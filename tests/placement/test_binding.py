@@ -277,6 +277,34 @@ def test_an_owned_group_that_fails_binding_is_removed(gpu_hole: int) -> None:
 
 
 @pytest.mark.ray
+def test_a_ctrl_c_as_ray_hands_back_the_owned_group_removes_it(
+    ray_local: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    ray_pg = importlib.import_module("ray.util.placement_group")  # the module, not the function
+    real = ray_pg.placement_group
+    created = []
+
+    def create_then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+        pg = real(*args, **kwargs)
+        created.append(pg)
+        signal.raise_signal(signal.SIGINT)  # lands before the caller holds the group
+        return pg
+
+    monkeypatch.setattr(ray_pg, "placement_group", create_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bind_placement_group(
+                make_plan(1, 8, 2, 2), "rollout", ready_timeout_s=30, probe_timeout_s=60
+            )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(created) == 1 and _pg_state(created[0]) == "REMOVED"
+
+
+@pytest.mark.ray
 def test_a_borrowed_group_is_never_removed_when_binding_fails(ray_local: Any) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
 
