@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable
+import contextlib
+import contextvars
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import attrs
 
 from relax_core.errors import RoutingError, UpstreamError, UpstreamStatusError
 
-__all__ = ["GENERATE", "Recovery", "Regeneration", "retryable"]
+__all__ = ["GENERATE", "Recovery", "Regeneration", "retryable", "stage_deadline"]
 
 #: The stage a regenerated group is counted under (the step's ``retries``, the trace).
 GENERATE = "generate"
@@ -29,6 +31,50 @@ T = TypeVar("T")
 
 #: The longest pause between two attempts (a 503's ``Retry-After`` is followed up to it).
 MAX_PAUSE = 2.0
+
+
+class _Deadline:
+    """The deadline of one :func:`stage_deadline` block, stopped while any of its requests
+    waits for a rebuild (the time left is kept, then given back when the last wait ends)."""
+
+    def __init__(self, timeout: asyncio.Timeout) -> None:
+        self._timeout = timeout
+        self._waiting = 0
+        self._left: float | None = None
+
+    def pause(self) -> None:
+        self._waiting += 1
+        when = self._timeout.when()
+        if self._waiting == 1 and when is not None and not self._timeout.expired():
+            self._left = when - asyncio.get_running_loop().time()
+            self._timeout.reschedule(None)
+
+    def resume(self) -> None:
+        self._waiting -= 1
+        if self._waiting == 0 and self._left is not None and not self._timeout.expired():
+            self._timeout.reschedule(asyncio.get_running_loop().time() + max(self._left, 0.0))
+            self._left = None
+
+
+_DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar(
+    "relax_stage_deadline", default=None
+)
+
+
+@contextlib.asynccontextmanager
+async def stage_deadline(seconds: float) -> AsyncIterator[None]:
+    """Within the block, ``seconds`` of a stage's own time: :func:`retrying`'s waits for its
+    role's rebuild (an engine start, bounded by the manager's own start timeout) do not count,
+    so a judge rebuilt mid-step does not fail the step it is rebuilt for.
+
+    :raises TimeoutError: the block's own time ran out (its task is cancelled first).
+    """
+    async with asyncio.timeout(seconds) as timeout:
+        token = _DEADLINE.set(_Deadline(timeout))
+        try:
+            yield
+        finally:
+            _DEADLINE.reset(token)
 
 
 def retryable(exc: BaseException) -> bool:
@@ -125,14 +171,21 @@ async def retrying(
     recovery: Recovery | None,
 ) -> Any:
     """``send()``, sent again up to ``retries`` times while it fails :func:`retryable`; the
-    role's dead replicas rebuilt before each new attempt (``recovery``). The last failure is
-    raised."""
+    role's dead replicas rebuilt before each new attempt (``recovery``), that wait outside any
+    :func:`stage_deadline`. The last failure is raised."""
 
     async def heal(exc: Exception, attempt: int) -> str | None:
         why = None
         if recovery is not None:
             recovery.counted(batch_id, stage, exc)
-            why = await recovery.recover(batch_id, role)
+            deadline = _DEADLINE.get()
+            if deadline is not None:
+                deadline.pause()
+            try:
+                why = await recovery.recover(batch_id, role)
+            finally:
+                if deadline is not None:
+                    deadline.resume()
         pause = getattr(exc, "retry_after", None)
         await asyncio.sleep(min(MAX_PAUSE, pause if pause else 0.1 * attempt))
         return why

@@ -15,6 +15,7 @@ import attrs
 
 from relax_core._tasks import gather_all
 from relax_core.client.client import InferenceClient
+from relax_core.coordination.retries import stage_deadline
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, SampleField, StageContext, StageReport
 from relax_core.errors import ScoringError
@@ -161,7 +162,9 @@ class RewardStage:
     :param models: the role's models the adapters use (with exactly one, ``context.model``).
     :param concurrency: async adapter calls in flight at once.
     :param sync_tasks: remote tasks a sync adapter's samples are split into.
-    :param timeout: deadline of one adapter's whole pass, in seconds.
+    :param timeout: deadline of one adapter's whole pass, in seconds; a wait for the role's
+        rebuild between two attempts does not count
+        (:func:`~relax_core.coordination.retries.stage_deadline`).
     :param retries: retries of an async adapter's call for a sample (``None``: each adapter's
         own ``RewardSpec.retries``; :meth:`~relax_core.coordination.StageContext.retrying`).
     :raises ValueError: no adapters, a duplicate key, a weight that is not finite.
@@ -235,9 +238,10 @@ class RewardStage:
         if not chosen:
             return []
         try:
-            if spec.mode == "sync":
-                return await asyncio.wait_for(self._sync(spec, chosen), self.timeout)
-            return await asyncio.wait_for(self._async(spec, chosen, ctx), self.timeout)
+            async with stage_deadline(self.timeout):
+                if spec.mode == "sync":
+                    return await self._sync(spec, chosen)
+                return await self._async(spec, chosen, ctx)
         except TimeoutError:
             raise ScoringError(
                 spec.name, f"did not score {len(chosen)} samples within {self.timeout:g}s"

@@ -21,7 +21,8 @@ from relax_core.coordination import (
     StageContext,
     validate_samples,
 )
-from relax_core.errors import ScoringError, SinkError
+from relax_core.coordination.retries import Recovery
+from relax_core.errors import ScoringError, SinkError, UpstreamUnreachableError
 from relax_core.records import RewardSpec
 
 CTX = StageContext(7, RoleClients({}))
@@ -206,3 +207,38 @@ def test_the_ray_sink_keeps_partitions_in_its_actor_and_reports_a_dead_store(
             await other.get("train_0")
 
     asyncio.run(go())
+
+
+def _judge_stage(recover_seconds: float, answer_seconds: float) -> tuple[RewardStage, Recovery]:
+    """A reward stage (deadline 1 s) whose async adapter finds its engine gone once, then
+    answers after ``answer_seconds``; rebuilding the role takes ``recover_seconds``."""
+    calls: dict[str, int] = {}
+
+    async def judge(response: str, label: Any, *, context: RewardContext) -> float:
+        calls[context.sample.id] = calls.get(context.sample.id, 0) + 1
+        if calls[context.sample.id] == 1:
+            raise UpstreamUnreachableError(502, "the judge's engine is gone")
+        await asyncio.sleep(answer_seconds)
+        return 1.0
+
+    async def recover(role: str) -> dict[str, list[str]]:
+        await asyncio.sleep(recover_seconds)  # the engine restarting
+        return {"rebuilt": [f"{role}.m/replica-0"], "failed": []}
+
+    spec = RewardSpec(name="judge", fn=judge, mode="async")
+    recovery = Recovery(recover)
+    return RewardStage([spec], role="genrm", timeout=1.0, retries=1), recovery
+
+
+def test_a_rebuild_waited_for_does_not_count_against_the_reward_stages_deadline() -> None:
+    stage, recovery = _judge_stage(recover_seconds=2.5, answer_seconds=0.0)
+    batch = samples()
+    ctx = StageContext(4, RoleClients({}, recovery=recovery))
+    asyncio.run(stage.run(batch, ctx))
+    assert [s.rewards["judge"] for s in batch] == [1.0, 1.0, 1.0]
+    assert recovery.of(4) == {"retries": {"rewards": 3}, "rebuilt": {"genrm": 1}}
+    # Control: the same stage whose retried answers themselves take longer than the deadline.
+    stage, recovery = _judge_stage(recover_seconds=0.0, answer_seconds=2.5)
+    ctx = StageContext(5, RoleClients({}, recovery=recovery))
+    with pytest.raises(ScoringError, match="did not score 3 samples within 1s"):
+        asyncio.run(stage.run(samples(), ctx))
