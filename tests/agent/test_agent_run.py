@@ -102,8 +102,14 @@ environment = "fails-on-step-1"
 """
 
 
+# The contract is covered in the default session by
+# plugins/relax-agent/tests/test_multiturn_engines.py::
+# test_an_environment_that_raises_fails_with_its_name_and_the_trajectory_id (real engines)
+# and tests/run/test_one_driver.py::
+# test_a_failed_sync_step_commits_nothing_and_lists_its_samples; this is the whole CLI run.
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_an_environment_that_raises_fails_the_step_and_nothing_of_it_is_committed(
     tmp_path: Path,
 ) -> None:

@@ -74,7 +74,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # Covered in the default session by tests/coordination/test_residency.py::
 # test_a_free_rollout_never_switches_and_its_batch_commits (the coordinator under the plan)
-# and tests/run/test_run_async_cli.py (a split-layout run, rollout never switching).
+# and tests/run/test_run_durable_cli.py (a split-layout run, rollout never switching).
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.e2e

@@ -91,6 +91,11 @@ def killed(root: Path) -> Killed:
     return Killed(run_dir, dump, steps)
 
 
+# The contract is covered in the default session by tests/run/test_checkpoint.py (what a
+# checkpoint holds, and the driver started at a checkpoint's step running the steps after it
+# with the prompts of an uninterrupted run) and by the refusal test below, which runs the real
+# kill; this compares the whole resumed run with an uninterrupted one.
+@pytest.mark.e2e
 def test_a_run_killed_during_step_3_of_6_resumes_at_step_3_as_if_it_had_never_stopped(
     root: Path, killed: Killed
 ) -> None:

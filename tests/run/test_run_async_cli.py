@@ -18,7 +18,13 @@ import pytest
 from tests.run.test_run_cli import NO_RETRIES
 from tests.support import run as support
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# Both runs are e2e (``nox -s e2e``). In the default session: a real asynchronous run of the
+# same example, every sample within the staleness bound and streamed scoring, is
+# tests/run/test_run_durable_cli.py (its kill -9 of genrm costs retries, not the run); a failed
+# step that commits nothing and lists its samples, in both modes and in a defer layout taking
+# turns, is tests/run/test_one_driver.py and tests/run/test_async_driver.py (the real
+# coordinator and driver over simulated engines).
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_async_steps_commit_within_the_staleness_bound_and_kill_9_of_genrm_ends_it_cleanly(

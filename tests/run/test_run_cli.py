@@ -182,8 +182,9 @@ def _trigger_and_fail(
 
 
 # With retries off and no failed step gone past: covered in the default session by
-# tests/run/test_run_async_cli.py (kill -9 of genrm mid-run ends it, nothing committed for the
-# step) and tests/run/test_run_durable_cli.py (the same kill with retries: rebuilt, committed).
+# tests/run/test_one_driver.py::test_a_failed_sync_step_commits_nothing_and_lists_its_samples
+# (a failed step commits nothing) and tests/run/test_run_durable_cli.py (a real kill -9 of genrm
+# mid-step, with retries: rebuilt, committed).
 @pytest.mark.e2e
 def test_kill_9_of_the_genrm_engine_mid_scoring_ends_the_run_with_nothing_committed_for_it(
     root: Path,

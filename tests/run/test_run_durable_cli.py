@@ -47,9 +47,21 @@ def test_kill_9_of_the_genrm_engine_mid_step_2_costs_retries_and_a_rebuild_not_t
     assert step2["recoveries"] == {"genrm": 1}, step2
     assert summary["recoveries"] == {"genrm": 1}
     assert all(r["samples"] == 16 and r["fields"]["reward"] == 16 for r in steps)
+    # asynchronous steps: every sample within the bound (max_staleness = 1), scored as streamed
+    for r in steps:
+        staleness = r["async"]["staleness"]
+        assert sum(staleness.values()) == 16 and max(int(k) for k in staleness) <= 1, r["async"]
+        assert r["async"]["max_staleness_seen"] <= 1
+        assert r["async"]["streamed_stages"] == ["genrm", "teacher"]
+    assert steps[0]["async"]["staleness"] == {"0": 16}
     assert killed not in summary["engine_pids"] or not os.path.exists(f"/proc/{killed}")
 
 
+# The contract (an all-dropped batch is skipped, never committed nor trained, the run goes on)
+# is covered in the default session by tests/run/test_durable_steps.py::
+# test_an_all_dropped_batch_is_skipped_never_committed_nor_trained (the real driver and
+# coordinator); this is the whole CLI run around it.
+@pytest.mark.e2e
 def test_a_stage_that_drops_every_group_skips_the_step_with_exit_0_and_the_summary_last(
     root: Path,
 ) -> None:

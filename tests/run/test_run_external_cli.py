@@ -30,8 +30,12 @@ def _weight_version(url: str) -> str:
         return str(json.loads(resp.read())["weight_version"])
 
 
+# The contract is covered in the default session by tests/integration/test_external_engines.py
+# (external heads published, probed, failed and back; never started, stopped nor sent weights)
+# and the checks below; this is the whole CLI run with a real external teacher.
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)  # an engine more than the run's own, started first
 def test_a_teacher_served_by_external_urls_prefills_every_step_and_is_never_stopped_nor_pushed(
     root: Path, models: Path

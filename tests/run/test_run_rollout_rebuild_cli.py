@@ -21,6 +21,12 @@ from tests.support import run as support
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+# The contract is covered in the default session by tests/run/test_generation_retries.py (a
+# group whose engine died is regenerated as a new group, the weights pushed to the rebuilt
+# replica first; the real driver over simulated engines) and tests/manager/test_manager_faults.py::
+# test_kill_9_during_generation_fails_the_replica_and_rebuilds_it_after_cleanup (a real engine
+# killed and rebuilt); this is the whole CLI run around it.
+@pytest.mark.e2e
 @pytest.mark.timeout(600)  # a rebuild of an engine on a loaded CPU machine
 def test_kill_9_of_the_policy_engine_mid_step_1_regenerates_its_groups_and_every_step_commits(
     root: Path,
