@@ -1,8 +1,12 @@
 """Trackers, the report and the metrics port on one real ``relax run``: the CPU example's three
 steps (three tiny hf models on CPU, a defer layout on one declared GPU) with ``trackers =
 ["tensorboard", "jsonl", wandb (offline), mlflow (a file store in the run directory), the test
-plugin's ``raises`` (it raises at step 1)]``, ``--report``, ``--measure`` and
-``--metrics-port``, run once for the module.
+plugin's ``raises`` (it raises at step 1)]``, ``--report``, ``--measure``, ``--trace``,
+``--dump-samples`` and ``--metrics-port``, run once for the module.
+
+The run itself as a user runs it: three committed steps with every field, the weight version
+moving, every committed sample in exactly one batch, the trace, the switch measurement, nothing
+left running.
 
 Every tracker is read back with its own library's reader and must hold every committed step's
 numbers as the step's JSON line gives them; the tracker that raised is reported once and the run
@@ -53,6 +57,7 @@ class Run:
             run_dir,
             scraped,
         )
+        self.trace = run_dir.parent / "run.trace.json"
         self.steps = [r for r in rows if "event" not in r and "step" in r and "summary" not in r]
         self.summary = next(r for r in rows if r.get("summary"))
 
@@ -63,6 +68,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     job = support.job_file(root, trackers=TRACKERS)
     run_dir, port = root / "run", free_port()
     args = ("--json", "--measure", "--report", "--run-dir", str(run_dir))
+    args += ("--trace", str(root / "run.trace.json"), "--dump-samples", str(root / "samples"))
     with support.relax_run(job, *args, "--metrics-port", str(port)) as proc:
         proc.out.wait_for(r'"event": "phase", "step": 1, "phase": "genrm", "state": "begin"', 300)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
@@ -236,3 +242,80 @@ def test_the_report_renders_every_chart_in_a_real_browser_with_no_console_error(
     assert tuple(charts) == tuple(c for c in CHARTS if c != "trajectories")
     assert all(c["traces"] > 0 and c["drawn"] == c["traces"] for c in charts.values()), charts
     assert seen["value"]["rows"] == 12
+
+
+def _committed(directory: Path) -> dict[int, list[dict[str, Any]]]:
+    return {
+        int(p.stem.split("-")[1]): [json.loads(line) for line in p.read_text().splitlines()]
+        for p in sorted(directory.glob("batch-*.jsonl"))
+    }
+
+
+def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves_nothing(
+    run: Run,
+) -> None:
+    assert run.code == 0, run.err
+    steps, summary, dumps, trace = run.steps, run.summary, run.run_dir.parent / "samples", run.trace
+
+    # One object per committed step with the fields a user reads, then the summary.
+    assert [r["step"] for r in steps] == [0, 1, 2] and [r["batch_id"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        assert r["samples"] == 16 and r["groups"] == 4 and r["partition"] == f"train_{r['step']}"
+        assert r["fields"] == dict.fromkeys(
+            ("reward", "rewards", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs"),
+            16,
+        )
+        assert set(r["stages"]) == {"genrm", "teacher"} and r["dropped"]["groups"] == 0
+        assert set(r["phases"]) >= {
+            "generate", "rollout.offload", "genrm.onload", "genrm", "genrm.offload",
+            "teacher.onload", "teacher", "teacher.offload", "sink_put", "commit", "train",
+        }  # fmt: skip
+        assert r["train"]["samples"] == 16 and r["train"]["optimizer_steps"] == r["step"] + 1
+        # The trainer's policy is the engine's: its log-probs of the sampled tokens match.
+        assert abs(r["train"]["ratio_mean"] - 1.0) < 1e-3, r["train"]
+        assert r["teacher_kl"] is not None and r["parse_failures"] is not None
+    assert summary["summary"] is True and summary["steps_committed"] == 3
+    # Each step generated with the weights pushed after the one before it, and the last
+    # step's weights were pushed too: the rollout weight version moved three times.
+    assert summary["weight_versions"] == ["default", "1", "2", "3"]
+    assert [r["weight_version"] for r in steps] == ["default", "1", "2"]
+    assert all(r["pushed_before"]["weight_version"] == str(r["step"]) for r in steps[1:])
+
+    # Every committed sample, read back from the finalizer's dumps: its reward and teacher
+    # fields, in exactly one committed batch (counted by id).
+    batches = _committed(dumps)
+    assert sorted(batches) == [0, 1, 2]
+    ids = [s["id"] for samples in batches.values() for s in samples]
+    assert len(ids) == len(set(ids)) == 48
+    for n, samples in batches.items():
+        assert {s["weight_version"] for s in samples} == {steps[n]["weight_version"]}
+        for s in samples:
+            fields = s["fields"]
+            assert isinstance(fields["reward"], float) and set(fields["rewards"]) == {
+                "genrm-judge", "exact-match", "digits",
+            }  # fmt: skip
+            tokens = len(s["response_ids"])
+            assert tokens >= 1 and len(s["rollout_logprobs"]) == tokens
+            assert [len(row) for row in fields["teacher_topk_ids"]] == [4] * tokens
+            assert len(fields["teacher_logprobs"]) == tokens
+
+    # The Perfetto trace: every phase of every batch.
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["batch"] for e in events} == {0, 1, 2}
+    assert {e["name"] for e in events} >= {"generate", "weight_push", "genrm", "teacher", "commit"}
+
+    # --measure: each of the 6 switches of a step (3 roles in, 3 out; step 0's rollout starts
+    # awake) against a copy of its bytes measured in the same run; offloads free what they held.
+    switching = summary["switching"]
+    assert len(switching["switches"]) == 5 + 6 + 6
+    for s in switching["switches"]:
+        assert s["weight_bytes"] > 0 and s["copy_seconds"] > 0 and s["seconds"] > 0
+        if s["direction"] == "offload":
+            assert s["freed_fraction"] >= 0.9, s
+        # The engines' own share, from their memory log: a release or a resume per switch.
+        ops = {op["op"] for op in s["engine_ops"]}
+        assert ops == ({"release"} if s["direction"] == "offload" else {"resume"}), s
+        assert 0 < s["engine_seconds"] <= s["seconds"], s
+        if s["role"] == "rollout":  # its own switches: the manager's and the worker's seconds
+            assert s["engine_seconds"] <= s["worker_seconds"] <= s["manager_seconds"], s
+    assert 0 < switching["share_of_step"] < 1
