@@ -30,41 +30,16 @@ MODELS = {"policy": 0, "judge": 1, "math": 2}
 
 
 def make_models(directory: Path, size: str = "tiny") -> Path:
-    """The example's three models under ``directory/tiny``, made in parallel as a user would."""
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relax_hf",
-                "make-tiny-model",
-                str(directory / "tiny" / name),
-                "--seed",
-                str(seed),
-                "--size",
-                size,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for name, seed in MODELS.items()
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
+    """The example's three models under ``directory/tiny`` (``made_tiny_models``)."""
+    models = {directory / "tiny" / name: (seed, size) for name, seed in MODELS.items()}
+    support.made_tiny_models(models)
     return directory
 
 
 def make_policy(directory: Path) -> Path:
-    """One tiny policy, ``directory/tiny/policy`` (the model of the one-role jobs), made as a
-    user makes it."""
-    made = subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(directory / "tiny" / "policy")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert made.returncode == 0, made.stderr
+    """One tiny policy, ``directory/tiny/policy`` (the model of the one-role jobs;
+    ``made_tiny_models``)."""
+    support.made_tiny_models({directory / "tiny" / "policy": (MODELS["policy"], "tiny")})
     return directory
 
 

@@ -5,13 +5,16 @@ line with deadlines, a micro hf model, and ``relax serve`` run as a user runs it
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -124,14 +127,46 @@ class Lines:
         return "\n".join(self.lines)
 
 
+#: (seed, size) -> the model this process made with ``make-tiny-model``, kept in a directory
+#: of its own (removed at exit) that no test writes to; every test gets a copy (the command is
+#: deterministic per seed and size: plugins/relax-hf/tests/test_plugin.py).
+_MADE: dict[tuple[int, str], Path] = {}
+
+
+def _cache() -> Path:
+    if "dir" not in _CACHE:
+        _CACHE["dir"] = Path(tempfile.mkdtemp(prefix="relax-tiny-models-"))
+        atexit.register(shutil.rmtree, _CACHE["dir"], ignore_errors=True)
+    return _CACHE["dir"]
+
+
+_CACHE: dict[str, Path] = {}
+
+
+def made_tiny_models(targets: dict[Path, tuple[int, str]]) -> None:
+    """Each ``target`` a tiny model of its ``(seed, size)``: made as a user makes one
+    (``python -m relax_hf make-tiny-model``, in parallel) the first time this process needs
+    it, then copied."""
+    procs = []
+    for seed, size in dict.fromkeys(targets.values()):
+        if (seed, size) not in _MADE:
+            made = _cache() / f"seed{seed}-{size}"
+            command = [sys.executable, "-m", "relax_hf", "make-tiny-model", str(made)]
+            command += ["--seed", str(seed), "--size", size]
+            popen = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            procs.append((seed, size, made, popen))
+    for seed, size, made, proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        _MADE[(seed, size)] = made
+    for target, key in targets.items():
+        shutil.copytree(_MADE[key], target)
+
+
 def make_tiny_model(path: Path) -> Path:
-    """A micro hf model made the way a user makes one (``python -m relax_hf make-tiny-model``)."""
-    subprocess.run(
-        [sys.executable, "-m", "relax_hf", "make-tiny-model", str(path), "--size", "micro"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    """A micro hf model made the way a user makes one (``python -m relax_hf make-tiny-model``;
+    a copy of this process's first one after it: :func:`made_tiny_models`)."""
+    made_tiny_models({path: (0, "micro")})
     return path
 
 
