@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
@@ -28,6 +28,8 @@ __all__ = [
     "SwitchProbe",
     "switch_report",
 ]
+
+_T = TypeVar("_T")
 
 #: A switch may take this many times the copy of its bytes ...
 COPY_FACTOR = 1.25
@@ -164,8 +166,8 @@ class SwitchProbe:
         return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
 
     async def around(
-        self, step: int, role: str, direction: str, call: Callable[[], Awaitable[Any]]
-    ) -> Any:
+        self, step: int, role: str, direction: str, call: Callable[[], Awaitable[_T]]
+    ) -> _T:
         """Run ``call()`` (the switch) and record it; its result returned, its error raised
         (a failed switch is not recorded)."""
         infos_before = await self._info(role)
@@ -178,7 +180,7 @@ class SwitchProbe:
         ops = [_ops_since(infos_before.get(url, {}), info) for url, info in infos.items()]
         first = after[0] if after else {}
         replicas = getattr(result, "replicas", None)
-        manager = float(result.seconds) if replicas is not None else None
+        manager = float(getattr(result, "seconds", 0.0)) if replicas is not None else None
         worker = max((float(r.seconds) for r in replicas), default=None) if replicas else None
         kv = sum(int((m.get("kv_cache") or {}).get("pool_bytes", 0)) for m in (after or before))
         self.switches.append(
@@ -222,23 +224,21 @@ class MeasuredCoordinator:
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState:
         """The coordinator's ``activate``, measured as ``role``'s onload."""
-        state: LeaseState = await self._probe.around(
+        return await self._probe.around(
             batch_id,
             role,
             "onload",
             lambda: self._inner.activate(role, operation_id, batch_id=batch_id, models=models),
         )
-        return state
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """The coordinator's ``deactivate``, measured as ``role``'s offload."""
-        state: LeaseState = await self._probe.around(
+        return await self._probe.around(
             batch_id,
             role,
             "offload",
             lambda: self._inner.deactivate(role, operation_id, batch_id=batch_id),
         )
-        return state
 
 
 @attrs.define
@@ -258,17 +258,15 @@ class MeasuredHandle:
 
     async def onload(self) -> LifecycleResult:
         """The manager's onload, measured."""
-        result: LifecycleResult = await self._probe.around(
+        return await self._probe.around(
             self._step("onload"), self._role, "onload", self._inner.onload
         )
-        return result
 
     async def offload(self) -> LifecycleResult:
         """The manager's offload, measured."""
-        result: LifecycleResult = await self._probe.around(
+        return await self._probe.around(
             self._step("offload"), self._role, "offload", self._inner.offload
         )
-        return result
 
     async def weight_version(self) -> str | None:
         """The manager's published weight version (the handle's ``weight_version()``)."""
