@@ -1,7 +1,6 @@
-"""The ``[run]`` table of a job file: what ``relax run`` does each step (``docs/run.md`` lists
-every key). Of ``[[run.stages]]`` only the common keys are read here (the rest by the stage
-kind's builder); without them the shorthand keys (``rewards``, ``teacher_role``…) make the
-default stages. :func:`relax_core.run.job.run_problems` checks the table against the job.
+"""The ``[run]`` table of a job file (``docs/run.md`` lists every key): of ``[[run.stages]]``
+only the common keys are read here; without it the shorthand keys (``rewards``,
+``teacher_role``…) make the default stages.
 """
 
 from __future__ import annotations
@@ -73,9 +72,8 @@ _MOVED = {
 
 @attrs.frozen
 class StageTable:
-    """One stage of the step as the job file gives it (``options``: the keys its kind's
-    builder reads); ``keys`` maps a key to where the job file has it when that is elsewhere
-    (the shorthand's ``role`` is ``run.teacher_role``)."""
+    """One stage of the step as the job file gives it; ``keys`` maps a key to where the job
+    file has it when that is elsewhere (the shorthand's ``role`` is ``run.teacher_role``)."""
 
     kind: str
     name: str
@@ -94,8 +92,7 @@ class StageTable:
 
 @attrs.frozen
 class GenerationTable:
-    """``[run.generation]``: the rollout shape a step generates with and the rest of the
-    table (``options``, read by the shape's builder)."""
+    """``[run.generation]``: the rollout shape and its ``options``."""
 
     shape: str = "single-turn"
     options: Mapping[str, Any] = attrs.field(factory=dict)
@@ -104,9 +101,8 @@ class GenerationTable:
 
 @attrs.frozen
 class RunConfig:
-    """What each step of ``relax run`` does (the ``[run]`` table; each key in ``docs/run.md``);
-    ``dataset`` is relative to ``base`` (the job file's directory); ``trainer_options``: the
-    trainer's options record (``None``: it has none)."""
+    """The ``[run]`` table (each key in ``docs/run.md``); ``dataset`` is relative to ``base``
+    (the job file's directory); ``trainer_options``: the trainer's options record, if any."""
 
     steps: int = 3
     dataset: str = "arithmetic"
@@ -213,8 +209,7 @@ _PLAIN: tuple[tuple[str, tuple[type, Check | None]], ...] = (
 
 
 def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConfig:
-    """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults); the
-    trainer (named, or the one registered in ``pm``) reads its own keys.
+    """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults).
 
     :raises ConfigValidationError: every problem, each with its ``run.*`` key path.
     """
@@ -257,7 +252,7 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
         generation=_generation_table(r, t.get("generation")),
         trainer_options=trainer_options,
         trackers=tracker_entries(r, t.get("trackers", []), f"{p}.trackers"),
-        base=_base(job.source),
+        base=None if job.source is None else str(Path(job.source).resolve().parent),
         **plain,
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
@@ -335,8 +330,7 @@ def _option_keys(spec: TrainerSpec | None) -> tuple[str, ...]:
 
 
 def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEntry, ...]:
-    """``[run] trackers``: each a tracker's name or a table naming it with its options
-    (checked against the plugins by :func:`~relax_core.tracking.tracker_problems`)."""
+    """``[run] trackers``: each a tracker's name or a table naming it with its options."""
     if not isinstance(raw, list):
         r.problem(path, "type", f"must be a list of tracker names or tables, got {raw!r}")
         return ()
@@ -353,13 +347,6 @@ def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEnt
             options = {k: val for k, val in item.items() if k != "tracker"}
             out.append(TrackerEntry(name, options, where))
     return tuple(out)
-
-
-def _base(source: str | None) -> str | None:
-    """The directory relative paths of the run are relative to: the job file's."""
-    if source is None:
-        return None
-    return str(Path(source).resolve().parent)
 
 
 def _generation_table(r: ConfigReader, raw: object) -> GenerationTable:

@@ -1,7 +1,5 @@
-"""What ``relax run`` brings up on Ray, in order, and takes down again: :func:`run_problems`
-checks everything before anything starts; :class:`RunJob` starts the job runtime's placement
-groups, registries, manager actors and engines (as ``relax serve`` does), the trainer actor,
-the coordinator and the batch sink, and tears them all down (``docs/run.md``).
+"""What ``relax run`` brings up on Ray and takes down again (:class:`RunJob`), and the checks
+made before anything starts (:func:`run_problems`).
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
 
 def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[str]:
     """Every reason ``relax run`` cannot run ``config`` with ``run``, as ``key.path: [rule]
-    message`` lines; empty when it can: the job's own checks (:func:`relax_core.jobs.check_job`),
-    then the ``[run]`` table against the job. Pure: starts nothing (it reads the data source).
+    message`` lines; empty when it can. Starts nothing (it reads the data source).
     """
     from relax_core.jobs.checks import check_job
     from relax_core.run.background import background_problems
@@ -221,8 +218,7 @@ class RunJob:
     registries: dict[str, Any] = attrs.field(factory=dict, init=False)
     #: role -> model -> manager actor (every role; not the models served by external engines)
     actors: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
-    #: role -> model -> the actor of a model served by ``external_urls``: it publishes their
-    #: heads; nothing starts, onloads, offloads, rebuilds or pushes weights to them.
+    #: role -> model -> the actor of a model served by ``external_urls`` (never driven)
     external: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
     coordinator: Any = attrs.field(default=None, init=False)
     sink: Any = attrs.field(default=None, init=False)
@@ -285,8 +281,7 @@ class RunJob:
         on_interrupt: Callable[[], None] | None = None,
         on_started: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Bring everything up; ``say`` gets one line per event; ``on_interrupt``,
-        ``on_started``: as :meth:`~relax_core.jobs.JobRuntime.start`'s.
+        """Bring everything up (blocks); ``say`` gets one line per event.
 
         :raises PlacementError: the binding failed. :raises LifecycleError: an engine, router
             or the trainer did not start (call :meth:`teardown` in every case).
@@ -461,9 +456,8 @@ class RunJob:
         self.sink = RayBatchSink.start(name=f"relax-batches-{self.name}", namespace=NAMESPACE)
 
     def teardown(self, say: Say) -> list[str]:
-        """Stop everything this job started (:meth:`~relax_core.jobs.JobRuntime.teardown`);
-        what could not be confirmed (empty: nothing left). Idempotent; never raises for one
-        part's failure (each is tried).
+        """Stop everything this job started; what could not be confirmed (empty: nothing
+        left). Idempotent; never raises for one part's failure (each is tried).
         """
         import ray
 
@@ -485,8 +479,7 @@ class RunJob:
 class ExternalEnginesActor(ManagerActor):
     """The actor of a model served by ``external_urls``: a
     :class:`~relax_core.manager.actor.ManagerActor` around
-    :class:`~relax_core.manager.external.ExternalEngines` (its arguments, and the router's as
-    a managed model's actor), which refuses every lifecycle call and weight update."""
+    :class:`~relax_core.manager.external.ExternalEngines`."""
 
     def __init__(
         self,
@@ -514,9 +507,8 @@ class ExternalEnginesActor(ManagerActor):
 def _start_external_actor(
     model: ModelConfig, pm: PluginManager, *, job: str, publisher: Any, **managed: Any
 ) -> Any:
-    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, in place of
-    :func:`~relax_core.jobs.managers.start_model_actor`'s (of ``managed``, only ``log_dir`` is
-    used: nothing is placed nor driven); the role's registry watches it.
+    """The :class:`ExternalEnginesActor` of a model served by ``external_urls`` (of
+    ``managed``, only ``log_dir`` is used); the role's registry watches it.
 
     :raises LifecycleError: the actor could not be built.
     """
