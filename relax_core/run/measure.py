@@ -1,9 +1,5 @@
-"""``relax run --measure``: what each phase switch costs, against the copy of the bytes it moves.
-
-:class:`SwitchProbe` reads every engine head's ``/server_info`` memory report around each
-switch (a role's offload or onload, through the coordinator or rollout's own handle);
-:func:`switch_report` sets each against one pinned copy of the same bytes measured by the
-trainer in the same run (``measure_copy``) and the run's step time (``docs/run.md``: each key).
+"""``relax run --measure``: what each phase switch costs, against one pinned copy of the bytes
+it moves measured by the trainer in the same run (``docs/run.md``: each key).
 """
 
 from __future__ import annotations
@@ -145,10 +141,8 @@ def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
 
 @attrs.define
 class SwitchProbe:
-    """Reads the memory reports of a role's engine heads around each switch.
-
-    :param heads: ``heads(role)`` → the base URLs of the role's engine heads (awaitable).
-    """
+    """Reads the memory reports (``/server_info``) of a role's engine heads around each
+    switch; ``heads(role)``: their base URLs."""
 
     heads: Callable[[str], Awaitable[list[str]]]
     timeout: float = attrs.field(default=30.0, kw_only=True)
@@ -290,7 +284,7 @@ def switch_report(
     step_seconds: float,
 ) -> dict[str, Any]:
     """Every switch against its copy baseline (``copies[bytes]``: ``h2d`` and ``d2h``
-    seconds of one copy), and the totals."""
+    seconds), and the totals."""
     rows = []
     for s in switches:
         copy = copies.get(s.weight_bytes, {}).get("h2d" if s.direction == "onload" else "d2h")

@@ -1,8 +1,4 @@
-"""The trackers of one run, opened from ``[run] trackers`` and fed from a worker thread, so
-a slow tracker never delays a step. One that raises is reported once and hears nothing more
-but ``close``; with ``strict`` the error (:class:`~relax_core.errors.TrackerError`) is raised
-from the loop's next call, ending the run.
-"""
+"""The trackers of one run, fed from a worker thread so a slow tracker never delays a step."""
 
 from __future__ import annotations
 
@@ -25,8 +21,8 @@ _STOP = object()
 
 
 def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list[ConfigProblem]:
-    """Every problem with ``entries`` before anything starts: a tracker no plugin registers
-    (with a did-you-mean hint), one named twice, an option its record does not list."""
+    """Every problem with ``entries`` before anything starts (unknown, twice, an unknown
+    option)."""
     out: list[ConfigProblem] = []
     known = pm.registered("trackers")
     seen: dict[str, str] = {}
@@ -70,9 +66,9 @@ def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list
 
 
 class Trackers:
-    """The open trackers of a run (see the module docstring): ``opened`` as ``(name,
-    tracker)`` pairs in the order they hear each call; ``say`` gets each failure's line;
-    ``strict``: a failure is raised from the next call too."""
+    """The open trackers of a run; one that raises is reported once (``say``) and hears
+    nothing more but ``close``; with ``strict`` the
+    :class:`~relax_core.errors.TrackerError` is raised from the next call, ending the run."""
 
     def __init__(
         self,
