@@ -1,8 +1,5 @@
-"""``relax run CONFIG``: the whole inference side of RL steps, closed into a loop with a trainer.
-
-The job file and its ``[run]`` table are checked before anything starts; then the job comes up
-on Ray (:mod:`relax_core.run.job`), runs its steps (:mod:`relax_core.run.loop`), and everything
-is shut down. ``docs/run.md`` has the run directory, ``--resume`` and the exit statuses.
+"""``relax run CONFIG``: check the job, bring it up on Ray, run its steps, shut everything down
+(``docs/run.md`` has the run directory, ``--resume`` and the exit statuses).
 """
 
 from __future__ import annotations

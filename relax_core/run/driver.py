@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -671,12 +672,9 @@ class StepDriver:
             streamed=streamed,
         )
         try:
-            if self.switching:
-                # rollout's turn ends here (the batch offloads it first): no push in flight
-                async with self._rollout_lock:
-                    self._awake.clear()
-                    result = await batch.run()
-            else:
+            # switching: rollout's turn ends here (the batch offloads it first): no push in flight
+            async with self._rollout_lock if self.switching else contextlib.nullcontext():
+                self._awake.clear()
                 result = await batch.run()
         except BaseException as exc:
             raise _StepFailure(n, exc, batch.generated_samples(), batch) from exc
