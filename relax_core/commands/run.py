@@ -154,6 +154,7 @@ def _resume_problems(
 ) -> list[str]:
     """Why the run in ``args.resume`` cannot go on with this job, one message each."""
     from relax_core.run.checkpoint import job_settings, settings_problems
+    from relax_core.run.job import generation_role
 
     out: list[str] = []
     if resume.step >= settings.steps:
@@ -171,25 +172,15 @@ def _resume_problems(
             f"run.trainer: the trainer {settings.trainer} has no load, so its state cannot be "
             "resumed (docs/plugins.md#a-trainer-plugin)"
         )
-    generation = _generation_model(config, pm)
-    if generation is not None:
-        now = job_settings(settings, generation_model=generation[0], model_path=generation[1])
+    gen = generation_role(config, pm)
+    if gen is not None and config.role(gen).models:
+        model = config.role(gen).models[0]
+        now = job_settings(settings, generation_model=model.name, model_path=model.model_path)
         out += [
             f"--resume: {p}"
             for p in settings_problems(resume, now, run_dir=args.resume, job_file=str(args.config))
         ]
     return out
-
-
-def _generation_model(config: Any, pm: PluginManager) -> tuple[str, str] | None:
-    """The generation model's name and directory (``None``: the job has none)."""
-    from relax_core.run.job import generation_role
-
-    gen = generation_role(config, pm)
-    if gen is None or not config.role(gen).models:
-        return None
-    model = config.role(gen).models[0]
-    return model.name, model.model_path
 
 
 def run(args: argparse.Namespace) -> int:

@@ -217,7 +217,9 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
     p = "run"
     raw = dict(job.run)
     spec = _trainer_spec(r, raw, pm)
-    option_keys = _option_keys(spec)
+    option_keys: tuple[str, ...] = ()
+    if spec is not None and spec.options is not None:
+        option_keys = tuple(f.alias or f.name for f in attrs.fields(spec.options) if f.init)
     named = raw.get("trainer")
     if spec is None and isinstance(named, str) and NAME_PATTERN.match(named):
         # A trainer nobody registered (run_problems says so): its keys cannot be told yet.
@@ -320,13 +322,6 @@ def _trainer_spec(
         return None
     found = registered.get(name) if isinstance(name, str) else None
     return found.record if found is not None else None  # type: ignore[no-any-return]
-
-
-def _option_keys(spec: TrainerSpec | None) -> tuple[str, ...]:
-    """The ``[run]`` keys the trainer's options record reads."""
-    if spec is None or spec.options is None:
-        return ()
-    return tuple(f.alias or f.name for f in attrs.fields(spec.options) if f.init)
 
 
 def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEntry, ...]:

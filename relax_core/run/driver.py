@@ -763,7 +763,9 @@ class StepDriver:
             try:
                 return await self._push_now(version, index)
             except Exception as again:
-                again.add_note(f"sent twice, {_push_note(self.generation_role, exc, why)}")
+                said = f"the first failed ({describe_failure(exc)}) and {self.generation_role}"
+                said += " was rebuilt in between" + ("" if why is None else f": {why}")
+                again.add_note(f"sent twice, {said}")
                 raise
 
     async def _push(self, version: str, index: int) -> dict[str, Any] | None:
@@ -835,7 +837,8 @@ class StepDriver:
                         n + 1, exc, [], trainer=f"its push failed: {describe_failure(exc)}"
                     ) from exc
                 if pushed_before is not None:
-                    self.clock.pushed(_version(pushed_before, str(n + 1)), n + 1)
+                    version = pushed_before.get("weight_version")
+                    self.clock.pushed(str(n + 1) if version is None else str(version), n + 1)
 
     async def _finished(self, n: int, *, trained: bool) -> None:
         if self.on_finished is not None:
@@ -901,18 +904,6 @@ class _GenerationFailed(Exception):
         super().__init__(str(error))
         self.error = error
         self.samples = samples
-
-
-def _push_note(role: str, first: BaseException, why: str | None) -> str:
-    """What a push sent again after ``role``'s rebuild says of the first attempt."""
-    said = f"the first failed ({describe_failure(first)}) and {role} was rebuilt in between"
-    return said if why is None else f"{said}: {why}"
-
-
-def _version(pushed: Mapping[str, Any] | None, asked: str) -> str:
-    if isinstance(pushed, Mapping) and pushed.get("weight_version") is not None:
-        return str(pushed["weight_version"])
-    return asked
 
 
 def idle_ratios(

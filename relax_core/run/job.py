@@ -186,20 +186,6 @@ def _shape_model(model: ModelConfig) -> dict[str, Any]:
     return {"model": model.name, "model_path": model.model_path, "model_where": model.path}
 
 
-def _timeouts(run: RunConfig) -> ManagerTimeouts:
-    """The managers' deadlines: lifecycle calls follow the coordinator's."""
-    op = run.operation_timeout
-    return ManagerTimeouts(
-        start=600.0,
-        offload=op,
-        onload=op,
-        drain=min(30.0, op / 2),
-        update=600.0,
-        health=15.0,
-        shutdown=10.0,
-    )
-
-
 @attrs.define(eq=False)
 class RunJob:
     """The actors, engines and placement groups of one ``relax run``; ``name``: the job's.
@@ -322,7 +308,16 @@ class RunJob:
                 if started.exception() is None:
                     self.registries[name] = started.result()
             _raise_first(registries.values())
-            timeouts = _timeouts(self.run)
+            op = self.run.operation_timeout  # lifecycle calls follow the coordinator's deadline
+            timeouts = ManagerTimeouts(
+                start=600.0,
+                offload=op,
+                onload=op,
+                drain=min(30.0, op / 2),
+                update=600.0,
+                health=15.0,
+                shutdown=10.0,
+            )
             managers = {
                 (role.name, model.name): pool.submit(
                     _start_external_actor if model.external else start_model_actor,
