@@ -26,13 +26,7 @@ from relax_core.coordination.stages import (
 )
 from relax_core.errors import ConfigError, CoordinationError
 
-__all__ = [
-    "BackgroundEvals",
-    "BackgroundStage",
-    "EvalCounts",
-    "EvalResult",
-    "background_problems",
-]
+__all__ = ["BackgroundEvals", "BackgroundStage", "EvalCounts", "EvalResult", "background_problems"]
 
 #: What a background evaluation ended as.
 _ENDS = DONE, FAILED, CANCELLED = "done", "failed", "cancelled"

@@ -254,11 +254,7 @@ class Checkpointer:
             )
 
     async def write(
-        self,
-        step: int,
-        *,
-        failed_steps: Sequence[int] = (),
-        weight_version: str | None = None,
+        self, step: int, *, failed_steps: Sequence[int] = (), weight_version: str | None = None
     ) -> Checkpoint:
         """A checkpoint whose first unfinished step is ``step``, the trainer's weights version
         ``weight_version`` (``None``: ``step``); blocks until it is on disk.

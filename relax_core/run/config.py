@@ -434,11 +434,7 @@ def _shorthand(r: ConfigReader, t: Mapping[str, Any]) -> tuple[StageTable, ...]:
     ]
     if teacher_role is not None:
         options = {"mode": mode, "top_k": top_k} if mode == "top-k" else {"mode": mode}
-        keys = {
-            "role": "run.teacher_role",
-            "stage": "run.teacher_role",
-            "mode": "run.teacher_mode",
-        }
+        keys = {"role": "run.teacher_role", "stage": "run.teacher_role", "mode": "run.teacher_mode"}
         stages.append(
             StageTable(DISTILL_STAGE, teacher_role, teacher_role, options=options, keys=keys)
         )

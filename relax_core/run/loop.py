@@ -283,10 +283,7 @@ class StepPorts:
 
 
 def step_row(
-    outcome: StepOutcome,
-    stages: Sequence[Stage],
-    timeline: Any,
-    recovery: Recovery | None = None,
+    outcome: StepOutcome, stages: Sequence[Stage], timeline: Any, recovery: Recovery | None = None
 ) -> dict[str, Any]:
     """The committed step's JSON object (``docs/run.md``)."""
     n, result, trained = outcome.step, outcome.result, outcome.trained

@@ -17,13 +17,7 @@ if TYPE_CHECKING:
     from relax_core.coordination.states import LeaseState
     from relax_core.manager import LifecycleResult
 
-__all__ = [
-    "MeasuredCoordinator",
-    "MeasuredHandle",
-    "Switch",
-    "SwitchProbe",
-    "switch_report",
-]
+__all__ = ["MeasuredCoordinator", "MeasuredHandle", "Switch", "SwitchProbe", "switch_report"]
 
 _T = TypeVar("_T")
 
@@ -279,9 +273,7 @@ _ROW = (
 
 
 def switch_report(
-    switches: Sequence[Switch],
-    copies: Mapping[int, Mapping[str, float]],
-    step_seconds: float,
+    switches: Sequence[Switch], copies: Mapping[int, Mapping[str, float]], step_seconds: float
 ) -> dict[str, Any]:
     """Every switch against its copy baseline (``copies[bytes]``: ``h2d`` and ``d2h``
     seconds), and the totals."""
