@@ -15,7 +15,7 @@ from typing import Any
 
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
-from relax_core.errors import ConfigValidationError, RelaxError
+from relax_core.errors import ConfigValidationError, RelaxError, TrackerError
 from relax_core.plugins import PluginManager
 
 NAME = "run"
@@ -124,19 +124,6 @@ def _with_trackers(settings: Any, args: argparse.Namespace) -> Any:
         ]
     strict = settings.strict_trackers or args.strict_trackers
     return attrs.evolve(settings, trackers=tuple(entries), strict_trackers=strict)
-
-
-def _close_trackers(trackers: Any, summary: Any) -> str | None:
-    """Close the run's trackers with its summary; the error that ends the run, if one does."""
-    from relax_core.errors import TrackerError
-
-    if trackers is None:
-        return None
-    try:
-        trackers.close(None if summary is None else summary.row())
-    except TrackerError as exc:
-        return str(exc)
-    return None
 
 
 def _trainer_checkpoints(settings: Any, pm: PluginManager) -> bool:
@@ -351,8 +338,10 @@ def run(args: argparse.Namespace) -> int:
                 signals.hold()
                 if status == 130:
                     printer.say("relax run: interrupted; shutting down …")
-                error = _close_trackers(trackers, summary)
-                if error is not None:
+                try:
+                    if trackers is not None:
+                        trackers.close(None if summary is None else summary.row())
+                except TrackerError as error:
                     print(f"relax run: {error}", file=sys.stderr, flush=True)
                     status = status or 1
                 left = job.teardown(printer.say)

@@ -222,7 +222,7 @@ class _StepFailure(Exception):
 class _Generated:
     step: int
     producer: StepProducerLike
-    collector: DeferredCollector
+    gate: _Gate
     scorer: StreamScorer
     began: float
     regenerated: int = 0
@@ -452,9 +452,7 @@ class StepDriver:
             elif error is None:
                 generated = fut.result()
                 await generated.scorer.cancel()
-                gate = generated.collector
-                assert isinstance(gate, _Gate)
-                out += gate.all_samples
+                out += generated.gate.all_samples
         return [s for s in out if s.id not in known]
 
     async def _generation_lane(self) -> None:
@@ -543,10 +541,7 @@ class StepDriver:
         began = time.perf_counter()
         regenerated = 0
 
-        def progress(done: int) -> None:
-            if self.on_progress is not None:
-                self.on_progress(m, done)
-
+        progress = None if self.on_progress is None else functools.partial(self.on_progress, m)
         self._open["generate"] = time.time_ns() // 1000
         healed = None
         try:
@@ -646,8 +641,7 @@ class StepDriver:
             if n in self._opened:  # rollout's turn: released, its requests aborted
                 await self._fail(n, exc)
             raise _StepFailure(n, exc, []) from exc
-        gate = generated.collector
-        assert isinstance(gate, _Gate)
+        gate = generated.gate
         try:
             streamed = await generated.scorer.finish()
             await self.coordinator.begin_batch(n)  # idempotent: switching opened it already
