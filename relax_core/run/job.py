@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.config import ConfigProblem, JobConfig, ModelConfig
+from relax_core.config import ConfigProblem, ConfigReader, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.residency import ResidencyPlan, plan_residency
@@ -125,44 +125,38 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
 
 
 def _generation_problems(models: tuple[ModelConfig, ...], pm: PluginManager) -> list[ConfigProblem]:
-    out: list[ConfigProblem] = []
+    r = ConfigReader()
     for m in models:
         source = pm.weight_source(m.weight_source or pm.role(m.role).default_weight_source)
         if "tensor" not in source.update_paths:
-            out.append(
-                ConfigProblem(
-                    f"{m.path}.weight_source",
-                    "weights",
-                    f"{source.name} weights take no tensor update, so the trainer cannot push "
-                    'its weights; set weight_source = "ACTOR"',
-                )
+            r.problem(
+                f"{m.path}.weight_source",
+                "weights",
+                f"{source.name} weights take no tensor update, so the trainer cannot push "
+                'its weights; set weight_source = "ACTOR"',
             )
         if m.external:
-            out.append(
-                ConfigProblem(
-                    f"{m.path}.external_urls",
-                    "external",
-                    f"the {m.role} role generates the batch, and the trainer pushes its weights "
-                    "to those engines after every step through their manager: relax run must "
-                    "start them; drop external_urls (external engines suit a model whose "
-                    "weights never change: a teacher's, a judge's)",
-                )
+            r.problem(
+                f"{m.path}.external_urls",
+                "external",
+                f"the {m.role} role generates the batch, and the trainer pushes its weights "
+                "to those engines after every step through their manager: relax run must "
+                "start them; drop external_urls (external engines suit a model whose "
+                "weights never change: a teacher's, a judge's)",
             )
         if not Path(m.model_path).is_dir():
             continue  # the job preflight reports a missing model directory
         for name in ("config.json", "tokenizer.json"):
             if not (Path(m.model_path) / name).is_file():
-                out.append(
-                    ConfigProblem(
-                        f"{m.path}.model_path",
-                        "model-dir",
-                        f"no {name} in {m.model_path!r}: the trainer loads the policy's "
-                        "checkpoint and relax run tokenizes prompts with its tokenizer, so it "
-                        "must be a local model directory (a relative path is relative to the "
-                        "job file)",
-                    )
+                r.problem(
+                    f"{m.path}.model_path",
+                    "model-dir",
+                    f"no {name} in {m.model_path!r}: the trainer loads the policy's "
+                    "checkpoint and relax run tokenizes prompts with its tokenizer, so it "
+                    "must be a local model directory (a relative path is relative to the "
+                    "job file)",
                 )
-    return out
+    return r.problems
 
 
 def _slice_problems(config: JobConfig, pm: PluginManager, defer: tuple[str, ...]) -> list[Any]:
