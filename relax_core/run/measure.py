@@ -256,12 +256,6 @@ class MeasuredHandle:
             self._step("offload"), self._role, "offload", self._inner.offload
         )
 
-    async def weight_version(self) -> str | None:
-        """The manager's published weight version (the handle's ``weight_version()``)."""
-        inner: Any = self._inner  # a handle with weight_version(): the rollout's
-        version: str | None = await inner.weight_version()
-        return version
-
 
 #: A switch's row: its own keys, the copy's between the first six and the rest.
 _ROW = (
