@@ -139,8 +139,7 @@ class VersionClock:
         return self._index.get(version)
 
     def expect(self, version: str, index: int) -> None:
-        """``version`` is being pushed as the weights of step ``index`` (an engine that updates
-        in place may answer with it before the push returns)."""
+        """``version`` is being pushed as the weights of step ``index``."""
         self._index.setdefault(version, index)
 
     def pushed(self, version: str | None, index: int) -> None:
@@ -150,8 +149,7 @@ class VersionClock:
         self._changed.set()
 
     def untrained_step(self, index: int) -> None:
-        """Step ``index`` trained nothing (the run went past it): rollout's weights are also
-        those of step ``index + 1``, and no push comes for it."""
+        """Step ``index`` trained nothing: rollout's weights are also those of ``index + 1``."""
         self.untrained.add(index)
         self.current = max(self.current, index + 1)
         self._changed.set()

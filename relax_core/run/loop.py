@@ -369,12 +369,11 @@ class _Report:
 
     def progress(self, step: int, groups: int) -> None:
         """``groups`` of step ``step`` generated: the status line's bar."""
-        spp = self.ports.run.samples_per_prompt
+        spp, total = self.ports.run.samples_per_prompt, self.ports.run.prompts_per_step
         bar = self._bars.get(step)
         if bar is None:
-            total = self.ports.run.prompts_per_step * spp
             bar = self._bars[step] = Progress(
-                self.printer, f"step {step} generate", total, "samples"
+                self.printer, f"step {step} generate", total * spp, "samples"
             )
         bar.update(groups * spp)
 
