@@ -428,8 +428,7 @@ def build_eval_stage(config: StageConfig) -> EvalStage:
             'asynchronous steps have: set [run] mode = "async", or remove background',
         )
     scorer = _reward_stage(config, r, name=f"{config.name}.rewards")
-    where: dict[str, Any] = {"seed": config.run.seed, "key": config.key("dataset")}
-    where["base"] = config.run.base
+    where = {"seed": config.run.seed, "key": config.key("dataset"), "base": config.run.base}
     if dataset is not None:
         r.problems.extend(source_problems(dataset, config.plugins, **where))
     r.raise_problems()
