@@ -167,8 +167,9 @@ class SwitchProbe:
         after = [info.get("memory") or {} for info in infos.values()]
         ops = [_ops_since(infos_before.get(url, {}), info) for url, info in infos.items()]
         first = after[0] if after else {}
-        replicas = getattr(result, "replicas", None)
-        manager = float(getattr(result, "seconds", 0.0)) if replicas is not None else None
+        lifecycle: Any = result
+        replicas = getattr(lifecycle, "replicas", None)
+        manager = float(lifecycle.seconds) if replicas is not None else None
         worker = max((float(r.seconds) for r in replicas), default=None) if replicas else None
         kv = sum(int((m.get("kv_cache") or {}).get("pool_bytes", 0)) for m in (after or before))
         self.switches.append(
