@@ -1,7 +1,5 @@
-"""The contracts of multi-turn agentic rollouts: what an environment takes and gives
-(:mod:`~relax_core.agent.environment`) and the tool-call format and registry
-(:mod:`~relax_core.agent.tools`). The ``multi-turn`` shape that drives environments is the
-``relax-agent`` plugin's (``docs/run.md``, agentic rollouts; ``docs/plugins.md``).
+"""The contracts of multi-turn agentic rollouts: environments and tool calls (the
+``multi-turn`` shape is the ``relax-agent`` plugin's; ``docs/plugins.md``).
 """
 
 from relax_core._exports import claim as _claim

@@ -1,14 +1,5 @@
 """What an environment of a multi-turn rollout is: the records it takes and gives, and its
 Protocol (docs/plugins.md, "An environment", walks through one).
-
-The ``multi-turn`` shape makes one per trajectory (``EnvironmentSpec.make``), calls
-``reset(prompt) -> Reset`` and then, per policy turn, ``step(turn) -> Observation`` (a plain
-``step`` runs on the event loop: keep it quick, or run tools through a
-:class:`~relax_core.agent.ToolBox`) until ``done``, ``max_turns`` or ``max_total_tokens``.
-Whatever ``reset`` or ``step`` raises fails the step with an
-:class:`~relax_core.errors.EnvironmentStepError`; a tool's failure is an observation. A
-``guide`` (one of :data:`GUIDE_KEYS`) constrains the next policy turn's sampling to a grammar;
-the log-probs returned are those of the constrained sampling.
 """
 
 from __future__ import annotations
@@ -50,7 +41,8 @@ def _guide(value: Any) -> Mapping[str, Any] | None:
 @attrs.frozen
 class Reset:
     """A trajectory's start: its first ``messages`` (system, user, …) and an optional
-    ``guide`` for the first policy turn (see the module docstring)."""
+    ``guide`` (one of :data:`GUIDE_KEYS`) constraining the first policy turn's sampling (the
+    log-probs returned are the constrained sampling's)."""
 
     messages: tuple[dict[str, Any], ...] = attrs.field(converter=_messages)
     guide: Mapping[str, Any] | None = attrs.field(default=None, converter=_guide)
@@ -75,11 +67,9 @@ class Turn:
 
 @attrs.frozen
 class Observation:
-    """What the environment answers a turn: ``messages`` to append (not appended when ``done``),
-    the turn's ``reward`` (``None``: none), ``done``, the turn's ``tool_calls``, ``tool_errors``
-    and ``tool_timeouts`` (summed in the step's ``rollout`` object), ``guide`` for the next turn
-    and free-form ``info`` (kept in the trajectory's record).
-    """
+    """What the environment answers a turn: ``messages`` to append (not when ``done``), the
+    turn's ``reward``, tool counts (summed in the step's ``rollout`` object), the next turn's
+    ``guide`` and free-form ``info`` (kept in the trajectory's record)."""
 
     messages: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_messages)
     reward: float | None = None
@@ -94,8 +84,8 @@ class Observation:
 @attrs.frozen
 class EnvironmentConfig:
     """What ``EnvironmentSpec.make`` gets for one trajectory: the ``[run.generation.env]``
-    table (``options``) and its key path, the trajectory's id, the seconds a tool call may
-    take (``tool_timeout``, ``[run.generation] tool_timeout``)."""
+    table (``options``) and its key path, the trajectory's id, ``[run.generation]
+    tool_timeout``."""
 
     options: Mapping[str, Any]
     trajectory_id: str
@@ -105,7 +95,11 @@ class EnvironmentConfig:
 
 @runtime_checkable
 class Environment(Protocol):
-    """One trajectory's environment (see the module docstring)."""
+    """One trajectory's environment, made per trajectory by ``EnvironmentSpec.make``:
+    ``reset`` once, then ``step`` per policy turn until ``done``, ``max_turns`` or
+    ``max_total_tokens``. What either raises fails the step
+    (:class:`~relax_core.errors.EnvironmentStepError`); a plain ``step`` runs on the event
+    loop: keep it quick, or run tools through a :class:`~relax_core.agent.ToolBox`."""
 
     def reset(self, prompt: Prompt) -> Reset:
         """The trajectory's first messages, from the dataset row ``prompt``."""

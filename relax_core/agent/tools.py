@@ -1,15 +1,7 @@
-"""Tool calls in the policy's output, and the tools an environment runs for them.
-
-The format is Hermes' and Qwen's (their chat templates write it): a JSON object with the
-tool's ``name`` and ``arguments`` between ``<tool_call>`` and ``</tool_call>``, any number per
-turn::
+"""Tool calls in the policy's output (Hermes' and Qwen's format, any number per turn), and the
+tools an environment runs for them::
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>
-
-A malformed block is a :class:`ToolCall` with ``error`` set, answered as an error, never a
-crash; results go back as ``tool`` messages in ``<tool_response>`` (:func:`tool_message`).
-:class:`ToolBox` runs calls with a timeout (an async tool is cancelled, a plain function's
-daemon thread abandoned); every failure becomes the result's text (``error: …``).
 """
 
 from __future__ import annotations
@@ -120,9 +112,9 @@ class ToolResult:
 
 
 class ToolBox:
-    """An environment's tools by name; :meth:`run` runs a call with a timeout.
+    """An environment's tools by name; :meth:`run` runs a call with a timeout (an async
+    tool is cancelled, a plain function's daemon thread abandoned).
 
-    :param timeout: seconds a call may take unless its tool says otherwise.
     :raises ValueError: two tools of one name, or a timeout that is not positive.
     """
 

@@ -1,7 +1,5 @@
-"""``relax demo``: the README's main job — ``relax run JOB --steps 3`` on the embedded default job
-(:data:`DEMO_JOB`, the text of ``docs/examples/run-cpu.toml``), after making its three tiny
-random models (``python -m relax_hf make-tiny-model``, in parallel: the core never imports the
-hf plugin).
+"""``relax demo``: ``relax run`` on the embedded default job (:data:`DEMO_JOB`), after making
+its three tiny random models.
 """
 
 from __future__ import annotations
@@ -90,22 +88,15 @@ seed = 0
 
 
 def make_demo_models(root: Path) -> None:
-    """Make the tiny models :data:`DEMO_JOB` names under ``root`` (``root/<name>``), in
-    parallel, through the ``hf`` plugin's command line (the core never imports it).
+    """Make the tiny models :data:`DEMO_JOB` names under ``root``, in parallel, through the
+    ``hf`` plugin's command line (the core never imports it).
 
     :raises ConfigError: a model could not be made (relax-hf missing, its error quoted).
     """
+    make = [sys.executable, "-m", "relax_hf", "make-tiny-model"]
     procs = {
         name: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relax_hf",
-                "make-tiny-model",
-                str(root / name),
-                "--seed",
-                f"{seed}",
-            ],
+            [*make, str(root / name), "--seed", f"{seed}"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

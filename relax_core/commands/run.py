@@ -1,8 +1,5 @@
-"""``relax run CONFIG``: the whole inference side of RL steps, closed into a loop with a trainer.
-
-The job file and its ``[run]`` table are checked before anything starts; then the job comes up
-on Ray (:mod:`relax_core.run.job`), runs its steps (:mod:`relax_core.run.loop`), and everything
-is shut down. ``docs/run.md`` has the run directory, ``--resume`` and the exit statuses.
+"""``relax run CONFIG``: check the job, bring it up on Ray, run its steps, shut everything down
+(``docs/run.md`` has the run directory, ``--resume`` and the exit statuses).
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import Any
 
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
-from relax_core.errors import ConfigValidationError, RelaxError
+from relax_core.errors import ConfigValidationError, RelaxError, TrackerError
 from relax_core.plugins import PluginManager
 
 NAME = "run"
@@ -129,19 +126,6 @@ def _with_trackers(settings: Any, args: argparse.Namespace) -> Any:
     return attrs.evolve(settings, trackers=tuple(entries), strict_trackers=strict)
 
 
-def _close_trackers(trackers: Any, summary: Any) -> str | None:
-    """Close the run's trackers with its summary; the error that ends the run, if one does."""
-    from relax_core.errors import TrackerError
-
-    if trackers is None:
-        return None
-    try:
-        trackers.close(None if summary is None else summary.row())
-    except TrackerError as exc:
-        return str(exc)
-    return None
-
-
 def _trainer_checkpoints(settings: Any, pm: PluginManager) -> bool:
     """Whether the run's trainer has ``save`` and ``load``."""
     from relax_core.run.trainer import load_trainer_class, trainer_checkpoints
@@ -157,6 +141,7 @@ def _resume_problems(
 ) -> list[str]:
     """Why the run in ``args.resume`` cannot go on with this job, one message each."""
     from relax_core.run.checkpoint import job_settings, settings_problems
+    from relax_core.run.job import generation_role
 
     out: list[str] = []
     if resume.step >= settings.steps:
@@ -174,25 +159,15 @@ def _resume_problems(
             f"run.trainer: the trainer {settings.trainer} has no load, so its state cannot be "
             "resumed (docs/plugins.md#a-trainer-plugin)"
         )
-    generation = _generation_model(config, pm)
-    if generation is not None:
-        now = job_settings(settings, generation_model=generation[0], model_path=generation[1])
+    gen = generation_role(config, pm)
+    if gen is not None and config.role(gen).models:
+        model = config.role(gen).models[0]
+        now = job_settings(settings, generation_model=model.name, model_path=model.model_path)
         out += [
             f"--resume: {p}"
             for p in settings_problems(resume, now, run_dir=args.resume, job_file=str(args.config))
         ]
     return out
-
-
-def _generation_model(config: Any, pm: PluginManager) -> tuple[str, str] | None:
-    """The generation model's name and directory (``None``: the job has none)."""
-    from relax_core.run.job import generation_role
-
-    gen = generation_role(config, pm)
-    if gen is None or not config.role(gen).models:
-        return None
-    model = config.role(gen).models[0]
-    return model.name, model.model_path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -363,8 +338,10 @@ def run(args: argparse.Namespace) -> int:
                 signals.hold()
                 if status == 130:
                     printer.say("relax run: interrupted; shutting down …")
-                error = _close_trackers(trackers, summary)
-                if error is not None:
+                try:
+                    if trackers is not None:
+                        trackers.close(None if summary is None else summary.row())
+                except TrackerError as error:
                     print(f"relax run: {error}", file=sys.stderr, flush=True)
                     status = status or 1
                 left = job.teardown(printer.say)

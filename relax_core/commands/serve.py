@@ -1,8 +1,5 @@
-"""``relax serve CONFIG``: bring a job's inference side up on Ray and serve its role gateways.
-
-The job is checked before anything starts (every problem printed; exit status 2); then it comes
-up on the job runtime (``relax_core.jobs``), a health monitor rebuilds dead replicas, and
-Ctrl-C (or SIGTERM) shuts everything down, exiting 0 when nothing is left (``docs/serve.md``).
+"""``relax serve CONFIG``: bring a job's inference side up on Ray and serve its role gateways
+until Ctrl-C or SIGTERM (``docs/serve.md``; a job with problems: exit status 2).
 """
 
 from __future__ import annotations

@@ -26,13 +26,7 @@ from relax_core.coordination.stages import (
 )
 from relax_core.errors import ConfigError, CoordinationError
 
-__all__ = [
-    "BackgroundEvals",
-    "BackgroundStage",
-    "EvalCounts",
-    "EvalResult",
-    "background_problems",
-]
+__all__ = ["BackgroundEvals", "BackgroundStage", "EvalCounts", "EvalResult", "background_problems"]
 
 #: What a background evaluation ended as.
 _ENDS = DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
@@ -40,8 +34,8 @@ _ENDS = DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 
 @runtime_checkable
 class BackgroundStage(Stage, Protocol):
-    """A stage that can run off the step's critical path: ``background`` says it does,
-    :meth:`due` whether step ``step`` runs it, ``roles`` every role its work calls."""
+    """A stage that can run off the step's critical path; ``roles``: every role its work
+    calls."""
 
     @property
     def background(self) -> bool: ...
@@ -54,9 +48,8 @@ class BackgroundStage(Stage, Protocol):
 
 @attrs.frozen
 class EvalResult:
-    """How one background evaluation ended (``status``: ``done``, ``failed`` or
-    ``cancelled``); ``weight_version``: ``None`` when its samples span several
-    (``weight_versions``) or none."""
+    """How one background evaluation ended; ``weight_version``: ``None`` when its samples span
+    several (``weight_versions``) or none."""
 
     stage: str
     step: int
@@ -102,8 +95,8 @@ class EvalCounts:
 def background_problems(
     stages: Iterable[Any], *, defer_roles: Sequence[str], residency: str
 ) -> list[ConfigProblem]:
-    """The background ``eval`` stage tables a layout refuses (one where the generation role
-    takes turns on its GPUs). ``stages``: :class:`~relax_core.run.config.StageTable`. Pure."""
+    """The background ``eval`` stage tables a layout where the generation role takes turns on
+    its GPUs refuses. Pure."""
     if not defer_roles and residency != "exclusive":
         return []
     why = (
@@ -146,8 +139,7 @@ class _Launch:
 
 @attrs.define
 class _OffPath:
-    """What a background stage may do (:class:`~relax_core.coordination.stages.BatchControl`):
-    generate and run a stage, with no lease; not add or drop (its batch committed)."""
+    """A background stage's batch control: generate and run a stage, with no lease."""
 
     step: int
     stage: str
@@ -244,8 +236,8 @@ class BackgroundEvals:
     def stages(
         self, step: int, stages: Sequence[Stage], *, producer: Any, clients: RoleClients
     ) -> tuple[Stage, ...]:
-        """``stages`` for the batch of ``step``: each background stage a stand-in that starts
-        its work with ``producer`` and returns."""
+        """``stages`` for the batch of ``step``, each background one a stand-in that starts its
+        work."""
 
         def launcher(stage: BackgroundStage) -> Stage:
             return _Launch(stage, lambda: self._start(step, stage, producer, clients))

@@ -1,9 +1,5 @@
-"""Checkpoints of ``relax run``, and what ``relax run --resume RUN_DIR`` continues from.
-
-Every ``[run] checkpoint_every`` steps, and after the last, a run with a directory keeps what a
-resume needs (:class:`Checkpoint`) in ``RUN_DIR/checkpoint.json`` and the state it names in
-``RUN_DIR/checkpoints/step-N/``; each is written under a temporary name and renamed, so a kill
-at any moment leaves the last checkpoint whole (``docs/run.md``, "Checkpoints and resume").
+"""Checkpoints of ``relax run``, and what ``relax run --resume RUN_DIR`` continues from
+(``docs/run.md``, "Checkpoints and resume"); a kill at any moment leaves the last one whole.
 """
 
 from __future__ import annotations
@@ -144,9 +140,8 @@ def read_checkpoint(run_dir: str) -> Checkpoint:
 
 
 def job_settings(run: Any, *, generation_model: str, model_path: str) -> dict[str, Any]:
-    """What a resume must keep of a job (``run``: its
-    :class:`~relax_core.run.config.RunConfig`): every ``[run]`` key but :data:`MAY_CHANGE`,
-    as JSON data by key path (``run.seed``), and the generation model and its directory."""
+    """What a resume must keep of a job: every ``[run]`` key but :data:`MAY_CHANGE`, as JSON
+    data by key path (``run.seed``), and the generation model and its directory."""
     settings = attrs.asdict(run, recurse=True)
     out: dict[str, Any] = {
         f"run.{key}": value for key, value in settings.items() if key not in MAY_CHANGE
@@ -161,7 +156,7 @@ def settings_problems(
     checkpoint: Checkpoint, now: Mapping[str, Any], *, run_dir: str, job_file: str
 ) -> list[str]:
     """Each way the job now (``now``: :func:`job_settings`) differs from the checkpointed run
-    in what a resume must keep, one message each (the key, both values, what to do)."""
+    in what a resume must keep, one message each."""
     out = []
     saved = checkpoint.settings
     for key in sorted(set(saved) | set(now)):
@@ -180,9 +175,8 @@ def _short(value: Any) -> str:
 
 
 class Cursor:
-    """The run's prompt source, counting the prompts it hands out: where each step began
-    taking (:meth:`mark`), so a checkpoint knows the source's position before the first step
-    it has not trained (:meth:`at`). :meth:`resumed` replays a source to a position."""
+    """The run's prompt source, counting the prompts it hands out, so a checkpoint knows the
+    source's position before the first step it has not trained (:meth:`at`)."""
 
     def __init__(self, source: PromptSource, taken: int = 0) -> None:
         self.source = source
@@ -191,8 +185,7 @@ class Cursor:
 
     @classmethod
     def resumed(cls, source: PromptSource, position: int) -> Cursor:
-        """``source`` after ``position`` prompts were taken from it (they are taken and
-        dropped: a source hands prompts out in a fixed order)."""
+        """``source`` after ``position`` prompts were taken (and dropped) from it."""
         left = position
         while left > 0:
             got = source.take(min(left, 4096))
@@ -220,8 +213,8 @@ class Cursor:
 
 
 class CursorProducer(StepProducer):
-    """A :class:`~relax_core.run.generate.StepProducer` over a :class:`Cursor`: marks where
-    each step begins taking prompts."""
+    """A :class:`~relax_core.run.generate.StepProducer` that marks where each step begins
+    taking prompts from its :class:`Cursor`."""
 
     def __init__(self, generator: Any, cursor: Cursor) -> None:
         super().__init__(generator, cursor)
@@ -236,13 +229,7 @@ class CursorProducer(StepProducer):
 @attrs.define(eq=False)
 class Checkpointer:
     """Writes the run's checkpoints in ``run_dir``: one every ``every`` steps and after the
-    last of ``steps``, once the trainer is idle.
-
-    :param trainer: what the run calls the trainer through (``save(directory) -> dict``).
-    :param cursor: the run's :class:`Cursor`.
-    :param run_ids: each tracker's run id, asked at each checkpoint.
-    :param say: where a written checkpoint is told (one line).
-    """
+    last of ``steps``, once the trainer is idle; ``run_ids``: each tracker's run id."""
 
     run_dir: str
     every: int = attrs.field(kw_only=True)
@@ -258,9 +245,8 @@ class Checkpointer:
     written: list[Checkpoint] = attrs.field(init=False, factory=list)
 
     async def finished(self, finished: Finished) -> None:
-        """Step ``finished.step`` is over (trained, or failed or skipped and gone past), every
-        step before it too: a checkpoint if one is due (every ``every`` steps and after the
-        last), the resume going on at the step after it."""
+        """Step ``finished.step`` and every one before it are over: a checkpoint if one is
+        due, the resume going on at the step after it."""
         done = finished.step + 1
         if done == self.steps or (self.every > 0 and done % self.every == 0):
             await self.write(
@@ -268,11 +254,7 @@ class Checkpointer:
             )
 
     async def write(
-        self,
-        step: int,
-        *,
-        failed_steps: Sequence[int] = (),
-        weight_version: str | None = None,
+        self, step: int, *, failed_steps: Sequence[int] = (), weight_version: str | None = None
     ) -> Checkpoint:
         """A checkpoint whose first unfinished step is ``step``, the trainer's weights version
         ``weight_version`` (``None``: ``step``); blocks until it is on disk.

@@ -1,7 +1,6 @@
-"""The ``[run]`` table of a job file: what ``relax run`` does each step (``docs/run.md`` lists
-every key). Of ``[[run.stages]]`` only the common keys are read here (the rest by the stage
-kind's builder); without them the shorthand keys (``rewards``, ``teacher_role``…) make the
-default stages. :func:`relax_core.run.job.run_problems` checks the table against the job.
+"""The ``[run]`` table of a job file (``docs/run.md`` lists every key): of ``[[run.stages]]``
+only the common keys are read here; without it the shorthand keys (``rewards``,
+``teacher_role``…) make the default stages.
 """
 
 from __future__ import annotations
@@ -73,9 +72,8 @@ _MOVED = {
 
 @attrs.frozen
 class StageTable:
-    """One stage of the step as the job file gives it (``options``: the keys its kind's
-    builder reads); ``keys`` maps a key to where the job file has it when that is elsewhere
-    (the shorthand's ``role`` is ``run.teacher_role``)."""
+    """One stage of the step as the job file gives it; ``keys`` maps a key to where the job
+    file has it when that is elsewhere (the shorthand's ``role`` is ``run.teacher_role``)."""
 
     kind: str
     name: str
@@ -94,8 +92,7 @@ class StageTable:
 
 @attrs.frozen
 class GenerationTable:
-    """``[run.generation]``: the rollout shape a step generates with and the rest of the
-    table (``options``, read by the shape's builder)."""
+    """``[run.generation]``: the rollout shape and its ``options``."""
 
     shape: str = "single-turn"
     options: Mapping[str, Any] = attrs.field(factory=dict)
@@ -104,9 +101,8 @@ class GenerationTable:
 
 @attrs.frozen
 class RunConfig:
-    """What each step of ``relax run`` does (the ``[run]`` table; each key in ``docs/run.md``);
-    ``dataset`` is relative to ``base`` (the job file's directory); ``trainer_options``: the
-    trainer's options record (``None``: it has none)."""
+    """The ``[run]`` table (each key in ``docs/run.md``); ``dataset`` is relative to ``base``
+    (the job file's directory); ``trainer_options``: the trainer's options record, if any."""
 
     steps: int = 3
     dataset: str = "arithmetic"
@@ -213,8 +209,7 @@ _PLAIN: tuple[tuple[str, tuple[type, Check | None]], ...] = (
 
 
 def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConfig:
-    """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults); the
-    trainer (named, or the one registered in ``pm``) reads its own keys.
+    """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults).
 
     :raises ConfigValidationError: every problem, each with its ``run.*`` key path.
     """
@@ -222,7 +217,9 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
     p = "run"
     raw = dict(job.run)
     spec = _trainer_spec(r, raw, pm)
-    option_keys = _option_keys(spec)
+    option_keys: tuple[str, ...] = ()
+    if spec is not None and spec.options is not None:
+        option_keys = tuple(f.alias or f.name for f in attrs.fields(spec.options) if f.init)
     named = raw.get("trainer")
     if spec is None and isinstance(named, str) and NAME_PATTERN.match(named):
         # A trainer nobody registered (run_problems says so): its keys cannot be told yet.
@@ -257,7 +254,7 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
         generation=_generation_table(r, t.get("generation")),
         trainer_options=trainer_options,
         trackers=tracker_entries(r, t.get("trackers", []), f"{p}.trackers"),
-        base=_base(job.source),
+        base=None if job.source is None else str(Path(job.source).resolve().parent),
         **plain,
     )
     if config.push_format == "ipc" and not config.trainer_device.startswith("cuda"):
@@ -327,16 +324,8 @@ def _trainer_spec(
     return found.record if found is not None else None  # type: ignore[no-any-return]
 
 
-def _option_keys(spec: TrainerSpec | None) -> tuple[str, ...]:
-    """The ``[run]`` keys the trainer's options record reads."""
-    if spec is None or spec.options is None:
-        return ()
-    return tuple(f.alias or f.name for f in attrs.fields(spec.options) if f.init)
-
-
 def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEntry, ...]:
-    """``[run] trackers``: each a tracker's name or a table naming it with its options
-    (checked against the plugins by :func:`~relax_core.tracking.tracker_problems`)."""
+    """``[run] trackers``: each a tracker's name or a table naming it with its options."""
     if not isinstance(raw, list):
         r.problem(path, "type", f"must be a list of tracker names or tables, got {raw!r}")
         return ()
@@ -353,13 +342,6 @@ def tracker_entries(r: ConfigReader, raw: object, path: str) -> tuple[TrackerEnt
             options = {k: val for k, val in item.items() if k != "tracker"}
             out.append(TrackerEntry(name, options, where))
     return tuple(out)
-
-
-def _base(source: str | None) -> str | None:
-    """The directory relative paths of the run are relative to: the job file's."""
-    if source is None:
-        return None
-    return str(Path(source).resolve().parent)
 
 
 def _generation_table(r: ConfigReader, raw: object) -> GenerationTable:
@@ -452,11 +434,7 @@ def _shorthand(r: ConfigReader, t: Mapping[str, Any]) -> tuple[StageTable, ...]:
     ]
     if teacher_role is not None:
         options = {"mode": mode, "top_k": top_k} if mode == "top-k" else {"mode": mode}
-        keys = {
-            "role": "run.teacher_role",
-            "stage": "run.teacher_role",
-            "mode": "run.teacher_mode",
-        }
+        keys = {"role": "run.teacher_role", "stage": "run.teacher_role", "mode": "run.teacher_mode"}
         stages.append(
             StageTable(DISTILL_STAGE, teacher_role, teacher_role, options=options, keys=keys)
         )

@@ -1,6 +1,5 @@
-"""Where ``relax run`` takes each step's prompts from: prompt sources, registered through the
-``relax_register_data_sources`` hook; ``[run] dataset`` names one, or a file whose suffix one
-claims (:func:`find_source`). The core registers ``arithmetic`` and ``.jsonl`` files.
+"""Where ``relax run`` takes each step's prompts from: the prompt sources plugins register;
+``[run] dataset`` names one, or a file whose suffix one claims (:func:`find_source`).
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ __all__ = [
 
 @attrs.frozen
 class Prompt:
-    """One prompt of a step: its text, label, metadata (copied into every sample of its
-    group) and origin (``file:line`` or ``arithmetic#N``)."""
+    """One prompt of a step; ``metadata`` is copied into every sample of its group."""
 
     prompt: str
     label: str | None = None
@@ -55,8 +53,8 @@ class PromptSource(Protocol):
 
 
 class ArithmeticSource:
-    """Generated arithmetic questions (``+``, ``-``, ``*`` of 0-20, never below zero) with
-    their answers as labels; the same seed gives the same questions."""
+    """Generated arithmetic questions with their answers as labels; the same seed gives the
+    same questions."""
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -105,9 +103,8 @@ MAX_LINE_PROBLEMS = 10
 def read_jsonl(
     path: str | Path, *, key: str = "run.dataset", limit: int = MAX_LINE_PROBLEMS
 ) -> tuple[list[Prompt], list[ConfigProblem]]:
-    """Every prompt of a JSONL dataset and every problem with it (at ``key`` for the whole
-    file, at ``FILE:LINE`` for each of the first ``limit`` bad lines, then counted). Pure:
-    reads the file only.
+    """Every prompt of a JSONL dataset and every problem with it (at ``FILE:LINE`` for each of
+    the first ``limit`` bad lines, then counted). Reads the file only.
     """
     p = Path(path)
     try:
@@ -168,7 +165,7 @@ def _parse_line(line: str, where: str) -> Prompt | str:
 @attrs.frozen
 class SourceRequest:
     """What a source is opened with: ``dataset`` as written, ``file`` the file it names
-    resolved (``None``: a source's own name), the run's ``seed``, the key path of problems."""
+    resolved (``None``: a source's own name), the key path of problems."""
 
     dataset: str
     file: str | None = None
@@ -185,8 +182,8 @@ def find_source(
     base: str | None = None,
 ) -> tuple[DataSourceSpec, SourceRequest] | ConfigProblem:
     """The source ``dataset`` names and its request: a registered source's name, or a file
-    (relative to ``base``, else the working directory) whose suffix a source claims (the
-    longest wins); else the problem at ``key``. Pure: reads nothing."""
+    (relative to ``base``) whose suffix a source claims (the longest wins); else the problem
+    at ``key``. Reads nothing."""
     registered = lookup.registered("data_sources")
     entry = registered.get(dataset)
     if entry is not None:

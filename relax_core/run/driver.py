@@ -1,16 +1,13 @@
-"""The step driver of ``relax run``: every step of a run, sync or async, goes through here.
-
-Three lanes (generation behind the staleness gate, commit, training and push) run the steps,
-each in step order; a sync run is ``max_staleness = 0`` without streaming scoring, and with
-``switching`` the generation role takes turns with the deferred roles on its GPUs. A failure
-ends the run in step order (:class:`_StepFailure`). ``docs/run.md`` ("Asynchronous steps")
-describes the lanes, the gate, the per-step metrics and the failures.
+"""The step driver of ``relax run``: every step, sync (``max_staleness = 0``, no streaming) or
+async, runs through its three lanes: generation behind the staleness gate, commit, training and
+push (``docs/run.md``, "Asynchronous steps").
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -66,8 +63,7 @@ class TrainerPort(Protocol):
 
 
 class StepProducerLike(Producer, Protocol):
-    """What generates a step (:class:`~relax_core.run.generate.StepProducer`): its first groups
-    into a collector, and more on request (the batch's producer)."""
+    """What generates a step (:class:`~relax_core.run.generate.StepProducer`)."""
 
     async def first(
         self,
@@ -80,8 +76,7 @@ class StepProducerLike(Producer, Protocol):
 
 @runtime_checkable
 class _RegeneratesGroups(Protocol):
-    """A step producer that regenerates a group whose generation failed
-    (:class:`~relax_core.run.generate.StepProducer`)."""
+    """A step producer that regenerates a group whose generation failed."""
 
     def regenerate_failed(self, regeneration: Regeneration | None) -> None: ...
 
@@ -144,8 +139,7 @@ class VersionClock:
         return self._index.get(version)
 
     def expect(self, version: str, index: int) -> None:
-        """``version`` is being pushed as the weights of step ``index`` (an engine that updates
-        in place may answer with it before the push returns)."""
+        """``version`` is being pushed as the weights of step ``index``."""
         self._index.setdefault(version, index)
 
     def pushed(self, version: str | None, index: int) -> None:
@@ -155,8 +149,7 @@ class VersionClock:
         self._changed.set()
 
     def untrained_step(self, index: int) -> None:
-        """Step ``index`` trained nothing (the run went past it): rollout's weights are also
-        those of step ``index + 1``, and no push comes for it."""
+        """Step ``index`` trained nothing: rollout's weights are also those of ``index + 1``."""
         self.untrained.add(index)
         self.current = max(self.current, index + 1)
         self._changed.set()
@@ -176,8 +169,7 @@ class VersionClock:
 @attrs.frozen
 class Finished:
     """Step ``step`` is over, every step before it too (the trainer is idle): ``trained``, or
-    gone past; ``failed_steps``: every failed step gone past so far (a resumed run's too);
-    ``weight_version``: the trainer's weights now."""
+    gone past; ``failed_steps``: every failed step gone past so far (a resumed run's too)."""
 
     step: int
     trained: bool
@@ -187,9 +179,9 @@ class Finished:
 
 @attrs.define
 class StepOutcome:
-    """A committed and trained step: its batch and result, what the trainer returned, the push
-    before it (``None`` for step 0), when its generation began (``perf_counter``), its
-    ``seconds`` (since the previous step was trained) and its ``metrics``."""
+    """A committed and trained step; ``pushed_before``: the push before it (``None`` for step
+    0); ``began``: its generation's start (``perf_counter``); ``seconds``: since the previous
+    step trained."""
 
     step: int
     batch: DeferredBatch
@@ -202,9 +194,7 @@ class StepOutcome:
 
 
 class _StepFailure(Exception):
-    """Step ``step`` failed or was interrupted (``error``); nothing of it was committed.
-    ``samples``: every sample it generated; ``batch``: its batch once it began; ``trainer``:
-    what the trainer did about it."""
+    """Step ``step`` failed or was interrupted (``error``); nothing of it was committed."""
 
     def __init__(
         self,
@@ -230,15 +220,15 @@ class _StepFailure(Exception):
 class _Generated:
     step: int
     producer: StepProducerLike
-    collector: DeferredCollector
+    gate: _Gate
     scorer: StreamScorer
     began: float
     regenerated: int = 0
 
 
 class _Gate(DeferredCollector):
-    """Step ``step``'s collector behind the staleness gate: a group that passes is captured and
-    streamed to the scorer; one that does not is dropped (and counted for regeneration)."""
+    """Step ``step``'s collector behind the staleness gate: a stale group is dropped and
+    counted for regeneration."""
 
     def __init__(self, step: int, driver: StepDriver, scorer: StreamScorer) -> None:
         super().__init__(step)
@@ -266,21 +256,14 @@ class StepDriver:
     """Runs ``settings.steps`` steps with bounded staleness (see the module docstring).
 
     ``coordinator`` is the commit gate; ``rollout`` the generation role's manager handle;
-    ``producer()`` a new step producer per step; ``deferred_roles`` the roles a defer layout
-    leases (their stages never stream); ``initial_version`` the weights rollout serves first;
-    ``switching``: the generation role takes turns on its GPUs (only training overlaps);
-    ``timeline`` gets every phase; ``finalizer`` every batch (``--dump-samples``).
+    ``producer()`` a new step producer per step; ``deferred_roles``' stages never stream;
+    ``switching``: the generation role takes turns on its GPUs; ``finalizer`` gets every batch.
+    ``on_step`` gets each :class:`StepOutcome` once trained; ``on_trained(step)`` is awaited
+    after it, before the push and the next ``train`` (the trainer is idle); ``on_progress(step,
+    groups_done)``; ``background`` runs the ``background = true`` stages, settled at the end;
+    ``on_failed`` is awaited with each failed or skipped step the run goes past;
+    ``on_finished`` with a :class:`Finished` for each step in order.
 
-    :param on_step: called with each :class:`StepOutcome` as soon as the step trained.
-    :param on_trained: awaited with the step's index after ``on_step``, before the push of its
-        weights and the next ``train`` (the trainer is idle: a checkpoint).
-    :param on_progress: ``on_progress(step, groups_done)`` as groups complete.
-    :param background: runs the stages with ``background = true`` beside the steps; settled
-        when the steps end (cancelled on Ctrl-C).
-    :param on_failed: awaited with each failed (or skipped) step the run goes on past; the one
-        that ends the run is raised.
-    :param on_finished: awaited with a :class:`Finished` for each step in order as it is over
-        (a checkpoint).
     :raises ConfigError: a background stage where its work would need a lease.
     """
 
@@ -310,20 +293,12 @@ class StepDriver:
     ) -> None:
         BackgroundEvals.check(stages, switching=switching, deferred_roles=deferred_roles)
         self.background = background or BackgroundEvals()
-        self.settings = settings
-        self.on_trained = on_trained
-        self.coordinator = coordinator
-        self.rollout = rollout
-        self.stages = tuple(stages)
-        self.sink = sink
-        self.clients = clients
-        self.producer = producer
-        self.trainer = trainer
+        self.settings, self.stages, self.timeline = settings, tuple(stages), timeline or Timeline()
+        self.coordinator, self.rollout, self.clients = coordinator, rollout, clients
+        self.sink, self.producer, self.trainer = sink, producer, trainer
         self.generation_role = generation_role
-        self.timeline = timeline or Timeline()
-        self.finalizer = finalizer
-        self.on_step = on_step
-        self.on_progress = on_progress
+        self.finalizer, self.on_step, self.on_progress = finalizer, on_step, on_progress
+        self.on_trained, self.on_failed, self.on_finished = on_trained, on_failed, on_finished
         self.clock = VersionClock(initial_version, settings.first_step)
         #: the version of the trainer's weights now (what a rebuilt rollout replica is given)
         self.trainer_version = initial_version
@@ -335,8 +310,6 @@ class StepDriver:
         self._healing: asyncio.Future[str | None] | None = None
         #: the run is ending (a lane failed, or it was cancelled): no new step begins
         self._stopping = False
-        self.on_failed = on_failed
-        self.on_finished = on_finished
         #: the failed steps the run went past (not the skipped ones; a resumed run's first)
         self.failed_steps: list[int] = list(settings.failed_before)
         self.switching = switching
@@ -351,13 +324,11 @@ class StepDriver:
         #: the generation lane ended (no step will onload rollout again)
         self._generation_over = asyncio.Event()
         self.fields = stage_fields(self.stages)
-        self.prefix = (
-            streaming_prefix(
+        self.prefix = 0
+        if settings.stream_scoring:
+            self.prefix = streaming_prefix(
                 self.stages, deferred=set(deferred_roles), generation_role=generation_role
             )
-            if settings.stream_scoring
-            else 0
-        )
         self._generated: dict[int, asyncio.Future[_Generated]] = {}
         #: committed steps for the training lane (a bare step index: one the run went past)
         self._committed: asyncio.Queue[
@@ -399,8 +370,7 @@ class StepDriver:
     # -- the lanes -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Every step, or the first failure; then the background evaluations settled (awaited
-        up to their deadline, cancelled on an interruption).
+        """Every step, then the background evaluations settled.
 
         :raises _StepFailure: a step failed or was interrupted (after every step before it
             that committed was trained).
@@ -465,8 +435,7 @@ class StepDriver:
                 fut.cancel()
 
     async def _ahead(self, failure: _StepFailure) -> list[Sample]:
-        """The samples of the failed step and later ones not in ``failure.samples`` (their
-        scoring stopped)."""
+        """The samples of the failed step and later ones not in ``failure.samples``."""
         known = {s.id for s in failure.samples}
         out: list[Sample] = []
         for n, fut in self._generated.items():
@@ -481,9 +450,7 @@ class StepDriver:
             elif error is None:
                 generated = fut.result()
                 await generated.scorer.cancel()
-                gate = generated.collector
-                assert isinstance(gate, _Gate)
-                out += gate.all_samples
+                out += generated.gate.all_samples
         return [s for s in out if s.id not in known]
 
     async def _generation_lane(self) -> None:
@@ -529,8 +496,8 @@ class StepDriver:
         return True
 
     async def _onload_healed(self, m: int) -> None:
-        """Switching: onload rollout for step ``m``; an unconfirmed onload rebuilds its dead
-        replicas, onloads once more and pushes the trainer's weights to a rebuilt one."""
+        """Switching: onload rollout for step ``m``; an unconfirmed one is healed and tried
+        again."""
         gen, recovery = self.generation_role, self.clients.recovery
         timeout = self.settings.release_timeout
         try:
@@ -572,10 +539,7 @@ class StepDriver:
         began = time.perf_counter()
         regenerated = 0
 
-        def progress(done: int) -> None:
-            if self.on_progress is not None:
-                self.on_progress(m, done)
-
+        progress = None if self.on_progress is None else functools.partial(self.on_progress, m)
         self._open["generate"] = time.time_ns() // 1000
         healed = None
         try:
@@ -675,8 +639,7 @@ class StepDriver:
             if n in self._opened:  # rollout's turn: released, its requests aborted
                 await self._fail(n, exc)
             raise _StepFailure(n, exc, []) from exc
-        gate = generated.collector
-        assert isinstance(gate, _Gate)
+        gate = generated.gate
         try:
             streamed = await generated.scorer.finish()
             await self.coordinator.begin_batch(n)  # idempotent: switching opened it already
@@ -701,20 +664,17 @@ class StepDriver:
             streamed=streamed,
         )
         try:
-            if self.switching:
-                # rollout's turn ends here (the batch offloads it first): no push in flight
-                async with self._rollout_lock:
-                    self._awake.clear()
-                    result = await batch.run()
-            else:
+            # switching: rollout's turn ends here (the batch offloads it first): no push in flight
+            async with self._rollout_lock if self.switching else contextlib.nullcontext():
+                self._awake.clear()
                 result = await batch.run()
         except BaseException as exc:
             raise _StepFailure(n, exc, batch.generated_samples(), batch) from exc
         return generated, batch, result
 
     async def _fail(self, n: int, exc: BaseException, *, generation: bool = False) -> BaseException:
-        """Fail batch ``n`` at the coordinator (releasing rollout first where the generation
-        lane opened it); the error the step's report carries."""
+        """Fail batch ``n`` at the coordinator (releasing rollout where it was opened); the
+        error the step's report carries."""
         failed = generation and not interrupted(exc)
         if n in self._opened:
             async with self._rollout_lock:
@@ -795,7 +755,9 @@ class StepDriver:
             try:
                 return await self._push_now(version, index)
             except Exception as again:
-                again.add_note(f"sent twice, {_push_note(self.generation_role, exc, why)}")
+                said = f"the first failed ({describe_failure(exc)}) and {self.generation_role}"
+                said += " was rebuilt in between" + ("" if why is None else f": {why}")
+                again.add_note(f"sent twice, {said}")
                 raise
 
     async def _push(self, version: str, index: int) -> dict[str, Any] | None:
@@ -867,7 +829,8 @@ class StepDriver:
                         n + 1, exc, [], trainer=f"its push failed: {describe_failure(exc)}"
                     ) from exc
                 if pushed_before is not None:
-                    self.clock.pushed(_version(pushed_before, str(n + 1)), n + 1)
+                    version = pushed_before.get("weight_version")
+                    self.clock.pushed(str(n + 1) if version is None else str(version), n + 1)
 
     async def _finished(self, n: int, *, trained: bool) -> None:
         if self.on_finished is not None:
@@ -919,7 +882,7 @@ class StepDriver:
 
 
 async def _regenerate(producer: StepProducerLike, m: int, count: int, gate: _Gate) -> None:
-    """``count`` groups in place of stale ones, each through the gate as it completes."""
+    """``count`` groups in place of stale ones, each through the gate."""
 
     async def one() -> None:
         for group in await producer.generate(m, groups=1):
@@ -935,18 +898,6 @@ class _GenerationFailed(Exception):
         self.samples = samples
 
 
-def _push_note(role: str, first: BaseException, why: str | None) -> str:
-    """What a push sent again after ``role``'s rebuild says of the first attempt."""
-    said = f"the first failed ({describe_failure(first)}) and {role} was rebuilt in between"
-    return said if why is None else f"{said}: {why}"
-
-
-def _version(pushed: Mapping[str, Any] | None, asked: str) -> str:
-    if isinstance(pushed, Mapping) and pushed.get("weight_version") is not None:
-        return str(pushed["weight_version"])
-    return asked
-
-
 def idle_ratios(
     timeline: Timeline,
     lanes: Mapping[str, Sequence[str]],
@@ -955,9 +906,8 @@ def idle_ratios(
     *,
     open: Mapping[str, int] | None = None,
 ) -> dict[str, float]:
-    """Each role's idle share of ``[start_us, end_us]``: one minus the union of its lanes'
-    phases within the window over the window's length; ``open``: lane -> the start of its
-    phase still in flight (busy until ``end_us``)."""
+    """Each role's idle share of ``[start_us, end_us]`` (its lanes' phases; ``open``: lane ->
+    the start of its phase still in flight)."""
     doc = timeline.trace()
     tids = {
         e["args"]["name"]: e["tid"] for e in doc["traceEvents"] if e.get("name") == "thread_name"

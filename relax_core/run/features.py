@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relax_core.config import ConfigProblem, ModelConfig
+from relax_core.config import ConfigProblem, ConfigReader, ModelConfig
 from relax_core.errors import PluginError
 from relax_core.plugins import PluginManager
 from relax_core.records import EngineBackend, RolloutShapeSpec
@@ -42,7 +42,7 @@ def engine_feature_problems(
                 f"{type(exc).__name__}: {exc} (a plugin bug)",
             )
         ]
-    out: list[ConfigProblem] = []
+    r = ConfigReader()
     for feature, where in sorted(needs.items()):
         for m in models:
             try:
@@ -51,13 +51,11 @@ def engine_feature_problems(
                 continue  # the job's own check reports an unknown backend
             why = backend.missing(feature) if backend.missing is not None else None
             if why:
-                out.append(
-                    ConfigProblem(
-                        where or table.path,
-                        "engine-feature",
-                        f"the job needs {feature.replace('_', ' ')} from the engines of "
-                        f"{m.path} (backend {m.backend!r}), which this install cannot provide: "
-                        f"{why}",
-                    )
+                r.problem(
+                    where or table.path,
+                    "engine-feature",
+                    f"the job needs {feature.replace('_', ' ')} from the engines of "
+                    f"{m.path} (backend {m.backend!r}), which this install cannot provide: "
+                    f"{why}",
                 )
-    return out
+    return r.problems

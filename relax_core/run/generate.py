@@ -1,9 +1,5 @@
-"""The producer of ``relax run``: each step's prompts become groups of samples, generated through
-the rollout role's route by the run's rollout shape (:mod:`~relax_core.run.rollout`), and the
-default shape, ``single-turn`` (:class:`SingleTurn`). :class:`StepProducer` generates a step's
-first groups and more on a stage's request, every group with an index of its own
-(``b{step}-p{index}``); prompts are tokenized with the generation model's ``tokenizer.json``,
-so the samples carry the exact ids the engine saw.
+"""The producer of ``relax run`` (:class:`StepProducer`): each step's prompts become groups of
+samples through the run's rollout shape; and the default shape, ``single-turn``.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ __all__ = ["Generator", "PromptTokenizer", "SingleTurn", "StepProducer", "build_
 class PromptTokenizer:
     """The generation model's tokenizer (its ``tokenizer.json``).
 
-    :raises ConfigError: the model directory has no ``tokenizer.json`` (``path``: the model's
-        key path) or the ``tokenizers`` library is missing.
+    :raises ConfigError: no ``tokenizer.json``, or the ``tokenizers`` library is missing.
     """
 
     def __init__(self, model_path: str, *, where: str) -> None:
@@ -68,10 +63,8 @@ class PromptTokenizer:
 
 @attrs.define
 class SingleTurn:
-    """The ``single-turn`` shape: one ``/generate`` request per group asking for its
-    ``samples`` completions (SGLang's ``n``) with the rollout's own log-probs; ``model``: the
-    generation model's name, its tokenizer loaded from ``model_path`` on first use unless
-    given."""
+    """The ``single-turn`` shape: one ``/generate`` request per group for its ``samples``
+    completions (SGLang's ``n``); the tokenizer is loaded from ``model_path`` unless given."""
 
     model: str
     settings: RunConfig
@@ -118,21 +111,12 @@ class SingleTurn:
         sample_ids = [request.sample_id(j) for j in range(n)]
         turns = [parse_answer(i, a) for i, a in zip(sample_ids, answers, strict=True)]
         if run.push_pause == "abort":  # a push cut them short: each goes on from its tokens
-            turns = list(
-                await asyncio.gather(
-                    *(
-                        continue_aborted(
-                            client,
-                            body,
-                            t,
-                            sample_id=i,
-                            affinity_key=request.group_id,
-                            timeout=run.request_timeout,
-                        )
-                        for i, t in zip(sample_ids, turns, strict=True)
-                    )
-                )
-            )
+            key, timeout = request.group_id, run.request_timeout
+            aborted = [
+                continue_aborted(client, body, t, sample_id=i, affinity_key=key, timeout=timeout)
+                for i, t in zip(sample_ids, turns, strict=True)
+            ]
+            turns = list(await asyncio.gather(*aborted))
         return [
             _sample(i, request.group_id, ids, prompt, t)
             for i, t in zip(sample_ids, turns, strict=True)
@@ -149,8 +133,7 @@ def build_single_turn(config: RolloutShapeConfig) -> SingleTurn:
 @attrs.define
 class Generator:
     """Generates one step's groups through the rollout role's ``client`` with the run's
-    rollout ``shape`` (``None``: :class:`SingleTurn` of the generation ``model`` and its
-    ``tokenizer``), ``concurrency`` groups at a time; ``settings``: the ``[run]`` table."""
+    rollout ``shape`` (``None``: :class:`SingleTurn`), ``concurrency`` groups at a time."""
 
     client: InferenceClient
     tokenizer: PromptTokenizer
@@ -178,13 +161,12 @@ class Generator:
         each: Callable[[list[Sample]], None] | None = None,
     ) -> list[list[Sample]]:
         """Every prompt's group, in the order of ``prompts``, ``each(group)`` called as each
-        completes. Group ``i`` is ``b{batch_id}-p{first_index + i}``; ``samples_per_prompt``
-        and ``temperature`` override the run's; with ``regeneration`` (and ``again``, the
-        step's next group index) a group whose generation failed is regenerated as a new group
-        of the same prompt (:class:`~relax_core.coordination.retries.Regeneration`).
+        completes. Group ``i`` is ``b{batch_id}-p{first_index + i}``; with ``regeneration``
+        (and ``again``, the step's next group index) a failed group is regenerated as a new
+        group of the same prompt.
 
-        :raises UpstreamError: a request failed or its answer is not a sampled group (what the
-            engine answered is quoted); groups completed before it were passed to ``each``.
+        :raises UpstreamError: a request failed or its answer is not a sampled group;
+            groups completed before it were passed to ``each``.
         """
         run = self.settings
         samples = samples_per_prompt or run.samples_per_prompt
@@ -214,9 +196,8 @@ class Generator:
 
 
 class StepProducer:
-    """What each step generates with: ``generator`` over the run's prompt ``source``;
-    :meth:`first` generates a step's first groups, :meth:`generate` more while its batch is in
-    flight, every group of a step with an index of its own."""
+    """What each step generates with: :meth:`first` a step's first groups, :meth:`generate`
+    more while its batch is in flight, every group of a step with an index of its own."""
 
     def __init__(self, generator: Generator, source: PromptSource) -> None:
         self.generator = generator
@@ -226,9 +207,8 @@ class StepProducer:
         self.regeneration: Regeneration | None = None
 
     def regenerate_failed(self, regeneration: Regeneration | None) -> None:
-        """From now on a group of this producer whose generation fails :func:`~relax_core.
-        coordination.retries.retryable` is regenerated as a new group of the same prompt
-        (the step driver's, for its step; ``None``: it fails the step)."""
+        """From now on a group whose generation fails retryably is regenerated as a new group
+        of the same prompt (``None``: it fails the step)."""
         self.regeneration = regeneration
 
     def _indexes(self, batch_id: int, count: int) -> int:
@@ -256,8 +236,8 @@ class StepProducer:
         *,
         on_group: Callable[[int], None] | None = None,
     ) -> None:
-        """The step's ``prompts_per_step`` prompts from the source, each group into
-        ``collector`` as it completes, then ``on_group(groups_done)`` (progress)."""
+        """The step's prompts from the source, each group into ``collector`` as it completes,
+        then ``on_group(groups_done)``."""
         done = 0
 
         def add(group: list[Sample]) -> None:

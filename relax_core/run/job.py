@@ -1,7 +1,5 @@
-"""What ``relax run`` brings up on Ray, in order, and takes down again: :func:`run_problems`
-checks everything before anything starts; :class:`RunJob` starts the job runtime's placement
-groups, registries, manager actors and engines (as ``relax serve`` does), the trainer actor,
-the coordinator and the batch sink, and tears them all down (``docs/run.md``).
+"""What ``relax run`` brings up on Ray and takes down again (:class:`RunJob`), and the checks
+made before anything starts (:func:`run_problems`).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.config import ConfigProblem, JobConfig, ModelConfig
+from relax_core.config import ConfigProblem, ConfigReader, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.residency import ResidencyPlan, plan_residency
@@ -48,8 +46,7 @@ def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
 
 def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[str]:
     """Every reason ``relax run`` cannot run ``config`` with ``run``, as ``key.path: [rule]
-    message`` lines; empty when it can: the job's own checks (:func:`relax_core.jobs.check_job`),
-    then the ``[run]`` table against the job. Pure: starts nothing (it reads the data source).
+    message`` lines; empty when it can. Starts nothing (it reads the data source).
     """
     from relax_core.jobs.checks import check_job
     from relax_core.run.background import background_problems
@@ -128,44 +125,38 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
 
 
 def _generation_problems(models: tuple[ModelConfig, ...], pm: PluginManager) -> list[ConfigProblem]:
-    out: list[ConfigProblem] = []
+    r = ConfigReader()
     for m in models:
         source = pm.weight_source(m.weight_source or pm.role(m.role).default_weight_source)
         if "tensor" not in source.update_paths:
-            out.append(
-                ConfigProblem(
-                    f"{m.path}.weight_source",
-                    "weights",
-                    f"{source.name} weights take no tensor update, so the trainer cannot push "
-                    'its weights; set weight_source = "ACTOR"',
-                )
+            r.problem(
+                f"{m.path}.weight_source",
+                "weights",
+                f"{source.name} weights take no tensor update, so the trainer cannot push "
+                'its weights; set weight_source = "ACTOR"',
             )
         if m.external:
-            out.append(
-                ConfigProblem(
-                    f"{m.path}.external_urls",
-                    "external",
-                    f"the {m.role} role generates the batch, and the trainer pushes its weights "
-                    "to those engines after every step through their manager: relax run must "
-                    "start them; drop external_urls (external engines suit a model whose "
-                    "weights never change: a teacher's, a judge's)",
-                )
+            r.problem(
+                f"{m.path}.external_urls",
+                "external",
+                f"the {m.role} role generates the batch, and the trainer pushes its weights "
+                "to those engines after every step through their manager: relax run must "
+                "start them; drop external_urls (external engines suit a model whose "
+                "weights never change: a teacher's, a judge's)",
             )
         if not Path(m.model_path).is_dir():
             continue  # the job preflight reports a missing model directory
         for name in ("config.json", "tokenizer.json"):
             if not (Path(m.model_path) / name).is_file():
-                out.append(
-                    ConfigProblem(
-                        f"{m.path}.model_path",
-                        "model-dir",
-                        f"no {name} in {m.model_path!r}: the trainer loads the policy's "
-                        "checkpoint and relax run tokenizes prompts with its tokenizer, so it "
-                        "must be a local model directory (a relative path is relative to the "
-                        "job file)",
-                    )
+                r.problem(
+                    f"{m.path}.model_path",
+                    "model-dir",
+                    f"no {name} in {m.model_path!r}: the trainer loads the policy's "
+                    "checkpoint and relax run tokenizes prompts with its tokenizer, so it "
+                    "must be a local model directory (a relative path is relative to the "
+                    "job file)",
                 )
-    return out
+    return r.problems
 
 
 def _slice_problems(config: JobConfig, pm: PluginManager, defer: tuple[str, ...]) -> list[Any]:
@@ -189,20 +180,6 @@ def _shape_model(model: ModelConfig) -> dict[str, Any]:
     return {"model": model.name, "model_path": model.model_path, "model_where": model.path}
 
 
-def _timeouts(run: RunConfig) -> ManagerTimeouts:
-    """The managers' deadlines: lifecycle calls follow the coordinator's."""
-    op = run.operation_timeout
-    return ManagerTimeouts(
-        start=600.0,
-        offload=op,
-        onload=op,
-        drain=min(30.0, op / 2),
-        update=600.0,
-        health=15.0,
-        shutdown=10.0,
-    )
-
-
 @attrs.define(eq=False)
 class RunJob:
     """The actors, engines and placement groups of one ``relax run``; ``name``: the job's.
@@ -221,8 +198,7 @@ class RunJob:
     registries: dict[str, Any] = attrs.field(factory=dict, init=False)
     #: role -> model -> manager actor (every role; not the models served by external engines)
     actors: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
-    #: role -> model -> the actor of a model served by ``external_urls``: it publishes their
-    #: heads; nothing starts, onloads, offloads, rebuilds or pushes weights to them.
+    #: role -> model -> the actor of a model served by ``external_urls`` (never driven)
     external: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
     coordinator: Any = attrs.field(default=None, init=False)
     sink: Any = attrs.field(default=None, init=False)
@@ -285,8 +261,7 @@ class RunJob:
         on_interrupt: Callable[[], None] | None = None,
         on_started: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Bring everything up; ``say`` gets one line per event; ``on_interrupt``,
-        ``on_started``: as :meth:`~relax_core.jobs.JobRuntime.start`'s.
+        """Bring everything up (blocks); ``say`` gets one line per event.
 
         :raises PlacementError: the binding failed. :raises LifecycleError: an engine, router
             or the trainer did not start (call :meth:`teardown` in every case).
@@ -327,7 +302,16 @@ class RunJob:
                 if started.exception() is None:
                     self.registries[name] = started.result()
             _raise_first(registries.values())
-            timeouts = _timeouts(self.run)
+            op = self.run.operation_timeout  # lifecycle calls follow the coordinator's deadline
+            timeouts = ManagerTimeouts(
+                start=600.0,
+                offload=op,
+                onload=op,
+                drain=min(30.0, op / 2),
+                update=600.0,
+                health=15.0,
+                shutdown=10.0,
+            )
             managers = {
                 (role.name, model.name): pool.submit(
                     _start_external_actor if model.external else start_model_actor,
@@ -461,9 +445,8 @@ class RunJob:
         self.sink = RayBatchSink.start(name=f"relax-batches-{self.name}", namespace=NAMESPACE)
 
     def teardown(self, say: Say) -> list[str]:
-        """Stop everything this job started (:meth:`~relax_core.jobs.JobRuntime.teardown`);
-        what could not be confirmed (empty: nothing left). Idempotent; never raises for one
-        part's failure (each is tried).
+        """Stop everything this job started; what could not be confirmed (empty: nothing
+        left). Idempotent; never raises for one part's failure (each is tried).
         """
         import ray
 
@@ -485,8 +468,7 @@ class RunJob:
 class ExternalEnginesActor(ManagerActor):
     """The actor of a model served by ``external_urls``: a
     :class:`~relax_core.manager.actor.ManagerActor` around
-    :class:`~relax_core.manager.external.ExternalEngines` (its arguments, and the router's as
-    a managed model's actor), which refuses every lifecycle call and weight update."""
+    :class:`~relax_core.manager.external.ExternalEngines`."""
 
     def __init__(
         self,
@@ -514,9 +496,8 @@ class ExternalEnginesActor(ManagerActor):
 def _start_external_actor(
     model: ModelConfig, pm: PluginManager, *, job: str, publisher: Any, **managed: Any
 ) -> Any:
-    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, in place of
-    :func:`~relax_core.jobs.managers.start_model_actor`'s (of ``managed``, only ``log_dir`` is
-    used: nothing is placed nor driven); the role's registry watches it.
+    """The :class:`ExternalEnginesActor` of a model served by ``external_urls`` (of
+    ``managed``, only ``log_dir`` is used); the role's registry watches it.
 
     :raises LifecycleError: the actor could not be built.
     """

@@ -245,8 +245,7 @@ def async_overlap_note(job: RunJob) -> str | None:
 
 
 class TrainerCalls:
-    """The trainer as the driver calls it (``train``, ``push``, ``save``, ``load``,
-    ``measure_copy``): each an awaitable call of its Ray actor's method of that name."""
+    """The trainer's Ray actor as the driver calls it: each method an awaitable remote call."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -262,10 +261,9 @@ class TrainerCalls:
 
 @attrs.define
 class StepPorts:
-    """What the steps of a run call, whatever engines answer (a
-    :class:`~relax_core.run.job.RunJob`'s actors, or a simulation); ``free``: rollout never
-    switches; ``heads(role)``: a role's engine heads (``--measure``); ``recover(role)``:
-    rebuild a role's dead replicas (default: the coordinator's)."""
+    """What the steps of a run call (a :class:`~relax_core.run.job.RunJob`'s actors, or a
+    simulation); ``free``: rollout never switches; ``heads(role)``: a role's engine heads
+    (``--measure``); ``recover(role)``: rebuild a role's dead replicas."""
 
     name: str
     run: Any
@@ -285,13 +283,9 @@ class StepPorts:
 
 
 def step_row(
-    outcome: StepOutcome,
-    stages: Sequence[Stage],
-    timeline: Any,
-    recovery: Recovery | None = None,
+    outcome: StepOutcome, stages: Sequence[Stage], timeline: Any, recovery: Recovery | None = None
 ) -> dict[str, Any]:
-    """The committed step's JSON object (``docs/run.md``); ``recovery``: the run's retries and
-    rebuilds."""
+    """The committed step's JSON object (``docs/run.md``)."""
     n, result, trained = outcome.step, outcome.result, outcome.trained
     samples = outcome.batch.originals
     rewards = [float(s.reward or 0.0) for s in samples]
@@ -375,12 +369,11 @@ class _Report:
 
     def progress(self, step: int, groups: int) -> None:
         """``groups`` of step ``step`` generated: the status line's bar."""
-        spp = self.ports.run.samples_per_prompt
+        spp, total = self.ports.run.samples_per_prompt, self.ports.run.prompts_per_step
         bar = self._bars.get(step)
         if bar is None:
-            total = self.ports.run.prompts_per_step * spp
             bar = self._bars[step] = Progress(
-                self.printer, f"step {step} generate", total, "samples"
+                self.printer, f"step {step} generate", total * spp, "samples"
             )
         bar.update(groups * spp)
 
@@ -482,8 +475,7 @@ async def drive(
     **options: Unpack[RunOptions],
 ) -> RunSummary:
     """Run steps ``first_step`` to ``steps - 1`` on ``ports``, as :func:`run_loop` (which
-    calls it); ``on_trained``, ``on_finished``: as the driver's; ``failed_before``: a resumed
-    run's failed steps gone past."""
+    calls it); ``failed_before``: a resumed run's failed steps gone past."""
     trace, dump_dir = options.get("trace"), options.get("dump_dir")
     trackers = options.get("trackers")
     began = time.perf_counter()
@@ -549,7 +541,6 @@ async def drive(
         except asyncio.CancelledError:
             if not signals.received:
                 raise
-            # Interrupted between steps: the batch is committed already.
             signals.handled()
             summary.interrupted_step = driver.generating
         finally:
@@ -561,8 +552,8 @@ async def drive(
 def role_recovery(
     coordinator: Any, unleased: Mapping[str, Sequence[Any]], *, timeout: float
 ) -> Callable[[str], Awaitable[Any]]:
-    """``recover(role)`` for a run's stages: a leased role through the coordinator, the others
-    (``unleased``) through a lease engine of their own."""
+    """``recover(role)``: a leased role through the coordinator, ``unleased`` ones through a
+    lease engine of their own."""
     engine = LeaseEngine(
         {role: f"{role}:own" for role in unleased}, unleased, operation_timeout=timeout
     )
@@ -591,7 +582,7 @@ async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
     try:
         pushed: dict[str, Any] = await ports.trainer.push(str(steps))
     except Exception as exc:
-        # rollout's engine died: rebuilt, then the push (idempotent per version) sent again
+        # rebuilt, then the push (idempotent per version) sent again
         recovery = ports.clients.recovery
         if recovery is None or interrupted(exc):
             raise
@@ -618,24 +609,14 @@ async def run_loop(
     **options: Unpack[RunOptions],
 ) -> RunSummary:
     """Run ``steps`` steps on the started ``job``; the summary (a failed step ends the run:
-    ``summary.failure``). Ctrl-C or SIGTERM in the main thread cancels the step in flight
-    (``interrupted_step``). ``trace``, ``dump_dir``, ``measure``: ``relax run``'s
-    ``--trace``, ``--dump-samples``, ``--measure``; ``trackers``: the caller closes them (a
-    strict one's failure is raised after the step in flight); ``checkpoint_dir``,
-    ``resume``: checkpoints and the one to continue from.
+    ``summary.failure``; Ctrl-C or SIGTERM: ``interrupted_step``). ``options``: ``relax run``'s
+    ``--trace``, ``--dump-samples``, ``--measure`` and the trackers (the caller closes them).
 
-    :raises CheckpointError: a checkpoint could not be written (it ends the run, after the
-        steps before it; the previous checkpoint is kept).
+    :raises CheckpointError: a checkpoint could not be written (the previous one is kept).
     """
     run, gen = job.run, job.generation_role
-    printer.started(
-        {
-            "job": job.name,
-            "engine_pids": sorted(job.engine_pids),
-            "router_pids": sorted(job.router_pids),
-            "startup_seconds": time.monotonic() - printer.began,
-        }
-    )
+    pids = {"engine_pids": sorted(job.engine_pids), "router_pids": sorted(job.router_pids)}
+    printer.started({"job": job.name, **pids, "startup_seconds": time.monotonic() - printer.began})
     trackers = options.get("trackers")
     if trackers is not None:
         trackers.log_config(run_description(job))

@@ -1,9 +1,5 @@
-"""``relax run --measure``: what each phase switch costs, against the copy of the bytes it moves.
-
-:class:`SwitchProbe` reads every engine head's ``/server_info`` memory report around each
-switch (a role's offload or onload, through the coordinator or rollout's own handle);
-:func:`switch_report` sets each against one pinned copy of the same bytes measured by the
-trainer in the same run (``measure_copy``) and the run's step time (``docs/run.md``: each key).
+"""``relax run --measure``: what each phase switch costs, against one pinned copy of the bytes
+it moves measured by the trainer in the same run (``docs/run.md``: each key).
 """
 
 from __future__ import annotations
@@ -11,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
@@ -21,13 +17,9 @@ if TYPE_CHECKING:
     from relax_core.coordination.states import LeaseState
     from relax_core.manager import LifecycleResult
 
-__all__ = [
-    "MeasuredCoordinator",
-    "MeasuredHandle",
-    "Switch",
-    "SwitchProbe",
-    "switch_report",
-]
+__all__ = ["MeasuredCoordinator", "MeasuredHandle", "Switch", "SwitchProbe", "switch_report"]
+
+_T = TypeVar("_T")
 
 #: A switch may take this many times the copy of its bytes ...
 COPY_FACTOR = 1.25
@@ -143,10 +135,8 @@ def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
 
 @attrs.define
 class SwitchProbe:
-    """Reads the memory reports of a role's engine heads around each switch.
-
-    :param heads: ``heads(role)`` → the base URLs of the role's engine heads (awaitable).
-    """
+    """Reads the memory reports (``/server_info``) of a role's engine heads around each
+    switch; ``heads(role)``: their base URLs."""
 
     heads: Callable[[str], Awaitable[list[str]]]
     timeout: float = attrs.field(default=30.0, kw_only=True)
@@ -164,8 +154,8 @@ class SwitchProbe:
         return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
 
     async def around(
-        self, step: int, role: str, direction: str, call: Callable[[], Awaitable[Any]]
-    ) -> Any:
+        self, step: int, role: str, direction: str, call: Callable[[], Awaitable[_T]]
+    ) -> _T:
         """Run ``call()`` (the switch) and record it; its result returned, its error raised
         (a failed switch is not recorded)."""
         infos_before = await self._info(role)
@@ -177,8 +167,9 @@ class SwitchProbe:
         after = [info.get("memory") or {} for info in infos.values()]
         ops = [_ops_since(infos_before.get(url, {}), info) for url, info in infos.items()]
         first = after[0] if after else {}
-        replicas = getattr(result, "replicas", None)
-        manager = float(result.seconds) if replicas is not None else None
+        lifecycle: Any = result
+        replicas = getattr(lifecycle, "replicas", None)
+        manager = float(lifecycle.seconds) if replicas is not None else None
         worker = max((float(r.seconds) for r in replicas), default=None) if replicas else None
         kv = sum(int((m.get("kv_cache") or {}).get("pool_bytes", 0)) for m in (after or before))
         self.switches.append(
@@ -222,23 +213,21 @@ class MeasuredCoordinator:
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState:
         """The coordinator's ``activate``, measured as ``role``'s onload."""
-        state: LeaseState = await self._probe.around(
+        return await self._probe.around(
             batch_id,
             role,
             "onload",
             lambda: self._inner.activate(role, operation_id, batch_id=batch_id, models=models),
         )
-        return state
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """The coordinator's ``deactivate``, measured as ``role``'s offload."""
-        state: LeaseState = await self._probe.around(
+        return await self._probe.around(
             batch_id,
             role,
             "offload",
             lambda: self._inner.deactivate(role, operation_id, batch_id=batch_id),
         )
-        return state
 
 
 @attrs.define
@@ -258,23 +247,15 @@ class MeasuredHandle:
 
     async def onload(self) -> LifecycleResult:
         """The manager's onload, measured."""
-        result: LifecycleResult = await self._probe.around(
+        return await self._probe.around(
             self._step("onload"), self._role, "onload", self._inner.onload
         )
-        return result
 
     async def offload(self) -> LifecycleResult:
         """The manager's offload, measured."""
-        result: LifecycleResult = await self._probe.around(
+        return await self._probe.around(
             self._step("offload"), self._role, "offload", self._inner.offload
         )
-        return result
-
-    async def weight_version(self) -> str | None:
-        """The manager's published weight version (the handle's ``weight_version()``)."""
-        inner: Any = self._inner  # a handle with weight_version(): the rollout's
-        version: str | None = await inner.weight_version()
-        return version
 
 
 #: A switch's row: its own keys, the copy's between the first six and the rest.
@@ -287,12 +268,10 @@ _ROW = (
 
 
 def switch_report(
-    switches: Sequence[Switch],
-    copies: Mapping[int, Mapping[str, float]],
-    step_seconds: float,
+    switches: Sequence[Switch], copies: Mapping[int, Mapping[str, float]], step_seconds: float
 ) -> dict[str, Any]:
     """Every switch against its copy baseline (``copies[bytes]``: ``h2d`` and ``d2h``
-    seconds of one copy), and the totals."""
+    seconds), and the totals."""
     rows = []
     for s in switches:
         copy = copies.get(s.weight_bytes, {}).get("h2d" if s.direction == "onload" else "d2h")

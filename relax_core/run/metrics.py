@@ -1,7 +1,4 @@
-"""``relax run --metrics-port``: the driver's Prometheus metrics (:class:`RunMetrics`, updated
-as each step commits, beside the timeline's phase histogram; ``docs/run.md`` lists them),
-served by :func:`serve_metrics` on ``GET /metrics`` from a thread of the driver.
-"""
+"""``relax run --metrics-port``: the driver's Prometheus metrics (``docs/run.md`` lists them)."""
 
 from __future__ import annotations
 
@@ -27,6 +24,9 @@ class RunMetrics:
         def counter(name: str, text: str) -> Any:
             return Counter(name, text, registry=registry)
 
+        def gauge(name: str, text: str) -> Any:
+            return Gauge(name, text, registry=registry)
+
         self.steps = counter("relax_run_steps_committed", "Steps of relax run committed")
         self.failed = counter("relax_run_steps_failed", "Steps of relax run failed or interrupted")
         self.samples = counter("relax_run_samples_committed", "Samples committed to training")
@@ -35,14 +35,11 @@ class RunMetrics:
         self.seconds = Histogram(
             "relax_run_step_seconds", text, buckets=_BUCKETS, registry=registry
         )
-        self.step = Gauge("relax_run_step", "The last committed step", registry=registry)
-        self.reward = Gauge(
-            "relax_run_reward_mean", "Mean reward of the last committed step", registry=registry
-        )
-        self.staleness = Gauge(
+        self.step = gauge("relax_run_step", "The last committed step")
+        self.reward = gauge("relax_run_reward_mean", "Mean reward of the last committed step")
+        self.staleness = gauge(
             "relax_run_weight_version_age_steps",
             "Steps between the last committed step and the weights its samples came from",
-            registry=registry,
         )
 
     @classmethod

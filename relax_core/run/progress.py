@@ -1,7 +1,5 @@
-"""What ``relax run`` prints: progress while a step runs (each phase that took real time, a
-status line and progress bars on a terminal), one line or JSON object per step, and the
-summary; with ``json`` the objects go to stdout and the text progress to stderr
-(``docs/run.md``).
+"""What ``relax run`` prints: progress (phases, a status line and bars on a terminal), one line
+or JSON object per step, and the summary; with ``json`` progress goes to stderr (``docs/run.md``).
 """
 
 from __future__ import annotations
@@ -18,13 +16,7 @@ import attrs
 
 from relax_core.coordination.timeline import PhaseEvent
 
-__all__ = [
-    "PHASE_LINE_SECONDS",
-    "PhaseEvent",
-    "Printer",
-    "Progress",
-    "phase_times",
-]
+__all__ = ["PHASE_LINE_SECONDS", "PhaseEvent", "Printer", "Progress", "phase_times"]
 
 #: Phases shorter than this (seconds) print no progress line (``--json`` has every one).
 PHASE_LINE_SECONDS = 0.05
@@ -41,8 +33,8 @@ def _ms(seconds: float | None) -> str:
 
 
 def phase_times(phases: dict[str, float]) -> str:
-    """A step's phase times for its line: the switches summed, every other phase of at least
-    :data:`PHASE_LINE_SECONDS` by name, the rest counted."""
+    """A step's phase times for its line: the switches summed, the phases shorter than
+    :data:`PHASE_LINE_SECONDS` counted."""
     switches = sum(v for k, v in phases.items() if k.endswith(_SWITCHES))
     others = {k: v for k, v in phases.items() if not k.endswith(_SWITCHES)}
     shown = [f"{k} {v:.2f}" for k, v in others.items() if v >= PHASE_LINE_SECONDS]
@@ -58,7 +50,7 @@ BAR_REDRAW = 0.25
 
 
 def _async_text(row: dict[str, Any]) -> str:
-    """An async step's staleness, stale groups, partial samples and idle ratios ("" in sync)."""
+    """An async step's staleness, stale groups and idle ratios ("" in sync)."""
     a = row.get("async")
     if not a or (not a["max_staleness"] and not a["streamed_stages"]):
         return ""
@@ -81,8 +73,7 @@ _TOKEN_SPLIT = ("policy_tokens", "environment_tokens")
 
 
 def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
-    """The tokens' split when an environment wrote any, and each number the rollout reported
-    per sample (mean, max, total); ``""`` for what the step does not have."""
+    """The tokens' split when an environment wrote any, and the rollout's own numbers."""
     rollout = row.get("trajectories") or {}
     env = rollout.get("environment_tokens") or {}
     split = ""
@@ -131,12 +122,8 @@ class Progress:
 
 
 class Printer:
-    """Prints a run's progress and results.
-
-    :param err: where progress goes with ``json``; :param tty: rewrite a status line in place
-        (default: whether it is a terminal); :param began: the command's start
-        (``time.monotonic()``), from which the summary's wall time is counted.
-    """
+    """Prints a run's progress and results; ``tty``: rewrite a status line in place (default:
+    whether it is a terminal); ``began``: the command's start (``time.monotonic()``)."""
 
     def __init__(
         self,
@@ -187,8 +174,7 @@ class Printer:
     def waiting(
         self, label: str, *, total: int | None = None, unit: str = ""
     ) -> Iterator[Progress]:
-        """A long wait: on a terminal a progress bar, redrawn every :data:`BAR_REDRAW` seconds
-        until the block ends; elsewhere nothing. The block updates the :class:`Progress`."""
+        """A long wait: on a terminal a progress bar the block updates; elsewhere nothing."""
         progress = Progress(self, label, total, unit)
         if not self.tty:
             yield progress
@@ -218,15 +204,10 @@ class Printer:
     def event(self, e: PhaseEvent) -> None:
         """A phase began or ended."""
         if self.json:
-            row: dict[str, Any] = {
-                "event": "phase",
-                "step": e.step,
-                "phase": e.name,
-                "state": e.state,
-            }
-            if e.ended:
-                row["seconds"] = e.seconds
-            self._row(row)
+            seconds = {"seconds": e.seconds} if e.ended else {}
+            self._row(
+                {"event": "phase", "step": e.step, "phase": e.name, "state": e.state, **seconds}
+            )
         if not e.ended:
             self.status(f"  step {e.step}  {e.name} …")
             return
@@ -245,7 +226,6 @@ class Printer:
         failures = row.get("parse_failures")
         parse = "" if failures is None else f"  parse failures {failures}/{row['samples']}"
         if failures and failures == row["samples"] and not self._explained_parse_failures:
-            # Said once: every judge answer held no verdict (each such sample's reward is 0.0).
             self._explained_parse_failures = True
             parse += (
                 " (no judge answer held a verdict, so each scored 0.0: an untrained judge, "

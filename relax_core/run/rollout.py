@@ -1,10 +1,5 @@
-"""Rollout shapes: how one prompt of a step becomes one group of samples.
-
-A shape is a plugin of ``relax_register_rollout_shapes`` (a
-:class:`~relax_core.records.RolloutShapeSpec`), named by ``[run.generation] shape``; the core
-registers ``single-turn`` (:class:`~relax_core.run.generate.SingleTurn`). The step's producer
-calls ``await shape.group(request, client)`` once per group with a :class:`GroupRequest`;
-what it raises fails the step.
+"""Rollout shapes: how one prompt of a step becomes one group of samples (a
+:class:`~relax_core.records.RolloutShapeSpec` named by ``[run.generation] shape``).
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ def sampling_seed(seed: int, batch_id: int, index: int, *extra: int) -> int:
 
 @attrs.frozen
 class GroupRequest:
-    """One group to generate: ``group_id`` (``b{batch_id}-p{index}``), its ``prompt`` (a
-    dataset row), ``samples`` in it, the sampling ``temperature`` and ``seed``."""
+    """One group to generate: ``group_id`` is ``b{batch_id}-p{index}``."""
 
     batch_id: int
     index: int
@@ -69,7 +63,8 @@ class GroupRequest:
 
 @runtime_checkable
 class RolloutShape(Protocol):
-    """Turns one prompt into one group of samples (see the module docstring)."""
+    """Turns one prompt into one group of samples; the step's producer awaits :meth:`group`
+    once per group."""
 
     async def group(self, request: GroupRequest, client: InferenceClient) -> list[Sample]:
         """The group's samples, ``request.samples`` of them, each with ``request.group_id``.
@@ -81,9 +76,8 @@ class RolloutShape(Protocol):
 
 @attrs.frozen
 class RolloutShapeConfig:
-    """What a shape's builder gets: the ``[run.generation]`` table's own keys (``options``) and
-    its key path (``path``), the run's settings, the plugin manager, and the generation
-    model's name, directory and key path (``roles.rollout.models.policy``)."""
+    """What a shape's builder gets: the ``[run.generation]`` table's own keys and key path, the
+    run's settings, the plugins, and the generation model's name, directory and key path."""
 
     options: Mapping[str, Any]
     path: str
@@ -109,8 +103,7 @@ def build_rollout_shape(
 ) -> RolloutShape:
     """The run's shape, built by its registered kind.
 
-    :raises ConfigValidationError: no such shape, an unknown option, or what its builder
-        found wrong (each with its key path).
+    :raises ConfigValidationError: every problem, each with its key path.
     """
     problems = _kind_problems(table, pm)
     if problems:
@@ -160,8 +153,7 @@ def _kind_problems(table: GenerationTable, pm: Any) -> list[ConfigProblem]:
 
 @attrs.frozen
 class TurnAnswer:
-    """One ``/generate`` answer of one sample: the sampled ids, their log-probs (the engine's
-    own, as it returned them), the text, the finish reason and the weight version."""
+    """One ``/generate`` answer of one sample (log-probs: the engine's own)."""
 
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
@@ -222,17 +214,15 @@ def version_boundaries(sample_id: str, spans: Any) -> tuple[tuple[int, str], ...
 
 
 def add_segments(segments: list[tuple[int, str | None]], start: int, answer: TurnAnswer) -> None:
-    """Append an answer's version segments (``answer.weight_versions``, or one segment of its
-    ``weight_version``) at its offset ``start`` in a sample's response, merging a segment into
-    the one before it when their versions are the same."""
+    """Append an answer's version segments at its offset ``start`` in a sample's response
+    (a segment of the version before it merged)."""
     for at, v in answer.weight_versions or ((0, answer.weight_version),):
         if not segments or segments[-1][1] != v:
             segments.append((start + at, v))
 
 
 def boundaries(segments: list[tuple[int, str | None]]) -> tuple[tuple[int, str], ...]:
-    """A sample's version boundaries (``Sample.weight_versions``) from its segments (each at
-    its offset in the response); none when one version generated all of it."""
+    """A sample's version boundaries (``Sample.weight_versions``) from its segments."""
     if len(segments) <= 1:
         return ()
     return tuple((at, "" if v is None else v) for at, v in segments)
@@ -253,9 +243,8 @@ async def continue_aborted(
     timeout: float,
 ) -> TurnAnswer:
     """``answer`` to ``body`` (one sample), continued while a weight push's ``abort`` pause
-    cut it short (``[run] push_pause = "abort"``): the same request again with the tokens so
-    far appended, the token limits less what was generated, a seed of its own; the parts
-    joined token-exact, each part's version kept as version boundaries.
+    cut it short: the parts joined token-exact, each part's version kept as version
+    boundaries.
 
     :raises UpstreamError: (502) an answer is malformed, or it was cut short more than
         :data:`MAX_CONTINUATIONS` times.

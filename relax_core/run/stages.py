@@ -35,9 +35,8 @@ __all__ = [
 
 @attrs.frozen
 class StageConfig:
-    """What a stage kind's ``build`` gets: one stage table of the job file, the run's settings,
-    the job's plugins, the generation role and the roles a defer layout leases (a reward
-    adapter of a stage on one must declare ``supports_deferred``). Read ``options`` with
+    """What a stage kind's ``build`` gets: one stage table, the run's settings, the plugins,
+    the generation role and the roles a defer layout leases. Read ``options`` with
     :class:`~relax_core.ConfigReader`; a problem goes at :meth:`key`.
     """
 
@@ -357,10 +356,8 @@ REWARD = StageSpec(
 
 @attrs.define(eq=False)
 class EvalStage:
-    """Every ``every`` steps, ``prompts`` held-out prompts from ``source`` generated with the
-    step's policy, scored by ``scorer`` and reported; its samples never join the batch.
-    ``background``: the step only starts it (:mod:`~relax_core.run.background`).
-    """
+    """Every ``every`` steps, ``prompts`` held-out prompts generated with the step's policy,
+    scored by ``scorer`` and reported; its samples never join the batch."""
 
     fields = ()
 
@@ -431,8 +428,7 @@ def build_eval_stage(config: StageConfig) -> EvalStage:
             'asynchronous steps have: set [run] mode = "async", or remove background',
         )
     scorer = _reward_stage(config, r, name=f"{config.name}.rewards")
-    where: dict[str, Any] = {"seed": config.run.seed, "key": config.key("dataset")}
-    where["base"] = config.run.base
+    where = {"seed": config.run.seed, "key": config.key("dataset"), "base": config.run.base}
     if dataset is not None:
         r.problems.extend(source_problems(dataset, config.plugins, **where))
     r.raise_problems()

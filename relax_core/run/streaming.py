@@ -1,7 +1,5 @@
-"""Streaming scoring: the step's leading streaming stages (:func:`streaming_prefix`) run on
-each group's staged copies as soon as its generation completes; the batch runs the remaining
-stages and commits as always, so nothing a streamed stage wrote reaches the originals before
-every stage passed.
+"""Streaming scoring: the step's leading streaming stages run on each group's staged copies
+as soon as it is generated; nothing they write reaches the originals before the batch commits.
 """
 
 from __future__ import annotations
@@ -55,12 +53,8 @@ def merge_reports(stage: str, reports: Sequence[StageReport]) -> StageReport:
 
 
 class StreamScorer:
-    """Runs ``stages[:count]`` on each group of batch ``batch_id`` as it is added.
-
-    :param fields: every field the step's stages write (cleared on the staged copies).
-    :param concurrency: groups scored at once.
-    :param timeline: where each stage's time on each group goes (``{stage}.stream``).
-    """
+    """Runs ``stages[:count]`` on each group of batch ``batch_id`` as it is added;
+    ``fields``: every field the step's stages write (cleared on the staged copies)."""
 
     def __init__(
         self,

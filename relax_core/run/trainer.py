@@ -1,7 +1,5 @@
-"""The training consumer of ``relax run``: the interface a trainer implements (:class:`Trainer`),
-how one is found by name (:func:`load_trainer_class`: a registered trainer or
-``package.module:Class``), and the Ray actor it runs in (:func:`start_trainer`). No torch:
-trainers are plugins; ``docs/run.md`` says how to write one.
+"""The trainer of ``relax run``: the interface a trainer plugin implements, how one is found
+by name, and the Ray actor it runs in (``docs/run.md`` says how to write one).
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ CHECKPOINT_METHODS = ("save", "load")
 
 @attrs.frozen
 class TrainerContext:
-    """Everything a trainer is built from (picklable: it travels to the trainer's actor);
-    each field in ``docs/run.md`` ("The trainer"). ``rollout``: the generation model's manager
-    actor, which weights are pushed through; ``push_pause`` ``None``: the fence."""
+    """Everything a trainer is built from (picklable); each field in ``docs/run.md`` ("The
+    trainer"). ``push_pause`` ``None``: the fence."""
 
     job: str
     model_path: str

@@ -1,7 +1,5 @@
-"""Experiment trackers of ``relax run``: the :class:`Tracker` protocol and its records
-(:mod:`~relax_core.tracking.tracker`), a run's open trackers (:mod:`~relax_core.tracking.hub`)
-and what they hear of a step (:mod:`~relax_core.tracking.metrics`). The trackers themselves
-are plugins' (``docs/run.md``, ``docs/plugins.md``).
+"""Experiment trackers of ``relax run``: the protocol, a run's open trackers and what they
+hear of a step; the trackers themselves are plugins' (``docs/plugins.md``).
 """
 
 from relax_core._exports import claim as _claim

@@ -1,8 +1,4 @@
-"""The trackers of one run, opened from ``[run] trackers`` and fed from a worker thread, so
-a slow tracker never delays a step. One that raises is reported once and hears nothing more
-but ``close``; with ``strict`` the error (:class:`~relax_core.errors.TrackerError`) is raised
-from the loop's next call, ending the run.
-"""
+"""The trackers of one run, fed from a worker thread so a slow tracker never delays a step."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from relax_core.config import ConfigProblem, hint
+from relax_core.config import ConfigProblem, ConfigReader, hint
 from relax_core.errors import TrackerError
 from relax_core.plugins import PluginManager
 from relax_core.tracking.tracker import PhaseSpan, Tracker, TrackerContext, TrackerEntry
@@ -25,32 +21,28 @@ _STOP = object()
 
 
 def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list[ConfigProblem]:
-    """Every problem with ``entries`` before anything starts: a tracker no plugin registers
-    (with a did-you-mean hint), one named twice, an option its record does not list."""
-    out: list[ConfigProblem] = []
+    """Every problem with ``entries`` before anything starts (unknown, twice, an unknown
+    option)."""
+    r = ConfigReader()
     known = pm.registered("trackers")
     seen: dict[str, str] = {}
     for entry in entries:
         if entry.name in seen:
-            out.append(
-                ConfigProblem(
-                    entry.path,
-                    "duplicate",
-                    f"tracker {entry.name!r} is listed twice ({seen[entry.name]} and "
-                    f"{entry.path}); list it once",
-                )
+            r.problem(
+                entry.path,
+                "duplicate",
+                f"tracker {entry.name!r} is listed twice ({seen[entry.name]} and "
+                f"{entry.path}); list it once",
             )
             continue
         seen[entry.name] = entry.path
         if entry.name not in known:
-            out.append(
-                ConfigProblem(
-                    entry.path,
-                    "plugin",
-                    f"no tracker named {entry.name!r} is registered (registered: "
-                    f"{', '.join(sorted(known)) or 'none'}){hint(entry.name, known)} Install the "
-                    "plugin that provides it (relax plugins lists the trackers)",
-                )
+            r.problem(
+                entry.path,
+                "plugin",
+                f"no tracker named {entry.name!r} is registered (registered: "
+                f"{', '.join(sorted(known)) or 'none'}){hint(entry.name, known)} Install the "
+                "plugin that provides it (relax plugins lists the trackers)",
             )
             continue
         allowed = known[entry.name].record.options
@@ -58,21 +50,19 @@ def tracker_problems(entries: Sequence[TrackerEntry], pm: PluginManager) -> list
             continue
         for key in entry.options:
             if key not in allowed:
-                out.append(
-                    ConfigProblem(
-                        f"{entry.path}.{key}",
-                        "unknown-key",
-                        f"tracker {entry.name!r} has no option {key!r} (its options: "
-                        f"{', '.join(allowed) or 'none'}){hint(key, allowed)}",
-                    )
+                r.problem(
+                    f"{entry.path}.{key}",
+                    "unknown-key",
+                    f"tracker {entry.name!r} has no option {key!r} (its options: "
+                    f"{', '.join(allowed) or 'none'}){hint(key, allowed)}",
                 )
-    return out
+    return r.problems
 
 
 class Trackers:
-    """The open trackers of a run (see the module docstring): ``opened`` as ``(name,
-    tracker)`` pairs in the order they hear each call; ``say`` gets each failure's line;
-    ``strict``: a failure is raised from the next call too."""
+    """The open trackers of a run; one that raises is reported once (``say``) and hears
+    nothing more but ``close``; with ``strict`` the
+    :class:`~relax_core.errors.TrackerError` is raised from the next call, ending the run."""
 
     def __init__(
         self,

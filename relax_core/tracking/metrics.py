@@ -26,6 +26,15 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+#: The metrics that are one key of the step's row each: ``(metric, key)``.
+_TOP_LEVEL = (
+    ("reward/mean", "reward_mean"), ("reward/std", "reward_std"), ("teacher/kl", "teacher_kl"),
+    ("teacher/logprob_mean", "teacher_logprob_mean"), ("time/step", "seconds"),
+    *((k, k) for k in ("samples", "groups", "tokens", "parse_failures", "switches")),
+    ("generated_groups", "generated_groups"),
+)  # fmt: skip
+
+
 def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
     """The metrics of a committed step's JSON object (``relax run --json``'s step row)."""
     out: dict[str, float] = {}
@@ -35,25 +44,17 @@ def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
         if number is not None:
             out[name] = number
 
-    put("reward/mean", row.get("reward_mean"))
-    put("reward/std", row.get("reward_std"))
-    for key, value in (row.get("reward_by_key") or {}).items():
-        put(f"reward/{key}", value)
-    put("teacher/kl", row.get("teacher_kl"))
-    put("teacher/logprob_mean", row.get("teacher_logprob_mean"))
-    for key in ("samples", "groups", "tokens", "parse_failures", "switches", "generated_groups"):
-        put(key, row.get(key))
+    for name, key in _TOP_LEVEL:
+        put(name, row.get(key))
     samples = row.get("samples")
     if isinstance(samples, int) and samples > 0:
         put("response_length/mean", row.get("tokens", 0) / samples)
     dropped = row.get("dropped") or {}
     put("dropped/groups", dropped.get("groups"))
     put("dropped/samples", dropped.get("samples"))
-    put("time/step", row.get("seconds"))
-    for phase, seconds in (row.get("phases") or {}).items():
-        put(f"time/{phase}", seconds)
-    for key, value in (row.get("train") or {}).items():
-        put(f"train/{key}", value)
+    for prefix, key in (("reward", "reward_by_key"), ("time", "phases"), ("train", "train")):
+        for name, value in (row.get(key) or {}).items():
+            put(f"{prefix}/{name}", value)
     for stage, counts in (row.get("stages") or {}).items():
         for key, value in counts.items():
             put(f"stage/{stage}/{key}", value)
