@@ -422,13 +422,10 @@ class ConfigReader:
             return default
         if isinstance(raw, int) and float in kinds and not isinstance(raw, bool):
             raw = float(raw)
-        if check is not None:
-            msg = check(raw)
-            if msg:
-                self.problem(
-                    full, "range" if not msg.startswith("must be one of") else "choice", msg
-                )
-                return default
+        msg = check(raw) if check is not None else None
+        if msg:
+            self.problem(full, "choice" if msg.startswith("must be one of") else "range", msg)
+            return default
         return raw
 
     def str_list(self, table: Mapping[str, Any], path: str, key: str) -> tuple[str, ...]:
