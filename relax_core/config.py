@@ -146,13 +146,8 @@ class TrainingConfig:
 
     def pools(self) -> tuple[tuple[str, int], ...]:
         """``(pool name, GPUs)`` of each present training role, actor first."""
-        counts = (
-            ("actor", self.actor_gpus),
-            ("critic", self.critic_gpus),
-            ("reference", self.reference_gpus),
-            ("actor_forward", self.actor_forward_gpus),
-        )
-        return tuple((name, n) for name, n in counts if n > 0)
+        names = ("actor", "critic", "reference", "actor_forward")
+        return tuple((name, n) for name in names if (n := getattr(self, f"{name}_gpus")) > 0)
 
 
 @attrs.frozen
@@ -308,12 +303,8 @@ class RoleConfig:
 
 @attrs.frozen
 class JobConfig:
-    """A whole job file. ``source`` is where it was read from (for messages).
-
-    ``run`` is the ``[run]`` table as written, which only ``relax run`` reads
-    (:func:`relax_core.run.config.parse_run_config`); ``serve`` is ``[serve]``, which only
-    ``relax serve`` acts on. So one file serves ``relax plan``, ``serve`` and ``run``.
-    """
+    """A whole job file. ``source`` is where it was read from (for messages); ``run`` is the
+    ``[run]`` table as written (read by :func:`relax_core.run.config.parse_run_config`)."""
 
     cluster: ClusterConfig = ClusterConfig()
     training: TrainingConfig = TrainingConfig()
@@ -431,13 +422,10 @@ class ConfigReader:
             return default
         if isinstance(raw, int) and float in kinds and not isinstance(raw, bool):
             raw = float(raw)
-        if check is not None:
-            msg = check(raw)
-            if msg:
-                self.problem(
-                    full, "range" if not msg.startswith("must be one of") else "choice", msg
-                )
-                return default
+        msg = check(raw) if check is not None else None
+        if msg:
+            self.problem(full, "choice" if msg.startswith("must be one of") else "range", msg)
+            return default
         return raw
 
     def str_list(self, table: Mapping[str, Any], path: str, key: str) -> tuple[str, ...]:
@@ -464,15 +452,9 @@ class ConfigReader:
         The fields are the table's keys (others are ``unknown-key`` problems), each read as
         its annotation says: ``bool``, ``int``, ``float``, ``str``, any of them ``| None``,
         ``tuple[str, ...]`` or a ``typing.Literal`` of strings; an absent key takes the
-        default. A field's ``metadata={"check": ...}`` checks its value too; a ``ValueError``
-        of the record's own validators is a problem at ``path``. Every field needs a default::
-
-            @attrs.frozen
-            class Options:
-                memory_handoff: bool = False
-                threads: int = attrs.field(default=0, metadata={"check": ConfigReader.at_least(0)})
-
-            opts = r.record(raw.get("engine", {}), "roles.rollout.models.policy.engine", Options)
+        default. A field's ``metadata={"check": ...}`` (e.g. ``ConfigReader.at_least(0)``) checks
+        its value too; a ``ValueError`` of the record's own validators is a problem at ``path``.
+        Every field needs a default.
 
         :raises TypeError: ``cls`` is not an attrs class, or a field has a type or no default a job
             file cannot give (the record's author's mistake, not the file's).

@@ -20,15 +20,10 @@ def free_port(host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> int:
 
 
 def keep_local_ray_on_loopback() -> None:
-    """Make a Ray started by this process (and its workers) use 127.0.0.1 as its node address,
-    with token authentication on.
-
-    Ray otherwise publishes the machine's outward address, so a one-machine job would listen on
-    a non-loopback interface. Token authentication (``RAY_AUTH_MODE=token``) is a new local
-    Ray's default; asking for it spares Ray's warning on every start (an explicit
-    ``RAY_AUTH_MODE`` is kept). Call before ``ray.init`` of a new local Ray; never for a real
-    cluster.
-    """
+    """Make a Ray started by this process (and its workers) use 127.0.0.1 as its node address
+    (not the machine's outward one), with token authentication on (a new local Ray's default,
+    asked for to spare Ray's warning; an explicit ``RAY_AUTH_MODE`` is kept). Call before
+    ``ray.init`` of a new local Ray; never for a real cluster."""
     import os
     import sys
 

@@ -170,10 +170,7 @@ class PluginManager:
         except (ValueError, pluggy.PluginValidationError) as exc:
             raise PluginError(f"plugin {name!r} cannot be registered: {exc}") from exc
         self._dists[name] = distribution or name
-        self._check_pending(name)
         self._records = None
-
-    def _check_pending(self, name: str) -> None:
         try:
             self._pm.check_pending()
         except pluggy.PluginValidationError as exc:

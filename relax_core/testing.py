@@ -84,9 +84,7 @@ if pytest is not None:
 
         if not ray.is_initialized():
             ray.init(
-                # A new local Ray: a bare init would attach to any cluster another process
-                # started.
-                address="local",
+                address="local",  # a bare init would attach to a cluster another process started
                 num_cpus=8,
                 num_gpus=8,
                 include_dashboard=False,

@@ -10,7 +10,7 @@ from typing import Any, Final
 
 import attrs
 
-from relax_core.discovery._fields import build_at
+from relax_core.discovery._fields import build_at, to_enum
 from relax_core.discovery.schema import (
     EngineView,
     ModelState,
@@ -361,14 +361,7 @@ class RegistryPublisher:
     ) -> int:
         path = f"models.{model_id}.engines[{engine_id}]"
         try:
-            engine_state = ModelState(state)
-        except ValueError:
-            raise SnapshotError(
-                f"{path}.state",
-                f"unknown state {state!r}; expected one of "
-                f"{', '.join(s.value for s in ModelState)}",
-            ) from None
-        try:
+            engine_state = to_enum(ModelState, "state", state)
             view = _engine_view(
                 engine_id, endpoint, engine_state, direct_eligible, generation, weight_version
             )

@@ -4,6 +4,7 @@ docs/discovery-and-routing.md's flowchart; the index a resolve needs is cached o
 
 from __future__ import annotations
 
+import collections
 import re
 import types
 from collections.abc import Collection, Mapping
@@ -165,9 +166,7 @@ class _ModelIndex:
                 for e in eligible
                 if e.base_url is not None
             )
-        counts: dict[str, int] = {}
-        for engine in model.engines:
-            counts[engine.state.value] = counts.get(engine.state.value, 0) + 1
+        counts = collections.Counter(engine.state.value for engine in model.engines)
         self.summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
 
 

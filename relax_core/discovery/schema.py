@@ -397,25 +397,18 @@ class RoleSnapshot:
                 f"{routing.default_model!r} is not a model of role {self.role!r}; "
                 f"known models: {known}",
             )
-        for key, target in routing.route_key_map.items():
-            if target not in self.models:
-                raise SnapshotError(
-                    "routing.route_key_map" + segment(key),
-                    f"route key {key!r} maps to {target!r}, which is not a model; "
-                    f"known models: {known}",
-                )
-        for alias, target in routing.aliases.items():
-            if alias in self.models:
-                raise SnapshotError(
-                    "routing.aliases" + segment(alias),
-                    f"alias {alias!r} shadows a model id; rename the alias",
-                )
-            if target not in self.models:
-                raise SnapshotError(
-                    "routing.aliases" + segment(alias),
-                    f"alias {alias!r} points to {target!r}, which is not a model; "
-                    f"known models: {known}",
-                )
+        tables = (("route_key_map", "route key", "maps to"), ("aliases", "alias", "points to"))
+        for table, what, verb in tables:
+            for key, target in getattr(routing, table).items():
+                path = f"routing.{table}{segment(key)}"
+                if table == "aliases" and key in self.models:
+                    raise SnapshotError(path, f"alias {key!r} shadows a model id; rename the alias")
+                if target not in self.models:
+                    raise SnapshotError(
+                        path,
+                        f"{what} {key!r} {verb} {target!r}, which is not a model; "
+                        f"known models: {known}",
+                    )
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; the derived cache is not worth sending.

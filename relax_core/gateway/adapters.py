@@ -90,24 +90,18 @@ def check_generate_payload(
         )
     text = payload.get("text")
     if text is not None and not (isinstance(text, str) and text):
-        raise InvalidRequestError("'text' must be a non-empty string", field="text")
+        raise _bad("text", "must be a non-empty string")
     ids = payload.get("input_ids")
     if ids is not None and not (_is_int_list(ids) and ids and all(0 <= v < 2**31 for v in ids)):
-        raise InvalidRequestError(
-            "'input_ids' must be a non-empty list of non-negative token ids (integers)",
-            field="input_ids",
-        )
+        raise _bad("input_ids", "must be a non-empty list of non-negative token ids (integers)")
     _check_common(payload)
     sp = payload.get("sampling_params")
     if sp is not None:
         _check_sampling_params(sp)
-    if "return_logprob" in payload and not isinstance(payload["return_logprob"], bool):
-        raise InvalidRequestError("'return_logprob' must be true or false", field="return_logprob")
+    _check_kind(payload, "return_logprob", bool, null=False)
     _check_int(payload.get("logprob_start_len"), "logprob_start_len", -1)
     _check_int(payload.get("top_logprobs_num"), "top_logprobs_num", 0)
-    rid = payload.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise InvalidRequestError("'rid' must be a string", field="rid")
+    _check_kind(payload, "rid", str)
     return payload
 
 
@@ -132,44 +126,43 @@ def check_chat_payload(payload: object) -> dict[str, Any]:
 def check_messages(messages: object, *, field: str = "messages") -> list[dict[str, Any]]:
     """Check a chat ``messages`` list: objects with a string ``role`` and string/list content."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError(
-            f'\'{field}\' must be a non-empty list of {{"role": ..., "content": ...}} objects',
-            field=field,
-        )
+        raise _bad(field, 'must be a non-empty list of {"role": ..., "content": ...} objects')
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
         if not isinstance(message, dict):
-            raise InvalidRequestError(f"'{where}' must be an object", field=where)
+            raise _bad(where, "must be an object")
         if not isinstance(message.get("role"), str) or not message["role"]:
-            raise InvalidRequestError(
-                f"'{where}.role' must be a non-empty string (system, user, assistant)",
-                field=f"{where}.role",
-            )
+            raise _bad(f"{where}.role", "must be a non-empty string (system, user, assistant)")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise InvalidRequestError(
-                f"'{where}.content' must be a string or a list of content parts",
-                field=f"{where}.content",
-            )
+            raise _bad(f"{where}.content", "must be a string or a list of content parts")
     return messages
 
 
+def _bad(field: str, what: str) -> InvalidRequestError:
+    """The 400 of one field: ``'field' <what>``."""
+    return InvalidRequestError(f"'{field}' {what}", field=field)
+
+
+def _check_kind(
+    table: Mapping[str, Any], key: str, kind: type, *, where: str = "", null: bool = True
+) -> None:
+    """``table[key]`` is absent, a ``kind`` (``str`` or ``bool``) or, when ``null``, null."""
+    if key in table and not isinstance(table[key], kind) and not (null and table[key] is None):
+        raise _bad(where + key, "must be a string" if kind is str else "must be true or false")
+
+
 def _check_common(payload: Mapping[str, Any]) -> None:
-    for key in ("model", "route_key"):
-        value = payload.get(key)
-        if value is not None and not isinstance(value, str):
-            raise InvalidRequestError(f"'{key}' must be a string", field=key)
-    if "stream" in payload and not isinstance(payload["stream"], bool):
-        raise InvalidRequestError("'stream' must be true or false", field="stream")
+    _check_kind(payload, "model", str)
+    _check_kind(payload, "route_key", str)
+    _check_kind(payload, "stream", bool, null=False)
 
 
 def _check_int(value: object, field: str, low: int) -> None:
     if value is not None and not (
         isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**31
     ):
-        raise InvalidRequestError(
-            f"'{field}' must be an integer from {low} to {2**31 - 1}", field=field
-        )
+        raise _bad(field, f"must be an integer from {low} to {2**31 - 1}")
 
 
 def _check_number(value: object, field: str, *, low: float, high: float | None = None) -> None:
@@ -182,12 +175,12 @@ def _check_number(value: object, field: str, *, low: float, high: float | None =
         ok = number > 0
     if not ok:
         bound = f"in (0, {high}]" if field.endswith("top_p") else f">= {low}"
-        raise InvalidRequestError(f"'{field}' must be a number {bound}", field=field)
+        raise _bad(field, f"must be a number {bound}")
 
 
 def _check_sampling_params(sp: object) -> None:
     if not isinstance(sp, dict):
-        raise InvalidRequestError("'sampling_params' must be an object", field="sampling_params")
+        raise _bad("sampling_params", "must be an object")
     for key in ("max_new_tokens", "min_new_tokens", "n"):
         _check_int(sp.get(key), f"sampling_params.{key}", 0)
     _check_int(sp.get("top_k"), "sampling_params.top_k", -1)
@@ -199,16 +192,8 @@ def _check_sampling_params(sp: object) -> None:
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
-        raise InvalidRequestError(
-            "'sampling_params.stop' must be a string or a list of strings",
-            field="sampling_params.stop",
-        )
-    skip = sp.get("skip_special_tokens")
-    if skip is not None and not isinstance(skip, bool):
-        raise InvalidRequestError(
-            "'sampling_params.skip_special_tokens' must be true or false",
-            field="sampling_params.skip_special_tokens",
-        )
+        raise _bad("sampling_params.stop", "must be a string or a list of strings")
+    _check_kind(sp, "skip_special_tokens", bool, where="sampling_params.")
 
 
 class RoleAdapter:

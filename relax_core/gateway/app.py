@@ -82,13 +82,16 @@ class _DisconnectWatch:
 
 
 async def _read_body(receive: Receive, headers: Mapping[str, str], limit: int) -> bytes:
+    def too_large(size: str) -> GatewayError:
+        return GatewayError(
+            413,
+            f"the request body{size} is over this gateway's limit of {limit} bytes; send a "
+            "smaller request or raise max_body_bytes",
+        )
+
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(
-            413,
-            f"the request body ({declared} bytes) is over this gateway's limit of {limit} "
-            "bytes; send a smaller request or raise max_body_bytes",
-        )
+        raise too_large(f" ({declared} bytes)")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -99,11 +102,7 @@ async def _read_body(receive: Receive, headers: Mapping[str, str], limit: int) -
         if chunk:
             size += len(chunk)
             if size > limit:
-                raise GatewayError(
-                    413,
-                    f"the request body is over this gateway's limit of {limit} bytes; "
-                    "send a smaller request or raise max_body_bytes",
-                )
+                raise too_large("")
             chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -317,12 +316,9 @@ def create_gateway_app(
         return _error(GatewayError(status, message))
 
     chat = ForwardRoute(handler, handler.chat, "chat")
+    generate = ForwardRoute(handler, handler.generate, "generate")
     routes = [
-        Route(
-            f"/{role}/generate",
-            ForwardRoute(handler, handler.generate, "generate"),
-            methods=["POST"],
-        ),
+        Route(f"/{role}/generate", generate, methods=["POST"]),
         Route(f"/{role}/chat/completions", chat, methods=["POST"]),
         Route(f"/{role}/v1/chat/completions", chat, methods=["POST"]),
         Route(f"/{role}/v1/models", guarded(models), methods=["GET"]),

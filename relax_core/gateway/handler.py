@@ -354,12 +354,8 @@ class InferenceGatewayHandler:
             snap = await self.client.snapshot()
         except RoutingError as exc:
             if schema == 1:
-                return 503, {
-                    "status": "unhealthy",
-                    "healthy_engines": 0,
-                    "total_engines": 0,
-                    "message": exc.message,
-                }
+                down = {"status": "unhealthy", "healthy_engines": 0, "total_engines": 0}
+                return 503, {**down, "message": exc.message}
             return 503, {
                 "role": self.role,
                 "ready": False,

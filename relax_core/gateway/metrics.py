@@ -64,8 +64,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._lock = threading.Lock()
-        self._children: dict[tuple[str, int], Counter] = {}
-        self._histos: dict[str, Histogram] = {}
+        self._children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         for error in UPSTREAM_ERROR_CLASSES:
             self._upstream.labels(role, error)
 
@@ -76,19 +75,15 @@ class GatewayMetrics:
     def finished(self, route: str, status: int, seconds: float) -> None:
         """A request ended with ``status`` after ``seconds``."""
         self._inflight.dec()
-        key = (route, status)
-        child = self._children.get(key)
-        if child is None:
+        children = self._children.get((route, status))
+        if children is None:
             with self._lock:
-                child = self._requests.labels(self.role, route, str(status))
-                self._children[key] = child
-        child.inc()
-        histo = self._histos.get(route)
-        if histo is None:
-            with self._lock:
-                histo = self._latency.labels(self.role, route)
-                self._histos[route] = histo
-        histo.observe(seconds)
+                children = self._children[(route, status)] = (
+                    self._requests.labels(self.role, route, str(status)),
+                    self._latency.labels(self.role, route),
+                )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def watch_client(self, client: Any) -> None:
         """Export ``client``'s failure counts by class and its circuit breakers (read when
