@@ -1,18 +1,16 @@
 """LifecycleCoordinator: shared-GPU leases, operation dedupe and the training-batch commit gate.
 
-In a defer layout the generation role (rollout) and the deferred roles (genrm, teacher) take
-turns on the same GPUs within one RL step. The coordinator grants a role its lease only once
-every other role on its *defer slice* is SLEEPING, and commits a training batch only when every
-role sleeps and the batch sink acknowledged the write; the samples are the
-:class:`~relax_core.coordination.batch.DeferredBatch`'s. The leases, the switch, the BLOCKED
-rule and late replies are the :class:`~relax_core.coordination.leases.LeaseEngine`'s (shared
-with ``relax serve``'s wakes); this module adds batches, operation ids and the commit gate.
+In a defer layout the generation role and the deferred roles take turns on the same GPUs within
+one RL step; a batch commits only when every role sleeps and the batch sink acknowledged the
+write. The leases themselves are the :class:`~relax_core.coordination.leases.LeaseEngine`'s;
+this module adds batches, operation ids and the commit gate (docs/coordination.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,10 +94,8 @@ class CoordinatorStatus:
 
 
 class Coordinator(Protocol):
-    """The coordinator's API, wherever it runs: :class:`LifecycleCoordinator` (in this process
-    and in the Ray actor; see it for what each coroutine does) and
-    :class:`~relax_core.coordination.remote.RemoteCoordinator` (its client), both checked
-    against it."""
+    """The coordinator's API: :class:`LifecycleCoordinator` (see it for each coroutine) and its
+    client :class:`~relax_core.coordination.remote.RemoteCoordinator`, both checked against it."""
 
     async def begin_batch(self, batch_id: int) -> BatchState: ...
 
@@ -342,13 +338,10 @@ class LifecycleCoordinator:
     async def activate(
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState:
-        """Onload ``role`` on its slice for the pending batch ``batch_id``: the handles of
-        ``models`` only (model ``m``'s handle is named ``role.m``; empty: all of the role's).
-
-        An ACTIVE role whose awake models include ``models`` is not onloaded again. Refused (and
-        the batch FAILED) while another role on the slice is not SLEEPING. Deduped by
-        ``operation_id``: the same id and request share one execution; another request is an
-        error.
+        """Onload ``role``'s ``models`` (handle ``role.m``; empty: all) for pending batch
+        ``batch_id``; an ACTIVE role already holding them is not onloaded again. Refused (and the
+        batch FAILED) while another role on the slice is not SLEEPING. Deduped by
+        ``operation_id``: the same id and request share one execution; another request errs.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its onload was not confirmed within
             the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -365,10 +358,9 @@ class LifecycleCoordinator:
         )
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
-        """Offload ``role`` (the handles its activation onloaded; all after a failed switch), for
-        the current batch whether PENDING or FAILED; a SLEEPING role is not offloaded again. For
-        a FAILED batch its requests in flight are aborted (``abort_and_offload()``), not drained.
-        Deduped by ``operation_id`` as :meth:`activate`.
+        """Offload ``role`` (what its activation onloaded; all after a failed switch) for the
+        current batch, PENDING or FAILED (then its requests are aborted, not drained); a SLEEPING
+        role is not offloaded again. Deduped by ``operation_id`` as :meth:`activate`.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -423,8 +415,7 @@ class LifecycleCoordinator:
             if batch_id in self._committed:
                 return BatchState.COMMITTED
             batch = self._current_batch(batch_id, "commit_batch")
-            if batch.state is _B.FAILED:
-                raise BatchFailedError(batch_id, batch.error or "failed")
+            _raise_if_failed(batch_id, batch)
             where = f"commit_batch({batch_id})"
             if not isinstance(receipt, SinkReceipt):
                 raise CoordinationError(
@@ -459,41 +450,32 @@ class LifecycleCoordinator:
             return BatchState.COMMITTED
 
     async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt:
-        """Wait until ``batch_id`` is committed (at once within the history; a batch evicted
-        beyond it waits until ``timeout``); its sink receipt (the partition to read).
+        """Wait until ``batch_id`` is committed; its sink receipt (a batch evicted beyond the
+        history waits until ``timeout``).
 
-        :raises BatchFailedError: the batch failed, or the run failed at this or an earlier
-            batch (the message names the batch and the cause).
+        :raises BatchFailedError: the batch, or the run at this or an earlier batch, failed.
         :raises TimeoutError: not committed within ``timeout`` seconds.
         """
         _check_batch_id(batch_id)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         async with self._condition:
-            while True:
-                receipt = self._commit_outcome(batch_id)
-                if receipt is not None:
-                    return receipt
-                if deadline is None:
-                    await self._condition.wait()
-                    continue
-                left = deadline - loop.time()
-                if left <= 0:
+            while (receipt := self._commit_outcome(batch_id)) is None:
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
                     raise TimeoutError(
                         f"batch {batch_id} was not committed within {timeout}s "
                         f"(current batch: {self._current})"
                     )
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._condition.wait(), left)
-                except TimeoutError:
-                    continue
+            return receipt
 
     # -- recovery mid-run ---------------------------------------------------------------------
 
     async def recover(self, role: str) -> dict[str, list[str]]:
-        """A stage's request to ``role`` failed mid-run: :meth:`LeaseEngine.recover
-        <relax_core.coordination.leases.LeaseEngine.recover>` under the slice's lock;
-        nothing for the generation role (no handles here) or a BLOCKED one (the operator's).
+        """A stage's request to ``role`` failed mid-run: :meth:`LeaseEngine.recover` under the
+        slice's lock; nothing for the generation role or a BLOCKED one (the operator's).
 
         :raises CoordinationError: ``role`` is not one of the job's.
         """
@@ -504,9 +486,8 @@ class LifecycleCoordinator:
             return await self._engine.recover(role)
 
     async def go_on_after(self, batch_id: int) -> None:
-        """The run goes on past FAILED batch ``batch_id`` (``[run] max_failed_steps``): the
-        run's failure is cleared so the next batch may begin; the batch stays FAILED and a
-        BLOCKED lease stays BLOCKED. Idempotent.
+        """Go on past FAILED batch ``batch_id`` (``[run] max_failed_steps``): the run's failure is
+        cleared; the batch and any BLOCKED lease stay as they are. Idempotent.
 
         :raises CoordinationError: batch ``batch_id`` is not FAILED.
         """
@@ -589,11 +570,9 @@ class LifecycleCoordinator:
         *,
         out: bool,
     ) -> LeaseState:
-        """One lease switch of ``role`` off (``out``) or onto its slice: ``admit()`` (checks,
-        under the condition; it may name the method to call), then, unless the role is BLOCKED
-        (raises) or already there, the lease engine's switch of ``handles``
-        (:meth:`LeaseEngine.switch`); the lease BLOCKED and the batch FAILED when it is not
-        confirmed. Which handles are awake is kept (all of the role's after a failed switch)."""
+        """Switch ``role`` off (``out``) or onto its slice: ``admit()`` checks under the
+        condition (and may name the method), then :meth:`LeaseEngine.switch` unless BLOCKED
+        (raises) or already there; unconfirmed: the lease BLOCKED and the batch FAILED."""
         moving, done = (_L.DRAINING, _L.SLEEPING) if out else (_L.ONLOADING, _L.ACTIVE)
         async with self._engine.lock(role):
             async with self._condition:
@@ -646,8 +625,7 @@ class LifecycleCoordinator:
         )
 
     def _open(self, batch_id: int) -> None:
-        """Make ``batch_id`` the current batch: the previous one forgotten, its finished
-        operations' fingerprints retired."""
+        """Make ``batch_id`` current; the previous one's finished operations retired."""
         self._batches = {batch_id: _Batch()}
         self._current = batch_id
         self._last_begun = batch_id if self._last_begun is None else max(batch_id, self._last_begun)
@@ -663,9 +641,7 @@ class LifecycleCoordinator:
         receipt = self._committed.get(batch_id)
         if receipt is not None:
             return receipt
-        batch = self._batches.get(batch_id)
-        if batch is not None and batch.state is _B.FAILED:
-            raise BatchFailedError(batch_id, batch.error or "failed")
+        _raise_if_failed(batch_id, self._batches.get(batch_id))
         failure = self._failure
         if failure is not None and batch_id >= failure.batch_id:
             raise self._run_failed(batch_id)
@@ -686,9 +662,8 @@ class LifecycleCoordinator:
         self._condition.notify_all()
 
     def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
-        """Refuse ``role`` the slice while roles that hold it (``role`` too, with
-        ``include_self``) would not fit beside it: a BLOCKED one always (what it holds is not
-        known), an awake one unless the residency plan lets them share."""
+        """Refuse ``role`` the slice while a role holding it (``role`` too, with ``include_self``)
+        is BLOCKED, or awake and not allowed beside it by the residency plan."""
         slice_id = self._slices[role]
         busy = {
             r: s
@@ -721,8 +696,7 @@ class LifecycleCoordinator:
 
     def _pending(self, batch_id: int, where: str) -> _Batch:
         batch = self._current_batch(batch_id, where)
-        if batch.state is _B.FAILED:
-            raise BatchFailedError(batch_id, batch.error or "failed")
+        _raise_if_failed(batch_id, batch)
         if batch.state is not _B.PENDING:
             raise CoordinationError(f"{where}: batch {batch_id} is {batch.state}")
         return batch
@@ -757,6 +731,11 @@ class LifecycleCoordinator:
             raise CoordinationError(
                 f"role {role!r} is not leased by this coordinator (leased: {sorted(self._roles)})"
             )
+
+
+def _raise_if_failed(batch_id: int, batch: _Batch | None) -> None:
+    if batch is not None and batch.state is _B.FAILED:
+        raise BatchFailedError(batch_id, batch.error or "failed")
 
 
 def _check_batch_id(batch_id: object) -> None:

@@ -1,11 +1,8 @@
 """One lease engine over GPU slices: who may hold a slice's GPUs, and the switch that moves a
-role on or off them. ``relax run``'s
-:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` and ``relax serve``'s
-:class:`~relax_core.jobs.wake.WakeController` both drive it (they decide *when*, under the
-slice's lock), so they cannot drift: the switch (a role's FAILED replicas rebuilt first, then
-every handle called at once, each result confirming every replica), the BLOCKED rule (a switch
-not confirmed leaves the role BLOCKED until the operator resets it) and late replies (recorded,
-never acted on). See ``docs/coordination.md``.
+role on or off them (FAILED replicas rebuilt first; an unconfirmed switch leaves the role BLOCKED
+until the operator resets it; late replies recorded, never acted on). ``relax run``'s coordinator
+and ``relax serve``'s wake controller both drive it, under the slice's lock
+(``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -102,8 +99,7 @@ class LeaseEngine:
             self._on_event(f"{role}: BLOCKED ({reason})")
 
     def reset(self, role: str) -> None:
-        """The operator's reset: a BLOCKED ``role`` back to SLEEPING (its GPUs confirmed
-        clean).
+        """The operator's reset: a BLOCKED ``role`` back to SLEEPING (its GPUs confirmed clean).
 
         :raises CoordinationError: the lease is not BLOCKED.
         """
@@ -132,12 +128,10 @@ class LeaseEngine:
         out: bool,
         method: str | None = None,
     ) -> str | None:
-        """Move ``role`` off (``out``: DRAINING, then SLEEPING) or onto (ONLOADING, then
-        ACTIVE) its slice: ``handles`` (default: every one of the role's) rebuilt where they
-        have FAILED replicas, then ``method`` (default ``offload`` / ``onload``; a handle
-        without :data:`ABORT` offloads) called on each at once. ``None`` once every result is
-        confirmed; else why not, and the role is BLOCKED. The caller holds :meth:`lock`.
-        """
+        """Move ``role`` off (``out``) or onto its slice: ``handles`` (default: all the role's)
+        rebuilt where FAILED, then ``method`` (default ``offload`` / ``onload``) called on each
+        at once. ``None`` once every result is confirmed; else why not, and the role is BLOCKED.
+        The caller holds :meth:`lock`."""
         moving, done, expected = (
             (_L.DRAINING, _L.SLEEPING, "SLEEPING") if out else (_L.ONLOADING, _L.ACTIVE, "READY")
         )
@@ -189,9 +183,8 @@ class LeaseEngine:
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
-        """One handle's part of a switch: rebuilt first unless known clean from its last call,
-        then called (rebuilt and called again if it failed with FAILED replicas); why not
-        confirmed."""
+        """One handle's part of a switch (rebuilt first unless its last call confirmed it; rebuilt
+        and called again on FAILED replicas); why not confirmed."""
         known_clean = self._confirmed.pop(id(handle), None) is handle
         why = None if known_clean else await self._heal(handle, role)
         if why is None:
