@@ -1,16 +1,11 @@
-"""A lean HTTP/1.1 client for the data path: pooled keep-alive connections, httptools parsing.
+"""A lean HTTP/1.1 client for the data path: pooled keep-alive connections, httptools parsing,
+one write per request (docs/client.md). Failures are typed for ``classify_failure``:
+:class:`ConnectError` / :class:`ConnectTimeout` (nothing sent), :class:`ServerDisconnectedError`
+/ :class:`PayloadError` (sent, then broken), :class:`TimeoutError` (the deadline).
 
-One write per request, the head parsed by httptools (C), the body handed over as it arrives, the
-connection reused once the answer is complete (docs/client.md measures it). Failures are typed
-for :func:`~relax_core._http.upstream.classify_failure`: :class:`ConnectError` /
-:class:`ConnectTimeout` (nothing sent), :class:`ServerDisconnectedError` / :class:`PayloadError`
-(sent, then broken), :class:`TimeoutError` (the deadline).
-
-The keep-alive race (a server closing an idle connection as a request is written to it): the
-client's idle limit stays below the server's, and a request that went out on a *reused*
-connection closed before any byte of its answer is sent once more on a new one (a server that
-read it would have answered; a dead one refuses the new connection). A failure of that second
-attempt is "sent, then failed", so no caller sends it to another replica.
+The keep-alive race: a request that went out on a *reused* connection closed before any byte of
+its answer is sent once more on a new one (a server that read it would have answered); a failure
+of that second attempt is "sent, then failed", so no caller sends it to another replica.
 """
 
 from __future__ import annotations
@@ -119,11 +114,8 @@ class Http1Body:
 
     async def readany(self, coalesce: float = 0.0) -> bytes:
         """The bytes received since the last read (waits for some); ``b""`` at the end.
-
-        ``coalesce`` (seconds): when the previous read returned bytes less than this long ago,
-        hold the socket this long first, so the upstream's writes meanwhile arrive as one read;
-        a slower body is never held back, a fast one by at most ``coalesce``.
-        """
+        ``coalesce`` (s): when the previous read returned bytes less than this long ago, hold the
+        socket this long first, so a fast body's writes arrive as one read."""
         conn = self._conn
         if coalesce > 0.0 and conn is not None and not self._eof:
             loop = asyncio.get_running_loop()
@@ -158,11 +150,8 @@ class Http1Body:
 
 
 class Http1Response:
-    """An answer whose head has arrived: ``status``, headers, and ``content`` to read.
-
-    Read it (``read`` or ``content``), then :meth:`release` (or :meth:`close`) it: the
-    connection goes back to the pool once the whole answer was received, else it is closed.
-    """
+    """An answer whose head has arrived: ``status``, headers, and ``content`` to read; then
+    :meth:`release` (or :meth:`close`) it (the connection is reused only if it was complete)."""
 
     __slots__ = ("_conn", "_deadline", "_headers", "complete", "content", "raw_headers", "status")
 
@@ -530,15 +519,11 @@ class Http1Client:
         *,
         timeout: float | None,
     ) -> Http1Response:
-        """Send one request; return the answer once its head arrived.
-
-        ``timeout`` bounds the whole exchange. ``Host``, ``Content-Length`` and
-        ``Transfer-Encoding`` in ``headers`` are ignored (the client frames the message). Raises
-        :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
-        :class:`ServerDisconnectedError` (sent, no answer), :class:`TimeoutError`, or
-        ``ValueError`` for a header with a line break. Cancellation closes the connection.
-        A request that lost the keep-alive race is sent once more (see the module docstring).
-        """
+        """Send one request; the answer once its head arrived. ``timeout`` bounds the whole
+        exchange; framing headers in ``headers`` are ignored. Raises :class:`ConnectError` /
+        :class:`ConnectTimeout` (nothing sent), :class:`ServerDisconnectedError` (sent, no
+        answer), :class:`TimeoutError`, or ``ValueError`` for a header with a line break.
+        Cancellation closes the connection."""
         pool, line = self._route(url)
         parts = [method.encode("latin-1"), line]
         items = headers.items() if isinstance(headers, Mapping) else headers

@@ -1,11 +1,8 @@
-"""The HTTP data path under :class:`~relax_core.client.client.InferenceClient` and the role
-gateways: it sends a :class:`PreparedRequest` and classifies every failure by whether the
-request may have reached the upstream (:mod:`relax_core._http.upstream`); it knows nothing of
-discovery or routing.
-
-``http://`` engines go through the lean :class:`~relax_core._http.http1.Http1Client` (about
-15 µs of CPU a request against aiohttp's 100 µs); ``https://``, discovery GETs and a caller's
-own ``session=`` use a pooled :class:`aiohttp.ClientSession` (docs/client.md).
+"""The HTTP data path under the inference client and the role gateways: it sends a
+:class:`PreparedRequest` and classifies every failure by whether the request may have reached
+the upstream; it knows nothing of discovery or routing. ``http://`` engines go through the lean
+:class:`~relax_core._http.http1.Http1Client`; ``https://``, discovery GETs and a caller's own
+``session=`` use a pooled :class:`aiohttp.ClientSession` (docs/client.md).
 """
 
 from __future__ import annotations
@@ -111,22 +108,24 @@ class Transport:
         """The aiohttp timeout for one request (``None``: the transport's default)."""
         if timeout is None:
             return self._client_timeout
+        return aiohttp.ClientTimeout(
+            total=self._deadline(timeout), sock_connect=self.connect_timeout
+        )
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        if timeout is None:
+            return self.timeout
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
-        return aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+        return timeout
 
     async def open(self, prepared: PreparedRequest, timeout: float | None = None) -> Any:
-        """Send ``prepared``; return the response once its headers arrived.
-
-        An :class:`~relax_core._http.http1.Http1Response` or an :class:`aiohttp.ClientResponse`
-        (both have ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``,
-        ``release()`` and ``close()``). Raises :class:`~relax_core.errors.UpstreamUnreachableError`
-        (nothing sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, then
-        failed); cancellation propagates (the connection is dropped).
+        """Send ``prepared``; the response (an ``Http1Response`` or an ``aiohttp.ClientResponse``:
+        ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``, ``release()``,
+        ``close()``) once its headers arrived. Raises ``UpstreamUnreachableError`` (nothing sent)
+        or ``RequestNotReplayedError`` (sent, then failed); cancellation drops the connection.
         """
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
-        deadline = self.timeout if timeout is None else timeout
+        deadline = self._deadline(timeout)
         try:
             if self._owns_session and prepared.url.startswith("http://"):
                 return await self.http1.request(
@@ -146,18 +145,14 @@ class Transport:
     async def exchange(
         self, prepared: PreparedRequest, timeout: float | None = None
     ) -> tuple[int, Mapping[str, str], bytes]:
-        """Send ``prepared`` and read the whole answer: ``(status, headers, body)``.
-
-        Raises like :meth:`open`; a failure while reading the body raises
-        :class:`~relax_core.errors.RequestNotReplayedError`.
-        """
+        """Send ``prepared`` and read the whole answer: ``(status, headers, body)``; raises like
+        :meth:`open`."""
         resp = await self.open(prepared, timeout)
         try:
             body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise classify_failure(
-                exc, prepared, self.timeout if timeout is None else timeout, answer_started=True
-            ) from exc
+            deadline = self._deadline(timeout)
+            raise classify_failure(exc, prepared, deadline, answer_started=True) from exc
         finally:
             resp.release()
         return resp.status, resp.headers, body
