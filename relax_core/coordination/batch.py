@@ -1,6 +1,6 @@
-"""DeferredBatch: stage a closed batch on CPU, run the step's stages on it role by role on shared
-GPUs, validate, write back, publish to the batch sink and commit — or fail it, with nothing
-half-published. ``docs/coordination.md`` has the sequence and every failure.
+"""DeferredBatch: stage a closed batch on CPU, run the step's stages role by role on shared GPUs,
+validate, write back, publish and commit — or fail it, nothing half-published
+(``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ DEFAULT_MAX_SAMPLES = 65536
 class DeferredCollector:
     """Captures the completed groups of batch ``batch_id`` on CPU.
 
-    :raises ValueError: (from :meth:`add`) an empty group, a group mixing group ids, a group id
-        or sample id seen before, or more than ``max_samples`` samples in all.
+    :raises ValueError: (from :meth:`add`) an empty or mixed group, an id seen before, or more
+        than ``max_samples`` samples in all.
     """
 
     def __init__(self, batch_id: int, *, max_samples: int = DEFAULT_MAX_SAMPLES) -> None:
@@ -117,8 +117,7 @@ class Dropped:
 
 @attrs.frozen
 class BatchResult:
-    """A committed batch: its receipt, samples, stage reports, phases and what stages dropped
-    or generated."""
+    """A committed batch: receipt, samples, stage reports, phases, what stages dropped or made."""
 
     batch_id: int
     receipt: SinkReceipt
@@ -131,9 +130,8 @@ class BatchResult:
 
 @attrs.define
 class Streamed:
-    """What streaming scoring (:mod:`relax_core.run.streaming`) already ran on a batch's
-    groups: the staged copies, how many leading stages ran and their reports, and the groups
-    dropped before the batch. The batch runs the rest and commits as always."""
+    """What streaming scoring already ran on a batch's groups: the staged copies, how many
+    leading stages ran and their reports, the groups dropped before the batch."""
 
     staged: list[Sample]
     stages: int
@@ -143,8 +141,7 @@ class Streamed:
 
 
 class Producer(Protocol):
-    """Generates groups for a batch in flight (:class:`MoreGroups`; new ids), called with the
-    generation role onloaded and its lease held."""
+    """Generates groups for a batch in flight, called with the generation role's lease held."""
 
     async def generate(self, batch_id: int, **request: Unpack[MoreGroups]) -> list[list[Sample]]:
         """The groups ``request`` asks for, one list of samples each."""
@@ -157,16 +154,15 @@ Finalizer = Callable[[int, Sequence[Sample]], Any]
 class DeferredBatch:
     """One closed batch's stages, from staging to commit.
 
-    :param samples: the originals, only written to by the write-back after every stage passed.
+    :param samples: the originals, written only by the write-back after every stage passed.
     :param rollout: the generation role's manager handle in this process.
     :param finalizer: ``finalizer(batch_id, samples)`` (sync or async) between the put and the
         commit; if it raises, the partition is deleted.
     :param release_timeout: deadline of the generation role's local offload and onload.
     :param producer: what generates more groups when a stage asks (none: such a stage fails).
     :param target_groups: what a filter fills the batch up to (default: ``samples``' groups).
-    :param streamed: what streaming scoring already ran on ``samples``.
-    :raises ValueError: bad stages, more samples than ``max_samples``, or ``streamed`` copies
-        that are not those of ``samples``.
+    :raises ValueError: bad stages, more than ``max_samples`` samples, or ``streamed`` copies
+        not those of ``samples``.
     """
 
     def __init__(
@@ -311,8 +307,8 @@ class DeferredBatch:
         )
 
     async def _acquire(self, role: str, models: tuple[str, ...], *, student: bool = False) -> None:
-        """Make ``role`` (its ``models``) awake for a stage, releasing first every awake role it
-        does not fit beside (the residency plan); ``student``: its weight version checked."""
+        """Make ``role``'s ``models`` awake, releasing first every awake role it does not fit
+        beside; ``student``: its weight version checked."""
         if role in self._residency.free:
             return
         held = self._awake.get(role)
@@ -381,8 +377,7 @@ class DeferredBatch:
     async def _run_leased(
         self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
     ) -> StageReport:
-        """Run ``stage`` on ``samples`` with its role awake (it stays awake until another role
-        needs the memory or the batch is done)."""
+        """Run ``stage`` on ``samples`` with its role awake (it stays awake while it fits)."""
         role = stage.role
         if role is not None and (role == self._generation_role or role in self._deferred):
             await self._acquire(role, stage.models, student=role == self._generation_role)
@@ -390,7 +385,6 @@ class DeferredBatch:
             return await stage.run(samples, ctx)
 
     async def _generate(self, stage: str, **request: Unpack[MoreGroups]) -> list[Sample]:
-        """More groups through the producer, with the generation role's lease taken back."""
         n, tl, gen = self.batch_id, self.timeline, self._generation_role
         if self.producer is None:
             raise CoordinationError(
@@ -406,7 +400,6 @@ class DeferredBatch:
         return samples
 
     def _add(self, samples: Sequence[Sample]) -> list[Sample]:
-        """Add whole new groups; their staged copies (in the batch from now on)."""
         n = self.batch_id
         ids = {s.id for s in self.originals}
         groups = {s.group_id for s in self.originals}
@@ -425,7 +418,6 @@ class DeferredBatch:
         return staged
 
     def _drop(self, stage: str, group_ids: Iterable[str], reason: str) -> int:
-        """Take whole groups out of the batch; how many samples left."""
         wanted = set(group_ids)
         kept: list[tuple[Sample, Sample]] = []
         gone: dict[str, list[Sample]] = {}
@@ -452,7 +444,6 @@ class DeferredBatch:
         return [*self.originals, *self.dropped_samples]
 
     def _lease_count(self) -> int:
-        """A number new for each lease the batch takes."""
         self._leases += 1
         return self._leases
 
@@ -518,7 +509,6 @@ class DeferredBatch:
         return receipt
 
     async def _delete(self) -> str:
-        """Delete this batch's partition; a note for the error saying what happened."""
         partition = partition_name(self.batch_id)
         try:
             existed = await self.sink.delete(partition)
@@ -582,8 +572,7 @@ def describe_failure(exc: BaseException) -> str:
 
 
 async def _deadline(call: Any, timeout: float) -> Any:
-    """Await ``call`` for at most ``timeout`` s; the call is not cancelled (a manager call in a
-    thread cannot be), its late result ignored."""
+    """Await ``call`` for at most ``timeout`` s; a late call is left running, its result ignored."""
     task = asyncio.ensure_future(call)
     try:
         return await asyncio.wait_for(asyncio.shield(task), timeout)
@@ -617,11 +606,10 @@ async def release_generation(
     timeout: float,
     abort: bool = False,
 ) -> None:
-    """Offload the generation role locally and acknowledge it — only when confirmed;
-    ``abort``: abort its requests in flight rather than drain them.
+    """Offload the generation role locally (``abort``: its requests aborted, not drained) and
+    acknowledge it once confirmed.
 
-    :raises LifecycleError: the offload failed, timed out or was not confirmed: the batch is
-        FAILED with "release unconfirmed" and the lease stays BLOCKED.
+    :raises LifecycleError: not confirmed: the batch FAILED, the lease left BLOCKED.
     """
     offload = getattr(rollout, "abort_and_offload", None) if abort else None
     try:
@@ -654,10 +642,8 @@ async def abort_generation(
     timeline: Timeline | None = None,
     timeout: float = 180.0,
 ) -> BatchFailedError:
-    """The producer failed after ``begin_batch``: release the generation role (its requests
-    aborted; an unconfirmed release leaves the lease BLOCKED) and fail the batch; the error
-    to raise.
-    """
+    """The producer failed after ``begin_batch``: release the generation role (aborting its
+    requests) and fail the batch; the error to raise."""
     status = await coordinator.describe()
     gen = status.generation_role
     cause = error if isinstance(error, str) else describe_failure(error)

@@ -1,9 +1,5 @@
-"""The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out.
-
-:func:`plan_inference_placement` runs before any Ray actor, router or engine exists and reads
-nothing but model ``config.json`` files (for the memory budget). The placement mode (a plugin)
-decides pools, phases and offsets; the planner checks every rule (docs/placement.md lists them
-with their names: ``tp-pp``, ``co-residence``, ``memory-gpu``, ...).
+"""The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out
+(the rules: docs/placement.md). It reads nothing but model ``config.json`` files.
 """
 
 from __future__ import annotations
@@ -85,8 +81,7 @@ class _Planner:
         if m.weight_source is not None:
             return m.weight_source
         spec = self.role_specs.get(m.role)
-        # An unregistered role is an unknown-role violation, so no plan comes out; STATIC only
-        # lets the remaining checks (memory budgets) run so every violation is reported.
+        # An unknown role is a violation already; STATIC lets the memory checks run too.
         return spec.default_weight_source if spec is not None else "STATIC"
 
     def check_model(self, m: ModelConfig) -> bool:
@@ -274,8 +269,7 @@ class _Planner:
     def placement(
         self, m: ModelConfig, pool: Pool | None, start: int | None, phase: str
     ) -> ModelPlacement:
-        """``m`` on ``pool`` from bundle ``start``; a CPU model (no pool) has no bundles and an
-        empty replica per engine."""
+        """``m`` on ``pool`` from bundle ``start`` (a CPU model: no pool, empty replicas)."""
         size = m.placement
         num_gpus, gpe, fraction = 0, 0, 0.0
         replicas: tuple[tuple[int, ...], ...] = ((),) * size.num_engines
