@@ -541,12 +541,11 @@ class Http1Client:
         conn = await self._acquire(pool, deadline)
         try:
             return await conn.send(data, deadline)
-        except _StaleConnectionError as exc:
-            conn.close()
-            stale = exc
-        except BaseException:
+        except BaseException as exc:
             conn.close()  # an answer may still come on it: never reuse it
-            raise
+            if not isinstance(exc, _StaleConnectionError):
+                raise
+            stale = exc
         try:
             conn = await self._acquire(pool, deadline, fresh=True)
         except (ConnectError, ConnectTimeout) as exc:

@@ -104,14 +104,6 @@ class Transport:
             self._session = session
         return session
 
-    def client_timeout(self, timeout: float | None) -> aiohttp.ClientTimeout:
-        """The aiohttp timeout for one request (``None``: the transport's default)."""
-        if timeout is None:
-            return self._client_timeout
-        return aiohttp.ClientTimeout(
-            total=self._deadline(timeout), sock_connect=self.connect_timeout
-        )
-
     def _deadline(self, timeout: float | None) -> float | None:
         if timeout is None:
             return self.timeout
@@ -136,7 +128,9 @@ class Transport:
                 prepared.url,
                 data=prepared.body,
                 headers=prepared.headers,
-                timeout=self.client_timeout(timeout),
+                timeout=self._client_timeout
+                if timeout is None
+                else aiohttp.ClientTimeout(total=deadline, sock_connect=self.connect_timeout),
                 allow_redirects=False,
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:

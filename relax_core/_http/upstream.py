@@ -254,27 +254,20 @@ class UpstreamResponse:
         read: Callable[[], Awaitable[bytes]] = content.readany
         if coalesce > 0.0 and isinstance(content, Http1Body):
             read = functools.partial(content.readany, coalesce)
-        watch = None
-        if self._idle_timeout is not None or self._first_chunk_timeout is not None:
-            watch = _IdleWatch(content, self._idle_timeout, self._first_chunk_timeout)
+        watch = _IdleWatch(content, self._idle_timeout, self._first_chunk_timeout)
         try:
-            if watch is None:
-                while chunk := await read():
-                    yield chunk
-            else:
-                while True:
-                    watch.waiting()
-                    chunk = await read()
-                    watch.since = None
-                    if not chunk:
-                        break
-                    watch.started = True
-                    yield chunk
+            while True:
+                watch.waiting()
+                chunk = await read()
+                watch.since = None
+                if not chunk:
+                    break
+                watch.started = True
+                yield chunk
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise self._fail(exc) from exc
         finally:
-            if watch is not None:
-                watch.cancel()
+            watch.cancel()
             await self.aclose()
 
     async def iter_sse(self) -> AsyncIterator[bytes]:

@@ -272,9 +272,7 @@ class DeferredBatch:
         reports: list[StageReport] = list(streamed.reports) if streamed else []
         first = streamed.stages if streamed else 0
         try:
-            for index, stage in enumerate(self.stages):
-                if index < first:
-                    continue
+            for index, stage in enumerate(self.stages[first:], first):
                 ctx = StageContext(n, self.clients, _Control(self, index))
                 reports.append(await self._run_leased(stage, self.staged, ctx))
         except BaseException as exc:

@@ -281,10 +281,8 @@ class LifecycleCoordinator:
                     f"was already begun; batch {batch_id} is not in the newest "
                     f"{self._committed_history} committed batches"
                 )
-            self._refuse_busy(gen, f"begin_batch({batch_id})", include_self=True)
+            self._grant_generation(f"begin_batch({batch_id})")
             self._open(batch_id)
-            if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
-                self._engine.set(gen, _L.ACTIVE)
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
@@ -327,10 +325,8 @@ class LifecycleCoordinator:
                     f"begin_student_scoring({batch_id}): the {gen} release was not acknowledged "
                     "(acknowledge_rollout_offloaded first)"
                 )
-            self._refuse_busy(gen, f"begin_student_scoring({batch_id})", include_self=True)
+            self._grant_generation(f"begin_student_scoring({batch_id})")
             batch.student_scoring_started = True
-            if self._roles[gen] is not _L.ACTIVE:
-                self._engine.set(gen, _L.ACTIVE)
             return _L.ACTIVE
 
     # -- deferred roles ---------------------------------------------------------------------
@@ -682,6 +678,12 @@ class LifecycleCoordinator:
             f"{where}: roles on defer slice {slice_id!r} still hold its GPUs: "
             f"{ {r: str(s) for r, s in busy.items()} }; release them first"
         )
+
+    def _grant_generation(self, where: str) -> None:
+        gen = self.generation_role
+        self._refuse_busy(gen, where, include_self=True)
+        if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
+            self._engine.set(gen, _L.ACTIVE)
 
     def _pending_id(self) -> int | None:
         return next((i for i, batch in self._batches.items() if batch.state is _B.PENDING), None)
