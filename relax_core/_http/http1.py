@@ -82,7 +82,7 @@ class Http1Body:
         self._buf.append(data)
         self._size += len(data)
         if self._size > _HIGH_WATER and self._conn is not None:
-            self._conn.pause()
+            self._conn.throttle(paused=True)
         self._wake()
 
     def feed_eof(self) -> None:
@@ -120,12 +120,12 @@ class Http1Body:
         if coalesce > 0.0 and conn is not None and not self._eof:
             loop = asyncio.get_running_loop()
             if loop.time() - self._last < coalesce:
-                conn.hold(True)
+                conn.throttle(held=True)
                 try:
                     await asyncio.sleep(coalesce)
                 finally:
                     if self._conn is conn:  # (else the answer ended and the hold with it)
-                        conn.hold(False)
+                        conn.throttle(held=False)
         while not self._buf and not self._eof:
             if self._exc is not None:
                 raise self._exc
@@ -137,7 +137,7 @@ class Http1Body:
         data = buf.popleft() if len(buf) == 1 else b"".join(buf)
         buf.clear()
         if self._size > _HIGH_WATER and self._conn is not None:
-            self._conn.resume()
+            self._conn.throttle(paused=False)
         self._size = 0
         if coalesce > 0.0:
             self._last = asyncio.get_running_loop().time()
@@ -251,19 +251,12 @@ class _Connection(asyncio.Protocol):
             )
         self._free_slot()
 
-    def pause(self) -> None:
-        self._set_reading(paused=True, held=self._held)
-
-    def resume(self) -> None:
-        self._set_reading(paused=False, held=self._held)
-
-    def hold(self, held: bool) -> None:
-        self._set_reading(paused=self._paused, held=held)
-
-    def _set_reading(self, paused: bool, held: bool) -> None:
+    def throttle(self, *, paused: bool | None = None, held: bool | None = None) -> None:
+        """Read no more while the body is over the high-water mark or its reader coalesces."""
         was = self._paused or self._held
-        self._paused, self._held = paused, held
-        now = paused or held
+        self._paused = self._paused if paused is None else paused
+        self._held = self._held if held is None else held
+        now = self._paused or self._held
         transport = self.transport
         if now != was and transport is not None and not transport.is_closing():
             if now:
@@ -308,7 +301,7 @@ class _Connection(asyncio.Protocol):
         resp.complete = True
         resp.cancel_deadline()
         resp.content.feed_eof()
-        self._set_reading(paused=False, held=False)  # a body reader's hold ends with the body
+        self.throttle(paused=False, held=False)  # a body reader's hold ends with the body
         if self.closed or not self._parser.should_keep_alive():  # (close frees the slot)
             self.close()
         else:

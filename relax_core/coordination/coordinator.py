@@ -134,18 +134,15 @@ def _describe(fp: Fingerprint) -> str:
 class LifecycleCoordinator:
     """Grants shared-GPU leases role by role, dedupes operations and gates batch commits.
 
-    :param slices: role -> defer slice id. Roles sharing a slice share GPUs: at most one of them
-        is ever not SLEEPING. Roles not listed are not leased (resident elsewhere).
-    :param managers: role -> the manager handles of its models
-        (:class:`~relax_core.coordination.handles.ManagerHandle`); every leased role but the
+    :param slices: role -> defer slice id (roles of a slice share its GPUs); roles not listed
+        are not leased.
+    :param managers: role -> the manager handles of its models; every leased role but the
         generation role needs at least one.
-    :param generation_role: the role that generates (rollout). It has no handles here: it
-        offloads itself and acknowledges (:meth:`acknowledge_rollout_offloaded`).
-    :param operation_timeout: the deadline of one manager RPC (default 180 s). A timeout, an
-        error or an unconfirmed result leaves the lease BLOCKED and fails the batch; a late
-        reply never releases it.
-    :param residency: which roles of a slice may hold its GPUs at once (a ``ResidencyPlan``;
-        its free roles need no lease); default: one role of a slice at a time.
+    :param generation_role: the role that generates; it has no handles here: it offloads itself
+        and acknowledges (:meth:`acknowledge_rollout_offloaded`).
+    :param operation_timeout: the deadline of one manager RPC; a timeout, an error or an
+        unconfirmed result leaves the lease BLOCKED and fails the batch.
+    :param residency: which roles of a slice may hold its GPUs at once (default: one).
     :raises ValueError: the inputs disagree (a role without handles, an unknown role).
 
     Every method is a coroutine of one event loop; state changes happen between awaits.
@@ -251,8 +248,8 @@ class LifecycleCoordinator:
     # -- the generation role ---------------------------------------------------------------
 
     async def begin_batch(self, batch_id: int) -> BatchState:
-        """Open batch ``batch_id`` (ids increase) and give the generation role its lease (no
-        RPC). Idempotent: PENDING again, or COMMITTED for a batch within the history.
+        """Open batch ``batch_id`` (ids increase) and give the generation role its lease.
+        Idempotent (PENDING again, or COMMITTED within the history).
 
         :raises BatchFailedError: the run failed earlier.
         :raises LeaseBlockedError: a role on the generation role's slice is BLOCKED.
@@ -286,11 +283,11 @@ class LifecycleCoordinator:
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
-        """The generation role offloaded itself: ``result`` (its manager's ``LifecycleResult``)
-        must show every replica SLEEPING. For the current batch, PENDING or FAILED. Idempotent.
+        """The generation role offloaded itself for the current batch: ``result`` (a
+        ``LifecycleResult``) must show every replica SLEEPING. Idempotent.
 
-        :raises LeaseBlockedError: the result does not confirm the release: the lease is now
-            BLOCKED and the batch FAILED ("release unconfirmed").
+        :raises LeaseBlockedError: ``result`` does not confirm it: the lease is now BLOCKED and
+            the batch FAILED.
         """
         gen = self.generation_role
         async with self._engine.lock(gen), self._condition:
@@ -309,9 +306,8 @@ class LifecycleCoordinator:
             return self._roles[gen]
 
     async def begin_student_scoring(self, batch_id: int) -> LeaseState:
-        """Give the generation role its lease again, for student scoring (it onloads itself and
-        acknowledges again): needs the pending batch, its release acknowledged and every other
-        role on the slice SLEEPING. Idempotent while the student lease is held.
+        """Give the generation role its lease again, for student scoring (it onloads itself):
+        needs its release acknowledged and the slice free. Idempotent while it is held.
 
         :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
         """
@@ -371,9 +367,8 @@ class LifecycleCoordinator:
     async def fail_batch(
         self, batch_id: int, error: str, *, release_unconfirmed: bool = False
     ) -> BatchState:
-        """Mark ``batch_id`` FAILED (the first cause kept; a batch never begun too, when no other
-        is pending) and wake its waiters. ``release_unconfirmed``: the generation role's offload
-        was not confirmed, so its lease is kept, BLOCKED. Idempotent.
+        """Mark ``batch_id`` FAILED (the first cause kept; a batch never begun too) and wake its
+        waiters; ``release_unconfirmed``: the generation lease is kept BLOCKED. Idempotent.
 
         :raises CoordinationError: the batch is committed, or another batch is pending.
         """
@@ -398,13 +393,12 @@ class LifecycleCoordinator:
             return BatchState.FAILED
 
     async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState:
-        """Commit ``batch_id``: every role SLEEPING, the generation release acknowledged, and
-        ``receipt`` the ``SinkReceipt`` of a put that closed ``train_{batch_id}``. Wakes every
-        waiter. Idempotent (COMMITTED within the history).
+        """Commit ``batch_id`` (every role SLEEPING; ``receipt``: the put that closed
+        ``train_{batch_id}``) and wake every waiter. Idempotent (within the history).
 
         :raises BatchFailedError: the batch failed.
         :raises CoordinationError: a role is not SLEEPING, the release was not acknowledged, or
-            the receipt is missing, of another partition or did not close it (nothing changes).
+            the receipt does not close the batch's partition (nothing changes).
         """
         _check_batch_id(batch_id)
         async with self._condition:
@@ -501,8 +495,8 @@ class LifecycleCoordinator:
     # -- the operator -----------------------------------------------------------------------
 
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState:
-        """Operator only: set a BLOCKED lease back to SLEEPING; ``confirm_clean`` must be true
-        (the role's engines hold no GPU memory, checked on the node). The run's failure is kept.
+        """Operator only: a BLOCKED lease back to SLEEPING once ``confirm_clean`` (its engines hold
+        no GPU memory); the run's failure is kept.
 
         :raises CoordinationError: not confirmed, or the lease is not BLOCKED.
         """

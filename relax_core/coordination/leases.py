@@ -106,15 +106,11 @@ class LeaseEngine:
         self.set(role, _L.SLEEPING)
         del self.blocked[role]
 
-    def beside(self, role: str) -> list[str]:
-        """The roles of ``role``'s slice (``role`` too)."""
-        return [r for r, s in self.slices.items() if s == self.slices[role]]
-
     def blocked_beside(self, role: str) -> tuple[str, str] | None:
         """The first BLOCKED role of ``role``'s slice (``role`` too) and why: while there is
         one, nothing is granted the slice."""
-        for other in self.beside(role):
-            if self.leases[other] is _L.BLOCKED:
+        for other, slice_id in self.slices.items():
+            if slice_id == self.slices[role] and self.leases[other] is _L.BLOCKED:
                 return other, self.blocked[other]
         return None
 
