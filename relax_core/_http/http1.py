@@ -369,11 +369,8 @@ class _HostPool:
 
 
 class Http1Client:
-    """Keep-alive HTTP/1.1 connections to ``http://`` upstreams, at most ``max_connections``.
-
-    A connection idle for ``keepalive_timeout`` seconds (keep it below the servers' 5 s) is not
-    reused, and a sweep closes it soon after. Belongs to one event loop.
-    """
+    """Keep-alive HTTP/1.1 connections to ``http://`` upstreams, at most ``max_connections``;
+    one idle for ``keepalive_timeout`` s (below the servers' 5 s) is closed. One event loop."""
 
     def __init__(
         self,

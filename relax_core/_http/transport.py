@@ -22,12 +22,10 @@ __all__ = ["Transport"]
 class Transport:
     """Pooled connections to upstreams with Relax's failure classification.
 
-    ``timeout``: the default deadline of one exchange (connect, send, whole answer);
-    ``connect_timeout``: of opening a connection. ``stream_idle_timeout``: the longest a
-    streamed body may stay silent once its first bytes arrived (default 60 s; ``None``: no
-    limit); ``stream_first_chunk_timeout``: before its first bytes (default ``None``: only the
-    deadline, as an SGLang stream's first event waits for queueing and prefill). ``session``:
-    use this one (never closed here) instead of creating one on the first request.
+    ``timeout``: the default deadline of one whole exchange; ``stream_idle_timeout``: the longest
+    a streamed body may stay silent once its first bytes arrived (``None``: no limit);
+    ``stream_first_chunk_timeout``: before them (default: only the deadline); ``session``: use
+    this one (never closed here) instead of creating one.
     """
 
     def __init__(

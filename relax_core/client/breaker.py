@@ -1,8 +1,5 @@
-"""Per-replica circuit breakers of an :class:`~relax_core.client.client.InferenceClient`.
-
-Connect failures in a row to a DIRECT head open its breaker (the resolver avoids the head while
-another is eligible) until a GET probe closes it; only connect failures count and probes are
-GETs, so no POST is ever replayed (docs/client.md).
+"""Per-replica circuit breakers of an inference client: connect failures in a row to a DIRECT
+head open its breaker until a GET probe closes it, so no POST is ever replayed (docs/client.md).
 """
 
 from __future__ import annotations

@@ -35,12 +35,8 @@ def _unavailable(why: str) -> RoutingError:
 
 @attrs.define(eq=False)
 class SnapshotCache:
-    """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
-
-    Give exactly one of ``base_url`` (fetched with ``transport`` within ``discovery_timeout``)
-    and ``provider``; a snapshot of another ``role`` is rejected; ``weight_sources``: what it is
-    checked against (default: the process-wide plugin manager). Concurrent refreshes share one
-    fetch. Belongs to one event loop; not thread-safe.
+    """The role snapshot of one client, fetched on demand (from ``base_url`` or ``provider``)
+    and cached for ``ttl`` seconds; concurrent refreshes share one fetch. One event loop.
     """
 
     base_url: str | None

@@ -104,15 +104,11 @@ class OpenOptions(PostOptions, total=False):
 class InferenceClient:
     """Routes requests for one role to its engines, using the role's schema-2 snapshot.
 
-    Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``.
-    ``role``: a snapshot of another role is rejected. ``ttl``: seconds a snapshot is reused.
-    ``transport``: :class:`TransportOptions`. ``plugin_manager``: where the routing policies
-    and the weight sources come from (default: the process-wide one); ``weight_sources``: check
-    snapshots against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``:
-    none). ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
-
-    Belongs to the event loop it is first used on; not thread-safe. Close it with
-    :meth:`aclose` or ``async with`` (or share one: :func:`relax_core.client.pool.get_client`).
+    Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``;
+    ``ttl``: seconds a snapshot is reused; ``transport``: :class:`TransportOptions`;
+    ``plugin_manager``: where routing policies and weight sources come from; ``breaker``: the
+    DIRECT heads' circuit breakers (``None``: none). Belongs to the event loop it is first used
+    on; close it with :meth:`aclose` or ``async with`` (or share one: ``get_client``).
     """
 
     def __init__(

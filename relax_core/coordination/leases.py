@@ -39,12 +39,10 @@ class LateReply:
 class LeaseEngine:
     """The leases of every role of the shared slices, and the switch (see the module).
 
-    :param slices: role -> slice id. Roles of one slice take turns on its GPUs.
-    :param handles: role -> the handles of its models (a role without any has none here:
-        ``relax run``'s generation role offloads itself and acknowledges).
-    :param operation_timeout: seconds one handle call may take.
-    :param on_event: called with one line per rebuild (and per BLOCKED lease).
-    :param on_rebuild: called with the role whose replicas a switch rebuilt.
+    :param slices: role -> slice id; roles of one slice take turns on its GPUs.
+    :param handles: role -> the handles of its models (may be none).
+    :param on_event: told one line per rebuild and per BLOCKED lease.
+    :param on_rebuild: told the role whose replicas a switch rebuilt.
 
     One event loop; not thread-safe. The caller holds the slice's :meth:`lock` around a switch.
     """

@@ -32,11 +32,9 @@ def _boundaries(value: Any) -> tuple[tuple[int, str], ...]:
 class Sample:
     """One response of one prompt; samples of one prompt share ``group_id``.
 
-    ``weight_version``: the version its last token came from; ``weight_versions``: ``(first
-    token index, version)`` boundaries when a weight update landed while it was generated
-    (empty: all from ``weight_version``; :attr:`versions` reads both). ``metadata`` is
-    free-form (``route_key`` picks a role's model by key; ``rollout_metrics``: a rollout's
-    numbers per sample). ``fields``: what the step's stages wrote, by field name.
+    ``weight_version``: the version of its last token; ``weight_versions``: ``(first token
+    index, version)`` boundaries when weights changed mid-generation (:attr:`versions` reads
+    both). ``metadata`` is free-form; ``fields``: what the step's stages wrote.
     """
 
     id: str

@@ -1,8 +1,5 @@
-"""Batch sinks: where a deferred batch publishes its scored samples for training consumers.
-
-A sink is anything with three async methods (:class:`BatchSink`); batch ``N`` goes to partition
-``train_N``. A put appends, all or nothing; ``is_last`` closes the partition (a later put is
-refused); ``get`` is refused until it is closed; ``delete`` is idempotent.
+"""Batch sinks (:class:`BatchSink`): where a deferred batch publishes its scored samples; batch
+``N`` goes to partition ``train_N``, readable once a put with ``is_last`` closed it.
 """
 
 from __future__ import annotations

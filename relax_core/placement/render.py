@@ -106,11 +106,7 @@ def render_plan(
     titles: Mapping[str, str] | None = None,
 ) -> str:
     """The plan as text: a header, a bundle map per pool, CPU models, memory and notes.
-
-    ``titles``: how to name each role (``RoleSpec.title`` of the registered roles, see
-    :func:`role_titles`); a role without one is shown by its name, capitalised. Each role's
-    bundles are marked with the first letter of its title.
-    """
+    ``titles``: each role's name (:func:`role_titles`; default: the role, capitalised)."""
     titles = titles or {}
     lines = [
         f"mode: {plan.mode}   cluster: {plan.num_nodes} node(s) x {plan.gpus_per_node} GPUs   "
