@@ -382,61 +382,6 @@ class DeferredBatch:
         with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
             return await stage.run(samples, ctx)
 
-    async def _generate(self, stage: str, **request: Unpack[MoreGroups]) -> list[Sample]:
-        n, tl, gen = self.batch_id, self.timeline, self._generation_role
-        if self.producer is None:
-            raise CoordinationError(
-                f"stage {stage!r} asks for more generation, but batch {n} has no producer; "
-                "give DeferredBatch(producer=...) (relax run does)"
-            )
-        producer = self.producer
-        await self._acquire(gen, ())
-        with tl.phase(n, f"{stage}.generate", lane="generate"):
-            groups = await producer.generate(n, **request)
-        samples = [s for group in groups for s in group]
-        self.generated_groups += len({s.group_id for s in samples})
-        return samples
-
-    def _add(self, samples: Sequence[Sample]) -> list[Sample]:
-        n = self.batch_id
-        ids = {s.id for s in self.originals}
-        groups = {s.group_id for s in self.originals}
-        if len(self.originals) + len(samples) > self.max_samples:
-            raise ValueError(f"batch {n}: adding {len(samples)} samples passes {self.max_samples}")
-        for s in samples:
-            if not isinstance(s, Sample):
-                raise ValueError(f"batch {n}: {type(s).__name__} is not a Sample")
-            if s.id in ids or s.group_id in groups:
-                raise ValueError(
-                    f"batch {n}: sample {s.id!r} (group {s.group_id!r}) is in the batch already"
-                )
-        staged = [s.staged_copy(self.fields) for s in samples]
-        self.originals.extend(samples)
-        self.staged.extend(staged)
-        return staged
-
-    def _drop(self, stage: str, group_ids: Iterable[str], reason: str) -> int:
-        wanted = set(group_ids)
-        kept: list[tuple[Sample, Sample]] = []
-        gone: dict[str, list[Sample]] = {}
-        for original, staged in zip(self.originals, self.staged, strict=True):
-            if original.group_id in wanted:
-                gone.setdefault(original.group_id, []).append(original)
-            else:
-                kept.append((original, staged))
-        unknown = wanted - set(gone)
-        if unknown:
-            raise ValueError(
-                f"stage {stage!r} dropped group(s) {sorted(unknown)} that are not in batch "
-                f"{self.batch_id}"
-            )
-        self.originals = [o for o, _ in kept]
-        self.staged = [s for _, s in kept]
-        for gid, samples in gone.items():
-            self.dropped.append(Dropped(gid, tuple(s.id for s in samples), stage, reason))
-            self.dropped_samples.extend(samples)
-        return sum(len(samples) for samples in gone.values())
-
     def generated_samples(self) -> list[Sample]:
         """Every sample generated into the batch: those it holds and those stages dropped."""
         return [*self.originals, *self.dropped_samples]
@@ -543,13 +488,58 @@ class _Control:
         return self._batch.target_groups
 
     async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
-        return await self._batch._generate(self._stage, **more_groups(self._stage, request))
+        b, stage = self._batch, self._stage
+        n, tl, request = b.batch_id, b.timeline, more_groups(self._stage, request)
+        if b.producer is None:
+            raise CoordinationError(
+                f"stage {stage!r} asks for more generation, but batch {n} has no producer; "
+                "give DeferredBatch(producer=...) (relax run does)"
+            )
+        await b._acquire(b._generation_role, ())
+        with tl.phase(n, f"{stage}.generate", lane="generate"):
+            groups = await b.producer.generate(n, **request)
+        samples = [s for group in groups for s in group]
+        b.generated_groups += len({s.group_id for s in samples})
+        return samples
 
     def add(self, samples: Sequence[Sample]) -> list[Sample]:
-        return self._batch._add(samples)
+        b = self._batch
+        n, ids, groups = b.batch_id, {s.id for s in b.originals}, {s.group_id for s in b.originals}
+        if len(b.originals) + len(samples) > b.max_samples:
+            raise ValueError(f"batch {n}: adding {len(samples)} samples passes {b.max_samples}")
+        for s in samples:
+            if not isinstance(s, Sample):
+                raise ValueError(f"batch {n}: {type(s).__name__} is not a Sample")
+            if s.id in ids or s.group_id in groups:
+                raise ValueError(
+                    f"batch {n}: sample {s.id!r} (group {s.group_id!r}) is in the batch already"
+                )
+        staged = [s.staged_copy(b.fields) for s in samples]
+        b.originals.extend(samples)
+        b.staged.extend(staged)
+        return staged
 
     def drop(self, group_ids: Iterable[str], reason: str) -> int:
-        return self._batch._drop(self._stage, group_ids, reason)
+        b, wanted = self._batch, set(group_ids)
+        kept: list[tuple[Sample, Sample]] = []
+        gone: dict[str, list[Sample]] = {}
+        for original, staged in zip(b.originals, b.staged, strict=True):
+            if original.group_id in wanted:
+                gone.setdefault(original.group_id, []).append(original)
+            else:
+                kept.append((original, staged))
+        unknown = wanted - set(gone)
+        if unknown:
+            raise ValueError(
+                f"stage {self._stage!r} dropped group(s) {sorted(unknown)} that are not in batch "
+                f"{b.batch_id}"
+            )
+        b.originals = [o for o, _ in kept]
+        b.staged = [s for _, s in kept]
+        for gid, samples in gone.items():
+            b.dropped.append(Dropped(gid, tuple(s.id for s in samples), self._stage, reason))
+            b.dropped_samples.extend(samples)
+        return sum(len(samples) for samples in gone.values())
 
     async def run_stage(self, stage: Stage, samples: Sequence[Sample]) -> StageReport:
         batch = self._batch

@@ -12,7 +12,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -737,7 +737,3 @@ def _raise_if_failed(batch_id: int, batch: _Batch | None) -> None:
 def _check_batch_id(batch_id: object) -> None:
     if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
         raise CoordinationError(f"batch id {batch_id!r}: give an int >= 0")
-
-
-if TYPE_CHECKING:  # mypy checks the in-process coordinator against the contract
-    _IN_PROCESS: type[Coordinator] = LifecycleCoordinator

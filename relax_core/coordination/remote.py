@@ -145,5 +145,5 @@ def connect_coordinator(job: str) -> RemoteCoordinator:
         ) from None
 
 
-if TYPE_CHECKING:  # mypy checks the client and the actor against the contract
+if TYPE_CHECKING:  # mypy checks the client and the actor (so the in-process one) against it
     _CLIENTS: tuple[type[Coordinator], ...] = (RemoteCoordinator, CoordinatorActor)
