@@ -350,8 +350,6 @@ class _Connection(asyncio.Protocol):
 
 
 class _HostPool:
-    """Idle connections to one ``host:port`` (most recently used first)."""
-
     __slots__ = ("host", "idle", "port")
 
     def __init__(self, host: str, port: int) -> None:

@@ -8,7 +8,7 @@ import asyncio
 import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import aiohttp
 import attrs
@@ -181,14 +181,12 @@ class UpstreamResponse:
     @property
     def status(self) -> int:
         """The upstream's HTTP status."""
-        status: int = self._resp.status
-        return status
+        return cast(int, self._resp.status)
 
     @property
     def headers(self) -> Mapping[str, str]:
         """The upstream's response headers (case-insensitive, as received)."""
-        headers: Mapping[str, str] = self._resp.headers
-        return headers
+        return cast("Mapping[str, str]", self._resp.headers)
 
     @property
     def request_id(self) -> str:

@@ -344,7 +344,6 @@ class DeferredBatch:
             await self.coordinator.activate(role, f"{op}:activate", batch_id=n, models=models)
 
     async def _release(self, role: str, failure: BaseException | None) -> None:
-        """Give ``role``'s lease back; after ``failure`` its requests in flight are aborted."""
         self._awake.pop(role, None)
         n, tl = self.batch_id, self.timeline
         if role == self._generation_role:
@@ -375,7 +374,6 @@ class DeferredBatch:
     async def _run_leased(
         self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
     ) -> StageReport:
-        """Run ``stage`` on ``samples`` with its role awake (it stays awake while it fits)."""
         role = stage.role
         if role is not None and (role == self._generation_role or role in self._deferred):
             await self._acquire(role, stage.models, student=role == self._generation_role)

@@ -12,7 +12,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 
@@ -47,8 +47,6 @@ Fingerprint = tuple[str, str, int]
 
 @attrs.define
 class _Batch:
-    """The coordinator's four control fields of the current batch."""
-
     state: BatchState = BatchState.PENDING
     error: str | None = None
     rollout_released: bool = False
@@ -604,8 +602,7 @@ class LifecycleCoordinator:
             self._operations[operation_id] = op
         elif op.fingerprint != fp:
             raise self._reused(operation_id, op.fingerprint, fp)
-        result: LeaseState = await asyncio.shield(op.task)
-        return result
+        return cast(LeaseState, await asyncio.shield(op.task))
 
     @staticmethod
     def _reused(operation_id: str, old: Fingerprint, new: Fingerprint) -> CoordinationError:

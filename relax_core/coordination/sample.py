@@ -5,7 +5,7 @@ What stages write goes into :attr:`Sample.fields`; a staged copy shares the toke
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -62,14 +62,12 @@ class Sample:
     @property
     def reward(self) -> float | None:
         """``fields["reward"]`` (``None`` before a reward stage ran)."""
-        value: float | None = self.fields.get("reward")
-        return value
+        return cast("float | None", self.fields.get("reward"))
 
     @property
     def rewards(self) -> Mapping[str, float]:
         """``fields["rewards"]``: each reward adapter's value, by its key (read-only)."""
-        value: Mapping[str, float] = self.fields.get("rewards") or {}
-        return value
+        return cast("Mapping[str, float]", self.fields.get("rewards") or {})
 
     @property
     def versions(self) -> tuple[tuple[int, str | None], ...]:

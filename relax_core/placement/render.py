@@ -81,7 +81,6 @@ def _pool_lines(
 
 
 def _section(title: str, lines: list[str]) -> list[str]:
-    """``lines`` under ``title`` after a blank line; nothing at all when there are none."""
     return ["", title, *lines] if lines else []
 
 
