@@ -25,8 +25,7 @@ from relax_core._http.headers import (
 from relax_core._http.request import (
     MIN_WEIGHT_VERSION_FIELD,
     decode_json_body,
-    weight_version_field,
-    weight_version_header,
+    weight_version,
 )
 from relax_core._http.transport import Transport
 from relax_core._http.upstream import PreparedRequest, UpstreamResponse, decode_answer, status_error
@@ -329,9 +328,7 @@ class InferenceClient:
         if affinity_key is not None:
             out[ROUTING_KEY_HEADER] = affinity_key
         if min_weight_version is None:
-            min_weight_version = weight_version_field(body)
-            if min_weight_version is None and caller_min is not None:
-                min_weight_version = weight_version_header(caller_min)
+            min_weight_version = weight_version(body, caller_min)
         if target is None:
             target = await self.resolve(
                 model=_string_field(body, "model") if model is None else model,
