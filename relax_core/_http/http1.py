@@ -507,11 +507,8 @@ class Http1Client:
         *,
         timeout: float | None,
     ) -> Http1Response:
-        """Send one request; the answer once its head arrived. ``timeout`` bounds the whole
-        exchange; framing headers in ``headers`` are ignored. Raises :class:`ConnectError` /
-        :class:`ConnectTimeout` (nothing sent), :class:`ServerDisconnectedError` (sent, no
-        answer), :class:`TimeoutError`, or ``ValueError`` for a header with a line break.
-        Cancellation closes the connection."""
+        """Send one request; the answer once its head arrived (``timeout``: the whole exchange).
+        Raises the module's errors, or ``ValueError`` for a header with a line break."""
         pool, line = self._route(url)
         parts = [method.encode("latin-1"), line]
         items = headers.items() if isinstance(headers, Mapping) else headers

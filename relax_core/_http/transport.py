@@ -110,11 +110,8 @@ class Transport:
         return timeout
 
     async def open(self, prepared: PreparedRequest, timeout: float | None = None) -> Any:
-        """Send ``prepared``; the response (an ``Http1Response`` or an ``aiohttp.ClientResponse``:
-        ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``, ``release()``,
-        ``close()``) once its headers arrived. Raises ``UpstreamUnreachableError`` (nothing sent)
-        or ``RequestNotReplayedError`` (sent, then failed); cancellation drops the connection.
-        """
+        """Send ``prepared``; the response (an ``Http1Response`` or an ``aiohttp.ClientResponse``)
+        once its headers arrived. Failures raise as :func:`classify_failure` says."""
         deadline = self._deadline(timeout)
         try:
             if self._owns_session and prepared.url.startswith("http://"):

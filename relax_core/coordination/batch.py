@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, Unpack
 
@@ -226,7 +227,7 @@ class DeferredBatch:
         self._awake: dict[str, tuple[str, ...]] = {}
         #: role -> the operation id of its activation
         self._operation: dict[str, str] = {}
-        self._leases = 0
+        self._leases = itertools.count(1)  # a number new for each lease the batch takes
         self._committed = False
 
     async def run(self) -> BatchResult:
@@ -338,7 +339,7 @@ class DeferredBatch:
             if student:
                 await self._check_weight_version(role)
             return
-        op = f"{n}:{role}:{self._lease_count()}"
+        op = f"{n}:{role}:{next(self._leases)}"
         self._operation[role] = op
         with tl.phase(n, f"{role}.onload", lane="leases"):
             await self.coordinator.activate(role, f"{op}:activate", batch_id=n, models=models)
@@ -354,7 +355,7 @@ class DeferredBatch:
             return
         if failure is not None:
             await self._fail(failure)
-        op = self._operation.pop(role, f"{n}:{role}:{self._lease_count()}")
+        op = self._operation.pop(role, f"{n}:{role}:{next(self._leases)}")
         with tl.phase(n, f"{role}.offload", lane="leases"):
             await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
 
@@ -383,10 +384,6 @@ class DeferredBatch:
     def generated_samples(self) -> list[Sample]:
         """Every sample generated into the batch: those it holds and those stages dropped."""
         return [*self.originals, *self.dropped_samples]
-
-    def _lease_count(self) -> int:
-        self._leases += 1
-        return self._leases
 
     async def _check_weight_version(self, gen: str) -> None:
         versions = {s.weight_version for s in self.originals}

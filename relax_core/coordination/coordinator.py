@@ -181,7 +181,6 @@ class LifecycleCoordinator:
         self._slices = dict(slices)
         #: the leases, the switch, BLOCKED and late replies: shared with relax serve's wakes
         self._engine = LeaseEngine(slices, managers, operation_timeout=operation_timeout)
-        self._managers = self._engine.handles
         self._roles = self._engine.leases
         self._blocked = self._engine.blocked
         #: role -> the handles its last confirmed activation onloaded (offloaded next)
@@ -195,7 +194,6 @@ class LifecycleCoordinator:
         self._committed_history = committed_history
         self._retired: collections.OrderedDict[str, Fingerprint] = collections.OrderedDict()
         self._retired_history = retired_history
-        self._late = self._engine.late
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -238,7 +236,7 @@ class LifecycleCoordinator:
             failure=self._failure,
             committed=len(self._committed),
             last_committed=next(reversed(self._committed)) if self._committed else None,
-            late_replies=tuple(self._late),
+            late_replies=tuple(self._engine.late),
             operation_timeout=self._operation_timeout,
             residency=self._residency,
         )
@@ -558,9 +556,7 @@ class LifecycleCoordinator:
         *,
         out: bool,
     ) -> LeaseState:
-        """Switch ``role`` off (``out``) or onto its slice: ``admit()`` checks under the
-        condition (and may name the method), then :meth:`LeaseEngine.switch` unless BLOCKED
-        (raises) or already there; unconfirmed: the lease BLOCKED and the batch FAILED."""
+        """``admit()`` under the condition, then :meth:`LeaseEngine.switch`; unconfirmed: FAILED."""
         moving, done = (_L.DRAINING, _L.SLEEPING) if out else (_L.ONLOADING, _L.ACTIVE)
         async with self._engine.lock(role):
             async with self._condition:
@@ -576,7 +572,7 @@ class LifecycleCoordinator:
                 if reason is None:
                     self._awake[role] = () if out else handles
                     return done
-                self._awake[role] = self._managers[role]
+                self._awake[role] = self._engine.handles[role]
                 self._fail(batch_id, f"{'deactivate' if out else 'activate'} {role}: {reason}")
             raise LeaseBlockedError(role, reason)
 
@@ -717,7 +713,7 @@ class LifecycleCoordinator:
                 f"role {role!r} is the generation role: it offloads itself and calls "
                 "acknowledge_rollout_offloaded (and begin_student_scoring to come back)"
             )
-        return self._managers[role]
+        return self._engine.handles[role]
 
     def _check_role(self, role: str) -> None:
         if role not in self._roles:
