@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, cast
 
@@ -339,11 +340,28 @@ class LifecycleCoordinator:
         """
         handles = self._chosen(role, models)
         what = role if not models else f"{role}[{','.join(sorted(set(models)))}]"
-        return await self._dedupe(
-            operation_id,
-            ("activate", what, batch_id),
-            lambda: self._activate(role, batch_id, handles),
-        )
+
+        def admit() -> str | None:
+            self._pending(batch_id, f"activate({role!r})")
+            state = self._roles[role]
+            if state is _L.ACTIVE:
+                awake = self._awake.get(role, ())
+                other = [h.name for h in handles if h not in awake]
+                if other:
+                    raise CoordinationError(
+                        f"activate({role!r}): the role is ACTIVE with "
+                        f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
+                    )
+            if state not in (_L.BLOCKED, _L.ACTIVE):  # else answered by _switch
+                try:
+                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
+                except CoordinationError as exc:
+                    self._fail(batch_id, str(exc))
+                    raise
+            return None
+
+        switch = functools.partial(self._switch, role, batch_id, admit, handles, out=False)
+        return await self._dedupe(operation_id, ("activate", what, batch_id), switch)
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
         """Offload ``role`` (what its activation onloaded; all after a failed switch) for the
@@ -513,30 +531,6 @@ class LifecycleCoordinator:
             return _L.SLEEPING
 
     # -- internals ---------------------------------------------------------------------------
-
-    async def _activate(
-        self, role: str, batch_id: int, handles: tuple[ManagerHandle, ...]
-    ) -> LeaseState:
-        def admit() -> str | None:
-            self._pending(batch_id, f"activate({role!r})")
-            state = self._roles[role]
-            if state is _L.ACTIVE:
-                awake = self._awake.get(role, ())
-                other = [h.name for h in handles if h not in awake]
-                if other:
-                    raise CoordinationError(
-                        f"activate({role!r}): the role is ACTIVE with "
-                        f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
-                    )
-            if state not in (_L.BLOCKED, _L.ACTIVE):  # else answered by _switch
-                try:
-                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
-                except CoordinationError as exc:
-                    self._fail(batch_id, str(exc))
-                    raise
-            return None
-
-        return await self._switch(role, batch_id, admit, handles, out=False)
 
     async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
         def admit() -> str | None:
