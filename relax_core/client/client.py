@@ -235,18 +235,15 @@ class InferenceClient:
             if target.route_mode is RouteMode.SGLANG_ROUTER:
                 if model.router_url == target.url and min_weight_version is None:
                     return target
-            else:
-                for engine in model.engines:
+            elif min_weight_version is None or weight_version_at_least(
+                target.weight_version, min_weight_version
+            ):
+                for e in model.engines:
                     if (
-                        engine.engine_id == target.engine_id
-                        and engine.base_url == target.url
-                        and engine.generation == target.generation
-                        and engine.direct_eligible
-                        and engine.state.value == "READY"
-                        and (
-                            min_weight_version is None
-                            or weight_version_at_least(target.weight_version, min_weight_version)
-                        )
+                        (e.engine_id, e.base_url, e.generation)
+                        == (target.engine_id, target.url, target.generation)
+                        and e.direct_eligible
+                        and e.state.value == "READY"
                     ):
                         return target
         return await self.resolve(
