@@ -307,7 +307,8 @@ class _Planner:
             for p in group:
                 start = p.bundle_start or 0
                 if p.bundle_end > pool.size:
-                    where = "bundle_start" if self._explicit(p) else "num_gpus"
+                    fixed = self.config.role(p.role).model(p.model).placement.bundle_start
+                    where = "num_gpus" if fixed is None else "bundle_start"
                     owner = (
                         f"the actor pool's {pool.size} bundles (training.actor_gpus = "
                         f"{t.actor_gpus}); split and defer slices must lie inside the actor pool"
@@ -331,9 +332,6 @@ class _Planner:
             self._check_overlap(name, group)
             self._check_fractions(pool, group)
 
-    def _explicit(self, p: ModelPlacement) -> bool:
-        return self.config.role(p.role).model(p.model).placement.bundle_start is not None
-
     def _check_overlap(self, pool: str, group: list[ModelPlacement]) -> None:
         ordered = sorted(group, key=lambda p: p.bundle_start or 0)
         for i, a in enumerate(ordered):
@@ -344,17 +342,15 @@ class _Planner:
                     continue
                 lo, hi = b.bundle_start or 0, min(a.bundle_end, b.bundle_end)
                 phase = a.phase if a.phase != PHASE_RESIDENT else b.phase
-                hint = (
-                    "give them disjoint bundles (drop or change bundle_start); to time-share "
-                    "GPUs list deferrable roles in placement.defer_roles with mode = 'defer'"
-                )
                 self.violation(
                     f"{b.path}.bundle_start",
                     "co-residence",
                     f"bundles {lo}-{hi - 1} of pool {pool!r} are used by both {a.path} "
                     f"({a.bundle_start}-{a.bundle_end - 1}) and {b.path} ({b.bundle_start}-"
                     f"{b.bundle_end - 1}) in phase {phase!r}; same-phase co-residence is "
-                    f"not allowed: {hint}",
+                    "not allowed: give them disjoint bundles (drop or change bundle_start); to "
+                    "time-share GPUs list deferrable roles in placement.defer_roles with mode = "
+                    "'defer'",
                 )
 
     def _check_fractions(self, pool: Pool, group: list[ModelPlacement]) -> None:
@@ -367,11 +363,8 @@ class _Planner:
         seen: set[tuple[str, ...]] = set()
         for bundle in sorted(heads):
             users = heads[bundle]
-            total = base + sum(p.ray_gpu_fraction for p in users)
-            if total <= 1 + _EPS:
-                continue
-            key = tuple(p.key for p in users)
-            if key in seen:
+            total, key = base + sum(p.ray_gpu_fraction for p in users), tuple(p.key for p in users)
+            if total <= 1 + _EPS or key in seen:
                 continue
             seen.add(key)
             parts = [f"training {r} {pool.training_ray_gpu_fraction:g}" for r in pool.training]
