@@ -1,11 +1,7 @@
 """A lean HTTP/1.1 client for the data path: pooled keep-alive connections, httptools parsing,
-one write per request (docs/client.md). Failures are typed for ``classify_failure``:
-:class:`ConnectError` / :class:`ConnectTimeout` (nothing sent), :class:`ServerDisconnectedError`
-/ :class:`PayloadError` (sent, then broken), :class:`TimeoutError` (the deadline).
-
-The keep-alive race: a request that went out on a *reused* connection closed before any byte of
-its answer is sent once more on a new one (a server that read it would have answered); a failure
-of that second attempt is "sent, then failed", so no caller sends it to another replica.
+one write per request; a request that lost the keep-alive race is sent once more (docs/client.md).
+Failures: :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
+:class:`ServerDisconnectedError` / :class:`PayloadError` (sent, then broken), ``TimeoutError``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The HTTP data path under the inference client and the role gateways: it sends a
-:class:`PreparedRequest` and classifies every failure by whether the request may have reached
-the upstream; it knows nothing of discovery or routing. ``http://`` engines go through the lean
-:class:`~relax_core._http.http1.Http1Client`; ``https://``, discovery GETs and a caller's own
-``session=`` use a pooled :class:`aiohttp.ClientSession` (docs/client.md).
+"""The HTTP data path under the inference client and the role gateways: sends a
+:class:`PreparedRequest` (``http://`` through the lean ``Http1Client``, the rest through aiohttp)
+and classifies every failure; it knows nothing of discovery or routing (docs/client.md).
 """
 
 from __future__ import annotations

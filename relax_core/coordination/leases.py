@@ -1,8 +1,6 @@
-"""One lease engine over GPU slices: who may hold a slice's GPUs, and the switch that moves a
-role on or off them (FAILED replicas rebuilt first; an unconfirmed switch leaves the role BLOCKED
-until the operator resets it; late replies recorded, never acted on). ``relax run``'s coordinator
-and ``relax serve``'s wake controller both drive it, under the slice's lock
-(``docs/coordination.md``).
+"""One lease engine over GPU slices, driven by ``relax run``'s coordinator and ``relax serve``'s
+wakes: who may hold a slice's GPUs, and the switch that moves a role on or off them; an
+unconfirmed switch leaves the role BLOCKED until the operator resets it (docs/coordination.md).
 """
 
 from __future__ import annotations
