@@ -82,11 +82,8 @@ class SnapshotCache:
     async def snapshot(self, force: bool = False) -> RoleSnapshot:
         """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
         :raises RoutingError: 503 when the registry cannot be reached or answers badly."""
-        if not force:
-            snap = self.fresh()
-            if snap is not None:
-                return snap
-        return await self._refresh(self._fetches, force)
+        snap = None if force else self.fresh()
+        return snap if snap is not None else await self._refresh(self._fetches, force)
 
     async def refetch(self, seen: int) -> RoleSnapshot:
         """A snapshot fetched after fetch number ``seen`` (see :attr:`fetches`): one another

@@ -263,9 +263,7 @@ class InferenceClient:
         unless no other head is eligible (as are open breakers'). A 503 gets one snapshot refresh
         and one retry. Raises ``RoutingError`` (400: unknown model or route key; 503)."""
         cache = self._cache
-        snap = cache.fresh()
-        if snap is None:
-            snap = await cache.snapshot()
+        snap = cache.fresh() or await cache.snapshot()
         seen = cache.fetches
         breakers = self._breakers
         if breakers is not None and breakers.open_urls:
