@@ -25,7 +25,5 @@ def failure_class(error: BaseException) -> FailureClass | None:
     if isinstance(error, UpstreamUnreachableError):
         return FailureClass.CONNECT
     if isinstance(error, RequestNotReplayedError):
-        if error.answer_started:
-            return FailureClass.MID_STREAM
-        return FailureClass.BEFORE_FIRST_BYTE
+        return FailureClass.MID_STREAM if error.answer_started else FailureClass.BEFORE_FIRST_BYTE
     return None

@@ -411,9 +411,7 @@ class Http1Client:
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"{url!r}: the lean HTTP/1.1 client takes http:// URLs only")
         host, port = parts.hostname, parts.port or 80
-        pool = self._pools.get((host, port))
-        if pool is None:
-            pool = self._pools[(host, port)] = _HostPool(host, port)
+        pool = self._pools.setdefault((host, port), _HostPool(host, port))
         netloc = f"[{host}]" if ":" in host else host
         if port != 80:
             netloc += f":{port}"

@@ -97,9 +97,7 @@ class ReplicaBreakers:
     def connect_failed(self, url: str, engine_id: str | None) -> bool:
         """Count a connect failure to ``url``; whether its breaker is open now (opening it
         starts its probe on the running event loop)."""
-        b = self._breakers.get(url)
-        if b is None:
-            b = self._breakers[url] = _Breaker(url, engine_id)
+        b = self._breakers.setdefault(url, _Breaker(url, engine_id))
         b.failures += 1
         if not b.open and b.failures >= self.settings.failures:
             b.open = True

@@ -73,11 +73,7 @@ class LeaseEngine:
 
     def lock(self, role: str) -> asyncio.Lock:
         """The lock of ``role``'s slice (held around every switch of a role of the slice)."""
-        slice_id = self.slices[role]
-        lock = self._locks.get(slice_id)
-        if lock is None:
-            lock = self._locks[slice_id] = asyncio.Lock()
-        return lock
+        return self._locks.setdefault(self.slices[role], asyncio.Lock())
 
     def set(self, role: str, state: LeaseState) -> None:
         """Move ``role``'s lease (a transition the state machine has).

@@ -72,9 +72,7 @@ class Sample:
     @property
     def versions(self) -> tuple[tuple[int, str | None], ...]:
         """The response's version segments, ``(first token index, version)`` in order."""
-        if self.weight_versions:
-            return self.weight_versions
-        return ((0, self.weight_version),)
+        return self.weight_versions or ((0, self.weight_version),)
 
     def trained(self) -> tuple[bool, ...]:
         """Whether each response token is trained on (:attr:`loss_mask`; empty: all)."""

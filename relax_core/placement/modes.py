@@ -127,9 +127,8 @@ class SliceAllocator:
         return max((e for _, e in self._runs), default=0)
 
     def _free(self, start: int, num: int) -> bool:
-        if self.size is not None and start + num > self.size:
-            return False
-        return all(end <= start or first >= start + num for first, end in self._runs)
+        fits = self.size is None or start + num <= self.size
+        return fits and all(end <= start or first >= start + num for first, end in self._runs)
 
     def place(self, num: int, gpus_per_engine: int) -> int | None:
         """Take the first free run of ``num`` bundles; its start, or ``None`` when there is none."""
