@@ -70,9 +70,7 @@ class SnapshotCache:
     def fresh(self) -> RoleSnapshot | None:
         """The cached snapshot while it is fresh, else ``None`` (no I/O: the hot path)."""
         snap = self._snapshot
-        if snap is not None and time.monotonic() < self._expires:
-            return snap
-        return None
+        return snap if snap is not None and time.monotonic() < self._expires else None
 
     def invalidate(self) -> None:
         """Forget the cached snapshot (a fetch under way does not count as fresh either)."""

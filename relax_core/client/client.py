@@ -173,9 +173,9 @@ class InferenceClient:
 
     def _published(self, url: str) -> bool:
         snap = self._cache.latest
-        if snap is None:
-            return True
-        return any(e.base_url == url for m in snap.models.values() for e in m.engines)
+        return snap is None or any(
+            e.base_url == url for m in snap.models.values() for e in m.engines
+        )
 
     def _failed(self, error: BaseException, target: RouteTarget | None) -> None:
         kind = failure_class(error)

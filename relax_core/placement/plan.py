@@ -166,9 +166,7 @@ class HostMemoryBudget(_ItemTotal):
 
 
 def _tuples(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def _build(cls: type[Any], data: Mapping[str, Any], nested: Mapping[str, type[Any]]) -> Any:
