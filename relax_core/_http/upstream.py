@@ -184,14 +184,14 @@ class UpstreamResponse:
         return cast(int, self._resp.status)
 
     @property
-    def headers(self) -> Mapping[str, str]:
-        """The upstream's response headers (case-insensitive, as received)."""
-        return cast("Mapping[str, str]", self._resp.headers)
-
-    @property
     def request_id(self) -> str:
         """The id this request travelled with."""
         return self.prepared.request_id
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The upstream's response headers (case-insensitive, as received)."""
+        return cast("Mapping[str, str]", self._resp.headers)
 
     @property
     def target(self) -> RouteTarget | None:

@@ -118,7 +118,8 @@ class Dropped:
 
 @attrs.frozen
 class BatchResult:
-    """A committed batch: receipt, samples, stage reports, phases, what stages dropped or made."""
+    """A committed batch: its receipt, samples, stage reports, phases and what stages dropped
+    or generated."""
 
     batch_id: int
     receipt: SinkReceipt
