@@ -1,9 +1,6 @@
-"""LifecycleCoordinator: shared-GPU leases, operation dedupe and the training-batch commit gate.
-
-In a defer layout the generation role and the deferred roles take turns on the same GPUs within
-one RL step; a batch commits only when every role sleeps and the batch sink acknowledged the
-write. The leases themselves are the :class:`~relax_core.coordination.leases.LeaseEngine`'s;
-this module adds batches, operation ids and the commit gate (docs/coordination.md).
+"""LifecycleCoordinator: shared-GPU leases (over the ``LeaseEngine``), operation dedupe and the
+training-batch commit gate: a batch commits only when every role sleeps and the batch sink
+acknowledged the write (docs/coordination.md).
 """
 
 from __future__ import annotations
