@@ -1,9 +1,5 @@
-"""Failure classes of the data path: how far a failed upstream exchange got.
-
-Only :attr:`FailureClass.CONNECT` (nothing was sent) is ever retried: a replayed RL rollout is
-a duplicated, biased sample. :attr:`FailureClass.BEFORE_FIRST_BYTE` (sent, no answer yet) and
-:attr:`FailureClass.MID_STREAM` (the answer had started) never are; the gateway counts each
-class in ``relax_gateway_upstream_failures_total{class}``.
+"""Failure classes of the data path: how far a failed upstream exchange got. Only ``CONNECT``
+(nothing was sent) is ever retried: a replayed RL rollout is a duplicated, biased sample.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ __all__ = ["FailureClass", "failure_class"]
 
 
 class FailureClass(enum.StrEnum):
-    """How far a failed upstream exchange got (see the module docstring)."""
+    """How far a failed upstream exchange got: nothing sent, sent, or mid-answer."""
 
     CONNECT = "connect"
     BEFORE_FIRST_BYTE = "before_first_byte"
@@ -29,7 +25,5 @@ def failure_class(error: BaseException) -> FailureClass | None:
     if isinstance(error, UpstreamUnreachableError):
         return FailureClass.CONNECT
     if isinstance(error, RequestNotReplayedError):
-        if error.answer_started:
-            return FailureClass.MID_STREAM
-        return FailureClass.BEFORE_FIRST_BYTE
+        return FailureClass.MID_STREAM if error.answer_started else FailureClass.BEFORE_FIRST_BYTE
     return None

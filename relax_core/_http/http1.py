@@ -1,16 +1,7 @@
-"""A lean HTTP/1.1 client for the data path: pooled keep-alive connections, httptools parsing.
-
-One write per request, the head parsed by httptools (C), the body handed over as it arrives, the
-connection reused once the answer is complete (docs/client.md measures it). Failures are typed
-for :func:`~relax_core._http.upstream.classify_failure`: :class:`ConnectError` /
-:class:`ConnectTimeout` (nothing sent), :class:`ServerDisconnectedError` / :class:`PayloadError`
-(sent, then broken), :class:`TimeoutError` (the deadline).
-
-The keep-alive race (a server closing an idle connection as a request is written to it): the
-client's idle limit stays below the server's, and a request that went out on a *reused*
-connection closed before any byte of its answer is sent once more on a new one (a server that
-read it would have answered; a dead one refuses the new connection). A failure of that second
-attempt is "sent, then failed", so no caller sends it to another replica.
+"""A lean HTTP/1.1 client for the data path: pooled keep-alive connections, httptools parsing,
+one write per request; a request that lost the keep-alive race is sent once more (docs/client.md).
+Failures: :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
+:class:`ServerDisconnectedError` / :class:`PayloadError` (sent, then broken), ``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -87,7 +78,7 @@ class Http1Body:
         self._buf.append(data)
         self._size += len(data)
         if self._size > _HIGH_WATER and self._conn is not None:
-            self._conn.pause()
+            self._conn.throttle(paused=True)
         self._wake()
 
     def feed_eof(self) -> None:
@@ -119,21 +110,18 @@ class Http1Body:
 
     async def readany(self, coalesce: float = 0.0) -> bytes:
         """The bytes received since the last read (waits for some); ``b""`` at the end.
-
-        ``coalesce`` (seconds): when the previous read returned bytes less than this long ago,
-        hold the socket this long first, so the upstream's writes meanwhile arrive as one read;
-        a slower body is never held back, a fast one by at most ``coalesce``.
-        """
+        ``coalesce`` (s): when the previous read returned bytes less than this long ago, hold the
+        socket this long first, so a fast body's writes arrive as one read."""
         conn = self._conn
         if coalesce > 0.0 and conn is not None and not self._eof:
             loop = asyncio.get_running_loop()
             if loop.time() - self._last < coalesce:
-                conn.hold(True)
+                conn.throttle(held=True)
                 try:
                     await asyncio.sleep(coalesce)
                 finally:
                     if self._conn is conn:  # (else the answer ended and the hold with it)
-                        conn.hold(False)
+                        conn.throttle(held=False)
         while not self._buf and not self._eof:
             if self._exc is not None:
                 raise self._exc
@@ -145,7 +133,7 @@ class Http1Body:
         data = buf.popleft() if len(buf) == 1 else b"".join(buf)
         buf.clear()
         if self._size > _HIGH_WATER and self._conn is not None:
-            self._conn.resume()
+            self._conn.throttle(paused=False)
         self._size = 0
         if coalesce > 0.0:
             self._last = asyncio.get_running_loop().time()
@@ -158,11 +146,8 @@ class Http1Body:
 
 
 class Http1Response:
-    """An answer whose head has arrived: ``status``, headers, and ``content`` to read.
-
-    Read it (``read`` or ``content``), then :meth:`release` (or :meth:`close`) it: the
-    connection goes back to the pool once the whole answer was received, else it is closed.
-    """
+    """An answer whose head has arrived: ``status``, headers, and ``content`` to read; then
+    :meth:`release` (or :meth:`close`) it (the connection is reused only if it was complete)."""
 
     __slots__ = ("_conn", "_deadline", "_headers", "complete", "content", "raw_headers", "status")
 
@@ -262,19 +247,12 @@ class _Connection(asyncio.Protocol):
             )
         self._free_slot()
 
-    def pause(self) -> None:
-        self._set_reading(paused=True, held=self._held)
-
-    def resume(self) -> None:
-        self._set_reading(paused=False, held=self._held)
-
-    def hold(self, held: bool) -> None:
-        self._set_reading(paused=self._paused, held=held)
-
-    def _set_reading(self, paused: bool, held: bool) -> None:
+    def throttle(self, *, paused: bool | None = None, held: bool | None = None) -> None:
+        """Read no more while the body is over the high-water mark or its reader coalesces."""
         was = self._paused or self._held
-        self._paused, self._held = paused, held
-        now = paused or held
+        self._paused = self._paused if paused is None else paused
+        self._held = self._held if held is None else held
+        now = self._paused or self._held
         transport = self.transport
         if now != was and transport is not None and not transport.is_closing():
             if now:
@@ -319,7 +297,7 @@ class _Connection(asyncio.Protocol):
         resp.complete = True
         resp.cancel_deadline()
         resp.content.feed_eof()
-        self._set_reading(paused=False, held=False)  # a body reader's hold ends with the body
+        self.throttle(paused=False, held=False)  # a body reader's hold ends with the body
         if self.closed or not self._parser.should_keep_alive():  # (close frees the slot)
             self.close()
         else:
@@ -368,8 +346,6 @@ class _Connection(asyncio.Protocol):
 
 
 class _HostPool:
-    """Idle connections to one ``host:port`` (most recently used first)."""
-
     __slots__ = ("host", "idle", "port")
 
     def __init__(self, host: str, port: int) -> None:
@@ -387,11 +363,8 @@ class _HostPool:
 
 
 class Http1Client:
-    """Keep-alive HTTP/1.1 connections to ``http://`` upstreams, at most ``max_connections``.
-
-    A connection idle for ``keepalive_timeout`` seconds (keep it below the servers' 5 s) is not
-    reused, and a sweep closes it soon after. Belongs to one event loop.
-    """
+    """Keep-alive HTTP/1.1 connections to ``http://`` upstreams, at most ``max_connections``;
+    one idle for ``keepalive_timeout`` s (below the servers' 5 s) is closed. One event loop."""
 
     def __init__(
         self,
@@ -438,9 +411,7 @@ class Http1Client:
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"{url!r}: the lean HTTP/1.1 client takes http:// URLs only")
         host, port = parts.hostname, parts.port or 80
-        pool = self._pools.get((host, port))
-        if pool is None:
-            pool = self._pools[(host, port)] = _HostPool(host, port)
+        pool = self._pools.setdefault((host, port), _HostPool(host, port))
         netloc = f"[{host}]" if ":" in host else host
         if port != 80:
             netloc += f":{port}"
@@ -530,15 +501,8 @@ class Http1Client:
         *,
         timeout: float | None,
     ) -> Http1Response:
-        """Send one request; return the answer once its head arrived.
-
-        ``timeout`` bounds the whole exchange. ``Host``, ``Content-Length`` and
-        ``Transfer-Encoding`` in ``headers`` are ignored (the client frames the message). Raises
-        :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
-        :class:`ServerDisconnectedError` (sent, no answer), :class:`TimeoutError`, or
-        ``ValueError`` for a header with a line break. Cancellation closes the connection.
-        A request that lost the keep-alive race is sent once more (see the module docstring).
-        """
+        """Send one request; the answer once its head arrived (``timeout``: the whole exchange).
+        Raises the module's errors, or ``ValueError`` for a header with a line break."""
         pool, line = self._route(url)
         parts = [method.encode("latin-1"), line]
         items = headers.items() if isinstance(headers, Mapping) else headers
@@ -556,12 +520,11 @@ class Http1Client:
         conn = await self._acquire(pool, deadline)
         try:
             return await conn.send(data, deadline)
-        except _StaleConnectionError as exc:
-            conn.close()
-            stale = exc
-        except BaseException:
+        except BaseException as exc:
             conn.close()  # an answer may still come on it: never reuse it
-            raise
+            if not isinstance(exc, _StaleConnectionError):
+                raise
+            stale = exc
         try:
             conn = await self._acquire(pool, deadline, fresh=True)
         except (ConnectError, ConnectTimeout) as exc:

@@ -14,8 +14,7 @@ __all__ = [
     "MIN_WEIGHT_VERSION_FIELD",
     "decode_json_body",
     "requested_weight_version",
-    "weight_version_field",
-    "weight_version_header",
+    "weight_version",
 ]
 
 #: The body field a request requires a minimum weight version with (or the header
@@ -45,19 +44,21 @@ def requested_weight_version(
     :raises InvalidRequestError: the field is not a non-empty string or a non-negative
         integer, or the header is empty.
     """
-    version = weight_version_field(body)
-    if version is None and headers:
-        raw = headers.get("x-relax-min-weight-version")
-        if raw is not None:
-            version = weight_version_header(raw)
-    return version
+    return weight_version(body, headers.get("x-relax-min-weight-version") if headers else None)
 
 
-def weight_version_field(body: Mapping[str, Any]) -> str | None:
-    """The payload's ``min_weight_version`` as a string (an integer is taken as its digits)."""
+def weight_version(body: Mapping[str, Any], header: str | None) -> str | None:
+    """The body's ``min_weight_version`` (an integer taken as its digits), else ``header``
+    stripped, else ``None``; raises as :func:`requested_weight_version`."""
     value = body.get(MIN_WEIGHT_VERSION_FIELD)
+    if value is None and header is not None and not header.strip():
+        raise InvalidRequestError(
+            "header X-Relax-Min-Weight-Version is empty; give a weight version (e.g. 12) or "
+            "leave the header out",
+            field="X-Relax-Min-Weight-Version",
+        )
     if value is None:
-        return None
+        return None if header is None else header.strip()
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return str(value)
     if isinstance(value, str) and value:
@@ -67,15 +68,3 @@ def weight_version_field(body: Mapping[str, Any]) -> str | None:
         f'non-negative integer (a weight version, e.g. "12"), got {value!r}',
         field=MIN_WEIGHT_VERSION_FIELD,
     )
-
-
-def weight_version_header(value: str) -> str:
-    """The header's weight version, stripped (:raises InvalidRequestError: it is empty)."""
-    value = value.strip()
-    if not value:
-        raise InvalidRequestError(
-            "header X-Relax-Min-Weight-Version is empty; give a weight version (e.g. 12) or "
-            "leave the header out",
-            field="X-Relax-Min-Weight-Version",
-        )
-    return value

@@ -70,12 +70,9 @@ class ThreadServer:
 async def serve_app(
     app: web.Application, host: str, port: int, *, handler_cancellation: bool, **runner_options: Any
 ) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port`` (``0``: a free port); return ``(runner, port)``.
-
-    ``handler_cancellation``: whether a caller that disconnects cancels its handler at once.
-    ``runner_options`` go to :class:`aiohttp.web.AppRunner` (e.g. ``keepalive_timeout``).
-    Call ``await runner.cleanup()`` to stop. Raises ``OSError`` if the port cannot be bound.
-    """
+    """Serve ``app`` on ``host:port`` (``0``: a free port); ``(runner, port)``, stopped by
+    ``await runner.cleanup()``. ``runner_options`` go to ``aiohttp.web.AppRunner``. Raises
+    ``OSError`` if the port cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

@@ -1,11 +1,6 @@
-"""The HTTP data path under :class:`~relax_core.client.client.InferenceClient` and the role
-gateways: it sends a :class:`PreparedRequest` and classifies every failure by whether the
-request may have reached the upstream (:mod:`relax_core._http.upstream`); it knows nothing of
-discovery or routing.
-
-``http://`` engines go through the lean :class:`~relax_core._http.http1.Http1Client` (about
-15 µs of CPU a request against aiohttp's 100 µs); ``https://``, discovery GETs and a caller's
-own ``session=`` use a pooled :class:`aiohttp.ClientSession` (docs/client.md).
+"""The HTTP data path under the inference client and the role gateways: sends a
+:class:`PreparedRequest` (``http://`` through the lean ``Http1Client``, the rest through aiohttp)
+and classifies every failure; it knows nothing of discovery or routing (docs/client.md).
 """
 
 from __future__ import annotations
@@ -25,12 +20,10 @@ __all__ = ["Transport"]
 class Transport:
     """Pooled connections to upstreams with Relax's failure classification.
 
-    ``timeout``: the default deadline of one exchange (connect, send, whole answer);
-    ``connect_timeout``: of opening a connection. ``stream_idle_timeout``: the longest a
-    streamed body may stay silent once its first bytes arrived (default 60 s; ``None``: no
-    limit); ``stream_first_chunk_timeout``: before its first bytes (default ``None``: only the
-    deadline, as an SGLang stream's first event waits for queueing and prefill). ``session``:
-    use this one (never closed here) instead of creating one on the first request.
+    ``timeout``: the default deadline of one whole exchange; ``stream_idle_timeout``: the longest
+    a streamed body may stay silent once its first bytes arrived (``None``: no limit);
+    ``stream_first_chunk_timeout``: before them (default: only the deadline); ``session``: use
+    this one (never closed here) instead of creating one.
     """
 
     def __init__(
@@ -107,26 +100,17 @@ class Transport:
             self._session = session
         return session
 
-    def client_timeout(self, timeout: float | None) -> aiohttp.ClientTimeout:
-        """The aiohttp timeout for one request (``None``: the transport's default)."""
+    def _deadline(self, timeout: float | None) -> float | None:
         if timeout is None:
-            return self._client_timeout
+            return self.timeout
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
-        return aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+        return timeout
 
     async def open(self, prepared: PreparedRequest, timeout: float | None = None) -> Any:
-        """Send ``prepared``; return the response once its headers arrived.
-
-        An :class:`~relax_core._http.http1.Http1Response` or an :class:`aiohttp.ClientResponse`
-        (both have ``status``, ``headers``, ``raw_headers``, ``content``, ``read()``,
-        ``release()`` and ``close()``). Raises :class:`~relax_core.errors.UpstreamUnreachableError`
-        (nothing sent) or :class:`~relax_core.errors.RequestNotReplayedError` (sent, then
-        failed); cancellation propagates (the connection is dropped).
-        """
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout={timeout!r}: give a positive number of seconds")
-        deadline = self.timeout if timeout is None else timeout
+        """Send ``prepared``; the response (an ``Http1Response`` or an ``aiohttp.ClientResponse``)
+        once its headers arrived. Failures raise as :func:`classify_failure` says."""
+        deadline = self._deadline(timeout)
         try:
             if self._owns_session and prepared.url.startswith("http://"):
                 return await self.http1.request(
@@ -137,7 +121,9 @@ class Transport:
                 prepared.url,
                 data=prepared.body,
                 headers=prepared.headers,
-                timeout=self.client_timeout(timeout),
+                timeout=self._client_timeout
+                if timeout is None
+                else aiohttp.ClientTimeout(total=deadline, sock_connect=self.connect_timeout),
                 allow_redirects=False,
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -146,18 +132,14 @@ class Transport:
     async def exchange(
         self, prepared: PreparedRequest, timeout: float | None = None
     ) -> tuple[int, Mapping[str, str], bytes]:
-        """Send ``prepared`` and read the whole answer: ``(status, headers, body)``.
-
-        Raises like :meth:`open`; a failure while reading the body raises
-        :class:`~relax_core.errors.RequestNotReplayedError`.
-        """
+        """Send ``prepared`` and read the whole answer: ``(status, headers, body)``; raises like
+        :meth:`open`."""
         resp = await self.open(prepared, timeout)
         try:
             body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise classify_failure(
-                exc, prepared, self.timeout if timeout is None else timeout, answer_started=True
-            ) from exc
+            deadline = self._deadline(timeout)
+            raise classify_failure(exc, prepared, deadline, answer_started=True) from exc
         finally:
             resp.release()
         return resp.status, resp.headers, body

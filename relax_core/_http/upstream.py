@@ -8,7 +8,7 @@ import asyncio
 import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import aiohttp
 import attrs
@@ -39,11 +39,8 @@ __all__ = [
 
 
 class PreparedRequest(NamedTuple):
-    """A routed request, ready to send: exactly the bytes and headers that go on the wire.
-
-    ``target`` is the resolver's decision (``None`` only for requests built by hand);
-    ``request_id`` is also in ``headers``. A named tuple: one is built per request (hot path).
-    """
+    """A routed request, ready to send: exactly the bytes and headers that go on the wire;
+    ``target`` is the resolver's decision (``None`` only for requests built by hand)."""
 
     url: str
     body: bytes
@@ -79,12 +76,9 @@ def classify_failure(
     *,
     answer_started: bool = False,
 ) -> UpstreamError:
-    """The error for an aiohttp/OS failure of ``prepared``: was it (possibly) sent or not?
-
-    :class:`UpstreamUnreachableError` when the connection could not be opened (nothing sent),
-    else :class:`~relax_core.errors.RequestNotReplayedError` (504 for a deadline, else 502)
-    with ``answer_started`` (the answer's head had arrived: the failure came mid-answer).
-    """
+    """The error for an aiohttp/OS failure of ``prepared``: ``UpstreamUnreachableError`` when
+    nothing was sent, else ``RequestNotReplayedError`` (504 for a deadline, else 502) with
+    ``answer_started`` (the failure came mid-answer)."""
     where = _where(prepared)
     rid = prepared.request_id
     if isinstance(exc, StreamStalledError):
@@ -125,12 +119,8 @@ def classify_failure(
 
 
 class _IdleWatch:
-    """Fails a body read that waited longer than its limit for the next bytes.
-
-    One timer per limit period, not one per chunk: a read records when it started waiting; the
-    timer fails the stream or re-arms for the current wait's end. Time the consumer spends
-    elsewhere does not count (no read is waiting then).
-    """
+    """Fails a body read that waited longer than its limit for the next bytes: one timer per
+    limit period (not per chunk) that fails the stream or re-arms for the current wait's end."""
 
     __slots__ = ("_content", "_first", "_handle", "_idle", "_loop", "since", "started")
 
@@ -174,14 +164,11 @@ class _IdleWatch:
 
 @attrs.define(eq=False)
 class UpstreamResponse:
-    """An upstream's answer whose headers have arrived; the body is read on demand.
-
-    Read it once (:meth:`read`, :meth:`json`, :meth:`iter_chunks`, :meth:`iter_sse`), then
-    :meth:`aclose` it (``async with`` does). A failure while reading raises
-    :class:`~relax_core.errors.RequestNotReplayedError` (and calls ``on_failure(error)``), a
-    504 one when a piece-by-piece read waits past ``idle_timeout`` / ``first_chunk_timeout``
-    (seconds, ``None``: no limit). The status is not checked (see :meth:`raise_for_status`).
-    """
+    """An upstream's answer whose headers have arrived; read the body once (:meth:`read`,
+    :meth:`json`, :meth:`iter_chunks`, :meth:`iter_sse`), then :meth:`aclose` it (``async
+    with``). A failure while reading raises ``RequestNotReplayedError`` (and calls
+    ``on_failure(error)``), a 504 one when a piece-by-piece read waits past ``idle_timeout`` /
+    ``first_chunk_timeout`` (``None``: no limit). The status is not checked."""
 
     _resp: Any
     prepared: PreparedRequest
@@ -194,19 +181,17 @@ class UpstreamResponse:
     @property
     def status(self) -> int:
         """The upstream's HTTP status."""
-        status: int = self._resp.status
-        return status
-
-    @property
-    def headers(self) -> Mapping[str, str]:
-        """The upstream's response headers (case-insensitive, as received)."""
-        headers: Mapping[str, str] = self._resp.headers
-        return headers
+        return cast(int, self._resp.status)
 
     @property
     def request_id(self) -> str:
         """The id this request travelled with."""
         return self.prepared.request_id
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The upstream's response headers (case-insensitive, as received)."""
+        return cast("Mapping[str, str]", self._resp.headers)
 
     @property
     def target(self) -> RouteTarget | None:
@@ -261,36 +246,26 @@ class UpstreamResponse:
             raise status_error(self.status, body, self._resp.headers, self.prepared)
 
     async def iter_chunks(self, coalesce: float = 0.0) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive, unparsed, under the idle limits (see the class).
-
-        ``coalesce`` (seconds, ``http://`` upstreams): see
-        :meth:`relax_core._http.http1.Http1Body.readany`.
-        """
+        """The body's bytes as they arrive, under the idle limits; ``coalesce``: see
+        :meth:`relax_core._http.http1.Http1Body.readany`."""
         content = self._resp.content
         read: Callable[[], Awaitable[bytes]] = content.readany
         if coalesce > 0.0 and isinstance(content, Http1Body):
             read = functools.partial(content.readany, coalesce)
-        watch = None
-        if self._idle_timeout is not None or self._first_chunk_timeout is not None:
-            watch = _IdleWatch(content, self._idle_timeout, self._first_chunk_timeout)
+        watch = _IdleWatch(content, self._idle_timeout, self._first_chunk_timeout)
         try:
-            if watch is None:
-                while chunk := await read():
-                    yield chunk
-            else:
-                while True:
-                    watch.waiting()
-                    chunk = await read()
-                    watch.since = None
-                    if not chunk:
-                        break
-                    watch.started = True
-                    yield chunk
+            while True:
+                watch.waiting()
+                chunk = await read()
+                watch.since = None
+                if not chunk:
+                    break
+                watch.started = True
+                yield chunk
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise self._fail(exc) from exc
         finally:
-            if watch is not None:
-                watch.cancel()
+            watch.cancel()
             await self.aclose()
 
     async def iter_sse(self) -> AsyncIterator[bytes]:
@@ -326,8 +301,7 @@ class UpstreamResponse:
         self._closed = True
         if self._resp.content.at_eof():
             self._resp.release()
-        else:
-            # An unread or half-read body: the connection cannot be reused.
+        else:  # an unread or half-read body: the connection cannot be reused
             self._resp.close()
         if self._on_close is not None:
             self._on_close()
@@ -353,8 +327,7 @@ class UpstreamResponse:
 
 
 def decode_answer(data: bytes, prepared: PreparedRequest, what: str) -> Any:
-    """``data``, which the upstream of ``prepared`` sent (``what``: ``"sent an event"``, ...),
-    decoded as JSON.
+    """``data`` from the upstream of ``prepared`` (``what``: ``"sent an event"``, ...) as JSON.
 
     :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start).
     """

@@ -1,8 +1,5 @@
-"""Per-replica circuit breakers of an :class:`~relax_core.client.client.InferenceClient`.
-
-Connect failures in a row to a DIRECT head open its breaker (the resolver avoids the head while
-another is eligible) until a GET probe closes it; only connect failures count and probes are
-GETs, so no POST is ever replayed (docs/client.md).
+"""Per-replica circuit breakers of an inference client: connect failures in a row to a DIRECT
+head open its breaker until a GET probe closes it, so no POST is ever replayed (docs/client.md).
 """
 
 from __future__ import annotations
@@ -100,9 +97,7 @@ class ReplicaBreakers:
     def connect_failed(self, url: str, engine_id: str | None) -> bool:
         """Count a connect failure to ``url``; whether its breaker is open now (opening it
         starts its probe on the running event loop)."""
-        b = self._breakers.get(url)
-        if b is None:
-            b = self._breakers[url] = _Breaker(url, engine_id)
+        b = self._breakers.setdefault(url, _Breaker(url, engine_id))
         b.failures += 1
         if not b.open and b.failures >= self.settings.failures:
             b.open = True

@@ -35,12 +35,8 @@ def _unavailable(why: str) -> RoutingError:
 
 @attrs.define(eq=False)
 class SnapshotCache:
-    """The role snapshot of one client: fetched on demand, cached for ``ttl`` seconds.
-
-    Give exactly one of ``base_url`` (fetched with ``transport`` within ``discovery_timeout``)
-    and ``provider``; a snapshot of another ``role`` is rejected; ``weight_sources``: what it is
-    checked against (default: the process-wide plugin manager). Concurrent refreshes share one
-    fetch. Belongs to one event loop; not thread-safe.
+    """The role snapshot of one client, fetched on demand (from ``base_url`` or ``provider``)
+    and cached for ``ttl`` seconds; concurrent refreshes share one fetch. One event loop.
     """
 
     base_url: str | None
@@ -74,9 +70,7 @@ class SnapshotCache:
     def fresh(self) -> RoleSnapshot | None:
         """The cached snapshot while it is fresh, else ``None`` (no I/O: the hot path)."""
         snap = self._snapshot
-        if snap is not None and time.monotonic() < self._expires:
-            return snap
-        return None
+        return snap if snap is not None and time.monotonic() < self._expires else None
 
     def invalidate(self) -> None:
         """Forget the cached snapshot (a fetch under way does not count as fresh either)."""
@@ -86,11 +80,8 @@ class SnapshotCache:
     async def snapshot(self, force: bool = False) -> RoleSnapshot:
         """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
         :raises RoutingError: 503 when the registry cannot be reached or answers badly."""
-        if not force:
-            snap = self.fresh()
-            if snap is not None:
-                return snap
-        return await self._refresh(self._fetches, force)
+        snap = None if force else self.fresh()
+        return snap if snap is not None else await self._refresh(self._fetches, force)
 
     async def refetch(self, seen: int) -> RoleSnapshot:
         """A snapshot fetched after fetch number ``seen`` (see :attr:`fetches`): one another

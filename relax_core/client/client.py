@@ -1,6 +1,5 @@
-"""The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange; how
-framework code and the role gateways reach a role's engines. The contract (discovery, routing,
-the one safe retry, what is rewritten and never replayed) is docs/client.md.
+"""The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange
+(the contract: docs/client.md).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from relax_core._http.headers import (
 from relax_core._http.request import (
     MIN_WEIGHT_VERSION_FIELD,
     decode_json_body,
-    weight_version_field,
-    weight_version_header,
+    weight_version,
 )
 from relax_core._http.transport import Transport
 from relax_core._http.upstream import PreparedRequest, UpstreamResponse, decode_answer, status_error
@@ -65,10 +63,8 @@ T = TypeVar("T")
 
 
 class TransportOptions(TypedDict, total=False):
-    """The connection settings of :class:`InferenceClient` (the defaults of each call, see
-    :class:`~relax_core._http.transport.Transport`): ``timeout`` 300 s, ``connect_timeout``
-    10 s, ``max_connections`` 256, ``stream_idle_timeout`` 60 s, ``stream_first_chunk_timeout``
-    none; ``session``: an aiohttp session to use (not closed here)."""
+    """The connection settings of :class:`InferenceClient`: those of
+    :class:`~relax_core._http.transport.Transport` (see it for the defaults)."""
 
     timeout: float | None
     connect_timeout: float
@@ -79,8 +75,7 @@ class TransportOptions(TypedDict, total=False):
 
 
 class RouteOptions(TypedDict, total=False):
-    """How a request is routed and identified: the keyword arguments of
-    :meth:`InferenceClient.prepare` (see it), also taken by every sending method."""
+    """The routing keyword arguments of :meth:`InferenceClient.prepare`, taken by every sender."""
 
     model: str | None
     route_key: str | None
@@ -108,15 +103,11 @@ class OpenOptions(PostOptions, total=False):
 class InferenceClient:
     """Routes requests for one role to its engines, using the role's schema-2 snapshot.
 
-    Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``.
-    ``role``: a snapshot of another role is rejected. ``ttl``: seconds a snapshot is reused.
-    ``transport``: :class:`TransportOptions`. ``plugin_manager``: where the routing policies
-    and the weight sources come from (default: the process-wide one); ``weight_sources``: check
-    snapshots against these instead. ``breaker``: the DIRECT heads' circuit breakers (``None``:
-    none). ``sleeping_note``: see :class:`~relax_core.discovery.routing.RouteResolver`.
-
-    Belongs to the event loop it is first used on; not thread-safe. Close it with
-    :meth:`aclose` or ``async with`` (or share one: :func:`relax_core.client.pool.get_client`).
+    Give exactly one of ``base_url`` (serving ``/engines?schema=2``) and ``snapshot_provider``;
+    ``ttl``: seconds a snapshot is reused; ``transport``: :class:`TransportOptions`;
+    ``plugin_manager``: where routing policies and weight sources come from; ``breaker``: the
+    DIRECT heads' circuit breakers (``None``: none). Belongs to the event loop it is first used
+    on; close it with :meth:`aclose` or ``async with`` (or share one: ``get_client``).
     """
 
     def __init__(
@@ -182,12 +173,11 @@ class InferenceClient:
 
     def _published(self, url: str) -> bool:
         snap = self._cache.latest
-        if snap is None:
-            return True
-        return any(e.base_url == url for m in snap.models.values() for e in m.engines)
+        return snap is None or any(
+            e.base_url == url for m in snap.models.values() for e in m.engines
+        )
 
     def _failed(self, error: BaseException, target: RouteTarget | None) -> None:
-        """Count a failed exchange by class (a connect failure also for the head's breaker)."""
         kind = failure_class(error)
         if kind is None:
             return
@@ -201,7 +191,6 @@ class InferenceClient:
             self._breakers.connect_failed(target.url, target.engine_id)
 
     def _not_sent(self, prepared: PreparedRequest) -> UpstreamUnreachableError:
-        """The error for an admission server's 502 "engine got nothing" (a connect failure)."""
         target = prepared.target
         engine = f" ({target.engine_id})" if target is not None and target.engine_id else ""
         error = UpstreamUnreachableError(
@@ -214,16 +203,13 @@ class InferenceClient:
         return error
 
     def _response_failed(self, error: BaseException) -> None:
-        """A response's body failed mid-way (``UpstreamResponse`` ``on_failure``)."""
         self._cache.invalidate()
         if isinstance(error, RequestNotReplayedError):
             self._failed(error, None)
 
     def snapshot(self, force: bool = False) -> Awaitable[RoleSnapshot]:
         """The role's snapshot: the cached one while fresh, else (or with ``force``) a new one.
-
-        Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly.
-        """
+        Raises ``RoutingError(503)`` when the registry cannot be reached or answers badly."""
         return self._cache.snapshot(force)
 
     def invalidate(self) -> None:
@@ -237,9 +223,9 @@ class InferenceClient:
         affinity_key: str | None = None,
         min_weight_version: str | None = None,
     ) -> RouteTarget:
-        """``target`` if the current snapshot still routes to it (its model READY; a DIRECT
-        head READY, direct-eligible, at the same URL and generation, serving
-        ``min_weight_version``), else a new decision for its model.
+        """``target`` if the current snapshot still routes to it (its model, and a DIRECT head at
+        the same URL and generation, READY and serving ``min_weight_version``), else a new
+        decision for its model.
 
         :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`).
         """
@@ -249,18 +235,15 @@ class InferenceClient:
             if target.route_mode is RouteMode.SGLANG_ROUTER:
                 if model.router_url == target.url and min_weight_version is None:
                     return target
-            else:
-                for engine in model.engines:
+            elif min_weight_version is None or weight_version_at_least(
+                target.weight_version, min_weight_version
+            ):
+                for e in model.engines:
                     if (
-                        engine.engine_id == target.engine_id
-                        and engine.base_url == target.url
-                        and engine.generation == target.generation
-                        and engine.direct_eligible
-                        and engine.state.value == "READY"
-                        and (
-                            min_weight_version is None
-                            or weight_version_at_least(target.weight_version, min_weight_version)
-                        )
+                        (e.engine_id, e.base_url, e.generation)
+                        == (target.engine_id, target.url, target.generation)
+                        and e.direct_eligible
+                        and e.state.value == "READY"
                     ):
                         return target
         return await self.resolve(
@@ -276,16 +259,11 @@ class InferenceClient:
         min_weight_version: str | None = None,
         avoid: Collection[str] | None = None,
     ) -> RouteTarget:
-        """Where a request would go now: a routing decision (round-robin advances).
-
-        ``avoid``: base URLs to leave out unless no other head is eligible (as are heads whose
-        breaker is open). A 503 gets one refresh of the snapshot and one retry. Raises
-        ``RoutingError`` (400: unknown model or route key; 503 with ``retry_after``).
-        """
+        """Where a request would go now (round-robin advances). ``avoid``: base URLs left out
+        unless no other head is eligible (as are open breakers'). A 503 gets one snapshot refresh
+        and one retry. Raises ``RoutingError`` (400: unknown model or route key; 503)."""
         cache = self._cache
-        snap = cache.fresh()
-        if snap is None:
-            snap = await cache.snapshot()
+        snap = cache.fresh() or await cache.snapshot()
         seen = cache.fetches
         breakers = self._breakers
         if breakers is not None and breakers.open_urls:
@@ -304,7 +282,6 @@ class InferenceClient:
         except RoutingError as exc:
             if exc.status != 503:
                 raise
-        # One refresh and one retry; a second 503 reaches the caller (with retry_after).
         return resolve(await cache.refetch(seen))
 
     async def prepare(
@@ -321,19 +298,15 @@ class InferenceClient:
         min_weight_version: str | None = None,
         avoid: Collection[str] | None = None,
     ) -> PreparedRequest:
-        """Resolve and build the request to send: URL, headers and body bytes.
+        """Resolve and build the request to send: URL, headers and body bytes. Nothing is sent.
 
-        ``payload`` is a JSON object, as a mapping or as its encoded bytes (sent as they are
-        when no field must change). ``model``/``route_key`` default to the payload's fields.
-        ``headers`` are a caller's incoming headers (a gateway's): hop-by-hop ones are dropped;
-        ``X-Request-ID`` and ``X-SMG-Routing-Key`` stand in for ``request_id``/``affinity_key``.
-        ``target``: one :meth:`resolve` already chose, used as it is (no second decision;
-        ``model``/``route_key`` ignored). ``min_weight_version`` defaults to the payload's
-        field, then to the ``X-Relax-Min-Weight-Version`` header; ``avoid``: see :meth:`resolve`.
-
-        Raises :class:`~relax_core.errors.InvalidRequestError` (400: the payload is not a JSON
-        object, ``model``/``route_key``/``min_weight_version`` are not strings) and
-        ``RoutingError`` (see :meth:`resolve`). Nothing is sent.
+        ``payload``: a JSON object, as a mapping or its encoded bytes (sent as they are when no
+        field must change); ``model``/``route_key`` default to its fields. ``headers``: a
+        gateway caller's headers (hop-by-hop dropped; ``X-Request-ID`` and ``X-SMG-Routing-Key``
+        stand in for ``request_id``/``affinity_key``). ``target``: a :meth:`resolve` decision,
+        used as it is. ``min_weight_version`` defaults to the payload's field, then the
+        ``X-Relax-Min-Weight-Version`` header. Raises ``InvalidRequestError`` (400: not a JSON
+        object, or a routing field not a string) and ``RoutingError`` (see :meth:`resolve`).
         """
         body, raw = _json_object(payload)
         caller_min = None
@@ -350,9 +323,7 @@ class InferenceClient:
         if affinity_key is not None:
             out[ROUTING_KEY_HEADER] = affinity_key
         if min_weight_version is None:
-            min_weight_version = weight_version_field(body)
-            if min_weight_version is None and caller_min is not None:
-                min_weight_version = weight_version_header(caller_min)
+            min_weight_version = weight_version(body, caller_min)
         if target is None:
             target = await self.resolve(
                 model=_string_field(body, "model") if model is None else model,
@@ -390,13 +361,10 @@ class InferenceClient:
         stream_idle_timeout: float | None = None,
         stream_first_chunk_timeout: float | None = None,
     ) -> UpstreamResponse:
-        """Send a prepared request once; return the response when its headers arrived.
-
-        The primitive under :meth:`open`: the body is not read nor the status checked. Close the
-        response. Raises :class:`~relax_core.errors.UpstreamUnreachableError` (nothing sent) or
-        :class:`~relax_core.errors.RequestNotReplayedError` (sent, failed). The idle limits:
-        ``None`` takes the client's, ``math.inf`` means none.
-        """
+        """Send a prepared request once; the response (unread, unchecked: close it) once its
+        headers arrived. Raises ``UpstreamUnreachableError`` (nothing sent) or
+        ``RequestNotReplayedError`` (sent, failed). Idle limits: ``None`` the client's,
+        ``math.inf`` none."""
         transport = self._transport
         idle = _limit(stream_idle_timeout, transport.stream_idle_timeout)
         first = _limit(stream_first_chunk_timeout, transport.stream_first_chunk_timeout)
@@ -424,7 +392,6 @@ class InferenceClient:
     async def _exchange(
         self, prepared: PreparedRequest, timeout: float | None
     ) -> tuple[int, Mapping[str, str], bytes, PreparedRequest]:
-        """Send once and read the whole answer (what :meth:`post` decodes)."""
         engine_id = self._track(prepared)
         try:
             status, headers, body = await self._transport.exchange(prepared, timeout)
@@ -441,8 +408,7 @@ class InferenceClient:
     def _answered(
         self, prepared: PreparedRequest, engine_id: str | None, status: int, headers: Any
     ) -> bool:
-        """After an answer's headers: ``False`` for an admission server's "nothing sent" 502,
-        else the head counts as reached (its breaker)."""
+        """``False`` for an admission server's "nothing sent" 502, else the head was reached."""
         if status in _UPSTREAM_UNAVAILABLE:
             self._cache.invalidate()
             if status == 502 and headers.get(NOT_SENT_HEADER):
@@ -458,8 +424,8 @@ class InferenceClient:
         payload: Mapping[str, Any] | bytes,
         routing: RouteOptions,
     ) -> T:
-        """Prepare, then ``attempt`` the request, with the one safe retry (see :meth:`open`);
-        a caller-chosen ``target`` keeps its model on the retry (its body may be built for it)."""
+        """Prepare and ``attempt`` with the one safe retry (see :meth:`open`); a caller-chosen
+        ``target`` keeps its model on the retry."""
         prepared = await self.prepare(path, payload, **routing)
         try:
             return await attempt(prepared)
@@ -477,32 +443,24 @@ class InferenceClient:
     def open(
         self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[OpenOptions]
     ) -> Coroutine[Any, Any, UpstreamResponse]:
-        """:meth:`prepare` then :meth:`send`, with the one safe retry (nothing was sent: routed
-        again on a fresh snapshot, avoiding the failed head, same request id); the raw response
-        once its headers arrived (status unchecked, body unread: close it, ``async with``).
-
-        Raises ``RoutingError`` before sending, :class:`~relax_core.errors.
-        UpstreamUnreachableError` when the retry could not connect either,
-        :class:`~relax_core.errors.RequestNotReplayedError` after sending.
-        """
+        """:meth:`prepare` then :meth:`send`, with the one safe retry (nothing sent: routed again
+        on a fresh snapshot, avoiding the failed head, same request id); the raw response (close
+        it). Raises ``RoutingError`` before sending, ``UpstreamUnreachableError`` when the retry
+        could not connect either, ``RequestNotReplayedError`` after sending."""
         attempt = functools.partial(
             self.send,
             timeout=options.pop("timeout", None),
             stream_idle_timeout=options.pop("stream_idle_timeout", None),
             stream_first_chunk_timeout=options.pop("stream_first_chunk_timeout", None),
         )
-        # What is left are the routing options.
         return self._routed(attempt, path, payload, options)
 
     async def post(
         self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[PostOptions]
     ) -> Any:
-        """POST ``payload`` to ``path`` on the resolved target; return the decoded JSON answer.
-
-        ``options``: :class:`PostOptions` (the routing ones as in :meth:`prepare`). Raises as
-        :meth:`open`, plus :class:`~relax_core.errors.UpstreamStatusError`
-        for a 4xx/5xx answer and ``UpstreamError(502)`` for a 2xx body that is not JSON.
-        """
+        """POST ``payload`` to ``path`` on the resolved target; the decoded JSON answer. Raises
+        as :meth:`open`, plus ``UpstreamStatusError`` for a 4xx/5xx answer and
+        ``UpstreamError(502)`` for a 2xx body that is not JSON."""
         attempt = functools.partial(self._exchange, timeout=options.pop("timeout", None))
         status, headers, body, prepared = await self._routed(attempt, path, payload, options)
         if status >= 400:
@@ -525,13 +483,9 @@ class InferenceClient:
     async def stream(
         self, path: str, payload: Mapping[str, Any] | bytes, **options: Unpack[OpenOptions]
     ) -> AsyncIterator[UpstreamResponse]:
-        """POST and yield the response unread, for streaming (``iter_chunks``/``iter_sse``).
-
-        ``options``: those of :meth:`open`. An upstream error status raises
-        :class:`~relax_core.errors.UpstreamStatusError` before the block runs; the deadline
-        covers the whole stream; a failure mid-stream (a stall past the idle limits: 504) raises
-        :class:`~relax_core.errors.RequestNotReplayedError`.
-        """
+        """POST and yield the response unread, for streaming; ``options`` as :meth:`open`. An
+        error status raises ``UpstreamStatusError`` before the block runs; the deadline covers
+        the whole stream; a failure mid-stream (a stall: 504) raises ``RequestNotReplayedError``."""
         async with await self.open(path, payload, **options) as resp:
             if resp.status >= 400:
                 resp.raise_for_status(await resp.read())

@@ -1,6 +1,6 @@
-"""DeferredBatch: stage a closed batch on CPU, run the step's stages on it role by role on shared
-GPUs, validate, write back, publish to the batch sink and commit — or fail it, with nothing
-half-published. ``docs/coordination.md`` has the sequence and every failure.
+"""DeferredBatch: stage a closed batch on CPU, run the step's stages role by role on shared GPUs,
+validate, write back, publish and commit — or fail it, nothing half-published
+(``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, Unpack
 
@@ -58,8 +59,8 @@ DEFAULT_MAX_SAMPLES = 65536
 class DeferredCollector:
     """Captures the completed groups of batch ``batch_id`` on CPU.
 
-    :raises ValueError: (from :meth:`add`) an empty group, a group mixing group ids, a group id
-        or sample id seen before, or more than ``max_samples`` samples in all.
+    :raises ValueError: (from :meth:`add`) an empty or mixed group, an id seen before, or more
+        than ``max_samples`` samples in all.
     """
 
     def __init__(self, batch_id: int, *, max_samples: int = DEFAULT_MAX_SAMPLES) -> None:
@@ -131,9 +132,8 @@ class BatchResult:
 
 @attrs.define
 class Streamed:
-    """What streaming scoring (:mod:`relax_core.run.streaming`) already ran on a batch's
-    groups: the staged copies, how many leading stages ran and their reports, and the groups
-    dropped before the batch. The batch runs the rest and commits as always."""
+    """What streaming scoring already ran on a batch's groups: the staged copies, how many
+    leading stages ran and their reports, the groups dropped before the batch."""
 
     staged: list[Sample]
     stages: int
@@ -143,8 +143,7 @@ class Streamed:
 
 
 class Producer(Protocol):
-    """Generates groups for a batch in flight (:class:`MoreGroups`; new ids), called with the
-    generation role onloaded and its lease held."""
+    """Generates groups for a batch in flight, called with the generation role's lease held."""
 
     async def generate(self, batch_id: int, **request: Unpack[MoreGroups]) -> list[list[Sample]]:
         """The groups ``request`` asks for, one list of samples each."""
@@ -157,16 +156,15 @@ Finalizer = Callable[[int, Sequence[Sample]], Any]
 class DeferredBatch:
     """One closed batch's stages, from staging to commit.
 
-    :param samples: the originals, only written to by the write-back after every stage passed.
+    :param samples: the originals, written only by the write-back after every stage passed.
     :param rollout: the generation role's manager handle in this process.
     :param finalizer: ``finalizer(batch_id, samples)`` (sync or async) between the put and the
         commit; if it raises, the partition is deleted.
     :param release_timeout: deadline of the generation role's local offload and onload.
     :param producer: what generates more groups when a stage asks (none: such a stage fails).
     :param target_groups: what a filter fills the batch up to (default: ``samples``' groups).
-    :param streamed: what streaming scoring already ran on ``samples``.
-    :raises ValueError: bad stages, more samples than ``max_samples``, or ``streamed`` copies
-        that are not those of ``samples``.
+    :raises ValueError: bad stages, more than ``max_samples`` samples, or ``streamed`` copies
+        not those of ``samples``.
     """
 
     def __init__(
@@ -230,7 +228,7 @@ class DeferredBatch:
         self._awake: dict[str, tuple[str, ...]] = {}
         #: role -> the operation id of its activation
         self._operation: dict[str, str] = {}
-        self._leases = 0
+        self._leases = itertools.count(1)  # a number new for each lease the batch takes
         self._committed = False
 
     async def run(self) -> BatchResult:
@@ -276,9 +274,7 @@ class DeferredBatch:
         reports: list[StageReport] = list(streamed.reports) if streamed else []
         first = streamed.stages if streamed else 0
         try:
-            for index, stage in enumerate(self.stages):
-                if index < first:
-                    continue
+            for index, stage in enumerate(self.stages[first:], first):
                 ctx = StageContext(n, self.clients, _Control(self, index))
                 reports.append(await self._run_leased(stage, self.staged, ctx))
         except BaseException as exc:
@@ -311,8 +307,8 @@ class DeferredBatch:
         )
 
     async def _acquire(self, role: str, models: tuple[str, ...], *, student: bool = False) -> None:
-        """Make ``role`` (its ``models``) awake for a stage, releasing first every awake role it
-        does not fit beside (the residency plan); ``student``: its weight version checked."""
+        """Make ``role``'s ``models`` awake, releasing first every awake role it does not fit
+        beside; ``student``: its weight version checked."""
         if role in self._residency.free:
             return
         held = self._awake.get(role)
@@ -344,13 +340,12 @@ class DeferredBatch:
             if student:
                 await self._check_weight_version(role)
             return
-        op = f"{n}:{role}:{self._lease_count()}"
+        op = f"{n}:{role}:{next(self._leases)}"
         self._operation[role] = op
         with tl.phase(n, f"{role}.onload", lane="leases"):
             await self.coordinator.activate(role, f"{op}:activate", batch_id=n, models=models)
 
     async def _release(self, role: str, failure: BaseException | None) -> None:
-        """Give ``role``'s lease back; after ``failure`` its requests in flight are aborted."""
         self._awake.pop(role, None)
         n, tl = self.batch_id, self.timeline
         if role == self._generation_role:
@@ -361,7 +356,7 @@ class DeferredBatch:
             return
         if failure is not None:
             await self._fail(failure)
-        op = self._operation.pop(role, f"{n}:{role}:{self._lease_count()}")
+        op = self._operation.pop(role, f"{n}:{role}:{next(self._leases)}")
         with tl.phase(n, f"{role}.offload", lane="leases"):
             await self.coordinator.deactivate(role, f"{op}:deactivate", batch_id=n)
 
@@ -381,80 +376,15 @@ class DeferredBatch:
     async def _run_leased(
         self, stage: Stage, samples: Sequence[Sample], ctx: StageContext
     ) -> StageReport:
-        """Run ``stage`` on ``samples`` with its role awake (it stays awake until another role
-        needs the memory or the batch is done)."""
         role = stage.role
         if role is not None and (role == self._generation_role or role in self._deferred):
             await self._acquire(role, stage.models, student=role == self._generation_role)
         with self.timeline.phase(self.batch_id, stage.name, lane=stage.name):
             return await stage.run(samples, ctx)
 
-    async def _generate(self, stage: str, **request: Unpack[MoreGroups]) -> list[Sample]:
-        """More groups through the producer, with the generation role's lease taken back."""
-        n, tl, gen = self.batch_id, self.timeline, self._generation_role
-        if self.producer is None:
-            raise CoordinationError(
-                f"stage {stage!r} asks for more generation, but batch {n} has no producer; "
-                "give DeferredBatch(producer=...) (relax run does)"
-            )
-        producer = self.producer
-        await self._acquire(gen, ())
-        with tl.phase(n, f"{stage}.generate", lane="generate"):
-            groups = await producer.generate(n, **request)
-        samples = [s for group in groups for s in group]
-        self.generated_groups += len({s.group_id for s in samples})
-        return samples
-
-    def _add(self, samples: Sequence[Sample]) -> list[Sample]:
-        """Add whole new groups; their staged copies (in the batch from now on)."""
-        n = self.batch_id
-        ids = {s.id for s in self.originals}
-        groups = {s.group_id for s in self.originals}
-        if len(self.originals) + len(samples) > self.max_samples:
-            raise ValueError(f"batch {n}: adding {len(samples)} samples passes {self.max_samples}")
-        for s in samples:
-            if not isinstance(s, Sample):
-                raise ValueError(f"batch {n}: {type(s).__name__} is not a Sample")
-            if s.id in ids or s.group_id in groups:
-                raise ValueError(
-                    f"batch {n}: sample {s.id!r} (group {s.group_id!r}) is in the batch already"
-                )
-        staged = [s.staged_copy(self.fields) for s in samples]
-        self.originals.extend(samples)
-        self.staged.extend(staged)
-        return staged
-
-    def _drop(self, stage: str, group_ids: Iterable[str], reason: str) -> int:
-        """Take whole groups out of the batch; how many samples left."""
-        wanted = set(group_ids)
-        kept: list[tuple[Sample, Sample]] = []
-        gone: dict[str, list[Sample]] = {}
-        for original, staged in zip(self.originals, self.staged, strict=True):
-            if original.group_id in wanted:
-                gone.setdefault(original.group_id, []).append(original)
-            else:
-                kept.append((original, staged))
-        unknown = wanted - set(gone)
-        if unknown:
-            raise ValueError(
-                f"stage {stage!r} dropped group(s) {sorted(unknown)} that are not in batch "
-                f"{self.batch_id}"
-            )
-        self.originals = [o for o, _ in kept]
-        self.staged = [s for _, s in kept]
-        for gid, samples in gone.items():
-            self.dropped.append(Dropped(gid, tuple(s.id for s in samples), stage, reason))
-            self.dropped_samples.extend(samples)
-        return sum(len(samples) for samples in gone.values())
-
     def generated_samples(self) -> list[Sample]:
         """Every sample generated into the batch: those it holds and those stages dropped."""
         return [*self.originals, *self.dropped_samples]
-
-    def _lease_count(self) -> int:
-        """A number new for each lease the batch takes."""
-        self._leases += 1
-        return self._leases
 
     async def _check_weight_version(self, gen: str) -> None:
         versions = {s.weight_version for s in self.originals}
@@ -518,7 +448,6 @@ class DeferredBatch:
         return receipt
 
     async def _delete(self) -> str:
-        """Delete this batch's partition; a note for the error saying what happened."""
         partition = partition_name(self.batch_id)
         try:
             existed = await self.sink.delete(partition)
@@ -555,13 +484,58 @@ class _Control:
         return self._batch.target_groups
 
     async def generate(self, **request: Unpack[MoreGroups]) -> list[Sample]:
-        return await self._batch._generate(self._stage, **more_groups(self._stage, request))
+        b, stage = self._batch, self._stage
+        n, tl, request = b.batch_id, b.timeline, more_groups(self._stage, request)
+        if b.producer is None:
+            raise CoordinationError(
+                f"stage {stage!r} asks for more generation, but batch {n} has no producer; "
+                "give DeferredBatch(producer=...) (relax run does)"
+            )
+        await b._acquire(b._generation_role, ())
+        with tl.phase(n, f"{stage}.generate", lane="generate"):
+            groups = await b.producer.generate(n, **request)
+        samples = [s for group in groups for s in group]
+        b.generated_groups += len({s.group_id for s in samples})
+        return samples
 
     def add(self, samples: Sequence[Sample]) -> list[Sample]:
-        return self._batch._add(samples)
+        b = self._batch
+        n, ids, groups = b.batch_id, {s.id for s in b.originals}, {s.group_id for s in b.originals}
+        if len(b.originals) + len(samples) > b.max_samples:
+            raise ValueError(f"batch {n}: adding {len(samples)} samples passes {b.max_samples}")
+        for s in samples:
+            if not isinstance(s, Sample):
+                raise ValueError(f"batch {n}: {type(s).__name__} is not a Sample")
+            if s.id in ids or s.group_id in groups:
+                raise ValueError(
+                    f"batch {n}: sample {s.id!r} (group {s.group_id!r}) is in the batch already"
+                )
+        staged = [s.staged_copy(b.fields) for s in samples]
+        b.originals.extend(samples)
+        b.staged.extend(staged)
+        return staged
 
     def drop(self, group_ids: Iterable[str], reason: str) -> int:
-        return self._batch._drop(self._stage, group_ids, reason)
+        b, wanted = self._batch, set(group_ids)
+        kept: list[tuple[Sample, Sample]] = []
+        gone: dict[str, list[Sample]] = {}
+        for original, staged in zip(b.originals, b.staged, strict=True):
+            if original.group_id in wanted:
+                gone.setdefault(original.group_id, []).append(original)
+            else:
+                kept.append((original, staged))
+        unknown = wanted - set(gone)
+        if unknown:
+            raise ValueError(
+                f"stage {self._stage!r} dropped group(s) {sorted(unknown)} that are not in batch "
+                f"{b.batch_id}"
+            )
+        b.originals = [o for o, _ in kept]
+        b.staged = [s for _, s in kept]
+        for gid, samples in gone.items():
+            b.dropped.append(Dropped(gid, tuple(s.id for s in samples), self._stage, reason))
+            b.dropped_samples.extend(samples)
+        return sum(len(samples) for samples in gone.values())
 
     async def run_stage(self, stage: Stage, samples: Sequence[Sample]) -> StageReport:
         batch = self._batch
@@ -582,8 +556,7 @@ def describe_failure(exc: BaseException) -> str:
 
 
 async def _deadline(call: Any, timeout: float) -> Any:
-    """Await ``call`` for at most ``timeout`` s; the call is not cancelled (a manager call in a
-    thread cannot be), its late result ignored."""
+    """Await ``call`` for at most ``timeout`` s; a late call is left running, its result ignored."""
     task = asyncio.ensure_future(call)
     try:
         return await asyncio.wait_for(asyncio.shield(task), timeout)
@@ -617,11 +590,10 @@ async def release_generation(
     timeout: float,
     abort: bool = False,
 ) -> None:
-    """Offload the generation role locally and acknowledge it — only when confirmed;
-    ``abort``: abort its requests in flight rather than drain them.
+    """Offload the generation role locally (``abort``: its requests aborted, not drained) and
+    acknowledge it once confirmed.
 
-    :raises LifecycleError: the offload failed, timed out or was not confirmed: the batch is
-        FAILED with "release unconfirmed" and the lease stays BLOCKED.
+    :raises LifecycleError: not confirmed: the batch FAILED, the lease left BLOCKED.
     """
     offload = getattr(rollout, "abort_and_offload", None) if abort else None
     try:
@@ -654,10 +626,8 @@ async def abort_generation(
     timeline: Timeline | None = None,
     timeout: float = 180.0,
 ) -> BatchFailedError:
-    """The producer failed after ``begin_batch``: release the generation role (its requests
-    aborted; an unconfirmed release leaves the lease BLOCKED) and fail the batch; the error
-    to raise.
-    """
+    """The producer failed after ``begin_batch``: release the generation role (aborting its
+    requests) and fail the batch; the error to raise."""
     status = await coordinator.describe()
     gen = status.generation_role
     cause = error if isinstance(error, str) else describe_failure(error)

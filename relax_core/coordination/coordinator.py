@@ -1,20 +1,16 @@
-"""LifecycleCoordinator: shared-GPU leases, operation dedupe and the training-batch commit gate.
-
-In a defer layout the generation role (rollout) and the deferred roles (genrm, teacher) take
-turns on the same GPUs within one RL step. The coordinator grants a role its lease only once
-every other role on its *defer slice* is SLEEPING, and commits a training batch only when every
-role sleeps and the batch sink acknowledged the write; the samples are the
-:class:`~relax_core.coordination.batch.DeferredBatch`'s. The leases, the switch, the BLOCKED
-rule and late replies are the :class:`~relax_core.coordination.leases.LeaseEngine`'s (shared
-with ``relax serve``'s wakes); this module adds batches, operation ids and the commit gate.
+"""LifecycleCoordinator: shared-GPU leases (over the ``LeaseEngine``), operation dedupe and the
+training-batch commit gate: a batch commits only when every role sleeps and the batch sink
+acknowledged the write (docs/coordination.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 
@@ -49,8 +45,6 @@ Fingerprint = tuple[str, str, int]
 
 @attrs.define
 class _Batch:
-    """The coordinator's four control fields of the current batch."""
-
     state: BatchState = BatchState.PENDING
     error: str | None = None
     rollout_released: bool = False
@@ -96,10 +90,8 @@ class CoordinatorStatus:
 
 
 class Coordinator(Protocol):
-    """The coordinator's API, wherever it runs: :class:`LifecycleCoordinator` (in this process
-    and in the Ray actor; see it for what each coroutine does) and
-    :class:`~relax_core.coordination.remote.RemoteCoordinator` (its client), both checked
-    against it."""
+    """The coordinator's API: :class:`LifecycleCoordinator` (see it for each coroutine) and its
+    client :class:`~relax_core.coordination.remote.RemoteCoordinator`, both checked against it."""
 
     async def begin_batch(self, batch_id: int) -> BatchState: ...
 
@@ -138,18 +130,15 @@ def _describe(fp: Fingerprint) -> str:
 class LifecycleCoordinator:
     """Grants shared-GPU leases role by role, dedupes operations and gates batch commits.
 
-    :param slices: role -> defer slice id. Roles sharing a slice share GPUs: at most one of them
-        is ever not SLEEPING. Roles not listed are not leased (resident elsewhere).
-    :param managers: role -> the manager handles of its models
-        (:class:`~relax_core.coordination.handles.ManagerHandle`); every leased role but the
+    :param slices: role -> defer slice id (roles of a slice share its GPUs); roles not listed
+        are not leased.
+    :param managers: role -> the manager handles of its models; every leased role but the
         generation role needs at least one.
-    :param generation_role: the role that generates (rollout). It has no handles here: it
-        offloads itself and acknowledges (:meth:`acknowledge_rollout_offloaded`).
-    :param operation_timeout: the deadline of one manager RPC (default 180 s). A timeout, an
-        error or an unconfirmed result leaves the lease BLOCKED and fails the batch; a late
-        reply never releases it.
-    :param residency: which roles of a slice may hold its GPUs at once (a ``ResidencyPlan``;
-        its free roles need no lease); default: one role of a slice at a time.
+    :param generation_role: the role that generates; it has no handles here: it offloads itself
+        and acknowledges (:meth:`acknowledge_rollout_offloaded`).
+    :param operation_timeout: the deadline of one manager RPC; a timeout, an error or an
+        unconfirmed result leaves the lease BLOCKED and fails the batch.
+    :param residency: which roles of a slice may hold its GPUs at once (default: one).
     :raises ValueError: the inputs disagree (a role without handles, an unknown role).
 
     Every method is a coroutine of one event loop; state changes happen between awaits.
@@ -190,7 +179,6 @@ class LifecycleCoordinator:
         self._slices = dict(slices)
         #: the leases, the switch, BLOCKED and late replies: shared with relax serve's wakes
         self._engine = LeaseEngine(slices, managers, operation_timeout=operation_timeout)
-        self._managers = self._engine.handles
         self._roles = self._engine.leases
         self._blocked = self._engine.blocked
         #: role -> the handles its last confirmed activation onloaded (offloaded next)
@@ -204,7 +192,6 @@ class LifecycleCoordinator:
         self._committed_history = committed_history
         self._retired: collections.OrderedDict[str, Fingerprint] = collections.OrderedDict()
         self._retired_history = retired_history
-        self._late = self._engine.late
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -247,7 +234,7 @@ class LifecycleCoordinator:
             failure=self._failure,
             committed=len(self._committed),
             last_committed=next(reversed(self._committed)) if self._committed else None,
-            late_replies=tuple(self._late),
+            late_replies=tuple(self._engine.late),
             operation_timeout=self._operation_timeout,
             residency=self._residency,
         )
@@ -255,8 +242,8 @@ class LifecycleCoordinator:
     # -- the generation role ---------------------------------------------------------------
 
     async def begin_batch(self, batch_id: int) -> BatchState:
-        """Open batch ``batch_id`` (ids increase) and give the generation role its lease (no
-        RPC). Idempotent: PENDING again, or COMMITTED for a batch within the history.
+        """Open batch ``batch_id`` (ids increase) and give the generation role its lease.
+        Idempotent (PENDING again, or COMMITTED within the history).
 
         :raises BatchFailedError: the run failed earlier.
         :raises LeaseBlockedError: a role on the generation role's slice is BLOCKED.
@@ -285,18 +272,16 @@ class LifecycleCoordinator:
                     f"was already begun; batch {batch_id} is not in the newest "
                     f"{self._committed_history} committed batches"
                 )
-            self._refuse_busy(gen, f"begin_batch({batch_id})", include_self=True)
+            self._grant_generation(f"begin_batch({batch_id})")
             self._open(batch_id)
-            if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
-                self._engine.set(gen, _L.ACTIVE)
             return BatchState.PENDING
 
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState:
-        """The generation role offloaded itself: ``result`` (its manager's ``LifecycleResult``)
-        must show every replica SLEEPING. For the current batch, PENDING or FAILED. Idempotent.
+        """The generation role offloaded itself for the current batch: ``result`` (a
+        ``LifecycleResult``) must show every replica SLEEPING. Idempotent.
 
-        :raises LeaseBlockedError: the result does not confirm the release: the lease is now
-            BLOCKED and the batch FAILED ("release unconfirmed").
+        :raises LeaseBlockedError: ``result`` does not confirm it: the lease is now BLOCKED and
+            the batch FAILED.
         """
         gen = self.generation_role
         async with self._engine.lock(gen), self._condition:
@@ -315,9 +300,8 @@ class LifecycleCoordinator:
             return self._roles[gen]
 
     async def begin_student_scoring(self, batch_id: int) -> LeaseState:
-        """Give the generation role its lease again, for student scoring (it onloads itself and
-        acknowledges again): needs the pending batch, its release acknowledged and every other
-        role on the slice SLEEPING. Idempotent while the student lease is held.
+        """Give the generation role its lease again, for student scoring (it onloads itself):
+        needs its release acknowledged and the slice free. Idempotent while it is held.
 
         :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
         """
@@ -331,10 +315,8 @@ class LifecycleCoordinator:
                     f"begin_student_scoring({batch_id}): the {gen} release was not acknowledged "
                     "(acknowledge_rollout_offloaded first)"
                 )
-            self._refuse_busy(gen, f"begin_student_scoring({batch_id})", include_self=True)
+            self._grant_generation(f"begin_student_scoring({batch_id})")
             batch.student_scoring_started = True
-            if self._roles[gen] is not _L.ACTIVE:
-                self._engine.set(gen, _L.ACTIVE)
             return _L.ACTIVE
 
     # -- deferred roles ---------------------------------------------------------------------
@@ -342,13 +324,10 @@ class LifecycleCoordinator:
     async def activate(
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState:
-        """Onload ``role`` on its slice for the pending batch ``batch_id``: the handles of
-        ``models`` only (model ``m``'s handle is named ``role.m``; empty: all of the role's).
-
-        An ACTIVE role whose awake models include ``models`` is not onloaded again. Refused (and
-        the batch FAILED) while another role on the slice is not SLEEPING. Deduped by
-        ``operation_id``: the same id and request share one execution; another request is an
-        error.
+        """Onload ``role``'s ``models`` (handle ``role.m``; empty: all) for pending batch
+        ``batch_id``; an ACTIVE role already holding them is not onloaded again. Refused (and the
+        batch FAILED) while another role on the slice is not SLEEPING. Deduped by
+        ``operation_id``: the same id and request share one execution; another request errs.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its onload was not confirmed within
             the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -358,17 +337,33 @@ class LifecycleCoordinator:
         """
         handles = self._chosen(role, models)
         what = role if not models else f"{role}[{','.join(sorted(set(models)))}]"
-        return await self._dedupe(
-            operation_id,
-            ("activate", what, batch_id),
-            lambda: self._activate(role, batch_id, handles),
-        )
+
+        def admit() -> str | None:
+            self._pending(batch_id, f"activate({role!r})")
+            state = self._roles[role]
+            if state is _L.ACTIVE:
+                awake = self._awake.get(role, ())
+                other = [h.name for h in handles if h not in awake]
+                if other:
+                    raise CoordinationError(
+                        f"activate({role!r}): the role is ACTIVE with "
+                        f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
+                    )
+            if state not in (_L.BLOCKED, _L.ACTIVE):  # else answered by _switch
+                try:
+                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
+                except CoordinationError as exc:
+                    self._fail(batch_id, str(exc))
+                    raise
+            return None
+
+        switch = functools.partial(self._switch, role, batch_id, admit, handles, out=False)
+        return await self._dedupe(operation_id, ("activate", what, batch_id), switch)
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
-        """Offload ``role`` (the handles its activation onloaded; all after a failed switch), for
-        the current batch whether PENDING or FAILED; a SLEEPING role is not offloaded again. For
-        a FAILED batch its requests in flight are aborted (``abort_and_offload()``), not drained.
-        Deduped by ``operation_id`` as :meth:`activate`.
+        """Offload ``role`` (what its activation onloaded; all after a failed switch) for the
+        current batch, PENDING or FAILED (then its requests are aborted, not drained); a SLEEPING
+        role is not offloaded again. Deduped by ``operation_id`` as :meth:`activate`.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
@@ -383,9 +378,8 @@ class LifecycleCoordinator:
     async def fail_batch(
         self, batch_id: int, error: str, *, release_unconfirmed: bool = False
     ) -> BatchState:
-        """Mark ``batch_id`` FAILED (the first cause kept; a batch never begun too, when no other
-        is pending) and wake its waiters. ``release_unconfirmed``: the generation role's offload
-        was not confirmed, so its lease is kept, BLOCKED. Idempotent.
+        """Mark ``batch_id`` FAILED (the first cause kept; a batch never begun too) and wake its
+        waiters; ``release_unconfirmed``: the generation lease is kept BLOCKED. Idempotent.
 
         :raises CoordinationError: the batch is committed, or another batch is pending.
         """
@@ -410,21 +404,19 @@ class LifecycleCoordinator:
             return BatchState.FAILED
 
     async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState:
-        """Commit ``batch_id``: every role SLEEPING, the generation release acknowledged, and
-        ``receipt`` the ``SinkReceipt`` of a put that closed ``train_{batch_id}``. Wakes every
-        waiter. Idempotent (COMMITTED within the history).
+        """Commit ``batch_id`` (every role SLEEPING; ``receipt``: the put that closed
+        ``train_{batch_id}``) and wake every waiter. Idempotent (within the history).
 
         :raises BatchFailedError: the batch failed.
         :raises CoordinationError: a role is not SLEEPING, the release was not acknowledged, or
-            the receipt is missing, of another partition or did not close it (nothing changes).
+            the receipt does not close the batch's partition (nothing changes).
         """
         _check_batch_id(batch_id)
         async with self._condition:
             if batch_id in self._committed:
                 return BatchState.COMMITTED
             batch = self._current_batch(batch_id, "commit_batch")
-            if batch.state is _B.FAILED:
-                raise BatchFailedError(batch_id, batch.error or "failed")
+            _raise_if_failed(batch_id, batch)
             where = f"commit_batch({batch_id})"
             if not isinstance(receipt, SinkReceipt):
                 raise CoordinationError(
@@ -459,41 +451,32 @@ class LifecycleCoordinator:
             return BatchState.COMMITTED
 
     async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt:
-        """Wait until ``batch_id`` is committed (at once within the history; a batch evicted
-        beyond it waits until ``timeout``); its sink receipt (the partition to read).
+        """Wait until ``batch_id`` is committed; its sink receipt (a batch evicted beyond the
+        history waits until ``timeout``).
 
-        :raises BatchFailedError: the batch failed, or the run failed at this or an earlier
-            batch (the message names the batch and the cause).
+        :raises BatchFailedError: the batch, or the run at this or an earlier batch, failed.
         :raises TimeoutError: not committed within ``timeout`` seconds.
         """
         _check_batch_id(batch_id)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         async with self._condition:
-            while True:
-                receipt = self._commit_outcome(batch_id)
-                if receipt is not None:
-                    return receipt
-                if deadline is None:
-                    await self._condition.wait()
-                    continue
-                left = deadline - loop.time()
-                if left <= 0:
+            while (receipt := self._commit_outcome(batch_id)) is None:
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
                     raise TimeoutError(
                         f"batch {batch_id} was not committed within {timeout}s "
                         f"(current batch: {self._current})"
                     )
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._condition.wait(), left)
-                except TimeoutError:
-                    continue
+            return receipt
 
     # -- recovery mid-run ---------------------------------------------------------------------
 
     async def recover(self, role: str) -> dict[str, list[str]]:
-        """A stage's request to ``role`` failed mid-run: :meth:`LeaseEngine.recover
-        <relax_core.coordination.leases.LeaseEngine.recover>` under the slice's lock;
-        nothing for the generation role (no handles here) or a BLOCKED one (the operator's).
+        """A stage's request to ``role`` failed mid-run: :meth:`LeaseEngine.recover` under the
+        slice's lock; nothing for the generation role or a BLOCKED one (the operator's).
 
         :raises CoordinationError: ``role`` is not one of the job's.
         """
@@ -504,9 +487,8 @@ class LifecycleCoordinator:
             return await self._engine.recover(role)
 
     async def go_on_after(self, batch_id: int) -> None:
-        """The run goes on past FAILED batch ``batch_id`` (``[run] max_failed_steps``): the
-        run's failure is cleared so the next batch may begin; the batch stays FAILED and a
-        BLOCKED lease stays BLOCKED. Idempotent.
+        """Go on past FAILED batch ``batch_id`` (``[run] max_failed_steps``): the run's failure is
+        cleared; the batch and any BLOCKED lease stay as they are. Idempotent.
 
         :raises CoordinationError: batch ``batch_id`` is not FAILED.
         """
@@ -524,8 +506,8 @@ class LifecycleCoordinator:
     # -- the operator -----------------------------------------------------------------------
 
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState:
-        """Operator only: set a BLOCKED lease back to SLEEPING; ``confirm_clean`` must be true
-        (the role's engines hold no GPU memory, checked on the node). The run's failure is kept.
+        """Operator only: a BLOCKED lease back to SLEEPING once ``confirm_clean`` (its engines hold
+        no GPU memory); the run's failure is kept.
 
         :raises CoordinationError: not confirmed, or the lease is not BLOCKED.
         """
@@ -547,30 +529,6 @@ class LifecycleCoordinator:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _activate(
-        self, role: str, batch_id: int, handles: tuple[ManagerHandle, ...]
-    ) -> LeaseState:
-        def admit() -> str | None:
-            self._pending(batch_id, f"activate({role!r})")
-            state = self._roles[role]
-            if state is _L.ACTIVE:
-                awake = self._awake.get(role, ())
-                other = [h.name for h in handles if h not in awake]
-                if other:
-                    raise CoordinationError(
-                        f"activate({role!r}): the role is ACTIVE with "
-                        f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
-                    )
-            if state not in (_L.BLOCKED, _L.ACTIVE):  # else answered by _switch
-                try:
-                    self._refuse_busy(role, f"activate({role!r})", include_self=False)
-                except CoordinationError as exc:
-                    self._fail(batch_id, str(exc))
-                    raise
-            return None
-
-        return await self._switch(role, batch_id, admit, handles, out=False)
-
     async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
         def admit() -> str | None:
             batch = self._current_batch(batch_id, f"deactivate({role!r})")
@@ -589,11 +547,7 @@ class LifecycleCoordinator:
         *,
         out: bool,
     ) -> LeaseState:
-        """One lease switch of ``role`` off (``out``) or onto its slice: ``admit()`` (checks,
-        under the condition; it may name the method to call), then, unless the role is BLOCKED
-        (raises) or already there, the lease engine's switch of ``handles``
-        (:meth:`LeaseEngine.switch`); the lease BLOCKED and the batch FAILED when it is not
-        confirmed. Which handles are awake is kept (all of the role's after a failed switch)."""
+        """``admit()`` under the condition, then :meth:`LeaseEngine.switch`; unconfirmed: FAILED."""
         moving, done = (_L.DRAINING, _L.SLEEPING) if out else (_L.ONLOADING, _L.ACTIVE)
         async with self._engine.lock(role):
             async with self._condition:
@@ -609,7 +563,7 @@ class LifecycleCoordinator:
                 if reason is None:
                     self._awake[role] = () if out else handles
                     return done
-                self._awake[role] = self._managers[role]
+                self._awake[role] = self._engine.handles[role]
                 self._fail(batch_id, f"{'deactivate' if out else 'activate'} {role}: {reason}")
             raise LeaseBlockedError(role, reason)
 
@@ -635,8 +589,7 @@ class LifecycleCoordinator:
             self._operations[operation_id] = op
         elif op.fingerprint != fp:
             raise self._reused(operation_id, op.fingerprint, fp)
-        result: LeaseState = await asyncio.shield(op.task)
-        return result
+        return cast(LeaseState, await asyncio.shield(op.task))
 
     @staticmethod
     def _reused(operation_id: str, old: Fingerprint, new: Fingerprint) -> CoordinationError:
@@ -646,8 +599,7 @@ class LifecycleCoordinator:
         )
 
     def _open(self, batch_id: int) -> None:
-        """Make ``batch_id`` the current batch: the previous one forgotten, its finished
-        operations' fingerprints retired."""
+        """Make ``batch_id`` current; the previous one's finished operations retired."""
         self._batches = {batch_id: _Batch()}
         self._current = batch_id
         self._last_begun = batch_id if self._last_begun is None else max(batch_id, self._last_begun)
@@ -663,9 +615,7 @@ class LifecycleCoordinator:
         receipt = self._committed.get(batch_id)
         if receipt is not None:
             return receipt
-        batch = self._batches.get(batch_id)
-        if batch is not None and batch.state is _B.FAILED:
-            raise BatchFailedError(batch_id, batch.error or "failed")
+        _raise_if_failed(batch_id, self._batches.get(batch_id))
         failure = self._failure
         if failure is not None and batch_id >= failure.batch_id:
             raise self._run_failed(batch_id)
@@ -686,9 +636,8 @@ class LifecycleCoordinator:
         self._condition.notify_all()
 
     def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
-        """Refuse ``role`` the slice while roles that hold it (``role`` too, with
-        ``include_self``) would not fit beside it: a BLOCKED one always (what it holds is not
-        known), an awake one unless the residency plan lets them share."""
+        """Refuse ``role`` the slice while a role holding it (``role`` too, with ``include_self``)
+        is BLOCKED, or awake and not allowed beside it by the residency plan."""
         slice_id = self._slices[role]
         busy = {
             r: s
@@ -708,6 +657,12 @@ class LifecycleCoordinator:
             f"{ {r: str(s) for r, s in busy.items()} }; release them first"
         )
 
+    def _grant_generation(self, where: str) -> None:
+        gen = self.generation_role
+        self._refuse_busy(gen, where, include_self=True)
+        if self._roles[gen] is not _L.ACTIVE:  # a free generation role stays ACTIVE
+            self._engine.set(gen, _L.ACTIVE)
+
     def _pending_id(self) -> int | None:
         return next((i for i, batch in self._batches.items() if batch.state is _B.PENDING), None)
 
@@ -721,8 +676,7 @@ class LifecycleCoordinator:
 
     def _pending(self, batch_id: int, where: str) -> _Batch:
         batch = self._current_batch(batch_id, where)
-        if batch.state is _B.FAILED:
-            raise BatchFailedError(batch_id, batch.error or "failed")
+        _raise_if_failed(batch_id, batch)
         if batch.state is not _B.PENDING:
             raise CoordinationError(f"{where}: batch {batch_id} is {batch.state}")
         return batch
@@ -750,7 +704,7 @@ class LifecycleCoordinator:
                 f"role {role!r} is the generation role: it offloads itself and calls "
                 "acknowledge_rollout_offloaded (and begin_student_scoring to come back)"
             )
-        return self._managers[role]
+        return self._engine.handles[role]
 
     def _check_role(self, role: str) -> None:
         if role not in self._roles:
@@ -759,10 +713,11 @@ class LifecycleCoordinator:
             )
 
 
+def _raise_if_failed(batch_id: int, batch: _Batch | None) -> None:
+    if batch is not None and batch.state is _B.FAILED:
+        raise BatchFailedError(batch_id, batch.error or "failed")
+
+
 def _check_batch_id(batch_id: object) -> None:
     if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
         raise CoordinationError(f"batch id {batch_id!r}: give an int >= 0")
-
-
-if TYPE_CHECKING:  # mypy checks the in-process coordinator against the contract
-    _IN_PROCESS: type[Coordinator] = LifecycleCoordinator

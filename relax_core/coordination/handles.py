@@ -55,11 +55,8 @@ def unconfirmed(result: object, expected: str) -> str | None:
 
 
 class ClientHandle:
-    """A :class:`ManagerHandle` over a client of a manager's core
-    (:class:`~relax_core.manager.actor.InProcessManager` or
-    :class:`~relax_core.manager.actor.RayManager`): each call the manager's, awaited (its
-    onload and offload are idempotent per replica).
-    """
+    """A :class:`ManagerHandle` over an ``InProcessManager`` or ``RayManager`` client: each
+    call the manager's, awaited (onload and offload are idempotent per replica)."""
 
     def __init__(self, client: InProcessManager | RayManager) -> None:
         self.client = client

@@ -1,11 +1,6 @@
-"""One lease engine over GPU slices: who may hold a slice's GPUs, and the switch that moves a
-role on or off them. ``relax run``'s
-:class:`~relax_core.coordination.coordinator.LifecycleCoordinator` and ``relax serve``'s
-:class:`~relax_core.jobs.wake.WakeController` both drive it (they decide *when*, under the
-slice's lock), so they cannot drift: the switch (a role's FAILED replicas rebuilt first, then
-every handle called at once, each result confirming every replica), the BLOCKED rule (a switch
-not confirmed leaves the role BLOCKED until the operator resets it) and late replies (recorded,
-never acted on). See ``docs/coordination.md``.
+"""One lease engine over GPU slices, driven by ``relax run``'s coordinator and ``relax serve``'s
+wakes: who may hold a slice's GPUs, and the switch that moves a role on or off them; an
+unconfirmed switch leaves the role BLOCKED until the operator resets it (docs/coordination.md).
 """
 
 from __future__ import annotations
@@ -42,12 +37,10 @@ class LateReply:
 class LeaseEngine:
     """The leases of every role of the shared slices, and the switch (see the module).
 
-    :param slices: role -> slice id. Roles of one slice take turns on its GPUs.
-    :param handles: role -> the handles of its models (a role without any has none here:
-        ``relax run``'s generation role offloads itself and acknowledges).
-    :param operation_timeout: seconds one handle call may take.
-    :param on_event: called with one line per rebuild (and per BLOCKED lease).
-    :param on_rebuild: called with the role whose replicas a switch rebuilt.
+    :param slices: role -> slice id; roles of one slice take turns on its GPUs.
+    :param handles: role -> the handles of its models (may be none).
+    :param on_event: told one line per rebuild and per BLOCKED lease.
+    :param on_rebuild: told the role whose replicas a switch rebuilt.
 
     One event loop; not thread-safe. The caller holds the slice's :meth:`lock` around a switch.
     """
@@ -80,11 +73,7 @@ class LeaseEngine:
 
     def lock(self, role: str) -> asyncio.Lock:
         """The lock of ``role``'s slice (held around every switch of a role of the slice)."""
-        slice_id = self.slices[role]
-        lock = self._locks.get(slice_id)
-        if lock is None:
-            lock = self._locks[slice_id] = asyncio.Lock()
-        return lock
+        return self._locks.setdefault(self.slices[role], asyncio.Lock())
 
     def set(self, role: str, state: LeaseState) -> None:
         """Move ``role``'s lease (a transition the state machine has).
@@ -102,23 +91,18 @@ class LeaseEngine:
             self._on_event(f"{role}: BLOCKED ({reason})")
 
     def reset(self, role: str) -> None:
-        """The operator's reset: a BLOCKED ``role`` back to SLEEPING (its GPUs confirmed
-        clean).
+        """The operator's reset: a BLOCKED ``role`` back to SLEEPING (its GPUs confirmed clean).
 
         :raises CoordinationError: the lease is not BLOCKED.
         """
         self.set(role, _L.SLEEPING)
         del self.blocked[role]
 
-    def beside(self, role: str) -> list[str]:
-        """The roles of ``role``'s slice (``role`` too)."""
-        return [r for r, s in self.slices.items() if s == self.slices[role]]
-
     def blocked_beside(self, role: str) -> tuple[str, str] | None:
         """The first BLOCKED role of ``role``'s slice (``role`` too) and why: while there is
         one, nothing is granted the slice."""
-        for other in self.beside(role):
-            if self.leases[other] is _L.BLOCKED:
+        for other, slice_id in self.slices.items():
+            if slice_id == self.slices[role] and self.leases[other] is _L.BLOCKED:
                 return other, self.blocked[other]
         return None
 
@@ -132,12 +116,10 @@ class LeaseEngine:
         out: bool,
         method: str | None = None,
     ) -> str | None:
-        """Move ``role`` off (``out``: DRAINING, then SLEEPING) or onto (ONLOADING, then
-        ACTIVE) its slice: ``handles`` (default: every one of the role's) rebuilt where they
-        have FAILED replicas, then ``method`` (default ``offload`` / ``onload``; a handle
-        without :data:`ABORT` offloads) called on each at once. ``None`` once every result is
-        confirmed; else why not, and the role is BLOCKED. The caller holds :meth:`lock`.
-        """
+        """Move ``role`` off (``out``) or onto its slice: ``handles`` (default: all the role's)
+        rebuilt where FAILED, then ``method`` (default ``offload`` / ``onload``) called on each
+        at once. ``None`` once every result is confirmed; else why not, and the role is BLOCKED.
+        The caller holds :meth:`lock`."""
         moving, done, expected = (
             (_L.DRAINING, _L.SLEEPING, "SLEEPING") if out else (_L.ONLOADING, _L.ACTIVE, "READY")
         )
@@ -189,9 +171,8 @@ class LeaseEngine:
     async def _step(
         self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
-        """One handle's part of a switch: rebuilt first unless known clean from its last call,
-        then called (rebuilt and called again if it failed with FAILED replicas); why not
-        confirmed."""
+        """One handle's part of a switch (rebuilt first unless its last call confirmed it; rebuilt
+        and called again on FAILED replicas); why not confirmed."""
         known_clean = self._confirmed.pop(id(handle), None) is handle
         why = None if known_clean else await self._heal(handle, role)
         if why is None:

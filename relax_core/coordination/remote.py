@@ -1,7 +1,6 @@
-"""The coordinator as a CPU-only Ray actor (:func:`start_coordinator`, found again by
-:func:`connect_coordinator`), and :class:`RemoteCoordinator`, its client in every process of the
-job: each call of the :class:`~relax_core.coordination.coordinator.Coordinator` forwarded, an
-error raised in the actor re-raised as itself. Nothing here is an HTTP route.
+"""The coordinator as a CPU-only Ray actor (:func:`start_coordinator`,
+:func:`connect_coordinator`) and :class:`RemoteCoordinator`, its client: each ``Coordinator``
+call forwarded, an error raised in the actor re-raised as itself.
 """
 
 from __future__ import annotations
@@ -38,11 +37,8 @@ def coordinator_name(job: str) -> str:
 
 
 class CoordinatorActor(LifecycleCoordinator):
-    """The coordinator a Ray actor hosts (an async actor): a
-    :class:`~relax_core.coordination.coordinator.LifecycleCoordinator` whose deferred roles'
-    managers are manager actors (``managers``: role -> ``[(name, actor), …]``); the other
-    settings are the LifecycleCoordinator's.
-    """
+    """The LifecycleCoordinator a Ray async actor hosts; ``managers``: role ->
+    ``[(name, manager actor), …]``, the other settings the LifecycleCoordinator's."""
 
     def __init__(self, *, managers: Mapping[str, Sequence[tuple[str, Any]]], **settings: Any):
         handles = {
@@ -67,9 +63,8 @@ def _to_actor(name: str) -> Callable[..., Any]:
 
 @generate(Coordinator, _to_actor)
 class RemoteCoordinator(_Contract):
-    """The :class:`~relax_core.coordination.coordinator.Coordinator` over a
-    :class:`CoordinatorActor` handle (picklable): each method of the Protocol generated,
-    forwarding the call."""
+    """The ``Coordinator`` over a :class:`CoordinatorActor` handle (picklable), each method
+    generated from the Protocol."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -150,5 +145,5 @@ def connect_coordinator(job: str) -> RemoteCoordinator:
         ) from None
 
 
-if TYPE_CHECKING:  # mypy checks the client and the actor against the contract
+if TYPE_CHECKING:  # mypy checks the client and the actor (so the in-process one) against it
     _CLIENTS: tuple[type[Coordinator], ...] = (RemoteCoordinator, CoordinatorActor)

@@ -1,6 +1,5 @@
 """Residency: which roles of a defer slice may be resident together, from the placement's memory
-budget (their GiB per bundle fit the GPU together; a role of unknown need is resident alone; a
-role with no GPU bundle on a shared slice is *free*). See ``docs/coordination.md``.
+budget (``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -161,13 +160,12 @@ def plan_residency(
             per_bundle: dict[int, float] | None = {}
             models = [p for p in plan.placements if p.role == role and p.pool is not None]
             for p in models:
-                found = [b for b in budgets.get(role, []) if b.model == p.model]
-                if not found or found[0].status != "ok" or per_bundle is None:
-                    if found and found[0].status != "ok":
-                        unknown[role] = found[0].note or f"its budget is {found[0].status}"
+                budget = next((b for b in budgets.get(role, []) if b.model == p.model), None)
+                if budget is not None and budget.status != "ok":
+                    unknown[role] = budget.note or f"its budget is {budget.status}"
+                if budget is None or budget.status != "ok" or per_bundle is None:
                     per_bundle = None
                     continue
-                budget = found[0]
                 capacity = budget.capacity_gib
                 engine = sum(i.gib for i in budget.items if not i.training)
                 kept = sum(i.gib for i in budget.items if i.training)

@@ -5,7 +5,7 @@ What stages write goes into :attr:`Sample.fields`; a staged copy shares the toke
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -32,11 +32,9 @@ def _boundaries(value: Any) -> tuple[tuple[int, str], ...]:
 class Sample:
     """One response of one prompt; samples of one prompt share ``group_id``.
 
-    ``weight_version``: the version its last token came from; ``weight_versions``: ``(first
-    token index, version)`` boundaries when a weight update landed while it was generated
-    (empty: all from ``weight_version``; :attr:`versions` reads both). ``metadata`` is
-    free-form (``route_key`` picks a role's model by key; ``rollout_metrics``: a rollout's
-    numbers per sample). ``fields``: what the step's stages wrote, by field name.
+    ``weight_version``: the version of its last token; ``weight_versions``: ``(first token
+    index, version)`` boundaries when weights changed mid-generation (:attr:`versions` reads
+    both). ``metadata`` is free-form; ``fields``: what the step's stages wrote.
     """
 
     id: str
@@ -64,21 +62,17 @@ class Sample:
     @property
     def reward(self) -> float | None:
         """``fields["reward"]`` (``None`` before a reward stage ran)."""
-        value: float | None = self.fields.get("reward")
-        return value
+        return cast("float | None", self.fields.get("reward"))
 
     @property
     def rewards(self) -> Mapping[str, float]:
         """``fields["rewards"]``: each reward adapter's value, by its key (read-only)."""
-        value: Mapping[str, float] = self.fields.get("rewards") or {}
-        return value
+        return cast("Mapping[str, float]", self.fields.get("rewards") or {})
 
     @property
     def versions(self) -> tuple[tuple[int, str | None], ...]:
         """The response's version segments, ``(first token index, version)`` in order."""
-        if self.weight_versions:
-            return self.weight_versions
-        return ((0, self.weight_version),)
+        return self.weight_versions or ((0, self.weight_version),)
 
     def trained(self) -> tuple[bool, ...]:
         """Whether each response token is trained on (:attr:`loss_mask`; empty: all)."""

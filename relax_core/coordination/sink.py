@@ -1,8 +1,5 @@
-"""Batch sinks: where a deferred batch publishes its scored samples for training consumers.
-
-A sink is anything with three async methods (:class:`BatchSink`); batch ``N`` goes to partition
-``train_N``. A put appends, all or nothing; ``is_last`` closes the partition (a later put is
-refused); ``get`` is refused until it is closed; ``delete`` is idempotent.
+"""Batch sinks (:class:`BatchSink`): where a deferred batch publishes its scored samples; batch
+``N`` goes to partition ``train_N``, readable once a put with ``is_last`` closed it.
 """
 
 from __future__ import annotations
@@ -60,9 +57,8 @@ class BatchSink(Protocol):
 
 
 class MemoryBatchSink:
-    """A batch sink in this process, also the store a :class:`RayBatchSink` actor holds
-    (partition name -> samples, closed). Every failure is a
-    :class:`~relax_core.errors.SinkError`: a bad name, a closed or missing partition."""
+    """A batch sink in this process, also the store a :class:`RayBatchSink` actor holds. Every
+    failure is a ``SinkError``: a bad name, a closed or missing partition."""
 
     def __init__(self) -> None:
         self._data: dict[str, tuple[list[Any], bool]] = {}
@@ -100,9 +96,7 @@ class MemoryBatchSink:
 
 class RayBatchSink:
     """The built-in batch sink: partitions held by a CPU-only Ray actor (:meth:`start`, or
-    :meth:`connect` by name); picklable. Every failure is a
-    :class:`~relax_core.errors.SinkError` naming the partition.
-    """
+    :meth:`connect` by name); picklable. Every failure is a ``SinkError`` naming the partition."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -159,8 +153,8 @@ class RayBatchSink:
         return held
 
     def stop(self, *, timeout: float = 10.0) -> None:
-        """Kill the store actor (its partitions are lost) and wait, up to ``timeout`` seconds,
-        until it answers no more (Ray's kill is asynchronous). Idempotent. Blocking.
+        """Kill the store actor (its partitions lost) and wait up to ``timeout`` s until it
+        answers no more. Idempotent. Blocking.
 
         :raises SinkError: (partition ``*``) the actor still answered after ``timeout``.
         """

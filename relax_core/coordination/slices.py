@@ -18,26 +18,17 @@ def defer_slices(plan: InferencePlacementPlan) -> Mapping[str, str]:
         if p.pool is None or p.phase == PHASE_RESIDENT or p.bundle_start is None:
             continue
         runs.setdefault(p.role, []).append((p.pool, p.bundle_start, p.bundle_end))
-    parent = {role: role for role in runs}
+    groups: list[set[str]] = []  # the roles that share GPUs, transitively
+    for role in sorted(runs):
+        touching = [g for g in groups if any(_overlap(runs[role], runs[r]) for r in g)]
+        groups = [g for g in groups if g not in touching] + [{role}.union(*touching)]
+    names: dict[str, str] = {}
+    for group in groups:
+        spans = [span for r in sorted(group) for span in runs[r]]
+        start, end = min(s for _, s, _ in spans), max(e for _, _, e in spans)
+        names.update(dict.fromkeys(group, f"{spans[0][0]}:{start}-{end - 1}"))
+    return {role: names[role] for role in sorted(runs)}
 
-    def find(role: str) -> str:
-        while parent[role] != role:
-            parent[role] = parent[parent[role]]
-            role = parent[role]
-        return role
 
-    roles = sorted(runs)
-    for i, a in enumerate(roles):
-        for b in roles[i + 1 :]:
-            if any(
-                pa == pb and sa < eb and sb < ea for pa, sa, ea in runs[a] for pb, sb, eb in runs[b]
-            ):
-                parent[find(a)] = find(b)
-    members: dict[str, list[tuple[str, int, int]]] = {}
-    for role in roles:
-        members.setdefault(find(role), []).extend(runs[role])
-    names = {}
-    for root, spans in members.items():
-        pool = spans[0][0]
-        names[root] = f"{pool}:{min(s for _, s, _ in spans)}-{max(e for _, _, e in spans) - 1}"
-    return {role: names[find(role)] for role in roles}
+def _overlap(a: list[tuple[str, int, int]], b: list[tuple[str, int, int]]) -> bool:
+    return any(pa == pb and sa < eb and sb < ea for pa, sa, ea in a for pb, sb, eb in b)

@@ -1,6 +1,5 @@
-"""What a step stage is: the fields it writes (:class:`SampleField`), the role whose lease it
-needs, and what it gets (:class:`StageContext`) to reach the roles' engines and the batch it
-runs in (``docs/coordination.md``).
+"""What a step stage is: the fields it writes, the role whose lease it needs, and what it gets
+to reach the roles' engines and its batch (``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -42,10 +41,9 @@ def _field_name(_i: object, _a: object, value: Any) -> None:
 
 @attrs.frozen
 class SampleField:
-    """A field a stage writes on every sample it keeps (``sample.fields[name]``), checked
-    before anything is written back: ``check(value, sample)`` returns what is wrong or
-    ``None`` (not called without the field); ``required``: a sample without it is a problem
-    (``f"{name} {missing}"``).
+    """A field a stage writes on every sample it keeps (``sample.fields[name]``), checked before
+    the write-back: ``check(value, sample)`` says what is wrong or ``None``; ``required``: a
+    sample without it is a problem (``f"{name} {missing}"``).
 
     :raises ValueError: a bad name.
     """
@@ -69,11 +67,10 @@ class StageReport:
 class RoleClients:
     """Where each role's engines are discovered, and the loop's shared client for each.
 
-    :param sources: role -> a base URL serving ``/engines?schema=2`` (a role gateway or a
-        registry) or a snapshot provider (sync or async callable).
-    :param recovery: the run's :class:`~relax_core.coordination.retries.Recovery` (``None``:
-        retries are neither counted nor preceded by a rebuild).
-    :param options: :class:`~relax_core.client.client.InferenceClient` options, every role's.
+    :param sources: role -> a base URL serving ``/engines?schema=2`` or a snapshot provider.
+    :param recovery: the run's ``Recovery`` (``None``: retries neither counted nor preceded by
+        a rebuild).
+    :param options: ``InferenceClient`` options, every role's.
     """
 
     def __init__(
@@ -101,10 +98,8 @@ class RoleClients:
 
 @runtime_checkable
 class Stage(Protocol):
-    """A step stage: ``name`` unique in the step; ``role`` whose engines it uses (``None``:
-    CPU only; a deferred role is leased around it); ``models`` of that role it uses (empty:
-    every one); ``fields`` it writes.
-    """
+    """A step stage: ``name`` unique in the step; ``role`` whose engines it uses (``None``: CPU
+    only); ``models`` of that role it uses (empty: every one); ``fields`` it writes."""
 
     @property
     def name(self) -> str: ...
@@ -125,8 +120,8 @@ class Stage(Protocol):
 
 
 class MoreGroups(TypedDict, total=False):
-    """What a stage asks its batch to generate: ``groups`` more groups from the step's prompt
-    source, or one group per prompt of ``prompts``, not both; the others override the step's."""
+    """What a stage asks its batch to generate: ``groups`` more groups, or one per prompt of
+    ``prompts`` (not both); the others override the step's."""
 
     groups: int | None
     prompts: Sequence[Any] | None
@@ -148,8 +143,7 @@ def more_groups(stage: str, request: MoreGroups) -> MoreGroups:
 
 
 class BatchControl(Protocol):
-    """What a stage may do to the batch it runs in, keeping the commit gate (each operation
-    takes the lease it needs; nothing is committed before every stage passed)."""
+    """What a stage may do to the batch it runs in (each operation takes the lease it needs)."""
 
     @property
     def upstream(self) -> tuple[Stage, ...]:
@@ -181,8 +175,8 @@ class BatchControl(Protocol):
 
 @attrs.frozen
 class StageContext:
-    """What a stage gets besides the samples: the batch id, the role clients and, in a
-    deferred batch, the batch (:class:`BatchControl`, whose operations are forwarded here).
+    """What a stage gets besides the samples: the batch id, the role clients and, in a deferred
+    batch, the batch (its :class:`BatchControl` operations forwarded here).
 
     :raises CoordinationError: (from the forwarded operations) the stage runs outside a batch.
     """
@@ -233,9 +227,8 @@ class StageContext:
         role: str | None,
         retries: int,
     ) -> Any:
-        """:func:`~relax_core.coordination.retries.retrying` of ``send()``: ONE idempotent
-        request (never a generation) that resolves its target anew each time.
-        :raises Exception: the last attempt's failure (with a note of the attempts)."""
+        """``retrying`` of ``send()``: ONE idempotent request (never a generation) that resolves
+        its target anew each time. :raises Exception: the last attempt's failure."""
         recovery = self.clients.recovery
         return await retrying(
             send, batch_id=self.batch_id, stage=stage, role=role, retries=retries, recovery=recovery

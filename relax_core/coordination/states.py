@@ -1,8 +1,6 @@
-"""The coordinator's two state machines, never mixed: batch states ("may this batch be trained
-on") and role leases ("which role may still hold the shared GPUs"); pure, no I/O. The lease
-diagram is in ``docs/coordination.md``. BLOCKED is the fail-stop fence of a shared GPU: the
-result of an onload or offload is not known, so the GPUs go to no other role until the operator
-resets it, whatever a late reply says.
+"""The coordinator's two state machines, never mixed: batch states and role leases (diagram in
+``docs/coordination.md``). BLOCKED is the fail-stop fence of a shared GPU: an onload or offload
+of unknown result gives the GPUs to no other role until the operator resets it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ __all__ = ["PHASE_HISTOGRAM", "PhaseEvent", "Timeline"]
 #: The Prometheus histogram every phase duration is observed in.
 PHASE_HISTOGRAM = "relax_deferred_phase_seconds"
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600)
-_HISTOGRAMS: dict[int, tuple[Any, Any]] = {}
+_HISTOGRAMS: dict[Any, Any] = {}  # registry -> its histogram
 _HISTOGRAMS_LOCK = threading.Lock()
 
 
@@ -31,10 +31,9 @@ def _histogram(registry: Any) -> Any:
 
     registry = REGISTRY if registry is None else registry
     with _HISTOGRAMS_LOCK:
-        # Keyed by id(); the registry is kept alive next to its histogram so the id stays its.
-        entry = _HISTOGRAMS.get(id(registry))
-        if entry is None:
-            hist = Histogram(
+        hist = _HISTOGRAMS.get(registry)
+        if hist is None:
+            hist = _HISTOGRAMS[registry] = Histogram(
                 PHASE_HISTOGRAM,
                 "Duration of each phase of a deferred batch (lease transitions, scoring stages, "
                 "validation, write-back, sink write, commit)",
@@ -42,8 +41,7 @@ def _histogram(registry: Any) -> Any:
                 buckets=_BUCKETS,
                 registry=registry,
             )
-            entry = _HISTOGRAMS[id(registry)] = (hist, registry)
-        return entry[0]
+        return hist
 
 
 @attrs.frozen

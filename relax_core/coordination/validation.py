@@ -23,15 +23,11 @@ def validate_samples(samples: Iterable[Sample], fields: Iterable[SampleField]) -
         values = s.fields
         for spec in specs:
             if spec.name not in values:
-                if spec.required:
-                    problems.append(
-                        f"sample {s.id} (group {s.group_id}): {spec.name} {spec.missing}"
-                    )
-                continue
-            if spec.check is not None:
-                problem = spec.check(values[spec.name], s)
-                if problem:
-                    problems.append(f"sample {s.id} (group {s.group_id}): {problem}")
+                problem = f"{spec.name} {spec.missing}" if spec.required else None
+            else:
+                problem = spec.check(values[spec.name], s) if spec.check is not None else None
+            if problem:
+                problems.append(f"sample {s.id} (group {s.group_id}): {problem}")
     return problems
 
 

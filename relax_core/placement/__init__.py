@@ -1,7 +1,5 @@
-"""GPU placement: plan before anything starts (:func:`plan_inference_placement`, pure, raising
-:class:`~relax_core.errors.PlacementError` with every violation), with placement modes as
-plugins (:mod:`relax_core.placement.modes`), then bind to real placement groups
-(:func:`bind_placement_group`, checked by :func:`validate_bound_placement`).
+"""GPU placement: plan before anything starts (:func:`plan_inference_placement`), with placement
+modes as plugins, then bind to real placement groups (:func:`bind_placement_group`).
 """
 
 from relax_core._exports import claim as _claim

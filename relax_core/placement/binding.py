@@ -1,9 +1,5 @@
-"""Physical binding: once a placement group is ready, check where its bundles really are.
-
-A probe on every bundle reports its index, node and GPU id; :func:`validate_bound_placement`
-(pure) maps the plan's logical bundles onto physical ones and rejects what cannot hold them.
-:func:`bind_placement_group` does the Ray part: create (owned) or borrow a group, probe,
-validate; on failure it removes the group only when it owns it.
+"""Physical binding: once a placement group is ready, probe where its bundles really are and
+map the plan's logical bundles onto them (:func:`validate_bound_placement`, pure).
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ class BundleProbe:
 
 @attrs.frozen
 class BoundWorker:
-    """One engine worker's bundles: ``bundles`` the physical indices (schedule on ``bundles[0]``),
-    ``logical`` the plan's, ``gpu_ids`` the local GPU ids (contiguous, increasing).
-    """
+    """One engine worker's bundles: ``bundles`` physical (schedule on ``bundles[0]``),
+    ``logical`` the plan's, ``gpu_ids`` the local GPU ids (contiguous, increasing)."""
 
     logical: tuple[int, ...]
     bundles: tuple[int, ...]
@@ -77,9 +72,8 @@ class BoundModel:
 
 @attrs.frozen
 class BoundPool:
-    """A validated placement group for one pool: ``order[i]`` is the physical bundle of logical
-    bundle ``i``; ``owned``: removing the group is this pool's job (:func:`release_bound_pool`).
-    """
+    """A validated placement group for one pool: ``order[i]`` the physical bundle of logical
+    bundle ``i``; ``owned``: :func:`release_bound_pool` removes the group."""
 
     pool: str
     owned: bool
@@ -98,8 +92,7 @@ class BoundPool:
 
 
 def bundle_order(probes: Sequence[BundleProbe]) -> tuple[int, ...]:
-    """Logical → physical bundle order: nodes in the order their first bundle appears, and
-    within a node by GPU id. Keeps an already tidy group unchanged."""
+    """Logical → physical bundle order: nodes in order of their first bundle, then by GPU id."""
     first: dict[str, int] = {}
     for p in sorted(probes, key=lambda p: p.bundle_index):
         first.setdefault(p.node_id, p.bundle_index)

@@ -1,6 +1,5 @@
-"""The memory budget: per-GPU and per-node host memory, computed before anything starts, from
-``<model_path>/config.json`` (the only file the planner reads; what is counted is
-``docs/placement.md``'s "Memory budget"). A budget that cannot be computed says why it was skipped.
+"""The memory budget: per-GPU and per-node host memory from ``<model_path>/config.json`` (what is
+counted: ``docs/placement.md``, "Memory budget"); a budget that cannot be computed says why.
 """
 
 from __future__ import annotations
@@ -71,10 +70,8 @@ def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def count_parameters(cfg: Mapping[str, Any]) -> int:
-    """Parameters of a Llama/Qwen-style decoder from its Hugging Face ``config.json``.
+    """Parameters of a Llama/Qwen-style (dense or MoE) decoder from its ``config.json``.
 
-    Counts embeddings (and an untied LM head), attention (with biases when
-    ``attention_bias`` or Qwen2), dense or MoE MLPs, and norms.
     :raises KeyError: naming the first missing key.
     """
     c = _text_config(cfg)
@@ -125,8 +122,8 @@ def _config_dtype_bytes(cfg: Mapping[str, Any]) -> float | None:
 
 
 def model_facts(model: ModelConfig, cache: dict[str, Any]) -> ModelFacts | str:
-    """The model's shape from ``<model_path>/config.json`` and the ``num_parameters`` override,
-    or a sentence saying why it is unknown. ``cache`` holds files already read (by path)."""
+    """The model's shape from ``<model_path>/config.json`` and ``num_parameters``, or why it is
+    unknown; ``cache``: files already read, by path."""
     path = Path(model.model_path) / "config.json"
     key = str(path)
     if key not in cache:
@@ -163,8 +160,7 @@ def model_facts(model: ModelConfig, cache: dict[str, Any]) -> ModelFacts | str:
 
 
 def kv_bytes_per_token(facts: ModelFacts, tp: int, pp: int, kv_bytes: float) -> float | None:
-    """KV-cache bytes one token takes on one GPU: 2 x layers/pp x max(kv_heads/tp, 1) x
-    head_dim x dtype bytes (KV heads are replicated when there are fewer than ``tp``)."""
+    """KV-cache bytes one token takes on one GPU (KV heads replicated when fewer than ``tp``)."""
     if facts.num_layers is None or facts.num_kv_heads is None or facts.head_dim is None:
         return None
     heads_per_gpu = max(facts.num_kv_heads / tp, 1)
@@ -188,7 +184,6 @@ def weights_gib_per_gpu(model: ModelConfig, facts: ModelFacts) -> float:
 def _engine_items(
     model: ModelConfig, facts: ModelFacts, capacity: float, notes: list[str]
 ) -> tuple[list[MemoryItem], Violation | None] | str:
-    """Per-GPU memory users of one engine, or a sentence saying why it cannot be budgeted."""
     weights = weights_gib_per_gpu(model, facts)
     size, engine = model.placement, model.engine
     wlabel = f"weights ({facts.num_parameters / 1e9:.2f}B params / tp{size.tp} x pp{size.pp})"
@@ -252,12 +247,9 @@ def budget_memory(
     pools: Mapping[str, Pool],
     weight_sources: Mapping[str, str],
 ) -> tuple[list[MemoryBudget], list[HostMemoryBudget], list[Violation], list[str]]:
-    """Budget every GPU placement and every node's host memory.
-
-    :param weight_sources: effective weight source per ``role.model`` (a STATIC model keeps a
-        CPU weight backup unless ``weights_cpu_backup = false``).
-    :returns: per-placement budgets, per-node host budgets, violations and notes.
-    """
+    """Budget every GPU placement and every node's host memory: per-placement budgets, per-node
+    host budgets, violations and notes. ``weight_sources``: per ``role.model`` (a STATIC model
+    keeps a CPU weight backup unless ``weights_cpu_backup = false``)."""
     cache: dict[str, Any] = {}
     gpu_capacity = config.cluster.gpu_memory_gib
     training = config.training

@@ -1,9 +1,6 @@
-"""Placement modes as plugins, and the three built-in ones: decoupled, split and defer.
-
-A mode's ``assign(ctx: ModeContext) -> ModeResult`` decides each GPU model's pool, phase and
-(unless the config fixed it) ``bundle_start``, and may create inference pools of its own; the
-planner checks every generic rule, so a mode only says where things go. :class:`SliceAllocator`
-allocates first-fit runs that keep engines inside nodes.
+"""Placement modes as plugins, and the three built-in ones: decoupled, split and defer. A mode's
+``assign(ctx) -> ModeResult`` says where each GPU model goes (pool, phase, ``bundle_start``);
+the planner checks every generic rule.
 """
 
 from __future__ import annotations
@@ -38,11 +35,9 @@ GENERATION_PHASE = "generation"
 
 @attrs.frozen
 class Demand:
-    """What one GPU model asks for: ``num_gpus`` bundles in engines of ``gpus_per_engine``.
-
-    ``bundle_start``: set when the config fixed it; ``deferred``: its role is in
-    ``placement.defer_roles``; ``generation_phase``: its role generates the training batch;
-    ``path``: its config key path.
+    """What one GPU model asks for: ``num_gpus`` bundles in engines of ``gpus_per_engine``;
+    ``bundle_start`` when the config fixed it; ``deferred``: its role is deferred;
+    ``generation_phase``: its role generates the training batch; ``path``: its config key path.
     """
 
     role: str
@@ -57,9 +52,8 @@ class Demand:
 
 @attrs.frozen
 class ModeContext:
-    """Everything a mode's ``assign`` gets: ``demands`` in config order (roles, then models, in file
-    order); ``training_pool`` (``"actor"``, or ``None`` without an actor pool) and its size.
-    """
+    """What a mode's ``assign`` gets: ``demands`` in config order; ``training_pool``
+    (``"actor"``, or ``None`` without an actor pool) and its size."""
 
     config: JobConfig
     demands: tuple[Demand, ...]
@@ -89,8 +83,7 @@ class PoolRequest:
 
 @attrs.frozen
 class ModeResult:
-    """A mode's answer: slices, the pools it created, its phases in run order, and any
-    violations of its own rules (the planner adds the generic ones)."""
+    """A mode's answer: slices, the pools it created, its phases in run order, its violations."""
 
     slices: tuple[Slice, ...] = ()
     pools: tuple[PoolRequest, ...] = ()
@@ -99,9 +92,8 @@ class ModeResult:
 
 
 def engine_straddles(start: int, size: int, gpus_per_engine: int, gpus_per_node: int) -> bool:
-    """Whether an engine of a slice breaks the node rules: an engine of at most ``gpus_per_node``
-    GPUs must sit inside one node; a larger one must start on a node boundary and cover whole nodes.
-    """
+    """Whether an engine of a slice breaks the node rules (inside one node, or whole nodes from a
+    node boundary)."""
     if gpus_per_node <= 0 or gpus_per_engine <= 0:
         return False
     if gpus_per_engine > gpus_per_node:
@@ -117,9 +109,8 @@ def engine_straddles(start: int, size: int, gpus_per_engine: int, gpus_per_node:
 
 
 class SliceAllocator:
-    """First-fit allocation of contiguous bundle runs in one pool (``size`` ``None``: it grows as
-    needed); each run keeps its engines inside nodes and overlaps no reserved run.
-    """
+    """First-fit runs of bundles in one pool (``size`` ``None``: unbounded) that keep engines
+    inside nodes and overlap no reserved run."""
 
     def __init__(self, gpus_per_node: int, size: int | None = None) -> None:
         self.gpus_per_node = gpus_per_node
@@ -127,8 +118,7 @@ class SliceAllocator:
         self._runs: list[tuple[int, int]] = []
 
     def reserve(self, start: int, num: int) -> None:
-        """Mark ``[start, start + num)`` as taken (explicit slices; overlaps are allowed here —
-        the planner reports them)."""
+        """Mark ``[start, start + num)`` as taken (overlaps allowed: the planner reports them)."""
         self._runs.append((start, start + num))
 
     @property
@@ -137,13 +127,11 @@ class SliceAllocator:
         return max((e for _, e in self._runs), default=0)
 
     def _free(self, start: int, num: int) -> bool:
-        if self.size is not None and start + num > self.size:
-            return False
-        return all(end <= start or first >= start + num for first, end in self._runs)
+        fits = self.size is None or start + num <= self.size
+        return fits and all(end <= start or first >= start + num for first, end in self._runs)
 
     def place(self, num: int, gpus_per_engine: int) -> int | None:
-        """Take the first free run of ``num`` bundles that keeps engines inside nodes; return
-        its start, or ``None`` when there is none."""
+        """Take the first free run of ``num`` bundles; its start, or ``None`` when there is none."""
         gpn = self.gpus_per_node
         for cand in sorted({0, *(e for _, e in self._runs)}):
             for start in _aligned_candidates(cand, num, gpus_per_engine, gpn):
@@ -195,7 +183,6 @@ def _place_group(
 
 
 def _no_actor_pool(mode: str) -> ModeResult:
-    """The answer of a mode that needs the actor pool when the job has none."""
     violations = Violations()
     violations.add(
         "training.actor_gpus",
@@ -245,9 +232,8 @@ SPLIT = PlacementMode(
 
 
 def assign_defer(ctx: ModeContext) -> ModeResult:
-    """The batch-generating roles in the generation phase, each deferred role in a phase of its
-    own, all from bundle 0 of the actor pool; the other roles stay resident on bundles no phase
-    uses."""
+    """Generating roles in the generation phase, each deferred role in a phase of its own, all
+    from bundle 0 of the actor pool; the others resident on bundles no phase uses."""
     if ctx.training_pool is None:
         return _no_actor_pool("defer")
     pool, size = ctx.training_pool, ctx.training_pool_size

@@ -1,6 +1,4 @@
-"""The placement plan: immutable records the planner returns, round-tripping through JSON
-(``to_dict()`` / ``from_dict()``), which the InferenceManager and the binding step consume.
-"""
+"""The placement plan: immutable records the planner returns, round-tripping through JSON."""
 
 from __future__ import annotations
 
@@ -30,9 +28,7 @@ PHASE_RESIDENT = "resident"
 
 @attrs.frozen
 class Violation(ConfigProblem):
-    """One broken placement rule: a :class:`ConfigProblem` of its own type, so a caller can tell
-    placement's findings from the parser's.
-    """
+    """One broken placement rule (a ``ConfigProblem`` of its own type)."""
 
 
 class Violations(list[Violation]):
@@ -50,11 +46,9 @@ def phases_conflict(a: str, b: str) -> bool:
 
 @attrs.frozen
 class Pool:
-    """A set of GPU bundles that becomes one Ray placement group.
-
-    Bundle ``i`` sits on pool-local node ``i // gpus_per_node``; ``nodes[k]``: the cluster node
-    pool-local node ``k`` is packed onto. ``training``: the training roles in the pool (shared with
-    inference when ``inference``), each reserving ``training_ray_gpu_fraction`` of its bundle.
+    """A set of GPU bundles that becomes one Ray placement group. Bundle ``i`` sits on pool-local
+    node ``i // gpus_per_node``, packed onto cluster node ``nodes[i // gpus_per_node]``;
+    ``training``: its training roles, each reserving ``training_ray_gpu_fraction`` of a bundle.
     """
 
     name: str
@@ -84,12 +78,9 @@ class Pool:
 
 @attrs.frozen
 class ModelPlacement:
-    """Where one model of one role runs.
-
-    ``replicas[i]``: the bundles (in ``pool``) of logical replica ``i``, one engine.
-    ``workers[i]``: that replica split by pool-local node, head first: one engine worker each,
-    scheduled on its group's first bundle and reserving ``ray_gpu_fraction`` of it. A ``cpu``
-    model has no pool and one empty tuple per engine.
+    """Where one model of one role runs: ``replicas[i]`` the bundles of engine ``i``;
+    ``workers[i]`` those split by pool-local node, head first (one engine worker each, on its
+    first bundle). A ``cpu`` model has no pool and one empty tuple per engine.
     """
 
     role: str
@@ -130,8 +121,7 @@ class ModelPlacement:
 
 @attrs.frozen
 class MemoryItem:
-    """One user of memory in a budget line, in GiB; ``training``: kept resident by training
-    whichever engine is awake (counted once per GPU)."""
+    """One user of memory in a budget line, in GiB; ``training``: kept resident by training."""
 
     label: str
     gib: float
@@ -139,8 +129,6 @@ class MemoryItem:
 
 
 class _ItemTotal:
-    """What both budgets add up: ``total_gib`` over their items."""
-
     __slots__ = ()
     items: tuple[MemoryItem, ...]
 
@@ -152,9 +140,8 @@ class _ItemTotal:
 
 @attrs.frozen
 class MemoryBudget(_ItemTotal):
-    """The per-GPU memory budget of one placement over the bundles ``bundles`` of ``pool``:
-    ``status`` ``ok``, ``over`` (a violation was reported) or ``skipped`` (``note`` says why).
-    """
+    """The per-GPU memory budget of one placement over ``bundles`` of ``pool``: ``status``
+    ``ok``, ``over`` (a violation was reported) or ``skipped`` (``note`` says why)."""
 
     role: str
     model: str
@@ -179,9 +166,7 @@ class HostMemoryBudget(_ItemTotal):
 
 
 def _tuples(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def _build(cls: type[Any], data: Mapping[str, Any], nested: Mapping[str, type[Any]]) -> Any:

@@ -1,9 +1,5 @@
-"""The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out.
-
-:func:`plan_inference_placement` runs before any Ray actor, router or engine exists and reads
-nothing but model ``config.json`` files (for the memory budget). The placement mode (a plugin)
-decides pools, phases and offsets; the planner checks every rule (docs/placement.md lists them
-with their names: ``tp-pp``, ``co-residence``, ``memory-gpu``, ...).
+"""The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out
+(the rules: docs/placement.md). It reads nothing but model ``config.json`` files.
 """
 
 from __future__ import annotations
@@ -85,8 +81,7 @@ class _Planner:
         if m.weight_source is not None:
             return m.weight_source
         spec = self.role_specs.get(m.role)
-        # An unregistered role is an unknown-role violation, so no plan comes out; STATIC only
-        # lets the remaining checks (memory budgets) run so every violation is reported.
+        # An unknown role is a violation already; STATIC lets the memory checks run too.
         return spec.default_weight_source if spec is not None else "STATIC"
 
     def check_model(self, m: ModelConfig) -> bool:
@@ -274,8 +269,7 @@ class _Planner:
     def placement(
         self, m: ModelConfig, pool: Pool | None, start: int | None, phase: str
     ) -> ModelPlacement:
-        """``m`` on ``pool`` from bundle ``start``; a CPU model (no pool) has no bundles and an
-        empty replica per engine."""
+        """``m`` on ``pool`` from bundle ``start`` (a CPU model: no pool, empty replicas)."""
         size = m.placement
         num_gpus, gpe, fraction = 0, 0, 0.0
         replicas: tuple[tuple[int, ...], ...] = ((),) * size.num_engines
@@ -313,7 +307,8 @@ class _Planner:
             for p in group:
                 start = p.bundle_start or 0
                 if p.bundle_end > pool.size:
-                    where = "bundle_start" if self._explicit(p) else "num_gpus"
+                    fixed = self.config.role(p.role).model(p.model).placement.bundle_start
+                    where = "num_gpus" if fixed is None else "bundle_start"
                     owner = (
                         f"the actor pool's {pool.size} bundles (training.actor_gpus = "
                         f"{t.actor_gpus}); split and defer slices must lie inside the actor pool"
@@ -337,9 +332,6 @@ class _Planner:
             self._check_overlap(name, group)
             self._check_fractions(pool, group)
 
-    def _explicit(self, p: ModelPlacement) -> bool:
-        return self.config.role(p.role).model(p.model).placement.bundle_start is not None
-
     def _check_overlap(self, pool: str, group: list[ModelPlacement]) -> None:
         ordered = sorted(group, key=lambda p: p.bundle_start or 0)
         for i, a in enumerate(ordered):
@@ -350,17 +342,15 @@ class _Planner:
                     continue
                 lo, hi = b.bundle_start or 0, min(a.bundle_end, b.bundle_end)
                 phase = a.phase if a.phase != PHASE_RESIDENT else b.phase
-                hint = (
-                    "give them disjoint bundles (drop or change bundle_start); to time-share "
-                    "GPUs list deferrable roles in placement.defer_roles with mode = 'defer'"
-                )
                 self.violation(
                     f"{b.path}.bundle_start",
                     "co-residence",
                     f"bundles {lo}-{hi - 1} of pool {pool!r} are used by both {a.path} "
                     f"({a.bundle_start}-{a.bundle_end - 1}) and {b.path} ({b.bundle_start}-"
                     f"{b.bundle_end - 1}) in phase {phase!r}; same-phase co-residence is "
-                    f"not allowed: {hint}",
+                    "not allowed: give them disjoint bundles (drop or change bundle_start); to "
+                    "time-share GPUs list deferrable roles in placement.defer_roles with mode = "
+                    "'defer'",
                 )
 
     def _check_fractions(self, pool: Pool, group: list[ModelPlacement]) -> None:
@@ -373,11 +363,8 @@ class _Planner:
         seen: set[tuple[str, ...]] = set()
         for bundle in sorted(heads):
             users = heads[bundle]
-            total = base + sum(p.ray_gpu_fraction for p in users)
-            if total <= 1 + _EPS:
-                continue
-            key = tuple(p.key for p in users)
-            if key in seen:
+            total, key = base + sum(p.ray_gpu_fraction for p in users), tuple(p.key for p in users)
+            if total <= 1 + _EPS or key in seen:
                 continue
             seen.add(key)
             parts = [f"training {r} {pool.training_ray_gpu_fraction:g}" for r in pool.training]

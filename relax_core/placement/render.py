@@ -81,7 +81,6 @@ def _pool_lines(
 
 
 def _section(title: str, lines: list[str]) -> list[str]:
-    """``lines`` under ``title`` after a blank line; nothing at all when there are none."""
     return ["", title, *lines] if lines else []
 
 
@@ -106,11 +105,7 @@ def render_plan(
     titles: Mapping[str, str] | None = None,
 ) -> str:
     """The plan as text: a header, a bundle map per pool, CPU models, memory and notes.
-
-    ``titles``: how to name each role (``RoleSpec.title`` of the registered roles, see
-    :func:`role_titles`); a role without one is shown by its name, capitalised. Each role's
-    bundles are marked with the first letter of its title.
-    """
+    ``titles``: each role's name (:func:`role_titles`; default: the role, capitalised)."""
     titles = titles or {}
     lines = [
         f"mode: {plan.mode}   cluster: {plan.num_nodes} node(s) x {plan.gpus_per_node} GPUs   "
