@@ -8,6 +8,7 @@ from typing import Any, Required, TypedDict, Unpack
 
 import attrs
 
+from relax_core._proxy import actor_error_line
 from relax_core.config import ConfigReader, JobConfig, ModelConfig, RoleConfig
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoutingSpec
@@ -379,10 +380,8 @@ def start_model_actor(
             **kwargs,
         )
     except ray.exceptions.RayActorError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise LifecycleError(
-            f"{model.path}: its manager actor did not start: "
-            f"{lines[-1] if lines else type(exc).__name__}"
+            f"{model.path}: its manager actor did not start: {actor_error_line(exc)}"
         ) from None
 
 
