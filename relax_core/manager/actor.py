@@ -219,10 +219,12 @@ class ManagerActor(_Hosted):
     """One model's manager and its router, in a Ray actor (:func:`start_manager_actor`) or
     in this process (:func:`host_manager`).
 
-    Arguments are :class:`~relax_core.manager.InferenceManager`'s, plus ``router_backend`` /
-    ``router_spec`` (an ``SGLANG_ROUTER`` model's router, launched here) and
-    ``router_timeout`` (seconds :meth:`start` waits for it).
+    Arguments are :class:`~relax_core.manager.InferenceManager`'s (a subclass's
+    ``_manager_class``'s), plus ``router_backend`` / ``router_spec`` (an ``SGLANG_ROUTER``
+    model's router, launched here) and ``router_timeout`` (seconds :meth:`start` waits for it).
     """
+
+    _manager_class: Callable[..., Any] = InferenceManager
 
     def __init__(
         self,
@@ -242,7 +244,7 @@ class ManagerActor(_Hosted):
             self._router = router_backend.launch(router_spec)
             kwargs.update(router=self._router, router_url=self._router.url)
         try:
-            self._manager: Any = InferenceManager(model_id, **kwargs)
+            self._manager: Any = self._manager_class(model_id, **kwargs)
         except BaseException:
             if self._router is not None:
                 self._router.terminate(3.0)
@@ -352,9 +354,10 @@ def start_manager_actor(
     name: str | None = None,
     namespace: str | None = None,
     max_concurrency: int = 8,
+    actor_class: type[object] = ManagerActor,
     **kwargs: Any,
 ) -> Any:
-    """Create a :class:`ManagerActor` for ``model_id`` (``kwargs``: its arguments) on the
+    """Create an ``actor_class`` for ``model_id`` (``kwargs``: its arguments) on the
     connected Ray, reserving no CPU and no GPU; return its handle, not started.
 
     Bad arguments raise here (the ``RayActorError`` of its construction). A registry
@@ -370,7 +373,7 @@ def start_manager_actor(
     }
     if name is not None:
         options.update(name=name, namespace=namespace)
-    actor: Any = ray.remote(ManagerActor).options(**options).remote(model_id, **kwargs)
+    actor: Any = ray.remote(actor_class).options(**options).remote(model_id, **kwargs)
     ray.get(actor.states.remote(), timeout=60)
     watch = getattr(kwargs.get("publisher"), "watch_manager", None)
     if watch is not None:

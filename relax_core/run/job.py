@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from relax_core._proxy import actor_error_line
 from relax_core.config import ConfigProblem, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
@@ -30,7 +31,6 @@ from relax_core.manager import ManagerTimeouts
 from relax_core.manager.actor import ManagerActor
 from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
-from relax_core.records import RouterBackend, RouterLaunchSpec
 from relax_core.run.config import RunConfig
 
 __all__ = ["ExternalEnginesActor", "RunJob", "generation_role", "run_problems"]
@@ -488,27 +488,7 @@ class ExternalEnginesActor(ManagerActor):
     :class:`~relax_core.manager.external.ExternalEngines` (its arguments, and the router's as
     a managed model's actor), which refuses every lifecycle call and weight update."""
 
-    def __init__(
-        self,
-        model_id: str,
-        *,
-        router_backend: RouterBackend | None = None,
-        router_spec: RouterLaunchSpec | None = None,
-        router_timeout: float = 60.0,
-        **kwargs: Any,
-    ) -> None:
-        self._router = None
-        self._router_timeout = router_timeout
-        self._name = f"model {model_id!r}"
-        if router_backend is not None and router_spec is not None:
-            self._router = router_backend.launch(router_spec)
-            kwargs.update(router=self._router, router_url=self._router.url)
-        try:
-            self._manager = ExternalEngines(model_id, **kwargs)
-        except BaseException:
-            if self._router is not None:
-                self._router.terminate(3.0)
-            raise
+    _manager_class = ExternalEngines
 
 
 def _start_external_actor(
@@ -524,7 +504,7 @@ def _start_external_actor(
 
     from relax_core.engine.spec import InferenceEngineSpec
     from relax_core.jobs.managers import router_launch_spec, router_record
-    from relax_core.manager.actor import manager_actor_name
+    from relax_core.manager.actor import manager_actor_name, start_manager_actor
 
     role = pm.role(model.role)
     source = pm.weight_source(model.weight_source or role.default_weight_source)
@@ -539,26 +519,18 @@ def _start_external_actor(
         record = router_record(model, role, pm)
         spec = router_launch_spec(model, record, managed.get("log_dir"))
         kwargs.update(router_backend=record, router_spec=spec)
-    options = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0, "max_concurrency": 8}
     try:
-        actor: Any = (
-            ray.remote(ExternalEnginesActor)
-            .options(
-                name=manager_actor_name(job, model.role, model.name), namespace=NAMESPACE, **options
-            )
-            .remote(model.name, **kwargs)
+        return start_manager_actor(
+            model.name,
+            name=manager_actor_name(job, model.role, model.name),
+            namespace=NAMESPACE,
+            actor_class=ExternalEnginesActor,
+            **kwargs,
         )
-        ray.get(actor.states.remote(), timeout=60)
     except ray.exceptions.RayActorError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise LifecycleError(
-            f"{model.path}: its actor (external engines) did not start: "
-            f"{lines[-1] if lines else type(exc).__name__}"
+            f"{model.path}: its actor (external engines) did not start: {actor_error_line(exc)}"
         ) from None
-    watch = getattr(publisher, "watch_manager", None)
-    if watch is not None:  # its model is published UNKNOWN once the actor is gone
-        watch(model.name, actor)
-    return actor
 
 
 def _raise_first(started: Iterable[Future[Any]]) -> None:
