@@ -25,9 +25,7 @@ def _dtype_name(dtype: Any) -> str:
 class WeightBucket:
     """One bucket of a weight push: its tensors' ``names``, ``dtypes``, ``shapes`` and byte
     ``offsets`` in its flat buffer of ``nbytes``. Built by :func:`plan_weight_buckets`.
-
-    :raises ValueError: the fields disagree (lengths, offsets not back to back).
-    """
+    :raises ValueError: the fields disagree (lengths, offsets not back to back)."""
 
     names: tuple[str, ...]
     dtypes: tuple[str, ...]

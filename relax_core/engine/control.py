@@ -183,10 +183,8 @@ class ControlClient:
     ) -> Coroutine[Any, Any, dict[str, Any]]:
         """``POST /{operation}``: an SGLang control operation whose path is its name; returns
         the engine's JSON answer.
-
         :raises LifecycleError: refused (non-2xx, or ``success: false``), quoting the engine.
-        :raises UpstreamError: unreachable (502) or no answer in time (504).
-        """
+        :raises UpstreamError: unreachable (502) or no answer in time (504)."""
         return self._operate(operation, "POST", "/" + operation, body, timeout=timeout)
 
     # -- probes and info ---------------------------------------------------------------------

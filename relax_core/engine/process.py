@@ -163,10 +163,8 @@ class SubprocessEngineProcess:
     def wait_ready(self, timeout: float, *, interval: float = 0.1) -> None:
         """Block until ``GET {base_url}/health`` (a follower: its ``ready_url``) answers 200;
         a follower without one: once alive for :data:`FOLLOWER_GRACE_S` seconds.
-
         :raises LifecycleError: the process exited first (quoting its log), or ``timeout``
-            passed (the process is left running: call :meth:`terminate`).
-        """
+            passed (the process is left running: call :meth:`terminate`)."""
         start = time.monotonic()
         deadline = start + timeout
         url = self.ready_url

@@ -156,9 +156,7 @@ def build_role_service(
 ) -> RoleService:
     """The role service of ``role``: one manager per model on ``placements[model]``, an
     ``SGLANG_ROUTER`` model's router launched here.
-
-    :raises ConfigError: a model cannot be served, naming its key (routers launched stop).
-    """
+    :raises ConfigError: a model cannot be served, naming its key (routers launched stop)."""
     spec = plugin_manager.role(role.name)
     service = RoleService(
         role.name,
@@ -255,9 +253,7 @@ def manager_arguments(
 ) -> dict[str, Any]:
     """The :class:`~relax_core.manager.InferenceManager` arguments of ``model``, but the
     ``publisher`` and the router. Pure.
-
-    :raises ConfigError: a bad weight source or ``engine`` table, naming the key.
-    """
+    :raises ConfigError: a bad weight source or ``engine`` table, naming the key."""
     spec = pm.role(model.role)
     placement, log_dir = settings["placement"], settings.get("log_dir")
     backend = pm.engine_backend(model.backend)
@@ -358,9 +354,7 @@ def start_model_actor(
 ) -> Any:
     """Create ``model``'s named manager actor for job ``job`` (with its router, if any),
     publishing to ``publisher``; return the handle, not started.
-
-    :raises LifecycleError: the actor could not be built (the reason is its error's last line).
-    """
+    :raises LifecycleError: the actor could not be built (the reason is its error's last line)."""
     import ray
 
     from relax_core.coordination.remote import NAMESPACE

@@ -69,11 +69,9 @@ class RoleService:
     def start(self) -> dict[str, Any]:
         """Start every model's engines in parallel, each behind its router; each model's
         ``LifecycleResult``. Blocking.
-
         :raises ConfigError: a router drops a request field the roles send.
         :raises LifecycleError: a router or some replica did not start (naming each), once
-            every model has finished starting.
-        """
+            every model has finished starting."""
         models = self.models()
         results = start_models(models)
         return {m.model_id: results[m.key] for m in models}

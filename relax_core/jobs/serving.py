@@ -119,11 +119,9 @@ def serve_job(
 
     ``health_interval``: seconds between health checks (0: none). ``before_teardown``: called
     when the block ends or Ctrl-C interrupts the start. ``detach_groups``: detached groups.
-
     :raises PlacementError: the plan or the binding is invalid (nothing was started).
     :raises LifecycleError: engines did not become READY (everything started is shut down),
-        or the shutdown left problems.
-    """
+        or the shutdown left problems."""
     pm = plugin_manager or PluginManager.create()
     job = ServedJob()
     if log_dir is not None:

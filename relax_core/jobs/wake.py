@@ -233,11 +233,9 @@ class WakeController:
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
         """Make ``role`` awake; returns once it is.
-
         :raises ModelNotReadyError: (503) not awake within ``timeout`` (at most
             ``wake_timeout``), or the role or its slice is BLOCKED.
-        :raises KeyError: the controller does not drive ``role``.
-        """
+        :raises KeyError: the controller does not drive ``role``."""
         r = self._roles[role]
         if self.ready(role):
             return

@@ -1,12 +1,7 @@
-"""A model's manager: its API written once (:class:`ModelManager`), one core, two clients.
-
-:class:`ManagerActor` is the core every caller reaches: an
-:class:`~relax_core.manager.InferenceManager` with its router and a few queries of its own
-(:class:`HostedManager`), in a CPU-only named Ray actor (``relax run``) or in this process
-(``relax serve``). Its clients, :class:`InProcessManager` and :class:`RayManager`, add
-``acall`` (the call awaited). Every forwarder is generated from the Protocol
-(:func:`relax_core._proxy.generate`); a test checks the core and both clients against it.
-"""
+"""A model's manager: its API written once (:class:`ModelManager`), one core
+(:class:`ManagerActor`: the manager, its router and a few queries of its own, in a Ray actor or
+in this process), two clients (:class:`InProcessManager`, :class:`RayManager`); every forwarder
+is generated from the Protocol (:func:`relax_core._proxy.generate`)."""
 
 from __future__ import annotations
 
@@ -139,10 +134,8 @@ def start_behind_router(
 ) -> LifecycleResult:
     """Make ``router`` ready (if any), then start the manager's engines; once READY, the
     router must hold the model's heads. ``name`` names the model in errors. Blocking.
-
     :raises ConfigError: the router drops a request field the roles send (no engine started).
-    :raises LifecycleError: the router did not start, or did not take the model's heads.
-    """
+    :raises LifecycleError: the router did not start, or did not take the model's heads."""
     if router is not None:
         router.wait_ready(timeout)
     result = manager.start()
@@ -263,20 +256,20 @@ class ManagerActor(_Hosted):
     # -- the host's own queries ------------------------------------------------------------
 
     def ping(self) -> str:
-        """The model id; takes no lock (the registry's liveness check)."""
+        """See :meth:`HostedManager.ping`."""
         return str(self._manager.model_id)
 
     def weight_version(self) -> str | None:
-        """The manager's published weight version (a property in process)."""
+        """See :meth:`HostedManager.weight_version`."""
         version: str | None = self._manager.weight_version
         return version
 
     def router_url(self) -> str | None:
-        """The URL of the router this actor runs, if any."""
+        """See :meth:`HostedManager.router_url`."""
         return None if self._router is None else str(self._router.url)
 
     def router_pids(self) -> list[int]:
-        """The process ids of the router this actor runs (empty without one, or once stopped)."""
+        """See :meth:`HostedManager.router_pids`."""
         return [] if self._router is None else list(self._router.pids())
 
 
@@ -382,9 +375,4 @@ def start_manager_actor(
 
 
 if TYPE_CHECKING:  # mypy checks the manager and the core against the contract
-
-    def _in_process(manager: InferenceManager) -> ModelManager:
-        return manager
-
-    def _in_an_actor(actor: ManagerActor) -> ModelManager:
-        return actor
+    _CORES: tuple[type[ModelManager], ...] = (InferenceManager, ManagerActor)

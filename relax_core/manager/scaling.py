@@ -106,17 +106,9 @@ class Scaling:
             raise ValueError(
                 f"scale_in(count={count}): model {model_id!r} has {len(self.slots)} replica(s)"
             )
-
-        def priority(s: ReplicaSlot) -> tuple[int, int]:
-            if s.replica.state is _S.STOPPING:
-                rank = 0
-            elif s.replica.state is _S.FAILED:
-                rank = 1
-            else:
-                rank = 2
-            return (rank, -s.replica.index)
-
-        return sorted(self.slots.ordered(), key=priority)[:count]
+        rank = {_S.STOPPING: 0, _S.FAILED: 1}
+        slots = self.slots.ordered()
+        return sorted(slots, key=lambda s: (rank.get(s.replica.state, 2), -s.replica.index))[:count]
 
     def scale_in(self, chosen: list[ReplicaSlot]) -> dict[str, ReplicaResult]:
         """Drain ``chosen``, clean them and remove those whose cleanup is confirmed (DONE,

@@ -160,9 +160,7 @@ class OnloadPlan:
 
 def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:
     """Which tags an offload must release from ``replica`` (only resident ones).
-
-    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
-    """
+    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING."""
     wanted = normalize_tags(tags)
     if replica.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
         raise NotApplicable(
@@ -176,9 +174,7 @@ def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:
 def plan_onload(replica: Replica, tags: Iterable[str] | None) -> OnloadPlan:
     """Which tags an onload must resume on ``replica`` (only missing ones), and whether
     admission reopens (every tag resident).
-
-    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
-    """
+    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING."""
     wanted = normalize_tags(tags)
     if replica.state is ReplicaState.READY:
         return OnloadPlan((), False, "already READY")

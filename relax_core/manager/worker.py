@@ -134,10 +134,8 @@ class EngineWorker:
     async def start(self, launch: EngineLaunchSpec, ready_timeout: float) -> StartResult:
         """Launch the engine process, wait until it is ready; a head also starts its admission
         (closed) and its control channel.
-
         :raises LifecycleError: the process could not start or was not ready in time (it is
-            stopped again first); one that exited is quoted from its log.
-        """
+            stopped again first); one that exited is quoted from its log."""
         async with self._lock:
             if self.process is not None:
                 raise LifecycleError(f"{self._name}: already started (pid {self.process.pid})")
@@ -297,10 +295,8 @@ class EngineWorker:
     ) -> float:
         """Close admission, drain, flush and release ``tags``; return the seconds it took.
         ``abort``: abort the requests in flight (paused, then continued) instead of draining.
-
         :raises LifecycleError: a step was refused or did not finish within ``timeout``; the
-            memory is then *not* known to be free.
-        """
+            memory is then *not* known to be free."""
         self.spec.check("offload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(drain_timeout + timeout):
@@ -337,9 +333,7 @@ class EngineWorker:
 
     async def onload(self, tags: Sequence[str], *, reopen: bool, timeout: float) -> float:
         """Resume ``tags`` (weights first); with ``reopen``, check one generation, then open.
-
-        :raises LifecycleError: a resume was refused or the check failed; admission stays closed.
-        """
+        :raises LifecycleError: a resume was refused or the check failed; admission stays closed."""
         self.spec.check("onload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(2 * timeout):
@@ -397,11 +391,9 @@ class EngineWorker:
 
         ``buckets``: one engine call per bucket (``kwargs`` with the bucket's own over them),
         in order; every call but the last keeps the engine's version (and its cache).
-
         :raises CapabilityError: the engine's spec does not allow the update path.
         :raises LifecycleError: the engine refused or failed the update (admission stays
-            closed); for buckets, which one failed and how many had landed before it.
-        """
+            closed); for buckets, which one failed and how many had landed before it."""
         operation = UPDATE_METHODS.get(method)
         if operation is None:
             raise CapabilityError(
