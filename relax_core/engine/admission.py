@@ -1,11 +1,6 @@
-"""The admission server: a CPU proxy that owns a strict engine head's public port.
-
-It forwards an allowlist of paths byte for byte (streams streamed), answers generation paths
-``503`` + ``Retry-After`` while admission is closed, counts in-flight generation requests for
-drains, and refuses every weight-update, LoRA and other control path with ``403``. It runs on
-the engine worker actor's event loop (:class:`AdmissionThread`: on a private one). See
-``docs/manager.md``.
-"""
+"""The admission server: a CPU proxy that owns a strict engine head's public port
+(``docs/manager.md``): the allowlist forwarded byte for byte, generation paths ``503`` while
+closed and counted in flight, weight-update and control paths ``403``."""
 
 from __future__ import annotations
 

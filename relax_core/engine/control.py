@@ -1,11 +1,4 @@
-"""The SGLang-protocol control client: one async client for every engine backend.
-
-Errors: unreachable, or no answer in time → :class:`~relax_core.errors.UpstreamError` (502;
-504); a probe answered non-2xx → ``UpstreamError`` (502); an operation refused (non-2xx, or
-``success: false``) → :class:`~relax_core.errors.LifecycleError`; each names the URL and quotes
-the engine. No request is sent twice, except one that met the keep-alive race of a reused idle
-connection (kept at most :data:`KEEPALIVE_SECONDS`).
-"""
+"""The SGLang-protocol control client: one async client for every engine backend."""
 
 from __future__ import annotations
 
@@ -56,6 +49,12 @@ KEEPALIVE_SECONDS = 2.0
 class ControlClient:
     """Async client for one engine head's SGLang control API (an async context manager, or
     call :meth:`close`). Safe to share between tasks of one loop.
+
+    Errors: unreachable, or no answer in time → :class:`~relax_core.errors.UpstreamError`
+    (502; 504); a probe answered non-2xx → ``UpstreamError`` (502); an operation refused
+    (non-2xx, or ``success: false``) → :class:`~relax_core.errors.LifecycleError`; each names
+    the URL and quotes the engine. No request is sent twice, except one that met the
+    keep-alive race of a reused idle connection (kept at most :data:`KEEPALIVE_SECONDS`).
     """
 
     #: Whether the engine's release of ``kv_cache`` flushes its cache itself and refuses

@@ -1,9 +1,6 @@
-"""A generic engine server running as a child process: start, wait until ready, stop.
-
-:class:`SubprocessEngineProcess` implements :class:`~relax_core.records.EngineProcess` for every
-backend whose server is a local command. The child runs in its own process group (stop reaches
-all it started); its output goes to a log file that every start-up error names and quotes.
-"""
+"""A generic engine server running as a child process in its own process group: start, wait
+until ready, stop (:class:`SubprocessEngineProcess`, for every backend whose server is a local
+command)."""
 
 from __future__ import annotations
 

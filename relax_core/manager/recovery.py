@@ -1,9 +1,5 @@
-"""Health checks, cleanup and rebuild of failed replicas, and stopping every worker.
-
-The rules (probes without the lock, ``unhealthy_after``, whole-replica cleanup, fences) are
-``docs/manager.md``'s "Health, recovery and the fence"; what version a rebuilt replica reports
-is :class:`_FilesVersion`'s.
-"""
+"""Health checks, cleanup and rebuild of failed replicas, and stopping every worker (the rules:
+``docs/manager.md``'s "Health, recovery and the fence")."""
 
 from __future__ import annotations
 
@@ -274,18 +270,16 @@ class Recovery:
 
 
 class _FilesVersion:
-    """The model's publication as the launcher of a rebuild sees it: the same publishing, but
-    no weight version to give the engines (so an engine started on the model's files reports
-    their version, the engine's own default or a DCS checkpoint's, as at the model's first
-    start, until weights are pushed to it: its CPU copy of them died with it), and the version a
-    head reports recorded only when the model has none yet."""
+    """The model's publication as a rebuild's launcher sees it: no weight version given to the
+    engines (a rebuilt engine reports its files' version until weights are pushed: its CPU
+    copy died with it); a head's version recorded only when the model has none yet."""
 
     def __init__(self, publication: Publication) -> None:
         self._publication = publication
 
     @property
     def weight_version(self) -> str | None:
-        """None: the engines are told no version (see the class docstring)."""
+        """None: the engines are told no version."""
         return None
 
     @weight_version.setter

@@ -1,8 +1,5 @@
-"""Weight updates behind a fence, checked against the model's weight source.
-
-Each READY replica to update closes admission, drains, applies the update, checks one
-generation and reopens; the published ``weight_version`` moves once the update is confirmed.
-"""
+"""Weight updates behind a fence (close, drain, update, check one generation, reopen),
+checked against the model's weight source; the published version moves once confirmed."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """The engine worker: an async Ray actor per node of a logical replica, owning one engine
-process (launched by the backend, watched by a :mod:`~relax_core.manager.reaper`).
-
-Node rank 0, the *head*, owns the admission server and the control channel and takes every
-lifecycle and weight call; followers only start and report whether their process lives.
-"""
+process; the head (node rank 0) also owns the admission server and the control channel."""
 
 from __future__ import annotations
 
@@ -354,12 +350,10 @@ class EngineWorker:
 
     async def drain(self, *, strict: bool, drain_timeout: float, timeout: float) -> None:
         """Close admission and drain in-flight requests (before a scale-in shutdown)."""
-        if self.control is None or self.admission is None or self.process is None:
-            return
-        if self.process.poll() is not None:
-            return
-        async with self._lock:
-            await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
+        live = self.process is not None and self.process.poll() is None
+        if live and self.control is not None and self.admission is not None:
+            async with self._lock:
+                await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
 
     async def open_admission(self, *, check: bool, timeout: float) -> None:
         """Open admission (after a generation check when ``check``)."""
