@@ -7,8 +7,6 @@ import json
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
-import aiohttp
-
 from relax_core._http.http1 import Http1Client
 from relax_core._quote import quote_body
 from relax_core.engine.tags import TAG_ORDER
@@ -68,7 +66,6 @@ class ControlClient:
         base_url: str,
         *,
         timeout: float = 30.0,
-        session: aiohttp.ClientSession | None = None,
         release_flushes: bool | None = None,
         resume_checks: bool | None = None,
     ) -> None:
@@ -78,7 +75,6 @@ class ControlClient:
             self.release_flushes = bool(release_flushes)
         if resume_checks is not None:
             self.resume_checks = bool(resume_checks)
-        self._session = session
         self._client: Http1Client | None = None
 
     async def __aenter__(self) -> ControlClient:
@@ -88,7 +84,7 @@ class ControlClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the connections this client opened (idempotent; a given session stays open)."""
+        """Close the client's connections. Idempotent."""
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
@@ -106,27 +102,18 @@ class ControlClient:
         """One HTTP call; returns (status, parsed JSON or None, raw text)."""
         url = self.base_url + path
         limit = self.timeout if timeout is None else float(timeout)
+        payload = b"" if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         try:
-            if self._session is not None:
-                async with self._session.request(
-                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=limit)
-                ) as resp:
-                    text = await resp.text()
-                    status = resp.status
-            else:
-                payload = b"" if body is None else json.dumps(body).encode()
-                headers = {"Content-Type": "application/json"} if body is not None else {}
-                answer = await self._get_client().request(
-                    method, url, headers, payload, timeout=limit
-                )
-                try:
-                    text = (await answer.read()).decode("utf-8", "replace")
-                    status = answer.status
-                finally:
-                    answer.release()
+            answer = await self._get_client().request(method, url, headers, payload, timeout=limit)
+            try:
+                text = (await answer.read()).decode("utf-8", "replace")
+                status = answer.status
+            finally:
+                answer.release()
         except TimeoutError as exc:
             raise UpstreamError(504, f"{method} {url}: no answer within {limit:.1f}s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise UpstreamError(502, f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         try:
             data = json.loads(text) if text else None
