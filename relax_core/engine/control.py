@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 from relax_core._http.http1 import Http1Client
@@ -89,11 +89,6 @@ class ControlClient:
         if client is not None:
             await client.aclose()
 
-    def _get_client(self) -> Http1Client:
-        if self._client is None:
-            self._client = Http1Client(keepalive_timeout=KEEPALIVE_SECONDS)
-        return self._client
-
     # -- transport -------------------------------------------------------------------------
 
     async def _request(
@@ -104,8 +99,10 @@ class ControlClient:
         limit = self.timeout if timeout is None else float(timeout)
         payload = b"" if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        if self._client is None:
+            self._client = Http1Client(keepalive_timeout=KEEPALIVE_SECONDS)
         try:
-            answer = await self._get_client().request(method, url, headers, payload, timeout=limit)
+            answer = await self._client.request(method, url, headers, payload, timeout=limit)
             try:
                 text = (await answer.read()).decode("utf-8", "replace")
                 status = answer.status
@@ -151,27 +148,23 @@ class ControlClient:
                 break
         raise UpstreamError(502, last)
 
-    async def _operate(
-        self, what: str, method: str, path: str, body: _JSON | None = None, *, timeout: float | None
-    ) -> dict[str, Any]:
-        status, data, text = await self._request(method, path, body, timeout=timeout)
-        url = f"{self.base_url}{path}"
-        if not 200 <= status < 300:
-            raise LifecycleError(f"{what} refused by {url} ({status}): {self._message(data, text)}")
-        if isinstance(data, dict):
-            if data.get("success") is False:
-                raise LifecycleError(f"{what} failed at {url}: {self._message(data, text)}")
-            return data
-        return {"success": True, "message": text}
-
-    def operate(
+    async def operate(
         self, operation: str, body: _JSON | None = None, *, timeout: float | None = None
-    ) -> Coroutine[Any, Any, dict[str, Any]]:
+    ) -> dict[str, Any]:
         """``POST /{operation}``: an SGLang control operation whose path is its name; returns
         the engine's JSON answer.
         :raises LifecycleError: refused (non-2xx, or ``success: false``), quoting the engine.
         :raises UpstreamError: unreachable (502) or no answer in time (504)."""
-        return self._operate(operation, "POST", "/" + operation, body, timeout=timeout)
+        url = f"{self.base_url}/{operation}"
+        status, data, text = await self._request("POST", f"/{operation}", body, timeout=timeout)
+        if not 200 <= status < 300:
+            message = self._message(data, text)
+            raise LifecycleError(f"{operation} refused by {url} ({status}): {message}")
+        if isinstance(data, dict):
+            if data.get("success") is False:
+                raise LifecycleError(f"{operation} failed at {url}: {self._message(data, text)}")
+            return data
+        return {"success": True, "message": text}
 
     # -- probes and info ---------------------------------------------------------------------
 

@@ -131,7 +131,7 @@ class LocalModel(_Model):
 
 class RayModel(_Model):
     """A model whose manager a :class:`~relax_core.manager.actor.ManagerActor` hosts;
-    :meth:`shutdown` waits up to ``shutdown_timeout``, queries up to ``query_timeout``."""
+    :meth:`shutdown` waits up to ``shutdown_timeout``, each query up to 60 s."""
 
     def __init__(
         self,
@@ -140,11 +140,9 @@ class RayModel(_Model):
         actor: Any,
         *,
         shutdown_timeout: float = 120.0,
-        query_timeout: float = 60.0,
     ) -> None:
-        timeouts = {"shutdown": shutdown_timeout}
-        for query in ("engine_pids", "router_pids", "unconfirmed_workers"):
-            timeouts[query] = query_timeout
+        timeouts = dict.fromkeys(("engine_pids", "router_pids", "unconfirmed_workers"), 60.0)
+        timeouts["shutdown"] = shutdown_timeout
         client = RayManager(actor, name=f"{role}.{model_id}", timeouts=timeouts)  # type: ignore[abstract]
         super().__init__(role, model_id, client)
         self.actor = actor

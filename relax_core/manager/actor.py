@@ -193,6 +193,10 @@ else:
     _Hosted = object
 
 
+#: Seconds a manager's start waits for its router to be ready.
+_ROUTER_TIMEOUT = 60.0
+
+
 def _to_manager(name: str) -> Callable[..., Any]:
     def method(self: ManagerActor, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._manager, name)(*args, **kwargs)
@@ -214,7 +218,7 @@ class ManagerActor(_Hosted):
 
     Arguments are :class:`~relax_core.manager.InferenceManager`'s (a subclass's
     ``_manager_class``'s), plus ``router_backend`` / ``router_spec`` (an ``SGLANG_ROUTER``
-    model's router, launched here) and ``router_timeout`` (seconds :meth:`start` waits for it).
+    model's router, launched here; :meth:`start` waits up to 60 s for it).
     """
 
     _manager_class: Callable[..., Any] = InferenceManager
@@ -225,11 +229,9 @@ class ManagerActor(_Hosted):
         *,
         router_backend: RouterBackend | None = None,
         router_spec: RouterLaunchSpec | None = None,
-        router_timeout: float = 60.0,
         **kwargs: Any,
     ) -> None:
         self._router: RouterProcess | None = None
-        self._router_timeout = router_timeout
         self._name = f"model {model_id!r}"
         if router_backend is not None:
             if router_spec is None:
@@ -246,7 +248,7 @@ class ManagerActor(_Hosted):
     def start(self) -> LifecycleResult:
         """See :func:`start_behind_router`."""
         return start_behind_router(
-            self._manager, self._router, timeout=self._router_timeout, name=self._name
+            self._manager, self._router, timeout=_ROUTER_TIMEOUT, name=self._name
         )
 
     def shutdown(self) -> None:
@@ -277,7 +279,6 @@ def host_manager(
     manager: InferenceManager | ExternalEngines,
     *,
     router: RouterProcess | None = None,
-    router_timeout: float = 60.0,
     name: str | None = None,
 ) -> ManagerActor:
     """The core around a manager of this process and its router (``relax serve``)."""
@@ -285,7 +286,6 @@ def host_manager(
     core: ManagerActor = cls.__new__(cls)
     core._manager = manager
     core._router = router
-    core._router_timeout = router_timeout
     core._name = name or f"model {manager.model_id!r}"
     return core
 

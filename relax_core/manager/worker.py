@@ -266,13 +266,6 @@ class EngineWorker:
             await control.abort(timeout=timeout)
             await self._drained(admission, "abort", timeout)
 
-    async def _abort_all(self, *, timeout: float) -> None:
-        """Close admission and ``pause_generation("abort")`` (nothing runs until continued)."""
-        control, admission = self._head()
-        admission.close("DRAINING")
-        await control.pause_generation("abort", timeout=timeout)
-        await self._drained(admission, "pause_generation (abort)", timeout)
-
     async def _drained(self, admission: AdmissionServer, after: str, timeout: float) -> None:
         if not await admission.wait_idle(min(timeout, 10.0)):
             raise LifecycleError(
@@ -296,13 +289,16 @@ class EngineWorker:
         self.spec.check("offload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(drain_timeout + timeout):
-            control, _ = self._head()
+            control, admission = self._head()
             if not abort:
                 await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
                 await self._release(tags, timeout=timeout)
                 return time.monotonic() - start
             try:
-                await self._abort_all(timeout=timeout)
+                # Nothing runs until continued.
+                admission.close("DRAINING")
+                await control.pause_generation("abort", timeout=timeout)
+                await self._drained(admission, "pause_generation (abort)", timeout)
                 await self._release(tags, timeout=timeout)
             except BaseException as exc:
                 # Whatever failed: a paused engine would never generate again.
