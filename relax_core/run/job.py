@@ -17,14 +17,13 @@ from typing import Any
 
 import attrs
 
-from relax_core._proxy import actor_error_line
 from relax_core.config import ConfigProblem, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.residency import ResidencyPlan, plan_residency
 from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import Stage, stage_fields
-from relax_core.errors import LifecycleError, RelaxError
+from relax_core.errors import RelaxError
 from relax_core.jobs.runtime import JobRuntime, Say
 from relax_core.jobs.teardown import Stop
 from relax_core.manager import ManagerTimeouts
@@ -330,9 +329,10 @@ class RunJob:
             timeouts = _timeouts(self.run)
             managers = {
                 (role.name, model.name): pool.submit(
-                    _start_external_actor if model.external else start_model_actor,
+                    start_model_actor,
                     model,
                     self.pm,
+                    actor_class=ExternalEnginesActor if model.external else ManagerActor,
                     job=self.name,
                     placement=placements[role.name][model.name],
                     publisher=self.registries[role.name],
@@ -489,48 +489,6 @@ class ExternalEnginesActor(ManagerActor):
     a managed model's actor), which refuses every lifecycle call and weight update."""
 
     _manager_class = ExternalEngines
-
-
-def _start_external_actor(
-    model: ModelConfig, pm: PluginManager, *, job: str, publisher: Any, **managed: Any
-) -> Any:
-    """The :class:`ExternalEnginesActor` of a model served by ``external_urls``, in place of
-    :func:`~relax_core.jobs.managers.start_model_actor`'s (of ``managed``, only ``log_dir`` is
-    used: nothing is placed nor driven); the role's registry watches it.
-
-    :raises LifecycleError: the actor could not be built.
-    """
-    import ray
-
-    from relax_core.engine.spec import InferenceEngineSpec
-    from relax_core.jobs.managers import router_launch_spec, router_record
-    from relax_core.manager.actor import manager_actor_name, start_manager_actor
-
-    role = pm.role(model.role)
-    source = pm.weight_source(model.weight_source or role.default_weight_source)
-    kwargs: dict[str, Any] = {
-        "urls": model.external_urls,
-        "spec": InferenceEngineSpec.for_role(role, source),
-        "served_model_name": model.served_model_name or model.name,
-        "route_mode": model.route_mode or role.default_route_mode,
-        "publisher": publisher,
-    }
-    if kwargs["route_mode"] != "DIRECT":
-        record = router_record(model, role, pm)
-        spec = router_launch_spec(model, record, managed.get("log_dir"))
-        kwargs.update(router_backend=record, router_spec=spec)
-    try:
-        return start_manager_actor(
-            model.name,
-            name=manager_actor_name(job, model.role, model.name),
-            namespace=NAMESPACE,
-            actor_class=ExternalEnginesActor,
-            **kwargs,
-        )
-    except ray.exceptions.RayActorError as exc:
-        raise LifecycleError(
-            f"{model.path}: its actor (external engines) did not start: {actor_error_line(exc)}"
-        ) from None
 
 
 def _raise_first(started: Iterable[Future[Any]]) -> None:
