@@ -87,9 +87,7 @@ class Recovery:
             rep.weights_valid = False
             rep.admission_open = False
             rep.advance(_S.STARTING)
-        # The launcher reads the version to start engines with from its publication.
-        view: Any = _FilesVersion(self.publication)
-        results = attrs.evolve(self.launcher, publication=view).start(rebuild)
+        results = self.launcher.start(rebuild, from_files=True)
         for slot in slots:
             if slot.engine_id in results:
                 continue
@@ -267,29 +265,6 @@ class Recovery:
                 )
             )
         return HealthReport(self.slots.model_id, tuple(verdicts))
-
-
-class _FilesVersion:
-    """The model's publication as a rebuild's launcher sees it: no weight version given to the
-    engines (a rebuilt engine reports its files' version until weights are pushed: its CPU
-    copy died with it); a head's version recorded only when the model has none yet."""
-
-    def __init__(self, publication: Publication) -> None:
-        self._publication = publication
-
-    @property
-    def weight_version(self) -> str | None:
-        """None: the engines are told no version."""
-        return None
-
-    @weight_version.setter
-    def weight_version(self, version: str | None) -> None:
-        if self._publication.weight_version is None:
-            self._publication.weight_version = version
-
-    def publish(self) -> None:
-        """The model's :meth:`Publication.publish`."""
-        self._publication.publish()
 
 
 @attrs.frozen
