@@ -19,7 +19,7 @@ import attrs
 from relax_core.engine._logtail import quote_log, read_end
 from relax_core.errors import LifecycleError
 
-__all__ = ["SubprocessEngineProcess", "log_tail", "safe_file_name"]
+__all__ = ["SubprocessEngineProcess", "safe_file_name"]
 
 _TAIL_BYTES = 4000
 #: How long a follower without a readiness URL must stay alive to count as started.
@@ -30,14 +30,6 @@ def safe_file_name(text: str) -> str:
     """``text`` with every character but letters, digits, ``-``, ``_`` and ``.`` replaced by
     ``_`` (an engine id such as ``judge/replica-0`` becomes ``judge_replica-0``)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "engine"
-
-
-def log_tail(path: str | None, max_bytes: int = _TAIL_BYTES) -> str:
-    """The last ``max_bytes`` of the file at ``path`` as text ("" if it cannot be read)."""
-    try:
-        return read_end(path, max_bytes)[0] if path else ""
-    except OSError:
-        return ""
 
 
 @attrs.define(eq=False)
@@ -126,8 +118,11 @@ class SubprocessEngineProcess:
         return self._ready_url
 
     def log_tail(self, max_bytes: int = _TAIL_BYTES) -> str:
-        """The last ``max_bytes`` of the server's log."""
-        return log_tail(self.log_path, max_bytes)
+        """The last ``max_bytes`` of the server's log ("" if it cannot be read)."""
+        try:
+            return read_end(self.log_path, max_bytes)[0]
+        except OSError:
+            return ""
 
     def poll(self) -> int | None:
         """The exit code, or ``None`` while the process runs (never blocks); an exited leader's
