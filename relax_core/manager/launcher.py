@@ -38,7 +38,7 @@ def _remote_worker() -> Any:
 @attrs.define
 class Launcher:
     """Starts replicas of one model. Not thread-safe. ``ray_gpu_fraction``: the GPU share
-    each worker reserves; ``retry_after``: the heads' admission ``Retry-After``."""
+    each worker reserves."""
 
     publication: Publication
     spec: InferenceEngineSpec
@@ -46,7 +46,6 @@ class Launcher:
     launch: ModelLaunch
     ray_gpu_fraction: float
     timeouts: ManagerTimeouts
-    retry_after: float
 
     def start(
         self, slots: list[ReplicaSlot], *, from_files: bool = False
@@ -157,7 +156,6 @@ class Launcher:
                 backend=self.backend,
                 spec=self.spec,
                 public_host=self.launch.public_host,
-                retry_after=self.retry_after,
             )
         )
 

@@ -83,7 +83,6 @@ class InferenceManager:
         router_url: str | None = None,
         router: RouterMembership | None = None,
         timeouts: ManagerTimeouts | None = None,
-        retry_after: float = 1.0,
         control_channel: bool = True,
         unhealthy_after: int = 3,
     ) -> None:
@@ -109,9 +108,7 @@ class InferenceManager:
             slots, spec, launch, publisher, route_mode, router_url, router
         )
         self._heads = HeadCalls(slots, control_channel=control_channel, probe_timeout=t.rpc_margin)
-        self._launcher = Launcher(
-            published, spec, backend, launch, placement.ray_gpu_fraction, t, retry_after
-        )
+        self._launcher = Launcher(published, spec, backend, launch, placement.ray_gpu_fraction, t)
         self._memory = Memory(slots, self._heads, published, spec.strict_drain, t)
         self._weights = WeightUpdates(slots, published, spec, t)
         self._recovery = Recovery(slots, self._launcher, published, t, unhealthy_after)

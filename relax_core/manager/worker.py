@@ -86,7 +86,6 @@ class EngineWorker:
     :param backend: the engine backend record (``plugin_manager.engine_backend("hf")``).
     :param spec: the model's :class:`InferenceEngineSpec`; checked again here, at the engine.
     :param public_host: the host the admission server binds and publishes (head only).
-    :param retry_after: seconds the admission server sends in ``Retry-After`` while closed.
     """
 
     def __init__(
@@ -97,7 +96,6 @@ class EngineWorker:
         backend: EngineBackend,
         spec: InferenceEngineSpec,
         public_host: str | None = None,
-        retry_after: float = 1.0,
     ) -> None:
         self.engine_id = engine_id
         self.node_rank = node_rank
@@ -105,7 +103,6 @@ class EngineWorker:
         self.spec = spec
         self.node_ip = _node_ip()
         self.public_host = public_host or self.node_ip
-        self.retry_after = retry_after
         self.process: EngineProcess | None = None
         self.admission: AdmissionServer | None = None
         self.channel: ControlChannelServer | None = None
@@ -153,7 +150,6 @@ class EngineWorker:
                         engine_id=self.engine_id,
                         spec=self.spec,
                         host=self.public_host,
-                        retry_after=self.retry_after,
                     )
                     await self.admission.start()
                     self.channel = ControlChannelServer(
