@@ -57,11 +57,6 @@ class ServedJob:
         """The bound placement groups."""
         return self.runtime.bound
 
-    @property
-    def urls(self) -> dict[str, str]:
-        """Role → gateway base URL (requests go to ``{url}/{role}/…``)."""
-        return {role: gw.url for role, gw in self.gateways.items()}
-
     def status(self) -> str:
         """A status table of every role, with engine pids."""
         pids = self.runtime.pids()

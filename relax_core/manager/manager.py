@@ -56,12 +56,9 @@ class InferenceManager:
     :param model_id: the model's id in its role; engine ids are ``{model_id}/replica-{i}``.
     :param spec: what the engines may do (role, weight source, operations, strict drain).
     :param backend: the engine backend record (``plugin_manager.engine_backend("hf")``).
-    :param launch: how to launch the engines.
-    :param placement: the placement group and bundles of every replica's workers.
     :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
-    :param router: the router in front of the heads (``SGLANG_ROUTER``), told the heads to
-        route to on every publish.
+    :param router: the router in front of the heads, told the heads to route to on every publish.
     :param control_channel: onload/offload over each head's private HTTP control endpoint
         (default); ``False``: as Ray actor calls.
     :param unhealthy_after: consecutive failed health probes of a live replica before it is
