@@ -108,7 +108,6 @@ class AdmissionServer:
     _idle: asyncio.Event | None = attrs.field(default=None, init=False)
     _runner: web.AppRunner | None = attrs.field(default=None, init=False)
     _client: Http1Client | None = attrs.field(default=None, init=False)
-    refused: int = attrs.field(default=0, init=False)
     forwarded: int = attrs.field(default=0, init=False)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -178,7 +177,6 @@ class AdmissionServer:
     def _refuse(
         self, status: int, message: str, *, not_sent: bool = False, **extra: Any
     ) -> web.Response:
-        self.refused += 1
         headers = {}
         if status == 503:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))

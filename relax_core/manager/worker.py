@@ -46,12 +46,11 @@ _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 
 @attrs.frozen
 class StartResult:
-    """What a started worker reports: engine pid, private engine URL, public (admission) URL."""
+    """What a started worker reports: engine pid, public (admission) URL, node, version."""
 
     engine_id: str
     node_rank: int
     pid: int
-    engine_url: str | None
     public_url: str | None
     node_ip: str
     node_id: str | None = None
@@ -181,7 +180,6 @@ class EngineWorker:
                 engine_id=self.engine_id,
                 node_rank=self.node_rank,
                 pid=self.process.pid,
-                engine_url=self.process.base_url,
                 public_url=self.admission.base_url if self.admission else None,
                 node_ip=self.node_ip,
                 node_id=_node_id(),
