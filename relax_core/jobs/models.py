@@ -30,32 +30,25 @@ class ModelHandle(Protocol):
     def start(self) -> LifecycleResult:
         """Start the model's engines (behind its router, if any); per-replica results.
         :raises RelaxError: the router did not start or take the heads, or the start failed."""
-        ...
 
     def offload(self) -> LifecycleResult:
         """Release every tag of every replica (put the model to sleep); per-replica results."""
-        ...
 
     def shutdown(self) -> None:
         """Stop the engines and the worker actors, then the router.
         :raises RelaxError: a step was not confirmed (a fenced worker, a pending shutdown)."""
-        ...
 
     def engine_pids(self) -> dict[str, list[int | None]]:
         """Engine id -> the engine process id of each worker (head first)."""
-        ...
 
     def router_pids(self) -> list[int]:
         """The process ids of the model's router (empty without one)."""
-        ...
 
     def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
         """The workers whose cleanup is not confirmed: their placement groups are kept."""
-        ...
 
     def close(self) -> None:
         """Let go of the manager's host once shut down (its actor is killed). Idempotent."""
-        ...
 
 
 class _Model:

@@ -171,19 +171,15 @@ class HostedManager(ModelManager, Protocol):
 
     def ping(self) -> str:
         """The model id; takes no lock (the registry's liveness check)."""
-        ...
 
     def weight_version(self) -> str | None:
         """The manager's published weight version (a property of the manager itself)."""
-        ...
 
     def router_url(self) -> str | None:
         """The URL of the model's router, if any."""
-        ...
 
     def router_pids(self) -> list[int]:
         """The process ids of the model's router (empty without one, or once stopped)."""
-        ...
 
 
 if TYPE_CHECKING:
