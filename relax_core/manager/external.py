@@ -72,10 +72,8 @@ class ExternalEngines:
     as ``{model_id}/external-{i}``, every call in :data:`REFUSED` raises, :meth:`shutdown` only
     stops publishing. Thread-safe; every method blocks.
 
-    :param model_id: the model's id in its role.
     :param urls: each head's base URL (``http://host:port``).
     :param spec: the model's engine spec (role, weight source: published as for managed heads).
-    :param served_model_name: the name the heads serve the model under.
     :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url`` and ``router``).
     :param health_timeout: seconds each ``health_generate`` may take.
