@@ -76,7 +76,7 @@ class _Model:
         return f"{self._role}.{self._model_id}"
 
     def start(self) -> LifecycleResult:
-        """See :func:`~relax_core.manager.actor.start_behind_router`."""
+        """See :meth:`~relax_core.manager.actor.ManagerActor.start`."""
         return self.client.start()
 
     def offload(self) -> LifecycleResult:
@@ -84,7 +84,7 @@ class _Model:
         return self.client.offload()
 
     def shutdown(self) -> None:
-        """See :func:`~relax_core.manager.actor.shutdown_behind_router`."""
+        """See :meth:`~relax_core.manager.actor.ManagerActor.shutdown`."""
         self.client.shutdown()
 
     def engine_pids(self) -> dict[str, list[int | None]]:

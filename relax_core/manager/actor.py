@@ -28,8 +28,6 @@ __all__ = [
     "contract",
     "host_manager",
     "manager_actor_name",
-    "shutdown_behind_router",
-    "start_behind_router",
     "start_manager_actor",
 ]
 
@@ -122,44 +120,6 @@ class ModelManager(Protocol):
     def unconfirmed_workers(self) -> list[UnconfirmedWorker]: ...
 
 
-class _Startable(Protocol):
-    """What :func:`start_behind_router` needs of a manager (external engines have it too)."""
-
-    def start(self) -> LifecycleResult: ...
-    def shutdown(self) -> None: ...
-
-
-def start_behind_router(
-    manager: _Startable, router: RouterProcess | None, *, timeout: float, name: str
-) -> LifecycleResult:
-    """Make ``router`` ready (if any), then start the manager's engines; once READY, the
-    router must hold the model's heads. ``name`` names the model in errors. Blocking.
-    :raises ConfigError: the router drops a request field the roles send (no engine started).
-    :raises LifecycleError: the router did not start, or did not take the model's heads."""
-    if router is not None:
-        router.wait_ready(timeout)
-    result = manager.start()
-    if router is not None and result.ok:
-        trouble = router.check()
-        if trouble:
-            raise LifecycleError(
-                f"the router of {name} ({router.url}) did not take the model's heads:\n  "
-                + "\n  ".join(trouble)
-            )
-    return result
-
-
-def shutdown_behind_router(manager: _Startable, router: RouterProcess | None) -> None:
-    """Shut the manager down, then stop its router, whatever the shutdown raised (it took its
-    heads out of the router first). Raises what the manager's shutdown raised."""
-    try:
-        manager.shutdown()
-    finally:
-        if router is not None:
-            # No traffic is left: a short grace (smg would linger for its drain time).
-            router.terminate(3.0)
-
-
 def manager_actor_name(job: str, role: str, model_id: str) -> str:
     """The actor name of ``role``'s model ``model_id`` in job ``job``."""
     return f"relax-manager-{job}-{role}-{model_id}"
@@ -242,14 +202,32 @@ class ManagerActor(_Hosted):
             raise
 
     def start(self) -> LifecycleResult:
-        """See :func:`start_behind_router`."""
-        return start_behind_router(
-            self._manager, self._router, timeout=_ROUTER_TIMEOUT, name=self._name
-        )
+        """Make the router ready (if any), then start the manager's engines; once READY, the
+        router must hold the model's heads. Blocking.
+        :raises ConfigError: the router drops a request field the roles send (no engine started).
+        :raises LifecycleError: the router did not start, or did not take the model's heads."""
+        router = self._router
+        if router is not None:
+            router.wait_ready(_ROUTER_TIMEOUT)
+        result: LifecycleResult = self._manager.start()
+        if router is not None and result.ok:
+            trouble = router.check()
+            if trouble:
+                raise LifecycleError(
+                    f"the router of {self._name} ({router.url}) did not take the model's heads:"
+                    "\n  " + "\n  ".join(trouble)
+                )
+        return result
 
     def shutdown(self) -> None:
-        """See :func:`shutdown_behind_router`."""
-        shutdown_behind_router(self._manager, self._router)
+        """Shut the manager down, then stop its router, whatever the shutdown raised (it took
+        its heads out of the router first). Raises what the manager's shutdown raised."""
+        try:
+            self._manager.shutdown()
+        finally:
+            if self._router is not None:
+                # No traffic is left: a short grace (smg would linger for its drain time).
+                self._router.terminate(3.0)
 
     # -- the host's own queries ------------------------------------------------------------
 
