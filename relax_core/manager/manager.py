@@ -279,7 +279,7 @@ class InferenceManager:
 
         def add_and_start() -> dict[str, ReplicaResult]:
             new = self._scaling.check_new(workers, count, group)
-            return self._scaling.scale_out(new, group, owned=owned)
+            return self._launcher.start(self._scaling.add(new, group, owned=owned))
 
         return self._run("scale_out", add_and_start, settle=False)
 

@@ -37,7 +37,7 @@ class Scaling:
     def add(
         self, workers: Sequence[Sequence[Sequence[int]]], group: Any, *, owned: bool
     ) -> list[ReplicaSlot]:
-        """New STARTING replicas on ``group`` (not started yet; see :meth:`scale_out`)."""
+        """New STARTING replicas on ``group`` (checked by :meth:`check_new`; not started)."""
         self.groups.use(group, owned=owned)
         return self.slots.add(workers, group)
 
@@ -73,12 +73,6 @@ class Scaling:
         if group is None and any(b for r in new for n in r for b in n):
             raise ValueError("scale_out: bundles given but no placement group")
         return new
-
-    def scale_out(
-        self, workers: Sequence[Sequence[Sequence[int]]], group: Any, *, owned: bool
-    ) -> dict[str, ReplicaResult]:
-        """Add replicas (checked by :meth:`check_new`) and start them. Blocking."""
-        return self.launcher.start(self.add(workers, group, owned=owned))
 
     def choose(self, count: int | None, urls: Sequence[str] | None) -> list[ReplicaSlot]:
         """The replicas to remove: those under ``urls``, or ``count`` (partially cleaned,
