@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["contract", "generate", "remote_errors"]
+__all__ = ["actor_error_line", "contract", "generate", "remote_errors"]
 
 T = TypeVar("T", bound=type)
 
@@ -73,3 +73,10 @@ def remote_errors(
         if isinstance(exc, ray.exceptions.RayError):
             raise error(f"{actor} is unreachable ({type(exc).__name__}: {exc})") from exc
         raise
+
+
+def actor_error_line(error: BaseException) -> str:
+    """The last non-blank line of ``error``'s text (a ``RayActorError``'s is its creation
+    task's own error), else its type's name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

@@ -1,11 +1,6 @@
-"""The admission server: a CPU proxy that owns a strict engine head's public port.
-
-It forwards an allowlist of paths byte for byte (streams streamed), answers generation paths
-``503`` + ``Retry-After`` while admission is closed, counts in-flight generation requests for
-drains, and refuses every weight-update, LoRA and other control path with ``403``. It runs on
-the engine worker actor's event loop (:class:`AdmissionThread`: on a private one). See
-``docs/manager.md``.
-"""
+"""The admission server: a CPU proxy that owns a strict engine head's public port
+(``docs/manager.md``): the allowlist forwarded byte for byte, generation paths ``503`` while
+closed and counted in flight, weight-update and control paths ``403``."""
 
 from __future__ import annotations
 
@@ -113,7 +108,6 @@ class AdmissionServer:
     _idle: asyncio.Event | None = attrs.field(default=None, init=False)
     _runner: web.AppRunner | None = attrs.field(default=None, init=False)
     _client: Http1Client | None = attrs.field(default=None, init=False)
-    refused: int = attrs.field(default=0, init=False)
     forwarded: int = attrs.field(default=0, init=False)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -183,7 +177,6 @@ class AdmissionServer:
     def _refuse(
         self, status: int, message: str, *, not_sent: bool = False, **extra: Any
     ) -> web.Response:
-        self.refused += 1
         headers = {}
         if status == 503:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))

@@ -1,10 +1,5 @@
 """Weight buckets: a push cut into flat byte buffers of a bounded size (SGLang's
-``flattened_bucket`` layout: a bucket's tensors back to back, in order, no padding).
-
-:func:`plan_weight_buckets` plans them without torch; filling and encoding a buffer is the
-tensor holder's (a trainer plugin's). A tensor larger than the bucket size gets a bucket of its
-own.
-"""
+``flattened_bucket`` layout), planned without torch; filling a buffer is a trainer plugin's."""
 
 from __future__ import annotations
 
@@ -25,9 +20,7 @@ def _dtype_name(dtype: Any) -> str:
 class WeightBucket:
     """One bucket of a weight push: its tensors' ``names``, ``dtypes``, ``shapes`` and byte
     ``offsets`` in its flat buffer of ``nbytes``. Built by :func:`plan_weight_buckets`.
-
-    :raises ValueError: the fields disagree (lengths, offsets not back to back).
-    """
+    :raises ValueError: the fields disagree (lengths, offsets not back to back)."""
 
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
@@ -55,8 +48,9 @@ class WeightBucket:
 def plan_weight_buckets(
     named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int
 ) -> list[WeightBucket]:
-    """Group ``(name, tensor)`` pairs, in order, into buckets of at most ``bucket_bytes``.
-    Pure. :raises ValueError: a bad ``bucket_bytes``, no tensors, or a name given twice."""
+    """Group ``(name, tensor)`` pairs, in order, into buckets of at most ``bucket_bytes`` (a
+    larger tensor: a bucket of its own). Pure.
+    :raises ValueError: a bad ``bucket_bytes``, no tensors, or a name given twice."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     buckets: list[WeightBucket] = []

@@ -1,20 +1,11 @@
-"""The SGLang-protocol control client: one async client for every engine backend.
-
-Errors: unreachable, or no answer in time → :class:`~relax_core.errors.UpstreamError` (502;
-504); a probe answered non-2xx → ``UpstreamError`` (502); an operation refused (non-2xx, or
-``success: false``) → :class:`~relax_core.errors.LifecycleError`; each names the URL and quotes
-the engine. No request is sent twice, except one that met the keep-alive race of a reused idle
-connection (kept at most :data:`KEEPALIVE_SECONDS`).
-"""
+"""The SGLang-protocol control client: one async client for every engine backend."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
-
-import aiohttp
 
 from relax_core._http.http1 import Http1Client
 from relax_core._quote import quote_body
@@ -56,6 +47,12 @@ KEEPALIVE_SECONDS = 2.0
 class ControlClient:
     """Async client for one engine head's SGLang control API (an async context manager, or
     call :meth:`close`). Safe to share between tasks of one loop.
+
+    Errors: unreachable, or no answer in time → :class:`~relax_core.errors.UpstreamError`
+    (502; 504); a probe answered non-2xx → ``UpstreamError`` (502); an operation refused
+    (non-2xx, or ``success: false``) → :class:`~relax_core.errors.LifecycleError`; each names
+    the URL and quotes the engine. No request is sent twice, except one that met the
+    keep-alive race of a reused idle connection (kept at most :data:`KEEPALIVE_SECONDS`).
     """
 
     #: Whether the engine's release of ``kv_cache`` flushes its cache itself and refuses
@@ -69,7 +66,6 @@ class ControlClient:
         base_url: str,
         *,
         timeout: float = 30.0,
-        session: aiohttp.ClientSession | None = None,
         release_flushes: bool | None = None,
         resume_checks: bool | None = None,
     ) -> None:
@@ -79,7 +75,6 @@ class ControlClient:
             self.release_flushes = bool(release_flushes)
         if resume_checks is not None:
             self.resume_checks = bool(resume_checks)
-        self._session = session
         self._client: Http1Client | None = None
 
     async def __aenter__(self) -> ControlClient:
@@ -89,15 +84,10 @@ class ControlClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the connections this client opened (idempotent; a given session stays open)."""
+        """Close the client's connections. Idempotent."""
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
-
-    def _get_client(self) -> Http1Client:
-        if self._client is None:
-            self._client = Http1Client(keepalive_timeout=KEEPALIVE_SECONDS)
-        return self._client
 
     # -- transport -------------------------------------------------------------------------
 
@@ -107,27 +97,20 @@ class ControlClient:
         """One HTTP call; returns (status, parsed JSON or None, raw text)."""
         url = self.base_url + path
         limit = self.timeout if timeout is None else float(timeout)
+        payload = b"" if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if self._client is None:
+            self._client = Http1Client(keepalive_timeout=KEEPALIVE_SECONDS)
         try:
-            if self._session is not None:
-                async with self._session.request(
-                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=limit)
-                ) as resp:
-                    text = await resp.text()
-                    status = resp.status
-            else:
-                payload = b"" if body is None else json.dumps(body).encode()
-                headers = {"Content-Type": "application/json"} if body is not None else {}
-                answer = await self._get_client().request(
-                    method, url, headers, payload, timeout=limit
-                )
-                try:
-                    text = (await answer.read()).decode("utf-8", "replace")
-                    status = answer.status
-                finally:
-                    answer.release()
+            answer = await self._client.request(method, url, headers, payload, timeout=limit)
+            try:
+                text = (await answer.read()).decode("utf-8", "replace")
+                status = answer.status
+            finally:
+                answer.release()
         except TimeoutError as exc:
             raise UpstreamError(504, f"{method} {url}: no answer within {limit:.1f}s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise UpstreamError(502, f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         try:
             data = json.loads(text) if text else None
@@ -165,29 +148,23 @@ class ControlClient:
                 break
         raise UpstreamError(502, last)
 
-    async def _operate(
-        self, what: str, method: str, path: str, body: _JSON | None = None, *, timeout: float | None
-    ) -> dict[str, Any]:
-        status, data, text = await self._request(method, path, body, timeout=timeout)
-        url = f"{self.base_url}{path}"
-        if not 200 <= status < 300:
-            raise LifecycleError(f"{what} refused by {url} ({status}): {self._message(data, text)}")
-        if isinstance(data, dict):
-            if data.get("success") is False:
-                raise LifecycleError(f"{what} failed at {url}: {self._message(data, text)}")
-            return data
-        return {"success": True, "message": text}
-
-    def operate(
+    async def operate(
         self, operation: str, body: _JSON | None = None, *, timeout: float | None = None
-    ) -> Coroutine[Any, Any, dict[str, Any]]:
+    ) -> dict[str, Any]:
         """``POST /{operation}``: an SGLang control operation whose path is its name; returns
         the engine's JSON answer.
-
         :raises LifecycleError: refused (non-2xx, or ``success: false``), quoting the engine.
-        :raises UpstreamError: unreachable (502) or no answer in time (504).
-        """
-        return self._operate(operation, "POST", "/" + operation, body, timeout=timeout)
+        :raises UpstreamError: unreachable (502) or no answer in time (504)."""
+        url = f"{self.base_url}/{operation}"
+        status, data, text = await self._request("POST", f"/{operation}", body, timeout=timeout)
+        if not 200 <= status < 300:
+            message = self._message(data, text)
+            raise LifecycleError(f"{operation} refused by {url} ({status}): {message}")
+        if isinstance(data, dict):
+            if data.get("success") is False:
+                raise LifecycleError(f"{operation} failed at {url}: {self._message(data, text)}")
+            return data
+        return {"success": True, "message": text}
 
     # -- probes and info ---------------------------------------------------------------------
 

@@ -1,9 +1,6 @@
-"""A generic engine server running as a child process: start, wait until ready, stop.
-
-:class:`SubprocessEngineProcess` implements :class:`~relax_core.records.EngineProcess` for every
-backend whose server is a local command. The child runs in its own process group (stop reaches
-all it started); its output goes to a log file that every start-up error names and quotes.
-"""
+"""A generic engine server running as a child process in its own process group: start, wait
+until ready, stop (:class:`SubprocessEngineProcess`, for every backend whose server is a local
+command)."""
 
 from __future__ import annotations
 
@@ -22,7 +19,7 @@ import attrs
 from relax_core.engine._logtail import quote_log, read_end
 from relax_core.errors import LifecycleError
 
-__all__ = ["SubprocessEngineProcess", "log_tail", "safe_file_name"]
+__all__ = ["SubprocessEngineProcess", "safe_file_name"]
 
 _TAIL_BYTES = 4000
 #: How long a follower without a readiness URL must stay alive to count as started.
@@ -33,14 +30,6 @@ def safe_file_name(text: str) -> str:
     """``text`` with every character but letters, digits, ``-``, ``_`` and ``.`` replaced by
     ``_`` (an engine id such as ``judge/replica-0`` becomes ``judge_replica-0``)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "engine"
-
-
-def log_tail(path: str | None, max_bytes: int = _TAIL_BYTES) -> str:
-    """The last ``max_bytes`` of the file at ``path`` as text ("" if it cannot be read)."""
-    try:
-        return read_end(path, max_bytes)[0] if path else ""
-    except OSError:
-        return ""
 
 
 @attrs.define(eq=False)
@@ -129,8 +118,11 @@ class SubprocessEngineProcess:
         return self._ready_url
 
     def log_tail(self, max_bytes: int = _TAIL_BYTES) -> str:
-        """The last ``max_bytes`` of the server's log."""
-        return log_tail(self.log_path, max_bytes)
+        """The last ``max_bytes`` of the server's log ("" if it cannot be read)."""
+        try:
+            return read_end(self.log_path, max_bytes)[0]
+        except OSError:
+            return ""
 
     def poll(self) -> int | None:
         """The exit code, or ``None`` while the process runs (never blocks); an exited leader's
@@ -163,10 +155,8 @@ class SubprocessEngineProcess:
     def wait_ready(self, timeout: float, *, interval: float = 0.1) -> None:
         """Block until ``GET {base_url}/health`` (a follower: its ``ready_url``) answers 200;
         a follower without one: once alive for :data:`FOLLOWER_GRACE_S` seconds.
-
         :raises LifecycleError: the process exited first (quoting its log), or ``timeout``
-            passed (the process is left running: call :meth:`terminate`).
-        """
+            passed (the process is left running: call :meth:`terminate`)."""
         start = time.monotonic()
         deadline = start + timeout
         url = self.ready_url

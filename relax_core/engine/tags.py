@@ -25,9 +25,7 @@ ALL_TAGS: frozenset[str] = frozenset(TAG_ORDER)
 
 def normalize_tags(tags: Iterable[str] | None, *, where: str = "tags") -> frozenset[str]:
     """``None`` means every tag; otherwise check each name.
-
-    :raises ValueError: an unknown tag (the message lists the known ones), or no tag at all.
-    """
+    :raises ValueError: an unknown tag (the message lists the known ones), or no tag at all."""
     if tags is None:
         return ALL_TAGS
     if isinstance(tags, str):

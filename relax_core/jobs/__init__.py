@@ -1,7 +1,5 @@
-"""The one job runtime behind ``relax serve`` and ``relax run``: preflight and checks, placing
-a job, building and starting its managers phase by phase, health and teardown. ``relax run``'s
-own parts are in :mod:`relax_core.run.job`. See ``docs/jobs.md``.
-"""
+"""The one job runtime behind ``relax serve`` and ``relax run`` (``docs/jobs.md``); ``relax
+run``'s own parts are in :mod:`relax_core.run.job`."""
 
 from relax_core._exports import claim as _claim
 from relax_core.jobs.checks import check_job, servable_problems, serve_phase_problems

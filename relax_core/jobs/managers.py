@@ -8,6 +8,7 @@ from typing import Any, Required, TypedDict, Unpack
 
 import attrs
 
+from relax_core._proxy import actor_error_line
 from relax_core.config import ConfigReader, JobConfig, ModelConfig, RoleConfig
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoutingSpec
@@ -15,6 +16,7 @@ from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import ConfigError, LifecycleError
 from relax_core.jobs.roles import RoleService
 from relax_core.manager import InferenceManager, ManagerTimeouts, ModelLaunch, ReplicaPlacement
+from relax_core.manager.actor import ManagerActor, manager_actor_name, start_manager_actor
 from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
 from relax_core.records import EngineBackend, RouterBackend, RouterLaunchSpec, RouterProcess
@@ -155,9 +157,7 @@ def build_role_service(
 ) -> RoleService:
     """The role service of ``role``: one manager per model on ``placements[model]``, an
     ``SGLANG_ROUTER`` model's router launched here.
-
-    :raises ConfigError: a model cannot be served, naming its key (routers launched stop).
-    """
+    :raises ConfigError: a model cannot be served, naming its key (routers launched stop)."""
     spec = plugin_manager.role(role.name)
     service = RoleService(
         role.name,
@@ -194,39 +194,33 @@ def _manager(
 ) -> InferenceManager | ExternalEngines:
     """The manager of one model (:class:`ExternalEngines` for one served by external
     engines), publishing to ``service``; an ``SGLANG_ROUTER`` model's router launched."""
-    spec = pm.role(model.role)
-    route_mode = model.route_mode or spec.default_route_mode
-    arguments = (
-        {"spec": _engine_spec(model, pm)}
-        if model.external
-        else manager_arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
-    )
+    arguments = _arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
     router: RouterProcess | None = None
     publisher: Any = service.publisher
-    if route_mode != "DIRECT":
-        record = router_record(model, spec, pm)
+    if arguments["route_mode"] != "DIRECT":
+        record = router_record(model, pm.role(model.role), pm)
         router = record.launch(router_launch_spec(model, record, log_dir))
         service.routers[model.name] = router
         if model.engine.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
-    if model.external:
-        return ExternalEngines(
-            model.name,
-            urls=model.external_urls,
-            spec=arguments["spec"],
-            served_model_name=model.served_model_name or model.name,
-            publisher=publisher,
-            route_mode=route_mode,
-            router_url=router.url if router is not None else None,
-            router=router,
-        )
-    return InferenceManager(
-        model.name,
-        **arguments,
-        publisher=publisher,
-        router_url=router.url if router is not None else None,
-        router=router,
-    )
+    cls = ExternalEngines if model.external else InferenceManager
+    router_url = router.url if router is not None else None
+    return cls(model.name, **arguments, publisher=publisher, router_url=router_url, router=router)
+
+
+def _arguments(
+    model: ModelConfig, pm: PluginManager, **settings: Unpack[ManagerSettings]
+) -> dict[str, Any]:
+    """:func:`manager_arguments`, or an external model's :class:`ExternalEngines` arguments
+    (of ``settings``, none is used)."""
+    if not model.external:
+        return manager_arguments(model, pm, **settings)
+    return {
+        "urls": model.external_urls,
+        "spec": _engine_spec(model, pm),
+        "served_model_name": model.served_model_name or model.name,
+        "route_mode": model.route_mode or pm.role(model.role).default_route_mode,
+    }
 
 
 def _engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
@@ -254,9 +248,7 @@ def manager_arguments(
 ) -> dict[str, Any]:
     """The :class:`~relax_core.manager.InferenceManager` arguments of ``model``, but the
     ``publisher`` and the router. Pure.
-
-    :raises ConfigError: a bad weight source or ``engine`` table, naming the key.
-    """
+    :raises ConfigError: a bad weight source or ``engine`` table, naming the key."""
     spec = pm.role(model.role)
     placement, log_dir = settings["placement"], settings.get("log_dir")
     backend = pm.engine_backend(model.backend)
@@ -353,19 +345,19 @@ def start_model_actor(
     *,
     job: str,
     publisher: Any,
+    actor_class: type[object] = ManagerActor,
     **settings: Unpack[ManagerSettings],
 ) -> Any:
-    """Create ``model``'s named manager actor for job ``job`` (with its router, if any),
-    publishing to ``publisher``; return the handle, not started.
-
-    :raises LifecycleError: the actor could not be built (the reason is its error's last line).
-    """
+    """Create ``model``'s named manager actor (an ``actor_class``) for job ``job`` (with its
+    router, if any), publishing to ``publisher``; return the handle, not started. A model
+    served by ``external_urls`` needs an ``actor_class`` whose manager is
+    :class:`ExternalEngines`.
+    :raises LifecycleError: the actor could not be built (the reason is its error's last line)."""
     import ray
 
     from relax_core.coordination.remote import NAMESPACE
-    from relax_core.manager.actor import manager_actor_name, start_manager_actor
 
-    kwargs = manager_arguments(model, pm, **settings)
+    kwargs = _arguments(model, pm, **settings)
     if kwargs["route_mode"] != "DIRECT":
         record = router_record(model, pm.role(model.role), pm)
         spec = router_launch_spec(model, record, settings.get("log_dir"))
@@ -376,13 +368,13 @@ def start_model_actor(
             name=manager_actor_name(job, model.role, model.name),
             namespace=NAMESPACE,
             publisher=publisher,
+            actor_class=actor_class,
             **kwargs,
         )
     except ray.exceptions.RayActorError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        what = "actor (external engines)" if model.external else "manager actor"
         raise LifecycleError(
-            f"{model.path}: its manager actor did not start: "
-            f"{lines[-1] if lines else type(exc).__name__}"
+            f"{model.path}: its {what} did not start: {actor_error_line(exc)}"
         ) from None
 
 

@@ -30,32 +30,25 @@ class ModelHandle(Protocol):
     def start(self) -> LifecycleResult:
         """Start the model's engines (behind its router, if any); per-replica results.
         :raises RelaxError: the router did not start or take the heads, or the start failed."""
-        ...
 
     def offload(self) -> LifecycleResult:
         """Release every tag of every replica (put the model to sleep); per-replica results."""
-        ...
 
     def shutdown(self) -> None:
         """Stop the engines and the worker actors, then the router.
         :raises RelaxError: a step was not confirmed (a fenced worker, a pending shutdown)."""
-        ...
 
     def engine_pids(self) -> dict[str, list[int | None]]:
         """Engine id -> the engine process id of each worker (head first)."""
-        ...
 
     def router_pids(self) -> list[int]:
         """The process ids of the model's router (empty without one)."""
-        ...
 
     def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
         """The workers whose cleanup is not confirmed: their placement groups are kept."""
-        ...
 
     def close(self) -> None:
         """Let go of the manager's host once shut down (its actor is killed). Idempotent."""
-        ...
 
 
 class _Model:
@@ -83,7 +76,7 @@ class _Model:
         return f"{self._role}.{self._model_id}"
 
     def start(self) -> LifecycleResult:
-        """See :func:`~relax_core.manager.actor.start_behind_router`."""
+        """See :meth:`~relax_core.manager.actor.ManagerActor.start`."""
         return self.client.start()
 
     def offload(self) -> LifecycleResult:
@@ -91,7 +84,7 @@ class _Model:
         return self.client.offload()
 
     def shutdown(self) -> None:
-        """See :func:`~relax_core.manager.actor.shutdown_behind_router`."""
+        """See :meth:`~relax_core.manager.actor.ManagerActor.shutdown`."""
         self.client.shutdown()
 
     def engine_pids(self) -> dict[str, list[int | None]]:
@@ -131,7 +124,7 @@ class LocalModel(_Model):
 
 class RayModel(_Model):
     """A model whose manager a :class:`~relax_core.manager.actor.ManagerActor` hosts;
-    :meth:`shutdown` waits up to ``shutdown_timeout``, queries up to ``query_timeout``."""
+    :meth:`shutdown` waits up to ``shutdown_timeout``, each query up to 60 s."""
 
     def __init__(
         self,
@@ -140,11 +133,9 @@ class RayModel(_Model):
         actor: Any,
         *,
         shutdown_timeout: float = 120.0,
-        query_timeout: float = 60.0,
     ) -> None:
-        timeouts = {"shutdown": shutdown_timeout}
-        for query in ("engine_pids", "router_pids", "unconfirmed_workers"):
-            timeouts[query] = query_timeout
+        timeouts = dict.fromkeys(("engine_pids", "router_pids", "unconfirmed_workers"), 60.0)
+        timeouts["shutdown"] = shutdown_timeout
         client = RayManager(actor, name=f"{role}.{model_id}", timeouts=timeouts)  # type: ignore[abstract]
         super().__init__(role, model_id, client)
         self.actor = actor

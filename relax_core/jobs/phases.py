@@ -55,9 +55,7 @@ def start_models(
 ) -> dict[str, LifecycleResult]:
     """Start every model at once (one thread each); ``key`` -> its result. ``on_done(model,
     result_or_error)`` hears each; at Ctrl-C ``on_interrupt()``, then every start ends. Blocking.
-
-    :raises LifecycleError: a model did not start, naming each (and ``logs``), after all ended.
-    """
+    :raises LifecycleError: a model did not start, naming each (and ``logs``), after all ended."""
     outcomes: dict[str, LifecycleResult | BaseException] = {}
     lock = threading.Lock()
 

@@ -17,9 +17,7 @@ def bind_pools(plan: Any, *, out: list[Any] | None = None, detach: bool = False)
     """Create and bind the placement group ``relax-<pool>`` of every pool of ``plan`` (each
     appended to ``out`` once it exists, a Ctrl-C held until it is; ``detach``: detached); pool
     name -> ``BoundPool``.
-
-    :raises PlacementError: a pool's binding is invalid (its own group is removed).
-    """
+    :raises PlacementError: a pool's binding is invalid (its own group is removed)."""
     from relax_core.placement import bind_placement_group
 
     bound = {}

@@ -66,19 +66,14 @@ class RoleService:
         """The role's schema-2 snapshot, aggregated over every model."""
         return self.publisher.snapshot()
 
-    def start(self, *, on_done: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+    def start(self) -> dict[str, Any]:
         """Start every model's engines in parallel, each behind its router; each model's
-        ``LifecycleResult``. ``on_done(model_id, result_or_error)`` hears each. Blocking.
-
+        ``LifecycleResult``. Blocking.
         :raises ConfigError: a router drops a request field the roles send.
         :raises LifecycleError: a router or some replica did not start (naming each), once
-            every model has finished starting.
-        """
+            every model has finished starting."""
         models = self.models()
-        results = start_models(
-            models,
-            on_done=None if on_done is None else (lambda m, outcome: on_done(m.model_id, outcome)),
-        )
+        results = start_models(models)
         return {m.model_id: results[m.key] for m in models}
 
     def models(self) -> list[LocalModel]:

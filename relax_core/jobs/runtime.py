@@ -74,9 +74,7 @@ class JobRuntime:
     ) -> dict[str, dict[str, ReplicaPlacement]]:
         """Create and bind the placement group of every pool of :attr:`plan` (each in
         :attr:`bound` once it exists; ``detach``: detached); role -> model -> placement.
-
-        :raises PlacementError: a pool's binding is invalid.
-        """
+        :raises PlacementError: a pool's binding is invalid."""
         if self.plan is None:
             raise ValueError("bind() needs a plan: call plan_for() first")
         bound = bind_pools(self.plan, out=self.bound, detach=detach)
@@ -126,10 +124,8 @@ class JobRuntime:
         deferred phase put to SLEEPING (its line ending in ``sleep_note``) before the next.
         ``progress()``: a line printed when it changes; ``on_started(done, total)``: starts
         ended so far; ``on_interrupt()``: at Ctrl-C (starts in flight finish first). Blocking.
-
         :raises LifecycleError: an engine did not become READY (``logs``: where their logs
-            are), or a deferred model could not be put to sleep (call :meth:`teardown`).
-        """
+            are), or a deferred model could not be put to sleep (call :meth:`teardown`)."""
         steps = start_order(config, self.plan) if self.plan is not None else []
         if not steps:
             steps = [(tuple(self.models), False)]

@@ -57,24 +57,9 @@ class ServedJob:
         """The bound placement groups."""
         return self.runtime.bound
 
-    @property
-    def kept_groups(self) -> dict[str, str]:
-        """The placement groups teardown kept (name -> why)."""
-        return self.runtime.kept_groups
-
-    @property
-    def urls(self) -> dict[str, str]:
-        """Role → gateway base URL (requests go to ``{url}/{role}/…``)."""
-        return {role: gw.url for role, gw in self.gateways.items()}
-
-    def pids(self) -> dict[str, list[int]]:
-        """Engine id (and ``<model>/router``) → process ids, over every role (recorded for the
-        check at teardown)."""
-        return self.runtime.pids()
-
     def status(self) -> str:
         """A status table of every role, with engine pids."""
-        pids = self.pids()
+        pids = self.runtime.pids()
         tables = [render_snapshot(s.snapshot(), pids=pids) for s in self.services.values()]
         if self.wake is not None:
             tables.append(
@@ -97,7 +82,7 @@ def teardown_served_job(job: ServedJob, out: TextIO) -> list[str]:
     """Take ``job`` down (:meth:`~relax_core.jobs.runtime.JobRuntime.teardown`): the health
     monitors, the gateways and their registry first; return what was left."""
     with contextlib.suppress(RelaxError):
-        job.pids()  # engines rebuilt by the health monitor since the last status table
+        job.runtime.pids()  # engines rebuilt by the health monitor since the last status table
     first = []
     if job.wake is not None:
         first.append(Stop("wake controller", job.wake.stop))
@@ -125,15 +110,13 @@ def serve_job(
     detach_groups: bool = False,
 ) -> Iterator[ServedJob]:
     """Bring ``config``'s inference side up on the connected Ray; tear it all down on exit
-    (every fenced placement group kept: :attr:`ServedJob.kept_groups`).
+    (every fenced placement group kept: ``job.runtime.kept_groups``).
 
     ``health_interval``: seconds between health checks (0: none). ``before_teardown``: called
     when the block ends or Ctrl-C interrupts the start. ``detach_groups``: detached groups.
-
     :raises PlacementError: the plan or the binding is invalid (nothing was started).
     :raises LifecycleError: engines did not become READY (everything started is shut down),
-        or the shutdown left problems.
-    """
+        or the shutdown left problems."""
     pm = plugin_manager or PluginManager.create()
     job = ServedJob()
     if log_dir is not None:

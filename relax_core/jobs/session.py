@@ -27,13 +27,10 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
     loaded = sys.modules.get("ray")
     connected = loaded is not None and loaded.is_initialized()
     gpus = config.cluster.total_gpus
+    local = f"a new local Ray ({gpus} GPU{'s' if gpus != 1 else ''} declared)"
     # Said before Ray is imported: its import and start are a newcomer's first 10-15 s.
     if not connected:
-        doing = (
-            f"connecting to the Ray cluster at {address}"
-            if address
-            else f"starting a new local Ray ({gpus} GPU{'s' if gpus != 1 else ''} declared)"
-        )
+        doing = f"connecting to the Ray cluster at {address}" if address else f"starting {local}"
         print(f"  {doing} …", file=out, flush=True)
     import ray
 
@@ -54,7 +51,7 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
-        what = f"a new local Ray ({gpus} GPU{'s' if gpus != 1 else ''} declared)"
+        what = local
     try:
         yield what
     finally:

@@ -14,6 +14,7 @@ import attrs
 from relax_core._threads import each_in_thread
 from relax_core.jobs.models import ModelHandle
 from relax_core.manager import UnconfirmedWorker
+from relax_core.manager.reaper import start_time
 
 __all__ = ["Stop", "shutdown_models", "still_running", "stop_parts"]
 
@@ -95,15 +96,12 @@ def _wait_gone(pids: set[int], timeout: float) -> set[int]:
 
 def _pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not: it only waits to be reaped)."""
+    if sys.platform.startswith("linux"):
+        return start_time(pid) is not None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not sys.platform.startswith("linux")
-    return state not in (b"Z", b"X")
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        pass
+    return True

@@ -233,11 +233,9 @@ class WakeController:
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
         """Make ``role`` awake; returns once it is.
-
         :raises ModelNotReadyError: (503) not awake within ``timeout`` (at most
             ``wake_timeout``), or the role or its slice is BLOCKED.
-        :raises KeyError: the controller does not drive ``role``.
-        """
+        :raises KeyError: the controller does not drive ``role``."""
         r = self._roles[role]
         if self.ready(role):
             return
@@ -463,18 +461,17 @@ class WakeController:
 
 class ThreadWaker:
     """A :class:`WakeController` reached from another thread's event loop (a gateway's): each
-    wake runs on the controller's loop; the rest is thread-safe as it is."""
+    wake runs on the controller's loop; ``enter``, ``end`` and ``describe`` are the
+    controller's own (thread-safe as they are)."""
 
     def __init__(self, controller: WakeController) -> None:
         self.controller = controller
+        self.enter, self.end = controller.enter, controller.end
+        self.describe = controller.describe
 
     def wakes(self, role: str) -> bool:
         """Whether ``role`` is one the controller wakes."""
         return role in self.controller.roles()
-
-    def enter(self, role: str, *, first: bool = True) -> bool:
-        """:meth:`WakeController.enter`."""
-        return self.controller.enter(role, first=first)
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
         """:meth:`WakeController.wake`, on the controller's loop."""
@@ -488,14 +485,6 @@ class ThreadWaker:
             )
         future = asyncio.run_coroutine_threadsafe(self.controller.wake(role, timeout=timeout), loop)
         await asyncio.wrap_future(future)
-
-    def end(self, role: str) -> None:
-        """:meth:`WakeController.end`."""
-        self.controller.end(role)
-
-    def describe(self, role: str) -> dict[str, Any]:
-        """:meth:`WakeController.describe`."""
-        return self.controller.describe(role)
 
     def collector(self, role: str) -> Collector:
         """``role``'s wake counters for its gateway's ``/metrics``."""

@@ -1,7 +1,5 @@
-"""The InferenceManager and its parts: engine worker actors, states and tags, results.
-
-See :class:`InferenceManager` and ``docs/manager.md``.
-"""
+"""The InferenceManager and its parts: engine worker actors, states and tags, results
+(``docs/manager.md``)."""
 
 from relax_core._exports import claim as _claim
 from relax_core.engine.tags import ALL_TAGS, TAG_ORDER, ResidentTag, normalize_tags

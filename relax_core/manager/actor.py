@@ -1,12 +1,7 @@
-"""A model's manager: its API written once (:class:`ModelManager`), one core, two clients.
-
-:class:`ManagerActor` is the core every caller reaches: an
-:class:`~relax_core.manager.InferenceManager` with its router and a few queries of its own
-(:class:`HostedManager`), in a CPU-only named Ray actor (``relax run``) or in this process
-(``relax serve``). Its clients, :class:`InProcessManager` and :class:`RayManager`, add
-``acall`` (the call awaited). Every forwarder is generated from the Protocol
-(:func:`relax_core._proxy.generate`); a test checks the core and both clients against it.
-"""
+"""A model's manager: its API written once (:class:`ModelManager`), one core
+(:class:`ManagerActor`: the manager, its router and a few queries of its own, in a Ray actor or
+in this process), two clients (:class:`InProcessManager`, :class:`RayManager`); every forwarder
+is generated from the Protocol (:func:`relax_core._proxy.generate`)."""
 
 from __future__ import annotations
 
@@ -33,8 +28,6 @@ __all__ = [
     "contract",
     "host_manager",
     "manager_actor_name",
-    "shutdown_behind_router",
-    "start_behind_router",
     "start_manager_actor",
 ]
 
@@ -127,46 +120,6 @@ class ModelManager(Protocol):
     def unconfirmed_workers(self) -> list[UnconfirmedWorker]: ...
 
 
-class _Startable(Protocol):
-    """What :func:`start_behind_router` needs of a manager (external engines have it too)."""
-
-    def start(self) -> LifecycleResult: ...
-    def shutdown(self) -> None: ...
-
-
-def start_behind_router(
-    manager: _Startable, router: RouterProcess | None, *, timeout: float, name: str
-) -> LifecycleResult:
-    """Make ``router`` ready (if any), then start the manager's engines; once READY, the
-    router must hold the model's heads. ``name`` names the model in errors. Blocking.
-
-    :raises ConfigError: the router drops a request field the roles send (no engine started).
-    :raises LifecycleError: the router did not start, or did not take the model's heads.
-    """
-    if router is not None:
-        router.wait_ready(timeout)
-    result = manager.start()
-    if router is not None and result.ok:
-        trouble = router.check()
-        if trouble:
-            raise LifecycleError(
-                f"the router of {name} ({router.url}) did not take the model's heads:\n  "
-                + "\n  ".join(trouble)
-            )
-    return result
-
-
-def shutdown_behind_router(manager: _Startable, router: RouterProcess | None) -> None:
-    """Shut the manager down, then stop its router, whatever the shutdown raised (it took its
-    heads out of the router first). Raises what the manager's shutdown raised."""
-    try:
-        manager.shutdown()
-    finally:
-        if router is not None:
-            # No traffic is left: a short grace (smg would linger for its drain time).
-            router.terminate(3.0)
-
-
 def manager_actor_name(job: str, role: str, model_id: str) -> str:
     """The actor name of ``role``'s model ``model_id`` in job ``job``."""
     return f"relax-manager-{job}-{role}-{model_id}"
@@ -178,19 +131,15 @@ class HostedManager(ModelManager, Protocol):
 
     def ping(self) -> str:
         """The model id; takes no lock (the registry's liveness check)."""
-        ...
 
     def weight_version(self) -> str | None:
         """The manager's published weight version (a property of the manager itself)."""
-        ...
 
     def router_url(self) -> str | None:
         """The URL of the model's router, if any."""
-        ...
 
     def router_pids(self) -> list[int]:
         """The process ids of the model's router (empty without one, or once stopped)."""
-        ...
 
 
 if TYPE_CHECKING:
@@ -198,6 +147,10 @@ if TYPE_CHECKING:
     _Hosted = HostedManager
 else:
     _Hosted = object
+
+
+#: Seconds a manager's start waits for its router to be ready.
+_ROUTER_TIMEOUT = 60.0
 
 
 def _to_manager(name: str) -> Callable[..., Any]:
@@ -219,10 +172,12 @@ class ManagerActor(_Hosted):
     """One model's manager and its router, in a Ray actor (:func:`start_manager_actor`) or
     in this process (:func:`host_manager`).
 
-    Arguments are :class:`~relax_core.manager.InferenceManager`'s, plus ``router_backend`` /
-    ``router_spec`` (an ``SGLANG_ROUTER`` model's router, launched here) and
-    ``router_timeout`` (seconds :meth:`start` waits for it).
+    Arguments are :class:`~relax_core.manager.InferenceManager`'s (a subclass's
+    ``_manager_class``'s), plus ``router_backend`` / ``router_spec`` (an ``SGLANG_ROUTER``
+    model's router, launched here; :meth:`start` waits up to 60 s for it).
     """
+
+    _manager_class: Callable[..., Any] = InferenceManager
 
     def __init__(
         self,
@@ -230,11 +185,9 @@ class ManagerActor(_Hosted):
         *,
         router_backend: RouterBackend | None = None,
         router_spec: RouterLaunchSpec | None = None,
-        router_timeout: float = 60.0,
         **kwargs: Any,
     ) -> None:
         self._router: RouterProcess | None = None
-        self._router_timeout = router_timeout
         self._name = f"model {model_id!r}"
         if router_backend is not None:
             if router_spec is None:
@@ -242,39 +195,57 @@ class ManagerActor(_Hosted):
             self._router = router_backend.launch(router_spec)
             kwargs.update(router=self._router, router_url=self._router.url)
         try:
-            self._manager: Any = InferenceManager(model_id, **kwargs)
+            self._manager: Any = self._manager_class(model_id, **kwargs)
         except BaseException:
             if self._router is not None:
                 self._router.terminate(3.0)
             raise
 
     def start(self) -> LifecycleResult:
-        """See :func:`start_behind_router`."""
-        return start_behind_router(
-            self._manager, self._router, timeout=self._router_timeout, name=self._name
-        )
+        """Make the router ready (if any), then start the manager's engines; once READY, the
+        router must hold the model's heads. Blocking.
+        :raises ConfigError: the router drops a request field the roles send (no engine started).
+        :raises LifecycleError: the router did not start, or did not take the model's heads."""
+        router = self._router
+        if router is not None:
+            router.wait_ready(_ROUTER_TIMEOUT)
+        result: LifecycleResult = self._manager.start()
+        if router is not None and result.ok:
+            trouble = router.check()
+            if trouble:
+                raise LifecycleError(
+                    f"the router of {self._name} ({router.url}) did not take the model's heads:"
+                    "\n  " + "\n  ".join(trouble)
+                )
+        return result
 
     def shutdown(self) -> None:
-        """See :func:`shutdown_behind_router`."""
-        shutdown_behind_router(self._manager, self._router)
+        """Shut the manager down, then stop its router, whatever the shutdown raised (it took
+        its heads out of the router first). Raises what the manager's shutdown raised."""
+        try:
+            self._manager.shutdown()
+        finally:
+            if self._router is not None:
+                # No traffic is left: a short grace (smg would linger for its drain time).
+                self._router.terminate(3.0)
 
     # -- the host's own queries ------------------------------------------------------------
 
     def ping(self) -> str:
-        """The model id; takes no lock (the registry's liveness check)."""
+        """See :meth:`HostedManager.ping`."""
         return str(self._manager.model_id)
 
     def weight_version(self) -> str | None:
-        """The manager's published weight version (a property in process)."""
+        """See :meth:`HostedManager.weight_version`."""
         version: str | None = self._manager.weight_version
         return version
 
     def router_url(self) -> str | None:
-        """The URL of the router this actor runs, if any."""
+        """See :meth:`HostedManager.router_url`."""
         return None if self._router is None else str(self._router.url)
 
     def router_pids(self) -> list[int]:
-        """The process ids of the router this actor runs (empty without one, or once stopped)."""
+        """See :meth:`HostedManager.router_pids`."""
         return [] if self._router is None else list(self._router.pids())
 
 
@@ -282,7 +253,6 @@ def host_manager(
     manager: InferenceManager | ExternalEngines,
     *,
     router: RouterProcess | None = None,
-    router_timeout: float = 60.0,
     name: str | None = None,
 ) -> ManagerActor:
     """The core around a manager of this process and its router (``relax serve``)."""
@@ -290,7 +260,6 @@ def host_manager(
     core: ManagerActor = cls.__new__(cls)
     core._manager = manager
     core._router = router
-    core._router_timeout = router_timeout
     core._name = name or f"model {manager.model_id!r}"
     return core
 
@@ -352,9 +321,10 @@ def start_manager_actor(
     name: str | None = None,
     namespace: str | None = None,
     max_concurrency: int = 8,
+    actor_class: type[object] = ManagerActor,
     **kwargs: Any,
 ) -> Any:
-    """Create a :class:`ManagerActor` for ``model_id`` (``kwargs``: its arguments) on the
+    """Create an ``actor_class`` for ``model_id`` (``kwargs``: its arguments) on the
     connected Ray, reserving no CPU and no GPU; return its handle, not started.
 
     Bad arguments raise here (the ``RayActorError`` of its construction). A registry
@@ -370,7 +340,7 @@ def start_manager_actor(
     }
     if name is not None:
         options.update(name=name, namespace=namespace)
-    actor: Any = ray.remote(ManagerActor).options(**options).remote(model_id, **kwargs)
+    actor: Any = ray.remote(actor_class).options(**options).remote(model_id, **kwargs)
     ray.get(actor.states.remote(), timeout=60)
     watch = getattr(kwargs.get("publisher"), "watch_manager", None)
     if watch is not None:
@@ -379,9 +349,4 @@ def start_manager_actor(
 
 
 if TYPE_CHECKING:  # mypy checks the manager and the core against the contract
-
-    def _in_process(manager: InferenceManager) -> ModelManager:
-        return manager
-
-    def _in_an_actor(actor: ManagerActor) -> ModelManager:
-        return actor
+    _CORES: tuple[type[ModelManager], ...] = (InferenceManager, ManagerActor)

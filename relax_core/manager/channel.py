@@ -1,11 +1,5 @@
-"""The private control channel: onload and offload to engine heads as one HTTP request each.
-
-Each head's worker serves ``POST /_relax/control/{method}`` on a private port (never
-published), checking a per-start token (401 otherwise), and runs the same coroutine a Ray call
-runs. Every call ends in one :class:`~.fanout.CallOutcome`; a
-:class:`~relax_core.errors.ChannelError` says nothing of the actor's death. See
-``docs/manager.md``.
-"""
+"""The private control channel: onload and offload to engine heads as one HTTP request each
+(``POST /_relax/control/{method}`` with a per-start token; ``docs/manager.md``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""External engines: a model served by engine heads Relax does not start, own or stop.
-
-:class:`ExternalEngines` stands where an :class:`~relax_core.manager.InferenceManager` stands
-for a model with ``external_urls``: its health is each head's ``GET /health_generate``, its
-heads are published (and given to its router) like managed ones, every call in :data:`REFUSED`
-raises, and :meth:`~ExternalEngines.shutdown` only stops publishing them. Engine ids are
-``{model_id}/external-{i}``.
-"""
+"""External engines: a model served by engine heads Relax does not start, own or stop
+(:class:`ExternalEngines`, in an :class:`~relax_core.manager.InferenceManager`'s place)."""
 
 from __future__ import annotations
 
@@ -73,13 +67,13 @@ def _get(url: str, timeout: float) -> tuple[int, Any]:
 
 @attrs.define(eq=False)
 class ExternalEngines:
-    """The engines of one model, given by URL and not managed here. Thread-safe; every method
-    blocks.
+    """The engines of one model, given by URL and not managed here: health is each head's
+    ``GET /health_generate``, heads are published (and given to the router) like managed ones
+    as ``{model_id}/external-{i}``, every call in :data:`REFUSED` raises, :meth:`shutdown` only
+    stops publishing. Thread-safe; every method blocks.
 
-    :param model_id: the model's id in its role.
     :param urls: each head's base URL (``http://host:port``).
     :param spec: the model's engine spec (role, weight source: published as for managed heads).
-    :param served_model_name: the name the heads serve the model under.
     :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url`` and ``router``).
     :param health_timeout: seconds each ``health_generate`` may take.

@@ -1,9 +1,5 @@
-"""Parallel fan-out of actor calls with one deadline, and what each outcome means.
-
-Each call ends in one :class:`CallOutcome`: a value, an error, or no answer by the deadline. A
-terminal actor death (``RayActorError`` but ``ActorUnavailableError``) means the engine process
-may still run: the manager fences it, never counts it as cleaned up.
-"""
+"""Parallel fan-out of actor calls with one deadline; each ends in one :class:`CallOutcome`.
+A terminal actor death means the engine process may still run: the manager fences it."""
 
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ _DESCRIBED_LINES = 12
 
 
 def is_terminal_actor_death(error: BaseException | None) -> bool:
-    """True for a confirmed actor death (not for a temporarily unavailable actor)."""
+    """True for a confirmed actor death: a ``RayActorError`` but ``ActorUnavailableError``."""
     if error is None:
         return False
     from ray.exceptions import ActorUnavailableError, RayActorError

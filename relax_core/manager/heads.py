@@ -1,8 +1,4 @@
-"""Calls to the replica heads: over each head's private control channel, or as Ray actor calls.
-
-A failed HTTP exchange proves nothing: Ray is asked whether the actor died (then the outcome is
-Ray's ``RayActorError`` and the caller fences the worker); otherwise the failure stands.
-"""
+"""Calls to the replica heads: over each head's private control channel, or as Ray actor calls."""
 
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ __all__ = ["HeadCalls"]
 @attrs.define
 class HeadCalls:
     """Call one worker method on the head of many replicas at once: over the control channel
-    (``control_channel``) or Ray; ``probe_timeout``: how long Ray is asked whether an actor
-    died after a failed exchange."""
+    (``control_channel``) or Ray. A failed HTTP exchange proves nothing: Ray is asked (up to
+    ``probe_timeout``) whether the actor died (then the outcome is Ray's; the caller fences)."""
 
     slots: SlotTable
     control_channel: bool

@@ -38,7 +38,7 @@ def _remote_worker() -> Any:
 @attrs.define
 class Launcher:
     """Starts replicas of one model. Not thread-safe. ``ray_gpu_fraction``: the GPU share
-    each worker reserves; ``retry_after``: the heads' admission ``Retry-After``."""
+    each worker reserves."""
 
     publication: Publication
     spec: InferenceEngineSpec
@@ -46,10 +46,13 @@ class Launcher:
     launch: ModelLaunch
     ray_gpu_fraction: float
     timeouts: ManagerTimeouts
-    retry_after: float
 
-    def start(self, slots: list[ReplicaSlot]) -> dict[str, ReplicaResult]:
-        """Start ``slots`` (STARTING replicas); one result per replica. Blocking."""
+    def start(
+        self, slots: list[ReplicaSlot], *, from_files: bool = False
+    ) -> dict[str, ReplicaResult]:
+        """Start ``slots`` (STARTING replicas); one result per replica. Blocking. ``from_files``
+        (a rebuild): the engines are told no weight version, so each reports its files' (the
+        engine's default, a DCS checkpoint's) until weights are pushed: its CPU copy died."""
         if not slots:
             return {}
         t = self.timeouts
@@ -74,7 +77,7 @@ class Launcher:
                     failed[slot.replica.index] = slot.fail(slot.head, out, "rendezvous")
         refs = {
             (s.replica.index, w.node_rank): w.actor.start.remote(
-                self.launch_spec(s, w, dist.get(s.replica.index)), t.start
+                self.launch_spec(s, w, dist.get(s.replica.index), from_files=from_files), t.start
             )
             for s in slots
             if s.replica.index not in failed
@@ -153,17 +156,17 @@ class Launcher:
                 backend=self.backend,
                 spec=self.spec,
                 public_host=self.launch.public_host,
-                retry_after=self.retry_after,
             )
         )
 
     def launch_spec(
-        self, slot: ReplicaSlot, worker: WorkerSlot, dist: str | None
+        self, slot: ReplicaSlot, worker: WorkerSlot, dist: str | None, *, from_files: bool = False
     ) -> EngineLaunchSpec:
         """The :class:`~relax_core.records.EngineLaunchSpec` ``worker`` of ``slot`` is started
         with (``dist``: the replica's rendezvous address, multi-node replicas only)."""
         launch = self.launch
-        model_path, version = launch.model_path, self.publication.weight_version
+        model_path = launch.model_path
+        version = None if from_files else self.publication.weight_version
         if self.spec.needs_checkpoint_dir:
             ckpt = CheckpointDirectory(self.spec.checkpoint_dir or "")
             latest = ckpt.latest()

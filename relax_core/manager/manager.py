@@ -1,9 +1,5 @@
-"""InferenceManager: one lifecycle core for every role's engines (one manager per model).
-
-Each public method takes the manager's lock (the parts are not thread-safe on their own),
-refuses what must be refused and hands the work to one of its parts (``docs/manager.md`` lists
-them); every step fans out to all replicas at once (:func:`~.fanout.gather`).
-"""
+"""InferenceManager: one lifecycle core for every role's engines (one manager per model);
+each public method takes its lock and hands the work to one of its parts (``docs/manager.md``)."""
 
 from __future__ import annotations
 
@@ -49,25 +45,20 @@ __all__ = ["InferenceManager"]
 
 
 class InferenceManager:
-    """The lifecycle core of one model's engines.
+    """The lifecycle core of one model's engines: build it, then :meth:`start`.
 
-    Build it, then :meth:`start`. Every method blocks and takes the manager's lock; every
-    lifecycle call fans out to all replicas in parallel and returns a
-    :class:`~relax_core.manager.LifecycleResult` with one result per replica. A worker actor
-    that died without confirmed cleanup of its engine process *fences* the manager: lifecycle
-    calls raise :class:`~relax_core.errors.InferenceRecoveryRequired` until
-    :meth:`confirm_external_cleanup`. Every argument and result is serialisable (it can run as
-    a Ray actor), except a ``router``.
+    Every method blocks and takes the manager's lock; a lifecycle call fans out to all replicas
+    and returns a :class:`~relax_core.manager.LifecycleResult` (one result per replica). A
+    worker actor that died without confirmed cleanup *fences* the manager: lifecycle calls
+    raise :class:`~relax_core.errors.InferenceRecoveryRequired` until
+    :meth:`confirm_external_cleanup`.
 
     :param model_id: the model's id in its role; engine ids are ``{model_id}/replica-{i}``.
     :param spec: what the engines may do (role, weight source, operations, strict drain).
     :param backend: the engine backend record (``plugin_manager.engine_backend("hf")``).
-    :param launch: how to launch the engines.
-    :param placement: the placement group and bundles of every replica's workers.
     :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url``).
-    :param router: the router in front of the heads (``SGLANG_ROUTER``), told the heads to
-        route to on every publish.
+    :param router: the router in front of the heads, told the heads to route to on every publish.
     :param control_channel: onload/offload over each head's private HTTP control endpoint
         (default); ``False``: as Ray actor calls.
     :param unhealthy_after: consecutive failed health probes of a live replica before it is
@@ -89,7 +80,6 @@ class InferenceManager:
         router_url: str | None = None,
         router: RouterMembership | None = None,
         timeouts: ManagerTimeouts | None = None,
-        retry_after: float = 1.0,
         control_channel: bool = True,
         unhealthy_after: int = 3,
     ) -> None:
@@ -115,9 +105,7 @@ class InferenceManager:
             slots, spec, launch, publisher, route_mode, router_url, router
         )
         self._heads = HeadCalls(slots, control_channel=control_channel, probe_timeout=t.rpc_margin)
-        self._launcher = Launcher(
-            published, spec, backend, launch, placement.ray_gpu_fraction, t, retry_after
-        )
+        self._launcher = Launcher(published, spec, backend, launch, placement.ray_gpu_fraction, t)
         self._memory = Memory(slots, self._heads, published, spec.strict_drain, t)
         self._weights = WeightUpdates(slots, published, spec, t)
         self._recovery = Recovery(slots, self._launcher, published, t, unhealthy_after)
@@ -156,10 +144,7 @@ class InferenceManager:
             return {s.engine_id: str(s.replica.state) for s in self._slots.ordered()}
 
     def workers(self, engine_id: str) -> list[WorkerSlot]:
-        """The worker slots of one replica (head first).
-
-        :raises KeyError: no such replica.
-        """
+        """The worker slots of one replica (head first). :raises KeyError: no such replica."""
         with self._lock:
             return list(self._slots.get(engine_id).workers)
 
@@ -214,9 +199,7 @@ class InferenceManager:
     def start(self) -> LifecycleResult:
         """Create every worker actor, launch every engine and open admission, in parallel: a
         replica whose head generates one token is READY, any other FAILED. Idempotent.
-
-        :raises InferenceRecoveryRequired: a worker is fenced (nothing starts).
-        """
+        :raises InferenceRecoveryRequired: a worker is fenced (nothing starts)."""
         return self._run("start", self._start, settle=False)
 
     def offload(
@@ -230,10 +213,8 @@ class InferenceManager:
         admission, drain, release, confirm → SLEEPING; an unconfirmed release is FAILED (its
         memory is NOT known to be free). Idempotent. ``abort``: abort the requests in flight
         instead of draining them.
-
         :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
-        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
-        """
+        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call)."""
         wanted = normalize_tags(tags, where="offload(tags)")
         return self._run("offload", lambda: self._memory.offload(engine_ids, wanted, abort=abort))
 
@@ -243,10 +224,8 @@ class InferenceManager:
         """Resume the missing ``tags`` (default: all) on every SLEEPING replica (or
         ``engine_ids``); once every tag is resident, check one generation and reopen → READY.
         READY replicas are a no-op; an unconfirmed resume is FAILED.
-
         :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
-        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call).
-        """
+        :raises InferenceRecoveryRequired: a worker is fenced (before or during the call)."""
         wanted = normalize_tags(tags, where="onload(tags)")
         return self._run("onload", lambda: self._memory.onload(engine_ids, wanted))
 
@@ -258,10 +237,8 @@ class InferenceManager:
         A dead engine process or worker actor fails its replica at once; a failed probe of a
         live one only after ``unhealthy_after`` rounds in a row. The probes run without the
         manager's lock; health rounds run one at a time.
-
         :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup (its
-            fence is kept and nothing is rebuilt); the report is on the error's ``report``.
-        """
+            fence is kept and nothing is rebuilt); the report is on the error's ``report``."""
         with self._health_lock:
             with self._guard("health_check()", refuse_fenced=False):
                 plan = self._recovery.plan_probes()
@@ -275,9 +252,7 @@ class InferenceManager:
 
     def recover(self) -> LifecycleResult:
         """Clean every FAILED replica (and retry pending cleanups); rebuild the confirmed ones.
-
-        :raises InferenceRecoveryRequired: a worker is fenced.
-        """
+        :raises InferenceRecoveryRequired: a worker is fenced."""
         return self._run("recover", self._recovery.recover)
 
     def confirm_external_cleanup(self, engine_ids: Iterable[str] | None = None) -> list[str]:
@@ -298,15 +273,13 @@ class InferenceManager:
     ) -> LifecycleResult:
         """Add replicas and start them: ``workers[replica][node]`` are bundle indices, or
         ``count`` unplaced CPU replicas. ``placement_group`` defaults to the manager's own.
-
         :raises ValueError: a new replica has the wrong number of nodes, or a bundle is taken.
-        :raises InferenceRecoveryRequired: a worker is fenced (nothing is added).
-        """
+        :raises InferenceRecoveryRequired: a worker is fenced (nothing is added)."""
         group = placement_group if placement_group is not None else self.placement.placement_group
 
         def add_and_start() -> dict[str, ReplicaResult]:
             new = self._scaling.check_new(workers, count, group)
-            return self._scaling.scale_out(new, group, owned=owned)
+            return self._launcher.start(self._scaling.add(new, group, owned=owned))
 
         return self._run("scale_out", add_and_start, settle=False)
 
@@ -316,10 +289,8 @@ class InferenceManager:
         """Remove replicas: ``count`` of them (partially cleaned, then FAILED, then newest), or
         the ones published under ``urls``. One with an unconfirmed worker stays STOPPING
         (FAILED result; retry by the same URL).
-
         :raises ValueError: an unknown URL or a bad count.
-        :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup.
-        """
+        :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup."""
         with self._guard("scale_in()", refuse_fenced=False):
             if (count is None) == (urls is None):
                 raise ValueError("scale_in: give either count or urls, not both")
@@ -335,12 +306,10 @@ class InferenceManager:
     def shutdown(self) -> None:
         """Stop every worker, then the actors, then the placement groups this manager owns.
         Idempotent.
-
         :raises LifecycleError: a step was not confirmed; it stays pending and the next
             ``shutdown()`` retries it (owned placement groups are kept until then).
         :raises InferenceRecoveryRequired: a worker actor died without confirmed cleanup;
-            its placement group is kept (fence) until :meth:`confirm_external_cleanup`.
-        """
+            its placement group is kept (fence) until :meth:`confirm_external_cleanup`."""
         with self._lock:
             self._recovery.stop_all()
             if self._slots.fenced_workers():
@@ -367,10 +336,8 @@ class InferenceManager:
         :data:`~.updates.PAUSE_MODES`, update, continue. ``buckets``: more engine calls (each
         one payload per TP rank), after ``serialized_named_tensors`` (which may then be
         empty), inside the one fence; a replica whose bucket failed is FAILED.
-
         :raises CapabilityError: the weight source does not allow ``tensor`` updates.
-        :raises ValueError: no payload at all.
-        """
+        :raises ValueError: no payload at all."""
         calls = [list(p) for p in ([serialized_named_tensors] if serialized_named_tensors else [])]
         calls += [list(b) for b in buckets]
         if not calls:
@@ -391,9 +358,7 @@ class InferenceManager:
         self, model_path: str, *, weight_version: str | None = None, load_format: str | None = None
     ) -> LifecycleResult:
         """Load a checkpoint directory on every replica (``disk`` path; ACTOR, DCS).
-
-        :raises CapabilityError: the weight source does not allow ``disk`` updates.
-        """
+        :raises CapabilityError: the weight source does not allow ``disk`` updates."""
         return self._update(
             "update_weights_from_disk",
             {
@@ -414,14 +379,9 @@ class InferenceManager:
         load_format: str | None = None,
         buckets: Sequence[WeightBucket] = (),
     ) -> LifecycleResult:
-        """Receive tensors broadcast by the trainer, concurrently (``distributed`` path).
-
-        ``buckets``: more engine calls, one per
-        :class:`~relax_core.engine.buckets.WeightBucket`, as
-        :meth:`update_weights_from_tensor`'s.
-
-        :raises ValueError: no tensor at all.
-        """
+        """Receive tensors broadcast by the trainer, concurrently (``distributed`` path);
+        ``buckets``: more engine calls, one per :class:`~relax_core.engine.buckets.WeightBucket`,
+        as :meth:`update_weights_from_tensor`'s. :raises ValueError: no tensor at all."""
         calls = [(list(names), list(dtypes), [list(s) for s in shapes])] if names else []
         calls += [(list(b.names), list(b.dtypes), [list(s) for s in b.shapes]) for b in buckets]
         if not calls:
@@ -450,9 +410,7 @@ class InferenceManager:
     ) -> LifecycleResult:
         """Join every replica head to the trainer's broadcast group (no fence);
         ``rank_offsets[i]`` is replica ``i``'s first rank.
-
-        :raises ValueError: not one rank offset per replica.
-        """
+        :raises ValueError: not one rank offset per replica."""
         self._weights.check("init_weights_update_group")
         with self._lock:
             slots = self._slots.ordered()
@@ -494,10 +452,8 @@ class InferenceManager:
     def load_checkpoint(self, version: int | None = None) -> LifecycleResult:
         """DCS: load checkpoint ``version`` (default: the newest) on every replica, unless
         it is the published one.
-
         :raises CapabilityError: the weight source has no ``disk`` path.
-        :raises LifecycleError: the model has no checkpoint directory, or it holds no version.
-        """
+        :raises LifecycleError: the model has no checkpoint directory, or it holds no version."""
         self._weights.check("update_weights_from_disk")
         wanted, path = self._weights.checkpoint(version)
         if self._publication.weight_version == str(wanted):
@@ -532,7 +488,6 @@ class InferenceManager:
             return self._slots.settle(what, result) if settle else result
 
     def _start(self) -> dict[str, ReplicaResult]:
-        """Start the STARTING replicas; the others are NOOP."""
         todo = [s for s in self._slots.ordered() if s.replica.state is ReplicaState.STARTING]
         results = self._launcher.start(todo)
         for slot in self._slots.ordered():
@@ -540,14 +495,12 @@ class InferenceManager:
         return results
 
     def _update(self, method: str, kwargs: dict[str, Any], **how: Any) -> LifecycleResult:
-        """:meth:`WeightUpdates.apply` (``how``: its ``pause`` and ``buckets``), guarded."""
         self._weights.check(method, pause=how.get("pause"))
         return self._run(method, lambda: self._weights.apply(method, kwargs, **how))
 
     def _each_head(
         self, method: str, kwargs_of: Callable[[int], dict[str, Any]]
     ) -> LifecycleResult:
-        """One call on every serving replica's head, with no fence (a weight-update group)."""
         return self._run(method, lambda: self._weights.each_head(method, kwargs_of), settle=False)
 
 

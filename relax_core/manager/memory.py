@@ -56,19 +56,13 @@ class Memory:
         confirm → SLEEPING; unconfirmed → FAILED. One result per replica. Blocking.
         :raises KeyError: an unknown engine id."""
         t = self.timeouts
-        drain: dict[str, Any] = {
-            "strict": self.strict_drain,
-            "drain_timeout": t.drain,
-            "timeout": t.offload,
-        }
-        if abort:
-            drain["abort"] = True
+        drain = {"strict": self.strict_drain, "drain_timeout": t.drain, "timeout": t.offload}
         return self._run(
             "offload",
             self.slots.select(engine_ids),
             plan_offload,
             wanted,
-            lambda plan: {"tags": list(plan.tags), **drain},
+            lambda plan: {"tags": list(plan.tags), **drain, "abort": abort},
             t.drain + t.offload + t.rpc_margin,
         )
 

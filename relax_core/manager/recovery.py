@@ -1,9 +1,5 @@
-"""Health checks, cleanup and rebuild of failed replicas, and stopping every worker.
-
-The rules (probes without the lock, ``unhealthy_after``, whole-replica cleanup, fences) are
-``docs/manager.md``'s "Health, recovery and the fence"; what version a rebuilt replica reports
-is :class:`_FilesVersion`'s.
-"""
+"""Health checks, cleanup and rebuild of failed replicas, and stopping every worker (the rules:
+``docs/manager.md``'s "Health, recovery and the fence")."""
 
 from __future__ import annotations
 
@@ -91,9 +87,7 @@ class Recovery:
             rep.weights_valid = False
             rep.admission_open = False
             rep.advance(_S.STARTING)
-        # The launcher reads the version to start engines with from its publication.
-        view: Any = _FilesVersion(self.publication)
-        results = attrs.evolve(self.launcher, publication=view).start(rebuild)
+        results = self.launcher.start(rebuild, from_files=True)
         for slot in slots:
             if slot.engine_id in results:
                 continue
@@ -126,9 +120,7 @@ class Recovery:
 
     def stop_all(self) -> None:
         """Clean every replica not cleaned yet (shutdown's first step). Blocking.
-
-        :raises LifecycleError: a live worker's shutdown was not confirmed (call again).
-        """
+        :raises LifecycleError: a live worker's shutdown was not confirmed (call again)."""
         live = [s for s in self.slots.ordered() if not s.cleaned]
         if live:
             self.cleanup(live, during="shutdown")
@@ -273,31 +265,6 @@ class Recovery:
                 )
             )
         return HealthReport(self.slots.model_id, tuple(verdicts))
-
-
-class _FilesVersion:
-    """The model's publication as the launcher of a rebuild sees it: the same publishing, but
-    no weight version to give the engines (so an engine started on the model's files reports
-    their version, the engine's own default or a DCS checkpoint's, as at the model's first
-    start, until weights are pushed to it: its CPU copy of them died with it), and the version a
-    head reports recorded only when the model has none yet."""
-
-    def __init__(self, publication: Publication) -> None:
-        self._publication = publication
-
-    @property
-    def weight_version(self) -> str | None:
-        """None: the engines are told no version (see the class docstring)."""
-        return None
-
-    @weight_version.setter
-    def weight_version(self, version: str | None) -> None:
-        if self._publication.weight_version is None:
-            self._publication.weight_version = version
-
-    def publish(self) -> None:
-        """The model's :meth:`Publication.publish`."""
-        self._publication.publish()
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ class Scaling:
     def add(
         self, workers: Sequence[Sequence[Sequence[int]]], group: Any, *, owned: bool
     ) -> list[ReplicaSlot]:
-        """New STARTING replicas on ``group`` (not started yet; see :meth:`scale_out`)."""
+        """New STARTING replicas on ``group`` (checked by :meth:`check_new`; not started)."""
         self.groups.use(group, owned=owned)
         return self.slots.add(workers, group)
 
@@ -74,12 +74,6 @@ class Scaling:
             raise ValueError("scale_out: bundles given but no placement group")
         return new
 
-    def scale_out(
-        self, workers: Sequence[Sequence[Sequence[int]]], group: Any, *, owned: bool
-    ) -> dict[str, ReplicaResult]:
-        """Add replicas (checked by :meth:`check_new`) and start them. Blocking."""
-        return self.launcher.start(self.add(workers, group, owned=owned))
-
     def choose(self, count: int | None, urls: Sequence[str] | None) -> list[ReplicaSlot]:
         """The replicas to remove: those under ``urls``, or ``count`` (partially cleaned,
         FAILED, newest). :raises ValueError: an unknown URL, or a count out of range."""
@@ -106,17 +100,9 @@ class Scaling:
             raise ValueError(
                 f"scale_in(count={count}): model {model_id!r} has {len(self.slots)} replica(s)"
             )
-
-        def priority(s: ReplicaSlot) -> tuple[int, int]:
-            if s.replica.state is _S.STOPPING:
-                rank = 0
-            elif s.replica.state is _S.FAILED:
-                rank = 1
-            else:
-                rank = 2
-            return (rank, -s.replica.index)
-
-        return sorted(self.slots.ordered(), key=priority)[:count]
+        rank = {_S.STOPPING: 0, _S.FAILED: 1}
+        slots = self.slots.ordered()
+        return sorted(slots, key=lambda s: (rank.get(s.replica.state, 2), -s.replica.index))[:count]
 
     def scale_in(self, chosen: list[ReplicaSlot]) -> dict[str, ReplicaResult]:
         """Drain ``chosen``, clean them and remove those whose cleanup is confirmed (DONE,

@@ -130,10 +130,6 @@ class ReplicaPlacement:
         return cls(None, tuple(((),) * nodes_per_replica for _ in range(replicas)))
 
 
-#: Why a fenced worker's slot is kept.
-_DIED = "actor died without confirmed cleanup of its engine process"
-
-
 @attrs.define
 class WorkerSlot:
     """One worker of a replica. ``actor`` is ``None`` once its cleanup is confirmed;
@@ -175,7 +171,7 @@ class WorkerSlot:
     def fence(self) -> None:
         """The actor died without confirmed cleanup of its engine process: keep everything."""
         self.fenced = True
-        self.pending = _DIED
+        self.pending = "actor died without confirmed cleanup of its engine process"
 
 
 @attrs.define

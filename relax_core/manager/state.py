@@ -1,8 +1,5 @@
-"""Replica states, their transitions (``docs/manager.md``'s state machine, :data:`_TRANSITIONS`)
-and onload/offload plans — pure, no Ray, no I/O. A replica changes state only through
-:meth:`Replica.advance`, which refuses an edge the machine does not have (a bug). FAILED means
-"not routable", never "memory released".
-"""
+"""Replica states, their transitions (``docs/manager.md``'s state machine) and onload/offload
+plans; pure. FAILED means "not routable", never "memory released"."""
 
 from __future__ import annotations
 
@@ -114,7 +111,6 @@ class OffloadPlan:
     """What an offload must do to one replica: release ``tags`` (empty: nothing to do)."""
 
     tags: tuple[str, ...]
-    reason: str = ""
 
     @property
     def noop(self) -> bool:
@@ -138,7 +134,6 @@ class OnloadPlan:
 
     tags: tuple[str, ...]
     reopen: bool
-    reason: str = ""
 
     @property
     def noop(self) -> bool:
@@ -160,28 +155,23 @@ class OnloadPlan:
 
 def plan_offload(replica: Replica, tags: Iterable[str] | None) -> OffloadPlan:
     """Which tags an offload must release from ``replica`` (only resident ones).
-
-    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
-    """
+    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING."""
     wanted = normalize_tags(tags)
     if replica.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
         raise NotApplicable(
             f"replica {replica.engine_id} is {replica.state}; offload applies to READY or "
             "SLEEPING replicas (recover or shut down a FAILED one)"
         )
-    release = ordered(wanted & replica.resident)
-    return OffloadPlan(release, "already released" if not release else "")
+    return OffloadPlan(ordered(wanted & replica.resident))
 
 
 def plan_onload(replica: Replica, tags: Iterable[str] | None) -> OnloadPlan:
     """Which tags an onload must resume on ``replica`` (only missing ones), and whether
     admission reopens (every tag resident).
-
-    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING.
-    """
+    :raises NotApplicable: the replica is STARTING, DRAINING, ONLOADING, FAILED or STOPPING."""
     wanted = normalize_tags(tags)
     if replica.state is ReplicaState.READY:
-        return OnloadPlan((), False, "already READY")
+        return OnloadPlan((), False)
     if replica.state is not ReplicaState.SLEEPING:
         raise NotApplicable(
             f"replica {replica.engine_id} is {replica.state}; onload applies to SLEEPING "

@@ -1,8 +1,5 @@
-"""Weight updates behind a fence, checked against the model's weight source.
-
-Each READY replica to update closes admission, drains, applies the update, checks one
-generation and reopens; the published ``weight_version`` moves once the update is confirmed.
-"""
+"""Weight updates behind a fence (close, drain, update, check one generation, reopen),
+checked against the model's weight source; the published version moves once confirmed."""
 
 from __future__ import annotations
 
@@ -58,10 +55,8 @@ class WeightUpdates:
         """Apply one update to every replica that holds weights, behind the fence (FAILED
         and STOPPING ones are SKIPPED). Blocking. ``buckets``: see
         :meth:`~relax_core.manager.worker.EngineWorker.update_weights`.
-
         :raises LifecycleError: a serving replica has no resident weights, or none has any
-            (refused before anything moves).
-        """
+            (refused before anything moves)."""
         model_id = self.slots.model_id
         begin = time.monotonic()
         targets, results = [], {}
@@ -166,9 +161,7 @@ class WeightUpdates:
 
     def checkpoint(self, version: int | None) -> tuple[int, str]:
         """The DCS checkpoint ``version`` (default: the newest) and its directory.
-
-        :raises LifecycleError: the model has no checkpoint directory, or not that version.
-        """
+        :raises LifecycleError: the model has no checkpoint directory, or not that version."""
         model_id = self.slots.model_id
         if not self.spec.checkpoint_dir:
             raise LifecycleError(

@@ -32,19 +32,18 @@ class CheckpointDirectory:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        out = []
-        for name in names:
-            match = _VERSION_DIR.match(name)
-            if match and os.path.isdir(os.path.join(self.root, name)):
-                out.append(int(match.group(1)))
-        return sorted(out)
+        return sorted(
+            int(m.group(1))
+            for name in names
+            if (m := _VERSION_DIR.match(name)) and os.path.isdir(os.path.join(self.root, name))
+        )
 
     def latest(self) -> int | None:
         """The newest complete version, or ``None``."""
         versions = self.versions()
         return versions[-1] if versions else None
 
-    def publish(self, version: int, write: Callable[[str], None]) -> str:
+    def publish(self, version: int, write: Callable[[str], object]) -> str:
         """Publish ``version``: ``write(tmp_dir)`` fills a temporary directory, then renamed.
         :raises FileExistsError: ``version`` is already published."""
         target = self.path(version)
@@ -65,8 +64,4 @@ class CheckpointDirectory:
 
     def publish_copy(self, version: int, source: str | os.PathLike[str]) -> str:
         """Publish ``version`` as a copy of the checkpoint directory ``source``."""
-
-        def write(tmp: str) -> None:
-            shutil.copytree(source, tmp, dirs_exist_ok=True)
-
-        return self.publish(version, write)
+        return self.publish(version, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))

@@ -1,9 +1,5 @@
 """The engine worker: an async Ray actor per node of a logical replica, owning one engine
-process (launched by the backend, watched by a :mod:`~relax_core.manager.reaper`).
-
-Node rank 0, the *head*, owns the admission server and the control channel and takes every
-lifecycle and weight call; followers only start and report whether their process lives.
-"""
+process; the head (node rank 0) also owns the admission server and the control channel."""
 
 from __future__ import annotations
 
@@ -50,12 +46,11 @@ _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 
 @attrs.frozen
 class StartResult:
-    """What a started worker reports: engine pid, private engine URL, public (admission) URL."""
+    """What a started worker reports: engine pid, public (admission) URL, node, version."""
 
     engine_id: str
     node_rank: int
     pid: int
-    engine_url: str | None
     public_url: str | None
     node_ip: str
     node_id: str | None = None
@@ -87,10 +82,8 @@ class EngineWorker:
 
     :param engine_id: the replica's engine id (``model/replica-0``).
     :param node_rank: 0 for the head, 1.. for followers.
-    :param backend: the engine backend record (``plugin_manager.engine_backend("hf")``).
     :param spec: the model's :class:`InferenceEngineSpec`; checked again here, at the engine.
     :param public_host: the host the admission server binds and publishes (head only).
-    :param retry_after: seconds the admission server sends in ``Retry-After`` while closed.
     """
 
     def __init__(
@@ -101,7 +94,6 @@ class EngineWorker:
         backend: EngineBackend,
         spec: InferenceEngineSpec,
         public_host: str | None = None,
-        retry_after: float = 1.0,
     ) -> None:
         self.engine_id = engine_id
         self.node_rank = node_rank
@@ -109,7 +101,6 @@ class EngineWorker:
         self.spec = spec
         self.node_ip = _node_ip()
         self.public_host = public_host or self.node_ip
-        self.retry_after = retry_after
         self.process: EngineProcess | None = None
         self.admission: AdmissionServer | None = None
         self.channel: ControlChannelServer | None = None
@@ -134,10 +125,8 @@ class EngineWorker:
     async def start(self, launch: EngineLaunchSpec, ready_timeout: float) -> StartResult:
         """Launch the engine process, wait until it is ready; a head also starts its admission
         (closed) and its control channel.
-
         :raises LifecycleError: the process could not start or was not ready in time (it is
-            stopped again first); one that exited is quoted from its log.
-        """
+            stopped again first); one that exited is quoted from its log."""
         async with self._lock:
             if self.process is not None:
                 raise LifecycleError(f"{self._name}: already started (pid {self.process.pid})")
@@ -159,7 +148,6 @@ class EngineWorker:
                         engine_id=self.engine_id,
                         spec=self.spec,
                         host=self.public_host,
-                        retry_after=self.retry_after,
                     )
                     await self.admission.start()
                     self.channel = ControlChannelServer(
@@ -191,7 +179,6 @@ class EngineWorker:
                 engine_id=self.engine_id,
                 node_rank=self.node_rank,
                 pid=self.process.pid,
-                engine_url=self.process.base_url,
                 public_url=self.admission.base_url if self.admission else None,
                 node_ip=self.node_ip,
                 node_id=_node_id(),
@@ -272,13 +259,6 @@ class EngineWorker:
             await control.abort(timeout=timeout)
             await self._drained(admission, "abort", timeout)
 
-    async def _abort_all(self, *, timeout: float) -> None:
-        """Close admission and ``pause_generation("abort")`` (nothing runs until continued)."""
-        control, admission = self._head()
-        admission.close("DRAINING")
-        await control.pause_generation("abort", timeout=timeout)
-        await self._drained(admission, "pause_generation (abort)", timeout)
-
     async def _drained(self, admission: AdmissionServer, after: str, timeout: float) -> None:
         if not await admission.wait_idle(min(timeout, 10.0)):
             raise LifecycleError(
@@ -297,20 +277,21 @@ class EngineWorker:
     ) -> float:
         """Close admission, drain, flush and release ``tags``; return the seconds it took.
         ``abort``: abort the requests in flight (paused, then continued) instead of draining.
-
         :raises LifecycleError: a step was refused or did not finish within ``timeout``; the
-            memory is then *not* known to be free.
-        """
+            memory is then *not* known to be free."""
         self.spec.check("offload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(drain_timeout + timeout):
-            control, _ = self._head()
+            control, admission = self._head()
             if not abort:
                 await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
                 await self._release(tags, timeout=timeout)
                 return time.monotonic() - start
             try:
-                await self._abort_all(timeout=timeout)
+                # Nothing runs until continued.
+                admission.close("DRAINING")
+                await control.pause_generation("abort", timeout=timeout)
+                await self._drained(admission, "pause_generation (abort)", timeout)
                 await self._release(tags, timeout=timeout)
             except BaseException as exc:
                 # Whatever failed: a paused engine would never generate again.
@@ -337,9 +318,7 @@ class EngineWorker:
 
     async def onload(self, tags: Sequence[str], *, reopen: bool, timeout: float) -> float:
         """Resume ``tags`` (weights first); with ``reopen``, check one generation, then open.
-
-        :raises LifecycleError: a resume was refused or the check failed; admission stays closed.
-        """
+        :raises LifecycleError: a resume was refused or the check failed; admission stays closed."""
         self.spec.check("onload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(2 * timeout):
@@ -360,12 +339,10 @@ class EngineWorker:
 
     async def drain(self, *, strict: bool, drain_timeout: float, timeout: float) -> None:
         """Close admission and drain in-flight requests (before a scale-in shutdown)."""
-        if self.control is None or self.admission is None or self.process is None:
-            return
-        if self.process.poll() is not None:
-            return
-        async with self._lock:
-            await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
+        live = self.process is not None and self.process.poll() is None
+        if live and self.control is not None and self.admission is not None:
+            async with self._lock:
+                await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
 
     async def open_admission(self, *, check: bool, timeout: float) -> None:
         """Open admission (after a generation check when ``check``)."""
@@ -397,11 +374,9 @@ class EngineWorker:
 
         ``buckets``: one engine call per bucket (``kwargs`` with the bucket's own over them),
         in order; every call but the last keeps the engine's version (and its cache).
-
         :raises CapabilityError: the engine's spec does not allow the update path.
         :raises LifecycleError: the engine refused or failed the update (admission stays
-            closed); for buckets, which one failed and how many had landed before it.
-        """
+            closed); for buckets, which one failed and how many had landed before it."""
         operation = UPDATE_METHODS.get(method)
         if operation is None:
             raise CapabilityError(

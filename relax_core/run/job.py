@@ -21,14 +21,13 @@ from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.residency import ResidencyPlan, plan_residency
 from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import Stage, stage_fields
-from relax_core.errors import LifecycleError, RelaxError
+from relax_core.errors import RelaxError
 from relax_core.jobs.runtime import JobRuntime, Say
 from relax_core.jobs.teardown import Stop
 from relax_core.manager import ManagerTimeouts
 from relax_core.manager.actor import ManagerActor
 from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
-from relax_core.records import RouterBackend, RouterLaunchSpec
 from relax_core.run.config import RunConfig
 
 __all__ = ["ExternalEnginesActor", "RunJob", "generation_role", "run_problems"]
@@ -314,9 +313,10 @@ class RunJob:
             )
             managers = {
                 (role.name, model.name): pool.submit(
-                    _start_external_actor if model.external else start_model_actor,
+                    start_model_actor,
                     model,
                     self.pm,
+                    actor_class=ExternalEnginesActor if model.external else ManagerActor,
                     job=self.name,
                     placement=placements[role.name][model.name],
                     publisher=self.registries[role.name],
@@ -470,76 +470,7 @@ class ExternalEnginesActor(ManagerActor):
     :class:`~relax_core.manager.actor.ManagerActor` around
     :class:`~relax_core.manager.external.ExternalEngines`."""
 
-    def __init__(
-        self,
-        model_id: str,
-        *,
-        router_backend: RouterBackend | None = None,
-        router_spec: RouterLaunchSpec | None = None,
-        router_timeout: float = 60.0,
-        **kwargs: Any,
-    ) -> None:
-        self._router = None
-        self._router_timeout = router_timeout
-        self._name = f"model {model_id!r}"
-        if router_backend is not None and router_spec is not None:
-            self._router = router_backend.launch(router_spec)
-            kwargs.update(router=self._router, router_url=self._router.url)
-        try:
-            self._manager = ExternalEngines(model_id, **kwargs)
-        except BaseException:
-            if self._router is not None:
-                self._router.terminate(3.0)
-            raise
-
-
-def _start_external_actor(
-    model: ModelConfig, pm: PluginManager, *, job: str, publisher: Any, **managed: Any
-) -> Any:
-    """The :class:`ExternalEnginesActor` of a model served by ``external_urls`` (of
-    ``managed``, only ``log_dir`` is used); the role's registry watches it.
-
-    :raises LifecycleError: the actor could not be built.
-    """
-    import ray
-
-    from relax_core.engine.spec import InferenceEngineSpec
-    from relax_core.jobs.managers import router_launch_spec, router_record
-    from relax_core.manager.actor import manager_actor_name
-
-    role = pm.role(model.role)
-    source = pm.weight_source(model.weight_source or role.default_weight_source)
-    kwargs: dict[str, Any] = {
-        "urls": model.external_urls,
-        "spec": InferenceEngineSpec.for_role(role, source),
-        "served_model_name": model.served_model_name or model.name,
-        "route_mode": model.route_mode or role.default_route_mode,
-        "publisher": publisher,
-    }
-    if kwargs["route_mode"] != "DIRECT":
-        record = router_record(model, role, pm)
-        spec = router_launch_spec(model, record, managed.get("log_dir"))
-        kwargs.update(router_backend=record, router_spec=spec)
-    options = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0, "max_concurrency": 8}
-    try:
-        actor: Any = (
-            ray.remote(ExternalEnginesActor)
-            .options(
-                name=manager_actor_name(job, model.role, model.name), namespace=NAMESPACE, **options
-            )
-            .remote(model.name, **kwargs)
-        )
-        ray.get(actor.states.remote(), timeout=60)
-    except ray.exceptions.RayActorError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        raise LifecycleError(
-            f"{model.path}: its actor (external engines) did not start: "
-            f"{lines[-1] if lines else type(exc).__name__}"
-        ) from None
-    watch = getattr(publisher, "watch_manager", None)
-    if watch is not None:  # its model is published UNKNOWN once the actor is gone
-        watch(model.name, actor)
-    return actor
+    _manager_class = ExternalEngines
 
 
 def _raise_first(started: Iterable[Future[Any]]) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import attrs
 
+from relax_core._proxy import actor_error_line
 from relax_core.errors import ConfigError, LifecycleError
 from relax_core.records import NAME_PATTERN, TRAINER_METHODS
 from relax_core.run.config import PUSH_BUCKET_BYTES, PUSH_FORMATS
@@ -164,10 +165,8 @@ def start_trainer(
     try:
         ray.get(actor.__ray_ready__.remote(), timeout=timeout)
     except ray.exceptions.RayActorError as exc:
-        # The creation task's own error is the text's last line.
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise LifecycleError(
-            f"the trainer {trainer} did not start: {lines[-1] if lines else exc}"
+            f"the trainer {trainer} did not start: {actor_error_line(exc)}"
         ) from None
     except ray.exceptions.GetTimeoutError:
         ray.kill(actor, no_restart=True)
