@@ -140,7 +140,8 @@ class ToolBox:
             )
         timeout = tool.timeout or self.timeout
         try:
-            value = await asyncio.wait_for(self._call(tool, call.arguments), timeout)
+            async with asyncio.timeout(timeout):
+                value = await self._call(tool, call.arguments)
         except TimeoutError:
             return ToolResult(
                 call, f"error: {tool.name} timed out after {timeout:g}s", error=True, timed_out=True

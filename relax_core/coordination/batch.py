@@ -559,7 +559,8 @@ async def _deadline(call: Any, timeout: float) -> Any:
     """Await ``call`` for at most ``timeout`` s; a late call is left running, its result ignored."""
     task = asyncio.ensure_future(call)
     try:
-        return await asyncio.wait_for(asyncio.shield(task), timeout)
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(task)
     except TimeoutError:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         raise

@@ -469,7 +469,8 @@ class LifecycleCoordinator:
                         f"(current batch: {self._current})"
                     )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._condition.wait(), left)
+                    async with asyncio.timeout(left):
+                        await self._condition.wait()
             return receipt
 
     # -- recovery mid-run ---------------------------------------------------------------------

@@ -164,7 +164,8 @@ class LeaseEngine:
         if probe is None:
             return
         try:
-            await asyncio.wait_for(probe(), self.operation_timeout)
+            async with asyncio.timeout(self.operation_timeout):
+                await probe()
         except Exception as exc:  # the rebuild that follows says what is wrong
             self._on_event(f"health probe of {handle.name} raised {type(exc).__name__}: {exc}")
 
@@ -203,7 +204,8 @@ class LeaseEngine:
         timeout = self.operation_timeout
         task = asyncio.ensure_future(getattr(handle, name)())
         try:
-            result = await asyncio.wait_for(asyncio.shield(task), timeout)
+            async with asyncio.timeout(timeout):
+                result = await asyncio.shield(task)
         except TimeoutError:
             task.add_done_callback(lambda t: self._late_reply(role, handle, name, expected, t))
             return (

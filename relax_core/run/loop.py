@@ -575,7 +575,8 @@ async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
     """Wake rollout once more and give it the last step's weights."""
     began = time.perf_counter()
     if not ports.free:  # a free rollout is awake
-        result = await asyncio.wait_for(ports.rollout.onload(), ports.run.operation_timeout)
+        async with asyncio.timeout(ports.run.operation_timeout):
+            result = await ports.rollout.onload()
         reason = unconfirmed(result, "READY")
         if reason is not None:
             raise LifecycleError(f"the final weight push could not wake rollout: {reason}")
