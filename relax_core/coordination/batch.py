@@ -575,7 +575,8 @@ async def onload_generation(
     :raises TimeoutError: it did not answer within ``timeout`` seconds.
     """
     with timeline.phase(batch_id, f"{gen}.onload", lane="leases"):
-        result = await asyncio.wait_for(rollout.onload(), timeout)
+        async with asyncio.timeout(timeout):
+            result = await rollout.onload()
     reason = unconfirmed(result, "READY")
     if reason is not None:
         raise LifecycleError(f"{gen} onload not confirmed: {reason}")

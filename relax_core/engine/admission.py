@@ -167,7 +167,8 @@ class AdmissionServer:
         """Wait until no generation request is in flight; ``False`` if ``timeout`` passed first."""
         assert self._idle is not None, "start() the admission server first"
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True

@@ -249,7 +249,8 @@ class WakeController:
             task = self._waking[role] = asyncio.ensure_future(self._wake(r))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
         try:
-            await asyncio.wait_for(asyncio.shield(task), bound)
+            async with asyncio.timeout(bound):
+                await asyncio.shield(task)
         except TimeoutError:
             r.counts.timeouts += 1
             retry = max(1.0, self.settings.min_residency)
