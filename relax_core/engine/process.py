@@ -61,6 +61,7 @@ class SubprocessEngineProcess:
         cwd: str | None = None,
         health_path: str = "/health",
         ready_url: str | None = None,
+        reaped: bool = False,
     ) -> SubprocessEngineProcess:
         """Start ``argv`` in a new process group and return without waiting.
 
@@ -69,6 +70,8 @@ class SubprocessEngineProcess:
         :param env: variables added to (and overriding) this process's environment.
         :param log_path: where stdout and stderr go (appended); a temporary file if ``None``.
         :param ready_url: a follower's private URL that answers 200 once it joined its head.
+        :param reaped: a detached reaper SIGKILLs the process group once this process is gone
+            (a SIGKILLed owner leaves nothing running: a router's owner, say).
         :raises LifecycleError: the command cannot be started (not found, not executable).
         """
         if log_path is None:
@@ -95,6 +98,10 @@ class SubprocessEngineProcess:
                 f"engine {engine_id}: cannot start {argv[0]!r}: {exc}; check the command and "
                 "that its interpreter is installed"
             ) from exc
+        if reaped:
+            from relax_core.manager.reaper import start_reaper
+
+            start_reaper(os.getpid(), popen.pid)
         return cls(
             popen,
             base_url=base_url,

@@ -1,4 +1,4 @@
-"""Kill an engine's process group when the worker actor that started it dies.
+"""Kill an engine's (or a router's) process group when the process that started it dies.
 
 Run as a stdlib-only script (``python -I -S reaper.py WORKER_PID ENGINE_PID``) by the worker
 after each launch: it detaches (double fork), prints its pid, and polls every ``INTERVAL``
@@ -59,6 +59,26 @@ def watch(worker: int, worker_start: str, engine: int, engine_start: str) -> Non
             _kill_engine(engine, engine_start)
             return
         time.sleep(INTERVAL)
+
+
+def start_reaper(owner: int, process: int) -> int | None:
+    """Start this script detached, to SIGKILL ``process``'s group once ``owner`` is gone.
+
+    :returns: the reaper's pid; ``None`` if either process was already gone.
+    """
+    import subprocess
+
+    reaper = subprocess.Popen(
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), str(owner), str(process)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    assert reaper.stdout is not None
+    line = reaper.stdout.readline()
+    reaper.wait(timeout=10)
+    reaper.stdout.close()
+    return int(line.strip() or 0) or None
 
 
 def main(argv: list[str]) -> int:

@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -23,6 +21,7 @@ from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.engine.tags import ResidentTag, ordered
 from relax_core.errors import CapabilityError, LifecycleError, RelaxError, UpstreamError
 from relax_core.manager.channel import ControlAddress, ControlChannelServer
+from relax_core.manager.reaper import start_reaper
 from relax_core.net import free_port
 from relax_core.records import EngineBackend, EngineLaunchSpec, EngineProcess
 
@@ -41,7 +40,6 @@ UPDATE_METHODS: dict[str, str] = {
 #: Update calls the control client has no method for: sent as they are (``POST /{name}``).
 _RAW_UPDATES = frozenset({"load_lora_adapter", "unload_lora_adapter"})
 log = logging.getLogger(__name__)
-_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 
 
 @attrs.frozen
@@ -135,7 +133,7 @@ class EngineWorker:
             if launch.log_path is None:
                 launch = attrs.evolve(launch, log_path=_log_path(launch.engine_id))
             self.process = await asyncio.to_thread(self.backend.launch, launch)
-            self.reaper_pid = await asyncio.to_thread(self._start_reaper, self.process.pid)
+            self.reaper_pid = await asyncio.to_thread(start_reaper, os.getpid(), self.process.pid)
             try:
                 await asyncio.to_thread(self.process.wait_ready, ready_timeout)
                 version = None
@@ -185,20 +183,6 @@ class EngineWorker:
                 weight_version=version,
                 control=self.channel.address if self.channel else None,
             )
-
-    def _start_reaper(self, engine_pid: int) -> int | None:
-        reaper = subprocess.Popen(
-            [sys.executable, "-I", "-S", _REAPER, str(os.getpid()), str(engine_pid)],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        assert reaper.stdout is not None
-        line = reaper.stdout.readline()
-        reaper.wait(timeout=10)
-        reaper.stdout.close()
-        pid = int(line.strip() or 0)
-        return pid or None
 
     # -- health ----------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -187,3 +188,38 @@ def test_the_log_file_collects_stdout_and_stderr(procs: list, tmp_path: Path) ->
     wait_for(lambda: p.poll() is not None, timeout=30, what="the process to exit")
     assert p.poll() == 0 and os.path.samefile(p.log_path, log)
     assert "out" in p.log_tail() and "err" in p.log_tail()
+
+
+@pytest.mark.parametrize("reaped", [True, False])
+def test_a_reaped_process_is_killed_once_its_owner_is_sigkilled(reaped: bool) -> None:
+    # The owner (a router's manager actor, say) is a process of its own that starts a server
+    # and prints its pid; then it is SIGKILLed, as a driver killed with its Ray would be.
+    owner = subprocess.Popen(
+        _py(f"""
+            import sys, time
+            from relax_core.engine.process import SubprocessEngineProcess
+            server = SubprocessEngineProcess.start(
+                [sys.executable, "-c", "import time; time.sleep(120)"],
+                base_url=None, engine_id="router-test", reaped={reaped},
+            )
+            print(server.pid, flush=True)
+            time.sleep(120)
+            """),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    server = 0
+    try:
+        assert owner.stdout is not None
+        server = int(owner.stdout.readline())
+        owner.kill()
+        owner.wait(timeout=10)
+        if reaped:
+            wait_for(lambda: _gone(server), timeout=10, what="the reaped server to be killed")
+        else:  # the control case: nothing kills an orphan that was not reaped
+            time.sleep(1.0)
+            assert not _gone(server)
+    finally:
+        owner.kill()
+        if server and not _gone(server):
+            os.killpg(server, signal.SIGKILL)

@@ -355,6 +355,7 @@ class RouterServer:
             engine_id=f"router-{self.kind.name}-{self.spec.router_id}",
             env={"HF_HUB_OFFLINE": "1", **dict(self.spec.env)},
             log_path=self.spec.log_path,
+            reaped=True,
         )
 
     def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
