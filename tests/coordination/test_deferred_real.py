@@ -455,7 +455,11 @@ def test_a_scoring_or_validation_failure_fails_the_batch_and_writes_nothing_back
     for s in originals:
         assert s.reward is None and s.rewards == {} and "teacher_logprobs" not in s.fields
     status = asyncio.run(step.coordinator.describe())
-    assert status.batch_state == "FAILED" and set(status.leases.values()) == {"SLEEPING"}
+    assert status.batch_state == "FAILED" and set(status.leases.values()) == {"SLEEPING"}, (
+        status.leases,
+        status.blocked,
+        status.late_replies,
+    )
     assert asyncio.run(step.sink.partitions()) == {}
 
 
