@@ -219,7 +219,8 @@ class RewardStage:
             chosen = [s for s in samples if matcher is None or matcher(s.label)]
             plans.append((spec, weight, key, chosen))
         passes = [self._pass(spec, chosen, ctx) for spec, _, _, chosen in plans]
-        outcomes = await asyncio.gather(*passes)
+        # a failed pass cancels the others: no judge request outlives the stage that failed
+        outcomes = await gather_all(passes)
         counts: dict[str, float] = {}
         for (_spec, weight, key, chosen), results in zip(plans, outcomes, strict=True):
             failures = 0

@@ -242,3 +242,36 @@ def test_a_rebuild_waited_for_does_not_count_against_the_reward_stages_deadline(
     ctx = StageContext(5, RoleClients({}, recovery=recovery))
     with pytest.raises(ScoringError, match="did not score 3 samples within 1s"):
         asyncio.run(stage.run(samples(), ctx))
+
+
+def test_a_failing_adapter_cancels_the_other_adapters_pass_before_the_stage_raises() -> None:
+    # A slow judge still waiting for its engine when another adapter fails must not keep
+    # sending requests after the stage (and its batch) failed.
+    outcome: dict[str, str] = {}
+
+    async def slow(response: str, label: Any, *, context: RewardContext) -> float:
+        try:
+            await asyncio.Event().wait()  # the engine's answer, never coming
+        except asyncio.CancelledError:
+            outcome[context.sample.id] = "cancelled"
+            raise
+        return 1.0
+
+    async def failing(response: str, label: Any, *, context: RewardContext) -> float:
+        await asyncio.sleep(0.01)
+        raise ValueError("no verdict")
+
+    stage = RewardStage(
+        [
+            RewardSpec(name="slow", fn=slow, mode="async"),
+            RewardSpec(name="bad", fn=failing, mode="async"),
+        ],
+        retries=0,
+    )
+
+    async def go() -> None:
+        with pytest.raises(ScoringError, match="bad: raised for sample"):
+            await stage.run(samples(), CTX)
+        assert outcome == dict.fromkeys("abc", "cancelled")  # before the stage's error arrived
+
+    asyncio.run(go())
