@@ -311,12 +311,12 @@ class _HeldSignals:
         for sig in self._SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
 
-    def release(self, *, deliver: bool = True) -> None:
+    def release(self) -> None:
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         pending, self._pending = self._pending, None
-        if deliver and pending is not None:
+        if pending is not None:
             signal.raise_signal(pending)
 
     def _record(self, signum: int, frame: Any) -> None:
@@ -413,7 +413,6 @@ def bind_placement_group(
         )
         held.hold()
     except BaseException as exc:
-        held.release(deliver=False)
         if owned:
             _remove(pg, exc)
         raise

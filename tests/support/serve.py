@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import queue
 import re
@@ -133,14 +134,11 @@ class Lines:
 _MADE: dict[tuple[int, str], Path] = {}
 
 
+@functools.cache
 def _cache() -> Path:
-    if "dir" not in _CACHE:
-        _CACHE["dir"] = Path(tempfile.mkdtemp(prefix="relax-tiny-models-"))
-        atexit.register(shutil.rmtree, _CACHE["dir"], ignore_errors=True)
-    return _CACHE["dir"]
-
-
-_CACHE: dict[str, Path] = {}
+    path = Path(tempfile.mkdtemp(prefix="relax-tiny-models-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def made_tiny_models(targets: dict[Path, tuple[int, str]]) -> None:
