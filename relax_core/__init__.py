@@ -9,8 +9,8 @@ from relax_core import agent, client, engine, errors, records
 from relax_core._exports import claim as _claim
 from relax_core._quote import quote_body
 from relax_core.agent import *  # noqa: F403
+from relax_core.cli import main
 from relax_core.client import *  # noqa: F403
-from relax_core.commands.demo import DEMO_JOB, DEMO_MODELS, make_demo_models
 from relax_core.config import ConfigProblem, ConfigReader, JobConfig, load_config, loads_config
 from relax_core.coordination import (
     REWARD_FIELDS,
@@ -130,8 +130,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_STREAM_COALESCE_S",
-    "DEMO_JOB",
-    "DEMO_MODELS",
     "REWARD_FIELDS",
     "ROLLOUT_METRICS",
     "AdaptContext",
@@ -221,7 +219,7 @@ __all__ = [
     "keep_local_ray_on_loopback",
     "load_config",
     "loads_config",
-    "make_demo_models",
+    "main",
     "module_plugin",
     "parse_answer",
     "parse_run_config",

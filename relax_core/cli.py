@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``relax`` console script."""
+    """Run ``relax`` on ``argv`` (default: this process's command line) in this process and
+    return its exit status: the console script's entry point, and how a plugin's command runs
+    another (``main(["run", "job.toml"])``), as ``pytest.main`` does. A usage error exits
+    (:class:`SystemExit`, status 2), as ``argparse`` does."""
     try:
         parser = build_parser()
     except RelaxError as exc:

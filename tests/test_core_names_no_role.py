@@ -1,8 +1,7 @@
 """The core knows roles only from their records: no module of it names a shipped role.
 
 Every role-name constant or branch (``role == "genrm"``, ``{"genrm", "teacher"}``, a title
-table) is a string literal equal to a role's name; docstrings may mention roles, and
-``relax demo`` (its job file and its requests) names the roles it demonstrates on purpose.
+table) is a string literal equal to a role's name; docstrings may mention roles.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from tests.support.roles import builtin_roles
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "relax_core"
-ALLOWED = {CORE / "commands" / "demo.py"}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -47,7 +45,7 @@ def test_no_core_module_names_a_shipped_or_test_role() -> None:
     found = {
         str(path.relative_to(ROOT)): hits
         for path in sorted(CORE.rglob("*.py"))
-        if path not in ALLOWED and (hits := role_literals(path, roles))
+        if (hits := role_literals(path, roles))
     }
     assert found == {}, "the core names roles; take the fact from the role's RoleSpec instead"
 

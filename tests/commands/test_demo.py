@@ -1,7 +1,7 @@
-"""``relax demo`` (the README's main job: ``relax run`` on the embedded default job) as a user
-runs it — its tiny models made, the job up, steps committed and printed one line each with the
-progress of every phase before it — then Ctrl-C to its process group, as a terminal sends it:
-a clean stop with nothing left running.
+"""``relax demo`` (relax-hf's command, the README's main job: ``relax run`` on the embedded
+default job) as a user runs it — its tiny models made, the job up, steps committed and printed
+one line each with the progress of every phase before it — then Ctrl-C to its process group, as
+a terminal sends it: a clean stop with nothing left running.
 
 The embedded job is the CPU example file (checked here), so ``tests/run/test_run_cli.py``'s run
 of ``relax run docs/examples/run-cpu.toml`` covers the demo's steps to their end.
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from relax_hf import DEMO_JOB
 
-from relax_core.commands.demo import DEMO_JOB
 from relax_core.run.progress import PHASE_LINE_SECONDS
 from relax_core.testing import wait_for
 from tests.support import serve as support

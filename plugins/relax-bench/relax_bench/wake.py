@@ -1,6 +1,6 @@
 """``relax bench wake [--job JOB]``: on-demand wake under ``relax serve``, as a client sees it.
 
-Serves a defer job (default: the embedded demo job, three tiny hf models on CPU sharing one
+Serves a defer job (default: relax-hf's demo job, three tiny hf models on CPU sharing one
 declared GPU; ``--job`` names another, whose models must exist) with ``relax serve
 --min-residency 0.25 --idle-seconds 600``, reads each role's gateway off its status table (the
 roles are the job's) and sends three workloads:
@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from relax_core import ConfigError
 
 MIN_RESIDENCY = 0.25
 #: Every role's request: a 64-token prompt, 8 new tokens with their log-probs (any role's
@@ -158,11 +160,17 @@ class _Served:
 
 @contextlib.contextmanager
 def _serve(job: Path | None, progress: bool) -> Iterator[tuple[_Served, dict[str, str]]]:
-    from relax_core import DEMO_JOB, make_demo_models
-
     with tempfile.TemporaryDirectory(prefix="relax-bench-wake-") as tmp:
         root = Path(tmp)
         if job is None:
+            try:
+                from relax_hf import DEMO_JOB, make_demo_models
+            except ImportError as exc:
+                raise ConfigError(
+                    "--job",
+                    f"the default job is relax-hf's demo job, and relax-hf is not "
+                    f"installed ({exc}): `pip install -e plugins/relax-hf`, or give --job JOB",
+                ) from exc
             if progress:
                 print("  making three tiny models …", file=sys.stderr, flush=True)
             make_demo_models(root / "tiny")

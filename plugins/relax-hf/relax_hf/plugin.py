@@ -1,4 +1,5 @@
-"""The ``hf`` engine backend record and its ``launch`` (the ``relax`` entry point)."""
+"""The ``hf`` engine backend record and its ``launch``, and the ``relax demo`` command (the
+``relax`` entry point)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 from relax_core import (
     CONSTRAINED_DECODING,
+    CommandSpec,
     ConfigError,
     ControlClient,
     EngineBackend,
@@ -17,14 +19,17 @@ from relax_core import (
     free_port,
     hookimpl,
 )
+from relax_hf import demo
 from relax_hf.options import HFEngineOptions, hf_options, options_argv
 from relax_hf.protocol import parse_dist_addr
 
 __all__ = [
+    "DEMO",
     "HF_BACKEND",
     "OPTION_FLAGS",
     "launch",
     "missing",
+    "relax_register_commands",
     "relax_register_engine_backends",
     "serve_argv",
 ]
@@ -178,8 +183,16 @@ HF_BACKEND = EngineBackend(
     missing=missing,
 )
 
+DEMO = CommandSpec(name=demo.NAME, help=demo.HELP, add_arguments=demo.add_arguments, run=demo.run)
+
 
 @hookimpl
 def relax_register_engine_backends(register: Callable[[EngineBackend], None]) -> None:
     """Register the ``hf`` engine backend."""
     register(HF_BACKEND)
+
+
+@hookimpl
+def relax_register_commands(register: Callable[[CommandSpec], None]) -> None:
+    """Register ``relax demo``."""
+    register(DEMO)

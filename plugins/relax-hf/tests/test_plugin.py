@@ -311,7 +311,15 @@ def test_launch_and_control_client_drive_an_engine_end_to_end(
 def test_the_public_api_is_what_it_should_be() -> None:
     import relax_hf
 
-    assert relax_hf.__all__ == ["HF_BACKEND", "__version__", "launch", "make_tiny_model"]
+    assert relax_hf.__all__ == [
+        "DEMO_JOB",
+        "DEMO_MODELS",
+        "HF_BACKEND",
+        "__version__",
+        "launch",
+        "make_demo_models",
+        "make_tiny_model",
+    ]
     for name in relax_hf.__all__:
         assert getattr(relax_hf, name) is not None
 

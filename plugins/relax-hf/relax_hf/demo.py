@@ -1,5 +1,5 @@
 """``relax demo``: ``relax run`` on the embedded default job (:data:`DEMO_JOB`), after making
-its three tiny random models.
+its three tiny random hf models; a command of this plugin (``relax_register_commands``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relax_core.errors import ConfigError
+from relax_core import ConfigError, main
 
 NAME = "demo"
 HELP = "Run three RL steps on tiny CPU models: relax run on the embedded default job."
@@ -88,8 +88,8 @@ seed = 0
 
 
 def make_demo_models(root: Path) -> None:
-    """Make the tiny models :data:`DEMO_JOB` names under ``root``, in parallel, through the
-    ``hf`` plugin's command line (the core never imports it).
+    """Make the tiny models :data:`DEMO_JOB` names under ``root``, in parallel, each by a
+    ``python -m relax_hf make-tiny-model`` process.
 
     :raises ConfigError: a model could not be made (relax-hf missing, its error quoted).
     """
@@ -111,8 +111,7 @@ def make_demo_models(root: Path) -> None:
     if problems:
         raise ConfigError(
             "relax demo",
-            "making the tiny models failed (is relax-hf installed? `pip install -e "
-            "plugins/relax-hf`):\n  " + "\n  ".join(problems),
+            "making the tiny models failed:\n  " + "\n  ".join(problems),
         )
 
 
@@ -126,8 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relax_core.commands import run as run_command
-
     if args.print_job:
         print(DEMO_JOB, end="")
         return 0
@@ -145,13 +142,10 @@ def run(args: argparse.Namespace) -> int:
         make_demo_models(root / "tiny")
         job = root / "job.toml"
         job.write_text(DEMO_JOB)
-        # relax run's own parser, so every option it has gets its default here too.
-        parser = argparse.ArgumentParser(prog="relax run")
-        run_command.add_arguments(parser)
-        argv = [str(job), "--steps", str(args.steps), "--log-dir", str(root / "logs")]
+        argv = ["run", str(job), "--steps", str(args.steps), "--log-dir", str(root / "logs")]
         argv += ["--json"] if args.json else []
         argv += ["--trace", args.trace] if args.trace else []
-        status = run_command.run(parser.parse_args(argv))
+        status = main(argv)
     print(
         f"relax demo: done in {time.monotonic() - began:.0f}s (exit status {status})",
         file=out,
