@@ -5,10 +5,9 @@ The public API: everything a caller or a plugin needs is exported here (and pyte
 private.
 """
 
-from relax_core import agent, client, engine, errors, records
+from relax_core import client, engine, errors, records
 from relax_core._exports import claim as _claim
 from relax_core._quote import quote_body
-from relax_core.agent import *  # noqa: F403
 from relax_core.cli import main
 from relax_core.client import *  # noqa: F403
 from relax_core.config import ConfigProblem, ConfigReader, JobConfig, load_config, loads_config
@@ -239,6 +238,6 @@ __all__ = [
 ]
 
 # The star-imported modules' names, listed once in their own __all__.
-__all__ += agent.__all__ + client.__all__ + engine.__all__ + errors.__all__ + records.__all__
+__all__ += client.__all__ + engine.__all__ + errors.__all__ + records.__all__
 
 _claim(__name__, globals(), __all__)

@@ -815,7 +815,8 @@ class RolloutShapeSpec:
 class EnvironmentSpec:
     """An environment a multi-turn rollout drives, named by ``[run.generation] environment``.
 
-    ``make(config) -> Environment`` per trajectory (an :class:`~relax_core.EnvironmentConfig`).
+    ``make(config)``: the environment of one trajectory; ``config`` and the environment's
+    contract are those of the rollout shape that drives it (``docs/plugins.md``).
     ``check(config) -> list[ConfigProblem]``: the problems of ``[run.generation.env]`` (trajectory
     id ``"-"``), found before anything starts (``None``: ``make`` raises). ``options``: its keys
     (``None``: any). ``needs(options)``: the :data:`ENGINE_FEATURES` it needs, each with the

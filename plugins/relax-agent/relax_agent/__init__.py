@@ -5,11 +5,13 @@ environment and the ``environment`` reward adapter.
   trajectory of policy turns and an environment's observations, token-exact, loss-masked;
 - :mod:`~relax_agent.template`: the chat template applied once per turn boundary,
   prefix-stable and checked (:class:`ChatTurns`);
-- :mod:`~relax_agent.calculator`: the ``calculator`` environment (safe arithmetic, no eval).
+- :mod:`~relax_agent.calculator`: the ``calculator`` environment (safe arithmetic, no eval);
+- :mod:`~relax_agent.environment` and :mod:`~relax_agent.tools`: the contracts an environment
+  builds on (``Environment``, ``Reset``, ``Turn``, ``Observation``, ``EnvironmentConfig``;
+  ``Tool``, ``ToolBox``, ``parse_tool_calls``, …), exported here for environment plugins.
 
-The contracts an environment builds on (``Environment``, ``Reset``, ``Turn``, ``Observation``,
-``EnvironmentConfig``, ``Tool``, ``ToolBox``, ``parse_tool_calls``, …) are the core's
-(``relax_core``). See ``docs/run.md`` (agentic rollouts).
+The core holds the registration (``relax_register_environments`` and ``EnvironmentSpec``). See
+``docs/run.md`` (agentic rollouts) and ``docs/plugins.md`` (an environment plugin).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from relax_agent.calculator import CALCULATOR, CalculatorEnvironment, evaluate
+from relax_agent.environment import Environment, EnvironmentConfig, Observation, Reset, Turn
 from relax_agent.multiturn import (
     MULTI_TURN_OPTIONS,
     MultiTurn,
@@ -24,6 +27,15 @@ from relax_agent.multiturn import (
     multi_turn_needs,
 )
 from relax_agent.template import ChatTurns
+from relax_agent.tools import (
+    Tool,
+    ToolBox,
+    ToolCall,
+    ToolResult,
+    format_tool_call,
+    parse_tool_calls,
+    tool_message,
+)
 from relax_core import (
     EnvironmentSpec,
     RewardContext,
@@ -38,12 +50,24 @@ __all__ = [
     "MULTI_TURN",
     "CalculatorEnvironment",
     "ChatTurns",
+    "Environment",
+    "EnvironmentConfig",
     "MultiTurn",
+    "Observation",
+    "Reset",
+    "Tool",
+    "ToolBox",
+    "ToolCall",
+    "ToolResult",
+    "Turn",
     "environment_reward",
     "evaluate",
+    "format_tool_call",
+    "parse_tool_calls",
     "relax_register_environments",
     "relax_register_reward_adapters",
     "relax_register_rollout_shapes",
+    "tool_message",
 ]
 
 

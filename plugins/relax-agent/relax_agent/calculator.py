@@ -31,21 +31,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from relax_core import (
-    CONSTRAINED_DECODING,
-    ConfigProblem,
-    ConfigReader,
-    EnvironmentConfig,
-    EnvironmentSpec,
-    Observation,
-    Prompt,
-    Reset,
-    Tool,
-    ToolBox,
-    Turn,
-    parse_tool_calls,
-    tool_message,
-)
+from relax_agent.environment import EnvironmentConfig, Observation, Reset, Turn
+from relax_agent.tools import Tool, ToolBox, parse_tool_calls, tool_message
+from relax_core import CONSTRAINED_DECODING, ConfigProblem, ConfigReader, EnvironmentSpec, Prompt
 
 __all__ = ["CALCULATOR", "GUIDED_CALL", "SYSTEM_PROMPT", "CalculatorEnvironment", "evaluate"]
 

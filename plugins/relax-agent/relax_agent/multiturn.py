@@ -42,25 +42,21 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from relax_agent.environment import Environment, EnvironmentConfig, Observation, Reset, Turn
 from relax_agent.template import ChatTurns
 from relax_core import (
     ROLLOUT_METRICS,
     ConfigProblem,
     ConfigReader,
     ConfigValidationError,
-    Environment,
-    EnvironmentConfig,
     EnvironmentSpec,
     EnvironmentStepError,
     GroupRequest,
     InferenceClient,
     NotPrefixStable,
-    Observation,
     PluginError,
-    Reset,
     RolloutShapeConfig,
     Sample,
-    Turn,
     add_segments,
     boundaries,
     continue_aborted,

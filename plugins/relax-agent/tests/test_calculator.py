@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from relax_agent import EnvironmentConfig, Turn, format_tool_call
 from relax_agent.calculator import CalculatorEnvironment, evaluate
 
-from relax_core import EnvironmentConfig, Prompt, Turn, format_tool_call
+from relax_core import Prompt
 
 
 @pytest.mark.parametrize(

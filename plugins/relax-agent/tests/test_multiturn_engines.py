@@ -20,23 +20,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relax_agent import CALCULATOR, MultiTurn
+from relax_agent import (
+    CALCULATOR,
+    MultiTurn,
+    Observation,
+    Reset,
+    Tool,
+    ToolBox,
+    Turn,
+    parse_tool_calls,
+    tool_message,
+)
 
 from relax_core import (
     EnvironmentSpec,
     EnvironmentStepError,
     GroupRequest,
     InferenceClient,
-    Observation,
     PluginManager,
     Prompt,
-    Reset,
     SourceRequest,
-    Tool,
-    ToolBox,
-    Turn,
-    parse_tool_calls,
-    tool_message,
 )
 
 MODEL = "policy"

@@ -10,13 +10,13 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from relax_agent import Observation, Reset, Turn
+
 from relax_core import (
     ControlClient,
     EngineBackend,
     EngineLaunchSpec,
     EnvironmentSpec,
-    Observation,
-    Reset,
     RewardSpec,
     RoutingPolicy,
     SubprocessEngineProcess,
@@ -24,7 +24,6 @@ from relax_core import (
     TrackerSpec,
     TrainerContext,
     TrainerSpec,
-    Turn,
     hookimpl,
 )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from relax_core.agent import Tool, ToolBox, ToolCall, format_tool_call, parse_tool_calls
+from relax_agent import Tool, ToolBox, ToolCall, format_tool_call, parse_tool_calls
 
 
 def test_tool_calls_are_parsed_in_order_and_malformed_ones_are_calls_with_an_error() -> None:

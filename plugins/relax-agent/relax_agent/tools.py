@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.records import NAME_PATTERN
+from relax_core import NAME_PATTERN
 
 __all__ = [
     "TOOL_CALL_CLOSE",

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from relax_core.run.data import Prompt
+from relax_core import Prompt
 
 __all__ = ["GUIDE_KEYS", "Environment", "EnvironmentConfig", "Observation", "Reset", "Turn"]
 
@@ -98,8 +98,8 @@ class Environment(Protocol):
     """One trajectory's environment, made per trajectory by ``EnvironmentSpec.make``:
     ``reset`` once, then ``step`` per policy turn until ``done``, ``max_turns`` or
     ``max_total_tokens``. What either raises fails the step
-    (:class:`~relax_core.errors.EnvironmentStepError`); a plain ``step`` runs on the event
-    loop: keep it quick, or run tools through a :class:`~relax_core.agent.ToolBox`."""
+    (:class:`~relax_core.EnvironmentStepError`); a plain ``step`` runs on the event
+    loop: keep it quick, or run tools through a :class:`~relax_agent.ToolBox`."""
 
     def reset(self, prompt: Prompt) -> Reset:
         """The trajectory's first messages, from the dataset row ``prompt``."""
