@@ -628,13 +628,13 @@ async def run_loop(
     first_step = 0 if resume is None else resume.step
     cursor = Cursor(source) if resume is None else Cursor.resumed(source, resume.cursor)
     model = job.generation_model
-    tokenizer = PromptTokenizer(model.model_path, where=model.path)
+    PromptTokenizer(model.model_path, where=model.path)  # loads before any step begins
     registries = job.registries
     rollout = RayManagerHandle(job.rollout_actor, name=f"{gen}.{model.name}")
     async with InferenceClient(
         snapshot_provider=registries[gen].fetch, role=gen, timeout=run.request_timeout
     ) as client:
-        generator = Generator(client, tokenizer, model.name, run, shape=job.rollout_shape)
+        generator = Generator(client, run, job.rollout_shape)
         ports = StepPorts(
             name=job.name,
             run=run,
