@@ -297,7 +297,8 @@ def step_row(
         if k.endswith("parse_failures")
     ]
     names = sorted({f for s in samples for f in s.fields})
-    row: dict[str, Any] = {
+    counts = recovery.of(n) if recovery is not None else {}
+    return {
         "step": n,
         "batch_id": n,
         "partition": result.receipt.partition,
@@ -326,11 +327,9 @@ def step_row(
         "train": dict(trained),
         "async": outcome.metrics,
         "trajectories": rollout_metrics(samples),
+        "retries": counts.get("retries", {}),
+        "recoveries": counts.get("rebuilt", {}),
     }
-    counts = recovery.of(n) if recovery is not None else {}
-    row["retries"] = counts.get("retries", {})
-    row["recoveries"] = counts.get("rebuilt", {})
-    return row
 
 
 @attrs.define(eq=False)
@@ -585,7 +584,7 @@ async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
     except Exception as exc:
         # rebuilt, then the push (idempotent per version) sent again
         recovery = ports.clients.recovery
-        if recovery is None or interrupted(exc):
+        if recovery is None:
             raise
         why = await recovery.recover(steps, ports.generation_role)
         try:
