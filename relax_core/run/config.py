@@ -335,8 +335,7 @@ def _generation_table(r: ConfigReader, raw: object) -> GenerationTable:
         return GenerationTable()
     t = dict(raw)
     shape = r.value(t, p, "shape", str, "single-turn", check=_stage_name)
-    options = {k: val for k, val in t.items() if k != "shape"}
-    return GenerationTable(shape or "single-turn", options, p)
+    return GenerationTable(shape, {k: val for k, val in t.items() if k != "shape"}, p)
 
 
 def _stage_tables(r: ConfigReader, raw: object) -> tuple[StageTable, ...]:

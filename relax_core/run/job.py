@@ -295,14 +295,9 @@ class RunJob:
             _raise_first(registries.values())
             op = self.run.operation_timeout  # lifecycle calls follow the coordinator's deadline
             timeouts = ManagerTimeouts(
-                start=600.0,
-                offload=op,
-                onload=op,
-                drain=min(30.0, op / 2),
-                update=600.0,
-                health=15.0,
+                start=600.0, offload=op, onload=op, drain=min(30.0, op / 2), update=600.0,
                 shutdown=10.0,
-            )
+            )  # fmt: skip
             managers = {
                 (role.name, model.name): pool.submit(
                     start_model_actor,
@@ -328,19 +323,12 @@ class RunJob:
                 continue
             actor = started.result()
             external = self.config.role(role_name).model(model_name).external
-            (self.external if external else self.actors).setdefault(role_name, {})[model_name] = (
-                actor
-            )
+            owner = self.external if external else self.actors
+            owner.setdefault(role_name, {})[model_name] = actor
             # A manager busy with a lifecycle call finishes it before its shutdown: its
             # deadline follows operation_timeout, so the wait is bounded.
-            runtime.add(
-                RayModel(
-                    role_name,
-                    model_name,
-                    actor,
-                    shutdown_timeout=2 * self.run.operation_timeout + 60.0,
-                )
-            )
+            timeout = 2 * self.run.operation_timeout + 60.0
+            runtime.add(RayModel(role_name, model_name, actor, shutdown_timeout=timeout))
         _raise_first(managers.values())
         for model in self.config.models():
             if model.external:

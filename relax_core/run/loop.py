@@ -420,10 +420,8 @@ class _Report:
             blocked: dict[str, str] = dict((await self.ports.coordinator.describe()).blocked)
         except Exception as err:  # the coordinator itself may be what failed
             blocked = {"?": f"the coordinator could not be asked: {err}"}
-        if stopped:
-            text = f"interrupted during {self.interrupted_phase or 'the step'}"
-        else:
-            text = f"{type(exc).__name__}: {exc}"
+        where = self.interrupted_phase or "the step"
+        text = f"interrupted during {where}" if stopped else f"{type(exc).__name__}: {exc}"
         notes = getattr(exc, "__notes__", None)
         if notes:
             text += " (" + "; ".join(notes) + ")"
