@@ -6,6 +6,7 @@ ends as an :class:`EvalResult`, never failing a step (``docs/run.md``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -204,11 +205,6 @@ class BackgroundEvals:
         """How the evaluations that ended so far ended."""
         return EvalCounts(**self._ended)
 
-    @property
-    def pending(self) -> int:
-        """Evaluations started and not ended."""
-        return sum(not t.done() for t in self._tasks)
-
     @staticmethod
     def check(stages: Sequence[Stage], *, switching: bool, deferred_roles: Sequence[str]) -> None:
         """Refuse a background stage whose work would need a lease.
@@ -238,12 +234,11 @@ class BackgroundEvals:
     ) -> tuple[Stage, ...]:
         """``stages`` for the batch of ``step``, each background one a stand-in that starts its
         work."""
-
-        def launcher(stage: BackgroundStage) -> Stage:
-            return _Launch(stage, lambda: self._start(step, stage, producer, clients))
-
         return tuple(
-            launcher(s) if isinstance(s, BackgroundStage) and s.background else s for s in stages
+            _Launch(s, functools.partial(self._start, step, s, producer, clients))
+            if isinstance(s, BackgroundStage) and s.background
+            else s
+            for s in stages
         )
 
     def _start(

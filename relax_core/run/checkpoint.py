@@ -143,11 +143,8 @@ def job_settings(run: Any, *, generation_model: str, model_path: str) -> dict[st
     """What a resume must keep of a job: every ``[run]`` key but :data:`MAY_CHANGE`, as JSON
     data by key path (``run.seed``), and the generation model and its directory."""
     settings = attrs.asdict(run, recurse=True)
-    out: dict[str, Any] = {
-        f"run.{key}": value for key, value in settings.items() if key not in MAY_CHANGE
-    }
-    out["generation_model"] = generation_model
-    out["generation_model.model_path"] = model_path
+    out = {f"run.{key}": value for key, value in settings.items() if key not in MAY_CHANGE}
+    out |= {"generation_model": generation_model, "generation_model.model_path": model_path}
     normal: dict[str, Any] = json.loads(json.dumps(out, default=str, sort_keys=True))
     return normal
 

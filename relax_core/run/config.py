@@ -99,41 +99,68 @@ class GenerationTable:
     path: str = "run.generation"
 
 
+def _device(v: Any) -> str | None:
+    if v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit()):
+        return None
+    return f"must be cpu, cuda or cuda:N, got {v!r}"
+
+
+def _trainer(v: Any) -> str | None:
+    module, colon, name = v.partition(":")
+    if not colon and NAME_PATTERN.match(v):
+        return None
+    if module and name and all(p.isidentifier() for p in (*module.split("."), name)):
+        return None
+    return (
+        "must be 'package.module:ClassName' or a registered trainer's name (relax plugins "
+        f"lists them), got {v!r}"
+    )
+
+
+def _key(default: Any, check: Check | None = None) -> Any:
+    """A ``[run]`` key read as one value of its default's type (``int``, ``float``, ``str`` or
+    ``bool``), checked by ``check``."""
+    return attrs.field(default=default, metadata={"plain": True, "check": check})
+
+
+_at_least, _one_of = ConfigReader.at_least, ConfigReader.one_of
+
+
 @attrs.frozen
 class RunConfig:
     """The ``[run]`` table (each key in ``docs/run.md``); ``dataset`` is relative to ``base``
     (the job file's directory); ``trainer_options``: the trainer's options record, if any."""
 
-    steps: int = 3
-    dataset: str = "arithmetic"
-    prompts_per_step: int = 4
-    samples_per_prompt: int = 4
-    max_new_tokens: int = 16
-    temperature: float = 1.0
+    steps: int = _key(3, _at_least(1))
+    dataset: str = _key("arithmetic", ConfigReader.non_empty)
+    prompts_per_step: int = _key(4, _at_least(1))
+    samples_per_prompt: int = _key(4, _at_least(1))
+    max_new_tokens: int = _key(16, _at_least(1))
+    temperature: float = _key(1.0, _at_least(0))
     stages: tuple[StageTable, ...] = ()
     generation: GenerationTable = GenerationTable()
-    seed: int = 0
-    trainer: str = ""
+    seed: int = _key(0)
+    trainer: str = _key("", _trainer)
     trainer_options: Any = None
-    trainer_device: str = "cpu"
-    push_format: str = "safetensors"
-    operation_timeout: float = 180.0
-    request_timeout: float = 300.0
-    partial_rollout: bool = False
+    trainer_device: str = _key("cpu", _device)
+    push_format: str = _key("safetensors", _one_of(PUSH_FORMATS))
+    operation_timeout: float = _key(180.0, ConfigReader.positive)
+    request_timeout: float = _key(300.0, ConfigReader.positive)
+    partial_rollout: bool = _key(False)
     trackers: tuple[TrackerEntry, ...] = ()
-    tracker_samples: int = 4
-    strict_trackers: bool = False
-    checkpoint_every: int = CHECKPOINT_EVERY
-    mode: str = "sync"
-    max_staleness: int = 1
-    stale_action: str = "regenerate"
-    stream_scoring: bool = True
-    stream_concurrency: int = 8
-    push_pause: str = "fence"
-    push_bucket_bytes: int = PUSH_BUCKET_BYTES
-    max_failed_steps: int = 3
-    generation_retries: int = 2
-    on_empty_batch: str = "skip"
+    tracker_samples: int = _key(4, _at_least(0))
+    strict_trackers: bool = _key(False)
+    checkpoint_every: int = _key(CHECKPOINT_EVERY, _at_least(0))
+    mode: str = _key("sync", _one_of(RUN_MODES))
+    max_staleness: int = _key(1, _at_least(0))
+    stale_action: str = _key("regenerate", _one_of(STALE_ACTIONS))
+    stream_scoring: bool = _key(True)
+    stream_concurrency: int = _key(8, _at_least(1))
+    push_pause: str = _key("fence", _one_of(PUSH_PAUSES))
+    push_bucket_bytes: int = _key(PUSH_BUCKET_BYTES, _at_least(1))
+    max_failed_steps: int = _key(3, _at_least(0))
+    generation_retries: int = _key(2, _at_least(0))
+    on_empty_batch: str = _key("skip", _one_of(EMPTY_BATCH_ACTIONS))
     base: str | None = None
 
     def stage(self, name: str) -> StageTable:
@@ -155,56 +182,6 @@ _KEYS = (
     "stages",
     *_SHORTHAND,
     *_MOVED,
-)
-
-
-def _device(v: Any) -> str | None:
-    if v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit()):
-        return None
-    return f"must be cpu, cuda or cuda:N, got {v!r}"
-
-
-def _trainer(v: Any) -> str | None:
-    module, colon, name = v.partition(":")
-    if not colon and NAME_PATTERN.match(v):
-        return None
-    if module and name and all(p.isidentifier() for p in (*module.split("."), name)):
-        return None
-    return (
-        "must be 'package.module:ClassName' or a registered trainer's name (relax plugins "
-        f"lists them), got {v!r}"
-    )
-
-
-_at_least = ConfigReader.at_least
-#: The ``[run]`` keys read as one value each: their type and check (their default: RunConfig's).
-_PLAIN: tuple[tuple[str, tuple[type, Check | None]], ...] = (
-    ("steps", (int, _at_least(1))),
-    ("dataset", (str, ConfigReader.non_empty)),
-    ("prompts_per_step", (int, _at_least(1))),
-    ("samples_per_prompt", (int, _at_least(1))),
-    ("max_new_tokens", (int, _at_least(1))),
-    ("temperature", (float, _at_least(0))),
-    ("seed", (int, None)),
-    ("trainer", (str, _trainer)),
-    ("trainer_device", (str, _device)),
-    ("push_format", (str, ConfigReader.one_of(PUSH_FORMATS))),
-    ("operation_timeout", (float, ConfigReader.positive)),
-    ("request_timeout", (float, ConfigReader.positive)),
-    ("partial_rollout", (bool, None)),
-    ("tracker_samples", (int, _at_least(0))),
-    ("strict_trackers", (bool, None)),
-    ("checkpoint_every", (int, _at_least(0))),
-    ("mode", (str, ConfigReader.one_of(RUN_MODES))),
-    ("max_staleness", (int, _at_least(0))),
-    ("stale_action", (str, ConfigReader.one_of(STALE_ACTIONS))),
-    ("stream_scoring", (bool, None)),
-    ("stream_concurrency", (int, _at_least(1))),
-    ("push_pause", (str, ConfigReader.one_of(PUSH_PAUSES))),
-    ("push_bucket_bytes", (int, _at_least(1))),
-    ("max_failed_steps", (int, _at_least(0))),
-    ("generation_retries", (int, _at_least(0))),
-    ("on_empty_batch", (str, ConfigReader.one_of(EMPTY_BATCH_ACTIONS))),
 )
 
 
@@ -248,7 +225,11 @@ def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConf
     defaults = {f.name: f.default for f in attrs.fields(RunConfig)}
     defaults["trainer"] = spec.name if spec else ""
     defaults["push_pause"] = "in_place" if t.get("mode") == "async" else "fence"
-    plain = {key: v(t, p, key, kind, defaults[key], check=check) for key, (kind, check) in _PLAIN}
+    plain = {
+        f.name: v(t, p, f.name, type(f.default), defaults[f.name], check=f.metadata["check"])
+        for f in attrs.fields(RunConfig)
+        if f.metadata.get("plain")
+    }
     config = RunConfig(
         stages=stages,
         generation=_generation_table(r, t.get("generation")),
@@ -354,8 +335,7 @@ def _generation_table(r: ConfigReader, raw: object) -> GenerationTable:
         return GenerationTable()
     t = dict(raw)
     shape = r.value(t, p, "shape", str, "single-turn", check=_stage_name)
-    options = {k: val for k, val in t.items() if k != "shape"}
-    return GenerationTable(shape or "single-turn", options, p)
+    return GenerationTable(shape, {k: val for k, val in t.items() if k != "shape"}, p)
 
 
 def _stage_tables(r: ConfigReader, raw: object) -> tuple[StageTable, ...]:

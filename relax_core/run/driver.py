@@ -836,16 +836,14 @@ class StepDriver:
         if self.on_finished is not None:
             # the commit lane may have gone past later steps already
             failed = tuple(f for f in self.failed_steps if f <= n)
-            finished = Finished(n, trained, failed, self.trainer_version)
-            await self.on_finished(finished)
+            await self.on_finished(Finished(n, trained, failed, self.trainer_version))
 
     # -- metrics ---------------------------------------------------------------------------
 
     def _metrics(self, generated: _Generated, batch: DeferredBatch, end_us: int) -> dict[str, Any]:
         n = generated.step
         histogram: collections.Counter[str] = collections.Counter()
-        partial = 0
-        span = 0
+        partial = span = 0
         for s in batch.originals:
             indexes = [self.clock.index(v) for _, v in s.versions]
             known = [i for i in indexes if i is not None]

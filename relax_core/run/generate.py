@@ -133,20 +133,16 @@ def build_single_turn(config: RolloutShapeConfig) -> SingleTurn:
 @attrs.define
 class Generator:
     """Generates one step's groups through the rollout role's ``client`` with the run's
-    rollout ``shape`` (``None``: :class:`SingleTurn`), ``concurrency`` groups at a time."""
+    rollout ``shape``, ``concurrency`` groups at a time."""
 
     client: InferenceClient
-    tokenizer: PromptTokenizer
-    model: str
     settings: RunConfig
+    shape: RolloutShape
     concurrency: int = 64
-    shape: RolloutShape | None = None
     _gate: asyncio.Semaphore = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._gate = asyncio.Semaphore(self.concurrency)
-        if self.shape is None:
-            self.shape = SingleTurn(self.model, self.settings, tokenizer=self.tokenizer)
 
     async def groups(
         self,
@@ -179,7 +175,6 @@ class Generator:
                 request = GroupRequest(
                     batch_id, index, f"b{batch_id}-p{index}", prompt, samples, temperature, seed
                 )
-                assert self.shape is not None
                 async with self._gate:
                     return await self.shape.group(request, self.client)
 

@@ -32,9 +32,6 @@ from relax_core.run.config import RunConfig
 
 __all__ = ["ExternalEnginesActor", "RunJob", "generation_role", "run_problems"]
 
-#: Who wakes a deferred model, in its ``SLEEPING`` line.
-_WAKES = "only the coordinator wakes it, for its phase"
-
 
 def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
     """The configured role that generates the training batch (``generation_phase``), if one
@@ -234,11 +231,6 @@ class RunJob:
         return self.actors[self.generation_role][self.generation_model.name]
 
     @property
-    def plan(self) -> Any:
-        """The placement plan (once :meth:`start` made it)."""
-        return self.runtime.plan
-
-    @property
     def bound(self) -> list[Any]:
         """The bound placement groups."""
         return self.runtime.bound
@@ -303,14 +295,9 @@ class RunJob:
             _raise_first(registries.values())
             op = self.run.operation_timeout  # lifecycle calls follow the coordinator's deadline
             timeouts = ManagerTimeouts(
-                start=600.0,
-                offload=op,
-                onload=op,
-                drain=min(30.0, op / 2),
-                update=600.0,
-                health=15.0,
+                start=600.0, offload=op, onload=op, drain=min(30.0, op / 2), update=600.0,
                 shutdown=10.0,
-            )
+            )  # fmt: skip
             managers = {
                 (role.name, model.name): pool.submit(
                     start_model_actor,
@@ -336,19 +323,12 @@ class RunJob:
                 continue
             actor = started.result()
             external = self.config.role(role_name).model(model_name).external
-            (self.external if external else self.actors).setdefault(role_name, {})[model_name] = (
-                actor
-            )
+            owner = self.external if external else self.actors
+            owner.setdefault(role_name, {})[model_name] = actor
             # A manager busy with a lifecycle call finishes it before its shutdown: its
             # deadline follows operation_timeout, so the wait is bounded.
-            runtime.add(
-                RayModel(
-                    role_name,
-                    model_name,
-                    actor,
-                    shutdown_timeout=2 * self.run.operation_timeout + 60.0,
-                )
-            )
+            timeout = 2 * self.run.operation_timeout + 60.0
+            runtime.add(RayModel(role_name, model_name, actor, shutdown_timeout=timeout))
         _raise_first(managers.values())
         for model in self.config.models():
             if model.external:
@@ -369,8 +349,8 @@ class RunJob:
         builder.start()
         try:
             runtime.start(
-                self.config, say, sleep_note=_WAKES, logs=self.log_dir, on_interrupt=on_interrupt,
-                on_started=on_started,
+                self.config, say, logs=self.log_dir, on_interrupt=on_interrupt,
+                on_started=on_started, sleep_note="only the coordinator wakes it, for its phase",
             )  # fmt: skip
         finally:
             builder.join()
@@ -383,7 +363,7 @@ class RunJob:
 
         run = self.run
         group, bundle, gpus = None, 0, 1.0 if run.trainer_device.startswith("cuda") else 0.0
-        for pool in self.plan.pools:
+        for pool in self.runtime.plan.pools:
             if "actor" in pool.training and pool.name in bound:
                 # The training share of a pool shared with inference: the trainer sees its GPU.
                 b = bound[pool.name]
@@ -420,14 +400,14 @@ class RunJob:
         from relax_core.coordination.remote import start_coordinator
         from relax_core.coordination.sink import RayBatchSink
 
-        slices = dict(defer_slices(self.plan))
+        slices = dict(defer_slices(self.runtime.plan))
         gen = self.generation_role
         # A generation role on no shared GPU (a CPU model) has a slice of its own: free under a
         # planned residency (it never switches), leased each step under an exclusive one.
         slices.setdefault(gen, f"{gen}:own")
         self.slices = slices
         self.residency = plan_residency(
-            self.plan, slices, mode=self.config.placement.residency, roles=tuple(slices)
+            self.runtime.plan, slices, mode=self.config.placement.residency, roles=tuple(slices)
         )
         managers = {
             role: [(f"{role}.{m}", actor) for m, actor in self.actors[role].items()]

@@ -297,7 +297,8 @@ def step_row(
         if k.endswith("parse_failures")
     ]
     names = sorted({f for s in samples for f in s.fields})
-    row: dict[str, Any] = {
+    counts = recovery.of(n) if recovery is not None else {}
+    return {
         "step": n,
         "batch_id": n,
         "partition": result.receipt.partition,
@@ -326,11 +327,9 @@ def step_row(
         "train": dict(trained),
         "async": outcome.metrics,
         "trajectories": rollout_metrics(samples),
+        "retries": counts.get("retries", {}),
+        "recoveries": counts.get("rebuilt", {}),
     }
-    counts = recovery.of(n) if recovery is not None else {}
-    row["retries"] = counts.get("retries", {})
-    row["recoveries"] = counts.get("rebuilt", {})
-    return row
 
 
 @attrs.define(eq=False)
@@ -421,10 +420,8 @@ class _Report:
             blocked: dict[str, str] = dict((await self.ports.coordinator.describe()).blocked)
         except Exception as err:  # the coordinator itself may be what failed
             blocked = {"?": f"the coordinator could not be asked: {err}"}
-        if stopped:
-            text = f"interrupted during {self.interrupted_phase or 'the step'}"
-        else:
-            text = f"{type(exc).__name__}: {exc}"
+        where = self.interrupted_phase or "the step"
+        text = f"interrupted during {where}" if stopped else f"{type(exc).__name__}: {exc}"
         notes = getattr(exc, "__notes__", None)
         if notes:
             text += " (" + "; ".join(notes) + ")"
@@ -585,7 +582,7 @@ async def _final_push(ports: StepPorts, steps: int) -> dict[str, Any]:
     except Exception as exc:
         # rebuilt, then the push (idempotent per version) sent again
         recovery = ports.clients.recovery
-        if recovery is None or interrupted(exc):
+        if recovery is None:
             raise
         why = await recovery.recover(steps, ports.generation_role)
         try:
@@ -628,13 +625,13 @@ async def run_loop(
     first_step = 0 if resume is None else resume.step
     cursor = Cursor(source) if resume is None else Cursor.resumed(source, resume.cursor)
     model = job.generation_model
-    tokenizer = PromptTokenizer(model.model_path, where=model.path)
+    PromptTokenizer(model.model_path, where=model.path)  # loads before any step begins
     registries = job.registries
     rollout = RayManagerHandle(job.rollout_actor, name=f"{gen}.{model.name}")
     async with InferenceClient(
         snapshot_provider=registries[gen].fetch, role=gen, timeout=run.request_timeout
     ) as client:
-        generator = Generator(client, tokenizer, model.name, run, shape=job.rollout_shape)
+        generator = Generator(client, run, job.rollout_shape)
         ports = StepPorts(
             name=job.name,
             run=run,

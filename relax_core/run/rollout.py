@@ -114,16 +114,9 @@ def build_rollout_shape(
     )
     shape = spec.build(config)
     if not isinstance(shape, RolloutShape):
-        raise ConfigValidationError(
-            [
-                ConfigProblem(
-                    f"{table.path}.shape",
-                    "shape",
-                    f"rollout shape {table.shape!r} built a {type(shape).__name__}, which has "
-                    "no async group(request, client): a plugin bug",
-                )
-            ]
-        )
+        why = f"rollout shape {table.shape!r} built a {type(shape).__name__}, which has no async "
+        why += "group(request, client): a plugin bug"
+        raise ConfigValidationError([ConfigProblem(f"{table.path}.shape", "shape", why)])
     return shape
 
 

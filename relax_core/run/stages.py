@@ -11,7 +11,7 @@ from typing import Any, TypedDict, Unpack
 
 import attrs
 
-from relax_core.config import ConfigProblem, ConfigReader
+from relax_core.config import ConfigProblem, ConfigReader, hint
 from relax_core.coordination.rewards import RewardStage
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import Stage, StageContext, StageReport, check_stages
@@ -145,26 +145,19 @@ def _build(
         config = StageConfig(
             table, run, plugins, generation_role, tuple(deferred_roles), spec.retries
         )
+        built = f"stage kind {table.kind!r} (from {entry.distribution})"
         try:
             stage = spec.build(config)
         except ConfigValidationError as exc:
             problems += exc.problems
-            continue
         except ConfigError as exc:
             problems.append(ConfigProblem(exc.path or table.path, "stage", exc.message))
-            continue
         except Exception as exc:
-            problems.append(
-                ConfigProblem(
-                    table.path,
-                    "stage",
-                    f"stage kind {table.kind!r} (from {entry.distribution}) failed to build: "
-                    f"{type(exc).__name__}: {exc}",
-                )
-            )
-            continue
-        problems += _built_problems(table, stage, entry.distribution)
-        stages.append(stage)
+            why = f"{built} failed to build: {type(exc).__name__}: {exc}"
+            problems.append(ConfigProblem(table.path, "stage", why))
+        else:
+            problems += _built_problems(table, stage, built)
+            stages.append(stage)
     if not problems:
         try:
             check_stages(stages)
@@ -174,14 +167,10 @@ def _build(
 
 
 def _unknown_kind(table: StageTable, known: list[str]) -> ConfigProblem:
-    import difflib
-
-    close = difflib.get_close_matches(table.kind, known, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
     return ConfigProblem(
         table.key("stage"),
         "plugin",
-        f"no stage kind {table.kind!r} is registered{hint} (registered: "
+        f"no stage kind {table.kind!r} is registered{hint(table.kind, known)} (registered: "
         f"{', '.join(known) or 'none'}); install the plugin that provides it (relax plugins "
         "lists them)",
     )
@@ -207,26 +196,16 @@ def _role_problems(
     return r.problems
 
 
-def _built_problems(table: StageTable, stage: object, dist: str) -> list[ConfigProblem]:
+def _built_problems(table: StageTable, stage: object, kind: str) -> list[ConfigProblem]:
     if not isinstance(stage, Stage):
-        return [
-            ConfigProblem(
-                table.path,
-                "stage",
-                f"stage kind {table.kind!r} (from {dist}) built {stage!r}, which is not a Stage "
-                "(name, role, models, fields and an async run(samples, ctx))",
-            )
-        ]
-    if stage.name != table.name:
-        return [
-            ConfigProblem(
-                table.path,
-                "stage",
-                f"stage kind {table.kind!r} (from {dist}) built a stage called {stage.name!r}; "
-                f"it must take the table's name, {table.name!r} (StageConfig.name)",
-            )
-        ]
-    return []
+        why = f"built {stage!r}, which is not a Stage (name, role, models, fields and an async "
+        why += "run(samples, ctx))"
+    elif stage.name != table.name:
+        why = f"built a stage called {stage.name!r}; it must take the table's name, "
+        why += f"{table.name!r} (StageConfig.name)"
+    else:
+        return []
+    return [ConfigProblem(table.path, "stage", f"{kind} {why}")]
 
 
 # -- the reward stage ----------------------------------------------------------------------------
@@ -274,16 +253,10 @@ def read_rewards(
             continue
         key = key or name
         if key in keys:
-            what = (
-                f"reward adapter {name!r} is listed twice"
-                if key == name
-                else f"key {key!r} repeats"
-            )
-            r.problem(
-                f"{where}.{'adapter' if key == name else 'key'}",
-                "duplicate",
-                f'{what}; give each a key = "..." of its own',
-            )
+            twice = key == name
+            what = f"reward adapter {name!r} is listed twice" if twice else f"key {key!r} repeats"
+            where += ".adapter" if twice else ".key"
+            r.problem(where, "duplicate", f'{what}; give each a key = "..." of its own')
             continue
         keys.add(key)
         entry = registered.get(name)

@@ -91,14 +91,6 @@ class StreamScorer:
         self.dropped.append(dropped)
         self.dropped_samples.extend(group)
 
-    @property
-    def failed(self) -> BaseException | None:
-        """The first scoring failure so far, if any (the batch will fail with it)."""
-        for task in self._tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                return task.exception()
-        return None
-
     async def _score(self, staged: list[Sample]) -> None:
         async with self._gate:
             ctx = StageContext(self.batch_id, self.clients)

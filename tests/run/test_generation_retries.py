@@ -35,7 +35,7 @@ from relax_core.errors import (
 )
 from relax_core.run.config import RunConfig
 from relax_core.run.data import Prompt
-from relax_core.run.generate import Generator, PromptTokenizer, StepProducer
+from relax_core.run.generate import Generator, StepProducer
 from relax_core.run.loop import RunSummary, drive, role_recovery
 from relax_core.run.progress import Printer
 from relax_core.run.rollout import GroupRequest
@@ -79,14 +79,7 @@ class FailingEngine(SimRollout):
 
     def producer(self) -> StepProducer:  # type: ignore[override]
         assert self.run is not None
-        generator = Generator(
-            cast(InferenceClient, None),
-            cast(PromptTokenizer, None),
-            "policy",
-            self.run,
-            shape=self,
-        )
-        return StepProducer(generator, self.source)
+        return StepProducer(Generator(cast(InferenceClient, None), self.run, self), self.source)
 
 
 def _run(
