@@ -342,7 +342,7 @@ class RunJob:
             # A manager busy with a lifecycle call finishes it before its shutdown: its
             # deadline follows operation_timeout, so the wait is bounded.
             runtime.add(
-                RayModel(
+                RayModel(  # type: ignore[abstract]  # generated methods
                     role_name,
                     model_name,
                     actor,
