@@ -369,9 +369,17 @@ class LifecycleCoordinator:
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
         """
         self._handles(role)
-        return await self._dedupe(
-            operation_id, ("deactivate", role, batch_id), lambda: self._deactivate(role, batch_id)
-        )
+
+        def admit() -> str | None:
+            batch = self._current_batch(batch_id, f"deactivate({role!r})")
+            # A failed batch uses nothing its requests would answer: abort them, do not wait.
+            return ABORT if batch.state is _B.FAILED else None
+
+        def switch() -> Awaitable[LeaseState]:
+            handles = self._awake.get(role) or self._handles(role)
+            return self._switch(role, batch_id, admit, handles, out=True)
+
+        return await self._dedupe(operation_id, ("deactivate", role, batch_id), switch)
 
     # -- batches ---------------------------------------------------------------------------
 
@@ -529,15 +537,6 @@ class LifecycleCoordinator:
             return _L.SLEEPING
 
     # -- internals ---------------------------------------------------------------------------
-
-    async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
-        def admit() -> str | None:
-            batch = self._current_batch(batch_id, f"deactivate({role!r})")
-            # A failed batch uses nothing its requests would answer: abort them, do not wait.
-            return ABORT if batch.state is _B.FAILED else None
-
-        handles = self._awake.get(role) or self._handles(role)
-        return await self._switch(role, batch_id, admit, handles, out=True)
 
     async def _switch(
         self,

@@ -18,8 +18,7 @@ import attrs
 from relax_core.config import ConfigProblem, ConfigReader, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
-from relax_core.coordination.residency import ResidencyPlan, plan_residency
-from relax_core.coordination.slices import defer_slices
+from relax_core.coordination.residency import ResidencyPlan, defer_slices, plan_residency
 from relax_core.coordination.stages import Stage, stage_fields
 from relax_core.errors import RelaxError
 from relax_core.jobs.runtime import JobRuntime, Say
