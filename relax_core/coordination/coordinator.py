@@ -94,31 +94,20 @@ class Coordinator(Protocol):
     client :class:`~relax_core.coordination.remote.RemoteCoordinator`, both checked against it."""
 
     async def begin_batch(self, batch_id: int) -> BatchState: ...
-
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState: ...
-
     async def begin_student_scoring(self, batch_id: int) -> LeaseState: ...
-
     async def activate(
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState: ...
-
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState: ...
-
     async def fail_batch(
         self, batch_id: int, error: str, *, release_unconfirmed: bool = False
     ) -> BatchState: ...
-
     async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState: ...
-
     async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt: ...
-
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState: ...
-
     async def recover(self, role: str) -> dict[str, list[str]]: ...
-
     async def go_on_after(self, batch_id: int) -> None: ...
-
     async def describe(self) -> CoordinatorStatus: ...
 
 
@@ -174,9 +163,7 @@ class LifecycleCoordinator:
             raise ValueError(f"operation_timeout={operation_timeout!r}: give seconds > 0")
         self.generation_role = generation_role
         self._residency = residency or ResidencyPlan()
-        self._operation_timeout = float(operation_timeout)
         self._condition = asyncio.Condition()
-        self._slices = dict(slices)
         #: the leases, the switch, BLOCKED and late replies: shared with relax serve's wakes
         self._engine = LeaseEngine(slices, managers, operation_timeout=operation_timeout)
         self._roles = self._engine.leases
@@ -226,7 +213,7 @@ class LifecycleCoordinator:
         return CoordinatorStatus(
             generation_role=self.generation_role,
             leases={r: str(s) for r, s in self._roles.items()},
-            slices=dict(self._slices),
+            slices=dict(self._engine.slices),
             blocked=dict(self._blocked),
             current=self._current,
             batch_state=str(batch.state) if batch is not None else None,
@@ -235,7 +222,7 @@ class LifecycleCoordinator:
             committed=len(self._committed),
             last_committed=next(reversed(self._committed)) if self._committed else None,
             late_replies=tuple(self._engine.late),
-            operation_timeout=self._operation_timeout,
+            operation_timeout=self._engine.operation_timeout,
             residency=self._residency,
         )
 
@@ -638,11 +625,11 @@ class LifecycleCoordinator:
     def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
         """Refuse ``role`` the slice while a role holding it (``role`` too, with ``include_self``)
         is BLOCKED, or awake and not allowed beside it by the residency plan."""
-        slice_id = self._slices[role]
+        slices = self._engine.slices
         busy = {
             r: s
             for r, s in self._roles.items()
-            if self._slices[r] == slice_id and s is not _L.SLEEPING and (include_self or r != role)
+            if slices[r] == slices[role] and s is not _L.SLEEPING and (include_self or r != role)
         }
         if not busy:
             return
@@ -650,10 +637,10 @@ class LifecycleCoordinator:
         if blocked is not None:
             raise LeaseBlockedError(*blocked)
         settled = all(s is _L.ACTIVE for r, s in busy.items() if r != role)
-        if settled and self._residency.fits(slice_id, {*busy, role}):
+        if settled and self._residency.fits(slices[role], {*busy, role}):
             return
         raise CoordinationError(
-            f"{where}: roles on defer slice {slice_id!r} still hold its GPUs: "
+            f"{where}: roles on defer slice {slices[role]!r} still hold its GPUs: "
             f"{ {r: str(s) for r, s in busy.items()} }; release them first"
         )
 

@@ -108,13 +108,10 @@ class Stage(Protocol):
 
     @property
     def name(self) -> str: ...
-
     @property
     def role(self) -> str | None: ...
-
     @property
     def models(self) -> tuple[str, ...]: ...
-
     @property
     def fields(self) -> tuple[SampleField, ...]: ...
 

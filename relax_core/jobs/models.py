@@ -22,10 +22,8 @@ class ModelHandle(Protocol):
 
     @property
     def role(self) -> str: ...
-
     @property
     def model_id(self) -> str: ...
-
     @property
     def key(self) -> str: ...
 

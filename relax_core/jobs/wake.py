@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from relax_core.config import ServeSettings
+from relax_core.coordination.handles import ManagerHandle
 from relax_core.coordination.leases import LeaseEngine
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.states import LeaseState
@@ -58,11 +59,6 @@ _WAKE_OF = {
     _L.BLOCKED: WakeState.BLOCKED,
 }
 _LEASE_OF = {wake: lease for lease, wake in _WAKE_OF.items()}
-
-
-#: A model's manager as the controller drives it: a
-#: :class:`~relax_core.coordination.handles.ManagerHandle` (``failed`` / ``recover`` optional).
-Handle = Any
 
 
 @attrs.define
@@ -124,7 +120,7 @@ class WakeController:
 
     def __init__(
         self,
-        roles: Mapping[str, tuple[str, Sequence[Handle]]],
+        roles: Mapping[str, tuple[str, Sequence[ManagerHandle]]],
         *,
         residency: ResidencyPlan,
         awake: Collection[str] = (),
