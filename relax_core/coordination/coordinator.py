@@ -140,8 +140,6 @@ class LifecycleCoordinator:
         managers: Mapping[str, Sequence[ManagerHandle]],
         generation_role: str,
         operation_timeout: float = DEFAULT_OPERATION_TIMEOUT,
-        committed_history: int = COMMITTED_HISTORY,
-        retired_history: int = RETIRED_HISTORY,
         residency: ResidencyPlan | None = None,
     ) -> None:
         if generation_role not in slices:
@@ -176,9 +174,7 @@ class LifecycleCoordinator:
         self._failure: RunFailure | None = None
         self._operations: dict[str, _Operation] = {}
         self._committed: collections.OrderedDict[int, SinkReceipt] = collections.OrderedDict()
-        self._committed_history = committed_history
         self._retired: collections.OrderedDict[str, Fingerprint] = collections.OrderedDict()
-        self._retired_history = retired_history
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -257,7 +253,7 @@ class LifecycleCoordinator:
                 raise CoordinationError(
                     f"begin_batch({batch_id}): batch ids increase and batch {self._last_begun} "
                     f"was already begun; batch {batch_id} is not in the newest "
-                    f"{self._committed_history} committed batches"
+                    f"{COMMITTED_HISTORY} committed batches"
                 )
             self._grant_generation(f"begin_batch({batch_id})")
             self._open(batch_id)
@@ -440,7 +436,7 @@ class LifecycleCoordinator:
                 )
             batch.state = _B.COMMITTED
             self._committed[batch_id] = receipt
-            while len(self._committed) > self._committed_history:
+            while len(self._committed) > COMMITTED_HISTORY:
                 self._committed.popitem(last=False)
             self._condition.notify_all()
             return BatchState.COMMITTED
@@ -595,7 +591,7 @@ class LifecycleCoordinator:
                 del self._operations[op_id]
                 self._retired[op_id] = op.fingerprint
                 self._retired.move_to_end(op_id)
-        while len(self._retired) > self._retired_history:
+        while len(self._retired) > RETIRED_HISTORY:
             self._retired.popitem(last=False)
 
     def _commit_outcome(self, batch_id: int) -> SinkReceipt | None:

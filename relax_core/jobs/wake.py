@@ -269,22 +269,19 @@ class WakeController:
     def _rebuilt(self, role: str) -> None:
         self._roles[role].counts.rebuilds += 1
 
-    def _refuse_blocked(self, r: _Role) -> None:
-        blocked = self.engine.blocked_beside(r.name)
-        if blocked is not None:
-            name, why = blocked
-            raise _not_ready(
-                r.name,
-                "BLOCKED",
-                f'cannot be woken: role "{name}" of the same GPUs is BLOCKED ({why}); what its '
-                "engines hold is not known, so nothing is woken beside them. Stop relax serve, "
-                "check the GPUs are free (nvidia-smi, the engines' /server_info), and start it "
-                "again. No request was sent",
-            )
-
     async def _wake(self, r: _Role) -> None:
         async with self.engine.lock(r.name):
-            self._refuse_blocked(r)
+            blocked = self.engine.blocked_beside(r.name)
+            if blocked is not None:
+                name, why = blocked
+                raise _not_ready(
+                    r.name,
+                    "BLOCKED",
+                    f'cannot be woken: role "{name}" of the same GPUs is BLOCKED ({why}); what '
+                    "its engines hold is not known, so nothing is woken beside them. Stop relax "
+                    "serve, check the GPUs are free (nvidia-smi, the engines' /server_info), and "
+                    "start it again. No request was sent",
+                )
             if r.state is WakeState.AWAKE:
                 return  # woken by an earlier wake of this lock
             victims = self._victims(r)

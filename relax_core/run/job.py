@@ -108,7 +108,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
                 "generation_models": f"roles.{gen}.models",
             },
         )
-        out += deferred_workload_problems(workload, pm)
+        out += deferred_workload_problems(workload)
         out += _slice_problems(config, pm, defer)
     elif run.partial_rollout:
         out.append(
