@@ -262,8 +262,7 @@ class DeferredBatch:
             else:
                 self.staged = [s.staged_copy(self.fields) for s in self.originals]
         status = await self.coordinator.describe()
-        gen: str = status.generation_role
-        self._generation_role = gen
+        self._generation_role = gen = status.generation_role
         self._deferred = frozenset(status.deferred_roles)
         self._slices = dict(status.slices)
         self._residency = status.residency
