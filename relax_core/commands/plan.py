@@ -11,8 +11,7 @@ import re
 
 from relax_core.commands._reject import reject
 from relax_core.config import JobConfig, load_config
-from relax_core.coordination.residency import plan_residency
-from relax_core.coordination.slices import defer_slices
+from relax_core.coordination.residency import defer_slices, plan_residency
 from relax_core.errors import ConfigValidationError
 from relax_core.jobs.preflight import resolve_model_paths
 from relax_core.placement import preflight, render_plan, role_titles

@@ -41,6 +41,7 @@ from relax_core.coordination.remote import (
     coordinator_name,
     start_coordinator,
 )
+from relax_core.coordination.residency import defer_slices
 from relax_core.coordination.rewards import (
     REWARD,
     REWARD_FIELDS,
@@ -57,7 +58,6 @@ from relax_core.coordination.sink import (
     SinkReceipt,
     partition_name,
 )
-from relax_core.coordination.slices import defer_slices
 from relax_core.coordination.stages import (
     BatchControl,
     MoreGroups,
@@ -66,12 +66,13 @@ from relax_core.coordination.stages import (
     Stage,
     StageContext,
     StageReport,
+    check_samples,
     check_stages,
     stage_fields,
+    validate_samples,
 )
 from relax_core.coordination.states import BatchState, LeaseState
 from relax_core.coordination.timeline import PHASE_HISTOGRAM, PhaseEvent, Timeline
-from relax_core.coordination.validation import check_samples, validate_samples
 
 __all__ = [
     "COMMITTED_HISTORY",

@@ -10,7 +10,7 @@ import collections
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar, Unpack
+from typing import Any, Protocol, Unpack
 
 import attrs
 
@@ -25,12 +25,12 @@ from relax_core.coordination.stages import (
     Stage,
     StageContext,
     StageReport,
+    check_samples,
     check_stages,
     more_groups,
     stage_fields,
 )
 from relax_core.coordination.timeline import Timeline
-from relax_core.coordination.validation import check_samples
 from relax_core.errors import (
     BatchFailedError,
     CoordinationError,
@@ -38,8 +38,6 @@ from relax_core.errors import (
     LifecycleError,
     SinkError,
 )
-
-T = TypeVar("T")
 
 __all__ = [
     "DEFAULT_MAX_SAMPLES",
@@ -264,8 +262,7 @@ class DeferredBatch:
             else:
                 self.staged = [s.staged_copy(self.fields) for s in self.originals]
         status = await self.coordinator.describe()
-        gen: str = status.generation_role
-        self._generation_role = gen
+        self._generation_role = gen = status.generation_role
         self._deferred = frozenset(status.deferred_roles)
         self._slices = dict(status.slices)
         self._residency = status.residency
@@ -331,12 +328,9 @@ class DeferredBatch:
         self._awake[role] = models  # from here on a failure releases it (activation in flight)
         if role == self._generation_role:
             await self.coordinator.begin_student_scoring(n)
-            with tl.phase(n, f"{role}.onload", lane="leases"):
-                result = await _deadline(self.rollout.onload(), self.release_timeout)
-            reason = unconfirmed(result, "READY")
-            if reason is not None:
-                what = "student restore" if student else "onload"
-                raise LifecycleError(f"{what} of {role!r}: {reason}")
+            what = f"{'student restore' if student else 'onload'} of {role!r}"
+            timeout = self.release_timeout
+            await onload_generation(self.rollout, role, tl, n, timeout=timeout, what=what)
             if student:
                 await self._check_weight_version(role)
             return
@@ -567,19 +561,25 @@ async def _deadline(call: Any, timeout: float) -> Any:
 
 
 async def onload_generation(
-    rollout: ManagerHandle, gen: str, timeline: Timeline, batch_id: int, *, timeout: float
+    rollout: ManagerHandle,
+    gen: str,
+    timeline: Timeline,
+    batch_id: int,
+    *,
+    timeout: float,
+    what: str | None = None,
 ) -> None:
     """Onload the generation role locally for batch ``batch_id``.
 
-    :raises LifecycleError: the onload was not confirmed on every replica.
-    :raises TimeoutError: it did not answer within ``timeout`` seconds.
+    :raises LifecycleError: (``what``: its message's start) the onload was not confirmed on
+        every replica.
+    :raises TimeoutError: it did not answer within ``timeout`` seconds (it is left running).
     """
     with timeline.phase(batch_id, f"{gen}.onload", lane="leases"):
-        async with asyncio.timeout(timeout):
-            result = await rollout.onload()
+        result = await _deadline(rollout.onload(), timeout)
     reason = unconfirmed(result, "READY")
     if reason is not None:
-        raise LifecycleError(f"{gen} onload not confirmed: {reason}")
+        raise LifecycleError(f"{what or f'{gen} onload not confirmed'}: {reason}")
 
 
 async def release_generation(

@@ -94,31 +94,20 @@ class Coordinator(Protocol):
     client :class:`~relax_core.coordination.remote.RemoteCoordinator`, both checked against it."""
 
     async def begin_batch(self, batch_id: int) -> BatchState: ...
-
     async def acknowledge_rollout_offloaded(self, batch_id: int, result: Any) -> LeaseState: ...
-
     async def begin_student_scoring(self, batch_id: int) -> LeaseState: ...
-
     async def activate(
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> LeaseState: ...
-
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState: ...
-
     async def fail_batch(
         self, batch_id: int, error: str, *, release_unconfirmed: bool = False
     ) -> BatchState: ...
-
     async def commit_batch(self, batch_id: int, receipt: SinkReceipt) -> BatchState: ...
-
     async def wait_committed(self, batch_id: int, timeout: float | None = None) -> SinkReceipt: ...
-
     async def reset_blocked(self, role: str, *, confirm_clean: bool = False) -> LeaseState: ...
-
     async def recover(self, role: str) -> dict[str, list[str]]: ...
-
     async def go_on_after(self, batch_id: int) -> None: ...
-
     async def describe(self) -> CoordinatorStatus: ...
 
 
@@ -151,8 +140,6 @@ class LifecycleCoordinator:
         managers: Mapping[str, Sequence[ManagerHandle]],
         generation_role: str,
         operation_timeout: float = DEFAULT_OPERATION_TIMEOUT,
-        committed_history: int = COMMITTED_HISTORY,
-        retired_history: int = RETIRED_HISTORY,
         residency: ResidencyPlan | None = None,
     ) -> None:
         if generation_role not in slices:
@@ -174,9 +161,7 @@ class LifecycleCoordinator:
             raise ValueError(f"operation_timeout={operation_timeout!r}: give seconds > 0")
         self.generation_role = generation_role
         self._residency = residency or ResidencyPlan()
-        self._operation_timeout = float(operation_timeout)
         self._condition = asyncio.Condition()
-        self._slices = dict(slices)
         #: the leases, the switch, BLOCKED and late replies: shared with relax serve's wakes
         self._engine = LeaseEngine(slices, managers, operation_timeout=operation_timeout)
         self._roles = self._engine.leases
@@ -189,9 +174,7 @@ class LifecycleCoordinator:
         self._failure: RunFailure | None = None
         self._operations: dict[str, _Operation] = {}
         self._committed: collections.OrderedDict[int, SinkReceipt] = collections.OrderedDict()
-        self._committed_history = committed_history
         self._retired: collections.OrderedDict[str, Fingerprint] = collections.OrderedDict()
-        self._retired_history = retired_history
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -226,7 +209,7 @@ class LifecycleCoordinator:
         return CoordinatorStatus(
             generation_role=self.generation_role,
             leases={r: str(s) for r, s in self._roles.items()},
-            slices=dict(self._slices),
+            slices=dict(self._engine.slices),
             blocked=dict(self._blocked),
             current=self._current,
             batch_state=str(batch.state) if batch is not None else None,
@@ -235,7 +218,7 @@ class LifecycleCoordinator:
             committed=len(self._committed),
             last_committed=next(reversed(self._committed)) if self._committed else None,
             late_replies=tuple(self._engine.late),
-            operation_timeout=self._operation_timeout,
+            operation_timeout=self._engine.operation_timeout,
             residency=self._residency,
         )
 
@@ -270,7 +253,7 @@ class LifecycleCoordinator:
                 raise CoordinationError(
                     f"begin_batch({batch_id}): batch ids increase and batch {self._last_begun} "
                     f"was already begun; batch {batch_id} is not in the newest "
-                    f"{self._committed_history} committed batches"
+                    f"{COMMITTED_HISTORY} committed batches"
                 )
             self._grant_generation(f"begin_batch({batch_id})")
             self._open(batch_id)
@@ -369,9 +352,17 @@ class LifecycleCoordinator:
             within the operation timeout (the lease is now BLOCKED and the batch FAILED).
         """
         self._handles(role)
-        return await self._dedupe(
-            operation_id, ("deactivate", role, batch_id), lambda: self._deactivate(role, batch_id)
-        )
+
+        def admit() -> str | None:
+            batch = self._current_batch(batch_id, f"deactivate({role!r})")
+            # A failed batch uses nothing its requests would answer: abort them, do not wait.
+            return ABORT if batch.state is _B.FAILED else None
+
+        def switch() -> Awaitable[LeaseState]:
+            handles = self._awake.get(role) or self._handles(role)
+            return self._switch(role, batch_id, admit, handles, out=True)
+
+        return await self._dedupe(operation_id, ("deactivate", role, batch_id), switch)
 
     # -- batches ---------------------------------------------------------------------------
 
@@ -445,7 +436,7 @@ class LifecycleCoordinator:
                 )
             batch.state = _B.COMMITTED
             self._committed[batch_id] = receipt
-            while len(self._committed) > self._committed_history:
+            while len(self._committed) > COMMITTED_HISTORY:
                 self._committed.popitem(last=False)
             self._condition.notify_all()
             return BatchState.COMMITTED
@@ -530,15 +521,6 @@ class LifecycleCoordinator:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _deactivate(self, role: str, batch_id: int) -> LeaseState:
-        def admit() -> str | None:
-            batch = self._current_batch(batch_id, f"deactivate({role!r})")
-            # A failed batch uses nothing its requests would answer: abort them, do not wait.
-            return ABORT if batch.state is _B.FAILED else None
-
-        handles = self._awake.get(role) or self._handles(role)
-        return await self._switch(role, batch_id, admit, handles, out=True)
-
     async def _switch(
         self,
         role: str,
@@ -609,7 +591,7 @@ class LifecycleCoordinator:
                 del self._operations[op_id]
                 self._retired[op_id] = op.fingerprint
                 self._retired.move_to_end(op_id)
-        while len(self._retired) > self._retired_history:
+        while len(self._retired) > RETIRED_HISTORY:
             self._retired.popitem(last=False)
 
     def _commit_outcome(self, batch_id: int) -> SinkReceipt | None:
@@ -639,11 +621,11 @@ class LifecycleCoordinator:
     def _refuse_busy(self, role: str, where: str, *, include_self: bool) -> None:
         """Refuse ``role`` the slice while a role holding it (``role`` too, with ``include_self``)
         is BLOCKED, or awake and not allowed beside it by the residency plan."""
-        slice_id = self._slices[role]
+        slices = self._engine.slices
         busy = {
             r: s
             for r, s in self._roles.items()
-            if self._slices[r] == slice_id and s is not _L.SLEEPING and (include_self or r != role)
+            if slices[r] == slices[role] and s is not _L.SLEEPING and (include_self or r != role)
         }
         if not busy:
             return
@@ -651,10 +633,10 @@ class LifecycleCoordinator:
         if blocked is not None:
             raise LeaseBlockedError(*blocked)
         settled = all(s is _L.ACTIVE for r, s in busy.items() if r != role)
-        if settled and self._residency.fits(slice_id, {*busy, role}):
+        if settled and self._residency.fits(slices[role], {*busy, role}):
             return
         raise CoordinationError(
-            f"{where}: roles on defer slice {slice_id!r} still hold its GPUs: "
+            f"{where}: roles on defer slice {slices[role]!r} still hold its GPUs: "
             f"{ {r: str(s) for r, s in busy.items()} }; release them first"
         )
 

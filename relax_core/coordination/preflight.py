@@ -4,7 +4,6 @@ groups), refused before anything starts."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import attrs
 
@@ -34,11 +33,9 @@ class DeferredWorkload:
         return self.paths.get(field, f"{self.where}.{field}")
 
 
-def deferred_workload_problems(
-    workload: DeferredWorkload, plugin_manager: Any = None
-) -> list[ConfigProblem]:
-    """Every reason ``workload`` cannot run deferred, each with its key path. Pure.
-    (``plugin_manager`` is not read: a stage checks its own adapters.)"""
+def deferred_workload_problems(workload: DeferredWorkload) -> list[ConfigProblem]:
+    """Every reason ``workload`` cannot run deferred, each with its key path. Pure (a stage
+    checks its own adapters)."""
     w = workload
     out: list[ConfigProblem] = []
 
@@ -64,11 +61,11 @@ def deferred_workload_problems(
     return out
 
 
-def validate_deferred_workload(workload: DeferredWorkload, plugin_manager: Any = None) -> None:
+def validate_deferred_workload(workload: DeferredWorkload) -> None:
     """Raise every problem of ``workload`` at once.
 
     :raises ConfigValidationError: listing each problem with its key path.
     """
-    problems = deferred_workload_problems(workload, plugin_manager)
+    problems = deferred_workload_problems(workload)
     if problems:
         raise ConfigValidationError(problems)

@@ -1,5 +1,7 @@
-"""Residency: which roles of a defer slice may be resident together, from the placement's memory
-budget (``docs/coordination.md``).
+"""Defer slices and residency: which roles share GPUs (those whose models' bundle runs overlap in
+one pool while placed in different non-resident phases, transitively: the layout the coordinator
+leases), and which roles of a slice may be resident together, from the placement's memory budget
+(``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -11,8 +13,15 @@ from typing import Any
 import attrs
 
 from relax_core.config import RESIDENCY_MODES
+from relax_core.placement.plan import PHASE_RESIDENT, InferencePlacementPlan
 
-__all__ = ["RESIDENCY_MODES", "ResidencyPlan", "SliceResidency", "plan_residency"]
+__all__ = [
+    "RESIDENCY_MODES",
+    "ResidencyPlan",
+    "SliceResidency",
+    "defer_slices",
+    "plan_residency",
+]
 
 
 def _demand(value: Mapping[str, Mapping[int, float] | None]) -> dict[str, dict[int, float] | None]:
@@ -175,3 +184,26 @@ def plan_residency(
             demand[role] = per_bundle if models else None
         out[sid] = SliceResidency(sid, tuple(sorted(rs)), capacity, demand, training, unknown)
     return ResidencyPlan(out, free, mode)
+
+
+def defer_slices(plan: InferencePlacementPlan) -> Mapping[str, str]:
+    """Role -> slice id (``pool:first-last``) for every role placed in a non-resident phase."""
+    runs: dict[str, list[tuple[str, int, int]]] = {}
+    for p in plan.placements:
+        if p.pool is None or p.phase == PHASE_RESIDENT or p.bundle_start is None:
+            continue
+        runs.setdefault(p.role, []).append((p.pool, p.bundle_start, p.bundle_end))
+    groups: list[set[str]] = []  # the roles that share GPUs, transitively
+    for role in sorted(runs):
+        touching = [g for g in groups if any(_overlap(runs[role], runs[r]) for r in g)]
+        groups = [g for g in groups if g not in touching] + [{role}.union(*touching)]
+    names: dict[str, str] = {}
+    for group in groups:
+        spans = [span for r in sorted(group) for span in runs[r]]
+        start, end = min(s for _, s, _ in spans), max(e for _, _, e in spans)
+        names.update(dict.fromkeys(group, f"{spans[0][0]}:{start}-{end - 1}"))
+    return {role: names[role] for role in sorted(runs)}
+
+
+def _overlap(a: list[tuple[str, int, int]], b: list[tuple[str, int, int]]) -> bool:
+    return any(pa == pb and sa < eb and sb < ea for pa, sa, ea in a for pb, sb, eb in b)

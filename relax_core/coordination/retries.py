@@ -29,6 +29,8 @@ GENERATE = "generate"
 
 T = TypeVar("T")
 
+#: batch id -> name (a stage, a role) -> how many
+_Counts = dict[int, collections.Counter[str]]
 #: The longest pause between two attempts (a 503's ``Retry-After`` is followed up to it).
 MAX_PAUSE = 2.0
 
@@ -108,12 +110,8 @@ class Recovery:
     ) -> None:
         self._recover = recover
         self._on_retry = on_retry
-        self.retries: dict[int, collections.Counter[str]] = collections.defaultdict(
-            collections.Counter
-        )
-        self.rebuilds: dict[int, collections.Counter[str]] = collections.defaultdict(
-            collections.Counter
-        )
+        self.retries: _Counts = collections.defaultdict(collections.Counter)
+        self.rebuilds: _Counts = collections.defaultdict(collections.Counter)
         #: role -> the rebuild in flight
         self._inflight: dict[str, asyncio.Future[Any]] = {}
 

@@ -7,6 +7,7 @@ returns no finite number (or :class:`RewardResult`) fails the stage, naming it a
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, TypeGuard
@@ -103,23 +104,17 @@ def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
 
     :raises ScoringError: not a number or a ``RewardResult``, or not finite.
     """
-    if isinstance(value, RewardResult):
-        result = value
-    elif _number(value):
-        result = RewardResult(float(value))
-    else:
-        raise ScoringError(
-            adapter,
-            f"returned {value!r} for sample {sample.id} (group {sample.group_id}); a reward "
-            "adapter returns a number or a RewardResult",
-        )
-    if not _finite(result.value):
-        raise ScoringError(
-            adapter,
-            f"returned {result.value!r} for sample {sample.id} (group {sample.group_id}); a "
-            "reward must be a finite number",
-        )
-    return result
+    result = RewardResult(float(value)) if _number(value) else value
+    if isinstance(result, RewardResult) and _finite(result.value):
+        return result
+    shown, rule = (
+        (result.value, "a reward must be a finite number")
+        if isinstance(result, RewardResult)
+        else (value, "a reward adapter returns a number or a RewardResult")
+    )
+    raise ScoringError(
+        adapter, f"returned {shown!r} for sample {sample.id} (group {sample.group_id}); {rule}"
+    )
 
 
 def _score_chunk(fn: Any, pass_metadata: bool, items: list[tuple[Any, ...]]) -> list[Any]:
@@ -136,16 +131,11 @@ def _score_chunk(fn: Any, pass_metadata: bool, items: list[tuple[Any, ...]]) -> 
     return out
 
 
-_REMOTE: Any = None
-
-
+@functools.cache
 def _remote_scorer() -> Any:
-    global _REMOTE
-    if _REMOTE is None:
-        import ray
+    import ray
 
-        _REMOTE = ray.remote(num_cpus=1, max_retries=0)(_score_chunk)
-    return _REMOTE
+    return ray.remote(num_cpus=1, max_retries=0)(_score_chunk)
 
 
 #: One adapter of a reward stage: a spec, ``(spec, weight)`` or ``(spec, weight, key)``.

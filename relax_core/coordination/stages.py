@@ -1,5 +1,6 @@
-"""What a step stage is: the fields it writes, the role whose lease it needs, and what it gets
-to reach the roles' engines and its batch (``docs/coordination.md``).
+"""What a step stage is: the fields it writes (checked on every staged sample before the
+write-back), the role whose lease it needs, and what it gets to reach the roles' engines and its
+batch (``docs/coordination.md``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from relax_core.client.client import InferenceClient
 from relax_core.client.pool import get_client
 from relax_core.coordination.retries import Recovery, retrying
 from relax_core.coordination.sample import Sample
-from relax_core.errors import CoordinationError
+from relax_core.errors import CoordinationError, ScoringError
 from relax_core.records import NAME_PATTERN
 
 __all__ = [
@@ -23,10 +24,14 @@ __all__ = [
     "Stage",
     "StageContext",
     "StageReport",
+    "check_samples",
     "check_stages",
     "stage_fields",
+    "validate_samples",
 ]
 
+#: The problems a validation failure shows (their count is given).
+_SHOWN = 5
 #: ``check(value, sample) -> problem or None``: what is wrong with one sample's value.
 FieldCheck = Callable[[Any, Sample], "str | None"]
 
@@ -103,13 +108,10 @@ class Stage(Protocol):
 
     @property
     def name(self) -> str: ...
-
     @property
     def role(self) -> str | None: ...
-
     @property
     def models(self) -> tuple[str, ...]: ...
-
     @property
     def fields(self) -> tuple[SampleField, ...]: ...
 
@@ -267,3 +269,33 @@ def check_stages(stages: Sequence[Stage]) -> None:
                     "declare it differently; rename one stage's field"
                 )
             declared.setdefault(field.name, (name, field))
+
+
+def validate_samples(samples: Iterable[Sample], fields: Iterable[SampleField]) -> list[str]:
+    """Every problem of ``fields`` over ``samples``, as ``sample <id> (group <g>): <problem>``;
+    empty when all are valid."""
+    specs = tuple(fields)
+    problems = []
+    for s in samples:
+        values = s.fields
+        for spec in specs:
+            if spec.name not in values:
+                problem = f"{spec.name} {spec.missing}" if spec.required else None
+            else:
+                problem = spec.check(values[spec.name], s) if spec.check is not None else None
+            if problem:
+                problems.append(f"sample {s.id} (group {s.group_id}): {problem}")
+    return problems
+
+
+def check_samples(samples: Sequence[Sample], fields: Iterable[SampleField]) -> None:
+    """Raise :class:`~relax_core.errors.ScoringError` (stage ``validation``) listing the first
+    problems and their count; return when every field is valid."""
+    problems = validate_samples(samples, fields)
+    if problems:
+        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        raise ScoringError(
+            "validation",
+            f"{len(problems)} problem(s) in {len(samples)} staged samples; nothing was written "
+            f"back: " + "; ".join(problems[:_SHOWN]) + more,
+        )

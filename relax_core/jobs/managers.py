@@ -184,22 +184,16 @@ def build_role_service(
 
 
 def _manager(
-    model: ModelConfig,
-    pm: PluginManager,
-    service: RoleService,
-    *,
-    placement: ReplicaPlacement,
-    timeouts: ManagerTimeouts | None,
-    log_dir: str | None,
+    model: ModelConfig, pm: PluginManager, service: RoleService, **settings: Unpack[ManagerSettings]
 ) -> InferenceManager | ExternalEngines:
     """The manager of one model (:class:`ExternalEngines` for one served by external
     engines), publishing to ``service``; an ``SGLANG_ROUTER`` model's router launched."""
-    arguments = _arguments(model, pm, placement=placement, timeouts=timeouts, log_dir=log_dir)
+    arguments = _arguments(model, pm, **settings)
     router: RouterProcess | None = None
     publisher: Any = service.publisher
     if arguments["route_mode"] != "DIRECT":
         record = router_record(model, pm.role(model.role), pm)
-        router = record.launch(router_launch_spec(model, record, log_dir))
+        router = record.launch(router_launch_spec(model, record, settings.get("log_dir")))
         service.routers[model.name] = router
         if model.engine.pd_prefill_engines is not None:
             publisher = _EnginesHidden(service.publisher)
@@ -250,22 +244,30 @@ def manager_arguments(
     ``publisher`` and the router. Pure.
     :raises ConfigError: a bad weight source or ``engine`` table, naming the key."""
     spec = pm.role(model.role)
-    placement, log_dir = settings["placement"], settings.get("log_dir")
     backend = pm.engine_backend(model.backend)
     reader = ConfigReader()
     options = backend_options(model, backend, reader)
     reader.raise_problems()
+    engine = model.engine
+    if engine.deterministic_inference is None:
+        engine = attrs.evolve(engine, deterministic_inference=spec.deterministic_inference)
+    launch = ModelLaunch(
+        model_path=model.model_path,
+        nodes_per_replica=settings["placement"].nodes_per_replica,
+        served_model_name=model.served_model_name or model.name,
+        tp=model.placement.tp,
+        pp=model.placement.pp,
+        device=model.device,
+        seed=model.seed,
+        log_dir=settings.get("log_dir"),
+        options=engine,
+        backend_options=options,
+    )
     return {
         "spec": _engine_spec(model, pm),
         "backend": backend,
-        "launch": _launch(
-            model,
-            log_dir,
-            placement.nodes_per_replica,
-            spec.deterministic_inference,
-            backend_options=options,
-        ),
-        "placement": placement,
+        "launch": launch,
+        "placement": settings["placement"],
         "route_mode": model.route_mode or spec.default_route_mode,
         "timeouts": settings.get("timeouts"),
         "unhealthy_after": model.health.unhealthy_after,
@@ -312,31 +314,6 @@ def engine_launch_specs(
         )
         out[model.path] = manager.launch_specs(dist_init_addr=dist_init_addr)
     return out
-
-
-def _launch(
-    model: ModelConfig,
-    log_dir: str | None,
-    nodes: int,
-    deterministic: bool,
-    *,
-    backend_options: object | None,
-) -> ModelLaunch:
-    engine = model.engine
-    if engine.deterministic_inference is None:
-        engine = attrs.evolve(engine, deterministic_inference=deterministic)
-    return ModelLaunch(
-        model_path=model.model_path,
-        nodes_per_replica=nodes,
-        served_model_name=model.served_model_name or model.name,
-        tp=model.placement.tp,
-        pp=model.placement.pp,
-        device=model.device,
-        seed=model.seed,
-        log_dir=log_dir,
-        options=engine,
-        backend_options=backend_options,
-    )
 
 
 def start_model_actor(

@@ -4,8 +4,10 @@ manager's core. Every call blocks; errors are the manager's own."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from relax_core._proxy import generate
 from relax_core.manager import InferenceManager, LifecycleResult, UnconfirmedWorker
 from relax_core.manager.actor import HostedManager, InProcessManager, RayManager, host_manager
 from relax_core.manager.external import ExternalEngines
@@ -20,10 +22,8 @@ class ModelHandle(Protocol):
 
     @property
     def role(self) -> str: ...
-
     @property
     def model_id(self) -> str: ...
-
     @property
     def key(self) -> str: ...
 
@@ -51,9 +51,23 @@ class ModelHandle(Protocol):
         """Let go of the manager's host once shut down (its actor is killed). Idempotent."""
 
 
-class _Model:
+def _to_client(name: str) -> Callable[..., Any]:
+    def method(self: _Model, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.client, name)(*args, **kwargs)
+
+    return method
+
+
+if TYPE_CHECKING:  # the generated methods are invisible to mypy: it sees the Protocol's
+    _Contract = ModelHandle
+else:
+    _Contract = object
+
+
+@generate(ModelHandle, _to_client)
+class _Model(_Contract):
     """One model of a job over a client of its manager's core (what both homes share): each
-    :class:`ModelHandle` call is the client's method of that name."""
+    :class:`ModelHandle` method is the client's method of that name."""
 
     def __init__(self, role: str, model_id: str, client: HostedManager) -> None:
         self._role = role
@@ -74,30 +88,6 @@ class _Model:
     def key(self) -> str:
         """``role.model``."""
         return f"{self._role}.{self._model_id}"
-
-    def start(self) -> LifecycleResult:
-        """See :meth:`~relax_core.manager.actor.ManagerActor.start`."""
-        return self.client.start()
-
-    def offload(self) -> LifecycleResult:
-        """The manager's ``offload()``: every tag."""
-        return self.client.offload()
-
-    def shutdown(self) -> None:
-        """See :meth:`~relax_core.manager.actor.ManagerActor.shutdown`."""
-        self.client.shutdown()
-
-    def engine_pids(self) -> dict[str, list[int | None]]:
-        """The manager's ``engine_pids()`` (external engines: none of ours)."""
-        return self.client.engine_pids()
-
-    def router_pids(self) -> list[int]:
-        """The router's process ids."""
-        return self.client.router_pids()
-
-    def unconfirmed_workers(self) -> list[UnconfirmedWorker]:
-        """The manager's ``unconfirmed_workers()`` (external engines have no workers of ours)."""
-        return self.client.unconfirmed_workers()
 
 
 class LocalModel(_Model):

@@ -79,8 +79,8 @@ class RoleService:
     def models(self) -> list[LocalModel]:
         """Every model as a :class:`~relax_core.jobs.models.LocalModel` (manager and router)."""
         return [
-            LocalModel(self.role, model_id, manager, router=self.routers.get(model_id))
-            for model_id, manager in self.managers.items()
+            LocalModel(self.role, m, manager, router=self.routers.get(m))  # type: ignore[abstract]
+            for m, manager in self.managers.items()
         ]
 
     def engine_pids(self) -> dict[str, list[int]]:

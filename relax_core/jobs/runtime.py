@@ -132,8 +132,8 @@ class JobRuntime:
         total = sum(len(self.models.get(r, {})) for roles, _ in steps for r in roles)
         ended = [0]
         count = threading.Lock()
-        if on_started is not None:
-            on_started(0, total)
+        started = on_started or (lambda done, total: None)
+        started(0, total)
         stop = threading.Event()
         ticker = None
         if progress is not None:
@@ -147,8 +147,7 @@ class JobRuntime:
                 self.track(model)
             with count:
                 ended[0] += 1
-                if on_started is not None:
-                    on_started(ended[0], total)
+                started(ended[0], total)
             if isinstance(outcome, BaseException):
                 self.line(say, f"{model.key}: FAILED: {outcome}")
             elif outcome.ok:

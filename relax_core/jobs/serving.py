@@ -11,8 +11,7 @@ from typing import Any, TextIO
 
 from relax_core.config import JobConfig
 from relax_core.coordination.handles import LocalManagerHandle
-from relax_core.coordination.residency import plan_residency
-from relax_core.coordination.slices import defer_slices
+from relax_core.coordination.residency import defer_slices, plan_residency
 from relax_core.discovery.server import RegistryServer
 from relax_core.discovery.status import render_snapshot
 from relax_core.errors import LifecycleError, RelaxError, SnapshotError

@@ -34,7 +34,6 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
         print(f"  {doing} …", file=out, flush=True)
     import ray
 
-    started = not connected
     if connected:
         what = "the Ray this process is connected to"
     elif address:
@@ -55,7 +54,7 @@ def ray_session(address: str | None, config: JobConfig, out: TextIO = sys.stdout
     try:
         yield what
     finally:
-        if started:
+        if not connected:
             ray.shutdown()
             if not address:
                 print("  local Ray stopped", file=out, flush=True)

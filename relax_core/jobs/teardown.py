@@ -76,22 +76,17 @@ def shutdown_models(models: Sequence[ModelHandle]) -> tuple[list[str], list[Unco
 
 def still_running(engine_pids: set[int], router_pids: set[int]) -> list[str]:
     """Wait up to 15 s for these processes to end; a problem line for each kind still alive."""
-    left = _wait_gone(engine_pids | router_pids, timeout=15.0)
+    deadline = time.monotonic() + 15.0
+    left = {p for p in engine_pids | router_pids if _pid_alive(p)}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = {p for p in left if _pid_alive(p)}
     problems = []
     if left & engine_pids:
         problems.append(f"engine processes still running: {sorted(left & engine_pids)}")
     if left & router_pids:
         problems.append(f"router processes still running: {sorted(left & router_pids)}")
     return problems
-
-
-def _wait_gone(pids: set[int], timeout: float) -> set[int]:
-    deadline = time.monotonic() + timeout
-    left = {p for p in pids if _pid_alive(p)}
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = {p for p in left if _pid_alive(p)}
-    return left
 
 
 def _pid_alive(pid: int) -> bool:

@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from relax_core.config import ServeSettings
+from relax_core.coordination.handles import ManagerHandle
 from relax_core.coordination.leases import LeaseEngine
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.states import LeaseState
@@ -58,11 +59,6 @@ _WAKE_OF = {
     _L.BLOCKED: WakeState.BLOCKED,
 }
 _LEASE_OF = {wake: lease for lease, wake in _WAKE_OF.items()}
-
-
-#: A model's manager as the controller drives it: a
-#: :class:`~relax_core.coordination.handles.ManagerHandle` (``failed`` / ``recover`` optional).
-Handle = Any
 
 
 @attrs.define
@@ -124,7 +120,7 @@ class WakeController:
 
     def __init__(
         self,
-        roles: Mapping[str, tuple[str, Sequence[Handle]]],
+        roles: Mapping[str, tuple[str, Sequence[ManagerHandle]]],
         *,
         residency: ResidencyPlan,
         awake: Collection[str] = (),
@@ -273,22 +269,19 @@ class WakeController:
     def _rebuilt(self, role: str) -> None:
         self._roles[role].counts.rebuilds += 1
 
-    def _refuse_blocked(self, r: _Role) -> None:
-        blocked = self.engine.blocked_beside(r.name)
-        if blocked is not None:
-            name, why = blocked
-            raise _not_ready(
-                r.name,
-                "BLOCKED",
-                f'cannot be woken: role "{name}" of the same GPUs is BLOCKED ({why}); what its '
-                "engines hold is not known, so nothing is woken beside them. Stop relax serve, "
-                "check the GPUs are free (nvidia-smi, the engines' /server_info), and start it "
-                "again. No request was sent",
-            )
-
     async def _wake(self, r: _Role) -> None:
         async with self.engine.lock(r.name):
-            self._refuse_blocked(r)
+            blocked = self.engine.blocked_beside(r.name)
+            if blocked is not None:
+                name, why = blocked
+                raise _not_ready(
+                    r.name,
+                    "BLOCKED",
+                    f'cannot be woken: role "{name}" of the same GPUs is BLOCKED ({why}); what '
+                    "its engines hold is not known, so nothing is woken beside them. Stop relax "
+                    "serve, check the GPUs are free (nvidia-smi, the engines' /server_info), and "
+                    "start it again. No request was sent",
+                )
             if r.state is WakeState.AWAKE:
                 return  # woken by an earlier wake of this lock
             victims = self._victims(r)

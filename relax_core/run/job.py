@@ -18,8 +18,7 @@ import attrs
 from relax_core.config import ConfigProblem, ConfigReader, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
-from relax_core.coordination.residency import ResidencyPlan, plan_residency
-from relax_core.coordination.slices import defer_slices
+from relax_core.coordination.residency import ResidencyPlan, defer_slices, plan_residency
 from relax_core.coordination.stages import Stage, stage_fields
 from relax_core.errors import RelaxError
 from relax_core.jobs.runtime import JobRuntime, Say
@@ -106,7 +105,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
                 "generation_models": f"roles.{gen}.models",
             },
         )
-        out += deferred_workload_problems(workload, pm)
+        out += deferred_workload_problems(workload)
         out += _slice_problems(config, pm, defer)
     elif run.partial_rollout:
         out.append(
@@ -328,7 +327,10 @@ class RunJob:
             # A manager busy with a lifecycle call finishes it before its shutdown: its
             # deadline follows operation_timeout, so the wait is bounded.
             timeout = 2 * self.run.operation_timeout + 60.0
-            runtime.add(RayModel(role_name, model_name, actor, shutdown_timeout=timeout))
+            handle = RayModel(  # type: ignore[abstract]  # generated methods
+                role_name, model_name, actor, shutdown_timeout=timeout
+            )
+            runtime.add(handle)
         _raise_first(managers.values())
         for model in self.config.models():
             if model.external:

@@ -15,8 +15,12 @@ import pytest
 
 from relax_core import PluginManager, Sample, StageContext, StageReport, loads_config
 from relax_core.coordination import LifecycleCoordinator
-from relax_core.coordination.residency import ResidencyPlan, SliceResidency, plan_residency
-from relax_core.coordination.slices import defer_slices
+from relax_core.coordination.residency import (
+    ResidencyPlan,
+    SliceResidency,
+    defer_slices,
+    plan_residency,
+)
 from relax_core.errors import CoordinationError
 from relax_core.manager import LifecycleResult, Outcome, ReplicaResult
 from relax_core.placement import plan_inference_placement
