@@ -73,9 +73,6 @@ class ConfigError(RelaxError):
     and what to do.
     """
 
-    path: str
-    message: str
-
     def __init__(self, path: str, message: str) -> None:
         self.path, self.message = path, message
         super().__init__(f"{path}: {message}" if path else message)
@@ -102,9 +99,6 @@ class ConfigValidationError(ConfigError):
     path; ``str()`` lists them all.
     """
 
-    problems: tuple[ConfigProblem, ...]
-    source: str | None
-
     def __init__(self, problems: Sequence[ConfigProblem], source: str | None = None) -> None:
         self.problems = tuple(problems)
         self.source = source
@@ -128,8 +122,6 @@ class SnapshotError(ConfigError):
 class PlacementError(RelaxError):
     """A placement plan or a bound placement group breaks rules: ``violations`` holds every one."""
 
-    violations: tuple[str, ...]
-
     def __init__(self, violations: Sequence[str]) -> None:
         self.violations = tuple(violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
@@ -138,9 +130,6 @@ class PlacementError(RelaxError):
 
 class _StatusError(RelaxError):
     """An error a gateway answers with its HTTP ``status``; ``message`` says what to do."""
-
-    status: int
-    message: str
 
     def __init__(self, status: int, message: str) -> None:
         self.status, self.message = status, message
@@ -155,8 +144,6 @@ class RoutingError(_StatusError):
     can succeed.
     """
 
-    retry_after: float | None
-
     def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(status, message)
         self.retry_after = retry_after
@@ -167,10 +154,6 @@ class ModelNotReadyError(RoutingError):
     ``state`` say which; a gateway that can wake the role waits and retries, any other caller
     retries after ``retry_after``.
     """
-
-    role: str
-    model: str
-    state: str
 
     def __init__(
         self, message: str, *, role: str, model: str, state: str, retry_after: float | None = None
@@ -185,8 +168,6 @@ class InvalidRequestError(RoutingError):
     gateway answers it with ``param`` = ``field``.
     """
 
-    field: str | None
-
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(400, message)
         self.field = field
@@ -196,8 +177,6 @@ class UpstreamError(_StatusError):
     """An engine or router could not be reached or answered badly: ``status`` 502 (transport, bad
     answer) or 504 (deadline); ``request_id``: the ``X-Request-ID`` it travelled with, if any.
     """
-
-    request_id: str | None
 
     def __init__(self, status: int, message: str, *, request_id: str | None = None) -> None:
         super().__init__(status, message)
@@ -216,10 +195,6 @@ class UpstreamStatusError(UpstreamError):
     ``status``, ``body`` (bytes), ``retry_after`` (its ``Retry-After``, seconds) are the upstream's,
     ``url`` where the request went; the message quotes the start of the body.
     """
-
-    body: bytes
-    url: str
-    retry_after: float | None
 
     def __init__(
         self,
@@ -247,8 +222,6 @@ class RequestNotReplayedError(UpstreamError):
     ``answer_started``: whether the answer's status line had arrived.
     """
 
-    answer_started: bool
-
     def __init__(
         self,
         status: int,
@@ -269,10 +242,6 @@ class StreamStalledError(RelaxError, TimeoutError):
     had arrived; ``setting``: the option that sets that limit (raise it for a slow engine).
     """
 
-    seconds: float
-    started: bool
-    setting: str
-
     def __init__(self, seconds: float, started: bool) -> None:
         self.seconds, self.started = seconds, started
         self.setting = "stream_idle_timeout" if started else "stream_first_chunk_timeout"
@@ -286,10 +255,6 @@ class GatewayError(_StatusError):
     ``field`` is sent as ``param``, ``retry_after`` as ``Retry-After``, ``request_id`` as
     ``X-Request-ID``; :func:`~relax_core.gateway.handler.gateway_error` builds it from the others.
     """
-
-    retry_after: float | None
-    field: str | None
-    request_id: str | None
 
     def __init__(
         self,
@@ -320,9 +285,6 @@ class InferenceRecoveryRequired(LifecycleError):
     :class:`~relax_core.manager.LifecycleResult` of the call that found the fence (``None``: refused
     before anything ran); ``report``: the :class:`~relax_core.manager.HealthReport` that found one.
     """
-
-    result: Any
-    report: Any
 
     def __init__(self, message: str, *, result: Any = None, report: Any = None) -> None:
         self.result, self.report = result, report
