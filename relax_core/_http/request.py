@@ -13,7 +13,6 @@ from relax_core.errors import InvalidRequestError
 __all__ = [
     "MIN_WEIGHT_VERSION_FIELD",
     "decode_json_body",
-    "requested_weight_version",
     "weight_version",
 ]
 
@@ -35,21 +34,14 @@ def decode_json_body(raw: bytes) -> Any:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-def requested_weight_version(
-    body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> str | None:
-    """The minimum weight version a request requires: its body's ``min_weight_version``
-    field, else its ``X-Relax-Min-Weight-Version`` header (lower-case names), else ``None``.
+def weight_version(body: Mapping[str, Any], header: str | None) -> str | None:
+    """The minimum weight version a request requires: its body's ``min_weight_version`` (an
+    integer taken as its digits), else ``header`` (``X-Relax-Min-Weight-Version``) stripped,
+    else ``None``.
 
     :raises InvalidRequestError: the field is not a non-empty string or a non-negative
         integer, or the header is empty.
     """
-    return weight_version(body, headers.get("x-relax-min-weight-version") if headers else None)
-
-
-def weight_version(body: Mapping[str, Any], header: str | None) -> str | None:
-    """The body's ``min_weight_version`` (an integer taken as its digits), else ``header``
-    stripped, else ``None``; raises as :func:`requested_weight_version`."""
     value = body.get(MIN_WEIGHT_VERSION_FIELD)
     if value is None and header is not None and not header.strip():
         raise InvalidRequestError(

@@ -13,7 +13,23 @@ from aiohttp import web
 
 from relax_core.net import free_port
 
-__all__ = ["ThreadServer", "serve_app", "uvicorn_config"]
+__all__ = ["ThreadServer", "bound_socket", "serve_app", "uvicorn_config"]
+
+
+def bound_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` (``0``: a free port) with ``SO_REUSEADDR``, and
+    ``SO_REUSEPORT`` when ``reuse_port``; not listening yet. Raises ``OSError`` if it cannot
+    be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
@@ -73,15 +89,8 @@ async def serve_app(
     """Serve ``app`` on ``host:port`` (``0``: a free port); ``(runner, port)``, stopped by
     ``await runner.cleanup()``. ``runner_options`` go to ``aiohttp.web.AppRunner``. Raises
     ``OSError`` if the port cannot be bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
+    sock = bound_socket(host, port)
+    sock.setblocking(False)
     runner = web.AppRunner(
         app,
         access_log=None,

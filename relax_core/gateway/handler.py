@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import attrs
 import orjson
 
-from relax_core._http.request import decode_json_body, requested_weight_version
+from relax_core._http.request import decode_json_body, weight_version
 from relax_core._http.upstream import UpstreamResponse, parse_retry_after
 from relax_core._quote import quote_body
 from relax_core.client.breaker import BreakerSettings
@@ -284,12 +284,10 @@ class InferenceGatewayHandler:
         #: why the adapter's preload failed (``None``: it did not, or has not finished)
         self.preload_error: str | None = None
         # The context of a request before its model is known (frozen: shared by requests).
-        self._plain_ctx, self._stream_ctx = (
-            AdaptContext(
-                role=role, model=None, model_path=None, served_model_name=None, stream=stream
-            )
-            for stream in (False, True)
+        ctx = AdaptContext(
+            role=role, model=None, model_path=None, served_model_name=None, stream=False
         )
+        self._plain_ctx, self._stream_ctx = ctx, attrs.evolve(ctx, stream=True)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -419,11 +417,8 @@ class InferenceGatewayHandler:
     def check_token(self, authorization: str | None) -> None:
         """Raise ``GatewayError(401)`` unless ``authorization`` carries the gateway's token."""
         token = self.options.token
-        if token is None:
-            return
-        expected = f"Bearer {token}"
-        if authorization is None or not hmac.compare_digest(
-            authorization.encode(), expected.encode()
+        if token is not None and not hmac.compare_digest(
+            (authorization or "").encode(), f"Bearer {token}".encode()
         ):
             raise GatewayError(
                 401,
@@ -502,7 +497,7 @@ class InferenceGatewayHandler:
         adapted: Adapted | None = None
         if self.adapter.needs_model(payload):
             # One routing decision per request: the target chosen here is the one sent to.
-            min_version = requested_weight_version(payload, headers)
+            min_version = weight_version(payload, headers.get("x-relax-min-weight-version"))
             affinity = headers.get("x-smg-routing-key")
             target = await self.client.resolve(
                 model=payload.get("model"),

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from relax_core._http.server import ThreadServer, uvicorn_config
+from relax_core._http.server import ThreadServer, bound_socket, uvicorn_config
 from relax_core.discovery.schema import RoleSnapshot
 from relax_core.errors import LifecycleError
 from relax_core.gateway.app import create_gateway_app
@@ -52,16 +52,7 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
         raise RuntimeError(
             "workers > 1 needs SO_REUSEPORT, which this platform lacks; run one worker"
         )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    return bound_socket(host, port, reuse_port=True)
 
 
 def _serve_worker(
