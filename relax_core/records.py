@@ -122,7 +122,23 @@ def _json_inputs(value: object) -> tuple[dict[str, Any], ...]:
         raise ValueError(
             f"OpenAPINotes.generate_inputs: give a sequence of input schemas, got {value!r}"
         )
-    return tuple(_json_copy("generate_inputs", list(value)))
+    inputs = tuple(_json_copy("generate_inputs", list(value)))
+    for i, branch in enumerate(inputs):
+        required = branch.get("required") if isinstance(branch, dict) else None
+        props = branch.get("properties") if isinstance(branch, dict) else None
+        if not (
+            isinstance(required, list)
+            and required
+            and all(isinstance(r, str) for r in required)
+            and isinstance(props, dict)
+            and all(r in props for r in required)
+        ):
+            raise ValueError(
+                f"OpenAPINotes.generate_inputs[{i}]: an input is an object schema whose 'required' "
+                "lists its input field (and any other required field), each described in "
+                '\'properties\', e.g. {"required": ["messages"], "properties": {"messages": {...}}}'
+            )
+    return inputs
 
 
 def _json_fields(value: object) -> Any:
@@ -169,25 +185,6 @@ class OpenAPINotes:
     generate_answer: dict[str, Any] | None = attrs.field(
         default=None, converter=_json_answer, hash=False
     )
-
-    @generate_inputs.validator
-    def _check_inputs(self, _a: object, value: tuple[Any, ...]) -> None:
-        for i, branch in enumerate(value):
-            where = f"OpenAPINotes.generate_inputs[{i}]"
-            required = branch.get("required") if isinstance(branch, dict) else None
-            props = branch.get("properties") if isinstance(branch, dict) else None
-            if not (
-                isinstance(required, list)
-                and required
-                and all(isinstance(r, str) for r in required)
-                and isinstance(props, dict)
-                and all(r in props for r in required)
-            ):
-                raise ValueError(
-                    f"{where}: an input is an object schema whose 'required' lists its input "
-                    "field (and any other required field), each described in 'properties', "
-                    'e.g. {"required": ["messages"], "properties": {"messages": {...}}}'
-                )
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -852,10 +849,10 @@ class BenchmarkSpec:
     run: Callable[..., Mapping[str, Any]] = attrs.field(validator=attrs.validators.is_callable())
     description: str = ""
     add_arguments: Callable[[Any], None] | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+        default=None, validator=_optional_callable
     )
     format_result: Callable[[Mapping[str, Any]], str] | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+        default=None, validator=_optional_callable
     )
 
 

@@ -10,11 +10,7 @@ import orjson
 
 from relax_core.errors import InvalidRequestError
 
-__all__ = [
-    "MIN_WEIGHT_VERSION_FIELD",
-    "decode_json_body",
-    "weight_version",
-]
+__all__ = ["MIN_WEIGHT_VERSION_FIELD", "decode_json_body", "weight_version"]
 
 #: The body field a request requires a minimum weight version with (or the header
 #: ``X-Relax-Min-Weight-Version``).

@@ -22,11 +22,7 @@ from relax_core._http.headers import (
     ROUTING_KEY_HEADER,
     caller_headers,
 )
-from relax_core._http.request import (
-    MIN_WEIGHT_VERSION_FIELD,
-    decode_json_body,
-    weight_version,
-)
+from relax_core._http.request import MIN_WEIGHT_VERSION_FIELD, decode_json_body, weight_version
 from relax_core._http.transport import Transport
 from relax_core._http.upstream import PreparedRequest, UpstreamResponse, decode_answer, status_error
 from relax_core.client.breaker import BreakerSettings, ReplicaBreakers
