@@ -3,8 +3,7 @@
 Parsing checks types, ranges, choices and references inside one role, and reports *every*
 problem at once (:class:`~relax_core.errors.ConfigValidationError`), each with its key path and
 a rule name; unknown keys get a "did you mean" hint. docs/configuration.md lists every key; the
-cross-role rules belong to :func:`relax_core.placement.plan_inference_placement`.
-"""
+cross-role rules belong to :func:`relax_core.placement.plan_inference_placement`."""
 
 from __future__ import annotations
 
@@ -227,8 +226,7 @@ class ModelConfig:
     ``path`` is the key path of its table (``roles.genrm.models.judge``). ``external_urls``:
     served by engines Relax does not start (no engine placed, ``backend`` unused).
     ``engine_table``: the model's ``engine`` table as written, checked against its backend's
-    :attr:`~relax_core.records.EngineBackend.options` by :func:`relax_core.jobs.backend_options`.
-    """
+    :attr:`~relax_core.records.EngineBackend.options` by :func:`relax_core.jobs.backend_options`."""
 
     role: str
     name: str
@@ -348,8 +346,7 @@ class ConfigReader:
         k = r.value(t, "run.stages[2]", "k", int, 4, check=ConfigReader.at_least(1))
         how = ConfigReader.one_of(("mean", "max"))
         mode = r.value(t, "run.stages[2]", "mode", str, "mean", check=how)
-        r.raise_problems(source)
-    """
+        r.raise_problems(source)"""
 
     #: The checks: factories (``at_least``, ``fraction``, ``one_of``) and plain ones.
     at_least = staticmethod(_at_least)
@@ -457,8 +454,7 @@ class ConfigReader:
         Every field needs a default.
 
         :raises TypeError: ``cls`` is not an attrs class, or a field has a type or no default a job
-            file cannot give (the record's author's mistake, not the file's).
-        """
+            file cannot give (the record's author's mistake, not the file's)."""
         if not (isinstance(cls, type) and attrs.has(cls)):
             raise TypeError(f"ConfigReader.record: {cls!r} is not an attrs class")
         hints = typing.get_type_hints(cls)
@@ -479,8 +475,7 @@ class ConfigReader:
         """Raise every problem recorded so far at once; return when there is none.
 
         :raises ConfigValidationError: listing each problem (``source``: the job file; where
-            it is a readable file, each problem whose key it writes ends with ``(FILE:LINE)``).
-        """
+            it is a readable file, each problem whose key it writes ends with ``(FILE:LINE)``)."""
         if self.problems:
             problems: Sequence[ConfigProblem] = self.problems
             if source is not None:
@@ -790,8 +785,7 @@ def parse_config(
     :param role_names: the role names accepted under ``[roles]`` (``pm.registered("roles")``): any
         other is an ``unknown-role`` problem. ``None``: any well-formed name (the planner then
         rejects a role no plugin registers).
-    :raises ConfigValidationError: with every problem found.
-    """
+    :raises ConfigValidationError: with every problem found."""
     r = ConfigReader()
     top = r.table(dict(data), "", _TOP)
     cluster = r.record(top.get("cluster", {}), "cluster", ClusterConfig) or ClusterConfig()
@@ -837,8 +831,7 @@ def loads_config(
 ) -> JobConfig:
     """Parse TOML text into a :class:`JobConfig` (see :func:`parse_config`).
 
-    :raises ConfigValidationError: bad TOML syntax (rule ``toml``) or bad values.
-    """
+    :raises ConfigValidationError: bad TOML syntax (rule ``toml``) or bad values."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -873,8 +866,7 @@ def load_config(path: str | Path, *, role_names: Collection[str] | None = None) 
     """Read and parse a job file.
 
     :raises ConfigValidationError: the file is unreadable, not TOML, or has bad values; each
-        problem whose key the file holds ends with where, ``(FILE:LINE)``.
-    """
+        problem whose key the file holds ends with where, ``(FILE:LINE)``."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

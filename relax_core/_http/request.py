@@ -20,8 +20,7 @@ MIN_WEIGHT_VERSION_FIELD = "min_weight_version"
 def decode_json_body(raw: bytes) -> Any:
     """A request body decoded as JSON: the one check for a body that is not JSON.
 
-    :raises InvalidRequestError: the body is empty or not valid JSON.
-    """
+    :raises InvalidRequestError: the body is empty or not valid JSON."""
     if not raw:
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
@@ -36,8 +35,7 @@ def weight_version(body: Mapping[str, Any], header: str | None) -> str | None:
     else ``None``.
 
     :raises InvalidRequestError: the field is not a non-empty string or a non-negative
-        integer, or the header is empty.
-    """
+        integer, or the header is empty."""
     value = body.get(MIN_WEIGHT_VERSION_FIELD)
     if value is None and header is not None and not header.strip():
         raise InvalidRequestError(

@@ -329,8 +329,7 @@ class UpstreamResponse:
 def decode_answer(data: bytes, prepared: PreparedRequest, what: str) -> Any:
     """``data`` from the upstream of ``prepared`` (``what``: ``"sent an event"``, ...) as JSON.
 
-    :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start).
-    """
+    :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start)."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:

@@ -1,6 +1,5 @@
 """Per-replica circuit breakers of an inference client: connect failures in a row to a DIRECT
-head open its breaker until a GET probe closes it, so no POST is ever replayed (docs/client.md).
-"""
+head open its breaker until a GET probe closes it, so no POST is ever replayed (docs/client.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
 class BreakerSettings:
     """When a replica's breaker opens (``failures`` connect failures in a row) and how it
     probes: ``probe_path`` GET after ``cooldown`` seconds, doubled after each failed probe up
-    to ``max_cooldown``, each within ``probe_timeout``. :raises ValueError: a value out of range.
-    """
+    to ``max_cooldown``, each within ``probe_timeout``. :raises ValueError: a value out of range."""
 
     failures: int = attrs.field(default=3, validator=_positive)
     cooldown: float = attrs.field(default=1.0, validator=_positive)
@@ -65,8 +63,7 @@ Probe = Callable[[str, float], Awaitable[int]]
 class ReplicaBreakers:
     """The breakers of one client's DIRECT heads, by base URL: ``probe`` sends a probe;
     ``published(url)``: whether the role's snapshot still has that head (else its breaker is
-    forgotten); ``on_change(state)`` hears every open and close. One event loop; not thread-safe.
-    """
+    forgotten); ``on_change(state)`` hears every open and close. One event loop; not thread-safe."""
 
     def __init__(
         self,

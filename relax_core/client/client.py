@@ -1,6 +1,5 @@
 """The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange
-(the contract: docs/client.md).
-"""
+(the contract: docs/client.md)."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ class InferenceClient:
     ``ttl``: seconds a snapshot is reused; ``transport``: :class:`TransportOptions`;
     ``plugin_manager``: where routing policies and weight sources come from; ``breaker``: the
     DIRECT heads' circuit breakers (``None``: none). Belongs to the event loop it is first used
-    on; close it with :meth:`aclose` or ``async with`` (or share one: ``get_client``).
-    """
+    on; close it with :meth:`aclose` or ``async with`` (or share one: ``get_client``)."""
 
     def __init__(
         self,
@@ -223,8 +221,7 @@ class InferenceClient:
         the same URL and generation, READY and serving ``min_weight_version``), else a new
         decision for its model.
 
-        :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`).
-        """
+        :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`)."""
         snap = await self._cache.snapshot()
         model = snap.models.get(target.model_id)
         if model is not None and model.state.value == "READY":
@@ -302,8 +299,7 @@ class InferenceClient:
         stand in for ``request_id``/``affinity_key``). ``target``: a :meth:`resolve` decision,
         used as it is. ``min_weight_version`` defaults to the payload's field, then the
         ``X-Relax-Min-Weight-Version`` header. Raises ``InvalidRequestError`` (400: not a JSON
-        object, or a routing field not a string) and ``RoutingError`` (see :meth:`resolve`).
-        """
+        object, or a routing field not a string) and ``RoutingError`` (see :meth:`resolve`)."""
         body, raw = _json_object(payload)
         caller_min = None
         if headers:

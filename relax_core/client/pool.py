@@ -1,6 +1,5 @@
 """One shared :class:`~relax_core.client.client.InferenceClient` per event loop, for code
-called once per sample (a reward function) that should not build and close a client each time.
-"""
+called once per sample (a reward function) that should not build and close a client each time."""
 
 from __future__ import annotations
 

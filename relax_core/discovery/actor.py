@@ -67,8 +67,7 @@ class RemotePublisher:
     """The publishing side of a :class:`RegistryActor`, usable from any process (picklable).
 
     Each call blocks until the registry applied it (so a manager's publications stay in order
-    and a refused one raises where it was made), with a ``timeout`` in seconds.
-    """
+    and a refused one raises where it was made), with a ``timeout`` in seconds."""
 
     actor: Any
     role: str

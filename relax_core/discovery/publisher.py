@@ -76,8 +76,7 @@ class RegistryPublisher:
     :param weight_sources, static_roles: as :meth:`RoleSnapshot.check_sources` takes them.
 
     ``role`` and ``epoch`` are fixed for its life. Thread-safe: every method takes one lock.
-    :meth:`snapshot` returns the cached object when nothing changed.
-    """
+    :meth:`snapshot` returns the cached object when nothing changed."""
 
     def __init__(
         self,
@@ -108,8 +107,7 @@ class RegistryPublisher:
     def snapshot(self) -> RoleSnapshot:
         """The current snapshot: the cached object when nothing changed since the last call.
 
-        :raises SnapshotError: the routing spec points to a model that is not published.
-        """
+        :raises SnapshotError: the routing spec points to a model that is not published."""
         with self._lock:
             if self._cached is None:
                 models = {
@@ -146,8 +144,7 @@ class RegistryPublisher:
     ) -> None:
         """Publish a model, or replace its model-level fields (its engines are kept).
 
-        :raises SnapshotError: a field breaks a schema rule (path ``models.<id>.<field>``).
-        """
+        :raises SnapshotError: a field breaks a schema rule (path ``models.<id>.<field>``)."""
         fields = (state, route_mode, router_url, weight_source, weight_version, served_model_name)
         with self._lock:
             self._put_model(model_id, *fields)
@@ -156,8 +153,7 @@ class RegistryPublisher:
         """Change some model-level fields (``state``, ``router_url``, ``weight_version``, …).
 
         :raises KeyError: the model is not published.
-        :raises SnapshotError: the result breaks a schema rule.
-        """
+        :raises SnapshotError: the result breaks a schema rule."""
         with self._lock:
             entry = self._model(model_id)
             fields = attrs.asdict(entry.view, recurse=False)
@@ -183,8 +179,7 @@ class RegistryPublisher:
         """Stop publishing a model and its engines.
 
         :raises KeyError: the model is not published.
-        :raises SnapshotError: the routing spec still points to it; change the routing first.
-        """
+        :raises SnapshotError: the routing spec still points to it; change the routing first."""
         with self._lock:
             self._model(model_id)
             routing = self._routing
@@ -223,8 +218,7 @@ class RegistryPublisher:
 
         :raises KeyError: the model is not published.
         :raises SnapshotError: the head breaks a schema rule
-            (path ``models.<id>.engines[<engine_id>].<field>``).
-        """
+            (path ``models.<id>.engines[<engine_id>].<field>``)."""
         with self._lock:
             entry = self._model(model_id)
             old = entry.engines.get(engine_id)
@@ -249,8 +243,7 @@ class RegistryPublisher:
         ``(engine_id, fields)`` of ``engines`` and :meth:`remove_engine` for each of
         ``removed``, under one lock; returns each engine's generation.
 
-        :raises KeyError, SnapshotError: as the calls it makes (those before it stay applied).
-        """
+        :raises KeyError, SnapshotError: as the calls it makes (those before it stay applied)."""
         with self._lock:
             self.set_model(model_id, **model)
             generations = {e: self.set_engine(model_id, e, **fields) for e, fields in engines}
@@ -263,8 +256,7 @@ class RegistryPublisher:
     ) -> None:
         """Change a head's state (and eligibility), keeping its URL and generation.
 
-        :raises KeyError: the model or engine is not published.
-        """
+        :raises KeyError: the model or engine is not published."""
         with self._lock:
             old = self._engine(model_id, engine_id)
             self._put_engine(model_id, engine_id, old.endpoint, state, direct_eligible, *old.kept)

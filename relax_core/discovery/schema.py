@@ -60,8 +60,7 @@ class ModelState(enum.StrEnum):
     """The state of a model, and of each of its logical replica heads, as the manager publishes it.
 
     Only a READY model receives requests, and only on its READY heads: weights, KV cache and
-    CUDA graph resident, the weights valid and admission open.
-    """
+    CUDA graph resident, the weights valid and admission open."""
 
     READY = "READY"
     STARTING = "STARTING"
@@ -117,8 +116,7 @@ class EngineView:
     head never publishes one. ``direct_eligible`` may only be true for a READY head with a URL.
     ``generation`` moves whenever the head's worker or endpoint is replaced.
     ``weight_version``: the version this head serves (versioned weight sources only; absent
-    from the JSON when ``None``).
-    """
+    from the JSON when ``None``)."""
 
     engine_id: str = attrs.field(validator=validator(check_id, "engine_id", "engine id"))
     base_url: str | None = attrs.field(validator=validator(check_url, "base_url"))
@@ -178,8 +176,7 @@ class ModelView:
     """One model of a role: its state, route mode, weights and replica heads.
 
     A READY ``SGLANG_ROUTER`` model has a ``router_url``; a ``DIRECT`` model has none. A STATIC
-    model carries no ``weight_version``.
-    """
+    model carries no ``weight_version``."""
 
     state: ModelState = attrs.field(converter=_model_state)
     route_mode: RouteMode = attrs.field(converter=_route_mode)
@@ -249,8 +246,7 @@ class RoutingSpec:
 
     ``policy`` names the DIRECT replica-selection policy (a registered
     :class:`~relax_core.records.RoutingPolicy`); ``policy_revision`` moves when its settings do.
-    Every target must be a model id of the snapshot (checked by :class:`RoleSnapshot`).
-    """
+    Every target must be a model id of the snapshot (checked by :class:`RoleSnapshot`)."""
 
     default_model: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(validator(check_str, "default_model"))
@@ -319,8 +315,7 @@ def check_model_sources(
 ) -> None:
     """Check one model's weight source as :meth:`RoleSnapshot.check_sources` does.
 
-    :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``.
-    """
+    :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``."""
     names, records = _source_records(weight_sources)
     static = role in _static_roles(static_roles, weight_sources)
     path = "models" + segment(model_id)
@@ -374,8 +369,7 @@ class RoleSnapshot:
 
     ``registry_epoch`` identifies the publishing registry's incarnation; ``topology_revision``
     moves on every published change within an epoch. Rules that depend on installed plugins
-    are checked by :meth:`check_sources`, which :meth:`from_json` and the registry call.
-    """
+    are checked by :meth:`check_sources`, which :meth:`from_json` and the registry call."""
 
     schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_check_version)
     role: str = attrs.field(validator=validator(_check_name, "role", "role"))
@@ -419,8 +413,7 @@ class RoleSnapshot:
     def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
         """A value computed once from this snapshot and cached on it (e.g. a routing index).
 
-        ``build(self)`` runs on the first call for ``key``; safe to race (both results equal).
-        """
+        ``build(self)`` runs on the first call for ``key``; safe to race (both results equal)."""
         try:
             return self._derived[key]  # type: ignore[no-any-return]
         except KeyError:
@@ -441,8 +434,7 @@ class RoleSnapshot:
             a plugin manager; default :data:`BUILTIN_WEIGHT_SOURCES`.
         :param static_roles: roles whose models must be STATIC; default: the STATIC-only roles
             of a plugin manager, else none.
-        :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``.
-        """
+        :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``."""
         for model_id, model in self.models.items():
             check_model_sources(
                 self.role, model_id, model, weight_sources=weight_sources, static_roles=static_roles
@@ -458,8 +450,7 @@ class RoleSnapshot:
     ) -> RoleSnapshot:
         """Parse and validate a schema-2 snapshot (a decoded JSON object, or JSON text).
 
-        :raises SnapshotError: ``path`` names the offending field, the message the rule.
-        """
+        :raises SnapshotError: ``path`` names the offending field, the message the rule."""
         if isinstance(data, (str, bytes)):
             try:
                 data = json.loads(data)
@@ -481,8 +472,7 @@ class RoleSnapshot:
 
         Ranks are stable: the head numbered ``i`` (its engine id's trailing number, else its
         position) of the model at position ``p`` among ``n`` models has rank ``i * n + p``.
-        For old consumers (autoscalers, dashboards); never used for routing.
-        """
+        For old consumers (autoscalers, dashboards); never used for routing."""
         models = list(self.models.values())
         count = len(models)
         ranked: list[tuple[int, EngineView]] = []

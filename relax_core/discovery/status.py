@@ -26,8 +26,7 @@ def render_snapshot(snap: RoleSnapshot, *, pids: Mapping[str, Sequence[int]] | N
     """A table: one line per model, one indented line per replica head.
 
     ``pids``: engine id → its engine process ids, shown per replica when given (``relax
-    serve`` knows them; a snapshot does not carry them).
-    """
+    serve`` knows them; a snapshot does not carry them)."""
     lines = [
         f"role {snap.role}  (epoch {snap.registry_epoch}, revision {snap.topology_revision}, "
         f"default model {snap.routing.default_model}, policy {snap.routing.policy})"

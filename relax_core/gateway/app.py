@@ -182,8 +182,7 @@ async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHan
     """Relay an upstream event stream byte for byte; always close the upstream response.
 
     An upstream failing mid-stream ends it with one ``data: {"error": ...}`` event (SGLang's
-    shape; on an event boundary only) and a truncated stream (no final chunk).
-    """
+    shape; on an event boundary only) and a truncated stream (no final chunk)."""
     resp = answer.stream
     assert resp is not None
     chunks: AsyncIterator[bytes] = resp.iter_chunks(handler.stream_coalesce)
@@ -266,8 +265,7 @@ def create_gateway_app(
     The adapter's preload starts when the app starts; the handler's client is closed when it
     shuts down.
 
-    :raises ValueError: ``spec`` is the record of another role than the handler's.
-    """
+    :raises ValueError: ``spec`` is the record of another role than the handler's."""
     role = handler.role
     if spec is not None and spec.name != role:
         raise ValueError(
@@ -350,8 +348,7 @@ class GatewayApp(Starlette):
     """A Starlette app whose forwarding routes skip the router and middleware stack.
 
     ``POST`` to an exact forwarding path goes straight to its :class:`ForwardRoute` (which
-    answers its own errors as JSON); everything else takes Starlette's normal path.
-    """
+    answers its own errors as JSON); everything else takes Starlette's normal path."""
 
     fast_routes: dict[str, ForwardRoute] = {}
 

@@ -88,8 +88,7 @@ class GatewayAnswer:
 def error_answer(err: GatewayError) -> GatewayAnswer:
     """The JSON answer for ``err``: ``{"error": {"message", "type", "code"[, "param"]}}``.
 
-    ``Retry-After``, ``X-Request-ID`` and (for a 401) ``WWW-Authenticate`` go in the headers.
-    """
+    ``Retry-After``, ``X-Request-ID`` and (for a 401) ``WWW-Authenticate`` go in the headers."""
     error: dict[str, Any] = {
         "message": err.message,
         "type": _ERROR_TYPES.get(err.status, "error"),
@@ -110,8 +109,7 @@ def error_answer(err: GatewayError) -> GatewayAnswer:
 def adapter_for_role(plugin_manager: PluginManager, role: str) -> RoleAdapter:
     """The gateway adapter the plugin of ``role`` registered (the pass-through one if none).
 
-    :raises PluginError: no plugin registers ``role``.
-    """
+    :raises PluginError: no plugin registers ``role``."""
     spec = plugin_manager.role(role)
     if spec.gateway_adapter is None:
         return RoleAdapter()
@@ -140,8 +138,7 @@ def build_gateway_handler(
     come from. ``waker``: what wakes the role's sleeping models on demand (:class:`Waker`).
 
     :raises PluginError: no plugin registers ``role``.
-    :raises ValueError: ``discovery`` is a URL that is not ``http(s)://``.
-    """
+    :raises ValueError: ``discovery`` is a URL that is not ``http(s)://``."""
     options = GatewayOptions() if options is None else options
     adapter = adapter_for_role(plugin_manager, role)
     url, provider = (discovery, None) if isinstance(discovery, str) else (None, discovery)
@@ -229,8 +226,7 @@ class GatewayOptions:
     tokenizers). ``sleeping_note``: set when nothing will wake this role's SLEEPING models: a
     request to one gets 503 with this note and no Retry-After.
 
-    :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``).
-    """
+    :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``)."""
 
     model_paths: dict[str, str] = attrs.field(factory=dict, converter=_str_map)
     timeout: float = attrs.field(default=300.0, validator=_positive)
@@ -251,8 +247,7 @@ class InferenceGatewayHandler:
 
     Build it with :func:`build_gateway_handler`. It closes ``client`` on :meth:`shutdown`.
     Belongs to one event loop (that of the server running it); a ``blocking`` adapter's renders
-    run in a small thread pool of the handler, never on the event loop.
-    """
+    run in a small thread pool of the handler, never on the event loop."""
 
     def __init__(
         self,

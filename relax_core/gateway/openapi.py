@@ -3,8 +3,7 @@
 Every role gateway serves the same routes; what a role adds to its ``/generate`` and its default
 health schema come from its :class:`~relax_core.records.RoleSpec` (``openapi``,
 ``health_schema``). ``python -m relax_core.gateway.openapi DIR [ROLE ...]`` writes
-``DIR/{role}.json`` for each ``ROLE`` (without ``ROLE``: the documents already in ``DIR``).
-"""
+``DIR/{role}.json`` for each ``ROLE`` (without ``ROLE``: the documents already in ``DIR``)."""
 
 from __future__ import annotations
 
@@ -252,8 +251,7 @@ def openapi_document(role: RoleSpec | str) -> dict[str, Any]:
     :param role: the role's record (its ``openapi`` notes and ``health_schema`` shape the
         document), or a bare role name for a role without a record: the common document,
         health schema 2.
-    :raises ValueError: the role's notes redefine a common ``/generate`` field.
-    """
+    :raises ValueError: the role's notes redefine a common ``/generate`` field."""
     spec = role if isinstance(role, RoleSpec) else None
     notes = spec.openapi if spec is not None else OpenAPINotes()
     name = spec.name if spec is not None else str(role)

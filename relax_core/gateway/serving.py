@@ -46,8 +46,7 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``(host, port)`` with ``SO_REUSEADDR`` and ``SO_REUSEPORT`` set.
 
     ``port`` 0 lets the kernel choose (read it with ``getsockname()``). Not listening yet.
-    :raises RuntimeError: this platform has no ``SO_REUSEPORT``.
-    """
+    :raises RuntimeError: this platform has no ``SO_REUSEPORT``."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise RuntimeError(
             "workers > 1 needs SO_REUSEPORT, which this platform lacks; run one worker"
@@ -91,8 +90,7 @@ class WorkerPool:
 
     ``port`` ``None`` or 0: a free port, chosen once for all workers. ``options``: passed to
     :func:`~relax_core.gateway.app.uvicorn_config` in each worker. :meth:`start` blocks until
-    every worker accepts connections (or raises); :meth:`stop` is idempotent.
-    """
+    every worker accepts connections (or raises); :meth:`stop` is idempotent."""
 
     def __init__(
         self,
@@ -203,8 +201,7 @@ def registry_gateway_app(
     ``GET {registry_url}/engines?schema=2``. ::
 
         GatewayServer(app_factory=functools.partial(registry_gateway_app, "genrm", url, options),
-                      port=8100, workers=2)
-    """
+                      port=8100, workers=2)"""
     return gateway_app(role, registry_url, plugin_manager=PluginManager.create(), options=options)
 
 
@@ -213,8 +210,7 @@ class GatewayServer:
 
     ``workers=1`` (the default): ``app`` (or ``app_factory()``) is served on its own thread in
     this process. ``workers=N > 1``: a :class:`WorkerPool` (``app_factory`` must be picklable).
-    :meth:`start` blocks until it accepts connections (or raises); :meth:`stop` is idempotent.
-    """
+    :meth:`start` blocks until it accepts connections (or raises); :meth:`stop` is idempotent."""
 
     def __init__(
         self,
@@ -297,8 +293,7 @@ def start_thread_gateway(
 ) -> RunningGateway:
     """Serve ``role``'s gateway on a thread of this process; blocks until it accepts.
 
-    :raises RuntimeError: uvicorn did not come up (the port is taken).
-    """
+    :raises RuntimeError: uvicorn did not come up (the port is taken)."""
     app = gateway_app(
         role, snapshot_provider, plugin_manager=plugin_manager, options=options, waker=waker
     )
@@ -339,8 +334,7 @@ def start_actor_gateway(
     ``registry_url`` is where the actor discovers the role (``{registry}/{role}``, serving
     ``/engines?schema=2``). Needs a connected Ray.
 
-    :raises LifecycleError: the actor did not come up within ``timeout`` (its error says why).
-    """
+    :raises LifecycleError: the actor did not come up within ``timeout`` (its error says why)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

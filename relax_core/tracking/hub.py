@@ -101,8 +101,7 @@ class Trackers:
         """Open every tracker of ``entries`` in order; one whose ``open`` raises is reported
         and left out. ``resume_step`` / ``resume_ids`` (name -> run id): ``--resume``'s.
 
-        :raises TrackerError: with ``strict``, the first that failed to open (the others closed).
-        """
+        :raises TrackerError: with ``strict``, the first that failed to open (the others closed)."""
         opened: list[tuple[str, Tracker]] = []
         failures: dict[str, str] = {}
         for entry in entries:
@@ -169,8 +168,7 @@ class Trackers:
         """Hand every tracker what is queued, then close each (a failed one too, quietly);
         wait at most ``timeout`` seconds. Idempotent.
 
-        :raises TrackerError: with ``strict``, a tracker failed (or did not close in time).
-        """
+        :raises TrackerError: with ``strict``, a tracker failed (or did not close in time)."""
         if self._closed:
             return
         self._closed = True
