@@ -19,7 +19,6 @@ from relax_core.discovery.schema import (
     RoutingSpec,
     WeightSources,
     check_model_sources,
-    join_path,
 )
 from relax_core.errors import SnapshotError
 from relax_core.records import RouteMode
@@ -184,11 +183,9 @@ class RegistryPublisher:
             self._model(model_id)
             routing = self._routing
             refs = ["routing.default_model"] if routing.default_model == model_id else []
-            for name, table in (
-                ("route_key_map", routing.route_key_map),
-                ("aliases", routing.aliases),
-            ):
-                refs += [f"routing.{name}[{key!r}]" for key, to in table.items() if to == model_id]
+            for name in ("route_key_map", "aliases"):
+                pointing = getattr(routing, name).items()
+                refs += [f"routing.{name}[{key!r}]" for key, to in pointing if to == model_id]
             if refs:
                 raise SnapshotError(
                     f"models.{model_id}",
@@ -222,12 +219,9 @@ class RegistryPublisher:
         with self._lock:
             entry = self._model(model_id)
             old = entry.engines.get(engine_id)
-            if old is None:
-                generation = 1
-            elif replaced or old.endpoint != base_url:
-                generation = old.generation + 1
-            else:
-                generation = old.generation
+            generation = 0 if old is None else old.generation
+            if old is None or replaced or old.endpoint != base_url:
+                generation += 1
             return self._put_engine(
                 model_id, engine_id, base_url, state, direct_eligible, generation, weight_version
             )
@@ -352,16 +346,12 @@ class RegistryPublisher:
         weight_version: str | None = None,
     ) -> int:
         path = f"models.{model_id}.engines[{engine_id}]"
-        try:
-            engine_state = to_enum(ModelState, "state", state)
-            view = _engine_view(
-                engine_id, endpoint, engine_state, direct_eligible, generation, weight_version
-            )
-            if endpoint is not None and view.base_url is None:
-                # FAILED hides the URL; still check the one the manager reported.
-                EngineView(engine_id, endpoint, ModelState.UNKNOWN, False, generation)
-        except SnapshotError as exc:
-            raise SnapshotError(join_path(path, exc.path), exc.message) from None
+        engine_state = build_at(path, to_enum, ModelState, "state", state)
+        fields = (engine_state, direct_eligible, generation, weight_version)
+        view = build_at(path, _engine_view, engine_id, endpoint, *fields)
+        if endpoint is not None and view.base_url is None:
+            # FAILED hides the URL; still check the one the manager reported.
+            build_at(path, EngineView, engine_id, endpoint, ModelState.UNKNOWN, False, generation)
         entry = self._models[model_id]
         old = entry.engines.get(engine_id)
         if entry.view.weight_source == "STATIC" and weight_version is not None:

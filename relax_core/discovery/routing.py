@@ -236,13 +236,10 @@ class RouteResolver:
         self._selectors: dict[tuple[str, bool], ReplicaSelector] = {}
         self._instances: dict[str, ReplicaSelector] = {}
 
-    def _plugin_manager(self) -> PluginManager:
+    def _policy(self, name: str, role: str) -> RoutingPolicy:
         if self._pm is None:
             self._pm = get_plugin_manager()
-        return self._pm
-
-    def _policy(self, name: str, role: str) -> RoutingPolicy:
-        pm = self._plugin_manager()
+        pm = self._pm
         try:
             return pm.routing_policy(name)
         except PluginError:

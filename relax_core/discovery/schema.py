@@ -193,13 +193,13 @@ class ModelView:
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.weight_source == "STATIC" and self.weight_version is not None:
-            raise SnapshotError(
-                "weight_version",
-                f"a STATIC model never carries a weight_version (got {self.weight_version!r}); "
-                "publish null or use a versioned weight source (ACTOR, DCS)",
-            )
         if self.weight_source == "STATIC":
+            if self.weight_version is not None:
+                raise SnapshotError(
+                    "weight_version",
+                    f"a STATIC model never carries a weight_version (got {self.weight_version!r})"
+                    "; publish null or use a versioned weight source (ACTOR, DCS)",
+                )
             for index, engine in enumerate(self.engines):
                 if engine.weight_version is not None:
                     raise SnapshotError(
@@ -477,9 +477,9 @@ class RoleSnapshot:
         count = len(models)
         ranked: list[tuple[int, EngineView]] = []
         for position, model in enumerate(models):
-            found = [_trailing_number(e.engine_id) for e in model.engines]
-            numbers = [n for n in found if n is not None]
-            if len(numbers) != len(found) or len(set(numbers)) != len(numbers):
+            digits = [e.engine_id[len(e.engine_id.rstrip("0123456789")) :] for e in model.engines]
+            numbers = [int(d) for d in digits if d]
+            if len(numbers) != len(digits) or len(set(numbers)) != len(numbers):
                 numbers = list(range(len(model.engines)))
             ranked += [
                 (n * count + position, e) for n, e in zip(numbers, model.engines, strict=True)
@@ -487,11 +487,6 @@ class RoleSnapshot:
         ranked.sort(key=lambda item: item[0])
         engines = [{"rank": rank, "status": e.state.value, "url": e.base_url} for rank, e in ranked]
         return {"engines": engines}
-
-
-def _trailing_number(engine_id: str) -> int | None:
-    digits = len(engine_id) - len(engine_id.rstrip("0123456789"))
-    return int(engine_id[-digits:]) if digits else None
 
 
 def _rebuild(cls: Callable[..., T], fields: dict[str, Any]) -> T:
@@ -521,9 +516,7 @@ def _parse_model(path: str, data: object) -> ModelView:
         engine_path = f"{path}.engines[{index}]"
         engine = object_fields(raw, engine_path, _ENGINE_FIELDS, _ENGINE_OPTIONAL)
         engines.append(build_at(engine_path, EngineView, **engine))
-    model = dict(fields)
-    model["engines"] = tuple(engines)
-    return build_at(path, ModelView, **model)
+    return build_at(path, ModelView, **{**fields, "engines": tuple(engines)})
 
 
 def _parse(data: object) -> RoleSnapshot:
@@ -541,7 +534,4 @@ def _parse(data: object) -> RoleSnapshot:
         path = child_path("models", str(model_id))
         check_id(path, model_id, "model id")
         models[model_id] = _parse_model(path, raw)
-    values = dict(top)
-    values["routing"] = routing
-    values["models"] = models
-    return build_at("", RoleSnapshot, **values)
+    return build_at("", RoleSnapshot, **{**top, "routing": routing, "models": models})
