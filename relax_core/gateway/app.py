@@ -209,19 +209,11 @@ async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHan
                 f"failed after {relayed} bytes and is cut here: {detail}"
             )
             if last.endswith((b"\n\n", b"\r\n\r\n")):
-                error = {
-                    "message": message,
-                    "type": "gateway_timeout" if stalled else "bad_gateway",
-                    "code": status,
-                }
+                kind = "gateway_timeout" if stalled else "bad_gateway"
+                error = {"message": message, "type": kind, "code": status}
+                event = b"data: " + orjson.dumps({"error": error}) + b"\n\n"
                 with contextlib.suppress(Exception):
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": b"data: " + orjson.dumps({"error": error}) + b"\n\n",
-                            "more_body": True,
-                        }
-                    )
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
             raise _StreamAborted(message, status) from exc
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:

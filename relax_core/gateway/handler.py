@@ -398,10 +398,9 @@ class InferenceGatewayHandler:
         if residency is not None:
             body["residency"] = residency
         if self._preload is not None:
+            error = self.preload_error
             body["adapter"] = (
-                "loading"
-                if loading
-                else ("ok" if self.preload_error is None else f"failed: {self.preload_error}")
+                "loading" if loading else "ok" if error is None else f"failed: {error}"
             )
         if loading:
             body["message"] = "the role adapter is still loading its tokenizers; wait"
