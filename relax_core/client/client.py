@@ -139,11 +139,9 @@ class InferenceClient:
             weight_sources=weight_sources if weight_sources is not None else plugin_manager,
         )
         self._resolver = RouteResolver(plugin_manager, sleeping_note=sleeping_note)
-        self._breakers = (
-            None
-            if breaker is None
-            else ReplicaBreakers(breaker, self._probe, published=self._published)
-        )
+        self._breakers: ReplicaBreakers | None = None
+        if breaker is not None:
+            self._breakers = ReplicaBreakers(breaker, self._probe, published=self._published)
         #: Upstream failures of this client's requests, by class (``FailureClass`` values).
         self.failure_counts: dict[str, int] = dict.fromkeys(FailureClass, 0)
         self._inflight: dict[str, int] = {}
@@ -331,8 +329,7 @@ class InferenceClient:
         )
 
     def _track(self, prepared: PreparedRequest) -> str | None:
-        target = prepared.target
-        engine_id = target.engine_id if target is not None else None
+        engine_id = None if prepared.target is None else prepared.target.engine_id
         if engine_id is not None:
             self._inflight[engine_id] = self._inflight.get(engine_id, 0) + 1
         return engine_id
