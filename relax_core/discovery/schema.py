@@ -406,20 +406,16 @@ class RoleSnapshot:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; the derived cache is not worth sending.
-        fields = {f.name: getattr(self, f.name) for f in attrs.fields(RoleSnapshot) if f.init}
-        fields["models"] = dict(self.models)
-        return (_rebuild, (RoleSnapshot, fields))
+        fields = {name: getattr(self, name) for name in _TOP_FIELDS}
+        return (_rebuild, (RoleSnapshot, {**fields, "models": dict(self.models)}))
 
     def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
         """A value computed once from this snapshot and cached on it (e.g. a routing index).
 
         ``build(self)`` runs on the first call for ``key``; safe to race (both results equal)."""
-        try:
-            return self._derived[key]  # type: ignore[no-any-return]
-        except KeyError:
-            value = build(self)
-            self._derived[key] = value
-            return value
+        if key not in self._derived:
+            self._derived[key] = build(self)
+        return self._derived[key]  # type: ignore[no-any-return]
 
     def check_sources(
         self,

@@ -139,11 +139,8 @@ class Trackers:
     def run_ids(self) -> dict[str, str | None]:
         """Each opened tracker's ``run_id`` attribute (``None`` without one): what a
         checkpoint keeps so a resumed run's trackers append to the same runs."""
-        out: dict[str, str | None] = {}
-        for name, tracker in self._all:
-            value = getattr(tracker, "run_id", None)
-            out[name] = None if value is None else str(value)
-        return out
+        ids = {name: getattr(tracker, "run_id", None) for name, tracker in self._all}
+        return {name: None if value is None else str(value) for name, value in ids.items()}
 
     # -- what the loop calls (each returns at once) --------------------------------------------
 
