@@ -238,13 +238,10 @@ class PluginManager:
                         f"register callback; expected {record_type.__name__}"
                     )
                 name = record.name  # type: ignore[attr-defined]
+                dist = self._dists.get(_plugin, _plugin)
                 if name in out:
-                    raise PluginError(
-                        _duplicate_message(
-                            kind, name, out[name], _plugin, self._dists.get(_plugin, _plugin)
-                        )
-                    )
-                out[name] = Registered(record, _plugin, self._dists.get(_plugin, _plugin))
+                    raise PluginError(_duplicate_message(kind, name, out[name], _plugin, dist))
+                out[name] = Registered(record, _plugin, dist)
 
             try:
                 impl.function(**{arg: register for arg in impl.argnames})
@@ -293,11 +290,6 @@ class PluginManager:
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""
         return [name for name, _ in self._pm.list_name_plugin()]
-
-    @property
-    def pluggy(self) -> pluggy.PluginManager:
-        """The wrapped pluggy manager (for tests and advanced use)."""
-        return self._pm
 
 
 _default: PluginManager | None = None

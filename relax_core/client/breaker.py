@@ -63,7 +63,7 @@ Probe = Callable[[str, float], Awaitable[int]]
 class ReplicaBreakers:
     """The breakers of one client's DIRECT heads, by base URL: ``probe`` sends a probe;
     ``published(url)``: whether the role's snapshot still has that head (else its breaker is
-    forgotten); ``on_change(state)`` hears every open and close. One event loop; not thread-safe."""
+    forgotten). One event loop; not thread-safe."""
 
     def __init__(
         self,
@@ -71,12 +71,10 @@ class ReplicaBreakers:
         probe: Probe,
         *,
         published: Callable[[str], bool] | None = None,
-        on_change: Callable[[BreakerState], None] | None = None,
     ) -> None:
         self.settings = settings
         self._probe = probe
         self._published = published
-        self._on_change = on_change
         self._breakers: dict[str, _Breaker] = {}
         #: the URLs whose breaker is open now (read for every request; rebuilt on every change)
         self.open_urls: frozenset[str] = frozenset()
@@ -86,10 +84,10 @@ class ReplicaBreakers:
 
     def states(self) -> dict[str, BreakerState]:
         """URL -> the state of every breaker that counts failures or is open."""
-        return {url: self._state(b) for url, b in self._breakers.items()}
-
-    def _state(self, b: _Breaker) -> BreakerState:
-        return BreakerState(b.url, b.engine_id, b.open, b.failures, b.opened_at, b.probes)
+        return {
+            url: BreakerState(b.url, b.engine_id, b.open, b.failures, b.opened_at, b.probes)
+            for url, b in self._breakers.items()
+        }
 
     def connect_failed(self, url: str, engine_id: str | None) -> bool:
         """Count a connect failure to ``url``; whether its breaker is open now (opening it
@@ -102,7 +100,6 @@ class ReplicaBreakers:
             self.opened += 1
             self.open_urls = self.open_urls | {url}
             b.task = asyncio.get_running_loop().create_task(self._probe_until_closed(b))
-            self._changed(b)
         return b.open
 
     def reached(self, url: str) -> None:
@@ -133,16 +130,11 @@ class ReplicaBreakers:
         b.open = False
         self.closed += 1
         self._forget(b)
-        self._changed(attrs.evolve(b, failures=0))
 
     def _forget(self, b: _Breaker) -> None:
         b.task = None
         self._breakers.pop(b.url, None)
         self.open_urls = self.open_urls - {b.url}
-
-    def _changed(self, b: _Breaker) -> None:
-        if self._on_change is not None:
-            self._on_change(self._state(b))
 
     async def aclose(self) -> None:
         """Stop every probe (idempotent)."""
