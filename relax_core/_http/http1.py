@@ -223,9 +223,6 @@ class _Connection(asyncio.Protocol):
             self._fail(PayloadError(f"the upstream's answer is not valid HTTP/1.1: {exc}"))
             self.close()
 
-    def eof_received(self) -> bool:
-        return False  # close the transport; connection_lost follows
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)

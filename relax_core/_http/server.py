@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 from aiohttp import web
 
@@ -59,7 +59,7 @@ class ThreadServer:
         """``http://host:port``."""
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> ThreadServer:
+    def start(self, timeout: float = 30.0) -> Self:
         """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
         self._thread = threading.Thread(
             target=self._server.run, name=f"http-{self.port}", daemon=True
