@@ -529,18 +529,9 @@ _ROLE = ("models", "default_model", "policy", "num_gpus", "gateway")
 #: The model table's keys: its own, then those of each of its records (every one flat in the
 #: table, under the record's field name; the ``router*`` keys map to :class:`RouterSettings`
 #: fields without the prefix), then the backend's ``engine`` table.
-_MODEL_OWN = tuple(
-    f.name
-    for f in attrs.fields(ModelConfig)
-    if f.name
-    not in ("role", "name", "path", "placement", "engine", "router", "health", "engine_table")
-)
-_ROUTER_KEYS = {
-    "router": "name",
-    "router_policy": "policy",
-    "router_allow_dropped_fields": "allow_dropped_fields",
-    "router_args": "args",
-}
+_NOT_OWN = ("role", "name", "path", "placement", "engine", "router", "health", "engine_table")
+_MODEL_OWN = tuple(f.name for f in attrs.fields(ModelConfig) if f.name not in _NOT_OWN)
+_ROUTER_KEYS = ("router", "router_policy", "router_allow_dropped_fields", "router_args")
 _MODEL = (
     *_MODEL_OWN,
     *(f.name for f in attrs.fields(PlacementSettings)),
