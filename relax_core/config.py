@@ -688,19 +688,16 @@ def _urls(r: ConfigReader, t: Mapping[str, Any], p: str, key: str) -> tuple[str,
 
     out = []
     for i, url in enumerate(r.str_list(t, p, key)):
+        where = f"{p}.{key}[{i}]"
         parts = urlsplit(url)
         try:
             port = parts.port
         except ValueError:
             port = None
         if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-            r.problem(
-                f"{p}.{key}[{i}]",
-                "url",
-                f"{url!r} is not an http://host:port URL of an engine head",
-            )
+            r.problem(where, "url", f"{url!r} is not an http://host:port URL of an engine head")
         elif parts.path.strip("/") or parts.query:
-            r.problem(f"{p}.{key}[{i}]", "url", f"{url!r}: give the head's base URL, no path")
+            r.problem(where, "url", f"{url!r}: give the head's base URL, no path")
         else:
             out.append(url.rstrip("/"))
     return tuple(out)

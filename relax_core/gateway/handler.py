@@ -266,10 +266,9 @@ class InferenceGatewayHandler:
         self.max_body_bytes = options.max_body_bytes
         self.stream_coalesce = options.stream_coalesce
         # Passed per request (math.inf: no limit), so a shared client's defaults do not apply.
-        inf = float("inf")
-        idle, first = options.stream_idle_timeout, options.stream_first_chunk_timeout
-        self._idle = inf if idle is None else idle
-        self._first = inf if first is None else first
+        # (None, their "no limit", is the only false value their validator lets through.)
+        self._idle = options.stream_idle_timeout or float("inf")
+        self._first = options.stream_first_chunk_timeout or float("inf")
         self.metrics = GatewayMetrics(role)
         self.metrics.watch_client(client)
         if self.waker is not None:
