@@ -175,9 +175,9 @@ class UpstreamError(_StatusError):
 
 
 class UpstreamUnreachableError(UpstreamError):
-    """No connection could be opened: nothing was sent, a retry is safe. ``status`` 502 or 504 (the
-    connect deadline). The client already retried once on a fresh snapshot: check ``relax status``.
-    """
+    """No connection could be opened: nothing was sent, a retry is safe. ``status`` 502 or 504
+    (the connect deadline). The client already retried once on a fresh snapshot: check
+    ``relax status``."""
 
 
 class UpstreamStatusError(UpstreamError):
@@ -241,8 +241,8 @@ class GatewayError(_StatusError):
     ``{"error": {"message", "type", "code", "param"}}``.
 
     ``field`` is sent as ``param``, ``retry_after`` as ``Retry-After``, ``request_id`` as
-    ``X-Request-ID``; :func:`~relax_core.gateway.handler.gateway_error` builds it from the others.
-    """
+    ``X-Request-ID``; :func:`~relax_core.gateway.handler.gateway_error` builds it from the
+    others."""
 
     def __init__(
         self,
@@ -270,9 +270,9 @@ class InferenceRecoveryRequired(LifecycleError):
 
     Its slot, pending record and placement-group fence are kept, nothing is rebuilt: confirm the
     node is clean, then start a new job. ``result``: the
-    :class:`~relax_core.manager.LifecycleResult` of the call that found the fence (``None``: refused
-    before anything ran); ``report``: the :class:`~relax_core.manager.HealthReport` that found one.
-    """
+    :class:`~relax_core.manager.LifecycleResult` of the call that found the fence (``None``:
+    refused before anything ran); ``report``: the :class:`~relax_core.manager.HealthReport` that
+    found one."""
 
     def __init__(self, message: str, *, result: Any = None, report: Any = None) -> None:
         self.result, self.report = result, report

@@ -272,11 +272,10 @@ class EngineOptions:
     """The engine options every backend may read: the job file's model keys of the same names
     (docs/configuration.md), passed to each launch as :attr:`EngineLaunchSpec.options`.
 
-    ``None`` means the backend's default. ``deterministic_inference`` (``None``: the role's
-    default) and ``weights_cpu_backup`` (``None``: the weight source decides) are always decided
-    in a launch. ``pd_prefill_engines``: the first that many replicas are prefill workers, the
-    rest decode. Options one backend alone reads are its own record (:attr:`EngineBackend.options`).
-    """
+    ``None`` means the backend's default. ``deterministic_inference`` (``None``: the role's default)
+    and ``weights_cpu_backup`` (``None``: the weight source decides) are always decided in a launch.
+    ``pd_prefill_engines``: the first that many replicas are prefill workers, the rest decode.
+    Options one backend alone reads are its own record (:attr:`EngineBackend.options`)."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
