@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 
-__all__ = ["BreakerSettings", "BreakerState", "ReplicaBreakers"]
+__all__ = ["BreakerSettings", "ReplicaBreakers"]
 
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -32,27 +31,11 @@ class BreakerSettings:
     probe_path: str = "/health_generate"
 
 
-@attrs.frozen
-class BreakerState:
-    """One head's breaker as seen now: ``open``, the connect failures in a row, when it opened
-    (``time.monotonic()``), the probes it made while open."""
-
-    url: str
-    engine_id: str | None
-    open: bool
-    failures: int
-    opened_at: float | None
-    probes: int
-
-
 @attrs.define
 class _Breaker:
     url: str
-    engine_id: str | None
     failures: int = 0
     open: bool = False
-    opened_at: float | None = None
-    probes: int = 0
     task: asyncio.Task[None] | None = None
 
 
@@ -82,21 +65,13 @@ class ReplicaBreakers:
         self.opened = 0
         self.closed = 0
 
-    def states(self) -> dict[str, BreakerState]:
-        """URL -> the state of every breaker that counts failures or is open."""
-        return {
-            url: BreakerState(b.url, b.engine_id, b.open, b.failures, b.opened_at, b.probes)
-            for url, b in self._breakers.items()
-        }
-
-    def connect_failed(self, url: str, engine_id: str | None) -> bool:
+    def connect_failed(self, url: str) -> bool:
         """Count a connect failure to ``url``; whether its breaker is open now (opening it
         starts its probe on the running event loop)."""
-        b = self._breakers.setdefault(url, _Breaker(url, engine_id))
+        b = self._breakers.setdefault(url, _Breaker(url))
         b.failures += 1
         if not b.open and b.failures >= self.settings.failures:
             b.open = True
-            b.opened_at = time.monotonic()
             self.opened += 1
             self.open_urls = self.open_urls | {url}
             b.task = asyncio.get_running_loop().create_task(self._probe_until_closed(b))
@@ -116,7 +91,6 @@ class ReplicaBreakers:
             if self._published is not None and not self._published(b.url):
                 self._forget(b)
                 return
-            b.probes += 1
             try:
                 status = await self._probe(b.url.rstrip("/") + s.probe_path, s.probe_timeout)
             except Exception:  # any failure to get an answer: the head stays out of routing

@@ -180,7 +180,7 @@ class InferenceClient:
             and target is not None
             and target.route_mode is RouteMode.DIRECT
         ):
-            self._breakers.connect_failed(target.url, target.engine_id)
+            self._breakers.connect_failed(target.url)
 
     def _not_sent(self, prepared: PreparedRequest) -> UpstreamUnreachableError:
         target = prepared.target
