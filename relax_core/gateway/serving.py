@@ -31,7 +31,6 @@ __all__ = [
     "WorkerPool",
     "gateway_app",
     "registry_gateway_app",
-    "reuseport_socket",
     "start_actor_gateway",
     "start_thread_gateway",
     "uvicorn_config",
@@ -42,18 +41,6 @@ __all__ = [
 AppFactory = Callable[[], Any]
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``(host, port)`` with ``SO_REUSEADDR`` and ``SO_REUSEPORT`` set.
-
-    ``port`` 0 lets the kernel choose (read it with ``getsockname()``). Not listening yet.
-    :raises RuntimeError: this platform has no ``SO_REUSEPORT``."""
-    if not hasattr(socket, "SO_REUSEPORT"):
-        raise RuntimeError(
-            "workers > 1 needs SO_REUSEPORT, which this platform lacks; run one worker"
-        )
-    return bound_socket(host, port, reuse_port=True)
-
-
 def _serve_worker(
     factory: AppFactory, host: str, port: int, options: Mapping[str, Any], conn: Connection
 ) -> None:
@@ -62,7 +49,7 @@ def _serve_worker(
 
     import uvicorn
 
-    sock = reuseport_socket(host, port)
+    sock = bound_socket(host, port, reuse_port=True)
     sock.listen(int(options.get("backlog", 2048)))
     server = uvicorn.Server(uvicorn_config(factory(), host, port, **options))
 
@@ -103,13 +90,17 @@ class WorkerPool:
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers!r}: give at least 1")
+        if not hasattr(socket, "SO_REUSEPORT"):
+            raise RuntimeError(
+                "workers > 1 needs SO_REUSEPORT, which this platform lacks; run one worker"
+            )
         self.app_factory = app_factory
         self.host = host
         self.workers = workers
         self.options = options
         # Holding the port: bound with SO_REUSEPORT but never listening, so the kernel never
         # hands it a connection, while no process outside the group can take the port.
-        self._holder = reuseport_socket(host, port or 0)
+        self._holder = bound_socket(host, port or 0, reuse_port=True)
         self.port: int = self._holder.getsockname()[1]
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
