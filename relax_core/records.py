@@ -607,11 +607,9 @@ TRAINER_METHODS = ("train", "push")
 def _check_trainer_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     missing = [m for m in TRAINER_METHODS if not callable(getattr(value, m, None))]
     if not isinstance(value, type) or missing:
-        what = (
-            f"it has no {' and no '.join(missing)} method"
-            if isinstance(value, type)
-            else "it is not a class"
-        )
+        what = "it is not a class"
+        if isinstance(value, type):
+            what = f"it has no {' and no '.join(missing)} method"
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}={value!r}: {what}; give the trainer "
             "class, built from a TrainerContext, with train(batch_id) and push(weight_version)"
