@@ -794,9 +794,8 @@ def parse_config(
             tip="; a third-party role needs its plugin installed",
         )
     # A name not in known_roles is reported above, as an unknown or malformed role name.
-    found = [(name, raw) for name, raw in roles_raw.items() if name in known_roles]
-    roles = [role for name, raw in found if (role := _role(r, name, raw)) is not None]
-    configured = {name for name in roles_raw if name in known_roles}
+    configured = {name: raw for name, raw in roles_raw.items() if name in known_roles}
+    roles = [role for name, raw in configured.items() if (role := _role(r, name, raw)) is not None]
     for i, name in enumerate(placement.defer_roles):
         if name not in configured:
             r.problem(
@@ -808,9 +807,8 @@ def parse_config(
     run = top.get("run", {})
     if not isinstance(run, dict):
         r.problem("run", "type", f"must be a table, got {type(run).__name__}")
-    serve = r.record(top.get("serve", {}), "serve", ServeSettings)
+    serve = r.record(top.get("serve", {}), "serve", ServeSettings) or ServeSettings()
     r.raise_problems(source)
-    assert serve is not None  # a problem above otherwise
     return JobConfig(cluster, training, placement, tuple(roles), source, run=run, serve=serve)
 
 
