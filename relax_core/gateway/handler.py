@@ -60,7 +60,6 @@ log = logging.getLogger("relax.gateway")
 _JSON = b"application/json"
 # Headers of an upstream answer the gateway sets itself (its server, or the request id).
 _NOT_RELAYED = frozenset({b"date", b"server", b"x-request-id"})
-_UPSTREAM_5XX_RELAYED = frozenset({503, 504})
 _DEFAULT_RETRY_AFTER = 1.0
 _ERROR_TYPES = {
     400: "invalid_request",
@@ -537,11 +536,9 @@ class InferenceGatewayHandler:
         """Send ``payload`` (the caller's body, or the adapter's) for the checked ``request`` to
         ``path`` of ``target`` (``None``: resolved from ``request``) and answer."""
         timeout = self.deadline(headers)
-        fwd = (
-            {k: v for k, v in headers.items() if k != "authorization"}
-            if self.options.token is not None
-            else headers
-        )
+        fwd = headers
+        if self.options.token is not None:
+            fwd = {k: v for k, v in headers.items() if k != "authorization"}
         try:
             resp = await self.client.open(
                 path,
@@ -557,8 +554,7 @@ class InferenceGatewayHandler:
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
         try:
-            stream = request.get("stream") is True
-            return await self._answer(resp, stream=stream, adapted=adapted)
+            return await self._answer(resp, stream=request.get("stream") is True, adapted=adapted)
         except BaseException:
             await resp.aclose()
             raise
@@ -623,19 +619,12 @@ class InferenceGatewayHandler:
                 body,
             )
         self.metrics.upstream_error("status")
-        if status in _UPSTREAM_5XX_RELAYED:
-            retry = parse_retry_after(resp.headers.get("Retry-After"))
-            what = (
-                "the engine is not accepting requests now (draining or asleep); try again later"
-                if status == 503
-                else "the engine's own deadline passed"
-            )
-            raise GatewayError(
-                status,
-                f"{what}: {snippet}",
-                request_id=rid,
-                retry_after=(retry or _DEFAULT_RETRY_AFTER) if status == 503 else None,
-            )
+        if status == 503:
+            retry = parse_retry_after(resp.headers.get("Retry-After")) or _DEFAULT_RETRY_AFTER
+            what = "the engine is not accepting requests now (draining or asleep); try again later"
+            raise GatewayError(503, f"{what}: {snippet}", request_id=rid, retry_after=retry)
+        if status == 504:
+            raise GatewayError(504, f"the engine's own deadline passed: {snippet}", request_id=rid)
         raise GatewayError(
             502,
             f"the engine at {resp.prepared.url} failed with {status}: {snippet}; check its log",
