@@ -143,12 +143,9 @@ class _IdleWatch:
 
     def _fire(self) -> None:
         self._handle = None
-        since = self.since
-        if since is None:
-            return  # no read is waiting; the next one re-arms the timer
-        limit = self._idle if self.started else self._first
-        if limit is None:
-            return
+        since, limit = self.since, self._idle if self.started else self._first
+        if since is None or limit is None:
+            return  # no read is waiting (the next one re-arms the timer), or no limit
         due = since + limit
         if self._loop.time() >= due:
             self._content.set_exception(StreamStalledError(limit, self.started))

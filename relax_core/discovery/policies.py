@@ -162,8 +162,7 @@ def rendezvous_order(role: str, model: str, engine_ids: tuple[str, ...], key: st
 
     ``engine_ids`` may come in any order; the ranking does not depend on it."""
     ids = tuple(sorted(engine_ids))
-    table = _Table(role, model, ids)
-    return [ids[rank] for rank in table.order(_slot(key))]
+    return [ids[rank] for rank in _Table(role, model, ids).order(_slot(key))]
 
 
 class RendezvousSelector:
