@@ -36,10 +36,8 @@ def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
     """A uvicorn config for a gateway: uvloop and httptools when installed, quiet access log."""
     import uvicorn
 
-    options.setdefault("log_level", "warning")
-    options.setdefault("access_log", False)
-    options.setdefault("timeout_keep_alive", 30)
-    options.setdefault("proxy_headers", False)  # a gateway on loopback/cluster network
+    quiet = {"log_level": "warning", "access_log": False, "timeout_keep_alive": 30}
+    options = {**quiet, "proxy_headers": False, **options}  # a gateway on loopback/cluster network
     return uvicorn.Config(app, host=host, port=port, loop="auto", http="auto", **options)
 
 

@@ -41,11 +41,6 @@ class _Engine:
     view: EngineView
     weight_version: str | None = None
 
-    @property
-    def kept(self) -> tuple[int, str | None]:
-        """What a state change keeps: the generation and the weight version."""
-        return self.generation, self.weight_version
-
 
 @attrs.define
 class _Model:
@@ -253,7 +248,8 @@ class RegistryPublisher:
         :raises KeyError: the model or engine is not published."""
         with self._lock:
             old = self._engine(model_id, engine_id)
-            self._put_engine(model_id, engine_id, old.endpoint, state, direct_eligible, *old.kept)
+            kept = (old.generation, old.weight_version)
+            self._put_engine(model_id, engine_id, old.endpoint, state, direct_eligible, *kept)
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         """Stop publishing a replica head (``KeyError`` if it is not published)."""
@@ -278,8 +274,9 @@ class RegistryPublisher:
                         continue
                     engine.state = ModelState.UNKNOWN
                     engine.direct_eligible = None
+                    kept = (engine.generation, engine.weight_version)
                     engine.view = _engine_view(
-                        engine_id, engine.endpoint, engine.state, None, *engine.kept
+                        engine_id, engine.endpoint, engine.state, None, *kept
                     )
                     changed = True
             if changed:
