@@ -174,10 +174,8 @@ class Trackers:
             self._queue.put(_STOP)
             self._worker.join(timeout)
             if self._worker.is_alive():
-                busy = ", ".join(self.names)
-                error = TrackerError(
-                    busy, "close", f"the trackers did not close within {timeout:g}s"
-                )
+                late = f"the trackers did not close within {timeout:g}s"
+                error = TrackerError(", ".join(self.names), "close", late)
                 self.say(f"relax run: {error}; their last records may be missing")
                 if self.strict and self._error is None:
                     self._error = error
