@@ -346,7 +346,8 @@ class ConfigReader:
         k = r.value(t, "run.stages[2]", "k", int, 4, check=ConfigReader.at_least(1))
         how = ConfigReader.one_of(("mean", "max"))
         mode = r.value(t, "run.stages[2]", "mode", str, "mean", check=how)
-        r.raise_problems(source)"""
+        r.raise_problems(source)
+    """
 
     #: The checks: factories (``at_least``, ``fraction``, ``one_of``) and plain ones.
     at_least = staticmethod(_at_least)

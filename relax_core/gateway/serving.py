@@ -192,7 +192,8 @@ def registry_gateway_app(
     ``GET {registry_url}/engines?schema=2``. ::
 
         GatewayServer(app_factory=functools.partial(registry_gateway_app, "genrm", url, options),
-                      port=8100, workers=2)"""
+                      port=8100, workers=2)
+    """
     return gateway_app(role, registry_url, plugin_manager=PluginManager.create(), options=options)
 
 
