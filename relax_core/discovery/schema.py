@@ -96,12 +96,9 @@ def _check_version(_i: Any, _a: Any, value: object) -> None:
         )
 
 
-def _check_type(field: str, kind: type) -> Validator:
-    def check(_i: Any, _a: Any, value: object) -> None:
-        if not isinstance(value, kind):
-            raise SnapshotError(field, f"must be a {kind.__name__}, got {type(value).__name__}")
-
-    return check
+def _check_routing(_i: Any, _a: Any, value: Any) -> None:
+    if not isinstance(value, RoutingSpec):
+        raise SnapshotError("routing", f"must be a RoutingSpec, got {type(value).__name__}")
 
 
 def _plain(value: object) -> object:
@@ -375,7 +372,7 @@ class RoleSnapshot:
     role: str = attrs.field(validator=validator(_check_name, "role", "role"))
     registry_epoch: str = attrs.field(validator=validator(check_str, "registry_epoch"))
     topology_revision: int = attrs.field(validator=validator(check_int, "topology_revision"))
-    routing: RoutingSpec = attrs.field(validator=_check_type("routing", RoutingSpec))
+    routing: RoutingSpec = attrs.field(validator=_check_routing)
     models: Mapping[str, ModelView] = attrs.field(converter=frozen_map, validator=_check_models)
     # Values derived from this immutable snapshot (routing indexes); not part of its value.
     _derived: dict[str, Any] = attrs.field(
