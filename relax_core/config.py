@@ -3,8 +3,7 @@
 Parsing checks types, ranges, choices and references inside one role, and reports *every*
 problem at once (:class:`~relax_core.errors.ConfigValidationError`), each with its key path and
 a rule name; unknown keys get a "did you mean" hint. docs/configuration.md lists every key; the
-cross-role rules belong to :func:`relax_core.placement.plan_inference_placement`.
-"""
+cross-role rules belong to :func:`relax_core.placement.plan_inference_placement`."""
 
 from __future__ import annotations
 
@@ -227,8 +226,7 @@ class ModelConfig:
     ``path`` is the key path of its table (``roles.genrm.models.judge``). ``external_urls``:
     served by engines Relax does not start (no engine placed, ``backend`` unused).
     ``engine_table``: the model's ``engine`` table as written, checked against its backend's
-    :attr:`~relax_core.records.EngineBackend.options` by :func:`relax_core.jobs.backend_options`.
-    """
+    :attr:`~relax_core.records.EngineBackend.options` by :func:`relax_core.jobs.backend_options`."""
 
     role: str
     name: str
@@ -457,8 +455,7 @@ class ConfigReader:
         Every field needs a default.
 
         :raises TypeError: ``cls`` is not an attrs class, or a field has a type or no default a job
-            file cannot give (the record's author's mistake, not the file's).
-        """
+            file cannot give (the record's author's mistake, not the file's)."""
         if not (isinstance(cls, type) and attrs.has(cls)):
             raise TypeError(f"ConfigReader.record: {cls!r} is not an attrs class")
         hints = typing.get_type_hints(cls)
@@ -479,8 +476,7 @@ class ConfigReader:
         """Raise every problem recorded so far at once; return when there is none.
 
         :raises ConfigValidationError: listing each problem (``source``: the job file; where
-            it is a readable file, each problem whose key it writes ends with ``(FILE:LINE)``).
-        """
+            it is a readable file, each problem whose key it writes ends with ``(FILE:LINE)``)."""
         if self.problems:
             problems: Sequence[ConfigProblem] = self.problems
             if source is not None:
@@ -534,18 +530,9 @@ _ROLE = ("models", "default_model", "policy", "num_gpus", "gateway")
 #: The model table's keys: its own, then those of each of its records (every one flat in the
 #: table, under the record's field name; the ``router*`` keys map to :class:`RouterSettings`
 #: fields without the prefix), then the backend's ``engine`` table.
-_MODEL_OWN = tuple(
-    f.name
-    for f in attrs.fields(ModelConfig)
-    if f.name
-    not in ("role", "name", "path", "placement", "engine", "router", "health", "engine_table")
-)
-_ROUTER_KEYS = {
-    "router": "name",
-    "router_policy": "policy",
-    "router_allow_dropped_fields": "allow_dropped_fields",
-    "router_args": "args",
-}
+_NOT_OWN = ("role", "name", "path", "placement", "engine", "router", "health", "engine_table")
+_MODEL_OWN = tuple(f.name for f in attrs.fields(ModelConfig) if f.name not in _NOT_OWN)
+_ROUTER_KEYS = ("router", "router_policy", "router_allow_dropped_fields", "router_args")
 _MODEL = (
     *_MODEL_OWN,
     *(f.name for f in attrs.fields(PlacementSettings)),
@@ -702,19 +689,16 @@ def _urls(r: ConfigReader, t: Mapping[str, Any], p: str, key: str) -> tuple[str,
 
     out = []
     for i, url in enumerate(r.str_list(t, p, key)):
+        where = f"{p}.{key}[{i}]"
         parts = urlsplit(url)
         try:
             port = parts.port
         except ValueError:
             port = None
         if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-            r.problem(
-                f"{p}.{key}[{i}]",
-                "url",
-                f"{url!r} is not an http://host:port URL of an engine head",
-            )
+            r.problem(where, "url", f"{url!r} is not an http://host:port URL of an engine head")
         elif parts.path.strip("/") or parts.query:
-            r.problem(f"{p}.{key}[{i}]", "url", f"{url!r}: give the head's base URL, no path")
+            r.problem(where, "url", f"{url!r}: give the head's base URL, no path")
         else:
             out.append(url.rstrip("/"))
     return tuple(out)
@@ -790,8 +774,7 @@ def parse_config(
     :param role_names: the role names accepted under ``[roles]`` (``pm.registered("roles")``): any
         other is an ``unknown-role`` problem. ``None``: any well-formed name (the planner then
         rejects a role no plugin registers).
-    :raises ConfigValidationError: with every problem found.
-    """
+    :raises ConfigValidationError: with every problem found."""
     r = ConfigReader()
     top = r.table(dict(data), "", _TOP)
     cluster = r.record(top.get("cluster", {}), "cluster", ClusterConfig) or ClusterConfig()
@@ -812,9 +795,8 @@ def parse_config(
             tip="; a third-party role needs its plugin installed",
         )
     # A name not in known_roles is reported above, as an unknown or malformed role name.
-    found = [(name, raw) for name, raw in roles_raw.items() if name in known_roles]
-    roles = [role for name, raw in found if (role := _role(r, name, raw)) is not None]
-    configured = {name for name in roles_raw if name in known_roles}
+    configured = {name: raw for name, raw in roles_raw.items() if name in known_roles}
+    roles = [role for name, raw in configured.items() if (role := _role(r, name, raw)) is not None]
     for i, name in enumerate(placement.defer_roles):
         if name not in configured:
             r.problem(
@@ -826,9 +808,8 @@ def parse_config(
     run = top.get("run", {})
     if not isinstance(run, dict):
         r.problem("run", "type", f"must be a table, got {type(run).__name__}")
-    serve = r.record(top.get("serve", {}), "serve", ServeSettings)
+    serve = r.record(top.get("serve", {}), "serve", ServeSettings) or ServeSettings()
     r.raise_problems(source)
-    assert serve is not None  # a problem above otherwise
     return JobConfig(cluster, training, placement, tuple(roles), source, run=run, serve=serve)
 
 
@@ -837,8 +818,7 @@ def loads_config(
 ) -> JobConfig:
     """Parse TOML text into a :class:`JobConfig` (see :func:`parse_config`).
 
-    :raises ConfigValidationError: bad TOML syntax (rule ``toml``) or bad values.
-    """
+    :raises ConfigValidationError: bad TOML syntax (rule ``toml``) or bad values."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -873,8 +853,7 @@ def load_config(path: str | Path, *, role_names: Collection[str] | None = None) 
     """Read and parse a job file.
 
     :raises ConfigValidationError: the file is unreadable, not TOML, or has bad values; each
-        problem whose key the file holds ends with where, ``(FILE:LINE)``.
-    """
+        problem whose key the file holds ends with where, ``(FILE:LINE)``."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

@@ -1,8 +1,7 @@
 """The error hierarchy of Relax: every error class the core raises on purpose, in one place.
 
 Every error says what was wrong, where (a key path, a field, an engine id, a bundle index) and,
-where there is one, what to do.
-"""
+where there is one, what to do."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class RelaxError(Exception):
     """Base class of every error Relax raises on purpose.
 
     Every Relax error pickles with its declared attributes (it crosses Ray actor boundaries),
-    whatever its constructor takes.
-    """
+    whatever its constructor takes."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
@@ -70,11 +68,7 @@ class PluginError(RelaxError):
 
 class ConfigError(RelaxError):
     """A configuration value is invalid: ``path`` is its dotted key path, ``message`` what is wrong
-    and what to do.
-    """
-
-    path: str
-    message: str
+    and what to do."""
 
     def __init__(self, path: str, message: str) -> None:
         self.path, self.message = path, message
@@ -99,11 +93,7 @@ class ConfigValidationError(ConfigError):
 
     ``problems``: every :class:`~relax_core.config.ConfigProblem` found, so a user fixes them all in
     one pass; ``source`` names the file (``None``: a dict). ``path`` is the first problem's key
-    path; ``str()`` lists them all.
-    """
-
-    problems: tuple[ConfigProblem, ...]
-    source: str | None
+    path; ``str()`` lists them all."""
 
     def __init__(self, problems: Sequence[ConfigProblem], source: str | None = None) -> None:
         self.problems = tuple(problems)
@@ -121,14 +111,11 @@ class ConfigValidationError(ConfigError):
 
 class SnapshotError(ConfigError):
     """A discovery snapshot does not follow schema 2 (``path`` names the field); a client that
-    fetches one answers ``RoutingError(503)`` instead.
-    """
+    fetches one answers ``RoutingError(503)`` instead."""
 
 
 class PlacementError(RelaxError):
     """A placement plan or a bound placement group breaks rules: ``violations`` holds every one."""
-
-    violations: tuple[str, ...]
 
     def __init__(self, violations: Sequence[str]) -> None:
         self.violations = tuple(violations)
@@ -138,9 +125,6 @@ class PlacementError(RelaxError):
 
 class _StatusError(RelaxError):
     """An error a gateway answers with its HTTP ``status``; ``message`` says what to do."""
-
-    status: int
-    message: str
 
     def __init__(self, status: int, message: str) -> None:
         self.status, self.message = status, message
@@ -152,10 +136,7 @@ class RoutingError(_StatusError):
 
     ``status``: 400 (unknown model, alias or route key: fix the request) or 503 (not READY, no
     eligible replica, registry unavailable: try again); ``retry_after`` (seconds) when a later try
-    can succeed.
-    """
-
-    retry_after: float | None
+    can succeed."""
 
     def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(status, message)
@@ -165,12 +146,7 @@ class RoutingError(_StatusError):
 class ModelNotReadyError(RoutingError):
     """The model a request resolved to is not READY: a 503, nothing sent. ``role``, ``model`` and
     ``state`` say which; a gateway that can wake the role waits and retries, any other caller
-    retries after ``retry_after``.
-    """
-
-    role: str
-    model: str
-    state: str
+    retries after ``retry_after``."""
 
     def __init__(
         self, message: str, *, role: str, model: str, state: str, retry_after: float | None = None
@@ -182,10 +158,7 @@ class ModelNotReadyError(RoutingError):
 class InvalidRequestError(RoutingError):
     """A request body is malformed (not JSON, not an object, a field of the wrong shape): always a
     400, nothing sent. ``field`` names the offending JSON field (``None``: the whole body); a
-    gateway answers it with ``param`` = ``field``.
-    """
-
-    field: str | None
+    gateway answers it with ``param`` = ``field``."""
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(400, message)
@@ -194,10 +167,7 @@ class InvalidRequestError(RoutingError):
 
 class UpstreamError(_StatusError):
     """An engine or router could not be reached or answered badly: ``status`` 502 (transport, bad
-    answer) or 504 (deadline); ``request_id``: the ``X-Request-ID`` it travelled with, if any.
-    """
-
-    request_id: str | None
+    answer) or 504 (deadline); ``request_id``: the ``X-Request-ID`` it travelled with, if any."""
 
     def __init__(self, status: int, message: str, *, request_id: str | None = None) -> None:
         super().__init__(status, message)
@@ -205,21 +175,16 @@ class UpstreamError(_StatusError):
 
 
 class UpstreamUnreachableError(UpstreamError):
-    """No connection could be opened: nothing was sent, a retry is safe. ``status`` 502 or 504 (the
-    connect deadline). The client already retried once on a fresh snapshot: check ``relax status``.
-    """
+    """No connection could be opened: nothing was sent, a retry is safe. ``status`` 502 or 504
+    (the connect deadline). The client already retried once on a fresh snapshot: check
+    ``relax status``."""
 
 
 class UpstreamStatusError(UpstreamError):
     """The upstream answered with an HTTP error status (4xx or 5xx); the request is never replayed.
 
     ``status``, ``body`` (bytes), ``retry_after`` (its ``Retry-After``, seconds) are the upstream's,
-    ``url`` where the request went; the message quotes the start of the body.
-    """
-
-    body: bytes
-    url: str
-    retry_after: float | None
+    ``url`` where the request went; the message quotes the start of the body."""
 
     def __init__(
         self,
@@ -244,10 +209,7 @@ class RequestNotReplayedError(UpstreamError):
 
     ``request_id`` identifies it to deduplicate or abort. ``status``: 504 when the deadline passed
     or a stream went silent (``__cause__`` is a :class:`StreamStalledError`), else 502.
-    ``answer_started``: whether the answer's status line had arrived.
-    """
-
-    answer_started: bool
+    ``answer_started``: whether the answer's status line had arrived."""
 
     def __init__(
         self,
@@ -266,12 +228,7 @@ class StreamStalledError(RelaxError, TimeoutError):
 
     A ``TimeoutError`` raised while a body is read, turned into a 504
     :class:`RequestNotReplayedError`. ``seconds``: the limit; ``started``: whether any body bytes
-    had arrived; ``setting``: the option that sets that limit (raise it for a slow engine).
-    """
-
-    seconds: float
-    started: bool
-    setting: str
+    had arrived; ``setting``: the option that sets that limit (raise it for a slow engine)."""
 
     def __init__(self, seconds: float, started: bool) -> None:
         self.seconds, self.started = seconds, started
@@ -284,12 +241,8 @@ class GatewayError(_StatusError):
     ``{"error": {"message", "type", "code", "param"}}``.
 
     ``field`` is sent as ``param``, ``retry_after`` as ``Retry-After``, ``request_id`` as
-    ``X-Request-ID``; :func:`~relax_core.gateway.handler.gateway_error` builds it from the others.
-    """
-
-    retry_after: float | None
-    field: str | None
-    request_id: str | None
+    ``X-Request-ID``; :func:`~relax_core.gateway.handler.gateway_error` builds it from the
+    others."""
 
     def __init__(
         self,
@@ -317,12 +270,9 @@ class InferenceRecoveryRequired(LifecycleError):
 
     Its slot, pending record and placement-group fence are kept, nothing is rebuilt: confirm the
     node is clean, then start a new job. ``result``: the
-    :class:`~relax_core.manager.LifecycleResult` of the call that found the fence (``None``: refused
-    before anything ran); ``report``: the :class:`~relax_core.manager.HealthReport` that found one.
-    """
-
-    result: Any
-    report: Any
+    :class:`~relax_core.manager.LifecycleResult` of the call that found the fence (``None``:
+    refused before anything ran); ``report``: the :class:`~relax_core.manager.HealthReport` that
+    found one."""
 
     def __init__(self, message: str, *, result: Any = None, report: Any = None) -> None:
         self.result, self.report = result, report
@@ -338,8 +288,7 @@ class NotApplicable(LifecycleError):
 
 class ChannelError(LifecycleError):
     """The HTTP exchange with a head's private control endpoint failed (no answer from the worker);
-    it says nothing of whether the worker died, and the worker's own failures are never one.
-    """
+    it says nothing of whether the worker died, and the worker's own failures are never one."""
 
 
 # -- coordination: the LifecycleCoordinator, the DeferredBatch and the batch sinks -------------
@@ -352,8 +301,7 @@ class CoordinationError(RelaxError):
 
 class LeaseBlockedError(CoordinationError):
     """A role's shared-GPU lease is BLOCKED: an onload or offload of ``role`` was not confirmed
-    (``reason``). No role on its slice gets a lease until an operator resets it.
-    """
+    (``reason``). No role on its slice gets a lease until an operator resets it."""
 
     def __init__(self, role: str, reason: str) -> None:
         self.role, self.reason = role, reason
@@ -366,8 +314,7 @@ class LeaseBlockedError(CoordinationError):
 
 class BatchFailedError(CoordinationError):
     """A batch will never be committed: ``batch_id`` and the ``cause`` (the first failure);
-    ``failed_batch`` names the batch that failed when it is an earlier one.
-    """
+    ``failed_batch`` names the batch that failed when it is an earlier one."""
 
     def __init__(self, batch_id: int, cause: str, *, failed_batch: int | None = None) -> None:
         self.batch_id, self.cause = batch_id, cause
@@ -384,8 +331,7 @@ class BatchFailedError(CoordinationError):
 
 class EmptyBatchError(CoordinationError):
     """The stages dropped every group of batch ``batch_id`` (``reasons``: ``"stage: reason"`` ->
-    groups); ``[run] on_empty_batch`` says whether the step is skipped or failed.
-    """
+    groups); ``[run] on_empty_batch`` says whether the step is skipped or failed."""
 
     def __init__(self, batch_id: int, reasons: Mapping[str, int]) -> None:
         self.batch_id = batch_id
@@ -417,8 +363,7 @@ class EnvironmentStepError(RelaxError):
 
 class NotPrefixStable(RelaxError, ValueError):
     """A chat template rewrites earlier turns (an earlier rendering is not a prefix of a later one),
-    so a multi-turn trajectory's ids cannot be extended without re-tokenizing.
-    """
+    so a multi-turn trajectory's ids cannot be extended without re-tokenizing."""
 
 
 class SinkError(RelaxError):
@@ -431,8 +376,7 @@ class SinkError(RelaxError):
 
 class TrackerError(RelaxError):
     """An experiment tracker failed (``tracker``: its name; ``call``: ``open``, ``log_metrics`` …);
-    reported once and dropped, unless ``strict_trackers`` ends the run.
-    """
+    reported once and dropped, unless ``strict_trackers`` ends the run."""
 
     def __init__(self, tracker: str, call: str, message: str) -> None:
         self.tracker, self.call, self.message = tracker, call, message
@@ -441,8 +385,7 @@ class TrackerError(RelaxError):
 
 class CheckpointError(RelaxError):
     """A run's checkpoint (in ``run_dir``) cannot be written or resumed from; the message says what,
-    where and what to do.
-    """
+    where and what to do."""
 
     def __init__(self, run_dir: str, message: str) -> None:
         self.run_dir, self.message = run_dir, message

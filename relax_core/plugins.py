@@ -121,8 +121,7 @@ class PluginManager:
     """A typed wrapper around pluggy for the ``relax`` project.
 
     Build one with :meth:`PluginManager.create`. Records are collected once, on first access,
-    and cached; :meth:`reload` recollects them. Not thread-safe while loading; read-only after.
-    """
+    and cached; :meth:`reload` recollects them. Not thread-safe while loading; read-only after."""
 
     def __init__(self) -> None:
         self._pm = pluggy.PluginManager("relax")
@@ -146,8 +145,7 @@ class PluginManager:
         :param entry_points: load the ``relax`` entry-point group.
         :param builtins: register the core's own records (weight sources, routing policies, …).
         :param plugins: extra ``(name, module_or_object)`` pairs, registered after the rest.
-        :raises PluginError: a plugin failed to import, or an allow/block list names nothing.
-        """
+        :raises PluginError: a plugin failed to import, or an allow/block list names nothing."""
         pm = cls()
         if builtins:
             core = importlib.import_module(CORE_PLUGIN_MODULE)
@@ -185,8 +183,7 @@ class PluginManager:
 
         ``RELAX_LOAD_PLUGINS`` (comma-separated entry-point names) is an allow-list;
         ``RELAX_DISABLE_PLUGINS`` a block-list. A plugin that fails to import raises
-        :class:`PluginError` naming it and its distribution.
-        """
+        :class:`PluginError` naming it and its distribution."""
         allow = _env_list("RELAX_LOAD_PLUGINS")
         block = _env_list("RELAX_DISABLE_PLUGINS") or frozenset()
         found = sorted(
@@ -241,13 +238,10 @@ class PluginManager:
                         f"register callback; expected {record_type.__name__}"
                     )
                 name = record.name  # type: ignore[attr-defined]
+                dist = self._dists.get(_plugin, _plugin)
                 if name in out:
-                    raise PluginError(
-                        _duplicate_message(
-                            kind, name, out[name], _plugin, self._dists.get(_plugin, _plugin)
-                        )
-                    )
-                out[name] = Registered(record, _plugin, self._dists.get(_plugin, _plugin))
+                    raise PluginError(_duplicate_message(kind, name, out[name], _plugin, dist))
+                out[name] = Registered(record, _plugin, dist)
 
             try:
                 impl.function(**{arg: register for arg in impl.argnames})
@@ -296,11 +290,6 @@ class PluginManager:
     def plugin_names(self) -> list[str]:
         """Names of every registered plugin, the core's first."""
         return [name for name, _ in self._pm.list_name_plugin()]
-
-    @property
-    def pluggy(self) -> pluggy.PluginManager:
-        """The wrapped pluggy manager (for tests and advanced use)."""
-        return self._pm
 
 
 _default: PluginManager | None = None

@@ -1,8 +1,7 @@
 """Frozen records that plugins register through the ``relax_register_*`` hooks.
 
 Records are validated where they are built, so a plugin with a bad record fails at load time.
-The lowest layer of the core (it imports none of it): the constants every layer shares live here.
-"""
+The lowest layer of the core (it imports none of it): the constants every layer shares live here."""
 
 from __future__ import annotations
 
@@ -122,7 +121,23 @@ def _json_inputs(value: object) -> tuple[dict[str, Any], ...]:
         raise ValueError(
             f"OpenAPINotes.generate_inputs: give a sequence of input schemas, got {value!r}"
         )
-    return tuple(_json_copy("generate_inputs", list(value)))
+    inputs = tuple(_json_copy("generate_inputs", list(value)))
+    for i, branch in enumerate(inputs):
+        required = branch.get("required") if isinstance(branch, dict) else None
+        props = branch.get("properties") if isinstance(branch, dict) else None
+        if not (
+            isinstance(required, list)
+            and required
+            and all(isinstance(r, str) for r in required)
+            and isinstance(props, dict)
+            and all(r in props for r in required)
+        ):
+            raise ValueError(
+                f"OpenAPINotes.generate_inputs[{i}]: an input is an object schema whose 'required' "
+                "lists its input field (and any other required field), each described in "
+                '\'properties\', e.g. {"required": ["messages"], "properties": {"messages": {...}}}'
+            )
+    return inputs
 
 
 def _json_fields(value: object) -> Any:
@@ -157,8 +172,7 @@ class OpenAPINotes:
     ``generate_answer``: the JSON Schema of a non-streamed ``200`` answer (``None``: SGLang's).
 
     Every value is copied on construction; :raises ValueError: a value is not JSON, or an input
-    schema has no ``required`` field it also describes in ``properties``.
-    """
+    schema has no ``required`` field it also describes in ``properties``."""
 
     generate_summary: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
     batched_generate: bool = attrs.field(default=False, validator=_BOOL)
@@ -169,25 +183,6 @@ class OpenAPINotes:
     generate_answer: dict[str, Any] | None = attrs.field(
         default=None, converter=_json_answer, hash=False
     )
-
-    @generate_inputs.validator
-    def _check_inputs(self, _a: object, value: tuple[Any, ...]) -> None:
-        for i, branch in enumerate(value):
-            where = f"OpenAPINotes.generate_inputs[{i}]"
-            required = branch.get("required") if isinstance(branch, dict) else None
-            props = branch.get("properties") if isinstance(branch, dict) else None
-            if not (
-                isinstance(required, list)
-                and required
-                and all(isinstance(r, str) for r in required)
-                and isinstance(props, dict)
-                and all(r in props for r in required)
-            ):
-                raise ValueError(
-                    f"{where}: an input is an object schema whose 'required' lists its input "
-                    "field (and any other required field), each described in 'properties', "
-                    'e.g. {"required": ["messages"], "properties": {"messages": {...}}}'
-                )
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -227,8 +222,7 @@ class RoleSpec:
     the role's ``RoleAdapter`` (``None``: requests pass unchanged). ``deterministic_inference``:
     the role's engines run batch-invariant by default (a model's key overrides it).
 
-    :raises ValueError: a field is invalid; the message names the field.
-    """
+    :raises ValueError: a field is invalid; the message names the field."""
 
     name: str = attrs.field(validator=_check_name)
     allowed_weight_sources: frozenset[str] = attrs.field(converter=_frozenset_of_str)
@@ -278,11 +272,10 @@ class EngineOptions:
     """The engine options every backend may read: the job file's model keys of the same names
     (docs/configuration.md), passed to each launch as :attr:`EngineLaunchSpec.options`.
 
-    ``None`` means the backend's default. ``deterministic_inference`` (``None``: the role's
-    default) and ``weights_cpu_backup`` (``None``: the weight source decides) are always decided
-    in a launch. ``pd_prefill_engines``: the first that many replicas are prefill workers, the
-    rest decode. Options one backend alone reads are its own record (:attr:`EngineBackend.options`).
-    """
+    ``None`` means the backend's default. ``deterministic_inference`` (``None``: the role's default)
+    and ``weights_cpu_backup`` (``None``: the weight source decides) are always decided in a launch.
+    ``pd_prefill_engines``: the first that many replicas are prefill workers, the rest decode.
+    Options one backend alone reads are its own record (:attr:`EngineBackend.options`)."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -307,8 +300,7 @@ class EngineLaunchSpec:
     update path (keep a CPU weight backup, refuse LoRA and dummy weights). ``replica_index`` is
     stable across rebuilds. ``options``: the model's :class:`EngineOptions`, decided;
     ``backend_options``: an instance of :attr:`EngineBackend.options` read from the model's
-    ``engine`` table (``None``: no such record, or a spec built by hand).
-    """
+    ``engine`` table (``None``: no such record, or a spec built by hand)."""
 
     engine_id: str
     model_path: str
@@ -383,8 +375,7 @@ class EngineBackend:
     (``missing=None``: every feature).
 
     :raises ValueError: a bad name, or ``options`` is not an attrs class whose every field has a
-        default.
-    """
+        default."""
 
     name: str = attrs.field(validator=_check_name)
     launch: Callable[[EngineLaunchSpec], EngineProcess]
@@ -405,8 +396,7 @@ class WeightSource:
     """Where a model's weights come from and which update paths it allows.
 
     ``update_paths`` is a subset of :data:`UPDATE_PATHS`; ``publishes_version`` says whether the
-    snapshot carries a ``weight_version`` for models of this source.
-    """
+    snapshot carries a ``weight_version`` for models of this source."""
 
     name: str = attrs.field(validator=_check_name)
     update_paths: frozenset[str] = attrs.field(converter=_frozenset_of_str)
@@ -437,8 +427,7 @@ class RewardSpec:
     deferred phase. ``retries``: how many times the reward stage calls ``fn`` again after a
     transport failure or a 5xx (only for an idempotent call; a stage's ``retries`` overrides it).
 
-    :raises ValueError: a bad name or field, or ``mode`` does not match ``fn``.
-    """
+    :raises ValueError: a bad name or field, or ``mode`` does not match ``fn``."""
 
     name: str = attrs.field(validator=_check_name)
     fn: Callable[..., Any] = attrs.field(validator=attrs.validators.is_callable())
@@ -501,8 +490,7 @@ class PlacementMode:
 
     ``assign(ctx: ModeContext) -> ModeResult`` picks each GPU model's pool, phase and first
     bundle (the planner checks the rules). ``shares_training_pool``: inference lives in the actor
-    pool. ``supports_defer``: roles may be deferred.
-    """
+    pool. ``supports_defer``: roles may be deferred."""
 
     name: str = attrs.field(validator=_check_name)
     assign: Callable[..., Any]
@@ -527,8 +515,7 @@ class RouterLaunchSpec:
     fields the caller lets the router drop (any other refuses the router at start).
     ``extra_args`` are appended to its command line (retries and the circuit breaker stay off).
     ``served_model_name`` / ``model_path``: what the heads report, so the router's probe workers
-    report the same (smg 1.13 drops sampling parameters while it knows two models).
-    """
+    report the same (smg 1.13 drops sampling parameters while it knows two models)."""
 
     router_id: str
     policy: str
@@ -551,8 +538,7 @@ class RouterMembership(Protocol):
 
     The manager calls :meth:`sync` at every publish with each head that has been READY and is not
     stopping, failing or scaled in; a new head is registered (and healthy) before it is published
-    READY, a leaving one removed before its engine stops.
-    """
+    READY, a leaving one removed before its engine stops."""
 
     def sync(self, heads: Mapping[str, str]) -> None:
         """Register new heads, remove the ones gone. Blocking, idempotent; never raises: a
@@ -589,8 +575,7 @@ class RouterBackend:
     ``default_policy`` when the model names none. ``worker_api``: one of
     :data:`ROUTER_WORKER_APIS`. ``keeps_unknown_fields``: it forwards fields it does not know.
     ``pd``: it routes prefill/decode workers. ``version``: ``None`` when not installed (listed,
-    refused at start). ``default``: chosen for a model that names no router.
-    """
+    refused at start). ``default``: chosen for a model that names no router."""
 
     name: str = attrs.field(validator=_check_name)
     launch: Callable[[RouterLaunchSpec], RouterProcess]
@@ -622,11 +607,9 @@ TRAINER_METHODS = ("train", "push")
 def _check_trainer_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     missing = [m for m in TRAINER_METHODS if not callable(getattr(value, m, None))]
     if not isinstance(value, type) or missing:
-        what = (
-            f"it has no {' and no '.join(missing)} method"
-            if isinstance(value, type)
-            else "it is not a class"
-        )
+        what = "it is not a class"
+        if isinstance(value, type):
+            what = f"it has no {' and no '.join(missing)} method"
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}={value!r}: {what}; give the trainer "
             "class, built from a TrainerContext, with train(batch_id) and push(weight_version)"
@@ -646,8 +629,7 @@ class TrainerSpec:
     starts. ``default``: the one used when several are installed and the job names none.
 
     :raises ValueError: a bad name, ``trainer_class`` is not a class with both methods, or
-        ``options`` is not an attrs class whose every field has a default.
-    """
+        ``options`` is not an attrs class whose every field has a default."""
 
     name: str = attrs.field(validator=_check_name)
     trainer_class: type[Any] = attrs.field(validator=_check_trainer_class)
@@ -671,8 +653,7 @@ class TrackerSpec:
     tracking library inside it. ``options``: the keys an entry may hold besides ``tracker``
     (``None``: any).
 
-    :raises ValueError: a bad name, or an option named ``tracker``.
-    """
+    :raises ValueError: a bad name, or an option named ``tracker``."""
 
     name: str = attrs.field(validator=_check_name)
     open: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
@@ -734,8 +715,7 @@ class StageSpec:
     ``role`` is required. ``retries``: the default of a stage's ``retries`` key (only for
     idempotent requests).
 
-    :raises ValueError: a bad name, an option named like a common key, ``retries`` < 0.
-    """
+    :raises ValueError: a bad name, an option named like a common key, ``retries`` < 0."""
 
     name: str = attrs.field(validator=_check_name)
     build: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
@@ -767,8 +747,7 @@ class DataSourceSpec:
     -> list[ConfigProblem]``: every problem with its data, found before anything starts
     (``None``: ``open`` raises :class:`~relax_core.ConfigValidationError` itself).
 
-    :raises ValueError: a bad name or suffix.
-    """
+    :raises ValueError: a bad name or suffix."""
 
     name: str = attrs.field(validator=_check_name)
     open: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
@@ -797,8 +776,7 @@ class RolloutShapeSpec:
     :data:`ENGINE_FEATURES` it needs, each with the key path asking for it, checked against the
     backend's :attr:`EngineBackend.missing` before anything starts.
 
-    :raises ValueError: a bad name or option name.
-    """
+    :raises ValueError: a bad name or option name."""
 
     name: str = attrs.field(validator=_check_name)
     build: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
@@ -822,8 +800,7 @@ class EnvironmentSpec:
     (``None``: any). ``needs(options)``: the :data:`ENGINE_FEATURES` it needs, each with the
     option asking for it (``""``: the whole table).
 
-    :raises ValueError: a bad name.
-    """
+    :raises ValueError: a bad name."""
 
     name: str = attrs.field(validator=_check_name)
     make: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
@@ -846,17 +823,16 @@ class BenchmarkSpec:
     adds its own options (each reaches ``run`` by ``dest``); ``format_result(result) -> str``: the
     text output (else indented JSON). Import heavy dependencies inside ``run``.
 
-    :raises ValueError: a bad name.
-    """
+    :raises ValueError: a bad name."""
 
     name: str = attrs.field(validator=_check_name)
     run: Callable[..., Mapping[str, Any]] = attrs.field(validator=attrs.validators.is_callable())
     description: str = ""
     add_arguments: Callable[[Any], None] | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+        default=None, validator=_optional_callable
     )
     format_result: Callable[[Mapping[str, Any]], str] | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+        default=None, validator=_optional_callable
     )
 
 
@@ -871,8 +847,7 @@ class CommandSpec:
     exit status (a :class:`~relax_core.RelaxError` prints ``relax NAME: error: …``, status 2).
     Import heavy libraries inside ``run``. A name taken by the core or another plugin is refused.
 
-    :raises ValueError: a bad name, or ``add_arguments`` / ``run`` is not callable.
-    """
+    :raises ValueError: a bad name, or ``add_arguments`` / ``run`` is not callable."""
 
     name: str = attrs.field(validator=_check_name)
     help: str = attrs.field(validator=attrs.validators.instance_of(str))

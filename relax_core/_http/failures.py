@@ -1,6 +1,5 @@
 """Failure classes of the data path: how far a failed upstream exchange got. Only ``CONNECT``
-(nothing was sent) is ever retried: a replayed RL rollout is a duplicated, biased sample.
-"""
+(nothing was sent) is ever retried: a replayed RL rollout is a duplicated, biased sample."""
 
 from __future__ import annotations
 

@@ -51,8 +51,7 @@ def forward_headers(
 ) -> dict[str, str]:
     """Copy ``headers`` without hop-by-hop headers (and those named by ``Connection``) and
     those the new message recomputes (a request's ``Host``, ``Content-Length`` and
-    ``Accept-Encoding``; a response's ``Content-Length``). Names keep their case.
-    """
+    ``Accept-Encoding``; a response's ``Content-Length``). Names keep their case."""
     return _split(headers, _DROP_RESPONSE if response else _DROP_REQUEST)[0]
 
 
@@ -94,8 +93,7 @@ def caller_headers(
     ``(forwarded, request_id, routing_key, min_weight_version)``.
 
     ``forwarded`` is :func:`forward_headers` of them without ``Content-Type`` and the three
-    headers whose values (``None`` when absent) are the others; one pass (hot path).
-    """
+    headers whose values (``None`` when absent) are the others; one pass (hot path)."""
     out, taken = _split(headers, _TAKEN_FROM_CALLER)
     return (
         out,

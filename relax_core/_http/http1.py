@@ -1,8 +1,7 @@
 """A lean HTTP/1.1 client for the data path: pooled keep-alive connections, httptools parsing,
 one write per request; a request that lost the keep-alive race is sent once more (docs/client.md).
 Failures: :class:`ConnectError` / :class:`ConnectTimeout` (nothing sent),
-:class:`ServerDisconnectedError` / :class:`PayloadError` (sent, then broken), ``TimeoutError``.
-"""
+:class:`ServerDisconnectedError` / :class:`PayloadError` (sent, then broken), ``TimeoutError``."""
 
 from __future__ import annotations
 
@@ -223,9 +222,6 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(PayloadError(f"the upstream's answer is not valid HTTP/1.1: {exc}"))
             self.close()
-
-    def eof_received(self) -> bool:
-        return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -10,12 +10,7 @@ import orjson
 
 from relax_core.errors import InvalidRequestError
 
-__all__ = [
-    "MIN_WEIGHT_VERSION_FIELD",
-    "decode_json_body",
-    "requested_weight_version",
-    "weight_version",
-]
+__all__ = ["MIN_WEIGHT_VERSION_FIELD", "decode_json_body", "weight_version"]
 
 #: The body field a request requires a minimum weight version with (or the header
 #: ``X-Relax-Min-Weight-Version``).
@@ -25,8 +20,7 @@ MIN_WEIGHT_VERSION_FIELD = "min_weight_version"
 def decode_json_body(raw: bytes) -> Any:
     """A request body decoded as JSON: the one check for a body that is not JSON.
 
-    :raises InvalidRequestError: the body is empty or not valid JSON.
-    """
+    :raises InvalidRequestError: the body is empty or not valid JSON."""
     if not raw:
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
@@ -35,21 +29,13 @@ def decode_json_body(raw: bytes) -> Any:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-def requested_weight_version(
-    body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> str | None:
-    """The minimum weight version a request requires: its body's ``min_weight_version``
-    field, else its ``X-Relax-Min-Weight-Version`` header (lower-case names), else ``None``.
+def weight_version(body: Mapping[str, Any], header: str | None) -> str | None:
+    """The minimum weight version a request requires: its body's ``min_weight_version`` (an
+    integer taken as its digits), else ``header`` (``X-Relax-Min-Weight-Version``) stripped,
+    else ``None``.
 
     :raises InvalidRequestError: the field is not a non-empty string or a non-negative
-        integer, or the header is empty.
-    """
-    return weight_version(body, headers.get("x-relax-min-weight-version") if headers else None)
-
-
-def weight_version(body: Mapping[str, Any], header: str | None) -> str | None:
-    """The body's ``min_weight_version`` (an integer taken as its digits), else ``header``
-    stripped, else ``None``; raises as :func:`requested_weight_version`."""
+        integer, or the header is empty."""
     value = body.get(MIN_WEIGHT_VERSION_FIELD)
     if value is None and header is not None and not header.strip():
         raise InvalidRequestError(

@@ -7,23 +7,37 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 from aiohttp import web
 
 from relax_core.net import free_port
 
-__all__ = ["ThreadServer", "serve_app", "uvicorn_config"]
+__all__ = ["ThreadServer", "bound_socket", "serve_app", "uvicorn_config"]
+
+
+def bound_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` (``0``: a free port) with ``SO_REUSEADDR``, and
+    ``SO_REUSEPORT`` when ``reuse_port``; not listening yet. Raises ``OSError`` if it cannot
+    be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> Any:
     """A uvicorn config for a gateway: uvloop and httptools when installed, quiet access log."""
     import uvicorn
 
-    options.setdefault("log_level", "warning")
-    options.setdefault("access_log", False)
-    options.setdefault("timeout_keep_alive", 30)
-    options.setdefault("proxy_headers", False)  # a gateway on loopback/cluster network
+    quiet = {"log_level": "warning", "access_log": False, "timeout_keep_alive": 30}
+    options = {**quiet, "proxy_headers": False, **options}  # a gateway on loopback/cluster network
     return uvicorn.Config(app, host=host, port=port, loop="auto", http="auto", **options)
 
 
@@ -43,7 +57,7 @@ class ThreadServer:
         """``http://host:port``."""
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> ThreadServer:
+    def start(self, timeout: float = 30.0) -> Self:
         """Start serving; raise ``RuntimeError`` if it does not come up within ``timeout``."""
         self._thread = threading.Thread(
             target=self._server.run, name=f"http-{self.port}", daemon=True
@@ -73,15 +87,8 @@ async def serve_app(
     """Serve ``app`` on ``host:port`` (``0``: a free port); ``(runner, port)``, stopped by
     ``await runner.cleanup()``. ``runner_options`` go to ``aiohttp.web.AppRunner``. Raises
     ``OSError`` if the port cannot be bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
+    sock = bound_socket(host, port)
+    sock.setblocking(False)
     runner = web.AppRunner(
         app,
         access_log=None,

@@ -1,7 +1,6 @@
 """The HTTP data path under the inference client and the role gateways: sends a
 :class:`PreparedRequest` (``http://`` through the lean ``Http1Client``, the rest through aiohttp)
-and classifies every failure; it knows nothing of discovery or routing (docs/client.md).
-"""
+and classifies every failure; it knows nothing of discovery or routing (docs/client.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ class Transport:
     ``timeout``: the default deadline of one whole exchange; ``stream_idle_timeout``: the longest
     a streamed body may stay silent once its first bytes arrived (``None``: no limit);
     ``stream_first_chunk_timeout``: before them (default: only the deadline); ``session``: use
-    this one (never closed here) instead of creating one.
-    """
+    this one (never closed here) instead of creating one."""
 
     def __init__(
         self,

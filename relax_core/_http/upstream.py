@@ -143,12 +143,9 @@ class _IdleWatch:
 
     def _fire(self) -> None:
         self._handle = None
-        since = self.since
-        if since is None:
-            return  # no read is waiting; the next one re-arms the timer
-        limit = self._idle if self.started else self._first
-        if limit is None:
-            return
+        since, limit = self.since, self._idle if self.started else self._first
+        if since is None or limit is None:
+            return  # no read is waiting (the next one re-arms the timer), or no limit
         due = since + limit
         if self._loop.time() >= due:
             self._content.set_exception(StreamStalledError(limit, self.started))
@@ -329,8 +326,7 @@ class UpstreamResponse:
 def decode_answer(data: bytes, prepared: PreparedRequest, what: str) -> Any:
     """``data`` from the upstream of ``prepared`` (``what``: ``"sent an event"``, ...) as JSON.
 
-    :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start).
-    """
+    :raises UpstreamError: 502, ``data`` is not JSON (the message quotes its start)."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:

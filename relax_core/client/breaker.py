@@ -1,18 +1,16 @@
 """Per-replica circuit breakers of an inference client: connect failures in a row to a DIRECT
-head open its breaker until a GET probe closes it, so no POST is ever replayed (docs/client.md).
-"""
+head open its breaker until a GET probe closes it, so no POST is ever replayed (docs/client.md)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 
-__all__ = ["BreakerSettings", "BreakerState", "ReplicaBreakers"]
+__all__ = ["BreakerSettings", "ReplicaBreakers"]
 
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -24,8 +22,7 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
 class BreakerSettings:
     """When a replica's breaker opens (``failures`` connect failures in a row) and how it
     probes: ``probe_path`` GET after ``cooldown`` seconds, doubled after each failed probe up
-    to ``max_cooldown``, each within ``probe_timeout``. :raises ValueError: a value out of range.
-    """
+    to ``max_cooldown``, each within ``probe_timeout``. :raises ValueError: a value out of range."""
 
     failures: int = attrs.field(default=3, validator=_positive)
     cooldown: float = attrs.field(default=1.0, validator=_positive)
@@ -34,27 +31,11 @@ class BreakerSettings:
     probe_path: str = "/health_generate"
 
 
-@attrs.frozen
-class BreakerState:
-    """One head's breaker as seen now: ``open``, the connect failures in a row, when it opened
-    (``time.monotonic()``), the probes it made while open."""
-
-    url: str
-    engine_id: str | None
-    open: bool
-    failures: int
-    opened_at: float | None
-    probes: int
-
-
 @attrs.define
 class _Breaker:
     url: str
-    engine_id: str | None
     failures: int = 0
     open: bool = False
-    opened_at: float | None = None
-    probes: int = 0
     task: asyncio.Task[None] | None = None
 
 
@@ -65,8 +46,7 @@ Probe = Callable[[str, float], Awaitable[int]]
 class ReplicaBreakers:
     """The breakers of one client's DIRECT heads, by base URL: ``probe`` sends a probe;
     ``published(url)``: whether the role's snapshot still has that head (else its breaker is
-    forgotten); ``on_change(state)`` hears every open and close. One event loop; not thread-safe.
-    """
+    forgotten). One event loop; not thread-safe."""
 
     def __init__(
         self,
@@ -74,12 +54,10 @@ class ReplicaBreakers:
         probe: Probe,
         *,
         published: Callable[[str], bool] | None = None,
-        on_change: Callable[[BreakerState], None] | None = None,
     ) -> None:
         self.settings = settings
         self._probe = probe
         self._published = published
-        self._on_change = on_change
         self._breakers: dict[str, _Breaker] = {}
         #: the URLs whose breaker is open now (read for every request; rebuilt on every change)
         self.open_urls: frozenset[str] = frozenset()
@@ -87,25 +65,16 @@ class ReplicaBreakers:
         self.opened = 0
         self.closed = 0
 
-    def states(self) -> dict[str, BreakerState]:
-        """URL -> the state of every breaker that counts failures or is open."""
-        return {url: self._state(b) for url, b in self._breakers.items()}
-
-    def _state(self, b: _Breaker) -> BreakerState:
-        return BreakerState(b.url, b.engine_id, b.open, b.failures, b.opened_at, b.probes)
-
-    def connect_failed(self, url: str, engine_id: str | None) -> bool:
+    def connect_failed(self, url: str) -> bool:
         """Count a connect failure to ``url``; whether its breaker is open now (opening it
         starts its probe on the running event loop)."""
-        b = self._breakers.setdefault(url, _Breaker(url, engine_id))
+        b = self._breakers.setdefault(url, _Breaker(url))
         b.failures += 1
         if not b.open and b.failures >= self.settings.failures:
             b.open = True
-            b.opened_at = time.monotonic()
             self.opened += 1
             self.open_urls = self.open_urls | {url}
             b.task = asyncio.get_running_loop().create_task(self._probe_until_closed(b))
-            self._changed(b)
         return b.open
 
     def reached(self, url: str) -> None:
@@ -122,7 +91,6 @@ class ReplicaBreakers:
             if self._published is not None and not self._published(b.url):
                 self._forget(b)
                 return
-            b.probes += 1
             try:
                 status = await self._probe(b.url.rstrip("/") + s.probe_path, s.probe_timeout)
             except Exception:  # any failure to get an answer: the head stays out of routing
@@ -136,16 +104,11 @@ class ReplicaBreakers:
         b.open = False
         self.closed += 1
         self._forget(b)
-        self._changed(attrs.evolve(b, failures=0))
 
     def _forget(self, b: _Breaker) -> None:
         b.task = None
         self._breakers.pop(b.url, None)
         self.open_urls = self.open_urls - {b.url}
-
-    def _changed(self, b: _Breaker) -> None:
-        if self._on_change is not None:
-            self._on_change(self._state(b))
 
     async def aclose(self) -> None:
         """Stop every probe (idempotent)."""

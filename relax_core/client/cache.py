@@ -36,8 +36,7 @@ def _unavailable(why: str) -> RoutingError:
 @attrs.define(eq=False)
 class SnapshotCache:
     """The role snapshot of one client, fetched on demand (from ``base_url`` or ``provider``)
-    and cached for ``ttl`` seconds; concurrent refreshes share one fetch. One event loop.
-    """
+    and cached for ``ttl`` seconds; concurrent refreshes share one fetch. One event loop."""
 
     base_url: str | None
     _provider: SnapshotProvider | None
@@ -85,8 +84,7 @@ class SnapshotCache:
 
     async def refetch(self, seen: int) -> RoleSnapshot:
         """A snapshot fetched after fetch number ``seen`` (see :attr:`fetches`): one another
-        caller fetched meanwhile, else a new fetch even when fresh. Raises like :meth:`snapshot`.
-        """
+        caller fetched meanwhile, else a new fetch even when fresh. Raises like :meth:`snapshot`."""
         return await self._refresh(seen, True)
 
     async def _refresh(self, seen: int, force: bool) -> RoleSnapshot:

@@ -1,6 +1,5 @@
 """The discovery-aware inference client: schema-2 snapshot → route → one HTTP exchange
-(the contract: docs/client.md).
-"""
+(the contract: docs/client.md)."""
 
 from __future__ import annotations
 
@@ -22,11 +21,7 @@ from relax_core._http.headers import (
     ROUTING_KEY_HEADER,
     caller_headers,
 )
-from relax_core._http.request import (
-    MIN_WEIGHT_VERSION_FIELD,
-    decode_json_body,
-    weight_version,
-)
+from relax_core._http.request import MIN_WEIGHT_VERSION_FIELD, decode_json_body, weight_version
 from relax_core._http.transport import Transport
 from relax_core._http.upstream import PreparedRequest, UpstreamResponse, decode_answer, status_error
 from relax_core.client.breaker import BreakerSettings, ReplicaBreakers
@@ -107,8 +102,7 @@ class InferenceClient:
     ``ttl``: seconds a snapshot is reused; ``transport``: :class:`TransportOptions`;
     ``plugin_manager``: where routing policies and weight sources come from; ``breaker``: the
     DIRECT heads' circuit breakers (``None``: none). Belongs to the event loop it is first used
-    on; close it with :meth:`aclose` or ``async with`` (or share one: ``get_client``).
-    """
+    on; close it with :meth:`aclose` or ``async with`` (or share one: ``get_client``)."""
 
     def __init__(
         self,
@@ -145,11 +139,9 @@ class InferenceClient:
             weight_sources=weight_sources if weight_sources is not None else plugin_manager,
         )
         self._resolver = RouteResolver(plugin_manager, sleeping_note=sleeping_note)
-        self._breakers = (
-            None
-            if breaker is None
-            else ReplicaBreakers(breaker, self._probe, published=self._published)
-        )
+        self._breakers: ReplicaBreakers | None = None
+        if breaker is not None:
+            self._breakers = ReplicaBreakers(breaker, self._probe, published=self._published)
         #: Upstream failures of this client's requests, by class (``FailureClass`` values).
         self.failure_counts: dict[str, int] = dict.fromkeys(FailureClass, 0)
         self._inflight: dict[str, int] = {}
@@ -188,7 +180,7 @@ class InferenceClient:
             and target is not None
             and target.route_mode is RouteMode.DIRECT
         ):
-            self._breakers.connect_failed(target.url, target.engine_id)
+            self._breakers.connect_failed(target.url)
 
     def _not_sent(self, prepared: PreparedRequest) -> UpstreamUnreachableError:
         target = prepared.target
@@ -227,8 +219,7 @@ class InferenceClient:
         the same URL and generation, READY and serving ``min_weight_version``), else a new
         decision for its model.
 
-        :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`).
-        """
+        :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`)."""
         snap = await self._cache.snapshot()
         model = snap.models.get(target.model_id)
         if model is not None and model.state.value == "READY":
@@ -306,8 +297,7 @@ class InferenceClient:
         stand in for ``request_id``/``affinity_key``). ``target``: a :meth:`resolve` decision,
         used as it is. ``min_weight_version`` defaults to the payload's field, then the
         ``X-Relax-Min-Weight-Version`` header. Raises ``InvalidRequestError`` (400: not a JSON
-        object, or a routing field not a string) and ``RoutingError`` (see :meth:`resolve`).
-        """
+        object, or a routing field not a string) and ``RoutingError`` (see :meth:`resolve`)."""
         body, raw = _json_object(payload)
         caller_min = None
         if headers:
@@ -339,8 +329,7 @@ class InferenceClient:
         )
 
     def _track(self, prepared: PreparedRequest) -> str | None:
-        target = prepared.target
-        engine_id = target.engine_id if target is not None else None
+        engine_id = None if prepared.target is None else prepared.target.engine_id
         if engine_id is not None:
             self._inflight[engine_id] = self._inflight.get(engine_id, 0) + 1
         return engine_id

@@ -1,6 +1,5 @@
 """One shared :class:`~relax_core.client.client.InferenceClient` per event loop, for code
-called once per sample (a reward function) that should not build and close a client each time.
-"""
+called once per sample (a reward function) that should not build and close a client each time."""
 
 from __future__ import annotations
 
@@ -61,20 +60,17 @@ def get_client(
         ) from None
     pool = _LOOPS.get(loop)
     if pool is None:
-        pool = _LoopClients()
-        _LOOPS[loop] = pool
-        closer = _close_at_shutdown(pool)
+        pool = _LOOPS[loop] = _LoopClients()
+        pool.closer = _close_at_shutdown(pool)
         # Advance it to its first yield now, so the loop's async-gen hooks register it.
         with contextlib.suppress(StopIteration):
-            closer.asend(None).send(None)
-        pool.closer = closer
+            pool.closer.asend(None).send(None)
     key = (base_url, snapshot_provider, role, tuple(sorted(options.items())))
     client = pool.clients.get(key)
     if client is None or client.closed:
-        client = InferenceClient(
+        client = pool.clients[key] = InferenceClient(
             base_url, snapshot_provider=snapshot_provider, role=role, **options
         )
-        pool.clients[key] = client
     return client
 
 

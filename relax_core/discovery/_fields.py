@@ -142,8 +142,7 @@ def to_tuple(value: object) -> tuple[Any, ...]:
 
 def child_path(prefix: str, key: str) -> str:
     """The path of ``key`` under ``prefix`` (``models`` + ``math`` → ``models.math``)."""
-    seg = segment(key)
-    return seg[1:] if not prefix and seg.startswith(".") else prefix + seg
+    return join_path(prefix, segment(key).removeprefix("."))
 
 
 def object_fields(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import attrs
 
@@ -67,8 +67,7 @@ class RemotePublisher:
     """The publishing side of a :class:`RegistryActor`, usable from any process (picklable).
 
     Each call blocks until the registry applied it (so a manager's publications stay in order
-    and a refused one raises where it was made), with a ``timeout`` in seconds.
-    """
+    and a refused one raises where it was made), with a ``timeout`` in seconds."""
 
     actor: Any
     role: str
@@ -94,8 +93,7 @@ class RemotePublisher:
 
     def set_engine(self, model_id: str, engine_id: str, **fields: Any) -> int:
         """See :meth:`RegistryPublisher.set_engine`."""
-        generation: int = self._call("set_engine", model_id, engine_id, **fields)
-        return generation
+        return cast(int, self._call("set_engine", model_id, engine_id, **fields))
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         """See :meth:`RegistryPublisher.remove_engine`."""
@@ -131,8 +129,7 @@ class RemotePublisher:
     async def fetch(self) -> dict[str, Any]:
         """The role's current snapshot as a schema-2 dict (an ``InferenceClient``
         ``snapshot_provider``; does not block the loop)."""
-        snap: dict[str, Any] = await self.actor.snapshot.remote()
-        return snap
+        return cast("dict[str, Any]", await self.actor.snapshot.remote())
 
     def stop(self) -> None:
         """Kill the registry actor. Idempotent."""

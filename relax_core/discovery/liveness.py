@@ -29,8 +29,7 @@ class ManagerLiveness:
 
     ``publisher``: what ``invalidate(model_ids)`` is called on. ``misses``: failed pings in a
     row before the model is marked UNKNOWN. A ping must bound its own time. Runs on a daemon
-    thread once :meth:`start` is called; :meth:`check` runs one round.
-    """
+    thread once :meth:`start` is called; :meth:`check` runs one round."""
 
     def __init__(self, publisher: Any, *, interval: float = 2.0, misses: int = 3) -> None:
         if not interval > 0:

@@ -40,8 +40,7 @@ _MAX_CACHED_SETS = 64
 class RoundRobinSelector:
     """Process-local round robin: one cursor per (role, registry epoch, model).
 
-    A new registry epoch starts a new cursor. Thread-safe (``itertools.count`` under the GIL).
-    """
+    A new registry epoch starts a new cursor. Thread-safe (``itertools.count`` under the GIL)."""
 
     def __init__(self) -> None:
         self._cursors: dict[tuple[str, str, str], itertools.count[int]] = {}
@@ -161,11 +160,9 @@ class _Tables:
 def rendezvous_order(role: str, model: str, engine_ids: tuple[str, ...], key: str) -> list[str]:
     """Every engine id, best first, as rendezvous ranks them for ``key`` (for tests and tools).
 
-    ``engine_ids`` may come in any order; the ranking does not depend on it.
-    """
+    ``engine_ids`` may come in any order; the ranking does not depend on it."""
     ids = tuple(sorted(engine_ids))
-    table = _Table(role, model, ids)
-    return [ids[rank] for rank in table.order(_slot(key))]
+    return [ids[rank] for rank in _Table(role, model, ids).order(_slot(key))]
 
 
 class RendezvousSelector:
@@ -173,8 +170,7 @@ class RendezvousSelector:
 
     The same key goes to the same head while the candidate set is unchanged; removing a head
     moves only the keys it held. ``affinity_key=None`` hashes as the empty key. Candidates must
-    come sorted by ``engine_id`` (the resolver does so); thread-safe.
-    """
+    come sorted by ``engine_id`` (the resolver does so); thread-safe."""
 
     def __init__(self) -> None:
         self._tables = _Tables()
@@ -207,8 +203,7 @@ class BoundedRendezvousSelector(RendezvousSelector):
 
     :param c: the load factor, ``>= 1`` (default 1.25). Smaller keeps loads tighter and moves
         more keys off their preferred head.
-    :raises ValueError: ``c`` below 1 or not finite.
-    """
+    :raises ValueError: ``c`` below 1 or not finite."""
 
     def __init__(self, c: float = 1.25) -> None:
         if not isinstance(c, (int, float)) or not math.isfinite(c) or c < 1:

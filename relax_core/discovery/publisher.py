@@ -19,7 +19,6 @@ from relax_core.discovery.schema import (
     RoutingSpec,
     WeightSources,
     check_model_sources,
-    join_path,
 )
 from relax_core.errors import SnapshotError
 from relax_core.records import RouteMode
@@ -41,11 +40,6 @@ class _Engine:
     generation: int
     view: EngineView
     weight_version: str | None = None
-
-    @property
-    def kept(self) -> tuple[int, str | None]:
-        """What a state change keeps: the generation and the weight version."""
-        return self.generation, self.weight_version
 
 
 @attrs.define
@@ -76,8 +70,7 @@ class RegistryPublisher:
     :param weight_sources, static_roles: as :meth:`RoleSnapshot.check_sources` takes them.
 
     ``role`` and ``epoch`` are fixed for its life. Thread-safe: every method takes one lock.
-    :meth:`snapshot` returns the cached object when nothing changed.
-    """
+    :meth:`snapshot` returns the cached object when nothing changed."""
 
     def __init__(
         self,
@@ -108,8 +101,7 @@ class RegistryPublisher:
     def snapshot(self) -> RoleSnapshot:
         """The current snapshot: the cached object when nothing changed since the last call.
 
-        :raises SnapshotError: the routing spec points to a model that is not published.
-        """
+        :raises SnapshotError: the routing spec points to a model that is not published."""
         with self._lock:
             if self._cached is None:
                 models = {
@@ -146,8 +138,7 @@ class RegistryPublisher:
     ) -> None:
         """Publish a model, or replace its model-level fields (its engines are kept).
 
-        :raises SnapshotError: a field breaks a schema rule (path ``models.<id>.<field>``).
-        """
+        :raises SnapshotError: a field breaks a schema rule (path ``models.<id>.<field>``)."""
         fields = (state, route_mode, router_url, weight_source, weight_version, served_model_name)
         with self._lock:
             self._put_model(model_id, *fields)
@@ -156,8 +147,7 @@ class RegistryPublisher:
         """Change some model-level fields (``state``, ``router_url``, ``weight_version``, …).
 
         :raises KeyError: the model is not published.
-        :raises SnapshotError: the result breaks a schema rule.
-        """
+        :raises SnapshotError: the result breaks a schema rule."""
         with self._lock:
             entry = self._model(model_id)
             fields = attrs.asdict(entry.view, recurse=False)
@@ -183,17 +173,14 @@ class RegistryPublisher:
         """Stop publishing a model and its engines.
 
         :raises KeyError: the model is not published.
-        :raises SnapshotError: the routing spec still points to it; change the routing first.
-        """
+        :raises SnapshotError: the routing spec still points to it; change the routing first."""
         with self._lock:
             self._model(model_id)
             routing = self._routing
             refs = ["routing.default_model"] if routing.default_model == model_id else []
-            for name, table in (
-                ("route_key_map", routing.route_key_map),
-                ("aliases", routing.aliases),
-            ):
-                refs += [f"routing.{name}[{key!r}]" for key, to in table.items() if to == model_id]
+            for name in ("route_key_map", "aliases"):
+                pointing = getattr(routing, name).items()
+                refs += [f"routing.{name}[{key!r}]" for key, to in pointing if to == model_id]
             if refs:
                 raise SnapshotError(
                     f"models.{model_id}",
@@ -223,17 +210,13 @@ class RegistryPublisher:
 
         :raises KeyError: the model is not published.
         :raises SnapshotError: the head breaks a schema rule
-            (path ``models.<id>.engines[<engine_id>].<field>``).
-        """
+            (path ``models.<id>.engines[<engine_id>].<field>``)."""
         with self._lock:
             entry = self._model(model_id)
             old = entry.engines.get(engine_id)
-            if old is None:
-                generation = 1
-            elif replaced or old.endpoint != base_url:
-                generation = old.generation + 1
-            else:
-                generation = old.generation
+            generation = 0 if old is None else old.generation
+            if old is None or replaced or old.endpoint != base_url:
+                generation += 1
             return self._put_engine(
                 model_id, engine_id, base_url, state, direct_eligible, generation, weight_version
             )
@@ -249,8 +232,7 @@ class RegistryPublisher:
         ``(engine_id, fields)`` of ``engines`` and :meth:`remove_engine` for each of
         ``removed``, under one lock; returns each engine's generation.
 
-        :raises KeyError, SnapshotError: as the calls it makes (those before it stay applied).
-        """
+        :raises KeyError, SnapshotError: as the calls it makes (those before it stay applied)."""
         with self._lock:
             self.set_model(model_id, **model)
             generations = {e: self.set_engine(model_id, e, **fields) for e, fields in engines}
@@ -263,11 +245,11 @@ class RegistryPublisher:
     ) -> None:
         """Change a head's state (and eligibility), keeping its URL and generation.
 
-        :raises KeyError: the model or engine is not published.
-        """
+        :raises KeyError: the model or engine is not published."""
         with self._lock:
             old = self._engine(model_id, engine_id)
-            self._put_engine(model_id, engine_id, old.endpoint, state, direct_eligible, *old.kept)
+            kept = (old.generation, old.weight_version)
+            self._put_engine(model_id, engine_id, old.endpoint, state, direct_eligible, *kept)
 
     def remove_engine(self, model_id: str, engine_id: str) -> None:
         """Stop publishing a replica head (``KeyError`` if it is not published)."""
@@ -292,8 +274,9 @@ class RegistryPublisher:
                         continue
                     engine.state = ModelState.UNKNOWN
                     engine.direct_eligible = None
+                    kept = (engine.generation, engine.weight_version)
                     engine.view = _engine_view(
-                        engine_id, engine.endpoint, engine.state, None, *engine.kept
+                        engine_id, engine.endpoint, engine.state, None, *kept
                     )
                     changed = True
             if changed:
@@ -360,16 +343,12 @@ class RegistryPublisher:
         weight_version: str | None = None,
     ) -> int:
         path = f"models.{model_id}.engines[{engine_id}]"
-        try:
-            engine_state = to_enum(ModelState, "state", state)
-            view = _engine_view(
-                engine_id, endpoint, engine_state, direct_eligible, generation, weight_version
-            )
-            if endpoint is not None and view.base_url is None:
-                # FAILED hides the URL; still check the one the manager reported.
-                EngineView(engine_id, endpoint, ModelState.UNKNOWN, False, generation)
-        except SnapshotError as exc:
-            raise SnapshotError(join_path(path, exc.path), exc.message) from None
+        engine_state = build_at(path, to_enum, ModelState, "state", state)
+        fields = (engine_state, direct_eligible, generation, weight_version)
+        view = build_at(path, _engine_view, engine_id, endpoint, *fields)
+        if endpoint is not None and view.base_url is None:
+            # FAILED hides the URL; still check the one the manager reported.
+            build_at(path, EngineView, engine_id, endpoint, ModelState.UNKNOWN, False, generation)
         entry = self._models[model_id]
         old = entry.engines.get(engine_id)
         if entry.view.weight_source == "STATIC" and weight_version is not None:

@@ -57,8 +57,7 @@ def weight_version_key(version: str) -> tuple[Any, ...]:
 
     :data:`INITIAL_WEIGHT_VERSION` sorts below every other version; the others compare digit
     runs as numbers and the rest as text (``"9" < "10"``, ``"v1.2" < "v1.10"``); equal keys
-    only for equal strings (``"7"`` and ``"07"`` differ by their text).
-    """
+    only for equal strings (``"7"`` and ``"07"`` differ by their text)."""
     if version == INITIAL_WEIGHT_VERSION:
         return (0,)
     parts = tuple(
@@ -96,8 +95,7 @@ class RouteTarget:
     ``url`` is the router URL (``route_mode`` SGLANG_ROUTER; ``engine_id`` and ``generation``
     are ``None``) or the chosen head's base URL (DIRECT). ``weight_version`` is the head's
     (when it publishes one), else the model's. ``registry_epoch`` and ``topology_revision``
-    identify the snapshot it came from.
-    """
+    identify the snapshot it came from."""
 
     role: str
     model_id: str
@@ -221,8 +219,7 @@ class RouteResolver:
         what to do. Its 503 then says so and carries no ``retry_after``.
 
     Selectors keep process-local state (round-robin cursors). Thread-safe. ``resolve`` does no
-    I/O, except that a resolver built without a plugin manager loads the process-wide one.
-    """
+    I/O, except that a resolver built without a plugin manager loads the process-wide one."""
 
     def __init__(
         self,
@@ -239,13 +236,10 @@ class RouteResolver:
         self._selectors: dict[tuple[str, bool], ReplicaSelector] = {}
         self._instances: dict[str, ReplicaSelector] = {}
 
-    def _plugin_manager(self) -> PluginManager:
+    def _policy(self, name: str, role: str) -> RoutingPolicy:
         if self._pm is None:
             self._pm = get_plugin_manager()
-        return self._pm
-
-    def _policy(self, name: str, role: str) -> RoutingPolicy:
-        pm = self._plugin_manager()
+        pm = self._pm
         try:
             return pm.routing_policy(name)
         except PluginError:
@@ -261,8 +255,7 @@ class RouteResolver:
     def selector(self, policy: str, *, affinity: bool, role: str = "?") -> ReplicaSelector:
         """The selector a DIRECT request uses under snapshot policy ``policy``.
 
-        :raises RoutingError: 503 when ``policy`` (or the fallback it needs) is not registered.
-        """
+        :raises RoutingError: 503 when ``policy`` (or the fallback it needs) is not registered."""
         found = self._selectors.get((policy, affinity))
         if found is not None:
             return found
@@ -295,8 +288,7 @@ class RouteResolver:
 
         :raises RoutingError: 400 for an unknown model, alias or route key, or no model at all;
             503 (with ``retry_after``) when nothing can serve it now; 503 (without) when the
-            snapshot's policy is not installed.
-        """
+            snapshot's policy is not installed."""
         last = self._last
         if last[0] is snapshot:
             index: _SnapshotIndex = last[1]  # type: ignore[assignment]

@@ -60,8 +60,7 @@ class ModelState(enum.StrEnum):
     """The state of a model, and of each of its logical replica heads, as the manager publishes it.
 
     Only a READY model receives requests, and only on its READY heads: weights, KV cache and
-    CUDA graph resident, the weights valid and admission open.
-    """
+    CUDA graph resident, the weights valid and admission open."""
 
     READY = "READY"
     STARTING = "STARTING"
@@ -97,12 +96,9 @@ def _check_version(_i: Any, _a: Any, value: object) -> None:
         )
 
 
-def _check_type(field: str, kind: type) -> Validator:
-    def check(_i: Any, _a: Any, value: object) -> None:
-        if not isinstance(value, kind):
-            raise SnapshotError(field, f"must be a {kind.__name__}, got {type(value).__name__}")
-
-    return check
+def _check_routing(_i: Any, _a: Any, value: Any) -> None:
+    if not isinstance(value, RoutingSpec):
+        raise SnapshotError("routing", f"must be a RoutingSpec, got {type(value).__name__}")
 
 
 def _plain(value: object) -> object:
@@ -117,8 +113,7 @@ class EngineView:
     head never publishes one. ``direct_eligible`` may only be true for a READY head with a URL.
     ``generation`` moves whenever the head's worker or endpoint is replaced.
     ``weight_version``: the version this head serves (versioned weight sources only; absent
-    from the JSON when ``None``).
-    """
+    from the JSON when ``None``)."""
 
     engine_id: str = attrs.field(validator=validator(check_id, "engine_id", "engine id"))
     base_url: str | None = attrs.field(validator=validator(check_url, "base_url"))
@@ -178,8 +173,7 @@ class ModelView:
     """One model of a role: its state, route mode, weights and replica heads.
 
     A READY ``SGLANG_ROUTER`` model has a ``router_url``; a ``DIRECT`` model has none. A STATIC
-    model carries no ``weight_version``.
-    """
+    model carries no ``weight_version``."""
 
     state: ModelState = attrs.field(converter=_model_state)
     route_mode: RouteMode = attrs.field(converter=_route_mode)
@@ -196,13 +190,13 @@ class ModelView:
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.weight_source == "STATIC" and self.weight_version is not None:
-            raise SnapshotError(
-                "weight_version",
-                f"a STATIC model never carries a weight_version (got {self.weight_version!r}); "
-                "publish null or use a versioned weight source (ACTOR, DCS)",
-            )
         if self.weight_source == "STATIC":
+            if self.weight_version is not None:
+                raise SnapshotError(
+                    "weight_version",
+                    f"a STATIC model never carries a weight_version (got {self.weight_version!r})"
+                    "; publish null or use a versioned weight source (ACTOR, DCS)",
+                )
             for index, engine in enumerate(self.engines):
                 if engine.weight_version is not None:
                     raise SnapshotError(
@@ -249,8 +243,7 @@ class RoutingSpec:
 
     ``policy`` names the DIRECT replica-selection policy (a registered
     :class:`~relax_core.records.RoutingPolicy`); ``policy_revision`` moves when its settings do.
-    Every target must be a model id of the snapshot (checked by :class:`RoleSnapshot`).
-    """
+    Every target must be a model id of the snapshot (checked by :class:`RoleSnapshot`)."""
 
     default_model: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(validator(check_str, "default_model"))
@@ -319,8 +312,7 @@ def check_model_sources(
 ) -> None:
     """Check one model's weight source as :meth:`RoleSnapshot.check_sources` does.
 
-    :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``.
-    """
+    :raises SnapshotError: naming ``models.<model_id>.weight_source`` or ``.weight_version``."""
     names, records = _source_records(weight_sources)
     static = role in _static_roles(static_roles, weight_sources)
     path = "models" + segment(model_id)
@@ -374,14 +366,13 @@ class RoleSnapshot:
 
     ``registry_epoch`` identifies the publishing registry's incarnation; ``topology_revision``
     moves on every published change within an epoch. Rules that depend on installed plugins
-    are checked by :meth:`check_sources`, which :meth:`from_json` and the registry call.
-    """
+    are checked by :meth:`check_sources`, which :meth:`from_json` and the registry call."""
 
     schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_check_version)
     role: str = attrs.field(validator=validator(_check_name, "role", "role"))
     registry_epoch: str = attrs.field(validator=validator(check_str, "registry_epoch"))
     topology_revision: int = attrs.field(validator=validator(check_int, "topology_revision"))
-    routing: RoutingSpec = attrs.field(validator=_check_type("routing", RoutingSpec))
+    routing: RoutingSpec = attrs.field(validator=_check_routing)
     models: Mapping[str, ModelView] = attrs.field(converter=frozen_map, validator=_check_models)
     # Values derived from this immutable snapshot (routing indexes); not part of its value.
     _derived: dict[str, Any] = attrs.field(
@@ -412,21 +403,16 @@ class RoleSnapshot:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Mapping proxies do not pickle; the derived cache is not worth sending.
-        fields = {f.name: getattr(self, f.name) for f in attrs.fields(RoleSnapshot) if f.init}
-        fields["models"] = dict(self.models)
-        return (_rebuild, (RoleSnapshot, fields))
+        fields = {name: getattr(self, name) for name in _TOP_FIELDS}
+        return (_rebuild, (RoleSnapshot, {**fields, "models": dict(self.models)}))
 
     def derived(self, key: str, build: Callable[[RoleSnapshot], T]) -> T:
         """A value computed once from this snapshot and cached on it (e.g. a routing index).
 
-        ``build(self)`` runs on the first call for ``key``; safe to race (both results equal).
-        """
-        try:
-            return self._derived[key]  # type: ignore[no-any-return]
-        except KeyError:
-            value = build(self)
-            self._derived[key] = value
-            return value
+        ``build(self)`` runs on the first call for ``key``; safe to race (both results equal)."""
+        if key not in self._derived:
+            self._derived[key] = build(self)
+        return self._derived[key]  # type: ignore[no-any-return]
 
     def check_sources(
         self,
@@ -441,8 +427,7 @@ class RoleSnapshot:
             a plugin manager; default :data:`BUILTIN_WEIGHT_SOURCES`.
         :param static_roles: roles whose models must be STATIC; default: the STATIC-only roles
             of a plugin manager, else none.
-        :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``.
-        """
+        :raises SnapshotError: naming ``models.<id>.weight_source`` or ``.weight_version``."""
         for model_id, model in self.models.items():
             check_model_sources(
                 self.role, model_id, model, weight_sources=weight_sources, static_roles=static_roles
@@ -458,8 +443,7 @@ class RoleSnapshot:
     ) -> RoleSnapshot:
         """Parse and validate a schema-2 snapshot (a decoded JSON object, or JSON text).
 
-        :raises SnapshotError: ``path`` names the offending field, the message the rule.
-        """
+        :raises SnapshotError: ``path`` names the offending field, the message the rule."""
         if isinstance(data, (str, bytes)):
             try:
                 data = json.loads(data)
@@ -481,15 +465,14 @@ class RoleSnapshot:
 
         Ranks are stable: the head numbered ``i`` (its engine id's trailing number, else its
         position) of the model at position ``p`` among ``n`` models has rank ``i * n + p``.
-        For old consumers (autoscalers, dashboards); never used for routing.
-        """
+        For old consumers (autoscalers, dashboards); never used for routing."""
         models = list(self.models.values())
         count = len(models)
         ranked: list[tuple[int, EngineView]] = []
         for position, model in enumerate(models):
-            found = [_trailing_number(e.engine_id) for e in model.engines]
-            numbers = [n for n in found if n is not None]
-            if len(numbers) != len(found) or len(set(numbers)) != len(numbers):
+            digits = [e.engine_id[len(e.engine_id.rstrip("0123456789")) :] for e in model.engines]
+            numbers = [int(d) for d in digits if d]
+            if len(numbers) != len(digits) or len(set(numbers)) != len(numbers):
                 numbers = list(range(len(model.engines)))
             ranked += [
                 (n * count + position, e) for n, e in zip(numbers, model.engines, strict=True)
@@ -497,11 +480,6 @@ class RoleSnapshot:
         ranked.sort(key=lambda item: item[0])
         engines = [{"rank": rank, "status": e.state.value, "url": e.base_url} for rank, e in ranked]
         return {"engines": engines}
-
-
-def _trailing_number(engine_id: str) -> int | None:
-    digits = len(engine_id) - len(engine_id.rstrip("0123456789"))
-    return int(engine_id[-digits:]) if digits else None
 
 
 def _rebuild(cls: Callable[..., T], fields: dict[str, Any]) -> T:
@@ -531,9 +509,7 @@ def _parse_model(path: str, data: object) -> ModelView:
         engine_path = f"{path}.engines[{index}]"
         engine = object_fields(raw, engine_path, _ENGINE_FIELDS, _ENGINE_OPTIONAL)
         engines.append(build_at(engine_path, EngineView, **engine))
-    model = dict(fields)
-    model["engines"] = tuple(engines)
-    return build_at(path, ModelView, **model)
+    return build_at(path, ModelView, **{**fields, "engines": tuple(engines)})
 
 
 def _parse(data: object) -> RoleSnapshot:
@@ -551,7 +527,4 @@ def _parse(data: object) -> RoleSnapshot:
         path = child_path("models", str(model_id))
         check_id(path, model_id, "model id")
         models[model_id] = _parse_model(path, raw)
-    values = dict(top)
-    values["routing"] = routing
-    values["models"] = models
-    return build_at("", RoleSnapshot, **values)
+    return build_at("", RoleSnapshot, **{**top, "routing": routing, "models": models})

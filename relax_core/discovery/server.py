@@ -34,22 +34,10 @@ def registry_app(providers: Mapping[str, Callable[[], RoleSnapshot]]) -> Any:
     return Starlette(routes=[Route("/{role}/engines", engines, methods=["GET"])])
 
 
-class RegistryServer:
-    """The serving process's registry (see the module docstring)."""
+class RegistryServer(ThreadServer):
+    """The serving process's registry (see the module docstring), on a free port of
+    ``127.0.0.1``: a role's registry base URL is ``{url}/{role}``. :meth:`start` blocks until it
+    accepts; :meth:`stop` is idempotent."""
 
     def __init__(self, providers: Mapping[str, Callable[[], RoleSnapshot]]) -> None:
-        self._server = ThreadServer(registry_app(providers), "127.0.0.1")
-
-    @property
-    def url(self) -> str:
-        """``http://127.0.0.1:port``; a role's registry base URL is ``{url}/{role}``."""
-        return str(self._server.url)
-
-    def start(self) -> RegistryServer:
-        """Start serving; blocks until it accepts."""
-        self._server.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving. Idempotent."""
-        self._server.stop()
+        super().__init__(registry_app(providers), "127.0.0.1")

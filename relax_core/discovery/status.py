@@ -26,8 +26,7 @@ def render_snapshot(snap: RoleSnapshot, *, pids: Mapping[str, Sequence[int]] | N
     """A table: one line per model, one indented line per replica head.
 
     ``pids``: engine id → its engine process ids, shown per replica when given (``relax
-    serve`` knows them; a snapshot does not carry them).
-    """
+    serve`` knows them; a snapshot does not carry them)."""
     lines = [
         f"role {snap.role}  (epoch {snap.registry_epoch}, revision {snap.topology_revision}, "
         f"default model {snap.routing.default_model}, policy {snap.routing.policy})"
@@ -41,16 +40,14 @@ def render_snapshot(snap: RoleSnapshot, *, pids: Mapping[str, Sequence[int]] | N
             f"{version}  served as {m.served_model_name}  {ready}/{len(m.engines)} READY{router}"
         )
         for e in m.engines:
-            pid = ""
-            if pids is not None and pids.get(e.engine_id):
-                pid = "  pid " + ",".join(str(p) for p in pids[e.engine_id])
+            found = (pids or {}).get(e.engine_id)
+            pid = "  pid " + ",".join(map(str, found)) if found else ""
             lines.append(
                 f"      {e.engine_id:22} {e.state.value:10} gen {e.generation:<3} "
                 f"{e.base_url or '-'}{'' if e.direct_eligible else '  (not routable)'}{pid}"
             )
-    keys = snap.routing.route_key_map
-    if keys:
-        lines.append("  route keys: " + ", ".join(f"{k}→{v}" for k, v in keys.items()))
-    if snap.routing.aliases:
-        lines.append("  aliases: " + ", ".join(f"{k}→{v}" for k, v in snap.routing.aliases.items()))
+    routing = snap.routing
+    for what, table in (("route keys", routing.route_key_map), ("aliases", routing.aliases)):
+        if table:
+            lines.append(f"  {what}: " + ", ".join(f"{k}→{v}" for k, v in table.items()))
     return "\n".join(lines)

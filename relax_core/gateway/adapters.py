@@ -3,8 +3,7 @@
 A role plugin's :class:`~relax_core.records.RoleSpec` ``gateway_adapter`` returns a
 :class:`RoleAdapter`: the gateway validates a request's common shape, resolves the model, then
 asks the adapter for the payload to forward. Light on imports (no aiohttp, no Starlette) so a
-role plugin can import it without the gateway.
-"""
+role plugin can import it without the gateway."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class AdaptContext:
     ``model``: the logical model id the request resolved to (``None`` unless
     :meth:`RoleAdapter.needs_model`). ``model_path``: its local checkpoint directory (``None``
     when unknown). ``served_model_name``: the engine's name for it. ``stream``: whether the
-    caller asked to stream.
-    """
+    caller asked to stream."""
 
     role: str
     model: str | None
@@ -48,8 +46,7 @@ class Adapted:
 
     ``payload``: the JSON object to forward instead of the caller's (``None``: the caller's).
     ``response``: turns the engine's JSON answer into the caller's, for non-streamed answers
-    (``None``: relay the engine's bytes unchanged).
-    """
+    (``None``: relay the engine's bytes unchanged)."""
 
     payload: dict[str, Any] | None = None
     response: Callable[[Any], Any] | None = None
@@ -73,8 +70,7 @@ def check_generate_payload(
 
     Exactly one input among ``text``, ``input_ids`` and ``extra_inputs`` (genrm: ``messages``).
 
-    :raises InvalidRequestError: naming the field and what to send instead.
-    """
+    :raises InvalidRequestError: naming the field and what to send instead."""
     if not isinstance(payload, dict):
         raise InvalidRequestError(
             f"the request body must be a JSON object, got {type(payload).__name__}; "
@@ -108,8 +104,7 @@ def check_generate_payload(
 def check_chat_payload(payload: object) -> dict[str, Any]:
     """Check the common shape of a chat-completions body and return it as a dict.
 
-    :raises InvalidRequestError: naming the field (``messages``: see :func:`check_messages`).
-    """
+    :raises InvalidRequestError: naming the field (``messages``: see :func:`check_messages`)."""
     if not isinstance(payload, dict):
         raise InvalidRequestError(
             f"the request body must be a JSON object with 'messages', got {type(payload).__name__}"
@@ -204,8 +199,7 @@ class RoleAdapter:
     tokenizer from local files (:meth:`preload` does so at start). An adapter whose
     :meth:`adapt_generate` does real CPU work (a chat template, tokenizing) sets ``blocking``:
     the gateway runs it in a thread pool (it must be thread-safe) and rechecks the chosen
-    replica afterwards.
-    """
+    replica afterwards."""
 
     #: Extra ``/generate`` input fields this role accepts (genrm: ``("messages",)``).
     generate_inputs: tuple[str, ...] = ()

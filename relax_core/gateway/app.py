@@ -182,8 +182,7 @@ async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHan
     """Relay an upstream event stream byte for byte; always close the upstream response.
 
     An upstream failing mid-stream ends it with one ``data: {"error": ...}`` event (SGLang's
-    shape; on an event boundary only) and a truncated stream (no final chunk).
-    """
+    shape; on an event boundary only) and a truncated stream (no final chunk)."""
     resp = answer.stream
     assert resp is not None
     chunks: AsyncIterator[bytes] = resp.iter_chunks(handler.stream_coalesce)
@@ -210,19 +209,11 @@ async def _relay(send: Send, answer: GatewayAnswer, handler: InferenceGatewayHan
                 f"failed after {relayed} bytes and is cut here: {detail}"
             )
             if last.endswith((b"\n\n", b"\r\n\r\n")):
-                error = {
-                    "message": message,
-                    "type": "gateway_timeout" if stalled else "bad_gateway",
-                    "code": status,
-                }
+                kind = "gateway_timeout" if stalled else "bad_gateway"
+                error = {"message": message, "type": kind, "code": status}
+                event = b"data: " + orjson.dumps({"error": error}) + b"\n\n"
                 with contextlib.suppress(Exception):
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": b"data: " + orjson.dumps({"error": error}) + b"\n\n",
-                            "more_body": True,
-                        }
-                    )
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
             raise _StreamAborted(message, status) from exc
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
@@ -266,8 +257,7 @@ def create_gateway_app(
     The adapter's preload starts when the app starts; the handler's client is closed when it
     shuts down.
 
-    :raises ValueError: ``spec`` is the record of another role than the handler's.
-    """
+    :raises ValueError: ``spec`` is the record of another role than the handler's."""
     role = handler.role
     if spec is not None and spec.name != role:
         raise ValueError(
@@ -350,8 +340,7 @@ class GatewayApp(Starlette):
     """A Starlette app whose forwarding routes skip the router and middleware stack.
 
     ``POST`` to an exact forwarding path goes straight to its :class:`ForwardRoute` (which
-    answers its own errors as JSON); everything else takes Starlette's normal path.
-    """
+    answers its own errors as JSON); everything else takes Starlette's normal path."""
 
     fast_routes: dict[str, ForwardRoute] = {}
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import attrs
 import orjson
 
-from relax_core._http.request import decode_json_body, requested_weight_version
+from relax_core._http.request import decode_json_body, weight_version
 from relax_core._http.upstream import UpstreamResponse, parse_retry_after
 from relax_core._quote import quote_body
 from relax_core.client.breaker import BreakerSettings
@@ -60,7 +60,6 @@ log = logging.getLogger("relax.gateway")
 _JSON = b"application/json"
 # Headers of an upstream answer the gateway sets itself (its server, or the request id).
 _NOT_RELAYED = frozenset({b"date", b"server", b"x-request-id"})
-_UPSTREAM_5XX_RELAYED = frozenset({503, 504})
 _DEFAULT_RETRY_AFTER = 1.0
 _ERROR_TYPES = {
     400: "invalid_request",
@@ -88,8 +87,7 @@ class GatewayAnswer:
 def error_answer(err: GatewayError) -> GatewayAnswer:
     """The JSON answer for ``err``: ``{"error": {"message", "type", "code"[, "param"]}}``.
 
-    ``Retry-After``, ``X-Request-ID`` and (for a 401) ``WWW-Authenticate`` go in the headers.
-    """
+    ``Retry-After``, ``X-Request-ID`` and (for a 401) ``WWW-Authenticate`` go in the headers."""
     error: dict[str, Any] = {
         "message": err.message,
         "type": _ERROR_TYPES.get(err.status, "error"),
@@ -110,8 +108,7 @@ def error_answer(err: GatewayError) -> GatewayAnswer:
 def adapter_for_role(plugin_manager: PluginManager, role: str) -> RoleAdapter:
     """The gateway adapter the plugin of ``role`` registered (the pass-through one if none).
 
-    :raises PluginError: no plugin registers ``role``.
-    """
+    :raises PluginError: no plugin registers ``role``."""
     spec = plugin_manager.role(role)
     if spec.gateway_adapter is None:
         return RoleAdapter()
@@ -140,8 +137,7 @@ def build_gateway_handler(
     come from. ``waker``: what wakes the role's sleeping models on demand (:class:`Waker`).
 
     :raises PluginError: no plugin registers ``role``.
-    :raises ValueError: ``discovery`` is a URL that is not ``http(s)://``.
-    """
+    :raises ValueError: ``discovery`` is a URL that is not ``http(s)://``."""
     options = GatewayOptions() if options is None else options
     adapter = adapter_for_role(plugin_manager, role)
     url, provider = (discovery, None) if isinstance(discovery, str) else (None, discovery)
@@ -229,8 +225,7 @@ class GatewayOptions:
     tokenizers). ``sleeping_note``: set when nothing will wake this role's SLEEPING models: a
     request to one gets 503 with this note and no Retry-After.
 
-    :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``).
-    """
+    :raises ValueError: a value out of range, naming the option (``max_body_bytes=0: …``)."""
 
     model_paths: dict[str, str] = attrs.field(factory=dict, converter=_str_map)
     timeout: float = attrs.field(default=300.0, validator=_positive)
@@ -251,8 +246,7 @@ class InferenceGatewayHandler:
 
     Build it with :func:`build_gateway_handler`. It closes ``client`` on :meth:`shutdown`.
     Belongs to one event loop (that of the server running it); a ``blocking`` adapter's renders
-    run in a small thread pool of the handler, never on the event loop.
-    """
+    run in a small thread pool of the handler, never on the event loop."""
 
     def __init__(
         self,
@@ -271,10 +265,9 @@ class InferenceGatewayHandler:
         self.max_body_bytes = options.max_body_bytes
         self.stream_coalesce = options.stream_coalesce
         # Passed per request (math.inf: no limit), so a shared client's defaults do not apply.
-        inf = float("inf")
-        idle, first = options.stream_idle_timeout, options.stream_first_chunk_timeout
-        self._idle = inf if idle is None else idle
-        self._first = inf if first is None else first
+        # (None, their "no limit", is the only false value their validator lets through.)
+        self._idle = options.stream_idle_timeout or float("inf")
+        self._first = options.stream_first_chunk_timeout or float("inf")
         self.metrics = GatewayMetrics(role)
         self.metrics.watch_client(client)
         if self.waker is not None:
@@ -284,12 +277,10 @@ class InferenceGatewayHandler:
         #: why the adapter's preload failed (``None``: it did not, or has not finished)
         self.preload_error: str | None = None
         # The context of a request before its model is known (frozen: shared by requests).
-        self._plain_ctx, self._stream_ctx = (
-            AdaptContext(
-                role=role, model=None, model_path=None, served_model_name=None, stream=stream
-            )
-            for stream in (False, True)
+        ctx = AdaptContext(
+            role=role, model=None, model_path=None, served_model_name=None, stream=False
         )
+        self._plain_ctx, self._stream_ctx = ctx, attrs.evolve(ctx, stream=True)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -405,10 +396,9 @@ class InferenceGatewayHandler:
         if residency is not None:
             body["residency"] = residency
         if self._preload is not None:
+            error = self.preload_error
             body["adapter"] = (
-                "loading"
-                if loading
-                else ("ok" if self.preload_error is None else f"failed: {self.preload_error}")
+                "loading" if loading else "ok" if error is None else f"failed: {error}"
             )
         if loading:
             body["message"] = "the role adapter is still loading its tokenizers; wait"
@@ -419,11 +409,8 @@ class InferenceGatewayHandler:
     def check_token(self, authorization: str | None) -> None:
         """Raise ``GatewayError(401)`` unless ``authorization`` carries the gateway's token."""
         token = self.options.token
-        if token is None:
-            return
-        expected = f"Bearer {token}"
-        if authorization is None or not hmac.compare_digest(
-            authorization.encode(), expected.encode()
+        if token is not None and not hmac.compare_digest(
+            (authorization or "").encode(), f"Bearer {token}".encode()
         ):
             raise GatewayError(
                 401,
@@ -502,7 +489,7 @@ class InferenceGatewayHandler:
         adapted: Adapted | None = None
         if self.adapter.needs_model(payload):
             # One routing decision per request: the target chosen here is the one sent to.
-            min_version = requested_weight_version(payload, headers)
+            min_version = weight_version(payload, headers.get("x-relax-min-weight-version"))
             affinity = headers.get("x-smg-routing-key")
             target = await self.client.resolve(
                 model=payload.get("model"),
@@ -549,11 +536,9 @@ class InferenceGatewayHandler:
         """Send ``payload`` (the caller's body, or the adapter's) for the checked ``request`` to
         ``path`` of ``target`` (``None``: resolved from ``request``) and answer."""
         timeout = self.deadline(headers)
-        fwd = (
-            {k: v for k, v in headers.items() if k != "authorization"}
-            if self.options.token is not None
-            else headers
-        )
+        fwd = headers
+        if self.options.token is not None:
+            fwd = {k: v for k, v in headers.items() if k != "authorization"}
         try:
             resp = await self.client.open(
                 path,
@@ -569,8 +554,7 @@ class InferenceGatewayHandler:
         except UpstreamError as exc:
             raise _error_for_upstream(exc, self.metrics) from exc
         try:
-            stream = request.get("stream") is True
-            return await self._answer(resp, stream=stream, adapted=adapted)
+            return await self._answer(resp, stream=request.get("stream") is True, adapted=adapted)
         except BaseException:
             await resp.aclose()
             raise
@@ -635,19 +619,12 @@ class InferenceGatewayHandler:
                 body,
             )
         self.metrics.upstream_error("status")
-        if status in _UPSTREAM_5XX_RELAYED:
-            retry = parse_retry_after(resp.headers.get("Retry-After"))
-            what = (
-                "the engine is not accepting requests now (draining or asleep); try again later"
-                if status == 503
-                else "the engine's own deadline passed"
-            )
-            raise GatewayError(
-                status,
-                f"{what}: {snippet}",
-                request_id=rid,
-                retry_after=(retry or _DEFAULT_RETRY_AFTER) if status == 503 else None,
-            )
+        if status == 503:
+            retry = parse_retry_after(resp.headers.get("Retry-After")) or _DEFAULT_RETRY_AFTER
+            what = "the engine is not accepting requests now (draining or asleep); try again later"
+            raise GatewayError(503, f"{what}: {snippet}", request_id=rid, retry_after=retry)
+        if status == 504:
+            raise GatewayError(504, f"the engine's own deadline passed: {snippet}", request_id=rid)
         raise GatewayError(
             502,
             f"the engine at {resp.prepared.url} failed with {status}: {snippet}; check its log",

@@ -3,8 +3,7 @@
 Every role gateway serves the same routes; what a role adds to its ``/generate`` and its default
 health schema come from its :class:`~relax_core.records.RoleSpec` (``openapi``,
 ``health_schema``). ``python -m relax_core.gateway.openapi DIR [ROLE ...]`` writes
-``DIR/{role}.json`` for each ``ROLE`` (without ``ROLE``: the documents already in ``DIR``).
-"""
+``DIR/{role}.json`` for each ``ROLE`` (without ``ROLE``: the documents already in ``DIR``)."""
 
 from __future__ import annotations
 
@@ -211,6 +210,10 @@ _SCHEMA_PARAM = {
     "required": False,
     "schema": {"type": "integer", "enum": [1, 2]},
 }
+_SGLANG_ANSWER = {
+    "description": "The engine's SGLang /generate answer.",
+    "type": ["object", "array"],
+}
 _CHAT_OK = {
     "description": "An OpenAI chat completion (an SSE stream of chunks with stream: true).",
     "content": {
@@ -242,29 +245,13 @@ def _op(
     return op
 
 
-def _generate_ok(notes: OpenAPINotes) -> dict[str, Any]:
-    schema: dict[str, Any] = (
-        copy.deepcopy(notes.generate_answer)
-        if notes.generate_answer is not None
-        else {"description": "The engine's SGLang /generate answer.", "type": ["object", "array"]}
-    )
-    return {
-        "description": "The engine's answer (an SSE stream with stream: true).",
-        "content": {
-            "application/json": {"schema": schema},
-            "text/event-stream": {"schema": _SSE_EVENT},
-        },
-    }
-
-
 def openapi_document(role: RoleSpec | str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a role's gateway.
 
     :param role: the role's record (its ``openapi`` notes and ``health_schema`` shape the
         document), or a bare role name for a role without a record: the common document,
         health schema 2.
-    :raises ValueError: the role's notes redefine a common ``/generate`` field.
-    """
+    :raises ValueError: the role's notes redefine a common ``/generate`` field."""
     spec = role if isinstance(role, RoleSpec) else None
     notes = spec.openapi if spec is not None else OpenAPINotes()
     name = spec.name if spec is not None else str(role)
@@ -279,7 +266,14 @@ def openapi_document(role: RoleSpec | str) -> dict[str, Any]:
         "ChatRequest",
     )
     generate = f"Raw SGLang generation for the {name} role" + notes.generate_summary
-    generate_ok = _generate_ok(notes)
+    answer = _SGLANG_ANSWER if notes.generate_answer is None else notes.generate_answer
+    generate_ok = {
+        "description": "The engine's answer (an SSE stream with stream: true).",
+        "content": {
+            "application/json": {"schema": copy.deepcopy(answer)},
+            "text/event-stream": {"schema": _SSE_EVENT},
+        },
+    }
     paths: dict[str, Any] = {
         f"{p}/generate": {
             "post": _op(generate, generate_ok, _FORWARD_ERRORS, version, "GenerateRequest")

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from relax_core._http.server import ThreadServer, uvicorn_config
+from relax_core._http.server import ThreadServer, bound_socket, uvicorn_config
 from relax_core.discovery.schema import RoleSnapshot
 from relax_core.errors import LifecycleError
 from relax_core.gateway.app import create_gateway_app
@@ -31,7 +31,6 @@ __all__ = [
     "WorkerPool",
     "gateway_app",
     "registry_gateway_app",
-    "reuseport_socket",
     "start_actor_gateway",
     "start_thread_gateway",
     "uvicorn_config",
@@ -42,28 +41,6 @@ __all__ = [
 AppFactory = Callable[[], Any]
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``(host, port)`` with ``SO_REUSEADDR`` and ``SO_REUSEPORT`` set.
-
-    ``port`` 0 lets the kernel choose (read it with ``getsockname()``). Not listening yet.
-    :raises RuntimeError: this platform has no ``SO_REUSEPORT``.
-    """
-    if not hasattr(socket, "SO_REUSEPORT"):
-        raise RuntimeError(
-            "workers > 1 needs SO_REUSEPORT, which this platform lacks; run one worker"
-        )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def _serve_worker(
     factory: AppFactory, host: str, port: int, options: Mapping[str, Any], conn: Connection
 ) -> None:
@@ -72,7 +49,7 @@ def _serve_worker(
 
     import uvicorn
 
-    sock = reuseport_socket(host, port)
+    sock = bound_socket(host, port, reuse_port=True)
     sock.listen(int(options.get("backlog", 2048)))
     server = uvicorn.Server(uvicorn_config(factory(), host, port, **options))
 
@@ -100,8 +77,7 @@ class WorkerPool:
 
     ``port`` ``None`` or 0: a free port, chosen once for all workers. ``options``: passed to
     :func:`~relax_core.gateway.app.uvicorn_config` in each worker. :meth:`start` blocks until
-    every worker accepts connections (or raises); :meth:`stop` is idempotent.
-    """
+    every worker accepts connections (or raises); :meth:`stop` is idempotent."""
 
     def __init__(
         self,
@@ -114,13 +90,17 @@ class WorkerPool:
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers!r}: give at least 1")
+        if not hasattr(socket, "SO_REUSEPORT"):
+            raise RuntimeError(
+                "workers > 1 needs SO_REUSEPORT, which this platform lacks; run one worker"
+            )
         self.app_factory = app_factory
         self.host = host
         self.workers = workers
         self.options = options
         # Holding the port: bound with SO_REUSEPORT but never listening, so the kernel never
         # hands it a connection, while no process outside the group can take the port.
-        self._holder = reuseport_socket(host, port or 0)
+        self._holder = bound_socket(host, port or 0, reuse_port=True)
         self.port: int = self._holder.getsockname()[1]
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -222,8 +202,7 @@ class GatewayServer:
 
     ``workers=1`` (the default): ``app`` (or ``app_factory()``) is served on its own thread in
     this process. ``workers=N > 1``: a :class:`WorkerPool` (``app_factory`` must be picklable).
-    :meth:`start` blocks until it accepts connections (or raises); :meth:`stop` is idempotent.
-    """
+    :meth:`start` blocks until it accepts connections (or raises); :meth:`stop` is idempotent."""
 
     def __init__(
         self,
@@ -306,8 +285,7 @@ def start_thread_gateway(
 ) -> RunningGateway:
     """Serve ``role``'s gateway on a thread of this process; blocks until it accepts.
 
-    :raises RuntimeError: uvicorn did not come up (the port is taken).
-    """
+    :raises RuntimeError: uvicorn did not come up (the port is taken)."""
     app = gateway_app(
         role, snapshot_provider, plugin_manager=plugin_manager, options=options, waker=waker
     )
@@ -348,8 +326,7 @@ def start_actor_gateway(
     ``registry_url`` is where the actor discovers the role (``{registry}/{role}``, serving
     ``/engines?schema=2``). Needs a connected Ray.
 
-    :raises LifecycleError: the actor did not come up within ``timeout`` (its error says why).
-    """
+    :raises LifecycleError: the actor did not come up within ``timeout`` (its error says why)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -1,6 +1,5 @@
 """Experiment trackers of ``relax run``: the protocol, a run's open trackers and what they
-hear of a step; the trackers themselves are plugins' (``docs/plugins.md``).
-"""
+hear of a step; the trackers themselves are plugins' (``docs/plugins.md``)."""
 
 from relax_core._exports import claim as _claim
 from relax_core.tracking.hub import Trackers, tracker_problems

@@ -101,8 +101,7 @@ class Trackers:
         """Open every tracker of ``entries`` in order; one whose ``open`` raises is reported
         and left out. ``resume_step`` / ``resume_ids`` (name -> run id): ``--resume``'s.
 
-        :raises TrackerError: with ``strict``, the first that failed to open (the others closed).
-        """
+        :raises TrackerError: with ``strict``, the first that failed to open (the others closed)."""
         opened: list[tuple[str, Tracker]] = []
         failures: dict[str, str] = {}
         for entry in entries:
@@ -140,11 +139,8 @@ class Trackers:
     def run_ids(self) -> dict[str, str | None]:
         """Each opened tracker's ``run_id`` attribute (``None`` without one): what a
         checkpoint keeps so a resumed run's trackers append to the same runs."""
-        out: dict[str, str | None] = {}
-        for name, tracker in self._all:
-            value = getattr(tracker, "run_id", None)
-            out[name] = None if value is None else str(value)
-        return out
+        ids = {name: getattr(tracker, "run_id", None) for name, tracker in self._all}
+        return {name: None if value is None else str(value) for name, value in ids.items()}
 
     # -- what the loop calls (each returns at once) --------------------------------------------
 
@@ -169,8 +165,7 @@ class Trackers:
         """Hand every tracker what is queued, then close each (a failed one too, quietly);
         wait at most ``timeout`` seconds. Idempotent.
 
-        :raises TrackerError: with ``strict``, a tracker failed (or did not close in time).
-        """
+        :raises TrackerError: with ``strict``, a tracker failed (or did not close in time)."""
         if self._closed:
             return
         self._closed = True
@@ -179,10 +174,8 @@ class Trackers:
             self._queue.put(_STOP)
             self._worker.join(timeout)
             if self._worker.is_alive():
-                busy = ", ".join(self.names)
-                error = TrackerError(
-                    busy, "close", f"the trackers did not close within {timeout:g}s"
-                )
+                late = f"the trackers did not close within {timeout:g}s"
+                error = TrackerError(", ".join(self.names), "close", late)
                 self.say(f"relax run: {error}; their last records may be missing")
                 if self.strict and self._error is None:
                     self._error = error

@@ -1,6 +1,5 @@
 """What a tracker hears of a committed step: its metrics (flat names to finite numbers, listed in
-docs/run.md; a value the step lacks is left out) and the rows of the samples it shows.
-"""
+docs/run.md; a value the step lacks is left out) and the rows of the samples it shows."""
 
 from __future__ import annotations
 

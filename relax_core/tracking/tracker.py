@@ -1,6 +1,5 @@
 """What a tracker is: the :class:`Tracker` protocol, the :class:`TrackerContext` it is opened
-with, the :class:`PhaseSpan` it hears, and the :class:`TrackerEntry` of ``[run] trackers``.
-"""
+with, the :class:`PhaseSpan` it hears, and the :class:`TrackerEntry` of ``[run] trackers``."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class TrackerContext:
 class PhaseSpan:
     """One phase of a step as it ended: its name (``generate``, ``genrm.onload`` …), step, trace
     lane (``leases`` for onloads and offloads, else ``batch``), start (epoch seconds) and seconds;
-    ``failed`` if it raised, ``interrupted`` if Ctrl-C cancelled it.
-    """
+    ``failed`` if it raised, ``interrupted`` if Ctrl-C cancelled it."""
 
     step: int
     name: str
@@ -63,8 +61,7 @@ class Tracker(Protocol):
     """An experiment tracker, as ``relax run`` calls it: from one driver thread, in order, off the
     step loop. A method that raises is reported once and the tracker dropped (``strict_trackers``:
     the run ends); :meth:`close` is called once whatever happens. An optional ``run_id`` attribute
-    is kept in each checkpoint and given back as :attr:`TrackerContext.resume_id` on resume.
-    """
+    is kept in each checkpoint and given back as :attr:`TrackerContext.resume_id` on resume."""
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """The run's config, once, before anything else: JSON data (the job, its ``[run]``
