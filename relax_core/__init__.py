@@ -10,7 +10,7 @@ from relax_core._exports import claim as _claim
 from relax_core._quote import quote_body
 from relax_core.cli import main
 from relax_core.client import *  # noqa: F403
-from relax_core.config import ConfigProblem, ConfigReader, JobConfig, load_config, loads_config
+from relax_core.config import ConfigReader, JobConfig, load_config, loads_config
 from relax_core.coordination import (
     REWARD_FIELDS,
     BatchControl,
@@ -50,6 +50,7 @@ from relax_core.discovery import (
 )
 from relax_core.engine import *  # noqa: F403
 from relax_core.errors import *  # noqa: F403
+from relax_core.errors import ConfigProblem
 from relax_core.gateway import (
     AdaptContext,
     Adapted,

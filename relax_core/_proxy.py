@@ -13,8 +13,6 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["actor_error_line", "contract", "generate", "remote_errors"]
-
 T = TypeVar("T", bound=type)
 
 

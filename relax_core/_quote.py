@@ -3,9 +3,6 @@ string (exported as :func:`relax_core.quote_body`)."""
 
 from __future__ import annotations
 
-__all__ = ["QUOTE_LIMIT", "quote_body"]
-
-
 #: How much of an answer's body an error message quotes (characters).
 QUOTE_LIMIT = 2000
 

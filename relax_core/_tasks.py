@@ -6,8 +6,6 @@ import asyncio
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
-__all__ = ["gather_all"]
-
 T = TypeVar("T")
 
 

@@ -6,8 +6,6 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["each_in_thread"]
-
 
 def each_in_thread(
     target: Callable[..., None],

@@ -22,25 +22,6 @@ import attrs
 from relax_core.errors import ConfigProblem, ConfigValidationError
 from relax_core.records import NAME_PATTERN, ROUTE_MODES, EngineOptions
 
-__all__ = [
-    "ClusterConfig",
-    "ConfigProblem",
-    "ConfigReader",
-    "GatewayConfig",
-    "HealthSettings",
-    "JobConfig",
-    "ModelConfig",
-    "PlacementConfig",
-    "PlacementSettings",
-    "RoleConfig",
-    "RouterSettings",
-    "ServeSettings",
-    "TrainingConfig",
-    "load_config",
-    "loads_config",
-    "parse_config",
-]
-
 DEVICES = ("cuda", "cpu")
 PG_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _FLOAT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32")

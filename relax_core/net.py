@@ -5,8 +5,6 @@ from __future__ import annotations
 import socket
 from collections.abc import Collection
 
-__all__ = ["free_port", "keep_local_ray_on_loopback"]
-
 
 def free_port(host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> int:
     """A TCP port that was free on ``host`` a moment ago (another process may take it), and is

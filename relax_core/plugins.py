@@ -34,8 +34,6 @@ from relax_core.records import (
     WeightSource,
 )
 
-__all__ = ["ENTRY_POINT_GROUP", "KINDS", "PluginManager", "Registered", "get_plugin_manager"]
-
 ENTRY_POINT_GROUP = "relax"
 CORE_PLUGIN_NAME = "relax-core"
 #: The module of the core's own plugin, loaded by name as pytest loads its default plugins: the

@@ -7,8 +7,6 @@ import enum
 
 from relax_core.errors import RequestNotReplayedError, UpstreamUnreachableError
 
-__all__ = ["FailureClass", "failure_class"]
-
 
 class FailureClass(enum.StrEnum):
     """How far a failed upstream exchange got: nothing sent, sent, or mid-answer."""

@@ -5,14 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = [
-    "HOP_BY_HOP_HEADERS",
-    "REQUEST_ID_HEADER",
-    "ROUTING_KEY_HEADER",
-    "caller_headers",
-    "forward_headers",
-]
-
 #: The header carrying a request's id end to end (kept by every hop).
 REQUEST_ID_HEADER = "X-Request-ID"
 #: Set by an admission server on its 502 when the engine behind it could not be connected to:

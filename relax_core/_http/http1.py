@@ -17,16 +17,6 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = [
-    "ConnectError",
-    "ConnectTimeout",
-    "Http1Body",
-    "Http1Client",
-    "Http1Response",
-    "PayloadError",
-    "ServerDisconnectedError",
-]
-
 # A body buffered beyond this, unread, pauses reading from the socket until it is drained.
 _HIGH_WATER = 1 << 20
 _URL_CACHE_SIZE = 4096

@@ -10,8 +10,6 @@ import orjson
 
 from relax_core.errors import InvalidRequestError
 
-__all__ = ["MIN_WEIGHT_VERSION_FIELD", "decode_json_body", "weight_version"]
-
 #: The body field a request requires a minimum weight version with (or the header
 #: ``X-Relax-Min-Weight-Version``).
 MIN_WEIGHT_VERSION_FIELD = "min_weight_version"

@@ -13,8 +13,6 @@ from aiohttp import web
 
 from relax_core.net import free_port
 
-__all__ = ["ThreadServer", "bound_socket", "serve_app", "uvicorn_config"]
-
 
 def bound_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``(host, port)`` (``0``: a free port) with ``SO_REUSEADDR``, and

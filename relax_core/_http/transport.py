@@ -13,8 +13,6 @@ import aiohttp
 from relax_core._http.http1 import Http1Client
 from relax_core._http.upstream import PreparedRequest, classify_failure
 
-__all__ = ["Transport"]
-
 
 class Transport:
     """Pooled connections to upstreams with Relax's failure classification.

@@ -28,15 +28,6 @@ from relax_core.errors import (
 if TYPE_CHECKING:
     from relax_core.discovery.routing import RouteTarget
 
-__all__ = [
-    "PreparedRequest",
-    "UpstreamResponse",
-    "classify_failure",
-    "decode_answer",
-    "parse_retry_after",
-    "status_error",
-]
-
 
 class PreparedRequest(NamedTuple):
     """A routed request, ready to send: exactly the bytes and headers that go on the wire;

@@ -10,8 +10,6 @@ from typing import Any
 
 import attrs
 
-__all__ = ["BreakerSettings", "ReplicaBreakers"]
-
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if isinstance(value, bool) or not 0 < value < float("inf"):

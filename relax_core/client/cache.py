@@ -19,8 +19,6 @@ from relax_core.discovery.schema import RoleSnapshot, WeightSources
 from relax_core.errors import RoutingError, SnapshotError
 from relax_core.plugins import get_plugin_manager
 
-__all__ = ["SnapshotCache", "SnapshotProvider"]
-
 #: A callable returning the role's snapshot (or its schema-2 dict), directly or awaitably.
 SnapshotProvider = Callable[
     [], "RoleSnapshot | Mapping[str, Any] | Awaitable[RoleSnapshot | Mapping[str, Any]]"

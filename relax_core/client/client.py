@@ -27,7 +27,7 @@ from relax_core._http.upstream import PreparedRequest, UpstreamResponse, decode_
 from relax_core.client.breaker import BreakerSettings, ReplicaBreakers
 from relax_core.client.cache import SnapshotCache, SnapshotProvider
 from relax_core.discovery.routing import RouteResolver, RouteTarget, weight_version_at_least
-from relax_core.discovery.schema import RoleSnapshot, RouteMode, WeightSources
+from relax_core.discovery.schema import RoleSnapshot, WeightSources
 from relax_core.errors import (
     InvalidRequestError,
     RequestNotReplayedError,
@@ -35,17 +35,7 @@ from relax_core.errors import (
     UpstreamUnreachableError,
 )
 from relax_core.plugins import PluginManager
-
-__all__ = [
-    "GENERATE_PATHS",
-    "OPENAI_PATHS",
-    "InferenceClient",
-    "OpenOptions",
-    "PostOptions",
-    "RouteOptions",
-    "SnapshotProvider",
-    "TransportOptions",
-]
+from relax_core.records import RouteMode
 
 #: Paths whose payload is SGLang's native one: the logical ``model``/``route_key`` are dropped.
 GENERATE_PATHS = frozenset({"/generate"})

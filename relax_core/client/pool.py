@@ -9,9 +9,8 @@ import weakref
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from relax_core.client.client import InferenceClient, SnapshotProvider
-
-__all__ = ["close_clients", "get_client"]
+from relax_core.client.cache import SnapshotProvider
+from relax_core.client.client import InferenceClient
 
 
 class _LoopClients:

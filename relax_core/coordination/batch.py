@@ -39,17 +39,6 @@ from relax_core.errors import (
     SinkError,
 )
 
-__all__ = [
-    "DEFAULT_MAX_SAMPLES",
-    "BatchResult",
-    "DeferredBatch",
-    "DeferredCollector",
-    "Dropped",
-    "Producer",
-    "Streamed",
-    "abort_generation",
-]
-
 #: The most samples one deferred batch stages (the collector and the batch share it).
 DEFAULT_MAX_SAMPLES = 65536
 

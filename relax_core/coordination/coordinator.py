@@ -21,16 +21,6 @@ from relax_core.coordination.sink import SinkReceipt, partition_name
 from relax_core.coordination.states import BatchState, LeaseState
 from relax_core.errors import BatchFailedError, CoordinationError, LeaseBlockedError
 
-__all__ = [
-    "COMMITTED_HISTORY",
-    "DEFAULT_OPERATION_TIMEOUT",
-    "RETIRED_HISTORY",
-    "Coordinator",
-    "CoordinatorStatus",
-    "LifecycleCoordinator",
-    "RunFailure",
-]
-
 #: The deadline of one manager onload/offload RPC, in seconds.
 DEFAULT_OPERATION_TIMEOUT = 180.0
 #: Committed batch ids remembered after eviction (late waiters and repeats still see COMMITTED).

@@ -10,14 +10,6 @@ from typing import Any, Protocol, cast, runtime_checkable
 from relax_core.manager.actor import InProcessManager, RayManager, host_manager
 from relax_core.manager.results import LifecycleResult, Outcome
 
-__all__ = [
-    "ClientHandle",
-    "LocalManagerHandle",
-    "ManagerHandle",
-    "RayManagerHandle",
-    "unconfirmed",
-]
-
 
 @runtime_checkable
 class ManagerHandle(Protocol):

@@ -16,8 +16,6 @@ import attrs
 from relax_core.coordination.handles import ManagerHandle, unconfirmed
 from relax_core.coordination.states import LeaseState, check_lease_transition
 
-__all__ = ["LateReply", "LeaseEngine"]
-
 _L = LeaseState
 #: The optional handle method that offloads without draining (a failed batch's release).
 ABORT = "abort_and_offload"

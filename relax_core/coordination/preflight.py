@@ -7,10 +7,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from relax_core.config import ConfigProblem
-from relax_core.errors import ConfigValidationError
-
-__all__ = ["DeferredWorkload", "deferred_workload_problems", "validate_deferred_workload"]
+from relax_core.errors import ConfigProblem, ConfigValidationError
 
 
 def _strs(value: Iterable[str]) -> tuple[str, ...]:

@@ -18,15 +18,6 @@ from relax_core.coordination.handles import RayManagerHandle
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.errors import CoordinationError
 
-__all__ = [
-    "NAMESPACE",
-    "CoordinatorActor",
-    "RemoteCoordinator",
-    "connect_coordinator",
-    "coordinator_name",
-    "start_coordinator",
-]
-
 #: The Ray namespace of every job's coordinator actor.
 NAMESPACE = "relax"
 

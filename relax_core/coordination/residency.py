@@ -15,14 +15,6 @@ import attrs
 from relax_core.config import RESIDENCY_MODES
 from relax_core.placement.plan import PHASE_RESIDENT, InferencePlacementPlan
 
-__all__ = [
-    "RESIDENCY_MODES",
-    "ResidencyPlan",
-    "SliceResidency",
-    "defer_slices",
-    "plan_residency",
-]
-
 
 def _demand(value: Mapping[str, Mapping[int, float] | None]) -> dict[str, dict[int, float] | None]:
     return {r: None if d is None else dict(d) for r, d in value.items()}

@@ -22,8 +22,6 @@ import attrs
 
 from relax_core.errors import RoutingError, UpstreamError, UpstreamStatusError
 
-__all__ = ["GENERATE", "Recovery", "Regeneration", "retryable", "stage_deadline"]
-
 #: The stage a regenerated group is counted under (the step's ``retries``, the trace).
 GENERATE = "generate"
 

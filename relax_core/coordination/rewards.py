@@ -22,8 +22,6 @@ from relax_core.coordination.stages import RoleClients, SampleField, StageContex
 from relax_core.errors import ScoringError
 from relax_core.records import RewardSpec
 
-__all__ = ["REWARD", "REWARDS", "REWARD_FIELDS", "RewardContext", "RewardResult", "RewardStage"]
-
 
 def _finite(value: object) -> bool:
     return _number(value) and math.isfinite(value)

@@ -9,8 +9,6 @@ from typing import Any, cast
 
 import attrs
 
-__all__ = ["Sample"]
-
 
 def _ints(value: Any) -> tuple[int, ...]:
     return value if type(value) is tuple else tuple(int(v) for v in value)

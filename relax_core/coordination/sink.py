@@ -14,14 +14,6 @@ import attrs
 from relax_core._proxy import remote_errors
 from relax_core.errors import SinkError
 
-__all__ = [
-    "BatchSink",
-    "MemoryBatchSink",
-    "RayBatchSink",
-    "SinkReceipt",
-    "partition_name",
-]
-
 _PARTITION = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
 

@@ -17,19 +17,6 @@ from relax_core.coordination.sample import Sample
 from relax_core.errors import CoordinationError, ScoringError
 from relax_core.records import NAME_PATTERN
 
-__all__ = [
-    "BatchControl",
-    "RoleClients",
-    "SampleField",
-    "Stage",
-    "StageContext",
-    "StageReport",
-    "check_samples",
-    "check_stages",
-    "stage_fields",
-    "validate_samples",
-]
-
 #: The problems a validation failure shows (their count is given).
 _SHOWN = 5
 #: ``check(value, sample) -> problem or None``: what is wrong with one sample's value.

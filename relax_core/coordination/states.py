@@ -9,8 +9,6 @@ import enum
 
 from relax_core.errors import CoordinationError
 
-__all__ = ["BatchState", "LeaseState", "check_lease_transition"]
-
 
 class BatchState(enum.StrEnum):
     """The coordinator's view of one batch (finer data phases belong to the DeferredBatch)."""

@@ -16,8 +16,6 @@ from typing import Any
 
 import attrs
 
-__all__ = ["PHASE_HISTOGRAM", "PhaseEvent", "Timeline"]
-
 #: The Prometheus histogram every phase duration is observed in.
 PHASE_HISTOGRAM = "relax_deferred_phase_seconds"
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600)

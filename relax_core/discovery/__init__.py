@@ -4,15 +4,9 @@ the route resolver and the DIRECT routing policies."""
 from relax_core._exports import claim as _claim
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.routing import RouteResolver, RouteTarget
-from relax_core.discovery.schema import (
-    EngineView,
-    ModelState,
-    ModelView,
-    RoleSnapshot,
-    RouteMode,
-    RoutingSpec,
-)
+from relax_core.discovery.schema import EngineView, ModelState, ModelView, RoleSnapshot, RoutingSpec
 from relax_core.discovery.server import RegistryServer
+from relax_core.records import RouteMode
 
 __all__ = [
     "EngineView",

@@ -16,8 +16,6 @@ from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
 from relax_core.errors import SnapshotError
 
-__all__ = ["RegistryActor", "RemotePublisher", "start_registry_actor"]
-
 _Fields: TypeAlias = dict[str, Any]
 _Engines: TypeAlias = Collection[tuple[str, _Fields]]
 _FORWARDED = frozenset({"set_model", "set_engine", "remove_engine", "publish_many", "invalidate"})

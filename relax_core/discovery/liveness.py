@@ -10,8 +10,6 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ManagerLiveness", "actor_ping", "actor_republish"]
-
 log = logging.getLogger("relax.discovery")
 
 

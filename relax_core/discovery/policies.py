@@ -17,17 +17,6 @@ from typing import Any
 from relax_core.hookspecs import hookimpl
 from relax_core.records import RoutingPolicy
 
-__all__ = [
-    "BOUNDED_RENDEZVOUS",
-    "RENDEZVOUS",
-    "ROUND_ROBIN",
-    "BoundedRendezvousSelector",
-    "RendezvousSelector",
-    "RoundRobinSelector",
-    "relax_register_routing_policies",
-    "rendezvous_order",
-]
-
 SLOTS = 1 << 16
 _LANE = 128  # bits per candidate lane: a 64-bit a*x+b never carries into the next lane
 _RANK_BITS = 16

@@ -23,8 +23,6 @@ from relax_core.discovery.schema import (
 from relax_core.errors import SnapshotError
 from relax_core.records import RouteMode
 
-__all__ = ["RegistryPublisher"]
-
 
 def _routing(routing: object) -> RoutingSpec:
     if not isinstance(routing, RoutingSpec):

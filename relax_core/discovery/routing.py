@@ -12,21 +12,10 @@ from typing import Any
 
 import attrs
 
-from relax_core.discovery.schema import ModelState, RoleSnapshot, RouteMode
+from relax_core.discovery.schema import ModelState, RoleSnapshot
 from relax_core.errors import ModelNotReadyError, PluginError, RoutingError
 from relax_core.plugins import PluginManager, get_plugin_manager
-from relax_core.records import ReplicaSelector, RoutingPolicy
-
-__all__ = [
-    "DEFAULT_RETRY_AFTER",
-    "INITIAL_WEIGHT_VERSION",
-    "NO_REPLICA_RETRY_AFTER",
-    "WEIGHT_VERSION_RETRY_AFTER",
-    "RouteResolver",
-    "RouteTarget",
-    "weight_version_at_least",
-    "weight_version_key",
-]
+from relax_core.records import ReplicaSelector, RouteMode, RoutingPolicy
 
 #: Seconds a client should wait before retrying a model in each non-READY state.
 DEFAULT_RETRY_AFTER: Mapping[ModelState, float] = types.MappingProxyType(

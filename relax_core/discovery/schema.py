@@ -21,7 +21,6 @@ from relax_core.discovery._fields import (
     check_url,
     child_path,
     frozen_map,
-    join_path,
     object_fields,
     segment,
     to_enum,
@@ -33,20 +32,6 @@ from relax_core.records import NAME_PATTERN, RouteMode, WeightSource
 
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
-
-__all__ = [
-    "BUILTIN_WEIGHT_SOURCES",
-    "SCHEMA_VERSION",
-    "EngineView",
-    "ModelState",
-    "ModelView",
-    "RoleSnapshot",
-    "RouteMode",
-    "RoutingSpec",
-    "WeightSources",
-    "check_model_sources",
-    "join_path",
-]
 
 SCHEMA_VERSION = 2
 

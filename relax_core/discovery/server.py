@@ -9,8 +9,6 @@ from typing import Any
 from relax_core._http.server import ThreadServer
 from relax_core.discovery.schema import RoleSnapshot
 
-__all__ = ["RegistryServer", "registry_app"]
-
 
 def registry_app(providers: Mapping[str, Callable[[], RoleSnapshot]]) -> Any:
     """A Starlette app serving each role's snapshot at ``GET /{role}/engines`` (schema 2;

@@ -7,8 +7,6 @@ from collections.abc import Mapping, Sequence
 
 from relax_core.discovery.schema import RoleSnapshot
 
-__all__ = ["fetch_snapshot", "render_snapshot"]
-
 
 def fetch_snapshot(url: str, *, token: str | None = None, timeout: float = 10.0) -> RoleSnapshot:
     """The snapshot served at ``url`` (a role base URL or its ``/engines`` URL)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 import orjson
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,10 +27,7 @@ from relax_core.gateway.handler import (
     error_answer,
     gateway_error,
 )
-from relax_core.gateway.metrics import CONTENT_TYPE_LATEST
 from relax_core.records import RoleSpec
-
-__all__ = ["create_gateway_app"]
 
 log = logging.getLogger("relax.gateway")
 

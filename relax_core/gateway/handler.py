@@ -20,7 +20,8 @@ from relax_core._http.request import decode_json_body, weight_version
 from relax_core._http.upstream import UpstreamResponse, parse_retry_after
 from relax_core._quote import quote_body
 from relax_core.client.breaker import BreakerSettings
-from relax_core.client.client import InferenceClient, SnapshotProvider
+from relax_core.client.cache import SnapshotProvider
+from relax_core.client.client import InferenceClient
 from relax_core.discovery.routing import RouteTarget
 from relax_core.discovery.schema import ModelState, RoleSnapshot
 from relax_core.errors import (
@@ -34,19 +35,6 @@ from relax_core.errors import (
 from relax_core.gateway.adapters import AdaptContext, Adapted, RoleAdapter
 from relax_core.gateway.metrics import GatewayMetrics
 from relax_core.plugins import PluginManager
-
-__all__ = [
-    "DEADLINE_HEADER",
-    "DEFAULT_MAX_BODY_BYTES",
-    "GatewayAnswer",
-    "GatewayOptions",
-    "InferenceGatewayHandler",
-    "Waker",
-    "adapter_for_role",
-    "build_gateway_handler",
-    "error_answer",
-    "gateway_error",
-]
 
 #: A caller may shorten (never lengthen) the gateway's deadline with this header (seconds).
 DEADLINE_HEADER = "X-Relax-Timeout"

@@ -9,12 +9,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from relax_core._http.failures import FailureClass
-
-__all__ = ["CONTENT_TYPE_LATEST", "UPSTREAM_ERROR_CLASSES", "GatewayMetrics"]
 
 #: Every value of the ``error`` label of ``relax_gateway_upstream_errors_total``.
 UPSTREAM_ERROR_CLASSES = (

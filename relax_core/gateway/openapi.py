@@ -16,8 +16,6 @@ from typing import Any
 
 from relax_core.records import OpenAPINotes, RoleSpec
 
-__all__ = ["openapi_document", "write_documents"]
-
 _ERROR = {
     "type": "object",
     "required": ["error"],

@@ -23,19 +23,6 @@ from relax_core.gateway.app import create_gateway_app
 from relax_core.gateway.handler import GatewayOptions, Waker, build_gateway_handler
 from relax_core.plugins import PluginManager
 
-__all__ = [
-    "AppFactory",
-    "GatewayActor",
-    "GatewayServer",
-    "RunningGateway",
-    "WorkerPool",
-    "gateway_app",
-    "registry_gateway_app",
-    "start_actor_gateway",
-    "start_thread_gateway",
-    "uvicorn_config",
-]
-
 #: A picklable callable (module-level function or ``functools.partial`` of one) returning the
 #: ASGI app a worker serves; it is called once in each worker process.
 AppFactory = Callable[[], Any]

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.config import ConfigProblem, ConfigReader, JobConfig, ModelConfig
-from relax_core.errors import ConfigError
+from relax_core.config import ConfigReader, JobConfig, ModelConfig
+from relax_core.errors import ConfigError, ConfigProblem
 from relax_core.jobs.managers import backend_options, router_record
 from relax_core.jobs.phases import deferred_roles
 from relax_core.plugins import PluginManager
-
-__all__ = ["check_job", "servable_problems", "serve_phase_problems"]
 
 
 def check_job(config: JobConfig, plugin_manager: PluginManager) -> list[str]:

@@ -21,19 +21,6 @@ from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
 from relax_core.records import EngineBackend, RouterBackend, RouterLaunchSpec, RouterProcess
 
-__all__ = [
-    "ManagerSettings",
-    "backend_options",
-    "build_role_service",
-    "describe_job",
-    "engine_launch_specs",
-    "manager_arguments",
-    "router_launch_spec",
-    "router_record",
-    "routing_spec",
-    "start_model_actor",
-]
-
 
 def routing_spec(role: RoleConfig) -> RoutingSpec:
     """The role's routing rules from its config: default model, route keys, aliases, policy."""

@@ -13,8 +13,6 @@ from relax_core.manager.actor import HostedManager, InProcessManager, RayManager
 from relax_core.manager.external import ExternalEngines
 from relax_core.records import RouterProcess
 
-__all__ = ["LocalModel", "ModelHandle", "RayModel"]
-
 
 class ModelHandle(Protocol):
     """One model of a job: what starting in phases, putting to sleep and teardown need;

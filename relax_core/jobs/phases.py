@@ -12,8 +12,6 @@ from relax_core.errors import LifecycleError
 from relax_core.jobs.models import ModelHandle
 from relax_core.manager import LifecycleResult
 
-__all__ = ["deferred_roles", "put_to_sleep", "start_models", "start_order"]
-
 #: ``on_done(handle, result_or_error)`` of :func:`start_models`.
 OnDone = Callable[[ModelHandle, "LifecycleResult | BaseException"], None]
 

@@ -10,8 +10,6 @@ from relax_core.config import JobConfig
 from relax_core.errors import RelaxError
 from relax_core.manager import ReplicaPlacement, UnconfirmedWorker
 
-__all__ = ["bind_pools", "release_pools", "replica_placements"]
-
 
 def bind_pools(plan: Any, *, out: list[Any] | None = None, detach: bool = False) -> dict[str, Any]:
     """Create and bind the placement group ``relax-<pool>`` of every pool of ``plan`` (each

@@ -12,22 +12,10 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from relax_core.config import ConfigProblem, JobConfig, ModelConfig
-from relax_core.errors import PluginError
+from relax_core.config import JobConfig, ModelConfig
+from relax_core.errors import ConfigProblem, PluginError
 from relax_core.plugins import PluginManager
 from relax_core.records import EngineBackend
-
-__all__ = [
-    "ADDRESS_TIMEOUT",
-    "ANSWER_TIMEOUT",
-    "TOKENIZER_FILES",
-    "Preflight",
-    "job_preflight",
-    "model_dir_problems",
-    "port_problems",
-    "ray_address_problem",
-    "resolve_model_paths",
-]
 
 #: Any one of these files in a model directory is a tokenizer an engine can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

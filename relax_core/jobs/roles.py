@@ -19,8 +19,6 @@ from relax_core.manager import HealthReport, InferenceManager
 from relax_core.manager.external import ExternalEngines
 from relax_core.records import RouterProcess
 
-__all__ = ["MonitorCallback", "RoleService", "health_printer"]
-
 #: ``on_report(model_id, report_or_error)`` of :meth:`RoleService.start_monitor`.
 MonitorCallback = Callable[[str, "HealthReport | BaseException"], None]
 

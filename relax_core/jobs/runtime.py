@@ -18,8 +18,6 @@ from relax_core.jobs.teardown import Stop, shutdown_models, still_running, stop_
 from relax_core.manager import LifecycleResult, ReplicaPlacement
 from relax_core.plugins import PluginManager
 
-__all__ = ["JobRuntime", "Say"]
-
 #: Where a job's lines go (one line per call, without a newline).
 Say = Callable[[str], None]
 

@@ -26,8 +26,6 @@ from relax_core.jobs.wake import WakeController
 from relax_core.manager import ReplicaPlacement
 from relax_core.plugins import PluginManager
 
-__all__ = ["ServedJob", "place_served_job", "serve_job", "teardown_served_job"]
-
 #: Why a deferred role's model sleeps for good under ``relax serve`` (a gateway in a Ray actor
 #: cannot reach the wake controller), and what to do (its gateway's 503).
 _SLEEPING_NOTE = (

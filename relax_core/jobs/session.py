@@ -13,8 +13,6 @@ from typing import Any, TextIO
 
 from relax_core.config import JobConfig
 
-__all__ = ["ShutdownSignals", "ray_session"]
-
 Say = Callable[[str], None]
 
 

@@ -16,8 +16,6 @@ from relax_core.jobs.models import ModelHandle
 from relax_core.manager import UnconfirmedWorker
 from relax_core.manager.reaper import start_time
 
-__all__ = ["Stop", "shutdown_models", "still_running", "stop_parts"]
-
 
 @attrs.frozen
 class Stop:

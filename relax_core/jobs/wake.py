@@ -30,14 +30,6 @@ from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.states import LeaseState
 from relax_core.errors import ModelNotReadyError
 
-__all__ = [
-    "ThreadWaker",
-    "WakeCollector",
-    "WakeController",
-    "WakeCounts",
-    "WakeState",
-]
-
 
 class WakeState(enum.StrEnum):
     """Where one role of a shared slice is, as the controller drives it: its lease

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.config import ConfigProblem
+from relax_core.errors import ConfigProblem
 
 __all__ = [
     "PHASE_RESIDENT",

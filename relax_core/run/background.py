@@ -14,7 +14,6 @@ from typing import Any, Protocol, Unpack, runtime_checkable
 
 import attrs
 
-from relax_core.config import ConfigProblem
 from relax_core.coordination.batch import Producer, describe_failure
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import (
@@ -25,9 +24,7 @@ from relax_core.coordination.stages import (
     StageReport,
     more_groups,
 )
-from relax_core.errors import ConfigError, CoordinationError
-
-__all__ = ["BackgroundEvals", "BackgroundStage", "EvalCounts", "EvalResult", "background_problems"]
+from relax_core.errors import ConfigError, ConfigProblem, CoordinationError
 
 #: What a background evaluation ended as.
 _ENDS = DONE, FAILED, CANCELLED = "done", "failed", "cancelled"

@@ -19,20 +19,6 @@ from relax_core.run.data import Prompt, PromptSource
 from relax_core.run.driver import Finished
 from relax_core.run.generate import StepProducer
 
-__all__ = [
-    "FILE",
-    "FOLDER",
-    "FORMAT",
-    "MAY_CHANGE",
-    "Checkpoint",
-    "Checkpointer",
-    "Cursor",
-    "CursorProducer",
-    "job_settings",
-    "read_checkpoint",
-    "settings_problems",
-]
-
 #: The latest checkpoint of a run, in its directory.
 FILE = "checkpoint.json"
 #: The folder of the checkpoints' state (one ``step-N`` each; only the latest is kept).

@@ -19,22 +19,6 @@ if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
     from relax_core.records import TrainerSpec
 
-__all__ = [
-    "CHECKPOINT_EVERY",
-    "DISTILL_STAGE",
-    "PUSH_BUCKET_BYTES",
-    "PUSH_FORMATS",
-    "PUSH_PAUSES",
-    "REWARD_STAGE",
-    "RUN_MODES",
-    "STALE_ACTIONS",
-    "TEACHER_MODES",
-    "GenerationTable",
-    "RunConfig",
-    "StageTable",
-    "parse_run_config",
-]
-
 #: ``teacher_mode`` values: the teacher's log-prob of each sampled token, or its top-k.
 TEACHER_MODES = ("sampled", "top-k")
 #: ``push_format`` values: safetensors bytes (any host, any device), CUDA IPC handles (the

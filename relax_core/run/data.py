@@ -12,25 +12,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from relax_core.config import ConfigProblem
-from relax_core.errors import ConfigValidationError
+from relax_core.errors import ConfigProblem, ConfigValidationError
 from relax_core.hookspecs import hookimpl
 from relax_core.records import DataSourceSpec, PluginLookup
-
-__all__ = [
-    "ARITHMETIC",
-    "JSONL",
-    "MAX_LINE_PROBLEMS",
-    "ArithmeticSource",
-    "JsonlSource",
-    "Prompt",
-    "PromptSource",
-    "SourceRequest",
-    "find_source",
-    "open_source",
-    "read_jsonl",
-    "source_problems",
-]
 
 
 @attrs.frozen

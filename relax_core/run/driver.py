@@ -38,16 +38,6 @@ from relax_core.errors import BatchFailedError, EmptyBatchError, LifecycleError
 from relax_core.run.background import BackgroundEvals
 from relax_core.run.streaming import StreamScorer, streaming_prefix
 
-__all__ = [
-    "STALENESS_STAGE",
-    "DriverSettings",
-    "Finished",
-    "StepDriver",
-    "StepOutcome",
-    "TrainerPort",
-    "VersionClock",
-]
-
 #: The ``stage`` a staleness drop is reported under (``dropped.reasons`` of a step).
 STALENESS_STAGE = "staleness"
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relax_core.config import ConfigProblem, ConfigReader, ModelConfig
-from relax_core.errors import PluginError
+from relax_core.config import ConfigReader, ModelConfig
+from relax_core.errors import ConfigProblem, PluginError
 from relax_core.plugins import PluginManager
 from relax_core.records import EngineBackend, RolloutShapeSpec
 from relax_core.run.config import GenerationTable, RunConfig
 from relax_core.run.rollout import RolloutShapeConfig
-
-__all__ = ["engine_feature_problems"]
 
 
 def engine_feature_problems(

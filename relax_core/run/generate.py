@@ -30,8 +30,6 @@ from relax_core.run.rollout import (
     sampling_seed,
 )
 
-__all__ = ["Generator", "PromptTokenizer", "SingleTurn", "StepProducer", "build_single_turn"]
-
 
 class PromptTokenizer:
     """The generation model's tokenizer (its ``tokenizer.json``).

@@ -15,12 +15,12 @@ from typing import Any
 
 import attrs
 
-from relax_core.config import ConfigProblem, ConfigReader, JobConfig, ModelConfig
+from relax_core.config import ConfigReader, JobConfig, ModelConfig
 from relax_core.coordination.preflight import DeferredWorkload, deferred_workload_problems
 from relax_core.coordination.remote import NAMESPACE
 from relax_core.coordination.residency import ResidencyPlan, defer_slices, plan_residency
 from relax_core.coordination.stages import Stage, stage_fields
-from relax_core.errors import RelaxError
+from relax_core.errors import ConfigProblem, RelaxError
 from relax_core.jobs.runtime import JobRuntime, Say
 from relax_core.jobs.teardown import Stop
 from relax_core.manager import ManagerTimeouts
@@ -28,8 +28,6 @@ from relax_core.manager.actor import ManagerActor
 from relax_core.manager.external import ExternalEngines
 from relax_core.plugins import PluginManager
 from relax_core.run.config import RunConfig
-
-__all__ = ["ExternalEnginesActor", "RunJob", "generation_role", "run_problems"]
 
 
 def generation_role(config: JobConfig, pm: PluginManager) -> str | None:

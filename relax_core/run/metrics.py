@@ -7,8 +7,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["RunMetrics", "serve_metrics"]
-
 _BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600, 1800)
 _LOCK = threading.Lock()
 _SHARED: dict[int, RunMetrics] = {}

@@ -11,27 +11,12 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from relax_core.client.client import InferenceClient
-from relax_core.config import ConfigProblem, ConfigReader
+from relax_core.config import ConfigReader
 from relax_core.coordination.sample import Sample
-from relax_core.errors import ConfigValidationError, PluginError, UpstreamError
+from relax_core.errors import ConfigProblem, ConfigValidationError, PluginError, UpstreamError
 from relax_core.records import PluginLookup, RolloutShapeSpec
 from relax_core.run.config import GenerationTable, RunConfig
 from relax_core.run.data import Prompt
-
-__all__ = [
-    "DEFAULT_SHAPE",
-    "GroupRequest",
-    "RolloutShape",
-    "RolloutShapeConfig",
-    "TurnAnswer",
-    "add_segments",
-    "boundaries",
-    "build_rollout_shape",
-    "continue_aborted",
-    "parse_answer",
-    "rollout_problems",
-    "sampling_seed",
-]
 
 #: The shape a run without ``[run.generation]`` generates with.
 DEFAULT_SHAPE = "single-turn"

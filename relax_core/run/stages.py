@@ -11,26 +11,15 @@ from typing import Any, TypedDict, Unpack
 
 import attrs
 
-from relax_core.config import ConfigProblem, ConfigReader, hint
+from relax_core.config import ConfigReader, hint
 from relax_core.coordination.rewards import RewardStage
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import Stage, StageContext, StageReport, check_stages
-from relax_core.errors import ConfigError, ConfigValidationError
+from relax_core.errors import ConfigError, ConfigProblem, ConfigValidationError
 from relax_core.hookspecs import hookimpl
 from relax_core.records import PluginLookup, StageSpec
 from relax_core.run.config import COMMON_STAGE_KEYS, RunConfig, StageTable
 from relax_core.run.data import PromptSource, open_source, source_problems
-
-__all__ = [
-    "EVAL",
-    "REWARD",
-    "EvalStage",
-    "RewardWeight",
-    "StageConfig",
-    "build_stages",
-    "read_rewards",
-    "stage_problems",
-]
 
 
 @attrs.frozen

@@ -14,8 +14,6 @@ from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage, StageContext, StageReport
 from relax_core.coordination.timeline import Timeline
 
-__all__ = ["StreamScorer", "merge_reports", "streaming_prefix"]
-
 
 def streaming_prefix(
     stages: Sequence[Stage], *, deferred: Collection[str], generation_role: str

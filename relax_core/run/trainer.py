@@ -17,15 +17,6 @@ from relax_core.run.config import PUSH_BUCKET_BYTES, PUSH_FORMATS
 if TYPE_CHECKING:
     from relax_core.plugins import PluginManager
 
-__all__ = [
-    "CHECKPOINT_METHODS",
-    "Trainer",
-    "TrainerContext",
-    "load_trainer_class",
-    "start_trainer",
-    "trainer_checkpoints",
-]
-
 #: The methods a trainer has when it can be checkpointed and resumed (see :class:`Trainer`).
 CHECKPOINT_METHODS = ("save", "load")
 

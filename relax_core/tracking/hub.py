@@ -7,12 +7,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from relax_core.config import ConfigProblem, ConfigReader, hint
-from relax_core.errors import TrackerError
+from relax_core.config import ConfigReader, hint
+from relax_core.errors import ConfigProblem, TrackerError
 from relax_core.plugins import PluginManager
 from relax_core.tracking.tracker import PhaseSpan, Tracker, TrackerContext, TrackerEntry
-
-__all__ = ["Trackers", "tracker_problems"]
 
 #: Seconds :meth:`Trackers.close` waits for the trackers to take what is queued and close.
 CLOSE_SECONDS = 120.0

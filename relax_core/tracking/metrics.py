@@ -10,8 +10,6 @@ from typing import Any
 
 from relax_core.coordination.sample import Sample
 
-__all__ = ["ROLLOUT_METRICS", "reward_by_key", "rollout_metrics", "sample_rows", "step_metrics"]
-
 #: The ``Sample.metadata`` key under which a rollout reports its own numbers per sample (name ->
 #: number: a multi-turn rollout's ``turns``, ``tool_calls``, ``environment_seconds`` …); the
 #: step's ``rollout`` object aggregates them (:func:`rollout_metrics`).

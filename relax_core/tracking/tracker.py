@@ -8,8 +8,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-__all__ = ["PhaseSpan", "Tracker", "TrackerContext", "TrackerEntry"]
-
 
 @attrs.frozen
 class TrackerEntry:
