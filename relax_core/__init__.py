@@ -2,8 +2,7 @@
 
 The public API: everything a caller or a plugin needs is exported here (and pytest helpers in
 ``relax_core.testing``); subpackages export more for the core's readers, other modules are
-private.
-"""
+private."""
 
 from relax_core import client, engine, errors, records
 from relax_core._exports import claim as _claim

@@ -11,8 +11,7 @@ def claim(package: str, namespace: Mapping[str, object], names: Iterable[str]) -
     Called at the end of a package's ``__init__`` on its ``__all__``: ``repr``, tracebacks and
     pickles then name the public path (``relax_core.InferenceClient``), not the private module
     that defines the class. Every such class is reachable under that name, so pickling by
-    reference keeps working.
-    """
+    reference keeps working."""
     for name in names:
         value = namespace[name]
         if isinstance(value, type):

@@ -3,8 +3,7 @@
 A thing that runs in process and behind Ray has one ``typing.Protocol``; its forwarders are
 generated from it by :func:`generate`, never typed out again. Every client of an actor wraps its
 calls in :func:`remote_errors`, so a caller sees the callee's own error or one of the client's
-error type that says which actor and what to do.
-"""
+error type that says which actor and what to do."""
 
 from __future__ import annotations
 

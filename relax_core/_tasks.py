@@ -13,8 +13,7 @@ async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
     """Every awaitable's result, in order, each run as a task at once.
 
     On the first failure, or when the caller is cancelled, the other tasks are cancelled and
-    waited for before the error is raised: no task outlives the call.
-    """
+    waited for before the error is raised: no task outlives the call."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))

@@ -18,8 +18,7 @@ def each_in_thread(
 
     Threads are named ``f"{name}-{item[0]}"``. Blocking; ``target`` must catch what it wants
     reported (an exception ends only its thread). ``daemon``: the threads do not keep the
-    process alive.
-    """
+    process alive."""
     threads = [
         threading.Thread(target=target, args=item, name=f"{name}-{item[0]}", daemon=daemon)
         for item in items

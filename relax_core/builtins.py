@@ -1,7 +1,6 @@
 """The core's own plugin (``relax-core``, registered by ``PluginManager.create``): built-in weight
 sources, routing policies, placement modes, prompt sources, the ``single-turn`` shape and the
-``reward`` and ``eval`` stages, each hook implemented beside the code it registers.
-"""
+``reward`` and ``eval`` stages, each hook implemented beside the code it registers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A step's batch on shared GPUs: the coordinator, DeferredBatch, batch sinks, stages, the reward
-stage, the defer preflight and the batch timeline (``docs/coordination.md``).
-"""
+stage, the defer preflight and the batch timeline (``docs/coordination.md``)."""
 
 from relax_core._exports import claim as _claim
 from relax_core.coordination.batch import (

@@ -1,7 +1,6 @@
 """DeferredBatch: stage a closed batch on CPU, run the step's stages role by role on shared GPUs,
 validate, write back, publish and commit — or fail it, nothing half-published
-(``docs/coordination.md``).
-"""
+(``docs/coordination.md``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """LifecycleCoordinator: shared-GPU leases (over the ``LeaseEngine``), operation dedupe and the
 training-batch commit gate: a batch commits only when every role sleeps and the batch sink
-acknowledged the write (docs/coordination.md).
-"""
+acknowledged the write (docs/coordination.md)."""
 
 from __future__ import annotations
 
@@ -120,8 +119,7 @@ class LifecycleCoordinator:
     :param residency: which roles of a slice may hold its GPUs at once (default: one).
     :raises ValueError: the inputs disagree (a role without handles, an unknown role).
 
-    Every method is a coroutine of one event loop; state changes happen between awaits.
-    """
+    Every method is a coroutine of one event loop; state changes happen between awaits."""
 
     def __init__(
         self,

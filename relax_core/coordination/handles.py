@@ -1,7 +1,6 @@
 """Manager handles (:class:`ManagerHandle`): how the coordinator and a deferred batch reach a
 model's manager, in a Ray actor (:class:`RayManagerHandle`) or in this process
-(:class:`LocalManagerHandle`, its blocking calls in a worker thread).
-"""
+(:class:`LocalManagerHandle`, its blocking calls in a worker thread)."""
 
 from __future__ import annotations
 

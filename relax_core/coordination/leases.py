@@ -1,7 +1,6 @@
 """One lease engine over GPU slices, driven by ``relax run``'s coordinator and ``relax serve``'s
 wakes: who may hold a slice's GPUs, and the switch that moves a role on or off them; an
-unconfirmed switch leaves the role BLOCKED until the operator resets it (docs/coordination.md).
-"""
+unconfirmed switch leaves the role BLOCKED until the operator resets it (docs/coordination.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class LeaseEngine:
     :param on_event: told one line per rebuild and per BLOCKED lease.
     :param on_rebuild: told the role whose replicas a switch rebuilt.
 
-    One event loop; not thread-safe. The caller holds the slice's :meth:`lock` around a switch.
-    """
+    One event loop; not thread-safe. The caller holds the slice's :meth:`lock` around a switch."""
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
 """The coordinator as a CPU-only Ray actor (:func:`start_coordinator`,
 :func:`connect_coordinator`) and :class:`RemoteCoordinator`, its client: each ``Coordinator``
-call forwarded, an error raised in the actor re-raised as itself.
-"""
+call forwarded, an error raised in the actor re-raised as itself."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Defer slices and residency: which roles share GPUs (those whose models' bundle runs overlap in
 one pool while placed in different non-resident phases, transitively: the layout the coordinator
 leases), and which roles of a slice may be resident together, from the placement's memory budget
-(``docs/coordination.md``).
-"""
+(``docs/coordination.md``)."""
 
 from __future__ import annotations
 

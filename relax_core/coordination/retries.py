@@ -6,8 +6,7 @@ transport failure or a 5xx (:func:`retryable`), never after a 4xx. Between two a
 run's :class:`Recovery` has the role's FAILED replicas rebuilt (the lease engine's rule:
 :meth:`~relax_core.coordination.leases.LeaseEngine.recover`). A generation request is never
 sent again: its group is regenerated as a new group of the same prompt (:class:`Regeneration`).
-Every retry and rebuild is counted per batch and stage.
-"""
+Every retry and rebuild is counted per batch and stage."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ class Recovery:
     for the same rebuild); ``on_retry(batch_id, stage, error)`` hears each retry (the trace).
 
     ``retries``: batch id -> stage -> requests sent again; ``rebuilds``: batch id -> role ->
-    replicas rebuilt. Not thread-safe: one event loop.
-    """
+    replicas rebuilt. Not thread-safe: one event loop."""
 
     def __init__(
         self,

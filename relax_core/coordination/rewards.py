@@ -1,8 +1,7 @@
 """The reward stage: registered reward adapters (:class:`~relax_core.records.RewardSpec`) over a
 staged batch, ``sync`` ones in Ray worker processes, ``async`` ones as coroutines with
 ``context=`` (:class:`RewardContext`). It writes :data:`REWARD_FIELDS`; an adapter that raises or
-returns no finite number (or :class:`RewardResult`) fails the stage, naming it and the sample.
-"""
+returns no finite number (or :class:`RewardResult`) fails the stage, naming it and the sample."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The Sample record: one generated response, the unit a step's stages score and a batch commits.
-What stages write goes into :attr:`Sample.fields`; a staged copy shares the token tuples.
-"""
+What stages write goes into :attr:`Sample.fields`; a staged copy shares the token tuples."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class Sample:
 
     ``weight_version``: the version of its last token; ``weight_versions``: ``(first token
     index, version)`` boundaries when weights changed mid-generation (:attr:`versions` reads
-    both). ``metadata`` is free-form; ``fields``: what the step's stages wrote.
-    """
+    both). ``metadata`` is free-form; ``fields``: what the step's stages wrote."""
 
     id: str
     group_id: str

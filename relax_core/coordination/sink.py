@@ -1,6 +1,5 @@
 """Batch sinks (:class:`BatchSink`): where a deferred batch publishes its scored samples; batch
-``N`` goes to partition ``train_N``, readable once a put with ``is_last`` closed it.
-"""
+``N`` goes to partition ``train_N``, readable once a put with ``is_last`` closed it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a step stage is: the fields it writes (checked on every staged sample before the
 write-back), the role whose lease it needs, and what it gets to reach the roles' engines and its
-batch (``docs/coordination.md``).
-"""
+batch (``docs/coordination.md``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The coordinator's two state machines, never mixed: batch states and role leases (diagram in
 ``docs/coordination.md``). BLOCKED is the fail-stop fence of a shared GPU: an onload or offload
-of unknown result gives the GPUs to no other role until the operator resets it.
-"""
+of unknown result gives the GPUs to no other role until the operator resets it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The timeline of deferred batches: every phase's duration as the Prometheus histogram
 :data:`PHASE_HISTOGRAM` (label ``phase``) and as one Chrome-trace JSON file per run (opens in
-Perfetto), each phase one complete event on a lane with its batch id (``docs/coordination.md``).
-"""
+Perfetto), each phase one complete event on a lane with its batch id (``docs/coordination.md``)."""
 
 from __future__ import annotations
 

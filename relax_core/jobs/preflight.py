@@ -1,7 +1,6 @@
 """The job preflight: what ``relax serve`` and ``relax run`` check on this machine before Ray
 starts (model directories, gateway ports, the Ray address), reported all at once. Nothing here
-starts anything. See ``docs/jobs.md``.
-"""
+starts anything. See ``docs/jobs.md``."""
 
 from __future__ import annotations
 

@@ -197,8 +197,7 @@ class JobRuntime:
     ) -> list[str]:
         """Take the job down: ``first``, every model at once, ``then``, the check that every
         process seen is gone, then every placement group but the fenced ones. Returns what
-        could not be confirmed (empty when clean); each part is tried. Idempotent.
-        """
+        could not be confirmed (empty when clean); each part is tried. Idempotent."""
         problems = stop_parts(first, lambda text: self.line(say, text))
         models = self.handles
         self.models = {}

@@ -62,8 +62,7 @@ class ShutdownSignals:
     """Ctrl-C and SIGTERM for ``relax serve`` and ``relax run``: once :meth:`install`-ed a
     signal raises ``KeyboardInterrupt``; inside :meth:`cancelling` the first cancels that task
     and later ones are held; after :meth:`hold` every one is held, its line (naming
-    ``command``) going to ``say`` (default: printed to ``out``).
-    """
+    ``command``) going to ``say`` (default: printed to ``out``)."""
 
     def __init__(
         self, out: TextIO, *, command: str = "relax serve", say: Say | None = None

@@ -1,7 +1,6 @@
 """On-demand residency under ``relax serve``: a request for a sleeping role wakes it, evicting
 the least recently used roles it does not fit beside; idle roles go back to sleep. The leases
-are a :class:`~relax_core.coordination.leases.LeaseEngine`'s. See ``docs/serve.md``.
-"""
+are a :class:`~relax_core.coordination.leases.LeaseEngine`'s. See ``docs/serve.md``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``relax run``: the inference side of RL steps closed into a loop with a trainer (its modules:
-``docs/architecture.md``; its use: ``docs/run.md``).
-"""
+``docs/architecture.md``; its use: ``docs/run.md``)."""
 
 from relax_core._exports import claim as _claim
 from relax_core.run.config import RunConfig, StageTable, parse_run_config

@@ -1,7 +1,6 @@
 """Background evaluation (``background = true`` on an ``eval`` stage): in step ``N``'s batch
 the stage only starts its work, which runs beside the steps that follow without any lease and
-ends as an :class:`EvalResult`, never failing a step (``docs/run.md``).
-"""
+ends as an :class:`EvalResult`, never failing a step (``docs/run.md``)."""
 
 from __future__ import annotations
 

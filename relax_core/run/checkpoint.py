@@ -1,6 +1,5 @@
 """Checkpoints of ``relax run``, and what ``relax run --resume RUN_DIR`` continues from
-(``docs/run.md``, "Checkpoints and resume"); a kill at any moment leaves the last one whole.
-"""
+(``docs/run.md``, "Checkpoints and resume"); a kill at any moment leaves the last one whole."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The ``[run]`` table of a job file (``docs/run.md`` lists every key): of ``[[run.stages]]``
 only the common keys are read here; without it the shorthand keys (``rewards``,
-``teacher_role``…) make the default stages.
-"""
+``teacher_role``…) make the default stages."""
 
 from __future__ import annotations
 

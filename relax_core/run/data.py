@@ -1,6 +1,5 @@
 """Where ``relax run`` takes each step's prompts from: the prompt sources plugins register;
-``[run] dataset`` names one, or a file whose suffix one claims (:func:`find_source`).
-"""
+``[run] dataset`` names one, or a file whose suffix one claims (:func:`find_source`)."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ def read_jsonl(
     path: str | Path, *, key: str = "run.dataset", limit: int = MAX_LINE_PROBLEMS
 ) -> tuple[list[Prompt], list[ConfigProblem]]:
     """Every prompt of a JSONL dataset and every problem with it (at ``FILE:LINE`` for each of
-    the first ``limit`` bad lines, then counted). Reads the file only.
-    """
+    the first ``limit`` bad lines, then counted). Reads the file only."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

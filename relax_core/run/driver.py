@@ -1,7 +1,6 @@
 """The step driver of ``relax run``: every step, sync (``max_staleness = 0``, no streaming) or
 async, runs through its three lanes: generation behind the staleness gate, commit, training and
-push (``docs/run.md``, "Asynchronous steps").
-"""
+push (``docs/run.md``, "Asynchronous steps")."""
 
 from __future__ import annotations
 

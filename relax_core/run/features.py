@@ -1,7 +1,6 @@
 """The engine features a run needs (its rollout shape's ``needs``), checked against its
 generation engines' backends (``EngineBackend.missing``) before Ray or any engine starts: a
-feature this install cannot provide is a problem at the key path that asks for it.
-"""
+feature this install cannot provide is a problem at the key path that asks for it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The producer of ``relax run`` (:class:`StepProducer`): each step's prompts become groups of
-samples through the run's rollout shape; and the default shape, ``single-turn``.
-"""
+samples through the run's rollout shape; and the default shape, ``single-turn``."""
 
 from __future__ import annotations
 

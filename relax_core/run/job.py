@@ -1,6 +1,5 @@
 """What ``relax run`` brings up on Ray and takes down again (:class:`RunJob`), and the checks
-made before anything starts (:func:`run_problems`).
-"""
+made before anything starts (:func:`run_problems`)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def generation_role(config: JobConfig, pm: PluginManager) -> str | None:
 
 def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[str]:
     """Every reason ``relax run`` cannot run ``config`` with ``run``, as ``key.path: [rule]
-    message`` lines; empty when it can. Starts nothing (it reads the data source).
-    """
+    message`` lines; empty when it can. Starts nothing (it reads the data source)."""
     from relax_core.jobs.checks import check_job
     from relax_core.run.background import background_problems
     from relax_core.run.data import source_problems
@@ -426,8 +424,7 @@ class RunJob:
 
     def teardown(self, say: Say) -> list[str]:
         """Stop everything this job started; what could not be confirmed (empty: nothing
-        left). Idempotent; never raises for one part's failure (each is tried).
-        """
+        left). Idempotent; never raises for one part's failure (each is tried)."""
         import ray
 
         first = []

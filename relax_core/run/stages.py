@@ -1,6 +1,5 @@
 """A step's stages, built from the job file's stage tables through the registered stage kinds
-(:func:`build_stages`), and the core's own two kinds, ``reward`` and ``eval``.
-"""
+(:func:`build_stages`), and the core's own two kinds, ``reward`` and ``eval``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Streaming scoring: the step's leading streaming stages run on each group's staged copies
-as soon as it is generated; nothing they write reaches the originals before the batch commits.
-"""
+as soon as it is generated; nothing they write reaches the originals before the batch commits."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The trainer of ``relax run``: the interface a trainer plugin implements, how one is found
-by name, and the Ray actor it runs in (``docs/run.md`` says how to write one).
-"""
+by name, and the Ray actor it runs in (``docs/run.md`` says how to write one)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class Trainer(Protocol):
     Optional: ``measure_copy(sizes)`` (``--measure``: ``{bytes: {"h2d": s, "d2h": s}}``), and
     ``save(directory)`` / ``load(directory)`` for checkpoints (:func:`trainer_checkpoints`;
     ``save`` is called between steps, into an empty ``directory``, and returns a few JSON
-    numbers; ``load`` once before a resumed run's first step).
-    """
+    numbers; ``load`` once before a resumed run's first step)."""
 
     def train(self, batch_id: int) -> dict[str, Any]:
         """Wait for batch ``batch_id``'s commit, train on it, delete its partition; return
