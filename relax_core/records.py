@@ -706,9 +706,9 @@ class RunProbe(Protocol):
         :class:`~relax_core.ManagerHandle` (its ``onload`` / ``offload``: rollout's switches)."""
 
     async def report(self, trainer: Any, step_seconds: float) -> dict[str, Any]:
-        """The summary's report, asked once after the last step (never of an interrupted run):
-        ``trainer``: the run's :class:`~relax_core.Trainer`; ``step_seconds``: the committed
-        steps' seconds."""
+        """The summary's ``switching`` object (``docs/plugins.md``: the keys the text output
+        reads), asked once after the last step (never of an interrupted run); ``trainer``: the
+        run's :class:`~relax_core.Trainer`; ``step_seconds``: the committed steps' seconds."""
 
 
 @attrs.frozen
