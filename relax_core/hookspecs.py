@@ -164,6 +164,17 @@ def relax_register_trackers(register: Callable[[records.TrackerSpec], None]) -> 
     """
 
 
+@hookspec
+def relax_register_run_probes(register: Callable[[records.RunProbeSpec], None]) -> None:
+    """Register run probes: what ``relax run --measure`` measures (the one named ``switching``;
+    relax-bench registers it). A probe wraps the run's coordinator and generation handle before
+    the first step, and makes the summary's ``switching`` report after the last.
+
+    :param register: call it once per :class:`~relax_core.records.RunProbeSpec`, as in
+        ``register(RunProbeSpec(name="switching", start=SwitchTimer))``.
+    """
+
+
 # == tools: benchmarks (relax bench) and commands (when the command line is built) ============
 
 

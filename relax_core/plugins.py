@@ -28,6 +28,7 @@ from relax_core.records import (
     RolloutShapeSpec,
     RouterBackend,
     RoutingPolicy,
+    RunProbeSpec,
     StageSpec,
     TrackerSpec,
     TrainerSpec,
@@ -58,6 +59,7 @@ _RECORDS: Mapping[str, tuple[type[Any], str]] = {
     "stages": (StageSpec, "stage"),
     "trainers": (TrainerSpec, "trainer"),
     "trackers": (TrackerSpec, "tracker"),
+    "run_probes": (RunProbeSpec, "run probe"),
     "benchmarks": (BenchmarkSpec, "benchmark"),
     "commands": (CommandSpec, "command"),
 }
@@ -282,6 +284,7 @@ class PluginManager:
     stage = _lookup("stages", StageSpec)
     trainer = _lookup("trainers", TrainerSpec)
     tracker = _lookup("trackers", TrackerSpec)
+    run_probe = _lookup("run_probes", RunProbeSpec)
     benchmark = _lookup("benchmarks", BenchmarkSpec)
     command = _lookup("commands", CommandSpec)
 

@@ -40,6 +40,8 @@ __all__ = [
     "RouterMembership",
     "RouterProcess",
     "RoutingPolicy",
+    "RunProbe",
+    "RunProbeSpec",
     "StageSpec",
     "TrackerSpec",
     "TrainerSpec",
@@ -668,6 +670,43 @@ class TrackerSpec:
                 f"TrackerSpec {self.name!r}.options: option names are keys of the tracker's "
                 f"entry (not {bad}; 'tracker' names the tracker itself)"
             )
+
+
+# -- run probes --------------------------------------------------------------------------------
+
+
+class RunProbe(Protocol):
+    """One run's measurement, started by a :class:`RunProbeSpec` before the first step."""
+
+    def coordinator(self, coordinator: Any) -> Any:
+        """What the driver calls instead of the run's :class:`~relax_core.Coordinator` (its
+        ``activate`` / ``deactivate`` switch a deferred role in and out)."""
+
+    def rollout(self, handle: Any) -> Any:
+        """What the driver calls instead of the generation model's
+        :class:`~relax_core.ManagerHandle` (its ``onload`` / ``offload``: rollout's switches)."""
+
+    async def report(self, trainer: Any, step_seconds: float) -> dict[str, Any]:
+        """The summary's ``switching`` object (``docs/plugins.md``: the keys the text output
+        reads), asked once after the last step (never of an interrupted run); ``trainer``: the
+        run's :class:`~relax_core.Trainer`; ``step_seconds``: the committed steps' seconds."""
+
+
+@attrs.frozen
+class RunProbeSpec:
+    """What ``relax run --measure`` measures: the probe named ``switching``, whose report is the
+    summary's ``switching``.
+
+    ``start(heads=, generation_role=, step_of=) -> RunProbe``, once per run: ``await
+    heads(role)``: the base URLs of a role's engine heads; ``step_of(direction)``: the step a
+    switch of the generation role (``"onload"`` / ``"offload"``) belongs to.
+
+    :raises ValueError: a bad name, or ``start`` is not callable.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    start: Callable[..., RunProbe] = attrs.field(validator=attrs.validators.is_callable())
+    description: str = ""
 
 
 # -- step stages -------------------------------------------------------------------------------

@@ -240,6 +240,12 @@ def run(args: argparse.Namespace) -> int:
             "--run-dir (or --job name), remove that directory, or continue that run with "
             f"--resume {run_dir}"
         )
+    probe = pm.registered("run_probes").get("switching") if args.measure else None
+    if args.measure and probe is None:
+        problems.append(
+            "--measure: no plugin provides the switch report (a run probe named 'switching'); "
+            "pip install relax-bench, or run without --measure"
+        )
     if problems:
         return reject("run", problems)
     for warning in found.warnings:
@@ -318,8 +324,8 @@ def run(args: argparse.Namespace) -> int:
                 summary = asyncio.run(
                     run_loop(
                         job, printer, steps=settings.steps, trace=trace, dump_dir=args.dump_samples,
-                        measure=args.measure, trackers=trackers, checkpoint_dir=checkpoint_dir,
-                        resume=resume,
+                        measure=None if probe is None else probe.record, trackers=trackers,
+                        checkpoint_dir=checkpoint_dir, resume=resume,
                     )
                 )  # fmt: skip
                 if summary.interrupted:  # the loop stopped its step in flight cleanly

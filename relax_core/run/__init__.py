@@ -15,7 +15,6 @@ from relax_core.run.data import (
 )
 from relax_core.run.job import RunJob, run_problems
 from relax_core.run.loop import FailedStep, RunSummary, run_loop
-from relax_core.run.measure import SwitchProbe, switch_report
 from relax_core.run.progress import Printer
 from relax_core.run.rollout import (
     GroupRequest,
@@ -52,7 +51,6 @@ __all__ = [
     "SourceRequest",
     "StageConfig",
     "StageTable",
-    "SwitchProbe",
     "Trainer",
     "TrainerContext",
     "build_rollout_shape",
@@ -68,7 +66,6 @@ __all__ = [
     "source_problems",
     "stage_problems",
     "start_trainer",
-    "switch_report",
 ]
 
 _claim(__name__, globals(), __all__)

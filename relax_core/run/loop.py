@@ -27,6 +27,7 @@ from relax_core.coordination.stages import RoleClients, Stage
 from relax_core.coordination.timeline import Timeline
 from relax_core.errors import LifecycleError
 from relax_core.jobs.session import ShutdownSignals
+from relax_core.records import RunProbe, RunProbeSpec
 from relax_core.run.background import BackgroundEvals, EvalCounts, EvalResult
 from relax_core.run.checkpoint import Checkpoint, Checkpointer, Cursor, CursorProducer, job_settings
 from relax_core.run.data import open_source
@@ -40,7 +41,6 @@ from relax_core.run.driver import (
 )
 from relax_core.run.generate import Generator, PromptTokenizer
 from relax_core.run.job import RunJob
-from relax_core.run.measure import MeasuredCoordinator, MeasuredHandle, SwitchProbe, switch_report
 from relax_core.run.metrics import RunMetrics
 from relax_core.run.progress import PhaseEvent, Printer, Progress
 from relax_core.tracking.hub import Trackers
@@ -454,7 +454,8 @@ class RunOptions(TypedDict, total=False):
 
     trace: str | None
     dump_dir: str | None
-    measure: bool
+    #: ``--measure``'s probe: its report is the summary's ``switching``.
+    measure: RunProbeSpec | None
     trackers: Trackers | None
 
 
@@ -484,18 +485,20 @@ async def drive(
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
     coordinator, rollout = ports.coordinator, ports.rollout
-    probe: SwitchProbe | None = None
+    probe: RunProbe | None = None
     driver: StepDriver | None = None
-    if options.get("measure"):
-        probe = SwitchProbe(ports.heads or _no_heads)
-        coordinator = MeasuredCoordinator(coordinator, probe)
+    measure = options.get("measure")
+    if measure is not None:
 
         def step_of(direction: str) -> int:
             if driver is None:
                 return 0
             return driver.committing if direction == "offload" else driver.generating
 
-        rollout = MeasuredHandle(rollout, probe, ports.generation_role, step_of)
+        probe = measure.start(
+            heads=ports.heads or _no_heads, generation_role=ports.generation_role, step_of=step_of
+        )
+        coordinator, rollout = probe.coordinator(coordinator), probe.rollout(rollout)
     summary.weight_versions.append(initial_version)
     background = BackgroundEvals(on_result=report.evaluation, deadline=ports.run.request_timeout)
     if ports.clients.recovery is None:  # retries counted per step, rebuilds through the lease
@@ -528,10 +531,8 @@ async def drive(
                     signals.handled()
                 await report.failed(failed)
             if probe is not None and not summary.interrupted:
-                sizes = sorted({s.weight_bytes for s in probe.switches})
-                copies = await ports.trainer.measure_copy(sizes)
                 step_seconds = sum(r["seconds"] for r in summary.committed)
-                summary.switching = switch_report(probe.switches, copies, step_seconds)
+                summary.switching = await probe.report(ports.trainer, step_seconds)
             if summary.failure is None and summary.committed:
                 summary.final_push = await _final_push(ports, steps)
                 summary.weight_versions.append(summary.final_push["weight_version"])

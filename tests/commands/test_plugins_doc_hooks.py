@@ -1,7 +1,8 @@
 """docs/plugins.md's example for each hook, loaded as written: each section's module is imported
 from the doc's own text, registered in a fresh plugin manager, and its record does what the
 section says (an engine backend starts a real engine; a routing policy picks the least loaded
-head; a placement mode plans a job; a data source feeds prompts and refuses a missing file).
+head; a placement mode plans a job; a data source feeds prompts and refuses a missing file; a
+run probe times every switch of a simulated run).
 The stage, the reward adapter and the trainer walkthroughs have their own tests
 (test_stage_doc.py, test_plugins_doc.py, tests/run/test_trainer_doc.py)."""
 
@@ -139,6 +140,40 @@ def test_the_benchmark_example_runs_with_its_own_option(tmp_path: Path) -> None:
     options = vars(parser.parse_args(["--size", "200"]))
     result = spec.run(quick=True, **options)
     assert result["items"] == 20 and result["sort_vs_copy"] >= 0
+
+
+def test_the_run_probe_example_times_every_switch_of_a_run_and_its_report_prints(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+    import io
+
+    from relax_bench._steps_sim import SimJudge, SimRollout, Times
+
+    from relax_core.run.loop import drive
+    from relax_core.run.progress import Printer
+    from tests.support.sim_job import sim_ports, sim_run
+
+    module = _module("A run probe", tmp_path)
+    pm = PluginManager.create(entry_points=False, plugins=[(module.__name__, module)])
+    times = Times(generate_s=0.02, score_s=0.02, train_s=0.02, push_s=0.0, groups=2)
+    rollout = SimRollout(times)
+    ports = sim_ports(
+        "timed", sim_run(times), times=times, rollout=rollout, stages=[SimJudge(times)], defer=True
+    )
+    out, err = io.StringIO(), io.StringIO()
+    printer = Printer(json_lines=False, out=out, err=err, tty=False)
+    measure = pm.run_probe("switching")
+    summary = asyncio.run(drive(ports, printer, steps=2, initial_version="0", measure=measure))
+    assert summary.failure is None and summary.switching is not None
+    switches = summary.switching["switches"]
+    # The judge's turns through the coordinator, the policy's own through its handle.
+    assert {(s["role"], s["direction"]) for s in switches} == {
+        ("judge", "onload"), ("judge", "offload"), ("policy", "onload"), ("policy", "offload"),
+    }  # fmt: skip
+    assert {s["step"] for s in switches} == {0, 1} and all(s["seconds"] >= 0 for s in switches)
+    printer.summary(summary.row())  # the text output reads the report's keys
+    assert "switching:" in out.getvalue() and "judge.offload" in out.getvalue()
 
 
 def test_the_command_example_is_a_sub_command_of_relax(

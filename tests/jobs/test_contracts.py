@@ -16,6 +16,7 @@ import inspect
 from typing import Any
 
 import pytest
+from relax_bench.measure import MeasuredCoordinator
 
 from relax_core.coordination.coordinator import Coordinator, LifecycleCoordinator
 from relax_core.coordination.remote import CoordinatorActor, RemoteCoordinator
@@ -29,7 +30,6 @@ from relax_core.manager.actor import (
     RayManager,
     contract,
 )
-from relax_core.run.measure import MeasuredCoordinator
 
 #: What an InferenceManager offers only in its own process (not through its actor).
 MANAGER_IN_PROCESS_ONLY = {"control_channel", "launch_specs", "replicas", "weight_version"}

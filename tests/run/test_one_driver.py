@@ -3,10 +3,11 @@ its steps the same way in both modes.
 
 The same simulated job (the real coordinator, deferred batch and sink; engines of fixed
 per-phase times, :mod:`relax_core.bench._steps_sim`) runs through :func:`relax_core.run.loop.
-drive` in both modes and both layouts: the rows have the same keys, ``--measure`` reports its
-switches, the final push gives rollout the last weights, a sync step generates with the
-weights of the step before it. A failed sync step commits nothing and lists its samples;
-SIGINT stops the step in flight. And only the driver's module drives a step.
+drive` in both modes and both layouts: the rows have the same keys, ``--measure`` (the run
+probe ``switching`` relax-bench registers) reports its switches, the final push gives rollout
+the last weights, a sync step generates with the weights of the step before it. A failed sync
+step commits nothing and lists its samples; SIGINT stops the step in flight. And only the
+driver's module drives a step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from relax_bench._steps_sim import SimJudge, SimRollout, SimTrainer, Times
 
 import relax_core
 from relax_core.coordination import BatchState, Sample, StageContext, StageReport
+from relax_core.plugins import PluginManager
 from relax_core.run.loop import RunSummary, drive
 from relax_core.run.progress import Printer
 from tests.support.sim_job import sim_ports, sim_run
@@ -84,7 +86,7 @@ def _run(
             printer,
             steps=steps,
             initial_version="0",
-            measure=True,
+            measure=PluginManager.create().run_probe("switching"),
             dump_dir=None if dump_dir is None else str(dump_dir),
         )
     )

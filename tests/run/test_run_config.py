@@ -4,6 +4,7 @@ started."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -287,6 +288,32 @@ def test_relax_run_rejects_a_bad_job_with_exit_2_and_starts_nothing(tmp_path: Pa
     assert out.returncode == 2
     assert "roles.rollout.models.policy.model_path: [model-dir] no model directory" in out.stderr
     assert "Ray" not in out.stdout
+
+
+def test_measure_without_a_plugin_providing_it_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    job = support.job_file(tmp_path)  # its models are not there: a problem of its own
+
+    def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "relax_core", "run", str(job), "--measure"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env},
+        )
+
+    out = run({"RELAX_DISABLE_PLUGINS": "bench"})  # relax-bench registers the run probe
+    assert out.returncode == 2 and "nothing was started" in out.stderr
+    assert (
+        "--measure: no plugin provides the switch report (a run probe named 'switching'); "
+        "pip install relax-bench, or run without --measure"
+    ) in out.stderr
+    # With relax-bench loaded the same job is refused for its own problems only.
+    out = run({})
+    assert out.returncode == 2 and "[model-dir] no model directory" in out.stderr
+    assert "--measure" not in out.stderr
 
 
 def _h200_example(directory: Path, name: str) -> Path:

@@ -1,4 +1,5 @@
-"""The benchmarks' registration (``relax_register_benchmarks``).
+"""The benchmarks' registration (``relax_register_benchmarks``), and ``relax run --measure``'s
+switch report (``relax_register_run_probes``: the run probe ``switching``).
 
 Each benchmark's module is imported when it runs, not when the plugin loads: plugins load in
 every ``relax`` command, and a benchmark pulls in aiohttp, Ray or the gateway's server.
@@ -11,7 +12,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from relax_core import BenchmarkSpec, hookimpl
+from relax_bench.measure import SwitchProbe
+from relax_core import BenchmarkSpec, RunProbeSpec, hookimpl
 
 #: name -> (module of this package, one line of what it measures)
 BENCHMARKS: Mapping[str, tuple[str, str]] = {
@@ -72,3 +74,16 @@ def relax_register_benchmarks(register: Callable[[BenchmarkSpec], None]) -> None
     """Register every benchmark of :data:`BENCHMARKS`."""
     for name in BENCHMARKS:
         register(spec(name))
+
+
+@hookimpl
+def relax_register_run_probes(register: Callable[[RunProbeSpec], None]) -> None:
+    """Register ``switching``: every phase switch of a ``relax run --measure`` against a copy of
+    the bytes it moves."""
+    register(
+        RunProbeSpec(
+            name="switching",
+            start=SwitchProbe,
+            description="each phase switch against a pinned copy of the bytes it moves",
+        )
+    )

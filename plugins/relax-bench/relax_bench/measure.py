@@ -1,5 +1,6 @@
 """``relax run --measure``: what each phase switch costs, against one pinned copy of the bytes
-it moves measured by the trainer in the same run (``docs/run.md``: each key).
+it moves measured by the trainer in the same run (``docs/run.md``: each key). :class:`SwitchProbe`
+is the run probe ``switching`` this plugin registers (``relax_register_run_probes``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
+from relax_core import ControlClient
+
 if TYPE_CHECKING:
-    from relax_core.coordination.coordinator import Coordinator
-    from relax_core.coordination.handles import ManagerHandle
-    from relax_core.coordination.states import LeaseState
-    from relax_core.manager import LifecycleResult
+    from relax_core import Coordinator, LeaseState, LifecycleResult, ManagerHandle, RunProbe
 
 __all__ = ["MeasuredCoordinator", "MeasuredHandle", "Switch", "SwitchProbe", "switch_report"]
 
@@ -135,16 +135,32 @@ def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
 
 @attrs.define
 class SwitchProbe:
-    """Reads the memory reports (``/server_info``) of a role's engine heads around each
-    switch; ``heads(role)``: their base URLs."""
+    """The run probe of ``relax run --measure``: reads the memory reports (``/server_info``) of
+    a role's engine heads around each switch of the run's coordinator and generation handle;
+    ``heads(role)``: their base URLs; ``step_of(direction)``: the step of a generation switch."""
 
     heads: Callable[[str], Awaitable[list[str]]]
+    generation_role: str
+    step_of: Callable[[str], int]
     timeout: float = attrs.field(default=30.0, kw_only=True)
     switches: list[Switch] = attrs.field(init=False, factory=list)
 
+    def coordinator(self, coordinator: Coordinator) -> MeasuredCoordinator:
+        """``coordinator`` with measured ``activate`` / ``deactivate``."""
+        return MeasuredCoordinator(coordinator, self)
+
+    def rollout(self, handle: ManagerHandle) -> MeasuredHandle:
+        """The generation model's ``handle`` with measured ``onload`` / ``offload``."""
+        return MeasuredHandle(handle, self, self.generation_role, self.step_of)
+
+    async def report(self, trainer: Any, step_seconds: float) -> dict[str, Any]:
+        """:func:`switch_report` of the run's switches, against the trainer's ``measure_copy``
+        of each switch's weight bytes."""
+        copies = await trainer.measure_copy(sorted({s.weight_bytes for s in self.switches}))
+        return switch_report(self.switches, copies, step_seconds)
+
     async def _info(self, role: str) -> dict[str, dict[str, Any]]:
         """Each head's ``/server_info``, by its URL (in the role's order)."""
-        from relax_core.engine.control import ControlClient
 
         async def one(url: str) -> dict[str, Any]:
             async with ControlClient(url, timeout=self.timeout) as client:
@@ -306,10 +322,13 @@ def switch_report(
 
 
 if TYPE_CHECKING:
-    # mypy checks the measuring wrappers against the contracts they stand in for.
+    # mypy checks the probe and its wrappers against the contracts they stand in for.
 
     def _coordinator(measured: MeasuredCoordinator) -> Coordinator:
         return measured
 
     def _handle(measured: MeasuredHandle) -> ManagerHandle:
         return measured
+
+    def _probe(probe: SwitchProbe) -> RunProbe:
+        return probe
