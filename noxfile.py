@@ -49,8 +49,14 @@ def _local_distributions() -> list[str]:
     return [str(p.parent.relative_to(ROOT)) for p in dirs]
 
 
+#: The build backend every local distribution names (pyproject.toml), installed once into the
+#: session so that pip builds the ~20 editable distributions without a fresh isolated build
+#: environment each (about a minute less on a 2-core machine; ``--no-build-isolation``).
+BUILD = "setuptools>=70.1"
+
+
 def _install_project(session: nox.Session, *extras: str) -> None:
-    session.install(TORCH)
+    session.install(TORCH, BUILD)
     # `relax run --report` and `relax report` are the relax-report plugin's, one of the
     # distributions below.
     spec = f".[{','.join(extras)}]" if extras else "."
@@ -58,7 +64,7 @@ def _install_project(session: nox.Session, *extras: str) -> None:
     for dist in _local_distributions():
         # Each distribution's own test extra (e.g. relax-hf's routers) comes with it.
         args += ["-e", f"{dist}[test]" if "test" in extras else dist]
-    session.install(*args)
+    session.install("--no-build-isolation", *args)
 
 
 @nox.session(python=PYTHON)
@@ -68,7 +74,13 @@ def tests(session: nox.Session) -> None:
     _install_sglang_sources(session)
     # Plugin distributions kept under tests/, found through real entry-point discovery: a
     # reward adapter and policy, and a fourth role (prm) added with no core change.
-    session.install("-e", "tests/plugins/relax-testplugin", "-e", "tests/plugins/relax-prm")
+    session.install(
+        "--no-build-isolation",
+        "-e",
+        "tests/plugins/relax-testplugin",
+        "-e",
+        "tests/plugins/relax-prm",
+    )
     session.run("pytest", *(session.posargs or DEFAULT_SESSION))
 
 
@@ -85,7 +97,13 @@ def e2e(session: nox.Session) -> None:
     judges, the two residency runs."""
     _install_project(session, "test")
     _install_sglang_sources(session)
-    session.install("-e", "tests/plugins/relax-testplugin", "-e", "tests/plugins/relax-prm")
+    session.install(
+        "--no-build-isolation",
+        "-e",
+        "tests/plugins/relax-testplugin",
+        "-e",
+        "tests/plugins/relax-prm",
+    )
     session.run("pytest", *(session.posargs or ("-q", "-m", "e2e")))
 
 
