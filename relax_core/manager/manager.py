@@ -473,8 +473,8 @@ class InferenceManager:
         with self._lock:
             if self._closed:
                 raise LifecycleError(f"model {self.model_id!r}: {what} after shutdown()")
-            if refuse_fenced:
-                self._slots.refuse_if_fenced(what)
+            if refuse_fenced and self._slots.fenced_workers():
+                raise InferenceRecoveryRequired(self._slots.fence_message(f"{what} refused"))
             yield
 
     def _run(

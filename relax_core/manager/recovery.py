@@ -223,31 +223,23 @@ class Recovery:
             if found and failing and rep.state is not _S.STOPPING:
                 slot.mark_failed("; ".join(found))
         self.publication.publish()
-        actions: dict[str, str] = {}
         broken = [
             s
             for s in self.slots.ordered()
             if s.replica.state is _S.FAILED
             or (s.replica.state is _S.STOPPING and not s.cleaned and not s.retiring)
         ]
-        if recover and broken:
-            for engine_id, res in self.rebuild(broken).items():
-                slot = self.slots.get(engine_id)
-                if slot.fenced:
-                    actions[engine_id] = "fenced"
-                elif res.outcome is Outcome.DONE:
-                    actions[engine_id] = "rebuilt"
-                elif slot.cleaned:
-                    actions[engine_id] = "cleaned"
-                else:
-                    actions[engine_id] = "pending"
+        rebuilt = self.rebuild(broken) if recover else {}
         verdicts = []
         for s in self.slots.ordered():
             found = problems.get(s.engine_id, [])
-            if s.engine_id in actions:
-                action = actions[s.engine_id]
-            elif s.fenced:
+            res = rebuilt.get(s.engine_id)
+            if s.fenced:
                 action = "fenced"
+            elif res is not None and res.outcome is Outcome.DONE:
+                action = "rebuilt"
+            elif res is not None:
+                action = "cleaned" if s.cleaned else "pending"
             elif not found:
                 action = "none"
             elif s.replica.state is _S.FAILED:

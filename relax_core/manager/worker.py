@@ -435,14 +435,11 @@ class EngineWorker:
         if process is None:
             return None
         code = await asyncio.to_thread(process.terminate, timeout)
-        self._stop_reaper()
-        return code
-
-    def _stop_reaper(self) -> None:
-        pid, self.reaper_pid = self.reaper_pid, None
-        if pid:
+        reaper, self.reaper_pid = self.reaper_pid, None
+        if reaper:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, 15)
+                os.kill(reaper, 15)
+        return code
 
     async def shutdown(self, timeout: float) -> dict[str, Any]:
         """Stop admission and the engine process (SIGTERM, SIGKILL after ``timeout``); return
