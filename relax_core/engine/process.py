@@ -79,9 +79,6 @@ class SubprocessEngineProcess:
                 prefix=f"relax-engine-{safe_file_name(engine_id)}-", suffix=".log"
             )
             os.close(fd)
-        full_env = dict(os.environ)
-        if env:
-            full_env.update(env)
         try:
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(
@@ -89,7 +86,7 @@ class SubprocessEngineProcess:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=full_env,
+                    env={**os.environ, **(env or {})},
                     cwd=cwd,
                     start_new_session=True,
                 )

@@ -332,14 +332,10 @@ def start_manager_actor(
     """
     import ray
 
-    options: dict[str, Any] = {
-        "num_cpus": 0,
-        "num_gpus": 0,
-        "max_restarts": 0,
-        "max_concurrency": max_concurrency,
-    }
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0}
     if name is not None:
         options.update(name=name, namespace=namespace)
+    options["max_concurrency"] = max_concurrency
     actor: Any = ray.remote(actor_class).options(**options).remote(model_id, **kwargs)
     ray.get(actor.states.remote(), timeout=60)
     watch = getattr(kwargs.get("publisher"), "watch_manager", None)

@@ -94,8 +94,8 @@ class WeightUpdates:
                     reopen=fenced[s.replica.index],
                     drain_timeout=t.drain,
                     timeout=t.update,
-                    **({"pause": pause} if pause is not None else {}),
-                    **({"buckets": list(buckets)} if buckets else {}),
+                    pause=pause,
+                    buckets=list(buckets),
                 )
                 for s in targets
             },

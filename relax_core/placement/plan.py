@@ -169,14 +169,14 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _build(cls: type[Any], data: Mapping[str, Any], nested: Mapping[str, type[Any]]) -> Any:
+def _build(cls: type[Any], data: Mapping[str, Any]) -> Any:
     names = {f.name for f in attrs.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in names:
             continue
-        if key in nested:
-            kwargs[key] = tuple(_build(nested[key], v, {}) for v in value)
+        if key in _NESTED:
+            kwargs[key] = tuple(_build(_NESTED[key], v) for v in value)
         else:
             kwargs[key] = _tuples(value)
     return cls(**kwargs)
@@ -251,21 +251,15 @@ class InferencePlacementPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InferencePlacementPlan:
         """Rebuild a plan from :meth:`to_dict` output (derived keys are ignored)."""
-        budgets = {
-            key: [
-                {**b, "items": tuple(MemoryItem(**i) for i in b.get("items", ()))}
-                for b in data.get(key, ())
-            ]
-            for key in ("memory", "host_memory")
-        }
-        plan: InferencePlacementPlan = _build(
-            cls,
-            {**data, **budgets},
-            {
-                "pools": Pool,
-                "placements": ModelPlacement,
-                "memory": MemoryBudget,
-                "host_memory": HostMemoryBudget,
-            },
-        )
+        plan: InferencePlacementPlan = _build(cls, data)
         return plan
+
+
+#: The fields :func:`_build` rebuilds as tuples of records.
+_NESTED: dict[str, type[Any]] = {
+    "pools": Pool,
+    "placements": ModelPlacement,
+    "memory": MemoryBudget,
+    "host_memory": HostMemoryBudget,
+    "items": MemoryItem,
+}
