@@ -88,8 +88,7 @@ class AdmissionServer:
     :param upstream_url: the engine's raw ``http://host:port``.
     :param engine_id: named in every refusal.
     :param spec: the engine's capabilities; decides the wording of update-path refusals.
-    :param retry_after: seconds sent in ``Retry-After`` while closed.
-    """
+    :param retry_after: seconds sent in ``Retry-After`` while closed."""
 
     upstream_url: str
     engine_id: str = attrs.field(kw_only=True)

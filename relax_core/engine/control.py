@@ -52,8 +52,7 @@ class ControlClient:
     (502; 504); a probe answered non-2xx → ``UpstreamError`` (502); an operation refused
     (non-2xx, or ``success: false``) → :class:`~relax_core.errors.LifecycleError`; each names
     the URL and quotes the engine. No request is sent twice, except one that met the
-    keep-alive race of a reused idle connection (kept at most :data:`KEEPALIVE_SECONDS`).
-    """
+    keep-alive race of a reused idle connection (kept at most :data:`KEEPALIVE_SECONDS`)."""
 
     #: Whether the engine's release of ``kv_cache`` flushes its cache itself and refuses
     #: (changing nothing) while requests run, so an offload sends no ``flush_cache`` first.

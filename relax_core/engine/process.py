@@ -72,8 +72,7 @@ class SubprocessEngineProcess:
         :param ready_url: a follower's private URL that answers 200 once it joined its head.
         :param reaped: a detached reaper SIGKILLs the process group once this process is gone
             (a SIGKILLed owner leaves nothing running: a router's owner, say).
-        :raises LifecycleError: the command cannot be started (not found, not executable).
-        """
+        :raises LifecycleError: the command cannot be started (not found, not executable)."""
         if log_path is None:
             fd, log_path = tempfile.mkstemp(
                 prefix=f"relax-engine-{safe_file_name(engine_id)}-", suffix=".log"

@@ -55,8 +55,7 @@ class ControlChannelServer:
 
     :param handlers: method name -> coroutine function called with the JSON body's keys.
     :param engine_id: named in every refusal.
-    :param host: the interface to bind (the one the manager reaches the node on).
-    """
+    :param host: the interface to bind (the one the manager reaches the node on)."""
 
     handlers: Mapping[str, Handler]
     engine_id: str = attrs.field(kw_only=True)

@@ -60,8 +60,7 @@ class ExternalEngines:
     :param spec: the model's engine spec (role, weight source: published as for managed heads).
     :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url`` and ``router``).
-    :param health_timeout: seconds each ``health_generate`` may take.
-    """
+    :param health_timeout: seconds each ``health_generate`` may take."""
 
     model_id: str
     _given_urls: tuple[str, ...] = attrs.field(kw_only=True, alias="urls", converter=tuple)

@@ -64,8 +64,7 @@ class InferenceManager:
     :param unhealthy_after: consecutive failed health probes of a live replica before it is
         FAILED (default 3).
     :raises ValueError: the inputs disagree (nodes per replica, device, multi-node support),
-        or ``unhealthy_after`` is not a positive integer.
-    """
+        or ``unhealthy_after`` is not a positive integer."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from relax_core.manager.results import HealthReport, Outcome, ReplicaHealth, Rep
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
 from relax_core.manager.state import ReplicaState
 
-__all__ = ["ProbePlan", "Recovery"]
+__all__ = ["Recovery"]
 
 _S = ReplicaState
 
@@ -152,7 +152,7 @@ class Recovery:
                         rep.transitions,
                         generate=worker.node_rank == 0 and rep.state is _S.READY,
                     )
-        return ProbePlan(targets)
+        return targets
 
     def probe(self, plan: ProbePlan) -> dict[tuple[int, int], CallOutcome]:
         """Run ``plan``'s probes, all at once, each bounded by the health deadline. Blocking;
@@ -160,7 +160,7 @@ class Recovery:
         t = self.timeouts
         refs = {
             key: probed.actor.probe.remote(generate=probed.generate, timeout=t.health)
-            for key, probed in plan.targets.items()
+            for key, probed in plan.items()
         }
         return gather(refs, t.health + t.rpc_margin)
 
@@ -171,8 +171,7 @@ class Recovery:
         ``unhealthy_after`` probes in a row; with ``recover``, clean and rebuild every broken
         one. Blocking (a rebuild); the caller holds the lock and raises for a fence. A probe
         that overlapped a lifecycle change of its replica (or whose worker was replaced) is
-        ignored; the rest is :meth:`InferenceManager.health_check`'s rule.
-        """
+        ignored; the rest is :meth:`InferenceManager.health_check`'s rule."""
         problems: dict[str, list[str]] = {}
         suspects: dict[str, int] = {}
         for slot in self.slots.ordered():
@@ -187,7 +186,7 @@ class Recovery:
                     found.append(f"{name}: fenced ({worker.pending})")
                     continue
                 key = (rep.index, worker.node_rank)
-                probed = plan.targets.get(key)
+                probed = plan.get(key)
                 out = outs.get(key)
                 if probed is None or out is None or worker.actor is not probed.actor:
                     continue  # not probed this round, or the worker was replaced since
@@ -268,8 +267,5 @@ class _Probed:
     generate: bool
 
 
-@attrs.frozen
-class ProbePlan:
-    """The workers one health round probes, by ``(replica index, node rank)``."""
-
-    targets: Mapping[tuple[int, int], _Probed]
+#: The workers one health round probes, by ``(replica index, node rank)``.
+ProbePlan = dict[tuple[int, int], _Probed]

@@ -42,8 +42,7 @@ class ModelLaunch:
     :param nodes_per_replica: workers per logical replica (head + followers).
     :param served_model_name: the name the engine answers with (default: ``model_path``).
     :param options: the model's engine options (``weights_cpu_backup`` as the spec decides).
-    :param backend_options: an instance of the backend's own options record, or ``None``.
-    """
+    :param backend_options: an instance of the backend's own options record, or ``None``."""
 
     model_path: str
     served_model_name: str | None = None

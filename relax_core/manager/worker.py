@@ -81,8 +81,7 @@ class EngineWorker:
     :param engine_id: the replica's engine id (``model/replica-0``).
     :param node_rank: 0 for the head, 1.. for followers.
     :param spec: the model's :class:`InferenceEngineSpec`; checked again here, at the engine.
-    :param public_host: the host the admission server binds and publishes (head only).
-    """
+    :param public_host: the host the admission server binds and publishes (head only)."""
 
     def __init__(
         self,

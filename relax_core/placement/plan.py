@@ -48,8 +48,7 @@ def phases_conflict(a: str, b: str) -> bool:
 class Pool:
     """A set of GPU bundles that becomes one Ray placement group. Bundle ``i`` sits on pool-local
     node ``i // gpus_per_node``, packed onto cluster node ``nodes[i // gpus_per_node]``;
-    ``training``: its training roles, each reserving ``training_ray_gpu_fraction`` of a bundle.
-    """
+    ``training``: its training roles, each reserving ``training_ray_gpu_fraction`` of a bundle."""
 
     name: str
     size: int
@@ -80,8 +79,7 @@ class Pool:
 class ModelPlacement:
     """Where one model of one role runs: ``replicas[i]`` the bundles of engine ``i``;
     ``workers[i]`` those split by pool-local node, head first (one engine worker each, on its
-    first bundle). A ``cpu`` model has no pool and one empty tuple per engine.
-    """
+    first bundle). A ``cpu`` model has no pool and one empty tuple per engine."""
 
     role: str
     model: str

@@ -1,6 +1,5 @@
 """The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out
-(the rules: docs/placement.md). It reads nothing but model ``config.json`` files.
-"""
+(the rules: docs/placement.md). It reads nothing but model ``config.json`` files."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def plan_inference_placement(
 
     :param plugin_manager: where placement modes, roles and weight sources come from (default:
         the process-wide :func:`~relax_core.plugins.get_plugin_manager`).
-    :raises PlacementError: with every violation (``path: [rule] message``), not just the first.
-    """
+    :raises PlacementError: with every violation (``path: [rule] message``), not just the first."""
     result = preflight(config, plugin_manager)
     if result.plan is None:
         raise PlacementError([str(v) for v in result.violations])
