@@ -181,14 +181,11 @@ def _place_group(
 
 
 def _no_actor_pool(mode: str) -> ModeResult:
-    violations = Violations()
-    violations.add(
-        "training.actor_gpus",
-        "actor-pool",
+    message = (
         f"placement.mode = {mode!r} places inference inside the actor pool, but the job has "
-        "no actor GPUs; set training.actor_gpus, or use mode = 'decoupled'",
+        "no actor GPUs; set training.actor_gpus, or use mode = 'decoupled'"
     )
-    return ModeResult(violations=tuple(violations))
+    return ModeResult(violations=(Violation("training.actor_gpus", "actor-pool", message),))
 
 
 def assign_decoupled(ctx: ModeContext) -> ModeResult:
