@@ -198,7 +198,7 @@ class AdmissionServer:
             return await self._forward(request)
         if path in _UPDATE_PATH_OF:
             operation = _UPDATE_PATH_OF[path]
-            if self.spec is not None and not self.spec.allows(operation):
+            if self.spec is not None and operation not in self.spec.allowed_operations:
                 message = self.spec.refusal(operation, engine_id=self.engine_id)
             else:
                 message = (

@@ -126,10 +126,6 @@ class InferenceEngineSpec:
         """Whether the model's snapshot carries a ``weight_version``."""
         return bool(self.weight_source.publishes_version)
 
-    def allows(self, operation: str) -> bool:
-        """Whether ``operation`` (a name in :data:`OPERATIONS`) is allowed."""
-        return operation in self.allowed_operations
-
     def check(self, operation: str, *, engine_id: str) -> None:
         """Raise :class:`CapabilityError` unless ``operation`` is allowed."""
         if operation not in OPERATIONS:
