@@ -80,16 +80,19 @@ class Replica:
             self.error = error
 
     @property
-    def direct_eligible(self) -> bool:
-        """Whether a DIRECT client may send this replica requests: READY with every tag
-        resident, valid weights, open admission and a URL (FAILED/SLEEPING never)."""
+    def is_ready(self) -> bool:
+        """READY with every tag resident, valid weights and open admission."""
         return (
             self.state is ReplicaState.READY
             and self.resident == ALL_TAGS
             and self.weights_valid
             and self.admission_open
-            and self.base_url is not None
         )
+
+    @property
+    def direct_eligible(self) -> bool:
+        """Whether a DIRECT client may send this replica requests (FAILED/SLEEPING never)."""
+        return self.is_ready and self.base_url is not None
 
     def became_ready(self) -> None:
         """Record that every tag is resident, weights are valid and admission reopened."""
