@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -14,7 +14,14 @@ from relax_core.manager.heads import HeadCalls
 from relax_core.manager.publication import Publication
 from relax_core.manager.results import Outcome, ReplicaResult
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
-from relax_core.manager.state import Replica, ReplicaState, plan_offload, plan_onload
+from relax_core.manager.state import (
+    OffloadPlan,
+    OnloadPlan,
+    Replica,
+    ReplicaState,
+    plan_offload,
+    plan_onload,
+)
 
 __all__ = ["Memory"]
 
@@ -23,18 +30,7 @@ log = logging.getLogger(__name__)
 _S = ReplicaState
 
 
-class _Plan(Protocol):
-    """What :class:`~.state.OffloadPlan` and :class:`~.state.OnloadPlan` have in common."""
-
-    @property
-    def tags(self) -> tuple[str, ...]: ...
-    @property
-    def noop(self) -> bool: ...
-    def begin(self, replica: Replica) -> None: ...
-    def confirm(self, replica: Replica) -> None: ...
-
-
-_P = TypeVar("_P", bound=_Plan)
+_P = TypeVar("_P", OffloadPlan, OnloadPlan)
 
 
 @attrs.define
