@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 from typing import Any
 
 import attrs
@@ -28,7 +27,6 @@ __all__ = [
     "PROBE_PATHS",
     "SERVER_KEEPALIVE",
     "AdmissionServer",
-    "AdmissionThread",
 ]
 
 #: Seconds an idle connection to the engine is kept for reuse: well below the engine's 5 s.
@@ -90,8 +88,7 @@ class AdmissionServer:
     :param upstream_url: the engine's raw ``http://host:port``.
     :param engine_id: named in every refusal.
     :param spec: the engine's capabilities; decides the wording of update-path refusals.
-    :param retry_after: seconds sent in ``Retry-After`` while closed.
-    """
+    :param retry_after: seconds sent in ``Retry-After`` while closed."""
 
     upstream_url: str
     engine_id: str = attrs.field(kw_only=True)
@@ -201,7 +198,7 @@ class AdmissionServer:
             return await self._forward(request)
         if path in _UPDATE_PATH_OF:
             operation = _UPDATE_PATH_OF[path]
-            if self.spec is not None and not self.spec.allows(operation):
+            if self.spec is not None and operation not in self.spec.allowed_operations:
                 message = self.spec.refusal(operation, engine_id=self.engine_id)
             else:
                 message = (
@@ -292,58 +289,3 @@ class AdmissionServer:
             return self._refuse(
                 502, f"engine {self.engine_id!r} broke off its answer: {type(exc).__name__}: {exc}"
             )
-
-
-async def _on_loop(call: Any, *args: Any) -> None:
-    call(*args)
-
-
-class AdmissionThread:
-    """Runs an :class:`AdmissionServer` on a private event loop in a daemon thread; every
-    method is thread-safe and blocking."""
-
-    def __init__(self, server: AdmissionServer) -> None:
-        self.server = server
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"admission-{server.engine_id}", daemon=True
-        )
-
-    def start(self, timeout: float = 10.0) -> str:
-        """Start the loop and the server; return the public base URL."""
-        self._thread.start()
-        return str(self._call(self.server.start(), timeout))
-
-    def _call(self, coro: Any, timeout: float) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    def open(self) -> None:
-        """Admit generation requests; blocks until the loop has applied it."""
-        self._call(_on_loop(self.server.open), 5.0)
-
-    def close(self, reason: str = "DRAINING") -> None:
-        """Refuse new generation requests; blocks until the loop has applied it."""
-        self._call(_on_loop(self.server.close, reason), 5.0)
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until nothing is in flight; ``False`` on timeout."""
-        return bool(self._call(self.server.wait_idle(timeout), timeout + 5.0))
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the server and the loop and join the thread. Idempotent."""
-        if not self._thread.is_alive():
-            return
-        try:
-            self._call(self.server.stop(), timeout)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self._loop.close()
-
-    def __enter__(self) -> AdmissionThread:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

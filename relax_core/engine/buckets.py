@@ -12,10 +12,6 @@ import attrs
 __all__ = ["WeightBucket", "plan_weight_buckets"]
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @attrs.frozen
 class WeightBucket:
     """One bucket of a weight push: its tensors' ``names``, ``dtypes``, ``shapes`` and byte
@@ -66,7 +62,7 @@ def plan_weight_buckets(
         if rows and size + nbytes > bucket_bytes:
             buckets.append(_bucket(rows, size))
             rows, size = [], 0
-        rows.append((name, _dtype_name(tensor.dtype), shape, size))
+        rows.append((name, str(tensor.dtype).removeprefix("torch."), shape, size))
         size += nbytes
     if not rows:
         raise ValueError("plan_weight_buckets: no tensors to push")

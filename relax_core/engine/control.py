@@ -26,18 +26,17 @@ class WeightUpdate(TypedDict, total=False):
     weight_version: str | None
 
 
+_UPDATE_DEFAULTS = {"flush_cache": True, "abort_all_requests": False, "weight_version": None}
+
+
 def _update_fields(update: WeightUpdate) -> dict[str, Any]:
     """The :class:`WeightUpdate` fields of a request body, defaults filled in.
     :raises TypeError: a keyword that is not one of them."""
-    known = WeightUpdate.__annotations__
+    known = sorted(_UPDATE_DEFAULTS)
     unknown = sorted(set(update) - set(known))
     if unknown:
-        raise TypeError(f"unknown weight-update options {unknown}; known: {sorted(known)}")
-    return {
-        "flush_cache": update.get("flush_cache", True),
-        "abort_all_requests": update.get("abort_all_requests", False),
-        "weight_version": update.get("weight_version"),
-    }
+        raise TypeError(f"unknown weight-update options {unknown}; known: {known}")
+    return {**_UPDATE_DEFAULTS, **update}
 
 
 #: How long an idle control connection is kept for reuse (below the engines' 5 s keep-alive).
@@ -52,8 +51,7 @@ class ControlClient:
     (502; 504); a probe answered non-2xx → ``UpstreamError`` (502); an operation refused
     (non-2xx, or ``success: false``) → :class:`~relax_core.errors.LifecycleError`; each names
     the URL and quotes the engine. No request is sent twice, except one that met the
-    keep-alive race of a reused idle connection (kept at most :data:`KEEPALIVE_SECONDS`).
-    """
+    keep-alive race of a reused idle connection (kept at most :data:`KEEPALIVE_SECONDS`)."""
 
     #: Whether the engine's release of ``kv_cache`` flushes its cache itself and refuses
     #: (changing nothing) while requests run, so an offload sends no ``flush_cache`` first.

@@ -72,16 +72,12 @@ class SubprocessEngineProcess:
         :param ready_url: a follower's private URL that answers 200 once it joined its head.
         :param reaped: a detached reaper SIGKILLs the process group once this process is gone
             (a SIGKILLed owner leaves nothing running: a router's owner, say).
-        :raises LifecycleError: the command cannot be started (not found, not executable).
-        """
+        :raises LifecycleError: the command cannot be started (not found, not executable)."""
         if log_path is None:
             fd, log_path = tempfile.mkstemp(
                 prefix=f"relax-engine-{safe_file_name(engine_id)}-", suffix=".log"
             )
             os.close(fd)
-        full_env = dict(os.environ)
-        if env:
-            full_env.update(env)
         try:
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(
@@ -89,7 +85,7 @@ class SubprocessEngineProcess:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=full_env,
+                    env={**os.environ, **(env or {})},
                     cwd=cwd,
                     start_new_session=True,
                 )

@@ -52,8 +52,7 @@ class InferenceEngineSpec:
     :param strict_drain: offload waits for in-flight requests (up to the drain deadline).
     :param checkpoint_dir: the versioned checkpoint directory (required by DCS sources).
     :param weights_cpu_backup: the engine keeps a CPU copy of its weights (STATIC: always).
-    :raises ValueError: a field is invalid; the message names the field.
-    """
+    :raises ValueError: a field is invalid; the message names the field."""
 
     role: str
     weight_source: WeightSource = attrs.field(validator=attrs.validators.instance_of(WeightSource))
@@ -126,10 +125,6 @@ class InferenceEngineSpec:
     def publishes_version(self) -> bool:
         """Whether the model's snapshot carries a ``weight_version``."""
         return bool(self.weight_source.publishes_version)
-
-    def allows(self, operation: str) -> bool:
-        """Whether ``operation`` (a name in :data:`OPERATIONS`) is allowed."""
-        return operation in self.allowed_operations
 
     def check(self, operation: str, *, engine_id: str) -> None:
         """Raise :class:`CapabilityError` unless ``operation`` is allowed."""

@@ -174,8 +174,7 @@ class ManagerActor(_Hosted):
 
     Arguments are :class:`~relax_core.manager.InferenceManager`'s (a subclass's
     ``_manager_class``'s), plus ``router_backend`` / ``router_spec`` (an ``SGLANG_ROUTER``
-    model's router, launched here; :meth:`start` waits up to 60 s for it).
-    """
+    model's router, launched here; :meth:`start` waits up to 60 s for it)."""
 
     _manager_class: Callable[..., Any] = InferenceManager
 
@@ -288,8 +287,7 @@ class RayManager(_Hosted):
     the actor and waits (up to ``timeouts[method]`` seconds, if given).
 
     The manager's own errors reach the caller as themselves; a dead actor, a timeout or
-    another failure as a ``LifecycleError`` naming ``name`` and the method.
-    """
+    another failure as a ``LifecycleError`` naming ``name`` and the method."""
 
     def __init__(
         self, actor: Any, *, name: str, timeouts: Mapping[str, float] | None = None
@@ -328,18 +326,13 @@ def start_manager_actor(
     connected Ray, reserving no CPU and no GPU; return its handle, not started.
 
     Bad arguments raise here (the ``RayActorError`` of its construction). A registry
-    ``publisher`` watches the actor and publishes the model UNKNOWN once it is gone.
-    """
+    ``publisher`` watches the actor and publishes the model UNKNOWN once it is gone."""
     import ray
 
-    options: dict[str, Any] = {
-        "num_cpus": 0,
-        "num_gpus": 0,
-        "max_restarts": 0,
-        "max_concurrency": max_concurrency,
-    }
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 0}
     if name is not None:
         options.update(name=name, namespace=namespace)
+    options["max_concurrency"] = max_concurrency
     actor: Any = ray.remote(actor_class).options(**options).remote(model_id, **kwargs)
     ray.get(actor.states.remote(), timeout=60)
     watch = getattr(kwargs.get("publisher"), "watch_manager", None)

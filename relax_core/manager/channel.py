@@ -7,6 +7,7 @@ import asyncio
 import atexit
 import builtins
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import secrets
@@ -54,8 +55,7 @@ class ControlChannelServer:
 
     :param handlers: method name -> coroutine function called with the JSON body's keys.
     :param engine_id: named in every refusal.
-    :param host: the interface to bind (the one the manager reaches the node on).
-    """
+    :param host: the interface to bind (the one the manager reaches the node on)."""
 
     handlers: Mapping[str, Handler]
     engine_id: str = attrs.field(kw_only=True)
@@ -180,15 +180,10 @@ class _Loop:
         if loop is None or thread is None or not thread.is_alive():
             return
         client, self._client = self._client, None
-
-        async def _close() -> None:
-            if client is not None:
-                await client.aclose()
-
-        try:
-            asyncio.run_coroutine_threadsafe(_close(), loop).result(5.0)
-        except Exception:  # exiting anyway: a client that does not close must not block
-            pass
+        if client is not None:
+            # Exiting anyway: a client that does not close must not block.
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(client.aclose(), loop).result(5.0)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5.0)
         if not thread.is_alive():
@@ -248,9 +243,7 @@ def call_many(
     keys = list(calls)
 
     async def _all() -> list[CallOutcome]:
-        return await asyncio.gather(
-            *(_call(calls[k][0], calls[k][1], calls[k][2], timeout) for k in keys)
-        )
+        return await asyncio.gather(*(_call(*calls[k], timeout) for k in keys))
 
     future = asyncio.run_coroutine_threadsafe(_all(), _SHARED.loop())
     try:

@@ -8,7 +8,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import attrs
@@ -25,30 +25,14 @@ from relax_core.manager.results import (
     ReplicaHealth,
     ReplicaResult,
 )
+from relax_core.manager.worker import UPDATE_METHODS
 from relax_core.records import RouterMembership
 
 __all__ = ["ExternalEngines"]
 
 #: The manager's calls an external model refuses (:class:`~relax_core.errors.CapabilityError`).
-REFUSED = (
-    "onload",
-    "offload",
-    "recover",
-    "scale_out",
-    "scale_in",
-    "update_weights_from_tensor",
-    "update_weights_from_disk",
-    "update_weights_from_distributed",
-    "init_weights_update_group",
-    "destroy_weights_update_group",
-    "load_checkpoint",
-    "load_lora_adapter",
-    "unload_lora_adapter",
-)
-
-
-def _url_tuple(urls: Iterable[str]) -> tuple[str, ...]:
-    return tuple(urls)
+REFUSED: tuple[str, ...] = ("onload", "offload", "recover", "scale_out", "scale_in")
+REFUSED += ("load_checkpoint", *UPDATE_METHODS)
 
 
 def _get(url: str, timeout: float) -> tuple[int, Any]:
@@ -76,11 +60,10 @@ class ExternalEngines:
     :param spec: the model's engine spec (role, weight source: published as for managed heads).
     :param publisher: where the model's schema-2 view goes (``None``: nowhere).
     :param route_mode: ``DIRECT`` or ``SGLANG_ROUTER`` (then give ``router_url`` and ``router``).
-    :param health_timeout: seconds each ``health_generate`` may take.
-    """
+    :param health_timeout: seconds each ``health_generate`` may take."""
 
     model_id: str
-    _given_urls: tuple[str, ...] = attrs.field(kw_only=True, alias="urls", converter=_url_tuple)
+    _given_urls: tuple[str, ...] = attrs.field(kw_only=True, alias="urls", converter=tuple)
     spec: InferenceEngineSpec = attrs.field(kw_only=True)
     served_model_name: str = attrs.field(kw_only=True)
     publisher: Any = attrs.field(default=None, kw_only=True)

@@ -4,6 +4,7 @@ a replica is READY only then, else FAILED (a dead actor fenced)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -23,16 +24,12 @@ from relax_core.records import EngineBackend, EngineLaunchSpec
 
 __all__ = ["Launcher"]
 
-_REMOTE_WORKER: Any = None
 
-
+@functools.cache
 def _remote_worker() -> Any:
-    global _REMOTE_WORKER
-    if _REMOTE_WORKER is None:
-        import ray
+    import ray
 
-        _REMOTE_WORKER = ray.remote(EngineWorker)
-    return _REMOTE_WORKER
+    return ray.remote(EngineWorker)
 
 
 @attrs.define

@@ -64,8 +64,7 @@ class InferenceManager:
     :param unhealthy_after: consecutive failed health probes of a live replica before it is
         FAILED (default 3).
     :raises ValueError: the inputs disagree (nodes per replica, device, multi-node support),
-        or ``unhealthy_after`` is not a positive integer.
-    """
+        or ``unhealthy_after`` is not a positive integer."""
 
     def __init__(
         self,
@@ -473,8 +472,8 @@ class InferenceManager:
         with self._lock:
             if self._closed:
                 raise LifecycleError(f"model {self.model_id!r}: {what} after shutdown()")
-            if refuse_fenced:
-                self._slots.refuse_if_fenced(what)
+            if refuse_fenced and self._slots.fenced_workers():
+                raise InferenceRecoveryRequired(self._slots.fence_message(f"{what} refused"))
             yield
 
     def _run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -14,7 +14,14 @@ from relax_core.manager.heads import HeadCalls
 from relax_core.manager.publication import Publication
 from relax_core.manager.results import Outcome, ReplicaResult
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
-from relax_core.manager.state import Replica, ReplicaState, plan_offload, plan_onload
+from relax_core.manager.state import (
+    OffloadPlan,
+    OnloadPlan,
+    Replica,
+    ReplicaState,
+    plan_offload,
+    plan_onload,
+)
 
 __all__ = ["Memory"]
 
@@ -23,18 +30,7 @@ log = logging.getLogger(__name__)
 _S = ReplicaState
 
 
-class _Plan(Protocol):
-    """What :class:`~.state.OffloadPlan` and :class:`~.state.OnloadPlan` have in common."""
-
-    @property
-    def tags(self) -> tuple[str, ...]: ...
-    @property
-    def noop(self) -> bool: ...
-    def begin(self, replica: Replica) -> None: ...
-    def confirm(self, replica: Replica) -> None: ...
-
-
-_P = TypeVar("_P", bound=_Plan)
+_P = TypeVar("_P", OffloadPlan, OnloadPlan)
 
 
 @attrs.define
@@ -97,11 +93,10 @@ class Memory:
         results: dict[str, ReplicaResult] = {}
         todo: dict[int, _P] = {}
         for slot in slots:
-            early, plan = _triage(slot, planner, wanted)
-            if early is not None:
-                results[slot.engine_id] = early
+            plan = _triage(slot, planner, wanted)
+            if isinstance(plan, ReplicaResult):
+                results[slot.engine_id] = plan
                 continue
-            assert plan is not None
             plan.begin(slot.replica)
             todo[slot.replica.index] = plan
         if not todo:
@@ -130,7 +125,7 @@ class Memory:
 
 def _triage(
     slot: ReplicaSlot, planner: Callable[[Replica, frozenset[str]], _P], wanted: frozenset[str]
-) -> tuple[ReplicaResult | None, _P | None]:
+) -> ReplicaResult | _P:
     """The replica's plan, or the result that settles it without a call (FAILED, cleaned,
     SKIPPED when the plan does not apply, NOOP when nothing is to do)."""
     rep = slot.replica
@@ -139,15 +134,13 @@ def _triage(
             f"replica is FAILED ({rep.error}); its memory is not known to be free: "
             "recover() or shut it down"
         )
-        return slot.result(Outcome.FAILED, error=error), None
+        return slot.result(Outcome.FAILED, error=error)
     if rep.state is _S.STOPPING:
         if slot.cleaned:
-            return slot.result(Outcome.NOOP), None
-        return slot.result(Outcome.FAILED, error=f"cleanup pending: {slot.pending}"), None
+            return slot.result(Outcome.NOOP)
+        return slot.result(Outcome.FAILED, error=f"cleanup pending: {slot.pending}")
     try:
         plan = planner(rep, wanted)
     except NotApplicable as exc:
-        return slot.result(Outcome.SKIPPED, error=str(exc)), None
-    if plan.noop:
-        return slot.result(Outcome.NOOP), None
-    return None, plan
+        return slot.result(Outcome.SKIPPED, error=str(exc))
+    return slot.result(Outcome.NOOP) if plan.noop else plan

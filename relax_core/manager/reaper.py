@@ -4,8 +4,7 @@ Run as a stdlib-only script (``python -I -S reaper.py WORKER_PID ENGINE_PID``) b
 after each launch: it detaches (double fork), prints its pid, and polls every ``INTERVAL``
 seconds; once the worker is gone it SIGKILLs the engine's group, once the engine is gone it
 exits (pids identified by start time, never a reused one). Best effort: the manager still
-fences an engine whose actor died.
-"""
+fences an engine whose actor died."""
 
 from __future__ import annotations
 
@@ -64,8 +63,7 @@ def watch(worker: int, worker_start: str, engine: int, engine_start: str) -> Non
 def start_reaper(owner: int, process: int) -> int | None:
     """Start this script detached, to SIGKILL ``process``'s group once ``owner`` is gone.
 
-    :returns: the reaper's pid; ``None`` if either process was already gone.
-    """
+    :returns: the reaper's pid; ``None`` if either process was already gone."""
     import subprocess
 
     reaper = subprocess.Popen(

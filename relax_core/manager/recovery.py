@@ -16,7 +16,7 @@ from relax_core.manager.results import HealthReport, Outcome, ReplicaHealth, Rep
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
 from relax_core.manager.state import ReplicaState
 
-__all__ = ["ProbePlan", "Recovery"]
+__all__ = ["Recovery"]
 
 _S = ReplicaState
 
@@ -152,7 +152,7 @@ class Recovery:
                         rep.transitions,
                         generate=worker.node_rank == 0 and rep.state is _S.READY,
                     )
-        return ProbePlan(targets)
+        return targets
 
     def probe(self, plan: ProbePlan) -> dict[tuple[int, int], CallOutcome]:
         """Run ``plan``'s probes, all at once, each bounded by the health deadline. Blocking;
@@ -160,7 +160,7 @@ class Recovery:
         t = self.timeouts
         refs = {
             key: probed.actor.probe.remote(generate=probed.generate, timeout=t.health)
-            for key, probed in plan.targets.items()
+            for key, probed in plan.items()
         }
         return gather(refs, t.health + t.rpc_margin)
 
@@ -171,8 +171,7 @@ class Recovery:
         ``unhealthy_after`` probes in a row; with ``recover``, clean and rebuild every broken
         one. Blocking (a rebuild); the caller holds the lock and raises for a fence. A probe
         that overlapped a lifecycle change of its replica (or whose worker was replaced) is
-        ignored; the rest is :meth:`InferenceManager.health_check`'s rule.
-        """
+        ignored; the rest is :meth:`InferenceManager.health_check`'s rule."""
         problems: dict[str, list[str]] = {}
         suspects: dict[str, int] = {}
         for slot in self.slots.ordered():
@@ -187,7 +186,7 @@ class Recovery:
                     found.append(f"{name}: fenced ({worker.pending})")
                     continue
                 key = (rep.index, worker.node_rank)
-                probed = plan.targets.get(key)
+                probed = plan.get(key)
                 out = outs.get(key)
                 if probed is None or out is None or worker.actor is not probed.actor:
                     continue  # not probed this round, or the worker was replaced since
@@ -223,31 +222,23 @@ class Recovery:
             if found and failing and rep.state is not _S.STOPPING:
                 slot.mark_failed("; ".join(found))
         self.publication.publish()
-        actions: dict[str, str] = {}
         broken = [
             s
             for s in self.slots.ordered()
             if s.replica.state is _S.FAILED
             or (s.replica.state is _S.STOPPING and not s.cleaned and not s.retiring)
         ]
-        if recover and broken:
-            for engine_id, res in self.rebuild(broken).items():
-                slot = self.slots.get(engine_id)
-                if slot.fenced:
-                    actions[engine_id] = "fenced"
-                elif res.outcome is Outcome.DONE:
-                    actions[engine_id] = "rebuilt"
-                elif slot.cleaned:
-                    actions[engine_id] = "cleaned"
-                else:
-                    actions[engine_id] = "pending"
+        rebuilt = self.rebuild(broken) if recover else {}
         verdicts = []
         for s in self.slots.ordered():
             found = problems.get(s.engine_id, [])
-            if s.engine_id in actions:
-                action = actions[s.engine_id]
-            elif s.fenced:
+            res = rebuilt.get(s.engine_id)
+            if s.fenced:
                 action = "fenced"
+            elif res is not None and res.outcome is Outcome.DONE:
+                action = "rebuilt"
+            elif res is not None:
+                action = "cleaned" if s.cleaned else "pending"
             elif not found:
                 action = "none"
             elif s.replica.state is _S.FAILED:
@@ -276,8 +267,5 @@ class _Probed:
     generate: bool
 
 
-@attrs.frozen
-class ProbePlan:
-    """The workers one health round probes, by ``(replica index, node rank)``."""
-
-    targets: Mapping[tuple[int, int], _Probed]
+#: The workers one health round probes, by ``(replica index, node rank)``.
+ProbePlan = dict[tuple[int, int], _Probed]

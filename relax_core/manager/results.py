@@ -87,8 +87,7 @@ class ReplicaHealth:
 
     ``action``: ``none``, ``suspect`` (a probe failed, the process lives: kept until
     ``failed_probes`` reaches ``unhealthy_after``), ``failed``, ``cleaned``, ``rebuilt``,
-    ``pending`` (a cleanup step not confirmed) or ``fenced``.
-    """
+    ``pending`` (a cleanup step not confirmed) or ``fenced``."""
 
     engine_id: str
     healthy: bool
@@ -122,8 +121,7 @@ class UnconfirmedWorker:
 
     ``fenced``: its actor died (only an operator can confirm the node is clean); otherwise
     ``reason`` says why its shutdown is pending. Its placement group (``placement_group_id``)
-    must not be released.
-    """
+    must not be released."""
 
     model_id: str
     worker: str

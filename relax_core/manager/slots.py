@@ -42,8 +42,7 @@ class ModelLaunch:
     :param nodes_per_replica: workers per logical replica (head + followers).
     :param served_model_name: the name the engine answers with (default: ``model_path``).
     :param options: the model's engine options (``weights_cpu_backup`` as the spec decides).
-    :param backend_options: an instance of the backend's own options record, or ``None``.
-    """
+    :param backend_options: an instance of the backend's own options record, or ``None``."""
 
     model_path: str
     served_model_name: str | None = None
@@ -151,11 +150,6 @@ class WorkerSlot:
         """The bundle the worker's actor is scheduled on (``None`` outside a placement group)."""
         return self.bundles[0] if self.bundles else None
 
-    @property
-    def holds_resources(self) -> bool:
-        """Whether anything may still run for this slot."""
-        return self.actor is not None or self.fenced
-
     def attach(self, actor: Any) -> None:
         """A new worker actor takes the slot; nothing of the previous one is kept."""
         self.actor = actor
@@ -204,7 +198,7 @@ class ReplicaSlot:
     @property
     def cleaned(self) -> bool:
         """Every worker's cleanup confirmed (nothing of the replica runs any more)."""
-        return not any(w.holds_resources for w in self.workers)
+        return not any(w.actor is not None or w.fenced for w in self.workers)
 
     @property
     def pending(self) -> list[str]:
@@ -355,11 +349,6 @@ class SlotTable:
             "(or container) that the engine processes are gone, then call "
             "confirm_external_cleanup(), or start a new job"
         )
-
-    def refuse_if_fenced(self, what: str) -> None:
-        """:raises InferenceRecoveryRequired: a worker is fenced, so ``what`` is refused."""
-        if self.fenced_workers():
-            raise InferenceRecoveryRequired(self.fence_message(f"{what} refused"))
 
     def settle(self, what: str, result: LifecycleResult) -> LifecycleResult:
         """``result``. :raises InferenceRecoveryRequired: the call left a worker fenced."""

@@ -77,8 +77,7 @@ class WeightUpdates:
                 "start or onload the model first"
             )
         # SLEEPING replicas stay asleep; with ``pause`` nothing is fenced.
-        reopen = {s.replica.index: s.replica.state is _S.READY for s in targets}
-        fenced = {i: r and pause is None for i, r in reopen.items()}
+        fenced = {s.replica.index: s.replica.state is _S.READY and pause is None for s in targets}
         for slot in targets:
             if fenced[slot.replica.index]:
                 slot.replica.admission_open = False
@@ -94,8 +93,8 @@ class WeightUpdates:
                     reopen=fenced[s.replica.index],
                     drain_timeout=t.drain,
                     timeout=t.update,
-                    **({"pause": pause} if pause is not None else {}),
-                    **({"buckets": list(buckets)} if buckets else {}),
+                    pause=pause,
+                    buckets=list(buckets),
                 )
                 for s in targets
             },

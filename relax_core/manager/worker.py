@@ -81,8 +81,7 @@ class EngineWorker:
     :param engine_id: the replica's engine id (``model/replica-0``).
     :param node_rank: 0 for the head, 1.. for followers.
     :param spec: the model's :class:`InferenceEngineSpec`; checked again here, at the engine.
-    :param public_host: the host the admission server binds and publishes (head only).
-    """
+    :param public_host: the host the admission server binds and publishes (head only)."""
 
     def __init__(
         self,
@@ -435,14 +434,11 @@ class EngineWorker:
         if process is None:
             return None
         code = await asyncio.to_thread(process.terminate, timeout)
-        self._stop_reaper()
-        return code
-
-    def _stop_reaper(self) -> None:
-        pid, self.reaper_pid = self.reaper_pid, None
-        if pid:
+        reaper, self.reaper_pid = self.reaper_pid, None
+        if reaper:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, 15)
+                os.kill(reaper, 15)
+        return code
 
     async def shutdown(self, timeout: float) -> dict[str, Any]:
         """Stop admission and the engine process (SIGTERM, SIGKILL after ``timeout``); return

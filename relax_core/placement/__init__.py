@@ -1,6 +1,5 @@
 """GPU placement: plan before anything starts (:func:`plan_inference_placement`), with placement
-modes as plugins, then bind to real placement groups (:func:`bind_placement_group`).
-"""
+modes as plugins, then bind to real placement groups (:func:`bind_placement_group`)."""
 
 from relax_core._exports import claim as _claim
 from relax_core.placement.binding import (

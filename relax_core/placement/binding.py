@@ -1,6 +1,5 @@
 """Physical binding: once a placement group is ready, probe where its bundles really are and
-map the plan's logical bundles onto them (:func:`validate_bound_placement`, pure).
-"""
+map the plan's logical bundles onto them (:func:`validate_bound_placement`, pure)."""
 
 from __future__ import annotations
 
@@ -163,8 +162,7 @@ def validate_bound_placement(
         group may be larger than the pool, never smaller.
     :param order: logical → physical bundle indices (default: identity).
     :returns: the bound pool (``owned`` ``False``; :func:`bind_placement_group` sets it).
-    :raises PlacementError: with every violation.
-    """
+    :raises PlacementError: with every violation."""
     spec = plan.pool(pool)
     count = spec.size if bundle_count is None else bundle_count
     v = Violations()
@@ -257,8 +255,7 @@ def probe_placement_group(
     """Run one probe task on every bundle of ``pg``; blocks up to ``timeout_s``.
 
     :raises PlacementError: a probe did not finish in time (its bundle's GPU may be fully
-        reserved) or failed.
-    """
+        reserved) or failed."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -362,8 +359,7 @@ def bind_placement_group(
         that no one removes.
     :raises PlacementError: not ready in time, a probe failed, or the binding is invalid (an
         owned group is removed by then).
-    :raises LifecycleError: the owned group could not be removed after a failure.
-    """
+    :raises LifecycleError: the owned group could not be removed after a failure."""
     import ray
     from ray.util.placement_group import placement_group as create
 
@@ -428,8 +424,7 @@ def release_bound_pool(bound: BoundPool) -> bool:
     """Remove the group if this pool owns it; a borrowed group is left alone.
 
     :returns: whether a group was removed. Idempotent.
-    :raises LifecycleError: removing an owned group failed (retry, or remove it by hand).
-    """
+    :raises LifecycleError: removing an owned group failed (retry, or remove it by hand)."""
     if not bound.owned or bound.placement_group is None:
         return False
     from ray.util.placement_group import remove_placement_group

@@ -1,6 +1,5 @@
 """The memory budget: per-GPU and per-node host memory from ``<model_path>/config.json`` (what is
-counted: ``docs/placement.md``, "Memory budget"); a budget that cannot be computed says why.
-"""
+counted: ``docs/placement.md``, "Memory budget"); a budget that cannot be computed says why."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 def count_parameters(cfg: Mapping[str, Any]) -> int:
     """Parameters of a Llama/Qwen-style (dense or MoE) decoder from its ``config.json``.
 
-    :raises KeyError: naming the first missing key.
-    """
+    :raises KeyError: naming the first missing key."""
     c = _text_config(cfg)
     h, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
     vocab = c["vocab_size"]

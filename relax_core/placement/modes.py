@@ -1,7 +1,6 @@
 """Placement modes as plugins, and the three built-in ones: decoupled, split and defer. A mode's
 ``assign(ctx) -> ModeResult`` says where each GPU model goes (pool, phase, ``bundle_start``);
-the planner checks every generic rule.
-"""
+the planner checks every generic rule."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ GENERATION_PHASE = "generation"
 class Demand:
     """What one GPU model asks for: ``num_gpus`` bundles in engines of ``gpus_per_engine``;
     ``bundle_start`` when the config fixed it; ``deferred``: its role is deferred;
-    ``generation_phase``: its role generates the training batch; ``path``: its config key path.
-    """
+    ``generation_phase``: its role generates the training batch; ``path``: its config key path."""
 
     role: str
     model: str
@@ -183,14 +181,11 @@ def _place_group(
 
 
 def _no_actor_pool(mode: str) -> ModeResult:
-    violations = Violations()
-    violations.add(
-        "training.actor_gpus",
-        "actor-pool",
+    message = (
         f"placement.mode = {mode!r} places inference inside the actor pool, but the job has "
-        "no actor GPUs; set training.actor_gpus, or use mode = 'decoupled'",
+        "no actor GPUs; set training.actor_gpus, or use mode = 'decoupled'"
     )
-    return ModeResult(violations=tuple(violations))
+    return ModeResult(violations=(Violation("training.actor_gpus", "actor-pool", message),))
 
 
 def assign_decoupled(ctx: ModeContext) -> ModeResult:

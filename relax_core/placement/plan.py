@@ -48,8 +48,7 @@ def phases_conflict(a: str, b: str) -> bool:
 class Pool:
     """A set of GPU bundles that becomes one Ray placement group. Bundle ``i`` sits on pool-local
     node ``i // gpus_per_node``, packed onto cluster node ``nodes[i // gpus_per_node]``;
-    ``training``: its training roles, each reserving ``training_ray_gpu_fraction`` of a bundle.
-    """
+    ``training``: its training roles, each reserving ``training_ray_gpu_fraction`` of a bundle."""
 
     name: str
     size: int
@@ -80,8 +79,7 @@ class Pool:
 class ModelPlacement:
     """Where one model of one role runs: ``replicas[i]`` the bundles of engine ``i``;
     ``workers[i]`` those split by pool-local node, head first (one engine worker each, on its
-    first bundle). A ``cpu`` model has no pool and one empty tuple per engine.
-    """
+    first bundle). A ``cpu`` model has no pool and one empty tuple per engine."""
 
     role: str
     model: str
@@ -169,14 +167,14 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _build(cls: type[Any], data: Mapping[str, Any], nested: Mapping[str, type[Any]]) -> Any:
+def _build(cls: type[Any], data: Mapping[str, Any]) -> Any:
     names = {f.name for f in attrs.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in names:
             continue
-        if key in nested:
-            kwargs[key] = tuple(_build(nested[key], v, {}) for v in value)
+        if key in _NESTED:
+            kwargs[key] = tuple(_build(_NESTED[key], v) for v in value)
         else:
             kwargs[key] = _tuples(value)
     return cls(**kwargs)
@@ -251,21 +249,15 @@ class InferencePlacementPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InferencePlacementPlan:
         """Rebuild a plan from :meth:`to_dict` output (derived keys are ignored)."""
-        budgets = {
-            key: [
-                {**b, "items": tuple(MemoryItem(**i) for i in b.get("items", ()))}
-                for b in data.get(key, ())
-            ]
-            for key in ("memory", "host_memory")
-        }
-        plan: InferencePlacementPlan = _build(
-            cls,
-            {**data, **budgets},
-            {
-                "pools": Pool,
-                "placements": ModelPlacement,
-                "memory": MemoryBudget,
-                "host_memory": HostMemoryBudget,
-            },
-        )
+        plan: InferencePlacementPlan = _build(cls, data)
         return plan
+
+
+#: The fields :func:`_build` rebuilds as tuples of records.
+_NESTED: dict[str, type[Any]] = {
+    "pools": Pool,
+    "placements": ModelPlacement,
+    "memory": MemoryBudget,
+    "host_memory": HostMemoryBudget,
+    "items": MemoryItem,
+}

@@ -1,6 +1,5 @@
 """The pure preflight planner: config in, :class:`InferencePlacementPlan` or every violation out
-(the rules: docs/placement.md). It reads nothing but model ``config.json`` files.
-"""
+(the rules: docs/placement.md). It reads nothing but model ``config.json`` files."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from relax_core.placement.plan import (
     ModelPlacement,
     Pool,
     Violation,
+    Violations,
     phases_conflict,
 )
 from relax_core.plugins import PluginManager, get_plugin_manager
@@ -53,8 +53,7 @@ def plan_inference_placement(
 
     :param plugin_manager: where placement modes, roles and weight sources come from (default:
         the process-wide :func:`~relax_core.plugins.get_plugin_manager`).
-    :raises PlacementError: with every violation (``path: [rule] message``), not just the first.
-    """
+    :raises PlacementError: with every violation (``path: [rule] message``), not just the first."""
     result = preflight(config, plugin_manager)
     if result.plan is None:
         raise PlacementError([str(v) for v in result.violations])
@@ -66,14 +65,11 @@ class _Planner:
         self.config = config
         self.pm = pm
         self.gpn = config.cluster.gpus_per_node
-        self.violations: list[Violation] = []
+        self.violations = Violations()
         self.notes: list[str] = []
         self.role_specs: dict[str, RoleSpec] = {
             name: reg.record for name, reg in pm.registered("roles").items()
         }
-
-    def violation(self, path: str, rule: str, message: str) -> None:
-        self.violations.append(Violation(path, rule, message))
 
     # -- per model and per role ------------------------------------------------------------
 
@@ -89,7 +85,7 @@ class _Planner:
         p = m.path
         sources = self.pm.registered("weight_sources")
         if m.weight_source is not None and m.weight_source not in sources:
-            self.violation(
+            self.violations.add(
                 f"{p}.weight_source",
                 "weight-source",
                 f"{m.weight_source!r} is not a registered weight source (known: "
@@ -97,7 +93,7 @@ class _Planner:
             )
         spec = self.role_specs.get(m.role)
         if spec is not None and self.weight_source(m) not in spec.allowed_weight_sources:
-            self.violation(
+            self.violations.add(
                 f"{p}.weight_source",
                 "weight-source",
                 f"role {m.role!r} allows weight sources {sorted(spec.allowed_weight_sources)}, "
@@ -108,7 +104,7 @@ class _Planner:
         sliceable = True
         size, engine = m.placement, m.engine
         if size.tp * size.pp != size.gpus_per_engine:
-            self.violation(
+            self.violations.add(
                 f"{p}.tp",
                 "tp-pp",
                 f"tp {size.tp} x pp {size.pp} = {size.tp * size.pp}, but gpus_per_engine = "
@@ -116,7 +112,7 @@ class _Planner:
             )
         if size.num_gpus % size.gpus_per_engine:
             sliceable = False
-            self.violation(
+            self.violations.add(
                 f"{p}.num_gpus",
                 "divisibility",
                 f"num_gpus {size.num_gpus} is not a multiple of gpus_per_engine "
@@ -124,15 +120,15 @@ class _Planner:
                 f"{size.num_gpus / size.gpus_per_engine:g} engines",
             )
         if engine.dp > 1 and not engine.dp_attention:
-            self.violation(
+            self.violations.add(
                 f"{p}.dp",
                 "dp-attention",
                 f"dp = {engine.dp} needs dp_attention = true; for more replicas raise num_gpus",
             )
         elif engine.dp_attention and engine.dp < 2:
-            self.violation(f"{p}.dp", "dp-attention", "dp_attention = true needs dp >= 2")
+            self.violations.add(f"{p}.dp", "dp-attention", "dp_attention = true needs dp >= 2")
         elif engine.dp_attention and size.tp % engine.dp:
-            self.violation(
+            self.violations.add(
                 f"{p}.dp",
                 "dp-attention",
                 f"with dp_attention, tp {size.tp} must be divisible by dp {engine.dp}",
@@ -140,7 +136,7 @@ class _Planner:
         gpe = size.gpus_per_engine
         if self.gpn > 0 and gpe > self.gpn and gpe % self.gpn:
             sliceable = False
-            self.violation(
+            self.violations.add(
                 f"{p}.gpus_per_engine",
                 "whole-nodes",
                 f"an engine of {gpe} GPUs spans nodes of {self.gpn} GPUs "
@@ -156,14 +152,14 @@ class _Planner:
             used = sum(m.placement.num_gpus for m in gpu_models)
             if role.num_gpus is not None and used != role.num_gpus:
                 parts = " + ".join(f"{m.name} {m.placement.num_gpus}" for m in gpu_models) or "none"
-                self.violation(
+                self.violations.add(
                     f"roles.{role.name}.num_gpus",
                     "role-budget",
                     f"role {role.name!r} has a budget of {role.num_gpus} GPUs but its models use "
                     f"{used} ({parts}); make them add up",
                 )
             if role.policy is not None and role.policy not in policies:
-                self.violation(
+                self.violations.add(
                     f"roles.{role.name}.policy",
                     "policy",
                     f"{role.policy!r} is not a registered routing policy (known: "
@@ -171,7 +167,7 @@ class _Planner:
                 )
             if role.name not in self.role_specs:
                 known = sorted(self.role_specs)
-                self.violation(
+                self.violations.add(
                     f"roles.{role.name}",
                     "unknown-role",
                     f"no installed plugin registers the role {role.name!r}{hint(role.name, known)}"
@@ -184,21 +180,21 @@ class _Planner:
         if t.colocate is not None and t.colocate != mode.shares_training_pool:
             shared = mode.shares_training_pool
             where = "places inference inside" if shared else "keeps inference out of"
-            self.violation(
+            self.violations.add(
                 "training.colocate",
                 "colocate-mode",
                 f"placement.mode = {mode.name!r} {where} the actor pool; set training.colocate "
                 f"= {'true' if shared else 'false'} or pick another mode",
             )
         if mode.shares_training_pool and not t.offload:
-            self.violation(
+            self.violations.add(
                 "training.offload",
                 "offload-required",
                 f"placement.mode = {mode.name!r} shares the actor pool's GPUs with inference, "
                 "so training must offload between phases; set training.offload = true",
             )
         if placement.defer_roles and not mode.supports_defer:
-            self.violation(
+            self.violations.add(
                 "placement.defer_roles",
                 "defer-mode",
                 f"placement.mode = {mode.name!r} does not run deferred phases; use mode = "
@@ -208,7 +204,7 @@ class _Planner:
         for i, role in enumerate(placement.defer_roles):
             spec = self.role_specs.get(role)
             if spec is not None and not spec.deferrable:  # unregistered: unknown-role says it
-                self.violation(
+                self.violations.add(
                     f"placement.defer_roles[{i}]",
                     "defer-role",
                     f"role {role!r} cannot be deferred; only roles whose plugin makes them "
@@ -256,7 +252,7 @@ class _Planner:
             )
         for req in result.pools:
             if req.name in pools:
-                self.violation(
+                self.violations.add(
                     "placement.mode",
                     "mode-error",
                     f"mode {mode.name!r} created pool {req.name!r} twice or over a training pool",
@@ -315,13 +311,13 @@ class _Planner:
                         if pool.training
                         else f"pool {name!r} ({pool.size} bundles)"
                     )
-                    self.violation(
+                    self.violations.add(
                         f"{p.path}.{where}",
                         "pool-bounds",
                         f"slice {start}-{p.bundle_end - 1} ends past {owner}",
                     )
                 if engine_straddles(start, p.num_gpus, p.gpus_per_engine, self.gpn):
-                    self.violation(
+                    self.violations.add(
                         f"{p.path}.bundle_start",
                         "node-boundary",
                         f"slice {start}-{p.bundle_end - 1} puts an engine of "
@@ -342,7 +338,7 @@ class _Planner:
                     continue
                 lo, hi = b.bundle_start or 0, min(a.bundle_end, b.bundle_end)
                 phase = a.phase if a.phase != PHASE_RESIDENT else b.phase
-                self.violation(
+                self.violations.add(
                     f"{b.path}.bundle_start",
                     "co-residence",
                     f"bundles {lo}-{hi - 1} of pool {pool!r} are used by both {a.path} "
@@ -369,7 +365,7 @@ class _Planner:
             seen.add(key)
             parts = [f"training {r} {pool.training_ray_gpu_fraction:g}" for r in pool.training]
             parts += [f"{p.path} {p.ray_gpu_fraction:g}" for p in users]
-            self.violation(
+            self.violations.add(
                 f"{users[-1].path}.ray_gpu_fraction",
                 "ray-gpu-fraction",
                 f"bundle {bundle} of pool {pool.name!r} would reserve {total:g} Ray GPUs "
@@ -387,7 +383,7 @@ class _Planner:
             return pools
         if total > c.total_gpus:
             parts = ", ".join(f"{p.name} {p.size}" for p in pools.values())
-            self.violation(
+            self.violations.add(
                 "cluster",
                 "gpu-budget",
                 f"the job needs {total} GPUs (pools: {parts}) but the cluster has "
@@ -413,7 +409,7 @@ class _Planner:
             node = next((i for i, f in enumerate(free) if f >= size), None)
             if node is None:
                 need = ", ".join(f"{n} {s}" for s, n in pieces)
-                self.violation(
+                self.violations.add(
                     "cluster",
                     "node-fit",
                     f"the pools cannot be laid out on {c.num_nodes} nodes of {self.gpn} GPUs: "
@@ -434,7 +430,7 @@ class _Planner:
         mode_name = cfg.placement.resolved_mode(cfg.training)
         mode: PlacementMode | None = modes[mode_name].record if mode_name in modes else None
         if mode is None:
-            self.violation(
+            self.violations.add(
                 "placement.mode",
                 "unknown-mode",
                 f"{mode_name!r} is not a registered placement mode{hint(mode_name, modes)} "
@@ -442,7 +438,7 @@ class _Planner:
             )
         sliceable = {m.path: self.check_model(m) for m in cfg.models()}
         if self.gpn == 0 and any(m.device == "cuda" for m in cfg.models()):
-            self.violation(
+            self.violations.add(
                 "cluster.gpus_per_node",
                 "gpu-budget",
                 "GPU models are configured but cluster.gpus_per_node is 0; set it, or use "
@@ -494,7 +490,9 @@ class _Planner:
             if isinstance(result, ModeResult):
                 return result
             problem = f"returned {type(result).__name__}, not ModeResult"
-        self.violation("placement.mode", "mode-error", f"placement mode {mode.name!r} {problem}")
+        self.violations.add(
+            "placement.mode", "mode-error", f"placement mode {mode.name!r} {problem}"
+        )
         return ModeResult()
 
     def _placements(
@@ -511,7 +509,7 @@ class _Planner:
             s = by_key.get((d.role, d.model))
             if s is None or s.pool not in pools:
                 if not result.violations:
-                    self.violation(
+                    self.violations.add(
                         d.path,
                         "mode-error",
                         f"placement mode {mode.name!r} gave no valid slice for this model",

@@ -31,10 +31,10 @@ from relax_core.engine.admission import (
     PRIVATE_PREFIX,
     PROBE_PATHS,
     AdmissionServer,
-    AdmissionThread,
 )
 from relax_core.engine.spec import UPDATE_ENDPOINTS, InferenceEngineSpec
 from relax_core.testing import free_port, serve_app, wait_for
+from tests.support.admission import AdmissionThread
 from tests.support.stale_keepalive import StaleKeepAliveServer
 
 

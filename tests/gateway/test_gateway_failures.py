@@ -141,7 +141,7 @@ def test_a_replica_whose_engine_is_gone_behind_its_admission_server_is_routed_ar
 ) -> None:
     from relax_core import AdmissionServer, InferenceEngineSpec
     from relax_core.builtins import STATIC
-    from relax_core.engine.admission import AdmissionThread
+    from tests.support.admission import AdmissionThread
 
     # The replica's door is up, its engine is not (killed): the door answers 502 "nothing
     # sent", and the gateway sends the request to the other replica instead.
