@@ -2,8 +2,7 @@
 
 Each is a registration hook: it hands the plugin a ``register`` callback to call once per frozen
 record (:mod:`relax_core.records`) it adds; two records of one kind with one name are rejected
-with both plugins named. Each kind is collected once per plugin manager, when first needed.
-"""
+with both plugins named. Each kind is collected once per plugin manager, when first needed."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from collections.abc import Callable
 import pluggy
 
 from relax_core import records
-
-__all__ = ["hookimpl", "hookspec"]
 
 hookspec = pluggy.HookspecMarker("relax")
 hookimpl = pluggy.HookimplMarker("relax")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["excerpt", "quote_log"]
-
 #: How much of the log's end is searched for the last traceback.
 _READ_BYTES = 64 * 1024
 #: Frames of the last traceback quoted (each: its ``File …`` line and its source line).

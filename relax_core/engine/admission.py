@@ -16,19 +16,6 @@ from relax_core._http.http1 import ConnectError, ConnectTimeout, Http1Client, Ht
 from relax_core._http.server import serve_app
 from relax_core.engine.spec import UPDATE_ENDPOINTS, InferenceEngineSpec
 
-__all__ = [
-    "ADMISSION_ALLOWLIST",
-    "CANCEL_PATHS",
-    "ENGINE_KEEPALIVE",
-    "GENERATE_PATHS",
-    "HEALTH_PATHS",
-    "METADATA_PATHS",
-    "PRIVATE_PREFIX",
-    "PROBE_PATHS",
-    "SERVER_KEEPALIVE",
-    "AdmissionServer",
-]
-
 #: Seconds an idle connection to the engine is kept for reuse: well below the engine's 5 s.
 ENGINE_KEEPALIVE = 2.0
 #: Seconds the public port keeps an idle caller's connection: above every caller's own limit.

@@ -9,8 +9,6 @@ from typing import Any
 
 import attrs
 
-__all__ = ["WeightBucket", "plan_weight_buckets"]
-
 
 @attrs.frozen
 class WeightBucket:

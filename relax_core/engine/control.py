@@ -12,8 +12,6 @@ from relax_core._quote import quote_body
 from relax_core.engine.tags import TAG_ORDER
 from relax_core.errors import LifecycleError, UpstreamError
 
-__all__ = ["ControlClient", "WeightUpdate"]
-
 _JSON = Mapping[str, Any]
 
 

@@ -19,8 +19,6 @@ import attrs
 from relax_core.engine._logtail import quote_log, read_end
 from relax_core.errors import LifecycleError
 
-__all__ = ["SubprocessEngineProcess", "safe_file_name"]
-
 _TAIL_BYTES = 4000
 #: How long a follower without a readiness URL must stay alive to count as started.
 FOLLOWER_GRACE_S = 1.0

@@ -10,14 +10,6 @@ import attrs
 from relax_core.errors import CapabilityError
 from relax_core.records import UPDATE_PATHS, RoleSpec, WeightSource
 
-__all__ = [
-    "GENERATION_OPERATIONS",
-    "LIFECYCLE_OPERATIONS",
-    "OPERATIONS",
-    "UPDATE_ENDPOINTS",
-    "InferenceEngineSpec",
-]
-
 GENERATION_OPERATIONS = frozenset({"generate", "chat", "completions", "abort"})
 LIFECYCLE_OPERATIONS = frozenset({"onload", "offload"})
 #: Every operation name an :class:`InferenceEngineSpec` may allow.

@@ -6,8 +6,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-__all__ = ["ALL_TAGS", "TAG_ORDER", "ResidentTag", "normalize_tags", "ordered"]
-
 
 class ResidentTag(enum.StrEnum):
     """A piece of engine memory that can be released and resumed on its own."""

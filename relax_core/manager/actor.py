@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from relax_core._proxy import contract, generate, remote_errors
+from relax_core._proxy import generate, remote_errors
 from relax_core.discovery.schema import ModelView
 from relax_core.engine.buckets import WeightBucket
 from relax_core.errors import LifecycleError
@@ -18,18 +18,6 @@ from relax_core.manager.manager import InferenceManager
 from relax_core.manager.results import HealthReport, LifecycleResult, UnconfirmedWorker
 from relax_core.manager.slots import WorkerSlot
 from relax_core.records import RouterBackend, RouterLaunchSpec, RouterProcess
-
-__all__ = [
-    "HostedManager",
-    "InProcessManager",
-    "ManagerActor",
-    "ModelManager",
-    "RayManager",
-    "contract",
-    "host_manager",
-    "manager_actor_name",
-    "start_manager_actor",
-]
 
 
 class ModelManager(Protocol):

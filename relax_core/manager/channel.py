@@ -25,8 +25,6 @@ from relax_core.engine.admission import PRIVATE_PREFIX, serve_catch_all
 from relax_core.errors import ChannelError, RelaxError
 from relax_core.manager.fanout import CallOutcome
 
-__all__ = ["CONTROL_PREFIX", "TOKEN_HEADER", "ControlAddress", "ControlChannelServer", "call_many"]
-
 #: Path prefix of every private control call (refused with 403 at the public port).
 CONTROL_PREFIX = f"{PRIVATE_PREFIX}control/"
 #: The header that carries the per-start token.

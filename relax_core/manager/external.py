@@ -28,8 +28,6 @@ from relax_core.manager.results import (
 from relax_core.manager.worker import UPDATE_METHODS
 from relax_core.records import RouterMembership
 
-__all__ = ["ExternalEngines"]
-
 #: The manager's calls an external model refuses (:class:`~relax_core.errors.CapabilityError`).
 REFUSED: tuple[str, ...] = ("onload", "offload", "recover", "scale_out", "scale_in")
 REFUSED += ("load_checkpoint", *UPDATE_METHODS)

@@ -11,8 +11,6 @@ import attrs
 
 from relax_core.errors import RelaxError
 
-__all__ = ["CallOutcome", "gather", "is_terminal_actor_death"]
-
 K = TypeVar("K", bound=Hashable)
 
 #: Lines of a Relax error's message a description keeps (its first ones and its last ones).

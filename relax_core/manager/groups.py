@@ -10,8 +10,6 @@ import attrs
 
 from relax_core.errors import LifecycleError
 
-__all__ = ["PlacementGroups"]
-
 #: Seconds to wait for a removed group to be reported REMOVED.
 _REMOVE_DEADLINE = 10.0
 

@@ -12,8 +12,6 @@ from relax_core.manager.channel import ControlAddress, call_many
 from relax_core.manager.fanout import CallOutcome, gather
 from relax_core.manager.slots import SlotTable
 
-__all__ = ["HeadCalls"]
-
 
 @attrs.define
 class HeadCalls:

@@ -22,8 +22,6 @@ from relax_core.manager.weights import CheckpointDirectory
 from relax_core.manager.worker import EngineWorker
 from relax_core.records import EngineBackend, EngineLaunchSpec
 
-__all__ = ["Launcher"]
-
 
 @functools.cache
 def _remote_worker() -> Any:

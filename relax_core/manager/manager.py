@@ -41,8 +41,6 @@ from relax_core.manager.state import Replica, ReplicaState
 from relax_core.manager.updates import WeightUpdates
 from relax_core.records import EngineBackend, RouterMembership
 
-__all__ = ["InferenceManager"]
-
 
 class InferenceManager:
     """The lifecycle core of one model's engines: build it, then :meth:`start`.

@@ -23,8 +23,6 @@ from relax_core.manager.state import (
     plan_onload,
 )
 
-__all__ = ["Memory"]
-
 log = logging.getLogger(__name__)
 
 _S = ReplicaState

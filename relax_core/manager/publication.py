@@ -14,8 +14,6 @@ from relax_core.manager.slots import ModelLaunch, SlotTable
 from relax_core.manager.state import ReplicaState
 from relax_core.records import RouterMembership
 
-__all__ = ["Publication", "model_view", "publish_model"]
-
 _S = ReplicaState
 # Model state from replica states: the first state in this order that any replica is in.
 _MODEL_STATE_ORDER = (_S.READY, _S.ONLOADING, _S.DRAINING, _S.STARTING, _S.SLEEPING, _S.STOPPING)

@@ -16,8 +16,6 @@ from relax_core.manager.results import HealthReport, Outcome, ReplicaHealth, Rep
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable
 from relax_core.manager.state import ReplicaState
 
-__all__ = ["Recovery"]
-
 _S = ReplicaState
 
 

@@ -9,15 +9,6 @@ import attrs
 
 from relax_core.errors import LifecycleError
 
-__all__ = [
-    "HealthReport",
-    "LifecycleResult",
-    "Outcome",
-    "ReplicaHealth",
-    "ReplicaResult",
-    "UnconfirmedWorker",
-]
-
 
 class Outcome(enum.StrEnum):
     """How one replica came out of a lifecycle call."""

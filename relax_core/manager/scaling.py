@@ -17,8 +17,6 @@ from relax_core.manager.results import Outcome, ReplicaResult
 from relax_core.manager.slots import ManagerTimeouts, ReplicaSlot, SlotTable, _workers
 from relax_core.manager.state import ReplicaState
 
-__all__ = ["Scaling"]
-
 _S = ReplicaState
 
 

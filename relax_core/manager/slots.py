@@ -19,15 +19,6 @@ if TYPE_CHECKING:
     from relax_core.manager.channel import ControlAddress
     from relax_core.manager.fanout import CallOutcome
 
-__all__ = [
-    "ManagerTimeouts",
-    "ModelLaunch",
-    "ReplicaPlacement",
-    "ReplicaSlot",
-    "SlotTable",
-    "WorkerSlot",
-]
-
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not value > 0:

@@ -11,8 +11,6 @@ import attrs
 from relax_core.engine.tags import ALL_TAGS, TAG_ORDER, normalize_tags, ordered
 from relax_core.errors import LifecycleError, NotApplicable
 
-__all__ = ["OffloadPlan", "OnloadPlan", "Replica", "ReplicaState", "plan_offload", "plan_onload"]
-
 
 class ReplicaState(enum.StrEnum):
     """The state of one logical replica (schema 2 publishes it as a string)."""

@@ -20,8 +20,6 @@ from relax_core.manager.state import ReplicaState
 from relax_core.manager.weights import CheckpointDirectory
 from relax_core.manager.worker import UPDATE_METHODS
 
-__all__ = ["PAUSE_MODES", "WeightUpdates"]
-
 #: The pause modes a weight update may take instead of the fence (SGLang's, and ``abort``).
 PAUSE_MODES = ("in_place", "retract", "abort")
 

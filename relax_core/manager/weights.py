@@ -9,8 +9,6 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
-__all__ = ["CheckpointDirectory"]
-
 _VERSION_DIR = re.compile(r"^version-(\d+)$")
 
 

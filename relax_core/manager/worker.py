@@ -25,8 +25,6 @@ from relax_core.manager.reaper import start_reaper
 from relax_core.net import free_port
 from relax_core.records import EngineBackend, EngineLaunchSpec, EngineProcess
 
-__all__ = ["UPDATE_METHODS", "EngineWorker", "ProbeResult", "StartResult"]
-
 #: Control-client methods a weight update may call, with the update path each belongs to.
 UPDATE_METHODS: dict[str, str] = {
     "update_weights_from_tensor": "tensor",

@@ -14,19 +14,6 @@ import attrs
 from relax_core.errors import LifecycleError, PlacementError
 from relax_core.placement.plan import InferencePlacementPlan, Violations
 
-__all__ = [
-    "PROBE_GPU_FRACTION",
-    "BoundModel",
-    "BoundPool",
-    "BoundWorker",
-    "BundleProbe",
-    "bind_placement_group",
-    "bundle_order",
-    "probe_placement_group",
-    "release_bound_pool",
-    "validate_bound_placement",
-]
-
 #: The GPU share a probe task asks for: enough to be given the bundle's GPU id, small enough
 #: to fit beside training actors that already hold part of a borrowed bundle.
 PROBE_GPU_FRACTION = 0.01

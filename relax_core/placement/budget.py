@@ -22,15 +22,6 @@ from relax_core.placement.plan import (
     Violations,
 )
 
-__all__ = [
-    "DEFAULT_MEM_FRACTION_STATIC",
-    "ModelFacts",
-    "count_parameters",
-    "dtype_bytes",
-    "kv_bytes_per_token",
-    "model_facts",
-]
-
 GIB = 1024**3
 #: The static fraction assumed when a model gives neither ``mem_fraction_static`` nor
 #: ``max_running_requests`` (SGLang's usual default for large GPUs).

@@ -13,20 +13,6 @@ from relax_core.hookspecs import hookimpl
 from relax_core.placement.plan import PHASE_RESIDENT, Violation, Violations
 from relax_core.records import PlacementMode
 
-__all__ = [
-    "DECOUPLED",
-    "DEFER",
-    "GENERATION_PHASE",
-    "SPLIT",
-    "Demand",
-    "ModeContext",
-    "ModeResult",
-    "PoolRequest",
-    "Slice",
-    "SliceAllocator",
-    "relax_register_placement_modes",
-]
-
 #: The phase the batch-generating roles (``RoleSpec.generation_phase``) run in under ``defer``;
 #: each deferred role gets a phase named after it.
 GENERATION_PHASE = "generation"

@@ -10,18 +10,6 @@ import attrs
 
 from relax_core.errors import ConfigProblem
 
-__all__ = [
-    "PHASE_RESIDENT",
-    "HostMemoryBudget",
-    "InferencePlacementPlan",
-    "MemoryBudget",
-    "MemoryItem",
-    "ModelPlacement",
-    "Pool",
-    "Violation",
-    "Violations",
-]
-
 #: The phase of a placement that stays resident through every inference phase.
 PHASE_RESIDENT = "resident"
 

@@ -24,8 +24,6 @@ from relax_core.placement.plan import (
 from relax_core.plugins import PluginManager, get_plugin_manager
 from relax_core.records import PlacementMode, RoleSpec
 
-__all__ = ["Preflight", "plan_inference_placement", "preflight"]
-
 #: Default Ray GPU share per bundle: training actor and engine worker in a shared pool.
 SHARED_TRAINING_FRACTION = 0.4
 SHARED_ENGINE_FRACTION = 0.2

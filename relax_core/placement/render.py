@@ -15,8 +15,6 @@ from relax_core.placement.plan import (
 )
 from relax_core.plugins import PluginManager
 
-__all__ = ["render_plan", "role_titles"]
-
 
 def role_titles(plugin_manager: PluginManager) -> dict[str, str]:
     """``{role: RoleSpec.title}`` of every role ``plugin_manager`` has registered."""

@@ -1,6 +1,5 @@
 """``relax run``'s steps around the :class:`~relax_core.run.driver.StepDriver`: the run's
-engines as :class:`StepPorts`, and what a run reports of its steps (``docs/run.md``).
-"""
+engines as :class:`StepPorts`, and what a run reports of its steps (``docs/run.md``)."""
 
 from __future__ import annotations
 
@@ -46,17 +45,6 @@ from relax_core.run.progress import PhaseEvent, Printer, Progress
 from relax_core.tracking.hub import Trackers
 from relax_core.tracking.metrics import reward_by_key, rollout_metrics, sample_rows, step_metrics
 from relax_core.tracking.tracker import PhaseSpan
-
-__all__ = [
-    "FailedStep",
-    "RunSummary",
-    "StepPorts",
-    "blocked_advice",
-    "drive",
-    "run_description",
-    "run_loop",
-    "step_row",
-]
 
 #: Entries of the trainer's answer the row also carries at its top level (``docs/run.md``).
 TOP_LEVEL_TRAINER_KEYS = ("teacher_kl", "teacher_logprob_mean")

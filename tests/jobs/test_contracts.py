@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from relax_bench.measure import MeasuredCoordinator
 
+from relax_core._proxy import contract
 from relax_core.coordination.coordinator import Coordinator, LifecycleCoordinator
 from relax_core.coordination.remote import CoordinatorActor, RemoteCoordinator
 from relax_core.jobs.models import LocalModel, ModelHandle, RayModel
@@ -28,7 +29,6 @@ from relax_core.manager.actor import (
     ManagerActor,
     ModelManager,
     RayManager,
-    contract,
 )
 
 #: What an InferenceManager offers only in its own process (not through its actor).
