@@ -20,7 +20,6 @@ __all__ = [
     "ConfigValidationError",
     "CoordinationError",
     "EmptyBatchError",
-    "EnvironmentStepError",
     "GatewayError",
     "InferenceRecoveryRequired",
     "InvalidRequestError",
@@ -28,7 +27,6 @@ __all__ = [
     "LifecycleError",
     "ModelNotReadyError",
     "NotApplicable",
-    "NotPrefixStable",
     "PlacementError",
     "PluginError",
     "RelaxError",
@@ -350,20 +348,6 @@ class ScoringError(RelaxError):
     def __init__(self, stage: str, message: str) -> None:
         self.stage, self.message = stage, message
         super().__init__(f"{stage}: {message}")
-
-
-class EnvironmentStepError(RelaxError):
-    """A multi-turn rollout's environment failed (raised, or answered no observation): the
-    step fails uncommitted. ``environment`` and ``trajectory`` (the sample's id) say which."""
-
-    def __init__(self, environment: str, trajectory: str, message: str) -> None:
-        self.environment, self.trajectory, self.message = environment, trajectory, message
-        super().__init__(f"environment {environment!r}, trajectory {trajectory}: {message}")
-
-
-class NotPrefixStable(RelaxError, ValueError):
-    """A chat template rewrites earlier turns (an earlier rendering is not a prefix of a later one),
-    so a multi-turn trajectory's ids cannot be extended without re-tokenizing."""
 
 
 class SinkError(RelaxError):

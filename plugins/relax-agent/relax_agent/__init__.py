@@ -19,14 +19,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from relax_agent.calculator import CALCULATOR, CalculatorEnvironment, evaluate
-from relax_agent.environment import Environment, EnvironmentConfig, Observation, Reset, Turn
+from relax_agent.environment import (
+    Environment,
+    EnvironmentConfig,
+    EnvironmentStepError,
+    Observation,
+    Reset,
+    Turn,
+)
 from relax_agent.multiturn import (
     MULTI_TURN_OPTIONS,
     MultiTurn,
     build_multi_turn,
     multi_turn_needs,
 )
-from relax_agent.template import ChatTurns
+from relax_agent.template import ChatTurns, NotPrefixStable
 from relax_agent.tools import (
     Tool,
     ToolBox,
@@ -52,7 +59,9 @@ __all__ = [
     "ChatTurns",
     "Environment",
     "EnvironmentConfig",
+    "EnvironmentStepError",
     "MultiTurn",
+    "NotPrefixStable",
     "Observation",
     "Reset",
     "Tool",

@@ -9,9 +9,17 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from relax_core import Prompt
+from relax_core import Prompt, RelaxError
 
-__all__ = ["GUIDE_KEYS", "Environment", "EnvironmentConfig", "Observation", "Reset", "Turn"]
+__all__ = [
+    "GUIDE_KEYS",
+    "Environment",
+    "EnvironmentConfig",
+    "EnvironmentStepError",
+    "Observation",
+    "Reset",
+    "Turn",
+]
 
 #: The keys a guide may hold (the engine's constrained-decoding sampling parameters).
 GUIDE_KEYS = ("regex", "json_schema", "ebnf")
@@ -106,3 +114,12 @@ class Environment(Protocol):
 
     def step(self, turn: Turn) -> Any:
         """The :class:`Observation` of the policy's ``turn`` (or an awaitable of it)."""
+
+
+class EnvironmentStepError(RelaxError):
+    """A multi-turn rollout's environment failed (raised, or answered no observation): the
+    step fails uncommitted. ``environment`` and ``trajectory`` (the sample's id) say which."""
+
+    def __init__(self, environment: str, trajectory: str, message: str) -> None:
+        self.environment, self.trajectory, self.message = environment, trajectory, message
+        super().__init__(f"environment {environment!r}, trajectory {trajectory}: {message}")

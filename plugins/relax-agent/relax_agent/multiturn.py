@@ -42,18 +42,23 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from relax_agent.environment import Environment, EnvironmentConfig, Observation, Reset, Turn
-from relax_agent.template import ChatTurns
+from relax_agent.environment import (
+    Environment,
+    EnvironmentConfig,
+    EnvironmentStepError,
+    Observation,
+    Reset,
+    Turn,
+)
+from relax_agent.template import ChatTurns, NotPrefixStable
 from relax_core import (
     ROLLOUT_METRICS,
     ConfigProblem,
     ConfigReader,
     ConfigValidationError,
     EnvironmentSpec,
-    EnvironmentStepError,
     GroupRequest,
     InferenceClient,
-    NotPrefixStable,
     PluginError,
     RolloutShapeConfig,
     Sample,

@@ -27,9 +27,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from relax_core import ConfigError, NotPrefixStable
+from relax_core import ConfigError, RelaxError
 
-__all__ = ["ChatTurns"]
+__all__ = ["ChatTurns", "NotPrefixStable"]
+
+
+class NotPrefixStable(RelaxError, ValueError):
+    """A chat template rewrites earlier turns (an earlier rendering is not a prefix of a later one),
+    so a multi-turn trajectory's ids cannot be extended without re-tokenizing."""
 
 
 def _token_text(value: Any) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from relax_agent import (
     CALCULATOR,
+    EnvironmentStepError,
     MultiTurn,
     Observation,
     Reset,
@@ -34,7 +35,6 @@ from relax_agent import (
 
 from relax_core import (
     EnvironmentSpec,
-    EnvironmentStepError,
     GroupRequest,
     InferenceClient,
     PluginManager,

@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relax_agent import ChatTurns
-
-from relax_core import NotPrefixStable
+from relax_agent import ChatTurns, NotPrefixStable
 
 WHERE = "roles.rollout.models.policy"
 
