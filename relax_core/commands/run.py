@@ -13,6 +13,8 @@ import tempfile
 import time
 from typing import Any
 
+import attrs
+
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, RelaxError, TrackerError
@@ -104,8 +106,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _with_trackers(settings: Any, args: argparse.Namespace) -> Any:
     """``settings`` with ``--tracker``, ``--report`` and ``--strict-trackers`` applied."""
-    import attrs
-
     from relax_core.tracking.tracker import TrackerEntry
 
     entries = list(settings.trackers)
@@ -172,8 +172,6 @@ def _resume_problems(
 
 def run(args: argparse.Namespace) -> int:
     began = time.monotonic()  # the summary's wall time counts from here
-    import attrs
-
     from relax_core.jobs import ShutdownSignals, job_preflight, ray_session, resolve_model_paths
     from relax_core.run.config import parse_run_config
     from relax_core.run.job import RunJob, run_problems
@@ -191,35 +189,32 @@ def run(args: argparse.Namespace) -> int:
         ):
             return reject(
                 "run",
-                [f"--run-dir: a resumed run keeps its directory ({args.resume}); drop --run-dir"],
+                f"--run-dir: a resumed run keeps its directory ({args.resume}); drop --run-dir",
             )
         try:
             resume = read_checkpoint(args.resume)
         except CheckpointError as exc:
-            return reject("run", [f"--resume: {exc}"])
+            return reject("run", f"--resume: {exc}")
         if args.config is None:
             args.config = resume.job_file
             if args.config is None or not os.path.exists(args.config):
                 return reject(
                     "run",
-                    [
-                        f"--resume: the checkpointed run's job file {resume.job_file} is gone; "
-                        "give the job file: relax run JOB.toml --resume "
-                        f"{args.resume}"
-                    ],
+                    f"--resume: the checkpointed run's job file {resume.job_file} is gone; give "
+                    f"the job file: relax run JOB.toml --resume {args.resume}",
                 )
         args.job = args.job or resume.job or None
     if args.config is None:
-        return reject("run", ["CONFIG: give the job's TOML file (or --resume RUN_DIR)"])
+        return reject("run", "CONFIG: give the job's TOML file (or --resume RUN_DIR)")
     try:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
         config = resolve_model_paths(loaded)
         settings = parse_run_config(config, pm)
     except ConfigValidationError as exc:
-        return reject("run", [str(p) for p in exc.problems])
+        return reject("run", *map(str, exc.problems))
     if args.steps is not None:
         if args.steps < 1:
-            return reject("run", [f"--steps: must be >= 1, got {args.steps}"])
+            return reject("run", f"--steps: must be >= 1, got {args.steps}")
         settings = attrs.evolve(settings, steps=args.steps)
     settings = _with_trackers(settings, args)
     found = job_preflight(loaded, pm, address=args.address)
@@ -241,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
             f"--resume {run_dir}"
         )
     if problems:
-        return reject("run", problems)
+        return reject("run", *problems)
     for warning in found.warnings:
         print(f"relax run: warning: {warning}", file=sys.stderr, flush=True)
     printer = Printer(json_lines=args.json, began=began)
@@ -276,10 +271,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             metrics = serve_metrics(args.metrics_port, args.metrics_host)
         except OSError as exc:
-            return reject(
-                "run",
-                [f"--metrics-port: cannot serve on {args.metrics_host}:{args.metrics_port}: {exc}"],
-            )
+            where = f"{args.metrics_host}:{args.metrics_port}"
+            return reject("run", f"--metrics-port: cannot serve on {where}: {exc}")
     status = 0
     summary = None
     error_text: str | None = None

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
     except ConfigValidationError as exc:
-        return reject("serve", [str(p) for p in exc.problems])
+        return reject("serve", *map(str, exc.problems))
     overrides = {
         key: getattr(args, key)
         for key in ("wake_timeout", "idle_seconds", "min_residency", "max_awake")
@@ -79,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             bad.append(f"--{key.replace('_', '-')} {value}: {exc}")
     if bad:
-        return reject("serve", bad)
+        return reject("serve", *bad)
     # Relative model paths are relative to the job file, as relax run reads them.
     config = resolve_model_paths(loaded)
     found = job_preflight(loaded, pm, address=args.address, gateways=True)
     problems = check_job(config, pm) + [str(p) for p in found.problems]
     if problems:
-        return reject("serve", problems)
+        return reject("serve", *problems)
     for warning in found.warnings:
         print(f"relax serve: warning: {warning}", file=sys.stderr, flush=True)
     signals = ShutdownSignals(out)

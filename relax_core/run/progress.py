@@ -68,10 +68,6 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.3g}"
 
 
-#: The ``rollout`` entries every step has (the tokens' split), shown beside ``tokens``.
-_TOKEN_SPLIT = ("policy_tokens", "environment_tokens")
-
-
 def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
     """The tokens' split when an environment wrote any, and the rollout's own numbers."""
     rollout = row.get("trajectories") or {}
@@ -83,7 +79,7 @@ def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
     shown = [
         f"{name} {_number(v['mean'])} (max {_number(v['max'])}, total {_number(v['total'])})"
         for name, v in rollout.items()
-        if name not in _TOKEN_SPLIT
+        if name not in ("policy_tokens", "environment_tokens")  # shown beside ``tokens``
     ]
     return split, ("  " + ", ".join(shown)) if shown else ""
 
@@ -107,18 +103,17 @@ class Progress:
             self.total = total
         self.draw()
 
-    def line(self) -> str:
-        """The status line as it is now."""
-        seconds = f"{time.monotonic() - self.began:.1f}s"
-        if not self.total:
-            return f"  {self.label} … {self.done} {self.unit}  {seconds}"
-        filled = min(BAR_WIDTH, BAR_WIDTH * self.done // self.total)
-        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
-        return f"  {self.label} [{bar}] {self.done}/{self.total} {self.unit}  {seconds}"
-
     def draw(self) -> None:
         """Redraw the status line (a terminal only)."""
-        self.printer.status(self.line())
+        seconds = f"{time.monotonic() - self.began:.1f}s"
+        if not self.total:
+            self.printer.status(f"  {self.label} … {self.done} {self.unit}  {seconds}")
+            return
+        filled = min(BAR_WIDTH, BAR_WIDTH * self.done // self.total)
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+        self.printer.status(
+            f"  {self.label} [{bar}] {self.done}/{self.total} {self.unit}  {seconds}"
+        )
 
 
 class Printer:
