@@ -8,7 +8,6 @@ import argparse
 import sys
 import tempfile
 import time
-from typing import TextIO
 
 import attrs
 
@@ -16,7 +15,6 @@ from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, LifecycleError
 from relax_core.jobs import (
-    ServedJob,
     ShutdownSignals,
     check_job,
     describe_job,
@@ -122,7 +120,13 @@ def run(args: argparse.Namespace) -> int:
                     )
                 print("relax serve: ready; Ctrl-C stops everything", flush=True)
                 ready = True
-                _watch(job, args.refresh, out)
+                last = ""  # the status table now and whenever it changes, until interrupted
+                while True:
+                    table = job.status()
+                    if table != last:
+                        print(f"\nstatus at {time.strftime('%H:%M:%S')}\n{table}", flush=True)
+                        last = table
+                    time.sleep(args.refresh)
     except KeyboardInterrupt:
         pass
     except LifecycleError as exc:
@@ -131,14 +135,3 @@ def run(args: argparse.Namespace) -> int:
     print("relax serve: stopped; nothing left running", flush=True)
     # Ctrl-C is how a served job ends (0); before it was ready, the start was interrupted.
     return 0 if ready else 130
-
-
-def _watch(job: ServedJob, refresh: float, out: TextIO) -> None:
-    """Print the status table now and whenever it changes, until interrupted."""
-    last = ""
-    while True:
-        table = job.status()
-        if table != last:
-            print(f"\nstatus at {time.strftime('%H:%M:%S')}\n{table}", file=out, flush=True)
-            last = table
-        time.sleep(refresh)
