@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from relax_core.jobs import ShutdownSignals, job_preflight, ray_session, resolve_model_paths
     from relax_core.run.config import parse_run_config
     from relax_core.run.job import RunJob, run_problems
-    from relax_core.run.loop import run_loop
+    from relax_core.run.loop import RunSummary, run_loop
     from relax_core.run.progress import Printer
 
     pm = PluginManager.create()
@@ -271,8 +271,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             metrics = serve_metrics(args.metrics_port, args.metrics_host)
         except OSError as exc:
-            where = f"{args.metrics_host}:{args.metrics_port}"
-            return reject("run", f"--metrics-port: cannot serve on {where}: {exc}")
+            address = f"{args.metrics_host}:{args.metrics_port}"
+            return reject("run", f"--metrics-port: cannot serve on {address}: {exc}")
     status = 0
     summary = None
     error_text: str | None = None
@@ -345,10 +345,9 @@ def run(args: argparse.Namespace) -> int:
             metrics.shutdown()
             metrics.server_close()
     if summary is None:  # the --json stream ends with a summary whatever happened
-        from relax_core.run.loop import RunSummary
-
-        summary = RunSummary(name, settings.steps, error=error_text or "the run did not start")
-        summary.startup_seconds = time.monotonic() - began
+        error_text = error_text or "the run did not start"
+        startup = time.monotonic() - began
+        summary = RunSummary(name, settings.steps, startup_seconds=startup, error=error_text)
     row = summary.row()
     # What was started, for whoever checks that it is gone (the shutdown did).
     row["engine_pids"] = sorted(job.engine_pids) if job is not None else []

@@ -215,9 +215,8 @@ class Printer:
         """A committed step: one line, or one JSON object."""
         if self._row(row):
             return
-        teacher = ""
-        if row.get("teacher_kl") is not None:
-            teacher = f"  teacher KL {row['teacher_kl']:.3f}"
+        kl = row.get("teacher_kl")
+        teacher = "" if kl is None else f"  teacher KL {kl:.3f}"
         failures = row.get("parse_failures")
         parse = "" if failures is None else f"  parse failures {failures}/{row['samples']}"
         if failures and failures == row["samples"] and not self._explained_parse_failures:
