@@ -17,7 +17,7 @@ import attrs
 
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
-from relax_core.errors import ConfigValidationError, RelaxError, TrackerError
+from relax_core.errors import CheckpointError, ConfigValidationError, RelaxError, TrackerError
 from relax_core.plugins import PluginManager
 
 NAME = "run"
@@ -173,17 +173,17 @@ def _resume_problems(
 def run(args: argparse.Namespace) -> int:
     began = time.monotonic()  # the summary's wall time counts from here
     from relax_core.jobs import ShutdownSignals, job_preflight, ray_session, resolve_model_paths
+    from relax_core.run.checkpoint import read_checkpoint
     from relax_core.run.config import parse_run_config
     from relax_core.run.job import RunJob, run_problems
     from relax_core.run.loop import RunSummary, run_loop
+    from relax_core.run.metrics import serve_metrics
     from relax_core.run.progress import Printer
+    from relax_core.tracking.hub import Trackers
 
     pm = PluginManager.create()
     resume = None
     if args.resume is not None:
-        from relax_core.errors import CheckpointError
-        from relax_core.run.checkpoint import read_checkpoint
-
         if args.run_dir is not None and os.path.abspath(args.run_dir) != os.path.abspath(
             args.resume
         ):
@@ -266,8 +266,6 @@ def run(args: argparse.Namespace) -> int:
         log_dir = tempfile.mkdtemp(prefix="relax-run-logs-")
     metrics = None
     if args.metrics_port is not None:
-        from relax_core.run.metrics import serve_metrics
-
         try:
             metrics = serve_metrics(args.metrics_port, args.metrics_host)
         except OSError as exc:
@@ -295,8 +293,6 @@ def run(args: argparse.Namespace) -> int:
                 with printer.waiting("starting engines", total=models, unit="models") as bar:
                     job.start(printer.say, on_interrupt=signals.hold, on_started=bar.update)
                 if run_dir is not None and settings.trackers:
-                    from relax_core.tracking.hub import Trackers
-
                     trackers = Trackers.open(
                         settings.trackers, pm, run_dir=run_dir, job=name, say=printer.say,
                         strict=settings.strict_trackers,
@@ -356,11 +352,8 @@ def run(args: argparse.Namespace) -> int:
     if summary.failure is not None or summary.error is not None:
         status = status or 1
     if left:
-        print(
-            "relax run: shutdown left problems:\n  " + "\n  ".join(left),
-            file=sys.stderr,
-            flush=True,
-        )
+        lines = "\n  ".join(left)
+        print(f"relax run: shutdown left problems:\n  {lines}", file=sys.stderr, flush=True)
         return 1
     if temp_logs and status == 0:
         shutil.rmtree(log_dir, ignore_errors=True)
