@@ -50,11 +50,8 @@ def serve_app(
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     try:
-        wait_for(
-            lambda: server.started or not thread.is_alive(),
-            timeout=timeout,
-            what=f"uvicorn on {port}",
-        )
+        what = f"uvicorn on {port}"
+        wait_for(lambda: server.started or not thread.is_alive(), timeout=timeout, what=what)
         if not server.started:
             raise RuntimeError(f"uvicorn on {host}:{port} exited before it started")
         yield f"http://{host}:{port}"

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 
 __all__ = ["reject"]
 
 
-def reject(command: str, lines: Sequence[str], *, nothing_started: bool = True) -> int:
+def reject(command: str, *lines: str, nothing_started: bool = True) -> int:
     """Print ``relax COMMAND: rejected: N problem(s)`` and each problem on stderr; return 2,
     the exit status of a rejected job. ``nothing_started`` adds that nothing was started."""
     note = "; nothing was started" if nothing_started else ""

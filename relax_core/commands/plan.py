@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reject(lines: list[str], rows: list[dict[str, str]], as_json: bool) -> int:
-    status = reject("plan", lines, nothing_started=False)
+    status = reject("plan", *lines, nothing_started=False)
     if as_json:
         print(json.dumps({"ok": False, "violations": rows}, indent=2))
     return status

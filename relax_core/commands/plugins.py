@@ -31,12 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plugins": pm.plugin_names(), "records": rows}, indent=2))
         return 0
-    widths = [max([len(h)] + [len(r[h]) for r in rows]) for h in ("kind", "name", "distribution")]
-    header = ("kind", "name", "distribution")
-    print(
-        "  ".join(h.upper().ljust(w) for h, w in zip(header, widths, strict=True)) + "  DESCRIPTION"
-    )
+    widths = {h: max(len(h), *(len(r[h]) for r in rows)) for h in ("kind", "name", "distribution")}
+    print("  ".join(h.upper().ljust(w) for h, w in widths.items()) + "  DESCRIPTION")
     for r in rows:
-        cells = [r[h].ljust(w) for h, w in zip(header, widths, strict=True)]
-        print("  ".join(cells) + "  " + r["description"])
+        print("  ".join(r[h].ljust(w) for h, w in widths.items()) + "  " + r["description"])
     return 0

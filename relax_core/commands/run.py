@@ -13,9 +13,11 @@ import tempfile
 import time
 from typing import Any
 
+import attrs
+
 from relax_core.commands._reject import reject
 from relax_core.config import load_config
-from relax_core.errors import ConfigValidationError, RelaxError, TrackerError
+from relax_core.errors import CheckpointError, ConfigValidationError, RelaxError, TrackerError
 from relax_core.plugins import PluginManager
 
 NAME = "run"
@@ -104,8 +106,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _with_trackers(settings: Any, args: argparse.Namespace) -> Any:
     """``settings`` with ``--tracker``, ``--report`` and ``--strict-trackers`` applied."""
-    import attrs
-
     from relax_core.tracking.tracker import TrackerEntry
 
     entries = list(settings.trackers)
@@ -172,54 +172,49 @@ def _resume_problems(
 
 def run(args: argparse.Namespace) -> int:
     began = time.monotonic()  # the summary's wall time counts from here
-    import attrs
-
     from relax_core.jobs import ShutdownSignals, job_preflight, ray_session, resolve_model_paths
+    from relax_core.run.checkpoint import read_checkpoint
     from relax_core.run.config import parse_run_config
     from relax_core.run.job import RunJob, run_problems
-    from relax_core.run.loop import run_loop
+    from relax_core.run.loop import RunSummary, run_loop
+    from relax_core.run.metrics import serve_metrics
     from relax_core.run.progress import Printer
+    from relax_core.tracking.hub import Trackers
 
     pm = PluginManager.create()
     resume = None
     if args.resume is not None:
-        from relax_core.errors import CheckpointError
-        from relax_core.run.checkpoint import read_checkpoint
-
         if args.run_dir is not None and os.path.abspath(args.run_dir) != os.path.abspath(
             args.resume
         ):
             return reject(
                 "run",
-                [f"--run-dir: a resumed run keeps its directory ({args.resume}); drop --run-dir"],
+                f"--run-dir: a resumed run keeps its directory ({args.resume}); drop --run-dir",
             )
         try:
             resume = read_checkpoint(args.resume)
         except CheckpointError as exc:
-            return reject("run", [f"--resume: {exc}"])
+            return reject("run", f"--resume: {exc}")
         if args.config is None:
             args.config = resume.job_file
             if args.config is None or not os.path.exists(args.config):
                 return reject(
                     "run",
-                    [
-                        f"--resume: the checkpointed run's job file {resume.job_file} is gone; "
-                        "give the job file: relax run JOB.toml --resume "
-                        f"{args.resume}"
-                    ],
+                    f"--resume: the checkpointed run's job file {resume.job_file} is gone; give "
+                    f"the job file: relax run JOB.toml --resume {args.resume}",
                 )
         args.job = args.job or resume.job or None
     if args.config is None:
-        return reject("run", ["CONFIG: give the job's TOML file (or --resume RUN_DIR)"])
+        return reject("run", "CONFIG: give the job's TOML file (or --resume RUN_DIR)")
     try:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
         config = resolve_model_paths(loaded)
         settings = parse_run_config(config, pm)
     except ConfigValidationError as exc:
-        return reject("run", [str(p) for p in exc.problems])
+        return reject("run", *map(str, exc.problems))
     if args.steps is not None:
         if args.steps < 1:
-            return reject("run", [f"--steps: must be >= 1, got {args.steps}"])
+            return reject("run", f"--steps: must be >= 1, got {args.steps}")
         settings = attrs.evolve(settings, steps=args.steps)
     settings = _with_trackers(settings, args)
     found = job_preflight(loaded, pm, address=args.address)
@@ -247,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             "pip install relax-bench, or run without --measure"
         )
     if problems:
-        return reject("run", problems)
+        return reject("run", *problems)
     for warning in found.warnings:
         print(f"relax run: warning: {warning}", file=sys.stderr, flush=True)
     printer = Printer(json_lines=args.json, began=began)
@@ -277,15 +272,11 @@ def run(args: argparse.Namespace) -> int:
         log_dir = tempfile.mkdtemp(prefix="relax-run-logs-")
     metrics = None
     if args.metrics_port is not None:
-        from relax_core.run.metrics import serve_metrics
-
         try:
             metrics = serve_metrics(args.metrics_port, args.metrics_host)
         except OSError as exc:
-            return reject(
-                "run",
-                [f"--metrics-port: cannot serve on {args.metrics_host}:{args.metrics_port}: {exc}"],
-            )
+            address = f"{args.metrics_host}:{args.metrics_port}"
+            return reject("run", f"--metrics-port: cannot serve on {address}: {exc}")
     status = 0
     summary = None
     error_text: str | None = None
@@ -308,8 +299,6 @@ def run(args: argparse.Namespace) -> int:
                 with printer.waiting("starting engines", total=models, unit="models") as bar:
                     job.start(printer.say, on_interrupt=signals.hold, on_started=bar.update)
                 if run_dir is not None and settings.trackers:
-                    from relax_core.tracking.hub import Trackers
-
                     trackers = Trackers.open(
                         settings.trackers, pm, run_dir=run_dir, job=name, say=printer.say,
                         strict=settings.strict_trackers,
@@ -358,10 +347,9 @@ def run(args: argparse.Namespace) -> int:
             metrics.shutdown()
             metrics.server_close()
     if summary is None:  # the --json stream ends with a summary whatever happened
-        from relax_core.run.loop import RunSummary
-
-        summary = RunSummary(name, settings.steps, error=error_text or "the run did not start")
-        summary.startup_seconds = time.monotonic() - began
+        error_text = error_text or "the run did not start"
+        startup = time.monotonic() - began
+        summary = RunSummary(name, settings.steps, startup_seconds=startup, error=error_text)
     row = summary.row()
     # What was started, for whoever checks that it is gone (the shutdown did).
     row["engine_pids"] = sorted(job.engine_pids) if job is not None else []
@@ -370,11 +358,8 @@ def run(args: argparse.Namespace) -> int:
     if summary.failure is not None or summary.error is not None:
         status = status or 1
     if left:
-        print(
-            "relax run: shutdown left problems:\n  " + "\n  ".join(left),
-            file=sys.stderr,
-            flush=True,
-        )
+        lines = "\n  ".join(left)
+        print(f"relax run: shutdown left problems:\n  {lines}", file=sys.stderr, flush=True)
         return 1
     if temp_logs and status == 0:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -8,7 +8,6 @@ import argparse
 import sys
 import tempfile
 import time
-from typing import TextIO
 
 import attrs
 
@@ -16,7 +15,6 @@ from relax_core.commands._reject import reject
 from relax_core.config import load_config
 from relax_core.errors import ConfigValidationError, LifecycleError
 from relax_core.jobs import (
-    ServedJob,
     ShutdownSignals,
     check_job,
     describe_job,
@@ -66,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load_config(args.config, role_names=pm.registered("roles"))
     except ConfigValidationError as exc:
-        return reject("serve", [str(p) for p in exc.problems])
+        return reject("serve", *map(str, exc.problems))
     overrides = {
         key: getattr(args, key)
         for key in ("wake_timeout", "idle_seconds", "min_residency", "max_awake")
@@ -79,13 +77,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             bad.append(f"--{key.replace('_', '-')} {value}: {exc}")
     if bad:
-        return reject("serve", bad)
+        return reject("serve", *bad)
     # Relative model paths are relative to the job file, as relax run reads them.
     config = resolve_model_paths(loaded)
     found = job_preflight(loaded, pm, address=args.address, gateways=True)
     problems = check_job(config, pm) + [str(p) for p in found.problems]
     if problems:
-        return reject("serve", problems)
+        return reject("serve", *problems)
     for warning in found.warnings:
         print(f"relax serve: warning: {warning}", file=sys.stderr, flush=True)
     signals = ShutdownSignals(out)
@@ -122,7 +120,13 @@ def run(args: argparse.Namespace) -> int:
                     )
                 print("relax serve: ready; Ctrl-C stops everything", flush=True)
                 ready = True
-                _watch(job, args.refresh, out)
+                last = ""  # the status table now and whenever it changes, until interrupted
+                while True:
+                    table = job.status()
+                    if table != last:
+                        print(f"\nstatus at {time.strftime('%H:%M:%S')}\n{table}", flush=True)
+                        last = table
+                    time.sleep(args.refresh)
     except KeyboardInterrupt:
         pass
     except LifecycleError as exc:
@@ -131,14 +135,3 @@ def run(args: argparse.Namespace) -> int:
     print("relax serve: stopped; nothing left running", flush=True)
     # Ctrl-C is how a served job ends (0); before it was ready, the start was interrupted.
     return 0 if ready else 130
-
-
-def _watch(job: ServedJob, refresh: float, out: TextIO) -> None:
-    """Print the status table now and whenever it changes, until interrupted."""
-    last = ""
-    while True:
-        table = job.status()
-        if table != last:
-            print(f"\nstatus at {time.strftime('%H:%M:%S')}\n{table}", file=out, flush=True)
-            last = table
-        time.sleep(refresh)

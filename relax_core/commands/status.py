@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_snapshot(snap))
         if residency is not None:
-            print(render_residency(snap.role, residency))
+            print(render_residency(residency))
     return 0
 
 
@@ -64,7 +64,7 @@ def _residency(url: str, token: str | None) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def render_residency(role: str, residency: dict[str, Any]) -> str:
+def render_residency(residency: dict[str, Any]) -> str:
     """``residency: …`` lines of a role woken on demand."""
     lines = [
         f"  residency  {residency.get('state')} on {residency.get('slice')} (woken on demand; "

@@ -68,10 +68,6 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.3g}"
 
 
-#: The ``rollout`` entries every step has (the tokens' split), shown beside ``tokens``.
-_TOKEN_SPLIT = ("policy_tokens", "environment_tokens")
-
-
 def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
     """The tokens' split when an environment wrote any, and the rollout's own numbers."""
     rollout = row.get("trajectories") or {}
@@ -83,7 +79,7 @@ def _rollout_text(row: dict[str, Any]) -> tuple[str, str]:
     shown = [
         f"{name} {_number(v['mean'])} (max {_number(v['max'])}, total {_number(v['total'])})"
         for name, v in rollout.items()
-        if name not in _TOKEN_SPLIT
+        if name not in ("policy_tokens", "environment_tokens")  # shown beside ``tokens``
     ]
     return split, ("  " + ", ".join(shown)) if shown else ""
 
@@ -107,18 +103,17 @@ class Progress:
             self.total = total
         self.draw()
 
-    def line(self) -> str:
-        """The status line as it is now."""
-        seconds = f"{time.monotonic() - self.began:.1f}s"
-        if not self.total:
-            return f"  {self.label} … {self.done} {self.unit}  {seconds}"
-        filled = min(BAR_WIDTH, BAR_WIDTH * self.done // self.total)
-        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
-        return f"  {self.label} [{bar}] {self.done}/{self.total} {self.unit}  {seconds}"
-
     def draw(self) -> None:
         """Redraw the status line (a terminal only)."""
-        self.printer.status(self.line())
+        seconds = f"{time.monotonic() - self.began:.1f}s"
+        if not self.total:
+            self.printer.status(f"  {self.label} … {self.done} {self.unit}  {seconds}")
+            return
+        filled = min(BAR_WIDTH, BAR_WIDTH * self.done // self.total)
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+        self.printer.status(
+            f"  {self.label} [{bar}] {self.done}/{self.total} {self.unit}  {seconds}"
+        )
 
 
 class Printer:
@@ -220,9 +215,8 @@ class Printer:
         """A committed step: one line, or one JSON object."""
         if self._row(row):
             return
-        teacher = ""
-        if row.get("teacher_kl") is not None:
-            teacher = f"  teacher KL {row['teacher_kl']:.3f}"
+        kl = row.get("teacher_kl")
+        teacher = "" if kl is None else f"  teacher KL {kl:.3f}"
         failures = row.get("parse_failures")
         parse = "" if failures is None else f"  parse failures {failures}/{row['samples']}"
         if failures and failures == row["samples"] and not self._explained_parse_failures:
