@@ -2,8 +2,7 @@
 
 Sub-commands are the modules of :mod:`relax_core.commands` (each defines ``NAME``, ``HELP``,
 ``add_arguments(parser)`` and ``run(args) -> int``, the exit status) and the commands plugins
-register (:class:`~relax_core.records.CommandSpec`, ``relax_register_commands``).
-"""
+register (:class:`~relax_core.records.CommandSpec`, ``relax_register_commands``)."""
 
 from __future__ import annotations
 

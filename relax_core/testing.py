@@ -40,8 +40,7 @@ def serve_app(
 ) -> Iterator[str]:
     """Serve an ASGI app with a real uvicorn server in a thread; yield its base URL.
 
-    The server is stopped (and its thread joined) when the block ends.
-    """
+    The server is stopped (and its thread joined) when the block ends."""
     import uvicorn
 
     port = free_port(host)
@@ -142,8 +141,7 @@ async def run_stages(
 
     ``roles``: deferred role -> its models (default: each stage's role, one model ``model``);
     ``producer`` and ``clients``: as the batch takes them; ``residency``: a ``ResidencyPlan``
-    over the slice ``shared`` (default: one role at a time). Raises what the batch raises.
-    """
+    over the slice ``shared`` (default: one role at a time). Raises what the batch raises."""
     from relax_core.coordination import DeferredBatch, LifecycleCoordinator, MemoryBatchSink
 
     log: list[str] = []

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["reject"]
-
 
 def reject(command: str, *lines: str, nothing_started: bool = True) -> int:
     """Print ``relax COMMAND: rejected: N problem(s)`` and each problem on stderr; return 2,

@@ -2,8 +2,7 @@
 Ray (never an HTTP route). ``reset`` sets one BLOCKED lease back to SLEEPING, only with
 ``--confirm-clean`` (docs/coordination.md#blocked).
 
-Exit status: 0 done, 1 refused by the coordinator, 2 bad usage or no coordinator found.
-"""
+Exit status: 0 done, 1 refused by the coordinator, 2 bad usage or no coordinator found."""
 
 from __future__ import annotations
 

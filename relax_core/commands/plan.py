@@ -1,7 +1,6 @@
 """``relax plan CONFIG [--json]``: the placement preflight of a job file, without starting anything:
 the bundle map, the memory budget per GPU and the residency plan (exit 0), or every problem on
-stderr (exit 2); a ``[run]`` table is checked as ``relax run`` checks it.
-"""
+stderr (exit 2); a ``[run]`` table is checked as ``relax run`` checks it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``relax run CONFIG``: check the job, bring it up on Ray, run its steps, shut everything down
-(``docs/run.md`` has the run directory, ``--resume`` and the exit statuses).
-"""
+(``docs/run.md`` has the run directory, ``--resume`` and the exit statuses)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``relax serve CONFIG``: bring a job's inference side up on Ray and serve its role gateways
-until Ctrl-C or SIGTERM (``docs/serve.md``; a job with problems: exit status 2).
-"""
+until Ctrl-C or SIGTERM (``docs/serve.md``; a job with problems: exit status 2)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """``relax status URL``: pretty-print a role's schema-2 snapshot from its gateway.
 
-URL is a role gateway's role base (``http://host:port/genrm``) or its ``/engines`` URL.
-"""
+URL is a role gateway's role base (``http://host:port/genrm``) or its ``/engines`` URL."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from relax_core.coordination.leases import LeaseEngine
 from relax_core.coordination.retries import Recovery
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
-from relax_core.coordination.timeline import Timeline
+from relax_core.coordination.timeline import PhaseEvent, Timeline
 from relax_core.errors import LifecycleError
 from relax_core.jobs.session import ShutdownSignals
 from relax_core.records import RunProbe, RunProbeSpec
@@ -41,7 +41,7 @@ from relax_core.run.driver import (
 from relax_core.run.generate import Generator, PromptTokenizer
 from relax_core.run.job import RunJob
 from relax_core.run.metrics import RunMetrics
-from relax_core.run.progress import PhaseEvent, Printer, Progress
+from relax_core.run.progress import Printer, Progress
 from relax_core.tracking.hub import Trackers
 from relax_core.tracking.metrics import reward_by_key, rollout_metrics, sample_rows, step_metrics
 from relax_core.tracking.tracker import PhaseSpan

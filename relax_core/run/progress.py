@@ -16,8 +16,6 @@ import attrs
 
 from relax_core.coordination.timeline import PhaseEvent
 
-__all__ = ["PHASE_LINE_SECONDS", "PhaseEvent", "Printer", "Progress", "phase_times"]
-
 #: Phases shorter than this (seconds) print no progress line (``--json`` has every one).
 PHASE_LINE_SECONDS = 0.05
 
