@@ -20,8 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every sub-command found in :mod:`relax_core.commands` and
     every command a plugin registers (the process-wide plugin manager's).
 
-    :raises PluginError: a plugin's command has the name of one of the core's.
-    """
+    :raises PluginError: a plugin's command has the name of one of the core's."""
     from relax_core.plugins import get_plugin_manager
 
     parser = argparse.ArgumentParser(

@@ -701,8 +701,7 @@ class RunProbeSpec:
     heads(role)``: the base URLs of a role's engine heads; ``step_of(direction)``: the step a
     switch of the generation role (``"onload"`` / ``"offload"``) belongs to.
 
-    :raises ValueError: a bad name, or ``start`` is not callable.
-    """
+    :raises ValueError: a bad name, or ``start`` is not callable."""
 
     name: str = attrs.field(validator=_check_name)
     start: Callable[..., RunProbe] = attrs.field(validator=attrs.validators.is_callable())

@@ -220,8 +220,7 @@ class DeferredBatch:
     async def run(self) -> BatchResult:
         """Score, validate, write back, publish and commit; the result.
 
-        :raises RelaxError: whatever failed; the batch is FAILED and nothing was committed.
-        """
+        :raises RelaxError: whatever failed; the batch is FAILED and nothing was committed."""
         try:
             result = await self._run()
         except BaseException as exc:
@@ -561,8 +560,7 @@ async def onload_generation(
 
     :raises LifecycleError: (``what``: its message's start) the onload was not confirmed on
         every replica.
-    :raises TimeoutError: it did not answer within ``timeout`` seconds (it is left running).
-    """
+    :raises TimeoutError: it did not answer within ``timeout`` seconds (it is left running)."""
     with timeline.phase(batch_id, f"{gen}.onload", lane="leases"):
         result = await _deadline(rollout.onload(), timeout)
     reason = unconfirmed(result, "READY")
@@ -583,8 +581,7 @@ async def release_generation(
     """Offload the generation role locally (``abort``: its requests aborted, not drained) and
     acknowledge it once confirmed.
 
-    :raises LifecycleError: not confirmed: the batch FAILED, the lease left BLOCKED.
-    """
+    :raises LifecycleError: not confirmed: the batch FAILED, the lease left BLOCKED."""
     offload = getattr(rollout, "abort_and_offload", None) if abort else None
     try:
         with timeline.phase(batch_id, f"{gen}.offload", lane="leases"):

@@ -274,8 +274,7 @@ class LifecycleCoordinator:
         """Give the generation role its lease again, for student scoring (it onloads itself):
         needs its release acknowledged and the slice free. Idempotent while it is held.
 
-        :raises CoordinationError: the release was not acknowledged or a role holds the GPUs.
-        """
+        :raises CoordinationError: the release was not acknowledged or a role holds the GPUs."""
         gen = self.generation_role
         async with self._engine.lock(gen), self._condition:
             batch = self._pending(batch_id, "begin_student_scoring")
@@ -360,8 +359,7 @@ class LifecycleCoordinator:
         """Mark ``batch_id`` FAILED (the first cause kept; a batch never begun too) and wake its
         waiters; ``release_unconfirmed``: the generation lease is kept BLOCKED. Idempotent.
 
-        :raises CoordinationError: the batch is committed, or another batch is pending.
-        """
+        :raises CoordinationError: the batch is committed, or another batch is pending."""
         _check_batch_id(batch_id)
         gen = self.generation_role
         async with self._condition:
@@ -434,8 +432,7 @@ class LifecycleCoordinator:
         history waits until ``timeout``).
 
         :raises BatchFailedError: the batch, or the run at this or an earlier batch, failed.
-        :raises TimeoutError: not committed within ``timeout`` seconds.
-        """
+        :raises TimeoutError: not committed within ``timeout`` seconds."""
         _check_batch_id(batch_id)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -458,8 +455,7 @@ class LifecycleCoordinator:
         """A stage's request to ``role`` failed mid-run: :meth:`LeaseEngine.recover` under the
         slice's lock; nothing for the generation role or a BLOCKED one (the operator's).
 
-        :raises CoordinationError: ``role`` is not one of the job's.
-        """
+        :raises CoordinationError: ``role`` is not one of the job's."""
         self._check_role(role)
         if role == self.generation_role or self._roles[role] is LeaseState.BLOCKED:
             return {"rebuilt": [], "failed": []}
@@ -470,8 +466,7 @@ class LifecycleCoordinator:
         """Go on past FAILED batch ``batch_id`` (``[run] max_failed_steps``): the run's failure is
         cleared; the batch and any BLOCKED lease stay as they are. Idempotent.
 
-        :raises CoordinationError: batch ``batch_id`` is not FAILED.
-        """
+        :raises CoordinationError: batch ``batch_id`` is not FAILED."""
         _check_batch_id(batch_id)
         async with self._condition:
             batch = self._batches.get(batch_id)
@@ -489,8 +484,7 @@ class LifecycleCoordinator:
         """Operator only: a BLOCKED lease back to SLEEPING once ``confirm_clean`` (its engines hold
         no GPU memory); the run's failure is kept.
 
-        :raises CoordinationError: not confirmed, or the lease is not BLOCKED.
-        """
+        :raises CoordinationError: not confirmed, or the lease is not BLOCKED."""
         self._check_role(role)
         if confirm_clean is not True:
             raise CoordinationError(

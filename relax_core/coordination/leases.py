@@ -74,8 +74,7 @@ class LeaseEngine:
     def set(self, role: str, state: LeaseState) -> None:
         """Move ``role``'s lease (a transition the state machine has).
 
-        :raises CoordinationError: the transition does not exist.
-        """
+        :raises CoordinationError: the transition does not exist."""
         check_lease_transition(role, self.leases[role], state)
         self.leases[role] = state
 
@@ -89,8 +88,7 @@ class LeaseEngine:
     def reset(self, role: str) -> None:
         """The operator's reset: a BLOCKED ``role`` back to SLEEPING (its GPUs confirmed clean).
 
-        :raises CoordinationError: the lease is not BLOCKED.
-        """
+        :raises CoordinationError: the lease is not BLOCKED."""
         self.set(role, _L.SLEEPING)
         del self.blocked[role]
 

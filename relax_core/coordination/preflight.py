@@ -61,8 +61,7 @@ def deferred_workload_problems(workload: DeferredWorkload) -> list[ConfigProblem
 def validate_deferred_workload(workload: DeferredWorkload) -> None:
     """Raise every problem of ``workload`` at once.
 
-    :raises ConfigValidationError: listing each problem with its key path.
-    """
+    :raises ConfigValidationError: listing each problem with its key path."""
     problems = deferred_workload_problems(workload)
     if problems:
         raise ConfigValidationError(problems)

@@ -87,8 +87,7 @@ def start_coordinator(
     :param managers: role -> ``[(name, manager actor), …]`` (see
         :func:`relax_core.manager.actor.start_manager_actor`).
     :param residency: which roles of a slice may hold it at once (default: one at a time).
-    :raises CoordinationError: a coordinator of that job already exists.
-    """
+    :raises CoordinationError: a coordinator of that job already exists."""
     import ray
 
     name = coordinator_name(job)
@@ -121,8 +120,7 @@ def start_coordinator(
 def connect_coordinator(job: str) -> RemoteCoordinator:
     """Job ``job``'s running coordinator.
 
-    :raises CoordinationError: there is none on the connected Ray.
-    """
+    :raises CoordinationError: there is none on the connected Ray."""
     import ray
 
     name = coordinator_name(job)

@@ -136,8 +136,7 @@ def plan_residency(
     over its defer ``slices`` (role -> slice id); of ``roles``, those on no shared slice are
     free. Pure.
 
-    :raises ValueError: an unknown ``mode``.
-    """
+    :raises ValueError: an unknown ``mode``."""
     if mode not in RESIDENCY_MODES:
         raise ValueError(f"residency {mode!r}: must be one of {RESIDENCY_MODES}")
     members: dict[str, list[str]] = {}

@@ -66,8 +66,7 @@ async def stage_deadline(seconds: float) -> AsyncIterator[None]:
     role's rebuild (an engine start, bounded by the manager's own start timeout) do not count,
     so a judge rebuilt mid-step does not fail the step it is rebuilt for.
 
-    :raises TimeoutError: the block's own time ran out (its task is cancelled first).
-    """
+    :raises TimeoutError: the block's own time ran out (its task is cancelled first)."""
     async with asyncio.timeout(seconds) as timeout:
         token = _DEADLINE.set(_Deadline(timeout))
         try:
@@ -220,8 +219,7 @@ class Regeneration:
     (its engine died, a 5xx): up to ``retries`` times per group, each after ``heal()`` (the
     generation role's dead replicas rebuilt and given the trainer's weights; it says why that
     did not help, or ``None``), each counted in ``recovery`` for batch ``batch_id`` under
-    :data:`GENERATE`. A 4xx, or anything else, is raised at once.
-    """
+    :data:`GENERATE`. A 4xx, or anything else, is raised at once."""
 
     batch_id: int
     retries: int

@@ -99,8 +99,7 @@ class RewardContext:
 def _outcome(adapter: str, sample: Sample, value: object) -> RewardResult:
     """The adapter's answer for ``sample`` as a :class:`RewardResult`.
 
-    :raises ScoringError: not a number or a ``RewardResult``, or not finite.
-    """
+    :raises ScoringError: not a number or a ``RewardResult``, or not finite."""
     result = RewardResult(float(value)) if _number(value) else value
     if isinstance(result, RewardResult) and _finite(result.value):
         return result
@@ -154,8 +153,7 @@ class RewardStage:
         (:func:`~relax_core.coordination.retries.stage_deadline`).
     :param retries: retries of an async adapter's call for a sample (``None``: each adapter's
         own ``RewardSpec.retries``; :meth:`~relax_core.coordination.StageContext.retrying`).
-    :raises ValueError: no adapters, a duplicate key, a weight that is not finite.
-    """
+    :raises ValueError: no adapters, a duplicate key, a weight that is not finite."""
 
     fields = REWARD_FIELDS
     #: each sample is scored on its own (:mod:`relax_core.run.streaming`)

@@ -147,8 +147,7 @@ class RayBatchSink:
         """Kill the store actor (its partitions lost) and wait up to ``timeout`` s until it
         answers no more. Idempotent. Blocking.
 
-        :raises SinkError: (partition ``*``) the actor still answered after ``timeout``.
-        """
+        :raises SinkError: (partition ``*``) the actor still answered after ``timeout``."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 

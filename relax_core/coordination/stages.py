@@ -36,8 +36,7 @@ class SampleField:
     the write-back: ``check(value, sample)`` says what is wrong or ``None``; ``required``: a
     sample without it is a problem (``f"{name} {missing}"``).
 
-    :raises ValueError: a bad name.
-    """
+    :raises ValueError: a bad name."""
 
     name: str = attrs.field(validator=_field_name)
     check: FieldCheck | None = None
@@ -61,8 +60,7 @@ class RoleClients:
     :param sources: role -> a base URL serving ``/engines?schema=2`` or a snapshot provider.
     :param recovery: the run's ``Recovery`` (``None``: retries neither counted nor preceded by
         a rebuild).
-    :param options: ``InferenceClient`` options, every role's.
-    """
+    :param options: ``InferenceClient`` options, every role's."""
 
     def __init__(
         self, sources: Mapping[str, Any], *, recovery: Recovery | None = None, **options: Any
@@ -74,8 +72,7 @@ class RoleClients:
     def client(self, role: str) -> InferenceClient:
         """The running event loop's client for ``role`` (one per loop, reused).
 
-        :raises KeyError: no discovery source was given for ``role``.
-        """
+        :raises KeyError: no discovery source was given for ``role``."""
         source = self.sources.get(role)
         if source is None:
             raise KeyError(
@@ -120,8 +117,7 @@ class MoreGroups(TypedDict, total=False):
 def more_groups(stage: str, request: MoreGroups) -> MoreGroups:
     """``request`` with every key (``None``: the step's own), as a producer hears it.
 
-    :raises ValueError: it asks for both or neither of ``groups`` and ``prompts``.
-    """
+    :raises ValueError: it asks for both or neither of ``groups`` and ``prompts``."""
     if (request.get("groups") is None) == (request.get("prompts") is None):
         raise ValueError(f"stage {stage!r}: generate() takes groups or prompts")
     return {
@@ -166,8 +162,7 @@ class StageContext:
     """What a stage gets besides the samples: the batch id, the role clients and, in a deferred
     batch, the batch (its :class:`BatchControl` operations forwarded here).
 
-    :raises CoordinationError: (from the forwarded operations) the stage runs outside a batch.
-    """
+    :raises CoordinationError: (from the forwarded operations) the stage runs outside a batch."""
 
     batch_id: int
     clients: RoleClients
@@ -231,8 +226,7 @@ def stage_fields(stages: Iterable[Stage]) -> dict[str, SampleField]:
 def check_stages(stages: Sequence[Stage]) -> None:
     """Refuse two stages of one name, a bad name or fields, one field declared two ways.
 
-    :raises ValueError: naming the stage (and the other stage, for a field).
-    """
+    :raises ValueError: naming the stage (and the other stage, for a field)."""
     names: set[str] = set()
     declared: dict[str, tuple[str, SampleField]] = {}
     for stage in stages:

@@ -40,8 +40,7 @@ _LEASE_TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
 def check_lease_transition(role: str, old: LeaseState, new: LeaseState) -> None:
     """Refuse a lease transition the state machine does not have (a coordinator bug).
 
-    :raises CoordinationError: naming the role and both states.
-    """
+    :raises CoordinationError: naming the role and both states."""
     if new not in _LEASE_TRANSITIONS[old]:
         raise CoordinationError(
             f"role {role!r}: lease transition {old} -> {new} does not exist (allowed from {old}: "

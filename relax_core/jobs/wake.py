@@ -106,8 +106,7 @@ class WakeController:
     :param roles: role -> ``(slice id, the handles of its models)``.
     :param residency: which roles of a slice may be resident together.
     :param awake: the roles awake at the start (the others are SLEEPING).
-    :param on_event: called with one line per transition.
-    """
+    :param on_event: called with one line per transition."""
 
     def __init__(
         self,

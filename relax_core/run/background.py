@@ -187,8 +187,7 @@ class BackgroundEvals:
     """The background evaluations of one run.
 
     :param on_result: told each :class:`EvalResult`; what it raises is raised by :meth:`settle`.
-    :param deadline: seconds :meth:`settle` waits for those pending before it cancels them.
-    """
+    :param deadline: seconds :meth:`settle` waits for those pending before it cancels them."""
 
     on_result: Callable[[EvalResult], None] | None = attrs.field(default=None, kw_only=True)
     deadline: float = attrs.field(default=300.0, kw_only=True)
@@ -205,8 +204,7 @@ class BackgroundEvals:
     def check(stages: Sequence[Stage], *, switching: bool, deferred_roles: Sequence[str]) -> None:
         """Refuse a background stage whose work would need a lease.
 
-        :raises ConfigError: naming the stage and what to do.
-        """
+        :raises ConfigError: naming the stage and what to do."""
         for stage in stages:
             if not (isinstance(stage, BackgroundStage) and stage.background):
                 continue
@@ -279,8 +277,7 @@ class BackgroundEvals:
         """End every evaluation still pending: await them up to :attr:`deadline` seconds
         (``cancel``: not at all), then cancel the rest; the counts.
 
-        :raises Exception: what ``on_result`` raised first (every evaluation ended anyway).
-        """
+        :raises Exception: what ``on_result`` raised first (every evaluation ended anyway)."""
         tasks = [t for t in self._tasks if not t.done()]
         if tasks and not cancel:
             await asyncio.wait(tasks, timeout=self.deadline)

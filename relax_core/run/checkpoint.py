@@ -72,8 +72,7 @@ class Checkpoint:
     def from_json(cls, data: Any, where: str) -> Checkpoint:
         """The checkpoint ``data`` holds (read from ``where``).
 
-        :raises CheckpointError: not a checkpoint of this layout.
-        """
+        :raises CheckpointError: not a checkpoint of this layout."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise CheckpointError(

@@ -171,8 +171,7 @@ _KEYS = (
 def parse_run_config(job: JobConfig, pm: PluginManager | None = None) -> RunConfig:
     """The job's ``[run]`` table as a :class:`RunConfig` (an absent table: the defaults).
 
-    :raises ConfigValidationError: every problem, each with its ``run.*`` key path.
-    """
+    :raises ConfigValidationError: every problem, each with its ``run.*`` key path."""
     r = ConfigReader()
     p = "run"
     raw = dict(job.run)

@@ -63,8 +63,7 @@ class ArithmeticSource:
 class JsonlSource:
     """Prompts from a JSONL file, in order, from the first line again once it runs out.
 
-    :raises ConfigValidationError: the problems of :func:`read_jsonl`.
-    """
+    :raises ConfigValidationError: the problems of :func:`read_jsonl`."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -195,8 +194,7 @@ def find_source(
 def open_source(dataset: str, lookup: PluginLookup, **where: Any) -> PromptSource:
     """Open the source ``dataset`` names (``where``: as :func:`find_source`'s).
 
-    :raises ConfigValidationError: no source reads it, or the source refuses its data.
-    """
+    :raises ConfigValidationError: no source reads it, or the source refuses its data."""
     found = find_source(dataset, lookup, **where)
     if isinstance(found, ConfigProblem):
         raise ConfigValidationError([found])

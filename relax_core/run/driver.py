@@ -253,8 +253,7 @@ class StepDriver:
     ``on_failed`` is awaited with each failed or skipped step the run goes past;
     ``on_finished`` with a :class:`Finished` for each step in order.
 
-    :raises ConfigError: a background stage where its work would need a lease.
-    """
+    :raises ConfigError: a background stage where its work would need a lease."""
 
     def __init__(
         self,

@@ -33,8 +33,7 @@ from relax_core.run.rollout import (
 class PromptTokenizer:
     """The generation model's tokenizer (its ``tokenizer.json``).
 
-    :raises ConfigError: no ``tokenizer.json``, or the ``tokenizers`` library is missing.
-    """
+    :raises ConfigError: no ``tokenizer.json``, or the ``tokenizers`` library is missing."""
 
     def __init__(self, model_path: str, *, where: str) -> None:
         try:

@@ -175,8 +175,7 @@ def _shape_model(model: ModelConfig) -> dict[str, Any]:
 class RunJob:
     """The actors, engines and placement groups of one ``relax run``; ``name``: the job's.
 
-    :raises ValueError: the job has no generation role (:func:`run_problems` says so first).
-    """
+    :raises ValueError: the job has no generation role (:func:`run_problems` says so first)."""
 
     config: JobConfig
     run: RunConfig

@@ -599,8 +599,7 @@ async def run_loop(
     ``summary.failure``; Ctrl-C or SIGTERM: ``interrupted_step``). ``options``: ``relax run``'s
     ``--trace``, ``--dump-samples``, ``--measure`` and the trackers (the caller closes them).
 
-    :raises CheckpointError: a checkpoint could not be written (the previous one is kept).
-    """
+    :raises CheckpointError: a checkpoint could not be written (the previous one is kept)."""
     run, gen = job.run, job.generation_role
     pids = {"engine_pids": sorted(job.engine_pids), "router_pids": sorted(job.router_pids)}
     printer.started({"job": job.name, **pids, "startup_seconds": time.monotonic() - printer.began})

@@ -73,8 +73,7 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> Any:
     """Serve the process's Prometheus registry on ``host:port`` from a daemon thread; the
     server (``shutdown()`` and ``server_close()`` stop it).
 
-    :raises OSError: the port cannot be bound.
-    """
+    :raises OSError: the port cannot be bound."""
     from prometheus_client import start_http_server
 
     RunMetrics.of()  # the step metrics are served from the start, at 0

@@ -1,6 +1,5 @@
 """Rollout shapes: how one prompt of a step becomes one group of samples (a
-:class:`~relax_core.records.RolloutShapeSpec` named by ``[run.generation] shape``).
-"""
+:class:`~relax_core.records.RolloutShapeSpec` named by ``[run.generation] shape``)."""
 
 from __future__ import annotations
 
@@ -17,10 +16,6 @@ from relax_core.errors import ConfigProblem, ConfigValidationError, PluginError,
 from relax_core.records import PluginLookup, RolloutShapeSpec
 from relax_core.run.config import GenerationTable, RunConfig
 from relax_core.run.data import Prompt
-
-#: The shape a run without ``[run.generation]`` generates with.
-DEFAULT_SHAPE = "single-turn"
-
 
 def sampling_seed(seed: int, batch_id: int, index: int, *extra: int) -> int:
     """A sampling seed per (run seed, step, prompt[, sample, turn]): reproducible, different
@@ -54,8 +49,7 @@ class RolloutShape(Protocol):
     async def group(self, request: GroupRequest, client: InferenceClient) -> list[Sample]:
         """The group's samples, ``request.samples`` of them, each with ``request.group_id``.
 
-        :raises RelaxError: the generation failed (the step fails; nothing is committed).
-        """
+        :raises RelaxError: the generation failed (the step fails; nothing is committed)."""
         ...
 
 
@@ -88,8 +82,7 @@ def build_rollout_shape(
 ) -> RolloutShape:
     """The run's shape, built by its registered kind.
 
-    :raises ConfigValidationError: every problem, each with its key path.
-    """
+    :raises ConfigValidationError: every problem, each with its key path."""
     problems = _kind_problems(table, pm)
     if problems:
         raise ConfigValidationError(problems, run.base)

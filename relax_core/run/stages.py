@@ -25,8 +25,7 @@ from relax_core.run.data import PromptSource, open_source, source_problems
 class StageConfig:
     """What a stage kind's ``build`` gets: one stage table, the run's settings, the plugins,
     the generation role and the roles a defer layout leases. Read ``options`` with
-    :class:`~relax_core.ConfigReader`; a problem goes at :meth:`key`.
-    """
+    :class:`~relax_core.ConfigReader`; a problem goes at :meth:`key`."""
 
     table: StageTable
     run: RunConfig
@@ -91,8 +90,7 @@ class _Job(TypedDict, total=False):
 def build_stages(run: RunConfig, plugins: PluginLookup, **job: Unpack[_Job]) -> list[Stage]:
     """Every stage of ``run``, in order, built by its kind. Pure: nothing starts.
 
-    :raises ConfigValidationError: every problem of every stage, each at its key path.
-    """
+    :raises ConfigValidationError: every problem of every stage, each at its key path."""
     stages, problems = _build(run, plugins, **job)
     if problems:
         raise ConfigValidationError(problems)
@@ -293,8 +291,7 @@ def _reward_stage(config: StageConfig, r: ConfigReader, *, name: str) -> RewardS
 def build_reward_stage(config: StageConfig) -> RewardStage:
     """The ``reward`` kind: a :class:`~relax_core.coordination.RewardStage` from ``rewards``.
 
-    :raises ConfigValidationError: every problem of its table.
-    """
+    :raises ConfigValidationError: every problem of its table."""
     r = ConfigReader()
     stage = _reward_stage(config, r, name=config.name)
     r.raise_problems()
@@ -369,8 +366,7 @@ class EvalStage:
 def build_eval_stage(config: StageConfig) -> EvalStage:
     """The ``eval`` kind (its keys: ``docs/run.md``).
 
-    :raises ConfigValidationError: every problem of its table (a dataset no source reads).
-    """
+    :raises ConfigValidationError: every problem of its table (a dataset no source reads)."""
     r = ConfigReader()
     o, p = config.options, config.path
     dataset = r.value(o, p, "dataset", str, None, required=True, check=ConfigReader.non_empty)

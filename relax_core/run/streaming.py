@@ -98,8 +98,7 @@ class StreamScorer:
     async def finish(self) -> Streamed:
         """Wait for every queued group; the batch's :class:`Streamed`.
 
-        :raises Exception: the first group's stage failure (the others are cancelled).
-        """
+        :raises Exception: the first group's stage failure (the others are cancelled)."""
         await gather_all(self._tasks)
         return Streamed(
             staged=list(self._staged),

@@ -132,8 +132,7 @@ def start_trainer(
     constructed. Blocks.
 
     :raises ConfigError: as :func:`load_trainer_class`; a bad ``push_format`` or bucket size.
-    :raises LifecycleError: the actor failed to construct (its error quoted).
-    """
+    :raises LifecycleError: the actor failed to construct (its error quoted)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
