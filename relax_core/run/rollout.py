@@ -17,6 +17,7 @@ from relax_core.records import PluginLookup, RolloutShapeSpec
 from relax_core.run.config import GenerationTable, RunConfig
 from relax_core.run.data import Prompt
 
+
 def sampling_seed(seed: int, batch_id: int, index: int, *extra: int) -> int:
     """A sampling seed per (run seed, step, prompt[, sample, turn]): reproducible, different
     for each."""
