@@ -115,12 +115,14 @@ def noxfile(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 def _demo_installs(noxfile: ModuleType) -> tuple[set[str], set[tuple[bool, Path, str]]]:
     """What ``nox -s demo`` installs: its requirements and its ``(editable, directory,
-    extras)``s."""
+    extras)``s. The session's build backend (``noxfile.BUILD``, so that pip builds the local
+    distributions without an isolated build environment each) and pip's own options are how
+    it installs, not what: a pip reading the requirements file builds them in isolation."""
     session = _Recorder()
     noxfile.demo(session)
     specs: set[str] = set()
     local: set[tuple[bool, Path, str]] = set()
-    args = iter(session.installed)
+    args = iter(a for a in session.installed if a != noxfile.BUILD and not a.startswith("--"))
     for arg in args:
         editable = arg == "-e"
         entry = next(args) if editable else arg
