@@ -106,7 +106,7 @@ class Environment(Protocol):
     """One trajectory's environment, made per trajectory by ``EnvironmentSpec.make``:
     ``reset`` once, then ``step`` per policy turn until ``done``, ``max_turns`` or
     ``max_total_tokens``. What either raises fails the step
-    (:class:`~relax_core.EnvironmentStepError`); a plain ``step`` runs on the event
+    (:class:`EnvironmentStepError`); a plain ``step`` runs on the event
     loop: keep it quick, or run tools through a :class:`~relax_agent.ToolBox`."""
 
     def reset(self, prompt: Prompt) -> Reset:
