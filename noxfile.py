@@ -67,13 +67,13 @@ def _install_project(session: nox.Session, *extras: str) -> None:
     session.install("--no-build-isolation", *args)
 
 
-@nox.session(python=PYTHON)
-def tests(session: nox.Session) -> None:
-    """The test suite: core, every plugin, cross-plugin integration (CI runs this)."""
+def _install_test_environment(session: nox.Session) -> None:
+    """What the test sessions (``tests``, ``e2e``) run on: every distribution with its test
+    extra, the SGLang sources, and the plugin distributions kept under tests/, found through
+    real entry-point discovery (a reward adapter and policy, and a fourth role, prm, added with
+    no core change)."""
     _install_project(session, "test")
     _install_sglang_sources(session)
-    # Plugin distributions kept under tests/, found through real entry-point discovery: a
-    # reward adapter and policy, and a fourth role (prm) added with no core change.
     session.install(
         "--no-build-isolation",
         "-e",
@@ -81,6 +81,12 @@ def tests(session: nox.Session) -> None:
         "-e",
         "tests/plugins/relax-prm",
     )
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite: core, every plugin, cross-plugin integration (CI runs this)."""
+    _install_test_environment(session)
     session.run("pytest", *(session.posargs or DEFAULT_SESSION))
 
 
@@ -95,15 +101,7 @@ def e2e(session: nox.Session) -> None:
     default session that covers its contract): a SIGSTOPped engine during an offload, kill -9
     of genrm ending a sync run with retries off, a run over two Ray nodes, Ctrl-C while genrm
     judges, the two residency runs."""
-    _install_project(session, "test")
-    _install_sglang_sources(session)
-    session.install(
-        "--no-build-isolation",
-        "-e",
-        "tests/plugins/relax-testplugin",
-        "-e",
-        "tests/plugins/relax-prm",
-    )
+    _install_test_environment(session)
     session.run("pytest", *(session.posargs or ("-q", "-m", "e2e")))
 
 

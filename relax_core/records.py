@@ -92,6 +92,7 @@ _check_name = _rule(
     "a name starts with a letter and holds only letters, digits, '_', '.' and '-'",
 )
 _optional_callable = _rule(lambda v: v is None or callable(v), "give a callable or None")
+_callable = _rule(callable, "give a callable")
 _retries = _rule(
     lambda v: type(v) is int and v >= 0,
     "give an int >= 0 (how many times a failed idempotent request is sent again)",
@@ -704,7 +705,7 @@ class RunProbeSpec:
     :raises ValueError: a bad name, or ``start`` is not callable."""
 
     name: str = attrs.field(validator=_check_name)
-    start: Callable[..., RunProbe] = attrs.field(validator=attrs.validators.is_callable())
+    start: Callable[..., RunProbe] = attrs.field(validator=_callable)
     description: str = ""
 
 
