@@ -444,9 +444,12 @@ async def resume_memory(request: Request) -> Response:
     engine = engine_of(request)
     detail = await engine.resume(tags)
     if check:
+        began = time.perf_counter()
         failed = await _generation_check(engine)
         if failed is not None:
             return failed
+        # In the memory log's entry too (the same dict): what the check added to the resume.
+        detail["generation_check_seconds"] = time.perf_counter() - began
     message = detail.get("weights", {}).get("message") or f"Resumed {list(tags)}."
     extra = {"generation_checked": True} if check else {}
     return ok(
