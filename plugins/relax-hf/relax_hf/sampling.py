@@ -47,10 +47,9 @@ class SampleRow(Protocol):
 
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """``a * c mod 2**32`` for ``a`` in [0, 2**32) without int64 overflow (16-bit halves)."""
-    lo = a & 0xFFFF
-    hi = a >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+    """``a * c mod 2**32`` for ``a`` and ``c`` in [0, 2**32): the low bits of the int64
+    product, which keeps them when it wraps (two's complement, on every device)."""
+    return (a * c) & _M32
 
 
 def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
@@ -62,26 +61,19 @@ def _mix_key(k: torch.Tensor) -> torch.Tensor:
 
 
 def _mix(h: torch.Tensor, k_mixed: torch.Tensor) -> torch.Tensor:
-    h = _rotl32(h ^ k_mixed, 13)
-    return (_mul32(h, 5) + 0xE6546B64) & _M32
-
-
-def _fmix(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+    return (_rotl32(h ^ k_mixed, 13) * 5 + 0xE6546B64) & _M32
 
 
 _COL_KEYS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def _col_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """Each column's mixed key, rotated as :func:`_mix` rotates it (``[1, vocab]``)."""
     key = (str(device), vocab)
     cached = _COL_KEYS.get(key)
     if cached is None:
-        cached = _mix_key(torch.arange(vocab, dtype=torch.int64, device=device))[None, :]
+        keys = _mix_key(torch.arange(vocab, dtype=torch.int64, device=device))
+        cached = _rotl32(keys, 13)[None, :]
         _COL_KEYS[key] = cached
     return cached
 
@@ -91,17 +83,22 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
 
     ``seeds`` and ``steps`` are int64 ``[rows]`` on the target device; the hash is murmur3 over
     the seed's two 32-bit halves, the step and the column, exact in integer arithmetic on any
-    device.
+    device. Over ``[rows, vocab]`` it takes 21 element-wise passes, in place where it can (a
+    decode step's sampler is mostly these): the rows' part of the hash is mixed per row, and
+    a rotation of ``row ^ column`` is that of the row's xor the column's (cached).
     """
     h = torch.zeros_like(seeds)
     h = _mix(h, _mix_key(seeds & _M32))
     h = _mix(h, _mix_key((seeds >> 32) & _M32))
     h = _mix(h, _mix_key(steps & _M32))
-    h = _mix(h[:, None], _col_keys(vocab, seeds.device))
-    h = _fmix(h ^ 16)
-    u = (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
-    u = u.clamp_(max=1.0 - 2.0**-24)
-    return -torch.log(-torch.log(u))
+    x = _rotl32(h, 13)[:, None] ^ _col_keys(vocab, seeds.device)
+    # The column's _mix, then murmur3's length (16 bytes) and its finaliser.
+    x.mul_(5).add_(0xE6546B64).bitwise_and_(_M32).bitwise_xor_(16)
+    x.bitwise_xor_(x >> 16).mul_(0x85EBCA6B).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 13).mul_(0xC2B2AE35).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 16)
+    u = x.to(torch.float32).add_(0.5).mul_(1.0 / 4294967296.0).clamp_(max=1.0 - 2.0**-24)
+    return u.log_().neg_().log_().neg_()
 
 
 def derive_seed(seed: int, index: int) -> int:
