@@ -18,7 +18,10 @@
 #      copy of a model's weights;
 #   4. relax-hf gpu-bench: decode at concurrency 1 against the weight-bandwidth roofline;
 #   5. docs/examples/run-h200-async.toml (graphs) back to back up to ASYNC_RUNS times (default 5),
-#      each checked for every step committed.
+#      each checked for every step committed;
+#   6. (PARTS=profile, not in the default) tools/decode-profile.py: one decode step's kernels at
+#      batch 1 and 64 (graph replay, eager, launches and GPU time per kernel, the sampler eager
+#      and compiled, the whole step compiled), as decode-profile.json.
 # Files go to $OUT (default /tmp/relax-h200-issue34): summary.json (everything above), each
 # part's JSON lines and logs, engine logs as logs.tgz. DRY=1 writes the plan and stops (no GPU).
 set -uo pipefail
@@ -123,6 +126,13 @@ if want gpu-bench; then
   bounded 120 gpu-bench python3 -m relax_hf gpu-bench --json >"$OUT/gpu-bench.json" \
     2>"$OUT/gpu-bench.log"
   echo "gpu-bench exited $?"
+fi
+
+# 6. Where a decode step's time goes (asked for by name: not in the default PARTS).
+if want profile; then
+  bounded 240 decode-profile python3 tools/decode-profile.py --whole-compile --batch 1 64 \
+    --json "$OUT/decode-profile.json" >"$OUT/decode-profile.log" 2>&1
+  echo "decode-profile exited $?"; grep -v '^ ' "$OUT/decode-profile.log" | tail -n 4
 fi
 
 # 5. The async job with graphs, back to back, while the budget lasts.
