@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from relax_hf.testing import EngineServer
@@ -156,3 +157,21 @@ def test_info_routes_describe_the_model(shared_server: EngineServer, tiny_model)
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
     assert shared_server.http.get("/health")[0] == 200
     assert shared_server.http.get("/health_generate")[0] == 200
+
+
+def test_a_request_arriving_during_a_long_generation_is_admitted_at_once(
+    shared_server: EngineServer,
+) -> None:
+    """The compute thread decodes on without handing back to the scheduler loop while nothing
+    waits for it: an arrival must still end that run at the next step."""
+    long_params = {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(shared_server.http.generate, "Once", sampling_params=long_params)
+        # Sent once the long one is decoding.
+        deadline = time.monotonic() + 60
+        while not shared_server.http.ok("/server_info")["internal_states"][0]["num_running_reqs"]:
+            assert time.monotonic() < deadline and not long.done()
+        short = shared_server.http.generate("Hi", sampling_params={"max_new_tokens": 4})
+        assert len(short["output_ids"]) == 4
+        assert not long.done()  # the short one was served while the long one ran
+        assert len(long.result(timeout=120)["output_ids"]) == 2000
