@@ -585,18 +585,23 @@ class Batch:
     def _with_logprobs(
         self, z: torch.Tensor, seqs: list[Sequence], picked: list[int]
     ) -> list[Sampled]:
-        """Each picked token with its log-prob and log-prob row under the processed logits
-        ``z`` (for the sequences that want them): one gather and one copy to the host for the
-        batch, not one per sequence."""
+        """Each picked token with its log-prob under the processed logits ``z`` (for the
+        sequences that want it) and its log-prob row (for those that want top or given ids'
+        log-probs too): one gather and one copy to the host for the batch, not one per row."""
         if not any(s.logprob.return_logprob for s in seqs):
             return [(t, None, None, None) for t in picked]
         lp = scaled_logprobs(z, seqs)
         chosen = torch.tensor(picked, device=lp.device)[:, None]
         values = lp.gather(1, chosen)[:, 0].tolist()
-        return [
-            (t, v, lp[i], None) if s.logprob.return_logprob else (t, None, None, None)
-            for i, (t, v, s) in enumerate(zip(picked, values, seqs, strict=True))
-        ]
+        out: list[Sampled] = []
+        for i, (t, v, s) in enumerate(zip(picked, values, seqs, strict=True)):
+            want = s.logprob
+            if not want.return_logprob:
+                out.append((t, None, None, None))
+                continue
+            row = want.top_logprobs_num or want.token_ids_logprob is not None
+            out.append((t, v, lp[i] if row else None, None))
+        return out
 
     @staticmethod
     def _finite(values: list[float]) -> list[float]:
@@ -676,13 +681,13 @@ class Batch:
         if s.counts is not None:
             s.counts[tok] += 1
         lpp = s.logprob
-        if lp is not None and value is not None:
+        if value is not None:
             want = lpp.return_text_in_logprobs
             value = self._finite([value])[0]
             s.output_token_logprobs.append([value, tok, self._token_text(tok, want)])
-            if lpp.top_logprobs_num:
+            if lpp.top_logprobs_num and lp is not None:
                 s.output_top_logprobs.append(self._top(lp, lpp.top_logprobs_num, want))
-            if lpp.token_ids_logprob is not None:
+            if lpp.token_ids_logprob is not None and lp is not None:
                 s.output_token_ids_logprobs.append(
                     self._entries(lp, list(lpp.token_ids_logprob), want)
                 )
