@@ -251,6 +251,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "prefill_tokens_total": engine.batch.prefill_tokens,
         "prefill_sequences_total": engine.batch.prefill_sequences,
         "decode_steps_total": engine.batch.decode_steps,
+        "prefill_steps_total": engine.batch.prefill_steps,
         "generation_tokens_total": engine.batch.tokens_generated,
         "prefix_cache": cache,
         "memory": runner.memory_report(),
