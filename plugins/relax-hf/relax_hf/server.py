@@ -41,6 +41,7 @@ from relax_hf.protocol import (
 from relax_hf.runner import ModelRunner
 from relax_hf.wire import (
     SSE_DONE,
+    AnswerResponse,
     check_sampling_mask,
     check_total_tokens,
     encode_prompt,
@@ -141,7 +142,7 @@ async def generate(request: Request) -> Response:
         )
     )
     flat = [r for res in results for r in res]
-    return JSONResponse(flat if listed else flat[0])
+    return AnswerResponse(flat if listed else flat[0])
 
 
 async def _stream(
