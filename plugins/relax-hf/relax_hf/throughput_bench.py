@@ -49,12 +49,15 @@ async def measure(
     """``requests`` generations against ``url``, ``concurrency`` in flight; tokens/s.
 
     ``variant``: ``random`` or one of :data:`VARIANTS` (see the module's docstring).
+    :raises ValueError: another variant.
     """
     import aiohttp
 
+    if variant != "random" and variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: give 'random' or one of {list(VARIANTS)}")
     rng = random.Random(seed)
     length = max(1, prompt_tokens)
-    shared = []
+    shared: list[int] = []
     if variant == "shared-prefix":
         shared = [rng.randrange(3, vocab) for _ in range(min(shared_prefix_tokens, length - 1))]
     prompts = [
@@ -68,14 +71,13 @@ async def measure(
         "temperature": temperature,
         "ignore_eos": True,
     }
-    path, extra = "/generate", {}
+    extra: dict[str, Any] = {}
     if variant == "rollout":
         sampling |= {"n": n, "min_new_tokens": 1}
         extra = {"return_logprob": True}
-
-    words = 0
+    path, words = "/generate", 0
     if variant == "chat":  # as many words as make about prompt_tokens (the engine counts)
-        words = await _words_for(url, length)
+        path, words = "/v1/chat/completions", await _words_for(url, length)
 
     def body(i: int) -> dict[str, Any]:
         if variant == "chat":
@@ -92,8 +94,6 @@ async def measure(
             **extra,
         }
 
-    if variant == "chat":
-        path = "/v1/chat/completions"
     bodies = [body(i) for i in range(-(-requests // n))]
 
     seen: list[int] = []  # each request's prompt tokens, as the engine counted them
@@ -201,9 +201,9 @@ def run(
     unknown = [v for v in compare if v not in VARIANTS]
     if unknown or rounds < 1:
         raise ValueError(
-            f"engine-throughput: compare {unknown} is not among {list(VARIANTS)}"
+            f"compare={unknown}: each variant is one of {list(VARIANTS)}"
             if unknown
-            else f"engine-throughput: rounds={rounds}, give at least 1"
+            else f"rounds={rounds}: give at least 1"
         )
     import json
     import tempfile

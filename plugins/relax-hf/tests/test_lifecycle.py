@@ -6,6 +6,7 @@ import json
 import socket
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -271,3 +272,14 @@ def test_engine_throughput_variants_send_the_phases_requests(plain: EngineServer
     # Rendered by the engine's chat template (the system prompt alone is ~100 tiny tokens).
     chat = run("chat", prompt_tokens=200)
     assert chat["output_tokens"] == 12 and 170 <= chat["mean_prompt_tokens"] <= 230
+
+
+def test_engine_throughput_refuses_an_unknown_variant_before_starting_an_engine(
+    tmp_path: Path,
+) -> None:
+    from relax_hf.throughput_bench import run
+
+    with pytest.raises(ValueError, match="each variant is one of"):
+        run(str(tmp_path), device="cpu", compare=["shared-prefix", "bogus"])
+    with pytest.raises(ValueError, match="rounds=0"):
+        run(str(tmp_path), device="cpu", rounds=0)
