@@ -95,14 +95,17 @@ PY
 source "$OUT/shapes.env"
 # Each at the concurrency its phase has: the step's 256 samples in flight for rollout, the
 # reward stage's 64 (its default concurrency) for the judge.
-want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0:256 \
-    genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0:${JUDGE_CONCURRENCY:-64}; do
-  IFS=: read -r role model prompt new temp conc <<<"$m"
+# --compare: the same engine, right after, with the requests as the phase sends them (rollout:
+# n = 8 a prompt with return_logprob; the judge: prompts sharing a system prompt, and chat
+# messages the engine renders), each over the random prompts (docs/benchmarks.md).
+want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0:256:rollout \
+    genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0:${JUDGE_CONCURRENCY:-64}:shared-prefix,chat; do
+  IFS=: read -r role model prompt new temp conc compare <<<"$m"
   bounded 80 "engine-throughput $role" python3 -m relax_hf engine-throughput \
     "docs/examples/small/$model" --json --concurrency "$conc" --requests 256 \
     --prompt-tokens "$prompt" --max-new-tokens "$new" --temperature "$temp" \
     --mem-fraction-static 0.6 --max-running-requests 256 --log-dir "$OUT/logs-throughput" \
-    >"$OUT/throughput-$role.json" 2>"$OUT/throughput-$role.log"
+    --compare "$compare" >"$OUT/throughput-$role.json" 2>"$OUT/throughput-$role.log"
   echo "engine-throughput $role exited $?"; tail -c 400 "$OUT/throughput-$role.json"; echo
 done
 

@@ -5,7 +5,8 @@ files the script wrote under OUT and prints one JSON object (missing parts are `
   of its bytes + 15 ms, the engines' own seconds, and the decode graphs captured during it;
 - ``phases``: per step past the first, generate's and genrm's tokens/s (their engines'
   generation counters over the phase's seconds), and over the engine's own at that shape
-  (``relax-hf engine-throughput``);
+  (``relax-hf engine-throughput``), and the engine alone with the phase's own requests
+  (``engine_variants``: its ``--compare`` variants over the random prompts);
 - ``gpu_bench``: decode at concurrency 1 against the roofline; ``wake``: p50 / p99 against the
   pinned copy; ``async``: each run's committed steps.
 """
@@ -119,6 +120,8 @@ def main(out: Path) -> dict[str, Any]:
             "phase_over_engine": [round(r, 3) for r in ratios],
             "median": round(statistics.median(ratios), 3) if ratios else None,
             "target": 0.8,
+            # the engine alone with the phase's own requests (--compare), over random prompts
+            "engine_variants": None if not engine else engine.get("variants"),
         }
     bench = _last_json(out / "gpu-bench.json")
     decode = (bench or {}).get("decode") or {}

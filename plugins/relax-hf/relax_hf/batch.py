@@ -149,11 +149,10 @@ def reservation(sampling: SamplingParams, fed: int, done: int, context_len: int)
     return room if mnt is None else min(max(mnt - done, 0), room)
 
 
-def _simple(s: Sequence) -> bool:
-    """Whether the forward pass's own sampling is this sequence's (no processor, no filter)."""
+def _drawn_in_forward(s: Sequence) -> bool:
+    """Whether the forward pass's own sampling is this sequence's draw (no processor, no
+    filter, nothing masked): its logits are the processed ones, its token the draw's."""
     sp = s.sampling
-    if s.logprob.return_logprob or s.logprob.return_sampling_mask:
-        return False
     if s.bias is not None or s.counts is not None or s.processor is not None:
         return False
     if s.grammar is not None or (sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens):
@@ -161,12 +160,18 @@ def _simple(s: Sequence) -> bool:
     return sp.greedy or (sp.top_k == -1 and sp.top_p == 1.0 and sp.min_p == 0.0)
 
 
+def _simple(s: Sequence) -> bool:
+    """Whether the forward pass's token is all this sequence needs (no log-probs either)."""
+    lp = s.logprob
+    return not (lp.return_logprob or lp.return_sampling_mask) and _drawn_in_forward(s)
+
+
 #: ``{rid: abort message}`` of running sequences whose abort is applied at a step.
 Aborts = Mapping[str, str]
 
-#: A sampled token, its log-prob row (``return_logprob``) and its sampling support
-#: (``return_sampling_mask``: ids and their log-probs).
-Sampled = tuple[int, torch.Tensor | None, tuple[list[int], list[float]] | None]
+#: A sampled token, its log-prob and log-prob row (``return_logprob``) and its sampling
+#: support (``return_sampling_mask``: ids and their log-probs).
+Sampled = tuple[int, float | None, torch.Tensor | None, tuple[list[int], list[float]] | None]
 
 
 def _units(new: list[Sequence]) -> list[list[Sequence]]:
@@ -200,6 +205,7 @@ class Batch:
         self.cached_tokens_total = 0  # sum of the sequences' cached_tokens (SGLang's counter)
         self.prompt_tokens_prefilled = 0  # prompt tokens of the sequences prefilled (first time)
         self.decode_steps = 0
+        self.prefill_steps = 0  # steps that prefilled (a step prefills or decodes)
         #: Called with the tokens each sampling picked (one per row); returns the tokens the
         #: batch continues with (a multi-node replica's head tokens). ``None``: no sync.
         self.sync_tokens: Callable[[list[int]], list[int]] | None = None
@@ -414,6 +420,7 @@ class Batch:
             s.cache_node = node
 
     def _prefill(self, new: list[Sequence]) -> None:
+        self.prefill_steps += 1
         for s in new:
             self._prepare(s)
         units = _units(new)
@@ -536,9 +543,16 @@ class Batch:
         self.decode_steps += 1
         if all(_simple(s) for s in seqs):
             # The forward pass sampled them (in the CUDA graph): the same draw as below.
-            picked: list[Sampled] = [(t, None, None) for t in tokens.tolist()]
+            ids = tokens.tolist()
             if self.sync_tokens is not None:
-                picked = [(t, None, None) for t in self.sync_tokens([t for t, _, _ in picked])]
+                ids = self.sync_tokens(ids)
+            picked: list[Sampled] = [(t, None, None, None) for t in ids]
+        elif all(_drawn_in_forward(s) and not s.logprob.return_sampling_mask for s in seqs):
+            # The same tokens again, with their log-probs (rollout's requests): no second draw.
+            ids = tokens.tolist()
+            if self.sync_tokens is not None:
+                ids = self.sync_tokens(ids)
+            picked = self._with_logprobs(logits, seqs, ids)
         else:
             picked = self._sample(logits, seqs)
         for s, tok in zip(seqs, picked, strict=True):
@@ -554,8 +568,6 @@ class Batch:
         z = process_logits(logits, seqs, self.runner.eos_ids)
         if any(s.processor is not None for s in seqs):
             z = apply_processors(z.clone() if z is logits else z, seqs)
-        want_lp = any(s.logprob.return_logprob for s in seqs)
-        lp = scaled_logprobs(z, seqs) if want_lp else None
         picked = draw(z, seqs).tolist()
         if self.sync_tokens is not None:
             picked = self.sync_tokens(picked)
@@ -567,10 +579,29 @@ class Batch:
                 z.index_select(0, rows), [seqs[i] for i in masked], [picked[i] for i in masked]
             )
             support = dict(zip(masked, found, strict=True))
-        return [
-            (tok, None if lp is None or not s.logprob.return_logprob else lp[i], support.get(i))
-            for i, (tok, s) in enumerate(zip(picked, seqs, strict=True))
-        ]
+        out = self._with_logprobs(z, seqs, picked)
+        return [(t, v, lp, support.get(i)) for i, (t, v, lp, _) in enumerate(out)]
+
+    def _with_logprobs(
+        self, z: torch.Tensor, seqs: list[Sequence], picked: list[int]
+    ) -> list[Sampled]:
+        """Each picked token with its log-prob under the processed logits ``z`` (for the
+        sequences that want it) and its log-prob row (for those that want top or given ids'
+        log-probs too): one gather and one copy to the host for the batch, not one per row."""
+        if not any(s.logprob.return_logprob for s in seqs):
+            return [(t, None, None, None) for t in picked]
+        lp = scaled_logprobs(z, seqs)
+        chosen = torch.tensor(picked, device=lp.device)[:, None]
+        values = lp.gather(1, chosen)[:, 0].tolist()
+        out: list[Sampled] = []
+        for i, (t, v, s) in enumerate(zip(picked, values, seqs, strict=True)):
+            want = s.logprob
+            if not want.return_logprob:
+                out.append((t, None, None, None))
+                continue
+            row = want.top_logprobs_num or want.token_ids_logprob is not None
+            out.append((t, v, lp[i] if row else None, None))
+        return out
 
     @staticmethod
     def _finite(values: list[float]) -> list[float]:
@@ -639,7 +670,7 @@ class Batch:
         s.input_token_ids_logprobs = by_id if lpp.token_ids_logprob is not None else None
 
     def _append(self, s: Sequence, sampled: Sampled) -> None:
-        tok, lp, support = sampled
+        tok, value, lp, support = sampled
         if s.processor_error is not None:
             # Drawn from logits its processor did not rewrite: not a token of this request.
             s.finish_reason = {"type": "abort", "message": s.processor_error}
@@ -650,13 +681,13 @@ class Batch:
         if s.counts is not None:
             s.counts[tok] += 1
         lpp = s.logprob
-        if lp is not None:
+        if value is not None:
             want = lpp.return_text_in_logprobs
-            value = self._finite([float(lp[tok])])[0]
+            value = self._finite([value])[0]
             s.output_token_logprobs.append([value, tok, self._token_text(tok, want)])
-            if lpp.top_logprobs_num:
+            if lpp.top_logprobs_num and lp is not None:
                 s.output_top_logprobs.append(self._top(lp, lpp.top_logprobs_num, want))
-            if lpp.token_ids_logprob is not None:
+            if lpp.token_ids_logprob is not None and lp is not None:
                 s.output_token_ids_logprobs.append(
                     self._entries(lp, list(lpp.token_ids_logprob), want)
                 )

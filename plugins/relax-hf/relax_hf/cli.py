@@ -162,6 +162,10 @@ def _engine_throughput(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         disable_cuda_graph=args.disable_cuda_graph,
         log_dir=args.log_dir,
+        compare=[v for v in (args.compare or "").split(",") if v],
+        rounds=args.rounds,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+        samples=args.samples_per_prompt,
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
@@ -382,6 +386,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=None, help="as the job's")
     p.add_argument("--disable-cuda-graph", action="store_true", help="eager decode")
     p.add_argument("--log-dir", default=None, help="where the engine's log goes (default: temp)")
+    p.add_argument(
+        "--compare",
+        default="",
+        help="comma-separated variants measured after the random prompts, as a phase sends "
+        "its requests: shared-prefix, chat, rollout (see docs/hf-engine.md)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="baseline and variants, in turn (1)")
+    p.add_argument(
+        "--shared-prefix-tokens", type=int, default=64, help="shared-prefix: tokens shared (64)"
+    )
+    p.add_argument(
+        "--samples-per-prompt", type=int, default=8, help="rollout: samples a request (8)"
+    )
     p.set_defaults(_run=_engine_throughput)
 
     p = sub.add_parser(

@@ -372,7 +372,10 @@ class Engine:
         could evict count as free (a unit needs at most its whole input: a cache hit needs
         less). With the prefix cache on, a prompt that shares its first
         :data:`IN_BATCH_PREFIX_TOKENS` tokens with one taken in this round waits for the next
-        step (SGLang's in-batch prefix check), where it reuses what that one prefilled.
+        step (SGLang's in-batch prefix check), where it reuses what that one prefilled; once
+        the cache holds those tokens, prompts sharing them are taken together (as SGLang checks
+        only prompts whose cached prefix is that short): the judge prompts of one system prompt
+        are admitted in one step, not one a step.
         """
         new: list[Sequence] = []
         kept: list[Sequence] = []
@@ -395,7 +398,9 @@ class Engine:
                 and not head.retracted
                 and len(head.prompt_ids) > IN_BATCH_PREFIX_TOKENS
             ):
-                prefix = tuple(head.prompt_ids[:IN_BATCH_PREFIX_TOKENS])
+                first = head.prompt_ids[:IN_BATCH_PREFIX_TOKENS]
+                if cache.cached(first) < IN_BATCH_PREFIX_TOKENS:
+                    prefix = tuple(first)
             if prefix is not None and prefix in taken:
                 for _ in unit:
                     kept.append(pending.popleft())

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from relax_hf.engine import Engine
 from relax_hf.protocol import (
@@ -39,7 +39,15 @@ from relax_hf.protocol import (
     SamplingParams,
     parse_sampling_params,
 )
-from relax_hf.wire import SSE_DONE, check_total_tokens, encode_prompt, engine_of, read_json, sse
+from relax_hf.wire import (
+    SSE_DONE,
+    AnswerResponse,
+    check_total_tokens,
+    encode_prompt,
+    engine_of,
+    read_json,
+    sse,
+)
 
 __all__ = [
     "chat_completions",
@@ -423,7 +431,7 @@ async def chat_completions(request: Request) -> Response:
             }
         )
     metas = [o["meta_info"] for o in outs]
-    return JSONResponse(
+    return AnswerResponse(
         {
             "id": cid,
             "object": "chat.completion",
@@ -664,7 +672,7 @@ async def completions(request: Request) -> Response:
             }
         )
     metas = [o["meta_info"] for o in outs]
-    return JSONResponse(
+    return AnswerResponse(
         {
             "id": cid,
             "object": "text_completion",

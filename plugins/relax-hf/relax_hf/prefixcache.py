@@ -25,6 +25,7 @@ multi-node replica keep identical trees.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -126,6 +127,25 @@ class PrefixCache:
             i += k
         slots = np.concatenate(parts) if parts else self._empty
         return i, slots, node
+
+    def cached(self, key: Sequence[int]) -> int:
+        """How many leading tokens of ``key`` the tree holds. Read-only (no split, no LRU
+        touch), so the scheduler may ask it between steps: an answer racing a change of the
+        tree is only an admission hint."""
+        if not self.enabled:
+            return 0
+        ids = np.asarray(key, dtype=np.int64)
+        node, i = self.root, 0
+        while i < len(ids):
+            child = node.children.get(int(ids[i]))
+            if child is None:
+                break
+            k = _common(child.key, ids[i:])
+            i += k
+            if k < len(child.key):
+                break
+            node = child
+        return i
 
     def _split(self, node: CacheNode, at: int) -> CacheNode:
         """Cut ``node`` after ``at`` tokens; the new upper part is returned."""

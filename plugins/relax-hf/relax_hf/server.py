@@ -41,6 +41,7 @@ from relax_hf.protocol import (
 from relax_hf.runner import ModelRunner
 from relax_hf.wire import (
     SSE_DONE,
+    AnswerResponse,
     check_sampling_mask,
     check_total_tokens,
     encode_prompt,
@@ -141,7 +142,7 @@ async def generate(request: Request) -> Response:
         )
     )
     flat = [r for res in results for r in res]
-    return JSONResponse(flat if listed else flat[0])
+    return AnswerResponse(flat if listed else flat[0])
 
 
 async def _stream(
@@ -251,6 +252,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "prefill_tokens_total": engine.batch.prefill_tokens,
         "prefill_sequences_total": engine.batch.prefill_sequences,
         "decode_steps_total": engine.batch.decode_steps,
+        "prefill_steps_total": engine.batch.prefill_steps,
         "generation_tokens_total": engine.batch.tokens_generated,
         "prefix_cache": cache,
         "memory": runner.memory_report(),

@@ -6,17 +6,30 @@ same concurrency and lengths — ``requests`` requests of ``prompt_tokens`` rand
 ``max_new_tokens`` new tokens each (``ignore_eos``), at most ``concurrency`` in flight — after
 one warm-up round, and reports output tokens/s over the wall time. The phase's tokens/s over
 this one is how much of the engine's speed a step keeps (tools/h200-issue34.sh).
+
+``compare`` measures, in the same engine right after that baseline and at the same lengths and
+concurrency, the requests as a phase sends them (each variant's tokens/s over the baseline's):
+``shared-prefix`` (every prompt opens with the same ``shared_prefix_tokens`` ids, as the genrm
+judge's prompts share their system prompt), ``chat`` (``/v1/chat/completions`` with
+``messages``, a shared system prompt and a user turn, rendered by the engine as the judge
+adapter's requests are) and ``rollout`` (``relax run``'s single-turn requests: ``n`` samples a
+prompt and ``return_logprob``; ``concurrency`` counts samples).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_result", "measure", "run"]
+__all__ = ["VARIANTS", "format_result", "measure", "run"]
+
+#: What ``compare`` can measure against the random prompts.
+VARIANTS = ("shared-prefix", "chat", "rollout")
 
 
 async def measure(
@@ -29,46 +42,135 @@ async def measure(
     temperature: float,
     vocab: int,
     seed: int = 0,
+    variant: str = "random",
+    shared_prefix_tokens: int = 64,
+    samples: int = 8,
 ) -> dict[str, Any]:
-    """``requests`` generations against ``url``, ``concurrency`` in flight; tokens/s."""
+    """``requests`` generations against ``url``, ``concurrency`` in flight; tokens/s.
+
+    ``variant``: ``random`` or one of :data:`VARIANTS` (see the module's docstring).
+    :raises ValueError: another variant.
+    """
     import aiohttp
 
+    if variant != "random" and variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: give 'random' or one of {list(VARIANTS)}")
     rng = random.Random(seed)
+    length = max(1, prompt_tokens)
+    shared: list[int] = []
+    if variant == "shared-prefix":
+        shared = [rng.randrange(3, vocab) for _ in range(min(shared_prefix_tokens, length - 1))]
     prompts = [
-        [rng.randrange(3, vocab) for _ in range(max(1, prompt_tokens))] for _ in range(requests)
+        shared + [rng.randrange(3, vocab) for _ in range(length - len(shared))]
+        for _ in range(requests)
     ]
-    sem = asyncio.Semaphore(max(1, concurrency))
+    n = max(1, samples) if variant == "rollout" else 1
+    sem = asyncio.Semaphore(max(1, concurrency // n))
+    sampling: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "ignore_eos": True,
+    }
+    extra: dict[str, Any] = {}
+    if variant == "rollout":
+        sampling |= {"n": n, "min_new_tokens": 1}
+        extra = {"return_logprob": True}
+    path, words = "/generate", 0
+    if variant == "chat":  # as many words as make about prompt_tokens (the engine counts)
+        path, words = "/v1/chat/completions", await _words_for(url, length)
+
+    def body(i: int) -> dict[str, Any]:
+        if variant == "chat":
+            return {
+                "messages": _chat_messages(rng, words),
+                "max_tokens": max_new_tokens,
+                "temperature": temperature,
+                "seed": seed * 100_003 + i,
+                "ignore_eos": True,
+            }
+        return {
+            "input_ids": prompts[i],
+            "sampling_params": {**sampling, "sampling_seed": seed * 100_003 + i},
+            **extra,
+        }
+
+    bodies = [body(i) for i in range(-(-requests // n))]
+
+    seen: list[int] = []  # each request's prompt tokens, as the engine counted them
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {
-            "input_ids": prompts[i],
-            "sampling_params": {
-                "max_new_tokens": max_new_tokens,
-                "temperature": temperature,
-                "sampling_seed": seed * 100_003 + i,
-                "ignore_eos": True,
-            },
-        }
-        async with sem, session.post(url + "/generate", json=body) as resp:
+        async with sem, session.post(url + path, json=bodies[i]) as resp:
             resp.raise_for_status()
-            return int((await resp.json())["meta_info"]["completion_tokens"])
+            answer = await resp.json()
+        if variant == "chat":
+            seen.append(int(answer["usage"]["prompt_tokens"]))
+            return int(answer["usage"]["completion_tokens"])
+        answers = answer if isinstance(answer, list) else [answer]
+        seen.append(int(answers[0]["meta_info"]["prompt_tokens"]))
+        return sum(int(a["meta_info"]["completion_tokens"]) for a in answers)
+
+    async def steps(session: aiohttp.ClientSession) -> int:
+        async with session.get(url + "/server_info") as resp:
+            resp.raise_for_status()
+            info = await resp.json()
+        return int(info.get("prefill_steps_total", 0)) + int(info.get("decode_steps_total", 0))
 
     timeout = aiohttp.ClientTimeout(total=1800)
     connector = aiohttp.TCPConnector(limit=max(1, concurrency))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        steps_before = await steps(session)
         began = time.perf_counter()
-        counts = await asyncio.gather(*(one(session, i) for i in range(requests)))
+        counts = await asyncio.gather(*(one(session, i) for i in range(len(bodies))))
         seconds = time.perf_counter() - began
+        engine_steps = await steps(session) - steps_before
     tokens = sum(counts)
     return {
-        "requests": requests,
+        "requests": len(bodies) * n,
         "concurrency": concurrency,
         "prompt_tokens": prompt_tokens,
         "max_new_tokens": max_new_tokens,
+        "mean_prompt_tokens": sum(seen) / len(seen) if seen else None,
         "output_tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        # forward passes (prefill or decode steps): what a step's fixed cost multiplies
+        "engine_steps": engine_steps,
     }
+
+
+#: The judge's system prompt (shared by every chat request of the ``chat`` variant).
+_SYSTEM = (
+    "You are a strict judge. Read the question, the reference answer and the response. "
+    "Reply with a short reason and end with 'score: 1' if the response is correct, else "
+    "'score: 0'."
+)
+_WORDS = ("the", "answer", "is", "because", "sum", "of", "and", "so", "we", "get", "two", "ten")
+
+
+def _chat_messages(rng: random.Random, words: int) -> list[dict[str, str]]:
+    """A judge-like conversation: the shared system prompt, then a user turn of ``words``
+    random words and numbers."""
+    user = " ".join(
+        rng.choice(_WORDS) if rng.random() < 0.7 else str(rng.randrange(100)) for _ in range(words)
+    )
+    return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
+
+
+async def _words_for(url: str, prompt_tokens: int) -> int:
+    """User-turn words that make a :func:`_chat_messages` prompt of about ``prompt_tokens``
+    tokens under the engine's chat template (two ``/tokenize`` calls)."""
+    import aiohttp
+
+    rng = random.Random(0)
+    counts = []
+    async with aiohttp.ClientSession() as session:
+        for words in (1, 201):
+            body = {"messages": _chat_messages(rng, words)}
+            async with session.post(url + "/tokenize", json=body) as resp:
+                resp.raise_for_status()
+                counts.append(int((await resp.json())["count"]))
+    per_word = max(counts[1] - counts[0], 1) / 200
+    return max(1, 1 + round((prompt_tokens - counts[0]) / per_word))
 
 
 def run(
@@ -85,8 +187,24 @@ def run(
     max_running_requests: int | None = None,
     disable_cuda_graph: bool = False,
     log_dir: str | None = None,
+    compare: Sequence[str] = (),
+    rounds: int = 1,
+    shared_prefix_tokens: int = 64,
+    samples: int = 8,
 ) -> dict[str, Any]:
-    """Start one engine on ``model``, warm it up, measure, stop; the numbers."""
+    """Start one engine on ``model``, warm it up, measure, stop; the numbers.
+
+    ``compare``: variants (:data:`VARIANTS`) measured after the random prompts, ``rounds``
+    times each in turn (a noisy machine: the median of each round's ratio counts); their
+    numbers under ``variants``. :raises ValueError: an unknown variant, or ``rounds`` < 1.
+    """
+    unknown = [v for v in compare if v not in VARIANTS]
+    if unknown or rounds < 1:
+        raise ValueError(
+            f"compare={unknown}: each variant is one of {list(VARIANTS)}"
+            if unknown
+            else f"rounds={rounds}: give at least 1"
+        )
     import json
     import tempfile
 
@@ -128,16 +246,29 @@ def run(
         result["engine_start_seconds"] = time.perf_counter() - began
         url = proc.base_url or ""
 
-        async def both() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        names = ("random", *compare)
+
+        async def every() -> tuple[dict[str, Any], dict[str, list[Any]], dict[str, Any]]:
             warm = await measure(url, requests=min(requests, concurrency), seed=1, **shape)
-            timed = await measure(url, requests=requests, seed=0, **shape)
+            runs: dict[str, list[Any]] = {name: [] for name in names}
+            for r in range(rounds):
+                for v, name in enumerate(names):
+                    # A seed of its own each time: no prompt is in the prefix cache already.
+                    seed = 0 if r == v == 0 else 2 + r * len(names) + v
+                    options = {"shared_prefix_tokens": shared_prefix_tokens, "samples": samples}
+                    measured = await measure(
+                        url, requests=requests, seed=seed, variant=name, **options, **shape
+                    )
+                    runs[name].append(measured)
             async with ControlClient(url, timeout=60) as client:
                 info = await client.server_info()
-            return warm, timed, info
+            return warm, runs, info
 
-        warm, timed, info = asyncio.run(both())
+        warm, runs, info = asyncio.run(every())
         result["warm_up"] = warm
-        result.update(timed)
+        result.update(runs["random"][0])
+        if compare or rounds > 1:
+            result["variants"] = _variants(runs)
         result["cuda_graphs"] = (info.get("memory") or {}).get("cuda_graphs")
         result["peak_running_reqs"] = info.get("peak_running_reqs")
     except BaseException:
@@ -148,11 +279,36 @@ def run(
     return result
 
 
+def _variants(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each variant's tokens/s by round and over the same round's random prompts."""
+    base = [m["tokens_per_s"] for m in runs["random"]]
+    out: dict[str, Any] = {}
+    for name, measured in runs.items():
+        rates = [m["tokens_per_s"] for m in measured]
+        ratios = [x / b for x, b in zip(rates, base, strict=True) if x and b]
+        out[name] = {
+            "tokens_per_s": [round(x, 1) for x in rates],
+            "mean_prompt_tokens": measured[-1]["mean_prompt_tokens"],
+            "output_tokens": measured[-1]["output_tokens"],
+            "engine_steps": [m["engine_steps"] for m in measured],
+            "over_random": [round(x, 3) for x in ratios],
+            "median_over_random": round(statistics.median(ratios), 3) if ratios else None,
+        }
+    return out
+
+
 def format_result(result: dict[str, Any]) -> str:
-    """One line: the shape and the tokens/s."""
-    return (
+    """One line: the shape and the tokens/s (and a line per compared variant)."""
+    line = (
         f"engine throughput ({result['device']}): {result['requests']} requests, "
         f"{result['concurrency']} in flight, {result['prompt_tokens']} prompt + "
         f"{result['max_new_tokens']} new tokens: {result['output_tokens']} tokens in "
         f"{result['seconds']:.2f} s = {result['tokens_per_s']:.0f} tokens/s"
     )
+    for name, v in (result.get("variants") or {}).items():
+        rates = ", ".join(f"{x:.0f}" for x in v["tokens_per_s"])
+        line += (
+            f"\n  {name}: {rates} tokens/s in {v['engine_steps']} engine steps; over random: "
+            f"median {v['median_over_random']} of {v['over_random']}"
+        )
+    return line

@@ -10,6 +10,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,6 +27,7 @@ from relax_hf.runner import WeightsError
 
 __all__ = [
     "SSE_DONE",
+    "AnswerResponse",
     "Handler",
     "check_sampling_mask",
     "check_total_tokens",
@@ -171,6 +173,16 @@ def check_sampling_mask(sampling: SamplingParams, logprob: LogprobParams, field:
             f"1 < top_k <= {cap}; got top_k={sampling.top_k}. Lower top_k or increase "
             "--sampling-mask-max-tokens.",
         )
+
+
+class AnswerResponse(JSONResponse):
+    """A generation's JSON answer, encoded with orjson as SGLang's (``ORJSONResponse``): a
+    group of 8 samples with their tokens' log-probs takes ~2.5 ms with the json module, held
+    on the event loop against the compute thread, ~0.04 ms so. A float that is not finite
+    is written ``null``."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 def sse(obj: Any) -> bytes:

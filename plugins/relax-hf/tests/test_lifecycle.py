@@ -6,6 +6,7 @@ import json
 import socket
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -250,3 +251,35 @@ def test_engine_throughput_counts_every_new_token_of_its_requests(plain: EngineS
     assert (out["requests"], out["output_tokens"]) == (5, 20) and out["tokens_per_s"] > 0
     out["device"] = "cpu"
     assert "5 requests, 3 in flight, 7 prompt + 4 new tokens: 20 tokens" in format_result(out)
+
+
+def test_engine_throughput_variants_send_the_phases_requests(plain: EngineServer) -> None:
+    import asyncio
+
+    from relax_hf.throughput_bench import measure
+
+    shape = {"concurrency": 4, "requests": 4, "prompt_tokens": 60, "max_new_tokens": 3}
+
+    def run(variant: str, **kw: Any) -> dict[str, Any]:
+        options = {**shape, **kw}
+        out = measure(plain.url, temperature=1.0, vocab=64, variant=variant, samples=2, **options)
+        return asyncio.run(out)
+
+    for variant in ("shared-prefix", "rollout"):
+        out = run(variant)
+        assert (out["requests"], out["output_tokens"]) == (4, 12), variant
+        assert out["mean_prompt_tokens"] == 60 and out["engine_steps"] > 0
+    # Rendered by the engine's chat template (the system prompt alone is ~100 tiny tokens).
+    chat = run("chat", prompt_tokens=200)
+    assert chat["output_tokens"] == 12 and 170 <= chat["mean_prompt_tokens"] <= 230
+
+
+def test_engine_throughput_refuses_an_unknown_variant_before_starting_an_engine(
+    tmp_path: Path,
+) -> None:
+    from relax_hf.throughput_bench import run
+
+    with pytest.raises(ValueError, match="each variant is one of"):
+        run(str(tmp_path), device="cpu", compare=["shared-prefix", "bogus"])
+    with pytest.raises(ValueError, match="rounds=0"):
+        run(str(tmp_path), device="cpu", rounds=0)

@@ -172,3 +172,56 @@ def test_input_logprobs_of_a_long_prompt_never_hold_every_positions_logits(
         assert seq.input_token_logprobs[t][0] == pytest.approx(
             float(ref[t - 1, prompt[t]]), abs=1e-3
         )
+
+
+def test_sampled_tokens_logprobs_come_from_the_forward_passes_draw(
+    tiny_model: Path, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rollout's requests (sampled, return_logprob): each decode step keeps the token the forward
+    # pass drew and reads its log-prob, with no second draw; the tokens are those of the same
+    # request without log-probs, the log-probs those of the temperature-scaled distribution.
+    import relax_hf.batch as batch_module
+    import torch
+    from relax_hf.batch import Batch, Sequence
+    from relax_hf.protocol import LogprobParams, SamplingParams
+    from relax_hf.runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_model), max_total_tokens=1024)
+    draws = []
+    real_draw = batch_module.draw
+
+    def counted(z: Any, rows: Any) -> Any:
+        draws.append(len(rows))
+        return real_draw(z, rows)
+
+    monkeypatch.setattr(batch_module, "draw", counted)
+    prompt, temperature = [5, 17, 33, 8], 0.7
+
+    def generate(return_logprob: bool) -> list[Sequence]:
+        batch = Batch(runner)
+        seqs = [
+            Sequence(
+                rid=f"r{i}",
+                prompt_ids=prompt,
+                sampling=SamplingParams(temperature=temperature, max_new_tokens=6, ignore_eos=True),
+                logprob=LogprobParams(return_logprob=return_logprob),
+                seed=100 + i,
+            )
+            for i in range(3)
+        ]
+        batch.step(seqs)
+        draws.clear()
+        while len(batch):
+            batch.step([])
+        return seqs
+
+    plain = generate(False)
+    scored = generate(True)
+    assert draws == []  # every decode step took the forward pass's tokens
+    for a, b in zip(plain, scored, strict=True):
+        assert a.output_ids == b.output_ids and len(b.output_token_logprobs) == 6
+        logits = torch.log_softmax(reference(prompt + b.output_ids).float(), -1)  # as logits
+        scaled = torch.log_softmax(logits / temperature, -1)
+        for k, (lp, tid, _) in enumerate(b.output_token_logprobs):
+            assert tid == b.output_ids[k]
+            assert lp == pytest.approx(float(scaled[len(prompt) + k - 1, tid]), abs=1e-4)

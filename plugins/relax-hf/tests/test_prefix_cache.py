@@ -117,6 +117,47 @@ def test_concurrent_requests_sharing_a_prompt_prefill_it_once(server: EngineServ
     assert len({tuple(o["output_ids"]) for o in outs}) == 1
 
 
+def test_prompts_sharing_a_cached_prefix_are_admitted_in_one_step(tiny_model: Path) -> None:
+    # Judge prompts of one system prompt: the first is prefilled alone, then the cache holds
+    # the shared prefix and the rest are taken together, not one a step (SGLang checks in-batch
+    # prefixes only for prompts whose cached prefix is short).
+    from relax_hf.engine import IN_BATCH_PREFIX_TOKENS, Engine
+    from relax_hf.protocol import LogprobParams, SamplingParams
+    from relax_hf.runner import ModelRunner
+
+    engine = Engine(ModelRunner(str(tiny_model), max_total_tokens=4096), served_model_name="t")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=4)
+    for i in range(8):
+        engine.submit([*PREFIX, 30 + i], sampling, LogprobParams())
+    first = engine._admit()
+    assert len(first) == 1
+    engine._step(first)
+    assert engine.runner.prefix_cache.cached(PREFIX) == len(PREFIX) > IN_BATCH_PREFIX_TOKENS
+    rest = engine._admit()
+    assert len(rest) == 7 and not engine._pending
+    engine._step(rest)
+    assert all(s.cached_tokens == len(PREFIX) for s in rest)
+
+
+def test_the_cached_prefix_length_is_read_without_changing_the_tree(tiny_model: Path) -> None:
+    pool = KVPool(
+        num_layers=1,
+        kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_slots=17,
+        max_rows=2,
+        context_len=16,
+    )
+    cache = PrefixCache(pool)
+    cache.insert(np.array([1, 2, 3, 4, 5, 6]), pool.alloc_slots(6))
+    keys = ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [1, 2, 9], [2], [])
+    assert [cache.cached(k) for k in keys] == [3, 6, 2, 0, 0]
+    assert cache.nodes == 1 and cache.root.children[1].last_access == 1  # no split, no touch
+    assert PrefixCache(pool, enabled=False).cached([1, 2]) == 0
+
+
 def test_the_hit_rate_is_reported_in_server_info_and_metrics(server: EngineServer) -> None:
     _gen(server, [*PREFIX, 1])
     _gen(server, [*PREFIX, 2])

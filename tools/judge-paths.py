@@ -1,0 +1,206 @@
+"""The genrm judge's requests along each path to one hf engine, at the same concurrency.
+
+    python tools/judge-paths.py MODEL [--device cpu|cuda] [--concurrency 64] [--requests 256]
+        [--max-new-tokens 64] [--rounds 2] [--mem-fraction-static F] [--json]
+
+One engine on MODEL (a checkpoint with a chat template: relax-hf make-tiny-model makes one),
+then, in turn and ``--rounds`` times, ``--requests`` judge requests of arithmetic samples
+(greedy, ``--max-new-tokens``), ``--concurrency`` in flight, along each path:
+
+- ``random``: ``/generate`` with random token ids, each as long as that sample's rendered
+  judge prompt (the engine alone, as ``relax-hf engine-throughput`` measures it);
+- ``judge-ids``: ``/generate`` with the judge prompts rendered here (they share the system
+  prompt: the prefix cache's path);
+- ``gateway``: the genrm gateway's ``/genrm/generate`` with ``messages`` (rendered by its
+  adapter in the gateway's thread pool), served in this process;
+- ``reward-stage``: a ``RewardStage`` with the ``genrm-judge`` adapter (the reward stage of
+  ``relax run``: ``/v1/chat/completions`` through the role's client, rendered by the engine).
+
+Each path's tokens/s is the engine's generated tokens (``/server_info`` counters) over the wall
+time, with its prefill and decode steps; the ratio is over the same round's ``random``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+PATHS = ("random", "judge-ids", "gateway", "reward-stage")
+COUNTERS = ("generation_tokens_total", "prefill_steps_total", "decode_steps_total")
+
+
+def samples(n: int, seed: int) -> list[Any]:
+    from relax_core import Sample
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        said = f"We add {a} and {b}. " * rng.randrange(1, 4)
+        response = f"{said}The answer is {a + b + rng.randrange(2)}."
+        prompt = f"What is {a} + {b}?"
+        out.append(Sample(f"s{i}", f"g{i // 8}", [1], [2], prompt=prompt, response=response,
+                          label=str(a + b)))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    from relax_genrm.judge import JUDGE_SAMPLING, render_judge_messages
+    from relax_hf.options import HFEngineOptions
+    from relax_hf.plugin import launch
+    from transformers import AutoTokenizer
+
+    from relax_core import (
+        EngineLaunchSpec,
+        EngineOptions,
+        PluginManager,
+        RegistryPublisher,
+        RewardStage,
+        RoleClients,
+        RoutingSpec,
+        StageContext,
+    )
+    from relax_core.gateway import GatewayOptions, GatewayServer, gateway_app
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=JUDGE_SAMPLING["max_new_tokens"])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    cuda = args.device.startswith("cuda")
+    tok = AutoTokenizer.from_pretrained(args.model)
+    logs = Path(tempfile.mkdtemp(prefix="judge-paths-"))
+    spec = EngineLaunchSpec(
+        engine_id="judge",
+        model_path=args.model,
+        device=args.device,
+        log_path=str(logs / "engine.log"),
+        options=EngineOptions(
+            dtype="bfloat16" if cuda else "float32",
+            mem_fraction_static=args.mem_fraction_static if cuda else None,
+            max_running_requests=256,
+        ),
+        backend_options=HFEngineOptions(),
+    )
+    pm = PluginManager.create()
+    publisher = RegistryPublisher("genrm", RoutingSpec(default_model="judge"))
+    proc = launch(spec)
+    gateway = None
+    try:
+        proc.wait_ready(900)
+        url = proc.base_url or ""
+        publisher.set_model(
+            "judge", state="READY", route_mode="DIRECT", weight_source="STATIC",
+            served_model_name="judge",
+        )  # fmt: skip
+        publisher.set_engine("judge", "judge/0", base_url=url, state="READY")
+        options = GatewayOptions(model_paths={"judge": args.model})
+        app = gateway_app("genrm", publisher.snapshot, plugin_manager=pm, options=options)
+        gateway = GatewayServer(app).start()
+        sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
+
+        def messages(s: Any) -> list[dict[str, str]]:
+            return render_judge_messages(s.prompt, s.response, s.label)
+
+        def ids(s: Any) -> list[int]:
+            text = tok.apply_chat_template(messages(s), tokenize=False, add_generation_prompt=True)
+            return list(tok.encode(text, add_special_tokens=False))
+
+        async def post_all(target: str, bodies: list[dict[str, Any]]) -> None:
+            gate = asyncio.Semaphore(args.concurrency)
+            connector = aiohttp.TCPConnector(limit=args.concurrency)
+            async with aiohttp.ClientSession(connector=connector) as session:
+
+                async def one(body: dict[str, Any]) -> None:
+                    async with gate, session.post(target, json=body) as resp:
+                        resp.raise_for_status()
+                        await resp.read()
+
+                await asyncio.gather(*map(one, bodies))
+
+        async def send(path: str, seed: int) -> None:
+            batch = samples(args.requests, seed)
+            if path == "random":
+                rng = random.Random(seed)
+                bodies = [
+                    {"input_ids": [rng.randrange(3, len(tok)) for _ in ids(s)],
+                     "sampling_params": sampling}
+                    for s in batch
+                ]  # fmt: skip
+                await post_all(url + "/generate", bodies)
+            elif path == "judge-ids":
+                bodies = [{"input_ids": ids(s), "sampling_params": sampling} for s in batch]
+                await post_all(url + "/generate", bodies)
+            elif path == "gateway":
+                bodies = [{"messages": messages(s), "sampling_params": sampling} for s in batch]
+                await post_all(gateway.url + "/genrm/generate", bodies)  # type: ignore[union-attr]
+            else:
+                judge = pm.reward_adapter("genrm-judge")
+                stage = RewardStage([judge], role="genrm", concurrency=args.concurrency)
+                clients = RoleClients({"genrm": publisher.snapshot})
+                await stage.run(batch, StageContext(seed, clients))
+
+        def counters() -> dict[str, int]:
+            with urllib.request.urlopen(url + "/server_info") as resp:
+                info = json.load(resp)
+            return {k: int(info.get(k, 0)) for k in COUNTERS}
+
+        async def measure() -> dict[str, list[dict[str, Any]]]:
+            await send("random", 999)  # warm-up
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
+            for r in range(args.rounds):
+                for v, path in enumerate(PATHS):
+                    before, began = counters(), time.perf_counter()
+                    await send(path, 10 * r + v)
+                    seconds = time.perf_counter() - began
+                    after = counters()
+                    d = {k: after[k] - before[k] for k in COUNTERS}
+                    rate = d["generation_tokens_total"] / seconds
+                    runs[path].append({"seconds": round(seconds, 3), "tokens_per_s": round(rate, 1),
+                                       "prefill_steps": d["prefill_steps_total"],
+                                       "decode_steps": d["decode_steps_total"]})  # fmt: skip
+            return runs
+
+        runs = asyncio.run(measure())
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        proc.terminate(30)
+    base = [m["tokens_per_s"] for m in runs["random"]]
+    result: dict[str, Any] = {"model": args.model, "device": args.device,
+                              "concurrency": args.concurrency, "requests": args.requests,
+                              "max_new_tokens": args.max_new_tokens, "paths": {}}  # fmt: skip
+    for path, measured in runs.items():
+        ratios = [m["tokens_per_s"] / b for m, b in zip(measured, base, strict=True)]
+        result["paths"][path] = {
+            "runs": measured,
+            "over_random": [round(x, 3) for x in ratios],
+            "median_over_random": round(statistics.median(ratios), 3),
+        }
+    if args.json:
+        print(json.dumps(result))
+        return
+    for path, row in result["paths"].items():
+        rates = ", ".join(f"{m['tokens_per_s']:.0f}" for m in row["runs"])
+        steps = ", ".join(f"{m['prefill_steps']}+{m['decode_steps']}" for m in row["runs"])
+        print(f"{path}: {rates} tokens/s, prefill+decode steps {steps}; over random: "
+              f"median {row['median_over_random']} of {row['over_random']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
