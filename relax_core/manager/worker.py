@@ -255,34 +255,45 @@ class EngineWorker:
         drain_timeout: float,
         timeout: float,
         abort: bool = False,
-    ) -> float:
-        """Close admission, drain, flush and release ``tags``; return the seconds it took.
-        ``abort``: abort the requests in flight (paused, then continued) instead of draining.
+    ) -> dict[str, float]:
+        """Close admission, drain, flush and release ``tags``; return the seconds it took
+        (``seconds``), of them the drain's (``drain``) and the release's calls to the engine
+        (``engine_calls``). ``abort``: abort the requests in flight (paused, then continued)
+        instead of draining.
         :raises LifecycleError: a step was refused or did not finish within ``timeout``; the
             memory is then *not* known to be free."""
         self.spec.check("offload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(drain_timeout + timeout):
             control, admission = self._head()
+            drained = time.monotonic()
             if not abort:
                 await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
+                released = time.monotonic()
                 await self._release(tags, timeout=timeout)
-                return time.monotonic() - start
-            try:
-                # Nothing runs until continued.
-                admission.close("DRAINING")
-                await control.pause_generation("abort", timeout=timeout)
-                await self._drained(admission, "pause_generation (abort)", timeout)
-                await self._release(tags, timeout=timeout)
-            except BaseException as exc:
-                # Whatever failed: a paused engine would never generate again.
+            else:
                 try:
-                    await control.continue_generation(timeout=min(timeout, 5.0))
-                except Exception as second:
-                    exc.add_note(f"continue_generation failed too: {second}")
-                raise
-            await control.continue_generation(timeout=timeout)
-        return time.monotonic() - start
+                    # Nothing runs until continued.
+                    admission.close("DRAINING")
+                    await control.pause_generation("abort", timeout=timeout)
+                    await self._drained(admission, "pause_generation (abort)", timeout)
+                    released = time.monotonic()
+                    await self._release(tags, timeout=timeout)
+                except BaseException as exc:
+                    # Whatever failed: a paused engine would never generate again.
+                    try:
+                        await control.continue_generation(timeout=min(timeout, 5.0))
+                    except Exception as second:
+                        exc.add_note(f"continue_generation failed too: {second}")
+                    raise
+            end = time.monotonic()
+            if abort:
+                await control.continue_generation(timeout=timeout)
+        return {
+            "seconds": time.monotonic() - start,
+            "drain": released - drained,
+            "engine_calls": end - released,
+        }
 
     async def _release(self, tags: Sequence[str], *, timeout: float) -> None:
         control, _ = self._head()
@@ -297,13 +308,18 @@ class EngineWorker:
             await control.flush_cache(wait=timeout, timeout=timeout)
         await control.release_memory(ordered(tags), timeout=timeout)
 
-    async def onload(self, tags: Sequence[str], *, reopen: bool, timeout: float) -> float:
+    async def onload(
+        self, tags: Sequence[str], *, reopen: bool, timeout: float
+    ) -> dict[str, float]:
         """Resume ``tags`` (weights first); with ``reopen``, check one generation, then open.
+        Return the seconds it took (``seconds``), of them its calls to the engine
+        (``engine_calls``).
         :raises LifecycleError: a resume was refused or the check failed; admission stays closed."""
         self.spec.check("onload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(2 * timeout):
             control, admission = self._head()
+            called = time.monotonic()
             check = reopen and getattr(control, "resume_checks", False)
             if check:
                 answer = await control.resume_memory(
@@ -312,11 +328,12 @@ class EngineWorker:
                 check = bool(answer.get("generation_checked"))
             else:
                 await control.resume_memory(ordered(tags), timeout=timeout)
+            if reopen and not check:
+                await control.health_generate(timeout=timeout)
+            engine = time.monotonic() - called
             if reopen:
-                if not check:
-                    await control.health_generate(timeout=timeout)
                 admission.open()
-        return time.monotonic() - start
+        return {"seconds": time.monotonic() - start, "engine_calls": engine}
 
     async def drain(self, *, strict: bool, drain_timeout: float, timeout: float) -> None:
         """Close admission and drain in-flight requests (before a scale-in shutdown)."""
