@@ -79,8 +79,8 @@ class LeaseEngine:
         self._on_event = on_event or (lambda line: None)
         self._on_rebuild = on_rebuild or (lambda role: None)
         self._locks: dict[str, asyncio.Lock] = {}
-        #: id -> the handles whose last call confirmed every replica (none FAILED then)
-        self._confirmed: dict[int, ManagerHandle] = {}
+        #: id -> the handles whose last switch was not confirmed (what they hold is not known)
+        self._unsure: dict[int, ManagerHandle] = {}
 
     # -- the lease table --------------------------------------------------------------------
 
@@ -188,11 +188,11 @@ class LeaseEngine:
         expected: str,
         results: list[LifecycleResult],
     ) -> str | None:
-        """One handle's part of a switch (rebuilt first unless its last call confirmed it; rebuilt
-        and called again on FAILED replicas); why not confirmed. ``method``'s results are
-        added to ``results``."""
-        known_clean = self._confirmed.pop(id(handle), None) is handle
-        why = None if known_clean else await self._heal(handle, role)
+        """One handle's part of a switch (rebuilt first where its last switch was not confirmed;
+        rebuilt and called again on FAILED replicas); why not confirmed. ``method``'s results
+        are added to ``results``."""
+        unsure = self._unsure.pop(id(handle), None) is handle
+        why = await self._heal(handle, role) if unsure else None
         if why is None:
             why = await self._call(role, handle, method, expected, results)
             if why is not None and await _failed(handle):
@@ -200,8 +200,9 @@ class LeaseEngine:
                     role, handle, method, expected, results
                 )
         if why is None:
-            self._confirmed[id(handle)] = handle
-        return None if why is None else f"{handle.name}: {why}"
+            return None
+        self._unsure[id(handle)] = handle
+        return f"{handle.name}: {why}"
 
     async def _heal(self, handle: ManagerHandle, role: str) -> str | None:
         return await self._rebuild(handle, role) if await _failed(handle) else None
