@@ -2,7 +2,8 @@
 files the script wrote under OUT and prints one JSON object (missing parts are ``null``).
 
 - ``switches``: each switch of the run-h200.toml run (graphs on) against 1.25 x the pinned copy
-  of its bytes + 15 ms, the engines' own seconds, and the decode graphs captured during it;
+  of its bytes + 15 ms, the engines' own seconds, the decode graphs captured during it and its
+  hops in ms (``hops_median_ms``: each hop's median over the onloads and the offloads);
 - ``phases``: per step past the first, generate's and genrm's tokens/s (their engines'
   generation counters over the phase's seconds), and over the engine's own at that shape
   (``relax-hf engine-throughput``), and the engine alone with the phase's own requests
@@ -64,6 +65,8 @@ def _run(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "limit_ms": None if limit is None else round(limit * 1e3, 1),
                 "within": None if limit is None else w["seconds"] <= limit,
                 "captures": captures,
+                # Where the switch's milliseconds went (docs/run.md, --measure: each hop).
+                "hops_ms": {k: round(v * 1e3, 2) for k, v in (w.get("hops") or {}).items()},
             }
         )
     phases = []
@@ -98,8 +101,16 @@ def _run(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "all_within_15ms": all(within) if within else None,
         "graphs_captured_during_switches": sum(captured) if captured else None,
         "switches": switches,
+        "hops_median_ms": {d: _median_hops(switches, d) for d in ("onload", "offload")},
         "phases": phases,
     }
+
+
+def _median_hops(switches: list[dict[str, Any]], direction: str) -> dict[str, float]:
+    """Each hop's median over the run's switches of ``direction`` (the ones that report it)."""
+    hops = [x["hops_ms"] for x in switches if x["direction"] == direction]
+    keys = dict.fromkeys(k for h in hops for k in h)
+    return {k: round(statistics.median(h[k] for h in hops if k in h), 2) for k in keys}
 
 
 def main(out: Path) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from relax_core.coordination.handles import (
     RayManagerHandle,
     unconfirmed,
 )
-from relax_core.coordination.leases import LateReply, LeaseEngine
+from relax_core.coordination.leases import LateReply, LeaseEngine, SwitchRecord
 from relax_core.coordination.preflight import (
     DeferredWorkload,
     deferred_workload_problems,
@@ -119,6 +119,7 @@ __all__ = [
     "Stage",
     "StageContext",
     "StageReport",
+    "SwitchRecord",
     "Timeline",
     "abort_generation",
     "check_samples",

@@ -14,7 +14,7 @@ from typing import Any, Protocol, cast
 import attrs
 
 from relax_core.coordination.handles import ManagerHandle, unconfirmed
-from relax_core.coordination.leases import ABORT, LateReply, LeaseEngine
+from relax_core.coordination.leases import ABORT, LateReply, LeaseEngine, SwitchRecord
 from relax_core.coordination.residency import ResidencyPlan
 from relax_core.coordination.sink import SinkReceipt, partition_name
 from relax_core.coordination.states import BatchState, LeaseState
@@ -71,6 +71,8 @@ class CoordinatorStatus:
     late_replies: tuple[LateReply, ...]
     operation_timeout: float
     residency: ResidencyPlan = attrs.field(factory=ResidencyPlan)
+    #: role -> its last switch (where its seconds went)
+    switches: Mapping[str, SwitchRecord] = attrs.field(factory=dict)
 
     @property
     def deferred_roles(self) -> tuple[str, ...]:
@@ -208,6 +210,7 @@ class LifecycleCoordinator:
             late_replies=tuple(self._engine.late),
             operation_timeout=self._engine.operation_timeout,
             residency=self._residency,
+            switches=dict(self._engine.switches),
         )
 
     # -- the generation role ---------------------------------------------------------------

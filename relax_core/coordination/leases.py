@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ import attrs
 
 from relax_core.coordination.handles import ManagerHandle, unconfirmed
 from relax_core.coordination.states import LeaseState, check_lease_transition
+from relax_core.manager.results import LifecycleResult
 
 _L = LeaseState
 #: The optional handle method that offloads without draining (a failed batch's release).
@@ -29,6 +31,18 @@ class LateReply:
     method: str
     outcome: str
     at: float
+
+
+@attrs.frozen
+class SwitchRecord:
+    """A role's last switch: its ``number`` (counted over the engine's switches), ``method``,
+    the seconds of every handle's part (rebuilds included) and the results of ``method``
+    (where those seconds went: ``relax run --measure``)."""
+
+    number: int
+    method: str
+    seconds: float
+    results: tuple[LifecycleResult, ...]
 
 
 class LeaseEngine:
@@ -59,11 +73,14 @@ class LeaseEngine:
         self.blocked: dict[str, str] = {}
         #: the newest replies that came after their deadline
         self.late: collections.deque[LateReply] = collections.deque(maxlen=64)
+        #: role -> its last switch
+        self.switches: dict[str, SwitchRecord] = {}
+        self._numbers = itertools.count(1)
         self._on_event = on_event or (lambda line: None)
         self._on_rebuild = on_rebuild or (lambda role: None)
         self._locks: dict[str, asyncio.Lock] = {}
-        #: id -> the handles whose last call confirmed every replica (none FAILED then)
-        self._confirmed: dict[int, ManagerHandle] = {}
+        #: id -> the handles whose last switch was not confirmed (what they hold is not known)
+        self._unsure: dict[int, ManagerHandle] = {}
 
     # -- the lease table --------------------------------------------------------------------
 
@@ -121,13 +138,13 @@ class LeaseEngine:
         if self.leases[role] is not moving:
             self.set(role, moving)
         chosen = self.handles[role] if handles is None else tuple(handles)
-        reasons = [
-            why
-            for why in await asyncio.gather(
-                *(self._step(role, handle, method, expected) for handle in chosen)
-            )
-            if why
-        ]
+        began, results = time.perf_counter(), list[LifecycleResult]()
+        whys = await asyncio.gather(
+            *(self._step(role, handle, method, expected, results) for handle in chosen)
+        )
+        seconds = time.perf_counter() - began
+        self.switches[role] = SwitchRecord(next(self._numbers), method, seconds, tuple(results))
+        reasons = [why for why in whys if why]
         if reasons:
             reason = "; ".join(reasons)
             self.block(role, reason)
@@ -164,21 +181,28 @@ class LeaseEngine:
             self._on_event(f"health probe of {handle.name} raised {type(exc).__name__}: {exc}")
 
     async def _step(
-        self, role: str, handle: ManagerHandle, method: str, expected: str
+        self,
+        role: str,
+        handle: ManagerHandle,
+        method: str,
+        expected: str,
+        results: list[LifecycleResult],
     ) -> str | None:
-        """One handle's part of a switch (rebuilt first unless its last call confirmed it; rebuilt
-        and called again on FAILED replicas); why not confirmed."""
-        known_clean = self._confirmed.pop(id(handle), None) is handle
-        why = None if known_clean else await self._heal(handle, role)
+        """One handle's part of a switch (rebuilt first where its last switch was not confirmed;
+        rebuilt and called again on FAILED replicas); why not confirmed. ``method``'s results
+        are added to ``results``."""
+        unsure = self._unsure.pop(id(handle), None) is handle
+        why = await self._heal(handle, role) if unsure else None
         if why is None:
-            why = await self._call(role, handle, method, expected)
+            why = await self._call(role, handle, method, expected, results)
             if why is not None and await _failed(handle):
                 why = await self._rebuild(handle, role) or await self._call(
-                    role, handle, method, expected
+                    role, handle, method, expected, results
                 )
         if why is None:
-            self._confirmed[id(handle)] = handle
-        return None if why is None else f"{handle.name}: {why}"
+            return None
+        self._unsure[id(handle)] = handle
+        return f"{handle.name}: {why}"
 
     async def _heal(self, handle: ManagerHandle, role: str) -> str | None:
         return await self._rebuild(handle, role) if await _failed(handle) else None
@@ -190,10 +214,16 @@ class LeaseEngine:
         return None if why is None else f"rebuild: {why}"
 
     async def _call(
-        self, role: str, handle: ManagerHandle, method: str, expected: str
+        self,
+        role: str,
+        handle: ManagerHandle,
+        method: str,
+        expected: str,
+        results: list[LifecycleResult] | None = None,
     ) -> str | None:
         """``handle.method()`` within the operation timeout; why its result does not confirm
-        ``expected`` (``None`` when it does). A reply past the deadline is recorded late."""
+        ``expected`` (``None`` when it does); the result added to ``results``. A reply past
+        the deadline is recorded late."""
         name = method if method != ABORT or hasattr(handle, ABORT) else "offload"
         timeout = self.operation_timeout
         task = asyncio.ensure_future(getattr(handle, name)())
@@ -208,6 +238,8 @@ class LeaseEngine:
             )
         except Exception as exc:
             return f"{method} raised {type(exc).__name__}: {exc}"
+        if results is not None and isinstance(result, LifecycleResult):
+            results.append(result)
         return unconfirmed(result, expected)
 
     def _late_reply(

@@ -19,7 +19,7 @@ from relax_core.errors import InferenceRecoveryRequired, LifecycleError
 from relax_core.manager.groups import PlacementGroups
 from relax_core.manager.heads import HeadCalls
 from relax_core.manager.launcher import Launcher
-from relax_core.manager.memory import Memory
+from relax_core.manager.memory import Memory, Ran
 from relax_core.manager.publication import Publication
 from relax_core.manager.recovery import Recovery
 from relax_core.manager.results import (
@@ -475,13 +475,20 @@ class InferenceManager:
             yield
 
     def _run(
-        self, operation: str, step: Callable[[], dict[str, ReplicaResult]], *, settle: bool = True
+        self,
+        operation: str,
+        step: Callable[[], dict[str, ReplicaResult] | Ran],
+        *,
+        settle: bool = True,
     ) -> LifecycleResult:
-        """One guarded lifecycle call; with ``settle``, a worker fenced by it raises."""
+        """One guarded lifecycle call (``step``: its results, or theirs and the seconds of its
+        hops); with ``settle``, a worker fenced by it raises."""
         what = f"{operation}()"
         with self._guard(what):
             begin = time.monotonic()
-            result = self._slots.result(operation, step(), begin)
+            ran = step()
+            results, timings = ran if isinstance(ran, tuple) else (ran, None)
+            result = self._slots.result(operation, results, begin, timings)
             return self._slots.settle(what, result) if settle else result
 
     def _start(self) -> dict[str, ReplicaResult]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -29,6 +30,8 @@ _S = ReplicaState
 
 
 _P = TypeVar("_P", OffloadPlan, OnloadPlan)
+#: What an onload or offload returns: one result per engine id, and the seconds of each hop.
+Ran = tuple[dict[str, ReplicaResult], dict[str, float]]
 
 
 @attrs.define
@@ -44,10 +47,10 @@ class Memory:
 
     def offload(
         self, engine_ids: Iterable[str] | None, wanted: frozenset[str], *, abort: bool = False
-    ) -> dict[str, ReplicaResult]:
+    ) -> Ran:
         """Release ``wanted`` on the replicas ``engine_ids`` (``None``: all): close admission
         (DRAINING), drain (``abort``: abort the requests in flight at once instead), release,
-        confirm → SLEEPING; unconfirmed → FAILED. One result per replica. Blocking.
+        confirm → SLEEPING; unconfirmed → FAILED. :data:`Ran`. Blocking.
         :raises KeyError: an unknown engine id."""
         t = self.timeouts
         drain = {"strict": self.strict_drain, "drain_timeout": t.drain, "timeout": t.offload}
@@ -60,12 +63,10 @@ class Memory:
             t.drain + t.offload + t.rpc_margin,
         )
 
-    def onload(
-        self, engine_ids: Iterable[str] | None, wanted: frozenset[str]
-    ) -> dict[str, ReplicaResult]:
+    def onload(self, engine_ids: Iterable[str] | None, wanted: frozenset[str]) -> Ran:
         """Resume what is missing of ``wanted`` on the SLEEPING replicas ``engine_ids``
         (``None``: all; ONLOADING); once every tag is resident, check one generation and reopen
-        → READY, else stay SLEEPING; unconfirmed → FAILED. One result per replica. Blocking.
+        → READY, else stay SLEEPING; unconfirmed → FAILED. :data:`Ran`. Blocking.
         :raises KeyError: an unknown engine id."""
         t = self.timeouts
         return self._run(
@@ -85,9 +86,10 @@ class Memory:
         wanted: frozenset[str],
         kwargs: Callable[[_P], Mapping[str, Any]],
         timeout: float,
-    ) -> dict[str, ReplicaResult]:
+    ) -> Ran:
         """Plan each replica and begin its step; call ``method(**kwargs(plan))`` on every head
-        at once (published before and after); confirm each confirmed step, fail the others."""
+        at once (published before and after); confirm each confirmed step, fail the others.
+        The results, and the seconds of each hop (see ``LifecycleResult.timings``)."""
         results: dict[str, ReplicaResult] = {}
         todo: dict[int, _P] = {}
         for slot in slots:
@@ -98,16 +100,21 @@ class Memory:
             plan.begin(slot.replica)
             todo[slot.replica.index] = plan
         if not todo:
-            return results
+            return results, {}
+        clock = _Clock()
         # Published while the heads work: each head closes its own admission first thing.
         published = self.publication.publish_begin()
+        clock.lap("publish_begin")
         outs = self.heads.call(method, {i: kwargs(plan) for i, plan in todo.items()}, timeout)
+        clock.lap("heads")
         for i, plan in todo.items():
             slot, out = self.slots.at(i), outs[i]
             if out.ok:
                 plan.confirm(slot.replica)
+                timings = dict(out.value)
+                seconds = timings.pop("seconds")
                 results[slot.engine_id] = slot.result(
-                    Outcome.DONE, tags=plan.tags, seconds=out.value
+                    Outcome.DONE, tags=plan.tags, seconds=seconds, timings=timings
                 )
             else:
                 # FAILED now (it was DRAINING or ONLOADING).
@@ -117,8 +124,22 @@ class Memory:
             published()
         except Exception as exc:  # the publication below sends the whole view again (or raises)
             log.warning("%s: publishing before the %s failed: %s", self.slots.model_id, method, exc)
+        clock.lap("publish_wait")
         self.publication.publish()
-        return results
+        clock.lap("publish")
+        return results, clock.laps
+
+
+@attrs.define
+class _Clock:
+    """Laps of one call: each :meth:`lap` the seconds since the one before, under its name."""
+
+    laps: dict[str, float] = attrs.field(factory=dict)
+    _last: float = attrs.field(factory=time.perf_counter)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self._last = now - self._last, now
 
 
 def _triage(

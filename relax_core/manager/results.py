@@ -21,7 +21,9 @@ class Outcome(enum.StrEnum):
 
 @attrs.frozen
 class ReplicaResult:
-    """One replica's outcome: its state afterwards, the tags acted on, the error if any."""
+    """One replica's outcome: its state afterwards, the tags acted on, the error if any;
+    ``seconds`` its worker's call and ``timings`` what the worker reports of them (onload and
+    offload: ``engine_calls``, the seconds of its calls to the engine; offload: ``drain``)."""
 
     engine_id: str
     outcome: Outcome
@@ -29,16 +31,22 @@ class ReplicaResult:
     tags: tuple[str, ...] = ()
     error: str | None = None
     seconds: float = 0.0
+    timings: Mapping[str, float] = attrs.field(factory=dict, eq=False)
 
 
 @attrs.frozen
 class LifecycleResult:
-    """The per-replica results of one manager call (``start``, ``offload``, ``onload``, …)."""
+    """The per-replica results of one manager call (``start``, ``offload``, ``onload``, …):
+    ``seconds`` the call's, under the manager's lock; ``timings`` where an onload's or offload's
+    went (``publish_begin``: the states begun sent to the registry; ``heads``: every head's call,
+    at once; ``publish_wait``: that publication's answer awaited; ``publish``: the outcome
+    published, sent and awaited)."""
 
     operation: str
     model_id: str
     replicas: tuple[ReplicaResult, ...]
     seconds: float = 0.0
+    timings: Mapping[str, float] = attrs.field(factory=dict, eq=False)
 
     @property
     def ok(self) -> bool:

@@ -209,9 +209,11 @@ class ReplicaSlot:
         tags: tuple[str, ...] = (),
         error: str | None = None,
         seconds: float = 0.0,
+        timings: Mapping[str, float] | None = None,
     ) -> ReplicaResult:
         """This replica's result of a call, with the state it is in now."""
-        return ReplicaResult(self.engine_id, outcome, str(self.replica.state), tags, error, seconds)
+        state = str(self.replica.state)
+        return ReplicaResult(self.engine_id, outcome, state, tags, error, seconds, timings or {})
 
     def worker_name(self, worker: WorkerSlot) -> str:
         """``model/replica-i`` for the head, ``model/replica-i/node-r`` for a follower."""
@@ -348,14 +350,19 @@ class SlotTable:
         return result
 
     def result(
-        self, operation: str, results: Mapping[str, ReplicaResult], begin: float
+        self,
+        operation: str,
+        results: Mapping[str, ReplicaResult],
+        begin: float,
+        timings: Mapping[str, float] | None = None,
     ) -> LifecycleResult:
         """The call's :class:`LifecycleResult`: replicas by index, then any no longer here."""
         order = [s.engine_id for s in self.ordered()]
         ordered_results = [results[e] for e in order if e in results]
         ordered_results += [r for e, r in results.items() if e not in order]
+        seconds = time.monotonic() - begin
         return LifecycleResult(
-            operation, self.model_id, tuple(ordered_results), time.monotonic() - begin
+            operation, self.model_id, tuple(ordered_results), seconds, timings or {}
         )
 
 

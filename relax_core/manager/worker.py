@@ -255,24 +255,29 @@ class EngineWorker:
         drain_timeout: float,
         timeout: float,
         abort: bool = False,
-    ) -> float:
-        """Close admission, drain, flush and release ``tags``; return the seconds it took.
-        ``abort``: abort the requests in flight (paused, then continued) instead of draining.
+    ) -> dict[str, float]:
+        """Close admission, drain, flush and release ``tags``; return the seconds it took
+        (``seconds``), of them the drain's (``drain``) and the release's calls to the engine
+        (``engine_calls``). ``abort``: abort the requests in flight (paused, then continued)
+        instead of draining.
         :raises LifecycleError: a step was refused or did not finish within ``timeout``; the
             memory is then *not* known to be free."""
         self.spec.check("offload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(drain_timeout + timeout):
             control, admission = self._head()
+            began = time.monotonic()
             if not abort:
                 await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
+                drained = time.monotonic()
                 await self._release(tags, timeout=timeout)
-                return time.monotonic() - start
+                return _offloaded(start, began, drained, time.monotonic())
             try:
                 # Nothing runs until continued.
                 admission.close("DRAINING")
                 await control.pause_generation("abort", timeout=timeout)
                 await self._drained(admission, "pause_generation (abort)", timeout)
+                drained = time.monotonic()
                 await self._release(tags, timeout=timeout)
             except BaseException as exc:
                 # Whatever failed: a paused engine would never generate again.
@@ -281,8 +286,9 @@ class EngineWorker:
                 except Exception as second:
                     exc.add_note(f"continue_generation failed too: {second}")
                 raise
+            released = time.monotonic()
             await control.continue_generation(timeout=timeout)
-        return time.monotonic() - start
+        return _offloaded(start, began, drained, released)
 
     async def _release(self, tags: Sequence[str], *, timeout: float) -> None:
         control, _ = self._head()
@@ -297,13 +303,18 @@ class EngineWorker:
             await control.flush_cache(wait=timeout, timeout=timeout)
         await control.release_memory(ordered(tags), timeout=timeout)
 
-    async def onload(self, tags: Sequence[str], *, reopen: bool, timeout: float) -> float:
+    async def onload(
+        self, tags: Sequence[str], *, reopen: bool, timeout: float
+    ) -> dict[str, float]:
         """Resume ``tags`` (weights first); with ``reopen``, check one generation, then open.
+        Return the seconds it took (``seconds``), of them its calls to the engine
+        (``engine_calls``).
         :raises LifecycleError: a resume was refused or the check failed; admission stays closed."""
         self.spec.check("onload", engine_id=self.engine_id)
         start = time.monotonic()
         async with self._lock, asyncio.timeout(2 * timeout):
             control, admission = self._head()
+            called = time.monotonic()
             check = reopen and getattr(control, "resume_checks", False)
             if check:
                 answer = await control.resume_memory(
@@ -312,11 +323,12 @@ class EngineWorker:
                 check = bool(answer.get("generation_checked"))
             else:
                 await control.resume_memory(ordered(tags), timeout=timeout)
+            if reopen and not check:
+                await control.health_generate(timeout=timeout)
+            engine = time.monotonic() - called
             if reopen:
-                if not check:
-                    await control.health_generate(timeout=timeout)
                 admission.open()
-        return time.monotonic() - start
+        return {"seconds": time.monotonic() - start, "engine_calls": engine}
 
     async def drain(self, *, strict: bool, drain_timeout: float, timeout: float) -> None:
         """Close admission and drain in-flight requests (before a scale-in shutdown)."""
@@ -456,6 +468,16 @@ class EngineWorker:
             await self.admission.stop()
         pid = self.process.pid if self.process else None
         return {"pid": pid, "exit_code": code}
+
+
+def _offloaded(start: float, began: float, drained: float, released: float) -> dict[str, float]:
+    """What :meth:`EngineWorker.offload` returns: its seconds from ``start`` (before its lock),
+    the drain's (from ``began`` to ``drained``) and the release's (to ``released``)."""
+    return {
+        "seconds": time.monotonic() - start,
+        "drain": drained - began,
+        "engine_calls": released - drained,
+    }
 
 
 #: How long a probe whose generation failed waits for the engine process to be reaped.

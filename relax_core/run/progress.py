@@ -296,11 +296,9 @@ class Printer:
             )
             for s in measured["switches"]:
                 inside = f"copy {_ms(s['copy_seconds'])} ms, limit {_ms(s['limit_seconds'])} ms"
-                if s.get("engine_seconds") is not None:
-                    inside += f"; engine {_ms(s['engine_seconds'])} ms"
-                if s.get("worker_seconds") is not None:
-                    inside += f", worker {_ms(s['worker_seconds'])} ms, manager "
-                    inside += f"{_ms(s['manager_seconds'])} ms"
+                hops = s.get("hops") or {}
+                if len(hops) > 1:  # each hop the switch reports, outermost first
+                    inside += "; " + ", ".join(f"{k} {_ms(v)}" for k, v in hops.items())
                 after = ""
                 if s["direction"] == "offload":
                     after = f", freed {_fmt(s.get('freed_fraction'), '.1%')}"

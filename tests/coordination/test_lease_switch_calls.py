@@ -1,8 +1,9 @@
 """The lease engine's calls per switch: one manager call per handle on the common path.
 
-The manager is asked for its FAILED replicas only where the engine does not know (the first
-switch of a handle, a call that was not confirmed); a replica that failed since the last
-confirmed call is in the switch's own answer and is rebuilt before the role is granted.
+The manager is asked for its FAILED replicas only where the engine does not know what a handle
+holds (its last switch was not confirmed); a replica that failed since the last switch (or
+before the first: the job's start confirmed its models) is in the switch's own answer and is
+rebuilt before the role is granted.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _engine(manager: _Manager) -> LeaseEngine:
     return LeaseEngine({"genrm": "A"}, {"genrm": [manager]}, operation_timeout=5.0)
 
 
-def test_a_switch_after_a_confirmed_one_is_the_managers_call_alone() -> None:
+def test_every_switch_of_a_confirmed_handle_is_the_managers_call_alone() -> None:
     manager = _Manager()
     engine = _engine(manager)
 
@@ -64,9 +65,19 @@ def test_a_switch_after_a_confirmed_one_is_the_managers_call_alone() -> None:
             assert await engine.switch("genrm", out=True) is None
 
     asyncio.run(cycle())
-    # Only the first switch asks (nothing known yet); every later one is its own call.
-    assert manager.calls == ["failed", "onload"] + ["offload", "onload"] * 2 + ["offload"]
+    # The first switch too: nothing is asked before it.
+    assert manager.calls == ["onload", "offload"] * 3
     assert engine.leases["genrm"] is LeaseState.SLEEPING
+
+
+def test_a_replica_that_failed_before_the_first_switch_is_rebuilt_before_the_grant() -> None:
+    manager = _Manager()
+    manager.states["judge/0"] = "FAILED"  # died asleep before the run's first switch
+    engine = _engine(manager)
+
+    assert asyncio.run(engine.switch("genrm", out=False)) is None
+    assert manager.calls == ["onload", "failed", "recover", "onload"]
+    assert manager.states == {"judge/0": "READY", "judge/1": "READY"}
 
 
 def test_a_replica_that_failed_since_the_last_switch_is_rebuilt_before_the_grant() -> None:

@@ -53,6 +53,14 @@ class _Control:
     async def health_generate(self, *, timeout: float | None = None) -> None:
         self.calls.append("health_generate")
 
+    async def pause_generation(self, mode: str, *, timeout: float | None = None) -> Any:
+        self.calls.append(f"pause {mode}")
+        return {"success": True}
+
+    async def continue_generation(self, *, timeout: float | None = None) -> Any:
+        self.calls.append("continue")
+        return {"success": True}
+
 
 class _Admission:
     is_open = False
@@ -128,3 +136,24 @@ def test_a_release_still_refused_after_the_wait_fails_the_offload(
     with pytest.raises(LifecycleError, match="in flight"):
         asyncio.run(worker.offload(TAGS, strict=True, drain_timeout=5, timeout=5))
     assert control.calls == ["release", "flush_cache", "release"]
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["drained", "aborted"])
+def test_a_switch_reports_its_seconds_and_those_of_its_parts(
+    core_plugin_manager: PluginManager, abort: bool
+) -> None:
+    control = _Control(flushes=True, checks=True)
+    worker = _worker(core_plugin_manager, control)
+
+    async def both() -> tuple[dict[str, float], dict[str, float]]:
+        out = await worker.offload(TAGS, strict=True, drain_timeout=5, timeout=5, abort=abort)
+        return out, await worker.onload(TAGS, reopen=True, timeout=5)
+
+    offload, onload = asyncio.run(both())
+    assert set(offload) == {"seconds", "drain", "engine_calls"} and set(onload) == {
+        "seconds", "engine_calls",
+    }  # fmt: skip
+    assert offload["seconds"] >= offload["drain"] + offload["engine_calls"] >= 0
+    assert onload["seconds"] >= onload["engine_calls"] >= 0
+    pause = ["pause abort"] if abort else []
+    assert control.calls == [*pause, "release", *(["continue"] if abort else []), "resume+check"]

@@ -251,6 +251,25 @@ def _committed(directory: Path) -> dict[int, list[dict[str, Any]]]:
     }
 
 
+def _check_hops(s: dict[str, Any]) -> None:
+    """A switch's hops: every one the run reports, each inside the one around it (1 ms given
+    where the engine's clock meets the worker's)."""
+    hops = s["hops"]
+    deferred = s["role"] != "rollout"  # the coordinator switches it (rollout switches itself)
+    inside = ["manager", "publish_begin", "heads", "publish_wait", "publish", "worker"]
+    worker = ["drain", "engine_calls"] if s["direction"] == "offload" else ["engine_calls"]
+    engine = ["engine_op", "engine"] + (["generation_check"] if s["direction"] == "onload" else [])
+    outer = ["switch"] + (["coordinator"] if deferred else [])
+    assert list(hops) == [*outer, *inside, *worker, *engine], hops
+    assert hops["switch"] == s["seconds"] and hops["worker"] == s["worker_seconds"]
+    chain = [*outer, "manager", "heads", "worker", "engine_calls"]
+    assert all(hops[a] >= hops[b] > 0 for a, b in itertools.pairwise(chain)), hops
+    check = hops.get("generation_check", 0.0)
+    assert hops["engine_calls"] + 1e-3 >= hops["engine_op"] + check, hops
+    assert hops["engine_op"] >= hops["engine"] > 0, hops
+    assert hops["manager"] >= hops["heads"] + hops["publish_wait"] + hops["publish"], hops
+
+
 def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves_nothing(
     run: Run,
 ) -> None:
@@ -316,6 +335,6 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
         ops = {op["op"] for op in s["engine_ops"]}
         assert ops == ({"release"} if s["direction"] == "offload" else {"resume"}), s
         assert 0 < s["engine_seconds"] <= s["seconds"], s
-        if s["role"] == "rollout":  # its own switches: the manager's and the worker's seconds
-            assert s["engine_seconds"] <= s["worker_seconds"] <= s["manager_seconds"], s
+        assert s["engine_seconds"] <= s["worker_seconds"] <= s["manager_seconds"], s
+        _check_hops(s)
     assert 0 < switching["share_of_step"] < 1

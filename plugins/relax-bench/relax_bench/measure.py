@@ -17,7 +17,14 @@ from relax_core import ControlClient
 if TYPE_CHECKING:
     from relax_core import Coordinator, LeaseState, LifecycleResult, ManagerHandle, RunProbe
 
-__all__ = ["MeasuredCoordinator", "MeasuredHandle", "Switch", "SwitchProbe", "switch_report"]
+__all__ = [
+    "MeasuredCoordinator",
+    "MeasuredHandle",
+    "Switch",
+    "SwitchProbe",
+    "switch_hops",
+    "switch_report",
+]
 
 _T = TypeVar("_T")
 
@@ -47,9 +54,11 @@ class Switch:
     engine_seconds: float | None = None
     #: The first head's operations during the switch: ``{"op", "detail"}`` each.
     engine_ops: tuple[dict[str, Any], ...] = ()
-    #: The manager's and its slowest replica worker's seconds (rollout's own switches only)
+    #: The slowest manager's seconds and its slowest replica worker's (``None``: not known)
     manager_seconds: float | None = None
     worker_seconds: float | None = None
+    #: Each hop's seconds, outermost first (:func:`switch_hops`; ``docs/run.md``: each key).
+    hops: Mapping[str, float] = attrs.field(factory=dict)
     #: What the role's engines had parked for another engine to take, before and after.
     parked_before: int = 0
     parked_after: int = 0
@@ -103,7 +112,8 @@ def _counters(infos: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 
 def _ops_since(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """The head's memory operations in its ``after`` log that its ``before`` log lacks (by the
-    engine's own clock); ``None``: it logs none."""
+    engine's own clock), each with its ``seconds`` (from its start to its entry; ``None``
+    where the entry has no start); ``None``: it logs none."""
     log = after.get("memory_log")
     if not isinstance(log, list):
         return None
@@ -111,10 +121,67 @@ def _ops_since(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict
         (e.get("op"), e.get("at")) for e in before.get("memory_log") or () if isinstance(e, Mapping)
     }
     return [
-        {"op": e.get("op"), "detail": e.get("detail") or {}}
+        {"op": e.get("op"), "detail": e.get("detail") or {}, "seconds": _op_seconds(e)}
         for e in log
         if isinstance(e, Mapping) and (e.get("op"), e.get("at")) not in seen
     ]
+
+
+def _op_seconds(entry: Mapping[str, Any]) -> float | None:
+    started, at = entry.get("started"), entry.get("at")
+    if isinstance(started, int | float) and isinstance(at, int | float):
+        return float(at) - float(started)
+    return None
+
+
+#: The hops a manager reports of an onload or offload (``LifecycleResult.timings``), and its
+#: workers (``ReplicaResult.timings``), in the order they run.
+_MANAGER_HOPS = ("publish_begin", "heads", "publish_wait", "publish")
+_WORKER_HOPS = ("drain", "engine_calls")
+
+
+def switch_hops(
+    seconds: float,
+    coordinator: float | None,
+    results: Sequence[LifecycleResult],
+    ops: Sequence[list[dict[str, Any]] | None],
+) -> dict[str, float]:
+    """Where one switch's ``seconds`` went, outermost first: the ``switch`` as the run saw it,
+    the ``coordinator``'s (its lease engine's switch: a deferred role's), each manager hop of
+    ``results`` and each worker hop of their replicas (the slowest of each), then from the
+    engines' memory logs (``ops``; the longest head's): ``engine_op``, their operations from
+    start to end, ``engine``, what the operations' tags took of it, and the
+    ``generation_check`` after a resume. A hop nothing reported is left out."""
+    hops = {"switch": seconds}
+    if coordinator is not None:
+        hops["coordinator"] = coordinator
+
+    def slowest(name: str, values: Sequence[float]) -> None:
+        if values:
+            hops[name] = max(values)
+
+    slowest("manager", [r.seconds for r in results])
+    for key in _MANAGER_HOPS:
+        slowest(key, [r.timings[key] for r in results if key in r.timings])
+    replicas = [x for r in results for x in r.replicas if x.timings]
+    slowest("worker", [x.seconds for x in replicas])
+    for key in _WORKER_HOPS:
+        slowest(key, [x.timings[key] for x in replicas if key in x.timings])
+    if ops and all(head is not None for head in ops):
+        spans = [[op["seconds"] for op in head or ()] for head in ops]
+        if all(None not in head for head in spans):
+            hops["engine_op"] = max(sum(head) for head in spans)
+    engine = _engine_seconds(ops)
+    if engine is not None:
+        hops["engine"] = engine
+    checks = [
+        float(op["detail"]["generation_check_seconds"])
+        for head in ops
+        for op in head or ()
+        if "generation_check_seconds" in op["detail"]
+    ]
+    slowest("generation_check", checks)
+    return hops
 
 
 def _engine_seconds(ops: Sequence[list[dict[str, Any]] | None]) -> float | None:
@@ -170,10 +237,18 @@ class SwitchProbe:
         return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
 
     async def around(
-        self, step: int, role: str, direction: str, call: Callable[[], Awaitable[_T]]
+        self,
+        step: int,
+        role: str,
+        direction: str,
+        call: Callable[[], Awaitable[_T]],
+        details: Callable[[], Awaitable[tuple[float | None, Sequence[LifecycleResult]]]]
+        | None = None,
     ) -> _T:
         """Run ``call()`` (the switch) and record it; its result returned, its error raised
-        (a failed switch is not recorded)."""
+        (a failed switch is not recorded). ``details()``, once the switch is timed: the
+        coordinator's seconds of it and the managers' results (default: ``None`` and the
+        switch's own result, a ``LifecycleResult``)."""
         infos_before = await self._info(role)
         before = [info.get("memory") or {} for info in infos_before.values()]
         began = time.perf_counter()
@@ -183,10 +258,12 @@ class SwitchProbe:
         after = [info.get("memory") or {} for info in infos.values()]
         ops = [_ops_since(infos_before.get(url, {}), info) for url, info in infos.items()]
         first = after[0] if after else {}
-        lifecycle: Any = result
-        replicas = getattr(lifecycle, "replicas", None)
-        manager = float(lifecycle.seconds) if replicas is not None else None
-        worker = max((float(r.seconds) for r in replicas), default=None) if replicas else None
+        if details is not None:
+            coordinator, results = await details()
+        else:
+            lifecycle: Any = result
+            coordinator, results = None, [lifecycle] if hasattr(lifecycle, "replicas") else []
+        hops = switch_hops(seconds, coordinator, results, ops)
         kv = sum(int((m.get("kv_cache") or {}).get("pool_bytes", 0)) for m in (after or before))
         self.switches.append(
             Switch(
@@ -201,10 +278,11 @@ class SwitchProbe:
                 device_free_before=before[0].get("cuda_device_free") if before else None,
                 device_free_after=first.get("cuda_device_free"),
                 device_total=first.get("cuda_device_total"),
-                engine_seconds=_engine_seconds(ops),
+                engine_seconds=hops.get("engine"),
                 engine_ops=tuple(ops[0]) if ops and ops[0] is not None else (),
-                manager_seconds=manager,
-                worker_seconds=worker,
+                manager_seconds=hops.get("manager"),
+                worker_seconds=hops.get("worker"),
+                hops=hops,
                 parked_before=sum(_parked(m) for m in before),
                 parked_after=sum(_parked(m) for m in after),
                 counters_before=_counters(list(infos_before.values())),
@@ -221,9 +299,20 @@ class MeasuredCoordinator:
     def __init__(self, inner: Coordinator, probe: SwitchProbe) -> None:
         self._inner = inner
         self._probe = probe
+        #: role -> the number of its last switch recorded
+        self._seen: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    async def _switched(self, role: str) -> tuple[float | None, Sequence[LifecycleResult]]:
+        """The coordinator's seconds of ``role``'s switch and the managers' results (none for
+        a call that switched nothing: its last switch is the one seen before)."""
+        record = (await self._inner.describe()).switches.get(role)
+        if record is None or self._seen.get(role) == record.number:
+            return None, ()
+        self._seen[role] = record.number
+        return record.seconds, record.results
 
     async def activate(
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
@@ -234,6 +323,7 @@ class MeasuredCoordinator:
             role,
             "onload",
             lambda: self._inner.activate(role, operation_id, batch_id=batch_id, models=models),
+            lambda: self._switched(role),
         )
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> LeaseState:
@@ -243,6 +333,7 @@ class MeasuredCoordinator:
             role,
             "offload",
             lambda: self._inner.deactivate(role, operation_id, batch_id=batch_id),
+            lambda: self._switched(role),
         )
 
 
@@ -278,8 +369,8 @@ class MeasuredHandle:
 _ROW = (
     "step", "role", "direction", "seconds", "weight_bytes", "kv_cache_bytes", "held_before",
     "held_after", "device_free_before", "device_free_after", "device_total", "freed_bytes",
-    "handed_over_bytes", "engine_seconds", "manager_seconds", "worker_seconds", "engine_ops",
-    "counters_before", "counters_after",
+    "handed_over_bytes", "engine_seconds", "manager_seconds", "worker_seconds", "hops",
+    "engine_ops", "counters_before", "counters_after",
 )  # fmt: skip
 
 
@@ -302,7 +393,7 @@ def switch_report(
         }
         row |= {k: getattr(s, k) for k in _ROW[6:]}
         row["engine_ops"] = list(s.engine_ops)
-        for key in ("counters_before", "counters_after"):
+        for key in ("hops", "counters_before", "counters_after"):
             row[key] = dict(row[key])
         if s.direction == "offload":
             row["freed_fraction"] = s.freed_bytes / s.held_before if s.held_before else None

@@ -11,13 +11,13 @@ from typing import Any
 
 import attrs
 import pytest
-from relax_bench.measure import Switch, SwitchProbe, switch_report
+from relax_bench.measure import Switch, SwitchProbe, switch_hops, switch_report
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from relax_core import PluginManager
+from relax_core import LifecycleResult, Outcome, PluginManager, ReplicaResult
 from relax_core.testing import serve_app
 
 
@@ -37,24 +37,61 @@ class Engine:
         return Starlette(routes=[Route("/server_info", info)])
 
 
+def _result(operation: str, manager: float, worker: float) -> LifecycleResult:
+    """A manager's result of one switch of one replica, with the hops it reports."""
+    replica = ReplicaResult(
+        "judge/replica-0", Outcome.DONE, "READY", seconds=worker,
+        timings={"engine_calls": worker / 2},
+    )  # fmt: skip
+    timings = {"publish_begin": 0.001, "heads": worker + 0.001, "publish_wait": 0.0}
+    return LifecycleResult(operation, "judge", (replica,), manager, timings | {"publish": 0.002})
+
+
+@attrs.frozen
+class SwitchRecord:
+    """What the probe reads of a role's last switch (the lease engine's record)."""
+
+    number: int
+    method: str
+    seconds: float
+    results: tuple[LifecycleResult, ...]
+
+
+@attrs.frozen
+class Status:
+    """What the probe reads of the coordinator's ``describe()``."""
+
+    switches: dict[str, SwitchRecord]
+
+
 class Coordinator:
-    """Switches the judge's engine; ``describe`` is a call the probe does not measure."""
+    """Switches the judge's engine and records each switch as the lease engine does; an
+    ``activate`` of an ACTIVE role switches nothing. ``describe`` is not measured."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.switches: dict[str, SwitchRecord] = {}
+
+    def _record(self, role: str, method: str) -> None:
+        number = 1 + max((r.number for r in self.switches.values()), default=0)
+        result = _result(method, 0.02, 0.01)
+        self.switches[role] = SwitchRecord(number, method, 0.03, (result,))
 
     async def activate(
         self, role: str, operation_id: str, *, batch_id: int, models: Sequence[str] = ()
     ) -> str:
-        self.engine.resident = True
+        if not self.engine.resident:
+            self.engine.resident = True
+            self._record(role, "onload")
         return "ACTIVE"
 
     async def deactivate(self, role: str, operation_id: str, *, batch_id: int) -> str:
         self.engine.resident = False
+        self._record(role, "offload")
         return "IDLE"
 
-    async def describe(self) -> str:
-        return "described"
+    async def describe(self) -> Status:
+        return Status(dict(self.switches))
 
 
 class Handle:
@@ -65,8 +102,8 @@ class Handle:
     async def onload(self) -> str:
         return "onloaded"
 
-    async def offload(self) -> str:
-        return "offloaded"
+    async def offload(self) -> LifecycleResult:
+        return _result("offload", 0.005, 0.004)
 
 
 class Trainer:
@@ -104,18 +141,31 @@ def test_the_probe_measures_the_switches_of_what_it_wraps_and_reports_them(
         rollout: Any = probe.rollout(Handle())
         assert await coordinator.deactivate("judge", "op", batch_id=1) == "IDLE"
         assert await coordinator.activate("judge", "op", batch_id=2) == "ACTIVE"
-        assert await rollout.offload() == "offloaded" and await rollout.onload() == "onloaded"
+        assert await coordinator.activate("judge", "op", batch_id=2) == "ACTIVE"  # no switch
+        assert (await rollout.offload()).operation == "offload"
+        assert await rollout.onload() == "onloaded"
         trainer = Trainer()
         return await probe.report(trainer, step_seconds=10.0), coordinator, trainer
 
     with serve_app(judge.app()) as url:
         report, coordinator, trainer = asyncio.run(main(url))
-    assert asyncio.run(coordinator.describe()) == "described"  # forwarded, not measured
+    assert isinstance(asyncio.run(coordinator.describe()), Status)  # forwarded, not measured
     switches = [(s["step"], s["role"], s["direction"]) for s in report["switches"]]
     assert switches == [
-        (1, "judge", "offload"), (2, "judge", "onload"),
+        (1, "judge", "offload"), (2, "judge", "onload"), (2, "judge", "onload"),
         (2, "rollout", "offload"), (3, "rollout", "onload"),
     ]  # fmt: skip
+    # Each hop the coordinator, the manager and its worker reported, outermost first; an
+    # activation that switched nothing and a handle that returned no LifecycleResult have
+    # only the switch's own seconds.
+    hops = [list(s["hops"]) for s in report["switches"]]
+    inside = ["manager", "publish_begin", "heads", "publish_wait", "publish", "worker"]
+    assert hops[0] == hops[1] == ["switch", "coordinator", *inside, "engine_calls"]
+    assert hops[2] == hops[4] == ["switch"]
+    assert hops[3] == ["switch", *inside, "engine_calls"]
+    judge = report["switches"][0]
+    assert judge["hops"]["coordinator"] == 0.03 and judge["manager_seconds"] == 0.02
+    assert judge["worker_seconds"] == judge["hops"]["worker"] == 0.01
     offload, onload = report["switches"][:2]
     assert (offload["held_before"], offload["held_after"]) == (6000, 0)
     assert offload["freed_fraction"] == 1.0 and onload["held_after"] == 6000
@@ -201,3 +251,26 @@ def test_a_switch_records_the_engines_counters_summed_over_its_heads() -> None:
     (row,) = switch_report([s], {}, step_seconds=1.0)["switches"]
     assert row["counters_before"]["generation_tokens_total"] == 110
     assert row["counters_after"] == {"cuda_graph_captures": 4}
+
+
+def test_the_hops_of_a_switch_are_the_slowest_of_each_and_the_engines_own_from_their_logs() -> None:
+    slow, fast = _result("onload", 0.02, 0.015), _result("onload", 0.01, 0.005)
+    resume = {"weights": {"seconds": 0.004}, "kv_cache": {"seconds": 0.001}}
+    ops = [
+        [
+            {
+                "op": "resume",
+                "detail": resume | {"generation_check_seconds": 0.003},
+                "seconds": 0.006,
+            }
+        ],
+        [{"op": "resume", "detail": {"weights": {"seconds": 0.002}}, "seconds": 0.007}],
+    ]
+    hops = switch_hops(0.05, 0.04, [slow, fast], ops)
+    assert hops == {
+        "switch": 0.05, "coordinator": 0.04, "manager": 0.02, "publish_begin": 0.001,
+        "heads": 0.016, "publish_wait": 0.0, "publish": 0.002, "worker": 0.015,
+        "engine_calls": 0.0075, "engine_op": 0.007, "engine": 0.005, "generation_check": 0.003,
+    }  # fmt: skip
+    # Rollout's own switch (no coordinator), with an engine that keeps no memory log.
+    assert switch_hops(0.01, None, [], [None]) == {"switch": 0.01}
