@@ -4,6 +4,7 @@ starts anything. See ``docs/jobs.md``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -226,14 +227,12 @@ def _h2_answer(conn: socket.socket) -> bytes:
     timeout)."""
     conn.sendall(_H2_PREFACE)
     answer = b""
-    try:
+    with contextlib.suppress(OSError):  # a timeout or a reset: what arrived is the answer
         while len(answer) < _H2_FRAME_HEADER:
             chunk = conn.recv(_H2_FRAME_HEADER - len(answer))
             if not chunk:
                 break
             answer += chunk
-    except OSError:  # silence past the timeout, or a reset: what arrived is the answer
-        pass
     return answer
 
 
