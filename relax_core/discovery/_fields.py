@@ -4,6 +4,7 @@ make those names (``models.math.engines[0].base_url``)."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import re
@@ -43,10 +44,8 @@ def to_enum(kind: type[E], field: str, value: object) -> E:
     if isinstance(value, kind):
         return value
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             return kind(value)
-        except ValueError:
-            pass
     raise SnapshotError(
         field, f"unknown {field} {value!r}; expected one of {', '.join(m.value for m in kind)}"
     )

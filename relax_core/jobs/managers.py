@@ -102,9 +102,7 @@ def router_launch_spec(
     model: ModelConfig, record: RouterBackend, log_dir: str | None
 ) -> RouterLaunchSpec:
     """What ``record.launch`` gets for ``model``'s router (its log under ``log_dir``)."""
-    log_path = None
-    if log_dir:
-        log_path = f"{log_dir}/{model.role}_{model.name}-router.log"
+    log_path = f"{log_dir}/{model.role}_{model.name}-router.log" if log_dir else None
     return RouterLaunchSpec(
         router_id=model.path,
         policy=model.router.policy or record.default_policy,

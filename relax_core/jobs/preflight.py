@@ -4,6 +4,7 @@ starts anything. See ``docs/jobs.md``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -141,28 +142,20 @@ def port_problems(config: JobConfig, *, local: bool = True) -> list[ConfigProble
             continue
         key = f"roles.{role.name}.gateway.port"
         taken_by = seen.setdefault((gw.host, gw.port), key)
+        where = f"{gw.host}:{gw.port}"
         if taken_by != key:
-            problems.append(
-                ConfigProblem(
-                    key,
-                    "port",
-                    f"{gw.host}:{gw.port} is also {taken_by}; give each gateway a port of its "
-                    "own (or leave port out: a free one is picked)",
-                )
+            message = (
+                f"{where} is also {taken_by}; give each gateway a port of its own (or leave "
+                "port out: a free one is picked)"
             )
+        elif (gw.in_ray_actor and not local) or (why := _bind_error(gw.host, gw.port)) is None:
             continue
-        if gw.in_ray_actor and not local:
-            continue
-        why = _bind_error(gw.host, gw.port)
-        if why is not None:
-            problems.append(
-                ConfigProblem(
-                    key,
-                    "port",
-                    f"cannot listen on {gw.host}:{gw.port} ({why}); stop what holds it, pick "
-                    "another port, or leave port out (a free one is picked)",
-                )
+        else:
+            message = (
+                f"cannot listen on {where} ({why}); stop what holds it, pick another port, or "
+                "leave port out (a free one is picked)"
             )
+        problems.append(ConfigProblem(key, "port", message))
     return problems
 
 
@@ -234,14 +227,12 @@ def _h2_answer(conn: socket.socket) -> bytes:
     timeout)."""
     conn.sendall(_H2_PREFACE)
     answer = b""
-    try:
+    with contextlib.suppress(OSError):  # a timeout or a reset: what arrived is the answer
         while len(answer) < _H2_FRAME_HEADER:
             chunk = conn.recv(_H2_FRAME_HEADER - len(answer))
             if not chunk:
                 break
             answer += chunk
-    except OSError:  # silence past the timeout, or a reset: what arrived is the answer
-        pass
     return answer
 
 

@@ -100,10 +100,7 @@ class JobRuntime:
 
     def pids(self) -> dict[str, list[int]]:
         """:meth:`track` of every model: engine id (and ``<model>/router``) -> its pids."""
-        out: dict[str, list[int]] = {}
-        for model in self.handles:
-            out.update(self.track(model))
-        return out
+        return {key: pids for model in self.handles for key, pids in self.track(model).items()}
 
     # -- start -------------------------------------------------------------------------------
 

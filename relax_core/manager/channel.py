@@ -133,10 +133,8 @@ def _remote_error(body: Mapping[str, Any]) -> BaseException:
         return cls(message)
     cls = getattr(builtins, name, None)
     if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == "builtins":
-        try:
+        with contextlib.suppress(TypeError):
             return cls(message)
-        except TypeError:
-            pass
     return RelaxError(f"{name}: {message}" if name else message)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from itertools import pairwise
 from typing import Any, TypeVar
 
 import attrs
@@ -101,12 +102,12 @@ class Memory:
             todo[slot.replica.index] = plan
         if not todo:
             return results, {}
-        clock = _Clock()
+        marks = {"": time.perf_counter()}  # the end of each hop, in order
         # Published while the heads work: each head closes its own admission first thing.
         published = self.publication.publish_begin()
-        clock.lap("publish_begin")
+        marks["publish_begin"] = time.perf_counter()
         outs = self.heads.call(method, {i: kwargs(plan) for i, plan in todo.items()}, timeout)
-        clock.lap("heads")
+        marks["heads"] = time.perf_counter()
         for i, plan in todo.items():
             slot, out = self.slots.at(i), outs[i]
             if out.ok:
@@ -124,22 +125,10 @@ class Memory:
             published()
         except Exception as exc:  # the publication below sends the whole view again (or raises)
             log.warning("%s: publishing before the %s failed: %s", self.slots.model_id, method, exc)
-        clock.lap("publish_wait")
+        marks["publish_wait"] = time.perf_counter()
         self.publication.publish()
-        clock.lap("publish")
-        return results, clock.laps
-
-
-@attrs.define
-class _Clock:
-    """Laps of one call: each :meth:`lap` the seconds since the one before, under its name."""
-
-    laps: dict[str, float] = attrs.field(factory=dict)
-    _last: float = attrs.field(factory=time.perf_counter)
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps[name], self._last = now - self._last, now
+        marks["publish"] = time.perf_counter()
+        return results, {hop: marks[hop] - marks[before] for before, hop in pairwise(marks)}
 
 
 def _triage(

@@ -8,6 +8,7 @@ fences an engine whose actor died."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -39,13 +40,11 @@ def _kill_engine(engine: int, engine_start: str) -> None:
     if fields is None or fields[19] != engine_start:
         return
     pgid = int(fields[2])
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         if pgid == engine:
             os.killpg(engine, signal.SIGKILL)
         else:
             os.kill(engine, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def watch(worker: int, worker_start: str, engine: int, engine_start: str) -> None:

@@ -295,11 +295,9 @@ class EngineWorker:
         if ResidentTag.KV_CACHE in tags:
             if getattr(control, "release_flushes", False):
                 # One round trip, unless refused (changing nothing) while a request runs.
-                try:
+                with contextlib.suppress(LifecycleError):
                     await control.release_memory(ordered(tags), timeout=timeout)
                     return
-                except LifecycleError:
-                    pass
             await control.flush_cache(wait=timeout, timeout=timeout)
         await control.release_memory(ordered(tags), timeout=timeout)
 

@@ -5,6 +5,7 @@ ends as an :class:`EvalResult`, never failing a step (``docs/run.md``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
@@ -69,10 +70,8 @@ class EvalResult:
         for key, value in self.counts.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 out[f"eval/{self.stage}/{key}"] = float(value)
-        try:
+        with contextlib.suppress(ValueError):
             out[f"eval/{self.stage}/weight_version"] = float(str(self.weight_version))
-        except ValueError:
-            pass
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
 

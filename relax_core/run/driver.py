@@ -728,8 +728,7 @@ class StepDriver:
         """The trainer's push of ``version``, one at a time, as phase ``weight_push``."""
         async with self._rollout_lock if self.switching else self._push_lock:
             with self.timeline.phase(index, "weight_push", lane="push"):
-                pushed: dict[str, Any] = await self.trainer.push(version)
-                return pushed
+                return await self.trainer.push(version)
 
     async def _push_once_healed(self, version: str, index: int) -> dict[str, Any]:
         """Not switching: the push; a failed one heals rollout and is sent once more."""
