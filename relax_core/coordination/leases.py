@@ -75,6 +75,7 @@ class LeaseEngine:
         self.late: collections.deque[LateReply] = collections.deque(maxlen=64)
         #: role -> its last switch
         self.switches: dict[str, SwitchRecord] = {}
+        self._results: dict[str, list[LifecycleResult]] = {}  # of the switch under way
         self._numbers = itertools.count(1)
         self._on_event = on_event or (lambda line: None)
         self._on_rebuild = on_rebuild or (lambda role: None)
@@ -138,12 +139,10 @@ class LeaseEngine:
         if self.leases[role] is not moving:
             self.set(role, moving)
         chosen = self.handles[role] if handles is None else tuple(handles)
-        began, results = time.perf_counter(), list[LifecycleResult]()
-        whys = await asyncio.gather(
-            *(self._step(role, handle, method, expected, results) for handle in chosen)
-        )
-        seconds = time.perf_counter() - began
-        self.switches[role] = SwitchRecord(next(self._numbers), method, seconds, tuple(results))
+        began, self._results[role] = time.perf_counter(), []
+        whys = await asyncio.gather(*(self._step(role, h, method, expected) for h in chosen))
+        seconds, results = time.perf_counter() - began, tuple(self._results.pop(role))
+        self.switches[role] = SwitchRecord(next(self._numbers), method, seconds, results)
         reasons = [why for why in whys if why]
         if reasons:
             reason = "; ".join(reasons)
@@ -181,23 +180,17 @@ class LeaseEngine:
             self._on_event(f"health probe of {handle.name} raised {type(exc).__name__}: {exc}")
 
     async def _step(
-        self,
-        role: str,
-        handle: ManagerHandle,
-        method: str,
-        expected: str,
-        results: list[LifecycleResult],
+        self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
         """One handle's part of a switch (rebuilt first where its last switch was not confirmed;
-        rebuilt and called again on FAILED replicas); why not confirmed. ``method``'s results
-        are added to ``results``."""
+        rebuilt and called again on FAILED replicas); why not confirmed."""
         unsure = self._unsure.pop(id(handle), None) is handle
         why = await self._heal(handle, role) if unsure else None
         if why is None:
-            why = await self._call(role, handle, method, expected, results)
+            why = await self._call(role, handle, method, expected)
             if why is not None and await _failed(handle):
                 why = await self._rebuild(handle, role) or await self._call(
-                    role, handle, method, expected, results
+                    role, handle, method, expected
                 )
         if why is None:
             return None
@@ -214,16 +207,11 @@ class LeaseEngine:
         return None if why is None else f"rebuild: {why}"
 
     async def _call(
-        self,
-        role: str,
-        handle: ManagerHandle,
-        method: str,
-        expected: str,
-        results: list[LifecycleResult] | None = None,
+        self, role: str, handle: ManagerHandle, method: str, expected: str
     ) -> str | None:
         """``handle.method()`` within the operation timeout; why its result does not confirm
-        ``expected`` (``None`` when it does); the result added to ``results``. A reply past
-        the deadline is recorded late."""
+        ``expected`` (``None`` when it does; a switch's result kept for its record). A reply
+        past the deadline is recorded late."""
         name = method if method != ABORT or hasattr(handle, ABORT) else "offload"
         timeout = self.operation_timeout
         task = asyncio.ensure_future(getattr(handle, name)())
@@ -238,8 +226,8 @@ class LeaseEngine:
             )
         except Exception as exc:
             return f"{method} raised {type(exc).__name__}: {exc}"
-        if results is not None and isinstance(result, LifecycleResult):
-            results.append(result)
+        if method != "recover" and isinstance(result, LifecycleResult):
+            self._results.get(role, []).append(result)
         return unconfirmed(result, expected)
 
     def _late_reply(
