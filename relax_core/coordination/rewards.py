@@ -13,7 +13,7 @@ from typing import Any, TypeGuard
 
 import attrs
 
-from relax_core._tasks import gather_all
+from relax_core._concurrent import gather_all
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.retries import stage_deadline
 from relax_core.coordination.sample import Sample

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any, TextIO
 
-from relax_core._threads import each_in_thread
+from relax_core._concurrent import each_in_thread
 from relax_core.discovery.publisher import RegistryPublisher
 from relax_core.discovery.schema import RoleSnapshot, RoutingSpec
 from relax_core.errors import LifecycleError, RelaxError

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from relax_core._threads import each_in_thread
+from relax_core._concurrent import each_in_thread
 from relax_core.jobs.models import ModelHandle
 from relax_core.manager import UnconfirmedWorker
 from relax_core.manager.reaper import start_time

@@ -13,8 +13,8 @@ from typing import Any, NoReturn
 
 import attrs
 
+from relax_core._concurrent import each_in_thread
 from relax_core._quote import quote_body
-from relax_core._threads import each_in_thread
 from relax_core.engine.spec import InferenceEngineSpec
 from relax_core.errors import CapabilityError
 from relax_core.manager.publication import model_view, publish_model

@@ -41,6 +41,9 @@ from relax_core.manager.state import Replica, ReplicaState
 from relax_core.manager.updates import WeightUpdates
 from relax_core.records import EngineBackend, RouterMembership
 
+#: What a lifecycle step returns: its results, or theirs and the seconds of its hops.
+_Ran = dict[str, ReplicaResult] | Ran
+
 
 class InferenceManager:
     """The lifecycle core of one model's engines: build it, then :meth:`start`.
@@ -475,11 +478,7 @@ class InferenceManager:
             yield
 
     def _run(
-        self,
-        operation: str,
-        step: Callable[[], dict[str, ReplicaResult] | Ran],
-        *,
-        settle: bool = True,
+        self, operation: str, step: Callable[[], _Ran], *, settle: bool = True
     ) -> LifecycleResult:
         """One guarded lifecycle call (``step``: its results, or theirs and the seconds of its
         hops); with ``settle``, a worker fenced by it raises."""
@@ -487,8 +486,8 @@ class InferenceManager:
         with self._guard(what):
             begin = time.monotonic()
             ran = step()
-            results, timings = ran if isinstance(ran, tuple) else (ran, None)
-            result = self._slots.result(operation, results, begin, timings)
+            results, timings = ran if isinstance(ran, tuple) else (ran, {})
+            result = attrs.evolve(self._slots.result(operation, results, begin), timings=timings)
             return self._slots.settle(what, result) if settle else result
 
     def _start(self) -> dict[str, ReplicaResult]:

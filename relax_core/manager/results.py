@@ -37,10 +37,8 @@ class ReplicaResult:
 @attrs.frozen
 class LifecycleResult:
     """The per-replica results of one manager call (``start``, ``offload``, ``onload``, …):
-    ``seconds`` the call's, under the manager's lock; ``timings`` where an onload's or offload's
-    went (``publish_begin``: the states begun sent to the registry; ``heads``: every head's call,
-    at once; ``publish_wait``: that publication's answer awaited; ``publish``: the outcome
-    published, sent and awaited)."""
+    ``seconds`` the call's, under the manager's lock; ``timings`` an onload's or offload's hops
+    (``publish_begin``, ``heads``, ``publish_wait``, ``publish``: docs/run.md, ``--measure``)."""
 
     operation: str
     model_id: str

@@ -350,19 +350,14 @@ class SlotTable:
         return result
 
     def result(
-        self,
-        operation: str,
-        results: Mapping[str, ReplicaResult],
-        begin: float,
-        timings: Mapping[str, float] | None = None,
+        self, operation: str, results: Mapping[str, ReplicaResult], begin: float
     ) -> LifecycleResult:
         """The call's :class:`LifecycleResult`: replicas by index, then any no longer here."""
         order = [s.engine_id for s in self.ordered()]
         ordered_results = [results[e] for e in order if e in results]
         ordered_results += [r for e, r in results.items() if e not in order]
-        seconds = time.monotonic() - begin
         return LifecycleResult(
-            operation, self.model_id, tuple(ordered_results), seconds, timings or {}
+            operation, self.model_id, tuple(ordered_results), time.monotonic() - begin
         )
 
 

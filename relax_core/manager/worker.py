@@ -271,24 +271,26 @@ class EngineWorker:
                 await self._drain(strict=strict, drain_timeout=drain_timeout, timeout=timeout)
                 drained = time.monotonic()
                 await self._release(tags, timeout=timeout)
-                return _offloaded(start, began, drained, time.monotonic())
-            try:
-                # Nothing runs until continued.
-                admission.close("DRAINING")
-                await control.pause_generation("abort", timeout=timeout)
-                await self._drained(admission, "pause_generation (abort)", timeout)
-                drained = time.monotonic()
-                await self._release(tags, timeout=timeout)
-            except BaseException as exc:
-                # Whatever failed: a paused engine would never generate again.
+                released = time.monotonic()
+            else:
                 try:
-                    await control.continue_generation(timeout=min(timeout, 5.0))
-                except Exception as second:
-                    exc.add_note(f"continue_generation failed too: {second}")
-                raise
-            released = time.monotonic()
-            await control.continue_generation(timeout=timeout)
-        return _offloaded(start, began, drained, released)
+                    # Nothing runs until continued.
+                    admission.close("DRAINING")
+                    await control.pause_generation("abort", timeout=timeout)
+                    await self._drained(admission, "pause_generation (abort)", timeout)
+                    drained = time.monotonic()
+                    await self._release(tags, timeout=timeout)
+                except BaseException as exc:
+                    # Whatever failed: a paused engine would never generate again.
+                    try:
+                        await control.continue_generation(timeout=min(timeout, 5.0))
+                    except Exception as second:
+                        exc.add_note(f"continue_generation failed too: {second}")
+                    raise
+                released = time.monotonic()
+                await control.continue_generation(timeout=timeout)
+        spent = {"drain": drained - began, "engine_calls": released - drained}
+        return {"seconds": time.monotonic() - start, **spent}
 
     async def _release(self, tags: Sequence[str], *, timeout: float) -> None:
         control, _ = self._head()
@@ -466,16 +468,6 @@ class EngineWorker:
             await self.admission.stop()
         pid = self.process.pid if self.process else None
         return {"pid": pid, "exit_code": code}
-
-
-def _offloaded(start: float, began: float, drained: float, released: float) -> dict[str, float]:
-    """What :meth:`EngineWorker.offload` returns: its seconds from ``start`` (before its lock),
-    the drain's (from ``began`` to ``drained``) and the release's (to ``released``)."""
-    return {
-        "seconds": time.monotonic() - start,
-        "drain": drained - began,
-        "engine_calls": released - drained,
-    }
 
 
 #: How long a probe whose generation failed waits for the engine process to be reaped.

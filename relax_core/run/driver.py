@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from relax_core._tasks import gather_all
+from relax_core._concurrent import gather_all
 from relax_core.coordination import (
     BatchResult,
     BatchSink,

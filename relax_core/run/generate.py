@@ -10,7 +10,7 @@ from typing import Any, Unpack
 
 import attrs
 
-from relax_core._tasks import gather_all
+from relax_core._concurrent import gather_all
 from relax_core.client.client import InferenceClient
 from relax_core.coordination.batch import DeferredCollector
 from relax_core.coordination.retries import Regeneration

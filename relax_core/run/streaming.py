@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from relax_core._tasks import gather_all
+from relax_core._concurrent import gather_all
 from relax_core.coordination.batch import Dropped, Streamed
 from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage, StageContext, StageReport
