@@ -5,6 +5,7 @@ The public API: everything a caller or a plugin needs is exported here (and pyte
 private."""
 
 from relax_core import client, engine, errors, records
+from relax_core._concurrent import gather_all
 from relax_core._exports import claim as _claim
 from relax_core._quote import quote_body
 from relax_core.cli import main
@@ -219,6 +220,7 @@ __all__ = [
     "engine_launch_specs",
     "free_port",
     "gateway_app",
+    "gather_all",
     "get_plugin_manager",
     "hookimpl",
     "keep_local_ray_on_loopback",

@@ -1,5 +1,4 @@
-"""Run many calls at once and wait for them all, leaving none behind: awaitables as tasks of
-their own, or one thread per item."""
+"""Run many calls at once and wait for them all: awaitables as tasks, or one thread per item."""
 
 from __future__ import annotations
 

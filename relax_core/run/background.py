@@ -282,8 +282,7 @@ class BackgroundEvals:
             await asyncio.wait(tasks, timeout=self.deadline)
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._reporting:
             first, self._reporting = self._reporting[0], []
             raise first

@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 )
 from relax_bench._steps_sim import coordinator, handle
 
+from relax_core import gather_all
 from relax_core.coordination import (
     REWARD_FIELDS,
     BatchState,
@@ -173,25 +174,16 @@ class Producer:
         async def one() -> None:
             collector.add(await self.engine.group(batch_id, self._take()))
 
-        await _all([one() for _ in range(self.groups)])
+        await gather_all([one() for _ in range(self.groups)])
 
     async def generate(self, batch_id: int, *, groups: int | None = None, **_: Any) -> Any:
-        return await _all([self.engine.group(batch_id, self._take()) for _ in range(groups or 0)])
+        return await gather_all(
+            [self.engine.group(batch_id, self._take()) for _ in range(groups or 0)]
+        )
 
     def _take(self) -> int:
         self._next += 1
         return self._next - 1
-
-
-async def _all(calls: list[Any]) -> list[Any]:
-    """Every call at once; the first failure cancels the rest (as the real generator does)."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Judge:

@@ -36,7 +36,6 @@ max_new_tokens`` tokens.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import time
 from collections.abc import Mapping
@@ -65,6 +64,7 @@ from relax_core import (
     add_segments,
     boundaries,
     continue_aborted,
+    gather_all,
     parse_answer,
     sampling_seed,
 )
@@ -126,16 +126,7 @@ class MultiTurn:
 
     async def group(self, request: GroupRequest, client: InferenceClient) -> list[Sample]:
         """The group's trajectories, generated concurrently."""
-        tasks = [
-            asyncio.ensure_future(self.trajectory(request, j, client))
-            for j in range(request.samples)
-        ]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await gather_all(self.trajectory(request, j, client) for j in range(request.samples))
 
     async def trajectory(self, request: GroupRequest, j: int, client: InferenceClient) -> Sample:
         """Sample ``j`` of the group: one trajectory.

@@ -139,17 +139,22 @@ def test_prompts_sharing_a_cached_prefix_are_admitted_in_one_step(tiny_model: Pa
     assert all(s.cached_tokens == len(PREFIX) for s in rest)
 
 
-def test_the_cached_prefix_length_is_read_without_changing_the_tree(tiny_model: Path) -> None:
-    pool = KVPool(
+def _small_pool(context_len: int) -> KVPool:
+    """A one-layer CPU pool of ``context_len + 1`` slots (slot 0 is the scratch slot)."""
+    return KVPool(
         num_layers=1,
         kv_heads=1,
         head_dim=2,
         dtype=torch.float32,
         device=torch.device("cpu"),
-        num_slots=17,
+        num_slots=context_len + 1,
         max_rows=2,
-        context_len=16,
+        context_len=context_len,
     )
+
+
+def test_the_cached_prefix_length_is_read_without_changing_the_tree(tiny_model: Path) -> None:
+    pool = _small_pool(16)
     cache = PrefixCache(pool)
     cache.insert(np.array([1, 2, 3, 4, 5, 6]), pool.alloc_slots(6))
     keys = ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [1, 2, 9], [2], [])
@@ -456,16 +461,7 @@ def test_memory_stays_bounded_under_a_stream_of_distinct_prefixes(small: EngineS
 
 
 def test_the_least_recently_used_prefix_is_evicted_first(tiny_model: Path) -> None:
-    pool = KVPool(
-        num_layers=1,
-        kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        num_slots=33,
-        max_rows=2,
-        context_len=32,
-    )
+    pool = _small_pool(32)
     cache = PrefixCache(pool)
 
     def add(key: list[int]) -> None:
