@@ -151,19 +151,15 @@ def reservation(sampling: SamplingParams, fed: int, done: int, context_len: int)
 
 def _drawn_in_forward(s: Sequence) -> bool:
     """Whether the forward pass's own sampling is this sequence's draw (no processor, no
-    filter, nothing masked): its logits are the processed ones, its token the draw's."""
+    filter, no sampling mask): its logits are the processed ones, its token the draw's."""
     sp = s.sampling
+    if s.logprob.return_sampling_mask:
+        return False
     if s.bias is not None or s.counts is not None or s.processor is not None:
         return False
     if s.grammar is not None or (sp.min_new_tokens and len(s.output_ids) < sp.min_new_tokens):
         return False
     return sp.greedy or (sp.top_k == -1 and sp.top_p == 1.0 and sp.min_p == 0.0)
-
-
-def _simple(s: Sequence) -> bool:
-    """Whether the forward pass's token is all this sequence needs (no log-probs either)."""
-    lp = s.logprob
-    return not (lp.return_logprob or lp.return_sampling_mask) and _drawn_in_forward(s)
 
 
 #: ``{rid: abort message}`` of running sequences whose abort is applied at a step.
@@ -541,14 +537,9 @@ class Batch:
         )
         logits, tokens = self.runner.decode(packed, temps, max(positions) + 1)
         self.decode_steps += 1
-        if all(_simple(s) for s in seqs):
-            # The forward pass sampled them (in the CUDA graph): the same draw as below.
-            ids = tokens.tolist()
-            if self.sync_tokens is not None:
-                ids = self.sync_tokens(ids)
-            picked: list[Sampled] = [(t, None, None, None) for t in ids]
-        elif all(_drawn_in_forward(s) and not s.logprob.return_sampling_mask for s in seqs):
-            # The same tokens again, with their log-probs (rollout's requests): no second draw.
+        if all(_drawn_in_forward(s) for s in seqs):
+            # The forward pass sampled them (in the CUDA graph): the same draw as below, with
+            # the log-probs of the rows that want them (rollout's requests) read in one gather.
             ids = tokens.tolist()
             if self.sync_tokens is not None:
                 ids = self.sync_tokens(ids)
