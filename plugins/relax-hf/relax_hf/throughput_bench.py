@@ -251,11 +251,11 @@ def run(
         async def every() -> tuple[dict[str, Any], dict[str, list[Any]], dict[str, Any]]:
             warm = await measure(url, requests=min(requests, concurrency), seed=1, **shape)
             runs: dict[str, list[Any]] = {name: [] for name in names}
+            options = {"shared_prefix_tokens": shared_prefix_tokens, "samples": samples}
             for r in range(rounds):
                 for v, name in enumerate(names):
                     # A seed of its own each time: no prompt is in the prefix cache already.
                     seed = 0 if r == v == 0 else 2 + r * len(names) + v
-                    options = {"shared_prefix_tokens": shared_prefix_tokens, "samples": samples}
                     measured = await measure(
                         url, requests=requests, seed=seed, variant=name, **options, **shape
                     )
