@@ -60,8 +60,26 @@ bounded() {
   timeout -s INT -k 30 "$t" "$@"  # SIGINT: relax run and serve stop as on Ctrl-C
 }
 
+# PYSPY=1 (py-spy's wheel in .whl/): py-spy records each engine and the run's driver while part 1
+# runs (200 samples/s, idle samples and threads kept) into $OUT/spy-<pid>.txt, collapsed stacks:
+# where a phase's engine spends its steps and whether it waits for requests.
+spy() {
+  local jsonl=$1 pids p
+  for _ in $(seq 1 240); do grep -q engine_pids "$jsonl" 2>/dev/null && break; sleep 1; done
+  pids=$(python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    if "engine_pids" in line: print(*json.loads(line)["engine_pids"])' "$jsonl")
+  pids="$pids $(pgrep -f '^python3 -m relax_core run docs/examples/run-h200.toml' | head -n 1)"
+  for p in $pids; do
+    /tmp/site/bin/py-spy record -p "$p" -r 200 --idle --threads -f raw -d 400 --nonblocking \
+      -o "$OUT/spy-$p.txt" >"$OUT/spy-$p.log" 2>&1 &
+  done
+  echo "py-spy on $pids" >"$OUT/spy.txt"
+}
+
 # 1. run-h200.toml with graphs.
 if want run; then
+  [ "${PYSPY:-0}" = 1 ] && { rm -f "$OUT/graphs.jsonl"; spy "$OUT/graphs.jsonl" & }
   bounded 220 run-h200 python3 -m relax_core run docs/examples/run-h200.toml --json --measure \
     --log-dir "$OUT/logs-graphs" >"$OUT/graphs.jsonl" 2>"$OUT/graphs.log"
   echo "run-h200 exited $?"; grep -v '^  · ' "$OUT/graphs.log" | tail -n 8

@@ -35,9 +35,9 @@ def _last_json(path: Path) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int | None:
+def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> Any:
     if key in after and key in before:
-        return int(after[key]) - int(before[key])
+        return after[key] - before[key]
     return None
 
 
@@ -85,10 +85,15 @@ def _run(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     on[0].get("counters_after") or {},
                     "generation_tokens_total",
                 )
+                a, b = off[0].get("counters_before") or {}, on[0].get("counters_after") or {}
+                busy = _delta(a, b, "step_seconds_total")
                 row[phase] = {
                     "seconds": round(seconds, 3),
                     "tokens": tokens,
                     "tokens_per_s": None if tokens is None else round(tokens / seconds, 1),
+                    # the engine's compute thread in steps, over the phase's seconds
+                    "engine_busy": None if busy is None else round(busy / seconds, 3),
+                    "steps": {k: _delta(a, b, f"{k}_steps_total") for k in ("prefill", "decode")},
                 }
         phases.append(row)
     within = [x["within"] for x in switches if x["within"] is not None]
@@ -125,6 +130,7 @@ def main(out: Path) -> dict[str, Any]:
         ]
         result[f"{phase}_vs_engine"] = {
             "engine_tokens_per_s": own,
+            "engine_busy": engine.get("engine_busy") if engine else None,
             "engine_shape": None
             if not engine
             else {k: engine.get(k) for k in ("concurrency", "prompt_tokens", "max_new_tokens")},

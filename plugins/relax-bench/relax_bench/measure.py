@@ -63,8 +63,8 @@ class Switch:
     parked_before: int = 0
     parked_after: int = 0
     #: The role's engines' token, step and CUDA graph counters before and after the switch.
-    counters_before: Mapping[str, int] = attrs.field(factory=dict)
-    counters_after: Mapping[str, int] = attrs.field(factory=dict)
+    counters_before: Mapping[str, float] = attrs.field(factory=dict)
+    counters_after: Mapping[str, float] = attrs.field(factory=dict)
 
     @property
     def handed_over_bytes(self) -> int:
@@ -93,19 +93,25 @@ def _parked(memory: Mapping[str, Any]) -> int:
 
 
 #: The ``/server_info`` counters a switch records (top-level keys).
-_COUNTERS = ("generation_tokens_total", "prefill_tokens_total", "decode_steps_total")
+_COUNTERS = (
+    "generation_tokens_total",
+    "prefill_tokens_total",
+    "prefill_steps_total",
+    "decode_steps_total",
+    "step_seconds_total",
+)
 
 
-def _counters(infos: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+def _counters(infos: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """The counters of :attr:`Switch.counters_before`, summed over ``infos``."""
-    out: dict[str, int] = {}
+    out: dict[str, float] = {}
     for info in infos:
         graphs = (info.get("memory") or {}).get("cuda_graphs") or {}
         values = {k: info.get(k) for k in _COUNTERS}
         values["cuda_graph_captures"] = graphs.get("captures")
         values["cuda_graph_replays"] = graphs.get("replays")
         for key, value in values.items():
-            if isinstance(value, int):
+            if isinstance(value, int | float) and not isinstance(value, bool):
                 out[key] = out.get(key, 0) + value
     return out
 

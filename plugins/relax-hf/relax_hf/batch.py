@@ -435,7 +435,14 @@ class Batch:
         # the last one; those after a cached prefix attend it from the pool. Within each kind,
         # similar lengths share a padded forward pass.
         last: dict[int, torch.Tensor] = {}
-        order = sorted(range(len(units)), key=lambda i: (kind(i), -len(inputs[i])))
+        # A unit with one token to compute (a one-token prompt; a prompt cached but for its
+        # last token) is a decode row: with decode graphs, one replay runs them all.
+        ones = [i for i in range(len(units)) if len(inputs[i]) - hits[i] == 1]
+        ones = [i for i in ones if not wants_input_logprobs(units[i])]
+        if ones and self.runner.graphs is not None:
+            last.update(self._forward_one(ones, units, inputs))
+        rest = sorted(set(range(len(units))) - set(last))
+        order = sorted(rest, key=lambda i: (kind(i), -len(inputs[i])))
         chunk: list[int] = []
         for i in order:
             if chunk:
@@ -501,18 +508,41 @@ class Batch:
         out: dict[int, torch.Tensor] = {}
         for r, i in enumerate(chunk):
             out[i] = last_logits[r]
-            head = units[i][0]
-            if head.logprob.return_logprob and not head.retracted:
-                n, hit = len(inputs[i]), hits[i]
-                states = None
-                if head.start < n - 1:  # the match stops at logprob_start_len (hit <= start)
-                    states = hidden[r, head.start - hit : n - 1 - hit]
-                self._input_logprobs(head, states)
-                for other in units[i][1:]:
-                    other.input_token_logprobs = head.input_token_logprobs
-                    other.input_top_logprobs = head.input_top_logprobs
-                    other.input_token_ids_logprobs = head.input_token_ids_logprobs
+            n, hit, start = len(inputs[i]), hits[i], units[i][0].start
+            # The match stops at logprob_start_len (hit <= start).
+            states = hidden[r, start - hit : n - 1 - hit] if start < n - 1 else None
+            self._unit_input_logprobs(units[i], states)
         return out
+
+    def _forward_one(
+        self, chunk: list[int], units: list[list[Sequence]], inputs: list[list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """The last input token of ``chunk``'s units (the rest cached, none wanting input
+        log-probs) as one decode step (its graph when one fits); each one's logits."""
+        heads = [units[i][0] for i in chunk]
+        positions = [len(inputs[i]) - 1 for i in chunk]
+        packed = torch.tensor(
+            [[inputs[i][-1] for i in chunk], positions, [h.row for h in heads], [0] * len(chunk),
+             [0] * len(chunk)],
+            dtype=torch.int64,
+        )  # fmt: skip
+        # Its own draw is not used: the first token is drawn below, as after a prefill.
+        logits, _ = self.runner.decode(packed, torch.zeros(len(chunk)), max(positions) + 1)
+        self.prefill_tokens += len(chunk)
+        self.prefill_sequences += len(chunk)
+        for i in chunk:
+            self._unit_input_logprobs(units[i], None)
+        return {i: logits[r] for r, i in enumerate(chunk)}
+
+    def _unit_input_logprobs(self, unit: list[Sequence], states: torch.Tensor | None) -> None:
+        """A prefilled unit's input log-probs (``return_logprob``), shared by its samples."""
+        head = unit[0]
+        if head.logprob.return_logprob and not head.retracted:
+            self._input_logprobs(head, states)
+            for other in unit[1:]:
+                other.input_token_logprobs = head.input_token_logprobs
+                other.input_top_logprobs = head.input_top_logprobs
+                other.input_token_ids_logprobs = head.input_token_ids_logprobs
 
     # -- decode --------------------------------------------------------------------------
 

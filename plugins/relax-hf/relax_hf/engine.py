@@ -111,6 +111,9 @@ class Engine:
         #: Calls of :meth:`compute` waiting for the compute thread (a run of decode steps
         #: hands it back to them, see :meth:`_step`).
         self._waiting = 0
+        #: Seconds the compute thread spent in steps (``/server_info`` ``step_seconds_total``):
+        #: over a phase's seconds, how busy the engine was.
+        self.step_seconds = 0.0
         self._pending: deque[Sequence] = deque()
         self._live: dict[str, Sequence] = {}
         self._sinks: dict[str, asyncio.Queue[dict[str, Any]]] = {}
@@ -433,10 +436,12 @@ class Engine:
         and nothing is to be delivered (no sequence finished, no stream chunk due), for at most
         :data:`RUN_ON_SECONDS`: a hand-over between the loop and this thread and back leaves the
         device idle between two decode steps (at concurrency 1 a third of a CPU step)."""
+        began = time.monotonic()
         changed = self._one_step(new)
-        until = time.monotonic() + RUN_ON_SECONDS
+        until = began + RUN_ON_SECONDS
         while self._decode_on(changed) and time.monotonic() < until:
             changed = self._one_step([])
+        self.step_seconds += time.monotonic() - began
         return changed
 
     def _decode_on(self, changed: list[Sequence]) -> bool:

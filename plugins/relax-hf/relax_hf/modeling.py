@@ -375,7 +375,10 @@ class NativeModel:
         write = table.gather(1, positions[:, None]).squeeze(1)
         flat = table.reshape(-1)
         keep = torch.arange(ctx, device=tokens.device)[None, :] <= positions[:, None]
-        mask = keep[:, None, None, :]  # [B, 1, 1, ctx]: over kv heads and grouped queries
+        # [B, 1, 1, ctx] over kv heads and grouped queries, additive: attention would turn a
+        # boolean mask into this in every layer (a fill and a select each, in the graph too).
+        mask = torch.zeros(keep.shape, dtype=self.embed.dtype, device=tokens.device)
+        mask = mask.masked_fill_(~keep, float("-inf"))[:, None, None, :]
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope(positions, x.dtype)
         norm, act = self._norm_fn, self._act_fn

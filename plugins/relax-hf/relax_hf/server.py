@@ -253,6 +253,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "prefill_sequences_total": engine.batch.prefill_sequences,
         "decode_steps_total": engine.batch.decode_steps,
         "prefill_steps_total": engine.batch.prefill_steps,
+        "step_seconds_total": round(engine.step_seconds, 6),
         "generation_tokens_total": engine.batch.tokens_generated,
         "prefix_cache": cache,
         "memory": runner.memory_report(),

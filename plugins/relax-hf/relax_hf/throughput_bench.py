@@ -109,20 +109,21 @@ async def measure(
         seen.append(int(answers[0]["meta_info"]["prompt_tokens"]))
         return sum(int(a["meta_info"]["completion_tokens"]) for a in answers)
 
-    async def steps(session: aiohttp.ClientSession) -> int:
+    async def steps(session: aiohttp.ClientSession) -> tuple[int, float]:
         async with session.get(url + "/server_info") as resp:
             resp.raise_for_status()
             info = await resp.json()
-        return int(info.get("prefill_steps_total", 0)) + int(info.get("decode_steps_total", 0))
+        n = int(info.get("prefill_steps_total", 0)) + int(info.get("decode_steps_total", 0))
+        return n, float(info.get("step_seconds_total", 0.0))
 
     timeout = aiohttp.ClientTimeout(total=1800)
     connector = aiohttp.TCPConnector(limit=max(1, concurrency))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        steps_before = await steps(session)
+        steps_before, busy_before = await steps(session)
         began = time.perf_counter()
         counts = await asyncio.gather(*(one(session, i) for i in range(len(bodies))))
         seconds = time.perf_counter() - began
-        engine_steps = await steps(session) - steps_before
+        steps_after, busy_after = await steps(session)
     tokens = sum(counts)
     return {
         "requests": len(bodies) * n,
@@ -134,7 +135,9 @@ async def measure(
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
         # forward passes (prefill or decode steps): what a step's fixed cost multiplies
-        "engine_steps": engine_steps,
+        "engine_steps": steps_after - steps_before,
+        # the engine's compute thread in steps over the seconds (1: never waited for work)
+        "engine_busy": (busy_after - busy_before) / seconds if seconds > 0 else None,
     }
 
 
@@ -291,6 +294,7 @@ def _variants(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "mean_prompt_tokens": measured[-1]["mean_prompt_tokens"],
             "output_tokens": measured[-1]["output_tokens"],
             "engine_steps": [m["engine_steps"] for m in measured],
+            "engine_busy": [round(m["engine_busy"] or 0.0, 3) for m in measured],
             "over_random": [round(x, 3) for x in ratios],
             "median_over_random": round(statistics.median(ratios), 3) if ratios else None,
         }

@@ -72,3 +72,40 @@ def test_weights_loaded_at_new_addresses_capture_the_graphs_again(
 def test_an_engine_without_graphs_on_cpu_reports_none(shared_server: EngineServer) -> None:
     graphs = _graphs(shared_server)
     assert graphs["enabled"] is False and graphs["captures"] == 0 and graphs["note"] is None
+
+
+def test_a_prompt_with_one_token_to_compute_runs_as_a_decode_row_with_the_same_answer(
+    emulated: EngineServer, shared_server: EngineServer
+) -> None:
+    """A one-token prompt (the engine's own generation check), or one whose prefix cache holds
+    all but its last token, runs through the decode graph instead of an eager prefill; its
+    first token and that token's log-prob are the prefill's."""
+    one = {
+        "input_ids": [[7], [123]],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    replays = _graphs(emulated)["replays"]
+    got = emulated.http.ok("/generate", one)
+    assert _graphs(emulated)["replays"] == replays + 1  # both rows, one replay, no decode step
+    want = shared_server.http.ok("/generate", one)  # no graphs: an eager prefill
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        (g_lp, g_id, _), (w_lp, w_id, _) = (
+            g["meta_info"]["output_token_logprobs"][0],
+            w["meta_info"]["output_token_logprobs"][0],
+        )
+        assert g_id == w_id and g_lp == pytest.approx(w_lp, abs=1e-4)
+    # The same prompt again: its prefix cache holds all but the last token.
+    again = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+    first = emulated.http.ok("/generate", again)
+    replays = _graphs(emulated)["replays"]
+    second = emulated.http.ok("/generate", again)
+    assert second["meta_info"]["cached_tokens"] == first["meta_info"]["prompt_tokens"] - 1
+    assert second["output_ids"] == first["output_ids"]
+    assert second["output_ids"] == shared_server.http.ok("/generate", again)["output_ids"]
+    steps = len(second["output_ids"]) - 1  # decode steps after the first token
+    assert _graphs(emulated)["replays"] == replays + 1 + steps
+    replays = _graphs(emulated)["replays"]
+    assert emulated.http.get("/health_generate")[0] == 200
+    assert _graphs(emulated)["replays"] == replays + 1  # the check too: one replay
