@@ -271,11 +271,13 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every node and its slot references; nodes still locked by running sequences
         become stale (their unlock is ignored and they never insert again). Idempotent."""
-        stack = list(self.root.children.values())
+        stack, held = list(self.root.children.values()), []
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            self.pool.free_slots_of(n.slots)
+            held.append(n.slots)
+        if held:  # nodes hold disjoint slots: one pass (a node at a time took ~5 ms for 256)
+            self.pool.free_slots_of(np.concatenate(held))
         self.root.children = {}
         self.tokens = self.evictable_tokens = self.nodes = 0
         self.epoch += 1
