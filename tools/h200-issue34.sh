@@ -61,7 +61,7 @@ bounded() {
 }
 
 # PYSPY=1 (py-spy's wheel in .whl/): py-spy records each engine and the run's driver while part 1
-# runs (200 samples/s, idle samples and threads kept) into $OUT/spy-<pid>.txt, collapsed stacks:
+# runs (100 samples/s, idle samples and threads kept) into $OUT/spy-<pid>.txt, collapsed stacks:
 # where a phase's engine spends its steps and whether it waits for requests.
 spy() {
   local jsonl=$1 pids p
@@ -71,7 +71,7 @@ for line in open(sys.argv[1]):
     if "engine_pids" in line: print(*json.loads(line)["engine_pids"])' "$jsonl")
   pids="$pids $(pgrep -f '^python3 -m relax_core run docs/examples/run-h200.toml' | head -n 1)"
   for p in $pids; do
-    /tmp/site/bin/py-spy record -p "$p" -r 200 --idle --threads -f raw -d 400 --nonblocking \
+    /tmp/site/bin/py-spy record -p "$p" -r 100 --idle --threads -f raw -d 400 --nonblocking \
       -o "$OUT/spy-$p.txt" >"$OUT/spy-$p.log" 2>&1 &
   done
   echo "py-spy on $pids" >"$OUT/spy.txt"
