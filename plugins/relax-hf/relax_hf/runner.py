@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from relax_hf.grammar import GrammarBackend
 from relax_hf.kvcache import KVPool
@@ -53,6 +54,14 @@ GRAPH_PHASES = (
     "draft_extend",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: Attention backends of the eager passes (prefills; decode steps without a graph). Their shapes
+#: change from call to call, and cuDNN's attention, which torch picks on Hopper for masked
+#: attention, builds an execution plan for every new shape (~0.1 s each on an H200: one judge
+#: phase paid it in each of its ~30 prefill steps). The decode graphs keep torch's choice:
+#: their shapes are fixed, planned once at capture.
+EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class WeightsError(ValueError):
@@ -471,9 +480,10 @@ class ModelRunner:
         With ``starts`` the rows' tokens follow cached prefixes of those lengths (``ctx``: the
         longest ``start + len``; see :meth:`NativeModel.prefill_after`).
         """
-        if starts is None:
-            return self.native.prefill(self.pool, ids, lens, rows)
-        return self.native.prefill_after(self.pool, ids, lens, rows, starts, ctx)
+        with sdpa_kernel(EAGER_ATTENTION):
+            if starts is None:
+                return self.native.prefill(self.pool, ids, lens, rows)
+            return self.native.prefill_after(self.pool, ids, lens, rows, starts, ctx)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -494,7 +504,8 @@ class ModelRunner:
                 return out
         packed = host_packed.to(self.device, non_blocking=True)
         temps = host_temps.to(self.device, non_blocking=True)
-        return self.native.decode_step(self.pool, packed, temps, ctx)
+        with sdpa_kernel(EAGER_ATTENTION):
+            return self.native.decode_step(self.pool, packed, temps, ctx)
 
     def weights_digest(self) -> str:
         """SHA-256 of the weight bytes as loaded now (``""`` while released)."""

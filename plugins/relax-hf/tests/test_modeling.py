@@ -153,3 +153,31 @@ def test_a_prefill_after_cached_prefixes_attends_in_chunks_as_in_one_pass(
         pool, torch.tensor(prompts[0])[None], torch.tensor([40]), torch.tensor(rows[:1])
     )
     torch.testing.assert_close(chunked[0, : lens[0]], full[0, starts[0] :], rtol=1e-4, atol=1e-4)
+
+
+def test_the_eager_passes_leave_cudnn_attention_to_the_decode_graphs(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cuDNN's attention plans every new shape (~0.1 s on an H200) and eager passes change shape
+    # every call: prefills and graph-less decode steps run with it off, and turn it back on.
+    # (On CPU no cuDNN runs: what is checked is the backend flag each pass sees.)
+    runner = ModelRunner(str(tiny_model), max_total_tokens=64)
+    native = runner.native
+    seen: dict[str, bool] = {}
+    for name in ("prefill", "prefill_after", "decode_step"):
+        real = getattr(native, name)
+
+        def spy(*args: Any, _name: str = name, _real: Any = real) -> Any:
+            seen[_name] = torch.backends.cuda.cudnn_sdp_enabled()
+            return _real(*args)
+
+        monkeypatch.setattr(native, name, spy)
+    row = runner.pool.alloc_row()
+    runner.pool.write_row(row, 0, runner.pool.alloc_slots(8))
+    ids, rows = torch.tensor([[5, 6, 7, 8]]), torch.tensor([row])
+    runner.prefill(ids, torch.tensor([4]), rows)
+    runner.prefill(ids, torch.tensor([4]), rows, torch.tensor([4]), 8)
+    packed = torch.tensor([[9], [7], [row], [0], [0]])
+    runner.decode(packed, torch.zeros(1), 8)
+    assert seen == {"prefill": False, "prefill_after": False, "decode_step": False}
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was outside them
