@@ -80,12 +80,8 @@ def _run(rows: list[dict[str, Any]]) -> dict[str, Any]:
             off = [at[k] for k in [(role, "offload", s["step"])] if k in at]
             seconds = (s.get("phases") or {}).get(phase)
             if on and off and seconds:
-                tokens = _delta(
-                    off[0].get("counters_before") or {},
-                    on[0].get("counters_after") or {},
-                    "generation_tokens_total",
-                )
                 a, b = off[0].get("counters_before") or {}, on[0].get("counters_after") or {}
+                tokens = _delta(a, b, "generation_tokens_total")
                 busy = _delta(a, b, "step_seconds_total")
                 row[phase] = {
                     "seconds": round(seconds, 3),

@@ -437,8 +437,11 @@ class Batch:
         last: dict[int, torch.Tensor] = {}
         # A unit with one token to compute (a one-token prompt; a prompt cached but for its
         # last token) is a decode row: with decode graphs, one replay runs them all.
-        ones = [i for i in range(len(units)) if len(inputs[i]) - hits[i] == 1]
-        ones = [i for i in ones if not wants_input_logprobs(units[i])]
+        ones = [
+            i
+            for i in range(len(units))
+            if len(inputs[i]) - hits[i] == 1 and not wants_input_logprobs(units[i])
+        ]
         if ones and self.runner.graphs is not None:
             last.update(self._forward_one(ones, units, inputs))
         rest = sorted(set(range(len(units))) - set(last))

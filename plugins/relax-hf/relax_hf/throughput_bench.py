@@ -294,7 +294,9 @@ def _variants(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "mean_prompt_tokens": measured[-1]["mean_prompt_tokens"],
             "output_tokens": measured[-1]["output_tokens"],
             "engine_steps": [m["engine_steps"] for m in measured],
-            "engine_busy": [round(m["engine_busy"] or 0.0, 3) for m in measured],
+            "engine_busy": [
+                None if m["engine_busy"] is None else round(m["engine_busy"], 3) for m in measured
+            ],
             "over_random": [round(x, 3) for x in ratios],
             "median_over_random": round(statistics.median(ratios), 3) if ratios else None,
         }
