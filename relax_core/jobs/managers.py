@@ -196,13 +196,14 @@ def _arguments(
         return manager_arguments(model, pm, **settings)
     return {
         "urls": model.external_urls,
-        "spec": _engine_spec(model, pm),
+        "spec": engine_spec(model, pm),
         "served_model_name": model.served_model_name or model.name,
         "route_mode": model.route_mode or pm.role(model.role).default_route_mode,
     }
 
 
-def _engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
+def engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
+    """The capabilities of ``model``'s engines (its weight source and CPU backup decided)."""
     spec = pm.role(model.role)
     source = pm.weight_source(model.weight_source or spec.default_weight_source)
     try:
@@ -249,7 +250,7 @@ def manager_arguments(
         backend_options=options,
     )
     return {
-        "spec": _engine_spec(model, pm),
+        "spec": engine_spec(model, pm),
         "backend": backend,
         "launch": launch,
         "placement": settings["placement"],

@@ -246,7 +246,9 @@ class StepDriver:
 
     ``coordinator`` is the commit gate; ``rollout`` the generation role's manager handle;
     ``producer()`` a new step producer per step; ``deferred_roles``' stages never stream;
-    ``switching``: the generation role takes turns on its GPUs; ``finalizer`` gets every batch.
+    ``switching``: the generation role takes turns on its GPUs (``discards``: its offload loses
+    its weights, so each step it onloads for generates after a push since); ``finalizer`` gets
+    every batch.
     ``on_step`` gets each :class:`StepOutcome` once trained; ``on_trained(step)`` is awaited
     after it, before the push and the next ``train`` (the trainer is idle); ``on_progress(step,
     groups_done)``; ``background`` runs the ``background = true`` stages, settled at the end;
@@ -270,6 +272,7 @@ class StepDriver:
         deferred_roles: Sequence[str] = (),
         initial_version: str | None = None,
         switching: bool = False,
+        discards: bool = False,
         timeline: Timeline | None = None,
         finalizer: Callable[[int, Sequence[Sample]], Any] | None = None,
         on_step: Callable[[StepOutcome], None] | None = None,
@@ -300,7 +303,9 @@ class StepDriver:
         self._stopping = False
         #: the failed steps the run went past (not the skipped ones; a resumed run's first)
         self.failed_steps: list[int] = list(settings.failed_before)
-        self.switching = switching
+        self.switching, self.discards = switching, discards
+        #: ``discards``: rollout was onloaded and no push came since
+        self._refill_due = False
         #: switching: step -> whether its batch committed (the next generation's turn)
         self._turn: dict[int, asyncio.Future[bool]] = {}
         #: switching: the steps whose batch the generation lane opened (rollout's lease)
@@ -452,6 +457,8 @@ class StepDriver:
                         fut.cancel()  # step m-1 failed: the run ends there
                         return
                     await self.clock.wait_for(m - k)
+                    if self._refill_due:
+                        await self._refill(m)
                     generated = await self._generate(m)
                 except asyncio.CancelledError:
                     fut.cancel()
@@ -490,6 +497,7 @@ class StepDriver:
         timeout = self.settings.release_timeout
         try:
             await onload_generation(self.rollout, gen, self.timeline, m, timeout=timeout)
+            self._refill_due = self.discards
             return
         except (LifecycleError, TimeoutError) as exc:
             if recovery is None:
@@ -499,6 +507,7 @@ class StepDriver:
         why = await recovery.recover(m, gen)
         try:
             await onload_generation(self.rollout, gen, self.timeline, m, timeout=timeout)
+            self._refill_due = self.discards
         except Exception as again:
             said = f"the first failed ({describe_failure(first)}) and {gen} was rebuilt between"
             again.add_note(f"onloaded twice, {said}" + (f": {why}" if why else ""))
@@ -727,8 +736,20 @@ class StepDriver:
     async def _push_now(self, version: str, index: int) -> dict[str, Any]:
         """The trainer's push of ``version``, one at a time, as phase ``weight_push``."""
         async with self._rollout_lock if self.switching else self._push_lock:
-            with self.timeline.phase(index, "weight_push", lane="push"):
-                return await self.trainer.push(version)
+            return await self._send(version, index)
+
+    async def _send(self, version: str, index: int) -> dict[str, Any]:
+        with self.timeline.phase(index, "weight_push", lane="push"):
+            pushed = await self.trainer.push(version)
+        self._refill_due = False
+        return pushed
+
+    async def _refill(self, m: int) -> None:
+        """``discards``: no push came since rollout's onload for step ``m`` (the step before
+        trained nothing, or a step runs ahead of the trainer): the trainer's weights now."""
+        async with self._rollout_lock:
+            if self._refill_due and self.trainer_version is not None:
+                await self._send(self.trainer_version, m)
 
     async def _push_once_healed(self, version: str, index: int) -> dict[str, Any]:
         """Not switching: the push; a failed one heals rollout and is sent once more."""
@@ -765,8 +786,7 @@ class StepDriver:
                     return None
             async with self._rollout_lock:
                 if self._awake.is_set():
-                    with self.timeline.phase(index, "weight_push", lane="push"):
-                        return await self.trainer.push(version)
+                    return await self._send(version, index)
 
     async def _training_lane(self) -> None:
         tl = self.timeline

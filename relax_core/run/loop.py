@@ -25,6 +25,7 @@ from relax_core.coordination.sample import Sample
 from relax_core.coordination.stages import RoleClients, Stage
 from relax_core.coordination.timeline import PhaseEvent, Timeline
 from relax_core.errors import LifecycleError
+from relax_core.jobs.managers import engine_spec
 from relax_core.jobs.session import ShutdownSignals
 from relax_core.records import RunProbe, RunProbeSpec
 from relax_core.run.background import BackgroundEvals, EvalCounts, EvalResult
@@ -141,7 +142,7 @@ class RunSummary:
 #: The :class:`StepPorts` the driver takes as they are.
 _DRIVEN = (
     "stages", "sink", "clients", "producer", "trainer", "generation_role", "deferred_roles",
-    "switching",
+    "switching", "discards",
 )  # fmt: skip
 
 
@@ -250,8 +251,9 @@ class TrainerCalls:
 @attrs.define
 class StepPorts:
     """What the steps of a run call (a :class:`~relax_core.run.job.RunJob`'s actors, or a
-    simulation); ``free``: rollout never switches; ``heads(role)``: a role's engine heads
-    (``--measure``); ``recover(role)``: rebuild a role's dead replicas."""
+    simulation); ``free``: rollout never switches (``discards``: its offload loses its weights);
+    ``heads(role)``: a role's engine heads (``--measure``); ``recover(role)``: rebuild a role's
+    dead replicas."""
 
     name: str
     run: Any
@@ -265,6 +267,7 @@ class StepPorts:
     generation_role: str
     deferred_roles: tuple[str, ...] = ()
     switching: bool = False
+    discards: bool = False
     free: bool = True
     heads: Callable[[str], Awaitable[list[str]]] | None = None
     recover: Callable[[str], Awaitable[Any]] | None = None
@@ -637,6 +640,7 @@ async def run_loop(
             # every role that is not free takes turns: its stages never stream
             deferred_roles=tuple(r for r in job.slices if r not in job.residency.free and r != gen),
             switching=gen not in job.residency.free,
+            discards=not engine_spec(model, job.pm).weights_cpu_backup,
             free=gen in job.residency.free,
             heads=lambda role: _heads(registries[role]),
             recover=role_recovery(

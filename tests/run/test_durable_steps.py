@@ -91,6 +91,31 @@ def test_a_stage_request_failing_past_its_retries_fails_the_step_and_the_run_goe
     assert summary.weight_versions == ["0", "1", "3"]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_rollout_whose_offload_loses_its_weights_is_given_the_trainers_before_it_generates(
+    mode: str,
+) -> None:
+    # No CPU backup: every offload loses rollout's weights. After step 1 fails, no new version
+    # is trained, yet step 2 generates on the trainer's weights, pushed again after its onload.
+    judge = FlakyJudge(at=1, failures=3)
+    rollout = SimRollout(TIMES, discards=True)
+    summary, _, _ = _run(mode, defer=True, judge=judge, rollout=rollout, max_failed_steps=3)
+    assert summary.failure is None and [r["step"] for r in summary.committed] == [0, 2]
+    assert summary.row()["failed_steps"] == [1]
+    assert {s.weight_version for s in rollout.generated if s.id.startswith("b2-")} == {"1"}
+    if mode == "async":
+        return  # (whether a push lands between onload and generation there is a race)
+    # The same run with the driver not told: step 2 finds no weights and fails.
+    judge = FlakyJudge(at=1, failures=3)
+    rollout = SimRollout(TIMES, discards=True)
+    summary, _, _ = _run(
+        mode, defer=True, judge=judge, rollout=rollout, max_failed_steps=3, discards=False
+    )
+    assert [r["step"] for r in summary.committed] == [0]
+    assert [f.step for f in summary.went_past] == [1, 2]
+    assert "lost at the offload" in summary.went_past[1].error
+
+
 def test_the_step_after_max_failed_steps_failures_ends_the_run() -> None:
     rollout = SimRollout(TIMES, fail_at={1: 0, 2: 0})
     summary, _, _ = _run("sync", defer=False, steps=4, rollout=rollout, max_failed_steps=1)

@@ -63,10 +63,11 @@ def _run(
     judge: SimJudge | None = None,
     dump_dir: Path | None = None,
     rollout: SimRollout | None = None,
+    discards: bool | None = None,
     **options: Any,
 ) -> tuple[RunSummary, list[str], Any]:
     """The simulated job; ``options``: more ``[run]`` settings (by default the first failed
-    step ends the run: ``max_failed_steps = 0``)."""
+    step ends the run: ``max_failed_steps = 0``); ``discards``: as ``sim_ports``'."""
     rollout = rollout or SimRollout(TIMES)
     run = sim_run(TIMES, mode, **{"max_staleness": 1, **options})
     ports = sim_ports(
@@ -77,6 +78,7 @@ def _run(
         stages=[judge or SimJudge(TIMES)],
         defer=defer,
         trainer=Trainer,
+        discards=discards,
     )
     out, err = io.StringIO(), io.StringIO()
     printer = Printer(json_lines=True, out=out, err=err, tty=False)

@@ -37,11 +37,13 @@ def sim_ports(
     stages: Sequence[Stage],
     defer: bool = False,
     trainer: type[SimTrainer] = SimTrainer,
+    discards: bool | None = None,
     **trainer_options: Any,
 ) -> StepPorts:
     """The ports of ``run`` (a ``RunConfig``) on ``rollout`` with ``stages``; its trainer is a
     ``trainer(times, coordinator, sink, rollout, **trainer_options)``. ``defer``: the judge
-    takes turns with the policy on one GPU (every switch issued), else a split layout."""
+    takes turns with the policy on one GPU (every switch issued), else a split layout.
+    ``discards``: what the driver is told of rollout's offloads (default: what they do)."""
     deferred = ("judge",) if defer else ()
     coord = coordinator(deferred=deferred)
     sink = MemoryBatchSink()
@@ -49,7 +51,7 @@ def sim_ports(
         name=name,
         run=run,
         coordinator=coord,
-        rollout=handle(),
+        rollout=handle(rollout=rollout),
         stages=stages,
         sink=sink,
         clients=RoleClients({}),
@@ -58,5 +60,6 @@ def sim_ports(
         generation_role="policy",
         deferred_roles=deferred,
         switching=defer,
+        discards=rollout.discards if discards is None else discards,
         free=not defer,
     )

@@ -69,15 +69,18 @@ class Times:
 
 
 class _Handle:
-    """A manager handle that confirms every call at once (a switch costs nothing here)."""
+    """A manager handle that confirms every call at once (a switch costs nothing here); an
+    offload of ``rollout`` that ``discards`` loses its weights."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, rollout: SimRollout | None = None) -> None:
+        self.name, self.rollout = name, rollout
 
     async def onload(self) -> LifecycleResult:
         return self._result("onload", "READY")
 
     async def offload(self) -> LifecycleResult:
+        if self.rollout is not None and self.rollout.discards:
+            self.rollout.version = None
         return self._result("offload", "SLEEPING")
 
     async def weight_version(self) -> str | None:
@@ -109,9 +112,9 @@ def coordinator(*, free_rollout: bool = True, deferred: Sequence[str] = ()) -> L
     )
 
 
-def handle(name: str = "policy") -> _Handle:
-    """A role's handle (the generation role's by default)."""
-    return _Handle(name)
+def handle(name: str = "policy", rollout: SimRollout | None = None) -> _Handle:
+    """A role's handle (the generation role's by default, of ``rollout``)."""
+    return _Handle(name, rollout)
 
 
 class SimRollout:
@@ -120,7 +123,8 @@ class SimRollout:
 
     ``lag``: a push is reported to the driver at once but reaches the engine only after this
     many more groups (the stateful test's engine that serves older weights than it was told).
-    ``fail_at``: step -> group index whose generation raises :class:`_Fault`.
+    ``fail_at``: step -> group index whose generation raises :class:`_Fault`. ``discards``:
+    an offload loses the weights (no CPU backup): a group fails until a push.
     """
 
     def __init__(
@@ -129,9 +133,11 @@ class SimRollout:
         *,
         lag: int = 0,
         fail_at: dict[int, int] | None = None,
+        discards: bool = False,
     ) -> None:
         self.times = times
-        self.version = "0"
+        self.version: str | None = "0"
+        self.discards = discards
         self._pending: list[tuple[int, str]] = []
         self.lag = lag
         self.fail_at = dict(fail_at or {})
@@ -159,13 +165,15 @@ class SimRollout:
         async with self._lock:
             if self.fail_at.get(batch_id) == index:
                 raise _Fault(f"rollout failed on group {index} of step {batch_id}")
+            if self.version is None:
+                raise _Fault(f"step {batch_id}: weights lost at the offload, no push since")
             per_token = t.generate_s / t.groups / t.tokens
             boundaries: list[tuple[int, str]] = [(0, self.version)]
             for i in range(t.tokens):
                 await asyncio.sleep(per_token)
                 self._land()
-                if self.version != boundaries[-1][1] and i + 1 < t.tokens:
-                    boundaries.append((i + 1, self.version))
+                if self.version not in (None, boundaries[-1][1]) and i + 1 < t.tokens:
+                    boundaries.append((i + 1, str(self.version)))
             self._counter += 1
             self._land()
         gid = f"b{batch_id}-p{index}"

@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-weights-cpu-backup",
         dest="weights_cpu_backup",
         action="store_true",
-        help="keep released weights in (pinned) host memory instead of reloading the checkpoint",
+        help="keep released weights in (pinned) host memory (without it a release discards "
+        "them: a push writes them again, or the checkpoint's are read back when needed)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="model id in /v1/models (default: the model path)"

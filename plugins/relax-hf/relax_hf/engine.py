@@ -123,6 +123,8 @@ class Engine:
         self._ops = asyncio.Lock()
         self._groups: dict[str, list[str]] = {}  # rid of an n > 1 request -> its samples' rids
         self._forget: deque[str] = deque()  # retracted rids aborted while queued (followers)
+        #: a request needs the discarded weights the checkpoint holds: read before the next step
+        self._reload_due = False
         self.requests_total = 0
         self.prompt_tokens_total = 0
 
@@ -218,13 +220,17 @@ class Engine:
         field: str = "sampling_params",
         queue: asyncio.Queue[dict[str, Any]] | None = None,
         processor: str | None = None,
+        check: bool = False,
     ) -> list[tuple[Sequence, asyncio.Queue[dict[str, Any]]]]:
         """Admit one prompt with its ``n`` samples; each sample's snapshots arrive on its queue.
 
         The samples of one prompt (rids ``{rid}-{i}`` when ``n`` > 1) are prefilled together,
         once. ``queue`` (default: one per sample) receives every sample's snapshots.
-        :raises NotResident: memory is released. :raises BadRequest: ``rid`` is in use, the
-        prompt exceeds the context, or the request can never fit the KV cache pool.
+        ``check``: the generation check after a resume, which runs on whatever the weights
+        hold (discarded ones too: it checks the engine, not the model).
+        :raises NotResident: memory is released, or the weights were discarded with updates
+        that no push has written again. :raises BadRequest: ``rid`` is in use, the prompt
+        exceeds the context, or the request can never fit the KV cache pool.
         :raises Unavailable: a node of this multi-node replica is lost.
         """
         if self.broken:
@@ -236,6 +242,11 @@ class Engine:
             raise NotResident(
                 f"memory {released} is released; call resume_memory_occupation before generating"
             )
+        if self.runner.weights_pending and not check:
+            lost = self.runner.pending_error()
+            if lost is not None:
+                raise NotResident(lost)
+            self._reload_due = True
         loaded = None if processor is None else self.load_processor(processor)
         rid = rid or uuid.uuid4().hex
         n = sampling.n
@@ -457,6 +468,10 @@ class Engine:
         )
 
     def _one_step(self, new: list[Sequence]) -> list[Sequence]:
+        if self._reload_due:
+            self._reload_due = False
+            self._tell("reload")
+            self.runner.reload_pending()
         aborted = self.batch.aborting()
         self._tell("step", aborted=aborted, new=[s.to_wire() for s in new])
         try:
@@ -574,12 +589,15 @@ class Engine:
         logprob: LogprobParams,
         rid: str | None = None,
         processor: str | None = None,
+        *,
+        check: bool = False,
     ) -> list[dict[str, Any]]:
-        """Submit one prompt and wait for the final snapshot of each of its ``n`` samples.
+        """Submit one prompt and wait for the final snapshot of each of its ``n`` samples
+        (``check``: as :meth:`submit`'s).
 
         Every sample is aborted if the caller is cancelled.
         """
-        subs = self.submit(prompt_ids, sampling, logprob, rid=rid, processor=processor)
+        subs = self.submit(prompt_ids, sampling, logprob, rid=rid, processor=processor, check=check)
         try:
             out = []
             for _seq, queue in subs:
@@ -600,9 +618,11 @@ class Engine:
         sampling: SamplingParams,
         logprob: LogprobParams,
         rid: str | None = None,
+        *,
+        check: bool = False,
     ) -> dict[str, Any]:
         """:meth:`generate` of a single sample (``n`` must be 1)."""
-        return (await self.generate(prompt_ids, sampling, logprob, rid))[0]
+        return (await self.generate(prompt_ids, sampling, logprob, rid, check=check))[0]
 
     # -- control operations -----------------------------------------------------------------
 
@@ -714,11 +734,13 @@ class Engine:
             except PoolUnavailable as exc:  # the tags stay released; the caller can retry
                 raise Conflict(f"kv_cache: {exc}") from exc
             info = detail.get("weights", {})
-            if info.get("updates_lost"):
-                info["message"] = (
-                    f"weights reloaded from {self.runner.checkpoint_path}; updates since "
-                    f"(version {self.weight_version}) were lost: push weights again"
-                )
+            if info.get("source") == "discarded":
+                if info.get("updates_lost"):
+                    info["message"] = (
+                        f"weights discarded (no CPU backup): the updates since the checkpoint "
+                        f"(version {self.weight_version}) were lost; generation is refused until "
+                        "a push writes every parameter"
+                    )
                 self.weight_version = self.checkpoint_version
             for tag in sorted(tags, key=lambda t: t != "weights"):
                 self.resident[tag] = True

@@ -136,6 +136,8 @@ class Follower:
             self.runner.release(cmd["tags"])
         elif op == "resume":
             self.runner.resume(cmd["tags"], graphs=cmd["graphs"])
+        elif op == "reload":
+            self.runner.reload_pending()
         elif op == "flush":
             self.runner.flush_cache()  # as the head
         elif op == "load_tensors":

@@ -11,9 +11,9 @@ How the nodes talk:
   process's default one, which stays free for a trainer's weight-update group).
 - **Commands.** One TCP connection per follower (its address is published in the store) carries
   JSON lines from the head: every step (the new sequences, the aborts it applies) and every
-  lifecycle operation (release, resume, flush, weight loads, shutdown). When that connection
-  closes, the other side knows at once that its peer is gone: the head marks itself unhealthy
-  (a lost follower), a follower exits (a lost head).
+  lifecycle operation (release, resume, flush, weight loads and reloads, shutdown). When that
+  connection closes, the other side knows at once that its peer is gone: the head marks itself
+  unhealthy (a lost follower), a follower exits (a lost head).
 - **Data.** After each sampling every node all-gathers the tokens it picked (so a follower's
   forward pass is part of every step, and the head counts any token a follower computed
   differently); the followers continue with the head's tokens. Weight updates are relayed from

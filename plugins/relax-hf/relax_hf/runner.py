@@ -6,8 +6,11 @@ here is thread-safe on its own.
 Weights live in one flat device buffer; every parameter is a view into it. Releasing weights
 drops the buffer (and, on CUDA, returns the cached blocks to the driver), so the bytes really
 leave the device. With ``weights_cpu_backup`` the bytes are first copied into one flat host
-buffer (pinned on CUDA) and resumed with a single non-blocking host-to-device copy; without it
-resuming reloads the checkpoint from disk.
+buffer (pinned on CUDA) and resumed with a single non-blocking host-to-device copy. Without it the
+bytes are discarded (SGLang's release without a CPU backup): a resume maps the memory back zeroed
+and the weights are *pending* until a push writes every parameter; meanwhile the parameters no
+push wrote are reloaded from the checkpoint when something needs them, if they were the
+checkpoint's when discarded, and refused otherwise (the updates since were lost).
 
 The runner also owns what the forward pass needs besides the weights: the
 :class:`~relax_hf.modeling.NativeModel` that runs them, the preallocated KV cache pool
@@ -286,6 +289,10 @@ class ModelRunner:
         # The host backup holds the weights as they are on the device now (set by a copy into
         # it, cleared by an update): a release of unchanged weights copies nothing.
         self._backup_current = False
+        #: parameters discarded by a release without a backup and not written since
+        self.weights_pending: set[str] = set()
+        #: the pending parameters are the checkpoint's (else pushed updates, lost)
+        self.pending_reloadable = True
         self.checkpoint_path = self.model_path
         self._pack(self._to_flat_from_params())
         self.max_running_requests = max_running_requests
@@ -582,20 +589,56 @@ class ModelRunner:
                 self._sync()
             source = "cpu_backup"
         else:
-            self._load_checkpoint_into(flat, self.checkpoint_path)
-            source = f"checkpoint {self.checkpoint_path}"
+            # Nothing read back: a push follows (or the checkpoint, when something needs it).
+            # Zeroed, so that what runs on them meanwhile (the resume's generation check) is
+            # defined; the CPU mapping's pages handed back read as zeros already.
+            if self._cpu_map is None:
+                flat.zero_()
+            self.pending_reloadable = not self.weights_dirty
+            self.weights_pending = set(self.params)
+            source = "discarded"
         copy_seconds = time.perf_counter() - start
         self._pack(flat)
         self.weights_resident = True
-        lost = self.weights_dirty and not self._backup_current
-        self.weights_dirty = self.weights_dirty and not lost
         return {
             "source": source,
             "seconds": copy_seconds,
             "alloc_seconds": allocated - start,
             **mapped,
-            "updates_lost": lost,
+            "updates_lost": bool(self.weights_pending) and not self.pending_reloadable,
+            "pending_parameters": len(self.weights_pending),
         }
+
+    def pending_error(self) -> str | None:
+        """Why the weights cannot be used now (``None``: they can, perhaps after
+        :meth:`reload_pending`)."""
+        if not self.weights_pending or self.pending_reloadable:
+            return None
+        names = sorted(self.weights_pending)
+        return (
+            f"the weights were discarded by a release without a CPU backup and the updates since "
+            f"the checkpoint were lost; {len(names)} of {len(self.params)} parameters are not "
+            f"written again yet ({', '.join(names[:3])}{', …' if len(names) > 3 else ''}): push "
+            "every parameter (update_weights_from_*) or load a checkpoint, or start the engine "
+            "with weights_cpu_backup"
+        )
+
+    def reload_pending(self) -> dict[str, Any]:
+        """Read the pending parameters back from the checkpoint (the others were pushed since).
+
+        :raises WeightsError: they are not the checkpoint's (see :meth:`pending_error`)."""
+        if not self.weights_pending:
+            return {"reloaded": 0}
+        error = self.pending_error()
+        if error is not None:
+            raise WeightsError(error)
+        assert self._flat is not None
+        start = time.perf_counter()
+        n = len(self.weights_pending)
+        self._load_checkpoint_into(self._flat, self.checkpoint_path, only=self.weights_pending)
+        self._sync()
+        self.weights_pending = set()
+        return {"reloaded": n, "seconds": time.perf_counter() - start}
 
     @property
     def kv_resident(self) -> bool:
@@ -737,6 +780,8 @@ class ModelRunner:
             "param_bytes": self.param_bytes,
             "resident_param_bytes": sum(seen.values()),
             "released_storages_alive": sum(1 for r in self._released if r() is not None),
+            "weights_pending": len(self.weights_pending),
+            "weights_pending_reloadable": self.pending_reloadable,
             "cpu_backup_bytes": 0 if self._backup is None else self._backup.numel(),
             "cpu_backup_pinned": bool(self._backup is not None and self._backup.is_pinned()),
             "process_rss_bytes": process_rss_bytes(),
@@ -815,8 +860,10 @@ class ModelRunner:
                 for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     yield key, f.get_tensor(key)
 
-    def _load_checkpoint_into(self, flat: torch.Tensor, path: str) -> None:
-        views = {name: view for name, _, view in self._views(flat)}
+    def _load_checkpoint_into(
+        self, flat: torch.Tensor, path: str, only: set[str] | None = None
+    ) -> None:
+        views = {n: view for n, _, view in self._views(flat) if only is None or n in only}
         missing = set(views)
         for key, tensor in self._iter_checkpoint(path):
             view = views.get(key)
@@ -832,7 +879,8 @@ class ModelRunner:
     def parameter(self, name: str) -> torch.Tensor:
         """The weight ``name`` as loaded now (a view; read it on the compute thread).
 
-        :raises WeightsError: no such parameter, or the weights are released.
+        :raises WeightsError: no such parameter, the weights are released, or it was
+            discarded and is not the checkpoint's (:meth:`pending_error`).
         """
         if not self.weights_resident:
             raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
@@ -840,6 +888,8 @@ class ModelRunner:
         if p is None:
             known = ", ".join(list(self.params)[:4])
             raise WeightsError(f"name: unknown parameter {name!r} (known: {known}, …)")
+        if name in self.weights_pending:
+            self.reload_pending()
         return p.data
 
     def check_named(self, named: Iterable[tuple[str, tuple[int, ...]]], field: str) -> None:
@@ -871,6 +921,7 @@ class ModelRunner:
         self._sync()
         self.weights_dirty = True
         self._backup_current = False
+        self.weights_pending.difference_update(name for name, _ in named)
         return total
 
     def load_from_disk(self, path: str) -> int:
@@ -898,4 +949,5 @@ class ModelRunner:
         self.checkpoint_path = path
         self.weights_dirty = False
         self._backup_current = False
+        self.weights_pending = set()
         return self.param_bytes

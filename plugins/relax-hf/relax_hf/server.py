@@ -190,6 +190,7 @@ async def _generation_check(engine: Any) -> Response | None:
                 prompt,
                 SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True),
                 LogprobParams(),
+                check=True,
             ),
             timeout=60.0,
         )
@@ -447,12 +448,14 @@ async def resume_memory(request: Request) -> Response:
     engine = engine_of(request)
     detail = await engine.resume(tags)
     if check:
-        began = time.perf_counter()
+        began, stepped = time.perf_counter(), engine.step_seconds
         failed = await _generation_check(engine)
         if failed is not None:
             return failed
-        # In the memory log's entry too (the same dict): what the check added to the resume.
+        # In the memory log's entry too (the same dict): what the check added to the resume,
+        # and of it the compute thread's seconds in steps (the rest: the loop's hand-overs).
         detail["generation_check_seconds"] = time.perf_counter() - began
+        detail["generation_check_step_seconds"] = engine.step_seconds - stepped
     message = detail.get("weights", {}).get("message") or f"Resumed {list(tags)}."
     extra = {"generation_checked": True} if check else {}
     return ok(

@@ -128,9 +128,18 @@ def test_every_weight_update_and_memory_operation_reaches_the_follower(
         assert _nodes(replica)["diverged_tokens"] == 0, mode
     http.ok("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
     assert http.post("/generate", {"text": "Hello"})[0] == 503
-    # Without a CPU backup both nodes reload the checkpoint (the update is lost on both).
+    # Without a CPU backup the update is lost on both nodes: refused until written again.
     http.ok("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    status, body = http.post("/generate", {"text": "Hello"})
+    assert status == 503 and "were lost" in body["message"]
+    http.ok("/update_weights_from_disk", {"model_path": str(tiny_model)})
     assert http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
+    # The checkpoint's own weights: both nodes read them back at the first request.
+    http.ok("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    http.ok("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    assert http.ok("/server_info")["memory"]["weights_pending"] > 0
+    assert http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
+    assert http.ok("/server_info")["memory"]["weights_pending"] == 0
     assert http.post("/flush_cache")[0] == 200
     nodes = _nodes(replica)
     assert nodes["healthy"] and nodes["diverged_tokens"] == 0

@@ -198,15 +198,66 @@ def test_control_client_raises_lifecycle_error_with_the_servers_message(
     asyncio.run(go())
 
 
-def test_resume_without_backup_after_an_update_reloads_the_checkpoint(fresh: EngineServer) -> None:
+def _pending(server: EngineServer) -> tuple[int, bool]:
+    memory = server.http.ok("/server_info")["memory"]
+    return memory["weights_pending"], memory["weights_pending_reloadable"]
+
+
+def test_a_release_without_backup_after_an_update_refuses_generation_until_a_push(
+    fresh: EngineServer, tiny_model: Path
+) -> None:
     before = fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
     _trainer(fresh, "safetensors")
     fresh.http.ok("/release_memory_occupation", {"tags": ["weights"]})
     status, body = fresh.http.post("/update_weights_from_disk", {"model_path": "/x"})
     assert status == 400 and "resume" in body["message"]
     out = fresh.http.ok("/resume_memory_occupation", {"tags": ["weights"]})
-    assert "were lost" in out["message"] and out["weight_version"] == "ckpt"
+    assert out["detail"]["weights"]["source"] == "discarded"  # nothing read back from disk
+    assert out["detail"]["weights"]["updates_lost"] is True
+    assert "lost" in out["message"] and out["weight_version"] == "ckpt"
+    total, reloadable = _pending(fresh)
+    assert total > 1 and reloadable is False
+    # No silent fallback to the checkpoint: a 503 that says what was lost and what to do.
+    status, body = fresh.http.post("/generate", {"text": "Hello", "sampling_params": GREEDY})
+    assert status == 503 and "were lost" in body["message"] and "push every" in body["message"]
+    # The manager's onload check still runs (it checks the engine, not the weights).
+    checked = fresh.http.ok(
+        "/resume_memory_occupation", {"tags": ["weights"], "check_generation": True}
+    )
+    assert checked["generation_checked"] is True
+    seconds = checked["detail"]["generation_check_seconds"]
+    assert 0 < checked["detail"]["generation_check_step_seconds"] <= seconds
+    _trainer(fresh, "safetensors")  # one parameter written: the others are still missing
+    assert _pending(fresh) == (total - 1, False)
+    status, body = fresh.http.post("/generate", {"text": "Hello", "sampling_params": GREEDY})
+    assert status == 503 and f"{total - 1} of {total} parameters" in body["message"]
+    fresh.http.ok(
+        "/update_weights_from_disk", {"model_path": str(tiny_model), "weight_version": "ckpt"}
+    )
+    assert _pending(fresh) == (0, False)
     assert fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
+
+
+def test_a_release_without_backup_of_the_checkpoints_weights_reads_back_only_what_no_push_wrote(
+    fresh: EngineServer,
+) -> None:
+    before = fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"]
+    fresh.http.ok("/release_memory_occupation", {"tags": ["weights"]})
+    out = fresh.http.ok("/resume_memory_occupation", {"tags": ["weights"]})
+    assert out["detail"]["weights"]["source"] == "discarded"
+    assert out["detail"]["weights"]["updates_lost"] is False
+    total, reloadable = _pending(fresh)
+    assert total > 1 and reloadable is True
+    # The first request reads the checkpoint back (the resume read nothing).
+    assert fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
+    assert _pending(fresh) == (0, True)
+    # A push after the release keeps its parameter; the rest come from the checkpoint.
+    fresh.http.ok("/release_memory_occupation", {"tags": ["weights"]})
+    fresh.http.ok("/resume_memory_occupation", {"tags": ["weights"]})
+    _trainer(fresh, "safetensors")
+    assert _pending(fresh) == (total - 1, True)
+    _assert_zero_head(fresh, "st-1")
+    assert _pending(fresh) == (0, True)
 
 
 def test_a_release_copies_weights_to_the_backup_only_when_they_changed(start_server: Any) -> None:
