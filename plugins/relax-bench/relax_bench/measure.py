@@ -157,7 +157,8 @@ def switch_hops(
     ``results`` and each worker hop of their replicas (the slowest of each), then from the
     engines' memory logs (``ops``; the longest head's): ``engine_op``, their operations from
     start to end, ``engine``, what the operations' tags took of it, and the
-    ``generation_check`` after a resume. A hop nothing reported is left out."""
+    ``generation_check`` after a resume (``generation_check_step``: the engine's seconds in
+    steps during it). A hop nothing reported is left out."""
     hops = {"switch": seconds}
     if coordinator is not None:
         hops["coordinator"] = coordinator
@@ -180,13 +181,12 @@ def switch_hops(
     engine = _engine_seconds(ops)
     if engine is not None:
         hops["engine"] = engine
-    checks = [
-        float(op["detail"]["generation_check_seconds"])
-        for head in ops
-        for op in head or ()
-        if "generation_check_seconds" in op["detail"]
-    ]
-    slowest("generation_check", checks)
+    for hop in ("generation_check", "generation_check_step"):
+        key = f"{hop}_seconds"
+        slowest(
+            hop,
+            [float(op["detail"][key]) for head in ops for op in head or () if key in op["detail"]],
+        )
     return hops
 
 

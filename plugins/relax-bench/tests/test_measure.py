@@ -260,7 +260,8 @@ def test_the_hops_of_a_switch_are_the_slowest_of_each_and_the_engines_own_from_t
         [
             {
                 "op": "resume",
-                "detail": resume | {"generation_check_seconds": 0.003},
+                "detail": resume
+                | {"generation_check_seconds": 0.003, "generation_check_step_seconds": 0.001},
                 "seconds": 0.006,
             }
         ],
@@ -271,6 +272,7 @@ def test_the_hops_of_a_switch_are_the_slowest_of_each_and_the_engines_own_from_t
         "switch": 0.05, "coordinator": 0.04, "manager": 0.02, "publish_begin": 0.001,
         "heads": 0.016, "publish_wait": 0.0, "publish": 0.002, "worker": 0.015,
         "engine_calls": 0.0075, "engine_op": 0.007, "engine": 0.005, "generation_check": 0.003,
+        "generation_check_step": 0.001,
     }  # fmt: skip
     # Rollout's own switch (no coordinator), with an engine that keeps no memory log.
     assert switch_hops(0.01, None, [], [None]) == {"switch": 0.01}
