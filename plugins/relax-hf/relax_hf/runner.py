@@ -347,6 +347,8 @@ class ModelRunner:
         graph_bytes = 0
         if self.graphs is not None:
             cuda = self.device.type == "cuda"
+            if cuda:  # as every capture does first: what the cache hands back is not the graphs'
+                torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
             self.graphs.warm_up()
             graph_bytes = torch.cuda.memory_reserved(self.device) - reserved if cuda else 0
