@@ -258,7 +258,8 @@ def _check_hops(s: dict[str, Any]) -> None:
     deferred = s["role"] != "rollout"  # the coordinator switches it (rollout switches itself)
     inside = ["manager", "publish_begin", "heads", "publish_wait", "publish", "worker"]
     worker = ["drain", "engine_calls"] if s["direction"] == "offload" else ["engine_calls"]
-    engine = ["engine_op", "engine"] + (["generation_check"] if s["direction"] == "onload" else [])
+    checks = ["generation_check", "generation_check_step"] if s["direction"] == "onload" else []
+    engine = ["engine_op", "engine", *checks]
     outer = ["switch"] + (["coordinator"] if deferred else [])
     assert list(hops) == [*outer, *inside, *worker, *engine], hops
     assert hops["switch"] == s["seconds"] and hops["worker"] == s["worker_seconds"]
@@ -266,6 +267,7 @@ def _check_hops(s: dict[str, Any]) -> None:
     assert all(hops[a] >= hops[b] > 0 for a, b in itertools.pairwise(chain)), hops
     check = hops.get("generation_check", 0.0)
     assert hops["engine_calls"] + 1e-3 >= hops["engine_op"] + check, hops
+    assert check >= hops.get("generation_check_step", 0.0), hops
     assert hops["engine_op"] >= hops["engine"] > 0, hops
     assert hops["manager"] >= hops["heads"] + hops["publish_wait"] + hops["publish"], hops
 

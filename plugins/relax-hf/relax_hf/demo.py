@@ -53,7 +53,7 @@ defer_roles = ["genrm", "teacher"]
 backend = "hf"
 model_path = "tiny/policy"
 weight_source = "ACTOR"
-weights_cpu_backup = true
+weights_cpu_backup = false
 extra_args = ["--device", "cpu"]
 
 [roles.genrm.models.judge]
