@@ -64,12 +64,10 @@ def _fraction(open_high: bool) -> Check:
 
 
 def _one_of(choices: Sequence[str]) -> Check:
-    def check(v: Any) -> str | None:
-        if v in choices:
-            return None
-        return f"must be one of {', '.join(map(repr, choices))}, got {v!r}{hint(v, choices)}"
-
-    return check
+    known = ", ".join(map(repr, choices))
+    return lambda v: (
+        None if v in choices else f"must be one of {known}, got {v!r}{hint(v, choices)}"
+    )
 
 
 def _finite(v: Any) -> str | None:
@@ -544,9 +542,9 @@ def _model(r: ConfigReader, role: str, name: str, raw: object) -> ModelConfig | 
     v = r.value
     external_urls = _urls(r, t, p, "external_urls")
     is_external = "external_urls" in t
-    if is_external and not t.get("external_urls"):
-        r.problem(f"{p}.external_urls", "required", "give at least one engine head's URL")
     if is_external:
+        if not t.get("external_urls"):
+            r.problem(f"{p}.external_urls", "required", "give at least one engine head's URL")
         for key in ("num_gpus", "gpus_per_engine", "num_engines", "bundle_start", "tp", "pp"):
             if key in t:
                 r.problem(

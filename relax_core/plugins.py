@@ -191,8 +191,7 @@ class PluginManager:
         )
         names = {ep.name for ep in found}
         for var, listed in (("RELAX_LOAD_PLUGINS", allow), ("RELAX_DISABLE_PLUGINS", block)):
-            unknown = (listed or frozenset()) - names
-            if unknown:
+            if unknown := (listed or frozenset()) - names:
                 raise PluginError(
                     f"{var} names plugins that are not installed: {sorted(unknown)}; "
                     f"installed: {sorted(names)}"

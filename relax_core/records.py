@@ -356,8 +356,7 @@ def _check_options_record(instance: object, attribute: attrs.Attribute[Any], val
     if not (isinstance(value, type) and attrs.has(value)):
         raise ValueError(f"{where}: give an attrs frozen class (the table's keys) or None")
     # A model without an ``engine`` table gets the record's defaults.
-    missing = [f.name for f in attrs.fields(value) if f.default is attrs.NOTHING]
-    if missing:
+    if missing := [f.name for f in attrs.fields(value) if f.default is attrs.NOTHING]:
         raise ValueError(f"{where}: give every field a default; {', '.join(missing)} has none")
 
 
@@ -407,11 +406,8 @@ class WeightSource:
     description: str = ""
 
     @update_paths.validator
-    def _check_paths(
-        self, attribute: attrs.Attribute[frozenset[str]], value: frozenset[str]
-    ) -> None:
-        unknown = value - UPDATE_PATHS
-        if unknown:
+    def _check_paths(self, _a: object, value: frozenset[str]) -> None:
+        if unknown := value - UPDATE_PATHS:
             raise ValueError(
                 f"WeightSource {self.name!r}: unknown update paths {sorted(unknown)}; "
                 f"known: {sorted(UPDATE_PATHS)}"
@@ -665,8 +661,7 @@ class TrackerSpec:
 
     @options.validator
     def _check_tracker_options(self, _a: object, value: tuple[str, ...] | None) -> None:
-        bad = [k for k in value or () if k == "tracker" or not NAME_PATTERN.match(k)]
-        if bad:
+        if bad := [k for k in value or () if k == "tracker" or not NAME_PATTERN.match(k)]:
             raise ValueError(
                 f"TrackerSpec {self.name!r}.options: option names are keys of the tracker's "
                 f"entry (not {bad}; 'tracker' names the tracker itself)"
@@ -770,8 +765,7 @@ class StageSpec:
 
 
 def _check_suffixes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    bad = [s for s in value if not s.startswith(".") or len(s) < 2]
-    if bad:
+    if bad := [s for s in value if not s.startswith(".") or len(s) < 2]:
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}: file suffixes start with a dot "
             f"('.jsonl'), got {bad}"

@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
     # Relative model paths are relative to the job file, as relax run reads them.
     config = resolve_model_paths(loaded)
     found = job_preflight(loaded, pm, address=args.address, gateways=True)
-    problems = check_job(config, pm) + [str(p) for p in found.problems]
-    if problems:
+    if problems := check_job(config, pm) + [str(p) for p in found.problems]:
         return reject("serve", *problems)
     for warning in found.warnings:
         print(f"relax serve: warning: {warning}", file=sys.stderr, flush=True)

@@ -505,8 +505,7 @@ class _Control:
                 gone.setdefault(original.group_id, []).append(original)
             else:
                 kept.append((original, staged))
-        unknown = wanted - set(gone)
-        if unknown:
+        if unknown := wanted - set(gone):
             raise ValueError(
                 f"stage {self._stage!r} dropped group(s) {sorted(unknown)} that are not in batch "
                 f"{b.batch_id}"

@@ -136,16 +136,14 @@ class LifecycleCoordinator:
             raise ValueError(
                 f"generation_role {generation_role!r} is not in slices ({sorted(slices)})"
             )
-        unknown = set(managers) - set(slices)
-        if unknown:
+        if unknown := set(managers) - set(slices):
             raise ValueError(f"managers for roles not in slices: {sorted(unknown)}")
         if managers.get(generation_role):
             raise ValueError(
                 f"the generation role {generation_role!r} takes no manager handles: it offloads "
                 "itself and acknowledges"
             )
-        missing = [r for r in slices if r != generation_role and not managers.get(r)]
-        if missing:
+        if missing := [r for r in slices if r != generation_role and not managers.get(r)]:
             raise ValueError(f"leased roles without manager handles: {sorted(missing)}")
         if not operation_timeout > 0:
             raise ValueError(f"operation_timeout={operation_timeout!r}: give seconds > 0")
@@ -234,8 +232,7 @@ class LifecycleCoordinator:
             current = self._batches.get(batch_id)
             if current is not None and current.state is _B.PENDING:
                 return BatchState.PENDING
-            pending = self._pending_id()
-            if pending is not None:
+            if (pending := self._pending_id()) is not None:
                 raise CoordinationError(
                     f"begin_batch({batch_id}): batch {pending} is still PENDING; commit or fail "
                     "it first (one closed batch at a time)"
@@ -316,8 +313,7 @@ class LifecycleCoordinator:
             state = self._roles[role]
             if state is _L.ACTIVE:
                 awake = self._awake.get(role, ())
-                other = [h.name for h in handles if h not in awake]
-                if other:
+                if other := [h.name for h in handles if h not in awake]:
                     raise CoordinationError(
                         f"activate({role!r}): the role is ACTIVE with "
                         f"{sorted(h.name for h in awake)}, not {other}; deactivate it first"
@@ -369,8 +365,7 @@ class LifecycleCoordinator:
             if batch_id in self._committed:
                 raise CoordinationError(f"fail_batch({batch_id}): the batch is COMMITTED")
             if batch_id not in self._batches:
-                pending = self._pending_id()
-                if pending is not None:
+                if (pending := self._pending_id()) is not None:
                     raise CoordinationError(
                         f"fail_batch({batch_id}): batch {pending} is the pending batch"
                     )
@@ -657,8 +652,7 @@ class LifecycleCoordinator:
         if isinstance(models, str):
             raise CoordinationError(f"activate({role!r}): give models as a sequence of names")
         by_model = {h.name.partition(".")[2] or h.name: h for h in handles}
-        unknown = sorted(set(models) - set(by_model))
-        if unknown:
+        if unknown := sorted(set(models) - set(by_model)):
             raise CoordinationError(
                 f"activate({role!r}): no handle of model(s) {unknown} (the role's models here: "
                 f"{sorted(by_model)})"

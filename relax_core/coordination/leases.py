@@ -143,8 +143,7 @@ class LeaseEngine:
         whys = await asyncio.gather(*(self._step(role, h, method, expected) for h in chosen))
         seconds, results = time.perf_counter() - began, tuple(self._results.pop(role))
         self.switches[role] = SwitchRecord(next(self._numbers), method, seconds, results)
-        reasons = [why for why in whys if why]
-        if reasons:
+        if reasons := [why for why in whys if why]:
             reason = "; ".join(reasons)
             self.block(role, reason)
             return reason

@@ -62,6 +62,5 @@ def validate_deferred_workload(workload: DeferredWorkload) -> None:
     """Raise every problem of ``workload`` at once.
 
     :raises ConfigValidationError: listing each problem with its key path."""
-    problems = deferred_workload_problems(workload)
-    if problems:
+    if problems := deferred_workload_problems(workload):
         raise ConfigValidationError(problems)

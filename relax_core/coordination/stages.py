@@ -271,8 +271,7 @@ def validate_samples(samples: Iterable[Sample], fields: Iterable[SampleField]) -
 def check_samples(samples: Sequence[Sample], fields: Iterable[SampleField]) -> None:
     """Raise :class:`~relax_core.errors.ScoringError` (stage ``validation``) listing the first
     problems and their count; return when every field is valid."""
-    problems = validate_samples(samples, fields)
-    if problems:
+    if problems := validate_samples(samples, fields):
         more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise ScoringError(
             "validation",

@@ -150,8 +150,7 @@ class RegistryPublisher:
             entry = self._model(model_id)
             fields = attrs.asdict(entry.view, recurse=False)
             del fields["engines"]
-            unknown = set(changes) - set(fields)
-            if unknown:
+            if unknown := set(changes) - set(fields):
                 raise TypeError(
                     f"update_model: unknown fields {sorted(unknown)}; model fields are "
                     f"{sorted(fields)}"

@@ -31,8 +31,7 @@ def _update_fields(update: WeightUpdate) -> dict[str, Any]:
     """The :class:`WeightUpdate` fields of a request body, defaults filled in.
     :raises TypeError: a keyword that is not one of them."""
     known = sorted(_UPDATE_DEFAULTS)
-    unknown = sorted(set(update) - set(known))
-    if unknown:
+    if unknown := sorted(set(update) - set(known)):
         raise TypeError(f"unknown weight-update options {unknown}; known: {known}")
     return {**_UPDATE_DEFAULTS, **update}
 
@@ -201,8 +200,7 @@ class ControlClient:
             return None
         out = [str(t) for t in tags]
         # The engine's own names (``None`` in a call means all of them).
-        unknown = sorted(set(out) - set(TAG_ORDER))
-        if unknown:
+        if unknown := sorted(set(out) - set(TAG_ORDER)):
             raise ValueError(f"tags: unknown memory tags {unknown}; known: {list(TAG_ORDER)}")
         return out
 

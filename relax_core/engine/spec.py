@@ -59,8 +59,7 @@ class InferenceEngineSpec:
         if self.allowed_operations is None:
             default = GENERATION_OPERATIONS | LIFECYCLE_OPERATIONS | self.weight_source.update_paths
             object.__setattr__(self, "allowed_operations", frozenset(default))
-        unknown = self.allowed_operations - OPERATIONS
-        if unknown:
+        if unknown := self.allowed_operations - OPERATIONS:
             raise ValueError(
                 f"InferenceEngineSpec.allowed_operations: unknown operations {sorted(unknown)}; "
                 f"known: {sorted(OPERATIONS)}"

@@ -29,8 +29,7 @@ def normalize_tags(tags: Iterable[str] | None, *, where: str = "tags") -> frozen
     if isinstance(tags, str):
         tags = (tags,)
     out = frozenset(str(t) for t in tags)
-    unknown = out - ALL_TAGS
-    if unknown:
+    if unknown := out - ALL_TAGS:
         raise ValueError(
             f"{where}: unknown resident tags {sorted(unknown)}; known: {list(TAG_ORDER)}"
         )

@@ -101,8 +101,7 @@ def put_to_sleep(model: ModelHandle) -> LifecycleResult:
     """Offload every tag of a started deferred model.
     :raises LifecycleError: a replica did not confirm SLEEPING."""
     result = model.offload()
-    wrong = {e: s for e, s in result.states.items() if s != "SLEEPING"}
-    if wrong:
+    if wrong := {e: s for e, s in result.states.items() if s != "SLEEPING"}:
         errors = "; ".join(str(r.error) for r in result.failed)
         raise LifecycleError(
             f"{model.key} could not be put to sleep after its start ({wrong}"

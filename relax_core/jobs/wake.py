@@ -122,8 +122,7 @@ class WakeController:
         self.residency = residency
         self._clock = clock
         self._on_event = on_event or (lambda line: None)
-        unknown = sorted(set(awake) - set(roles))
-        if unknown:
+        if unknown := sorted(set(awake) - set(roles)):
             raise ValueError(f"awake roles {unknown} are not among the roles {sorted(roles)}")
         now = clock()
         self.engine = LeaseEngine(
@@ -225,9 +224,7 @@ class WakeController:
         r = self._roles[role]
         if self.ready(role):
             return
-        bound = self.settings.wake_timeout
-        if timeout is not None:
-            bound = min(bound, timeout)
+        bound = min(self.settings.wake_timeout, math.inf if timeout is None else timeout)
         began = self._clock()
         # One wake per role at a time, shielded: a waiter that gives up stops no transition.
         task = self._waking.get(role)
@@ -368,8 +365,7 @@ class WakeController:
         resident; the health monitor only marks them FAILED); the roles healed."""
 
         async def heal(r: _Role) -> bool:
-            reasons = await self.engine.heal(r.name)
-            if reasons:
+            if reasons := await self.engine.heal(r.name):
                 self._on_event(f"{r.name}: a rebuild was not confirmed: {'; '.join(reasons)}")
             return True
 

@@ -197,13 +197,11 @@ class ManagerActor(_Hosted):
         if router is not None:
             router.wait_ready(_ROUTER_TIMEOUT)
         result: LifecycleResult = self._manager.start()
-        if router is not None and result.ok:
-            trouble = router.check()
-            if trouble:
-                raise LifecycleError(
-                    f"the router of {self._name} ({router.url}) did not take the model's heads:"
-                    "\n  " + "\n  ".join(trouble)
-                )
+        if router is not None and result.ok and (trouble := router.check()):
+            raise LifecycleError(
+                f"the router of {self._name} ({router.url}) did not take the model's heads:"
+                "\n  " + "\n  ".join(trouble)
+            )
         return result
 
     def shutdown(self) -> None:

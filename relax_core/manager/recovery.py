@@ -119,8 +119,7 @@ class Recovery:
     def stop_all(self) -> None:
         """Clean every replica not cleaned yet (shutdown's first step). Blocking.
         :raises LifecycleError: a live worker's shutdown was not confirmed (call again)."""
-        live = [s for s in self.slots.ordered() if not s.cleaned]
-        if live:
+        if live := [s for s in self.slots.ordered() if not s.cleaned]:
             self.cleanup(live, during="shutdown")
         pending = [
             f"{s.worker_name(w)}: {w.pending}"

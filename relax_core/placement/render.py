@@ -115,8 +115,7 @@ def render_plan(
     for pool in plan.pools:
         lines.append("")
         lines += _pool_lines(plan, pool, width, titles)
-    cpu = [p for p in plan.placements if p.pool is None]
-    if cpu:
+    if cpu := [p for p in plan.placements if p.pool is None]:
         lines.append("")
         lines += [f"{p.role}.{p.model}: {p.num_engines} engine(s) on {p.device}" for p in cpu]
     lines += _section("memory per GPU (GiB):", [_memory_line(m) for m in plan.memory])

@@ -25,7 +25,6 @@ from relax_core.run.rollout import (
 )
 from relax_core.run.stages import (
     EvalStage,
-    RewardWeight,
     StageConfig,
     build_stages,
     read_rewards,
@@ -42,7 +41,6 @@ __all__ = [
     "Printer",
     "Prompt",
     "PromptSource",
-    "RewardWeight",
     "RolloutShape",
     "RolloutShapeConfig",
     "RunConfig",

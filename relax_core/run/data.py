@@ -128,8 +128,7 @@ def _parse_line(line: str, where: str) -> Prompt | str:
         return f"not valid JSON: {exc}"
     if not isinstance(item, dict):
         return f"must be a JSON object, got {type(item).__name__}"
-    unknown = sorted(set(item) - {"prompt", "label", "metadata"})
-    if unknown:
+    if unknown := sorted(set(item) - {"prompt", "label", "metadata"}):
         return f"unknown field(s) {unknown}; a line has prompt, label and metadata"
     prompt = item.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():

@@ -46,8 +46,7 @@ def run_problems(config: JobConfig, run: RunConfig, pm: PluginManager) -> list[s
     from relax_core.run.trainer import load_trainer_class
     from relax_core.tracking.hub import tracker_problems
 
-    problems = list(check_job(config, pm))
-    if problems:
+    if problems := list(check_job(config, pm)):
         return problems
     out: list[ConfigProblem] = []
     roles = set(config.role_names)

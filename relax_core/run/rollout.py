@@ -84,8 +84,7 @@ def build_rollout_shape(
     """The run's shape, built by its registered kind.
 
     :raises ConfigValidationError: every problem, each with its key path."""
-    problems = _kind_problems(table, pm)
-    if problems:
+    if problems := _kind_problems(table, pm):
         raise ConfigValidationError(problems, run.base)
     spec: RolloutShapeSpec = pm.rollout_shape(table.shape)
     config = RolloutShapeConfig(

@@ -197,15 +197,6 @@ def _built_problems(table: StageTable, stage: object, kind: str) -> list[ConfigP
 # -- the reward stage ----------------------------------------------------------------------------
 
 
-@attrs.frozen
-class RewardWeight:
-    """One reward adapter of a reward stage, its weight and its key in ``rewards``."""
-
-    adapter: str
-    weight: float = 1.0
-    key: str | None = None
-
-
 def read_rewards(
     r: ConfigReader, raw: object, path: str, plugins: PluginLookup, *, deferred: bool = False
 ) -> list[tuple[Any, float, str]]:

@@ -86,8 +86,7 @@ def load_trainer_class(name: str, pm: PluginManager | None = None) -> type[Train
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         raise ConfigError("run.trainer", f"{module_name!r} has no class {attr!r}")
-    missing = [m for m in TRAINER_METHODS if not callable(getattr(cls, m, None))]
-    if missing:
+    if missing := [m for m in TRAINER_METHODS if not callable(getattr(cls, m, None))]:
         raise ConfigError(
             "run.trainer",
             f"{name} has no {' and no '.join(missing)} method; a trainer implements "

@@ -37,8 +37,7 @@ def step_metrics(row: Mapping[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def put(name: str, value: Any) -> None:
-        number = _number(value)
-        if number is not None:
+        if (number := _number(value)) is not None:
             out[name] = number
 
     for name, key in _TOP_LEVEL:
@@ -78,8 +77,7 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
         if not isinstance(reported, Mapping):
             continue
         for name, value in reported.items():
-            number = _number(value)
-            if number is not None:
+            if (number := _number(value)) is not None:
                 values.setdefault(str(name), []).append(number)
     return {
         name: {"mean": statistics.fmean(v), "max": max(v), "total": math.fsum(v)}
@@ -93,8 +91,7 @@ def reward_by_key(samples: Sequence[Sample]) -> dict[str, float]:
     values: dict[str, list[float]] = {}
     for s in samples:
         for key, value in s.rewards.items():
-            number = _number(value)
-            if number is not None:
+            if (number := _number(value)) is not None:
                 values.setdefault(key, []).append(number)
     return {key: statistics.fmean(v) for key, v in sorted(values.items())}
 
