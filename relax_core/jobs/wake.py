@@ -139,6 +139,9 @@ class WakeController:
         self._waking: dict[str, asyncio.Future[None]] = {}
         # In-flight counts, last use and the AWAKE -> EVICTING step, shared with gateway threads.
         self._guard = threading.Lock()
+        #: set on the wakes' loop when the last request of a role being drained ends
+        self._drained = asyncio.Event()
+        self._drain_loop: asyncio.AbstractEventLoop | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._idle_task: asyncio.Task[None] | None = None
@@ -215,6 +218,9 @@ class WakeController:
         with self._guard:
             r.inflight = max(0, r.inflight - 1)
             r.last_used = self._clock()
+            if r.draining and not r.inflight and self._drain_loop is not None:
+                with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits
+                    self._drain_loop.call_soon_threadsafe(self._drained.set)
 
     async def wake(self, role: str, *, timeout: float | None = None) -> None:
         """Make ``role`` awake; returns once it is.
@@ -291,8 +297,14 @@ class WakeController:
                             for v in victims:
                                 v.state = WakeState.EVICTING
                             break
-                # Hold this and every later request for the slice on the lock; look again.
-                await asyncio.sleep(max(0.01, min(ready_at - now, 0.1)))
+                # Hold this and every later request for the slice on the lock; look again when
+                # a victim's last request ends, its hysteresis or drain bound passes, or (a clock
+                # of the caller's) within 0.1 s.
+                bound = ready_at if drain_until is None else drain_until
+                self._drain_loop = asyncio.get_running_loop()
+                self._drained.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drained.wait(), max(0.01, min(bound - now, 0.1)))
             try:
                 for victim in victims:
                     await self._switch(victim, out=True)
