@@ -3,7 +3,8 @@ files the script wrote under OUT and prints one JSON object (missing parts are `
 
 - ``switches``: each switch of the run-h200.toml run (graphs on) against 1.25 x the pinned copy
   of its bytes + 15 ms, the engines' own seconds, the decode graphs captured during it and its
-  hops in ms (``hops_median_ms``: each hop's median over the onloads and the offloads);
+  hops in ms (``hops_median_ms``: each hop's median over the onloads and the offloads, and
+  per role: ``hops_median_ms_by_role``);
 - ``phases``: per step past the first, generate's and genrm's tokens/s (their engines'
   generation counters over the phase's seconds), and over the engine's own at that shape
   (``relax-hf engine-throughput``), and the engine alone with the phase's own requests
@@ -103,13 +104,22 @@ def _run(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "graphs_captured_during_switches": sum(captured) if captured else None,
         "switches": switches,
         "hops_median_ms": {d: _median_hops(switches, d) for d in ("onload", "offload")},
+        "hops_median_ms_by_role": {
+            role: {d: _median_hops(switches, d, role) for d in ("onload", "offload")}
+            for role in dict.fromkeys(x["role"] for x in switches)
+        },
         "phases": phases,
     }
 
 
-def _median_hops(switches: list[dict[str, Any]], direction: str) -> dict[str, float]:
-    """Each hop's median over the run's switches of ``direction`` (the ones that report it)."""
-    hops = [x["hops_ms"] for x in switches if x["direction"] == direction]
+def _median_hops(
+    switches: list[dict[str, Any]], direction: str, role: str | None = None
+) -> dict[str, float]:
+    """Each hop's median over the run's switches of ``direction`` (of ``role``: ``None``,
+    every role's) that report it."""
+    hops = [
+        x["hops_ms"] for x in switches if x["direction"] == direction and role in (None, x["role"])
+    ]
     keys = dict.fromkeys(k for h in hops for k in h)
     return {k: round(statistics.median(h[k] for h in hops if k in h), 2) for k in keys}
 
