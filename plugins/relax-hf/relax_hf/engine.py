@@ -470,8 +470,7 @@ class Engine:
     def _one_step(self, new: list[Sequence]) -> list[Sequence]:
         if self._reload_due:
             self._reload_due = False
-            self._tell("reload")
-            self.runner.reload_pending()
+            self._reload_pending()
         aborted = self.batch.aborting()
         self._tell("step", aborted=aborted, new=[s.to_wire() for s in new])
         try:
@@ -482,6 +481,11 @@ class Engine:
             if self.nodes is not None:  # the followers ran (part of) it: they may be out of step
                 self.nodes.fail(f"a step failed on the head: {type(exc).__name__}: {exc}")
             raise
+
+    def _reload_pending(self) -> None:
+        """Read back the discarded weights no push wrote (followers first)."""
+        self._tell("reload")
+        self.runner.reload_pending()
 
     def _drop_aborted(self) -> list[Sequence]:
         aborted = self.batch.aborting()
@@ -908,6 +912,8 @@ class Engine:
             raise WeightsError(f"truncate_size: must be >= 1, got {truncate_size}")
 
         def read() -> list[Any]:
+            if name in self.runner.weights_pending:
+                self._reload_pending()  # refused (WeightsError) where the updates were lost
             tensor = self.runner.parameter(name)
             rows = tensor[:truncate_size] if tensor.dim() else tensor
             values: list[Any] = rows.detach().float().cpu().tolist()

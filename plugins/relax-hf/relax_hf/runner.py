@@ -436,7 +436,7 @@ class ModelRunner:
     def _alloc_flat(self, *, fresh: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
         """A flat byte buffer for every weight on the device, and what mapping it took.
 
-        On CPU it is an anonymous memory mapping of its own (no allocator caching): a release
+        On CPU it is a private anonymous memory mapping of its own (no allocator caching): a release
         hands its pages back to the OS at once and keeps the addresses, which the next buffer
         takes again (``fresh``: a new mapping, for a load beside the weights held now). With
         memory hand-over it is the weight segment, mapped (the same addresses every time).
@@ -447,7 +447,10 @@ class ModelRunner:
         if self.device.type != "cpu":
             return torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device), {}
         if fresh or self._cpu_map is None:
-            self._cpu_map = mmap.mmap(-1, max(self.param_bytes, 1))
+            # Private: pages handed back (MADV_DONTNEED) are freed and read as zeros after; a
+            # shared mapping would keep them, and their bytes, in the kernel's shared memory.
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._cpu_map = mmap.mmap(-1, max(self.param_bytes, 1), flags=flags)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot resize
             raw = torch.frombuffer(self._cpu_map, dtype=torch.uint8)
@@ -882,7 +885,7 @@ class ModelRunner:
         """The weight ``name`` as loaded now (a view; read it on the compute thread).
 
         :raises WeightsError: no such parameter, the weights are released, or it was
-            discarded and is not the checkpoint's (:meth:`pending_error`).
+            discarded and no push wrote it since (:meth:`reload_pending` first).
         """
         if not self.weights_resident:
             raise WeightsError("weights are released; resume_memory_occupation(['weights']) first")
@@ -891,7 +894,7 @@ class ModelRunner:
             known = ", ".join(list(self.params)[:4])
             raise WeightsError(f"name: unknown parameter {name!r} (known: {known}, …)")
         if name in self.weights_pending:
-            self.reload_pending()
+            raise WeightsError(f"name: {name!r} was discarded by a release and not written since")
         return p.data
 
     def check_named(self, named: Iterable[tuple[str, tuple[int, ...]]], field: str) -> None:

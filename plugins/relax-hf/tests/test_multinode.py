@@ -134,10 +134,13 @@ def test_every_weight_update_and_memory_operation_reaches_the_follower(
     assert status == 503 and "were lost" in body["message"]
     http.ok("/update_weights_from_disk", {"model_path": str(tiny_model)})
     assert http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
-    # The checkpoint's own weights: both nodes read them back at the first request.
+    # The checkpoint's own weights: both nodes read them back at the first use (here a read of
+    # one parameter; a follower left with zeros would diverge below).
     http.ok("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
     http.ok("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
     assert http.ok("/server_info")["memory"]["weights_pending"] > 0
+    http.ok("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 1})
+    assert http.ok("/server_info")["memory"]["weights_pending"] == 0
     assert http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
     assert http.ok("/server_info")["memory"]["weights_pending"] == 0
     assert http.post("/flush_cache")[0] == 200

@@ -220,6 +220,8 @@ def test_a_release_without_backup_after_an_update_refuses_generation_until_a_pus
     # No silent fallback to the checkpoint: a 503 that says what was lost and what to do.
     status, body = fresh.http.post("/generate", {"text": "Hello", "sampling_params": GREEDY})
     assert status == 503 and "were lost" in body["message"] and "push every" in body["message"]
+    status, body = fresh.http.post("/get_weights_by_name", {"name": "lm_head.weight"})
+    assert status == 400 and "were lost" in body["message"]
     # The manager's onload check still runs (it checks the engine, not the weights).
     checked = fresh.http.ok(
         "/resume_memory_occupation", {"tags": ["weights"], "check_generation": True}
@@ -248,6 +250,10 @@ def test_a_release_without_backup_of_the_checkpoints_weights_reads_back_only_wha
     assert out["detail"]["weights"]["updates_lost"] is False
     total, reloadable = _pending(fresh)
     assert total > 1 and reloadable is True
+    head = fresh.http.ok("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 2})
+    assert _pending(fresh) == (0, True)  # a read of a parameter reads back every one
+    fresh.http.ok("/release_memory_occupation", {"tags": ["weights"]})
+    fresh.http.ok("/resume_memory_occupation", {"tags": ["weights"]})
     # The first request reads the checkpoint back (the resume read nothing).
     assert fresh.http.generate("Hello", sampling_params=GREEDY)["output_ids"] == before
     assert _pending(fresh) == (0, True)
@@ -258,6 +264,9 @@ def test_a_release_without_backup_of_the_checkpoints_weights_reads_back_only_wha
     assert _pending(fresh) == (total - 1, True)
     _assert_zero_head(fresh, "st-1")
     assert _pending(fresh) == (0, True)
+    assert head != fresh.http.ok(
+        "/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 2}
+    )  # the checkpoint's head (read back above), then the pushed zeros
 
 
 def test_a_release_copies_weights_to_the_backup_only_when_they_changed(start_server: Any) -> None:
