@@ -532,6 +532,7 @@ _ENGINE_KEYS: dict[str, tuple[type, Any, Check | None]] = {
     "dp_attention": (bool, False, None),
     "deterministic_inference": (bool, None, None),
     "weights_cpu_backup": (bool, None, None),
+    "offload_weights": (bool, True, None),
 }
 
 

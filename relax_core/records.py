@@ -277,6 +277,7 @@ class EngineOptions:
 
     ``None`` means the backend's default. ``deterministic_inference`` (``None``: the role's default)
     and ``weights_cpu_backup`` (``None``: the weight source decides) are always decided in a launch.
+    ``offload_weights = False``: an offload keeps the weights on the GPU (the manager's).
     ``pd_prefill_engines``: the first that many replicas are prefill workers, the rest decode.
     Options one backend alone reads are its own record (:attr:`EngineBackend.options`)."""
 
@@ -289,6 +290,7 @@ class EngineOptions:
     dp_attention: bool = False
     deterministic_inference: bool | None = None
     weights_cpu_backup: bool | None = None
+    offload_weights: bool = True
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
     env: Mapping[str, str] = attrs.field(factory=dict, converter=_env)
     pd_prefill_engines: int | None = None

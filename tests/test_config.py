@@ -123,6 +123,7 @@ def test_optional_serving_keys_are_accepted_and_typed() -> None:
             "weight_source": "STATIC",
             "served_model_name": "Qwen/Qwen3-0.6B",
             "weights_cpu_backup": True,
+            "offload_weights": False,
             "seed": 7,
             "mem_fraction_static": 0.6,
             "extra_args": ["--enable-metrics"],
@@ -141,6 +142,8 @@ def test_optional_serving_keys_are_accepted_and_typed() -> None:
     )
     engine = judge.engine
     assert engine.weights_cpu_backup is True and judge.seed == 7
+    assert engine.offload_weights is False
+    assert parse_config(doc(judge=MODEL)).role("genrm").model("judge").engine.offload_weights
     assert engine.mem_fraction_static == 0.6
     assert engine.extra_args == ("--enable-metrics",) and engine.env == {"NCCL_DEBUG": "WARN"}
     assert (role.default_model, role.policy, role.gateway.port) == ("judge", "round_robin", 18000)
@@ -238,7 +241,13 @@ def test_enumerated_values_list_the_choices(key: str, value: str) -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("weights_cpu_backup", "yes"), ("seed", 1.5), ("served_model_name", 3), ("weight_source", 1)],
+    [
+        ("weights_cpu_backup", "yes"),
+        ("offload_weights", 0),
+        ("seed", 1.5),
+        ("served_model_name", 3),
+        ("weight_source", 1),
+    ],
 )
 def test_optional_serving_keys_are_type_checked(key: str, value: Any) -> None:
     path, rule, _ = only(doc(judge={**MODEL, key: value}))

@@ -62,7 +62,7 @@ class ClientHandle:
         return cast("LifecycleResult", await self.client.acall("onload"))
 
     async def offload(self) -> LifecycleResult:
-        """The manager's ``offload()``: every tag on every replica, requests drained."""
+        """The manager's ``offload()``: its default tags on every replica, requests drained."""
         return cast("LifecycleResult", await self.client.acall("offload"))
 
     async def abort_and_offload(self) -> LifecycleResult:

@@ -166,8 +166,8 @@ def plan_residency(
                     per_bundle = None
                     continue
                 capacity = budget.capacity_gib
-                engine = sum(i.gib for i in budget.items if not i.training)
-                kept = sum(i.gib for i in budget.items if i.training)
+                engine = sum(i.gib for i in budget.items if not i.kept)
+                kept = sum(i.gib for i in budget.items if i.kept)
                 for bundle in range(budget.bundles[0], budget.bundles[1]):
                     per_bundle[bundle] = per_bundle.get(bundle, 0.0) + engine
                     training[bundle] = max(training.get(bundle, 0.0), kept)

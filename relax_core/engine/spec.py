@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from relax_core.engine.tags import ALL_TAGS, ResidentTag
 from relax_core.errors import CapabilityError
 from relax_core.records import UPDATE_PATHS, RoleSpec, WeightSource
 
@@ -44,6 +45,8 @@ class InferenceEngineSpec:
     :param strict_drain: offload waits for in-flight requests (up to the drain deadline).
     :param checkpoint_dir: the versioned checkpoint directory (required by DCS sources).
     :param weights_cpu_backup: the engine keeps a CPU copy of its weights (STATIC: always).
+    :param offload_weights: an offload releases the weights too (``False``: they stay on the GPU
+        while the model sleeps; only its KV cache and CUDA graphs are released).
     :raises ValueError: a field is invalid; the message names the field."""
 
     role: str
@@ -52,6 +55,7 @@ class InferenceEngineSpec:
     strict_drain: bool = True
     checkpoint_dir: str | None = None
     weights_cpu_backup: bool = False
+    offload_weights: bool = True
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role:
@@ -99,6 +103,16 @@ class InferenceEngineSpec:
     def is_static(self) -> bool:
         """True when the weight source allows no update path at all."""
         return not self.weight_source.update_paths
+
+    @property
+    def offload_tags(self) -> frozenset[str]:
+        """What an offload releases unless told: every tag, but the weights where they stay."""
+        return ALL_TAGS - ({ResidentTag.WEIGHTS} if not self.offload_weights else set())
+
+    @property
+    def discards_weights(self) -> bool:
+        """Whether an offload throws the weights away (released, with no CPU copy)."""
+        return self.offload_weights and not self.weights_cpu_backup
 
     @property
     def needs_checkpoint_dir(self) -> bool:

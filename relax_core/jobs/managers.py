@@ -208,7 +208,10 @@ def engine_spec(model: ModelConfig, pm: PluginManager) -> InferenceEngineSpec:
     source = pm.weight_source(model.weight_source or spec.default_weight_source)
     try:
         return InferenceEngineSpec.for_role(
-            spec, source, weights_cpu_backup=bool(model.engine.weights_cpu_backup)
+            spec,
+            source,
+            weights_cpu_backup=bool(model.engine.weights_cpu_backup),
+            offload_weights=model.engine.offload_weights,
         )
     except ValueError as exc:
         raise ConfigError(f"{model.path}.weight_source", str(exc)) from None

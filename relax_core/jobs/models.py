@@ -30,7 +30,7 @@ class ModelHandle(Protocol):
         :raises RelaxError: the router did not start or take the heads, or the start failed."""
 
     def offload(self) -> LifecycleResult:
-        """Release every tag of every replica (put the model to sleep); per-replica results."""
+        """Put every replica to sleep (its spec's ``offload_tags``); per-replica results."""
 
     def shutdown(self) -> None:
         """Stop the engines and the worker actors, then the router.

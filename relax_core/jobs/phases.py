@@ -98,7 +98,7 @@ def start_models(
 
 
 def put_to_sleep(model: ModelHandle) -> LifecycleResult:
-    """Offload every tag of a started deferred model.
+    """Put a started deferred model to sleep (its default tags).
     :raises LifecycleError: a replica did not confirm SLEEPING."""
     result = model.offload()
     if wrong := {e: s for e, s in result.states.items() if s != "SLEEPING"}:

@@ -107,6 +107,7 @@ class InferenceManager:
         self._heads = HeadCalls(slots, control_channel=control_channel, probe_timeout=t.rpc_margin)
         self._launcher = Launcher(published, spec, backend, launch, placement.ray_gpu_fraction, t)
         self._memory = Memory(slots, self._heads, published, spec.strict_drain, t)
+        self._offload_tags = spec.offload_tags
         self._weights = WeightUpdates(slots, published, spec, t)
         self._recovery = Recovery(slots, self._launcher, published, t, unhealthy_after)
         self._scaling = Scaling(
@@ -209,13 +210,14 @@ class InferenceManager:
         engine_ids: Iterable[str] | None = None,
         abort: bool = False,
     ) -> LifecycleResult:
-        """Release ``tags`` (default: all) on every replica (or ``engine_ids``): close
+        """Release ``tags`` (default: all, but the weights of a spec that keeps them; see
+        ``InferenceEngineSpec.offload_tags``) on every replica (or ``engine_ids``): close
         admission, drain, release, confirm → SLEEPING; an unconfirmed release is FAILED (its
         memory is NOT known to be free). Idempotent. ``abort``: abort the requests in flight
         instead of draining them.
         :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
         :raises InferenceRecoveryRequired: a worker is fenced (before or during the call)."""
-        wanted = normalize_tags(tags, where="offload(tags)")
+        wanted = self._offload_tags if tags is None else normalize_tags(tags, where="offload(tags)")
         return self._run("offload", lambda: self._memory.offload(engine_ids, wanted, abort=abort))
 
     def onload(

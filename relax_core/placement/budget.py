@@ -216,6 +216,10 @@ def _engine_items(
     return items, None
 
 
+def _overlap(a: ModelPlacement, b: ModelPlacement) -> bool:
+    return (a.bundle_start or 0) < b.bundle_end and (b.bundle_start or 0) < a.bundle_end
+
+
 def node_ranges(nodes: Sequence[int]) -> str:
     """``0-3, 7``: sorted indices as ranges."""
     out: list[str] = []
@@ -246,6 +250,14 @@ def budget_memory(
     violations = Violations()
     notes: list[str] = []
     host_weights: dict[str, float] = {}  # role.model -> GiB per GPU of backup
+    kept: list[tuple[ModelPlacement, float]] = []  # weights that stay while their model sleeps
+    for p in placements:
+        model = config.role(p.role).model(p.model)
+        if p.pool is not None and not model.engine.offload_weights:
+            if isinstance(facts := model_facts(model, cache), str):
+                notes.append(f"{p.path}: weights kept while it sleeps not budgeted: {facts}")
+            else:
+                kept.append((p, weights_gib_per_gpu(model, facts)))
     for p in placements:
         if p.pool is None:
             continue
@@ -281,6 +293,9 @@ def budget_memory(
             resident = training.offload_resident_gib
             for role in pool.training:
                 items.append(MemoryItem(f"training {role} (offloaded, resident)", resident, True))
+        for q, gib in kept:
+            if q.pool == p.pool and q.phase != p.phase and _overlap(q, p):
+                items.append(MemoryItem(f"{q.path} weights (kept while it sleeps)", gib, True))
         total = sum(i.gib for i in items)
         status = "ok"
         if violation is not None:

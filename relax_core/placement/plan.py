@@ -107,11 +107,12 @@ class ModelPlacement:
 
 @attrs.frozen
 class MemoryItem:
-    """One user of memory in a budget line, in GiB; ``training``: kept resident by training."""
+    """One user of memory in a budget line, in GiB; ``kept``: another's, kept resident while
+    this one runs (training's, or the weights of a model that keeps them while it sleeps)."""
 
     label: str
     gib: float
-    training: bool = False
+    kept: bool = False
 
 
 class _ItemTotal:

@@ -640,7 +640,7 @@ async def run_loop(
             # every role that is not free takes turns: its stages never stream
             deferred_roles=tuple(r for r in job.slices if r not in job.residency.free and r != gen),
             switching=gen not in job.residency.free,
-            discards=not engine_spec(model, job.pm).weights_cpu_backup,
+            discards=engine_spec(model, job.pm).discards_weights,
             free=gen in job.residency.free,
             heads=lambda role: _heads(registries[role]),
             recover=role_recovery(

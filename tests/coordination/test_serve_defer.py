@@ -1,13 +1,13 @@
 """``relax serve`` honours the phases of a defer plan, and wakes its roles on demand.
 
-A deferred role starts, is put to SLEEPING (engine memory released, weights kept on the CPU)
-and only then does the next phase start; the job is reported ready with the deferred roles
-asleep. Then a request to a sleeping role's gateway wakes it, evicting the role it shares its
-GPU with, and an idle role goes back to sleep. That no two roles ever hold their weights at
-once — while it starts, and under concurrent requests for two roles — is checked on the real
-engines: a monitor reads every engine's own ``/server_info`` memory log (when each resume
-began, when each release freed the weights) and the time each engine process started, and
-rebuilds when each engine held its weights.
+A deferred role starts, is put to SLEEPING (its KV cache released; the example's judge and
+teacher keep their weights, rollout's go) and only then does the next phase start; the job is
+reported ready with the deferred roles asleep. Then a request to a sleeping role's gateway
+wakes it, evicting the role it shares its GPU with, and an idle role goes back to sleep. That
+no two roles ever hold their KV cache at once — while it starts, and under concurrent requests
+for two roles — is checked on the real engines: a monitor reads every engine's own
+``/server_info`` memory log (when each resume began, when each release freed the KV cache)
+and the time each engine process started, and rebuilds when each engine held its KV cache.
 
 The engines are hf on CPU, placed on declared GPUs (``device = "cuda"`` for the planner, the
 engine itself told ``--device cpu``: this machine has no GPU).
@@ -123,7 +123,7 @@ def _process_started(pid: int) -> float:
 
 class Residency:
     """Reads every engine of the job's model dir: its process start and its memory log, from
-    which :meth:`intervals` rebuilds when it held its weights (conservatively: from the start
+    which :meth:`intervals` rebuilds when it held its KV cache (conservatively: from the start
     of its process, or of a resume, to the end of a release)."""
 
     def __init__(self, root: Path) -> None:
@@ -152,7 +152,7 @@ class Residency:
                 info = _get(f"http://127.0.0.1:{port}/server_info", timeout=2)
                 entries = self.log.setdefault(pid, {})
                 for entry in info["memory_log"]:
-                    if "weights" in entry["tags"]:
+                    if "kv_cache" in entry["tags"]:
                         entries[(entry["op"], entry["started"])] = entry
 
     def _run(self) -> None:
@@ -160,7 +160,7 @@ class Residency:
             self.poll()
 
     def intervals(self) -> list[tuple[str, float, float]]:
-        """``(model, from, to)``: every span an engine may have held its weights."""
+        """``(model, from, to)``: every span an engine may have held its KV cache."""
         spans = []
         for pid, (name, _) in self.engines.items():
             since: float | None = self.started[pid]
@@ -185,11 +185,11 @@ class Residency:
         ]
 
     def resident(self) -> set[str]:
-        """The models holding their weights now, as their engines say."""
+        """The models holding their KV cache now, as their engines say."""
         held = set()
         for name, port in self.engines.values():
             with contextlib.suppress(OSError, ValueError):
-                if _get(f"http://127.0.0.1:{port}/server_info", timeout=2)["resident"]["weights"]:
+                if _get(f"http://127.0.0.1:{port}/server_info", timeout=2)["resident"]["kv_cache"]:
                     held.add(name)
         return held
 

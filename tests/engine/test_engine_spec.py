@@ -39,6 +39,18 @@ def test_static_spec_always_keeps_a_cpu_weight_backup() -> None:
     assert InferenceEngineSpec(role="rollout", weight_source=ACTOR).weights_cpu_backup is False
 
 
+def test_an_offload_releases_every_tag_unless_the_spec_keeps_the_weights() -> None:
+    # What a manager's offload() releases when told no tags, and whether its weights are lost.
+    rollout = InferenceEngineSpec(role="rollout", weight_source=ACTOR)
+    assert rollout.offload_tags == {"weights", "kv_cache", "cuda_graph"}
+    assert rollout.discards_weights
+    kept = InferenceEngineSpec(role="rollout", weight_source=ACTOR, offload_weights=False)
+    assert kept.offload_tags == {"kv_cache", "cuda_graph"} and not kept.discards_weights
+    judge = InferenceEngineSpec(role="genrm", weight_source=STATIC)
+    assert judge.offload_tags == {"weights", "kv_cache", "cuda_graph"}
+    assert not judge.discards_weights  # its CPU backup brings them back
+
+
 def test_static_spec_cannot_be_given_an_update_operation() -> None:
     with pytest.raises(ValueError, match=r"allowed_operations.*'tensor'.*STATIC"):
         InferenceEngineSpec(

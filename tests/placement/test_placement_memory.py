@@ -241,3 +241,36 @@ def test_an_unreadable_config_json_is_reported(
     plan = plan_inference_placement(parse_config(split_job(models)), roles_plugin_manager)
     notes = {m.note for m in plan.memory}
     assert any("cannot read" in n and "config.json" in n for n in notes)
+
+
+def test_weights_kept_while_asleep_are_budgeted_in_every_other_phase_of_their_gpus(
+    models: Path, roles_plugin_manager: PluginManager
+) -> None:
+    # A defer layout: rollout on bundles 0-3, the judge (2 GPUs) and the teacher (2 GPUs) each in
+    # their own phase on the same 8-GPU pool. The judge keeps its weights while it sleeps.
+    data = split_job(models)
+    data["placement"] = {"mode": "defer", "defer_roles": ["genrm", "teacher"]}
+    judge = data["roles"]["genrm"]["models"]["judge"]
+    judge["offload_weights"] = False
+    plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
+    budget = {m.role: m for m in plan.memory}
+    spans = {p.role: (p.bundle_start or 0, p.bundle_end, p.phase) for p in plan.placements}
+    label = "roles.genrm.models.judge weights (kept while it sleeps)"
+    shard = 7_615_616_512 * 2 / 2 / GIB  # bfloat16 over tp 2
+    for role, entry in budget.items():
+        kept = [i for i in entry.items if i.label == label]
+        start, end, phase = spans[role]
+        overlaps = start < spans["genrm"][1] and spans["genrm"][0] < end
+        if role == "genrm" or not overlaps or phase == spans["genrm"][2]:
+            assert kept == [], (role, entry.items)
+        else:
+            assert [(i.gib, i.kept) for i in kept] == [(pytest.approx(shard), True)], role
+    assert any(label in [i.label for i in b.items] for b in plan.memory), spans
+    # Kept resident beside a phase that has no room for it: refused, naming it.
+    data["cluster"]["gpu_memory_gib"] = 80
+    data["roles"]["rollout"]["models"]["policy"]["mem_fraction_static"] = 0.9
+    judge["offload_weights"] = True
+    assert preflight(parse_config(data), roles_plugin_manager).plan is not None
+    judge["offload_weights"] = False
+    msg = violation(data, roles_plugin_manager, "roles.rollout.models.policy", "memory-gpu")
+    assert f"{label} {shard:.1f}" in msg

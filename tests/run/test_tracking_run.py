@@ -326,16 +326,23 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
     assert {e["name"] for e in events} >= {"generate", "weight_push", "genrm", "teacher", "commit"}
 
     # --measure: each of the 6 switches of a step (3 roles in, 3 out; step 0's rollout starts
-    # awake) against a copy of its bytes measured in the same run; offloads free what they held.
+    # awake) against a copy of its bytes measured in the same run; rollout's offloads free what
+    # it held; the judge and the teacher keep their weights (offload_weights = false in the
+    # example) and release, then resume, only their KV cache (and graphs).
     switching = summary["switching"]
     assert len(switching["switches"]) == 5 + 6 + 6
     for s in switching["switches"]:
         assert s["weight_bytes"] > 0 and s["copy_seconds"] > 0 and s["seconds"] > 0
-        if s["direction"] == "offload":
+        keeps = s["role"] != "rollout"
+        if s["direction"] == "offload" and keeps:
+            assert s["held_after"] == s["weight_bytes"] and s["freed_bytes"] > 0, s
+        elif s["direction"] == "offload":
             assert s["freed_fraction"] >= 0.9, s
         # The engines' own share, from their memory log: a release or a resume per switch.
         ops = {op["op"] for op in s["engine_ops"]}
         assert ops == ({"release"} if s["direction"] == "offload" else {"resume"}), s
+        moved = {tag for op in s["engine_ops"] for tag in op["detail"]} & {"weights", "kv_cache"}
+        assert moved == ({"kv_cache"} if keeps else {"weights", "kv_cache"}), s
         assert 0 < s["engine_seconds"] <= s["seconds"], s
         assert s["engine_seconds"] <= s["worker_seconds"] <= s["manager_seconds"], s
         _check_hops(s)

@@ -59,11 +59,13 @@ extra_args = ["--device", "cpu"]
 [roles.genrm.models.judge]
 backend = "hf"
 model_path = "tiny/judge"
+offload_weights = false
 extra_args = ["--device", "cpu"]
 
 [roles.teacher.models.math]
 backend = "hf"
 model_path = "tiny/math"
+offload_weights = false
 extra_args = ["--device", "cpu"]
 
 [run]
