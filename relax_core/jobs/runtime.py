@@ -166,12 +166,11 @@ class JobRuntime:
                 start_models(models, on_done=done, on_interrupt=interrupted, logs=logs)
                 if sleep:
                     for model in models:
-                        put_to_sleep(model)
-                        self.line(
-                            say,
-                            f"{model.key}: SLEEPING (deferred: engine memory released, weights "
-                            f"kept on the CPU; {sleep_note})",
-                        )
+                        slept = put_to_sleep(model)
+                        how = "engine memory released, weights kept on the CPU"
+                        if "weights" not in {t for r in slept.replicas for t in r.tags}:
+                            how = "KV cache released, weights kept on the GPU"
+                        self.line(say, f"{model.key}: SLEEPING (deferred: {how}; {sleep_note})")
         finally:
             stop.set()
             if ticker is not None:

@@ -38,9 +38,11 @@ DEFER_JOB = job_text(
 )
 
 
-def _result(operation: str, model: str, state: str, error: str | None = None) -> LifecycleResult:
+def _result(
+    operation: str, model: str, state: str, error: str | None = None, tags: tuple[str, ...] = ()
+) -> LifecycleResult:
     outcome = Outcome.FAILED if error else Outcome.DONE
-    replica = ReplicaResult(f"{model}/replica-0", outcome, state, error=error)
+    replica = ReplicaResult(f"{model}/replica-0", outcome, state, tags, error=error)
     return LifecycleResult(operation, model, (replica,))
 
 
@@ -55,10 +57,12 @@ class FakeModel:
         *,
         sleeps: bool = True,
         unconfirmed: list[UnconfirmedWorker] | None = None,
+        offload_tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph"),
     ) -> None:
         self._role, self._model_id = role, model_id
         self.calls = calls
         self.sleeps = sleeps
+        self.offload_tags = offload_tags  # what its offload releases (its spec's)
         self.unconfirmed = unconfirmed or []
 
     @property
@@ -80,7 +84,7 @@ class FakeModel:
     def offload(self) -> LifecycleResult:
         self.calls.append(f"offload {self.key}")
         state = "SLEEPING" if self.sleeps else "READY"
-        return _result("offload", self._model_id, state)
+        return _result("offload", self._model_id, state, tags=self.offload_tags)
 
     def shutdown(self) -> None:
         self.calls.append(f"shutdown {self.key}")
@@ -111,7 +115,8 @@ def test_each_deferred_phase_is_started_and_put_to_sleep_before_the_next_then_th
     None
 ):
     calls: list[str] = []
-    runtime, config = _defer_runtime(calls)
+    # The teacher keeps its weights while it sleeps (offload_weights = false).
+    runtime, config = _defer_runtime(calls, teacher={"offload_tags": ("kv_cache", "cuda_graph")})
     said: list[str] = []
     runtime.start(config, said.append, sleep_note="nobody wakes it")
     assert calls == [
@@ -129,7 +134,7 @@ def test_each_deferred_phase_is_started_and_put_to_sleep_before_the_next_then_th
         "nobody wakes it)",
         "starting teacher.math (deferred, put to sleep once started)",
         "teacher.math: READY",
-        "teacher.math: SLEEPING (deferred: engine memory released, weights kept on the CPU; "
+        "teacher.math: SLEEPING (deferred: KV cache released, weights kept on the GPU; "
         "nobody wakes it)",
         "starting rollout.policy (awake)",
         "rollout.policy: READY",
