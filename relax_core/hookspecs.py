@@ -25,8 +25,7 @@ def relax_register_roles(register: Callable[[records.RoleSpec], None]) -> None:
 
     :param register: call it once per :class:`~relax_core.records.RoleSpec`, as in
         ``register(RoleSpec(name="genrm", allowed_weight_sources={"STATIC"},
-        default_route_mode="DIRECT", deferrable=True))``.
-    """
+        default_route_mode="DIRECT", deferrable=True))``."""
 
 
 @hookspec
@@ -35,8 +34,7 @@ def relax_register_engine_backends(register: Callable[[records.EngineBackend], N
 
     :param register: call it once per :class:`~relax_core.records.EngineBackend`, as in
         ``register(EngineBackend(name="hf", launch=launch_hf, control_client=ControlClient,
-        devices={"cpu", "cuda"}))``.
-    """
+        devices={"cpu", "cuda"}))``."""
 
 
 @hookspec
@@ -46,8 +44,7 @@ def relax_register_routers(register: Callable[[records.RouterBackend], None]) ->
     :param register: call it once per :class:`~relax_core.records.RouterBackend`, as in
         ``register(RouterBackend(name="smg", launch=launch_smg,
         policies={"round_robin", "consistent_hashing"}, default_policy="consistent_hashing",
-        version="1.13.0"))``.
-    """
+        version="1.13.0"))``."""
 
 
 @hookspec
@@ -56,8 +53,7 @@ def relax_register_weight_sources(register: Callable[[records.WeightSource], Non
 
     :param register: call it once per :class:`~relax_core.records.WeightSource`, as in
         ``register(WeightSource(name="S3CKPT", update_paths={"disk"},
-        publishes_version=True))``.
-    """
+        publishes_version=True))``."""
 
 
 @hookspec
@@ -66,8 +62,7 @@ def relax_register_reward_adapters(register: Callable[[records.RewardSpec], None
 
     :param register: call it once per :class:`~relax_core.records.RewardSpec`, as in
         ``register(RewardSpec(name="exact-match", fn=exact_match, mode="sync",
-        label_matcher=lambda label: label is not None, supports_deferred=True))``.
-    """
+        label_matcher=lambda label: label is not None, supports_deferred=True))``."""
 
 
 @hookspec
@@ -75,8 +70,7 @@ def relax_register_routing_policies(register: Callable[[records.RoutingPolicy], 
     """Register DIRECT replica-selection policies.
 
     :param register: call it once per :class:`~relax_core.records.RoutingPolicy`, as in
-        ``register(RoutingPolicy(name="random", factory=RandomSelector))``.
-    """
+        ``register(RoutingPolicy(name="random", factory=RandomSelector))``."""
 
 
 @hookspec
@@ -84,8 +78,7 @@ def relax_register_placement_modes(register: Callable[[records.PlacementMode], N
     """Register placement modes (the core registers ``decoupled``, ``split`` and ``defer``).
 
     :param register: call it once per :class:`~relax_core.records.PlacementMode`, as in
-        ``register(PlacementMode(name="packed", assign=assign_packed))``.
-    """
+        ``register(PlacementMode(name="packed", assign=assign_packed))``."""
 
 
 # == an RL step (relax run), in the order a step uses them: collected when [run] is checked ====
@@ -98,8 +91,7 @@ def relax_register_data_sources(register: Callable[[records.DataSourceSpec], Non
 
     :param register: call it once per :class:`~relax_core.records.DataSourceSpec`, as in
         ``register(DataSourceSpec(name="parquet", open=open_parquet, suffixes=(".parquet",),
-        check=check_parquet))``.
-    """
+        check=check_parquet))``."""
 
 
 @hookspec
@@ -109,8 +101,7 @@ def relax_register_rollout_shapes(register: Callable[[records.RolloutShapeSpec],
 
     :param register: call it once per :class:`~relax_core.records.RolloutShapeSpec`, as in
         ``register(RolloutShapeSpec(name="best-of-n", build=BestOfN.from_config,
-        options=("n",)))``.
-    """
+        options=("n",)))``."""
 
 
 @hookspec
@@ -120,8 +111,7 @@ def relax_register_environments(register: Callable[[records.EnvironmentSpec], No
     trajectory, until it says ``done`` or a turn or token limit is reached.
 
     :param register: call it once per :class:`~relax_core.records.EnvironmentSpec`, as in
-        ``register(EnvironmentSpec(name="search", make=SearchEnv, options=("index",)))``.
-    """
+        ``register(EnvironmentSpec(name="search", make=SearchEnv, options=("index",)))``."""
 
 
 @hookspec
@@ -132,8 +122,7 @@ def relax_register_stages(register: Callable[[records.StageSpec], None]) -> None
 
     :param register: call it once per :class:`~relax_core.records.StageSpec`, as in
         ``register(StageSpec(name="length-penalty", build=LengthPenalty.from_config,
-        options=("per_token",)))``.
-    """
+        options=("per_token",)))``."""
 
 
 @hookspec
@@ -143,8 +132,7 @@ def relax_register_trainers(register: Callable[[records.TrainerSpec], None]) -> 
 
     :param register: call it once per :class:`~relax_core.records.TrainerSpec`, as in
         ``register(TrainerSpec(name="grpo", trainer_class=PolicyTrainer,
-        description="GRPO and distillation on a torch Llama"))``.
-    """
+        description="GRPO and distillation on a torch Llama"))``."""
 
 
 @hookspec
@@ -157,8 +145,7 @@ def relax_register_trackers(register: Callable[[records.TrackerSpec], None]) -> 
     ``strict_trackers = true``.
 
     :param register: call it once per :class:`~relax_core.records.TrackerSpec`, as in
-        ``register(TrackerSpec(name="csv", open=CsvTracker, options=("file",)))``.
-    """
+        ``register(TrackerSpec(name="csv", open=CsvTracker, options=("file",)))``."""
 
 
 @hookspec
@@ -168,8 +155,7 @@ def relax_register_run_probes(register: Callable[[records.RunProbeSpec], None]) 
     the first step, and makes the summary's ``switching`` report after the last.
 
     :param register: call it once per :class:`~relax_core.records.RunProbeSpec`, as in
-        ``register(RunProbeSpec(name="switching", start=SwitchTimer))``.
-    """
+        ``register(RunProbeSpec(name="switching", start=SwitchTimer))``."""
 
 
 # == tools: benchmarks (relax bench) and commands (when the command line is built) ============
@@ -181,8 +167,7 @@ def relax_register_benchmarks(register: Callable[[records.BenchmarkSpec], None])
 
     :param register: call it once per :class:`~relax_core.records.BenchmarkSpec`, as in
         ``register(BenchmarkSpec(name="tokenize", run=measure_tokenize,
-        description="tokens per second of the chat template"))``.
-    """
+        description="tokens per second of the chat template"))``."""
 
 
 @hookspec
@@ -191,5 +176,4 @@ def relax_register_commands(register: Callable[[records.CommandSpec], None]) -> 
 
     :param register: call it once per :class:`~relax_core.records.CommandSpec`, as in
         ``register(CommandSpec(name="report", help="Write a run's report.",
-        add_arguments=add_arguments, run=run))``.
-    """
+        add_arguments=add_arguments, run=run))``."""

@@ -498,8 +498,7 @@ class Http1Client:
             if name.lower() in _FRAMING:
                 continue  # this client frames the message itself
             parts.append(f"{name}: {value}\r\n".encode("latin-1"))
-        parts.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        parts.append(body)
+        parts.extend((b"Content-Length: %d\r\n\r\n" % len(body), body))
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         data = b"".join(parts)

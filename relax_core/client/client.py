@@ -210,8 +210,7 @@ class InferenceClient:
         decision for its model.
 
         :raises RoutingError: 503 when the model can no longer be served (see :meth:`resolve`)."""
-        snap = await self._cache.snapshot()
-        model = snap.models.get(target.model_id)
+        model = (await self._cache.snapshot()).models.get(target.model_id)
         if model is not None and model.state.value == "READY":
             if target.route_mode is RouteMode.SGLANG_ROUTER:
                 if model.router_url == target.url and min_weight_version is None:

@@ -46,8 +46,7 @@ class DeferredCollector:
     """Captures the completed groups of batch ``batch_id`` on CPU.
 
     :raises ValueError: (from :meth:`add`) an empty or mixed group, an id seen before, or more
-        than ``max_samples`` samples in all.
-    """
+        than ``max_samples`` samples in all."""
 
     def __init__(self, batch_id: int, *, max_samples: int = DEFAULT_MAX_SAMPLES) -> None:
         self.batch_id = batch_id
@@ -150,8 +149,7 @@ class DeferredBatch:
     :param producer: what generates more groups when a stage asks (none: such a stage fails).
     :param target_groups: what a filter fills the batch up to (default: ``samples``' groups).
     :raises ValueError: bad stages, more than ``max_samples`` samples, or ``streamed`` copies
-        not those of ``samples``.
-    """
+        not those of ``samples``."""
 
     def __init__(
         self,
@@ -614,8 +612,7 @@ async def abort_generation(
 ) -> BatchFailedError:
     """The producer failed after ``begin_batch``: release the generation role (aborting its
     requests) and fail the batch; the error to raise."""
-    status = await coordinator.describe()
-    gen = status.generation_role
+    gen = (await coordinator.describe()).generation_role
     cause = error if isinstance(error, str) else describe_failure(error)
     why = ""
     try:

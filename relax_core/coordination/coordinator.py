@@ -220,8 +220,7 @@ class LifecycleCoordinator:
         :raises BatchFailedError: the run failed earlier.
         :raises LeaseBlockedError: a role on the generation role's slice is BLOCKED.
         :raises CoordinationError: another batch is pending, the id is older than the newest
-            one, or a role on the slice still holds the GPUs.
-        """
+            one, or a role on the slice still holds the GPUs."""
         _check_batch_id(batch_id)
         gen = self.generation_role
         async with self._engine.lock(gen), self._condition:
@@ -252,8 +251,7 @@ class LifecycleCoordinator:
         ``LifecycleResult``) must show every replica SLEEPING. Idempotent.
 
         :raises LeaseBlockedError: ``result`` does not confirm it: the lease is now BLOCKED and
-            the batch FAILED.
-        """
+            the batch FAILED."""
         gen = self.generation_role
         async with self._engine.lock(gen), self._condition:
             batch = self._current_batch(batch_id, "acknowledge_rollout_offloaded")
@@ -303,8 +301,7 @@ class LifecycleCoordinator:
             the operation timeout (the lease is now BLOCKED and the batch FAILED).
         :raises BatchFailedError: the batch failed.
         :raises CoordinationError: a model has no handle here, or the role is ACTIVE with other
-            models (deactivate it first).
-        """
+            models (deactivate it first)."""
         handles = self._chosen(role, models)
         what = role if not models else f"{role}[{','.join(sorted(set(models)))}]"
 
@@ -335,8 +332,7 @@ class LifecycleCoordinator:
         role is not offloaded again. Deduped by ``operation_id`` as :meth:`activate`.
 
         :raises LeaseBlockedError: the role is BLOCKED, or its offload was not confirmed
-            within the operation timeout (the lease is now BLOCKED and the batch FAILED).
-        """
+            within the operation timeout (the lease is now BLOCKED and the batch FAILED)."""
         self._handles(role)
 
         def admit() -> str | None:
@@ -384,8 +380,7 @@ class LifecycleCoordinator:
 
         :raises BatchFailedError: the batch failed.
         :raises CoordinationError: a role is not SLEEPING, the release was not acknowledged, or
-            the receipt does not close the batch's partition (nothing changes).
-        """
+            the receipt does not close the batch's partition (nothing changes)."""
         _check_batch_id(batch_id)
         async with self._condition:
             if batch_id in self._committed:

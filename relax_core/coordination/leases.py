@@ -165,8 +165,7 @@ class LeaseEngine:
         await asyncio.gather(*(self._probe(h) for h in handles))
         found = await asyncio.gather(*(_failed(h) for h in handles))
         failed = [h.name for h, f in zip(handles, found, strict=True) if f]
-        reasons = await self.heal(role)
-        return {"rebuilt": failed, "failed": reasons}
+        return {"rebuilt": failed, "failed": await self.heal(role)}
 
     async def _probe(self, handle: ManagerHandle) -> None:
         probe = getattr(handle, "check_health", None)

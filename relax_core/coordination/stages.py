@@ -203,12 +203,7 @@ class StageContext:
         return await self._control("run_stage").run_stage(stage, samples)
 
     async def retrying(
-        self,
-        send: Callable[[], Awaitable[Any]],
-        *,
-        stage: str,
-        role: str | None,
-        retries: int,
+        self, send: Callable[[], Awaitable[Any]], *, stage: str, role: str | None, retries: int
     ) -> Any:
         """``retrying`` of ``send()``: ONE idempotent request (never a generation) that resolves
         its target anew each time. :raises Exception: the last attempt's failure."""

@@ -69,8 +69,7 @@ class Timeline:
     :param trace_path: where the run's Chrome-trace JSON goes (rewritten at each :meth:`flush`).
     :param registry: the Prometheus ``CollectorRegistry`` (default: the process's).
     :param on_event: told as each phase begins and ends (from the phase's thread; must not
-        raise). Thread-safe.
-    """
+        raise). Thread-safe."""
 
     def __init__(
         self,

@@ -114,8 +114,7 @@ class _Table:
 
     def order(self, slot: int) -> list[int]:
         """Every candidate rank for ``slot``, highest score first."""
-        words = sorted(self.scores(slot)[::2], reverse=True)
-        return [word & _RANK_MASK for word in words]
+        return [word & _RANK_MASK for word in sorted(self.scores(slot)[::2], reverse=True)]
 
 
 class _Tables:

@@ -147,8 +147,7 @@ class RegistryPublisher:
         :raises KeyError: the model is not published.
         :raises SnapshotError: the result breaks a schema rule."""
         with self._lock:
-            entry = self._model(model_id)
-            fields = attrs.asdict(entry.view, recurse=False)
+            fields = attrs.asdict(self._model(model_id).view, recurse=False)
             del fields["engines"]
             if unknown := set(changes) - set(fields):
                 raise TypeError(
@@ -209,8 +208,7 @@ class RegistryPublisher:
         :raises SnapshotError: the head breaks a schema rule
             (path ``models.<id>.engines[<engine_id>].<field>``)."""
         with self._lock:
-            entry = self._model(model_id)
-            old = entry.engines.get(engine_id)
+            old = self._model(model_id).engines.get(engine_id)
             generation = 0 if old is None else old.generation
             if old is None or replaced or old.endpoint != base_url:
                 generation += 1

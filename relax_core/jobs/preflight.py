@@ -237,11 +237,7 @@ def _h2_answer(conn: socket.socket) -> bytes:
 
 
 def job_preflight(
-    config: JobConfig,
-    pm: PluginManager,
-    *,
-    address: str | None = None,
-    gateways: bool = False,
+    config: JobConfig, pm: PluginManager, *, address: str | None = None, gateways: bool = False
 ) -> Preflight:
     """Every problem of ``config`` (as loaded) that this machine can see before Ray starts;
     ``address`` (``--address``) is checked and makes missing absolute model paths warnings;

@@ -149,9 +149,7 @@ def serve_job(
                 # A role the wake controller drives is rebuilt by it, under its slice's lock
                 # (a rebuilt engine comes up awake: never beside another role's models).
                 service.start_monitor(
-                    health_interval,
-                    recover=name not in driven,
-                    on_report=health_printer(name, out),
+                    health_interval, recover=name not in driven, on_report=health_printer(name, out)
                 )
         _start_gateways(job, config, pm, token)
         yield job

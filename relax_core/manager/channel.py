@@ -218,8 +218,7 @@ async def _call(
     except ValueError:
         body = None
     if not isinstance(body, dict) or "ok" not in body:
-        text = quote_body(raw)
-        return CallOutcome(error=ChannelError(f"POST {url} answered {status}: {text}"))
+        return CallOutcome(error=ChannelError(f"POST {url} answered {status}: {quote_body(raw)}"))
     if status != 200:
         return CallOutcome(
             error=ChannelError(f"POST {url} answered {status}: {body.get('message')}")

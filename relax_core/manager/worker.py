@@ -139,10 +139,7 @@ class EngineWorker:
                     self.control = self.backend.control_client(engine_url)
                     version = await self.control.weight_version(timeout=ready_timeout)
                     self.admission = AdmissionServer(
-                        engine_url,
-                        engine_id=self.engine_id,
-                        spec=self.spec,
-                        host=self.public_host,
+                        engine_url, engine_id=self.engine_id, spec=self.spec, host=self.public_host
                     )
                     await self.admission.start()
                     self.channel = ControlChannelServer(
@@ -466,8 +463,7 @@ class EngineWorker:
         code = await self._stop_process(timeout)
         if self.admission is not None:
             await self.admission.stop()
-        pid = self.process.pid if self.process else None
-        return {"pid": pid, "exit_code": code}
+        return {"pid": self.process.pid if self.process else None, "exit_code": code}
 
 
 #: How long a probe whose generation failed waits for the engine process to be reaped.

@@ -23,13 +23,7 @@ from relax_core.run.rollout import (
     build_rollout_shape,
     rollout_problems,
 )
-from relax_core.run.stages import (
-    EvalStage,
-    StageConfig,
-    build_stages,
-    read_rewards,
-    stage_problems,
-)
+from relax_core.run.stages import EvalStage, StageConfig, build_stages, read_rewards, stage_problems
 from relax_core.run.trainer import Trainer, TrainerContext, load_trainer_class, start_trainer
 
 __all__ = [

@@ -88,8 +88,7 @@ def read_checkpoint(run_dir: str) -> Checkpoint:
     """The latest checkpoint of the run in ``run_dir``.
 
     :raises CheckpointError: no such directory, no checkpoint in it, one that cannot be read,
-        or the state it names is missing (the message says what to do).
-    """
+        or the state it names is missing (the message says what to do)."""
     if not os.path.isdir(run_dir):
         raise CheckpointError(
             run_dir,
@@ -138,16 +137,14 @@ def settings_problems(
 ) -> list[str]:
     """Each way the job now (``now``: :func:`job_settings`) differs from the checkpointed run
     in what a resume must keep, one message each."""
-    out = []
     saved = checkpoint.settings
-    for key in sorted(set(saved) | set(now)):
-        if saved.get(key) != now.get(key):
-            out.append(
-                f"{key}: the run in {run_dir} had {_short(saved.get(key))}, {job_file} now has "
-                f"{_short(now.get(key))}; a resumed run must generate and train as the run it "
-                "continues: put it back, or start a new run (a new --run-dir)"
-            )
-    return out
+    return [
+        f"{key}: the run in {run_dir} had {_short(saved.get(key))}, {job_file} now has "
+        f"{_short(now.get(key))}; a resumed run must generate and train as the run it "
+        "continues: put it back, or start a new run (a new --run-dir)"
+        for key in sorted(set(saved) | set(now))
+        if saved.get(key) != now.get(key)
+    ]
 
 
 def _short(value: Any) -> str:
@@ -241,8 +238,7 @@ class Checkpointer:
         ``weight_version`` (``None``: ``step``); blocks until it is on disk.
 
         :raises CheckpointError: a file could not be written, or the trainer's ``save``
-            failed (the previous checkpoint stays the latest).
-        """
+            failed (the previous checkpoint stays the latest)."""
         began = time.perf_counter()
         folder = os.path.join(self.run_dir, FOLDER)
         name = f"step-{step}"

@@ -366,8 +366,7 @@ class StepDriver:
         """Every step, then the background evaluations settled.
 
         :raises _StepFailure: a step failed or was interrupted (after every step before it
-            that committed was trained).
-        """
+            that committed was trained)."""
         try:
             await self._steps()
         except BaseException as exc:
@@ -601,8 +600,7 @@ class StepDriver:
         if not skip and len(self.failed_steps) >= s.max_failed_steps:
             return False
         try:
-            status = await self.coordinator.describe()
-            if status.blocked:
+            if (await self.coordinator.describe()).blocked:
                 return False
             await self.coordinator.go_on_after(failure.step)
         except Exception as exc:

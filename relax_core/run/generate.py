@@ -158,8 +158,7 @@ class Generator:
         group of the same prompt.
 
         :raises UpstreamError: a request failed or its answer is not a sampled group;
-            groups completed before it were passed to ``each``.
-        """
+            groups completed before it were passed to ``each``."""
         run = self.settings
         samples = samples_per_prompt or run.samples_per_prompt
         temperature = run.temperature if temperature is None else temperature

@@ -248,8 +248,7 @@ class RunJob:
         """Bring everything up (blocks); ``say`` gets one line per event.
 
         :raises PlacementError: the binding failed. :raises LifecycleError: an engine, router
-            or the trainer did not start (call :meth:`teardown` in every case).
-        """
+            or the trainer did not start (call :meth:`teardown` in every case)."""
         from relax_core.discovery.actor import start_registry_actor
         from relax_core.jobs.managers import routing_spec, start_model_actor
         from relax_core.jobs.models import RayModel

@@ -140,8 +140,7 @@ def parse_answer(sample_id: str, answer: Any) -> TurnAnswer:
     """Check and unpack a ``/generate`` answer of one sample.
 
     :raises UpstreamError: (502) not a ``/generate`` answer, or without one log-prob per
-        output token.
-    """
+        output token."""
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     output_ids = answer.get("output_ids") if isinstance(answer, dict) else None
     if not isinstance(meta, dict) or not isinstance(output_ids, list):
@@ -218,8 +217,7 @@ async def continue_aborted(
     boundaries.
 
     :raises UpstreamError: (502) an answer is malformed, or it was cut short more than
-        :data:`MAX_CONTINUATIONS` times.
-    """
+        :data:`MAX_CONTINUATIONS` times."""
     if answer.finish != "abort":
         return answer
     sampling = dict(body.get("sampling_params") or {})

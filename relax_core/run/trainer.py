@@ -74,8 +74,7 @@ def load_trainer_class(name: str, pm: PluginManager | None = None) -> type[Train
     process-wide plugin manager) or ``package.module:Class``. Imports the class's module.
 
     :raises ConfigError: (``run.trainer``) no such trainer or class, or one without ``train``
-        / ``push``.
-    """
+        / ``push``."""
     if ":" not in name:
         return _registered(name, pm)
     module_name, _, attr = name.partition(":")
@@ -105,8 +104,7 @@ def _registered(name: str, pm: PluginManager | None) -> type[Trainer]:
         return cast("type[Trainer]", registered[name].record.trainer_class)
     if not NAME_PATTERN.match(name):
         raise ConfigError(
-            "run.trainer",
-            f"{name!r} is neither a trainer's name nor 'package.module:ClassName'",
+            "run.trainer", f"{name!r} is neither a trainer's name nor 'package.module:ClassName'"
         )
     raise ConfigError(
         "run.trainer",
