@@ -376,7 +376,8 @@ class EngineBackend:
     launch gets an instance as :attr:`EngineLaunchSpec.backend_options` (``None``: no ``engine``
     table). ``missing(feature) -> str | None``: ``None`` when this install provides an
     :data:`ENGINE_FEATURES` feature, else what to install; asked by the run's preflight
-    (``missing=None``: every feature).
+    (``missing=None``: every feature). ``keeps_graphs(options, extra_args) -> bool``: a model's
+    CUDA graphs stay on its GPUs while it sleeps (the budget counts them in every other phase).
 
     :raises ValueError: a bad name, or ``options`` is not an attrs class whose every field has a
         default."""
@@ -391,6 +392,9 @@ class EngineBackend:
     loads_model_dir: bool = True
     options: type[Any] | None = attrs.field(default=None, validator=_check_options_record)
     missing: Callable[[str], str | None] | None = attrs.field(
+        default=None, validator=_optional_callable
+    )
+    keeps_graphs: Callable[[Any, tuple[str, ...]], bool] | None = attrs.field(
         default=None, validator=_optional_callable
     )
 

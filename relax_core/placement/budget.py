@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,10 +239,12 @@ def budget_memory(
     placements: Sequence[ModelPlacement],
     pools: Mapping[str, Pool],
     weight_sources: Mapping[str, str],
+    kept_graphs: Collection[str] = (),
 ) -> tuple[list[MemoryBudget], list[HostMemoryBudget], list[Violation], list[str]]:
     """Budget every GPU placement and every node's host memory: per-placement budgets, per-node
     host budgets, violations and notes. ``weight_sources``: per ``role.model`` (a STATIC model
-    keeps a CPU weight backup unless ``weights_cpu_backup = false``)."""
+    keeps a CPU weight backup unless ``weights_cpu_backup = false``); ``kept_graphs``: the
+    ``role.model`` whose CUDA graphs stay while it sleeps (counted in the other phases)."""
     cache: dict[str, Any] = {}
     gpu_capacity = config.cluster.gpu_memory_gib
     training = config.training
@@ -250,14 +252,16 @@ def budget_memory(
     violations = Violations()
     notes: list[str] = []
     host_weights: dict[str, float] = {}  # role.model -> GiB per GPU of backup
-    kept: list[tuple[ModelPlacement, float]] = []  # weights that stay while their model sleeps
+    kept: list[tuple[ModelPlacement, str, float]] = []  # what stays while its model sleeps
     for p in placements:
         model = config.role(p.role).model(p.model)
+        if p.pool is not None and p.key in kept_graphs and model.placement.cuda_graph_gib:
+            kept.append((p, "CUDA graphs", model.placement.cuda_graph_gib))
         if p.pool is not None and not model.engine.offload_weights:
             if isinstance(facts := model_facts(model, cache), str):
                 notes.append(f"{p.path}: weights kept while it sleeps not budgeted: {facts}")
             else:
-                kept.append((p, weights_gib_per_gpu(model, facts)))
+                kept.append((p, "weights", weights_gib_per_gpu(model, facts)))
     for p in placements:
         if p.pool is None:
             continue
@@ -293,9 +297,9 @@ def budget_memory(
             resident = training.offload_resident_gib
             for role in pool.training:
                 items.append(MemoryItem(f"training {role} (offloaded, resident)", resident, True))
-        for q, gib in kept:
+        for q, what, gib in kept:
             if q.pool == p.pool and q.phase != p.phase and _overlap(q, p):
-                items.append(MemoryItem(f"{q.path} weights (kept while it sleeps)", gib, True))
+                items.append(MemoryItem(f"{q.path} {what} (kept while it sleeps)", gib, True))
         total = sum(i.gib for i in items)
         status = "ok"
         if violation is not None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from relax_core.config import JobConfig, ModelConfig, hint
+from relax_core.config import ConfigReader, JobConfig, ModelConfig, hint
 from relax_core.errors import PlacementError
 from relax_core.placement.budget import budget_memory
 from relax_core.placement.modes import Demand, ModeContext, ModeResult, engine_straddles
@@ -77,6 +77,16 @@ class _Planner:
         spec = self.role_specs.get(m.role)
         # An unknown role is a violation already; STATIC lets the memory checks run too.
         return spec.default_weight_source if spec is not None else "STATIC"
+
+    def keeps_graphs(self, m: ModelConfig) -> bool:
+        """Whether ``m``'s backend keeps its CUDA graphs on the GPU while it sleeps."""
+        found = self.pm.registered("engine_backends").get(m.backend or "")
+        backend = found.record if found is not None else None
+        if backend is None or backend.keeps_graphs is None or m.engine_device[:4] != "cuda":
+            return False
+        table, options = m.engine_table, backend.options
+        read = ConfigReader().record(table, "", options) if table and options else None
+        return bool(backend.keeps_graphs(read, m.engine.extra_args))
 
     def check_model(self, m: ModelConfig) -> bool:
         """Per-model rules; ``True`` when the model can be sliced."""
@@ -461,6 +471,7 @@ class _Planner:
             placements,
             pools,
             {f"{m.role}.{m.name}": self.weight_source(m) for m in cfg.models()},
+            {f"{m.role}.{m.name}" for m in cfg.models() if self.keeps_graphs(m)},
         )
         self.violations += mem_violations
         self.notes += mem_notes

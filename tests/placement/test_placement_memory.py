@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+from relax_bench.manager import launch_sim
 
+from relax_core import ControlClient, EngineBackend
 from relax_core.config import parse_config
 from relax_core.placement import (
     ModelFacts,
@@ -17,7 +20,8 @@ from relax_core.placement import (
     plan_inference_placement,
     preflight,
 )
-from relax_core.plugins import PluginManager
+from relax_core.plugins import PluginManager, module_plugin
+from tests.support.roles import builtin_roles
 
 GIB = 1024**3
 
@@ -274,3 +278,50 @@ def test_weights_kept_while_asleep_are_budgeted_in_every_other_phase_of_their_gp
     judge["offload_weights"] = False
     msg = violation(data, roles_plugin_manager, "roles.rollout.models.policy", "memory-gpu")
     assert f"{label} {shard:.1f}" in msg
+
+
+@attrs.frozen
+class _KeeperOptions:
+    handoff: bool = False
+
+
+def _keeper(register: Any) -> None:
+    # A backend whose engines keep their CUDA graphs while asleep with ``handoff`` (as hf's
+    # --memory-handoff does), or with a ``--handoff`` flag among the extra args.
+    register(
+        EngineBackend(
+            name="keeper",
+            launch=launch_sim,
+            control_client=ControlClient,
+            options=_KeeperOptions,
+            keeps_graphs=lambda o, extra: (o is not None and o.handoff) or "--handoff" in extra,
+        )
+    )
+
+
+def test_cuda_graphs_a_backend_keeps_while_asleep_are_budgeted_in_the_other_phases(
+    models: Path,
+) -> None:
+    pm = builtin_roles(("keeper", module_plugin("keeper", relax_register_engine_backends=_keeper)))
+    data = split_job(models)
+    data["placement"] = {"mode": "defer", "defer_roles": ["genrm", "teacher"]}
+    judge, math = (
+        data["roles"]["genrm"]["models"]["judge"],
+        data["roles"]["teacher"]["models"]["math"],
+    )
+    judge.update(backend="keeper", engine={"handoff": True}, cuda_graph_gib=1.5)
+    math.update(backend="keeper", extra_args=["--handoff"])
+
+    def kept(role: str) -> list[tuple[str, float]]:
+        plan = plan_inference_placement(parse_config(data), pm)
+        entry = next(m for m in plan.memory if m.role == role)
+        return [(i.label, i.gib) for i in entry.items if i.kept and "CUDA graphs" in i.label]
+
+    judge_graphs = ("roles.genrm.models.judge CUDA graphs (kept while it sleeps)", 1.5)
+    math_graphs = ("roles.teacher.models.math CUDA graphs (kept while it sleeps)", 1.0)
+    assert kept("rollout") == [judge_graphs, math_graphs]
+    assert kept("genrm") == [math_graphs] and kept("teacher") == [judge_graphs]
+    # Without the handoff, or on a backend that does not say, nothing is kept.
+    judge["engine"] = {"handoff": False}
+    math.update(backend="sglang", extra_args=[])
+    assert kept("rollout") == [] and kept("genrm") == []

@@ -162,6 +162,15 @@ def missing(feature: str) -> str | None:
     return f"the hf engine has no feature {feature!r} (it has: {CONSTRAINED_DECODING})"
 
 
+def keeps_graphs(options: HFEngineOptions | None, extra_args: tuple[str, ...]) -> bool:
+    """Whether a model's decode CUDA graphs stay on its GPU while it sleeps: with the memory
+    handoff the weights and the pool come back at their addresses, so a release keeps the
+    graphs (and their memory) for the resume to replay."""
+    given = options or HFEngineOptions()
+    handoff = given.memory_handoff or "--memory-handoff" in extra_args
+    return handoff and not (given.disable_cuda_graph or "--disable-cuda-graph" in extra_args)
+
+
 HF_BACKEND = EngineBackend(
     name="hf",
     launch=launch,
@@ -181,6 +190,7 @@ HF_BACKEND = EngineBackend(
     ),
     options=HFEngineOptions,
     missing=missing,
+    keeps_graphs=keeps_graphs,
 )
 
 DEMO = CommandSpec(name=demo.NAME, help=demo.HELP, add_arguments=demo.add_arguments, run=demo.run)

@@ -386,3 +386,40 @@ def test_the_backend_builds_control_clients_that_switch_in_one_call_each() -> No
     client = HF_BACKEND.control_client("http://127.0.0.1:1")
     assert isinstance(client, ControlClient)
     assert (client.release_flushes, client.resume_checks) == (True, True)
+
+
+def test_with_the_memory_handoff_a_sleeping_models_graphs_are_budgeted_in_the_other_phases(
+    tiny_model: Path,
+) -> None:
+    from relax_core import PluginManager, loads_config, plan_inference_placement
+
+    def job(judge: str, math: str) -> str:
+        head = (
+            "[cluster]\nnum_nodes = 1\ngpus_per_node = 1\ngpu_memory_gib = 80\n"
+            "[training]\nactor_gpus = 1\ncolocate = true\noffload = true\n"
+            '[placement]\nmode = "defer"\ndefer_roles = ["genrm", "teacher"]\n'
+        )
+        model = f'backend = "hf"\nmodel_path = "{tiny_model}"\nmem_fraction_static = 0.5\n'
+        return (
+            f"{head}[roles.rollout.models.policy]\n{model}"
+            f"[roles.genrm.models.judge]\n{model}{judge}"
+            f"[roles.teacher.models.math]\n{model}{math}"
+        )
+
+    def kept(text: str) -> dict[str, list[str]]:
+        plan = plan_inference_placement(loads_config(text), PluginManager.create())
+        return {m.role: [i.label for i in m.items if "sleeps" in i.label] for m in plan.memory}
+
+    # The judge by its engine table, the teacher by its flag; rollout keeps nothing.
+    found = kept(
+        job(
+            "[roles.genrm.models.judge.engine]\nmemory_handoff = true\n",
+            'extra_args = ["--memory-handoff"]\n',
+        )
+    )
+    judge = "roles.genrm.models.judge CUDA graphs (kept while it sleeps)"
+    math = "roles.teacher.models.math CUDA graphs (kept while it sleeps)"
+    assert found == {"rollout": [judge, math], "genrm": [math], "teacher": [judge]}, found
+    # Graphs off, or no handoff: the graphs go with the release (nothing kept).
+    off = kept(job('extra_args = ["--memory-handoff", "--disable-cuda-graph"]\n', ""))
+    assert off == {"rollout": [], "genrm": [], "teacher": []}, off
