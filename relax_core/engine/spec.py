@@ -44,7 +44,8 @@ class InferenceEngineSpec:
         weight source (none outside it).
     :param strict_drain: offload waits for in-flight requests (up to the drain deadline).
     :param checkpoint_dir: the versioned checkpoint directory (required by DCS sources).
-    :param weights_cpu_backup: the engine keeps a CPU copy of its weights (STATIC: always).
+    :param weights_cpu_backup: the engine keeps a CPU copy of its weights (STATIC: always, but
+        where ``offload_weights`` is ``False``).
     :param offload_weights: an offload releases the weights too (``False``: they stay on the GPU
         while the model sleeps; only its KV cache and CUDA graphs are released).
     :raises ValueError: a field is invalid; the message names the field."""
@@ -82,8 +83,8 @@ class InferenceEngineSpec:
                 "pulls versioned checkpoints from disk; set checkpoint_dir to the directory "
                 "holding version-N/ sub-directories"
             )
-        if self.is_static and not self.weights_cpu_backup:
-            # Nobody can re-feed a static engine's weights.
+        if self.is_static and self.offload_weights and not self.weights_cpu_backup:
+            # Nobody can re-feed a static engine's weights (unless it never releases them).
             object.__setattr__(self, "weights_cpu_backup", True)
 
     @classmethod

@@ -277,7 +277,7 @@ def budget_memory(
 
         backup = model.engine.weights_cpu_backup
         if backup is None:
-            backup = weight_sources.get(p.key) == "STATIC"
+            backup = weight_sources.get(p.key) == "STATIC" and model.engine.offload_weights
         if backup and not isinstance(facts, str):
             host_weights[p.key] = weights_gib_per_gpu(model, facts)
         elif backup:

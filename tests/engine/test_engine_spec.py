@@ -49,6 +49,13 @@ def test_an_offload_releases_every_tag_unless_the_spec_keeps_the_weights() -> No
     judge = InferenceEngineSpec(role="genrm", weight_source=STATIC)
     assert judge.offload_tags == {"weights", "kv_cache", "cuda_graph"}
     assert not judge.discards_weights  # its CPU backup brings them back
+    # STATIC weights kept on the GPU need no CPU copy (unless asked for).
+    kept_judge = InferenceEngineSpec(role="genrm", weight_source=STATIC, offload_weights=False)
+    assert not kept_judge.weights_cpu_backup and not kept_judge.discards_weights
+    asked = InferenceEngineSpec(
+        role="genrm", weight_source=STATIC, offload_weights=False, weights_cpu_backup=True
+    )
+    assert asked.weights_cpu_backup
 
 
 def test_static_spec_cannot_be_given_an_update_operation() -> None:
