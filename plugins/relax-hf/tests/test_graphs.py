@@ -55,6 +55,24 @@ def test_a_release_and_resume_keep_the_decode_graphs_and_change_no_output(
     assert after["replays"] > started["replays"]
 
 
+def test_a_sleep_that_keeps_the_weights_keeps_the_graphs_and_changes_no_output(
+    emulated: EngineServer,
+) -> None:
+    # What a model with offload_weights = false does at each switch: the KV cache pool and the
+    # graph tag go and come back, the weights stay.
+    before = _greedy(emulated)
+    started = _graphs(emulated)
+    for _ in range(2):
+        emulated.http.ok("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+        resident = emulated.http.ok("/server_info")["resident"]
+        assert resident == {"weights": True, "kv_cache": False, "cuda_graph": False}
+        assert _graphs(emulated)["captured"] == started["captured"]
+        emulated.http.ok("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+        assert _greedy(emulated) == before
+    after = _graphs(emulated)
+    assert after["captures"] == started["captures"] and after["replays"] > started["replays"]
+
+
 def test_weights_loaded_at_new_addresses_capture_the_graphs_again(
     emulated: EngineServer, tiny_model: Path
 ) -> None:
