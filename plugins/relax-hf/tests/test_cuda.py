@@ -159,10 +159,11 @@ def test_with_memory_handoff_a_switch_keeps_the_graphs_and_captures_nothing(
     started = server.http.ok("/server_info")["memory"]["cuda_graphs"]
     assert started["kept_across_release"] and started["note"] is None
     assert started["captured"] > 0 and started["bytes"] > 0
-    for _ in range(2):
-        server.http.ok("/release_memory_occupation", {"tags": None})
+    # Every tag, then (offload_weights = false) the KV cache and graph tags with the weights kept.
+    for tags in (None, None, ["kv_cache", "cuda_graph"], ["kv_cache", "cuda_graph"]):
+        server.http.ok("/release_memory_occupation", {"tags": tags})
         assert server.http.ok("/server_info")["memory"]["cuda_graphs"]["captured"] > 0
-        server.http.ok("/resume_memory_occupation", {"tags": None})
+        server.http.ok("/resume_memory_occupation", {"tags": tags})
         assert _outputs(server, temperature=0.0) == before
     after = server.http.ok("/server_info")["memory"]["cuda_graphs"]
     assert after["captures"] == started["captures"]
