@@ -108,7 +108,7 @@ class InferenceEngineSpec:
     @property
     def offload_tags(self) -> frozenset[str]:
         """What an offload releases unless told: every tag, but the weights where they stay."""
-        return ALL_TAGS - ({ResidentTag.WEIGHTS} if not self.offload_weights else set())
+        return ALL_TAGS if self.offload_weights else ALL_TAGS - {ResidentTag.WEIGHTS}
 
     @property
     def discards_weights(self) -> bool:

@@ -108,7 +108,8 @@ class InferenceManager:
         self._launcher = Launcher(published, spec, backend, launch, placement.ray_gpu_fraction, t)
         self._memory = Memory(slots, self._heads, published, spec.strict_drain, t)
         self._offload_tags = spec.offload_tags
-        self._weights_lost = spec.is_static and not spec.weights_cpu_backup
+        #: its weights, once released, could not come back (STATIC, no CPU copy)
+        self._weights_irreplaceable = spec.is_static and not spec.weights_cpu_backup
         self._weights = WeightUpdates(slots, published, spec, t)
         self._recovery = Recovery(slots, self._launcher, published, t, unhealthy_after)
         self._scaling = Scaling(
@@ -219,7 +220,7 @@ class InferenceManager:
         :raises ValueError: an unknown tag. :raises KeyError: an unknown engine id.
         :raises InferenceRecoveryRequired: a worker is fenced (before or during the call)."""
         wanted = self._offload_tags if tags is None else normalize_tags(tags, where="offload(tags)")
-        if self._weights_lost and "weights" in wanted:
+        if self._weights_irreplaceable and "weights" in wanted:
             raise ValueError(
                 f"offload(tags): {self.model_id}'s STATIC weights have no CPU backup "
                 "(offload_weights = false): a release would lose them; leave 'weights' out"

@@ -82,7 +82,9 @@ class _Planner:
         """Whether ``m``'s backend keeps its CUDA graphs on the GPU while it sleeps."""
         found = self.pm.registered("engine_backends").get(m.backend or "")
         backend = found.record if found is not None else None
-        if backend is None or backend.keeps_graphs is None or m.engine_device[:4] != "cuda":
+        if backend is None or backend.keeps_graphs is None:
+            return False
+        if not m.engine_device.startswith("cuda"):
             return False
         table, options = m.engine_table, backend.options
         read = ConfigReader().record(table, "", options) if table and options else None
