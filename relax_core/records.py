@@ -419,6 +419,11 @@ class WeightSource:
                 f"known: {sorted(UPDATE_PATHS)}"
             )
 
+    def cpu_backup(self, offload_weights: bool, asked: bool | None, /) -> bool:
+        """Whether a model of this source keeps a CPU copy of its weights: always where an
+        offload releases them and no update path could bring them back; else as ``asked``."""
+        return (not self.update_paths and offload_weights) or bool(asked)
+
 
 @attrs.frozen
 class RewardSpec:

@@ -83,9 +83,8 @@ class InferenceEngineSpec:
                 "pulls versioned checkpoints from disk; set checkpoint_dir to the directory "
                 "holding version-N/ sub-directories"
             )
-        if self.is_static and self.offload_weights and not self.weights_cpu_backup:
-            # Nobody can re-feed a static engine's weights (unless it never releases them).
-            object.__setattr__(self, "weights_cpu_backup", True)
+        backup = self.weight_source.cpu_backup(self.offload_weights, self.weights_cpu_backup)
+        object.__setattr__(self, "weights_cpu_backup", backup)
 
     @classmethod
     def for_role(

@@ -238,13 +238,12 @@ def budget_memory(
     config: JobConfig,
     placements: Sequence[ModelPlacement],
     pools: Mapping[str, Pool],
-    weight_sources: Mapping[str, str],
+    backups: Collection[str],
     kept_graphs: Collection[str] = (),
 ) -> tuple[list[MemoryBudget], list[HostMemoryBudget], list[Violation], list[str]]:
     """Budget every GPU placement and every node's host memory: per-placement budgets, per-node
-    host budgets, violations and notes. ``weight_sources``: per ``role.model`` (a STATIC model
-    keeps a CPU weight backup unless ``weights_cpu_backup = false``); ``kept_graphs``: the
-    ``role.model`` whose CUDA graphs stay while it sleeps (counted in the other phases)."""
+    host budgets, violations and notes. ``backups``, ``kept_graphs``: the ``role.model`` that
+    keep a CPU copy of their weights, that keep their CUDA graphs while they sleep."""
     cache: dict[str, Any] = {}
     gpu_capacity = config.cluster.gpu_memory_gib
     training = config.training
@@ -275,12 +274,9 @@ def budget_memory(
                 MemoryBudget(p.role, p.model, p.pool, p.phase, span, "skipped", note=reason)
             )
 
-        backup = model.engine.weights_cpu_backup
-        if backup is None:
-            backup = weight_sources.get(p.key) == "STATIC" and model.engine.offload_weights
-        if backup and not isinstance(facts, str):
+        if p.key in backups and not isinstance(facts, str):
             host_weights[p.key] = weights_gib_per_gpu(model, facts)
-        elif backup:
+        elif p.key in backups:
             notes.append(f"{p.path}: CPU weight backup not budgeted: {facts}")
         if gpu_capacity is None:
             skipped("cluster.gpu_memory_gib is not set")
@@ -371,7 +367,7 @@ def _budget_host(
                 "cluster.host_memory_gib",
                 "memory-host",
                 f"node(s) {node_ranges(nodes)} each need {total:.1f} GiB of host memory but "
-                f"have {capacity:g} GiB: {users}. Set weights_cpu_backup = false on some "
-                "models, or spread them over more nodes",
+                f"have {capacity:g} GiB: {users}. Set weights_cpu_backup = false or "
+                "offload_weights = false on some models, or spread them over more nodes",
             )
     return out, violations

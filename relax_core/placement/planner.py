@@ -78,6 +78,12 @@ class _Planner:
         # An unknown role is a violation already; STATIC lets the memory checks run too.
         return spec.default_weight_source if spec is not None else "STATIC"
 
+    def cpu_backup(self, m: ModelConfig) -> bool:
+        """Whether ``m``'s engines keep a CPU copy of its weights (as its weight source says)."""
+        ws = self.pm.registered("weight_sources").get(self.weight_source(m))
+        asked = m.engine.weights_cpu_backup  # an unregistered source is a violation already
+        return bool(asked) if ws is None else ws.record.cpu_backup(m.engine.offload_weights, asked)
+
     def keeps_graphs(self, m: ModelConfig) -> bool:
         """Whether ``m``'s backend keeps its CUDA graphs on the GPU while it sleeps."""
         found = self.pm.registered("engine_backends").get(m.backend or "")
@@ -108,6 +114,14 @@ class _Planner:
                 "weight-source",
                 f"role {m.role!r} allows weight sources {sorted(spec.allowed_weight_sources)}, "
                 f"not {self.weight_source(m)!r}",
+            )
+        if m.engine.weights_cpu_backup is False and self.cpu_backup(m):
+            why = f"weight source {self.weight_source(m)!r} cannot bring back released weights"
+            self.violations.add(
+                f"{p}.weights_cpu_backup",
+                "weight-source",
+                f"{why}, so its models keep a CPU copy; remove weights_cpu_backup = false, or set "
+                "offload_weights = false to keep them on the GPU while the model sleeps",
             )
         if m.device != "cuda":
             return False
@@ -472,7 +486,7 @@ class _Planner:
             cfg,
             placements,
             pools,
-            {f"{m.role}.{m.name}": self.weight_source(m) for m in cfg.models()},
+            {f"{m.role}.{m.name}" for m in cfg.models() if self.cpu_backup(m)},
             {f"{m.role}.{m.name}" for m in cfg.models() if self.keeps_graphs(m)},
         )
         self.violations += mem_violations

@@ -56,6 +56,11 @@ def test_an_offload_releases_every_tag_unless_the_spec_keeps_the_weights() -> No
         role="genrm", weight_source=STATIC, offload_weights=False, weights_cpu_backup=True
     )
     assert asked.weights_cpu_backup
+    # The one rule, where the planner's host-memory budget reads it too.
+    assert [
+        STATIC.cpu_backup(off, asked) for off in (True, False) for asked in (None, False, True)
+    ] == [True, True, True, False, False, True]
+    assert [ACTOR.cpu_backup(True, asked) for asked in (None, False, True)] == [False, False, True]
 
 
 def test_static_spec_cannot_be_given_an_update_operation() -> None:

@@ -177,9 +177,24 @@ def test_rejects_cpu_weight_backups_beyond_node_ram(
     assert "node(s) 0 each need 28.4 GiB" in msg
     assert "roles.genrm.models.judge CPU weight backup 14.2" in msg
     assert "roles.teacher.models.math CPU weight backup 14.2" in msg
-    data["roles"]["teacher"]["models"]["math"]["weights_cpu_backup"] = False
+    # A STATIC model that releases its weights cannot do without its copy: asking it to is refused
+    # (the engines would keep one anyway), ...
+    math = data["roles"]["teacher"]["models"]["math"]
+    math["weights_cpu_backup"] = False
+    path = "roles.teacher.models.math.weights_cpu_backup"
+    msg = violation(data, roles_plugin_manager, path, "weight-source")
+    assert "'STATIC' cannot bring back released weights" in msg and "offload_weights" in msg
+    # ... keeping its weights on the GPU while it sleeps drops it.
+    math["offload_weights"] = False
     plan = plan_inference_placement(parse_config(data), roles_plugin_manager)
     assert [h.total_gib for h in plan.host_memory] == pytest.approx([7_615_616_512 * 2 / GIB])
+    assert [i.label for i in plan.host_memory[0].items] == [
+        "roles.genrm.models.judge CPU weight backup"
+    ]
+    # A source with an update path keeps a copy only when asked: the rollout's adds its own.
+    data["roles"]["rollout"]["models"]["policy"]["weights_cpu_backup"] = True
+    msg = violation(data, roles_plugin_manager, "cluster.host_memory_gib", "memory-host")
+    assert "roles.rollout.models.policy CPU weight backup" in msg and "math" not in msg
 
 
 def test_offloaded_training_state_counts_against_host_memory(
