@@ -205,6 +205,14 @@ class Batch:
         #: Called with the tokens each sampling picked (one per row); returns the tokens the
         #: batch continues with (a multi-node replica's head tokens). ``None``: no sync.
         self.sync_tokens: Callable[[list[int]], list[int]] | None = None
+        #: Asked with a decode step's sequences once its tokens are read, before they are
+        #: appended: whether to start the next decode step now, so that the device runs it
+        #: while this thread appends, checks and delivers (``None``: never; see
+        #: :meth:`_start_ahead`). The engine sets it for a run of steps the loop leaves alone.
+        self.run_ahead: Callable[[list[Sequence]], bool] | None = None
+        self._ahead: tuple[list[Sequence], torch.Tensor, torch.Tensor] | None = None
+        self.ahead_steps = 0  # decode steps started ahead
+        self.ahead_dropped = 0  # of those, not used (the loop took over, a stop string matched)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -232,6 +240,7 @@ class Batch:
         """
         changed = self._drop_aborted(aborted)
         if new:
+            self.drop_ahead()
             self._prefill(new)
             changed += new
         elif self.seqs:
@@ -244,6 +253,7 @@ class Batch:
         Aborted ones are finished; the others are marked ``retracted`` so that their next
         prefill feeds the prompt and every generated token.
         """
+        self.drop_ahead()
         out = self._drop_aborted(aborted)
         for s in self.seqs:
             s.retracted = True
@@ -266,6 +276,7 @@ class Batch:
         """After a step raised: the KV it wrote is suspect, so the prefix cache is dropped first;
         then every running sequence and every new one ends with an abort (rows and slots go
         back). Returns them all."""
+        self.drop_ahead()
         self.cache.clear()
         failed = self.abort_all(message)
         for s in new:
@@ -277,7 +288,15 @@ class Batch:
 
     def clear(self) -> None:
         """Check that the batch is empty (its KV cache is then all free)."""
-        assert not self.seqs
+        assert not self.seqs and self._ahead is None
+
+    def drop_ahead(self) -> None:
+        """Forget the decode step started ahead, if one was and is not used: it finishes on the
+        device first (it writes its rows' next KV slots, reserved until their rows are freed)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.ahead_dropped += 1
+            self.runner.synchronize()
 
     # -- text ----------------------------------------------------------------------------
 
@@ -551,24 +570,15 @@ class Batch:
 
     def _decode(self) -> list[Sequence]:
         seqs = list(self.seqs)
-        positions = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]
-        packed = torch.from_numpy(
-            np.array(
-                [
-                    [s.output_ids[-1] for s in seqs],
-                    positions,
-                    [s.row for s in seqs],
-                    [s.seed for s in seqs],
-                    [len(s.output_ids) for s in seqs],
-                ],
-                dtype=np.int64,
-            )
-        )
-        temps = torch.tensor(
-            [0.0 if s.sampling.greedy else s.sampling.temperature for s in seqs],
-            dtype=torch.float32,
-        )
-        logits, tokens = self.runner.decode(packed, temps, max(positions) + 1)
+        ahead = self._ahead
+        if ahead is not None and [id(s) for s in ahead[0]] != [id(s) for s in seqs]:
+            self.drop_ahead()  # a sequence left the batch (aborted): its rows no longer match
+            ahead = None
+        self._ahead = None
+        if ahead is not None:  # started while the last step's tokens were appended
+            logits, tokens = ahead[1], ahead[2]
+        else:
+            logits, tokens = self._launch(seqs, [s.output_ids[-1] for s in seqs], 0)
         self.decode_steps += 1
         if all(_drawn_in_forward(s) for s in seqs):
             # The forward pass sampled them (in the CUDA graph): the same draw as below, with
@@ -577,12 +587,60 @@ class Batch:
             if self.sync_tokens is not None:
                 ids = self.sync_tokens(ids)
             picked = self._with_logprobs(logits, seqs, ids)
+            self._start_ahead(seqs, ids)  # after every read of this step's outputs
         else:
             picked = self._sample(logits, seqs)
         for s, tok in zip(seqs, picked, strict=True):
             self._append(s, tok)
         self.seqs = [s for s in seqs if not s.finished]
         return seqs
+
+    def _launch(
+        self, seqs: list[Sequence], tokens: list[int], ahead: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a decode step of ``seqs`` fed ``tokens``, each ``ahead`` tokens past its
+        ``output_ids``: the runner's logits and tokens (a graph's: valid until its next replay)."""
+        positions = [len(s.prompt_ids) + len(s.output_ids) - 1 + ahead for s in seqs]
+        packed = torch.from_numpy(
+            np.array(
+                [
+                    tokens,
+                    positions,
+                    [s.row for s in seqs],
+                    [s.seed for s in seqs],
+                    [len(s.output_ids) + ahead for s in seqs],
+                ],
+                dtype=np.int64,
+            )
+        )
+        temps = torch.tensor(
+            [0.0 if s.sampling.greedy else s.sampling.temperature for s in seqs],
+            dtype=torch.float32,
+        )
+        return self.runner.decode(packed, temps, max(positions) + 1)
+
+    def _start_ahead(self, seqs: list[Sequence], ids: list[int]) -> None:
+        """Start the step after this one, fed ``ids``, before they are appended (SGLang's
+        overlapped scheduling): when every sequence takes it with the forward pass's own draw
+        (:meth:`_goes_on`), no node must agree on the tokens (``sync_tokens``) and
+        :attr:`run_ahead` says the loop will not take over. A sequence a stop string ends
+        (known only once appended) leaves the step unused (:meth:`drop_ahead`)."""
+        if self.run_ahead is None or self.sync_tokens is not None:
+            return
+        if all(map(self._goes_on, seqs, ids)) and self.run_ahead(seqs):
+            self._ahead = (seqs, *self._launch(seqs, ids, 1))
+            self.ahead_steps += 1
+
+    def _goes_on(self, s: Sequence, tok: int) -> bool:
+        """Whether ``s``, having drawn ``tok``, takes its next step with the forward pass's draw:
+        no stop token, length or context limit ends it there, and ``min_new_tokens`` is met
+        (what :meth:`_check_finish` and :func:`_drawn_in_forward` decide without the text)."""
+        sp, n = s.sampling, len(s.output_ids) + 1
+        if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.runner.eos_ids):
+            return False
+        if sp.max_new_tokens is not None and n >= sp.max_new_tokens:
+            return False
+        return len(s.prompt_ids) + n < self.runner.max_len and n >= (sp.min_new_tokens or 0)
 
     # -- sampling and log-probs ----------------------------------------------------------
 

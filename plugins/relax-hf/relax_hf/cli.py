@@ -70,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         enable_cache_report=args.enable_cache_report,
         emulate_cuda_graph=args.emulate_cuda_graph,
+        disable_overlap_schedule=args.disable_overlap_schedule,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -308,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="report the prefix cache's cached_tokens in the OpenAI routes' "
         "usage.prompt_tokens_details (SGLang's flag)",
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="start a decode step only once the last one's tokens are appended, checked and "
+        "delivered (default: the next step of a run starts first, so the device computes it "
+        "meanwhile; SGLang's flag)",
     )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)

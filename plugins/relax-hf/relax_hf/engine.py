@@ -79,8 +79,12 @@ class Engine:
         dist_timeout_s: float = 600.0,
         nodes: HeadNodes | None = None,
         enable_custom_logit_processor: bool = False,
+        overlap_schedule: bool = True,
     ) -> None:
         self.runner = runner
+        #: Start a run's next decode step before the last one's tokens are appended
+        #: (``--disable-overlap-schedule``: off; see :attr:`Batch.run_ahead`).
+        self.overlap_schedule = overlap_schedule
         #: ``--enable-custom-logit-processor``: requests may carry code to run on their logits.
         self.enable_custom_logit_processor = enable_custom_logit_processor
         self.batch = Batch(runner)
@@ -448,22 +452,34 @@ class Engine:
         :data:`RUN_ON_SECONDS`: a hand-over between the loop and this thread and back leaves the
         device idle between two decode steps (at concurrency 1 a third of a CPU step)."""
         began = time.monotonic()
-        changed = self._one_step(new)
         until = began + RUN_ON_SECONDS
-        while self._decode_on(changed) and time.monotonic() < until:
-            changed = self._one_step([])
+        if self.overlap_schedule:  # the next step starts while this one's tokens are appended
+            self.batch.run_ahead = lambda seqs: (
+                time.monotonic() < until and self._decode_on(seqs, coming=1)
+            )
+        try:
+            changed = self._one_step(new)
+            while self._decode_on(changed) and time.monotonic() < until:
+                changed = self._one_step([])
+        finally:
+            self.batch.run_ahead = None
+            self.batch.drop_ahead()  # the loop takes over: what it does may change the batch
         self.step_seconds += time.monotonic() - began
         return changed
 
-    def _decode_on(self, changed: list[Sequence]) -> bool:
-        """Whether :meth:`_step` may decode again without the loop (see there)."""
+    def _decode_on(self, changed: list[Sequence], *, coming: int = 0) -> bool:
+        """Whether :meth:`_step` may decode again without the loop (see there); ``coming``:
+        tokens each of ``changed`` is about to get (1: asked before a step's are appended)."""
         if self._wake.is_set() or self._waiting or self._pending or not len(self.batch):
             return False
         if self.paused or self.broken or self.not_resident():
             return False
         return not any(
             s.finished
-            or (s.stream and len(s.output_ids) - s.delivered >= (s.sampling.stream_interval or 1))
+            or (
+                s.stream
+                and len(s.output_ids) + coming - s.delivered >= (s.sampling.stream_interval or 1)
+            )
             for s in changed
         )
 
@@ -484,6 +500,7 @@ class Engine:
 
     def _reload_pending(self) -> None:
         """Read back the discarded weights no push wrote (followers first)."""
+        self.batch.drop_ahead()  # started with the weights as they were
         self._tell("reload")
         self.runner.reload_pending()
 

@@ -44,7 +44,8 @@ class HFEngineOptions:
     prefilled in full). ``enable_custom_logit_processor``: requests may carry a
     ``custom_logit_processor`` (serialized code the engine runs; SGLang's flag).
     ``enable_cache_report``: the OpenAI routes' ``usage`` carries
-    ``prompt_tokens_details.cached_tokens`` (SGLang's flag).
+    ``prompt_tokens_details.cached_tokens`` (SGLang's flag). ``disable_overlap_schedule``: a
+    decode step starts only once the last one's tokens are appended (SGLang's flag).
     """
 
     memory_handoff: bool = False
@@ -66,6 +67,7 @@ class HFEngineOptions:
     disable_radix_cache: bool = False
     enable_custom_logit_processor: bool = False
     enable_cache_report: bool = False
+    disable_overlap_schedule: bool = False
 
 
 def hf_options(spec: EngineLaunchSpec) -> HFEngineOptions:

@@ -472,7 +472,8 @@ class ModelRunner:
         if getattr(self, "graphs", None) is not None and self.pool.resident:
             self.graphs.drop_if_moved()  # type: ignore[union-attr]
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -547,7 +548,7 @@ class ModelRunner:
                 pin = self.device.type == "cuda"
                 self._backup = torch.empty(self.param_bytes, dtype=torch.uint8, pin_memory=pin)
             self._backup.copy_(self._flat, non_blocking=True)
-            self._sync()
+            self.synchronize()
             self._backup_current = True
             copied = self.param_bytes
         copy_done = time.perf_counter()
@@ -561,7 +562,7 @@ class ModelRunner:
         self.weights_resident = False
         unmapped: dict[str, Any] = {}
         if self._wseg is not None:
-            self._sync()  # nothing may still read the buffer when its memory is unmapped
+            self.synchronize()  # nothing may still read the buffer when its memory is unmapped
             unmapped = _prefixed(self._wseg.unmap(park=True))
         freed = self.free_cached_memory(self._released)
         if self._cpu_map is not None:
@@ -585,13 +586,13 @@ class ModelRunner:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
         flat, mapped = self._alloc_flat()
-        self._sync()
+        self.synchronize()
         allocated = time.perf_counter()
         if self._backup_current:
             assert self._backup is not None
             flat.copy_(self._backup, non_blocking=True)
             if wait:
-                self._sync()
+                self.synchronize()
             source = "cpu_backup"
         else:
             # Nothing read back: a push follows (or the checkpoint, when something needs it).
@@ -641,7 +642,7 @@ class ModelRunner:
         start = time.perf_counter()
         n = len(self.weights_pending)
         self._load_checkpoint_into(self._flat, self.checkpoint_path, only=self.weights_pending)
-        self._sync()
+        self.synchronize()
         self.weights_pending = set()
         return {"reloaded": n, "seconds": time.perf_counter() - start}
 
@@ -661,7 +662,7 @@ class ModelRunner:
         start = time.perf_counter()
         buffer = [weakref.ref(self.pool.kv.untyped_storage())]
         if self.pool.segment is not None:
-            self._sync()  # nothing may still read the pool when its memory is unmapped
+            self.synchronize()  # nothing may still read the pool when its memory is unmapped
         unmapped = _prefixed(self.pool.release())
         freed = self.free_cached_memory(buffer)
         return {
@@ -677,7 +678,7 @@ class ModelRunner:
             return {"source": "resident", "seconds": 0.0}
         start = time.perf_counter()
         mapped = _prefixed(self.pool.allocate())
-        self._sync()
+        self.synchronize()
         return {"bytes": self.pool.nbytes, **mapped, "seconds": time.perf_counter() - start}
 
     def release_cuda_graphs(self) -> dict[str, Any]:
@@ -698,7 +699,7 @@ class ModelRunner:
             return {"graphs": 0, "seconds": 0.0}
         start = time.perf_counter()
         n = self.graphs.recapture()
-        self._sync()
+        self.synchronize()
         return {"graphs": n, "seconds": time.perf_counter() - start}
 
     def release(self, tags: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -923,7 +924,7 @@ class ModelRunner:
                 p = self.params[name]
                 p.data.copy_(tensor, non_blocking=True)
                 total += p.numel() * p.element_size()
-        self._sync()
+        self.synchronize()
         self.weights_dirty = True
         self._backup_current = False
         self.weights_pending.difference_update(name for name, _ in named)
@@ -940,7 +941,7 @@ class ModelRunner:
             staging = torch.empty(self.param_bytes, dtype=torch.uint8, device=self.device)
             self._load_checkpoint_into(staging, path)
             self._flat.copy_(staging)
-            self._sync()
+            self.synchronize()
             del staging
             had_graphs = False
         else:

@@ -88,6 +88,7 @@ class ServerConfig:
     enable_custom_logit_processor: bool = False
     enable_cache_report: bool = False
     emulate_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -253,6 +254,8 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "prefill_tokens_total": engine.batch.prefill_tokens,
         "prefill_sequences_total": engine.batch.prefill_sequences,
         "decode_steps_total": engine.batch.decode_steps,
+        "decode_steps_ahead_total": engine.batch.ahead_steps,
+        "decode_steps_ahead_dropped_total": engine.batch.ahead_dropped,
         "prefill_steps_total": engine.batch.prefill_steps,
         "step_seconds_total": round(engine.step_seconds, 6),
         "generation_tokens_total": engine.batch.tokens_generated,
@@ -573,6 +576,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
                 seed=config.seed,
                 nodes=nodes,
                 enable_custom_logit_processor=config.enable_custom_logit_processor,
+                overlap_schedule=not config.disable_overlap_schedule,
             )
         app.state.engine = eng
         app.state.config = config
