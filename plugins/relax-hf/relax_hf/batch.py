@@ -290,6 +290,11 @@ class Batch:
         """Check that the batch is empty (its KV cache is then all free)."""
         assert not self.seqs and self._ahead is None
 
+    @property
+    def started_ahead(self) -> bool:
+        """Whether a decode step was started ahead (:attr:`run_ahead`) and not yet used."""
+        return self._ahead is not None
+
     def drop_ahead(self) -> None:
         """Forget the decode step started ahead, if one was and is not used: it finishes on the
         device first (it writes its rows' next KV slots, reserved until their rows are freed)."""

@@ -459,7 +459,10 @@ class Engine:
             )
         try:
             changed = self._one_step(new)
-            while self._decode_on(changed) and time.monotonic() < until:
+            # A step started ahead (while time was left) is used unless something else stops.
+            while self._decode_on(changed) and (
+                self.batch.started_ahead or time.monotonic() < until
+            ):
                 changed = self._one_step([])
         finally:
             self.batch.run_ahead = None
