@@ -152,6 +152,7 @@ def main(out: Path) -> dict[str, Any]:
         "c1_tokens_per_s": decode.get("c1_tokens_per_s"),
         "c64_tokens_per_s": decode.get("c64_tokens_per_s"),
         "c1_over_roofline": decode.get("c1_over_roofline"),
+        "steps": decode.get("steps"),  # decode steps, started ahead, of those unused
         "target": 0.35,
     }
     wake = _last_json(out / "wake.json")

@@ -314,6 +314,11 @@ async def _measure(
     async with client_cls(url, timeout=600) as c:
         info = await c.server_info()
         decode["cuda_graphs"] = info["memory"]["cuda_graphs"]
+        # The overlapped schedule: decode steps started before the last one's tokens were
+        # appended, and those of them left unused.
+        decode["steps"] = {
+            k: info.get(f"decode_steps{k}_total") for k in ("", "_ahead", "_ahead_dropped")
+        }
         decode["kv_cache"] = info["memory"]["kv_cache"]
     out["decode"] = decode
     async with client_cls(url, timeout=600) as c:
