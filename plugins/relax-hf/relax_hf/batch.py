@@ -638,14 +638,10 @@ class Batch:
 
     def _goes_on(self, s: Sequence, tok: int) -> bool:
         """Whether ``s``, having drawn ``tok``, takes its next step with the forward pass's draw:
-        no stop token, length or context limit ends it there, and ``min_new_tokens`` is met
-        (what :meth:`_check_finish` and :func:`_drawn_in_forward` decide without the text)."""
-        sp, n = s.sampling, len(s.output_ids) + 1
-        if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.runner.eos_ids):
-            return False
-        if sp.max_new_tokens is not None and n >= sp.max_new_tokens:
-            return False
-        return len(s.prompt_ids) + n < self.runner.max_len and n >= (sp.min_new_tokens or 0)
+        no stop token, length or context limit ends it there (:meth:`_token_or_length_end`),
+        and ``min_new_tokens`` is met (as :func:`_drawn_in_forward` asks)."""
+        n = len(s.output_ids) + 1
+        return self._token_or_length_end(s, tok, n) is None and n >= s.sampling.min_new_tokens
 
     # -- sampling and log-probs ----------------------------------------------------------
 
@@ -824,16 +820,23 @@ class Batch:
                 if re.search(pattern, text):
                     s.finish_reason = {"type": "stop", "matched": pattern}
                     return
+        reason = self._token_or_length_end(s, tok, len(s.output_ids))
+        if reason is None and s.grammar is not None and s.grammar.terminated:
+            reason = {"type": "stop", "matched": tok}
+        if reason is not None:
+            s.finish_reason = reason
+
+    def _token_or_length_end(self, s: Sequence, tok: int, n: int) -> dict[str, Any] | None:
+        """Why ``s`` ends with ``tok`` as its ``n``-th output token, known without its text: a
+        stop token, then ``max_new_tokens``, then the context (SGLang's order); else ``None``."""
+        sp = s.sampling
         if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.runner.eos_ids):
-            s.finish_reason = {"type": "stop", "matched": tok}
-            return
-        mnt = sp.max_new_tokens
-        if mnt is not None and len(s.output_ids) >= mnt:
-            s.finish_reason = {"type": "length", "length": mnt}
-        elif len(s.prompt_ids) + len(s.output_ids) >= self.runner.max_len:
-            s.finish_reason = {"type": "length", "length": len(s.output_ids)}
-        elif s.grammar is not None and s.grammar.terminated:
-            s.finish_reason = {"type": "stop", "matched": tok}
+            return {"type": "stop", "matched": tok}
+        if sp.max_new_tokens is not None and n >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if len(s.prompt_ids) + n >= self.runner.max_len:
+            return {"type": "length", "length": n}
+        return None
 
 
 _WINDOWS: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
