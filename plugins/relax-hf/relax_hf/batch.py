@@ -588,10 +588,7 @@ class Batch:
         if all(_drawn_in_forward(s) for s in seqs):
             # The forward pass sampled them (in the CUDA graph): the same draw as below, with
             # the log-probs of the rows that want them (rollout's requests) read in one gather.
-            ids = tokens.tolist()
-            if self.sync_tokens is not None:
-                ids = self.sync_tokens(ids)
-            picked = self._with_logprobs(logits, seqs, ids)
+            ids, picked = self._read_drawn(logits, tokens, seqs)
             self._start_ahead(seqs, ids)  # after every read of this step's outputs
         else:
             picked = self._sample(logits, seqs)
@@ -599,6 +596,26 @@ class Batch:
             self._append(s, tok)
         self.seqs = [s for s in seqs if not s.finished]
         return seqs
+
+    def _read_drawn(
+        self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[Sampled]]:
+        """The tokens the forward pass drew, with the log-probs of the rows that want them
+        (:meth:`_with_logprobs`). Where no node must agree on the tokens first, the log-probs
+        are gathered at the drawn tokens on the device and read with them in one copy: the
+        host waits once a step, and the device runs the gather before the step started ahead."""
+        if self.sync_tokens is not None or not any(s.logprob.return_logprob for s in seqs):
+            ids = tokens.tolist()
+            if self.sync_tokens is not None:
+                ids = self.sync_tokens(ids)
+            return ids, self._with_logprobs(logits, seqs, ids)
+        lp = scaled_logprobs(logits, seqs)
+        values = lp.gather(1, tokens.view(-1, 1))[:, 0]
+        # float64 holds every token id exactly, and every float32 log-prob
+        read = torch.stack((tokens.view(-1).to(torch.float64), values.to(torch.float64)))
+        drawn, got = read.tolist()
+        ids = [int(t) for t in drawn]
+        return ids, self._with_logprobs(logits, seqs, ids, (lp, got))
 
     def _launch(
         self, seqs: list[Sequence], tokens: list[int], ahead: int
@@ -666,16 +683,24 @@ class Batch:
         return [(t, v, lp, support.get(i)) for i, (t, v, lp, _) in enumerate(out)]
 
     def _with_logprobs(
-        self, z: torch.Tensor, seqs: list[Sequence], picked: list[int]
+        self,
+        z: torch.Tensor,
+        seqs: list[Sequence],
+        picked: list[int],
+        read: tuple[torch.Tensor, list[float]] | None = None,
     ) -> list[Sampled]:
         """Each picked token with its log-prob under the processed logits ``z`` (for the
         sequences that want it) and its log-prob row (for those that want top or given ids'
-        log-probs too): one gather and one copy to the host for the batch, not one per row."""
+        log-probs too): one gather and one copy to the host for the batch, not one per row.
+        ``read``: the log-prob rows and the picked tokens' values, already gathered."""
         if not any(s.logprob.return_logprob for s in seqs):
             return [(t, None, None, None) for t in picked]
-        lp = scaled_logprobs(z, seqs)
-        chosen = torch.tensor(picked, device=lp.device)[:, None]
-        values = lp.gather(1, chosen)[:, 0].tolist()
+        if read is not None:
+            lp, values = read
+        else:
+            lp = scaled_logprobs(z, seqs)
+            chosen = torch.tensor(picked, device=lp.device)[:, None]
+            values = lp.gather(1, chosen)[:, 0].tolist()
         out: list[Sampled] = []
         for i, (t, v, s) in enumerate(zip(picked, values, seqs, strict=True)):
             want = s.logprob
