@@ -16,7 +16,8 @@
 #      over the engine's own;
 #   3. relax bench wake --job docs/examples/run-h200.toml: wake cost p50 / p99 against one pinned
 #      copy of a model's weights;
-#   4. relax-hf gpu-bench: decode at concurrency 1 against the weight-bandwidth roofline;
+#   4. relax-hf gpu-bench: decode at concurrency 1 against the weight-bandwidth roofline
+#      (PARTS=gpu-bench-off, not in the default: the same with the overlapped schedule off);
 #   5. docs/examples/run-h200-async.toml (graphs) back to back up to ASYNC_RUNS times (default 5),
 #      each checked for every step committed;
 #   6. (PARTS=profile, not in the default) tools/decode-profile.py: one decode step's kernels at
@@ -147,6 +148,13 @@ if want gpu-bench; then
   bounded 120 gpu-bench python3 -m relax_hf gpu-bench --json >"$OUT/gpu-bench.json" \
     2>"$OUT/gpu-bench.log"
   echo "gpu-bench exited $?"
+fi
+# 4b. (PARTS=gpu-bench-off, not in the default) the same with the overlapped schedule off, right
+# after: the schedule's share of c1, back to back on one machine.
+if want gpu-bench-off; then
+  bounded 120 gpu-bench-off python3 -m relax_hf gpu-bench --json --disable-overlap-schedule \
+    >"$OUT/gpu-bench-off.json" 2>"$OUT/gpu-bench-off.log"
+  echo "gpu-bench-off exited $?"
 fi
 
 # 6. Where a decode step's time goes (asked for by name: not in the default PARTS).

@@ -155,6 +155,15 @@ def main(out: Path) -> dict[str, Any]:
         "steps": decode.get("steps"),  # decode steps, started ahead, of those unused
         "target": 0.35,
     }
+    off = ((_last_json(out / "gpu-bench-off.json") or {}).get("decode")) or {}
+    if off.get("c1_tokens_per_s") and decode.get("c1_tokens_per_s"):
+        # the overlapped schedule off, right after (PARTS=gpu-bench-off)
+        result["gpu_bench"]["without_overlap"] = {
+            k: off.get(k) for k in ("c1_tokens_per_s", "c64_tokens_per_s", "c1_over_roofline")
+        }
+        result["gpu_bench"]["c1_overlap_over_without"] = round(
+            decode["c1_tokens_per_s"] / off["c1_tokens_per_s"], 3
+        )
     wake = _last_json(out / "wake.json")
     copy = _last_json(out / "copy.json")
     if wake:

@@ -128,6 +128,7 @@ def _gpu_bench(args: argparse.Namespace) -> int:
         mem_fraction=args.mem_fraction_static,
         torch_compile=args.torch_compile,
         settle_s=args.settle_seconds,
+        overlap_schedule=not args.disable_overlap_schedule,
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
@@ -350,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--torch-compile", action="store_true", help="start the engine with --enable-torch-compile"
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="start the engine with --disable-overlap-schedule (decode steps one after another)",
     )
     p.add_argument(
         "--settle-seconds",

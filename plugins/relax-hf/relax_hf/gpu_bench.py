@@ -200,6 +200,7 @@ def run(
     mem_fraction: float = 0.85,
     torch_compile: bool = False,
     settle_s: float = 2.0,
+    overlap_schedule: bool = True,
 ) -> dict[str, Any]:
     """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
     from transformers.utils import logging as hf_logging
@@ -219,6 +220,7 @@ def run(
         "size": size,
         "dtype": dtype,
         "torch_compile": torch_compile,
+        "overlap_schedule": overlap_schedule,
         "resume_settle_seconds": settle_s,
     }
     with tempfile.TemporaryDirectory(prefix="relax-hf-gpu-bench-") as tmp:
@@ -237,7 +239,10 @@ def run(
                 weights_cpu_backup=True,
                 mem_fraction_static=mem_fraction if cuda else None,
             ),
-            backend_options=HFEngineOptions(enable_torch_compile=torch_compile),
+            backend_options=HFEngineOptions(
+                enable_torch_compile=torch_compile,
+                disable_overlap_schedule=not overlap_schedule,
+            ),
         )
         t0 = time.perf_counter()
         proc = launch(spec)
@@ -377,6 +382,7 @@ def format_result(result: dict[str, Any]) -> str:
     """A human-readable summary of :func:`run`'s result."""
     mem, upd, dec = result["memory"], result["tensor_update"], result["decode"]
     params = result["model"]["parameters"] / 1e9
+    steps = dec.get("steps") or {}
     lines = [
         f"hf engine on {result['device']}: {result['size']} model, {params:.2f}B params, "
         f"{mem['param_bytes'] / 2**30:.2f} GiB of weights ({result['dtype']})",
@@ -392,6 +398,9 @@ def format_result(result: dict[str, Any]) -> str:
         f"{dec['roofline_steps_per_s']:.0f} steps/s "
         f"(D2D copy {dec['d2d_copy_gb_per_s']:.0f} GB/s); "
         f"c1 at {dec['c1_over_roofline'] * 100:.1f}% of it",
+        f"  overlapped schedule: {'on' if result.get('overlap_schedule', True) else 'off'}; "
+        f"decode steps {steps.get('') or 0}, started ahead {steps.get('_ahead') or 0} "
+        f"({steps.get('_ahead_dropped') or 0} left unused)",
         f"  checks: {json.dumps(result['checks'])}",
     ]
     return "\n".join(lines)
