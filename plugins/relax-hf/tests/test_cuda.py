@@ -168,3 +168,33 @@ def test_with_memory_handoff_a_switch_keeps_the_graphs_and_captures_nothing(
     after = server.http.ok("/server_info")["memory"]["cuda_graphs"]
     assert after["captures"] == started["captures"]
     assert after["replays"] > started["replays"]
+
+
+def test_the_overlapped_schedule_on_cuda_changes_no_token_or_log_prob(
+    pair: tuple[EngineServer, EngineServer], start_server: Any
+) -> None:
+    # The graphs' static logits and tokens are overwritten by the step started ahead: the
+    # log-probs gathered before it, and every token, equal those of the steps one by one.
+    _, cuda = pair
+    apart = start_server(
+        "hf-cuda-no-overlap",
+        device="cuda",
+        extra_args=("--mem-fraction-static", "0.2", "--disable-overlap-schedule"),
+    )
+
+    def run(server: EngineServer, **sp: Any) -> list[tuple[list[int], list[float]]]:
+        body = {
+            "text": PROMPTS,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, **sp},
+        }
+        outs = server.http.ok("/generate", body)
+        return [
+            (o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs
+        ]
+
+    ahead = cuda.http.ok("/server_info")["decode_steps_ahead_total"]
+    for sp in ({"temperature": 0.0}, {"temperature": 0.8, "sampling_seed": 5, "n": 2}):
+        assert run(cuda, **sp) == run(apart, **sp)
+    assert cuda.http.ok("/server_info")["decode_steps_ahead_total"] > ahead
+    assert apart.http.ok("/server_info")["decode_steps_ahead_total"] == 0
