@@ -120,6 +120,9 @@ source "$OUT/shapes.env"
 want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0:256:rollout \
     genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0:${JUDGE_CONCURRENCY:-64}:shared-prefix,chat; do
   IFS=: read -r role model prompt new temp conc compare <<<"$m"
+  # THROUGHPUT_ROLES: which phases' engines to measure (default both; "genrm" alone when the
+  # generation phase is known to be met and the session's budget is short).
+  case " ${THROUGHPUT_ROLES:-rollout genrm} " in *" $role "*) ;; *) continue ;; esac
   bounded 130 "engine-throughput $role" python3 -m relax_hf engine-throughput \
     "docs/examples/small/$model" --json --concurrency "$conc" --requests 256 \
     --prompt-tokens "$prompt" --max-new-tokens "$new" --temperature "$temp" \
