@@ -43,6 +43,12 @@ if [ "${DRY:-0}" = 1 ]; then
 fi
 # shellcheck source=tools/h200-setup.sh
 source tools/h200-setup.sh
+# GCPROBE=1 (the default): every Python process logs its garbage-collection pauses of 5 ms or
+# more to $OUT/gc.jsonl (tools/gcprobe), and each part's start and end go to $OUT/parts.txt;
+# the summary counts the pauses of each part.
+if [ "${GCPROBE:-1}" = 1 ]; then
+  export PYTHONPATH="$PWD/tools/gcprobe:$PYTHONPATH" GC_PROBE_LOG="$OUT/gc.jsonl"
+fi
 
 left() { echo $(( BUDGET - ($(date +%s) - began) )); }
 # bounded SECONDS_WANTED NAME CMD...: run CMD with the time left (at most SECONDS_WANTED), or
@@ -58,7 +64,11 @@ bounded() {
   fi
   [ "$t" -gt "$want" ] && t=$want
   echo "== $name (up to ${t}s; $(( $(date +%s) - began ))s in)"
+  echo "$name	$(date +%s.%N)	start" >>"$OUT/parts.txt"
   timeout -s INT -k 30 "$t" "$@"  # SIGINT: relax run and serve stop as on Ctrl-C
+  local code=$?
+  echo "$name	$(date +%s.%N)	end" >>"$OUT/parts.txt"
+  return $code
 }
 
 # PYSPY=1 (py-spy's wheel in .whl/): py-spy records each engine and the run's driver while part 1

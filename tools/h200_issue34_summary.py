@@ -184,9 +184,42 @@ def main(out: Path) -> dict[str, Any]:
         runs.append({"run": path.stem, "steps_committed": len(steps),
                      "step_seconds": [round(r["seconds"], 2) for r in steps]})  # fmt: skip
     result["async_runs"] = runs
+    result["gc_pauses"] = _gc_pauses(out)
     skipped = out / "skipped.txt"
     result["skipped"] = skipped.read_text().splitlines() if skipped.exists() else []
     return result
+
+
+def _gc_pauses(out: Path) -> dict[str, Any]:
+    """Each part's garbage-collection pauses of 20 ms or more (tools/gcprobe), by process:
+    how many, their sum and the longest (ms)."""
+    parts: dict[str, dict[str, float]] = {}
+    try:
+        for line in (out / "parts.txt").read_text().splitlines():
+            name, at, what = line.split("\t")
+            parts.setdefault(name, {})[what] = float(at)
+    except (OSError, ValueError):
+        return {}
+    pauses = [p for p in _rows(out / "gc.jsonl") if p.get("ms", 0) >= 20]
+    found: dict[str, Any] = {}
+    for name, span in parts.items():
+        begin, end = span.get("start"), span.get("end", float("inf"))
+        if begin is None:
+            continue
+        by: dict[str, list[float]] = {}
+        for p in pauses:
+            if begin <= p["t"] <= end:
+                cmd = p["cmd"]
+                kind = next(
+                    (k for k in ("relax_hf", "relax_core", "default_worker", "bench") if k in cmd),
+                    "other",
+                )
+                by.setdefault(kind, []).append(p["ms"])
+        found[name] = {
+            k: {"count": len(v), "sum_ms": round(sum(v), 1), "max_ms": max(v)}
+            for k, v in by.items()
+        }
+    return found
 
 
 if __name__ == "__main__":
