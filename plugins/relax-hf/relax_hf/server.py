@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import time
 from collections.abc import AsyncIterator
@@ -258,6 +259,12 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "decode_steps_ahead_dropped_total": engine.batch.ahead_dropped,
         "prefill_steps_total": engine.batch.prefill_steps,
         "step_seconds_total": round(engine.step_seconds, 6),
+        # Python's garbage collector: the start-up objects frozen out of its full collections
+        # (ModelRunner.freeze_heap) and the collections of each generation so far.
+        "gc": {
+            "frozen_objects": gc.get_freeze_count(),
+            "collections": [g["collections"] for g in gc.get_stats()],
+        },
         "generation_tokens_total": engine.batch.tokens_generated,
         "prefix_cache": cache,
         "memory": runner.memory_report(),
@@ -580,6 +587,9 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
             )
         app.state.engine = eng
         app.state.config = config
+        if engine is None:
+            frozen = ModelRunner.freeze_heap()
+            print(f"relax-hf: {frozen} start-up objects kept out of garbage collection", flush=True)
         eng.start()
         try:
             yield

@@ -290,3 +290,37 @@ def test_engine_throughput_refuses_an_unknown_variant_before_starting_an_engine(
         run(str(tmp_path), device="cpu", compare=["shared-prefix", "bogus"])
     with pytest.raises(ValueError, match="rounds=0"):
         run(str(tmp_path), device="cpu", rounds=0)
+
+
+def test_the_engine_keeps_its_start_up_objects_out_of_full_collections(
+    plain: EngineServer,
+) -> None:
+    gc_info = _info(plain)["gc"]
+    assert gc_info["frozen_objects"] > 100_000  # torch, transformers, the model, the tokenizer
+    assert len(gc_info["collections"]) == 3
+
+
+def test_a_release_frees_weights_that_a_frozen_reference_cycle_held(tiny_model: Path) -> None:
+    # In this process: the start-up heap frozen (as the engine does once started) with a
+    # reference cycle in it that holds a view of the weights. The release's collection of the
+    # young objects cannot free them; it must look at the frozen heap too.
+    import gc
+
+    from relax_hf.runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_model), max_total_tokens=256)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.cycle = holder  # type: ignore[attr-defined]
+    holder.view = runner._flat[:16]  # type: ignore[attr-defined,index]
+    try:
+        assert ModelRunner.freeze_heap() > 0
+        del holder  # garbage now, in the frozen heap
+        runner.release_weights()
+        assert runner.memory_report()["released_storages_alive"] == 0
+        assert gc.get_freeze_count() > 0  # frozen again after looking
+    finally:
+        gc.unfreeze()
