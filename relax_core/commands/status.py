@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import urllib.error
-import urllib.request
 from typing import Any
 
-from relax_core.discovery.status import fetch_snapshot, render_snapshot
+from relax_core.discovery.status import fetch_health, fetch_snapshot, render_snapshot
 
 NAME = "status"
 HELP = "Show a role's models, states and replicas from its gateway (schema 2)."
@@ -32,35 +31,20 @@ def run(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as err:
         print(f"relax status: cannot reach {args.url}: {err}; is `relax serve` running?")
         return 1
-    residency = _residency(args.url, args.token)
+    try:  # relax serve's on-demand wake state (none where the gateway wakes nothing)
+        residency = fetch_health(args.url, token=args.token).get("residency")
+    except (urllib.error.URLError, OSError, ValueError):
+        residency = None
     if args.json:
         body = snap.to_json()
-        if residency is not None:
+        if isinstance(residency, dict):
             body = {**body, "residency": residency}  # not schema 2: relax serve's wake state
         print(json.dumps(body, indent=2))
     else:
         print(render_snapshot(snap))
-        if residency is not None:
+        if isinstance(residency, dict):
             print(render_residency(residency))
     return 0
-
-
-def _residency(url: str, token: str | None) -> dict[str, Any] | None:
-    """The role's residency from its gateway's ``/health`` (``relax serve``'s on-demand wake),
-    or ``None`` where the gateway does not wake its role."""
-    base = url.rstrip("/").removesuffix("/engines")
-    req = urllib.request.Request(base + "/health?schema=2")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            body = json.loads(resp.read())
-    except urllib.error.HTTPError as err:  # 503: nothing READY, the body still says why
-        body = json.loads(err.read() or b"{}")
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    found = body.get("residency") if isinstance(body, dict) else None
-    return found if isinstance(found, dict) else None
 
 
 def render_residency(residency: dict[str, Any]) -> str:

@@ -126,11 +126,7 @@ class ResidencyPlan:
 
 
 def plan_residency(
-    plan: Any,
-    slices: Mapping[str, str],
-    *,
-    mode: str = "planned",
-    roles: Collection[str] = (),
+    plan: Any, slices: Mapping[str, str], *, mode: str = "planned", roles: Collection[str] = ()
 ) -> ResidencyPlan:
     """The residency of ``plan`` (an :class:`~relax_core.placement.InferencePlacementPlan`)
     over its defer ``slices`` (role -> slice id); of ``roles``, those on no shared slice are

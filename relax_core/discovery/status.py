@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from relax_core.discovery.schema import RoleSnapshot
 
@@ -18,6 +21,19 @@ def fetch_snapshot(url: str, *, token: str | None = None, timeout: float = 10.0)
         req.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return RoleSnapshot.from_json(resp.read())
+
+
+def fetch_health(url: str, *, token: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    """A role gateway's ``/health?schema=2`` body (``url``: the role base URL), a 503's too."""
+    req = urllib.request.Request(url.rstrip("/").removesuffix("/engines") + "/health?schema=2")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as err:  # 503: nothing READY, or loading; the body says why
+        body = json.loads(err.read() or b"{}")
+    return body if isinstance(body, dict) else {}
 
 
 def render_snapshot(snap: RoleSnapshot, *, pids: Mapping[str, Sequence[int]] | None = None) -> str:

@@ -115,12 +115,7 @@ class RayModel(_Model):
     :meth:`shutdown` waits up to ``shutdown_timeout``, each query up to 60 s."""
 
     def __init__(
-        self,
-        role: str,
-        model_id: str,
-        actor: Any,
-        *,
-        shutdown_timeout: float = 120.0,
+        self, role: str, model_id: str, actor: Any, *, shutdown_timeout: float = 120.0
     ) -> None:
         timeouts = dict.fromkeys(("engine_pids", "router_pids", "unconfirmed_workers"), 60.0)
         timeouts["shutdown"] = shutdown_timeout

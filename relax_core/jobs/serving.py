@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
@@ -13,7 +14,7 @@ from relax_core.config import JobConfig
 from relax_core.coordination.handles import LocalManagerHandle
 from relax_core.coordination.residency import defer_slices, plan_residency
 from relax_core.discovery.server import RegistryServer
-from relax_core.discovery.status import render_snapshot
+from relax_core.discovery.status import fetch_health, render_snapshot
 from relax_core.errors import LifecycleError, RelaxError, SnapshotError
 from relax_core.gateway.handler import GatewayOptions
 from relax_core.gateway.serving import RunningGateway, start_actor_gateway, start_thread_gateway
@@ -201,6 +202,12 @@ def _start_gateways(
                 waker=waker,
             )
         job.gateways[role.name] = gateway
+    deadline = time.monotonic() + 600  # "ready" once no role adapter is loading (tokenizers)
+    for name, gw in job.gateways.items():
+        while fetch_health(f"{gw.url}/{name}").get("adapter") == "loading":
+            if time.monotonic() > deadline:
+                raise LifecycleError(f"the {name} gateway's adapter still loads after 600 s")
+            time.sleep(0.05)
 
 
 def _shared(job: ServedJob, config: JobConfig) -> dict[str, str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from relax_core.discovery.status import fetch_health
 from relax_core.testing import wait_for
 from tests.support import serve as support
 from tests.support.jobs import hf, job_text, sim
@@ -100,6 +101,9 @@ def test_serve_answers_in_both_gateway_modes_rebuilds_a_killed_engine_and_stops_
         assert set(gateways) == {"teacher", "genrm", "rollout"}, str(out)
         teacher_url, teacher_port, teacher_mode, teacher_pid = gateways["teacher"]
         genrm_url, genrm_port, genrm_mode, genrm_pid = gateways["genrm"]
+        # "ready" comes once the genrm adapter's tokenizers are loaded: no request (or wake)
+        # runs beside that load and its imports.
+        assert fetch_health(f"{genrm_url}/genrm")["adapter"] == "ok"
 
         # The status table lists each engine with its process id.
         out.wait_for(r"judge/replica-0\s+READY", timeout=30)
