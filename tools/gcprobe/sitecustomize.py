@@ -18,7 +18,9 @@ import time
 
 _PATH = os.environ.get("GC_PROBE_LOG")
 _MIN = float(os.environ.get("GC_PROBE_MS", "5")) / 1e3
+_TYPES = os.environ.get("GC_PROBE_TYPES") == "1"
 _began: list[float] = [0.0]
+_seen: set[str] = set()
 
 
 def _probe(phase: str, info: dict[str, int]) -> None:
@@ -28,7 +30,7 @@ def _probe(phase: str, info: dict[str, int]) -> None:
     took = time.perf_counter() - _began[0]
     if took < _MIN or _PATH is None:
         return
-    row = {
+    row: dict[str, object] = {
         "t": round(time.time(), 4),
         "pid": os.getpid(),
         "cmd": " ".join(sys.argv)[:160],
@@ -36,6 +38,18 @@ def _probe(phase: str, info: dict[str, int]) -> None:
         "ms": round(took * 1e3, 2),
         "collected": info.get("collected"),
     }
+    if _TYPES and info.get("generation") == 2:
+        # GC_PROBE_TYPES=1: the most common types among the objects the collector tracks (what
+        # a growing heap is made of); costs a pass over them, so only for diagnosis.
+        counts: dict[str, int] = {}
+        for obj in gc.get_objects():
+            name = type(obj).__qualname__
+            counts[name] = counts.get(name, 0) + 1
+        row["tracked"] = sum(counts.values())
+        packages = {m.partition(".")[0] for m in list(sys.modules)}
+        row["new_packages"] = sorted(packages - _seen)[:40]  # imported since the last one
+        _seen.update(packages)
+        row["types"] = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12])
     try:
         with open(_PATH, "a") as f:
             f.write(json.dumps(row) + "\n")
