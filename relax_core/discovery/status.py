@@ -13,21 +13,18 @@ from relax_core.discovery.schema import RoleSnapshot
 
 def fetch_snapshot(url: str, *, token: str | None = None, timeout: float = 10.0) -> RoleSnapshot:
     """The snapshot served at ``url`` (a role base URL or its ``/engines`` URL)."""
-    base = url.rstrip("/")
-    if not base.endswith("/engines"):
-        base += "/engines"
-    req = urllib.request.Request(base + "?schema=2")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    base = url.rstrip("/").removesuffix("/engines")
+    req = urllib.request.Request(base + "/engines?schema=2", headers=auth)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return RoleSnapshot.from_json(resp.read())
 
 
 def fetch_health(url: str, *, token: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
     """A role gateway's ``/health?schema=2`` body (``url``: the role base URL), a 503's too."""
-    req = urllib.request.Request(url.rstrip("/").removesuffix("/engines") + "/health?schema=2")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    base = url.rstrip("/").removesuffix("/engines")
+    req = urllib.request.Request(base + "/health?schema=2", headers=auth)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = json.loads(resp.read())

@@ -12,6 +12,7 @@ Ray, with real managers and the test plugin's simulated engines, whose start fai
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import signal
 from collections.abc import Iterator
@@ -118,8 +119,14 @@ def test_each_deferred_phase_is_started_and_put_to_sleep_before_the_next_then_th
     # The teacher keeps its weights while it sleeps (offload_weights = false).
     runtime, config = _defer_runtime(calls, teacher={"offload_tags": ("kv_cache", "cuda_graph")})
     said: list[str] = []
-    runtime.start(config, said.append, sleep_note="nobody wakes it")
-    assert calls == [
+    try:
+        runtime.start(config, said.append, sleep_note="nobody wakes it")
+        # What the start made (and all before it) stays out of full garbage collections ...
+        assert gc.get_freeze_count() > 0
+    finally:
+        runtime.teardown(lambda _line: None)
+    assert gc.get_freeze_count() == 0  # ... until the teardown
+    assert calls[:5] == [
         "start genrm.judge",
         "offload genrm.judge",
         "start teacher.math",
