@@ -403,7 +403,8 @@ class StepDriver:
                 raise failure from None
             raise
         finally:
-            gen.cancel()
+            if not self._stopping:  # once is enough: a second cancel cut short its cleanup
+                gen.cancel()
             await asyncio.gather(gen, return_exceptions=True)
         # The training lane's failure first: the commit lane was cancelled because of it.
         for lane in (train, commit):
@@ -468,7 +469,7 @@ class StepDriver:
                     if not fut.done():
                         failed = exc if isinstance(exc, _GenerationFailed) else None
                         fut.set_exception(failed or _GenerationFailed(exc, []))
-                    if self.settings.max_failed_steps == 0 or interrupted(exc):
+                    if self.settings.max_failed_steps == 0 or interrupted(exc) or self._stopping:
                         return
                     continue  # the commit lane decides whether the run goes past it
                 if not fut.done():

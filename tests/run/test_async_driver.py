@@ -509,3 +509,14 @@ def test_switching_a_push_waits_for_rollouts_turn() -> None:
     trained = [step for step, _, _ in m.trainer.trained]
     assert sorted(trained + [f.step for f in m.skipped]) == [0, 1, 2] and trained[:2] == [0, 1]
     assert m.gpu.breaches == []
+
+
+def test_a_train_fault_while_the_next_step_is_half_generated_reports_its_samples() -> None:
+    # Found by TestDriver: the run's stop cancelled the generation lane twice; the second cut
+    # its cleanup short and the half-generated step's samples were in no report.
+    state = DriverMachine()
+    state.start(steps=3, k=2, groups=2, action="regenerate", stream=True, switching=False)
+    for name in ("generate_group",) * 4 + ("score_group", "generate_group", "score_group"):
+        getattr(state, name)()
+    state.fault(kind="train")
+    state.teardown()  # every generated sample trained, dropped or reported
