@@ -774,10 +774,10 @@ class ModelRunner:
         start = time.perf_counter()
         collected = released is None or any(r() is not None for r in released)
         if collected:
-            gc.collect()
-            if gc.get_freeze_count() and (
-                released is None or any(r() is not None for r in released)
-            ):
+            frozen = gc.get_freeze_count() > 0
+            if released is not None or not frozen:
+                gc.collect()  # what is not frozen: enough unless a released storage outlives it
+            if frozen and (released is None or any(r() is not None for r in released)):
                 gc.unfreeze()  # a cycle the start-up made may hold it
                 gc.collect()
                 gc.freeze()
