@@ -17,7 +17,8 @@
 #   3. relax bench wake --job docs/examples/run-h200.toml: wake cost p50 / p99 against one pinned
 #      copy of a model's weights;
 #   4. relax-hf gpu-bench: decode at concurrency 1 against the weight-bandwidth roofline
-#      (PARTS=gpu-bench-off, not in the default: the same with the overlapped schedule off);
+#      (PARTS=gpu-bench-off, not in the default: the same with the overlapped schedule off;
+#      PARTS=gpu-bench-compile: with --torch-compile);
 #   5. docs/examples/run-h200-async.toml (graphs) back to back up to ASYNC_RUNS times (default 5),
 #      each checked for every step committed;
 #   6. (PARTS=profile, not in the default) tools/decode-profile.py: one decode step's kernels at
@@ -168,6 +169,14 @@ if want gpu-bench-off; then
   bounded 120 gpu-bench-off python3 -m relax_hf gpu-bench --json --disable-overlap-schedule \
     >"$OUT/gpu-bench-off.json" 2>"$OUT/gpu-bench-off.log"
   echo "gpu-bench-off exited $?"
+fi
+
+# 4c. (PARTS=gpu-bench-compile, not in the default) the same with --torch-compile (the decode
+# step's element-wise pieces fused by torch.compile), right after: its ratio to the default.
+if want gpu-bench-compile; then
+  bounded 180 gpu-bench-compile python3 -m relax_hf gpu-bench --json --torch-compile \
+    >"$OUT/gpu-bench-compile.json" 2>"$OUT/gpu-bench-compile.log"
+  echo "gpu-bench-compile exited $?"
 fi
 
 # 6. Where a decode step's time goes (asked for by name: not in the default PARTS).

@@ -164,6 +164,16 @@ def main(out: Path) -> dict[str, Any]:
         result["gpu_bench"]["c1_overlap_over_without"] = round(
             decode["c1_tokens_per_s"] / off["c1_tokens_per_s"], 3
         )
+    fused = ((_last_json(out / "gpu-bench-compile.json") or {}).get("decode")) or {}
+    if fused.get("c1_tokens_per_s"):
+        # --torch-compile (PARTS=gpu-bench-compile): the decode step's pieces fused
+        result["gpu_bench"]["with_torch_compile"] = {
+            k: fused.get(k) for k in ("c1_tokens_per_s", "c64_tokens_per_s", "c1_over_roofline")
+        }
+        if decode.get("c1_tokens_per_s"):
+            result["gpu_bench"]["c1_compiled_over_default"] = round(
+                fused["c1_tokens_per_s"] / decode["c1_tokens_per_s"], 3
+            )
     wake = _last_json(out / "wake.json")
     copy = _last_json(out / "copy.json")
     if wake:

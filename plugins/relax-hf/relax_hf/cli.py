@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-torch-compile",
         action="store_true",
-        help="fuse the element-wise parts of the forward pass with torch.compile (CUDA)",
+        help="fuse the decode step's element-wise parts with torch.compile (CUDA; needs triton)",
     )
     p.add_argument(
         "--disable-radix-cache",

@@ -31,6 +31,7 @@ addresses it recorded have moved (a CUDA graph would read freed memory there).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from relax_hf.kvcache import KVPool
-from relax_hf.sampling import gumbel_noise
+from relax_hf.sampling import column_keys, gumbel_from
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -78,16 +79,83 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _add_rms(
+    x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream ``x + y`` and its RMSNorm with ``w`` (one kernel compiled)."""
+    s = x + y
+    return s, F.rms_norm(s, (s.shape[-1],), w, eps)
+
+
+def _rope_tables(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin ``[..., heads + 2 * kv_heads, d]`` for :func:`_rope` (v's heads: 1
+    and 0) at ``positions``."""
+    freqs = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * scaling).to(dtype)
+    sin = (emb.sin() * scaling).to(dtype)
+    half = sin.shape[-1] // 2
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    shape = (*cos.shape[:-1], heads + kv_heads, cos.shape[-1])
+    v_shape = (*cos.shape[:-1], kv_heads, cos.shape[-1])
+    cos = torch.cat((cos.unsqueeze(-2).expand(shape), cos.new_ones(v_shape)), dim=-2)
+    sin = torch.cat((sin.unsqueeze(-2).expand(shape), sin.new_zeros(v_shape)), dim=-2)
+    return cos, sin
+
+
+def _decode_mask(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The decode step's additive mask ``[B, 1, 1, ctx]`` over kv heads and grouped queries
+    (``table``: the rows' ``[B, ctx]`` slots): attention would turn a boolean mask into this in
+    every layer (a fill and a select each, in the graph too)."""
+    keys = torch.arange(table.shape[1], device=table.device)
+    mask = torch.zeros(table.shape, dtype=dtype, device=table.device)
+    return mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))[:, None, None, :]
+
+
+def _sample_from(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    columns: torch.Tensor,
+) -> torch.Tensor:
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    noisy = scaled + gumbel_from(seeds, steps, columns)
+    return torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
+
+
 def sample_simple(
     logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:
     """Greedy rows (``temps <= 0``) take the argmax, the others the Gumbel-max of
     ``logits / temperature`` with :func:`~relax_hf.sampling.gumbel_noise` (what
     :func:`~relax_hf.sampling.draw` does for a row without filters). Graph-capturable."""
-    greedy = temps <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    noisy = scaled + gumbel_noise(seeds, steps, logits.shape[-1])
-    return torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
+    return _sample_from(logits, temps, seeds, steps, column_keys(logits.shape[-1], logits.device))
+
+
+class _Pieces:
+    """The decode step's element-wise pieces, as they are (eager) or wrapped (compiled)."""
+
+    def __init__(self, wrap: Any = None) -> None:
+        w = wrap or (lambda fn: fn)
+        self.norm = w(_rms)
+        self.add_norm = w(_add_rms)
+        self.rope = w(_rope)
+        self.act = w(_silu_mul)
+        self.tables = w(_rope_tables)
+        self.mask = w(_decode_mask)
+        self.sample = w(_sample_from)
+
+
+_EAGER = _Pieces()
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -194,18 +262,23 @@ class NativeModel:
         self.inv_freq = rotary.inv_freq
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.layers: list[_Layer] = []
-        self._norm_fn: Any = _rms
-        self._rope_fn: Any = _rope
-        self._act_fn: Any = _silu_mul
+        #: The decode step's element-wise pieces (:meth:`compile` fuses them).
+        self.pieces = _EAGER
         self.compiled = False
         self.bind()
 
-    def compile(self) -> None:
-        """Fuse the element-wise pieces (norms, rotary, SiLU gate) with ``torch.compile``
-        (``--enable-torch-compile``; CUDA, needs triton)."""
-        self._norm_fn = torch.compile(_rms, dynamic=True, fullgraph=True)
-        self._rope_fn = torch.compile(_rope, dynamic=True, fullgraph=True)
-        self._act_fn = torch.compile(_silu_mul, dynamic=True, fullgraph=True)
+    def compile(self, *, backend: str = "inductor") -> None:
+        """Fuse the decode step's element-wise pieces with ``torch.compile``
+        (``--enable-torch-compile``; CUDA, needs triton): the residual add with the next norm,
+        rotary, the SiLU gate, the rotary tables and the mask of a step, and the sampler (its
+        noise's ~20 integer passes over the vocabulary become one kernel). Compiled for any
+        batch size (one row apart), so a decode graph's capture of a new batch size or context
+        compiles nothing; the graphs replay the fused kernels. Prefill stays eager: its shapes
+        change with every batch and compiling one would stall serving (SGLang too compiles the
+        decode step only). ``backend``: torch.compile's (``aot_eager`` traces without a
+        compiler, as the CPU tests do)."""
+        wrap = functools.partial(torch.compile, dynamic=True, fullgraph=True, backend=backend)
+        self.pieces = _Pieces(wrap)
         self.compiled = True
 
     @property
@@ -228,23 +301,21 @@ class NativeModel:
 
     # -- pieces ------------------------------------------------------------------------------
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def _rope(
+        self, positions: torch.Tensor, dtype: torch.dtype, pieces: _Pieces = _EAGER
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ``[..., q+k+v heads, d]`` for :func:`_rope` (v: 1 and 0)."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(dtype)
-        sin = (emb.sin() * self.rope_scaling).to(dtype)
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        rotated = self.num_heads + self.num_kv_heads
-        shape = (*cos.shape[:-1], rotated, cos.shape[-1])
-        v_shape = (*cos.shape[:-1], self.num_kv_heads, cos.shape[-1])
-        cos = torch.cat((cos.unsqueeze(-2).expand(shape), cos.new_ones(v_shape)), dim=-2)
-        sin = torch.cat((sin.unsqueeze(-2).expand(shape), sin.new_zeros(v_shape)), dim=-2)
-        return cos, sin
+        return pieces.tables(  # type: ignore[no-any-return]
+            positions, self.inv_freq, self.rope_scaling, self.num_heads, self.num_kv_heads, dtype
+        )
 
     def _heads(
-        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: _Layer,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pieces: _Pieces = _EAGER,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[..., H, d]``, k and v ``[..., Hkv, d]`` with norms and rotary applied."""
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -252,11 +323,11 @@ class NativeModel:
         if layer.qn is not None or layer.kn is not None:
             q, k = qkv[..., :heads, :], qkv[..., heads : heads + kv_heads, :]
             if layer.qn is not None:
-                q = self._norm_fn(q, layer.qn, self.eps)
+                q = pieces.norm(q, layer.qn, self.eps)
             if layer.kn is not None:
-                k = self._norm_fn(k, layer.kn, self.eps)
+                k = pieces.norm(k, layer.kn, self.eps)
             qkv = torch.cat((q, k, qkv[..., heads + kv_heads :, :]), dim=-2)
-        qkv = self._rope_fn(qkv, cos, sin)  # q, k (and v, untouched) in one pass
+        qkv = pieces.rope(qkv, cos, sin)  # q, k (and v, untouched) in one pass
         return (
             qkv[..., :heads, :],
             qkv[..., heads : heads + kv_heads, :],
@@ -265,7 +336,7 @@ class NativeModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and the LM head: float32 logits."""
-        return F.linear(self._norm_fn(hidden, self.norm, self.eps), self.lm_head).float()
+        return F.linear(_rms(hidden, self.norm, self.eps), self.lm_head).float()
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -285,7 +356,7 @@ class NativeModel:
         x = F.embedding(ids, self.embed)
         cos, sin = self._rope(pos, x.dtype)
         rep = self.groups
-        norm, act = self._norm_fn, self._act_fn
+        norm, act = _rms, _silu_mul
         for i, layer in enumerate(self.layers):
             h = norm(x, layer.ln1, self.eps)
             q, k, v = self._heads(layer, h, cos, sin)
@@ -339,7 +410,7 @@ class NativeModel:
         ends = [ctx if len(spans) == 1 else min(ctx, first + c1) for _, c1 in spans]
         x = F.embedding(ids, self.embed)
         cos, sin = self._rope(pos, x.dtype)
-        norm, act = self._norm_fn, self._act_fn
+        norm, act = _rms, _silu_mul
         for i, layer in enumerate(self.layers):
             h = norm(x, layer.ln1, self.eps)
             q, k, v = self._heads(layer, h, cos, sin)  # q [B, T, H, d], k/v [B, T, Hkv, d]
@@ -383,17 +454,15 @@ class NativeModel:
         table = pool.req_to_token.index_select(0, rows)[:, :ctx]
         write = table.gather(1, positions[:, None]).squeeze(1)
         flat = table.reshape(-1)
-        keep = torch.arange(ctx, device=tokens.device)[None, :] <= positions[:, None]
-        # [B, 1, 1, ctx] over kv heads and grouped queries, additive: attention would turn a
-        # boolean mask into this in every layer (a fill and a select each, in the graph too).
-        mask = torch.zeros(keep.shape, dtype=self.embed.dtype, device=tokens.device)
-        mask = mask.masked_fill_(~keep, float("-inf"))[:, None, None, :]
+        f = self.pieces
+        mask = f.mask(table, positions, self.embed.dtype)
         x = F.embedding(tokens, self.embed)
-        cos, sin = self._rope(positions, x.dtype)
-        norm, act = self._norm_fn, self._act_fn
-        for i, layer in enumerate(self.layers):
-            h = norm(x, layer.ln1, self.eps)
-            q, k, v = self._heads(layer, h, cos, sin)  # q [B, H, d], k/v [B, Hkv, d]
+        cos, sin = self._rope(positions, x.dtype, f)
+        layers = self.layers
+        # Each residual add runs with the norm after it (the next layer's first, or the final).
+        h = f.norm(x, layers[0].ln1 if layers else self.norm, self.eps)
+        for i, layer in enumerate(layers):
+            q, k, v = self._heads(layer, h, cos, sin, f)  # q [B, H, d], k/v [B, Hkv, d]
             kv = pool.kv[i]  # type: ignore[index]
             kv[0].index_copy_(0, write, k)
             kv[1].index_copy_(0, write, v)
@@ -403,10 +472,13 @@ class NativeModel:
             o = F.scaled_dot_product_attention(
                 q.reshape(b, hkv, g, d), ck, cv, attn_mask=mask, scale=self.scale
             )
-            x = x + F.linear(o.reshape(b, -1), layer.wo, layer.bo)
-            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
-        logits = self.logits(x)
-        return logits, sample_simple(logits, temps, packed[3], packed[4])
+            out = F.linear(o.reshape(b, -1), layer.wo, layer.bo)
+            x, h = f.add_norm(x, out, layer.ln2, self.eps)
+            after = layers[i + 1].ln1 if i + 1 < len(layers) else self.norm
+            x, h = f.add_norm(x, layer.mlp(h, f.act), after, self.eps)
+        logits = F.linear(h, self.lm_head).float()
+        columns = column_keys(logits.shape[-1], logits.device)
+        return logits, f.sample(logits, temps, packed[3], packed[4], columns)
 
 
 def _buckets(context_len: int, smallest: int = 128) -> list[int]:

@@ -26,6 +26,7 @@ import gc
 import json
 import mmap
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -344,6 +345,13 @@ class ModelRunner:
             )
         if torch_compile and self.device.type == "cuda":
             self.native.compile()
+        elif torch_compile:  # said at start, not silently slower than asked
+            print(
+                f"relax-hf: --enable-torch-compile is for CUDA; on {self.device.type} the decode "
+                "step runs eager",
+                file=sys.stderr,
+                flush=True,
+            )
         graph_bytes = 0
         if self.graphs is not None:
             cuda = self.device.type == "cuda"
@@ -830,6 +838,8 @@ class ModelRunner:
                 "captures": self.graphs.captures if self.graphs is not None else 0,
                 "replays": self.graphs.replays if self.graphs is not None else 0,
                 "kept_across_release": self.graphs is not None and self.stable_addresses,
+                # --enable-torch-compile: the decode step's element-wise pieces are fused.
+                "torch_compile": self.native.compiled,
                 "bytes": self.graph_bytes,
                 "note": self.graphs_note,
             },

@@ -24,8 +24,10 @@ from relax_hf.protocol import SamplingParams
 
 __all__ = [
     "SampleRow",
+    "column_keys",
     "derive_seed",
     "draw",
+    "gumbel_from",
     "gumbel_noise",
     "process_logits",
     "sampling_support",
@@ -67,8 +69,9 @@ def _mix(h: torch.Tensor, k_mixed: torch.Tensor) -> torch.Tensor:
 _COL_KEYS: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def _col_keys(vocab: int, device: torch.device) -> torch.Tensor:
-    """Each column's mixed key, rotated as :func:`_mix` rotates it (``[1, vocab]``)."""
+def column_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """Each column's mixed key, rotated as :func:`_mix` rotates it (``[1, vocab]``; cached per
+    device and vocabulary)."""
     key = (str(device), vocab)
     cached = _COL_KEYS.get(key)
     if cached is None:
@@ -87,11 +90,17 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     decode step's sampler is mostly these): the rows' part of the hash is mixed per row, and
     a rotation of ``row ^ column`` is that of the row's xor the column's (cached).
     """
+    return gumbel_from(seeds, steps, column_keys(vocab, seeds.device))
+
+
+def gumbel_from(seeds: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """:func:`gumbel_noise` with the columns' keys given (:func:`column_keys`): tensor
+    operations only, so ``torch.compile`` fuses it whole."""
     h = torch.zeros_like(seeds)
     h = _mix(h, _mix_key(seeds & _M32))
     h = _mix(h, _mix_key((seeds >> 32) & _M32))
     h = _mix(h, _mix_key(steps & _M32))
-    x = _rotl32(h, 13)[:, None] ^ _col_keys(vocab, seeds.device)
+    x = _rotl32(h, 13)[:, None] ^ columns
     # The column's _mix, then murmur3's length (16 bytes) and its finaliser.
     x.mul_(5).add_(0xE6546B64).bitwise_and_(_M32).bitwise_xor_(16)
     x.bitwise_xor_(x >> 16).mul_(0x85EBCA6B).bitwise_and_(_M32)

@@ -198,3 +198,37 @@ def test_the_overlapped_schedule_on_cuda_changes_no_token_or_log_prob(
         assert run(cuda, **sp) == run(apart, **sp)
     assert cuda.http.ok("/server_info")["decode_steps_ahead_total"] > ahead
     assert apart.http.ok("/server_info")["decode_steps_ahead_total"] == 0
+
+
+def test_the_compiled_decode_step_on_cuda_draws_what_the_cpu_engine_draws(
+    pair: tuple[EngineServer, EngineServer], start_server: Any
+) -> None:
+    # --enable-torch-compile: inductor's fused kernels in the decode graphs (test_modeling.py
+    # checks the tracing on CPU); greedy and seeded rows as the CPU engine draws them, and the
+    # log-probs as the uncompiled CUDA engine reads them.
+    cpu, cuda = pair
+    compiled = start_server(
+        "hf-cuda-compiled",
+        device="cuda",
+        extra_args=("--mem-fraction-static", "0.2", "--enable-torch-compile"),
+    )
+    graphs = compiled.http.ok("/server_info")["memory"]["cuda_graphs"]
+    assert graphs["torch_compile"] and graphs["captured"] > 0
+    assert _outputs(compiled, temperature=0.0) == _outputs(cpu, temperature=0.0)
+    # Without a filter the decode graph draws the row (the compiled Gumbel noise); with top_p
+    # the full sampler does.
+    for seeded in ({"temperature": 0.8, "sampling_seed": 9}, {"top_p": 0.95, "sampling_seed": 3}):
+        assert _outputs(compiled, **seeded, n=2) == _outputs(cpu, **seeded, n=2)
+    body = {
+        "text": PROMPTS,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0},
+    }
+    want = cuda.http.ok("/generate", body)
+    got = compiled.http.ok("/generate", body)
+    for a, b in zip(got, want, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        lp = [e[0] for e in a["meta_info"]["output_token_logprobs"]]
+        ref = [e[0] for e in b["meta_info"]["output_token_logprobs"]]
+        assert lp == pytest.approx(ref, abs=1e-4)
+    assert compiled.http.ok("/server_info")["memory"]["cuda_graphs"]["replays"] > graphs["replays"]

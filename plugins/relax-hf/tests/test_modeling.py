@@ -181,3 +181,45 @@ def test_the_eager_passes_leave_cudnn_attention_to_the_decode_graphs(
     runner.decode(packed, torch.zeros(1), 8)
     assert seen == {"prefill": False, "prefill_after": False, "decode_step": False}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was outside them
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_the_compiled_decode_pieces_draw_the_same_tokens_and_compile_once(
+    tmp_path: Path, tiny_model: Path, family: str
+) -> None:
+    """``--enable-torch-compile`` fuses the decode step's element-wise pieces. On CPU, traced
+    by torch.compile with the ``aot_eager`` backend (the graphs inductor would compile, run
+    without a compiler; inductor's kernels are checked on a GPU in test_cuda.py): the same
+    logits and tokens as eager, greedy and sampled rows, and a new batch size or context after
+    the first two compiles nothing (the decode graphs capture new shapes while serving)."""
+    from torch._dynamo.utils import counters
+
+    runner = ModelRunner(str(_save(tmp_path, tiny_model, family)), max_total_tokens=1024)
+
+    def step(b: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = torch.stack(
+            [
+                torch.arange(b) + 5,  # tokens
+                torch.arange(b) + ctx - b,  # positions
+                torch.arange(b) + 1,  # rows
+                torch.arange(b) * 7 + 3,  # seeds
+                torch.full((b,), 4),  # steps
+            ]
+        )
+        temps = torch.tensor([0.0] + [0.8] * (b - 1))
+        with torch.inference_mode():
+            return runner.native.decode_step(runner.pool, packed, temps, ctx)  # type: ignore[no-any-return]
+
+    shapes = [(1, 16), (3, 16), (5, 32), (8, 64)]
+    eager = [step(b, ctx) for b, ctx in shapes]
+    torch._dynamo.reset()
+    runner.native.compile(backend="aot_eager")
+    assert runner.native.compiled
+    compiled = [step(b, ctx) for b, ctx in shapes[:2]]
+    frames = counters["stats"]["unique_graphs"]
+    compiled += [step(b, ctx) for b, ctx in shapes[2:]]
+    assert counters["stats"]["unique_graphs"] == frames  # no recompile at 5 x 32 or 8 x 64
+    for (logits, tokens), (want_logits, want_tokens) in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tokens, want_tokens)
+    torch._dynamo.reset()
