@@ -201,7 +201,7 @@ class Batch:
         self.cached_tokens_total = 0  # sum of the sequences' cached_tokens (SGLang's counter)
         self.prompt_tokens_prefilled = 0  # prompt tokens of the sequences prefilled (first time)
         self.decode_steps = 0
-        self.prefill_steps = 0  # steps that prefilled (a step prefills or decodes)
+        self.prefill_steps = 0  # steps that prefilled (with a decode of the running ones)
         #: Called with the tokens each sampling picked (one per row); returns the tokens the
         #: batch continues with (a multi-node replica's head tokens). ``None``: no sync.
         self.sync_tokens: Callable[[list[int]], list[int]] | None = None
@@ -213,6 +213,9 @@ class Batch:
         self._ahead: tuple[list[Sequence], torch.Tensor, torch.Tensor] | None = None
         self.ahead_steps = 0  # decode steps started ahead
         self.ahead_dropped = 0  # of those, not used (the loop took over, a stop string matched)
+        #: A step's decode outputs held while its prefill runs (:meth:`step`); a graph replay
+        #: in that prefill (:meth:`_forward_one`) copies them first.
+        self._held: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -236,12 +239,28 @@ class Batch:
     def step(self, new: list[Sequence], aborted: Aborts | None = None) -> list[Sequence]:
         """Run one unit of work; return every sequence that changed (new token or finished).
 
-        ``aborted`` (default: :meth:`aborting` now) are finished and removed first.
+        ``aborted`` (default: :meth:`aborting` now) are finished and removed first. A step with
+        ``new`` sequences prefills them and decodes the running ones in the same step: their
+        decode step is launched first (or was started ahead), the prefill's kernels queue
+        behind it while the host builds them, and its tokens are read after the prefill's; the
+        running sequences are not held a step for every prefill (requests arriving one by one
+        as others end, as a reward stage sends them, made a prefill step per arrival).
         """
         changed = self._drop_aborted(aborted)
         if new:
-            self.drop_ahead()
-            self._prefill(new)
+            launched = self._decode_launch() if self.seqs else None
+            if launched is not None:
+                self._held = [launched[1], launched[2]]
+            try:
+                self._prefill(new)
+            finally:
+                held, self._held = self._held, None
+            if launched is not None and held is not None:
+                seqs = launched[0]
+                self._decode_finish(seqs, held[0], held[1], ahead=False)
+                # _prefill appended the new sequences that go on after the running ones
+                self.seqs = [s for s in seqs if not s.finished] + self.seqs[len(seqs) :]
+                changed += seqs
             changed += new
         elif self.seqs:
             changed += self._decode()
@@ -546,6 +565,8 @@ class Batch:
     ) -> dict[int, torch.Tensor]:
         """The last input token of ``chunk``'s units (the rest cached, none wanting input
         log-probs) as one decode step (its graph when one fits); each one's logits."""
+        if self._held is not None:  # this step's decode outputs: a replay would overwrite them
+            self._held[:] = [t.clone() for t in self._held]
         heads = [units[i][0] for i in chunk]
         positions = [len(inputs[i]) - 1 for i in chunk]
         packed = torch.tensor(
@@ -574,6 +595,13 @@ class Batch:
     # -- decode --------------------------------------------------------------------------
 
     def _decode(self) -> list[Sequence]:
+        seqs, logits, tokens = self._decode_launch()
+        self._decode_finish(seqs, logits, tokens, ahead=True)
+        self.seqs = [s for s in seqs if not s.finished]
+        return seqs
+
+    def _decode_launch(self) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:
+        """The running sequences' decode step, launched (or the one started ahead for them)."""
         seqs = list(self.seqs)
         ahead = self._ahead
         if ahead is not None and [id(s) for s in ahead[0]] != [id(s) for s in seqs]:
@@ -585,17 +613,23 @@ class Batch:
         else:
             logits, tokens = self._launch(seqs, [s.output_ids[-1] for s in seqs], 0)
         self.decode_steps += 1
+        return seqs, logits, tokens
+
+    def _decode_finish(
+        self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor, *, ahead: bool
+    ) -> None:
+        """Read and append a launched decode step's tokens (``ahead``: the next step may be
+        started before they are appended)."""
         if all(_drawn_in_forward(s) for s in seqs):
             # The forward pass sampled them (in the CUDA graph): the same draw as below, with
             # the log-probs of the rows that want them (rollout's requests) read in one gather.
             ids, picked = self._read_drawn(logits, tokens, seqs)
-            self._start_ahead(seqs, ids)  # after every read of this step's outputs
+            if ahead:
+                self._start_ahead(seqs, ids)  # after every read of this step's outputs
         else:
             picked = self._sample(logits, seqs)
         for s, tok in zip(seqs, picked, strict=True):
             self._append(s, tok)
-        self.seqs = [s for s in seqs if not s.finished]
-        return seqs
 
     def _read_drawn(
         self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]

@@ -170,3 +170,44 @@ def test_an_engine_starts_steps_ahead_unless_told_not_to(
     for (_, a), (_, b) in zip(outputs[0], outputs[1], strict=True):
         assert [e[0] for e in a] == pytest.approx([e[0] for e in b], abs=1e-4)
     assert counters[0] > 0 and counters[1] == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_prefill_step_decodes_the_running_sequences_as_steps_apart_would(
+    runner: ModelRunner, ahead: bool
+) -> None:
+    # Requests arriving while others run (a reward stage's, as others end): each step that
+    # prefills one also decodes the running ones, which end with the tokens and log-probs of a
+    # batch without arrivals. A one-token prompt (the onload's generation check) runs through
+    # the decode graph of the running row's shape, whose outputs that step reads after it.
+    sp = SamplingParams(temperature=0.9, max_new_tokens=10, ignore_eos=True)
+    lp = LogprobParams(return_logprob=True)
+    alone, _ = _run(runner, [(PROMPTS[0], sp, lp)], ahead)
+    runner.prefix_cache.clear()
+    batch = Batch(runner)
+    if ahead:
+        batch.run_ahead = lambda seqs: True
+    first = Sequence(rid="0", prompt_ids=_ids(runner, PROMPTS[0]), sampling=sp, logprob=lp, seed=11)
+    batch.step([first])
+    batch.step([])
+    one = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    arrivals = [
+        Sequence(rid="a", prompt_ids=_ids(runner, "The")[:1], sampling=one, logprob=lp),
+        Sequence(rid="b", prompt_ids=_ids(runner, PROMPTS[1]), sampling=one, logprob=lp),
+    ]
+    for new in arrivals:
+        had = len(first.output_ids)
+        steps = (batch.prefill_steps, batch.decode_steps)
+        batch.step([new])
+        assert len(first.output_ids) == had + 1  # decoded in the prefill's step
+        assert (batch.prefill_steps, batch.decode_steps) == (steps[0] + 1, steps[1] + 1)
+        assert new.output_ids and new in batch.seqs
+    while len(batch):
+        batch.step([])
+    batch.drop_ahead()
+    # The same draws; the log-probs to rounding (rows of other batch sizes sum in other orders).
+    (want,) = alone
+    assert (first.output_ids, first.finish_reason) == (want.output_ids, want.finish_reason)
+    got = [e[0] for e in first.output_token_logprobs]
+    assert got == pytest.approx([e[0] for e in want.output_token_logprobs], abs=1e-4)
+    assert batch.pool.free_slots + batch.cache.tokens == batch.pool.capacity
