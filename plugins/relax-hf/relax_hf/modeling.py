@@ -410,6 +410,17 @@ class NativeModel:
         ends = [ctx if len(spans) == 1 else min(ctx, first + c1) for _, c1 in spans]
         x = F.embedding(ids, self.embed)
         cos, sin = self._rope(pos, x.dtype)
+
+        def chunk_mask(c0: int, c1: int, end: int) -> torch.Tensor:
+            """``[B, 1, g x C, end]``, additive (attention would convert a boolean one in
+            every layer): the g query heads sharing a kv head attend as g x C query rows."""
+            hidden = keys[None, None, :end] > pos[:, c0:c1, None]  # [B, C, end]
+            mask = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device)
+            mask.masked_fill_(hidden, float("-inf"))
+            return mask[:, None, None].expand(b, 1, g, c1 - c0, end).flatten(2, 3)
+
+        # One chunk (every prompt but the longest): its mask built once for all the layers.
+        once = [chunk_mask(*spans[0], ends[0])] if len(spans) == 1 else None
         norm, act = _rms, _silu_mul
         for i, layer in enumerate(self.layers):
             h = norm(x, layer.ln1, self.eps)
@@ -419,10 +430,8 @@ class NativeModel:
             kv[1].index_copy_(0, slots, v.reshape(b * t, hkv, d))
             ck, cv = (_gather(c, table).view(b, ctx, hkv, d).transpose(1, 2) for c in kv)
             parts = []
-            for (c0, c1), end in zip(spans, ends, strict=True):
-                mask = keys[None, None, :end] <= pos[:, c0:c1, None]  # [B, C, end]
-                # The g query heads sharing a kv head attend as g x C query rows of that head.
-                mask = mask[:, None, None].expand(b, 1, g, c1 - c0, end).flatten(2, 3)
+            for j, ((c0, c1), end) in enumerate(zip(spans, ends, strict=True)):
+                mask = once[j] if once is not None else chunk_mask(c0, c1, end)
                 qg = q[:, c0:c1].permute(0, 2, 1, 3).reshape(b, hkv, g * (c1 - c0), d)
                 o = F.scaled_dot_product_attention(
                     qg, ck[:, :, :end], cv[:, :, :end], attn_mask=mask, scale=self.scale
