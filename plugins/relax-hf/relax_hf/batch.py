@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from relax_hf.grammar import Constraint
+from relax_hf.kvcache import to_device
 from relax_hf.logit_processors import Processor, apply_processors
 from relax_hf.prefixcache import CacheNode
 from relax_hf.protocol import SAMPLING_MASK_MAX_TOKENS, LogprobParams, SamplingParams
@@ -407,9 +408,12 @@ class Batch:
 
     # -- prefill -------------------------------------------------------------------------
 
-    def _place(self, unit: list[Sequence]) -> tuple[list[int], int]:
+    def _place(
+        self, unit: list[Sequence], writes: list[tuple[int, int, np.ndarray]]
+    ) -> tuple[list[int], int]:
         """Rows and slots for a unit; returns its input ids and how many of them the prefix
-        cache holds (they are not prefilled again)."""
+        cache holds (they are not prefilled again). Each row's slots go to ``writes`` (for
+        :meth:`KVPool.write_rows`)."""
         first = unit[0]
         fed = first.prompt_ids + first.output_ids if first.retracted else list(first.prompt_ids)
         done = len(first.output_ids) if first.retracted else 0
@@ -434,8 +438,7 @@ class Batch:
             s.row = self.pool.alloc_row()
             mine = self.pool.alloc_slots(want)
             s.slots = [shared, mine]
-            self.pool.write_row(s.row, 0, shared)
-            self.pool.write_row(s.row, len(fed), mine)
+            writes.append((s.row, 0, np.concatenate((shared, mine))))  # len(shared) == fed
             s.cache_node = node
             s.cache_epoch = self.cache.epoch
             if not s.prefilled:
@@ -463,7 +466,9 @@ class Batch:
         for s in new:
             self._prepare(s)
         units = _units(new)
-        placed = [self._place(u) for u in units]
+        writes: list[tuple[int, int, np.ndarray]] = []
+        placed = [self._place(u, writes) for u in units]
+        self.pool.write_rows(writes)  # every row's slots in one copy, before any forward
         inputs = [fed for fed, _ in placed]
         hits = [hit for _, hit in placed]
 
@@ -532,24 +537,28 @@ class Batch:
         runner = self.runner
         device = runner.device
         width = max(len(inputs[i]) - hits[i] for i in chunk)
-        ids = torch.full((len(chunk), width), runner.pad_id, dtype=torch.long)
+        # ids, then each row's length, pool row and cached prefix: one copy to the device
+        # that does not wait for its queued work (this step's decode of the running ones)
+        host = np.full((len(chunk), width + 3), runner.pad_id, dtype=np.int64)
         for r, i in enumerate(chunk):
-            ids[r, : len(inputs[i]) - hits[i]] = torch.tensor(
-                inputs[i][hits[i] :], dtype=torch.long
-            )
-        lens = torch.tensor([len(inputs[i]) - hits[i] for i in chunk], dtype=torch.long)
-        rows = torch.tensor([units[i][0].row for i in chunk], dtype=torch.long)
+            n = len(inputs[i]) - hits[i]
+            host[r, :n] = inputs[i][hits[i] :]
+            host[r, width:] = (n, units[i][0].row, hits[i])
+        packed = to_device(torch.from_numpy(host), device)
+        ids, lens, rows, starts = (
+            packed[:, :width],
+            packed[:, width],
+            packed[:, width + 1],
+            packed[:, width + 2],
+        )
         if hits[chunk[0]]:
-            starts = torch.tensor([hits[i] for i in chunk], dtype=torch.long)
             ctx = max(len(inputs[i]) for i in chunk)
-            hidden = runner.prefill(
-                ids.to(device), lens.to(device), rows.to(device), starts.to(device), ctx
-            )
+            hidden = runner.prefill(ids, lens, rows, starts, ctx)
         else:
-            hidden = runner.prefill(ids.to(device), lens.to(device), rows.to(device))
-        self.prefill_tokens += int(lens.sum())
+            hidden = runner.prefill(ids, lens, rows)
+        self.prefill_tokens += int(host[:, width].sum())
         self.prefill_sequences += len(chunk)
-        ends = (lens - 1).to(device)
+        ends = lens - 1
         last_logits = runner.logits(hidden[torch.arange(len(chunk), device=device), ends])
         out: dict[int, torch.Tensor] = {}
         for r, i in enumerate(chunk):

@@ -37,6 +37,14 @@ class PoolUnavailable(RuntimeError):
     """The device has not the free memory the pool needs (another process holds it)."""
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the device's queued work: through pinned
+    memory, whose block the host allocator keeps until the copy is done (on CPU: as is)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class KVPool:
     """Token slots for every layer's K and V, with reference counts and request rows."""
 
@@ -222,10 +230,22 @@ class KVPool:
 
     def write_row(self, row: int, start: int, slots: np.ndarray) -> None:
         """Map positions ``start…`` of ``row`` to ``slots``."""
+        self.write_rows([(row, start, slots)])
+
+    def write_rows(self, rows: list[tuple[int, int, np.ndarray]]) -> None:
+        """Map positions ``start…`` of each ``row`` to its ``slots``, in one copy to the device
+        that does not wait for the device's queued work (a step's decode runs meanwhile)."""
         assert self.req_to_token is not None
-        if len(slots):
-            src = torch.from_numpy(slots).to(self.device, non_blocking=False)
-            self.req_to_token[row, start : start + len(slots)] = src
+        rows = [r for r in rows if len(r[2])]
+        if not rows:
+            return
+        lens = [len(slots) for _, _, slots in rows]
+        where = np.empty((3, sum(lens)), dtype=np.int64)
+        where[0] = np.repeat([r for r, _, _ in rows], lens)
+        where[1] = np.concatenate([np.arange(st, st + len(slots)) for _, st, slots in rows])
+        where[2] = np.concatenate([slots for _, _, slots in rows])
+        at = to_device(torch.from_numpy(where), self.device)
+        self.req_to_token[at[0], at[1]] = at[2]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s keys and values, ``[num_slots, kv_heads, head_dim]`` each."""
