@@ -170,32 +170,38 @@ def test_with_memory_handoff_a_switch_keeps_the_graphs_and_captures_nothing(
     assert after["replays"] > started["replays"]
 
 
+def _second_engine(start_server: Any, flag: str) -> EngineServer:
+    """A CUDA engine beside the pair's (a fifth of the device) started with ``flag``."""
+    name = "hf-cuda" + flag.removeprefix("-")
+    return start_server(  # type: ignore[no-any-return]
+        name, device="cuda", extra_args=("--mem-fraction-static", "0.2", flag)
+    )
+
+
+def _with_logprobs(server: EngineServer, **sp: Any) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's output ids and their log-probs."""
+    body = {
+        "text": PROMPTS,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, **sp},
+    }
+    outs = server.http.ok("/generate", body)
+    return [
+        (o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs
+    ]
+
+
 def test_the_overlapped_schedule_on_cuda_changes_no_token_or_log_prob(
     pair: tuple[EngineServer, EngineServer], start_server: Any
 ) -> None:
     # The graphs' static logits and tokens are overwritten by the step started ahead: the
     # log-probs gathered before it, and every token, equal those of the steps one by one.
     _, cuda = pair
-    apart = start_server(
-        "hf-cuda-no-overlap",
-        device="cuda",
-        extra_args=("--mem-fraction-static", "0.2", "--disable-overlap-schedule"),
-    )
-
-    def run(server: EngineServer, **sp: Any) -> list[tuple[list[int], list[float]]]:
-        body = {
-            "text": PROMPTS,
-            "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, **sp},
-        }
-        outs = server.http.ok("/generate", body)
-        return [
-            (o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs
-        ]
+    apart = _second_engine(start_server, "--disable-overlap-schedule")
 
     ahead = cuda.http.ok("/server_info")["decode_steps_ahead_total"]
     for sp in ({"temperature": 0.0}, {"temperature": 0.8, "sampling_seed": 5, "n": 2}):
-        assert run(cuda, **sp) == run(apart, **sp)
+        assert _with_logprobs(cuda, **sp) == _with_logprobs(apart, **sp)
     assert cuda.http.ok("/server_info")["decode_steps_ahead_total"] > ahead
     assert apart.http.ok("/server_info")["decode_steps_ahead_total"] == 0
 
@@ -207,11 +213,7 @@ def test_the_compiled_decode_step_on_cuda_draws_what_the_cpu_engine_draws(
     # checks the tracing on CPU); greedy and seeded rows as the CPU engine draws them, and the
     # log-probs as the uncompiled CUDA engine reads them.
     cpu, cuda = pair
-    compiled = start_server(
-        "hf-cuda-compiled",
-        device="cuda",
-        extra_args=("--mem-fraction-static", "0.2", "--enable-torch-compile"),
-    )
+    compiled = _second_engine(start_server, "--enable-torch-compile")
     graphs = compiled.http.ok("/server_info")["memory"]["cuda_graphs"]
     assert graphs["torch_compile"] and graphs["captured"] > 0
     assert _outputs(compiled, temperature=0.0) == _outputs(cpu, temperature=0.0)
@@ -219,16 +221,8 @@ def test_the_compiled_decode_step_on_cuda_draws_what_the_cpu_engine_draws(
     # the full sampler does.
     for seeded in ({"temperature": 0.8, "sampling_seed": 9}, {"top_p": 0.95, "sampling_seed": 3}):
         assert _outputs(compiled, **seeded, n=2) == _outputs(cpu, **seeded, n=2)
-    body = {
-        "text": PROMPTS,
-        "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0},
-    }
-    want = cuda.http.ok("/generate", body)
-    got = compiled.http.ok("/generate", body)
-    for a, b in zip(got, want, strict=True):
-        assert a["output_ids"] == b["output_ids"]
-        lp = [e[0] for e in a["meta_info"]["output_token_logprobs"]]
-        ref = [e[0] for e in b["meta_info"]["output_token_logprobs"]]
+    got, want = _with_logprobs(compiled, temperature=0.0), _with_logprobs(cuda, temperature=0.0)
+    for (ids, lp), (ref_ids, ref) in zip(got, want, strict=True):
+        assert ids == ref_ids
         assert lp == pytest.approx(ref, abs=1e-4)
     assert compiled.http.ok("/server_info")["memory"]["cuda_graphs"]["replays"] > graphs["replays"]
