@@ -137,7 +137,7 @@ def test_scale_out_creates_a_slot_for_every_node_of_the_new_replica(
     result = manager.scale_out([[[head], [follower]]])
     run.track()
     (new,) = result.outcomes
-    assert result.outcomes == {new: Outcome.DONE}
+    assert result.outcomes == {new: Outcome.DONE}, [r.error for r in result.replicas]
     workers = manager.workers(new)
     assert [(w.node_rank, w.bundle) for w in workers] == [(0, head), (1, follower)]
     assert all(support.pid_alive(w.engine_pid) for w in workers)
