@@ -543,7 +543,9 @@ class Batch:
         for r, i in enumerate(chunk):
             n = len(inputs[i]) - hits[i]
             host[r, :n] = inputs[i][hits[i] :]
-            host[r, width:] = (n, units[i][0].row, hits[i])
+            row = units[i][0].row
+            assert row is not None  # placed
+            host[r, width:] = (n, row, hits[i])
         packed = to_device(torch.from_numpy(host), device)
         ids, lens, rows, starts = (
             packed[:, :width],
