@@ -17,7 +17,9 @@ then, in turn and ``--rounds`` times, ``--requests`` judge requests of arithmeti
   ``relax run``: ``/v1/chat/completions`` through the role's client, rendered by the engine).
 
 Each path's tokens/s is the engine's generated tokens (``/server_info`` counters) over the wall
-time, with its prefill and decode steps; the ratio is over the same round's ``random``.
+time, with its prefill and decode steps and the runs they came in (``scheduler_runs_total``: each
+run ends with a hand-over to the engine's scheduler loop); the ratio is over the same round's
+``random``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from typing import Any
 import aiohttp
 
 PATHS = ("random", "judge-ids", "gateway", "reward-stage")
-COUNTERS = ("generation_tokens_total", "prefill_steps_total", "decode_steps_total")
+COUNTERS = (
+    "generation_tokens_total", "prefill_steps_total", "decode_steps_total", "scheduler_runs_total",
+)  # fmt: skip
 
 
 def samples(n: int, seed: int) -> list[Any]:
@@ -173,7 +177,8 @@ def main() -> None:
                     rate = d["generation_tokens_total"] / seconds
                     runs[path].append({"seconds": round(seconds, 3), "tokens_per_s": round(rate, 1),
                                        "prefill_steps": d["prefill_steps_total"],
-                                       "decode_steps": d["decode_steps_total"]})  # fmt: skip
+                                       "decode_steps": d["decode_steps_total"],
+                                       "runs": d["scheduler_runs_total"]})  # fmt: skip
             return runs
 
         runs = asyncio.run(measure())
@@ -197,7 +202,9 @@ def main() -> None:
         return
     for path, row in result["paths"].items():
         rates = ", ".join(f"{m['tokens_per_s']:.0f}" for m in row["runs"])
-        steps = ", ".join(f"{m['prefill_steps']}+{m['decode_steps']}" for m in row["runs"])
+        steps = ", ".join(
+            f"{m['prefill_steps']}+{m['decode_steps']} in {m['runs']} runs" for m in row["runs"]
+        )
         print(f"{path}: {rates} tokens/s, prefill+decode steps {steps}; over random: "
               f"median {row['median_over_random']} of {row['over_random']}")  # fmt: skip
 

@@ -118,6 +118,9 @@ class Engine:
         #: Seconds the compute thread spent in steps (``/server_info`` ``step_seconds_total``):
         #: over a phase's seconds, how busy the engine was.
         self.step_seconds = 0.0
+        #: Runs of steps (:meth:`_step` calls): each one ends with a hand-over to the scheduler
+        #: loop, which admits, aborts and delivers (``/server_info`` ``scheduler_runs_total``).
+        self.runs = 0
         self._pending: deque[Sequence] = deque()
         self._live: dict[str, Sequence] = {}
         self._sinks: dict[str, asyncio.Queue[dict[str, Any]]] = {}
@@ -453,6 +456,7 @@ class Engine:
         device idle between two decode steps (at concurrency 1 a third of a CPU step)."""
         began = time.monotonic()
         until = began + RUN_ON_SECONDS
+        self.runs += 1
         if self.overlap_schedule:  # the next step starts while this one's tokens are appended
             self.batch.run_ahead = lambda seqs: (
                 time.monotonic() < until and self._decode_on(seqs, coming=1)

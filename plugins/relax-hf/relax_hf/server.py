@@ -259,6 +259,8 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         "decode_steps_ahead_dropped_total": engine.batch.ahead_dropped,
         "prefill_steps_total": engine.batch.prefill_steps,
         "step_seconds_total": round(engine.step_seconds, 6),
+        # runs of steps the compute thread took between two hand-overs to the scheduler loop
+        "scheduler_runs_total": engine.runs,
         # Python's garbage collector: the start-up objects frozen out of its full collections
         # (ModelRunner.freeze_heap) and the collections of each generation so far.
         "gc": {

@@ -175,3 +175,23 @@ def test_a_request_arriving_during_a_long_generation_is_admitted_at_once(
         assert len(short["output_ids"]) == 4
         assert not long.done()  # the short one was served while the long one ran
         assert len(long.result(timeout=120)["output_ids"]) == 2000
+
+
+def test_the_scheduler_runs_count_the_hand_overs_of_a_run_of_decode_steps(
+    shared_server: EngineServer,
+) -> None:
+    # One request alone: its decode steps run on, handing over to the scheduler loop only
+    # when RUN_ON_SECONDS have passed (or it ends): at most one run per RUN_ON_SECONDS of the
+    # compute thread's steps, and the prefill's, whatever this machine's speed.
+    from relax_hf.engine import RUN_ON_SECONDS
+
+    def counters() -> tuple[int, int, float]:
+        info = shared_server.http.ok("/server_info")
+        return info["scheduler_runs_total"], info["decode_steps_total"], info["step_seconds_total"]
+
+    runs, steps, seconds = counters()
+    params = {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+    assert len(shared_server.http.generate("Once", sampling_params=params)["output_ids"]) == 64
+    runs_after, steps_after, seconds_after = counters()
+    assert steps_after - steps == 63  # the first token comes from the prefill
+    assert 1 <= runs_after - runs <= (seconds_after - seconds) / RUN_ON_SECONDS + 2
