@@ -688,14 +688,22 @@ class Batch:
 
     def _start_ahead(self, seqs: list[Sequence], ids: list[int]) -> None:
         """Start the step after this one, fed ``ids``, before they are appended (SGLang's
-        overlapped scheduling): when every sequence takes it with the forward pass's own draw
-        (:meth:`_goes_on`), no node must agree on the tokens (``sync_tokens``) and
-        :attr:`run_ahead` says the loop will not take over. A sequence a stop string ends
-        (known only once appended) leaves the step unused (:meth:`drop_ahead`)."""
+        overlapped scheduling), for the sequences these tokens do not end (a stop token, a
+        length): when each of them takes it with the forward pass's own draw (:meth:`_goes_on`),
+        no node must agree on the tokens (``sync_tokens``) and :attr:`run_ahead` allows it.
+        Requests that end one by one (a judge's) keep the schedule: the step after a finish is
+        started for the rest. A sequence a stop string ends (known only once appended) or an
+        abort leaves the step unused (:meth:`drop_ahead`)."""
         if self.run_ahead is None or self.sync_tokens is not None:
             return
-        if all(map(self._goes_on, seqs, ids)) and self.run_ahead(seqs):
-            self._ahead = (seqs, *self._launch(seqs, ids, 1))
+        going = [
+            (s, t)
+            for s, t in zip(seqs, ids, strict=True)
+            if self._token_or_length_end(s, t, len(s.output_ids) + 1) is None
+        ]
+        rows = [s for s, _ in going]
+        if rows and all(self._goes_on(s, t) for s, t in going) and self.run_ahead(rows):
+            self._ahead = (rows, *self._launch(rows, [t for _, t in going], 1))
             self.ahead_steps += 1
 
     def _goes_on(self, s: Sequence, tok: int) -> bool:

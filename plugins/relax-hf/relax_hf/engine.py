@@ -173,11 +173,19 @@ class Engine:
             self.runner.warmer.stop()
         self._executor.shutdown(wait=True)
 
-    async def compute(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(*args)`` on the compute thread (between two scheduler steps)."""
+    async def compute(self, fn: Any, *args: Any, reads_only: bool = False) -> Any:
+        """Run ``fn(*args)`` on the compute thread (between two scheduler steps). A decode step
+        started ahead is dropped first (the call may change the batch, its memory or the
+        weights), unless ``reads_only``."""
+
+        def call() -> Any:
+            if not reads_only:
+                self.batch.drop_ahead()
+            return fn(*args)
+
         self._waiting += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
         finally:
             self._waiting -= 1
 
@@ -453,40 +461,35 @@ class Engine:
         request arrived, nothing aborted, paused or released, no other compute call queued)
         and nothing is to be delivered (no sequence finished, no stream chunk due), for at most
         :data:`RUN_ON_SECONDS`: a hand-over between the loop and this thread and back leaves the
-        device idle between two decode steps (at concurrency 1 a third of a CPU step)."""
+        device idle between two decode steps (at concurrency 1 a third of a CPU step). A decode
+        step started ahead outlives the hand-over: the loop's next step uses it (with the
+        arrivals it admits, :meth:`Batch.step`), and a compute call that may change the batch
+        drops it (:meth:`compute`)."""
         began = time.monotonic()
         until = began + RUN_ON_SECONDS
         self.runs += 1
         if self.overlap_schedule:  # the next step starts while this one's tokens are appended
             self.batch.run_ahead = lambda seqs: (
-                time.monotonic() < until and self._decode_on(seqs, coming=1)
+                not (self._waiting or self.paused or self.broken or self.not_resident())
             )
         try:
             changed = self._one_step(new)
-            # A step started ahead (while time was left) is used unless something else stops.
-            while self._decode_on(changed) and (
-                self.batch.started_ahead or time.monotonic() < until
-            ):
+            while self._decode_on(changed) and time.monotonic() < until:
                 changed = self._one_step([])
         finally:
             self.batch.run_ahead = None
-            self.batch.drop_ahead()  # the loop takes over: what it does may change the batch
         self.step_seconds += time.monotonic() - began
         return changed
 
-    def _decode_on(self, changed: list[Sequence], *, coming: int = 0) -> bool:
-        """Whether :meth:`_step` may decode again without the loop (see there); ``coming``:
-        tokens each of ``changed`` is about to get (1: asked before a step's are appended)."""
+    def _decode_on(self, changed: list[Sequence]) -> bool:
+        """Whether :meth:`_step` may decode again without the loop (see there)."""
         if self._wake.is_set() or self._waiting or self._pending or not len(self.batch):
             return False
         if self.paused or self.broken or self.not_resident():
             return False
         return not any(
             s.finished
-            or (
-                s.stream
-                and len(s.output_ids) + coming - s.delivered >= (s.sampling.stream_interval or 1)
-            )
+            or (s.stream and len(s.output_ids) - s.delivered >= (s.sampling.stream_interval or 1))
             for s in changed
         )
 
@@ -679,7 +682,7 @@ class Engine:
             self._deliver([s for s in retracted if s.finished])
             self._pending.extendleft(reversed([s for s in retracted if not s.finished]))
             return f"Generation paused; {len(retracted)} running request(s) retracted to the queue."
-        await self.compute(lambda: None)  # wait for the step in progress
+        await self.compute(lambda: None, reads_only=True)  # wait for the step in progress
         return f"Generation paused in place; {self._in_flight()} request(s) kept."
 
     def resume_generation(self) -> str:
@@ -944,7 +947,7 @@ class Engine:
             return values
 
         async with self._ops:
-            return await self.compute(read)
+            return await self.compute(read, reads_only=True)
 
 
 def weight_spans(events: list[tuple[str, int]], current: str, tokens: int) -> list[dict[str, Any]]:

@@ -308,7 +308,7 @@ def memory_usage(engine: Engine) -> dict[str, Any]:
 
 async def server_info(request: Request) -> Response:
     engine = engine_of(request)
-    info = await engine.compute(server_info_dict, engine, request.app.state.config)
+    info = await engine.compute(server_info_dict, engine, request.app.state.config, reads_only=True)
     return JSONResponse(info)
 
 
@@ -377,7 +377,7 @@ async def loads(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     engine = engine_of(request)
-    cache = await engine.compute(prefix_cache_info, engine)
+    cache = await engine.compute(prefix_cache_info, engine, reads_only=True)
     name = engine.served_model_name.replace('"', "")
     lines = [
         "# TYPE sglang:num_running_reqs gauge",

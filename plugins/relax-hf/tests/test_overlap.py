@@ -160,16 +160,22 @@ def test_an_engine_starts_steps_ahead_unless_told_not_to(
         "sampling_params": {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True},
         "return_logprob": True,
     }
+    keys = ("decode_steps_total", "decode_steps_ahead_total", "decode_steps_ahead_dropped_total")
     outputs, counters = [], []
     for server in (shared_server, off):
-        before = server.http.ok("/server_info")["decode_steps_ahead_total"]
+        before = server.http.ok("/server_info")
         out = server.http.ok("/generate", body)
         outputs.append([(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in out])
-        counters.append(server.http.ok("/server_info")["decode_steps_ahead_total"] - before)
+        after = server.http.ok("/server_info")
+        counters.append([after[k] - before[k] for k in keys])
     assert [ids for ids, _ in outputs[0]] == [ids for ids, _ in outputs[1]]
     for (_, a), (_, b) in zip(outputs[0], outputs[1], strict=True):
         assert [e[0] for e in a] == pytest.approx([e[0] for e in b], abs=1e-4)
-    assert counters[0] > 0 and counters[1] == 0
+    # Every decode step but the last started the next, across the compute thread's hand-overs
+    # to the scheduler loop too, and none was thrown away; the flag's engine started none.
+    (steps, ahead, dropped), off_counters = counters
+    assert steps == 19 and (ahead, dropped) == (18, 0)
+    assert off_counters == [19, 0, 0]
 
 
 @pytest.mark.parametrize("ahead", [False, True])
@@ -211,3 +217,14 @@ def test_a_prefill_step_decodes_the_running_sequences_as_steps_apart_would(
     got = [e[0] for e in first.output_token_logprobs]
     assert got == pytest.approx([e[0] for e in want.output_token_logprobs], abs=1e-4)
     assert batch.pool.free_slots + batch.cache.tokens == batch.pool.capacity
+
+
+def test_the_steps_after_a_finish_start_ahead_for_the_rows_that_go_on(
+    runner: ModelRunner,
+) -> None:
+    # Rows that end one by one (a judge phase's): each step but the last starts the next for
+    # the rows its tokens do not end, and every one of those steps is used.
+    seqs, batch = _run(runner, _greedy_lengths(runner), ahead=True)
+    assert [len(s.output_ids) for s in seqs] == [5, 9, 16, 1]
+    assert batch.decode_steps == 15  # the longest row's tokens after the prefill's
+    assert (batch.ahead_steps, batch.ahead_dropped) == (14, 0)
