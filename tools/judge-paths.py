@@ -40,6 +40,7 @@ import aiohttp
 PATHS = ("random", "judge-ids", "gateway", "reward-stage")
 COUNTERS = (
     "generation_tokens_total", "prefill_steps_total", "decode_steps_total", "scheduler_runs_total",
+    "decode_steps_ahead_total",
 )  # fmt: skip
 
 
@@ -178,7 +179,8 @@ def main() -> None:
                     runs[path].append({"seconds": round(seconds, 3), "tokens_per_s": round(rate, 1),
                                        "prefill_steps": d["prefill_steps_total"],
                                        "decode_steps": d["decode_steps_total"],
-                                       "runs": d["scheduler_runs_total"]})  # fmt: skip
+                                       "runs": d["scheduler_runs_total"],
+                                       "ahead": d["decode_steps_ahead_total"]})  # fmt: skip
             return runs
 
         runs = asyncio.run(measure())
@@ -203,7 +205,9 @@ def main() -> None:
     for path, row in result["paths"].items():
         rates = ", ".join(f"{m['tokens_per_s']:.0f}" for m in row["runs"])
         steps = ", ".join(
-            f"{m['prefill_steps']}+{m['decode_steps']} in {m['runs']} runs" for m in row["runs"]
+            f"{m['prefill_steps']}+{m['decode_steps']} ({m['ahead']} started ahead) in "
+            f"{m['runs']} runs"
+            for m in row["runs"]
         )
         print(f"{path}: {rates} tokens/s, prefill+decode steps {steps}; over random: "
               f"median {row['median_over_random']} of {row['over_random']}")  # fmt: skip
