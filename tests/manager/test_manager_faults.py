@@ -235,17 +235,38 @@ def solo(ray_local: Any) -> Iterator[Any]:
         yield started
 
 
-def test_killed_worker_actor_is_fenced_and_nothing_is_rebuilt(solo: Any) -> None:
+def _kill_worker_actor(manager: Any, engine_id: str) -> None:
+    """Kill the head worker's actor; return once its engine is gone and Ray answers a call on
+    the actor with its death (under load a call may first find it only unavailable, which
+    confirms nothing: the manager then marks the replica FAILED without fencing it)."""
     import ray
+
+    from relax_core.manager.fanout import is_terminal_actor_death
+
+    pid = manager.engine_pids()[engine_id][0]
+    actor = manager.workers(engine_id)[0].actor
+    ray.kill(actor, no_restart=True)
+    # The engine dies with its actor (process group + reaper).
+    support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine killed")
+
+    def confirmed() -> bool:
+        try:
+            ray.get(actor.actor_pid.remote(), timeout=5)
+        except Exception as exc:  # what Ray says of the actor now
+            return is_terminal_actor_death(exc)
+        return False
+
+    support.wait_for(confirmed, timeout=60, what="Ray confirms the actor's death")
+
+
+def test_killed_worker_actor_is_fenced_and_nothing_is_rebuilt(solo: Any) -> None:
 
     manager = solo.manager
     solo.track()
-    pid = manager.engine_pids()["judge/replica-0"][0]
     group = solo.groups[0]
-    ray.kill(manager.workers("judge/replica-0")[0].actor, no_restart=True)
-    # The engine dies with its actor (process group + reaper)...
-    support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine killed")
-    # ...but the manager cannot know that: it fences and refuses to go on.
+    _kill_worker_actor(manager, "judge/replica-0")
+    # The engine died with its actor, but the manager cannot know that: it fences and refuses
+    # to go on.
     with pytest.raises(InferenceRecoveryRequired, match="judge/replica-0") as info:
         manager.health_check()
     assert info.value.report.by_engine["judge/replica-0"].action == "fenced"
@@ -269,13 +290,10 @@ def test_killed_worker_actor_is_fenced_and_nothing_is_rebuilt(solo: Any) -> None
 
 
 def test_worker_actor_killed_before_an_offload_is_fenced_not_just_failed(solo: Any) -> None:
-    import ray
 
     manager = solo.manager
     solo.track()
-    pid = manager.engine_pids()["judge/replica-0"][0]
-    ray.kill(manager.workers("judge/replica-0")[0].actor, no_restart=True)
-    support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine killed")
+    _kill_worker_actor(manager, "judge/replica-0")
     # The offload's HTTP request finds nobody at the private control endpoint; that alone
     # proves nothing, so the manager asks Ray, which confirms the actor's death: fenced.
     with pytest.raises(InferenceRecoveryRequired, match="judge/replica-0") as info:
