@@ -249,15 +249,15 @@ class Batch:
         """
         changed = self._drop_aborted(aborted)
         if new:
-            launched = self._decode_launch() if self.seqs else None
-            if launched is not None:
-                self._held = [launched[1], launched[2]]
+            held = None
+            if self.seqs:  # _forward_one replaces the held outputs by copies in place
+                seqs, logits, tokens = self._decode_launch()
+                held = self._held = [logits, tokens]
             try:
                 self._prefill(new)
             finally:
-                held, self._held = self._held, None
-            if launched is not None and held is not None:
-                seqs = launched[0]
+                self._held = None
+            if held is not None:
                 self._decode_finish(seqs, held[0], held[1], ahead=False)
                 # _prefill appended the new sequences that go on after the running ones
                 self.seqs = [s for s in seqs if not s.finished] + self.seqs[len(seqs) :]

@@ -375,7 +375,7 @@ class Engine:
             if self.broken and self._live:
                 self.abort_all(f"this multi-node replica cannot generate: {self.broken}")
             aborting = any(s.abort_message is not None for s in self.batch.seqs)
-            if self.paused or self.not_resident() or self.broken:
+            if self._blocked():
                 if aborting:
                     self._deliver(await self.compute(self._drop_aborted))
                 continue
@@ -469,9 +469,7 @@ class Engine:
         until = began + RUN_ON_SECONDS
         self.runs += 1
         if self.overlap_schedule:  # the next step starts while this one's tokens are appended
-            self.batch.run_ahead = lambda seqs: (
-                not (self._waiting or self.paused or self.broken or self.not_resident())
-            )
+            self.batch.run_ahead = lambda seqs: not (self._waiting or self._blocked())
         try:
             changed = self._one_step(new)
             while self._decode_on(changed) and time.monotonic() < until:
@@ -481,11 +479,15 @@ class Engine:
         self.step_seconds += time.monotonic() - began
         return changed
 
+    def _blocked(self) -> bool:
+        """Paused, a node lost, or memory released: no step may run."""
+        return bool(self.paused or self.broken or self.not_resident())
+
     def _decode_on(self, changed: list[Sequence]) -> bool:
         """Whether :meth:`_step` may decode again without the loop (see there)."""
         if self._wake.is_set() or self._waiting or self._pending or not len(self.batch):
             return False
-        if self.paused or self.broken or self.not_resident():
+        if self._blocked():
             return False
         return not any(
             s.finished

@@ -228,10 +228,6 @@ class KVPool:
         if self.kv is not None:
             self._rows.append(row)
 
-    def write_row(self, row: int, start: int, slots: np.ndarray) -> None:
-        """Map positions ``start…`` of ``row`` to ``slots``."""
-        self.write_rows([(row, start, slots)])
-
     def write_rows(self, rows: list[tuple[int, int, np.ndarray]]) -> None:
         """Map positions ``start…`` of each ``row`` to its ``slots``, in one copy to the device
         that does not wait for the device's queued work (a step's decode runs meanwhile)."""

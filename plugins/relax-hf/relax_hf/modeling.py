@@ -420,7 +420,7 @@ class NativeModel:
             return mask[:, None, None].expand(b, 1, g, c1 - c0, end).flatten(2, 3)
 
         # One chunk (every prompt but the longest): its mask built once for all the layers.
-        once = [chunk_mask(*spans[0], ends[0])] if len(spans) == 1 else None
+        once = chunk_mask(*spans[0], ends[0]) if len(spans) == 1 else None
         norm, act = _rms, _silu_mul
         for i, layer in enumerate(self.layers):
             h = norm(x, layer.ln1, self.eps)
@@ -430,8 +430,8 @@ class NativeModel:
             kv[1].index_copy_(0, slots, v.reshape(b * t, hkv, d))
             ck, cv = (_gather(c, table).view(b, ctx, hkv, d).transpose(1, 2) for c in kv)
             parts = []
-            for j, ((c0, c1), end) in enumerate(zip(spans, ends, strict=True)):
-                mask = once[j] if once is not None else chunk_mask(c0, c1, end)
+            for (c0, c1), end in zip(spans, ends, strict=True):
+                mask = once if once is not None else chunk_mask(c0, c1, end)
                 qg = q[:, c0:c1].permute(0, 2, 1, 3).reshape(b, hkv, g * (c1 - c0), d)
                 o = F.scaled_dot_product_attention(
                     qg, ck[:, :, :end], cv[:, :, :end], attn_mask=mask, scale=self.scale

@@ -780,12 +780,16 @@ class ModelRunner:
         without ``released``, or when a released storage outlived the collection of the rest.
         """
         start = time.perf_counter()
-        collected = released is None or any(r() is not None for r in released)
+
+        def held() -> bool:  # a released storage still alive (or none named)
+            return released is None or any(r() is not None for r in released)
+
+        collected = held()
         if collected:
             frozen = gc.get_freeze_count() > 0
             if released is not None or not frozen:
                 gc.collect()  # what is not frozen: enough unless a released storage outlives it
-            if frozen and (released is None or any(r() is not None for r in released)):
+            if frozen and held():
                 gc.unfreeze()  # a cycle the start-up made may hold it
                 gc.collect()
                 gc.freeze()

@@ -130,7 +130,7 @@ def test_a_prefill_after_cached_prefixes_attends_in_chunks_as_in_one_pass(
     starts, rows = [7, 1], []
     for ids in prompts:
         row = pool.alloc_row()
-        pool.write_row(row, 0, pool.alloc_slots(len(ids)))
+        pool.write_rows([(row, 0, pool.alloc_slots(len(ids)))])
         rows.append(row)
     # The cached prefixes: their K/V in the pool, as a prefill of them alone leaves it.
     width = max(starts)
@@ -173,7 +173,7 @@ def test_the_eager_passes_leave_cudnn_attention_to_the_decode_graphs(
 
         monkeypatch.setattr(native, name, spy)
     row = runner.pool.alloc_row()
-    runner.pool.write_row(row, 0, runner.pool.alloc_slots(8))
+    runner.pool.write_rows([(row, 0, runner.pool.alloc_slots(8))])
     ids, rows = torch.tensor([[5, 6, 7, 8]]), torch.tensor([row])
     runner.prefill(ids, torch.tensor([4]), rows)
     runner.prefill(ids, torch.tensor([4]), rows, torch.tensor([4]), 8)
