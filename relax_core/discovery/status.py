@@ -11,20 +11,20 @@ from typing import Any
 from relax_core.discovery.schema import RoleSnapshot
 
 
+def _get(url: str, route: str, token: str | None) -> urllib.request.Request:
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    return urllib.request.Request(url.rstrip("/").removesuffix("/engines") + route, headers=auth)
+
+
 def fetch_snapshot(url: str, *, token: str | None = None, timeout: float = 10.0) -> RoleSnapshot:
     """The snapshot served at ``url`` (a role base URL or its ``/engines`` URL)."""
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    base = url.rstrip("/").removesuffix("/engines")
-    req = urllib.request.Request(base + "/engines?schema=2", headers=auth)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urllib.request.urlopen(_get(url, "/engines?schema=2", token), timeout=timeout) as resp:
         return RoleSnapshot.from_json(resp.read())
 
 
 def fetch_health(url: str, *, token: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
     """A role gateway's ``/health?schema=2`` body (``url``: the role base URL), a 503's too."""
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    base = url.rstrip("/").removesuffix("/engines")
-    req = urllib.request.Request(base + "/health?schema=2", headers=auth)
+    req = _get(url, "/health?schema=2", token)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = json.loads(resp.read())

@@ -260,7 +260,6 @@ def _kill_worker_actor(manager: Any, engine_id: str) -> None:
 
 
 def test_killed_worker_actor_is_fenced_and_nothing_is_rebuilt(solo: Any) -> None:
-
     manager = solo.manager
     solo.track()
     group = solo.groups[0]
@@ -290,7 +289,6 @@ def test_killed_worker_actor_is_fenced_and_nothing_is_rebuilt(solo: Any) -> None
 
 
 def test_worker_actor_killed_before_an_offload_is_fenced_not_just_failed(solo: Any) -> None:
-
     manager = solo.manager
     solo.track()
     _kill_worker_actor(manager, "judge/replica-0")
