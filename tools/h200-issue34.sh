@@ -23,7 +23,12 @@
 #      each checked for every step committed;
 #   6. (PARTS=profile, not in the default) tools/decode-profile.py: one decode step's kernels at
 #      batch 1 and 64 (graph replay, eager, launches and GPU time per kernel, the sampler eager
-#      and compiled, the whole step compiled), as decode-profile.json.
+#      and compiled, the whole step compiled), as decode-profile.json;
+#   7. (PARTS=judge-paths, not in the default) tools/judge-paths.py on the judge model, the
+#      engine with --num-continuous-decode-steps 1 and then JUDGE_CONTINUOUS (default 4): the
+#      reward stage's requests against the random ones, prefill steps and tokens/s of each.
+# JUDGE_CONTINUOUS=N (default 1): the judge's engine in parts 1 and 2 takes
+# --num-continuous-decode-steps N (part 1 runs a copy of run-h200.toml with that engine option).
 # Files go to $OUT (default /tmp/relax-h200-issue34): summary.json (everything above), each
 # part's JSON lines and logs, engine logs as logs.tgz. DRY=1 writes the plan and stops (no GPU).
 set -uo pipefail
@@ -90,9 +95,17 @@ for line in open(sys.argv[1]):
 }
 
 # 1. run-h200.toml with graphs.
+RUN_TOML=docs/examples/run-h200.toml
+if [ "${JUDGE_CONTINUOUS:-1}" != 1 ]; then
+  # A copy beside the original (its model paths are relative to its folder), git-ignored.
+  RUN_TOML=docs/examples/run-h200-judge-continuous.toml
+  cp docs/examples/run-h200.toml "$RUN_TOML"
+  printf '\n[roles.genrm.models.judge.engine]\nnum_continuous_decode_steps = %s\n' \
+    "$JUDGE_CONTINUOUS" >>"$RUN_TOML"
+fi
 if want run; then
   [ "${PYSPY:-0}" = 1 ] && { rm -f "$OUT/graphs.jsonl"; spy "$OUT/graphs.jsonl" & }
-  bounded 220 run-h200 python3 -m relax_core run docs/examples/run-h200.toml --json --measure \
+  bounded 220 run-h200 python3 -m relax_core run "$RUN_TOML" --json --measure \
     --log-dir "$OUT/logs-graphs" >"$OUT/graphs.jsonl" 2>"$OUT/graphs.log"
   echo "run-h200 exited $?"; grep -v '^  · ' "$OUT/graphs.log" | tail -n 8
 fi
@@ -138,7 +151,8 @@ want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0:
     "docs/examples/small/$model" --json --concurrency "$conc" --requests 256 \
     --prompt-tokens "$prompt" --max-new-tokens "$new" --temperature "$temp" \
     --mem-fraction-static 0.6 --max-running-requests 256 --log-dir "$OUT/logs-throughput" \
-    --compare "$compare" >"$OUT/throughput-$role.json" 2>"$OUT/throughput-$role.log"
+    --compare "$compare" --num-continuous-decode-steps "$([ "$role" = genrm ] && echo \
+    "${JUDGE_CONTINUOUS:-1}" || echo 1)" >"$OUT/throughput-$role.json" 2>"$OUT/throughput-$role.log"
   echo "engine-throughput $role exited $?"; tail -c 400 "$OUT/throughput-$role.json"; echo
 done
 
@@ -184,6 +198,17 @@ if want profile; then
   bounded 240 decode-profile python3 tools/decode-profile.py --whole-compile --batch 1 64 \
     --json "$OUT/decode-profile.json" >"$OUT/decode-profile.log" 2>&1
   echo "decode-profile exited $?"; grep -v '^ ' "$OUT/decode-profile.log" | tail -n 4
+fi
+
+# 7. The judge's requests with and without admission every N steps (asked for by name).
+if want judge-paths; then
+  for n in 1 "${JUDGE_CONTINUOUS_AB:-4}"; do
+    bounded 120 "judge-paths n=$n" python3 tools/judge-paths.py docs/examples/small/judge \
+      --device cuda --mem-fraction-static 0.6 --concurrency 64 --requests 256 --rounds 2 \
+      --num-continuous-decode-steps "$n" --json >"$OUT/judge-paths-$n.json" \
+      2>"$OUT/judge-paths-$n.log"
+    echo "judge-paths n=$n exited $?"; tail -c 300 "$OUT/judge-paths-$n.json"; echo
+  done
 fi
 
 # 5. The async job with graphs, back to back, while the budget lasts.

@@ -194,6 +194,21 @@ def main(out: Path) -> dict[str, Any]:
         runs.append({"run": path.stem, "steps_committed": len(steps),
                      "step_seconds": [round(r["seconds"], 2) for r in steps]})  # fmt: skip
     result["async_runs"] = runs
+    # PARTS=judge-paths: the judge's requests with the engine admitting at every step (n=1)
+    # and every N steps; per path, tokens/s and prefill steps of each round.
+    paths = {}
+    for path in sorted(out.glob("judge-paths-*.json")):
+        got = _last_json(path)
+        if got:
+            paths[path.stem.rsplit("-", 1)[1]] = {
+                name: {
+                    "tokens_per_s": [m["tokens_per_s"] for m in row["runs"]],
+                    "prefill_steps": [m["prefill_steps"] for m in row["runs"]],
+                    "median_over_random": row["median_over_random"],
+                }
+                for name, row in got["paths"].items()
+            }
+    result["judge_paths"] = paths
     result["gc_pauses"] = _gc_pauses(out)
     skipped = out / "skipped.txt"
     result["skipped"] = skipped.read_text().splitlines() if skipped.exists() else []

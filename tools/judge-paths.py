@@ -86,6 +86,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--num-continuous-decode-steps",
+        type=int,
+        default=1,
+        help="the engine's flag: arrivals admitted at most once every N steps",
+    )
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -100,7 +106,9 @@ def main() -> None:
             mem_fraction_static=args.mem_fraction_static if cuda else None,
             max_running_requests=256,
         ),
-        backend_options=HFEngineOptions(),
+        backend_options=HFEngineOptions(
+            num_continuous_decode_steps=args.num_continuous_decode_steps
+        ),
     )
     pm = PluginManager.create()
     publisher = RegistryPublisher("genrm", RoutingSpec(default_model="judge"))
@@ -191,7 +199,9 @@ def main() -> None:
     base = [m["tokens_per_s"] for m in runs["random"]]
     result: dict[str, Any] = {"model": args.model, "device": args.device,
                               "concurrency": args.concurrency, "requests": args.requests,
-                              "max_new_tokens": args.max_new_tokens, "paths": {}}  # fmt: skip
+                              "max_new_tokens": args.max_new_tokens,
+                              "num_continuous_decode_steps": args.num_continuous_decode_steps,
+                              "paths": {}}  # fmt: skip
     for path, measured in runs.items():
         ratios = [m["tokens_per_s"] / b for m, b in zip(measured, base, strict=True)]
         result["paths"][path] = {

@@ -38,6 +38,12 @@ def main() -> None:
     p.add_argument("--new", type=int, default=150)
     p.add_argument("--running", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=2)
+    p.add_argument(
+        "--runner-new-tokens",
+        type=int,
+        default=None,
+        help="the running sequences' max_new_tokens (default: 100000 / --running)",
+    )
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--mem-fraction-static", type=float, default=0.5)
     p.add_argument("--json", default=None)
@@ -55,7 +61,7 @@ def main() -> None:
         device=args.device,
         dtype="bfloat16" if cuda else "float32",
         mem_fraction_static=args.mem_fraction_static if cuda else None,
-        max_total_tokens=None if cuda else 65536,
+        max_total_tokens=None if cuda else 262144,
         max_running_requests=max(args.prompts) + args.running + 8,
     )
     batch = Batch(runner)
@@ -80,7 +86,8 @@ def main() -> None:
 
     # The shared prefix cached, then the running sequences (long enough to outlive the probe).
     batch.step([seq(args.new, 1)])
-    runners = [seq(args.new, 100_000 // max(1, args.running)) for _ in range(args.running)]
+    runner_new = args.runner_new_tokens or 100_000 // max(1, args.running)
+    runners = [seq(args.new, runner_new) for _ in range(args.running)]
     if runners:
         batch.step(runners)
     for _ in range(3):

@@ -35,6 +35,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--node-rank: must be in [0, {args.nnodes}), got {args.node_rank}")
     if args.nnodes > 1:
         parse_dist_addr(args.dist_init_addr, "--dist-init-addr")
+    if args.num_continuous_decode_steps < 1:
+        raise ValueError(
+            f"--num-continuous-decode-steps: must be >= 1 (1: admit at every step), got "
+            f"{args.num_continuous_decode_steps}"
+        )
     # ``kill -USR1 <pid>`` writes every thread's stack to the log (for diagnosing a hang).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.threads:
@@ -71,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_cache_report=args.enable_cache_report,
         emulate_cuda_graph=args.emulate_cuda_graph,
         disable_overlap_schedule=args.disable_overlap_schedule,
+        num_continuous_decode_steps=args.num_continuous_decode_steps,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -168,6 +174,7 @@ def _engine_throughput(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         shared_prefix_tokens=args.shared_prefix_tokens,
         samples=args.samples_per_prompt,
+        num_continuous_decode_steps=args.num_continuous_decode_steps,
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
@@ -318,6 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
         "delivered (default: the next step of a run starts first, so the device computes it "
         "meanwhile; SGLang's flag)",
     )
+    p.add_argument(
+        "--num-continuous-decode-steps",
+        type=int,
+        default=1,
+        help="while sequences run, admit new requests at most once every N steps, so that "
+        "requests arriving one by one are prefilled together in fewer, larger steps; an "
+        "arrival waits at most N - 1 steps, none when nothing runs or the arrivals fill the "
+        "batch (SGLang's flag; default 1: at every step)",
+    )
     p.add_argument("--log-level", default="warning")
     p.set_defaults(_run=_serve)
 
@@ -408,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
         "its requests: shared-prefix, chat, rollout (see docs/hf-engine.md)",
     )
     p.add_argument("--rounds", type=int, default=1, help="baseline and variants, in turn (1)")
+    p.add_argument(
+        "--num-continuous-decode-steps",
+        type=int,
+        default=1,
+        help="the engine's flag, as the phase's engine has it (1)",
+    )
     p.add_argument(
         "--shared-prefix-tokens", type=int, default=64, help="shared-prefix: tokens shared (64)"
     )

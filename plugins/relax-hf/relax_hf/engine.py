@@ -80,8 +80,13 @@ class Engine:
         nodes: HeadNodes | None = None,
         enable_custom_logit_processor: bool = False,
         overlap_schedule: bool = True,
+        num_continuous_decode_steps: int = 1,
     ) -> None:
         self.runner = runner
+        #: ``--num-continuous-decode-steps``: while sequences run, arrivals are admitted at most
+        #: once every that many steps (:meth:`_admission_due`).
+        self.num_continuous_decode_steps = num_continuous_decode_steps
+        self._since_admit = 0  # steps since the last one that admitted
         #: Start a run's next decode step before the last one's tokens are appended
         #: (``--disable-overlap-schedule``: off; see :attr:`Batch.run_ahead`).
         self.overlap_schedule = overlap_schedule
@@ -404,9 +409,12 @@ class Engine:
         step (SGLang's in-batch prefix check), where it reuses what that one prefilled; once
         the cache holds those tokens, prompts sharing them are taken together (as SGLang checks
         only prompts whose cached prefix is that short): the judge prompts of one system prompt
-        are admitted in one step, not one a step.
+        are admitted in one step, not one a step. Nothing is taken before
+        :meth:`_admission_due`.
         """
         new: list[Sequence] = []
+        if not self._admission_due():
+            return new
         kept: list[Sequence] = []
         rows = len(self.batch)
         cache = self.runner.prefix_cache
@@ -458,7 +466,7 @@ class Engine:
 
     def _step(self, new: list[Sequence]) -> list[Sequence]:
         """One step, then more decode steps while nothing waits for the scheduler loop (no
-        request arrived, nothing aborted, paused or released, no other compute call queued)
+        arrival it may admit, nothing paused or released, no other compute call queued)
         and nothing is to be delivered (no sequence finished, no stream chunk due), for at most
         :data:`RUN_ON_SECONDS`: a hand-over between the loop and this thread and back leaves the
         device idle between two decode steps (at concurrency 1 a third of a CPU step). A decode
@@ -483,11 +491,28 @@ class Engine:
         """Paused, a node lost, or memory released: no step may run."""
         return bool(self.paused or self.broken or self.not_resident())
 
+    def _admission_due(self) -> bool:
+        """Whether arrivals may be admitted now: nothing runs, ``num_continuous_decode_steps``
+        steps have passed since the last admission, or the arrivals fill the batch's free rows
+        (waiting longer would gather no more of them). Requests that arrive one by one, as a
+        reward stage sends them while others end, are then prefilled together, a prefill step's
+        fixed cost paid once for them (SGLang's ``--num-continuous-decode-steps``)."""
+        running = len(self.batch)
+        return (
+            not running
+            or self._since_admit + 1 >= self.num_continuous_decode_steps
+            or len(self._pending) >= self.max_running_requests - running
+        )
+
     def _decode_on(self, changed: list[Sequence]) -> bool:
-        """Whether :meth:`_step` may decode again without the loop (see there)."""
-        if self._wake.is_set() or self._waiting or self._pending or not len(self.batch):
+        """Whether :meth:`_step` may decode again without the loop (see there). Arrivals
+        stop the run only once they may be admitted (:meth:`_admission_due`) into a free row."""
+        if self._waiting or not len(self.batch) or self._blocked():
             return False
-        if self._blocked():
+        if self._pending:
+            if self._admission_due() and len(self.batch) < self.max_running_requests:
+                return False
+        elif self._wake.is_set():
             return False
         return not any(
             s.finished
@@ -501,6 +526,7 @@ class Engine:
             self._reload_pending()
         aborted = self.batch.aborting()
         self._tell("step", aborted=aborted, new=[s.to_wire() for s in new])
+        self._since_admit = 0 if new else self._since_admit + 1
         try:
             return self.batch.step(new, aborted)
         except NodeLost:

@@ -46,6 +46,8 @@ class HFEngineOptions:
     ``enable_cache_report``: the OpenAI routes' ``usage`` carries
     ``prompt_tokens_details.cached_tokens`` (SGLang's flag). ``disable_overlap_schedule``: a
     decode step starts only once the last one's tokens are appended (SGLang's flag).
+    ``num_continuous_decode_steps``: while sequences run, new requests are admitted at most
+    once every that many steps (SGLang's flag; 1: at every step).
     """
 
     memory_handoff: bool = False
@@ -68,6 +70,9 @@ class HFEngineOptions:
     enable_custom_logit_processor: bool = False
     enable_cache_report: bool = False
     disable_overlap_schedule: bool = False
+    num_continuous_decode_steps: int = attrs.field(
+        default=1, metadata={"check": ConfigReader.at_least(1)}
+    )
 
 
 def hf_options(spec: EngineLaunchSpec) -> HFEngineOptions:

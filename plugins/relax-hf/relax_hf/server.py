@@ -90,6 +90,7 @@ class ServerConfig:
     enable_cache_report: bool = False
     emulate_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
+    num_continuous_decode_steps: int = 1
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -586,6 +587,7 @@ def build_app(config: ServerConfig, *, engine: Engine | None = None) -> Starlett
                 nodes=nodes,
                 enable_custom_logit_processor=config.enable_custom_logit_processor,
                 overlap_schedule=not config.disable_overlap_schedule,
+                num_continuous_decode_steps=config.num_continuous_decode_steps,
             )
         app.state.engine = eng
         app.state.config = config

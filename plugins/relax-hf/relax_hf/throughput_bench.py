@@ -194,12 +194,14 @@ def run(
     rounds: int = 1,
     shared_prefix_tokens: int = 64,
     samples: int = 8,
+    num_continuous_decode_steps: int = 1,
 ) -> dict[str, Any]:
     """Start one engine on ``model``, warm it up, measure, stop; the numbers.
 
     ``compare``: variants (:data:`VARIANTS`) measured after the random prompts, ``rounds``
     times each in turn (a noisy machine: the median of each round's ratio counts); their
-    numbers under ``variants``. :raises ValueError: an unknown variant, or ``rounds`` < 1.
+    numbers under ``variants``. ``num_continuous_decode_steps``: the engine's flag (as the
+    phase's engine has it). :raises ValueError: an unknown variant, or ``rounds`` < 1.
     """
     unknown = [v for v in compare if v not in VARIANTS]
     if unknown or rounds < 1:
@@ -231,10 +233,15 @@ def run(
             mem_fraction_static=mem_fraction if cuda else None,
             max_running_requests=max_running_requests,
         ),
-        backend_options=HFEngineOptions(disable_cuda_graph=disable_cuda_graph),
+        backend_options=HFEngineOptions(
+            disable_cuda_graph=disable_cuda_graph,
+            num_continuous_decode_steps=num_continuous_decode_steps,
+        ),
     )
     result: dict[str, Any] = {"benchmark": "hf-engine-throughput", "model": str(model),
-                              "device": device, "dtype": dtype}  # fmt: skip
+                              "device": device, "dtype": dtype,
+                              "num_continuous_decode_steps": num_continuous_decode_steps,
+                              }  # fmt: skip
     shape: dict[str, Any] = {
         "concurrency": concurrency,
         "prompt_tokens": prompt_tokens,

@@ -205,6 +205,7 @@ def test_every_hf_engine_option_is_the_serve_flag_of_its_name() -> None:
         enable_custom_logit_processor=True,
         enable_cache_report=True,
         disable_overlap_schedule=True,
+        num_continuous_decode_steps=4,
     )
     fields = attrs.fields(HFEngineOptions)
     # A new option must be added above too: each one differs from its default here.
