@@ -39,6 +39,22 @@ def _engine(runner: ModelRunner, steps: int, max_running: int = 64) -> Engine:
     )
 
 
+def _running(
+    runner: ModelRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    steps: int,
+    *,
+    run_on: float = 0.0,
+    max_running: int = 64,
+) -> tuple[Engine, Sequence]:
+    """An engine at N = ``steps`` with one long request submitted; ``RUN_ON_SECONDS`` set to
+    ``run_on`` (0: one step per ``_step`` call, so each arrival lands between two steps)."""
+    monkeypatch.setattr(engine_module, "RUN_ON_SECONDS", run_on)
+    engine = _engine(runner, steps, max_running)
+    ((seq, _),) = engine.submit([3, 4, 5], LONG, LogprobParams())
+    return engine, seq
+
+
 def _arrivals(
     engine: Engine, count: int, prompt: Callable[[int], list[int]]
 ) -> tuple[list[int], list[Sequence]]:
@@ -69,17 +85,13 @@ def _drain(engine: Engine) -> None:
 def test_arrivals_wait_for_companions_at_most_n_minus_one_steps(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One step per _step call (no run of decode steps): each arrival lands between two steps.
-    monkeypatch.setattr(engine_module, "RUN_ON_SECONDS", 0.0)
-    engine = _engine(runner, 1)
-    engine.submit([3, 4, 5], LONG, LogprobParams())
+    engine, _ = _running(runner, monkeypatch, 1)
     at_once, _ = _arrivals(engine, 8, _prompt)
     assert at_once == [1] * 8  # the default: a prefill step for every arrival
     prefills = engine.batch.prefill_steps
     _drain(engine)
 
-    engine = _engine(runner, 4)
-    engine.submit([3, 4, 5], LONG, LogprobParams())
+    engine, _ = _running(runner, monkeypatch, 4)
     waited, seqs = _arrivals(engine, 8, _prompt)
     # After the long one's prefill, three steps decode only; the fourth admits the four
     # arrivals held since, then three more wait.
@@ -101,9 +113,7 @@ def test_arrivals_wait_for_companions_at_most_n_minus_one_steps(
 def test_nothing_waits_when_nothing_runs_or_the_arrivals_fill_the_batch(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "RUN_ON_SECONDS", 0.0)
-    engine = _engine(runner, 100, max_running=4)
-    ((first, _),) = engine.submit([3, 4, 5], LONG, LogprobParams())
+    engine, first = _running(runner, monkeypatch, 100, max_running=4)
     assert engine._admit() == [first]  # an idle engine admits at once
     engine._step([first])
     ((second, _),) = engine.submit(_prompt(0), LONG, LogprobParams())
@@ -120,9 +130,7 @@ def test_held_arrivals_do_not_end_a_run_of_decode_steps_before_they_are_due(
 ) -> None:
     # A run of decode steps (the compute thread's, between two hand-overs to the scheduler
     # loop) goes on while its arrivals are held, and ends at the step that may admit them.
-    monkeypatch.setattr(engine_module, "RUN_ON_SECONDS", 600.0)
-    engine = _engine(runner, 5)
-    engine.submit([3, 4, 5], LONG, LogprobParams())
+    engine, _ = _running(runner, monkeypatch, 5, run_on=600.0)
     engine._step(engine._admit())  # the prefill (the submit's wake ends this run at once)
     steps = engine.batch.decode_steps
     engine.submit(_prompt(0), SHORT, LogprobParams())
