@@ -154,3 +154,22 @@ def test_the_flag_reaches_the_engine_and_is_refused_below_one(start_server: Any)
     out = server.http.generate("Hi", sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert len(out["output_ids"]) == 3
     assert main(["serve", "--model", "/nowhere", "--num-continuous-decode-steps", "0"]) == 2
+
+
+def test_a_full_batch_decodes_on_while_requests_wait_for_a_row(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At the default N = 1 too: a waiting request that no row can take does not end the run
+    # of decode steps at every step; the finish that frees a row does.
+    monkeypatch.setattr(engine_module, "RUN_ON_SECONDS", 600.0)
+    engine = _engine(runner, 1, max_running=1)
+    ((first, _),) = engine.submit([3, 4, 5], SHORT, LogprobParams())
+    engine._step(engine._admit())  # its prefill (the submit's wake ends this run at once)
+    ((second, _),) = engine.submit(_prompt(0), SHORT, LogprobParams())
+    assert engine._admit() == []  # no free row
+    runs = engine.runs
+    engine._step([])
+    assert engine.runs == runs + 1 and first.finished  # one run, to the finish
+    assert engine._admit() == [second]
+    engine._step([second])
+    _drain(engine)
