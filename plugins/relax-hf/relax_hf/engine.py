@@ -492,25 +492,26 @@ class Engine:
         return bool(self.paused or self.broken or self.not_resident())
 
     def _admission_due(self) -> bool:
-        """Whether arrivals may be admitted now: nothing runs, ``num_continuous_decode_steps``
-        steps have passed since the last admission, or the arrivals fill the batch's free rows
-        (waiting longer would gather no more of them). Requests that arrive one by one, as a
-        reward stage sends them while others end, are then prefilled together, a prefill step's
-        fixed cost paid once for them (SGLang's ``--num-continuous-decode-steps``)."""
-        running = len(self.batch)
-        return (
-            not running
+        """Whether arrivals may be admitted now: a row is free, and nothing runs,
+        ``num_continuous_decode_steps`` steps have passed since the last admission, or the
+        arrivals fill the free rows (waiting longer would gather no more of them). Requests
+        that arrive one by one, as a reward stage sends them while others end, are then
+        prefilled together, a prefill step's fixed cost paid once for them (SGLang's
+        ``--num-continuous-decode-steps``)."""
+        free = self.max_running_requests - len(self.batch)
+        return free > 0 and (
+            free == self.max_running_requests
             or self._since_admit + 1 >= self.num_continuous_decode_steps
-            or len(self._pending) >= self.max_running_requests - running
+            or len(self._pending) >= free
         )
 
     def _decode_on(self, changed: list[Sequence]) -> bool:
         """Whether :meth:`_step` may decode again without the loop (see there). Arrivals
-        stop the run only once they may be admitted (:meth:`_admission_due`) into a free row."""
+        stop the run only once they may be admitted (:meth:`_admission_due`)."""
         if self._waiting or not len(self.batch) or self._blocked():
             return False
         if self._pending:
-            if self._admission_due() and len(self.batch) < self.max_running_requests:
+            if self._admission_due():
                 return False
         elif self._wake.is_set():
             return False
