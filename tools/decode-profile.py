@@ -41,15 +41,16 @@ def _time(fn: Any, sync: Any, repeats: int) -> list[float]:
 def _one_batch(runner: Any, b: int, args: Any, roofline_s: float, sync: Any) -> dict[str, Any]:
     """Time, profile and print one batch size (see the module's docstring)."""
     import torch
-    from relax_hf.modeling import sample_simple
+    from relax_hf.modeling import DECODE_INPUTS, sample_simple
+    from relax_hf.sampling import row_keys
     from torch.profiler import ProfilerActivity, profile
 
     cuda = args.device == "cuda"
-    packed = torch.zeros((5, b), dtype=torch.int64)
+    packed = torch.zeros((DECODE_INPUTS, b), dtype=torch.int64)
     packed[0] = 5
     packed[1] = args.ctx // 2  # positions
     packed[2] = torch.arange(b)  # rows
-    packed[3] = torch.arange(b)  # seeds
+    packed[3] = row_keys(torch.arange(b), torch.zeros(b, dtype=torch.int64))  # seeds, steps
     temps = torch.ones(b, dtype=torch.float32)
     graph = _time(lambda: runner.decode(packed, temps, args.ctx), sync, args.repeats)
     dev_packed, dev_temps = packed.to(args.device), temps.to(args.device)

@@ -32,10 +32,17 @@ import torch
 from relax_hf.grammar import Constraint
 from relax_hf.kvcache import to_device
 from relax_hf.logit_processors import Processor, apply_processors
+from relax_hf.modeling import DECODE_INPUTS
 from relax_hf.prefixcache import CacheNode
 from relax_hf.protocol import SAMPLING_MASK_MAX_TOKENS, LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
-from relax_hf.sampling import draw, process_logits, sampling_support, scaled_logprobs
+from relax_hf.sampling import (
+    draw,
+    process_logits,
+    row_keys,
+    sampling_support,
+    scaled_logprobs,
+)
 
 __all__ = ["Batch", "Sequence", "reservation"]
 
@@ -581,10 +588,9 @@ class Batch:
         heads = [units[i][0] for i in chunk]
         positions = [len(inputs[i]) - 1 for i in chunk]
         packed = torch.tensor(
-            [[inputs[i][-1] for i in chunk], positions, [h.row for h in heads], [0] * len(chunk),
-             [0] * len(chunk)],
+            [[inputs[i][-1] for i in chunk], positions, [h.row for h in heads], [0] * len(chunk)],
             dtype=torch.int64,
-        )  # fmt: skip
+        )
         # Its own draw is not used: the first token is drawn below, as after a prefill.
         logits, _ = self.runner.decode(packed, torch.zeros(len(chunk)), max(positions) + 1)
         self.prefill_tokens += len(chunk)
@@ -668,18 +674,14 @@ class Batch:
         """Start a decode step of ``seqs`` fed ``tokens``, each ``ahead`` tokens past its
         ``output_ids``: the runner's logits and tokens (a graph's: valid until its next replay)."""
         positions = [len(s.prompt_ids) + len(s.output_ids) - 1 + ahead for s in seqs]
-        packed = torch.from_numpy(
-            np.array(
-                [
-                    tokens,
-                    positions,
-                    [s.row for s in seqs],
-                    [s.seed for s in seqs],
-                    [len(s.output_ids) + ahead for s in seqs],
-                ],
-                dtype=np.int64,
-            )
+        # The rows' part of the sampler's hash, here rather than in the step's kernels.
+        keys = row_keys(
+            np.array([s.seed for s in seqs], dtype=np.int64),
+            np.array([len(s.output_ids) + ahead for s in seqs], dtype=np.int64),
         )
+        host = np.array([tokens, positions, [s.row for s in seqs], keys], dtype=np.int64)
+        assert len(host) == DECODE_INPUTS
+        packed = torch.from_numpy(host)
         temps = torch.tensor(
             [0.0 if s.sampling.greedy else s.sampling.temperature for s in seqs],
             dtype=torch.float32,

@@ -1,11 +1,13 @@
 """The KV cache pool: preallocated token slots and the request-to-token table (SGLang's design).
 
 One buffer holds, for every layer, the key and value of ``num_slots`` token positions
-(``[layers, 2, num_slots, kv_heads, head_dim]``); slot 0 is a scratch slot that padding rows of
-a CUDA-graph batch write into. A running sequence owns a *row* of ``req_to_token``
-(``[max_rows + 1, context_len]``, row 0 is the padding row's): entry ``t`` is the slot of its
-position ``t``. Slots are reference-counted, so the ``n`` samples of one request share the
-prompt's slots (its KV is computed once) and own only the slots of their own tokens.
+(``[layers, num_slots, 2, kv_heads, head_dim]``: a slot's key and value side by side, so one
+copy writes a step's keys and values and one gather reads a context's); slot 0 is a scratch
+slot that padding rows of a CUDA-graph batch write into. A running sequence owns a *row* of
+``req_to_token`` (``[max_rows + 1, context_len]``, row 0 is the padding row's): entry ``t`` is
+the slot of its position ``t``. Slots are reference-counted, so the ``n`` samples of one
+request share the prompt's slots (its KV is computed once) and own only the slots of their own
+tokens.
 
 The pool is sized once at start-up (``--mem-fraction-static`` / ``--max-total-tokens``) and
 held until ``kv_cache`` is released: :meth:`KVPool.release` drops the buffer (the memory goes
@@ -141,7 +143,7 @@ class KVPool:
         self.kv = (
             raw[: self.nbytes]
             .view(self.dtype)
-            .view(self.num_layers, 2, self.num_slots, self.kv_heads, self.head_dim)
+            .view(self.num_layers, self.num_slots, 2, self.kv_heads, self.head_dim)
         )
         if self.segment is not None or self._map is not None:
             table = raw[self._table_offset : self._table_offset + self._table_bytes]
@@ -243,7 +245,7 @@ class KVPool:
         at = to_device(torch.from_numpy(where), self.device)
         self.req_to_token[at[0], at[1]] = at[2]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s keys and values, ``[num_slots, kv_heads, head_dim]`` each."""
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s keys and values, ``[num_slots, 2, kv_heads, head_dim]``."""
         assert self.kv is not None
-        return self.kv[i, 0], self.kv[i, 1]
+        return self.kv[i]

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from relax_hf.kvcache import KVPool
-from relax_hf.sampling import column_keys, gumbel_from
+from relax_hf.sampling import column_keys, gumbel_from_keys, row_keys
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -54,6 +54,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: Mask (and score) elements one chunk of queries may attend at once in a prefill after a
 #: cached prefix: query heads x queries x context (64 MiB of float32 scores).
 ATTENTION_CHUNK_ELEMENTS = 1 << 24
+
+#: Rows of a decode step's int64 inputs (:meth:`NativeModel.decode_step`).
+DECODE_INPUTS = 4
 
 
 class UnsupportedModel(ValueError):
@@ -120,15 +123,11 @@ def _decode_mask(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtyp
 
 
 def _sample_from(
-    logits: torch.Tensor,
-    temps: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    columns: torch.Tensor,
+    logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, columns: torch.Tensor
 ) -> torch.Tensor:
     greedy = temps <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    noisy = scaled + gumbel_from(seeds, steps, columns)
+    noisy = scaled + gumbel_from_keys(keys, columns)
     return torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
 
 
@@ -138,7 +137,8 @@ def sample_simple(
     """Greedy rows (``temps <= 0``) take the argmax, the others the Gumbel-max of
     ``logits / temperature`` with :func:`~relax_hf.sampling.gumbel_noise` (what
     :func:`~relax_hf.sampling.draw` does for a row without filters). Graph-capturable."""
-    return _sample_from(logits, temps, seeds, steps, column_keys(logits.shape[-1], logits.device))
+    columns = column_keys(logits.shape[-1], logits.device)
+    return _sample_from(logits, temps, row_keys(seeds, steps), columns)
 
 
 class _Pieces:
@@ -158,14 +158,18 @@ class _Pieces:
 _EAGER = _Pieces()
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The rows of one layer's K (or V) cache ``[slots, kv_heads, d]`` at ``slots``, as
-    ``[len(slots), kv_heads * d]``. Gathering whole rows of K and of V apart moved 1.2-1.6x the
-    bytes per second on an H200 of one gather over K and V's slot dimension together
-    (``tools/gather-probe.py``, outside a graph: 64 rows of 128 to 256 rows of 256 positions;
-    64 of 512: 170-176 against 249 us a layer, the two gathers stacked; one row's gather is
-    launch-bound there and was not compared)."""
-    return cache.view(cache.shape[0], -1).index_select(0, slots)
+def _gather(
+    cache: torch.Tensor, slots: torch.Tensor, b: int, ctx: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[b, kv_heads, ctx, d]`` (views of one gather) of one layer's cache ``[slots,
+    2, kv_heads, d]`` at ``slots`` (``b * ctx`` of them). A slot's key and value lie side by
+    side, so one ``index_select`` of whole rows reads both: whole rows moved 1.2-1.6x the bytes
+    per second on an H200 of a gather over a slot dimension with K and V apart
+    (``tools/gather-probe.py``, outside a graph: 64 rows of 128 to 256 rows of 256
+    positions), and one kernel replaces two."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, slots)
+    both = rows.view(b, ctx, *cache.shape[1:])  # [b, ctx, 2, kv_heads, d]
+    return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
 def _fused(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -316,8 +320,9 @@ class NativeModel:
         cos: torch.Tensor,
         sin: torch.Tensor,
         pieces: _Pieces = _EAGER,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[..., H, d]``, k and v ``[..., Hkv, d]`` with norms and rotary applied."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[..., H, d]`` and k with v ``[..., 2, Hkv, d]`` (one view: a cache slot's layout),
+        norms and rotary applied."""
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = layer.qkv(h, heads, kv_heads, self.head_dim)
         if layer.qn is not None or layer.kn is not None:
@@ -328,11 +333,7 @@ class NativeModel:
                 k = pieces.norm(k, layer.kn, self.eps)
             qkv = torch.cat((q, k, qkv[..., heads + kv_heads :, :]), dim=-2)
         qkv = pieces.rope(qkv, cos, sin)  # q, k (and v, untouched) in one pass
-        return (
-            qkv[..., :heads, :],
-            qkv[..., heads : heads + kv_heads, :],
-            qkv[..., heads + kv_heads :, :],
-        )
+        return qkv[..., :heads, :], qkv[..., heads:, :].unflatten(-2, (2, kv_heads))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and the LM head: float32 logits."""
@@ -359,11 +360,9 @@ class NativeModel:
         norm, act = _rms, _silu_mul
         for i, layer in enumerate(self.layers):
             h = norm(x, layer.ln1, self.eps)
-            q, k, v = self._heads(layer, h, cos, sin)
-            kc, vc = pool.layer(i)
-            kc.index_copy_(0, slots, k.reshape(b * t, self.num_kv_heads, -1))
-            vc.index_copy_(0, slots, v.reshape(b * t, self.num_kv_heads, -1))
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, kv = self._heads(layer, h, cos, sin)  # q [B, T, H, d], kv [B, T, 2, Hkv, d]
+            pool.layer(i).index_copy_(0, slots, kv.reshape(b * t, *kv.shape[2:]))
+            q, k, v = q.transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
@@ -424,11 +423,10 @@ class NativeModel:
         norm, act = _rms, _silu_mul
         for i, layer in enumerate(self.layers):
             h = norm(x, layer.ln1, self.eps)
-            q, k, v = self._heads(layer, h, cos, sin)  # q [B, T, H, d], k/v [B, T, Hkv, d]
-            kv = pool.kv[i]  # type: ignore[index]
-            kv[0].index_copy_(0, slots, k.reshape(b * t, hkv, d))
-            kv[1].index_copy_(0, slots, v.reshape(b * t, hkv, d))
-            ck, cv = (_gather(c, table).view(b, ctx, hkv, d).transpose(1, 2) for c in kv)
+            q, kv = self._heads(layer, h, cos, sin)  # q [B, T, H, d], kv [B, T, 2, Hkv, d]
+            cache = pool.layer(i)
+            cache.index_copy_(0, slots, kv.reshape(b * t, 2, hkv, d))
+            ck, cv = _gather(cache, table, b, ctx)
             parts = []
             for (c0, c1), end in zip(spans, ends, strict=True):
                 mask = once if once is not None else chunk_mask(c0, c1, end)
@@ -450,8 +448,9 @@ class NativeModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row; returns float32 logits ``[B, V]`` and sampled tokens ``[B]``.
 
-        ``packed`` is int64 ``[5, B]``: tokens, positions, rows, sampling seeds, sampling
-        steps; ``temps`` float32 ``[B]`` (``<= 0``: greedy). The tokens are those of
+        ``packed`` is int64 ``[DECODE_INPUTS, B]``: tokens, positions, rows and the rows'
+        sampling keys (:func:`~relax_hf.sampling.row_keys` of their seeds and steps);
+        ``temps`` float32 ``[B]`` (``<= 0``: greedy). The tokens are those of
         :func:`sample_simple` (right for rows without logit processors or filters). ``ctx`` is
         at least the longest row's context (``position + 1``); shorter rows are masked.
         Graph-capturable: no host synchronisation, static shapes.
@@ -471,11 +470,10 @@ class NativeModel:
         # Each residual add runs with the norm after it (the next layer's first, or the final).
         h = f.norm(x, layers[0].ln1 if layers else self.norm, self.eps)
         for i, layer in enumerate(layers):
-            q, k, v = self._heads(layer, h, cos, sin, f)  # q [B, H, d], k/v [B, Hkv, d]
-            kv = pool.kv[i]  # type: ignore[index]
-            kv[0].index_copy_(0, write, k)
-            kv[1].index_copy_(0, write, v)
-            ck, cv = (_gather(c, flat).view(b, ctx, hkv, d).transpose(1, 2) for c in kv)
+            q, kv = self._heads(layer, h, cos, sin, f)  # q [B, H, d], kv [B, 2, Hkv, d]
+            cache = pool.layer(i)
+            cache.index_copy_(0, write, kv)
+            ck, cv = _gather(cache, flat, b, ctx)
             # The g query heads that share a kv head are that head's g "query positions".
             # (Measured on an H200: faster than two batched matrix products and a softmax.)
             o = F.scaled_dot_product_attention(
@@ -487,7 +485,7 @@ class NativeModel:
             x, h = f.add_norm(x, layer.mlp(h, f.act), after, self.eps)
         logits = F.linear(h, self.lm_head).float()
         columns = column_keys(logits.shape[-1], logits.device)
-        return logits, f.sample(logits, temps, packed[3], packed[4], columns)
+        return logits, f.sample(logits, temps, packed[3], columns)
 
 
 def _buckets(context_len: int, smallest: int = 128) -> list[int]:
@@ -593,7 +591,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         bs, ctx = shape
         device = self.pool.device
-        packed = torch.zeros((5, bs), dtype=torch.int64, device=device)  # scratch row 0
+        packed = torch.zeros((DECODE_INPUTS, bs), dtype=torch.int64, device=device)  # scratch row 0
         temps = torch.zeros(bs, dtype=torch.float32, device=device)
         addresses = self.addresses()
         if self.captured_at is not None and addresses != self.captured_at:
@@ -676,7 +674,7 @@ class DecodeGraphs:
         if staging is None:
             pin = self.pool.device.type == "cuda"
             staging = (
-                torch.zeros((5, bs), dtype=torch.int64, pin_memory=pin),
+                torch.zeros((DECODE_INPUTS, bs), dtype=torch.int64, pin_memory=pin),
                 torch.zeros(bs, dtype=torch.float32, pin_memory=pin),
             )
             self._staging[bs] = staging

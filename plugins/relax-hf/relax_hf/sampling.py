@@ -16,8 +16,9 @@ on a retraction; there is no generator state to carry.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from relax_hf.protocol import SamplingParams
@@ -28,8 +29,10 @@ __all__ = [
     "derive_seed",
     "draw",
     "gumbel_from",
+    "gumbel_from_keys",
     "gumbel_noise",
     "process_logits",
+    "row_keys",
     "sampling_support",
     "scaled_logprobs",
 ]
@@ -48,21 +51,25 @@ class SampleRow(Protocol):
     grammar: Any
 
 
-def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+#: Integer arrays the hash's row part runs on alike: tensors, or numpy int64 arrays on the host.
+_Ints = TypeVar("_Ints", torch.Tensor, "np.ndarray[Any, np.dtype[np.int64]]")
+
+
+def _mul32(a: _Ints, c: int) -> _Ints:
     """``a * c mod 2**32`` for ``a`` and ``c`` in [0, 2**32): the low bits of the int64
     product, which keeps them when it wraps (two's complement, on every device)."""
     return (a * c) & _M32
 
 
-def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+def _rotl32(x: _Ints, r: int) -> _Ints:
     return ((x << r) | (x >> (32 - r))) & _M32
 
 
-def _mix_key(k: torch.Tensor) -> torch.Tensor:
+def _mix_key(k: _Ints) -> _Ints:
     return _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
 
 
-def _mix(h: torch.Tensor, k_mixed: torch.Tensor) -> torch.Tensor:
+def _mix(h: _Ints, k_mixed: _Ints) -> _Ints:
     return (_rotl32(h ^ k_mixed, 13) * 5 + 0xE6546B64) & _M32
 
 
@@ -87,20 +94,34 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     ``seeds`` and ``steps`` are int64 ``[rows]`` on the target device; the hash is murmur3 over
     the seed's two 32-bit halves, the step and the column, exact in integer arithmetic on any
     device. Over ``[rows, vocab]`` it takes 21 element-wise passes, in place where it can (a
-    decode step's sampler is mostly these): the rows' part of the hash is mixed per row, and
-    a rotation of ``row ^ column`` is that of the row's xor the column's (cached).
+    decode step's sampler is mostly these): the rows' part of the hash is mixed per row
+    (:func:`row_keys`), and a rotation of ``row ^ column`` is that of the row's xor the
+    column's (cached).
     """
     return gumbel_from(seeds, steps, column_keys(vocab, seeds.device))
+
+
+def row_keys(seeds: _Ints, steps: _Ints) -> _Ints:
+    """The rows' part of the noise's hash (int64 ``[rows]``): murmur3 over the seed's two
+    32-bit halves and the step, rotated as the column's part is (:func:`gumbel_from_keys`).
+    Plain integer operators only, so numpy int64 arrays give the same keys as tensors: the
+    decode step's are computed on the host with its other inputs, ~57 kernels of a few
+    elements each that the device no longer runs every step."""
+    h = _mix(seeds * 0, _mix_key(seeds & _M32))
+    h = _mix(h, _mix_key((seeds >> 32) & _M32))
+    h = _mix(h, _mix_key(steps & _M32))
+    return _rotl32(h, 13)
 
 
 def gumbel_from(seeds: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """:func:`gumbel_noise` with the columns' keys given (:func:`column_keys`): tensor
     operations only, so ``torch.compile`` fuses it whole."""
-    h = torch.zeros_like(seeds)
-    h = _mix(h, _mix_key(seeds & _M32))
-    h = _mix(h, _mix_key((seeds >> 32) & _M32))
-    h = _mix(h, _mix_key(steps & _M32))
-    x = _rotl32(h, 13)[:, None] ^ columns
+    return gumbel_from_keys(row_keys(seeds, steps), columns)
+
+
+def gumbel_from_keys(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """:func:`gumbel_noise` of the rows' :func:`row_keys` and the columns' keys."""
+    x = keys[:, None] ^ columns
     # The column's _mix, then murmur3's length (16 bytes) and its finaliser.
     x.mul_(5).add_(0xE6546B64).bitwise_and_(_M32).bitwise_xor_(16)
     x.bitwise_xor_(x >> 16).mul_(0x85EBCA6B).bitwise_and_(_M32)
@@ -220,9 +241,12 @@ def draw(z: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     sub_rows = [rows[i] for i in sampled]
     idx = torch.tensor(sampled, device=device)
     filt = _filtered(z.index_select(0, idx), sub_rows)
-    seeds = torch.tensor([r.seed for r in sub_rows], dtype=torch.int64, device=device)
-    steps = torch.tensor([len(r.output_ids) for r in sub_rows], dtype=torch.int64, device=device)
-    picked = torch.argmax(filt + gumbel_noise(seeds, steps, filt.shape[-1]), dim=-1)
+    keys = row_keys(
+        np.array([r.seed for r in sub_rows], dtype=np.int64),
+        np.array([len(r.output_ids) for r in sub_rows], dtype=np.int64),
+    )
+    noise = gumbel_from_keys(torch.from_numpy(keys).to(device), column_keys(filt.shape[-1], device))
+    picked = torch.argmax(filt + noise, dim=-1)
     tokens[idx] = picked
     return tokens
 

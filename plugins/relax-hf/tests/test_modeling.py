@@ -14,6 +14,7 @@ from relax_hf.batch import Batch, Sequence
 from relax_hf.modeling import UnsupportedModel
 from relax_hf.protocol import LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
+from relax_hf.sampling import row_keys
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?", "Hello"]
 
@@ -177,7 +178,7 @@ def test_the_eager_passes_leave_cudnn_attention_to_the_decode_graphs(
     ids, rows = torch.tensor([[5, 6, 7, 8]]), torch.tensor([row])
     runner.prefill(ids, torch.tensor([4]), rows)
     runner.prefill(ids, torch.tensor([4]), rows, torch.tensor([4]), 8)
-    packed = torch.tensor([[9], [7], [row], [0], [0]])
+    packed = torch.tensor([[9], [7], [row], [0]])
     runner.decode(packed, torch.zeros(1), 8)
     assert seen == {"prefill": False, "prefill_after": False, "decode_step": False}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was outside them
@@ -202,8 +203,7 @@ def test_the_compiled_decode_pieces_draw_the_same_tokens_and_compile_once(
                 torch.arange(b) + 5,  # tokens
                 torch.arange(b) + ctx - b,  # positions
                 torch.arange(b) + 1,  # rows
-                torch.arange(b) * 7 + 3,  # seeds
-                torch.full((b,), 4),  # steps
+                row_keys(torch.arange(b) * 7 + 3, torch.full((b,), 4)),  # seeds, steps
             ]
         )
         temps = torch.tensor([0.0] + [0.8] * (b - 1))
