@@ -82,12 +82,18 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _add_rms(
-    x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream ``x + y`` and its RMSNorm with ``w`` (one kernel compiled)."""
-    s = x + y
-    return s, F.rms_norm(s, (s.shape[-1],), w, eps)
+def _residual(
+    x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
+    """The residual stream ``x + F.linear(y, w, b)`` (``wt``: ``w.t()``); without a bias the
+    add runs inside the matrix product (``addmm``, cuBLAS's ``beta = 1``): one kernel instead
+    of two, the sum rounded once."""
+    if b is not None:
+        return x + F.linear(y, w, b)
+    if x.dim() == 2:
+        return torch.addmm(x, y, wt)
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.addmm(rows, y.reshape(-1, y.shape[-1]), wt).view(x.shape)
 
 
 def _rope_tables(
@@ -147,7 +153,6 @@ class _Pieces:
     def __init__(self, wrap: Any = None) -> None:
         w = wrap or (lambda fn: fn)
         self.norm = w(_rms)
-        self.add_norm = w(_add_rms)
         self.rope = w(_rope)
         self.act = w(_silu_mul)
         self.tables = w(_rope_tables)
@@ -204,11 +209,13 @@ class _Layer:
         self.wqkv = _fused([self.wq, self.wk, self.wv])
         self.bqkv = _fused([self.bq, self.bk, self.bv]) if self.bq is not None else None
         self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
+        self.wo_t = self.wo.t()
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.qn = qn.weight if qn is not None else None
         self.kn = kn.weight if kn is not None else None
         self.wg, self.wu, self.wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
         self.bg, self.bu, self.bd = mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias
+        self.wd_t = self.wd.t()
         self.wgu = _fused([self.wg, self.wu]) if self.bg is None else None
 
     def qkv(self, h: torch.Tensor, heads: int, kv_heads: int, d: int) -> torch.Tensor:
@@ -220,12 +227,17 @@ class _Layer:
         v = F.linear(h, self.wv, self.bv).unflatten(-1, (kv_heads, d))
         return torch.cat((q, k, v), dim=-2)
 
-    def mlp(self, h: torch.Tensor, act: Any) -> torch.Tensor:
+    def attention_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` plus the attention's output projection of ``o``."""
+        return _residual(x, o, self.wo, self.wo_t, self.bo)
+
+    def mlp(self, x: torch.Tensor, h: torch.Tensor, act: Any) -> torch.Tensor:
+        """The residual stream ``x`` plus the MLP of its norm ``h``."""
         if self.wgu is not None:
             gate, up = F.linear(h, self.wgu).chunk(2, dim=-1)
         else:
             gate, up = F.linear(h, self.wg, self.bg), F.linear(h, self.wu, self.bu)
-        return F.linear(act(gate, up), self.wd, self.bd)
+        return _residual(x, act(gate, up), self.wd, self.wd_t, self.bd)
 
 
 class NativeModel:
@@ -273,11 +285,11 @@ class NativeModel:
 
     def compile(self, *, backend: str = "inductor") -> None:
         """Fuse the decode step's element-wise pieces with ``torch.compile``
-        (``--enable-torch-compile``; CUDA, needs triton): the residual add with the next norm,
-        rotary, the SiLU gate, the rotary tables and the mask of a step, and the sampler (its
-        noise's ~20 integer passes over the vocabulary become one kernel). Compiled for any
-        batch size (one row apart), so a decode graph's capture of a new batch size or context
-        compiles nothing; the graphs replay the fused kernels. Prefill stays eager: its shapes
+        (``--enable-torch-compile``; CUDA, needs triton): the norms, rotary, the SiLU gate, the
+        rotary tables and the mask of a step, and the sampler (its noise's ~20 integer passes
+        over the vocabulary become one kernel). Compiled for any batch size (one row apart), so
+        a decode graph's capture of a new batch size or context compiles nothing; the graphs
+        replay the fused kernels. Prefill stays eager: its shapes
         change with every batch and compiling one would stall serving (SGLang too compiles the
         decode step only). ``backend``: torch.compile's (``aot_eager`` traces without a
         compiler, as the CPU tests do)."""
@@ -367,8 +379,8 @@ class NativeModel:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
-            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
+            x = layer.attention_out(x, o.transpose(1, 2).reshape(b, t, -1))
+            x = layer.mlp(x, norm(x, layer.ln2, self.eps), act)
         return x
 
     @torch.inference_mode()
@@ -437,8 +449,8 @@ class NativeModel:
                 # reshape, not view: CUDA's fused kernels may return the heads strided.
                 parts.append(o.reshape(b, hkv * g, c1 - c0, d).transpose(1, 2))
             o = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).reshape(b, t, -1)
-            x = x + F.linear(o, layer.wo, layer.bo)
-            x = x + layer.mlp(norm(x, layer.ln2, self.eps), act)
+            x = layer.attention_out(x, o)
+            x = layer.mlp(x, norm(x, layer.ln2, self.eps), act)
         return x
 
     # -- decode ------------------------------------------------------------------------------
@@ -467,7 +479,6 @@ class NativeModel:
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope(positions, x.dtype, f)
         layers = self.layers
-        # Each residual add runs with the norm after it (the next layer's first, or the final).
         h = f.norm(x, layers[0].ln1 if layers else self.norm, self.eps)
         for i, layer in enumerate(layers):
             q, kv = self._heads(layer, h, cos, sin, f)  # q [B, H, d], kv [B, 2, Hkv, d]
@@ -479,10 +490,10 @@ class NativeModel:
             o = F.scaled_dot_product_attention(
                 q.reshape(b, hkv, g, d), ck, cv, attn_mask=mask, scale=self.scale
             )
-            out = F.linear(o.reshape(b, -1), layer.wo, layer.bo)
-            x, h = f.add_norm(x, out, layer.ln2, self.eps)
-            after = layers[i + 1].ln1 if i + 1 < len(layers) else self.norm
-            x, h = f.add_norm(x, layer.mlp(h, f.act), after, self.eps)
+            x = layer.attention_out(x, o.reshape(b, -1))
+            h = f.norm(x, layer.ln2, self.eps)
+            x = layer.mlp(x, h, f.act)
+            h = f.norm(x, layers[i + 1].ln1 if i + 1 < len(layers) else self.norm, self.eps)
         logits = F.linear(h, self.lm_head).float()
         columns = column_keys(logits.shape[-1], logits.device)
         return logits, f.sample(logits, temps, packed[3], columns)
