@@ -82,8 +82,9 @@ def _one_batch(runner: Any, b: int, args: Any, roofline_s: float, sync: Any) -> 
         "graph_over_roofline": roofline_s / statistics.median(graph) * b,
         "top": [{"kernel": k[:120], "per_step": n, "us": round(t, 1)} for k, (n, t) in top],
     }
-    # Sampling alone (the Gumbel noise's hash is ~50 element-wise kernels over the
-    # vocabulary), eager and as one compiled function, with their tokens compared.
+    # Sampling alone (the Gumbel noise's hash: ~21 element-wise kernels over the vocabulary,
+    # and here its rows' part too, which the engine computes on the host), eager and as one
+    # compiled function, with their tokens compared.
     vocab = runner.native.lm_head.shape[0]
     logits = torch.randn((b, vocab), device=args.device)
     seeds = torch.arange(b, device=args.device) * 7919 + 1
