@@ -31,7 +31,10 @@ echo "gather-probe exited $?"
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
     plugins/relax-hf/tests/test_cuda.py >"$OUT/test_cuda.txt" 2>&1
-  echo "test_cuda.py exited $?"; tail -n 5 "$OUT/test_cuda.txt"
+  code=$?
+  echo "test_cuda.py exited $code"
+  # A failure's whole story on stdout (a remote runner may bring back only a few files).
+  if [ "$code" = 0 ]; then tail -n 5 "$OUT/test_cuda.txt"; else tail -n 120 "$OUT/test_cuda.txt"; fi
 fi
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
