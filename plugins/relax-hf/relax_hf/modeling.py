@@ -373,7 +373,7 @@ class NativeModel:
         for i, layer in enumerate(self.layers):
             h = norm(x, layer.ln1, self.eps)
             q, kv = self._heads(layer, h, cos, sin)  # q [B, T, H, d], kv [B, T, 2, Hkv, d]
-            pool.layer(i).index_copy_(0, slots, kv.reshape(b * t, *kv.shape[2:]))
+            pool.layer(i).index_copy_(0, slots, kv.flatten(0, 1))
             q, k, v = q.transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
@@ -437,7 +437,7 @@ class NativeModel:
             h = norm(x, layer.ln1, self.eps)
             q, kv = self._heads(layer, h, cos, sin)  # q [B, T, H, d], kv [B, T, 2, Hkv, d]
             cache = pool.layer(i)
-            cache.index_copy_(0, slots, kv.reshape(b * t, 2, hkv, d))
+            cache.index_copy_(0, slots, kv.flatten(0, 1))
             ck, cv = _gather(cache, table, b, ctx)
             parts = []
             for (c0, c1), end in zip(spans, ends, strict=True):
