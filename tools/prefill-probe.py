@@ -56,12 +56,18 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = args.device == "cuda"
+    runner_new = args.runner_new_tokens or 100_000 // max(1, args.running)
+    # A CPU pool of what the probe holds at most: the running sequences and the largest batch
+    # of new prompts (one more for the cached prefix), each to its last token (finished
+    # prompts stay in the prefix cache, whose slots are evictable).
+    longest = args.cached + args.new + max(runner_new, args.max_new_tokens)
+    cpu_slots = (args.running + max(args.prompts) + 1) * longest
     runner = ModelRunner(
         args.model,
         device=args.device,
         dtype="bfloat16" if cuda else "float32",
         mem_fraction_static=args.mem_fraction_static if cuda else None,
-        max_total_tokens=None if cuda else 262144,
+        max_total_tokens=None if cuda else cpu_slots,
         max_running_requests=max(args.prompts) + args.running + 8,
     )
     batch = Batch(runner)
@@ -86,7 +92,6 @@ def main() -> None:
 
     # The shared prefix cached, then the running sequences (long enough to outlive the probe).
     batch.step([seq(args.new, 1)])
-    runner_new = args.runner_new_tokens or 100_000 // max(1, args.running)
     runners = [seq(args.new, runner_new) for _ in range(args.running)]
     if runners:
         batch.step(runners)
