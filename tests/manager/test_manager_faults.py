@@ -236,18 +236,24 @@ def solo(ray_local: Any) -> Iterator[Any]:
 
 
 def _kill_worker_actor(manager: Any, engine_id: str) -> None:
-    """Kill the head worker's actor; return once its engine is gone and Ray answers a call on
-    the actor with its death (under load a call may first find it only unavailable, which
-    confirms nothing: the manager then marks the replica FAILED without fencing it)."""
+    """Kill the head worker's actor; return once its process and its engine are gone and Ray
+    answers a call on the actor with its death (under load a call may first find it only
+    unavailable, which confirms nothing: the manager then marks the replica FAILED without
+    fencing it; and Ray may confirm the death while the process still runs for a moment,
+    its control endpoint answering that the engine is gone: FAILED, not fenced, as well)."""
     import ray
 
     from relax_core.manager.fanout import is_terminal_actor_death
 
     pid = manager.engine_pids()[engine_id][0]
     actor = manager.workers(engine_id)[0].actor
+    actor_pid = ray.get(actor.actor_pid.remote(), timeout=30)
     ray.kill(actor, no_restart=True)
     # The engine dies with its actor (process group + reaper).
     support.wait_for(lambda: not support.pid_alive(pid), timeout=10, what="engine killed")
+    support.wait_for(
+        lambda: not support.pid_alive(actor_pid), timeout=30, what="worker actor process gone"
+    )
 
     def confirmed() -> bool:
         try:

@@ -8,6 +8,7 @@ machine kind and its numbers are in ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,14 +148,9 @@ def test_without_memory_handoff_the_engine_says_its_graphs_are_captured_again(
 
 
 def test_with_memory_handoff_a_switch_keeps_the_graphs_and_captures_nothing(
-    start_server: Any,
+    second_engine: Callable[..., EngineServer],
 ) -> None:
-    server = start_server(
-        "hf-cuda-handoff",
-        device="cuda",
-        weights_cpu_backup=True,
-        extra_args=("--mem-fraction-static", "0.2", "--memory-handoff"),
-    )
+    server = second_engine("hf-cuda-handoff", "--memory-handoff", weights_cpu_backup=True)
     before = _outputs(server, temperature=0.0)
     started = server.http.ok("/server_info")["memory"]["cuda_graphs"]
     assert started["kept_across_release"] and started["note"] is None
@@ -170,12 +166,23 @@ def test_with_memory_handoff_a_switch_keeps_the_graphs_and_captures_nothing(
     assert after["replays"] > started["replays"]
 
 
-def _second_engine(start_server: Any, flag: str) -> EngineServer:
-    """A CUDA engine beside the pair's (a fifth of the device) started with ``flag``."""
-    name = "hf-cuda" + flag.removeprefix("-")
-    return start_server(  # type: ignore[no-any-return]
-        name, device="cuda", extra_args=("--mem-fraction-static", "0.2", flag)
-    )
+@pytest.fixture
+def second_engine(start_server: Any) -> Iterator[Callable[..., EngineServer]]:
+    """Start CUDA engines beside the pair's (a fifth of the device each, ``flags`` added),
+    stopped when the test ends: the module's engines would otherwise hold the device together
+    and leave a later test's engine too little of it."""
+    started: list[EngineServer] = []
+
+    def start(name: str, *flags: str, **spec: Any) -> EngineServer:
+        server: EngineServer = start_server(
+            name, device="cuda", extra_args=("--mem-fraction-static", "0.2", *flags), **spec
+        )
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.process.terminate(10)
 
 
 def _with_logprobs(server: EngineServer, **sp: Any) -> list[tuple[list[int], list[float]]]:
@@ -192,12 +199,12 @@ def _with_logprobs(server: EngineServer, **sp: Any) -> list[tuple[list[int], lis
 
 
 def test_the_overlapped_schedule_on_cuda_changes_no_token_or_log_prob(
-    pair: tuple[EngineServer, EngineServer], start_server: Any
+    pair: tuple[EngineServer, EngineServer], second_engine: Callable[..., EngineServer]
 ) -> None:
     # The graphs' static logits and tokens are overwritten by the step started ahead: the
     # log-probs gathered before it, and every token, equal those of the steps one by one.
     _, cuda = pair
-    apart = _second_engine(start_server, "--disable-overlap-schedule")
+    apart = second_engine("hf-cuda-apart", "--disable-overlap-schedule")
 
     ahead = cuda.http.ok("/server_info")["decode_steps_ahead_total"]
     for sp in ({"temperature": 0.0}, {"temperature": 0.8, "sampling_seed": 5, "n": 2}):
@@ -207,13 +214,13 @@ def test_the_overlapped_schedule_on_cuda_changes_no_token_or_log_prob(
 
 
 def test_the_compiled_decode_step_on_cuda_draws_what_the_cpu_engine_draws(
-    pair: tuple[EngineServer, EngineServer], start_server: Any
+    pair: tuple[EngineServer, EngineServer], second_engine: Callable[..., EngineServer]
 ) -> None:
     # --enable-torch-compile: inductor's fused kernels in the decode graphs (test_modeling.py
     # checks the tracing on CPU); greedy and seeded rows as the CPU engine draws them, and the
     # log-probs as the uncompiled CUDA engine reads them.
     cpu, cuda = pair
-    compiled = _second_engine(start_server, "--enable-torch-compile")
+    compiled = second_engine("hf-cuda-compiled", "--enable-torch-compile")
     graphs = compiled.http.ok("/server_info")["memory"]["cuda_graphs"]
     assert graphs["torch_compile"] and graphs["captured"] > 0
     assert _outputs(compiled, temperature=0.0) == _outputs(cpu, temperature=0.0)
