@@ -217,7 +217,8 @@ def main(out: Path) -> dict[str, Any]:
 
 def _gc_pauses(out: Path) -> dict[str, Any]:
     """Each part's garbage-collection pauses of 20 ms or more (tools/gcprobe), by process:
-    how many, their sum and the longest (ms)."""
+    how many, their sum and the longest (ms); ``after_freeze``: the same over the pauses of
+    processes that had frozen their start-up heap (an engine or a job serving)."""
     parts: dict[str, dict[str, float]] = {}
     try:
         for line in (out / "parts.txt").read_text().splitlines():
@@ -243,6 +244,13 @@ def _gc_pauses(out: Path) -> dict[str, Any]:
         found[name] = {
             k: {"count": len(v), "sum_ms": round(sum(v), 1), "max_ms": max(v)}
             for k, v in by.items()
+        }
+        # Those of processes that had frozen their start-up heap (serving, not starting).
+        serving = [p["ms"] for p in pauses if begin <= p["t"] <= end and p.get("frozen", 0) > 0]
+        found[name]["after_freeze"] = {
+            "count": len(serving),
+            "sum_ms": round(sum(serving), 1),
+            "max_ms": max(serving, default=0.0),
         }
     return found
 

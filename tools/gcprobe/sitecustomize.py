@@ -3,7 +3,8 @@
 With ``GC_PROBE_LOG`` set and this folder first on ``PYTHONPATH``, every Python process started
 (the driver, Ray's workers, the engines, ``relax serve``) appends one JSON line to that file for
 each collection that took at least ``GC_PROBE_MS`` milliseconds (default 5): wall time, pid,
-the process's command, the generation, the pause and the objects collected. A full collection
+the process's command, the generation, the pause, the objects collected and those frozen (more
+than none: the process had started and frozen its start-up heap). A full collection
 in a process that imported torch and transformers costs ~0.1 s; this says whether one landed in
 a switch or a wake.
 """
@@ -37,6 +38,9 @@ def _probe(phase: str, info: dict[str, int]) -> None:
         "generation": info.get("generation"),
         "ms": round(took * 1e3, 2),
         "collected": info.get("collected"),
+        # Objects frozen out of full collections (an engine's or a job's start-up heap, frozen
+        # once it has started): more than 0, the pause fell while the process served.
+        "frozen": gc.get_freeze_count(),
     }
     if _TYPES and info.get("generation") == 2:
         # GC_PROBE_TYPES=1: the most common types among the objects the collector tracks (what
