@@ -233,6 +233,7 @@ def _gc_pauses(out: Path) -> dict[str, Any]:
         if begin is None:
             continue
         by: dict[str, list[float]] = {}
+        serving: list[float] = []  # of processes past their start-up freeze
         for p in pauses:
             if begin <= p["t"] <= end:
                 cmd = p["cmd"]
@@ -241,16 +242,12 @@ def _gc_pauses(out: Path) -> dict[str, Any]:
                     "other",
                 )
                 by.setdefault(kind, []).append(p["ms"])
+                if p.get("frozen", 0) > 0:
+                    serving.append(p["ms"])
+        by["after_freeze"] = serving
         found[name] = {
-            k: {"count": len(v), "sum_ms": round(sum(v), 1), "max_ms": max(v)}
+            k: {"count": len(v), "sum_ms": round(sum(v), 1), "max_ms": max(v, default=0.0)}
             for k, v in by.items()
-        }
-        # Those of processes that had frozen their start-up heap (serving, not starting).
-        serving = [p["ms"] for p in pauses if begin <= p["t"] <= end and p.get("frozen", 0) > 0]
-        found[name]["after_freeze"] = {
-            "count": len(serving),
-            "sum_ms": round(sum(serving), 1),
-            "max_ms": max(serving, default=0.0),
         }
     return found
 
