@@ -5,7 +5,7 @@
 Makes the random model ``relax-hf gpu-bench`` measures (nothing downloaded), builds the engine's
 model runner on CUDA with a small KV cache pool, and for each batch size:
 
-- times a replay of the captured decode graph (the engine's own ``DecodeGraphs.run``: the
+- times a replay of the captured decode graph (the engine's own ``StepGraphs.run``: the
   inputs' host-to-device copy, the replay) and the same step eager, synchronised each step;
 - profiles the eager step with ``torch.profiler`` and lists its kernels grouped by name: how
   many launches, and their GPU time (the graph replays the same kernels);

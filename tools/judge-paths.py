@@ -93,6 +93,12 @@ def main() -> None:
         default=1,
         help="the engine's flag: arrivals admitted at most once every N steps",
     )
+    p.add_argument(
+        "--cuda-graph-backend-prefill",
+        choices=("full", "disabled"),
+        default="full",
+        help="the engine's flag: a few prompts after a cached prefix replay a prefill graph",
+    )
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -108,7 +114,8 @@ def main() -> None:
             max_running_requests=256,
         ),
         backend_options=HFEngineOptions(
-            num_continuous_decode_steps=args.num_continuous_decode_steps
+            num_continuous_decode_steps=args.num_continuous_decode_steps,
+            cuda_graph_backend_prefill=args.cuda_graph_backend_prefill,
         ),
     )
     pm = PluginManager.create()
@@ -206,6 +213,7 @@ def main() -> None:
                               "concurrency": args.concurrency, "requests": args.requests,
                               "max_new_tokens": args.max_new_tokens,
                               "num_continuous_decode_steps": args.num_continuous_decode_steps,
+                              "cuda_graph_backend_prefill": args.cuda_graph_backend_prefill,
                               "paths": {}}  # fmt: skip
     for path, measured in runs.items():
         ratios = [m["tokens_per_s"] / b for m, b in zip(measured, base, strict=True)]

@@ -1,7 +1,7 @@
 """Where a prefill step of the hf engine goes: the judge phase's many small prefills.
 
     python3 tools/prefill-probe.py MODEL [--device cuda] [--prompts 1 4 16 64] [--cached 60]
-        [--new 150] [--running 64] [--json OUT]
+        [--new 150] [--running 64] [--json OUT] [--cuda-graph-backend-prefill disabled]
 
 Builds the engine's model runner and batch on MODEL (e.g. ``relax-hf make-tiny-model …
 --size small``), caches a shared prefix of ``--cached`` tokens (the judge's system prompt),
@@ -47,6 +47,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--mem-fraction-static", type=float, default=0.5)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--cuda-graph-backend-prefill",
+        choices=("full", "disabled"),
+        default="full",
+        help="the engine's flag: small prefills after a cached prefix replay graphs (full)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no cProfile listing per row")
     args = p.parse_args()
 
     import torch
@@ -69,6 +76,7 @@ def main() -> None:
         mem_fraction_static=args.mem_fraction_static if cuda else None,
         max_total_tokens=None if cuda else cpu_slots,
         max_running_requests=max(args.prompts) + args.running + 8,
+        cuda_graph_prefill=args.cuda_graph_backend_prefill == "full",
     )
     batch = Batch(runner)
     rng = random.Random(0)
@@ -106,7 +114,12 @@ def main() -> None:
         sync()
         return time.perf_counter() - t0
 
-    out: dict[str, Any] = {"model": args.model, "device": args.device, "rows": []}
+    out: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "cuda_graph_backend_prefill": args.cuda_graph_backend_prefill,
+        "rows": [],
+    }
     decode = [timed(lambda: batch.step([])) for _ in range(args.repeats)]
     out["decode_ms"] = statistics.median(decode) * 1e3
     print(f"decode step, {len(batch)} rows: {out['decode_ms']:.2f} ms")
@@ -146,10 +159,13 @@ def main() -> None:
         }
         out["rows"].append(row)
         print(json.dumps(row))
-        print(buf.getvalue())
+        if not args.quiet:
+            print(buf.getvalue())
         # Keep the batch at its running size: the new ones finish within their max_new_tokens.
         while len(batch) > args.running:
             batch.step([])
+    out["prefill_graph_replays"] = runner.graphs.prefill_replays if runner.graphs else 0
+    print(f"prefill graph replays: {out['prefill_graph_replays']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

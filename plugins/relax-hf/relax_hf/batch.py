@@ -222,7 +222,8 @@ class Batch:
         self.ahead_steps = 0  # decode steps started ahead
         self.ahead_dropped = 0  # of those, not used (the loop took over, a stop string matched)
         #: A step's decode outputs held while its prefill runs (:meth:`step`); a graph replay
-        #: in that prefill (:meth:`_forward_one`) copies them first.
+        #: in that prefill (:meth:`_forward_one`, a prefill graph) copies them first
+        #: (:meth:`_keep_held`).
         self._held: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
@@ -257,7 +258,7 @@ class Batch:
         changed = self._drop_aborted(aborted)
         if new:
             held = None
-            if self.seqs:  # _forward_one replaces the held outputs by copies in place
+            if self.seqs:  # a replay in _prefill replaces the held outputs by copies in place
                 seqs, logits, tokens = self._decode_launch()
                 held = self._held = [logits, tokens]
             try:
@@ -506,11 +507,11 @@ class Batch:
             if chunk:
                 width = len(inputs[chunk[0]])
                 if kind(i) != kind(chunk[0]) or width * (len(chunk) + 1) > PREFILL_TOKEN_BUDGET:
-                    last.update(self._forward(chunk, units, inputs, hits))
+                    last.update(self._forward(chunk, units, inputs, hits, kind(chunk[0])[0]))
                     chunk = []
             chunk.append(i)
         if chunk:
-            last.update(self._forward(chunk, units, inputs, hits))
+            last.update(self._forward(chunk, units, inputs, hits, kind(chunk[0])[0]))
         for unit, fed in zip(units, inputs, strict=True):
             self._cache_inputs(unit, fed)
 
@@ -538,9 +539,12 @@ class Batch:
         units: list[list[Sequence]],
         inputs: list[list[int]],
         hits: list[int],
+        states: bool,
     ) -> dict[int, torch.Tensor]:
         """One padded prefill pass over the tokens of ``chunk``'s units after their cached
-        prefixes (``hits``: all 0, or all > 0); the last position's logits of each."""
+        prefixes (``hits``: all 0, or all > 0); the last position's logits of each. ``states``:
+        the units want input log-probs (every position's hidden state). Units after cached
+        prefixes that want only their last logits replay a prefill graph where one fits."""
         runner = self.runner
         device = runner.device
         width = max(len(inputs[i]) - hits[i] for i in chunk)
@@ -553,6 +557,17 @@ class Batch:
             row = units[i][0].row
             assert row is not None  # placed
             host[r, width:] = (n, row, hits[i])
+        self.prefill_tokens += int(host[:, width].sum())
+        self.prefill_sequences += len(chunk)
+        ctx = max(len(inputs[i]) for i in chunk)
+        if hits[chunk[0]] and not states:
+            self._keep_held()
+            captured = runner.prefill_captured(torch.from_numpy(host), ctx)
+            if captured is not None:
+                copied = captured.clone()  # the graphs' buffer: the next replay writes it
+                for i in chunk:
+                    self._unit_input_logprobs(units[i], None)
+                return {i: copied[r] for r, i in enumerate(chunk)}
         packed = to_device(torch.from_numpy(host), device)
         ids, lens, rows, starts = (
             packed[:, :width],
@@ -561,12 +576,9 @@ class Batch:
             packed[:, width + 2],
         )
         if hits[chunk[0]]:
-            ctx = max(len(inputs[i]) for i in chunk)
             hidden = runner.prefill(ids, lens, rows, starts, ctx)
         else:
             hidden = runner.prefill(ids, lens, rows)
-        self.prefill_tokens += int(host[:, width].sum())
-        self.prefill_sequences += len(chunk)
         ends = lens - 1
         last_logits = runner.logits(hidden[torch.arange(len(chunk), device=device), ends])
         out: dict[int, torch.Tensor] = {}
@@ -574,8 +586,8 @@ class Batch:
             out[i] = last_logits[r]
             n, hit, start = len(inputs[i]), hits[i], units[i][0].start
             # The match stops at logprob_start_len (hit <= start).
-            states = hidden[r, start - hit : n - 1 - hit] if start < n - 1 else None
-            self._unit_input_logprobs(units[i], states)
+            states_i = hidden[r, start - hit : n - 1 - hit] if start < n - 1 else None
+            self._unit_input_logprobs(units[i], states_i)
         return out
 
     def _forward_one(
@@ -583,8 +595,7 @@ class Batch:
     ) -> dict[int, torch.Tensor]:
         """The last input token of ``chunk``'s units (the rest cached, none wanting input
         log-probs) as one decode step (its graph when one fits); each one's logits."""
-        if self._held is not None:  # this step's decode outputs: a replay would overwrite them
-            self._held[:] = [t.clone() for t in self._held]
+        self._keep_held()
         heads = [units[i][0] for i in chunk]
         positions = [len(inputs[i]) - 1 for i in chunk]
         packed = torch.tensor(
@@ -593,11 +604,19 @@ class Batch:
         )
         # Its own draw is not used: the first token is drawn below, as after a prefill.
         logits, _ = self.runner.decode(packed, torch.zeros(len(chunk)), max(positions) + 1)
+        logits = logits.clone()  # the graph's buffer: a later replay in this prefill may write it
         self.prefill_tokens += len(chunk)
         self.prefill_sequences += len(chunk)
         for i in chunk:
             self._unit_input_logprobs(units[i], None)
         return {i: logits[r] for r, i in enumerate(chunk)}
+
+    def _keep_held(self) -> None:
+        """Copy this step's held decode outputs before a graph replays in its prefill: graphs
+        share one memory pool, so any replay may write where another graph's outputs are."""
+        if self._held is not None:
+            self._held[:] = [t.clone() for t in self._held]
+            self._held = None  # copies now: nothing more to keep
 
     def _unit_input_logprobs(self, unit: list[Sequence], states: torch.Tensor | None) -> None:
         """A prefilled unit's input log-probs (``return_logprob``), shared by its samples."""

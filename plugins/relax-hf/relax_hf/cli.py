@@ -40,6 +40,12 @@ def _serve(args: argparse.Namespace) -> int:
             f"--num-continuous-decode-steps: must be >= 1 (1: admit at every step), got "
             f"{args.num_continuous_decode_steps}"
         )
+    if args.cuda_graph_max_bs_prefill is not None and args.cuda_graph_max_bs_prefill < 16:
+        raise ValueError(
+            f"--cuda-graph-max-bs-prefill: rows x padded tokens, must be >= 16 (the smallest "
+            f"prefill graph); --cuda-graph-backend-prefill disabled turns them off; got "
+            f"{args.cuda_graph_max_bs_prefill}"
+        )
     # ``kill -USR1 <pid>`` writes every thread's stack to the log (for diagnosing a hang).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.threads:
@@ -67,6 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_backend_prefill=args.cuda_graph_backend_prefill,
+        cuda_graph_max_bs_prefill=args.cuda_graph_max_bs_prefill,
         constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
         constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
         enable_torch_compile=args.enable_torch_compile,
@@ -284,6 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="largest decode batch captured as a CUDA graph (default: --max-running-requests)",
+    )
+    p.add_argument(
+        "--cuda-graph-backend-prefill",
+        choices=("full", "disabled"),
+        default="full",
+        help="prefill steps of a few prompts after cached prefixes: replayed from whole-step "
+        "CUDA graphs (full, where decode graphs are on) or run eagerly (disabled); SGLang's "
+        "flag, whose breakable backend this engine does not have",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs-prefill",
+        type=int,
+        default=None,
+        help="rows x padded tokens a prefill CUDA graph holds at most (default: 2048); larger "
+        "prefills run eagerly",
     )
     p.add_argument(
         "--constrained-json-disable-any-whitespace",

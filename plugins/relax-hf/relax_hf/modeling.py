@@ -1,4 +1,4 @@
-"""The forward pass of Llama-family models over the KV cache pool, and CUDA-graph decode steps.
+"""The forward pass of Llama-family models over the KV cache pool, and CUDA-graph steps.
 
 :class:`NativeModel` runs the transformers model's own weights (the parameters of the loaded
 ``*ForCausalLM``; they live in the runner's flat buffer) with its own code: RMSNorm, rotary
@@ -18,15 +18,19 @@ it), grouped-query attention, SiLU MLP, optional q/k/v biases (Qwen2) and per-he
   context is gathered from the pool by ``req_to_token`` and attended with two batched matrix
   products (the batch is ``kv_heads x rows``, so no copy is needed for the transposes).
 
-:class:`DecodeGraphs` captures decode steps as CUDA graphs per (batch size, context bucket) on
-first use and replays them; the batch is padded to the captured size with the scratch row 0.
-Graphs bake in the addresses of the weights and of the pool (:meth:`DecodeGraphs.addresses`).
+:class:`StepGraphs` captures decode steps as CUDA graphs per (batch size, context bucket), and
+prefill steps of a few prompts after cached prefixes per (rows, tokens, context bucket), at
+start for short contexts and on first use for longer ones, and replays them; the batch is padded
+to the captured size with the scratch row 0 (a padded prefill row has no tokens; a row's padded
+tokens write the scratch slot). Graphs bake in the addresses of the weights and of the pool
+(:meth:`StepGraphs.addresses`).
 Where those come back at the same addresses after a release (memory hand-over's segments; the
 CPU's kept mappings) the graphs are kept and replayed after a resume; where they move (a disk
 update into a new buffer, torch's allocator) the graphs are dropped and captured again. On CPU
 the same machinery runs with eager stand-ins (``emulate=True``): capture records the step's
 static buffers and addresses, a replay runs the step on them and refuses to run once the
-addresses it recorded have moved (a CUDA graph would read freed memory there).
+addresses it recorded have moved (a CUDA graph would read freed memory there), and overwrites
+every other graph's outputs (a CUDA replay may: the graphs share one memory pool).
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from relax_hf.kvcache import KVPool
 from relax_hf.sampling import column_keys, gumbel_from_keys, row_keys
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
-    "DecodeGraphs",
     "NativeModel",
     "StaleGraph",
+    "StepGraphs",
     "UnsupportedModel",
 ]
 
@@ -57,6 +62,26 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 24
 
 #: Rows of a decode step's int64 inputs (:meth:`NativeModel.decode_step`).
 DECODE_INPUTS = 4
+
+#: Columns a prefill step's int64 inputs hold after its tokens: each row's token count, pool
+#: row and cached prefix (:meth:`NativeModel.prefill_last`).
+PREFILL_META = 3
+
+#: Attention backends of the eager passes (prefills; decode steps without a graph) and of the
+#: prefill graphs. Eager shapes change from call to call, and cuDNN's attention, which torch
+#: picks on Hopper for masked attention, builds an execution plan for every new shape (~0.1 s
+#: each on an H200: one judge phase paid it in each of its ~30 prefill steps). The decode graphs
+#: keep torch's choice: their shapes are fixed, planned once at capture.
+EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+#: Rows a prefill graph holds (a step admitting more prompts prefills eagerly).
+PREFILL_GRAPH_BATCH = (1, 2, 4, 8)
+#: Token counts (per row, after the cached prefix) prefill graphs are captured for, up to the
+#: engine's ``--cuda-graph-max-bs-prefill`` (rows x tokens); a row's tokens are padded up to
+#: the next one.
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+#: Rows x padded tokens a prefill graph holds at most unless the engine says otherwise.
+PREFILL_GRAPH_MAX_TOKENS = 2048
 
 
 class UnsupportedModel(ValueError):
@@ -353,6 +378,12 @@ class NativeModel:
 
     # -- prefill -----------------------------------------------------------------------------
 
+    def queries_per_chunk(self, b: int, ctx: int) -> int:
+        """Queries of each of ``b`` rows one attention chunk of :meth:`prefill_after` holds
+        over a context of ``ctx`` (more tokens than that are attended in chunks, after one
+        host synchronisation: such a prefill cannot be captured)."""
+        return max(1, ATTENTION_CHUNK_ELEMENTS // (b * self.num_heads * ctx))
+
     @torch.inference_mode()
     def prefill(
         self, pool: KVPool, ids: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor
@@ -415,7 +446,7 @@ class NativeModel:
         # Queries attend in chunks whose mask and scores stay within ATTENTION_CHUNK_ELEMENTS:
         # a long prompt after a short match (every prompt's shared BOS) never holds a
         # prompt x context matrix. Chunk c's keys end at the last position it holds.
-        step = max(1, ATTENTION_CHUNK_ELEMENTS // (b * self.num_heads * ctx))
+        step = self.queries_per_chunk(b, ctx)
         first = int(starts.max()) if t > step else 0  # one synchronisation, chunked rows only
         spans = [(c, min(c + step, t)) for c in range(0, t, step)]
         ends = [ctx if len(spans) == 1 else min(ctx, first + c1) for _, c1 in spans]
@@ -452,6 +483,20 @@ class NativeModel:
             x = layer.attention_out(x, o)
             x = layer.mlp(x, norm(x, layer.ln2, self.eps), act)
         return x
+
+    @torch.inference_mode()
+    def prefill_last(self, pool: KVPool, packed: torch.Tensor, ctx: int) -> torch.Tensor:
+        """:meth:`prefill_after` of ``packed`` (int64 ``[B, T + PREFILL_META]``: each row's
+        right-padded tokens, then its token count, pool row and cached prefix); float32 logits
+        of each row's last token ``[B, V]``. Graph-capturable where the tokens fit one
+        attention chunk (:meth:`queries_per_chunk`): no host synchronisation, static shapes. A
+        row of no tokens (the padding of a captured batch: pool row 0, the scratch row) writes
+        only the scratch slot."""
+        t = packed.shape[1] - PREFILL_META
+        ids, lens, rows, starts = packed[:, :t], packed[:, t], packed[:, t + 1], packed[:, t + 2]
+        hidden = self.prefill_after(pool, ids, lens, rows, starts, ctx)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), (lens - 1).clamp(min=0)]
+        return self.logits(last)
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -509,14 +554,14 @@ def _buckets(context_len: int, smallest: int = 128) -> list[int]:
 
 
 class StaleGraph(RuntimeError):
-    """A decode graph was replayed after the weights or the pool it reads moved."""
+    """A step graph was replayed after the weights or the pool it reads moved."""
 
 
 class _EagerGraph:
-    """The CPU stand-in for a captured decode step: the step run on its static buffers, refused
-    once the addresses recorded at capture have moved."""
+    """The CPU stand-in for a captured step: the step run on its static buffers, refused once
+    the addresses recorded at capture have moved."""
 
-    def __init__(self, graphs: DecodeGraphs, step: Any, addresses: tuple[int, ...]) -> None:
+    def __init__(self, graphs: StepGraphs, step: Any, addresses: tuple[int, ...]) -> None:
         self._graphs = graphs
         self._step = step
         self._addresses = addresses
@@ -525,22 +570,37 @@ class _EagerGraph:
         now = self._graphs.addresses()
         if now != self._addresses:
             raise StaleGraph(
-                f"decode graph replayed after its memory moved (captured at "
+                f"step graph replayed after its memory moved (captured at "
                 f"{self._addresses}, now {now}): it must be dropped and captured again"
             )
         self._step()
 
 
-class DecodeGraphs:
-    """CUDA graphs of :meth:`NativeModel.decode_step` per (batch size, context bucket).
+#: A captured step: ``("decode", rows, 1, context bucket)`` or ``("prefill", rows, tokens,
+#: context bucket)``.
+Shape = tuple[str, int, int, int]
 
-    ``captures`` and ``replays`` count every capture and replay since start (``/server_info``
-    reports them: a switch that kept its graphs captures nothing). ``emulate`` (CPU) runs the
-    same bookkeeping with eager stand-ins (see the module's docstring).
+
+class StepGraphs:
+    """CUDA graphs of :meth:`NativeModel.decode_step` per (batch size, context bucket), and of
+    small prefill steps after a cached prefix (:meth:`NativeModel.prefill_last`) per (rows,
+    tokens, context bucket).
+
+    ``captures`` and ``replays`` count every capture and replay since start, ``prefill_replays``
+    the prefill graphs' among them (``/server_info`` reports them: a switch that kept its graphs
+    captures nothing). ``emulate`` (CPU) runs the same bookkeeping with eager stand-ins (see the
+    module's docstring). ``prefill_max_tokens``: rows x padded tokens a prefill graph holds at
+    most (0: no prefill graphs).
     """
 
     def __init__(
-        self, model: NativeModel, pool: KVPool, *, max_bs: int, emulate: bool = False
+        self,
+        model: NativeModel,
+        pool: KVPool,
+        *,
+        max_bs: int,
+        emulate: bool = False,
+        prefill_max_tokens: int = PREFILL_GRAPH_MAX_TOKENS,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -548,13 +608,21 @@ class DecodeGraphs:
         sizes = [1, 2, 4, 8, *range(16, max_bs + 1, 8)]
         self.batch_sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
         self.ctx_buckets = _buckets(pool.context_len)
-        self._graphs: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.prefill_max_tokens = prefill_max_tokens
+        self.prefill_rows = [b for b in PREFILL_GRAPH_BATCH if b <= min(max_bs, prefill_max_tokens)]
+        self.prefill_tokens = [
+            t for t in PREFILL_GRAPH_TOKENS if t <= min(prefill_max_tokens, pool.context_len)
+        ]
+        self._graphs: dict[Shape, tuple[Any, ...]] = {}
         self._mempool: Any = None
-        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.captured_shapes: list[tuple[int, int]] = []  # what to capture again on resume
+        #: The prefill graphs' one output buffer (float32 logits of each row's last token):
+        #: their replays run one at a time and the caller copies what it keeps.
+        self._prefill_out: torch.Tensor | None = None
+        self.captured_shapes: list[Shape] = []  # what to capture again on resume
         self.capture_seconds = 0.0
         self.captures = 0
         self.replays = 0
+        self.prefill_replays = 0
         #: The addresses the graphs held now were captured against (``None``: none held).
         self.captured_at: tuple[int, ...] | None = None
 
@@ -562,6 +630,11 @@ class DecodeGraphs:
     def captured(self) -> int:
         """Graphs held now."""
         return len(self._graphs)
+
+    @property
+    def prefill_captured(self) -> int:
+        """Prefill graphs held now."""
+        return sum(1 for shape in self._graphs if shape[0] == "prefill")
 
     def addresses(self) -> tuple[int, ...]:
         """Where the memory the graphs read is now: the first and last weights, the pool's
@@ -583,11 +656,29 @@ class DecodeGraphs:
             return True
         return False
 
-    def bucket(self, b: int, ctx: int) -> tuple[int, int] | None:
-        """The captured shape for ``b`` rows of context ``ctx`` (``None``: too large)."""
+    def bucket(self, b: int, ctx: int) -> Shape | None:
+        """The decode graph's shape for ``b`` rows of context ``ctx`` (``None``: too large)."""
         bs = next((s for s in self.batch_sizes if s >= b), None)
         cb = next((c for c in self.ctx_buckets if c >= ctx), None)
-        return None if bs is None or cb is None else (bs, cb)
+        return None if bs is None or cb is None else ("decode", bs, 1, cb)
+
+    def prefill_bucket(self, b: int, t: int, ctx: int) -> Shape | None:
+        """The prefill graph's shape for ``b`` rows of at most ``t`` tokens each after their
+        cached prefixes, within a context of ``ctx`` (``None``: none fits; the prefill runs
+        eagerly)."""
+        bs = next((s for s in self.prefill_rows if s >= b), None)
+        tb = next((x for x in self.prefill_tokens if x >= t), None)
+        cb = next((c for c in self.ctx_buckets if c >= ctx), None)
+        if bs is None or tb is None or cb is None or not self._prefill_fits(bs, tb, cb):
+            return None
+        return ("prefill", bs, tb, cb)
+
+    def _prefill_fits(self, bs: int, t: int, ctx: int) -> bool:
+        return (
+            t <= ctx
+            and bs * t <= self.prefill_max_tokens
+            and t <= self.model.queries_per_chunk(bs, ctx)
+        )
 
     def drop(self) -> None:
         """Forget every graph and its memory (weights or pool moved, or ``cuda_graph`` freed)."""
@@ -595,20 +686,43 @@ class DecodeGraphs:
         self._mempool = None
         self.captured_at = None
 
-    def capture(self, shape: tuple[int, int]) -> None:
+    def _inputs(self, shape: Shape) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """A shape's static inputs (zeros: scratch row 0, no tokens) and the step that reads
+        them, returning its outputs."""
+        kind, bs, t, ctx = shape
+        device = self.pool.device
+        model, pool = self.model, self.pool
+        if kind == "decode":
+            packed = torch.zeros((DECODE_INPUTS, bs), dtype=torch.int64, device=device)
+            temps = torch.zeros(bs, dtype=torch.float32, device=device)
+            return (packed, temps), lambda: model.decode_step(pool, packed, temps, ctx)
+        if self._prefill_out is None:
+            self._prefill_out = torch.zeros(
+                (max(self.prefill_rows), model.lm_head.shape[0]),
+                dtype=torch.float32,
+                device=device,
+            )
+        out = self._prefill_out[:bs]
+        packed = torch.zeros((bs, t + PREFILL_META), dtype=torch.int64, device=device)
+
+        def prefill() -> tuple[torch.Tensor]:
+            with sdpa_kernel(EAGER_ATTENTION):
+                return (out.copy_(model.prefill_last(pool, packed, ctx)),)
+
+        return (packed,), prefill
+
+    def capture(self, shape: Shape) -> None:
         """Capture the graph of ``shape`` (idempotent)."""
         if shape in self._graphs:
             return
         start = time.perf_counter()
-        bs, ctx = shape
         device = self.pool.device
-        packed = torch.zeros((DECODE_INPUTS, bs), dtype=torch.int64, device=device)  # scratch row 0
-        temps = torch.zeros(bs, dtype=torch.float32, device=device)
+        inputs, step = self._inputs(shape)
         addresses = self.addresses()
         if self.captured_at is not None and addresses != self.captured_at:
             self.drop()  # graphs of other addresses may not share the pool with these
         if self.emulate:
-            self._capture_eager(shape, packed, temps, addresses)
+            self._capture_eager(shape, inputs, step, addresses)
             self.capture_seconds += time.perf_counter() - start
             return
         if self._mempool is None:
@@ -617,15 +731,15 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):  # warm up (cuBLAS handles, allocator) outside the capture
-                self.model.decode_step(self.pool, packed, temps, ctx)
+                step()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._mempool):
-            out = self.model.decode_step(self.pool, packed, temps, ctx)
-        self._add(shape, (graph, packed, temps, out), addresses)
+            out = step()
+        self._add(shape, (graph, inputs, out), addresses)
         self.capture_seconds += time.perf_counter() - start
 
-    def _add(self, shape: tuple[int, int], entry: tuple[Any, ...], at: tuple[int, ...]) -> None:
+    def _add(self, shape: Shape, entry: tuple[Any, ...], at: tuple[int, ...]) -> None:
         self._graphs[shape] = entry
         self.captured_at = at
         self.captures += 1
@@ -634,68 +748,101 @@ class DecodeGraphs:
 
     def _capture_eager(
         self,
-        shape: tuple[int, int],
-        packed: torch.Tensor,
-        temps: torch.Tensor,
+        shape: Shape,
+        inputs: tuple[torch.Tensor, ...],
+        step: Any,
         addresses: tuple[int, ...],
     ) -> None:
-        ctx = shape[1]
         with torch.inference_mode():
-            logits, tokens = self.model.decode_step(self.pool, packed, temps, ctx)
-        out = (logits.clone(), tokens.clone())
+            out = tuple(o.clone() for o in step())
 
         @torch.inference_mode()
-        def step() -> None:
-            new_logits, new_tokens = self.model.decode_step(self.pool, packed, temps, ctx)
-            out[0].copy_(new_logits)
-            out[1].copy_(new_tokens)
+        def replay() -> None:
+            self._scribble(shape)
+            for mine, new in zip(out, step(), strict=True):
+                mine.copy_(new)
 
-        self._add(shape, (_EagerGraph(self, step, addresses), packed, temps, out), addresses)
+        self._add(shape, (_EagerGraph(self, replay, addresses), inputs, out), addresses)
+
+    def _scribble(self, replayed: Shape) -> None:
+        """What a CUDA replay may do to every other graph's outputs, done by the stand-ins:
+        graphs share one memory pool, and a graph's scratch memory may hold another graph's
+        outputs (captured later), so a replay may overwrite them. Float outputs become NaN and
+        integer ones -1: a reader that kept another graph's outputs across a replay fails."""
+        for shape, (_, _, out) in self._graphs.items():
+            if shape != replayed:
+                for t in out:
+                    t.fill_(float("nan") if t.is_floating_point() else -1)
 
     def warm_up(self, *, max_ctx: int = 256) -> int:
-        """Capture every batch size for the context buckets up to ``max_ctx`` (start-up), so
-        that short requests never wait for a capture; longer contexts are captured on first
-        use."""
+        """Capture every decode batch size, and every prefill shape, for the context buckets up
+        to ``max_ctx`` (start-up), so that short requests never wait for a capture; longer
+        contexts are captured on first use."""
         for ctx in [c for c in self.ctx_buckets if c <= max_ctx] or self.ctx_buckets[:1]:
             for bs in sorted(self.batch_sizes, reverse=True):
-                self.capture((bs, ctx))
+                self.capture(("decode", bs, 1, ctx))
+            for bs in sorted(self.prefill_rows, reverse=True):
+                for t in sorted(self.prefill_tokens, reverse=True):
+                    if self._prefill_fits(bs, t, ctx):
+                        self.capture(("prefill", bs, t, ctx))
         return len(self._graphs)
 
     def recapture(self) -> int:
         """Capture again every shape captured before the last :meth:`drop`."""
-        for shape in sorted(self.captured_shapes, reverse=True):
+        for shape in sorted(self.captured_shapes, key=lambda s: s[1:], reverse=True):
             self.capture(shape)
         return len(self._graphs)
+
+    def _staged(self, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Zeroed host buffers shaped as ``like``, pinned on CUDA, new for every replay: the
+        host allocator keeps a pinned block until the copy that reads it is done, so the next
+        replay never overwrites inputs still queued behind the device's work (a step that
+        prefills replays behind the decode step it just launched)."""
+        pin = self.pool.device.type == "cuda"
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in like)
+
+    def _replay(self, shape: Shape, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        graph, inputs, out = self._graphs[shape]
+        for static, staged in zip(inputs, host, strict=True):
+            static.copy_(staged, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return out  # type: ignore[no-any-return]
 
     def run(
         self, host_packed: torch.Tensor, host_temps: torch.Tensor, ctx: int
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Replay the graph for ``b`` rows (CPU inputs as for :meth:`NativeModel.decode_step`);
-        ``None`` when no captured shape fits. The outputs are the graph's own buffers: valid
-        until the next replay."""
+        """Replay the decode graph for ``b`` rows (CPU inputs as for
+        :meth:`NativeModel.decode_step`); ``None`` when no captured shape fits. The outputs are
+        the graph's own buffers: valid until the next replay."""
         b = host_packed.shape[1]
         shape = self.bucket(b, ctx)
         if shape is None:
             return None
         if shape not in self._graphs:
             self.capture(shape)
-        graph, packed, temps, (logits, tokens) = self._graphs[shape]
-        bs = shape[0]
-        staging = self._staging.get(bs)
-        if staging is None:
-            pin = self.pool.device.type == "cuda"
-            staging = (
-                torch.zeros((DECODE_INPUTS, bs), dtype=torch.int64, pin_memory=pin),
-                torch.zeros(bs, dtype=torch.float32, pin_memory=pin),
-            )
-            self._staging[bs] = staging
-        ints, floats = staging
-        ints.zero_()
-        floats.zero_()
+        ints, floats = self._staged(self._graphs[shape][1])
         ints[:, :b] = host_packed
         floats[:b] = host_temps
-        packed.copy_(ints, non_blocking=True)
-        temps.copy_(floats, non_blocking=True)
-        graph.replay()
-        self.replays += 1
+        logits, tokens = self._replay(shape, (ints, floats))
         return logits[:b], tokens[:b]
+
+    def run_prefill(self, host: torch.Tensor, ctx: int) -> torch.Tensor | None:
+        """Replay the prefill graph for ``host`` (CPU int64 ``[b, w + PREFILL_META]`` as for
+        :meth:`NativeModel.prefill_last`: ``w`` tokens a row at most, each row after a cached
+        prefix, ``ctx`` at least the longest row's prefix and tokens); float32 logits of each
+        row's last token, ``None`` when no prefill graph fits. The logits are the graphs' one
+        output buffer: valid until the next prefill replay."""
+        b, w = host.shape[0], host.shape[1] - PREFILL_META
+        shape = self.prefill_bucket(b, w, ctx)
+        if shape is None:
+            return None
+        if shape not in self._graphs:
+            self.capture(shape)
+        t = shape[2]
+        (ints,) = self._staged(self._graphs[shape][1])
+        ints[:b, :w] = host[:, :w]
+        ints[:b, t:] = host[:, w:]
+        (logits,) = self._replay(shape, (ints,))
+        self.prefill_replays += 1
+        return logits[:b]  # type: ignore[no-any-return]

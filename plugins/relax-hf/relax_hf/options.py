@@ -33,7 +33,10 @@ class HFEngineOptions:
     ``memory_handoff`` (CUDA): a release parks the weights' and the KV cache pool's GPU memory
     for the next engine on the GPU to take over (docs/hf-engine.md). ``disable_cuda_graph``:
     decode steps run eagerly. ``cuda_graph_max_bs``: the largest decode batch captured as a
-    CUDA graph (default: ``max_running_requests``). ``enable_torch_compile`` (CUDA): fuse the
+    CUDA graph (default: ``max_running_requests``). ``cuda_graph_backend_prefill``: ``full``
+    (prefill steps of a few prompts after cached prefixes replay CUDA graphs where decode steps
+    do) or ``disabled``; ``cuda_graph_max_bs_prefill``: rows x padded tokens such a graph holds
+    at most (default 2048). ``enable_torch_compile`` (CUDA): fuse the
     element-wise parts of the forward pass. ``max_total_tokens``: the KV cache pool in tokens
     (overrides ``mem_fraction_static``). ``attn_implementation``: ``sdpa`` or ``eager``.
     ``threads``: torch CPU threads (0: torch's default). ``dist_timeout``: seconds a
@@ -54,6 +57,10 @@ class HFEngineOptions:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = attrs.field(
         default=None, metadata={"check": ConfigReader.at_least(1)}
+    )
+    cuda_graph_backend_prefill: Literal["full", "disabled"] = "full"
+    cuda_graph_max_bs_prefill: int | None = attrs.field(
+        default=None, metadata={"check": ConfigReader.at_least(16)}
     )
     enable_torch_compile: bool = False
     max_total_tokens: int | None = attrs.field(

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from relax_hf.grammar import GrammarBackend
 from relax_hf.kvcache import KVPool
-from relax_hf.modeling import DecodeGraphs, NativeModel
+from relax_hf.modeling import EAGER_ATTENTION, PREFILL_GRAPH_MAX_TOKENS, NativeModel, StepGraphs
 from relax_hf.prefixcache import PrefixCache
 from relax_hf.vmm import DriverWarmer, Exchange, Segment, device_uuid
 
@@ -58,14 +58,6 @@ GRAPH_PHASES = (
     "draft_extend",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-#: Attention backends of the eager passes (prefills; decode steps without a graph). Their shapes
-#: change from call to call, and cuDNN's attention, which torch picks on Hopper for masked
-#: attention, builds an execution plan for every new shape (~0.1 s each on an H200: one judge
-#: phase paid it in each of its ~30 prefill steps). The decode graphs keep torch's choice:
-#: their shapes are fixed, planned once at capture.
-EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class WeightsError(ValueError):
@@ -199,6 +191,8 @@ class ModelRunner:
         context_length: int | None = None,
         cuda_graph: bool = True,
         cuda_graph_max_bs: int | None = None,
+        cuda_graph_prefill: bool = True,
+        cuda_graph_max_bs_prefill: int | None = None,
         json_any_whitespace: bool = True,
         json_max_whitespace_cnt: int | None = None,
         torch_compile: bool = False,
@@ -216,7 +210,9 @@ class ModelRunner:
         weights and the pool come back at the same addresses: with ``memory_handoff``, and on
         CPU (whose mappings are kept). Elsewhere they are captured again after a resume;
         :attr:`graphs_note` says so. ``emulate_cuda_graph`` (CPU) runs decode steps through the
-        graph machinery with eager stand-ins (:class:`~relax_hf.modeling.DecodeGraphs`).
+        graph machinery with eager stand-ins (:class:`~relax_hf.modeling.StepGraphs`). With
+        them (``cuda_graph_prefill``), a prefill of a few prompts after cached prefixes replays
+        a graph too, of at most ``cuda_graph_max_bs_prefill`` rows x padded tokens.
 
         With ``memory_handoff`` (CUDA only) the weight buffer and the pool are
         :class:`~relax_hf.vmm.Segment` s: a release parks their physical memory for the next
@@ -321,14 +317,19 @@ class ModelRunner:
         # device, or the pool is dropped (see each of those operations).
         self.prefix_cache = PrefixCache(self.pool, enabled=radix_cache)
         pooled = time.perf_counter()
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         emulate = emulate_cuda_graph and self.device.type == "cpu"
         if cuda_graph and (self.device.type == "cuda" or emulate):
-            self.graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 self.native,
                 self.pool,
                 max_bs=min(cuda_graph_max_bs or max_running_requests, max_running_requests),
                 emulate=emulate,
+                prefill_max_tokens=(
+                    (cuda_graph_max_bs_prefill or PREFILL_GRAPH_MAX_TOKENS)
+                    if cuda_graph_prefill
+                    else 0
+                ),
             )
         #: Whether the weights and the pool come back at the addresses they left (memory
         #: hand-over's segments; CPU mappings): the decode graphs are then kept across a
@@ -406,6 +407,8 @@ class ModelRunner:
             context_length=config.context_length,
             cuda_graph=not config.disable_cuda_graph,
             cuda_graph_max_bs=config.cuda_graph_max_bs,
+            cuda_graph_prefill=config.cuda_graph_backend_prefill == "full",
+            cuda_graph_max_bs_prefill=config.cuda_graph_max_bs_prefill,
             json_any_whitespace=not config.constrained_json_disable_any_whitespace,
             json_max_whitespace_cnt=config.constrained_json_max_whitespace_cnt,
             torch_compile=config.enable_torch_compile,
@@ -505,6 +508,14 @@ class ModelRunner:
             if starts is None:
                 return self.native.prefill(self.pool, ids, lens, rows)
             return self.native.prefill_after(self.pool, ids, lens, rows, starts, ctx)
+
+    @torch.inference_mode()
+    def prefill_captured(self, host: torch.Tensor, ctx: int) -> torch.Tensor | None:
+        """Float32 logits of each row's last token from a prefill graph (``host``: CPU int64
+        rows of tokens after their cached prefixes, then each one's count, pool row and prefix:
+        :meth:`~relax_hf.modeling.StepGraphs.run_prefill`); ``None`` where no graph fits (or
+        there are none): prefill eagerly. Valid until the next prefill graph's replay."""
+        return None if self.graphs is None else self.graphs.run_prefill(host, ctx)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -841,6 +852,9 @@ class ModelRunner:
                 "capture_seconds": self.graphs.capture_seconds if self.graphs is not None else 0,
                 "captures": self.graphs.captures if self.graphs is not None else 0,
                 "replays": self.graphs.replays if self.graphs is not None else 0,
+                # Prefill steps of a few prompts after cached prefixes, replayed.
+                "prefill_captured": self.graphs.prefill_captured if self.graphs else 0,
+                "prefill_replays": self.graphs.prefill_replays if self.graphs else 0,
                 "kept_across_release": self.graphs is not None and self.stable_addresses,
                 # --enable-torch-compile: the decode step's element-wise pieces are fused.
                 "torch_compile": self.native.compiled,

@@ -81,6 +81,8 @@ class ServerConfig:
     context_length: int | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    cuda_graph_backend_prefill: str = "full"
+    cuda_graph_max_bs_prefill: int | None = None
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
     enable_torch_compile: bool = False

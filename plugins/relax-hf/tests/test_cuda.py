@@ -49,6 +49,30 @@ def test_greedy_and_seeded_outputs_on_cuda_equal_the_cpu_engines(
     assert graphs["enabled"] and graphs["captured"] > 0 and graphs["replays"] > 0
 
 
+def test_prompts_after_a_cached_template_replay_a_prefill_graph_with_the_cpu_answer(
+    pair: tuple[EngineServer, EngineServer],
+) -> None:
+    """A judge-shaped prefill (a few prompts after a template the prefix cache holds) replays a
+    captured prefill step on CUDA and draws what the CPU engine's eager prefill draws."""
+    cpu, cuda = pair
+    template = "You are a strict judge. Score the answer below from 0 to 9. " * 3
+    answers = [template + "Answer: " + a for a in ("four", "22 / 7", "def add(a, b): return a")]
+
+    def judge(server: EngineServer) -> tuple[list[list[int]], list[int]]:
+        server.http.ok("/generate", {"text": template, "sampling_params": {"max_new_tokens": 1}})
+        sp = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        out = server.http.ok("/generate", {"text": answers, "sampling_params": sp})
+        return [o["output_ids"] for o in out], [o["meta_info"]["cached_tokens"] for o in out]
+
+    graphs = cuda.http.ok("/server_info")["memory"]["cuda_graphs"]
+    assert graphs["prefill_captured"] > 0
+    got, cached = judge(cuda)
+    assert min(cached) > 0
+    after = cuda.http.ok("/server_info")["memory"]["cuda_graphs"]
+    assert after["prefill_replays"] > graphs["prefill_replays"]
+    assert got == judge(cpu)[0]
+
+
 def test_the_cuda_graph_and_kv_cache_tags_release_and_restore(
     pair: tuple[EngineServer, EngineServer],
 ) -> None:

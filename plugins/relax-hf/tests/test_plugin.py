@@ -194,6 +194,8 @@ def test_every_hf_engine_option_is_the_serve_flag_of_its_name() -> None:
         memory_handoff=True,
         disable_cuda_graph=True,
         cuda_graph_max_bs=8,
+        cuda_graph_backend_prefill="disabled",
+        cuda_graph_max_bs_prefill=512,
         enable_torch_compile=True,
         max_total_tokens=64,
         attn_implementation="eager",
