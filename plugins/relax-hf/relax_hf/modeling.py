@@ -615,6 +615,7 @@ class StepGraphs:
         ]
         self._graphs: dict[Shape, tuple[Any, ...]] = {}
         self._mempool: Any = None
+        self._stream: Any = None  # where captures warm up (CUDA)
         #: The prefill graphs' one output buffer (float32 logits of each row's last token):
         #: their replays run one at a time and the caller copies what it keeps.
         self._prefill_out: torch.Tensor | None = None
@@ -727,7 +728,9 @@ class StepGraphs:
             return
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream = self._stream  # one for every warm-up: its cached blocks serve the next one
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):  # warm up (cuBLAS handles, allocator) outside the capture

@@ -360,8 +360,10 @@ class ModelRunner:
                 torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
             self.graphs.warm_up()
+            if cuda:  # the warm-ups' cached blocks are not the graphs'
+                torch.cuda.empty_cache()
             graph_bytes = torch.cuda.memory_reserved(self.device) - reserved if cuda else 0
-        #: Bytes the decode graphs captured at start hold (their memory pool and buffers);
+        #: Bytes the graphs captured at start hold (their memory pool and buffers);
         #: resident while the ``cuda_graph`` tag is released when the graphs are kept.
         self.graph_bytes = graph_bytes
         #: SGLang's ``memory_usage.graph``: GiB its graphs of each phase took at start-up.
