@@ -561,8 +561,7 @@ class Batch:
         self.prefill_sequences += len(chunk)
         ctx = max(len(inputs[i]) for i in chunk)
         if hits[chunk[0]] and not states:
-            self._keep_held()
-            captured = runner.prefill_captured(torch.from_numpy(host), ctx)
+            captured = runner.prefill_captured(torch.from_numpy(host), ctx, self._keep_held)
             if captured is not None:
                 copied = captured.clone()  # the graphs' buffer: the next replay writes it
                 for i in chunk:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -830,16 +831,21 @@ class StepGraphs:
         logits, tokens = self._replay(shape, (ints, floats))
         return logits[:b], tokens[:b]
 
-    def run_prefill(self, host: torch.Tensor, ctx: int) -> torch.Tensor | None:
+    def run_prefill(
+        self, host: torch.Tensor, ctx: int, before: Callable[[], None] | None = None
+    ) -> torch.Tensor | None:
         """Replay the prefill graph for ``host`` (CPU int64 ``[b, w + PREFILL_META]`` as for
         :meth:`NativeModel.prefill_last`: ``w`` tokens a row at most, each row after a cached
         prefix, ``ctx`` at least the longest row's prefix and tokens); float32 logits of each
-        row's last token, ``None`` when no prefill graph fits. The logits are the graphs' one
-        output buffer: valid until the next prefill replay."""
+        row's last token, ``None`` when no prefill graph fits. ``before`` runs first when one
+        does (a caller copies what other graphs' outputs it still needs). The logits are the
+        graphs' one output buffer: valid until the next prefill replay."""
         b, w = host.shape[0], host.shape[1] - PREFILL_META
         shape = self.prefill_bucket(b, w, ctx)
         if shape is None:
             return None
+        if before is not None:
+            before()
         if shape not in self._graphs:
             self.capture(shape)
         t = shape[2]

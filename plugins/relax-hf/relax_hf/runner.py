@@ -30,7 +30,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -512,12 +512,15 @@ class ModelRunner:
             return self.native.prefill_after(self.pool, ids, lens, rows, starts, ctx)
 
     @torch.inference_mode()
-    def prefill_captured(self, host: torch.Tensor, ctx: int) -> torch.Tensor | None:
+    def prefill_captured(
+        self, host: torch.Tensor, ctx: int, before: Callable[[], None] | None = None
+    ) -> torch.Tensor | None:
         """Float32 logits of each row's last token from a prefill graph (``host``: CPU int64
-        rows of tokens after their cached prefixes, then each one's count, pool row and prefix:
+        rows of tokens after their cached prefixes, then each one's count, pool row and prefix;
+        ``before`` runs first where a graph replays:
         :meth:`~relax_hf.modeling.StepGraphs.run_prefill`); ``None`` where no graph fits (or
         there are none): prefill eagerly. Valid until the next prefill graph's replay."""
-        return None if self.graphs is None else self.graphs.run_prefill(host, ctx)
+        return None if self.graphs is None else self.graphs.run_prefill(host, ctx, before)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
