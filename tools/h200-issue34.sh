@@ -95,7 +95,8 @@ for line in open(sys.argv[1]):
 }
 
 # 1. run-h200.toml with graphs.
-RUN_TOML=docs/examples/run-h200.toml
+# RUN_TOML=...: another job instead (e.g. a copy sized for an 80 GB GPU, beside the original).
+RUN_TOML=${RUN_TOML:-docs/examples/run-h200.toml}
 if [ "${JUDGE_CONTINUOUS:-1}" != 1 ]; then
   # A copy beside the original (its model paths are relative to its folder), git-ignored.
   RUN_TOML=docs/examples/run-h200-judge-continuous.toml
