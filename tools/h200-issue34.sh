@@ -79,17 +79,20 @@ bounded() {
 
 # PYSPY=1 (py-spy's wheel in .whl/): py-spy records each engine and the run's driver while part 1
 # runs (100 samples/s, idle samples and threads kept) into $OUT/spy-<pid>.txt, collapsed stacks:
-# where a phase's engine spends its steps and whether it waits for requests.
+# where a phase's engine spends its steps and whether it waits for requests. PYSPY_ARGS adds
+# py-spy options (e.g. PYSPY_ARGS=--gil: only the thread holding the GIL, to see which of an
+# engine's threads the compute thread waits for).
 spy() {
   local jsonl=$1 pids p
   for _ in $(seq 1 240); do grep -q engine_pids "$jsonl" 2>/dev/null && break; sleep 1; done
   pids=$(python3 -c 'import json, sys
 for line in open(sys.argv[1]):
     if "engine_pids" in line: print(*json.loads(line)["engine_pids"])' "$jsonl")
-  pids="$pids $(pgrep -f '^python3 -m relax_core run docs/examples/run-h200.toml' | head -n 1)"
+  pids="$pids $(pgrep -f "^python3 -m relax_core run $RUN_TOML" | head -n 1)"
   for p in $pids; do
+    # shellcheck disable=SC2086  # PYSPY_ARGS: words
     /tmp/site/bin/py-spy record -p "$p" -r 100 --idle --threads -f raw -d 400 --nonblocking \
-      -o "$OUT/spy-$p.txt" >"$OUT/spy-$p.log" 2>&1 &
+      ${PYSPY_ARGS:-} -o "$OUT/spy-$p.txt" >"$OUT/spy-$p.log" 2>&1 &
   done
   echo "py-spy on $pids" >"$OUT/spy.txt"
 }
