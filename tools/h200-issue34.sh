@@ -98,12 +98,14 @@ for line in open(sys.argv[1]):
 }
 
 # 1. run-h200.toml with graphs.
-# RUN_TOML=...: another job instead (e.g. a copy sized for an 80 GB GPU, beside the original).
-RUN_TOML=${RUN_TOML:-docs/examples/run-h200.toml}
+# RUN_TOML=...: another job instead, for parts 1 and 3 (e.g. a copy sized for an 80 GB GPU,
+# beside the original).
+JOB=${RUN_TOML:-docs/examples/run-h200.toml}
+RUN_TOML=$JOB
 if [ "${JUDGE_CONTINUOUS:-1}" != 1 ]; then
   # A copy beside the original (its model paths are relative to its folder), git-ignored.
   RUN_TOML=docs/examples/run-h200-judge-continuous.toml
-  cp docs/examples/run-h200.toml "$RUN_TOML"
+  cp "$JOB" "$RUN_TOML"
   printf '\n[roles.genrm.models.judge.engine]\nnum_continuous_decode_steps = %s\n' \
     "$JUDGE_CONTINUOUS" >>"$RUN_TOML"
 fi
@@ -170,7 +172,7 @@ seconds = _h2d_baseline(nbytes, "cuda:0", repeats=5)
 json.dump({"weight_bytes": nbytes, "pinned_h2d_ms": round(seconds * 1e3, 2)}, open(sys.argv[1], "w"))
 PY
 if want wake; then
-  bounded 210 wake python3 -m relax_core bench wake --job docs/examples/run-h200.toml --json \
+  bounded 210 wake python3 -m relax_core bench wake --job "$JOB" --json \
     >"$OUT/wake.json" 2>"$OUT/wake.log"
   echo "bench wake exited $?"
 fi
