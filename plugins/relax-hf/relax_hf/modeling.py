@@ -83,6 +83,22 @@ PREFILL_GRAPH_BATCH = (1, 2, 4, 8)
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 #: Rows x padded tokens a prefill graph holds at most unless the engine says otherwise.
 PREFILL_GRAPH_MAX_TOKENS = 2048
+#: The start-up captures every shape for the context buckets up to 256; the buckets above, up
+#: to this one, only for the decode rows of :data:`SPARSE_DECODE_ROWS` and the prefill tokens
+#: of :data:`SPARSE_PREFILL_TOKENS`: the shapes between replay a captured one that holds them
+#: (:meth:`StepGraphs.held`). A judge's contexts (a ~200-token prompt and ~60 new tokens)
+#: cross 256: each of its phases captured 1-4 graphs of the 512 bucket on first use (~60 ms
+#: each on an H100, 3-8 % of a phase), its first phase 12-15. Only decode graphs of at most
+#: the rows x context of the largest captured in full: a decode graph gathers its rows'
+#: contexts, and the largest one sets the graphs' memory at start (on an H100, 256 rows at
+#: 512 took it from 0.95 to 2.03 GB for the 0.5B judge of ``run-h200.toml``).
+SPARSE_WARM_CONTEXT = 512
+SPARSE_DECODE_ROWS = (1, 8, 16, 32, 64, 128, 256)
+SPARSE_PREFILL_TOKENS = (64, 128, 256, 512)
+#: A captured graph replays a shape not captured (padded) when it holds at most twice the
+#: work (rows x tokens x context), or at most this many rows of the same tokens and context:
+#: cheaper than stopping the step for a capture (~60 ms), as a few padded rows cost little.
+STAND_IN_ROWS = 16
 
 
 class UnsupportedModel(ValueError):
@@ -625,6 +641,8 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
         self.prefill_replays = 0
+        #: Replays of a captured graph for a shape not captured (:meth:`held`).
+        self.stand_ins = 0
         #: The addresses the graphs held now were captured against (``None``: none held).
         self.captured_at: tuple[int, ...] | None = None
 
@@ -778,18 +796,54 @@ class StepGraphs:
                 for t in out:
                     t.fill_(float("nan") if t.is_floating_point() else -1)
 
-    def warm_up(self, *, max_ctx: int = 256) -> int:
+    def warm_up(self, *, max_ctx: int = 256, sparse_ctx: int = SPARSE_WARM_CONTEXT) -> int:
         """Capture every decode batch size, and every prefill shape, for the context buckets up
-        to ``max_ctx`` (start-up), so that short requests never wait for a capture; longer
-        contexts are captured on first use."""
-        for ctx in [c for c in self.ctx_buckets if c <= max_ctx] or self.ctx_buckets[:1]:
-            for bs in sorted(self.batch_sizes, reverse=True):
+        to ``max_ctx`` (start-up), so that short requests never wait for a capture; for the
+        buckets above, up to ``sparse_ctx``, the shapes of :data:`SPARSE_DECODE_ROWS` (those
+        of no more rows x context than the largest decode graph below) and of
+        :data:`SPARSE_PREFILL_TOKENS`, which stand in for those between (:meth:`held`);
+        other shapes are captured on first use."""
+        full = [c for c in self.ctx_buckets if c <= max_ctx] or self.ctx_buckets[:1]
+        sparse = [c for c in self.ctx_buckets if full[-1] < c <= sparse_ctx]
+        largest = max(self.batch_sizes) * full[-1]  # rows x context of the largest decode graph
+        for ctx in full + sparse:
+            rows = self.batch_sizes
+            tokens = self.prefill_tokens
+            if ctx in sparse:
+                rows = [b for b in rows if b in SPARSE_DECODE_ROWS and b * ctx <= largest]
+                tokens = [t for t in tokens if t in SPARSE_PREFILL_TOKENS]
+            for bs in sorted(rows, reverse=True):
                 self.capture(("decode", bs, 1, ctx))
             for bs in sorted(self.prefill_rows, reverse=True):
-                for t in sorted(self.prefill_tokens, reverse=True):
+                for t in sorted(tokens, reverse=True):
                     if self._prefill_fits(bs, t, ctx):
                         self.capture(("prefill", bs, t, ctx))
         return len(self._graphs)
+
+    def held(self, shape: Shape) -> Shape:
+        """The graph to replay for ``shape``: ``shape`` itself once captured; else the least
+        work among the captured graphs of its kind that hold it (as many rows or more, as many
+        tokens or more, a context bucket as long or longer: the rows and tokens padded as a
+        bucket pads them) within :data:`STAND_IN_ROWS`'s bound (``stand_ins`` counts those);
+        else ``shape``, captured now (``captures`` counts it)."""
+        if shape in self._graphs:
+            return shape
+        kind, bs, t, ctx = shape
+        work = bs * t * ctx
+        best: Shape | None = None
+        for s in self._graphs:
+            if s[0] != kind or s[1] < bs or s[2] < t or s[3] < ctx:
+                continue
+            cost = s[1] * s[2] * s[3]
+            if cost > 2 * work and not (s[1] <= STAND_IN_ROWS and s[2:] == shape[2:]):
+                continue
+            if best is None or cost < best[1] * best[2] * best[3]:
+                best = s
+        if best is not None:
+            self.stand_ins += 1
+            return best
+        self.capture(shape)
+        return shape
 
     def recapture(self) -> int:
         """Capture again every shape captured before the last :meth:`drop`."""
@@ -823,8 +877,7 @@ class StepGraphs:
         shape = self.bucket(b, ctx)
         if shape is None:
             return None
-        if shape not in self._graphs:
-            self.capture(shape)
+        shape = self.held(shape)
         ints, floats = self._staged(self._graphs[shape][1])
         ints[:, :b] = host_packed
         floats[:b] = host_temps
@@ -846,8 +899,7 @@ class StepGraphs:
             return None
         if before is not None:
             before()
-        if shape not in self._graphs:
-            self.capture(shape)
+        shape = self.held(shape)
         t = shape[2]
         (ints,) = self._staged(self._graphs[shape][1])
         ints[:b, :w] = host[:, :w]

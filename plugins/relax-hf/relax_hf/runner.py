@@ -860,6 +860,8 @@ class ModelRunner:
                 # Prefill steps of a few prompts after cached prefixes, replayed.
                 "prefill_captured": self.graphs.prefill_captured if self.graphs else 0,
                 "prefill_replays": self.graphs.prefill_replays if self.graphs else 0,
+                # Replays of a captured graph, padded, for a shape not captured (no capture).
+                "stand_ins": self.graphs.stand_ins if self.graphs else 0,
                 "kept_across_release": self.graphs is not None and self.stable_addresses,
                 # --enable-torch-compile: the decode step's element-wise pieces are fused.
                 "torch_compile": self.native.compiled,

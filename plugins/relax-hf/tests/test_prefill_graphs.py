@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from relax_hf.batch import Batch, Sequence
-from relax_hf.modeling import StaleGraph
+from relax_hf.modeling import StaleGraph, StepGraphs
 from relax_hf.protocol import LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
 
@@ -117,12 +117,56 @@ def test_what_no_prefill_graph_fits_prefills_eagerly_or_is_captured_on_first_use
     nine = [_tails([5] * 9, 400)]
     _same(_judge_phase(graphed, nine), _judge_phase(eager, nine))
     assert graphs.prefill_replays == replays and graphs.captures == captures
-    # A context past the buckets captured at start (256): its graph is captured on first use,
-    # once, and replayed after that.
-    long = [_tails([230], 500), _tails([229], 650)]
+    # A context past the buckets captured in full at start (256), within the sparse ones
+    # (512): 300 tokens replay the prefill graph of 512 tokens captured at start, and two
+    # decoding rows the decode graph of 8, padded; nothing is captured.
+    stand_ins = graphs.stand_ins
+    mid = [_tails([300], 500), _tails([299], 650)]
+    _same(_judge_phase(graphed, mid), _judge_phase(eager, mid))
+    assert graphs.captures == captures
+    assert graphs.stand_ins > stand_ins + 2 and graphs.prefill_replays == replays + 2
+    # Past the sparse buckets (a context of 1024): captured on first use, once, and replayed
+    # after that.
+    long = [_tails([500], 700), _tails([499], 900)]
     _same(_judge_phase(graphed, long), _judge_phase(eager, long))
     assert graphs.prefill_captured == held + 1  # (decode graphs of that context came too)
-    assert graphs.prefill_replays == replays + 2
+    assert graphs.prefill_replays == replays + 4
+
+
+def test_a_captured_graph_stands_in_for_a_shape_within_twice_its_work(
+    graphed: ModelRunner,
+) -> None:
+    graphs = graphed.graphs
+    assert graphs is not None
+    ctx = graphs.ctx_buckets[-1]  # nothing of this context is captured at start
+    captures, stand_ins = graphs.captures, graphs.stand_ins
+    assert graphs.held(("prefill", 1, 512, ctx)) == ("prefill", 1, 512, ctx)  # captured
+    assert graphs.captures == captures + 1
+    # 384 tokens padded to 512: 1.33 x the work, replayed as it is.
+    assert graphs.held(("prefill", 1, 384, ctx)) == ("prefill", 1, 512, ctx)
+    # 128 tokens would be 4 x the work: captured (once).
+    assert graphs.held(("prefill", 1, 128, ctx)) == ("prefill", 1, 128, ctx)
+    assert graphs.held(("prefill", 1, 128, ctx)) == ("prefill", 1, 128, ctx)
+    assert graphs.captures == captures + 2 and graphs.stand_ins == stand_ins + 1
+    # A decode graph of a few rows stands in for fewer rows at the same context.
+    assert graphs.held(("decode", 8, 1, ctx)) == ("decode", 8, 1, ctx)
+    assert graphs.held(("decode", 1, 1, ctx)) == ("decode", 8, 1, ctx)
+    assert graphs.captures == captures + 3 and graphs.stand_ins == stand_ins + 2
+
+
+def test_the_start_up_captures_the_next_context_sparsely_within_the_largest_graph(
+    graphed: ModelRunner,
+) -> None:
+    """The context bucket past the full ones (512) is captured at start for a few decode rows
+    (no more rows x context than the largest decode graph of 256, whose gather sets the graphs'
+    memory) and the sparse prefill tokens; nothing beyond it."""
+    fresh = StepGraphs(graphed.native, graphed.pool, max_bs=16, emulate=True)
+    fresh.warm_up()
+    shapes = set(fresh.captured_shapes)
+    assert {s[1] for s in shapes if s[0] == "decode" and s[3] == 256} == {1, 2, 4, 8, 16}
+    assert {s[1] for s in shapes if s[0] == "decode" and s[3] == 512} == {1, 8}  # 8 x 512
+    assert {s[2] for s in shapes if s[0] == "prefill" and s[3] == 512} == {64, 128, 256, 512}
+    assert max(s[3] for s in shapes) == 512 and fresh.captures == len(shapes)
 
 
 def test_padded_rows_and_tokens_write_only_the_scratch_slot(graphed: ModelRunner) -> None:
