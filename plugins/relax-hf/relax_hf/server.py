@@ -267,7 +267,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         # Python's garbage collector: the start-up objects frozen out of its full collections
         # (ModelRunner.freeze_heap) and the collections of each generation so far.
         "gc": {
-            "frozen_objects": gc.get_freeze_count(),
+            "frozen_objects": ModelRunner.frozen_objects,
             "collections": [g["collections"] for g in gc.get_stats()],
         },
         "generation_tokens_total": engine.batch.tokens_generated,
