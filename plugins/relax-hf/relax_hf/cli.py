@@ -183,6 +183,7 @@ def _engine_throughput(args: argparse.Namespace) -> int:
         shared_prefix_tokens=args.shared_prefix_tokens,
         samples=args.samples_per_prompt,
         num_continuous_decode_steps=args.num_continuous_decode_steps,
+        memory_handoff=args.memory_handoff,
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
@@ -452,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="the engine's flag, as the phase's engine has it (1)",
+    )
+    p.add_argument(
+        "--memory-handoff",
+        action="store_true",
+        help="the engine's flag, as the phase's engine has it (CUDA); the engine releases and "
+        "resumes all its memory once after the warm-up, as a phase of relax run finds it",
     )
     p.add_argument(
         "--shared-prefix-tokens", type=int, default=64, help="shared-prefix: tokens shared (64)"

@@ -195,13 +195,17 @@ def run(
     shared_prefix_tokens: int = 64,
     samples: int = 8,
     num_continuous_decode_steps: int = 1,
+    memory_handoff: bool = False,
 ) -> dict[str, Any]:
     """Start one engine on ``model``, warm it up, measure, stop; the numbers.
 
     ``compare``: variants (:data:`VARIANTS`) measured after the random prompts, ``rounds``
     times each in turn (a noisy machine: the median of each round's ratio counts); their
     numbers under ``variants``. ``num_continuous_decode_steps``: the engine's flag (as the
-    phase's engine has it). :raises ValueError: an unknown variant, or ``rounds`` < 1.
+    phase's engine has it). ``memory_handoff`` (CUDA): the engine's flag, and one release and
+    resume of all its memory after the warm-up, so that the engine measures with its memory
+    where a phase of ``relax run`` finds it. :raises ValueError: an unknown variant, or
+    ``rounds`` < 1.
     """
     unknown = [v for v in compare if v not in VARIANTS]
     if unknown or rounds < 1:
@@ -236,11 +240,13 @@ def run(
         backend_options=HFEngineOptions(
             disable_cuda_graph=disable_cuda_graph,
             num_continuous_decode_steps=num_continuous_decode_steps,
+            memory_handoff=memory_handoff,
         ),
     )
     result: dict[str, Any] = {"benchmark": "hf-engine-throughput", "model": str(model),
                               "device": device, "dtype": dtype,
                               "num_continuous_decode_steps": num_continuous_decode_steps,
+                              "memory_handoff": memory_handoff,
                               }  # fmt: skip
     shape: dict[str, Any] = {
         "concurrency": concurrency,
@@ -260,6 +266,10 @@ def run(
 
         async def every() -> tuple[dict[str, Any], dict[str, list[Any]], dict[str, Any]]:
             warm = await measure(url, requests=min(requests, concurrency), seed=1, **shape)
+            if memory_handoff:
+                async with ControlClient(url, timeout=120) as client:
+                    await client.release_memory()
+                    await client.resume_memory(check_generation=True)
             runs: dict[str, list[Any]] = {name: [] for name in names}
             options = {"shared_prefix_tokens": shared_prefix_tokens, "samples": samples}
             for r in range(rounds):
