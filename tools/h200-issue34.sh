@@ -95,6 +95,7 @@ for line in open(sys.argv[1]):
       ${PYSPY_ARGS:-} -o "$OUT/spy-$p.txt" >"$OUT/spy-$p.log" 2>&1 &
   done
   echo "py-spy on $pids" >"$OUT/spy.txt"
+  for p in $pids; do echo "$p: $(ps -o args= -p "$p" | cut -c1-200)" >>"$OUT/spy.txt"; done
 }
 
 # 1. run-h200.toml with graphs.

@@ -64,6 +64,13 @@ def _probe(phase: str, info: dict[str, int]) -> None:
 if _PATH:
     gc.callbacks.append(_probe)
 
+# ENGINE_SWITCH_INTERVAL_MS (diagnosis only): the interpreter's GIL switch interval in the hf
+# engines' processes (``relax_hf serve``; Python's default is 5 ms), to measure whether an
+# engine's compute thread waits for its event loop's thread to hand the GIL back.
+_SWITCH_MS = os.environ.get("ENGINE_SWITCH_INTERVAL_MS")
+if _SWITCH_MS and "serve" in sys.argv[1:2] and "relax_hf" in " ".join(sys.orig_argv):
+    sys.setswitchinterval(float(_SWITCH_MS) / 1e3)
+
 
 def _chain() -> None:
     """Run the ``sitecustomize`` this one shadows (a later entry of ``sys.path``), if any."""
