@@ -631,6 +631,7 @@ class StepGraphs:
             t for t in PREFILL_GRAPH_TOKENS if t <= min(prefill_max_tokens, pool.context_len)
         ]
         self._graphs: dict[Shape, tuple[Any, ...]] = {}
+        self._stand_in: dict[Shape, Shape] = {}  # held()'s choices for shapes not captured
         self._mempool: Any = None
         self._stream: Any = None  # where captures warm up (CUDA)
         #: The prefill graphs' one output buffer (float32 logits of each row's last token):
@@ -703,6 +704,7 @@ class StepGraphs:
     def drop(self) -> None:
         """Forget every graph and its memory (weights or pool moved, or ``cuda_graph`` freed)."""
         self._graphs.clear()
+        self._stand_in.clear()
         self._mempool = None
         self.captured_at = None
 
@@ -763,6 +765,7 @@ class StepGraphs:
 
     def _add(self, shape: Shape, entry: tuple[Any, ...], at: tuple[int, ...]) -> None:
         self._graphs[shape] = entry
+        self._stand_in.clear()  # a better stand-in may be this one
         self.captured_at = at
         self.captures += 1
         if shape not in self.captured_shapes:
@@ -828,9 +831,12 @@ class StepGraphs:
         else ``shape``, captured now (``captures`` counts it)."""
         if shape in self._graphs:
             return shape
+        best: Shape | None = self._stand_in.get(shape)
+        if best is not None:  # what the last look found (forgotten at every capture and drop)
+            self.stand_ins += 1
+            return best
         kind, bs, t, ctx = shape
         work = bs * t * ctx
-        best: Shape | None = None
         for s in self._graphs:
             if s[0] != kind or s[1] < bs or s[2] < t or s[3] < ctx:
                 continue
@@ -840,6 +846,7 @@ class StepGraphs:
             if best is None or cost < best[1] * best[2] * best[3]:
                 best = s
         if best is not None:
+            self._stand_in[shape] = best
             self.stand_ins += 1
             return best
         self.capture(shape)
