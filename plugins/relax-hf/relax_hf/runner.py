@@ -809,7 +809,7 @@ class ModelRunner:
 
         collected = held()
         if collected:
-            frozen = ModelRunner.frozen_objects > 0
+            frozen = gc.get_freeze_count() > 0  # a walk, but only before a full collection
             if released is not None or not frozen:
                 gc.collect()  # what is not frozen: enough unless a released storage outlives it
             if frozen and held():
