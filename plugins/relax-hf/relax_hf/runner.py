@@ -774,9 +774,9 @@ class ModelRunner:
         self.free_cached_memory([])
 
     #: Objects :meth:`freeze_heap` froze, kept here because ``gc.get_freeze_count()`` walks
-    #: every one of them (15-40 ms for an engine's 1-2 M, holding the GIL): ``/server_info``,
-    #: which runs on the compute thread, read it there for each call. Process-wide, as the
-    #: collector's frozen generation is.
+    #: every one of them (15-40 ms for an engine's 1-2 M, holding the GIL): ``/server_info``
+    #: runs on the compute thread and reads this instead. Process-wide, as the collector's
+    #: frozen generation is.
     frozen_objects = 0
 
     @staticmethod
