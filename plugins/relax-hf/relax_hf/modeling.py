@@ -836,15 +836,20 @@ class StepGraphs:
             self.stand_ins += 1
             return best
         kind, bs, t, ctx = shape
-        work = bs * t * ctx
-        for s in self._graphs:
-            if s[0] != kind or s[1] < bs or s[2] < t or s[3] < ctx:
-                continue
-            cost = s[1] * s[2] * s[3]
-            if cost > 2 * work and not (s[1] <= STAND_IN_ROWS and s[2:] == shape[2:]):
-                continue
-            if best is None or cost < best[1] * best[2] * best[3]:
-                best = s
+
+        def work(s: Shape) -> int:  # rows x tokens x context
+            return s[1] * s[2] * s[3]
+
+        best = min(
+            (
+                s
+                for s in self._graphs
+                if s[0] == kind and s[1] >= bs and s[2] >= t and s[3] >= ctx
+                if work(s) <= 2 * work(shape) or (s[1] <= STAND_IN_ROWS and s[2:] == shape[2:])
+            ),
+            key=work,
+            default=None,
+        )
         if best is not None:
             self._stand_in[shape] = best
             self.stand_ins += 1
