@@ -170,9 +170,12 @@ class JudgeClient:
             retried).
         """
         if self._session is None:
+            # No connection cap of the client's own (aiohttp's default is 100): the caller
+            # bounds what is in flight (a reward stage's ``concurrency``), and a hidden cap
+            # below it would queue its judgements here, unseen.
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout,
-                connector=aiohttp.TCPConnector(keepalive_timeout=self._keepalive),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive),
             )
         body: dict[str, Any] = {
             "messages": messages,

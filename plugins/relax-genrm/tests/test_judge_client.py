@@ -71,3 +71,30 @@ def test_the_judge_clients_keepalive_is_below_the_gateways() -> None:
     # connection it was written to, so the order alone keeps that race away.
     default = inspect.signature(JudgeClient).parameters["keepalive"].default
     assert default < GATEWAY_KEEPALIVE
+
+
+def test_the_judge_client_keeps_every_judgement_its_caller_sends_in_flight() -> None:
+    # A reward stage bounds what is in flight (its ``concurrency``, up to the judge engines'
+    # batch); the client must not queue part of it behind a connection cap of its own
+    # (aiohttp's default, 100). The gateway answers only once WANTED requests are open at
+    # once, so a cap below that would leave them waiting until the deadline.
+    wanted = 160
+    open_now = 0
+    all_open = asyncio.Event()
+
+    async def generate(request: Request) -> JSONResponse:
+        nonlocal open_now
+        open_now += 1
+        if open_now >= wanted:
+            all_open.set()
+        await asyncio.wait_for(all_open.wait(), timeout=10.0)
+        return JSONResponse({"response": "yes"})
+
+    app = Starlette(routes=[Route("/genrm/generate", generate, methods=["POST"])])
+
+    async def scenario(url: str) -> list[str]:
+        async with JudgeClient(url, timeout=60.0) as client:
+            return await asyncio.gather(*(client.judge(MESSAGES) for _ in range(wanted)))
+
+    with serve_app(app, timeout_keep_alive=GATEWAY_KEEPALIVE) as url:
+        assert asyncio.run(scenario(url)) == ["yes"] * wanted
