@@ -25,8 +25,9 @@
 #      batch 1 and 64 (graph replay, eager, launches and GPU time per kernel, the sampler eager
 #      and compiled, the whole step compiled), as decode-profile.json;
 #   7. (PARTS=judge-paths, not in the default) tools/judge-paths.py on the judge model, the
-#      engine with --num-continuous-decode-steps 1 and then JUDGE_CONTINUOUS (default 4): the
-#      reward stage's requests against the random ones, prefill steps and tokens/s of each.
+#      engine with --num-continuous-decode-steps 1 and then JUDGE_CONTINUOUS_AB (default 4;
+#      empty: 1 alone), JUDGE_CONCURRENCY (default 256) in flight: the reward stage's requests
+#      against the random ones, prefill steps and tokens/s of each.
 # JUDGE_CONTINUOUS=N (default 1): the judge's engine in parts 1 and 2 takes
 # --num-continuous-decode-steps N (part 1 runs a copy of run-h200.toml with that engine option).
 # Files go to $OUT (default /tmp/relax-h200-issue34): summary.json (everything above), each
@@ -143,13 +144,14 @@ PY
 [ -n "${SHAPES:-}" ] && printf '%b\n' "$SHAPES" >"$OUT/shapes.env"
 # shellcheck disable=SC1091
 source "$OUT/shapes.env"
-# Each at the concurrency its phase has: the step's 256 samples in flight for rollout, the
-# reward stage's 64 (its default concurrency) for the judge.
+# Each at the concurrency its phase has: the step's 256 samples in flight for rollout, and for
+# the judge its reward stage's concurrency (256 in run-h200.toml; JUDGE_CONCURRENCY=64 for a job
+# on the stage's default).
 # --compare: the same engine, right after, with the requests as the phase sends them (rollout:
 # n = 8 a prompt with return_logprob; the judge: prompts sharing a system prompt, and chat
 # messages the engine renders), each over the random prompts (docs/benchmarks.md).
 want throughput && for m in rollout:policy:"$ROLLOUT_PROMPT":"$ROLLOUT_NEW":1.0:256:rollout \
-    genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0:${JUDGE_CONCURRENCY:-64}:shared-prefix,chat; do
+    genrm:judge:"$JUDGE_PROMPT":"$JUDGE_NEW":0.0:${JUDGE_CONCURRENCY:-256}:shared-prefix,chat; do
   IFS=: read -r role model prompt new temp conc compare <<<"$m"
   # THROUGHPUT_ROLES: which phases' engines to measure (default both; "genrm" alone when the
   # generation phase is known to be met and the session's budget is short).
@@ -209,9 +211,9 @@ fi
 
 # 7. The judge's requests with and without admission every N steps (asked for by name).
 if want judge-paths; then
-  for n in 1 "${JUDGE_CONTINUOUS_AB:-4}"; do
+  for n in 1 ${JUDGE_CONTINUOUS_AB-4}; do
     bounded 120 "judge-paths n=$n" python3 tools/judge-paths.py docs/examples/small/judge \
-      --device cuda --mem-fraction-static 0.6 --concurrency 64 --requests 256 --rounds 2 \
+      --device cuda --mem-fraction-static 0.6 --concurrency "${JUDGE_CONCURRENCY:-256}" --requests 256 --rounds 2 \
       --num-continuous-decode-steps "$n" --json >"$OUT/judge-paths-$n.json" \
       2>"$OUT/judge-paths-$n.log"
     echo "judge-paths n=$n exited $?"; tail -c 300 "$OUT/judge-paths-$n.json"; echo

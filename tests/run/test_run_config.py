@@ -356,6 +356,10 @@ def test_the_h200_example_holds_60_percent_of_the_gpu_per_engine_and_passes_ever
         assert argv[i + 1] == "0.6" and "--memory-handoff" in argv
         assert "--disable-cuda-graph" not in argv  # graphs kept across switches
         assert argv[argv.index("--device") + 1] == "cuda"
+    # The judge takes the step's samples as one batch: all of them in flight at once.
+    judge = next(m for m in config.models() if m.path.startswith("roles.genrm."))
+    reward = next(t for t in run.stages if t.kind == "reward")
+    assert reward.options["concurrency"] == judge.engine.max_running_requests == 256
 
 
 def test_the_h200_async_example_runs_graphs_budgeted_in_the_preflight(tmp_path: Path) -> None:
