@@ -24,6 +24,14 @@ _began: list[float] = [0.0]
 _seen: set[str] = set()
 
 
+def _title() -> str:
+    try:
+        with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+    except OSError:
+        return ""
+
+
 def _probe(phase: str, info: dict[str, int]) -> None:
     if phase == "start":
         _began[0] = time.perf_counter()
@@ -35,6 +43,9 @@ def _probe(phase: str, info: dict[str, int]) -> None:
         "t": round(time.time(), 4),
         "pid": os.getpid(),
         "cmd": " ".join(sys.argv)[:160],
+        # The process's title now (Ray's workers set it to the actor and the task they run,
+        # ``ray::Name.method``; sys.argv keeps the worker's command line).
+        "title": _title(),
         "generation": info.get("generation"),
         "ms": round(took * 1e3, 2),
         "collected": info.get("collected"),
