@@ -27,7 +27,9 @@
 #   7. (PARTS=judge-paths, not in the default) tools/judge-paths.py on the judge model, the
 #      engine with --num-continuous-decode-steps 1 and then JUDGE_CONTINUOUS_AB (default 4;
 #      empty: 1 alone), JUDGE_CONCURRENCY (default 256) in flight: the reward stage's requests
-#      against the random ones, prefill steps and tokens/s of each.
+#      against the random ones, prefill steps and tokens/s of each (JUDGE_PATHS_HANDOFF=1: the
+#      engine with --memory-handoff, released and resumed once after its warm-up;
+#      JUDGE_PATHS_MEM: its --mem-fraction-static, default 0.6).
 # JUDGE_CONTINUOUS=N (default 1): the judge's engine in parts 1 and 2 takes
 # --num-continuous-decode-steps N (part 1 runs a copy of run-h200.toml with that engine option).
 # Files go to $OUT (default /tmp/relax-h200-issue34): summary.json (everything above), each
@@ -213,8 +215,10 @@ fi
 if want judge-paths; then
   for n in 1 ${JUDGE_CONTINUOUS_AB-4}; do
     bounded 120 "judge-paths n=$n" python3 tools/judge-paths.py docs/examples/small/judge \
-      --device cuda --mem-fraction-static 0.6 --concurrency "${JUDGE_CONCURRENCY:-256}" --requests 256 --rounds 2 \
-      --num-continuous-decode-steps "$n" --json >"$OUT/judge-paths-$n.json" \
+      --device cuda --mem-fraction-static "${JUDGE_PATHS_MEM:-0.6}" \
+      --concurrency "${JUDGE_CONCURRENCY:-256}" --requests 256 --rounds 2 \
+      --num-continuous-decode-steps "$n" ${JUDGE_PATHS_HANDOFF:+--memory-handoff} \
+      --json >"$OUT/judge-paths-$n.json" \
       2>"$OUT/judge-paths-$n.log"
     echo "judge-paths n=$n exited $?"; tail -c 300 "$OUT/judge-paths-$n.json"; echo
   done

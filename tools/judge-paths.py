@@ -1,7 +1,7 @@
 """The genrm judge's requests along each path to one hf engine, at the same concurrency.
 
     python tools/judge-paths.py MODEL [--device cpu|cuda] [--concurrency 64] [--requests 256]
-        [--max-new-tokens 64] [--rounds 2] [--mem-fraction-static F] [--json]
+        [--max-new-tokens 64] [--rounds 2] [--mem-fraction-static F] [--memory-handoff] [--json]
 
 One engine on MODEL (a checkpoint with a chat template: relax-hf make-tiny-model makes one),
 then, in turn and ``--rounds`` times, ``--requests`` judge requests of arithmetic samples
@@ -67,6 +67,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from relax_core import (
+        ControlClient,
         EngineLaunchSpec,
         EngineOptions,
         PluginManager,
@@ -99,6 +100,12 @@ def main() -> None:
         default="full",
         help="the engine's flag: a few prompts after a cached prefix replay a prefill graph",
     )
+    p.add_argument(
+        "--memory-handoff",
+        action="store_true",
+        help="the engine's flag (CUDA), and one release and resume of all its memory after the "
+        "warm-up, as a run's judge engine has it between phases",
+    )
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -116,6 +123,7 @@ def main() -> None:
         backend_options=HFEngineOptions(
             num_continuous_decode_steps=args.num_continuous_decode_steps,
             cuda_graph_backend_prefill=args.cuda_graph_backend_prefill,
+            memory_handoff=args.memory_handoff,
         ),
     )
     pm = PluginManager.create()
@@ -183,6 +191,10 @@ def main() -> None:
 
         async def measure() -> dict[str, list[dict[str, Any]]]:
             await send("random", 999)  # warm-up
+            if args.memory_handoff:
+                async with ControlClient(url, timeout=120) as client:
+                    await client.release_memory()
+                    await client.resume_memory(check_generation=True)
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
             for r in range(args.rounds):
                 for v, path in enumerate(PATHS):
