@@ -64,10 +64,10 @@ def main() -> None:
     from relax_genrm.judge import JUDGE_SAMPLING, render_judge_messages
     from relax_hf.options import HFEngineOptions
     from relax_hf.plugin import launch
+    from relax_hf.throughput_bench import hand_over
     from transformers import AutoTokenizer
 
     from relax_core import (
-        ControlClient,
         EngineLaunchSpec,
         EngineOptions,
         PluginManager,
@@ -192,9 +192,7 @@ def main() -> None:
         async def measure() -> dict[str, list[dict[str, Any]]]:
             await send("random", 999)  # warm-up
             if args.memory_handoff:
-                async with ControlClient(url, timeout=120) as client:
-                    await client.release_memory()
-                    await client.resume_memory(check_generation=True)
+                await hand_over(url)
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
             for r in range(args.rounds):
                 for v, path in enumerate(PATHS):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VARIANTS", "format_result", "measure", "run"]
+__all__ = ["VARIANTS", "format_result", "hand_over", "measure", "run"]
 
 #: What ``compare`` can measure against the random prompts.
 VARIANTS = ("shared-prefix", "chat", "rollout")
@@ -176,6 +176,17 @@ async def _words_for(url: str, prompt_tokens: int) -> int:
     return max(1, 1 + round((prompt_tokens - counts[0]) / per_word))
 
 
+async def hand_over(url: str) -> None:
+    """Release all of the engine at ``url``'s memory and resume it (its generation checked),
+    once: the engine as a phase of ``relax run`` finds it after a switch (``--memory-handoff``:
+    its memory back where it was, its graphs kept)."""
+    from relax_core import ControlClient
+
+    async with ControlClient(url, timeout=120) as client:
+        await client.release_memory()
+        await client.resume_memory(check_generation=True)
+
+
 def run(
     model: str,
     *,
@@ -267,9 +278,7 @@ def run(
         async def every() -> tuple[dict[str, Any], dict[str, list[Any]], dict[str, Any]]:
             warm = await measure(url, requests=min(requests, concurrency), seed=1, **shape)
             if memory_handoff:
-                async with ControlClient(url, timeout=120) as client:
-                    await client.release_memory()
-                    await client.resume_memory(check_generation=True)
+                await hand_over(url)
             runs: dict[str, list[Any]] = {name: [] for name in names}
             options = {"shared_prefix_tokens": shared_prefix_tokens, "samples": samples}
             for r in range(rounds):
