@@ -29,7 +29,9 @@
 #      empty: 1 alone), JUDGE_CONCURRENCY (default 256) in flight: the reward stage's requests
 #      against the random ones, prefill steps and tokens/s of each (JUDGE_PATHS_HANDOFF=1: the
 #      engine with --memory-handoff, released and resumed once after its warm-up;
-#      JUDGE_PATHS_MEM: its --mem-fraction-static, default 0.6).
+#      JUDGE_PATHS_MEM: its --mem-fraction-static, default 0.6; JUDGE_PATHS_COLD=1: each round
+#      starts with the prefix cache empty, as a run's judge phase does; JUDGE_PATHS_LONGER=3:
+#      prompts as long as the run's, ~210 tokens).
 # JUDGE_CONTINUOUS=N (default 1): the judge's engine in parts 1 and 2 takes
 # --num-continuous-decode-steps N (part 1 runs a copy of run-h200.toml with that engine option).
 # Files go to $OUT (default /tmp/relax-h200-issue34): summary.json (everything above), each
@@ -218,6 +220,7 @@ if want judge-paths; then
       --device cuda --mem-fraction-static "${JUDGE_PATHS_MEM:-0.6}" \
       --concurrency "${JUDGE_CONCURRENCY:-256}" --requests 256 --rounds 2 \
       --num-continuous-decode-steps "$n" ${JUDGE_PATHS_HANDOFF:+--memory-handoff} \
+      ${JUDGE_PATHS_COLD:+--cold} --longer "${JUDGE_PATHS_LONGER:-0}" \
       --json >"$OUT/judge-paths-$n.json" \
       2>"$OUT/judge-paths-$n.log"
     echo "judge-paths n=$n exited $?"; tail -c 300 "$OUT/judge-paths-$n.json"; echo

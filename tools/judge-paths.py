@@ -1,7 +1,8 @@
 """The genrm judge's requests along each path to one hf engine, at the same concurrency.
 
     python tools/judge-paths.py MODEL [--device cpu|cuda] [--concurrency 64] [--requests 256]
-        [--max-new-tokens 64] [--rounds 2] [--mem-fraction-static F] [--memory-handoff] [--json]
+        [--max-new-tokens 64] [--rounds 2] [--mem-fraction-static F] [--memory-handoff] [--cold]
+        [--longer N] [--json]
 
 One engine on MODEL (a checkpoint with a chat template: relax-hf make-tiny-model makes one),
 then, in turn and ``--rounds`` times, ``--requests`` judge requests of arithmetic samples
@@ -15,6 +16,10 @@ then, in turn and ``--rounds`` times, ``--requests`` judge requests of arithmeti
   adapter in the gateway's thread pool), served in this process;
 - ``reward-stage``: a ``RewardStage`` with the ``genrm-judge`` adapter (the reward stage of
   ``relax run``: ``/v1/chat/completions`` through the role's client, rendered by the engine).
+
+With ``--cold`` each path's round starts as a run's judge phase does after a switch: the
+engine's prefix cache empty (flushed; with ``--memory-handoff``, released and resumed, which
+flushes it too), so the judge prompts' shared system prompt is not cached yet.
 
 Each path's tokens/s is the engine's generated tokens (``/server_info`` counters) over the wall
 time, with its prefill and decode steps and the runs they came in (``scheduler_runs_total``: each
@@ -45,14 +50,15 @@ COUNTERS = (
 )  # fmt: skip
 
 
-def samples(n: int, seed: int) -> list[Any]:
+def samples(n: int, seed: int, longer: int = 0) -> list[Any]:
+    """``n`` arithmetic samples; ``longer`` more sentences in each response (~12 tokens each)."""
     from relax_core import Sample
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
         a, b = rng.randrange(1000), rng.randrange(1000)
-        said = f"We add {a} and {b}. " * rng.randrange(1, 4)
+        said = f"We add {a} and {b}. " * (rng.randrange(1, 4) + longer)
         response = f"{said}The answer is {a + b + rng.randrange(2)}."
         prompt = f"What is {a} + {b}?"
         out.append(Sample(f"s{i}", f"g{i // 8}", [1], [2], prompt=prompt, response=response,
@@ -68,6 +74,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from relax_core import (
+        ControlClient,
         EngineLaunchSpec,
         EngineOptions,
         PluginManager,
@@ -105,6 +112,19 @@ def main() -> None:
         action="store_true",
         help="the engine's flag (CUDA), and one release and resume of all its memory after the "
         "warm-up, as a run's judge engine has it between phases",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="empty the prefix cache before every path's round (with --memory-handoff: release "
+        "and resume all memory), as a run's judge phase finds it after a switch",
+    )
+    p.add_argument(
+        "--longer",
+        type=int,
+        default=0,
+        help="this many more sentences in each sample's response (~12 tokens each): 3 makes "
+        "the judge prompts about as long as run-h200.toml's (~210 tokens: contexts past 256)",
     )
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
@@ -163,7 +183,7 @@ def main() -> None:
                 await asyncio.gather(*map(one, bodies))
 
         async def send(path: str, seed: int) -> None:
-            batch = samples(args.requests, seed)
+            batch = samples(args.requests, seed, args.longer)
             if path == "random":
                 rng = random.Random(seed)
                 bodies = [
@@ -187,7 +207,16 @@ def main() -> None:
         def counters() -> dict[str, int]:
             with urllib.request.urlopen(url + "/server_info") as resp:
                 info = json.load(resp)
-            return {k: int(info.get(k, 0)) for k in COUNTERS}
+            out = {k: int(info.get(k, 0)) for k in COUNTERS}
+            out["cached_tokens"] = int(info.get("prefix_cache", {}).get("cached_tokens_total", 0))
+            return out
+
+        async def cool(url: str) -> None:
+            if args.memory_handoff:
+                await hand_over(url)
+                return
+            async with ControlClient(url, timeout=120) as client:
+                await client.flush_cache(wait=30)
 
         async def measure() -> dict[str, list[dict[str, Any]]]:
             await send("random", 999)  # warm-up
@@ -196,17 +225,20 @@ def main() -> None:
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
             for r in range(args.rounds):
                 for v, path in enumerate(PATHS):
+                    if args.cold:
+                        await cool(url)
                     before, began = counters(), time.perf_counter()
                     await send(path, 10 * r + v)
                     seconds = time.perf_counter() - began
                     after = counters()
-                    d = {k: after[k] - before[k] for k in COUNTERS}
+                    d = {k: after[k] - before[k] for k in after}
                     rate = d["generation_tokens_total"] / seconds
                     runs[path].append({"seconds": round(seconds, 3), "tokens_per_s": round(rate, 1),
                                        "prefill_steps": d["prefill_steps_total"],
                                        "decode_steps": d["decode_steps_total"],
                                        "runs": d["scheduler_runs_total"],
-                                       "ahead": d["decode_steps_ahead_total"]})  # fmt: skip
+                                       "ahead": d["decode_steps_ahead_total"],
+                                       "cached_tokens": d["cached_tokens"]})  # fmt: skip
             return runs
 
         # The rounds' requests, not this process's start-up heap, are what a collection scans
@@ -224,6 +256,8 @@ def main() -> None:
                               "max_new_tokens": args.max_new_tokens,
                               "num_continuous_decode_steps": args.num_continuous_decode_steps,
                               "cuda_graph_backend_prefill": args.cuda_graph_backend_prefill,
+                              "memory_handoff": args.memory_handoff, "cold": args.cold,
+                              "longer": args.longer,
                               "paths": {}}  # fmt: skip
     for path, measured in runs.items():
         ratios = [m["tokens_per_s"] / b for m, b in zip(measured, base, strict=True)]
@@ -239,7 +273,7 @@ def main() -> None:
         rates = ", ".join(f"{m['tokens_per_s']:.0f}" for m in row["runs"])
         steps = ", ".join(
             f"{m['prefill_steps']}+{m['decode_steps']} ({m['ahead']} started ahead) in "
-            f"{m['runs']} runs"
+            f"{m['runs']} runs, {m['cached_tokens']} prompt tokens cached"
             for m in row["runs"]
         )
         print(f"{path}: {rates} tokens/s, prefill+decode steps {steps}; over random: "
