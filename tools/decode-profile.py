@@ -1,6 +1,7 @@
 """Profile one decode step of the hf engine on a GPU: where single-stream decode's time goes.
 
-    python3 tools/decode-profile.py [--size 1b] [--ctx 128] [--batch 1 64] [--json OUT]
+    python3 tools/decode-profile.py [--size 1b | --model PATH] [--ctx 128] [--batch 1 64]
+        [--json OUT]
 
 Makes the random model ``relax-hf gpu-bench`` measures (nothing downloaded), builds the engine's
 model runner on CUDA with a small KV cache pool, and for each batch size:
@@ -153,17 +154,28 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="a checkpoint to profile (e.g. the judge of run-h200.toml) instead of gpu-bench's "
+        "random model of --size",
+    )
     args = p.parse_args()
 
     import torch
     from relax_hf.gpu_bench import _d2d_bandwidth, make_random_model
     from relax_hf.runner import ModelRunner
 
-    result: dict[str, Any] = {"size": args.size, "ctx": args.ctx, "compile": args.compile}
+    result: dict[str, Any] = {
+        "size": str(args.model) if args.model else args.size, "ctx": args.ctx,
+        "compile": args.compile,
+    }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="relax-decode-profile-") as tmp:
-        model_dir = Path(tmp) / "model"
+        model_dir = args.model or Path(tmp) / "model"
         cuda = args.device == "cuda"
-        made = make_random_model(model_dir, args.size, "bfloat16" if cuda else "float32")
+        made = {"bytes": 0}
+        if args.model is None:
+            made = make_random_model(model_dir, args.size, "bfloat16" if cuda else "float32")
         runner = ModelRunner(
             str(model_dir),
             device=args.device,
@@ -173,8 +185,9 @@ def main() -> None:
             torch_compile=args.compile,
         )
         bw = _d2d_bandwidth("cuda:0") if cuda else 1e11
-        roofline_s = made["bytes"] / bw
-        result["weight_bytes"] = made["bytes"]
+        weight_bytes = made["bytes"] or runner.param_bytes
+        roofline_s = weight_bytes / bw
+        result["weight_bytes"] = weight_bytes
         result["roofline_ms"] = roofline_s * 1e3
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         for b in args.batch:
