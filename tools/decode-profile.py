@@ -53,6 +53,10 @@ def _one_batch(runner: Any, b: int, args: Any, roofline_s: float, sync: Any) -> 
     packed[2] = torch.arange(b)  # rows
     packed[3] = row_keys(torch.arange(b), torch.zeros(b, dtype=torch.int64))  # seeds, steps
     temps = torch.ones(b, dtype=torch.float32)
+    # Each row's context at slots of its own, as a running batch's are: with the table empty
+    # every position would point at slot 0, and the gather would read one slot from cache.
+    table = runner.pool.req_to_token
+    table[:b, : args.ctx] = 1 + torch.arange(b * args.ctx, device=table.device).view(b, args.ctx)
     graph = _time(lambda: runner.decode(packed, temps, args.ctx), sync, args.repeats)
     dev_packed, dev_temps = packed.to(args.device), temps.to(args.device)
 
