@@ -3,8 +3,10 @@
     python3 tools/decode-profile.py [--size 1b | --model PATH] [--ctx 128] [--batch 1 64]
         [--json OUT]
 
-Makes the random model ``relax-hf gpu-bench`` measures (nothing downloaded), builds the engine's
-model runner on CUDA with a small KV cache pool, and for each batch size:
+Makes the random model ``relax-hf gpu-bench`` measures (nothing downloaded; ``--model``: loads
+a checkpoint instead, e.g. the judge of ``run-h200.toml``), builds the engine's model runner on
+CUDA with a KV cache pool of twice the batch's contexts (each row's at slots of its own), and
+for each batch size:
 
 - times a replay of the captured decode graph (the engine's own ``StepGraphs.run``: the
   inputs' host-to-device copy, the replay) and the same step eager, synchronised each step;
