@@ -211,7 +211,7 @@ def main() -> None:
             out["cached_tokens"] = int(info.get("prefix_cache", {}).get("cached_tokens_total", 0))
             return out
 
-        async def cool(url: str) -> None:
+        async def cool() -> None:
             if args.memory_handoff:
                 await hand_over(url)
                 return
@@ -220,13 +220,13 @@ def main() -> None:
 
         async def measure() -> dict[str, list[dict[str, Any]]]:
             await send("random", 999)  # warm-up
-            if args.memory_handoff:
+            if args.memory_handoff and not args.cold:  # --cold hands over before every round
                 await hand_over(url)
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
             for r in range(args.rounds):
                 for v, path in enumerate(PATHS):
                     if args.cold:
-                        await cool(url)
+                        await cool()
                     before, began = counters(), time.perf_counter()
                     await send(path, 10 * r + v)
                     seconds = time.perf_counter() - began
