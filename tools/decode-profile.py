@@ -179,9 +179,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="relax-decode-profile-") as tmp:
         model_dir = args.model or Path(tmp) / "model"
         cuda = args.device == "cuda"
-        made = {"bytes": 0}
+        weight_bytes = None  # a checkpoint's: the runner's, once loaded
         if args.model is None:
-            made = make_random_model(model_dir, args.size, "bfloat16" if cuda else "float32")
+            dtype = "bfloat16" if cuda else "float32"
+            weight_bytes = make_random_model(model_dir, args.size, dtype)["bytes"]
         runner = ModelRunner(
             str(model_dir),
             device=args.device,
@@ -191,7 +192,7 @@ def main() -> None:
             torch_compile=args.compile,
         )
         bw = _d2d_bandwidth("cuda:0") if cuda else 1e11
-        weight_bytes = made["bytes"] or runner.param_bytes
+        weight_bytes = weight_bytes or runner.param_bytes
         roofline_s = weight_bytes / bw
         result["weight_bytes"] = weight_bytes
         result["roofline_ms"] = roofline_s * 1e3
