@@ -1,7 +1,7 @@
 """Profile one decode step of the hf engine on a GPU: where single-stream decode's time goes.
 
     python3 tools/decode-profile.py [--size 1b | --model PATH] [--ctx 128] [--batch 1 64]
-        [--json OUT]
+        [--attention-backend triton|torch_native] [--json OUT]
 
 Makes the random model ``relax-hf gpu-bench`` measures (nothing downloaded; ``--model``: loads
 a checkpoint instead, e.g. the judge of ``run-h200.toml``), builds the engine's model runner on
@@ -166,6 +166,11 @@ def main() -> None:
         help="a checkpoint to profile (e.g. the judge of run-h200.toml) instead of gpu-bench's "
         "random model of --size",
     )
+    p.add_argument(
+        "--attention-backend",
+        choices=("triton", "torch_native"),
+        help="the engine's --attention-backend (default: the engine's own choice)",
+    )
     args = p.parse_args()
 
     import torch
@@ -190,11 +195,14 @@ def main() -> None:
             max_total_tokens=max(args.batch) * args.ctx * 2,
             max_running_requests=max(args.batch),
             torch_compile=args.compile,
+            attention_backend=args.attention_backend,
         )
         bw = _d2d_bandwidth("cuda:0") if cuda else 1e11
         weight_bytes = weight_bytes or runner.param_bytes
         roofline_s = weight_bytes / bw
         result["weight_bytes"] = weight_bytes
+        result["attention_backend"] = runner.attention_backend
+        print(f"decode attention: {runner.attention_backend}", flush=True)
         result["roofline_ms"] = roofline_s * 1e3
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         for b in args.batch:

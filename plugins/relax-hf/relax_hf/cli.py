@@ -85,6 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
         emulate_cuda_graph=args.emulate_cuda_graph,
         disable_overlap_schedule=args.disable_overlap_schedule,
         num_continuous_decode_steps=args.num_continuous_decode_steps,
+        attention_backend=args.attention_backend,
     )
     if args.node_rank > 0:
         from relax_hf.follower import run_follower
@@ -143,6 +144,7 @@ def _gpu_bench(args: argparse.Namespace) -> int:
         torch_compile=args.torch_compile,
         settle_s=args.settle_seconds,
         overlap_schedule=not args.disable_overlap_schedule,
+        attention_backend=args.attention_backend,
     )
     print(json.dumps(result) if args.json else format_result(result))
     return 0
@@ -326,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="fuse the decode step's element-wise parts with torch.compile (CUDA; needs triton)",
     )
     p.add_argument(
+        "--attention-backend",
+        choices=("triton", "torch_native"),
+        default=None,
+        help="the decode step's attention: triton (each row's positions read in place from "
+        "the KV cache pool; CUDA, needs triton) or torch_native (the rows' contexts gathered, "
+        "then SDPA); default: triton where it can run, else torch_native (SGLang's flag)",
+    )
+    p.add_argument(
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: every prompt is prefilled in full (SGLang's flag)",
@@ -396,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-overlap-schedule",
         action="store_true",
         help="start the engine with --disable-overlap-schedule (decode steps one after another)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=("triton", "torch_native"),
+        default=None,
+        help="the engine's decode attention (default: its own choice)",
     )
     p.add_argument(
         "--settle-seconds",

@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["SIZES", "format_result", "make_random_model", "run"]
 
@@ -201,6 +201,7 @@ def run(
     torch_compile: bool = False,
     settle_s: float = 2.0,
     overlap_schedule: bool = True,
+    attention_backend: Literal["triton", "torch_native"] | None = None,
 ) -> dict[str, Any]:
     """Make the model, start the engine on ``device``, measure, stop; return the numbers."""
     from transformers.utils import logging as hf_logging
@@ -242,6 +243,7 @@ def run(
             backend_options=HFEngineOptions(
                 enable_torch_compile=torch_compile,
                 disable_overlap_schedule=not overlap_schedule,
+                attention_backend=attention_backend,
             ),
         )
         t0 = time.perf_counter()
@@ -319,6 +321,7 @@ async def _measure(
     async with client_cls(url, timeout=600) as c:
         info = await c.server_info()
         decode["cuda_graphs"] = info["memory"]["cuda_graphs"]
+        decode["attention_backend"] = info.get("attention_backend")
         # The overlapped schedule: decode steps started before the last one's tokens were
         # appended, and those of them left unused.
         decode["steps"] = {

@@ -323,6 +323,10 @@ class NativeModel:
         #: The decode step's element-wise pieces (:meth:`compile` fuses them).
         self.pieces = _EAGER
         self.compiled = False
+        #: The decode step's attention over the pool in place (``--attention-backend
+        #: triton``: :func:`relax_hf.paged_attention.decode_attention`); ``None``: each row's
+        #: context bucket gathered, then SDPA (``torch_native``).
+        self.paged_attention: Callable[..., torch.Tensor] | None = None
         self.bind()
 
     def compile(self, *, backend: str = "inductor") -> None:
@@ -537,7 +541,8 @@ class NativeModel:
         write = table.gather(1, positions[:, None]).squeeze(1)
         flat = table.reshape(-1)
         f = self.pieces
-        mask = f.mask(table, positions, self.embed.dtype)
+        paged = self.paged_attention
+        mask = None if paged is not None else f.mask(table, positions, self.embed.dtype)
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope(positions, x.dtype, f)
         layers = self.layers
@@ -546,12 +551,15 @@ class NativeModel:
             q, kv = self._heads(layer, h, cos, sin, f)  # q [B, H, d], kv [B, 2, Hkv, d]
             cache = pool.layer(i)
             cache.index_copy_(0, write, kv)
-            ck, cv = _gather(cache, flat, b, ctx)
-            # The g query heads that share a kv head are that head's g "query positions".
-            # (Measured on an H200: faster than two batched matrix products and a softmax.)
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, hkv, g, d), ck, cv, attn_mask=mask, scale=self.scale
-            )
+            if paged is not None:  # each row's positions read in place
+                o = paged(q, cache, table, positions, self.scale)
+            else:
+                ck, cv = _gather(cache, flat, b, ctx)
+                # The g query heads that share a kv head are that head's g "query positions".
+                # (Measured on an H200: faster than two batched matrix products and a softmax.)
+                o = F.scaled_dot_product_attention(
+                    q.reshape(b, hkv, g, d), ck, cv, attn_mask=mask, scale=self.scale
+                )
             x = layer.attention_out(x, o.reshape(b, -1))
             h = f.norm(x, layer.ln2, self.eps)
             x = layer.mlp(x, h, f.act)

@@ -50,7 +50,9 @@ class HFEngineOptions:
     ``prompt_tokens_details.cached_tokens`` (SGLang's flag). ``disable_overlap_schedule``: a
     decode step starts only once the last one's tokens are appended (SGLang's flag).
     ``num_continuous_decode_steps``: while sequences run, new requests are admitted at most
-    once every that many steps (SGLang's flag; 1: at every step).
+    once every that many steps (SGLang's flag; 1: at every step). ``attention_backend``: the
+    decode step's attention, ``triton`` (each row's positions read in place from the pool;
+    CUDA) or ``torch_native`` (gather + SDPA); default: triton where it can run (SGLang's flag).
     """
 
     memory_handoff: bool = False
@@ -80,6 +82,7 @@ class HFEngineOptions:
     num_continuous_decode_steps: int = attrs.field(
         default=1, metadata={"check": ConfigReader.at_least(1)}
     )
+    attention_backend: Literal["triton", "torch_native"] | None = None
 
 
 def hf_options(spec: EngineLaunchSpec) -> HFEngineOptions:

@@ -199,6 +199,7 @@ class ModelRunner:
         memory_handoff: bool = False,
         radix_cache: bool = True,
         emulate_cuda_graph: bool = False,
+        attention_backend: str | None = None,
     ) -> None:
         """Load the model and its tokenizer, pack the weights, take the KV cache pool.
 
@@ -344,6 +345,9 @@ class ModelRunner:
                 "(the weights and the KV cache pool come back at other addresses); start with "
                 "--memory-handoff to keep them"
             )
+        #: The decode step's attention: ``triton`` (each row's positions read in place from
+        #: the pool) or ``torch_native`` (the rows' context buckets gathered, then SDPA).
+        self.attention_backend = self._attention(attention_backend)
         if torch_compile and self.device.type == "cuda":
             self.native.compile()
         elif torch_compile:  # said at start, not silently slower than asked
@@ -417,9 +421,35 @@ class ModelRunner:
             memory_handoff=config.memory_handoff,
             radix_cache=not config.disable_radix_cache,
             emulate_cuda_graph=config.emulate_cuda_graph,
+            attention_backend=config.attention_backend,
         )
 
     # -- setup ---------------------------------------------------------------------------
+
+    def _attention(self, asked: str | None) -> str:
+        """The decode attention ``asked`` for (``None``: ``triton`` on CUDA where Triton is
+        installed, else ``torch_native``, said at start on CUDA); installs the kernel.
+        :raises ValueError: ``triton`` where it cannot run, or an unknown name."""
+        from relax_hf import paged_attention
+
+        cuda = self.device.type == "cuda"
+        why = paged_attention.available() if cuda else f"it runs on CUDA, not {self.device.type}"
+        if asked not in (None, "triton", "torch_native"):
+            raise ValueError(f"--attention-backend: {asked!r}; use triton or torch_native")
+        if asked == "triton" and why is not None:
+            raise ValueError(f"--attention-backend triton: {why}; use torch_native")
+        if asked is None and why is not None:
+            if cuda:  # said at start, not silently slower than it could be
+                print(
+                    f"relax-hf: decode attention torch_native (gather + SDPA): {why}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return "torch_native"
+        if asked == "torch_native":
+            return asked
+        self.native.paged_attention = paged_attention.decode_attention
+        return "triton"
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()

@@ -93,6 +93,7 @@ class ServerConfig:
     emulate_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     num_continuous_decode_steps: int = 1
+    attention_backend: str | None = None
 
 
 # -- generation -------------------------------------------------------------------------------
@@ -238,6 +239,7 @@ def server_info_dict(engine: Engine, config: ServerConfig) -> dict[str, Any]:
         **attrs.asdict(config),
         "model_path": config.model_path,
         "tokenizer_path": config.model_path,
+        "attention_backend": runner.attention_backend,  # the one chosen (flag: none = auto)
         "served_model_name": engine.served_model_name,
         "tp_size": 1,
         "dp_size": 1,

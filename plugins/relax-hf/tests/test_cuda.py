@@ -45,8 +45,81 @@ def test_greedy_and_seeded_outputs_on_cuda_equal_the_cpu_engines(
     assert _outputs(cuda, temperature=0.0) == _outputs(cpu, temperature=0.0)
     seeded = {"temperature": 0.8, "top_p": 0.95, "sampling_seed": 9, "n": 2}
     assert _outputs(cuda, **seeded) == _outputs(cpu, **seeded)
-    graphs = cuda.http.ok("/server_info")["memory"]["cuda_graphs"]
+    info = cuda.http.ok("/server_info")
+    graphs = info["memory"]["cuda_graphs"]
     assert graphs["enabled"] and graphs["captured"] > 0 and graphs["replays"] > 0
+    assert info["attention_backend"] == "triton"  # CUDA's default: the pool read in place
+
+
+def test_the_gather_path_on_cuda_draws_what_the_triton_kernel_draws(
+    pair: tuple[EngineServer, EngineServer], second_engine: Callable[..., EngineServer]
+) -> None:
+    # The pair's CUDA engine decodes through the Triton kernel; one started with
+    # --attention-backend torch_native gathers and runs SDPA: the same tokens, log-probs close.
+    _, cuda = pair
+    native = second_engine("hf-cuda-native", "--attention-backend", "torch_native")
+    assert native.http.ok("/server_info")["attention_backend"] == "torch_native"
+    for sp in ({"temperature": 0.0}, {"temperature": 0.8, "sampling_seed": 5, "n": 2}):
+        got, want = _with_logprobs(cuda, **sp), _with_logprobs(native, **sp)
+        for (ids, lp), (ref_ids, ref) in zip(got, want, strict=True):
+            assert ids == ref_ids
+            assert lp == pytest.approx(ref, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_decode_kernel_matches_the_gather_path_eagerly_and_in_a_graph(
+    dtype: torch.dtype,
+) -> None:
+    """The compiled kernels (test_paged_attention.py runs them in Triton's interpreter, not in
+    bfloat16) against gather + SDPA in float32: ragged rows over scattered slots at the judge's
+    heads, for several rows x buckets; then one captured graph replayed after its rows' lengths
+    and slots changed, as a decode graph replays."""
+    import torch.nn.functional as F
+    from relax_hf.paged_attention import decode_attention
+
+    def reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, pos: torch.Tensor):  # type: ignore[no-untyped-def]
+        b, heads, d = q.shape
+        hkv, ctx = cache.shape[2], table.shape[1]
+        rows = cache.float().flatten(1)[table.reshape(-1)].view(b, ctx, *cache.shape[1:])
+        mask = torch.zeros(b, ctx, device=q.device)
+        mask.masked_fill_(torch.arange(ctx, device=q.device)[None] > pos[:, None], float("-inf"))
+        o = F.scaled_dot_product_attention(
+            q.float().reshape(b, hkv, heads // hkv, d), rows[:, :, 0].transpose(1, 2),
+            rows[:, :, 1].transpose(1, 2), attn_mask=mask[:, None, None], scale=d**-0.5,
+        )  # fmt: skip
+        return o.reshape(b, heads, d)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, hkv, d, slots = 16, 8, 128, 300_000
+    cache = torch.randn(slots, 2, hkv, d, device="cuda", generator=g).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows, ctx in ((1, 128), (7, 256), (64, 512), (256, 512), (3, 2048)):
+        q = torch.randn(rows, heads + 2 * hkv, d, device="cuda", generator=g).to(dtype)[:, :heads]
+        table = torch.randperm(slots, device="cuda", generator=g)[: rows * ctx].view(rows, ctx)
+        pos = torch.randint(0, ctx, (rows,), device="cuda", generator=g)
+        pos[0], pos[-1] = 0, ctx - 1
+        out = decode_attention(q, cache, table, pos, d**-0.5)
+        want = reference(q, cache, table, pos)
+        torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+
+    rows, ctx = 32, 512
+    q = torch.randn(rows, heads, d, device="cuda", generator=g).to(dtype)
+    table = torch.randperm(slots, device="cuda", generator=g)[: rows * ctx].view(rows, ctx)
+    pos = torch.full((rows,), 5, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(q, cache, table, pos, d**-0.5)  # compiled outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, cache, table, pos, d**-0.5)
+    pos.copy_(torch.randint(0, ctx, (rows,), device="cuda", generator=g))
+    table.copy_(torch.randperm(slots, device="cuda", generator=g)[: rows * ctx].view(rows, ctx))
+    graph.replay()
+    torch.testing.assert_close(
+        out.float(), reference(q, cache, table, pos), rtol=tolerance, atol=tolerance
+    )
 
 
 def test_prompts_after_a_cached_template_replay_a_prefill_graph_with_the_cpu_answer(

@@ -208,6 +208,7 @@ def test_every_hf_engine_option_is_the_serve_flag_of_its_name() -> None:
         enable_cache_report=True,
         disable_overlap_schedule=True,
         num_continuous_decode_steps=4,
+        attention_backend="torch_native",
     )
     fields = attrs.fields(HFEngineOptions)
     # A new option must be added above too: each one differs from its default here.
