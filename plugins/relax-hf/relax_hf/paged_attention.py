@@ -49,7 +49,13 @@ def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # One compiled variant a model: no specialisation on the split count (1 or not) nor on
+    # the positions' alignment (a view into the step's packed inputs, 16-byte aligned only for
+    # an even number of rows), so a graph captured mid-phase compiles nothing.
+    @triton.jit(
+        do_not_specialize=["split_len", "splits"],
+        do_not_specialize_on_alignment=["positions_ptr"],
+    )
     def split_kernel(
         q_ptr,
         kv_ptr,
@@ -116,7 +122,10 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2, m, mask=in_g)
         tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2 + 1, total, mask=in_g)
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["split_len", "splits"],
+        do_not_specialize_on_alignment=["positions_ptr"],
+    )
     def combine_kernel(
         part_ptr,
         stats_ptr,
