@@ -7,8 +7,9 @@ Triton kernel per split of the context (flash-decoding) loads a row's slots from
 request-to-token row, up to the row's own length, attends the query heads that share a KV
 head together, and leaves a partial softmax; a second kernel combines a row's splits. Blocks
 past a row's length return at once, so the grid is fixed by the step's bucket and a captured
-decode graph keeps its shape. Float32 accumulation; the probabilities are rounded to the
-values' dtype for their product with the values, as flash attention does.
+decode graph keeps its shape; a context in one split is written out directly, no combine.
+Float32 accumulation; the probabilities are rounded to the values' dtype for their product with
+the values, as flash attention does.
 
 Triton is imported by :func:`decode_attention`'s first call, not by this module: the CPU
 engine (and ``TRITON_INTERPRET=1`` tests, which run the kernels on CPU tensors) chooses it.
@@ -63,8 +64,11 @@ def _kernels() -> tuple[Any, Any]:
         positions_ptr,
         part_ptr,
         stats_ptr,
+        out_ptr,
         stride_qb,
         stride_qh,
+        stride_ob,
+        stride_oh,
         stride_slot,
         stride_side,
         stride_head,
@@ -78,6 +82,7 @@ def _kernels() -> tuple[Any, Any]:
         BLOCK_D: tl.constexpr,
         BLOCK: tl.constexpr,
         PRECISION: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -113,14 +118,22 @@ def _kernels() -> tuple[Any, Any]:
             total = total * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-        row = (b * tl.num_programs(1) + h) * splits + s
-        tl.store(
-            part_ptr + (row * BLOCK_G + offs_g)[:, None] * BLOCK_D + offs_d[None, :],
-            acc,
-            mask=in_g[:, None],
-        )
-        tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2, m, mask=in_g)
-        tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2 + 1, total, mask=in_g)
+        if DIRECT:  # one split: the output itself, no combine
+            out = acc / total[:, None]
+            tl.store(
+                out_ptr + b * stride_ob + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=in_g[:, None] & in_d[None, :],
+            )
+        else:
+            row = (b * tl.num_programs(1) + h) * splits + s
+            tl.store(
+                part_ptr + (row * BLOCK_G + offs_g)[:, None] * BLOCK_D + offs_d[None, :],
+                acc,
+                mask=in_g[:, None],
+            )
+            tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2, m, mask=in_g)
+            tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2 + 1, total, mask=in_g)
 
     @triton.jit(
         do_not_specialize=["split_len", "splits"],
@@ -209,22 +222,27 @@ def decode_attention(
     splits = -(-ctx // split_len)
     block_g = max(16, triton.next_power_of_2(groups))
     block_d = triton.next_power_of_2(d)
-    part = torch.empty(
-        (rows, kv_heads, splits, block_g, block_d), dtype=torch.float32, device=q.device
-    )
-    stats = torch.empty((rows, kv_heads, splits, block_g, 2), dtype=torch.float32, device=q.device)
+    direct = splits == 1
     out = torch.empty((rows, heads, d), dtype=q.dtype, device=q.device)
+    parts = 0 if direct else splits  # one split writes ``out`` itself
+    part = torch.empty(
+        (rows, kv_heads, parts, block_g, block_d), dtype=torch.float32, device=q.device
+    )
+    stats = torch.empty((rows, kv_heads, parts, block_g, 2), dtype=torch.float32, device=q.device)
     split_kernel, combine_kernel = _kernels()
     split_kernel[(rows, kv_heads, splits)](
-        q, cache, table, positions, part, stats,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
+        q, cache, table, positions, part, stats, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2),
         table.stride(0), split_len, splits, scale,
         G=groups, BLOCK_G=block_g, D=d, BLOCK_D=block_d, BLOCK=BLOCK_N,
         # float32 values multiply as float32 (not TensorFloat-32's 10-bit mantissas)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct,
     )  # fmt: skip
-    combine_kernel[(rows, heads)](
-        part, stats, positions, out, out.stride(0), out.stride(1), split_len, splits, kv_heads,
-        G=groups, BLOCK_G=block_g, D=d, BLOCK_D=block_d,
-    )  # fmt: skip
+    if not direct:
+        combine_kernel[(rows, heads)](
+            part, stats, positions, out, out.stride(0), out.stride(1), split_len, splits,
+            kv_heads, G=groups, BLOCK_G=block_g, D=d, BLOCK_D=block_d,
+        )  # fmt: skip
     return out
