@@ -539,9 +539,10 @@ class NativeModel:
         hkv, d, g = self.num_kv_heads, self.head_dim, self.groups
         table = pool.req_to_token.index_select(0, rows)[:, :ctx]
         write = table.gather(1, positions[:, None]).squeeze(1)
-        flat = table.reshape(-1)
         f = self.pieces
         paged = self.paged_attention
+        # The gather path's slots in one row and its mask (a copy and a fill: not the kernel's).
+        flat = table.reshape(-1) if paged is None else table
         mask = None if paged is not None else f.mask(table, positions, self.embed.dtype)
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope(positions, x.dtype, f)
