@@ -53,10 +53,11 @@ def _kernels() -> tuple[Any, Any]:
     # One compiled variant a model: no specialisation on the split count (1 or not) nor on
     # the positions' alignment (a view into the step's packed inputs, 16-byte aligned only for
     # an even number of rows), so a graph captured mid-phase compiles nothing.
-    @triton.jit(
-        do_not_specialize=["split_len", "splits"],
-        do_not_specialize_on_alignment=["positions_ptr"],
+    once = triton.jit(
+        do_not_specialize=["split_len", "splits"], do_not_specialize_on_alignment=["positions_ptr"]
     )
+
+    @once
     def split_kernel(
         q_ptr,
         kv_ptr,
@@ -135,25 +136,13 @@ def _kernels() -> tuple[Any, Any]:
             tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2, m, mask=in_g)
             tl.store(stats_ptr + (row * BLOCK_G + offs_g) * 2 + 1, total, mask=in_g)
 
-    @triton.jit(
-        do_not_specialize=["split_len", "splits"],
-        do_not_specialize_on_alignment=["positions_ptr"],
-    )
+    # fmt: off
+    @once
     def combine_kernel(
-        part_ptr,
-        stats_ptr,
-        positions_ptr,
-        out_ptr,
-        stride_ob,
-        stride_oh,
-        split_len,
-        splits,
-        kv_heads,
-        G: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        part_ptr, stats_ptr, positions_ptr, out_ptr, stride_ob, stride_oh, split_len, splits,
+        kv_heads, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
+    # fmt: on
         b = tl.program_id(0)
         head = tl.program_id(1)
         h = head // G
