@@ -89,9 +89,10 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 #: (:meth:`StepGraphs.held`). A judge's contexts (a ~200-token prompt and ~60 new tokens)
 #: cross 256: each of its phases captured 1-4 graphs of the 512 bucket on first use (~60 ms
 #: each on an H100, 3-8 % of a phase), its first phase 12-15. Only decode graphs of at most
-#: the rows x context of the largest captured in full: a decode graph gathers its rows'
-#: contexts, and the largest one sets the graphs' memory at start (on an H100, 256 rows at
-#: 512 took it from 0.95 to 2.03 GB for the 0.5B judge of ``run-h200.toml``).
+#: the rows x context of the largest captured in full: with ``--attention-backend
+#: torch_native`` a decode graph gathers its rows' contexts, and the largest one sets the
+#: graphs' memory at start (on an H100, 256 rows at 512 took it from 0.95 to 2.03 GB for the
+#: 0.5B judge of ``run-h200.toml``; the triton kernel gathers nothing).
 SPARSE_WARM_CONTEXT = 512
 SPARSE_DECODE_ROWS = (1, 8, 16, 32, 64, 128, 256)
 SPARSE_PREFILL_TOKENS = (64, 128, 256, 512)
