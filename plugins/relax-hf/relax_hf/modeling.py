@@ -220,6 +220,23 @@ def _gather(
     return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
+def gathered_attention(
+    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The decode step's ``torch_native`` attention: each row's context bucket gathered from
+    one layer's cache at ``slots`` (:func:`_gather`), then SDPA under the step's additive
+    ``mask [B, 1, 1, ctx]`` (:func:`_decode_mask`); ``q [B, H, d]`` in, ``[B, H, d]`` out. The
+    g query heads that share a kv head are that head's g "query positions" (measured on an
+    H200: faster than two batched matrix products and a softmax)."""
+    b, heads, d = q.shape
+    kv_heads = cache.shape[2]
+    ck, cv = _gather(cache, slots, b, mask.shape[-1])
+    o = F.scaled_dot_product_attention(
+        q.reshape(b, kv_heads, heads // kv_heads, d), ck, cv, attn_mask=mask, scale=scale
+    )
+    return o.reshape(b, heads, d)
+
+
 def _fused(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     """One view over tensors that lie back to back in one storage (else ``None``)."""
     if any(t is None for t in tensors):
@@ -537,14 +554,12 @@ class NativeModel:
         assert pool.req_to_token is not None
         tokens, positions, rows = packed[0], packed[1], packed[2]
         b = tokens.shape[0]
-        hkv, d, g = self.num_kv_heads, self.head_dim, self.groups
         table = pool.req_to_token.index_select(0, rows)[:, :ctx]
         write = table.gather(1, positions[:, None]).squeeze(1)
         f = self.pieces
         paged = self.paged_attention
-        # The gather path's slots in one row and its mask (a copy and a fill: not the kernel's).
-        flat = table.reshape(-1) if paged is None else table
-        mask = None if paged is not None else f.mask(table, positions, self.embed.dtype)
+        if paged is None:  # the gather path's slots in one row and its mask, once a step
+            flat, mask = table.reshape(-1), f.mask(table, positions, self.embed.dtype)
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope(positions, x.dtype, f)
         layers = self.layers
@@ -556,12 +571,7 @@ class NativeModel:
             if paged is not None:  # each row's positions read in place
                 o = paged(q, cache, table, positions, self.scale)
             else:
-                ck, cv = _gather(cache, flat, b, ctx)
-                # The g query heads that share a kv head are that head's g "query positions".
-                # (Measured on an H200: faster than two batched matrix products and a softmax.)
-                o = F.scaled_dot_product_attention(
-                    q.reshape(b, hkv, g, d), ck, cv, attn_mask=mask, scale=self.scale
-                )
+                o = gathered_attention(q, cache, flat, mask, self.scale)
             x = layer.attention_out(x, o.reshape(b, -1))
             h = f.norm(x, layer.ln2, self.eps)
             x = layer.mlp(x, h, f.act)

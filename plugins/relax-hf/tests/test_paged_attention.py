@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from relax_hf import paged_attention
 from relax_hf.batch import Batch, Sequence
+from relax_hf.modeling import _decode_mask, gathered_attention
 from relax_hf.protocol import LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
 
@@ -55,19 +55,10 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _gathered(
     q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """What the torch_native decode step computes: every row's bucket gathered, masked past
-    its position, SDPA with the grouped query heads as query positions."""
-    b, heads, d = q.shape
-    kv_heads, ctx = cache.shape[2], table.shape[1]
-    rows = cache.flatten(1).index_select(0, table.reshape(-1)).view(b, ctx, *cache.shape[1:])
-    k, v = rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2)
-    hidden = torch.arange(ctx)[None, :] > positions[:, None]
-    mask = torch.zeros((b, ctx), dtype=q.dtype).masked_fill_(hidden, float("-inf"))
-    o = F.scaled_dot_product_attention(
-        q.reshape(b, kv_heads, heads // kv_heads, d), k, v, attn_mask=mask[:, None, None],
-        scale=d**-0.5,
-    )  # fmt: skip
-    return o.reshape(b, heads, d)
+    """What the torch_native decode step computes (its own functions), in float32."""
+    mask = _decode_mask(table, positions, torch.float32)
+    scale = q.shape[-1] ** -0.5
+    return gathered_attention(q.float(), cache.float(), table.reshape(-1), mask, scale)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +92,7 @@ def test_the_kernel_attends_what_the_gather_path_attends(
     positions[0], positions[-1] = 0, ctx - 1
     out = paged_attention.decode_attention(q, cache, table, positions, d**-0.5, splits)
     assert out.shape == (rows, heads, d) and out.dtype == dtype
-    want = _gathered(q.float(), cache.float(), table, positions)
+    want = _gathered(q, cache, table, positions)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
 
