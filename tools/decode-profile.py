@@ -146,6 +146,8 @@ def _one_batch(runner: Any, b: int, args: Any, roofline_s: float, sync: Any) -> 
 
 
 def main() -> None:
+    from relax_hf.options import ATTENTION_BACKENDS
+
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="1b")
     p.add_argument("--ctx", type=int, default=128)
@@ -168,7 +170,7 @@ def main() -> None:
     )
     p.add_argument(
         "--attention-backend",
-        choices=("triton", "torch_native"),
+        choices=ATTENTION_BACKENDS,
         help="the engine's --attention-backend (default: the engine's own choice)",
     )
     args = p.parse_args()

@@ -201,6 +201,8 @@ def _multinode_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``relax-hf`` argument parser."""
+    from relax_hf.options import ATTENTION_BACKENDS
+
     parser = argparse.ArgumentParser(
         prog="relax-hf", description="Hugging Face engine for Relax (SGLang protocol)."
     )
@@ -329,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention-backend",
-        choices=("triton", "torch_native"),
+        choices=ATTENTION_BACKENDS,
         default=None,
         help="the decode step's attention: triton (each row's positions read in place from "
         "the KV cache pool; CUDA, needs triton) or torch_native (the rows' contexts gathered, "
@@ -409,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention-backend",
-        choices=("triton", "torch_native"),
+        choices=ATTENTION_BACKENDS,
         default=None,
         help="the engine's decode attention (default: its own choice)",
     )

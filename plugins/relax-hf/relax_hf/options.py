@@ -23,7 +23,12 @@ import attrs
 
 from relax_core import ConfigError, ConfigReader, EngineLaunchSpec
 
-__all__ = ["HFEngineOptions", "hf_options", "options_argv"]
+__all__ = ["ATTENTION_BACKENDS", "HFEngineOptions", "hf_options", "options_argv"]
+
+#: ``--attention-backend``'s values (:attr:`HFEngineOptions.attention_backend`): the Triton
+#: kernel of :mod:`relax_hf.paged_attention`, or the gather path
+#: (:func:`relax_hf.modeling.gathered_attention`).
+ATTENTION_BACKENDS = ("triton", "torch_native")
 
 
 @attrs.frozen

@@ -37,9 +37,11 @@ from typing import Any
 import torch
 from torch.nn.attention import sdpa_kernel
 
+from relax_hf import paged_attention
 from relax_hf.grammar import GrammarBackend
 from relax_hf.kvcache import KVPool
 from relax_hf.modeling import EAGER_ATTENTION, PREFILL_GRAPH_MAX_TOKENS, NativeModel, StepGraphs
+from relax_hf.options import ATTENTION_BACKENDS
 from relax_hf.prefixcache import PrefixCache
 from relax_hf.vmm import DriverWarmer, Exchange, Segment, device_uuid
 
@@ -430,12 +432,10 @@ class ModelRunner:
         """The decode attention ``asked`` for (``None``: ``triton`` on CUDA where Triton is
         installed, else ``torch_native``, said at start on CUDA); installs the kernel.
         :raises ValueError: ``triton`` where it cannot run, or an unknown name."""
-        from relax_hf import paged_attention
-
         cuda = self.device.type == "cuda"
         why = paged_attention.available() if cuda else f"it runs on CUDA, not {self.device.type}"
-        if asked not in (None, "triton", "torch_native"):
-            raise ValueError(f"--attention-backend: {asked!r}; use triton or torch_native")
+        if asked is not None and asked not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend: {asked!r}; use one of {ATTENTION_BACKENDS}")
         if asked == "triton" and why is not None:
             raise ValueError(f"--attention-backend triton: {why}; use torch_native")
         if asked is None and why is not None:
