@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -23,6 +23,9 @@ from relax_core import (
     free_port,
 )
 from relax_hf.plugin import launch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "START_TIMEOUT",
@@ -149,6 +152,23 @@ def start_engine(
         process.terminate(5)
         raise
     return EngineServer(process)
+
+
+def gathered_decode_attention(
+    q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The ``torch_native`` decode step's attention, with the engine's own functions, in
+    float32: what the decode kernel's tests (``--attention-backend triton``) compare with.
+    ``q [rows, heads, d]``, one layer's ``cache [slots, 2, kv_heads, d]``, the rows'
+    ``table [rows, bucket]`` and ``positions [rows]``, as
+    :func:`relax_hf.paged_attention.decode_attention` takes them."""
+    import torch
+
+    from relax_hf.modeling import _decode_mask, gathered_attention
+
+    mask = _decode_mask(table, positions, torch.float32)
+    scale = q.shape[-1] ** -0.5
+    return gathered_attention(q.float(), cache.float(), table.reshape(-1), mask, scale)
 
 
 class ReplicaServers:

@@ -74,16 +74,8 @@ def test_the_decode_kernel_matches_the_gather_path_eagerly_and_in_a_graph(
     bfloat16) against gather + SDPA in float32: ragged rows over scattered slots at the judge's
     heads, for several rows x buckets; then one captured graph replayed after its rows' lengths
     and slots changed, as a decode graph replays."""
-    from relax_hf.modeling import _decode_mask, gathered_attention
     from relax_hf.paged_attention import decode_attention
-
-    def reference(
-        q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, pos: torch.Tensor
-    ) -> torch.Tensor:
-        """The torch_native decode step's attention (its own functions), in float32."""
-        mask = _decode_mask(table, pos, torch.float32)
-        scale = q.shape[-1] ** -0.5
-        return gathered_attention(q.float(), cache.float(), table.reshape(-1), mask, scale)
+    from relax_hf.testing import gathered_decode_attention as reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     heads, hkv, d, slots = 16, 8, 128, 300_000

@@ -18,9 +18,9 @@ import pytest
 import torch
 from relax_hf import paged_attention
 from relax_hf.batch import Batch, Sequence
-from relax_hf.modeling import _decode_mask, gathered_attention
 from relax_hf.protocol import LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
+from relax_hf.testing import gathered_decode_attention
 
 if torch.cuda.is_available():
     pytest.skip("with CUDA the kernels run compiled: test_cuda.py", allow_module_level=True)
@@ -50,15 +50,6 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     paged_attention._kernels.cache_clear()
     yield
     paged_attention._kernels.cache_clear()
-
-
-def _gathered(
-    q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """What the torch_native decode step computes (its own functions), in float32."""
-    mask = _decode_mask(table, positions, torch.float32)
-    scale = q.shape[-1] ** -0.5
-    return gathered_attention(q.float(), cache.float(), table.reshape(-1), mask, scale)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +83,7 @@ def test_the_kernel_attends_what_the_gather_path_attends(
     positions[0], positions[-1] = 0, ctx - 1
     out = paged_attention.decode_attention(q, cache, table, positions, d**-0.5, splits)
     assert out.shape == (rows, heads, d) and out.dtype == dtype
-    want = _gathered(q, cache, table, positions)
+    want = gathered_decode_attention(q, cache, table, positions)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
 
