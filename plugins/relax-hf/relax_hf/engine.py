@@ -389,13 +389,17 @@ class Engine:
                 continue
             try:
                 # Not through compute(): that counts the calls a run of steps must yield to.
-                step = asyncio.get_running_loop().run_in_executor(self._executor, self._step, new)
-                changed = await step
+                loop = asyncio.get_running_loop()
+                changed = await loop.run_in_executor(self._executor, self._step, new)
             except Exception as exc:  # a failed step must not kill the server; fail its requests
                 changed = await self.compute(
                     self._fail_step, new, f"engine error: {type(exc).__name__}: {exc}"
                 )
             self._deliver(changed)
+            # Held across the wait below, this step's lists would keep a phase's last requests
+            # (their log-probs: top-k at every position) alive until the next step, whose
+            # caller (a switch's generation check) would then pay for freeing them, ~3 ms.
+            del changed, new
             if len(self.batch) or self._pending:
                 self._wake.set()
 

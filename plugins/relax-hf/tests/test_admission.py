@@ -4,11 +4,14 @@ Requests that arrive one by one while others decode (a reward stage's, sent as e
 end) each cost a prefill step at the default (1); with N they wait at most N - 1 steps and are
 prefilled together. The engine is driven step by step in process (its scheduler loop's own
 calls, ``_admit`` and ``_step``), so each arrival lands between two known steps; the flag's way
-from the command line to ``/server_info`` runs on a real engine server.
+from the command line to ``/server_info`` runs on a real engine server. Last, the loop keeps
+no request alive once its answer is delivered.
 """
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,3 +176,31 @@ def test_a_full_batch_decodes_on_while_requests_wait_for_a_row(
     assert engine._admit() == [second]
     engine._step([second])
     _drain(engine)
+
+
+def test_the_scheduler_loop_frees_a_delivered_request_before_its_next_step(
+    runner: ModelRunner,
+) -> None:
+    # The loop once held its last step's sequences while it waited for work: a phase's last
+    # requests (the teacher's top-k log-probs at every position) lived on until the next
+    # step, and the first request after the phase (a switch's generation check) paid ~3 ms
+    # freeing them. Once the answer has come, nothing of the request is left in the engine.
+    asked = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=4)
+
+    async def drive() -> tuple[bool, bool]:
+        engine = _engine(runner, 1)
+        engine.start()
+        try:
+            ((seq, queue),) = engine.submit([3, 4, 5, 6, 7], SHORT, asked)
+            ref = weakref.ref(seq)
+            del seq
+            while (await queue.get())["meta_info"]["finish_reason"] is None:
+                pass
+            freed = ref() is None
+            # The loop is idle again, waiting; the next request runs as before.
+            out = await engine.generate_one([3, 4, 5], SHORT, LogprobParams())
+            return freed, len(out["output_ids"]) == SHORT.max_new_tokens
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(drive()) == (True, True)
