@@ -9,8 +9,9 @@
 # in the summary):
 #   1. docs/examples/run-h200.toml with CUDA graphs, 5 steps, --measure: each switch against
 #      1.25 x the pinned copy of its bytes + 15 ms, the decode graphs captured during each switch
-#      (the engines' /server_info counters around it), and each step's generate and genrm
-#      phases' tokens/s (their engines' generation counters over the phase's seconds);
+#      (the engines' /server_info counters around it), each step's generate and genrm phases'
+#      tokens/s (their engines' generation counters over the phase's seconds), and the run's
+#      trace (trace.json): how much of the switching no other phase overlapped;
 #   2. relax-hf engine-throughput on the policy and the judge model alone, at the shapes the
 #      run's phases had (256 in flight; their mean prompt and new tokens): the phases' tokens/s
 #      over the engine's own;
@@ -118,7 +119,8 @@ fi
 if want run; then
   [ "${PYSPY:-0}" = 1 ] && { rm -f "$OUT/graphs.jsonl"; spy "$OUT/graphs.jsonl" & }
   bounded 220 run-h200 python3 -m relax_core run "$RUN_TOML" --json --measure \
-    --log-dir "$OUT/logs-graphs" >"$OUT/graphs.jsonl" 2>"$OUT/graphs.log"
+    --trace "$OUT/trace.json" --log-dir "$OUT/logs-graphs" >"$OUT/graphs.jsonl" \
+    2>"$OUT/graphs.log"
   echo "run-h200 exited $?"; grep -v '^  · ' "$OUT/graphs.log" | tail -n 8
 fi
 

@@ -126,8 +126,54 @@ def _median_hops(
     return {k: round(statistics.median(h[k] for h in hops if k in h), 2) for k in keys}
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _exposed_switching(trace: Path, switches: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The probe's switches (``started`` and ``seconds``) placed in the run's Chrome trace
+    (``relax run --trace``): their milliseconds during which no phase other than a switch
+    ran on any lane (rollout's onload runs beside the trainer's step: it costs the run
+    nothing, yet the probe's ``share_of_step`` counts it), over the wall time from the first
+    phase's start to the last one's end. Rollout's offload acknowledgement (``rollout.ack``)
+    counts as switching too."""
+    try:
+        doc = json.loads(trace.read_text())
+    except (OSError, ValueError):
+        return None
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    spans = [(e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
+             if e.get("ph") == "X"]  # fmt: skip
+    timed = [w for w in switches if w.get("started")]
+    if not spans or not timed:
+        return None
+    ours = [(w["started"], w["started"] + w["seconds"]) for w in timed]
+    ours += [(a, b) for n, a, b in spans if n.endswith(".ack")]
+    other = _union([(a, b) for n, a, b in spans if not n.endswith((".onload", ".offload", ".ack"))])
+    exposed = 0.0
+    for a, b in _union(ours):
+        exposed += (b - a) - sum(max(0.0, min(b, d) - max(a, c)) for c, d in other)
+    wall = max(b for _, _, b in spans) - min(a for _, a, _ in spans)
+    return {
+        "switch_ms": round(sum(b - a for a, b in ours) * 1e3, 1),
+        "exposed_ms": round(exposed * 1e3, 1),
+        "wall_ms": round(wall * 1e3, 1),
+        "exposed_share_of_wall": round(exposed / wall, 4) if wall else None,
+    }
+
+
 def main(out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"graphs_run": _run(_rows(out / "graphs.jsonl"))}
+    switches = ((_rows(out / "graphs.jsonl") or [{}])[-1].get("switching") or {}).get("switches")
+    result["graphs_run"]["switching_exposed"] = _exposed_switching(
+        out / "trace.json", switches or []
+    )
     for role, phase in (("rollout", "generate"), ("genrm", "genrm")):
         engine = _last_json(out / f"throughput-{role}.json")
         own = engine.get("tokens_per_s") if engine else None

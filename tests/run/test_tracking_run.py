@@ -347,3 +347,13 @@ def test_the_cpu_example_commits_three_scored_steps_moves_the_weights_and_leaves
         assert s["engine_seconds"] <= s["worker_seconds"] <= s["manager_seconds"], s
         _check_hops(s)
     assert 0 < switching["share_of_step"] < 1
+    # Each switch's start places it in the trace: rollout's onload for a step runs beside the
+    # trainer's step on the batch before (share_of_step counts it all the same).
+    train = {e["args"]["batch"]: (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+             for e in events if e["name"] == "train"}  # fmt: skip
+    onloads = [s for s in switching["switches"] if (s["role"], s["direction"]) ==
+               ("rollout", "onload")]  # fmt: skip
+    assert [s["step"] for s in onloads] == [1, 2]
+    for s in onloads:
+        began, ended = train[s["step"] - 1]
+        assert began < s["started"] < ended, (s["started"], began, ended)

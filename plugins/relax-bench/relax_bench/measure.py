@@ -65,6 +65,9 @@ class Switch:
     #: The role's engines' token, step and CUDA graph counters before and after the switch.
     counters_before: Mapping[str, float] = attrs.field(factory=dict)
     counters_after: Mapping[str, float] = attrs.field(factory=dict)
+    #: When the switch began (``time.time()``): to place it beside the run's trace, whose
+    #: phases overlap some switches (rollout's onload runs beside the trainer's step)
+    started: float = 0.0
 
     @property
     def handed_over_bytes(self) -> int:
@@ -257,7 +260,7 @@ class SwitchProbe:
         switch's own result, a ``LifecycleResult``)."""
         infos_before = await self._info(role)
         before = [info.get("memory") or {} for info in infos_before.values()]
-        began = time.perf_counter()
+        began, started = time.perf_counter(), time.time()
         result = await call()
         seconds = time.perf_counter() - began
         infos = await self._info(role)
@@ -293,6 +296,7 @@ class SwitchProbe:
                 parked_after=sum(_parked(m) for m in after),
                 counters_before=_counters(list(infos_before.values())),
                 counters_after=_counters(list(infos.values())),
+                started=started,
             )
         )
         return result
@@ -376,7 +380,7 @@ _ROW = (
     "step", "role", "direction", "seconds", "weight_bytes", "kv_cache_bytes", "held_before",
     "held_after", "device_free_before", "device_free_after", "device_total", "freed_bytes",
     "handed_over_bytes", "engine_seconds", "manager_seconds", "worker_seconds", "hops",
-    "engine_ops", "counters_before", "counters_after",
+    "engine_ops", "counters_before", "counters_after", "started",
 )  # fmt: skip
 
 
