@@ -822,13 +822,20 @@ class StepGraphs:
     def warm_up(self, *, max_ctx: int = 256, sparse_ctx: int = SPARSE_WARM_CONTEXT) -> int:
         """Capture every decode batch size, and every prefill shape, for the context buckets up
         to ``max_ctx`` (start-up), so that short requests never wait for a capture; for the
-        buckets above, up to ``sparse_ctx``, the shapes of :data:`SPARSE_DECODE_ROWS` (those
-        of no more rows x context than the largest decode graph below) and of
+        buckets above, up to ``sparse_ctx``, the shapes of :data:`SPARSE_DECODE_ROWS` and of
         :data:`SPARSE_PREFILL_TOKENS`, which stand in for those between (:meth:`held`);
-        other shapes are captured on first use."""
+        other shapes are captured on first use. On the gather path (no
+        :attr:`~NativeModel.paged_attention`) a decode graph holds its rows' contexts
+        gathered, so the sparse buckets take only rows of no more rows x context than the
+        largest decode graph below (their memory would double the graphs' peak); the paged
+        kernel reads the pool in place, so there every sparse row count is captured (a judge
+        phase's 256 rows past 256 positions would otherwise capture in the phase)."""
         full = [c for c in self.ctx_buckets if c <= max_ctx] or self.ctx_buckets[:1]
         sparse = [c for c in self.ctx_buckets if full[-1] < c <= sparse_ctx]
-        largest = max(self.batch_sizes) * full[-1]  # rows x context of the largest decode graph
+        # rows x context of the largest decode graph the sparse buckets may take
+        largest = max(self.batch_sizes) * (
+            full[-1] if self.model.paged_attention is None else sparse_ctx
+        )
         for ctx in full + sparse:
             rows = self.batch_sizes
             tokens = self.prefill_tokens

@@ -18,6 +18,7 @@ from relax_hf.batch import Batch, Sequence
 from relax_hf.modeling import StaleGraph, StepGraphs
 from relax_hf.protocol import LogprobParams, SamplingParams
 from relax_hf.runner import ModelRunner
+from relax_hf.testing import gathered_decode_attention
 
 PREFIX = list(range(5, 45))  # the template every prompt shares
 
@@ -167,6 +168,30 @@ def test_the_start_up_captures_the_next_context_sparsely_within_the_largest_grap
     assert {s[1] for s in shapes if s[0] == "decode" and s[3] == 512} == {1, 8}  # 8 x 512
     assert {s[2] for s in shapes if s[0] == "prefill" and s[3] == 512} == {64, 128, 256, 512}
     assert max(s[3] for s in shapes) == 512 and fresh.captures == len(shapes)
+
+
+def test_with_the_paged_kernel_the_start_up_captures_every_sparse_row_count(
+    graphed: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paged decode kernel (``--attention-backend triton``) reads the pool in place, so a
+    decode graph's memory does not grow with its context: the 512 bucket is captured for every
+    sparse row count (16 rows here, the largest), and a batch that full past 256 positions
+    (a judge phase's) replays a graph captured at start instead of capturing in its phase."""
+
+    def paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+              positions: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        # The kernel's reference (the CPU tests run the kernel itself in Triton's interpreter).
+        return gathered_decode_attention(q, cache, table, positions).to(q.dtype)
+
+    monkeypatch.setattr(graphed.native, "paged_attention", paged)
+    fresh = StepGraphs(graphed.native, graphed.pool, max_bs=16, emulate=True)
+    fresh.warm_up()
+    shapes = set(fresh.captured_shapes)
+    assert {s[1] for s in shapes if s[0] == "decode" and s[3] == 512} == {1, 8, 16}
+    captures = fresh.captures
+    full = fresh.bucket(12, 300)  # 12 rows whose longest context is 300 positions
+    assert full is not None and fresh.held(full) == ("decode", 16, 1, 512)
+    assert fresh.captures == captures
 
 
 def test_padded_rows_and_tokens_write_only_the_scratch_slot(graphed: ModelRunner) -> None:
