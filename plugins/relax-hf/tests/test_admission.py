@@ -196,6 +196,9 @@ def test_the_scheduler_loop_frees_a_delivered_request_before_its_next_step(
             del seq
             while (await queue.get())["meta_info"]["finish_reason"] is None:
                 pass
+            # The compute thread's executor lets go of its last call's arguments just after
+            # handing back the result: a call behind it waits for that, and steps nothing.
+            await engine.compute(lambda: None, reads_only=True)
             freed = ref() is None
             # The loop is idle again, waiting; the next request runs as before.
             out = await engine.generate_one([3, 4, 5], SHORT, LogprobParams())
