@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,6 +86,30 @@ def _logprob_problem(values: object, tokens: int, field: str) -> str | None:
     return None
 
 
+def _topk_fine(ids: Sequence[Any], lps: Sequence[Any], k: int) -> bool:
+    """Fast path (C loops over every row at once, not a Python loop per row: a step's 256
+    samples x ~120 positions took ~80 ms of the step on a GPU): each row a list or tuple of
+    ``k``; the ids ints >= 0; the log-probs each row sorted descending, its first <= 0, their
+    sum finite (so each is). False means "look row by row"."""
+    if not ids or len(ids) != len(lps) or {*map(type, ids), *map(type, lps)} - {list, tuple}:
+        return False
+    if {*map(len, ids), *map(len, lps)} != {k}:
+        return False
+    flat = list(itertools.chain.from_iterable(ids))
+    if list(map(type, flat)).count(int) != len(flat) or min(flat) < 0:
+        return False
+    values = list(itertools.chain.from_iterable(lps))
+    try:
+        if not math.isfinite(sum(values)) or max(map(operator.itemgetter(0), lps)) > 0:
+            return False
+    except TypeError:
+        return False
+    # each value >= the next one, but across two rows
+    ordered = list(map(operator.ge, values, itertools.islice(values, 1, None)))
+    ordered[k - 1 :: k] = [True] * len(ordered[k - 1 :: k])
+    return all(ordered)
+
+
 def _topk_problem(ids: object, lps: object, tokens: int, k: int) -> str | None:
     for name, rows in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
         if not isinstance(rows, tuple | list):
@@ -91,6 +117,8 @@ def _topk_problem(ids: object, lps: object, tokens: int, k: int) -> str | None:
         if len(rows) != tokens:
             return f"{name} has {len(rows)} rows for {tokens} response tokens"
     assert isinstance(ids, tuple | list) and isinstance(lps, tuple | list)
+    if _topk_fine(ids, lps, k):
+        return None
     for t, (id_row, lp_row) in enumerate(zip(ids, lps, strict=True)):
         if not isinstance(id_row, tuple | list) or len(id_row) != k:
             return f"teacher_topk_ids[{t}] is not {k} ids (shape [tokens, {k}])"
