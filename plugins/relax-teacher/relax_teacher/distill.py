@@ -87,10 +87,10 @@ def _logprob_problem(values: object, tokens: int, field: str) -> str | None:
 
 
 def _topk_fine(ids: Sequence[Any], lps: Sequence[Any], k: int) -> bool:
-    """Fast path (C loops over every row at once, not a Python loop per row: a step's 256
-    samples x ~120 positions took 46-85 ms of the step on a GPU's host): each row a list or tuple of
-    ``k``; the ids ints >= 0; the log-probs each row sorted descending, its first <= 0, their
-    sum finite (so each is). False means "look row by row"."""
+    """Fast path (C loops over every row at once; a Python loop per row over a step's 256
+    samples x ~120 positions was most of a GPU step's 46-85 ms of validation): each row a list
+    or tuple of ``k``; the ids ints >= 0; the log-probs each row sorted descending, its first
+    <= 0, their sum finite (so each is). False means "look row by row"."""
     if not ids or len(ids) != len(lps) or {*map(type, ids), *map(type, lps)} - {list, tuple}:
         return False
     if {*map(len, ids), *map(len, lps)} != {k}:

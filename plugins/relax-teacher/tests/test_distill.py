@@ -184,8 +184,8 @@ def test_a_group_whose_first_resolution_found_the_teacher_starting_resolves_anew
 
 def test_the_top_k_fields_are_checked_whole_and_each_problem_named_as_before() -> None:
     # A step's top-k fields are checked over all their rows at once (C loops: the Python loop
-    # per row took 46-85 ms of a GPU step); any doubt falls back to the row-by-row walk, whose
-    # messages name the first bad row and column.
+    # per row was most of a GPU step's 46-85 ms of validation); any doubt falls back to the
+    # row-by-row walk, whose messages name the first bad row and column.
     from relax_teacher.distill import _topk_fine, teacher_topk_fields
 
     k, tokens = 4, 5
