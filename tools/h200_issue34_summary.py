@@ -169,8 +169,9 @@ def _exposed_switching(trace: Path, switches: list[dict[str, Any]]) -> dict[str,
 
 
 def main(out: Path) -> dict[str, Any]:
-    result: dict[str, Any] = {"graphs_run": _run(_rows(out / "graphs.jsonl"))}
-    switches = ((_rows(out / "graphs.jsonl") or [{}])[-1].get("switching") or {}).get("switches")
+    rows = _rows(out / "graphs.jsonl")
+    result: dict[str, Any] = {"graphs_run": _run(rows)}
+    switches = ((rows or [{}])[-1].get("switching") or {}).get("switches")
     result["graphs_run"]["switching_exposed"] = _exposed_switching(
         out / "trace.json", switches or []
     )
