@@ -8,7 +8,7 @@ import asyncio
 import collections
 import inspect
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, Unpack
 
 import attrs
@@ -185,15 +185,10 @@ class DeferredBatch:
             raise ValueError(f"batch {batch_id}: {len(samples)} samples > {max_samples}")
         self.batch_id = batch_id
         self.originals = list(samples)
-        self.coordinator = coordinator
-        self.rollout = rollout
-        self.stages = tuple(stages)
-        self.sink = sink
-        self.clients = clients or RoleClients({})
-        self.finalizer = finalizer
-        self.timeline = timeline or Timeline()
-        self.release_timeout = release_timeout
-        self.max_samples = max_samples
+        self.coordinator, self.rollout, self.stages = coordinator, rollout, tuple(stages)
+        self.sink, self.clients = sink, clients or RoleClients({})
+        self.finalizer, self.timeline = finalizer, timeline or Timeline()
+        self.release_timeout, self.max_samples = release_timeout, max_samples
         self.producer = producer
         self.target_groups = (
             target_groups if target_groups is not None else len({s.group_id for s in samples})
@@ -255,28 +250,32 @@ class DeferredBatch:
             self._awake[gen] = ()  # the producer generated with it; it holds its lease
         reports: list[StageReport] = list(streamed.reports) if streamed else []
         first = streamed.stages if streamed else 0
+        released: asyncio.Future[None] | None = None
         try:
             for index, stage in enumerate(self.stages[first:], first):
                 ctx = StageContext(n, self.clients, _Control(self, index))
                 reports.append(await self._run_leased(stage, self.staged, ctx))
+            # The roles sleep while the batch is checked and put; the commit waits for them.
+            released = asyncio.ensure_future(self._release_all(None))
+            await asyncio.sleep(0)  # their first calls sent before the work below holds the loop
+            if not self.originals:  # never committed nor trained: an empty batch has no signal
+                raise EmptyBatchError(
+                    n, collections.Counter(f"{d.stage}: {d.reason}" for d in self.dropped)
+                )
+            with tl.phase(n, "validate"):
+                check_samples(self.staged, self.fields.values())
+            with tl.phase(n, "write_back"):
+                for original, staged in zip(self.originals, self.staged, strict=True):
+                    original.write_back(staged, self.fields)
+            receipt = await self._publish(released)
         except BaseException as exc:
-            try:
-                await self._release_all(exc)
-            except BaseException as second:
-                what = f"{type(second).__name__}: {second}"
-                exc.add_note(f"then releasing the roles it used failed too: {what}")
+            done = released or asyncio.ensure_future(self._release_all(exc))
+            await asyncio.wait([done])
+            if not done.cancelled() and (second := done.exception()) not in (None, exc):
+                exc.add_note(
+                    f"then releasing the roles it used failed too: {describe_failure(second)}"
+                )
             raise
-        await self._release_all(None)
-        if not self.originals:  # never committed nor trained: an empty batch has no signal
-            raise EmptyBatchError(
-                n, collections.Counter(f"{d.stage}: {d.reason}" for d in self.dropped)
-            )
-        with tl.phase(n, "validate"):
-            check_samples(self.staged, self.fields.values())
-        with tl.phase(n, "write_back"):
-            for original, staged in zip(self.originals, self.staged, strict=True):
-                original.write_back(staged, self.fields)
-        receipt = await self._publish()
         self._committed = True
         return BatchResult(
             n,
@@ -384,8 +383,9 @@ class DeferredBatch:
                 f"batch was generated with {wanted!r}; student log-probs would not match"
             )
 
-    async def _publish(self) -> SinkReceipt:
-        """Put, finalize, commit — settled once: on any failure the partition is deleted."""
+    async def _publish(self, released: Awaitable[None]) -> SinkReceipt:
+        """Put, finalize, commit once ``released`` — settled once: on any failure the partition
+        is deleted."""
         n, tl = self.batch_id, self.timeline
         partition = partition_name(n)
         try:
@@ -419,10 +419,11 @@ class DeferredBatch:
                     f"{await self._delete()}; not committed",
                 ) from exc
         try:
+            await released  # every role asleep: the commit needs it
             with tl.phase(n, "commit"):
                 await self.coordinator.commit_batch(n, receipt)
         except BaseException as exc:
-            exc.add_note(f"commit refused{await self._delete()}")
+            exc.add_note(f"the batch was put, not committed{await self._delete()}")
             raise
         return receipt
 
@@ -584,9 +585,8 @@ async def release_generation(
         with timeline.phase(batch_id, f"{gen}.offload", lane="leases"):
             result = await _deadline((offload or rollout.offload)(), timeout)
     except BaseException as exc:
-        what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, TimeoutError) else (
-            f"not confirmed within {timeout:g}s"
-        )  # fmt: skip
+        timed_out = isinstance(exc, TimeoutError)
+        what = f"not confirmed within {timeout:g}s" if timed_out else describe_failure(exc)
         await coordinator.fail_batch(
             batch_id, f"{gen} offload failed: {what}", release_unconfirmed=True
         )

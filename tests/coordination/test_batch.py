@@ -383,6 +383,92 @@ def test_a_finalizer_failing_after_the_put_deletes_the_partition_and_does_not_co
     assert step.coord.batch_state(0) is BatchState.FAILED
 
 
+class PutGatedHandle(Handle):
+    """A handle whose offload finishes only once the batch's sink put has begun (within a
+    deadline), so a batch that released its roles before putting fails on it."""
+
+    def __init__(self, name: str, log: list[str], put_began: asyncio.Event, confirm: bool) -> None:
+        super().__init__(name, log)
+        self.put_began, self.offload_confirms = put_began, confirm
+
+    async def offload(self) -> LifecycleResult:
+        self.log.append(f"{self.name}.offload begins")
+        async with asyncio.timeout(5):
+            await self.put_began.wait()
+        self.confirm = self.offload_confirms
+        return await self._do("offload")
+
+
+class LoggingSink(MemoryBatchSink):
+    def __init__(self, log: list[str], put_began: asyncio.Event) -> None:
+        super().__init__()
+        self.log, self.put_began = log, put_began
+
+    async def put(self, partition: str, s: Sequence[Any], *, is_last: bool) -> Any:
+        self.log.append("sink.put")
+        self.put_began.set()
+        return await super().put(partition, s, is_last=is_last)
+
+
+def _put_gated_step(*, confirm: bool) -> Step:
+    step = Step()
+    put_began = asyncio.Event()
+    step.handles["teacher"] = PutGatedHandle("teacher", step.log, put_began, confirm=confirm)
+    step.coord = LifecycleCoordinator(
+        slices={"rollout": "A", "genrm": "A", "teacher": "A"},
+        managers={r: [h] for r, h in step.handles.items()},
+        generation_role="rollout",
+        operation_timeout=10,
+    )
+    step.sink = LoggingSink(step.log, put_began)
+    return step
+
+
+def test_the_last_role_sleeps_while_the_batch_is_validated_and_put_and_the_commit_waits() -> None:
+    step = _put_gated_step(confirm=True)
+    committed_at: list[int] = []
+
+    async def go() -> None:
+        async def watch() -> None:
+            await step.coord.wait_committed(0)
+            committed_at.append(len(step.log))
+
+        waiter = asyncio.ensure_future(watch())
+        await step.coord.begin_batch(0)
+        await step.batch(samples(), step.stages()).run()
+        await waiter
+
+    run(go())
+    # (With the coordinator in this process its offload begins after the put does; through a
+    # Ray actor the call is sent first. Either way the offload ends only after the put began.)
+    assert step.log[-4] == "teacher.run" and step.log[-1] == "teacher.offload"
+    assert set(step.log[-3:-1]) == {"teacher.offload begins", "sink.put"}
+    assert committed_at == [len(step.log)]  # after the offload was confirmed
+    assert step.coord.batch_state(0) is BatchState.COMMITTED
+    assert set(step.coord.leases().values()) == {LeaseState.SLEEPING}
+
+
+def test_a_last_release_unconfirmed_after_the_put_deletes_the_partition_and_blocks_the_lease() -> (
+    None
+):
+    step = _put_gated_step(confirm=False)
+    originals = samples()
+
+    async def go() -> None:
+        await step.coord.begin_batch(0)
+        with pytest.raises(Exception, match="teacher") as info:
+            await step.batch(originals, step.stages()).run()
+        assert "the batch was put, not committed; partition 'train_0' deleted" in "\n".join(
+            getattr(info.value, "__notes__", [])
+        )
+
+    run(go())
+    assert "sink.put" in step.log
+    assert step.sink.partitions() == {}
+    assert step.coord.batch_state(0) is BatchState.FAILED
+    assert step.coord.lease("teacher") is LeaseState.BLOCKED
+
+
 def test_an_unconfirmed_rollout_release_fails_the_batch_and_blocks_the_lease() -> None:
     step = Step(rollout_confirms=False)
 
