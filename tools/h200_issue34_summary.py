@@ -142,7 +142,8 @@ def _exposed_switching(trace: Path, switches: list[dict[str, Any]]) -> dict[str,
     ran on any lane (rollout's onload runs beside the trainer's step: it costs the run
     nothing, yet the probe's ``share_of_step`` counts it), over the wall time from the first
     phase's start to the last one's end. Rollout's offload acknowledgement (``rollout.ack``)
-    counts as switching too."""
+    counts as switching too. Without the probe's switches (a run without ``--measure``), the
+    trace's own switch phases."""
     try:
         doc = json.loads(trace.read_text())
     except (OSError, ValueError):
@@ -151,10 +152,13 @@ def _exposed_switching(trace: Path, switches: list[dict[str, Any]]) -> dict[str,
     spans = [(e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
              if e.get("ph") == "X"]  # fmt: skip
     timed = [w for w in switches if w.get("started")]
-    if not spans or not timed:
+    if not spans:
         return None
-    ours = [(w["started"], w["started"] + w["seconds"]) for w in timed]
-    ours += [(a, b) for n, a, b in spans if n.endswith(".ack")]
+    if timed:
+        ours = [(w["started"], w["started"] + w["seconds"]) for w in timed]
+        ours += [(a, b) for n, a, b in spans if n.endswith(".ack")]
+    else:  # a run without --measure: the switches' own phases (no probe inside them)
+        ours = [(a, b) for n, a, b in spans if n.endswith((".onload", ".offload", ".ack"))]
     other = _union([(a, b) for n, a, b in spans if not n.endswith((".onload", ".offload", ".ack"))])
     exposed = 0.0
     for a, b in _union(ours):
