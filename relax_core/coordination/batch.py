@@ -187,9 +187,8 @@ class DeferredBatch:
         self.originals = list(samples)
         self.coordinator, self.rollout, self.stages = coordinator, rollout, tuple(stages)
         self.sink, self.clients = sink, clients or RoleClients({})
-        self.finalizer, self.timeline = finalizer, timeline or Timeline()
+        self.finalizer, self.timeline, self.producer = finalizer, timeline or Timeline(), producer
         self.release_timeout, self.max_samples = release_timeout, max_samples
-        self.producer = producer
         self.target_groups = (
             target_groups if target_groups is not None else len({s.group_id for s in samples})
         )
@@ -259,9 +258,8 @@ class DeferredBatch:
             released = asyncio.ensure_future(self._release_all(None))
             await asyncio.sleep(0)  # their first calls sent before the work below holds the loop
             if not self.originals:  # never committed nor trained: an empty batch has no signal
-                raise EmptyBatchError(
-                    n, collections.Counter(f"{d.stage}: {d.reason}" for d in self.dropped)
-                )
+                reasons = collections.Counter(f"{d.stage}: {d.reason}" for d in self.dropped)
+                raise EmptyBatchError(n, reasons)
             with tl.phase(n, "validate"):
                 check_samples(self.staged, self.fields.values())
             with tl.phase(n, "write_back"):
@@ -384,8 +382,7 @@ class DeferredBatch:
             )
 
     async def _publish(self, released: Awaitable[None]) -> SinkReceipt:
-        """Put, finalize, commit once ``released`` — settled once: on any failure the partition
-        is deleted."""
+        """Put, finalize, commit once ``released`` — settled once: a failure deletes the put."""
         n, tl = self.batch_id, self.timeline
         partition = partition_name(n)
         try:
@@ -395,12 +392,7 @@ class DeferredBatch:
             raise SinkError(
                 partition, f"put failed ({type(exc).__name__}: {exc}){await self._delete()}"
             ) from exc
-        if (
-            not isinstance(receipt, SinkReceipt)
-            or receipt.partition != partition
-            or not receipt.is_last
-            or receipt.count != len(self.originals)
-        ):
+        if receipt != SinkReceipt(partition, len(self.originals), True):
             raise SinkError(
                 partition,
                 f"the sink answered {receipt!r} for a put of {len(self.originals)} samples "

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, cast, runtime_checkable
 
 import attrs
@@ -52,20 +54,24 @@ class MemoryBatchSink:
     failure is a ``SinkError``: a bad name, a closed or missing partition."""
 
     def __init__(self) -> None:
-        self._data: dict[str, tuple[list[Any], bool]] = {}
+        self._data: dict[str, tuple[list[Any], bool, int]] = {}
 
-    async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
-        """Append to ``partition`` (``is_last`` closes it)."""
+    async def put(
+        self, partition: str, samples: Sequence[Any], *, is_last: bool, count: int | None = None
+    ) -> SinkReceipt:
+        """Append to ``partition`` (``is_last`` closes it); ``count``: the samples ``samples``
+        stand for (a :class:`RayBatchSink`'s one reference to them), default their number."""
         if not isinstance(partition, str) or not _PARTITION.match(partition):
             raise SinkError(str(partition), "a partition name starts with a letter")
         items = list(samples)
-        held, closed = self._data.get(partition, ([], False))
+        held, closed, n = self._data.get(partition, ([], False, 0))
         if closed:
             raise SinkError(
                 partition, "already closed by a put with is_last=True; delete it first to rewrite"
             )
-        self._data[partition] = (held + items, bool(is_last))
-        return SinkReceipt(partition, len(held) + len(items), bool(is_last))
+        n += len(items) if count is None else count
+        self._data[partition] = (held + items, bool(is_last), n)
+        return SinkReceipt(partition, n, bool(is_last))
 
     async def get(self, partition: str) -> list[Any]:
         """The samples of a closed partition (a new list of the same sample objects)."""
@@ -82,7 +88,7 @@ class MemoryBatchSink:
 
     def partitions(self) -> dict[str, int]:
         """Partition name -> samples held."""
-        return {name: len(samples) for name, (samples, _) in self._data.items()}
+        return {name: n for name, (_, _, n) in self._data.items()}
 
 
 class RayBatchSink:
@@ -112,36 +118,38 @@ class RayBatchSink:
         except ValueError as exc:
             raise SinkError(name, f"no batch-store actor of that name: {exc}") from None
 
-    async def _call(self, method: str, partition: str, *args: Any, **kwargs: Any) -> Any:
+    def _errors(self, method: str, partition: str) -> AbstractContextManager[None]:
         def error(why: str) -> SinkError:
             return SinkError(partition, f"{method}: {why}")
 
-        with remote_errors(error, actor="the store actor", keep=SinkError):
-            return await getattr(self.actor, method).remote(partition, *args, **kwargs)
+        return remote_errors(error, actor="the store actor", keep=SinkError)
 
     async def put(self, partition: str, samples: Sequence[Any], *, is_last: bool) -> SinkReceipt:
-        """Append ``samples`` to ``partition`` in the store (all or nothing)."""
-        return cast(
-            "SinkReceipt", await self._call("put", partition, list(samples), is_last=is_last)
-        )
+        """Append ``samples`` to ``partition`` (all or nothing): put into Ray's object store
+        once, the actor holding a reference (only the reader unpickles them)."""
+        import ray
+
+        items = list(samples)
+        with self._errors("put", partition):
+            ref = [ray.put(items)]  # in a list: the actor gets the reference, not the samples
+            receipt = await self.actor.put.remote(partition, ref, is_last=is_last, count=len(items))
+        return cast("SinkReceipt", receipt)
 
     async def get(self, partition: str) -> list[Any]:
         """The samples of a closed partition."""
-        return cast("list[Any]", await self._call("get", partition))
+        with self._errors("get", partition):
+            refs = await self.actor.get.remote(partition)
+            return [s for part in await asyncio.gather(*refs) for s in part]
 
     async def delete(self, partition: str) -> bool:
         """Remove ``partition``; whether it existed."""
-        return cast("bool", await self._call("delete", partition))
+        with self._errors("delete", partition):
+            return cast("bool", await self.actor.delete.remote(partition))
 
     async def partitions(self) -> dict[str, int]:
         """Partition name -> samples held."""
-        import ray
-
-        try:
-            held: dict[str, int] = await self.actor.partitions.remote()
-        except ray.exceptions.RayError as exc:
-            raise SinkError("*", f"the store actor is unreachable: {exc}") from exc
-        return held
+        with self._errors("partitions", "*"):
+            return cast("dict[str, int]", await self.actor.partitions.remote())
 
     def stop(self, *, timeout: float = 10.0) -> None:
         """Kill the store actor (its partitions lost) and wait up to ``timeout`` s until it

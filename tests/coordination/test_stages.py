@@ -209,6 +209,39 @@ def test_the_ray_sink_keeps_partitions_in_its_actor_and_reports_a_dead_store(
     asyncio.run(go())
 
 
+class _Reader:
+    """A reader in another process (the trainer's place)."""
+
+    async def ids(self, sink: RayBatchSink, partition: str) -> list[str]:
+        return [s.id for s in await sink.get(partition)]
+
+
+@pytest.mark.ray
+def test_the_ray_sink_actor_holds_one_reference_per_put_and_a_reader_elsewhere_gets_samples(
+    ray_local: Any,
+) -> None:
+    import ray
+
+    sink = RayBatchSink.start()
+    reader = ray.remote(_Reader).options(num_cpus=0).remote()
+
+    async def go() -> None:
+        first = await sink.put("train_0", samples()[:2], is_last=False)
+        last = await sink.put("train_0", samples()[2:], is_last=True)
+        assert (first.count, last.count, last.is_last) == (2, 3, True)
+        assert await sink.partitions() == {"train_0": 3}
+        # What the actor holds: one reference per put, never the samples it would unpickle.
+        held = await sink.actor.get.remote("train_0")
+        assert len(held) == 2 and all(isinstance(r, ray.ObjectRef) for r in held)
+        assert await reader.ids.remote(sink, "train_0") == ["a", "b", "c"]
+        assert await sink.delete("train_0") and await sink.partitions() == {}
+
+    try:
+        asyncio.run(go())
+    finally:
+        sink.stop()
+
+
 def _judge_stage(recover_seconds: float, answer_seconds: float) -> tuple[RewardStage, Recovery]:
     """A reward stage (deadline 1 s) whose async adapter finds its engine gone once, then
     answers after ``answer_seconds``; rebuilding the role takes ``recover_seconds``."""
