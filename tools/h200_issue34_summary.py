@@ -136,6 +136,10 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
+#: The run's phases that are switches (rollout's offload acknowledgement counted as one).
+_SWITCH_PHASES = (".onload", ".offload", ".ack")
+
+
 def _exposed_switching(trace: Path, switches: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The probe's switches (``started`` and ``seconds``) placed in the run's Chrome trace
     (``relax run --trace``): their milliseconds during which no phase other than a switch
@@ -158,8 +162,8 @@ def _exposed_switching(trace: Path, switches: list[dict[str, Any]]) -> dict[str,
         ours = [(w["started"], w["started"] + w["seconds"]) for w in timed]
         ours += [(a, b) for n, a, b in spans if n.endswith(".ack")]
     else:  # a run without --measure: the switches' own phases (no probe inside them)
-        ours = [(a, b) for n, a, b in spans if n.endswith((".onload", ".offload", ".ack"))]
-    other = _union([(a, b) for n, a, b in spans if not n.endswith((".onload", ".offload", ".ack"))])
+        ours = [(a, b) for n, a, b in spans if n.endswith(_SWITCH_PHASES)]
+    other = _union([(a, b) for n, a, b in spans if not n.endswith(_SWITCH_PHASES)])
     exposed = 0.0
     for a, b in _union(ours):
         exposed += (b - a) - sum(max(0.0, min(b, d) - max(a, c)) for c, d in other)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +140,19 @@ def samples(groups: int = 2, n: int = 2, version: str = "v1") -> list[Sample]:
 
 
 class Step:
-    def __init__(self, *, rollout_confirms: bool = True, aborting: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        rollout_confirms: bool = True,
+        aborting: bool = False,
+        teacher: Callable[[list[str]], Handle] | None = None,
+    ) -> None:
         self.log: list[str] = []
         self.rollout = Handle("rollout", self.log, confirm=rollout_confirms)
         kind = AbortingHandle if aborting else Handle
         self.handles = {r: kind(r, self.log) for r in ("genrm", "teacher")}
+        if teacher is not None:
+            self.handles["teacher"] = teacher(self.log)
         self.coord = LifecycleCoordinator(
             slices={"rollout": "A", "genrm": "A", "teacher": "A"},
             managers={r: [h] for r, h in self.handles.items()},
@@ -411,15 +419,8 @@ class LoggingSink(MemoryBatchSink):
 
 
 def _put_gated_step(*, confirm: bool) -> Step:
-    step = Step()
     put_began = asyncio.Event()
-    step.handles["teacher"] = PutGatedHandle("teacher", step.log, put_began, confirm=confirm)
-    step.coord = LifecycleCoordinator(
-        slices={"rollout": "A", "genrm": "A", "teacher": "A"},
-        managers={r: [h] for r, h in step.handles.items()},
-        generation_role="rollout",
-        operation_timeout=10,
-    )
+    step = Step(teacher=lambda log: PutGatedHandle("teacher", log, put_began, confirm=confirm))
     step.sink = LoggingSink(step.log, put_began)
     return step
 
