@@ -622,8 +622,7 @@ class StepDriver:
     async def _commit(self, n: int) -> tuple[_Generated, DeferredBatch, BatchResult]:
         s = self.settings
         try:
-            # shielded: cancelling this lane must not cancel the generation's result (a
-            # failure report lists the samples of the steps generated ahead)
+            # shielded: a cancelled lane keeps the result (a failure lists the steps made ahead)
             generated = await asyncio.shield(self._generated[n])
         except _GenerationFailed as exc:
             reported = await self._fail(n, exc.error, generation=True)
@@ -638,7 +637,8 @@ class StepDriver:
         gate = generated.gate
         try:
             streamed = await generated.scorer.finish()
-            await self.coordinator.begin_batch(n)  # idempotent: switching opened it already
+            if n not in self._opened:  # switching opened it already (no round trip)
+                await self.coordinator.begin_batch(n)
         except BaseException as exc:
             await self._fail(n, exc)
             raise _StepFailure(n, exc, gate.all_samples) from exc
