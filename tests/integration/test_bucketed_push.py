@@ -226,7 +226,8 @@ def test_a_push_of_safetensors_buckets_lands_the_bytes_of_a_push_in_one_piece(
 
 def _recover(ray: Any, rollout: Any) -> None:
     """Rebuild the FAILED replicas (a failed push leaves them so), then wait for READY."""
-    ray.get(rollout.recover.remote(), timeout=240)
+    rebuilt = ray.get(rollout.recover.remote(), timeout=240)
+    assert rebuilt.ok, rebuilt  # a rebuild that failed says why here, not as a timeout below
     wait_for(
         lambda: set(ray.get(rollout.states.remote()).values()) == {"READY"},
         timeout=240,
