@@ -622,7 +622,7 @@ class StepDriver:
     async def _commit(self, n: int) -> tuple[_Generated, DeferredBatch, BatchResult]:
         s = self.settings
         try:
-            # shielded: a cancelled lane keeps the result (a failure lists the steps made ahead)
+            # shielded: a cancelled lane keeps it (a failure report lists samples generated ahead)
             generated = await asyncio.shield(self._generated[n])
         except _GenerationFailed as exc:
             reported = await self._fail(n, exc.error, generation=True)
