@@ -1,9 +1,12 @@
 """Probe of relax_hf.vmm on a CUDA GPU: what mapping, freeing and handing over memory cost.
 
-    python3 tools/vmm-probe.py [--pool-gb 89] [--weights-gb 0.88]
+    python3 tools/vmm-probe.py [--pool-gb 89] [--weights-gb 0.88] [--chunk-gib 1]
+        [--handover-only] [--rounds 3]
 
 Prints one JSON object per measurement. Two processes: this one (A) and a child (B) it starts,
-on the same GPU; B takes over what A parks, and A takes it back.
+on the same GPU; B takes over what A parks, and A takes it back. ``--chunk-gib``: the size of
+a segment's bulk chunks (``relax_hf.vmm.BULK_CHUNK_BYTES``; 1: every chunk 1 GiB) in both;
+``--handover-only``: only the hand-over's rounds (what a switch between two engines pays).
 """
 
 from __future__ import annotations
@@ -95,8 +98,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pool-gb", type=float, default=89.0)
     ap.add_argument("--weights-gb", type=float, default=0.88)
+    ap.add_argument("--chunk-gib", type=int, default=1)
+    ap.add_argument("--handover-only", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", action="store_true")
     a = ap.parse_args()
+    vmm.BULK_CHUNK_BYTES = a.chunk_gib << 30
     pool, weights = int(a.pool_gb * 1e9), int(a.weights_gb * 1e9)
     if a.child:
         child(pool, weights)
@@ -104,7 +111,7 @@ def main() -> None:
     torch.cuda.init()
     torch.empty(1, device="cuda")
     gpu = vmm.device_uuid(0)
-    say(gpu=gpu, free=free_gb(), chunk=vmm.CHUNK_BYTES)
+    say(gpu=gpu, free=free_gb(), bulk_chunk=vmm.BULK_CHUNK_BYTES, chunk=vmm.CHUNK_BYTES)
     host = torch.empty(weights, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(weights, dtype=torch.uint8, device="cuda")
     for _ in range(3):
@@ -115,9 +122,15 @@ def main() -> None:
         say(op="pinned h2d into a held buffer", s=time.perf_counter() - t0)
     del dev
     torch.cuda.empty_cache()
-
-    # 1. one process, to the driver and back
     p = vmm.Segment(0, pool, name="pool")
+    w = vmm.Segment(0, weights, name="weights")
+    if not a.handover_only:
+        one_process(p, w, host, weights)
+    handover(a, gpu, p, w)
+
+
+def one_process(p: vmm.Segment, w: vmm.Segment, host: torch.Tensor, weights: int) -> None:
+    # 1. one process, to the driver and back
     d = p.map()
     say(op="pool map (created)", **d, free=free_gb())
     fill(p, 3)
@@ -129,7 +142,6 @@ def main() -> None:
     say(op="pool map right after its free", **d)
     d = p.unmap(park=False)
     time.sleep(2)
-    w = vmm.Segment(0, weights, name="weights")
     t0 = time.perf_counter()
     d = w.map()
     t1 = time.perf_counter()
@@ -170,6 +182,8 @@ def main() -> None:
     del x
     torch.cuda.empty_cache()
 
+
+def handover(a: argparse.Namespace, gpu: str, p: vmm.Segment, w: vmm.Segment) -> None:
     # 2. two processes: A parks, B takes, B parks, A takes back
     ex = vmm.Exchange(gpu, device=0, log=lambda m: say(log=m))
     p.exchange = ex
@@ -186,6 +200,8 @@ def main() -> None:
             str(a.pool_gb),
             "--weights-gb",
             str(a.weights_gb),
+            "--chunk-gib",
+            str(a.chunk_gib),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -206,7 +222,7 @@ def main() -> None:
         if line.strip() == "ready":
             break
         print(line, end="", flush=True)
-    for rnd in range(3):
+    for rnd in range(a.rounds):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         dw = w.unmap(park=True)

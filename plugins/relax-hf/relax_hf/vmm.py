@@ -1,11 +1,13 @@
 """Device memory the engine maps itself, and a hand-over of it between engines on one GPU.
 
 A :class:`Segment` is a fixed range of device virtual addresses (reserved once, through the CUDA
-driver's virtual memory API) backed, while resident, by physical *chunks* of
-:data:`CHUNK_BYTES`. Releasing a segment unmaps its chunks and either gives them back to the
-driver or, with an :class:`Exchange`, *parks* them: the physical memory stays allocated, the
-engine no longer maps it, and the next engine on the same GPU that resumes takes it over
-instead of asking the driver for new memory.
+driver's virtual memory API) backed, while resident, by physical *chunks*: those parked on the
+GPU that it takes over, largest first, then new ones for the rest (:func:`chunk_layout`: as
+many of :data:`BULK_CHUNK_BYTES` as fit, then halves of it down to :data:`CHUNK_BYTES`).
+Releasing a segment unmaps its chunks and either gives them back to the driver or, with an
+:class:`Exchange`, *parks* them: the physical memory stays allocated, the engine no longer maps
+it, and the next engine on the same GPU that resumes takes it over instead of asking the driver
+for new memory.
 
 Why: on an H200, giving ~90 GB back to the driver (``cudaFree``) takes 35-69 ms and taking
 ~90 GB again right after another process freed it takes 0.2-0.25 s (the driver scrubs freed
@@ -46,17 +48,40 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BULK_CHUNK_BYTES",
     "CHUNK_BYTES",
     "Chunk",
     "DriverError",
     "DriverWarmer",
     "Exchange",
     "Segment",
+    "chunk_layout",
     "device_uuid",
 ]
 
-#: Size of one physical chunk (a multiple of every GPU's allocation granularity).
+#: Size of the smallest physical chunk (a multiple of every GPU's allocation granularity).
 CHUNK_BYTES = 1 << 30
+#: Size of the chunks a segment's bulk is made of. Taking a chunk over, mapping it and
+#: unmapping it cost the driver about the same whatever its size, so a switch of an 84 GB pool
+#: pays for 84 chunks of 1 GiB but for 11 of 8 GiB (docs/benchmarks.md).
+BULK_CHUNK_BYTES = 8 << 30
+
+
+def chunk_layout(nbytes: int) -> list[int]:
+    """The sizes of the new chunks that back ``nbytes`` (rounded up to :data:`CHUNK_BYTES`):
+    as many :data:`BULK_CHUNK_BYTES` as fit, then the rest in halves of it, each at most once,
+    down to :data:`CHUNK_BYTES` (78 GiB: nine of 8 GiB, one of 4, one of 2)."""
+    left = -(-nbytes // CHUNK_BYTES) * CHUNK_BYTES
+    sizes = [BULK_CHUNK_BYTES] * (left // BULK_CHUNK_BYTES)
+    left -= len(sizes) * BULK_CHUNK_BYTES
+    size = BULK_CHUNK_BYTES // 2
+    while left > 0:
+        if size <= left or size == CHUNK_BYTES:
+            sizes.append(size)
+            left -= size
+        size = max(CHUNK_BYTES, size // 2)
+    return sizes
+
 
 _TYPE_PINNED = 1
 _HANDLE_POSIX_FD = 1
@@ -173,8 +198,9 @@ def _prop(device: int, *, exportable: bool = True) -> _AllocationProp:
 
 
 class Chunk:
-    """One physical allocation of :data:`CHUNK_BYTES`: the driver handle and the POSIX file
-    descriptor it is shared by (both references keep the memory allocated)."""
+    """One physical allocation (``nbytes``, :data:`CHUNK_BYTES` or :data:`BULK_CHUNK_BYTES`):
+    the driver handle and the POSIX file descriptor it is shared by (both references keep the
+    memory allocated)."""
 
     __slots__ = ("fd", "handle", "nbytes")
 
@@ -254,15 +280,17 @@ class Segment:
         self.nbytes = nbytes
         self.name = name
         self.exchange = exchange
-        self.num_chunks = max(1, -(-nbytes // CHUNK_BYTES))
-        self.size = self.num_chunks * CHUNK_BYTES
+        # What it maps: nbytes in whole small chunks; parked chunks taken over may pass that by
+        # less than one bulk chunk (Exchange.take), which the reservation leaves room for.
+        self.need = max(1, -(-nbytes // CHUNK_BYTES)) * CHUNK_BYTES
+        reserved = self.need + BULK_CHUNK_BYTES
         d = _driver()
         d.bind_context(device)
         ptr = ctypes.c_ulonglong()
         d.call(
             "cuMemAddressReserve",
             ctypes.byref(ptr),
-            ctypes.c_size_t(self.size),
+            ctypes.c_size_t(reserved),
             ctypes.c_size_t(CHUNK_BYTES),
             ctypes.c_ulonglong(0),
             ctypes.c_ulonglong(0),
@@ -274,6 +302,11 @@ class Segment:
     def resident(self) -> bool:
         return bool(self.chunks)
 
+    @property
+    def size(self) -> int:
+        """The bytes mapped now (at least ``nbytes`` while resident)."""
+        return sum(c.nbytes for c in self.chunks)
+
     def map(self) -> dict[str, Any]:
         """Back the addresses with physical chunks (parked ones first); what it took."""
         if self.chunks:
@@ -281,22 +314,24 @@ class Segment:
         start = time.perf_counter()
         d = _driver()
         d.bind_context(self.device)
-        taken = self.exchange.take(self.num_chunks) if self.exchange is not None else []
+        taken = self.exchange.take(self.need) if self.exchange is not None else []
         took = time.perf_counter()
-        chunks = list(taken)
+        chunks = sorted(taken, key=lambda c: -c.nbytes)
         try:
-            while len(chunks) < self.num_chunks:
-                chunks.append(Chunk.create(self.device))
+            for size in chunk_layout(max(0, self.need - sum(c.nbytes for c in taken))):
+                chunks.append(Chunk.create(self.device, size))
             created = time.perf_counter()
-            for i, c in enumerate(chunks):
+            offset = 0
+            for c in chunks:
                 d.call(
                     "cuMemMap",
-                    ctypes.c_ulonglong(self.ptr + i * CHUNK_BYTES),
-                    ctypes.c_size_t(CHUNK_BYTES),
+                    ctypes.c_ulonglong(self.ptr + offset),
+                    ctypes.c_size_t(c.nbytes),
                     ctypes.c_size_t(0),
                     ctypes.c_ulonglong(c.handle),
                     ctypes.c_ulonglong(0),
                 )
+                offset += c.nbytes
                 self.chunks.append(c)
             access = _AccessDesc()
             access.location.type = _LOCATION_DEVICE
@@ -311,13 +346,14 @@ class Segment:
             )
         except BaseException:
             self._unmap_mapped()
-            for c in chunks:
+            for c in chunks:  # the taken ones first
                 c.free()
             self.chunks = []
             raise
         return {
             "bytes": self.size,
-            "handed_in_bytes": len(taken) * CHUNK_BYTES,
+            "chunks": len(chunks),
+            "handed_in_bytes": sum(c.nbytes for c in taken),
             "take_seconds": took - start,
             "create_seconds": created - took,
             "map_seconds": time.perf_counter() - created,
@@ -328,7 +364,7 @@ class Segment:
             _driver().call(
                 "cuMemUnmap",
                 ctypes.c_ulonglong(self.ptr),
-                ctypes.c_size_t(len(self.chunks) * CHUNK_BYTES),
+                ctypes.c_size_t(sum(c.nbytes for c in self.chunks)),
             )
 
     def tensor(self) -> torch.Tensor:
@@ -350,15 +386,15 @@ class Segment:
         self._unmap_mapped()
         chunks, self.chunks = self.chunks, []
         unmapped = time.perf_counter()
-        parked = 0
+        parked, nbytes = 0, sum(c.nbytes for c in chunks)
         if park and self.exchange is not None:
             self.exchange.park(chunks)
-            parked = len(chunks) * CHUNK_BYTES
+            parked = nbytes
         else:
             for c in chunks:
                 c.free()
         return {
-            "bytes": len(chunks) * CHUNK_BYTES,
+            "bytes": nbytes,
             "parked_bytes": parked,
             "unmap_seconds": unmapped - start,
             "free_seconds": time.perf_counter() - unmapped,
@@ -542,14 +578,10 @@ class Exchange:
 
     def _give(self, conn: socket.socket) -> None:
         want = json.loads(_recv_line(conn))
-        if int(want.get("chunk_bytes", 0)) != CHUNK_BYTES:
-            _send_line(conn, {"count": 0, "why": f"chunk size {CHUNK_BYTES} here"})
-            return
-        n = max(0, int(want.get("chunks", 0)))
         with self._lock:
-            given, self._parked = self._parked[:n], self._parked[n:]
+            given, self._parked = _cover(self._parked, int(want["bytes"]), bool(want["over"]))
         try:
-            _send_line(conn, {"count": len(given)})
+            _send_line(conn, {"count": len(given), "sizes": [c.nbytes for c in given]})
             for i in range(0, len(given), _MAX_FDS_PER_MESSAGE):
                 part = given[i : i + _MAX_FDS_PER_MESSAGE]
                 socket.send_fds(conn, [b"c"], [c.fd for c in part])
@@ -564,7 +596,7 @@ class Exchange:
             c.free()  # the taker holds its own references now
         with self._lock:
             self._parked[:0] = given[imported:]
-            self.handed_out_bytes += imported * CHUNK_BYTES
+            self.handed_out_bytes += sum(c.nbytes for c in given[:imported])
         if given:
             _send_line(conn, {"released": imported})  # the taker's take() returns after this
 
@@ -576,7 +608,7 @@ class Exchange:
             _driver().bind_context(self.device)
         for c in chunks:
             c.free()
-        return len(chunks) * CHUNK_BYTES
+        return sum(c.nbytes for c in chunks)
 
     def close(self) -> None:
         """Stop serving and free what is parked."""
@@ -599,17 +631,23 @@ class Exchange:
 
     # -- the taking side ---------------------------------------------------------------------
 
-    def take(self, n: int) -> list[Chunk]:
-        """Up to ``n`` parked chunks: this engine's own first, then other engines' on the GPU."""
+    def take(self, nbytes: int) -> list[Chunk]:
+        """Parked chunks for ``nbytes`` of a segment: this engine's own first, then other
+        engines' on the GPU, each side's largest first while they fit. A segment of a bulk
+        chunk or more then takes one that passes what is left rather than none (the memory is
+        held on the GPU either way: taken, none is created; a smaller one takes none, leaving
+        it for a larger segment)."""
+        over = nbytes >= BULK_CHUNK_BYTES
         with self._lock:
-            got, self._parked = self._parked[:n], self._parked[n:]
+            got, self._parked = _cover(self._parked, nbytes, over)
         for peer in sorted(self.dir.glob("*.sock")):
-            if len(got) >= n:
+            want = nbytes - sum(c.nbytes for c in got)
+            if want <= 0:
                 break
             if peer == self.path:
                 continue
             try:
-                got.extend(self._take_from(peer, n - len(got)))
+                got.extend(self._take_from(peer, want, over))
             except (ConnectionRefusedError, FileNotFoundError):
                 try:  # its engine is gone
                     peer.unlink()
@@ -619,12 +657,15 @@ class Exchange:
                 self._log(f"taking parked GPU memory from {peer.name} failed: {exc!r}")
         return got
 
-    def _take_from(self, peer: Path, n: int) -> list[Chunk]:
+    def _take_from(self, peer: Path, want: int, over: bool) -> list[Chunk]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(10.0)
             conn.connect(str(peer))
-            _send_line(conn, {"chunks": n, "chunk_bytes": CHUNK_BYTES})
-            count = int(json.loads(_recv_line(conn)).get("count", 0))
+            _send_line(conn, {"bytes": want, "over": over})
+            answer = json.loads(_recv_line(conn))
+            count, sizes = int(answer.get("count", 0)), [int(x) for x in answer.get("sizes", ())]
+            if len(sizes) != count or not _fits(sizes, want, over):
+                raise ValueError(f"asked for chunks of {want} bytes, offered {sizes}")
             fds: list[int] = []
             while len(fds) < count:
                 _, more, _, _ = socket.recv_fds(conn, 1, _MAX_FDS_PER_MESSAGE)
@@ -633,9 +674,9 @@ class Exchange:
                 fds.extend(more)
             chunks: list[Chunk] = []
             try:
-                for fd in fds:
+                for fd, size in zip(fds, sizes, strict=True):
                     try:
-                        chunks.append(Chunk.imported(fd, CHUNK_BYTES))
+                        chunks.append(Chunk.imported(fd, size))
                     except DriverError as exc:  # keep what was imported; the giver the rest
                         self._log(f"importing GPU memory from {peer.name} failed: {exc!r}")
                         break
@@ -649,13 +690,37 @@ class Exchange:
                 for c in chunks:  # the giver, told nothing, keeps its references: drop ours
                     c.free()
                 raise
-            self.handed_in_bytes += len(chunks) * CHUNK_BYTES
+            self.handed_in_bytes += sum(c.nbytes for c in chunks)
             if count:
                 try:  # the giver has dropped its references (the chunks are ours either way)
                     json.loads(_recv_line(conn))
                 except (OSError, ValueError) as exc:
                     self._log(f"{peer.name} did not confirm the hand-over: {exc!r}")
             return chunks
+
+
+def _cover(parked: list[Chunk], nbytes: int, over: bool) -> tuple[list[Chunk], list[Chunk]]:
+    """``parked`` split into the chunks for ``nbytes`` and the rest (in order): the largest
+    first while they fit, then (``over``) the smallest of the others if some bytes are left."""
+    left, picked = nbytes, set()
+    for i in sorted(range(len(parked)), key=lambda i: -parked[i].nbytes):
+        if 0 < parked[i].nbytes <= left:
+            picked.add(i)
+            left -= parked[i].nbytes
+    if over and left > 0 and (rest := [i for i in range(len(parked)) if i not in picked]):
+        picked.add(min(rest, key=lambda i: parked[i].nbytes))
+    return [parked[i] for i in sorted(picked)], [c for i, c in enumerate(parked) if i not in picked]
+
+
+def _fits(sizes: Sequence[int], want: int, over: bool) -> bool:
+    """Whether chunks of ``sizes`` are what :func:`_cover` may give for ``want`` bytes: none
+    over a bulk chunk, and past ``want`` only by the last one (``over``)."""
+    if not sizes:
+        return True
+    total = sum(sizes)
+    if max(sizes) > BULK_CHUNK_BYTES:
+        return False
+    return total - max(sizes) < want if over else total <= want
 
 
 def _send_line(conn: socket.socket, obj: dict[str, Any]) -> None:

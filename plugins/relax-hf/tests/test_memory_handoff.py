@@ -91,9 +91,11 @@ class FakeDriver:
             raise AssertionError(name)
 
 def memfd_chunk(mark):
+    # "bulk-…" marks a bulk chunk, any other mark a small one
     fd = os.memfd_create(f"chunk-{mark}")
     os.write(fd, mark.encode())
-    return vmm.Chunk(handle=1, fd=fd, nbytes=vmm.CHUNK_BYTES)
+    size = vmm.BULK_CHUNK_BYTES if mark.startswith("bulk") else vmm.CHUNK_BYTES
+    return vmm.Chunk(handle=1, fd=fd, nbytes=size)
 """
 _fake: dict[str, Any] = {}
 exec(FAKE_DRIVER, _fake)
@@ -106,7 +108,7 @@ def _mark(chunk: Any) -> str:
 
 def _giver(root: Path, marks: list[str]) -> subprocess.Popen[str]:
     """A process that parks memfd chunks marked ``marks`` and, after a line on its stdin,
-    prints its parked and handed-out chunk counts; started once it has parked."""
+    prints its parked and handed-out bytes in small chunks; started once it has parked."""
     code = FAKE_DRIVER + textwrap.dedent(f"""
         import sys, pathlib
         vmm._driver = FakeDriver
@@ -146,7 +148,7 @@ def test_the_exchange_passes_parked_chunks_to_another_process_and_skips_a_gone_p
         gone = root / "GPU-test" / "0.sock"  # sorted first
         gone.touch()  # the socket file of an engine that died: nobody listens
         ex = vmm.Exchange("GPU-test", device=0, root=root)
-        got = ex.take(2)
+        got = ex.take(2 * vmm.CHUNK_BYTES)
         assert sorted(_mark(c) for c in got) == ["chunk-0", "chunk-1"]
         assert not gone.exists()  # removed, and the live peer still served
         assert ex.handed_in_bytes == 2 * vmm.CHUNK_BYTES
@@ -170,7 +172,7 @@ def test_a_chunk_that_fails_to_import_stays_with_the_giver_and_the_imported_ones
     try:
         logged: list[str] = []
         ex = vmm.Exchange("GPU-test", device=0, root=root, log=logged.append)
-        got = ex.take(3)
+        got = ex.take(3 * vmm.CHUNK_BYTES)
         assert [_mark(c) for c in got] == ["chunk-0"]
         assert ex.handed_in_bytes == vmm.CHUNK_BYTES
         assert any("importing GPU memory" in m for m in logged), logged
@@ -180,6 +182,124 @@ def test_a_chunk_that_fails_to_import_stays_with_the_giver_and_the_imported_ones
     finally:
         child.kill()
         child.communicate(timeout=30)
+
+
+def test_parked_chunks_are_taken_largest_first_and_only_a_bulk_sized_segment_takes_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relax_hf import vmm
+
+    bulk, small = vmm.BULK_CHUNK_BYTES, vmm.CHUNK_BYTES
+    # New memory: bulk chunks while they fit, then halves of one down to a small one.
+    assert vmm.chunk_layout(2 * bulk + small + 1) == [bulk, bulk, 2 * small]
+    assert vmm.chunk_layout(bulk - small) == [bulk // 2, bulk // 4, bulk // 8]
+    assert vmm.chunk_layout(bulk - 1) == [bulk]  # rounded up to a whole small chunk
+    assert vmm.chunk_layout(1) == [small]
+    monkeypatch.setattr(vmm, "_driver", FakeDriver)
+    root = tmp_path / "exchange"
+    child = _giver(root, ["chunk-0", "bulk-1", "chunk-2", "bulk-3", "chunk-4"])
+    try:
+        logged: list[str] = []
+        ex = vmm.Exchange("GPU-test", device=0, root=root, log=logged.append)
+        # A segment smaller than a bulk chunk takes only what fits: two small ones.
+        got = ex.take(2 * small)
+        assert sorted(_mark(c) for c in got) == ["chunk-0", "chunk-2"]
+        # A pool of a bulk chunk and two small: the bulk one, the small one left, then the
+        # other bulk one for the last GiB rather than a new GiB beside a parked bulk chunk.
+        pool = ex.take(bulk + 2 * small)
+        assert sorted(_mark(c) for c in pool) == ["bulk-1", "bulk-3", "chunk-4"], logged
+        assert ex.handed_in_bytes == 2 * bulk + 3 * small
+        assert _counts(child) == ["0", str((2 * bulk + 3 * small) // small)]
+        for c in (*got, *pool):
+            c.free()
+    finally:
+        child.kill()
+        child.communicate(timeout=30)
+
+
+class RecordingDriver:
+    """A mock of the driver calls a segment makes (no CUDA driver on this machine): addresses
+    and handles are numbers, chunks memfd descriptors; every call is recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.handles = 0
+
+    def bind_context(self, device: int) -> None:
+        pass
+
+    def call(self, name: str, *args: Any) -> None:
+        value = [a.value if hasattr(a, "value") else a for a in args]
+        if name == "cuMemAddressReserve":
+            args[0]._obj.value = 1 << 40
+            self.calls.append((name, value[1]))
+        elif name == "cuMemCreate":
+            self.handles += 1
+            args[0]._obj.value = self.handles
+            self.calls.append((name, value[1]))
+        elif name == "cuMemExportToShareableHandle":
+            args[0]._obj.value = os.memfd_create("chunk")
+        elif name in ("cuMemMap", "cuMemUnmap", "cuMemSetAccess"):
+            self.calls.append((name, value[0] - (1 << 40), value[1]))
+        elif name != "cuMemRelease":
+            raise AssertionError(name)
+
+
+def test_a_segment_maps_taken_chunks_largest_first_then_new_ones_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relax_hf import vmm
+
+    driver = RecordingDriver()
+    monkeypatch.setattr(vmm, "_driver", lambda: driver)
+    bulk, small = vmm.BULK_CHUNK_BYTES, vmm.CHUNK_BYTES
+    ex = vmm.Exchange("GPU-test", device=0, root=tmp_path / "exchange")
+    try:
+        seg = vmm.Segment(0, 2 * bulk + 3 * small - 5, exchange=ex, name="pool")
+        # The reservation leaves room for one parked chunk taken past what it needs.
+        assert driver.calls == [("cuMemAddressReserve", 3 * bulk + 3 * small)]
+        first = seg.map()
+        # New memory: two bulk chunks, then the 3 GiB left in a chunk of 2 and one of 1.
+        assert [c[1] for c in driver.calls if c[0] == "cuMemCreate"] == [
+            bulk,
+            bulk,
+            2 * small,
+            small,
+        ]
+        maps = [c[1:] for c in driver.calls if c[0] == "cuMemMap"]
+        assert maps == [
+            (0, bulk),
+            (bulk, bulk),
+            (2 * bulk, 2 * small),
+            (2 * bulk + 2 * small, small),
+        ]
+        assert driver.calls[-1] == ("cuMemSetAccess", 0, seg.size)
+        assert first["chunks"] == 4 and first["handed_in_bytes"] == 0
+        assert seg.size == 2 * bulk + 3 * small
+        driver.calls.clear()
+        released = seg.unmap(park=True)
+        assert driver.calls == [("cuMemUnmap", 0, 2 * bulk + 3 * small)]
+        assert released["parked_bytes"] == ex.parked_bytes == 2 * bulk + 3 * small
+        # Its own parked chunks back, largest first at the lowest addresses, nothing new.
+        driver.calls.clear()
+        again = seg.map()
+        assert again["handed_in_bytes"] == 2 * bulk + 3 * small and ex.parked_bytes == 0
+        assert not [c for c in driver.calls if c[0] == "cuMemCreate"]
+        assert [c[1:] for c in driver.calls if c[0] == "cuMemMap"] == maps
+        seg.unmap(park=True)
+        # Another segment takes what fits (8, 2, 1 of its 12 GiB), then the other bulk chunk
+        # for the last GiB rather than a new GiB beside it, mapped within its reservation.
+        other = vmm.Segment(0, bulk + 4 * small, exchange=ex, name="other")
+        driver.calls.clear()
+        taken = other.map()
+        assert taken["handed_in_bytes"] == 2 * bulk + 3 * small and taken["chunks"] == 4
+        assert not [c for c in driver.calls if c[0] == "cuMemCreate"]
+        assert ex.parked_bytes == 0
+        assert driver.calls[-1] == ("cuMemSetAccess", 0, 2 * bulk + 3 * small)
+        assert other.size <= bulk + 4 * small + bulk  # its reservation
+        other.unmap(park=False)
+    finally:
+        ex.close()
 
 
 def test_the_driver_warmer_allocates_on_its_schedule_after_each_release() -> None:
