@@ -25,6 +25,8 @@
 #   6. (PARTS=profile, not in the default) tools/decode-profile.py: one decode step's kernels at
 #      batch 1 and 64 (graph replay, eager, launches and GPU time per kernel, the sampler eager
 #      and compiled, the whole step compiled), as decode-profile.json;
+#   6b. (PARTS=vmm, not in the default) tools/vmm-probe.py --handover-only at each bulk chunk
+#      size of VMM_CHUNKS (default "1 8" GiB), a pool of VMM_POOL_GB (default 84), as vmm-*.jsonl;
 #   7. (PARTS=judge-paths, not in the default) tools/judge-paths.py on the judge model, the
 #      engine with --num-continuous-decode-steps 1 and then JUDGE_CONTINUOUS_AB (default 4;
 #      empty: 1 alone), JUDGE_CONCURRENCY (default 256) in flight: the reward stage's requests
@@ -213,6 +215,17 @@ if want profile; then
   bounded 240 decode-profile python3 tools/decode-profile.py --whole-compile --batch 1 64 \
     --json "$OUT/decode-profile.json" >"$OUT/decode-profile.log" 2>&1
   echo "decode-profile exited $?"; grep -v '^ ' "$OUT/decode-profile.log" | tail -n 4
+fi
+
+# 6b. (PARTS=vmm, not in the default) the memory hand-over alone between two processes, a pool
+# of VMM_POOL_GB (default 84, the run's) in chunks of 1 GiB and in the bulk chunks of
+# VMM_CHUNKS (default "1 8" GiB): what a switch pays per chunk (tools/vmm-probe.py).
+if want vmm; then
+  for c in ${VMM_CHUNKS:-1 8}; do
+    bounded 90 "vmm-probe ${c}GiB" python3 tools/vmm-probe.py --handover-only \
+      --pool-gb "${VMM_POOL_GB:-84}" --chunk-gib "$c" --rounds 4 >"$OUT/vmm-$c.jsonl" 2>&1
+    echo "vmm-probe ${c}GiB exited $?"
+  done
 fi
 
 # 7. The judge's requests with and without admission every N steps (asked for by name).

@@ -266,10 +266,32 @@ def main(out: Path) -> dict[str, Any]:
                 for name, row in got["paths"].items()
             }
     result["judge_paths"] = paths
+    result["vmm_handover"] = {
+        path.stem.split("-", 1)[1] + " GiB": _handover(_rows(path))
+        for path in sorted(out.glob("vmm-*.jsonl"))
+    }
     result["gc_pauses"] = _gc_pauses(out)
     skipped = out / "skipped.txt"
     result["skipped"] = skipped.read_text().splitlines() if skipped.exists() else []
     return result
+
+
+def _handover(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """tools/vmm-probe.py --handover-only: medians (ms) of the taker's pool take and map, of a
+    park (the release's unmap and park), and the chunks a pool was mapped with."""
+
+    def ms(values: list[float]) -> float | None:
+        return round(statistics.median(values) * 1e3, 2) if values else None
+
+    takes = [r["pool"] for r in rows if r.get("who") == "B" and r.get("op") == "take"]
+    parks = [r for r in rows if r.get("op") == "park"]
+    return {
+        "chunks": takes[0].get("chunks") if takes else None,
+        "take_ms": ms([t["take_seconds"] for t in takes]),
+        "map_ms": ms([t["map_seconds"] for t in takes]),
+        "park_ms": ms([r["s"] for r in parks]),
+        "data_kept": all(r.get("data_from_b", True) for r in rows if r.get("op") == "take back"),
+    }
 
 
 def _gc_pauses(out: Path) -> dict[str, Any]:
