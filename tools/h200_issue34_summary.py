@@ -285,12 +285,14 @@ def _handover(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     takes = [r["pool"] for r in rows if r.get("who") == "B" and r.get("op") == "take"]
     parks = [r for r in rows if r.get("op") == "park"]
+    backs = [r for r in rows if r.get("op") == "take back"]
     return {
         "chunks": takes[0].get("chunks") if takes else None,
         "take_ms": ms([t["take_seconds"] for t in takes]),
         "map_ms": ms([t["map_seconds"] for t in takes]),
         "park_ms": ms([r["s"] for r in parks]),
-        "data_kept": all(r.get("data_from_b", True) for r in rows if r.get("op") == "take back"),
+        # whether A read B's data after taking the pool back (None: no round came back)
+        "data_kept": all(r.get("data_from_b") for r in backs) if backs else None,
     }
 
 

@@ -1,11 +1,12 @@
 """Probe of relax_hf.vmm on a CUDA GPU: what mapping, freeing and handing over memory cost.
 
-    python3 tools/vmm-probe.py [--pool-gb 89] [--weights-gb 0.88] [--chunk-gib 1]
+    python3 tools/vmm-probe.py [--pool-gb 89] [--weights-gb 0.88] [--chunk-gib 8]
         [--handover-only] [--rounds 3]
 
 Prints one JSON object per measurement. Two processes: this one (A) and a child (B) it starts,
 on the same GPU; B takes over what A parks, and A takes it back. ``--chunk-gib``: the size of
-a segment's bulk chunks (``relax_hf.vmm.BULK_CHUNK_BYTES``; 1: every chunk 1 GiB) in both;
+a segment's bulk chunks in both (default ``relax_hf.vmm.BULK_CHUNK_BYTES``, what engines use;
+1: every chunk 1 GiB, as before bulk chunks);
 ``--handover-only``: only the hand-over's rounds (what a switch between two engines pays).
 """
 
@@ -98,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pool-gb", type=float, default=89.0)
     ap.add_argument("--weights-gb", type=float, default=0.88)
-    ap.add_argument("--chunk-gib", type=int, default=1)
+    ap.add_argument("--chunk-gib", type=int, default=vmm.BULK_CHUNK_BYTES >> 30)
     ap.add_argument("--handover-only", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", action="store_true")

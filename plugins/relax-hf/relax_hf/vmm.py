@@ -62,7 +62,7 @@ __all__ = [
 #: Size of the smallest physical chunk (a multiple of every GPU's allocation granularity).
 CHUNK_BYTES = 1 << 30
 #: Size of the chunks a segment's bulk is made of. Taking a chunk over, mapping it and
-#: unmapping it cost the driver about the same whatever its size, so a switch of an 84 GB pool
+#: unmapping it cost the driver about the same whatever its size, so a switch of an 84 GiB pool
 #: pays for 84 chunks of 1 GiB but for 11 of 8 GiB (docs/benchmarks.md).
 BULK_CHUNK_BYTES = 8 << 30
 
