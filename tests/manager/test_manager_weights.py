@@ -282,9 +282,10 @@ def test_an_abort_push_ends_the_samples_in_flight_and_the_shape_sends_them_on(
     for _ in range(3):
         samples = push_while_in_flight()
         first, more = answers[:2], answers[2:]
-        if [a["meta_info"]["finish_reason"]["type"] for a in first] != ["length", "length"]:
+        finished = [a["meta_info"]["finish_reason"]["type"] for a in first]
+        if finished != ["length", "length"]:
             break
-    assert [a["meta_info"]["finish_reason"]["type"] for a in first] == ["abort", "abort"]
+    assert finished == ["abort", "abort"]
     assert len(more) == 2 and all(a["meta_info"]["weight_version"] == "aborted-1" for a in more)
     uniform = -math.log(VOCAB)
     for sample, cut in zip(samples, first, strict=True):
